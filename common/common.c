@@ -1,0 +1,102 @@
+/*
+ * common.c: error names, the assertion handler, the stderr logger and the monotonic clock.
+ * Nothing here allocates; the logger writes one line per call with a single fprintf so that
+ * lines from different threads do not interleave mid-line.
+ */
+#include "common.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+static const char *const kvt_errnames[] = {
+    [KVT_EINVAL - KVT_EINVAL] = "invalid argument",
+    [KVT_EINVAL - KVT_ENOMEM] = "out of memory",
+    [KVT_EINVAL - KVT_ENOENT] = "not found",
+    [KVT_EINVAL - KVT_EBUSY] = "busy (leased or in use)",
+    [KVT_EINVAL - KVT_ENOSPC] = "capacity exhausted",
+    [KVT_EINVAL - KVT_ECORRUPT] = "corrupt data (checksum or header mismatch)",
+    [KVT_EINVAL - KVT_EIO] = "I/O error",
+    [KVT_EINVAL - KVT_EPROTO] = "protocol error",
+    [KVT_EINVAL - KVT_EUNAVAIL] = "backend unavailable",
+    [KVT_EINVAL - KVT_ETIMEDOUT] = "timed out",
+    [KVT_EINVAL - KVT_EEXIST] = "already exists",
+    [KVT_EINVAL - KVT_EAGAIN] = "temporarily unavailable, try again",
+    [KVT_EINVAL - KVT_ECLOSED] = "closed",
+    [KVT_EINVAL - KVT_EAUTH] = "authentication failed",
+    [KVT_EINVAL - KVT_ETOOBIG] = "too big",
+};
+
+const char *kvt_strerror(int err)
+{
+    if (err == 0)
+        return "success";
+    if (err <= KVT_EINVAL && err > KVT_ELAST) {
+        const char *s = kvt_errnames[KVT_EINVAL - err];
+        return s ? s : "unknown kvtier error";
+    }
+    if (err < 0 && err > -4096)
+        return strerror(-err);
+    return "unknown error";
+}
+
+void kvt__assert_fail(const char *cond, const char *file, int line, const char *func)
+{
+    fprintf(stderr, "kvtier: assertion failed: %s (%s:%d, %s)\n", cond, file, line, func);
+    fflush(stderr);
+    abort();
+}
+
+static kvt_log_level_t kvt_log_level = KVT_LOG_INFO;
+static const char *const kvt_log_names[] = {"debug", "info", "warn", "error"};
+
+void kvt_log_set_level(kvt_log_level_t level)
+{
+    kvt_log_level = level;
+}
+
+kvt_log_level_t kvt_log_get_level(void)
+{
+    return kvt_log_level;
+}
+
+int kvt_log_parse_level(const char *s, kvt_log_level_t *out)
+{
+    if (!s || !out)
+        return KVT_EINVAL;
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_log_names); i++) {
+        if (strcasecmp(s, kvt_log_names[i]) == 0) {
+            *out = (kvt_log_level_t)i;
+            return 0;
+        }
+    }
+    return KVT_EINVAL;
+}
+
+void kvt_log(kvt_log_level_t level, const char *fmt, ...)
+{
+    if (level < kvt_log_level)
+        return;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s\n", tm.tm_year + 1900,
+            tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
+            kvt_log_names[level], msg);
+}
+
+uint64_t kvt_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

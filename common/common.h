@@ -1,0 +1,65 @@
+/*
+ * common.h: what every kvtier module shares: error codes, assertions, logging and clocks.
+ *
+ * Errors follow LMDB: functions that can fail return int, 0 on success and a negative KVT_E*
+ * code otherwise. The codes live in a private range (-30800 and below) so that they never
+ * collide with a negated errno, which functions may also return (-ENOSPC from the disk, say);
+ * kvt_strerror() names both.
+ */
+#ifndef KVT_COMMON_H
+#define KVT_COMMON_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    KVT_OK = 0,
+    KVT_EINVAL = -30800,   /* an argument is out of its documented range */
+    KVT_ENOMEM = -30801,   /* an allocation failed */
+    KVT_ENOENT = -30802,   /* the thing asked for is not there */
+    KVT_EBUSY = -30803,    /* it is leased or in use and cannot change now */
+    KVT_ENOSPC = -30804,   /* the tier or table is at its configured capacity */
+    KVT_ECORRUPT = -30805, /* stored data failed its checksum or header check */
+    KVT_EIO = -30806,      /* an I/O operation failed */
+    KVT_EPROTO = -30807,   /* a malformed frame or an unexpected reply */
+    KVT_EUNAVAIL = -30808, /* the backend is not usable here (no GPU, server down) */
+    KVT_ETIMEDOUT = -30809,
+    KVT_EEXIST = -30810,  /* already present */
+    KVT_EAGAIN = -30811,  /* try again later: resource temporarily exhausted */
+    KVT_ECLOSED = -30812, /* the connection or handle was closed */
+    KVT_EAUTH = -30813,   /* authentication required or refused */
+    KVT_ETOOBIG = -30814, /* a frame or value exceeds the configured limit */
+    KVT_ELAST = -30815
+};
+
+/* The name of a KVT_E* code or of a negated errno. The string is static. */
+const char *kvt_strerror(int err);
+
+/* kvt_assert() is for internal invariants only: arguments are checked and answered with
+ * KVT_EINVAL. It stays on in release builds: a broken invariant in a cache that serves KV
+ * bytes would serve wrong data, which is worse than a crash. */
+#define kvt_assert(cond) ((cond) ? (void)0 : kvt__assert_fail(#cond, __FILE__, __LINE__, __func__))
+_Noreturn void kvt__assert_fail(const char *cond, const char *file, int line, const char *func);
+
+typedef enum { KVT_LOG_DEBUG, KVT_LOG_INFO, KVT_LOG_WARN, KVT_LOG_ERROR } kvt_log_level_t;
+
+/* Log to stderr with a timestamp and level; lines below the current level are dropped. */
+void kvt_log(kvt_log_level_t level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void kvt_log_set_level(kvt_log_level_t level);
+kvt_log_level_t kvt_log_get_level(void);
+/* Parses "debug", "info", "warn", "error". Returns 0 or KVT_EINVAL. */
+int kvt_log_parse_level(const char *s, kvt_log_level_t *out);
+
+/* Monotonic clock. */
+uint64_t kvt_now_ns(void);
+static inline uint64_t kvt_now_us(void)
+{
+    return kvt_now_ns() / 1000;
+}
+
+#define KVT_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define KVT_MIN(a, b)    ((a) < (b) ? (a) : (b))
+#define KVT_MAX(a, b)    ((a) > (b) ? (a) : (b))
+
+#endif

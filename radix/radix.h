@@ -1,0 +1,273 @@
+/*
+ * radix.h: the prefix index. A radix tree over uint32_t token ids, page-granular, one root per
+ * namespace, whose every cached page is a block (kvt_block_t) that names where its KV bytes live.
+ *
+ * Pages and blocks
+ * ----------------
+ * A namespace has a page size P (1..1024 tokens). Only whole pages are cached: a request of
+ * n tokens covers floor(n / P) pages and the rest is never indexed. Node boundaries fall on page
+ * boundaries, so a node holds a run of whole pages and one block per page.
+ *
+ * Compressed edges and splits
+ * ---------------------------
+ * A node holds a run of pages. Children are keyed by the prefix hash of their first block, which
+ * is unique under its parent, and found by binary search, so a node with thousands of
+ * continuations (a shared system prompt) is still found in log time:
+ *
+ *     insert "A B C D" (one page per letter)        then "A B X"
+ *
+ *        (root)                                       (root)
+ *          |                                            |
+ *      [A B C D]                                      [A B]       <- new parent node
+ *                                                    /     \
+ *                                               [C D]       [X]
+ *                                     (the old node, kept)  (new leaf)
+ *
+ * A split always creates the new node above the old one: the old node keeps its address, its
+ * tail pages, its children and its leases, and the new parent takes the head pages. That keeps
+ * kvt_radix_node_t pointers held by leases and by in-flight tier I/O valid across inserts.
+ * Block pointers are not stable: a split moves blocks. Code that needs a block after other tree
+ * operations keeps (node, page depth) and calls kvt_radix_block_at(), which finds the block in
+ * the node or in the ancestors that splits carved out of it; holding a lease on the node keeps
+ * that pair valid.
+ *
+ * The prefix hash
+ * ---------------
+ * The namespace seed is XXH3_64bits over the bytes "kvtier-ns-v1\0" model "\0" adapter "\0"
+ * salt "\0" followed by the page size as a little-endian uint32. The hash of the block at page i
+ * is XXH3_64bits_withSeed(tokens of page i as little-endian uint32, 4 * P bytes, seed) where the
+ * seed is the hash of the block at page i - 1, or the namespace seed for page 0. Two processes
+ * computing it for the same prefix get the same value; shared tiers name blocks by it.
+ *
+ * Leases
+ * ------
+ * A lease pins every node on a matched path (the deepest node whole, even if the match ended
+ * inside it): nothing pinned is evicted or removed. Leases have a 64-bit owner (a connection id,
+ * say) and can all be released by owner; releasing a lease twice is harmless.
+ *
+ * Threads: a tree is used by one thread at a time (the service's event loop). No call blocks.
+ */
+#ifndef KVT_RADIX_H
+#define KVT_RADIX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/common.h"
+
+#define KVT_PAGE_MAX 1024
+
+/* Where a block's KV bytes live. */
+typedef enum {
+    KVT_TIER_NONE = 0, /* index only: no bytes stored anywhere */
+    KVT_TIER_HBM = 1,
+    KVT_TIER_DRAM = 2,
+    KVT_TIER_NVME = 3,
+    KVT_TIER_REMOTE = 4,
+    KVT_TIER_COUNT = 5
+} kvt_tier_id_t;
+
+const char *kvt_tier_name(kvt_tier_id_t t); /* "none", "hbm", "dram", "nvme", "remote" */
+
+/*
+ * One cached page. 40 bytes. The tree fills hash and the counters; tier, loc, size, flags and
+ * policy belong to whoever stores the bytes (tiers/ and policy/): the tree never reads them except
+ * to hand them to the free callback.
+ */
+typedef struct kvt_block {
+    uint64_t hash;        /* prefix hash (see above); the block's name in shared tiers */
+    uint64_t loc;         /* tier-specific location (offset, pool slot, ...) */
+    uint32_t size;        /* bytes of KV payload; 0 for index-only blocks */
+    uint32_t hits;        /* matches that reached this block (saturates) */
+    uint32_t last_access; /* tree clock (kvt_radix_set_clock) at the last match or insert */
+    float freq;           /* hits decayed with the configured half-life, as of last_access */
+    uint8_t tier;         /* kvt_tier_id_t */
+    uint8_t flags;        /* KVT_BLOCK_* */
+    uint16_t prio;        /* retention priority hint; 0 = none */
+    uint32_t policy;      /* policy-private word */
+} kvt_block_t;
+
+_Static_assert(sizeof(kvt_block_t) == 40, "kvt_block_t is 40 bytes");
+
+enum {
+    KVT_BLOCK_BUSY = 1u << 0,  /* a tier copy is in flight: not to be moved or freed */
+    KVT_BLOCK_DIRTY = 1u << 1, /* written here but not yet to the lower tiers */
+    KVT_BLOCK_USER0 = 1u << 4, /* bits 4..7 are free for policy/ */
+};
+
+typedef struct kvt_radix kvt_radix_t;
+typedef struct kvt_radix_node kvt_radix_node_t;
+
+/* Called for every block that leaves the tree (evict, remove, destroy), before its memory goes,
+ * so that the tier holding its bytes can free them. Must not call back into the tree. */
+typedef void (*kvt_block_free_cb)(void *arg, uint32_t ns, kvt_block_t *b);
+
+typedef struct kvt_radix_conf {
+    float freq_half_life; /* in clock units; 0 picks 600000 (ten minutes in ms) */
+    kvt_block_free_cb free_cb;
+    void *free_arg;
+} kvt_radix_conf_t;
+
+/* Creates an empty tree. conf may be NULL for defaults. Returns 0, KVT_EINVAL or KVT_ENOMEM. */
+int kvt_radix_create(kvt_radix_t **out, const kvt_radix_conf_t *conf);
+/* Frees the tree, calling free_cb for every block. NULL is a no-op. */
+void kvt_radix_destroy(kvt_radix_t *t);
+
+/*
+ * Namespaces. A namespace is (model, adapter, tenant salt, page size); adapter and salt may be
+ * NULL or "". Opening the same description twice returns the same id. Ids are small integers
+ * (0, 1, ...) valid for the tree's lifetime. Strings are copied; each is at most 255 bytes.
+ * Returns 0, KVT_EINVAL or KVT_ENOMEM.
+ */
+int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
+                      uint32_t page_size, uint32_t *ns_out);
+uint32_t kvt_radix_ns_page_size(const kvt_radix_t *t, uint32_t ns); /* 0 if ns is unknown */
+uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns);      /* 0 if ns is unknown */
+
+/* The tree clock: any monotonic unit the caller likes (ms of wall or simulated time). Counters
+ * bumped by match and insert are stamped with it. */
+void kvt_radix_set_clock(kvt_radix_t *t, uint32_t now);
+uint32_t kvt_radix_clock(const kvt_radix_t *t);
+
+/* The prefix hashes of pages [0, npages) of tokens, computed without touching the tree: what a
+ * remote probe asks for beyond the local match. Returns 0 or KVT_EINVAL. */
+int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
+                         uint64_t *hashes);
+
+/*
+ * The result of a match: the deepest node reached and how far. The path is every page of the
+ * node's ancestors plus the first node_pages pages of node; walk it with kvt_path_iter_*.
+ * Valid until the next insert, remove or evict.
+ */
+typedef struct kvt_match {
+    kvt_radix_node_t *node; /* deepest node with a matched page; NULL when pages == 0 */
+    uint32_t node_pages;    /* pages matched inside node (1..node's page count) */
+    uint32_t pages;         /* total matched pages */
+    uint32_t ns;
+    uint64_t last_hash; /* hash of the last matched block, or the ns seed when pages == 0 */
+} kvt_match_t;
+
+enum {
+    KVT_MATCH_NOTOUCH = 1u << 0, /* do not bump hit counters (a probe, a test) */
+};
+
+/*
+ * Finds the longest cached prefix of tokens[0, ntokens). Only bumps counters (hits,
+ * last_access, freq) of the matched blocks, unless KVT_MATCH_NOTOUCH. ntokens may be 0 or less
+ * than a page: the match is then empty. Returns 0 (with m->pages possibly 0) or KVT_EINVAL.
+ */
+int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
+                    unsigned flags, kvt_match_t *m);
+
+/*
+ * The result of an insert: the pages that were not cached before, all in one new leaf node at
+ * pages [first_page, first_page + new_pages) of the request. new_pages == 0 when everything was
+ * already cached (node is then the deepest node of the path, as in a match).
+ */
+typedef struct kvt_insert {
+    kvt_radix_node_t *node;
+    uint32_t first_page; /* page depth of the first new block */
+    uint32_t new_pages;
+    uint32_t pages; /* whole pages of the request, all cached now */
+} kvt_insert_t;
+
+/*
+ * Caches every whole page of tokens[0, ntokens), adding the missing ones as blocks with tier
+ * KVT_TIER_NONE and zeroed fields other than hash and the counters. Already cached pages get
+ * their counters bumped as in a match. Returns 0, KVT_EINVAL or KVT_ENOMEM (and then the tree
+ * is as before).
+ */
+int kvt_radix_insert(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
+                     kvt_insert_t *res);
+
+/*
+ * Removes the block of the last whole page of tokens and every block beneath it, so that a
+ * later match of tokens stops before that page. Returns 0, KVT_ENOENT when those pages are not
+ * all cached, KVT_EBUSY (and changes nothing) when any affected node is leased or holds a
+ * KVT_BLOCK_BUSY block, or KVT_EINVAL.
+ */
+int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens);
+
+/* Leases. owner is any non-zero value. The lease id is never 0. */
+int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64_t *lease_out);
+/* Releases one lease. Returns 0, or KVT_ENOENT for an id that is not (any longer) held: a
+ * second release of the same id is harmless. */
+int kvt_radix_release(kvt_radix_t *t, uint64_t lease);
+/* Releases every lease of owner; returns how many. */
+size_t kvt_radix_release_owner(kvt_radix_t *t, uint64_t owner);
+size_t kvt_radix_lease_count(const kvt_radix_t *t);
+
+/*
+ * Nodes. Pointers stay valid until the node is evicted or removed (never across a split).
+ */
+uint32_t kvt_radix_node_pages(const kvt_radix_node_t *n);
+uint32_t kvt_radix_node_depth(const kvt_radix_node_t *n); /* page depth of its first page */
+uint32_t kvt_radix_node_ns(const kvt_radix_node_t *n);
+kvt_radix_node_t *kvt_radix_node_parent(const kvt_radix_node_t *n); /* NULL under the root */
+uint32_t kvt_radix_node_children(const kvt_radix_node_t *n);
+int kvt_radix_node_leased(const kvt_radix_node_t *n);
+/* The node's blocks, node_pages of them, valid until the next insert, remove or evict. */
+kvt_block_t *kvt_radix_node_blocks(kvt_radix_node_t *n);
+/* The tokens of the node's page i (page_size of them). */
+const uint32_t *kvt_radix_node_tokens(const kvt_radix_node_t *n, uint32_t i);
+
+/*
+ * The block at absolute page depth `depth` on the path that ends in node n: in n itself or in
+ * one of its ancestors. NULL when depth is past the end of n.
+ */
+kvt_block_t *kvt_radix_block_at(kvt_radix_node_t *n, uint32_t depth);
+
+/* Walks a match's path from the root down, one block at a time, on the caller's stack. */
+typedef struct kvt_path_iter {
+    kvt_radix_node_t *path[64]; /* nodes from root down, when the path is at most 64 deep */
+    kvt_radix_node_t *deep;
+    uint32_t depth; /* page depth of the next block */
+    uint32_t end;   /* total pages on the path */
+    uint32_t level; /* index into path[] of the current node */
+    uint32_t nlevels;
+} kvt_path_iter_t;
+
+void kvt_path_iter_init(kvt_path_iter_t *it, kvt_radix_node_t *node, uint32_t node_pages);
+/* The next block, or NULL at the end. *node_out (if not NULL) gets the node holding it. */
+kvt_block_t *kvt_path_iter_next(kvt_path_iter_t *it, kvt_radix_node_t **node_out);
+
+/*
+ * Evictable blocks: the last block of every leaf node that is not leased. Evicting a block makes
+ * the one before it evictable, and emptying a leaf may make its parent a leaf. The iteration
+ * order is unspecified (the policy orders). Iterating while evicting is allowed only through
+ * kvt_radix_evict() on the node just returned, after which iteration restarts from the first.
+ */
+kvt_radix_node_t *kvt_radix_evictable_first(kvt_radix_t *t);
+kvt_radix_node_t *kvt_radix_evictable_next(kvt_radix_t *t, kvt_radix_node_t *n);
+size_t kvt_radix_evictable_count(const kvt_radix_t *t);
+
+/*
+ * Drops the last npages blocks of node n, which must be an unleased leaf (KVT_EBUSY otherwise,
+ * also when one of them is KVT_BLOCK_BUSY). Calls free_cb for each. The node is freed when it
+ * empties (n is then dangling). Returns 0, KVT_EBUSY or KVT_EINVAL.
+ */
+int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages);
+
+/* Every node, for scans that must see all blocks (the policy's demotion pass). Index order is
+ * unspecified and changes when nodes go. */
+size_t kvt_radix_node_count(const kvt_radix_t *t);
+kvt_radix_node_t *kvt_radix_node_at(const kvt_radix_t *t, size_t i);
+
+/* Statistics. */
+typedef struct kvt_radix_stats {
+    uint64_t bytes; /* every byte the tree has allocated (malloc_usable_size) */
+    uint64_t nodes;
+    uint64_t blocks;        /* cached pages */
+    uint64_t cached_tokens; /* blocks x page size, summed over namespaces */
+    uint64_t leases;
+    uint64_t namespaces;
+} kvt_radix_stats_t;
+
+void kvt_radix_stats(const kvt_radix_t *t, kvt_radix_stats_t *st);
+
+/* Walks the whole tree and checks every invariant (hash chain, child order, parent links, page
+ * depths, lease counts, leaf list, byte count). Returns 0 or KVT_ECORRUPT, logging what broke.
+ * Costs O(tree): tests and debug builds only. */
+int kvt_radix_verify(const kvt_radix_t *t);
+
+#endif

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole test suite: format check, a normal build and an ASan+UBSan build, both run against a
+# throwaway redis-server on a free loopback port that this script starts and stops by its PID.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup.sh build
+bash scripts/setup.sh build-asan -Db_sanitize=address,undefined -Db_lundef=false \
+    -Dbuildtype=debug
+
+echo "== format check (clang-format, .clang-format)"
+files=$(git ls-files '*.c' '*.h' 2>/dev/null || find . -name '*.[ch]' -not -path './build*')
+if ! clang-format --dry-run --Werror $files; then
+    echo "test: unformatted code (run: clang-format -i \$(git ls-files '*.c' '*.h'))" >&2
+    exit 1
+fi
+
+tmp=$(mktemp -d /tmp/kvtier-test.XXXXXX)
+redis_pid=""
+cleanup() {
+    if [ -n "$redis_pid" ]; then
+        kill "$redis_pid" 2>/dev/null || true
+        wait "$redis_pid" 2>/dev/null || true
+    fi
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+# A free loopback port: ask the kernel for one, then hand it to redis-server.
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo $((20000 + RANDOM % 20000)))
+redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$tmp" \
+    --logfile "$tmp/redis.log" --daemonize no &
+redis_pid=$!
+for _ in $(seq 1 100); do
+    redis-cli -p "$port" ping >/dev/null 2>&1 && break
+    sleep 0.05
+done
+redis-cli -p "$port" ping >/dev/null
+echo "== redis-server pid $redis_pid on 127.0.0.1:$port"
+
+export KVT_TEST_REDIS="127.0.0.1:$port"
+export KVT_REDIS_SERVER="$(command -v redis-server)"
+export TMPDIR="$tmp"
+
+rc=0
+echo "== tests (build)"
+meson test -C build -v --num-processes 2 --print-errorlogs || rc=1
+echo "== tests (build-asan: AddressSanitizer + UndefinedBehaviorSanitizer)"
+meson test -C build-asan -v --num-processes 2 --print-errorlogs --timeout-multiplier 3 || rc=1
+exit $rc

@@ -1,0 +1,280 @@
+/*
+ * trace.c: the Mooncake JSONL reader and the canonical hash-id-to-token mapping.
+ *
+ * The reader accepts exactly the record shape the traces use: one JSON object per line with the
+ * integer fields timestamp, input_length, output_length and the integer array hash_ids, in any
+ * order. It is not a general JSON parser and says so with KVT_EPROTO on anything else.
+ */
+#include "trace.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t splitmix_mix(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+void kvt_trace_block_tokens(uint64_t hash_id, uint32_t out[KVT_TRACE_BLOCK_TOKENS])
+{
+    uint64_t state = splitmix_mix(hash_id + 1);
+    for (int i = 0; i < KVT_TRACE_BLOCK_TOKENS; i++) {
+        state += 0x9E3779B97F4A7C15ull;
+        out[i] = (uint32_t)(splitmix_mix(state) % KVT_TRACE_VOCAB);
+    }
+}
+
+void kvt_trace_tokens(const kvt_trace_req_t *r, uint32_t *out)
+{
+    uint32_t left = r->input_length;
+    for (uint32_t b = 0; b < r->nhash && left > 0; b++) {
+        uint32_t tmp[KVT_TRACE_BLOCK_TOKENS];
+        uint32_t n = left < KVT_TRACE_BLOCK_TOKENS ? left : KVT_TRACE_BLOCK_TOKENS;
+        if (n == KVT_TRACE_BLOCK_TOKENS) {
+            kvt_trace_block_tokens(r->hash_ids[b], out);
+        } else {
+            kvt_trace_block_tokens(r->hash_ids[b], tmp);
+            memcpy(out, tmp, n * sizeof(uint32_t));
+        }
+        out += n;
+        left -= n;
+    }
+}
+
+/* A cursor over one line. */
+typedef struct {
+    const char *p, *end;
+} cursor_t;
+
+static void skip_ws(cursor_t *c)
+{
+    while (c->p < c->end && isspace((unsigned char)*c->p))
+        c->p++;
+}
+
+static int expect(cursor_t *c, char ch)
+{
+    skip_ws(c);
+    if (c->p >= c->end || *c->p != ch)
+        return KVT_EPROTO;
+    c->p++;
+    return 0;
+}
+
+static int parse_u64(cursor_t *c, uint64_t *v)
+{
+    skip_ws(c);
+    if (c->p >= c->end || !isdigit((unsigned char)*c->p))
+        return KVT_EPROTO;
+    uint64_t x = 0;
+    while (c->p < c->end && isdigit((unsigned char)*c->p)) {
+        uint64_t d = (uint64_t)(*c->p - '0');
+        if (x > (UINT64_MAX - d) / 10)
+            return KVT_EPROTO;
+        x = x * 10 + d;
+        c->p++;
+    }
+    *v = x;
+    return 0;
+}
+
+typedef struct {
+    uint64_t *ids;
+    size_t n, cap;
+} idvec_t;
+
+static int idvec_push(idvec_t *v, uint64_t x)
+{
+    if (v->n == v->cap) {
+        size_t cap = v->cap ? v->cap * 2 : 4096;
+        uint64_t *ids = realloc(v->ids, cap * sizeof(*ids));
+        if (!ids)
+            return KVT_ENOMEM;
+        v->ids = ids;
+        v->cap = cap;
+    }
+    v->ids[v->n++] = x;
+    return 0;
+}
+
+/* Parses one record; hash ids are appended to ids and their count stored in r->nhash. */
+static int parse_line(const char *line, size_t len, kvt_trace_req_t *r, idvec_t *ids)
+{
+    cursor_t c = {line, line + len};
+    int seen = 0, rc;
+    if ((rc = expect(&c, '{')) != 0)
+        return rc;
+    for (;;) {
+        if ((rc = expect(&c, '"')) != 0)
+            return rc;
+        const char *key = c.p;
+        while (c.p < c.end && *c.p != '"')
+            c.p++;
+        size_t klen = (size_t)(c.p - key);
+        if ((rc = expect(&c, '"')) != 0 || (rc = expect(&c, ':')) != 0)
+            return rc;
+        uint64_t v;
+        if (klen == 9 && memcmp(key, "timestamp", 9) == 0) {
+            if ((rc = parse_u64(&c, &v)) != 0)
+                return rc;
+            r->timestamp_ms = v;
+            seen |= 1;
+        } else if (klen == 12 && memcmp(key, "input_length", 12) == 0) {
+            if ((rc = parse_u64(&c, &v)) != 0 || v > UINT32_MAX)
+                return KVT_EPROTO;
+            r->input_length = (uint32_t)v;
+            seen |= 2;
+        } else if (klen == 13 && memcmp(key, "output_length", 13) == 0) {
+            if ((rc = parse_u64(&c, &v)) != 0 || v > UINT32_MAX)
+                return KVT_EPROTO;
+            r->output_length = (uint32_t)v;
+            seen |= 4;
+        } else if (klen == 8 && memcmp(key, "hash_ids", 8) == 0) {
+            if ((rc = expect(&c, '[')) != 0)
+                return rc;
+            skip_ws(&c);
+            r->nhash = 0;
+            if (c.p < c.end && *c.p == ']') {
+                c.p++;
+            } else {
+                for (;;) {
+                    if ((rc = parse_u64(&c, &v)) != 0 || (rc = idvec_push(ids, v)) != 0)
+                        return rc;
+                    r->nhash++;
+                    skip_ws(&c);
+                    if (c.p < c.end && *c.p == ',') {
+                        c.p++;
+                        continue;
+                    }
+                    if ((rc = expect(&c, ']')) != 0)
+                        return rc;
+                    break;
+                }
+            }
+            seen |= 8;
+        } else {
+            return KVT_EPROTO;
+        }
+        skip_ws(&c);
+        if (c.p < c.end && *c.p == ',') {
+            c.p++;
+            continue;
+        }
+        if ((rc = expect(&c, '}')) != 0)
+            return rc;
+        break;
+    }
+    if ((seen & 0xb) != 0xb)
+        return KVT_EPROTO;
+    /* The trace's promise: one id per 512-token block of the prompt. */
+    if (r->nhash != (r->input_length + KVT_TRACE_BLOCK_TOKENS - 1) / KVT_TRACE_BLOCK_TOKENS)
+        return KVT_EPROTO;
+    return 0;
+}
+
+int kvt_trace_load(kvt_trace_t **out, const char *path)
+{
+    if (!out || !path)
+        return KVT_EINVAL;
+    *out = NULL;
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -errno;
+    kvt_trace_t *tr = calloc(1, sizeof(*tr));
+    idvec_t ids = {0};
+    size_t *first = NULL, cap = 0;
+    char *line = NULL;
+    size_t linecap = 0;
+    ssize_t len;
+    int rc = 0;
+    size_t lineno = 0;
+    if (!tr || !(tr->path = strdup(path))) {
+        rc = KVT_ENOMEM;
+        goto fail;
+    }
+    while ((len = getline(&line, &linecap, f)) >= 0) {
+        lineno++;
+        size_t l = (size_t)len;
+        while (l > 0 && isspace((unsigned char)line[l - 1]))
+            l--;
+        if (l == 0)
+            continue;
+        if (tr->nreqs == cap) {
+            size_t ncap = cap ? cap * 2 : 1024;
+            kvt_trace_req_t *reqs = realloc(tr->reqs, ncap * sizeof(*reqs));
+            size_t *nfirst = realloc(first, ncap * sizeof(*nfirst));
+            if (reqs)
+                tr->reqs = reqs;
+            if (nfirst)
+                first = nfirst;
+            if (!reqs || !nfirst) {
+                rc = KVT_ENOMEM;
+                goto fail;
+            }
+            cap = ncap;
+        }
+        kvt_trace_req_t *r = &tr->reqs[tr->nreqs];
+        memset(r, 0, sizeof(*r));
+        first[tr->nreqs] = ids.n;
+        if ((rc = parse_line(line, l, r, &ids)) != 0) {
+            if (rc == KVT_EPROTO)
+                kvt_log(KVT_LOG_ERROR, "%s:%zu: not a Mooncake trace record", path, lineno);
+            goto fail;
+        }
+        tr->total_tokens += r->input_length;
+        if (r->input_length > tr->max_input_length)
+            tr->max_input_length = r->input_length;
+        tr->nreqs++;
+    }
+    if (ferror(f)) {
+        rc = KVT_EIO;
+        goto fail;
+    }
+    /* Pointers into ids only now that it has stopped moving. */
+    tr->ids = ids.ids;
+    tr->nids = ids.n;
+    for (size_t i = 0; i < tr->nreqs; i++)
+        tr->reqs[i].hash_ids = tr->ids + first[i];
+    free(first);
+    free(line);
+    fclose(f);
+    *out = tr;
+    return 0;
+fail:
+    free(first);
+    free(line);
+    free(ids.ids);
+    fclose(f);
+    if (tr) {
+        free(tr->reqs);
+        free(tr->path);
+        free(tr);
+    }
+    return rc;
+}
+
+void kvt_trace_free(kvt_trace_t *tr)
+{
+    if (!tr)
+        return;
+    free(tr->reqs);
+    free(tr->ids);
+    free(tr->path);
+    free(tr);
+}
+
+const char *kvt_trace_name(const kvt_trace_t *tr, char *buf, size_t len)
+{
+    const char *base = strrchr(tr->path, '/');
+    base = base ? base + 1 : tr->path;
+    snprintf(buf, len, "%s", base);
+    char *dot = strrchr(buf, '.');
+    if (dot && dot != buf)
+        *dot = '\0';
+    return buf;
+}

@@ -1,0 +1,48 @@
+/*
+ * trace.h: Mooncake JSONL request traces (../shared/traces/) and the one canonical mapping from
+ * their 512-token block hash ids to token ids, so that every replay in the project and outside
+ * it sees the same tokens.
+ */
+#ifndef KVT_TRACE_H
+#define KVT_TRACE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/common.h"
+
+#define KVT_TRACE_BLOCK_TOKENS 512
+#define KVT_TRACE_VOCAB        151936u /* Qwen2's vocabulary size */
+
+typedef struct kvt_trace_req {
+    uint64_t timestamp_ms;
+    uint32_t input_length;
+    uint32_t output_length;
+    uint32_t nhash;
+    const uint64_t *hash_ids; /* nhash ids, owned by the trace */
+} kvt_trace_req_t;
+
+typedef struct kvt_trace {
+    char *path;
+    kvt_trace_req_t *reqs;
+    size_t nreqs;
+    uint64_t *ids; /* backing store for every request's hash_ids */
+    size_t nids;
+    uint64_t total_tokens;
+    uint32_t max_input_length;
+} kvt_trace_t;
+
+/* Loads a trace file. Returns 0, a negated errno from opening or reading the file, KVT_ENOMEM,
+ * or KVT_EPROTO for a malformed line (logged with its line number; nothing is returned). */
+int kvt_trace_load(kvt_trace_t **out, const char *path);
+void kvt_trace_free(kvt_trace_t *tr);
+
+/* Writes the request's input_length token ids into out (which holds at least that many). */
+void kvt_trace_tokens(const kvt_trace_req_t *r, uint32_t *out);
+/* The 512 token ids of one block hash id. */
+void kvt_trace_block_tokens(uint64_t hash_id, uint32_t out[KVT_TRACE_BLOCK_TOKENS]);
+
+/* The base name of the trace file without extension, e.g. "mooncake-conversation". */
+const char *kvt_trace_name(const kvt_trace_t *tr, char *buf, size_t len);
+
+#endif
