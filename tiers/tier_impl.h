@@ -47,4 +47,21 @@ int kvt__tier_init(kvt_tier_t **out, kvt_tier_id_t kind, const kvt_tier_ops_t *o
 /* Queues io as finished with status; its callback runs in the next kvt_tier_process. */
 void kvt__tier_complete(kvt_tier_t *t, kvt_tier_io_t *io, int status);
 
+/*
+ * The stored block format, shared by NVMe and remote (tiers/blockhdr.c; owned by the tiers work,
+ * the remote backend uses it). A stored block is a fixed little-endian header, the page's tokens,
+ * then the payload, with a checksum over all of it, so that a reader verifies the namespace,
+ * prefix hash, parent hash and tokens it expects before trusting a single payload byte.
+ */
+size_t kvt__blockhdr_size(uint32_t ntokens); /* header + tokens, bytes */
+/* Writes header and tokens for key/len into dst (kvt__blockhdr_size bytes); the checksum covers
+ * the payload too, so payload must be the bytes that will follow. */
+void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *payload, uint32_t len,
+                          uint64_t seq);
+/* Checks a stored block of avail bytes against key (NULL: any key, as in recovery). Returns 0,
+ * KVT_ECORRUPT (bad magic, checksum, or a different key) or KVT_EINVAL. *len_out gets the
+ * payload length, *payload_out its address inside src. */
+int kvt__blockhdr_check(const void *src, size_t avail, const kvt_block_key_t *key,
+                        uint32_t *len_out, const void **payload_out);
+
 #endif
