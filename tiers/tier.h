@@ -4,7 +4,10 @@
  *
  * A tier stores opaque payloads of up to a few MiB, each named by a block key (namespace seed,
  * prefix hash, parent hash, the page's tokens). Every tier has a capacity in bytes that it never
- * exceeds: a write that does not fit fails with KVT_ENOSPC and changes nothing.
+ * exceeds: a write that does not fit fails with KVT_ENOSPC and changes nothing. What a block
+ * costs against the capacity is its footprint: the payload rounded up to what the tier really
+ * uses for it (a jemalloc size class, whole 4 KiB sectors plus the stored header, whole HBM
+ * slots); kvt_tier_footprint() says how much before anything is written.
  *
  * Asynchronous I/O
  * ----------------
@@ -14,12 +17,15 @@
  * readable when completions are ready; the caller's event loop polls it and then calls
  * kvt_tier_process(), which runs the callbacks of every ready request. A tier owns no event loop
  * and no thread that touches the caller's data; tests with no loop call kvt_tier_wait().
+ * A submit that returns an error has not started anything: the callback will not run.
  *
  * Locations
  * ---------
  * A successful write fills io->loc, the tier-specific location that later reads and frees
  * name. kvt_tier_valid() says whether a location still holds that block (a reclaimed NVMe
  * segment, a key the Redis server evicted on its own): an invalid location reads as a miss.
+ *
+ * Threads: a tier is used by one thread at a time (the service's event loop).
  */
 #ifndef KVT_TIER_H
 #define KVT_TIER_H
@@ -38,7 +44,7 @@ typedef struct kvt_block_key {
     uint64_t hash;          /* the block's prefix hash */
     uint64_t parent;        /* the parent block's hash; ns_seed for the first page */
     const uint32_t *tokens; /* the page's tokens, borrowed until completion */
-    uint32_t ntokens;       /* the page size */
+    uint32_t ntokens;       /* the page size (0..KVT_PAGE_MAX) */
 } kvt_block_key_t;
 
 typedef enum { KVT_IO_READ = 1, KVT_IO_WRITE = 2 } kvt_io_op_t;
@@ -46,11 +52,18 @@ typedef enum { KVT_IO_READ = 1, KVT_IO_WRITE = 2 } kvt_io_op_t;
 typedef struct kvt_tier_io kvt_tier_io_t;
 typedef void (*kvt_tier_cb)(kvt_tier_io_t *io);
 
+/* The largest payload any tier takes. */
+#define KVT_TIER_MAX_BLOCK (64u << 20)
+
 /*
  * One read or write. The caller owns the struct and the buffer until the callback has run.
  * status on completion: 0; KVT_ENOENT (a miss: not there, evicted, invalid location);
  * KVT_ECORRUPT (checksum or header mismatch: also a miss, counted apart); KVT_ENOSPC;
  * KVT_EIO; KVT_EUNAVAIL (backend down); KVT_ETIMEDOUT.
+ * For a read, key.hash must be the block's hash (its stored header is checked against the whole
+ * key where the tier stores one) and len the payload length that was written.
+ * The NVMe tier moves bytes straight between the disk and buf when buf is 4096-byte aligned;
+ * any other buffer goes through a bounce buffer (an extra copy).
  */
 struct kvt_tier_io {
     kvt_block_key_t key;
@@ -66,15 +79,17 @@ struct kvt_tier_io {
     kvt_tier_t *tier;
     kvt_tier_io_t *next;
     uint64_t submit_ns;
+    uint64_t charge; /* footprint reserved by a write */
     uint64_t priv[4];
 };
 
 typedef struct kvt_tier_usage {
     uint64_t capacity_bytes;
-    uint64_t used_bytes; /* never above capacity_bytes */
+    uint64_t used_bytes; /* sum of live blocks' footprints; never above capacity_bytes */
     uint64_t blocks;
-    uint64_t reads, writes, read_bytes, written_bytes;
+    uint64_t reads, writes, read_bytes, written_bytes; /* successful operations */
     uint64_t misses, corrupt, errors, timeouts;
+    uint64_t reclaimed; /* live blocks dropped by the tier itself (NVMe segment reclaim) */
     uint64_t inflight;
 } kvt_tier_usage_t;
 
@@ -82,23 +97,164 @@ typedef struct kvt_tier_usage {
 kvt_tier_id_t kvt_tier_kind(const kvt_tier_t *t);
 const char *kvt_tier_backend(const kvt_tier_t *t); /* "cuda", "host", "jemalloc", ... */
 
+/* Submit a read or write. Returns 0 (the callback will run from kvt_tier_process), or an error
+ * with nothing started: KVT_EINVAL (bad arguments, len 0 or above KVT_TIER_MAX_BLOCK), KVT_ENOSPC
+ * (a write that does not fit the capacity), KVT_EUNAVAIL, KVT_ENOMEM. A read of a location the
+ * tier does not hold is not an error here: it completes with KVT_ENOENT. */
 int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io);
 int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io);
-/* Frees a location written earlier; freeing an unknown or already freed location is a no-op. */
+/* Frees a location written earlier; freeing an unknown or already freed location is a no-op.
+ * A read of it already in flight still completes (with the data or a miss). */
 void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len);
+/* 1 when loc holds the block named key->hash (and key->ns_seed), 0 when not. */
 int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
 /* Host pointer to a stored payload for memory tiers (DRAM, HBM's host backend); NULL for the
  * others. Valid until the location is freed. */
 void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc);
+/* Bytes a payload of len bytes would be charged (0 for len 0 or above KVT_TIER_MAX_BLOCK). */
+uint64_t kvt_tier_footprint(const kvt_tier_t *t, uint32_t len);
 void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u);
 
 int kvt_tier_fd(kvt_tier_t *t);
 /* Runs the callbacks of ready completions; returns how many ran, or a negative error. */
 int kvt_tier_process(kvt_tier_t *t);
-/* Blocks up to timeout_ms for at least one completion, then processes: for tests and tools,
- * never for the service's loop. */
+/* Blocks up to timeout_ms (-1: no limit) for at least one completion, then processes: for tests
+ * and tools, never for the service's loop. Returns how many callbacks ran (0 on timeout). */
 int kvt_tier_wait(kvt_tier_t *t, int timeout_ms);
 
+/* Destroys the tier. Requests still in flight are waited for (their callbacks do not run);
+ * every stored block is freed (the NVMe data stays on disk for a warm restart). NULL: no-op. */
 void kvt_tier_destroy(kvt_tier_t *t);
+
+/*
+ * Copies between tiers
+ * --------------------
+ * One call moves a block's bytes from a location in src to a new location in dst, written once
+ * here for every pair of tiers: a memory source is written from its own memory, any other source
+ * is read into a staging buffer first. The caller keeps the source location alive (and the
+ * block marked KVT_BLOCK_BUSY) until the callback, which runs from kvt_tier_process() of dst
+ * (or of src when the read from src fails); status is 0 with dst_loc filled, or the first error.
+ * The source is left as it was: freeing it (a move) is the caller's choice.
+ */
+typedef struct kvt_tier_copy kvt_tier_copy_t;
+typedef void (*kvt_tier_copy_cb)(kvt_tier_copy_t *c);
+
+struct kvt_tier_copy {
+    kvt_tier_t *src, *dst;
+    uint64_t src_loc;
+    kvt_block_key_t key; /* tokens borrowed until the callback */
+    uint32_t len;
+    kvt_tier_copy_cb cb;
+    void *data;
+    int status;
+    uint64_t dst_loc;
+
+    /* Private to tiers/. */
+    kvt_tier_io_t io;
+    void *staging;
+};
+
+/* Returns 0 (the callback will run) or an error with nothing started (KVT_EINVAL, KVT_ENOSPC
+ * when dst cannot take len bytes, KVT_ENOMEM). */
+int kvt_tier_copy(kvt_tier_copy_t *c);
+
+/* --- DRAM (tiers/dram.c) ---
+ * Blocks are jemalloc allocations from an arena of their own whose memory comes from one region
+ * mapped at creation (capacity plus a quarter for size-class and fragmentation slack). When a
+ * CUDA device is usable the region is registered with cudaHostRegister, so copies to and from
+ * HBM run from pinned memory. Locations are the payload's address. */
+typedef struct kvt_tier_dram_conf {
+    uint64_t capacity_bytes; /* > 0 */
+    int pin;                 /* 0: register when a GPU is usable; 1: must register
+                                (KVT_EUNAVAIL without a GPU); 2: never */
+} kvt_tier_dram_conf_t;
+
+/* Returns 0, KVT_EINVAL, KVT_ENOMEM, KVT_EUNAVAIL (pin = 1 without a GPU) or KVT_EIO (jemalloc
+ * refused the arena). */
+int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf);
+/* The tier's jemalloc arena index, for tests and metrics that read jemalloc's own stats. */
+unsigned kvt_tier_dram_arena(const kvt_tier_t *t);
+/* 1 when the DRAM region is registered with CUDA (pinned), 0 otherwise. */
+int kvt_tier_dram_pinned(const kvt_tier_t *t);
+
+/* --- NVMe (tiers/nvme.c, tiers/nvme_recover.c) ---
+ * One data file, DIR/kvtier.data, preallocated to capacity_bytes (rounded down to whole
+ * segments) and used as a log of segments; see tiers/nvme.c for the layout. Opening a directory
+ * that already holds a data file of the same geometry recovers the blocks in it (a warm
+ * restart); kvt_tier_nvme_recover() then puts them back into a radix tree. */
+typedef struct kvt_tier_nvme_conf {
+    const char *dir;         /* the data directory; created if missing */
+    uint64_t capacity_bytes; /* data file size; at least 2 segments */
+    uint32_t segment_bytes;  /* 0: 64 MiB; a multiple of 1 MiB, 1 MiB .. 1 GiB */
+    uint32_t queue_depth;    /* io_uring entries; 0: 64; 2 .. 4096 */
+    int direct;              /* 0: O_DIRECT, buffered where refused (logged once);
+                                1: O_DIRECT or fail (KVT_EUNAVAIL); 2: buffered */
+    int sparse;              /* 1: do not preallocate (a disk may then fill up under writes) */
+} kvt_tier_nvme_conf_t;
+
+/* Returns 0, KVT_EINVAL, KVT_ENOMEM, KVT_ENOSPC (the file system cannot hold the data file:
+ * nothing is left behind), KVT_EUNAVAIL (direct = 1 refused, io_uring unavailable), KVT_EIO,
+ * or a negated errno from opening the directory. */
+int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf);
+/* 1 when the data file is open with O_DIRECT. */
+int kvt_tier_nvme_direct(const kvt_tier_t *t);
+
+typedef struct kvt_tier_nvme_recovery {
+    uint64_t scanned;   /* records found on disk with a valid header */
+    uint64_t recovered; /* blocks kept after the scan (tier usage counts them) */
+    uint64_t torn;      /* records whose checksum failed during the scan, skipped */
+    uint64_t stale;     /* older copies of a block written again later, skipped */
+    uint64_t inserted;  /* blocks given back to the radix tree by kvt_tier_nvme_recover */
+    uint64_t orphans;   /* blocks whose namespace or ancestors were not found: freed */
+} kvt_tier_nvme_recovery_t;
+
+/* What the scan at creation found (inserted/orphans stay 0 until kvt_tier_nvme_recover). */
+void kvt_tier_nvme_recovery(const kvt_tier_t *t, kvt_tier_nvme_recovery_t *out);
+
+/*
+ * Records a namespace description in DIR/namespaces so that a later kvt_tier_nvme_recover can
+ * open it again by itself. Strings follow kvt_radix_ns_open (adapter and salt may be NULL) and
+ * must not hold tabs or newlines. Recording the same namespace twice is a no-op. Returns 0,
+ * KVT_EINVAL or a negated errno.
+ */
+int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, const char *salt,
+                         uint32_t page_size);
+
+/*
+ * Gives the blocks found by the scan back to tree: opens every namespace recorded with
+ * kvt_tier_nvme_add_ns, matches each block's namespace seed against the namespaces open in the
+ * tree, rebuilds each block's token path by following parent hashes back to the namespace seed,
+ * inserts the path and sets tier = KVT_TIER_NVME, loc and size on the blocks found. Blocks whose
+ * namespace is not open, or whose chain of ancestors is not complete on disk, cannot be indexed:
+ * they are freed and counted as orphans. Call once, after creation and before any write.
+ * Returns 0, KVT_EINVAL, KVT_ENOMEM (the tree keeps what was inserted so far) or KVT_EBUSY
+ * (called twice).
+ */
+int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out);
+
+/* --- HBM (tiers/hbm.c) ---
+ * A pool of device memory allocated once and carved into slots (a bitmap allocator; a block
+ * takes a run of whole slots). backend "cuda": cudaMalloc'd memory, copies with cudaMemcpyAsync
+ * on a few streams, completions through CUDA events polled from the tier's fd (a timerfd armed
+ * while copies are in flight); needs a usable GPU, else creation fails with KVT_EUNAVAIL and
+ * logs why. "auto" is "cuda". "host": the same pool in ordinary memory, for testing four tiers
+ * on machines without a GPU; chosen only explicitly, logged, and named by kvt_tier_backend(). */
+typedef struct kvt_tier_hbm_conf {
+    const char *backend;     /* "cuda", "host" or "auto"; NULL: "auto" */
+    uint64_t capacity_bytes; /* pool size, rounded down to whole slots */
+    uint32_t slot_bytes;     /* 0: 64 KiB; a power of two, 4 KiB .. 16 MiB */
+    int device;              /* CUDA device ordinal */
+    uint32_t streams;        /* 0: 4; 1 .. 16 */
+} kvt_tier_hbm_conf_t;
+
+/* Returns 0, KVT_EINVAL, KVT_ENOMEM, or KVT_EUNAVAIL (no usable GPU, or no CUDA in this build). */
+int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf);
+/* The device address of a stored block (an engine's kernels read it), or NULL for an unknown
+ * location. For the host backend it is the host address. Valid until the location is freed. */
+void *kvt_tier_hbm_devptr(kvt_tier_t *t, uint64_t loc);
+/* 1 when a CUDA device is usable by this process (counts devices once and caches it). */
+int kvt_tier_cuda_usable(void);
+
+/* --- remote (tiers/remote.c) --- */
 
 #endif

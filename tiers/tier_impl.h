@@ -1,11 +1,18 @@
 /*
  * tier_impl.h: how a backend plugs into tier.c. Internal to tiers/ (kvt__ names).
  *
- * The shared part, written once in tier.c: capacity accounting (reserve before a write, give
- * back on free or failure), the completion queue and its eventfd, usage counters, and copies
- * between tiers. A backend only moves bytes: it implements the ops below, and reports each
- * finished request with kvt__tier_complete(), from inside its poll op or from the submitting
- * call (tier.c then delivers it on the next kvt_tier_process, never inside the submit).
+ * The shared part, written once in tier.c: the index of stored locations (location -> block
+ * hash, namespace, length, footprint), capacity accounting (reserve a write's footprint at
+ * submit, give it back on failure or free), the completion queue and its eventfd, the epoll fd
+ * the caller polls, usage counters, and copies between tiers. A backend only moves bytes: it
+ * implements the ops below, and reports each finished request with kvt__tier_complete(), from
+ * inside its poll op or from the submitting call (tier.c then delivers it on the next
+ * kvt_tier_process, never inside the submit).
+ *
+ * Locations are never 0 (0 means "none" to callers). tier.c calls a backend's read only for a
+ * location its index holds with the right hash and length (unless the backend sets
+ * unindexed_reads: a remote server may hold blocks another process stored), and its free only
+ * for an indexed location, once.
  */
 #ifndef KVT_TIER_IMPL_H
 #define KVT_TIER_IMPL_H
@@ -14,45 +21,104 @@
 
 typedef struct kvt_tier_ops {
     const char *backend;
-    /* Start a write of io->len bytes from io->buf; fill io->loc before completing. Capacity has
-     * already been reserved by tier.c. Return 0 (completion comes later) or a negative error
-     * (nothing was started, nothing is kept). */
+    /* Reads of locations the index does not hold go to the backend instead of missing. */
+    int unindexed_reads;
+    /* Bytes charged for a payload of len bytes (1 .. KVT_TIER_MAX_BLOCK). NULL: len. */
+    uint64_t (*footprint)(const kvt_tier_t *t, uint32_t len);
+    /* Start a write of io->len bytes from io->buf; fill io->loc (never 0, not a live location)
+     * before completing with 0. Capacity has already been reserved by tier.c. Return 0
+     * (completion comes later) or a negative error (nothing was started, nothing is kept). */
     int (*write)(kvt_tier_t *t, kvt_tier_io_t *io);
     /* Start a read of io->loc into io->buf. Same contract as write. */
     int (*read)(kvt_tier_t *t, kvt_tier_io_t *io);
+    /* Forget an indexed location (tier.c has already unindexed and uncharged it). */
     void (*free)(kvt_tier_t *t, uint64_t loc, uint32_t len);
+    /* Extra validity check after the index said yes (a stale NVMe generation). May be NULL. */
     int (*valid)(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
     void *(*ptr)(kvt_tier_t *t, uint64_t loc); /* may be NULL */
     /* The backend's own pollable fd (io_uring's eventfd, an epoll fd over sockets), or -1 when
-     * the backend completes everything through kvt__tier_complete() at submit time. */
+     * the backend completes everything through kvt__tier_complete() at submit time. May be
+     * NULL (the same as -1). Asked once, right after kvt__tier_init. */
     int (*fd)(kvt_tier_t *t);
-    /* Harvest whatever is ready without blocking; call kvt__tier_complete for each. */
+    /* Harvest whatever is ready without blocking; call kvt__tier_complete for each. May be
+     * NULL. Returns >= 0 or a negative error. */
     int (*poll)(kvt_tier_t *t);
+    /* Called by kvt_tier_destroy once nothing is in flight; frees impl and its resources. */
     void (*destroy)(kvt_tier_t *t);
 } kvt_tier_ops_t;
+
+/* One indexed location. */
+typedef struct kvt__tier_ent {
+    uint64_t loc;
+    uint64_t hash;
+    uint64_t ns_seed;
+    uint64_t charge;
+    uint32_t len;
+    uint32_t used; /* 0: empty slot */
+} kvt__tier_ent_t;
 
 struct kvt_tier {
     const kvt_tier_ops_t *ops;
     kvt_tier_id_t kind;
     void *impl; /* the backend's state */
     kvt_tier_usage_t usage;
-    int efd; /* eventfd for completions queued by kvt__tier_complete */
-    int pfd; /* epoll fd over efd and the backend's fd: what kvt_tier_fd returns */
+    int efd;       /* eventfd for completions queued by kvt__tier_complete */
+    int pfd;       /* epoll fd over efd and the backend's fd: what kvt_tier_fd returns */
+    int bfd;       /* the backend's fd, or -1 */
+    int delivered; /* 0 while destroying: completions are dropped, not called back */
     kvt_tier_io_t *done_head, *done_tail;
+    /* The location index: open addressing, linear probing, backward-shift deletion. */
+    kvt__tier_ent_t *ents;
+    size_t ents_cap; /* power of two */
+    uint64_t pending_writes;
 };
 
-/* Makes a tier around a backend. Returns 0, KVT_ENOMEM or a negated errno. */
+/* Makes a tier around a backend; on success the tier owns impl (ops->destroy frees it). Returns
+ * 0, KVT_EINVAL, KVT_ENOMEM or a negated errno (eventfd, epoll). On failure impl is untouched:
+ * the caller frees it. */
 int kvt__tier_init(kvt_tier_t **out, kvt_tier_id_t kind, const kvt_tier_ops_t *ops, void *impl,
                    uint64_t capacity_bytes);
+/* Adds the backend's fd to the tier's epoll set (for backends whose fd exists only after
+ * kvt__tier_init). Returns 0 or a negated errno. */
+int kvt__tier_watch_fd(kvt_tier_t *t, int fd);
 /* Queues io as finished with status; its callback runs in the next kvt_tier_process. */
 void kvt__tier_complete(kvt_tier_t *t, kvt_tier_io_t *io, int status);
+/* Indexes and charges a block the backend found by itself (NVMe recovery, a remote block stored
+ * by another process). Returns 0, KVT_EEXIST, KVT_ENOSPC (over capacity: not adopted) or
+ * KVT_ENOMEM. */
+int kvt__tier_adopt(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key, uint32_t len);
+/* The backend lost a block by itself (segment reclaimed, server evicted it): unindexes and
+ * uncharges it, counted in usage.reclaimed; ops->free is not called. Unknown loc: no-op. */
+void kvt__tier_drop(kvt_tier_t *t, uint64_t loc);
+/* The index entry of loc, or NULL. Valid until the next index change. */
+const kvt__tier_ent_t *kvt__tier_lookup(const kvt_tier_t *t, uint64_t loc);
+/* Calls fn for every indexed location (the callback must not change the index). */
+void kvt__tier_foreach(const kvt_tier_t *t, void (*fn)(void *arg, const kvt__tier_ent_t *e),
+                       void *arg);
 
 /*
  * The stored block format, shared by NVMe and remote (tiers/blockhdr.c; owned by the tiers work,
  * the remote backend uses it). A stored block is a fixed little-endian header, the page's tokens,
- * then the payload, with a checksum over all of it, so that a reader verifies the namespace,
- * prefix hash, parent hash and tokens it expects before trusting a single payload byte.
+ * then the payload, with a checksum (XXH3-64) over all of it, so that a reader verifies the
+ * namespace, prefix hash, parent hash and tokens it expects before trusting a single payload
+ * byte.
+ *
+ *   offset  size  field
+ *        0     4  magic "KVTB"
+ *        4     2  version (1)
+ *        6     2  header bytes (64)
+ *        8     4  ntokens
+ *       12     4  payload length
+ *       16     8  namespace seed
+ *       24     8  prefix hash
+ *       32     8  parent hash
+ *       40     8  seq (writer's sequence number: the newest copy of a block wins)
+ *       48     8  reserved (0)
+ *       56     8  checksum of bytes 0..55, then the tokens (uint32 LE each), then the payload
+ *       64  4*nt  tokens
  */
+#define KVT_BLOCKHDR_BYTES 64u
+
 size_t kvt__blockhdr_size(uint32_t ntokens); /* header + tokens, bytes */
 /* Writes header and tokens for key/len into dst (kvt__blockhdr_size bytes); the checksum covers
  * the payload too, so payload must be the bytes that will follow. */
@@ -60,8 +126,24 @@ void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *pay
                           uint64_t seq);
 /* Checks a stored block of avail bytes against key (NULL: any key, as in recovery). Returns 0,
  * KVT_ECORRUPT (bad magic, checksum, or a different key) or KVT_EINVAL. *len_out gets the
- * payload length, *payload_out its address inside src. */
+ * payload length, *payload_out its address inside src. In a key, tokens == NULL skips comparing
+ * the tokens and parent == 0 skips comparing the parent; ns_seed and hash are always compared. */
 int kvt__blockhdr_check(const void *src, size_t avail, const kvt_block_key_t *key,
                         uint32_t *len_out, const void **payload_out);
+/* The same check when header+tokens (hdr, hdr_avail bytes) and payload (payload_avail bytes) are
+ * in separate buffers. */
+int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
+                         size_t payload_avail, const kvt_block_key_t *key, uint32_t *len_out);
+
+/* A stored header's fields, parsed without verifying the checksum (recovery reads the header
+ * first to learn how much follows). */
+typedef struct kvt__blockhdr_info {
+    uint64_t ns_seed, hash, parent, seq;
+    uint32_t ntokens, len;
+    size_t hdr_bytes; /* kvt__blockhdr_size(ntokens) */
+} kvt__blockhdr_info_t;
+
+/* Returns 0, or KVT_ECORRUPT when avail bytes do not start with a plausible header. */
+int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info);
 
 #endif

@@ -1,0 +1,150 @@
+/*
+ * blockhdr.c: the stored block format that NVMe records and remote values share (layout in
+ * tier_impl.h). Encoding writes every field little-endian byte by byte so the format does not
+ * depend on the host; the checksum is XXH3-64 streamed over the header's first 56 bytes, the
+ * tokens and the payload, so header and payload may live in separate buffers (the NVMe tier
+ * reads a payload straight into the caller's buffer).
+ */
+#define XXH_STATIC_LINKING_ONLY
+#include "tier_impl.h"
+
+#include <string.h>
+#include <xxhash.h>
+
+#define BLOCKHDR_MAGIC   0x4254564bu /* "KVTB" little-endian */
+#define BLOCKHDR_VERSION 1u
+#define BLOCKHDR_SUMOFF  56u
+
+static void put16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint16_t get16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+    return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
+}
+
+size_t kvt__blockhdr_size(uint32_t ntokens)
+{
+    return KVT_BLOCKHDR_BYTES + (size_t)4 * ntokens;
+}
+
+static uint64_t blockhdr_sum(const uint8_t *hdr, uint32_t ntokens, const void *payload,
+                             uint32_t len)
+{
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, hdr, BLOCKHDR_SUMOFF);
+    XXH3_64bits_update(&st, hdr + KVT_BLOCKHDR_BYTES, (size_t)4 * ntokens);
+    if (len)
+        XXH3_64bits_update(&st, payload, len);
+    return XXH3_64bits_digest(&st);
+}
+
+void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *payload, uint32_t len,
+                          uint64_t seq)
+{
+    uint8_t *p = dst;
+    put32(p, BLOCKHDR_MAGIC);
+    put16(p + 4, BLOCKHDR_VERSION);
+    put16(p + 6, KVT_BLOCKHDR_BYTES);
+    put32(p + 8, key->ntokens);
+    put32(p + 12, len);
+    put64(p + 16, key->ns_seed);
+    put64(p + 24, key->hash);
+    put64(p + 32, key->parent);
+    put64(p + 40, seq);
+    put64(p + 48, 0);
+    for (uint32_t i = 0; i < key->ntokens; i++)
+        put32(p + KVT_BLOCKHDR_BYTES + 4 * i, key->tokens[i]);
+    put64(p + BLOCKHDR_SUMOFF, blockhdr_sum(p, key->ntokens, payload, len));
+}
+
+int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info)
+{
+    const uint8_t *p = src;
+    if (!src || !info || avail < KVT_BLOCKHDR_BYTES)
+        return KVT_ECORRUPT;
+    if (get32(p) != BLOCKHDR_MAGIC || get16(p + 4) != BLOCKHDR_VERSION ||
+        get16(p + 6) != KVT_BLOCKHDR_BYTES)
+        return KVT_ECORRUPT;
+    info->ntokens = get32(p + 8);
+    info->len = get32(p + 12);
+    if (info->ntokens > KVT_PAGE_MAX || info->len > KVT_TIER_MAX_BLOCK)
+        return KVT_ECORRUPT;
+    info->ns_seed = get64(p + 16);
+    info->hash = get64(p + 24);
+    info->parent = get64(p + 32);
+    info->seq = get64(p + 40);
+    info->hdr_bytes = kvt__blockhdr_size(info->ntokens);
+    return 0;
+}
+
+int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
+                         size_t payload_avail, const kvt_block_key_t *key, uint32_t *len_out)
+{
+    if (!hdr || (!payload && payload_avail))
+        return KVT_EINVAL;
+    kvt__blockhdr_info_t in;
+    if (kvt__blockhdr_peek(hdr, hdr_avail, &in) < 0 || hdr_avail < in.hdr_bytes ||
+        payload_avail < in.len)
+        return KVT_ECORRUPT;
+    const uint8_t *p = hdr;
+    if (get64(p + BLOCKHDR_SUMOFF) != blockhdr_sum(p, in.ntokens, payload, in.len))
+        return KVT_ECORRUPT;
+    if (key) {
+        if (in.ns_seed != key->ns_seed || in.hash != key->hash)
+            return KVT_ECORRUPT;
+        if (key->parent && in.parent != key->parent)
+            return KVT_ECORRUPT;
+        if (key->tokens) {
+            if (in.ntokens != key->ntokens)
+                return KVT_ECORRUPT;
+            for (uint32_t i = 0; i < in.ntokens; i++)
+                if (get32(p + KVT_BLOCKHDR_BYTES + 4 * i) != key->tokens[i])
+                    return KVT_ECORRUPT;
+        }
+    }
+    if (len_out)
+        *len_out = in.len;
+    return 0;
+}
+
+int kvt__blockhdr_check(const void *src, size_t avail, const kvt_block_key_t *key,
+                        uint32_t *len_out, const void **payload_out)
+{
+    if (!src)
+        return KVT_EINVAL;
+    kvt__blockhdr_info_t in;
+    if (kvt__blockhdr_peek(src, avail, &in) < 0 || avail < in.hdr_bytes)
+        return KVT_ECORRUPT;
+    const uint8_t *payload = (const uint8_t *)src + in.hdr_bytes;
+    int rc = kvt__blockhdr_verify(src, in.hdr_bytes, payload, avail - in.hdr_bytes, key, len_out);
+    if (rc == 0 && payload_out)
+        *payload_out = payload;
+    return rc;
+}

@@ -1,0 +1,570 @@
+/*
+ * tier.c: what every tier shares, written once. It owns the location index (which locations a
+ * tier holds, for which block, at what charge), the capacity accounting (a write's footprint is
+ * reserved when it is submitted, so that usage never exceeds capacity even with writes in
+ * flight, and given back when the write fails or the block is freed), the completion queue with
+ * its eventfd and the epoll fd the caller's loop watches, the usage counters, and copies between
+ * two tiers. Backends (dram.c, nvme.c, hbm.c, remote.c) only move bytes.
+ *
+ * Completion path: a backend calls kvt__tier_complete() (from its submit op or its poll op);
+ * that appends the request to done_head..done_tail and makes efd readable; kvt_tier_process()
+ * drains efd, lets the backend harvest (poll op), then detaches the list and runs the callbacks.
+ * A callback that submits again queues into a fresh list, run by the next process call.
+ */
+#include "tier_impl.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+/* ---- the location index ---- */
+
+static uint64_t tier_mix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+static kvt__tier_ent_t *tier_find(const kvt_tier_t *t, uint64_t loc)
+{
+    if (!t->ents)
+        return NULL;
+    size_t mask = t->ents_cap - 1;
+    for (size_t i = tier_mix(loc) & mask;; i = (i + 1) & mask) {
+        kvt__tier_ent_t *e = &t->ents[i];
+        if (!e->used)
+            return NULL;
+        if (e->loc == loc)
+            return e;
+    }
+}
+
+static void tier_place(kvt__tier_ent_t *ents, size_t cap, const kvt__tier_ent_t *src)
+{
+    size_t mask = cap - 1;
+    size_t i = tier_mix(src->loc) & mask;
+    while (ents[i].used)
+        i = (i + 1) & mask;
+    ents[i] = *src;
+}
+
+/* Makes room for `more` entries beyond those indexed and writes in flight, keeping the load
+ * under 3/4, so that a write's completion can always be indexed. */
+static int tier_index_reserve(kvt_tier_t *t, uint64_t more)
+{
+    uint64_t need = t->usage.blocks + t->pending_writes + more;
+    if (t->ents && need * 4 <= (uint64_t)t->ents_cap * 3)
+        return 0;
+    size_t cap = t->ents_cap ? t->ents_cap : 64;
+    while (need * 4 > (uint64_t)cap * 3)
+        cap *= 2;
+    kvt__tier_ent_t *ents = calloc(cap, sizeof(*ents));
+    if (!ents)
+        return KVT_ENOMEM;
+    for (size_t i = 0; i < t->ents_cap; i++)
+        if (t->ents[i].used)
+            tier_place(ents, cap, &t->ents[i]);
+    free(t->ents);
+    t->ents = ents;
+    t->ents_cap = cap;
+    return 0;
+}
+
+static void tier_index_add(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key, uint32_t len,
+                           uint64_t charge)
+{
+    kvt_assert(t->ents && (t->usage.blocks + 1) * 4 <= (uint64_t)t->ents_cap * 3);
+    kvt_assert(loc != 0 && !tier_find(t, loc));
+    kvt__tier_ent_t e = {.loc = loc,
+                         .hash = key->hash,
+                         .ns_seed = key->ns_seed,
+                         .charge = charge,
+                         .len = len,
+                         .used = 1};
+    tier_place(t->ents, t->ents_cap, &e);
+    t->usage.blocks++;
+}
+
+/* Backward-shift deletion keeps probe chains intact without tombstones. */
+static void tier_index_del(kvt_tier_t *t, kvt__tier_ent_t *e)
+{
+    size_t mask = t->ents_cap - 1;
+    size_t hole = (size_t)(e - t->ents);
+    size_t i = hole;
+    t->ents[hole].used = 0;
+    for (;;) {
+        i = (i + 1) & mask;
+        if (!t->ents[i].used)
+            break;
+        size_t home = tier_mix(t->ents[i].loc) & mask;
+        /* Move entry i into the hole unless its home lies cyclically in (hole, i]. */
+        int stays = hole <= i ? (home > hole && home <= i) : (home > hole || home <= i);
+        if (!stays) {
+            t->ents[hole] = t->ents[i];
+            t->ents[i].used = 0;
+            hole = i;
+        }
+    }
+    kvt_assert(t->usage.blocks > 0);
+    t->usage.blocks--;
+}
+
+const kvt__tier_ent_t *kvt__tier_lookup(const kvt_tier_t *t, uint64_t loc)
+{
+    return tier_find(t, loc);
+}
+
+void kvt__tier_foreach(const kvt_tier_t *t, void (*fn)(void *arg, const kvt__tier_ent_t *e),
+                       void *arg)
+{
+    for (size_t i = 0; i < t->ents_cap; i++)
+        if (t->ents[i].used)
+            fn(arg, &t->ents[i]);
+}
+
+/* ---- construction ---- */
+
+int kvt__tier_init(kvt_tier_t **out, kvt_tier_id_t kind, const kvt_tier_ops_t *ops, void *impl,
+                   uint64_t capacity_bytes)
+{
+    if (!out || !ops || !ops->write || !ops->read || !ops->free || !ops->destroy)
+        return KVT_EINVAL;
+    kvt_tier_t *t = calloc(1, sizeof(*t));
+    if (!t)
+        return KVT_ENOMEM;
+    t->ops = ops;
+    t->kind = kind;
+    t->impl = impl;
+    t->usage.capacity_bytes = capacity_bytes;
+    t->efd = t->pfd = t->bfd = -1;
+    t->delivered = 1;
+    int rc = tier_index_reserve(t, 0);
+    if (rc < 0)
+        goto fail;
+    t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    t->pfd = epoll_create1(EPOLL_CLOEXEC);
+    if (t->efd < 0 || t->pfd < 0) {
+        rc = -errno;
+        goto fail;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = t->efd};
+    if (epoll_ctl(t->pfd, EPOLL_CTL_ADD, t->efd, &ev) < 0) {
+        rc = -errno;
+        goto fail;
+    }
+    if (ops->fd) {
+        int bfd = ops->fd(t);
+        if (bfd >= 0 && (rc = kvt__tier_watch_fd(t, bfd)) < 0)
+            goto fail;
+    }
+    *out = t;
+    return 0;
+fail:
+    if (t->efd >= 0)
+        close(t->efd);
+    if (t->pfd >= 0)
+        close(t->pfd);
+    free(t->ents);
+    free(t);
+    return rc;
+}
+
+int kvt__tier_watch_fd(kvt_tier_t *t, int fd)
+{
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
+    if (epoll_ctl(t->pfd, EPOLL_CTL_ADD, fd, &ev) < 0)
+        return -errno;
+    t->bfd = fd;
+    return 0;
+}
+
+/* ---- completions ---- */
+
+static void tier_count(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    kvt_tier_usage_t *u = &t->usage;
+    switch (io->status) {
+    case 0:
+        if (io->op == KVT_IO_READ) {
+            u->reads++;
+            u->read_bytes += io->len;
+        } else {
+            u->writes++;
+            u->written_bytes += io->len;
+        }
+        break;
+    case KVT_ENOENT:
+        u->misses++;
+        break;
+    case KVT_ECORRUPT:
+        u->corrupt++;
+        break;
+    case KVT_ETIMEDOUT:
+        u->timeouts++;
+        break;
+    default:
+        u->errors++;
+        break;
+    }
+}
+
+void kvt__tier_complete(kvt_tier_t *t, kvt_tier_io_t *io, int status)
+{
+    kvt_assert(io->tier == t);
+    io->status = status;
+    if (io->op == KVT_IO_WRITE) {
+        kvt_assert(t->pending_writes > 0);
+        t->pending_writes--;
+        if (status == 0) {
+            tier_index_add(t, io->loc, &io->key, io->len, io->charge);
+        } else {
+            kvt_assert(t->usage.used_bytes >= io->charge);
+            t->usage.used_bytes -= io->charge;
+            io->loc = 0;
+        }
+    }
+    tier_count(t, io);
+    io->next = NULL;
+    int was_empty = t->done_head == NULL;
+    if (t->done_tail)
+        t->done_tail->next = io;
+    else
+        t->done_head = io;
+    t->done_tail = io;
+    if (was_empty) {
+        uint64_t one = 1;
+        /* An eventfd write only fails when the counter would overflow: it is readable then. */
+        ssize_t n = write(t->efd, &one, sizeof(one));
+        (void)n;
+    }
+}
+
+int kvt_tier_process(kvt_tier_t *t)
+{
+    if (!t)
+        return KVT_EINVAL;
+    uint64_t v;
+    ssize_t n = read(t->efd, &v, sizeof(v));
+    (void)n;
+    if (t->ops->poll) {
+        int rc = t->ops->poll(t);
+        if (rc < 0)
+            return rc;
+    }
+    kvt_tier_io_t *io = t->done_head;
+    t->done_head = t->done_tail = NULL;
+    int ran = 0;
+    while (io) {
+        kvt_tier_io_t *next = io->next;
+        kvt_assert(t->usage.inflight > 0);
+        t->usage.inflight--;
+        io->next = NULL;
+        if (t->delivered && io->cb)
+            io->cb(io);
+        ran++;
+        io = next;
+    }
+    return ran;
+}
+
+int kvt_tier_wait(kvt_tier_t *t, int timeout_ms)
+{
+    if (!t)
+        return KVT_EINVAL;
+    if (!t->done_head) {
+        struct epoll_event ev;
+        int n;
+        do {
+            n = epoll_wait(t->pfd, &ev, 1, timeout_ms);
+        } while (n < 0 && errno == EINTR);
+        if (n < 0)
+            return -errno;
+    }
+    return kvt_tier_process(t);
+}
+
+int kvt_tier_fd(kvt_tier_t *t)
+{
+    return t ? t->pfd : KVT_EINVAL;
+}
+
+/* ---- submission ---- */
+
+static int tier_key_ok(const kvt_block_key_t *k)
+{
+    return k->ntokens <= KVT_PAGE_MAX && (k->ntokens == 0 || k->tokens);
+}
+
+uint64_t kvt_tier_footprint(const kvt_tier_t *t, uint32_t len)
+{
+    if (!t || len == 0 || len > KVT_TIER_MAX_BLOCK)
+        return 0;
+    return t->ops->footprint ? t->ops->footprint(t, len) : len;
+}
+
+static void tier_io_start(kvt_tier_t *t, kvt_tier_io_t *io, kvt_io_op_t op)
+{
+    io->op = op;
+    io->tier = t;
+    io->next = NULL;
+    io->status = 0;
+    io->submit_ns = kvt_now_ns();
+}
+
+/* A write whose footprint `charge` is already counted in used_bytes. On error the charge is
+ * given back. */
+static int tier_write_charged(kvt_tier_t *t, kvt_tier_io_t *io, uint64_t charge)
+{
+    int rc = tier_index_reserve(t, 1);
+    if (rc == 0) {
+        tier_io_start(t, io, KVT_IO_WRITE);
+        io->charge = charge;
+        io->loc = 0;
+        t->pending_writes++;
+        t->usage.inflight++;
+        rc = t->ops->write(t, io);
+        if (rc < 0) {
+            t->pending_writes--;
+            t->usage.inflight--;
+            io->tier = NULL;
+        }
+    }
+    if (rc < 0)
+        t->usage.used_bytes -= charge;
+    return rc;
+}
+
+static int tier_reserve(kvt_tier_t *t, uint32_t len, uint64_t *charge)
+{
+    uint64_t fp = kvt_tier_footprint(t, len);
+    if (fp == 0)
+        return KVT_EINVAL;
+    if (fp > t->usage.capacity_bytes - t->usage.used_bytes)
+        return KVT_ENOSPC;
+    t->usage.used_bytes += fp;
+    *charge = fp;
+    return 0;
+}
+
+int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    if (!t || !io || !io->buf || !tier_key_ok(&io->key))
+        return KVT_EINVAL;
+    uint64_t charge;
+    int rc = tier_reserve(t, io->len, &charge);
+    if (rc < 0)
+        return rc;
+    return tier_write_charged(t, io, charge);
+}
+
+int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    if (!t || !io || !io->buf || io->len == 0 || io->len > KVT_TIER_MAX_BLOCK ||
+        !tier_key_ok(&io->key))
+        return KVT_EINVAL;
+    const kvt__tier_ent_t *e = tier_find(t, io->loc);
+    tier_io_start(t, io, KVT_IO_READ);
+    if (!t->ops->unindexed_reads || e) {
+        if (!e || e->hash != io->key.hash || e->ns_seed != io->key.ns_seed) {
+            /* A miss, delivered like any completion. */
+            t->usage.inflight++;
+            kvt__tier_complete(t, io, KVT_ENOENT);
+            return 0;
+        }
+        if (e->len != io->len) {
+            io->tier = NULL;
+            return KVT_EINVAL;
+        }
+    }
+    t->usage.inflight++;
+    int rc = t->ops->read(t, io);
+    if (rc < 0) {
+        t->usage.inflight--;
+        io->tier = NULL;
+    }
+    return rc;
+}
+
+void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    if (!t)
+        return;
+    kvt__tier_ent_t *e = tier_find(t, loc);
+    if (!e || (len && e->len != len))
+        return;
+    uint32_t elen = e->len;
+    kvt_assert(t->usage.used_bytes >= e->charge);
+    t->usage.used_bytes -= e->charge;
+    tier_index_del(t, e);
+    t->ops->free(t, loc, elen);
+}
+
+int kvt__tier_adopt(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key, uint32_t len)
+{
+    if (loc == 0)
+        return KVT_EINVAL;
+    if (tier_find(t, loc))
+        return KVT_EEXIST;
+    uint64_t charge;
+    int rc = tier_reserve(t, len, &charge);
+    if (rc < 0)
+        return rc;
+    if ((rc = tier_index_reserve(t, 1)) < 0) {
+        t->usage.used_bytes -= charge;
+        return rc;
+    }
+    tier_index_add(t, loc, key, len, charge);
+    return 0;
+}
+
+void kvt__tier_drop(kvt_tier_t *t, uint64_t loc)
+{
+    kvt__tier_ent_t *e = tier_find(t, loc);
+    if (!e)
+        return;
+    kvt_assert(t->usage.used_bytes >= e->charge);
+    t->usage.used_bytes -= e->charge;
+    tier_index_del(t, e);
+    t->usage.reclaimed++;
+}
+
+int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
+{
+    if (!t || !key)
+        return 0;
+    const kvt__tier_ent_t *e = tier_find(t, loc);
+    if (!e || e->hash != key->hash || e->ns_seed != key->ns_seed)
+        return 0;
+    return t->ops->valid ? t->ops->valid(t, loc, key) : 1;
+}
+
+void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc)
+{
+    if (!t || !t->ops->ptr || !tier_find(t, loc))
+        return NULL;
+    return t->ops->ptr(t, loc);
+}
+
+void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u)
+{
+    if (t && u)
+        *u = t->usage;
+}
+
+kvt_tier_id_t kvt_tier_kind(const kvt_tier_t *t)
+{
+    return t ? t->kind : KVT_TIER_NONE;
+}
+
+const char *kvt_tier_backend(const kvt_tier_t *t)
+{
+    return t ? t->ops->backend : "none";
+}
+
+void kvt_tier_destroy(kvt_tier_t *t)
+{
+    if (!t)
+        return;
+    /* Let in-flight requests finish without calling anyone back: their buffers may already be
+     * gone, but the backend must not be torn down under the kernel or the device. */
+    t->delivered = 0;
+    while (t->usage.inflight > 0) {
+        if (!t->done_head) {
+            struct epoll_event ev;
+            (void)epoll_wait(t->pfd, &ev, 1, 10);
+        }
+        if (kvt_tier_process(t) < 0)
+            break;
+    }
+    t->ops->destroy(t);
+    close(t->efd);
+    close(t->pfd);
+    free(t->ents);
+    free(t);
+}
+
+/* ---- copies between tiers ---- */
+
+static void copy_finish(kvt_tier_copy_t *c, int status)
+{
+    free(c->staging);
+    c->staging = NULL;
+    c->status = status;
+    c->dst_loc = status == 0 ? c->io.loc : 0;
+    if (c->cb)
+        c->cb(c);
+}
+
+static void copy_write_done(kvt_tier_io_t *io)
+{
+    copy_finish(io->data, io->status);
+}
+
+static void copy_read_done(kvt_tier_io_t *io)
+{
+    kvt_tier_copy_t *c = io->data;
+    uint64_t charge = io->charge;
+    if (io->status < 0) {
+        c->dst->usage.used_bytes -= charge;
+        copy_finish(c, io->status);
+        return;
+    }
+    io->cb = copy_write_done;
+    int rc = tier_write_charged(c->dst, io, charge);
+    if (rc < 0)
+        copy_finish(c, rc);
+}
+
+int kvt_tier_copy(kvt_tier_copy_t *c)
+{
+    if (!c || !c->src || !c->dst || c->src == c->dst || c->len == 0 ||
+        c->len > KVT_TIER_MAX_BLOCK || !tier_key_ok(&c->key))
+        return KVT_EINVAL;
+    const kvt__tier_ent_t *e = tier_find(c->src, c->src_loc);
+    if (!c->src->ops->unindexed_reads &&
+        (!e || e->hash != c->key.hash || e->ns_seed != c->key.ns_seed || e->len != c->len))
+        return KVT_ENOENT;
+    uint64_t charge;
+    int rc = tier_reserve(c->dst, c->len, &charge);
+    if (rc < 0)
+        return rc;
+    c->status = 0;
+    c->dst_loc = 0;
+    c->staging = NULL;
+    memset(&c->io, 0, sizeof(c->io));
+    c->io.key = c->key;
+    c->io.len = c->len;
+    c->io.data = c;
+
+    void *src_mem = kvt_tier_ptr(c->src, c->src_loc);
+    if (src_mem) {
+        c->io.buf = src_mem;
+        c->io.cb = copy_write_done;
+        return tier_write_charged(c->dst, &c->io, charge);
+    }
+    /* Staging is sector-aligned so that an NVMe side moves it without a bounce. */
+    size_t sz = ((size_t)c->len + 4095) & ~(size_t)4095;
+    if (posix_memalign(&c->staging, 4096, sz) != 0) {
+        c->staging = NULL;
+        c->dst->usage.used_bytes -= charge;
+        return KVT_ENOMEM;
+    }
+    c->io.buf = c->staging;
+    c->io.loc = c->src_loc;
+    c->io.cb = copy_read_done;
+    c->io.charge = charge; /* the dst reservation, carried across the read */
+    rc = kvt_tier_read(c->src, &c->io);
+    if (rc < 0) {
+        free(c->staging);
+        c->staging = NULL;
+        c->dst->usage.used_bytes -= charge;
+    }
+    return rc;
+}
