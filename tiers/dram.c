@@ -1,0 +1,303 @@
+/*
+ * dram.c: the DRAM tier. Block memory comes from a jemalloc arena of its own (arenas.create with
+ * extent hooks), and that arena gets its pages from one region this file maps at creation and
+ * hands out front to back. One region means one cudaHostRegister call pins all of it when a GPU
+ * is usable, instead of a costly registration per block, and it bounds how much memory the tier
+ * can ever take. jemalloc keeps freed extents for reuse (our dalloc opts out), so the bump
+ * pointer only grows until the arena's working set is mapped.
+ *
+ * A block's footprint is nallocx() of its length: the size class jemalloc really uses, so
+ * usage.used_bytes equals what the arena reports allocated (tests check it). Allocations skip the
+ * thread cache so that a free goes back to the arena at once. Blocks of 4 KiB or more are 4 KiB
+ * aligned, so that the NVMe tier moves them with O_DIRECT without a bounce buffer.
+ */
+#include "tier_impl.h"
+
+#include <jemalloc/jemalloc.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "config.h"
+#if KVT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+typedef struct dram {
+    extent_hooks_t hooks; /* first: the hooks get &hooks and find the rest from it */
+    pthread_mutex_t mu;
+    uint8_t *region;
+    size_t region_bytes;
+    size_t bump;
+    unsigned arena;
+    int arena_made;
+    int pinned;
+    int warned_full;
+} dram_t;
+
+static dram_t *dram_of_hooks(extent_hooks_t *h)
+{
+    return (dram_t *)(void *)h;
+}
+
+static void *dram_ext_alloc(extent_hooks_t *h, void *new_addr, size_t size, size_t alignment,
+                            bool *zero, bool *commit, unsigned arena_ind)
+{
+    (void)arena_ind;
+    dram_t *d = dram_of_hooks(h);
+    void *ret = NULL;
+    pthread_mutex_lock(&d->mu);
+    size_t at = (d->bump + alignment - 1) & ~(alignment - 1);
+    if (at <= d->region_bytes && size <= d->region_bytes - at &&
+        (!new_addr || new_addr == d->region + at)) {
+        ret = d->region + at;
+        d->bump = at + size;
+    }
+    pthread_mutex_unlock(&d->mu);
+    if (ret) {
+        *zero = true; /* never handed out before: still the zero pages of the mapping */
+        *commit = true;
+    }
+    return ret;
+}
+
+/* Opt out of giving extents back: jemalloc retains and reuses them. */
+static bool dram_ext_dalloc(extent_hooks_t *h, void *addr, size_t size, bool committed,
+                            unsigned arena_ind)
+{
+    (void)h, (void)addr, (void)size, (void)committed, (void)arena_ind;
+    return true;
+}
+
+static void dram_ext_destroy(extent_hooks_t *h, void *addr, size_t size, bool committed,
+                             unsigned arena_ind)
+{
+    (void)h, (void)addr, (void)size, (void)committed, (void)arena_ind;
+}
+
+static bool dram_ext_commit(extent_hooks_t *h, void *addr, size_t size, size_t offset,
+                            size_t length, unsigned arena_ind)
+{
+    (void)h, (void)addr, (void)size, (void)offset, (void)length, (void)arena_ind;
+    return false; /* always committed */
+}
+
+static bool dram_ext_decommit(extent_hooks_t *h, void *addr, size_t size, size_t offset,
+                              size_t length, unsigned arena_ind)
+{
+    (void)h, (void)addr, (void)size, (void)offset, (void)length, (void)arena_ind;
+    return true; /* refused: pages stay committed */
+}
+
+/* Returning dirty pages to the kernel is fine for plain memory; pinned pages stay put. */
+static bool dram_ext_purge(extent_hooks_t *h, void *addr, size_t size, size_t offset, size_t length,
+                           unsigned arena_ind)
+{
+    (void)size, (void)arena_ind;
+    dram_t *d = dram_of_hooks(h);
+    if (d->pinned)
+        return true;
+    return madvise((uint8_t *)addr + offset, length, MADV_DONTNEED) != 0;
+}
+
+static bool dram_ext_purge_lazy(extent_hooks_t *h, void *addr, size_t size, size_t offset,
+                                size_t length, unsigned arena_ind)
+{
+    (void)h, (void)addr, (void)size, (void)offset, (void)length, (void)arena_ind;
+    return true;
+}
+
+/* The region is one mapping, so any split or merge of extents inside it is valid. */
+static bool dram_ext_split(extent_hooks_t *h, void *addr, size_t size, size_t size_a, size_t size_b,
+                           bool committed, unsigned arena_ind)
+{
+    (void)h, (void)addr, (void)size, (void)size_a, (void)size_b, (void)committed, (void)arena_ind;
+    return false;
+}
+
+static bool dram_ext_merge(extent_hooks_t *h, void *addr_a, size_t size_a, void *addr_b,
+                           size_t size_b, bool committed, unsigned arena_ind)
+{
+    (void)h, (void)addr_a, (void)size_a, (void)addr_b, (void)size_b, (void)committed,
+        (void)arena_ind;
+    return false;
+}
+
+static int dram_flags(const dram_t *d, uint32_t len)
+{
+    int f = MALLOCX_ARENA(d->arena) | MALLOCX_TCACHE_NONE;
+    if (len >= 4096)
+        f |= MALLOCX_ALIGN(4096);
+    return f;
+}
+
+static uint64_t dram_footprint(const kvt_tier_t *t, uint32_t len)
+{
+    const dram_t *d = t->impl;
+    return nallocx(len, dram_flags(d, len));
+}
+
+static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    dram_t *d = t->impl;
+    void *p = mallocx(io->len, dram_flags(d, io->len));
+    if (!p) {
+        if (!d->warned_full) {
+            kvt_log(KVT_LOG_WARN,
+                    "dram tier: its %zu-byte region is exhausted by fragmentation below capacity",
+                    d->region_bytes);
+            d->warned_full = 1;
+        }
+        return KVT_ENOSPC;
+    }
+    kvt_assert(sallocx(p, dram_flags(d, io->len)) == io->charge);
+    memcpy(p, io->buf, io->len);
+    io->loc = (uint64_t)(uintptr_t)p;
+    kvt__tier_complete(t, io, 0);
+    return 0;
+}
+
+static int dram_read(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    memcpy(io->buf, (const void *)(uintptr_t)io->loc, io->len);
+    kvt__tier_complete(t, io, 0);
+    return 0;
+}
+
+static void dram_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    dram_t *d = t->impl;
+    dallocx((void *)(uintptr_t)loc, dram_flags(d, len));
+}
+
+static void *dram_ptr(kvt_tier_t *t, uint64_t loc)
+{
+    (void)t;
+    return (void *)(uintptr_t)loc;
+}
+
+static void dram_release(dram_t *d)
+{
+    if (d->arena_made) {
+        char name[64];
+        snprintf(name, sizeof(name), "arena.%u.destroy", d->arena);
+        if (mallctl(name, NULL, NULL, NULL, 0) != 0)
+            kvt_log(KVT_LOG_WARN, "dram tier: jemalloc refused to destroy arena %u", d->arena);
+    }
+#if KVT_HAVE_CUDA
+    if (d->pinned)
+        cudaHostUnregister(d->region);
+#endif
+    if (d->region)
+        munmap(d->region, d->region_bytes);
+    pthread_mutex_destroy(&d->mu);
+    free(d);
+}
+
+static void dram_free_block(void *arg, const kvt__tier_ent_t *e)
+{
+    dram_t *d = arg;
+    dallocx((void *)(uintptr_t)e->loc, dram_flags(d, e->len));
+}
+
+/* Blocks still stored when the tier goes are freed before the arena is destroyed. */
+static void dram_destroy_all(kvt_tier_t *t)
+{
+    kvt__tier_foreach(t, dram_free_block, t->impl);
+    dram_release(t->impl);
+}
+
+static const kvt_tier_ops_t dram_ops = {
+    .backend = "jemalloc",
+    .footprint = dram_footprint,
+    .write = dram_write,
+    .read = dram_read,
+    .free = dram_free,
+    .ptr = dram_ptr,
+    .destroy = dram_destroy_all,
+};
+
+unsigned kvt_tier_dram_arena(const kvt_tier_t *t)
+{
+    return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->arena : 0;
+}
+
+int kvt_tier_dram_pinned(const kvt_tier_t *t)
+{
+    return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->pinned : 0;
+}
+
+int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
+{
+    if (!out || !conf || conf->capacity_bytes == 0 || conf->capacity_bytes > (1ull << 46) ||
+        conf->pin < 0 || conf->pin > 2)
+        return KVT_EINVAL;
+    int want_pin = conf->pin != 2 && kvt_tier_cuda_usable();
+    if (conf->pin == 1 && !want_pin) {
+        kvt_log(KVT_LOG_ERROR, "dram tier: pinning required but no CUDA device is usable");
+        return KVT_EUNAVAIL;
+    }
+    dram_t *d = calloc(1, sizeof(*d));
+    if (!d)
+        return KVT_ENOMEM;
+    pthread_mutex_init(&d->mu, NULL);
+    d->hooks = (extent_hooks_t){
+        .alloc = dram_ext_alloc,
+        .dalloc = dram_ext_dalloc,
+        .destroy = dram_ext_destroy,
+        .commit = dram_ext_commit,
+        .decommit = dram_ext_decommit,
+        .purge_lazy = dram_ext_purge_lazy,
+        .purge_forced = dram_ext_purge,
+        .split = dram_ext_split,
+        .merge = dram_ext_merge,
+    };
+    /* Slack for size classes (up to a quarter above the request), alignment and the arena's
+     * own metadata. */
+    uint64_t bytes = conf->capacity_bytes + conf->capacity_bytes / 4 + (64u << 20);
+    d->region_bytes = (size_t)((bytes + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1));
+    void *r = mmap(NULL, d->region_bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (r == MAP_FAILED) {
+        d->region = NULL;
+        dram_release(d);
+        return KVT_ENOMEM;
+    }
+    d->region = r;
+#if KVT_HAVE_CUDA
+    if (want_pin) {
+        cudaError_t ce = cudaHostRegister(d->region, d->region_bytes, cudaHostRegisterDefault);
+        if (ce != cudaSuccess) {
+            kvt_log(conf->pin == 1 ? KVT_LOG_ERROR : KVT_LOG_WARN,
+                    "dram tier: cudaHostRegister of %zu bytes failed: %s", d->region_bytes,
+                    cudaGetErrorString(ce));
+            if (conf->pin == 1) {
+                dram_release(d);
+                return KVT_EUNAVAIL;
+            }
+        } else {
+            d->pinned = 1;
+        }
+    }
+#endif
+    extent_hooks_t *hp = &d->hooks;
+    size_t sz = sizeof(d->arena);
+    if (mallctl("arenas.create", &d->arena, &sz, &hp, sizeof(hp)) != 0) {
+        kvt_log(KVT_LOG_ERROR, "dram tier: jemalloc arenas.create failed");
+        dram_release(d);
+        return KVT_EIO;
+    }
+    d->arena_made = 1;
+    int rc = kvt__tier_init(out, KVT_TIER_DRAM, &dram_ops, d, conf->capacity_bytes);
+    if (rc < 0) {
+        dram_release(d);
+        return rc;
+    }
+    kvt_log(KVT_LOG_INFO, "dram tier: %llu bytes, jemalloc arena %u, %s",
+            (unsigned long long)conf->capacity_bytes, d->arena,
+            d->pinned ? "pinned for CUDA" : "not pinned");
+    return 0;
+}
