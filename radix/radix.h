@@ -10,8 +10,8 @@
  *
  * Compressed edges and splits
  * ---------------------------
- * A node holds a run of pages. Children are keyed by the prefix hash of their first block, which
- * is unique under its parent, and found by binary search, so a node with thousands of
+ * A node holds a run of pages. Children are keyed by a hash of their first page, which is
+ * unique under their parent, and found by binary search, so a node with thousands of
  * continuations (a shared system prompt) is still found in log time:
  *
  *     insert "A B C D" (one page per letter)        then "A B X"
@@ -36,8 +36,15 @@
  * The namespace seed is XXH3_64bits over the bytes "kvtier-ns-v1\0" model "\0" adapter "\0"
  * salt "\0" followed by the page size as a little-endian uint32. The hash of the block at page i
  * is XXH3_64bits_withSeed(tokens of page i as little-endian uint32, 4 * P bytes, seed) where the
- * seed is the hash of the block at page i - 1, or the namespace seed for page 0. Two processes
- * computing it for the same prefix get the same value; shared tiers name blocks by it.
+ * seed is the hash of the block at page i - 1, or the namespace seed for page 0; a result of 0
+ * is replaced by 1, so that 0 can mean "not computed". Two processes computing it for the same
+ * prefix get the same value; shared tiers name blocks by it.
+ *
+ * The tree computes these chain hashes lazily: an index-only insert does not pay for hashing
+ * every page. kvt_block_t.hash is 0 until kvt_radix_block_hash() computes
+ * it; from then on it is cached in the block. Computed hashes always form a prefix of
+ * every path. Children are found by a different, seedless key: XXH3_64bits of the child's first
+ * page, which is unique among siblings because siblings differ in their first page.
  *
  * Leases
  * ------
@@ -70,12 +77,12 @@ typedef enum {
 const char *kvt_tier_name(kvt_tier_id_t t); /* "none", "hbm", "dram", "nvme", "remote" */
 
 /*
- * One cached page. 40 bytes. The tree fills hash and the counters; tier, loc, size, flags and
- * policy belong to whoever stores the bytes (tiers/ and policy/): the tree never reads them except
- * to hand them to the free callback.
+ * One cached page. 40 bytes. The tree fills hash (lazily) and the counters; tier, loc, size, flags
+ * and policy belong to whoever stores the bytes (tiers/ and policy/): the tree never reads them
+ * except to hand them to the free callback.
  */
 typedef struct kvt_block {
-    uint64_t hash;        /* prefix hash (see above); the block's name in shared tiers */
+    uint64_t hash;        /* prefix hash (see above), 0 until computed: use kvt_radix_block_hash */
     uint64_t loc;         /* tier-specific location (offset, pool slot, ...) */
     uint32_t size;        /* bytes of KV payload; 0 for index-only blocks */
     uint32_t hits;        /* matches that reached this block (saturates) */
@@ -121,6 +128,10 @@ void kvt_radix_destroy(kvt_radix_t *t);
  */
 int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
                       uint32_t page_size, uint32_t *ns_out);
+/* Opens a namespace known only by its seed (as stored in a tier's block headers): the same id as
+ * kvt_radix_ns_open() of the description that hashes to that seed. Returns 0, KVT_EINVAL
+ * (page_size differs from the one the namespace has) or KVT_ENOMEM. */
+int kvt_radix_ns_open_seed(kvt_radix_t *t, uint64_t seed, uint32_t page_size, uint32_t *ns_out);
 uint32_t kvt_radix_ns_page_size(const kvt_radix_t *t, uint32_t ns); /* 0 if ns is unknown */
 uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns);      /* 0 if ns is unknown */
 
@@ -144,7 +155,7 @@ typedef struct kvt_match {
     uint32_t node_pages;    /* pages matched inside node (1..node's page count) */
     uint32_t pages;         /* total matched pages */
     uint32_t ns;
-    uint64_t last_hash; /* hash of the last matched block, or the ns seed when pages == 0 */
+    uint64_t epoch; /* the tree's shape when matched, for kvt_radix_insert_matched */
 } kvt_match_t;
 
 enum {
@@ -173,12 +184,23 @@ typedef struct kvt_insert {
 
 /*
  * Caches every whole page of tokens[0, ntokens), adding the missing ones as blocks with tier
- * KVT_TIER_NONE and zeroed fields other than hash and the counters. Already cached pages get
- * their counters bumped as in a match. Returns 0, KVT_EINVAL or KVT_ENOMEM (and then the tree
- * is as before).
+ * KVT_TIER_NONE, zeroed fields (hash too: computed lazily), hits 0, freq 1 and last_access now.
+ * Pages already cached are left as they are: the match that preceded the insert counted the hit.
+ * Returns 0, KVT_EINVAL, KVT_ENOMEM (the tree is then as before), or KVT_EEXIST when a page's
+ * 64-bit hash collides with a different page already cached under the same parent (nothing is added
+ * from that page on).
  */
 int kvt_radix_insert(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
                      kvt_insert_t *res);
+
+/*
+ * kvt_radix_insert() for the tokens a kvt_radix_match() just matched: when the tree has not
+ * changed shape since (no insert, remove or evict: m->epoch says), it starts from the match's
+ * end instead of walking the path again. tokens and ntokens must be the ones given to the match;
+ * otherwise, or when the tree changed, it is a plain kvt_radix_insert(). Same returns.
+ */
+int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_t *tokens,
+                             size_t ntokens, kvt_insert_t *res);
 
 /*
  * Removes the block of the last whole page of tokens and every block beneath it, so that a
@@ -216,6 +238,13 @@ const uint32_t *kvt_radix_node_tokens(const kvt_radix_node_t *n, uint32_t i);
  * one of its ancestors. NULL when depth is past the end of n.
  */
 kvt_block_t *kvt_radix_block_at(kvt_radix_node_t *n, uint32_t depth);
+
+/*
+ * The chain hash of the block at page depth `depth` on the path ending in node n (as in
+ * kvt_radix_block_at), computing and caching it and any missing hashes above it. 0 when depth is
+ * past the end of n.
+ */
+uint64_t kvt_radix_block_hash(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth);
 
 /* Walks a match's path from the root down, one block at a time, on the caller's stack. */
 typedef struct kvt_path_iter {

@@ -1,0 +1,325 @@
+/*
+ * bench_radix.c: replays Mooncake traces through the radix index: for each request a match, then
+ * an insert of the whole prompt (and, with --capacity-tokens, LRU leaf eviction to stay under
+ * it). Token generation is outside the timed region.
+ *
+ * The baseline in the same run is the simple version of a prefix cache, the one vLLM's block
+ * manager uses: a hash set of per-page chain hashes, where a match hashes every page of the
+ * request until one is missing and an insert adds the rest. It also cross-checks the hit count.
+ *
+ * Each trace is replayed twice. The first pass starts on a fresh heap, so it also pays the
+ * kernel for every page the growing index touches for the first time (on this VM that costs
+ * more than the index itself); the second pass builds a new index in the memory the first one
+ * gave back, as a long-running service with a capacity limit does once evictions recycle memory.
+ * The us_per_request_* figures are the second pass; *_cold the first. The baseline runs with the
+ * first pass, so the ratio compares two cold runs.
+ *
+ * One JSON object per trace on stdout.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <malloc.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "../radix/radix.h"
+#include "../trace/trace.h"
+
+typedef struct opts {
+    uint32_t page_size;
+    uint64_t capacity_tokens; /* 0 = unlimited */
+} opts_t;
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(const double *sorted, size_t n, double p)
+{
+    if (n == 0)
+        return 0;
+    size_t i = (size_t)(p * (double)(n - 1) + 0.5);
+    return sorted[i];
+}
+
+/* ---- LRU leaf eviction, as SGLang's radix cache does it ------------------------------------- */
+
+typedef struct leaf {
+    uint32_t last;
+    kvt_radix_node_t *node;
+} leaf_t;
+
+static int cmp_leaf(const void *a, const void *b)
+{
+    const leaf_t *x = a, *y = b;
+    return x->last < y->last ? -1 : x->last > y->last;
+}
+
+/* Evicts whole leaves, least recently used first, until the tree caches at most cap tokens. */
+static uint64_t evict_lru(kvt_radix_t *t, uint64_t cap, uint32_t page_size, leaf_t **buf,
+                          size_t *bufcap)
+{
+    kvt_radix_stats_t st;
+    kvt_radix_stats(t, &st);
+    uint64_t evicted = 0;
+    while (st.cached_tokens > cap) {
+        size_t n = 0, want = kvt_radix_evictable_count(t);
+        if (want == 0)
+            break;
+        if (want > *bufcap) {
+            *bufcap = want * 2;
+            *buf = realloc(*buf, *bufcap * sizeof(leaf_t));
+            if (!*buf)
+                abort();
+        }
+        for (kvt_radix_node_t *l = kvt_radix_evictable_first(t); l;
+             l = kvt_radix_evictable_next(t, l)) {
+            uint32_t np = kvt_radix_node_pages(l);
+            (*buf)[n].last = kvt_radix_node_blocks(l)[np - 1].last_access;
+            (*buf)[n].node = l;
+            n++;
+        }
+        qsort(*buf, n, sizeof(leaf_t), cmp_leaf);
+        /* Evicting a leaf can make its parent a leaf; those wait for the next round, as the
+         * parent was used at least as recently as the child. */
+        for (size_t i = 0; i < n && st.cached_tokens > cap; i++) {
+            uint32_t np = kvt_radix_node_pages((*buf)[i].node);
+            if (kvt_radix_evict(t, (*buf)[i].node, np) != 0)
+                continue;
+            evicted += (uint64_t)np * page_size;
+            st.cached_tokens -= (uint64_t)np * page_size;
+        }
+    }
+    return evicted;
+}
+
+/* ---- the baseline: a hash set of page chain hashes ------------------------------------------ */
+
+typedef struct hset {
+    uint64_t *slots; /* 0 = empty; hashes are never 0 in practice, and 0 is remapped to 1 */
+    size_t cap, n;
+} hset_t;
+
+static int hset_has(const hset_t *s, uint64_t h)
+{
+    size_t i = h & (s->cap - 1);
+    while (s->slots[i]) {
+        if (s->slots[i] == h)
+            return 1;
+        i = (i + 1) & (s->cap - 1);
+    }
+    return 0;
+}
+
+static void hset_add(hset_t *s, uint64_t h)
+{
+    if (2 * (s->n + 1) > s->cap) {
+        hset_t g = {calloc(s->cap * 2, sizeof(uint64_t)), s->cap * 2, 0};
+        if (!g.slots)
+            abort();
+        for (size_t i = 0; i < s->cap; i++)
+            if (s->slots[i])
+                hset_add(&g, s->slots[i]);
+        free(s->slots);
+        *s = g;
+    }
+    size_t i = h & (s->cap - 1);
+    while (s->slots[i]) {
+        if (s->slots[i] == h)
+            return;
+        i = (i + 1) & (s->cap - 1);
+    }
+    s->slots[i] = h;
+    s->n++;
+}
+
+/* One request through the baseline; returns matched pages. */
+static uint32_t baseline_request(hset_t *s, const uint32_t *tok, uint32_t npages, uint32_t ps,
+                                 uint64_t seed)
+{
+    uint64_t h = seed;
+    uint32_t i = 0, hit = 0;
+    int matching = 1;
+    for (; i < npages; i++) {
+        h = XXH3_64bits_withSeed(tok + (size_t)i * ps, ps * sizeof(uint32_t), h);
+        uint64_t k = h ? h : 1;
+        if (matching && hset_has(s, k)) {
+            hit++;
+            continue;
+        }
+        matching = 0;
+        hset_add(s, k);
+    }
+    return hit;
+}
+
+/* ---- one trace ------------------------------------------------------------------------------ */
+
+typedef struct result {
+    uint64_t hit_tokens, total_tokens, matched_blocks, evicted, base_hit_tokens;
+    double sum_us, base_sum_us, p50, p99;
+    kvt_radix_stats_t st;
+    int bad;
+} result_t;
+
+static int replay(const kvt_trace_t *tr, const opts_t *o, int with_baseline, result_t *res)
+{
+    kvt_radix_t *t;
+    uint32_t ns;
+    memset(res, 0, sizeof(*res));
+    if (kvt_radix_create(&t, NULL) != 0 ||
+        kvt_radix_ns_open(t, "mooncake", NULL, NULL, o->page_size, &ns) != 0) {
+        fprintf(stderr, "bench_radix: cannot create the index\n");
+        return -1;
+    }
+    uint32_t *tok = malloc((size_t)tr->max_input_length * sizeof(uint32_t) + 4);
+    double *us = malloc(tr->nreqs * sizeof(double));
+    hset_t hs = {calloc(1 << 16, sizeof(uint64_t)), 1 << 16, 0};
+    if (!tok || !us || !hs.slots) {
+        fprintf(stderr, "bench_radix: out of memory\n");
+        return -1;
+    }
+    uint64_t seed = kvt_radix_ns_seed(t, ns);
+    leaf_t *leaves = NULL;
+    size_t leaves_cap = 0;
+
+    for (size_t i = 0; i < tr->nreqs; i++) {
+        const kvt_trace_req_t *r = &tr->reqs[i];
+        kvt_trace_tokens(r, tok);
+        kvt_radix_set_clock(t, (uint32_t)(i + 1));
+
+        uint64_t t0 = kvt_now_ns();
+        kvt_match_t m;
+        kvt_insert_t ins;
+        if (kvt_radix_match(t, ns, tok, r->input_length, 0, &m) != 0 ||
+            kvt_radix_insert_matched(t, &m, tok, r->input_length, &ins) != 0) {
+            fprintf(stderr, "bench_radix: request %zu failed\n", i);
+            return -1;
+        }
+        if (o->capacity_tokens)
+            res->evicted += evict_lru(t, o->capacity_tokens, o->page_size, &leaves, &leaves_cap);
+        uint64_t t1 = kvt_now_ns();
+
+        us[i] = (double)(t1 - t0) / 1e3;
+        res->sum_us += us[i];
+        res->hit_tokens += (uint64_t)m.pages * o->page_size;
+        res->matched_blocks += m.pages;
+        res->total_tokens += r->input_length;
+
+        if (with_baseline) {
+            uint64_t b0 = kvt_now_ns();
+            uint32_t bh =
+                baseline_request(&hs, tok, r->input_length / o->page_size, o->page_size, seed);
+            uint64_t b1 = kvt_now_ns();
+            res->base_sum_us += (double)(b1 - b0) / 1e3;
+            res->base_hit_tokens += (uint64_t)bh * o->page_size;
+        }
+    }
+
+    kvt_radix_stats(t, &res->st);
+    qsort(us, tr->nreqs, sizeof(double), cmp_double);
+    res->p50 = pct(us, tr->nreqs, 0.50);
+    res->p99 = pct(us, tr->nreqs, 0.99);
+    res->bad = kvt_radix_verify(t) != 0;
+    free(leaves);
+    free(hs.slots);
+    free(tok);
+    free(us);
+    kvt_radix_destroy(t);
+    return 0;
+}
+
+static int run_trace(const char *path, const opts_t *o)
+{
+    kvt_trace_t *tr;
+    int rc = kvt_trace_load(&tr, path);
+    if (rc != 0) {
+        fprintf(stderr, "bench_radix: %s: %s\n", path, kvt_strerror(rc));
+        return 1;
+    }
+    /* The baseline has no eviction: it runs only against an unlimited index. */
+    result_t cold, warm;
+    if (replay(tr, o, !o->capacity_tokens, &cold) != 0 || replay(tr, o, 0, &warm) != 0)
+        return 1;
+    double n = (double)tr->nreqs;
+    double mean = warm.sum_us / n;
+    char name[256];
+    printf("{\"trace\":\"%s\",\"page_size\":%u,\"requests\":%zu,\"hit_tokens\":%" PRIu64
+           ",\"total_tokens\":%" PRIu64 ",\"token_hit_ratio\":%.6f,\"us_per_request_mean\":%.3f"
+           ",\"us_per_request_p50\":%.3f,\"us_per_request_p99\":%.3f"
+           ",\"us_per_request_mean_cold\":%.3f,\"us_per_request_p99_cold\":%.3f"
+           ",\"blocks_matched_per_s\":%.0f,\"index_bytes\":%" PRIu64 ",\"cached_tokens\":%" PRIu64
+           ",\"bytes_per_cached_token\":%.3f,\"nodes\":%" PRIu64 ",\"capacity_tokens\":%" PRIu64
+           ",\"evicted_tokens\":%" PRIu64,
+           kvt_trace_name(tr, name, sizeof(name)), o->page_size, tr->nreqs, warm.hit_tokens,
+           warm.total_tokens, (double)warm.hit_tokens / (double)warm.total_tokens, mean, warm.p50,
+           warm.p99, cold.sum_us / n, cold.p99, (double)warm.matched_blocks / (warm.sum_us / 1e6),
+           warm.st.bytes, warm.st.cached_tokens,
+           warm.st.cached_tokens ? (double)warm.st.bytes / (double)warm.st.cached_tokens : 0.0,
+           warm.st.nodes, o->capacity_tokens, warm.evicted);
+    if (!o->capacity_tokens) {
+        double bmean = cold.base_sum_us / n;
+        printf(",\"baseline\":\"hash set of page chain hashes\",\"baseline_hit_tokens\":%" PRIu64
+               ",\"baseline_us_per_request_mean\":%.3f,\"ratio\":%.3f",
+               cold.base_hit_tokens, bmean, bmean / (cold.sum_us / n));
+    }
+    printf("}\n");
+    fflush(stdout);
+    int bad = cold.bad || warm.bad || cold.hit_tokens != warm.hit_tokens;
+    if (bad)
+        fprintf(stderr, "bench_radix: %s: index verification failed\n", path);
+    kvt_trace_free(tr);
+    return bad;
+}
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: bench_radix [--page-size N] [--capacity-tokens N] TRACE.jsonl...\n");
+}
+
+int main(int argc, char **argv)
+{
+    opts_t o = {.page_size = 16};
+    /* Keep freed memory in the heap (not unmapped) so the second pass can reuse it; see the
+     * comment at the top. Node storage stays below 32 MiB, glibc's largest mmap threshold. */
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 0x7fffffff);
+    const char *paths[64];
+    int npaths = 0;
+    for (int i = 1; i < argc; i++) {
+        char *end;
+        if (strcmp(argv[i], "--page-size") == 0 && i + 1 < argc) {
+            unsigned long v = strtoul(argv[++i], &end, 10);
+            if (*end || v < 1 || v > KVT_PAGE_MAX) {
+                fprintf(stderr, "bench_radix: page size must be 1..%d\n", KVT_PAGE_MAX);
+                return 2;
+            }
+            o.page_size = (uint32_t)v;
+        } else if (strcmp(argv[i], "--capacity-tokens") == 0 && i + 1 < argc) {
+            o.capacity_tokens = strtoull(argv[++i], &end, 10);
+            if (*end) {
+                usage();
+                return 2;
+            }
+        } else if (argv[i][0] == '-') {
+            usage();
+            return 2;
+        } else if (npaths < (int)KVT_ARRAY_LEN(paths)) {
+            paths[npaths++] = argv[i];
+        }
+    }
+    if (npaths == 0) {
+        usage();
+        return 2;
+    }
+    int rc = 0;
+    for (int i = 0; i < npaths; i++)
+        rc |= run_trace(paths[i], &o);
+    return rc;
+}

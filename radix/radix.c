@@ -1,0 +1,1205 @@
+/*
+ * radix.c: the page-granular radix tree behind radix.h.
+ *
+ * It owns the nodes, their page storage, the namespaces, the leases and the list of evictable
+ * leaves, and counts every byte it allocates (malloc_usable_size, so the count is what the
+ * allocator really handed out).
+ *
+ * A node's pages live in one allocation, blocks first (8-byte aligned) then tokens:
+ *
+ *     storage: [ block 0 | block 1 | ... | block cap-1 ][ tokens of page 0 | ... | page cap-1 ]
+ *
+ * cap may exceed npages after evictions shrink a leaf; the storage is trimmed when it falls
+ * below half. Children are kept in one allocation too, keys then pointers, sorted by key (the
+ * prefix hash of the child's first block) for binary search:
+ *
+ *     kids:    [ key 0 | key 1 | ... | key cap-1 ][ node* 0 | node* 1 | ... | node* cap-1 ]
+ *
+ * The evictable list holds exactly the nodes that are leaves (no children), unleased and not a
+ * root. Leases live in a slab whose ids carry a generation, so a stale id is recognised and a
+ * second release is harmless.
+ */
+#include "radix.h"
+
+#include <malloc.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+typedef struct kvt_ns {
+    uint64_t seed;
+    uint32_t page_size;
+    kvt_radix_node_t *root;
+    char *desc; /* "model\0adapter\0salt\0", for logs; NULL when opened by seed */
+} kvt_ns_t;
+
+struct kvt_radix_node {
+    kvt_radix_node_t *parent;
+    kvt_radix_node_t *lprev, *lnext; /* evictable list, when in it */
+    kvt_block_t *blocks;             /* storage: cap blocks, then cap pages of tokens */
+    uint32_t *tokens;
+    uint64_t *keys; /* kids allocation: kcap keys then kcap pointers */
+    uint32_t nkids, kcap;
+    uint32_t npages, cap;
+    uint32_t depth; /* page depth of the first page */
+    uint32_t ns;
+    uint32_t leases;
+    uint32_t idx; /* position in the tree's node registry; UINT32_MAX for roots */
+    uint16_t page_size;
+    uint8_t in_list;
+};
+
+typedef struct kvt_lease {
+    uint64_t owner; /* 0 when the slot is free */
+    kvt_radix_node_t *node;
+    uint32_t gen;
+    uint32_t next_free;
+} kvt_lease_t;
+
+struct kvt_radix {
+    kvt_radix_conf_t conf;
+    float decay_per_tick; /* log2 decay per clock unit: freq *= 2^(-dt * decay_per_tick) */
+    uint32_t clock;
+
+    kvt_ns_t *ns;
+    uint32_t nns, ns_cap;
+
+    kvt_radix_node_t **nodes; /* registry of non-root nodes */
+    size_t nnodes, nodes_cap;
+
+    kvt_radix_node_t list; /* sentinel of the evictable list */
+    size_t nlist;
+
+    kvt_lease_t *leases;
+    uint32_t lease_cap, lease_free, nleases;
+
+    uint64_t epoch; /* bumped by every change of shape: insert, split, remove, evict */
+    uint64_t bytes;
+    uint64_t blocks;
+    uint64_t cached_tokens;
+};
+
+#define NO_SLOT UINT32_MAX
+
+/* ---- allocation with byte accounting -------------------------------------------------------- */
+
+static void *rx_malloc(kvt_radix_t *t, size_t n)
+{
+    void *p = malloc(n);
+    if (p)
+        t->bytes += malloc_usable_size(p);
+    return p;
+}
+
+static void *rx_realloc(kvt_radix_t *t, void *p, size_t n)
+{
+    size_t old = p ? malloc_usable_size(p) : 0;
+    void *q = realloc(p, n);
+    if (q)
+        t->bytes += malloc_usable_size(q) - old;
+    return q;
+}
+
+static void rx_free(kvt_radix_t *t, void *p)
+{
+    if (!p)
+        return;
+    t->bytes -= malloc_usable_size(p);
+    free(p);
+}
+
+static size_t storage_bytes(uint32_t cap, uint32_t page_size)
+{
+    return (size_t)cap * (sizeof(kvt_block_t) + (size_t)page_size * sizeof(uint32_t));
+}
+
+static kvt_radix_node_t **kids_ptrs(const kvt_radix_node_t *n)
+{
+    return (kvt_radix_node_t **)(n->keys + n->kcap);
+}
+
+/* The chain hash of a page (never 0: 0 means "not computed"). */
+static inline uint64_t page_hash(const uint32_t *tokens, uint32_t page_size, uint64_t seed)
+{
+    uint64_t h = XXH3_64bits_withSeed(tokens, (size_t)page_size * sizeof(uint32_t), seed);
+    return h ? h : 1;
+}
+
+/* The key a child is found by under its parent: a hash of its first page alone. */
+static inline uint64_t page_key(const uint32_t *tokens, uint32_t page_size)
+{
+    return XXH3_64bits(tokens, (size_t)page_size * sizeof(uint32_t));
+}
+
+const char *kvt_tier_name(kvt_tier_id_t tier)
+{
+    static const char *const names[] = {"none", "hbm", "dram", "nvme", "remote"};
+    return (unsigned)tier < KVT_TIER_COUNT ? names[tier] : "invalid";
+}
+
+/* ---- evictable list ------------------------------------------------------------------------- */
+
+static void list_update(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    int want = n->idx != NO_SLOT && n->nkids == 0 && n->leases == 0 && n->npages > 0;
+    if (want == n->in_list)
+        return;
+    if (want) {
+        n->lnext = t->list.lnext;
+        n->lprev = &t->list;
+        t->list.lnext->lprev = n;
+        t->list.lnext = n;
+        t->nlist++;
+    } else {
+        n->lprev->lnext = n->lnext;
+        n->lnext->lprev = n->lprev;
+        n->lprev = n->lnext = NULL;
+        t->nlist--;
+    }
+    n->in_list = (uint8_t)want;
+}
+
+/* ---- nodes ---------------------------------------------------------------------------------- */
+
+/* Sets a node's storage capacity, keeping its npages pages. */
+static int node_set_cap(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t cap)
+{
+    kvt_assert(cap >= n->npages);
+    size_t tok_bytes = (size_t)n->npages * n->page_size * sizeof(uint32_t);
+    if (cap == n->cap)
+        return 0;
+    if (cap < n->cap) {
+        /* Move the tokens down to where the smaller block area ends, then shrink. */
+        uint32_t *dst = (uint32_t *)(n->blocks + cap);
+        memmove(dst, n->tokens, tok_bytes);
+        kvt_block_t *b = rx_realloc(t, n->blocks, storage_bytes(cap, n->page_size));
+        if (b) /* a failed shrink keeps the old, larger block: still valid */
+            n->blocks = b;
+        n->tokens = (uint32_t *)(n->blocks + cap);
+        n->cap = cap;
+        return 0;
+    }
+    kvt_block_t *b = rx_realloc(t, n->blocks, storage_bytes(cap, n->page_size));
+    if (!b)
+        return KVT_ENOMEM;
+    memmove(b + cap, b + n->cap, tok_bytes);
+    n->blocks = b;
+    n->tokens = (uint32_t *)(b + cap);
+    n->cap = cap;
+    return 0;
+}
+
+static int registry_add(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    if (t->nnodes == t->nodes_cap) {
+        size_t cap = t->nodes_cap ? t->nodes_cap * 2 : 64;
+        kvt_radix_node_t **v = rx_realloc(t, t->nodes, cap * sizeof(*v));
+        if (!v)
+            return KVT_ENOMEM;
+        t->nodes = v;
+        t->nodes_cap = cap;
+    }
+    n->idx = (uint32_t)t->nnodes;
+    t->nodes[t->nnodes++] = n;
+    return 0;
+}
+
+static void registry_del(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    kvt_radix_node_t *last = t->nodes[--t->nnodes];
+    t->nodes[n->idx] = last;
+    last->idx = n->idx;
+}
+
+/* Allocates a node with room for npages pages (storage uninitialised). */
+static kvt_radix_node_t *node_new(kvt_radix_t *t, uint32_t ns, uint32_t page_size, uint32_t npages)
+{
+    kvt_radix_node_t *n = rx_malloc(t, sizeof(*n));
+    if (!n)
+        return NULL;
+    memset(n, 0, sizeof(*n));
+    n->ns = ns;
+    n->page_size = (uint16_t)page_size;
+    n->idx = NO_SLOT;
+    if (npages > 0) {
+        n->blocks = rx_malloc(t, storage_bytes(npages, page_size));
+        if (!n->blocks) {
+            rx_free(t, n);
+            return NULL;
+        }
+        n->cap = npages;
+        n->tokens = (uint32_t *)(n->blocks + npages);
+    }
+    return n;
+}
+
+static void node_free(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    rx_free(t, n->keys);
+    rx_free(t, n->blocks);
+    rx_free(t, n);
+}
+
+/* Index of the first key >= key in n's children. */
+static uint32_t kid_lower_bound(const kvt_radix_node_t *n, uint64_t key)
+{
+    uint32_t lo = 0, hi = n->nkids;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (n->keys[mid] < key)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static kvt_radix_node_t *kid_find(const kvt_radix_node_t *n, uint64_t key)
+{
+    if (n->nkids == 1) /* the common case: a chain, no search */
+        return n->keys[0] == key ? kids_ptrs(n)[0] : NULL;
+    uint32_t i = kid_lower_bound(n, key);
+    return i < n->nkids && n->keys[i] == key ? kids_ptrs(n)[i] : NULL;
+}
+
+static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    if (n->nkids < n->kcap)
+        return 0;
+    uint32_t cap = n->kcap ? n->kcap * 2 : 1;
+    uint64_t *k = rx_malloc(t, (size_t)cap * (sizeof(uint64_t) + sizeof(void *)));
+    if (!k)
+        return KVT_ENOMEM;
+    kvt_radix_node_t **p = (kvt_radix_node_t **)(k + cap);
+    if (n->nkids) {
+        memcpy(k, n->keys, n->nkids * sizeof(uint64_t));
+        memcpy(p, kids_ptrs(n), n->nkids * sizeof(void *));
+    }
+    rx_free(t, n->keys);
+    n->keys = k;
+    n->kcap = cap;
+    return 0;
+}
+
+/* Inserts child c under n; kid_reserve(n) must have succeeded. */
+static void kid_add(kvt_radix_node_t *n, kvt_radix_node_t *c)
+{
+    uint64_t key = page_key(c->tokens, c->page_size);
+    uint32_t i = kid_lower_bound(n, key);
+    kvt_assert(n->nkids < n->kcap);
+    kvt_radix_node_t **p = kids_ptrs(n);
+    memmove(n->keys + i + 1, n->keys + i, (n->nkids - i) * sizeof(uint64_t));
+    memmove(p + i + 1, p + i, (n->nkids - i) * sizeof(void *));
+    n->keys[i] = key;
+    p[i] = c;
+    n->nkids++;
+    c->parent = n;
+}
+
+static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
+{
+    uint32_t i = kid_lower_bound(n, key);
+    kvt_assert(i < n->nkids && n->keys[i] == key);
+    kvt_radix_node_t **p = kids_ptrs(n);
+    memmove(n->keys + i, n->keys + i + 1, (n->nkids - i - 1) * sizeof(uint64_t));
+    memmove(p + i, p + i + 1, (n->nkids - i - 1) * sizeof(void *));
+    n->nkids--;
+    if (n->nkids == 0) {
+        rx_free(t, n->keys);
+        n->keys = NULL;
+        n->kcap = 0;
+    }
+}
+
+static int is_root(const kvt_radix_node_t *n)
+{
+    return n->idx == NO_SLOT;
+}
+
+/* ---- tree ----------------------------------------------------------------------------------- */
+
+int kvt_radix_create(kvt_radix_t **out, const kvt_radix_conf_t *conf)
+{
+    if (!out)
+        return KVT_EINVAL;
+    *out = NULL;
+    if (conf && (conf->freq_half_life < 0 || isnan(conf->freq_half_life)))
+        return KVT_EINVAL;
+    kvt_radix_t *t = calloc(1, sizeof(*t));
+    if (!t)
+        return KVT_ENOMEM;
+    t->bytes = malloc_usable_size(t);
+    if (conf)
+        t->conf = *conf;
+    if (t->conf.freq_half_life == 0)
+        t->conf.freq_half_life = 600000.0f;
+    t->decay_per_tick = 1.0f / t->conf.freq_half_life;
+    t->list.lnext = t->list.lprev = &t->list;
+    t->lease_free = NO_SLOT;
+    *out = t;
+    return 0;
+}
+
+static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb);
+
+void kvt_radix_destroy(kvt_radix_t *t)
+{
+    if (!t)
+        return;
+    for (uint32_t i = 0; i < t->nns; i++) {
+        subtree_free(t, t->ns[i].root, 1);
+        free(t->ns[i].desc);
+    }
+    free(t->ns);
+    free(t->nodes);
+    free(t->leases);
+    free(t);
+}
+
+void kvt_radix_set_clock(kvt_radix_t *t, uint32_t now)
+{
+    if (t)
+        t->clock = now;
+}
+
+uint32_t kvt_radix_clock(const kvt_radix_t *t)
+{
+    return t ? t->clock : 0;
+}
+
+/* ---- namespaces ----------------------------------------------------------------------------- */
+
+static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc, size_t desc_len,
+                  uint32_t *ns_out)
+{
+    for (uint32_t i = 0; i < t->nns; i++) {
+        if (t->ns[i].seed != seed)
+            continue;
+        if (t->ns[i].page_size != page_size)
+            return KVT_EINVAL;
+        if (!t->ns[i].desc && desc) { /* first learnt by seed, now by name */
+            t->ns[i].desc = rx_malloc(t, desc_len);
+            if (t->ns[i].desc)
+                memcpy(t->ns[i].desc, desc, desc_len);
+        }
+        *ns_out = i;
+        return 0;
+    }
+    if (t->nns == t->ns_cap) {
+        uint32_t cap = t->ns_cap ? t->ns_cap * 2 : 4;
+        kvt_ns_t *v = rx_realloc(t, t->ns, cap * sizeof(*v));
+        if (!v)
+            return KVT_ENOMEM;
+        t->ns = v;
+        t->ns_cap = cap;
+    }
+    kvt_ns_t *s = &t->ns[t->nns];
+    memset(s, 0, sizeof(*s));
+    s->seed = seed;
+    s->page_size = page_size;
+    s->root = node_new(t, t->nns, page_size, 0);
+    if (!s->root)
+        return KVT_ENOMEM;
+    if (desc) {
+        s->desc = rx_malloc(t, desc_len);
+        if (!s->desc) {
+            node_free(t, s->root);
+            return KVT_ENOMEM;
+        }
+        memcpy(s->desc, desc, desc_len);
+    }
+    *ns_out = t->nns++;
+    return 0;
+}
+
+int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
+                      uint32_t page_size, uint32_t *ns_out)
+{
+    if (!t || !model || !ns_out || page_size < 1 || page_size > KVT_PAGE_MAX)
+        return KVT_EINVAL;
+    const char *parts[3] = {model, adapter ? adapter : "", salt ? salt : ""};
+    char buf[16 + 3 * 256 + 4];
+    size_t len = 0;
+    memcpy(buf, "kvtier-ns-v1", 13); /* with its NUL */
+    len = 13;
+    for (int i = 0; i < 3; i++) {
+        size_t l = strlen(parts[i]);
+        if (l > 255)
+            return KVT_EINVAL;
+        memcpy(buf + len, parts[i], l + 1);
+        len += l + 1;
+    }
+    uint8_t ps[4] = {(uint8_t)page_size, (uint8_t)(page_size >> 8), (uint8_t)(page_size >> 16),
+                     (uint8_t)(page_size >> 24)};
+    memcpy(buf + len, ps, 4);
+    uint64_t seed = XXH3_64bits(buf, len + 4);
+    return ns_add(t, seed, page_size, buf + 13, len - 13, ns_out);
+}
+
+int kvt_radix_ns_open_seed(kvt_radix_t *t, uint64_t seed, uint32_t page_size, uint32_t *ns_out)
+{
+    if (!t || !ns_out || page_size < 1 || page_size > KVT_PAGE_MAX)
+        return KVT_EINVAL;
+    return ns_add(t, seed, page_size, NULL, 0, ns_out);
+}
+
+uint32_t kvt_radix_ns_page_size(const kvt_radix_t *t, uint32_t ns)
+{
+    return t && ns < t->nns ? t->ns[ns].page_size : 0;
+}
+
+uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns)
+{
+    return t && ns < t->nns ? t->ns[ns].seed : 0;
+}
+
+int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
+                         uint64_t *hashes)
+{
+    if (!t || ns >= t->nns || (npages && (!tokens || !hashes)))
+        return KVT_EINVAL;
+    uint32_t ps = t->ns[ns].page_size;
+    uint64_t h = t->ns[ns].seed;
+    for (size_t i = 0; i < npages; i++)
+        hashes[i] = h = page_hash(tokens + i * ps, ps, h);
+    return 0;
+}
+
+/* ---- match ---------------------------------------------------------------------------------- */
+
+/* How many of the first `avail` pages of a and b are equal (in whole pages). */
+static uint32_t common_pages(const uint32_t *a, const uint32_t *b, uint32_t avail, uint32_t ps)
+{
+    size_t page_bytes = (size_t)ps * sizeof(uint32_t);
+    uint32_t i = 0;
+    /* Whole runs of 32 pages with one memcmp each; the first unequal run page by page. */
+    while (i < avail) {
+        uint32_t run = KVT_MIN(32u, avail - i);
+        if (memcmp(a + (size_t)i * ps, b + (size_t)i * ps, run * page_bytes) == 0) {
+            i += run;
+            continue;
+        }
+        while (memcmp(a + (size_t)i * ps, b + (size_t)i * ps, page_bytes) == 0)
+            i++;
+        return i;
+    }
+    return avail;
+}
+
+/* Bumps the counters of blocks [0, n). Blocks on a path usually share last_access, so the decay
+ * factor is computed once per distinct age, not once per block. */
+static void touch_blocks(kvt_radix_t *t, kvt_block_t *b, uint32_t n)
+{
+    uint32_t now = t->clock, last_dt = 0;
+    float factor = 1.0f;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t dt = now - b[i].last_access;
+        if (dt != last_dt) {
+            factor = exp2f(-(float)dt * t->decay_per_tick);
+            last_dt = dt;
+        }
+        b[i].freq = b[i].freq * factor + 1.0f;
+        b[i].last_access = now;
+        b[i].hits += b[i].hits != UINT32_MAX;
+    }
+}
+
+/* The walk shared by match, insert and remove. Stops at the first page not cached. On return:
+ * parent is the last fully matched node (a root when nothing matched fully), node and k the
+ * deepest node with matched pages and how many (NULL and 0 when none), pos the pages matched. */
+typedef struct walk {
+    kvt_radix_node_t *parent, *node;
+    uint32_t k, pos;
+    int collision; /* a child had page pos's key but other tokens */
+} walk_t;
+
+static void walk(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uint32_t npages, int touch,
+                 walk_t *w)
+{
+    uint32_t ps = t->ns[ns].page_size;
+    kvt_radix_node_t *n = t->ns[ns].root;
+    memset(w, 0, sizeof(*w));
+    w->parent = n;
+    while (w->pos < npages && n->nkids > 0) {
+        const uint32_t *pg = tokens + (size_t)w->pos * ps;
+        kvt_radix_node_t *c = kid_find(n, page_key(pg, ps));
+        if (!c || memcmp(c->tokens, pg, (size_t)ps * sizeof(uint32_t)) != 0) {
+            w->collision = c != NULL;
+            return;
+        }
+        uint32_t avail = KVT_MIN(c->npages, npages - w->pos);
+        uint32_t k = 1 + common_pages(c->tokens + ps, pg + ps, avail - 1, ps);
+        if (touch)
+            touch_blocks(t, c->blocks, k);
+        w->node = c;
+        w->k = k;
+        w->pos += k;
+        if (k < c->npages)
+            return;
+        w->parent = n = c;
+    }
+}
+
+int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
+                    unsigned flags, kvt_match_t *m)
+{
+    if (!t || !m || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+        return KVT_EINVAL;
+    walk_t w;
+    walk(t, ns, tokens, (uint32_t)(ntokens / t->ns[ns].page_size), !(flags & KVT_MATCH_NOTOUCH),
+         &w);
+    m->node = w.node;
+    m->node_pages = w.k;
+    m->pages = w.pos;
+    m->ns = ns;
+    m->epoch = t->epoch;
+    return 0;
+}
+
+/* ---- insert --------------------------------------------------------------------------------- */
+
+/*
+ * Splits c after its first k pages by creating a new node p above it that takes those pages:
+ *
+ *     g -> c[0 .. n)        becomes        g -> p[0 .. k) -> c[k .. n)
+ *
+ * c keeps its address, children and leases (p inherits c's lease count: every lease through c
+ * runs through p). Returns p, or NULL when out of memory (nothing changed).
+ */
+static kvt_radix_node_t *split(kvt_radix_t *t, kvt_radix_node_t *c, uint32_t k)
+{
+    kvt_assert(k > 0 && k < c->npages);
+    kvt_radix_node_t *g = c->parent;
+    uint32_t ps = c->page_size;
+    kvt_radix_node_t *p = node_new(t, c->ns, ps, k);
+    if (!p)
+        return NULL;
+    p->kcap = 2; /* room for c and the leaf the insert adds next to it */
+    p->keys = rx_malloc(t, 2 * (sizeof(uint64_t) + sizeof(void *)));
+    if (!p->keys || registry_add(t, p) != 0) {
+        node_free(t, p);
+        return NULL;
+    }
+    memcpy(p->blocks, c->blocks, k * sizeof(kvt_block_t));
+    memcpy(p->tokens, c->tokens, (size_t)k * ps * sizeof(uint32_t));
+    p->npages = k;
+    p->depth = c->depth;
+    p->leases = c->leases;
+
+    /* p takes c's place under g: same key, since p starts with c's old first page. */
+    uint32_t i = kid_lower_bound(g, page_key(c->tokens, ps));
+    kvt_assert(kids_ptrs(g)[i] == c);
+    kids_ptrs(g)[i] = p;
+    p->parent = g;
+
+    uint32_t rest = c->npages - k;
+    memmove(c->blocks, c->blocks + k, rest * sizeof(kvt_block_t));
+    memmove(c->tokens, c->tokens + (size_t)k * ps, (size_t)rest * ps * sizeof(uint32_t));
+    c->npages = rest;
+    c->depth += k;
+    if (c->cap > 2 * rest)
+        node_set_cap(t, c, rest);
+    p->keys[0] = page_key(c->tokens, ps);
+    kids_ptrs(p)[0] = c;
+    p->nkids = 1;
+    c->parent = p;
+    return p;
+}
+
+/* Adds pages [w->pos, npages) of tokens after the walk w. */
+static int insert_after(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uint32_t npages,
+                        const walk_t *w, kvt_insert_t *res)
+{
+    uint32_t ps = t->ns[ns].page_size;
+    memset(res, 0, sizeof(*res));
+    res->pages = npages;
+    if (w->pos == npages || w->collision) {
+        res->node = w->node;
+        res->first_page = w->pos;
+        return w->collision ? KVT_EEXIST : 0;
+    }
+
+    /* The new pages hang under the last fully matched node, or under the head of a split. */
+    uint32_t m = npages - w->pos;
+    kvt_radix_node_t *leaf = node_new(t, ns, ps, m);
+    if (!leaf || registry_add(t, leaf) != 0) {
+        if (leaf)
+            node_free(t, leaf);
+        return KVT_ENOMEM;
+    }
+    kvt_radix_node_t *under = w->parent;
+    if (w->node && w->k < w->node->npages) {
+        under = split(t, w->node, w->k);
+        if (!under) {
+            registry_del(t, leaf);
+            node_free(t, leaf);
+            return KVT_ENOMEM;
+        }
+        t->epoch++;
+    }
+    if (kid_reserve(t, under) != 0) {
+        /* The split (if any) stays: it is a valid tree, only with one more node. */
+        registry_del(t, leaf);
+        node_free(t, leaf);
+        return KVT_ENOMEM;
+    }
+
+    memcpy(leaf->tokens, tokens + (size_t)w->pos * ps, (size_t)m * ps * sizeof(uint32_t));
+    /* Hashes stay 0 until asked for (kvt_radix_block_hash): an index-only insert hashes only the
+     * first page, for its key. */
+    kvt_block_t proto = {.last_access = t->clock, .freq = 1.0f};
+    for (uint32_t i = 0; i < m; i++)
+        leaf->blocks[i] = proto;
+    leaf->npages = m;
+    leaf->depth = w->pos;
+    int was_leaf = under->nkids == 0;
+    kid_add(under, leaf);
+    if (was_leaf)
+        list_update(t, under);
+    list_update(t, leaf);
+    t->blocks += m;
+    t->cached_tokens += (uint64_t)m * ps;
+    t->epoch++;
+
+    res->node = leaf;
+    res->first_page = w->pos;
+    res->new_pages = m;
+    return 0;
+}
+
+int kvt_radix_insert(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
+                     kvt_insert_t *res)
+{
+    if (!t || !res || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+        return KVT_EINVAL;
+    uint32_t npages = (uint32_t)(ntokens / t->ns[ns].page_size);
+    walk_t w;
+    walk(t, ns, tokens, npages, 0, &w);
+    return insert_after(t, ns, tokens, npages, &w, res);
+}
+
+int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_t *tokens,
+                             size_t ntokens, kvt_insert_t *res)
+{
+    if (!t || !m || !res || m->ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+        return KVT_EINVAL;
+    uint32_t ps = t->ns[m->ns].page_size;
+    uint32_t npages = (uint32_t)(ntokens / ps);
+    if (m->epoch != t->epoch || m->pages > npages)
+        return kvt_radix_insert(t, m->ns, tokens, ntokens, res);
+    walk_t w = {.parent = t->ns[m->ns].root, .node = m->node, .k = m->node_pages, .pos = m->pages};
+    if (m->node) {
+        /* A cheap guard against a caller passing other tokens: the last matched page. */
+        const uint32_t *last = m->node->tokens + (size_t)(m->node_pages - 1) * ps;
+        if (memcmp(last, tokens + (size_t)(m->pages - 1) * ps, ps * sizeof(uint32_t)) != 0)
+            return kvt_radix_insert(t, m->ns, tokens, ntokens, res);
+        w.parent = m->node_pages == m->node->npages ? m->node : m->node->parent;
+    }
+    /* The match stopped at a missing child or a collision; tell which for an exact result. */
+    if (w.pos < npages && w.k == (m->node ? m->node->npages : 0)) {
+        const uint32_t *pg = tokens + (size_t)w.pos * ps;
+        kvt_radix_node_t *c = kid_find(w.parent, page_key(pg, ps));
+        w.collision = c != NULL;
+        if (c && memcmp(c->tokens, pg, (size_t)ps * sizeof(uint32_t)) == 0)
+            return kvt_radix_insert(t, m->ns, tokens, ntokens, res); /* not what was matched */
+    }
+    return insert_after(t, m->ns, tokens, npages, &w, res);
+}
+
+/* ---- removal and eviction ------------------------------------------------------------------- */
+
+static void free_blocks(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from, uint32_t to)
+{
+    for (uint32_t i = to; i > from; i--) /* deepest first */
+        if (t->conf.free_cb)
+            t->conf.free_cb(t->conf.free_arg, n->ns, &n->blocks[i - 1]);
+    t->blocks -= to - from;
+    t->cached_tokens -= (uint64_t)(to - from) * n->page_size;
+}
+
+/* Frees n and everything below it, calling the free callback for each block when call_cb.
+ * Iterative: a long conversation makes deep chains. */
+static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
+{
+    kvt_radix_node_t *cur = n;
+    while (cur) {
+        if (cur->nkids > 0) { /* descend into the last child first */
+            cur = kids_ptrs(cur)[cur->nkids - 1];
+            continue;
+        }
+        kvt_radix_node_t *up = cur == n ? NULL : cur->parent;
+        if (call_cb)
+            free_blocks(t, cur, 0, cur->npages);
+        if (up)
+            up->nkids--; /* it was the last child: its slot goes with it */
+        if (cur->in_list) {
+            cur->lprev->lnext = cur->lnext;
+            cur->lnext->lprev = cur->lprev;
+            t->nlist--;
+        }
+        if (!is_root(cur))
+            registry_del(t, cur);
+        node_free(t, cur);
+        cur = up;
+    }
+}
+
+/* Whether anything in n's subtree (n included when whole) is leased or busy. */
+static int subtree_busy(kvt_radix_node_t *n, uint32_t from)
+{
+    if (n->leases > 0)
+        return 1;
+    for (uint32_t i = from; i < n->npages; i++)
+        if (n->blocks[i].flags & KVT_BLOCK_BUSY)
+            return 1;
+    kvt_radix_node_t **kids = kids_ptrs(n);
+    for (uint32_t i = 0; i < n->nkids; i++)
+        if (subtree_busy(kids[i], 0))
+            return 1;
+    return 0;
+}
+
+int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens)
+{
+    if (!t || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+        return KVT_EINVAL;
+    uint32_t npages = (uint32_t)(ntokens / t->ns[ns].page_size);
+    if (npages == 0)
+        return KVT_EINVAL;
+    walk_t w;
+    walk(t, ns, tokens, npages, 0, &w);
+    if (w.pos < npages)
+        return KVT_ENOENT;
+    kvt_radix_node_t *n = w.node;
+    uint32_t from = w.k - 1; /* index in n of the block to remove */
+    if (subtree_busy(n, from))
+        return KVT_EBUSY;
+    t->epoch++;
+
+    /* Children first, then the node's tail or the whole node. */
+    while (n->nkids > 0) {
+        kvt_radix_node_t *c = kids_ptrs(n)[n->nkids - 1];
+        uint64_t key = n->keys[n->nkids - 1];
+        subtree_free(t, c, 1);
+        kid_del(t, n, key);
+    }
+    if (from > 0) {
+        free_blocks(t, n, from, n->npages);
+        n->npages = from;
+        if (n->cap > 2 * n->npages)
+            node_set_cap(t, n, n->npages);
+        list_update(t, n);
+        return 0;
+    }
+    kvt_radix_node_t *parent = n->parent;
+    kid_del(t, parent, page_key(n->tokens, n->page_size));
+    subtree_free(t, n, 1);
+    list_update(t, parent);
+    return 0;
+}
+
+int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages)
+{
+    if (!t || !n || is_root(n) || npages == 0 || npages > n->npages)
+        return KVT_EINVAL;
+    if (n->nkids > 0 || n->leases > 0)
+        return KVT_EBUSY;
+    for (uint32_t i = n->npages - npages; i < n->npages; i++)
+        if (n->blocks[i].flags & KVT_BLOCK_BUSY)
+            return KVT_EBUSY;
+    t->epoch++;
+    if (npages < n->npages) {
+        free_blocks(t, n, n->npages - npages, n->npages);
+        n->npages -= npages;
+        if (n->cap > 2 * n->npages)
+            node_set_cap(t, n, n->npages);
+        return 0;
+    }
+    kvt_radix_node_t *parent = n->parent;
+    kid_del(t, parent, page_key(n->tokens, n->page_size));
+    subtree_free(t, n, 1);
+    list_update(t, parent);
+    t->epoch++;
+    return 0;
+}
+
+kvt_radix_node_t *kvt_radix_evictable_first(kvt_radix_t *t)
+{
+    if (!t || t->list.lnext == &t->list)
+        return NULL;
+    return t->list.lnext;
+}
+
+kvt_radix_node_t *kvt_radix_evictable_next(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    if (!t || !n || !n->in_list || n->lnext == &t->list)
+        return NULL;
+    return n->lnext;
+}
+
+size_t kvt_radix_evictable_count(const kvt_radix_t *t)
+{
+    return t ? t->nlist : 0;
+}
+
+/* ---- leases --------------------------------------------------------------------------------- */
+
+static void pin(kvt_radix_t *t, kvt_radix_node_t *n, int delta)
+{
+    for (; n && !is_root(n); n = n->parent) {
+        kvt_assert(delta > 0 || n->leases > 0);
+        n->leases += (uint32_t)delta;
+        list_update(t, n);
+    }
+}
+
+int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64_t *lease_out)
+{
+    if (!t || !m || !lease_out || owner == 0)
+        return KVT_EINVAL;
+    if (!m->node || m->pages == 0)
+        return KVT_ENOENT;
+    if (t->lease_free == NO_SLOT) {
+        uint32_t cap = t->lease_cap ? t->lease_cap * 2 : 64;
+        kvt_lease_t *v = rx_realloc(t, t->leases, cap * sizeof(*v));
+        if (!v)
+            return KVT_ENOMEM;
+        for (uint32_t i = t->lease_cap; i < cap; i++) {
+            v[i].owner = 0;
+            v[i].node = NULL;
+            v[i].gen = 1;
+            v[i].next_free = i + 1 < cap ? i + 1 : NO_SLOT;
+        }
+        t->leases = v;
+        t->lease_free = t->lease_cap;
+        t->lease_cap = cap;
+    }
+    uint32_t slot = t->lease_free;
+    kvt_lease_t *l = &t->leases[slot];
+    t->lease_free = l->next_free;
+    l->owner = owner;
+    l->node = m->node;
+    t->nleases++;
+    pin(t, m->node, 1);
+    *lease_out = (uint64_t)l->gen << 32 | slot;
+    return 0;
+}
+
+static void lease_drop(kvt_radix_t *t, uint32_t slot)
+{
+    kvt_lease_t *l = &t->leases[slot];
+    pin(t, l->node, -1);
+    l->owner = 0;
+    l->node = NULL;
+    l->gen = l->gen == UINT32_MAX ? 1 : l->gen + 1;
+    l->next_free = t->lease_free;
+    t->lease_free = slot;
+    t->nleases--;
+}
+
+int kvt_radix_release(kvt_radix_t *t, uint64_t lease)
+{
+    if (!t)
+        return KVT_EINVAL;
+    uint32_t slot = (uint32_t)lease, gen = (uint32_t)(lease >> 32);
+    if (slot >= t->lease_cap || t->leases[slot].owner == 0 || t->leases[slot].gen != gen)
+        return KVT_ENOENT;
+    lease_drop(t, slot);
+    return 0;
+}
+
+size_t kvt_radix_release_owner(kvt_radix_t *t, uint64_t owner)
+{
+    if (!t || owner == 0)
+        return 0;
+    size_t n = 0;
+    for (uint32_t i = 0; i < t->lease_cap; i++) {
+        if (t->leases[i].owner == owner) {
+            lease_drop(t, i);
+            n++;
+        }
+    }
+    return n;
+}
+
+size_t kvt_radix_lease_count(const kvt_radix_t *t)
+{
+    return t ? t->nleases : 0;
+}
+
+/* ---- node accessors and paths --------------------------------------------------------------- */
+
+uint32_t kvt_radix_node_pages(const kvt_radix_node_t *n)
+{
+    return n ? n->npages : 0;
+}
+
+uint32_t kvt_radix_node_depth(const kvt_radix_node_t *n)
+{
+    return n ? n->depth : 0;
+}
+
+uint32_t kvt_radix_node_ns(const kvt_radix_node_t *n)
+{
+    return n ? n->ns : 0;
+}
+
+kvt_radix_node_t *kvt_radix_node_parent(const kvt_radix_node_t *n)
+{
+    if (!n || !n->parent || is_root(n->parent))
+        return NULL;
+    return n->parent;
+}
+
+uint32_t kvt_radix_node_children(const kvt_radix_node_t *n)
+{
+    return n ? n->nkids : 0;
+}
+
+int kvt_radix_node_leased(const kvt_radix_node_t *n)
+{
+    return n && n->leases > 0;
+}
+
+kvt_block_t *kvt_radix_node_blocks(kvt_radix_node_t *n)
+{
+    return n ? n->blocks : NULL;
+}
+
+const uint32_t *kvt_radix_node_tokens(const kvt_radix_node_t *n, uint32_t i)
+{
+    if (!n || i >= n->npages)
+        return NULL;
+    return n->tokens + (size_t)i * n->page_size;
+}
+
+kvt_block_t *kvt_radix_block_at(kvt_radix_node_t *n, uint32_t depth)
+{
+    if (!n || is_root(n) || depth >= n->depth + n->npages)
+        return NULL;
+    while (n->depth > depth)
+        n = n->parent;
+    return &n->blocks[depth - n->depth];
+}
+
+uint64_t kvt_radix_block_hash(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth)
+{
+    kvt_block_t *target = kvt_radix_block_at(n, depth);
+    if (!t || !target)
+        return 0;
+    if (target->hash)
+        return target->hash;
+    /* Computed hashes form a prefix of the path: find where it ends, then hash forward. */
+    kvt_radix_node_t *c = n;
+    while (c->depth > depth)
+        c = c->parent;
+    uint32_t i = depth - c->depth;
+    uint64_t h = 0;
+    for (;;) {
+        while (i > 0 && c->blocks[i - 1].hash == 0)
+            i--;
+        if (i > 0) {
+            h = c->blocks[i - 1].hash;
+            break;
+        }
+        if (is_root(c->parent)) {
+            h = t->ns[c->ns].seed;
+            break;
+        }
+        c = c->parent;
+        i = c->npages;
+    }
+    /* Forward from (c, i) to the target, crossing into children along the path to n. */
+    for (uint32_t d = c->depth + i; d <= depth; d++) {
+        kvt_radix_node_t *holder = n;
+        while (holder->depth > d)
+            holder = holder->parent;
+        kvt_block_t *b = &holder->blocks[d - holder->depth];
+        b->hash = h = page_hash(holder->tokens + (size_t)(d - holder->depth) * holder->page_size,
+                                holder->page_size, h);
+    }
+    return h;
+}
+
+void kvt_path_iter_init(kvt_path_iter_t *it, kvt_radix_node_t *node, uint32_t node_pages)
+{
+    memset(it, 0, sizeof(*it));
+    if (!node || is_root(node) || node_pages == 0)
+        return;
+    it->deep = node;
+    it->end = node->depth + KVT_MIN(node_pages, node->npages);
+    uint32_t levels = 0;
+    for (kvt_radix_node_t *n = node; !is_root(n); n = n->parent)
+        levels++;
+    if (levels <= KVT_ARRAY_LEN(it->path)) {
+        uint32_t i = levels;
+        for (kvt_radix_node_t *n = node; !is_root(n); n = n->parent)
+            it->path[--i] = n;
+        it->nlevels = levels;
+    }
+}
+
+kvt_block_t *kvt_path_iter_next(kvt_path_iter_t *it, kvt_radix_node_t **node_out)
+{
+    if (it->depth >= it->end)
+        return NULL;
+    kvt_radix_node_t *n;
+    if (it->nlevels) {
+        n = it->path[it->level];
+        if (it->depth >= n->depth + n->npages)
+            n = it->path[++it->level];
+    } else {
+        for (n = it->deep; n->depth > it->depth;) /* a path deeper than path[]: walk up */
+            n = n->parent;
+    }
+    if (node_out)
+        *node_out = n;
+    return &n->blocks[it->depth++ - n->depth];
+}
+
+size_t kvt_radix_node_count(const kvt_radix_t *t)
+{
+    return t ? t->nnodes : 0;
+}
+
+kvt_radix_node_t *kvt_radix_node_at(const kvt_radix_t *t, size_t i)
+{
+    return t && i < t->nnodes ? t->nodes[i] : NULL;
+}
+
+void kvt_radix_stats(const kvt_radix_t *t, kvt_radix_stats_t *st)
+{
+    if (!st)
+        return;
+    memset(st, 0, sizeof(*st));
+    if (!t)
+        return;
+    st->bytes = t->bytes;
+    st->nodes = t->nnodes;
+    st->blocks = t->blocks;
+    st->cached_tokens = t->cached_tokens;
+    st->leases = t->nleases;
+    st->namespaces = t->nns;
+}
+
+/* ---- verification --------------------------------------------------------------------------- */
+
+#define VFAIL(...)                                                                                 \
+    do {                                                                                           \
+        kvt_log(KVT_LOG_ERROR, "radix verify: " __VA_ARGS__);                                      \
+        rc = KVT_ECORRUPT;                                                                         \
+        goto out;                                                                                  \
+    } while (0)
+
+static size_t usable(const void *p)
+{
+    return p ? malloc_usable_size((void *)p) : 0;
+}
+
+int kvt_radix_verify(const kvt_radix_t *t)
+{
+    if (!t)
+        return KVT_EINVAL;
+    int rc = 0;
+    uint32_t *expect_leases = calloc(t->nnodes + 1, sizeof(uint32_t));
+    kvt_radix_node_t **stack = malloc((t->nnodes + t->nns + 1) * sizeof(*stack));
+    if (!expect_leases || !stack) {
+        free(expect_leases);
+        free(stack);
+        return KVT_ENOMEM;
+    }
+    uint64_t bytes = usable(t) + usable(t->ns) + usable(t->nodes) + usable(t->leases);
+    uint64_t blocks = 0, tokens = 0, seen_nodes = 0, want_list = 0;
+
+    for (uint32_t i = 0; i < t->lease_cap; i++) {
+        const kvt_lease_t *l = &t->leases[i];
+        if (l->owner == 0)
+            continue;
+        for (kvt_radix_node_t *n = l->node; !is_root(n); n = n->parent) {
+            if (n->idx >= t->nnodes || t->nodes[n->idx] != n)
+                VFAIL("lease %u pins a node that is not in the tree", i);
+            expect_leases[n->idx]++;
+        }
+    }
+
+    for (uint32_t s = 0; s < t->nns; s++) {
+        const kvt_ns_t *ns = &t->ns[s];
+        bytes += usable(ns->desc);
+        size_t sp = 0;
+        stack[sp++] = ns->root;
+        while (sp > 0) {
+            kvt_radix_node_t *n = stack[--sp];
+            bytes += usable(n) + usable(n->blocks) + usable(n->keys);
+            if (n->ns != s || n->page_size != ns->page_size)
+                VFAIL("node in namespace %u has ns %u page size %u", s, n->ns, n->page_size);
+            if (is_root(n)) {
+                if (n != ns->root || n->npages != 0 || n->leases != 0)
+                    VFAIL("namespace %u: bad root", s);
+            } else {
+                seen_nodes++;
+                if (n->idx >= t->nnodes || t->nodes[n->idx] != n)
+                    VFAIL("node not in the registry");
+                if (n->npages == 0 || n->npages > n->cap)
+                    VFAIL("node with %u pages, capacity %u", n->npages, n->cap);
+                const kvt_radix_node_t *p = n->parent;
+                if (n->depth != p->depth + p->npages)
+                    VFAIL("node depth %u after parent %u+%u", n->depth, p->depth, p->npages);
+                if (n->leases != expect_leases[n->idx])
+                    VFAIL("node has %u leases, %u expected", n->leases, expect_leases[n->idx]);
+                /* Computed hashes: a prefix of the path, each the chain of the one before. */
+                uint64_t h = is_root(p) ? ns->seed : p->blocks[p->npages - 1].hash;
+                for (uint32_t i = 0; i < n->npages; i++) {
+                    uint64_t got = n->blocks[i].hash;
+                    if (h == 0 && got != 0)
+                        VFAIL("block at depth %u hashed after an unhashed one", n->depth + i);
+                    if (h != 0 && got != 0 &&
+                        got != page_hash(n->tokens + (size_t)i * n->page_size, n->page_size, h))
+                        VFAIL("block at depth %u: hash chain broken", n->depth + i);
+                    h = got;
+                }
+                blocks += n->npages;
+                tokens += (uint64_t)n->npages * n->page_size;
+                int want = n->nkids == 0 && n->leases == 0;
+                if (want != n->in_list)
+                    VFAIL("node evictable=%d but in_list=%d", want, n->in_list);
+                want_list += (uint64_t)want;
+            }
+            if (n->nkids > n->kcap)
+                VFAIL("%u children, capacity %u", n->nkids, n->kcap);
+            kvt_radix_node_t **kids = kids_ptrs(n);
+            for (uint32_t i = 0; i < n->nkids; i++) {
+                if (kids[i]->parent != n)
+                    VFAIL("child's parent link is wrong");
+                if (n->keys[i] != page_key(kids[i]->tokens, kids[i]->page_size))
+                    VFAIL("child key is not its first page's key");
+                if (i > 0 && n->keys[i - 1] >= n->keys[i])
+                    VFAIL("children not strictly sorted");
+                stack[sp++] = kids[i];
+            }
+        }
+    }
+    if (seen_nodes != t->nnodes)
+        VFAIL("%llu nodes reachable, %zu registered", (unsigned long long)seen_nodes, t->nnodes);
+    if (blocks != t->blocks || tokens != t->cached_tokens)
+        VFAIL("counted %llu blocks, %llu tokens; tree says %llu, %llu", (unsigned long long)blocks,
+              (unsigned long long)tokens, (unsigned long long)t->blocks,
+              (unsigned long long)t->cached_tokens);
+    if (want_list != t->nlist)
+        VFAIL("%llu evictable nodes, list has %zu", (unsigned long long)want_list, t->nlist);
+    size_t listed = 0;
+    for (const kvt_radix_node_t *n = t->list.lnext; n != &t->list; n = n->lnext)
+        if (++listed > t->nlist)
+            VFAIL("evictable list longer than its count");
+    if (listed != t->nlist)
+        VFAIL("evictable list has %zu nodes, count %zu", listed, t->nlist);
+    if (bytes != t->bytes)
+        VFAIL("allocated %llu bytes, tree counts %llu", (unsigned long long)bytes,
+              (unsigned long long)t->bytes);
+out:
+    free(expect_leases);
+    free(stack);
+    return rc;
+}
