@@ -1,0 +1,1055 @@
+/*
+ * policy.c: the tier policy engine. It owns the per-tier accounting, the victim queues, the
+ * reuse model of the cost-aware policy, and every decision to promote, demote or drop a block;
+ * the executor behind kvt_policy_ops_t carries the decisions out.
+ *
+ * Victims
+ * -------
+ * Because a node's tiers never get faster with depth, a node holds at most one run per tier:
+ *
+ *     node blocks:  [ hbm hbm hbm | dram dram | nvme nvme nvme ]
+ *                                 ^ run of dram = [3, 5); its boundary block is index 4
+ *
+ * The candidate for tier T in a node is the deepest block of its T run: demoting it (and a few
+ * before it) keeps the order, and when the run is the leaf's tail it can be dropped. Each tier
+ * has a min-heap of (node, key) with the key of that boundary block, where a lower key means a
+ * better victim. Keys go stale; a popped entry is checked against the live key and pushed back
+ * when it has grown. A key that shrinks (the oracle's next use after a hit, a "finished" hint)
+ * is pushed anew at once. The heaps are rebuilt from a scan of every node when they run dry,
+ * when the cost model has been refreshed, or when the tree lost blocks behind the engine's back.
+ * Nodes the engine empties are remembered (with a sequence number) until the next rebuild, so
+ * that stale entries naming them are skipped even if the allocator reuses the address.
+ *
+ * The cost policy's reuse model
+ * -----------------------------
+ * Per tier and per class (the block's hit count, log-bucketed), histograms of the age (clock
+ * since the engine last saw the block used) at which blocks got hit and at which they left the
+ * tier. From them, as in LHD (Beckmann et al., NSDI'18), the hit density of a block of class c
+ * and age a in tier T is P(hit | c, a) / E[remaining time in T | c, a]. A block's value is its hit
+ * density x the seconds a hit saves by having the block in T instead of where it would go next
+ * (the next tier down, or recomputation at its depth) x 2^(priority / 100); hints replace the
+ * density ("paused": a hit is expected when the session is back) or scale it ("finished").
+ */
+#include "policy.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK_PAGES     8  /* pages moved or dropped per victim visit */
+#define NCLASS          6  /* hit-count classes */
+#define NAGE            96 /* age bins: 4 per doubling */
+#define REFRESH_EVERY   64 /* inserts between refreshes of the cost model (and heap rebuilds) */
+#define HIST_DECAY      0.97
+#define PROMO_QUEUE     64
+#define PRIO_MASK       0x03ffu
+#define PAUSE_SHIFT     10
+#define PAUSE_FINISHED  63u
+#define BLOCK_CACHE_NS  16
+#define INF_KEY         1e300
+#define FINISHED_FACTOR 0.01
+#define PAUSED_P        0.9
+
+typedef struct key {
+    double a, b; /* compared lexicographically; lower is a better victim */
+} vkey_t;
+
+typedef struct hent {
+    kvt_radix_node_t *n;
+    vkey_t k;
+    uint64_t seq; /* push sequence: older than a recorded death means stale */
+} hent_t;
+
+typedef struct heap {
+    hent_t *v;
+    size_t len, cap;
+} heap_t;
+
+typedef struct dead {
+    kvt_radix_node_t **keys;
+    uint64_t *seqs;
+    size_t cap, len;
+} dead_t;
+
+typedef struct promo {
+    kvt_radix_node_t *n;
+    uint32_t node_pages;
+    uint64_t seq;
+} promo_t;
+
+struct kvt_policy {
+    kvt_radix_t *t;
+    kvt_policy_conf_t c;
+    uint64_t cap[KVT_TIER_COUNT], high[KVT_TIER_COUNT], low[KVT_TIER_COUNT];
+    uint64_t used[KVT_TIER_COUNT];        /* resident bytes + reservations for pending moves */
+    uint64_t pending_out[KVT_TIER_COUNT]; /* bytes leaving the tier when pending moves finish */
+    kvt_tier_id_t lower[KVT_TIER_COUNT];  /* next configured tier down; NONE at the bottom */
+    kvt_tier_id_t top;                    /* the admission tier */
+    kvt_policy_stats_t st;
+
+    heap_t heap[KVT_TIER_COUNT];
+    dead_t dead;
+    uint64_t seq;          /* bumped on every push and every death */
+    uint64_t rebuild_seq;  /* seq at the last rebuild */
+    uint64_t foreign_seen; /* foreign frees at the last rebuild */
+    uint64_t foreign;      /* blocks freed by someone else than the engine */
+    int in_drop;
+    int stale; /* the cost model changed: rebuild before the next victim */
+
+    promo_t promo[PROMO_QUEUE];
+    uint32_t npromo;
+
+    /* cost model state */
+    double page_load_s[KVT_TIER_COUNT]; /* per page of the most common page size, no latency */
+    uint32_t model_page_size;
+    double hit_hist[KVT_TIER_COUNT][NCLASS][NAGE];
+    double end_hist[KVT_TIER_COUNT][NCLASS][NAGE];
+    double density[KVT_TIER_COUNT][NCLASS][NAGE];
+    uint32_t inserts_since_refresh;
+
+    uint32_t bb_ns[BLOCK_CACHE_NS], bb_ps[BLOCK_CACHE_NS];
+    kvt_radix_node_t **path; /* scratch: nodes of a path */
+    size_t path_cap;
+};
+
+static const char *const kind_names[KVT_POLICY_KIND_COUNT] = {"cost", "lru", "lfu", "oracle"};
+
+const char *kvt_policy_kind_name(kvt_policy_kind_t k)
+{
+    return (unsigned)k < KVT_POLICY_KIND_COUNT ? kind_names[k] : "unknown";
+}
+
+int kvt_policy_kind_parse(const char *s, kvt_policy_kind_t *out)
+{
+    if (!s || !out)
+        return KVT_EINVAL;
+    for (int i = 0; i < KVT_POLICY_KIND_COUNT; i++) {
+        if (strcmp(s, kind_names[i]) == 0) {
+            *out = (kvt_policy_kind_t)i;
+            return 0;
+        }
+    }
+    return KVT_EINVAL;
+}
+
+/* ---- small helpers -------------------------------------------------------------------------- */
+
+static int tier_ok(kvt_tier_id_t t)
+{
+    return t > KVT_TIER_NONE && t < KVT_TIER_COUNT;
+}
+
+/* Order of tiers inside a node: faster first, index-only blocks (NONE) last. */
+static unsigned tier_rank(uint8_t t)
+{
+    return t == KVT_TIER_NONE ? 255u : t;
+}
+
+static uint32_t now_clock(const kvt_policy_t *p)
+{
+    return kvt_radix_clock(p->t);
+}
+
+uint64_t kvt_policy_block_bytes(const kvt_policy_t *p, uint32_t ns)
+{
+    uint32_t ps = kvt_radix_ns_page_size(p->t, ns);
+    return kvt_cost_kv_bytes(&p->c.model, ps);
+}
+
+static uint32_t block_bytes(kvt_policy_t *p, uint32_t ns)
+{
+    uint32_t slot = ns % BLOCK_CACHE_NS;
+    if (p->bb_ps[slot] == 0 || p->bb_ns[slot] != ns) {
+        uint64_t b = kvt_policy_block_bytes(p, ns);
+        p->bb_ns[slot] = ns;
+        p->bb_ps[slot] = b > UINT32_MAX ? UINT32_MAX : (uint32_t)b;
+    }
+    return p->bb_ps[slot];
+}
+
+/* The run [*a, *b) of node-local indices of blocks in tier t (empty when *a == *b). */
+static void node_run(kvt_radix_node_t *n, uint8_t t, uint32_t *a, uint32_t *b)
+{
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t np = kvt_radix_node_pages(n);
+    unsigned r = tier_rank(t);
+    uint32_t lo = 0, hi = np;
+    while (lo < hi) { /* first index with rank >= r */
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (tier_rank(bl[mid].tier) < r)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *a = lo;
+    hi = np;
+    while (lo < hi) { /* first index with rank > r */
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (tier_rank(bl[mid].tier) <= r)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *b = lo;
+}
+
+static int key_lt(vkey_t x, vkey_t y)
+{
+    return x.a < y.a || (x.a == y.a && x.b < y.b);
+}
+
+/* ---- heaps and the dead set ----------------------------------------------------------------- */
+
+static int heap_push(kvt_policy_t *p, heap_t *h, kvt_radix_node_t *n, vkey_t k)
+{
+    if (h->len == h->cap) {
+        size_t nc = h->cap ? 2 * h->cap : 256;
+        hent_t *v = realloc(h->v, nc * sizeof(*v));
+        if (!v)
+            return KVT_ENOMEM;
+        h->v = v;
+        h->cap = nc;
+    }
+    size_t i = h->len++;
+    hent_t e = {n, k, ++p->seq};
+    while (i > 0) {
+        size_t up = (i - 1) / 2;
+        if (!key_lt(e.k, h->v[up].k))
+            break;
+        h->v[i] = h->v[up];
+        i = up;
+    }
+    h->v[i] = e;
+    return 0;
+}
+
+static hent_t heap_pop(heap_t *h)
+{
+    hent_t top = h->v[0];
+    hent_t last = h->v[--h->len];
+    size_t i = 0, n = h->len;
+    for (;;) {
+        size_t l = 2 * i + 1, r = l + 1, m = i;
+        vkey_t mk = last.k;
+        if (l < n && key_lt(h->v[l].k, mk)) {
+            m = l;
+            mk = h->v[l].k;
+        }
+        if (r < n && key_lt(h->v[r].k, mk))
+            m = r;
+        if (m == i)
+            break;
+        h->v[i] = h->v[m];
+        i = m;
+    }
+    if (n > 0)
+        h->v[i] = last;
+    return top;
+}
+
+static size_t ptr_slot(const dead_t *d, const kvt_radix_node_t *n)
+{
+    uint64_t x = (uint64_t)(uintptr_t)n;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return (size_t)x & (d->cap - 1);
+}
+
+static int dead_add(kvt_policy_t *p, kvt_radix_node_t *n)
+{
+    dead_t *d = &p->dead;
+    if (2 * (d->len + 1) > d->cap) {
+        dead_t nd = {0};
+        nd.cap = d->cap ? 2 * d->cap : 256;
+        nd.keys = calloc(nd.cap, sizeof(*nd.keys));
+        nd.seqs = calloc(nd.cap, sizeof(*nd.seqs));
+        if (!nd.keys || !nd.seqs) {
+            free(nd.keys);
+            free(nd.seqs);
+            return KVT_ENOMEM;
+        }
+        for (size_t i = 0; i < d->cap; i++) {
+            if (!d->keys[i])
+                continue;
+            size_t s = ptr_slot(&nd, d->keys[i]);
+            while (nd.keys[s])
+                s = (s + 1) & (nd.cap - 1);
+            nd.keys[s] = d->keys[i];
+            nd.seqs[s] = d->seqs[i];
+            nd.len++;
+        }
+        free(d->keys);
+        free(d->seqs);
+        *d = nd;
+    }
+    size_t s = ptr_slot(d, n);
+    while (d->keys[s] && d->keys[s] != n)
+        s = (s + 1) & (d->cap - 1);
+    if (!d->keys[s])
+        d->len++;
+    d->keys[s] = n;
+    d->seqs[s] = ++p->seq;
+    return 0;
+}
+
+/* Whether an entry pushed at seq for node n names a node that has since died. */
+static int dead_after(const kvt_policy_t *p, const kvt_radix_node_t *n, uint64_t seq)
+{
+    const dead_t *d = &p->dead;
+    if (d->len == 0)
+        return 0;
+    size_t s = ptr_slot(d, n);
+    while (d->keys[s]) {
+        if (d->keys[s] == n)
+            return d->seqs[s] > seq;
+        s = (s + 1) & (d->cap - 1);
+    }
+    return 0;
+}
+
+/* ---- the cost model's reuse estimate ------------------------------------------------------- */
+
+static unsigned hit_class(uint32_t hits)
+{
+    if (hits == 0)
+        return 0;
+    if (hits == 1)
+        return 1;
+    if (hits == 2)
+        return 2;
+    if (hits < 5)
+        return 3;
+    if (hits < 9)
+        return 4;
+    return 5;
+}
+
+static unsigned age_bin(uint32_t age)
+{
+    if (age == 0)
+        return 0;
+    unsigned b = (unsigned)(4.0 * log2(1.0 + (double)age));
+    return b < NAGE ? b : NAGE - 1;
+}
+
+/* Width of age bin i in clock units. */
+static double bin_width(unsigned i)
+{
+    return exp2((i + 1) / 4.0) - exp2(i / 4.0);
+}
+
+/* Recomputes hit densities from the histograms and ages the histograms. */
+static void refresh_density(kvt_policy_t *p)
+{
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        for (int c = 0; c < NCLASS; c++) {
+            double hits = 0, events = 0, life = 0;
+            for (int i = NAGE - 1; i >= 0; i--) {
+                hits += p->hit_hist[t][c][i];
+                events += p->hit_hist[t][c][i] + p->end_hist[t][c][i];
+                life += events * bin_width((unsigned)i);
+                /* A small prior (one hit per ten events, in a lifetime of the bin's width) keeps
+                 * classes without data from looking perfect or worthless. */
+                p->density[t][c][i] = (hits + 0.1) / (life + 1.0 + bin_width((unsigned)i));
+                p->hit_hist[t][c][i] *= HIST_DECAY;
+                p->end_hist[t][c][i] *= HIST_DECAY;
+            }
+        }
+    }
+}
+
+static double recompute_page_s(const kvt_policy_t *p, uint32_t depth, uint32_t ps)
+{
+    return kvt_cost_recompute_s(&p->c.model, &p->c.hw, (uint64_t)depth * ps, ps);
+}
+
+static double page_load_s(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t bytes)
+{
+    if (!tier_ok(t) || p->c.hw.bw[t] <= 0)
+        return INFINITY;
+    return (double)bytes / p->c.hw.bw[t];
+}
+
+/* Seconds a hit on this block saves by its being in tier t rather than where it goes next. */
+static double keep_benefit(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t depth, uint32_t ps,
+                           uint32_t bytes)
+{
+    double here = page_load_s(p, t, bytes);
+    double redo = recompute_page_s(p, depth, ps);
+    kvt_tier_id_t lo = p->lower[t];
+    double next = lo ? page_load_s(p, lo, bytes) : redo;
+    if (!p->c.no_cost_drop && redo < next)
+        next = redo;
+    double d = next - here;
+    return d > 1e-12 ? d : 1e-12;
+}
+
+static uint32_t decode_pause(unsigned code)
+{
+    return (uint32_t)(exp2((code - 1) / 2.0) - 1.0);
+}
+
+static unsigned encode_pause(uint32_t ms)
+{
+    unsigned c = 1 + (unsigned)lround(2.0 * log2(1.0 + (double)ms));
+    return c > 62 ? 62 : c;
+}
+
+/* ---- keys ----------------------------------------------------------------------------------- */
+
+static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i)
+{
+    const kvt_block_t *b = &kvt_radix_node_blocks(n)[i];
+    uint32_t depth = kvt_radix_node_depth(n) + i;
+    vkey_t k = {0, -(double)depth};
+    switch (p->c.kind) {
+    case KVT_POLICY_LRU:
+        k.a = b->last_access;
+        break;
+    case KVT_POLICY_LFU:
+        k.a = b->hits;
+        k.b = b->last_access - depth * 1e-6;
+        break;
+    case KVT_POLICY_ORACLE:
+        k.a = b->policy == UINT32_MAX ? -INF_KEY : -(double)b->policy;
+        break;
+    case KVT_POLICY_COST:
+    default: {
+        uint32_t now = now_clock(p);
+        uint32_t age = now - b->policy;
+        kvt_tier_id_t t = (kvt_tier_id_t)b->tier;
+        double dens = p->density[t][hit_class(b->hits)][age_bin(age)];
+        unsigned pause = b->prio >> PAUSE_SHIFT;
+        if (pause == PAUSE_FINISHED) {
+            dens *= FINISHED_FACTOR;
+        } else if (pause) {
+            uint32_t back = decode_pause(pause);
+            if (age <= 2 * back + 1000) {
+                double left = back > age ? (double)(back - age) : 1.0;
+                double hd = PAUSED_P / (left + 1.0);
+                if (hd > dens)
+                    dens = hd;
+            }
+        }
+        uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
+        double v = dens * keep_benefit(p, t, depth, ps, b->size);
+        unsigned prio = b->prio & PRIO_MASK;
+        if (prio)
+            v *= exp2(prio / 100.0);
+        k.a = v;
+        break;
+    }
+    }
+    return k;
+}
+
+/* Pushes n into the heap of every tier it has a run in. */
+static void push_node(kvt_policy_t *p, kvt_radix_node_t *n)
+{
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t np = kvt_radix_node_pages(n);
+    uint32_t i = 0;
+    while (i < np) {
+        uint8_t t = bl[i].tier;
+        uint32_t a, b;
+        node_run(n, t, &a, &b);
+        if (b <= i)
+            break; /* out of order: verify reports it */
+        if (tier_ok((kvt_tier_id_t)t) && p->cap[t])
+            heap_push(p, &p->heap[t], n, block_key(p, n, b - 1));
+        i = b;
+    }
+}
+
+static void rebuild(kvt_policy_t *p)
+{
+    for (int t = 0; t < KVT_TIER_COUNT; t++)
+        p->heap[t].len = 0;
+    size_t nn = kvt_radix_node_count(p->t);
+    for (size_t i = 0; i < nn; i++) {
+        kvt_radix_node_t *n = kvt_radix_node_at(p->t, i);
+        if (!kvt_radix_node_leased(n))
+            push_node(p, n);
+    }
+    if (p->dead.cap)
+        memset(p->dead.keys, 0, p->dead.cap * sizeof(*p->dead.keys));
+    p->dead.len = 0;
+    p->rebuild_seq = ++p->seq;
+    p->foreign_seen = p->foreign;
+    p->stale = 0;
+}
+
+/* ---- acting --------------------------------------------------------------------------------- */
+
+static void set_tier(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt, kvt_tier_id_t to)
+{
+    kvt_block_t *bl = kvt_radix_node_blocks(n);
+    for (uint32_t i = i0; i < i0 + cnt; i++)
+        bl[i].tier = (uint8_t)to;
+}
+
+static uint64_t run_bytes(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
+{
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint64_t s = 0;
+    for (uint32_t i = i0; i < i0 + cnt; i++)
+        s += bl[i].size;
+    return s;
+}
+
+static int run_busy(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
+{
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    for (uint32_t i = i0; i < i0 + cnt; i++)
+        if (bl[i].flags & KVT_BLOCK_BUSY)
+            return 1;
+    return 0;
+}
+
+static void record_end(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
+                       kvt_tier_id_t from)
+{
+    if (p->c.kind != KVT_POLICY_COST)
+        return;
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t now = now_clock(p);
+    for (uint32_t i = i0; i < i0 + cnt; i++)
+        p->end_hist[from][hit_class(bl[i].hits)][age_bin(now - bl[i].policy)] += 1;
+}
+
+static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth);
+
+/* Moves node-local [i0, i0 + cnt) of n from `from` to `to`. Returns cnt, or a negative error
+ * (nothing changed). */
+static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
+                   kvt_tier_id_t from, kvt_tier_id_t to, int depth)
+{
+    uint64_t bytes = run_bytes(n, i0, cnt);
+    int rc = make_room(p, to, bytes, depth + 1);
+    if (rc < 0)
+        return rc;
+    /* make_room may have dropped blocks after the run in this very node: indices before them
+     * are unchanged, but the run must still be there. */
+    if (i0 + cnt > kvt_radix_node_pages(n) || kvt_radix_node_blocks(n)[i0].tier != from ||
+        kvt_radix_node_blocks(n)[i0 + cnt - 1].tier != from)
+        return KVT_EAGAIN;
+    rc = p->c.ops->move(p->c.ops_arg, n, kvt_radix_node_depth(n) + i0, cnt, from, to);
+    if (rc < 0)
+        return rc;
+    if (to > from)
+        record_end(p, n, i0, cnt, from);
+    p->used[to] += bytes;
+    if (rc == KVT_POLICY_PENDING) {
+        p->pending_out[from] += bytes;
+        p->st.pending_moves++;
+    } else {
+        set_tier(n, i0, cnt, to);
+        p->used[from] -= bytes;
+        p->st.blocks[from] -= cnt;
+        p->st.blocks[to] += cnt;
+        p->st.moved_bytes[from][to] += bytes;
+    }
+    if (to > from)
+        p->st.demotions++;
+    else
+        p->st.promotions++;
+    return (int)cnt;
+}
+
+/* Drops the last cnt blocks of leaf n. Returns cnt or a negative error. */
+static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_id_t from)
+{
+    uint32_t np = kvt_radix_node_pages(n);
+    uint64_t bytes = run_bytes(n, np - cnt, cnt);
+    kvt_radix_node_t *parent = kvt_radix_node_parent(n);
+    record_end(p, n, np - cnt, cnt, from);
+    p->in_drop = 1;
+    int rc = kvt_radix_evict(p->t, n, cnt);
+    p->in_drop = 0;
+    if (rc < 0)
+        return rc;
+    p->st.dropped_bytes[from] += bytes;
+    p->st.dropped_blocks += cnt;
+    if (cnt == np) {
+        dead_add(p, n);
+        if (parent && kvt_radix_node_children(parent) == 0 && !kvt_radix_node_leased(parent))
+            push_node(p, parent);
+    }
+    return (int)cnt;
+}
+
+/*
+ * Takes the best victim of tier t and demotes or drops up to CHUNK_PAGES of it. Returns the
+ * pages acted on, 0 when tier t has no victim left, or a negative error.
+ */
+static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth)
+{
+    heap_t *h = &p->heap[t];
+    int rebuilt = 0;
+    for (size_t guard = 0; guard < 1000000; guard++) {
+        if (p->foreign != p->foreign_seen || p->stale) {
+            rebuild(p);
+            rebuilt = 1;
+        }
+        if (h->len == 0) {
+            if (rebuilt || p->rebuild_seq == p->seq)
+                return 0;
+            rebuild(p);
+            rebuilt = 1;
+            continue;
+        }
+        hent_t e = heap_pop(h);
+        kvt_radix_node_t *n = e.n;
+        if (dead_after(p, n, e.seq) || kvt_radix_node_leased(n))
+            continue;
+        uint32_t a, b;
+        node_run(n, (uint8_t)t, &a, &b);
+        if (a == b)
+            continue;
+        vkey_t live = block_key(p, n, b - 1);
+        if (key_lt(e.k, live) && h->len > 0 && key_lt(h->v[0].k, live)) {
+            heap_push(p, h, n, live);
+            continue;
+        }
+        uint32_t cnt = KVT_MIN(b - a, (uint32_t)CHUNK_PAGES);
+        uint32_t i0 = b - cnt;
+        if (run_busy(n, i0, cnt))
+            continue;
+        const kvt_block_t *last = &kvt_radix_node_blocks(n)[b - 1];
+        uint32_t np = kvt_radix_node_pages(n);
+        int droppable = b == np && kvt_radix_node_children(n) == 0;
+        kvt_tier_id_t lo = p->lower[t];
+        int drop = !lo;
+        if (lo && droppable) {
+            if (lo == KVT_TIER_NVME && p->c.nvme_min_hits && last->hits < p->c.nvme_min_hits)
+                drop = 1;
+            if (p->c.kind == KVT_POLICY_COST && !p->c.no_cost_drop) {
+                uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
+                uint32_t dep = kvt_radix_node_depth(n) + b - 1;
+                if (recompute_page_s(p, dep, ps) < page_load_s(p, lo, last->size)) {
+                    drop = 1;
+                    p->st.cost_drops += cnt;
+                }
+            }
+        }
+        int rc;
+        if (drop) {
+            if (!droppable)
+                continue; /* a cached child depends on it: it stays until the child goes */
+            rc = do_drop(p, n, cnt, t);
+            if (rc > 0 && cnt < np)
+                push_node(p, n);
+        } else {
+            rc = do_move(p, n, i0, cnt, t, lo, depth);
+            if (rc < 0 && droppable) {
+                node_run(n, (uint8_t)t, &a, &b);
+                if (b == kvt_radix_node_pages(n) && b > a && kvt_radix_node_children(n) == 0) {
+                    cnt = KVT_MIN(b - a, (uint32_t)CHUNK_PAGES);
+                    rc = do_drop(p, n, cnt, t);
+                    if (rc > 0 && cnt < b)
+                        push_node(p, n);
+                    if (rc > 0)
+                        return rc;
+                }
+            }
+            if (rc > 0)
+                push_node(p, n);
+        }
+        if (rc > 0)
+            return rc;
+        if (rc == KVT_ENOMEM)
+            return rc;
+    }
+    return 0;
+}
+
+/* Frees room in t until need more bytes fit under its capacity. 0, KVT_ENOSPC (no victim
+ * left), or KVT_EAGAIN (pending moves will free it later). */
+static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth)
+{
+    if (!tier_ok(t) || !p->cap[t] || need > p->cap[t])
+        return KVT_ENOSPC;
+    if (depth > KVT_TIER_COUNT)
+        return KVT_ENOSPC;
+    while (p->cap[t] - p->used[t] < need) {
+        int rc = evict_one(p, t, depth);
+        if (rc < 0)
+            return rc;
+        if (rc == 0)
+            return p->cap[t] - p->used[t] + p->pending_out[t] >= need ? KVT_EAGAIN : KVT_ENOSPC;
+    }
+    return 0;
+}
+
+/* ---- create / destroy ----------------------------------------------------------------------- */
+
+int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_t *conf)
+{
+    if (!out || !t || !conf || (unsigned)conf->kind >= KVT_POLICY_KIND_COUNT || !conf->ops ||
+        !conf->ops->move)
+        return KVT_EINVAL;
+    if (kvt_model_profile_check(&conf->model) < 0 || kvt_hw_profile_check(&conf->hw) < 0)
+        return KVT_EINVAL;
+    int any = 0;
+    for (int i = KVT_TIER_HBM; i < KVT_TIER_COUNT; i++) {
+        const kvt_policy_tier_conf_t *tc = &conf->tiers[i];
+        float hi = tc->high ? tc->high : 0.95f, lo = tc->low ? tc->low : 0.90f;
+        if (!(hi > 0 && hi <= 1 && lo > 0 && lo <= hi))
+            return KVT_EINVAL;
+        if (tc->capacity && conf->hw.bw[i] <= 0)
+            return KVT_EINVAL; /* a tier with no load path cannot serve hits */
+        any |= tc->capacity != 0;
+    }
+    if (!any || conf->tiers[KVT_TIER_NONE].capacity)
+        return KVT_EINVAL;
+    if (conf->admit_tier && (!tier_ok(conf->admit_tier) || !conf->tiers[conf->admit_tier].capacity))
+        return KVT_EINVAL;
+    kvt_policy_t *p = calloc(1, sizeof(*p));
+    if (!p)
+        return KVT_ENOMEM;
+    p->t = t;
+    p->c = *conf;
+    kvt_tier_id_t below = KVT_TIER_NONE;
+    for (int i = KVT_TIER_COUNT - 1; i >= KVT_TIER_HBM; i--) {
+        const kvt_policy_tier_conf_t *tc = &conf->tiers[i];
+        float hi = tc->high ? tc->high : 0.95f, lo = tc->low ? tc->low : 0.90f;
+        p->cap[i] = tc->capacity;
+        p->high[i] = (uint64_t)((double)tc->capacity * hi);
+        p->low[i] = (uint64_t)((double)tc->capacity * lo);
+        p->st.capacity[i] = tc->capacity;
+        p->lower[i] = below;
+        if (tc->capacity) {
+            below = (kvt_tier_id_t)i;
+            p->top = (kvt_tier_id_t)i;
+        }
+    }
+    if (conf->admit_tier)
+        p->top = conf->admit_tier;
+    refresh_density(p);
+    *out = p;
+    return 0;
+}
+
+void kvt_policy_destroy(kvt_policy_t *p)
+{
+    if (!p)
+        return;
+    for (int t = 0; t < KVT_TIER_COUNT; t++)
+        free(p->heap[t].v);
+    free(p->dead.keys);
+    free(p->dead.seqs);
+    free(p->path);
+    free(p);
+}
+
+/* ---- hooks ---------------------------------------------------------------------------------- */
+
+static void apply_hint(kvt_block_t *b, const kvt_policy_hint_t *h, uint32_t depth)
+{
+    if (!h || depth < h->from_page)
+        return;
+    unsigned prio = h->priority > 1000 ? 1000 : h->priority;
+    unsigned pause = h->finished ? PAUSE_FINISHED : h->paused_ms ? encode_pause(h->paused_ms) : 0;
+    b->prio = (uint16_t)(prio | (pause << PAUSE_SHIFT));
+}
+
+void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy_hint_t *hint)
+{
+    if (!p || !m || !m->node || m->pages == 0)
+        return;
+    uint32_t now = now_clock(p);
+    kvt_path_iter_t it;
+    kvt_path_iter_init(&it, m->node, m->node_pages);
+    kvt_radix_node_t *n, *prev = NULL;
+    kvt_block_t *b;
+    int promote = 0, repush = p->c.kind == KVT_POLICY_ORACLE || (hint && hint->finished);
+    while ((b = kvt_path_iter_next(&it, &n))) {
+        uint32_t depth = it.depth - 1;
+        if (b->tier != KVT_TIER_NONE && tier_rank(b->tier) > tier_rank((uint8_t)p->top))
+            promote = 1;
+        if (p->c.kind == KVT_POLICY_COST && tier_ok((kvt_tier_id_t)b->tier)) {
+            uint32_t before = b->hits ? b->hits - 1 : 0; /* the match has counted this hit */
+            p->hit_hist[b->tier][hit_class(before)][age_bin(now - b->policy)] += 1;
+            b->policy = now;
+        } else if (p->c.kind == KVT_POLICY_ORACLE && hint && hint->next_use &&
+                   depth < hint->nnext) {
+            b->policy = hint->next_use[depth];
+        }
+        apply_hint(b, hint, depth);
+        if (repush && n != prev && prev && !kvt_radix_node_leased(prev))
+            push_node(p, prev);
+        prev = n;
+    }
+    if (repush && prev && !kvt_radix_node_leased(prev))
+        push_node(p, prev);
+    if (promote && p->npromo < PROMO_QUEUE)
+        p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq};
+}
+
+int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_policy_hint_t *hint)
+{
+    if (!p || !res || (res->new_pages && !res->node))
+        return KVT_EINVAL;
+    if (res->new_pages == 0)
+        return 0;
+    kvt_radix_node_t *n = res->node;
+    if (kvt_radix_node_depth(n) != res->first_page || kvt_radix_node_pages(n) < res->new_pages)
+        return KVT_EINVAL;
+    kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t i0 = kvt_radix_node_pages(n) - res->new_pages; /* the new pages end the leaf */
+    for (uint32_t i = i0; i < i0 + res->new_pages; i++)
+        if (bl[i].tier != KVT_TIER_NONE)
+            return KVT_EINVAL;
+    uint32_t size = block_bytes(p, kvt_radix_node_ns(n));
+    uint32_t now = now_clock(p);
+    uint32_t done = 0;
+    kvt_tier_id_t t = p->top;
+    while (done < res->new_pages && t != KVT_TIER_NONE) {
+        uint32_t want = res->new_pages - done;
+        uint64_t free_b = p->cap[t] > p->used[t] ? p->cap[t] - p->used[t] : 0;
+        if (free_b < (uint64_t)want * size) {
+            uint64_t need = (uint64_t)want * size - free_b;
+            if (need > p->cap[t])
+                need = p->cap[t] - (p->cap[t] % size);
+            (void)make_room(p, t, need, 0);
+            bl = kvt_radix_node_blocks(n);
+            free_b = p->cap[t] > p->used[t] ? p->cap[t] - p->used[t] : 0;
+        }
+        uint32_t fit = (uint32_t)KVT_MIN((uint64_t)want, free_b / size);
+        if (fit > 0 && p->c.ops->admit &&
+            p->c.ops->admit(p->c.ops_arg, n, res->first_page + done, fit, t) < 0)
+            fit = 0;
+        for (uint32_t i = i0 + done; i < i0 + done + fit; i++) {
+            kvt_block_t *b = &bl[i];
+            uint32_t depth = kvt_radix_node_depth(n) + i;
+            b->tier = (uint8_t)t;
+            b->size = size;
+            if (p->c.kind == KVT_POLICY_ORACLE)
+                b->policy = hint && hint->next_use && depth < hint->nnext ? hint->next_use[depth]
+                                                                          : UINT32_MAX;
+            else
+                b->policy = now;
+            apply_hint(b, hint, depth);
+        }
+        if (fit) {
+            p->used[t] += (uint64_t)fit * size;
+            p->st.blocks[t] += fit;
+            p->st.admitted_bytes[t] += (uint64_t)fit * size;
+        }
+        done += fit;
+        t = p->lower[t];
+    }
+    if (done < res->new_pages) {
+        uint32_t rest = res->new_pages - done;
+        p->st.rejected += rest;
+        p->in_drop = 1;
+        (void)kvt_radix_evict(p->t, n, rest); /* leased: they stay, index-only */
+        p->in_drop = 0;
+        if (done == 0 && res->new_pages == kvt_radix_node_pages(n))
+            n = NULL; /* freed */
+        (void)0;
+    }
+    if (n && done)
+        push_node(p, n);
+    if (++p->inserts_since_refresh >= REFRESH_EVERY && p->c.kind == KVT_POLICY_COST) {
+        refresh_density(p);
+        p->inserts_since_refresh = 0;
+        p->stale = 1;
+    }
+    return (int)done;
+}
+
+void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b)
+{
+    (void)ns;
+    if (!p || !b)
+        return;
+    if (!p->in_drop)
+        p->foreign++;
+    if (tier_ok((kvt_tier_id_t)b->tier) && p->cap[b->tier]) {
+        kvt_assert(p->used[b->tier] >= b->size);
+        p->used[b->tier] -= b->size;
+        p->st.blocks[b->tier]--;
+    }
+}
+
+/* Promotes the path ending at node n (first node_pages pages) into p->top. */
+static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages)
+{
+    size_t len = 0;
+    for (kvt_radix_node_t *x = n; x; x = kvt_radix_node_parent(x)) {
+        if (len == p->path_cap) {
+            size_t nc = p->path_cap ? 2 * p->path_cap : 64;
+            kvt_radix_node_t **v = realloc(p->path, nc * sizeof(*v));
+            if (!v)
+                return KVT_ENOMEM;
+            p->path = v;
+            p->path_cap = nc;
+        }
+        p->path[len++] = x;
+    }
+    int total = 0;
+    kvt_tier_id_t to = p->top;
+    for (size_t k = len; k-- > 0;) { /* root first: a shortage leaves the shallow part fast */
+        kvt_radix_node_t *x = p->path[k];
+        uint32_t end =
+            x == n ? KVT_MIN(node_pages, kvt_radix_node_pages(x)) : kvt_radix_node_pages(x);
+        for (;;) {
+            const kvt_block_t *bl = kvt_radix_node_blocks(x);
+            /* the first block slower than `to` within [0, end) */
+            uint32_t a, b;
+            node_run(x, (uint8_t)to, &a, &b);
+            uint32_t s = b;
+            while (s < end && bl[s].tier == KVT_TIER_NONE)
+                s++;
+            if (s >= end)
+                break;
+            kvt_tier_id_t from = (kvt_tier_id_t)bl[s].tier;
+            uint32_t ra, rb;
+            node_run(x, (uint8_t)from, &ra, &rb);
+            uint32_t cnt = KVT_MIN(rb, end) - s;
+            if (!tier_ok(from) || run_busy(x, s, cnt))
+                break;
+            cnt = KVT_MIN(cnt, 64u);
+            int rc = do_move(p, x, s, cnt, from, to, 0);
+            if (rc < 0)
+                return total; /* no room: the rest stays where it is */
+            total += rc;
+            if (rc > 0)
+                push_node(p, x);
+            if (kvt_radix_node_blocks(x)[s].tier != to)
+                break; /* pending: the executor finishes it */
+        }
+    }
+    return total;
+}
+
+int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages)
+{
+    if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n))
+        return KVT_EINVAL;
+    return promote_path(p, n, node_pages);
+}
+
+int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
+{
+    if (!p)
+        return KVT_EINVAL;
+    int total = 0;
+    for (uint32_t i = 0; i < p->npromo; i++) {
+        promo_t *q = &p->promo[i];
+        if (dead_after(p, q->n, q->seq) || p->foreign != p->foreign_seen)
+            continue;
+        int rc = promote_path(p, q->n, q->node_pages);
+        if (rc < 0)
+            return rc;
+        total += rc;
+    }
+    p->npromo = 0;
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        if (!p->cap[t] || p->used[t] <= p->high[t])
+            continue;
+        while (p->used[t] > p->low[t] && (budget == 0 || (uint32_t)total < budget)) {
+            int rc = evict_one(p, (kvt_tier_id_t)t, 0);
+            if (rc < 0)
+                return rc;
+            if (rc == 0)
+                break;
+            total += rc;
+        }
+    }
+    return total;
+}
+
+int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                         kvt_tier_id_t from, kvt_tier_id_t to, int status)
+{
+    if (!p || !n || !tier_ok(from) || !tier_ok(to) || npages == 0 ||
+        depth < kvt_radix_node_depth(n) ||
+        depth + npages > kvt_radix_node_depth(n) + kvt_radix_node_pages(n))
+        return KVT_EINVAL;
+    uint32_t i0 = depth - kvt_radix_node_depth(n);
+    kvt_block_t *bl = kvt_radix_node_blocks(n);
+    for (uint32_t i = i0; i < i0 + npages; i++)
+        if (bl[i].tier != from)
+            return KVT_EINVAL;
+    uint64_t bytes = run_bytes(n, i0, npages);
+    if (p->pending_out[from] < bytes || p->used[to] < bytes || p->st.pending_moves == 0)
+        return KVT_EINVAL;
+    p->pending_out[from] -= bytes;
+    p->st.pending_moves--;
+    if (status < 0) {
+        p->used[to] -= bytes;
+        return 0;
+    }
+    set_tier(n, i0, npages, to);
+    p->used[from] -= bytes;
+    p->st.blocks[from] -= npages;
+    p->st.blocks[to] += npages;
+    p->st.moved_bytes[from][to] += bytes;
+    push_node(p, n);
+    return 0;
+}
+
+void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st)
+{
+    if (!p || !st)
+        return;
+    *st = p->st;
+    for (int t = 0; t < KVT_TIER_COUNT; t++)
+        st->used[t] = p->used[t];
+}
+
+int kvt_policy_verify(const kvt_policy_t *p)
+{
+    if (!p)
+        return KVT_EINVAL;
+    uint64_t used[KVT_TIER_COUNT] = {0}, blocks[KVT_TIER_COUNT] = {0};
+    int bad = 0;
+    size_t nn = kvt_radix_node_count(p->t);
+    for (size_t i = 0; i < nn; i++) {
+        kvt_radix_node_t *n = kvt_radix_node_at(p->t, i);
+        const kvt_block_t *bl = kvt_radix_node_blocks(n);
+        uint32_t np = kvt_radix_node_pages(n);
+        for (uint32_t j = 0; j < np; j++) {
+            if (j && tier_rank(bl[j].tier) < tier_rank(bl[j - 1].tier)) {
+                kvt_log(KVT_LOG_ERROR,
+                        "policy verify: node depth %u page %u is in a faster tier "
+                        "than the page before it",
+                        kvt_radix_node_depth(n), j);
+                bad = 1;
+            }
+            if (bl[j].tier >= KVT_TIER_COUNT) {
+                bad = 1;
+                continue;
+            }
+            used[bl[j].tier] += bl[j].size;
+            blocks[bl[j].tier]++;
+        }
+    }
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        /* Pending moves hold reservations no block's tier shows yet: compare when idle. */
+        if (p->st.pending_moves == 0 && p->used[t] != used[t]) {
+            kvt_log(KVT_LOG_ERROR, "policy verify: %s holds %llu bytes, engine counts %llu",
+                    kvt_tier_name((kvt_tier_id_t)t), (unsigned long long)used[t],
+                    (unsigned long long)p->used[t]);
+            bad = 1;
+        }
+        if (p->st.pending_moves == 0 && p->st.blocks[t] != blocks[t]) {
+            kvt_log(KVT_LOG_ERROR, "policy verify: %s holds %llu blocks, engine counts %llu",
+                    kvt_tier_name((kvt_tier_id_t)t), (unsigned long long)blocks[t],
+                    (unsigned long long)p->st.blocks[t]);
+            bad = 1;
+        }
+        if (p->used[t] > p->cap[t]) {
+            kvt_log(KVT_LOG_ERROR, "policy verify: %s over capacity", kvt_tier_name(t));
+            bad = 1;
+        }
+    }
+    if (used[KVT_TIER_NONE] != 0) {
+        kvt_log(KVT_LOG_ERROR, "policy verify: index-only blocks carry a size");
+        bad = 1;
+    }
+    return bad ? KVT_ECORRUPT : 0;
+}

@@ -1,0 +1,271 @@
+/*
+ * policy.h: the cost model (what a block weighs and what recomputing or loading it costs) and the
+ * tier policy engine that decides where every cached block lives: which blocks move down a tier,
+ * which are dropped, which are promoted.
+ *
+ * Decide here, act elsewhere
+ * --------------------------
+ * The engine never touches KV bytes. It decides, and an executor acts through the small table of
+ * operations in kvt_policy_ops_t: the replay (replay/) charges simulated bytes and time, kvtierd
+ * copies real bytes between real tiers. Blocks are named by (node, page depth) because block
+ * pointers move when the radix tree splits a node (see radix.h); kvt_radix_block_at() resolves
+ * the pair.
+ *
+ *      request ──> kvt_radix_match ──> kvt_policy_on_match     (hot path: O(path) counters)
+ *              ──> kvt_radix_insert ──> kvt_policy_on_insert   (admits the new blocks to a tier)
+ *      loop    ──> kvt_policy_step(budget)                      (promotions, demotions, drops:
+ *                                                               bounded work, calls ops->move,
+ *                                                               ops->admit, kvt_radix_evict)
+ *      tree free_cb ──> kvt_policy_on_free                      (every block that leaves)
+ *
+ * Invariants the engine keeps (kvt_policy_verify checks them):
+ *  - every configured tier's used bytes stay at or below its capacity, and equal the sum of the
+ *    sizes of the blocks whose tier field names it;
+ *  - within one node, tiers never get faster with depth (the head of a node is in the same or a
+ *    faster tier than its tail), so a node's blocks form at most one run per tier;
+ *  - a leased node's blocks never move and are never dropped; neither are KVT_BLOCK_BUSY blocks;
+ *  - a block is dropped only as the tail of a leaf node (kvt_radix_evict), so no cached block
+ *    ever loses an ancestor. Demotion may run in any order across nodes.
+ *
+ * Ownership: the policy borrows the tree (which must outlive it) and copies the configuration.
+ * The tree's free callback must call kvt_policy_on_free() for every block while the policy
+ * exists (so destroy the policy after the tree, or stop forwarding first).
+ *
+ * Threads: one thread at a time, the same one that uses the tree. No call blocks.
+ */
+#ifndef KVT_POLICY_H
+#define KVT_POLICY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/common.h"
+#include "../radix/radix.h"
+
+/* ---------------------------------------------------------------------------------------------
+ * Cost model
+ * ------------------------------------------------------------------------------------------- */
+
+#define KVT_PROFILE_NAME_MAX 48
+
+/*
+ * A model, as far as the KV cache cares. KV bytes of t tokens = 2 x layers x t x kv_heads x
+ * head_dim x bytes_per_elem. Recompute FLOPs of tokens at 0-based positions [p0, p0 + t):
+ *     linear:    2 x params x t              (params: active parameters per token)
+ *     attention: 4 x layers x q_heads x head_dim x sum over p in [p0, p0 + t) of (p + 1)
+ * (QK^T and AV each cost 2 x head_dim FLOPs per query head per attended token; the token at
+ * position p attends to p + 1 tokens). docs/policy.md derives both and cites the numbers.
+ */
+typedef struct kvt_model_profile {
+    char name[KVT_PROFILE_NAME_MAX];
+    uint32_t layers;
+    uint32_t kv_heads;
+    uint32_t head_dim;
+    uint32_t bytes_per_elem; /* 2 for bf16/fp16, 1 for fp8 */
+    uint32_t q_heads;
+    uint32_t hidden;
+    double params; /* active parameters per token (an MoE counts its routed experts only) */
+} kvt_model_profile_t;
+
+/*
+ * The serving hardware: the effective prefill FLOP/s of one model instance (all its GPUs
+ * together) and, per tier, the bandwidth and fixed latency of loading KV bytes from that tier
+ * into HBM. bw[KVT_TIER_HBM] is HBM read bandwidth (a hit already in HBM). bw 0 = no such path.
+ */
+typedef struct kvt_hw_profile {
+    char name[KVT_PROFILE_NAME_MAX];
+    double prefill_flops;             /* FLOP/s actually reached in prefill */
+    double bw[KVT_TIER_COUNT];        /* bytes/s from the tier into HBM */
+    double latency_s[KVT_TIER_COUNT]; /* seconds, paid once per request that loads from it */
+} kvt_hw_profile_t;
+
+/* Built-in profiles by name: models "llama-3-8b", "llama-3-70b", "qwen2.5-7b", "mixtral-8x22b";
+ * hardware "h200-node" (8 x H200, the default), "h200-1gpu". Returns 0 or KVT_ENOENT. */
+int kvt_model_profile_get(const char *name, kvt_model_profile_t *out);
+int kvt_hw_profile_get(const char *name, kvt_hw_profile_t *out);
+/* The names of the built-in profiles, NULL-terminated, static. */
+const char *const *kvt_model_profile_names(void);
+const char *const *kvt_hw_profile_names(void);
+
+/*
+ * Custom profiles from text: lines of key=value, '#' starts a comment, blank lines ignored.
+ * Model keys: name, base (a built-in to start from), layers, kv_heads, head_dim,
+ * bytes_per_elem, q_heads, hidden, params (e.g. 7.6e9). Hardware keys: name, base,
+ * prefill_flops, and per tier (hbm, dram, nvme, remote) <tier>_bw (bytes/s) and
+ * <tier>_latency_us. An unknown key, a malformed number or a profile left incomplete gives
+ * KVT_EINVAL, logs the line, and leaves *out untouched. Returns 0 or KVT_EINVAL.
+ */
+int kvt_model_profile_parse(const char *text, kvt_model_profile_t *out);
+int kvt_hw_profile_parse(const char *text, kvt_hw_profile_t *out);
+/* Checks a profile for sane values: 0 or KVT_EINVAL. */
+int kvt_model_profile_check(const kvt_model_profile_t *m);
+int kvt_hw_profile_check(const kvt_hw_profile_t *hw);
+
+/* KV bytes of ntokens tokens. */
+uint64_t kvt_cost_kv_bytes(const kvt_model_profile_t *m, uint64_t ntokens);
+/* FLOPs to recompute the tokens at positions [first, first + ntokens) given the ones before. */
+double kvt_cost_recompute_flops(const kvt_model_profile_t *m, uint64_t first, uint64_t ntokens);
+/* Seconds for the same on hw. */
+double kvt_cost_recompute_s(const kvt_model_profile_t *m, const kvt_hw_profile_t *hw,
+                            uint64_t first, uint64_t ntokens);
+/* Seconds to load bytes from tier into HBM, fixed latency included (0 bytes cost 0). A tier
+ * with no path (bw 0) returns INFINITY. */
+double kvt_cost_load_s(const kvt_hw_profile_t *hw, kvt_tier_id_t tier, uint64_t bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Policy engine
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum {
+    KVT_POLICY_COST = 0,   /* value = predicted reuse x saving per byte (see docs/policy.md) */
+    KVT_POLICY_LRU = 1,    /* least recently used first, leaves first (SGLang, HiCache) */
+    KVT_POLICY_LFU = 2,    /* least (decayed) frequently used first, then LRU */
+    KVT_POLICY_ORACLE = 3, /* Belady: the block used furthest in the future first. Needs
+                              hint->next_use on every call (the replay knows the future). */
+    KVT_POLICY_KIND_COUNT = 4
+} kvt_policy_kind_t;
+
+const char *kvt_policy_kind_name(kvt_policy_kind_t k); /* "cost", "lru", "lfu", "oracle" */
+int kvt_policy_kind_parse(const char *s, kvt_policy_kind_t *out); /* 0 or KVT_EINVAL */
+
+/*
+ * What the executor does for the engine. arg is kvt_policy_conf_t.ops_arg. The blocks named are
+ * always a run inside one node: pages [depth, depth + npages) of node n, all in tier `from`.
+ */
+typedef struct kvt_policy_ops {
+    /*
+     * Copy the run from `from` to `to` and free it in `from`. Return 0 when done (the engine
+     * then sets the blocks' tier and moves the accounting), KVT_POLICY_PENDING when started
+     * (the executor marks the blocks KVT_BLOCK_BUSY and calls kvt_policy_move_done() later; the
+     * engine reserves the bytes in `to` meanwhile), or a negative error (nothing changed; the
+     * engine tries other blocks). Required.
+     */
+    int (*move)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages, kvt_tier_id_t from,
+                kvt_tier_id_t to);
+    /*
+     * New blocks (just inserted, tier still KVT_TIER_NONE) are to be stored in `tier`. Return 0
+     * when the executor holds (or will hold) their bytes there, or a negative error (the engine
+     * then tries the next tier down or drops them). NULL: accepted without a call.
+     */
+    int (*admit)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                 kvt_tier_id_t tier);
+} kvt_policy_ops_t;
+
+#define KVT_POLICY_PENDING 1
+
+typedef struct kvt_policy_tier_conf {
+    uint64_t capacity; /* bytes; 0 = the tier is not configured */
+    float high;        /* maintenance starts above high x capacity; 0 picks 0.95 */
+    float low;         /* and demotes until at or below low x capacity; 0 picks 0.90 */
+} kvt_policy_tier_conf_t;
+
+typedef struct kvt_policy_conf {
+    kvt_policy_kind_t kind;
+    kvt_model_profile_t model;
+    kvt_hw_profile_t hw;
+    kvt_policy_tier_conf_t tiers[KVT_TIER_COUNT]; /* indexed by kvt_tier_id_t; [NONE] unused */
+    kvt_tier_id_t admit_tier; /* where new blocks go first; 0 picks the fastest configured */
+    /* Demotion into NVMe needs at least this many hits (tree counter); a block below it is
+     * dropped instead when it can be (a leaf tail). 0 = no requirement. */
+    uint32_t nvme_min_hits;
+    /* COST only: drop instead of demoting when loading from the next tier would cost more than
+     * recomputing (default on; 0 keeps the rule off, to compare). */
+    int no_cost_drop;
+    const kvt_policy_ops_t *ops;
+    void *ops_arg;
+} kvt_policy_conf_t;
+
+/*
+ * Per-request hints from the engine, all optional (pass NULL for none). They cover the pages
+ * [from_page, end) of the request's path: the part that belongs to this session, not a shared
+ * system prompt before it.
+ */
+typedef struct kvt_policy_hint {
+    uint16_t priority;  /* retention priority: 0 none, 1..1000; doubles value per 100 */
+    uint8_t finished;   /* the session ended: these pages will not be needed by it again */
+    uint32_t paused_ms; /* the session pauses (tool call) and is expected back in this many
+                           clock units; 0 = not paused */
+    uint32_t from_page;
+    /* ORACLE only: next_use[i] = the clock at which page i of the request is next used,
+     * UINT32_MAX for never; nnext entries, borrowed for the call. */
+    const uint32_t *next_use;
+    uint32_t nnext;
+} kvt_policy_hint_t;
+
+typedef struct kvt_policy kvt_policy_t;
+
+/*
+ * Creates an engine over tree t. conf is copied. The tree clock (kvt_radix_set_clock) is the
+ * engine's time: ages and paused_ms are in its units. Capacities of 0 leave a tier out; at least
+ * one tier must be configured; high and low must satisfy 0 < low <= high <= 1. Returns 0,
+ * KVT_EINVAL or KVT_ENOMEM.
+ */
+int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_t *conf);
+void kvt_policy_destroy(kvt_policy_t *p); /* NULL is a no-op; frees nothing in the tree */
+
+/*
+ * Hot path: a request matched m (from kvt_radix_match, best with KVT_MATCH_NOTOUCH when an
+ * insert of the same request follows and bumps the tree counters). Updates the engine's
+ * counters of the matched blocks, applies hints, and queues a promotion of every matched block
+ * that is in a tier below the admission tier; kvt_policy_step() carries it out. The caller keeps
+ * m->node alive until that step (a lease does). O(path); never moves anything.
+ */
+void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy_hint_t *hint);
+
+/*
+ * The new blocks of an insert (res from kvt_radix_insert) are admitted: to the admission tier
+ * if it has room, making room by demoting other blocks there if needed (bounded by the size of
+ * the insert), else to the next configured tier down. Blocks that fit nowhere are dropped from
+ * the tree (the tail of the new leaf). Sets each admitted block's tier and size. Returns the
+ * number of pages admitted (>= 0) or KVT_EINVAL.
+ */
+int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_policy_hint_t *hint);
+
+/* Every block that leaves the tree (the tree's free callback forwards it here). */
+void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b);
+
+/*
+ * Promotes the path that ends at node n (its first node_pages pages, all ancestors whole)
+ * into the admission tier now, making room there; leased nodes on the path are promoted too
+ * (the lease protects against demotion and drops, not against being made faster). Returns the
+ * pages promoted or a negative error.
+ */
+int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages);
+
+/*
+ * Maintenance: runs queued promotions, then, for every tier above its high watermark, moves or
+ * drops its lowest-value blocks until it is at its low watermark, at most budget pages in all
+ * (0 = no limit). Returns the pages moved or dropped (>= 0), or a negative error.
+ */
+int kvt_policy_step(kvt_policy_t *p, uint32_t budget);
+
+/* Completes a move an executor answered with KVT_POLICY_PENDING. status 0 moves the blocks'
+ * tier and accounting; an error gives the reservation in `to` back. Returns 0 or KVT_EINVAL. */
+int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                         kvt_tier_id_t from, kvt_tier_id_t to, int status);
+
+typedef struct kvt_policy_stats {
+    uint64_t used[KVT_TIER_COUNT];     /* bytes held now, per tier (reservations included) */
+    uint64_t capacity[KVT_TIER_COUNT]; /* as configured */
+    uint64_t blocks[KVT_TIER_COUNT];   /* blocks held now */
+    uint64_t moved_bytes[KVT_TIER_COUNT][KVT_TIER_COUNT]; /* [from][to], promotions included */
+    uint64_t admitted_bytes[KVT_TIER_COUNT];              /* new blocks written per tier */
+    uint64_t dropped_bytes[KVT_TIER_COUNT]; /* dropped by the engine, per tier they were in */
+    uint64_t dropped_blocks;
+    uint64_t cost_drops;    /* drops chosen because recompute beat loading from below */
+    uint64_t demotions;     /* runs moved down */
+    uint64_t promotions;    /* runs moved up */
+    uint64_t rejected;      /* new pages that fit in no tier */
+    uint64_t pending_moves; /* moves in flight */
+} kvt_policy_stats_t;
+
+void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);
+
+/* Bytes of one block of namespace ns (its page size through the model profile). */
+uint64_t kvt_policy_block_bytes(const kvt_policy_t *p, uint32_t ns);
+
+/* Walks the tree and checks the invariants above against the engine's accounting. O(tree):
+ * tests and debug builds. Returns 0 or KVT_ECORRUPT (logging what broke). */
+int kvt_policy_verify(const kvt_policy_t *p);
+
+#endif
