@@ -255,6 +255,105 @@ void *kvt_tier_hbm_devptr(kvt_tier_t *t, uint64_t loc);
 /* 1 when a CUDA device is usable by this process (counts devices once and caches it). */
 int kvt_tier_cuda_usable(void);
 
-/* --- remote (tiers/remote.c) --- */
+/* --- remote (tiers/remote.c) ---
+ * Blocks as string values in a Valkey or Redis server (hiredis, plain TCP, optional AUTH and
+ * SELECT). The key is "<key_prefix>:<ns_seed as 16 hex>:<hash as 16 hex>", so every kvtierd
+ * pointed at the same server finds the blocks another one stored; the value is the stored block
+ * header, the tokens and the payload, checked on every read (a mismatch is a KVT_ECORRUPT miss).
+ * Reads go by key: a read with loc 0 (or any location this tier did not hand out) asks the
+ * server for io->key all the same, which is how a block stored by another process is found.
+ * Locations handed out by writes name the key for kvt_tier_free, which DELs it (unless
+ * keep_on_free). A block the server dropped by itself (maxmemory eviction, ttl) reads as
+ * KVT_ENOENT and its charge is given back (usage.reclaimed).
+ *
+ * Charge: a block costs len + kvt__blockhdr_size(KVT_PAGE_MAX) bytes (the payload plus the
+ * largest stored header, which also covers the server's per-key overhead): usage never passes
+ * capacity_bytes, and a write that does not fit fails with KVT_ENOSPC. The server's own limit is
+ * separate: a server that answers a SET with an OOM error completes it with KVT_ENOSPC.
+ *
+ * Non-blocking: one connection, pipelined (up to max_inflight requests unanswered), driven from
+ * the tier's fd; connecting, the handshake and reconnecting never block the caller (a host name
+ * is resolved with getaddrinfo at each connect: give an address literal to keep that off the
+ * loop). A request not answered within timeout_ms completes with KVT_ETIMEDOUT (a write that
+ * lands after its timeout is deleted again). When the server goes away, every request in flight
+ * and every request submitted before the next connection is up fails with KVT_EUNAVAIL (submit
+ * returns it while the tier waits out its backoff); the tier reconnects by itself with
+ * exponential backoff, from backoff_min_ms doubling up to backoff_max_ms. The timers run from
+ * kvt_tier_process, so the caller's loop keeps polling the fd while the server is down.
+ * kvt_tier_destroy leaves stored blocks on the server (they serve the fleet, or the next run).
+ */
+typedef struct kvt_tier_remote_conf {
+    const char *host;        /* address literal or host name; copied */
+    uint16_t port;           /* 0: 6379 */
+    const char *password;    /* AUTH password; NULL: none; copied */
+    int db;                  /* SELECT index (0 .. 65535); 0: no SELECT */
+    const char *key_prefix;  /* NULL: "kvt"; 1 .. 64 bytes, no spaces or control bytes */
+    uint64_t capacity_bytes; /* > 0 */
+    uint32_t ttl_s;          /* SET ... EX ttl_s; 0: no expiry */
+    uint32_t timeout_ms;     /* per request; 0: 2000 */
+    uint32_t backoff_min_ms; /* first reconnect delay; 0: 50 */
+    uint32_t backoff_max_ms; /* 0: 5000 */
+    uint32_t max_inflight;   /* requests sent and unanswered; 0: 64 */
+    int keep_on_free;        /* 1: kvt_tier_free only forgets (the ttl or eviction clears it) */
+} kvt_tier_remote_conf_t;
+
+/* Returns 0, KVT_EINVAL, KVT_ENOMEM or a negated errno (epoll, timerfd, eventfd). A server that
+ * is down is not an error here: the tier starts disconnected and keeps trying. */
+int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf);
+
+/* 1 once the connection is up and the handshake (AUTH, SELECT or PING) was answered. */
+int kvt_tier_remote_connected(const kvt_tier_t *t);
+
+/* Formats the server key of (ns_seed, hash) into buf; returns its length, or KVT_EINVAL (not a
+ * remote tier, or cap too small: KVT_TIER_REMOTE_KEY_MAX always fits). */
+#define KVT_TIER_REMOTE_KEY_MAX 100
+int kvt_tier_remote_key(const kvt_tier_t *t, uint64_t ns_seed, uint64_t hash, char *buf,
+                        size_t cap);
+
+/* Parses "HOST:PORT" or "[V6]:PORT" into host (cap bytes) and port. Returns 0 or KVT_EINVAL. */
+int kvt_tier_remote_parse_addr(const char *s, char *host, size_t cap, uint16_t *port);
+
+/* Connection-level counters (request outcomes are in kvt_tier_usage). */
+typedef struct kvt_tier_remote_stats {
+    uint64_t connect_attempts, connects, connect_failures, disconnects, auth_failures;
+    uint64_t unavailable;  /* requests and probes failed with KVT_EUNAVAIL */
+    uint64_t timeouts;     /* requests and probes failed with KVT_ETIMEDOUT */
+    uint64_t late_replies; /* replies that came after their request timed out */
+    uint64_t undone;       /* DELs sent for writes that may have landed after failing */
+    uint64_t evicted;      /* our blocks the server no longer had (or held corrupt) */
+    uint64_t probes;
+} kvt_tier_remote_stats_t;
+
+void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out);
+
+/*
+ * The longest-prefix probe: given the keys of the next n blocks of a prefix, asks the server
+ * whether each exists, all in one pipelined round trip (one EXISTS per key), and reports how many
+ * consecutive ones from keys[0] exist. Only ns_seed and hash of each key are used. The caller
+ * owns p and keys until the callback, which runs from kvt_tier_process (never inside this call);
+ * status is 0 with found set, or KVT_EUNAVAIL, KVT_ETIMEDOUT, KVT_EAUTH, KVT_EIO (found 0).
+ * Existence is a hint: a block may still be evicted before it is read.
+ */
+#define KVT_TIER_PROBE_MAX 256
+typedef struct kvt_tier_probe kvt_tier_probe_t;
+typedef void (*kvt_tier_probe_cb)(kvt_tier_probe_t *p);
+
+struct kvt_tier_probe {
+    const kvt_block_key_t *keys;
+    uint32_t n; /* 1 .. KVT_TIER_PROBE_MAX */
+    kvt_tier_probe_cb cb;
+    void *data; /* the caller's */
+    int status;
+    uint32_t found;
+
+    /* Private to tiers/. */
+    uint32_t pending, first_missing;
+    kvt_tier_probe_t *next;
+};
+
+/* Returns 0 (the callback will run) or, with nothing started: KVT_EINVAL (not a remote tier, n
+ * out of range, no cb), KVT_EUNAVAIL (the server is down), KVT_ENOMEM. Destroying the tier with
+ * a probe in flight drops its callback. */
+int kvt_tier_remote_probe(kvt_tier_t *t, kvt_tier_probe_t *p);
 
 #endif

@@ -1,0 +1,963 @@
+/*
+ * test_tier_remote.c: the remote tier against real redis-server processes on loopback.
+ *
+ * Tests that only read and write use the server scripts/test.sh starts (KVT_TEST_REDIS); tests
+ * that stop, restart, pause or limit a server spawn their own (KVT_REDIS_SERVER, else
+ * redis-server on PATH) on a free loopback port with persistence off and its files under
+ * $TMPDIR, and kill it by PID. Without a server the tests are skipped, not passed.
+ */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
+
+#include "tier.h"
+
+#define PAGE 16
+
+/* --- servers --- */
+
+typedef struct server {
+    pid_t pid;
+    uint16_t port;
+    char dir[256];
+} server_t;
+
+static server_t g_srv = {.pid = -1};
+
+static int shared_server(char *host, size_t cap, uint16_t *port)
+{
+    const char *s = getenv("KVT_TEST_REDIS");
+    if (!s || !*s)
+        return 0;
+    cr_assert_eq(kvt_tier_remote_parse_addr(s, host, cap, port), 0, "bad KVT_TEST_REDIS %s", s);
+    return 1;
+}
+
+static int find_server_binary(char *out, size_t cap)
+{
+    const char *env = getenv("KVT_REDIS_SERVER");
+    if (env && *env && access(env, X_OK) == 0) {
+        snprintf(out, cap, "%s", env);
+        return 1;
+    }
+    const char *path = getenv("PATH");
+    if (!path)
+        return 0;
+    char buf[4096];
+    snprintf(buf, sizeof(buf), "%s", path);
+    for (char *save = NULL, *d = strtok_r(buf, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
+        snprintf(out, cap, "%s/redis-server", d);
+        if (access(out, X_OK) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+static uint16_t free_port(void)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(s >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof(a)), 0);
+    socklen_t l = sizeof(a);
+    cr_assert_eq(getsockname(s, (struct sockaddr *)&a, &l), 0);
+    close(s);
+    return ntohs(a.sin_port);
+}
+
+static redisContext *sync_connect(uint16_t port, const char *password)
+{
+    struct timeval tv = {1, 0};
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    if (!c || c->err) {
+        if (c)
+            redisFree(c);
+        return NULL;
+    }
+    if (password) {
+        redisReply *r = redisCommand(c, "AUTH %s", password);
+        if (r)
+            freeReplyObject(r);
+    }
+    return c;
+}
+
+static int server_answers(uint16_t port, const char *password)
+{
+    redisContext *c = sync_connect(port, password);
+    if (!c)
+        return 0;
+    redisReply *r = redisCommand(c, "PING");
+    int ok = r && r->type == REDIS_REPLY_STATUS;
+    if (r)
+        freeReplyObject(r);
+    redisFree(c);
+    return ok;
+}
+
+/* Starts redis-server on srv->port (0: pick one) with extra arguments; skips without a binary. */
+static void server_start(server_t *srv, const char *password, const char *const *extra)
+{
+    char bin[1024];
+    if (!find_server_binary(bin, sizeof(bin)))
+        cr_skip_test("no redis-server binary (KVT_REDIS_SERVER or PATH)");
+    if (!srv->dir[0]) {
+        const char *tmp = getenv("TMPDIR");
+        snprintf(srv->dir, sizeof(srv->dir), "%s/kvt-remote-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+        cr_assert(mkdtemp(srv->dir), "mkdtemp: %s", strerror(errno));
+    }
+    if (!srv->port)
+        srv->port = free_port();
+    char port[16], log[300];
+    snprintf(port, sizeof(port), "%u", srv->port);
+    snprintf(log, sizeof(log), "%s/redis.log", srv->dir);
+    const char *argv[32] = {bin, "--port",       port, "--bind", "127.0.0.1", "--save",
+                            "",  "--appendonly", "no", "--dir",  srv->dir,    "--logfile",
+                            log, "--daemonize",  "no"};
+    int argc = 15;
+    if (password) {
+        argv[argc++] = "--requirepass";
+        argv[argc++] = password;
+    }
+    for (int i = 0; extra && extra[i]; i++)
+        argv[argc++] = extra[i];
+    argv[argc] = NULL;
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
+        if (getppid() != parent)
+            _exit(1);
+        execv(bin, (char *const *)argv);
+        _exit(127);
+    }
+    srv->pid = pid;
+    for (int i = 0; i < 200; i++) {
+        if (server_answers(srv->port, password))
+            return;
+        usleep(10000);
+    }
+    cr_assert_fail("redis-server on port %u did not answer", srv->port);
+}
+
+static void server_kill(server_t *srv)
+{
+    if (srv->pid > 0) {
+        kill(srv->pid, SIGCONT);
+        kill(srv->pid, SIGKILL);
+        waitpid(srv->pid, NULL, 0);
+        srv->pid = -1;
+    }
+}
+
+static void server_cleanup(void)
+{
+    server_kill(&g_srv);
+    if (g_srv.dir[0]) {
+        char log[300];
+        snprintf(log, sizeof(log), "%s/redis.log", g_srv.dir);
+        unlink(log);
+        rmdir(g_srv.dir);
+        g_srv.dir[0] = 0;
+    }
+}
+
+/* --- tier helpers --- */
+
+static kvt_tier_remote_conf_t base_conf(const char *host, uint16_t port)
+{
+    static char prefix[64];
+    snprintf(prefix, sizeof(prefix), "kvt-test-%d", (int)getpid());
+    return (kvt_tier_remote_conf_t){.host = host,
+                                    .port = port,
+                                    .key_prefix = prefix,
+                                    .capacity_bytes = 1ull << 30,
+                                    .timeout_ms = 2000,
+                                    .backoff_min_ms = 20,
+                                    .backoff_max_ms = 200};
+}
+
+static int wait_connected(kvt_tier_t *t, int ms)
+{
+    uint64_t end = kvt_now_ns() + (uint64_t)ms * 1000000u;
+    while (!kvt_tier_remote_connected(t) && kvt_now_ns() < end)
+        kvt_tier_wait(t, 10);
+    return kvt_tier_remote_connected(t);
+}
+
+static kvt_tier_t *open_tier(const kvt_tier_remote_conf_t *conf)
+{
+    kvt_tier_t *t = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, conf), 0);
+    cr_assert_str_eq(kvt_tier_backend(t), "redis");
+    cr_assert_eq(kvt_tier_kind(t), KVT_TIER_REMOTE);
+    return t;
+}
+
+static kvt_tier_t *open_shared(uint64_t capacity)
+{
+    static char host[64];
+    uint16_t port;
+    if (!shared_server(host, sizeof(host), &port))
+        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
+    kvt_tier_remote_conf_t c = base_conf(host, port);
+    if (capacity)
+        c.capacity_bytes = capacity;
+    kvt_tier_t *t = open_tier(&c);
+    cr_assert(wait_connected(t, 3000), "no connection to %s:%u", host, port);
+    return t;
+}
+
+typedef struct blk {
+    kvt_tier_io_t io;
+    uint32_t tokens[PAGE];
+    uint8_t *buf;
+    int done;
+} blk_t;
+
+static uint64_t g_seed;
+
+static void seed_init(void)
+{
+    g_seed = ((uint64_t)getpid() << 32) ^ kvt_now_ns() ^ 0x9e3779b97f4a7c15ull;
+}
+
+static void io_done(kvt_tier_io_t *io)
+{
+    ((blk_t *)io->data)->done++;
+}
+
+static void fill(uint8_t *p, uint32_t len, uint64_t salt)
+{
+    uint64_t x = salt * 0x9e3779b97f4a7c15ull + 1;
+    for (uint32_t i = 0; i < len; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        p[i] = (uint8_t)x;
+    }
+}
+
+/* Block i of this test's chain: hash, parent and tokens derived from i. */
+static void blk_init(blk_t *b, uint32_t i, uint32_t len)
+{
+    memset(b, 0, sizeof(*b));
+    for (uint32_t k = 0; k < PAGE; k++)
+        b->tokens[k] = i * 1000 + k;
+    b->io.key = (kvt_block_key_t){.ns_seed = g_seed,
+                                  .hash = g_seed ^ (0x100000001b3ull * (i + 1)),
+                                  .parent = i ? g_seed ^ (0x100000001b3ull * i) : g_seed,
+                                  .tokens = b->tokens,
+                                  .ntokens = PAGE};
+    b->io.len = len;
+    b->buf = malloc(len);
+    cr_assert(b->buf);
+    b->io.buf = b->buf;
+    b->io.cb = io_done;
+    b->io.data = b;
+}
+
+static void blk_fini(blk_t *b)
+{
+    free(b->buf);
+    b->buf = NULL;
+}
+
+static void wait_done(kvt_tier_t *t, blk_t *const *bs, int n, int ms)
+{
+    uint64_t end = kvt_now_ns() + (uint64_t)ms * 1000000u;
+    for (;;) {
+        int left = 0;
+        for (int i = 0; i < n; i++)
+            left += bs[i]->done == 0;
+        if (!left)
+            return;
+        cr_assert(kvt_now_ns() < end, "%d requests never completed", left);
+        kvt_tier_wait(t, 20);
+    }
+}
+
+/* Submits and waits; returns the status (or the submit error). */
+static int do_io(kvt_tier_t *t, blk_t *b, int write)
+{
+    b->done = 0;
+    int rc = write ? kvt_tier_write(t, &b->io) : kvt_tier_read(t, &b->io);
+    if (rc)
+        return rc;
+    cr_assert_eq(b->done, 0, "callback ran inside the submit");
+    wait_done(t, &b, 1, 10000);
+    cr_assert_eq(b->done, 1);
+    return b->io.status;
+}
+
+static int write_blk(kvt_tier_t *t, blk_t *b, uint64_t salt)
+{
+    fill(b->buf, b->io.len, salt);
+    return do_io(t, b, 1);
+}
+
+/* Reads b back into a fresh buffer and checks it against salt's bytes. */
+static int read_check(kvt_tier_t *t, blk_t *b, uint64_t salt)
+{
+    uint8_t *want = malloc(b->io.len);
+    cr_assert(want);
+    fill(want, b->io.len, salt);
+    memset(b->buf, 0xa5, b->io.len);
+    int rc = do_io(t, b, 0);
+    if (rc == 0)
+        cr_assert(!memcmp(b->buf, want, b->io.len), "payload differs after a round trip");
+    free(want);
+    return rc;
+}
+
+static uint64_t charge(const kvt_tier_t *t, uint32_t len)
+{
+    return kvt_tier_footprint(t, len);
+}
+
+static void sync_cmd_ok(redisContext *c, const char *fmt, const char *key)
+{
+    redisReply *r = redisCommand(c, fmt, key);
+    cr_assert(r && r->type != REDIS_REPLY_ERROR, "%s %s failed", fmt, key);
+    freeReplyObject(r);
+}
+
+static long long sync_int(redisContext *c, const char *fmt, const char *key)
+{
+    redisReply *r = redisCommand(c, fmt, key);
+    cr_assert(r && r->type == REDIS_REPLY_INTEGER);
+    long long v = r->integer;
+    freeReplyObject(r);
+    return v;
+}
+
+static void key_of(kvt_tier_t *t, const blk_t *b, char *key)
+{
+    cr_assert_gt(
+        kvt_tier_remote_key(t, b->io.key.ns_seed, b->io.key.hash, key, KVT_TIER_REMOTE_KEY_MAX), 0);
+}
+
+static uint16_t shared_port(void)
+{
+    char host[64];
+    uint16_t port = 0;
+    cr_assert(shared_server(host, sizeof(host), &port));
+    return port;
+}
+
+TestSuite(tier_remote, .init = seed_init, .fini = server_cleanup, .timeout = 60);
+
+/* --- tests --- */
+
+Test(tier_remote, arguments_are_checked)
+{
+    kvt_tier_t *t = NULL;
+    kvt_tier_remote_conf_t c = base_conf("127.0.0.1", 1);
+    cr_assert_eq(kvt_tier_remote_create(NULL, &c), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_remote_create(&t, NULL), KVT_EINVAL);
+    kvt_tier_remote_conf_t bad = c;
+    bad.host = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, &bad), KVT_EINVAL);
+    bad = c;
+    bad.capacity_bytes = 0;
+    cr_assert_eq(kvt_tier_remote_create(&t, &bad), KVT_EINVAL);
+    bad = c;
+    bad.key_prefix = "has space";
+    cr_assert_eq(kvt_tier_remote_create(&t, &bad), KVT_EINVAL);
+    bad = c;
+    bad.db = -1;
+    cr_assert_eq(kvt_tier_remote_create(&t, &bad), KVT_EINVAL);
+    bad = c;
+    bad.backoff_min_ms = 500, bad.backoff_max_ms = 100;
+    cr_assert_eq(kvt_tier_remote_create(&t, &bad), KVT_EINVAL);
+    cr_assert_null(t);
+
+    char host[64];
+    uint16_t port = 0;
+    cr_assert_eq(kvt_tier_remote_parse_addr("127.0.0.1:6379", host, sizeof(host), &port), 0);
+    cr_assert_str_eq(host, "127.0.0.1");
+    cr_assert_eq(port, 6379);
+    cr_assert_eq(kvt_tier_remote_parse_addr("[::1]:7000", host, sizeof(host), &port), 0);
+    cr_assert_str_eq(host, "::1");
+    cr_assert_eq(port, 7000);
+    const char *bads[] = {"", "host", "host:", ":1", "h:0", "h:70000", "h:12x", "a:b:1", "[::1]1"};
+    for (size_t i = 0; i < KVT_ARRAY_LEN(bads); i++)
+        cr_assert_eq(kvt_tier_remote_parse_addr(bads[i], host, sizeof(host), &port), KVT_EINVAL,
+                     "%s", bads[i]);
+    cr_assert_eq(kvt_tier_remote_parse_addr("127.0.0.1:1", host, 4, &port), KVT_EINVAL);
+
+    /* Nothing listens on port 1: creation works, requests fail fast, nothing crashes. */
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    int n = kvt_tier_remote_key(t, 0x0123456789abcdefull, 0xfedcba9876543210ull, key, sizeof(key));
+    char want[128];
+    snprintf(want, sizeof(want), "kvt-test-%d:0123456789abcdef:fedcba9876543210", (int)getpid());
+    cr_assert_str_eq(key, want);
+    cr_assert_eq(n, (int)strlen(want));
+    cr_assert_eq(kvt_tier_remote_key(t, 1, 2, key, 8), KVT_EINVAL);
+    blk_t b;
+    blk_init(&b, 0, 100);
+    int rc = do_io(t, &b, 1);
+    cr_assert(rc == KVT_EUNAVAIL, "write to a dead port: %s", kvt_strerror(rc));
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 0, "a failed write keeps no charge");
+    cr_assert_eq(kvt_tier_remote_connected(t), 0);
+    kvt_tier_probe_t p = {.keys = &b.io.key, .n = 0, .cb = (kvt_tier_probe_cb)free};
+    cr_assert_eq(kvt_tier_remote_probe(t, &p), KVT_EINVAL);
+    blk_fini(&b);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, round_trips_of_varied_sizes)
+{
+    kvt_tier_t *t = open_shared(0);
+    const uint32_t sizes[] = {1, 100, 4096, 65543, 256 << 10, (2 << 20) + 3};
+    blk_t b[KVT_ARRAY_LEN(sizes)];
+    uint64_t used = 0;
+    for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+        blk_init(&b[i], (uint32_t)i, sizes[i]);
+        int rc = write_blk(t, &b[i], i + 7);
+        cr_assert_eq(rc, 0, "write %u bytes: %s", sizes[i], kvt_strerror(rc));
+        cr_assert_neq(b[i].io.loc, 0);
+        used += charge(t, sizes[i]);
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, used);
+    cr_assert_eq(u.blocks, KVT_ARRAY_LEN(sizes));
+    for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+        cr_assert(kvt_tier_valid(t, b[i].io.loc, &b[i].io.key));
+        int rc = read_check(t, &b[i], i + 7);
+        cr_assert_eq(rc, 0, "read %u bytes: %s", sizes[i], kvt_strerror(rc));
+    }
+    /* The value on the server is header + tokens + payload. */
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &b[2], key);
+    cr_assert_eq(sync_int(c, "STRLEN %s", key), 64 + 4 * PAGE + 4096);
+    redisFree(c);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, KVT_ARRAY_LEN(sizes));
+    cr_assert_eq(u.writes, KVT_ARRAY_LEN(sizes));
+    cr_assert_eq(u.errors + u.misses + u.corrupt + u.timeouts, 0);
+    for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+        kvt_tier_free(t, b[i].io.loc, b[i].io.len);
+        blk_fini(&b[i]);
+    }
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 0);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, another_tier_finds_blocks_by_key)
+{
+    kvt_tier_t *a = open_shared(0);
+    kvt_tier_t *b2 = open_shared(0);
+    blk_t w, r;
+    blk_init(&w, 3, 50000);
+    cr_assert_eq(write_blk(a, &w, 99), 0);
+    blk_init(&r, 3, 50000);
+    r.io.loc = 0; /* b2 never stored it: it goes by key */
+    cr_assert_eq(read_check(b2, &r, 99), 0);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(b2, &u);
+    cr_assert_eq(u.used_bytes, 0, "reading another's block charges nothing");
+    /* Wrong tokens for the same name: the header check refuses it. */
+    r.tokens[5] ^= 1;
+    cr_assert_eq(do_io(b2, &r, 0), KVT_ECORRUPT);
+    kvt_tier_free(a, w.io.loc, w.io.len);
+    blk_fini(&w);
+    blk_fini(&r);
+    kvt_tier_destroy(a);
+    kvt_tier_destroy(b2);
+}
+
+Test(tier_remote, capacity_is_enforced)
+{
+    kvt_tier_t *probe = open_shared(0);
+    uint64_t fp = charge(probe, 65536);
+    kvt_tier_destroy(probe);
+    kvt_tier_t *t = open_shared(3 * fp + fp / 2);
+    blk_t b[4];
+    for (int i = 0; i < 3; i++) {
+        blk_init(&b[i], (uint32_t)i, 65536);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    blk_init(&b[3], 3, 65536);
+    fill(b[3].buf, 65536, 3);
+    cr_assert_eq(kvt_tier_write(t, &b[3].io), KVT_ENOSPC);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 3 * fp);
+    cr_assert_leq(u.used_bytes, u.capacity_bytes);
+    cr_assert_eq(u.blocks, 3);
+    /* Writes in flight count too: free one, then two writes race for one place. */
+    kvt_tier_free(t, b[0].io.loc, b[0].io.len);
+    blk_t extra;
+    blk_init(&extra, 9, 65536);
+    fill(extra.buf, 65536, 9);
+    cr_assert_eq(kvt_tier_write(t, &b[3].io), 0);
+    cr_assert_eq(kvt_tier_write(t, &extra.io), KVT_ENOSPC);
+    blk_t *pb = &b[3];
+    wait_done(t, &pb, 1, 5000);
+    cr_assert_eq(b[3].io.status, 0);
+    cr_assert_eq(read_check(t, &b[3], 3), 0);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 3 * fp);
+    for (int i = 1; i < 4; i++) {
+        kvt_tier_free(t, b[i].io.loc, b[i].io.len);
+        blk_fini(&b[i]);
+    }
+    blk_fini(&b[0]);
+    blk_fini(&extra);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, free_deletes_and_space_is_reused)
+{
+    kvt_tier_t *t = open_shared(0);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    blk_t b;
+    blk_init(&b, 1, 10000);
+    cr_assert_eq(write_blk(t, &b, 1), 0);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &b, key);
+    cr_assert_eq(sync_int(c, "EXISTS %s", key), 1);
+    uint64_t loc = b.io.loc;
+    kvt_tier_free(t, loc, b.io.len);
+    kvt_tier_free(t, loc, b.io.len); /* twice: a no-op */
+    cr_assert_not(kvt_tier_valid(t, loc, &b.io.key));
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 0);
+    cr_assert_eq(u.blocks, 0);
+    /* The DEL is pipelined like any request; a read behind it sees the key gone. */
+    cr_assert_eq(do_io(t, &b, 0), KVT_ENOENT);
+    cr_assert_eq(sync_int(c, "EXISTS %s", key), 0);
+    cr_assert_eq(write_blk(t, &b, 2), 0);
+    cr_assert_neq(b.io.loc, loc, "a freed location is not handed out again");
+    cr_assert_eq(read_check(t, &b, 2), 0);
+    kvt_tier_free(t, b.io.loc, b.io.len);
+    blk_fini(&b);
+    redisFree(c);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, many_requests_in_flight)
+{
+    kvt_tier_t *t = open_shared(0);
+    enum { N = 300, LEN = 24 << 10 };
+    blk_t *b = calloc(N, sizeof(*b));
+    blk_t **pb = calloc(N, sizeof(*pb));
+    cr_assert(b && pb);
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, LEN);
+        fill(b[i].buf, LEN, (uint64_t)i * 3);
+        pb[i] = &b[i];
+        cr_assert_eq(kvt_tier_write(t, &b[i].io), 0);
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.inflight, N, "all writes are in flight at once");
+    wait_done(t, pb, N, 20000);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(b[i].io.status, 0, "write %d: %s", i, kvt_strerror(b[i].io.status));
+        b[i].done = 0;
+        memset(b[i].buf, 0, LEN);
+    }
+    for (int i = N - 1; i >= 0; i--)
+        cr_assert_eq(kvt_tier_read(t, &b[i].io), 0);
+    wait_done(t, pb, N, 20000);
+    uint8_t *want = malloc(LEN);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(b[i].io.status, 0, "read %d: %s", i, kvt_strerror(b[i].io.status));
+        fill(want, LEN, (uint64_t)i * 3);
+        cr_assert(!memcmp(want, b[i].buf, LEN), "block %d differs", i);
+    }
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, N);
+    cr_assert_eq(u.inflight, 0);
+    for (int i = 0; i < N; i++) {
+        kvt_tier_free(t, b[i].io.loc, LEN);
+        blk_fini(&b[i]);
+    }
+    free(want);
+    free(b);
+    free(pb);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, value_deleted_behind_our_back_is_a_miss)
+{
+    kvt_tier_t *t = open_shared(0);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    blk_t b;
+    blk_init(&b, 4, 5000);
+    cr_assert_eq(write_blk(t, &b, 4), 0);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &b, key);
+    sync_cmd_ok(c, "DEL %s", key);
+    uint64_t loc = b.io.loc;
+    cr_assert_eq(do_io(t, &b, 0), KVT_ENOENT);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.misses, 1);
+    cr_assert_eq(u.errors, 0);
+    cr_assert_eq(u.reclaimed, 1, "the lost block is unindexed");
+    cr_assert_eq(u.used_bytes, 0, "and its charge given back");
+    cr_assert_not(kvt_tier_valid(t, loc, &b.io.key));
+    blk_fini(&b);
+    redisFree(c);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
+{
+    kvt_tier_t *t = open_shared(0);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    blk_t b[3];
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    for (int i = 0; i < 3; i++) {
+        blk_init(&b[i], (uint32_t)i, 8192);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    /* 0: a short string; 1: the right length with one payload byte flipped; 2: a list. */
+    key_of(t, &b[0], key);
+    sync_cmd_ok(c, "SET %s garbage", key);
+    key_of(t, &b[1], key);
+    redisReply *r = redisCommand(c, "GET %s", key);
+    cr_assert(r && r->type == REDIS_REPLY_STRING && r->len == 64 + 4 * PAGE + 8192);
+    r->str[r->len - 100] ^= 0x40;
+    redisReply *s = redisCommand(c, "SET %s %b", key, r->str, r->len);
+    cr_assert(s && s->type == REDIS_REPLY_STATUS);
+    freeReplyObject(s);
+    freeReplyObject(r);
+    key_of(t, &b[2], key);
+    sync_cmd_ok(c, "DEL %s", key);
+    sync_cmd_ok(c, "RPUSH %s x", key);
+    for (int i = 0; i < 3; i++) {
+        memset(b[i].buf, 0x5a, 8192);
+        cr_assert_eq(do_io(t, &b[i], 0), KVT_ECORRUPT, "block %d", i);
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.corrupt, 3);
+    cr_assert_eq(u.reads, 0, "nothing was returned");
+    cr_assert_eq(u.blocks, 0);
+    cr_assert_eq(u.used_bytes, 0);
+    sync_cmd_ok(c, "DEL %s", key);
+    for (int i = 0; i < 3; i++)
+        blk_fini(&b[i]);
+    redisFree(c);
+    kvt_tier_destroy(t);
+}
+
+static void probe_done(kvt_tier_probe_t *p)
+{
+    (*(int *)p->data)++;
+}
+
+static int run_probe(kvt_tier_t *t, const kvt_block_key_t *keys, uint32_t n, uint32_t *found)
+{
+    int done = 0;
+    kvt_tier_probe_t p = {.keys = keys, .n = n, .cb = probe_done, .data = &done};
+    int rc = kvt_tier_remote_probe(t, &p);
+    if (rc)
+        return rc;
+    cr_assert_eq(done, 0, "the probe completed inside the call");
+    uint64_t end = kvt_now_ns() + 5000000000ull;
+    while (!done && kvt_now_ns() < end)
+        kvt_tier_wait(t, 20);
+    cr_assert_eq(done, 1);
+    *found = p.found;
+    return p.status;
+}
+
+Test(tier_remote, probe_finds_the_longest_stored_prefix)
+{
+    kvt_tier_t *t = open_shared(0);
+    enum { N = 8 };
+    blk_t b[N];
+    kvt_block_key_t keys[N];
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 1000);
+        keys[i] = b[i].io.key;
+    }
+    uint32_t found = 99;
+    cr_assert_eq(run_probe(t, keys, N, &found), 0);
+    cr_assert_eq(found, 0);
+    for (int i = 0; i < 5; i++)
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    cr_assert_eq(write_blk(t, &b[6], 6), 0); /* after a hole: not part of the prefix */
+    cr_assert_eq(run_probe(t, keys, N, &found), 0);
+    cr_assert_eq(found, 5);
+    cr_assert_eq(run_probe(t, keys, 3, &found), 0);
+    cr_assert_eq(found, 3);
+    kvt_tier_free(t, b[2].io.loc, b[2].io.len);
+    cr_assert_eq(run_probe(t, keys, N, &found), 0);
+    cr_assert_eq(found, 2);
+    cr_assert_eq(run_probe(t, keys + 6, 2, &found), 0);
+    cr_assert_eq(found, 1);
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_eq(st.probes, 5);
+    for (int i = 0; i < N; i++) {
+        if (i != 2 && b[i].io.loc)
+            kvt_tier_free(t, b[i].io.loc, b[i].io.len);
+        blk_fini(&b[i]);
+    }
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, selected_db_holds_the_blocks)
+{
+    char host[64];
+    uint16_t port;
+    if (!shared_server(host, sizeof(host), &port))
+        cr_skip_test("KVT_TEST_REDIS is not set");
+    kvt_tier_remote_conf_t conf = base_conf(host, port);
+    conf.db = 3;
+    conf.ttl_s = 600;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b;
+    blk_init(&b, 0, 777);
+    cr_assert_eq(write_blk(t, &b, 5), 0);
+    cr_assert_eq(read_check(t, &b, 5), 0);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &b, key);
+    redisContext *c = sync_connect(port, NULL);
+    cr_assert(c);
+    cr_assert_eq(sync_int(c, "EXISTS %s", key), 0, "not in db 0");
+    sync_cmd_ok(c, "SELECT %s", "3");
+    cr_assert_eq(sync_int(c, "EXISTS %s", key), 1);
+    long long ttl = sync_int(c, "TTL %s", key);
+    cr_assert(ttl > 500 && ttl <= 600, "ttl %lld", ttl);
+    redisFree(c);
+    kvt_tier_free(t, b.io.loc, b.io.len);
+    blk_fini(&b);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, server_killed_and_restarted)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    enum { N = 16 };
+    blk_t b[N];
+    blk_t *pb[N];
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 100000);
+        pb[i] = &b[i];
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    /* Reads in flight when the server dies fail with KVT_EUNAVAIL; nothing hangs. */
+    int submitted = 0;
+    for (int i = 0; i < N; i++) {
+        b[i].done = 0;
+        if (kvt_tier_read(t, &b[i].io) == 0)
+            submitted++;
+        else
+            b[i].done = 1;
+    }
+    cr_assert_eq(submitted, N);
+    server_kill(&g_srv);
+    wait_done(t, pb, N, 5000);
+    int ok = 0, unavail = 0;
+    for (int i = 0; i < N; i++) {
+        if (b[i].io.status == 0)
+            ok++;
+        else
+            cr_assert_eq(b[i].io.status, KVT_EUNAVAIL, "read %d: %s", i,
+                         kvt_strerror(b[i].io.status));
+        unavail += b[i].io.status == KVT_EUNAVAIL;
+    }
+    cr_assert_gt(unavail, 0, "the kill raced every read (%d ok)", ok);
+    /* While it is down: new requests fail, fast, through submit or completion. */
+    for (int i = 0; i < 20; i++)
+        kvt_tier_wait(t, 5);
+    cr_assert_not(kvt_tier_remote_connected(t));
+    blk_t x;
+    blk_init(&x, 100, 1000);
+    int rc = write_blk(t, &x, 100);
+    cr_assert(rc == KVT_EUNAVAIL, "write while down: %s", kvt_strerror(rc));
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_geq(st.disconnects, 1);
+    cr_assert_geq(st.unavailable, (uint64_t)unavail + 1);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_geq(u.errors, (uint64_t)unavail);
+    /* Back on the same port: the tier reconnects by itself. */
+    server_start(&g_srv, NULL, NULL);
+    cr_assert(wait_connected(t, 5000), "no reconnect");
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_geq(st.connects, 2);
+    cr_assert_eq(write_blk(t, &x, 100), 0);
+    cr_assert_eq(read_check(t, &x, 100), 0);
+    /* The new server has none of the old blocks: misses, and their charges come back. */
+    cr_assert_eq(do_io(t, &b[0], 0), KVT_ENOENT);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reclaimed, 1);
+    cr_assert_eq(u.used_bytes, (uint64_t)(N - 1) * charge(t, 100000) + charge(t, 1000));
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    blk_fini(&x);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
+Test(tier_remote, stopped_server_times_out_then_recovers)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    conf.timeout_ms = 200;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b;
+    blk_init(&b, 1, 4000);
+    cr_assert_eq(write_blk(t, &b, 1), 0);
+    kill(g_srv.pid, SIGSTOP);
+    uint64_t t0 = kvt_now_ns();
+    int rc = read_check(t, &b, 1);
+    uint64_t ms = (kvt_now_ns() - t0) / 1000000;
+    cr_assert_eq(rc, KVT_ETIMEDOUT, "read from a stopped server: %s", kvt_strerror(rc));
+    cr_assert(ms >= 150 && ms < 1500, "timed out after %llu ms", (unsigned long long)ms);
+    blk_t w;
+    blk_init(&w, 2, 4000);
+    rc = write_blk(t, &w, 2);
+    cr_assert(rc == KVT_ETIMEDOUT || rc == KVT_EUNAVAIL, "write: %s", kvt_strerror(rc));
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, charge(t, 4000), "the failed write gave its charge back");
+    cr_assert_geq(u.timeouts, 1);
+    /* Unanswered for twice the timeout: the connection is closed and retried. */
+    for (int i = 0; i < 60; i++)
+        kvt_tier_wait(t, 10);
+    kill(g_srv.pid, SIGCONT);
+    cr_assert(wait_connected(t, 5000), "no reconnect after SIGCONT");
+    cr_assert_eq(read_check(t, &b, 1), 0);
+    /* The write that timed out may have landed late: it was deleted again. */
+    for (int i = 0; i < 10; i++)
+        kvt_tier_wait(t, 10);
+    redisContext *c = sync_connect(g_srv.port, NULL);
+    cr_assert(c);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &w, key);
+    cr_assert_eq(sync_int(c, "EXISTS %s", key), 0, "a failed write left its value behind");
+    redisFree(c);
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_geq(st.timeouts, 1);
+    blk_fini(&b);
+    blk_fini(&w);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
+Test(tier_remote, tiny_maxmemory_evicts_early_blocks_as_misses)
+{
+    const char *extra[] = {"--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru", NULL};
+    server_start(&g_srv, NULL, extra);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    enum { N = 40, LEN = 128 << 10 };
+    blk_t b[N];
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, LEN);
+        int rc = write_blk(t, &b[i], (uint64_t)i);
+        cr_assert_eq(rc, 0, "write %d: %s", i, kvt_strerror(rc));
+    }
+    int hits = 0, misses = 0;
+    for (int i = 0; i < N; i++) {
+        int rc = read_check(t, &b[i], (uint64_t)i);
+        cr_assert(rc == 0 || rc == KVT_ENOENT, "read %d: %s", i, kvt_strerror(rc));
+        hits += rc == 0;
+        misses += rc == KVT_ENOENT;
+    }
+    cr_assert_eq(read_check(t, &b[N - 1], N - 1), 0, "the newest block survives");
+    cr_assert_gt(misses, N / 2, "only %d of %d evicted", misses, N);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.errors, 0, "eviction is not an error");
+    cr_assert_eq(u.misses, (uint64_t)misses);
+    cr_assert_eq(u.reclaimed, (uint64_t)misses);
+    cr_assert_eq(u.blocks, (uint64_t)(N - misses));
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
+Test(tier_remote, server_oom_is_enospc)
+{
+    const char *extra[] = {"--maxmemory", "1mb", "--maxmemory-policy", "noeviction", NULL};
+    server_start(&g_srv, NULL, extra);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b[4];
+    int enospc = 0;
+    for (int i = 0; i < 4; i++) {
+        blk_init(&b[i], (uint32_t)i, 1 << 20);
+        int rc = write_blk(t, &b[i], (uint64_t)i);
+        cr_assert(rc == 0 || rc == KVT_ENOSPC, "write %d: %s", i, kvt_strerror(rc));
+        enospc += rc == KVT_ENOSPC;
+    }
+    cr_assert_gt(enospc, 0);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, (uint64_t)(4 - enospc) * charge(t, 1 << 20));
+    for (int i = 0; i < 4; i++)
+        blk_fini(&b[i]);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
+Test(tier_remote, auth_with_requirepass)
+{
+    server_start(&g_srv, "s3cret", NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    conf.password = "s3cret";
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b;
+    blk_init(&b, 0, 3000);
+    cr_assert_eq(write_blk(t, &b, 1), 0);
+    cr_assert_eq(read_check(t, &b, 1), 0);
+    kvt_tier_destroy(t);
+
+    const char *wrong[] = {"nope", NULL};
+    for (int k = 0; k < 2; k++) {
+        conf.password = wrong[k];
+        t = open_tier(&conf);
+        cr_assert_not(wait_connected(t, 300), "connected with password %s", wrong[k]);
+        kvt_tier_remote_stats_t st;
+        kvt_tier_remote_stats(t, &st);
+        cr_assert_geq(st.auth_failures, 1, "password %s", wrong[k]);
+        int rc = read_check(t, &b, 1);
+        cr_assert(rc == KVT_EUNAVAIL || rc == KVT_EAUTH, "read: %s", kvt_strerror(rc));
+        kvt_tier_destroy(t);
+    }
+    blk_fini(&b);
+    server_cleanup();
+}

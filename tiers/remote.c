@@ -1,0 +1,1362 @@
+/*
+ * remote.c: the remote tier, blocks stored as string values in a Valkey or Redis server.
+ *
+ * This file owns one hiredis async connection and everything around it: the adapter that plugs
+ * hiredis into an epoll fd of our own (the fd the tier's caller polls), the handshake (AUTH,
+ * SELECT or PING) that must answer before a connection counts as up, reconnection with
+ * exponential backoff, per-request deadlines on a timerfd, the RESP encoding of SET, GET, DEL and
+ * EXISTS, reply decoding, and the longest-prefix probe. tier.c owns the location index, the
+ * capacity accounting and the completion queue; this backend only moves bytes.
+ *
+ * A block is stored under "<prefix>:<ns seed hex>:<prefix hash hex>" so that every kvtierd
+ * pointed at the same server finds blocks another one stored; the value is the shared block
+ * header, the page's tokens and the payload (blockhdr.c), checked before a byte is returned.
+ *
+ * Requests flow through two FIFO queues:
+ *
+ *     submit --> waitq --(connection up, window open)--> hiredis --> sentq --> reply callback
+ *                  |                                                  |
+ *                  +-- deadline passed: ETIMEDOUT          deadline passed: ETIMEDOUT, the
+ *                                                          request stays queued, detached
+ *
+ * Redis answers in order, so sentq mirrors hiredis's own callback list one for one: the head
+ * of sentq is the request whose reply is being parsed. That lets the reply decoder check a GET
+ * value and copy its payload into the caller's buffer while the bytes are still in hiredis's
+ * read buffer, with no reply object allocated. A request that timed out stays in sentq, detached
+ * from its caller (io = NULL), until its late reply arrives and is dropped; a SET that succeeds
+ * after its caller was told it failed is undone with a DEL, so that a failed write stores
+ * nothing. When the oldest request has waited twice its timeout the connection is declared
+ * stalled and closed: everything in flight then fails with KVT_EUNAVAIL.
+ *
+ * The window: hiredis copies each command into its output buffer and, after a partial write,
+ * moves the unsent rest to the front, so feeding it megabytes at once costs a copy per write.
+ * Commands are therefore handed over only while that buffer is below KVT__OBUF_WINDOW and at
+ * most max_inflight are unanswered; the kernel socket buffer keeps the pipeline full.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/timerfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <hiredis/async.h>
+#include <hiredis/hiredis.h>
+#include <hiredis/sds.h>
+
+#include "tier_impl.h"
+
+#define KVT__OBUF_WINDOW (1u << 20)
+#define KVT__PREFIX_MAX  64u
+#define KVT__KEY_MAX     KVT_TIER_REMOTE_KEY_MAX
+#define KVT__UNDO_MAX    4096u
+
+enum { TAG_SOCK = 1, TAG_TIMER = 2, TAG_WAKE = 3 };
+typedef enum { ST_DOWN, ST_CONNECTING, ST_READY } conn_state_t;
+typedef enum { RQ_GET, RQ_SET, RQ_DEL, RQ_EXISTS, RQ_HELLO } rq_kind_t;
+
+typedef struct rq rq_t;
+struct rq {
+    rq_t *next;
+    rq_kind_t kind;
+    kvt_tier_io_t *io;       /* GET/SET: the caller's request; NULL once detached */
+    kvt_tier_probe_t *probe; /* EXISTS: its probe; NULL once the probe completed */
+    uint32_t idx;            /* EXISTS: the key's index in the probe */
+    uint32_t slot;           /* SET: the location slot reserved at submit */
+    uint64_t deadline_ns;
+    uint64_t sent_ns;
+    uint64_t seed, hash; /* the key's name */
+};
+
+typedef struct rq_queue {
+    rq_t *head, *tail;
+    uint32_t n;
+} rq_queue_t;
+
+/* One location handed out by a successful write: which key to DEL when it is freed. */
+typedef struct loc_slot {
+    uint64_t seed, hash;
+    uint32_t gen;
+    uint32_t used;
+} loc_slot_t;
+
+/* The reply being decoded. hiredis hands one reply at a time to its callback and frees it right
+ * after, so one object per connection is enough; it starts with a real redisReply because
+ * hiredis reads type and str of an unsolicited error reply itself. */
+typedef struct remote_reply {
+    redisReply r;
+    int status; /* GET value: 0 (payload copied out), KVT_ECORRUPT or KVT_EPROTO */
+    char msg[128];
+} remote_reply_t;
+
+typedef struct remote {
+    kvt_tier_t *tier;
+    char *host;
+    int port;
+    char *password;
+    int db;
+    char prefix[KVT__PREFIX_MAX + 1];
+    uint32_t ttl_s;
+    uint64_t timeout_ns;
+    uint64_t backoff_min_ns, backoff_max_ns, backoff_ns;
+    uint32_t max_inflight;
+    int keep_on_free;
+    uint64_t seq; /* stored in each block header written */
+
+    int epfd, tfd, wfd;
+    uint64_t timer_armed_ns; /* absolute time the timerfd is set to; UINT64_MAX: disarmed */
+
+    conn_state_t state;
+    redisAsyncContext *ac;
+    int sock;             /* ac's fd while registered in epfd, else -1 */
+    uint32_t sock_events; /* EPOLLIN/EPOLLOUT hiredis asked for */
+    uint32_t sock_armed;  /* what epfd has for sock */
+    int ac_gone;          /* hiredis is freeing or has freed ac */
+    int drop;             /* close ac once hiredis has returned */
+    int drop_status;      /* what requests still waiting are failed with */
+    uint32_t hello_left;  /* handshake replies still expected */
+    uint64_t retry_ns;    /* DOWN: when to connect again */
+    int logged_down;
+
+    rq_queue_t waitq, sentq, undoq;
+    rq_t *free_rqs;
+    kvt_tier_probe_t *probes_done_head, *probes_done_tail;
+
+    loc_slot_t *slots;
+    uint32_t nslots, capslots;
+    uint32_t *free_slots;
+    uint32_t nfree_slots;
+
+    char *scratch; /* command formatting buffer */
+    size_t scratch_cap;
+
+    remote_reply_t reply;
+    redisReplyObjectFunctions fns;
+    kvt_tier_remote_stats_t stats;
+} remote_t;
+
+static remote_t *remote_of(const kvt_tier_t *t)
+{
+    return t->impl;
+}
+
+/* --- queues and allocation --- */
+
+static void q_push(rq_queue_t *q, rq_t *r)
+{
+    r->next = NULL;
+    if (q->tail)
+        q->tail->next = r;
+    else
+        q->head = r;
+    q->tail = r;
+    q->n++;
+}
+
+static rq_t *q_pop(rq_queue_t *q)
+{
+    rq_t *r = q->head;
+    if (r) {
+        q->head = r->next;
+        if (!q->head)
+            q->tail = NULL;
+        q->n--;
+        r->next = NULL;
+    }
+    return r;
+}
+
+static void q_unlink(rq_queue_t *q, rq_t *prev, rq_t *r)
+{
+    if (prev)
+        prev->next = r->next;
+    else
+        q->head = r->next;
+    if (q->tail == r)
+        q->tail = prev;
+    q->n--;
+    r->next = NULL;
+}
+
+/* A caller's request whose caller was already answered (a probe's other keys after a timeout):
+ * not worth sending. */
+static int rq_dead(const rq_t *r)
+{
+    return (r->kind == RQ_GET || r->kind == RQ_SET || r->kind == RQ_EXISTS) && !r->io && !r->probe;
+}
+
+static rq_t *rq_new(remote_t *rm, rq_kind_t kind)
+{
+    rq_t *r = rm->free_rqs;
+    if (r)
+        rm->free_rqs = r->next;
+    else if (!(r = malloc(sizeof(*r))))
+        return NULL;
+    memset(r, 0, sizeof(*r));
+    r->kind = kind;
+    r->slot = UINT32_MAX;
+    return r;
+}
+
+static void rq_release(remote_t *rm, rq_t *r)
+{
+    r->next = rm->free_rqs;
+    rm->free_rqs = r;
+}
+
+static int slot_reserve(remote_t *rm, uint32_t *out)
+{
+    if (rm->nfree_slots > 0) {
+        *out = rm->free_slots[--rm->nfree_slots];
+        return 0;
+    }
+    if (rm->nslots == rm->capslots) {
+        uint32_t cap = rm->capslots ? rm->capslots * 2 : 256;
+        loc_slot_t *s = realloc(rm->slots, (size_t)cap * sizeof(*s));
+        if (!s)
+            return KVT_ENOMEM;
+        rm->slots = s;
+        uint32_t *f = realloc(rm->free_slots, (size_t)cap * sizeof(*f));
+        if (!f)
+            return KVT_ENOMEM;
+        rm->free_slots = f;
+        rm->capslots = cap;
+    }
+    rm->slots[rm->nslots] = (loc_slot_t){0};
+    *out = rm->nslots++;
+    return 0;
+}
+
+static void slot_unreserve(remote_t *rm, uint32_t slot)
+{
+    rm->slots[slot].used = 0;
+    rm->slots[slot].gen++;
+    rm->free_slots[rm->nfree_slots++] = slot;
+}
+
+static uint64_t slot_loc(const remote_t *rm, uint32_t slot)
+{
+    return ((uint64_t)rm->slots[slot].gen << 32) | (uint64_t)(slot + 1);
+}
+
+/* The slot a location names, or UINT32_MAX when it is not one of ours (any more). */
+static uint32_t loc_slot(const remote_t *rm, uint64_t loc)
+{
+    uint64_t low = loc & 0xffffffffu;
+    if (low == 0 || low > rm->nslots)
+        return UINT32_MAX;
+    uint32_t slot = (uint32_t)(low - 1);
+    if (!rm->slots[slot].used || rm->slots[slot].gen != (uint32_t)(loc >> 32))
+        return UINT32_MAX;
+    return slot;
+}
+
+/* --- formatting --- */
+
+static int format_key(const remote_t *rm, uint64_t seed, uint64_t hash, char *buf, size_t cap)
+{
+    int n = snprintf(buf, cap, "%s:%016llx:%016llx", rm->prefix, (unsigned long long)seed,
+                     (unsigned long long)hash);
+    return (n < 0 || (size_t)n >= cap) ? KVT_EINVAL : n;
+}
+
+static int scratch_reserve(remote_t *rm, size_t need)
+{
+    if (need <= rm->scratch_cap)
+        return 0;
+    size_t cap = KVT_MAX(need, rm->scratch_cap * 2);
+    char *p = realloc(rm->scratch, cap);
+    if (!p)
+        return KVT_ENOMEM;
+    rm->scratch = p;
+    rm->scratch_cap = cap;
+    return 0;
+}
+
+/* Formats r's command into rm->scratch; returns its length or a negative error. */
+static ssize_t format_cmd(remote_t *rm, const rq_t *r)
+{
+    char key[KVT__KEY_MAX];
+    int klen = format_key(rm, r->seed, r->hash, key, sizeof(key));
+    if (klen < 0)
+        return klen;
+    char head[256];
+    int hn;
+    switch (r->kind) {
+    case RQ_GET:
+        hn = snprintf(head, sizeof(head), "*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n", klen, key);
+        break;
+    case RQ_DEL:
+        hn = snprintf(head, sizeof(head), "*2\r\n$3\r\nDEL\r\n$%d\r\n%s\r\n", klen, key);
+        break;
+    case RQ_EXISTS:
+        hn = snprintf(head, sizeof(head), "*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n", klen, key);
+        break;
+    case RQ_SET: {
+        const kvt_tier_io_t *io = r->io;
+        size_t hdr = kvt__blockhdr_size(io->key.ntokens);
+        size_t vlen = hdr + io->len;
+        char tail[64] = "\r\n";
+        int tn = 2;
+        if (rm->ttl_s) {
+            char ttl[16];
+            int ln = snprintf(ttl, sizeof(ttl), "%u", rm->ttl_s);
+            tn = snprintf(tail, sizeof(tail), "\r\n$2\r\nEX\r\n$%d\r\n%s\r\n", ln, ttl);
+        }
+        hn = snprintf(head, sizeof(head), "*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%zu\r\n",
+                      rm->ttl_s ? 5 : 3, klen, key, vlen);
+        size_t total = (size_t)hn + vlen + (size_t)tn;
+        int rc = scratch_reserve(rm, total);
+        if (rc)
+            return rc;
+        char *p = rm->scratch;
+        memcpy(p, head, (size_t)hn);
+        p += hn;
+        kvt__blockhdr_encode(p, &io->key, io->buf, io->len, ++rm->seq);
+        memcpy(p + hdr, io->buf, io->len);
+        memcpy(p + hdr + io->len, tail, (size_t)tn);
+        return (ssize_t)total;
+    }
+    default:
+        return KVT_EINVAL;
+    }
+    int rc = scratch_reserve(rm, (size_t)hn);
+    if (rc)
+        return rc;
+    memcpy(rm->scratch, head, (size_t)hn);
+    return hn;
+}
+
+/* --- completion --- */
+
+static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
+{
+    /* Detach every request still naming p: the caller may reuse p after its callback. */
+    rq_queue_t *qs[] = {&rm->waitq, &rm->sentq};
+    for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++)
+        for (rq_t *r = qs[i]->head; r; r = r->next)
+            if (r->probe == p)
+                r->probe = NULL;
+    p->status = status;
+    p->found = status == 0 ? p->first_missing : 0;
+    p->next = NULL;
+    if (rm->probes_done_tail)
+        rm->probes_done_tail->next = p;
+    else
+        rm->probes_done_head = p;
+    rm->probes_done_tail = p;
+    uint64_t one = 1;
+    if (write(rm->wfd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+        kvt_log(KVT_LOG_WARN, "remote: eventfd write: %s", strerror(errno));
+}
+
+/* Completes whatever r carries (an io or a probe key) with status; r itself is not freed. */
+static void rq_fail(remote_t *rm, rq_t *r, int status)
+{
+    if (r->io) {
+        if (r->kind == RQ_SET && r->slot != UINT32_MAX) {
+            slot_unreserve(rm, r->slot);
+            r->slot = UINT32_MAX;
+        }
+        if (status == KVT_EUNAVAIL)
+            rm->stats.unavailable++;
+        kvt__tier_complete(rm->tier, r->io, status);
+        r->io = NULL;
+    }
+    if (r->probe) {
+        if (status == KVT_EUNAVAIL)
+            rm->stats.unavailable++;
+        probe_finish(rm, r->probe, status);
+    }
+}
+
+/* A SET whose outcome the caller was told was a failure may still have stored its value: queue
+ * a DEL for it unless a newer SET of the same key is queued (its outcome governs then). */
+static void undo_set(remote_t *rm, rq_t *r, int sent_now)
+{
+    rq_queue_t *qs[] = {&rm->waitq, &rm->sentq};
+    for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++)
+        for (rq_t *o = qs[i]->head; o; o = o->next)
+            if (o != r && o->kind == RQ_SET && o->io && o->seed == r->seed && o->hash == r->hash)
+                return;
+    rq_t *d = rq_new(rm, RQ_DEL);
+    if (!d)
+        return;
+    d->seed = r->seed;
+    d->hash = r->hash;
+    rm->stats.undone++;
+    if (sent_now) {
+        q_push(&rm->waitq, d); /* the window sends it, ahead of nothing newer of this key */
+        return;
+    }
+    if (rm->undoq.n >= KVT__UNDO_MAX) {
+        rq_release(rm, d);
+        return;
+    }
+    q_push(&rm->undoq, d);
+}
+
+static int map_error(const char *msg, rq_kind_t kind)
+{
+    if (!strncmp(msg, "OOM", 3))
+        return kind == RQ_SET ? KVT_ENOSPC : KVT_EIO;
+    if (!strncmp(msg, "NOAUTH", 6) || !strncmp(msg, "WRONGPASS", 9) || strstr(msg, "password") ||
+        strstr(msg, "AUTH"))
+        return KVT_EAUTH;
+    if (!strncmp(msg, "LOADING", 7) || !strncmp(msg, "BUSY", 4) || !strncmp(msg, "MASTERDOWN", 10))
+        return KVT_EUNAVAIL;
+    if (!strncmp(msg, "WRONGTYPE", 9))
+        return KVT_ECORRUPT;
+    return KVT_EIO;
+}
+
+static void on_reply(redisAsyncContext *ac, void *reply, void *privdata);
+
+/* --- the hiredis adapter: hooks onto our epoll fd --- */
+
+static void sock_update(remote_t *rm)
+{
+    if (rm->sock < 0 || rm->sock_events == rm->sock_armed)
+        return;
+    rm->sock_armed = rm->sock_events;
+    struct epoll_event ev = {.events = rm->sock_events, .data.u32 = TAG_SOCK};
+    if (epoll_ctl(rm->epfd, EPOLL_CTL_MOD, rm->sock, &ev) < 0)
+        kvt_log(KVT_LOG_WARN, "remote: epoll_ctl: %s", strerror(errno));
+}
+
+static void ev_add_read(void *p)
+{
+    remote_t *rm = p;
+    rm->sock_events |= EPOLLIN;
+    sock_update(rm);
+}
+
+static void ev_del_read(void *p)
+{
+    remote_t *rm = p;
+    rm->sock_events &= ~(uint32_t)EPOLLIN;
+    sock_update(rm);
+}
+
+static void ev_add_write(void *p)
+{
+    remote_t *rm = p;
+    rm->sock_events |= EPOLLOUT;
+    sock_update(rm);
+}
+
+static void ev_del_write(void *p)
+{
+    remote_t *rm = p;
+    rm->sock_events &= ~(uint32_t)EPOLLOUT;
+    sock_update(rm);
+}
+
+/* hiredis is tearing ac down: called once or more, before the pending callbacks run. */
+static void ev_cleanup(void *p)
+{
+    remote_t *rm = p;
+    if (rm->sock >= 0) {
+        epoll_ctl(rm->epfd, EPOLL_CTL_DEL, rm->sock, NULL);
+        rm->sock = -1;
+    }
+    rm->sock_events = 0;
+    rm->ac_gone = 1;
+}
+
+static void on_connect(const redisAsyncContext *ac, int status)
+{
+    remote_t *rm = ac->data;
+    if (status != REDIS_OK) {
+        rm->ac_gone = 1;
+        rm->stats.connect_failures++;
+    }
+}
+
+static void on_disconnect(const redisAsyncContext *ac, int status)
+{
+    remote_t *rm = ac->data;
+    (void)status;
+    rm->ac_gone = 1;
+}
+
+/* --- reply objects: decoded in place, a GET payload copied straight to the caller --- */
+
+static remote_reply_t *reply_reset(remote_t *rm, int type)
+{
+    remote_reply_t *o = &rm->reply;
+    memset(&o->r, 0, sizeof(o->r));
+    o->r.type = type;
+    o->status = 0;
+    o->msg[0] = 0;
+    return o;
+}
+
+static void *reply_string(const redisReadTask *task, char *str, size_t len)
+{
+    remote_t *rm = task->privdata;
+    if (task->parent)
+        return &rm->reply; /* an element of an array we never asked for */
+    remote_reply_t *o = reply_reset(rm, task->type);
+    o->r.len = len;
+    if (task->type != REDIS_REPLY_STRING) {
+        size_t n = KVT_MIN(len, sizeof(o->msg) - 1);
+        memcpy(o->msg, str, n);
+        o->msg[n] = 0;
+        o->r.str = o->msg;
+        return o;
+    }
+    rq_t *r = rm->sentq.head;
+    if (!r || r->kind != RQ_GET) {
+        o->status = KVT_EPROTO;
+        return o;
+    }
+    if (!r->io)
+        return o; /* a late reply: nobody waits for it */
+    kvt_tier_io_t *io = r->io;
+    uint32_t plen = 0;
+    const void *payload = NULL;
+    if (len != kvt__blockhdr_size(io->key.ntokens) + io->len) {
+        o->status = KVT_ECORRUPT;
+        return o;
+    }
+    int rc = kvt__blockhdr_check(str, len, &io->key, &plen, &payload);
+    if (rc == 0 && plen != io->len)
+        rc = KVT_ECORRUPT;
+    if (rc == 0)
+        memcpy(io->buf, payload, plen);
+    o->status = rc ? KVT_ECORRUPT : 0;
+    return o;
+}
+
+static void *reply_array(const redisReadTask *task, int elements)
+{
+    remote_t *rm = task->privdata;
+    if (task->parent)
+        return &rm->reply;
+    remote_reply_t *o = reply_reset(rm, REDIS_REPLY_ARRAY);
+    o->r.elements = elements > 0 ? (size_t)elements : 0;
+    return o;
+}
+
+static void *reply_integer(const redisReadTask *task, long long value)
+{
+    remote_t *rm = task->privdata;
+    if (task->parent)
+        return &rm->reply;
+    remote_reply_t *o = reply_reset(rm, REDIS_REPLY_INTEGER);
+    o->r.integer = value;
+    return o;
+}
+
+static void *reply_nil(const redisReadTask *task)
+{
+    remote_t *rm = task->privdata;
+    if (task->parent)
+        return &rm->reply;
+    return reply_reset(rm, REDIS_REPLY_NIL);
+}
+
+static void reply_free(void *obj)
+{
+    (void)obj; /* the one object lives in remote_t */
+}
+
+/* --- connection --- */
+
+static void schedule_retry(remote_t *rm, uint64_t now)
+{
+    rm->retry_ns = now + rm->backoff_ns;
+    rm->backoff_ns = KVT_MIN(rm->backoff_ns * 2, rm->backoff_max_ns);
+}
+
+static int send_rq(remote_t *rm, rq_t *r);
+
+static void connect_start(remote_t *rm, uint64_t now)
+{
+    rm->ac_gone = 0;
+    rm->drop = 0;
+    rm->stats.connect_attempts++;
+    redisAsyncContext *ac = redisAsyncConnect(rm->host, rm->port);
+    if (!ac || ac->err) {
+        if (!rm->logged_down)
+            kvt_log(KVT_LOG_WARN, "remote: connect %s:%d: %s", rm->host, rm->port,
+                    ac ? ac->errstr : "out of memory");
+        rm->logged_down = 1;
+        if (ac)
+            redisAsyncFree(ac);
+        rm->stats.connect_failures++;
+        rm->state = ST_DOWN;
+        schedule_retry(rm, now);
+        return;
+    }
+    ac->data = rm;
+    ac->c.reader->fn = &rm->fns;
+    ac->c.reader->privdata = rm;
+    ac->c.reader->maxbuf = 0; /* keep the read buffer: values are megabytes */
+    rm->sock = ac->c.fd;
+    rm->sock_events = rm->sock_armed = 0;
+    struct epoll_event ev = {.events = 0, .data.u32 = TAG_SOCK};
+    if (epoll_ctl(rm->epfd, EPOLL_CTL_ADD, rm->sock, &ev) < 0) {
+        kvt_log(KVT_LOG_WARN, "remote: epoll_ctl add: %s", strerror(errno));
+        rm->sock = -1;
+        redisAsyncFree(ac);
+        rm->stats.connect_failures++;
+        rm->state = ST_DOWN;
+        schedule_retry(rm, now);
+        return;
+    }
+    ac->ev.data = rm;
+    ac->ev.addRead = ev_add_read;
+    ac->ev.delRead = ev_del_read;
+    ac->ev.addWrite = ev_add_write;
+    ac->ev.delWrite = ev_del_write;
+    ac->ev.cleanup = ev_cleanup;
+    redisAsyncSetConnectCallback(ac, on_connect);
+    redisAsyncSetDisconnectCallback(ac, on_disconnect);
+    rm->ac = ac;
+    rm->state = ST_CONNECTING;
+    rm->hello_left = 0;
+
+    /* The handshake: the server must answer before the connection counts as up (a stopped
+     * server still accepts TCP connections). */
+    const char *argv[3];
+    size_t argl[3];
+    int steps = rm->password ? 1 : 0;
+    if (rm->db)
+        steps |= 2;
+    if (!steps)
+        steps = 4;
+    for (int s = 1; s <= 4; s <<= 1) {
+        if (!(steps & s))
+            continue;
+        char dbs[16];
+        int argc;
+        if (s == 1) {
+            argv[0] = "AUTH", argv[1] = rm->password, argc = 2;
+        } else if (s == 2) {
+            snprintf(dbs, sizeof(dbs), "%d", rm->db);
+            argv[0] = "SELECT", argv[1] = dbs, argc = 2;
+        } else {
+            argv[0] = "PING", argc = 1;
+        }
+        for (int i = 0; i < argc; i++)
+            argl[i] = strlen(argv[i]);
+        rq_t *r = rq_new(rm, RQ_HELLO);
+        if (!r || redisAsyncCommandArgv(ac, on_reply, r, argc, argv, argl) != REDIS_OK) {
+            if (r)
+                rq_release(rm, r);
+            rm->drop = 1;
+            rm->drop_status = KVT_EUNAVAIL;
+            return;
+        }
+        r->sent_ns = now;
+        r->deadline_ns = now + rm->timeout_ns;
+        q_push(&rm->sentq, r);
+        rm->hello_left++;
+    }
+}
+
+/* After any call into hiredis: if it freed the context, the connection is down. */
+static void after_hiredis(remote_t *rm, uint64_t now)
+{
+    if (rm->drop && rm->ac && !rm->ac_gone) {
+        redisAsyncContext *ac = rm->ac;
+        redisAsyncFree(ac); /* runs every pending callback with a NULL reply */
+    }
+    if (!rm->ac || !rm->ac_gone)
+        return;
+    int status = rm->drop ? rm->drop_status : KVT_EUNAVAIL;
+    rm->ac = NULL;
+    rm->sock = -1;
+    rm->drop = 0;
+    rm->hello_left = 0;
+    kvt_assert(rm->sentq.n == 0);
+    if (rm->state == ST_READY) {
+        rm->stats.disconnects++;
+        kvt_log(KVT_LOG_WARN, "remote: lost %s:%d; reconnecting with backoff", rm->host, rm->port);
+    } else if (!rm->logged_down) {
+        kvt_log(KVT_LOG_WARN, "remote: cannot reach %s:%d; retrying with backoff", rm->host,
+                rm->port);
+    }
+    rm->logged_down = 1;
+    rm->state = ST_DOWN;
+    rq_t *r;
+    while ((r = q_pop(&rm->waitq))) {
+        if (r->kind == RQ_DEL && !r->io)
+            q_push(&rm->undoq, r); /* still worth sending once the server is back */
+        else {
+            rq_fail(rm, r, status);
+            rq_release(rm, r);
+        }
+    }
+    schedule_retry(rm, now);
+}
+
+static void became_ready(remote_t *rm)
+{
+    rm->state = ST_READY;
+    rm->backoff_ns = rm->backoff_min_ns;
+    rm->stats.connects++;
+    if (rm->logged_down)
+        kvt_log(KVT_LOG_INFO, "remote: connected to %s:%d", rm->host, rm->port);
+    rm->logged_down = 0;
+    /* Undo writes whose outcome was unknown before anything newer goes out. */
+    if (rm->undoq.head) {
+        rm->undoq.tail->next = rm->waitq.head;
+        if (!rm->waitq.head)
+            rm->waitq.tail = rm->undoq.tail;
+        rm->waitq.head = rm->undoq.head;
+        rm->waitq.n += rm->undoq.n;
+        rm->undoq = (rq_queue_t){0};
+    }
+}
+
+/* Hands r to hiredis. Returns 0 or an error (r untouched, not queued). */
+static int send_rq(remote_t *rm, rq_t *r)
+{
+    ssize_t n = format_cmd(rm, r);
+    if (n < 0)
+        return (int)n;
+    if (redisAsyncFormattedCommand(rm->ac, on_reply, r, rm->scratch, (size_t)n) != REDIS_OK)
+        return KVT_EUNAVAIL;
+    r->sent_ns = kvt_now_ns();
+    q_push(&rm->sentq, r);
+    return 0;
+}
+
+/* Moves requests from waitq to hiredis while the window is open. */
+static void pump(remote_t *rm)
+{
+    while (rm->state == ST_READY && rm->ac && !rm->ac_gone && !rm->drop && rm->waitq.head &&
+           rm->sentq.n < rm->max_inflight && sdslen(rm->ac->c.obuf) < KVT__OBUF_WINDOW) {
+        rq_t *r = q_pop(&rm->waitq);
+        if (rq_dead(r)) {
+            rq_release(rm, r);
+            continue;
+        }
+        int rc = send_rq(rm, r);
+        if (rc) {
+            rq_fail(rm, r, rc);
+            rq_release(rm, r);
+        }
+    }
+}
+
+static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
+{
+    remote_t *rm = ac->data;
+    rq_t *r = privdata;
+    kvt_assert(rm->sentq.head == r);
+    q_pop(&rm->sentq);
+    remote_reply_t *o = reply;
+    if (!o) { /* the connection is going away */
+        if (r->kind == RQ_SET)
+            undo_set(rm, r, 0);
+        rq_fail(rm, r, rm->drop ? rm->drop_status : KVT_EUNAVAIL);
+        rq_release(rm, r);
+        return;
+    }
+    int type = o->r.type;
+    int err = type == REDIS_REPLY_ERROR ? map_error(o->msg, r->kind) : 0;
+    switch (r->kind) {
+    case RQ_HELLO:
+        if (err) {
+            if (!rm->logged_down)
+                kvt_log(KVT_LOG_ERROR, "remote: %s:%d refused the handshake: %s; retrying",
+                        rm->host, rm->port, o->msg);
+            rm->logged_down = 1;
+            rm->drop = 1;
+            rm->drop_status = err == KVT_EAUTH ? KVT_EAUTH : KVT_EUNAVAIL;
+            rm->stats.auth_failures += err == KVT_EAUTH;
+        } else if (--rm->hello_left == 0 && !rm->drop) {
+            became_ready(rm);
+        }
+        break;
+    case RQ_SET:
+        if (!r->io) { /* timed out before the server answered */
+            if (!err && type == REDIS_REPLY_STATUS) {
+                rm->stats.late_replies++;
+                undo_set(rm, r, 1);
+            }
+            break;
+        }
+        if (!err && type != REDIS_REPLY_STATUS)
+            err = KVT_EPROTO;
+        if (err) {
+            rq_fail(rm, r, err);
+            break;
+        }
+        rm->slots[r->slot].used = 1;
+        rm->slots[r->slot].seed = r->seed;
+        rm->slots[r->slot].hash = r->hash;
+        r->io->loc = slot_loc(rm, r->slot);
+        r->slot = UINT32_MAX;
+        kvt__tier_complete(rm->tier, r->io, 0);
+        r->io = NULL;
+        break;
+    case RQ_GET: {
+        if (!r->io) {
+            rm->stats.late_replies++;
+            break;
+        }
+        int st;
+        if (err)
+            st = err;
+        else if (type == REDIS_REPLY_NIL)
+            st = KVT_ENOENT;
+        else if (type == REDIS_REPLY_STRING)
+            st = o->status;
+        else
+            st = KVT_EPROTO;
+        /* A block of ours that the server evicted, or that someone overwrote, is gone: give its
+         * charge back. */
+        if ((st == KVT_ENOENT || st == KVT_ECORRUPT) && r->io->loc) {
+            uint32_t slot = loc_slot(rm, r->io->loc);
+            if (slot != UINT32_MAX && rm->slots[slot].hash == r->hash &&
+                rm->slots[slot].seed == r->seed) {
+                kvt__tier_drop(rm->tier, r->io->loc);
+                slot_unreserve(rm, slot);
+                rm->stats.evicted++;
+            }
+        }
+        kvt__tier_complete(rm->tier, r->io, st);
+        r->io = NULL;
+        break;
+    }
+    case RQ_EXISTS: {
+        kvt_tier_probe_t *p = r->probe;
+        if (!p)
+            break;
+        if (err || type != REDIS_REPLY_INTEGER) {
+            probe_finish(rm, p, err ? err : KVT_EPROTO);
+            break;
+        }
+        if (o->r.integer == 0 && r->idx < p->first_missing)
+            p->first_missing = r->idx;
+        r->probe = NULL;
+        if (--p->pending == 0)
+            probe_finish(rm, p, 0);
+        break;
+    }
+    case RQ_DEL:
+        break;
+    }
+    rq_release(rm, r);
+}
+
+/* Fails requests past their deadline; closes a stalled connection; returns the next deadline. */
+static uint64_t expire(remote_t *rm, uint64_t now)
+{
+    uint64_t next = UINT64_MAX;
+    /* waitq: callers' requests are in deadline order; DELs nobody waits for never expire. */
+    rq_t *prev = NULL;
+    for (rq_t *r = rm->waitq.head, *nx; r; r = nx) {
+        nx = r->next;
+        int waited = r->io || r->probe;
+        if (rq_dead(r) || (waited && r->deadline_ns <= now)) {
+            q_unlink(&rm->waitq, prev, r);
+            if (waited) {
+                rm->stats.timeouts++;
+                rq_fail(rm, r, KVT_ETIMEDOUT);
+            }
+            rq_release(rm, r);
+            continue;
+        }
+        if (waited) {
+            next = r->deadline_ns;
+            break;
+        }
+        prev = r;
+    }
+    for (rq_t *r = rm->sentq.head; r; r = r->next) {
+        if (!r->io && !r->probe && r->kind != RQ_HELLO)
+            continue;
+        if (r->deadline_ns > now) {
+            next = r->deadline_ns;
+            break;
+        }
+        if (r->kind == RQ_HELLO) {
+            rm->drop = 1;
+            rm->drop_status = KVT_EUNAVAIL;
+            continue;
+        }
+        rm->stats.timeouts++;
+        rq_fail(rm, r, KVT_ETIMEDOUT); /* r stays queued, detached, until its reply */
+    }
+    rq_t *h = rm->sentq.head;
+    if (h) {
+        uint64_t stall = h->sent_ns + 2 * rm->timeout_ns;
+        if (stall <= now && !rm->drop) {
+            kvt_log(KVT_LOG_WARN, "remote: %s:%d has not answered for %llu ms; closing", rm->host,
+                    rm->port, (unsigned long long)((now - h->sent_ns) / 1000000));
+            rm->drop = 1;
+            rm->drop_status = KVT_EUNAVAIL;
+        }
+        next = KVT_MIN(next, stall);
+    }
+    return next;
+}
+
+/* Sets the timerfd to fire at the absolute monotonic time at (UINT64_MAX: disarm). */
+static void arm_timer(remote_t *rm, uint64_t at)
+{
+    if (at == rm->timer_armed_ns)
+        return;
+    struct itimerspec its = {0};
+    if (at != UINT64_MAX) {
+        at = KVT_MAX(at, 1); /* 0 would disarm */
+        its.it_value.tv_sec = (time_t)(at / 1000000000u);
+        its.it_value.tv_nsec = (long)(at % 1000000000u);
+    }
+    if (timerfd_settime(rm->tfd, TFD_TIMER_ABSTIME, &its, NULL) < 0) {
+        kvt_log(KVT_LOG_WARN, "remote: timerfd_settime: %s", strerror(errno));
+        return;
+    }
+    rm->timer_armed_ns = at;
+}
+
+/* Runs every time-driven step and rearms the timer; the tail of each entry point. */
+static void tick(remote_t *rm)
+{
+    uint64_t now = kvt_now_ns();
+    if (rm->state == ST_DOWN && !rm->ac && now >= rm->retry_ns)
+        connect_start(rm, now);
+    after_hiredis(rm, now);
+    pump(rm);
+    uint64_t next = expire(rm, now);
+    if (rm->drop) {
+        after_hiredis(rm, now);
+        next = expire(rm, now);
+    }
+    if (rm->state == ST_DOWN && !rm->ac)
+        next = KVT_MIN(next, rm->retry_ns);
+    arm_timer(rm, next);
+}
+
+/* --- the backend ops --- */
+
+static uint64_t remote_footprint(const kvt_tier_t *t, uint32_t len)
+{
+    (void)t;
+    return (uint64_t)len + kvt__blockhdr_size(KVT_PAGE_MAX);
+}
+
+/* Queues a caller's request. Returns 0, or KVT_EUNAVAIL while the server is known to be down
+ * (waiting out the backoff): failing fast beats queueing work behind a dead server. */
+static int submit(remote_t *rm, rq_t *r)
+{
+    uint64_t now = kvt_now_ns();
+    if (rm->state == ST_DOWN && !rm->ac && now >= rm->retry_ns)
+        connect_start(rm, now);
+    if (rm->state == ST_DOWN) {
+        rm->stats.unavailable++;
+        return KVT_EUNAVAIL;
+    }
+    r->deadline_ns = now + rm->timeout_ns;
+    q_push(&rm->waitq, r);
+    pump(rm);
+    if (r->deadline_ns < rm->timer_armed_ns)
+        arm_timer(rm, r->deadline_ns);
+    return 0;
+}
+
+static int check_key(const kvt_block_key_t *key)
+{
+    if (key->ntokens > KVT_PAGE_MAX || (key->ntokens && !key->tokens))
+        return KVT_EINVAL;
+    return 0;
+}
+
+static int remote_write(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    remote_t *rm = remote_of(t);
+    if (!io->buf || io->len == 0 || check_key(&io->key))
+        return KVT_EINVAL;
+    rq_t *r = rq_new(rm, RQ_SET);
+    if (!r)
+        return KVT_ENOMEM;
+    int rc = slot_reserve(rm, &r->slot);
+    if (rc) {
+        rq_release(rm, r);
+        return rc;
+    }
+    r->io = io;
+    r->seed = io->key.ns_seed;
+    r->hash = io->key.hash;
+    rc = submit(rm, r);
+    if (rc) {
+        slot_unreserve(rm, r->slot);
+        rq_release(rm, r);
+    }
+    return rc;
+}
+
+static int remote_read(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    remote_t *rm = remote_of(t);
+    if (!io->buf || io->len == 0 || check_key(&io->key))
+        return KVT_EINVAL;
+    rq_t *r = rq_new(rm, RQ_GET);
+    if (!r)
+        return KVT_ENOMEM;
+    r->io = io;
+    r->seed = io->key.ns_seed;
+    r->hash = io->key.hash;
+    int rc = submit(rm, r);
+    if (rc)
+        rq_release(rm, r);
+    return rc;
+}
+
+static void remote_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    remote_t *rm = remote_of(t);
+    (void)len;
+    uint32_t slot = loc_slot(rm, loc);
+    if (slot == UINT32_MAX)
+        return;
+    uint64_t seed = rm->slots[slot].seed, hash = rm->slots[slot].hash;
+    slot_unreserve(rm, slot);
+    if (rm->keep_on_free)
+        return;
+    rq_t *r = rq_new(rm, RQ_DEL);
+    if (!r)
+        return;
+    r->seed = seed;
+    r->hash = hash;
+    if (rm->state == ST_DOWN) {
+        if (rm->undoq.n < KVT__UNDO_MAX)
+            q_push(&rm->undoq, r);
+        else
+            rq_release(rm, r);
+        return;
+    }
+    q_push(&rm->waitq, r); /* no deadline: a DEL nobody waits for */
+    pump(rm);
+}
+
+static int remote_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
+{
+    remote_t *rm = remote_of(t);
+    uint32_t slot = loc_slot(rm, loc);
+    return slot != UINT32_MAX && rm->slots[slot].hash == key->hash &&
+           rm->slots[slot].seed == key->ns_seed;
+}
+
+static int remote_fd(kvt_tier_t *t)
+{
+    return remote_of(t)->epfd;
+}
+
+static void handle_sock(remote_t *rm, uint32_t events)
+{
+    uint64_t now = kvt_now_ns();
+    int connected = rm->ac->c.flags & REDIS_CONNECTED;
+    if ((events & EPOLLOUT) || (!connected && (events & (EPOLLERR | EPOLLHUP)))) {
+        redisAsyncHandleWrite(rm->ac);
+        after_hiredis(rm, now);
+        pump(rm);
+    }
+    if (!rm->ac || !(events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
+        return;
+    /* hiredis reads 16 KiB per call: keep going while the socket has more, within a budget so
+     * that one busy connection cannot hold the caller's loop. */
+    for (int budget = 512; budget > 0; budget--) {
+        redisAsyncHandleRead(rm->ac);
+        after_hiredis(rm, now);
+        if (!rm->ac)
+            return;
+        pump(rm);
+        int avail = 0;
+        if (ioctl(rm->sock, FIONREAD, &avail) < 0 || avail <= 0)
+            break;
+    }
+}
+
+static void deliver_probes(remote_t *rm)
+{
+    kvt_tier_probe_t *p = rm->probes_done_head;
+    rm->probes_done_head = rm->probes_done_tail = NULL;
+    while (p) {
+        kvt_tier_probe_t *next = p->next;
+        p->next = NULL;
+        if (rm->tier->delivered)
+            p->cb(p);
+        p = next;
+    }
+}
+
+static int remote_poll(kvt_tier_t *t)
+{
+    remote_t *rm = remote_of(t);
+    struct epoll_event evs[4];
+    int n = epoll_wait(rm->epfd, evs, KVT_ARRAY_LEN(evs), 0);
+    if (n < 0 && errno != EINTR)
+        return -errno;
+    for (int i = 0; i < n; i++) {
+        uint64_t v;
+        switch (evs[i].data.u32) {
+        case TAG_SOCK:
+            if (rm->ac && !rm->ac_gone)
+                handle_sock(rm, evs[i].events);
+            break;
+        case TAG_TIMER:
+            if (read(rm->tfd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                return -errno;
+            rm->timer_armed_ns = UINT64_MAX;
+            break;
+        case TAG_WAKE:
+            if (read(rm->wfd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                return -errno;
+            break;
+        }
+    }
+    tick(rm);
+    int ran = 0;
+    while (rm->probes_done_head) {
+        deliver_probes(rm);
+        ran++;
+    }
+    return ran;
+}
+
+static void remote_destroy(kvt_tier_t *t)
+{
+    remote_t *rm = remote_of(t);
+    if (rm->ac && !rm->ac_gone) {
+        rm->drop_status = KVT_ECLOSED;
+        rm->drop = 1;
+        redisAsyncFree(rm->ac);
+    }
+    rm->ac = NULL;
+    rq_queue_t *qs[] = {&rm->waitq, &rm->sentq, &rm->undoq};
+    for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++) {
+        rq_t *r;
+        while ((r = q_pop(qs[i])))
+            free(r);
+    }
+    while (rm->free_rqs) {
+        rq_t *r = rm->free_rqs;
+        rm->free_rqs = r->next;
+        free(r);
+    }
+    close(rm->epfd);
+    close(rm->tfd);
+    close(rm->wfd);
+    free(rm->slots);
+    free(rm->free_slots);
+    free(rm->scratch);
+    free(rm->host);
+    free(rm->password);
+    free(rm);
+}
+
+static const kvt_tier_ops_t remote_ops = {
+    .backend = "redis",
+    .unindexed_reads = 1,
+    .footprint = remote_footprint,
+    .write = remote_write,
+    .read = remote_read,
+    .free = remote_free,
+    .valid = remote_valid,
+    .ptr = NULL,
+    .fd = remote_fd,
+    .poll = remote_poll,
+    .destroy = remote_destroy,
+};
+
+/* --- public API --- */
+
+static int prefix_ok(const char *p)
+{
+    size_t n = strlen(p);
+    if (n == 0 || n > KVT__PREFIX_MAX)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        if (p[i] <= ' ' || p[i] == 0x7f)
+            return 0;
+    return 1;
+}
+
+int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf)
+{
+    if (!out || !conf || !conf->host || !conf->host[0] || conf->capacity_bytes == 0 ||
+        conf->db < 0 || conf->db > 65535 || (conf->key_prefix && !prefix_ok(conf->key_prefix)) ||
+        (conf->password && !conf->password[0]) ||
+        (conf->backoff_max_ms && conf->backoff_min_ms > conf->backoff_max_ms))
+        return KVT_EINVAL;
+    *out = NULL;
+    remote_t *rm = calloc(1, sizeof(*rm));
+    if (!rm)
+        return KVT_ENOMEM;
+    rm->epfd = rm->tfd = rm->wfd = rm->sock = -1;
+    rm->host = strdup(conf->host);
+    rm->password = conf->password ? strdup(conf->password) : NULL;
+    int rc = KVT_ENOMEM;
+    if (!rm->host || (conf->password && !rm->password))
+        goto fail;
+    rm->port = conf->port ? conf->port : 6379;
+    rm->db = conf->db;
+    snprintf(rm->prefix, sizeof(rm->prefix), "%s", conf->key_prefix ? conf->key_prefix : "kvt");
+    rm->ttl_s = conf->ttl_s;
+    rm->timeout_ns = (uint64_t)(conf->timeout_ms ? conf->timeout_ms : 2000) * 1000000u;
+    rm->backoff_min_ns = (uint64_t)(conf->backoff_min_ms ? conf->backoff_min_ms : 50) * 1000000u;
+    rm->backoff_max_ns = (uint64_t)(conf->backoff_max_ms ? conf->backoff_max_ms : 5000) * 1000000u;
+    if (rm->backoff_max_ns < rm->backoff_min_ns)
+        rm->backoff_max_ns = rm->backoff_min_ns;
+    rm->backoff_ns = rm->backoff_min_ns;
+    rm->max_inflight = conf->max_inflight ? conf->max_inflight : 64;
+    rm->keep_on_free = conf->keep_on_free;
+    rm->fns = (redisReplyObjectFunctions){
+        .createString = reply_string,
+        .createArray = reply_array,
+        .createInteger = reply_integer,
+        .createNil = reply_nil,
+        .freeObject = reply_free,
+    };
+    rm->timer_armed_ns = UINT64_MAX;
+
+    rm->epfd = epoll_create1(EPOLL_CLOEXEC);
+    rm->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    rm->wfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (rm->epfd < 0 || rm->tfd < 0 || rm->wfd < 0) {
+        rc = -errno;
+        goto fail;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = TAG_TIMER};
+    if (epoll_ctl(rm->epfd, EPOLL_CTL_ADD, rm->tfd, &ev) < 0) {
+        rc = -errno;
+        goto fail;
+    }
+    ev.data.u32 = TAG_WAKE;
+    if (epoll_ctl(rm->epfd, EPOLL_CTL_ADD, rm->wfd, &ev) < 0) {
+        rc = -errno;
+        goto fail;
+    }
+    kvt_tier_t *t;
+    rc = kvt__tier_init(&t, KVT_TIER_REMOTE, &remote_ops, rm, conf->capacity_bytes);
+    if (rc)
+        goto fail;
+    rm->tier = t;
+    connect_start(rm, kvt_now_ns());
+    tick(rm);
+    *out = t;
+    return 0;
+fail:
+    if (rm->epfd >= 0)
+        close(rm->epfd);
+    if (rm->tfd >= 0)
+        close(rm->tfd);
+    if (rm->wfd >= 0)
+        close(rm->wfd);
+    free(rm->host);
+    free(rm->password);
+    free(rm);
+    return rc;
+}
+
+static int is_remote(const kvt_tier_t *t)
+{
+    return t && t->ops == &remote_ops;
+}
+
+int kvt_tier_remote_probe(kvt_tier_t *t, kvt_tier_probe_t *p)
+{
+    if (!is_remote(t) || !p || !p->keys || p->n == 0 || p->n > KVT_TIER_PROBE_MAX || !p->cb)
+        return KVT_EINVAL;
+    remote_t *rm = remote_of(t);
+    uint64_t now = kvt_now_ns();
+    if (rm->state == ST_DOWN && !rm->ac && now >= rm->retry_ns)
+        connect_start(rm, now);
+    if (rm->state == ST_DOWN) {
+        rm->stats.unavailable++;
+        return KVT_EUNAVAIL;
+    }
+    rq_t *rs[KVT_TIER_PROBE_MAX];
+    for (uint32_t i = 0; i < p->n; i++) {
+        if (!(rs[i] = rq_new(rm, RQ_EXISTS))) {
+            while (i > 0)
+                rq_release(rm, rs[--i]);
+            return KVT_ENOMEM;
+        }
+    }
+    p->status = 0;
+    p->found = 0;
+    p->pending = p->n;
+    p->first_missing = p->n;
+    p->next = NULL;
+    rm->stats.probes++;
+    uint64_t deadline = now + rm->timeout_ns;
+    for (uint32_t i = 0; i < p->n; i++) {
+        rs[i]->probe = p;
+        rs[i]->idx = i;
+        rs[i]->seed = p->keys[i].ns_seed;
+        rs[i]->hash = p->keys[i].hash;
+        rs[i]->deadline_ns = deadline;
+        q_push(&rm->waitq, rs[i]);
+    }
+    pump(rm);
+    if (deadline < rm->timer_armed_ns)
+        arm_timer(rm, deadline);
+    return 0;
+}
+
+int kvt_tier_remote_key(const kvt_tier_t *t, uint64_t ns_seed, uint64_t hash, char *buf, size_t cap)
+{
+    if (!is_remote(t) || !buf)
+        return KVT_EINVAL;
+    return format_key(remote_of(t), ns_seed, hash, buf, cap);
+}
+
+int kvt_tier_remote_connected(const kvt_tier_t *t)
+{
+    return is_remote(t) && remote_of(t)->state == ST_READY;
+}
+
+void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out)
+{
+    if (!out)
+        return;
+    if (!is_remote(t)) {
+        memset(out, 0, sizeof(*out));
+        return;
+    }
+    *out = remote_of(t)->stats;
+}
+
+int kvt_tier_remote_parse_addr(const char *s, char *host, size_t cap, uint16_t *port)
+{
+    if (!s || !host || !port || cap == 0)
+        return KVT_EINVAL;
+    const char *colon = strrchr(s, ':');
+    const char *h = s;
+    size_t hl;
+    if (s[0] == '[') { /* [v6]:port */
+        const char *close = strchr(s, ']');
+        if (!close || close[1] != ':')
+            return KVT_EINVAL;
+        h = s + 1;
+        hl = (size_t)(close - h);
+        colon = close + 1;
+    } else {
+        if (!colon || strchr(s, ':') != colon)
+            return KVT_EINVAL;
+        hl = (size_t)(colon - s);
+    }
+    if (hl == 0 || hl >= cap)
+        return KVT_EINVAL;
+    char *end;
+    errno = 0;
+    unsigned long p = strtoul(colon + 1, &end, 10);
+    if (errno || end == colon + 1 || *end || p == 0 || p > 65535)
+        return KVT_EINVAL;
+    memcpy(host, h, hl);
+    host[hl] = 0;
+    *port = (uint16_t)p;
+    return 0;
+}
