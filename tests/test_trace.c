@@ -1,0 +1,173 @@
+/*
+ * test_trace.c: the Mooncake trace reader and the canonical hash-id-to-token mapping, checked
+ * against an independent transcription of ../shared/traces/README.md and against the figures
+ * that README gives for the real traces.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../radix/radix.h"
+#include "../trace/trace.h"
+
+static char *trace_path(const char *name)
+{
+    static char buf[4096];
+    const char *root = getenv("KVT_SOURCE_ROOT");
+    snprintf(buf, sizeof(buf), "%s/../shared/traces/%s", root ? root : ".", name);
+    return buf;
+}
+
+static char *write_tmp(const char *text)
+{
+    static char path[4096];
+    const char *dir = getenv("TMPDIR");
+    snprintf(path, sizeof(path), "%s/kvt-trace-XXXXXX", dir ? dir : "/tmp");
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    return path;
+}
+
+/* The README's pseudo-code, transcribed separately from trace.c. */
+static uint32_t readme_token(uint64_t h, int i)
+{
+    uint64_t state, z;
+#define MIX(x)                                                                                     \
+    (z = (x), z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull,                                         \
+     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull, z ^ (z >> 31))
+    state = MIX(h + 1);
+    uint64_t out = 0;
+    for (int k = 0; k <= i; k++) {
+        state = state + 0x9E3779B97F4A7C15ull;
+        out = MIX(state) % 151936;
+    }
+#undef MIX
+    return (uint32_t)out;
+}
+
+Test(trace, canonical_tokens_follow_the_readme)
+{
+    uint32_t tok[KVT_TRACE_BLOCK_TOKENS];
+    uint64_t ids[] = {0, 1, 46, 182789, 1ull << 40};
+    for (size_t j = 0; j < sizeof(ids) / sizeof(ids[0]); j++) {
+        kvt_trace_block_tokens(ids[j], tok);
+        for (int i = 0; i < KVT_TRACE_BLOCK_TOKENS; i += 37)
+            cr_assert_eq(tok[i], readme_token(ids[j], i), "id %llu token %d",
+                         (unsigned long long)ids[j], i);
+        for (int i = 0; i < KVT_TRACE_BLOCK_TOKENS; i++)
+            cr_assert_lt(tok[i], KVT_TRACE_VOCAB);
+    }
+}
+
+Test(trace, records_parse_and_prompts_are_cut_to_input_length)
+{
+    char *p = write_tmp("{\"timestamp\": 5, \"input_length\": 600, \"output_length\": 7, "
+                        "\"hash_ids\": [3, 9]}\n"
+                        "\n"
+                        "{\"hash_ids\":[3],\"input_length\":512,\"timestamp\":6,"
+                        "\"output_length\":1}\n");
+    kvt_trace_t *tr;
+    cr_assert_eq(kvt_trace_load(&tr, p), 0);
+    cr_assert_eq(tr->nreqs, 2);
+    cr_expect_eq(tr->reqs[0].timestamp_ms, 5);
+    cr_expect_eq(tr->reqs[0].input_length, 600);
+    cr_expect_eq(tr->reqs[0].output_length, 7);
+    cr_expect_eq(tr->reqs[0].nhash, 2);
+    cr_expect_eq(tr->reqs[0].hash_ids[1], 9);
+    cr_expect_eq(tr->reqs[1].hash_ids[0], 3);
+    cr_expect_eq(tr->total_tokens, 1112);
+    uint32_t tok[600], blk[KVT_TRACE_BLOCK_TOKENS];
+    kvt_trace_tokens(&tr->reqs[0], tok);
+    kvt_trace_block_tokens(9, blk);
+    cr_expect_eq(memcmp(tok + 512, blk, 88 * sizeof(uint32_t)), 0);
+    char name[64];
+    cr_expect_str_eq(kvt_trace_name(tr, name, sizeof(name)), strrchr(p, '/') + 1);
+    kvt_trace_free(tr);
+    unlink(p);
+}
+
+Test(trace, malformed_records_are_refused)
+{
+    const char *bad[] = {
+        "{\"timestamp\": 1, \"input_length\": 10}\n",                     /* no hash_ids */
+        "{\"timestamp\": 1, \"input_length\": 600, \"hash_ids\": [1]}\n", /* too few ids */
+        "{\"timestamp\": -1, \"input_length\": 1, \"hash_ids\": [1]}\n",  /* negative */
+        "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1,]}\n",  /* trailing comma */
+        "[1, 2, 3]\n",
+        "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1], \"x\": 2}\n",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char *p = write_tmp(bad[i]);
+        kvt_trace_t *tr = (kvt_trace_t *)1;
+        cr_expect_eq(kvt_trace_load(&tr, p), KVT_EPROTO, "case %zu", i);
+        cr_expect_null(tr);
+        unlink(p);
+    }
+    kvt_trace_t *tr;
+    cr_expect_lt(kvt_trace_load(&tr, "/nonexistent/trace.jsonl"), 0);
+    cr_expect_eq(kvt_trace_load(NULL, "x"), KVT_EINVAL);
+}
+
+/* The README's table (request and block counts), and the index at 512-token pages (a page is
+ * then one of the trace's own blocks) against the trace's hash ids: a request's leading full
+ * blocks whose ids were seen as full blocks before are exactly what the index must match. */
+static int seen_has(const uint64_t *set, size_t cap, uint64_t id)
+{
+    for (size_t i = (id * 0x9E3779B97F4A7C15ull) & (cap - 1); set[i]; i = (i + 1) & (cap - 1))
+        if (set[i] == id + 1)
+            return 1;
+    return 0;
+}
+
+static void seen_add(uint64_t *set, size_t cap, uint64_t id)
+{
+    size_t i = (id * 0x9E3779B97F4A7C15ull) & (cap - 1);
+    while (set[i] && set[i] != id + 1)
+        i = (i + 1) & (cap - 1);
+    set[i] = id + 1;
+}
+
+Test(trace, conversation_trace_matches_its_readme, .timeout = 120)
+{
+    kvt_trace_t *tr;
+    int rc = kvt_trace_load(&tr, trace_path("mooncake-conversation.jsonl"));
+    if (rc != 0)
+        cr_skip_test("shared traces not found (KVT_SOURCE_ROOT/../shared/traces)");
+    cr_assert_eq(tr->nreqs, 12031);
+    kvt_radix_t *t;
+    uint32_t ns;
+    cr_assert_eq(kvt_radix_create(&t, NULL), 0);
+    cr_assert_eq(kvt_radix_ns_open(t, "m", NULL, NULL, 512, &ns), 0);
+    uint32_t *tok = malloc((tr->max_input_length + 1) * sizeof(uint32_t));
+    size_t cap = 1 << 20;
+    uint64_t *seen = calloc(cap, sizeof(uint64_t));
+    uint64_t blocks = 0, hit = 0;
+    for (size_t i = 0; i < tr->nreqs; i++) {
+        const kvt_trace_req_t *r = &tr->reqs[i];
+        uint32_t full = r->input_length / 512, want = 0;
+        while (want < full && seen_has(seen, cap, r->hash_ids[want]))
+            want++;
+        kvt_trace_tokens(r, tok);
+        kvt_match_t m;
+        kvt_insert_t ins;
+        cr_assert_eq(kvt_radix_match(t, ns, tok, r->input_length, 0, &m), 0);
+        cr_assert_eq(m.pages, want, "request %zu: matched %u blocks, the ids say %u", i, m.pages,
+                     want);
+        cr_assert_eq(kvt_radix_insert(t, ns, tok, r->input_length, &ins), 0);
+        for (uint32_t b = 0; b < full; b++)
+            seen_add(seen, cap, r->hash_ids[b]);
+        blocks += r->nhash;
+        hit += m.pages;
+    }
+    cr_expect_eq(blocks, 288500);
+    cr_expect_gt(hit, 0);
+    cr_expect_eq(kvt_radix_verify(t), 0);
+    free(seen);
+    free(tok);
+    kvt_radix_destroy(t);
+    kvt_trace_free(tr);
+}
