@@ -1,0 +1,844 @@
+/*
+ * replay.c: the trace replay. It owns the simulated executor (per-tier byte counts charged by
+ * the policy's moves, admissions and the tree's frees), the simulated prefill clock (each hit
+ * charged its tier's load time, each miss its recompute time at its depth), the future
+ * knowledge the oracle and the simulated engine hints draw on, and the JSON report.
+ *
+ * One run = one trace x one tier configuration x one policy, over a fresh radix tree and a fresh
+ * policy engine: the same code path kvtierd runs (match, on_match, insert, on_insert, step),
+ * with the tree clock set to the request's timestamp in ms. No KV bytes move.
+ */
+#include "replay.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../policy/policy.h"
+#include "../radix/radix.h"
+#include "../trace/trace.h"
+
+#define MAX_RUNS   64
+#define MAX_HINTS  8
+#define NEVER      UINT32_MAX
+#define OWNER      1
+#define REMOTE_PCT 30.0
+
+typedef struct opts {
+    kvt_policy_kind_t kinds[KVT_POLICY_KIND_COUNT];
+    int nkinds;
+    kvt_model_profile_t model;
+    kvt_hw_profile_t hw;
+    uint32_t page_size;
+    double pct[KVT_TIER_COUNT];
+    int configs; /* 1 = as given, 2 = also with a remote tier added */
+    double hint_acc[MAX_HINTS];
+    int nhints;
+    uint32_t max_prompt;
+    size_t max_requests;
+    uint32_t nvme_min_hits;
+    int no_cost_drop;
+    int progress;
+    int verify;
+    uint64_t seed;
+} opts_t;
+
+/* Future knowledge of one trace, computed once. */
+typedef struct future {
+    uint32_t *off;    /* off[i]: first entry of request i in next[] */
+    uint32_t *next;   /* request index of the next use of each whole page, NEVER for none */
+    uint32_t *npages; /* whole pages of request i (after --max-prompt) */
+    uint64_t unique_tokens;
+} future_t;
+
+/* The simulated executor: what the tiers would hold. */
+typedef struct sim {
+    uint64_t used[KVT_TIER_COUNT];
+    uint64_t block_bytes;
+    kvt_policy_t *pol;
+    int mismatch;
+} sim_t;
+
+typedef struct result {
+    char trace[128];
+    const char *config;
+    kvt_policy_kind_t kind;
+    double hint_acc; /* < 0: no hints */
+    uint64_t requests;
+    uint64_t cap_tokens[KVT_TIER_COUNT];
+    uint64_t hit_tokens[KVT_TIER_COUNT];
+    uint64_t miss_tokens, input_tokens;
+    kvt_policy_stats_t st;
+    double total_s, p50_s, p99_s, no_cache_s, wall_s;
+} result_t;
+
+/* ---- executor ------------------------------------------------------------------------------- */
+
+static uint64_t run_size(kvt_radix_node_t *n, uint32_t depth, uint32_t npages)
+{
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t i0 = depth - kvt_radix_node_depth(n);
+    uint64_t s = 0;
+    for (uint32_t i = i0; i < i0 + npages; i++)
+        s += bl[i].size;
+    return s;
+}
+
+static int sim_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                    kvt_tier_id_t from, kvt_tier_id_t to)
+{
+    sim_t *s = arg;
+    uint64_t b = run_size(n, depth, npages);
+    if (s->used[from] < b) {
+        s->mismatch = 1;
+        return KVT_EINVAL;
+    }
+    s->used[from] -= b;
+    s->used[to] += b;
+    return 0;
+}
+
+static int sim_admit(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t tier)
+{
+    (void)n;
+    (void)depth;
+    sim_t *s = arg;
+    s->used[tier] += npages * s->block_bytes;
+    return 0;
+}
+
+static void sim_free(void *arg, uint32_t ns, kvt_block_t *b)
+{
+    sim_t *s = arg;
+    if (b->tier != KVT_TIER_NONE) {
+        if (s->used[b->tier] < b->size)
+            s->mismatch = 1;
+        else
+            s->used[b->tier] -= b->size;
+    }
+    if (s->pol)
+        kvt_policy_on_free(s->pol, ns, b);
+}
+
+static const kvt_policy_ops_t sim_ops = {sim_move, sim_admit};
+
+/* ---- future knowledge ----------------------------------------------------------------------- */
+
+static uint32_t req_tokens(const opts_t *o, const kvt_trace_req_t *r)
+{
+    uint32_t n = r->input_length;
+    if (o->max_prompt && n > o->max_prompt)
+        n = o->max_prompt;
+    return n;
+}
+
+static void future_free(future_t *f)
+{
+    free(f->off);
+    free(f->next);
+    free(f->npages);
+    memset(f, 0, sizeof(*f));
+}
+
+/*
+ * A whole page is named by the trace block holding its last token and where in that block it
+ * ends: the trace's ids form a prefix chain, so that pair names the page's whole prefix.
+ */
+static int future_build(const opts_t *o, const kvt_trace_t *tr, size_t nreq, future_t *f)
+{
+    memset(f, 0, sizeof(*f));
+    uint64_t max_id = 0;
+    for (size_t i = 0; i < nreq; i++)
+        for (uint32_t j = 0; j < tr->reqs[i].nhash; j++)
+            if (tr->reqs[i].hash_ids[j] > max_id)
+                max_id = tr->reqs[i].hash_ids[j];
+    if (max_id > 64u * 1024 * 1024) {
+        kvt_log(KVT_LOG_ERROR, "replay: hash ids up to %llu: too sparse for the future table",
+                (unsigned long long)max_id);
+        return KVT_EINVAL;
+    }
+    uint32_t ps = o->page_size;
+    uint32_t per = (KVT_TRACE_BLOCK_TOKENS + ps - 1) / ps;
+    f->off = calloc(nreq + 1, sizeof(uint32_t));
+    f->npages = calloc(nreq + 1, sizeof(uint32_t));
+    uint32_t *block_len = calloc(max_id + 1, sizeof(uint32_t));
+    uint32_t *last = malloc((max_id + 1) * per * sizeof(uint32_t));
+    if (!f->off || !f->npages || !block_len || !last) {
+        free(block_len);
+        free(last);
+        future_free(f);
+        return KVT_ENOMEM;
+    }
+    uint64_t total = 0;
+    for (size_t i = 0; i < nreq; i++) {
+        uint32_t n = req_tokens(o, &tr->reqs[i]);
+        f->npages[i] = n / ps;
+        f->off[i] = (uint32_t)total;
+        total += f->npages[i];
+        for (uint32_t j = 0; j < tr->reqs[i].nhash; j++) {
+            uint64_t start = (uint64_t)j * KVT_TRACE_BLOCK_TOKENS;
+            if (start >= n)
+                break;
+            uint32_t len = (uint32_t)KVT_MIN((uint64_t)KVT_TRACE_BLOCK_TOKENS, n - start);
+            uint64_t id = tr->reqs[i].hash_ids[j];
+            if (len > block_len[id])
+                block_len[id] = len;
+        }
+    }
+    if (total > UINT32_MAX) {
+        free(block_len);
+        free(last);
+        future_free(f);
+        return KVT_EINVAL;
+    }
+    f->off[nreq] = (uint32_t)total;
+    for (uint64_t id = 0; id <= max_id; id++)
+        f->unique_tokens += block_len[id];
+    free(block_len);
+    f->next = malloc((total ? total : 1) * sizeof(uint32_t));
+    if (!f->next) {
+        free(last);
+        future_free(f);
+        return KVT_ENOMEM;
+    }
+    for (size_t k = 0; k < (size_t)(max_id + 1) * per; k++)
+        last[k] = NEVER;
+    for (size_t i = nreq; i-- > 0;) {
+        const kvt_trace_req_t *r = &tr->reqs[i];
+        for (uint32_t pg = 0; pg < f->npages[i]; pg++) {
+            uint64_t end = (uint64_t)(pg + 1) * ps; /* one past the page's last token */
+            uint64_t blk = (end - 1) / KVT_TRACE_BLOCK_TOKENS;
+            uint32_t eoff = (uint32_t)(end - blk * KVT_TRACE_BLOCK_TOKENS); /* 1..512 */
+            size_t slot = (size_t)r->hash_ids[blk] * per + (eoff - 1) / ps;
+            f->next[f->off[i] + pg] = last[slot];
+            last[slot] = (uint32_t)i;
+        }
+    }
+    free(last);
+    return 0;
+}
+
+/* ---- one run -------------------------------------------------------------------------------- */
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double rng_unit(uint64_t *s)
+{
+    return (double)(rng_next(s) >> 11) * 0x1.0p-53;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void progress(const opts_t *o, const char *label, size_t i, size_t n, size_t *shown)
+{
+    if (!o->progress || n == 0)
+        return;
+    size_t pct = i * 100 / n;
+    if (pct == *shown && i != n)
+        return;
+    *shown = pct;
+    char bar[41];
+    size_t fill = pct * 40 / 100;
+    for (size_t k = 0; k < 40; k++)
+        bar[k] = k < fill ? '#' : '.';
+    bar[40] = '\0';
+    fprintf(stderr, "\r%-40.40s [%s] %3zu%%%s", label, bar, pct, i == n ? "\n" : "");
+    fflush(stderr);
+}
+
+/* The hint a simulated engine gives for request i, with the given accuracy. */
+static void make_hint(const kvt_trace_t *tr, const future_t *f, size_t i, uint32_t matched,
+                      double acc, uint64_t *rng, uint32_t typical_back_ms, kvt_policy_hint_t *h)
+{
+    memset(h, 0, sizeof(*h));
+    uint32_t np = f->npages[i];
+    if (np == 0)
+        return;
+    const uint32_t *nx = f->next + f->off[i];
+    uint32_t j = nx[np - 1];
+    int truth_paused = j != NEVER;
+    int say_paused = rng_unit(rng) < acc ? truth_paused : !truth_paused;
+    if (say_paused) {
+        uint64_t back =
+            truth_paused ? tr->reqs[j].timestamp_ms - tr->reqs[i].timestamp_ms : typical_back_ms;
+        h->paused_ms = back > UINT32_MAX - 1 ? UINT32_MAX - 1 : (uint32_t)(back ? back : 1);
+        h->from_page = 0;
+    } else {
+        h->finished = 1;
+        if (!truth_paused) {
+            /* the tail no later request uses: the session's own part */
+            uint32_t s = np;
+            while (s > 0 && nx[s - 1] == NEVER)
+                s--;
+            h->from_page = s;
+        } else {
+            h->from_page = matched;
+        }
+    }
+}
+
+static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const future_t *f,
+                   const double pct[KVT_TIER_COUNT], kvt_policy_kind_t kind, double hint_acc,
+                   result_t *res)
+{
+    memset(res->hit_tokens, 0, sizeof(res->hit_tokens));
+    res->kind = kind;
+    res->hint_acc = hint_acc;
+    res->requests = nreq;
+    res->miss_tokens = res->input_tokens = 0;
+    uint64_t t0 = kvt_now_ns();
+
+    sim_t sim = {0};
+    sim.block_bytes = kvt_cost_kv_bytes(&o->model, o->page_size);
+    kvt_radix_conf_t rc = {0, sim_free, &sim};
+    kvt_radix_t *t = NULL;
+    kvt_policy_t *pol = NULL;
+    uint32_t *tokens = NULL;
+    double *times = NULL;
+    int err = kvt_radix_create(&t, &rc);
+    if (err < 0)
+        goto out;
+    uint32_t ns;
+    err = kvt_radix_ns_open(t, o->model.name, NULL, NULL, o->page_size, &ns);
+    if (err < 0)
+        goto out;
+
+    kvt_policy_conf_t pc;
+    memset(&pc, 0, sizeof(pc));
+    pc.kind = kind;
+    pc.model = o->model;
+    pc.hw = o->hw;
+    double per_token = (double)kvt_cost_kv_bytes(&o->model, 1);
+    for (int ti = KVT_TIER_HBM; ti < KVT_TIER_COUNT; ti++) {
+        uint64_t toks = (uint64_t)(pct[ti] / 100.0 * (double)f->unique_tokens);
+        toks -= toks % o->page_size;
+        res->cap_tokens[ti] = toks;
+        pc.tiers[ti].capacity = (uint64_t)(toks * per_token);
+    }
+    pc.nvme_min_hits = o->nvme_min_hits;
+    pc.no_cost_drop = o->no_cost_drop;
+    pc.ops = &sim_ops;
+    pc.ops_arg = &sim;
+    err = kvt_policy_create(&pol, t, &pc);
+    if (err < 0)
+        goto out;
+    sim.pol = pol;
+
+    uint32_t maxlen = 0;
+    for (size_t i = 0; i < nreq; i++)
+        maxlen = KVT_MAX(maxlen, req_tokens(o, &tr->reqs[i]));
+    tokens = malloc(((size_t)maxlen + 1) * sizeof(uint32_t));
+    times = malloc((nreq ? nreq : 1) * sizeof(double));
+    err = KVT_ENOMEM;
+    if (!tokens || !times)
+        goto out;
+    err = 0;
+
+    uint64_t rng = o->seed ^ (uint64_t)kind * 0x51ED27u;
+    char label[96];
+    snprintf(label, sizeof(label), "%s %s %s", res->trace, res->config, kvt_policy_kind_name(kind));
+    size_t shown = (size_t)-1;
+    double no_cache = 0, total = 0;
+    uint32_t ps = o->page_size;
+    uint32_t *next_clock = NULL;
+    if (kind == KVT_POLICY_ORACLE) {
+        next_clock = malloc(((size_t)maxlen / ps + 1) * sizeof(uint32_t));
+        if (!next_clock) {
+            err = KVT_ENOMEM;
+            goto out;
+        }
+    }
+    for (size_t i = 0; i < nreq; i++) {
+        progress(o, label, i, nreq, &shown);
+        const kvt_trace_req_t *r = &tr->reqs[i];
+        uint32_t n = req_tokens(o, r);
+        /* the tree clock: ms of trace time (the oracle's keys are request indices instead) */
+        kvt_radix_set_clock(t, (uint32_t)r->timestamp_ms);
+        if (n == r->input_length) {
+            kvt_trace_tokens(r, tokens);
+        } else {
+            kvt_trace_req_t cut = *r;
+            cut.input_length = n;
+            kvt_trace_tokens(&cut, tokens);
+        }
+        kvt_match_t m;
+        err = kvt_radix_match(t, ns, tokens, n, 0, &m);
+        if (err < 0)
+            goto out;
+        /* Charge the hit: per tier, bytes over bandwidth plus the tier's fixed latency. The
+         * usable prefix stops at the first index-only block. */
+        uint64_t tier_bytes[KVT_TIER_COUNT] = {0};
+        uint32_t hit_pages = 0;
+        kvt_path_iter_t it;
+        kvt_path_iter_init(&it, m.node, m.node_pages);
+        kvt_block_t *b;
+        while ((b = kvt_path_iter_next(&it, NULL))) {
+            if (b->tier == KVT_TIER_NONE)
+                break;
+            tier_bytes[b->tier] += b->size;
+            res->hit_tokens[b->tier] += ps;
+            hit_pages++;
+        }
+        double req_s = 0;
+        for (int ti = KVT_TIER_HBM; ti < KVT_TIER_COUNT; ti++)
+            req_s += kvt_cost_load_s(&o->hw, (kvt_tier_id_t)ti, tier_bytes[ti]);
+        uint64_t hit_tok = (uint64_t)hit_pages * ps;
+        req_s += kvt_cost_recompute_s(&o->model, &o->hw, hit_tok, n - hit_tok);
+        no_cache += kvt_cost_recompute_s(&o->model, &o->hw, 0, n);
+        res->miss_tokens += n - hit_tok;
+        res->input_tokens += n;
+        times[i] = req_s;
+        total += req_s;
+
+        kvt_policy_hint_t hint, *hp = NULL;
+        if (kind == KVT_POLICY_ORACLE) {
+            const uint32_t *nx = f->next + f->off[i];
+            for (uint32_t k = 0; k < f->npages[i]; k++)
+                next_clock[k] = nx[k];
+            memset(&hint, 0, sizeof(hint));
+            hint.next_use = next_clock;
+            hint.nnext = f->npages[i];
+            hp = &hint;
+        } else if (hint_acc >= 0) {
+            make_hint(tr, f, i, m.pages, hint_acc, &rng, 60000, &hint);
+            hp = &hint;
+        }
+        kvt_policy_on_match(pol, &m, hp);
+        uint64_t lease = 0;
+        if (m.pages && (err = kvt_radix_lease(t, &m, OWNER, &lease)) < 0)
+            goto out;
+        kvt_insert_t ins;
+        err = kvt_radix_insert_matched(t, &m, tokens, n, &ins);
+        if (err == KVT_EEXIST)
+            err = 0; /* a 64-bit page-key collision: the rest of this prompt is not cached */
+        if (err < 0)
+            goto out;
+        if (ins.new_pages) {
+            err = kvt_policy_on_insert(pol, &ins, hp);
+            if (err < 0)
+                goto out;
+        }
+        err = kvt_policy_step(pol, 0);
+        if (err < 0)
+            goto out;
+        if (lease)
+            kvt_radix_release(t, lease);
+        if (o->verify && (i % 64 == 0 || i + 1 == nreq)) {
+            err = kvt_policy_verify(pol);
+            if (err == 0 && kvt_radix_verify(t) != 0)
+                err = KVT_ECORRUPT;
+            if (err < 0)
+                goto out;
+        }
+    }
+    progress(o, label, nreq, nreq, &shown);
+    kvt_policy_stats(pol, &res->st);
+    for (int ti = 0; ti < KVT_TIER_COUNT; ti++) {
+        if (sim.used[ti] != res->st.used[ti])
+            sim.mismatch = 1;
+    }
+    if (sim.mismatch) {
+        kvt_log(KVT_LOG_ERROR, "replay: executor and policy disagree on tier usage");
+        err = KVT_ECORRUPT;
+        goto out;
+    }
+    qsort(times, nreq, sizeof(double), cmp_double);
+    res->total_s = total;
+    res->no_cache_s = no_cache;
+    res->p50_s = nreq ? times[(size_t)(0.50 * (double)(nreq - 1))] : 0;
+    res->p99_s = nreq ? times[(size_t)(0.99 * (double)(nreq - 1))] : 0;
+    free(next_clock);
+out:
+    res->wall_s = (double)(kvt_now_ns() - t0) / 1e9;
+    sim.pol = NULL;
+    kvt_policy_destroy(pol);
+    kvt_radix_destroy(t);
+    free(tokens);
+    free(times);
+    return err;
+}
+
+/* ---- report --------------------------------------------------------------------------------- */
+
+static void print_result(const result_t *r, const result_t *lru, const result_t *oracle,
+                         const opts_t *o)
+{
+    static const char *const tn[KVT_TIER_COUNT] = {"none", "hbm", "dram", "nvme", "remote"};
+    printf("{\"trace\":\"%s\",\"config\":\"%s\",\"policy\":\"%s\"", r->trace, r->config,
+           kvt_policy_kind_name(r->kind));
+    if (r->hint_acc >= 0)
+        printf(",\"hint_accuracy\":%.2f", r->hint_acc);
+    printf(",\"model\":\"%s\",\"hw\":\"%s\",\"page_size\":%u,\"requests\":%llu", o->model.name,
+           o->hw.name, o->page_size, (unsigned long long)r->requests);
+    printf(",\"capacity_tokens\":{");
+    for (int t = 1, first = 1; t < KVT_TIER_COUNT; t++) {
+        printf("%s\"%s\":%llu", first ? "" : ",", tn[t], (unsigned long long)r->cap_tokens[t]);
+        first = 0;
+    }
+    printf("},\"input_tokens\":%llu,\"hit_tokens\":{", (unsigned long long)r->input_tokens);
+    for (int t = 1; t < KVT_TIER_COUNT; t++)
+        printf("%s\"%s\":%llu", t > 1 ? "," : "", tn[t], (unsigned long long)r->hit_tokens[t]);
+    printf("},\"miss_tokens\":%llu,\"moved_bytes\":{", (unsigned long long)r->miss_tokens);
+    int first = 1;
+    for (int a = 1; a < KVT_TIER_COUNT; a++) {
+        for (int b = 1; b < KVT_TIER_COUNT; b++) {
+            if (a == b || (!r->cap_tokens[a] || !r->cap_tokens[b]))
+                continue;
+            printf("%s\"%s->%s\":%llu", first ? "" : ",", tn[a], tn[b],
+                   (unsigned long long)r->st.moved_bytes[a][b]);
+            first = 0;
+        }
+    }
+    uint64_t nvme_w = r->st.admitted_bytes[KVT_TIER_NVME];
+    for (int a = 1; a < KVT_TIER_COUNT; a++)
+        nvme_w += r->st.moved_bytes[a][KVT_TIER_NVME];
+    uint64_t dropped = 0;
+    for (int t = 1; t < KVT_TIER_COUNT; t++)
+        dropped += r->st.dropped_bytes[t];
+    printf("},\"nvme_written_bytes\":%llu,\"dropped_bytes\":%llu,\"cost_drop_pages\":%llu",
+           (unsigned long long)nvme_w, (unsigned long long)dropped,
+           (unsigned long long)r->st.cost_drops);
+    double saving = r->no_cache_s - r->total_s;
+    printf(",\"prefill_seconds_total\":%.3f,\"prefill_seconds_p50\":%.6f,"
+           "\"prefill_seconds_p99\":%.6f,\"prefill_seconds_no_cache\":%.3f,"
+           "\"saving_vs_no_cache\":%.4f",
+           r->total_s, r->p50_s, r->p99_s, r->no_cache_s,
+           r->no_cache_s > 0 ? saving / r->no_cache_s : 0);
+    if (lru) {
+        double ls = lru->no_cache_s - lru->total_s;
+        printf(",\"saving_ratio_vs_lru\":%.4f", ls > 0 ? saving / ls : 0);
+    }
+    if (lru && oracle) {
+        double gap = lru->total_s - oracle->total_s;
+        if (fabs(gap) > 1e-12)
+            printf(",\"lru_oracle_gap_closed\":%.4f", (lru->total_s - r->total_s) / gap);
+    }
+    printf(",\"wall_seconds\":%.2f}\n", r->wall_s);
+    fflush(stdout);
+}
+
+/* ---- options -------------------------------------------------------------------------------- */
+
+static void usage(FILE *f, const char *prog)
+{
+    fprintf(f,
+            "usage: %s [options] TRACE.jsonl...\n"
+            "Replays Mooncake traces through the radix index and the tier policy in simulated\n"
+            "time; prints one JSON object per policy per trace and tier configuration.\n"
+            "  --policy LIST        cost,lru,lfu,oracle (default: all four)\n"
+            "  --model NAME|FILE    built-in model or a key=value file (default llama-3-70b)\n"
+            "  --hw NAME|FILE       built-in hardware or a key=value file (default h200-node)\n"
+            "  --page-size N        tokens per page (default 16)\n"
+            "  --hbm PCT --dram PCT --nvme PCT --remote PCT\n"
+            "                       tier capacities in %% of the trace's unique tokens\n"
+            "                       (default 1, 4, 15; remote 0 plus a second configuration\n"
+            "                       with remote %.0f unless any tier flag is given)\n"
+            "  --hints LIST         also run the cost policy with simulated engine hints of\n"
+            "                       these accuracies, e.g. 0.5,0.8,1\n"
+            "  --max-prompt N       cut every prompt to at most N tokens\n"
+            "  --requests N         replay only the first N requests\n"
+            "  --nvme-min-hits N    admission to NVMe needs N hits\n"
+            "  --no-cost-drop       the cost policy demotes even when recomputing is cheaper\n"
+            "  --seed N             seed of the simulated hints (default 1)\n"
+            "  --verify             check the policy's and the tree's invariants as it runs\n"
+            "  --no-progress        no progress bar on stderr\n",
+            prog, REMOTE_PCT);
+}
+
+static char *read_file(const char *path)
+{
+    FILE *fp = fopen(path, "r");
+    if (!fp)
+        return NULL;
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        size_t n = fread(buf + len, 1, cap - len - 1, fp);
+        len += n;
+        if (n == 0)
+            break;
+        if (len + 1 == cap) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    fclose(fp);
+    if (buf)
+        buf[len] = '\0';
+    return buf;
+}
+
+static int load_model(const char *arg, kvt_model_profile_t *m)
+{
+    if (kvt_model_profile_get(arg, m) == 0)
+        return 0;
+    char *text = read_file(arg);
+    if (!text) {
+        fprintf(stderr, "replay: no built-in model or readable file '%s'\n", arg);
+        return KVT_EINVAL;
+    }
+    int rc = kvt_model_profile_parse(text, m);
+    free(text);
+    return rc;
+}
+
+static int load_hw(const char *arg, kvt_hw_profile_t *hw)
+{
+    if (kvt_hw_profile_get(arg, hw) == 0)
+        return 0;
+    char *text = read_file(arg);
+    if (!text) {
+        fprintf(stderr, "replay: no built-in hardware or readable file '%s'\n", arg);
+        return KVT_EINVAL;
+    }
+    int rc = kvt_hw_profile_parse(text, hw);
+    free(text);
+    return rc;
+}
+
+static int parse_num(const char *s, double lo, double hi, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !(v >= lo && v <= hi))
+        return KVT_EINVAL;
+    *out = v;
+    return 0;
+}
+
+static int parse_list(const char *s, opts_t *o, int policies)
+{
+    char buf[256];
+    if (strlen(s) >= sizeof(buf))
+        return KVT_EINVAL;
+    strcpy(buf, s);
+    char *save = NULL;
+    int n = 0;
+    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (policies) {
+            if (n >= KVT_POLICY_KIND_COUNT || kvt_policy_kind_parse(tok, &o->kinds[n]) < 0)
+                return KVT_EINVAL;
+        } else {
+            if (n >= MAX_HINTS || parse_num(tok, 0, 1, &o->hint_acc[n]) < 0)
+                return KVT_EINVAL;
+        }
+        n++;
+    }
+    if (n == 0)
+        return KVT_EINVAL;
+    if (policies)
+        o->nkinds = n;
+    else
+        o->nhints = n;
+    return 0;
+}
+
+int kvt_replay_main(int argc, char **argv)
+{
+    const char *prog = argc > 0 ? argv[0] : "kvtier-replay";
+    opts_t o;
+    memset(&o, 0, sizeof(o));
+    for (int k = 0; k < KVT_POLICY_KIND_COUNT; k++)
+        o.kinds[k] = (kvt_policy_kind_t)k;
+    o.nkinds = KVT_POLICY_KIND_COUNT;
+    kvt_model_profile_get("llama-3-70b", &o.model);
+    kvt_hw_profile_get("h200-node", &o.hw);
+    o.page_size = 16;
+    o.pct[KVT_TIER_HBM] = 1;
+    o.pct[KVT_TIER_DRAM] = 4;
+    o.pct[KVT_TIER_NVME] = 15;
+    o.configs = 2;
+    o.progress = isatty(2);
+    o.seed = 1;
+    int tier_flags = 0;
+    const char *traces[64];
+    int ntraces = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        double d;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout, prog);
+            return 0;
+        } else if (strcmp(a, "--no-progress") == 0) {
+            o.progress = 0;
+        } else if (strcmp(a, "--verify") == 0) {
+            o.verify = 1;
+        } else if (strcmp(a, "--no-cost-drop") == 0) {
+            o.no_cost_drop = 1;
+        } else if (a[0] == '-' && a[1] == '-' && !v) {
+            fprintf(stderr, "%s: %s needs a value\n", prog, a);
+            return 2;
+        } else if (strcmp(a, "--policy") == 0) {
+            if (parse_list(v, &o, 1) < 0) {
+                fprintf(stderr, "%s: bad --policy '%s' (cost,lru,lfu,oracle)\n", prog, v);
+                return 2;
+            }
+            i++;
+        } else if (strcmp(a, "--hints") == 0) {
+            if (parse_list(v, &o, 0) < 0) {
+                fprintf(stderr, "%s: bad --hints '%s' (accuracies in [0,1])\n", prog, v);
+                return 2;
+            }
+            i++;
+        } else if (strcmp(a, "--model") == 0) {
+            if (load_model(v, &o.model) < 0)
+                return 2;
+            i++;
+        } else if (strcmp(a, "--hw") == 0) {
+            if (load_hw(v, &o.hw) < 0)
+                return 2;
+            i++;
+        } else if (strcmp(a, "--page-size") == 0) {
+            if (parse_num(v, 1, KVT_PAGE_MAX, &d) < 0 || d != floor(d)) {
+                fprintf(stderr, "%s: bad --page-size '%s'\n", prog, v);
+                return 2;
+            }
+            o.page_size = (uint32_t)d;
+            i++;
+        } else if (strcmp(a, "--hbm") == 0 || strcmp(a, "--dram") == 0 ||
+                   strcmp(a, "--nvme") == 0 || strcmp(a, "--remote") == 0) {
+            if (parse_num(v, 0, 1000, &d) < 0) {
+                fprintf(stderr, "%s: bad %s '%s' (percent)\n", prog, a, v);
+                return 2;
+            }
+            int t = a[2] == 'h'   ? KVT_TIER_HBM
+                    : a[2] == 'd' ? KVT_TIER_DRAM
+                    : a[2] == 'n' ? KVT_TIER_NVME
+                                  : KVT_TIER_REMOTE;
+            o.pct[t] = d;
+            tier_flags = 1;
+            i++;
+        } else if (strcmp(a, "--max-prompt") == 0 || strcmp(a, "--requests") == 0 ||
+                   strcmp(a, "--nvme-min-hits") == 0 || strcmp(a, "--seed") == 0) {
+            if (parse_num(v, 0, 4e9, &d) < 0 || d != floor(d)) {
+                fprintf(stderr, "%s: bad %s '%s'\n", prog, a, v);
+                return 2;
+            }
+            if (a[2] == 'm')
+                o.max_prompt = (uint32_t)d;
+            else if (a[2] == 'r')
+                o.max_requests = (size_t)d;
+            else if (a[2] == 'n')
+                o.nvme_min_hits = (uint32_t)d;
+            else
+                o.seed = (uint64_t)d;
+            i++;
+        } else if (a[0] == '-') {
+            fprintf(stderr, "%s: unknown option %s\n", prog, a);
+            usage(stderr, prog);
+            return 2;
+        } else {
+            if (ntraces == (int)KVT_ARRAY_LEN(traces)) {
+                fprintf(stderr, "%s: too many traces\n", prog);
+                return 2;
+            }
+            traces[ntraces++] = a;
+        }
+    }
+    if (ntraces == 0) {
+        usage(stderr, prog);
+        return 2;
+    }
+    if (tier_flags)
+        o.configs = 1;
+    double sum = 0;
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
+        sum += o.pct[t];
+    if (sum <= 0) {
+        fprintf(stderr, "%s: every tier has capacity 0\n", prog);
+        return 2;
+    }
+    if (o.model.name[0] == 0 || kvt_model_profile_check(&o.model) < 0 ||
+        kvt_hw_profile_check(&o.hw) < 0) {
+        fprintf(stderr, "%s: bad model or hardware profile\n", prog);
+        return 2;
+    }
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        if ((o.pct[t] > 0 || (t == KVT_TIER_REMOTE && o.configs == 2)) && o.hw.bw[t] <= 0) {
+            fprintf(stderr, "%s: hardware '%s' has no load path from %s\n", prog, o.hw.name,
+                    kvt_tier_name((kvt_tier_id_t)t));
+            return 2;
+        }
+    }
+
+    int failed = 0;
+    for (int ti = 0; ti < ntraces; ti++) {
+        kvt_trace_t *tr = NULL;
+        int rc = kvt_trace_load(&tr, traces[ti]);
+        if (rc < 0) {
+            fprintf(stderr, "%s: %s: %s\n", prog, traces[ti], kvt_strerror(rc));
+            failed = 1;
+            continue;
+        }
+        size_t nreq = tr->nreqs;
+        if (o.max_requests && o.max_requests < nreq)
+            nreq = o.max_requests;
+        future_t fut;
+        rc = future_build(&o, tr, nreq, &fut);
+        if (rc < 0) {
+            fprintf(stderr, "%s: %s: %s\n", prog, traces[ti], kvt_strerror(rc));
+            kvt_trace_free(tr);
+            failed = 1;
+            continue;
+        }
+        for (int cfg = 0; cfg < o.configs; cfg++) {
+            double pct[KVT_TIER_COUNT];
+            memcpy(pct, o.pct, sizeof(pct));
+            if (cfg == 1)
+                pct[KVT_TIER_REMOTE] = REMOTE_PCT;
+            const char *cname = o.configs == 1 ? (pct[KVT_TIER_REMOTE] > 0 ? "remote" : "local")
+                                : cfg == 0     ? "local"
+                                               : "remote";
+            result_t runs[MAX_RUNS];
+            int nruns = 0, lru = -1, oracle = -1;
+            for (int k = 0; k < o.nkinds + o.nhints; k++) {
+                result_t *r = &runs[nruns];
+                memset(r, 0, sizeof(*r));
+                kvt_trace_name(tr, r->trace, sizeof(r->trace));
+                r->config = cname;
+                kvt_policy_kind_t kind = k < o.nkinds ? o.kinds[k] : KVT_POLICY_COST;
+                double acc = k < o.nkinds ? -1 : o.hint_acc[k - o.nkinds];
+                rc = run_one(&o, tr, nreq, &fut, pct, kind, acc, r);
+                if (rc < 0) {
+                    fprintf(stderr, "%s: %s %s: %s\n", prog, r->trace, kvt_policy_kind_name(kind),
+                            kvt_strerror(rc));
+                    failed = 1;
+                    continue;
+                }
+                if (kind == KVT_POLICY_LRU && acc < 0)
+                    lru = nruns;
+                if (kind == KVT_POLICY_ORACLE)
+                    oracle = nruns;
+                nruns++;
+            }
+            for (int k = 0; k < nruns; k++)
+                print_result(&runs[k], lru >= 0 ? &runs[lru] : NULL,
+                             oracle >= 0 ? &runs[oracle] : NULL, &o);
+        }
+        future_free(&fut);
+        kvt_trace_free(tr);
+    }
+    return failed ? 1 : 0;
+}
