@@ -1,0 +1,409 @@
+/*
+ * conf.c: the settings table and the three ways of filling it (embedded defaults, the
+ * configuration file, the command line). A setting is named once here; the parsers, --help and
+ * docs/server.md all follow this table. Values are checked as they are set, so a bad line is
+ * reported with its file and line number and the daemon does not start on a half-read setup.
+ */
+#include "conf.h"
+
+#include "config.h" /* the build's: KVT_VERSION */
+
+#include <ctype.h>
+#include <errno.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "proto.h"
+
+typedef enum {
+    KVT_OPT_STR,
+    KVT_OPT_BYTES,
+    KVT_OPT_U32,
+    KVT_OPT_INT,
+    KVT_OPT_BOOL,
+    KVT_OPT_MODE,
+    KVT_OPT_DBL
+} kvt_opt_type_t;
+
+typedef struct kvt_opt {
+    const char *name;
+    kvt_opt_type_t type;
+    size_t off;
+    const char *def;
+    const char *help;
+} kvt_opt_t;
+
+#define KVT_O(field) offsetof(kvt_srv_conf_t, field)
+
+static const kvt_opt_t kvt_opts[] = {
+    {"unix", KVT_OPT_STR, KVT_O(unix_path), KVT_DEFAULT_UNIX_PATH,
+     "Unix socket path, relative to the working directory; \"\" disables it"},
+    {"unix-mode", KVT_OPT_MODE, KVT_O(unix_mode), "0600", "permission bits of the Unix socket"},
+    {"tcp", KVT_OPT_STR, KVT_O(tcp), "127.0.0.1:7390",
+     "TCP listen address host:port; \"\" disables"},
+    {"metrics", KVT_OPT_STR, KVT_O(metrics), "127.0.0.1:7391",
+     "HTTP address for /metrics and /healthz; \"\" disables"},
+    {"data-dir", KVT_OPT_STR, KVT_O(data_dir), "kvtier-data", "directory of the NVMe tier"},
+    {"dram-bytes", KVT_OPT_BYTES, KVT_O(dram_bytes), "1G", "DRAM tier capacity; 0 disables"},
+    {"nvme-bytes", KVT_OPT_BYTES, KVT_O(nvme_bytes), "4G", "NVMe tier capacity; 0 disables"},
+    {"hbm-bytes", KVT_OPT_BYTES, KVT_O(hbm_bytes), "1G",
+     "HBM tier capacity when a GPU is usable; 0 disables"},
+    {"hbm-backend", KVT_OPT_STR, KVT_O(hbm_backend), "auto",
+     "auto (the GPU when one is usable, else no HBM tier), cuda (must work), or host (ordinary "
+     "memory standing in for HBM, for testing)"},
+    {"nvme-segment-bytes", KVT_OPT_BYTES, KVT_O(nvme_segment_bytes), "0",
+     "NVMe log segment size; 0 picks the tier's default (64M)"},
+    {"nvme-sparse", KVT_OPT_BOOL, KVT_O(nvme_sparse), "no",
+     "do not preallocate the NVMe data file"},
+    {"hbm-device", KVT_OPT_INT, KVT_O(hbm_device), "0", "CUDA device of the HBM tier"},
+    {"remote", KVT_OPT_STR, KVT_O(remote), "",
+     "Valkey/Redis server host:port of the remote tier; \"\" for none"},
+    {"remote-bytes", KVT_OPT_BYTES, KVT_O(remote_bytes), "4G", "remote tier capacity"},
+    {"remote-prefix", KVT_OPT_STR, KVT_O(remote_prefix),
+     "kvt:", "key prefix of blocks on the remote server"},
+    {"nvme-recover", KVT_OPT_BOOL, KVT_O(nvme_recover), "yes",
+     "warm restart: rebuild the index from the blocks found in data-dir"},
+    {"max-frame", KVT_OPT_BYTES, KVT_O(max_frame), "64M",
+     "largest frame body accepted; larger frames close the connection"},
+    {"max-conns", KVT_OPT_U32, KVT_O(max_conns), "1024", "most client connections at once"},
+    {"lease-ms", KVT_OPT_U32, KVT_O(lease_ms), "30000", "lease time limit when MATCH gives 0"},
+    {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
+    {"max-inflight", KVT_OPT_U32, KVT_O(max_inflight), "64",
+     "tier I/Os in flight per connection before it stops reading requests"},
+    {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
+     "prefill throughput the saved-seconds estimate assumes"},
+    {"policy", KVT_OPT_STR, KVT_O(policy), "default", "demotion policy name"},
+    {"profile", KVT_OPT_STR, KVT_O(profile), "", "policy cost profile (a file or a name)"},
+    {"log-level", KVT_OPT_STR, KVT_O(log_level), "info", "debug, info, warn or error"},
+    {"secret", KVT_OPT_STR, KVT_O(secret), "",
+     "shared secret clients must AUTH with before anything else; \"\" for none"},
+    {"secret-file", KVT_OPT_STR, KVT_O(secret_file), "",
+     "file holding the shared secret (first line), instead of secret"},
+};
+
+static const kvt_opt_t *kvt_opt_find(const char *name)
+{
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_opts); i++) {
+        const char *a = kvt_opts[i].name, *b = name;
+        while (*a && (*a == *b || (*a == '-' && *b == '_'))) {
+            a++;
+            b++;
+        }
+        if (!*a && !*b)
+            return &kvt_opts[i];
+    }
+    return NULL;
+}
+
+static int kvt_parse_u64(const char *s, uint64_t *out, int with_suffix)
+{
+    char *end;
+    if (!*s || *s == '-' || isspace((unsigned char)*s))
+        return KVT_EINVAL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s)
+        return KVT_EINVAL;
+    uint64_t mul = 1;
+    if (with_suffix && *end) {
+        switch (toupper((unsigned char)*end)) {
+        case 'K':
+            mul = 1ull << 10;
+            break;
+        case 'M':
+            mul = 1ull << 20;
+            break;
+        case 'G':
+            mul = 1ull << 30;
+            break;
+        case 'T':
+            mul = 1ull << 40;
+            break;
+        default:
+            return KVT_EINVAL;
+        }
+        end++;
+        if (toupper((unsigned char)*end) == 'I')
+            end++;
+        if (toupper((unsigned char)*end) == 'B')
+            end++;
+    }
+    if (*end)
+        return KVT_EINVAL;
+    if (v > UINT64_MAX / mul)
+        return KVT_EINVAL;
+    *out = v * mul;
+    return 0;
+}
+
+int kvt__conf_set(kvt_srv_conf_t *conf, const char *name, const char *value, char *err,
+                  size_t errlen)
+{
+    const kvt_opt_t *o = kvt_opt_find(name);
+    if (!o) {
+        snprintf(err, errlen, "unknown setting '%s'", name);
+        return KVT_ENOENT;
+    }
+    void *f = (char *)conf + o->off;
+    uint64_t v;
+    switch (o->type) {
+    case KVT_OPT_STR: {
+        char *s = strdup(value);
+        if (!s)
+            return KVT_ENOMEM;
+        free(*(char **)f);
+        *(char **)f = s;
+        return 0;
+    }
+    case KVT_OPT_BYTES:
+        if (kvt_parse_u64(value, &v, 1) < 0)
+            break;
+        *(uint64_t *)f = v;
+        return 0;
+    case KVT_OPT_U32:
+        if (kvt_parse_u64(value, &v, 0) < 0 || v > UINT32_MAX)
+            break;
+        *(uint32_t *)f = (uint32_t)v;
+        return 0;
+    case KVT_OPT_INT:
+        if (kvt_parse_u64(value, &v, 0) < 0 || v > 1024)
+            break;
+        *(int *)f = (int)v;
+        return 0;
+    case KVT_OPT_MODE: {
+        char *end;
+        errno = 0;
+        unsigned long m = strtoul(value, &end, 8);
+        if (errno || !*value || *end || m > 0777)
+            break;
+        *(uint32_t *)f = (uint32_t)m;
+        return 0;
+    }
+    case KVT_OPT_BOOL:
+        if (!strcmp(value, "yes") || !strcmp(value, "true") || !strcmp(value, "1") ||
+            !strcmp(value, "on")) {
+            *(int *)f = 1;
+            return 0;
+        }
+        if (!strcmp(value, "no") || !strcmp(value, "false") || !strcmp(value, "0") ||
+            !strcmp(value, "off")) {
+            *(int *)f = 0;
+            return 0;
+        }
+        break;
+    case KVT_OPT_DBL: {
+        char *end;
+        double d = strtod(value, &end);
+        if (!*value || *end || !(d > 0) || d > 1e12)
+            break;
+        *(double *)f = d;
+        return 0;
+    }
+    }
+    snprintf(err, errlen, "bad value '%s' for %s", value, o->name);
+    return KVT_EINVAL;
+}
+
+int kvt__conf_defaults(kvt_srv_conf_t *conf)
+{
+    char err[128];
+    memset(conf, 0, sizeof *conf);
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_opts); i++) {
+        int rc = kvt__conf_set(conf, kvt_opts[i].name, kvt_opts[i].def, err, sizeof err);
+        if (rc < 0) {
+            kvt__conf_free(conf);
+            return rc == KVT_ENOMEM ? rc : KVT_EINVAL;
+        }
+    }
+    return 0;
+}
+
+void kvt__conf_free(kvt_srv_conf_t *conf)
+{
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_opts); i++) {
+        if (kvt_opts[i].type == KVT_OPT_STR) {
+            char **f = (char **)((char *)conf + kvt_opts[i].off);
+            free(*f);
+            *f = NULL;
+        }
+    }
+    free(conf->config);
+    conf->config = NULL;
+}
+
+static char *kvt_trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    char *e = s + strlen(s);
+    while (e > s && isspace((unsigned char)e[-1]))
+        *--e = 0;
+    return s;
+}
+
+int kvt__conf_load(kvt_srv_conf_t *conf, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        int e = -errno;
+        snprintf(err, errlen, "%s: %s", path, strerror(-e));
+        return e;
+    }
+    char line[4096];
+    int lineno = 0, rc = 0;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            snprintf(err, errlen, "%s:%d: line too long", path, lineno);
+            rc = KVT_EINVAL;
+            break;
+        }
+        char *s = kvt_trim(line);
+        if (!*s || *s == '#')
+            continue;
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            snprintf(err, errlen, "%s:%d: expected 'name = value'", path, lineno);
+            rc = KVT_EINVAL;
+            break;
+        }
+        *eq = 0;
+        char *name = kvt_trim(s), *value = kvt_trim(eq + 1);
+        size_t vl = strlen(value);
+        if (vl >= 2 && value[0] == '"' && value[vl - 1] == '"') {
+            value[vl - 1] = 0;
+            value++;
+        }
+        char msg[256];
+        rc = kvt__conf_set(conf, name, value, msg, sizeof msg);
+        if (rc < 0) {
+            snprintf(err, errlen, "%s:%d: %s", path, lineno, msg);
+            if (rc == KVT_ENOENT)
+                rc = KVT_EINVAL;
+            break;
+        }
+    }
+    fclose(f);
+    return rc;
+}
+
+void kvt__conf_usage(FILE *f)
+{
+    fprintf(f, "usage: kvtierd [--config FILE] [--name=value ...]\n\nsettings (also "
+               "'name = value' lines in the configuration file):\n");
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_opts); i++)
+        fprintf(f, "  --%-22s %s (default \"%s\")\n", kvt_opts[i].name, kvt_opts[i].help,
+                kvt_opts[i].def);
+    fprintf(f, "  --%-22s %s\n  --%-22s %s\n", "config FILE", "read settings from FILE first",
+            "help, --version", "print this or the version and exit");
+}
+
+int kvt__conf_args(kvt_srv_conf_t *conf, int argc, char **argv, char *err, size_t errlen)
+{
+    /* The file first, so that every flag overrides it whatever the order on the line. */
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *path = NULL;
+        if (!strcmp(a, "--config") && i + 1 < argc)
+            path = argv[i + 1];
+        else if (!strncmp(a, "--config=", 9))
+            path = a + 9;
+        if (path) {
+            int rc = kvt__conf_load(conf, path, err, errlen);
+            if (rc < 0)
+                return rc;
+            free(conf->config);
+            conf->config = strdup(path);
+            break;
+        }
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            kvt__conf_usage(stdout);
+            return 1;
+        }
+        if (!strcmp(a, "--version")) {
+            printf("kvtierd %s\n", KVT_VERSION);
+            return 1;
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            snprintf(err, errlen, "unexpected argument '%s' (settings are --name=value)", a);
+            return KVT_EINVAL;
+        }
+        char name[64];
+        const char *eq = strchr(a + 2, '='), *value;
+        size_t nl = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        if (nl >= sizeof name) {
+            snprintf(err, errlen, "unknown flag '%s'", a);
+            return KVT_EINVAL;
+        }
+        memcpy(name, a + 2, nl);
+        name[nl] = 0;
+        if (eq) {
+            value = eq + 1;
+        } else if (i + 1 < argc) {
+            value = argv[++i];
+        } else {
+            snprintf(err, errlen, "flag '%s' needs a value", a);
+            return KVT_EINVAL;
+        }
+        if (!strcmp(name, "config"))
+            continue;
+        int rc = kvt__conf_set(conf, name, value, err, errlen);
+        if (rc < 0)
+            return rc == KVT_ENOENT ? KVT_EINVAL : rc;
+    }
+    return 0;
+}
+
+int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
+{
+    kvt_log_level_t lvl;
+    if (kvt_log_parse_level(conf->log_level, &lvl) < 0) {
+        snprintf(err, errlen, "bad log-level '%s'", conf->log_level);
+        return KVT_EINVAL;
+    }
+    kvt_log_set_level(lvl);
+    if (*conf->secret_file) {
+        FILE *f = fopen(conf->secret_file, "r");
+        if (!f) {
+            snprintf(err, errlen, "secret-file %s: %s", conf->secret_file, strerror(errno));
+            return KVT_EINVAL;
+        }
+        char line[KVT_PROTO_SECRET_MAX + 2] = "";
+        if (!fgets(line, sizeof line, f))
+            line[0] = 0;
+        fclose(f);
+        line[strcspn(line, "\r\n")] = 0;
+        if (!*line) {
+            snprintf(err, errlen, "secret-file %s is empty", conf->secret_file);
+            return KVT_EINVAL;
+        }
+        free(conf->secret);
+        conf->secret = strdup(line);
+        if (!conf->secret)
+            return KVT_ENOMEM;
+    }
+    if (strlen(conf->secret) > KVT_PROTO_SECRET_MAX) {
+        snprintf(err, errlen, "secret longer than %d bytes", KVT_PROTO_SECRET_MAX);
+        return KVT_EINVAL;
+    }
+    if (conf->max_frame < 4096 || conf->max_frame > (1ull << 31)) {
+        snprintf(err, errlen, "max-frame must be between 4K and 2G");
+        return KVT_EINVAL;
+    }
+    if (conf->max_conns == 0 || conf->lease_ms == 0 || conf->lease_ms > conf->lease_ms_max ||
+        conf->max_inflight == 0) {
+        snprintf(err, errlen,
+                 "max-conns, lease-ms and max-inflight must be > 0, and lease-ms <= "
+                 "lease-ms-max");
+        return KVT_EINVAL;
+    }
+    if (!*conf->unix_path && !*conf->tcp) {
+        snprintf(err, errlen, "nothing to listen on: both unix and tcp are \"\"");
+        return KVT_EINVAL;
+    }
+    return 0;
+}

@@ -1,0 +1,67 @@
+/*
+ * conf.h: kvtierd's settings. One table (config.c) names every setting once, with its type,
+ * default and description; the configuration file ("name = value" lines) and the command line
+ * ("--name=value" or "--name value") both set entries of that table, flags last, so that a flag
+ * overrides the file and the file overrides the embedded default. docs/server.md documents the
+ * same table. Internal to server/ (kvt__ names).
+ */
+#ifndef KVT_SERVER_CONF_H
+#define KVT_SERVER_CONF_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "../common/common.h"
+
+typedef struct kvt_srv_conf {
+    char *unix_path;    /* "" disables the Unix socket */
+    uint32_t unix_mode; /* octal permission bits of the socket */
+    char *tcp;          /* host:port; "" disables TCP */
+    char *metrics;      /* host:port of the HTTP endpoint; "" disables it */
+    char *data_dir;     /* NVMe tier directory */
+    uint64_t dram_bytes;
+    uint64_t nvme_bytes;
+    uint64_t hbm_bytes;
+    char *hbm_backend; /* "auto" (a GPU if usable, else none), "cuda", "host" */
+    int hbm_device;
+    uint64_t nvme_segment_bytes;
+    int nvme_sparse;
+    char *remote; /* host:port of a Valkey/Redis server; "" for none */
+    uint64_t remote_bytes;
+    char *remote_prefix;
+    int nvme_recover; /* warm restart: rebuild the index from the NVMe tier */
+    uint64_t max_frame;
+    uint32_t max_conns;
+    uint32_t lease_ms;           /* default lease time limit */
+    uint32_t lease_ms_max;       /* the longest a client may ask for */
+    uint32_t max_inflight;       /* tier I/Os in flight per connection before reads pause */
+    double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
+    char *policy;
+    char *profile;
+    char *log_level;
+    char *secret;
+    char *secret_file;
+    char *config; /* the file that was read, if any */
+} kvt_srv_conf_t;
+
+/* Fills conf with the embedded defaults (strings are malloc'ed). Returns 0 or KVT_ENOMEM. */
+int kvt__conf_defaults(kvt_srv_conf_t *conf);
+/* Frees the strings. */
+void kvt__conf_free(kvt_srv_conf_t *conf);
+/* Sets one setting by name (dashes and underscores alike) from its text form. Returns 0,
+ * KVT_ENOENT for an unknown name, or KVT_EINVAL for a value out of range; err gets a message. */
+int kvt__conf_set(kvt_srv_conf_t *conf, const char *name, const char *value, char *err,
+                  size_t errlen);
+/* Reads a configuration file. Returns 0 or an error with err saying file, line and why. */
+int kvt__conf_load(kvt_srv_conf_t *conf, const char *path, char *err, size_t errlen);
+/*
+ * Applies argv: --config FILE first (wherever it is), then every other --name[=value]. Returns 0,
+ * 1 when --help or --version printed something and the program should exit 0, or an error.
+ */
+int kvt__conf_args(kvt_srv_conf_t *conf, int argc, char **argv, char *err, size_t errlen);
+/* Writes the table (name, default, description) for --help. */
+void kvt__conf_usage(FILE *f);
+/* Final checks after everything is applied (secret file read, ranges). */
+int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,434 @@
+/*
+ * conn.c: client connections. It owns the socket, the input buffer and the frame boundaries (a
+ * frame is handed to handlers.c only when whole), the reply queue of server.h and its writing,
+ * back-pressure (a connection with too much output queued or too many tier I/Os in flight stops
+ * being read until it drains), and the framing errors that end a connection: wrong magic or
+ * version, a body over max-frame, a peer that closes in the middle of a frame. Each of those
+ * gets an error reply when the socket still takes one, a log line and a counter, and touches no
+ * other connection.
+ */
+#define _GNU_SOURCE /* accept4 */
+#include "server.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define KVT_READ_CHUNK (256u << 10)
+#define KVT_OUT_HIGH   (16u << 20) /* stop reading requests above this much queued output */
+#define KVT_IOV_MAX    64
+
+void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
+{
+    kvt__metric_add(s->metrics, KVT_M_PROTOCOL_ERRORS, kind, 1);
+}
+
+static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
+
+void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
+{
+    for (int k = 0; k < 64; k++) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
+                kvt_log(KVT_LOG_WARN, "kvtierd: accept: %s", strerror(errno));
+            return;
+        }
+        if (s->nconns >= s->conf->max_conns || s->stopping) {
+            kvt_log(KVT_LOG_WARN, "kvtierd: refusing a connection: %s",
+                    s->stopping ? "shutting down" : "max-conns reached");
+            close(fd);
+            continue;
+        }
+        kvt__conn_t *c = calloc(1, sizeof *c);
+        if (!c) {
+            close(fd);
+            continue;
+        }
+        if (tcp) {
+            int one = 1;
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        }
+        c->ev.fd = fd;
+        c->ev.cb = kvt_conn_on_event;
+        c->srv = s;
+        c->id = s->next_conn_id++;
+        c->tcp = tcp;
+        c->authed = !*s->conf->secret;
+        c->events = EPOLLIN;
+        if (kvt__ev_add(s, &c->ev, c->events) < 0) {
+            close(fd);
+            free(c);
+            continue;
+        }
+        c->next = s->conns;
+        if (s->conns)
+            s->conns->prev = c;
+        s->conns = c;
+        s->nconns++;
+        kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_ACCEPTED, 0, 1);
+        kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->nconns);
+        kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu (%s)", (unsigned long long)c->id,
+                tcp ? "tcp" : "unix");
+    }
+}
+
+void kvt__req_free(kvt__req_t *r)
+{
+    if (r->ios) {
+        for (uint32_t i = 0; i < r->batch; i++)
+            free(r->ios[i]);
+        free(r->ios);
+    }
+    free(r->payload);
+    free(r->out);
+    free(r);
+}
+
+void kvt__conn_close(kvt__conn_t *c)
+{
+    kvt_srv_t *s = c->srv;
+    kvt__lease_drop_all(c);
+    kvt__req_t *r = c->head;
+    while (r) {
+        kvt__req_t *next = r->next;
+        r->next = NULL;
+        if (r->pending > 0) {
+            r->conn = NULL; /* an orphan: frees itself when its I/O completes */
+        } else {
+            kvt__req_free(r);
+        }
+        r = next;
+    }
+    kvt__ev_del(s, &c->ev);
+    close(c->ev.fd);
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    s->nconns--;
+    kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->nconns);
+    kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu closed", (unsigned long long)c->id);
+    free(c->in);
+    free(c->leases);
+    free(c->tokens);
+    free(c);
+}
+
+static int kvt_reserve(uint8_t **p, size_t *cap, size_t need)
+{
+    if (need <= *cap)
+        return 0;
+    size_t nc = *cap ? *cap : 4096;
+    while (nc < need)
+        nc *= 2;
+    uint8_t *np = realloc(*p, nc);
+    if (!np)
+        return KVT_ENOMEM;
+    *p = np;
+    *cap = nc;
+    return 0;
+}
+
+int kvt__req_append(kvt__req_t *r, const void *p, size_t len)
+{
+    if (r->out_off > 0 && r->out_off == r->out_len) {
+        r->out_off = r->out_len = 0;
+    }
+    if (kvt_reserve(&r->out, &r->out_cap, r->out_len + len) < 0)
+        return KVT_ENOMEM;
+    memcpy(r->out + r->out_len, p, len);
+    r->out_len += len;
+    if (r->conn)
+        r->conn->out_bytes += len;
+    return 0;
+}
+
+kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint64_t id, uint64_t t0)
+{
+    kvt__req_t *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->conn = c;
+    r->srv = c->srv;
+    r->kind = kind;
+    r->op = op;
+    r->id = id;
+    r->t0 = t0;
+    if (c->tail)
+        c->tail->next = r;
+    else
+        c->head = r;
+    c->tail = r;
+    return r;
+}
+
+static void kvt_count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
+{
+    if (op == 0 || op >= KVT_OP_COUNT)
+        return;
+    kvt__metric_add(s->metrics, KVT_M_REQUESTS, op, 1);
+    if (status < 0)
+        kvt__metric_add(s->metrics, KVT_M_REQUEST_ERRORS, op, 1);
+    kvt__metric_observe(s->metrics, KVT_M_REQUEST_SECONDS, op, kvt_now_ns() - t0);
+}
+
+int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
+               uint32_t len)
+{
+    kvt_count_reply(c->srv, op, t0, status);
+    /* Replies answered at once share the tail's buffer when it is complete, so that a pipeline
+     * of small requests leaves in one write. */
+    kvt__req_t *r = c->tail;
+    if (!r || !r->done || r->kind != KVT_REQ_PLAIN) {
+        r = kvt__req_new(c, KVT_REQ_PLAIN, op, id, t0);
+        if (!r)
+            return KVT_ENOMEM;
+        r->done = 1;
+    }
+    uint8_t hdr[KVT_PROTO_HDR];
+    kvt_proto_frame(hdr, op | KVT_OP_REPLY, 0, id, status, len);
+    if (kvt__req_append(r, hdr, sizeof hdr) < 0 || (len && kvt__req_append(r, body, len) < 0))
+        return KVT_ENOMEM;
+    return 0;
+}
+
+int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status,
+                     const char *fmt, ...)
+{
+    char msg[KVT_PROTO_ERRMSG_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        n = 0;
+    if ((size_t)n >= sizeof msg)
+        n = sizeof msg - 1;
+    kvt_log(KVT_LOG_INFO, "kvtierd: connection %llu: %s request %llu: %s (%s)",
+            (unsigned long long)c->id, kvt_proto_op_name(op) ? kvt_proto_op_name(op) : "unknown",
+            (unsigned long long)id, msg, kvt_strerror(status));
+    return kvt__reply(c, op, id, t0, status, msg, (uint32_t)n);
+}
+
+void kvt__req_finish(kvt__req_t *r)
+{
+    if (!r->conn) {
+        if (r->pending == 0)
+            kvt__req_free(r);
+        return;
+    }
+    if (!r->done)
+        kvt_count_reply(r->conn->srv, r->op, r->t0, r->status);
+    r->done = 1;
+    kvt__conn_kick(r->conn);
+}
+
+/* Writes from the head of the queue as far as the socket takes it. Returns 0 or -1 when the
+ * connection is broken. */
+static int kvt_conn_write(kvt__conn_t *c)
+{
+    while (c->head) {
+        struct iovec iov[KVT_IOV_MAX];
+        int n = 0;
+        for (kvt__req_t *r = c->head; r && n < KVT_IOV_MAX; r = r->next) {
+            if (r->out_len > r->out_off) {
+                iov[n].iov_base = r->out + r->out_off;
+                iov[n].iov_len = r->out_len - r->out_off;
+                n++;
+            }
+            if (!r->done)
+                break;
+        }
+        if (n == 0)
+            break;
+        ssize_t w = writev(c->ev.fd, iov, n);
+        if (w < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                return 0;
+            return -1;
+        }
+        c->out_bytes -= (size_t)w;
+        size_t total = 0;
+        for (int i = 0; i < n; i++)
+            total += iov[i].iov_len;
+        size_t left = (size_t)w;
+        for (;;) {
+            kvt__req_t *r = c->head;
+            if (!r)
+                break;
+            size_t take = KVT_MIN(r->out_len - r->out_off, left);
+            r->out_off += take;
+            left -= take;
+            if (r->out_off < r->out_len || !r->done)
+                break;
+            /* Fully written. One still waiting on I/O (PREFETCH answered at its deadline) goes
+             * on as an orphan and frees itself. */
+            c->head = r->next;
+            if (!c->head)
+                c->tail = NULL;
+            r->next = NULL;
+            if (r->pending == 0)
+                kvt__req_free(r);
+            else
+                r->conn = NULL;
+        }
+        if ((size_t)w < total)
+            return 0;
+    }
+    return 0;
+}
+
+/* Hands every whole frame in the input buffer to the handlers, while the connection is allowed
+ * more work. */
+static void kvt_conn_parse(kvt__conn_t *c)
+{
+    kvt_srv_t *s = c->srv;
+    size_t off = 0;
+    while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
+        if (c->inflight >= s->conf->max_inflight || c->out_bytes >= KVT_OUT_HIGH)
+            break;
+        kvt_proto_hdr_t h;
+        kvt_proto_hdr_decode(c->in + off, &h);
+        int rc = kvt_proto_hdr_check(&h, (uint32_t)s->conf->max_frame);
+        if (rc < 0) {
+            /* The framing cannot be trusted past this header: answer and close. */
+            kvt_proto_err_t kind = rc == KVT_ETOOBIG            ? KVT_PERR_TOO_BIG
+                                   : h.magic != KVT_PROTO_MAGIC ? KVT_PERR_BAD_MAGIC
+                                                                : KVT_PERR_BAD_VERSION;
+            kvt__proto_error(s, kind);
+            if (rc == KVT_ETOOBIG)
+                kvt__reply_error(c, h.opcode, h.request_id, kvt_now_ns(), rc,
+                                 "frame body of %u bytes is over max-frame (%llu)", h.body_len,
+                                 (unsigned long long)s->conf->max_frame);
+            else if (h.magic != KVT_PROTO_MAGIC)
+                kvt__reply_error(c, 0, h.request_id, kvt_now_ns(), KVT_EPROTO, "bad magic 0x%08x",
+                                 h.magic);
+            else
+                kvt__reply_error(c, h.opcode, h.request_id, kvt_now_ns(), KVT_EPROTO,
+                                 "unsupported protocol version %u (this server speaks %u)",
+                                 h.version, KVT_PROTO_VERSION);
+            c->closing = 1;
+            break;
+        }
+        size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
+        if (c->in_len - off < frame) {
+            if (kvt_reserve(&c->in, &c->in_cap, frame) < 0) {
+                c->dead = 1;
+                break;
+            }
+            break;
+        }
+        if (kvt__handle(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
+            c->closing = 1;
+        off += frame;
+    }
+    if (off > 0) {
+        memmove(c->in, c->in + off, c->in_len - off);
+        c->in_len -= off;
+    }
+}
+
+static void kvt_conn_read(kvt__conn_t *c)
+{
+    for (int k = 0; k < 16 && !c->dead && !c->closing; k++) {
+        if (kvt_reserve(&c->in, &c->in_cap, c->in_len + KVT_READ_CHUNK) < 0) {
+            c->dead = 1;
+            return;
+        }
+        ssize_t n = read(c->ev.fd, c->in + c->in_len, c->in_cap - c->in_len);
+        if (n == 0) {
+            if (c->in_len > 0) {
+                kvt__proto_error(c->srv, KVT_PERR_TRUNCATED);
+                kvt_log(KVT_LOG_INFO,
+                        "kvtierd: connection %llu closed in the middle of a frame (%zu bytes)",
+                        (unsigned long long)c->id, c->in_len);
+            }
+            c->dead = 1;
+            return;
+        }
+        if (n < 0) {
+            if (errno != EAGAIN && errno != EINTR)
+                c->dead = 1;
+            return;
+        }
+        c->in_len += (size_t)n;
+        kvt_conn_parse(c);
+        if (c->inflight >= c->srv->conf->max_inflight || c->out_bytes >= KVT_OUT_HIGH)
+            return;
+    }
+}
+
+void kvt__conn_kick(kvt__conn_t *c)
+{
+    kvt_srv_t *s = c->srv;
+    if (c->in_handler)
+        return; /* the frame loop that is running kicks when it is done */
+    c->in_handler = 1;
+    if (!c->dead && kvt_conn_write(c) < 0)
+        c->dead = 1;
+    /* Frames held back by back-pressure get their turn when it eases. */
+    if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR &&
+        c->inflight < s->conf->max_inflight && c->out_bytes < KVT_OUT_HIGH) {
+        kvt_conn_parse(c);
+        if (kvt_conn_write(c) < 0)
+            c->dead = 1;
+    }
+    c->in_handler = 0;
+    int idle = c->head == NULL;
+    if (c->dead || (c->closing && idle)) {
+        kvt__conn_close(c);
+        return;
+    }
+    uint32_t want = 0;
+    if (!c->closing && c->inflight < s->conf->max_inflight && c->out_bytes < KVT_OUT_HIGH)
+        want |= EPOLLIN;
+    int unsent = 0;
+    for (kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->out_len > r->out_off) {
+            unsent = 1;
+            break;
+        }
+        if (!r->done)
+            break;
+    }
+    if (unsent)
+        want |= EPOLLOUT;
+    if (want != c->events) {
+        c->events = want;
+        kvt__ev_mod(s, &c->ev, want);
+    }
+}
+
+static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)s;
+    kvt__conn_t *c = (kvt__conn_t *)ev;
+    if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
+        c->dead = 1;
+    c->in_handler = 1;
+    if (!c->dead && (events & EPOLLIN))
+        kvt_conn_read(c);
+    c->in_handler = 0;
+    kvt__conn_kick(c);
+}
+
+void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
+{
+    kvt__conn_t *next;
+    for (kvt__conn_t *c = s->conns; c; c = next) {
+        next = c->next;
+        kvt__lease_expire(c, now);
+        kvt__store_deadlines(c, now);
+    }
+}

@@ -1,0 +1,574 @@
+/*
+ * handlers.c: what each request does. A frame arrives here whole (conn.c found its end); each
+ * handler decodes its body with proto.c, checks it against the connection's state (AUTH first
+ * when a secret is set, HELLO before anything that names a namespace), acts on the index, and
+ * either replies at once or hands the tier work to store.c with a place in the reply queue.
+ * A bad body gets an error reply and changes nothing; only framing errors close a connection.
+ * Leases a connection takes are listed here, expire here, and all go when it closes.
+ */
+#include "server.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "config.h" /* KVT_VERSION */
+
+static int kvt_tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n)
+{
+    if (n > c->tokens_cap) {
+        size_t cap = c->tokens_cap ? c->tokens_cap : 4096;
+        while (cap < n)
+            cap *= 2;
+        uint32_t *t = realloc(c->tokens, cap * sizeof *t);
+        if (!t)
+            return KVT_ENOMEM;
+        c->tokens = t;
+        c->tokens_cap = cap;
+    }
+    kvt_proto_tokens(src, n, c->tokens);
+    return 0;
+}
+
+static uint16_t kvt_tier_mask(const kvt_srv_t *s)
+{
+    uint16_t m = 0;
+    for (int i = 1; i < KVT_TIER_COUNT; i++)
+        if (s->tiers[i])
+            m |= (uint16_t)(1u << i);
+    return m;
+}
+
+/* Leases */
+
+static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
+{
+    if (c->nleases == c->cap_leases) {
+        size_t cap = c->cap_leases ? c->cap_leases * 2 : 8;
+        kvt__lease_t *n = realloc(c->leases, cap * sizeof *n);
+        if (!n)
+            return KVT_ENOMEM;
+        c->leases = n;
+        c->cap_leases = cap;
+    }
+    c->leases[c->nleases++] = *l;
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+    return 0;
+}
+
+static kvt__lease_t *kvt_lease_find(kvt__conn_t *c, uint64_t id)
+{
+    for (size_t i = 0; i < c->nleases; i++)
+        if (c->leases[i].id == id)
+            return &c->leases[i];
+    return NULL;
+}
+
+static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
+{
+    kvt_radix_release(c->srv->radix, l->id);
+    *l = c->leases[--c->nleases];
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+}
+
+void kvt__lease_drop_all(kvt__conn_t *c)
+{
+    size_t n = kvt_radix_release_owner(c->srv->radix, c->id);
+    if (n)
+        kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
+                (unsigned long long)c->id, n);
+    c->nleases = 0;
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+}
+
+void kvt__lease_expire(kvt__conn_t *c, uint64_t now)
+{
+    for (size_t i = 0; i < c->nleases;) {
+        if (c->leases[i].expires_ns <= now) {
+            kvt_log(KVT_LOG_DEBUG,
+                    "kvtierd: connection %llu: lease %llu (engine request %llu) "
+                    "expired",
+                    (unsigned long long)c->id, (unsigned long long)c->leases[i].id,
+                    (unsigned long long)c->leases[i].engine_id);
+            kvt__metric_add(c->srv->metrics, KVT_M_LEASES_EXPIRED, 0, 1);
+            kvt_lease_del(c, &c->leases[i]);
+        } else {
+            i++;
+        }
+    }
+}
+
+/* Handlers. Each returns 0, or a negative code when the connection must close. */
+
+static int kvt_bad_body(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const char *what)
+{
+    kvt__proto_error(c->srv, KVT_PERR_BAD_BODY);
+    kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "malformed %s body (%u bytes)",
+                     what, h->body_len);
+    return 0;
+}
+
+static int kvt_need_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
+{
+    if (c->hello)
+        return 0;
+    kvt__proto_error(c->srv, KVT_PERR_NO_HELLO);
+    kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                     "HELLO must declare a namespace first");
+    return -1;
+}
+
+static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_hello_t m;
+    if (h->flags || kvt_proto_hello_decode(body, h->body_len, &m) < 0)
+        return kvt_bad_body(c, h, t0, "HELLO");
+    if (m.min_version > KVT_PROTO_VERSION || m.max_version < KVT_PROTO_VERSION)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                "no common protocol version: client %u..%u, server %u",
+                                m.min_version, m.max_version, KVT_PROTO_VERSION);
+    if (m.page_size == 0 || m.page_size > KVT_PAGE_MAX)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "page size %u is not in 1..%u", m.page_size, KVT_PAGE_MAX);
+    if (m.block_bytes > KVT_TIER_MAX_BLOCK || (uint64_t)m.block_bytes + 64 > s->conf->max_frame)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "block size %u is over the limit (%u and max-frame)", m.block_bytes,
+                                KVT_TIER_MAX_BLOCK);
+    char model[KVT_PROTO_NAME_MAX + 1], adapter[KVT_PROTO_NAME_MAX + 1],
+        salt[KVT_PROTO_NAME_MAX + 1];
+    memcpy(model, m.model, m.model_len);
+    model[m.model_len] = 0;
+    memcpy(adapter, m.adapter, m.adapter_len);
+    adapter[m.adapter_len] = 0;
+    memcpy(salt, m.salt, m.salt_len);
+    salt[m.salt_len] = 0;
+    uint32_t ns;
+    int rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
+    if (rc < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot open namespace");
+    kvt__ns_t *n;
+    if ((rc = kvt__ns_get(s, ns, &n)) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "out of memory");
+    if (m.block_bytes && n->block_bytes && n->block_bytes != m.block_bytes)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "namespace %s already has blocks of %u bytes, not %u", model,
+                                n->block_bytes, m.block_bytes);
+    n->page_size = m.page_size;
+    n->seed = kvt_radix_ns_seed(s->radix, ns);
+    if (m.block_bytes)
+        n->block_bytes = m.block_bytes;
+    if (s->tiers[KVT_TIER_NVME]) {
+        rc = kvt_tier_nvme_add_ns(s->tiers[KVT_TIER_NVME], model, adapter, salt, m.page_size);
+        if (rc < 0)
+            kvt_log(KVT_LOG_WARN, "kvtierd: recording namespace %s for recovery: %s", model,
+                    kvt_strerror(rc));
+    }
+    c->hello = 1;
+    c->ns = ns;
+    c->page_size = m.page_size;
+    c->block_bytes = n->block_bytes;
+    kvt_wire_hello_reply_t r = {
+        .version = htole16(KVT_PROTO_VERSION),
+        .tiers = htole16(kvt_tier_mask(s)),
+        .ns = htole32(ns),
+        .ns_seed = htole64(n->seed),
+        .max_frame = htole32((uint32_t)s->conf->max_frame),
+        .lease_ms_max = htole32(s->conf->lease_ms_max),
+    };
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+}
+
+static int kvt_h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    const char *secret = c->srv->conf->secret;
+    size_t sl = strlen(secret);
+    if (!sl) {
+        c->authed = 1;
+        return kvt__reply(c, h->opcode, h->request_id, t0, 0, NULL, 0);
+    }
+    /* Constant time in the secret's length: the comparison leaks nothing but that. */
+    unsigned diff = (unsigned)(h->body_len != sl);
+    for (size_t i = 0; i < sl; i++)
+        diff |= (unsigned)(secret[i] ^ (i < h->body_len ? body[i] : 0));
+    if (diff) {
+        kvt__proto_error(c->srv, KVT_PERR_AUTH);
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAUTH, "wrong secret");
+        return KVT_EAUTH;
+    }
+    c->authed = 1;
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, NULL, 0);
+}
+
+/* A lease over node and everything above it, for I/O that must not see the path go. */
+static int kvt_pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
+{
+    kvt_match_t m = {
+        .node = node,
+        .node_pages = kvt_radix_node_pages(node),
+        .pages = kvt_radix_node_depth(node) + kvt_radix_node_pages(node),
+        .ns = ns,
+    };
+    return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
+}
+
+static void kvt_count_match(kvt_srv_t *s, const kvt_match_t *m, const uint8_t *wire_tokens,
+                            uint32_t ntokens, uint32_t page, const uint8_t *tiers)
+{
+    kvt_metrics_t *mt = s->metrics;
+    kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
+    kvt__metric_add(mt, KVT_M_LOOKUP_TOKENS, 0, ntokens);
+    for (uint32_t i = 0; i < m->pages; i++)
+        kvt__metric_add(mt, KVT_M_HIT_TOKENS, tiers[i], page);
+    kvt__metric_add(mt, KVT_M_PREFILL_SAVED, 0,
+                    (double)m->pages * page / s->conf->prefill_tokens_per_s);
+    uint32_t whole = ntokens / page;
+    if (ntokens % page)
+        kvt__metric_add(mt, KVT_M_MISS_TOKENS, KVT_MISS_SHORT_PAGE, ntokens % page);
+    if (whole > m->pages) {
+        /* The first page not matched names the reason for the whole rest: was it ever here? */
+        uint64_t seed = m->pages ? kvt_radix_block_at(m->node, m->pages - 1)->hash
+                                 : kvt_radix_ns_seed(s->radix, m->ns);
+        uint64_t next =
+            XXH3_64bits_withSeed(wire_tokens + (size_t)m->pages * page * 4, (size_t)page * 4, seed);
+        kvt_miss_reason_t why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+        kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
+    }
+}
+
+static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_match_t q;
+    if ((h->flags & ~(unsigned)KVT_MATCH_F_ALL) ||
+        kvt_proto_match_decode(body, h->body_len, &q) < 0)
+        return kvt_bad_body(c, h, t0, "MATCH");
+    if (kvt_need_hello(c, h, t0) < 0)
+        return 0;
+    if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    kvt_match_t m;
+    int rc = kvt_radix_match(s->radix, c->ns, c->tokens, q.ntokens,
+                             (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
+    if (rc < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
+    size_t len = sizeof(kvt_wire_match_reply_t) + m.pages;
+    uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
+    if (!out)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
+    if (m.pages) {
+        kvt_path_iter_t it;
+        kvt_path_iter_init(&it, m.node, m.node_pages);
+        kvt_block_t *b;
+        for (uint32_t i = 0; i < m.pages && (b = kvt_path_iter_next(&it, NULL)); i++)
+            tiers[i] = b->tier;
+    }
+    if (!(h->flags & KVT_MATCH_F_PROBE))
+        kvt_count_match(s, &m, q.tokens, q.ntokens, c->page_size, tiers);
+    uint64_t lease = 0;
+    if ((h->flags & KVT_MATCH_F_LEASE) && m.pages > 0) {
+        rc = kvt_radix_lease(s->radix, &m, c->id, &lease);
+        uint32_t ms = q.lease_ms ? KVT_MIN(q.lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+        kvt__lease_t l = {
+            .id = lease,
+            .node = m.node,
+            .pages = m.pages,
+            .ns = c->ns,
+            .expires_ns = kvt_now_ns() + (uint64_t)ms * 1000000,
+            .engine_id = q.hints.engine_request_id,
+        };
+        if (rc == 0 && (rc = kvt_lease_add(c, &l)) < 0)
+            kvt_radix_release(s->radix, lease);
+        if (rc < 0) {
+            if (out != stackbuf)
+                free(out);
+            return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot lease");
+        }
+    }
+    kvt_wire_match_reply_t r = {
+        .tokens = htole32(m.pages * c->page_size),
+        .pages = htole32(m.pages),
+        .lease = htole64(lease),
+        .remote_pages = 0,
+    };
+    memcpy(out, &r, sizeof r);
+    rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len);
+    if (out != stackbuf)
+        free(out);
+    return rc;
+}
+
+static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_put_t q;
+    if (h->flags || !c->hello || kvt_proto_put_decode(body, h->body_len, c->block_bytes, &q) < 0) {
+        if (!h->flags && kvt_need_hello(c, h, t0) < 0)
+            return 0;
+        return kvt_bad_body(c, h, t0, "PUT");
+    }
+    uint32_t whole = q.ntokens / c->page_size;
+    if (q.npayload && ((uint64_t)q.first_page + q.npayload > whole))
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "payload pages %u..%u are past the request's %u whole pages",
+                                q.first_page, q.first_page + q.npayload, whole);
+    if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    kvt_insert_t res;
+    int rc = kvt_radix_insert(s->radix, c->ns, c->tokens, q.ntokens, &res);
+    if (rc < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "insert failed");
+    if (q.npayload == 0 || res.pages == 0) {
+        kvt_wire_put_reply_t r = {.pages = htole32(res.pages), .new_pages = htole32(res.new_pages)};
+        return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+    }
+    kvt__req_t *r = kvt__req_new(c, KVT_REQ_PUT, h->opcode, h->request_id, t0);
+    if (!r)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    r->ns = c->ns;
+    r->node = res.node;
+    r->pages = res.pages;
+    r->new_pages = res.new_pages;
+    r->block_bytes = c->block_bytes;
+    r->first = q.first_page;
+    r->end = q.first_page + q.npayload;
+    size_t bytes = (size_t)q.npayload * c->block_bytes;
+    r->payload = malloc(bytes);
+    if (!r->payload || (rc = kvt_pin(s, res.node, c->ns, &r->lease)) < 0) {
+        r->status = r->payload ? rc : KVT_ENOMEM;
+        r->lease = 0;
+    } else {
+        memcpy(r->payload, q.payload, bytes);
+        rc = kvt__store_put(s, r);
+        if (rc < 0)
+            r->status = rc;
+    }
+    if (r->pending == 0)
+        kvt__req_finish(r); /* nothing to write (all held already), or it failed to start */
+    return 0;
+}
+
+static int kvt_h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_get_t q;
+    if (h->flags || kvt_proto_get_decode(body, h->body_len, &q) < 0)
+        return kvt_bad_body(c, h, t0, "GET");
+    kvt__lease_t *l = kvt_lease_find(c, q.lease);
+    if (!l || l->expires_ns <= kvt_now_ns())
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOENT,
+                                "lease %llu is not held by this connection",
+                                (unsigned long long)q.lease);
+    uint32_t n = q.npages ? q.npages : (q.first_page < l->pages ? l->pages - q.first_page : 0);
+    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "pages %u..%u are outside the leased %u pages", q.first_page,
+                                q.first_page + n, l->pages);
+    kvt__ns_t *ns;
+    if (kvt__ns_get(s, l->ns, &ns) < 0 || ns->block_bytes == 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "the namespace is index-only (HELLO block size 0)");
+    kvt__req_t *r = kvt__req_new(c, KVT_REQ_GET, h->opcode, h->request_id, t0);
+    if (!r)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    r->ns = l->ns;
+    r->node = l->node;
+    r->pages = l->pages;
+    r->block_bytes = ns->block_bytes;
+    r->cur = q.first_page;
+    r->end = q.first_page + n;
+    int rc = kvt_pin(s, l->node, l->ns, &r->lease);
+    if (rc == 0)
+        rc = kvt__store_get_batch(s, r);
+    if (rc < 0) {
+        r->status = rc;
+        r->end = r->cur; /* stop: the final frame carries the error */
+    }
+    if (r->pending == 0)
+        kvt__store_get_batch(s, r); /* writes the final frame */
+    return 0;
+}
+
+static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
+                          uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_prefetch_t q;
+    if (h->flags || kvt_proto_prefetch_decode(body, h->body_len, &q) < 0)
+        return kvt_bad_body(c, h, t0, "PREFETCH");
+    if (kvt_need_hello(c, h, t0) < 0)
+        return 0;
+    if (q.tier != KVT_TIER_HBM && q.tier != KVT_TIER_DRAM && q.tier != KVT_TIER_NVME)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "PREFETCH moves up to hbm (1), dram (2) or nvme (3), not %u",
+                                q.tier);
+    if (!s->tiers[q.tier])
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EUNAVAIL,
+                                "the %s tier is not configured", kvt_tier_name(q.tier));
+    if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    kvt_match_t m;
+    int rc = kvt_radix_match(s->radix, c->ns, c->tokens, q.ntokens, KVT_MATCH_NOTOUCH, &m);
+    if (rc < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    if (m.pages == 0) {
+        kvt_wire_prefetch_reply_t r = {0};
+        return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+    }
+    kvt__req_t *r = kvt__req_new(c, KVT_REQ_PREFETCH, h->opcode, h->request_id, t0);
+    if (!r)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    r->ns = c->ns;
+    r->node = m.node;
+    r->pages = m.pages;
+    r->target = q.tier;
+    r->deadline_ns = t0 + (uint64_t)(q.deadline_ms ? q.deadline_ms : s->conf->lease_ms) * 1000000;
+    kvt__ns_t *ns;
+    kvt__ns_get(s, c->ns, &ns);
+    r->block_bytes = ns->block_bytes;
+    rc = kvt_pin(s, m.node, c->ns, &r->lease);
+    if (rc == 0)
+        rc = kvt__store_prefetch(s, r);
+    if (rc < 0)
+        r->status = rc;
+    if (r->pending == 0)
+        kvt__store_prefetch(s, r); /* nothing to move: reply now */
+    return 0;
+}
+
+static int kvt_h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    uint64_t id;
+    if (h->flags || kvt_proto_release_decode(body, h->body_len, &id) < 0)
+        return kvt_bad_body(c, h, t0, "RELEASE");
+    kvt__lease_t *l = kvt_lease_find(c, id);
+    if (l)
+        kvt_lease_del(c, l);
+    kvt_wire_release_reply_t r = {.released = htole32(l ? 1 : 0)};
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+}
+
+static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    uint32_t n;
+    const uint8_t *tok;
+    if (h->flags || kvt_proto_remove_decode(body, h->body_len, &n, &tok) < 0)
+        return kvt_bad_body(c, h, t0, "REMOVE");
+    if (kvt_need_hello(c, h, t0) < 0)
+        return 0;
+    if (kvt_tokens(c, tok, n) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    s->removing = 1;
+    int rc = kvt_radix_remove(s->radix, c->ns, c->tokens, n);
+    s->removing = 0;
+    if (rc < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "remove of %u tokens", n);
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, NULL, 0);
+}
+
+typedef struct kvt_statbuf {
+    uint8_t buf[4096];
+    size_t len;
+    uint32_t count;
+} kvt_statbuf_t;
+
+static void kvt_stat(kvt_statbuf_t *b, const char *name, uint64_t v)
+{
+    size_t nl = strlen(name);
+    if (b->len + 1 + nl + 8 > sizeof b->buf)
+        return;
+    b->buf[b->len++] = (uint8_t)nl;
+    memcpy(b->buf + b->len, name, nl);
+    b->len += nl;
+    kvt_put_u64(b->buf + b->len, v);
+    b->len += 8;
+    b->count++;
+}
+
+static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    if (h->flags || h->body_len != 0) {
+        kvt__proto_error(s, KVT_PERR_BAD_BODY);
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                "STATS takes an empty body");
+    }
+    kvt_statbuf_t b = {.len = 4};
+    kvt_radix_stats_t rs;
+    kvt_radix_stats(s->radix, &rs);
+    kvt_stat(&b, "uptime_ms", (kvt_now_ns() - s->started_ns) / 1000000);
+    kvt_stat(&b, "connections", s->nconns);
+    kvt_stat(&b, "index_nodes", rs.nodes);
+    kvt_stat(&b, "index_blocks", rs.blocks);
+    kvt_stat(&b, "index_bytes", rs.bytes);
+    kvt_stat(&b, "index_cached_tokens", rs.cached_tokens);
+    kvt_stat(&b, "leases", rs.leases);
+    kvt_stat(&b, "namespaces", rs.namespaces);
+    kvt_stat(&b, "lookups", (uint64_t)kvt__metric_get(s->metrics, KVT_M_LOOKUPS, 0));
+    kvt_stat(&b, "lookup_tokens", (uint64_t)kvt__metric_get(s->metrics, KVT_M_LOOKUP_TOKENS, 0));
+    char name[64];
+    for (int t = 0; t < KVT_TIER_COUNT; t++) {
+        snprintf(name, sizeof name, "hit_tokens_%s", kvt_tier_name((kvt_tier_id_t)t));
+        kvt_stat(&b, name, (uint64_t)kvt__metric_get(s->metrics, KVT_M_HIT_TOKENS, (unsigned)t));
+        if (!s->tiers[t])
+            continue;
+        kvt_tier_usage_t u;
+        kvt_tier_usage(s->tiers[t], &u);
+        snprintf(name, sizeof name, "%s_capacity_bytes", kvt_tier_name((kvt_tier_id_t)t));
+        kvt_stat(&b, name, u.capacity_bytes);
+        snprintf(name, sizeof name, "%s_used_bytes", kvt_tier_name((kvt_tier_id_t)t));
+        kvt_stat(&b, name, u.used_bytes);
+        snprintf(name, sizeof name, "%s_blocks", kvt_tier_name((kvt_tier_id_t)t));
+        kvt_stat(&b, name, u.blocks);
+    }
+    uint64_t perr = 0;
+    for (unsigned k = 0; k < KVT_PERR_COUNT; k++)
+        perr += (uint64_t)kvt__metric_get(s->metrics, KVT_M_PROTOCOL_ERRORS, k);
+    kvt_stat(&b, "protocol_errors", perr);
+    kvt_put_u32(b.buf, b.count);
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, b.buf, (uint32_t)b.len);
+}
+
+int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
+{
+    uint64_t t0 = kvt_now_ns();
+    if (!c->authed && h->opcode != KVT_OP_AUTH) {
+        kvt__proto_error(c->srv, KVT_PERR_AUTH);
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAUTH,
+                         "AUTH with the shared secret must come first");
+        return KVT_EAUTH;
+    }
+    switch (h->opcode) {
+    case KVT_OP_HELLO:
+        return kvt_h_hello(c, h, body, t0);
+    case KVT_OP_AUTH:
+        return kvt_h_auth(c, h, body, t0);
+    case KVT_OP_MATCH:
+        return kvt_h_match(c, h, body, t0);
+    case KVT_OP_PUT:
+        return kvt_h_put(c, h, body, t0);
+    case KVT_OP_GET:
+        return kvt_h_get(c, h, body, t0);
+    case KVT_OP_PREFETCH:
+        return kvt_h_prefetch(c, h, body, t0);
+    case KVT_OP_RELEASE:
+        return kvt_h_release(c, h, body, t0);
+    case KVT_OP_REMOVE:
+        return kvt_h_remove(c, h, body, t0);
+    case KVT_OP_STATS:
+        return kvt_h_stats(c, h, t0);
+    case KVT_OP_PING:
+        if (h->flags)
+            return kvt_bad_body(c, h, t0, "PING");
+        return kvt__reply(c, h->opcode, h->request_id, t0, 0, body, h->body_len);
+    default:
+        kvt__proto_error(c->srv, KVT_PERR_UNKNOWN_OP);
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "unknown opcode %u",
+                         h->opcode);
+        return 0;
+    }
+}

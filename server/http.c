@@ -1,0 +1,192 @@
+/*
+ * http.c: the metrics endpoint. A minimal HTTP/1.0-style server on its own port inside the same
+ * event loop: it reads one request head (at most 8 KiB), answers GET /metrics with the Prometheus
+ * text rendering and GET /healthz with "ok", anything else with 404 or 405, and closes. A scrape
+ * renders from the live counters; nothing is cached and nothing blocks.
+ */
+#define _GNU_SOURCE /* accept4 */
+#include "server.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define KVT_HTTP_HEAD_MAX  8192
+#define KVT_HTTP_MAX_CONNS 64
+
+struct kvt_http_conn {
+    kvt__ev_t ev;
+    struct kvt_http_conn *next, **pprev;
+    char head[KVT_HTTP_HEAD_MAX];
+    size_t head_len;
+    char *out;
+    size_t out_len, out_off;
+};
+
+static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
+{
+    kvt__ev_del(s, &h->ev);
+    close(h->ev.fd);
+    *h->pprev = h->next;
+    if (h->next)
+        h->next->pprev = h->pprev;
+    s->http_nconns--;
+    free(h->out);
+    free(h);
+}
+
+static void kvt_http_respond(kvt_http_conn_t *h, const char *status, const char *type,
+                             const char *body, size_t len)
+{
+    char hdr[256];
+    int n = snprintf(hdr, sizeof hdr,
+                     "HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: "
+                     "close\r\n\r\n",
+                     status, type, len);
+    h->out = malloc((size_t)n + len);
+    if (!h->out)
+        return;
+    memcpy(h->out, hdr, (size_t)n);
+    memcpy(h->out + n, body, len);
+    h->out_len = (size_t)n + len;
+}
+
+static void kvt_http_route(kvt_srv_t *s, kvt_http_conn_t *h)
+{
+    char method[16], path[256];
+    if (sscanf(h->head, "%15s %255s", method, path) != 2) {
+        kvt_http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
+        return;
+    }
+    char *q = strchr(path, '?');
+    if (q)
+        *q = 0;
+    int get = !strcmp(method, "GET"), head = !strcmp(method, "HEAD");
+    if (!strcmp(path, "/metrics") && (get || head)) {
+        kvt__tier_metrics(s);
+        char *body;
+        size_t len;
+        if (kvt__metrics_render(s->metrics, &body, &len) < 0) {
+            kvt_http_respond(h, "500 Internal Server Error", "text/plain", "out of memory\n", 14);
+            return;
+        }
+        kvt_http_respond(h, "200 OK", "text/plain; version=0.0.4; charset=utf-8", body,
+                         head ? 0 : len);
+        free(body);
+    } else if (!strcmp(path, "/healthz") && (get || head)) {
+        const char *msg = s->stopping ? "stopping\n" : "ok\n";
+        kvt_http_respond(h, s->stopping ? "503 Service Unavailable" : "200 OK", "text/plain", msg,
+                         head ? 0 : strlen(msg));
+    } else if (!strcmp(path, "/metrics") || !strcmp(path, "/healthz")) {
+        kvt_http_respond(h, "405 Method Not Allowed", "text/plain", "GET only\n", 9);
+    } else {
+        kvt_http_respond(h, "404 Not Found", "text/plain", "not found\n", 10);
+    }
+}
+
+static void kvt_http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    kvt_http_conn_t *h = (kvt_http_conn_t *)ev;
+    if (!h->out && (events & EPOLLIN)) {
+        ssize_t n = read(ev->fd, h->head + h->head_len, sizeof h->head - 1 - h->head_len);
+        if (n <= 0) {
+            if (n == 0 || (errno != EAGAIN && errno != EINTR))
+                kvt_http_free(s, h);
+            return;
+        }
+        h->head_len += (size_t)n;
+        h->head[h->head_len] = 0;
+        if (!strstr(h->head, "\r\n\r\n") && !strstr(h->head, "\n\n")) {
+            if (h->head_len == sizeof h->head - 1) {
+                kvt_http_respond(h, "431 Request Header Fields Too Large", "text/plain",
+                                 "too large\n", 10);
+            } else {
+                return;
+            }
+        } else {
+            kvt_http_route(s, h);
+        }
+        if (!h->out) {
+            kvt_http_free(s, h);
+            return;
+        }
+        kvt__ev_mod(s, &h->ev, EPOLLOUT);
+    }
+    if (h->out && (events & (EPOLLOUT | EPOLLIN))) {
+        while (h->out_off < h->out_len) {
+            ssize_t n = write(ev->fd, h->out + h->out_off, h->out_len - h->out_off);
+            if (n < 0) {
+                if (errno == EAGAIN || errno == EINTR)
+                    return;
+                break;
+            }
+            h->out_off += (size_t)n;
+        }
+        kvt_http_free(s, h);
+        return;
+    }
+    if (events & (EPOLLERR | EPOLLHUP))
+        kvt_http_free(s, h);
+}
+
+static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)events;
+    for (int k = 0; k < 16; k++) {
+        int fd = accept4(ev->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return;
+        if (s->http_nconns >= KVT_HTTP_MAX_CONNS) {
+            close(fd);
+            continue;
+        }
+        kvt_http_conn_t *h = calloc(1, sizeof *h);
+        if (!h) {
+            close(fd);
+            continue;
+        }
+        h->ev.fd = fd;
+        h->ev.cb = kvt_http_on_conn;
+        if (kvt__ev_add(s, &h->ev, EPOLLIN) < 0) {
+            close(fd);
+            free(h);
+            continue;
+        }
+        h->next = s->http_conns;
+        if (h->next)
+            h->next->pprev = &h->next;
+        h->pprev = &s->http_conns;
+        s->http_conns = h;
+        s->http_nconns++;
+    }
+}
+
+int kvt__http_listen(kvt_srv_t *s, const char *addr)
+{
+    int fd = kvt__listen_tcp(addr, s->http_addr, sizeof s->http_addr);
+    if (fd < 0)
+        return fd;
+    s->http_ev.fd = fd;
+    s->http_ev.cb = kvt_http_on_accept;
+    int rc = kvt__ev_add(s, &s->http_ev, EPOLLIN);
+    if (rc < 0) {
+        close(fd);
+        s->http_ev.fd = -1;
+    }
+    return rc;
+}
+
+void kvt__http_close(kvt_srv_t *s)
+{
+    while (s->http_conns)
+        kvt_http_free(s, s->http_conns);
+    if (s->http_ev.fd >= 0) {
+        kvt__ev_del(s, &s->http_ev);
+        close(s->http_ev.fd);
+        s->http_ev.fd = -1;
+    }
+}

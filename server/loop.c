@@ -1,0 +1,381 @@
+/*
+ * loop.c: the daemon's skeleton and its one event loop. It owns the epoll set, the listening
+ * sockets (Unix and TCP), the signalfd for SIGTERM/SIGINT, the tier descriptors, the periodic
+ * tick (lease expiry, gauges) and the orderly shutdown: stop accepting, fail nothing that can
+ * still finish within the grace period, flush replies, remove the socket file.
+ */
+#include "server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define KVT_TICK_MS  50
+#define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
+#define KVT_GHOSTS   (1u << 16)
+
+int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    struct epoll_event e = {.events = events, .data.ptr = ev};
+    return epoll_ctl(s->epfd, EPOLL_CTL_ADD, ev->fd, &e) < 0 ? -errno : 0;
+}
+
+int kvt__ev_mod(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    struct epoll_event e = {.events = events, .data.ptr = ev};
+    return epoll_ctl(s->epfd, EPOLL_CTL_MOD, ev->fd, &e) < 0 ? -errno : 0;
+}
+
+void kvt__ev_del(kvt_srv_t *s, kvt__ev_t *ev)
+{
+    epoll_ctl(s->epfd, EPOLL_CTL_DEL, ev->fd, NULL);
+}
+
+int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out)
+{
+    if (ns >= s->cap_ns) {
+        size_t cap = s->cap_ns ? s->cap_ns * 2 : 8;
+        while (cap <= ns)
+            cap *= 2;
+        kvt__ns_t *n = realloc(s->ns, cap * sizeof *n);
+        if (!n)
+            return KVT_ENOMEM;
+        memset(n + s->cap_ns, 0, (cap - s->cap_ns) * sizeof *n);
+        s->ns = n;
+        s->cap_ns = cap;
+    }
+    if (ns >= s->nns)
+        s->nns = ns + 1;
+    *out = &s->ns[ns];
+    return 0;
+}
+
+int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s || (size_t)(colon - s) >= hostlen)
+        return KVT_EINVAL;
+    char *end;
+    long p = strtol(colon + 1, &end, 10);
+    if (!colon[1] || *end || p < 0 || p > 65535)
+        return KVT_EINVAL;
+    memcpy(host, s, (size_t)(colon - s));
+    host[colon - s] = 0;
+    *port = (uint16_t)p;
+    return 0;
+}
+
+int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen)
+{
+    char host[256];
+    uint16_t port;
+    if (kvt__parse_hostport(addr, host, sizeof host, &port) < 0)
+        return KVT_EINVAL;
+    struct addrinfo hints = {
+        .ai_family = AF_INET, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV | AI_PASSIVE};
+    struct addrinfo *ai;
+    char ps[8];
+    snprintf(ps, sizeof ps, "%u", port);
+    if (getaddrinfo(host, ps, &hints, &ai) != 0)
+        return KVT_EINVAL;
+    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        freeaddrinfo(ai);
+        return -errno;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 512) < 0) {
+        int e = -errno;
+        freeaddrinfo(ai);
+        close(fd);
+        return e;
+    }
+    freeaddrinfo(ai);
+    struct sockaddr_in sin;
+    socklen_t sl = sizeof sin;
+    if (getsockname(fd, (struct sockaddr *)&sin, &sl) == 0)
+        snprintf(bound, boundlen, "%s:%u", host, ntohs(sin.sin_port));
+    return fd;
+}
+
+static int kvt_listen_unix(kvt_srv_t *s)
+{
+    const char *path = s->conf->unix_path;
+    struct sockaddr_un sun = {.sun_family = AF_UNIX};
+    if (path[0] == '/') {
+        snprintf(s->unix_path, sizeof s->unix_path, "%s", path);
+    } else {
+        char cwd[PATH_MAX];
+        if (!getcwd(cwd, sizeof cwd))
+            return -errno;
+        if (strlen(cwd) + 1 + strlen(path) >= sizeof s->unix_path)
+            return KVT_EINVAL;
+        memcpy(s->unix_path, cwd, strlen(cwd));
+        s->unix_path[strlen(cwd)] = '/';
+        strcpy(s->unix_path + strlen(cwd) + 1, path);
+    }
+    /* bind() takes the path as given (relative to the working directory), so that a long
+     * working directory does not push the name past sun_path's 108 bytes. */
+    if (strlen(path) >= sizeof sun.sun_path)
+        return KVT_EINVAL;
+    strcpy(sun.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    /* A socket file left by a daemon that died: remove it only if nobody answers on it. */
+    struct stat st;
+    if (lstat(path, &st) == 0) {
+        if (!S_ISSOCK(st.st_mode)) {
+            close(fd);
+            return KVT_EEXIST;
+        }
+        int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int live = probe >= 0 && connect(probe, (struct sockaddr *)&sun, sizeof sun) == 0;
+        if (probe >= 0)
+            close(probe);
+        if (live) {
+            close(fd);
+            return -EADDRINUSE;
+        }
+        unlink(path);
+    }
+    mode_t old = umask(0777 & ~s->conf->unix_mode);
+    int rc = bind(fd, (struct sockaddr *)&sun, sizeof sun);
+    umask(old);
+    if (rc < 0 || chmod(path, s->conf->unix_mode) < 0 || listen(fd, 512) < 0) {
+        rc = -errno;
+        close(fd);
+        return rc;
+    }
+    return fd;
+}
+
+static void kvt_on_unix(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)events;
+    kvt__conn_accept(s, ev->fd, 0);
+}
+
+static void kvt_on_tcp(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)events;
+    kvt__conn_accept(s, ev->fd, 1);
+}
+
+static void kvt_on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)events;
+    struct signalfd_siginfo si;
+    while (read(ev->fd, &si, sizeof si) == sizeof si) {
+        if (!s->stopping)
+            kvt_log(KVT_LOG_INFO, "kvtierd: %s received, shutting down",
+                    si.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM");
+        s->stopping = 1;
+    }
+}
+
+static void kvt_on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)events;
+    kvt_tier_t *t = s->tiers[ev - s->tier_ev];
+    int rc = kvt_tier_process(t);
+    if (rc < 0)
+        kvt_log(KVT_LOG_WARN, "kvtierd: %s tier: processing completions: %s",
+                kvt_tier_name(kvt_tier_kind(t)), kvt_strerror(rc));
+}
+
+int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
+{
+    kvt_srv_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return KVT_ENOMEM;
+    s->conf = conf;
+    s->sig_ev.fd = s->unix_ev.fd = s->tcp_ev.fd = s->http_ev.fd = -1;
+    for (int i = 0; i < KVT_TIER_COUNT; i++)
+        s->tier_ev[i].fd = -1;
+    s->next_conn_id = 1;
+    s->internal_owner = 1ull << 63;
+    s->started_ns = kvt_now_ns();
+    int rc = KVT_ENOMEM;
+    s->nghosts = KVT_GHOSTS;
+    s->ghosts = calloc(s->nghosts, sizeof *s->ghosts);
+    if (!s->ghosts || kvt__metrics_create(&s->metrics) < 0)
+        goto fail;
+    s->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (s->epfd < 0) {
+        rc = -errno;
+        goto fail;
+    }
+    kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb, .free_arg = s};
+    rc = kvt_radix_create(&s->radix, &rconf);
+    if (rc < 0)
+        goto fail;
+    rc = kvt__store_open(s);
+    if (rc < 0)
+        goto fail;
+    for (int i = 0; i < KVT_TIER_COUNT; i++) {
+        if (!s->tiers[i])
+            continue;
+        s->tier_ev[i].fd = kvt_tier_fd(s->tiers[i]);
+        s->tier_ev[i].cb = kvt_on_tier;
+        if (s->tier_ev[i].fd >= 0 && (rc = kvt__ev_add(s, &s->tier_ev[i], EPOLLIN)) < 0)
+            goto fail;
+    }
+
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    s->sig_ev.fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    s->sig_ev.cb = kvt_on_signal;
+    if (s->sig_ev.fd < 0 || (rc = kvt__ev_add(s, &s->sig_ev, EPOLLIN)) < 0) {
+        rc = s->sig_ev.fd < 0 ? -errno : rc;
+        goto fail;
+    }
+
+    if (*conf->unix_path) {
+        rc = kvt_listen_unix(s);
+        if (rc < 0) {
+            kvt_log(KVT_LOG_ERROR, "kvtierd: cannot listen on unix:%s: %s", conf->unix_path,
+                    kvt_strerror(rc));
+            s->unix_path[0] = 0;
+            goto fail;
+        }
+        s->unix_ev.fd = rc;
+        s->unix_ev.cb = kvt_on_unix;
+        if ((rc = kvt__ev_add(s, &s->unix_ev, EPOLLIN)) < 0)
+            goto fail;
+    }
+    if (*conf->tcp) {
+        rc = kvt__listen_tcp(conf->tcp, s->tcp_addr, sizeof s->tcp_addr);
+        if (rc < 0) {
+            kvt_log(KVT_LOG_ERROR, "kvtierd: cannot listen on tcp:%s: %s", conf->tcp,
+                    kvt_strerror(rc));
+            goto fail;
+        }
+        s->tcp_ev.fd = rc;
+        s->tcp_ev.cb = kvt_on_tcp;
+        if ((rc = kvt__ev_add(s, &s->tcp_ev, EPOLLIN)) < 0)
+            goto fail;
+    }
+    if (*conf->metrics) {
+        rc = kvt__http_listen(s, conf->metrics);
+        if (rc < 0) {
+            kvt_log(KVT_LOG_ERROR, "kvtierd: cannot serve metrics on %s: %s", conf->metrics,
+                    kvt_strerror(rc));
+            goto fail;
+        }
+    }
+    *out = s;
+    return 0;
+fail:
+    kvt__srv_close(s);
+    return rc;
+}
+
+/* Requests still waiting on tier I/O, over all connections and orphans. */
+static int kvt_busy(const kvt_srv_t *s)
+{
+    return s->inflight > 0;
+}
+
+int kvt__srv_run(kvt_srv_t *s)
+{
+    struct epoll_event evs[256];
+    uint64_t next_tick = kvt_now_ns(), stop_at = 0;
+    for (;;) {
+        uint64_t now = kvt_now_ns();
+        if (s->stopping) {
+            if (!stop_at) {
+                stop_at = now + KVT_GRACE_NS;
+                /* No new connections, no new requests; what is in flight may finish. */
+                if (s->unix_ev.fd >= 0) {
+                    kvt__ev_del(s, &s->unix_ev);
+                    close(s->unix_ev.fd);
+                    s->unix_ev.fd = -1;
+                }
+                if (s->tcp_ev.fd >= 0) {
+                    kvt__ev_del(s, &s->tcp_ev);
+                    close(s->tcp_ev.fd);
+                    s->tcp_ev.fd = -1;
+                }
+                for (kvt__conn_t *c = s->conns; c; c = c->next) {
+                    c->closing = 1;
+                    kvt__conn_kick(c);
+                }
+            }
+            int pending_out = 0;
+            for (kvt__conn_t *c = s->conns; c; c = c->next)
+                pending_out |= c->head != NULL;
+            if ((!kvt_busy(s) && !pending_out) || now >= stop_at) {
+                if (kvt_busy(s))
+                    kvt_log(KVT_LOG_WARN, "kvtierd: %llu tier I/Os still in flight at exit",
+                            (unsigned long long)s->inflight);
+                return 0;
+            }
+        }
+        if (now >= next_tick) {
+            kvt__conns_tick(s, now);
+            kvt__tier_metrics(s);
+            kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
+            next_tick = now + KVT_TICK_MS * 1000000ull;
+        }
+        int timeout = (int)((next_tick - now) / 1000000) + 1;
+        int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            kvt_log(KVT_LOG_ERROR, "kvtierd: epoll_wait: %s", strerror(errno));
+            return -errno;
+        }
+        for (int i = 0; i < n; i++) {
+            kvt__ev_t *ev = evs[i].data.ptr;
+            ev->cb(s, ev, evs[i].events);
+        }
+    }
+}
+
+void kvt__srv_close(kvt_srv_t *s)
+{
+    if (!s)
+        return;
+    while (s->conns)
+        kvt__conn_close(s->conns);
+    kvt__http_close(s);
+    if (s->unix_ev.fd >= 0)
+        close(s->unix_ev.fd);
+    if (s->unix_path[0])
+        unlink(s->unix_path);
+    if (s->tcp_ev.fd >= 0)
+        close(s->tcp_ev.fd);
+    if (s->sig_ev.fd >= 0)
+        close(s->sig_ev.fd);
+    /* The tree first: its free callback gives the tiers their blocks back (NVMe keeps its data
+     * on disk for a warm restart regardless). */
+    s->tearing_down = 1;
+    kvt_radix_destroy(s->radix);
+    s->radix = NULL;
+    kvt__store_close(s);
+    if (s->epfd > 0)
+        close(s->epfd);
+    kvt__metrics_destroy(s->metrics);
+    free(s->ghosts);
+    free(s->ns);
+    free(s);
+}

@@ -1,0 +1,223 @@
+/*
+ * metrics.c: the storage behind KVT_METRIC_LIST and its Prometheus text rendering. Everything a
+ * scrape shows comes from the one table in metrics.h: name, type, help and label dimension; this
+ * file only knows how to lay out each dimension's series. Histograms share one bucket ladder in
+ * seconds, from 10 us to 10 s, which covers a DRAM hit and a remote round trip alike.
+ */
+#include "metrics.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KVT_MAX_SERIES (KVT_TIER_COUNT * KVT_TIER_COUNT)
+
+static const double kvt_bounds[KVT_HIST_BUCKETS - 1] = {
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+    0.01,    0.025,    0.05,    0.1,    0.25,    0.5,    1.0,   10.0,
+};
+
+static const struct kvt_metric_def {
+    const char *name, *help;
+    kvt_metric_type_t type;
+    kvt_label_kind_t lbl;
+} kvt_defs[KVT_M_COUNT] = {
+#define KVT_X(id, type, name, help, lbl) [KVT_M_##id] = {name, help, KVT_MT_##type, KVT_LBL_##lbl},
+    KVT_METRIC_LIST(KVT_X)
+#undef KVT_X
+};
+
+static const char *const kvt_reason_names[KVT_MISS_COUNT] = {
+    "never_seen", "evicted", "short_page", "remote_unreachable", "checksum",
+};
+static const char *const kvt_perr_names[KVT_PERR_COUNT] = {
+    "bad_magic", "bad_version", "too_big", "unknown_op",
+    "bad_body",  "no_hello",    "auth",    "truncated",
+};
+
+struct kvt_metrics {
+    double values[KVT_M_COUNT][KVT_MAX_SERIES];
+    kvt_hist_t hists[KVT_M_COUNT][KVT_MAX_SERIES];
+};
+
+int kvt__metrics_create(kvt_metrics_t **out)
+{
+    kvt_metrics_t *m = calloc(1, sizeof *m);
+    if (!m)
+        return KVT_ENOMEM;
+    *out = m;
+    return 0;
+}
+
+void kvt__metrics_destroy(kvt_metrics_t *m)
+{
+    free(m);
+}
+
+void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v)
+{
+    kvt_assert(id < KVT_M_COUNT && series < KVT_MAX_SERIES);
+    m->values[id][series] += v;
+}
+
+void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v)
+{
+    kvt_assert(id < KVT_M_COUNT && series < KVT_MAX_SERIES);
+    m->values[id][series] = v;
+}
+
+double kvt__metric_get(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series)
+{
+    kvt_assert(id < KVT_M_COUNT && series < KVT_MAX_SERIES);
+    return m->values[id][series];
+}
+
+void kvt__metric_observe(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, uint64_t ns)
+{
+    kvt_assert(id < KVT_M_COUNT && series < KVT_MAX_SERIES);
+    kvt_hist_t *h = &m->hists[id][series];
+    double s = (double)ns / 1e9;
+    unsigned b = 0;
+    while (b < KVT_HIST_BUCKETS - 1 && s > kvt_bounds[b])
+        b++;
+    h->buckets[b]++;
+    h->count++;
+    h->sum += s;
+}
+
+const kvt_hist_t *kvt__metric_hist(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series)
+{
+    kvt_assert(id < KVT_M_COUNT && series < KVT_MAX_SERIES);
+    return &m->hists[id][series];
+}
+
+typedef struct kvt_buf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} kvt_buf_t;
+
+__attribute__((format(printf, 2, 3))) static void kvt_bprintf(kvt_buf_t *b, const char *fmt, ...)
+{
+    for (;;) {
+        if (b->oom)
+            return;
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+        va_end(ap);
+        if (n >= 0 && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t cap = b->cap * 2 + (size_t)(n > 0 ? n : 64);
+        char *np = realloc(b->p, cap);
+        if (!np) {
+            b->oom = 1;
+            return;
+        }
+        b->p = np;
+        b->cap = cap;
+    }
+}
+
+/* The label set of one series, e.g. {tier="dram"}, or "" for an unlabelled metric; NULL when the
+ * series index is not rendered (a tier pair of one tier with itself). */
+static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, size_t len)
+{
+    switch (lbl) {
+    case KVT_LBL_NONE:
+        return s == 0 ? "" : NULL;
+    case KVT_LBL_TIER:
+        if (s >= KVT_TIER_COUNT)
+            return NULL;
+        snprintf(buf, len, "tier=\"%s\"", kvt_tier_name((kvt_tier_id_t)s));
+        return buf;
+    case KVT_LBL_REASON:
+        if (s >= KVT_MISS_COUNT)
+            return NULL;
+        snprintf(buf, len, "reason=\"%s\"", kvt_reason_names[s]);
+        return buf;
+    case KVT_LBL_OP:
+        if (s == 0 || s >= KVT_OP_COUNT)
+            return NULL;
+        snprintf(buf, len, "op=\"%s\"", kvt_proto_op_name(s));
+        return buf;
+    case KVT_LBL_PAIR: {
+        unsigned from = s / KVT_TIER_COUNT, to = s % KVT_TIER_COUNT;
+        if (s >= KVT_MAX_SERIES || from == to || from == KVT_TIER_NONE || to == KVT_TIER_NONE)
+            return NULL;
+        snprintf(buf, len, "from=\"%s\",to=\"%s\"", kvt_tier_name((kvt_tier_id_t)from),
+                 kvt_tier_name((kvt_tier_id_t)to));
+        return buf;
+    }
+    case KVT_LBL_TIER_IO:
+        if (s / 2 == KVT_TIER_NONE || s / 2 >= KVT_TIER_COUNT)
+            return NULL;
+        snprintf(buf, len, "tier=\"%s\",dir=\"%s\"", kvt_tier_name((kvt_tier_id_t)(s / 2)),
+                 s % 2 ? "write" : "read");
+        return buf;
+    case KVT_LBL_ERR:
+        if (s >= KVT_PERR_COUNT)
+            return NULL;
+        snprintf(buf, len, "kind=\"%s\"", kvt_perr_names[s]);
+        return buf;
+    }
+    return NULL;
+}
+
+static void kvt_render_value(kvt_buf_t *b, double v)
+{
+    if (v == (double)(uint64_t)v && v < 1e18)
+        kvt_bprintf(b, "%llu\n", (unsigned long long)v);
+    else
+        kvt_bprintf(b, "%.9g\n", v);
+}
+
+int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
+{
+    static const char *const types[] = {"counter", "gauge", "histogram"};
+    kvt_buf_t b = {.cap = 16384};
+    b.p = malloc(b.cap);
+    if (!b.p)
+        return KVT_ENOMEM;
+    for (unsigned id = 0; id < KVT_M_COUNT; id++) {
+        const struct kvt_metric_def *d = &kvt_defs[id];
+        kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", d->name, d->help, d->name, types[d->type]);
+        for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
+            char lb[96];
+            const char *l = kvt_series_labels(d->lbl, s, lb, sizeof lb);
+            if (!l)
+                continue;
+            if (d->type != KVT_MT_HISTOGRAM) {
+                kvt_bprintf(&b, "%s%s%s%s ", d->name, *l ? "{" : "", l, *l ? "}" : "");
+                kvt_render_value(&b, m->values[id][s]);
+                continue;
+            }
+            const kvt_hist_t *h = &m->hists[id][s];
+            const char *sep = *l ? "," : "";
+            uint64_t cum = 0;
+            for (unsigned k = 0; k < KVT_HIST_BUCKETS; k++) {
+                cum += h->buckets[k];
+                if (k < KVT_HIST_BUCKETS - 1)
+                    kvt_bprintf(&b, "%s_bucket{%s%sle=\"%g\"} %llu\n", d->name, l, sep,
+                                kvt_bounds[k], (unsigned long long)cum);
+                else
+                    kvt_bprintf(&b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", d->name, l, sep,
+                                (unsigned long long)cum);
+            }
+            kvt_bprintf(&b, "%s_sum%s%s%s %.9g\n", d->name, *l ? "{" : "", l, *l ? "}" : "",
+                        h->sum);
+            kvt_bprintf(&b, "%s_count%s%s%s %llu\n", d->name, *l ? "{" : "", l, *l ? "}" : "",
+                        (unsigned long long)h->count);
+        }
+    }
+    if (b.oom) {
+        free(b.p);
+        return KVT_ENOMEM;
+    }
+    *out = b.p;
+    *len = b.len;
+    return 0;
+}

@@ -1,0 +1,134 @@
+/*
+ * metrics.h: kvtierd's metrics, defined once in KVT_METRIC_LIST and rendered from that one
+ * definition in the Prometheus text format (metrics.c). Internal to server/ (kvt__ names).
+ *
+ * Each metric has a label dimension: none, tier, miss reason, operation, tier pair (from, to),
+ * tier x I/O direction, or protocol error kind. Storage is a flat array of series per metric;
+ * the event loop is the only writer, the HTTP handler (same loop) the only reader, so nothing
+ * is atomic.
+ */
+#ifndef KVT_SERVER_METRICS_H
+#define KVT_SERVER_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../radix/radix.h"
+#include "proto.h"
+
+typedef enum {
+    KVT_LBL_NONE,
+    KVT_LBL_TIER,    /* tier="hbm|dram|nvme|remote|none" */
+    KVT_LBL_REASON,  /* reason="never_seen|evicted|short_page|remote_unreachable|checksum" */
+    KVT_LBL_OP,      /* op="hello|auth|match|..." */
+    KVT_LBL_PAIR,    /* from="...",to="..." over real tiers */
+    KVT_LBL_TIER_IO, /* tier="...",dir="read|write" */
+    KVT_LBL_ERR,     /* kind="..." protocol error kinds */
+} kvt_label_kind_t;
+
+typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
+
+typedef enum {
+    KVT_MISS_NEVER_SEEN,
+    KVT_MISS_EVICTED,
+    KVT_MISS_SHORT_PAGE,
+    KVT_MISS_REMOTE_UNREACHABLE,
+    KVT_MISS_CHECKSUM,
+    KVT_MISS_COUNT
+} kvt_miss_reason_t;
+
+typedef enum {
+    KVT_PERR_BAD_MAGIC,
+    KVT_PERR_BAD_VERSION,
+    KVT_PERR_TOO_BIG,
+    KVT_PERR_UNKNOWN_OP,
+    KVT_PERR_BAD_BODY,
+    KVT_PERR_NO_HELLO,
+    KVT_PERR_AUTH,
+    KVT_PERR_TRUNCATED, /* the peer closed in the middle of a frame */
+    KVT_PERR_COUNT
+} kvt_proto_err_t;
+
+/*     id, type, name, unit-bearing help, labels */
+#define KVT_METRIC_LIST(X)                                                                         \
+    X(LOOKUPS, COUNTER, "kvtier_lookups_total", "MATCH lookups answered.", NONE)                   \
+    X(LOOKUP_TOKENS, COUNTER, "kvtier_lookup_tokens_total",                                        \
+      "Tokens looked up by MATCH: the denominator of the hit rate.", NONE)                         \
+    X(HIT_TOKENS, COUNTER, "kvtier_hit_tokens_total",                                              \
+      "Matched tokens, by the tier holding their block at the time of the match.", TIER)           \
+    X(MISS_TOKENS, COUNTER, "kvtier_miss_tokens_total",                                            \
+      "Looked-up tokens not matched, by reason.", REASON)                                          \
+    X(TIER_USED, GAUGE, "kvtier_tier_used_bytes", "Bytes stored in each tier.", TIER)              \
+    X(TIER_CAPACITY, GAUGE, "kvtier_tier_capacity_bytes", "Configured capacity of each tier.",     \
+      TIER)                                                                                        \
+    X(TIER_BLOCKS, GAUGE, "kvtier_tier_blocks", "Blocks stored in each tier.", TIER)               \
+    X(BLOCKS_MOVED, COUNTER, "kvtier_blocks_moved_total",                                          \
+      "Blocks copied from one tier to another.", PAIR)                                             \
+    X(BLOCKS_DROPPED, COUNTER, "kvtier_blocks_dropped_total",                                      \
+      "Blocks dropped from the index, by the tier that held them.", TIER)                          \
+    X(PREFILL_SAVED, COUNTER, "kvtier_prefill_saved_seconds_total",                                \
+      "Estimated prefill compute saved by matched tokens (hit tokens / prefill_tokens_per_s).",    \
+      NONE)                                                                                        \
+    X(NVME_WRITTEN, COUNTER, "kvtier_nvme_written_bytes_total", "Payload bytes written to NVMe.",  \
+      NONE)                                                                                        \
+    X(REQUESTS, COUNTER, "kvtier_requests_total", "Requests answered, by operation.", OP)          \
+    X(REQUEST_ERRORS, COUNTER, "kvtier_request_errors_total",                                      \
+      "Requests answered with an error status, by operation.", OP)                                 \
+    X(REQUEST_SECONDS, HISTOGRAM, "kvtier_request_duration_seconds",                               \
+      "Time from a request's arrival to its reply being queued, by operation.", OP)                \
+    X(TIER_IO_SECONDS, HISTOGRAM, "kvtier_tier_io_duration_seconds",                               \
+      "Time from a tier read or write being submitted to its completion.", TIER_IO)                \
+    X(TIER_IO_ERRORS, COUNTER, "kvtier_tier_io_errors_total",                                      \
+      "Tier reads and writes that completed with an error (misses included).", TIER_IO)            \
+    X(CONNECTIONS, GAUGE, "kvtier_connections", "Client connections open now.", NONE)              \
+    X(CONNECTIONS_ACCEPTED, COUNTER, "kvtier_connections_accepted_total",                          \
+      "Client connections accepted.", NONE)                                                        \
+    X(PROTOCOL_ERRORS, COUNTER, "kvtier_protocol_errors_total",                                    \
+      "Malformed or refused frames, by kind.", ERR)                                                \
+    X(INDEX_BLOCKS, GAUGE, "kvtier_index_blocks", "Pages cached in the prefix index.", NONE)       \
+    X(INDEX_BYTES, GAUGE, "kvtier_index_bytes", "Memory allocated by the prefix index.", NONE)     \
+    X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
+    X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
+      "Leases released because their time limit passed.", NONE)
+
+typedef enum {
+#define KVT_X(id, type, name, help, lbl) KVT_M_##id,
+    KVT_METRIC_LIST(KVT_X)
+#undef KVT_X
+        KVT_M_COUNT
+} kvt_metric_id_t;
+
+#define KVT_HIST_BUCKETS 18
+
+typedef struct kvt_hist {
+    uint64_t buckets[KVT_HIST_BUCKETS]; /* non-cumulative; the last is +Inf */
+    uint64_t count;
+    double sum; /* seconds */
+} kvt_hist_t;
+
+typedef struct kvt_metrics kvt_metrics_t;
+
+int kvt__metrics_create(kvt_metrics_t **out);
+void kvt__metrics_destroy(kvt_metrics_t *m);
+
+/* The series index of a label value: tier id, reason, op, kvt__pair(from, to), ... */
+static inline unsigned kvt__pair(unsigned from, unsigned to)
+{
+    return from * KVT_TIER_COUNT + to;
+}
+static inline unsigned kvt__tier_io(unsigned tier, int write)
+{
+    return tier * 2 + (write ? 1 : 0);
+}
+
+void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
+void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
+void kvt__metric_observe(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, uint64_t ns);
+double kvt__metric_get(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series);
+const kvt_hist_t *kvt__metric_hist(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series);
+
+/* Renders every metric in the Prometheus text exposition format (0.0.4). The string is
+ * malloc'ed; the caller frees it. Returns 0 or KVT_ENOMEM. */
+int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len);
+
+#endif

@@ -1,0 +1,356 @@
+/*
+ * proto.h: the kvtier wire protocol, shared by kvtierd and libkvtier. docs/protocol.md is the
+ * byte-by-byte description for other languages; this header is its C form and the two must agree.
+ *
+ * Every frame is a 24-byte header followed by body_len bytes of body. All integers are
+ * little-endian; no field is aligned beyond what its offset gives. Requests carry status 0; a
+ * reply echoes the request's request_id, carries opcode | KVT_OP_REPLY, and a status that is 0 or
+ * a negative KVT_E* code (common/common.h). An error reply's body is a human-readable message.
+ *
+ *     0       4   5   6       8               16      20      24
+ *     +-------+---+---+-------+---------------+-------+-------+---- body ----
+ *     | magic |ver|op | flags |  request_id   |  len  |status |
+ *     +-------+---+---+-------+---------------+-------+-------+--------------
+ *
+ * The kvt_wire_* structs below are the exact layouts. Code never casts a buffer to them: the
+ * kvt_proto_* functions memcpy and convert byte order, so alignment and host order never matter.
+ *
+ * Replies come back in request order on a connection, except that one GET answers with several
+ * frames (KVT_RF_MORE on all but its last), all before the reply to the next request.
+ */
+#ifndef KVT_PROTO_H
+#define KVT_PROTO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/common.h"
+
+#define KVT_PROTO_MAGIC   0x5254564bu /* the bytes 'K' 'V' 'T' 'R' */
+#define KVT_PROTO_VERSION 1
+#define KVT_PROTO_HDR     24
+
+/* Default limits and addresses (kvtierd's embedded defaults; kvtier uses the same). */
+#define KVT_PROTO_MAX_FRAME_DEFAULT (64u << 20)
+#define KVT_DEFAULT_UNIX_PATH       "kvtierd.sock"
+#define KVT_DEFAULT_TCP_PORT        7390
+#define KVT_DEFAULT_METRICS_PORT    7391
+#define KVT_PROTO_NAME_MAX          255 /* model, adapter and salt, each */
+#define KVT_PROTO_SECRET_MAX        1024
+#define KVT_PROTO_ERRMSG_MAX        512
+
+typedef enum {
+    KVT_OP_HELLO = 1,
+    KVT_OP_AUTH = 2,
+    KVT_OP_MATCH = 3,
+    KVT_OP_PUT = 4,
+    KVT_OP_GET = 5,
+    KVT_OP_PREFETCH = 6,
+    KVT_OP_RELEASE = 7,
+    KVT_OP_REMOVE = 8,
+    KVT_OP_STATS = 9,
+    KVT_OP_PING = 10,
+    KVT_OP_COUNT = 11,
+    KVT_OP_REPLY = 0x80 /* or-ed into a reply's opcode */
+} kvt_op_t;
+
+/* The op's name ("match"), or NULL for an unknown opcode. */
+const char *kvt_proto_op_name(unsigned op);
+
+/* Header flags. Request flags are per opcode; reply flags are the same for every opcode. */
+enum {
+    KVT_MATCH_F_LEASE = 1u << 0,  /* pin the matched path and return a lease id */
+    KVT_MATCH_F_REMOTE = 1u << 1, /* probe the remote tier for pages beyond the local match */
+    KVT_MATCH_F_PROBE = 1u << 2,  /* a probe: do not count as a use of the blocks */
+    KVT_MATCH_F_ALL = 0x7,
+    KVT_RF_MORE = 1u << 0, /* reply: more frames for this request follow (GET data) */
+};
+
+/* Engine hints on MATCH and PUT. */
+enum {
+    KVT_HINT_PAUSED = 1u << 0,   /* the session paused; expected back in resume_ms */
+    KVT_HINT_FINISHED = 1u << 1, /* the session finished: its private suffix may go first */
+    KVT_HINT_ALL = 0x3,
+};
+
+typedef struct kvt_proto_hdr {
+    uint32_t magic;
+    uint8_t version;
+    uint8_t opcode;
+    uint16_t flags;
+    uint64_t request_id;
+    uint32_t body_len;
+    int32_t status;
+} kvt_proto_hdr_t;
+
+/* 16 bytes on the wire: u64 engine_request_id, u32 resume_ms, u16 priority, u16 flags. */
+typedef struct kvt_proto_hints {
+    uint64_t engine_request_id; /* the engine's own id, for logs and lease tracing; 0 = none */
+    uint32_t resume_ms;         /* with KVT_HINT_PAUSED */
+    uint16_t priority;          /* retention priority; 0 = none, higher keeps longer */
+    uint16_t flags;             /* KVT_HINT_* */
+} kvt_proto_hints_t;
+
+/*
+ * The fixed parts of the bodies, as they lie on the wire (packed, little-endian). Variable parts
+ * (names, tokens as little-endian u32, payloads) follow the fixed part in the order given.
+ */
+#define KVT_WIRE __attribute__((packed))
+
+typedef struct KVT_WIRE kvt_wire_hdr {
+    uint32_t magic;
+    uint8_t version;
+    uint8_t opcode;
+    uint16_t flags;
+    uint64_t request_id;
+    uint32_t body_len;
+    int32_t status;
+} kvt_wire_hdr_t;
+
+typedef struct KVT_WIRE kvt_wire_hints {
+    uint64_t engine_request_id;
+    uint32_t resume_ms;
+    uint16_t priority;
+    uint16_t flags;
+} kvt_wire_hints_t;
+
+typedef struct KVT_WIRE kvt_wire_hello { /* then model, adapter, salt bytes */
+    uint16_t min_version, max_version;
+    uint32_t page_size;
+    uint32_t block_bytes;
+    uint16_t model_len, adapter_len, salt_len;
+    uint16_t reserved;
+} kvt_wire_hello_t;
+
+typedef struct KVT_WIRE kvt_wire_hello_reply {
+    uint16_t version;
+    uint16_t tiers;
+    uint32_t ns;
+    uint64_t ns_seed;
+    uint32_t max_frame;
+    uint32_t lease_ms_max;
+} kvt_wire_hello_reply_t;
+
+typedef struct KVT_WIRE kvt_wire_match { /* then ntokens x u32 */
+    kvt_wire_hints_t hints;
+    uint32_t lease_ms;
+    uint32_t ntokens;
+} kvt_wire_match_t;
+
+typedef struct KVT_WIRE kvt_wire_match_reply { /* then pages x u8 tier */
+    uint32_t tokens;
+    uint32_t pages;
+    uint64_t lease;
+    uint32_t remote_pages;
+    uint32_t reserved;
+} kvt_wire_match_reply_t;
+
+typedef struct KVT_WIRE kvt_wire_put { /* then ntokens x u32, then npayload x block_bytes */
+    kvt_wire_hints_t hints;
+    uint32_t ntokens;
+    uint32_t first_page;
+    uint32_t npayload;
+    uint32_t reserved;
+} kvt_wire_put_t;
+
+typedef struct KVT_WIRE kvt_wire_put_reply {
+    uint32_t pages, new_pages, stored, skipped;
+} kvt_wire_put_reply_t;
+
+typedef struct KVT_WIRE kvt_wire_get {
+    uint64_t lease;
+    uint32_t first_page;
+    uint32_t npages;
+} kvt_wire_get_t;
+
+typedef struct KVT_WIRE kvt_wire_get_data { /* then block_bytes of payload */
+    uint32_t page;
+    uint8_t tier;
+    uint8_t reserved[3];
+} kvt_wire_get_data_t;
+
+typedef struct KVT_WIRE kvt_wire_get_end {
+    uint32_t npages;
+    uint32_t reserved;
+} kvt_wire_get_end_t;
+
+typedef struct KVT_WIRE kvt_wire_prefetch { /* then ntokens x u32 */
+    uint32_t tier;
+    uint32_t deadline_ms;
+    uint32_t ntokens;
+    uint32_t reserved;
+} kvt_wire_prefetch_t;
+
+typedef struct KVT_WIRE kvt_wire_prefetch_reply {
+    uint32_t pages, moved, resident, failed;
+} kvt_wire_prefetch_reply_t;
+
+typedef struct KVT_WIRE kvt_wire_release {
+    uint64_t lease;
+} kvt_wire_release_t;
+
+typedef struct KVT_WIRE kvt_wire_release_reply {
+    uint32_t released;
+} kvt_wire_release_reply_t;
+
+typedef struct KVT_WIRE kvt_wire_remove { /* then ntokens x u32 */
+    uint32_t ntokens;
+    uint32_t reserved;
+} kvt_wire_remove_t;
+
+/* STATS reply: u32 count, then count entries of u8 name_len, name, u64 value. */
+
+_Static_assert(sizeof(kvt_wire_hdr_t) == KVT_PROTO_HDR, "header is 24 bytes");
+_Static_assert(sizeof(kvt_wire_hints_t) == 16, "hints are 16 bytes");
+_Static_assert(sizeof(kvt_wire_hello_t) == 20, "HELLO fixed part is 20 bytes");
+_Static_assert(sizeof(kvt_wire_hello_reply_t) == 24, "HELLO reply is 24 bytes");
+_Static_assert(sizeof(kvt_wire_match_t) == 24, "MATCH fixed part is 24 bytes");
+_Static_assert(sizeof(kvt_wire_match_reply_t) == 24, "MATCH reply fixed part is 24 bytes");
+_Static_assert(sizeof(kvt_wire_put_t) == 32, "PUT fixed part is 32 bytes");
+_Static_assert(sizeof(kvt_wire_put_reply_t) == 16, "PUT reply is 16 bytes");
+_Static_assert(sizeof(kvt_wire_get_t) == 16, "GET is 16 bytes");
+_Static_assert(sizeof(kvt_wire_get_data_t) == 8, "GET data frame head is 8 bytes");
+_Static_assert(sizeof(kvt_wire_get_end_t) == 8, "GET end frame is 8 bytes");
+_Static_assert(sizeof(kvt_wire_prefetch_t) == 16, "PREFETCH fixed part is 16 bytes");
+_Static_assert(sizeof(kvt_wire_prefetch_reply_t) == 16, "PREFETCH reply is 16 bytes");
+_Static_assert(sizeof(kvt_wire_release_t) == 8, "RELEASE is 8 bytes");
+_Static_assert(sizeof(kvt_wire_release_reply_t) == 4, "RELEASE reply is 4 bytes");
+_Static_assert(sizeof(kvt_wire_remove_t) == 8, "REMOVE fixed part is 8 bytes");
+
+typedef struct kvt_proto_hello {
+    uint16_t min_version, max_version;
+    uint32_t page_size;
+    uint32_t block_bytes;               /* KV bytes of one page; 0 for an index-only client */
+    const char *model, *adapter, *salt; /* not NUL-terminated: borrowed from the frame */
+    uint16_t model_len, adapter_len, salt_len;
+} kvt_proto_hello_t;
+
+typedef struct kvt_proto_hello_reply {
+    uint16_t version;
+    uint16_t tiers; /* bit (1 << kvt_tier_id_t) per tier the server has */
+    uint32_t ns;
+    uint64_t ns_seed;
+    uint32_t max_frame;
+    uint32_t lease_ms_max;
+} kvt_proto_hello_reply_t;
+
+typedef struct kvt_proto_match {
+    kvt_proto_hints_t hints;
+    uint32_t lease_ms; /* 0: the server's default */
+    uint32_t ntokens;
+    const uint8_t *tokens; /* ntokens little-endian u32, borrowed from the frame */
+} kvt_proto_match_t;
+
+typedef struct kvt_proto_match_reply {
+    uint32_t tokens;       /* matched tokens (pages x page size) */
+    uint32_t pages;        /* matched pages; as many tier bytes follow */
+    uint64_t lease;        /* 0 when none was asked for or nothing matched */
+    uint32_t remote_pages; /* of pages, how many were found only by the remote probe */
+} kvt_proto_match_reply_t;
+
+typedef struct kvt_proto_put {
+    kvt_proto_hints_t hints;
+    uint32_t ntokens;
+    uint32_t first_page; /* page index of the first payload page */
+    uint32_t npayload;   /* pages whose KV bytes follow the tokens (block_bytes each) */
+    const uint8_t *tokens;
+    const uint8_t *payload;
+} kvt_proto_put_t;
+
+typedef struct kvt_proto_put_reply {
+    uint32_t pages;     /* whole pages of the request, all in the index now */
+    uint32_t new_pages; /* pages this PUT added to the index */
+    uint32_t stored;    /* pages whose bytes this PUT stored */
+    uint32_t skipped;   /* payload pages not stored: already held, or no room in any tier */
+} kvt_proto_put_reply_t;
+
+typedef struct kvt_proto_get {
+    uint64_t lease;
+    uint32_t first_page;
+    uint32_t npages; /* 0: to the end of the leased path */
+} kvt_proto_get_t;
+
+typedef struct kvt_proto_prefetch {
+    uint32_t tier; /* kvt_tier_id_t to move the blocks up to (HBM or DRAM) */
+    uint32_t deadline_ms;
+    uint32_t ntokens;
+    const uint8_t *tokens;
+} kvt_proto_prefetch_t;
+
+typedef struct kvt_proto_prefetch_reply {
+    uint32_t pages;    /* matched pages */
+    uint32_t moved;    /* copied up to the tier by the deadline */
+    uint32_t resident; /* already at the tier or above */
+    uint32_t failed;   /* not moved: no room, read error, or the deadline passed */
+} kvt_proto_prefetch_reply_t;
+
+/*
+ * Header. kvt_proto_hdr_decode checks only that 24 bytes are there; kvt_proto_hdr_check then
+ * validates magic, version and the size limit, returning 0, KVT_EPROTO (magic or version) or
+ * KVT_ETOOBIG.
+ */
+void kvt_proto_hdr_encode(uint8_t out[KVT_PROTO_HDR], const kvt_proto_hdr_t *h);
+void kvt_proto_hdr_decode(const uint8_t in[KVT_PROTO_HDR], kvt_proto_hdr_t *h);
+int kvt_proto_hdr_check(const kvt_proto_hdr_t *h, uint32_t max_body);
+
+/*
+ * Body decoders: each takes exactly the body (len bytes) and returns 0 or KVT_EPROTO when the
+ * body is truncated, too long, or inconsistent with its own counts (a token count that does not
+ * match the length, an unknown flag bit, a name longer than KVT_PROTO_NAME_MAX). Pointers in the
+ * result borrow from body.
+ */
+int kvt_proto_hello_decode(const uint8_t *body, size_t len, kvt_proto_hello_t *out);
+int kvt_proto_match_decode(const uint8_t *body, size_t len, kvt_proto_match_t *out);
+/* block_bytes is the connection's, from its HELLO: the payload must be npayload x block_bytes. */
+int kvt_proto_put_decode(const uint8_t *body, size_t len, uint32_t block_bytes,
+                         kvt_proto_put_t *out);
+int kvt_proto_get_decode(const uint8_t *body, size_t len, kvt_proto_get_t *out);
+int kvt_proto_prefetch_decode(const uint8_t *body, size_t len, kvt_proto_prefetch_t *out);
+int kvt_proto_release_decode(const uint8_t *body, size_t len, uint64_t *lease);
+int kvt_proto_remove_decode(const uint8_t *body, size_t len, uint32_t *ntokens,
+                            const uint8_t **tokens);
+
+/* Copies n little-endian u32 tokens out of a frame into host order. */
+void kvt_proto_tokens(const uint8_t *src, uint32_t n, uint32_t *dst);
+
+/* Little-endian helpers, for encoders on both sides. */
+static inline void kvt_put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void kvt_put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void kvt_put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t kvt_get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static inline uint32_t kvt_get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint64_t kvt_get_u64(const uint8_t *p)
+{
+    return (uint64_t)kvt_get_u32(p) | ((uint64_t)kvt_get_u32(p + 4) << 32);
+}
+
+/* Hints between host and wire form. decode returns KVT_EPROTO for unknown flag bits. */
+void kvt_proto_hints_to_wire(const kvt_proto_hints_t *h, kvt_wire_hints_t *w);
+int kvt_proto_hints_from_wire(const kvt_wire_hints_t *w, kvt_proto_hints_t *h);
+
+/*
+ * Frame building for both sides: writes a header for (op, flags, id, status) and a body of
+ * body_len bytes at out, which must hold KVT_PROTO_HDR + body_len bytes.
+ */
+void kvt_proto_frame(uint8_t *out, unsigned op, uint16_t flags, uint64_t id, int32_t status,
+                     uint32_t body_len);
+
+#endif

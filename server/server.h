@@ -1,0 +1,227 @@
+/*
+ * server.h: kvtierd's internals, shared by the files of server/ (kvt__ names; nothing here is
+ * public). One kvt_srv_t is the daemon: it owns the event loop, the listening sockets, the index,
+ * the tiers, the metrics and every connection. It is passed by pointer, never reached through a
+ * global (the signal handler included: signals arrive through a signalfd).
+ *
+ * Requests and replies
+ * --------------------
+ * Every request that gets a reply has a kvt__req_t in its connection's reply queue, in arrival
+ * order. A request answered at once appends its reply to the queue's tail; one that waits for
+ * tier I/O (PUT, GET, PREFETCH) holds its place and is written when it reaches the head:
+ *
+ *     conn->head                                              conn->tail
+ *       [MATCH,MATCH,PING done] -> [PUT: 3 writes pending] -> [MATCH done]
+ *         written now               blocks the ones after      waits its turn
+ *
+ * A request whose connection goes away keeps running until its I/O completes (the buffers are
+ * the request's), then frees itself: req->conn is NULL from then on.
+ */
+#ifndef KVT_SERVER_H
+#define KVT_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <endian.h>
+#include <sys/types.h>
+
+#include "../common/common.h"
+#include "../radix/radix.h"
+#include "../tiers/tier.h"
+#include "conf.h"
+#include "metrics.h"
+#include "proto.h"
+
+typedef struct kvt_srv kvt_srv_t;
+typedef struct kvt__conn kvt__conn_t;
+typedef struct kvt__req kvt__req_t;
+typedef struct kvt__ev kvt__ev_t;
+typedef struct kvt_http_conn kvt_http_conn_t;
+
+/* A file descriptor in the loop and what to call when it is ready. */
+struct kvt__ev {
+    int fd;
+    void (*cb)(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
+};
+
+/* What the daemon knows of a namespace beyond the tree: the block size clients declared. */
+typedef struct kvt__ns {
+    uint32_t page_size;
+    uint32_t block_bytes; /* 0 until a client declares a non-zero size */
+    uint64_t seed;
+} kvt__ns_t;
+
+/* A lease held by a connection: the pinned path's deepest node and its length in pages. */
+typedef struct kvt__lease {
+    uint64_t id;
+    kvt_radix_node_t *node;
+    uint32_t pages;
+    uint32_t ns;
+    uint64_t expires_ns;
+    uint64_t engine_id; /* the engine's request id from the hints, for logs */
+} kvt__lease_t;
+
+/* One tier I/O of a request: a read, a write or a copy, for the block at (node, depth). */
+typedef struct kvt__io {
+    kvt_tier_io_t io;
+    kvt_tier_copy_t copy;
+    kvt__req_t *req;
+    kvt_radix_node_t *node;
+    uint32_t depth;
+    uint32_t slot;   /* GET: index in the current batch; PUT: index in the payload */
+    uint8_t tier;    /* where the I/O goes (write, copy destination) or comes from (read) */
+    uint8_t from;    /* copy source tier */
+    uint8_t is_copy; /* through kvt_tier_copy */
+    uint64_t start_ns;
+    uint64_t src_loc;
+    uint32_t tokens[]; /* the page's tokens: key.tokens points here */
+} kvt__io_t;
+
+typedef enum { KVT_REQ_PLAIN, KVT_REQ_PUT, KVT_REQ_GET, KVT_REQ_PREFETCH } kvt__req_kind_t;
+
+struct kvt__req {
+    kvt__req_t *next;
+    kvt_srv_t *srv;
+    kvt__conn_t *conn; /* NULL once the connection has gone */
+    kvt__req_kind_t kind;
+    uint8_t op;
+    uint8_t done;    /* the whole reply is in out (or, GET, the final frame is) */
+    uint8_t replied; /* PREFETCH: the reply went out at the deadline, I/O still running */
+    uint64_t id;     /* the client's request id */
+    uint64_t t0;     /* arrival, for the latency histogram */
+    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
+    size_t out_len, out_cap, out_off;
+    uint32_t pending; /* tier I/Os in flight */
+    int status;
+
+    /* PUT, GET and PREFETCH */
+    uint32_t ns;
+    uint64_t lease;         /* an internal lease pinning the path while I/O runs */
+    kvt_radix_node_t *node; /* the path's deepest node */
+    uint32_t pages;         /* path length */
+    uint32_t block_bytes;
+    uint8_t *payload;         /* PUT: the payload pages, copied out of the frame */
+    uint32_t first, cur, end; /* PUT: payload pages [first, end); GET: pages [cur, end) left */
+    uint32_t stored, skipped, new_pages, sent;
+    uint32_t moved, resident, failed, target, batch;
+    uint64_t deadline_ns;
+    kvt__io_t **ios; /* GET batch */
+};
+
+struct kvt__conn {
+    kvt__ev_t ev;
+    kvt_srv_t *srv;
+    kvt__conn_t *prev, *next;
+    uint64_t id; /* also the owner of its leases in the tree */
+    int tcp;
+    uint8_t *in;
+    size_t in_len, in_cap;
+    kvt__req_t *head, *tail;
+    size_t out_bytes; /* bytes queued in out buffers */
+    uint32_t inflight;
+    int authed;
+    int hello;
+    uint32_t ns, page_size, block_bytes;
+    int closing;    /* no more requests: close once the queue drains */
+    int dead;       /* the peer is gone or broke the framing: close now */
+    int in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
+    uint32_t events;
+    kvt__lease_t *leases;
+    size_t nleases, cap_leases;
+    uint32_t *tokens; /* scratch for decoded tokens */
+    size_t tokens_cap;
+};
+
+struct kvt_srv {
+    kvt_srv_conf_t *conf;
+    int epfd;
+    kvt__ev_t sig_ev, unix_ev, tcp_ev, http_ev;
+    kvt__ev_t tier_ev[KVT_TIER_COUNT];
+    char unix_path[4096]; /* absolute, for unlink at exit */
+    char tcp_addr[128], http_addr[128];
+    kvt_radix_t *radix;
+    kvt_tier_t *tiers[KVT_TIER_COUNT];
+    kvt_metrics_t *metrics;
+    kvt__ns_t *ns;
+    size_t nns, cap_ns;
+    kvt__conn_t *conns;
+    uint32_t nconns;
+    uint64_t next_conn_id;
+    uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
+    int stopping;
+    int removing;     /* the free callback is called by REMOVE, not by an eviction */
+    uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */
+    size_t nghosts;
+    uint64_t inflight;      /* tier I/Os in flight, all connections */
+    struct kvt__busy *busy; /* reads in flight per block hash (store.c) */
+    size_t busy_cap, busy_n;
+    int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
+    uint64_t started_ns;
+    kvt_http_conn_t *http_conns; /* http.c */
+    unsigned http_nconns;
+};
+
+/* loop.c */
+int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf);
+int kvt__srv_run(kvt_srv_t *s);
+void kvt__srv_close(kvt_srv_t *s);
+int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
+int kvt__ev_mod(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
+void kvt__ev_del(kvt_srv_t *s, kvt__ev_t *ev);
+int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out);
+
+/* conn.c */
+void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp);
+void kvt__conn_close(kvt__conn_t *c);
+/* Appends a complete reply frame (header + body) for request (op, id) to the queue. */
+int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
+               uint32_t len);
+int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status,
+                     const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+/* A request that will finish later: its place in the queue. */
+kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint64_t id,
+                         uint64_t t0);
+/* Adds bytes to a request's output (GET frames, final replies). Returns 0 or KVT_ENOMEM. */
+int kvt__req_append(kvt__req_t *r, const void *p, size_t len);
+/* The request has all its reply: write what can be written, free what an orphan held. */
+void kvt__req_finish(kvt__req_t *r);
+void kvt__req_free(kvt__req_t *r);
+/* Something changed on the connection (output added, I/O finished): try to write and read. */
+void kvt__conn_kick(kvt__conn_t *c);
+void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
+void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind);
+
+/* handlers.c */
+/* Handles one frame (header and body). Returns 0, or a negative code when the connection must
+ * close after the queued replies are written. */
+int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
+void kvt__lease_drop_all(kvt__conn_t *c);
+void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
+
+/* store.c: KV bytes in the tiers */
+int kvt__store_open(kvt_srv_t *s);
+void kvt__store_close(kvt_srv_t *s);
+void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
+typedef struct kvt__busy {
+    uint64_t hash; /* 0 = empty */
+    uint32_t count;
+} kvt__busy_t;
+void kvt__store_deadlines(kvt__conn_t *c, uint64_t now);
+/* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
+void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
+                    kvt_block_key_t *key);
+int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
+int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
+int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
+int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
+void kvt__tier_metrics(kvt_srv_t *s);
+
+/* http.c */
+int kvt__http_listen(kvt_srv_t *s, const char *addr);
+void kvt__http_close(kvt_srv_t *s);
+
+/* Sockets (loop.c): host:port parsing and listening. */
+int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);
+int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen);
+
+#endif
