@@ -23,7 +23,8 @@ typedef struct kvt_tier_ops {
     const char *backend;
     /* Reads of locations the index does not hold go to the backend instead of missing. */
     int unindexed_reads;
-    /* Bytes charged for a payload of len bytes (1 .. KVT_TIER_MAX_BLOCK). NULL: len. */
+    /* Bytes charged for a payload of len bytes (1 .. KVT_TIER_MAX_BLOCK), whatever the page
+     * size: room for the largest page's header where the tier stores one. NULL: len. */
     uint64_t (*footprint)(const kvt_tier_t *t, uint32_t len);
     /* Start a write of io->len bytes from io->buf; fill io->loc (never 0, not a live location)
      * before completing with 0. Capacity has already been reserved by tier.c. Return 0

@@ -1,0 +1,1041 @@
+/*
+ * nvme.c: the NVMe tier. One preallocated data file, DIR/kvtier.data, used as a log of
+ * fixed-size segments and driven by io_uring with O_DIRECT (buffered where the file system
+ * refuses O_DIRECT, logged once). This file owns the on-disk layout, the segment table, the
+ * io_uring request slots, and the recovery scan that runs at creation; nvme_recover.c gives the
+ * recovered blocks back to a radix tree.
+ *
+ * On disk
+ * -------
+ *   kvtier.data:  | segment 0 | segment 1 | ... | segment n-1 |       (segment_bytes each)
+ *   a segment:    | record | record | ... | (unused tail) |
+ *   a record:     | prefix 32 | block header + tokens | pad | payload | pad |
+ *                 '--------- header region: 4 or 8 KiB ------''- len rounded to 4 KiB -'
+ *
+ * The 32-byte prefix holds a magic, the record's size in sectors, the header region's size,
+ * and the stamp of the segment's current use (64 random bits drawn when the segment was opened
+ * for writing), with its own checksum. The block header (blockhdr.c) carries the namespace,
+ * prefix hash, parent hash, tokens, payload length, a sequence number and the XXH3 checksum of
+ * it all. The payload starts on a sector boundary so that a 4 KiB-aligned caller buffer is read
+ * and written in place (readv/writev: header region, the buffer, and a bounce sector for a
+ * partial last sector).
+ *
+ * Segments and locations
+ * ----------------------
+ * Writes append to the open segment. A full segment becomes FREE again when its last live block
+ * is freed; when no segment is free, the full one with the fewest live bytes (and no I/O in
+ * flight) is reclaimed whole: its live blocks are dropped (usage.reclaimed) and its generation
+ * bumps. A location packs segment, generation, sector offset and header-region size, so a
+ * location from an earlier use of a segment reads as a miss:
+ *
+ *   63        40 39        20 19    18 17          0
+ *   | gen (24)  | segment(20)| hdr(2) | sector (18) |
+ *
+ * Recovery
+ * --------
+ * Opening a directory whose data file has the recorded geometry (DIR/kvtier.meta) scans every
+ * segment from its start: records follow one another while their prefix is intact and carries
+ * the stamp of the segment's first record; a record whose block checksum fails (a torn last
+ * write) is skipped. When one block was written several times, the highest sequence number wins.
+ * Recovered segments are not appended to again until they are reclaimed.
+ *
+ * Durability is that of a cache: writes are not fdatasync'd, so a process crash (SIGKILL) loses
+ * nothing that completed, while a power cut may lose recent writes (which recovery then skips).
+ */
+#define _GNU_SOURCE
+#define XXH_STATIC_LINKING_ONLY
+#include "nvme_impl.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <liburing.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#define SECTOR        4096u
+#define PREFIX_BYTES  32u
+#define PREFIX_MAGIC  0x5254564bu /* "KVTR" */
+#define HDR_MAX_BYTES (2 * SECTOR)
+
+static uint32_t round_sector(uint64_t n)
+{
+    return (uint32_t)((n + SECTOR - 1) & ~(uint64_t)(SECTOR - 1));
+}
+
+static uint32_t hdr_region(uint32_t ntokens)
+{
+    return round_sector(PREFIX_BYTES + kvt__blockhdr_size(ntokens));
+}
+
+uint64_t kvt__nvme_loc(uint32_t seg, uint32_t gen, uint32_t hdr_sectors, uint32_t sector)
+{
+    return (uint64_t)(gen & 0xffffffu) << 40 | (uint64_t)seg << 20 | (uint64_t)hdr_sectors << 18 |
+           sector;
+}
+
+static uint32_t loc_seg(uint64_t loc)
+{
+    return (uint32_t)(loc >> 20) & 0xfffffu;
+}
+
+static uint32_t loc_gen(uint64_t loc)
+{
+    return (uint32_t)(loc >> 40) & 0xffffffu;
+}
+
+static uint32_t loc_hdr(uint64_t loc)
+{
+    return ((uint32_t)(loc >> 18) & 3u) * SECTOR;
+}
+
+static uint64_t loc_off(const nvme_t *n, uint64_t loc)
+{
+    return (uint64_t)loc_seg(loc) * n->seg_bytes + (uint64_t)(loc & 0x3ffffu) * SECTOR;
+}
+
+static uint32_t rec_bytes(uint32_t hdr, uint32_t len)
+{
+    return hdr + round_sector(len);
+}
+
+/* ---- the record prefix ---- */
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+    return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
+}
+
+static void prefix_encode(uint8_t *p, uint32_t rec, uint32_t hdr, uint64_t stamp)
+{
+    put32(p, PREFIX_MAGIC);
+    put32(p + 4, rec / SECTOR);
+    put64(p + 8, stamp);
+    put32(p + 16, hdr / SECTOR);
+    put32(p + 20, 0);
+    put64(p + 24, XXH3_64bits(p, 24));
+}
+
+/* Returns 0 and the record and header sizes, or -1 when p is not an intact prefix. */
+static int prefix_decode(const uint8_t *p, uint32_t *rec, uint32_t *hdr, uint64_t *stamp)
+{
+    if (get32(p) != PREFIX_MAGIC || get64(p + 24) != XXH3_64bits(p, 24))
+        return -1;
+    *rec = get32(p + 4) * SECTOR;
+    *hdr = get32(p + 16) * SECTOR;
+    *stamp = get64(p + 8);
+    if (*hdr == 0 || *hdr > HDR_MAX_BYTES || *rec < *hdr)
+        return -1;
+    return 0;
+}
+
+/* ---- segments ---- */
+
+static uint64_t new_stamp(void)
+{
+    uint64_t s = 0;
+    while (s == 0) {
+        if (getrandom(&s, sizeof(s), 0) != (ssize_t)sizeof(s))
+            s = kvt_now_ns() ^ ((uint64_t)getpid() << 32);
+    }
+    return s;
+}
+
+static void seg_set_free(nvme_t *n, uint32_t i)
+{
+    nvme_seg_t *s = &n->segs[i];
+    kvt_assert(s->live_blocks == 0 && s->inflight == 0);
+    s->state = SEG_FREE;
+    s->head = 0;
+    s->live_bytes = 0;
+    s->nlocs = 0;
+    s->gen = (s->gen + 1) & 0xffffffu;
+    if (s->gen == 0)
+        s->gen = 1;
+}
+
+/* A FULL segment whose blocks are all gone and whose I/O is done is free again. */
+static void seg_maybe_free(nvme_t *n, uint32_t i)
+{
+    nvme_seg_t *s = &n->segs[i];
+    if (s->state == SEG_FULL && s->live_blocks == 0 && s->inflight == 0)
+        seg_set_free(n, i);
+}
+
+static int seg_note_loc(nvme_seg_t *s, uint64_t loc)
+{
+    if (s->nlocs == s->locs_cap) {
+        uint32_t cap = s->locs_cap ? s->locs_cap * 2 : 64;
+        uint64_t *nl = realloc(s->locs, cap * sizeof(*nl));
+        if (!nl)
+            return KVT_ENOMEM;
+        s->locs = nl;
+        s->locs_cap = cap;
+    }
+    s->locs[s->nlocs++] = loc;
+    return 0;
+}
+
+static void seg_live_add(nvme_t *n, uint64_t loc, uint32_t len)
+{
+    nvme_seg_t *s = &n->segs[loc_seg(loc)];
+    s->live_blocks++;
+    s->live_bytes += rec_bytes(loc_hdr(loc), len);
+}
+
+static void seg_live_sub(nvme_t *n, uint64_t loc, uint32_t len)
+{
+    nvme_seg_t *s = &n->segs[loc_seg(loc)];
+    kvt_assert(s->live_blocks > 0);
+    s->live_blocks--;
+    s->live_bytes -= rec_bytes(loc_hdr(loc), len);
+}
+
+/* Reclaims the full segment with the fewest live bytes and no I/O in flight. */
+static int seg_reclaim(nvme_t *n)
+{
+    uint32_t best = UINT32_MAX;
+    for (uint32_t i = 0; i < n->nsegs; i++) {
+        const nvme_seg_t *s = &n->segs[i];
+        if (s->state == SEG_FULL && s->inflight == 0 &&
+            (best == UINT32_MAX || s->live_bytes < n->segs[best].live_bytes))
+            best = i;
+    }
+    if (best == UINT32_MAX)
+        return KVT_EAGAIN;
+    nvme_seg_t *s = &n->segs[best];
+    for (uint32_t k = 0; k < s->nlocs; k++) {
+        const kvt__tier_ent_t *e = kvt__tier_lookup(n->tier, s->locs[k]);
+        if (e) {
+            seg_live_sub(n, e->loc, e->len);
+            kvt__tier_drop(n->tier, s->locs[k]);
+        }
+    }
+    n->reclaims++;
+    seg_set_free(n, best);
+    return 0;
+}
+
+static int seg_open_next(nvme_t *n)
+{
+    uint32_t pick = UINT32_MAX;
+    for (uint32_t k = 0; k < n->nsegs; k++) {
+        uint32_t i = (n->next_free + k) % n->nsegs;
+        if (n->segs[i].state == SEG_FREE) {
+            pick = i;
+            break;
+        }
+    }
+    if (pick == UINT32_MAX) {
+        int rc = seg_reclaim(n);
+        if (rc < 0)
+            return rc;
+        return seg_open_next(n);
+    }
+    nvme_seg_t *s = &n->segs[pick];
+    s->state = SEG_OPEN;
+    s->stamp = new_stamp();
+    s->head = 0;
+    n->cur = pick;
+    n->next_free = (pick + 1) % n->nsegs;
+    return 0;
+}
+
+/* Space for a record of rec bytes: fills *seg and *off (bytes into the segment). */
+static int seg_alloc(nvme_t *n, uint32_t rec, uint32_t *seg, uint32_t *off)
+{
+    if (n->cur == UINT32_MAX || n->segs[n->cur].head + (uint64_t)rec > n->seg_bytes) {
+        if (n->cur != UINT32_MAX) {
+            uint32_t old = n->cur;
+            n->segs[old].state = SEG_FULL;
+            n->cur = UINT32_MAX;
+            seg_maybe_free(n, old);
+        }
+        int rc = seg_open_next(n);
+        if (rc < 0)
+            return rc;
+    }
+    nvme_seg_t *s = &n->segs[n->cur];
+    *seg = n->cur;
+    *off = s->head;
+    s->head += rec;
+    return 0;
+}
+
+/* ---- request slots and io_uring ---- */
+
+static nvme_req_t *req_get(nvme_t *n)
+{
+    nvme_req_t *r = n->free_reqs;
+    if (r)
+        n->free_reqs = r->next;
+    return r;
+}
+
+static void req_put(nvme_t *n, nvme_req_t *r)
+{
+    free(r->bounce);
+    r->bounce = NULL;
+    r->io = NULL;
+    r->next = n->free_reqs;
+    n->free_reqs = r;
+}
+
+static int req_submit(nvme_t *n, nvme_req_t *r)
+{
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&n->ring);
+    kvt_assert(sqe != NULL); /* one sqe per slot, and there are as many slots as entries */
+    if (r->io->op == KVT_IO_WRITE)
+        io_uring_prep_writev(sqe, n->fd, r->iov + r->iov_at, r->niov - r->iov_at, r->off + r->done);
+    else
+        io_uring_prep_readv(sqe, n->fd, r->iov + r->iov_at, r->niov - r->iov_at, r->off + r->done);
+    io_uring_sqe_set_data(sqe, r);
+    int rc = io_uring_submit(&n->ring);
+    if (rc < 0) {
+        kvt_log(KVT_LOG_ERROR, "nvme tier: io_uring_submit: %s", strerror(-rc));
+        return KVT_EIO;
+    }
+    return 0;
+}
+
+/* Moves the iovec cursor past `bytes` transferred by a short I/O. */
+static void req_advance(nvme_req_t *r, uint32_t bytes)
+{
+    r->done += bytes;
+    while (bytes > 0) {
+        struct iovec *v = &r->iov[r->iov_at];
+        if (bytes >= v->iov_len) {
+            bytes -= (uint32_t)v->iov_len;
+            r->iov_at++;
+        } else {
+            v->iov_base = (uint8_t *)v->iov_base + bytes;
+            v->iov_len -= bytes;
+            bytes = 0;
+        }
+    }
+}
+
+/* Lays out header region, payload and tail as iovecs over r's buffers. */
+static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr, int writing)
+{
+    (void)n;
+    uint32_t body = round_sector(io->len);
+    r->niov = 0;
+    r->iov_at = 0;
+    r->done = 0;
+    r->total = hdr + body;
+    r->iov[r->niov++] = (struct iovec){r->hdr, hdr};
+    if (((uintptr_t)io->buf & (SECTOR - 1)) == 0) {
+        uint32_t whole = io->len & ~(SECTOR - 1);
+        if (whole)
+            r->iov[r->niov++] = (struct iovec){io->buf, whole};
+        if (whole < io->len) {
+            if (writing) {
+                memcpy(r->tail, (uint8_t *)io->buf + whole, io->len - whole);
+                memset(r->tail + (io->len - whole), 0, SECTOR - (io->len - whole));
+            }
+            r->iov[r->niov++] = (struct iovec){r->tail, SECTOR};
+        }
+        r->payload_direct = 1;
+    } else {
+        if (posix_memalign((void **)&r->bounce, SECTOR, body) != 0) {
+            r->bounce = NULL;
+            return KVT_ENOMEM;
+        }
+        if (writing) {
+            memcpy(r->bounce, io->buf, io->len);
+            memset(r->bounce + io->len, 0, body - io->len);
+        }
+        r->iov[r->niov++] = (struct iovec){r->bounce, body};
+        r->payload_direct = 0;
+    }
+    return 0;
+}
+
+static int nvme_start_write(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
+{
+    uint32_t hdr = hdr_region(io->key.ntokens);
+    uint32_t rec = rec_bytes(hdr, io->len);
+    uint32_t seg, off;
+    int rc = seg_alloc(n, rec, &seg, &off);
+    if (rc < 0)
+        return rc;
+    nvme_seg_t *s = &n->segs[seg];
+    r->io = io;
+    r->seg = seg;
+    r->off = (uint64_t)seg * n->seg_bytes + off;
+    memset(r->hdr, 0, hdr);
+    prefix_encode(r->hdr, rec, hdr, s->stamp);
+    kvt__blockhdr_encode(r->hdr + PREFIX_BYTES, &io->key, io->buf, io->len, ++n->seq);
+    if ((rc = req_layout(n, r, io, hdr, 1)) < 0)
+        return rc;
+    io->loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR);
+    s->inflight++;
+    if ((rc = req_submit(n, r)) < 0) {
+        s->inflight--;
+        free(r->bounce);
+        r->bounce = NULL;
+        io->loc = 0;
+        return rc;
+    }
+    return 0;
+}
+
+static int nvme_start_read(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
+{
+    uint32_t seg = loc_seg(io->loc);
+    r->io = io;
+    r->seg = seg;
+    r->off = loc_off(n, io->loc);
+    int rc = req_layout(n, r, io, loc_hdr(io->loc), 0);
+    if (rc < 0)
+        return rc;
+    n->segs[seg].inflight++;
+    if ((rc = req_submit(n, r)) < 0) {
+        n->segs[seg].inflight--;
+        free(r->bounce);
+        r->bounce = NULL;
+        return rc;
+    }
+    return 0;
+}
+
+static int nvme_start(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
+{
+    return io->op == KVT_IO_WRITE ? nvme_start_write(n, r, io) : nvme_start_read(n, r, io);
+}
+
+/* Requests wait for a slot in a FIFO linked through priv[1]. */
+static void wait_push(nvme_t *n, kvt_tier_io_t *io)
+{
+    io->priv[1] = 0;
+    if (n->wait_tail)
+        n->wait_tail->priv[1] = (uint64_t)(uintptr_t)io;
+    else
+        n->wait_head = io;
+    n->wait_tail = io;
+}
+
+static kvt_tier_io_t *wait_pop(nvme_t *n)
+{
+    kvt_tier_io_t *io = n->wait_head;
+    if (io) {
+        n->wait_head = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
+        if (!n->wait_head)
+            n->wait_tail = NULL;
+    }
+    return io;
+}
+
+static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    nvme_t *n = t->impl;
+    if (n->wait_head) { /* keep submission order */
+        wait_push(n, io);
+        return 0;
+    }
+    nvme_req_t *r = req_get(n);
+    if (!r) {
+        wait_push(n, io);
+        return 0;
+    }
+    int rc = nvme_start(n, r, io);
+    if (rc < 0)
+        req_put(n, r);
+    return rc;
+}
+
+static int nvme_err(nvme_t *n, int res)
+{
+    if (res == -ENOSPC || res == -EDQUOT) {
+        if (!n->warned_nospc) {
+            kvt_log(KVT_LOG_ERROR, "nvme tier: the file system under %s is full", n->dir);
+            n->warned_nospc = 1;
+        }
+        return KVT_ENOSPC;
+    }
+    kvt_log(KVT_LOG_ERROR, "nvme tier: I/O error on %s: %s", n->path, strerror(-res));
+    return KVT_EIO;
+}
+
+/* A finished read: verify header and checksum before a single byte counts as returned. */
+static int read_finish(nvme_t *n, nvme_req_t *r)
+{
+    kvt_tier_io_t *io = r->io;
+    uint32_t hdr = loc_hdr(io->loc);
+    if (r->payload_direct) {
+        uint32_t whole = io->len & ~(SECTOR - 1);
+        if (whole < io->len)
+            memcpy((uint8_t *)io->buf + whole, r->tail, io->len - whole);
+    } else {
+        memcpy(io->buf, r->bounce, io->len);
+    }
+    int st = 0;
+    uint32_t rec, h, len;
+    uint64_t stamp;
+    const nvme_seg_t *s = &n->segs[r->seg];
+    if (loc_gen(io->loc) != s->gen) {
+        st = KVT_ENOENT;
+    } else if (prefix_decode(r->hdr, &rec, &h, &stamp) < 0 || h != hdr || stamp != s->stamp ||
+               kvt__blockhdr_verify(r->hdr + PREFIX_BYTES, hdr - PREFIX_BYTES, io->buf, io->len,
+                                    &io->key, &len) < 0 ||
+               len != io->len) {
+        st = KVT_ECORRUPT;
+    }
+    if (st < 0)
+        memset(io->buf, 0, io->len); /* a miss never hands out bytes */
+    return st;
+}
+
+static void req_done(nvme_t *n, nvme_req_t *r, int status)
+{
+    kvt_tier_io_t *io = r->io;
+    nvme_seg_t *s = &n->segs[r->seg];
+    kvt_assert(s->inflight > 0);
+    s->inflight--;
+    if (io->op == KVT_IO_WRITE) {
+        if (status == 0) {
+            if (seg_note_loc(s, io->loc) < 0)
+                status = KVT_ENOMEM;
+            else
+                seg_live_add(n, io->loc, io->len);
+        }
+    } else if (status == 0) {
+        status = read_finish(n, r);
+    }
+    if (io->op == KVT_IO_WRITE && status < 0)
+        io->loc = 0;
+    seg_maybe_free(n, r->seg);
+    req_put(n, r);
+    kvt__tier_complete(n->tier, io, status);
+}
+
+/* Starts waiting requests while slots are free. */
+static void nvme_drain_wait(nvme_t *n)
+{
+    while (n->wait_head && n->free_reqs) {
+        kvt_tier_io_t *io = wait_pop(n);
+        nvme_req_t *r = req_get(n);
+        int rc = nvme_start(n, r, io);
+        if (rc < 0) {
+            req_put(n, r);
+            kvt__tier_complete(n->tier, io, rc);
+        }
+    }
+}
+
+static int nvme_poll(kvt_tier_t *t)
+{
+    nvme_t *n = t->impl;
+    uint64_t v;
+    ssize_t got = read(n->efd, &v, sizeof(v));
+    (void)got;
+    int done = 0;
+    struct io_uring_cqe *cqe;
+    while (io_uring_peek_cqe(&n->ring, &cqe) == 0) {
+        nvme_req_t *r = io_uring_cqe_get_data(cqe);
+        int res = cqe->res;
+        io_uring_cqe_seen(&n->ring, cqe);
+        if (res == -EAGAIN || res == -EINTR) {
+            n->requeued++;
+            if (req_submit(n, r) < 0)
+                req_done(n, r, KVT_EIO);
+            continue;
+        }
+        if (res < 0) {
+            req_done(n, r, nvme_err(n, res));
+            done++;
+            continue;
+        }
+        if (res == 0) { /* end of file: the data file is shorter than its geometry */
+            kvt_log(KVT_LOG_ERROR, "nvme tier: unexpected end of %s", n->path);
+            req_done(n, r, KVT_EIO);
+            done++;
+            continue;
+        }
+        req_advance(r, (uint32_t)res);
+        if (r->done < r->total) {
+            n->short_ios++;
+            if (req_submit(n, r) < 0) {
+                req_done(n, r, KVT_EIO);
+                done++;
+            }
+            continue;
+        }
+        req_done(n, r, 0);
+        done++;
+    }
+    nvme_drain_wait(n);
+    return done;
+}
+
+static uint64_t nvme_footprint(const kvt_tier_t *t, uint32_t len)
+{
+    (void)t;
+    return (uint64_t)HDR_MAX_BYTES + round_sector(len);
+}
+
+static void nvme_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    nvme_t *n = t->impl;
+    uint32_t seg = loc_seg(loc);
+    kvt_assert(seg < n->nsegs && loc_gen(loc) == n->segs[seg].gen);
+    seg_live_sub(n, loc, len);
+    seg_maybe_free(n, seg);
+}
+
+static int nvme_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
+{
+    (void)key;
+    nvme_t *n = t->impl;
+    uint32_t seg = loc_seg(loc);
+    return seg < n->nsegs && loc_gen(loc) == n->segs[seg].gen;
+}
+
+static int nvme_fd(kvt_tier_t *t)
+{
+    return ((nvme_t *)t->impl)->efd;
+}
+
+static void nvme_dealloc(nvme_t *n)
+{
+    if (n->ring_ok)
+        io_uring_queue_exit(&n->ring);
+    if (n->efd >= 0)
+        close(n->efd);
+    if (n->fd >= 0)
+        close(n->fd);
+    if (n->reqs) {
+        for (uint32_t i = 0; i < n->qd; i++) {
+            free(n->reqs[i].hdr);
+            free(n->reqs[i].tail);
+            free(n->reqs[i].bounce);
+        }
+        free(n->reqs);
+    }
+    if (n->segs) {
+        for (uint32_t i = 0; i < n->nsegs; i++)
+            free(n->segs[i].locs);
+        free(n->segs);
+    }
+    kvt__nvme_recovered_free(n);
+    free(n->dir);
+    free(n->path);
+    free(n);
+}
+
+static void nvme_destroy(kvt_tier_t *t)
+{
+    nvme_t *n = t->impl;
+    /* Requests still waiting for a slot never started: nobody is called back for them. */
+    n->wait_head = n->wait_tail = NULL;
+    nvme_dealloc(n);
+}
+
+const kvt_tier_ops_t kvt__nvme_ops = {
+    .backend = "io_uring",
+    .footprint = nvme_footprint,
+    .write = nvme_submit,
+    .read = nvme_submit,
+    .free = nvme_free,
+    .valid = nvme_valid,
+    .fd = nvme_fd,
+    .poll = nvme_poll,
+    .destroy = nvme_destroy,
+};
+
+int kvt_tier_nvme_direct(const kvt_tier_t *t)
+{
+    return t && t->ops == &kvt__nvme_ops ? ((const nvme_t *)t->impl)->direct : 0;
+}
+
+void kvt_tier_nvme_recovery(const kvt_tier_t *t, kvt_tier_nvme_recovery_t *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof(*out));
+    if (t && t->ops == &kvt__nvme_ops)
+        *out = ((const nvme_t *)t->impl)->rec;
+}
+
+/* ---- geometry file ---- */
+
+static int meta_check_or_write(nvme_t *n, int fresh)
+{
+    char path[4096], want[128], have[128] = {0};
+    snprintf(path, sizeof(path), "%s/kvtier.meta", n->dir);
+    snprintf(want, sizeof(want), "kvtier-nvme v1 segment_bytes=%u segments=%u\n", n->seg_bytes,
+             n->nsegs);
+    if (!fresh) {
+        FILE *f = fopen(path, "r");
+        if (f) {
+            size_t got = fread(have, 1, sizeof(have) - 1, f);
+            have[got] = 0;
+            fclose(f);
+        }
+        if (strcmp(have, want) != 0) {
+            kvt_log(KVT_LOG_ERROR,
+                    "nvme tier: %s was made with a different geometry (%.*s) than asked (%.*s): "
+                    "remove the directory's kvtier.* files to start over",
+                    n->path, (int)strcspn(have, "\n"), have, (int)strcspn(want, "\n"), want);
+            return KVT_EINVAL;
+        }
+        return 0;
+    }
+    char tmp[4200];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return -errno;
+    int ok = fputs(want, f) >= 0;
+    ok = fflush(f) == 0 && ok;
+    ok = fsync(fileno(f)) == 0 && ok;
+    ok = fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        int e = errno ? -errno : KVT_EIO;
+        unlink(tmp);
+        return e;
+    }
+    return 0;
+}
+
+/* ---- creation ---- */
+
+static int open_data(nvme_t *n, int direct_mode, int *fresh)
+{
+    struct stat st;
+    *fresh = stat(n->path, &st) != 0;
+    int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+    n->fd = -1;
+    if (direct_mode != 2) {
+        n->fd = open(n->path, flags | O_DIRECT, 0644);
+        if (n->fd >= 0) {
+            n->direct = 1;
+        } else if (errno == EINVAL) {
+            if (direct_mode == 1) {
+                kvt_log(KVT_LOG_ERROR, "nvme tier: the file system under %s refuses O_DIRECT",
+                        n->dir);
+                return KVT_EUNAVAIL;
+            }
+            static int logged;
+            if (!logged++)
+                kvt_log(KVT_LOG_WARN,
+                        "nvme tier: the file system under %s refuses O_DIRECT: using buffered "
+                        "I/O",
+                        n->dir);
+        } else {
+            return -errno;
+        }
+    }
+    if (n->fd < 0) {
+        n->fd = open(n->path, flags, 0644);
+        if (n->fd < 0)
+            return -errno;
+    }
+    return 0;
+}
+
+static int size_data(nvme_t *n, int fresh, int sparse)
+{
+    uint64_t size = (uint64_t)n->nsegs * n->seg_bytes;
+    struct stat st;
+    if (fstat(n->fd, &st) != 0)
+        return -errno;
+    if (!fresh && (uint64_t)st.st_size != size) {
+        kvt_log(KVT_LOG_ERROR, "nvme tier: %s holds %lld bytes, its geometry says %llu", n->path,
+                (long long)st.st_size, (unsigned long long)size);
+        return KVT_EINVAL;
+    }
+    if (!sparse) {
+        int rc = posix_fallocate(n->fd, 0, (off_t)size);
+        if (rc == ENOSPC || rc == EDQUOT) {
+            kvt_log(KVT_LOG_ERROR,
+                    "nvme tier: the file system under %s cannot hold a %llu-byte data file", n->dir,
+                    (unsigned long long)size);
+            return KVT_ENOSPC;
+        }
+        if (rc != 0)
+            return -rc;
+    } else if (ftruncate(n->fd, (off_t)size) != 0) {
+        return -errno;
+    }
+    return 0;
+}
+
+int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
+{
+    if (!out || !conf || !conf->dir || !conf->dir[0] || strlen(conf->dir) > 3000 ||
+        conf->direct < 0 || conf->direct > 2)
+        return KVT_EINVAL;
+    uint32_t segb = conf->segment_bytes ? conf->segment_bytes : 64u << 20;
+    uint32_t qd = conf->queue_depth ? conf->queue_depth : 64;
+    if (segb < (1u << 20) || segb > (1u << 30) || segb % (1u << 20) || qd < 2 || qd > 4096)
+        return KVT_EINVAL;
+    uint64_t nsegs = conf->capacity_bytes / segb;
+    if (nsegs < 2 || nsegs > 0xfffff)
+        return KVT_EINVAL;
+
+    nvme_t *n = calloc(1, sizeof(*n));
+    if (!n)
+        return KVT_ENOMEM;
+    n->fd = n->efd = -1;
+    n->cur = UINT32_MAX;
+    n->seg_bytes = segb;
+    n->nsegs = (uint32_t)nsegs;
+    n->qd = qd;
+    n->dir = strdup(conf->dir);
+    n->path = malloc(strlen(conf->dir) + 16);
+    n->segs = calloc(n->nsegs, sizeof(*n->segs));
+    n->reqs = calloc(qd, sizeof(*n->reqs));
+    int rc = KVT_ENOMEM;
+    if (!n->dir || !n->path || !n->segs || !n->reqs)
+        goto fail;
+    sprintf(n->path, "%s/kvtier.data", conf->dir);
+    for (uint32_t i = 0; i < n->nsegs; i++)
+        n->segs[i].gen = 1;
+    for (uint32_t i = 0; i < qd; i++) {
+        nvme_req_t *r = &n->reqs[i];
+        if (posix_memalign((void **)&r->hdr, SECTOR, HDR_MAX_BYTES) != 0 ||
+            posix_memalign((void **)&r->tail, SECTOR, SECTOR) != 0)
+            goto fail;
+        r->next = n->free_reqs;
+        n->free_reqs = r;
+    }
+
+    if (mkdir(conf->dir, 0755) != 0 && errno != EEXIST) {
+        rc = -errno;
+        kvt_log(KVT_LOG_ERROR, "nvme tier: cannot make %s: %s", conf->dir, strerror(errno));
+        goto fail;
+    }
+    int fresh;
+    if ((rc = open_data(n, conf->direct, &fresh)) < 0)
+        goto fail;
+    if (!fresh && (rc = meta_check_or_write(n, 0)) < 0)
+        goto fail;
+    if ((rc = size_data(n, fresh, conf->sparse)) < 0) {
+        if (fresh) {
+            close(n->fd);
+            n->fd = -1;
+            unlink(n->path); /* a data file that does not fit leaves nothing behind */
+        }
+        goto fail;
+    }
+    if (fresh && (rc = meta_check_or_write(n, 1)) < 0) {
+        close(n->fd);
+        n->fd = -1;
+        unlink(n->path);
+        goto fail;
+    }
+
+    n->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (n->efd < 0) {
+        rc = -errno;
+        goto fail;
+    }
+    rc = io_uring_queue_init(qd, &n->ring, 0);
+    if (rc < 0) {
+        kvt_log(KVT_LOG_ERROR, "nvme tier: io_uring_queue_init(%u): %s", qd, strerror(-rc));
+        rc = KVT_EUNAVAIL;
+        goto fail;
+    }
+    n->ring_ok = 1;
+    if ((rc = io_uring_register_eventfd(&n->ring, n->efd)) < 0) {
+        rc = KVT_EUNAVAIL;
+        goto fail;
+    }
+
+    kvt_tier_t *t;
+    if ((rc = kvt__tier_init(&t, KVT_TIER_NVME, &kvt__nvme_ops, n,
+                             (uint64_t)n->nsegs * n->seg_bytes)) < 0)
+        goto fail;
+    n->tier = t;
+    if (!fresh && (rc = kvt__nvme_scan(n)) < 0) {
+        kvt_tier_destroy(t);
+        return rc;
+    }
+    kvt_log(KVT_LOG_INFO,
+            "nvme tier: %s, %u segments of %u bytes, queue depth %u, %s%s; recovered %llu blocks "
+            "(%llu torn, %llu stale)",
+            n->path, n->nsegs, n->seg_bytes, qd, n->direct ? "O_DIRECT" : "buffered",
+            conf->sparse ? ", sparse" : "", (unsigned long long)n->rec.recovered,
+            (unsigned long long)n->rec.torn, (unsigned long long)n->rec.stale);
+    *out = t;
+    return 0;
+fail:
+    nvme_dealloc(n);
+    return rc;
+}
+
+/* ---- the recovery scan ---- */
+
+static int pread_all(int fd, void *buf, size_t len, uint64_t off)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = pread(fd, (uint8_t *)buf + got, len - got, (off_t)(off + got));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return r < 0 ? -errno : KVT_EIO;
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+static int rec_cmp(const void *a, const void *b)
+{
+    const nvme_recovered_t *x = a, *y = b;
+    if (x->hash != y->hash)
+        return x->hash < y->hash ? -1 : 1;
+    if (x->ns_seed != y->ns_seed)
+        return x->ns_seed < y->ns_seed ? -1 : 1;
+    return x->seq > y->seq ? -1 : x->seq < y->seq; /* newest first */
+}
+
+static int rec_push(nvme_t *n, const nvme_recovered_t *r)
+{
+    if (n->nrecovered == n->recovered_cap) {
+        size_t cap = n->recovered_cap ? n->recovered_cap * 2 : 256;
+        nvme_recovered_t *nr = realloc(n->recovered, cap * sizeof(*nr));
+        if (!nr)
+            return KVT_ENOMEM;
+        n->recovered = nr;
+        n->recovered_cap = cap;
+    }
+    n->recovered[n->nrecovered++] = *r;
+    return 0;
+}
+
+/* Scans one segment, appending its intact records to n->recovered. */
+static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
+{
+    nvme_seg_t *s = &n->segs[seg];
+    uint64_t base = (uint64_t)seg * n->seg_bytes;
+    uint32_t off = 0;
+    while (off + HDR_MAX_BYTES <= n->seg_bytes || off + SECTOR <= n->seg_bytes) {
+        uint32_t first = KVT_MIN(HDR_MAX_BYTES, n->seg_bytes - off);
+        int rc = pread_all(n->fd, buf, first, base + off);
+        if (rc < 0)
+            return rc;
+        uint32_t rec, hdr;
+        uint64_t stamp;
+        if (prefix_decode(buf, &rec, &hdr, &stamp) < 0 || rec > n->seg_bytes - off ||
+            (off > 0 && stamp != s->stamp))
+            break;
+        if (off == 0)
+            s->stamp = stamp;
+        if (rec > first &&
+            (rc = pread_all(n->fd, buf + first, rec - first, base + off + first)) < 0)
+            return rc;
+        kvt__blockhdr_info_t in;
+        uint32_t len;
+        if (kvt__blockhdr_peek(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, &in) < 0 ||
+            rec_bytes(hdr, in.len) != rec || hdr_region(in.ntokens) != hdr ||
+            kvt__blockhdr_verify(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, buf + hdr, rec - hdr, NULL,
+                                 &len) < 0) {
+            n->rec.torn++;
+        } else {
+            nvme_recovered_t r = {
+                .loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR),
+                .ns_seed = in.ns_seed,
+                .hash = in.hash,
+                .parent = in.parent,
+                .seq = in.seq,
+                .len = in.len,
+                .ntokens = in.ntokens,
+            };
+            if (in.ntokens) {
+                r.tokens = malloc((size_t)4 * in.ntokens);
+                if (!r.tokens)
+                    return KVT_ENOMEM;
+                const uint8_t *tp = buf + PREFIX_BYTES + KVT_BLOCKHDR_BYTES;
+                for (uint32_t i = 0; i < in.ntokens; i++)
+                    r.tokens[i] = get32(tp + 4 * i);
+            }
+            if ((rc = rec_push(n, &r)) < 0) {
+                free(r.tokens);
+                return rc;
+            }
+            n->rec.scanned++;
+            if (in.seq > n->seq)
+                n->seq = in.seq;
+        }
+        off += rec;
+        s->head = off;
+        s->state = SEG_FULL;
+    }
+    return 0;
+}
+
+int kvt__nvme_scan(nvme_t *n)
+{
+    uint8_t *buf;
+    if (posix_memalign((void **)&buf, SECTOR, n->seg_bytes) != 0)
+        return KVT_ENOMEM;
+    int rc = 0;
+    for (uint32_t i = 0; i < n->nsegs && rc == 0; i++)
+        rc = scan_segment(n, i, buf);
+    free(buf);
+    if (rc < 0)
+        return rc;
+    qsort(n->recovered, n->nrecovered, sizeof(*n->recovered), rec_cmp);
+    size_t keep = 0;
+    for (size_t i = 0; i < n->nrecovered; i++) {
+        nvme_recovered_t *r = &n->recovered[i];
+        if (keep > 0 && n->recovered[keep - 1].hash == r->hash &&
+            n->recovered[keep - 1].ns_seed == r->ns_seed) {
+            n->rec.stale++;
+            free(r->tokens);
+            continue;
+        }
+        kvt_block_key_t key = {.ns_seed = r->ns_seed,
+                               .hash = r->hash,
+                               .parent = r->parent,
+                               .tokens = r->tokens,
+                               .ntokens = r->ntokens};
+        nvme_seg_t *s = &n->segs[loc_seg(r->loc)];
+        if (kvt__tier_adopt(n->tier, r->loc, &key, r->len) < 0 || seg_note_loc(s, r->loc) < 0) {
+            n->rec.stale++;
+            free(r->tokens);
+            continue;
+        }
+        seg_live_add(n, r->loc, r->len);
+        n->recovered[keep++] = *r;
+    }
+    n->nrecovered = keep;
+    n->rec.recovered = keep;
+    for (uint32_t i = 0; i < n->nsegs; i++)
+        seg_maybe_free(n, i);
+    return 0;
+}
+
+void kvt__nvme_recovered_free(nvme_t *n)
+{
+    for (size_t i = 0; i < n->nrecovered; i++)
+        free(n->recovered[i].tokens);
+    free(n->recovered);
+    n->recovered = NULL;
+    n->nrecovered = n->recovered_cap = 0;
+}

@@ -1,0 +1,78 @@
+/*
+ * nvme_impl.h: the NVMe tier's state, shared by nvme.c (I/O, segments, the recovery scan) and
+ * nvme_recover.c (putting recovered blocks back into a radix tree). Internal to tiers/.
+ */
+#ifndef KVT_NVME_IMPL_H
+#define KVT_NVME_IMPL_H
+
+#include <liburing.h>
+#include <sys/uio.h>
+
+#include "tier_impl.h"
+
+enum { SEG_FREE = 0, SEG_OPEN = 1, SEG_FULL = 2 };
+
+typedef struct nvme_seg {
+    uint32_t gen;   /* bumps each time the segment is freed; part of every location */
+    uint32_t state; /* SEG_* */
+    uint64_t stamp; /* random, drawn when opened for writing; in every record's prefix */
+    uint32_t head;  /* bytes handed out from the start */
+    uint32_t live_blocks;
+    uint64_t live_bytes; /* record bytes of live blocks */
+    uint32_t inflight;   /* reads and writes in flight here: never reclaimed meanwhile */
+    uint32_t nlocs, locs_cap;
+    uint64_t *locs; /* every location written in this use (some freed since) */
+} nvme_seg_t;
+
+/* One io_uring request slot: the tier has queue_depth of them. */
+typedef struct nvme_req {
+    kvt_tier_io_t *io;
+    struct nvme_req *next; /* free list */
+    uint8_t *hdr;          /* HDR_MAX_BYTES, sector-aligned: prefix, block header, tokens */
+    uint8_t *tail;         /* one sector for a payload's partial last sector */
+    uint8_t *bounce;       /* the whole payload, for a caller buffer that is not aligned */
+    struct iovec iov[3];
+    uint32_t niov, iov_at;
+    uint32_t done, total; /* bytes transferred so far, bytes to transfer */
+    uint32_t seg;
+    int payload_direct;
+    uint64_t off; /* file offset of the record */
+} nvme_req_t;
+
+/* A block the recovery scan found, kept until kvt_tier_nvme_recover consumes it. */
+typedef struct nvme_recovered {
+    uint64_t loc, ns_seed, hash, parent, seq;
+    uint32_t len, ntokens;
+    uint32_t *tokens;
+} nvme_recovered_t;
+
+typedef struct nvme {
+    kvt_tier_t *tier;
+    char *dir, *path;
+    int fd, efd;
+    int direct;
+    struct io_uring ring;
+    int ring_ok;
+    uint32_t qd;
+    nvme_req_t *reqs, *free_reqs;
+    kvt_tier_io_t *wait_head, *wait_tail; /* waiting for a slot, linked through priv[1] */
+    uint32_t seg_bytes, nsegs;
+    nvme_seg_t *segs;
+    uint32_t cur;       /* the open segment, or UINT32_MAX */
+    uint32_t next_free; /* where the search for a free segment starts */
+    uint64_t seq;       /* the last sequence number written or recovered */
+    uint64_t reclaims, short_ios, requeued;
+    int warned_nospc;
+    nvme_recovered_t *recovered;
+    size_t nrecovered, recovered_cap;
+    int recover_done;
+    kvt_tier_nvme_recovery_t rec;
+} nvme_t;
+
+extern const kvt_tier_ops_t kvt__nvme_ops;
+
+uint64_t kvt__nvme_loc(uint32_t seg, uint32_t gen, uint32_t hdr_sectors, uint32_t sector);
+int kvt__nvme_scan(nvme_t *n);
+void kvt__nvme_recovered_free(nvme_t *n);
+
+#endif

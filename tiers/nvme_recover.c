@@ -1,0 +1,305 @@
+/*
+ * nvme_recover.c: the second half of the NVMe warm restart. The scan in nvme.c found the blocks
+ * on disk, each with its namespace seed, prefix hash, parent hash and tokens; this file gives
+ * them back to a radix tree. A block's token path is rebuilt by following parent hashes up to
+ * the namespace seed (each hop is one page of tokens), and only the deepest blocks (those no
+ * other block names as parent) are inserted: their paths cover their ancestors. Namespaces are
+ * known by seed only, so DIR/namespaces records their descriptions (kvt_tier_nvme_add_ns) and
+ * the tree's own open namespaces are matched by seed too.
+ *
+ * Kept apart from nvme.c so that a program that never recovers into a tree does not link the
+ * radix tree.
+ */
+#include "nvme_impl.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define NS_FILE "namespaces"
+
+static int ns_str_ok(const char *s, int may_be_empty)
+{
+    if (!s)
+        return may_be_empty;
+    size_t n = strlen(s);
+    if (n > 255 || (n == 0 && !may_be_empty))
+        return 0;
+    return strpbrk(s, "\t\n\r") == NULL;
+}
+
+static nvme_t *nvme_of(kvt_tier_t *t)
+{
+    return t && t->ops == &kvt__nvme_ops ? t->impl : NULL;
+}
+
+/* Calls fn for each recorded namespace; returns 0 or a negated errno (a missing file is 0). */
+static int ns_each(const nvme_t *n,
+                   int (*fn)(void *arg, const char *model, const char *adapter, const char *salt,
+                             uint32_t page),
+                   void *arg)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return errno == ENOENT ? 0 : -errno;
+    char line[1100];
+    int rc = 0;
+    while (rc == 0 && fgets(line, sizeof(line), f)) {
+        char *save = NULL;
+        line[strcspn(line, "\n")] = 0;
+        char *v = strtok_r(line, "\t", &save);
+        if (!v || strcmp(v, "v1") != 0)
+            continue;
+        char *fields[4];
+        int k = 0;
+        for (char *p = save; k < 4; k++) {
+            char *tab = p ? strchr(p, '\t') : NULL;
+            fields[k] = p;
+            if (tab) {
+                *tab = 0;
+                p = tab + 1;
+            } else {
+                p = NULL;
+            }
+        }
+        if (!fields[0] || !fields[3])
+            continue;
+        char *end;
+        unsigned long page = strtoul(fields[3], &end, 10);
+        if (*end || page == 0 || page > KVT_PAGE_MAX)
+            continue;
+        rc = fn(arg, fields[0], fields[1] ? fields[1] : "", fields[2] ? fields[2] : "",
+                (uint32_t)page);
+    }
+    fclose(f);
+    return rc < 0 ? rc : 0;
+}
+
+typedef struct ns_find {
+    const char *model, *adapter, *salt;
+    uint32_t page;
+    int found;
+} ns_find_t;
+
+static int ns_match(void *arg, const char *model, const char *adapter, const char *salt,
+                    uint32_t page)
+{
+    ns_find_t *q = arg;
+    if (strcmp(model, q->model) == 0 && strcmp(adapter, q->adapter) == 0 &&
+        strcmp(salt, q->salt) == 0 && page == q->page) {
+        q->found = 1;
+        return 1;
+    }
+    return 0;
+}
+
+int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, const char *salt,
+                         uint32_t page_size)
+{
+    nvme_t *n = nvme_of(t);
+    if (!n || !ns_str_ok(model, 0) || !ns_str_ok(adapter, 1) || !ns_str_ok(salt, 1) ||
+        page_size == 0 || page_size > KVT_PAGE_MAX)
+        return KVT_EINVAL;
+    ns_find_t q = {model, adapter ? adapter : "", salt ? salt : "", page_size, 0};
+    int rc = ns_each(n, ns_match, &q);
+    if (rc < 0)
+        return rc;
+    if (q.found)
+        return 0;
+    char path[4096], line[1100];
+    snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
+    int len =
+        snprintf(line, sizeof(line), "v1\t%s\t%s\t%s\t%u\n", q.model, q.adapter, q.salt, page_size);
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return -errno;
+    rc = 0;
+    if (write(fd, line, (size_t)len) != len || fsync(fd) != 0)
+        rc = errno ? -errno : KVT_EIO;
+    close(fd);
+    return rc;
+}
+
+typedef struct ns_open_ctx {
+    kvt_radix_t *tree;
+} ns_open_ctx_t;
+
+static int ns_open_one(void *arg, const char *model, const char *adapter, const char *salt,
+                       uint32_t page)
+{
+    ns_open_ctx_t *c = arg;
+    uint32_t id;
+    if (kvt_radix_ns_open(c->tree, model, adapter, salt, page, &id) < 0)
+        kvt_log(KVT_LOG_WARN, "nvme tier: could not reopen namespace %s/%s (page %u)", model,
+                adapter, page);
+    return 0;
+}
+
+/* The recovered block with (hash, ns_seed), or -1; n->recovered is sorted by hash, ns_seed. */
+static long rec_find(const nvme_t *n, uint64_t hash, uint64_t ns_seed)
+{
+    size_t lo = 0, hi = n->nrecovered;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        const nvme_recovered_t *r = &n->recovered[mid];
+        if (r->hash < hash || (r->hash == hash && r->ns_seed < ns_seed))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < n->nrecovered && n->recovered[lo].hash == hash && n->recovered[lo].ns_seed == ns_seed)
+        return (long)lo;
+    return -1;
+}
+
+typedef struct seen_ns {
+    uint64_t seed;
+    uint32_t id, page;
+} seen_ns_t;
+
+enum { D_UNKNOWN = 0, D_ORPHAN = -1, D_VISITING = -2 };
+
+int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out)
+{
+    nvme_t *n = nvme_of(t);
+    if (!n || !tree)
+        return KVT_EINVAL;
+    if (n->recover_done)
+        return KVT_EBUSY;
+    n->recover_done = 1;
+
+    ns_open_ctx_t oc = {tree};
+    int rc = ns_each(n, ns_open_one, &oc);
+    if (rc < 0)
+        kvt_log(KVT_LOG_WARN, "nvme tier: cannot read %s/" NS_FILE ": %s", n->dir,
+                kvt_strerror(rc));
+    size_t nns = 0, cap_ns = 16;
+    seen_ns_t *nss = malloc(cap_ns * sizeof(*nss));
+    size_t nr = n->nrecovered;
+    int32_t *depth = calloc(nr ? nr : 1, sizeof(*depth));
+    long *parent = calloc(nr ? nr : 1, sizeof(*parent));
+    uint32_t *nsidx = calloc(nr ? nr : 1, sizeof(*nsidx));
+    uint8_t *has_child = calloc(nr ? nr : 1, 1);
+    uint8_t *placed = calloc(nr ? nr : 1, 1);
+    long *stack = calloc(nr ? nr : 1, sizeof(*stack));
+    uint32_t *path = NULL;
+    rc = KVT_ENOMEM;
+    if (!nss || !depth || !parent || !nsidx || !has_child || !placed || !stack)
+        goto out;
+    for (uint32_t id = 0; kvt_radix_ns_page_size(tree, id) != 0; id++) {
+        if (nns == cap_ns) {
+            seen_ns_t *m = realloc(nss, 2 * cap_ns * sizeof(*nss));
+            if (!m)
+                goto out;
+            nss = m;
+            cap_ns *= 2;
+        }
+        nss[nns++] = (seen_ns_t){kvt_radix_ns_seed(tree, id), id, kvt_radix_ns_page_size(tree, id)};
+    }
+
+    /* Namespace and parent of each block; a block is an orphan unless its namespace is open and
+     * its page size matches. */
+    for (size_t i = 0; i < nr; i++) {
+        const nvme_recovered_t *r = &n->recovered[i];
+        size_t k = 0;
+        while (k < nns && nss[k].seed != r->ns_seed)
+            k++;
+        if (k == nns || nss[k].page != r->ntokens) {
+            depth[i] = D_ORPHAN;
+            continue;
+        }
+        nsidx[i] = (uint32_t)k;
+        parent[i] = r->parent == r->ns_seed ? -1 : rec_find(n, r->parent, r->ns_seed);
+        if (r->parent != r->ns_seed && parent[i] < 0)
+            depth[i] = D_ORPHAN;
+    }
+    /* Depths in pages, by walking up to a block of known depth or to the namespace seed. */
+    for (size_t i = 0; i < nr; i++) {
+        size_t sp = 0;
+        long j = (long)i;
+        int32_t base;
+        for (;;) {
+            if (depth[j] != D_UNKNOWN) {
+                base = depth[j] == D_VISITING ? D_ORPHAN : depth[j];
+                break;
+            }
+            depth[j] = D_VISITING;
+            stack[sp++] = j;
+            if (parent[j] < 0) {
+                base = 0;
+                break;
+            }
+            j = parent[j];
+        }
+        while (sp > 0) {
+            long k = stack[--sp];
+            base = base == D_ORPHAN ? D_ORPHAN : base + 1;
+            depth[k] = base;
+        }
+    }
+    for (size_t i = 0; i < nr; i++)
+        if (depth[i] > 0 && parent[i] >= 0)
+            has_child[parent[i]] = 1;
+
+    /* Insert each deepest path and hand its blocks their NVMe location. */
+    rc = 0;
+    for (size_t i = 0; i < nr && rc == 0; i++) {
+        if (depth[i] <= 0 || has_child[i])
+            continue;
+        const seen_ns_t *ns = &nss[nsidx[i]];
+        size_t ntok = (size_t)depth[i] * ns->page;
+        uint32_t *p = realloc(path, ntok * sizeof(*p));
+        if (!p) {
+            rc = KVT_ENOMEM;
+            break;
+        }
+        path = p;
+        for (long j = (long)i; j >= 0; j = parent[j])
+            memcpy(path + (size_t)(depth[j] - 1) * ns->page, n->recovered[j].tokens,
+                   (size_t)ns->page * sizeof(*path));
+        kvt_insert_t res;
+        if ((rc = kvt_radix_insert(tree, ns->id, path, ntok, &res)) < 0)
+            break;
+        for (long j = (long)i; j >= 0; j = parent[j]) {
+            if (placed[j])
+                continue;
+            const nvme_recovered_t *r = &n->recovered[j];
+            kvt_block_t *b = kvt_radix_block_at(res.node, (uint32_t)depth[j] - 1);
+            if (!b || b->hash != r->hash || b->tier != KVT_TIER_NONE)
+                continue; /* freed below as an orphan */
+            b->tier = KVT_TIER_NVME;
+            b->loc = r->loc;
+            b->size = r->len;
+            placed[j] = 1;
+            n->rec.inserted++;
+        }
+    }
+    if (rc == 0) {
+        for (size_t i = 0; i < nr; i++) {
+            if (!placed[i]) {
+                kvt_tier_free(t, n->recovered[i].loc, n->recovered[i].len);
+                n->rec.orphans++;
+            }
+        }
+        kvt__nvme_recovered_free(n);
+    }
+out:
+    free(path);
+    free(stack);
+    free(placed);
+    free(has_child);
+    free(nsidx);
+    free(parent);
+    free(depth);
+    free(nss);
+    if (out)
+        *out = n->rec;
+    kvt_log(KVT_LOG_INFO, "nvme tier: recovery gave %llu blocks back to the index (%llu orphans)",
+            (unsigned long long)n->rec.inserted, (unsigned long long)n->rec.orphans);
+    return rc;
+}
