@@ -28,10 +28,16 @@
  * nothing. When the oldest request has waited twice its timeout the connection is declared
  * stalled and closed: everything in flight then fails with KVT_EUNAVAIL.
  *
- * The window: hiredis copies each command into its output buffer and, after a partial write,
- * moves the unsent rest to the front, so feeding it megabytes at once costs a copy per write.
- * Commands are therefore handed over only while that buffer is below KVT__OBUF_WINDOW and at
- * most max_inflight are unanswered; the kernel socket buffer keeps the pipeline full.
+ * Bytes on the wire: hiredis would copy each command into its output buffer, and after a partial
+ * write move the unsent rest to the front, which for megabyte values costs more than the network.
+ * So hiredis only registers each command's reply callback (it is handed the command with length
+ * 0: it parses the name and appends nothing) and this file writes the bytes itself, with
+ * sendmsg over an iovec per request: the RESP head and stored block header from the request,
+ * the payload straight from the caller's buffer, no copy. Reads go into hiredis's reader buffer
+ * directly, sized to the GET value being received, so that hiredis's 16 KiB reads do not set the
+ * pace; the value is then checked and copied out in one pass. The handshake (sent before the
+ * connection is up) is the one thing hiredis writes itself, and nothing else is sent until it
+ * has been answered, so the two writers never interleave.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -39,8 +45,9 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/timerfd.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -50,10 +57,12 @@
 
 #include "tier_impl.h"
 
-#define KVT__OBUF_WINDOW (1u << 20)
-#define KVT__PREFIX_MAX  64u
-#define KVT__KEY_MAX     KVT_TIER_REMOTE_KEY_MAX
-#define KVT__UNDO_MAX    4096u
+#define KVT__READ_MIN   (64u << 10)
+#define KVT__READ_MAX   (8u << 20)
+#define KVT__IOV        64
+#define KVT__PREFIX_MAX 64u
+#define KVT__KEY_MAX    KVT_TIER_REMOTE_KEY_MAX
+#define KVT__UNDO_MAX   4096u
 
 enum { TAG_SOCK = 1, TAG_TIMER = 2, TAG_WAKE = 3 };
 typedef enum { ST_DOWN, ST_CONNECTING, ST_READY } conn_state_t;
@@ -70,6 +79,20 @@ struct rq {
     uint64_t deadline_ns;
     uint64_t sent_ns;
     uint64_t seed, hash; /* the key's name */
+
+    /* The command's bytes while they are being written (outq). */
+    rq_t *onext;
+    int in_outq;
+    char *hb; /* RESP head, and for SET the stored block header and tokens */
+    uint32_t hblen;
+    uint32_t paylen;
+    const uint8_t *pay; /* SET: the caller's buffer, or own once detached mid-write */
+    uint8_t *own;
+    char tail[48];
+    uint32_t taillen;
+    uint64_t off;    /* bytes written */
+    uint64_t expect; /* GET: bytes of the reply if the value is the one asked for */
+    char inl[320];   /* hb when it fits */
 };
 
 typedef struct rq_queue {
@@ -123,6 +146,7 @@ typedef struct remote {
     int logged_down;
 
     rq_queue_t waitq, sentq, undoq;
+    rq_t *out_head, *out_tail; /* sent to hiredis, bytes not all written yet (onext) */
     rq_t *free_rqs;
     kvt_tier_probe_t *probes_done_head, *probes_done_tail;
 
@@ -130,9 +154,6 @@ typedef struct remote {
     uint32_t nslots, capslots;
     uint32_t *free_slots;
     uint32_t nfree_slots;
-
-    char *scratch; /* command formatting buffer */
-    size_t scratch_cap;
 
     remote_reply_t reply;
     redisReplyObjectFunctions fns;
@@ -182,6 +203,13 @@ static void q_unlink(rq_queue_t *q, rq_t *prev, rq_t *r)
     r->next = NULL;
 }
 
+static void outq_clear(remote_t *rm)
+{
+    for (rq_t *r = rm->out_head; r; r = r->onext)
+        r->in_outq = 0;
+    rm->out_head = rm->out_tail = NULL;
+}
+
 /* A caller's request whose caller was already answered (a probe's other keys after a timeout):
  * not worth sending. */
 static int rq_dead(const rq_t *r)
@@ -204,6 +232,12 @@ static rq_t *rq_new(remote_t *rm, rq_kind_t kind)
 
 static void rq_release(remote_t *rm, rq_t *r)
 {
+    kvt_assert(!r->in_outq);
+    if (r->hb && r->hb != r->inl)
+        free(r->hb);
+    free(r->own);
+    r->hb = NULL;
+    r->own = NULL;
     r->next = rm->free_rqs;
     rm->free_rqs = r;
 }
@@ -264,21 +298,8 @@ static int format_key(const remote_t *rm, uint64_t seed, uint64_t hash, char *bu
     return (n < 0 || (size_t)n >= cap) ? KVT_EINVAL : n;
 }
 
-static int scratch_reserve(remote_t *rm, size_t need)
-{
-    if (need <= rm->scratch_cap)
-        return 0;
-    size_t cap = KVT_MAX(need, rm->scratch_cap * 2);
-    char *p = realloc(rm->scratch, cap);
-    if (!p)
-        return KVT_ENOMEM;
-    rm->scratch = p;
-    rm->scratch_cap = cap;
-    return 0;
-}
-
-/* Formats r's command into rm->scratch; returns its length or a negative error. */
-static ssize_t format_cmd(remote_t *rm, const rq_t *r)
+/* Lays out r's command: hb (RESP head, block header, tokens), the payload, tail. */
+static int format_cmd(remote_t *rm, rq_t *r)
 {
     char key[KVT__KEY_MAX];
     int klen = format_key(rm, r->seed, r->hash, key, sizeof(key));
@@ -286,49 +307,46 @@ static ssize_t format_cmd(remote_t *rm, const rq_t *r)
         return klen;
     char head[256];
     int hn;
-    switch (r->kind) {
-    case RQ_GET:
-        hn = snprintf(head, sizeof(head), "*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n", klen, key);
-        break;
-    case RQ_DEL:
-        hn = snprintf(head, sizeof(head), "*2\r\n$3\r\nDEL\r\n$%d\r\n%s\r\n", klen, key);
-        break;
-    case RQ_EXISTS:
-        hn = snprintf(head, sizeof(head), "*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n", klen, key);
-        break;
-    case RQ_SET: {
+    size_t hdr = 0;
+    const char *verb = r->kind == RQ_GET ? "GET" : r->kind == RQ_DEL ? "DEL" : "EXISTS";
+    r->paylen = 0;
+    r->pay = NULL;
+    r->taillen = 0;
+    r->off = 0;
+    if (r->kind == RQ_SET) {
         const kvt_tier_io_t *io = r->io;
-        size_t hdr = kvt__blockhdr_size(io->key.ntokens);
-        size_t vlen = hdr + io->len;
-        char tail[64] = "\r\n";
-        int tn = 2;
+        hdr = kvt__blockhdr_size(io->key.ntokens);
+        int tn = snprintf(r->tail, sizeof(r->tail), "\r\n");
         if (rm->ttl_s) {
             char ttl[16];
             int ln = snprintf(ttl, sizeof(ttl), "%u", rm->ttl_s);
-            tn = snprintf(tail, sizeof(tail), "\r\n$2\r\nEX\r\n$%d\r\n%s\r\n", ln, ttl);
+            tn = snprintf(r->tail, sizeof(r->tail), "\r\n$2\r\nEX\r\n$%d\r\n%s\r\n", ln, ttl);
         }
+        r->taillen = (uint32_t)tn;
         hn = snprintf(head, sizeof(head), "*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%zu\r\n",
-                      rm->ttl_s ? 5 : 3, klen, key, vlen);
-        size_t total = (size_t)hn + vlen + (size_t)tn;
-        int rc = scratch_reserve(rm, total);
-        if (rc)
-            return rc;
-        char *p = rm->scratch;
-        memcpy(p, head, (size_t)hn);
-        p += hn;
-        kvt__blockhdr_encode(p, &io->key, io->buf, io->len, ++rm->seq);
-        memcpy(p + hdr, io->buf, io->len);
-        memcpy(p + hdr + io->len, tail, (size_t)tn);
-        return (ssize_t)total;
+                      rm->ttl_s ? 5 : 3, klen, key, hdr + io->len);
+        r->pay = io->buf;
+        r->paylen = io->len;
+    } else {
+        hn = snprintf(head, sizeof(head), "*2\r\n$%zu\r\n%s\r\n$%d\r\n%s\r\n", strlen(verb), verb,
+                      klen, key);
     }
-    default:
-        return KVT_EINVAL;
+    if (r->kind == RQ_GET) {
+        size_t vlen = kvt__blockhdr_size(r->io->key.ntokens) + r->io->len;
+        char digits[24];
+        r->expect = (uint64_t)snprintf(digits, sizeof(digits), "%zu", vlen) + 3 + vlen + 2;
     }
-    int rc = scratch_reserve(rm, (size_t)hn);
-    if (rc)
-        return rc;
-    memcpy(rm->scratch, head, (size_t)hn);
-    return hn;
+    size_t need = (size_t)hn + hdr + 1;
+    if (r->hb && r->hb != r->inl)
+        free(r->hb);
+    r->hb = need <= sizeof(r->inl) ? r->inl : malloc(need);
+    if (!r->hb)
+        return KVT_ENOMEM;
+    memcpy(r->hb, head, (size_t)hn + 1);
+    if (r->kind == RQ_SET)
+        kvt__blockhdr_encode(r->hb + hn, &r->io->key, r->io->buf, r->io->len, ++rm->seq);
+    r->hblen = (uint32_t)(hn + hdr);
+    return 0;
 }
 
 /* --- completion --- */
@@ -357,6 +375,17 @@ static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
 /* Completes whatever r carries (an io or a probe key) with status; r itself is not freed. */
 static void rq_fail(remote_t *rm, rq_t *r, int status)
 {
+    if (r->io && r->in_outq && r->pay && !r->own) {
+        /* Its bytes are still being written from the caller's buffer, which goes back to the
+         * caller now: keep a copy, or give up on the connection. */
+        if ((r->own = malloc(r->paylen))) {
+            memcpy(r->own, r->pay, r->paylen);
+            r->pay = r->own;
+        } else {
+            rm->drop = 1;
+            rm->drop_status = KVT_EUNAVAIL;
+        }
+    }
     if (r->io) {
         if (r->kind == RQ_SET && r->slot != UINT32_MAX) {
             slot_unreserve(rm, r->slot);
@@ -420,10 +449,11 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata);
 
 static void sock_update(remote_t *rm)
 {
-    if (rm->sock < 0 || rm->sock_events == rm->sock_armed)
+    uint32_t want = rm->sock_events | (rm->out_head ? (uint32_t)EPOLLOUT : 0);
+    if (rm->sock < 0 || want == rm->sock_armed)
         return;
-    rm->sock_armed = rm->sock_events;
-    struct epoll_event ev = {.events = rm->sock_events, .data.u32 = TAG_SOCK};
+    rm->sock_armed = want;
+    struct epoll_event ev = {.events = want, .data.u32 = TAG_SOCK};
     if (epoll_ctl(rm->epfd, EPOLL_CTL_MOD, rm->sock, &ev) < 0)
         kvt_log(KVT_LOG_WARN, "remote: epoll_ctl: %s", strerror(errno));
 }
@@ -464,7 +494,8 @@ static void ev_cleanup(void *p)
         epoll_ctl(rm->epfd, EPOLL_CTL_DEL, rm->sock, NULL);
         rm->sock = -1;
     }
-    rm->sock_events = 0;
+    rm->sock_events = rm->sock_armed = 0;
+    outq_clear(rm);
     rm->ac_gone = 1;
 }
 
@@ -665,8 +696,8 @@ static void connect_start(remote_t *rm, uint64_t now)
 static void after_hiredis(remote_t *rm, uint64_t now)
 {
     if (rm->drop && rm->ac && !rm->ac_gone) {
-        redisAsyncContext *ac = rm->ac;
-        redisAsyncFree(ac); /* runs every pending callback with a NULL reply */
+        outq_clear(rm);
+        redisAsyncFree(rm->ac); /* runs every pending callback with a NULL reply */
     }
     if (!rm->ac || !rm->ac_gone)
         return;
@@ -716,24 +747,35 @@ static void became_ready(remote_t *rm)
     }
 }
 
-/* Hands r to hiredis. Returns 0 or an error (r untouched, not queued). */
+/* Registers r's reply callback with hiredis and queues its bytes for writing. Returns 0 or an
+ * error (r not queued). */
 static int send_rq(remote_t *rm, rq_t *r)
 {
-    ssize_t n = format_cmd(rm, r);
-    if (n < 0)
-        return (int)n;
-    if (redisAsyncFormattedCommand(rm->ac, on_reply, r, rm->scratch, (size_t)n) != REDIS_OK)
+    kvt_assert(sdslen(rm->ac->c.obuf) == 0);
+    int rc = format_cmd(rm, r);
+    if (rc)
+        return rc;
+    /* Length 0: hiredis parses the command name from hb and appends nothing. */
+    if (redisAsyncFormattedCommand(rm->ac, on_reply, r, r->hb, 0) != REDIS_OK)
         return KVT_EUNAVAIL;
     r->sent_ns = kvt_now_ns();
     q_push(&rm->sentq, r);
+    r->onext = NULL;
+    r->in_outq = 1;
+    if (rm->out_tail)
+        rm->out_tail->onext = r;
+    else
+        rm->out_head = r;
+    rm->out_tail = r;
     return 0;
 }
 
-/* Moves requests from waitq to hiredis while the window is open. */
+/* Moves requests from waitq to the connection while fewer than max_inflight are unanswered. */
 static void pump(remote_t *rm)
 {
+    int queued = 0;
     while (rm->state == ST_READY && rm->ac && !rm->ac_gone && !rm->drop && rm->waitq.head &&
-           rm->sentq.n < rm->max_inflight && sdslen(rm->ac->c.obuf) < KVT__OBUF_WINDOW) {
+           rm->sentq.n < rm->max_inflight) {
         rq_t *r = q_pop(&rm->waitq);
         if (rq_dead(r)) {
             rq_release(rm, r);
@@ -743,8 +785,69 @@ static void pump(remote_t *rm)
         if (rc) {
             rq_fail(rm, r, rc);
             rq_release(rm, r);
+            continue;
+        }
+        queued = 1;
+    }
+    if (queued)
+        sock_update(rm);
+}
+
+static uint64_t rq_bytes(const rq_t *r)
+{
+    return (uint64_t)r->hblen + r->paylen + r->taillen;
+}
+
+/* Writes queued command bytes until the socket is full. */
+static void flush(remote_t *rm)
+{
+    while (rm->out_head && !rm->drop) {
+        struct iovec iov[KVT__IOV];
+        int n = 0;
+        for (rq_t *r = rm->out_head; r && n + 3 <= KVT__IOV; r = r->onext) {
+            const char *part[3] = {r->hb, (const char *)r->pay, r->tail};
+            uint64_t plen[3] = {r->hblen, r->paylen, r->taillen};
+            uint64_t off = r->off;
+            for (int k = 0; k < 3; k++) {
+                if (off >= plen[k]) {
+                    off -= plen[k];
+                    continue;
+                }
+                iov[n].iov_base = (void *)(part[k] + off);
+                iov[n].iov_len = plen[k] - off;
+                n++;
+                off = 0;
+            }
+        }
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t w = sendmsg(rm->sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                rm->drop = 1; /* the read side sees the same error; close now */
+                rm->drop_status = KVT_EUNAVAIL;
+            }
+            break;
+        }
+        uint64_t left = (uint64_t)w;
+        while (left && rm->out_head) {
+            rq_t *r = rm->out_head;
+            uint64_t rem = rq_bytes(r) - r->off;
+            if (left < rem) {
+                r->off += left;
+                break;
+            }
+            left -= rem;
+            r->off += rem;
+            r->in_outq = 0;
+            rm->out_head = r->onext;
+            if (!rm->out_head)
+                rm->out_tail = NULL;
+            r->onext = NULL;
         }
     }
+    sock_update(rm);
 }
 
 static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
@@ -753,6 +856,16 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
     rq_t *r = privdata;
     kvt_assert(rm->sentq.head == r);
     q_pop(&rm->sentq);
+    if (r->in_outq) {
+        /* Answered before it was all written (a protocol error): the stream is out of step. */
+        kvt_assert(rm->out_head == r);
+        rm->out_head = r->onext;
+        if (!rm->out_head)
+            rm->out_tail = NULL;
+        r->in_outq = 0;
+        rm->drop = 1;
+        rm->drop_status = KVT_EPROTO;
+    }
     remote_reply_t *o = reply;
     if (!o) { /* the connection is going away */
         if (r->kind == RQ_SET)
@@ -1053,29 +1166,60 @@ static int remote_fd(kvt_tier_t *t)
     return remote_of(t)->epfd;
 }
 
+/* Reads into hiredis's reader buffer directly: as much as the GET value at the head of sentq
+ * still needs (so that one read takes a whole value), at least KVT__READ_MIN. Returns the bytes
+ * read; 0 when the socket had nothing (EOF and errors are left for hiredis to find). */
+static ssize_t read_more(remote_t *rm)
+{
+    redisReader *rd = rm->ac->c.reader;
+    size_t want = KVT__READ_MIN;
+    rq_t *h = rm->sentq.head;
+    if (h && h->kind == RQ_GET && h->io) {
+        size_t have = rd->len - rd->pos;
+        if (h->expect > have)
+            want = KVT_MAX(want, (size_t)KVT_MIN(h->expect - have, (uint64_t)KVT__READ_MAX));
+    }
+    sds buf = sdsMakeRoomFor(rd->buf, want);
+    if (!buf)
+        return 0;
+    rd->buf = buf;
+    ssize_t n = read(rm->sock, buf + sdslen(buf), want);
+    if (n <= 0)
+        return 0;
+    sdsIncrLen(buf, n);
+    rd->len = sdslen(buf);
+    return n;
+}
+
 static void handle_sock(remote_t *rm, uint32_t events)
 {
     uint64_t now = kvt_now_ns();
     int connected = rm->ac->c.flags & REDIS_CONNECTED;
     if ((events & EPOLLOUT) || (!connected && (events & (EPOLLERR | EPOLLHUP)))) {
-        redisAsyncHandleWrite(rm->ac);
+        if (!connected || (rm->sock_events & EPOLLOUT))
+            redisAsyncHandleWrite(rm->ac); /* connect completion, the handshake */
         after_hiredis(rm, now);
-        pump(rm);
+        if (rm->ac && (rm->ac->c.flags & REDIS_CONNECTED))
+            flush(rm);
+        after_hiredis(rm, now);
     }
     if (!rm->ac || !(events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
         return;
-    /* hiredis reads 16 KiB per call: keep going while the socket has more, within a budget so
-     * that one busy connection cannot hold the caller's loop. */
-    for (int budget = 512; budget > 0; budget--) {
+    /* Keep reading while the socket has more, within a budget so that one busy connection
+     * cannot hold the caller's loop. */
+    for (int budget = 64; budget > 0; budget--) {
+        ssize_t n = (rm->ac->c.flags & REDIS_CONNECTED) ? read_more(rm) : 0;
         redisAsyncHandleRead(rm->ac);
         after_hiredis(rm, now);
         if (!rm->ac)
             return;
         pump(rm);
-        int avail = 0;
-        if (ioctl(rm->sock, FIONREAD, &avail) < 0 || avail <= 0)
+        if (n <= 0)
             break;
     }
+    if (rm->out_head)
+        flush(rm);
+    after_hiredis(rm, now);
 }
 
 static void deliver_probes(remote_t *rm)
@@ -1131,6 +1275,7 @@ static void remote_destroy(kvt_tier_t *t)
     if (rm->ac && !rm->ac_gone) {
         rm->drop_status = KVT_ECLOSED;
         rm->drop = 1;
+        outq_clear(rm);
         redisAsyncFree(rm->ac);
     }
     rm->ac = NULL;
@@ -1150,7 +1295,6 @@ static void remote_destroy(kvt_tier_t *t)
     close(rm->wfd);
     free(rm->slots);
     free(rm->free_slots);
-    free(rm->scratch);
     free(rm->host);
     free(rm->password);
     free(rm);

@@ -1,0 +1,371 @@
+/*
+ * bench_remote.c: the remote-tier half of bench_tiers. For each block size it measures the
+ * remote tier's own pipelined write (SET) and read (GET) bandwidth, driven the way the service
+ * drives it (depth requests in flight, completions from the tier's fd), then runs
+ * redis-benchmark SET and GET with the same value size, pipeline depth and one connection
+ * against the same server as the ceiling, and prints one JSON object per (size, op) with the
+ * ratio. Each figure is the median of BENCH_REPS runs. When no server is given it starts a
+ * throwaway redis-server on a free loopback port (files under $TMPDIR) and kills it by PID.
+ */
+#include "bench_remote.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
+
+#include "../tiers/tier.h"
+
+#define BENCH_DEPTH      16
+#define BENCH_REPS       3
+#define BENCH_BYTES      (192ull << 20) /* moved per run and size */
+#define BENCH_MIN_BLOCKS 64
+#define BENCH_PAGE       16
+
+typedef struct bench_srv {
+    pid_t pid;
+    char dir[256];
+} bench_srv_t;
+
+static int redis_ping(const char *host, uint16_t port)
+{
+    struct timeval tv = {1, 0};
+    redisContext *c = redisConnectWithTimeout(host, port, tv);
+    int ok = 0;
+    if (c && !c->err) {
+        redisReply *r = redisCommand(c, "PING");
+        ok = r && r->type == REDIS_REPLY_STATUS;
+        if (r)
+            freeReplyObject(r);
+    }
+    if (c)
+        redisFree(c);
+    return ok;
+}
+
+static int free_port(uint16_t *port)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0)
+        return -errno;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof(a);
+    int rc = 0;
+    if (bind(s, (struct sockaddr *)&a, sizeof(a)) < 0 ||
+        getsockname(s, (struct sockaddr *)&a, &l) < 0)
+        rc = -errno;
+    close(s);
+    *port = ntohs(a.sin_port);
+    return rc;
+}
+
+static int srv_start(bench_srv_t *srv, uint16_t *port)
+{
+    const char *bin = getenv("KVT_REDIS_SERVER");
+    if (!bin || !*bin)
+        bin = "redis-server";
+    const char *tmp = getenv("TMPDIR");
+    snprintf(srv->dir, sizeof(srv->dir), "%s/kvt-bench-redis-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(srv->dir))
+        return -errno;
+    int rc = free_port(port);
+    if (rc)
+        return rc;
+    char ports[16], log[300];
+    snprintf(ports, sizeof(ports), "%u", *port);
+    snprintf(log, sizeof(log), "%s/redis.log", srv->dir);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0)
+        return -errno;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent)
+            _exit(1);
+        execlp(bin, bin, "--port", ports, "--bind", "127.0.0.1", "--save", "", "--appendonly",
+               "no", "--dir", srv->dir, "--logfile", log, "--daemonize", "no", (char *)NULL);
+        _exit(127);
+    }
+    srv->pid = pid;
+    for (int i = 0; i < 300; i++) {
+        if (redis_ping("127.0.0.1", *port))
+            return 0;
+        if (waitpid(pid, NULL, WNOHANG) == pid) {
+            srv->pid = -1;
+            break;
+        }
+        usleep(10000);
+    }
+    fprintf(stderr, "bench_remote: %s did not start (see %s)\n", bin, log);
+    return KVT_EUNAVAIL;
+}
+
+static void srv_stop(bench_srv_t *srv)
+{
+    if (srv->pid > 0) {
+        kill(srv->pid, SIGKILL);
+        waitpid(srv->pid, NULL, 0);
+        srv->pid = -1;
+    }
+    if (srv->dir[0]) {
+        char log[300];
+        snprintf(log, sizeof(log), "%s/redis.log", srv->dir);
+        unlink(log);
+        rmdir(srv->dir);
+        srv->dir[0] = 0;
+    }
+}
+
+/* --- the tier side --- */
+
+typedef struct bslot {
+    kvt_tier_io_t io;
+    uint32_t tokens[BENCH_PAGE];
+    uint32_t idx;
+    struct brun *run;
+} bslot_t;
+
+typedef struct brun {
+    kvt_tier_t *t;
+    uint64_t seed;
+    uint32_t len, n;
+    uint32_t next, done, inflight;
+    uint64_t *locs;
+    int errors;
+    int first_error;
+} brun_t;
+
+static void slot_done(kvt_tier_io_t *io)
+{
+    bslot_t *s = io->data;
+    brun_t *r = s->run;
+    r->done++;
+    r->inflight--;
+    if (io->status != 0) {
+        if (!r->errors)
+            r->first_error = io->status;
+        r->errors++;
+    } else if (io->op == KVT_IO_WRITE) {
+        r->locs[s->idx] = io->loc;
+    }
+    s->idx = UINT32_MAX;
+}
+
+static void slot_key(brun_t *r, bslot_t *s, uint32_t i)
+{
+    for (uint32_t k = 0; k < BENCH_PAGE; k++)
+        s->tokens[k] = i * BENCH_PAGE + k;
+    s->io.key = (kvt_block_key_t){.ns_seed = r->seed,
+                                  .hash = r->seed ^ (0x9e3779b97f4a7c15ull * (i + 1)),
+                                  .parent = r->seed,
+                                  .tokens = s->tokens,
+                                  .ntokens = BENCH_PAGE};
+}
+
+/* Runs n writes or reads with BENCH_DEPTH in flight; returns GB/s, or a negative error. */
+static double tier_pass(brun_t *r, bslot_t *slots, int write)
+{
+    r->next = r->done = r->inflight = 0;
+    r->errors = 0;
+    uint64_t t0 = kvt_now_ns();
+    while (r->done < r->n) {
+        for (int k = 0; k < BENCH_DEPTH && r->next < r->n; k++) {
+            bslot_t *s = &slots[k];
+            if (s->idx != UINT32_MAX)
+                continue;
+            uint32_t i = r->next;
+            slot_key(r, s, i);
+            s->idx = i;
+            s->io.len = r->len;
+            s->io.loc = write ? 0 : r->locs[i];
+            int rc = write ? kvt_tier_write(r->t, &s->io) : kvt_tier_read(r->t, &s->io);
+            if (rc) {
+                s->idx = UINT32_MAX;
+                return rc;
+            }
+            r->next++;
+            r->inflight++;
+        }
+        int rc = kvt_tier_wait(r->t, 1000);
+        if (rc < 0)
+            return rc;
+    }
+    uint64_t dt = kvt_now_ns() - t0;
+    if (r->errors) {
+        fprintf(stderr, "bench_remote: %d of %u %s failed (%s)\n", r->errors, r->n,
+                write ? "writes" : "reads", kvt_strerror(r->first_error));
+        return KVT_EIO;
+    }
+    return (double)r->n * r->len / (double)dt;
+}
+
+static void free_all(brun_t *r)
+{
+    for (uint32_t i = 0; i < r->n; i++)
+        if (r->locs[i]) {
+            kvt_tier_free(r->t, r->locs[i], r->len);
+            r->locs[i] = 0;
+        }
+    /* Let the pipelined DELs go out and be answered. */
+    for (int i = 0; i < 50; i++)
+        if (kvt_tier_wait(r->t, 5) < 0)
+            break;
+}
+
+/* --- the baseline --- */
+
+/* Runs redis-benchmark for SET and GET; fills rps[0] (SET) and rps[1] (GET). */
+static int redis_benchmark(const char *host, uint16_t port, size_t size, uint32_t n,
+                           double rps[2])
+{
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd),
+             "redis-benchmark -h %s -p %u -t set,get -d %zu -n %u -P %d -c 1 --csv 2>/dev/null",
+             host, port, size, n, BENCH_DEPTH);
+    FILE *f = popen(cmd, "r");
+    if (!f)
+        return -errno;
+    char line[512];
+    rps[0] = rps[1] = 0;
+    while (fgets(line, sizeof(line), f)) {
+        double v;
+        if (sscanf(line, "\"SET\",\"%lf\"", &v) == 1)
+            rps[0] = v;
+        else if (sscanf(line, "\"GET\",\"%lf\"", &v) == 1)
+            rps[1] = v;
+    }
+    int st = pclose(f);
+    if (st != 0 || rps[0] <= 0 || rps[1] <= 0) {
+        fprintf(stderr, "bench_remote: redis-benchmark failed (status %d): %s\n", st, cmd);
+        return KVT_EIO;
+    }
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(*v), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static int bench_size(kvt_tier_t *t, const char *host, uint16_t port, size_t size)
+{
+    if (size == 0 || size > KVT_TIER_MAX_BLOCK)
+        return KVT_EINVAL;
+    uint32_t n = (uint32_t)KVT_MAX((uint64_t)BENCH_MIN_BLOCKS, BENCH_BYTES / size);
+    brun_t r = {.t = t, .len = (uint32_t)size, .n = n};
+    r.locs = calloc(n, sizeof(*r.locs));
+    bslot_t *slots = calloc(BENCH_DEPTH, sizeof(*slots));
+    if (!r.locs || !slots) {
+        free(r.locs);
+        free(slots);
+        return KVT_ENOMEM;
+    }
+    int rc = 0;
+    for (int k = 0; k < BENCH_DEPTH; k++) {
+        slots[k].idx = UINT32_MAX;
+        slots[k].run = &r;
+        slots[k].io.cb = slot_done;
+        slots[k].io.data = &slots[k];
+        if (!(slots[k].io.buf = malloc(size))) {
+            rc = KVT_ENOMEM;
+            goto out;
+        }
+        uint8_t *p = slots[k].io.buf;
+        for (size_t i = 0; i < size; i++)
+            p[i] = (uint8_t)(i * 131 + (size_t)k * 7 + (i >> 12));
+    }
+    double w[BENCH_REPS], rd[BENCH_REPS], bw[BENCH_REPS], brd[BENCH_REPS];
+    for (int rep = 0; rep < BENCH_REPS; rep++) {
+        r.seed = kvt_now_ns() ^ ((uint64_t)getpid() << 40) ^ (uint64_t)rep;
+        w[rep] = tier_pass(&r, slots, 1);
+        if (w[rep] < 0) {
+            rc = (int)w[rep];
+            goto out;
+        }
+        rd[rep] = tier_pass(&r, slots, 0);
+        if (rd[rep] < 0) {
+            rc = (int)rd[rep];
+            goto out;
+        }
+        free_all(&r);
+        double rps[2] = {0, 0};
+        if ((rc = redis_benchmark(host, port, size, n, rps)))
+            goto out;
+        bw[rep] = rps[0] * (double)size / 1e9;
+        brd[rep] = rps[1] * (double)size / 1e9;
+    }
+    const char *ops[2] = {"write", "read"};
+    double g[2] = {median(w, BENCH_REPS), median(rd, BENCH_REPS)};
+    double b[2] = {median(bw, BENCH_REPS), median(brd, BENCH_REPS)};
+    for (int o = 0; o < 2; o++)
+        printf("{\"tier\":\"remote\",\"block_bytes\":%zu,\"op\":\"%s\",\"gbps\":%.3f,"
+               "\"baseline\":\"redis-benchmark\",\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
+               "\"blocks\":%u,\"depth\":%d,\"conns\":1,\"reps\":%d}\n",
+               size, ops[o], g[o], b[o], b[o] > 0 ? g[o] / b[o] : 0.0, n, BENCH_DEPTH,
+               BENCH_REPS);
+    fflush(stdout);
+out:
+    free_all(&r);
+    for (int k = 0; k < BENCH_DEPTH; k++)
+        free(slots[k].io.buf);
+    free(slots);
+    free(r.locs);
+    return rc;
+}
+
+int bench_remote_run(const char *redis, const size_t *block_bytes, int nsizes)
+{
+    if (!block_bytes || nsizes <= 0)
+        return KVT_EINVAL;
+    char host[256] = "127.0.0.1";
+    uint16_t port = 0;
+    bench_srv_t srv = {.pid = -1};
+    int rc;
+    if (redis) {
+        if ((rc = kvt_tier_remote_parse_addr(redis, host, sizeof(host), &port)))
+            return rc;
+    } else if ((rc = srv_start(&srv, &port))) {
+        srv_stop(&srv);
+        return rc;
+    }
+    char prefix[64];
+    snprintf(prefix, sizeof(prefix), "kvt-bench-%d", (int)getpid());
+    kvt_tier_remote_conf_t conf = {.host = host,
+                                   .port = port,
+                                   .key_prefix = prefix,
+                                   .capacity_bytes = 64ull << 30,
+                                   .timeout_ms = 10000,
+                                   .max_inflight = BENCH_DEPTH};
+    kvt_tier_t *t = NULL;
+    if ((rc = kvt_tier_remote_create(&t, &conf)))
+        goto out;
+    uint64_t end = kvt_now_ns() + 5000000000ull;
+    while (!kvt_tier_remote_connected(t) && kvt_now_ns() < end)
+        kvt_tier_wait(t, 20);
+    if (!kvt_tier_remote_connected(t)) {
+        fprintf(stderr, "bench_remote: no connection to %s:%u\n", host, port);
+        rc = KVT_EUNAVAIL;
+        goto out;
+    }
+    for (int i = 0; i < nsizes && rc == 0; i++)
+        rc = bench_size(t, host, port, block_bytes[i]);
+out:
+    kvt_tier_destroy(t);
+    srv_stop(&srv);
+    return rc;
+}
