@@ -141,8 +141,9 @@ static inline void tu_rmrf(const char *path)
         while ((e = readdir(d))) {
             if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, ".."))
                 continue;
-            char sub[4096];
-            snprintf(sub, sizeof(sub), "%s/%s", path, e->d_name);
+            char sub[4400];
+            if (snprintf(sub, sizeof(sub), "%s/%s", path, e->d_name) >= (int)sizeof(sub))
+                continue;
             struct stat st;
             if (lstat(sub, &st) == 0 && S_ISDIR(st.st_mode))
                 tu_rmrf(sub);

@@ -229,8 +229,11 @@ static int seg_reclaim(nvme_t *n)
     for (uint32_t k = 0; k < s->nlocs; k++) {
         const kvt__tier_ent_t *e = kvt__tier_lookup(n->tier, s->locs[k]);
         if (e) {
+            uint64_t loc = e->loc, ns_seed = e->ns_seed, hash = e->hash;
             seg_live_sub(n, e->loc, e->len);
-            kvt__tier_drop(n->tier, s->locs[k]);
+            kvt__tier_drop(n->tier, loc);
+            if (n->reclaim_cb)
+                n->reclaim_cb(n->reclaim_arg, loc, ns_seed, hash);
         }
     }
     n->reclaims++;
@@ -805,6 +808,8 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
     n->seg_bytes = segb;
     n->nsegs = (uint32_t)nsegs;
     n->qd = qd;
+    n->reclaim_cb = conf->reclaim_cb;
+    n->reclaim_arg = conf->reclaim_arg;
     n->dir = strdup(conf->dir);
     n->path = malloc(strlen(conf->dir) + 16);
     n->segs = calloc(n->nsegs, sizeof(*n->segs));
@@ -830,22 +835,16 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
         goto fail;
     }
     int fresh;
-    if ((rc = open_data(n, conf->direct, &fresh)) < 0)
-        goto fail;
-    if (!fresh && (rc = meta_check_or_write(n, 0)) < 0)
-        goto fail;
-    if ((rc = size_data(n, fresh, conf->sparse)) < 0) {
-        if (fresh) {
-            close(n->fd);
-            n->fd = -1;
-            unlink(n->path); /* a data file that does not fit leaves nothing behind */
-        }
-        goto fail;
-    }
-    if (fresh && (rc = meta_check_or_write(n, 1)) < 0) {
-        close(n->fd);
-        n->fd = -1;
-        unlink(n->path);
+    rc = open_data(n, conf->direct, &fresh);
+    if (rc == 0 && !fresh)
+        rc = meta_check_or_write(n, 0);
+    if (rc == 0)
+        rc = size_data(n, fresh, conf->sparse);
+    if (rc == 0 && fresh)
+        rc = meta_check_or_write(n, 1);
+    if (rc < 0) {
+        if (fresh) /* a data file that could not be set up leaves nothing behind */
+            unlink(n->path);
         goto fail;
     }
 

@@ -66,6 +66,8 @@ typedef struct nvme {
     nvme_recovered_t *recovered;
     size_t nrecovered, recovered_cap;
     int recover_done;
+    void (*reclaim_cb)(void *arg, uint64_t loc, uint64_t ns_seed, uint64_t hash);
+    void *reclaim_arg;
     kvt_tier_nvme_recovery_t rec;
 } nvme_t;
 

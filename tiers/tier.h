@@ -111,7 +111,8 @@ int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
 /* Host pointer to a stored payload for memory tiers (DRAM, HBM's host backend); NULL for the
  * others. Valid until the location is freed. */
 void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc);
-/* Bytes a payload of len bytes would be charged (0 for len 0 or above KVT_TIER_MAX_BLOCK). */
+/* Bytes a payload of len bytes would be charged (0 for len 0 or above KVT_TIER_MAX_BLOCK): the
+ * same for every page size (a tier that stores the tokens charges room for the largest page). */
 uint64_t kvt_tier_footprint(const kvt_tier_t *t, uint32_t len);
 void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u);
 
@@ -181,7 +182,15 @@ int kvt_tier_dram_pinned(const kvt_tier_t *t);
  * One data file, DIR/kvtier.data, preallocated to capacity_bytes (rounded down to whole
  * segments) and used as a log of segments; see tiers/nvme.c for the layout. Opening a directory
  * that already holds a data file of the same geometry recovers the blocks in it (a warm
- * restart); kvt_tier_nvme_recover() then puts them back into a radix tree. */
+ * restart); kvt_tier_nvme_recover() then puts them back into a radix tree.
+ *
+ * A block is charged its payload rounded up to 4 KiB plus 8 KiB of header room. Space on disk
+ * comes back by whole segments: a segment is free again when its last block is freed. When the
+ * log has no free segment left (live blocks scattered over all of them, or the ends of segments
+ * too short for the next record), the write that needs space reclaims the full segment with the
+ * fewest live bytes: its blocks are dropped (usage.reclaimed, reclaim_cb) and read as misses
+ * from then on. Blocks of one size that divides the segment evenly never trigger that before
+ * capacity is reached. */
 typedef struct kvt_tier_nvme_conf {
     const char *dir;         /* the data directory; created if missing */
     uint64_t capacity_bytes; /* data file size; at least 2 segments */
@@ -190,6 +199,11 @@ typedef struct kvt_tier_nvme_conf {
     int direct;              /* 0: O_DIRECT, buffered where refused (logged once);
                                 1: O_DIRECT or fail (KVT_EUNAVAIL); 2: buffered */
     int sparse;              /* 1: do not preallocate (a disk may then fill up under writes) */
+    /* Called for each live block a segment reclaim drops, from inside the write that needed
+     * the space, so that the owner of the index can forget it. Must not call into this tier.
+     * May be NULL. */
+    void (*reclaim_cb)(void *arg, uint64_t loc, uint64_t ns_seed, uint64_t hash);
+    void *reclaim_arg;
 } kvt_tier_nvme_conf_t;
 
 /* Returns 0, KVT_EINVAL, KVT_ENOMEM, KVT_ENOSPC (the file system cannot hold the data file:

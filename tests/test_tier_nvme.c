@@ -1,0 +1,476 @@
+/*
+ * test_tier_nvme.c: the NVMe tier on real files through io_uring: round trips of varied sizes
+ * with aligned and unaligned buffers, O_DIRECT where the file system takes it and the buffered
+ * fallback where it does not (a ramfs mounted in a private mount namespace), capacity
+ * exhaustion, free and segment reuse, reclaim of a fragmented log, many requests in flight
+ * through a small queue, checksum mismatches from bytes flipped in the data file, a file system
+ * that is full (a tiny tmpfs), and bad configuration. Every test works under its own directory
+ * in $TMPDIR and removes it.
+ */
+#include "test_tier_util.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
+
+static kvt_tier_t *mk(const char *dir, uint64_t cap, uint32_t seg, uint32_t qd)
+{
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {
+        .dir = dir, .capacity_bytes = cap, .segment_bytes = seg, .queue_depth = qd};
+    int rc = kvt_tier_nvme_create(&t, &c);
+    cr_assert_eq(rc, 0, "nvme create in %s: %s", dir, kvt_strerror(rc));
+    cr_assert_eq(kvt_tier_kind(t), KVT_TIER_NVME);
+    return t;
+}
+
+static int odirect_works(const char *dir)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/.odirect-probe", dir);
+    int fd = open(p, O_RDWR | O_CREAT | O_DIRECT, 0600);
+    if (fd >= 0)
+        close(fd);
+    unlink(p);
+    return fd >= 0;
+}
+
+/* A private mount namespace for this test process, so that a mount made here disappears with
+ * it. Returns 0, or skips the test where that is not allowed. */
+static void private_mounts(void)
+{
+    if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
+        cr_skip_test("cannot make a private mount namespace (%s): needs root", strerror(errno));
+}
+
+static void round_trips(kvt_tier_t *t)
+{
+    static const uint32_t sizes[] = {
+        1, 511, 4096, 4097, 65536, 100000, 256u << 10, (256u << 10) + 1, 2u << 20, (2u << 20) - 5};
+    uint64_t locs[2][KVT_ARRAY_LEN(sizes)];
+    uint32_t tok[2][KVT_ARRAY_LEN(sizes)][16];
+    for (int aligned = 0; aligned < 2; aligned++) {
+        for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+            uint64_t id = (uint64_t)aligned * 100 + i;
+            kvt_block_key_t k = tu_key(id, tok[aligned][i], 16);
+            uint8_t *mem = tu_aligned(sizes[i] + 64);
+            uint8_t *buf = aligned ? mem : mem + 8;
+            tu_fill(buf, sizes[i], id);
+            cr_assert_eq(tu_write(t, &k, buf, sizes[i], &locs[aligned][i]), 0, "write %u",
+                         sizes[i]);
+            cr_assert_neq(locs[aligned][i], 0);
+            free(mem);
+        }
+    }
+    for (int aligned = 0; aligned < 2; aligned++) {
+        for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+            uint64_t id = (uint64_t)aligned * 100 + i;
+            kvt_block_key_t k = tu_key(id, tok[aligned][i], 16);
+            uint8_t *mem = tu_aligned(sizes[i] + 64);
+            uint8_t *buf = aligned ? mem : mem + 8;
+            memset(buf, 0xee, sizes[i]);
+            cr_assert_eq(tu_read(t, &k, locs[aligned][i], buf, sizes[i]), 0, "read %u", sizes[i]);
+            cr_assert(tu_same(buf, sizes[i], id), "bytes of %u (aligned %d)", sizes[i], aligned);
+            cr_assert_eq(kvt_tier_valid(t, locs[aligned][i], &k), 1);
+            free(mem);
+        }
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.blocks, 2 * KVT_ARRAY_LEN(sizes));
+    cr_assert_eq(u.corrupt + u.errors + u.misses, 0);
+    cr_assert_leq(u.used_bytes, u.capacity_bytes);
+    for (int aligned = 0; aligned < 2; aligned++)
+        for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++)
+            kvt_tier_free(t, locs[aligned][i], sizes[i]);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.blocks, 0);
+    cr_assert_eq(u.used_bytes, 0);
+}
+
+Test(tier_nvme, round_trips_with_odirect)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 32u << 20, 4u << 20, 16);
+    cr_assert_str_eq(kvt_tier_backend(t), "io_uring");
+    cr_assert_eq(kvt_tier_nvme_direct(t), odirect_works(dir));
+    round_trips(t);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme, buffered_when_asked)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {
+        .dir = dir, .capacity_bytes = 32u << 20, .segment_bytes = 4u << 20, .direct = 2};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    cr_assert_eq(kvt_tier_nvme_direct(t), 0);
+    round_trips(t);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme, falls_back_to_buffered_where_odirect_is_refused)
+{
+    private_mounts();
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "ramfs");
+    /* ramfs has no O_DIRECT (tmpfs gained it in Linux 6.6). */
+    cr_assert_eq(mount("ramfs", dir, "ramfs", 0, NULL), 0, "mount ramfs: %s", strerror(errno));
+    cr_assert_eq(odirect_works(dir), 0, "ramfs should refuse O_DIRECT");
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {
+        .dir = dir, .capacity_bytes = 16u << 20, .segment_bytes = 4u << 20, .direct = 1};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EUNAVAIL, "direct = 1 insists on O_DIRECT");
+    c.direct = 0;
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    cr_assert_eq(kvt_tier_nvme_direct(t), 0);
+    round_trips(t);
+    kvt_tier_destroy(t);
+    umount(dir);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme, capacity_exhaustion_fails_cleanly)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 8u << 20, 1u << 20, 8);
+    /* Records of 4 KiB header + 248 KiB: four fill a 1 MiB segment exactly, and the charge
+     * (8 KiB header room + 248 KiB) runs out with the last segment. */
+    const uint32_t len = 248u << 10;
+    uint8_t *buf = tu_aligned(len);
+    tu_fill(buf, len, 3);
+    uint32_t tok[16];
+    uint64_t locs[64];
+    int n = 0;
+    uint64_t fp = kvt_tier_footprint(t, len);
+    for (;; n++) {
+        cr_assert_lt(n, 64);
+        kvt_block_key_t k = tu_key((uint64_t)n, tok, 16);
+        kvt_tier_usage_t before, after;
+        kvt_tier_usage(t, &before);
+        int rc = tu_write(t, &k, buf, len, &locs[n]);
+        kvt_tier_usage(t, &after);
+        if (rc == KVT_ENOSPC) {
+            cr_assert_eq(after.used_bytes, before.used_bytes);
+            cr_assert_eq(after.blocks, before.blocks);
+            cr_assert_gt(before.used_bytes + fp, before.capacity_bytes);
+            break;
+        }
+        cr_assert_eq(rc, 0);
+        cr_assert_leq(after.used_bytes, after.capacity_bytes);
+    }
+    cr_assert_eq((uint64_t)n, (8u << 20) / fp, "blocks that fit: %d", n);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reclaimed, 0);
+    for (int i = 0; i < n; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, len), 0);
+        cr_assert(tu_same(buf, len, 3));
+    }
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme, freed_segments_come_back_and_old_locations_miss)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 4u << 20, 1u << 20, 8);
+    const uint32_t len = 200u << 10;
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    uint64_t first_loc = 0;
+    kvt_block_key_t first = tu_key(0, tok, 16);
+    /* Write and free far more than the capacity: whole segments must come back. */
+    for (int i = 0; i < 200; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, len, (uint64_t)i);
+        uint64_t loc = 0;
+        cr_assert_eq(tu_write(t, &k, buf, len, &loc), 0, "write %d", i);
+        if (i == 0) {
+            first_loc = loc;
+            first = k;
+        }
+        kvt_tier_free(t, loc, len);
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.blocks, 0);
+    cr_assert_eq(u.used_bytes, 0);
+    cr_assert_eq(u.reclaimed, 0, "freed blocks leave nothing to reclaim");
+    cr_assert_eq(kvt_tier_valid(t, first_loc, &first), 0);
+    cr_assert_eq(tu_read(t, &first, first_loc, buf, len), KVT_ENOENT);
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+static void count_reclaim(void *arg, uint64_t loc, uint64_t ns_seed, uint64_t hash)
+{
+    (void)hash;
+    cr_assert_neq(loc, 0);
+    cr_assert_eq(ns_seed, TU_NS_SEED);
+    (*(uint64_t *)arg)++;
+}
+
+Test(tier_nvme, a_fragmented_log_reclaims_whole_segments)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    uint64_t reclaim_calls = 0;
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {.dir = dir,
+                              .capacity_bytes = 4u << 20,
+                              .segment_bytes = 1u << 20,
+                              .queue_depth = 8,
+                              .reclaim_cb = count_reclaim,
+                              .reclaim_arg = &reclaim_calls};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    const uint32_t len = 300u << 10; /* three records per 1 MiB segment */
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    enum { N = 40 };
+    uint64_t locs[N] = {0};
+    int live[N] = {0};
+    /* Keep one block in three: every segment stays partly live, so new writes need a whole
+     * segment reclaimed. */
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, len, (uint64_t)i);
+        int rc = tu_write(t, &k, buf, len, &locs[i]);
+        cr_assert_eq(rc, 0, "write %d: %s", i, kvt_strerror(rc));
+        live[i] = 1;
+        if (i % 3 != 0) {
+            kvt_tier_free(t, locs[i], len);
+            live[i] = 0;
+        }
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_gt(u.reclaimed, 0, "some live blocks were reclaimed with their segment");
+    cr_assert_eq(reclaim_calls, u.reclaimed);
+    cr_assert_leq(u.used_bytes, u.capacity_bytes);
+    uint64_t valid = 0;
+    for (int i = 0; i < N; i++) {
+        if (!live[i])
+            continue;
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        int v = kvt_tier_valid(t, locs[i], &k);
+        int rc = tu_read(t, &k, locs[i], buf, len);
+        if (v) {
+            cr_assert_eq(rc, 0);
+            cr_assert(tu_same(buf, len, (uint64_t)i), "block %d intact", i);
+            valid++;
+        } else {
+            cr_assert_eq(rc, KVT_ENOENT, "a reclaimed block reads as a miss");
+        }
+    }
+    cr_assert_eq(valid, u.blocks);
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme, many_requests_in_flight_through_a_small_queue)
+{
+    enum { N = 96, LEN = 128u << 10 };
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 32u << 20, 2u << 20, 4);
+    static kvt_tier_io_t ios[N];
+    static uint32_t toks[N][16];
+    uint8_t *bufs = tu_aligned((size_t)N * LEN);
+    int done = 0;
+    for (int i = 0; i < N; i++) {
+        tu_fill(bufs + (size_t)i * LEN, LEN, (uint64_t)i);
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = bufs + (size_t)i * LEN,
+                                 .len = LEN - (uint32_t)i, /* most end in a partial sector */
+                                 .cb = tu_count_cb,
+                                 .data = &done};
+        cr_assert_eq(kvt_tier_write(t, &ios[i]), 0);
+    }
+    cr_assert_eq(done, 0);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.inflight, N);
+    cr_assert(tu_drive(t, &done, N));
+    memset(bufs, 0, (size_t)N * LEN);
+    done = 0;
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0, "write %d: %s", i, kvt_strerror(ios[i].status));
+        cr_assert_eq(kvt_tier_read(t, &ios[i]), 0);
+    }
+    cr_assert(tu_drive(t, &done, N));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN - (size_t)i, (uint64_t)i), "block %d", i);
+    }
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.writes, N);
+    cr_assert_eq(u.reads, N);
+    cr_assert_eq(u.inflight, 0);
+    free(bufs);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+/* Flips one byte of the data file at off, with a plain descriptor of its own. */
+static void flip(const char *dir, uint64_t off)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/kvtier.data", dir);
+    int fd = open(p, O_RDWR);
+    cr_assert_geq(fd, 0);
+    uint8_t b;
+    cr_assert_eq(pread(fd, &b, 1, (off_t)off), 1);
+    b ^= 0x40;
+    cr_assert_eq(pwrite(fd, &b, 1, (off_t)off), 1);
+    cr_assert_eq(fsync(fd), 0);
+    close(fd);
+}
+
+Test(tier_nvme, flipped_bytes_read_as_a_counted_miss)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 8u << 20, 1u << 20, 8);
+    const uint32_t len = 100000;
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    /* Blocks 0..2 land at the start of segment 0, one after another: header region 4 KiB, then
+     * the payload rounded up to whole sectors. */
+    uint64_t locs[3];
+    for (int i = 0; i < 3; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, len, (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len, &locs[i]), 0);
+    }
+    uint64_t rec = 4096 + ((len + 4095) / 4096) * 4096;
+    flip(dir, 0 * rec + 4096 + 5000); /* block 0: payload */
+    flip(dir, 1 * rec + 32 + 64 + 8); /* block 1: a token in the header */
+    for (int i = 0; i < 3; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        memset(buf, 0x55, len);
+        int rc = tu_read(t, &k, locs[i], buf, len);
+        if (i < 2) {
+            cr_assert_eq(rc, KVT_ECORRUPT, "block %d: %s", i, kvt_strerror(rc));
+            for (uint32_t b = 0; b < len; b++)
+                cr_assert_eq(buf[b], 0, "a corrupt block hands out no bytes");
+        } else {
+            cr_assert_eq(rc, 0);
+            cr_assert(tu_same(buf, len, 2));
+        }
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.corrupt, 2);
+    cr_assert_eq(u.reads, 1);
+    /* A key that does not match the stored header is refused the same way. */
+    kvt_block_key_t k2 = tu_key(2, tok, 16);
+    tok[3] ^= 1;
+    cr_assert_eq(tu_read(t, &k2, locs[2], buf, len), KVT_ECORRUPT);
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme, a_full_file_system_gives_a_clear_error_and_changes_nothing)
+{
+    private_mounts();
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "tinyfs");
+    cr_assert_eq(mount("tmpfs", dir, "tmpfs", 0, "size=4m"), 0, "mount: %s", strerror(errno));
+    char sub[4200];
+    snprintf(sub, sizeof(sub), "%s/data", dir);
+    /* Preallocation that cannot fit: refused, and nothing is left behind. */
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {.dir = sub, .capacity_bytes = 16u << 20, .segment_bytes = 1u << 20};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_ENOSPC);
+    char data[4300];
+    snprintf(data, sizeof(data), "%s/kvtier.data", sub);
+    cr_assert_neq(access(data, F_OK), 0, "no data file left behind");
+    /* Sparse: the file system fills up under writes. */
+    c.sparse = 1;
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    const uint32_t len = 256u << 10;
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    uint64_t locs[64];
+    int n = 0, rc = 0;
+    for (; n < 64; n++) {
+        kvt_block_key_t k = tu_key((uint64_t)n, tok, 16);
+        tu_fill(buf, len, (uint64_t)n);
+        kvt_tier_usage_t before, after;
+        kvt_tier_usage(t, &before);
+        rc = tu_write(t, &k, buf, len, &locs[n]);
+        kvt_tier_usage(t, &after);
+        if (rc != 0) {
+            cr_assert_eq(after.used_bytes, before.used_bytes, "a failed write changes nothing");
+            cr_assert_eq(after.blocks, before.blocks);
+            cr_assert_eq(locs[n], 0);
+            break;
+        }
+    }
+    cr_assert_eq(rc, KVT_ENOSPC, "got %s after %d blocks", kvt_strerror(rc), n);
+    cr_assert_gt(n, 4);
+    for (int i = 0; i < n; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, len), 0);
+        cr_assert(tu_same(buf, len, (uint64_t)i));
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.blocks, (uint64_t)n);
+    free(buf);
+    kvt_tier_destroy(t);
+    umount(dir);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme, bad_configuration_is_refused)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {.dir = dir, .capacity_bytes = 1u << 20, .segment_bytes = 1u << 20};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL, "one segment is not a log");
+    c = (kvt_tier_nvme_conf_t){.dir = dir, .capacity_bytes = 8u << 20, .segment_bytes = 12345};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL);
+    c = (kvt_tier_nvme_conf_t){.dir = dir, .capacity_bytes = 8u << 20, .queue_depth = 1};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL);
+    c = (kvt_tier_nvme_conf_t){.dir = NULL, .capacity_bytes = 8u << 20};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL);
+    c = (kvt_tier_nvme_conf_t){.dir = dir, .capacity_bytes = 8u << 20, .direct = 5};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL);
+    /* A data file made with another geometry is left alone. */
+    c = (kvt_tier_nvme_conf_t){.dir = dir, .capacity_bytes = 8u << 20, .segment_bytes = 1u << 20};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    uint32_t tok[16];
+    kvt_block_key_t k = tu_key(1, tok, 16);
+    uint8_t buf[1000];
+    tu_fill(buf, sizeof(buf), 1);
+    uint64_t loc = 0;
+    cr_assert_eq(tu_write(t, &k, buf, sizeof(buf), &loc), 0);
+    kvt_tier_destroy(t);
+    c.segment_bytes = 2u << 20;
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL);
+    c.segment_bytes = 1u << 20;
+    c.capacity_bytes = 16u << 20;
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL);
+    c.capacity_bytes = 8u << 20;
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    memset(buf, 0, sizeof(buf));
+    cr_assert_eq(tu_read(t, &k, loc, buf, sizeof(buf)), 0, "the block survived the refusals");
+    cr_assert(tu_same(buf, sizeof(buf), 1));
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
