@@ -1,0 +1,295 @@
+/*
+ * cli.c: the kvtier command line, a thin layer on libkvtier. It owns argument parsing, turning
+ * token lists ("1-64 100 7") into arrays, and printing replies for people (and, with --json, for
+ * scripts). With no address flags it talks to ./kvtierd.sock, which is where a kvtierd started
+ * with no configuration in the same working directory listens. "kvtier replay ..." runs the
+ * trace replay of replay/ when this build has it.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvtier.h"
+
+#if KVT_HAVE_REPLAY
+#include "../replay/replay.h"
+#endif
+
+static void kvt_usage(FILE *f)
+{
+    fprintf(f, "usage: kvtier [options] COMMAND [args]\n"
+               "\n"
+               "commands:\n"
+               "  ping [COUNT]                 round trips to the daemon\n"
+               "  match TOKENS...              longest cached prefix, tier per page\n"
+               "  put TOKENS... [--fill BYTE]  cache the tokens; with --block-bytes also store\n"
+               "                               each page's bytes (BYTE repeated, default 0xab)\n"
+               "  get TOKENS... [--out FILE]   match with a lease and fetch the matched pages'\n"
+               "                               bytes (to FILE, or just counted)\n"
+               "  remove TOKENS...             drop the last page of TOKENS and what follows\n"
+               "  stats                        the daemon's counters\n"
+               "  replay ARGS...               the trace replay (kvtier replay --help)\n"
+               "\n"
+               "TOKENS are numbers and ranges: 1-64 100 7 (the range 1-64 is 64 tokens).\n"
+               "\n"
+               "options:\n"
+               "  --unix PATH        Unix socket (default ./kvtierd.sock)\n"
+               "  --tcp HOST:PORT    TCP instead of the Unix socket\n"
+               "  --secret S         shared secret (default: $KVTIER_SECRET)\n"
+               "  --model M          namespace model (default \"default\")\n"
+               "  --adapter A, --salt S\n"
+               "  --page N           tokens per page (default 16)\n"
+               "  --block-bytes N    KV bytes per page (default 0: index only)\n"
+               "  --lease-ms N       lease time limit for get (default: the daemon's)\n"
+               "  --timeout-ms N     per call (default 10000)\n");
+}
+
+static int kvt_parse_tokens(char **args, int n, uint32_t **out, uint32_t *count)
+{
+    size_t cap = 1024, len = 0;
+    uint32_t *t = malloc(cap * sizeof *t);
+    if (!t)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        char *end;
+        errno = 0;
+        unsigned long a = strtoul(args[i], &end, 10), b = a;
+        if (end == args[i] || errno || a > UINT32_MAX)
+            goto bad;
+        if (*end == '-') {
+            char *e2;
+            b = strtoul(end + 1, &e2, 10);
+            if (e2 == end + 1 || *e2 || b < a || b > UINT32_MAX || b - a > (1u << 24))
+                goto bad;
+        } else if (*end) {
+            goto bad;
+        }
+        for (unsigned long v = a; v <= b; v++) {
+            if (len == cap) {
+                cap *= 2;
+                uint32_t *nt = realloc(t, cap * sizeof *nt);
+                if (!nt) {
+                    free(t);
+                    return -1;
+                }
+                t = nt;
+            }
+            t[len++] = (uint32_t)v;
+        }
+        continue;
+    bad:
+        fprintf(stderr, "kvtier: bad token or range '%s'\n", args[i]);
+        free(t);
+        return -1;
+    }
+    *out = t;
+    *count = (uint32_t)len;
+    return 0;
+}
+
+static const char *const kvt_tier_names[] = {"none", "hbm", "dram", "nvme", "remote"};
+
+static const char *kvt_tname(unsigned t)
+{
+    return t < 5 ? kvt_tier_names[t] : "?";
+}
+
+static int kvt_fail(kvt_client_t *c, const char *what, int rc)
+{
+    const char *msg = kvt_client_errmsg(c);
+    fprintf(stderr, "kvtier: %s: %s%s%s\n", what, kvt_client_strerror(rc), *msg ? ": " : "", msg);
+    return 1;
+}
+
+static int kvt_print_stat(void *arg, const char *name, uint64_t v)
+{
+    (void)arg;
+    printf("%-28s %" PRIu64 "\n", name, v);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    kvt_client_conf_t conf = {.model = "default", .page_size = 16};
+    const char *out_path = NULL;
+    unsigned fill = 0xab;
+    uint32_t lease_ms = 0;
+    int i = 1;
+    conf.secret = getenv("KVTIER_SECRET");
+    for (; i < argc && !strncmp(argv[i], "--", 2); i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help")) {
+            kvt_usage(stdout);
+            return 0;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "kvtier: %s needs a value\n", a);
+            return 2;
+        }
+        const char *v = argv[++i];
+        if (!strcmp(a, "--unix"))
+            conf.unix_path = v;
+        else if (!strcmp(a, "--tcp"))
+            conf.tcp = v;
+        else if (!strcmp(a, "--secret"))
+            conf.secret = v;
+        else if (!strcmp(a, "--model"))
+            conf.model = v;
+        else if (!strcmp(a, "--adapter"))
+            conf.adapter = v;
+        else if (!strcmp(a, "--salt"))
+            conf.salt = v;
+        else if (!strcmp(a, "--page"))
+            conf.page_size = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(a, "--block-bytes"))
+            conf.block_bytes = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(a, "--lease-ms"))
+            lease_ms = (uint32_t)strtoul(v, NULL, 10);
+        else if (!strcmp(a, "--timeout-ms"))
+            conf.timeout_ms = (int)strtol(v, NULL, 10);
+        else {
+            fprintf(stderr, "kvtier: unknown option %s\n", a);
+            return 2;
+        }
+    }
+    if (i >= argc) {
+        kvt_usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[i++];
+    if (!strcmp(cmd, "replay")) {
+#if KVT_HAVE_REPLAY
+        return kvt_replay_main(argc - i + 1, argv + i - 1);
+#else
+        fprintf(stderr, "kvtier: this build has no replay\n");
+        return 2;
+#endif
+    }
+    /* Trailing command options (--fill, --out) may follow the tokens. */
+    int nargs = argc - i;
+    for (int k = i; k < argc; k++) {
+        if (!strcmp(argv[k], "--fill") && k + 1 < argc) {
+            fill = (unsigned)strtoul(argv[k + 1], NULL, 0) & 0xff;
+            nargs = (nargs < k - i ? nargs : k - i);
+        } else if (!strcmp(argv[k], "--out") && k + 1 < argc) {
+            out_path = argv[k + 1];
+            nargs = (nargs < k - i ? nargs : k - i);
+        }
+    }
+    kvt_client_t *c;
+    int rc = kvt_client_connect(&c, &conf);
+    if (rc < 0) {
+        fprintf(stderr, "kvtier: cannot reach kvtierd at %s%s: %s\n",
+                conf.unix_path || !conf.tcp ? "unix:" : "tcp:",
+                conf.unix_path ? conf.unix_path
+                : conf.tcp     ? conf.tcp
+                               : "kvtierd.sock",
+                kvt_client_strerror(rc));
+        return 1;
+    }
+    int status = 0;
+    uint32_t *tok = NULL, ntok = 0;
+    if (!strcmp(cmd, "ping")) {
+        long n = nargs > 0 ? strtol(argv[i], NULL, 10) : 1;
+        for (long k = 0; k < n && !status; k++) {
+            uint64_t rtt;
+            if ((rc = kvt_client_ping(c, &rtt)) < 0)
+                status = kvt_fail(c, "ping", rc);
+            else
+                printf("pong %.1f us\n", (double)rtt / 1000.0);
+        }
+    } else if (!strcmp(cmd, "stats")) {
+        if ((rc = kvt_client_stats(c, kvt_print_stat, NULL)) < 0)
+            status = kvt_fail(c, "stats", rc);
+    } else if (!strcmp(cmd, "match") || !strcmp(cmd, "put") || !strcmp(cmd, "get") ||
+               !strcmp(cmd, "remove")) {
+        if (kvt_parse_tokens(argv + i, nargs, &tok, &ntok) < 0) {
+            kvt_client_close(c);
+            return 2;
+        }
+        uint32_t pages = ntok / conf.page_size;
+        if (!strcmp(cmd, "match")) {
+            uint8_t *tiers = malloc(pages + 1);
+            kvt_client_match_t m = {.tiers = tiers, .tiers_cap = pages};
+            if ((rc = kvt_client_match(c, tok, ntok, 0, 0, NULL, &m)) < 0) {
+                status = kvt_fail(c, "match", rc);
+            } else {
+                printf("matched %u of %u tokens (%u pages)\n", m.tokens, ntok, m.pages);
+                for (uint32_t p = 0; p < m.pages; p++)
+                    printf("  page %u: %s\n", p, kvt_tname(tiers[p]));
+            }
+            free(tiers);
+        } else if (!strcmp(cmd, "put")) {
+            uint8_t *payload = NULL;
+            uint32_t np = conf.block_bytes ? pages : 0;
+            if (np) {
+                payload = malloc((size_t)np * conf.block_bytes);
+                if (!payload) {
+                    fprintf(stderr, "kvtier: out of memory\n");
+                    status = 1;
+                    goto out;
+                }
+                memset(payload, (int)fill, (size_t)np * conf.block_bytes);
+            }
+            kvt_client_put_t r;
+            if ((rc = kvt_client_put(c, tok, ntok, 0, np, payload, NULL, &r)) < 0)
+                status = kvt_fail(c, "put", rc);
+            else
+                printf("put %u pages: %u new, %u stored, %u skipped\n", r.pages, r.new_pages,
+                       r.stored, r.skipped);
+            free(payload);
+        } else if (!strcmp(cmd, "get")) {
+            kvt_client_match_t m = {0};
+            if (!conf.block_bytes) {
+                fprintf(stderr, "kvtier: get needs --block-bytes (the namespace's block size)\n");
+                status = 2;
+            } else if ((rc = kvt_client_match(c, tok, ntok, KVT_CLIENT_LEASE, lease_ms, NULL, &m)) <
+                       0) {
+                status = kvt_fail(c, "match", rc);
+            } else if (m.pages == 0) {
+                printf("nothing cached for these tokens\n");
+            } else {
+                size_t cap = (size_t)m.pages * conf.block_bytes;
+                uint8_t *buf = malloc(cap), *tiers = malloc(m.pages);
+                uint32_t got = 0;
+                if (!buf || !tiers) {
+                    fprintf(stderr, "kvtier: out of memory\n");
+                    status = 1;
+                } else if ((rc = kvt_client_get(c, m.lease, 0, 0, buf, cap, &got, tiers)) < 0) {
+                    status = kvt_fail(c, "get", rc);
+                } else {
+                    printf("got %u pages, %zu bytes\n", got, (size_t)got * conf.block_bytes);
+                    for (uint32_t p = 0; p < got; p++)
+                        printf("  page %u: from %s\n", p, kvt_tname(tiers[p]));
+                    if (out_path) {
+                        FILE *f = fopen(out_path, "wb");
+                        if (!f || fwrite(buf, conf.block_bytes, got, f) != got) {
+                            fprintf(stderr, "kvtier: writing %s: %s\n", out_path, strerror(errno));
+                            status = 1;
+                        }
+                        if (f)
+                            fclose(f);
+                    }
+                }
+                kvt_client_release(c, m.lease, NULL);
+                free(buf);
+                free(tiers);
+            }
+        } else {
+            if ((rc = kvt_client_remove(c, tok, ntok)) < 0)
+                status = kvt_fail(c, "remove", rc);
+            else
+                printf("removed\n");
+        }
+    } else {
+        fprintf(stderr, "kvtier: unknown command '%s'\n", cmd);
+        kvt_usage(stderr);
+        status = 2;
+    }
+out:
+    free(tok);
+    kvt_client_close(c);
+    return status;
+}

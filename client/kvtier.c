@@ -1,0 +1,923 @@
+/*
+ * kvtier.c: libkvtier. It owns one socket per client, a buffered reader over it, the request
+ * encoders and reply decoders (on top of server/proto.h, the one definition of the wire format),
+ * and the batch's pipelining loop, which writes queued frames and reads replies in the same poll
+ * loop so that a batch larger than the socket buffers never deadlocks against a daemon that has
+ * stopped reading until its replies drain.
+ */
+#include "kvtier.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "../common/common.h"
+#include "../server/proto.h"
+
+#define KVT_SAME(a, b) ((int)(a) == (int)(b))
+_Static_assert(KVT_SAME(KVT_CLIENT_LEASE, KVT_MATCH_F_LEASE) &&
+                   KVT_SAME(KVT_CLIENT_REMOTE, KVT_MATCH_F_REMOTE) &&
+                   KVT_SAME(KVT_CLIENT_PROBE, KVT_MATCH_F_PROBE),
+               "MATCH flags agree with the wire");
+_Static_assert(KVT_SAME(KVT_CLIENT_HINT_PAUSED, KVT_HINT_PAUSED) &&
+                   KVT_SAME(KVT_CLIENT_HINT_FINISHED, KVT_HINT_FINISHED),
+               "hint flags agree with the wire");
+_Static_assert(KVT_SAME(KVT_CLIENT_EINVAL, KVT_EINVAL) &&
+                   KVT_SAME(KVT_CLIENT_ECLOSED, KVT_ECLOSED) &&
+                   KVT_SAME(KVT_CLIENT_ETOOBIG, KVT_ETOOBIG) &&
+                   KVT_SAME(KVT_CLIENT_EAUTH, KVT_EAUTH),
+               "status codes agree with common.h");
+
+struct kvt_client {
+    int fd;
+    int timeout_ms;
+    int broken;
+    uint64_t next_id;
+    uint32_t page_size, block_bytes, max_frame;
+    uint64_t seed;
+    unsigned tiers;
+    char errmsg[KVT_PROTO_ERRMSG_MAX + 1];
+    uint8_t *in; /* buffered input: [in_pos, in_len) not yet consumed */
+    size_t in_pos, in_len, in_cap;
+    uint8_t *out; /* the request being built */
+    size_t out_cap;
+};
+
+const char *kvt_client_strerror(int err)
+{
+    return kvt_strerror(err);
+}
+
+const char *kvt_client_errmsg(const kvt_client_t *c)
+{
+    return c ? c->errmsg : "";
+}
+
+uint64_t kvt_client_ns_seed(const kvt_client_t *c)
+{
+    return c->seed;
+}
+
+unsigned kvt_client_tiers(const kvt_client_t *c)
+{
+    return c->tiers;
+}
+
+static int kvt_grow(uint8_t **p, size_t *cap, size_t need)
+{
+    if (need <= *cap)
+        return 0;
+    size_t nc = *cap ? *cap : 4096;
+    while (nc < need)
+        nc *= 2;
+    uint8_t *np = realloc(*p, nc);
+    if (!np)
+        return KVT_ENOMEM;
+    *p = np;
+    *cap = nc;
+    return 0;
+}
+
+static int kvt_fail(kvt_client_t *c, int err)
+{
+    c->broken = 1;
+    return err;
+}
+
+static int kvt_wait(kvt_client_t *c, short ev, uint64_t deadline)
+{
+    for (;;) {
+        uint64_t now = kvt_now_ns();
+        if (now >= deadline)
+            return KVT_ETIMEDOUT;
+        struct pollfd p = {.fd = c->fd, .events = ev};
+        int n = poll(&p, 1, (int)((deadline - now) / 1000000) + 1);
+        if (n > 0)
+            return 0;
+        if (n < 0 && errno != EINTR)
+            return -errno;
+    }
+}
+
+static uint64_t kvt_deadline(const kvt_client_t *c)
+{
+    return kvt_now_ns() + (uint64_t)c->timeout_ms * 1000000;
+}
+
+static int kvt_send(kvt_client_t *c, const uint8_t *p, size_t len, uint64_t deadline)
+{
+    while (len > 0) {
+        ssize_t n = send(c->fd, p, len, MSG_NOSIGNAL);
+        if (n > 0) {
+            p += n;
+            len -= (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno != EAGAIN)
+            return kvt_fail(c, -errno);
+        int rc = kvt_wait(c, POLLOUT, deadline);
+        if (rc < 0)
+            return kvt_fail(c, rc);
+    }
+    return 0;
+}
+
+/* Reads whatever the socket has (at least one byte, waiting until deadline). */
+static int kvt_fill(kvt_client_t *c, uint64_t deadline, int wait)
+{
+    if (c->in_pos > 0 && c->in_pos == c->in_len)
+        c->in_pos = c->in_len = 0;
+    if (c->in_cap - c->in_len < 65536) {
+        if (c->in_pos > 0) {
+            memmove(c->in, c->in + c->in_pos, c->in_len - c->in_pos);
+            c->in_len -= c->in_pos;
+            c->in_pos = 0;
+        }
+        if (kvt_grow(&c->in, &c->in_cap, c->in_len + 65536) < 0)
+            return kvt_fail(c, KVT_ENOMEM);
+    }
+    for (;;) {
+        ssize_t n = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
+        if (n > 0) {
+            c->in_len += (size_t)n;
+            return 0;
+        }
+        if (n == 0)
+            return kvt_fail(c, KVT_ECLOSED);
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN)
+            return kvt_fail(c, -errno);
+        if (!wait)
+            return KVT_EAGAIN;
+        int rc = kvt_wait(c, POLLIN, deadline);
+        if (rc < 0)
+            return kvt_fail(c, rc);
+    }
+}
+
+/* Makes n bytes available at c->in + c->in_pos. */
+static int kvt_need(kvt_client_t *c, size_t n, uint64_t deadline)
+{
+    if (c->in_len - c->in_pos >= n)
+        return 0;
+    if (c->in_pos > 0) {
+        memmove(c->in, c->in + c->in_pos, c->in_len - c->in_pos);
+        c->in_len -= c->in_pos;
+        c->in_pos = 0;
+    }
+    if (kvt_grow(&c->in, &c->in_cap, n) < 0)
+        return kvt_fail(c, KVT_ENOMEM);
+    while (c->in_len - c->in_pos < n) {
+        int rc = kvt_fill(c, deadline, 1);
+        if (rc < 0)
+            return rc;
+    }
+    return 0;
+}
+
+/* Checks a reply header against the request it must answer. */
+static int kvt_check_reply(kvt_client_t *c, const kvt_proto_hdr_t *h, unsigned op, uint64_t id)
+{
+    if (kvt_proto_hdr_check(h, UINT32_MAX) < 0 || h->opcode != (op | KVT_OP_REPLY) ||
+        h->request_id != id)
+        return kvt_fail(c, KVT_EPROTO);
+    return 0;
+}
+
+/* Reads one whole frame; *body points into the input buffer until the next read. */
+static int kvt_read_frame(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body,
+                          uint64_t deadline)
+{
+    int rc = kvt_need(c, KVT_PROTO_HDR, deadline);
+    if (rc < 0)
+        return rc;
+    kvt_proto_hdr_decode(c->in + c->in_pos, h);
+    if (kvt_proto_hdr_check(h, UINT32_MAX) < 0)
+        return kvt_fail(c, KVT_EPROTO);
+    if ((rc = kvt_need(c, KVT_PROTO_HDR + (size_t)h->body_len, deadline)) < 0)
+        return rc;
+    *body = c->in + c->in_pos + KVT_PROTO_HDR;
+    c->in_pos += KVT_PROTO_HDR + (size_t)h->body_len;
+    return 0;
+}
+
+static void kvt_set_errmsg(kvt_client_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
+{
+    size_t n = KVT_MIN((size_t)h->body_len, sizeof c->errmsg - 1);
+    memcpy(c->errmsg, body, n);
+    c->errmsg[n] = 0;
+}
+
+/* One request, one reply: returns the reply's status, its body in *body (len *len). */
+static int kvt_call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                    const void *b2, size_t l2, const void *b3, size_t l3, const uint8_t **body,
+                    uint32_t *len)
+{
+    if (c->broken)
+        return KVT_ECLOSED;
+    size_t blen = l1 + l2 + l3;
+    if (blen > UINT32_MAX || blen > c->max_frame)
+        return KVT_ETOOBIG;
+    c->errmsg[0] = 0;
+    uint64_t id = c->next_id++, deadline = kvt_deadline(c);
+    uint8_t hdr[KVT_PROTO_HDR];
+    kvt_proto_frame(hdr, op, flags, id, 0, (uint32_t)blen);
+    /* Small requests go out in one send; a big payload is sent from the caller's memory. */
+    if (kvt_grow(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2) < 0)
+        return KVT_ENOMEM;
+    memcpy(c->out, hdr, KVT_PROTO_HDR);
+    if (l1)
+        memcpy(c->out + KVT_PROTO_HDR, b1, l1);
+    if (l2)
+        memcpy(c->out + KVT_PROTO_HDR + l1, b2, l2);
+    int rc = kvt_send(c, c->out, KVT_PROTO_HDR + l1 + l2, deadline);
+    if (rc == 0 && l3)
+        rc = kvt_send(c, b3, l3, deadline);
+    if (rc < 0)
+        return rc;
+    kvt_proto_hdr_t h;
+    if ((rc = kvt_read_frame(c, &h, body, deadline)) < 0)
+        return rc;
+    if ((rc = kvt_check_reply(c, &h, op, id)) < 0)
+        return rc;
+    *len = h.body_len;
+    if (h.status < 0) {
+        kvt_set_errmsg(c, &h, *body);
+        return h.status;
+    }
+    return 0;
+}
+
+static int kvt_connect_fd(const kvt_client_conf_t *conf)
+{
+    if (conf->unix_path || !conf->tcp) {
+        const char *path = conf->unix_path ? conf->unix_path : KVT_DEFAULT_UNIX_PATH;
+        struct sockaddr_un sun = {.sun_family = AF_UNIX};
+        if (strlen(path) >= sizeof sun.sun_path)
+            return KVT_EINVAL;
+        strcpy(sun.sun_path, path);
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            return -errno;
+        if (connect(fd, (struct sockaddr *)&sun, sizeof sun) < 0) {
+            int e = -errno;
+            close(fd);
+            return e;
+        }
+        return fd;
+    }
+    const char *colon = strrchr(conf->tcp, ':');
+    char host[256];
+    if (!colon || colon == conf->tcp || (size_t)(colon - conf->tcp) >= sizeof host)
+        return KVT_EINVAL;
+    memcpy(host, conf->tcp, (size_t)(colon - conf->tcp));
+    host[colon - conf->tcp] = 0;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *ai, *p;
+    if (getaddrinfo(host, colon + 1, &hints, &ai) != 0)
+        return KVT_EINVAL;
+    int fd = -ECONNREFUSED;
+    for (p = ai; p; p = p->ai_next) {
+        fd = socket(p->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) {
+            fd = -errno;
+            continue;
+        }
+        if (connect(fd, p->ai_addr, p->ai_addrlen) == 0)
+            break;
+        int e = -errno;
+        close(fd);
+        fd = e;
+    }
+    freeaddrinfo(ai);
+    if (fd >= 0) {
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    }
+    return fd;
+}
+
+int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
+{
+    if (!out || !conf || !conf->model || !*conf->model ||
+        strlen(conf->model) > KVT_PROTO_NAME_MAX || conf->page_size == 0 ||
+        conf->page_size > 1024 || (conf->adapter && strlen(conf->adapter) > KVT_PROTO_NAME_MAX) ||
+        (conf->salt && strlen(conf->salt) > KVT_PROTO_NAME_MAX) ||
+        (conf->secret && strlen(conf->secret) > KVT_PROTO_SECRET_MAX) || conf->timeout_ms < 0)
+        return KVT_EINVAL;
+    kvt_client_t *c = calloc(1, sizeof *c);
+    if (!c)
+        return KVT_ENOMEM;
+    c->timeout_ms = conf->timeout_ms ? conf->timeout_ms : 10000;
+    c->next_id = 1;
+    c->max_frame = KVT_PROTO_MAX_FRAME_DEFAULT;
+    c->fd = kvt_connect_fd(conf);
+    if (c->fd < 0) {
+        int rc = c->fd;
+        free(c);
+        return rc;
+    }
+    fcntl(c->fd, F_SETFL, fcntl(c->fd, F_GETFL) | O_NONBLOCK);
+    const uint8_t *body;
+    uint32_t len;
+    int rc;
+    if (conf->secret && (rc = kvt_call(c, KVT_OP_AUTH, 0, conf->secret, strlen(conf->secret), NULL,
+                                       0, NULL, 0, &body, &len)) < 0)
+        goto fail;
+    size_t ml = strlen(conf->model), al = conf->adapter ? strlen(conf->adapter) : 0,
+           sl = conf->salt ? strlen(conf->salt) : 0;
+    kvt_wire_hello_t w = {
+        .min_version = htole16(KVT_PROTO_VERSION),
+        .max_version = htole16(KVT_PROTO_VERSION),
+        .page_size = htole32(conf->page_size),
+        .block_bytes = htole32(conf->block_bytes),
+        .model_len = htole16((uint16_t)ml),
+        .adapter_len = htole16((uint16_t)al),
+        .salt_len = htole16((uint16_t)sl),
+    };
+    char names[3 * KVT_PROTO_NAME_MAX];
+    memcpy(names, conf->model, ml);
+    if (al)
+        memcpy(names + ml, conf->adapter, al);
+    if (sl)
+        memcpy(names + ml + al, conf->salt, sl);
+    rc = kvt_call(c, KVT_OP_HELLO, 0, &w, sizeof w, names, ml + al + sl, NULL, 0, &body, &len);
+    if (rc < 0)
+        goto fail;
+    kvt_wire_hello_reply_t r;
+    if (len != sizeof r) {
+        rc = KVT_EPROTO;
+        goto fail;
+    }
+    memcpy(&r, body, sizeof r);
+    c->seed = le64toh(r.ns_seed);
+    c->tiers = le16toh(r.tiers);
+    c->max_frame = le32toh(r.max_frame);
+    c->page_size = conf->page_size;
+    c->block_bytes = conf->block_bytes;
+    *out = c;
+    return 0;
+fail:
+    kvt_client_close(c);
+    return rc;
+}
+
+void kvt_client_close(kvt_client_t *c)
+{
+    if (!c)
+        return;
+    close(c->fd);
+    free(c->in);
+    free(c->out);
+    free(c);
+}
+
+int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns)
+{
+    if (!c)
+        return KVT_EINVAL;
+    static const char payload[] = "kvtier-ping";
+    uint64_t t0 = kvt_now_ns();
+    const uint8_t *body;
+    uint32_t len;
+    int rc = kvt_call(c, KVT_OP_PING, 0, payload, sizeof payload, NULL, 0, NULL, 0, &body, &len);
+    if (rc < 0)
+        return rc;
+    if (len != sizeof payload || memcmp(body, payload, len) != 0)
+        return kvt_fail(c, KVT_EPROTO);
+    if (rtt_ns)
+        *rtt_ns = kvt_now_ns() - t0;
+    return 0;
+}
+
+static void kvt_hints_wire(const kvt_client_hints_t *h, kvt_wire_hints_t *w)
+{
+    kvt_proto_hints_t p = {0};
+    if (h) {
+        p.engine_request_id = h->engine_request_id;
+        p.resume_ms = h->resume_ms;
+        p.priority = h->priority;
+        p.flags = h->flags;
+    }
+    kvt_proto_hints_to_wire(&p, w);
+}
+
+static int kvt_tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, uint8_t **out)
+{
+    /* The wire is little-endian: on such hosts the caller's array goes out as it is. */
+#if __BYTE_ORDER == __LITTLE_ENDIAN
+    (void)c;
+    *out = (uint8_t *)(uintptr_t)tokens;
+    (void)n;
+    return 0;
+#else
+    uint8_t *p = malloc((size_t)n * 4 + 1);
+    if (!p)
+        return KVT_ENOMEM;
+    for (uint32_t i = 0; i < n; i++)
+        kvt_put_u32(p + 4 * i, tokens[i]);
+    *out = p;
+    return 1;
+#endif
+}
+
+static int kvt_match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *res)
+{
+    kvt_wire_match_reply_t r;
+    if (len < sizeof r)
+        return KVT_EPROTO;
+    memcpy(&r, body, sizeof r);
+    uint32_t pages = le32toh(r.pages);
+    if (len != sizeof r + pages)
+        return KVT_EPROTO;
+    res->tokens = le32toh(r.tokens);
+    res->pages = pages;
+    res->remote_pages = le32toh(r.remote_pages);
+    res->lease = le64toh(r.lease);
+    if (res->tiers)
+        memcpy(res->tiers, body + sizeof r, KVT_MIN(pages, res->tiers_cap));
+    return 0;
+}
+
+int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res)
+{
+    if (!c || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
+        return KVT_EINVAL;
+    kvt_wire_match_t w = {.lease_ms = htole32(lease_ms), .ntokens = htole32(ntokens)};
+    kvt_hints_wire(hints, &w.hints);
+    uint8_t *tw;
+    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    const uint8_t *body;
+    uint32_t len;
+    int rc = kvt_call(c, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, NULL, 0, tw,
+                      (size_t)ntokens * 4, &body, &len);
+    if (own)
+        free(tw);
+    if (rc < 0)
+        return rc;
+    if (kvt_match_parse(body, len, res) < 0)
+        return kvt_fail(c, KVT_EPROTO);
+    return 0;
+}
+
+static int kvt_put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
+{
+    kvt_wire_put_reply_t r;
+    if (len != sizeof r)
+        return KVT_EPROTO;
+    memcpy(&r, body, sizeof r);
+    if (res) {
+        res->pages = le32toh(r.pages);
+        res->new_pages = le32toh(r.new_pages);
+        res->stored = le32toh(r.stored);
+        res->skipped = le32toh(r.skipped);
+    }
+    return 0;
+}
+
+int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                   kvt_client_put_t *res)
+{
+    if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
+        return KVT_EINVAL;
+    kvt_wire_put_t w = {
+        .ntokens = htole32(ntokens),
+        .first_page = htole32(first_page),
+        .npayload = htole32(npages),
+    };
+    kvt_hints_wire(hints, &w.hints);
+    uint8_t *tw;
+    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    const uint8_t *body;
+    uint32_t len;
+    int rc = kvt_call(c, KVT_OP_PUT, 0, &w, sizeof w, tw, (size_t)ntokens * 4, payload,
+                      (size_t)npages * c->block_bytes, &body, &len);
+    if (own)
+        free(tw);
+    if (rc < 0)
+        return rc;
+    if (kvt_put_parse(body, len, res) < 0)
+        return kvt_fail(c, KVT_EPROTO);
+    return 0;
+}
+
+int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                      kvt_client_block_cb cb, void *arg, uint32_t *got)
+{
+    if (!c || !cb)
+        return KVT_EINVAL;
+    if (c->broken)
+        return KVT_ECLOSED;
+    c->errmsg[0] = 0;
+    kvt_wire_get_t w = {
+        .lease = htole64(lease), .first_page = htole32(first_page), .npages = htole32(npages)};
+    uint64_t id = c->next_id++, deadline = kvt_deadline(c);
+    uint8_t frame[KVT_PROTO_HDR + sizeof w];
+    kvt_proto_frame(frame, KVT_OP_GET, 0, id, 0, sizeof w);
+    memcpy(frame + KVT_PROTO_HDR, &w, sizeof w);
+    int rc = kvt_send(c, frame, sizeof frame, deadline);
+    if (rc < 0)
+        return rc;
+    int stop = 0;
+    uint32_t n = 0;
+    for (;;) {
+        kvt_proto_hdr_t h;
+        const uint8_t *body;
+        /* Each block frame restarts the clock: a long GET is fine while data flows. */
+        if ((rc = kvt_read_frame(c, &h, &body, kvt_deadline(c))) < 0)
+            return rc;
+        if ((rc = kvt_check_reply(c, &h, KVT_OP_GET, id)) < 0)
+            return rc;
+        if (!(h.flags & KVT_RF_MORE)) {
+            if (got)
+                *got = n;
+            if (h.status < 0) {
+                kvt_set_errmsg(c, &h, body);
+                return h.status;
+            }
+            if (h.body_len != sizeof(kvt_wire_get_end_t) || kvt_get_u32(body) != n)
+                return kvt_fail(c, KVT_EPROTO);
+            return stop;
+        }
+        if (h.body_len < sizeof(kvt_wire_get_data_t))
+            return kvt_fail(c, KVT_EPROTO);
+        kvt_wire_get_data_t d;
+        memcpy(&d, body, sizeof d);
+        if (!stop)
+            stop =
+                cb(arg, le32toh(d.page), d.tier, body + sizeof d, h.body_len - (uint32_t)sizeof d);
+        n++;
+    }
+}
+
+typedef struct kvt_get_buf {
+    uint8_t *buf;
+    size_t cap, off;
+    uint8_t *tiers;
+    uint32_t i, first;
+} kvt_get_buf_t;
+
+static int kvt_get_into(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    kvt_get_buf_t *g = arg;
+    if (g->off + len > g->cap || page != g->first + g->i)
+        return KVT_ETOOBIG;
+    memcpy(g->buf + g->off, data, len);
+    g->off += len;
+    if (g->tiers)
+        g->tiers[g->i] = (uint8_t)tier;
+    g->i++;
+    return 0;
+}
+
+int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages, void *buf,
+                   size_t cap, uint32_t *got, uint8_t *tiers)
+{
+    if (!c || (!buf && cap))
+        return KVT_EINVAL;
+    kvt_get_buf_t g = {.buf = buf, .cap = cap, .tiers = tiers, .first = first_page};
+    return kvt_client_get_cb(c, lease, first_page, npages, kvt_get_into, &g, got);
+}
+
+int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
+                        uint32_t deadline_ms, kvt_client_prefetch_t *res)
+{
+    if (!c || (ntokens && !tokens))
+        return KVT_EINVAL;
+    kvt_wire_prefetch_t w = {
+        .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
+    uint8_t *tw;
+    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    const uint8_t *body;
+    uint32_t len;
+    int rc = kvt_call(c, KVT_OP_PREFETCH, 0, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, &body,
+                      &len);
+    if (own)
+        free(tw);
+    if (rc < 0)
+        return rc;
+    kvt_wire_prefetch_reply_t r;
+    if (len != sizeof r)
+        return kvt_fail(c, KVT_EPROTO);
+    memcpy(&r, body, sizeof r);
+    if (res) {
+        res->pages = le32toh(r.pages);
+        res->moved = le32toh(r.moved);
+        res->resident = le32toh(r.resident);
+        res->failed = le32toh(r.failed);
+    }
+    return 0;
+}
+
+int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released)
+{
+    if (!c)
+        return KVT_EINVAL;
+    kvt_wire_release_t w = {.lease = htole64(lease)};
+    const uint8_t *body;
+    uint32_t len;
+    int rc = kvt_call(c, KVT_OP_RELEASE, 0, &w, sizeof w, NULL, 0, NULL, 0, &body, &len);
+    if (rc < 0)
+        return rc;
+    if (len != sizeof(kvt_wire_release_reply_t))
+        return kvt_fail(c, KVT_EPROTO);
+    if (released)
+        *released = kvt_get_u32(body) != 0;
+    return 0;
+}
+
+int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
+{
+    if (!c || (ntokens && !tokens))
+        return KVT_EINVAL;
+    kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
+    uint8_t *tw;
+    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    const uint8_t *body;
+    uint32_t len;
+    int rc =
+        kvt_call(c, KVT_OP_REMOVE, 0, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, &body, &len);
+    if (own)
+        free(tw);
+    return rc;
+}
+
+int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg)
+{
+    if (!c || !cb)
+        return KVT_EINVAL;
+    const uint8_t *body;
+    uint32_t len;
+    int rc = kvt_call(c, KVT_OP_STATS, 0, NULL, 0, NULL, 0, NULL, 0, &body, &len);
+    if (rc < 0)
+        return rc;
+    if (len < 4)
+        return kvt_fail(c, KVT_EPROTO);
+    uint32_t n = kvt_get_u32(body);
+    size_t off = 4;
+    for (uint32_t i = 0; i < n; i++) {
+        if (off + 1 > len || off + 1 + body[off] + 8 > len)
+            return kvt_fail(c, KVT_EPROTO);
+        char name[256];
+        uint8_t nl = body[off];
+        memcpy(name, body + off + 1, nl);
+        name[nl] = 0;
+        uint64_t v = kvt_get_u64(body + off + 1 + nl);
+        off += 1 + nl + 8;
+        if (cb(arg, name, v))
+            break;
+    }
+    return 0;
+}
+
+/* ---- batches ---- */
+
+typedef struct kvt_batch_ent {
+    unsigned op;
+    uint64_t id;
+    int *status;
+    void *res;
+} kvt_batch_ent_t;
+
+struct kvt_batch {
+    kvt_client_t *c;
+    uint8_t *out;
+    size_t out_len, out_cap;
+    kvt_batch_ent_t *ents;
+    size_t n, cap;
+};
+
+int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c)
+{
+    if (!out || !c)
+        return KVT_EINVAL;
+    kvt_batch_t *b = calloc(1, sizeof *b);
+    if (!b)
+        return KVT_ENOMEM;
+    b->c = c;
+    *out = b;
+    return 0;
+}
+
+void kvt_batch_destroy(kvt_batch_t *b)
+{
+    if (!b)
+        return;
+    free(b->out);
+    free(b->ents);
+    free(b);
+}
+
+void kvt_batch_reset(kvt_batch_t *b)
+{
+    b->out_len = 0;
+    b->n = 0;
+}
+
+size_t kvt_batch_size(const kvt_batch_t *b)
+{
+    return b->n;
+}
+
+static int kvt_batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void *p1, size_t l1,
+                         const void *p2, size_t l2, const void *p3, size_t l3, void *res,
+                         int *status)
+{
+    size_t blen = l1 + l2 + l3;
+    if (blen > b->c->max_frame)
+        return KVT_ETOOBIG;
+    if (b->n == b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 64;
+        kvt_batch_ent_t *e = realloc(b->ents, cap * sizeof *e);
+        if (!e)
+            return KVT_ENOMEM;
+        b->ents = e;
+        b->cap = cap;
+    }
+    if (kvt_grow(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen) < 0)
+        return KVT_ENOMEM;
+    uint64_t id = b->c->next_id++;
+    uint8_t *f = b->out + b->out_len;
+    kvt_proto_frame(f, op, flags, id, 0, (uint32_t)blen);
+    f += KVT_PROTO_HDR;
+    if (l1)
+        memcpy(f, p1, l1);
+    if (l2)
+        memcpy(f + l1, p2, l2);
+    if (l3)
+        memcpy(f + l1 + l2, p3, l3);
+    b->out_len += KVT_PROTO_HDR + blen;
+    b->ents[b->n++] = (kvt_batch_ent_t){.op = op, .id = id, .status = status, .res = res};
+    if (status)
+        *status = KVT_EAGAIN; /* until run */
+    return 0;
+}
+
+int kvt_batch_ping(kvt_batch_t *b, int *status)
+{
+    if (!b)
+        return KVT_EINVAL;
+    return kvt_batch_add(b, KVT_OP_PING, 0, NULL, 0, NULL, 0, NULL, 0, NULL, status);
+}
+
+int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                    uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
+                    int *status)
+{
+    if (!b || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
+        return KVT_EINVAL;
+    kvt_wire_match_t w = {.lease_ms = htole32(lease_ms), .ntokens = htole32(ntokens)};
+    kvt_hints_wire(hints, &w.hints);
+    uint8_t *tw;
+    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    int rc = kvt_batch_add(b, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, tw, (size_t)ntokens * 4,
+                           NULL, 0, res, status);
+    if (own)
+        free(tw);
+    return rc;
+}
+
+int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                  uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                  kvt_client_put_t *res, int *status)
+{
+    if (!b || (ntokens && !tokens) || (npages && (!payload || !b->c->block_bytes)))
+        return KVT_EINVAL;
+    kvt_wire_put_t w = {
+        .ntokens = htole32(ntokens),
+        .first_page = htole32(first_page),
+        .npayload = htole32(npages),
+    };
+    kvt_hints_wire(hints, &w.hints);
+    uint8_t *tw;
+    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    int rc = kvt_batch_add(b, KVT_OP_PUT, 0, &w, sizeof w, tw, (size_t)ntokens * 4, payload,
+                           (size_t)npages * b->c->block_bytes, res, status);
+    if (own)
+        free(tw);
+    return rc;
+}
+
+int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)
+{
+    if (!b)
+        return KVT_EINVAL;
+    kvt_wire_release_t w = {.lease = htole64(lease)};
+    return kvt_batch_add(b, KVT_OP_RELEASE, 0, &w, sizeof w, NULL, 0, NULL, 0, NULL, status);
+}
+
+static int kvt_batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto_hdr_t *h,
+                           const uint8_t *body)
+{
+    kvt_client_t *c = b->c;
+    if (kvt_check_reply(c, h, e->op, e->id) < 0)
+        return KVT_EPROTO;
+    int st = h->status;
+    if (st < 0) {
+        kvt_set_errmsg(c, h, body);
+    } else if (e->op == KVT_OP_MATCH) {
+        if (kvt_match_parse(body, h->body_len, e->res) < 0)
+            return kvt_fail(c, KVT_EPROTO);
+    } else if (e->op == KVT_OP_PUT) {
+        if (kvt_put_parse(body, h->body_len, e->res) < 0)
+            return kvt_fail(c, KVT_EPROTO);
+    }
+    if (e->status)
+        *e->status = st;
+    return 0;
+}
+
+int kvt_batch_run(kvt_batch_t *b)
+{
+    if (!b)
+        return KVT_EINVAL;
+    kvt_client_t *c = b->c;
+    if (c->broken)
+        return KVT_ECLOSED;
+    size_t sent = 0, done = 0;
+    uint64_t deadline = kvt_deadline(c);
+    int rc = 0;
+    while (done < b->n) {
+        if (sent < b->out_len) {
+            ssize_t n = send(c->fd, b->out + sent, b->out_len - sent, MSG_NOSIGNAL);
+            if (n > 0) {
+                sent += (size_t)n;
+                deadline = kvt_deadline(c);
+            } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+                rc = kvt_fail(c, -errno);
+                break;
+            }
+        }
+        /* Take every whole reply already buffered. */
+        int progressed = 0;
+        while (done < b->n && c->in_len - c->in_pos >= KVT_PROTO_HDR) {
+            kvt_proto_hdr_t h;
+            kvt_proto_hdr_decode(c->in + c->in_pos, &h);
+            if (kvt_proto_hdr_check(&h, UINT32_MAX) < 0) {
+                rc = kvt_fail(c, KVT_EPROTO);
+                break;
+            }
+            size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
+            if (c->in_len - c->in_pos < frame) {
+                if (kvt_grow(&c->in, &c->in_cap, c->in_pos + frame) < 0)
+                    rc = kvt_fail(c, KVT_ENOMEM);
+                break;
+            }
+            const uint8_t *body = c->in + c->in_pos + KVT_PROTO_HDR;
+            c->in_pos += frame;
+            if ((rc = kvt_batch_reply(b, &b->ents[done], &h, body)) < 0)
+                break;
+            done++;
+            progressed = 1;
+        }
+        if (rc < 0 || done == b->n)
+            break;
+        rc = kvt_fill(c, deadline, 0);
+        if (rc == 0) {
+            deadline = kvt_deadline(c);
+            continue;
+        }
+        if (rc != KVT_EAGAIN)
+            break;
+        rc = 0;
+        if (progressed)
+            continue;
+        struct pollfd p = {.fd = c->fd, .events = POLLIN | (sent < b->out_len ? POLLOUT : 0)};
+        uint64_t now = kvt_now_ns();
+        if (now >= deadline) {
+            rc = kvt_fail(c, KVT_ETIMEDOUT);
+            break;
+        }
+        if (poll(&p, 1, (int)((deadline - now) / 1000000) + 1) < 0 && errno != EINTR) {
+            rc = kvt_fail(c, -errno);
+            break;
+        }
+    }
+    kvt_batch_reset(b);
+    return rc;
+}

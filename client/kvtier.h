@@ -1,0 +1,205 @@
+/*
+ * kvtier.h: libkvtier, the C client of kvtierd. This header is the whole public API; it needs
+ * nothing but the C library. The wire protocol under it is docs/protocol.md.
+ *
+ * A client is one connection, declared to one namespace (model, adapter, tenant salt, page size,
+ * block byte size) by the HELLO that kvt_client_connect() sends, after AUTH when a secret is
+ * given. Calls are synchronous: each sends one request and waits for its reply (up to the
+ * configured timeout). A batch (kvt_batch_*) queues many requests and sends them pipelined in one
+ * go, reading the replies as they come, which is what an engine's scheduler does per step.
+ *
+ * Errors: every function that can fail returns 0 or a negative code: the daemon's status
+ * (KVT_E* values, listed below and named by kvt_client_strerror) or a negated errno from the
+ * socket. After a reply with an error status, kvt_client_errmsg() gives the daemon's message.
+ * A transport error (timeout, closed connection, a malformed reply) leaves the client unusable:
+ * every later call returns KVT_CLIENT_ECLOSED; close it and connect again.
+ *
+ * Ownership: the client copies everything from its configuration. Token arrays and payloads are
+ * borrowed only for the duration of the call (a batch copies them when queued). Result structs
+ * and tier arrays passed to a batch are borrowed until kvt_batch_run() returns.
+ *
+ * Threads: a client is used by one thread at a time; use one client per thread.
+ */
+#ifndef KVTIER_H
+#define KVTIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes, equal to kvtier's KVT_E* codes. */
+enum {
+    KVT_CLIENT_EINVAL = -30800,
+    KVT_CLIENT_ENOMEM = -30801,
+    KVT_CLIENT_ENOENT = -30802, /* no such lease, nothing cached there */
+    KVT_CLIENT_EBUSY = -30803,  /* leased or in use (REMOVE) */
+    KVT_CLIENT_ENOSPC = -30804,
+    KVT_CLIENT_ECORRUPT = -30805,
+    KVT_CLIENT_EIO = -30806,
+    KVT_CLIENT_EPROTO = -30807, /* malformed frame or reply */
+    KVT_CLIENT_EUNAVAIL = -30808,
+    KVT_CLIENT_ETIMEDOUT = -30809,
+    KVT_CLIENT_EAUTH = -30813,
+    KVT_CLIENT_ETOOBIG = -30814,
+    KVT_CLIENT_ECLOSED = -30812, /* the connection is gone */
+};
+
+/* The name of a status code or a negated errno; the string is static. */
+const char *kvt_client_strerror(int err);
+
+/* Tiers, as MATCH reports them per block and PREFETCH takes them. */
+enum {
+    KVT_CLIENT_TIER_NONE = 0, /* index only: no bytes stored */
+    KVT_CLIENT_TIER_HBM = 1,
+    KVT_CLIENT_TIER_DRAM = 2,
+    KVT_CLIENT_TIER_NVME = 3,
+    KVT_CLIENT_TIER_REMOTE = 4,
+};
+
+typedef struct kvt_client kvt_client_t;
+
+typedef struct kvt_client_conf {
+    const char *unix_path; /* Unix socket; with tcp NULL too: "kvtierd.sock" in the working dir */
+    const char *tcp;       /* "host:port", used when unix_path is NULL */
+    const char *secret;    /* shared secret for AUTH; NULL: none */
+    const char *model;     /* namespace: model name (required, 1..255 bytes) */
+    const char *adapter;   /* namespace: adapter (LoRA) name; NULL: none */
+    const char *salt;      /* namespace: tenant salt, isolates tenants; NULL: none */
+    uint32_t page_size;    /* tokens per page, 1..1024 */
+    uint32_t block_bytes;  /* KV bytes of one page; 0 for index-only use */
+    int timeout_ms;        /* per call; 0: 10000 */
+} kvt_client_conf_t;
+
+/* Connects, authenticates and declares the namespace. Returns 0, a negated errno (no daemon
+ * there: -ENOENT or -ECONNREFUSED), KVT_CLIENT_EAUTH, KVT_CLIENT_EINVAL, KVT_CLIENT_EPROTO. */
+int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
+/* Closes the connection; the daemon releases every lease it held. NULL is a no-op. */
+void kvt_client_close(kvt_client_t *c);
+/* The daemon's message for the last error reply ("" if none); valid until the next call. */
+const char *kvt_client_errmsg(const kvt_client_t *c);
+/* What HELLO answered: the namespace's seed (its hash chain's start) and the server's tiers
+ * (bit 1 << tier per tier it has). */
+uint64_t kvt_client_ns_seed(const kvt_client_t *c);
+unsigned kvt_client_tiers(const kvt_client_t *c);
+
+/* Hints to the daemon's policy, on MATCH and PUT. All optional: pass NULL for none. */
+enum {
+    KVT_CLIENT_HINT_PAUSED = 1u << 0,   /* the session pauses; back in resume_ms */
+    KVT_CLIENT_HINT_FINISHED = 1u << 1, /* the session ended */
+};
+typedef struct kvt_client_hints {
+    uint64_t engine_request_id; /* the engine's own request id, for the daemon's logs */
+    uint32_t resume_ms;
+    uint16_t priority; /* retention priority, 0 = none */
+    uint16_t flags;    /* KVT_CLIENT_HINT_* */
+} kvt_client_hints_t;
+
+/* MATCH flags. */
+enum {
+    KVT_CLIENT_LEASE = 1u << 0,  /* pin the matched path; res->lease names the lease */
+    KVT_CLIENT_REMOTE = 1u << 1, /* also look in the remote tier beyond the local match */
+    KVT_CLIENT_PROBE = 1u << 2,  /* only look: not counted as a use or in the hit metrics */
+};
+
+typedef struct kvt_client_match {
+    uint32_t tokens;       /* matched tokens (pages x page size) */
+    uint32_t pages;        /* matched pages */
+    uint32_t remote_pages; /* of those, found by the remote probe */
+    uint64_t lease;        /* with KVT_CLIENT_LEASE and pages > 0; else 0 */
+    uint8_t *tiers;        /* in: caller's array (may be NULL); out: tier of each matched page */
+    uint32_t tiers_cap;    /* in: entries tiers holds; pages beyond it are not reported */
+} kvt_client_match_t;
+
+typedef struct kvt_client_put {
+    uint32_t pages;     /* whole pages of the request, all in the index now */
+    uint32_t new_pages; /* pages this PUT added */
+    uint32_t stored;    /* payload pages stored by this PUT */
+    uint32_t skipped;   /* payload pages not stored: held already, or no room anywhere */
+} kvt_client_put_t;
+
+typedef struct kvt_client_prefetch {
+    uint32_t pages, moved, resident, failed;
+} kvt_client_prefetch_t;
+
+/* PING with an echoed payload; *rtt_ns (if not NULL) gets the round trip. */
+int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns);
+
+/* The longest cached prefix of tokens[0, ntokens). lease_ms: the lease's time limit (0: the
+ * daemon's default; capped by its maximum). */
+int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res);
+
+/*
+ * Caches every whole page of tokens and stores the KV bytes of pages [first_page, first_page +
+ * npages): payload holds npages x block_bytes bytes (NULL with npages 0: index only). Pages
+ * already stored keep their bytes. Replies when the bytes are in their tier.
+ */
+int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                   kvt_client_put_t *res);
+
+/*
+ * The KV bytes of pages [first_page, first_page + npages) of a leased path (npages 0: to its
+ * end), into buf (cap bytes: npages x block_bytes). *got (if not NULL) gets the pages received;
+ * tiers (if not NULL, npages entries) the tier each came from. The daemon streams the blocks
+ * from wherever they are, promoting them on the way.
+ */
+int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages, void *buf,
+                   size_t cap, uint32_t *got, uint8_t *tiers);
+
+/* The same, handing each block to cb as it arrives (data valid during the call). A non-zero
+ * return from cb stops delivery (the rest of the reply is read and dropped) and is returned. */
+typedef int (*kvt_client_block_cb)(void *arg, uint32_t page, unsigned tier, const void *data,
+                                   uint32_t len);
+int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                      kvt_client_block_cb cb, void *arg, uint32_t *got);
+
+/* Moves the cached prefix of tokens up to tier (HBM, DRAM or NVMe) within deadline_ms (0: the
+ * daemon's lease time); replies at completion or at the deadline. */
+int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
+                        uint32_t deadline_ms, kvt_client_prefetch_t *res);
+
+/* Releases a lease; *released (if not NULL) is 1 if it was held, 0 if not (already released,
+ * expired): releasing twice is not an error. */
+int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
+
+/* Drops the last whole page of tokens and everything cached beneath it. KVT_CLIENT_ENOENT when
+ * not cached, KVT_CLIENT_EBUSY when leased. */
+int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
+
+/* The daemon's counters, one cb call per (name, value); cb's non-zero return stops. */
+typedef int (*kvt_client_stat_cb)(void *arg, const char *name, uint64_t value);
+int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg);
+
+/*
+ * Batches: requests queued with kvt_batch_* go out together in kvt_batch_run(), pipelined, and
+ * their replies fill the result structs given when queued. Each queued request has its own
+ * status (an int the caller gives, set by run). A batch may be run again after more requests are
+ * queued; kvt_batch_reset() empties it.
+ */
+typedef struct kvt_batch kvt_batch_t;
+
+int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c);
+void kvt_batch_destroy(kvt_batch_t *b);
+void kvt_batch_reset(kvt_batch_t *b);
+size_t kvt_batch_size(const kvt_batch_t *b);
+int kvt_batch_ping(kvt_batch_t *b, int *status);
+int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                    uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
+                    int *status);
+int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                  uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                  kvt_client_put_t *res, int *status);
+int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);
+/* Sends everything queued and waits for every reply. Returns 0 when all replies came (each
+ * request's own outcome is in its status), or a transport error. The batch is empty after. */
+int kvt_batch_run(kvt_batch_t *b);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
