@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh build
 bash scripts/setup.sh build-asan -Db_sanitize=address,undefined -Db_lundef=false \
-    -Dbuildtype=debug
+    -Dbuildtype=debugoptimized
 
 echo "== format check (clang-format, .clang-format)"
 files=$(git ls-files '*.c' '*.h' 2>/dev/null || find . -name '*.[ch]' -not -path './build*')
