@@ -3,9 +3,10 @@
  * on disk, each with its namespace seed, prefix hash, parent hash and tokens; this file gives
  * them back to a radix tree. A block's token path is rebuilt by following parent hashes up to
  * the namespace seed (each hop is one page of tokens), and only the deepest blocks (those no
- * other block names as parent) are inserted: their paths cover their ancestors. Namespaces are
- * known by seed only, so DIR/namespaces records their descriptions (kvt_tier_nvme_add_ns) and
- * the tree's own open namespaces are matched by seed too.
+ * other block names as parent) are inserted: their paths cover their ancestors. Blocks name
+ * their namespace by seed only: a seed the tree does not know is opened with
+ * kvt_radix_ns_open_seed, and DIR/namespaces keeps descriptions (kvt_tier_nvme_add_ns) so that
+ * the namespaces come back with their names too.
  *
  * Kept apart from nvme.c so that a program that never recovers into a tree does not link the
  * radix tree.
@@ -202,13 +203,25 @@ int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recove
         nss[nns++] = (seen_ns_t){kvt_radix_ns_seed(tree, id), id, kvt_radix_ns_page_size(tree, id)};
     }
 
-    /* Namespace and parent of each block; a block is an orphan unless its namespace is open and
-     * its page size matches. */
+    /* Namespace and parent of each block. A namespace the tree does not know yet is opened by
+     * its seed; a block whose page size differs from its namespace's is an orphan. */
     for (size_t i = 0; i < nr; i++) {
         const nvme_recovered_t *r = &n->recovered[i];
         size_t k = 0;
         while (k < nns && nss[k].seed != r->ns_seed)
             k++;
+        if (k == nns && r->ntokens > 0) {
+            uint32_t id;
+            if (nns == cap_ns) {
+                seen_ns_t *m = realloc(nss, 2 * cap_ns * sizeof(*nss));
+                if (!m)
+                    goto out;
+                nss = m;
+                cap_ns *= 2;
+            }
+            if (kvt_radix_ns_open_seed(tree, r->ns_seed, r->ntokens, &id) == 0)
+                nss[nns++] = (seen_ns_t){r->ns_seed, id, r->ntokens};
+        }
         if (k == nns || nss[k].page != r->ntokens) {
             depth[i] = D_ORPHAN;
             continue;
@@ -270,7 +283,8 @@ int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recove
                 continue;
             const nvme_recovered_t *r = &n->recovered[j];
             kvt_block_t *b = kvt_radix_block_at(res.node, (uint32_t)depth[j] - 1);
-            if (!b || b->hash != r->hash || b->tier != KVT_TIER_NONE)
+            if (!b || kvt_radix_block_hash(tree, res.node, (uint32_t)depth[j] - 1) != r->hash ||
+                b->tier != KVT_TIER_NONE)
                 continue; /* freed below as an orphan */
             b->tier = KVT_TIER_NVME;
             b->loc = r->loc;

@@ -236,13 +236,14 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
 
 /*
  * Gives the blocks found by the scan back to tree: opens every namespace recorded with
- * kvt_tier_nvme_add_ns, matches each block's namespace seed against the namespaces open in the
- * tree, rebuilds each block's token path by following parent hashes back to the namespace seed,
- * inserts the path and sets tier = KVT_TIER_NVME, loc and size on the blocks found. Blocks whose
- * namespace is not open, or whose chain of ancestors is not complete on disk, cannot be indexed:
- * they are freed and counted as orphans. Call once, after creation and before any write.
- * Returns 0, KVT_EINVAL, KVT_ENOMEM (the tree keeps what was inserted so far) or KVT_EBUSY
- * (called twice).
+ * kvt_tier_nvme_add_ns, opens any other namespace seed found on disk with
+ * kvt_radix_ns_open_seed, rebuilds each block's token path by following parent hashes back to
+ * the namespace seed, inserts the path and sets tier = KVT_TIER_NVME, loc and size on the blocks
+ * (their hashes are checked against the tree's). Blocks whose chain of ancestors is not complete
+ * on disk (or whose page size is not their namespace's, or whose page the tree already holds in
+ * another tier) cannot be indexed: they are freed and counted as orphans. Call once, after creation
+ * and before any write. Returns 0, KVT_EINVAL, KVT_ENOMEM (the tree keeps what was inserted so far)
+ * or KVT_EBUSY (called twice).
  */
 int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out);
 

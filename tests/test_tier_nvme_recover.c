@@ -1,0 +1,421 @@
+/*
+ * test_tier_nvme_recover.c: the NVMe tier's warm restart. Reopening a data directory finds the
+ * blocks written before; a child process writing blocks is killed with SIGKILL and the parent
+ * finds every block the child saw completed; a torn last write and an overwritten prefix are
+ * skipped; the newest copy of a block wins; and kvt_tier_nvme_recover() rebuilds the radix
+ * entries of recovered prefixes by following parent hashes, freeing blocks whose ancestors are
+ * gone.
+ */
+#include "test_tier_util.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+static kvt_tier_t *open_tier(const char *dir)
+{
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {
+        .dir = dir, .capacity_bytes = 16u << 20, .segment_bytes = 2u << 20, .queue_depth = 8};
+    int rc = kvt_tier_nvme_create(&t, &c);
+    cr_assert_eq(rc, 0, "open %s: %s", dir, kvt_strerror(rc));
+    return t;
+}
+
+static uint32_t len_of(int i)
+{
+    return 40000 + 7919u * (uint32_t)i;
+}
+
+Test(tier_nvme_recover, reopening_finds_the_blocks_again)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvrec");
+    kvt_tier_t *t = open_tier(dir);
+    enum { N = 24 };
+    uint32_t tok[N][16];
+    uint64_t locs[N];
+    uint8_t *buf = tu_aligned(len_of(N));
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
+        tu_fill(buf, len_of(i), (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len_of(i), &locs[i]), 0);
+    }
+    kvt_tier_usage_t before;
+    kvt_tier_usage(t, &before);
+    kvt_tier_destroy(t);
+
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.scanned, N);
+    cr_assert_eq(r.recovered, N);
+    cr_assert_eq(r.torn + r.stale, 0);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.blocks, N);
+    cr_assert_eq(u.used_bytes, before.used_bytes, "the same charge as before the restart");
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
+        cr_assert_eq(kvt_tier_valid(t, locs[i], &k), 1);
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, len_of(i)), 0);
+        cr_assert(tu_same(buf, len_of(i), (uint64_t)i), "block %d after restart", i);
+    }
+    /* New writes go to a fresh segment and survive the next restart as well. */
+    kvt_block_key_t k = tu_key(1000, tok[0], 16);
+    tu_fill(buf, 5000, 1000);
+    uint64_t loc = 0;
+    cr_assert_eq(tu_write(t, &k, buf, 5000, &loc), 0);
+    kvt_tier_destroy(t);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.recovered, N + 1);
+    cr_assert_eq(tu_read(t, &k, loc, buf, 5000), 0);
+    cr_assert(tu_same(buf, 5000, 1000));
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+typedef struct done_rec {
+    int32_t i;
+    uint64_t loc;
+} done_rec_t;
+
+/* One request slot of the child, with its own buffer and key. */
+typedef struct child_slot {
+    kvt_tier_io_t io;
+    uint32_t tok[16];
+    int busy;
+    int index;
+    int fd;
+} child_slot_t;
+
+static void child_cb(kvt_tier_io_t *io)
+{
+    child_slot_t *s = io->data;
+    if (io->status != 0)
+        _exit(5);
+    done_rec_t d = {s->index, io->loc};
+    if (write(s->fd, &d, sizeof(d)) != (ssize_t)sizeof(d))
+        _exit(3);
+    s->busy = 0;
+}
+
+/* The child: writes 48 blocks with 4 in flight, reports each completion on fd, then waits to
+ * be killed. */
+static void child_main(const char *dir, int fd)
+{
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {
+        .dir = dir, .capacity_bytes = 16u << 20, .segment_bytes = 2u << 20, .queue_depth = 8};
+    if (kvt_tier_nvme_create(&t, &c) != 0)
+        _exit(2);
+    enum { K = 4, TOTAL = 48 };
+    static child_slot_t slots[K];
+    uint8_t *bufs = NULL;
+    if (posix_memalign((void **)&bufs, 4096, (size_t)K * (256u << 10)) != 0)
+        _exit(2);
+    int next = 0;
+    uint64_t deadline = kvt_now_ns() + 15ull * 1000000000ull;
+    for (;;) {
+        for (int k = 0; k < K && next < TOTAL; k++) {
+            child_slot_t *s = &slots[k];
+            if (s->busy)
+                continue;
+            uint8_t *b = bufs + (size_t)k * (256u << 10);
+            tu_fill(b, len_of(next), (uint64_t)next);
+            s->index = next;
+            s->fd = fd;
+            s->io = (kvt_tier_io_t){.key = tu_key((uint64_t)next, s->tok, 16),
+                                    .buf = b,
+                                    .len = len_of(next),
+                                    .cb = child_cb,
+                                    .data = s};
+            if (kvt_tier_write(t, &s->io) != 0)
+                _exit(4);
+            s->busy = 1;
+            next++;
+        }
+        if (kvt_tier_wait(t, 100) < 0)
+            _exit(6);
+        if (kvt_now_ns() > deadline)
+            _exit(7);
+        int idle = next >= TOTAL;
+        for (int k = 0; k < K; k++)
+            idle = idle && !slots[k].busy;
+        if (idle)
+            pause(); /* everything written: wait for the kill */
+    }
+}
+
+Test(tier_nvme_recover, blocks_written_before_sigkill_are_found_again)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvkill");
+    int p[2];
+    cr_assert_eq(pipe(p), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(p[0]);
+        child_main(dir, p[1]);
+        _exit(0);
+    }
+    close(p[1]);
+    done_rec_t recs[64];
+    int n = 0;
+    /* Kill it mid-run, with writes still in flight. */
+    while (n < 20) {
+        ssize_t got = read(p[0], &recs[n], sizeof(recs[n]));
+        cr_assert_eq(got, (ssize_t)sizeof(recs[n]), "the child died early");
+        n++;
+    }
+    cr_assert_eq(kill(pid, SIGKILL), 0);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+    /* Completions reported before the kill landed, whatever the parent had not read yet. */
+    ssize_t got;
+    while (n < 64 && (got = read(p[0], &recs[n], sizeof(recs[n]))) == (ssize_t)sizeof(recs[n]))
+        n++;
+    close(p[0]);
+
+    kvt_tier_t *t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_geq(r.recovered, (uint64_t)n, "recovered %llu, %d were complete",
+                  (unsigned long long)r.recovered, n);
+    uint8_t *buf = tu_aligned(256u << 10);
+    uint32_t tok[16];
+    for (int k = 0; k < n; k++) {
+        kvt_block_key_t key = tu_key((uint64_t)recs[k].i, tok, 16);
+        cr_assert_eq(kvt_tier_valid(t, recs[k].loc, &key), 1, "block %d", recs[k].i);
+        cr_assert_eq(tu_read(t, &key, recs[k].loc, buf, len_of(recs[k].i)), 0);
+        cr_assert(tu_same(buf, len_of(recs[k].i), (uint64_t)recs[k].i), "block %d", recs[k].i);
+    }
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+static void overwrite(const char *dir, uint64_t off, size_t len)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/kvtier.data", dir);
+    int fd = open(p, O_RDWR);
+    cr_assert_geq(fd, 0);
+    uint8_t *z = calloc(1, len);
+    cr_assert_eq(pwrite(fd, z, len, (off_t)off), (ssize_t)len);
+    cr_assert_eq(fsync(fd), 0);
+    free(z);
+    close(fd);
+}
+
+/* Records of blocks written one after another from the start of segment 0. */
+static uint64_t rec_size(uint32_t len)
+{
+    return 4096 + ((uint64_t)len + 4095) / 4096 * 4096;
+}
+
+Test(tier_nvme_recover, a_torn_last_write_is_skipped)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvtorn");
+    kvt_tier_t *t = open_tier(dir);
+    enum { N = 5 };
+    uint32_t tok[N][16];
+    uint64_t locs[N], off = 0, last_off = 0;
+    uint8_t *buf = tu_aligned(len_of(N));
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
+        tu_fill(buf, len_of(i), (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len_of(i), &locs[i]), 0);
+        last_off = off;
+        off += rec_size(len_of(i));
+    }
+    kvt_tier_destroy(t);
+    /* The last record lost its final sectors: header intact, payload short. */
+    overwrite(dir, off - 8192, 8192);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.recovered, N - 1);
+    cr_assert_eq(r.torn, 1);
+    kvt_block_key_t k = tu_key(N - 1, tok[N - 1], 16);
+    cr_assert_eq(kvt_tier_valid(t, locs[N - 1], &k), 0);
+    cr_assert_eq(tu_read(t, &k, locs[N - 1], buf, len_of(N - 1)), KVT_ENOENT);
+    for (int i = 0; i < N - 1; i++) {
+        kvt_block_key_t ki = tu_key((uint64_t)i, tok[i], 16);
+        cr_assert_eq(tu_read(t, &ki, locs[i], buf, len_of(i)), 0);
+        cr_assert(tu_same(buf, len_of(i), (uint64_t)i));
+    }
+    kvt_tier_destroy(t);
+    /* The last record's first sector gone too: the scan ends before it, nothing torn counted. */
+    overwrite(dir, last_off, 4096);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.recovered, N - 1);
+    cr_assert_eq(r.torn, 0);
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme_recover, the_newest_copy_of_a_block_wins)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvdup");
+    kvt_tier_t *t = open_tier(dir);
+    uint32_t tok[16];
+    kvt_block_key_t k = tu_key(9, tok, 16);
+    uint8_t buf[20000];
+    uint64_t old_loc = 0, new_loc = 0;
+    tu_fill(buf, sizeof(buf), 1);
+    cr_assert_eq(tu_write(t, &k, buf, sizeof(buf), &old_loc), 0);
+    tu_fill(buf, sizeof(buf), 2);
+    cr_assert_eq(tu_write(t, &k, buf, sizeof(buf), &new_loc), 0);
+    kvt_tier_destroy(t);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.scanned, 2);
+    cr_assert_eq(r.recovered, 1);
+    cr_assert_eq(r.stale, 1);
+    cr_assert_eq(kvt_tier_valid(t, old_loc, &k), 0);
+    cr_assert_eq(tu_read(t, &k, new_loc, buf, sizeof(buf)), 0);
+    cr_assert(tu_same(buf, sizeof(buf), 2));
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+/* Writes every block of the first `pages` pages of toks (already inserted in tree) to t. */
+static void write_path(kvt_radix_t *tree, kvt_tier_t *t, uint32_t ns, const uint32_t *toks,
+                       uint32_t pages, uint32_t skip_below)
+{
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, toks, (size_t)pages * 16, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, pages);
+    uint64_t parent = kvt_radix_ns_seed(tree, ns);
+    uint8_t buf[70000];
+    for (uint32_t d = 0; d < pages; d++) {
+        uint64_t h = kvt_radix_block_hash(tree, m.node, d);
+        kvt_block_key_t k = {.ns_seed = kvt_radix_ns_seed(tree, ns),
+                             .hash = h,
+                             .parent = parent,
+                             .tokens = toks + (size_t)d * 16,
+                             .ntokens = 16};
+        parent = h;
+        if (d < skip_below)
+            continue;
+        tu_fill(buf, 60000 + d, h);
+        uint64_t loc = 0;
+        cr_assert_eq(tu_write(t, &k, buf, 60000 + d, &loc), 0);
+    }
+}
+
+Test(tier_nvme_recover, rebuilds_radix_entries_from_parent_hashes)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvradix");
+    kvt_radix_t *tree = NULL;
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    uint32_t ns;
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama-70b", NULL, "tenant-a", 16, &ns), 0);
+    /* Two prompts sharing three pages, and a third whose first pages never reach the disk. */
+    uint32_t a[5 * 16], b[5 * 16], c[4 * 16];
+    uint64_t s = 5;
+    for (int i = 0; i < 5 * 16; i++)
+        a[i] = b[i] = (uint32_t)tu_rand(&s) % 50000;
+    for (int i = 3 * 16; i < 5 * 16; i++)
+        b[i] = (uint32_t)tu_rand(&s) % 50000;
+    for (int i = 0; i < 4 * 16; i++)
+        c[i] = (uint32_t)tu_rand(&s) % 50000 + 60000;
+    kvt_insert_t ins;
+    cr_assert_eq(kvt_radix_insert(tree, ns, a, 5 * 16, &ins), 0);
+    cr_assert_eq(kvt_radix_insert(tree, ns, b, 5 * 16, &ins), 0);
+    cr_assert_eq(kvt_radix_insert(tree, ns, c, 4 * 16, &ins), 0);
+    kvt_tier_t *t = open_tier(dir);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-a", 16), 0);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-a", 16), 0);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "bad\tname", NULL, NULL, 16), KVT_EINVAL);
+    write_path(tree, t, ns, a, 5, 0);
+    write_path(tree, t, ns, b, 5, 3); /* its first three pages are a's */
+    write_path(tree, t, ns, c, 4, 2); /* pages 2, 3 only: their ancestors are missing */
+    uint64_t seed = kvt_radix_ns_seed(tree, ns);
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+
+    /* The restart: a new, empty tree. */
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    cr_assert_eq(r.recovered, 9);
+    cr_assert_eq(r.inserted, 7);
+    cr_assert_eq(r.orphans, 2);
+    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), KVT_EBUSY);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.blocks, 7, "orphans are freed");
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    /* The namespace came back under its name. */
+    uint32_t ns2;
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama-70b", NULL, "tenant-a", 16, &ns2), 0);
+    cr_assert_eq(kvt_radix_ns_seed(tree, ns2), seed);
+    const uint32_t *prompts[2] = {a, b};
+    uint8_t buf[70000];
+    for (int p = 0; p < 2; p++) {
+        kvt_match_t m;
+        cr_assert_eq(kvt_radix_match(tree, ns2, prompts[p], 5 * 16, KVT_MATCH_NOTOUCH, &m), 0);
+        cr_assert_eq(m.pages, 5, "prompt %d matches whole", p);
+        for (uint32_t d = 0; d < 5; d++) {
+            kvt_block_t *blk = kvt_radix_block_at(m.node, d);
+            cr_assert_eq(blk->tier, KVT_TIER_NVME);
+            cr_assert_eq(blk->size, 60000 + d);
+            uint64_t h = kvt_radix_block_hash(tree, m.node, d);
+            kvt_block_key_t k = {
+                .ns_seed = seed, .hash = h, .tokens = prompts[p] + (size_t)d * 16, .ntokens = 16};
+            cr_assert_eq(tu_read(t, &k, blk->loc, buf, blk->size), 0);
+            cr_assert(tu_same(buf, blk->size, h));
+        }
+    }
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns2, c, 4 * 16, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, 0, "a prefix with missing ancestors is not indexed");
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+    tu_rmrf(dir);
+}
+
+Test(tier_nvme_recover, namespaces_known_only_by_seed_come_back_too)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvseed");
+    kvt_radix_t *tree = NULL;
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    uint32_t ns;
+    cr_assert_eq(kvt_radix_ns_open(tree, "mistral", "lora-7", NULL, 16, &ns), 0);
+    uint32_t a[3 * 16];
+    for (int i = 0; i < 3 * 16; i++)
+        a[i] = (uint32_t)i * 31;
+    kvt_insert_t ins;
+    cr_assert_eq(kvt_radix_insert(tree, ns, a, 3 * 16, &ins), 0);
+    kvt_tier_t *t = open_tier(dir);
+    write_path(tree, t, ns, a, 3, 0); /* no kvt_tier_nvme_add_ns */
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    cr_assert_eq(r.inserted, 3);
+    cr_assert_eq(kvt_radix_ns_open(tree, "mistral", "lora-7", NULL, 16, &ns), 0);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 3 * 16, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, 3);
+    cr_assert_eq(kvt_tier_nvme_recover(NULL, tree, &r), KVT_EINVAL);
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+    tu_rmrf(dir);
+}
