@@ -1,0 +1,118 @@
+/*
+ * test_tier_blockhdr.c: the stored block format shared by the NVMe and remote tiers. A block
+ * checks against its own key; every single flipped bit anywhere in header, tokens or payload is
+ * caught; a different key, a truncated block and garbage are refused; the split form (header and
+ * payload in separate buffers) agrees with the contiguous one; the layout is little-endian at
+ * the documented offsets.
+ */
+#include "test_tier_util.h"
+#include "tier_impl.h"
+
+static uint8_t *encode(const kvt_block_key_t *k, const uint8_t *payload, uint32_t len,
+                       size_t *total)
+{
+    size_t hdr = kvt__blockhdr_size(k->ntokens);
+    uint8_t *b = malloc(hdr + len + 1);
+    kvt__blockhdr_encode(b, k, payload, len, 77);
+    memcpy(b + hdr, payload, len);
+    *total = hdr + len;
+    return b;
+}
+
+Test(tier_blockhdr, a_block_checks_against_its_key)
+{
+    uint32_t tok[16];
+    kvt_block_key_t k = tu_key(3, tok, 16);
+    uint8_t payload[3000];
+    tu_fill(payload, sizeof(payload), 3);
+    size_t n;
+    uint8_t *b = encode(&k, payload, sizeof(payload), &n);
+    cr_assert_eq(n, 64 + 64 + sizeof(payload));
+    uint32_t len = 0;
+    const void *p = NULL;
+    cr_assert_eq(kvt__blockhdr_check(b, n, &k, &len, &p), 0);
+    cr_assert_eq(len, sizeof(payload));
+    cr_assert_eq(memcmp(p, payload, len), 0);
+    cr_assert_eq(kvt__blockhdr_check(b, n, NULL, &len, &p), 0, "any key, as in recovery");
+    cr_assert_eq(kvt__blockhdr_verify(b, 128, payload, sizeof(payload), &k, &len), 0);
+    kvt__blockhdr_info_t in;
+    cr_assert_eq(kvt__blockhdr_peek(b, n, &in), 0);
+    cr_assert_eq(in.hash, k.hash);
+    cr_assert_eq(in.parent, k.parent);
+    cr_assert_eq(in.ns_seed, k.ns_seed);
+    cr_assert_eq(in.seq, 77);
+    cr_assert_eq(in.ntokens, 16);
+    cr_assert_eq(in.hdr_bytes, 128);
+    /* Little-endian at the documented offsets. */
+    cr_assert_eq(memcmp(b, "KVTB", 4), 0);
+    cr_assert_eq(b[24], (uint8_t)k.hash);
+    cr_assert_eq(b[31], (uint8_t)(k.hash >> 56));
+    cr_assert_eq(b[64], (uint8_t)tok[0]);
+    /* tokens == NULL and parent == 0 in a key skip those comparisons. */
+    kvt_block_key_t loose = {.ns_seed = k.ns_seed, .hash = k.hash, .ntokens = 16};
+    cr_assert_eq(kvt__blockhdr_check(b, n, &loose, &len, &p), 0);
+    free(b);
+}
+
+Test(tier_blockhdr, every_flipped_bit_is_caught)
+{
+    uint32_t tok[4];
+    kvt_block_key_t k = tu_key(5, tok, 4);
+    uint8_t payload[200];
+    tu_fill(payload, sizeof(payload), 5);
+    size_t n;
+    uint8_t *b = encode(&k, payload, sizeof(payload), &n);
+    for (size_t i = 0; i < n; i++) {
+        for (int bit = 0; bit < 8; bit++) {
+            b[i] ^= (uint8_t)(1u << bit);
+            uint32_t len;
+            const void *p;
+            cr_assert_eq(kvt__blockhdr_check(b, n, NULL, &len, &p), KVT_ECORRUPT, "byte %zu bit %d",
+                         i, bit);
+            b[i] ^= (uint8_t)(1u << bit);
+        }
+    }
+    free(b);
+}
+
+Test(tier_blockhdr, other_keys_short_blocks_and_garbage_are_refused)
+{
+    uint32_t tok[16], tok2[16];
+    kvt_block_key_t k = tu_key(1, tok, 16);
+    uint8_t payload[1000];
+    tu_fill(payload, sizeof(payload), 1);
+    size_t n;
+    uint8_t *b = encode(&k, payload, sizeof(payload), &n);
+    uint32_t len;
+    const void *p;
+    kvt_block_key_t o = k;
+    o.hash ^= 1;
+    cr_assert_eq(kvt__blockhdr_check(b, n, &o, &len, &p), KVT_ECORRUPT);
+    o = k;
+    o.ns_seed ^= 1;
+    cr_assert_eq(kvt__blockhdr_check(b, n, &o, &len, &p), KVT_ECORRUPT);
+    o = k;
+    o.parent ^= 1;
+    cr_assert_eq(kvt__blockhdr_check(b, n, &o, &len, &p), KVT_ECORRUPT);
+    memcpy(tok2, tok, sizeof(tok));
+    tok2[15] ^= 1;
+    o = k;
+    o.tokens = tok2;
+    cr_assert_eq(kvt__blockhdr_check(b, n, &o, &len, &p), KVT_ECORRUPT);
+    o = k;
+    o.ntokens = 15;
+    cr_assert_eq(kvt__blockhdr_check(b, n, &o, &len, &p), KVT_ECORRUPT);
+    for (size_t cut = 0; cut < n; cut += 97)
+        cr_assert_eq(kvt__blockhdr_check(b, cut, &k, &len, &p), KVT_ECORRUPT, "cut at %zu", cut);
+    uint8_t junk[512];
+    tu_fill(junk, sizeof(junk), 9);
+    cr_assert_eq(kvt__blockhdr_check(junk, sizeof(junk), NULL, &len, &p), KVT_ECORRUPT);
+    cr_assert_eq(kvt__blockhdr_check(NULL, 10, NULL, &len, &p), KVT_EINVAL);
+    /* An empty page and an empty payload are valid blocks too. */
+    kvt_block_key_t e = {.ns_seed = 1, .hash = 2, .parent = 1, .tokens = NULL, .ntokens = 0};
+    uint8_t hdr[64];
+    kvt__blockhdr_encode(hdr, &e, NULL, 0, 1);
+    cr_assert_eq(kvt__blockhdr_check(hdr, sizeof(hdr), &e, &len, &p), 0);
+    cr_assert_eq(len, 0);
+    free(b);
+}

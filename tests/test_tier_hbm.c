@@ -1,0 +1,248 @@
+/*
+ * test_tier_hbm.c: the HBM tier. The `host` backend (ordinary memory, chosen explicitly) runs
+ * everywhere: round trips, slot rounding, capacity exhaustion, fragmentation of the slot pool,
+ * free and reuse, requests in flight. The `cuda` backend needs a usable GPU: without one its
+ * creation must fail with KVT_EUNAVAIL (tested here), and the tests that move bytes through the
+ * device are skipped, not passed.
+ */
+#include "test_tier_util.h"
+
+static kvt_tier_t *mk_host(uint64_t cap, uint32_t slot)
+{
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "host", .capacity_bytes = cap, .slot_bytes = slot};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    cr_assert_eq(kvt_tier_kind(t), KVT_TIER_HBM);
+    cr_assert_str_eq(kvt_tier_backend(t), "host");
+    return t;
+}
+
+Test(tier_hbm, host_round_trips_of_varied_sizes)
+{
+    kvt_tier_t *t = mk_host(64u << 20, 64u << 10);
+    static const uint32_t sizes[] = {1, 4096, 65535, 65536, 65537, 256u << 10, 2u << 20, 3000001};
+    uint32_t tok[16];
+    uint64_t locs[KVT_ARRAY_LEN(sizes)];
+    for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+        kvt_block_key_t k = tu_key(i, tok, 16);
+        uint8_t *buf = malloc(sizes[i]);
+        tu_fill(buf, sizes[i], i);
+        cr_assert_eq(tu_write(t, &k, buf, sizes[i], &locs[i]), 0);
+        cr_assert_eq(kvt_tier_hbm_devptr(t, locs[i]), kvt_tier_ptr(t, locs[i]));
+        memset(buf, 0, sizes[i]);
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, sizes[i]), 0);
+        cr_assert(tu_same(buf, sizes[i], i));
+        cr_assert_eq(kvt_tier_footprint(t, sizes[i]),
+                     ((uint64_t)sizes[i] + (64u << 10) - 1) / (64u << 10) * (64u << 10),
+                     "a block takes whole slots");
+        free(buf);
+    }
+    for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+        kvt_block_key_t k = tu_key(i, tok, 16);
+        cr_assert(tu_same(kvt_tier_ptr(t, locs[i]), sizes[i], i), "block %zu untouched", i);
+        cr_assert_eq(kvt_tier_valid(t, locs[i], &k), 1);
+        kvt_tier_free(t, locs[i], sizes[i]);
+        cr_assert_eq(kvt_tier_valid(t, locs[i], &k), 0);
+        cr_assert_null(kvt_tier_hbm_devptr(t, locs[i]));
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 0);
+    cr_assert_eq(u.blocks, 0);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_hbm, host_capacity_exhaustion_and_reuse)
+{
+    kvt_tier_t *t = mk_host(4u << 20, 64u << 10);
+    const uint32_t len = (256u << 10) + 1; /* five slots */
+    uint8_t *buf = malloc(len);
+    tu_fill(buf, len, 1);
+    uint32_t tok[16];
+    uint64_t locs[32];
+    int n = 0;
+    for (;; n++) {
+        kvt_block_key_t k = tu_key((uint64_t)n, tok, 16);
+        kvt_tier_usage_t before, after;
+        kvt_tier_usage(t, &before);
+        int rc = tu_write(t, &k, buf, len, &locs[n]);
+        kvt_tier_usage(t, &after);
+        if (rc != 0) {
+            cr_assert_eq(rc, KVT_ENOSPC);
+            cr_assert_eq(after.used_bytes, before.used_bytes);
+            cr_assert_eq(after.blocks, before.blocks);
+            break;
+        }
+    }
+    cr_assert_eq(n, 64 / 5, "64 slots hold 12 blocks of 5 slots (got %d)", n);
+    for (int round = 0; round < 50; round++) {
+        int i = round % n;
+        kvt_tier_free(t, locs[i], len);
+        kvt_block_key_t k = tu_key((uint64_t)(100 + round), tok, 16);
+        cr_assert_eq(tu_write(t, &k, buf, len, &locs[i]), 0, "round %d", round);
+    }
+    free(buf);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_hbm, host_fragmented_pool_refuses_what_does_not_fit_contiguously)
+{
+    kvt_tier_t *t = mk_host(1u << 20, 64u << 10); /* 16 slots */
+    uint8_t buf[64u << 10];
+    uint32_t tok[16];
+    uint64_t locs[16];
+    for (int i = 0; i < 16; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        cr_assert_eq(tu_write(t, &k, buf, sizeof(buf), &locs[i]), 0);
+    }
+    for (int i = 0; i < 16; i += 2)
+        kvt_tier_free(t, locs[i], sizeof(buf));
+    /* Half the pool is free, but no two free slots touch. */
+    uint8_t *big = malloc(128u << 10);
+    kvt_block_key_t k = tu_key(99, tok, 16);
+    kvt_tier_usage_t before, after;
+    kvt_tier_usage(t, &before);
+    cr_assert_eq(tu_write(t, &k, big, 128u << 10, NULL), KVT_ENOSPC);
+    kvt_tier_usage(t, &after);
+    cr_assert_eq(after.used_bytes, before.used_bytes);
+    kvt_tier_free(t, locs[1], sizeof(buf)); /* slots 0..2 free now */
+    uint64_t loc = 0;
+    cr_assert_eq(tu_write(t, &k, big, 128u << 10, &loc), 0);
+    free(big);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_hbm, host_many_requests_in_flight)
+{
+    enum { N = 128, LEN = 100000 };
+    kvt_tier_t *t = mk_host(64u << 20, 0);
+    static kvt_tier_io_t ios[N];
+    static uint32_t toks[N][16];
+    uint8_t *bufs = malloc((size_t)N * LEN);
+    int done = 0;
+    for (int i = 0; i < N; i++) {
+        tu_fill(bufs + (size_t)i * LEN, LEN, (uint64_t)i);
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = bufs + (size_t)i * LEN,
+                                 .len = LEN,
+                                 .cb = tu_count_cb,
+                                 .data = &done};
+        cr_assert_eq(kvt_tier_write(t, &ios[i]), 0);
+    }
+    cr_assert_eq(done, 0);
+    cr_assert(tu_drive(t, &done, N));
+    memset(bufs, 0, (size_t)N * LEN);
+    done = 0;
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(kvt_tier_read(t, &ios[i]), 0);
+    cr_assert(tu_drive(t, &done, N));
+    for (int i = 0; i < N; i++)
+        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, (uint64_t)i));
+    free(bufs);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_hbm, bad_configuration_is_refused)
+{
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "tpu", .capacity_bytes = 1u << 20};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL);
+    c = (kvt_tier_hbm_conf_t){.backend = "host", .capacity_bytes = 1u << 20, .slot_bytes = 3000};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL);
+    c = (kvt_tier_hbm_conf_t){.backend = "host", .capacity_bytes = 1000};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "less than one slot");
+    c = (kvt_tier_hbm_conf_t){.backend = "host", .capacity_bytes = 1u << 20, .streams = 99};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_create(NULL, &c), KVT_EINVAL);
+}
+
+Test(tier_hbm, cuda_without_a_usable_gpu_is_unavailable)
+{
+    if (kvt_tier_cuda_usable())
+        cr_skip_test("a GPU is usable here: the no-GPU path is not reachable");
+    const char *names[] = {"cuda", "auto", NULL};
+    for (int i = 0; i < 3; i++) {
+        kvt_tier_t *t = NULL;
+        kvt_tier_hbm_conf_t c = {.backend = names[i], .capacity_bytes = 64u << 20};
+        cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EUNAVAIL, "backend %s",
+                     names[i] ? names[i] : "(default)");
+        cr_assert_null(t);
+    }
+}
+
+static kvt_tier_t *mk_cuda(uint64_t cap)
+{
+    if (!kvt_tier_cuda_usable())
+        cr_skip_test("no usable CUDA device: the cuda backend cannot move bytes here");
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "cuda", .capacity_bytes = cap};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    cr_assert_str_eq(kvt_tier_backend(t), "cuda");
+    cr_assert_null(kvt_tier_ptr(t, 1), "device memory has no host pointer");
+    return t;
+}
+
+Test(tier_hbm, cuda_round_trips_from_pinned_dram)
+{
+    kvt_tier_t *h = mk_cuda(256u << 20);
+    kvt_tier_t *d = NULL;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 64u << 20, .pin = 1};
+    cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
+    cr_assert_eq(kvt_tier_dram_pinned(d), 1);
+    static const uint32_t sizes[] = {1, 4097, 256u << 10, 2u << 20, (2u << 20) + 3};
+    uint32_t tok[16];
+    for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+        kvt_block_key_t k = tu_key(i, tok, 16);
+        uint8_t *src = malloc(sizes[i]);
+        tu_fill(src, sizes[i], i);
+        uint64_t dloc = 0, hloc = 0;
+        cr_assert_eq(tu_write(d, &k, src, sizes[i], &dloc), 0);
+        /* HBM writes straight from the pinned DRAM block, and reads back into another one. */
+        cr_assert_eq(tu_write(h, &k, kvt_tier_ptr(d, dloc), sizes[i], &hloc), 0);
+        cr_assert_not_null(kvt_tier_hbm_devptr(h, hloc));
+        memset(kvt_tier_ptr(d, dloc), 0, sizes[i]);
+        cr_assert_eq(tu_read(h, &k, hloc, kvt_tier_ptr(d, dloc), sizes[i]), 0);
+        cr_assert(tu_same(kvt_tier_ptr(d, dloc), sizes[i], i));
+        kvt_tier_free(h, hloc, sizes[i]);
+        kvt_tier_free(d, dloc, sizes[i]);
+        free(src);
+    }
+    kvt_tier_destroy(d);
+    kvt_tier_destroy(h);
+}
+
+Test(tier_hbm, cuda_many_copies_in_flight_and_capacity)
+{
+    enum { N = 64, LEN = 1u << 20 };
+    kvt_tier_t *h = mk_cuda(32u << 20);
+    static kvt_tier_io_t ios[N];
+    static uint32_t toks[N][16];
+    uint8_t *bufs = malloc((size_t)N * LEN);
+    int done = 0, accepted = 0;
+    for (int i = 0; i < N; i++) {
+        tu_fill(bufs + (size_t)i * LEN, LEN, (uint64_t)i);
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = bufs + (size_t)i * LEN,
+                                 .len = LEN,
+                                 .cb = tu_count_cb,
+                                 .data = &done};
+        int rc = kvt_tier_write(h, &ios[i]);
+        if (rc == KVT_ENOSPC)
+            break;
+        cr_assert_eq(rc, 0);
+        accepted++;
+    }
+    cr_assert_eq(accepted, 32, "32 MiB of 1 MiB blocks");
+    cr_assert(tu_drive(h, &done, accepted));
+    memset(bufs, 0, (size_t)N * LEN);
+    done = 0;
+    for (int i = 0; i < accepted; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert_eq(kvt_tier_read(h, &ios[i]), 0);
+    }
+    cr_assert(tu_drive(h, &done, accepted));
+    for (int i = 0; i < accepted; i++)
+        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, (uint64_t)i), "block %d", i);
+    free(bufs);
+    kvt_tier_destroy(h);
+}
