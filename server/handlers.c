@@ -213,7 +213,7 @@ static int kvt_pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *
     return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
 }
 
-static void kvt_count_match(kvt_srv_t *s, const kvt_match_t *m, const uint8_t *wire_tokens,
+static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint8_t *wire_tokens,
                             uint32_t ntokens, uint32_t page, const uint8_t *tiers)
 {
     kvt_metrics_t *mt = s->metrics;
@@ -228,10 +228,11 @@ static void kvt_count_match(kvt_srv_t *s, const kvt_match_t *m, const uint8_t *w
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, KVT_MISS_SHORT_PAGE, ntokens % page);
     if (whole > m->pages) {
         /* The first page not matched names the reason for the whole rest: was it ever here? */
-        uint64_t seed = m->pages ? kvt_radix_block_at(m->node, m->pages - 1)->hash
+        uint64_t seed = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
                                  : kvt_radix_ns_seed(s->radix, m->ns);
         uint64_t next =
             XXH3_64bits_withSeed(wire_tokens + (size_t)m->pages * page * 4, (size_t)page * 4, seed);
+        next = next ? next : 1; /* radix.h: a hash of 0 is stored as 1 */
         kvt_miss_reason_t why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
     }
@@ -342,12 +343,8 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
         r->lease = 0;
     } else {
         memcpy(r->payload, q.payload, bytes);
-        rc = kvt__store_put(s, r);
-        if (rc < 0)
-            r->status = rc;
     }
-    if (r->pending == 0)
-        kvt__req_finish(r); /* nothing to write (all held already), or it failed to start */
+    kvt__store_put(s, r); /* replies at once when there is nothing to write */
     return 0;
 }
 

@@ -274,11 +274,10 @@ void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32
 {
     uint32_t ns = kvt_radix_node_ns(node);
     uint32_t page = kvt_radix_ns_page_size(s->radix, ns);
-    kvt_block_t *b = kvt_radix_block_at(node, depth);
-    kvt_assert(b);
     key->ns_seed = kvt_radix_ns_seed(s->radix, ns);
-    key->hash = b->hash;
-    key->parent = depth ? kvt_radix_block_at(node, depth - 1)->hash : key->ns_seed;
+    key->hash = kvt_radix_block_hash(s->radix, node, depth); /* computed here if not yet */
+    kvt_assert(key->hash);
+    key->parent = depth ? kvt_radix_block_hash(s->radix, node, depth - 1) : key->ns_seed;
     kvt_radix_node_t *n = node;
     while (depth < kvt_radix_node_depth(n))
         n = kvt_radix_node_parent(n);
@@ -385,7 +384,7 @@ static void kvt_put_done(kvt_tier_io_t *io)
 
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
 {
-    uint32_t end = KVT_MIN(r->end, r->pages);
+    uint32_t end = r->status < 0 ? r->first : KVT_MIN(r->end, r->pages);
     for (uint32_t p = r->first; p < end; p++) {
         kvt_block_t *b = kvt_radix_block_at(r->node, p);
         if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
@@ -393,8 +392,10 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
             continue;
         }
         kvt__io_t *x = kvt_io_new(s, r, p);
-        if (!x)
-            return KVT_ENOMEM;
+        if (!x) {
+            r->status = KVT_ENOMEM;
+            break;
+        }
         x->io.buf = r->payload + (size_t)(p - r->first) * r->block_bytes;
         x->io.len = r->block_bytes;
         x->io.cb = kvt_put_done;
@@ -416,6 +417,8 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         b->flags |= KVT_BLOCK_BUSY;
         kvt_io_started(s, r);
     }
+    if (r->pending == 0)
+        kvt_put_reply(s, r); /* nothing to write (all held already), or it failed to start */
     return 0;
 }
 

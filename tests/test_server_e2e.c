@@ -1,0 +1,447 @@
+/*
+ * test_server_e2e.c: kvtierd end to end through libkvtier: byte-exact PUT/GET round trips,
+ * index-only use, leases (held, released, released on disconnect), DRAM spilling to NVMe,
+ * PREFETCH and GET promotions, warm restart with the NVMe tier recovered, many concurrent
+ * clients, AUTH, defaults in the working directory, clean shutdown and exit codes.
+ */
+#include <pthread.h>
+
+#include "test_server_harness.h"
+
+#define PAGE 16
+#define BB   8192
+
+static void put_pages(kvt_client_t *c, const uint32_t *tok, uint32_t ntok, uint32_t first,
+                      uint32_t n, uint32_t bb, uint32_t seed, kvt_client_put_t *r)
+{
+    uint8_t *payload = malloc((size_t)n * bb);
+    for (uint32_t p = 0; p < n; p++)
+        kvd_fill(payload + (size_t)p * bb, bb, seed + first + p);
+    int rc = kvt_client_put(c, tok, ntok, first, n, payload, NULL, r);
+    cr_assert_eq(rc, 0, "put: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    free(payload);
+}
+
+static void check_get(kvt_client_t *c, uint64_t lease, uint32_t first, uint32_t n, uint32_t bb,
+                      uint32_t seed, uint8_t *tiers)
+{
+    uint8_t *buf = malloc((size_t)n * bb), *want = malloc(bb);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, lease, first, n, buf, (size_t)n * bb, &got, tiers);
+    cr_assert_eq(rc, 0, "get: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_assert_eq(got, n);
+    for (uint32_t p = 0; p < n; p++) {
+        kvd_fill(want, bb, seed + first + p);
+        cr_assert(memcmp(buf + (size_t)p * bb, want, bb) == 0, "page %u differs", first + p);
+    }
+    free(buf);
+    free(want);
+}
+
+Test(server_e2e, put_get_byte_exact)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t tok[8 * PAGE + 5];
+    kvd_tokens(tok, 8 * PAGE + 5, 100);
+    kvt_client_put_t r;
+    put_pages(c, tok, 8 * PAGE + 5, 0, 8, BB, 1, &r);
+    cr_expect_eq(r.pages, 8);
+    cr_expect_eq(r.new_pages, 8);
+    cr_expect_eq(r.stored, 8);
+    cr_expect_eq(r.skipped, 0);
+
+    uint8_t tiers[16];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 16};
+    cr_assert_eq(kvt_client_match(c, tok, 8 * PAGE + 5, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 8);
+    cr_expect_eq(m.tokens, 8 * PAGE);
+    cr_assert_neq(m.lease, 0);
+    for (int i = 0; i < 8; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "page %d in tier %u", i, tiers[i]);
+    check_get(c, m.lease, 0, 8, BB, 1, NULL);
+    check_get(c, m.lease, 3, 2, BB, 1, NULL); /* a middle range */
+
+    /* PUT again: everything is held, nothing is rewritten, the bytes stay the first ones. */
+    put_pages(c, tok, 8 * PAGE, 0, 8, BB, 99, &r);
+    cr_expect_eq(r.new_pages, 0);
+    cr_expect_eq(r.stored, 0);
+    cr_expect_eq(r.skipped, 8);
+    check_get(c, m.lease, 0, 8, BB, 1, NULL);
+
+    /* Out of the leased range, unknown lease: errors, and the connection goes on. */
+    uint8_t one[BB];
+    cr_expect_eq(kvt_client_get(c, m.lease, 8, 1, one, sizeof one, NULL, NULL), KVT_CLIENT_EINVAL);
+    cr_expect_eq(kvt_client_get(c, m.lease + 1000, 0, 1, one, sizeof one, NULL, NULL),
+                 KVT_CLIENT_ENOENT);
+    int released = -1;
+    cr_expect_eq(kvt_client_release(c, m.lease, &released), 0);
+    cr_expect_eq(released, 1);
+    cr_expect_eq(kvt_client_release(c, m.lease, &released), 0, "a second release is harmless");
+    cr_expect_eq(released, 0);
+    cr_expect_eq(kvt_client_get(c, m.lease, 0, 1, one, sizeof one, NULL, NULL), KVT_CLIENT_ENOENT);
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, put_in_two_steps_and_prefix_sharing)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t tok[8 * PAGE];
+    kvd_tokens(tok, 8 * PAGE, 7);
+    kvt_client_put_t r;
+    put_pages(c, tok, 4 * PAGE, 0, 4, BB, 10, &r);
+    cr_expect_eq(r.stored, 4);
+    /* The engine matched 4 pages and computed the rest: it sends pages 4..7 only. */
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 8 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 4);
+    put_pages(c, tok, 8 * PAGE, 4, 4, BB, 10, &r);
+    cr_expect_eq(r.pages, 8);
+    cr_expect_eq(r.new_pages, 4);
+    cr_expect_eq(r.stored, 4);
+    /* A second prompt sharing the first 2 pages. */
+    uint32_t tok2[6 * PAGE];
+    memcpy(tok2, tok, 2 * PAGE * 4);
+    kvd_tokens(tok2 + 2 * PAGE, 4 * PAGE, 5000);
+    put_pages(c, tok2, 6 * PAGE, 2, 4, BB, 20, &r);
+    cr_expect_eq(r.new_pages, 4);
+    cr_assert_eq(kvt_client_match(c, tok, 8 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 8);
+    check_get(c, m.lease, 0, 8, BB, 10, NULL);
+    kvt_client_match_t m2 = {0};
+    cr_assert_eq(kvt_client_match(c, tok2, 6 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m2), 0);
+    cr_assert_eq(m2.pages, 6);
+    check_get(c, m2.lease, 0, 2, BB, 10, NULL);
+    check_get(c, m2.lease, 2, 4, BB, 20, NULL);
+    /* Another namespace sees nothing of it. */
+    kvt_client_t *o = kvd_client(&d, "other-model", PAGE, BB);
+    kvt_client_match_t mo = {0};
+    cr_assert_eq(kvt_client_match(o, tok, 8 * PAGE, 0, 0, NULL, &mo), 0);
+    cr_expect_eq(mo.pages, 0);
+    kvt_client_close(o);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, index_only_namespace)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "idx", PAGE, 0);
+    uint32_t tok[5 * PAGE];
+    kvd_tokens(tok, 5 * PAGE, 1);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, 5 * PAGE, 0, 0, NULL, NULL, &r), 0);
+    cr_expect_eq(r.new_pages, 5);
+    cr_expect_eq(r.stored, 0);
+    uint8_t tiers[8];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 8};
+    cr_assert_eq(kvt_client_match(c, tok, 5 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 5);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_NONE);
+    uint8_t buf[64];
+    cr_expect_eq(kvt_client_get(c, m.lease, 0, 1, buf, sizeof buf, NULL, NULL), KVT_CLIENT_EINVAL);
+    cr_expect_eq(kvt_client_remove(c, tok, 5 * PAGE), KVT_CLIENT_EBUSY, "leased");
+    cr_expect_eq(kvt_client_release(c, m.lease, NULL), 0);
+    cr_expect_eq(kvt_client_remove(c, tok, 3 * PAGE), 0);
+    cr_assert_eq(kvt_client_match(c, tok, 5 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 2);
+    cr_expect_eq(kvt_client_remove(c, tok, 4 * PAGE), KVT_CLIENT_ENOENT);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, leases_released_on_disconnect)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *a = kvd_client(&d, "m", PAGE, BB), *b = kvd_client(&d, "m", PAGE, BB);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 3);
+    kvt_client_put_t r;
+    put_pages(a, tok, 4 * PAGE, 0, 4, BB, 0, &r);
+    kvt_client_match_t m = {0};
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(kvt_client_match(a, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_expect_eq(kvd_stat(b, "leases"), 3);
+    cr_expect_eq(kvt_client_remove(b, tok, 4 * PAGE), KVT_CLIENT_EBUSY);
+    /* b cannot use or release a's lease */
+    uint8_t buf[BB];
+    cr_expect_eq(kvt_client_get(b, m.lease, 0, 1, buf, sizeof buf, NULL, NULL), KVT_CLIENT_ENOENT);
+    kvt_client_close(a);
+    uint64_t leases = 1;
+    for (int i = 0; i < 200 && leases; i++) {
+        usleep(5000);
+        leases = kvd_stat(b, "leases");
+    }
+    cr_expect_eq(leases, 0, "leases of a closed connection are released");
+    cr_expect_eq(kvt_client_remove(b, tok, 4 * PAGE), 0);
+    kvt_client_close(b);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, lease_time_limit)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    uint32_t tok[2 * PAGE];
+    kvd_tokens(tok, 2 * PAGE, 3);
+    kvt_client_put_t r;
+    put_pages(c, tok, 2 * PAGE, 0, 2, BB, 0, &r);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 2 * PAGE, KVT_CLIENT_LEASE, 100, NULL, &m), 0);
+    cr_expect_eq(kvd_stat(c, "leases"), 1);
+    usleep(400 * 1000);
+    cr_expect_eq(kvd_stat(c, "leases"), 0, "the lease expired after 100 ms");
+    uint8_t buf[BB];
+    cr_expect_eq(kvt_client_get(c, m.lease, 0, 1, buf, sizeof buf, NULL, NULL), KVT_CLIENT_ENOENT);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/* 64 KiB blocks in 1 MiB of DRAM: what does not fit goes to NVMe. */
+#define BIG 65536
+
+Test(server_e2e, dram_full_spills_to_nvme_and_prefetch_promotes)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "1M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    uint32_t a[24 * PAGE], b[8 * PAGE];
+    kvd_tokens(a, 24 * PAGE, 1);
+    kvd_tokens(b, 8 * PAGE, 900000);
+    kvt_client_put_t r;
+    put_pages(c, a, 24 * PAGE, 0, 24, BIG, 100, &r);
+    cr_expect_eq(r.stored, 24);
+    put_pages(c, b, 8 * PAGE, 0, 8, BIG, 200, &r);
+    cr_expect_eq(r.stored, 8);
+    uint64_t dram_used = kvd_stat(c, "dram_used_bytes"),
+             dram_cap = kvd_stat(c, "dram_capacity_bytes");
+    cr_expect_leq(dram_used, dram_cap, "DRAM never above its capacity");
+    cr_expect_gt(kvd_stat(c, "nvme_blocks"), 0);
+
+    uint8_t tiers[24];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 24};
+    cr_assert_eq(kvt_client_match(c, b, 8 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 8);
+    for (int i = 0; i < 8; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_NVME, "b's page %d in %u", i, tiers[i]);
+    check_get(c, m.lease, 0, 8, BIG, 200, NULL); /* from NVMe; no DRAM room to promote */
+    cr_expect_eq(kvt_client_release(c, m.lease, NULL), 0);
+
+    /* Free DRAM by removing a, then PREFETCH b up to DRAM. */
+    cr_assert_eq(kvt_client_remove(c, a, PAGE), 0);
+    kvt_client_prefetch_t pf;
+    cr_assert_eq(kvt_client_prefetch(c, b, 8 * PAGE, KVT_CLIENT_TIER_DRAM, 5000, &pf), 0);
+    cr_expect_eq(pf.pages, 8);
+    cr_expect_eq(pf.moved, 8);
+    cr_expect_eq(pf.failed, 0);
+    cr_assert_eq(kvt_client_match(c, b, 8 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    for (int i = 0; i < 8; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "b's page %d in %u after prefetch", i,
+                     tiers[i]);
+    uint8_t from[8];
+    check_get(c, m.lease, 0, 8, BIG, 200, from);
+    for (int i = 0; i < 8; i++)
+        cr_expect_eq(from[i], KVT_CLIENT_TIER_DRAM);
+    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 0, "moved blocks left NVMe");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, get_promotes_from_nvme)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "1M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    uint32_t a[16 * PAGE], b[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 4 * PAGE, 700000);
+    kvt_client_put_t r;
+    put_pages(c, a, 16 * PAGE, 0, 16, BIG, 1, &r);
+    put_pages(c, b, 4 * PAGE, 0, 4, BIG, 2, &r);
+    cr_assert_eq(kvt_client_remove(c, a, PAGE), 0);
+    uint8_t tiers[4], from[4];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c, b, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_NVME);
+    check_get(c, m.lease, 0, 4, BIG, 2, from);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_NVME);
+    cr_assert_eq(kvt_client_match(c, b, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "GET promoted page %d (now %u)", i, tiers[i]);
+    check_get(c, m.lease, 0, 4, BIG, 2, from);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_DRAM);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, restart_recovers_nvme)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t tok[6 * PAGE];
+    kvd_tokens(tok, 6 * PAGE, 42);
+    kvt_client_put_t r;
+    put_pages(c, tok, 6 * PAGE, 0, 6, BB, 77, &r);
+    cr_expect_eq(r.stored, 6);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0, "clean shutdown");
+    struct stat st;
+    cr_expect(stat(d.sock, &st) < 0, "the socket is removed at exit");
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    uint8_t tiers[6];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 6};
+    cr_assert_eq(kvt_client_match(c, tok, 6 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 6, "the index was rebuilt from the NVMe tier");
+    cr_expect_eq(tiers[5], KVT_CLIENT_TIER_NVME);
+    check_get(c, m.lease, 0, 6, BB, 77, NULL);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+typedef struct worker {
+    const kvd_t *d;
+    int id;
+    int errors;
+} worker_t;
+
+static void *worker_main(void *arg)
+{
+    worker_t *w = arg;
+    kvt_client_conf_t conf = {
+        .unix_path = w->d->sock, .model = "m", .page_size = PAGE, .block_bytes = 1024};
+    if (w->id % 2)
+        conf.unix_path = NULL, conf.tcp = w->d->tcp;
+    kvt_client_t *c;
+    if (kvt_client_connect(&c, &conf) < 0) {
+        w->errors++;
+        return NULL;
+    }
+    uint32_t tok[4 * PAGE];
+    uint8_t payload[4 * 1024], back[4 * 1024];
+    for (int k = 0; k < 50; k++) {
+        kvd_tokens(tok, 4 * PAGE, (uint32_t)(w->id * 100000 + k * 1000));
+        kvd_fill(payload, sizeof payload, (uint32_t)(w->id * 1000 + k));
+        kvt_client_put_t r;
+        kvt_client_match_t m = {0};
+        uint32_t got = 0;
+        if (kvt_client_put(c, tok, 4 * PAGE, 0, 4, payload, NULL, &r) < 0 ||
+            kvt_client_match(c, tok, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m) < 0 || m.pages != 4 ||
+            kvt_client_get(c, m.lease, 0, 4, back, sizeof back, &got, NULL) < 0 || got != 4 ||
+            memcmp(back, payload, sizeof back) != 0 || kvt_client_release(c, m.lease, NULL) < 0)
+            w->errors++;
+    }
+    kvt_client_close(c);
+    return NULL;
+}
+
+Test(server_e2e, many_concurrent_clients)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    enum { N = 24 };
+    pthread_t th[N];
+    worker_t w[N];
+    for (int i = 0; i < N; i++) {
+        w[i] = (worker_t){.d = &d, .id = i};
+        pthread_create(&th[i], NULL, worker_main, &w[i]);
+    }
+    int errors = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        errors += w[i].errors;
+    }
+    cr_expect_eq(errors, 0, "%d failed round trips", errors);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 1024);
+    cr_expect_eq(kvd_stat(c, "index_blocks"), N * 50 * 4);
+    cr_expect_eq(kvd_stat(c, "leases"), 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, shared_secret)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--secret", "s3cret", NULL);
+    kvt_client_conf_t conf = {.unix_path = d.sock, .model = "m", .page_size = PAGE};
+    kvt_client_t *c = NULL;
+    cr_expect_eq(kvt_client_connect(&c, &conf), KVT_CLIENT_EAUTH, "no AUTH first");
+    conf.secret = "wrong";
+    cr_expect_eq(kvt_client_connect(&c, &conf), KVT_CLIENT_EAUTH);
+    conf.secret = "s3cret";
+    cr_assert_eq(kvt_client_connect(&c, &conf), 0);
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, cli_reaches_default_socket_in_working_dir)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--tcp", "", "--metrics", "", NULL);
+    char cmd[2048];
+    const char *root = getenv("KVT_BUILD_ROOT");
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s/client/kvtier' --block-bytes 64 put 1-64 >out.txt 2>&1 && "
+             "'%s/client/kvtier' match 1-70 >>out.txt 2>&1 && '%s/client/kvtier' ping >>out.txt",
+             d.dir, root, root, root);
+    cr_expect_eq(system(cmd), 0, "kvtier with no address flags reaches the daemon");
+    char path[700], text[4096] = "";
+    snprintf(path, sizeof path, "%s/out.txt", d.dir);
+    FILE *f = fopen(path, "r");
+    cr_assert(f);
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = 0;
+    fclose(f);
+    cr_expect(strstr(text, "put 4 pages: 4 new, 4 stored"), "%s", text);
+    cr_expect(strstr(text, "matched 64 of 70 tokens (4 pages)"), "%s", text);
+    cr_expect(strstr(text, "pong"), "%s", text);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, bad_configuration_exit_codes)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "'%s' --dram-bytes lots >/dev/null 2>&1", kvd_binary());
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 64, "bad value: exit %d", WEXITSTATUS(st));
+    snprintf(cmd, sizeof cmd, "'%s' --no-such-setting 1 >/dev/null 2>&1", kvd_binary());
+    st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 64, "unknown flag: exit %d", WEXITSTATUS(st));
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char conf[700];
+    snprintf(conf, sizeof conf, "%s/bad.conf", d.dir);
+    FILE *f = fopen(conf, "w");
+    fprintf(f, "# a comment\ndram-bytes = 1M\nthis line has no equals sign\n");
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' --config bad.conf 2>err.txt >/dev/null", d.dir,
+             kvd_binary());
+    st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 64, "bad file: exit %d", WEXITSTATUS(st));
+    /* A port in use: 69, and nothing left behind. */
+    kvd_t a = {0};
+    kvd_start(&a, NULL);
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s' --unix x.sock --nvme-bytes 0 --metrics '' --tcp '%s' "
+             ">/dev/null 2>&1",
+             d.dir, kvd_binary(), a.tcp);
+    st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "port in use: exit %d", WEXITSTATUS(st));
+    char sock[700];
+    snprintf(sock, sizeof sock, "%s/x.sock", d.dir);
+    struct stat sb;
+    cr_expect(stat(sock, &sb) < 0, "no socket left after a failed start");
+    kvd_cleanup(&a);
+    kvd_rmrf(d.dir);
+}

@@ -1,0 +1,225 @@
+/*
+ * test_server_harness.h: starts the real kvtierd binary for the server, client and metrics
+ * tests. Each daemon runs in a fresh directory under $TMPDIR (its socket, data directory and log
+ * live there and are removed at the end), on ephemeral TCP ports whose numbers it prints at
+ * start-up. The binary is $KVT_BUILD_ROOT/server/kvtierd, which meson sets for every test.
+ */
+#ifndef KVT_TEST_SERVER_HARNESS_H
+#define KVT_TEST_SERVER_HARNESS_H
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../client/kvtier.h"
+
+typedef struct kvd {
+    pid_t pid;
+    char dir[512];
+    char sock[600];
+    char tcp[64];
+    char metrics[64];
+    FILE *out;
+} kvd_t;
+
+static inline const char *kvd_binary(void)
+{
+    static char path[1024];
+    const char *root = getenv("KVT_BUILD_ROOT");
+    snprintf(path, sizeof path, "%s/server/kvtierd", root ? root : ".");
+    return path;
+}
+
+static inline void kvd_mkdir(kvd_t *d)
+{
+    const char *tmp = getenv("TMPDIR");
+    snprintf(d->dir, sizeof d->dir, "%s/kvtd.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    cr_assert(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
+}
+
+/* Starts kvtierd in d->dir (made by kvd_mkdir, or fresh when d->dir is empty) with the given
+ * flags (NULL-terminated) after the test defaults: small tiers, ephemeral ports. */
+static inline void kvd_startv(kvd_t *d, const char *const *extra)
+{
+    if (!d->dir[0])
+        kvd_mkdir(d);
+    const char *argv[64];
+    int n = 0;
+    argv[n++] = kvd_binary();
+    const char *defaults[] = {"--tcp",        "127.0.0.1:0",  "--metrics",
+                              "127.0.0.1:0",  "--dram-bytes", "16M",
+                              "--nvme-bytes", "8M",           "--nvme-segment-bytes",
+                              "1M",           "--log-level",  "warn"};
+    for (size_t i = 0; i < sizeof defaults / sizeof *defaults; i++)
+        argv[n++] = defaults[i];
+    for (int i = 0; extra && extra[i]; i++)
+        argv[n++] = extra[i];
+    argv[n] = NULL;
+    int pipefd[2];
+    cr_assert(pipe(pipefd) == 0);
+    d->pid = fork();
+    cr_assert(d->pid >= 0);
+    if (d->pid == 0) {
+        if (chdir(d->dir) < 0)
+            _exit(127);
+        dup2(pipefd[1], 1);
+        close(pipefd[0]);
+        close(pipefd[1]);
+        char log[600];
+        snprintf(log, sizeof log, "%s/kvtierd.log", d->dir);
+        int lfd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
+        if (lfd >= 0)
+            dup2(lfd, 2);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    close(pipefd[1]);
+    d->out = fdopen(pipefd[0], "r");
+    char line[512];
+    int ready = 0;
+    snprintf(d->sock, sizeof d->sock, "%s/kvtierd.sock", d->dir);
+    while (fgets(line, sizeof line, d->out)) {
+        if (!strncmp(line, "tcp ", 4))
+            sscanf(line + 4, "%63s", d->tcp);
+        else if (!strncmp(line, "metrics http://", 15))
+            sscanf(line + 15, "%63[^/]", d->metrics);
+        else if (!strncmp(line, "ready", 5)) {
+            ready = 1;
+            break;
+        }
+    }
+    cr_assert(ready, "kvtierd did not start (see %s/kvtierd.log)", d->dir);
+}
+
+static inline void kvd_start(kvd_t *d, ...)
+{
+    const char *extra[32];
+    int n = 0;
+    va_list ap;
+    va_start(ap, d);
+    const char *a;
+    while ((a = va_arg(ap, const char *)) && n < 31)
+        extra[n++] = a;
+    va_end(ap);
+    extra[n] = NULL;
+    kvd_startv(d, extra);
+}
+
+/* SIGTERM, then the exit status (0 for a clean shutdown). */
+static inline int kvd_stop(kvd_t *d)
+{
+    int st = -1;
+    if (d->pid > 0) {
+        kill(d->pid, SIGTERM);
+        waitpid(d->pid, &st, 0);
+        d->pid = 0;
+    }
+    if (d->out) {
+        fclose(d->out);
+        d->out = NULL;
+    }
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+}
+
+static inline void kvd_rmrf(const char *dir)
+{
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+/* Stops the daemon if running and removes its directory. */
+static inline void kvd_cleanup(kvd_t *d)
+{
+    if (d->pid > 0) {
+        int rc = kvd_stop(d);
+        cr_expect_eq(rc, 0, "kvtierd exit status %d", rc);
+    }
+    if (d->dir[0])
+        kvd_rmrf(d->dir);
+    d->dir[0] = 0;
+}
+
+static inline kvt_client_t *kvd_client(const kvd_t *d, const char *model, uint32_t page,
+                                       uint32_t block_bytes)
+{
+    kvt_client_conf_t conf = {.unix_path = d->sock,
+                              .model = model,
+                              .page_size = page,
+                              .block_bytes = block_bytes,
+                              .timeout_ms = 10000};
+    kvt_client_t *c = NULL;
+    int rc = kvt_client_connect(&c, &conf);
+    cr_assert_eq(rc, 0, "connect: %s", kvt_client_strerror(rc));
+    return c;
+}
+
+/* A raw socket to the daemon's Unix socket, for bytes no client library would send. */
+static inline int kvd_raw(const kvd_t *d)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_un sun = {.sun_family = AF_UNIX};
+    snprintf(sun.sun_path, sizeof sun.sun_path, "%s", d->sock);
+    cr_assert(connect(fd, (struct sockaddr *)&sun, sizeof sun) == 0, "connect: %s",
+              strerror(errno));
+    struct timeval tv = {.tv_sec = 10};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Deterministic test data: page p of a block has bytes that name (seed, p, offset). */
+static inline void kvd_fill(uint8_t *buf, size_t len, uint32_t seed)
+{
+    uint64_t x = 0x9E3779B97F4A7C15ull * (seed + 1);
+    for (size_t i = 0; i < len; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        buf[i] = (uint8_t)x;
+    }
+}
+
+static inline void kvd_tokens(uint32_t *t, uint32_t n, uint32_t base)
+{
+    for (uint32_t i = 0; i < n; i++)
+        t[i] = base + i * 7 + 1;
+}
+
+typedef struct kvd_stat_find {
+    const char *name;
+    uint64_t value;
+    int found;
+} kvd_stat_find_t;
+
+static inline int kvd_stat_cb(void *arg, const char *name, uint64_t v)
+{
+    kvd_stat_find_t *f = arg;
+    if (!strcmp(name, f->name)) {
+        f->value = v;
+        f->found = 1;
+        return 1;
+    }
+    return 0;
+}
+
+static inline uint64_t kvd_stat(kvt_client_t *c, const char *name)
+{
+    kvd_stat_find_t f = {.name = name};
+    cr_assert_eq(kvt_client_stats(c, kvd_stat_cb, &f), 0);
+    cr_assert(f.found, "no stat %s", name);
+    return f.value;
+}
+
+#endif
