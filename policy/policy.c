@@ -22,13 +22,16 @@
  *
  * The cost policy's reuse model
  * -----------------------------
- * Per tier and per class (the block's hit count, log-bucketed), histograms of the age (clock
- * since the engine last saw the block used) at which blocks got hit and at which they left the
- * tier. From them, as in LHD (Beckmann et al., NSDI'18), the hit density of a block of class c
- * and age a in tier T is P(hit | c, a) / E[remaining time in T | c, a]. A block's value is its hit
- * density x the seconds a hit saves by having the block in T instead of where it would go next
- * (the next tier down, or recomputation at its depth) x 2^(priority / 100); hints replace the
- * density ("paused": a hit is expected when the session is back) or scale it ("finished").
+ * Blocks fall into classes: how often they were hit (log-bucketed) x how far from the end of
+ * the prompt that added them they sat (the last few hundred tokens of a prompt are the turn's
+ * own text and come back far less often). Per class the engine counts, with exponential decay,
+ * the hits its blocks got and the times they left a tier (demoted or dropped), which gives the
+ * probability that a block of the class is hit before it next has to move: P(c). The expected
+ * time to its next use grows with the time since its last use, so the hit rate of a block is
+ * about P(c) / (age + A0). Its value is that rate x the seconds a hit saves by having the
+ * block in its tier instead of where it would go next (the next tier down, or recomputation at
+ * its depth, whichever is cheaper) x 2^(priority / 100). Hints replace the rate ("paused": a
+ * hit is expected when the session is back) or scale it down ("finished").
  */
 #include "policy.h"
 
@@ -36,10 +39,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHUNK_PAGES     8  /* pages moved or dropped per victim visit */
-#define NCLASS          6  /* hit-count classes */
-#define NAGE            96 /* age bins: 4 per doubling */
-#define REFRESH_EVERY   64 /* inserts between refreshes of the cost model (and heap rebuilds) */
+#define CHUNK_PAGES     8 /* pages moved or dropped per victim visit */
+#define NHITC           6 /* hit-count classes */
+#define NPOSC           6 /* classes of distance from the end of the prompt that added it */
+#define NCLASS          (NHITC * NPOSC)
+#define POS_SHIFT       4 /* the position class lives in flags bits 4..6 (KVT_BLOCK_USER0..) */
+#define POS_MASK        (7u << POS_SHIFT)
+#define AGE0            1000.0 /* clock units added to every age: one second of ms */
+#define REFRESH_EVERY   64     /* inserts between refreshes of the cost model (and heap rebuilds) */
 #define HIST_DECAY      0.97
 #define PROMO_QUEUE     64
 #define PRIO_MASK       0x03ffu
@@ -102,9 +109,9 @@ struct kvt_policy {
     /* cost model state */
     double page_load_s[KVT_TIER_COUNT]; /* per page of the most common page size, no latency */
     uint32_t model_page_size;
-    double hit_hist[KVT_TIER_COUNT][NCLASS][NAGE];
-    double end_hist[KVT_TIER_COUNT][NCLASS][NAGE];
-    double density[KVT_TIER_COUNT][NCLASS][NAGE];
+    double class_hits[NCLASS]; /* decayed counts of hits, and of moves out of a tier */
+    double class_ends[NCLASS];
+    double class_p[NCLASS]; /* P(hit before the next move), as of the last refresh */
     uint32_t inserts_since_refresh;
 
     uint32_t bb_ns[BLOCK_CACHE_NS], bb_ps[BLOCK_CACHE_NS];
@@ -325,37 +332,33 @@ static unsigned hit_class(uint32_t hits)
     return 5;
 }
 
-static unsigned age_bin(uint32_t age)
+/* The block's class: hit count x where it sat in the prompt that added it. */
+static unsigned block_class(uint32_t hits, uint8_t flags)
 {
-    if (age == 0)
-        return 0;
-    unsigned b = (unsigned)(4.0 * log2(1.0 + (double)age));
-    return b < NAGE ? b : NAGE - 1;
+    return hit_class(hits) * NPOSC + ((flags & POS_MASK) >> POS_SHIFT);
 }
 
-/* Width of age bin i in clock units. */
-static double bin_width(unsigned i)
+/* Tokens between a page and the end of the prompt that added it, log-bucketed: a prompt's last
+ * few hundred tokens (the turn's own text) come back far less often than what precedes them. */
+static unsigned pos_class(uint64_t tokens_from_end)
 {
-    return exp2((i + 1) / 4.0) - exp2(i / 4.0);
+    uint64_t x = tokens_from_end / 128;
+    unsigned c = 0;
+    while (x) {
+        c++;
+        x >>= 1;
+    }
+    return c < NPOSC ? c : NPOSC - 1;
 }
 
-/* Recomputes hit densities from the histograms and ages the histograms. */
-static void refresh_density(kvt_policy_t *p)
+/* Refreshes P(c) from the counts and ages the counts. */
+static void refresh_model(kvt_policy_t *p)
 {
-    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
-        for (int c = 0; c < NCLASS; c++) {
-            double hits = 0, events = 0, life = 0;
-            for (int i = NAGE - 1; i >= 0; i--) {
-                hits += p->hit_hist[t][c][i];
-                events += p->hit_hist[t][c][i] + p->end_hist[t][c][i];
-                life += events * bin_width((unsigned)i);
-                /* A small prior (one hit per ten events, in a lifetime of the bin's width) keeps
-                 * classes without data from looking perfect or worthless. */
-                p->density[t][c][i] = (hits + 0.1) / (life + 1.0 + bin_width((unsigned)i));
-                p->hit_hist[t][c][i] *= HIST_DECAY;
-                p->end_hist[t][c][i] *= HIST_DECAY;
-            }
-        }
+    for (int c = 0; c < NCLASS; c++) {
+        /* a weak prior (one hit in ten) for classes without data */
+        p->class_p[c] = (p->class_hits[c] + 0.1) / (p->class_hits[c] + p->class_ends[c] + 1.0);
+        p->class_hits[c] *= HIST_DECAY;
+        p->class_ends[c] *= HIST_DECAY;
     }
 }
 
@@ -419,7 +422,7 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i)
         uint32_t now = now_clock(p);
         uint32_t age = now - b->policy;
         kvt_tier_id_t t = (kvt_tier_id_t)b->tier;
-        double dens = p->density[t][hit_class(b->hits)][age_bin(age)];
+        double dens = p->class_p[block_class(b->hits, b->flags)] / ((double)age + AGE0);
         unsigned pause = b->prio >> PAUSE_SHIFT;
         if (pause == PAUSE_FINISHED) {
             dens *= FINISHED_FACTOR;
@@ -460,6 +463,25 @@ static void push_node(kvt_policy_t *p, kvt_radix_node_t *n)
             heap_push(p, &p->heap[t], n, block_key(p, n, b - 1));
         i = b;
     }
+}
+
+/* Pushes n into the heap of tier t when it has a run there. */
+static void push_tier(kvt_policy_t *p, kvt_radix_node_t *n, uint8_t t)
+{
+    uint32_t a, b;
+    if (!tier_ok((kvt_tier_id_t)t) || !p->cap[t] || kvt_radix_node_pages(n) == 0)
+        return;
+    node_run(n, t, &a, &b);
+    if (a < b)
+        heap_push(p, &p->heap[t], n, block_key(p, n, b - 1));
+}
+
+/* After n lost its tail: the tail may now be droppable where it was not. */
+static void push_tail(kvt_policy_t *p, kvt_radix_node_t *n)
+{
+    uint32_t np = kvt_radix_node_pages(n);
+    if (np && kvt_radix_node_children(n) == 0 && !kvt_radix_node_leased(n))
+        push_tier(p, n, kvt_radix_node_blocks(n)[np - 1].tier);
 }
 
 static void rebuild(kvt_policy_t *p)
@@ -507,15 +529,14 @@ static int run_busy(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
     return 0;
 }
 
-static void record_end(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
-                       kvt_tier_id_t from)
+/* Blocks leaving a tier (demoted or dropped) end a residency without a hit. */
+static void record_end(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
 {
     if (p->c.kind != KVT_POLICY_COST)
         return;
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
-    uint32_t now = now_clock(p);
     for (uint32_t i = i0; i < i0 + cnt; i++)
-        p->end_hist[from][hit_class(bl[i].hits)][age_bin(now - bl[i].policy)] += 1;
+        p->class_ends[block_class(bl[i].hits, bl[i].flags)] += 1;
 }
 
 static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth);
@@ -534,11 +555,13 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
     if (i0 + cnt > kvt_radix_node_pages(n) || kvt_radix_node_blocks(n)[i0].tier != from ||
         kvt_radix_node_blocks(n)[i0 + cnt - 1].tier != from)
         return KVT_EAGAIN;
+    uint32_t ta, tb;
+    node_run(n, (uint8_t)to, &ta, &tb);
     rc = p->c.ops->move(p->c.ops_arg, n, kvt_radix_node_depth(n) + i0, cnt, from, to);
     if (rc < 0)
         return rc;
     if (to > from)
-        record_end(p, n, i0, cnt, from);
+        record_end(p, n, i0, cnt);
     p->used[to] += bytes;
     if (rc == KVT_POLICY_PENDING) {
         p->pending_out[from] += bytes;
@@ -549,6 +572,8 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         p->st.blocks[from] -= cnt;
         p->st.blocks[to] += cnt;
         p->st.moved_bytes[from][to] += bytes;
+        if (ta == tb) /* a new run in `to`: a run that grew keeps its boundary or goes stale */
+            push_tier(p, n, (uint8_t)to);
     }
     if (to > from)
         p->st.demotions++;
@@ -563,7 +588,7 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
     uint32_t np = kvt_radix_node_pages(n);
     uint64_t bytes = run_bytes(n, np - cnt, cnt);
     kvt_radix_node_t *parent = kvt_radix_node_parent(n);
-    record_end(p, n, np - cnt, cnt, from);
+    record_end(p, n, np - cnt, cnt);
     p->in_drop = 1;
     int rc = kvt_radix_evict(p->t, n, cnt);
     p->in_drop = 0;
@@ -573,8 +598,10 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
     p->st.dropped_blocks += cnt;
     if (cnt == np) {
         dead_add(p, n);
-        if (parent && kvt_radix_node_children(parent) == 0 && !kvt_radix_node_leased(parent))
-            push_node(p, parent);
+        if (parent)
+            push_tail(p, parent);
+    } else {
+        push_tail(p, n);
     }
     return (int)cnt;
 }
@@ -588,7 +615,8 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth)
     heap_t *h = &p->heap[t];
     int rebuilt = 0;
     for (size_t guard = 0; guard < 1000000; guard++) {
-        if (p->foreign != p->foreign_seen || p->stale) {
+        if (p->foreign != p->foreign_seen || p->stale ||
+            h->len > 4 * kvt_radix_node_count(p->t) + 4096) {
             rebuild(p);
             rebuilt = 1;
         }
@@ -620,17 +648,15 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth)
         uint32_t np = kvt_radix_node_pages(n);
         int droppable = b == np && kvt_radix_node_children(n) == 0;
         kvt_tier_id_t lo = p->lower[t];
-        int drop = !lo;
+        int drop = !lo, cost_drop = 0;
         if (lo && droppable) {
             if (lo == KVT_TIER_NVME && p->c.nvme_min_hits && last->hits < p->c.nvme_min_hits)
                 drop = 1;
             if (p->c.kind == KVT_POLICY_COST && !p->c.no_cost_drop) {
                 uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
                 uint32_t dep = kvt_radix_node_depth(n) + b - 1;
-                if (recompute_page_s(p, dep, ps) < page_load_s(p, lo, last->size)) {
-                    drop = 1;
-                    p->st.cost_drops += cnt;
-                }
+                if (recompute_page_s(p, dep, ps) < page_load_s(p, lo, last->size))
+                    drop = cost_drop = 1;
             }
         }
         int rc;
@@ -638,26 +664,22 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth)
             if (!droppable)
                 continue; /* a cached child depends on it: it stays until the child goes */
             rc = do_drop(p, n, cnt, t);
-            if (rc > 0 && cnt < np)
-                push_node(p, n);
         } else {
             rc = do_move(p, n, i0, cnt, t, lo, depth);
             if (rc < 0 && droppable) {
+                /* no room below: dropping is the only way to free this tier */
                 node_run(n, (uint8_t)t, &a, &b);
-                if (b == kvt_radix_node_pages(n) && b > a && kvt_radix_node_children(n) == 0) {
-                    cnt = KVT_MIN(b - a, (uint32_t)CHUNK_PAGES);
-                    rc = do_drop(p, n, cnt, t);
-                    if (rc > 0 && cnt < b)
-                        push_node(p, n);
-                    if (rc > 0)
-                        return rc;
-                }
+                if (b == kvt_radix_node_pages(n) && b > a && kvt_radix_node_children(n) == 0)
+                    rc = do_drop(p, n, KVT_MIN(b - a, (uint32_t)CHUNK_PAGES), t);
             }
             if (rc > 0)
-                push_node(p, n);
+                push_tier(p, n, (uint8_t)t);
         }
-        if (rc > 0)
+        if (rc > 0) {
+            if (drop && cost_drop)
+                p->st.cost_drops += (uint64_t)rc;
             return rc;
+        }
         if (rc == KVT_ENOMEM)
             return rc;
     }
@@ -726,7 +748,7 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
     }
     if (conf->admit_tier)
         p->top = conf->admit_tier;
-    refresh_density(p);
+    refresh_model(p);
     *out = p;
     return 0;
 }
@@ -770,7 +792,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             promote = 1;
         if (p->c.kind == KVT_POLICY_COST && tier_ok((kvt_tier_id_t)b->tier)) {
             uint32_t before = b->hits ? b->hits - 1 : 0; /* the match has counted this hit */
-            p->hit_hist[b->tier][hit_class(before)][age_bin(now - b->policy)] += 1;
+            p->class_hits[block_class(before, b->flags)] += 1;
             b->policy = now;
         } else if (p->c.kind == KVT_POLICY_ORACLE && hint && hint->next_use &&
                    depth < hint->nnext) {
@@ -802,6 +824,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
         if (bl[i].tier != KVT_TIER_NONE)
             return KVT_EINVAL;
     uint32_t size = block_bytes(p, kvt_radix_node_ns(n));
+    uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
     uint32_t now = now_clock(p);
     uint32_t done = 0;
     kvt_tier_id_t t = p->top;
@@ -825,6 +848,8 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
             uint32_t depth = kvt_radix_node_depth(n) + i;
             b->tier = (uint8_t)t;
             b->size = size;
+            b->flags = (uint8_t)((b->flags & ~POS_MASK) |
+                                 (pos_class((uint64_t)(res->pages - depth) * ps) << POS_SHIFT));
             if (p->c.kind == KVT_POLICY_ORACLE)
                 b->policy = hint && hint->next_use && depth < hint->nnext ? hint->next_use[depth]
                                                                           : UINT32_MAX;
@@ -853,7 +878,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
     if (n && done)
         push_node(p, n);
     if (++p->inserts_since_refresh >= REFRESH_EVERY && p->c.kind == KVT_POLICY_COST) {
-        refresh_density(p);
+        refresh_model(p);
         p->inserts_since_refresh = 0;
         p->stale = 1;
     }
@@ -916,8 +941,6 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             if (rc < 0)
                 return total; /* no room: the rest stays where it is */
             total += rc;
-            if (rc > 0)
-                push_node(p, x);
             if (kvt_radix_node_blocks(x)[s].tier != to)
                 break; /* pending: the executor finishes it */
         }
@@ -988,7 +1011,7 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
     p->st.blocks[from] -= npages;
     p->st.blocks[to] += npages;
     p->st.moved_bytes[from][to] += bytes;
-    push_node(p, n);
+    push_tier(p, n, (uint8_t)to);
     return 0;
 }
 
