@@ -1,0 +1,309 @@
+/*
+ * test_server_malformed.c: every malformed-frame case over a raw socket to the real daemon:
+ * wrong magic, wrong version, a body over max-frame, an unknown opcode, truncated and
+ * inconsistent bodies, requests before HELLO, unknown flag bits, a peer that disconnects in the
+ * middle of a frame. Each gets its error reply (or a closed connection where the framing cannot be
+ * trusted), is counted, and leaves a second, well-behaved client untouched.
+ */
+#include "../server/proto.h"
+#include "test_server_harness.h"
+
+static void raw_send(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body,
+                     uint32_t len, uint32_t magic, uint8_t version)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    kvt_proto_hdr_t h = {.magic = magic,
+                         .version = version,
+                         .opcode = (uint8_t)op,
+                         .flags = flags,
+                         .request_id = id,
+                         .body_len = len};
+    kvt_proto_hdr_encode(hdr, &h);
+    cr_assert_eq(write(fd, hdr, sizeof hdr), (ssize_t)sizeof hdr);
+    if (body && len)
+        cr_assert_eq(write(fd, body, len), (ssize_t)len);
+}
+
+static void req(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body, uint32_t len)
+{
+    raw_send(fd, op, flags, id, body, len, KVT_PROTO_MAGIC, KVT_PROTO_VERSION);
+}
+
+static int read_full(int fd, uint8_t *p, size_t n)
+{
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, p + got, n - got);
+        if (r <= 0)
+            return -1;
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+/* Reads one reply; returns its status, checks its id and opcode. */
+static int reply(int fd, unsigned op, uint64_t id, uint8_t *body, uint32_t *len)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    cr_assert_eq(read_full(fd, hdr, sizeof hdr), 0, "no reply to request %llu",
+                 (unsigned long long)id);
+    kvt_proto_hdr_t h;
+    kvt_proto_hdr_decode(hdr, &h);
+    cr_assert_eq(h.magic, KVT_PROTO_MAGIC);
+    cr_assert_eq(h.request_id, id);
+    cr_assert_eq(h.opcode, op | KVT_OP_REPLY, "opcode 0x%x", h.opcode);
+    cr_assert_leq(h.body_len, 65536);
+    uint8_t tmp[65536];
+    cr_assert_eq(read_full(fd, body ? body : tmp, h.body_len), 0);
+    if (len)
+        *len = h.body_len;
+    return h.status;
+}
+
+static int closed(int fd)
+{
+    uint8_t b;
+    return read(fd, &b, 1) == 0;
+}
+
+static void hello(int fd, uint64_t id)
+{
+    uint8_t body[64];
+    kvt_wire_hello_t w = {
+        .min_version = 1, .max_version = 1, .page_size = 4, .block_bytes = 16, .model_len = 1};
+    memcpy(body, &w, sizeof w);
+    body[sizeof w] = 'm';
+    req(fd, KVT_OP_HELLO, 0, id, body, sizeof w + 1);
+    cr_assert_eq(reply(fd, KVT_OP_HELLO, id, NULL, NULL), 0);
+}
+
+static uint64_t perrors(kvt_client_t *c)
+{
+    return kvd_stat(c, "protocol_errors");
+}
+
+Test(server_malformed, framing_errors_close_only_that_connection)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--max-frame", "64K", NULL);
+    kvt_client_t *good = kvd_client(&d, "m", 4, 16);
+    uint64_t e0 = perrors(good);
+
+    int fd = kvd_raw(&d);
+    raw_send(fd, KVT_OP_PING, 0, 5, "hi", 2, 0xdeadbeef, KVT_PROTO_VERSION);
+    cr_expect_eq(reply(fd, 0, 5, NULL, NULL), KVT_EPROTO, "bad magic");
+    cr_expect(closed(fd));
+    close(fd);
+
+    fd = kvd_raw(&d);
+    raw_send(fd, KVT_OP_PING, 0, 6, "hi", 2, KVT_PROTO_MAGIC, 9);
+    cr_expect_eq(reply(fd, KVT_OP_PING, 6, NULL, NULL), KVT_EPROTO, "bad version");
+    cr_expect(closed(fd));
+    close(fd);
+
+    fd = kvd_raw(&d);
+    req(fd, KVT_OP_PING, 0, 7, NULL, 65 * 1024); /* header only: the body never comes */
+    cr_expect_eq(reply(fd, KVT_OP_PING, 7, NULL, NULL), KVT_ETOOBIG, "over max-frame");
+    cr_expect(closed(fd));
+    close(fd);
+
+    cr_expect_eq(kvt_client_ping(good, NULL), 0, "the other client is fine");
+    cr_expect_eq(perrors(good), e0 + 3);
+    kvt_client_close(good);
+    kvd_cleanup(&d);
+}
+
+Test(server_malformed, body_errors_answer_and_continue)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *good = kvd_client(&d, "m", 4, 16);
+    uint64_t e0 = perrors(good);
+    int fd = kvd_raw(&d);
+    uint8_t body[4096] = {0};
+
+    /* Before HELLO: a MATCH has no namespace. */
+    kvt_wire_match_t mw = {.ntokens = 4};
+    memcpy(body, &mw, sizeof mw);
+    req(fd, KVT_OP_MATCH, 0, 1, body, sizeof mw + 16);
+    cr_expect_eq(reply(fd, KVT_OP_MATCH, 1, NULL, NULL), KVT_EPROTO, "MATCH before HELLO");
+
+    /* HELLO bodies: truncated, names longer than the body, empty model, NUL in a name. */
+    kvt_wire_hello_t hw = {.min_version = 1, .max_version = 1, .page_size = 4, .model_len = 5};
+    memcpy(body, &hw, sizeof hw);
+    memcpy(body + sizeof hw, "model", 5);
+    req(fd, KVT_OP_HELLO, 0, 2, body, 10);
+    cr_expect_eq(reply(fd, KVT_OP_HELLO, 2, NULL, NULL), KVT_EPROTO, "truncated HELLO");
+    req(fd, KVT_OP_HELLO, 0, 3, body, sizeof hw + 4);
+    cr_expect_eq(reply(fd, KVT_OP_HELLO, 3, NULL, NULL), KVT_EPROTO, "name past the body");
+    hw.model_len = 0;
+    memcpy(body, &hw, sizeof hw);
+    req(fd, KVT_OP_HELLO, 0, 4, body, sizeof hw);
+    cr_expect_eq(reply(fd, KVT_OP_HELLO, 4, NULL, NULL), KVT_EPROTO, "empty model");
+    hw.model_len = 5;
+    memcpy(body, &hw, sizeof hw);
+    memcpy(body + sizeof hw, "mo\0el", 5);
+    req(fd, KVT_OP_HELLO, 0, 5, body, sizeof hw + 5);
+    cr_expect_eq(reply(fd, KVT_OP_HELLO, 5, NULL, NULL), KVT_EPROTO, "NUL in the model");
+    hw.page_size = 5000;
+    memcpy(body, &hw, sizeof hw);
+    memcpy(body + sizeof hw, "model", 5);
+    req(fd, KVT_OP_HELLO, 0, 6, body, sizeof hw + 5);
+    cr_expect_eq(reply(fd, KVT_OP_HELLO, 6, NULL, NULL), KVT_EINVAL, "page size out of range");
+    hw.page_size = 4;
+    hw.min_version = 2;
+    hw.max_version = 3;
+    memcpy(body, &hw, sizeof hw);
+    req(fd, KVT_OP_HELLO, 0, 7, body, sizeof hw + 5);
+    cr_expect_eq(reply(fd, KVT_OP_HELLO, 7, NULL, NULL), KVT_EPROTO, "no common version");
+
+    hello(fd, 8);
+    /* MATCH: token count disagrees with the length, both ways; unknown flags; bad hints. */
+    mw.ntokens = 10;
+    memcpy(body, &mw, sizeof mw);
+    req(fd, KVT_OP_MATCH, 0, 9, body, sizeof mw + 5 * 4);
+    cr_expect_eq(reply(fd, KVT_OP_MATCH, 9, NULL, NULL), KVT_EPROTO, "short token list");
+    req(fd, KVT_OP_MATCH, 0, 10, body, sizeof mw + 11 * 4);
+    cr_expect_eq(reply(fd, KVT_OP_MATCH, 10, NULL, NULL), KVT_EPROTO, "long token list");
+    req(fd, KVT_OP_MATCH, 0, 11, body, sizeof mw + 3);
+    cr_expect_eq(reply(fd, KVT_OP_MATCH, 11, NULL, NULL), KVT_EPROTO, "ragged tokens");
+    req(fd, KVT_OP_MATCH, 0x80, 12, body, sizeof mw + 10 * 4);
+    cr_expect_eq(reply(fd, KVT_OP_MATCH, 12, NULL, NULL), KVT_EPROTO, "unknown flag");
+    mw.hints.flags = 0x40;
+    memcpy(body, &mw, sizeof mw);
+    req(fd, KVT_OP_MATCH, 0, 13, body, sizeof mw + 10 * 4);
+    cr_expect_eq(reply(fd, KVT_OP_MATCH, 13, NULL, NULL), KVT_EPROTO, "unknown hint flag");
+    mw.hints.flags = 0;
+    mw.ntokens = 0xffffffffu; /* a count whose byte size overflows 32 bits */
+    memcpy(body, &mw, sizeof mw);
+    req(fd, KVT_OP_MATCH, 0, 14, body, sizeof mw + 12);
+    cr_expect_eq(reply(fd, KVT_OP_MATCH, 14, NULL, NULL), KVT_EPROTO, "huge token count");
+
+    /* PUT: payload shorter than npayload x block bytes; payload pages past the tokens. */
+    kvt_wire_put_t pw = {.ntokens = 8, .npayload = 2};
+    memcpy(body, &pw, sizeof pw);
+    req(fd, KVT_OP_PUT, 0, 15, body, sizeof pw + 8 * 4 + 16);
+    cr_expect_eq(reply(fd, KVT_OP_PUT, 15, NULL, NULL), KVT_EPROTO, "short payload");
+    pw.first_page = 1;
+    memcpy(body, &pw, sizeof pw);
+    req(fd, KVT_OP_PUT, 0, 16, body, sizeof pw + 8 * 4 + 32);
+    cr_expect_eq(reply(fd, KVT_OP_PUT, 16, NULL, NULL), KVT_EINVAL, "payload past the pages");
+
+    /* Fixed-size bodies of the wrong size. */
+    req(fd, KVT_OP_GET, 0, 17, body, 15);
+    cr_expect_eq(reply(fd, KVT_OP_GET, 17, NULL, NULL), KVT_EPROTO, "GET of 15 bytes");
+    req(fd, KVT_OP_RELEASE, 0, 18, body, 9);
+    cr_expect_eq(reply(fd, KVT_OP_RELEASE, 18, NULL, NULL), KVT_EPROTO, "RELEASE of 9 bytes");
+    req(fd, KVT_OP_STATS, 0, 19, body, 1);
+    cr_expect_eq(reply(fd, KVT_OP_STATS, 19, NULL, NULL), KVT_EPROTO, "STATS with a body");
+    req(fd, KVT_OP_REMOVE, 0, 20, body, 3);
+    cr_expect_eq(reply(fd, KVT_OP_REMOVE, 20, NULL, NULL), KVT_EPROTO, "REMOVE of 3 bytes");
+    req(fd, KVT_OP_PREFETCH, 0, 21, body, 8);
+    cr_expect_eq(reply(fd, KVT_OP_PREFETCH, 21, NULL, NULL), KVT_EPROTO, "PREFETCH of 8 bytes");
+
+    /* Unknown opcodes, a reply opcode sent as a request. */
+    req(fd, 77, 0, 22, "xyz", 3);
+    cr_expect_eq(reply(fd, 77, 22, NULL, NULL), KVT_EPROTO, "unknown opcode");
+    req(fd, KVT_OP_PING | KVT_OP_REPLY, 0, 23, NULL, 0);
+    cr_expect_eq(reply(fd, KVT_OP_PING | KVT_OP_REPLY, 23, NULL, NULL), KVT_EPROTO);
+
+    /* After all that, this connection still works, and the other one too. */
+    uint8_t echo[8];
+    uint32_t len;
+    req(fd, KVT_OP_PING, 0, 24, "still ok", 8);
+    cr_expect_eq(reply(fd, KVT_OP_PING, 24, echo, &len), 0);
+    cr_expect(len == 8 && !memcmp(echo, "still ok", 8));
+    cr_expect_eq(kvt_client_ping(good, NULL), 0);
+    cr_expect_geq(perrors(good), e0 + 18, "each bad body is counted");
+    close(fd);
+    kvt_client_close(good);
+    kvd_cleanup(&d);
+}
+
+Test(server_malformed, disconnect_mid_frame)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *good = kvd_client(&d, "m", 4, 16);
+    uint64_t e0 = perrors(good);
+    for (int k = 0; k < 20; k++) {
+        int fd = kvd_raw(&d);
+        hello(fd, 1);
+        uint8_t body[64] = {0};
+        kvt_wire_put_t pw = {.ntokens = 8, .npayload = 2};
+        memcpy(body, &pw, sizeof pw);
+        /* A header promising 96 bytes, then half of them, then gone. Half the time mid-header. */
+        if (k % 2) {
+            req(fd, KVT_OP_PUT, 0, 2, NULL, sizeof pw + 32 + 32);
+            cr_assert_eq(write(fd, body, 40), 40);
+        } else {
+            uint8_t hdr[KVT_PROTO_HDR];
+            kvt_proto_frame(hdr, KVT_OP_PING, 0, 3, 0, 0);
+            cr_assert_eq(write(fd, hdr, 10), 10);
+        }
+        close(fd);
+    }
+    /* A lease holder that vanishes mid-frame loses its lease too. */
+    int fd = kvd_raw(&d);
+    hello(fd, 1);
+    uint8_t body[256] = {0};
+    kvt_wire_put_t pw = {.ntokens = 8};
+    memcpy(body, &pw, sizeof pw);
+    for (int i = 0; i < 8; i++)
+        kvt_put_u32(body + sizeof pw + 4 * i, 1000 + (uint32_t)i);
+    req(fd, KVT_OP_PUT, 0, 2, body, sizeof pw + 32);
+    cr_assert_eq(reply(fd, KVT_OP_PUT, 2, NULL, NULL), 0);
+    kvt_wire_match_t mw = {.ntokens = 8};
+    memcpy(body, &mw, sizeof mw);
+    for (int i = 0; i < 8; i++)
+        kvt_put_u32(body + sizeof mw + 4 * i, 1000 + (uint32_t)i);
+    req(fd, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 3, body, sizeof mw + 32);
+    cr_assert_eq(reply(fd, KVT_OP_MATCH, 3, NULL, NULL), 0);
+    cr_expect_eq(kvd_stat(good, "leases"), 1);
+    req(fd, KVT_OP_MATCH, 0, 4, NULL, 100);
+    close(fd);
+    uint64_t leases = 1;
+    for (int i = 0; i < 200 && leases; i++) {
+        usleep(5000);
+        leases = kvd_stat(good, "leases");
+    }
+    cr_expect_eq(leases, 0);
+    cr_expect_eq(perrors(good), e0 + 21, "each truncated frame is counted");
+    cr_expect_eq(kvt_client_ping(good, NULL), 0);
+    kvt_client_close(good);
+    kvd_cleanup(&d);
+}
+
+Test(server_malformed, pipelined_requests_keep_order)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    int fd = kvd_raw(&d);
+    hello(fd, 1);
+    /* 300 requests in one write, good and bad mixed; the replies come back in order. */
+    static uint8_t buf[300 * 64];
+    size_t off = 0;
+    for (uint64_t i = 0; i < 300; i++) {
+        uint8_t b[8];
+        kvt_put_u64(b, i);
+        unsigned op = i % 3 == 2 ? 99 : KVT_OP_PING;
+        kvt_proto_frame(buf + off, op, 0, 100 + i, 0, 8);
+        memcpy(buf + off + KVT_PROTO_HDR, b, 8);
+        off += KVT_PROTO_HDR + 8;
+    }
+    cr_assert_eq(write(fd, buf, off), (ssize_t)off);
+    for (uint64_t i = 0; i < 300; i++) {
+        uint8_t b[64];
+        uint32_t len;
+        unsigned op = i % 3 == 2 ? 99 : KVT_OP_PING;
+        int st = reply(fd, op, 100 + i, b, &len);
+        if (op == KVT_OP_PING) {
+            cr_expect_eq(st, 0);
+            cr_expect(len == 8 && kvt_get_u64(b) == i);
+        } else {
+            cr_expect_eq(st, KVT_EPROTO);
+        }
+    }
+    close(fd);
+    kvd_cleanup(&d);
+}
