@@ -315,3 +315,35 @@ Test(tier_dram, random_operations_match_a_reference_model)
     free(buf);
     kvt_tier_destroy(t);
 }
+
+/* Filling the tier to capacity, emptying it and filling it again must fit the same blocks
+ * every time: the arena's region does not strand memory as jemalloc grows into it. */
+Test(tier_dram, refilling_to_capacity_fits_the_same_blocks_every_round)
+{
+    const uint64_t cap = 64u << 20;
+    kvt_tier_t *t = mk(cap);
+    static const uint32_t sizes[] = {256u << 10, 2u << 20, 100000};
+    uint8_t *buf = malloc(2u << 20);
+    uint32_t tok[16];
+    static uint64_t locs[1024];
+    for (size_t s = 0; s < KVT_ARRAY_LEN(sizes); s++) {
+        uint32_t len = sizes[s];
+        uint64_t want = cap / kvt_tier_footprint(t, len);
+        for (int round = 0; round < 3; round++) {
+            uint64_t n = 0;
+            for (;; n++) {
+                kvt_block_key_t k = tu_key(n, tok, 16);
+                int rc = tu_write(t, &k, buf, len, &locs[n]);
+                if (rc == KVT_ENOSPC)
+                    break;
+                cr_assert_eq(rc, 0);
+            }
+            cr_assert_eq(n, want, "size %u round %d: %llu blocks, want %llu", len, round,
+                         (unsigned long long)n, (unsigned long long)want);
+            for (uint64_t i = 0; i < n; i++)
+                kvt_tier_free(t, locs[i], len);
+        }
+    }
+    free(buf);
+    kvt_tier_destroy(t);
+}

@@ -92,19 +92,11 @@ static bool dram_ext_decommit(extent_hooks_t *h, void *addr, size_t size, size_t
     return true; /* refused: pages stay committed */
 }
 
-/* Returning dirty pages to the kernel is fine for plain memory; pinned pages stay put. */
-static bool dram_ext_purge(extent_hooks_t *h, void *addr, size_t size, size_t offset, size_t length,
-                           unsigned arena_ind)
-{
-    (void)size, (void)arena_ind;
-    dram_t *d = dram_of_hooks(h);
-    if (d->pinned)
-        return true;
-    return madvise((uint8_t *)addr + offset, length, MADV_DONTNEED) != 0;
-}
-
-static bool dram_ext_purge_lazy(extent_hooks_t *h, void *addr, size_t size, size_t offset,
-                                size_t length, unsigned arena_ind)
+/* Purging is refused: the region's pages stay resident (and pinned ones stay registered), so
+ * a freed extent goes straight to jemalloc's retained set, where it coalesces with its
+ * neighbours, and reusing it takes no page fault. */
+static bool dram_ext_purge(extent_hooks_t *h, void *addr, size_t size, size_t offset,
+                           size_t length, unsigned arena_ind)
 {
     (void)h, (void)addr, (void)size, (void)offset, (void)length, (void)arena_ind;
     return true;
@@ -250,7 +242,7 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
         .destroy = dram_ext_destroy,
         .commit = dram_ext_commit,
         .decommit = dram_ext_decommit,
-        .purge_lazy = dram_ext_purge_lazy,
+        .purge_lazy = dram_ext_purge,
         .purge_forced = dram_ext_purge,
         .split = dram_ext_split,
         .merge = dram_ext_merge,
@@ -291,6 +283,21 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
         return KVT_EIO;
     }
     d->arena_made = 1;
+    /* Freed extents leave the dirty set at once: with purging refused they land in the
+     * retained set, which jemalloc coalesces eagerly (dirty extents coalesce only when they
+     * decay), so a mix of block sizes does not fragment the region. */
+    ssize_t now = 0;
+    char name[64];
+    snprintf(name, sizeof(name), "arena.%u.dirty_decay_ms", d->arena);
+    (void)mallctl(name, NULL, NULL, &now, sizeof(now));
+    snprintf(name, sizeof(name), "arena.%u.muzzy_decay_ms", d->arena);
+    (void)mallctl(name, NULL, NULL, &now, sizeof(now));
+    /* jemalloc grows its retained memory geometrically; from a fixed region that would strand
+     * up to half of it in one last oversized request. Small steps keep the slack bounded. */
+    size_t grow = 8u << 20;
+    snprintf(name, sizeof(name), "arena.%u.retain_grow_limit", d->arena);
+    if (mallctl(name, NULL, NULL, &grow, sizeof(grow)) != 0)
+        kvt_log(KVT_LOG_WARN, "dram tier: jemalloc refused retain_grow_limit");
     int rc = kvt__tier_init(out, KVT_TIER_DRAM, &dram_ops, d, conf->capacity_bytes);
     if (rc < 0) {
         dram_release(d);

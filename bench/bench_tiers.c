@@ -1,0 +1,475 @@
+/*
+ * bench_tiers.c: write and read bandwidth of each tier for 256 KiB and 2 MiB blocks, each next
+ * to its ceiling measured in the same run:
+ *
+ *   dram    the tier's writes and reads (jemalloc block + copy + completion) vs plain memcpy of
+ *           the same blocks between the same kind of buffers
+ *   nvme    the tier (io_uring, O_DIRECT, header + checksum per block, queue depth --qd) vs
+ *           fio with ioengine=io_uring, direct=1, the same block size and iodepth, on the same
+ *           file system (--dir)
+ *   hbm     only where a GPU is usable: the tier's copies between pinned DRAM and the device
+ *           vs plain cudaMemcpy of the same size
+ *   remote  bench_remote_run() (bench/bench_remote.c) against --redis HOST:PORT, or a throwaway
+ *           redis-server, vs redis-benchmark
+ *
+ * Each case runs --reps times interleaved with its baseline, and the best of each is reported,
+ * which keeps a noisy disk's drift from landing on one side only. Output: one JSON object per
+ * tier, block size and op on stdout (GB/s are 1e9 bytes per second); progress on stderr.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "tier.h"
+#if KVT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+#ifdef KVT_BENCH_REMOTE
+#include "bench_remote.h"
+#endif
+
+typedef struct opts {
+    const char *dir;
+    const char *redis;
+    uint64_t volume; /* bytes per case */
+    uint32_t qd;
+    int reps;
+    int only_dram, only_nvme, no_remote;
+} opts_t;
+
+static double now_s(void)
+{
+    return (double)kvt_now_ns() / 1e9;
+}
+
+static void emit(const char *tier, size_t bs, const char *op, double gbps, const char *base,
+                 double base_gbps)
+{
+    printf("{\"tier\":\"%s\",\"block_bytes\":%zu,\"op\":\"%s\",\"gbps\":%.3f,\"baseline\":\"%s\","
+           "\"baseline_gbps\":%.3f,\"ratio\":%.3f}\n",
+           tier, bs, op, gbps, base, base_gbps, base_gbps > 0 ? gbps / base_gbps : 0.0);
+    fflush(stdout);
+}
+
+static void *xalign(size_t n)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 4096, n) != 0) {
+        fprintf(stderr, "bench_tiers: out of memory\n");
+        exit(1);
+    }
+    memset(p, 0x5a, n);
+    return p;
+}
+
+static void fill(uint8_t *p, size_t n, uint64_t seed)
+{
+    for (size_t i = 0; i + 8 <= n; i += 8) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        memcpy(p + i, &seed, 8);
+    }
+}
+
+/* ---- driving a tier with a window of requests in flight ---- */
+
+typedef struct pump {
+    kvt_tier_t *t;
+    kvt_tier_io_t *ios;
+    uint8_t **bufs;
+    uint32_t window;
+    uint64_t *locs;
+    uint32_t n;    /* requests to run */
+    uint32_t next; /* next to submit */
+    uint32_t done;
+    int failed;
+    kvt_io_op_t op;
+    uint32_t bs;
+    uint32_t tok[16];
+} pump_t;
+
+static int pump_submit(pump_t *p, kvt_tier_io_t *io)
+{
+    uint32_t i = p->next++;
+    io->key = (kvt_block_key_t){
+        .ns_seed = 7, .hash = 1000 + i, .parent = 7, .tokens = p->tok, .ntokens = 16};
+    io->len = p->bs;
+    io->loc = p->op == KVT_IO_READ ? p->locs[i] : 0;
+    io->status = 0;
+    int rc = p->op == KVT_IO_WRITE ? kvt_tier_write(p->t, io) : kvt_tier_read(p->t, io);
+    if (rc < 0) {
+        fprintf(stderr, "bench_tiers: submit %u: %s\n", i, kvt_strerror(rc));
+        p->failed = 1;
+    }
+    return rc;
+}
+
+static void pump_cb(kvt_tier_io_t *io)
+{
+    pump_t *p = io->data;
+    uint32_t slot = (uint32_t)(io - p->ios);
+    if (io->status < 0) {
+        fprintf(stderr, "bench_tiers: %s failed: %s\n", p->op == KVT_IO_WRITE ? "write" : "read",
+                kvt_strerror(io->status));
+        p->failed = 1;
+    }
+    if (p->op == KVT_IO_WRITE)
+        p->locs[io->key.hash - 1000] = io->loc;
+    p->done++;
+    if (p->next < p->n && !p->failed)
+        pump_submit(p, &p->ios[slot]);
+}
+
+/* Runs n writes or reads of bs bytes with `window` in flight; returns seconds, or -1. */
+static double pump_run(pump_t *p, kvt_io_op_t op, uint32_t n)
+{
+    p->op = op;
+    p->n = n;
+    p->next = p->done = 0;
+    p->failed = 0;
+    double t0 = now_s();
+    for (uint32_t w = 0; w < p->window && p->next < n; w++) {
+        p->ios[w].buf = p->bufs[w];
+        p->ios[w].cb = pump_cb;
+        p->ios[w].data = p;
+        if (pump_submit(p, &p->ios[w]) < 0)
+            return -1;
+    }
+    while (p->done < p->next && !p->failed)
+        if (kvt_tier_wait(p->t, 1000) < 0)
+            return -1;
+    double dt = now_s() - t0;
+    return p->failed ? -1 : dt;
+}
+
+static void pump_init(pump_t *p, kvt_tier_t *t, uint32_t window, uint32_t bs, uint32_t nmax,
+                      uint8_t **bufs)
+{
+    memset(p, 0, sizeof(*p));
+    p->t = t;
+    p->window = window;
+    p->bs = bs;
+    p->ios = calloc(window, sizeof(*p->ios));
+    p->locs = calloc(nmax, sizeof(*p->locs));
+    p->bufs = bufs;
+    for (int i = 0; i < 16; i++)
+        p->tok[i] = (uint32_t)i;
+}
+
+static void pump_free_all(pump_t *p, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        kvt_tier_free(p->t, p->locs[i], p->bs);
+}
+
+static void pump_fini(pump_t *p)
+{
+    free(p->ios);
+    free(p->locs);
+}
+
+/* ---- DRAM vs memcpy ---- */
+
+static int bench_dram(const opts_t *o, size_t bs)
+{
+    const uint64_t cap = 256u << 20;
+    uint32_t per_round = (uint32_t)(cap / (bs + 4096)); /* blocks that fit, size classes aside */
+    uint32_t rounds =
+        (uint32_t)((o->volume + (uint64_t)per_round * bs - 1) / ((uint64_t)per_round * bs));
+    kvt_tier_t *t;
+    kvt_tier_dram_conf_t c = {.capacity_bytes = cap, .pin = 2};
+    if (kvt_tier_dram_create(&t, &c) < 0)
+        return -1;
+    uint8_t *src = xalign(bs), *dst = xalign(bs);
+    fill(src, bs, 1);
+    /* Writes copy from src and reads land in dst, as the baseline's memcpy does. */
+    uint8_t **bufs = calloc(o->qd, sizeof(*bufs));
+    uint8_t *area = xalign((size_t)per_round * bs); /* the baseline's destination, faulted in */
+    pump_t p;
+    pump_init(&p, t, o->qd, (uint32_t)bs, per_round, bufs);
+    for (uint32_t i = 0; i < o->qd; i++)
+        bufs[i] = src;
+    /* Warm-up: the arena's pages are faulted in once, like the baseline's area. */
+    if (pump_run(&p, KVT_IO_WRITE, per_round) < 0)
+        return -1;
+    pump_free_all(&p, per_round);
+
+    double best[4] = {0};
+    for (int rep = 0; rep < o->reps; rep++) {
+        double tw = 0, tr = 0, bw = 0, br = 0;
+        for (uint32_t r = 0; r < rounds; r++) {
+            for (uint32_t i = 0; i < o->qd; i++)
+                bufs[i] = src;
+            double dt = pump_run(&p, KVT_IO_WRITE, per_round);
+            if (dt < 0)
+                return -1;
+            tw += dt;
+            for (uint32_t i = 0; i < o->qd; i++)
+                bufs[i] = dst;
+            if ((dt = pump_run(&p, KVT_IO_READ, per_round)) < 0)
+                return -1;
+            tr += dt;
+            pump_free_all(&p, per_round);
+
+            double t0 = now_s();
+            for (uint32_t i = 0; i < per_round; i++)
+                memcpy(area + (size_t)i * bs, src, bs);
+            bw += now_s() - t0;
+            t0 = now_s();
+            for (uint32_t i = 0; i < per_round; i++) {
+                memcpy(dst, area + (size_t)i * bs, bs);
+                __asm__ volatile("" : : "r"(dst) : "memory");
+            }
+            br += now_s() - t0;
+        }
+        double bytes = (double)rounds * per_round * bs;
+        best[0] = KVT_MAX(best[0], bytes / tw / 1e9);
+        best[1] = KVT_MAX(best[1], bytes / bw / 1e9);
+        best[2] = KVT_MAX(best[2], bytes / tr / 1e9);
+        best[3] = KVT_MAX(best[3], bytes / br / 1e9);
+    }
+    emit("dram", bs, "write", best[0], "memcpy", best[1]);
+    emit("dram", bs, "read", best[2], "memcpy", best[3]);
+    pump_fini(&p);
+    kvt_tier_destroy(t);
+    free(area);
+    free(bufs);
+    free(src);
+    free(dst);
+    return 0;
+}
+
+/* ---- NVMe vs fio ---- */
+
+/* Runs fio once; returns GB/s of op ("write" or "read"), or -1. */
+static double fio_run(const char *dir, const char *op, size_t bs, uint32_t qd, uint64_t volume)
+{
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd),
+             "fio --name=kvt-bench --directory='%s' --filename=fio.data --rw=%s --bs=%zu "
+             "--iodepth=%u --direct=1 --ioengine=io_uring --size=%llu --numjobs=1 "
+             "--output-format=json 2>/dev/null",
+             dir, op, bs, qd, (unsigned long long)volume);
+    FILE *f = popen(cmd, "r");
+    if (!f)
+        return -1;
+    size_t cap = 1 << 20, len = 0;
+    char *out = malloc(cap);
+    size_t got;
+    while ((got = fread(out + len, 1, cap - 1 - len, f)) > 0)
+        len += got;
+    out[len] = 0;
+    int rc = pclose(f);
+    double gbps = -1;
+    char key[32];
+    snprintf(key, sizeof(key), "\"%s\" : {", op);
+    char *sec = strstr(out, key);
+    char *bw = sec ? strstr(sec, "\"bw_bytes\" : ") : NULL;
+    if (rc == 0 && bw)
+        gbps = strtod(bw + strlen("\"bw_bytes\" : "), NULL) / 1e9;
+    else
+        fprintf(stderr, "bench_tiers: fio failed (exit %d): is fio installed?\n", rc);
+    free(out);
+    return gbps;
+}
+
+static int bench_nvme(const opts_t *o, size_t bs)
+{
+    char dir[4096];
+    snprintf(dir, sizeof(dir), "%s/kvt-bench-nvme-XXXXXX", o->dir);
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "bench_tiers: cannot make a directory under %s: %s\n", o->dir,
+                strerror(errno));
+        return -1;
+    }
+    uint32_t n = (uint32_t)(o->volume / bs);
+    uint64_t seg = 64u << 20;
+    uint64_t need = (uint64_t)n * (bs + 8192);
+    uint64_t cap = ((need + need / 16) / seg + 2) * seg;
+    kvt_tier_t *t;
+    kvt_tier_nvme_conf_t c = {.dir = dir, .capacity_bytes = cap, .queue_depth = o->qd};
+    int rc = kvt_tier_nvme_create(&t, &c);
+    if (rc < 0) {
+        fprintf(stderr, "bench_tiers: nvme tier in %s: %s\n", dir, kvt_strerror(rc));
+        rmdir(dir);
+        return -1;
+    }
+    if (!kvt_tier_nvme_direct(t))
+        fprintf(stderr, "bench_tiers: %s refuses O_DIRECT: the nvme figures are buffered\n", dir);
+    uint8_t **bufs = calloc(o->qd, sizeof(*bufs));
+    for (uint32_t i = 0; i < o->qd; i++) {
+        bufs[i] = xalign(bs);
+        fill(bufs[i], bs, i);
+    }
+    pump_t p;
+    pump_init(&p, t, o->qd, (uint32_t)bs, n, bufs);
+    double best[4] = {0};
+    for (int rep = 0; rep < o->reps && rc == 0; rep++) {
+        double dw = pump_run(&p, KVT_IO_WRITE, n);
+        double fw = fio_run(dir, "write", bs, o->qd, (uint64_t)n * bs);
+        double dr = dw > 0 ? pump_run(&p, KVT_IO_READ, n) : -1;
+        double fr = fio_run(dir, "read", bs, o->qd, (uint64_t)n * bs);
+        if (dw < 0 || dr < 0 || fw < 0 || fr < 0) {
+            rc = -1;
+            break;
+        }
+        pump_free_all(&p, n);
+        double bytes = (double)n * bs;
+        best[0] = KVT_MAX(best[0], bytes / dw / 1e9);
+        best[1] = KVT_MAX(best[1], fw);
+        best[2] = KVT_MAX(best[2], bytes / dr / 1e9);
+        best[3] = KVT_MAX(best[3], fr);
+        fprintf(stderr,
+                "bench_tiers: nvme %zu rep %d: write %.3f (fio %.3f) read %.3f (fio %.3f)\n", bs,
+                rep, bytes / dw / 1e9, fw, bytes / dr / 1e9, fr);
+    }
+    if (rc == 0) {
+        emit("nvme", bs, "write", best[0], "fio", best[1]);
+        emit("nvme", bs, "read", best[2], "fio", best[3]);
+    }
+    pump_fini(&p);
+    kvt_tier_destroy(t);
+    for (uint32_t i = 0; i < o->qd; i++)
+        free(bufs[i]);
+    free(bufs);
+    char path[4200];
+    const char *files[] = {"kvtier.data", "kvtier.meta", "fio.data"};
+    for (size_t i = 0; i < KVT_ARRAY_LEN(files); i++) {
+        snprintf(path, sizeof(path), "%s/%s", dir, files[i]);
+        unlink(path);
+    }
+    rmdir(dir);
+    return rc;
+}
+
+/* ---- HBM vs cudaMemcpy (only with a usable GPU) ---- */
+
+#if KVT_HAVE_CUDA
+static int bench_hbm(const opts_t *o, size_t bs)
+{
+    uint32_t n = (uint32_t)(o->volume / bs);
+    kvt_tier_t *h, *d;
+    kvt_tier_hbm_conf_t hc = {.backend = "cuda", .capacity_bytes = (uint64_t)n * bs};
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = (uint64_t)o->qd * (bs + (64u << 10)), .pin = 1};
+    if (kvt_tier_hbm_create(&h, &hc) < 0 || kvt_tier_dram_create(&d, &dc) < 0)
+        return -1;
+    /* The host side of every copy is a pinned DRAM-tier block, as when the policy promotes. */
+    uint8_t **bufs = calloc(o->qd, sizeof(*bufs));
+    uint8_t *src = xalign(bs);
+    fill(src, bs, 3);
+    for (uint32_t i = 0; i < o->qd; i++) {
+        kvt_tier_io_t io = {
+            .key = {.ns_seed = 7, .hash = 1 + i, .parent = 7}, .buf = src, .len = (uint32_t)bs};
+        if (kvt_tier_write(d, &io) < 0 || kvt_tier_wait(d, 1000) < 0 || io.status < 0)
+            return -1;
+        bufs[i] = kvt_tier_ptr(d, io.loc);
+    }
+    void *dev = NULL;
+    if (cudaMalloc(&dev, bs) != cudaSuccess)
+        return -1;
+    pump_t p;
+    pump_init(&p, h, o->qd, (uint32_t)bs, n, bufs);
+    double best[4] = {0};
+    for (int rep = 0; rep < o->reps; rep++) {
+        double dw = pump_run(&p, KVT_IO_WRITE, n);
+        double dr = dw > 0 ? pump_run(&p, KVT_IO_READ, n) : -1;
+        if (dw < 0 || dr < 0)
+            return -1;
+        pump_free_all(&p, n);
+        double t0 = now_s();
+        for (uint32_t i = 0; i < n; i++)
+            cudaMemcpy(dev, bufs[i % o->qd], bs, cudaMemcpyHostToDevice);
+        double bw = now_s() - t0;
+        t0 = now_s();
+        for (uint32_t i = 0; i < n; i++)
+            cudaMemcpy(bufs[i % o->qd], dev, bs, cudaMemcpyDeviceToHost);
+        double br = now_s() - t0;
+        double bytes = (double)n * bs;
+        best[0] = KVT_MAX(best[0], bytes / dw / 1e9);
+        best[1] = KVT_MAX(best[1], bytes / bw / 1e9);
+        best[2] = KVT_MAX(best[2], bytes / dr / 1e9);
+        best[3] = KVT_MAX(best[3], bytes / br / 1e9);
+    }
+    emit("hbm", bs, "write", best[0], "cudaMemcpy", best[1]);
+    emit("hbm", bs, "read", best[2], "cudaMemcpy", best[3]);
+    cudaFree(dev);
+    pump_fini(&p);
+    kvt_tier_destroy(h);
+    kvt_tier_destroy(d);
+    free(bufs);
+    free(src);
+    return 0;
+}
+#endif
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: bench_tiers [--dir DIR] [--redis HOST:PORT] [--mib-per-case N] [--qd N]\n"
+            "                   [--reps N] [--only dram|nvme|hbm] [--no-remote]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv)
+{
+    opts_t o = {.volume = 1ull << 30, .qd = 32, .reps = 2};
+    const char *only = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--dir") && v)
+            o.dir = v, i++;
+        else if (!strcmp(a, "--redis") && v)
+            o.redis = v, i++;
+        else if (!strcmp(a, "--mib-per-case") && v)
+            o.volume = strtoull(v, NULL, 10) << 20, i++;
+        else if (!strcmp(a, "--qd") && v)
+            o.qd = (uint32_t)strtoul(v, NULL, 10), i++;
+        else if (!strcmp(a, "--reps") && v)
+            o.reps = atoi(v), i++;
+        else if (!strcmp(a, "--only") && v)
+            only = v, i++;
+        else if (!strcmp(a, "--no-remote"))
+            o.no_remote = 1;
+        else
+            usage();
+    }
+    if (o.volume < (16u << 20) || o.qd < 2 || o.qd > 1024 || o.reps < 1)
+        usage();
+    if (!o.dir) {
+        o.dir = getenv("KVT_BENCH_DIR");
+        if (!o.dir)
+            o.dir = getenv("TMPDIR");
+        if (!o.dir || !*o.dir)
+            o.dir = "/tmp";
+    }
+    kvt_log_set_level(KVT_LOG_WARN);
+    static const size_t sizes[] = {256u << 10, 2u << 20};
+    int rc = 0;
+    for (size_t i = 0; i < KVT_ARRAY_LEN(sizes); i++) {
+        if (!only || !strcmp(only, "dram"))
+            rc |= bench_dram(&o, sizes[i]) < 0;
+        if (!only || !strcmp(only, "nvme"))
+            rc |= bench_nvme(&o, sizes[i]) < 0;
+#if KVT_HAVE_CUDA
+        if ((!only || !strcmp(only, "hbm")) && kvt_tier_cuda_usable())
+            rc |= bench_hbm(&o, sizes[i]) < 0;
+#endif
+    }
+#if KVT_HAVE_CUDA
+    if ((!only || !strcmp(only, "hbm")) && !kvt_tier_cuda_usable())
+        fprintf(stderr, "bench_tiers: no usable GPU: hbm not measured\n");
+#endif
+#ifdef KVT_BENCH_REMOTE
+    if (!only && !o.no_remote)
+        rc |= bench_remote_run(o.redis, sizes, (int)KVT_ARRAY_LEN(sizes)) < 0;
+#else
+    if (!only && !o.no_remote)
+        fprintf(stderr, "bench_tiers: built without bench_remote.c: remote not measured\n");
+#endif
+    return rc ? 1 : 0;
+}
