@@ -95,8 +95,8 @@ static bool dram_ext_decommit(extent_hooks_t *h, void *addr, size_t size, size_t
 /* Purging is refused: the region's pages stay resident (and pinned ones stay registered), so
  * a freed extent goes straight to jemalloc's retained set, where it coalesces with its
  * neighbours, and reusing it takes no page fault. */
-static bool dram_ext_purge(extent_hooks_t *h, void *addr, size_t size, size_t offset,
-                           size_t length, unsigned arena_ind)
+static bool dram_ext_purge(extent_hooks_t *h, void *addr, size_t size, size_t offset, size_t length,
+                           unsigned arena_ind)
 {
     (void)h, (void)addr, (void)size, (void)offset, (void)length, (void)arena_ind;
     return true;
