@@ -89,6 +89,7 @@ void kvt__req_free(kvt__req_t *r)
         free(r->ios);
     }
     free(r->payload);
+    free(r->extra);
     free(r->out);
     free(r);
 }

@@ -214,7 +214,7 @@ static int kvt_pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *
 }
 
 static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint8_t *wire_tokens,
-                            uint32_t ntokens, uint32_t page, const uint8_t *tiers)
+                            uint32_t ntokens, uint32_t page, const uint8_t *tiers, int remote_down)
 {
     kvt_metrics_t *mt = s->metrics;
     kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
@@ -228,14 +228,212 @@ static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint8_t *wire_to
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, KVT_MISS_SHORT_PAGE, ntokens % page);
     if (whole > m->pages) {
         /* The first page not matched names the reason for the whole rest: was it ever here? */
-        uint64_t seed = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
-                                 : kvt_radix_ns_seed(s->radix, m->ns);
-        uint64_t next =
-            XXH3_64bits_withSeed(wire_tokens + (size_t)m->pages * page * 4, (size_t)page * 4, seed);
-        next = next ? next : 1; /* radix.h: a hash of 0 is stored as 1 */
-        kvt_miss_reason_t why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+        kvt_miss_reason_t why = KVT_MISS_REMOTE_UNREACHABLE;
+        if (!remote_down) {
+            uint64_t seed = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
+                                     : kvt_radix_ns_seed(s->radix, m->ns);
+            uint64_t next = XXH3_64bits_withSeed(wire_tokens + (size_t)m->pages * page * 4,
+                                                 (size_t)page * 4, seed);
+            next = next ? next : 1; /* radix.h: a hash of 0 is stored as 1 */
+            why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+        }
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
     }
+}
+
+/* What a MATCH asked for, kept while a remote probe runs. */
+typedef struct kvt_match_q {
+    uint16_t flags;
+    uint32_t lease_ms;
+    uint64_t engine_id;
+    uint32_t ntokens;
+    const uint8_t *wire; /* the tokens as they came (little-endian) */
+    const uint32_t *tokens;
+} kvt_match_q_t;
+
+/*
+ * Answers a MATCH for m: tiers per page, counters, the lease if asked for. r is NULL for an
+ * answer given at once (appended to the connection's queue) or the request that waited for the
+ * remote probe (its reply goes in its own slot).
+ */
+static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, uint64_t t0,
+                            const kvt_match_q_t *q, kvt_match_t *m, uint32_t remote_pages,
+                            int remote_down)
+{
+    kvt_srv_t *s = c->srv;
+    uint8_t stackbuf[KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + 512];
+    size_t len = sizeof(kvt_wire_match_reply_t) + m->pages;
+    uint8_t *frame =
+        KVT_PROTO_HDR + len <= sizeof stackbuf ? stackbuf : malloc(KVT_PROTO_HDR + len);
+    int rc = 0;
+    if (!frame)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    uint8_t *out = frame + KVT_PROTO_HDR, *tiers = out + sizeof(kvt_wire_match_reply_t);
+    if (m->pages) {
+        kvt_path_iter_t it;
+        kvt_path_iter_init(&it, m->node, m->node_pages);
+        kvt_block_t *b;
+        for (uint32_t i = 0; i < m->pages && (b = kvt_path_iter_next(&it, NULL)); i++)
+            tiers[i] = b->tier;
+    }
+    if (!(q->flags & KVT_MATCH_F_PROBE))
+        kvt_count_match(s, m, q->wire, q->ntokens, c->page_size, tiers, remote_down);
+    uint64_t lease = 0;
+    if ((q->flags & KVT_MATCH_F_LEASE) && m->pages > 0) {
+        rc = kvt_radix_lease(s->radix, m, c->id, &lease);
+        uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+        kvt__lease_t l = {
+            .id = lease,
+            .node = m->node,
+            .pages = m->pages,
+            .ns = m->ns,
+            .expires_ns = kvt_now_ns() + (uint64_t)ms * 1000000,
+            .engine_id = q->engine_id,
+        };
+        if (rc == 0 && (rc = kvt_lease_add(c, &l)) < 0)
+            kvt_radix_release(s->radix, lease);
+        if (rc < 0)
+            lease = 0;
+    }
+    kvt_wire_match_reply_t w = {
+        .tokens = htole32(m->pages * c->page_size),
+        .pages = htole32(m->pages),
+        .lease = htole64(lease),
+        .remote_pages = htole32(remote_pages),
+    };
+    memcpy(out, &w, sizeof w);
+    if (rc < 0) {
+        if (!r)
+            rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot lease");
+        len = 0;
+    } else if (!r) {
+        rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len);
+    }
+    if (r) {
+        r->status = rc;
+        kvt_proto_frame(frame, r->op | KVT_OP_REPLY, 0, r->id, rc, (uint32_t)len);
+        if (kvt__req_append(r, frame, KVT_PROTO_HDR + len) < 0)
+            c->dead = 1;
+        kvt__req_finish(r);
+        rc = 0;
+    }
+    if (frame != stackbuf)
+        free(frame);
+    return rc;
+}
+
+/* A MATCH waiting for the remote tier's answer about the pages after the local match. */
+typedef struct kvt_rprobe {
+    kvt_tier_probe_t probe;
+    kvt__req_t *req;
+    kvt_proto_hdr_t hdr;
+    kvt_match_q_t q;
+    uint32_t local_pages;
+    uint32_t *tokens;
+    uint8_t *wire;
+    kvt_block_key_t keys[KVT_TIER_PROBE_MAX];
+} kvt_rprobe_t;
+
+static void kvt_probe_done(kvt_tier_probe_t *p)
+{
+    kvt_rprobe_t *x = p->data;
+    kvt__req_t *r = x->req;
+    kvt_srv_t *s = r->srv;
+    r->pending--;
+    s->inflight--;
+    kvt__conn_t *c = r->conn;
+    if (!c) {
+        kvt__req_finish(r);
+        return;
+    }
+    c->inflight--;
+    uint32_t page = c->page_size, found = p->status == 0 ? p->found : 0;
+    int down = p->status == KVT_EUNAVAIL || p->status == KVT_ETIMEDOUT;
+    if (p->status < 0)
+        kvt_log(KVT_LOG_INFO, "kvtierd: remote probe: %s", kvt_strerror(p->status));
+    kvt__ns_t *ns;
+    if (found > 0 && kvt__ns_get(s, r->ns, &ns) == 0 && ns->block_bytes) {
+        /* The blocks another daemon stored join this index, held by the remote tier: a GET
+         * reads them by key (location 0), promoting them to DRAM. */
+        kvt_insert_t res;
+        if (kvt_radix_insert(s->radix, r->ns, x->tokens, (size_t)(x->local_pages + found) * page,
+                             &res) == 0) {
+            for (uint32_t i = x->local_pages; i < res.pages; i++) {
+                kvt_block_t *b = kvt_radix_block_at(res.node, i);
+                if (b && b->tier == KVT_TIER_NONE && !(b->flags & KVT_BLOCK_BUSY)) {
+                    b->tier = KVT_TIER_REMOTE;
+                    b->loc = 0;
+                    b->size = ns->block_bytes;
+                }
+            }
+        } else {
+            found = 0;
+        }
+    }
+    kvt_match_t m;
+    if (kvt_radix_match(s->radix, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH, &m) < 0)
+        memset(&m, 0, sizeof m);
+    uint32_t remote = m.pages > x->local_pages ? m.pages - x->local_pages : 0;
+    kvt_match_answer(c, r, &x->hdr, r->t0, &x->q, &m, remote, down); /* kicks c */
+}
+
+/* Starts a remote probe for the pages after m; returns 1 when the reply will come later. */
+static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
+                           const kvt_match_q_t *q, const kvt_match_t *m, int *down)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_tier_t *remote = s->tiers[KVT_TIER_REMOTE];
+    uint32_t page = c->page_size, whole = q->ntokens / page;
+    if (!remote || whole <= m->pages || !c->block_bytes)
+        return 0;
+    uint32_t n = KVT_MIN(whole - m->pages, KVT_TIER_PROBE_MAX);
+    kvt_rprobe_t *x = calloc(1, sizeof *x + (size_t)q->ntokens * 8);
+    kvt__req_t *r = x ? kvt__req_new(c, KVT_REQ_PLAIN, h->opcode, h->request_id, t0) : NULL;
+    if (!r) {
+        free(x);
+        return 0;
+    }
+    r->extra = x;
+    r->ns = c->ns;
+    x->req = r;
+    x->hdr = *h;
+    x->q = *q;
+    x->local_pages = m->pages;
+    x->tokens = (uint32_t *)(x + 1);
+    x->wire = (uint8_t *)(x->tokens + q->ntokens);
+    memcpy(x->tokens, q->tokens, (size_t)q->ntokens * 4);
+    memcpy(x->wire, q->wire, (size_t)q->ntokens * 4);
+    x->q.tokens = x->tokens;
+    x->q.wire = x->wire;
+    uint64_t seed = kvt_radix_ns_seed(s->radix, c->ns);
+    uint64_t prev = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1) : seed;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t pg = m->pages + i;
+        uint64_t hh = XXH3_64bits_withSeed(x->wire + (size_t)pg * page * 4, (size_t)page * 4, prev);
+        hh = hh ? hh : 1;
+        x->keys[i] = (kvt_block_key_t){.ns_seed = seed,
+                                       .hash = hh,
+                                       .parent = prev,
+                                       .tokens = x->tokens + (size_t)pg * page,
+                                       .ntokens = page};
+        prev = hh;
+    }
+    x->probe.keys = x->keys;
+    x->probe.n = n;
+    x->probe.cb = kvt_probe_done;
+    x->probe.data = x;
+    int rc = kvt_tier_remote_probe(remote, &x->probe);
+    if (rc < 0) {
+        /* Not started: answer from the local match in this request's slot. */
+        *down = rc == KVT_EUNAVAIL || rc == KVT_ETIMEDOUT;
+        kvt_match_t lm = *m;
+        kvt_match_answer(c, r, h, t0, &x->q, &lm, 0, *down);
+        return 1;
+    }
+    r->pending++;
+    s->inflight++;
+    c->inflight++;
+    return 1;
 }
 
 static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
@@ -254,52 +452,16 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
-    uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
-    size_t len = sizeof(kvt_wire_match_reply_t) + m.pages;
-    uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
-    if (!out)
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
-    if (m.pages) {
-        kvt_path_iter_t it;
-        kvt_path_iter_init(&it, m.node, m.node_pages);
-        kvt_block_t *b;
-        for (uint32_t i = 0; i < m.pages && (b = kvt_path_iter_next(&it, NULL)); i++)
-            tiers[i] = b->tier;
-    }
-    if (!(h->flags & KVT_MATCH_F_PROBE))
-        kvt_count_match(s, &m, q.tokens, q.ntokens, c->page_size, tiers);
-    uint64_t lease = 0;
-    if ((h->flags & KVT_MATCH_F_LEASE) && m.pages > 0) {
-        rc = kvt_radix_lease(s->radix, &m, c->id, &lease);
-        uint32_t ms = q.lease_ms ? KVT_MIN(q.lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
-        kvt__lease_t l = {
-            .id = lease,
-            .node = m.node,
-            .pages = m.pages,
-            .ns = c->ns,
-            .expires_ns = kvt_now_ns() + (uint64_t)ms * 1000000,
-            .engine_id = q.hints.engine_request_id,
-        };
-        if (rc == 0 && (rc = kvt_lease_add(c, &l)) < 0)
-            kvt_radix_release(s->radix, lease);
-        if (rc < 0) {
-            if (out != stackbuf)
-                free(out);
-            return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot lease");
-        }
-    }
-    kvt_wire_match_reply_t r = {
-        .tokens = htole32(m.pages * c->page_size),
-        .pages = htole32(m.pages),
-        .lease = htole64(lease),
-        .remote_pages = 0,
-    };
-    memcpy(out, &r, sizeof r);
-    rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len);
-    if (out != stackbuf)
-        free(out);
-    return rc;
+    kvt_match_q_t mq = {.flags = h->flags,
+                        .lease_ms = q.lease_ms,
+                        .engine_id = q.hints.engine_request_id,
+                        .ntokens = q.ntokens,
+                        .wire = q.tokens,
+                        .tokens = c->tokens};
+    int down = 0;
+    if ((h->flags & KVT_MATCH_F_REMOTE) && kvt_probe_start(c, h, t0, &mq, &m, &down))
+        return 0;
+    return kvt_match_answer(c, NULL, h, t0, &mq, &m, 0, down);
 }
 
 static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)

@@ -106,6 +106,7 @@ struct kvt__req {
     uint32_t moved, resident, failed, target, batch;
     uint64_t deadline_ns;
     kvt__io_t **ios; /* GET batch */
+    void *extra;     /* op-specific state (a MATCH's remote probe), freed with the request */
 };
 
 struct kvt__conn {

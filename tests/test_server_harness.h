@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -221,6 +223,35 @@ static inline uint64_t kvd_stat(kvt_client_t *c, const char *name)
     cr_assert_eq(kvt_client_stats(c, kvd_stat_cb, &f), 0);
     cr_assert(f.found, "no stat %s", name);
     return f.value;
+}
+
+/* GET path from the daemon's metrics endpoint; returns the HTTP status, body in buf (NUL-ended). */
+static inline int kvd_http_get(const kvd_t *d, const char *path, char *buf, size_t cap)
+{
+    char host[64];
+    unsigned port = 0;
+    cr_assert_eq(sscanf(d->metrics, "%63[^:]:%u", host, &port), 2, "metrics address %s",
+                 d->metrics);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, host, &sin.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sin, sizeof sin), 0);
+    char req[256];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: %s\r\n\r\n", path, d->metrics);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    size_t len = 0;
+    ssize_t r;
+    while (len + 1 < cap && (r = read(fd, buf + len, cap - 1 - len)) > 0)
+        len += (size_t)r;
+    buf[len] = 0;
+    close(fd);
+    int status = 0;
+    sscanf(buf, "HTTP/1.1 %d", &status);
+    char *body = strstr(buf, "\r\n\r\n");
+    if (body)
+        memmove(buf, body + 4, strlen(body + 4) + 1);
+    return status;
 }
 
 #endif

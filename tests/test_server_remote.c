@@ -1,0 +1,149 @@
+/*
+ * test_server_remote.c: kvtierd with the remote tier on the real redis-server the test command
+ * started (KVT_TEST_REDIS=host:port; skipped without it): blocks that fit in no local tier land
+ * in Redis and read back byte-exact; a second daemon sharing the server finds a prefix the first
+ * stored through MATCH's remote probe and reads its bytes; a remote that is down is a counted
+ * miss reason, not an error.
+ */
+#include <time.h>
+
+#include "test_server_harness.h"
+
+static unsigned long long kvt_now_ns_test(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+#define PAGE 16
+#define BB   16384
+
+static const char *redis_addr(void)
+{
+    const char *a = getenv("KVT_TEST_REDIS");
+    if (!a || !*a)
+        cr_skip_test("KVT_TEST_REDIS is not set: no redis-server to test against");
+    return a;
+}
+
+static void prefix(char *buf, size_t len)
+{
+    snprintf(buf, len, "kvtest%d-%llu", (int)getpid(), (unsigned long long)kvt_now_ns_test());
+}
+
+static void put_all(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed,
+                    kvt_client_put_t *r)
+{
+    uint8_t *payload = malloc((size_t)pages * BB);
+    for (uint32_t p = 0; p < pages; p++)
+        kvd_fill(payload + (size_t)p * BB, BB, seed + p);
+    int rc = kvt_client_put(c, tok, pages * PAGE, 0, pages, payload, NULL, r);
+    cr_assert_eq(rc, 0, "put: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    free(payload);
+}
+
+static void get_all(kvt_client_t *c, uint64_t lease, uint32_t pages, uint32_t seed, uint8_t *from)
+{
+    uint8_t *buf = malloc((size_t)pages * BB), *want = malloc(BB);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, lease, 0, pages, buf, (size_t)pages * BB, &got, from);
+    cr_assert_eq(rc, 0, "get: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_assert_eq(got, pages);
+    for (uint32_t p = 0; p < pages; p++) {
+        kvd_fill(want, BB, seed + p);
+        cr_assert(memcmp(buf + (size_t)p * BB, want, BB) == 0, "page %u differs", p);
+    }
+    free(buf);
+    free(want);
+}
+
+Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
+{
+    const char *addr = redis_addr();
+    char pfx[64];
+    prefix(pfx, sizeof pfx);
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "256K", "--nvme-bytes", "2M", "--remote", addr, "--remote-prefix",
+              pfx, "--remote-bytes", "64M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    enum { N = 200 }; /* 3.2 MB: past 256K of DRAM and 2M of NVMe */
+    uint32_t *tok = malloc(N * PAGE * 4);
+    kvd_tokens(tok, N * PAGE, 11);
+    kvt_client_put_t r;
+    put_all(c, tok, N, 500, &r);
+    cr_expect_eq(r.stored, N, "every page stored somewhere (stored %u, skipped %u)", r.stored,
+                 r.skipped);
+    cr_expect_gt(kvd_stat(c, "remote_blocks"), 0);
+    cr_expect_leq(kvd_stat(c, "dram_used_bytes"), kvd_stat(c, "dram_capacity_bytes"));
+    cr_expect_leq(kvd_stat(c, "nvme_used_bytes"), kvd_stat(c, "nvme_capacity_bytes"));
+    uint8_t tiers[N], from[N];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = N};
+    cr_assert_eq(kvt_client_match(c, tok, N * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, N);
+    cr_expect_eq(tiers[N - 1], KVT_CLIENT_TIER_REMOTE);
+    get_all(c, m.lease, N, 500, from);
+    cr_expect_eq(from[N - 1], KVT_CLIENT_TIER_REMOTE, "read back from redis");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_remote, second_daemon_finds_the_first_ones_prefix)
+{
+    const char *addr = redis_addr();
+    char pfx[64];
+    prefix(pfx, sizeof pfx);
+    kvd_t a = {0}, b = {0};
+    /* a keeps nothing locally: every block goes to the shared server. */
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&b, "--remote", addr, "--remote-prefix", pfx, NULL);
+    kvt_client_t *ca = kvd_client(&a, "shared-model", PAGE, BB);
+    kvt_client_t *cb = kvd_client(&b, "shared-model", PAGE, BB);
+    uint32_t tok[12 * PAGE];
+    kvd_tokens(tok, 12 * PAGE, 3);
+    kvt_client_put_t r;
+    put_all(ca, tok, 8, 40, &r); /* pages 0..7 by a */
+    cr_assert_eq(r.stored, 8);
+
+    uint8_t tiers[12], from[12];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 12};
+    cr_assert_eq(kvt_client_match(cb, tok, 12 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "without the probe b knows nothing");
+    cr_assert_eq(
+        kvt_client_match(cb, tok, 12 * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_REMOTE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 8, "the probe finds a's 8 pages, not the 4 nobody stored");
+    cr_expect_eq(m.remote_pages, 8);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_REMOTE);
+    get_all(cb, m.lease, 8, 40, from);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_REMOTE);
+    /* Read once, the blocks moved up into b's DRAM. */
+    cr_assert_eq(kvt_client_match(cb, tok, 12 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 8);
+    cr_expect_eq(tiers[7], KVT_CLIENT_TIER_DRAM);
+    get_all(cb, m.lease, 8, 40, from);
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
+}
+
+Test(server_remote, remote_down_is_a_counted_miss)
+{
+    kvd_t d = {0};
+    /* Port 1 on loopback: nothing listens there. */
+    kvd_start(&d, "--remote", "127.0.0.1:1", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 9);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, KVT_CLIENT_REMOTE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0);
+    static char body[1 << 20];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    cr_expect(strstr(body, "kvtier_miss_tokens_total{reason=\"remote_unreachable\"} 64"), "%s",
+              strstr(body, "kvtier_miss_tokens_total") ? strstr(body, "kvtier_miss_tokens_total")
+                                                       : body);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
