@@ -1,0 +1,112 @@
+/*
+ * test_metrics_scrape.c: kvtierd's HTTP endpoint on a real scrape: /metrics after real traffic
+ * passes `promtool check metrics` with no warnings (skipped when promtool is absent), the counters
+ * move with the requests (lookups, looked-up tokens, hits per tier, miss reasons, request
+ * histograms, protocol errors), /healthz answers, and other paths get 404/405.
+ */
+#include "../server/proto.h"
+#include "test_server_harness.h"
+
+#define PAGE 16
+
+static char body[1 << 20];
+
+static double metric(const char *text, const char *series)
+{
+    const char *p = text;
+    size_t n = strlen(series);
+    while ((p = strstr(p, series))) {
+        if ((p == text || p[-1] == '\n') && p[n] == ' ')
+            return strtod(p + n + 1, NULL);
+        p += n;
+    }
+    cr_assert_fail("no series %s", series);
+    return 0;
+}
+
+static void traffic(const kvd_t *d)
+{
+    kvt_client_t *c = kvd_client(d, "m", PAGE, 4096);
+    uint32_t tok[8 * PAGE + 3];
+    kvd_tokens(tok, 8 * PAGE + 3, 1);
+    uint8_t payload[4 * 4096] = {0};
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+    kvt_client_match_t m = {0};
+    /* 131 tokens: 4 pages hit in DRAM, 4 never seen, 3 tokens shorter than a page. */
+    cr_assert_eq(kvt_client_match(c, tok, 8 * PAGE + 3, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    uint8_t buf[4 * 4096];
+    cr_assert_eq(kvt_client_get(c, m.lease, 0, 4, buf, sizeof buf, NULL, NULL), 0);
+    /* Evict by removing, then look again: the removed pages are "never seen" (a REMOVE is not
+     * an eviction), and the first page still hits. */
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    cr_assert_eq(kvt_client_remove(c, tok, 2 * PAGE), 0);
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 1);
+    kvt_client_close(c);
+    /* One protocol error. */
+    int fd = kvd_raw(d);
+    uint8_t hdr[KVT_PROTO_HDR];
+    kvt_proto_frame(hdr, 99, 0, 1, 0, 0);
+    cr_assert_eq(write(fd, hdr, sizeof hdr), (ssize_t)sizeof hdr);
+    cr_assert_eq(read(fd, body, KVT_PROTO_HDR), KVT_PROTO_HDR);
+    close(fd);
+}
+
+Test(metrics_scrape, counters_follow_traffic)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    traffic(&d);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    cr_expect_eq(metric(body, "kvtier_lookups_total"), 2);
+    cr_expect_eq(metric(body, "kvtier_lookup_tokens_total"), 8 * PAGE + 3 + 4 * PAGE);
+    cr_expect_eq(metric(body, "kvtier_hit_tokens_total{tier=\"dram\"}"), 5 * PAGE);
+    cr_expect_eq(metric(body, "kvtier_miss_tokens_total{reason=\"never_seen\"}"), 7 * PAGE);
+    cr_expect_eq(metric(body, "kvtier_miss_tokens_total{reason=\"short_page\"}"), 3);
+    cr_expect_eq(metric(body, "kvtier_requests_total{op=\"match\"}"), 2);
+    cr_expect_eq(metric(body, "kvtier_request_duration_seconds_count{op=\"put\"}"), 1);
+    cr_expect_eq(metric(body, "kvtier_request_duration_seconds_count{op=\"get\"}"), 1);
+    cr_expect_eq(metric(body, "kvtier_protocol_errors_total{kind=\"unknown_op\"}"), 1);
+    cr_expect_eq(metric(body, "kvtier_tier_io_duration_seconds_count{tier=\"dram\",dir=\"write\"}"),
+                 4);
+    cr_expect_eq(metric(body, "kvtier_tier_io_duration_seconds_count{tier=\"dram\",dir=\"read\"}"),
+                 4);
+    cr_expect_eq(metric(body, "kvtier_tier_capacity_bytes{tier=\"dram\"}"), 16 << 20);
+    cr_expect_eq(metric(body, "kvtier_tier_blocks{tier=\"dram\"}"), 1);
+    cr_expect_gt(metric(body, "kvtier_prefill_saved_seconds_total"), 0);
+    cr_expect_eq(metric(body, "kvtier_connections_accepted_total"), 2);
+    char h[256];
+    cr_expect_eq(kvd_http_get(&d, "/healthz", h, sizeof h), 200);
+    cr_expect_str_eq(h, "ok\n");
+    cr_expect_eq(kvd_http_get(&d, "/nope", h, sizeof h), 404);
+    kvd_cleanup(&d);
+}
+
+Test(metrics_scrape, promtool_check_metrics_has_no_warnings)
+{
+    if (system("command -v promtool >/dev/null 2>&1") != 0)
+        cr_skip_test("promtool is not installed (Debian package prometheus)");
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    traffic(&d);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    char path[700], cmd[1600];
+    snprintf(path, sizeof path, "%s/scrape.txt", d.dir);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fputs(body, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "promtool check metrics < '%s' > '%s.out' 2>&1", path, path);
+    int st = system(cmd);
+    snprintf(cmd, sizeof cmd, "%s.out", path);
+    f = fopen(cmd, "r");
+    char out[4096] = "";
+    size_t n = f ? fread(out, 1, sizeof out - 1, f) : 0;
+    out[n] = 0;
+    if (f)
+        fclose(f);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "promtool failed: %s", out);
+    cr_expect_eq(n, 0, "promtool printed: %s", out);
+    kvd_cleanup(&d);
+}
