@@ -422,6 +422,7 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i)
         uint32_t now = now_clock(p);
         uint32_t age = now - b->policy;
         kvt_tier_id_t t = (kvt_tier_id_t)b->tier;
+        uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
         double dens = p->class_p[block_class(b->hits, b->flags)] / ((double)age + AGE0);
         unsigned pause = b->prio >> PAUSE_SHIFT;
         if (pause == PAUSE_FINISHED) {
@@ -435,7 +436,6 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i)
                     dens = hd;
             }
         }
-        uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
         double v = dens * keep_benefit(p, t, depth, ps, b->size);
         unsigned prio = b->prio & PRIO_MASK;
         if (prio)

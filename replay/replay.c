@@ -512,6 +512,15 @@ static void print_result(const result_t *r, const result_t *lru, const result_t 
     printf("},\"nvme_written_bytes\":%llu,\"dropped_bytes\":%llu,\"cost_drop_pages\":%llu",
            (unsigned long long)nvme_w, (unsigned long long)dropped,
            (unsigned long long)r->st.cost_drops);
+    printf(",\"rejected_pages\":%llu,\"final_fill\":{", (unsigned long long)r->st.rejected);
+    for (int t = 1, first_t = 1; t < KVT_TIER_COUNT; t++) {
+        if (!r->st.capacity[t])
+            continue;
+        printf("%s\"%s\":%.3f", first_t ? "" : ",", tn[t],
+               (double)r->st.used[t] / (double)r->st.capacity[t]);
+        first_t = 0;
+    }
+    printf("}");
     double saving = r->no_cache_s - r->total_s;
     printf(",\"prefill_seconds_total\":%.3f,\"prefill_seconds_p50\":%.6f,"
            "\"prefill_seconds_p99\":%.6f,\"prefill_seconds_no_cache\":%.3f,"
