@@ -12,9 +12,10 @@
  *   remote  bench_remote_run() (bench/bench_remote.c) against --redis HOST:PORT, or a throwaway
  *           redis-server, vs redis-benchmark
  *
- * Each case runs --reps times interleaved with its baseline, and the best of each is reported,
- * which keeps a noisy disk's drift from landing on one side only. Output: one JSON object per
- * tier, block size and op on stdout (GB/s are 1e9 bytes per second); progress on stderr.
+ * Each case runs --reps times interleaved with its baseline (taking turns at going first), and
+ * the best of each is reported, which keeps a noisy disk's drift from landing on one side only.
+ * Output: one JSON object per tier, block size and op on stdout (GB/s are 1e9 bytes per second);
+ * progress on stderr.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -309,10 +310,18 @@ static int bench_nvme(const opts_t *o, size_t bs)
     pump_init(&p, t, o->qd, (uint32_t)bs, n, bufs);
     double best[4] = {0};
     for (int rep = 0; rep < o->reps && rc == 0; rep++) {
-        double dw = pump_run(&p, KVT_IO_WRITE, n);
-        double fw = fio_run(dir, "write", bs, o->qd, (uint64_t)n * bs);
-        double dr = dw > 0 ? pump_run(&p, KVT_IO_READ, n) : -1;
-        double fr = fio_run(dir, "read", bs, o->qd, (uint64_t)n * bs);
+        /* Each side reads what it has just written (a virtual disk's host may cache recent
+         * writes), and the two sides take turns going first. */
+        double dw = 0, dr = 0, fw = 0, fr = 0;
+        for (int side = 0; side < 2; side++) {
+            if ((side == 0) == (rep % 2 == 0)) {
+                dw = pump_run(&p, KVT_IO_WRITE, n);
+                dr = dw > 0 ? pump_run(&p, KVT_IO_READ, n) : -1;
+            } else {
+                fw = fio_run(dir, "write", bs, o->qd, (uint64_t)n * bs);
+                fr = fio_run(dir, "read", bs, o->qd, (uint64_t)n * bs);
+            }
+        }
         if (dw < 0 || dr < 0 || fw < 0 || fr < 0) {
             rc = -1;
             break;
