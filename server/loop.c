@@ -315,7 +315,9 @@ int kvt__srv_run(kvt_srv_t *s)
                     close(s->tcp_ev.fd);
                     s->tcp_ev.fd = -1;
                 }
-                for (kvt__conn_t *c = s->conns; c; c = c->next) {
+                kvt__conn_t *next;
+                for (kvt__conn_t *c = s->conns; c; c = next) {
+                    next = c->next; /* the kick frees an idle connection */
                     c->closing = 1;
                     kvt__conn_kick(c);
                 }

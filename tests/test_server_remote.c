@@ -84,6 +84,7 @@ Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
     cr_expect_eq(tiers[N - 1], KVT_CLIENT_TIER_REMOTE);
     get_all(c, m.lease, N, 500, from);
     cr_expect_eq(from[N - 1], KVT_CLIENT_TIER_REMOTE, "read back from redis");
+    free(tok);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
