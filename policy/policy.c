@@ -607,10 +607,11 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
 }
 
 /*
- * Takes the best victim of tier t and demotes or drops up to CHUNK_PAGES of it. Returns the
- * pages acted on, 0 when tier t has no victim left, or a negative error.
+ * Takes the best victim of tier t and demotes or drops up to CHUNK_PAGES of it, no more than
+ * the pages that free `want` bytes. Returns the pages acted on, 0 when tier t has no victim
+ * left, or a negative error.
  */
-static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth)
+static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
 {
     heap_t *h = &p->heap[t];
     int rebuilt = 0;
@@ -641,6 +642,9 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth)
             continue;
         }
         uint32_t cnt = KVT_MIN(b - a, (uint32_t)CHUNK_PAGES);
+        uint32_t sz = kvt_radix_node_blocks(n)[b - 1].size;
+        if (sz && want / sz + (want % sz != 0) < cnt)
+            cnt = (uint32_t)KVT_MAX(1, want / sz + (want % sz != 0));
         uint32_t i0 = b - cnt;
         if (run_busy(n, i0, cnt))
             continue;
@@ -670,7 +674,7 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth)
                 /* no room below: dropping is the only way to free this tier */
                 node_run(n, (uint8_t)t, &a, &b);
                 if (b == kvt_radix_node_pages(n) && b > a && kvt_radix_node_children(n) == 0)
-                    rc = do_drop(p, n, KVT_MIN(b - a, (uint32_t)CHUNK_PAGES), t);
+                    rc = do_drop(p, n, KVT_MIN(b - a, cnt), t);
             }
             if (rc > 0)
                 push_tier(p, n, (uint8_t)t);
@@ -695,7 +699,7 @@ static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth)
     if (depth > KVT_TIER_COUNT)
         return KVT_ENOSPC;
     while (p->cap[t] - p->used[t] < need) {
-        int rc = evict_one(p, t, depth);
+        int rc = evict_one(p, t, depth, need - (p->cap[t] - p->used[t]));
         if (rc < 0)
             return rc;
         if (rc == 0)
@@ -974,7 +978,7 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
         if (!p->cap[t] || p->used[t] <= p->high[t])
             continue;
         while (p->used[t] > p->low[t] && (budget == 0 || (uint32_t)total < budget)) {
-            int rc = evict_one(p, (kvt_tier_id_t)t, 0);
+            int rc = evict_one(p, (kvt_tier_id_t)t, 0, p->used[t] - p->low[t]);
             if (rc < 0)
                 return rc;
             if (rc == 0)

@@ -1,0 +1,601 @@
+/*
+ * test_policy_decisions.c: each decision of the policy engine on a real radix tree with a test
+ * executor that keeps its own per-tier byte counts: demote, drop, promote, prefetch, never move
+ * a leased block, never orphan a cached child, drop when recomputing is cheaper, NVMe admission,
+ * hints, pending moves, removals behind the engine's back, and bad input. A tiny model makes a
+ * page of 4 tokens weigh exactly 1024 bytes, so capacities read in pages.
+ */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../policy/policy.h"
+
+#define PS   4
+#define PAGE 1024u
+
+typedef struct exec {
+    uint64_t used[KVT_TIER_COUNT];
+    uint64_t moves, admits;
+    int pending; /* answer moves with KVT_POLICY_PENDING */
+    int fail;    /* answer moves with KVT_EIO */
+    kvt_policy_t *pol;
+} exec_t;
+
+static kvt_radix_t *tree;
+static kvt_policy_t *pol;
+static exec_t ex;
+static uint32_t ns;
+static uint32_t clk;
+
+static uint64_t run_bytes(kvt_radix_node_t *n, uint32_t depth, uint32_t npages)
+{
+    kvt_block_t *b = kvt_radix_node_blocks(n) + (depth - kvt_radix_node_depth(n));
+    uint64_t s = 0;
+    for (uint32_t i = 0; i < npages; i++)
+        s += b[i].size;
+    return s;
+}
+
+static int ex_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                   kvt_tier_id_t from, kvt_tier_id_t to)
+{
+    exec_t *e = arg;
+    cr_assert(!kvt_radix_node_leased(n) || to < from, "a leased node was demoted");
+    if (e->fail)
+        return KVT_EIO;
+    uint64_t b = run_bytes(n, depth, npages);
+    cr_assert_geq(e->used[from], b);
+    e->moves++;
+    if (e->pending) {
+        kvt_block_t *bl = kvt_radix_node_blocks(n) + (depth - kvt_radix_node_depth(n));
+        for (uint32_t i = 0; i < npages; i++)
+            bl[i].flags |= KVT_BLOCK_BUSY;
+        return KVT_POLICY_PENDING;
+    }
+    e->used[from] -= b;
+    e->used[to] += b;
+    return 0;
+}
+
+static int ex_admit(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                    kvt_tier_id_t tier)
+{
+    (void)n;
+    (void)depth;
+    exec_t *e = arg;
+    e->used[tier] += (uint64_t)npages * PAGE;
+    e->admits++;
+    return 0;
+}
+
+static void ex_free(void *arg, uint32_t nsid, kvt_block_t *b)
+{
+    exec_t *e = arg;
+    if (b->tier != KVT_TIER_NONE) {
+        cr_assert_geq(e->used[b->tier], b->size);
+        e->used[b->tier] -= b->size;
+    }
+    if (e->pol)
+        kvt_policy_on_free(e->pol, nsid, b);
+}
+
+static const kvt_policy_ops_t ops = {ex_move, ex_admit};
+
+static kvt_model_profile_t tiny_model(void)
+{
+    kvt_model_profile_t m = {"tiny", 1, 1, 64, 2, 1, 64, 1e6};
+    return m;
+}
+
+static kvt_hw_profile_t flat_hw(void)
+{
+    /* everything loads far faster than it recomputes */
+    kvt_hw_profile_t hw = {"flat", 1e9, {0, 1e12, 1e11, 1e10, 1e9}, {0, 0, 0, 0, 0}};
+    return hw;
+}
+
+static kvt_policy_conf_t base_conf(kvt_policy_kind_t kind, uint32_t hbm, uint32_t dram,
+                                   uint32_t nvme)
+{
+    kvt_policy_conf_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = kind;
+    c.model = tiny_model();
+    c.hw = flat_hw();
+    uint32_t pages[KVT_TIER_COUNT] = {0, hbm, dram, nvme, 0};
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        c.tiers[t].capacity = (uint64_t)pages[t] * PAGE;
+        c.tiers[t].high = 1.0f;
+        c.tiers[t].low = 1.0f;
+    }
+    c.ops = &ops;
+    c.ops_arg = &ex;
+    return c;
+}
+
+static void start(const kvt_policy_conf_t *c)
+{
+    memset(&ex, 0, sizeof(ex));
+    kvt_radix_conf_t rc = {.free_cb = ex_free, .free_arg = &ex};
+    cr_assert_eq(kvt_radix_create(&tree, &rc), 0);
+    cr_assert_eq(kvt_radix_ns_open(tree, "tiny", NULL, NULL, PS, &ns), 0);
+    cr_assert_eq(kvt_policy_create(&pol, tree, c), 0);
+    ex.pol = pol;
+    clk = 0;
+    cr_assert_eq(kvt_policy_block_bytes(pol, ns), PAGE);
+}
+
+static void check(void)
+{
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(kvt_policy_verify(pol), 0);
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        cr_assert_leq(st.used[t], st.capacity[t], "tier %d over capacity", t);
+        if (!ex.pending)
+            cr_assert_eq(st.used[t], ex.used[t], "tier %d: policy %llu, executor %llu", t,
+                         (unsigned long long)st.used[t], (unsigned long long)ex.used[t]);
+    }
+}
+
+static void stop(void)
+{
+    check();
+    kvt_radix_destroy(tree); /* frees every block through the policy */
+    for (int t = 0; t < KVT_TIER_COUNT; t++)
+        cr_assert_eq(ex.used[t], 0);
+    kvt_policy_destroy(pol);
+    tree = NULL;
+    pol = NULL;
+}
+
+static uint32_t *seq(uint32_t n, uint32_t base)
+{
+    uint32_t *s = malloc((n + 1) * sizeof(uint32_t));
+    for (uint32_t i = 0; i < n; i++)
+        s[i] = base + i;
+    return s;
+}
+
+/* One request as the service runs it. Returns the pages matched. */
+static uint32_t request(const uint32_t *tok, uint32_t n, const kvt_policy_hint_t *hint)
+{
+    kvt_radix_set_clock(tree, ++clk);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, tok, n, 0, &m), 0);
+    kvt_policy_on_match(pol, &m, hint);
+    kvt_insert_t ins;
+    cr_assert_eq(kvt_radix_insert_matched(tree, &m, tok, n, &ins), 0);
+    cr_assert_geq(kvt_policy_on_insert(pol, &ins, hint), 0);
+    cr_assert_geq(kvt_policy_step(pol, 0), 0);
+    check();
+    return m.pages;
+}
+
+/* The tier of page `page` of tok, or -1 when it is not cached. */
+static int tier_of(const uint32_t *tok, uint32_t page)
+{
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, tok, (size_t)(page + 1) * PS, KVT_MATCH_NOTOUCH, &m), 0);
+    if (m.pages < page + 1)
+        return -1;
+    return kvt_radix_block_at(m.node, page)->tier;
+}
+
+static void all_in(const uint32_t *tok, uint32_t pages, int tier)
+{
+    for (uint32_t i = 0; i < pages; i++)
+        cr_assert_eq(tier_of(tok, i), tier, "page %u: tier %d, want %d", i, tier_of(tok, i), tier);
+}
+
+Test(policy_decisions, demote_the_least_recent_when_full)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    all_in(a, 4, KVT_TIER_HBM);
+    request(b, 16, NULL);
+    all_in(b, 4, KVT_TIER_HBM);
+    all_in(a, 4, KVT_TIER_DRAM);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_HBM][KVT_TIER_DRAM], 4 * PAGE);
+    cr_assert_eq(st.dropped_blocks, 0);
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, drop_when_no_lower_tier)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 0, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);
+    all_in(b, 4, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(a, 0), -1, "the older request should have been dropped");
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.dropped_blocks, 4);
+    cr_assert_eq(st.dropped_bytes[KVT_TIER_HBM], 4 * PAGE);
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, watermarks_bound_the_steady_state)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 10, 100, 0);
+    c.tiers[KVT_TIER_HBM].high = 0.8f; /* 8 pages */
+    c.tiers[KVT_TIER_HBM].low = 0.5f;  /* 5 pages */
+    start(&c);
+    uint32_t *a = seq(36, 1000);
+    request(a, 36, NULL); /* 9 pages: above high after admission, demoted to low */
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.used[KVT_TIER_HBM], 5 * PAGE); /* exactly what the low mark asks for */
+    cr_assert_eq(st.used[KVT_TIER_HBM] + st.used[KVT_TIER_DRAM], 9 * PAGE);
+    /* the head of the prompt stays fast, its tail went down */
+    cr_assert_eq(tier_of(a, 0), KVT_TIER_HBM);
+    cr_assert_eq(tier_of(a, 8), KVT_TIER_DRAM);
+    free(a);
+    stop();
+}
+
+Test(policy_decisions, promote_a_hit_in_a_lower_tier)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);
+    all_in(a, 4, KVT_TIER_DRAM);
+    cr_assert_eq(request(a, 16, NULL), 4);
+    all_in(a, 4, KVT_TIER_HBM);
+    all_in(b, 4, KVT_TIER_DRAM);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_HBM], 4 * PAGE);
+    cr_assert_eq(st.promotions, 1);
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, prefetch_promotes_ahead_of_a_request)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 8, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, 2);
+    cr_assert_eq(kvt_policy_prefetch(pol, m.node, m.node_pages), 2);
+    cr_assert_eq(tier_of(a, 0), KVT_TIER_HBM);
+    cr_assert_eq(tier_of(a, 1), KVT_TIER_HBM);
+    cr_assert_eq(tier_of(a, 2), KVT_TIER_DRAM); /* only what was asked for */
+    cr_assert_eq(kvt_policy_prefetch(pol, m.node, 0), KVT_EINVAL);
+    cr_assert_eq(kvt_policy_prefetch(NULL, m.node, 1), KVT_EINVAL);
+    check();
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, leased_blocks_never_move)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *d = seq(16, 3000);
+    request(a, 16, NULL);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    uint64_t lease;
+    cr_assert_eq(kvt_radix_lease(tree, &m, 7, &lease), 0);
+    /* HBM is full of leased blocks: the new request goes one tier down instead */
+    request(b, 16, NULL);
+    all_in(a, 4, KVT_TIER_HBM);
+    all_in(b, 4, KVT_TIER_DRAM);
+    cr_assert_eq(kvt_radix_release(tree, lease), 0);
+    request(d, 16, NULL);
+    all_in(d, 4, KVT_TIER_HBM);
+    all_in(a, 4, KVT_TIER_DRAM);
+    free(a);
+    free(b);
+    free(d);
+    stop();
+}
+
+Test(policy_decisions, leased_blocks_are_never_dropped)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 0, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    uint64_t lease;
+    cr_assert_eq(kvt_radix_lease(tree, &m, 7, &lease), 0);
+    request(b, 16, NULL); /* fits nowhere: rejected, the leased request stays */
+    all_in(a, 4, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(b, 0), -1);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.rejected, 4);
+    cr_assert_eq(st.dropped_blocks, 0);
+    kvt_radix_release(tree, lease);
+    free(a);
+    free(b);
+    stop();
+}
+
+/* The oracle is told the shared prefix is never used again but its children are: it must still
+ * drop the children first, since a block is never dropped while a cached child depends on it. */
+Test(policy_decisions, never_orphan_a_cached_child)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_ORACLE, 6, 0, 0);
+    start(&c);
+    uint32_t *x = seq(16, 1000), *y = seq(16, 1000), *z = seq(16, 5000);
+    y[8] = 99999; /* x and y share pages 0-1, then differ */
+    uint32_t nx[4] = {UINT32_MAX, UINT32_MAX, 5, 5};
+    kvt_policy_hint_t h = {.next_use = nx, .nnext = 4};
+    request(x, 16, &h);
+    request(y, 16, &h);
+    cr_assert_eq(tier_of(x, 0), KVT_TIER_HBM);
+    uint32_t nz[4] = {3, 3, 3, 3};
+    kvt_policy_hint_t hz = {.next_use = nz, .nnext = 4};
+    request(z, 16, &hz); /* needs 4 pages of 6: x's and y's tails go, the shared head stays */
+    all_in(z, 4, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(x, 0), KVT_TIER_HBM);
+    cr_assert_eq(tier_of(x, 1), KVT_TIER_HBM);
+    cr_assert_eq(tier_of(x, 2), -1);
+    cr_assert_eq(tier_of(y, 2), -1);
+    free(x);
+    free(y);
+    free(z);
+    stop();
+}
+
+Test(policy_decisions, oracle_drops_the_furthest_next_use)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_ORACLE, 8, 0, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *d = seq(16, 3000);
+    uint32_t na[4] = {100, 100, 100, 100}, nb[4] = {10, 10, 10, 10};
+    kvt_policy_hint_t ha = {.next_use = na, .nnext = 4}, hb = {.next_use = nb, .nnext = 4};
+    request(a, 16, &ha);
+    request(b, 16, &hb);
+    request(d, 16, &hb);
+    all_in(b, 4, KVT_TIER_HBM); /* used sooner than a, though older than d */
+    cr_assert_eq(tier_of(a, 0), -1);
+    free(a);
+    free(b);
+    free(d);
+    stop();
+}
+
+Test(policy_decisions, cost_drops_when_recompute_beats_the_next_tier)
+{
+    /* NVMe so slow that recomputing a page is cheaper than loading it back */
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 4, 4, 100);
+    c.hw.bw[KVT_TIER_NVME] = 1e3;
+    start(&c);
+    uint32_t *r[4];
+    for (int i = 0; i < 4; i++) {
+        r[i] = seq(16, 1000 * (uint32_t)(i + 1));
+        request(r[i], 16, NULL);
+    }
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 0);
+    cr_assert_eq(st.used[KVT_TIER_NVME], 0);
+    cr_assert_gt(st.cost_drops, 0);
+    cr_assert_eq(st.dropped_bytes[KVT_TIER_DRAM], 8 * PAGE); /* r0 and r1 */
+    for (int i = 0; i < 4; i++)
+        free(r[i]);
+    stop();
+
+    /* the same with the rule off, and LRU: both demote to NVMe */
+    c.no_cost_drop = 1;
+    for (int k = 0; k < 2; k++) {
+        if (k == 1) {
+            c.kind = KVT_POLICY_LRU;
+            c.no_cost_drop = 0;
+        }
+        start(&c);
+        for (int i = 0; i < 4; i++) {
+            r[i] = seq(16, 1000 * (uint32_t)(i + 1));
+            request(r[i], 16, NULL);
+        }
+        kvt_policy_stats(pol, &st);
+        cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 8 * PAGE);
+        cr_assert_eq(st.cost_drops, 0);
+        for (int i = 0; i < 4; i++)
+            free(r[i]);
+        stop();
+    }
+}
+
+Test(policy_decisions, nvme_admission_needs_reuse)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 4, 100);
+    c.nvme_min_hits = 1;
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *d = seq(16, 3000), *e = seq(16, 4000);
+    request(a, 16, NULL);
+    request(a, 16, NULL); /* a is reused once: hits 1 */
+    request(b, 16, NULL); /* one-off */
+    request(d, 16, NULL); /* pushes a (DRAM) to NVMe: allowed */
+    request(e, 16, NULL); /* pushes b out of DRAM: dropped, not written */
+    all_in(a, 4, KVT_TIER_NVME);
+    cr_assert_eq(tier_of(b, 0), -1);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 4 * PAGE);
+    cr_assert_eq(st.dropped_bytes[KVT_TIER_DRAM], 4 * PAGE);
+    free(a);
+    free(b);
+    free(d);
+    free(e);
+    stop();
+}
+
+Test(policy_decisions, finished_hint_goes_first)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 8, 0, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *d = seq(16, 3000);
+    request(b, 16, NULL); /* older, no hint */
+    kvt_policy_hint_t fin = {.finished = 1};
+    request(a, 16, &fin); /* newer, but its session ended */
+    request(d, 16, NULL);
+    all_in(b, 4, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(a, 0), -1);
+    free(a);
+    free(b);
+    free(d);
+    stop();
+}
+
+Test(policy_decisions, priority_hint_keeps_a_prefix)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 8, 0, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *d = seq(16, 3000);
+    kvt_policy_hint_t pin = {.priority = 1000};
+    request(a, 16, &pin); /* oldest, but pinned by priority */
+    request(b, 16, NULL);
+    request(d, 16, NULL);
+    all_in(a, 4, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(b, 0), -1);
+    free(a);
+    free(b);
+    free(d);
+    stop();
+}
+
+Test(policy_decisions, pending_moves_hold_their_reservation)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    ex.pending = 1;
+    request(b, 16, NULL); /* a's demotion is in flight: b lands in DRAM meanwhile */
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.pending_moves, 1);
+    cr_assert_eq(st.used[KVT_TIER_HBM], 4 * PAGE);             /* a, until the copy is done */
+    cr_assert_eq(st.used[KVT_TIER_DRAM], 4 * PAGE + 4 * PAGE); /* b + a's reservation */
+    all_in(b, 4, KVT_TIER_DRAM);
+    /* complete it as the executor would */
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    kvt_block_t *bl = kvt_radix_node_blocks(m.node);
+    for (int i = 0; i < 4; i++)
+        bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
+    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_DRAM, KVT_TIER_HBM, 0),
+                 KVT_EINVAL); /* wrong direction */
+    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_HBM, KVT_TIER_DRAM, 0), 0);
+    ex.used[KVT_TIER_HBM] -= 4 * PAGE;
+    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    ex.pending = 0;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.pending_moves, 0);
+    cr_assert_eq(st.used[KVT_TIER_HBM], 0);
+    all_in(a, 4, KVT_TIER_DRAM);
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, failed_moves_change_nothing)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    ex.fail = 1;
+    /* a cannot move down: it stays where it was until the engine, out of room, drops it */
+    request(b, 16, NULL);
+    ex.fail = 0;
+    all_in(b, 4, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(a, 0), -1);
+    cr_assert_eq(ex.moves, 0);
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, removal_behind_the_engine_is_accounted)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 8, 8, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);
+    cr_assert_eq(kvt_radix_remove(tree, ns, a, 8), 0); /* pages 1.. of a */
+    check();
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.used[KVT_TIER_HBM] + st.used[KVT_TIER_DRAM], 5 * PAGE);
+    request(a, 16, NULL); /* re-admitted */
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, bad_input)
+{
+    memset(&ex, 0, sizeof(ex));
+    kvt_radix_t *t;
+    cr_assert_eq(kvt_radix_create(&t, NULL), 0);
+    kvt_policy_t *p = (kvt_policy_t *)0x1;
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 4, 0);
+    cr_assert_eq(kvt_policy_create(NULL, t, &c), KVT_EINVAL);
+    cr_assert_eq(kvt_policy_create(&p, NULL, &c), KVT_EINVAL);
+    kvt_policy_conf_t bad = c;
+    bad.ops = NULL;
+    cr_assert_eq(kvt_policy_create(&p, t, &bad), KVT_EINVAL);
+    bad = base_conf(KVT_POLICY_LRU, 0, 0, 0);
+    cr_assert_eq(kvt_policy_create(&p, t, &bad), KVT_EINVAL); /* no tier */
+    bad = c;
+    bad.tiers[KVT_TIER_DRAM].low = 0.9f;
+    bad.tiers[KVT_TIER_DRAM].high = 0.5f;
+    cr_assert_eq(kvt_policy_create(&p, t, &bad), KVT_EINVAL); /* low > high */
+    bad = c;
+    bad.kind = (kvt_policy_kind_t)9;
+    cr_assert_eq(kvt_policy_create(&p, t, &bad), KVT_EINVAL);
+    bad = c;
+    bad.hw.bw[KVT_TIER_DRAM] = 0;
+    cr_assert_eq(kvt_policy_create(&p, t, &bad), KVT_EINVAL); /* a tier with no load path */
+    bad = c;
+    bad.admit_tier = KVT_TIER_NVME;
+    cr_assert_eq(kvt_policy_create(&p, t, &bad), KVT_EINVAL); /* not configured */
+    bad = c;
+    bad.model.layers = 0;
+    cr_assert_eq(kvt_policy_create(&p, t, &bad), KVT_EINVAL);
+    cr_assert_eq(p, (kvt_policy_t *)0x1, "a failed create must leave *out alone");
+
+    cr_assert_eq(kvt_policy_create(&p, t, &c), 0);
+    cr_assert_eq(kvt_policy_on_insert(p, NULL, NULL), KVT_EINVAL);
+    kvt_insert_t none = {0};
+    cr_assert_eq(kvt_policy_on_insert(p, &none, NULL), 0);
+    cr_assert_eq(kvt_policy_step(NULL, 0), KVT_EINVAL);
+    cr_assert_eq(kvt_policy_move_done(p, NULL, 0, 1, KVT_TIER_HBM, KVT_TIER_DRAM, 0), KVT_EINVAL);
+    kvt_policy_on_match(p, NULL, NULL); /* harmless */
+    kvt_policy_kind_t k;
+    cr_assert_eq(kvt_policy_kind_parse("oracle", &k), 0);
+    cr_assert_eq(k, KVT_POLICY_ORACLE);
+    cr_assert_eq(kvt_policy_kind_parse("arc", &k), KVT_EINVAL);
+    cr_assert_str_eq(kvt_policy_kind_name(KVT_POLICY_LFU), "lfu");
+    kvt_policy_destroy(p);
+    kvt_policy_destroy(NULL);
+    kvt_radix_destroy(t);
+}
