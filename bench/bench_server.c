@@ -1,0 +1,687 @@
+/*
+ * bench_server.c: kvtierd against redis-server, both started here, on the same machine and in
+ * the same run.
+ *
+ *   match  MATCH requests built from the trace's prompts (cut to 2,048 tokens, tokens through
+ *          kvt_trace_tokens), the prompts first PUT index-only so that lookups walk real paths;
+ *          pipelined over several connections on the Unix socket and on TCP. Baseline:
+ *          redis-benchmark SET with a value of the average MATCH request's size, the same
+ *          pipeline depth and connection count, on the same transport.
+ *   get    GET of one DRAM-resident block per request, pipelined, as bandwidth. Baseline:
+ *          redis-benchmark GET of a value of the block's size.
+ *
+ * Latency is per request: from the moment its frame is written to the moment its reply is
+ * read, with a sliding window of `pipeline` requests outstanding per connection (redis-benchmark
+ * measures the same way). One JSON object per line per (op, transport).
+ *
+ * usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] [--redis-benchmark PATH]
+ *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N]
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#include <sys/epoll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "../client/kvtier.h"
+#include "../common/common.h"
+#include "../server/proto.h"
+#include "../trace/trace.h"
+#include "config.h"
+
+#define MAX_TOKENS 2048
+#define PAGE       16
+
+typedef struct opts {
+    const char *trace, *kvtierd, *redis_server, *redis_benchmark;
+    int conns, pipeline;
+    long requests;
+    uint32_t block_bytes;
+} opts_t;
+
+static char g_dir[512];
+static pid_t g_kvd = -1, g_redis = -1;
+
+static void cleanup(void)
+{
+    if (g_kvd > 0) {
+        kill(g_kvd, SIGTERM);
+        waitpid(g_kvd, NULL, 0);
+    }
+    if (g_redis > 0) {
+        kill(g_redis, SIGTERM);
+        waitpid(g_redis, NULL, 0);
+    }
+    if (g_dir[0]) {
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "bench_server: could not remove %s\n", g_dir);
+    }
+}
+
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sin = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sin;
+    if (bind(fd, (struct sockaddr *)&sin, sizeof sin) < 0 ||
+        getsockname(fd, (struct sockaddr *)&sin, &sl) < 0) {
+        close(fd);
+        return -1;
+    }
+    close(fd);
+    return ntohs(sin.sin_port);
+}
+
+static pid_t spawn(char *const argv[], const char *log)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (chdir(g_dir) < 0)
+            _exit(127);
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execvp(argv[0], argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+static int connect_unix(const char *path)
+{
+    struct sockaddr_un sun = {.sun_family = AF_UNIX};
+    snprintf(sun.sun_path, sizeof sun.sun_path, "%s", path);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sun, sizeof sun) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int connect_tcp(int port)
+{
+    struct sockaddr_in sin = {.sin_family = AF_INET,
+                              .sin_port = htons((uint16_t)port),
+                              .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sin, sizeof sin) < 0) {
+        close(fd);
+        return -1;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return fd;
+}
+
+static int wait_for(const char *unix_path, int port)
+{
+    for (int i = 0; i < 400; i++) {
+        int fd = unix_path ? connect_unix(unix_path) : connect_tcp(port);
+        if (fd >= 0) {
+            close(fd);
+            return 0;
+        }
+        usleep(10000);
+    }
+    return -1;
+}
+
+/* ---- the kvtier load generator ---- */
+
+typedef struct load {
+    const opts_t *o;
+    int tcp_port; /* 0: the Unix socket */
+    char sock[600];
+    /* Requests: pre-encoded frames (id patched per send), one per trace request. */
+    uint8_t **frames;
+    size_t *frame_len;
+    size_t nframes;
+    long per_conn;
+    int failed;
+    uint32_t hello_block;
+    uint32_t get_blocks; /* GET load: pages of the stored path; 0 for the MATCH load */
+} load_t;
+
+static uint32_t g_get_tokens[64 * 16];
+
+static int write_all(int fd, const uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w <= 0) {
+            if (w < 0 && errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int hello(int fd, uint32_t block_bytes)
+{
+    uint8_t buf[KVT_PROTO_HDR + sizeof(kvt_wire_hello_t) + 16];
+    kvt_wire_hello_t w = {.min_version = 1,
+                          .max_version = 1,
+                          .page_size = PAGE,
+                          .block_bytes = block_bytes,
+                          .model_len = 5};
+    kvt_proto_frame(buf, KVT_OP_HELLO, 0, 1, 0, sizeof w + 5);
+    memcpy(buf + KVT_PROTO_HDR, &w, sizeof w);
+    memcpy(buf + KVT_PROTO_HDR + sizeof w, "bench", 5);
+    if (write_all(fd, buf, KVT_PROTO_HDR + sizeof w + 5) < 0)
+        return -1;
+    uint8_t r[KVT_PROTO_HDR + sizeof(kvt_wire_hello_reply_t)];
+    size_t got = 0;
+    while (got < sizeof r) {
+        ssize_t n = read(fd, r + got, sizeof r - got);
+        if (n <= 0)
+            return -1;
+        got += (size_t)n;
+    }
+    kvt_proto_hdr_t h;
+    kvt_proto_hdr_decode(r, &h);
+    return h.status;
+}
+
+/* MATCH with a lease over the stored blocks' tokens; returns the lease id or 0. */
+static uint64_t take_lease(int fd, uint32_t pages)
+{
+    size_t body = sizeof(kvt_wire_match_t) + (size_t)pages * PAGE * 4;
+    uint8_t *f = malloc(KVT_PROTO_HDR + body);
+    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, (uint32_t)body);
+    kvt_wire_match_t w = {.lease_ms = htole32(600000), .ntokens = htole32(pages * PAGE)};
+    memcpy(f + KVT_PROTO_HDR, &w, sizeof w);
+    for (uint32_t k = 0; k < pages * PAGE; k++)
+        kvt_put_u32(f + KVT_PROTO_HDR + sizeof w + 4 * k, g_get_tokens[k]);
+    int rc = write_all(fd, f, KVT_PROTO_HDR + body);
+    free(f);
+    uint8_t r[KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + 64];
+    size_t want = KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + pages, got = 0;
+    while (rc == 0 && got < want) {
+        ssize_t n = read(fd, r + got, want - got);
+        if (n <= 0)
+            return 0;
+        got += (size_t)n;
+    }
+    kvt_proto_hdr_t h;
+    kvt_proto_hdr_decode(r, &h);
+    if (rc < 0 || h.status < 0)
+        return 0;
+    return kvt_get_u64(r + KVT_PROTO_HDR + 8);
+}
+
+/*
+ * The load generator: one thread and one epoll set over all connections, like redis-benchmark,
+ * so that neither side's client spends more CPU than the other's on a small machine.
+ */
+typedef struct bconn {
+    int fd;
+    long sent, done;
+    uint64_t *t_sent, *lat;
+    uint8_t *in;
+    size_t in_len, in_off, cap;
+    uint8_t out[1 << 16];
+    size_t out_len, out_off;
+    uint64_t lease;
+    uint64_t bytes;
+} bconn_t;
+
+static void top_up(load_t *l, bconn_t *c, int idx)
+{
+    if (c->out_off < c->out_len)
+        return;
+    c->out_len = c->out_off = 0;
+    while (c->sent < l->per_conn && c->sent - c->done < l->o->pipeline) {
+        uint8_t getf[KVT_PROTO_HDR + sizeof(kvt_wire_get_t)];
+        const uint8_t *f;
+        size_t flen;
+        if (l->get_blocks) {
+            kvt_wire_get_t w = {.lease = htole64(c->lease),
+                                .first_page = htole32((uint32_t)(c->sent % l->get_blocks)),
+                                .npages = htole32(1)};
+            kvt_proto_frame(getf, KVT_OP_GET, 0, 0, 0, sizeof w);
+            memcpy(getf + KVT_PROTO_HDR, &w, sizeof w);
+            f = getf;
+            flen = sizeof getf;
+        } else {
+            size_t k = ((size_t)idx * 7919 + (size_t)c->sent) % l->nframes;
+            f = l->frames[k];
+            flen = l->frame_len[k];
+        }
+        if (c->out_len + flen > sizeof c->out)
+            break;
+        memcpy(c->out + c->out_len, f, flen);
+        kvt_put_u64(c->out + c->out_len + 8, (uint64_t)c->sent);
+        c->out_len += flen;
+        c->t_sent[c->sent++] = kvt_now_ns();
+    }
+}
+
+static int flush_out(bconn_t *c)
+{
+    while (c->out_off < c->out_len) {
+        ssize_t w = write(c->fd, c->out + c->out_off, c->out_len - c->out_off);
+        if (w < 0)
+            return errno == EAGAIN ? 0 : -1;
+        c->out_off += (size_t)w;
+    }
+    return 0;
+}
+
+static int drain_in(load_t *l, bconn_t *c)
+{
+    for (;;) {
+        if (c->cap - c->in_len < (1 << 20)) {
+            memmove(c->in, c->in + c->in_off, c->in_len - c->in_off);
+            c->in_len -= c->in_off;
+            c->in_off = 0;
+        }
+        ssize_t r = read(c->fd, c->in + c->in_len, c->cap - c->in_len);
+        if (r == 0)
+            return -1;
+        if (r < 0)
+            return errno == EAGAIN ? 0 : -1;
+        c->in_len += (size_t)r;
+        uint64_t now = kvt_now_ns();
+        while (c->in_len - c->in_off >= KVT_PROTO_HDR) {
+            kvt_proto_hdr_t h;
+            kvt_proto_hdr_decode(c->in + c->in_off, &h);
+            if (c->in_len - c->in_off < KVT_PROTO_HDR + (size_t)h.body_len)
+                break;
+            c->in_off += KVT_PROTO_HDR + h.body_len;
+            c->bytes += h.body_len;
+            if (h.status < 0)
+                return -1;
+            if (h.flags & KVT_RF_MORE)
+                continue; /* GET data: its request ends with the end frame */
+            if ((long)h.request_id < l->per_conn)
+                c->lat[h.request_id] = now - c->t_sent[h.request_id];
+            c->done++;
+        }
+        if (c->in_off == c->in_len)
+            c->in_off = c->in_len = 0;
+    }
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct result {
+    double rps, p50_us, p99_us, gbps;
+} result_t;
+
+static int run_load(load_t *l, result_t *res)
+{
+    int nc = l->o->conns, ep = epoll_create1(0), rc = 0;
+    l->per_conn = l->o->requests / nc;
+    size_t total = (size_t)nc * (size_t)l->per_conn;
+    uint64_t *lat = calloc(total, sizeof *lat);
+    bconn_t *cs = calloc((size_t)nc, sizeof *cs);
+    for (int i = 0; i < nc && rc == 0; i++) {
+        bconn_t *c = &cs[i];
+        c->fd = l->tcp_port ? connect_tcp(l->tcp_port) : connect_unix(l->sock);
+        if (c->fd < 0 || hello(c->fd, l->hello_block) != 0 ||
+            (l->get_blocks && (c->lease = take_lease(c->fd, l->get_blocks)) == 0)) {
+            rc = -1;
+            break;
+        }
+        fcntl(c->fd, F_SETFL, fcntl(c->fd, F_GETFL) | O_NONBLOCK);
+        c->t_sent = calloc((size_t)l->per_conn, sizeof *c->t_sent);
+        c->lat = lat + (size_t)i * (size_t)l->per_conn;
+        c->cap = 32 << 20;
+        c->in = malloc(c->cap);
+        struct epoll_event e = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
+        epoll_ctl(ep, EPOLL_CTL_ADD, c->fd, &e);
+    }
+    uint64_t t0 = kvt_now_ns();
+    for (int i = 0; i < nc && rc == 0; i++) {
+        top_up(l, &cs[i], i);
+        if (flush_out(&cs[i]) < 0)
+            rc = -1;
+    }
+    long remaining = (long)total;
+    while (rc == 0 && remaining > 0) {
+        struct epoll_event evs[64];
+        int n = epoll_wait(ep, evs, 64, 10000);
+        if (n <= 0) {
+            rc = -1;
+            break;
+        }
+        for (int k = 0; k < n && rc == 0; k++) {
+            int i = (int)evs[k].data.u32;
+            bconn_t *c = &cs[i];
+            long before = c->done;
+            if (drain_in(l, c) < 0) {
+                rc = -1;
+                break;
+            }
+            remaining -= c->done - before;
+            top_up(l, c, i);
+            if (flush_out(c) < 0)
+                rc = -1;
+            struct epoll_event e = {.events = EPOLLIN | (c->out_off < c->out_len ? EPOLLOUT : 0),
+                                    .data.u32 = (uint32_t)i};
+            epoll_ctl(ep, EPOLL_CTL_MOD, c->fd, &e);
+        }
+    }
+    double secs = (double)(kvt_now_ns() - t0) / 1e9;
+    uint64_t bytes = 0;
+    for (int i = 0; i < nc; i++) {
+        bytes += cs[i].bytes;
+        if (cs[i].fd > 0)
+            close(cs[i].fd);
+        free(cs[i].t_sent);
+        free(cs[i].in);
+    }
+    close(ep);
+    if (rc == 0) {
+        qsort(lat, total, sizeof *lat, cmp_u64);
+        res->rps = (double)total / secs;
+        res->p50_us = (double)lat[total / 2] / 1e3;
+        res->p99_us = (double)lat[total * 99 / 100] / 1e3;
+        res->gbps = (double)bytes / secs / 1e9;
+    }
+    free(lat);
+    free(cs);
+    return rc;
+}
+
+/* ---- redis-benchmark ---- */
+
+static int redis_bench(const opts_t *o, const char *target, const char *test, size_t size, long n,
+                       result_t *res)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "'%s' %s -t %s -d %zu -P %d -c %d -n %ld --csv 2>/dev/null",
+             o->redis_benchmark, target, test, size, o->pipeline, o->conns, n);
+    FILE *p = popen(cmd, "r");
+    if (!p)
+        return -1;
+    char line[512];
+    int ok = -1;
+    while (fgets(line, sizeof line, p)) {
+        double rps, avg, mn, p50, p95, p99, mx;
+        char name[32];
+        if (sscanf(line, "\"%31[^\"]\",\"%lf\",\"%lf\",\"%lf\",\"%lf\",\"%lf\",\"%lf\",\"%lf\"",
+                   name, &rps, &avg, &mn, &p50, &p95, &p99, &mx) == 8) {
+            res->rps = rps;
+            res->p50_us = p50 * 1000;
+            res->p99_us = p99 * 1000;
+            res->gbps = rps * (double)size / 1e9;
+            ok = 0;
+        }
+    }
+    pclose(p);
+    return ok;
+}
+
+/* ---- set-up: the index, the blocks ---- */
+
+static int populate(const opts_t *o, const char *sock, kvt_trace_t *tr, load_t *match,
+                    double *avg_bytes)
+{
+    kvt_client_conf_t conf = {.unix_path = sock, .model = "bench", .page_size = PAGE};
+    kvt_client_t *c;
+    if (kvt_client_connect(&c, &conf) < 0)
+        return -1;
+    kvt_batch_t *b;
+    kvt_batch_create(&b, c);
+    uint32_t *tok = malloc((tr->max_input_length + 1) * sizeof *tok);
+    size_t n = tr->nreqs;
+    match->frames = calloc(n, sizeof *match->frames);
+    match->frame_len = calloc(n, sizeof *match->frame_len);
+    double total = 0;
+    static kvt_client_put_t pr;
+    static int st;
+    for (size_t i = 0; i < n; i++) {
+        const kvt_trace_req_t *r = &tr->reqs[i];
+        kvt_trace_tokens(r, tok);
+        uint32_t nt = KVT_MIN(r->input_length, MAX_TOKENS);
+        kvt_batch_put(b, tok, nt, 0, 0, NULL, NULL, &pr, &st);
+        if (kvt_batch_size(b) >= 256 && kvt_batch_run(b) < 0)
+            return -1;
+        size_t len = KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + (size_t)nt * 4;
+        uint8_t *f = malloc(len);
+        kvt_proto_frame(f, KVT_OP_MATCH, 0, 0, 0, (uint32_t)(len - KVT_PROTO_HDR));
+        kvt_wire_match_t w = {.ntokens = htole32(nt)};
+        memcpy(f + KVT_PROTO_HDR, &w, sizeof w);
+        for (uint32_t k = 0; k < nt; k++)
+            kvt_put_u32(f + KVT_PROTO_HDR + sizeof w + 4 * k, tok[k]);
+        match->frames[i] = f;
+        match->frame_len[i] = len;
+        total += (double)len;
+    }
+    if (kvt_batch_run(b) < 0)
+        return -1;
+    match->nframes = n;
+    *avg_bytes = total / (double)n;
+    kvt_batch_destroy(b);
+    kvt_client_close(c);
+    free(tok);
+    (void)o;
+    return 0;
+}
+
+/* Stores nblocks blocks of block_bytes in DRAM; each GET connection leases them itself. */
+static int store_blocks(const char *sock, uint32_t block_bytes, uint32_t nblocks)
+{
+    kvt_client_conf_t conf = {.unix_path = sock,
+                              .model = "bench",
+                              .page_size = PAGE,
+                              .block_bytes = block_bytes,
+                              .timeout_ms = 60000};
+    kvt_client_t *c;
+    if (kvt_client_connect(&c, &conf) < 0)
+        return -1;
+    for (uint32_t i = 0; i < nblocks * PAGE; i++)
+        g_get_tokens[i] = 3000000 + i;
+    uint8_t *payload = malloc((size_t)nblocks * block_bytes);
+    for (size_t i = 0; i < (size_t)nblocks * block_bytes; i++)
+        payload[i] = (uint8_t)(i * 131);
+    kvt_client_put_t r;
+    int rc = kvt_client_put(c, g_get_tokens, nblocks * PAGE, 0, nblocks, payload, NULL, &r);
+    free(payload);
+    uint8_t tiers[64];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 64};
+    if (rc == 0)
+        rc = kvt_client_match(c, g_get_tokens, nblocks * PAGE, 0, 0, NULL, &m);
+    kvt_client_close(c);
+    if (rc < 0 || r.stored != nblocks || m.pages != nblocks || tiers[nblocks - 1] != 2) {
+        fprintf(stderr, "bench_server: storing %u blocks: %s (stored %u)\n", nblocks,
+                kvt_client_strerror(rc), r.stored);
+        return -1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    opts_t o = {.conns = 8, .pipeline = 32, .requests = 200000, .block_bytes = 256 << 10};
+    const char *root = getenv("KVT_BUILD_ROOT");
+    static char kvd_path[1024];
+    snprintf(kvd_path, sizeof kvd_path, "%s/server/kvtierd", root ? root : ".");
+    o.kvtierd = kvd_path;
+    o.redis_server = getenv("KVT_REDIS_SERVER") ? getenv("KVT_REDIS_SERVER") : "redis-server";
+    o.redis_benchmark = "redis-benchmark";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--kvtierd") && i + 1 < argc)
+            o.kvtierd = argv[++i];
+        else if (!strcmp(argv[i], "--redis-server") && i + 1 < argc)
+            o.redis_server = argv[++i];
+        else if (!strcmp(argv[i], "--redis-benchmark") && i + 1 < argc)
+            o.redis_benchmark = argv[++i];
+        else if (!strcmp(argv[i], "--conns") && i + 1 < argc)
+            o.conns = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--pipeline") && i + 1 < argc)
+            o.pipeline = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--requests") && i + 1 < argc)
+            o.requests = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--block-bytes") && i + 1 < argc)
+            o.block_bytes = (uint32_t)atol(argv[++i]);
+        else if (argv[i][0] != '-' && !o.trace)
+            o.trace = argv[i];
+        else {
+            fprintf(stderr, "usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] "
+                            "[--redis-benchmark PATH] [--conns N] [--pipeline N] [--requests N] "
+                            "[--block-bytes N]\n");
+            return 2;
+        }
+    }
+    if (!o.trace || o.conns < 1 || o.conns > 64 || o.pipeline < 1 || o.requests < o.conns ||
+        o.block_bytes < 4096 || o.block_bytes > (16u << 20)) {
+        fprintf(stderr, "bench_server: a trace path is required; 1..64 conns; block 4K..16M\n");
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    kvt_trace_t *tr;
+    int rc = kvt_trace_load(&tr, o.trace);
+    if (rc < 0) {
+        fprintf(stderr, "bench_server: %s: %s\n", o.trace, kvt_strerror(rc));
+        return 1;
+    }
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g_dir, sizeof g_dir, "%s/kvtbench.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(g_dir)) {
+        fprintf(stderr, "bench_server: mkdtemp: %s\n", strerror(errno));
+        return 1;
+    }
+    atexit(cleanup);
+
+    /* Both servers on loopback TCP and a Unix socket in the scratch directory. */
+    int kport = free_port(), rport = free_port();
+    char ktcp[64], rport_s[16], ksock[600], rsock[600];
+    snprintf(ktcp, sizeof ktcp, "127.0.0.1:%d", kport);
+    snprintf(rport_s, sizeof rport_s, "%d", rport);
+    snprintf(ksock, sizeof ksock, "%s/kvtierd.sock", g_dir);
+    snprintf(rsock, sizeof rsock, "%s/redis.sock", g_dir);
+    char *kargv[] = {(char *)o.kvtierd,
+                     "--tcp",
+                     ktcp,
+                     "--metrics",
+                     "",
+                     "--nvme-bytes",
+                     "0",
+                     "--hbm-bytes",
+                     "0",
+                     "--dram-bytes",
+                     "1G",
+                     "--log-level",
+                     "warn",
+                     NULL};
+    g_kvd = spawn(kargv, "kvtierd.log");
+    char *rargv[] = {(char *)o.redis_server,
+                     "--port",
+                     rport_s,
+                     "--bind",
+                     "127.0.0.1",
+                     "--unixsocket",
+                     rsock,
+                     "--save",
+                     "",
+                     "--appendonly",
+                     "no",
+                     NULL};
+    g_redis = spawn(rargv, "redis.log");
+    if (wait_for(ksock, 0) < 0 || wait_for(NULL, kport) < 0 || wait_for(rsock, 0) < 0) {
+        fprintf(stderr, "bench_server: kvtierd or redis-server did not start (logs in %s)\n",
+                g_dir);
+        return 1;
+    }
+
+    load_t match = {.o = &o};
+    double avg_bytes;
+    if (populate(&o, ksock, tr, &match, &avg_bytes) < 0) {
+        fprintf(stderr, "bench_server: populating the index failed\n");
+        return 1;
+    }
+    char redis_unix[700], redis_tcp[64];
+    snprintf(redis_unix, sizeof redis_unix, "-s '%s'", rsock);
+    snprintf(redis_tcp, sizeof redis_tcp, "-h 127.0.0.1 -p %d", rport);
+    const char *transports[2] = {"unix", "tcp"};
+    int status = 0;
+    for (int t = 0; t < 2; t++) {
+        match.tcp_port = t ? kport : 0;
+        snprintf(match.sock, sizeof match.sock, "%s", ksock);
+        match.failed = 0;
+        result_t k, r;
+        if (run_load(&match, &k) < 0 || redis_bench(&o, t ? redis_tcp : redis_unix, "set",
+                                                    (size_t)avg_bytes, o.requests, &r) < 0) {
+            fprintf(stderr, "bench_server: match over %s failed\n", transports[t]);
+            status = 1;
+            continue;
+        }
+        printf("{\"op\":\"match\",\"transport\":\"%s\",\"trace\":\"%s\",\"requests\":%ld,"
+               "\"conns\":%d,\"pipeline\":%d,\"request_bytes\":%.0f,\"requests_per_s\":%.0f,"
+               "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"redis-benchmark SET\","
+               "\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
+               "\"baseline_p99_us\":%.1f,\"ratio\":%.3f}\n",
+               transports[t], o.trace, (long)o.conns * (o.requests / o.conns), o.conns, o.pipeline,
+               avg_bytes, k.rps, k.p50_us, k.p99_us, r.rps, r.p50_us, r.p99_us, k.rps / r.rps);
+        fflush(stdout);
+    }
+
+    /* GET bandwidth: 32 DRAM-resident blocks, one block per GET, against GET of one value of
+     * the same size (set once before). */
+    uint32_t nblocks = 32;
+    if (store_blocks(ksock, o.block_bytes, nblocks) < 0)
+        return 1;
+    char setcmd[1200];
+    snprintf(setcmd, sizeof setcmd, "'%s' -s '%s' -t set -d %u -n 1 -c 1 >/dev/null 2>&1",
+             o.redis_benchmark, rsock, o.block_bytes);
+    if (system(setcmd) != 0)
+        fprintf(stderr, "bench_server: redis-benchmark SET of the GET value failed\n");
+    long get_requests = KVT_MAX((long)o.conns, (long)((4ull << 30) / o.block_bytes));
+    opts_t go = o;
+    go.pipeline = KVT_MIN(o.pipeline, 8);
+    go.requests = get_requests;
+    load_t get = {.o = &go, .hello_block = o.block_bytes, .get_blocks = nblocks};
+    for (int t = 0; t < 2; t++) {
+        get.tcp_port = t ? kport : 0;
+        snprintf(get.sock, sizeof get.sock, "%s", ksock);
+        get.failed = 0;
+        result_t k, r;
+        int bad = run_load(&get, &k) < 0;
+        k.gbps = k.rps * o.block_bytes / 1e9; /* payload bytes, as for the baseline */
+        if (bad || redis_bench(&go, t ? redis_tcp : redis_unix, "get", o.block_bytes, get_requests,
+                               &r) < 0) {
+            fprintf(stderr, "bench_server: get over %s failed\n", transports[t]);
+            status = 1;
+            continue;
+        }
+        printf("{\"op\":\"get\",\"transport\":\"%s\",\"block_bytes\":%u,\"requests\":%ld,"
+               "\"conns\":%d,\"pipeline\":%d,\"requests_per_s\":%.0f,\"gbps\":%.3f,"
+               "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"redis-benchmark GET\","
+               "\"baseline_requests_per_s\":%.0f,\"baseline_gbps\":%.3f,"
+               "\"baseline_p50_us\":%.1f,\"baseline_p99_us\":%.1f,\"ratio\":%.3f}\n",
+               transports[t], o.block_bytes, (long)go.conns * (get_requests / go.conns), go.conns,
+               go.pipeline, k.rps, k.gbps, k.p50_us, k.p99_us, r.rps, r.gbps, r.p50_us, r.p99_us,
+               k.gbps / r.gbps);
+        fflush(stdout);
+    }
+    for (size_t i = 0; i < match.nframes; i++)
+        free(match.frames[i]);
+    free(match.frames);
+    free(match.frame_len);
+    kvt_trace_free(tr);
+    return status;
+}
