@@ -136,16 +136,18 @@ static void server_start(server_t *srv, const char *password, const char *const 
     argv[argc] = NULL;
     pid_t parent = getpid();
     pid_t pid = fork();
-    cr_assert(pid >= 0);
     if (pid == 0) {
+        /* No Criterion call in here: the child would report to the runner as if it were the
+         * test. */
         prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
         if (getppid() != parent)
             _exit(1);
         execv(bin, (char *const *)argv);
         _exit(127);
     }
+    cr_assert(pid > 0, "fork: %s", strerror(errno));
     srv->pid = pid;
-    for (int i = 0; i < 200; i++) {
+    for (int i = 0; i < 1000; i++) { /* 10 s: a loaded machine starts it slowly */
         if (server_answers(srv->port, password))
             return;
         usleep(10000);
