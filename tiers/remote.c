@@ -35,9 +35,9 @@
  * sendmsg over an iovec per request: the RESP head and stored block header from the request,
  * the payload straight from the caller's buffer, no copy. Reads go into hiredis's reader buffer
  * directly, sized to the GET value being received, so that hiredis's 16 KiB reads do not set the
- * pace; the value is then checked and copied out in one pass. The handshake (sent before the
- * connection is up) is the one thing hiredis writes itself, and nothing else is sent until it
- * has been answered, so the two writers never interleave.
+ * pace; the value is then checked and copied out in one pass. hiredis's own output buffer stays
+ * empty: it only connects, parses replies and runs callbacks. Sends use MSG_NOSIGNAL, so a
+ * server that goes away never raises SIGPIPE.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -349,6 +349,34 @@ static int format_cmd(remote_t *rm, rq_t *r)
     return 0;
 }
 
+/* The handshake step s: 1 AUTH, 2 SELECT, 4 PING. */
+static int format_hello(remote_t *rm, rq_t *r, int s)
+{
+    char dbs[16];
+    const char *argv[2] = {"PING", NULL};
+    int argc = 1;
+    if (s == 1)
+        argv[0] = "AUTH", argv[1] = rm->password, argc = 2;
+    else if (s == 2) {
+        snprintf(dbs, sizeof(dbs), "%d", rm->db);
+        argv[0] = "SELECT", argv[1] = dbs, argc = 2;
+    }
+    size_t need = 16;
+    for (int i = 0; i < argc; i++)
+        need += strlen(argv[i]) + 32;
+    r->hb = need <= sizeof(r->inl) ? r->inl : malloc(need);
+    if (!r->hb)
+        return KVT_ENOMEM;
+    size_t n = (size_t)snprintf(r->hb, need, "*%d\r\n", argc);
+    for (int i = 0; i < argc; i++)
+        n += (size_t)snprintf(r->hb + n, need - n, "$%zu\r\n%s\r\n", strlen(argv[i]), argv[i]);
+    r->hblen = (uint32_t)n;
+    r->paylen = r->taillen = 0;
+    r->pay = NULL;
+    r->off = 0;
+    return 0;
+}
+
 /* --- completion --- */
 
 static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
@@ -606,6 +634,7 @@ static void schedule_retry(remote_t *rm, uint64_t now)
 }
 
 static int send_rq(remote_t *rm, rq_t *r);
+static int wire_queue(remote_t *rm, rq_t *r);
 
 static void connect_start(remote_t *rm, uint64_t now)
 {
@@ -655,8 +684,6 @@ static void connect_start(remote_t *rm, uint64_t now)
 
     /* The handshake: the server must answer before the connection counts as up (a stopped
      * server still accepts TCP connections). */
-    const char *argv[3];
-    size_t argl[3];
     int steps = rm->password ? 1 : 0;
     if (rm->db)
         steps |= 2;
@@ -665,31 +692,18 @@ static void connect_start(remote_t *rm, uint64_t now)
     for (int s = 1; s <= 4; s <<= 1) {
         if (!(steps & s))
             continue;
-        char dbs[16];
-        int argc;
-        if (s == 1) {
-            argv[0] = "AUTH", argv[1] = rm->password, argc = 2;
-        } else if (s == 2) {
-            snprintf(dbs, sizeof(dbs), "%d", rm->db);
-            argv[0] = "SELECT", argv[1] = dbs, argc = 2;
-        } else {
-            argv[0] = "PING", argc = 1;
-        }
-        for (int i = 0; i < argc; i++)
-            argl[i] = strlen(argv[i]);
         rq_t *r = rq_new(rm, RQ_HELLO);
-        if (!r || redisAsyncCommandArgv(ac, on_reply, r, argc, argv, argl) != REDIS_OK) {
+        if (!r || format_hello(rm, r, s) || wire_queue(rm, r)) {
             if (r)
                 rq_release(rm, r);
             rm->drop = 1;
             rm->drop_status = KVT_EUNAVAIL;
             return;
         }
-        r->sent_ns = now;
         r->deadline_ns = now + rm->timeout_ns;
-        q_push(&rm->sentq, r);
         rm->hello_left++;
     }
+    sock_update(rm);
 }
 
 /* After any call into hiredis: if it freed the context, the connection is down. */
@@ -747,14 +761,11 @@ static void became_ready(remote_t *rm)
     }
 }
 
-/* Registers r's reply callback with hiredis and queues its bytes for writing. Returns 0 or an
- * error (r not queued). */
-static int send_rq(remote_t *rm, rq_t *r)
+/* Registers r's reply callback with hiredis and queues its formatted bytes for writing. Returns
+ * 0 or an error (r not queued). */
+static int wire_queue(remote_t *rm, rq_t *r)
 {
     kvt_assert(sdslen(rm->ac->c.obuf) == 0);
-    int rc = format_cmd(rm, r);
-    if (rc)
-        return rc;
     /* Length 0: hiredis parses the command name from hb and appends nothing. */
     if (redisAsyncFormattedCommand(rm->ac, on_reply, r, r->hb, 0) != REDIS_OK)
         return KVT_EUNAVAIL;
@@ -768,6 +779,12 @@ static int send_rq(remote_t *rm, rq_t *r)
         rm->out_head = r;
     rm->out_tail = r;
     return 0;
+}
+
+static int send_rq(remote_t *rm, rq_t *r)
+{
+    int rc = format_cmd(rm, r);
+    return rc ? rc : wire_queue(rm, r);
 }
 
 /* Moves requests from waitq to the connection while fewer than max_inflight are unanswered. */
@@ -856,17 +873,23 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
     rq_t *r = privdata;
     kvt_assert(rm->sentq.head == r);
     q_pop(&rm->sentq);
-    if (r->in_outq) {
-        /* Answered before it was all written (a protocol error): the stream is out of step. */
-        kvt_assert(rm->out_head == r);
-        rm->out_head = r->onext;
-        if (!rm->out_head)
-            rm->out_tail = NULL;
-        r->in_outq = 0;
-        rm->drop = 1;
-        rm->drop_status = KVT_EPROTO;
-    }
     remote_reply_t *o = reply;
+    if (r->in_outq) {
+        /* Not all written: the connection is going away (no reply), or the server answered a
+         * command it had not fully received, and the stream is out of step. */
+        if (rm->out_head == r) {
+            rm->out_head = r->onext;
+            if (!rm->out_head)
+                rm->out_tail = NULL;
+            r->in_outq = 0;
+        } else {
+            outq_clear(rm);
+        }
+        if (o) {
+            rm->drop = 1;
+            rm->drop_status = KVT_EPROTO;
+        }
+    }
     if (!o) { /* the connection is going away */
         if (r->kind == RQ_SET)
             undo_set(rm, r, 0);
@@ -1197,7 +1220,7 @@ static void handle_sock(remote_t *rm, uint32_t events)
     int connected = rm->ac->c.flags & REDIS_CONNECTED;
     if ((events & EPOLLOUT) || (!connected && (events & (EPOLLERR | EPOLLHUP)))) {
         if (!connected || (rm->sock_events & EPOLLOUT))
-            redisAsyncHandleWrite(rm->ac); /* connect completion, the handshake */
+            redisAsyncHandleWrite(rm->ac); /* connect completion; its buffer is always empty */
         after_hiredis(rm, now);
         if (rm->ac && (rm->ac->c.flags & REDIS_CONNECTED))
             flush(rm);
