@@ -47,6 +47,7 @@ typedef struct opts {
     int conns, pipeline;
     long requests;
     uint32_t block_bytes;
+    const char *ops; /* "match", "get" or "all" */
 } opts_t;
 
 static char g_dir[512];
@@ -516,7 +517,8 @@ static int store_blocks(const char *sock, uint32_t block_bytes, uint32_t nblocks
 
 int main(int argc, char **argv)
 {
-    opts_t o = {.conns = 8, .pipeline = 32, .requests = 200000, .block_bytes = 256 << 10};
+    opts_t o = {
+        .conns = 8, .pipeline = 32, .requests = 200000, .block_bytes = 256 << 10, .ops = "all"};
     const char *root = getenv("KVT_BUILD_ROOT");
     static char kvd_path[1024];
     snprintf(kvd_path, sizeof kvd_path, "%s/server/kvtierd", root ? root : ".");
@@ -538,6 +540,8 @@ int main(int argc, char **argv)
             o.requests = atol(argv[++i]);
         else if (!strcmp(argv[i], "--block-bytes") && i + 1 < argc)
             o.block_bytes = (uint32_t)atol(argv[++i]);
+        else if (!strcmp(argv[i], "--ops") && i + 1 < argc)
+            o.ops = argv[++i];
         else if (argv[i][0] != '-' && !o.trace)
             o.trace = argv[i];
         else {
@@ -619,7 +623,7 @@ int main(int argc, char **argv)
     snprintf(redis_tcp, sizeof redis_tcp, "-h 127.0.0.1 -p %d", rport);
     const char *transports[2] = {"unix", "tcp"};
     int status = 0;
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < 2 && strcmp(o.ops, "get"); t++) {
         match.tcp_port = t ? kport : 0;
         snprintf(match.sock, sizeof match.sock, "%s", ksock);
         match.failed = 0;
@@ -655,7 +659,7 @@ int main(int argc, char **argv)
     go.pipeline = KVT_MIN(o.pipeline, 8);
     go.requests = get_requests;
     load_t get = {.o = &go, .hello_block = o.block_bytes, .get_blocks = nblocks};
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < 2 && strcmp(o.ops, "match"); t++) {
         get.tcp_port = t ? kport : 0;
         snprintf(get.sock, sizeof get.sock, "%s", ksock);
         get.failed = 0;

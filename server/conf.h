@@ -36,8 +36,6 @@ typedef struct kvt_srv_conf {
     uint32_t lease_ms_max;       /* the longest a client may ask for */
     uint32_t max_inflight;       /* tier I/Os in flight per connection before reads pause */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
-    char *policy;
-    char *profile;
     char *log_level;
     char *secret;
     char *secret_file;

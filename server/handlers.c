@@ -15,8 +15,17 @@
 
 #include "config.h" /* KVT_VERSION */
 
+/* Points c->tok at the frame's tokens in host order: the frame itself when the host is
+ * little-endian and they are aligned (no copy on the hot path), else a copy. Valid until the
+ * next frame. */
 static int kvt_tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n)
 {
+#if __BYTE_ORDER == __LITTLE_ENDIAN
+    if (((uintptr_t)src & (_Alignof(uint32_t) - 1)) == 0) {
+        c->tok = (const uint32_t *)(const void *)src;
+        return 0;
+    }
+#endif
     if (n > c->tokens_cap) {
         size_t cap = c->tokens_cap ? c->tokens_cap : 4096;
         while (cap < n)
@@ -28,6 +37,7 @@ static int kvt_tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n)
         c->tokens_cap = cap;
     }
     kvt_proto_tokens(src, n, c->tokens);
+    c->tok = c->tokens;
     return 0;
 }
 
@@ -219,8 +229,13 @@ static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint8_t *wire_to
     kvt_metrics_t *mt = s->metrics;
     kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
     kvt__metric_add(mt, KVT_M_LOOKUP_TOKENS, 0, ntokens);
-    for (uint32_t i = 0; i < m->pages; i++)
-        kvt__metric_add(mt, KVT_M_HIT_TOKENS, tiers[i], page);
+    /* Runs of one tier (a path is mostly one or two runs): no per-page counter updates. */
+    for (uint32_t i = 0, run; i < m->pages; i += run) {
+        for (run = 1; i + run < m->pages && tiers[i + run] == tiers[i]; run++)
+            ;
+        kvt__metric_add(mt, KVT_M_HIT_TOKENS, tiers[i] < KVT_TIER_COUNT ? tiers[i] : 0,
+                        (double)run * page);
+    }
     kvt__metric_add(mt, KVT_M_PREFILL_SAVED, 0,
                     (double)m->pages * page / s->conf->prefill_tokens_per_s);
     uint32_t whole = ntokens / page;
@@ -448,7 +463,7 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t m;
-    int rc = kvt_radix_match(s->radix, c->ns, c->tokens, q.ntokens,
+    int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens,
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
@@ -457,7 +472,7 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                         .engine_id = q.hints.engine_request_id,
                         .ntokens = q.ntokens,
                         .wire = q.tokens,
-                        .tokens = c->tokens};
+                        .tokens = c->tok};
     int down = 0;
     if ((h->flags & KVT_MATCH_F_REMOTE) && kvt_probe_start(c, h, t0, &mq, &m, &down))
         return 0;
@@ -481,7 +496,7 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_insert_t res;
-    int rc = kvt_radix_insert(s->radix, c->ns, c->tokens, q.ntokens, &res);
+    int rc = kvt_radix_insert(s->radix, c->ns, c->tok, q.ntokens, &res);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "insert failed");
     if (q.npayload == 0 || res.pages == 0) {
@@ -570,7 +585,7 @@ static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t m;
-    int rc = kvt_radix_match(s->radix, c->ns, c->tokens, q.ntokens, KVT_MATCH_NOTOUCH, &m);
+    int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens, KVT_MATCH_NOTOUCH, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
     if (m.pages == 0) {
@@ -622,7 +637,7 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     if (kvt_tokens(c, tok, n) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     s->removing = 1;
-    int rc = kvt_radix_remove(s->radix, c->ns, c->tokens, n);
+    int rc = kvt_radix_remove(s->radix, c->ns, c->tok, n);
     s->removing = 0;
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "remove of %u tokens", n);

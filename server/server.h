@@ -129,7 +129,8 @@ struct kvt__conn {
     uint32_t events;
     kvt__lease_t *leases;
     size_t nleases, cap_leases;
-    uint32_t *tokens; /* scratch for decoded tokens */
+    uint32_t *tokens;    /* scratch for decoded tokens */
+    const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
     size_t tokens_cap;
 };
 
