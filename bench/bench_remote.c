@@ -285,12 +285,13 @@ static double redis_benchmark(const char *host, uint16_t port, const char *test,
     FILE *f = popen(cmd, "r");
     if (!f)
         return -errno;
-    char line[512], want[16];
-    snprintf(want, sizeof(want), "\"%s\",\"%%lf\"", !strcmp(test, "set") ? "SET" : "GET");
+    char line[512];
+    int set = !strcmp(test, "set");
     double rps = 0;
     while (fgets(line, sizeof(line), f)) {
         double v;
-        if (sscanf(line, want, &v) == 1)
+        int got = set ? sscanf(line, "\"SET\",\"%lf\"", &v) : sscanf(line, "\"GET\",\"%lf\"", &v);
+        if (got == 1)
             rps = v;
     }
     int st = pclose(f);
