@@ -62,6 +62,13 @@ static const kvt_opt_t kvt_opts[] = {
     {"remote-bytes", KVT_OPT_BYTES, KVT_O(remote_bytes), "4G", "remote tier capacity"},
     {"remote-prefix", KVT_OPT_STR, KVT_O(remote_prefix), "kvt",
      "key prefix of blocks on the remote server (keys are PREFIX:SEED:HASH)"},
+    {"remote-password", KVT_OPT_STR, KVT_O(remote_password), "",
+     "AUTH password of the remote server; \"\" for none"},
+    {"remote-db", KVT_OPT_INT, KVT_O(remote_db), "0", "SELECT index on the remote server"},
+    {"remote-ttl-s", KVT_OPT_U32, KVT_O(remote_ttl_s), "0",
+     "expiry of blocks written to the remote server, seconds; 0 for none"},
+    {"remote-timeout-ms", KVT_OPT_U32, KVT_O(remote_timeout_ms), "2000",
+     "per-request timeout of the remote server"},
     {"nvme-recover", KVT_OPT_BOOL, KVT_O(nvme_recover), "yes",
      "warm restart: rebuild the index from the blocks found in data-dir"},
     {"max-frame", KVT_OPT_BYTES, KVT_O(max_frame), "64M",
@@ -165,7 +172,7 @@ int kvt__conf_set(kvt_srv_conf_t *conf, const char *name, const char *value, cha
         *(uint32_t *)f = (uint32_t)v;
         return 0;
     case KVT_OPT_INT:
-        if (kvt_parse_u64(value, &v, 0) < 0 || v > 1024)
+        if (kvt_parse_u64(value, &v, 0) < 0 || v > 65535)
             break;
         *(int *)f = (int)v;
         return 0;
@@ -268,10 +275,26 @@ int kvt__conf_load(kvt_srv_conf_t *conf, const char *path, char *err, size_t err
         }
         *eq = 0;
         char *name = kvt_trim(s), *value = kvt_trim(eq + 1);
-        size_t vl = strlen(value);
-        if (vl >= 2 && value[0] == '"' && value[vl - 1] == '"') {
-            value[vl - 1] = 0;
+        if (value[0] == '"') {
+            /* A quoted value runs to its closing quote; only a comment may follow it. */
+            char *end = strchr(value + 1, '"');
+            char *rest = end ? kvt_trim(end + 1) : NULL;
+            if (!end || (*rest && *rest != '#')) {
+                snprintf(err, errlen, "%s:%d: unterminated quote or text after it", path, lineno);
+                rc = KVT_EINVAL;
+                break;
+            }
+            *end = 0;
             value++;
+        } else {
+            /* An unquoted value ends at a '#' that follows white space (or starts it). */
+            for (char *h = value; *h; h++) {
+                if (*h == '#' && (h == value || h[-1] == ' ' || h[-1] == '\t')) {
+                    *h = 0;
+                    break;
+                }
+            }
+            value = kvt_trim(value);
         }
         char msg[256];
         rc = kvt__conf_set(conf, name, value, msg, sizeof msg);

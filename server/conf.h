@@ -29,6 +29,10 @@ typedef struct kvt_srv_conf {
     char *remote; /* host:port of a Valkey/Redis server; "" for none */
     uint64_t remote_bytes;
     char *remote_prefix;
+    char *remote_password;
+    int remote_db;
+    uint32_t remote_ttl_s;
+    uint32_t remote_timeout_ms;
     int nvme_recover; /* warm restart: rebuild the index from the NVMe tier */
     uint64_t max_frame;
     uint32_t max_conns;

@@ -163,7 +163,10 @@ int kvt__store_open(kvt_srv_t *s)
                                    .segment_bytes = (uint32_t)c->nvme_segment_bytes,
                                    .sparse = c->nvme_sparse};
         if ((rc = kvt_tier_nvme_create(&s->tiers[KVT_TIER_NVME], &nc)) < 0) {
-            kvt_log(KVT_LOG_ERROR, "kvtierd: NVMe tier in %s: %s", c->data_dir, kvt_strerror(rc));
+            kvt_log(KVT_LOG_ERROR, "kvtierd: NVMe tier in %s: %s%s", c->data_dir, kvt_strerror(rc),
+                    rc == KVT_EINVAL ? " (nvme-bytes must hold at least 2 segments of "
+                                       "nvme-segment-bytes, 64M by default)"
+                                     : "");
             return rc;
         }
         if (c->nvme_recover) {
@@ -198,6 +201,10 @@ int kvt__store_open(kvt_srv_t *s)
                                       .port = port,
                                       .key_prefix = c->remote_prefix,
                                       .capacity_bytes = c->remote_bytes,
+                                      .password = *c->remote_password ? c->remote_password : NULL,
+                                      .db = c->remote_db,
+                                      .ttl_s = c->remote_ttl_s,
+                                      .timeout_ms = c->remote_timeout_ms,
                                       .keep_on_free = 1};
         if ((rc = kvt_tier_remote_create(&s->tiers[KVT_TIER_REMOTE], &rcf)) < 0) {
             kvt_log(KVT_LOG_ERROR, "kvtierd: remote tier %s: %s", c->remote, kvt_strerror(rc));

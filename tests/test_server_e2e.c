@@ -445,3 +445,20 @@ Test(server_e2e, bad_configuration_exit_codes)
     kvd_cleanup(&a);
     kvd_rmrf(d.dir);
 }
+
+Test(server_e2e, example_configuration_starts)
+{
+    char conf[1024];
+    const char *src = getenv("KVT_SOURCE_ROOT");
+    cr_assert(src, "KVT_SOURCE_ROOT is set by meson");
+    snprintf(conf, sizeof conf, "%s/kvtierd.conf.example", src);
+    kvd_t d = {0};
+    /* The example at its defaults, but on free ports and with small tiers for a test. */
+    kvd_start(&d, "--config", conf, "--tcp", "127.0.0.1:0", "--metrics", "127.0.0.1:0",
+              "--dram-bytes", "8M", "--nvme-bytes", "4M", "--nvme-segment-bytes", "1M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 0);
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
+    cr_expect_eq(kvd_stat(c, "dram_capacity_bytes"), 8 << 20, "the flag beats the file");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
