@@ -462,3 +462,37 @@ Test(server_e2e, example_configuration_starts)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+Test(server_e2e, four_tiers_with_host_hbm)
+{
+    /* HBM's host backend (ordinary memory standing in for device memory): blocks fill HBM,
+     * then DRAM, then NVMe, each within its capacity, and all read back. */
+    kvd_t d = {0};
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "512K", "--dram-bytes", "512K", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    enum { N = 24 };
+    uint32_t tok[N * PAGE];
+    kvd_tokens(tok, N * PAGE, 5);
+    kvt_client_put_t r;
+    put_pages(c, tok, N * PAGE, 0, N, BIG, 9, &r);
+    cr_expect_eq(r.stored, N);
+    uint8_t tiers[N], from[N];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = N};
+    cr_assert_eq(kvt_client_match(c, tok, N * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, N);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_HBM);
+    cr_expect_eq(tiers[N - 1], KVT_CLIENT_TIER_NVME);
+    int seen[5] = {0};
+    for (int i = 0; i < N; i++)
+        seen[tiers[i] < 5 ? tiers[i] : 0]++;
+    cr_expect(seen[KVT_CLIENT_TIER_HBM] > 0 && seen[KVT_CLIENT_TIER_DRAM] > 0 &&
+              seen[KVT_CLIENT_TIER_NVME] > 0);
+    for (int i = 1; i < N; i++)
+        cr_expect_geq(tiers[i], tiers[i - 1], "faster tiers first along the path");
+    cr_expect_leq(kvd_stat(c, "hbm_used_bytes"), kvd_stat(c, "hbm_capacity_bytes"));
+    cr_expect_leq(kvd_stat(c, "dram_used_bytes"), kvd_stat(c, "dram_capacity_bytes"));
+    check_get(c, m.lease, 0, N, BIG, 9, from);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_HBM);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
