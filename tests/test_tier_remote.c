@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -961,5 +962,182 @@ Test(tier_remote, auth_with_requirepass)
         kvt_tier_destroy(t);
     }
     blk_fini(&b);
+    server_cleanup();
+}
+
+Test(tier_remote, caller_loop_polls_the_tier_fd)
+{
+    kvt_tier_t *t = open_shared(0);
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    cr_assert(ep >= 0);
+    struct epoll_event ev = {.events = EPOLLIN};
+    cr_assert_eq(epoll_ctl(ep, EPOLL_CTL_ADD, kvt_tier_fd(t), &ev), 0);
+    enum { N = 32 };
+    blk_t b[N];
+    int done = 0;
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 30000);
+        fill(b[i].buf, 30000, (uint64_t)i);
+        cr_assert_eq(kvt_tier_write(t, &b[i].io), 0);
+    }
+    /* Only the fd wakes this loop: no kvt_tier_wait. */
+    uint64_t end = kvt_now_ns() + 10000000000ull;
+    while (done < N && kvt_now_ns() < end) {
+        int n = epoll_wait(ep, &ev, 1, 1000);
+        cr_assert_geq(n, 0);
+        if (n == 0)
+            continue;
+        cr_assert_geq(kvt_tier_process(t), 0);
+        done = 0;
+        for (int i = 0; i < N; i++)
+            done += b[i].done;
+    }
+    cr_assert_eq(done, N);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(b[i].io.status, 0);
+        cr_assert_eq(read_check(t, &b[i], (uint64_t)i), 0);
+        kvt_tier_free(t, b[i].io.loc, b[i].io.len);
+        blk_fini(&b[i]);
+    }
+    /* Once the DELs of those frees are answered the fd goes quiet: nothing spins the loop. */
+    int quiet = 0;
+    for (int i = 0; i < 100 && !quiet; i++) {
+        quiet = epoll_wait(ep, &ev, 1, 50) == 0;
+        if (!quiet)
+            kvt_tier_process(t);
+    }
+    cr_assert(quiet, "an idle tier keeps waking its caller");
+    close(ep);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_remote, keep_on_free_leaves_the_key)
+{
+    char host[64];
+    uint16_t port;
+    if (!shared_server(host, sizeof(host), &port))
+        cr_skip_test("KVT_TEST_REDIS is not set");
+    kvt_tier_remote_conf_t conf = base_conf(host, port);
+    conf.keep_on_free = 1;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b;
+    blk_init(&b, 2, 2000);
+    cr_assert_eq(write_blk(t, &b, 2), 0);
+    kvt_tier_free(t, b.io.loc, b.io.len);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 0);
+    b.io.loc = 0;
+    cr_assert_eq(read_check(t, &b, 2), 0, "the value is still there, found by key");
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &b, key);
+    kvt_tier_destroy(t);
+    redisContext *c = sync_connect(port, NULL);
+    cr_assert(c);
+    cr_assert_eq(sync_int(c, "DEL %s", key), 1);
+    redisFree(c);
+    blk_fini(&b);
+}
+
+Test(tier_remote, destroy_with_requests_in_flight)
+{
+    kvt_tier_t *t = open_shared(0);
+    enum { N = 64 };
+    blk_t b[N];
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 100000);
+        fill(b[i].buf, 100000, (uint64_t)i);
+        cr_assert_eq(kvt_tier_write(t, &b[i].io), 0);
+    }
+    kvt_tier_probe_t p = {.keys = &b[0].io.key, .n = 1, .cb = probe_done, .data = &(int){0}};
+    cr_assert_eq(kvt_tier_remote_probe(t, &p), 0);
+    uint64_t t0 = kvt_now_ns();
+    kvt_tier_destroy(t); /* waits for the writes, calls nobody back */
+    cr_assert_lt(kvt_now_ns() - t0, 5000000000ull);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(b[i].done, 0, "a callback ran during destroy");
+        blk_fini(&b[i]);
+    }
+    cr_assert_eq(*(int *)p.data, 0);
+}
+
+Test(tier_remote, write_answered_after_its_timeout_is_undone)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    conf.timeout_ms = 300;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t w;
+    blk_init(&w, 7, 50000);
+    fill(w.buf, 50000, 7);
+    kill(g_srv.pid, SIGSTOP);
+    cr_assert_eq(kvt_tier_write(t, &w.io), 0);
+    blk_t *pw = &w;
+    wait_done(t, &pw, 1, 5000);
+    cr_assert_eq(w.io.status, KVT_ETIMEDOUT);
+    memset(w.buf, 0, 50000); /* the caller owns its buffer again */
+    kill(g_srv.pid, SIGCONT);
+    /* Either the late OK arrives (undo DEL at once) or the stall closes the connection first
+     * (undo DEL after reconnecting): both must leave no value behind. */
+    cr_assert(wait_connected(t, 5000));
+    for (int i = 0; i < 30; i++)
+        kvt_tier_wait(t, 10);
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_geq(st.undone, 1);
+    redisContext *c = sync_connect(g_srv.port, NULL);
+    cr_assert(c);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &w, key);
+    cr_assert_eq(sync_int(c, "EXISTS %s", key), 0, "a failed write left its value behind");
+    redisFree(c);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, 0);
+    cr_assert_eq(u.timeouts, 1);
+    blk_fini(&w);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
+Test(tier_remote, probe_fails_cleanly_when_the_server_is_gone)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    conf.timeout_ms = 300;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b[4];
+    kvt_block_key_t keys[4];
+    for (int i = 0; i < 4; i++) {
+        blk_init(&b[i], (uint32_t)i, 100);
+        keys[i] = b[i].io.key;
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    uint32_t found = 0;
+    cr_assert_eq(run_probe(t, keys, 4, &found), 0);
+    cr_assert_eq(found, 4);
+    kill(g_srv.pid, SIGSTOP);
+    int rc = run_probe(t, keys, 4, &found);
+    cr_assert_eq(rc, KVT_ETIMEDOUT, "probe on a stopped server: %s", kvt_strerror(rc));
+    cr_assert_eq(found, 0);
+    server_kill(&g_srv);
+    for (int i = 0; i < 50 && kvt_tier_remote_connected(t); i++)
+        kvt_tier_wait(t, 20);
+    cr_assert_not(kvt_tier_remote_connected(t));
+    kvt_tier_probe_t p = {.keys = keys, .n = 4, .cb = probe_done, .data = &(int){0}};
+    rc = kvt_tier_remote_probe(t, &p);
+    if (rc == 0) { /* a reconnect attempt was under way: it fails through the callback */
+        uint64_t end = kvt_now_ns() + 5000000000ull;
+        while (!*(int *)p.data && kvt_now_ns() < end)
+            kvt_tier_wait(t, 20);
+        rc = p.status;
+    }
+    cr_assert_eq(rc, KVT_EUNAVAIL, "probe with no server: %s", kvt_strerror(rc));
+    for (int i = 0; i < 4; i++)
+        blk_fini(&b[i]);
+    kvt_tier_destroy(t);
     server_cleanup();
 }

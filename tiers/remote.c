@@ -1292,9 +1292,19 @@ static int remote_poll(kvt_tier_t *t)
     return ran;
 }
 
+/* DELs (frees, undone writes) may still be queued when the tier goes: give them a moment. */
+#define KVT__DESTROY_FLUSH_MS 200
+
 static void remote_destroy(kvt_tier_t *t)
 {
     remote_t *rm = remote_of(t);
+    uint64_t end = kvt_now_ns() + KVT__DESTROY_FLUSH_MS * 1000000ull;
+    while (rm->state == ST_READY && (rm->waitq.n || rm->sentq.n) && kvt_now_ns() < end) {
+        struct epoll_event ev;
+        (void)epoll_wait(rm->epfd, &ev, 1, 10);
+        if (remote_poll(t) < 0)
+            break;
+    }
     if (rm->ac && !rm->ac_gone) {
         rm->drop_status = KVT_ECLOSED;
         rm->drop = 1;
