@@ -1141,3 +1141,101 @@ Test(tier_remote, probe_fails_cleanly_when_the_server_is_gone)
     kvt_tier_destroy(t);
     server_cleanup();
 }
+
+/* Random writes, reads, frees, probes and deletes behind the tier's back, checked after every
+ * step against a model of what the server holds and what the tier charges. */
+Test(tier_remote, randomized_against_a_model)
+{
+    enum { K = 24, OPS = 400, MAXLEN = 48 << 10 };
+    kvt_tier_t *probe_t = open_shared(0);
+    uint64_t cap = 10 * charge(probe_t, MAXLEN);
+    kvt_tier_destroy(probe_t);
+    kvt_tier_t *t = open_shared(cap);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    unsigned seed = (unsigned)(kvt_now_ns() ^ (uint64_t)getpid());
+    srand(seed);
+    struct {
+        int stored;   /* the tier holds a location for it */
+        int on_srv;   /* the server has its value */
+        uint64_t loc; /* when stored */
+        uint32_t len;
+        uint64_t salt;
+    } m[K] = {{0}};
+    uint64_t used = 0, blocks = 0, salt = 1;
+    blk_t b;
+    for (int op = 0; op < OPS; op++) {
+        int i = rand() % K;
+        int what = rand() % 10;
+        if (what < 3 && !m[i].stored) { /* write */
+            uint32_t len = 1 + (uint32_t)(rand() % MAXLEN);
+            blk_init(&b, (uint32_t)i, len);
+            uint64_t fp = charge(t, len);
+            int rc = write_blk(t, &b, ++salt);
+            if (used + fp > cap) {
+                cr_assert_eq(rc, KVT_ENOSPC, "seed %u op %d: write over capacity: %s", seed, op,
+                             kvt_strerror(rc));
+            } else {
+                cr_assert_eq(rc, 0, "seed %u op %d: write: %s", seed, op, kvt_strerror(rc));
+                m[i].stored = m[i].on_srv = 1;
+                m[i].loc = b.io.loc;
+                m[i].len = len;
+                m[i].salt = salt;
+                used += fp;
+                blocks++;
+            }
+            blk_fini(&b);
+        } else if (what < 6) { /* read, by location when stored, else by key */
+            uint32_t len = m[i].stored || m[i].on_srv ? m[i].len : 100;
+            blk_init(&b, (uint32_t)i, len);
+            b.io.loc = m[i].stored ? m[i].loc : 0;
+            int rc = read_check(t, &b, m[i].salt);
+            int want = m[i].on_srv ? 0 : KVT_ENOENT;
+            cr_assert_eq(rc, want, "seed %u op %d: read %d: %s", seed, op, i, kvt_strerror(rc));
+            if (rc == KVT_ENOENT && m[i].stored) { /* dropped: the charge came back */
+                m[i].stored = 0;
+                used -= charge(t, m[i].len);
+                blocks--;
+            }
+            blk_fini(&b);
+        } else if (what < 8 && m[i].stored) { /* free: DELs the key */
+            kvt_tier_free(t, m[i].loc, m[i].len);
+            m[i].stored = m[i].on_srv = 0;
+            used -= charge(t, m[i].len);
+            blocks--;
+        } else if (what == 8 && m[i].on_srv) { /* deleted behind our back */
+            blk_init(&b, (uint32_t)i, 1);
+            char key[KVT_TIER_REMOTE_KEY_MAX];
+            key_of(t, &b, key);
+            cr_assert_eq(sync_int(c, "DEL %s", key), 1, "seed %u op %d", seed, op);
+            m[i].on_srv = 0;
+            blk_fini(&b);
+        } else if (what == 9) { /* probe the chain 0..7 */
+            kvt_block_key_t keys[8];
+            blk_t kb[8];
+            uint32_t want = 0;
+            while (want < 8 && m[want].on_srv)
+                want++;
+            for (int k = 0; k < 8; k++) {
+                blk_init(&kb[k], (uint32_t)k, 1);
+                keys[k] = kb[k].io.key;
+            }
+            uint32_t found = 99;
+            cr_assert_eq(run_probe(t, keys, 8, &found), 0);
+            cr_assert_eq(found, want, "seed %u op %d: probe", seed, op);
+            for (int k = 0; k < 8; k++)
+                blk_fini(&kb[k]);
+        }
+        kvt_tier_usage_t u;
+        kvt_tier_usage(t, &u);
+        cr_assert_eq(u.used_bytes, used, "seed %u op %d: used %llu, model %llu", seed, op,
+                     (unsigned long long)u.used_bytes, (unsigned long long)used);
+        cr_assert_eq(u.blocks, blocks, "seed %u op %d", seed, op);
+        cr_assert_leq(u.used_bytes, u.capacity_bytes);
+    }
+    for (int i = 0; i < K; i++)
+        if (m[i].stored)
+            kvt_tier_free(t, m[i].loc, m[i].len);
+    redisFree(c);
+    kvt_tier_destroy(t);
+}

@@ -12,12 +12,14 @@
  * pointed at the same server finds blocks another one stored; the value is the shared block
  * header, the page's tokens and the payload (blockhdr.c), checked before a byte is returned.
  *
- * Requests flow through two FIFO queues:
+ * Requests flow through FIFO queues:
  *
- *     submit --> waitq --(connection up, window open)--> hiredis --> sentq --> reply callback
- *                  |                                                  |
- *                  +-- deadline passed: ETIMEDOUT          deadline passed: ETIMEDOUT, the
- *                                                          request stays queued, detached
+ *   submit -> waitq --(connection up, < max_inflight unanswered)--> sentq --reply--> callback
+ *               |                                                     |  \
+ *               +- deadline passed: ETIMEDOUT                         |   outq: bytes not yet
+ *                                                                     |   all on the socket
+ *                             deadline passed: ETIMEDOUT, the request -+
+ *                             stays in sentq, detached, until its reply
  *
  * Redis answers in order, so sentq mirrors hiredis's own callback list one for one: the head
  * of sentq is the request whose reply is being parsed. That lets the reply decoder check a GET
@@ -381,9 +383,10 @@ static int format_hello(remote_t *rm, rq_t *r, int s)
 
 static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
 {
-    /* Detach every request still naming p: the caller may reuse p after its callback. */
+    /* Detach every request still naming p: the caller may reuse p after its callback. (After
+     * a success every key was answered, and each answer detached its own request.) */
     rq_queue_t *qs[] = {&rm->waitq, &rm->sentq};
-    for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++)
+    for (size_t i = 0; status != 0 && i < KVT_ARRAY_LEN(qs); i++)
         for (rq_t *r = qs[i]->head; r; r = r->next)
             if (r->probe == p)
                 r->probe = NULL;
@@ -457,12 +460,15 @@ static void undo_set(remote_t *rm, rq_t *r, int sent_now)
     q_push(&rm->undoq, d);
 }
 
+/* An error reply as a KVT_E* code. AUTH's refusals differ across versions ("WRONGPASS ...",
+ * "ERR invalid password", "ERR Client sent AUTH, but no password is set", "ERR AUTH <password>
+ * called without any password configured ..."). */
 static int map_error(const char *msg, rq_kind_t kind)
 {
     if (!strncmp(msg, "OOM", 3))
         return kind == RQ_SET ? KVT_ENOSPC : KVT_EIO;
-    if (!strncmp(msg, "NOAUTH", 6) || !strncmp(msg, "WRONGPASS", 9) || strstr(msg, "password") ||
-        strstr(msg, "AUTH"))
+    if (!strncmp(msg, "NOAUTH", 6) || !strncmp(msg, "WRONGPASS", 9) ||
+        (kind == RQ_HELLO && (strstr(msg, "password") || strstr(msg, "AUTH"))))
         return KVT_EAUTH;
     if (!strncmp(msg, "LOADING", 7) || !strncmp(msg, "BUSY", 4) || !strncmp(msg, "MASTERDOWN", 10))
         return KVT_EUNAVAIL;
@@ -514,7 +520,8 @@ static void ev_del_write(void *p)
     sock_update(rm);
 }
 
-/* hiredis is tearing ac down: called once or more, before the pending callbacks run. */
+/* hiredis is tearing ac down: called once or more, before the pending callbacks run (an error)
+ * or after (redisAsyncFree). */
 static void ev_cleanup(void *p)
 {
     remote_t *rm = p;
@@ -1013,7 +1020,7 @@ static uint64_t expire(remote_t *rm, uint64_t now)
         if (!r->io && !r->probe && r->kind != RQ_HELLO)
             continue;
         if (r->deadline_ns > now) {
-            next = r->deadline_ns;
+            next = KVT_MIN(next, r->deadline_ns);
             break;
         }
         if (r->kind == RQ_HELLO) {
@@ -1245,17 +1252,22 @@ static void handle_sock(remote_t *rm, uint32_t events)
     after_hiredis(rm, now);
 }
 
-static void deliver_probes(remote_t *rm)
+/* Runs the callbacks of finished probes (not while the tier is being destroyed); returns how
+ * many finished. */
+static int deliver_probes(remote_t *rm)
 {
     kvt_tier_probe_t *p = rm->probes_done_head;
     rm->probes_done_head = rm->probes_done_tail = NULL;
+    int n = 0;
     while (p) {
         kvt_tier_probe_t *next = p->next;
         p->next = NULL;
         if (rm->tier->delivered)
             p->cb(p);
+        n++;
         p = next;
     }
+    return n;
 }
 
 static int remote_poll(kvt_tier_t *t)
@@ -1285,10 +1297,8 @@ static int remote_poll(kvt_tier_t *t)
     }
     tick(rm);
     int ran = 0;
-    while (rm->probes_done_head) {
-        deliver_probes(rm);
-        ran++;
-    }
+    while (rm->probes_done_head) /* callbacks may finish more at once */
+        ran += deliver_probes(rm);
     return ran;
 }
 
