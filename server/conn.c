@@ -84,10 +84,13 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 void kvt__req_free(kvt__req_t *r)
 {
     if (r->ios) {
-        for (uint32_t i = 0; i < r->batch; i++)
+        for (uint32_t i = 0; i < r->batch; i++) {
+            free(r->ios[i]->buf);
             free(r->ios[i]);
+        }
         free(r->ios);
     }
+    free(r->segs);
     free(r->payload);
     free(r->extra);
     free(r->out);
@@ -105,6 +108,8 @@ void kvt__conn_close(kvt__conn_t *c)
         if (r->pending > 0) {
             r->conn = NULL; /* an orphan: frees itself when its I/O completes */
         } else {
+            if (r->kind == KVT_REQ_GET && !r->done)
+                kvt__store_get_abort(s, r); /* a batch waiting for the socket */
             kvt__req_free(r);
         }
         r = next;
@@ -243,6 +248,19 @@ static int kvt_conn_write(kvt__conn_t *c)
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
         for (kvt__req_t *r = c->head; r && n < KVT_IOV_MAX; r = r->next) {
+            if (r->nsegs) {
+                /* A GET batch: its frames from where the bytes are (store.c). */
+                if (!r->segs_ready)
+                    break;
+                for (uint32_t k = r->seg_i; k < r->nsegs && n < KVT_IOV_MAX; k++) {
+                    const kvt__seg_t *g = &r->segs[k];
+                    size_t skip = k == r->seg_i ? r->seg_off : 0;
+                    iov[n].iov_base = (uint8_t *)(g->ptr ? g->ptr : r->out + g->off) + skip;
+                    iov[n].iov_len = g->len - skip;
+                    n++;
+                }
+                break;
+            }
             if (r->out_len > r->out_off) {
                 iov[n].iov_base = r->out + r->out_off;
                 iov[n].iov_len = r->out_len - r->out_off;
@@ -251,8 +269,15 @@ static int kvt_conn_write(kvt__conn_t *c)
             if (!r->done)
                 break;
         }
-        if (n == 0)
+        if (n == 0) {
+            kvt__req_t *r = c->head;
+            if (r && r->nsegs && r->segs_ready && r->seg_i == r->nsegs) {
+                /* The GET batch is out: the next one, or its end frame. */
+                kvt__store_get_batch(c->srv, r);
+                continue;
+            }
             break;
+        }
         ssize_t w = writev(c->ev.fd, iov, n);
         if (w < 0) {
             if (errno == EAGAIN || errno == EINTR)
@@ -268,6 +293,19 @@ static int kvt_conn_write(kvt__conn_t *c)
             kvt__req_t *r = c->head;
             if (!r)
                 break;
+            if (r->nsegs) {
+                while (left > 0 && r->seg_i < r->nsegs) {
+                    size_t have = r->segs[r->seg_i].len - r->seg_off;
+                    size_t t = KVT_MIN(have, left);
+                    r->seg_off += t;
+                    left -= t;
+                    if (r->seg_off == r->segs[r->seg_i].len) {
+                        r->seg_i++;
+                        r->seg_off = 0;
+                    }
+                }
+                break; /* the batch's end is handled at the top of the loop */
+            }
             size_t take = KVT_MIN(r->out_len - r->out_off, left);
             r->out_off += take;
             left -= take;
@@ -396,6 +434,10 @@ void kvt__conn_kick(kvt__conn_t *c)
         want |= EPOLLIN;
     int unsent = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->nsegs) {
+            unsent = r->segs_ready && r->seg_i < r->nsegs;
+            break;
+        }
         if (r->out_len > r->out_off) {
             unsent = 1;
             break;

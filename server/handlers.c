@@ -555,14 +555,11 @@ static int kvt_h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     r->cur = q.first_page;
     r->end = q.first_page + n;
     int rc = kvt_pin(s, l->node, l->ns, &r->lease);
-    if (rc == 0)
-        rc = kvt__store_get_batch(s, r);
     if (rc < 0) {
         r->status = rc;
-        r->end = r->cur; /* stop: the final frame carries the error */
+        r->end = r->cur; /* nothing to send: the final frame carries the error */
     }
-    if (r->pending == 0)
-        kvt__store_get_batch(s, r); /* writes the final frame */
+    kvt__store_get_batch(s, r);
     return 0;
 }
 

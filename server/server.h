@@ -74,10 +74,19 @@ typedef struct kvt__io {
     uint8_t is_copy; /* through kvt_tier_copy */
     uint64_t start_ns;
     uint64_t src_loc;
+    uint8_t zero_copy; /* GET: sent from the tier's memory, read count held until written */
+    uint8_t *buf;      /* GET: the read buffer of a block from a non-memory tier */
     uint32_t tokens[]; /* the page's tokens: key.tokens points here */
 } kvt__io_t;
 
 typedef enum { KVT_REQ_PLAIN, KVT_REQ_PUT, KVT_REQ_GET, KVT_REQ_PREFETCH } kvt__req_kind_t;
+
+/* A piece of a reply that is not in the request's out buffer (GET, store.c): ptr, or with ptr
+ * NULL the bytes at out + off. */
+typedef struct kvt__seg {
+    const uint8_t *ptr;
+    size_t off, len;
+} kvt__seg_t;
 
 struct kvt__req {
     kvt__req_t *next;
@@ -105,8 +114,12 @@ struct kvt__req {
     uint32_t stored, skipped, new_pages, sent;
     uint32_t moved, resident, failed, target, batch;
     uint64_t deadline_ns;
-    kvt__io_t **ios; /* GET batch */
-    void *extra;     /* op-specific state (a MATCH's remote probe), freed with the request */
+    kvt__io_t **ios;  /* GET batch */
+    kvt__seg_t *segs; /* GET batch output; written instead of out while nsegs > 0 */
+    uint32_t nsegs, seg_i;
+    size_t seg_off;
+    int segs_ready; /* the batch's reads are done: segs may be written */
+    void *extra;    /* op-specific state (a MATCH's remote probe), freed with the request */
 };
 
 struct kvt__conn {
@@ -214,6 +227,8 @@ void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32
                     kvt_block_key_t *key);
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
+/* A GET whose connection closed with nothing in flight: gives back its batch and its lease. */
+void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
 void kvt__tier_metrics(kvt_srv_t *s);

@@ -506,65 +506,107 @@ static void kvt_get_promote_done(kvt_tier_io_t *io)
         kvt__store_get_batch(s, r);
 }
 
-/* Frames of the batch that just finished go out; then the next batch starts, or the final
- * frame closes the reply. Called with nothing in flight. */
+/*
+ * A GET goes out in batches of frames that reference the bytes where they are:
+ *
+ *     r->out:   [hdr 0][hdr 1][hdr 2] ...          32 bytes each (frame header + page, tier)
+ *     r->segs:  hdr 0, payload 0, hdr 1, payload 1, ...
+ *                        |                 |
+ *                 DRAM/HBM-host memory   a read buffer (NVMe, remote: read first)
+ *
+ * Memory tiers are sent from their own memory (kvt_tier_ptr): no copy, no I/O. The block cannot
+ * go meanwhile: the request's lease pins the path against eviction and removal, and its read
+ * count (kvt_busy) keeps moves off it until the batch is written. Other tiers are read into
+ * buffers of the batch first. The batch is written when every read is done; when the socket has
+ * taken all of it, conn.c calls kvt__store_get_batch() again for the next one. At most
+ * KVT_GET_BATCH_BYTES are referenced at a time.
+ *
+ * Called with nothing in flight: after the request is set up, when the batch's last read (or
+ * promotion) completes, and when conn.c has written the batch.
+ */
+static void kvt_get_release_batch(kvt_srv_t *s, kvt__req_t *r)
+{
+    for (uint32_t i = 0; i < r->batch; i++) {
+        kvt__io_t *x = r->ios[i];
+        if (x->zero_copy)
+            kvt_busy_dec(s, x->io.key.hash);
+        free(x->buf);
+        free(x);
+    }
+    free(r->ios);
+    r->ios = NULL;
+    r->batch = 0;
+    free(r->segs);
+    r->segs = NULL;
+    r->nsegs = r->seg_i = r->seg_off = 0;
+    r->segs_ready = 0;
+}
+
+void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r)
+{
+    if (r->ios)
+        kvt_get_release_batch(s, r);
+    kvt_unpin(s, r);
+}
+
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_assert(r->pending == 0);
-    size_t frame = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t) + r->block_bytes;
-    if (r->ios) {
+    if (r->ios && !r->segs_ready) {
+        /* The batch's reads are done: it may go out up to its first failure. */
         uint32_t good = 0;
-        for (uint32_t i = 0; i < r->batch; i++) {
-            kvt__io_t *x = r->ios[i];
-            if (x->io.status < 0 && r->status == 0) {
+        for (; good < r->batch; good++) {
+            kvt__io_t *x = r->ios[good];
+            if (!x->zero_copy && x->io.status < 0) {
                 r->status = x->io.status;
                 kvt_log(KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
                         kvt_tier_name(x->tier), kvt_strerror(x->io.status));
+                break;
             }
-            if (r->status == 0)
-                good++;
-            free(x);
         }
-        free(r->ios);
-        r->ios = NULL;
-        r->batch = 0;
-        r->out_len += good * frame; /* the frames were built in place, past out_len */
+        r->nsegs = 2 * good;
+        r->segs_ready = 1;
+        size_t bytes = 0;
+        for (uint32_t i = 0; i < r->nsegs; i++)
+            bytes += r->segs[i].len;
         r->sent += good;
-        if (r->conn)
-            r->conn->out_bytes += good * frame;
+        if (r->conn && r->nsegs) {
+            r->conn->out_bytes += bytes;
+            kvt__conn_kick(r->conn);
+            return 0; /* conn.c calls back when the socket has taken it */
+        }
     }
+    if (r->ios)
+        kvt_get_release_batch(s, r);
     if (!r->conn) {
         kvt_unpin(s, r);
         kvt__req_finish(r);
         return 0;
     }
+    size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
     if (r->status == 0 && r->cur < r->end) {
-        uint32_t n =
-            (uint32_t)KVT_MIN((size_t)(r->end - r->cur), KVT_MAX(1, KVT_GET_BATCH_BYTES / frame));
-        if (r->out_off == r->out_len)
-            r->out_off = r->out_len = 0;
-        size_t need = r->out_len + n * frame + KVT_PROTO_HDR + sizeof(kvt_wire_get_end_t);
-        if (need > r->out_cap) {
-            uint8_t *np = realloc(r->out, need);
+        uint32_t n = (uint32_t)KVT_MIN((size_t)(r->end - r->cur),
+                                       KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
+        r->out_off = r->out_len = 0;
+        if (n * hdr > r->out_cap) {
+            uint8_t *np = realloc(r->out, n * hdr);
             if (!np) {
                 r->status = KVT_ENOMEM;
                 goto end;
             }
             r->out = np;
-            r->out_cap = need;
+            r->out_cap = n * hdr;
         }
         r->ios = calloc(n, sizeof *r->ios);
-        if (!r->ios) {
+        r->segs = calloc(2 * (size_t)n, sizeof *r->segs);
+        if (!r->ios || !r->segs) {
             r->status = KVT_ENOMEM;
             goto end;
         }
         for (uint32_t i = 0; i < n; i++, r->cur++) {
-            uint8_t *f = r->out + r->out_len + i * frame;
             kvt_block_t *b = kvt_radix_block_at(r->node, r->cur);
             if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier] || b->size != r->block_bytes) {
                 r->status = KVT_ENOENT;
-                kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_NEVER_SEEN,
-                                kvt_radix_ns_page_size(s->radix, r->ns));
                 break;
             }
             kvt__io_t *x = kvt_io_new(s, r, r->cur);
@@ -572,40 +614,62 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 r->status = KVT_ENOMEM;
                 break;
             }
+            uint8_t *f = r->out + (size_t)i * hdr;
             kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
-                            (uint32_t)(frame - KVT_PROTO_HDR));
+                            (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
             kvt_wire_get_data_t d = {.page = htole32(r->cur), .tier = b->tier};
             memcpy(f + KVT_PROTO_HDR, &d, sizeof d);
-            x->io.buf = f + KVT_PROTO_HDR + sizeof d;
-            x->io.len = b->size;
-            x->io.loc = b->loc;
-            x->io.cb = kvt_get_read_done;
+            r->segs[2 * i] = (kvt__seg_t){.off = (size_t)i * hdr, .len = hdr};
             x->tier = b->tier;
-            int rc = kvt_busy_inc(s, b->hash);
-            if (rc == 0)
+            int rc = kvt_busy_inc(s, x->io.key.hash);
+            const uint8_t *ptr = rc == 0 ? kvt_tier_ptr(s->tiers[b->tier], b->loc) : NULL;
+            if (ptr) {
+                x->zero_copy = 1;
+                r->segs[2 * i + 1] = (kvt__seg_t){.ptr = ptr, .len = b->size};
+                r->ios[r->batch++] = x;
+                kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(b->tier, 0),
+                                    kvt_now_ns() - x->start_ns);
+                continue;
+            }
+            x->buf = rc == 0 ? malloc(b->size) : NULL;
+            if (x->buf) {
+                x->io.buf = x->buf;
+                x->io.len = b->size;
+                x->io.loc = b->loc;
+                x->io.cb = kvt_get_read_done;
                 rc = kvt_tier_read(s->tiers[b->tier], &x->io);
+            } else {
+                rc = KVT_ENOMEM;
+            }
             if (rc < 0) {
-                if (rc != KVT_ENOMEM)
-                    kvt_busy_dec(s, b->hash);
+                if (rc != KVT_ENOMEM || x->buf)
+                    kvt_busy_dec(s, x->io.key.hash);
+                free(x->buf);
                 free(x);
                 r->status = rc;
                 break;
             }
+            r->segs[2 * i + 1] = (kvt__seg_t){.ptr = x->buf, .len = b->size};
             r->ios[r->batch++] = x;
             kvt_io_started(s, r);
         }
-        if (r->batch > 0)
+        if (r->batch > 0) {
+            if (r->pending == 0)
+                return kvt__store_get_batch(s, r); /* all from memory: out it goes */
             return 0;
-        free(r->ios);
-        r->ios = NULL;
+        }
+        kvt_get_release_batch(s, r);
     }
 end:;
     /* The final frame: status, and how many pages went out before it. */
+    if (r->ios)
+        kvt_get_release_batch(s, r);
     uint8_t buf[KVT_PROTO_HDR + sizeof(kvt_wire_get_end_t)];
     kvt_wire_get_end_t e = {.npages = htole32(r->sent)};
     kvt_proto_frame(buf, r->op | KVT_OP_REPLY, 0, r->id, r->status, sizeof e);
     memcpy(buf + KVT_PROTO_HDR, &e, sizeof e);
     kvt_unpin(s, r);
+    r->out_off = r->out_len = 0;
     if (kvt__req_append(r, buf, sizeof buf) < 0)
         r->conn->dead = 1;
     kvt__req_finish(r);

@@ -6,6 +6,7 @@
  */
 #include <pthread.h>
 
+#include "../server/proto.h"
 #include "test_server_harness.h"
 
 #define PAGE 16
@@ -493,6 +494,71 @@ Test(server_e2e, four_tiers_with_host_hbm)
     cr_expect_leq(kvd_stat(c, "dram_used_bytes"), kvd_stat(c, "dram_capacity_bytes"));
     check_get(c, m.lease, 0, N, BIG, 9, from);
     cr_expect_eq(from[0], KVT_CLIENT_TIER_HBM);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_e2e, large_get_in_batches_and_disconnect_mid_get)
+{
+    /* 40 pages of 256 KiB = 10 MiB in one GET: more than one 8 MiB batch. */
+    enum { N = 40, B = 256 << 10 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "64M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, B);
+    uint32_t tok[N * PAGE];
+    kvd_tokens(tok, N * PAGE, 77);
+    kvt_client_put_t r;
+    put_pages(c, tok, N * PAGE, 0, N, B, 3, &r);
+    cr_assert_eq(r.stored, N);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, N * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    check_get(c, m.lease, 0, N, B, 3, NULL);
+    check_get(c, m.lease, 0, N, B, 3, NULL);
+
+    /* A client that asks for all of it and goes away without reading: the daemon drops the
+     * GET, its lease and its read counts, and the blocks can be removed afterwards. */
+    for (int k = 0; k < 3; k++) {
+        int fd = kvd_raw(&d);
+        uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + N * PAGE * 4];
+        kvt_wire_hello_t hw = {.min_version = 1,
+                               .max_version = 1,
+                               .page_size = PAGE,
+                               .block_bytes = B,
+                               .model_len = 1};
+        kvt_proto_frame(f, KVT_OP_HELLO, 0, 1, 0, sizeof hw + 1);
+        memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
+        f[KVT_PROTO_HDR + sizeof hw] = 'm';
+        cr_assert(write(fd, f, KVT_PROTO_HDR + sizeof hw + 1) > 0);
+        kvt_wire_match_t mw = {.ntokens = N * PAGE};
+        kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, sizeof mw + N * PAGE * 4);
+        memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
+        memcpy(f + KVT_PROTO_HDR + sizeof mw, tok, sizeof tok);
+        cr_assert(write(fd, f, sizeof f) == (ssize_t)sizeof f);
+        /* The HELLO reply (48 bytes) and the MATCH reply (24 + 24 + N) carry the lease. */
+        uint8_t in[48 + 48 + N];
+        size_t got = 0;
+        while (got < sizeof in) {
+            ssize_t n = read(fd, in + got, sizeof in - got);
+            cr_assert(n > 0);
+            got += (size_t)n;
+        }
+        uint64_t lease = kvt_get_u64(in + 48 + KVT_PROTO_HDR + 8);
+        cr_assert_neq(lease, 0);
+        kvt_wire_get_t gw = {.lease = lease};
+        kvt_proto_frame(f, KVT_OP_GET, 0, 3, 0, sizeof gw);
+        memcpy(f + KVT_PROTO_HDR, &gw, sizeof gw);
+        cr_assert(write(fd, f, KVT_PROTO_HDR + sizeof gw) > 0);
+        usleep(20000 * (k + 1)); /* the daemon is blocked on this socket by now */
+        close(fd);
+    }
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    uint64_t leases = 1;
+    for (int i = 0; i < 200 && leases; i++) {
+        usleep(5000);
+        leases = kvd_stat(c, "leases");
+    }
+    cr_expect_eq(leases, 0, "no lease left behind by the abandoned GETs");
+    cr_expect_eq(kvt_client_remove(c, tok, PAGE), 0, "nothing pins the blocks any more");
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
