@@ -145,6 +145,7 @@ typedef struct remote {
     int drop_status;      /* what requests still waiting are failed with */
     uint32_t hello_left;  /* handshake replies still expected */
     uint64_t retry_ns;    /* DOWN: when to connect again */
+    uint64_t rng;         /* xorshift state for the backoff's jitter */
     int logged_down;
 
     rq_queue_t waitq, sentq, undoq;
@@ -634,9 +635,14 @@ static void reply_free(void *obj)
 
 /* --- connection --- */
 
+/* The next attempt in backoff x [0.75, 1.25): a fleet that lost one server does not come back
+ * to it in lockstep. */
 static void schedule_retry(remote_t *rm, uint64_t now)
 {
-    rm->retry_ns = now + rm->backoff_ns;
+    rm->rng ^= rm->rng << 13, rm->rng ^= rm->rng >> 7, rm->rng ^= rm->rng << 17;
+    uint64_t quarter = rm->backoff_ns / 4;
+    uint64_t jitter = quarter ? rm->rng % (2 * quarter) : 0;
+    rm->retry_ns = now + rm->backoff_ns - quarter + jitter;
     rm->backoff_ns = KVT_MIN(rm->backoff_ns * 2, rm->backoff_max_ns);
 }
 
@@ -1397,6 +1403,7 @@ int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf)
     if (rm->backoff_max_ns < rm->backoff_min_ns)
         rm->backoff_max_ns = rm->backoff_min_ns;
     rm->backoff_ns = rm->backoff_min_ns;
+    rm->rng = (kvt_now_ns() ^ ((uint64_t)getpid() << 32)) | 1;
     rm->max_inflight = conf->max_inflight ? conf->max_inflight : 64;
     rm->keep_on_free = conf->keep_on_free;
     rm->fns = (redisReplyObjectFunctions){

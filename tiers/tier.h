@@ -293,9 +293,11 @@ int kvt_tier_cuda_usable(void);
  * lands after its timeout is deleted again). When the server goes away, every request in flight
  * and every request submitted before the next connection is up fails with KVT_EUNAVAIL (submit
  * returns it while the tier waits out its backoff); the tier reconnects by itself with
- * exponential backoff, from backoff_min_ms doubling up to backoff_max_ms. The timers run from
- * kvt_tier_process, so the caller's loop keeps polling the fd while the server is down.
- * kvt_tier_destroy leaves stored blocks on the server (they serve the fleet, or the next run).
+ * exponential backoff, from backoff_min_ms doubling up to backoff_max_ms (each wait +-25% at
+ * random). A connection that has answered nothing for twice timeout_ms is closed and retried.
+ * The timers run from kvt_tier_process, so the caller's loop keeps polling the fd while the
+ * server is down. kvt_tier_destroy leaves stored blocks on the server (they serve the fleet, or
+ * the next run); DELs still queued get up to 200 ms to go out.
  */
 typedef struct kvt_tier_remote_conf {
     const char *host;        /* address literal or host name; copied */
