@@ -78,6 +78,13 @@ typedef struct dead {
     size_t cap, len;
 } dead_t;
 
+typedef struct pmove {
+    kvt_radix_node_t *n;
+    uint32_t depth, npages;
+    kvt_tier_id_t from, to;
+    uint64_t lease, bytes;
+} pmove_t;
+
 typedef struct promo {
     kvt_radix_node_t *n;
     uint32_t node_pages;
@@ -103,6 +110,9 @@ struct kvt_policy {
     int in_drop;
     int stale; /* the cost model changed: rebuild before the next victim */
 
+    pmove_t *pend; /* moves in flight, each holding a lease on its node */
+    size_t npend, pend_cap;
+
     promo_t promo[PROMO_QUEUE];
     uint32_t npromo;
 
@@ -117,6 +127,7 @@ struct kvt_policy {
     uint32_t bb_ns[BLOCK_CACHE_NS], bb_ps[BLOCK_CACHE_NS];
     kvt_radix_node_t **path; /* scratch: nodes of a path */
     size_t path_cap;
+    size_t protect; /* while promoting: path[0, protect) are no victims */
 };
 
 static const char *const kind_names[KVT_POLICY_KIND_COUNT] = {"cost", "lru", "lfu", "oracle"};
@@ -494,9 +505,12 @@ static void rebuild(kvt_policy_t *p)
         if (!kvt_radix_node_leased(n))
             push_node(p, n);
     }
-    if (p->dead.cap)
+    /* Queued promotions may name nodes that died before this rebuild: keep the record until
+     * they have run. */
+    if (p->dead.cap && p->npromo == 0) {
         memset(p->dead.keys, 0, p->dead.cap * sizeof(*p->dead.keys));
-    p->dead.len = 0;
+        p->dead.len = 0;
+    }
     p->rebuild_seq = ++p->seq;
     p->foreign_seen = p->foreign;
     p->stale = 0;
@@ -540,6 +554,13 @@ static void record_end(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32
 }
 
 static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth);
+static int protected(const kvt_policy_t *p, const kvt_radix_node_t *n)
+{
+    for (size_t i = 0; i < p->protect; i++)
+        if (p->path[i] == n)
+            return 1;
+    return 0;
+}
 
 /* Moves node-local [i0, i0 + cnt) of n from `from` to `to`. Returns cnt, or a negative error
  * (nothing changed). */
@@ -552,8 +573,16 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         return rc;
     /* make_room may have dropped blocks after the run in this very node: indices before them
      * are unchanged, but the run must still be there. */
-    if (i0 + cnt > kvt_radix_node_pages(n) || kvt_radix_node_blocks(n)[i0].tier != from ||
-        kvt_radix_node_blocks(n)[i0 + cnt - 1].tier != from)
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t np = kvt_radix_node_pages(n);
+    if (i0 + cnt > np || bl[i0].tier != from || bl[i0 + cnt - 1].tier != from)
+        return KVT_EAGAIN;
+    /* making room may have started copies that lease this node (an ancestor of theirs) */
+    if (to > from && kvt_radix_node_leased(n))
+        return KVT_EAGAIN;
+    /* the node's order must survive the move (make_room may have moved its neighbours) */
+    if ((i0 > 0 && tier_rank(bl[i0 - 1].tier) > tier_rank((uint8_t)to)) ||
+        (i0 + cnt < np && tier_rank(bl[i0 + cnt].tier) < tier_rank((uint8_t)to)))
         return KVT_EAGAIN;
     uint32_t ta, tb;
     node_run(n, (uint8_t)to, &ta, &tb);
@@ -564,6 +593,20 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         record_end(p, n, i0, cnt);
     p->used[to] += bytes;
     if (rc == KVT_POLICY_PENDING) {
+        /* The lease keeps (n, depth) valid until kvt_policy_move_done, whatever inserts split
+         * or evictions happen meanwhile. */
+        if (p->npend == p->pend_cap) {
+            size_t nc = p->pend_cap ? 2 * p->pend_cap : 16;
+            pmove_t *v = realloc(p->pend, nc * sizeof(*v));
+            kvt_assert(v != NULL);
+            p->pend = v;
+            p->pend_cap = nc;
+        }
+        kvt_match_t m = {n, i0 + cnt, kvt_radix_node_depth(n) + i0 + cnt, kvt_radix_node_ns(n), 0};
+        uint64_t lease = 0;
+        kvt_assert(kvt_radix_lease(p->t, &m, KVT_POLICY_LEASE_OWNER, &lease) == 0);
+        p->pend[p->npend++] =
+            (pmove_t){n, kvt_radix_node_depth(n) + i0, cnt, from, to, lease, bytes};
         p->pending_out[from] += bytes;
         p->st.pending_moves++;
     } else {
@@ -630,8 +673,12 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
         }
         hent_t e = heap_pop(h);
         kvt_radix_node_t *n = e.n;
-        if (dead_after(p, n, e.seq) || kvt_radix_node_leased(n))
+        if (dead_after(p, n, e.seq))
             continue;
+        if (kvt_radix_node_leased(n))
+            continue;
+        if (protected(p, n))
+            continue; /* promote_path pushes it back */
         uint32_t a, b;
         node_run(n, (uint8_t)t, &a, &b);
         if (a == b)
@@ -670,14 +717,15 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
             rc = do_drop(p, n, cnt, t);
         } else {
             rc = do_move(p, n, i0, cnt, t, lo, depth);
-            if (rc < 0 && droppable) {
-                /* no room below: dropping is the only way to free this tier */
+            if (rc > 0) {
+                push_tier(p, n, (uint8_t)t); /* what is left of its run */
+            } else if (droppable) {
+                /* no room below: dropping is the only way to free this tier (do_drop pushes
+                 * what is left of the node; n may be gone after it) */
                 node_run(n, (uint8_t)t, &a, &b);
                 if (b == kvt_radix_node_pages(n) && b > a && kvt_radix_node_children(n) == 0)
                     rc = do_drop(p, n, KVT_MIN(b - a, cnt), t);
             }
-            if (rc > 0)
-                push_tier(p, n, (uint8_t)t);
         }
         if (rc > 0) {
             if (drop && cost_drop)
@@ -766,6 +814,7 @@ void kvt_policy_destroy(kvt_policy_t *p)
     free(p->dead.keys);
     free(p->dead.seqs);
     free(p->path);
+    free(p->pend);
     free(p);
 }
 
@@ -872,12 +921,14 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
     if (done < res->new_pages) {
         uint32_t rest = res->new_pages - done;
         p->st.rejected += rest;
+        uint32_t np_before = kvt_radix_node_pages(n);
         p->in_drop = 1;
-        (void)kvt_radix_evict(p->t, n, rest); /* leased: they stay, index-only */
+        int erc = kvt_radix_evict(p->t, n, rest); /* leased: they stay, index-only */
         p->in_drop = 0;
-        if (done == 0 && res->new_pages == kvt_radix_node_pages(n))
+        if (erc == 0 && rest == np_before) {
+            dead_add(p, n);
             n = NULL; /* freed */
-        (void)0;
+        }
     }
     if (n && done)
         push_node(p, n);
@@ -920,6 +971,7 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
     }
     int total = 0;
     kvt_tier_id_t to = p->top;
+    p->protect = len;                /* making room must not demote the path being promoted */
     for (size_t k = len; k-- > 0;) { /* root first: a shortage leaves the shallow part fast */
         kvt_radix_node_t *x = p->path[k];
         uint32_t end =
@@ -943,12 +995,17 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             cnt = KVT_MIN(cnt, 64u);
             int rc = do_move(p, x, s, cnt, from, to, 0);
             if (rc < 0)
-                return total; /* no room: the rest stays where it is */
+                goto done; /* no room: the rest stays where it is */
             total += rc;
             if (kvt_radix_node_blocks(x)[s].tier != to)
                 break; /* pending: the executor finishes it */
         }
     }
+done:
+    p->protect = 0;
+    for (size_t k = 0; k < len; k++)
+        if (!kvt_radix_node_leased(p->path[k]))
+            push_node(p, p->path[k]);
     return total;
 }
 
@@ -992,31 +1049,58 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
 int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                          kvt_tier_id_t from, kvt_tier_id_t to, int status)
 {
-    if (!p || !n || !tier_ok(from) || !tier_ok(to) || npages == 0 ||
-        depth < kvt_radix_node_depth(n) ||
-        depth + npages > kvt_radix_node_depth(n) + kvt_radix_node_pages(n))
+    if (!p || !n)
         return KVT_EINVAL;
-    uint32_t i0 = depth - kvt_radix_node_depth(n);
-    kvt_block_t *bl = kvt_radix_node_blocks(n);
-    for (uint32_t i = i0; i < i0 + npages; i++)
-        if (bl[i].tier != from)
+    size_t k = 0;
+    while (k < p->npend &&
+           !(p->pend[k].n == n && p->pend[k].depth == depth && p->pend[k].npages == npages &&
+             p->pend[k].from == from && p->pend[k].to == to))
+        k++;
+    if (k == p->npend)
+        return KVT_EINVAL; /* no such move in flight */
+    pmove_t mv = p->pend[k];
+    /* An insert may have split the node since the move began: the pages are then in n and in
+     * the ancestors the split carved out of it. */
+    for (uint32_t i = 0; i < npages; i++) {
+        kvt_block_t *b = kvt_radix_block_at(n, depth + i);
+        if (!b || b->tier != from)
             return KVT_EINVAL;
-    uint64_t bytes = run_bytes(n, i0, npages);
-    if (p->pending_out[from] < bytes || p->used[to] < bytes || p->st.pending_moves == 0)
-        return KVT_EINVAL;
-    p->pending_out[from] -= bytes;
-    p->st.pending_moves--;
-    if (status < 0) {
-        p->used[to] -= bytes;
-        return 0;
     }
-    set_tier(n, i0, npages, to);
-    p->used[from] -= bytes;
-    p->st.blocks[from] -= npages;
-    p->st.blocks[to] += npages;
-    p->st.moved_bytes[from][to] += bytes;
-    push_tier(p, n, (uint8_t)to);
-    return 0;
+    /* Promotions may have made the pages after the run faster than `to` meanwhile: moving the
+     * run now would break the node's order, so the engine keeps it where it is. */
+    int conflict = 0;
+    if (status >= 0) {
+        for (int end = 0; end < 2; end++) {
+            uint32_t d = end ? depth + npages - 1 : depth;
+            kvt_radix_node_t *x = n;
+            while (kvt_radix_node_depth(x) > d)
+                x = kvt_radix_node_parent(x);
+            uint32_t i = d - kvt_radix_node_depth(x), np = kvt_radix_node_pages(x);
+            const kvt_block_t *bl = kvt_radix_node_blocks(x);
+            if (end && i + 1 < np && tier_rank(bl[i + 1].tier) < tier_rank((uint8_t)to))
+                conflict = 1;
+            if (!end && i > 0 && tier_rank(bl[i - 1].tier) > tier_rank((uint8_t)to))
+                conflict = 1;
+        }
+    }
+    p->pend[k] = p->pend[--p->npend];
+    p->pending_out[from] -= mv.bytes;
+    p->st.pending_moves--;
+    if (status < 0 || conflict) {
+        p->used[to] -= mv.bytes;
+    } else {
+        for (uint32_t i = 0; i < npages; i++)
+            kvt_radix_block_at(n, depth + i)->tier = (uint8_t)to;
+        p->used[from] -= mv.bytes;
+        p->st.blocks[from] -= npages;
+        p->st.blocks[to] += npages;
+        p->st.moved_bytes[from][to] += mv.bytes;
+    }
+    kvt_radix_release(p->t, mv.lease);
+    for (kvt_radix_node_t *x = n; x; x = kvt_radix_node_parent(x))
+        if (!kvt_radix_node_leased(x))
+            push_node(p, x);
+    return conflict ? KVT_EAGAIN : 0;
 }
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st)

@@ -138,7 +138,8 @@ typedef struct kvt_policy_ops {
      * then sets the blocks' tier and moves the accounting), KVT_POLICY_PENDING when started
      * (the executor marks the blocks KVT_BLOCK_BUSY and calls kvt_policy_move_done() later; the
      * engine reserves the bytes in `to` meanwhile), or a negative error (nothing changed; the
-     * engine tries other blocks). Required.
+     * engine tries other blocks). While a move is in flight the engine holds a lease on n
+     * (owner KVT_POLICY_LEASE_OWNER), so n and depth stay valid for the executor. Required.
      */
     int (*move)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages, kvt_tier_id_t from,
                 kvt_tier_id_t to);
@@ -152,6 +153,10 @@ typedef struct kvt_policy_ops {
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1
+
+/* The owner of the leases the engine holds on the nodes of moves in flight (so that their
+ * (node, depth) names stay valid): callers must not release leases of this owner. */
+#define KVT_POLICY_LEASE_OWNER 0x6b76742d706f6c69ull
 
 typedef struct kvt_policy_tier_conf {
     uint64_t capacity; /* bytes; 0 = the tier is not configured */
@@ -239,8 +244,12 @@ int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
  */
 int kvt_policy_step(kvt_policy_t *p, uint32_t budget);
 
-/* Completes a move an executor answered with KVT_POLICY_PENDING. status 0 moves the blocks'
- * tier and accounting; an error gives the reservation in `to` back. Returns 0 or KVT_EINVAL. */
+/* Completes a move an executor answered with KVT_POLICY_PENDING, named by the n and depth the
+ * move was given (an insert may have split the run across n and its ancestors since: the engine
+ * finds every page). The executor clears KVT_BLOCK_BUSY. status 0 moves the blocks' tier and
+ * accounting; an error gives the reservation in `to` back. Returns 0; KVT_EAGAIN when the engine
+ * kept the blocks in `from` after all (promotions meanwhile made the pages after the run faster
+ * than `to`; the executor frees the copy it made in `to`); or KVT_EINVAL (no such move). */
 int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                          kvt_tier_id_t from, kvt_tier_id_t to, int status);
 

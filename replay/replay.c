@@ -349,7 +349,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
     err = 0;
 
     uint64_t rng = o->seed ^ (uint64_t)kind * 0x51ED27u;
-    char label[96];
+    char label[192];
     snprintf(label, sizeof(label), "%s %s %s", res->trace, res->config, kvt_policy_kind_name(kind));
     size_t shown = (size_t)-1;
     double no_cache = 0, total = 0;

@@ -1,0 +1,273 @@
+/*
+ * test_policy_random.c: every policy kind against random traffic (shared prefixes, repeats,
+ * leases held across requests, removals behind the engine's back, pending moves), checked after
+ * every operation against a simple reference: the executor's own per-tier byte counts, a full
+ * scan of the tree (kvt_policy_verify), and the capacities, which must never be exceeded.
+ */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../policy/policy.h"
+
+/* Checks in the loop report only failures: with --full-stats every cr_assert is an event. */
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            cr_assert_fail(__VA_ARGS__);                                                           \
+    } while (0)
+
+#define PS    4
+#define PAGE  1024u
+#define NPREF 6
+
+typedef struct pend {
+    kvt_radix_node_t *n;
+    uint32_t depth, npages;
+    kvt_tier_id_t from, to;
+} pend_t;
+
+typedef struct exec {
+    uint64_t used[KVT_TIER_COUNT];
+    kvt_policy_t *pol;
+    pend_t pend[64];
+    int npend;
+    int pending_mode;
+} exec_t;
+
+static uint64_t rng = 0x1234567;
+
+static uint32_t rnd(uint32_t n)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng % n);
+}
+
+static kvt_block_t *run_at(kvt_radix_node_t *n, uint32_t depth)
+{
+    return kvt_radix_node_blocks(n) + (depth - kvt_radix_node_depth(n));
+}
+
+static int ex_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                   kvt_tier_id_t from, kvt_tier_id_t to)
+{
+    exec_t *e = arg;
+    CHECK(!kvt_radix_node_leased(n) || to < from, "a leased node was demoted");
+    kvt_block_t *b = run_at(n, depth); /* a fresh (node, depth): the run is inside n */
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < npages; i++) {
+        CHECK(b[i].tier == from, "move of a block not in from");
+        CHECK(!(b[i].flags & KVT_BLOCK_BUSY), "move of a busy block");
+        bytes += b[i].size;
+    }
+    if (e->pending_mode && e->npend < 64 && to > from) {
+        for (uint32_t i = 0; i < npages; i++)
+            b[i].flags |= KVT_BLOCK_BUSY;
+        e->pend[e->npend++] = (pend_t){n, depth, npages, from, to};
+        e->used[to] += bytes; /* the copy's destination is written first */
+        return KVT_POLICY_PENDING;
+    }
+    e->used[from] -= bytes;
+    e->used[to] += bytes;
+    return 0;
+}
+
+static int ex_admit(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                    kvt_tier_id_t tier)
+{
+    (void)n;
+    (void)depth;
+    ((exec_t *)arg)->used[tier] += (uint64_t)npages * PAGE;
+    return 0;
+}
+
+static void ex_free(void *arg, uint32_t ns, kvt_block_t *b)
+{
+    exec_t *e = arg;
+    CHECK(!(b->flags & KVT_BLOCK_BUSY), "a block with a copy in flight was freed");
+    if (b->tier != KVT_TIER_NONE)
+        e->used[b->tier] -= b->size;
+    if (e->pol)
+        kvt_policy_on_free(e->pol, ns, b);
+}
+
+static const kvt_policy_ops_t ops = {ex_move, ex_admit};
+
+static void finish_pending(exec_t *e, kvt_policy_t *pol)
+{
+    for (int i = 0; i < e->npend; i++) {
+        pend_t *q = &e->pend[i];
+        uint64_t bytes = 0;
+        for (uint32_t j = 0; j < q->npages; j++) {
+            /* the node may have been split since: find each page through its ancestors */
+            kvt_block_t *b = kvt_radix_block_at(q->n, q->depth + j);
+            CHECK(b != NULL, "pending page gone");
+            b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+            bytes += b->size;
+        }
+        int ok = rnd(4) != 0; /* one in four copies fails */
+        int r =
+            kvt_policy_move_done(pol, q->n, q->depth, q->npages, q->from, q->to, ok ? 0 : KVT_EIO);
+        CHECK(r == 0 || (ok && r == KVT_EAGAIN), "move_done: %d", r);
+        if (r == KVT_EAGAIN)
+            ok = 0; /* kept in `from`: the copy in `to` is freed */
+        if (ok)
+            e->used[q->from] -= bytes;
+        else
+            e->used[q->to] -= bytes;
+    }
+    e->npend = 0;
+}
+
+static void check(kvt_radix_t *t, kvt_policy_t *pol, exec_t *e)
+{
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    for (int k = KVT_TIER_HBM; k < KVT_TIER_COUNT; k++) {
+        CHECK(st.used[k] <= st.capacity[k], "tier %d over capacity", k);
+        CHECK(st.used[k] == e->used[k], "tier %d: engine %llu, executor %llu", k,
+              (unsigned long long)st.used[k], (unsigned long long)e->used[k]);
+    }
+    CHECK(kvt_policy_verify(pol) == 0, "policy verify");
+    CHECK(kvt_radix_verify(t) == 0, "radix verify");
+}
+
+static void random_run(kvt_policy_kind_t kind, int pending)
+{
+    exec_t e;
+    memset(&e, 0, sizeof(e));
+    e.pending_mode = pending;
+    kvt_radix_t *t;
+    kvt_radix_conf_t rc = {.free_cb = ex_free, .free_arg = &e};
+    cr_assert_eq(kvt_radix_create(&t, &rc), 0);
+    uint32_t ns;
+    cr_assert_eq(kvt_radix_ns_open(t, "tiny", NULL, NULL, PS, &ns), 0);
+    kvt_policy_conf_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = kind;
+    c.model = (kvt_model_profile_t){"tiny", 1, 1, 64, 2, 1, 64, 1e6};
+    c.hw = (kvt_hw_profile_t){"flat", 1e9, {0, 1e12, 1e11, 1e4, 1e9}, {0, 0, 0, 0, 0}};
+    uint32_t pages[KVT_TIER_COUNT] = {0, 5 + rnd(10), 10 + rnd(20), 20 + rnd(40), rnd(2) * 30};
+    for (int k = KVT_TIER_HBM; k < KVT_TIER_COUNT; k++) {
+        c.tiers[k].capacity = (uint64_t)pages[k] * PAGE;
+        c.tiers[k].high = 0.9f;
+        c.tiers[k].low = 0.7f;
+    }
+    c.nvme_min_hits = rnd(2);
+    c.ops = &ops;
+    c.ops_arg = &e;
+    kvt_policy_t *pol;
+    cr_assert_eq(kvt_policy_create(&pol, t, &c), 0);
+    e.pol = pol;
+
+    /* prompts: one of a few shared prefixes, then a random tail; some repeat exactly */
+    uint32_t tok[256], prev[256], prevn = 0;
+    uint64_t leases[8] = {0};
+    uint32_t nextu[64];
+    for (int i = 0; i < 3000; i++) {
+        kvt_radix_set_clock(t, (uint32_t)i * 10);
+        uint32_t n;
+        if (prevn && rnd(3) == 0) {
+            n = prevn;
+            memcpy(tok, prev, n * sizeof(uint32_t));
+            n = KVT_MIN(n + rnd(3) * PS, 200u); /* a follow-up turn */
+            for (uint32_t j = prevn; j < n; j++)
+                tok[j] = 500000 + rnd(1000);
+        } else {
+            uint32_t pre = rnd(NPREF), plen = 4 + rnd(24);
+            n = plen + rnd(100);
+            for (uint32_t j = 0; j < plen; j++)
+                tok[j] = pre * 1000 + j;
+            for (uint32_t j = plen; j < n; j++)
+                tok[j] = 100000 + rnd(50000);
+        }
+        memcpy(prev, tok, n * sizeof(uint32_t));
+        prevn = n;
+
+        kvt_match_t m;
+        CHECK(kvt_radix_match(t, ns, tok, n, 0, &m) == 0, "match");
+        kvt_policy_hint_t h;
+        memset(&h, 0, sizeof(h));
+        for (uint32_t j = 0; j < 64; j++)
+            nextu[j] = rnd(4) ? (uint32_t)i * 10 + rnd(5000) : UINT32_MAX;
+        h.next_use = nextu;
+        h.nnext = 64;
+        h.priority = (uint16_t)(rnd(8) == 0 ? rnd(1001) : 0);
+        h.finished = rnd(10) == 0;
+        h.paused_ms = rnd(10) == 0 ? rnd(100000) : 0;
+        h.from_page = rnd(4);
+        CHECK(kvt_policy_verify(pol) == 0, "before match %d", i);
+        kvt_policy_on_match(pol, &m, &h);
+        CHECK(kvt_policy_verify(pol) == 0, "after on_match %d", i);
+        int slot = (int)rnd(8);
+        if (leases[slot]) {
+            kvt_radix_release(t, leases[slot]);
+            leases[slot] = 0;
+        }
+        if (m.pages && rnd(3) == 0)
+            CHECK(kvt_radix_lease(t, &m, 1 + (uint64_t)slot, &leases[slot]) == 0, "lease");
+        kvt_insert_t ins;
+        int r = kvt_radix_insert_matched(t, &m, tok, n, &ins);
+        CHECK(r == 0 || r == KVT_EEXIST, "insert: %d", r);
+        CHECK(kvt_policy_verify(pol) == 0, "after insert %d", i);
+        CHECK(kvt_policy_on_insert(pol, &ins, &h) >= 0, "on_insert");
+        CHECK(kvt_policy_verify(pol) == 0, "after on_insert %d", i);
+        check(t, pol, &e);
+        CHECK(kvt_policy_step(pol, rnd(2) ? 0 : 1 + rnd(16)) >= 0, "step");
+        CHECK(kvt_policy_verify(pol) == 0, "after step %d", i);
+        check(t, pol, &e);
+        if (rnd(50) == 0) { /* a removal the engine did not ask for */
+            uint32_t cut = PS * (1 + rnd(n / PS + 1));
+            int rr = kvt_radix_remove(t, ns, tok, KVT_MIN(cut, n));
+            CHECK(rr == 0 || rr == KVT_ENOENT || rr == KVT_EBUSY || rr == KVT_EINVAL, "remove: %d",
+                  rr);
+            check(t, pol, &e);
+        }
+        if (e.npend && rnd(3) == 0) {
+            finish_pending(&e, pol);
+            check(t, pol, &e);
+        }
+    }
+    finish_pending(&e, pol);
+    for (int k = 0; k < 8; k++)
+        if (leases[k])
+            kvt_radix_release(t, leases[k]);
+    e.pending_mode = 0;
+    cr_assert_geq(kvt_policy_step(pol, 0), 0);
+    check(t, pol, &e);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_gt(st.demotions + st.dropped_blocks, 0, "the test must exercise eviction");
+    kvt_radix_destroy(t);
+    for (int k = 0; k < KVT_TIER_COUNT; k++)
+        cr_assert_eq(e.used[k], 0);
+    kvt_policy_destroy(pol);
+}
+
+Test(policy_random, cost_never_exceeds_capacity)
+{
+    random_run(KVT_POLICY_COST, 0);
+}
+
+Test(policy_random, lru_never_exceeds_capacity)
+{
+    random_run(KVT_POLICY_LRU, 0);
+}
+
+Test(policy_random, lfu_never_exceeds_capacity)
+{
+    random_run(KVT_POLICY_LFU, 0);
+}
+
+Test(policy_random, oracle_never_exceeds_capacity)
+{
+    random_run(KVT_POLICY_ORACLE, 0);
+}
+
+Test(policy_random, pending_moves_keep_the_accounting)
+{
+    random_run(KVT_POLICY_COST, 1);
+    random_run(KVT_POLICY_LRU, 1);
+}
