@@ -664,9 +664,11 @@ Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
     cr_assert_eq(u.reads, 0, "nothing was returned");
     cr_assert_eq(u.blocks, 0);
     cr_assert_eq(u.used_bytes, 0);
-    sync_cmd_ok(c, "DEL %s", key);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 3; i++) { /* corrupt values are dropped, not deleted: tidy up */
+        key_of(t, &b[i], key);
+        sync_cmd_ok(c, "DEL %s", key);
         blk_fini(&b[i]);
+    }
     redisFree(c);
     kvt_tier_destroy(t);
 }
@@ -1057,13 +1059,20 @@ Test(tier_remote, destroy_with_requests_in_flight)
     }
     kvt_tier_probe_t p = {.keys = &b[0].io.key, .n = 1, .cb = probe_done, .data = &(int){0}};
     cr_assert_eq(kvt_tier_remote_probe(t, &p), 0);
+    char keys[N][KVT_TIER_REMOTE_KEY_MAX];
+    for (int i = 0; i < N; i++)
+        key_of(t, &b[i], keys[i]);
     uint64_t t0 = kvt_now_ns();
     kvt_tier_destroy(t); /* waits for the writes, calls nobody back */
     cr_assert_lt(kvt_now_ns() - t0, 5000000000ull);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
     for (int i = 0; i < N; i++) {
         cr_assert_eq(b[i].done, 0, "a callback ran during destroy");
+        cr_assert_eq(sync_int(c, "DEL %s", keys[i]), 1, "destroy waited for write %d", i);
         blk_fini(&b[i]);
     }
+    redisFree(c);
     cr_assert_eq(*(int *)p.data, 0);
 }
 
