@@ -52,6 +52,8 @@ typedef struct future {
     uint32_t *next;   /* request index of the next use of each whole page, NEVER for none */
     uint32_t *npages; /* whole pages of request i (after --max-prompt) */
     uint64_t unique_tokens;
+    uint32_t *gaps; /* ms from a request to the next use of its last page, where there is one */
+    size_t ngaps;
 } future_t;
 
 /* The simulated executor: what the tiers would hold. */
@@ -141,6 +143,7 @@ static void future_free(future_t *f)
     free(f->off);
     free(f->next);
     free(f->npages);
+    free(f->gaps);
     memset(f, 0, sizeof(*f));
 }
 
@@ -219,6 +222,19 @@ static int future_build(const opts_t *o, const kvt_trace_t *tr, size_t nreq, fut
         }
     }
     free(last);
+    f->gaps = malloc((nreq ? nreq : 1) * sizeof(uint32_t));
+    if (!f->gaps) {
+        future_free(f);
+        return KVT_ENOMEM;
+    }
+    for (size_t i = 0; i < nreq; i++) {
+        if (f->npages[i] == 0)
+            continue;
+        uint32_t j = f->next[f->off[i] + f->npages[i] - 1];
+        if (j != NEVER)
+            f->gaps[f->ngaps++] = (uint32_t)KVT_MIN(
+                tr->reqs[j].timestamp_ms - tr->reqs[i].timestamp_ms, (uint64_t)UINT32_MAX - 1);
+    }
     return 0;
 }
 
@@ -262,7 +278,7 @@ static void progress(const opts_t *o, const char *label, size_t i, size_t n, siz
 
 /* The hint a simulated engine gives for request i, with the given accuracy. */
 static void make_hint(const kvt_trace_t *tr, const future_t *f, size_t i, uint32_t matched,
-                      double acc, uint64_t *rng, uint32_t typical_back_ms, kvt_policy_hint_t *h)
+                      double acc, uint64_t *rng, kvt_policy_hint_t *h)
 {
     memset(h, 0, sizeof(*h));
     uint32_t np = f->npages[i];
@@ -273,8 +289,10 @@ static void make_hint(const kvt_trace_t *tr, const future_t *f, size_t i, uint32
     int truth_paused = j != NEVER;
     int say_paused = rng_unit(rng) < acc ? truth_paused : !truth_paused;
     if (say_paused) {
-        uint64_t back =
-            truth_paused ? tr->reqs[j].timestamp_ms - tr->reqs[i].timestamp_ms : typical_back_ms;
+        uint64_t back = truth_paused ? tr->reqs[j].timestamp_ms - tr->reqs[i].timestamp_ms
+                        : f->ngaps
+                            ? f->gaps[rng_next(rng) % f->ngaps] /* a plausible, wrong pause */
+                            : 60000;
         h->paused_ms = back > UINT32_MAX - 1 ? UINT32_MAX - 1 : (uint32_t)(back ? back : 1);
         h->from_page = 0;
     } else {
@@ -414,7 +432,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
             hint.nnext = f->npages[i];
             hp = &hint;
         } else if (hint_acc >= 0) {
-            make_hint(tr, f, i, m.pages, hint_acc, &rng, 60000, &hint);
+            make_hint(tr, f, i, m.pages, hint_acc, &rng, &hint);
             hp = &hint;
         }
         kvt_policy_on_match(pol, &m, hp);
