@@ -22,9 +22,11 @@
  *
  * The cost policy's reuse model
  * -----------------------------
- * Blocks fall into classes: how often they were hit (log-bucketed) x how far from the end of
- * the prompt that added them they sat (the last few hundred tokens of a prompt are the turn's
- * own text and come back far less often). Per class the engine counts, with exponential decay,
+ * Blocks fall into classes: how often they were hit (log-bucketed; a block that comes back
+ * after the engine dropped it counts one hit more, found in a table of the prefix hashes of
+ * dropped blocks, the "ghosts" of ARC and S3-FIFO) x how far from the end of the prompt that
+ * added them they sat (the last few hundred tokens of a prompt are the turn's own text and come
+ * back far less often). Per class the engine counts, with exponential decay,
  * the hits its blocks got and the times they left a tier (demoted or dropped), which gives the
  * probability that a block of the class is hit before it next has to move: P(c). The expected
  * time to its next use grows with the time since its last use, so the hit rate of a block is
@@ -45,8 +47,10 @@
 #define NCLASS          (NHITC * NPOSC)
 #define POS_SHIFT       4 /* the position class lives in flags bits 4..6 (KVT_BLOCK_USER0..) */
 #define POS_MASK        (7u << POS_SHIFT)
-#define AGE0            1000.0 /* clock units added to every age: one second of ms */
-#define REFRESH_EVERY   64     /* inserts between refreshes of the cost model (and heap rebuilds) */
+#define GHOST_FLAG      (1u << 7) /* re-admitted after a drop that followed reuse */
+#define GHOST_BITS      22        /* ghost table: 2^22 remembered drops, 32 MiB */
+#define AGE0            1000.0    /* clock units added to every age: one second of ms */
+#define REFRESH_EVERY   64 /* inserts between refreshes of the cost model (and heap rebuilds) */
 #define HIST_DECAY      0.97
 #define PROMO_QUEUE     64
 #define PRIO_MASK       0x03ffu
@@ -123,6 +127,10 @@ struct kvt_policy {
     double class_ends[NCLASS];
     double class_p[NCLASS]; /* P(hit before the next move), as of the last refresh */
     uint32_t inserts_since_refresh;
+
+    /* Ghosts (as in ARC and S3-FIFO): the prefix hashes of reused blocks the engine dropped, so
+     * that a block coming back is known to have been reused before. Direct-mapped. */
+    uint64_t *ghost;
 
     uint32_t bb_ns[BLOCK_CACHE_NS], bb_ps[BLOCK_CACHE_NS];
     kvt_radix_node_t **path; /* scratch: nodes of a path */
@@ -346,7 +354,8 @@ static unsigned hit_class(uint32_t hits)
 /* The block's class: hit count x where it sat in the prompt that added it. */
 static unsigned block_class(uint32_t hits, uint8_t flags)
 {
-    return hit_class(hits) * NPOSC + ((flags & POS_MASK) >> POS_SHIFT);
+    return hit_class(hits + ((flags & GHOST_FLAG) != 0)) * NPOSC +
+           ((flags & POS_MASK) >> POS_SHIFT);
 }
 
 /* Tokens between a page and the end of the prompt that added it, log-bucketed: a prompt's last
@@ -632,6 +641,12 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
     uint64_t bytes = run_bytes(n, np - cnt, cnt);
     kvt_radix_node_t *parent = kvt_radix_node_parent(n);
     record_end(p, n, np - cnt, cnt);
+    if (p->ghost) {
+        for (uint32_t i = np - cnt; i < np; i++) {
+            uint64_t h = kvt_radix_block_hash(p->t, n, kvt_radix_node_depth(n) + i);
+            p->ghost[h & ((1u << GHOST_BITS) - 1)] = h;
+        }
+    }
     p->in_drop = 1;
     int rc = kvt_radix_evict(p->t, n, cnt);
     p->in_drop = 0;
@@ -800,6 +815,13 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
     }
     if (conf->admit_tier)
         p->top = conf->admit_tier;
+    if (p->c.kind == KVT_POLICY_COST) {
+        p->ghost = calloc((size_t)1 << GHOST_BITS, sizeof(uint64_t));
+        if (!p->ghost) {
+            free(p);
+            return KVT_ENOMEM;
+        }
+    }
     refresh_model(p);
     *out = p;
     return 0;
@@ -815,6 +837,7 @@ void kvt_policy_destroy(kvt_policy_t *p)
     free(p->dead.seqs);
     free(p->path);
     free(p->pend);
+    free(p->ghost);
     free(p);
 }
 
@@ -901,8 +924,15 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
             uint32_t depth = kvt_radix_node_depth(n) + i;
             b->tier = (uint8_t)t;
             b->size = size;
-            b->flags = (uint8_t)((b->flags & ~POS_MASK) |
+            b->flags = (uint8_t)((b->flags & ~(POS_MASK | GHOST_FLAG)) |
                                  (pos_class((uint64_t)(res->pages - depth) * ps) << POS_SHIFT));
+            if (p->ghost) {
+                uint64_t h = kvt_radix_block_hash(p->t, n, depth);
+                bl = kvt_radix_node_blocks(n);
+                b = &bl[i];
+                if (h && p->ghost[h & ((1u << GHOST_BITS) - 1)] == h)
+                    b->flags |= GHOST_FLAG;
+            }
             if (p->c.kind == KVT_POLICY_ORACLE)
                 b->policy = hint && hint->next_use && depth < hint->nnext ? hint->next_use[depth]
                                                                           : UINT32_MAX;
