@@ -17,6 +17,8 @@
 #include <string.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
+#include <poll.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -69,36 +71,48 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
     argv[n] = NULL;
     int pipefd[2];
     cr_assert(pipe(pipefd) == 0);
+    char log[600];
+    snprintf(log, sizeof log, "%s/kvtierd.log", d->dir);
+    /* Between fork and exec the child only makes system calls: no Criterion assertion (its IPC
+     * is not fork-safe) and no allocation (another thread may hold the allocator's lock). */
     d->pid = fork();
-    cr_assert(d->pid >= 0);
     if (d->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* a test that dies takes its daemon with it */
         if (chdir(d->dir) < 0)
             _exit(127);
         dup2(pipefd[1], 1);
         close(pipefd[0]);
         close(pipefd[1]);
-        char log[600];
-        snprintf(log, sizeof log, "%s/kvtierd.log", d->dir);
         int lfd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
         if (lfd >= 0)
             dup2(lfd, 2);
         execv(argv[0], (char *const *)argv);
         _exit(127);
     }
+    cr_assert(d->pid > 0, "fork: %s", strerror(errno));
     close(pipefd[1]);
     d->out = fdopen(pipefd[0], "r");
-    char line[512];
     int ready = 0;
     snprintf(d->sock, sizeof d->sock, "%s/kvtierd.sock", d->dir);
-    while (fgets(line, sizeof line, d->out)) {
+    /* The daemon prints its addresses and then "ready" within seconds; give up after 30. The
+     * pipe is read raw (not through stdio's buffer) so that poll sees what is left. */
+    char text[2048];
+    size_t len = 0;
+    struct pollfd pf = {.fd = pipefd[0], .events = POLLIN};
+    while (!ready && len + 1 < sizeof text && poll(&pf, 1, 30000) == 1) {
+        ssize_t got = read(pipefd[0], text + len, sizeof text - 1 - len);
+        if (got <= 0)
+            break;
+        len += (size_t)got;
+        text[len] = 0;
+        ready = strstr(text, "\nready\n") != NULL || !strncmp(text, "ready\n", 6);
+    }
+    for (char *line = text; ready && line && *line;
+         line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
         if (!strncmp(line, "tcp ", 4))
             sscanf(line + 4, "%63s", d->tcp);
         else if (!strncmp(line, "metrics http://", 15))
             sscanf(line + 15, "%63[^/]", d->metrics);
-        else if (!strncmp(line, "ready", 5)) {
-            ready = 1;
-            break;
-        }
     }
     cr_assert(ready, "kvtierd did not start (see %s/kvtierd.log)", d->dir);
 }
