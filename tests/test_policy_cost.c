@@ -78,7 +78,7 @@ Test(policy_cost, seconds_by_hand)
 Test(policy_cost, small_model_recomputes_cheaper_than_remote)
 {
     /* The case where dropping beats demoting: Qwen2.5-7B on one H200, a shallow page.
-     * recompute: 2 x 7.62e9 x 16 / 4.945e14 = 0.493 ms; remote: 1 ms + 917504 / 1.25e9 = 1.73 ms;
+     * recompute: 2 x 7.61e9 x 16 / 4.945e14 = 0.493 ms; remote: 1 ms + 917504 / 1.25e9 = 1.73 ms;
      * NVMe: 0.1 ms + 917504 / 6.5e9 = 0.24 ms. */
     kvt_model_profile_t m;
     kvt_hw_profile_t hw;
@@ -86,7 +86,7 @@ Test(policy_cost, small_model_recomputes_cheaper_than_remote)
     cr_assert_eq(kvt_hw_profile_get("h200-1gpu", &hw), 0);
     uint64_t page = kvt_cost_kv_bytes(&m, 16);
     double redo = kvt_cost_recompute_s(&m, &hw, 0, 16);
-    near(redo, (2 * 7.62e9 * 16 + 4.0 * 28 * 28 * 128 * 136) / 4.945e14, 1e-12);
+    near(redo, (2 * 7.61e9 * 16 + 4.0 * 28 * 28 * 128 * 136) / 4.945e14, 1e-12);
     cr_assert_gt(kvt_cost_load_s(&hw, KVT_TIER_REMOTE, page), redo);
     cr_assert_lt(kvt_cost_load_s(&hw, KVT_TIER_NVME, page), redo);
 }
