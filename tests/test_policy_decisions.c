@@ -480,6 +480,51 @@ Test(policy_decisions, priority_hint_keeps_a_prefix)
     stop();
 }
 
+Test(policy_decisions, paused_hint_keeps_a_session)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 8, 0, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *d = seq(16, 3000);
+    kvt_policy_hint_t pause = {.paused_ms = 1000};
+    request(a, 16, &pause); /* oldest, but its session is back in a second */
+    request(b, 16, NULL);
+    request(d, 16, NULL);
+    all_in(a, 4, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(b, 0), -1);
+    free(a);
+    free(b);
+    free(d);
+    stop();
+}
+
+/*
+ * Two prompts come back every fourth request, between one-off prompts, in a cache of three
+ * prompts: LRU has always just dropped the one that comes back. The cost policy remembers what
+ * it dropped (ghosts), learns that such blocks come back and one-offs do not, and keeps them.
+ */
+Test(policy_decisions, ghosts_learn_what_comes_back)
+{
+    uint32_t hits[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {
+        kvt_policy_conf_t c = base_conf(k ? KVT_POLICY_LRU : KVT_POLICY_COST, 12, 0, 0);
+        start(&c);
+        uint32_t *x[2] = {seq(16, 100000), seq(16, 200000)};
+        for (uint32_t r = 0; r < 600; r++) {
+            uint32_t *f = seq(16, 1000000 + 100 * r);
+            request(f, 16, NULL);
+            free(f);
+            uint32_t got = request(x[r % 2], 16, NULL);
+            if (r >= 500)
+                hits[k] += got;
+        }
+        free(x[0]);
+        free(x[1]);
+        stop();
+    }
+    cr_assert_eq(hits[1], 0, "LRU should never hit here (got %u pages)", hits[1]);
+    cr_assert_gt(hits[0], 300, "cost: %u of 400 pages hit in the last 100 rounds", hits[0]);
+}
+
 Test(policy_decisions, pending_moves_hold_their_reservation)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
