@@ -469,6 +469,18 @@ Test(tier_nvme, bad_configuration_is_refused)
     cr_assert_eq(kvt_tier_nvme_create(&t, &c), KVT_EINVAL);
     c.capacity_bytes = 8u << 20;
     cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    /* A block whose record would not fit one segment is refused up front. */
+    uint8_t *big = tu_aligned(1u << 20);
+    kvt_block_key_t kb = tu_key(2, tok, 16);
+    kvt_tier_usage_t before, after;
+    kvt_tier_usage(t, &before);
+    cr_assert_eq(tu_write(t, &kb, big, 1u << 20, NULL), KVT_ETOOBIG);
+    kvt_tier_usage(t, &after);
+    cr_assert_eq(after.used_bytes, before.used_bytes);
+    cr_assert_eq(after.blocks, before.blocks);
+    free(big);
+    kvt_block_key_t k1 = tu_key(1, tok, 16);
+    k = k1;
     memset(buf, 0, sizeof(buf));
     cr_assert_eq(tu_read(t, &k, loc, buf, sizeof(buf)), 0, "the block survived the refusals");
     cr_assert(tu_same(buf, sizeof(buf), 1));

@@ -455,7 +455,9 @@ static kvt_tier_io_t *wait_pop(nvme_t *n)
 static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     nvme_t *n = t->impl;
-    if (n->wait_head) { /* keep submission order */
+    if (io->op == KVT_IO_WRITE && rec_bytes(hdr_region(io->key.ntokens), io->len) > n->seg_bytes)
+        return KVT_ETOOBIG; /* a record never spans segments */
+    if (n->wait_head) {     /* keep submission order */
         wait_push(n, io);
         return 0;
     }
@@ -933,7 +935,7 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
     nvme_seg_t *s = &n->segs[seg];
     uint64_t base = (uint64_t)seg * n->seg_bytes;
     uint32_t off = 0;
-    while (off + HDR_MAX_BYTES <= n->seg_bytes || off + SECTOR <= n->seg_bytes) {
+    while (off + SECTOR <= n->seg_bytes) {
         uint32_t first = KVT_MIN(HDR_MAX_BYTES, n->seg_bytes - off);
         int rc = pread_all(n->fd, buf, first, base + off);
         if (rc < 0)

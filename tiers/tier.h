@@ -99,8 +99,10 @@ const char *kvt_tier_backend(const kvt_tier_t *t); /* "cuda", "host", "jemalloc"
 
 /* Submit a read or write. Returns 0 (the callback will run from kvt_tier_process), or an error
  * with nothing started: KVT_EINVAL (bad arguments, len 0 or above KVT_TIER_MAX_BLOCK), KVT_ENOSPC
- * (a write that does not fit the capacity), KVT_EUNAVAIL, KVT_ENOMEM. A read of a location the
- * tier does not hold is not an error here: it completes with KVT_ENOENT. */
+ * (a write that does not fit the capacity), KVT_ETOOBIG (a block larger than the tier's unit:
+ * an NVMe segment), KVT_EAGAIN (NVMe: no segment can be reclaimed while I/O is in flight on all of
+ * them), KVT_EUNAVAIL, KVT_ENOMEM. A read of a location the tier does not hold is not an error
+ * here: it completes with KVT_ENOENT. */
 int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io);
 int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io);
 /* Frees a location written earlier; freeing an unknown or already freed location is a no-op.
