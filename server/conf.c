@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../policy/policy.h"
 #include "proto.h"
 
 typedef enum {
@@ -80,6 +81,18 @@ static const kvt_opt_t kvt_opts[] = {
      "tier I/Os in flight per connection before it stops reading requests"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
      "prefill throughput the saved-seconds estimate assumes"},
+    {"policy", KVT_OPT_STR, KVT_O(policy), "cost",
+     "tier policy: cost (cost-aware), lru or lfu (checked; see docs/server.md)"},
+    {"policy-model", KVT_OPT_STR, KVT_O(policy_model), "llama-3-70b",
+     "model profile of the cost model: llama-3-8b, llama-3-70b, qwen2.5-7b, mixtral-8x22b"},
+    {"policy-hw", KVT_OPT_STR, KVT_O(policy_hw), "h200-node",
+     "hardware profile of the cost model: h200-node, h200-1gpu"},
+    {"policy-high", KVT_OPT_DBL, KVT_O(policy_high), "0.95",
+     "high watermark: maintenance starts above this fraction of a tier's capacity"},
+    {"policy-low", KVT_OPT_DBL, KVT_O(policy_low), "0.90",
+     "low watermark: maintenance demotes until this fraction (0 < low <= high <= 1)"},
+    {"nvme-min-hits", KVT_OPT_U32, KVT_O(nvme_min_hits), "0",
+     "hits a block needs before it is demoted into NVMe; 0 for none"},
     {"log-level", KVT_OPT_STR, KVT_O(log_level), "info", "debug, info, warn or error"},
     {"secret", KVT_OPT_STR, KVT_O(secret), "",
      "shared secret clients must AUTH with before anything else; \"\" for none"},
@@ -420,6 +433,26 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen,
                  "max-conns, lease-ms and max-inflight must be > 0, and lease-ms <= "
                  "lease-ms-max");
+        return KVT_EINVAL;
+    }
+    kvt_policy_kind_t kind;
+    if (kvt_policy_kind_parse(conf->policy, &kind) < 0 || kind == KVT_POLICY_ORACLE) {
+        /* The oracle needs the future (hint->next_use): only the replay has it. */
+        snprintf(err, errlen, "bad policy '%s' (cost, lru or lfu)", conf->policy);
+        return KVT_EINVAL;
+    }
+    kvt_model_profile_t mp;
+    if (kvt_model_profile_get(conf->policy_model, &mp) < 0) {
+        snprintf(err, errlen, "unknown policy-model '%s'", conf->policy_model);
+        return KVT_EINVAL;
+    }
+    kvt_hw_profile_t hp;
+    if (kvt_hw_profile_get(conf->policy_hw, &hp) < 0) {
+        snprintf(err, errlen, "unknown policy-hw '%s'", conf->policy_hw);
+        return KVT_EINVAL;
+    }
+    if (!(conf->policy_low > 0) || conf->policy_low > conf->policy_high || conf->policy_high > 1) {
+        snprintf(err, errlen, "policy watermarks need 0 < policy-low <= policy-high <= 1");
         return KVT_EINVAL;
     }
     if (!*conf->unix_path && !*conf->tcp) {

@@ -40,6 +40,14 @@ typedef struct kvt_srv_conf {
     uint32_t lease_ms_max;       /* the longest a client may ask for */
     uint32_t max_inflight;       /* tier I/Os in flight per connection before reads pause */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
+    /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
+     * the daemon does with them today. */
+    char *policy;           /* cost, lru, lfu */
+    char *policy_model;     /* a built-in model profile name */
+    char *policy_hw;        /* a built-in hardware profile name */
+    double policy_high;     /* high watermark, fraction of a tier's capacity */
+    double policy_low;      /* low watermark */
+    uint32_t nvme_min_hits; /* hits a block needs before it is demoted into NVMe */
     char *log_level;
     char *secret;
     char *secret_file;

@@ -225,6 +225,12 @@ int kvt__store_open(kvt_srv_t *s)
         kvt_log(KVT_LOG_INFO, "kvtierd: %s tier: %llu bytes (%s)", kvt_tier_name((kvt_tier_id_t)i),
                 (unsigned long long)u.capacity_bytes, kvt_tier_backend(s->tiers[i]));
     }
+    /* The policy settings are checked at start-up (conf.c) but the engine is not in this code
+     * path yet: say so rather than let an operator believe otherwise. */
+    kvt_log(KVT_LOG_INFO,
+            "kvtierd: policy %s (%s on %s, watermarks %.2f/%.2f) checked but not yet applied: "
+            "blocks go to the fastest tier with room and are not demoted",
+            c->policy, c->policy_model, c->policy_hw, c->policy_high, c->policy_low);
     return 0;
 }
 
