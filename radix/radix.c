@@ -820,6 +820,25 @@ static int subtree_busy(kvt_radix_node_t *n, uint32_t from)
     return 0;
 }
 
+/* Drops the blocks of childless node n from index `keep` on; with keep 0 the node itself goes
+ * (n is then dangling) and its parent may become evictable. */
+static void drop_tail(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t keep)
+{
+    kvt_assert(n->nkids == 0 && keep < n->npages);
+    if (keep > 0) {
+        free_blocks(t, n, keep, n->npages);
+        n->npages = keep;
+        if (n->cap > 2 * n->npages)
+            node_set_cap(t, n, n->npages);
+        list_update(t, n);
+        return;
+    }
+    kvt_radix_node_t *parent = n->parent;
+    kid_del(t, parent, page_key(n->tokens, n->page_size));
+    subtree_free(t, n, 1);
+    list_update(t, parent);
+}
+
 int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens)
 {
     if (!t || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
@@ -844,18 +863,7 @@ int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
         subtree_free(t, c, 1);
         kid_del(t, n, key);
     }
-    if (from > 0) {
-        free_blocks(t, n, from, n->npages);
-        n->npages = from;
-        if (n->cap > 2 * n->npages)
-            node_set_cap(t, n, n->npages);
-        list_update(t, n);
-        return 0;
-    }
-    kvt_radix_node_t *parent = n->parent;
-    kid_del(t, parent, page_key(n->tokens, n->page_size));
-    subtree_free(t, n, 1);
-    list_update(t, parent);
+    drop_tail(t, n, from);
     return 0;
 }
 
@@ -869,18 +877,7 @@ int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages)
         if (n->blocks[i].flags & KVT_BLOCK_BUSY)
             return KVT_EBUSY;
     t->epoch++;
-    if (npages < n->npages) {
-        free_blocks(t, n, n->npages - npages, n->npages);
-        n->npages -= npages;
-        if (n->cap > 2 * n->npages)
-            node_set_cap(t, n, n->npages);
-        return 0;
-    }
-    kvt_radix_node_t *parent = n->parent;
-    kid_del(t, parent, page_key(n->tokens, n->page_size));
-    subtree_free(t, n, 1);
-    list_update(t, parent);
-    t->epoch++;
+    drop_tail(t, n, n->npages - npages);
     return 0;
 }
 
