@@ -22,7 +22,7 @@ cleanup() {
         kill "$redis_pid" 2>/dev/null || true
         wait "$redis_pid" 2>/dev/null || true
     fi
-    rm -rf "$tmp"
+    rm -rf "$tmp" || true
 }
 trap cleanup EXIT
 
@@ -42,9 +42,39 @@ export KVT_TEST_REDIS="127.0.0.1:$port"
 export KVT_REDIS_SERVER="$(command -v redis-server)"
 export TMPDIR="$tmp"
 
-rc=0
+# What failed, at the very end of the output (CI shows its tail): each failed test's name and the
+# last lines of what it printed.
+summary() {
+    python3 - "$1/meson-logs/testlog.json" <<'PY' || true
+import json, sys
+bad = []
+for line in open(sys.argv[1]):
+    t = json.loads(line)
+    if t.get("result") not in ("OK", "SKIP", "EXPECTEDFAIL"):
+        bad.append(t)
+for t in bad:
+    print("---- %s: %s (%.1fs)" % (t["name"], t["result"], t.get("duration", 0)))
+    out = (t.get("stdout") or "") + (t.get("stderr") or "")
+    lines = [l for l in out.splitlines() if "Assertion" in l or "FAIL" in l or "CRASH" in l
+             or "ERROR" in l or "Synthesis" in l or "expected" in l.lower()]
+    for l in (lines or out.splitlines())[-25:]:
+        print("    " + l)
+PY
+}
+
+rc=0 failed=""
 echo "== tests (build)"
-meson test -C build -v --num-processes 2 --print-errorlogs || rc=1
+meson test -C build -v --num-processes 2 --print-errorlogs || { rc=1; failed="$failed build"; }
 echo "== tests (build-asan: AddressSanitizer + UndefinedBehaviorSanitizer)"
-meson test -C build-asan -v --num-processes 2 --print-errorlogs --timeout-multiplier 3 || rc=1
+meson test -C build-asan -v --num-processes 2 --print-errorlogs --timeout-multiplier 3 ||
+    { rc=1; failed="$failed build-asan"; }
+if [ $rc -ne 0 ]; then
+    echo "== FAILED in:$failed"
+    for d in $failed; do
+        echo "== failures in $d"
+        summary "$d"
+    done
+else
+    echo "== all tests passed in build and build-asan"
+fi
 exit $rc

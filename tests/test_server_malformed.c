@@ -263,7 +263,7 @@ Test(server_malformed, disconnect_mid_frame)
     req(fd, KVT_OP_MATCH, 0, 4, NULL, 100);
     close(fd);
     uint64_t leases = 1;
-    for (int i = 0; i < 200 && leases; i++) {
+    for (int i = 0; i < 1000 && leases; i++) { /* up to 5 s */
         usleep(5000);
         leases = kvd_stat(good, "leases");
     }
