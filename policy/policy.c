@@ -86,13 +86,17 @@ typedef struct pmove {
     kvt_radix_node_t *n;
     uint32_t depth, npages;
     kvt_tier_id_t from, to;
-    uint64_t lease, bytes;
+    uint64_t lease;
+    uint64_t bytes;      /* payload bytes of the run */
+    uint64_t charge_to;  /* reserved in `to` */
+    uint64_t charge_frm; /* given back by `from` when the move lands */
 } pmove_t;
 
 typedef struct promo {
     kvt_radix_node_t *n;
     uint32_t node_pages;
     uint64_t seq;
+    uint64_t foreign; /* p->foreign when queued: a foreign free since may have taken n */
 } promo_t;
 
 struct kvt_policy {
@@ -543,6 +547,24 @@ static uint64_t run_bytes(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
     return s;
 }
 
+/* What a block of size bytes costs against tier t's capacity. */
+static uint64_t charge(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t size)
+{
+    if (!size)
+        return 0;
+    return p->c.ops->footprint ? p->c.ops->footprint(p->c.ops_arg, t, size) : size;
+}
+
+static uint64_t run_charge(const kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
+                           kvt_tier_id_t t)
+{
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint64_t s = 0;
+    for (uint32_t i = i0; i < i0 + cnt; i++)
+        s += charge(p, t, bl[i].size);
+    return s;
+}
+
 static int run_busy(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
 {
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
@@ -577,7 +599,8 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
                    kvt_tier_id_t from, kvt_tier_id_t to, int depth)
 {
     uint64_t bytes = run_bytes(n, i0, cnt);
-    int rc = make_room(p, to, bytes, depth + 1);
+    uint64_t cto = run_charge(p, n, i0, cnt, to), cfrom = run_charge(p, n, i0, cnt, from);
+    int rc = make_room(p, to, cto, depth + 1);
     if (rc < 0)
         return rc;
     /* make_room may have dropped blocks after the run in this very node: indices before them
@@ -600,7 +623,7 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         return rc;
     if (to > from)
         record_end(p, n, i0, cnt);
-    p->used[to] += bytes;
+    p->used[to] += cto;
     if (rc == KVT_POLICY_PENDING) {
         /* The lease keeps (n, depth) valid until kvt_policy_move_done, whatever inserts split
          * or evictions happen meanwhile. */
@@ -615,12 +638,12 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         uint64_t lease = 0;
         kvt_assert(kvt_radix_lease(p->t, &m, KVT_POLICY_LEASE_OWNER, &lease) == 0);
         p->pend[p->npend++] =
-            (pmove_t){n, kvt_radix_node_depth(n) + i0, cnt, from, to, lease, bytes};
-        p->pending_out[from] += bytes;
+            (pmove_t){n, kvt_radix_node_depth(n) + i0, cnt, from, to, lease, bytes, cto, cfrom};
+        p->pending_out[from] += cfrom;
         p->st.pending_moves++;
     } else {
         set_tier(n, i0, cnt, to);
-        p->used[from] -= bytes;
+        p->used[from] -= cfrom;
         p->st.blocks[from] -= cnt;
         p->st.blocks[to] += cnt;
         p->st.moved_bytes[from][to] += bytes;
@@ -704,7 +727,7 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
             continue;
         }
         uint32_t cnt = KVT_MIN(b - a, (uint32_t)CHUNK_PAGES);
-        uint32_t sz = kvt_radix_node_blocks(n)[b - 1].size;
+        uint64_t sz = charge(p, t, kvt_radix_node_blocks(n)[b - 1].size);
         if (sz && want / sz + (want % sz != 0) < cnt)
             cnt = (uint32_t)KVT_MAX(1, want / sz + (want % sz != 0));
         uint32_t i0 = b - cnt;
@@ -712,7 +735,10 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
             continue;
         const kvt_block_t *last = &kvt_radix_node_blocks(n)[b - 1];
         uint32_t np = kvt_radix_node_pages(n);
-        int droppable = b == np && kvt_radix_node_children(n) == 0;
+        /* The run ends the leaf, or only index-only pages follow it (they go with it). */
+        int droppable = kvt_radix_node_children(n) == 0 &&
+                        (b == np || kvt_radix_node_blocks(n)[b].tier == KVT_TIER_NONE);
+        uint32_t tail = np - b;
         kvt_tier_id_t lo = p->lower[t];
         int drop = !lo, cost_drop = 0;
         if (lo && droppable) {
@@ -729,7 +755,7 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
         if (drop) {
             if (!droppable)
                 continue; /* a cached child depends on it: it stays until the child goes */
-            rc = do_drop(p, n, cnt, t);
+            rc = do_drop(p, n, cnt + tail, t);
         } else {
             rc = do_move(p, n, i0, cnt, t, lo, depth);
             if (rc > 0) {
@@ -738,8 +764,10 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
                 /* no room below: dropping is the only way to free this tier (do_drop pushes
                  * what is left of the node; n may be gone after it) */
                 node_run(n, (uint8_t)t, &a, &b);
-                if (b == kvt_radix_node_pages(n) && b > a && kvt_radix_node_children(n) == 0)
-                    rc = do_drop(p, n, KVT_MIN(b - a, cnt), t);
+                np = kvt_radix_node_pages(n);
+                if (b > a && kvt_radix_node_children(n) == 0 &&
+                    (b == np || kvt_radix_node_blocks(n)[b].tier == KVT_TIER_NONE))
+                    rc = do_drop(p, n, KVT_MIN(b - a, cnt) + (np - b), t);
             }
         }
         if (rc > 0) {
@@ -882,7 +910,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
     if (repush && prev && !kvt_radix_node_leased(prev))
         push_node(p, prev);
     if (promote && p->npromo < PROMO_QUEUE)
-        p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq};
+        p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq, p->foreign};
 }
 
 int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_policy_hint_t *hint)
@@ -906,16 +934,17 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
     kvt_tier_id_t t = p->top;
     while (done < res->new_pages && t != KVT_TIER_NONE) {
         uint32_t want = res->new_pages - done;
+        uint64_t one = charge(p, t, size);
         uint64_t free_b = p->cap[t] > p->used[t] ? p->cap[t] - p->used[t] : 0;
-        if (free_b < (uint64_t)want * size) {
-            uint64_t need = (uint64_t)want * size - free_b;
+        if (free_b < (uint64_t)want * one) {
+            uint64_t need = (uint64_t)want * one - free_b;
             if (need > p->cap[t])
-                need = p->cap[t] - (p->cap[t] % size);
+                need = p->cap[t] - (p->cap[t] % one);
             (void)make_room(p, t, need, 0);
             bl = kvt_radix_node_blocks(n);
             free_b = p->cap[t] > p->used[t] ? p->cap[t] - p->used[t] : 0;
         }
-        uint32_t fit = (uint32_t)KVT_MIN((uint64_t)want, free_b / size);
+        uint32_t fit = (uint32_t)KVT_MIN((uint64_t)want, free_b / one);
         if (fit > 0 && p->c.ops->admit &&
             p->c.ops->admit(p->c.ops_arg, n, res->first_page + done, fit, t) < 0)
             fit = 0;
@@ -941,7 +970,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
             apply_hint(b, hint, depth);
         }
         if (fit) {
-            p->used[t] += (uint64_t)fit * size;
+            p->used[t] += (uint64_t)fit * one;
             p->st.blocks[t] += fit;
             p->st.admitted_bytes[t] += (uint64_t)fit * size;
         }
@@ -970,6 +999,58 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
     return (int)done;
 }
 
+int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *hint)
+{
+    if (!p || !n || npages == 0 || !tier_ok(tier) || !p->cap[tier])
+        return KVT_EINVAL;
+    uint32_t d0 = kvt_radix_node_depth(n), np = kvt_radix_node_pages(n);
+    if (depth < d0 || depth - d0 > np || npages > np - (depth - d0))
+        return KVT_EINVAL;
+    uint32_t i0 = depth - d0;
+    kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint64_t need = 0;
+    for (uint32_t i = i0; i < i0 + npages; i++) {
+        if (bl[i].tier != KVT_TIER_NONE || bl[i].size == 0)
+            return KVT_EINVAL;
+        need += charge(p, tier, bl[i].size);
+    }
+    if (i0 > 0 && tier_rank(bl[i0 - 1].tier) > tier_rank((uint8_t)tier))
+        return KVT_EAGAIN;
+    if (i0 + npages < np && tier_rank(bl[i0 + npages].tier) < tier_rank((uint8_t)tier))
+        return KVT_EAGAIN;
+    if (need > p->cap[tier] - KVT_MIN(p->used[tier], p->cap[tier]))
+        return KVT_ENOSPC;
+    uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
+    uint32_t now = now_clock(p);
+    for (uint32_t i = i0; i < i0 + npages; i++) {
+        uint32_t d = d0 + i;
+        uint64_t from_end = prompt_pages > d ? (uint64_t)(prompt_pages - d) * ps : 0;
+        uint8_t flags = (uint8_t)((bl[i].flags & ~(POS_MASK | GHOST_FLAG)) |
+                                  (pos_class(from_end) << POS_SHIFT));
+        if (p->ghost) {
+            uint64_t h = kvt_radix_block_hash(p->t, n, d);
+            bl = kvt_radix_node_blocks(n);
+            if (h && p->ghost[h & ((1u << GHOST_BITS) - 1)] == h)
+                flags |= GHOST_FLAG;
+        }
+        bl[i].flags = flags;
+        bl[i].tier = (uint8_t)tier;
+        bl[i].policy = now;
+        apply_hint(&bl[i], hint, d);
+    }
+    p->used[tier] += need;
+    p->st.blocks[tier] += npages;
+    p->st.admitted_bytes[tier] += run_bytes(n, i0, npages);
+    push_tier(p, n, (uint8_t)tier); /* leased now, it is skipped until the next rebuild */
+    if (++p->inserts_since_refresh >= REFRESH_EVERY && p->c.kind == KVT_POLICY_COST) {
+        refresh_model(p);
+        p->inserts_since_refresh = 0;
+        p->stale = 1;
+    }
+    return (int)npages;
+}
+
 void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b)
 {
     (void)ns;
@@ -978,14 +1059,15 @@ void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b)
     if (!p->in_drop)
         p->foreign++;
     if (tier_ok((kvt_tier_id_t)b->tier) && p->cap[b->tier]) {
-        kvt_assert(p->used[b->tier] >= b->size);
-        p->used[b->tier] -= b->size;
+        uint64_t c = charge(p, (kvt_tier_id_t)b->tier, b->size);
+        kvt_assert(p->used[b->tier] >= c);
+        p->used[b->tier] -= c;
         p->st.blocks[b->tier]--;
     }
 }
 
-/* Promotes the path ending at node n (first node_pages pages) into p->top. */
-static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages)
+/* Promotes the path ending at node n (first node_pages pages) into tier `to`. */
+static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to)
 {
     size_t len = 0;
     for (kvt_radix_node_t *x = n; x; x = kvt_radix_node_parent(x)) {
@@ -1000,7 +1082,6 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
         p->path[len++] = x;
     }
     int total = 0;
-    kvt_tier_id_t to = p->top;
     p->protect = len;                /* making room must not demote the path being promoted */
     for (size_t k = len; k-- > 0;) { /* root first: a shortage leaves the shallow part fast */
         kvt_radix_node_t *x = p->path[k];
@@ -1043,7 +1124,15 @@ int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
 {
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n))
         return KVT_EINVAL;
-    return promote_path(p, n, node_pages);
+    return promote_path(p, n, node_pages, p->top);
+}
+
+int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to)
+{
+    if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n) || !tier_ok(to) ||
+        !p->cap[to])
+        return KVT_EINVAL;
+    return promote_path(p, n, node_pages, to);
 }
 
 int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
@@ -1053,9 +1142,9 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
     int total = 0;
     for (uint32_t i = 0; i < p->npromo; i++) {
         promo_t *q = &p->promo[i];
-        if (dead_after(p, q->n, q->seq) || p->foreign != p->foreign_seen)
+        if (dead_after(p, q->n, q->seq) || p->foreign != q->foreign)
             continue;
-        int rc = promote_path(p, q->n, q->node_pages);
+        int rc = promote_path(p, q->n, q->node_pages, p->top);
         if (rc < 0)
             return rc;
         total += rc;
@@ -1114,14 +1203,14 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
         }
     }
     p->pend[k] = p->pend[--p->npend];
-    p->pending_out[from] -= mv.bytes;
+    p->pending_out[from] -= mv.charge_frm;
     p->st.pending_moves--;
     if (status < 0 || conflict) {
-        p->used[to] -= mv.bytes;
+        p->used[to] -= mv.charge_to;
     } else {
         for (uint32_t i = 0; i < npages; i++)
             kvt_radix_block_at(n, depth + i)->tier = (uint8_t)to;
-        p->used[from] -= mv.bytes;
+        p->used[from] -= mv.charge_frm;
         p->st.blocks[from] -= npages;
         p->st.blocks[to] += npages;
         p->st.moved_bytes[from][to] += mv.bytes;
@@ -1165,7 +1254,9 @@ int kvt_policy_verify(const kvt_policy_t *p)
                 bad = 1;
                 continue;
             }
-            used[bl[j].tier] += bl[j].size;
+            used[bl[j].tier] += bl[j].tier == KVT_TIER_NONE
+                                    ? bl[j].size
+                                    : charge(p, (kvt_tier_id_t)bl[j].tier, bl[j].size);
             blocks[bl[j].tier]++;
         }
     }

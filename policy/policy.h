@@ -20,7 +20,7 @@
  *
  * Invariants the engine keeps (kvt_policy_verify checks them):
  *  - every configured tier's used bytes stay at or below its capacity, and equal the sum of the
- *    sizes of the blocks whose tier field names it;
+ *    charges (ops->footprint of the size, or the size) of the blocks whose tier field names it;
  *  - within one node, tiers never get faster with depth (the head of a node is in the same or a
  *    faster tier than its tail), so a node's blocks form at most one run per tier;
  *  - a leased node's blocks never move and are never dropped; neither are KVT_BLOCK_BUSY blocks;
@@ -150,6 +150,12 @@ typedef struct kvt_policy_ops {
      */
     int (*admit)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                  kvt_tier_id_t tier);
+    /*
+     * What a block of size bytes costs against tier's capacity (kvt_tier_footprint: a tier
+     * rounds up and stores a header). The engine accounts used bytes and watermarks in these
+     * units, so that its capacity can be the tier's own. NULL: the size itself (the replay).
+     */
+    uint64_t (*footprint)(void *arg, kvt_tier_id_t tier, uint32_t size);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1
@@ -226,6 +232,20 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
  */
 int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_policy_hint_t *hint);
 
+/*
+ * Blocks the executor stored by itself are handed to the engine: pages [depth, depth + npages)
+ * of node n (all inside n), index-only until now (tier KVT_TIER_NONE) with their size and
+ * location already set, whose bytes now sit in `tier` (kvtierd wrote a PUT's payload, a remote
+ * probe found them, recovery read them off NVMe). prompt_pages is the length of the request
+ * that added them (for the reuse model; 0 when unknown), hint as for on_insert. The engine sets
+ * their tier and starts counting them. Returns npages, or with nothing changed: KVT_ENOSPC (the
+ * tier's capacity would be passed), KVT_EAGAIN (the node's order would break: a block before
+ * them is slower, or one after them faster, than `tier`), KVT_EINVAL (bad arguments, a tier
+ * that is not configured, a block not index-only).
+ */
+int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *hint);
+
 /* Every block that leaves the tree (the tree's free callback forwards it here). */
 void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b);
 
@@ -236,6 +256,9 @@ void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b);
  * pages promoted or a negative error.
  */
 int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages);
+/* The same up to tier `to` (a configured tier) instead of the admission tier: blocks already in
+ * `to` or faster stay where they are. */
+int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to);
 
 /*
  * Maintenance: runs queued promotions, then, for every tier above its high watermark, moves or

@@ -373,13 +373,24 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
         kvt_insert_t res;
         if (kvt_radix_insert(s->radix, r->ns, x->tokens, (size_t)(x->local_pages + found) * page,
                              &res) == 0) {
-            for (uint32_t i = x->local_pages; i < res.pages; i++) {
+            /* Runs of index-only pages join the policy as remote blocks (location 0: read by
+             * key); pages that hold bytes here already, or are being written, stay as they are. */
+            for (uint32_t i = x->local_pages; i < res.pages;) {
                 kvt_block_t *b = kvt_radix_block_at(res.node, i);
-                if (b && b->tier == KVT_TIER_NONE && !(b->flags & KVT_BLOCK_BUSY)) {
-                    b->tier = KVT_TIER_REMOTE;
-                    b->loc = 0;
-                    b->size = ns->block_bytes;
+                if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
+                    i++;
+                    continue;
                 }
+                uint32_t j = i;
+                for (; j < res.pages; j++) {
+                    kvt_block_t *e = kvt_radix_block_at(res.node, j);
+                    if (!e || e->tier != KVT_TIER_NONE || (e->flags & KVT_BLOCK_BUSY))
+                        break;
+                    e->loc = 0;
+                    e->size = ns->block_bytes;
+                }
+                kvt__policy_adopt(s, res.node, i, j, KVT_TIER_REMOTE, res.pages, NULL);
+                i = j;
             }
         } else {
             found = 0;
@@ -388,6 +399,8 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
     kvt_match_t m;
     if (kvt_radix_match(s->radix, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH, &m) < 0)
         memset(&m, 0, sizeof m);
+    if (!(x->q.flags & KVT_MATCH_F_PROBE) && m.pages > x->local_pages)
+        kvt__policy_match(s, &m, NULL); /* the blocks found remote are hit: promote them */
     uint32_t remote = m.pages > x->local_pages ? m.pages - x->local_pages : 0;
     kvt_match_answer(c, r, &x->hdr, r->t0, &x->q, &m, remote, down); /* kicks c */
 }
@@ -467,6 +480,8 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    if (!(h->flags & KVT_MATCH_F_PROBE))
+        kvt__policy_match(s, &m, &q.hints);
     kvt_match_q_t mq = {.flags = h->flags,
                         .lease_ms = q.lease_ms,
                         .engine_id = q.hints.engine_request_id,
@@ -510,6 +525,7 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     r->node = res.node;
     r->pages = res.pages;
     r->new_pages = res.new_pages;
+    kvt__policy_hint(&q.hints, kvt_radix_node_depth(res.node), &r->hint);
     r->block_bytes = c->block_bytes;
     r->first = q.first_page;
     r->end = q.first_page + q.npayload;
@@ -600,13 +616,9 @@ static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
     kvt__ns_t *ns;
     kvt__ns_get(s, c->ns, &ns);
     r->block_bytes = ns->block_bytes;
-    rc = kvt_pin(s, m.node, c->ns, &r->lease);
-    if (rc == 0)
-        rc = kvt__store_prefetch(s, r);
-    if (rc < 0)
+    if ((rc = kvt_pin(s, m.node, c->ns, &r->lease)) < 0)
         r->status = rc;
-    if (r->pending == 0)
-        kvt__store_prefetch(s, r); /* nothing to move: reply now */
+    kvt__store_prefetch(s, r); /* replies at once when nothing moves */
     return 0;
 }
 

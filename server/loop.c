@@ -350,6 +350,7 @@ int kvt__srv_run(kvt_srv_t *s)
             kvt__ev_t *ev = evs[i].data.ptr;
             ev->cb(s, ev, evs[i].events);
         }
+        kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
     }
 }
 

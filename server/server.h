@@ -26,6 +26,7 @@
 #include <sys/types.h>
 
 #include "../common/common.h"
+#include "../policy/policy.h"
 #include "../radix/radix.h"
 #include "../tiers/tier.h"
 #include "conf.h"
@@ -37,6 +38,7 @@ typedef struct kvt__conn kvt__conn_t;
 typedef struct kvt__req kvt__req_t;
 typedef struct kvt__ev kvt__ev_t;
 typedef struct kvt_http_conn kvt_http_conn_t;
+typedef struct kvt__move kvt__move_t;
 
 /* A file descriptor in the loop and what to call when it is ready. */
 struct kvt__ev {
@@ -104,6 +106,7 @@ struct kvt__req {
     int status;
 
     /* PUT, GET and PREFETCH */
+    kvt_policy_hint_t hint; /* PUT: the engine's hints, handed to the policy with the blocks */
     uint32_t ns;
     uint64_t lease;         /* an internal lease pinning the path while I/O runs */
     kvt_radix_node_t *node; /* the path's deepest node */
@@ -113,6 +116,8 @@ struct kvt__req {
     uint32_t first, cur, end; /* PUT: payload pages [first, end); GET: pages [cur, end) left */
     uint32_t stored, skipped, new_pages, sent;
     uint32_t moved, resident, failed, target, batch;
+    uint32_t rounds; /* PREFETCH: promotion rounds run */
+    int progress;    /* PREFETCH: a move of the last round landed */
     uint64_t deadline_ns;
     kvt__io_t **ios;  /* GET batch */
     kvt__seg_t *segs; /* GET batch output; written instead of out while nsegs > 0 */
@@ -172,6 +177,13 @@ struct kvt_srv {
     size_t busy_cap, busy_n;
     int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
     uint64_t started_ns;
+    /* The tier policy (policy/) and what store.c does for it: moves in flight, the request a
+     * PREFETCH's promotions report to, and tier locations whose free waits for reads. */
+    kvt_policy_t *policy;
+    kvt__move_t *moves;
+    kvt__req_t *move_req;
+    struct kvt__dfree *dfree;
+    size_t ndfree, cap_dfree;
     kvt_http_conn_t *http_conns; /* http.c */
     unsigned http_nconns;
 };
@@ -232,6 +244,19 @@ void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
 void kvt__tier_metrics(kvt_srv_t *s);
+/* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
+ * every batch of events. */
+void kvt__store_step(kvt_srv_t *s);
+/* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
+void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
+/* A MATCH's use of its path, for the policy's reuse counters and promotions. */
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
+/* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
+ * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
+ * (no room in its accounting, order) are freed in the tier and left index-only. Returns the
+ * pages adopted. */
+uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h);
 
 /* http.c */
 int kvt__http_listen(kvt_srv_t *s, const char *addr);

@@ -1,12 +1,29 @@
 /*
  * store.c: KV bytes in the tiers, as the daemon moves them. It owns the tiers' creation from the
  * configuration (HBM when a GPU is usable, DRAM, NVMe in the data directory with its warm-restart
- * recovery, the remote Valkey/Redis server), the radix free callback that gives a leaving block's
- * bytes back to its tier, and the three asynchronous paths of a request: PUT (write each new
- * page's payload to the fastest tier that takes it), GET (read a leased path's blocks in bounded
- * batches straight into the reply, promoting blocks read from below DRAM), and PREFETCH (copy a
- * path's blocks up to a tier with kvt_tier_copy). All of it runs on the loop: submits never
- * block, completions come back through the tiers' fds.
+ * recovery, the remote Valkey/Redis server), the tier policy (policy/) and the executor that
+ * carries out its decisions, the radix free callback that gives a leaving block's bytes back to
+ * its tier, and the asynchronous paths of a request: PUT (write each new page's payload to the
+ * fastest tier that takes it, then hand the blocks to the policy), GET (read a leased path's
+ * blocks in bounded batches straight into the reply) and PREFETCH (ask the policy to promote a
+ * path up to a tier). All of it runs on the loop: submits never block, completions come back
+ * through the tiers' fds.
+ *
+ * The policy decides, store.c acts
+ * --------------------------------
+ * Every change of a block's tier goes through the policy engine, which keeps each tier's
+ * accounting (in the tiers' own footprints, so its capacities are the tiers') and the order of
+ * tiers inside a node. Blocks enter it by kvt_policy_adopt (a PUT's writes once they landed,
+ * blocks a remote probe found, NVMe blocks recovered at start-up). It leaves them by the tree's
+ * free callback. In between it moves them: kvt_policy_step (after every batch of events) runs
+ * the promotions that MATCH queued and, above a tier's high watermark, demotes or drops its
+ * lowest-value blocks; the move operation below copies each page with kvt_tier_copy, and when
+ * the last copy lands, kvt_policy_move_done() switches the blocks over and the old locations are
+ * freed:
+ *
+ *     MATCH ─> on_match ─┐                          ┌─> kvt_tier_copy per page ─> ... ─┐
+ *     PREFETCH ─> promote┼─> step/promote ─> move() ┤  (blocks BUSY, node leased)      │
+ *     DRAM > high ───────┘                          └─ move_done(): tier, loc, free old┘
  *
  * A block is named by (node, page depth) while I/O runs: the request holds a lease on the node
  * (so nothing on the path is evicted) and resolves the block again with kvt_radix_block_at() on
@@ -22,6 +39,36 @@
 #include <xxhash.h>
 
 #define KVT_GET_BATCH_BYTES (8u << 20) /* GET reads at most this much ahead of the socket */
+#define KVT_STEP_PAGES      256        /* pages the policy may act on per loop iteration */
+
+/* A tier location whose free waits for the reads of its block still in flight. */
+typedef struct kvt__dfree {
+    uint64_t hash, loc;
+    uint32_t len;
+    uint8_t tier;
+} kvt__dfree_t;
+
+/* One page of a move: its copy and the tokens its key borrows. */
+typedef struct kvt__mpage {
+    kvt_tier_copy_t copy;
+    kvt__move_t *move;
+    uint64_t start_ns;
+    uint32_t *tokens;
+} kvt__mpage_t;
+
+/* A run of pages the policy moves from one tier to another. */
+struct kvt__move {
+    kvt__move_t *prev, *next; /* s->moves, for the teardown */
+    kvt_srv_t *srv;
+    kvt__req_t *req; /* the PREFETCH it reports to, or NULL */
+    kvt_radix_node_t *node;
+    uint32_t depth, npages, started, left;
+    uint8_t from, to;
+    int status;
+    kvt__mpage_t pages[];
+};
+
+static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash);
 
 /* ---- reads in flight, per block hash (open addressing, backward-shift deletion) ---- */
 
@@ -91,6 +138,17 @@ static void kvt_busy_dec(kvt_srv_t *s, uint64_t h)
     if (--kvt_busy_tab[i].count > 0)
         return;
     kvt_busy_n--;
+    /* The block's last read is done: the old locations a move left behind can go now. */
+    for (size_t k = 0; k < s->ndfree;) {
+        kvt__dfree_t *d = &s->dfree[k];
+        if (d->hash != h) {
+            k++;
+            continue;
+        }
+        if (s->tiers[d->tier])
+            kvt_tier_free(s->tiers[d->tier], d->loc, d->len);
+        *d = s->dfree[--s->ndfree];
+    }
     for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
         kvt_busy_tab[i].hash = 0;
         if (!kvt_busy_tab[j].hash)
@@ -102,6 +160,316 @@ static void kvt_busy_dec(kvt_srv_t *s, uint64_t h)
             i = j;
         }
     }
+}
+
+/* Frees a tier location now, or once the reads of its block in flight are done. */
+static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash)
+{
+    if (!s->tiers[tier])
+        return;
+    if (kvt_busy_get(s, hash) == 0) {
+        kvt_tier_free(s->tiers[tier], loc, len);
+        return;
+    }
+    if (s->ndfree == s->cap_dfree) {
+        size_t cap = s->cap_dfree ? 2 * s->cap_dfree : 16;
+        kvt__dfree_t *d = realloc(s->dfree, cap * sizeof *d);
+        if (!d) {
+            /* Cannot wait: leak the location rather than free it under a read. */
+            kvt_log(KVT_LOG_ERROR, "kvtierd: out of memory deferring a %s free",
+                    kvt_tier_name((kvt_tier_id_t)tier));
+            return;
+        }
+        s->dfree = d;
+        s->cap_dfree = cap;
+    }
+    s->dfree[s->ndfree++] = (kvt__dfree_t){.hash = hash, .loc = loc, .len = len, .tier = tier};
+}
+
+/* ---- the policy's executor ---- */
+
+static uint64_t kvt_exec_footprint(void *arg, kvt_tier_id_t tier, uint32_t size)
+{
+    kvt_srv_t *s = arg;
+    return s->tiers[tier] ? kvt_tier_footprint(s->tiers[tier], size) : size;
+}
+
+static void kvt_move_free(kvt_srv_t *s, kvt__move_t *m)
+{
+    if (m->prev)
+        m->prev->next = m->next;
+    else
+        s->moves = m->next;
+    if (m->next)
+        m->next->prev = m->prev;
+    free(m);
+}
+
+static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r);
+
+/* The last copy of a move has landed (or failed): switch the blocks over, or undo. */
+static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
+{
+    for (uint32_t i = 0; i < m->started; i++) {
+        kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
+        kvt_assert(b);
+        b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+    }
+    int status = m->status;
+    if (status == 0 && m->started < m->npages)
+        status = KVT_EIO; /* a copy did not start: the run stays where it was */
+    int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
+                                  (kvt_tier_id_t)m->to, status);
+    int ok = status == 0 && rc == 0;
+    for (uint32_t i = 0; i < m->started; i++) {
+        kvt_tier_copy_t *c = &m->pages[i].copy;
+        kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
+        if (ok) {
+            uint64_t old = b->loc;
+            b->loc = c->dst_loc;
+            /* A read of the old copy may still be in flight (a GET): it keeps it till done. */
+            kvt_free_loc(s, m->from, old, b->size, b->hash);
+        } else if (c->status == 0) {
+            kvt_tier_free(s->tiers[m->to], c->dst_loc, c->len);
+        }
+    }
+    if (ok) {
+        kvt__metric_add(s->metrics, KVT_M_BLOCKS_MOVED, kvt__pair(m->from, m->to), m->npages);
+        if (m->to == KVT_TIER_NVME)
+            kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0,
+                            (double)m->npages * m->pages[0].copy.len);
+    } else {
+        kvt_log(KVT_LOG_DEBUG, "kvtierd: move of %u pages %s -> %s not done: %s", m->npages,
+                kvt_tier_name((kvt_tier_id_t)m->from), kvt_tier_name((kvt_tier_id_t)m->to),
+                status < 0 ? kvt_strerror(status) : "the policy kept them");
+    }
+    kvt__req_t *r = m->req;
+    if (r) {
+        if (ok && m->to < m->from)
+            r->moved += m->npages;
+        if (ok)
+            r->progress = 1;
+        r->pending--;
+        if (r->conn)
+            r->conn->inflight--;
+    }
+    kvt_move_free(s, m);
+    if (r)
+        kvt_prefetch_moved(s, r);
+}
+
+static void kvt_move_copied(kvt_tier_copy_t *c)
+{
+    kvt__mpage_t *pg = c->data;
+    kvt__move_t *m = pg->move;
+    kvt_srv_t *s = m->srv;
+    s->inflight--;
+    unsigned series = kvt__tier_io(m->to, 1);
+    kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, kvt_now_ns() - pg->start_ns);
+    if (c->status < 0) {
+        kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
+        if (m->status == 0)
+            m->status = c->status;
+    }
+    if (--m->left == 0)
+        kvt_move_finish(s, m);
+}
+
+/*
+ * The policy's move: copy pages [depth, depth + npages) of node n from `from` to `to`. Every
+ * copy is asynchronous (a tier never completes inside the submitting call), so a move that
+ * starts is always KVT_POLICY_PENDING; the engine holds a lease on n meanwhile.
+ */
+static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                         kvt_tier_id_t from, kvt_tier_id_t to)
+{
+    kvt_srv_t *s = arg;
+    if (!s->tiers[from] || !s->tiers[to] || s->stopping)
+        return KVT_EUNAVAIL;
+    for (uint32_t i = 0; i < npages; i++) {
+        kvt_block_t *b = kvt_radix_block_at(n, depth + i);
+        if (!b || b->tier != from || (b->flags & KVT_BLOCK_BUSY) || !b->size)
+            return KVT_EBUSY;
+    }
+    uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
+    size_t sz = sizeof(kvt__move_t) + npages * (sizeof(kvt__mpage_t) + page * sizeof(uint32_t));
+    kvt__move_t *m = calloc(1, sz);
+    if (!m)
+        return KVT_ENOMEM;
+    uint32_t *tok = (uint32_t *)(void *)&m->pages[npages];
+    m->srv = s;
+    m->node = n;
+    m->depth = depth;
+    m->npages = npages;
+    m->from = (uint8_t)from;
+    m->to = (uint8_t)to;
+    int rc = 0;
+    for (uint32_t i = 0; i < npages; i++) {
+        kvt__mpage_t *pg = &m->pages[i];
+        kvt_block_t *b = kvt_radix_block_at(n, depth + i);
+        pg->move = m;
+        pg->tokens = tok + (size_t)i * page;
+        kvt__block_key(s, n, depth + i, pg->tokens, &pg->copy.key);
+        pg->copy.src = s->tiers[from];
+        pg->copy.dst = s->tiers[to];
+        pg->copy.src_loc = b->loc;
+        pg->copy.len = b->size;
+        pg->copy.cb = kvt_move_copied;
+        pg->copy.data = pg;
+        pg->start_ns = kvt_now_ns();
+        if ((rc = kvt_tier_copy(&pg->copy)) < 0)
+            break;
+        b->flags |= KVT_BLOCK_BUSY;
+        m->started++;
+        s->inflight++;
+    }
+    if (m->started == 0) {
+        free(m);
+        return rc;
+    }
+    if (m->started < npages)
+        m->status = rc; /* what started finishes, then the move is undone */
+    m->left = m->started;
+    m->next = s->moves;
+    if (s->moves)
+        s->moves->prev = m;
+    s->moves = m;
+    if (s->move_req) {
+        /* A PREFETCH's promotion, or a demotion that makes room for it: the PREFETCH waits for
+         * it (and counts the promoted pages). */
+        m->req = s->move_req;
+        m->req->pending++;
+        if (m->req->conn)
+            m->req->conn->inflight++;
+    }
+    return KVT_POLICY_PENDING;
+}
+
+static const kvt_policy_ops_t kvt_exec_ops = {
+    .move = kvt_exec_move,
+    .footprint = kvt_exec_footprint,
+};
+
+void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out)
+{
+    *out = (kvt_policy_hint_t){
+        .priority = w->priority,
+        .finished = (w->flags & KVT_HINT_FINISHED) != 0,
+        .paused_ms = (w->flags & KVT_HINT_PAUSED) ? KVT_MAX(w->resume_ms, 1u) : 0,
+        .from_page = from_page,
+    };
+}
+
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w)
+{
+    if (!s->policy || !m->pages)
+        return;
+    /* Hints name the request's own part of the path: the deepest node's pages. What lies
+     * above it is shared with other requests (a split made it a node of its own). */
+    kvt_policy_hint_t h;
+    int any = w && (w->priority || (w->flags & (KVT_HINT_PAUSED | KVT_HINT_FINISHED)));
+    if (any)
+        kvt__policy_hint(w, kvt_radix_node_depth(m->node), &h);
+    kvt_policy_on_match(s->policy, m, any ? &h : NULL);
+}
+
+uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h)
+{
+    uint32_t adopted = 0;
+    while (from < to) {
+        /* The part of [from, to) that lies in one node. */
+        kvt_radix_node_t *x = node;
+        while (kvt_radix_node_depth(x) > from)
+            x = kvt_radix_node_parent(x);
+        uint32_t end = KVT_MIN(to, kvt_radix_node_depth(x) + kvt_radix_node_pages(x));
+        int rc = kvt_policy_adopt(s->policy, x, from, end - from, tier, prompt_pages, h);
+        if (rc > 0) {
+            adopted += (uint32_t)rc;
+        } else {
+            kvt_log(KVT_LOG_DEBUG, "kvtierd: policy refused %u pages in %s: %s", end - from,
+                    kvt_tier_name(tier), kvt_strerror(rc));
+            for (uint32_t p = from; p < end; p++) {
+                kvt_block_t *b = kvt_radix_block_at(x, p);
+                if (tier != KVT_TIER_REMOTE || b->loc)
+                    kvt_tier_free(s->tiers[tier], b->loc, b->size);
+                b->loc = 0;
+                b->size = 0;
+            }
+        }
+        from = end;
+    }
+    return adopted;
+}
+
+void kvt__store_step(kvt_srv_t *s)
+{
+    if (!s->policy || s->stopping)
+        return;
+    int rc = kvt_policy_step(s->policy, KVT_STEP_PAGES);
+    if (rc < 0)
+        kvt_log(KVT_LOG_WARN, "kvtierd: policy step: %s", kvt_strerror(rc));
+}
+
+/* The NVMe blocks recovery put back into the tree join the policy's accounting. */
+static void kvt_adopt_recovered(kvt_srv_t *s)
+{
+    size_t n = kvt_radix_node_count(s->radix), refused = 0;
+    for (size_t i = 0; i < n; i++) {
+        kvt_radix_node_t *node = kvt_radix_node_at(s->radix, i);
+        kvt_block_t *b = kvt_radix_node_blocks(node);
+        uint32_t np = kvt_radix_node_pages(node), d0 = kvt_radix_node_depth(node);
+        for (uint32_t j = 0; j < np;) {
+            uint8_t t = b[j].tier;
+            uint32_t k = j;
+            while (k < np && b[k].tier == t)
+                k++;
+            if (t != KVT_TIER_NONE) {
+                for (uint32_t q = j; q < k; q++)
+                    b[q].tier = KVT_TIER_NONE;
+                uint32_t got =
+                    kvt__policy_adopt(s, node, d0 + j, d0 + k, (kvt_tier_id_t)t, 0, NULL);
+                refused += (k - j) - got;
+                b = kvt_radix_node_blocks(node);
+            }
+            j = k;
+        }
+    }
+    if (refused)
+        kvt_log(KVT_LOG_WARN,
+                "kvtierd: %zu recovered blocks did not fit the policy's accounting "
+                "and were freed",
+                refused);
+}
+
+static int kvt_policy_open(kvt_srv_t *s)
+{
+    kvt_srv_conf_t *c = s->conf;
+    kvt_policy_conf_t pc = {.ops = &kvt_exec_ops, .ops_arg = s, .nvme_min_hits = c->nvme_min_hits};
+    if (kvt_policy_kind_parse(c->policy, &pc.kind) < 0 ||
+        kvt_model_profile_get(c->policy_model, &pc.model) < 0 ||
+        kvt_hw_profile_get(c->policy_hw, &pc.hw) < 0)
+        return KVT_EINVAL; /* kvt__conf_finish checked them: not reached */
+    for (int i = 1; i < KVT_TIER_COUNT; i++) {
+        if (!s->tiers[i])
+            continue;
+        kvt_tier_usage_t u;
+        kvt_tier_usage(s->tiers[i], &u);
+        pc.tiers[i] = (kvt_policy_tier_conf_t){.capacity = u.capacity_bytes,
+                                               .high = (float)c->policy_high,
+                                               .low = (float)c->policy_low};
+    }
+    int rc = kvt_policy_create(&s->policy, s->radix, &pc);
+    if (rc < 0) {
+        kvt_log(KVT_LOG_ERROR, "kvtierd: policy %s: %s", c->policy, kvt_strerror(rc));
+        return rc;
+    }
+    kvt_adopt_recovered(s);
+    kvt_log(KVT_LOG_INFO,
+            "kvtierd: policy %s (%s on %s): tiers above %.0f%% of capacity are brought down to "
+            "%.0f%% by demoting or dropping their lowest-value blocks",
+            c->policy, c->policy_model, c->policy_hw, c->policy_high * 100, c->policy_low * 100);
+    return 0;
 }
 
 /* ---- tiers ---- */
@@ -225,13 +593,7 @@ int kvt__store_open(kvt_srv_t *s)
         kvt_log(KVT_LOG_INFO, "kvtierd: %s tier: %llu bytes (%s)", kvt_tier_name((kvt_tier_id_t)i),
                 (unsigned long long)u.capacity_bytes, kvt_tier_backend(s->tiers[i]));
     }
-    /* The policy settings are checked at start-up (conf.c) but the engine is not in this code
-     * path yet: say so rather than let an operator believe otherwise. */
-    kvt_log(KVT_LOG_INFO,
-            "kvtierd: policy %s (%s on %s, watermarks %.2f/%.2f) checked but not yet applied: "
-            "blocks go to the fastest tier with room and are not demoted",
-            c->policy, c->policy_model, c->policy_hw, c->policy_high, c->policy_low);
-    return 0;
+    return kvt_policy_open(s);
 }
 
 void kvt__store_close(kvt_srv_t *s)
@@ -240,6 +602,14 @@ void kvt__store_close(kvt_srv_t *s)
         kvt_tier_destroy(s->tiers[i]);
         s->tiers[i] = NULL;
     }
+    /* Destroyed tiers run no callbacks: moves still in flight are dropped here. */
+    while (s->moves)
+        kvt_move_free(s, s->moves);
+    kvt_policy_destroy(s->policy);
+    s->policy = NULL;
+    free(s->dfree);
+    s->dfree = NULL;
+    s->ndfree = s->cap_dfree = 0;
     free(s->busy);
     s->busy = NULL;
     s->busy_cap = s->busy_n = 0;
@@ -256,8 +626,10 @@ void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
     kvt_srv_t *s = arg;
     if (s->tearing_down)
         return; /* the tiers are destroyed next and free everything themselves */
+    if (s->policy)
+        kvt_policy_on_free(s->policy, ns, b);
     if (b->tier != KVT_TIER_NONE && s->tiers[b->tier])
-        kvt_tier_free(s->tiers[b->tier], b->loc, b->size);
+        kvt_free_loc(s, b->tier, b->loc, b->size, b->hash);
     if (!s->removing) {
         s->ghosts[b->hash & (s->nghosts - 1)] = b->hash;
         kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
@@ -348,8 +720,61 @@ static void kvt_unpin(kvt_srv_t *s, kvt__req_t *r)
 
 /* ---- PUT ---- */
 
+/* Where a PUT's page landed, until the whole PUT is done and hands its blocks to the policy. */
+typedef struct kvt__landed {
+    uint64_t loc;
+    uint32_t len;
+    uint8_t tier;    /* KVT_TIER_NONE: not written */
+    uint8_t started; /* a write was submitted: the block is BUSY */
+} kvt__landed_t;
+
+/*
+ * Every write of the PUT is done: its blocks join the policy in page order, runs of one tier
+ * at a time (the order of tiers inside a node must hold, so the policy may refuse a page that
+ * landed in a faster tier than the one before it; its bytes are then freed and it stays
+ * index-only, counted as skipped).
+ */
+static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt__landed_t *l = r->extra;
+    if (!l)
+        return;
+    uint32_t n = r->end - r->first;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!l[i].started)
+            continue;
+        kvt_block_t *b = kvt_radix_block_at(r->node, r->first + i);
+        b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+        if (l[i].tier == KVT_TIER_NONE)
+            continue;
+        b->loc = l[i].loc;
+        b->size = l[i].len;
+    }
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        if (l[i].tier == KVT_TIER_NONE) {
+            i = j;
+            continue;
+        }
+        while (j < n && l[j].tier == l[i].tier)
+            j++;
+        kvt_tier_id_t t = (kvt_tier_id_t)l[i].tier;
+        uint32_t got = kvt__policy_adopt(
+            s, r->node, r->first + i, r->first + j, t, r->pages,
+            r->hint.priority || r->hint.finished || r->hint.paused_ms ? &r->hint : NULL);
+        r->stored += got;
+        r->skipped += (j - i) - got;
+        if (t == KVT_TIER_NVME)
+            kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0, (double)(j - i) * l[i].len);
+        i = j;
+    }
+    free(r->extra);
+    r->extra = NULL;
+}
+
 static void kvt_put_reply(kvt_srv_t *s, kvt__req_t *r)
 {
+    kvt_put_adopt(s, r);
     kvt_unpin(s, r);
     uint8_t buf[KVT_PROTO_HDR + sizeof(kvt_wire_put_reply_t)];
     kvt_wire_put_reply_t w = {
@@ -371,22 +796,14 @@ static void kvt_put_done(kvt_tier_io_t *io)
     kvt__io_t *x = io->data;
     kvt__req_t *r = x->req;
     kvt_srv_t *s = x->req->srv;
-    kvt_block_t *b = kvt_radix_block_at(x->node, x->depth);
-    kvt_assert(b);
-    b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
-    if (io->status == 0 && b->tier == KVT_TIER_NONE) {
-        b->tier = x->tier;
-        b->loc = io->loc;
-        b->size = io->len;
-        r->stored++;
-        if (x->tier == KVT_TIER_NVME)
-            kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0, io->len);
+    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->first);
+    if (io->status == 0) {
+        l->tier = x->tier;
+        l->loc = io->loc;
+        l->len = io->len;
     } else {
-        if (io->status == 0)
-            kvt_tier_free(s->tiers[x->tier], io->loc, io->len);
-        else
-            kvt_log(KVT_LOG_WARN, "kvtierd: %s tier write failed: %s", kvt_tier_name(x->tier),
-                    kvt_strerror(io->status));
+        kvt_log(KVT_LOG_WARN, "kvtierd: %s tier write failed: %s", kvt_tier_name(x->tier),
+                kvt_strerror(io->status));
         r->skipped++;
     }
     int last = kvt_io_finished(s, x, io->status, 1);
@@ -398,6 +815,14 @@ static void kvt_put_done(kvt_tier_io_t *io)
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
 {
     uint32_t end = r->status < 0 ? r->first : KVT_MIN(r->end, r->pages);
+    if (end > r->first) {
+        r->end = end;
+        r->extra = calloc(end - r->first, sizeof(kvt__landed_t));
+        if (!r->extra) {
+            r->status = KVT_ENOMEM;
+            end = r->first;
+        }
+    }
     for (uint32_t p = r->first; p < end; p++) {
         kvt_block_t *b = kvt_radix_block_at(r->node, p);
         if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
@@ -428,6 +853,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
             continue;
         }
         b->flags |= KVT_BLOCK_BUSY;
+        ((kvt__landed_t *)r->extra)[p - r->first].started = 1;
         kvt_io_started(s, r);
     }
     if (r->pending == 0)
@@ -435,33 +861,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
     return 0;
 }
 
-/* ---- moves (GET promotions and PREFETCH) ---- */
-
-static void kvt_move_commit(kvt_srv_t *s, kvt__io_t *x, uint64_t new_loc, int status)
-{
-    kvt_block_t *b = kvt_radix_block_at(x->node, x->depth);
-    kvt_assert(b);
-    b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
-    if (status == 0 && b->tier == x->from && b->loc == x->src_loc &&
-        kvt_busy_get(s, b->hash) == 0) {
-        /* The remote copy stays for the fleet (keep_on_free); freeing only forgets it. */
-        kvt_tier_free(s->tiers[x->from], x->src_loc, b->size);
-        b->tier = x->tier;
-        b->loc = new_loc;
-        kvt__metric_add(s->metrics, KVT_M_BLOCKS_MOVED, kvt__pair(x->from, x->tier), 1);
-        if (x->tier == KVT_TIER_NVME)
-            kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0, b->size);
-        x->req->moved++;
-    } else {
-        if (status == 0)
-            kvt_tier_free(s->tiers[x->tier], new_loc, b->size);
-        x->req->failed++;
-    }
-}
-
 /* ---- GET ---- */
-
-static void kvt_get_promote_done(kvt_tier_io_t *io);
 
 static void kvt_get_read_done(kvt_tier_io_t *io)
 {
@@ -471,44 +871,8 @@ static void kvt_get_read_done(kvt_tier_io_t *io)
     kvt_busy_dec(s, io->key.hash);
     if (io->status == KVT_ECORRUPT)
         kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, io->key.ntokens);
-    kvt__req_t *rr = r;
-    int last = kvt_io_finished(s, x, io->status, 0);
-    /* A block read from below DRAM moves up while its bytes are at hand, when DRAM has room and
-     * nothing else is reading or moving it. */
-    kvt_block_t *b = kvt_radix_block_at(x->node, x->depth);
-    kvt_tier_t *dram = s->tiers[KVT_TIER_DRAM];
-    if (io->status == 0 && rr->conn && dram && x->tier > KVT_TIER_DRAM && b && b->tier == x->tier &&
-        !(b->flags & KVT_BLOCK_BUSY) && kvt_busy_get(s, b->hash) == 0) {
-        kvt__io_t *w = kvt_io_new(s, rr, x->depth);
-        if (w) {
-            w->io.buf = io->buf;
-            w->io.len = io->len;
-            w->io.cb = kvt_get_promote_done;
-            w->from = x->tier;
-            w->tier = KVT_TIER_DRAM;
-            w->src_loc = b->loc;
-            if (kvt_tier_write(dram, &w->io) == 0) {
-                b->flags |= KVT_BLOCK_BUSY;
-                kvt_io_started(s, rr);
-                last = 0;
-            } else {
-                free(w);
-            }
-        }
-    }
-    if (last)
-        kvt__store_get_batch(s, rr);
-}
-
-static void kvt_get_promote_done(kvt_tier_io_t *io)
-{
-    kvt__io_t *w = io->data;
-    kvt__req_t *r = w->req;
-    kvt_srv_t *s = w->req->srv;
-    kvt_move_commit(s, w, io->loc, io->status);
-    int last = kvt_io_finished(s, w, io->status, 1);
-    free(w);
-    if (last)
+    /* Promotion is the policy's: the MATCH that leased this path queued it. */
+    if (kvt_io_finished(s, x, io->status, 0))
         kvt__store_get_batch(s, r);
 }
 
@@ -684,15 +1048,16 @@ end:;
 
 /* ---- PREFETCH ---- */
 
-static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r, uint32_t unfinished)
+static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     (void)s;
     uint8_t buf[KVT_PROTO_HDR + sizeof(kvt_wire_prefetch_reply_t)];
+    uint32_t failed = r->pages - KVT_MIN(r->pages, r->resident + r->moved);
     kvt_wire_prefetch_reply_t w = {
         .pages = htole32(r->pages),
         .moved = htole32(r->moved),
         .resident = htole32(r->resident),
-        .failed = htole32(r->failed + unfinished),
+        .failed = htole32(failed),
     };
     uint32_t len = r->status < 0 ? 0 : sizeof w;
     kvt_proto_frame(buf, r->op | KVT_OP_REPLY, 0, r->id, r->status, len);
@@ -702,65 +1067,63 @@ static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r, uint32_t unfinished)
         r->conn->dead = 1;
 }
 
-static void kvt_prefetch_done(kvt_tier_copy_t *c)
+#define KVT_PREFETCH_ROUNDS 16
+
+static void kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
 {
-    kvt__io_t *x = c->data;
-    kvt__req_t *r = x->req;
-    kvt_srv_t *s = x->req->srv;
-    kvt_move_commit(s, x, c->dst_loc, c->status);
-    int last = kvt_io_finished(s, x, c->status, 1);
-    free(x);
-    if (!last)
+    uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
+    r->progress = 0;
+    r->rounds++;
+    s->move_req = r;
+    int rc = kvt_policy_promote(s->policy, r->node, node_pages, (kvt_tier_id_t)r->target);
+    s->move_req = NULL;
+    if (rc < 0 && rc != KVT_ENOSPC && rc != KVT_EAGAIN)
+        kvt_log(KVT_LOG_DEBUG, "kvtierd: PREFETCH promotion: %s", kvt_strerror(rc));
+}
+
+/*
+ * A move a PREFETCH waits for has finished (kvt_move_finish counted it). When they all have and
+ * pages are still below the target (the target tier had to be emptied first: its demotions were
+ * among the moves), the next round promotes what now fits, until the deadline.
+ */
+static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
+{
+    if (r->pending > 0)
         return;
+    if (!r->replied && r->conn && r->progress && r->resident + r->moved < r->pages &&
+        r->rounds < KVT_PREFETCH_ROUNDS && kvt_now_ns() < r->deadline_ns) {
+        kvt_prefetch_round(s, r);
+        if (r->pending > 0)
+            return;
+    }
     kvt_unpin(s, r);
     if (!r->replied)
-        kvt_prefetch_reply(s, r, 0);
+        kvt_prefetch_reply(s, r);
     kvt__req_finish(r);
 }
 
+/*
+ * The policy promotes the path up to r->target (making room there by demoting others if it
+ * must); the moves it starts for this path report to r, which answers when they are done or at
+ * its deadline, whichever comes first.
+ */
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
 {
-    if (r->status < 0 || r->replied || r->cur == r->pages) {
-        /* Nothing (more) to start: answer now. */
-        kvt_unpin(s, r);
-        kvt_prefetch_reply(s, r, 0);
-        kvt__req_finish(r);
-        return 0;
+    if (r->status == 0 && s->policy) {
+        uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
+        kvt_path_iter_t it;
+        kvt_path_iter_init(&it, r->node, node_pages);
+        kvt_block_t *b;
+        while ((b = kvt_path_iter_next(&it, NULL)))
+            if (b->tier != KVT_TIER_NONE && b->tier <= r->target)
+                r->resident++;
+        if (r->resident < r->pages)
+            kvt_prefetch_round(s, r);
     }
-    for (; r->cur < r->pages; r->cur++) {
-        kvt_block_t *b = kvt_radix_block_at(r->node, r->cur);
-        if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier]) {
-            r->failed++;
-            continue;
-        }
-        if (b->tier <= r->target) {
-            r->resident++;
-            continue;
-        }
-        if ((b->flags & KVT_BLOCK_BUSY) || kvt_busy_get(s, b->hash)) {
-            r->failed++;
-            continue;
-        }
-        kvt__io_t *x = kvt_io_new(s, r, r->cur);
-        if (!x)
-            return KVT_ENOMEM;
-        x->from = b->tier;
-        x->tier = (uint8_t)r->target;
-        x->src_loc = b->loc;
-        x->is_copy = 1;
-        x->copy.src = s->tiers[b->tier];
-        x->copy.dst = s->tiers[r->target];
-        x->copy.src_loc = b->loc;
-        x->copy.key = x->io.key;
-        x->copy.len = b->size;
-        x->copy.cb = kvt_prefetch_done;
-        if (kvt_tier_copy(&x->copy) < 0) {
-            free(x);
-            r->failed++;
-            continue;
-        }
-        b->flags |= KVT_BLOCK_BUSY;
-        kvt_io_started(s, r);
+    if (r->pending == 0) {
+        kvt_unpin(s, r);
+        kvt_prefetch_reply(s, r);
+        kvt__req_finish(r);
     }
     return 0;
 }
@@ -770,7 +1133,7 @@ void kvt__store_deadlines(kvt__conn_t *c, uint64_t now)
     for (kvt__req_t *r = c->head; r; r = r->next) {
         if (r->kind == KVT_REQ_PREFETCH && !r->done && !r->replied && r->pending > 0 &&
             now >= r->deadline_ns) {
-            kvt_prefetch_reply(c->srv, r, r->pending);
+            kvt_prefetch_reply(c->srv, r);
             kvt__req_finish(r);
             return; /* the kick may have freed the connection */
         }
