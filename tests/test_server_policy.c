@@ -1,8 +1,11 @@
 /*
  * test_server_policy.c: kvtierd's tier-policy settings (policy, policy-model, policy-hw,
  * policy-high, policy-low, nvme-min-hits). Each bad value stops the daemon before it starts
- * (exit 64, a message naming the setting); good ones start it and it serves. The engine itself
- * is not yet in the daemon's code path (see docs/server.md): these tests cover the settings only.
+ * (exit 64, a message naming the setting); good ones start it and it serves. Then the engine at
+ * work in the real daemon: DRAM past its high watermark demotes into a real redis-server
+ * (KVT_TEST_REDIS) and every block reads back byte-exact (DRAM to NVMe is in test_server_e2e.c), a
+ * leased path never moves, and with no tier below DRAM the policy drops blocks (a later lookup
+ * misses as "evicted").
  */
 #include "test_server_harness.h"
 
@@ -72,4 +75,146 @@ Test(server_policy, good_settings_start)
         kvt_client_close(c);
         kvd_cleanup(&d);
     }
+}
+
+#define PAGE 16
+#define BIG  65536
+
+static void fill_pages(uint8_t *buf, uint32_t n, uint32_t seed)
+{
+    for (uint32_t p = 0; p < n; p++)
+        kvd_fill(buf + (size_t)p * BIG, BIG, seed + p);
+}
+
+static void put_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed)
+{
+    uint8_t *payload = malloc((size_t)pages * BIG);
+    fill_pages(payload, pages, seed);
+    kvt_client_put_t r;
+    int rc = kvt_client_put(c, tok, pages * PAGE, 0, pages, payload, NULL, &r);
+    cr_assert_eq(rc, 0, "put: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    free(payload);
+}
+
+/* The value of one metric line (name with labels, exactly as exposed), or -1 when absent. */
+static double metric(const kvd_t *d, const char *series)
+{
+    static char body[1 << 18];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    size_t n = strlen(series);
+    for (char *l = body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+        if (strncmp(l, series, n) == 0 && l[n] == ' ')
+            return strtod(l + n + 1, NULL);
+    return -1;
+}
+
+/* Reads the whole prompt back under a lease; every page must be byte-exact. */
+static void get_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed,
+                       uint8_t *from)
+{
+    uint8_t tiers[64];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 64};
+    cr_assert_eq(kvt_client_match(c, tok, pages * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, pages);
+    uint8_t *buf = malloc((size_t)pages * BIG), *want = malloc((size_t)pages * BIG);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, m.lease, 0, pages, buf, (size_t)pages * BIG, &got, from);
+    cr_assert_eq(rc, 0, "get: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_assert_eq(got, pages);
+    fill_pages(want, pages, seed);
+    for (uint32_t p = 0; p < pages; p++)
+        cr_assert(memcmp(buf + (size_t)p * BIG, want + (size_t)p * BIG, BIG) == 0,
+                  "page %u differs", p);
+    free(buf);
+    free(want);
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+}
+
+static double settle(const kvd_t *d, const char *series, double above)
+{
+    double v = -1;
+    for (int i = 0; i < 1000 && (v = metric(d, series)) <= above; i++)
+        usleep(5000);
+    return v;
+}
+
+Test(server_policy, demotes_into_redis_and_reads_back)
+{
+    const char *addr = getenv("KVT_TEST_REDIS");
+    if (!addr || !*addr)
+        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
+    char pfx[64];
+    snprintf(pfx, sizeof pfx, "kvt-policy-%d", (int)getpid());
+    kvd_t d = {0};
+    /* 1 MiB of DRAM, no NVMe (see the closing note of the NVMe log's segment reclaim), 8 MiB of
+     * the shared redis-server; 48 pages of 64 KiB. LRU: the cost model would rightly drop such
+     * cheap blocks rather than send them to redis. */
+    kvd_start(&d, "--policy", "lru", "--dram-bytes", "1M", "--nvme-bytes", "0", "--remote", addr,
+              "--remote-prefix", pfx, "--remote-bytes", "8M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    enum { N = 3, P = 16 };
+    uint32_t tok[N][P * PAGE];
+    for (int k = 0; k < N; k++) {
+        kvd_tokens(tok[k], P * PAGE, 1000000u * (k + 1));
+        put_prompt(c, tok[k], P, 100 * (k + 1));
+    }
+    cr_expect_gt(settle(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"remote\"}", 0), 0,
+                 "DRAM past its watermark demoted into the redis-server");
+    for (int t = 2; t <= 4; t += 2) {
+        static const char *const names[] = {"", "", "dram", "nvme", "remote"};
+        char used[96], cap[96];
+        snprintf(used, sizeof used, "%s_used_bytes", names[t]);
+        snprintf(cap, sizeof cap, "%s_capacity_bytes", names[t]);
+        cr_expect_leq(kvd_stat(c, used), kvd_stat(c, cap), "%s within capacity", names[t]);
+    }
+    uint8_t from[N][P];
+    int seen[8] = {0};
+    for (int k = 0; k < N; k++) {
+        get_prompt(c, tok[k], P, 100 * (k + 1), from[k]);
+        for (int p = 0; p < P; p++)
+            seen[from[k][p] & 7] = 1;
+    }
+    cr_expect(seen[KVT_CLIENT_TIER_REMOTE], "some pages came back from the redis-server");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+Test(server_policy, leased_path_never_moves_and_no_lower_tier_drops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "1M", "--nvme-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    uint32_t x[4 * PAGE], y[12 * PAGE], z[12 * PAGE];
+    kvd_tokens(x, 4 * PAGE, 1);
+    kvd_tokens(y, 12 * PAGE, 500000);
+    kvd_tokens(z, 12 * PAGE, 900000);
+    put_prompt(c, x, 4, 10);
+    uint8_t tiers[16];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 16};
+    cr_assert_eq(kvt_client_match(c, x, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    uint64_t lease = m.lease;
+    /* 28 pages of 64 KiB through 1 MiB of DRAM with nothing below: blocks must be dropped. */
+    put_prompt(c, y, 12, 20);
+    put_prompt(c, z, 12, 30);
+    cr_expect_gt(settle(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}", 0), 0);
+    cr_expect_leq(kvd_stat(c, "dram_used_bytes"), kvd_stat(c, "dram_capacity_bytes"));
+    /* x is leased: all of it is still in DRAM, byte-exact. */
+    uint8_t buf[4 * BIG], want[4 * BIG], from[4];
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c, lease, 0, 4, buf, sizeof buf, &got, from), 0);
+    cr_assert_eq(got, 4);
+    fill_pages(want, 4, 10);
+    cr_expect(memcmp(buf, want, sizeof buf) == 0, "the leased path reads back byte-exact");
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(from[i], KVT_CLIENT_TIER_DRAM, "leased page %d stayed in DRAM", i);
+    cr_assert_eq(kvt_client_release(c, lease, NULL), 0);
+    /* y went first (oldest unleased): a lookup of it now misses some pages as evicted. */
+    double before = metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}");
+    cr_assert_eq(kvt_client_match(c, y, 12 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_lt(m.pages, 12, "y lost pages to the drops");
+    cr_expect_gt(metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}"), before,
+                 "the miss is counted as evicted");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
 }
