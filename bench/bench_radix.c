@@ -165,8 +165,11 @@ static uint32_t baseline_request(hset_t *s, const uint32_t *tok, uint32_t npages
  * What moving the index's bytes alone costs: per request, write as many bytes as its insert
  * wrote (the new pages' tokens, copied, and their blocks, zeroed) and read as many as its match
  * read (the matched pages' tokens and blocks), in a ring four times the size of this machine's
- * last-level cache so that, as for the index, none of it is in cache. The index does more than
- * that (counter updates, node lookups, allocation), so this is a floor, not a competitor.
+ * last-level cache so that, as for the index, none of it is in cache. It uses memcpy and memset
+ * (ordinary stores, which glibc keeps for copies this size), where the index streams large runs
+ * past the cache, and it does not write back the matched blocks' counters as the match does. The
+ * index does more than that (counter updates, node lookups, allocation), so this is a floor, not a
+ * competitor.
  */
 #define REF_RING ((size_t)128 << 20)
 
