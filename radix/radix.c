@@ -5,13 +5,16 @@
  * leaves, and counts every byte it allocates (malloc_usable_size, so the count is what the
  * allocator really handed out).
  *
- * A node's pages live in one allocation, blocks first (8-byte aligned) then tokens:
+ * A node's pages live in one allocation, blocks first (8-byte aligned) then tokens, the node's
+ * pages at slots [off, off + npages) of both:
  *
  *     storage: [ block 0 | block 1 | ... | block cap-1 ][ tokens of page 0 | ... | page cap-1 ]
  *
- * cap may exceed npages after evictions shrink a leaf; the storage is trimmed when it falls
- * below half. Children are kept in one allocation too, keys then pointers, sorted by key (the
- * prefix hash of the child's first block) for binary search:
+ * Slots outside that range are dead: evictions free pages at the end, and a split leaves the
+ * smaller of its two halves behind in the storage the larger half keeps, so that a split copies
+ * only that smaller half (a split's cost was a copy of the whole node before). The storage is
+ * compacted when fewer than half its slots are live. Children are kept in one allocation too, keys
+ * then pointers, sorted by key (the prefix hash of the child's first block) for binary search:
  *
  *     kids:    [ key 0 | key 1 | ... | key cap-1 ][ node* 0 | node* 1 | ... | node* cap-1 ]
  *
@@ -43,11 +46,12 @@ typedef struct kvt_ns {
 struct kvt_radix_node {
     kvt_radix_node_t *parent;
     kvt_radix_node_t *lprev, *lnext; /* evictable list, when in it */
-    kvt_block_t *blocks;             /* storage: cap blocks, then cap pages of tokens */
-    uint32_t *tokens;
-    uint64_t *keys; /* kids allocation: kcap keys then kcap pointers */
+    kvt_block_t *blocks;             /* slot off of the storage: cap blocks, then cap pages */
+    uint32_t *tokens;                /* of tokens; the storage starts at blocks - off */
+    uint64_t *keys;                  /* kids allocation: kcap keys then kcap pointers */
     uint32_t nkids, kcap;
     uint32_t npages, cap;
+    uint32_t off;   /* slot of the first live page in store */
     uint32_t depth; /* page depth of the first page */
     uint32_t ns;
     uint32_t leases;
@@ -223,31 +227,46 @@ static void list_update(kvt_radix_t *t, kvt_radix_node_t *n)
 
 /* ---- nodes ---------------------------------------------------------------------------------- */
 
-/* Sets a node's storage capacity, keeping its npages pages. */
+/* The start of a node's storage allocation (NULL for a root). */
+static void *node_store(const kvt_radix_node_t *n)
+{
+    return n->blocks ? n->blocks - n->off : NULL;
+}
+
+/* Points blocks and tokens at slot off of a storage with cap slots. */
+static void node_set_store(kvt_radix_node_t *n, void *store, uint32_t cap, uint32_t off)
+{
+    n->cap = cap;
+    n->off = off;
+    n->blocks = (kvt_block_t *)store + off;
+    n->tokens = (uint32_t *)((kvt_block_t *)store + cap) + (size_t)off * n->page_size;
+}
+
+/* Sets a node's storage capacity, keeping its npages pages and moving them to slot 0. */
 static int node_set_cap(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t cap)
 {
     kvt_assert(cap >= n->npages);
     size_t tok_bytes = (size_t)n->npages * n->page_size * sizeof(uint32_t);
-    if (cap == n->cap)
+    if (cap == n->cap && n->off == 0)
         return 0;
-    if (cap < n->cap) {
-        /* Move the tokens down to where the smaller block area ends, then shrink. */
-        uint32_t *dst = (uint32_t *)(n->blocks + cap);
-        memmove(dst, n->tokens, tok_bytes);
-        kvt_block_t *b = rx_realloc(t, n->blocks, storage_bytes(cap, n->page_size));
-        if (b) /* a failed shrink keeps the old, larger block: still valid */
-            n->blocks = b;
-        n->tokens = (uint32_t *)(n->blocks + cap);
-        n->cap = cap;
-        return 0;
+    void *s = node_store(n);
+    if (cap > n->cap) {
+        s = rx_realloc(t, node_store(n), storage_bytes(cap, n->page_size));
+        if (!s)
+            return KVT_ENOMEM;
     }
-    kvt_block_t *b = rx_realloc(t, n->blocks, storage_bytes(cap, n->page_size));
-    if (!b)
-        return KVT_ENOMEM;
-    memmove(b + cap, b + n->cap, tok_bytes);
-    n->blocks = b;
-    n->tokens = (uint32_t *)(b + cap);
-    n->cap = cap;
+    /* Blocks to the front first: their new place ends before the old tokens start. Then the
+     * tokens to where the block area of cap slots ends. */
+    const uint32_t *old_tok =
+        (const uint32_t *)((const kvt_block_t *)s + n->cap) + (size_t)n->off * n->page_size;
+    memmove(s, (kvt_block_t *)s + n->off, n->npages * sizeof(kvt_block_t));
+    memmove((kvt_block_t *)s + cap, old_tok, tok_bytes);
+    if (cap < n->cap) {
+        void *q = rx_realloc(t, s, storage_bytes(cap, n->page_size));
+        if (q) /* a failed shrink keeps the old, larger allocation: still valid */
+            s = q;
+    }
+    node_set_store(n, s, cap, 0);
     return 0;
 }
 
@@ -284,13 +303,12 @@ static kvt_radix_node_t *node_new(kvt_radix_t *t, uint32_t ns, uint32_t page_siz
     n->page_size = (uint16_t)page_size;
     n->idx = NO_SLOT;
     if (npages > 0) {
-        n->blocks = rx_malloc(t, storage_bytes(npages, page_size));
-        if (!n->blocks) {
+        void *store = rx_malloc(t, storage_bytes(npages, page_size));
+        if (!store) {
             rx_free(t, n);
             return NULL;
         }
-        n->cap = npages;
-        n->tokens = (uint32_t *)(n->blocks + npages);
+        node_set_store(n, store, npages, 0);
     }
     return n;
 }
@@ -298,7 +316,7 @@ static kvt_radix_node_t *node_new(kvt_radix_t *t, uint32_t ns, uint32_t page_siz
 static void node_free(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     rx_free(t, n->keys);
-    rx_free(t, n->blocks);
+    rx_free(t, node_store(n));
     rx_free(t, n);
 }
 
@@ -626,41 +644,58 @@ int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t 
  *     g -> c[0 .. n)        becomes        g -> p[0 .. k) -> c[k .. n)
  *
  * c keeps its address, children and leases (p inherits c's lease count: every lease through c
- * runs through p). Returns p, or NULL when out of memory (nothing changed).
+ * runs through p). Only the smaller half is copied: a small head goes to new storage for p and c
+ * keeps its storage from slot off + k on; a large head keeps the storage, given to p, and c's
+ * tail goes to new storage. Returns p, or NULL when out of memory (nothing changed).
  */
 static kvt_radix_node_t *split(kvt_radix_t *t, kvt_radix_node_t *c, uint32_t k)
 {
     kvt_assert(k > 0 && k < c->npages);
     kvt_radix_node_t *g = c->parent;
-    uint32_t ps = c->page_size;
-    kvt_radix_node_t *p = node_new(t, c->ns, ps, k);
+    uint32_t ps = c->page_size, rest = c->npages - k;
+    int head_moves = k < rest;
+    kvt_radix_node_t *p = node_new(t, c->ns, ps, head_moves ? k : 0);
     if (!p)
         return NULL;
+    void *tail_store = NULL;
     p->kcap = 2; /* room for c and the leaf the insert adds next to it */
     p->keys = rx_malloc(t, 2 * (sizeof(uint64_t) + sizeof(void *)));
-    if (!p->keys || registry_add(t, p) != 0) {
+    if (!head_moves)
+        tail_store = rx_malloc(t, storage_bytes(rest, ps));
+    if (!p->keys || (!head_moves && !tail_store) || registry_add(t, p) != 0) {
+        rx_free(t, tail_store);
         node_free(t, p);
         return NULL;
     }
-    memcpy(p->blocks, c->blocks, k * sizeof(kvt_block_t));
-    memcpy(p->tokens, c->tokens, (size_t)k * ps * sizeof(uint32_t));
-    p->npages = k;
-    p->depth = c->depth;
-    p->leases = c->leases;
-
     /* p takes c's place under g: same key, since p starts with c's old first page. */
     uint32_t i = kid_lower_bound(g, page_key(c->tokens, ps));
     kvt_assert(kids_ptrs(g)[i] == c);
     kids_ptrs(g)[i] = p;
     p->parent = g;
+    p->depth = c->depth;
+    p->leases = c->leases;
 
-    uint32_t rest = c->npages - k;
-    memmove(c->blocks, c->blocks + k, rest * sizeof(kvt_block_t));
-    memmove(c->tokens, c->tokens + (size_t)k * ps, (size_t)rest * ps * sizeof(uint32_t));
+    if (head_moves) {
+        memcpy(p->blocks, c->blocks, k * sizeof(kvt_block_t));
+        memcpy(p->tokens, c->tokens, (size_t)k * ps * sizeof(uint32_t));
+        node_set_store(c, node_store(c), c->cap, c->off + k);
+    } else {
+        void *old = node_store(c);
+        uint32_t cap = c->cap, off = c->off;
+        kvt_block_t *b = tail_store;
+        memcpy(b, c->blocks + k, rest * sizeof(kvt_block_t));
+        memcpy(b + rest, c->tokens + (size_t)k * ps, (size_t)rest * ps * sizeof(uint32_t));
+        node_set_store(c, tail_store, rest, 0);
+        node_set_store(p, old, cap, off);
+    }
+    p->npages = k;
     c->npages = rest;
     c->depth += k;
-    if (c->cap > 2 * rest)
-        node_set_cap(t, c, rest);
+    /* Dead slots are at most half of a storage; compacting copies only the live ones. */
+    if (p->cap > 2 * p->npages)
+        node_set_cap(t, p, p->npages);
+    if (c->cap > 2 * c->npages)
+        node_set_cap(t, c, c->npages);
     p->keys[0] = page_key(c->tokens, ps);
     kids_ptrs(p)[0] = c;
     p->nkids = 1;
@@ -1047,36 +1082,40 @@ uint64_t kvt_radix_block_hash(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t dept
         return 0;
     if (target->hash)
         return target->hash;
-    /* Computed hashes form a prefix of the path: find where it ends, then hash forward. */
-    kvt_radix_node_t *c = n;
-    while (c->depth > depth)
-        c = c->parent;
-    uint32_t i = depth - c->depth;
-    uint64_t h = 0;
+    /*
+     * Computed hashes form a prefix of the path. Climb once to the topmost node with an
+     * unhashed block; `above` is the node over it (hashed to its end) or the root. Then hash
+     * downwards, one block at a time, to the target. Going down needs the path's nodes in
+     * order: they are gathered 64 at a time, the 64 just below `above`, so the whole costs
+     * O(pages + levels^2 / 64) instead of a climb per page.
+     */
+    kvt_radix_node_t *holder = n;
+    while (holder->depth > depth)
+        holder = holder->parent;
+    kvt_radix_node_t *above = holder->parent;
+    while (!is_root(above) && above->blocks[above->npages - 1].hash == 0)
+        above = above->parent;
+    uint64_t h = is_root(above) ? t->ns[holder->ns].seed : above->blocks[above->npages - 1].hash;
     for (;;) {
-        while (i > 0 && c->blocks[i - 1].hash == 0)
-            i--;
-        if (i > 0) {
-            h = c->blocks[i - 1].hash;
-            break;
+        kvt_radix_node_t *ring[64];
+        uint32_t nr = 0;
+        for (kvt_radix_node_t *x = holder; x != above; x = x->parent)
+            ring[nr++ % 64] = x;
+        uint32_t take = KVT_MIN(nr, 64u);
+        for (uint32_t j = 0; j < take; j++) {
+            kvt_radix_node_t *x = ring[(nr - 1 - j) % 64];
+            uint32_t end = x == holder ? depth - x->depth + 1 : x->npages;
+            for (uint32_t i = 0; i < end; i++) {
+                kvt_block_t *b = &x->blocks[i];
+                if (b->hash == 0)
+                    b->hash = page_hash(x->tokens + (size_t)i * x->page_size, x->page_size, h);
+                h = b->hash;
+            }
+            above = x;
         }
-        if (is_root(c->parent)) {
-            h = t->ns[c->ns].seed;
-            break;
-        }
-        c = c->parent;
-        i = c->npages;
+        if (above == holder)
+            return h;
     }
-    /* Forward from (c, i) to the target, crossing into children along the path to n. */
-    for (uint32_t d = c->depth + i; d <= depth; d++) {
-        kvt_radix_node_t *holder = n;
-        while (holder->depth > d)
-            holder = holder->parent;
-        kvt_block_t *b = &holder->blocks[d - holder->depth];
-        b->hash = h = page_hash(holder->tokens + (size_t)(d - holder->depth) * holder->page_size,
-                                holder->page_size, h);
-    }
-    return h;
 }
 
 void kvt_path_iter_init(kvt_path_iter_t *it, kvt_radix_node_t *node, uint32_t node_pages)
@@ -1187,7 +1226,7 @@ int kvt_radix_verify(const kvt_radix_t *t)
         stack[sp++] = ns->root;
         while (sp > 0) {
             kvt_radix_node_t *n = stack[--sp];
-            bytes += usable(n) + usable(n->blocks) + usable(n->keys);
+            bytes += usable(n) + usable(node_store(n)) + usable(n->keys);
             if (n->ns != s || n->page_size != ns->page_size)
                 VFAIL("node in namespace %u has ns %u page size %u", s, n->ns, n->page_size);
             if (is_root(n)) {
@@ -1197,8 +1236,11 @@ int kvt_radix_verify(const kvt_radix_t *t)
                 seen_nodes++;
                 if (n->idx >= t->nnodes || t->nodes[n->idx] != n)
                     VFAIL("node not in the registry");
-                if (n->npages == 0 || n->npages > n->cap)
-                    VFAIL("node with %u pages, capacity %u", n->npages, n->cap);
+                if (n->npages == 0 || n->off + n->npages > n->cap)
+                    VFAIL("node with %u pages at slot %u, capacity %u", n->npages, n->off, n->cap);
+                if (n->tokens != (uint32_t *)((kvt_block_t *)node_store(n) + n->cap) +
+                                     (size_t)n->off * n->page_size)
+                    VFAIL("node's tokens are not at its slot %u", n->off);
                 const kvt_radix_node_t *p = n->parent;
                 if (n->depth != p->depth + p->npages)
                     VFAIL("node depth %u after parent %u+%u", n->depth, p->depth, p->npages);

@@ -536,6 +536,47 @@ Test(radix_ops, path_iterator_walks_blocks_in_order)
     free(s);
 }
 
+/* Hashes asked for out of order on a path of 150 nodes of 3 pages each (more than the 64 nodes
+ * kvt_radix_block_hash gathers per round), from inside a node, above what is hashed, below. */
+Test(radix_ops, block_hash_on_a_deep_path_in_any_order)
+{
+    const uint32_t turns = 150, per = 3, pages = turns * per;
+    uint32_t *s = seq(pages * PS, 1);
+    for (uint32_t i = 1; i <= turns; i++)
+        insert(s, i * per * PS);
+    uint64_t *h = malloc(pages * sizeof(uint64_t));
+    cr_assert_not_null(h);
+    cr_assert_eq(kvt_radix_hash_pages(tree, ns, s, pages, h), 0);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, s, pages * PS, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, pages);
+    const uint32_t order[] = {4, 301, 2, 302, 300, 449, 0, 448, 65 * 3 + 1};
+    for (size_t i = 0; i < KVT_ARRAY_LEN(order); i++) {
+        uint32_t d = order[i];
+        cr_expect_eq(kvt_radix_block_hash(tree, m.node, d), h[d], "depth %u", d);
+        cr_expect_eq(kvt_radix_block_at(m.node, d)->hash, h[d], "depth %u", d);
+        cr_assert_eq(kvt_radix_verify(tree), 0); /* computed hashes are still a prefix */
+    }
+    /* Nothing below the deepest asked for is hashed yet on a fresh branch. */
+    uint32_t *b = seq(pages * PS, 1);
+    b[200 * PS] = 7; /* a branch at page 200, inside a node */
+    kvt_insert_t r;
+    cr_assert_eq(kvt_radix_insert(tree, ns, b, pages * PS, &r), 0);
+    cr_assert_eq(r.first_page, 200);
+    cr_expect_eq(kvt_radix_block_at(r.node, 200)->hash, 0);
+    uint64_t *hb = malloc(pages * sizeof(uint64_t));
+    cr_assert_not_null(hb);
+    cr_assert_eq(kvt_radix_hash_pages(tree, ns, b, pages, hb), 0);
+    cr_expect_eq(kvt_radix_block_hash(tree, r.node, 260), hb[260]);
+    cr_expect_eq(kvt_radix_block_at(r.node, 261)->hash, 0);
+    cr_expect_eq(kvt_radix_block_hash(tree, r.node, 199), h[199]);
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    free(hb);
+    free(b);
+    free(h);
+    free(s);
+}
+
 Test(radix_ops, destroy_frees_every_block)
 {
     uint32_t *a = seq(7 * PS, 1), *b = seq(7 * PS, 1);

@@ -153,6 +153,12 @@ static void run(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet)
             kvt_match_t mt;
             cr_assert_eq(kvt_radix_match(t, ns, q, ntok, 0, &mt), 0);
             cr_assert_eq(mt.pages, model_match(&m, q, np), "step %u", step);
+            if (mt.pages > 0) { /* a lazy chain hash somewhere on the path, as hash_pages has it */
+                uint32_t d = rnd(mt.pages);
+                uint64_t want[MAXPAGES];
+                cr_assert_eq(kvt_radix_hash_pages(t, ns, q, d + 1, want), 0);
+                cr_assert_eq(kvt_radix_block_hash(t, mt.node, d), want[d], "step %u", step);
+            }
             cr_assert_eq(kvt_radix_match(t, ns_other, q, ntok, 0, &mt), 0);
             cr_assert_eq(mt.pages, 0);
         } else if (op < 75) { /* lease what matches */
