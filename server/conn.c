@@ -385,7 +385,8 @@ static void kvt_conn_read(kvt__conn_t *c)
             c->dead = 1;
             return;
         }
-        ssize_t n = read(c->ev.fd, c->in + c->in_len, c->in_cap - c->in_len);
+        size_t room = c->in_cap - c->in_len;
+        ssize_t n = read(c->ev.fd, c->in + c->in_len, room);
         if (n == 0) {
             if (c->in_len > 0) {
                 kvt__proto_error(c->srv, KVT_PERR_TRUNCATED);
@@ -404,6 +405,10 @@ static void kvt_conn_read(kvt__conn_t *c)
         c->in_len += (size_t)n;
         kvt_conn_parse(c);
         if (c->inflight >= c->srv->conf->max_inflight || c->out_bytes >= KVT_OUT_HIGH)
+            return;
+        /* A short read took all the socket had: the next read would only say EAGAIN. Bytes
+         * that arrive meanwhile wake epoll again (level-triggered), so none wait. */
+        if ((size_t)n < room)
             return;
     }
 }

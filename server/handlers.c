@@ -284,12 +284,16 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     if (!frame)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     uint8_t *out = frame + KVT_PROTO_HDR, *tiers = out + sizeof(kvt_wire_match_reply_t);
-    if (m->pages) {
-        kvt_path_iter_t it;
-        kvt_path_iter_init(&it, m->node, m->node_pages);
-        kvt_block_t *b;
-        for (uint32_t i = 0; i < m->pages && (b = kvt_path_iter_next(&it, NULL)); i++)
-            tiers[i] = b->tier;
+    /* Tiers per page, from the matched node up to the root: each node's blocks are one array,
+     * so this reads them in place instead of stepping a path iterator block by block. */
+    uint32_t in_node = m->node_pages;
+    for (kvt_radix_node_t *n = m->pages ? m->node : NULL, *up; n; n = up) {
+        uint32_t depth = kvt_radix_node_depth(n);
+        const kvt_block_t *b = kvt_radix_node_blocks(n);
+        for (uint32_t i = 0; i < in_node && depth + i < m->pages; i++)
+            tiers[depth + i] = b[i].tier;
+        up = kvt_radix_node_parent(n);
+        in_node = kvt_radix_node_pages(up);
     }
     if (!(q->flags & KVT_MATCH_F_PROBE))
         kvt_count_match(s, m, q->wire, q->ntokens, c->page_size, tiers, remote_down);
