@@ -2,7 +2,9 @@
  * test_tier_copy.c: kvt_tier_copy between every pair of local tiers (DRAM, NVMe, HBM through
  * its host backend): a memory source written straight from its memory, any other source staged,
  * the callback from the destination's completion path, the source left as it was, a full
- * destination refused up front with nothing changed, and an unknown source refused.
+ * destination refused up front with nothing changed, an unknown source refused, and a tier
+ * destroyed with a staged copy in flight on it (as source or destination) freeing the staging
+ * buffer and giving the reservation back.
  */
 #include "test_tier_util.h"
 
@@ -164,5 +166,85 @@ Test(tier_copy, a_failed_source_read_reaches_the_callback)
     cr_assert_eq(after.used_bytes, before.used_bytes, "the reservation is given back");
     cr_assert_eq(after.blocks, 0);
     free(buf);
+    close_all(&ts);
+}
+
+/* Starts a staged copy of a fresh NVMe block into dst; the copy is in flight on return. */
+static void start_staged_copy(tiers_t *ts, kvt_tier_t *dst, kvt_tier_copy_t *c, int *done,
+                              uint32_t *tok, uint8_t *buf, uint32_t len)
+{
+    kvt_block_key_t k = tu_key(7, tok, 16);
+    tu_fill(buf, len, 7);
+    uint64_t sloc = 0;
+    cr_assert_eq(tu_write(ts->nvme, &k, buf, len, &sloc), 0);
+    *c = (kvt_tier_copy_t){.src = ts->nvme,
+                           .dst = dst,
+                           .src_loc = sloc,
+                           .key = k,
+                           .len = len,
+                           .cb = copy_cb,
+                           .data = done};
+    cr_assert_eq(kvt_tier_copy(c), 0);
+    cr_assert_not_null(c->staging, "an NVMe source is staged");
+}
+
+Test(tier_copy, destroying_the_source_mid_read_frees_the_staging)
+{
+    tiers_t ts;
+    open_all(&ts, 16u << 20);
+    const uint32_t len = 300000;
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    kvt_tier_usage_t before, after;
+    kvt_tier_usage(ts.dram, &before);
+    int done = 0;
+    kvt_tier_copy_t c;
+    start_staged_copy(&ts, ts.dram, &c, &done, tok, buf, len);
+    kvt_tier_destroy(ts.nvme); /* the read from src is in flight */
+    ts.nvme = NULL;
+    cr_assert_eq(done, 0, "no callback runs for a destroyed tier's requests");
+    cr_assert_null(c.staging, "the staging buffer is freed (ASan: no leak)");
+    cr_assert_eq(c.status, KVT_ECLOSED);
+    cr_assert_eq(c.dst_loc, 0);
+    kvt_tier_usage(ts.dram, &after);
+    cr_assert_eq(after.used_bytes, before.used_bytes, "the reservation in dst is given back");
+    cr_assert_eq(after.blocks, 0);
+    free(buf);
+    close_all(&ts);
+}
+
+Test(tier_copy, destroying_the_destination_mid_write_frees_the_staging)
+{
+    tiers_t ts;
+    open_all(&ts, 16u << 20);
+    char dir2[4096];
+    tu_tmpdir(dir2, sizeof(dir2), "copy-dst");
+    kvt_tier_nvme_conf_t nc = {.dir = dir2, .capacity_bytes = 32u << 20, .segment_bytes = 4u << 20};
+    kvt_tier_t *dst;
+    cr_assert_eq(kvt_tier_nvme_create(&dst, &nc), 0);
+    const uint32_t len = 300000;
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    int done = 0;
+    kvt_tier_copy_t c;
+    start_staged_copy(&ts, dst, &c, &done, tok, buf, len);
+    /* Run the read's completion only: it submits the write to dst. */
+    kvt_tier_usage_t su, du;
+    uint64_t deadline = kvt_now_ns() + 20ull * 1000000000ull;
+    do {
+        kvt_tier_wait(ts.nvme, 10);
+        kvt_tier_usage(ts.nvme, &su);
+    } while (su.inflight > 0 && kvt_now_ns() < deadline);
+    cr_assert_eq(su.inflight, 0);
+    kvt_tier_usage(dst, &du);
+    cr_assert_eq(du.inflight, 1, "the write to dst is in flight");
+    cr_assert_not_null(c.staging);
+    kvt_tier_destroy(dst);
+    cr_assert_eq(done, 0, "no callback runs for a destroyed tier's requests");
+    cr_assert_null(c.staging, "the staging buffer is freed (ASan: no leak)");
+    cr_assert_eq(c.status, KVT_ECLOSED);
+    cr_assert_eq(c.dst_loc, 0);
+    free(buf);
+    tu_rmrf(dir2);
     close_all(&ts);
 }

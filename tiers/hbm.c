@@ -8,6 +8,8 @@
  *         FIFO until its event is done. The tier's fd is a timerfd armed (every 20 us) only
  *         while copies are in flight; the poll op queries the events and completes what is
  *         done. No thread of ours runs: the loop that owns the tier harvests everything.
+ *         A copy that stages on its way to or from this backend stages through pinned memory
+ *         (kvt__pinned_get below), so that its cudaMemcpyAsync is a real asynchronous DMA.
  *   host  the pool is ordinary memory and copies are memcpy, completed at once: four-tier
  *         behaviour on machines without a GPU. Chosen only by explicit configuration, and it
  *         says so in its log line and in kvt_tier_backend().
@@ -48,11 +50,16 @@ typedef struct hbm {
     uint32_t nstreams, next_stream;
     int tfd;
     int armed;
+    int pinned;                           /* counted in pin_tiers */
     kvt_tier_io_t *pend_head, *pend_tail; /* linked through priv[1] */
     cudaEvent_t *events;                  /* free events */
     size_t nevents, events_cap;
 #endif
 } hbm_t;
+
+#if KVT_HAVE_CUDA
+static void pin_close(void);
+#endif
 
 /* ---- the slot allocator ---- */
 
@@ -187,6 +194,8 @@ static void hbm_dealloc(hbm_t *h)
             cudaFree(h->base);
         if (h->tfd >= 0)
             close(h->tfd);
+        if (h->pinned)
+            pin_close();
     }
 #endif
     if (!h->cuda && h->base)
@@ -228,6 +237,89 @@ int kvt_tier_cuda_usable(void)
 {
     pthread_once(&cuda_once, cuda_probe);
     return cuda_ndev > 0;
+}
+
+/* ---- pinned staging for copies (kvt__pinned_get) ----
+ * cudaHostAlloc pins pages at a cost of a millisecond or more for megabytes, so freed staging
+ * buffers wait in a small cache, by size rounded up to a power of two, while any CUDA tier is
+ * open; the last one to close empties it. A buffer handed back after that is freed at once. */
+#define PIN_CACHE_SLOTS 16
+#define PIN_CACHE_BYTES (128ull << 20)
+
+static pthread_mutex_t pin_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned pin_tiers; /* CUDA tiers open */
+static void *pin_buf[PIN_CACHE_SLOTS];
+static size_t pin_len[PIN_CACHE_SLOTS];
+static unsigned pin_n;
+static uint64_t pin_bytes;
+
+static size_t pin_round(size_t sz)
+{
+    size_t r = 64u << 10;
+    while (r < sz)
+        r <<= 1;
+    return r;
+}
+
+void *kvt__pinned_get(size_t sz)
+{
+    size_t want = pin_round(sz);
+    void *p = NULL;
+    pthread_mutex_lock(&pin_lock);
+    for (unsigned i = 0; i < pin_n; i++) {
+        if (pin_len[i] == want) {
+            p = pin_buf[i];
+            pin_bytes -= want;
+            pin_n--;
+            pin_buf[i] = pin_buf[pin_n];
+            pin_len[i] = pin_len[pin_n];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pin_lock);
+    if (!p && cudaHostAlloc(&p, want, cudaHostAllocPortable) != cudaSuccess)
+        p = NULL;
+    return p;
+}
+
+void kvt__pinned_put(void *p, size_t sz)
+{
+    size_t len = pin_round(sz);
+    pthread_mutex_lock(&pin_lock);
+    int keep = pin_tiers > 0 && pin_n < PIN_CACHE_SLOTS && pin_bytes + len <= PIN_CACHE_BYTES;
+    if (keep) {
+        pin_buf[pin_n] = p;
+        pin_len[pin_n] = len;
+        pin_n++;
+        pin_bytes += len;
+    }
+    pthread_mutex_unlock(&pin_lock);
+    if (!keep)
+        cudaFreeHost(p);
+}
+
+static void pin_open(void)
+{
+    pthread_mutex_lock(&pin_lock);
+    pin_tiers++;
+    pthread_mutex_unlock(&pin_lock);
+}
+
+static void pin_close(void)
+{
+    void *drop[PIN_CACHE_SLOTS];
+    unsigned n = 0;
+    pthread_mutex_lock(&pin_lock);
+    kvt_assert(pin_tiers > 0);
+    if (--pin_tiers == 0) {
+        n = pin_n;
+        memcpy(drop, pin_buf, n * sizeof(drop[0]));
+        pin_n = 0;
+        pin_bytes = 0;
+    }
+    pthread_mutex_unlock(&pin_lock);
+    for (unsigned i = 0; i < n; i++)
+        cudaFreeHost(drop[i]);
 }
 
 static void cuda_arm(hbm_t *h, int on)
@@ -369,6 +461,7 @@ static int cuda_poll(kvt_tier_t *t)
 
 static const kvt_tier_ops_t cuda_ops = {
     .backend = "cuda",
+    .pinned_staging = 1,
     .footprint = hbm_footprint,
     .write = cuda_write,
     .read = cuda_read,
@@ -415,6 +508,8 @@ static int cuda_open(hbm_t *h, const kvt_tier_hbm_conf_t *conf)
     h->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
     if (h->tfd < 0)
         return -errno;
+    pin_open();
+    h->pinned = 1;
     return 0;
 }
 #else

@@ -246,6 +246,10 @@ void kvt__tier_complete(kvt_tier_t *t, kvt_tier_io_t *io, int status)
     }
 }
 
+static void copy_abandon(kvt_tier_io_t *io);
+static void copy_read_done(kvt_tier_io_t *io);
+static void copy_write_done(kvt_tier_io_t *io);
+
 int kvt_tier_process(kvt_tier_t *t)
 {
     if (!t)
@@ -268,6 +272,8 @@ int kvt_tier_process(kvt_tier_t *t)
         io->next = NULL;
         if (t->delivered && io->cb)
             io->cb(io);
+        else if (io->cb == copy_read_done || io->cb == copy_write_done)
+            copy_abandon(io);
         ran++;
         io = next;
     }
@@ -492,10 +498,53 @@ void kvt_tier_destroy(kvt_tier_t *t)
 
 /* ---- copies between tiers ---- */
 
+/* The staging buffer for a copy whose source has no memory to write from: sector-aligned so
+ * that an NVMe side moves it without a bounce, and pinned when either side is a CUDA tier. */
+static size_t copy_staging_size(const kvt_tier_copy_t *c)
+{
+    return ((size_t)c->len + 4095) & ~(size_t)4095;
+}
+
+static int copy_stage(kvt_tier_copy_t *c)
+{
+    size_t sz = copy_staging_size(c);
+    c->staging = NULL;
+    c->staging_pinned = 0;
+#if KVT_HAVE_CUDA
+    if (c->src->ops->pinned_staging || c->dst->ops->pinned_staging) {
+        c->staging = kvt__pinned_get(sz);
+        if (!c->staging)
+            return KVT_ENOMEM;
+        c->staging_pinned = 1;
+        return 0;
+    }
+#endif
+    if (posix_memalign(&c->staging, 4096, sz) != 0) {
+        c->staging = NULL;
+        return KVT_ENOMEM;
+    }
+    return 0;
+}
+
+static void copy_unstage(kvt_tier_copy_t *c)
+{
+    if (!c->staging)
+        return;
+#if KVT_HAVE_CUDA
+    if (c->staging_pinned)
+        kvt__pinned_put(c->staging, copy_staging_size(c));
+    else
+        free(c->staging);
+#else
+    free(c->staging);
+#endif
+    c->staging = NULL;
+    c->staging_pinned = 0;
+}
+
 static void copy_finish(kvt_tier_copy_t *c, int status)
 {
-    free(c->staging);
-    c->staging = NULL;
+    copy_unstage(c);
     c->status = status;
     c->dst_loc = status == 0 ? c->io.loc : 0;
     if (c->cb)
@@ -549,12 +598,9 @@ int kvt_tier_copy(kvt_tier_copy_t *c)
         c->io.cb = copy_write_done;
         return tier_write_charged(c->dst, &c->io, charge);
     }
-    /* Staging is sector-aligned so that an NVMe side moves it without a bounce. */
-    size_t sz = ((size_t)c->len + 4095) & ~(size_t)4095;
-    if (posix_memalign(&c->staging, 4096, sz) != 0) {
-        c->staging = NULL;
+    if ((rc = copy_stage(c)) < 0) {
         c->dst->usage.used_bytes -= charge;
-        return KVT_ENOMEM;
+        return rc;
     }
     c->io.buf = c->staging;
     c->io.loc = c->src_loc;
@@ -562,9 +608,21 @@ int kvt_tier_copy(kvt_tier_copy_t *c)
     c->io.charge = charge; /* the dst reservation, carried across the read */
     rc = kvt_tier_read(c->src, &c->io);
     if (rc < 0) {
-        free(c->staging);
-        c->staging = NULL;
+        copy_unstage(c);
         c->dst->usage.used_bytes -= charge;
     }
     return rc;
+}
+
+/* A copy's request finished while the tier it ran on is being destroyed: no callback runs, but
+ * the staging buffer is freed and, when it was the read from src, the reservation in dst is
+ * given back (dst outlives the copy: see tier.h). */
+static void copy_abandon(kvt_tier_io_t *io)
+{
+    kvt_tier_copy_t *c = io->data;
+    if (io->cb == copy_read_done)
+        c->dst->usage.used_bytes -= io->charge;
+    copy_unstage(c);
+    c->status = io->status < 0 ? io->status : KVT_ECLOSED;
+    c->dst_loc = 0;
 }

@@ -126,7 +126,10 @@ int kvt_tier_process(kvt_tier_t *t);
 int kvt_tier_wait(kvt_tier_t *t, int timeout_ms);
 
 /* Destroys the tier. Requests still in flight are waited for (their callbacks do not run);
- * every stored block is freed (the NVMe data stays on disk for a warm restart). NULL: no-op. */
+ * every stored block is freed (the NVMe data stays on disk for a warm restart). A copy whose
+ * read from this tier (as src) or write to it (as dst) is in flight ends without its callback:
+ * its staging buffer is freed, its reservation in dst given back, and its status says
+ * KVT_ECLOSED (or the request's own error); the other tier must still exist. NULL: no-op. */
 void kvt_tier_destroy(kvt_tier_t *t);
 
 /*
@@ -134,10 +137,12 @@ void kvt_tier_destroy(kvt_tier_t *t);
  * --------------------
  * One call moves a block's bytes from a location in src to a new location in dst, written once
  * here for every pair of tiers: a memory source is written from its own memory, any other source
- * is read into a staging buffer first. The caller keeps the source location alive (and the
- * block marked KVT_BLOCK_BUSY) until the callback, which runs from kvt_tier_process() of dst
- * (or of src when the read from src fails); status is 0 with dst_loc filled, or the first error.
- * The source is left as it was: freeing it (a move) is the caller's choice.
+ * is read into a staging buffer first (pinned host memory when either side is a CUDA HBM tier,
+ * so that the device copy is a real asynchronous DMA; sector-aligned memory otherwise). The caller
+ * keeps the source location alive (and the block marked KVT_BLOCK_BUSY) until the callback, which
+ * runs from kvt_tier_process() of dst (or of src when the read from src fails); status is 0 with
+ * dst_loc filled, or the first error. The source is left as it was: freeing it (a move) is the
+ * caller's choice.
  */
 typedef struct kvt_tier_copy kvt_tier_copy_t;
 typedef void (*kvt_tier_copy_cb)(kvt_tier_copy_t *c);
@@ -155,6 +160,7 @@ struct kvt_tier_copy {
     /* Private to tiers/. */
     kvt_tier_io_t io;
     void *staging;
+    int staging_pinned;
 };
 
 /* Returns 0 (the callback will run) or an error with nothing started (KVT_EINVAL, KVT_ENOSPC

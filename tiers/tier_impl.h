@@ -17,12 +17,17 @@
 #ifndef KVT_TIER_IMPL_H
 #define KVT_TIER_IMPL_H
 
+#include "config.h"
 #include "tier.h"
 
 typedef struct kvt_tier_ops {
     const char *backend;
     /* Reads of locations the index does not hold go to the backend instead of missing. */
     int unindexed_reads;
+    /* A copy that stages through host memory on its way to or from this tier stages through
+     * pinned memory (kvt__pinned_get): a CUDA copy from pageable memory is synchronous and
+     * bounces through the driver's own buffer. */
+    int pinned_staging;
     /* Bytes charged for a payload of len bytes (1 .. KVT_TIER_MAX_BLOCK), whatever the page
      * size: room for the largest page's header where the tier stores one. NULL: len. */
     uint64_t (*footprint)(const kvt_tier_t *t, uint32_t len);
@@ -73,6 +78,15 @@ struct kvt_tier {
     size_t ents_cap; /* power of two */
     uint64_t pending_writes;
 };
+
+#if KVT_HAVE_CUDA
+/* Pinned (cudaHostAlloc'd, page-aligned) host memory of at least sz bytes for a copy's staging
+ * buffer, from a small cache the CUDA HBM tiers keep while any of them is open (tiers/hbm.c);
+ * NULL when CUDA cannot allocate it. kvt__pinned_put takes it back with the same sz; it is
+ * thread-safe and needs no tier to exist. */
+void *kvt__pinned_get(size_t sz);
+void kvt__pinned_put(void *p, size_t sz);
+#endif
 
 /* Makes a tier around a backend; on success the tier owns impl (ops->destroy frees it). Returns
  * 0, KVT_EINVAL, KVT_ENOMEM or a negated errno (eventfd, epoll). On failure impl is untouched:
