@@ -11,7 +11,10 @@
  * kernel for every page the growing index touches for the first time (on this VM that costs
  * more than the index itself); the second pass builds a new index in the memory the first one
  * gave back, as a long-running service with a capacity limit does once evictions recycle memory.
- * The us_per_request_* figures are the second pass; *_cold the first. The baseline runs with the
+ * The warm pass runs --passes times (5 by default), each on a new index; the us_per_request_*
+ * figures are those of the pass with the median mean (this machine is shared and noisy: one slow
+ * pass says more about the neighbours than about the index), and us_per_request_mean_passes lists
+ * every pass's mean so nothing is hidden. *_cold are the first pass. The baseline runs with the
  * first pass, so the ratio compares two cold runs.
  *
  * One JSON object per trace on stdout.
@@ -29,8 +32,11 @@
 #include "../radix/radix.h"
 #include "../trace/trace.h"
 
+#define PASSES_MAX 15
+
 typedef struct opts {
     uint32_t page_size;
+    int passes;               /* warm passes; the median one is reported */
     uint64_t capacity_tokens; /* 0 = unlimited */
 } opts_t;
 
@@ -300,10 +306,24 @@ static int run_trace(const char *path, const opts_t *o)
         return 1;
     }
     /* The baseline has no eviction: it runs only against an unlimited index. */
-    result_t cold, warm;
-    if (replay(tr, o, !o->capacity_tokens, 0, &cold) != 0 ||
-        replay(tr, o, 0, !o->capacity_tokens, &warm) != 0)
+    result_t cold, warm, passes[PASSES_MAX];
+    if (replay(tr, o, !o->capacity_tokens, 0, &cold) != 0)
         return 1;
+    int order[PASSES_MAX], bad = cold.bad;
+    for (int i = 0; i < o->passes; i++) {
+        if (replay(tr, o, 0, !o->capacity_tokens, &passes[i]) != 0)
+            return 1;
+        bad |= passes[i].bad || passes[i].hit_tokens != cold.hit_tokens;
+        order[i] = i;
+    }
+    /* Insertion sort of pass indices by their mean: at most 15 of them. */
+    for (int i = 1; i < o->passes; i++)
+        for (int j = i; j > 0 && passes[order[j]].sum_us < passes[order[j - 1]].sum_us; j--) {
+            int x = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = x;
+        }
+    warm = passes[order[o->passes / 2]];
     double n = (double)tr->nreqs;
     double mean = warm.sum_us / n;
     char name[256];
@@ -320,6 +340,12 @@ static int run_trace(const char *path, const opts_t *o)
            warm.st.bytes, warm.st.cached_tokens,
            warm.st.cached_tokens ? (double)warm.st.bytes / (double)warm.st.cached_tokens : 0.0,
            warm.st.nodes, o->capacity_tokens, warm.evicted);
+    const char *tun = getenv("GLIBC_TUNABLES");
+    printf(",\"glibc_tunables\":\"%s\"", tun ? tun : "");
+    printf(",\"us_per_request_mean_passes\":[");
+    for (int i = 0; i < o->passes; i++)
+        printf("%s%.3f", i ? "," : "", passes[i].sum_us / n);
+    printf("]");
     if (!o->capacity_tokens) {
         double bmean = cold.base_sum_us / n;
         printf(",\"baseline\":\"hash set of page chain hashes\",\"baseline_hit_tokens\":%" PRIu64
@@ -331,7 +357,6 @@ static int run_trace(const char *path, const opts_t *o)
     }
     printf("}\n");
     fflush(stdout);
-    int bad = cold.bad || warm.bad || cold.hit_tokens != warm.hit_tokens;
     if (bad)
         fprintf(stderr, "bench_radix: %s: index verification failed\n", path);
     kvt_trace_free(tr);
@@ -340,12 +365,16 @@ static int run_trace(const char *path, const opts_t *o)
 
 static void usage(void)
 {
-    fprintf(stderr, "usage: bench_radix [--page-size N] [--capacity-tokens N] TRACE.jsonl...\n");
+    fprintf(stderr,
+            "usage: bench_radix [--page-size N] [--capacity-tokens N] [--passes 1..%d]"
+            " TRACE.jsonl...\n",
+            PASSES_MAX);
 }
 
 int main(int argc, char **argv)
 {
-    opts_t o = {.page_size = 16};
+    kvt_heap_hugepages(argv); /* as kvtierd runs the index: see common.h */
+    opts_t o = {.page_size = 16, .passes = 5};
     /* Keep freed memory in the heap (not unmapped) so the second pass can reuse it; see the
      * comment at the top. Node storage stays below 32 MiB, glibc's largest mmap threshold. */
     mallopt(M_MMAP_THRESHOLD, 32 << 20);
@@ -367,6 +396,13 @@ int main(int argc, char **argv)
                 usage();
                 return 2;
             }
+        } else if (strcmp(argv[i], "--passes") == 0 && i + 1 < argc) {
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 1 || v > PASSES_MAX) {
+                usage();
+                return 2;
+            }
+            o.passes = (int)v;
         } else if (argv[i][0] == '-') {
             usage();
             return 2;

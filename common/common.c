@@ -10,6 +10,7 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 static const char *const kvt_errnames[] = {
     [KVT_EINVAL - KVT_EINVAL] = "invalid argument",
@@ -99,4 +100,26 @@ uint64_t kvt_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void kvt_heap_hugepages(char **argv)
+{
+#if defined(__GLIBC__)
+    const char *old = getenv("GLIBC_TUNABLES");
+    if (!argv || !argv[0] || (old && strstr(old, "glibc.malloc.hugetlb")))
+        return;
+    char val[1024];
+    int n = snprintf(val, sizeof val, "%s%sglibc.malloc.hugetlb=1", old ? old : "",
+                     old && *old ? ":" : "");
+    if (n < 0 || (size_t)n >= sizeof val || setenv("GLIBC_TUNABLES", val, 1) != 0)
+        return;
+    execv("/proc/self/exe", argv);
+    /* Still here: put the environment back and run on small pages. */
+    if (old)
+        setenv("GLIBC_TUNABLES", old, 1);
+    else
+        unsetenv("GLIBC_TUNABLES");
+#else
+    (void)argv;
+#endif
 }

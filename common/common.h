@@ -58,6 +58,18 @@ static inline uint64_t kvt_now_us(void)
     return kvt_now_ns() / 1000;
 }
 
+/*
+ * Huge pages for the heap. The index is hundreds of MiB of node storage walked in no particular
+ * order, so with 4 KiB pages nearly every node costs a TLB miss; glibc (2.35 and later) backs its
+ * heap with transparent huge pages when started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, and it
+ * reads that only at start-up. So this re-executes the program (same argv, same pid and file
+ * descriptors) with the tunable added, once, at the top of main(), before anything is allocated
+ * that matters. It does nothing when GLIBC_TUNABLES already names glibc.malloc.hugetlb (set it to
+ * 0 to opt out), when the C library is not glibc, or when re-executing fails (then it returns and
+ * the program runs on small pages).
+ */
+void kvt_heap_hugepages(char **argv);
+
 #define KVT_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define KVT_MIN(a, b)    ((a) < (b) ? (a) : (b))
 #define KVT_MAX(a, b)    ((a) > (b) ? (a) : (b))

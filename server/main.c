@@ -16,6 +16,7 @@
 
 int main(int argc, char **argv)
 {
+    kvt_heap_hugepages(argv); /* the index on huge pages: see common.h */
     kvt_srv_conf_t conf;
     char err[512] = "";
     if (kvt__conf_defaults(&conf) < 0) {
