@@ -885,30 +885,32 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
     if (!p || !m || !m->node || m->pages == 0)
         return;
     uint32_t now = now_clock(p);
-    kvt_path_iter_t it;
-    kvt_path_iter_init(&it, m->node, m->node_pages);
-    kvt_radix_node_t *n, *prev = NULL;
-    kvt_block_t *b;
     int promote = 0, repush = p->c.kind == KVT_POLICY_ORACLE || (hint && hint->finished);
-    while ((b = kvt_path_iter_next(&it, &n))) {
-        uint32_t depth = it.depth - 1;
-        if (b->tier != KVT_TIER_NONE && tier_rank(b->tier) > tier_rank((uint8_t)p->top))
-            promote = 1;
-        if (p->c.kind == KVT_POLICY_COST && tier_ok((kvt_tier_id_t)b->tier)) {
-            uint32_t before = b->hits ? b->hits - 1 : 0; /* the match has counted this hit */
-            p->class_hits[block_class(before, b->flags)] += 1;
-            b->policy = now;
-        } else if (p->c.kind == KVT_POLICY_ORACLE && hint && hint->next_use &&
-                   depth < hint->nnext) {
-            b->policy = hint->next_use[depth];
+    /* From the matched node up to the root, each node's blocks as the array they are: this runs
+     * on every MATCH, and a path iterator steps block by block. */
+    uint32_t in_node = m->node_pages;
+    for (kvt_radix_node_t *n = m->node, *up; n; n = up, in_node = kvt_radix_node_pages(n)) {
+        kvt_block_t *bl = kvt_radix_node_blocks(n);
+        uint32_t d0 = kvt_radix_node_depth(n);
+        for (uint32_t i = 0; i < in_node; i++) {
+            kvt_block_t *b = &bl[i];
+            uint32_t depth = d0 + i;
+            if (b->tier != KVT_TIER_NONE && tier_rank(b->tier) > tier_rank((uint8_t)p->top))
+                promote = 1;
+            if (p->c.kind == KVT_POLICY_COST && tier_ok((kvt_tier_id_t)b->tier)) {
+                uint32_t before = b->hits ? b->hits - 1 : 0; /* the match has counted this hit */
+                p->class_hits[block_class(before, b->flags)] += 1;
+                b->policy = now;
+            } else if (p->c.kind == KVT_POLICY_ORACLE && hint && hint->next_use &&
+                       depth < hint->nnext) {
+                b->policy = hint->next_use[depth];
+            }
+            apply_hint(b, hint, depth);
         }
-        apply_hint(b, hint, depth);
-        if (repush && n != prev && prev && !kvt_radix_node_leased(prev))
-            push_node(p, prev);
-        prev = n;
+        if (repush && !kvt_radix_node_leased(n))
+            push_node(p, n);
+        up = kvt_radix_node_parent(n);
     }
-    if (repush && prev && !kvt_radix_node_leased(prev))
-        push_node(p, prev);
     if (promote && p->npromo < PROMO_QUEUE)
         p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq, p->foreign};
 }
