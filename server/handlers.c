@@ -484,6 +484,7 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    kvt__store_check_path(s, &m); /* blocks NVMe dropped by itself are not reported stored */
     if (!(h->flags & KVT_MATCH_F_PROBE))
         kvt__policy_match(s, &m, &q.hints);
     kvt_match_q_t mq = {.flags = h->flags,

@@ -62,6 +62,8 @@ typedef enum {
     X(TIER_CAPACITY, GAUGE, "kvtier_tier_capacity_bytes", "Configured capacity of each tier.",     \
       TIER)                                                                                        \
     X(TIER_BLOCKS, GAUGE, "kvtier_tier_blocks", "Blocks stored in each tier.", TIER)               \
+    X(TIER_LOST, COUNTER, "kvtier_tier_lost_blocks_total",                                         \
+      "Blocks a tier dropped by itself (NVMe segment reclaim, remote server eviction).", TIER)     \
     X(BLOCKS_MOVED, COUNTER, "kvtier_blocks_moved_total",                                          \
       "Blocks copied from one tier to another.", PAIR)                                             \
     X(BLOCKS_DROPPED, COUNTER, "kvtier_blocks_dropped_total",                                      \

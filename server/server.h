@@ -229,6 +229,16 @@ void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
 int kvt__store_open(kvt_srv_t *s);
 void kvt__store_close(kvt_srv_t *s);
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
+/* A block its tier lost by itself (an NVMe segment reclaim dropped it, the remote server evicted
+ * it, or its read failed the checksum) at page `depth` of the path ending in node n: that page
+ * and the rest of the node
+ * holding it become index-only (the rest's bytes are freed: pages after a gap are no use to a
+ * prefix), so no MATCH reports bytes that are not there. Returns the pages changed; 0 when a
+ * block there is BUSY (the copy in flight settles first) or nothing was stored. */
+uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth);
+/* Checks the NVMe blocks of a matched path against the tier (only once the tier has dropped
+ * anything by itself) and makes the lost ones index-only with kvt__store_lost. */
+void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m);
 typedef struct kvt__busy {
     uint64_t hash; /* 0 = empty */
     uint32_t count;

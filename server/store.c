@@ -243,6 +243,15 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
                 kvt_tier_name((kvt_tier_id_t)m->from), kvt_tier_name((kvt_tier_id_t)m->to),
                 status < 0 ? kvt_strerror(status) : "the policy kept them");
     }
+    /* A source the tier lost by itself (reclaimed, evicted, corrupt): index-only from there, so
+     * the policy does not try to move it again. */
+    for (uint32_t i = 0; !ok && i < m->started; i++) {
+        int cs = m->pages[i].copy.status;
+        if (cs == KVT_ENOENT || cs == KVT_ECORRUPT) {
+            kvt__store_lost(s, m->node, m->depth + i);
+            break;
+        }
+    }
     kvt__req_t *r = m->req;
     if (r) {
         if (ok && m->to < m->from)
@@ -620,6 +629,68 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
     return hash && s->ghosts[hash & (s->nghosts - 1)] == hash;
 }
 
+uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
+{
+    while (n && depth < kvt_radix_node_depth(n))
+        n = kvt_radix_node_parent(n);
+    if (!n || depth >= kvt_radix_node_depth(n) + kvt_radix_node_pages(n))
+        return 0;
+    kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t np = kvt_radix_node_pages(n), ns = kvt_radix_node_ns(n), changed = 0;
+    uint8_t lost_tier = bl[depth - kvt_radix_node_depth(n)].tier;
+    for (uint32_t i = depth - kvt_radix_node_depth(n); i < np; i++)
+        if (bl[i].flags & KVT_BLOCK_BUSY)
+            return 0;
+    for (uint32_t i = depth - kvt_radix_node_depth(n); i < np; i++) {
+        kvt_block_t *b = &bl[i];
+        if (b->tier == KVT_TIER_NONE)
+            continue;
+        if (s->policy)
+            kvt_policy_on_free(s->policy, ns, b);
+        /* A reclaimed or evicted one is no longer in its tier (this frees nothing); a corrupt one
+         * and the rest are. */
+        kvt_free_loc(s, b->tier, b->loc, b->size, b->hash);
+        kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
+        b->tier = KVT_TIER_NONE;
+        b->size = 0;
+        b->loc = 0;
+        b->flags &= (uint8_t)~KVT_BLOCK_DIRTY;
+        changed++;
+    }
+    if (changed)
+        kvt_log(KVT_LOG_INFO,
+                "kvtierd: the %s tier lost the block at page %u (reclaimed, evicted or corrupt): "
+                "%u pages of its node are index-only now",
+                kvt_tier_name((kvt_tier_id_t)lost_tier), depth, changed);
+    return changed;
+}
+
+void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
+    if (!t || !m->pages)
+        return;
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    if (u.reclaimed == 0 && u.corrupt == 0)
+        return; /* nothing was ever dropped by the tier: every location is good */
+    uint64_t seed = kvt_radix_ns_seed(s->radix, m->ns);
+    uint32_t in_node = m->node_pages;
+    for (kvt_radix_node_t *n = m->node, *up; n; n = up, in_node = kvt_radix_node_pages(n)) {
+        up = kvt_radix_node_parent(n);
+        kvt_block_t *bl = kvt_radix_node_blocks(n);
+        for (uint32_t i = 0; i < in_node; i++) {
+            if (bl[i].tier != KVT_TIER_NVME || (bl[i].flags & KVT_BLOCK_BUSY))
+                continue;
+            kvt_block_key_t key = {.ns_seed = seed, .hash = bl[i].hash};
+            if (!kvt_tier_valid(t, bl[i].loc, &key)) {
+                kvt__store_lost(s, n, kvt_radix_node_depth(n) + i);
+                break; /* the rest of this node is index-only now */
+            }
+        }
+    }
+}
+
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
 {
     (void)ns;
@@ -646,6 +717,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_TIER_USED, (unsigned)i, (double)u.used_bytes);
         kvt__metric_set(s->metrics, KVT_M_TIER_CAPACITY, (unsigned)i, (double)u.capacity_bytes);
         kvt__metric_set(s->metrics, KVT_M_TIER_BLOCKS, (unsigned)i, (double)u.blocks);
+        kvt__metric_set(s->metrics, KVT_M_TIER_LOST, (unsigned)i, (double)u.reclaimed);
     }
     kvt_radix_stats_t rs;
     kvt_radix_stats(s->radix, &rs);
@@ -871,6 +943,8 @@ static void kvt_get_read_done(kvt_tier_io_t *io)
     kvt_busy_dec(s, io->key.hash);
     if (io->status == KVT_ECORRUPT)
         kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, io->key.ntokens);
+    if (io->status == KVT_ECORRUPT || io->status == KVT_ENOENT)
+        kvt__store_lost(s, x->node, x->depth); /* later MATCHes say so; this GET ends here */
     /* Promotion is the policy's: the MATCH that leased this path queued it. */
     if (kvt_io_finished(s, x, io->status, 0))
         kvt__store_get_batch(s, r);

@@ -218,3 +218,130 @@ Test(server_policy, leased_path_never_moves_and_no_lower_tier_drops)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+/* Waits until the policy has stopped moving and dropping blocks. */
+static void quiet(const kvd_t *d)
+{
+    double last = -1;
+    for (int i = 0; i < 200; i++) {
+        double v = metric(d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}") +
+                   metric(d, "kvtier_blocks_dropped_total{tier=\"nvme\"}");
+        if (v == last)
+            return;
+        last = v;
+        usleep(100000);
+    }
+}
+
+/*
+ * The NVMe log reclaims whole segments, dropping the live blocks still in them without asking
+ * the index. Tiny segments and heavy demotion make that happen; afterwards no MATCH may report a
+ * page as stored that a GET cannot return: every prefix a MATCH reports stored reads back whole
+ * and byte-exact, and the pages the tier lost are index-only (a miss to recompute, never an
+ * error in the middle of a GET the MATCH promised).
+ */
+Test(server_policy, nvme_reclaim_turns_lost_pages_index_only)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--dram-bytes", "1M", "--nvme-bytes", "4M",
+              "--nvme-segment-bytes", "1M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    enum { N = 10, P = 12 };
+    static uint32_t tok[N][P * PAGE];
+    for (int k = 0; k < N; k++) {
+        kvd_tokens(tok[k], P * PAGE, 2000000u * (k + 1));
+        put_prompt(c, tok[k], P, 1000 * (k + 1));
+    }
+    cr_assert_gt(settle(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}", 0), 0,
+                 "the NVMe log reclaimed segments holding live blocks");
+    quiet(&d);
+    cr_expect_leq(kvd_stat(c, "nvme_used_bytes"), kvd_stat(c, "nvme_capacity_bytes"));
+    uint8_t *buf = malloc((size_t)P * BIG), *want = malloc((size_t)P * BIG);
+    int checked = 0;
+    for (int k = 0; k < N; k++) {
+        uint8_t tiers[P];
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+        /* PROBE: not a use, so no promotion starts moving blocks (and reclaiming) under us. */
+        cr_assert_eq(
+            kvt_client_match(c, tok[k], P * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE, 0, NULL, &m),
+            0);
+        uint32_t stored = 0;
+        while (stored < m.pages && tiers[stored] != KVT_CLIENT_TIER_NONE)
+            stored++;
+        if (stored > 0) {
+            uint32_t got = 0;
+            uint8_t from[P];
+            int rc = kvt_client_get(c, m.lease, 0, stored, buf, (size_t)P * BIG, &got, from);
+            cr_expect_eq(rc, 0, "prompt %d: GET of the %u pages MATCH reported stored: %s %s", k,
+                         stored, kvt_client_strerror(rc), kvt_client_errmsg(c));
+            cr_expect_eq(got, stored, "prompt %d: all %u stored pages came back", k, stored);
+            fill_pages(want, stored, 1000 * (k + 1));
+            for (uint32_t p = 0; p < got; p++)
+                cr_expect(memcmp(buf + (size_t)p * BIG, want + (size_t)p * BIG, BIG) == 0,
+                          "prompt %d page %u differs", k, p);
+            checked += (int)got;
+        }
+        if (m.lease)
+            cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    }
+    cr_expect_gt(checked, 0, "some pages were still stored to read back");
+    free(buf);
+    free(want);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/* A block whose NVMe record fails its checksum: the GET stops before it (the pages up to it are
+ * served, byte-exact), the miss is counted, and from then on MATCH reports that page and the rest
+ * of its node index-only instead of promising bytes again. */
+Test(server_policy, corrupt_nvme_block_becomes_index_only)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", "--nvme-bytes", "16M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    enum { P = 6, BAD = 2 };
+    uint32_t tok[P * PAGE];
+    kvd_tokens(tok, P * PAGE, 7000000);
+    put_prompt(c, tok, P, 77);
+    uint8_t tiers[P], from[P];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c, tok, P * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    for (int i = 0; i < P; i++)
+        cr_assert_eq(tiers[i], KVT_CLIENT_TIER_NVME, "page %d in NVMe", i);
+
+    /* The pages went to the log in order, one record each: a 4 KiB header, then the payload. */
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtier-data/kvtier.data", d.dir);
+    int fd = open(path, O_WRONLY);
+    cr_assert(fd >= 0, "%s: %s", path, strerror(errno));
+    uint8_t x = 0x5a;
+    cr_assert_eq(pwrite(fd, &x, 1, (off_t)BAD * (4096 + BIG) + 4096 + 100), 1);
+    close(fd);
+
+    cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    uint8_t *buf = malloc((size_t)P * BIG), *want = malloc((size_t)P * BIG);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, m.lease, 0, P, buf, (size_t)P * BIG, &got, from);
+    cr_expect_neq(rc, 0, "the GET reports the corrupt page");
+    cr_expect_eq(got, BAD, "the pages before it were served");
+    fill_pages(want, P, 77);
+    cr_expect(memcmp(buf, want, (size_t)got * BIG) == 0, "and byte-exact");
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    cr_expect_geq(metric(&d, "kvtier_miss_tokens_total{reason=\"checksum\"}"), PAGE);
+
+    cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P, "the index still knows the tokens");
+    for (int i = 0; i < P; i++)
+        cr_expect_eq(tiers[i], i < BAD ? KVT_CLIENT_TIER_NVME : KVT_CLIENT_TIER_NONE,
+                     "page %d: tier %d", i, tiers[i]);
+    rc = kvt_client_get(c, m.lease, 0, BAD, buf, (size_t)P * BIG, &got, from);
+    cr_expect_eq(rc, 0, "the stored prefix reads back: %s", kvt_client_strerror(rc));
+    cr_expect_eq(got, BAD);
+    cr_expect(memcmp(buf, want, (size_t)BAD * BIG) == 0);
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    free(buf);
+    free(want);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
