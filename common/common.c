@@ -113,7 +113,13 @@ void kvt_heap_hugepages(char **argv)
                      old && *old ? ":" : "");
     if (n < 0 || (size_t)n >= sizeof val || setenv("GLIBC_TUNABLES", val, 1) != 0)
         return;
-    execv("/proc/self/exe", argv);
+    /* By its real path: exec'ing /proc/self/exe would name the process "exe" in ps and top. */
+    char self[4096];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (len > 0) {
+        self[len] = 0;
+        execv(self, argv);
+    }
     /* Still here: put the environment back and run on small pages. */
     if (old)
         setenv("GLIBC_TUNABLES", old, 1);
