@@ -6,7 +6,12 @@
  *          kvt_trace_tokens), the prompts first PUT index-only so that lookups walk real paths;
  *          pipelined over several connections on the Unix socket and on TCP. Baseline:
  *          redis-benchmark SET with a value of the average MATCH request's size, the same
- *          pipeline depth and connection count, on the same transport.
+ *          pipeline depth and connection count, on the same transport, over as many distinct
+ *          keys (-r) as there are distinct MATCH requests: like the index walking that many
+ *          prompts, the server then works over that many values that are not all in the cache
+ *          (bench_remote.c has the same rule). redis-benchmark's default, one hot key whose value
+ *          never leaves the cache, is measured in the same rounds too and reported beside it
+ *          (hot_key_baseline_requests_per_s, ratio_hot_key).
  *   get    GET of one DRAM-resident block per request, pipelined, as bandwidth. Baseline:
  *          redis-benchmark GET of a value of the block's size.
  *
@@ -436,12 +441,15 @@ static int run_load(load_t *l, result_t *res)
 
 /* ---- redis-benchmark ---- */
 
+/* keys > 0: over that many distinct keys (-r), else redis-benchmark's one hot key. */
 static int redis_bench(const opts_t *o, const char *target, const char *test, size_t size, long n,
-                       result_t *res)
+                       long keys, result_t *res)
 {
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "'%s' %s -t %s -d %zu -P %d -c %d -n %ld --csv 2>/dev/null",
-             o->redis_benchmark, target, test, size, o->pipeline, o->conns, n);
+    char cmd[1024], r[32] = "";
+    if (keys > 0)
+        snprintf(r, sizeof r, " -r %ld", keys);
+    snprintf(cmd, sizeof cmd, "'%s' %s -t %s -d %zu -P %d -c %d -n %ld%s --csv 2>/dev/null",
+             o->redis_benchmark, target, test, size, o->pipeline, o->conns, n, r);
     FILE *p = popen(cmd, "r");
     if (!p)
         return -1;
@@ -470,21 +478,27 @@ static int cmp_rps(const void *a, const void *b)
 }
 
 /* Rounds of kvtier then redis-benchmark, alternating, so that a load spike from elsewhere on the
- * machine hits both sides alike; each side's median round is reported. */
+ * machine hits both sides alike; each side's median round is reported. With hot, each round also
+ * runs redis-benchmark on its default single key (keys 0) for that figure. */
 static int measure(const opts_t *o, load_t *l, const char *target, const char *test, size_t size,
-                   long n, result_t *k, result_t *r)
+                   long n, long keys, result_t *k, result_t *r, result_t *hot)
 {
-    result_t ks[9], rs[9];
+    result_t ks[9], rs[9], hs[9];
     int rounds = o->rounds;
     for (int i = 0; i < rounds; i++) {
         l->failed = 0;
-        if (run_load(l, &ks[i]) < 0 || redis_bench(o, target, test, size, n, &rs[i]) < 0)
+        if (run_load(l, &ks[i]) < 0 || redis_bench(o, target, test, size, n, keys, &rs[i]) < 0 ||
+            (hot && redis_bench(o, target, test, size, n, 0, &hs[i]) < 0))
             return -1;
     }
     qsort(ks, (size_t)rounds, sizeof *ks, cmp_rps);
     qsort(rs, (size_t)rounds, sizeof *rs, cmp_rps);
     *k = ks[rounds / 2];
     *r = rs[rounds / 2];
+    if (hot) {
+        qsort(hs, (size_t)rounds, sizeof *hs, cmp_rps);
+        *hot = hs[rounds / 2];
+    }
     return 0;
 }
 
@@ -686,9 +700,9 @@ int main(int argc, char **argv)
         match.tcp_port = t ? kport : 0;
         snprintf(match.sock, sizeof match.sock, "%s", ksock);
         match.failed = 0;
-        result_t k, r;
+        result_t k, r, h;
         if (measure(&o, &match, t ? redis_tcp : redis_unix, "set", (size_t)avg_bytes, o.requests,
-                    &k, &r) < 0) {
+                    (long)match.nframes, &k, &r, &h) < 0) {
             fprintf(stderr, "bench_server: match over %s failed\n", transports[t]);
             status = 1;
             continue;
@@ -696,11 +710,12 @@ int main(int argc, char **argv)
         printf("{\"op\":\"match\",\"transport\":\"%s\",\"trace\":\"%s\",\"requests\":%ld,"
                "\"conns\":%d,\"pipeline\":%d,\"request_bytes\":%.0f,\"requests_per_s\":%.0f,"
                "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"redis-benchmark SET\","
-               "\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
-               "\"baseline_p99_us\":%.1f,\"rounds\":%d,\"ratio\":%.3f}\n",
+               "\"baseline_keys\":%zu,\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
+               "\"baseline_p99_us\":%.1f,\"rounds\":%d,\"ratio\":%.3f,"
+               "\"hot_key_baseline_requests_per_s\":%.0f,\"ratio_hot_key\":%.3f}\n",
                transports[t], o.trace, (long)o.conns * (o.requests / o.conns), o.conns, o.pipeline,
-               avg_bytes, k.rps, k.p50_us, k.p99_us, r.rps, r.p50_us, r.p99_us, o.rounds,
-               k.rps / r.rps);
+               avg_bytes, k.rps, k.p50_us, k.p99_us, match.nframes, r.rps, r.p50_us, r.p99_us,
+               o.rounds, k.rps / r.rps, h.rps, k.rps / h.rps);
         fflush(stdout);
     }
 
@@ -725,7 +740,7 @@ int main(int argc, char **argv)
         get.failed = 0;
         result_t k, r;
         int bad = measure(&go, &get, t ? redis_tcp : redis_unix, "get", o.block_bytes, get_requests,
-                          &k, &r) < 0;
+                          0, &k, &r, NULL) < 0;
         k.gbps = k.rps * o.block_bytes / 1e9; /* payload bytes, as for the baseline */
         if (bad) {
             fprintf(stderr, "bench_server: get over %s failed\n", transports[t]);
