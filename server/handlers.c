@@ -67,6 +67,45 @@ static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
     return 0;
 }
 
+/*
+ * A lease pins its path against the NVMe log's segment reclaim too, which drops blocks without
+ * asking the index: every NVMe block on the path is pinned in the tier until the lease goes.
+ * Out of memory for the list, the lease still holds in the index; its NVMe blocks are then only
+ * as safe as any other (kvt__store_lost catches a reclaimed one).
+ */
+static void kvt_lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
+    if (!t)
+        return;
+    uint32_t n = 0, in_node = m->node_pages;
+    for (kvt_radix_node_t *x = m->node; x; x = kvt_radix_node_parent(x)) {
+        const kvt_block_t *b = kvt_radix_node_blocks(x);
+        for (uint32_t i = 0; i < in_node; i++)
+            n += b[i].tier == KVT_TIER_NVME;
+        in_node = kvt_radix_node_pages(kvt_radix_node_parent(x));
+    }
+    if (n == 0 || !(l->pins = malloc(n * sizeof *l->pins)))
+        return;
+    in_node = m->node_pages;
+    for (kvt_radix_node_t *x = m->node; x; x = kvt_radix_node_parent(x)) {
+        const kvt_block_t *b = kvt_radix_node_blocks(x);
+        for (uint32_t i = 0; i < in_node; i++)
+            if (b[i].tier == KVT_TIER_NVME && kvt_tier_pin(t, b[i].loc, 1) == 0)
+                l->pins[l->npins++] = b[i].loc;
+        in_node = kvt_radix_node_pages(kvt_radix_node_parent(x));
+    }
+}
+
+static void kvt_lease_unpin(kvt_srv_t *s, kvt__lease_t *l)
+{
+    for (uint32_t i = 0; i < l->npins; i++)
+        kvt_tier_pin(s->tiers[KVT_TIER_NVME], l->pins[i], -1);
+    free(l->pins);
+    l->pins = NULL;
+    l->npins = 0;
+}
+
 static kvt__lease_t *kvt_lease_find(kvt__conn_t *c, uint64_t id)
 {
     for (size_t i = 0; i < c->nleases; i++)
@@ -78,6 +117,7 @@ static kvt__lease_t *kvt_lease_find(kvt__conn_t *c, uint64_t id)
 static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
 {
     kvt_radix_release(c->srv->radix, l->id);
+    kvt_lease_unpin(c->srv, l);
     *l = c->leases[--c->nleases];
     kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
 }
@@ -85,6 +125,8 @@ static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
 void kvt__lease_drop_all(kvt__conn_t *c)
 {
     size_t n = kvt_radix_release_owner(c->srv->radix, c->id);
+    for (size_t i = 0; i < c->nleases; i++)
+        kvt_lease_unpin(c->srv, &c->leases[i]);
     if (n)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
                 (unsigned long long)c->id, n);
@@ -309,8 +351,12 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
             .expires_ns = kvt_now_ns() + (uint64_t)ms * 1000000,
             .engine_id = q->engine_id,
         };
-        if (rc == 0 && (rc = kvt_lease_add(c, &l)) < 0)
+        if (rc == 0)
+            kvt_lease_pin(s, &l, m);
+        if (rc == 0 && (rc = kvt_lease_add(c, &l)) < 0) {
+            kvt_lease_unpin(s, &l);
             kvt_radix_release(s->radix, lease);
+        }
         if (rc < 0)
             lease = 0;
     }

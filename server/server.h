@@ -61,6 +61,8 @@ typedef struct kvt__lease {
     uint32_t ns;
     uint64_t expires_ns;
     uint64_t engine_id; /* the engine's request id from the hints, for logs */
+    uint64_t *pins;     /* NVMe locations pinned against segment reclaim while leased */
+    uint32_t npins;
 } kvt__lease_t;
 
 /* One tier I/O of a request: a read, a write or a copy, for the block at (node, depth). */

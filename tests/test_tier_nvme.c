@@ -279,6 +279,53 @@ Test(tier_nvme, a_fragmented_log_reclaims_whole_segments)
     tu_rmrf(dir);
 }
 
+/* The same fragmented log with one kept block pinned (a leased path's block, in kvtierd): no
+ * reclaim drops it, while others still are; unpinned, it is fair game again. */
+Test(tier_nvme, a_pinned_block_survives_reclaim)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 4u << 20, 1u << 20, 8);
+    const uint32_t len = 300u << 10;
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    enum { N = 40 };
+    uint64_t locs[N] = {0};
+    uint32_t tok0[16];
+    kvt_block_key_t k0 = tu_key(0, tok0, 16);
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, len, (uint64_t)i);
+        int rc = tu_write(t, &k, buf, len, &locs[i]);
+        cr_assert_eq(rc, 0, "write %d: %s", i, kvt_strerror(rc));
+        if (i == 0)
+            cr_assert_eq(kvt_tier_pin(t, locs[0], 1), 0);
+        else if (i % 3 != 0)
+            kvt_tier_free(t, locs[i], len);
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_gt(u.reclaimed, 0, "other live blocks were reclaimed");
+    cr_assert_eq(kvt_tier_valid(t, locs[0], &k0), 1, "the pinned block was not");
+    int rc0 = tu_read(t, &k0, locs[0], buf, len);
+    cr_assert_eq(rc0, 0, "read: %s", kvt_strerror(rc0));
+    cr_assert(tu_same(buf, len, 0), "and reads back intact");
+    cr_assert_eq(kvt_tier_pin(t, 12345, 1), KVT_ENOENT, "no pin on a location never written");
+    cr_assert_eq(kvt_tier_pin(t, locs[0], -1), 0);
+    /* Unpinned and never freed: more writes (kept live) reclaim its segment like any other. */
+    for (int i = 0; i < N && kvt_tier_valid(t, locs[0], &k0); i++) {
+        kvt_block_key_t k = tu_key((uint64_t)(100 + i), tok, 16);
+        uint64_t loc = 0;
+        tu_fill(buf, len, (uint64_t)(100 + i));
+        cr_assert_eq(tu_write(t, &k, buf, len, &loc), 0);
+    }
+    cr_assert_eq(kvt_tier_valid(t, locs[0], &k0), 0, "unpinned, it was reclaimed in the end");
+    cr_assert_eq(kvt_tier_pin(t, locs[0], -1), KVT_ENOENT, "a stale unpin is harmless");
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
 Test(tier_nvme, many_requests_in_flight_through_a_small_queue)
 {
     enum { N = 96, LEN = 128u << 10 };

@@ -170,6 +170,7 @@ static void seg_set_free(nvme_t *n, uint32_t i)
     s->state = SEG_FREE;
     s->head = 0;
     s->live_bytes = 0;
+    s->pins = 0; /* pins of freed blocks: their unpins see another generation */
     s->nlocs = 0;
     s->gen = (s->gen + 1) & 0xffffffu;
     if (s->gen == 0)
@@ -213,13 +214,13 @@ static void seg_live_sub(nvme_t *n, uint64_t loc, uint32_t len)
     s->live_bytes -= rec_bytes(loc_hdr(loc), len);
 }
 
-/* Reclaims the full segment with the fewest live bytes and no I/O in flight. */
+/* Reclaims the full segment with the fewest live bytes, no I/O in flight and no pins. */
 static int seg_reclaim(nvme_t *n)
 {
     uint32_t best = UINT32_MAX;
     for (uint32_t i = 0; i < n->nsegs; i++) {
         const nvme_seg_t *s = &n->segs[i];
-        if (s->state == SEG_FULL && s->inflight == 0 &&
+        if (s->state == SEG_FULL && s->inflight == 0 && s->pins == 0 &&
             (best == UINT32_MAX || s->live_bytes < n->segs[best].live_bytes))
             best = i;
     }
@@ -619,6 +620,20 @@ static int nvme_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
     return seg < n->nsegs && loc_gen(loc) == n->segs[seg].gen;
 }
 
+static int nvme_pin(kvt_tier_t *t, uint64_t loc, int delta)
+{
+    nvme_t *n = t->impl;
+    uint32_t seg = loc_seg(loc);
+    if (seg >= n->nsegs || loc_gen(loc) != n->segs[seg].gen)
+        return KVT_ENOENT; /* freed or reclaimed since: nothing left to keep */
+    nvme_seg_t *s = &n->segs[seg];
+    if (delta > 0)
+        s->pins++;
+    else if (s->pins > 0)
+        s->pins--;
+    return 0;
+}
+
 static int nvme_fd(kvt_tier_t *t)
 {
     return ((nvme_t *)t->impl)->efd;
@@ -666,6 +681,7 @@ const kvt_tier_ops_t kvt__nvme_ops = {
     .read = nvme_submit,
     .free = nvme_free,
     .valid = nvme_valid,
+    .pin = nvme_pin,
     .fd = nvme_fd,
     .poll = nvme_poll,
     .destroy = nvme_destroy,

@@ -20,6 +20,7 @@ typedef struct nvme_seg {
     uint32_t live_blocks;
     uint64_t live_bytes; /* record bytes of live blocks */
     uint32_t inflight;   /* reads and writes in flight here: never reclaimed meanwhile */
+    uint32_t pins;       /* kvt_tier_pin counts on blocks here: never reclaimed meanwhile */
     uint32_t nlocs, locs_cap;
     uint64_t *locs; /* every location written in this use (some freed since) */
 } nvme_seg_t;

@@ -451,6 +451,15 @@ int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
     return t->ops->valid ? t->ops->valid(t, loc, key) : 1;
 }
 
+int kvt_tier_pin(kvt_tier_t *t, uint64_t loc, int delta)
+{
+    if (!t || !t->ops->pin || delta == 0)
+        return 0;
+    if (delta > 0 && !tier_find(t, loc))
+        return KVT_ENOENT;
+    return t->ops->pin(t, loc, delta);
+}
+
 void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc)
 {
     if (!t || !t->ops->ptr || !tier_find(t, loc))

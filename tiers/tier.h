@@ -110,6 +110,12 @@ int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io);
 void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len);
 /* 1 when loc holds the block named key->hash (and key->ns_seed), 0 when not. */
 int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
+/* Keeps (delta > 0) or stops keeping (delta < 0) the bytes at loc from being dropped by the tier
+ * itself: an NVMe segment holding a pinned location is not reclaimed (a write that finds every
+ * full segment pinned or busy fails with KVT_EAGAIN). Pins count; each +1 wants its -1. Tiers
+ * that never drop blocks by themselves ignore it. Returns 0, or KVT_ENOENT (for +1) when loc does
+ * not hold a block. Unpinning a location freed or reclaimed since is harmless. */
+int kvt_tier_pin(kvt_tier_t *t, uint64_t loc, int delta);
 /* Host pointer to a stored payload for memory tiers (DRAM, HBM's host backend); NULL for the
  * others. Valid until the location is freed. */
 void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc);

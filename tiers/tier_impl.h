@@ -42,6 +42,9 @@ typedef struct kvt_tier_ops {
     /* Extra validity check after the index said yes (a stale NVMe generation). May be NULL. */
     int (*valid)(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
     void *(*ptr)(kvt_tier_t *t, uint64_t loc); /* may be NULL */
+    /* kvt_tier_pin for a tier that drops blocks by itself; tier.c has checked that loc is
+     * indexed for a +1. May be NULL. */
+    int (*pin)(kvt_tier_t *t, uint64_t loc, int delta);
     /* The backend's own pollable fd (io_uring's eventfd, an epoll fd over sockets), or -1 when
      * the backend completes everything through kvt__tier_complete() at submit time. May be
      * NULL (the same as -1). Asked once, right after kvt__tier_init. */
