@@ -393,6 +393,7 @@ typedef struct kvt_rprobe {
     kvt__req_t *req;
     kvt_proto_hdr_t hdr;
     kvt_match_q_t q;
+    kvt_proto_hints_t hints; /* for the policy, told once the probe has answered */
     uint32_t local_pages;
     uint32_t *tokens;
     uint8_t *wire;
@@ -449,15 +450,18 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
     kvt_match_t m;
     if (kvt_radix_match(s->radix, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH, &m) < 0)
         memset(&m, 0, sizeof m);
-    if (!(x->q.flags & KVT_MATCH_F_PROBE) && m.pages > x->local_pages)
-        kvt__policy_match(s, &m, NULL); /* the blocks found remote are hit: promote them */
+    /* The policy hears of this use once, for the whole path: the local pages and the blocks
+     * found remote (a hit too: promote them). */
+    if (!(x->q.flags & KVT_MATCH_F_PROBE))
+        kvt__policy_match(s, &m, &x->hints);
     uint32_t remote = m.pages > x->local_pages ? m.pages - x->local_pages : 0;
     kvt_match_answer(c, r, &x->hdr, r->t0, &x->q, &m, remote, down); /* kicks c */
 }
 
 /* Starts a remote probe for the pages after m; returns 1 when the reply will come later. */
 static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
-                           const kvt_match_q_t *q, const kvt_match_t *m, int *down)
+                           const kvt_match_q_t *q, const kvt_match_t *m,
+                           const kvt_proto_hints_t *hints, int *down)
 {
     kvt_srv_t *s = c->srv;
     kvt_tier_t *remote = s->tiers[KVT_TIER_REMOTE];
@@ -476,6 +480,7 @@ static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0
     x->req = r;
     x->hdr = *h;
     x->q = *q;
+    x->hints = *hints;
     x->local_pages = m->pages;
     x->tokens = (uint32_t *)(x + 1);
     x->wire = (uint8_t *)(x->tokens + q->ntokens);
@@ -504,6 +509,8 @@ static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0
     if (rc < 0) {
         /* Not started: answer from the local match in this request's slot. */
         *down = rc == KVT_EUNAVAIL || rc == KVT_ETIMEDOUT;
+        if (!(q->flags & KVT_MATCH_F_PROBE))
+            kvt__policy_match(s, m, hints);
         kvt_match_t lm = *m;
         kvt_match_answer(c, r, h, t0, &x->q, &lm, 0, *down);
         return 1;
@@ -531,8 +538,6 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
     kvt__store_check_path(s, &m); /* blocks NVMe dropped by itself are not reported stored */
-    if (!(h->flags & KVT_MATCH_F_PROBE))
-        kvt__policy_match(s, &m, &q.hints);
     kvt_match_q_t mq = {.flags = h->flags,
                         .lease_ms = q.lease_ms,
                         .engine_id = q.hints.engine_request_id,
@@ -540,8 +545,10 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                         .wire = q.tokens,
                         .tokens = c->tok};
     int down = 0;
-    if ((h->flags & KVT_MATCH_F_REMOTE) && kvt_probe_start(c, h, t0, &mq, &m, &down))
-        return 0;
+    if ((h->flags & KVT_MATCH_F_REMOTE) && kvt_probe_start(c, h, t0, &mq, &m, &q.hints, &down))
+        return 0; /* the probe's answer tells the policy */
+    if (!(h->flags & KVT_MATCH_F_PROBE))
+        kvt__policy_match(s, &m, &q.hints);
     return kvt_match_answer(c, NULL, h, t0, &mq, &m, 0, down);
 }
 
