@@ -589,9 +589,18 @@ int main(int argc, char **argv)
                 .block_bytes = 256 << 10,
                 .ops = "all",
                 .rounds = 3};
+    /* kvtierd of the same build: $KVT_BUILD_ROOT (meson's), else next to this binary's bench/. */
     const char *root = getenv("KVT_BUILD_ROOT");
-    static char kvd_path[1024];
-    snprintf(kvd_path, sizeof kvd_path, "%s/server/kvtierd", root ? root : ".");
+    static char kvd_path[1024], self[900];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    char *slash = sl > 0 ? (self[sl] = 0, strrchr(self, '/')) : NULL;
+    if (slash)
+        *slash = 0; /* BUILD/bench */
+    snprintf(kvd_path, sizeof kvd_path, "%s/%sserver/kvtierd",
+             root    ? root
+             : slash ? self
+                     : ".",
+             !root && slash ? "../" : "");
     o.kvtierd = kvd_path;
     o.redis_server = getenv("KVT_REDIS_SERVER") ? getenv("KVT_REDIS_SERVER") : "redis-server";
     o.redis_benchmark = "redis-benchmark";
@@ -680,9 +689,13 @@ int main(int argc, char **argv)
                      NULL};
     g_redis = spawn(rargv, "redis.log");
     if (wait_for(ksock, 0) < 0 || wait_for(NULL, kport) < 0 || wait_for(rsock, 0) < 0) {
-        fprintf(stderr, "bench_server: kvtierd or redis-server did not start (logs in %s)\n",
-                g_dir);
-        return 1;
+        fprintf(stderr, "bench_server: kvtierd (%s) or redis-server did not start; their logs:\n",
+                o.kvtierd);
+        char cmd[1400];
+        snprintf(cmd, sizeof cmd, "tail -n 20 '%s/kvtierd.log' '%s/redis.log' >&2", g_dir, g_dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "bench_server: no logs in %s\n", g_dir);
+        return 1; /* the scratch directory goes with them */
     }
 
     load_t match = {.o = &o};
