@@ -886,15 +886,12 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
         return;
     uint32_t now = now_clock(p);
     int promote = 0, repush = p->c.kind == KVT_POLICY_ORACLE || (hint && hint->finished);
-    /* From the matched node up to the root, each node's blocks as the array they are: this runs
-     * on every MATCH, and a path iterator steps block by block. */
-    uint32_t in_node = m->node_pages;
-    for (kvt_radix_node_t *n = m->node, *up; n; n = up, in_node = kvt_radix_node_pages(n)) {
-        kvt_block_t *bl = kvt_radix_node_blocks(n);
-        uint32_t d0 = kvt_radix_node_depth(n);
-        for (uint32_t i = 0; i < in_node; i++) {
-            kvt_block_t *b = &bl[i];
-            uint32_t depth = d0 + i;
+    /* Node by node (this runs on every MATCH; a path iterator steps block by block). */
+    for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
+         kvt_path_run_next(&r)) {
+        for (uint32_t i = 0; i < r.n; i++) {
+            kvt_block_t *b = &r.blocks[i];
+            uint32_t depth = r.depth + i;
             if (b->tier != KVT_TIER_NONE && tier_rank(b->tier) > tier_rank((uint8_t)p->top))
                 promote = 1;
             if (p->c.kind == KVT_POLICY_COST && tier_ok((kvt_tier_id_t)b->tier)) {
@@ -907,9 +904,8 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             }
             apply_hint(b, hint, depth);
         }
-        if (repush && !kvt_radix_node_leased(n))
-            push_node(p, n);
-        up = kvt_radix_node_parent(n);
+        if (repush && !kvt_radix_node_leased(r.node))
+            push_node(p, r.node);
     }
     if (promote && p->npromo < PROMO_QUEUE)
         p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq, p->foreign};

@@ -1066,13 +1066,44 @@ const uint32_t *kvt_radix_node_tokens(const kvt_radix_node_t *n, uint32_t i)
     return n->tokens + (size_t)i * n->page_size;
 }
 
-kvt_block_t *kvt_radix_block_at(kvt_radix_node_t *n, uint32_t depth)
+kvt_radix_node_t *kvt_radix_node_holding(kvt_radix_node_t *n, uint32_t depth)
 {
     if (!n || is_root(n) || depth >= n->depth + n->npages)
         return NULL;
     while (n->depth > depth)
         n = n->parent;
-    return &n->blocks[depth - n->depth];
+    return n;
+}
+
+kvt_block_t *kvt_radix_block_at(kvt_radix_node_t *n, uint32_t depth)
+{
+    n = kvt_radix_node_holding(n, depth);
+    return n ? &n->blocks[depth - n->depth] : NULL;
+}
+
+static void path_run_set(kvt_path_run_t *r, kvt_radix_node_t *n, uint32_t pages)
+{
+    if (!n || is_root(n) || pages == 0) {
+        memset(r, 0, sizeof(*r));
+        return;
+    }
+    r->node = n;
+    r->blocks = n->blocks;
+    r->depth = n->depth;
+    r->n = KVT_MIN(pages, n->npages);
+}
+
+kvt_path_run_t kvt_path_run_first(kvt_radix_node_t *node, uint32_t node_pages)
+{
+    kvt_path_run_t r;
+    path_run_set(&r, node, node_pages);
+    return r;
+}
+
+void kvt_path_run_next(kvt_path_run_t *r)
+{
+    kvt_radix_node_t *up = r->node ? r->node->parent : NULL;
+    path_run_set(r, up, up ? up->npages : 0);
 }
 
 uint64_t kvt_radix_block_hash(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth)

@@ -238,6 +238,9 @@ const uint32_t *kvt_radix_node_tokens(const kvt_radix_node_t *n, uint32_t i);
  * one of its ancestors. NULL when depth is past the end of n.
  */
 kvt_block_t *kvt_radix_block_at(kvt_radix_node_t *n, uint32_t depth);
+/* The node holding that block: n or the ancestor of n that does. NULL when depth is past the end
+ * of n. */
+kvt_radix_node_t *kvt_radix_node_holding(kvt_radix_node_t *n, uint32_t depth);
 
 /*
  * The chain hash of the block at page depth `depth` on the path ending in node n (as in
@@ -259,6 +262,25 @@ typedef struct kvt_path_iter {
 void kvt_path_iter_init(kvt_path_iter_t *it, kvt_radix_node_t *node, uint32_t node_pages);
 /* The next block, or NULL at the end. *node_out (if not NULL) gets the node holding it. */
 kvt_block_t *kvt_path_iter_next(kvt_path_iter_t *it, kvt_radix_node_t **node_out);
+
+/*
+ * The same path node by node, from its deepest node up to the root, each step one node's blocks
+ * on the path as the array they are (for loops over every page of a path that do not care about
+ * the order):
+ *
+ *     for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
+ *          kvt_path_run_next(&r))
+ *         ... r.blocks[0 .. r.n), at page depths r.depth ...
+ */
+typedef struct kvt_path_run {
+    kvt_radix_node_t *node; /* NULL once past the top node */
+    kvt_block_t *blocks;
+    uint32_t depth; /* page depth of blocks[0] */
+    uint32_t n;     /* blocks of node on the path */
+} kvt_path_run_t;
+
+kvt_path_run_t kvt_path_run_first(kvt_radix_node_t *node, uint32_t node_pages);
+void kvt_path_run_next(kvt_path_run_t *r);
 
 /*
  * Evictable blocks: the last block of every leaf node that is not leased. Evicting a block makes

@@ -78,23 +78,17 @@ static void kvt_lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m)
     kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
     if (!t)
         return;
-    uint32_t n = 0, in_node = m->node_pages;
-    for (kvt_radix_node_t *x = m->node; x; x = kvt_radix_node_parent(x)) {
-        const kvt_block_t *b = kvt_radix_node_blocks(x);
-        for (uint32_t i = 0; i < in_node; i++)
-            n += b[i].tier == KVT_TIER_NVME;
-        in_node = kvt_radix_node_pages(kvt_radix_node_parent(x));
-    }
+    uint32_t n = 0;
+    kvt_path_run_t r;
+    for (r = kvt_path_run_first(m->node, m->node_pages); r.node; kvt_path_run_next(&r))
+        for (uint32_t i = 0; i < r.n; i++)
+            n += r.blocks[i].tier == KVT_TIER_NVME;
     if (n == 0 || !(l->pins = malloc(n * sizeof *l->pins)))
         return;
-    in_node = m->node_pages;
-    for (kvt_radix_node_t *x = m->node; x; x = kvt_radix_node_parent(x)) {
-        const kvt_block_t *b = kvt_radix_node_blocks(x);
-        for (uint32_t i = 0; i < in_node; i++)
-            if (b[i].tier == KVT_TIER_NVME && kvt_tier_pin(t, b[i].loc, 1) == 0)
-                l->pins[l->npins++] = b[i].loc;
-        in_node = kvt_radix_node_pages(kvt_radix_node_parent(x));
-    }
+    for (r = kvt_path_run_first(m->node, m->node_pages); r.node; kvt_path_run_next(&r))
+        for (uint32_t i = 0; i < r.n; i++)
+            if (r.blocks[i].tier == KVT_TIER_NVME && kvt_tier_pin(t, r.blocks[i].loc, 1) == 0)
+                l->pins[l->npins++] = r.blocks[i].loc;
 }
 
 static void kvt_lease_unpin(kvt_srv_t *s, kvt__lease_t *l)
@@ -326,17 +320,11 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     if (!frame)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     uint8_t *out = frame + KVT_PROTO_HDR, *tiers = out + sizeof(kvt_wire_match_reply_t);
-    /* Tiers per page, from the matched node up to the root: each node's blocks are one array,
-     * so this reads them in place instead of stepping a path iterator block by block. */
-    uint32_t in_node = m->node_pages;
-    for (kvt_radix_node_t *n = m->pages ? m->node : NULL, *up; n; n = up) {
-        uint32_t depth = kvt_radix_node_depth(n);
-        const kvt_block_t *b = kvt_radix_node_blocks(n);
-        for (uint32_t i = 0; i < in_node && depth + i < m->pages; i++)
-            tiers[depth + i] = b[i].tier;
-        up = kvt_radix_node_parent(n);
-        in_node = kvt_radix_node_pages(up);
-    }
+    /* Tiers per page, node by node: each node's blocks are read in place. */
+    for (kvt_path_run_t pr = kvt_path_run_first(m->pages ? m->node : NULL, m->node_pages); pr.node;
+         kvt_path_run_next(&pr))
+        for (uint32_t i = 0; i < pr.n; i++)
+            tiers[pr.depth + i] = pr.blocks[i].tier;
     if (!(q->flags & KVT_MATCH_F_PROBE))
         kvt_count_match(s, m, q->wire, q->ntokens, c->page_size, tiers, remote_down);
     uint64_t lease = 0;

@@ -388,9 +388,7 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
     uint32_t adopted = 0;
     while (from < to) {
         /* The part of [from, to) that lies in one node. */
-        kvt_radix_node_t *x = node;
-        while (kvt_radix_node_depth(x) > from)
-            x = kvt_radix_node_parent(x);
+        kvt_radix_node_t *x = kvt_radix_node_holding(node, from);
         uint32_t end = KVT_MIN(to, kvt_radix_node_depth(x) + kvt_radix_node_pages(x));
         int rc = kvt_policy_adopt(s->policy, x, from, end - from, tier, prompt_pages, h);
         if (rc > 0) {
@@ -631,17 +629,17 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
 
 uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
 {
-    while (n && depth < kvt_radix_node_depth(n))
-        n = kvt_radix_node_parent(n);
-    if (!n || depth >= kvt_radix_node_depth(n) + kvt_radix_node_pages(n))
+    n = kvt_radix_node_holding(n, depth);
+    if (!n)
         return 0;
     kvt_block_t *bl = kvt_radix_node_blocks(n);
     uint32_t np = kvt_radix_node_pages(n), ns = kvt_radix_node_ns(n), changed = 0;
-    uint8_t lost_tier = bl[depth - kvt_radix_node_depth(n)].tier;
-    for (uint32_t i = depth - kvt_radix_node_depth(n); i < np; i++)
+    uint32_t i0 = depth - kvt_radix_node_depth(n);
+    uint8_t lost_tier = bl[i0].tier;
+    for (uint32_t i = i0; i < np; i++)
         if (bl[i].flags & KVT_BLOCK_BUSY)
             return 0;
-    for (uint32_t i = depth - kvt_radix_node_depth(n); i < np; i++) {
+    for (uint32_t i = i0; i < np; i++) {
         kvt_block_t *b = &bl[i];
         if (b->tier == KVT_TIER_NONE)
             continue;
@@ -675,16 +673,15 @@ void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
     if (u.reclaimed == 0 && u.corrupt == 0)
         return; /* nothing was ever dropped by the tier: every location is good */
     uint64_t seed = kvt_radix_ns_seed(s->radix, m->ns);
-    uint32_t in_node = m->node_pages;
-    for (kvt_radix_node_t *n = m->node, *up; n; n = up, in_node = kvt_radix_node_pages(n)) {
-        up = kvt_radix_node_parent(n);
-        kvt_block_t *bl = kvt_radix_node_blocks(n);
-        for (uint32_t i = 0; i < in_node; i++) {
-            if (bl[i].tier != KVT_TIER_NVME || (bl[i].flags & KVT_BLOCK_BUSY))
+    for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
+         kvt_path_run_next(&r)) {
+        for (uint32_t i = 0; i < r.n; i++) {
+            const kvt_block_t *b = &r.blocks[i];
+            if (b->tier != KVT_TIER_NVME || (b->flags & KVT_BLOCK_BUSY))
                 continue;
-            kvt_block_key_t key = {.ns_seed = seed, .hash = bl[i].hash};
-            if (!kvt_tier_valid(t, bl[i].loc, &key)) {
-                kvt__store_lost(s, n, kvt_radix_node_depth(n) + i);
+            kvt_block_key_t key = {.ns_seed = seed, .hash = b->hash};
+            if (!kvt_tier_valid(t, b->loc, &key)) {
+                kvt__store_lost(s, r.node, r.depth + i);
                 break; /* the rest of this node is index-only now */
             }
         }

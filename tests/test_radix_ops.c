@@ -522,9 +522,24 @@ Test(radix_ops, path_iterator_walks_blocks_in_order)
         cr_assert_eq(b->hash, h[d]);
         cr_assert_eq(kvt_radix_node_tokens(holder, d - kvt_radix_node_depth(holder))[0], s[d * PS]);
         cr_assert_eq(kvt_radix_block_at(m.node, d), b);
+        cr_assert_eq(kvt_radix_node_holding(m.node, d), holder);
         d++;
     }
     cr_expect_eq(d, turns);
+    cr_expect_null(kvt_radix_node_holding(m.node, turns));
+    /* Node by node, from the deepest up: the same blocks, each at its depth, each once. */
+    uint32_t seen = 0, top = turns;
+    for (kvt_path_run_t r = kvt_path_run_first(m.node, m.node_pages); r.node;
+         kvt_path_run_next(&r)) {
+        cr_assert_eq(r.depth + r.n, top, "runs are contiguous, deepest first");
+        for (uint32_t i = 0; i < r.n; i++)
+            cr_assert_eq(r.blocks[i].hash, h[r.depth + i]);
+        seen += r.n;
+        top = r.depth;
+    }
+    cr_expect_eq(seen, turns);
+    cr_expect_eq(top, 0);
+    cr_expect_null(kvt_path_run_first(NULL, 0).node);
     /* A short path uses the cached levels. */
     cr_assert_eq(kvt_radix_match(tree, ns, s, 5 * PS, 0, &m), 0);
     kvt_path_iter_init(&it, m.node, m.node_pages);
