@@ -130,6 +130,27 @@ static void get_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uin
     cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
 }
 
+/* GETs pages [0, n) of a lease: every one must come back, byte-exact to fill_pages(seed). Returns
+ * how many came back. */
+static uint32_t expect_reads_back(kvt_client_t *c, uint64_t lease, uint32_t n, uint32_t seed,
+                                  const char *what)
+{
+    uint8_t *buf = malloc((size_t)n * BIG), *want = malloc((size_t)n * BIG), from[64];
+    cr_assert(buf && want && n <= sizeof from);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, lease, 0, n, buf, (size_t)n * BIG, &got, from);
+    cr_expect_eq(rc, 0, "%s: GET of %u pages: %s %s", what, n, kvt_client_strerror(rc),
+                 kvt_client_errmsg(c));
+    cr_expect_eq(got, n, "%s: all %u pages came back (%u did)", what, n, got);
+    fill_pages(want, got, seed);
+    for (uint32_t p = 0; p < got; p++)
+        cr_expect(memcmp(buf + (size_t)p * BIG, want + (size_t)p * BIG, BIG) == 0,
+                  "%s: page %u differs", what, p);
+    free(buf);
+    free(want);
+    return got;
+}
+
 static double settle(const kvd_t *d, const char *series, double above)
 {
     double v = -1;
@@ -256,7 +277,6 @@ Test(server_policy, nvme_reclaim_turns_lost_pages_index_only)
                  "the NVMe log reclaimed segments holding live blocks");
     quiet(&d);
     cr_expect_leq(kvd_stat(c, "nvme_used_bytes"), kvd_stat(c, "nvme_capacity_bytes"));
-    uint8_t *buf = malloc((size_t)P * BIG), *want = malloc((size_t)P * BIG);
     int checked = 0;
     for (int k = 0; k < N; k++) {
         uint8_t tiers[P];
@@ -269,24 +289,14 @@ Test(server_policy, nvme_reclaim_turns_lost_pages_index_only)
         while (stored < m.pages && tiers[stored] != KVT_CLIENT_TIER_NONE)
             stored++;
         if (stored > 0) {
-            uint32_t got = 0;
-            uint8_t from[P];
-            int rc = kvt_client_get(c, m.lease, 0, stored, buf, (size_t)P * BIG, &got, from);
-            cr_expect_eq(rc, 0, "prompt %d: GET of the %u pages MATCH reported stored: %s %s", k,
-                         stored, kvt_client_strerror(rc), kvt_client_errmsg(c));
-            cr_expect_eq(got, stored, "prompt %d: all %u stored pages came back", k, stored);
-            fill_pages(want, stored, 1000 * (k + 1));
-            for (uint32_t p = 0; p < got; p++)
-                cr_expect(memcmp(buf + (size_t)p * BIG, want + (size_t)p * BIG, BIG) == 0,
-                          "prompt %d page %u differs", k, p);
-            checked += (int)got;
+            char what[64];
+            snprintf(what, sizeof what, "prompt %d, the pages MATCH reported stored", k);
+            checked += (int)expect_reads_back(c, m.lease, stored, 1000 * (k + 1), what);
         }
         if (m.lease)
             cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
     }
     cr_expect_gt(checked, 0, "some pages were still stored to read back");
-    free(buf);
-    free(want);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
@@ -335,10 +345,7 @@ Test(server_policy, corrupt_nvme_block_becomes_index_only)
     for (int i = 0; i < P; i++)
         cr_expect_eq(tiers[i], i < BAD ? KVT_CLIENT_TIER_NVME : KVT_CLIENT_TIER_NONE,
                      "page %d: tier %d", i, tiers[i]);
-    rc = kvt_client_get(c, m.lease, 0, BAD, buf, (size_t)P * BIG, &got, from);
-    cr_expect_eq(rc, 0, "the stored prefix reads back: %s", kvt_client_strerror(rc));
-    cr_expect_eq(got, BAD);
-    cr_expect(memcmp(buf, want, (size_t)BAD * BIG) == 0);
+    expect_reads_back(c, m.lease, BAD, 77, "the stored prefix");
     cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
     free(buf);
     free(want);
@@ -369,7 +376,7 @@ Test(server_policy, leased_nvme_path_survives_segment_reclaim)
         put_prompt(c, churn, C, 910 + 10 * k);
     }
     quiet(&d);
-    uint8_t tiers[P], from[P];
+    uint8_t tiers[P];
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
     cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
     uint32_t stored = 0, in_nvme = 0;
@@ -384,19 +391,8 @@ Test(server_policy, leased_nvme_path_survives_segment_reclaim)
     quiet(&d);
     cr_expect_gt(metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), lost,
                  "the churn made the log reclaim segments");
-    uint8_t *buf = malloc((size_t)P * BIG), *want = malloc((size_t)P * BIG);
-    uint32_t got = 0;
-    int rc = kvt_client_get(c, m.lease, 0, stored, buf, (size_t)P * BIG, &got, from);
-    cr_expect_eq(rc, 0, "the leased path reads back: %s %s", kvt_client_strerror(rc),
-                 kvt_client_errmsg(c));
-    cr_expect_eq(got, stored);
-    fill_pages(want, stored, 900);
-    for (uint32_t p = 0; p < got; p++)
-        cr_expect(memcmp(buf + (size_t)p * BIG, want + (size_t)p * BIG, BIG) == 0,
-                  "leased page %u differs", p);
+    expect_reads_back(c, m.lease, stored, 900, "the leased path");
     cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
-    free(buf);
-    free(want);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
