@@ -31,6 +31,7 @@
 
 #include "../radix/radix.h"
 #include "../trace/trace.h"
+#include "bench_stats.h"
 
 #define PASSES_MAX 15
 
@@ -39,12 +40,6 @@ typedef struct opts {
     int passes;               /* warm passes; the median one is reported */
     uint64_t capacity_tokens; /* 0 = unlimited */
 } opts_t;
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 static double pct(const double *sorted, size_t n, double p)
 {
@@ -282,7 +277,7 @@ static int replay(const kvt_trace_t *tr, const opts_t *o, int with_baseline, int
     }
 
     kvt_radix_stats(t, &res->st);
-    qsort(us, tr->nreqs, sizeof(double), cmp_double);
+    qsort(us, tr->nreqs, sizeof(double), bench_cmp_double);
     res->p50 = pct(us, tr->nreqs, 0.50);
     res->p99 = pct(us, tr->nreqs, 0.99);
     res->bad = kvt_radix_verify(t) != 0;

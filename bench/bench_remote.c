@@ -11,6 +11,7 @@
  * port (files under $TMPDIR) and kills it by PID.
  */
 #include "bench_remote.h"
+#include "bench_stats.h"
 
 #include <errno.h>
 #include <netinet/in.h>
@@ -302,18 +303,6 @@ static double redis_benchmark(const char *host, uint16_t port, const char *test,
     return rps;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 static int bench_size(kvt_tier_t *t, redisContext *c, const char *host, uint16_t port, size_t size)
 {
     if (size == 0 || size > KVT_TIER_MAX_BLOCK)
@@ -381,8 +370,8 @@ static int bench_size(kvt_tier_t *t, redisContext *c, const char *host, uint16_t
         }
     }
     const char *ops[2] = {"write", "read"};
-    double g[2] = {median(w, BENCH_REPS), median(rd, BENCH_REPS)};
-    double b[2] = {median(bw, BENCH_REPS), median(brd, BENCH_REPS)};
+    double g[2] = {bench_median(w, BENCH_REPS), bench_median(rd, BENCH_REPS)};
+    double b[2] = {bench_median(bw, BENCH_REPS), bench_median(brd, BENCH_REPS)};
     for (int o = 0; o < 2; o++)
         printf("{\"tier\":\"remote\",\"block_bytes\":%zu,\"op\":\"%s\",\"gbps\":%.3f,"
                "\"baseline\":\"redis-benchmark\",\"baseline_gbps\":%.3f,\"ratio\":%.3f,"

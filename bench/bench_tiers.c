@@ -33,6 +33,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "bench_stats.h"
 #include "config.h"
 #include "tier.h"
 #if KVT_HAVE_CUDA
@@ -84,17 +85,13 @@ static void fill(uint8_t *p, size_t n, uint64_t seed)
     }
 }
 
-static int cmp_double(const void *a, const void *b)
+/* The two lines of a case from its reps: runs holds reps figures each of the tier's writes, the
+ * baseline's writes, the tier's reads and the baseline's reads, in that order. */
+static void emit_runs(const char *tier, size_t bs, double *runs, int reps, const char *base)
 {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* The median of v[0 .. n-1] (sorts v). */
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof(*v), cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    emit(tier, bs, "write", bench_median(runs, reps), base, bench_median(runs + reps, reps));
+    emit(tier, bs, "read", bench_median(runs + 2 * reps, reps), base,
+         bench_median(runs + 3 * reps, reps));
 }
 
 /* ---- driving a tier with a window of requests in flight ---- */
@@ -254,9 +251,7 @@ static int bench_dram(const opts_t *o, size_t bs)
         runs[2 * o->reps + rep] = bytes / tr / 1e9;
         runs[3 * o->reps + rep] = bytes / br / 1e9;
     }
-    emit("dram", bs, "write", median(runs, o->reps), "memcpy", median(runs + o->reps, o->reps));
-    emit("dram", bs, "read", median(runs + 2 * o->reps, o->reps), "memcpy",
-         median(runs + 3 * o->reps, o->reps));
+    emit_runs("dram", bs, runs, o->reps, "memcpy");
     free(runs);
     pump_fini(&p);
     kvt_tier_destroy(t);
@@ -363,9 +358,7 @@ static int bench_nvme(const opts_t *o, size_t bs)
         runs[3 * o->reps + rep] = fr;
     }
     if (rc == 0) {
-        emit("nvme", bs, "write", median(runs, o->reps), "fio", median(runs + o->reps, o->reps));
-        emit("nvme", bs, "read", median(runs + 2 * o->reps, o->reps), "fio",
-             median(runs + 3 * o->reps, o->reps));
+        emit_runs("nvme", bs, runs, o->reps, "fio");
     }
     free(runs);
     pump_fini(&p);
@@ -431,9 +424,7 @@ static int bench_hbm(const opts_t *o, size_t bs)
         runs[2 * o->reps + rep] = bytes / dr / 1e9;
         runs[3 * o->reps + rep] = bytes / br / 1e9;
     }
-    emit("hbm", bs, "write", median(runs, o->reps), "cudaMemcpy", median(runs + o->reps, o->reps));
-    emit("hbm", bs, "read", median(runs + 2 * o->reps, o->reps), "cudaMemcpy",
-         median(runs + 3 * o->reps, o->reps));
+    emit_runs("hbm", bs, runs, o->reps, "cudaMemcpy");
     free(runs);
     cudaFree(dev);
     pump_fini(&p);
