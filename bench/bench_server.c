@@ -24,8 +24,9 @@
  *
  * usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] [--redis-benchmark PATH]
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
- *        [--ops match|get|all]
+ *        [--ops match|get|all] [--transport unix|tcp|all]
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -36,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -47,6 +49,7 @@
 #include "../common/common.h"
 #include "../server/proto.h"
 #include "../trace/trace.h"
+#include "bench_stats.h"
 #include "config.h"
 
 #define MAX_TOKENS   2048
@@ -58,8 +61,9 @@ typedef struct opts {
     int conns, pipeline;
     long requests;
     uint32_t block_bytes;
-    const char *ops; /* "match", "get" or "all" */
-    int rounds;      /* alternating rounds per side; the median is reported */
+    const char *ops;       /* "match", "get" or "all" */
+    const char *transport; /* "unix", "tcp" or "all" */
+    int rounds;            /* alternating rounds per side; the median is reported */
 } opts_t;
 
 static char g_dir[512];
@@ -172,6 +176,22 @@ typedef struct load {
 
 static uint32_t g_get_tokens[64 * 16];
 
+static int read_all(int fd, void *buf, size_t n)
+{
+    uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t r = read(fd, p, n);
+        if (r <= 0) {
+            if (r < 0 && errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
 static int write_all(int fd, const uint8_t *p, size_t n)
 {
     while (n > 0) {
@@ -185,6 +205,31 @@ static int write_all(int fd, const uint8_t *p, size_t n)
         n -= (size_t)w;
     }
     return 0;
+}
+
+/* SETs key:000000000000 .. key:(n-1), the names redis-benchmark -r n draws from, to values of
+ * size bytes, so that its GET reads as many distinct values as the GET load reads blocks. */
+static int redis_set_keys(const char *sock, uint32_t n, size_t size)
+{
+    int fd = connect_unix(sock);
+    if (fd < 0)
+        return -1;
+    uint8_t *val = malloc(size + 2);
+    int rc = val ? 0 : -1;
+    for (uint32_t i = 0; i < n && rc == 0; i++) {
+        memset(val, 'a' + (int)(i % 26), size);
+        memcpy(val + size, "\r\n", 2);
+        char head[128], ok[5];
+        int hl =
+            snprintf(head, sizeof head, "*3\r\n$3\r\nSET\r\n$16\r\nkey:%012u\r\n$%zu\r\n", i, size);
+        if (write_all(fd, (const uint8_t *)head, (size_t)hl) < 0 ||
+            write_all(fd, val, size + 2) < 0 || read_all(fd, ok, sizeof ok) < 0 ||
+            memcmp(ok, "+OK\r\n", 5) != 0)
+            rc = -1;
+    }
+    free(val);
+    close(fd);
+    return rc;
 }
 
 static int hello(int fd, uint32_t block_bytes)
@@ -201,13 +246,8 @@ static int hello(int fd, uint32_t block_bytes)
     if (write_all(fd, buf, KVT_PROTO_HDR + sizeof w + 5) < 0)
         return -1;
     uint8_t r[KVT_PROTO_HDR + sizeof(kvt_wire_hello_reply_t)];
-    size_t got = 0;
-    while (got < sizeof r) {
-        ssize_t n = read(fd, r + got, sizeof r - got);
-        if (n <= 0)
-            return -1;
-        got += (size_t)n;
-    }
+    if (read_all(fd, r, sizeof r) < 0)
+        return -1;
     kvt_proto_hdr_t h;
     kvt_proto_hdr_decode(r, &h);
     return h.status;
@@ -226,16 +266,12 @@ static uint64_t take_lease(int fd, uint32_t pages)
     int rc = write_all(fd, f, KVT_PROTO_HDR + body);
     free(f);
     uint8_t r[KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + 64];
-    size_t want = KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + pages, got = 0;
-    while (rc == 0 && got < want) {
-        ssize_t n = read(fd, r + got, want - got);
-        if (n <= 0)
-            return 0;
-        got += (size_t)n;
-    }
+    size_t want = KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + pages;
+    if (rc < 0 || read_all(fd, r, want) < 0)
+        return 0;
     kvt_proto_hdr_t h;
     kvt_proto_hdr_decode(r, &h);
-    if (rc < 0 || h.status < 0)
+    if (h.status < 0)
         return 0;
     return kvt_get_u64(r + KVT_PROTO_HDR + 8);
 }
@@ -255,7 +291,9 @@ typedef struct bconn {
     uint8_t *gets; /* GET load: one pre-encoded frame per stored page */
     uint64_t lease;
     uint64_t bytes;
-    int want_out; /* EPOLLOUT is in the interest set */
+    uint64_t skip; /* body bytes of the current frame still to come */
+    int last;      /* the current frame ends its reply */
+    int want_out;  /* EPOLLOUT is in the interest set */
 } bconn_t;
 
 #define GET_FRAME (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))
@@ -300,11 +338,13 @@ static int flush_out(bconn_t *c)
 }
 
 /* Replies come back in request order on a connection, so the oldest outstanding send time is
- * the one a reply answers. */
+ * the one a reply answers; a reply is complete when the body of its last frame is in. Only
+ * headers are looked at: bodies are counted and dropped as they arrive, so the buffer the
+ * socket is read into stays small and in the cache, as redis-benchmark's does. */
 static int drain_in(bconn_t *c)
 {
     for (;;) {
-        if (c->cap - c->in_len < (1 << 20)) {
+        if (c->in_off > 0) { /* at most part of a header is left */
             memmove(c->in, c->in + c->in_off, c->in_len - c->in_off);
             c->in_len -= c->in_off;
             c->in_off = 0;
@@ -317,22 +357,33 @@ static int drain_in(bconn_t *c)
             return errno == EAGAIN ? 0 : -1;
         c->in_len += (size_t)r;
         uint64_t now = kvt_now_ns();
-        while (c->in_len - c->in_off >= KVT_PROTO_HDR) {
-            kvt_proto_hdr_t h;
-            kvt_proto_hdr_decode(c->in + c->in_off, &h);
-            if (c->in_len - c->in_off < KVT_PROTO_HDR + (size_t)h.body_len)
+        for (;;) {
+            size_t avail = c->in_len - c->in_off;
+            if (c->skip > 0) {
+                size_t t = c->skip < avail ? (size_t)c->skip : avail;
+                c->skip -= t;
+                c->in_off += t;
+                if (c->skip > 0)
+                    break;
+            } else if (avail >= KVT_PROTO_HDR) {
+                kvt_proto_hdr_t h;
+                kvt_proto_hdr_decode(c->in + c->in_off, &h);
+                c->in_off += KVT_PROTO_HDR;
+                c->bytes += h.body_len;
+                c->skip = h.body_len;
+                if (h.status < 0 || c->done >= c->sent)
+                    return -1;
+                /* GET data frames (KVT_RF_MORE): their request ends with the end frame. */
+                c->last = !(h.flags & KVT_RF_MORE);
+            } else {
                 break;
-            c->in_off += KVT_PROTO_HDR + h.body_len;
-            c->bytes += h.body_len;
-            if (h.status < 0 || c->done >= c->sent)
-                return -1;
-            if (h.flags & KVT_RF_MORE)
-                continue; /* GET data: its request ends with the end frame */
-            c->lat[c->done] = now - c->t_sent[c->done];
-            c->done++;
+            }
+            if (c->skip == 0 && c->last) {
+                c->lat[c->done] = now - c->t_sent[c->done];
+                c->done++;
+                c->last = 0;
+            }
         }
-        if (c->in_off == c->in_len)
-            c->in_off = c->in_len = 0;
         if ((size_t)r < room)
             return 0; /* a short read emptied the socket */
     }
@@ -346,7 +397,47 @@ static int cmp_u64(const void *a, const void *b)
 
 typedef struct result {
     double rps, p50_us, p99_us, gbps;
+    double cpu_us;        /* the server's CPU time per request (all its threads, user + system) */
+    double client_cpu_us; /* the load generator's, per request */
 } result_t;
+
+/* User + system CPU time of this process (who = RUSAGE_SELF) or of its waited-for children
+ * (RUSAGE_CHILDREN: redis-benchmark, through popen's shell), in ns. */
+static uint64_t rusage_ns(int who)
+{
+    struct rusage ru;
+    if (getrusage(who, &ru) != 0)
+        return 0;
+    return ((uint64_t)ru.ru_utime.tv_sec + (uint64_t)ru.ru_stime.tv_sec) * 1000000000ull +
+           ((uint64_t)ru.ru_utime.tv_usec + (uint64_t)ru.ru_stime.tv_usec) * 1000ull;
+}
+
+/* CPU time a process has run so far, in ns: the sum over its threads of the scheduler's own
+ * count (/proc/PID/task/TID/schedstat), which is exact where utime and stime are in ticks. */
+static uint64_t proc_cpu_ns(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (!d)
+        return 0;
+    uint64_t sum = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.')
+            continue;
+        char f[128];
+        snprintf(f, sizeof f, "/proc/%d/task/%.20s/schedstat", (int)pid, e->d_name);
+        FILE *fp = fopen(f, "r");
+        unsigned long long ns;
+        if (fp && fscanf(fp, "%llu", &ns) == 1)
+            sum += ns;
+        if (fp)
+            fclose(fp);
+    }
+    closedir(d);
+    return sum;
+}
 
 static int run_load(load_t *l, result_t *res)
 {
@@ -366,7 +457,7 @@ static int run_load(load_t *l, result_t *res)
         fcntl(c->fd, F_SETFL, fcntl(c->fd, F_GETFL) | O_NONBLOCK);
         c->t_sent = calloc((size_t)l->per_conn, sizeof *c->t_sent);
         c->lat = lat + (size_t)i * (size_t)l->per_conn;
-        c->cap = 32 << 20;
+        c->cap = 256 << 10;
         c->in = malloc(c->cap);
         if (l->get_blocks) {
             c->gets = malloc((size_t)l->get_blocks * GET_FRAME);
@@ -483,21 +574,40 @@ static int cmp_rps(const void *a, const void *b)
 static int measure(const opts_t *o, load_t *l, const char *target, const char *test, size_t size,
                    long n, long keys, result_t *k, result_t *r, result_t *hot)
 {
-    result_t ks[9], rs[9], hs[9];
+    result_t ks[9], rs[9], hs[9] = {{0}};
     int rounds = o->rounds;
     for (int i = 0; i < rounds; i++) {
         l->failed = 0;
-        if (run_load(l, &ks[i]) < 0 || redis_bench(o, target, test, size, n, keys, &rs[i]) < 0 ||
-            (hot && redis_bench(o, target, test, size, n, 0, &hs[i]) < 0))
+        double nk = (double)(l->o->requests / l->o->conns * l->o->conns);
+        uint64_t c0 = proc_cpu_ns(g_kvd), u0 = rusage_ns(RUSAGE_SELF);
+        if (run_load(l, &ks[i]) < 0)
             return -1;
+        ks[i].cpu_us = (double)(proc_cpu_ns(g_kvd) - c0) / 1e3 / nk;
+        ks[i].client_cpu_us = (double)(rusage_ns(RUSAGE_SELF) - u0) / 1e3 / nk;
+        for (int h = 0; h < 1 + (hot != NULL); h++) {
+            result_t *x = h ? &hs[i] : &rs[i];
+            c0 = proc_cpu_ns(g_redis), u0 = rusage_ns(RUSAGE_CHILDREN);
+            if (redis_bench(o, target, test, size, n, h ? 0 : keys, x) < 0)
+                return -1;
+            x->cpu_us = (double)(proc_cpu_ns(g_redis) - c0) / 1e3 / (double)n;
+            x->client_cpu_us = (double)(rusage_ns(RUSAGE_CHILDREN) - u0) / 1e3 / (double)n;
+        }
+    }
+    double kc[9], rc[9], hc[9], kl[9], rl[9], hl[9];
+    for (int i = 0; i < rounds; i++) {
+        kc[i] = ks[i].cpu_us, rc[i] = rs[i].cpu_us, hc[i] = hs[i].cpu_us;
+        kl[i] = ks[i].client_cpu_us, rl[i] = rs[i].client_cpu_us, hl[i] = hs[i].client_cpu_us;
     }
     qsort(ks, (size_t)rounds, sizeof *ks, cmp_rps);
     qsort(rs, (size_t)rounds, sizeof *rs, cmp_rps);
     *k = ks[rounds / 2];
     *r = rs[rounds / 2];
+    k->cpu_us = bench_median(kc, rounds), k->client_cpu_us = bench_median(kl, rounds);
+    r->cpu_us = bench_median(rc, rounds), r->client_cpu_us = bench_median(rl, rounds);
     if (hot) {
         qsort(hs, (size_t)rounds, sizeof *hs, cmp_rps);
         *hot = hs[rounds / 2];
+        hot->cpu_us = bench_median(hc, rounds), hot->client_cpu_us = bench_median(hl, rounds);
     }
     return 0;
 }
@@ -588,6 +698,7 @@ int main(int argc, char **argv)
                 .requests = 200000,
                 .block_bytes = 256 << 10,
                 .ops = "all",
+                .transport = "all",
                 .rounds = 3};
     /* kvtierd of the same build: $KVT_BUILD_ROOT (meson's), else next to this binary's bench/. */
     const char *root = getenv("KVT_BUILD_ROOT");
@@ -623,19 +734,24 @@ int main(int argc, char **argv)
             o.rounds = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ops") && i + 1 < argc)
             o.ops = argv[++i];
+        else if (!strcmp(argv[i], "--transport") && i + 1 < argc)
+            o.transport = argv[++i];
         else if (argv[i][0] != '-' && !o.trace)
             o.trace = argv[i];
         else {
             fprintf(stderr, "usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] "
                             "[--redis-benchmark PATH] [--conns N] [--pipeline N] [--requests N] "
-                            "[--block-bytes N] [--rounds N] [--ops match|get|all]\n");
+                            "[--block-bytes N] [--rounds N] [--ops match|get|all] "
+                            "[--transport unix|tcp|all]\n");
             return 2;
         }
     }
     if (!o.trace || o.conns < 1 || o.conns > 64 || o.pipeline < 1 || o.pipeline > KVT_PIPE_MAX ||
         o.requests < o.conns || o.rounds < 1 || o.rounds > 9 || o.block_bytes < 4096 ||
-        o.block_bytes > (16u << 20)) {
-        fprintf(stderr, "bench_server: a trace path is required; 1..64 conns; block 4K..16M\n");
+        o.block_bytes > (16u << 20) ||
+        (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all"))) {
+        fprintf(stderr, "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
+                        "transport unix, tcp or all\n");
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
@@ -710,6 +826,8 @@ int main(int argc, char **argv)
     const char *transports[2] = {"unix", "tcp"};
     int status = 0;
     for (int t = 0; t < 2 && strcmp(o.ops, "get"); t++) {
+        if (strcmp(o.transport, "all") && strcmp(o.transport, transports[t]))
+            continue;
         match.tcp_port = t ? kport : 0;
         snprintf(match.sock, sizeof match.sock, "%s", ksock);
         match.failed = 0;
@@ -725,15 +843,20 @@ int main(int argc, char **argv)
                "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"redis-benchmark SET\","
                "\"baseline_keys\":%zu,\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
                "\"baseline_p99_us\":%.1f,\"rounds\":%d,\"ratio\":%.3f,"
-               "\"hot_key_baseline_requests_per_s\":%.0f,\"ratio_hot_key\":%.3f}\n",
+               "\"hot_key_baseline_requests_per_s\":%.0f,\"ratio_hot_key\":%.3f,"
+               "\"cpu_us_per_request\":%.3f,\"baseline_cpu_us_per_request\":%.3f,"
+               "\"hot_key_baseline_cpu_us_per_request\":%.3f,\"client_cpu_us_per_request\":%.3f,"
+               "\"baseline_client_cpu_us_per_request\":%.3f,"
+               "\"hot_key_baseline_client_cpu_us_per_request\":%.3f}\n",
                transports[t], o.trace, (long)o.conns * (o.requests / o.conns), o.conns, o.pipeline,
                avg_bytes, k.rps, k.p50_us, k.p99_us, match.nframes, r.rps, r.p50_us, r.p99_us,
-               o.rounds, k.rps / r.rps, h.rps, k.rps / h.rps);
+               o.rounds, k.rps / r.rps, h.rps, k.rps / h.rps, k.cpu_us, r.cpu_us, h.cpu_us,
+               k.client_cpu_us, r.client_cpu_us, h.client_cpu_us);
         fflush(stdout);
     }
 
-    /* GET bandwidth: 32 DRAM-resident blocks, one block per GET, against GET of one value of
-     * the same size (set once before). */
+    /* GET bandwidth: 32 DRAM-resident blocks, one block per GET, against GET over 32 values of
+     * the same size (-r 32), and over one value as redis-benchmark's default (the hot key). */
     uint32_t nblocks = 32;
     if (store_blocks(ksock, o.block_bytes, nblocks) < 0)
         return 1;
@@ -742,18 +865,24 @@ int main(int argc, char **argv)
              o.redis_benchmark, rsock, o.block_bytes);
     if (system(setcmd) != 0)
         fprintf(stderr, "bench_server: redis-benchmark SET of the GET value failed\n");
+    if (redis_set_keys(rsock, nblocks, o.block_bytes) < 0) {
+        fprintf(stderr, "bench_server: SET of the %u GET values failed\n", nblocks);
+        return 1;
+    }
     long get_requests = KVT_MAX((long)o.conns, (long)((2ull << 30) / o.block_bytes));
     opts_t go = o;
     go.pipeline = KVT_MIN(o.pipeline, 8);
     go.requests = get_requests;
     load_t get = {.o = &go, .hello_block = o.block_bytes, .get_blocks = nblocks};
     for (int t = 0; t < 2 && strcmp(o.ops, "match"); t++) {
+        if (strcmp(o.transport, "all") && strcmp(o.transport, transports[t]))
+            continue;
         get.tcp_port = t ? kport : 0;
         snprintf(get.sock, sizeof get.sock, "%s", ksock);
         get.failed = 0;
-        result_t k, r;
+        result_t k, r, h;
         int bad = measure(&go, &get, t ? redis_tcp : redis_unix, "get", o.block_bytes, get_requests,
-                          0, &k, &r, NULL) < 0;
+                          nblocks, &k, &r, &h) < 0;
         k.gbps = k.rps * o.block_bytes / 1e9; /* payload bytes, as for the baseline */
         if (bad) {
             fprintf(stderr, "bench_server: get over %s failed\n", transports[t]);
@@ -764,10 +893,16 @@ int main(int argc, char **argv)
                "\"conns\":%d,\"pipeline\":%d,\"requests_per_s\":%.0f,\"gbps\":%.3f,"
                "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"redis-benchmark GET\","
                "\"baseline_requests_per_s\":%.0f,\"baseline_gbps\":%.3f,"
-               "\"baseline_p50_us\":%.1f,\"baseline_p99_us\":%.1f,\"ratio\":%.3f}\n",
+               "\"baseline_keys\":%u,\"baseline_p50_us\":%.1f,\"baseline_p99_us\":%.1f,"
+               "\"ratio\":%.3f,\"hot_key_baseline_gbps\":%.3f,\"ratio_hot_key\":%.3f,"
+               "\"cpu_us_per_request\":%.3f,\"baseline_cpu_us_per_request\":%.3f,"
+               "\"hot_key_baseline_cpu_us_per_request\":%.3f,\"client_cpu_us_per_request\":%.3f,"
+               "\"baseline_client_cpu_us_per_request\":%.3f,"
+               "\"hot_key_baseline_client_cpu_us_per_request\":%.3f}\n",
                transports[t], o.block_bytes, (long)go.conns * (get_requests / go.conns), go.conns,
-               go.pipeline, k.rps, k.gbps, k.p50_us, k.p99_us, r.rps, r.gbps, r.p50_us, r.p99_us,
-               k.gbps / r.gbps);
+               go.pipeline, k.rps, k.gbps, k.p50_us, k.p99_us, r.rps, r.gbps, nblocks, r.p50_us,
+               r.p99_us, k.gbps / r.gbps, h.gbps, k.gbps / h.gbps, k.cpu_us, r.cpu_us, h.cpu_us,
+               k.client_cpu_us, r.client_cpu_us, h.client_cpu_us);
         fflush(stdout);
     }
     for (size_t i = 0; i < match.nframes; i++)
