@@ -579,20 +579,34 @@ static int cmp_rps(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* The round with the median requests/s, carrying the median CPU figures of all the rounds
+ * (sorts v). */
+static result_t median_round(result_t *v, int rounds)
+{
+    double cpu[9], client[9];
+    for (int i = 0; i < rounds; i++)
+        cpu[i] = v[i].cpu_us, client[i] = v[i].client_cpu_us;
+    qsort(v, (size_t)rounds, sizeof *v, cmp_rps);
+    result_t m = v[rounds / 2];
+    m.cpu_us = bench_median(cpu, rounds);
+    m.client_cpu_us = bench_median(client, rounds);
+    return m;
+}
+
 /* Rounds of kvtier then redis-benchmark, alternating, so that a load spike from elsewhere on the
  * machine hits both sides alike; each side's median round is reported. With hot, each round also
  * runs redis-benchmark on its default single key (keys 0) for that figure. */
 static int measure(const opts_t *o, load_t *l, const char *target, const char *test, size_t size,
                    long n, long keys, result_t *k, result_t *r, result_t *hot)
 {
-    result_t ks[9], rs[9], hs[9] = {{0}};
+    result_t ks[9], rs[9], hs[9];
     int rounds = o->rounds;
     for (int i = 0; i < rounds; i++) {
         l->failed = 0;
-        double nk = (double)(l->o->requests / l->o->conns * l->o->conns);
         uint64_t c0 = proc_cpu_ns(g_kvd), u0 = rusage_ns(RUSAGE_SELF);
         if (run_load(l, &ks[i]) < 0)
             return -1;
+        double nk = (double)l->per_conn * l->o->conns; /* the requests run_load sent */
         ks[i].cpu_us = (double)(proc_cpu_ns(g_kvd) - c0) / 1e3 / nk;
         ks[i].client_cpu_us = (double)(rusage_ns(RUSAGE_SELF) - u0) / 1e3 / nk;
         for (int h = 0; h < 1 + (hot != NULL); h++) {
@@ -604,22 +618,10 @@ static int measure(const opts_t *o, load_t *l, const char *target, const char *t
             x->client_cpu_us = (double)(rusage_ns(RUSAGE_CHILDREN) - u0) / 1e3 / (double)n;
         }
     }
-    double kc[9], rc[9], hc[9], kl[9], rl[9], hl[9];
-    for (int i = 0; i < rounds; i++) {
-        kc[i] = ks[i].cpu_us, rc[i] = rs[i].cpu_us, hc[i] = hs[i].cpu_us;
-        kl[i] = ks[i].client_cpu_us, rl[i] = rs[i].client_cpu_us, hl[i] = hs[i].client_cpu_us;
-    }
-    qsort(ks, (size_t)rounds, sizeof *ks, cmp_rps);
-    qsort(rs, (size_t)rounds, sizeof *rs, cmp_rps);
-    *k = ks[rounds / 2];
-    *r = rs[rounds / 2];
-    k->cpu_us = bench_median(kc, rounds), k->client_cpu_us = bench_median(kl, rounds);
-    r->cpu_us = bench_median(rc, rounds), r->client_cpu_us = bench_median(rl, rounds);
-    if (hot) {
-        qsort(hs, (size_t)rounds, sizeof *hs, cmp_rps);
-        *hot = hs[rounds / 2];
-        hot->cpu_us = bench_median(hc, rounds), hot->client_cpu_us = bench_median(hl, rounds);
-    }
+    *k = median_round(ks, rounds);
+    *r = median_round(rs, rounds);
+    if (hot)
+        *hot = median_round(hs, rounds);
     return 0;
 }
 
@@ -855,9 +857,9 @@ int main(int argc, char **argv)
         }
         printf("{\"op\":\"match\",\"transport\":\"%s\",\"trace\":\"%s\",\"requests\":%ld,"
                "\"prompts\":%zu,\"conns\":%d,\"pipeline\":%d,\"request_bytes\":%.0f,"
-               "\"requests_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"redis-"
-               "benchmark SET\","
-               "\"baseline_keys\":%zu,\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
+               "\"requests_per_s\":%.0f,\"p50_us\":%.1f,\"p99_us\":%.1f,"
+               "\"baseline\":\"redis-benchmark SET\",\"baseline_keys\":%zu,"
+               "\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
                "\"baseline_p99_us\":%.1f,\"rounds\":%d,\"ratio\":%.3f,"
                "\"hot_key_baseline_requests_per_s\":%.0f,\"ratio_hot_key\":%.3f,"
                "\"cpu_us_per_request\":%.3f,\"baseline_cpu_us_per_request\":%.3f,"
