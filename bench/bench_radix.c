@@ -368,7 +368,7 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
-    kvt_heap_hugepages(argv); /* as kvtierd runs the index: see common.h */
+    kvt_heap_hugepages(argv); /* the index on huge pages, as kvtierd has it: see common.h */
     opts_t o = {.page_size = 16, .passes = 5};
     /* Keep freed memory in the heap (not unmapped) so the second pass can reuse it; see the
      * comment at the top. Node storage stays below 32 MiB, glibc's largest mmap threshold. */

@@ -59,7 +59,8 @@ static inline uint64_t kvt_now_us(void)
 }
 
 /*
- * Huge pages for the heap. The index is hundreds of MiB of node storage walked in no particular
+ * Huge pages for a glibc heap (bench_radix; kvtierd's heap is jemalloc's, set up in
+ * server/main.c). The index is hundreds of MiB of node storage walked in no particular
  * order, so with 4 KiB pages nearly every node costs a TLB miss; glibc (2.35 and later) backs its
  * heap with transparent huge pages when started with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, and it
  * reads that only at start-up. So this re-executes the program (same argv, same pid and file

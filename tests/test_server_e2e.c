@@ -597,3 +597,40 @@ Test(server_e2e, large_get_in_batches_and_disconnect_mid_get)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+/* kvtierd's index lives in jemalloc's arenas, which it asks to advise transparent huge pages
+ * (server/main.c): after a few MiB of index the daemon holds anonymous huge pages. Skipped where
+ * the kernel has transparent huge pages off. */
+Test(server_e2e, index_heap_on_huge_pages)
+{
+    char mode[128] = "";
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (f) {
+        if (!fgets(mode, sizeof mode, f))
+            mode[0] = 0;
+        fclose(f);
+    }
+    if (!strstr(mode, "[always]") && !strstr(mode, "[madvise]"))
+        cr_skip_test("transparent huge pages are off here (%s)", mode[0] ? mode : "no sysfs file");
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "thp", PAGE, 0);
+    enum { PROMPT = 128 * PAGE };
+    static uint32_t tok[PROMPT];
+    kvt_client_put_t r;
+    for (uint32_t i = 0; i < 1000; i++) { /* ~2M tokens, tens of MiB of index */
+        kvd_tokens(tok, PROMPT, 1000 + i);
+        cr_assert_eq(kvt_client_put(c, tok, PROMPT, 0, 0, NULL, NULL, &r), 0);
+    }
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/smaps_rollup", (int)d.pid);
+    cr_assert(f = fopen(path, "r"), "%s: %s", path, strerror(errno));
+    long huge_kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "AnonHugePages: %ld kB", &huge_kb) == 1)
+            break;
+    fclose(f);
+    cr_expect_gt(huge_kb, 0, "kvtierd holds %ld kB of anonymous huge pages", huge_kb);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
