@@ -27,9 +27,11 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -73,6 +75,20 @@ static void *xalign(size_t n)
         fprintf(stderr, "bench_tiers: out of memory\n");
         exit(1);
     }
+    memset(p, 0x5a, n);
+    return p;
+}
+
+/* Memory like the DRAM tier's region (tiers/dram.c): 2 MiB aligned, transparent huge pages
+ * asked for. */
+static void *xalign_huge(size_t n)
+{
+    void *p = NULL;
+    if (posix_memalign(&p, 2u << 20, n) != 0) {
+        fprintf(stderr, "bench_tiers: out of memory\n");
+        exit(1);
+    }
+    (void)madvise(p, n, MADV_HUGEPAGE);
     memset(p, 0x5a, n);
     return p;
 }
@@ -207,7 +223,8 @@ static int bench_dram(const opts_t *o, size_t bs)
     fill(src, bs, 1);
     /* Writes copy from src and reads land in dst, as the baseline's memcpy does. */
     uint8_t **bufs = calloc(o->qd, sizeof(*bufs));
-    uint8_t *area = xalign((size_t)per_round * bs); /* the baseline's destination, faulted in */
+    /* The baseline's destination, faulted in, on the same kind of pages as the tier's region. */
+    uint8_t *area = xalign_huge((size_t)per_round * bs);
     pump_t p;
     pump_init(&p, t, o->qd, (uint32_t)bs, per_round, bufs);
     for (uint32_t i = 0; i < o->qd; i++)
@@ -264,6 +281,50 @@ static int bench_dram(const opts_t *o, size_t bs)
 
 /* ---- NVMe vs fio ---- */
 
+static void sync_cb(kvt_tier_io_t *io)
+{
+    *(int *)io->data = 1;
+}
+
+/* n blocks of bs bytes stored in a DRAM tier (*dram), each filled: kvtierd writes NVMe blocks from
+ * and reads them into DRAM-tier blocks, whose memory (huge pages where the kernel has them,
+ * tiers/dram.c) decides how many bios an O_DIRECT I/O of them takes. Returns the blocks' addresses,
+ * or NULL. */
+static uint8_t **dram_blocks(kvt_tier_t **dram, uint32_t n, size_t bs)
+{
+    kvt_tier_dram_conf_t c = {.capacity_bytes = (uint64_t)n * (bs + bs / 4 + 4096)};
+    if (kvt_tier_dram_create(dram, &c) < 0)
+        return NULL;
+    uint8_t **bufs = calloc(n, sizeof(*bufs));
+    uint8_t *tmp = xalign(bs);
+    for (uint32_t i = 0; bufs && i < n; i++) {
+        fill(tmp, bs, i);
+        int done = 0;
+        kvt_tier_io_t io = {.key = {.ns_seed = 7, .hash = 1 + i},
+                            .buf = tmp,
+                            .len = (uint32_t)bs,
+                            .cb = sync_cb,
+                            .data = &done};
+        if (kvt_tier_write(*dram, &io) < 0)
+            goto fail;
+        while (!done)
+            if (kvt_tier_wait(*dram, 1000) < 0)
+                goto fail;
+        if (io.status < 0)
+            goto fail;
+        bufs[i] = kvt_tier_ptr(*dram, io.loc);
+    }
+    free(tmp);
+    return bufs;
+fail:
+    fprintf(stderr, "bench_tiers: cannot stage %u blocks of %zu bytes in a dram tier\n", n, bs);
+    free(tmp);
+    free(bufs);
+    kvt_tier_destroy(*dram);
+    *dram = NULL;
+    return NULL;
+}
+
 /* Runs fio once; returns GB/s of op ("write" or "read"), or -1. */
 static double fio_run(const char *dir, const char *op, size_t bs, uint32_t qd, uint64_t volume)
 {
@@ -297,13 +358,30 @@ static double fio_run(const char *dir, const char *op, size_t bs, uint32_t qd, u
     return gbps;
 }
 
+/* Before each timed phase, untimed: syncfs makes the virtual disk flush what its host still
+ * holds of the previous phase's writes, so that no side pays for the one before it. */
+static void settle(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd >= 0) {
+        (void)syncfs(fd);
+        close(fd);
+    }
+}
+
 static int bench_nvme(const opts_t *o, size_t bs)
 {
+    kvt_tier_t *dram;
+    uint8_t **bufs = dram_blocks(&dram, o->qd, bs);
+    if (!bufs)
+        return -1;
     char dir[4096];
     snprintf(dir, sizeof(dir), "%s/kvt-bench-nvme-XXXXXX", o->dir);
     if (!mkdtemp(dir)) {
         fprintf(stderr, "bench_tiers: cannot make a directory under %s: %s\n", o->dir,
                 strerror(errno));
+        kvt_tier_destroy(dram);
+        free(bufs);
         return -1;
     }
     uint32_t n = (uint32_t)(o->volume / bs);
@@ -316,55 +394,86 @@ static int bench_nvme(const opts_t *o, size_t bs)
     if (rc < 0) {
         fprintf(stderr, "bench_tiers: nvme tier in %s: %s\n", dir, kvt_strerror(rc));
         rmdir(dir);
+        kvt_tier_destroy(dram);
+        free(bufs);
         return -1;
     }
     if (!kvt_tier_nvme_direct(t))
         fprintf(stderr, "bench_tiers: %s refuses O_DIRECT: the nvme figures are buffered\n", dir);
-    uint8_t **bufs = calloc(o->qd, sizeof(*bufs));
-    for (uint32_t i = 0; i < o->qd; i++) {
-        bufs[i] = xalign(bs);
-        fill(bufs[i], bs, i);
-    }
     pump_t p;
     pump_init(&p, t, o->qd, (uint32_t)bs, n, bufs);
-    double *runs = calloc(4 * (size_t)o->reps, sizeof(*runs));
+    /* The same tier fed from plain memory like fio's: one area of qd blocks on 4 KiB pages. */
+    uint8_t *area = xalign((size_t)o->qd * bs);
+    uint8_t **small = calloc(o->qd, sizeof(*small));
+    for (uint32_t i = 0; i < o->qd; i++) {
+        small[i] = area + (size_t)i * bs;
+        fill(small[i], bs, i);
+    }
+    pump_t q;
+    pump_init(&q, t, o->qd, (uint32_t)bs, n, small);
+    double *runs = calloc(6 * (size_t)o->reps, sizeof(*runs));
     /* rep -1 is the untimed warm-up round. */
     for (int rep = -1; rep < o->reps && rc == 0; rep++) {
         /* Each side reads what it has just written (a virtual disk's host may cache recent
          * writes), and the two sides take turns going first. */
-        double dw = 0, dr = 0, fw = 0, fr = 0;
+        double dw = 0, dr = 0, sw = 0, sr = 0, fw = 0, fr = 0;
         for (int side = 0; side < 2; side++) {
             if ((side == 0) == ((rep & 1) == 0)) {
+                settle(dir);
                 dw = pump_run(&p, KVT_IO_WRITE, n);
+                settle(dir);
                 dr = dw > 0 ? pump_run(&p, KVT_IO_READ, n) : -1;
+                pump_free_all(&p, n);
+                settle(dir);
+                sw = dr > 0 ? pump_run(&q, KVT_IO_WRITE, n) : -1;
+                settle(dir);
+                sr = sw > 0 ? pump_run(&q, KVT_IO_READ, n) : -1;
+                pump_free_all(&q, n);
             } else {
+                settle(dir);
                 fw = fio_run(dir, "write", bs, o->qd, (uint64_t)n * bs);
+                settle(dir);
                 fr = fio_run(dir, "read", bs, o->qd, (uint64_t)n * bs);
             }
         }
-        if (dw < 0 || dr < 0 || fw < 0 || fr < 0) {
+        if (dw < 0 || dr < 0 || sw < 0 || sr < 0 || fw < 0 || fr < 0) {
             rc = -1;
             break;
         }
-        pump_free_all(&p, n);
         double bytes = (double)n * bs;
-        fprintf(stderr, "bench_tiers: nvme %zu %s %d: write %.3f (fio %.3f) read %.3f (fio %.3f)\n",
-                bs, rep < 0 ? "warm-up" : "rep", rep, bytes / dw / 1e9, fw, bytes / dr / 1e9, fr);
+        fprintf(stderr,
+                "bench_tiers: nvme %zu %s %d: write %.3f (4k pages %.3f, fio %.3f) read %.3f "
+                "(4k pages %.3f, fio %.3f)\n",
+                bs, rep < 0 ? "warm-up" : "rep", rep, bytes / dw / 1e9, bytes / sw / 1e9, fw,
+                bytes / dr / 1e9, bytes / sr / 1e9, fr);
         if (rep < 0)
             continue;
         runs[0 * o->reps + rep] = bytes / dw / 1e9;
         runs[1 * o->reps + rep] = fw;
         runs[2 * o->reps + rep] = bytes / dr / 1e9;
         runs[3 * o->reps + rep] = fr;
+        runs[4 * o->reps + rep] = bytes / sw / 1e9;
+        runs[5 * o->reps + rep] = bytes / sr / 1e9;
     }
     if (rc == 0) {
-        emit_runs("nvme", bs, runs, o->reps, "fio");
+        for (int k = 0; k < 2; k++) {
+            double g = bench_median(runs + 2 * k * o->reps, o->reps);
+            double f = bench_median(runs + (2 * k + 1) * o->reps, o->reps);
+            double g4 = bench_median(runs + (4 + k) * o->reps, o->reps);
+            printf("{\"tier\":\"nvme\",\"block_bytes\":%zu,\"op\":\"%s\",\"gbps\":%.3f,"
+                   "\"baseline\":\"fio\",\"baseline_gbps\":%.3f,\"ratio\":%.3f,"
+                   "\"buffers\":\"dram tier\",\"gbps_4k_pages\":%.3f,\"ratio_4k_pages\":%.3f}\n",
+                   bs, k ? "read" : "write", g, f, f > 0 ? g / f : 0.0, g4, f > 0 ? g4 / f : 0.0);
+        }
+        fflush(stdout);
     }
+    pump_fini(&q);
+    free(small);
+    free(area);
     free(runs);
     pump_fini(&p);
     kvt_tier_destroy(t);
-    for (uint32_t i = 0; i < o->qd; i++)
-        free(bufs[i]);
+    kvt_tier_destroy(dram);
     free(bufs);
     char path[4200];
     const char *files[] = {"kvtier.data", "kvtier.meta", "fio.data"};
