@@ -13,6 +13,14 @@
  *           Both move the same payload: n blocks of the block size, read back in the order
  *           written. The tier's figure counts payload bytes only; its 4 KiB header region per
  *           record (1.6% at 256 KiB, 0.2% at 2 MiB) is its own overhead and counts against it.
+ *           The tier writes from and reads into blocks of a DRAM tier, as kvtierd's demotions
+ *           and promotions do (huge pages where the kernel has them: tiers/dram.c); fio uses
+ *           its own buffers, on 4 KiB pages. The memory decides how many bios an O_DIRECT I/O
+ *           becomes on a virtio disk, so each rep also runs the tier from one 4 KiB-page area
+ *           like fio's, reported as gbps_4k_pages and ratio_4k_pages beside the main figure.
+ *           Each timed phase starts after an untimed syncfs, so that the disk's host has
+ *           flushed the writes of the phase before (whichever side ran after a fast writer
+ *           otherwise paid for it).
  *   hbm     only where a GPU is usable: the tier's copies between pinned DRAM and the device
  *           vs plain cudaMemcpy of the same size
  *   remote  bench_remote_run() (bench/bench_remote.c) against --redis HOST:PORT, or a throwaway
