@@ -76,29 +76,24 @@ static void emit(const char *tier, size_t bs, const char *op, double gbps, const
     fflush(stdout);
 }
 
-static void *xalign(size_t n)
+/* n bytes, faulted in. huge: like the DRAM tier's region (tiers/dram.c), 2 MiB aligned with
+ * transparent huge pages asked for; otherwise 4 KiB aligned on ordinary pages. */
+static void *xalloc(size_t n, int huge)
 {
     void *p = NULL;
-    if (posix_memalign(&p, 4096, n) != 0) {
+    if (posix_memalign(&p, huge ? 2u << 20 : 4096, n) != 0) {
         fprintf(stderr, "bench_tiers: out of memory\n");
         exit(1);
     }
+    if (huge)
+        (void)madvise(p, n, MADV_HUGEPAGE);
     memset(p, 0x5a, n);
     return p;
 }
 
-/* Memory like the DRAM tier's region (tiers/dram.c): 2 MiB aligned, transparent huge pages
- * asked for. */
-static void *xalign_huge(size_t n)
+static void *xalign(size_t n)
 {
-    void *p = NULL;
-    if (posix_memalign(&p, 2u << 20, n) != 0) {
-        fprintf(stderr, "bench_tiers: out of memory\n");
-        exit(1);
-    }
-    (void)madvise(p, n, MADV_HUGEPAGE);
-    memset(p, 0x5a, n);
-    return p;
+    return xalloc(n, 0);
 }
 
 static void fill(uint8_t *p, size_t n, uint64_t seed)
@@ -232,7 +227,7 @@ static int bench_dram(const opts_t *o, size_t bs)
     /* Writes copy from src and reads land in dst, as the baseline's memcpy does. */
     uint8_t **bufs = calloc(o->qd, sizeof(*bufs));
     /* The baseline's destination, faulted in, on the same kind of pages as the tier's region. */
-    uint8_t *area = xalign_huge((size_t)per_round * bs);
+    uint8_t *area = xalloc((size_t)per_round * bs, 1);
     pump_t p;
     pump_init(&p, t, o->qd, (uint32_t)bs, per_round, bufs);
     for (uint32_t i = 0; i < o->qd; i++)

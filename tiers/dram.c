@@ -124,8 +124,9 @@ static bool dram_ext_merge(extent_hooks_t *h, void *addr_a, size_t size_a, void 
  * them on, even only for madvise). A block then sits on one or two physically contiguous pages:
  * a copy of it takes one TLB entry instead of 64 per 256 KiB, and an O_DIRECT write of it to the
  * NVMe tier is one bio of a few segments instead of one per 4 KiB page. Measured: bench_tiers'
- * 2 MiB NVMe writes ran at 5.5-5.7 GB/s from such buffers against 3.2-3.4 from 4 KiB pages in
- * the same runs (the block layer split the latter into several bios per record).
+ * 2 MiB NVMe writes ran at 5.5-5.7 GB/s from such buffers against 3.2-3.4 from 32 separately
+ * allocated 4 KiB-page buffers in alternating runs (the block layer split those records into
+ * several bios each; docs/tiers.md).
  */
 static uint8_t *dram_map_huge(size_t bytes)
 {
