@@ -347,3 +347,47 @@ Test(tier_dram, refilling_to_capacity_fits_the_same_blocks_every_round)
     free(buf);
     kvt_tier_destroy(t);
 }
+
+/* The region lies on a 2 MiB boundary and is advised for transparent huge pages (tiers/dram.c),
+ * which keeps an O_DIRECT I/O of a block to one bio: the kernel says so in the region's
+ * THPeligible line. Skipped where transparent huge pages are off. */
+Test(tier_dram, region_is_eligible_for_huge_pages)
+{
+    char mode[128] = "";
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (f) {
+        if (!fgets(mode, sizeof mode, f))
+            mode[0] = 0;
+        fclose(f);
+    }
+    if (!strstr(mode, "[always]") && !strstr(mode, "[madvise]"))
+        cr_skip_test("transparent huge pages are off here (%s)", mode[0] ? mode : "no sysfs file");
+    kvt_tier_t *t = mk(64u << 20);
+    uint32_t tok[16];
+    kvt_block_key_t k = tu_key(1, tok, 16);
+    uint8_t *buf = malloc(2u << 20);
+    tu_fill(buf, 2u << 20, 1);
+    uint64_t loc = 0;
+    cr_assert_eq(tu_write(t, &k, buf, 2u << 20, &loc), 0);
+    uintptr_t p = (uintptr_t)kvt_tier_ptr(t, loc);
+    cr_assert(f = fopen("/proc/self/smaps", "r"));
+    char line[512];
+    int in = 0, eligible = -1;
+    unsigned long lo = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long a, b;
+        if (sscanf(line, "%lx-%lx ", &a, &b) == 2) {
+            in = p >= a && p < b;
+            if (in)
+                lo = a;
+        } else if (in && sscanf(line, "THPeligible: %d", &eligible) == 1) {
+            break;
+        }
+    }
+    fclose(f);
+    cr_expect_eq(lo % (2u << 20), 0, "the region starts on a 2 MiB boundary (%#lx)", lo);
+    cr_expect_eq(eligible, 1, "THPeligible of the block's mapping: %d", eligible);
+    free(buf);
+    kvt_tier_free(t, loc, 2u << 20);
+    kvt_tier_destroy(t);
+}
