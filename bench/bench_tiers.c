@@ -552,7 +552,7 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: bench_tiers [--dir DIR] [--redis HOST:PORT] [--mib-per-case N] [--qd N]\n"
-            "                   [--reps N] [--only dram|nvme|hbm] [--no-remote]\n");
+            "                   [--reps N] [--only dram|nvme|hbm|remote] [--no-remote]\n");
     exit(2);
 }
 
@@ -607,10 +607,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_tiers: no usable GPU: hbm not measured\n");
 #endif
 #ifdef KVT_BENCH_REMOTE
-    if (!only && !o.no_remote)
+    if ((!only || !strcmp(only, "remote")) && !o.no_remote)
         rc |= bench_remote_run(o.redis, sizes, (int)KVT_ARRAY_LEN(sizes)) < 0;
 #else
-    if (!only && !o.no_remote)
+    if ((!only || !strcmp(only, "remote")) && !o.no_remote)
         fprintf(stderr, "bench_tiers: built without bench_remote.c: remote not measured\n");
 #endif
     return rc ? 1 : 0;
