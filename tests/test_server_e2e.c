@@ -9,6 +9,7 @@
 #include "../common/common.h"
 #include "../server/proto.h"
 #include "test_server_harness.h"
+#include "test_thp.h"
 
 #define PAGE 16
 #define BB   8192
@@ -603,15 +604,7 @@ Test(server_e2e, large_get_in_batches_and_disconnect_mid_get)
  * the kernel has transparent huge pages off. */
 Test(server_e2e, index_heap_on_huge_pages)
 {
-    char mode[128] = "";
-    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
-    if (f) {
-        if (!fgets(mode, sizeof mode, f))
-            mode[0] = 0;
-        fclose(f);
-    }
-    if (!strstr(mode, "[always]") && !strstr(mode, "[madvise]"))
-        cr_skip_test("transparent huge pages are off here (%s)", mode[0] ? mode : "no sysfs file");
+    thp_skip_unless_on();
     kvd_t d = {0};
     kvd_start(&d, NULL);
     kvt_client_t *c = kvd_client(&d, "thp", PAGE, 0);
@@ -624,7 +617,8 @@ Test(server_e2e, index_heap_on_huge_pages)
     }
     char path[64], line[256];
     snprintf(path, sizeof path, "/proc/%d/smaps_rollup", (int)d.pid);
-    cr_assert(f = fopen(path, "r"), "%s: %s", path, strerror(errno));
+    FILE *f = fopen(path, "r");
+    cr_assert(f, "%s: %s", path, strerror(errno));
     long huge_kb = -1;
     while (fgets(line, sizeof line, f))
         if (sscanf(line, "AnonHugePages: %ld kB", &huge_kb) == 1)

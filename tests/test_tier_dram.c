@@ -8,6 +8,7 @@
 #include <poll.h>
 
 #include "test_tier_util.h"
+#include "test_thp.h"
 
 static kvt_tier_t *mk(uint64_t cap)
 {
@@ -183,15 +184,7 @@ Test(tier_dram, many_requests_in_flight_complete_through_the_fd)
     static uint32_t toks[N][16];
     uint8_t *bufs = malloc((size_t)N * LEN);
     int done = 0;
-    for (int i = 0; i < N; i++) {
-        tu_fill(bufs + (size_t)i * LEN, LEN, (uint64_t)i);
-        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
-                                 .buf = bufs + (size_t)i * LEN,
-                                 .len = LEN,
-                                 .cb = tu_count_cb,
-                                 .data = &done};
-        cr_assert_eq(kvt_tier_write(t, &ios[i]), 0);
-    }
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 0, &done);
     cr_assert_eq(done, 0, "no callback runs inside a submit");
     kvt_tier_usage_t u;
     kvt_tier_usage(t, &u);
@@ -353,15 +346,7 @@ Test(tier_dram, refilling_to_capacity_fits_the_same_blocks_every_round)
  * THPeligible line. Skipped where transparent huge pages are off. */
 Test(tier_dram, region_is_eligible_for_huge_pages)
 {
-    char mode[128] = "";
-    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
-    if (f) {
-        if (!fgets(mode, sizeof mode, f))
-            mode[0] = 0;
-        fclose(f);
-    }
-    if (!strstr(mode, "[always]") && !strstr(mode, "[madvise]"))
-        cr_skip_test("transparent huge pages are off here (%s)", mode[0] ? mode : "no sysfs file");
+    thp_skip_unless_on();
     kvt_tier_t *t = mk(64u << 20);
     uint32_t tok[16];
     kvt_block_key_t k = tu_key(1, tok, 16);
@@ -370,7 +355,8 @@ Test(tier_dram, region_is_eligible_for_huge_pages)
     uint64_t loc = 0;
     cr_assert_eq(tu_write(t, &k, buf, 2u << 20, &loc), 0);
     uintptr_t p = (uintptr_t)kvt_tier_ptr(t, loc);
-    cr_assert(f = fopen("/proc/self/smaps", "r"));
+    FILE *f = fopen("/proc/self/smaps", "r");
+    cr_assert(f);
     char line[512];
     int in = 0, eligible = -1;
     unsigned long lo = 0;

@@ -120,15 +120,7 @@ Test(tier_hbm, host_many_requests_in_flight)
     static uint32_t toks[N][16];
     uint8_t *bufs = malloc((size_t)N * LEN);
     int done = 0;
-    for (int i = 0; i < N; i++) {
-        tu_fill(bufs + (size_t)i * LEN, LEN, (uint64_t)i);
-        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
-                                 .buf = bufs + (size_t)i * LEN,
-                                 .len = LEN,
-                                 .cb = tu_count_cb,
-                                 .data = &done};
-        cr_assert_eq(kvt_tier_write(t, &ios[i]), 0);
-    }
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 0, &done);
     cr_assert_eq(done, 0);
     cr_assert(tu_drive(t, &done, N));
     memset(bufs, 0, (size_t)N * LEN);

@@ -384,15 +384,7 @@ Test(tier_nvme, a_burst_of_reads_is_handed_over_a_few_at_a_time)
     static uint32_t toks[N][16];
     uint8_t *bufs = tu_aligned((size_t)N * LEN);
     int done = 0;
-    for (int i = 0; i < N; i++) {
-        tu_fill(bufs + (size_t)i * LEN, LEN, (uint64_t)i + 50);
-        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
-                                 .buf = bufs + (size_t)i * LEN,
-                                 .len = LEN,
-                                 .cb = tu_count_cb,
-                                 .data = &done};
-        cr_assert_eq(kvt_tier_write(t, &ios[i]), 0);
-    }
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 50, &done);
     cr_assert(tu_drive(t, &done, N));
     memset(bufs, 0, (size_t)N * LEN);
     done = 0;

@@ -85,6 +85,22 @@ static inline int tu_drive(kvt_tier_t *t, const int *done, int want)
     return 1;
 }
 
+/* Fills block i of n (len bytes each, at bufs + i * len) with seed + i and submits its write
+ * through ios[i], keyed tu_key(i, toks[i], 16), counting completions in *done. */
+static inline void tu_write_burst(kvt_tier_t *t, kvt_tier_io_t *ios, uint32_t (*toks)[16],
+                                  uint8_t *bufs, int n, uint32_t len, uint64_t seed, int *done)
+{
+    for (int i = 0; i < n; i++) {
+        tu_fill(bufs + (size_t)i * len, len, seed + (uint64_t)i);
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = bufs + (size_t)i * len,
+                                 .len = len,
+                                 .cb = tu_count_cb,
+                                 .data = done};
+        cr_assert_eq(kvt_tier_write(t, &ios[i]), 0, "write %d", i);
+    }
+}
+
 /* Synchronous write: returns the submit error or the completion status. */
 static inline int tu_write(kvt_tier_t *t, const kvt_block_key_t *key, const void *buf, uint32_t len,
                            uint64_t *loc)
