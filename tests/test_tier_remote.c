@@ -673,6 +673,72 @@ Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
     kvt_tier_destroy(t);
 }
 
+/* The process's peak resident memory in KiB, after clearing it to the current figure. */
+static long peak_rss_kib(int reset)
+{
+    if (reset) {
+        FILE *f = fopen("/proc/self/clear_refs", "w");
+        if (!f)
+            return -1;
+        fputs("5", f); /* 5: reset the peak to the current resident size */
+        fclose(f);
+    }
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kib = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmHWM: %ld kB", &kib) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kib;
+}
+
+Test(tier_remote, oversized_value_is_refused_without_being_buffered)
+{
+    kvt_tier_t *t = open_shared(0);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    blk_t b[2];
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    for (int i = 0; i < 2; i++) {
+        blk_init(&b[i], (uint32_t)(40 + i), 8192);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)(40 + i)), 0);
+    }
+    /* 96 MiB under the first block's key, made by the server itself (SETRANGE pads with zeros),
+     * so that this process never holds it. */
+    key_of(t, &b[0], key);
+    sync_cmd_ok(c, "DEL %s", key);
+    redisReply *r = redisCommand(c, "SETRANGE %s %d x", key, (96 << 20) - 1);
+    cr_assert(r && r->type == REDIS_REPLY_INTEGER && r->integer == 96 << 20);
+    freeReplyObject(r);
+
+    long before = peak_rss_kib(1);
+    cr_assert_gt(before, 0, "VmHWM is readable and resettable");
+    memset(b[0].buf, 0x5a, 8192);
+    cr_assert_eq(do_io(t, &b[0], 0), KVT_ECORRUPT);
+    long grew = peak_rss_kib(0) - before;
+    cr_assert_lt(grew, 24 << 10, "the 96 MiB value was buffered: peak RSS grew %ld KiB", grew);
+    for (int i = 0; i < 8192; i++)
+        cr_assert_eq(b[0].buf[i], 0x5a, "nothing was copied to the caller");
+
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_eq(st.oversized, 1);
+    cr_assert_eq(st.skipped_bytes, 96u << 20);
+    cr_assert_eq(st.disconnects, 0, "the connection is kept");
+    /* The reply stream is still in step: the next block reads back whole and right. */
+    cr_assert_eq(read_check(t, &b[1], 41), 0);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.corrupt, 1);
+    sync_cmd_ok(c, "DEL %s", key);
+    for (int i = 0; i < 2; i++)
+        blk_fini(&b[i]);
+    redisFree(c);
+    kvt_tier_destroy(t);
+}
+
 static void probe_done(kvt_tier_probe_t *p)
 {
     (*(int *)p->data)++;

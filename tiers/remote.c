@@ -94,6 +94,7 @@ struct rq {
     uint32_t taillen;
     uint64_t off;    /* bytes written */
     uint64_t expect; /* GET: bytes of the reply if the value is the one asked for */
+    uint64_t vlen;   /* GET: the value's length in that case */
     char inl[320];   /* hb when it fits */
 };
 
@@ -160,6 +161,8 @@ typedef struct remote {
 
     remote_reply_t reply;
     redisReplyObjectFunctions fns;
+    uint64_t skip; /* bytes of an oversized GET value still to read off the socket and drop */
+    char *scratch; /* where they are read to, KVT__READ_MIN bytes, allocated when first needed */
     kvt_tier_remote_stats_t stats;
 } remote_t;
 
@@ -337,6 +340,7 @@ static int format_cmd(remote_t *rm, rq_t *r)
     if (r->kind == RQ_GET) {
         size_t vlen = kvt__blockhdr_size(r->io->key.ntokens) + r->io->len;
         char digits[24];
+        r->vlen = vlen;
         r->expect = (uint64_t)snprintf(digits, sizeof(digits), "%zu", vlen) + 3 + vlen + 2;
     }
     size_t need = (size_t)hn + hdr + 1;
@@ -732,6 +736,7 @@ static void after_hiredis(remote_t *rm, uint64_t now)
     rm->ac = NULL;
     rm->sock = -1;
     rm->drop = 0;
+    rm->skip = 0;
     rm->hello_left = 0;
     kvt_assert(rm->sentq.n == 0);
     if (rm->state == ST_READY) {
@@ -1202,6 +1207,63 @@ static int remote_fd(kvt_tier_t *t)
     return remote_of(t)->epfd;
 }
 
+/*
+ * A GET value longer than the block asked for (a key of ours that something else overwrote, a
+ * daemon configured with bigger blocks) would otherwise be buffered whole before being refused:
+ * up to the server's 512 MiB string limit per request. Once hiredis has started on the reply at
+ * the head of sentq, a GET's, and stopped for want of bytes, the reader holds "<length>\r\n" and
+ * the value's first bytes at its cursor (the '$' consumed, ridx 0). When that length is over the
+ * one expected, the reply is cut to an empty string, which the decoder refuses as corrupt as it
+ * refuses any value of the wrong size, and the rest of the value is read off the socket into a
+ * scratch buffer and dropped (rm->skip) before hiredis sees another byte.
+ */
+static void cut_oversized(remote_t *rm)
+{
+    redisReader *rd = rm->ac->c.reader;
+    rq_t *h = rm->sentq.head;
+    if (rm->skip || !h || h->kind != RQ_GET || rd->ridx != 0 || rd->pos >= rd->len)
+        return;
+    const char *p = rd->buf + rd->pos, *end = rd->buf + rd->len;
+    uint64_t len = 0;
+    int digits = 0;
+    for (; p < end && *p >= '0' && *p <= '9' && digits < 19; p++, digits++)
+        len = len * 10 + (uint64_t)(*p - '0');
+    if (digits == 0 || end - p < 2 || p[0] != '\r' || p[1] != '\n' || len <= h->vlen)
+        return;
+    uint64_t have = (uint64_t)(end - (p + 2)); /* value bytes already read, fewer than len + 2 */
+    sds buf = sdsMakeRoomFor(rd->buf, 5);
+    if (!rm->scratch)
+        rm->scratch = malloc(KVT__READ_MIN);
+    if (!buf || !rm->scratch) {
+        if (buf)
+            rd->buf = buf;
+        rm->drop = 1; /* cannot even cut it: the connection goes, its requests fail */
+        rm->drop_status = KVT_EUNAVAIL;
+        return;
+    }
+    rm->skip = len + 2 - have;
+    rm->stats.oversized++;
+    rm->stats.skipped_bytes += len;
+    kvt_log(KVT_LOG_WARN,
+            "remote: a value of %llu bytes under a key of ours, where a block "
+            "is %llu: refused, and dropped as it arrives",
+            (unsigned long long)len, (unsigned long long)h->vlen);
+    rd->buf = buf;
+    memcpy(buf + rd->pos, "0\r\n\r\n", 5);
+    sdssetlen(buf, rd->pos + 5);
+    rd->len = rd->pos + 5;
+}
+
+/* Drops up to rm->skip bytes from the socket. Returns the bytes dropped; 0 when it had none. */
+static ssize_t skip_more(remote_t *rm)
+{
+    ssize_t n = read(rm->sock, rm->scratch, (size_t)KVT_MIN(rm->skip, (uint64_t)KVT__READ_MIN));
+    if (n <= 0)
+        return 0;
+    rm->skip -= (uint64_t)n;
+    return n;
+}
+
 /* Reads into hiredis's reader buffer directly: as much as the GET value at the head of sentq
  * still needs (so that one read takes a whole value), at least KVT__READ_MIN. Returns the bytes
  * read; 0 when the socket had nothing (EOF and errors are left for hiredis to find). */
@@ -1244,8 +1306,16 @@ static void handle_sock(remote_t *rm, uint32_t events)
     /* Keep reading while the socket has more, within a budget so that one busy connection
      * cannot hold the caller's loop. */
     for (int budget = 64; budget > 0; budget--) {
-        ssize_t n = (rm->ac->c.flags & REDIS_CONNECTED) ? read_more(rm) : 0;
+        int up = rm->ac->c.flags & REDIS_CONNECTED;
+        if (up && rm->skip) {
+            if (skip_more(rm) <= 0)
+                break; /* the rest has not arrived: epoll says when it has */
+            continue;
+        }
+        ssize_t n = up ? read_more(rm) : 0;
         redisAsyncHandleRead(rm->ac);
+        if (rm->ac && !rm->ac_gone && (rm->ac->c.flags & REDIS_CONNECTED))
+            cut_oversized(rm);
         after_hiredis(rm, now);
         if (!rm->ac)
             return;
@@ -1344,6 +1414,7 @@ static void remote_destroy(kvt_tier_t *t)
     close(rm->wfd);
     free(rm->slots);
     free(rm->free_slots);
+    free(rm->scratch);
     free(rm->host);
     free(rm->password);
     free(rm);

@@ -353,6 +353,8 @@ typedef struct kvt_tier_remote_stats {
     uint64_t undone;       /* DELs sent for writes that may have landed after failing */
     uint64_t evicted;      /* our blocks the server no longer had (or held corrupt) */
     uint64_t probes;
+    uint64_t oversized;     /* GET values longer than the block asked for, refused unbuffered */
+    uint64_t skipped_bytes; /* their bytes, read off the socket and dropped */
 } kvt_tier_remote_stats_t;
 
 void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out);
