@@ -715,7 +715,8 @@ int main(int argc, char **argv)
                 .ops = "all",
                 .transport = "all",
                 .rounds = 3};
-    /* kvtierd of the same build: $KVT_BUILD_ROOT (meson's), else next to this binary's bench/. */
+    /* kvtierd of the same build: $KVT_BUILD_ROOT (meson's), else next to this binary's bench/,
+     * else the installed one. */
     const char *root = getenv("KVT_BUILD_ROOT");
     static char kvd_path[1024], self[900];
     ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -727,6 +728,8 @@ int main(int argc, char **argv)
              : slash ? self
                      : ".",
              !root && slash ? "../" : "");
+    if (!root && access(kvd_path, X_OK) != 0) /* installed: kvtierd is in bindir */
+        snprintf(kvd_path, sizeof kvd_path, "%s/kvtierd", KVT_BINDIR);
     o.kvtierd = kvd_path;
     o.redis_server = getenv("KVT_REDIS_SERVER") ? getenv("KVT_REDIS_SERVER") : "redis-server";
     o.redis_benchmark = "redis-benchmark";

@@ -3,13 +3,19 @@
  * token lists ("1-64 100 7") into arrays, and printing replies for people (and, with --json, for
  * scripts). With no address flags it talks to ./kvtierd.sock, which is where a kvtierd started
  * with no configuration in the same working directory listens. "kvtier replay ..." runs the
- * trace replay of replay/ when this build has it.
+ * trace replay of replay/ when this build has it; "kvtier bench NAME ..." runs one of bench/'s
+ * benchmarks, which are programs of their own (bench_radix must run on glibc's malloc, which
+ * the DRAM tier's jemalloc would replace in any program that links the tiers).
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#include "config.h"
 
 #include "kvtier.h"
 
@@ -31,6 +37,8 @@ static void kvt_usage(FILE *f)
                "  remove TOKENS...             drop the last page of TOKENS and what follows\n"
                "  stats                        the daemon's counters\n"
                "  replay ARGS...               the trace replay (kvtier replay --help)\n"
+               "  bench NAME ARGS...           a benchmark, NAME radix, tiers or server, each\n"
+               "                               beside its baseline (README, \"Benchmarks\")\n"
                "\n"
                "TOKENS are numbers and ranges: 1-64 100 7 (the range 1-64 is 64 tokens).\n"
                "\n"
@@ -110,6 +118,56 @@ static int kvt_print_stat(void *arg, const char *name, uint64_t v)
     return 0;
 }
 
+static const char *const kvt_benches[] = {"radix", "tiers", "server"};
+
+/*
+ * Runs bench_NAME with args: from $KVTIER_BENCH_DIR when set, else from the build tree this
+ * kvtier sits in (BUILD/client/kvtier, BUILD/bench/bench_NAME), else from where `meson install`
+ * put it. Returns only when it cannot.
+ */
+static int kvt_bench(int argc, char **argv)
+{
+    const char *name = argc > 0 ? argv[0] : "";
+    size_t k = 0;
+    while (k < (sizeof kvt_benches / sizeof kvt_benches[0]) && strcmp(name, kvt_benches[k]) != 0)
+        k++;
+    if (k == (sizeof kvt_benches / sizeof kvt_benches[0])) {
+        if (argc > 0)
+            fprintf(stderr, "kvtier: bench %s: no such benchmark (radix, tiers, server)\n", name);
+        else
+            fprintf(stderr, "kvtier: bench needs a NAME: radix, tiers or server\n");
+        return 2;
+    }
+    char self[PATH_MAX], tree[PATH_MAX], path[PATH_MAX];
+    const char *dirs[3];
+    int ndirs = 0;
+    if (getenv("KVTIER_BENCH_DIR"))
+        dirs[ndirs++] = getenv("KVTIER_BENCH_DIR");
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    char *slash = n > 0 ? (self[n] = 0, strrchr(self, '/')) : NULL;
+    if (slash) {
+        *slash = 0;
+        int w = snprintf(tree, sizeof tree, "%s/../bench", self);
+        if (w > 0 && (size_t)w < sizeof tree)
+            dirs[ndirs++] = tree;
+    }
+    dirs[ndirs++] = KVT_BENCHDIR;
+    for (int d = 0; d < ndirs; d++) {
+        int w = snprintf(path, sizeof path, "%s/bench_%s", dirs[d], name);
+        if (w < 0 || (size_t)w >= sizeof path || access(path, X_OK) != 0)
+            continue;
+        argv[0] = path;
+        execv(path, argv);
+        fprintf(stderr, "kvtier: bench %s: cannot run %s: %s\n", name, path, strerror(errno));
+        return 1;
+    }
+    fprintf(stderr, "kvtier: bench %s: bench_%s is in none of", name, name);
+    for (int d = 0; d < ndirs; d++)
+        fprintf(stderr, " %s", dirs[d]);
+    fprintf(stderr, " (KVTIER_BENCH_DIR names another)\n");
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     kvt_client_conf_t conf = {.model = "default", .page_size = 16};
@@ -159,6 +217,8 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *cmd = argv[i++];
+    if (!strcmp(cmd, "bench"))
+        return kvt_bench(argc - i, argv + i);
     if (!strcmp(cmd, "replay")) {
 #if KVT_HAVE_REPLAY
         return kvt_replay_main(argc - i + 1, argv + i - 1);

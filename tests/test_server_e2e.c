@@ -446,6 +446,47 @@ Test(server_e2e, cli_reaches_default_socket_in_working_dir)
     kvd_cleanup(&d);
 }
 
+/* kvtier bench NAME runs bench/'s benchmark of that name: here the radix one on a three-prompt
+ * trace, whose hit tokens are known (the second prompt repeats the first's 1,000 tokens, 62
+ * whole pages of 16). */
+Test(server_e2e, cli_runs_the_benchmarks)
+{
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char path[700], cmd[2048], text[8192] = "";
+    snprintf(path, sizeof path, "%s/tiny.jsonl", d.dir);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fputs(
+        "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 10, \"hash_ids\": [0, 1]}\n"
+        "{\"timestamp\": 5, \"input_length\": 1500, \"output_length\": 10, \"hash_ids\": [0, 1, "
+        "2]}\n"
+        "{\"timestamp\": 9, \"input_length\": 700, \"output_length\": 10, \"hash_ids\": [3, 4]}\n",
+        f);
+    fclose(f);
+    const char *root = getenv("KVT_BUILD_ROOT");
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s/client/kvtier' bench radix tiny.jsonl --page-size 16 --passes 1 "
+             ">out.json 2>err.txt",
+             d.dir, root);
+    cr_assert_eq(system(cmd), 0, "kvtier bench radix runs bench_radix");
+    snprintf(path, sizeof path, "%s/out.json", d.dir);
+    f = fopen(path, "r");
+    cr_assert(f);
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = 0;
+    fclose(f);
+    cr_expect(strstr(text, "\"trace\":\"tiny\""), "%s", text);
+    cr_expect(strstr(text, "\"requests\":3,"), "%s", text);
+    cr_expect(strstr(text, "\"hit_tokens\":992,"), "%s", text);
+    cr_expect(strstr(text, "\"ratio\":"), "%s", text);
+
+    snprintf(cmd, sizeof cmd, "'%s/client/kvtier' bench nosuch >/dev/null 2>&1", root);
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "unknown benchmark: exit %d", WEXITSTATUS(st));
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, bad_configuration_exit_codes)
 {
     char cmd[2048];
