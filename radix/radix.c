@@ -636,6 +636,73 @@ int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t 
     return 0;
 }
 
+/*
+ * Asks for the cache lines of [p, p + len) without waiting for them. Into the L2 cache only
+ * (locality 1, PREFETCHT2): on the AMD EPYC this was measured on, a T0 prefetch holds one of the
+ * L1's few miss buffers until its line arrives, so a burst of them ran no faster than the
+ * hardware prefetcher (6.8 GB/s over random 2 KiB runs), where T2 prefetches reached 15-16.
+ */
+static inline void prefetch_range(const void *p, size_t len)
+{
+    const char *b = (const char *)((uintptr_t)p & ~(uintptr_t)63), *e = (const char *)p + len;
+    for (; b < e; b += 64)
+        __builtin_prefetch(b, 0, 1);
+}
+
+void kvt_radix_prefetch(const kvt_radix_t *t, uint32_t ns, const kvt_prefetch_t *runs, size_t n)
+{
+    if (!t || !runs || ns >= t->nns)
+        return;
+    uint32_t ps = t->ns[ns].page_size;
+    size_t page_bytes = (size_t)ps * sizeof(uint32_t);
+    struct {
+        const kvt_radix_node_t *node; /* the parent on the first pass, then the child */
+        const uint8_t *tokens;
+        uint32_t pos, end; /* pages */
+    } st[KVT_PREFETCH_MAX];
+    size_t live = 0;
+    for (size_t i = 0; i < n && live < KVT_PREFETCH_MAX; i++) {
+        if (runs[i].ntokens / ps == 0 || !runs[i].tokens)
+            continue;
+        st[live].node = t->ns[ns].root;
+        st[live].tokens = runs[i].tokens;
+        st[live].pos = 0;
+        st[live].end = (uint32_t)KVT_MIN(runs[i].ntokens / ps, (size_t)UINT32_MAX);
+        live++;
+    }
+    while (live > 0) {
+        /* Every run one node down: the child its next page leads to, whose header is asked for
+         * here and read on the second pass, by when it has had the other runs' time to arrive. */
+        for (size_t i = 0; i < live;) {
+            const kvt_radix_node_t *p = st[i].node, *c = NULL;
+            if (p->nkids > 0)
+                c = kid_find(p, XXH3_64bits(st[i].tokens + st[i].pos * page_bytes, page_bytes));
+            if (!c) {
+                st[i] = st[--live];
+                continue;
+            }
+            prefetch_range(c, sizeof(*c));
+            st[i].node = c;
+            i++;
+        }
+        /* Its pages on the path and the keys the next step searches. */
+        for (size_t i = 0; i < live;) {
+            const kvt_radix_node_t *c = st[i].node;
+            uint32_t avail = KVT_MIN(c->npages, st[i].end - st[i].pos);
+            prefetch_range(c->tokens, avail * page_bytes);
+            prefetch_range(c->blocks, avail * sizeof(kvt_block_t));
+            st[i].pos += avail;
+            if (avail < c->npages || st[i].pos >= st[i].end || c->nkids == 0) {
+                st[i] = st[--live];
+                continue;
+            }
+            prefetch_range(c->keys + c->nkids / 2, sizeof(uint64_t));
+            prefetch_range(kids_ptrs(c) + c->nkids / 2, sizeof(void *));
+            i++;
+        }
+    }
+}
+
 /* ---- insert --------------------------------------------------------------------------------- */
 
 /*
