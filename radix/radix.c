@@ -649,7 +649,7 @@ static inline void prefetch_range(const void *p, size_t len)
         __builtin_prefetch(b, 0, 1);
 }
 
-void kvt_radix_prefetch(const kvt_radix_t *t, uint32_t ns, const kvt_prefetch_t *runs, size_t n)
+void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n)
 {
     if (!t || !runs || ns >= t->nns)
         return;
@@ -659,9 +659,9 @@ void kvt_radix_prefetch(const kvt_radix_t *t, uint32_t ns, const kvt_prefetch_t 
         const kvt_radix_node_t *node; /* the parent on the first pass, then the child */
         const uint8_t *tokens;
         uint32_t pos, end; /* pages */
-    } st[KVT_PREFETCH_MAX];
+    } st[KVT_WARM_MAX];
     size_t live = 0;
-    for (size_t i = 0; i < n && live < KVT_PREFETCH_MAX; i++) {
+    for (size_t i = 0; i < n && live < KVT_WARM_MAX; i++) {
         if (runs[i].ntokens / ps == 0 || !runs[i].tokens)
             continue;
         st[live].node = t->ns[ns].root;

@@ -171,7 +171,7 @@ int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t 
                     unsigned flags, kvt_match_t *m);
 
 /*
- * Warms the CPU cache for matches about to be made: n token runs (at most KVT_PREFETCH_MAX are
+ * Warms the CPU cache for matches about to be made: n token runs (at most KVT_WARM_MAX are
  * looked at) follow the path each would take down the tree, all of them in step, one level at a
  * time, and every node on the way has its header, tokens, blocks and child keys asked for
  * without waiting for them. A match waits for one cache miss after the other, node by node; here
@@ -180,14 +180,14 @@ int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t 
  * tokens differ from a node's behind an equal first page, only stops being followed. Tokens are
  * host-order uint32_t ids, read as bytes (they need not be aligned).
  */
-#define KVT_PREFETCH_MAX 64
+#define KVT_WARM_MAX 64
 
-typedef struct kvt_prefetch {
+typedef struct kvt_token_run {
     const void *tokens;
     size_t ntokens;
-} kvt_prefetch_t;
+} kvt_token_run_t;
 
-void kvt_radix_prefetch(const kvt_radix_t *t, uint32_t ns, const kvt_prefetch_t *runs, size_t n);
+void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n);
 
 /*
  * The result of an insert: the pages that were not cached before, all in one new leaf node at

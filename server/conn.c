@@ -330,20 +330,20 @@ static int kvt_conn_write(kvt__conn_t *c)
 
 /*
  * Before the whole MATCH frames in the input buffer go to the handlers one by one, their paths
- * through the index are asked of the memory all together (kvt_radix_prefetch): a match alone
+ * through the index are asked of the memory all together (kvt_radix_warm): a match alone
  * waits for the index's cache misses one after the other, a pipelined batch can have them in
  * flight at once while the frames before are handled. bench_server, twelve alternating runs with
  * and without: kvtierd CPU per MATCH lower in eleven, by about 10% (docs/server.md). The wire's
  * tokens are little-endian, the tree's host-order: only done where those are the same bytes.
  */
-static void kvt_conn_prefetch(kvt__conn_t *c)
+static void kvt_conn_warm(kvt__conn_t *c)
 {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    kvt_prefetch_t runs[KVT_PREFETCH_MAX];
+    kvt_token_run_t runs[KVT_WARM_MAX];
     size_t n = 0, off = 0;
     if (!c->hello)
         return;
-    while (n < KVT_PREFETCH_MAX && c->in_len - off >= KVT_PROTO_HDR) {
+    while (n < KVT_WARM_MAX && c->in_len - off >= KVT_PROTO_HDR) {
         kvt_proto_hdr_t h;
         kvt_proto_hdr_decode(c->in + off, &h);
         if (kvt_proto_hdr_check(&h, (uint32_t)c->srv->conf->max_frame) < 0 ||
@@ -359,7 +359,7 @@ static void kvt_conn_prefetch(kvt__conn_t *c)
         off += KVT_PROTO_HDR + (size_t)h.body_len;
     }
     if (n > 1)
-        kvt_radix_prefetch(c->srv->radix, c->ns, runs, n);
+        kvt_radix_warm(c->srv->radix, c->ns, runs, n);
 #else
     (void)c;
 #endif
@@ -371,7 +371,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
     size_t off = 0;
-    kvt_conn_prefetch(c);
+    kvt_conn_warm(c);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
         if (c->inflight >= s->conf->max_inflight || c->out_bytes >= KVT_OUT_HIGH)
             break;

@@ -358,10 +358,10 @@ Test(radix_ops, thousands_of_children)
     free(s);
 }
 
-/* The prefetch only reads: whatever the runs (on the path, off it, past its end, diverging inside
+/* Warming only reads: whatever the runs (on the path, off it, past its end, diverging inside
  * a node, shorter than a page, misaligned, more than it looks at, NULL), the tree, its counters
  * and every later match are as they were. */
-Test(radix_ops, prefetch_changes_nothing)
+Test(radix_ops, warming_changes_nothing)
 {
     uint32_t *s = seq(40 * PS, 1), *t = seq(40 * PS, 1);
     kvt_radix_set_clock(tree, 5);
@@ -373,16 +373,16 @@ Test(radix_ops, prefetch_changes_nothing)
     t[20 * PS + 1] = 7; /* diverges inside the 32-page node */
     uint8_t *odd = malloc(40 * PS * sizeof(uint32_t) + 1);
     memcpy(odd + 1, s, 40 * PS * sizeof(uint32_t));
-    kvt_prefetch_t runs[KVT_PREFETCH_MAX + 8];
+    kvt_token_run_t runs[KVT_WARM_MAX + 8];
     for (size_t i = 0; i < KVT_ARRAY_LEN(runs); i++)
-        runs[i] = (kvt_prefetch_t){.tokens = s, .ntokens = 40 * PS};
-    runs[0] = (kvt_prefetch_t){.tokens = t, .ntokens = 40 * PS};
-    runs[1] = (kvt_prefetch_t){.tokens = odd + 1, .ntokens = 10 * PS};
-    runs[2] = (kvt_prefetch_t){.tokens = s, .ntokens = PS - 1};
-    runs[3] = (kvt_prefetch_t){.tokens = NULL, .ntokens = 10 * PS};
-    runs[4] = (kvt_prefetch_t){.tokens = s, .ntokens = 0};
+        runs[i] = (kvt_token_run_t){.tokens = s, .ntokens = 40 * PS};
+    runs[0] = (kvt_token_run_t){.tokens = t, .ntokens = 40 * PS};
+    runs[1] = (kvt_token_run_t){.tokens = odd + 1, .ntokens = 10 * PS};
+    runs[2] = (kvt_token_run_t){.tokens = s, .ntokens = PS - 1};
+    runs[3] = (kvt_token_run_t){.tokens = NULL, .ntokens = 10 * PS};
+    runs[4] = (kvt_token_run_t){.tokens = s, .ntokens = 0};
     uint32_t *miss = seq(10 * PS, 555555);
-    runs[5] = (kvt_prefetch_t){.tokens = miss, .ntokens = 10 * PS};
+    runs[5] = (kvt_token_run_t){.tokens = miss, .ntokens = 10 * PS};
 
     kvt_radix_stats_t before, after;
     kvt_radix_stats(tree, &before);
@@ -390,14 +390,14 @@ Test(radix_ops, prefetch_changes_nothing)
     cr_assert_eq(kvt_radix_match(tree, ns, t, 40 * PS, KVT_MATCH_NOTOUCH, &m), 0);
     kvt_block_t *b = kvt_radix_node_blocks(m.node), b0 = b[0];
     kvt_radix_set_clock(tree, 9);
-    kvt_radix_prefetch(tree, ns, runs, KVT_ARRAY_LEN(runs));
-    kvt_radix_prefetch(tree, ns + 1, runs, KVT_ARRAY_LEN(runs)); /* no such namespace */
-    kvt_radix_prefetch(tree, ns, NULL, 3);
-    kvt_radix_prefetch(NULL, ns, runs, 3);
+    kvt_radix_warm(tree, ns, runs, KVT_ARRAY_LEN(runs));
+    kvt_radix_warm(tree, ns + 1, runs, KVT_ARRAY_LEN(runs)); /* no such namespace */
+    kvt_radix_warm(tree, ns, NULL, 3);
+    kvt_radix_warm(NULL, ns, runs, 3);
     kvt_radix_stats(tree, &after);
     cr_expect_eq(memcmp(&before, &after, sizeof before), 0);
     b = kvt_radix_node_blocks(m.node);
-    cr_expect_eq(memcmp(&b[0], &b0, sizeof b0), 0, "the prefetch touched a block's counters");
+    cr_expect_eq(memcmp(&b[0], &b0, sizeof b0), 0, "warming touched a block's counters");
     cr_expect_eq(match_pages(t, 40 * PS), 20);
     s[8 * PS] = 100000 + 99;
     cr_expect_eq(match_pages(s, 10 * PS), 10);
