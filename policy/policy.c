@@ -663,7 +663,8 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
     uint32_t np = kvt_radix_node_pages(n);
     uint64_t bytes = run_bytes(n, np - cnt, cnt);
     kvt_radix_node_t *parent = kvt_radix_node_parent(n);
-    record_end(p, n, np - cnt, cnt);
+    if (from != KVT_TIER_NONE) /* index-only pages never counted hits for the model */
+        record_end(p, n, np - cnt, cnt);
     if (p->ghost) {
         for (uint32_t i = np - cnt; i < np; i++) {
             uint64_t h = kvt_radix_block_hash(p->t, n, kvt_radix_node_depth(n) + i);
@@ -1062,6 +1063,26 @@ void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b)
         p->used[b->tier] -= c;
         p->st.blocks[b->tier]--;
     }
+}
+
+static int index_only(void *arg, const kvt_block_t *b)
+{
+    (void)arg;
+    return b->tier == KVT_TIER_NONE && !(b->flags & KVT_BLOCK_BUSY);
+}
+
+static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
+{
+    kvt_policy_t *p = arg;
+    int rc = do_drop(p, n, npages, KVT_TIER_NONE);
+    if (rc > 0)
+        p->st.index_trimmed += (uint64_t)rc;
+    return rc;
+}
+
+uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget)
+{
+    return p ? kvt_radix_trim(p->t, target, budget, index_only, trim_drop, p) : 0;
 }
 
 /* Promotes the path ending at node n (first node_pages pages) into tier `to`. */

@@ -246,6 +246,14 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
 int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                      kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *hint);
 
+/*
+ * Bounds the index's memory: evicts index-only pages (tier KVT_TIER_NONE, no bytes anywhere,
+ * not busy) from the tails of unleased leaves, least recently used first as far as sampling
+ * finds them (kvt_radix_trim), until the tree has allocated at most target bytes or budget
+ * pages went. Pages with bytes are left to the tiers' capacities. Returns the pages evicted.
+ */
+uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget);
+
 /* Every block that leaves the tree (the tree's free callback forwards it here). */
 void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b);
 
@@ -289,6 +297,7 @@ typedef struct kvt_policy_stats {
     uint64_t promotions;    /* runs moved up */
     uint64_t rejected;      /* new pages that fit in no tier */
     uint64_t pending_moves; /* moves in flight */
+    uint64_t index_trimmed; /* index-only pages evicted by kvt_policy_trim_index */
 } kvt_policy_stats_t;
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);

@@ -85,6 +85,7 @@ struct kvt_radix {
     uint32_t lease_cap, lease_free, nleases;
 
     uint64_t epoch; /* bumped by every change of shape: insert, split, remove, evict */
+    uint64_t rng;   /* xorshift64 state of kvt_radix_trim's sampling */
     uint64_t bytes;
     uint64_t blocks;
     uint64_t cached_tokens;
@@ -416,6 +417,7 @@ int kvt_radix_create(kvt_radix_t **out, const kvt_radix_conf_t *conf)
     t->decay_per_tick = 1.0f / t->conf.freq_half_life;
     t->list.lnext = t->list.lprev = &t->list;
     t->lease_free = NO_SLOT;
+    t->rng = 0x9e3779b97f4a7c15ull;
     *out = t;
     return 0;
 }
@@ -1000,6 +1002,54 @@ kvt_radix_node_t *kvt_radix_evictable_next(kvt_radix_t *t, kvt_radix_node_t *n)
 size_t kvt_radix_evictable_count(const kvt_radix_t *t)
 {
     return t ? t->nlist : 0;
+}
+
+#define TRIM_SAMPLES 16
+#define TRIM_DRAWS   8
+
+/* The sampled victim of kvt_radix_trim, or NULL. */
+static kvt_radix_node_t *trim_victim(kvt_radix_t *t, kvt_block_pred_t evictable, void *arg)
+{
+    kvt_radix_node_t *best = NULL;
+    uint32_t best_age = 0;
+    for (int i = 0; i < TRIM_SAMPLES && t->nnodes > 0; i++) {
+        t->rng ^= t->rng << 13, t->rng ^= t->rng >> 7, t->rng ^= t->rng << 17;
+        kvt_radix_node_t *n = t->nodes[t->rng % t->nnodes];
+        if (!n->in_list || n->npages == 0) /* evictable: an unleased leaf */
+            continue;
+        const kvt_block_t *last = &n->blocks[n->npages - 1];
+        uint32_t age = t->clock - last->last_access;
+        if ((!best || age > best_age) && evictable(arg, last)) {
+            best = n;
+            best_age = age;
+        }
+    }
+    return best;
+}
+
+uint32_t kvt_radix_trim(kvt_radix_t *t, uint64_t target, uint32_t budget,
+                        kvt_block_pred_t evictable, kvt_trim_drop_t drop, void *arg)
+{
+    uint32_t done = 0;
+    if (!t || !evictable || !drop)
+        return 0;
+    for (int misses = 0; done < budget && t->bytes > target && misses < TRIM_DRAWS;) {
+        kvt_radix_node_t *n = trim_victim(t, evictable, arg);
+        if (!n) {
+            misses++;
+            continue;
+        }
+        misses = 0;
+        uint32_t k = 0;
+        while (k < n->npages && k < budget - done && evictable(arg, &n->blocks[n->npages - 1 - k]))
+            k++;
+        (void)kvt_radix_block_hash(t, n, n->depth + n->npages - 1); /* and all above it */
+        int rc = drop(arg, n, k);
+        if (rc <= 0)
+            break;
+        done += (uint32_t)rc;
+    }
+    return done;
 }
 
 /* ---- leases --------------------------------------------------------------------------------- */

@@ -318,6 +318,22 @@ size_t kvt_radix_evictable_count(const kvt_radix_t *t);
  */
 int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages);
 
+/*
+ * Trims the tree toward `target` bytes by evicting leaf tails, the least recently used first as
+ * far as sampling finds them (as Redis approximates LRU): each victim is the one, of 16 nodes
+ * drawn at random, that is an unleased leaf whose last block `evictable` accepts and whose last
+ * block was matched or inserted longest ago. Its trailing run of accepted blocks (no more than
+ * what is left of budget) goes to drop(arg, node, pages), which must evict exactly those pages
+ * with kvt_radix_evict() along with any bookkeeping of its own, and return the pages evicted or
+ * a negative error. Their chain hashes are computed first, so that the free callback sees them.
+ * Stops at target, after budget pages, at a drop error, or when 8 draws in a row find no
+ * victim. Returns the pages evicted.
+ */
+typedef int (*kvt_block_pred_t)(void *arg, const kvt_block_t *b);
+typedef int (*kvt_trim_drop_t)(void *arg, kvt_radix_node_t *n, uint32_t npages);
+uint32_t kvt_radix_trim(kvt_radix_t *t, uint64_t target, uint32_t budget,
+                        kvt_block_pred_t evictable, kvt_trim_drop_t drop, void *arg);
+
 /* Every node, for scans that must see all blocks (the policy's demotion pass). Index order is
  * unspecified and changes when nodes go. */
 size_t kvt_radix_node_count(const kvt_radix_t *t);

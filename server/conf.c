@@ -74,6 +74,9 @@ static const kvt_opt_t kvt_opts[] = {
      "warm restart: rebuild the index from the blocks found in data-dir"},
     {"max-frame", KVT_OPT_BYTES, KVT_O(max_frame), "64M",
      "largest frame body accepted; larger frames close the connection"},
+    {"index-bytes", KVT_OPT_BYTES, KVT_O(index_bytes), "1G",
+     "memory the prefix index may allocate; index-only pages go, least recently used first, "
+     "to stay under it; 0 for no limit"},
     {"max-conns", KVT_OPT_U32, KVT_O(max_conns), "1024", "most client connections at once"},
     {"lease-ms", KVT_OPT_U32, KVT_O(lease_ms), "30000", "lease time limit when MATCH gives 0"},
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},

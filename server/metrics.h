@@ -89,6 +89,8 @@ typedef enum {
       "Malformed or refused frames, by kind.", ERR)                                                \
     X(INDEX_BLOCKS, GAUGE, "kvtier_index_blocks", "Pages cached in the prefix index.", NONE)       \
     X(INDEX_BYTES, GAUGE, "kvtier_index_bytes", "Memory allocated by the prefix index.", NONE)     \
+    X(INDEX_CAPACITY, GAUGE, "kvtier_index_capacity_bytes",                                        \
+      "The prefix index's memory limit (index-bytes); 0 for none.", NONE)                          \
     X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
     X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
       "Leases released because their time limit passed.", NONE)

@@ -255,6 +255,13 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
 void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
+/* Evicts index-only pages (no bytes in any tier), least recently used first, until the index has
+ * allocated at most target bytes or budget pages went; through the policy when there is one.
+ * Returns the pages evicted. */
+uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget);
+/* Before a request adds pages: 0 when the index is under index-bytes (trimming it if need be),
+ * KVT_ENOSPC when it is at the limit and nothing in it can go. */
+int kvt__index_room(kvt_srv_t *s);
 void kvt__tier_metrics(kvt_srv_t *s);
 /* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
  * every batch of events. */

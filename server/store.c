@@ -40,6 +40,12 @@
 
 #define KVT_GET_BATCH_BYTES (8u << 20) /* GET reads at most this much ahead of the socket */
 #define KVT_STEP_PAGES      256        /* pages the policy may act on per loop iteration */
+/* The index is trimmed from above 98% of index-bytes down to 95%, at most KVT_TRIM_PAGES pages
+ * per loop iteration; a request that finds it full trims up to KVT_TRIM_INLINE pages itself. */
+#define KVT_INDEX_HIGH_PCT 98
+#define KVT_INDEX_LOW_PCT  95
+#define KVT_TRIM_PAGES     4096
+#define KVT_TRIM_INLINE    65536
 
 /* A tier location whose free waits for the reads of its block still in flight. */
 typedef struct kvt__dfree {
@@ -409,8 +415,48 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
     return adopted;
 }
 
+static int kvt_index_only(void *arg, const kvt_block_t *b)
+{
+    (void)arg;
+    return b->tier == KVT_TIER_NONE && !(b->flags & KVT_BLOCK_BUSY);
+}
+
+static int kvt_trim_evict(void *arg, kvt_radix_node_t *n, uint32_t npages)
+{
+    kvt_srv_t *s = arg;
+    int rc = kvt_radix_evict(s->radix, n, npages);
+    return rc < 0 ? rc : (int)npages;
+}
+
+uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget)
+{
+    if (s->policy)
+        return kvt_policy_trim_index(s->policy, target, budget);
+    /* No tier, so no policy: every page is index-only and nothing else tracks the nodes. */
+    return kvt_radix_trim(s->radix, target, budget, kvt_index_only, kvt_trim_evict, s);
+}
+
+static uint64_t kvt_index_bytes(const kvt_srv_t *s)
+{
+    kvt_radix_stats_t rs;
+    kvt_radix_stats(s->radix, &rs);
+    return rs.bytes;
+}
+
+int kvt__index_room(kvt_srv_t *s)
+{
+    uint64_t cap = s->conf->index_bytes;
+    if (!cap || kvt_index_bytes(s) < cap)
+        return 0;
+    kvt__index_trim(s, cap / 100 * KVT_INDEX_LOW_PCT, KVT_TRIM_INLINE);
+    return kvt_index_bytes(s) < cap ? 0 : KVT_ENOSPC;
+}
+
 void kvt__store_step(kvt_srv_t *s)
 {
+    uint64_t cap = s->conf->index_bytes;
+    if (cap && !s->stopping && kvt_index_bytes(s) > cap / 100 * KVT_INDEX_HIGH_PCT)
+        kvt__index_trim(s, cap / 100 * KVT_INDEX_LOW_PCT, KVT_TRIM_PAGES);
     if (!s->policy || s->stopping)
         return;
     int rc = kvt_policy_step(s->policy, KVT_STEP_PAGES);
@@ -592,6 +638,7 @@ int kvt__store_open(kvt_srv_t *s)
         return KVT_EUNAVAIL;
     }
 #endif
+    int any = 0;
     for (int i = 1; i < KVT_TIER_COUNT; i++) {
         if (!s->tiers[i])
             continue;
@@ -599,6 +646,13 @@ int kvt__store_open(kvt_srv_t *s)
         kvt_tier_usage(s->tiers[i], &u);
         kvt_log(KVT_LOG_INFO, "kvtierd: %s tier: %llu bytes (%s)", kvt_tier_name((kvt_tier_id_t)i),
                 (unsigned long long)u.capacity_bytes, kvt_tier_backend(s->tiers[i]));
+        any = 1;
+    }
+    if (!any) {
+        /* Every tier disabled: an index-only sidecar. PUT payloads are kept as index-only pages
+         * (counted as skipped); there is nothing for a policy to place. */
+        kvt_log(KVT_LOG_INFO, "kvtierd: no tier configured: the index only, no KV bytes kept");
+        return 0;
     }
     return kvt_policy_open(s);
 }
@@ -720,6 +774,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
     kvt_radix_stats(s->radix, &rs);
     kvt__metric_set(s->metrics, KVT_M_INDEX_BLOCKS, 0, (double)rs.blocks);
     kvt__metric_set(s->metrics, KVT_M_INDEX_BYTES, 0, (double)rs.bytes);
+    kvt__metric_set(s->metrics, KVT_M_INDEX_CAPACITY, 0, (double)s->conf->index_bytes);
     kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)rs.leases);
 }
 

@@ -166,6 +166,7 @@ static void random_run(kvt_policy_kind_t kind, int pending)
     uint32_t tok[256], prev[256], prevn = 0;
     uint64_t leases[8] = {0};
     uint32_t nextu[64];
+    uint64_t trimmed = 0;
     for (int i = 0; i < 3000; i++) {
         kvt_radix_set_clock(t, (uint32_t)i * 10);
         uint32_t n;
@@ -212,12 +213,24 @@ static void random_run(kvt_policy_kind_t kind, int pending)
         int r = kvt_radix_insert_matched(t, &m, tok, n, &ins);
         CHECK(r == 0 || r == KVT_EEXIST, "insert: %d", r);
         CHECK(kvt_policy_verify(pol) == 0, "after insert %d", i);
-        CHECK(kvt_policy_on_insert(pol, &ins, &h) >= 0, "on_insert");
+        if (rnd(4)) /* else an index-only PUT: the pages stay in no tier */
+            CHECK(kvt_policy_on_insert(pol, &ins, &h) >= 0, "on_insert");
         CHECK(kvt_policy_verify(pol) == 0, "after on_insert %d", i);
         check(t, pol, &e);
         CHECK(kvt_policy_step(pol, rnd(2) ? 0 : 1 + rnd(16)) >= 0, "step");
         CHECK(kvt_policy_verify(pol) == 0, "after step %d", i);
         check(t, pol, &e);
+        if (rnd(20) == 0) { /* the index over its memory limit: index-only pages go, no other */
+            kvt_radix_stats_t rs;
+            kvt_radix_stats(t, &rs);
+            uint64_t used[KVT_TIER_COUNT];
+            memcpy(used, e.used, sizeof used);
+            uint32_t got = kvt_policy_trim_index(pol, rs.bytes / 100 * (50 + rnd(50)), rnd(64));
+            trimmed += got;
+            CHECK(memcmp(used, e.used, sizeof used) == 0, "a trim freed tier bytes");
+            CHECK(kvt_policy_verify(pol) == 0, "after trim %d", i);
+            check(t, pol, &e);
+        }
         if (rnd(50) == 0) { /* a removal the engine did not ask for */
             uint32_t cut = PS * (1 + rnd(n / PS + 1));
             int rr = kvt_radix_remove(t, ns, tok, KVT_MIN(cut, n));
@@ -240,6 +253,8 @@ static void random_run(kvt_policy_kind_t kind, int pending)
     kvt_policy_stats_t st;
     kvt_policy_stats(pol, &st);
     cr_assert_gt(st.demotions + st.dropped_blocks, 0, "the test must exercise eviction");
+    cr_assert_eq(st.index_trimmed, trimmed);
+    cr_assert_gt(trimmed, 0, "the test must exercise the index trim");
     kvt_radix_destroy(t);
     for (int k = 0; k < KVT_TIER_COUNT; k++)
         cr_assert_eq(e.used[k], 0);

@@ -408,6 +408,78 @@ Test(radix_ops, warming_changes_nothing)
     free(t);
 }
 
+static int trim_accept(void *arg, const kvt_block_t *b)
+{
+    (void)arg;
+    return b->tier == KVT_TIER_NONE;
+}
+
+static uint64_t trim_hashed; /* dropped blocks whose chain hash was known when they went */
+
+static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
+{
+    kvt_block_t *b = kvt_radix_node_blocks(n);
+    for (uint32_t i = kvt_radix_node_pages(n) - npages; i < kvt_radix_node_pages(n); i++)
+        trim_hashed += b[i].hash != 0;
+    int rc = kvt_radix_evict(arg, n, npages);
+    return rc < 0 ? rc : (int)npages;
+}
+
+/* Trimming takes the tails of unleased leaves that the predicate accepts, oldest first as far as
+ * sampling sees, down to the target: 100 prompts last used at clock 1, then 10 used at clock
+ * 1000; a leased old one, and one whose last page holds bytes, stay. */
+Test(radix_ops, trim_takes_the_least_recently_used_accepted_tails)
+{
+    enum { OLD = 100, NEW = 10, PAGES = 4 };
+    uint32_t *s = seq(PAGES * PS, 1);
+    kvt_radix_set_clock(tree, 1);
+    for (uint32_t i = 0; i < OLD + NEW; i++) {
+        if (i == OLD)
+            kvt_radix_set_clock(tree, 1000);
+        s[0] = 1000000 + i; /* every prompt its own leaf under the root */
+        insert(s, PAGES * PS);
+    }
+    kvt_match_t m;
+    s[0] = 1000000 + 0;
+    cr_assert_eq(kvt_radix_match(tree, ns, s, PAGES * PS, KVT_MATCH_NOTOUCH, &m), 0);
+    uint64_t lease;
+    cr_assert_eq(kvt_radix_lease(tree, &m, 7, &lease), 0);
+    s[0] = 1000000 + 1;
+    cr_assert_eq(kvt_radix_match(tree, ns, s, PAGES * PS, KVT_MATCH_NOTOUCH, &m), 0);
+    kvt_radix_node_blocks(m.node)[PAGES - 1].tier = KVT_TIER_DRAM; /* holds bytes: not taken */
+
+    kvt_radix_stats_t st;
+    kvt_radix_stats(tree, &st);
+    uint64_t full = st.bytes;
+    freed_blocks = trim_hashed = 0;
+    cr_expect_eq(kvt_radix_trim(tree, 0, 0, trim_accept, trim_drop, tree), 0, "no budget");
+    cr_expect_eq(kvt_radix_trim(tree, full, 100, trim_accept, trim_drop, tree), 0,
+                 "at the target already");
+    /* Down to about half: the old prompts go, the recent ones stay. */
+    uint64_t target = full / 2;
+    uint32_t got = kvt_radix_trim(tree, target, 100000, trim_accept, trim_drop, tree);
+    kvt_radix_stats(tree, &st);
+    cr_expect_leq(st.bytes, target);
+    cr_expect_gt(got, 0);
+    cr_expect_eq(freed_blocks, got, "every page trimmed went through the free callback");
+    cr_expect_eq(trim_hashed, got, "with its chain hash computed");
+    for (uint32_t i = OLD; i < OLD + NEW; i++) {
+        s[0] = 1000000 + i;
+        cr_expect_eq(match_pages(s, PAGES * PS), PAGES, "recent prompt %u was trimmed", i);
+    }
+    /* Everything it may take: only the leased prompt and the one with bytes at its tail stay. */
+    kvt_radix_trim(tree, 0, 100000, trim_accept, trim_drop, tree);
+    kvt_radix_stats(tree, &st);
+    cr_expect_eq(st.blocks, 2 * PAGES);
+    s[0] = 1000000 + 0;
+    cr_expect_eq(match_pages(s, PAGES * PS), PAGES, "the leased prompt stays");
+    s[0] = 1000000 + 1;
+    cr_expect_eq(match_pages(s, PAGES * PS), PAGES, "a tail with bytes stays");
+    kvt_radix_node_blocks(m.node)[PAGES - 1].tier = KVT_TIER_NONE;
+    cr_assert_eq(kvt_radix_release(tree, lease), 0);
+    free(s);
+}
+
 Test(radix_ops, remove_a_prefix_and_its_continuations)
 {
     uint32_t *a = seq(8 * PS, 1), *b = seq(8 * PS, 1), *c = seq(8 * PS, 1);

@@ -396,3 +396,141 @@ Test(server_policy, leased_nvme_path_survives_segment_reclaim)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+/* ---- the index's own memory: index-bytes ---- */
+
+/* Prompt k: pages of PAGE tokens that no other prompt shares. */
+static void index_prompt(uint32_t *tok, uint32_t pages, uint32_t k)
+{
+    for (uint32_t i = 0; i < pages * PAGE; i++)
+        tok[i] = k * 100000 + i + 1;
+}
+
+static int stat_cb(void *arg, const char *name, uint64_t value)
+{
+    if (strcmp(name, "index_bytes") == 0)
+        *(uint64_t *)arg = value;
+    return 0;
+}
+
+static uint64_t index_bytes(kvt_client_t *c)
+{
+    uint64_t v = UINT64_MAX;
+    cr_assert_eq(kvt_client_stats(c, stat_cb, &v), 0);
+    cr_assert_neq(v, UINT64_MAX, "STATS has index_bytes");
+    return v;
+}
+
+/*
+ * Index-only PUTs of ever new prompts, far more than index-bytes holds: the index stays under
+ * it (give or take the one request being added), the least recently used prompts go, a leased
+ * prompt stays, a lookup of a trimmed prompt is a miss counted as evicted. With no tier at all
+ * (no policy: the daemon trims the tree itself) and with the test's tiers (the policy trims).
+ */
+Test(server_policy, index_stays_under_index_bytes)
+{
+    enum { PAGES = 16, PROMPTS = 1500, CAP = 512 << 10, SLACK = 16 << 10 };
+    const char *const setups[2][9] = {
+        {"--index-bytes", "512K", "--dram-bytes", "0", "--nvme-bytes", "0", "--hbm-bytes", "0",
+         NULL},
+        {"--index-bytes", "512K", NULL},
+    };
+    uint32_t tok[PAGES * PAGE];
+    for (int v = 0; v < 2; v++) {
+        kvd_t d = {0};
+        kvd_startv(&d, setups[v]);
+        kvt_client_t *c = kvd_client(&d, "m", PAGE, 0);
+        cr_assert(c);
+        kvt_client_put_t r;
+        kvt_client_match_t m = {0};
+        index_prompt(tok, PAGES, 0);
+        cr_assert_eq(kvt_client_put(c, tok, PAGES * PAGE, 0, 0, NULL, NULL, &r), 0);
+        cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m), 0);
+        cr_assert_eq(m.pages, PAGES);
+        uint64_t most = 0;
+        for (uint32_t k = 1; k <= PROMPTS; k++) {
+            index_prompt(tok, PAGES, k);
+            int rc = kvt_client_put(c, tok, PAGES * PAGE, 0, 0, NULL, NULL, &r);
+            cr_assert_eq(rc, 0, "setup %d, put %u: %s %s", v, k, kvt_client_strerror(rc),
+                         kvt_client_errmsg(c));
+            if (k % 50 == 0) {
+                uint64_t b = index_bytes(c);
+                most = b > most ? b : most;
+            }
+        }
+        cr_expect_leq(most, (uint64_t)CAP + SLACK, "setup %d: the index reached %llu bytes", v,
+                      (unsigned long long)most);
+        cr_expect_gt(most, (uint64_t)CAP / 2, "setup %d: the test filled the index", v);
+        cr_expect_eq(metric(&d, "kvtier_index_capacity_bytes"), (double)CAP);
+        cr_expect_gt(metric(&d, "kvtier_blocks_dropped_total{tier=\"none\"}"), 0);
+
+        kvt_client_match_t q = {0};
+        index_prompt(tok, PAGES, 0);
+        cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
+        cr_expect_eq(q.pages, PAGES, "setup %d: the leased prompt stayed", v);
+        index_prompt(tok, PAGES, PROMPTS);
+        cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
+        cr_expect_eq(q.pages, PAGES, "setup %d: the newest prompt is there", v);
+        double before = metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}");
+        index_prompt(tok, PAGES, 1);
+        cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
+        cr_expect_eq(q.pages, 0, "setup %d: the oldest unleased prompt went", v);
+        cr_expect_eq(metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}"),
+                     before + PAGES * PAGE, "setup %d: its miss is counted as evicted", v);
+        kvt_client_close(c);
+        kvd_cleanup(&d);
+    }
+}
+
+/* When everything in a full index is leased, a PUT that would add pages is refused (ENOSPC,
+ * nothing added, the daemon says why) until leases go; the connection stays usable. Each PUT
+ * and the MATCH that leases it go in one batch: handled together, before the loop's maintenance
+ * could trim the new, still unleased prompt (the only page it may take). */
+Test(server_policy, full_index_of_leased_pages_refuses_puts)
+{
+    enum { PAGES = 16 };
+    kvd_t d = {0};
+    kvd_start(&d, "--index-bytes", "64K", "--dram-bytes", "0", "--nvme-bytes", "0", "--hbm-bytes",
+              "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 0), *other = kvd_client(&d, "m", PAGE, 0);
+    cr_assert(c && other);
+    kvt_batch_t *b;
+    cr_assert_eq(kvt_batch_create(&b, c), 0);
+    uint32_t tok[PAGES * PAGE];
+    kvt_client_put_t r;
+    int put_st = 0, match_st = 0;
+    uint32_t k = 0;
+    for (; k < 500; k++) {
+        index_prompt(tok, PAGES, k);
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_batch_put(b, tok, PAGES * PAGE, 0, 0, NULL, NULL, &r, &put_st), 0);
+        cr_assert_eq(
+            kvt_batch_match(b, tok, PAGES * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m, &match_st),
+            0);
+        cr_assert_eq(kvt_batch_run(b), 0);
+        if (put_st < 0)
+            break;
+        cr_assert_eq(match_st, 0);
+        cr_assert_eq(m.pages, PAGES, "prompt %u is there to lease", k);
+    }
+    cr_assert_eq(put_st, KVT_CLIENT_ENOSPC, "a PUT is refused once all is leased (%u PUTs, %d)", k,
+                 put_st);
+    cr_expect(strstr(kvt_client_errmsg(c), "index-bytes"), "%s", kvt_client_errmsg(c));
+    cr_expect_leq(index_bytes(other), (uint64_t)(64 << 10) + (16 << 10));
+    kvt_client_match_t q = {0};
+    cr_assert_eq(kvt_client_match(other, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
+    cr_expect_eq(q.pages, 0, "the refused PUT added nothing");
+    cr_expect_eq(kvt_client_ping(c, NULL), 0, "the refused client is still served");
+    /* The leases go with their connection: room again. */
+    kvt_batch_destroy(b);
+    kvt_client_close(c);
+    int rc = -1;
+    for (int i = 0; i < 200 && rc < 0; i++) {
+        rc = kvt_client_put(other, tok, PAGES * PAGE, 0, 0, NULL, NULL, &r);
+        if (rc < 0)
+            usleep(10000);
+    }
+    cr_expect_eq(rc, 0, "PUT after the leases went: %s", kvt_client_errmsg(other));
+    kvt_client_close(other);
+    kvd_cleanup(&d);
+}
