@@ -433,13 +433,8 @@ Test(server_e2e, cli_reaches_default_socket_in_working_dir)
              "'%s/client/kvtier' match 1-70 >>out.txt 2>&1 && '%s/client/kvtier' ping >>out.txt",
              d.dir, root, root, root);
     cr_expect_eq(system(cmd), 0, "kvtier with no address flags reaches the daemon");
-    char path[700], text[4096] = "";
-    snprintf(path, sizeof path, "%s/out.txt", d.dir);
-    FILE *f = fopen(path, "r");
-    cr_assert(f);
-    size_t n = fread(text, 1, sizeof text - 1, f);
-    text[n] = 0;
-    fclose(f);
+    char text[4096];
+    kvd_slurp(&d, "out.txt", text, sizeof text);
     cr_expect(strstr(text, "put 4 pages: 4 new, 4 stored"), "%s", text);
     cr_expect(strstr(text, "matched 64 of 70 tokens (4 pages)"), "%s", text);
     cr_expect(strstr(text, "pong"), "%s", text);
@@ -470,12 +465,7 @@ Test(server_e2e, cli_runs_the_benchmarks)
              ">out.json 2>err.txt",
              d.dir, root);
     cr_assert_eq(system(cmd), 0, "kvtier bench radix runs bench_radix");
-    snprintf(path, sizeof path, "%s/out.json", d.dir);
-    f = fopen(path, "r");
-    cr_assert(f);
-    size_t n = fread(text, 1, sizeof text - 1, f);
-    text[n] = 0;
-    fclose(f);
+    kvd_slurp(&d, "out.json", text, sizeof text);
     cr_expect(strstr(text, "\"trace\":\"tiny\""), "%s", text);
     cr_expect(strstr(text, "\"requests\":3,"), "%s", text);
     cr_expect(strstr(text, "\"hit_tokens\":992,"), "%s", text);

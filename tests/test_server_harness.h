@@ -156,6 +156,18 @@ static inline void kvd_rmrf(const char *dir)
 }
 
 /* Stops the daemon if running and removes its directory. */
+/* Reads the file `name` in d->dir into buf (cap bytes, NUL-terminated); the file must exist. */
+static inline void kvd_slurp(const kvd_t *d, const char *name, char *buf, size_t cap)
+{
+    char path[700];
+    snprintf(path, sizeof path, "%s/%s", d->dir, name);
+    FILE *f = fopen(path, "r");
+    cr_assert(f, "%s: %s", path, strerror(errno));
+    size_t n = fread(buf, 1, cap - 1, f);
+    buf[n] = 0;
+    fclose(f);
+}
+
 static inline void kvd_cleanup(kvd_t *d)
 {
     if (d->pid > 0) {

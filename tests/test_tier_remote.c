@@ -311,6 +311,15 @@ static int write_blk(kvt_tier_t *t, blk_t *b, uint64_t salt)
 }
 
 /* Reads b back into a fresh buffer and checks it against salt's bytes. */
+/* Blocks first .. first + n - 1 of the chain, len bytes each, written with their id as salt. */
+static void write_blks(kvt_tier_t *t, blk_t *b, uint32_t n, uint32_t first, uint32_t len)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        blk_init(&b[i], first + i, len);
+        cr_assert_eq(write_blk(t, &b[i], first + i), 0);
+    }
+}
+
 static int read_check(kvt_tier_t *t, blk_t *b, uint64_t salt)
 {
     uint8_t *want = malloc(b->io.len);
@@ -495,10 +504,7 @@ Test(tier_remote, capacity_is_enforced)
     kvt_tier_destroy(probe);
     kvt_tier_t *t = open_shared(3 * fp + fp / 2);
     blk_t b[4];
-    for (int i = 0; i < 3; i++) {
-        blk_init(&b[i], (uint32_t)i, 65536);
-        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
-    }
+    write_blks(t, b, 3, 0, 65536);
     blk_init(&b[3], 3, 65536);
     fill(b[3].buf, 65536, 3);
     cr_assert_eq(kvt_tier_write(t, &b[3].io), KVT_ENOSPC);
@@ -636,10 +642,7 @@ Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
     cr_assert(c);
     blk_t b[3];
     char key[KVT_TIER_REMOTE_KEY_MAX];
-    for (int i = 0; i < 3; i++) {
-        blk_init(&b[i], (uint32_t)i, 8192);
-        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
-    }
+    write_blks(t, b, 3, 0, 8192);
     /* 0: a short string; 1: the right length with one payload byte flipped; 2: a list. */
     key_of(t, &b[0], key);
     sync_cmd_ok(c, "SET %s garbage", key);
@@ -701,10 +704,7 @@ Test(tier_remote, oversized_value_is_refused_without_being_buffered)
     cr_assert(c);
     blk_t b[2];
     char key[KVT_TIER_REMOTE_KEY_MAX];
-    for (int i = 0; i < 2; i++) {
-        blk_init(&b[i], (uint32_t)(40 + i), 8192);
-        cr_assert_eq(write_blk(t, &b[i], (uint64_t)(40 + i)), 0);
-    }
+    write_blks(t, b, 2, 40, 8192);
     /* 96 MiB under the first block's key, made by the server itself (SETRANGE pads with zeros),
      * so that this process never holds it. */
     key_of(t, &b[0], key);
