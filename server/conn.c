@@ -333,7 +333,7 @@ static int kvt_conn_write(kvt__conn_t *c)
  * through the index are asked of the memory all together (kvt_radix_warm): a match alone
  * waits for the index's cache misses one after the other, a pipelined batch can have them in
  * flight at once while the frames before are handled. bench_server, twelve alternating runs with
- * and without: kvtierd CPU per MATCH lower in eleven, by about 10% (docs/server.md). The wire's
+ * and without: kvtierd CPU per MATCH lower in ten, by about 10% (README, "Benchmarks"). The wire's
  * tokens are little-endian, the tree's host-order: only done where those are the same bytes.
  */
 static void kvt_conn_warm(kvt__conn_t *c)
