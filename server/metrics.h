@@ -91,6 +91,14 @@ typedef enum {
     X(INDEX_BYTES, GAUGE, "kvtier_index_bytes", "Memory allocated by the prefix index.", NONE)     \
     X(INDEX_CAPACITY, GAUGE, "kvtier_index_capacity_bytes",                                        \
       "The prefix index's memory limit (index-bytes); 0 for none.", NONE)                          \
+    X(REMOTE_CONNECTS, COUNTER, "kvtier_remote_connects_total",                                    \
+      "Connections to the remote server that completed their handshake.", NONE)                    \
+    X(REMOTE_DISCONNECTS, COUNTER, "kvtier_remote_disconnects_total",                              \
+      "Established connections to the remote server that were lost.", NONE)                        \
+    X(REMOTE_TIMEOUTS, COUNTER, "kvtier_remote_timeouts_total",                                    \
+      "Remote requests and probes failed by their deadline.", NONE)                                \
+    X(REMOTE_OVERSIZED, COUNTER, "kvtier_remote_oversized_values_total",                           \
+      "Remote values longer than their block, refused without being buffered.", NONE)              \
     X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
     X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
       "Leases released because their time limit passed.", NONE)

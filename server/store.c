@@ -775,6 +775,16 @@ void kvt__tier_metrics(kvt_srv_t *s)
     kvt__metric_set(s->metrics, KVT_M_INDEX_BLOCKS, 0, (double)rs.blocks);
     kvt__metric_set(s->metrics, KVT_M_INDEX_BYTES, 0, (double)rs.bytes);
     kvt__metric_set(s->metrics, KVT_M_INDEX_CAPACITY, 0, (double)s->conf->index_bytes);
+#if KVT_HAVE_REMOTE
+    if (s->tiers[KVT_TIER_REMOTE]) {
+        kvt_tier_remote_stats_t st;
+        kvt_tier_remote_stats(s->tiers[KVT_TIER_REMOTE], &st);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_CONNECTS, 0, (double)st.connects);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_DISCONNECTS, 0, (double)st.disconnects);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_TIMEOUTS, 0, (double)st.timeouts);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_OVERSIZED, 0, (double)st.oversized);
+    }
+#endif
     kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)rs.leases);
 }
 

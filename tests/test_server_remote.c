@@ -3,7 +3,8 @@
  * started (KVT_TEST_REDIS=host:port; skipped without it): blocks that fit in no local tier land
  * in Redis and read back byte-exact; a second daemon sharing the server finds a prefix the first
  * stored through MATCH's remote probe and reads its bytes; a remote that is down is a counted
- * miss reason, not an error.
+ * miss reason, not an error; values overwritten with far more than a block are refused unbuffered
+ * and counted (kvtier_remote_oversized_values_total) while the connection stays up.
  */
 #include <time.h>
 
@@ -84,6 +85,36 @@ Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
     cr_expect_eq(tiers[N - 1], KVT_CLIENT_TIER_REMOTE);
     get_all(c, m.lease, N, 500, from);
     cr_expect_eq(from[N - 1], KVT_CLIENT_TIER_REMOTE, "read back from redis");
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    static char body[1 << 20];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    cr_expect(strstr(body, "\nkvtier_remote_connects_total 1\n"), "one connection");
+    cr_expect(strstr(body, "\nkvtier_remote_disconnects_total 0\n"), "never lost");
+    cr_expect(strstr(body, "\nkvtier_remote_oversized_values_total 0\n"), "nothing oversized");
+
+    /* Every remote key of ours overwritten with 8 MiB (the server pads SETRANGE itself): the
+     * daemon refuses them as corrupt without holding them, counts them, and keeps serving. */
+    char cmd[1024];
+    const char *colon = strrchr(addr, ':');
+    cr_assert(colon);
+    snprintf(cmd, sizeof cmd,
+             "redis-cli -h %.*s -p %s --scan --pattern '%s:*' | while read k; do "
+             "redis-cli -h %.*s -p %s SETRANGE \"$k\" 8388607 x >/dev/null; done",
+             (int)(colon - addr), addr, colon + 1, pfx, (int)(colon - addr), addr, colon + 1);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    m.tiers = tiers;
+    cr_assert_eq(kvt_client_match(c, tok, N * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    uint8_t *buf = malloc((size_t)N * BB);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, m.lease, 0, N, buf, (size_t)N * BB, &got, from);
+    cr_expect(rc < 0 || got < N, "the overwritten blocks are not served (rc %d, got %u)", rc, got);
+    free(buf);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    const char *o = strstr(body, "\nkvtier_remote_oversized_values_total ");
+    cr_assert(o);
+    cr_expect_gt(strtod(o + strlen("\nkvtier_remote_oversized_values_total "), NULL), 0);
+    cr_expect(strstr(body, "\nkvtier_remote_disconnects_total 0\n"), "the connection stayed");
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
     free(tok);
     kvt_client_close(c);
     kvd_cleanup(&d);
