@@ -343,7 +343,10 @@ static void kvt_conn_warm(kvt__conn_t *c)
     size_t n = 0, off = 0;
     if (!c->hello)
         return;
-    while (n < KVT_WARM_MAX && c->in_len - off >= KVT_PROTO_HDR) {
+    /* At most 2 x KVT_WARM_MAX frames looked at: a buffer of many small other frames (which the
+     * loop may take in several turns under back-pressure) is not scanned whole each time. */
+    for (int seen = 0;
+         seen < 2 * KVT_WARM_MAX && n < KVT_WARM_MAX && c->in_len - off >= KVT_PROTO_HDR; seen++) {
         kvt_proto_hdr_t h;
         kvt_proto_hdr_decode(c->in + off, &h);
         if (kvt_proto_hdr_check(&h, (uint32_t)c->srv->conf->max_frame) < 0 ||
