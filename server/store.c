@@ -681,6 +681,17 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
     return hash && s->ghosts[hash & (s->nghosts - 1)] == hash;
 }
 
+/* A block's bytes leave the policy's books and their tier; dropped: count it as a drop. */
+static void kvt_block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int dropped)
+{
+    if (s->policy)
+        kvt_policy_on_free(s->policy, ns, b);
+    if (b->tier != KVT_TIER_NONE && s->tiers[b->tier])
+        kvt_free_loc(s, b->tier, b->loc, b->size, b->hash);
+    if (dropped)
+        kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
+}
+
 uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
 {
     n = kvt_radix_node_holding(n, depth);
@@ -697,12 +708,9 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
         kvt_block_t *b = &bl[i];
         if (b->tier == KVT_TIER_NONE)
             continue;
-        if (s->policy)
-            kvt_policy_on_free(s->policy, ns, b);
-        /* A reclaimed or evicted one is no longer in its tier (this frees nothing); a corrupt one
-         * and the rest are. */
-        kvt_free_loc(s, b->tier, b->loc, b->size, b->hash);
-        kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
+        /* A reclaimed or evicted one is no longer in its tier (freeing it frees nothing); a
+         * corrupt one and the rest are. */
+        kvt_block_gone(s, ns, b, 1);
         b->tier = KVT_TIER_NONE;
         b->size = 0;
         b->loc = 0;
@@ -744,18 +752,12 @@ void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
 
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
 {
-    (void)ns;
     kvt_srv_t *s = arg;
     if (s->tearing_down)
-        return; /* the tiers are destroyed next and free everything themselves */
-    if (s->policy)
-        kvt_policy_on_free(s->policy, ns, b);
-    if (b->tier != KVT_TIER_NONE && s->tiers[b->tier])
-        kvt_free_loc(s, b->tier, b->loc, b->size, b->hash);
-    if (!s->removing) {
+        return;       /* the tiers are destroyed next and free everything themselves */
+    if (!s->removing) /* a REMOVE is no drop: no ghost, not counted */
         s->ghosts[b->hash & (s->nghosts - 1)] = b->hash;
-        kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
-    }
+    kvt_block_gone(s, ns, b, !s->removing);
 }
 
 void kvt__tier_metrics(kvt_srv_t *s)
