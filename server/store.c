@@ -753,9 +753,11 @@ void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
 {
     kvt_srv_t *s = arg;
+    /* Tearing down, the tiers are destroyed next and free everything themselves. A REMOVE is no
+     * drop: no ghost, not counted. */
     if (s->tearing_down)
-        return;       /* the tiers are destroyed next and free everything themselves */
-    if (!s->removing) /* a REMOVE is no drop: no ghost, not counted */
+        return;
+    if (!s->removing)
         s->ghosts[b->hash & (s->nghosts - 1)] = b->hash;
     kvt_block_gone(s, ns, b, !s->removing);
 }
