@@ -92,14 +92,17 @@ Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
     cr_expect(strstr(body, "\nkvtier_remote_disconnects_total 0\n"), "never lost");
     cr_expect(strstr(body, "\nkvtier_remote_oversized_values_total 0\n"), "nothing oversized");
 
-    /* Every remote key of ours overwritten with 8 MiB (the server pads SETRANGE itself): the
-     * daemon refuses them as corrupt without holding them, counts them, and keeps serving. */
+    /* Four remote keys of ours overwritten with 8 MiB (the server pads SETRANGE itself): the
+     * daemon refuses them as corrupt without holding them, counts them, and keeps serving. (A
+     * few: with every key so treated the server built 512 MiB of replies for the 64 GETs in
+     * flight and, on a busy machine, took longer than the remote timeout to start sending.) */
     char cmd[1024];
     const char *colon = strrchr(addr, ':');
     cr_assert(colon);
     snprintf(cmd, sizeof cmd,
-             "redis-cli -h %.*s -p %s --scan --pattern '%s:*' | while read k; do "
-             "redis-cli -h %.*s -p %s SETRANGE \"$k\" 8388607 x >/dev/null; done",
+             "k=$(redis-cli -h %.*s -p %s --scan --pattern '%s:*' | head -4) && [ -n \"$k\" ] && "
+             "for x in $k; do "
+             "redis-cli -h %.*s -p %s SETRANGE \"$x\" 8388607 x >/dev/null; done",
              (int)(colon - addr), addr, colon + 1, pfx, (int)(colon - addr), addr, colon + 1);
     cr_assert_eq(system(cmd), 0, "%s", cmd);
     m.tiers = tiers;
@@ -112,7 +115,7 @@ Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
     cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
     const char *o = strstr(body, "\nkvtier_remote_oversized_values_total ");
     cr_assert(o);
-    cr_expect_gt(strtod(o + strlen("\nkvtier_remote_oversized_values_total "), NULL), 0);
+    cr_expect_geq(strtod(o + strlen("\nkvtier_remote_oversized_values_total "), NULL), 1);
     cr_expect(strstr(body, "\nkvtier_remote_disconnects_total 0\n"), "the connection stayed");
     cr_expect_eq(kvt_client_ping(c, NULL), 0);
     free(tok);
