@@ -1086,8 +1086,10 @@ uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget
 }
 
 /* Promotes the path ending at node n (first node_pages pages) into tier `to`. */
-static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to)
+static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
+                        int *stop)
 {
+    *stop = 0;
     size_t len = 0;
     for (kvt_radix_node_t *x = n; x; x = kvt_radix_node_parent(x)) {
         if (len == p->path_cap) {
@@ -1124,8 +1126,10 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
                 break;
             cnt = KVT_MIN(cnt, 64u);
             int rc = do_move(p, x, s, cnt, from, to, 0);
-            if (rc < 0)
+            if (rc < 0) {
+                *stop = rc;
                 goto done; /* no room: the rest stays where it is */
+            }
             total += rc;
             if (kvt_radix_node_blocks(x)[s].tier != to)
                 break; /* pending: the executor finishes it */
@@ -1143,7 +1147,8 @@ int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
 {
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n))
         return KVT_EINVAL;
-    return promote_path(p, n, node_pages, p->top);
+    int stop;
+    return promote_path(p, n, node_pages, p->top, &stop);
 }
 
 int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to)
@@ -1151,7 +1156,8 @@ int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n) || !tier_ok(to) ||
         !p->cap[to])
         return KVT_EINVAL;
-    return promote_path(p, n, node_pages, to);
+    int stop, total = promote_path(p, n, node_pages, to, &stop);
+    return total == 0 && stop == KVT_EAGAIN ? KVT_EAGAIN : total;
 }
 
 int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
@@ -1163,7 +1169,7 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
         promo_t *q = &p->promo[i];
         if (dead_after(p, q->n, q->seq) || p->foreign != q->foreign)
             continue;
-        int rc = promote_path(p, q->n, q->node_pages, p->top);
+        int stop, rc = promote_path(p, q->n, q->node_pages, p->top, &stop);
         if (rc < 0)
             return rc;
         total += rc;

@@ -265,7 +265,8 @@ void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b);
  */
 int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages);
 /* The same up to tier `to` (a configured tier) instead of the admission tier: blocks already in
- * `to` or faster stay where they are. */
+ * `to` or faster stay where they are. KVT_EAGAIN when nothing moved because `to` has no room
+ * until moves already in flight out of it land (ask again after kvt_policy_move_done). */
 int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to);
 
 /*

@@ -110,6 +110,8 @@ void kvt__conn_close(kvt__conn_t *c)
         } else {
             if (r->kind == KVT_REQ_GET && !r->done)
                 kvt__store_get_abort(s, r); /* a batch waiting for the socket */
+            if (r->lease) /* a PREFETCH waiting for others' moves still pins its path */
+                kvt_radix_release(s->radix, r->lease);
             kvt__req_free(r);
         }
         r = next;

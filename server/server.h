@@ -120,6 +120,7 @@ struct kvt__req {
     uint32_t moved, resident, failed, target, batch;
     uint32_t rounds; /* PREFETCH: promotion rounds run */
     int progress;    /* PREFETCH: a move of the last round landed */
+    int waiting;     /* PREFETCH: no move of its own; pages of its path are in another's move */
     uint64_t deadline_ns;
     kvt__io_t **ios;  /* GET batch */
     kvt__seg_t *segs; /* GET batch output; written instead of out while nsegs > 0 */

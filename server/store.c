@@ -1188,6 +1188,24 @@ end:;
 
 /* ---- PREFETCH ---- */
 
+/* Pages of r's path at its target tier or faster; *busy gets those below it that a move has in
+ * flight (a GET's promotion, another PREFETCH's, the policy's). */
+static uint32_t kvt_prefetch_count(kvt__req_t *r, uint32_t *busy)
+{
+    uint32_t at = 0;
+    *busy = 0;
+    kvt_path_iter_t it;
+    kvt_path_iter_init(&it, r->node, r->pages - kvt_radix_node_depth(r->node));
+    kvt_block_t *b;
+    while ((b = kvt_path_iter_next(&it, NULL))) {
+        if (b->tier != KVT_TIER_NONE && b->tier <= r->target)
+            at++;
+        else if (b->tier != KVT_TIER_NONE && (b->flags & KVT_BLOCK_BUSY))
+            (*busy)++;
+    }
+    return at;
+}
+
 static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     (void)s;
@@ -1209,7 +1227,7 @@ static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 
 #define KVT_PREFETCH_ROUNDS 16
 
-static void kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
+static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
 {
     uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
     r->progress = 0;
@@ -1219,6 +1237,24 @@ static void kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
     s->move_req = NULL;
     if (rc < 0 && rc != KVT_ENOSPC && rc != KVT_EAGAIN)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: PREFETCH promotion: %s", kvt_strerror(rc));
+    return rc;
+}
+
+/*
+ * A round (whose kvt_policy_promote returned rc) started no move of its own: when pages of the
+ * path are in a move already (a GET that promotes them, say), or the target tier has no room
+ * until moves in flight out of it land (KVT_EAGAIN: the policy demoting after a PUT), the
+ * request waits, and kvt__store_deadlines tries again every tick until the deadline, instead of
+ * answering at once that the pages failed. Returns 1 when it waits.
+ */
+static int kvt_prefetch_wait(kvt__req_t *r, int rc)
+{
+    uint32_t busy;
+    if (r->pending > 0 || r->replied || !r->conn || kvt_now_ns() >= r->deadline_ns)
+        return 0;
+    uint32_t at = kvt_prefetch_count(r, &busy);
+    r->waiting = at < r->pages && (busy > 0 || rc == KVT_EAGAIN);
+    return r->waiting;
 }
 
 /*
@@ -1232,8 +1268,8 @@ static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
         return;
     if (!r->replied && r->conn && r->progress && r->resident + r->moved < r->pages &&
         r->rounds < KVT_PREFETCH_ROUNDS && kvt_now_ns() < r->deadline_ns) {
-        kvt_prefetch_round(s, r);
-        if (r->pending > 0)
+        int rc = kvt_prefetch_round(s, r);
+        if (r->pending > 0 || kvt_prefetch_wait(r, rc))
             return;
     }
     kvt_unpin(s, r);
@@ -1257,8 +1293,11 @@ int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
         while ((b = kvt_path_iter_next(&it, NULL)))
             if (b->tier != KVT_TIER_NONE && b->tier <= r->target)
                 r->resident++;
-        if (r->resident < r->pages)
-            kvt_prefetch_round(s, r);
+        if (r->resident < r->pages) {
+            int rc = kvt_prefetch_round(s, r);
+            if (kvt_prefetch_wait(r, rc))
+                return 0;
+        }
     }
     if (r->pending == 0) {
         kvt_unpin(s, r);
@@ -1270,7 +1309,26 @@ int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
 
 void kvt__store_deadlines(kvt__conn_t *c, uint64_t now)
 {
+    kvt_srv_t *s = c->srv;
     for (kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->kind == KVT_REQ_PREFETCH && r->waiting && !r->done && r->pending == 0) {
+            uint32_t busy, at = kvt_prefetch_count(r, &busy);
+            if (busy > 0 && now < r->deadline_ns)
+                continue; /* the other moves are still running */
+            /* They landed (or failed): what reached the target without this request's own moves
+             * is resident; what did not gets one more round, if there is time. */
+            r->waiting = 0;
+            r->resident = at > r->moved ? at - r->moved : 0;
+            if (now < r->deadline_ns && r->resident + r->moved < r->pages) {
+                int rc = kvt_prefetch_round(s, r);
+                if (r->pending > 0 || kvt_prefetch_wait(r, rc))
+                    continue;
+            }
+            kvt_unpin(s, r);
+            kvt_prefetch_reply(s, r);
+            kvt__req_finish(r);
+            return; /* the kick may have freed the connection */
+        }
         if (r->kind == KVT_REQ_PREFETCH && !r->done && !r->replied && r->pending > 0 &&
             now >= r->deadline_ns) {
             kvt_prefetch_reply(c->srv, r);
