@@ -525,6 +525,20 @@ Test(policy_decisions, ghosts_learn_what_comes_back)
     cr_assert_gt(hits[0], 300, "cost: %u of 400 pages hit in the last 100 rounds", hits[0]);
 }
 
+/* Lands the pending HBM -> DRAM move of the first 4 pages of tok, as the executor would. */
+static void land_demotion(const uint32_t *tok)
+{
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, tok, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    kvt_block_t *bl = kvt_radix_node_blocks(m.node);
+    for (int i = 0; i < 4; i++)
+        bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
+    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_HBM, KVT_TIER_DRAM, 0), 0);
+    ex.used[KVT_TIER_HBM] -= 4 * PAGE;
+    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    ex.pending = 0;
+}
+
 /* A promotion into a tier whose room is only on its way (moves out of it still in flight) moves
  * nothing and says so with KVT_EAGAIN, so that a caller (kvtierd's PREFETCH) waits and asks
  * again instead of reporting the pages as failed; once the move lands, it promotes. */
@@ -541,15 +555,7 @@ Test(policy_decisions, promote_into_room_still_on_its_way_is_eagain)
     cr_assert_eq(kvt_radix_match(tree, ns, b, 16, KVT_MATCH_NOTOUCH, &mb), 0);
     cr_assert_eq(kvt_policy_promote(pol, mb.node, mb.node_pages, KVT_TIER_HBM), KVT_EAGAIN);
     all_in(b, 4, KVT_TIER_DRAM);
-    kvt_match_t ma;
-    cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &ma), 0);
-    kvt_block_t *bl = kvt_radix_node_blocks(ma.node);
-    for (int i = 0; i < 4; i++)
-        bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
-    cr_assert_eq(kvt_policy_move_done(pol, ma.node, 0, 4, KVT_TIER_HBM, KVT_TIER_DRAM, 0), 0);
-    ex.used[KVT_TIER_HBM] -= 4 * PAGE;
-    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
-    ex.pending = 0;
+    land_demotion(a);
     cr_assert_eq(kvt_radix_match(tree, ns, b, 16, KVT_MATCH_NOTOUCH, &mb), 0);
     cr_assert_eq(kvt_policy_promote(pol, mb.node, mb.node_pages, KVT_TIER_HBM), 4);
     all_in(b, 4, KVT_TIER_HBM);
@@ -575,15 +581,9 @@ Test(policy_decisions, pending_moves_hold_their_reservation)
     /* complete it as the executor would */
     kvt_match_t m;
     cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
-    kvt_block_t *bl = kvt_radix_node_blocks(m.node);
-    for (int i = 0; i < 4; i++)
-        bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
     cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_DRAM, KVT_TIER_HBM, 0),
                  KVT_EINVAL); /* wrong direction */
-    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_HBM, KVT_TIER_DRAM, 0), 0);
-    ex.used[KVT_TIER_HBM] -= 4 * PAGE;
-    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
-    ex.pending = 0;
+    land_demotion(a);
     kvt_policy_stats(pol, &st);
     cr_assert_eq(st.pending_moves, 0);
     cr_assert_eq(st.used[KVT_TIER_HBM], 0);
