@@ -1065,12 +1065,6 @@ void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b)
     }
 }
 
-static int index_only(void *arg, const kvt_block_t *b)
-{
-    (void)arg;
-    return b->tier == KVT_TIER_NONE && !(b->flags & KVT_BLOCK_BUSY);
-}
-
 static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
 {
     kvt_policy_t *p = arg;
@@ -1082,7 +1076,7 @@ static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
 
 uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget)
 {
-    return p ? kvt_radix_trim(p->t, target, budget, index_only, trim_drop, p) : 0;
+    return p ? kvt_radix_trim(p->t, target, budget, kvt_radix_index_only, trim_drop, p) : 0;
 }
 
 /* Promotes the path ending at node n (first node_pages pages) into tier `to`. */

@@ -1027,6 +1027,12 @@ static kvt_radix_node_t *trim_victim(kvt_radix_t *t, kvt_block_pred_t evictable,
     return best;
 }
 
+int kvt_radix_index_only(void *arg, const kvt_block_t *b)
+{
+    (void)arg;
+    return b->tier == KVT_TIER_NONE && !(b->flags & KVT_BLOCK_BUSY);
+}
+
 uint32_t kvt_radix_trim(kvt_radix_t *t, uint64_t target, uint32_t budget,
                         kvt_block_pred_t evictable, kvt_trim_drop_t drop, void *arg)
 {

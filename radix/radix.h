@@ -79,7 +79,7 @@ const char *kvt_tier_name(kvt_tier_id_t t); /* "none", "hbm", "dram", "nvme", "r
 /*
  * One cached page. 40 bytes. The tree fills hash (lazily) and the counters; tier, loc, size, flags
  * and policy belong to whoever stores the bytes (tiers/ and policy/): the tree never reads them
- * except to hand them to the free callback.
+ * except to hand them to the free callback and to the predicate its caller gives kvt_radix_trim.
  */
 typedef struct kvt_block {
     uint64_t hash;        /* prefix hash (see above), 0 until computed: use kvt_radix_block_hash */
@@ -331,6 +331,9 @@ int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages);
  */
 typedef int (*kvt_block_pred_t)(void *arg, const kvt_block_t *b);
 typedef int (*kvt_trim_drop_t)(void *arg, kvt_radix_node_t *n, uint32_t npages);
+/* The predicate for bounding the index: a block with no bytes anywhere (KVT_TIER_NONE) and no
+ * copy in flight (not KVT_BLOCK_BUSY). */
+int kvt_radix_index_only(void *arg, const kvt_block_t *b);
 uint32_t kvt_radix_trim(kvt_radix_t *t, uint64_t target, uint32_t budget,
                         kvt_block_pred_t evictable, kvt_trim_drop_t drop, void *arg);
 

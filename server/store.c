@@ -415,12 +415,6 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
     return adopted;
 }
 
-static int kvt_index_only(void *arg, const kvt_block_t *b)
-{
-    (void)arg;
-    return b->tier == KVT_TIER_NONE && !(b->flags & KVT_BLOCK_BUSY);
-}
-
 static int kvt_trim_evict(void *arg, kvt_radix_node_t *n, uint32_t npages)
 {
     kvt_srv_t *s = arg;
@@ -433,7 +427,7 @@ uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget)
     if (s->policy)
         return kvt_policy_trim_index(s->policy, target, budget);
     /* No tier, so no policy: every page is index-only and nothing else tracks the nodes. */
-    return kvt_radix_trim(s->radix, target, budget, kvt_index_only, kvt_trim_evict, s);
+    return kvt_radix_trim(s->radix, target, budget, kvt_radix_index_only, kvt_trim_evict, s);
 }
 
 static uint64_t kvt_index_bytes(const kvt_srv_t *s)
@@ -1286,13 +1280,8 @@ static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
 {
     if (r->status == 0 && s->policy) {
-        uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
-        kvt_path_iter_t it;
-        kvt_path_iter_init(&it, r->node, node_pages);
-        kvt_block_t *b;
-        while ((b = kvt_path_iter_next(&it, NULL)))
-            if (b->tier != KVT_TIER_NONE && b->tier <= r->target)
-                r->resident++;
+        uint32_t busy;
+        r->resident = kvt_prefetch_count(r, &busy);
         if (r->resident < r->pages) {
             int rc = kvt_prefetch_round(s, r);
             if (kvt_prefetch_wait(r, rc))

@@ -408,12 +408,6 @@ Test(radix_ops, warming_changes_nothing)
     free(t);
 }
 
-static int trim_accept(void *arg, const kvt_block_t *b)
-{
-    (void)arg;
-    return b->tier == KVT_TIER_NONE;
-}
-
 static uint64_t trim_hashed; /* dropped blocks whose chain hash was known when they went */
 
 static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
@@ -452,12 +446,12 @@ Test(radix_ops, trim_takes_the_least_recently_used_accepted_tails)
     kvt_radix_stats(tree, &st);
     uint64_t full = st.bytes;
     freed_blocks = trim_hashed = 0;
-    cr_expect_eq(kvt_radix_trim(tree, 0, 0, trim_accept, trim_drop, tree), 0, "no budget");
-    cr_expect_eq(kvt_radix_trim(tree, full, 100, trim_accept, trim_drop, tree), 0,
+    cr_expect_eq(kvt_radix_trim(tree, 0, 0, kvt_radix_index_only, trim_drop, tree), 0, "no budget");
+    cr_expect_eq(kvt_radix_trim(tree, full, 100, kvt_radix_index_only, trim_drop, tree), 0,
                  "at the target already");
     /* Down to about half: the old prompts go, the recent ones stay. */
     uint64_t target = full / 2;
-    uint32_t got = kvt_radix_trim(tree, target, 100000, trim_accept, trim_drop, tree);
+    uint32_t got = kvt_radix_trim(tree, target, 100000, kvt_radix_index_only, trim_drop, tree);
     kvt_radix_stats(tree, &st);
     cr_expect_leq(st.bytes, target);
     cr_expect_gt(got, 0);
@@ -468,7 +462,7 @@ Test(radix_ops, trim_takes_the_least_recently_used_accepted_tails)
         cr_expect_eq(match_pages(s, PAGES * PS), PAGES, "recent prompt %u was trimmed", i);
     }
     /* Everything it may take: only the leased prompt and the one with bytes at its tail stay. */
-    kvt_radix_trim(tree, 0, 100000, trim_accept, trim_drop, tree);
+    kvt_radix_trim(tree, 0, 100000, kvt_radix_index_only, trim_drop, tree);
     kvt_radix_stats(tree, &st);
     cr_expect_eq(st.blocks, 2 * PAGES);
     s[0] = 1000000 + 0;
