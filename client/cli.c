@@ -119,6 +119,7 @@ static int kvt_print_stat(void *arg, const char *name, uint64_t v)
 }
 
 static const char *const kvt_benches[] = {"radix", "tiers", "server"};
+#define KVT_NBENCHES (sizeof kvt_benches / sizeof kvt_benches[0])
 
 /*
  * Runs bench_NAME with args: from $KVTIER_BENCH_DIR when set, else from the build tree this
@@ -129,9 +130,9 @@ static int kvt_bench(int argc, char **argv)
 {
     const char *name = argc > 0 ? argv[0] : "";
     size_t k = 0;
-    while (k < (sizeof kvt_benches / sizeof kvt_benches[0]) && strcmp(name, kvt_benches[k]) != 0)
+    while (k < KVT_NBENCHES && strcmp(name, kvt_benches[k]) != 0)
         k++;
-    if (k == (sizeof kvt_benches / sizeof kvt_benches[0])) {
+    if (k == KVT_NBENCHES) {
         if (argc > 0)
             fprintf(stderr, "kvtier: bench %s: no such benchmark (radix, tiers, server)\n", name);
         else

@@ -330,6 +330,17 @@ static int kvt_conn_write(kvt__conn_t *c)
     return 0;
 }
 
+/* The frame whose header starts at off in c's input (at least a header's bytes there): 1 when
+ * the whole frame is in, 0 when its body is not yet, or kvt_proto_hdr_check's error. */
+static int kvt_frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
+{
+    kvt_proto_hdr_decode(c->in + off, h);
+    int rc = kvt_proto_hdr_check(h, (uint32_t)c->srv->conf->max_frame);
+    if (rc < 0)
+        return rc;
+    return c->in_len - off - KVT_PROTO_HDR >= h->body_len;
+}
+
 /*
  * Before the whole MATCH frames in the input buffer go to the handlers one by one, their paths
  * through the index are asked of the memory all together (kvt_radix_warm): a match alone
@@ -350,9 +361,7 @@ static void kvt_conn_warm(kvt__conn_t *c)
     for (int seen = 0;
          seen < 2 * KVT_WARM_MAX && n < KVT_WARM_MAX && c->in_len - off >= KVT_PROTO_HDR; seen++) {
         kvt_proto_hdr_t h;
-        kvt_proto_hdr_decode(c->in + off, &h);
-        if (kvt_proto_hdr_check(&h, (uint32_t)c->srv->conf->max_frame) < 0 ||
-            c->in_len - off - KVT_PROTO_HDR < h.body_len)
+        if (kvt_frame_at(c, off, &h) <= 0)
             break; /* a bad header or a frame not all here: the handlers' business */
         kvt_proto_match_t q;
         if (h.opcode == KVT_OP_MATCH &&
@@ -381,8 +390,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         if (c->inflight >= s->conf->max_inflight || c->out_bytes >= KVT_OUT_HIGH)
             break;
         kvt_proto_hdr_t h;
-        kvt_proto_hdr_decode(c->in + off, &h);
-        int rc = kvt_proto_hdr_check(&h, (uint32_t)s->conf->max_frame);
+        int rc = kvt_frame_at(c, off, &h);
         if (rc < 0) {
             /* The framing cannot be trusted past this header: answer and close. */
             kvt_proto_err_t kind = rc == KVT_ETOOBIG            ? KVT_PERR_TOO_BIG
@@ -404,7 +412,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
             break;
         }
         size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
-        if (c->in_len - off < frame) {
+        if (rc == 0) {
             if (kvt_reserve(&c->in, &c->in_cap, frame) < 0) {
                 c->dead = 1;
                 break;
