@@ -82,6 +82,8 @@ static const kvt_opt_t kvt_opts[] = {
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
     {"max-inflight", KVT_OPT_U32, KVT_O(max_inflight), "64",
      "tier I/Os in flight per connection before it stops reading requests"},
+    {"tick-ms", KVT_OPT_U32, KVT_O(tick_ms), "50",
+     "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
      "prefill throughput the saved-seconds estimate assumes"},
     {"policy", KVT_OPT_STR, KVT_O(policy), "cost",
@@ -436,6 +438,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen,
                  "max-conns, lease-ms and max-inflight must be > 0, and lease-ms <= "
                  "lease-ms-max");
+        return KVT_EINVAL;
+    }
+    if (conf->tick_ms == 0 || conf->tick_ms > 10000) {
+        snprintf(err, errlen, "tick-ms must be between 1 and 10000");
         return KVT_EINVAL;
     }
     kvt_policy_kind_t kind;

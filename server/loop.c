@@ -23,7 +23,6 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#define KVT_TICK_MS  50
 #define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
 #define KVT_GHOSTS   (1u << 16)
 
@@ -336,7 +335,7 @@ int kvt__srv_run(kvt_srv_t *s)
             kvt__conns_tick(s, now);
             kvt__tier_metrics(s);
             kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
-            next_tick = now + KVT_TICK_MS * 1000000ull;
+            next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;
         }
         int timeout = (int)((next_tick - now) / 1000000) + 1;
         int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
@@ -351,6 +350,11 @@ int kvt__srv_run(kvt_srv_t *s)
             ev->cb(s, ev, evs[i].events);
         }
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
+        if (s->moves_landed) {
+            s->moves_landed = 0;
+            if (s->prefetch_waiting)
+                kvt__conns_moved(s, kvt_now_ns());
+        }
     }
 }
 

@@ -99,6 +99,8 @@ typedef enum {
       "Remote requests and probes failed by their deadline.", NONE)                                \
     X(REMOTE_OVERSIZED, COUNTER, "kvtier_remote_oversized_values_total",                           \
       "Remote values longer than their block, refused without being buffered.", NONE)              \
+    X(PREFETCH_WAITS, COUNTER, "kvtier_prefetch_waits_total",                                      \
+      "PREFETCH requests that waited for room on its way or for others' moves.", NONE)             \
     X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
     X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
       "Leases released because their time limit passed.", NONE)

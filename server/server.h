@@ -121,6 +121,7 @@ struct kvt__req {
     uint32_t rounds; /* PREFETCH: promotion rounds run */
     int progress;    /* PREFETCH: a move of the last round landed */
     int waiting;     /* PREFETCH: no move of its own; pages of its path are in another's move */
+    int waited;      /* PREFETCH: has waited at least once (counted in the metrics) */
     uint64_t deadline_ns;
     kvt__io_t **ios;  /* GET batch */
     kvt__seg_t *segs; /* GET batch output; written instead of out while nsegs > 0 */
@@ -185,6 +186,8 @@ struct kvt_srv {
     kvt_policy_t *policy;
     kvt__move_t *moves;
     kvt__req_t *move_req;
+    int moves_landed;     /* a move finished since the loop last looked */
+    int prefetch_waiting; /* some PREFETCH may be waiting for others' moves or for room */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
     kvt_http_conn_t *http_conns; /* http.c */
@@ -219,6 +222,8 @@ void kvt__req_free(kvt__req_t *r);
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
 void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
+/* Moves have landed: PREFETCHes waiting for them or for the room they made try again now. */
+void kvt__conns_moved(kvt_srv_t *s, uint64_t now);
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind);
 
 /* handlers.c */

@@ -258,6 +258,7 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
             break;
         }
     }
+    s->moves_landed = 1;
     kvt__req_t *r = m->req;
     if (r) {
         if (ok && m->to < m->from)
@@ -1238,8 +1239,9 @@ static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
  * A round (whose kvt_policy_promote returned rc) started no move of its own: when pages of the
  * path are in a move already (a GET that promotes them, say), or the target tier has no room
  * until moves in flight out of it land (KVT_EAGAIN: the policy demoting after a PUT), the
- * request waits, and kvt__store_deadlines tries again every tick until the deadline, instead of
- * answering at once that the pages failed. Returns 1 when it waits.
+ * request waits, and kvt__store_deadlines tries again when moves land (kvt__conns_moved) and every
+ * tick, until the deadline, instead of answering at once that the pages failed. Returns 1 when it
+ * waits.
  */
 static int kvt_prefetch_wait(kvt__req_t *r, int rc)
 {
@@ -1248,6 +1250,13 @@ static int kvt_prefetch_wait(kvt__req_t *r, int rc)
         return 0;
     uint32_t at = kvt_prefetch_count(r, &busy);
     r->waiting = at < r->pages && (busy > 0 || rc == KVT_EAGAIN);
+    if (r->waiting) {
+        kvt_srv_t *s = r->conn->srv;
+        s->prefetch_waiting = 1;
+        if (!r->waited)
+            kvt__metric_add(s->metrics, KVT_M_PREFETCH_WAITS, 0, 1);
+        r->waited = 1;
+    }
     return r->waiting;
 }
 
@@ -1302,8 +1311,10 @@ void kvt__store_deadlines(kvt__conn_t *c, uint64_t now)
     for (kvt__req_t *r = c->head; r; r = r->next) {
         if (r->kind == KVT_REQ_PREFETCH && r->waiting && !r->done && r->pending == 0) {
             uint32_t busy, at = kvt_prefetch_count(r, &busy);
-            if (busy > 0 && now < r->deadline_ns)
+            if (busy > 0 && now < r->deadline_ns) {
+                s->prefetch_waiting = 1;
                 continue; /* the other moves are still running */
+            }
             /* They landed (or failed): what reached the target without this request's own moves
              * is resident; what did not gets one more round, if there is time. */
             r->waiting = 0;
@@ -1316,7 +1327,8 @@ void kvt__store_deadlines(kvt__conn_t *c, uint64_t now)
             kvt_unpin(s, r);
             kvt_prefetch_reply(s, r);
             kvt__req_finish(r);
-            return; /* the kick may have freed the connection */
+            s->prefetch_waiting = 1; /* others after it: looked at next time */
+            return;                  /* the kick may have freed the connection */
         }
         if (r->kind == KVT_REQ_PREFETCH && !r->done && !r->replied && r->pending > 0 &&
             now >= r->deadline_ns) {

@@ -5,7 +5,7 @@
  * work in the real daemon: DRAM past its high watermark demotes into a real redis-server
  * (KVT_TEST_REDIS) and every block reads back byte-exact (DRAM to NVMe is in test_server_e2e.c), a
  * leased path never moves, and with no tier below DRAM the policy drops blocks (a later lookup
- * misses as "evicted").
+ * misses as "evicted"); a PREFETCH waiting for room goes on when the moves making it land.
  */
 #include "test_server_harness.h"
 
@@ -46,6 +46,8 @@ Test(server_policy, bad_settings_refused)
         {"--policy-low", "0.99", "policy watermarks"}, /* above the default high of 0.95 */
         {"--policy-low", "0", "bad value '0' for policy-low"},
         {"--nvme-min-hits", "-1", "bad value '-1' for nvme-min-hits"},
+        {"--tick-ms", "0", "tick-ms must be between 1 and 10000"}, /* PREFETCH deadlines */
+        {"--tick-ms", "10001", "tick-ms must be between 1 and 10000"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char err[1024];
@@ -252,6 +254,44 @@ static void quiet(const kvd_t *d)
         last = v;
         usleep(100000);
     }
+}
+
+/*
+ * A PREFETCH whose target tier is full waits for the room the demotions it caused make, and goes
+ * on when those moves land, not at the next housekeeping tick: with tick-ms at 10 s, longer than
+ * its 5 s deadline, every page still comes up (a PREFETCH that waited for the tick would be
+ * answered at the deadline with its pages failed).
+ */
+Test(server_policy, waiting_prefetch_goes_on_when_moves_land)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1", "--tick-ms",
+              "10000", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    uint32_t a[16 * PAGE], b[8 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 8 * PAGE, 900000);
+    put_prompt(c, a, 16, 100); /* DRAM full */
+    put_prompt(c, b, 8, 200);  /* into NVMe */
+    quiet(&d);
+    uint8_t tiers[8];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 8};
+    cr_assert_eq(kvt_client_match(c, b, 8 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 8);
+    for (int i = 0; i < 8; i++)
+        cr_assert_eq(tiers[i], KVT_CLIENT_TIER_NVME, "b's page %d in %u", i, tiers[i]);
+
+    kvt_client_prefetch_t pf;
+    cr_assert_eq(kvt_client_prefetch(c, b, 8 * PAGE, KVT_CLIENT_TIER_DRAM, 5000, &pf), 0);
+    cr_expect_eq(pf.moved, 8, "moved %u resident %u failed %u", pf.moved, pf.resident, pf.failed);
+    cr_expect_eq(pf.failed, 0);
+    cr_expect_eq(metric(&d, "kvtier_prefetch_waits_total"), 1, "it waited for the room");
+    cr_assert_eq(kvt_client_match(c, b, 8 * PAGE, 0, 0, NULL, &m), 0);
+    for (int i = 0; i < 8; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "b's page %d in %u", i, tiers[i]);
+    get_prompt(c, b, 8, 200, NULL);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
 }
 
 /*
