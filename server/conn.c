@@ -522,23 +522,19 @@ static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     kvt__conn_kick(c);
 }
 
-void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
+void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
 {
     kvt__conn_t *next;
     s->prefetch_waiting = 0; /* set again by the deadlines of those still waiting */
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next;
-        kvt__lease_expire(c, now);
         kvt__store_deadlines(c, now);
     }
 }
 
-void kvt__conns_moved(kvt_srv_t *s, uint64_t now)
+void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
 {
-    kvt__conn_t *next;
-    s->prefetch_waiting = 0;
-    for (kvt__conn_t *c = s->conns; c; c = next) {
-        next = c->next;
-        kvt__store_deadlines(c, now);
-    }
+    for (kvt__conn_t *c = s->conns; c; c = c->next)
+        kvt__lease_expire(c, now);
+    kvt__conns_deadlines(s, now);
 }

@@ -353,7 +353,7 @@ int kvt__srv_run(kvt_srv_t *s)
         if (s->moves_landed) {
             s->moves_landed = 0;
             if (s->prefetch_waiting)
-                kvt__conns_moved(s, kvt_now_ns());
+                kvt__conns_deadlines(s, kvt_now_ns());
         }
     }
 }

@@ -221,9 +221,11 @@ void kvt__req_finish(kvt__req_t *r);
 void kvt__req_free(kvt__req_t *r);
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
+/* Every tick: leases past their time limit go, then kvt__conns_deadlines. */
 void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
-/* Moves have landed: PREFETCHes waiting for them or for the room they made try again now. */
-void kvt__conns_moved(kvt_srv_t *s, uint64_t now);
+/* Requests' deadlines, and PREFETCHes waiting for others' moves or for room try again; also
+ * run as soon as moves land. */
+void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now);
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind);
 
 /* handlers.c */

@@ -1239,9 +1239,9 @@ static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
  * A round (whose kvt_policy_promote returned rc) started no move of its own: when pages of the
  * path are in a move already (a GET that promotes them, say), or the target tier has no room
  * until moves in flight out of it land (KVT_EAGAIN: the policy demoting after a PUT), the
- * request waits, and kvt__store_deadlines tries again when moves land (kvt__conns_moved) and every
- * tick, until the deadline, instead of answering at once that the pages failed. Returns 1 when it
- * waits.
+ * request waits, and kvt__store_deadlines tries again when moves land (kvt__conns_deadlines) and
+ * every tick, until the deadline, instead of answering at once that the pages failed. Returns 1
+ * when it waits.
  */
 static int kvt_prefetch_wait(kvt__req_t *r, int rc)
 {
