@@ -1229,6 +1229,27 @@ void kvt_path_run_next(kvt_path_run_t *r)
     path_run_set(r, up, up ? up->npages : 0);
 }
 
+/* Hashes blocks [from, to) of x, after a block whose hash is h; returns the last one's. */
+static uint64_t hash_blocks(kvt_radix_node_t *x, uint32_t from, uint32_t to, uint64_t h)
+{
+    for (uint32_t i = from; i < to; i++) {
+        kvt_block_t *b = &x->blocks[i];
+        if (b->hash == 0)
+            b->hash = page_hash(x->tokens + (size_t)i * x->page_size, x->page_size, h);
+        h = b->hash;
+    }
+    return h;
+}
+
+/* The first of x's first `end` blocks after its last hashed one (computed hashes form a prefix
+ * of the path, so the ones before it are all hashed), stepping back over the unhashed ones. */
+static uint32_t first_unhashed(const kvt_radix_node_t *x, uint32_t end)
+{
+    while (end > 0 && x->blocks[end - 1].hash == 0)
+        end--;
+    return end;
+}
+
 uint64_t kvt_radix_block_hash(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth)
 {
     kvt_block_t *target = kvt_radix_block_at(n, depth);
@@ -1237,15 +1258,21 @@ uint64_t kvt_radix_block_hash(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t dept
     if (target->hash)
         return target->hash;
     /*
-     * Computed hashes form a prefix of the path. Climb once to the topmost node with an
-     * unhashed block; `above` is the node over it (hashed to its end) or the root. Then hash
-     * downwards, one block at a time, to the target. Going down needs the path's nodes in
-     * order: they are gathered 64 at a time, the 64 just below `above`, so the whole costs
-     * O(pages + levels^2 / 64) instead of a climb per page.
+     * Computed hashes form a prefix of the path: the work starts after the last one. Inside the
+     * target's node that is a step back over its unhashed blocks (asking for a node's blocks one
+     * by one, in order, then costs O(1) each, not a walk from the node's start). When the node
+     * has none hashed, climb once to the topmost node with an unhashed last block; `above` is
+     * the node over it (hashed to its end) or the root. Then hash downwards to the target, each
+     * node from its first unhashed block. Going down needs the path's nodes in order: they are
+     * gathered 64 at a time, the 64 just below `above`, so the whole costs
+     * O(unhashed pages + levels^2 / 64) instead of a climb per page.
      */
     kvt_radix_node_t *holder = n;
     while (holder->depth > depth)
         holder = holder->parent;
+    uint32_t end = depth - holder->depth + 1, start = first_unhashed(holder, end - 1);
+    if (start > 0)
+        return hash_blocks(holder, start, end, holder->blocks[start - 1].hash);
     kvt_radix_node_t *above = holder->parent;
     while (!is_root(above) && above->blocks[above->npages - 1].hash == 0)
         above = above->parent;
@@ -1258,13 +1285,8 @@ uint64_t kvt_radix_block_hash(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t dept
         uint32_t take = KVT_MIN(nr, 64u);
         for (uint32_t j = 0; j < take; j++) {
             kvt_radix_node_t *x = ring[(nr - 1 - j) % 64];
-            uint32_t end = x == holder ? depth - x->depth + 1 : x->npages;
-            for (uint32_t i = 0; i < end; i++) {
-                kvt_block_t *b = &x->blocks[i];
-                if (b->hash == 0)
-                    b->hash = page_hash(x->tokens + (size_t)i * x->page_size, x->page_size, h);
-                h = b->hash;
-            }
+            uint32_t to = x == holder ? end : x->npages, from = first_unhashed(x, to);
+            h = hash_blocks(x, from, to, from > 0 ? x->blocks[from - 1].hash : h);
             above = x;
         }
         if (above == holder)

@@ -667,6 +667,32 @@ Test(radix_ops, path_iterator_walks_blocks_in_order)
     free(s);
 }
 
+/* Hashes asked for one page after the other along a long node, as kvtierd keys a PUT's new pages
+ * (each page and its parent): every one right, the computed ones still a prefix. The cost, which
+ * used to grow with the page's place in its node, is measured by bench_radix (block_hash_*). */
+Test(radix_ops, block_hash_in_order_along_a_long_node)
+{
+    const uint32_t pages = 1000;
+    uint32_t *s = seq(pages * PS, 1);
+    insert(s, 10 * PS);
+    kvt_insert_t r;
+    cr_assert_eq(kvt_radix_insert(tree, ns, s, pages * PS, &r), 0);
+    cr_assert_eq(r.first_page, 10);
+    cr_assert_eq(r.new_pages, pages - 10);
+    uint64_t *h = malloc(pages * sizeof(uint64_t));
+    cr_assert_not_null(h);
+    cr_assert_eq(kvt_radix_hash_pages(tree, ns, s, pages, h), 0);
+    for (uint32_t d = 10; d < pages; d++) {
+        cr_assert_eq(kvt_radix_block_hash(tree, r.node, d), h[d], "depth %u", d);
+        cr_assert_eq(kvt_radix_block_hash(tree, r.node, d - 1), h[d - 1], "depth %u", d - 1);
+        if (d + 1 < pages)
+            cr_assert_eq(kvt_radix_block_at(r.node, d + 1)->hash, 0, "nothing past %u yet", d);
+    }
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    free(h);
+    free(s);
+}
+
 /* Hashes asked for out of order on a path of 150 nodes of 3 pages each (more than the 64 nodes
  * kvt_radix_block_hash gathers per round), from inside a node, above what is hashed, below. */
 Test(radix_ops, block_hash_on_a_deep_path_in_any_order)
