@@ -657,6 +657,22 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
     return (int)cnt;
 }
 
+/*
+ * Hashes blocks [i0, i0 + cnt) of n in one walk and asks for their ghost slots without waiting:
+ * each is a miss into a 32 MiB table, which the page loop that follows (admitting the pages and
+ * flagging the ones seen dropped before) would otherwise wait for one after the other. A replay
+ * of the conversation trace spent most of its time there.
+ */
+static void ghost_warm(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
+{
+    if (!p->ghost || cnt == 0)
+        return;
+    (void)kvt_radix_block_hash(p->t, n, kvt_radix_node_depth(n) + i0 + cnt - 1);
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    for (uint32_t i = i0; i < i0 + cnt; i++)
+        __builtin_prefetch(&p->ghost[bl[i].hash & ((1u << GHOST_BITS) - 1)], 0, 1);
+}
+
 /* Drops the last cnt blocks of leaf n. Returns cnt or a negative error. */
 static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_id_t from)
 {
@@ -947,6 +963,8 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
         if (fit > 0 && p->c.ops->admit &&
             p->c.ops->admit(p->c.ops_arg, n, res->first_page + done, fit, t) < 0)
             fit = 0;
+        ghost_warm(p, n, i0 + done, fit);
+        bl = kvt_radix_node_blocks(n);
         for (uint32_t i = i0 + done; i < i0 + done + fit; i++) {
             kvt_block_t *b = &bl[i];
             uint32_t depth = kvt_radix_node_depth(n) + i;
@@ -1022,6 +1040,8 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
         return KVT_ENOSPC;
     uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
     uint32_t now = now_clock(p);
+    ghost_warm(p, n, i0, npages);
+    bl = kvt_radix_node_blocks(n);
     for (uint32_t i = i0; i < i0 + npages; i++) {
         uint32_t d = d0 + i;
         uint64_t from_end = prompt_pages > d ? (uint64_t)(prompt_pages - d) * ps : 0;
