@@ -596,6 +596,21 @@ int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_
     return kvt_client_get_cb(c, lease, first_page, npages, kvt_get_into, &g, got);
 }
 
+static int kvt_prefetch_parse(const uint8_t *body, uint32_t len, kvt_client_prefetch_t *res)
+{
+    kvt_wire_prefetch_reply_t r;
+    if (len != sizeof r)
+        return KVT_EPROTO;
+    memcpy(&r, body, sizeof r);
+    if (res) {
+        res->pages = le32toh(r.pages);
+        res->moved = le32toh(r.moved);
+        res->resident = le32toh(r.resident);
+        res->failed = le32toh(r.failed);
+    }
+    return 0;
+}
+
 int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
                         uint32_t deadline_ms, kvt_client_prefetch_t *res)
 {
@@ -615,16 +630,8 @@ int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntoken
         free(tw);
     if (rc < 0)
         return rc;
-    kvt_wire_prefetch_reply_t r;
-    if (len != sizeof r)
+    if (kvt_prefetch_parse(body, len, res) < 0)
         return kvt_fail(c, KVT_EPROTO);
-    memcpy(&r, body, sizeof r);
-    if (res) {
-        res->pages = le32toh(r.pages);
-        res->moved = le32toh(r.moved);
-        res->resident = le32toh(r.resident);
-        res->failed = le32toh(r.failed);
-    }
     return 0;
 }
 
@@ -823,6 +830,24 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
     return rc;
 }
 
+int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
+                       uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status)
+{
+    if (!b || (ntokens && !tokens))
+        return KVT_EINVAL;
+    kvt_wire_prefetch_t w = {
+        .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
+    uint8_t *tw;
+    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    int rc = kvt_batch_add(b, KVT_OP_PREFETCH, 0, &w, sizeof w, tw, (size_t)ntokens * 4, NULL, 0,
+                           res, status);
+    if (own)
+        free(tw);
+    return rc;
+}
+
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)
 {
     if (!b)
@@ -845,6 +870,9 @@ static int kvt_batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_p
             return kvt_fail(c, KVT_EPROTO);
     } else if (e->op == KVT_OP_PUT) {
         if (kvt_put_parse(body, h->body_len, e->res) < 0)
+            return kvt_fail(c, KVT_EPROTO);
+    } else if (e->op == KVT_OP_PREFETCH) {
+        if (kvt_prefetch_parse(body, h->body_len, e->res) < 0)
             return kvt_fail(c, KVT_EPROTO);
     }
     if (e->status)

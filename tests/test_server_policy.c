@@ -257,10 +257,10 @@ static void quiet(const kvd_t *d)
 }
 
 /*
- * A PREFETCH whose target tier is full waits for the room the demotions it caused make, and goes
- * on when those moves land, not at the next housekeeping tick: with tick-ms at 10 s, longer than
- * its 5 s deadline, every page still comes up (a PREFETCH that waited for the tick would be
- * answered at the deadline with its pages failed).
+ * A PREFETCH whose target tier has room only on its way (being made by moves that are not its
+ * own) waits, and goes on when those moves land, not at the next housekeeping tick: with tick-ms
+ * at 10 s, longer than its 5 s deadline, every page still comes up (one that waited for the tick
+ * would be answered at the deadline with its pages failed).
  */
 Test(server_policy, waiting_prefetch_goes_on_when_moves_land)
 {
@@ -268,28 +268,46 @@ Test(server_policy, waiting_prefetch_goes_on_when_moves_land)
     kvd_start(&d, "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1", "--tick-ms",
               "10000", NULL);
     kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
-    uint32_t a[16 * PAGE], b[8 * PAGE];
+    uint32_t a[16 * PAGE], b[4 * PAGE], x[4 * PAGE];
     kvd_tokens(a, 16 * PAGE, 1);
-    kvd_tokens(b, 8 * PAGE, 900000);
-    put_prompt(c, a, 16, 100); /* DRAM full */
-    put_prompt(c, b, 8, 200);  /* into NVMe */
+    kvd_tokens(b, 4 * PAGE, 900000);
+    kvd_tokens(x, 4 * PAGE, 500000);
+    /* a fills DRAM's 16 pages, x and b find no room there and go to NVMe. Looked at through
+     * STATS: a MATCH that hit them in NVMe would start promoting them itself. */
+    put_prompt(c, a, 16, 100);
+    put_prompt(c, x, 4, 300);
+    put_prompt(c, b, 4, 200);
     quiet(&d);
-    uint8_t tiers[8];
-    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 8};
-    cr_assert_eq(kvt_client_match(c, b, 8 * PAGE, 0, 0, NULL, &m), 0);
-    cr_assert_eq(m.pages, 8);
-    for (int i = 0; i < 8; i++)
-        cr_assert_eq(tiers[i], KVT_CLIENT_TIER_NVME, "b's page %d in %u", i, tiers[i]);
-
-    kvt_client_prefetch_t pf;
-    cr_assert_eq(kvt_client_prefetch(c, b, 8 * PAGE, KVT_CLIENT_TIER_DRAM, 5000, &pf), 0);
-    cr_expect_eq(pf.moved, 8, "moved %u resident %u failed %u", pf.moved, pf.resident, pf.failed);
-    cr_expect_eq(pf.failed, 0);
-    cr_expect_eq(metric(&d, "kvtier_prefetch_waits_total"), 1, "it waited for the room");
-    cr_assert_eq(kvt_client_match(c, b, 8 * PAGE, 0, 0, NULL, &m), 0);
-    for (int i = 0; i < 8; i++)
+    cr_assert_eq(kvd_stat(c, "dram_blocks"), 16);
+    cr_assert_eq(kvd_stat(c, "nvme_blocks"), 8);
+    /* Both PREFETCHes in one write, so both are handled before any I/O completes: x's demotes
+     * four of a's pages to make room, its own moves; b's then finds that room on its way, and
+     * no other page to demote (a's node is pinned by those moves), and waits. */
+    kvt_batch_t *bt;
+    cr_assert_eq(kvt_batch_create(&bt, c), 0);
+    kvt_client_prefetch_t px, pb;
+    int sx, sb;
+    cr_assert_eq(kvt_batch_prefetch(bt, x, 4 * PAGE, KVT_CLIENT_TIER_DRAM, 5000, &px, &sx), 0);
+    cr_assert_eq(kvt_batch_prefetch(bt, b, 4 * PAGE, KVT_CLIENT_TIER_DRAM, 5000, &pb, &sb), 0);
+    cr_assert_eq(kvt_batch_run(bt), 0);
+    kvt_batch_destroy(bt);
+    cr_assert_eq(sx, 0);
+    cr_assert_eq(sb, 0);
+    cr_expect_eq(px.moved, 4, "x: moved %u resident %u failed %u", px.moved, px.resident,
+                 px.failed);
+    cr_expect_eq(pb.moved, 4, "b: moved %u resident %u failed %u", pb.moved, pb.resident,
+                 pb.failed);
+    cr_expect_eq(pb.failed, 0);
+    double waits = metric(&d, "kvtier_prefetch_waits_total");
+    cr_expect_eq(waits, 1, "b's PREFETCH waited for the room: %g", waits);
+    uint8_t tiers[4];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c, b, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    for (int i = 0; i < 4; i++)
         cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "b's page %d in %u", i, tiers[i]);
-    get_prompt(c, b, 8, 200, NULL);
+    get_prompt(c, b, 4, 200, NULL);
+    get_prompt(c, x, 4, 300, NULL);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
