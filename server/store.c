@@ -124,7 +124,7 @@ static int kvt_busy_inc(kvt_srv_t *s, uint64_t h)
     while (kvt_busy_tab[i].hash && kvt_busy_tab[i].hash != h)
         i = (i + 1) & (kvt_busy_cap - 1);
     if (!kvt_busy_tab[i].hash) {
-        kvt_busy_tab[i].hash = h;
+        kvt_busy_tab[i] = (kvt__busy_t){.hash = h};
         kvt_busy_n++;
     }
     kvt_busy_tab[i].count++;
@@ -156,7 +156,7 @@ static void kvt_busy_dec(kvt_srv_t *s, uint64_t h)
         *d = s->dfree[--s->ndfree];
     }
     for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
-        kvt_busy_tab[i].hash = 0;
+        kvt_busy_tab[i] = (kvt__busy_t){0}; /* count too: the next one placed here starts at 0 */
         if (!kvt_busy_tab[j].hash)
             return;
         size_t home = kvt_busy_slot(kvt_busy_tab[j].hash, kvt_busy_cap);

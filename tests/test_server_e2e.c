@@ -293,6 +293,42 @@ Test(server_e2e, dram_full_spills_to_nvme_and_prefetch_promotes)
     kvd_cleanup(&d);
 }
 
+/*
+ * Reads in flight are counted per block (store.c) so that a block's old location is freed only
+ * after its last read. Many GETs come and go through that count; afterwards nothing may still
+ * count as being read: removing every prompt gives DRAM all its bytes back. (A slot emptied by
+ * the count table's deletion once kept its old count, and a block later placed there stayed
+ * "read" forever: its location was never freed.)
+ */
+Test(server_e2e, reads_done_leave_nothing_busy)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--nvme-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    enum { N = 16, P = 64 };
+    static uint32_t tok[N][P * PAGE];
+    kvt_client_put_t r;
+    for (int k = 0; k < N; k++) {
+        kvd_tokens(tok[k], P * PAGE, 1000000u * (k + 1));
+        put_pages(c, tok[k], P * PAGE, 0, P, BB, 10 * k, &r);
+        cr_assert_eq(r.stored, P);
+    }
+    for (int round = 0; round < 3; round++)
+        for (int k = 0; k < N; k++) {
+            kvt_client_match_t m = {0};
+            cr_assert_eq(kvt_client_match(c, tok[k], P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+            cr_assert_eq(m.pages, P);
+            check_get(c, m.lease, 0, P, BB, 10 * k, NULL);
+            cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+        }
+    for (int k = 0; k < N; k++)
+        cr_assert_eq(remove_retry(c, tok[k], PAGE), 0);
+    cr_expect_eq(kvd_stat(c, "dram_blocks"), 0);
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), 0, "every location was freed");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, get_promotes_from_nvme)
 {
     kvd_t d = {0};
