@@ -223,9 +223,13 @@ int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int s
         n = 0;
     if ((size_t)n >= sizeof msg)
         n = sizeof msg - 1;
-    kvt_log(KVT_LOG_INFO, "kvtierd: connection %llu: %s request %llu: %s (%s)",
-            (unsigned long long)c->id, kvt_proto_op_name(op) ? kvt_proto_op_name(op) : "unknown",
-            (unsigned long long)id, msg, kvt_strerror(status));
+    /* Not found and busy are answers a client asks for by the thousand (REMOVE of what was
+     * evicted, RELEASE of an expired lease): debug only; kvtier_request_errors_total counts them.
+     * The rest are worth a line at the default level. */
+    int level = status == KVT_ENOENT || status == KVT_EBUSY ? KVT_LOG_DEBUG : KVT_LOG_INFO;
+    kvt_log(level, "kvtierd: connection %llu: %s request %llu: %s (%s)", (unsigned long long)c->id,
+            kvt_proto_op_name(op) ? kvt_proto_op_name(op) : "unknown", (unsigned long long)id, msg,
+            kvt_strerror(status));
     return kvt__reply(c, op, id, t0, status, msg, (uint32_t)n);
 }
 
