@@ -1218,12 +1218,16 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
         return KVT_EINVAL; /* no such move in flight */
     pmove_t mv = p->pend[k];
     /* An insert may have split the node since the move began: the pages are then in n and in
-     * the ancestors the split carved out of it. */
+     * the ancestors the split carved out of it. A page no longer in `from` (a tier lost it, and
+     * it went index-only through kvt_policy_on_free) undoes the move: it is still ended here,
+     * its reservation and lease given back, or they would be held forever. */
+    int changed = 0;
     for (uint32_t i = 0; i < npages; i++) {
         kvt_block_t *b = kvt_radix_block_at(n, depth + i);
-        if (!b || b->tier != from)
-            return KVT_EINVAL;
+        changed |= !b || b->tier != from;
     }
+    if (changed && status >= 0)
+        status = KVT_EINVAL;
     /* Promotions may have made the pages after the run faster than `to` meanwhile: moving the
      * run now would break the node's order, so the engine keeps it where it is. */
     int conflict = 0;
@@ -1258,7 +1262,7 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
     for (kvt_radix_node_t *x = n; x; x = kvt_radix_node_parent(x))
         if (!kvt_radix_node_leased(x))
             push_node(p, x);
-    return conflict ? KVT_EAGAIN : 0;
+    return changed ? KVT_EINVAL : conflict ? KVT_EAGAIN : 0;
 }
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st)

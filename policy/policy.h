@@ -281,7 +281,9 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget);
  * finds every page). The executor clears KVT_BLOCK_BUSY. status 0 moves the blocks' tier and
  * accounting; an error gives the reservation in `to` back. Returns 0; KVT_EAGAIN when the engine
  * kept the blocks in `from` after all (promotions meanwhile made the pages after the run faster
- * than `to`; the executor frees the copy it made in `to`); or KVT_EINVAL (no such move). */
+ * than `to`; the executor frees the copy it made in `to`); or KVT_EINVAL: no such move (nothing
+ * changes), or a page of the run is no longer in `from` (lost meanwhile: the move is ended as
+ * failed, its reservation and lease given back, and the executor frees its copies). */
 int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                          kvt_tier_id_t from, kvt_tier_id_t to, int status);
 

@@ -593,6 +593,49 @@ Test(policy_decisions, pending_moves_hold_their_reservation)
     stop();
 }
 
+/* A page of a pending move that a tier lost meanwhile (kvtierd: a GET found it gone, and it went
+ * index-only through kvt_policy_on_free) ends the move as failed, whatever status the copies had:
+ * the move's reservation and lease are given back instead of being held forever. */
+Test(policy_decisions, pending_move_with_a_lost_page_still_ends)
+{
+    static const int statuses[] = {0, KVT_EIO};
+    for (size_t k = 0; k < KVT_ARRAY_LEN(statuses); k++) {
+        int status = statuses[k];
+        kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+        start(&c);
+        uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+        request(a, 16, NULL);
+        ex.pending = 1;
+        request(b, 16, NULL); /* a's 4 pages: HBM -> DRAM in flight */
+        kvt_match_t m;
+        cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
+        kvt_block_t *bl = kvt_radix_node_blocks(m.node);
+        for (int i = 0; i < 4; i++)
+            bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
+        /* page 2 lost: kvt__store_lost makes it and the rest of its node index-only */
+        for (int i = 2; i < 4; i++) {
+            ex_free(&ex, ns, &bl[i]);
+            bl[i].tier = KVT_TIER_NONE;
+            bl[i].size = 0;
+        }
+        cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_HBM, KVT_TIER_DRAM, status),
+                     KVT_EINVAL);
+        kvt_policy_stats_t st;
+        kvt_policy_stats(pol, &st);
+        cr_assert_eq(st.pending_moves, 0, "status %d: the move is over", status);
+        cr_assert_eq(st.used[KVT_TIER_HBM], 2 * PAGE, "status %d: a's other pages stay", status);
+        cr_assert_eq(st.used[KVT_TIER_DRAM], 4 * PAGE, "status %d: only b, nothing reserved",
+                     status);
+        cr_assert_not(kvt_radix_node_leased(m.node), "status %d: the lease is given back", status);
+        cr_assert_eq(tier_of(a, 0), KVT_TIER_HBM);
+        cr_assert_eq(tier_of(a, 1), KVT_TIER_HBM);
+        ex.pending = 0;
+        free(a);
+        free(b);
+        stop();
+    }
+}
+
 Test(policy_decisions, failed_moves_change_nothing)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
