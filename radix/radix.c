@@ -1177,6 +1177,11 @@ int kvt_radix_node_leased(const kvt_radix_node_t *n)
     return n && n->leases > 0;
 }
 
+uint32_t kvt_radix_node_leases(const kvt_radix_node_t *n)
+{
+    return n ? n->leases : 0;
+}
+
 kvt_block_t *kvt_radix_node_blocks(kvt_radix_node_t *n)
 {
     return n ? n->blocks : NULL;

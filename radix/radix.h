@@ -247,6 +247,8 @@ uint32_t kvt_radix_node_ns(const kvt_radix_node_t *n);
 kvt_radix_node_t *kvt_radix_node_parent(const kvt_radix_node_t *n); /* NULL under the root */
 uint32_t kvt_radix_node_children(const kvt_radix_node_t *n);
 int kvt_radix_node_leased(const kvt_radix_node_t *n);
+/* How many leases run through the node (each lease counts on every node of its path). */
+uint32_t kvt_radix_node_leases(const kvt_radix_node_t *n);
 /* The node's blocks, node_pages of them, valid until the next insert, remove or evict. */
 kvt_block_t *kvt_radix_node_blocks(kvt_radix_node_t *n);
 /* The tokens of the node's page i (page_size of them). */

@@ -300,6 +300,7 @@ typedef struct kvt_match_q {
     uint32_t ntokens;
     const uint8_t *wire; /* the tokens as they came (little-endian) */
     const uint32_t *tokens;
+    uint32_t gone; /* kvt__store_check_path: pages from here on are reported index-only */
 } kvt_match_q_t;
 
 /*
@@ -325,6 +326,8 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
          kvt_path_run_next(&pr))
         for (uint32_t i = 0; i < pr.n; i++)
             tiers[pr.depth + i] = pr.blocks[i].tier;
+    if (q->gone < m->pages)
+        memset(tiers + q->gone, KVT_TIER_NONE, m->pages - q->gone);
     if (!(q->flags & KVT_MATCH_F_PROBE))
         kvt_count_match(s, m, q->wire, q->ntokens, c->page_size, tiers, remote_down);
     uint64_t lease = 0;
@@ -439,6 +442,7 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
     kvt_match_t m;
     if (kvt_radix_match(s->radix, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH, &m) < 0)
         memset(&m, 0, sizeof m);
+    x->q.gone = kvt__store_check_path(s, &m); /* NVMe may have dropped blocks meanwhile */
     /* The policy hears of this use once, for the whole path: the local pages and the blocks
      * found remote (a hit too: promote them). */
     if (!(x->q.flags & KVT_MATCH_F_PROBE))
@@ -526,13 +530,14 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
-    kvt__store_check_path(s, &m); /* blocks NVMe dropped by itself are not reported stored */
     kvt_match_q_t mq = {.flags = h->flags,
                         .lease_ms = q.lease_ms,
                         .engine_id = q.hints.engine_request_id,
                         .ntokens = q.ntokens,
                         .wire = q.tokens,
-                        .tokens = c->tok};
+                        .tokens = c->tok,
+                        /* blocks NVMe dropped by itself are not reported stored */
+                        .gone = kvt__store_check_path(s, &m)};
     int down = 0;
     if ((h->flags & KVT_MATCH_F_REMOTE) && kvt_probe_start(c, h, t0, &mq, &m, &q.hints, &down))
         return 0; /* the probe's answer tells the policy */

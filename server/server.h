@@ -247,8 +247,10 @@ void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
  * block there is BUSY (the copy in flight settles first) or nothing was stored. */
 uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth);
 /* Checks the NVMe blocks of a matched path against the tier (only once the tier has dropped
- * anything by itself) and makes the lost ones index-only with kvt__store_lost. */
-void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m);
+ * anything by itself) and makes the lost ones index-only with kvt__store_lost. Returns the
+ * depth of the first lost page it could not change (a move holds it: the move settles it), from
+ * which a MATCH reports the path as not stored; UINT32_MAX when there is none. */
+uint32_t kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m);
 typedef struct kvt__busy {
     uint64_t hash; /* 0 = empty */
     uint32_t count;

@@ -213,10 +213,29 @@ static void kvt_move_free(kvt_srv_t *s, kvt__move_t *m)
 
 static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r);
 
+/*
+ * Whether node n is leased by someone other than the policy's moves in flight (each holds one
+ * lease on its node's path): a MATCH's lease, or a request's pin. Walks the moves only when n has
+ * more leases than the one of the move asking.
+ */
+static int kvt_leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
+{
+    uint32_t all = kvt_radix_node_leases(n), own = 0;
+    if (all <= 1)
+        return 0;
+    for (kvt__move_t *mm = s->moves; mm && own < all; mm = mm->next)
+        for (kvt_radix_node_t *x = mm->node; x; x = kvt_radix_node_parent(x))
+            if (x == n) {
+                own++;
+                break;
+            }
+    return all > own;
+}
+
 /* The last copy of a move has landed (or failed): switch the blocks over, or undo. */
 static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
 {
-    for (uint32_t i = 0; i < m->started; i++) {
+    for (uint32_t i = 0; i < m->npages; i++) {
         kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
         kvt_assert(b);
         b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
@@ -224,12 +243,19 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
     int status = m->status;
     if (status == 0 && m->started < m->npages)
         status = KVT_EIO; /* a copy did not start: the run stays where it was */
+    /* A demotion into NVMe whose node was leased while it ran: the lease pinned the blocks'
+     * NVMe locations it saw (none of these), so the log's reclaim could drop them under a GET
+     * the MATCH promised. The run stays where the lease found it; the policy may move it once
+     * the lease is gone. */
+    if (status == 0 && m->to == KVT_TIER_NVME && kvt_leased_by_others(s, m->node))
+        status = KVT_EBUSY;
     int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
                                   (kvt_tier_id_t)m->to, status);
     int ok = status == 0 && rc == 0;
     for (uint32_t i = 0; i < m->started; i++) {
         kvt_tier_copy_t *c = &m->pages[i].copy;
         kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
+        kvt_tier_pin(s->tiers[m->from], c->src_loc, -1);
         if (ok) {
             uint64_t old = b->loc;
             b->loc = c->dst_loc;
@@ -333,8 +359,14 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
         pg->copy.cb = kvt_move_copied;
         pg->copy.data = pg;
         pg->start_ns = kvt_now_ns();
-        if ((rc = kvt_tier_copy(&pg->copy)) < 0)
+        /* The source stays where it is until the move ends, even after the copy has read it: a
+         * MATCH meanwhile reports the block there, and its GET may read it there. */
+        if ((rc = kvt_tier_pin(s->tiers[from], b->loc, 1)) < 0)
+            break; /* already gone (an NVMe reclaim the index has not seen yet) */
+        if ((rc = kvt_tier_copy(&pg->copy)) < 0) {
+            kvt_tier_pin(s->tiers[from], b->loc, -1);
             break;
+        }
         b->flags |= KVT_BLOCK_BUSY;
         m->started++;
         s->inflight++;
@@ -343,8 +375,14 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
         free(m);
         return rc;
     }
-    if (m->started < npages)
-        m->status = rc; /* what started finishes, then the move is undone */
+    if (m->started < npages) {
+        /* What started finishes, then the move is undone. The pages that did not start are
+         * still the move's until then: busy, so that nothing (a tier losing them, a REMOVE)
+         * changes them under it. */
+        m->status = rc;
+        for (uint32_t i = m->started; i < npages; i++)
+            kvt_radix_block_at(n, depth + i)->flags |= KVT_BLOCK_BUSY;
+    }
     m->left = m->started;
     m->next = s->moves;
     if (s->moves)
@@ -720,29 +758,34 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
     return changed;
 }
 
-void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
+uint32_t kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
 {
     kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
+    uint32_t gone = UINT32_MAX;
     if (!t || !m->pages)
-        return;
+        return gone;
     kvt_tier_usage_t u;
     kvt_tier_usage(t, &u);
     if (u.reclaimed == 0 && u.corrupt == 0)
-        return; /* nothing was ever dropped by the tier: every location is good */
+        return gone; /* nothing was ever dropped by the tier: every location is good */
     uint64_t seed = kvt_radix_ns_seed(s->radix, m->ns);
     for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
          kvt_path_run_next(&r)) {
         for (uint32_t i = 0; i < r.n; i++) {
             const kvt_block_t *b = &r.blocks[i];
-            if (b->tier != KVT_TIER_NVME || (b->flags & KVT_BLOCK_BUSY))
+            if (b->tier != KVT_TIER_NVME)
                 continue;
             kvt_block_key_t key = {.ns_seed = seed, .hash = b->hash};
-            if (!kvt_tier_valid(t, b->loc, &key)) {
-                kvt__store_lost(s, r.node, r.depth + i);
-                break; /* the rest of this node is index-only now */
-            }
+            if (kvt_tier_valid(t, b->loc, &key))
+                continue;
+            /* A busy one belongs to a move (which fails for it and settles it): it is only not
+             * reported stored. The others become index-only, with the rest of their node. */
+            if ((b->flags & KVT_BLOCK_BUSY) || kvt__store_lost(s, r.node, r.depth + i) == 0)
+                gone = KVT_MIN(gone, r.depth + i);
+            break;
         }
     }
+    return gone;
 }
 
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
