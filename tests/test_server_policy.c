@@ -592,3 +592,141 @@ Test(server_policy, full_index_of_leased_pages_refuses_puts)
     kvt_client_close(other);
     kvd_cleanup(&d);
 }
+
+/*
+ * A random mix of PUT, MATCH + GET, PREFETCH and REMOVE over prompts that share prefixes, with
+ * tiers small enough that the policy moves blocks all the time, NVMe segments are reclaimed
+ * under it, and the remote tier holds what falls out of NVMe. Whatever moves or goes meanwhile,
+ * every promise holds: a page a MATCH reports stored reads back byte-exact under its lease, no
+ * request fails but for the answers allowed (REMOVE: not found, busy), no tier goes over its
+ * capacity, and once every prompt is removed no block, byte or lease is left anywhere. (It found
+ * moves whose lease the policy never gave back, a page in flight out of NVMe reported stored
+ * after the log had dropped its source, and a demotion into NVMe that landed unpinned under a
+ * lease.)
+ */
+#define MIX_K    32
+#define MIX_MAXP 64
+#define MIX_BB   16384
+
+static uint32_t mix_tok[MIX_K][MIX_MAXP * PAGE], mix_np[MIX_K];
+
+/* A page's bytes follow from its tokens and depth alone: equal prefixes hold equal bytes. */
+static void mix_fill(uint8_t *p, const uint32_t *page_tok, uint32_t depth)
+{
+    uint64_t x = (uint64_t)page_tok[0] * 2654435761u + depth * 40503u + page_tok[PAGE - 1] + 1;
+    for (size_t i = 0; i < MIX_BB; i += 8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        memcpy(p + i, &x, 8);
+    }
+}
+
+static int mix_remove(kvt_client_t *c, int k)
+{
+    int rc = 0;
+    for (int i = 0; i < 1000; i++) {
+        if ((rc = kvt_client_remove(c, mix_tok[k], PAGE)) != KVT_CLIENT_EBUSY)
+            break;
+        usleep(5000);
+    }
+    return rc;
+}
+
+Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
+{
+    const char *addr = getenv("KVT_TEST_REDIS");
+    if (!addr || !*addr)
+        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
+    char pfx[64];
+    snprintf(pfx, sizeof pfx, "kvt-mix-%d", (int)getpid());
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--dram-bytes", "2M", "--nvme-bytes", "4M",
+              "--nvme-segment-bytes", "1M", "--remote", addr, "--remote-prefix", pfx,
+              "--remote-bytes", "8M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, MIX_BB);
+    for (int k = 0; k < MIX_K; k++) {
+        uint32_t shared = (uint32_t)(k % 4) * 8, own = 8 + (uint32_t)(k * 7) % 24;
+        mix_np[k] = shared + own;
+        for (uint32_t t = 0; t < mix_np[k] * PAGE; t++)
+            mix_tok[k][t] = t < shared * PAGE ? (uint32_t)(k % 4) * 1000003u + t * 7 + 1
+                                              : (uint32_t)k * 7919u + t * 31 + 500000;
+    }
+    uint8_t *buf = malloc((size_t)MIX_MAXP * MIX_BB), *want = malloc(MIX_BB);
+    uint8_t tiers[MIX_MAXP];
+    uint64_t rng = 88172645463325252ull, read = 0;
+    for (int op = 0; op < 3000; op++) {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        int k = (int)(rng % MIX_K), what = (int)(rng >> 32) % 10;
+        const uint32_t *tok = mix_tok[k];
+        uint32_t np = mix_np[k];
+        if (what < 3) {
+            for (uint32_t p = 0; p < np; p++)
+                mix_fill(buf + (size_t)p * MIX_BB, tok + p * PAGE, p);
+            kvt_client_put_t r;
+            int rc = kvt_client_put(c, tok, np * PAGE, 0, np, buf, NULL, &r);
+            cr_assert_eq(rc, 0, "op %d: PUT: %s", op, kvt_client_errmsg(c));
+        } else if (what < 7) {
+            kvt_client_match_t m = {.tiers = tiers, .tiers_cap = MIX_MAXP};
+            int rc = kvt_client_match(c, tok, np * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m);
+            cr_assert_eq(rc, 0, "op %d: MATCH: %s", op, kvt_client_errmsg(c));
+            uint32_t stored = 0;
+            while (stored < m.pages && tiers[stored] != KVT_CLIENT_TIER_NONE)
+                stored++;
+            if (stored > 0) {
+                uint32_t got = 0;
+                rc = kvt_client_get(c, m.lease, 0, stored, buf, (size_t)MIX_MAXP * MIX_BB, &got,
+                                    NULL);
+                cr_assert_eq(rc, 0, "op %d: GET of %u pages a MATCH reported stored: %s", op,
+                             stored, kvt_client_errmsg(c));
+                cr_assert_eq(got, stored);
+                for (uint32_t p = 0; p < got; p++) {
+                    mix_fill(want, tok + p * PAGE, p);
+                    cr_assert(memcmp(want, buf + (size_t)p * MIX_BB, MIX_BB) == 0,
+                              "op %d: prompt %d page %u differs", op, k, p);
+                }
+                read += got;
+            }
+            if (m.lease)
+                cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+        } else if (what < 9) {
+            kvt_client_prefetch_t pf;
+            int rc = kvt_client_prefetch(c, tok, np * PAGE, KVT_CLIENT_TIER_DRAM, 200, &pf);
+            cr_assert_eq(rc, 0, "op %d: PREFETCH: %s", op, kvt_client_errmsg(c));
+        } else {
+            uint32_t at = 1 + (uint32_t)(rng >> 40) % np;
+            int rc = kvt_client_remove(c, tok, at * PAGE);
+            cr_assert(rc == 0 || rc == KVT_CLIENT_ENOENT || rc == KVT_CLIENT_EBUSY,
+                      "op %d: REMOVE: %s", op, kvt_client_errmsg(c));
+        }
+        if (op % 500 == 0)
+            for (int t = 0; t < 3; t++) {
+                static const char *const used[] = {"dram_used_bytes", "nvme_used_bytes",
+                                                   "remote_used_bytes"};
+                static const char *const cap[] = {"dram_capacity_bytes", "nvme_capacity_bytes",
+                                                  "remote_capacity_bytes"};
+                cr_assert_leq(kvd_stat(c, used[t]), kvd_stat(c, cap[t]), "op %d: %s", op, used[t]);
+            }
+    }
+    cr_expect_gt(read, 1000, "the mix read pages back (%llu)", (unsigned long long)read);
+    cr_expect_gt(metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
+    cr_expect_gt(metric(&d, "kvtier_blocks_moved_total{from=\"nvme\",to=\"remote\"}"), 0);
+    cr_expect_gt(metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), 0,
+                 "NVMe reclaimed blocks under the mix");
+    for (int pass = 0; pass < 2; pass++) /* a second pass after moves in flight have landed */
+        for (int k = 0; k < MIX_K; k++) {
+            int rc = mix_remove(c, k);
+            cr_assert(rc == 0 || rc == KVT_CLIENT_ENOENT, "remove %d: %s", k, kvt_client_errmsg(c));
+        }
+    static const char *const empty[] = {"index_blocks",  "leases",           "dram_used_bytes",
+                                        "dram_blocks",   "nvme_blocks",      "nvme_used_bytes",
+                                        "remote_blocks", "remote_used_bytes"};
+    for (size_t i = 0; i < sizeof empty / sizeof *empty; i++)
+        cr_expect_eq(kvd_stat(c, empty[i]), 0, "%s left after every prompt went", empty[i]);
+    free(buf);
+    free(want);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
