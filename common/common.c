@@ -76,6 +76,17 @@ int kvt_log_parse_level(const char *s, kvt_log_level_t *out)
     return KVT_EINVAL;
 }
 
+static void kvt_log_line(kvt_log_level_t level, const char *msg)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s\n", tm.tm_year + 1900,
+            tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
+            kvt_log_names[level], msg);
+}
+
 void kvt_log(kvt_log_level_t level, const char *fmt, ...)
 {
     if (level < kvt_log_level)
@@ -85,14 +96,29 @@ void kvt_log(kvt_log_level_t level, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
+    kvt_log_line(level, msg);
+}
 
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    struct tm tm;
-    gmtime_r(&ts.tv_sec, &tm);
-    fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s\n", tm.tm_year + 1900,
-            tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
-            kvt_log_names[level], msg);
+void kvt_log_limited(kvt_log_limit_t *lim, kvt_log_level_t level, const char *fmt, ...)
+{
+    if (level < kvt_log_level)
+        return;
+    uint64_t now = kvt_now_ns();
+    if (lim->last_ns && now - lim->last_ns < 1000000000ull) {
+        lim->held++;
+        return;
+    }
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    if (lim->held && n >= 0 && (size_t)n < sizeof msg)
+        snprintf(msg + n, sizeof msg - (size_t)n, " (and %llu more like it since the last)",
+                 (unsigned long long)lim->held);
+    lim->last_ns = now;
+    lim->held = 0;
+    kvt_log_line(level, msg);
 }
 
 uint64_t kvt_now_ns(void)

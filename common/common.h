@@ -51,6 +51,19 @@ kvt_log_level_t kvt_log_get_level(void);
 /* Parses "debug", "info", "warn", "error". Returns 0 or KVT_EINVAL. */
 int kvt_log_parse_level(const char *s, kvt_log_level_t *out);
 
+/*
+ * A line that can repeat at any rate (a tier failing every write while it is full, a block lost
+ * per request): at most one per second per limiter (a static one at the call site); the lines
+ * held back meanwhile are counted and the next line says how many. Zero-initialised.
+ */
+typedef struct kvt_log_limit {
+    uint64_t last_ns; /* when the last line went out; 0: never */
+    uint64_t held;    /* lines held back since */
+} kvt_log_limit_t;
+
+void kvt_log_limited(kvt_log_limit_t *lim, kvt_log_level_t level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* Monotonic clock. */
 uint64_t kvt_now_ns(void);
 static inline uint64_t kvt_now_us(void)

@@ -493,8 +493,9 @@ void kvt__store_step(kvt_srv_t *s)
     if (!s->policy || s->stopping)
         return;
     int rc = kvt_policy_step(s->policy, KVT_STEP_PAGES);
+    static kvt_log_limit_t lim; /* runs after every batch of events */
     if (rc < 0)
-        kvt_log(KVT_LOG_WARN, "kvtierd: policy step: %s", kvt_strerror(rc));
+        kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: policy step: %s", kvt_strerror(rc));
 }
 
 /* The NVMe blocks recovery put back into the tree join the policy's accounting. */
@@ -750,11 +751,12 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
         b->flags &= (uint8_t)~KVT_BLOCK_DIRTY;
         changed++;
     }
+    static kvt_log_limit_t lim; /* an NVMe log under pressure reclaims all the time */
     if (changed)
-        kvt_log(KVT_LOG_INFO,
-                "kvtierd: the %s tier lost the block at page %u (reclaimed, evicted or corrupt): "
-                "%u pages of its node are index-only now",
-                kvt_tier_name((kvt_tier_id_t)lost_tier), depth, changed);
+        kvt_log_limited(&lim, KVT_LOG_INFO,
+                        "kvtierd: the %s tier lost the block at page %u (reclaimed, evicted or "
+                        "corrupt): %u pages of its node are index-only now",
+                        kvt_tier_name((kvt_tier_id_t)lost_tier), depth, changed);
     return changed;
 }
 
@@ -978,8 +980,9 @@ static void kvt_put_done(kvt_tier_io_t *io)
         l->loc = io->loc;
         l->len = io->len;
     } else {
-        kvt_log(KVT_LOG_WARN, "kvtierd: %s tier write failed: %s", kvt_tier_name(x->tier),
-                kvt_strerror(io->status));
+        static kvt_log_limit_t lim; /* a full tier fails every write */
+        kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: %s tier write failed: %s",
+                        kvt_tier_name(x->tier), kvt_strerror(io->status));
         r->skipped++;
     }
     int last = kvt_io_finished(s, x, io->status, 1);
@@ -1107,8 +1110,9 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
             kvt__io_t *x = r->ios[good];
             if (!x->zero_copy && x->io.status < 0) {
                 r->status = x->io.status;
-                kvt_log(KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
-                        kvt_tier_name(x->tier), kvt_strerror(x->io.status));
+                static kvt_log_limit_t lim; /* a remote tier down fails every GET */
+                kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
+                                kvt_tier_name(x->tier), kvt_strerror(x->io.status));
                 break;
             }
         }

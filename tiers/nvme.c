@@ -482,7 +482,8 @@ static int nvme_err(nvme_t *n, int res)
         }
         return KVT_ENOSPC;
     }
-    kvt_log(KVT_LOG_ERROR, "nvme tier: I/O error on %s: %s", n->path, strerror(-res));
+    static kvt_log_limit_t lim; /* a failing device fails every request */
+    kvt_log_limited(&lim, KVT_LOG_ERROR, "nvme tier: I/O error on %s: %s", n->path, strerror(-res));
     return KVT_EIO;
 }
 

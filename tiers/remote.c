@@ -1244,10 +1244,11 @@ static void cut_oversized(remote_t *rm)
     rm->skip = len + 2 - have;
     rm->stats.oversized++;
     rm->stats.skipped_bytes += len;
-    kvt_log(KVT_LOG_WARN,
-            "remote: a value of %llu bytes under a key of ours, where a block "
-            "is %llu: refused, and dropped as it arrives",
-            (unsigned long long)len, (unsigned long long)h->vlen);
+    static kvt_log_limit_t lim; /* a keyspace overwritten by someone else: every read */
+    kvt_log_limited(&lim, KVT_LOG_WARN,
+                    "remote: a value of %llu bytes under a key of ours, where a block "
+                    "is %llu: refused, and dropped as it arrives",
+                    (unsigned long long)len, (unsigned long long)h->vlen);
     rd->buf = buf;
     memcpy(buf + rd->pos, "0\r\n\r\n", 5);
     sdssetlen(buf, rd->pos + 5);
