@@ -1311,7 +1311,11 @@ static void handle_sock(remote_t *rm, uint32_t events)
         if (up && rm->skip) {
             if (skip_more(rm) <= 0)
                 break; /* the rest has not arrived: epoll says when it has */
-            continue;
+            if (rm->skip)
+                continue;
+            /* All of it dropped: the reply it was cut to is decoded now, below. Nothing more may
+             * come from the server to wake this up again (it was the last reply), so this must
+             * not wait for another turn, which the budget could end first. */
         }
         ssize_t n = up ? read_more(rm) : 0;
         redisAsyncHandleRead(rm->ac);
