@@ -969,12 +969,53 @@ static void kvt_put_reply(kvt_srv_t *s, kvt__req_t *r)
     kvt__req_finish(r);
 }
 
+/* A tier that answers a write so gives it up to the next one down: full, unable to place it for
+ * now (an NVMe log whose full segments are all pinned), or down (the remote). */
+static int kvt_put_passes_on(int rc)
+{
+    return rc == KVT_ENOSPC || rc == KVT_EAGAIN || rc == KVT_EUNAVAIL;
+}
+
+/* Writes a PUT's page into the first tier of kvt_order[from ..] that takes it; x->tier says which.
+ * Returns 0, or the refusal of the last one asked (x->tier then as it was). */
+static int kvt_put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
+{
+    uint8_t was = x->tier;
+    int rc = KVT_ENOSPC;
+    for (size_t i = from; i < KVT_ARRAY_LEN(kvt_order) && kvt_put_passes_on(rc); i++) {
+        kvt_tier_t *t = s->tiers[kvt_order[i]];
+        if (!t)
+            continue;
+        x->tier = (uint8_t)kvt_order[i];
+        rc = kvt_tier_write(t, &x->io);
+    }
+    if (rc < 0)
+        x->tier = was;
+    return rc;
+}
+
 static void kvt_put_done(kvt_tier_io_t *io)
 {
     kvt__io_t *x = io->data;
     kvt__req_t *r = x->req;
     kvt_srv_t *s = x->req->srv;
     kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->first);
+    if (io->status < 0 && kvt_put_passes_on(io->status)) {
+        /* Refused after it was taken (the tier queued it): the tiers below may take it. The
+         * refused write counts as that tier's failed I/O; the request keeps waiting. */
+        uint8_t failed = x->tier;
+        uint64_t now = kvt_now_ns();
+        size_t i = 0;
+        while (i < KVT_ARRAY_LEN(kvt_order) && kvt_order[i] != failed)
+            i++;
+        if (kvt_put_write(s, x, i + 1) == 0) {
+            unsigned series = kvt__tier_io(failed, 1);
+            kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, now - x->start_ns);
+            kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
+            x->start_ns = now;
+            return;
+        }
+    }
     if (io->status == 0) {
         l->tier = x->tier;
         l->loc = io->loc;
@@ -1016,16 +1057,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         x->io.buf = r->payload + (size_t)(p - r->first) * r->block_bytes;
         x->io.len = r->block_bytes;
         x->io.cb = kvt_put_done;
-        int rc = KVT_ENOSPC;
-        for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_order) && rc == KVT_ENOSPC; i++) {
-            kvt_tier_t *t = s->tiers[kvt_order[i]];
-            if (!t)
-                continue;
-            x->tier = (uint8_t)kvt_order[i];
-            rc = kvt_tier_write(t, &x->io);
-            if (rc == KVT_EUNAVAIL)
-                rc = KVT_ENOSPC; /* the remote is down: as good as full */
-        }
+        int rc = kvt_put_write(s, x, 0);
         if (rc < 0) {
             free(x);
             r->skipped++;

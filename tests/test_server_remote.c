@@ -123,6 +123,70 @@ Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
     kvd_cleanup(&d);
 }
 
+/*
+ * A PUT's page that NVMe takes but cannot place (every full segment of its log pinned by a lease,
+ * while there are bytes to spare) goes on to the next tier instead of being skipped: NVMe answers
+ * such a write "try again" (KVT_EAGAIN), now or from its queue, and the page lands in Redis.
+ */
+Test(server_remote, pages_nvme_cannot_place_go_on_to_redis)
+{
+    const char *addr = redis_addr();
+    char pfx[64];
+    prefix(pfx, sizeof pfx);
+    kvd_t d = {0};
+    /* No maintenance (watermarks at 100%): NVMe keeps what it took. */
+    kvd_start(&d, "--policy", "lru", "--policy-high", "1", "--policy-low", "1", "--dram-bytes", "0",
+              "--nvme-bytes", "2M", "--nvme-segment-bytes", "1M", "--remote", addr,
+              "--remote-prefix", pfx, "--remote-bytes", "64M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    /* One-page prompts into NVMe until it takes no more (the next one lands in Redis). Looked
+     * at through STATS: a MATCH that hit Redis would promote, moving NVMe's pages around. */
+    enum { MAXN = 400 };
+    static uint32_t tok[MAXN][PAGE];
+    kvt_client_match_t m = {0};
+    kvt_client_put_t r;
+    int n = 0;
+    for (; n < MAXN && kvd_stat(c, "remote_blocks") == 0; n++) {
+        kvd_tokens(tok[n], PAGE, 100000u * (n + 1));
+        put_all(c, tok[n], 1, 1000 + n, &r);
+        cr_assert_eq(r.stored, 1);
+    }
+    cr_assert_lt(n, MAXN, "NVMe never filled");
+    n--; /* the last one is in Redis */
+    /* Every eighth one leased (both segments pinned), the others removed: bytes to spare, but
+     * no segment the log may reclaim. */
+    uint64_t leases[MAXN / 8 + 1];
+    int nl = 0;
+    for (int i = 0; i < n; i++) {
+        if (i % 8 == 0) {
+            cr_assert_eq(kvt_client_match(c, tok[i], PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+            leases[nl++] = m.lease;
+        } else {
+            int rc = kvt_client_remove(c, tok[i], PAGE);
+            cr_assert_eq(rc, 0, "remove %d of %d: %d %s", i, n, rc, kvt_client_errmsg(c));
+        }
+    }
+    cr_assert_lt(kvd_stat(c, "nvme_used_bytes"), kvd_stat(c, "nvme_capacity_bytes") / 2);
+    enum { CP = 56 }; /* more than a segment holds: some need a segment the log cannot reclaim */
+    uint32_t ctok[CP * PAGE];
+    kvd_tokens(ctok, CP * PAGE, 77000000);
+    put_all(c, ctok, CP, 9000, &r);
+    cr_expect_eq(r.stored, CP, "every page stored (stored %u, skipped %u)", r.stored, r.skipped);
+    uint8_t tiers[CP], from[CP];
+    m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = CP};
+    cr_assert_eq(kvt_client_match(c, ctok, CP * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, CP);
+    int in_redis = 0;
+    for (int i = 0; i < CP; i++)
+        in_redis += tiers[i] == KVT_CLIENT_TIER_REMOTE;
+    cr_expect_gt(in_redis, 0, "NVMe could not place them: they went on to Redis");
+    get_all(c, m.lease, CP, 9000, from);
+    for (int i = 0; i < nl; i++)
+        cr_assert_eq(kvt_client_release(c, leases[i], NULL), 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(server_remote, second_daemon_finds_the_first_ones_prefix)
 {
     const char *addr = redis_addr();
