@@ -4,7 +4,8 @@
  * in Redis and read back byte-exact; a second daemon sharing the server finds a prefix the first
  * stored through MATCH's remote probe and reads its bytes; a remote that is down is a counted
  * miss reason, not an error; values overwritten with far more than a block are refused unbuffered
- * and counted (kvtier_remote_oversized_values_total) while the connection stays up.
+ * and counted (kvtier_remote_oversized_values_total) while the connection stays up; a PUT's
+ * pages that NVMe cannot place (its segments all pinned) go on to Redis.
  */
 #include <time.h>
 
