@@ -7,6 +7,8 @@
  * leased path never moves, and with no tier below DRAM the policy drops blocks (a later lookup
  * misses as "evicted"); a PREFETCH waiting for room goes on when the moves making it land.
  */
+#include <pthread.h>
+
 #include "test_server_harness.h"
 
 /* Runs kvtierd in dir with one extra flag pair; returns its exit status and leaves its stderr in
@@ -597,9 +599,10 @@ Test(server_policy, full_index_of_leased_pages_refuses_puts)
  * A random mix of PUT, MATCH + GET, PREFETCH and REMOVE over prompts that share prefixes, with
  * tiers small enough that the policy moves blocks all the time, NVMe segments are reclaimed
  * under it, and the remote tier holds what falls out of NVMe. Whatever moves or goes meanwhile,
- * every promise holds: a page a MATCH reports stored reads back byte-exact under its lease, no
- * request fails but for the answers allowed (REMOVE: not found, busy), no tier goes over its
- * capacity, and once every prompt is removed no block, byte or lease is left anywhere. (It found
+ * every promise holds, for one client and then for two at once (one over TCP): a page a MATCH
+ * reports stored reads back byte-exact under its lease, no request fails but for the answers
+ * allowed (REMOVE: not found, busy), no tier goes over its capacity, and once every prompt is
+ * removed no block, byte or lease is left anywhere. (It found
  * moves whose lease the policy never gave back, a page in flight out of NVMe reported stored
  * after the log had dropped its source, and a demotion into NVMe that landed unpinned under a
  * lease.)
@@ -633,6 +636,100 @@ static int mix_remove(kvt_client_t *c, int k)
     return rc;
 }
 
+/* One client's part of the mix: ops random operations drawn from seed, over Unix or TCP. Runs
+ * in its own thread, so it reports instead of asserting: NULL, or what went wrong in err. */
+typedef struct mix {
+    const kvd_t *d;
+    int tcp;
+    uint64_t rng;
+    int ops;
+    uint64_t read; /* pages read back */
+    char err[256];
+    int failed;
+} mix_t;
+
+#define MIX_FAIL(x, ...)                                                                           \
+    do {                                                                                           \
+        snprintf((x)->err, sizeof(x)->err, __VA_ARGS__);                                           \
+        (x)->failed = 1;                                                                           \
+        goto out;                                                                                  \
+    } while (0)
+
+static void *mix_main(void *arg)
+{
+    mix_t *x = arg;
+    kvt_client_conf_t conf = {
+        .unix_path = x->d->sock, .model = "m", .page_size = PAGE, .block_bytes = MIX_BB};
+    if (x->tcp)
+        conf.unix_path = NULL, conf.tcp = x->d->tcp;
+    kvt_client_t *c = NULL;
+    uint8_t *buf = malloc((size_t)MIX_MAXP * MIX_BB), *want = malloc(MIX_BB);
+    uint8_t tiers[MIX_MAXP];
+    if (!buf || !want || kvt_client_connect(&c, &conf) < 0)
+        MIX_FAIL(x, "cannot connect");
+    for (int op = 0; op < x->ops; op++) {
+        x->rng ^= x->rng << 13;
+        x->rng ^= x->rng >> 7;
+        x->rng ^= x->rng << 17;
+        int k = (int)(x->rng % MIX_K), what = (int)(x->rng >> 32) % 10;
+        const uint32_t *tok = mix_tok[k];
+        uint32_t np = mix_np[k];
+        int rc;
+        if (what < 3) {
+            for (uint32_t p = 0; p < np; p++)
+                mix_fill(buf + (size_t)p * MIX_BB, tok + p * PAGE, p);
+            kvt_client_put_t r;
+            if ((rc = kvt_client_put(c, tok, np * PAGE, 0, np, buf, NULL, &r)) < 0)
+                MIX_FAIL(x, "op %d: PUT: %s", op, kvt_client_errmsg(c));
+        } else if (what < 7) {
+            kvt_client_match_t m = {.tiers = tiers, .tiers_cap = MIX_MAXP};
+            if ((rc = kvt_client_match(c, tok, np * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m)) < 0)
+                MIX_FAIL(x, "op %d: MATCH: %s", op, kvt_client_errmsg(c));
+            uint32_t stored = 0, got = 0;
+            while (stored < m.pages && tiers[stored] != KVT_CLIENT_TIER_NONE)
+                stored++;
+            if (stored > 0 && (rc = kvt_client_get(c, m.lease, 0, stored, buf,
+                                                   (size_t)MIX_MAXP * MIX_BB, &got, NULL)) < 0)
+                MIX_FAIL(x, "op %d: GET of %u pages a MATCH reported stored: %s", op, stored,
+                         kvt_client_errmsg(c));
+            if (got != stored)
+                MIX_FAIL(x, "op %d: GET gave %u of %u pages", op, got, stored);
+            for (uint32_t p = 0; p < got; p++) {
+                mix_fill(want, tok + p * PAGE, p);
+                if (memcmp(want, buf + (size_t)p * MIX_BB, MIX_BB) != 0)
+                    MIX_FAIL(x, "op %d: prompt %d page %u differs", op, k, p);
+            }
+            x->read += got;
+            if (m.lease && kvt_client_release(c, m.lease, NULL) < 0)
+                MIX_FAIL(x, "op %d: RELEASE: %s", op, kvt_client_errmsg(c));
+        } else if (what < 9) {
+            kvt_client_prefetch_t pf;
+            if ((rc = kvt_client_prefetch(c, tok, np * PAGE, KVT_CLIENT_TIER_DRAM, 200, &pf)) < 0)
+                MIX_FAIL(x, "op %d: PREFETCH: %s", op, kvt_client_errmsg(c));
+        } else {
+            uint32_t at = 1 + (uint32_t)(x->rng >> 40) % np;
+            rc = kvt_client_remove(c, tok, at * PAGE);
+            if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
+                MIX_FAIL(x, "op %d: REMOVE: %s", op, kvt_client_errmsg(c));
+        }
+        if (op % 500 == 0)
+            for (int t = 0; t < 3; t++) {
+                static const char *const used[] = {"dram_used_bytes", "nvme_used_bytes",
+                                                   "remote_used_bytes"};
+                static const char *const cap[] = {"dram_capacity_bytes", "nvme_capacity_bytes",
+                                                  "remote_capacity_bytes"};
+                if (kvd_stat(c, used[t]) > kvd_stat(c, cap[t]))
+                    MIX_FAIL(x, "op %d: %s over capacity", op, used[t]);
+            }
+    }
+out:
+    if (c)
+        kvt_client_close(c);
+    free(buf);
+    free(want);
+    return NULL;
+}
+
 Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
 {
     const char *addr = getenv("KVT_TEST_REDIS");
@@ -644,7 +741,6 @@ Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
     kvd_start(&d, "--policy", "lru", "--dram-bytes", "2M", "--nvme-bytes", "4M",
               "--nvme-segment-bytes", "1M", "--remote", addr, "--remote-prefix", pfx,
               "--remote-bytes", "8M", NULL);
-    kvt_client_t *c = kvd_client(&d, "m", PAGE, MIX_BB);
     for (int k = 0; k < MIX_K; k++) {
         uint32_t shared = (uint32_t)(k % 4) * 8, own = 8 + (uint32_t)(k * 7) % 24;
         mix_np[k] = shared + own;
@@ -652,64 +748,23 @@ Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
             mix_tok[k][t] = t < shared * PAGE ? (uint32_t)(k % 4) * 1000003u + t * 7 + 1
                                               : (uint32_t)k * 7919u + t * 31 + 500000;
     }
-    uint8_t *buf = malloc((size_t)MIX_MAXP * MIX_BB), *want = malloc(MIX_BB);
-    uint8_t tiers[MIX_MAXP];
-    uint64_t rng = 88172645463325252ull, read = 0;
-    for (int op = 0; op < 3000; op++) {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        int k = (int)(rng % MIX_K), what = (int)(rng >> 32) % 10;
-        const uint32_t *tok = mix_tok[k];
-        uint32_t np = mix_np[k];
-        if (what < 3) {
-            for (uint32_t p = 0; p < np; p++)
-                mix_fill(buf + (size_t)p * MIX_BB, tok + p * PAGE, p);
-            kvt_client_put_t r;
-            int rc = kvt_client_put(c, tok, np * PAGE, 0, np, buf, NULL, &r);
-            cr_assert_eq(rc, 0, "op %d: PUT: %s", op, kvt_client_errmsg(c));
-        } else if (what < 7) {
-            kvt_client_match_t m = {.tiers = tiers, .tiers_cap = MIX_MAXP};
-            int rc = kvt_client_match(c, tok, np * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m);
-            cr_assert_eq(rc, 0, "op %d: MATCH: %s", op, kvt_client_errmsg(c));
-            uint32_t stored = 0;
-            while (stored < m.pages && tiers[stored] != KVT_CLIENT_TIER_NONE)
-                stored++;
-            if (stored > 0) {
-                uint32_t got = 0;
-                rc = kvt_client_get(c, m.lease, 0, stored, buf, (size_t)MIX_MAXP * MIX_BB, &got,
-                                    NULL);
-                cr_assert_eq(rc, 0, "op %d: GET of %u pages a MATCH reported stored: %s", op,
-                             stored, kvt_client_errmsg(c));
-                cr_assert_eq(got, stored);
-                for (uint32_t p = 0; p < got; p++) {
-                    mix_fill(want, tok + p * PAGE, p);
-                    cr_assert(memcmp(want, buf + (size_t)p * MIX_BB, MIX_BB) == 0,
-                              "op %d: prompt %d page %u differs", op, k, p);
-                }
-                read += got;
-            }
-            if (m.lease)
-                cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
-        } else if (what < 9) {
-            kvt_client_prefetch_t pf;
-            int rc = kvt_client_prefetch(c, tok, np * PAGE, KVT_CLIENT_TIER_DRAM, 200, &pf);
-            cr_assert_eq(rc, 0, "op %d: PREFETCH: %s", op, kvt_client_errmsg(c));
-        } else {
-            uint32_t at = 1 + (uint32_t)(rng >> 40) % np;
-            int rc = kvt_client_remove(c, tok, at * PAGE);
-            cr_assert(rc == 0 || rc == KVT_CLIENT_ENOENT || rc == KVT_CLIENT_EBUSY,
-                      "op %d: REMOVE: %s", op, kvt_client_errmsg(c));
-        }
-        if (op % 500 == 0)
-            for (int t = 0; t < 3; t++) {
-                static const char *const used[] = {"dram_used_bytes", "nvme_used_bytes",
-                                                   "remote_used_bytes"};
-                static const char *const cap[] = {"dram_capacity_bytes", "nvme_capacity_bytes",
-                                                  "remote_capacity_bytes"};
-                cr_assert_leq(kvd_stat(c, used[t]), kvd_stat(c, cap[t]), "op %d: %s", op, used[t]);
-            }
+    /* Alone, then two clients at once (one over TCP): the same promises with requests of
+     * another client in between. */
+    mix_t x[3] = {{.d = &d, .rng = 88172645463325252ull, .ops = 2000},
+                  {.d = &d, .rng = 0x9e3779b97f4a7c15ull, .ops = 1500},
+                  {.d = &d, .tcp = 1, .rng = 0xbf58476d1ce4e5b9ull, .ops = 1500}};
+    mix_main(&x[0]);
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, mix_main, &x[1 + i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(th[i], NULL);
+    uint64_t read = 0;
+    for (int i = 0; i < 3; i++) {
+        cr_assert_not(x[i].failed, "client %d: %s", i, x[i].err);
+        read += x[i].read;
     }
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, MIX_BB);
     cr_expect_gt(read, 1000, "the mix read pages back (%llu)", (unsigned long long)read);
     cr_expect_gt(metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
     cr_expect_gt(metric(&d, "kvtier_blocks_moved_total{from=\"nvme\",to=\"remote\"}"), 0);
@@ -725,8 +780,6 @@ Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
                                         "remote_blocks", "remote_used_bytes"};
     for (size_t i = 0; i < sizeof empty / sizeof *empty; i++)
         cr_expect_eq(kvd_stat(c, empty[i]), 0, "%s left after every prompt went", empty[i]);
-    free(buf);
-    free(want);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
