@@ -193,6 +193,8 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
 int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
                   kvt_client_put_t *res, int *status);
+/* kvt_client_prefetch's request, queued: res is filled when its reply comes, which is when the
+ * moves are done or the deadline passes (the batch's run waits for that). */
 int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
                        uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status);
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);

@@ -57,7 +57,7 @@ static void debug_burst(void)
         kvt_log_limited(&lim, KVT_LOG_DEBUG, "not at this level");
 }
 
-Test(common, log_limited_says_one_line_a_second_and_counts_the_rest)
+Test(common_log, limited_says_one_line_a_second_and_counts_the_rest)
 {
     kvt_log_set_level(KVT_LOG_INFO);
     memset(&lim, 0, sizeof lim);
