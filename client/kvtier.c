@@ -848,6 +848,22 @@ int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
     return rc;
 }
 
+int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)
+{
+    if (!b || (ntokens && !tokens))
+        return KVT_EINVAL;
+    kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
+    uint8_t *tw;
+    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    int rc = kvt_batch_add(b, KVT_OP_REMOVE, 0, &w, sizeof w, tw, (size_t)ntokens * 4, NULL, 0,
+                           NULL, status);
+    if (own)
+        free(tw);
+    return rc;
+}
+
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)
 {
     if (!b)

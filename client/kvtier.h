@@ -167,7 +167,8 @@ int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntoken
 int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
 
 /* Drops the last whole page of tokens and everything cached beneath it. KVT_CLIENT_ENOENT when
- * not cached, KVT_CLIENT_EBUSY when leased. */
+ * not cached, KVT_CLIENT_EBUSY when a connection's lease holds it. Blocks the daemon itself is
+ * moving or reading are waited for (up to its lease-ms), not refused. */
 int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 
 /* The daemon's counters, one cb call per (name, value); cb's non-zero return stops. */
@@ -197,6 +198,8 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
  * moves are done or the deadline passes (the batch's run waits for that). */
 int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
                        uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status);
+/* kvt_client_remove's request, queued. */
+int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);
 /* Sends everything queued and waits for every reply. Returns 0 when all replies came (each
  * request's own outcome is in its status), or a transport error. The batch is empty after. */

@@ -529,7 +529,7 @@ static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
 {
     kvt__conn_t *next;
-    s->prefetch_waiting = 0; /* set again by the deadlines of those still waiting */
+    s->reqs_waiting = 0; /* set again by the deadlines of those still waiting */
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next;
         kvt__store_deadlines(c, now);

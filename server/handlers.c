@@ -691,6 +691,56 @@ static int kvt_h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
 }
 
+/*
+ * Whether a connection's lease holds what removing tokens[0, n) would remove: the node holding
+ * its last whole page, or one below it. Such a REMOVE is refused (EBUSY) at once; one held only by
+ * the daemon's own work (a move, a request's I/O) waits for it instead.
+ */
+static int kvt_remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
+{
+    kvt_match_t m;
+    uint32_t pages = n / kvt_radix_ns_page_size(s->radix, ns);
+    if (kvt_radix_match(s->radix, ns, tokens, n, KVT_MATCH_NOTOUCH, &m) < 0 || pages == 0 ||
+        m.pages < pages)
+        return 0;
+    kvt_radix_node_t *top = kvt_radix_node_holding(m.node, pages - 1);
+    for (kvt__conn_t *c = s->conns; c; c = c->next)
+        for (size_t i = 0; i < c->nleases; i++)
+            for (kvt_radix_node_t *x = c->leases[i].node; x; x = kvt_radix_node_parent(x))
+                if (x == top)
+                    return 1;
+    return 0;
+}
+
+static int kvt_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
+{
+    s->removing = 1;
+    int rc = kvt_radix_remove(s->radix, ns, tokens, n);
+    s->removing = 0;
+    return rc;
+}
+
+static void kvt_remove_reply(kvt__req_t *r, int rc)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    r->status = rc;
+    kvt_proto_frame(hdr, r->op | KVT_OP_REPLY, 0, r->id, rc, 0);
+    if (kvt__req_append(r, hdr, sizeof hdr) < 0)
+        r->conn->dead = 1;
+    kvt__req_finish(r);
+}
+
+int kvt__remove_retry(kvt__req_t *r, uint64_t now)
+{
+    kvt_srv_t *s = r->srv;
+    const uint32_t *tokens = (const uint32_t *)(void *)r->payload;
+    int rc = kvt_remove(s, r->ns, tokens, r->pages);
+    if (rc == KVT_EBUSY && now < r->deadline_ns && !kvt_remove_leased(s, r->ns, tokens, r->pages))
+        return 0;
+    kvt_remove_reply(r, rc);
+    return 1;
+}
+
 static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
@@ -702,9 +752,25 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
         return 0;
     if (kvt_tokens(c, tok, n) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    s->removing = 1;
-    int rc = kvt_radix_remove(s->radix, c->ns, c->tok, n);
-    s->removing = 0;
+    int rc = kvt_remove(s, c->ns, c->tok, n);
+    if (rc == KVT_EBUSY && !kvt_remove_leased(s, c->ns, c->tok, n)) {
+        /* Held by moves or requests in flight, which end soon: wait for them (retried when
+         * moves land and every tick, for at most lease-ms) rather than answer "try again". */
+        kvt__req_t *r = kvt__req_new(c, KVT_REQ_REMOVE, h->opcode, h->request_id, t0);
+        if (r && (r->payload = malloc((size_t)n * sizeof(uint32_t)))) {
+            memcpy(r->payload, c->tok, (size_t)n * sizeof(uint32_t));
+            r->ns = c->ns;
+            r->pages = n; /* tokens, for a REMOVE */
+            r->deadline_ns = kvt_now_ns() + (uint64_t)s->conf->lease_ms * 1000000;
+            s->reqs_waiting = 1;
+            return 0;
+        }
+        if (r) {
+            kvt_remove_reply(r, KVT_ENOMEM);
+            return 0;
+        }
+        rc = KVT_ENOMEM;
+    }
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "remove of %u tokens", n);
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, NULL, 0);

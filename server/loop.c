@@ -352,7 +352,7 @@ int kvt__srv_run(kvt_srv_t *s)
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
         if (s->moves_landed) {
             s->moves_landed = 0;
-            if (s->prefetch_waiting)
+            if (s->reqs_waiting)
                 kvt__conns_deadlines(s, kvt_now_ns());
         }
     }

@@ -83,7 +83,13 @@ typedef struct kvt__io {
     uint32_t tokens[]; /* the page's tokens: key.tokens points here */
 } kvt__io_t;
 
-typedef enum { KVT_REQ_PLAIN, KVT_REQ_PUT, KVT_REQ_GET, KVT_REQ_PREFETCH } kvt__req_kind_t;
+typedef enum {
+    KVT_REQ_PLAIN,
+    KVT_REQ_PUT,
+    KVT_REQ_GET,
+    KVT_REQ_PREFETCH,
+    KVT_REQ_REMOVE
+} kvt__req_kind_t;
 
 /* A piece of a reply that is not in the request's out buffer (GET, store.c): ptr, or with ptr
  * NULL the bytes at out + off. */
@@ -186,8 +192,8 @@ struct kvt_srv {
     kvt_policy_t *policy;
     kvt__move_t *moves;
     kvt__req_t *move_req;
-    int moves_landed;     /* a move finished since the loop last looked */
-    int prefetch_waiting; /* some PREFETCH may be waiting for others' moves or for room */
+    int moves_landed; /* a move finished since the loop last looked */
+    int reqs_waiting; /* a PREFETCH or REMOVE may be waiting for others' moves */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
     kvt_http_conn_t *http_conns; /* http.c */
@@ -233,6 +239,9 @@ void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind);
  * close after the queued replies are written. */
 int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
 void kvt__lease_drop_all(kvt__conn_t *c);
+/* A REMOVE waiting for moves and requests on its prefix: tries again. Returns 1 when it was
+ * answered (removed, gone, held by a lease, or past its deadline). */
+int kvt__remove_retry(kvt__req_t *r, uint64_t now);
 void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
 
 /* store.c: KV bytes in the tiers */

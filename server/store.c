@@ -1331,7 +1331,7 @@ static int kvt_prefetch_wait(kvt__req_t *r, int rc)
     r->waiting = at < r->pages && (busy > 0 || rc == KVT_EAGAIN);
     if (r->waiting) {
         kvt_srv_t *s = r->conn->srv;
-        s->prefetch_waiting = 1;
+        s->reqs_waiting = 1;
         if (!r->waited)
             kvt__metric_add(s->metrics, KVT_M_PREFETCH_WAITS, 0, 1);
         r->waited = 1;
@@ -1388,10 +1388,18 @@ void kvt__store_deadlines(kvt__conn_t *c, uint64_t now)
 {
     kvt_srv_t *s = c->srv;
     for (kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->kind == KVT_REQ_REMOVE && !r->done) {
+            if (!kvt__remove_retry(r, now)) {
+                s->reqs_waiting = 1;
+                continue;
+            }
+            s->reqs_waiting = 1; /* others after it: looked at next time */
+            return;              /* the kick may have freed the connection */
+        }
         if (r->kind == KVT_REQ_PREFETCH && r->waiting && !r->done && r->pending == 0) {
             uint32_t busy, at = kvt_prefetch_count(r, &busy);
             if (busy > 0 && now < r->deadline_ns) {
-                s->prefetch_waiting = 1;
+                s->reqs_waiting = 1;
                 continue; /* the other moves are still running */
             }
             /* They landed (or failed): what reached the target without this request's own moves
@@ -1406,8 +1414,8 @@ void kvt__store_deadlines(kvt__conn_t *c, uint64_t now)
             kvt_unpin(s, r);
             kvt_prefetch_reply(s, r);
             kvt__req_finish(r);
-            s->prefetch_waiting = 1; /* others after it: looked at next time */
-            return;                  /* the kick may have freed the connection */
+            s->reqs_waiting = 1; /* others after it: looked at next time */
+            return;              /* the kick may have freed the connection */
         }
         if (r->kind == KVT_REQ_PREFETCH && !r->done && !r->replied && r->pending > 0 &&
             now >= r->deadline_ns) {

@@ -329,6 +329,49 @@ Test(server_e2e, reads_done_leave_nothing_busy)
     kvd_cleanup(&d);
 }
 
+/*
+ * A REMOVE of blocks the daemon is busy with (a PREFETCH moving them, in the same write, so that
+ * nothing has completed yet) waits for that work and then removes, where it used to answer
+ * EBUSY; a REMOVE of what a connection's lease holds is still refused at once.
+ */
+Test(server_e2e, remove_waits_for_moves_not_for_leases)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    uint32_t a[16 * PAGE], b[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 4 * PAGE, 900000);
+    kvt_client_put_t r;
+    put_pages(c, a, 16 * PAGE, 0, 16, BIG, 100, &r); /* DRAM full */
+    put_pages(c, b, 4 * PAGE, 0, 4, BIG, 200, &r);   /* into NVMe */
+    cr_assert_eq(kvd_stat(c, "nvme_blocks"), 4);
+    kvt_batch_t *bt;
+    cr_assert_eq(kvt_batch_create(&bt, c), 0);
+    kvt_client_prefetch_t pf;
+    int sp, sr;
+    cr_assert_eq(kvt_batch_prefetch(bt, b, 4 * PAGE, KVT_CLIENT_TIER_DRAM, 5000, &pf, &sp), 0);
+    cr_assert_eq(kvt_batch_remove(bt, b, PAGE, &sr), 0);
+    cr_assert_eq(kvt_batch_run(bt), 0);
+    cr_expect_eq(sp, 0);
+    cr_expect_eq(sr, 0, "the REMOVE waited for the PREFETCH's moves: %d", sr);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, b, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "b is gone");
+    /* Held by a lease: refused at once, and nothing removed. */
+    cr_assert_eq(kvt_client_match(c, a, 16 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 16);
+    cr_expect_eq(kvt_client_remove(c, a, 8 * PAGE), KVT_CLIENT_EBUSY);
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    kvt_client_match_t m2 = {0};
+    cr_assert_eq(kvt_client_match(c, a, 16 * PAGE, 0, 0, NULL, &m2), 0);
+    cr_expect_eq(m2.pages, 16);
+    cr_expect_eq(kvt_client_remove(c, a, 8 * PAGE), 0);
+    kvt_batch_destroy(bt);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, get_promotes_from_nvme)
 {
     kvd_t d = {0};
