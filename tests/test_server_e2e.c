@@ -293,6 +293,22 @@ Test(server_e2e, dram_full_spills_to_nvme_and_prefetch_promotes)
     kvd_cleanup(&d);
 }
 
+/* A daemon with 1 MiB of DRAM and no maintenance (watermarks at 100%), DRAM filled by a's 16
+ * pages of BIG bytes (seeds from sa), then b's 4 pages (tokens from b_base, seeds from sb), which
+ * find no room there and go to NVMe. */
+static kvt_client_t *dram_full_b_in_nvme(kvd_t *d, uint32_t *a, uint32_t *b, uint32_t b_base,
+                                         uint32_t sa, uint32_t sb)
+{
+    kvd_start(d, "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1", NULL);
+    kvt_client_t *c = kvd_client(d, "m", PAGE, BIG);
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 4 * PAGE, b_base);
+    kvt_client_put_t r;
+    put_pages(c, a, 16 * PAGE, 0, 16, BIG, sa, &r);
+    put_pages(c, b, 4 * PAGE, 0, 4, BIG, sb, &r);
+    return c;
+}
+
 /*
  * Reads in flight are counted per block (store.c) so that a block's old location is freed only
  * after its last read. Many GETs come and go through that count; afterwards nothing may still
@@ -337,14 +353,8 @@ Test(server_e2e, reads_done_leave_nothing_busy)
 Test(server_e2e, remove_waits_for_moves_not_for_leases)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1", NULL);
-    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
     uint32_t a[16 * PAGE], b[4 * PAGE];
-    kvd_tokens(a, 16 * PAGE, 1);
-    kvd_tokens(b, 4 * PAGE, 900000);
-    kvt_client_put_t r;
-    put_pages(c, a, 16 * PAGE, 0, 16, BIG, 100, &r); /* DRAM full */
-    put_pages(c, b, 4 * PAGE, 0, 4, BIG, 200, &r);   /* into NVMe */
+    kvt_client_t *c = dram_full_b_in_nvme(&d, a, b, 900000, 100, 200);
     cr_assert_eq(kvd_stat(c, "nvme_blocks"), 4);
     kvt_batch_t *bt;
     cr_assert_eq(kvt_batch_create(&bt, c), 0);
@@ -375,14 +385,8 @@ Test(server_e2e, remove_waits_for_moves_not_for_leases)
 Test(server_e2e, get_promotes_from_nvme)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1", NULL);
-    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
     uint32_t a[16 * PAGE], b[4 * PAGE];
-    kvd_tokens(a, 16 * PAGE, 1);
-    kvd_tokens(b, 4 * PAGE, 700000);
-    kvt_client_put_t r;
-    put_pages(c, a, 16 * PAGE, 0, 16, BIG, 1, &r);
-    put_pages(c, b, 4 * PAGE, 0, 4, BIG, 2, &r);
+    kvt_client_t *c = dram_full_b_in_nvme(&d, a, b, 700000, 1, 2);
     cr_assert_eq(remove_retry(c, a, PAGE), 0);
     uint8_t tiers[4], from[4];
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
