@@ -788,6 +788,22 @@ int kvt_batch_ping(kvt_batch_t *b, int *status)
     return kvt_batch_add(b, KVT_OP_PING, 0, NULL, 0, NULL, 0, NULL, 0, NULL, status);
 }
 
+/* Queues a frame of a fixed part, the tokens (as the wire has them), then payload. */
+static int kvt_batch_tokens(kvt_batch_t *b, uint8_t op, uint16_t flags, const void *fixed,
+                            size_t flen, const uint32_t *tokens, uint32_t ntokens,
+                            const void *payload, size_t plen, void *res, int *status)
+{
+    uint8_t *tw;
+    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    int rc = kvt_batch_add(b, op, flags, fixed, flen, tw, (size_t)ntokens * 4, payload, plen, res,
+                           status);
+    if (own)
+        free(tw);
+    return rc;
+}
+
 int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
                     int *status)
@@ -796,15 +812,8 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
         return KVT_EINVAL;
     kvt_wire_match_t w = {.lease_ms = htole32(lease_ms), .ntokens = htole32(ntokens)};
     kvt_hints_wire(hints, &w.hints);
-    uint8_t *tw;
-    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
-    if (own < 0)
-        return own;
-    int rc = kvt_batch_add(b, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, tw, (size_t)ntokens * 4,
-                           NULL, 0, res, status);
-    if (own)
-        free(tw);
-    return rc;
+    return kvt_batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, tokens, ntokens, NULL,
+                            0, res, status);
 }
 
 int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -819,15 +828,8 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
         .npayload = htole32(npages),
     };
     kvt_hints_wire(hints, &w.hints);
-    uint8_t *tw;
-    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
-    if (own < 0)
-        return own;
-    int rc = kvt_batch_add(b, KVT_OP_PUT, 0, &w, sizeof w, tw, (size_t)ntokens * 4, payload,
-                           (size_t)npages * b->c->block_bytes, res, status);
-    if (own)
-        free(tw);
-    return rc;
+    return kvt_batch_tokens(b, KVT_OP_PUT, 0, &w, sizeof w, tokens, ntokens, payload,
+                            (size_t)npages * b->c->block_bytes, res, status);
 }
 
 int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
@@ -837,15 +839,8 @@ int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
         return KVT_EINVAL;
     kvt_wire_prefetch_t w = {
         .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
-    uint8_t *tw;
-    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
-    if (own < 0)
-        return own;
-    int rc = kvt_batch_add(b, KVT_OP_PREFETCH, 0, &w, sizeof w, tw, (size_t)ntokens * 4, NULL, 0,
-                           res, status);
-    if (own)
-        free(tw);
-    return rc;
+    return kvt_batch_tokens(b, KVT_OP_PREFETCH, 0, &w, sizeof w, tokens, ntokens, NULL, 0, res,
+                            status);
 }
 
 int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)
@@ -853,15 +848,8 @@ int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, i
     if (!b || (ntokens && !tokens))
         return KVT_EINVAL;
     kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
-    uint8_t *tw;
-    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
-    if (own < 0)
-        return own;
-    int rc = kvt_batch_add(b, KVT_OP_REMOVE, 0, &w, sizeof w, tw, (size_t)ntokens * 4, NULL, 0,
-                           NULL, status);
-    if (own)
-        free(tw);
-    return rc;
+    return kvt_batch_tokens(b, KVT_OP_REMOVE, 0, &w, sizeof w, tokens, ntokens, NULL, 0, NULL,
+                            status);
 }
 
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)
