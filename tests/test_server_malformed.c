@@ -2,8 +2,9 @@
  * test_server_malformed.c: every malformed-frame case over a raw socket to the real daemon:
  * wrong magic, wrong version, a body over max-frame, an unknown opcode, truncated and
  * inconsistent bodies, requests before HELLO, unknown flag bits, a peer that disconnects in the
- * middle of a frame. Each gets its error reply (or a closed connection where the framing cannot be
- * trusted), is counted, and leaves a second, well-behaved client untouched.
+ * middle of a frame, a peer that never reads its replies. Each gets its error reply (or a closed
+ * connection where the framing cannot be trusted), is counted, and leaves a second, well-behaved
+ * client untouched.
  */
 #include <sys/uio.h>
 
@@ -312,5 +313,89 @@ Test(server_malformed, pipelined_requests_keep_order)
         }
     }
     close(fd);
+    kvd_cleanup(&d);
+}
+
+/* kvtierd's resident memory, in KiB (0 when it cannot be read). */
+static long kvd_rss_kib(const kvd_t *d)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)d->pid);
+    FILE *f = fopen(path, "r");
+    long kib = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kib;
+}
+
+/*
+ * A client that pipelines GETs and never reads a reply: 400 GETs of 16 NVMe pages of 64 KiB
+ * (400 MiB of replies, every page read from disk into a buffer first). The daemon stops reading
+ * that connection's requests once its queued output or its I/O in flight passes a bound, so its
+ * memory stays bounded (about 25 MiB here, 51 under ASan), and another client is served
+ * meanwhile.
+ */
+Test(server_malformed, a_client_that_never_reads_holds_bounded_memory)
+{
+    enum { PAGES = 16, BIGB = 65536, GETS = 400 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", "--nvme-bytes", "8M", NULL);
+    kvt_client_t *good = kvd_client(&d, "m", 16, BIGB);
+    uint32_t tok[PAGES * 16];
+    kvd_tokens(tok, PAGES * 16, 3);
+    uint8_t *payload = malloc((size_t)PAGES * BIGB);
+    for (int p = 0; p < PAGES; p++)
+        kvd_fill(payload + (size_t)p * BIGB, BIGB, 40 + p);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(good, tok, PAGES * 16, 0, PAGES, payload, NULL, &pr), 0);
+    cr_assert_eq(pr.stored, PAGES);
+    cr_assert_eq(kvd_stat(good, "nvme_blocks"), PAGES);
+
+    int fd = kvd_raw(&d);
+    uint8_t body[512];
+    kvt_wire_hello_t hw = {
+        .min_version = 1, .max_version = 1, .page_size = 16, .block_bytes = BIGB, .model_len = 1};
+    memcpy(body, &hw, sizeof hw);
+    body[sizeof hw] = 'm';
+    req(fd, KVT_OP_HELLO, 0, 1, body, sizeof hw + 1);
+    cr_assert_eq(reply(fd, KVT_OP_HELLO, 1, NULL, NULL), 0);
+    static uint8_t mbody[sizeof(kvt_wire_match_t) + PAGES * 16 * 4];
+    kvt_wire_match_t mw = {.ntokens = PAGES * 16};
+    memcpy(mbody, &mw, sizeof mw);
+    for (int i = 0; i < PAGES * 16; i++)
+        kvt_put_u32(mbody + sizeof mw + 4 * i, tok[i]);
+    req(fd, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, mbody, sizeof mbody);
+    uint8_t rb[1024];
+    uint32_t rlen = 0;
+    cr_assert_eq(reply(fd, KVT_OP_MATCH, 2, rb, &rlen), 0);
+    kvt_wire_match_reply_t mr;
+    memcpy(&mr, rb, sizeof mr);
+    cr_assert_eq(mr.pages, PAGES);
+    cr_assert_neq(mr.lease, 0);
+
+    long before = kvd_rss_kib(&d);
+    cr_assert_gt(before, 0);
+    kvt_wire_get_t gw = {.lease = mr.lease, .first_page = 0, .npages = PAGES};
+    for (int i = 0; i < GETS; i++)
+        req(fd, KVT_OP_GET, 0, 100 + (uint64_t)i, &gw, sizeof gw);
+    /* While those replies wait for a reader that never comes, the other client is served. */
+    long peak = before;
+    for (int i = 0; i < 40; i++) {
+        cr_assert_eq(kvt_client_ping(good, NULL), 0, "the other client is served");
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(good, tok, PAGES * 16, 0, 0, NULL, &m), 0);
+        cr_assert_eq(m.pages, PAGES);
+        peak = KVT_MAX(peak, kvd_rss_kib(&d));
+        usleep(20000);
+    }
+    cr_expect_lt(peak - before, 128 << 10, "400 MiB of GET replies queued: RSS grew %ld KiB",
+                 peak - before);
+    close(fd);
+    cr_assert_eq(kvt_client_ping(good, NULL), 0);
+    free(payload);
+    kvt_client_close(good);
     kvd_cleanup(&d);
 }
