@@ -82,6 +82,8 @@ static const kvt_opt_t kvt_opts[] = {
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
     {"max-inflight", KVT_OPT_U32, KVT_O(max_inflight), "64",
      "tier I/Os in flight per connection before it stops reading requests"},
+    {"max-output", KVT_OPT_BYTES, KVT_O(max_output), "16M",
+     "reply bytes queued per connection before it stops reading requests (64K..1G)"},
     {"tick-ms", KVT_OPT_U32, KVT_O(tick_ms), "50",
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
@@ -438,6 +440,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen,
                  "max-conns, lease-ms and max-inflight must be > 0, and lease-ms <= "
                  "lease-ms-max");
+        return KVT_EINVAL;
+    }
+    if (conf->max_output < (64u << 10) || conf->max_output > (1ull << 30)) {
+        snprintf(err, errlen, "max-output must be between 64K and 1G");
         return KVT_EINVAL;
     }
     if (conf->tick_ms == 0 || conf->tick_ms > 10000) {

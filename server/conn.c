@@ -23,7 +23,6 @@
 #include <unistd.h>
 
 #define KVT_READ_CHUNK (256u << 10)
-#define KVT_OUT_HIGH   (16u << 20) /* stop reading requests above this much queued output */
 #define KVT_IOV_MAX    64
 
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
@@ -391,7 +390,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
     size_t off = 0;
     kvt_conn_warm(c);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
-        if (c->inflight >= s->conf->max_inflight || c->out_bytes >= KVT_OUT_HIGH)
+        if (c->inflight >= s->conf->max_inflight || c->out_bytes >= s->conf->max_output)
             break;
         kvt_proto_hdr_t h;
         int rc = kvt_frame_at(c, off, &h);
@@ -459,7 +458,7 @@ static void kvt_conn_read(kvt__conn_t *c)
         }
         c->in_len += (size_t)n;
         kvt_conn_parse(c);
-        if (c->inflight >= c->srv->conf->max_inflight || c->out_bytes >= KVT_OUT_HIGH)
+        if (c->inflight >= c->srv->conf->max_inflight || c->out_bytes >= c->srv->conf->max_output)
             return;
         /* A short read took all the socket had: the next read would only say EAGAIN. Bytes
          * that arrive meanwhile wake epoll again (level-triggered), so none wait. */
@@ -478,7 +477,7 @@ void kvt__conn_kick(kvt__conn_t *c)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
     if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR &&
-        c->inflight < s->conf->max_inflight && c->out_bytes < KVT_OUT_HIGH) {
+        c->inflight < s->conf->max_inflight && c->out_bytes < s->conf->max_output) {
         kvt_conn_parse(c);
         if (kvt_conn_write(c) < 0)
             c->dead = 1;
@@ -490,7 +489,7 @@ void kvt__conn_kick(kvt__conn_t *c)
         return;
     }
     uint32_t want = 0;
-    if (!c->closing && c->inflight < s->conf->max_inflight && c->out_bytes < KVT_OUT_HIGH)
+    if (!c->closing && c->inflight < s->conf->max_inflight && c->out_bytes < s->conf->max_output)
         want |= EPOLLIN;
     int unsent = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {

@@ -50,6 +50,8 @@ Test(server_policy, bad_settings_refused)
         {"--nvme-min-hits", "-1", "bad value '-1' for nvme-min-hits"},
         {"--tick-ms", "0", "tick-ms must be between 1 and 10000"}, /* PREFETCH deadlines */
         {"--tick-ms", "10001", "tick-ms must be between 1 and 10000"},
+        {"--max-output", "1K", "max-output must be between 64K and 1G"},
+        {"--max-output", "2G", "max-output must be between 64K and 1G"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char err[1024];
