@@ -704,11 +704,11 @@ static int kvt_remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, 
         m.pages < pages)
         return 0;
     kvt_radix_node_t *top = kvt_radix_node_holding(m.node, pages - 1);
+    uint32_t d = kvt_radix_node_depth(top);
     for (kvt__conn_t *c = s->conns; c; c = c->next)
         for (size_t i = 0; i < c->nleases; i++)
-            for (kvt_radix_node_t *x = c->leases[i].node; x; x = kvt_radix_node_parent(x))
-                if (x == top)
-                    return 1;
+            if (kvt_radix_node_holding(c->leases[i].node, d) == top) /* top on the lease's path */
+                return 1;
     return 0;
 }
 

@@ -223,12 +223,9 @@ static int kvt_leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
     uint32_t all = kvt_radix_node_leases(n), own = 0;
     if (all <= 1)
         return 0;
+    uint32_t d = kvt_radix_node_depth(n);
     for (kvt__move_t *mm = s->moves; mm && own < all; mm = mm->next)
-        for (kvt_radix_node_t *x = mm->node; x; x = kvt_radix_node_parent(x))
-            if (x == n) {
-                own++;
-                break;
-            }
+        own += kvt_radix_node_holding(mm->node, d) == n; /* n is on mm's path */
     return all > own;
 }
 
