@@ -168,7 +168,7 @@ int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
 
 /* Drops the last whole page of tokens and everything cached beneath it. KVT_CLIENT_ENOENT when
  * not cached, KVT_CLIENT_EBUSY when a connection's lease holds it. Blocks the daemon itself is
- * moving or reading are waited for (up to its lease-ms), not refused. */
+ * moving or reading are waited for (up to a second, then KVT_CLIENT_EBUSY), not refused. */
 int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 
 /* The daemon's counters, one cb call per (name, value); cb's non-zero return stops. */

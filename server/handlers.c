@@ -691,6 +691,8 @@ static int kvt_h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
 }
 
+#define KVT_REMOVE_WAIT_MS 1000
+
 /*
  * Whether a connection's lease holds what removing tokens[0, n) would remove: the node holding
  * its last whole page, or one below it. Such a REMOVE is refused (EBUSY) at once; one held only by
@@ -755,13 +757,16 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     int rc = kvt_remove(s, c->ns, c->tok, n);
     if (rc == KVT_EBUSY && !kvt_remove_leased(s, c->ns, c->tok, n)) {
         /* Held by moves or requests in flight, which end soon: wait for them (retried when
-         * moves land and every tick, for at most lease-ms) rather than answer "try again". */
+         * moves land and every tick) rather than answer "try again". For at most
+         * KVT_REMOVE_WAIT_MS: the policy may keep starting moves under it (demotions into a
+         * remote tier that is down fail and start again), and the connection's later replies
+         * wait behind it. */
         kvt__req_t *r = kvt__req_new(c, KVT_REQ_REMOVE, h->opcode, h->request_id, t0);
         if (r && (r->payload = malloc((size_t)n * sizeof(uint32_t)))) {
             memcpy(r->payload, c->tok, (size_t)n * sizeof(uint32_t));
             r->ns = c->ns;
             r->pages = n; /* tokens, for a REMOVE */
-            r->deadline_ns = kvt_now_ns() + (uint64_t)s->conf->lease_ms * 1000000;
+            r->deadline_ns = kvt_now_ns() + KVT_REMOVE_WAIT_MS * 1000000ull;
             s->reqs_waiting = 1;
             return 0;
         }

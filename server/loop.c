@@ -349,12 +349,15 @@ int kvt__srv_run(kvt_srv_t *s)
             kvt__ev_t *ev = evs[i].data.ptr;
             ev->cb(s, ev, evs[i].events);
         }
-        kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
+        /* Requests waiting for moves go first, before the policy's step can start new moves on
+         * what they wait for: a REMOVE behind a demotion that fails every time (a remote tier
+         * that is down) would otherwise never find its prefix free. */
         if (s->moves_landed) {
             s->moves_landed = 0;
             if (s->reqs_waiting)
                 kvt__conns_deadlines(s, kvt_now_ns());
         }
+        kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
     }
 }
 

@@ -41,7 +41,8 @@ static void check_get(kvt_client_t *c, uint64_t lease, uint32_t first, uint32_t 
     free(want);
 }
 
-/* REMOVE refuses a prefix whose blocks the policy is moving right now: retry for up to 5 s. */
+/* REMOVE waits up to a second for the policy's moves on its prefix, then answers EBUSY (a busy
+ * machine can take longer): retry for up to 5 s. */
 static int remove_retry(kvt_client_t *c, const uint32_t *tok, uint32_t n)
 {
     int rc = 0;

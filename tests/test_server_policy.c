@@ -772,7 +772,9 @@ Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
     cr_expect_gt(metric(&d, "kvtier_blocks_moved_total{from=\"nvme\",to=\"remote\"}"), 0);
     cr_expect_gt(metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), 0,
                  "NVMe reclaimed blocks under the mix");
-    for (int pass = 0; pass < 2; pass++) /* a second pass after moves in flight have landed */
+    /* Each REMOVE waits up to a second for moves on its prefix, mix_remove up to 5 s more; a
+     * second pass after moves in flight have landed. */
+    for (int pass = 0; pass < 2; pass++)
         for (int k = 0; k < MIX_K; k++) {
             int rc = mix_remove(c, k);
             cr_assert(rc == 0 || rc == KVT_CLIENT_ENOENT, "remove %d: %s", k, kvt_client_errmsg(c));

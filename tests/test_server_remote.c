@@ -188,6 +188,37 @@ Test(server_remote, pages_nvme_cannot_place_go_on_to_redis)
     kvd_cleanup(&d);
 }
 
+/*
+ * With the remote tier down, NVMe past its high watermark keeps demoting into it, and every one
+ * of those moves fails and starts again. A REMOVE waits for moves on its prefix only so long
+ * (it used to wait up to lease-ms, 30 s, past the client's own 10 s timeout): it is answered,
+ * removed or EBUSY, and the connection goes on.
+ */
+Test(server_remote, remove_is_answered_while_demotions_to_a_dead_remote_fail)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--dram-bytes", "0", "--nvme-bytes", "2M",
+              "--nvme-segment-bytes", "1M", "--policy-high", "0.5", "--policy-low", "0.25",
+              "--remote", "127.0.0.1:1", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    enum { N = 8, P = 12 };
+    static uint32_t tok[N][P * PAGE];
+    kvt_client_put_t r;
+    for (int k = 0; k < N; k++) {
+        kvd_tokens(tok[k], P * PAGE, 1000000u * (k + 1));
+        put_all(c, tok[k], P, 100 * k, &r);
+    }
+    usleep(200000); /* the failing demotions are under way */
+    for (int k = 0; k < N; k++) {
+        int rc = kvt_client_remove(c, tok[k], PAGE);
+        cr_assert(rc == 0 || rc == KVT_CLIENT_EBUSY, "remove %d: %d %s", k, rc,
+                  kvt_client_errmsg(c));
+    }
+    cr_expect_eq(kvt_client_ping(c, NULL), 0, "the connection goes on");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(server_remote, second_daemon_finds_the_first_ones_prefix)
 {
     const char *addr = redis_addr();
