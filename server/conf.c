@@ -84,6 +84,9 @@ static const kvt_opt_t kvt_opts[] = {
      "tier I/Os in flight per connection before it stops reading requests"},
     {"max-output", KVT_OPT_BYTES, KVT_O(max_output), "16M",
      "reply bytes queued per connection before it stops reading requests (64K..1G)"},
+    {"max-client-bytes", KVT_OPT_BYTES, KVT_O(max_client_bytes), "1G",
+     "memory all connections together may hold beyond their 512 KiB input buffers: frames over "
+     "that, queued replies, PUT payloads waiting for their writes (at least max-frame + 1M)"},
     {"tick-ms", KVT_OPT_U32, KVT_O(tick_ms), "50",
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
@@ -444,6 +447,11 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     }
     if (conf->max_output < (64u << 10) || conf->max_output > (1ull << 30)) {
         snprintf(err, errlen, "max-output must be between 64K and 1G");
+        return KVT_EINVAL;
+    }
+    if (conf->max_client_bytes < conf->max_frame + (1u << 20)) {
+        snprintf(err, errlen, "max-client-bytes must be at least max-frame + 1M (%llu)",
+                 (unsigned long long)(conf->max_frame + (1u << 20)));
         return KVT_EINVAL;
     }
     if (conf->tick_ms == 0 || conf->tick_ms > 10000) {

@@ -37,11 +37,12 @@ typedef struct kvt_srv_conf {
     uint64_t max_frame;
     uint64_t index_bytes; /* memory the prefix index may allocate; 0: no limit */
     uint32_t max_conns;
-    uint32_t lease_ms;           /* default lease time limit */
-    uint32_t lease_ms_max;       /* the longest a client may ask for */
-    uint32_t max_inflight;       /* tier I/Os in flight per connection before reads pause */
-    uint64_t max_output;         /* queued reply bytes per connection before reads pause */
-    uint32_t tick_ms;            /* housekeeping interval (leases, deadlines, gauges, clock) */
+    uint32_t lease_ms;         /* default lease time limit */
+    uint32_t lease_ms_max;     /* the longest a client may ask for */
+    uint32_t max_inflight;     /* tier I/Os in flight per connection before reads pause */
+    uint64_t max_output;       /* queued reply bytes per connection before reads pause */
+    uint64_t max_client_bytes; /* clients' buffers beyond their base input buffers, all together */
+    uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
      * the daemon does with them today. */

@@ -24,6 +24,47 @@
 
 #define KVT_READ_CHUNK (256u << 10)
 #define KVT_IOV_MAX    64
+/* A connection's input buffer between big frames: a frame that does not fit gets a buffer of its
+ * own size (within max-client-bytes), which goes back to this size once the frame is handled. */
+#define KVT_IN_BASE (2 * KVT_READ_CHUNK)
+/* Token scratch (misaligned frames) above this many tokens is freed after its frame. */
+#define KVT_TOKENS_KEEP (64u << 10)
+
+/* The part of an input buffer of cap bytes that counts in the clients' memory. */
+static size_t kvt_in_counted(size_t cap)
+{
+    return cap > KVT_IN_BASE ? cap - KVT_IN_BASE : 0;
+}
+
+/* c's input buffer becomes cap bytes (its content kept up to cap). */
+static int kvt_in_resize(kvt__conn_t *c, size_t cap)
+{
+    uint8_t *p = realloc(c->in, cap);
+    if (!p)
+        return KVT_ENOMEM;
+    c->srv->client_bytes += kvt_in_counted(cap);
+    c->srv->client_bytes -= kvt_in_counted(c->in_cap);
+    c->in = p;
+    c->in_cap = cap;
+    return 0;
+}
+
+static void kvt_mem_wait_end(kvt__conn_t *c)
+{
+    if (c->mem_wait) {
+        c->mem_wait = 0;
+        c->srv->mem_waiting--;
+    }
+}
+
+/* max-client-bytes reached: a connection with replies queued or tier I/O in flight takes no new
+ * request until they drain (they free memory, and kick it when they do). One with nothing may
+ * still take one: a frame in its base buffer, so that every client gets served. */
+static int kvt_mem_full(const kvt__conn_t *c)
+{
+    const kvt_srv_t *s = c->srv;
+    return s->client_bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
+}
 
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
 {
@@ -90,7 +131,10 @@ void kvt__req_free(kvt__req_t *r)
         free(r->ios);
     }
     free(r->segs);
-    free(r->payload);
+    if (r->held) {
+        free(r->held);
+        r->srv->client_bytes -= r->held_bytes;
+    }
     free(r->extra);
     free(r->out);
     free(r);
@@ -115,6 +159,8 @@ void kvt__conn_close(kvt__conn_t *c)
         }
         r = next;
     }
+    kvt_mem_wait_end(c);
+    s->client_bytes -= kvt_in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_del(s, &c->ev);
     close(c->ev.fd);
     if (c->prev)
@@ -157,8 +203,34 @@ int kvt__req_append(kvt__req_t *r, const void *p, size_t len)
     memcpy(r->out + r->out_len, p, len);
     r->out_len += len;
     if (r->conn)
-        r->conn->out_bytes += len;
+        kvt__out_add(r->conn, (int64_t)len);
     return 0;
+}
+
+int kvt__req_hold(kvt__req_t *r, const void *src, size_t bytes)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p)
+        return KVT_ENOMEM;
+    memcpy(p, src, bytes);
+    r->held = r->payload = p;
+    r->held_bytes = bytes;
+    r->srv->client_bytes += bytes;
+    return 0;
+}
+
+void *kvt__conn_take_frame(kvt__conn_t *c, const uint8_t *body, uint32_t body_len, size_t *bytes)
+{
+    if (c->in_cap <= KVT_IN_BASE || body != c->in + KVT_PROTO_HDR ||
+        c->in_len != KVT_PROTO_HDR + (size_t)body_len)
+        return NULL;
+    void *p = c->in;
+    /* Counted whole from now on: the base part is no longer the connection's. */
+    c->srv->client_bytes += c->in_cap - kvt_in_counted(c->in_cap);
+    *bytes = c->in_cap;
+    c->in = NULL;
+    c->in_len = c->in_cap = 0;
+    return p;
 }
 
 kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint64_t id, uint64_t t0)
@@ -289,7 +361,7 @@ static int kvt_conn_write(kvt__conn_t *c)
                 return 0;
             return -1;
         }
-        c->out_bytes -= (size_t)w;
+        kvt__out_add(c, -(int64_t)w);
         size_t total = 0;
         for (int i = 0; i < n; i++)
             total += iov[i].iov_len;
@@ -390,7 +462,8 @@ static void kvt_conn_parse(kvt__conn_t *c)
     size_t off = 0;
     kvt_conn_warm(c);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
-        if (c->inflight >= s->conf->max_inflight || c->out_bytes >= s->conf->max_output)
+        if (c->inflight >= s->conf->max_inflight || c->out_bytes >= s->conf->max_output ||
+            kvt_mem_full(c))
             break;
         kvt_proto_hdr_t h;
         int rc = kvt_frame_at(c, off, &h);
@@ -415,31 +488,72 @@ static void kvt_conn_parse(kvt__conn_t *c)
             break;
         }
         size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
-        if (rc == 0) {
-            if (kvt_reserve(&c->in, &c->in_cap, frame) < 0) {
-                c->dead = 1;
-                break;
-            }
-            break;
-        }
+        if (rc == 0)
+            break; /* the rest of it is still to come */
         if (kvt__handle(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
             c->closing = 1;
+        if (!c->in) { /* a PUT took the buffer with its frame (kvt__conn_take_frame) */
+            off = 0;
+            break;
+        }
         off += frame;
+        if (c->tokens_cap > KVT_TOKENS_KEEP) {
+            s->client_bytes -= c->tokens_cap * sizeof(uint32_t);
+            free(c->tokens);
+            c->tokens = NULL;
+            c->tokens_cap = 0;
+        }
     }
     if (off > 0) {
         memmove(c->in, c->in + off, c->in_len - off);
         c->in_len -= off;
     }
+    if (c->dead || c->closing)
+        return;
+    /* The frame at the front, whole or not, handled later. */
+    kvt_proto_hdr_t h;
+    size_t want = c->in_len >= KVT_PROTO_HDR && kvt_frame_at(c, 0, &h) >= 0
+                      ? KVT_PROTO_HDR + (size_t)h.body_len
+                      : 0;
+    if (want > c->in_cap) {
+        /* A frame bigger than the buffer: a buffer of its size, if the clients' memory has room
+         * for it; else the connection waits (unread) until it has (kvt__conns_mem_retry). */
+        size_t grow = want - KVT_MAX(c->in_cap, (size_t)KVT_IN_BASE);
+        if (s->client_bytes + grow > s->conf->max_client_bytes) {
+            if (!c->mem_wait) {
+                c->mem_wait = 1;
+                s->mem_waiting++;
+                kvt__metric_add(s->metrics, KVT_M_CLIENT_MEMORY_WAITS, 0, 1);
+                static kvt_log_limit_t lim;
+                kvt_log_limited(&lim, KVT_LOG_INFO,
+                                "kvtierd: connection %llu waits for max-client-bytes (%llu of "
+                                "%llu held) to take a frame of %zu bytes",
+                                (unsigned long long)c->id, (unsigned long long)s->client_bytes,
+                                (unsigned long long)s->conf->max_client_bytes, want);
+            }
+            c->mem_need = grow;
+        } else {
+            kvt_mem_wait_end(c);
+            if (kvt_in_resize(c, want) < 0)
+                c->dead = 1;
+        }
+    } else if (c->in_cap > KVT_IN_BASE && want <= KVT_IN_BASE && c->in_len <= KVT_IN_BASE) {
+        /* The big frame is handled: back to the base buffer. */
+        if (kvt_in_resize(c, KVT_IN_BASE) < 0)
+            c->dead = 1;
+    }
 }
 
 static void kvt_conn_read(kvt__conn_t *c)
 {
-    for (int k = 0; k < 16 && !c->dead && !c->closing; k++) {
-        if (kvt_reserve(&c->in, &c->in_cap, c->in_len + KVT_READ_CHUNK) < 0) {
+    for (int k = 0; k < 16 && !c->dead && !c->closing && !c->mem_wait; k++) {
+        if (c->in_cap < KVT_IN_BASE && kvt_in_resize(c, KVT_IN_BASE) < 0) {
             c->dead = 1;
             return;
         }
         size_t room = c->in_cap - c->in_len;
+        if (room == 0)
+            return; /* parse grows it for a bigger frame, or back-pressure holds it */
         ssize_t n = read(c->ev.fd, c->in + c->in_len, room);
         if (n == 0) {
             if (c->in_len > 0) {
@@ -458,7 +572,8 @@ static void kvt_conn_read(kvt__conn_t *c)
         }
         c->in_len += (size_t)n;
         kvt_conn_parse(c);
-        if (c->inflight >= c->srv->conf->max_inflight || c->out_bytes >= c->srv->conf->max_output)
+        if (c->inflight >= c->srv->conf->max_inflight || c->out_bytes >= c->srv->conf->max_output ||
+            kvt_mem_full(c))
             return;
         /* A short read took all the socket had: the next read would only say EAGAIN. Bytes
          * that arrive meanwhile wake epoll again (level-triggered), so none wait. */
@@ -477,7 +592,8 @@ void kvt__conn_kick(kvt__conn_t *c)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
     if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR &&
-        c->inflight < s->conf->max_inflight && c->out_bytes < s->conf->max_output) {
+        c->inflight < s->conf->max_inflight && c->out_bytes < s->conf->max_output &&
+        !kvt_mem_full(c)) {
         kvt_conn_parse(c);
         if (kvt_conn_write(c) < 0)
             c->dead = 1;
@@ -489,7 +605,8 @@ void kvt__conn_kick(kvt__conn_t *c)
         return;
     }
     uint32_t want = 0;
-    if (!c->closing && c->inflight < s->conf->max_inflight && c->out_bytes < s->conf->max_output)
+    if (!c->closing && !c->mem_wait && c->inflight < s->conf->max_inflight &&
+        c->out_bytes < s->conf->max_output && !kvt_mem_full(c))
         want |= EPOLLIN;
     int unsent = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
@@ -532,6 +649,16 @@ void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next;
         kvt__store_deadlines(c, now);
+    }
+}
+
+void kvt__conns_mem_retry(kvt_srv_t *s)
+{
+    kvt__conn_t *next;
+    for (kvt__conn_t *c = s->conns; c && s->mem_waiting; c = next) {
+        next = c->next;
+        if (c->mem_wait && s->client_bytes + c->mem_need <= s->conf->max_client_bytes)
+            kvt__conn_kick(c); /* parses again: takes its buffer, or waits on */
     }
 }
 

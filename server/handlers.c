@@ -33,6 +33,7 @@ static int kvt_tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n)
         uint32_t *t = realloc(c->tokens, cap * sizeof *t);
         if (!t)
             return KVT_ENOMEM;
+        c->srv->client_bytes += (cap - c->tokens_cap) * sizeof *t;
         c->tokens = t;
         c->tokens_cap = cap;
     }
@@ -586,13 +587,18 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     r->block_bytes = c->block_bytes;
     r->first = q.first_page;
     r->end = q.first_page + q.npayload;
-    size_t bytes = (size_t)q.npayload * c->block_bytes;
-    r->payload = malloc(bytes);
-    if (!r->payload || (rc = kvt_pin(s, res.node, c->ns, &r->lease)) < 0) {
-        r->status = r->payload ? rc : KVT_ENOMEM;
-        r->lease = 0;
+    size_t bytes = (size_t)q.npayload * c->block_bytes, held;
+    /* A frame with a buffer of its own is kept whole until the pages are written, not copied. */
+    if ((r->held = kvt__conn_take_frame(c, body, h->body_len, &held))) {
+        r->held_bytes = held;
+        r->payload = (uint8_t *)(uintptr_t)q.payload;
+        rc = 0;
     } else {
-        memcpy(r->payload, q.payload, bytes);
+        rc = kvt__req_hold(r, q.payload, bytes);
+    }
+    if (rc < 0 || (rc = kvt_pin(s, res.node, c->ns, &r->lease)) < 0) {
+        r->status = rc;
+        r->lease = 0;
     }
     kvt__store_put(s, r); /* replies at once when there is nothing to write */
     return 0;
@@ -762,8 +768,7 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
          * remote tier that is down fail and start again), and the connection's later replies
          * wait behind it. */
         kvt__req_t *r = kvt__req_new(c, KVT_REQ_REMOVE, h->opcode, h->request_id, t0);
-        if (r && (r->payload = malloc((size_t)n * sizeof(uint32_t)))) {
-            memcpy(r->payload, c->tok, (size_t)n * sizeof(uint32_t));
+        if (r && kvt__req_hold(r, c->tok, (size_t)n * sizeof(uint32_t)) == 0) {
             r->ns = c->ns;
             r->pages = n; /* tokens, for a REMOVE */
             r->deadline_ns = kvt_now_ns() + KVT_REMOVE_WAIT_MS * 1000000ull;
@@ -813,6 +818,9 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     kvt_radix_stats(s->radix, &rs);
     kvt_stat(&b, "uptime_ms", (kvt_now_ns() - s->started_ns) / 1000000);
     kvt_stat(&b, "connections", s->nconns);
+    kvt_stat(&b, "client_bytes", s->client_bytes);
+    kvt_stat(&b, "client_memory_waits",
+             (uint64_t)kvt__metric_get(s->metrics, KVT_M_CLIENT_MEMORY_WAITS, 0));
     kvt_stat(&b, "index_nodes", rs.nodes);
     kvt_stat(&b, "index_blocks", rs.blocks);
     kvt_stat(&b, "index_bytes", rs.bytes);

@@ -357,6 +357,8 @@ int kvt__srv_run(kvt_srv_t *s)
             if (s->reqs_waiting)
                 kvt__conns_deadlines(s, kvt_now_ns());
         }
+        if (s->mem_waiting)
+            kvt__conns_mem_retry(s);
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
     }
 }

@@ -101,6 +101,10 @@ typedef enum {
       "Remote values longer than their block, refused without being buffered.", NONE)              \
     X(PREFETCH_WAITS, COUNTER, "kvtier_prefetch_waits_total",                                      \
       "PREFETCH requests that waited for room on its way or for others' moves.", NONE)             \
+    X(CLIENT_BYTES, GAUGE, "kvtier_client_buffer_bytes",                                           \
+      "Memory held for clients beyond their base input buffers (max-client-bytes).", NONE)         \
+    X(CLIENT_MEMORY_WAITS, COUNTER, "kvtier_client_memory_waits_total",                            \
+      "Times a connection stopped reading until max-client-bytes had room for its frame.", NONE)   \
     X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
     X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
       "Leases released because their time limit passed.", NONE)

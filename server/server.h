@@ -120,7 +120,9 @@ struct kvt__req {
     kvt_radix_node_t *node; /* the path's deepest node */
     uint32_t pages;         /* path length */
     uint32_t block_bytes;
-    uint8_t *payload;         /* PUT: the payload pages, copied out of the frame */
+    uint8_t *payload; /* PUT: the payload pages; REMOVE, PREFETCH: their tokens */
+    void *held;       /* what payload lies in, counted in the clients' memory */
+    size_t held_bytes;
     uint32_t first, cur, end; /* PUT: payload pages [first, end); GET: pages [cur, end) left */
     uint32_t stored, skipped, new_pages, sent;
     uint32_t moved, resident, failed, target, batch;
@@ -157,6 +159,8 @@ struct kvt__conn {
     uint32_t events;
     kvt__lease_t *leases;
     size_t nleases, cap_leases;
+    int mem_wait; /* waits for max-client-bytes to have mem_need more bytes */
+    size_t mem_need;
     uint32_t *tokens;    /* scratch for decoded tokens */
     const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
     size_t tokens_cap;
@@ -182,7 +186,11 @@ struct kvt_srv {
     int removing;     /* the free callback is called by REMOVE, not by an eviction */
     uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */
     size_t nghosts;
-    uint64_t inflight;      /* tier I/Os in flight, all connections */
+    uint64_t inflight; /* tier I/Os in flight, all connections */
+    /* Memory held for clients beyond their base input buffers (conn.c): input buffers grown for
+     * big frames, token scratch, queued replies, request payloads. max-client-bytes bounds it. */
+    uint64_t client_bytes;
+    uint32_t mem_waiting;   /* connections with mem_wait set */
     struct kvt__busy *busy; /* reads in flight per block hash (store.c) */
     size_t busy_cap, busy_n;
     int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
@@ -225,6 +233,20 @@ int kvt__req_append(kvt__req_t *r, const void *p, size_t len);
 /* The request has all its reply: write what can be written, free what an orphan held. */
 void kvt__req_finish(kvt__req_t *r);
 void kvt__req_free(kvt__req_t *r);
+/* r->payload: a copy of bytes at src, r's own, counted in the clients' memory. 0 or KVT_ENOMEM. */
+int kvt__req_hold(kvt__req_t *r, const void *src, size_t bytes);
+/* The input buffer, when it holds only the frame whose body is `body` and is a buffer of that
+ * frame's own (one too big for the base buffer): the caller owns it from now on, *bytes long
+ * and counted in the clients' memory. NULL otherwise. */
+void *kvt__conn_take_frame(kvt__conn_t *c, const uint8_t *body, uint32_t body_len, size_t *bytes);
+/* Connections waiting for max-client-bytes to have room try again where it now has. */
+void kvt__conns_mem_retry(kvt_srv_t *s);
+/* Queued reply bytes of c change by delta. */
+static inline void kvt__out_add(kvt__conn_t *c, int64_t delta)
+{
+    c->out_bytes += (size_t)delta;
+    c->srv->client_bytes += (uint64_t)delta;
+}
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
 /* Every tick: leases past their time limit go, then kvt__conns_deadlines. */

@@ -827,6 +827,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
     }
 #endif
     kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)rs.leases);
+    kvt__metric_set(s->metrics, KVT_M_CLIENT_BYTES, 0, (double)s->client_bytes);
 }
 
 void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
@@ -1152,7 +1153,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
             bytes += r->segs[i].len;
         r->sent += good;
         if (r->conn && r->nsegs) {
-            r->conn->out_bytes += bytes;
+            kvt__out_add(r->conn, (int64_t)bytes);
             kvt__conn_kick(r->conn);
             return 0; /* conn.c calls back when the socket has taken it */
         }

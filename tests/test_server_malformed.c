@@ -407,3 +407,167 @@ Test(server_malformed, a_client_that_never_reads_holds_bounded_memory)
     kvt_client_close(good);
     kvd_cleanup(&d);
 }
+
+/* The PUT frame of pages [0, pages) of tok, payload seeded from seed: header and body, encoded as
+ * the protocol document says. *len gets its length; the caller frees it. */
+static uint8_t *put_frame(const uint32_t *tok, uint32_t ntok, uint32_t pages, uint32_t bb,
+                          uint32_t seed, uint64_t id, size_t *len)
+{
+    kvt_wire_put_t w = {.ntokens = ntok, .first_page = 0, .npayload = pages};
+    size_t body = sizeof w + (size_t)ntok * 4 + (size_t)pages * bb;
+    uint8_t *f = malloc(KVT_PROTO_HDR + body);
+    cr_assert(f);
+    kvt_proto_frame(f, KVT_OP_PUT, 0, id, 0, (uint32_t)body);
+    memcpy(f + KVT_PROTO_HDR, &w, sizeof w);
+    uint8_t *p = f + KVT_PROTO_HDR + sizeof w;
+    for (uint32_t i = 0; i < ntok; i++)
+        kvt_put_u32(p + 4 * i, tok[i]);
+    for (uint32_t i = 0; i < pages; i++)
+        kvd_fill(p + (size_t)ntok * 4 + (size_t)i * bb, bb, seed + i);
+    *len = KVT_PROTO_HDR + body;
+    return f;
+}
+
+/* Every page of the prompt reads back under a lease, byte-exact to put_frame's seed. */
+static void reads_back(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t page,
+                       uint32_t bb, uint32_t seed)
+{
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, pages * page, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, pages);
+    uint8_t *buf = malloc((size_t)pages * bb), *want = malloc(bb);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c, m.lease, 0, pages, buf, (size_t)pages * bb, &got, NULL), 0);
+    cr_assert_eq(got, pages);
+    for (uint32_t i = 0; i < pages; i++) {
+        kvd_fill(want, bb, seed + i);
+        cr_assert(memcmp(buf + (size_t)i * bb, want, bb) == 0, "page %u differs", i);
+    }
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    free(buf);
+    free(want);
+}
+
+static void raw_hello(int fd, uint32_t page, uint32_t bb)
+{
+    uint8_t body[64];
+    kvt_wire_hello_t w = {
+        .min_version = 1, .max_version = 1, .page_size = page, .block_bytes = bb, .model_len = 1};
+    memcpy(body, &w, sizeof w);
+    body[sizeof w] = 'm';
+    req(fd, KVT_OP_HELLO, 0, 1, body, sizeof w + 1);
+    cr_assert_eq(reply(fd, KVT_OP_HELLO, 1, NULL, NULL), 0);
+}
+
+/* Polls STATS until name reaches at least v (2 s at most); returns the last value. */
+static uint64_t stat_reaches(kvt_client_t *c, const char *name, uint64_t v)
+{
+    uint64_t x = 0;
+    for (int i = 0; i < 200 && (x = kvd_stat(c, name)) < v; i++)
+        usleep(10000);
+    return x;
+}
+
+/*
+ * A PUT of 8 MiB (a frame sixteen times the base input buffer) gets a buffer of its own, which
+ * the PUT keeps until its pages are written instead of copying them, and which goes back when
+ * they are: the daemon holds nothing for clients once they are answered, and the bytes read
+ * back exact. A MATCH of 200,000 tokens (800 KB) after it takes a big buffer too and gives it
+ * back the same way.
+ */
+Test(server_malformed, big_frames_get_a_buffer_of_their_own_and_give_it_back)
+{
+    enum { PAGE = 16, BB = 1 << 20, PAGES = 8 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "64M", "--nvme-bytes", "0", "--max-frame", "16M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(c, "client_bytes"), 0);
+    int fd = kvd_raw(&d);
+    raw_hello(fd, PAGE, BB);
+    uint32_t tok[PAGES * PAGE];
+    kvd_tokens(tok, PAGES * PAGE, 7);
+    size_t len;
+    uint8_t *f = put_frame(tok, PAGES * PAGE, PAGES, BB, 500, 2, &len);
+    cr_assert_eq(write(fd, f, len), (ssize_t)len);
+    uint8_t rb[64];
+    cr_assert_eq(reply(fd, KVT_OP_PUT, 2, rb, NULL), 0);
+    kvt_wire_put_reply_t pr;
+    memcpy(&pr, rb, sizeof pr);
+    cr_assert_eq(pr.pages, PAGES);
+    cr_expect_eq(kvd_stat(c, "client_bytes"), 0, "the PUT's buffer went with its writes");
+    reads_back(c, tok, PAGES, PAGE, BB, 500);
+
+    enum { NT = 200000 };
+    uint8_t *mb = malloc(sizeof(kvt_wire_match_t) + NT * 4);
+    kvt_wire_match_t mw = {.ntokens = NT};
+    memcpy(mb, &mw, sizeof mw);
+    for (uint32_t i = 0; i < NT; i++)
+        kvt_put_u32(mb + sizeof mw + 4 * i, i < PAGES * PAGE ? tok[i] : 7000000 + i);
+    req(fd, KVT_OP_MATCH, 0, 3, mb, sizeof mw + NT * 4);
+    uint8_t big[sizeof(kvt_wire_match_reply_t) + NT / PAGE];
+    uint32_t blen = 0;
+    cr_assert_eq(reply(fd, KVT_OP_MATCH, 3, big, &blen), 0);
+    kvt_wire_match_reply_t mr;
+    memcpy(&mr, big, sizeof mr);
+    cr_assert_eq(mr.pages, PAGES, "the long MATCH finds the stored prefix");
+    cr_expect_eq(kvd_stat(c, "client_bytes"), 0, "the MATCH's buffer went back to the base");
+    cr_expect_eq(kvd_stat(c, "client_memory_waits"), 0);
+    free(mb);
+    free(f);
+    close(fd);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/*
+ * max-client-bytes 9M, frames of about 6 MiB: the first connection's frame gets its buffer, the
+ * second's does not fit beside it, so that connection is not read (counted, and the memory held
+ * stays under the bound) until the first frame is handled; then it is, and both PUTs store their
+ * bytes exactly. A third client is served all along.
+ */
+Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
+{
+    enum { PAGE = 16, BB = 1 << 20, PAGES = 6 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "64M", "--nvme-bytes", "0", "--max-frame", "8M",
+              "--max-client-bytes", "9M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    int a = kvd_raw(&d), b = kvd_raw(&d);
+    raw_hello(a, PAGE, BB);
+    raw_hello(b, PAGE, BB);
+    uint32_t ta[PAGES * PAGE], tb[PAGES * PAGE];
+    kvd_tokens(ta, PAGES * PAGE, 100);
+    kvd_tokens(tb, PAGES * PAGE, 900000);
+    size_t la, lb;
+    uint8_t *fa = put_frame(ta, PAGES * PAGE, PAGES, BB, 10, 2, &la);
+    uint8_t *fb = put_frame(tb, PAGES * PAGE, PAGES, BB, 20, 2, &lb);
+    enum { HEAD = 64 << 10 }; /* what each sends first: fits the socket's buffer */
+    cr_assert_eq(write(a, fa, HEAD), HEAD);
+    cr_assert(stat_reaches(c, "client_bytes", la - (512 << 10)) >= la - (512 << 10),
+              "the first frame got a buffer of its own");
+    cr_assert_eq(write(b, fb, HEAD), HEAD);
+    cr_assert_eq(stat_reaches(c, "client_memory_waits", 1), 1, "the second frame waits");
+    uint64_t held = kvd_stat(c, "client_bytes");
+    cr_expect_leq(held, 9u << 20, "held %llu", (unsigned long long)held);
+    /* The waiting connection holds back no one else. */
+    uint32_t small[4 * PAGE];
+    kvd_tokens(small, 4 * PAGE, 5000);
+    kvt_client_put_t cp;
+    cr_assert_eq(kvt_client_put(c, small, 4 * PAGE, 0, 0, NULL, NULL, &cp), 0);
+    cr_assert_eq(kvt_client_ping(c, NULL), 0);
+
+    cr_assert_eq(write(a, fa + HEAD, la - HEAD), (ssize_t)(la - HEAD));
+    cr_assert_eq(reply(a, KVT_OP_PUT, 2, NULL, NULL), 0);
+    cr_assert_eq(write(b, fb + HEAD, lb - HEAD), (ssize_t)(lb - HEAD));
+    cr_assert_eq(reply(b, KVT_OP_PUT, 2, NULL, NULL), 0);
+    reads_back(c, ta, PAGES, PAGE, BB, 10);
+    reads_back(c, tb, PAGES, PAGE, BB, 20);
+    cr_expect_eq(kvd_stat(c, "client_memory_waits"), 1);
+    cr_expect_eq(kvd_stat(c, "client_bytes"), 0);
+    free(fa);
+    free(fb);
+    close(a);
+    close(b);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}

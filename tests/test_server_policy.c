@@ -52,6 +52,7 @@ Test(server_policy, bad_settings_refused)
         {"--tick-ms", "10001", "tick-ms must be between 1 and 10000"},
         {"--max-output", "1K", "max-output must be between 64K and 1G"},
         {"--max-output", "2G", "max-output must be between 64K and 1G"},
+        {"--max-client-bytes", "64M", "max-client-bytes must be at least max-frame + 1M"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char err[1024];
