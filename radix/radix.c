@@ -77,6 +77,7 @@ struct kvt_radix {
 
     kvt_radix_node_t **nodes; /* registry of non-root nodes */
     size_t nnodes, nodes_cap;
+    uint32_t max_kcap; /* the largest child array made so far (kvt_radix_insert_bound) */
 
     kvt_radix_node_t list; /* sentinel of the evictable list */
     size_t nlist;
@@ -348,6 +349,8 @@ static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
     if (n->nkids < n->kcap)
         return 0;
     uint32_t cap = n->kcap ? n->kcap * 2 : 1;
+    if (cap > t->max_kcap)
+        t->max_kcap = cap;
     uint64_t *k = rx_malloc(t, (size_t)cap * (sizeof(uint64_t) + sizeof(void *)));
     if (!k)
         return KVT_ENOMEM;
@@ -841,6 +844,24 @@ int kvt_radix_insert(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
     walk_t w;
     walk(t, ns, tokens, npages, 0, &w);
     return insert_after(t, ns, tokens, npages, &w, res);
+}
+
+uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntokens)
+{
+    if (!t || ns >= t->nns)
+        return 0;
+    uint32_t ps = t->ns[ns].page_size;
+    size_t np = KVT_MIN(ntokens / ps, (size_t)UINT32_MAX);
+    /* The new leaf and its storage; a split's node, child array and the smaller half's copy (no
+     * more pages than the request's); a compaction of the split's other half (as much again);
+     * one child array doubling; the registry doubling when it is full. */
+    uint64_t b = 2 * sizeof(kvt_radix_node_t) + 2 * (sizeof(uint64_t) + sizeof(void *)) +
+                 3 * (uint64_t)storage_bytes((uint32_t)np, ps);
+    b += (uint64_t)KVT_MAX(t->max_kcap, 1u) * (sizeof(uint64_t) + sizeof(void *));
+    if (t->nnodes + 2 > t->nodes_cap)
+        b += (uint64_t)KVT_MAX(t->nodes_cap, (size_t)64) * sizeof(void *);
+    /* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
+    return b + b / 4 + 8 * 64;
 }
 
 int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_t *tokens,

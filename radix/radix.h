@@ -344,6 +344,11 @@ uint32_t kvt_radix_trim(kvt_radix_t *t, uint64_t target, uint32_t budget,
 size_t kvt_radix_node_count(const kvt_radix_t *t);
 kvt_radix_node_t *kvt_radix_node_at(const kvt_radix_t *t, size_t i);
 
+/* The most kvt_radix_insert of ntokens tokens in namespace ns can add to the tree's bytes now:
+ * its new nodes, a split and its copies, a child array's and the node registry's growth, each
+ * rounded up as the allocator does. For admission against a bound on the index's memory. */
+uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntokens);
+
 /* Statistics. */
 typedef struct kvt_radix_stats {
     uint64_t bytes; /* every byte the tree has allocated (malloc_usable_size) */

@@ -473,13 +473,19 @@ static uint64_t kvt_index_bytes(const kvt_srv_t *s)
     return rs.bytes;
 }
 
-int kvt__index_room(kvt_srv_t *s)
+int kvt__index_room(kvt_srv_t *s, uint32_t ns, size_t ntokens)
 {
     uint64_t cap = s->conf->index_bytes;
-    if (!cap || kvt_index_bytes(s) < cap)
+    if (!cap)
         return 0;
-    kvt__index_trim(s, cap / 100 * KVT_INDEX_LOW_PCT, KVT_TRIM_INLINE);
-    return kvt_index_bytes(s) < cap ? 0 : KVT_ENOSPC;
+    /* Admitted only when the insert's worst case fits: the index never passes index-bytes. */
+    uint64_t need = kvt_radix_insert_bound(s->radix, ns, ntokens);
+    if (need > cap)
+        return KVT_ENOSPC;
+    if (kvt_index_bytes(s) + need <= cap)
+        return 0;
+    kvt__index_trim(s, KVT_MIN(cap / 100 * KVT_INDEX_LOW_PCT, cap - need), KVT_TRIM_INLINE);
+    return kvt_index_bytes(s) + need <= cap ? 0 : KVT_ENOSPC;
 }
 
 void kvt__store_step(kvt_srv_t *s)

@@ -142,9 +142,16 @@ static void run(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet)
             cr_assert_eq(kvt_radix_match(t, ns, q, ntok, 0, &mt), 0);
             uint32_t want = model_match(&m, q, np);
             cr_assert_eq(mt.pages, want, "step %u: match %u, model %u", step, mt.pages, want);
+            kvt_radix_stats_t before, after;
+            kvt_radix_stats(t, &before);
+            uint64_t bound = kvt_radix_insert_bound(t, ns, ntok);
             int rc = rnd(2) ? kvt_radix_insert_matched(t, &mt, q, ntok, &r)
                             : kvt_radix_insert(t, ns, q, ntok, &r);
             cr_assert_eq(rc, 0, "step %u: insert: %s", step, kvt_strerror(rc));
+            kvt_radix_stats(t, &after);
+            cr_assert_leq(after.bytes, before.bytes + bound,
+                          "step %u: the insert added %lld bytes, over its bound of %llu", step,
+                          (long long)(after.bytes - before.bytes), (unsigned long long)bound);
             cr_assert_eq(r.new_pages, np - want, "step %u: new pages", step);
             model_seq_t *s = &m.seq[m.n++];
             memcpy(s->tok, q, (size_t)np * ps * sizeof(uint32_t));

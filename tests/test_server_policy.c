@@ -485,20 +485,22 @@ static uint64_t index_bytes(kvt_client_t *c)
 }
 
 /*
- * Index-only PUTs of ever new prompts, far more than index-bytes holds: the index stays under
- * it (give or take the one request being added), the least recently used prompts go, a leased
- * prompt stays, a lookup of a trimmed prompt is a miss counted as evicted. With no tier at all
- * (no policy: the daemon trims the tree itself) and with the test's tiers (the policy trims).
+ * Index-only PUTs of ever new prompts, far more than index-bytes holds, and now and then a long
+ * one: the index is never over it (a PUT is let in only when the most it can allocate fits), the
+ * least recently used prompts go, a leased prompt stays, a lookup of a trimmed prompt is a miss
+ * counted as evicted, and a prompt that could never fit is refused. With no tier at all (no
+ * policy: the daemon trims the tree itself) and with the test's tiers (the policy trims).
  */
 Test(server_policy, index_stays_under_index_bytes)
 {
-    enum { PAGES = 16, PROMPTS = 1500, CAP = 512 << 10, SLACK = 16 << 10 };
+    enum { PAGES = 16, PROMPTS = 1500, CAP = 512 << 10, LONG = 600 };
     const char *const setups[2][9] = {
         {"--index-bytes", "512K", "--dram-bytes", "0", "--nvme-bytes", "0", "--hbm-bytes", "0",
          NULL},
         {"--index-bytes", "512K", NULL},
     };
     uint32_t tok[PAGES * PAGE];
+    static uint32_t big[LONG * PAGE * 4];
     for (int v = 0; v < 2; v++) {
         kvd_t d = {0};
         kvd_startv(&d, setups[v]);
@@ -512,17 +514,28 @@ Test(server_policy, index_stays_under_index_bytes)
         cr_assert_eq(m.pages, PAGES);
         uint64_t most = 0;
         for (uint32_t k = 1; k <= PROMPTS; k++) {
-            index_prompt(tok, PAGES, k);
-            int rc = kvt_client_put(c, tok, PAGES * PAGE, 0, 0, NULL, NULL, &r);
+            int rc;
+            if (k % 100 == 50) { /* a long prompt: 600 pages, a good part of the index */
+                index_prompt(big, LONG, 5000 + k);
+                rc = kvt_client_put(c, big, LONG * PAGE, 0, 0, NULL, NULL, &r);
+            } else {
+                index_prompt(tok, PAGES, k);
+                rc = kvt_client_put(c, tok, PAGES * PAGE, 0, 0, NULL, NULL, &r);
+            }
             cr_assert_eq(rc, 0, "setup %d, put %u: %s %s", v, k, kvt_client_strerror(rc),
                          kvt_client_errmsg(c));
-            if (k % 50 == 0) {
-                uint64_t b = index_bytes(c);
-                most = b > most ? b : most;
-            }
+            uint64_t b = index_bytes(c);
+            most = b > most ? b : most;
+            cr_assert_leq(b, (uint64_t)CAP, "setup %d, put %u: the index holds %llu bytes", v, k,
+                          (unsigned long long)b);
         }
-        cr_expect_leq(most, (uint64_t)CAP + SLACK, "setup %d: the index reached %llu bytes", v,
-                      (unsigned long long)most);
+        /* Four times as long: more than index-bytes could ever hold. */
+        index_prompt(big, 4 * LONG, 4999);
+        int rc = kvt_client_put(c, big, 4 * LONG * PAGE, 0, 0, NULL, NULL, &r);
+        cr_expect_eq(rc, KVT_CLIENT_ENOSPC, "setup %d: a prompt that cannot fit: %s", v,
+                     kvt_client_strerror(rc));
+        cr_expect(strstr(kvt_client_errmsg(c), "no room"), "%s", kvt_client_errmsg(c));
+        cr_expect_leq(index_bytes(c), (uint64_t)CAP);
         cr_expect_gt(most, (uint64_t)CAP / 2, "setup %d: the test filled the index", v);
         cr_expect_eq(metric(&d, "kvtier_index_capacity_bytes"), (double)CAP);
         cr_expect_gt(metric(&d, "kvtier_blocks_dropped_total{tier=\"none\"}"), 0);
@@ -579,7 +592,7 @@ Test(server_policy, full_index_of_leased_pages_refuses_puts)
     cr_assert_eq(put_st, KVT_CLIENT_ENOSPC, "a PUT is refused once all is leased (%u PUTs, %d)", k,
                  put_st);
     cr_expect(strstr(kvt_client_errmsg(c), "index-bytes"), "%s", kvt_client_errmsg(c));
-    cr_expect_leq(index_bytes(other), (uint64_t)(64 << 10) + (16 << 10));
+    cr_expect_leq(index_bytes(other), (uint64_t)(64 << 10));
     kvt_client_match_t q = {0};
     cr_assert_eq(kvt_client_match(other, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
     cr_expect_eq(q.pages, 0, "the refused PUT added nothing");
