@@ -523,7 +523,8 @@ Test(server_malformed, big_frames_get_a_buffer_of_their_own_and_give_it_back)
  * max-client-bytes 9M, frames of about 6 MiB: the first connection's frame gets its buffer, the
  * second's does not fit beside it, so that connection is not read (counted, and the memory held
  * stays under the bound) until the first frame is handled; then it is, and both PUTs store their
- * bytes exactly. A third client is served all along.
+ * bytes exactly. A third frame waits as well and its client hangs up meanwhile; a fourth client
+ * is served all along.
  */
 Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
 {
@@ -547,6 +548,15 @@ Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
               "the first frame got a buffer of its own");
     cr_assert_eq(write(b, fb, HEAD), HEAD);
     cr_assert_eq(stat_reaches(c, "client_memory_waits", 1), 1, "the second frame waits");
+    /* A third waits too, and hangs up while it does: it leaves nothing behind. */
+    int x = kvd_raw(&d);
+    raw_hello(x, PAGE, BB);
+    cr_assert_eq(write(x, fb, HEAD), HEAD);
+    cr_assert_eq(stat_reaches(c, "client_memory_waits", 2), 2, "the third frame waits");
+    close(x);
+    for (int i = 0; i < 200 && kvd_stat(c, "connections") > 3; i++)
+        usleep(10000);
+    cr_assert_eq(kvd_stat(c, "connections"), 3, "the third connection is gone");
     uint64_t held = kvd_stat(c, "client_bytes");
     cr_expect_leq(held, 9u << 20, "held %llu", (unsigned long long)held);
     /* The waiting connection holds back no one else. */
@@ -562,7 +572,7 @@ Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
     cr_assert_eq(reply(b, KVT_OP_PUT, 2, NULL, NULL), 0);
     reads_back(c, ta, PAGES, PAGE, BB, 10);
     reads_back(c, tb, PAGES, PAGE, BB, 20);
-    cr_expect_eq(kvd_stat(c, "client_memory_waits"), 1);
+    cr_expect_eq(kvd_stat(c, "client_memory_waits"), 2);
     cr_expect_eq(kvd_stat(c, "client_bytes"), 0);
     free(fa);
     free(fb);
