@@ -207,6 +207,19 @@ int kvt__req_append(kvt__req_t *r, const void *p, size_t len)
     return 0;
 }
 
+int kvt__req_reply(kvt__req_t *r, const void *body, uint32_t len)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    kvt_proto_frame(hdr, r->op | KVT_OP_REPLY, 0, r->id, r->status, len);
+    if (!r->conn)
+        return 0; /* an orphan: nobody to answer */
+    if (kvt__req_append(r, hdr, sizeof hdr) < 0 || (len && kvt__req_append(r, body, len) < 0)) {
+        r->conn->dead = 1; /* a reply lost would break the order of the rest */
+        return KVT_ENOMEM;
+    }
+    return 0;
+}
+
 int kvt__req_hold(kvt__req_t *r, const void *src, size_t bytes)
 {
     void *p = malloc(bytes ? bytes : 1);

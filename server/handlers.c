@@ -314,14 +314,13 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
                             int remote_down)
 {
     kvt_srv_t *s = c->srv;
-    uint8_t stackbuf[KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + 512];
+    uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
     size_t len = sizeof(kvt_wire_match_reply_t) + m->pages;
-    uint8_t *frame =
-        KVT_PROTO_HDR + len <= sizeof stackbuf ? stackbuf : malloc(KVT_PROTO_HDR + len);
+    uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
     int rc = 0;
-    if (!frame)
+    if (!out)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    uint8_t *out = frame + KVT_PROTO_HDR, *tiers = out + sizeof(kvt_wire_match_reply_t);
+    uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
     /* Tiers per page, node by node: each node's blocks are read in place. */
     for (kvt_path_run_t pr = kvt_path_run_first(m->pages ? m->node : NULL, m->node_pages); pr.node;
          kvt_path_run_next(&pr))
@@ -368,14 +367,12 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     }
     if (r) {
         r->status = rc;
-        kvt_proto_frame(frame, r->op | KVT_OP_REPLY, 0, r->id, rc, (uint32_t)len);
-        if (kvt__req_append(r, frame, KVT_PROTO_HDR + len) < 0)
-            c->dead = 1;
+        kvt__req_reply(r, out, (uint32_t)len);
         kvt__req_finish(r);
         rc = 0;
     }
-    if (frame != stackbuf)
-        free(frame);
+    if (out != stackbuf)
+        free(out);
     return rc;
 }
 
@@ -730,11 +727,8 @@ static int kvt_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_
 
 static void kvt_remove_reply(kvt__req_t *r, int rc)
 {
-    uint8_t hdr[KVT_PROTO_HDR];
     r->status = rc;
-    kvt_proto_frame(hdr, r->op | KVT_OP_REPLY, 0, r->id, rc, 0);
-    if (kvt__req_append(r, hdr, sizeof hdr) < 0)
-        r->conn->dead = 1;
+    kvt__req_reply(r, NULL, 0);
     kvt__req_finish(r);
 }
 

@@ -230,6 +230,9 @@ kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint6
                          uint64_t t0);
 /* Adds bytes to a request's output (GET frames, final replies). Returns 0 or KVT_ENOMEM. */
 int kvt__req_append(kvt__req_t *r, const void *p, size_t len);
+/* Appends r's reply frame: status r->status, then len bytes of body. Out of memory closes the
+ * connection (the replies after it would otherwise answer the wrong requests). */
+int kvt__req_reply(kvt__req_t *r, const void *body, uint32_t len);
 /* The request has all its reply: write what can be written, free what an orphan held. */
 void kvt__req_finish(kvt__req_t *r);
 void kvt__req_free(kvt__req_t *r);

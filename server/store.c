@@ -958,18 +958,13 @@ static void kvt_put_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_put_adopt(s, r);
     kvt_unpin(s, r);
-    uint8_t buf[KVT_PROTO_HDR + sizeof(kvt_wire_put_reply_t)];
     kvt_wire_put_reply_t w = {
         .pages = htole32(r->pages),
         .new_pages = htole32(r->new_pages),
         .stored = htole32(r->stored),
         .skipped = htole32(r->skipped),
     };
-    uint32_t len = r->status < 0 ? 0 : sizeof w;
-    kvt_proto_frame(buf, r->op | KVT_OP_REPLY, 0, r->id, r->status, len);
-    memcpy(buf + KVT_PROTO_HDR, &w, sizeof w);
-    if (kvt__req_append(r, buf, KVT_PROTO_HDR + len) < 0)
-        r->status = KVT_ENOMEM;
+    kvt__req_reply(r, &w, r->status < 0 ? 0 : sizeof w);
     kvt__req_finish(r);
 }
 
@@ -1252,14 +1247,10 @@ end:;
     /* The final frame: status, and how many pages went out before it. */
     if (r->ios)
         kvt_get_release_batch(s, r);
-    uint8_t buf[KVT_PROTO_HDR + sizeof(kvt_wire_get_end_t)];
     kvt_wire_get_end_t e = {.npages = htole32(r->sent)};
-    kvt_proto_frame(buf, r->op | KVT_OP_REPLY, 0, r->id, r->status, sizeof e);
-    memcpy(buf + KVT_PROTO_HDR, &e, sizeof e);
     kvt_unpin(s, r);
     r->out_off = r->out_len = 0;
-    if (kvt__req_append(r, buf, sizeof buf) < 0)
-        r->conn->dead = 1;
+    kvt__req_reply(r, &e, sizeof e);
     kvt__req_finish(r);
     return 0;
 }
@@ -1287,7 +1278,6 @@ static uint32_t kvt_prefetch_count(kvt__req_t *r, uint32_t *busy)
 static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     (void)s;
-    uint8_t buf[KVT_PROTO_HDR + sizeof(kvt_wire_prefetch_reply_t)];
     uint32_t failed = r->pages - KVT_MIN(r->pages, r->resident + r->moved);
     kvt_wire_prefetch_reply_t w = {
         .pages = htole32(r->pages),
@@ -1295,12 +1285,8 @@ static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
         .resident = htole32(r->resident),
         .failed = htole32(failed),
     };
-    uint32_t len = r->status < 0 ? 0 : sizeof w;
-    kvt_proto_frame(buf, r->op | KVT_OP_REPLY, 0, r->id, r->status, len);
-    memcpy(buf + KVT_PROTO_HDR, &w, sizeof w);
     r->replied = 1;
-    if (r->conn && kvt__req_append(r, buf, KVT_PROTO_HDR + len) < 0)
-        r->conn->dead = 1;
+    kvt__req_reply(r, &w, r->status < 0 ? 0 : sizeof w);
 }
 
 #define KVT_PREFETCH_ROUNDS 16
