@@ -134,7 +134,10 @@ static pid_t spawn(char *const argv[], const char *log)
 static int connect_unix(const char *path)
 {
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
-    snprintf(sun.sun_path, sizeof sun.sun_path, "%s", path);
+    size_t n = strlen(path);
+    if (n >= sizeof sun.sun_path)
+        return -1;
+    memcpy(sun.sun_path, path, n + 1);
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     if (fd >= 0 && connect(fd, (struct sockaddr *)&sun, sizeof sun) < 0) {
         close(fd);

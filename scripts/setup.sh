@@ -34,5 +34,7 @@ dir=${1:-build}
 shift || true
 if [ ! -f "$dir/build.ninja" ]; then
     meson setup "$dir" "$@"
+elif [ $# -gt 0 ]; then
+    meson configure "$dir" "$@" # an existing build directory takes the options asked for now
 fi
 ninja -C "$dir"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The whole test suite: format check, a normal build and an ASan+UBSan build, both run against a
-# throwaway redis-server on a free loopback port that this script starts and stops by its PID.
+# The whole test suite: format check, the release build that `make run` starts (so that what it
+# builds is what CI builds) and an ASan+UBSan build, both run against a throwaway redis-server on
+# a free loopback port that this script starts and stops by its PID.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup.sh build
+bash scripts/setup.sh build -Dbuildtype=release
 bash scripts/setup.sh build-asan -Db_sanitize=address,undefined -Db_lundef=false \
     -Dbuildtype=debugoptimized
 
