@@ -116,7 +116,9 @@ struct kvt_policy {
     uint64_t foreign_seen; /* foreign frees at the last rebuild */
     uint64_t foreign;      /* blocks freed by someone else than the engine */
     int in_drop;
-    int stale; /* the cost model changed: rebuild before the next victim */
+    int stale;     /* rebuild before the next victim: the cost model changed a while ago */
+    int dead_lost; /* a node death could not be recorded: only a rebuild is safe */
+    uint64_t inserts_since_rebuild;
 
     pmove_t *pend; /* moves in flight, each holding a lease on its node */
     size_t npend, pend_cap;
@@ -477,6 +479,8 @@ static void push_node(kvt_policy_t *p, kvt_radix_node_t *n)
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
     uint32_t np = kvt_radix_node_pages(n);
     uint32_t i = 0;
+    if (np == 0 || bl[0].tier == KVT_TIER_NONE)
+        return; /* index-only: tiers run fastest first, so the first page says */
     while (i < np) {
         uint8_t t = bl[i].tier;
         uint32_t a, b;
@@ -526,7 +530,8 @@ static void rebuild(kvt_policy_t *p)
     }
     p->rebuild_seq = ++p->seq;
     p->foreign_seen = p->foreign;
-    p->stale = 0;
+    p->stale = p->dead_lost = 0;
+    p->inserts_since_rebuild = 0;
 }
 
 /* ---- acting --------------------------------------------------------------------------------- */
@@ -714,8 +719,11 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
     heap_t *h = &p->heap[t];
     int rebuilt = 0;
     for (size_t guard = 0; guard < 1000000; guard++) {
-        if (p->foreign != p->foreign_seen || p->stale ||
-            h->len > 4 * kvt_radix_node_count(p->t) + 4096) {
+        /* Entries may name freed nodes after others' frees, unless their deaths are reported;
+         * the dead set and stale entries are bounded by the tree's size. */
+        size_t nodes = kvt_radix_node_count(p->t);
+        if ((p->foreign != p->foreign_seen && !p->c.reports_node_frees) || p->stale ||
+            p->dead_lost || h->len > 4 * nodes + 4096 || p->dead.len > nodes + 4096) {
             rebuild(p);
             rebuilt = 1;
         }
@@ -888,6 +896,23 @@ void kvt_policy_destroy(kvt_policy_t *p)
 
 /* ---- hooks ---------------------------------------------------------------------------------- */
 
+/* Every REFRESH_EVERY inserts the cost model learns from the hits and ends counted since; the
+ * heaps' keys were computed with the old one. They are all computed again (a walk over every
+ * node) at most once per 1/1024 of the tree's nodes in inserts: every 64 inserts up to 65,536
+ * nodes (so the replays of docs/policy.md decide exactly as before), every 3,000 or so in a tree
+ * of three million, which would otherwise spend most of its time in that walk. Until then new
+ * keys use the new model and old ones keep theirs. */
+static void after_insert(kvt_policy_t *p)
+{
+    p->inserts_since_rebuild++;
+    if (++p->inserts_since_refresh < REFRESH_EVERY || p->c.kind != KVT_POLICY_COST)
+        return;
+    refresh_model(p);
+    p->inserts_since_refresh = 0;
+    if (p->inserts_since_rebuild >= kvt_radix_node_count(p->t) / 1024)
+        p->stale = 1;
+}
+
 static void apply_hint(kvt_block_t *b, const kvt_policy_hint_t *h, uint32_t depth)
 {
     if (!h || depth < h->from_page)
@@ -1008,11 +1033,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
     }
     if (n && done)
         push_node(p, n);
-    if (++p->inserts_since_refresh >= REFRESH_EVERY && p->c.kind == KVT_POLICY_COST) {
-        refresh_model(p);
-        p->inserts_since_refresh = 0;
-        p->stale = 1;
-    }
+    after_insert(p);
     return (int)done;
 }
 
@@ -1062,12 +1083,14 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
     p->st.blocks[tier] += npages;
     p->st.admitted_bytes[tier] += run_bytes(n, i0, npages);
     push_tier(p, n, (uint8_t)tier); /* leased now, it is skipped until the next rebuild */
-    if (++p->inserts_since_refresh >= REFRESH_EVERY && p->c.kind == KVT_POLICY_COST) {
-        refresh_model(p);
-        p->inserts_since_refresh = 0;
-        p->stale = 1;
-    }
+    after_insert(p);
     return (int)npages;
+}
+
+void kvt_policy_on_node_free(kvt_policy_t *p, kvt_radix_node_t *n)
+{
+    if (p && n && dead_add(p, n) < 0)
+        p->dead_lost = 1;
 }
 
 void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b)
@@ -1181,7 +1204,7 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
     int total = 0;
     for (uint32_t i = 0; i < p->npromo; i++) {
         promo_t *q = &p->promo[i];
-        if (dead_after(p, q->n, q->seq) || p->foreign != q->foreign)
+        if (dead_after(p, q->n, q->seq) || (!p->c.reports_node_frees && p->foreign != q->foreign))
             continue;
         int stop, rc = promote_path(p, q->n, q->node_pages, p->top, &stop);
         if (rc < 0)

@@ -182,6 +182,10 @@ typedef struct kvt_policy_conf {
     /* COST only: drop instead of demoting when loading from the next tier would cost more than
      * recomputing (default on; 0 keeps the rule off, to compare). */
     int no_cost_drop;
+    /* The caller calls kvt_policy_on_node_free for every node the tree frees (the tree's
+     * node_free_cb): frees by others (REMOVE, a tier losing blocks) then need no rebuild of the
+     * engine's heaps, which costs a walk over every node. 0: every such free costs one. */
+    int reports_node_frees;
     const kvt_policy_ops_t *ops;
     void *ops_arg;
 } kvt_policy_conf_t;
@@ -256,6 +260,9 @@ uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget
 
 /* Every block that leaves the tree (the tree's free callback forwards it here). */
 void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b);
+/* Every node the tree frees (the tree's node_free_cb forwards it here), when the engine was
+ * created with reports_node_frees. */
+void kvt_policy_on_node_free(kvt_policy_t *p, kvt_radix_node_t *n);
 
 /*
  * Promotes the path that ends at node n (its first node_pages pages, all ancestors whole)

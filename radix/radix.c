@@ -14,9 +14,14 @@
  * smaller of its two halves behind in the storage the larger half keeps, so that a split copies
  * only that smaller half (a split's cost was a copy of the whole node before). The storage is
  * compacted when fewer than half its slots are live. Children are kept in one allocation too, keys
- * then pointers, sorted by key (the prefix hash of the child's first block) for binary search:
+ * then pointers, keyed by the hash of the child's first page:
  *
  *     kids:    [ key 0 | key 1 | ... | key cap-1 ][ node* 0 | node* 1 | ... | node* cap-1 ]
+ *
+ * Up to KID_ARRAY_MAX children the keys are sorted, for binary search; past that the allocation
+ * is an open-addressing hash table (linear probing, at most half full, an empty slot has a NULL
+ * pointer): a shared system prompt followed by a million different conversations would otherwise
+ * move half a million entries on every insert and removal under it.
  *
  * The evictable list holds exactly the nodes that are leaves (no children), unleased and not a
  * root. Leases live in a slab whose ids carry a generation, so a stale id is recognised and a
@@ -58,6 +63,7 @@ struct kvt_radix_node {
     uint32_t idx; /* position in the tree's node registry; UINT32_MAX for roots */
     uint16_t page_size;
     uint8_t in_list;
+    uint8_t kid_hash; /* kids is a hash table (past KID_ARRAY_MAX children), not a sorted array */
 };
 
 typedef struct kvt_lease {
@@ -92,7 +98,8 @@ struct kvt_radix {
     uint64_t cached_tokens;
 };
 
-#define NO_SLOT UINT32_MAX
+#define NO_SLOT       UINT32_MAX
+#define KID_ARRAY_MAX 64 /* children kept as a sorted array; more go to a hash table */
 
 /* ---- allocation with byte accounting -------------------------------------------------------- */
 
@@ -322,7 +329,7 @@ static void node_free(kvt_radix_t *t, kvt_radix_node_t *n)
     rx_free(t, n);
 }
 
-/* Index of the first key >= key in n's children. */
+/* Index of the first key >= key in n's children (sorted array). */
 static uint32_t kid_lower_bound(const kvt_radix_node_t *n, uint64_t key)
 {
     uint32_t lo = 0, hi = n->nkids;
@@ -336,39 +343,95 @@ static uint32_t kid_lower_bound(const kvt_radix_node_t *n, uint64_t key)
     return lo;
 }
 
-static kvt_radix_node_t *kid_find(const kvt_radix_node_t *n, uint64_t key)
+/* Slots to look at when visiting every child: the array's first nkids, or the whole table. */
+static uint32_t kid_slots(const kvt_radix_node_t *n)
 {
-    if (n->nkids == 1) /* the common case: a chain, no search */
-        return n->keys[0] == key ? kids_ptrs(n)[0] : NULL;
-    uint32_t i = kid_lower_bound(n, key);
-    return i < n->nkids && n->keys[i] == key ? kids_ptrs(n)[i] : NULL;
+    return n->kid_hash ? n->kcap : n->nkids;
 }
 
+/* The slot holding key, or UINT32_MAX. */
+static uint32_t kid_slot(const kvt_radix_node_t *n, uint64_t key)
+{
+    kvt_radix_node_t *const *p = kids_ptrs(n);
+    if (!n->kid_hash) {
+        uint32_t i = kid_lower_bound(n, key);
+        return i < n->nkids && n->keys[i] == key ? i : UINT32_MAX;
+    }
+    uint32_t mask = n->kcap - 1;
+    for (uint32_t i = (uint32_t)key & mask;; i = (i + 1) & mask) {
+        if (!p[i])
+            return UINT32_MAX;
+        if (n->keys[i] == key)
+            return i;
+    }
+}
+
+static kvt_radix_node_t *kid_find(const kvt_radix_node_t *n, uint64_t key)
+{
+    if (n->nkids == 1 && !n->kid_hash) /* the common case: a chain, no search */
+        return n->keys[0] == key ? kids_ptrs(n)[0] : NULL;
+    uint32_t i = kid_slot(n, key);
+    return i != UINT32_MAX ? kids_ptrs(n)[i] : NULL;
+}
+
+/* Puts (key, c) in n's hash table, which has a free slot. */
+static void kid_hash_put(kvt_radix_node_t *n, uint64_t key, kvt_radix_node_t *c)
+{
+    kvt_radix_node_t **p = kids_ptrs(n);
+    uint32_t mask = n->kcap - 1, i = (uint32_t)key & mask;
+    while (p[i])
+        i = (i + 1) & mask;
+    n->keys[i] = key;
+    p[i] = c;
+}
+
+/* Room for one more child: the array doubles up to KID_ARRAY_MAX, then becomes a table of four
+ * times that, which doubles whenever it would be more than half full. */
 static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
 {
-    if (n->nkids < n->kcap)
+    if (n->kid_hash ? 2 * (n->nkids + 1) <= n->kcap : n->nkids < n->kcap)
         return 0;
-    uint32_t cap = n->kcap ? n->kcap * 2 : 1;
-    if (cap > t->max_kcap)
-        t->max_kcap = cap;
+    uint32_t cap = n->kid_hash               ? n->kcap * 2
+                   : n->kcap == 0            ? 1
+                   : n->kcap < KID_ARRAY_MAX ? n->kcap * 2
+                                             : 4 * KID_ARRAY_MAX;
+    int hash = cap > KID_ARRAY_MAX;
     uint64_t *k = rx_malloc(t, (size_t)cap * (sizeof(uint64_t) + sizeof(void *)));
     if (!k)
         return KVT_ENOMEM;
-    kvt_radix_node_t **p = (kvt_radix_node_t **)(k + cap);
-    if (n->nkids) {
+    if (cap > t->max_kcap)
+        t->max_kcap = cap;
+    kvt_radix_node_t **p = (kvt_radix_node_t **)(k + cap), **old = kids_ptrs(n);
+    if (hash) {
+        memset(p, 0, (size_t)cap * sizeof(void *));
+    } else if (n->nkids) {
         memcpy(k, n->keys, n->nkids * sizeof(uint64_t));
-        memcpy(p, kids_ptrs(n), n->nkids * sizeof(void *));
+        memcpy(p, old, n->nkids * sizeof(void *));
     }
-    rx_free(t, n->keys);
+    uint64_t *okeys = n->keys;
+    uint32_t oslots = kid_slots(n);
     n->keys = k;
     n->kcap = cap;
+    if (hash)
+        for (uint32_t i = 0; i < oslots; i++)
+            if (old[i])
+                kid_hash_put(n, okeys[i], old[i]);
+    n->kid_hash = (uint8_t)hash;
+    rx_free(t, okeys);
     return 0;
 }
 
-/* Inserts child c under n; kid_reserve(n) must have succeeded. */
+/* Adds child c (kid_reserve has made room). */
 static void kid_add(kvt_radix_node_t *n, kvt_radix_node_t *c)
 {
     uint64_t key = page_key(c->tokens, c->page_size);
+    c->parent = n;
+    if (n->kid_hash) {
+        kvt_assert(2 * (n->nkids + 1) <= n->kcap);
+        kid_hash_put(n, key, c);
+        n->nkids++;
+        return;
+    }
     uint32_t i = kid_lower_bound(n, key);
     kvt_assert(n->nkids < n->kcap);
     kvt_radix_node_t **p = kids_ptrs(n);
@@ -377,22 +440,58 @@ static void kid_add(kvt_radix_node_t *n, kvt_radix_node_t *c)
     n->keys[i] = key;
     p[i] = c;
     n->nkids++;
-    c->parent = n;
+}
+
+static void kid_free_all(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    rx_free(t, n->keys);
+    n->keys = NULL;
+    n->kcap = n->nkids = 0;
+    n->kid_hash = 0;
 }
 
 static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
 {
-    uint32_t i = kid_lower_bound(n, key);
-    kvt_assert(i < n->nkids && n->keys[i] == key);
+    uint32_t i = kid_slot(n, key);
+    kvt_assert(i != UINT32_MAX);
     kvt_radix_node_t **p = kids_ptrs(n);
-    memmove(n->keys + i, n->keys + i + 1, (n->nkids - i - 1) * sizeof(uint64_t));
-    memmove(p + i, p + i + 1, (n->nkids - i - 1) * sizeof(void *));
-    n->nkids--;
-    if (n->nkids == 0) {
-        rx_free(t, n->keys);
-        n->keys = NULL;
-        n->kcap = 0;
+    if (n->kid_hash) {
+        /* Backward-shift deletion: every entry after the hole that may move into it does, so
+         * that no probe sequence is broken and no tombstone is left. */
+        uint32_t mask = n->kcap - 1;
+        for (uint32_t j = (i + 1) & mask; p[j]; j = (j + 1) & mask) {
+            uint32_t home = (uint32_t)n->keys[j] & mask;
+            if (((j - home) & mask) >= ((j - i) & mask)) {
+                n->keys[i] = n->keys[j];
+                p[i] = p[j];
+                i = j;
+            }
+        }
+        p[i] = NULL;
+    } else {
+        memmove(n->keys + i, n->keys + i + 1, (n->nkids - i - 1) * sizeof(uint64_t));
+        memmove(p + i, p + i + 1, (n->nkids - i - 1) * sizeof(void *));
     }
+    n->nkids--;
+    if (n->nkids == 0)
+        kid_free_all(t, n);
+}
+
+/* Moves n's children to the front of its allocation, in no order, for tear-down only: after
+ * this, children can be taken from the end (kid_pop) but no longer looked up. */
+static void kid_densify(kvt_radix_node_t *n)
+{
+    if (!n->kid_hash)
+        return;
+    kvt_radix_node_t **p = kids_ptrs(n);
+    uint32_t d = 0;
+    for (uint32_t i = 0; i < n->kcap; i++)
+        if (p[i]) {
+            n->keys[d] = n->keys[i];
+            p[d++] = p[i];
+        }
+    kvt_assert(d == n->nkids);
+    n->kid_hash = 0;
 }
 
 static int is_root(const kvt_radix_node_t *n)
@@ -701,8 +800,10 @@ void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *ru
                 st[i] = st[--live];
                 continue;
             }
-            prefetch_range(c->keys + c->nkids / 2, sizeof(uint64_t));
-            prefetch_range(kids_ptrs(c) + c->nkids / 2, sizeof(void *));
+            if (!c->kid_hash) { /* a table's slot depends on the key, found next step */
+                prefetch_range(c->keys + c->nkids / 2, sizeof(uint64_t));
+                prefetch_range(kids_ptrs(c) + c->nkids / 2, sizeof(void *));
+            }
             i++;
         }
     }
@@ -740,8 +841,8 @@ static kvt_radix_node_t *split(kvt_radix_t *t, kvt_radix_node_t *c, uint32_t k)
         return NULL;
     }
     /* p takes c's place under g: same key, since p starts with c's old first page. */
-    uint32_t i = kid_lower_bound(g, page_key(c->tokens, ps));
-    kvt_assert(kids_ptrs(g)[i] == c);
+    uint32_t i = kid_slot(g, page_key(c->tokens, ps));
+    kvt_assert(i != UINT32_MAX && kids_ptrs(g)[i] == c);
     kids_ptrs(g)[i] = p;
     p->parent = g;
     p->depth = c->depth;
@@ -857,7 +958,8 @@ uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntoken
      * one child array doubling; the registry doubling when it is full. */
     uint64_t b = 2 * sizeof(kvt_radix_node_t) + 2 * (sizeof(uint64_t) + sizeof(void *)) +
                  3 * (uint64_t)storage_bytes((uint32_t)np, ps);
-    b += (uint64_t)KVT_MAX(t->max_kcap, 1u) * (sizeof(uint64_t) + sizeof(void *));
+    /* A child array's growth: at most its own size, or the array-to-table step's three times. */
+    b += (uint64_t)KVT_MAX(t->max_kcap, 4u * KID_ARRAY_MAX) * (sizeof(uint64_t) + sizeof(void *));
     if (t->nnodes + 2 > t->nodes_cap)
         b += (uint64_t)KVT_MAX(t->nodes_cap, (size_t)64) * sizeof(void *);
     /* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
@@ -903,13 +1005,14 @@ static void free_blocks(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from, uint
     t->cached_tokens -= (uint64_t)(to - from) * n->page_size;
 }
 
-/* Frees n and everything below it, calling the free callback for each block when call_cb.
- * Iterative: a long conversation makes deep chains. */
+/* Frees n and everything below it, calling the free callbacks for each block and node when
+ * call_cb. Iterative: a long conversation makes deep chains. */
 static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
 {
     kvt_radix_node_t *cur = n;
     while (cur) {
         if (cur->nkids > 0) { /* descend into the last child first */
+            kid_densify(cur);
             cur = kids_ptrs(cur)[cur->nkids - 1];
             continue;
         }
@@ -923,8 +1026,11 @@ static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
             cur->lnext->lprev = cur->lprev;
             t->nlist--;
         }
-        if (!is_root(cur))
+        if (!is_root(cur)) {
             registry_del(t, cur);
+            if (call_cb && t->conf.node_free_cb)
+                t->conf.node_free_cb(t->conf.free_arg, cur);
+        }
         node_free(t, cur);
         cur = up;
     }
@@ -939,8 +1045,8 @@ static int subtree_busy(kvt_radix_node_t *n, uint32_t from)
         if (n->blocks[i].flags & KVT_BLOCK_BUSY)
             return 1;
     kvt_radix_node_t **kids = kids_ptrs(n);
-    for (uint32_t i = 0; i < n->nkids; i++)
-        if (subtree_busy(kids[i], 0))
+    for (uint32_t i = 0; i < kid_slots(n); i++)
+        if (kids[i] && subtree_busy(kids[i], 0))
             return 1;
     return 0;
 }
@@ -982,11 +1088,12 @@ int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
     t->epoch++;
 
     /* Children first, then the node's tail or the whole node. */
+    kid_densify(n);
     while (n->nkids > 0) {
         kvt_radix_node_t *c = kids_ptrs(n)[n->nkids - 1];
-        uint64_t key = n->keys[n->nkids - 1];
         subtree_free(t, c, 1);
-        kid_del(t, n, key);
+        if (--n->nkids == 0)
+            kid_free_all(t, n);
     }
     drop_tail(t, n, from);
     return 0;
@@ -1466,18 +1573,30 @@ int kvt_radix_verify(const kvt_radix_t *t)
                     VFAIL("node evictable=%d but in_list=%d", want, n->in_list);
                 want_list += (uint64_t)want;
             }
-            if (n->nkids > n->kcap)
-                VFAIL("%u children, capacity %u", n->nkids, n->kcap);
+            if (n->kid_hash ? 2 * n->nkids > n->kcap || n->kcap <= KID_ARRAY_MAX
+                            : n->nkids > n->kcap)
+                VFAIL("%u children, capacity %u (%s)", n->nkids, n->kcap,
+                      n->kid_hash ? "table" : "array");
             kvt_radix_node_t **kids = kids_ptrs(n);
-            for (uint32_t i = 0; i < n->nkids; i++) {
+            uint32_t found = 0;
+            for (uint32_t i = 0; i < kid_slots(n); i++) {
+                if (!kids[i]) {
+                    if (!n->kid_hash)
+                        VFAIL("an empty slot among the children");
+                    continue;
+                }
+                found++;
                 if (kids[i]->parent != n)
                     VFAIL("child's parent link is wrong");
                 if (n->keys[i] != page_key(kids[i]->tokens, kids[i]->page_size))
                     VFAIL("child key is not its first page's key");
-                if (i > 0 && n->keys[i - 1] >= n->keys[i])
-                    VFAIL("children not strictly sorted");
+                if (n->kid_hash ? kid_slot(n, n->keys[i]) != i
+                                : i > 0 && n->keys[i - 1] >= n->keys[i])
+                    VFAIL("a child is not where a lookup of its key goes");
                 stack[sp++] = kids[i];
             }
+            if (found != n->nkids)
+                VFAIL("%u children in the slots, %u counted", found, n->nkids);
         }
     }
     if (seen_nodes != t->nnodes)

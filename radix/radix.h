@@ -108,10 +108,14 @@ typedef struct kvt_radix_node kvt_radix_node_t;
 /* Called for every block that leaves the tree (evict, remove, destroy), before its memory goes,
  * so that the tier holding its bytes can free them. Must not call back into the tree. */
 typedef void (*kvt_block_free_cb)(void *arg, uint32_t ns, kvt_block_t *b);
+/* Called for every node the tree frees (after its blocks' free_cb), with free_arg: whoever keeps
+ * pointers to nodes learns that this one is gone. */
+typedef void (*kvt_node_free_cb)(void *arg, kvt_radix_node_t *n);
 
 typedef struct kvt_radix_conf {
     float freq_half_life; /* in clock units; 0 picks 600000 (ten minutes in ms) */
     kvt_block_free_cb free_cb;
+    kvt_node_free_cb node_free_cb; /* NULL for none */
     void *free_arg;
 } kvt_radix_conf_t;
 

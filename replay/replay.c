@@ -126,6 +126,13 @@ static void sim_free(void *arg, uint32_t ns, kvt_block_t *b)
         kvt_policy_on_free(s->pol, ns, b);
 }
 
+static void sim_node_free(void *arg, kvt_radix_node_t *n)
+{
+    sim_t *s = arg;
+    if (s->pol)
+        kvt_policy_on_node_free(s->pol, n);
+}
+
 static const kvt_policy_ops_t sim_ops = {sim_move, sim_admit};
 
 /* ---- future knowledge ----------------------------------------------------------------------- */
@@ -322,7 +329,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
 
     sim_t sim = {0};
     sim.block_bytes = kvt_cost_kv_bytes(&o->model, o->page_size);
-    kvt_radix_conf_t rc = {0, sim_free, &sim};
+    kvt_radix_conf_t rc = {.free_cb = sim_free, .node_free_cb = sim_node_free, .free_arg = &sim};
     kvt_radix_t *t = NULL;
     kvt_policy_t *pol = NULL;
     uint32_t *tokens = NULL;
@@ -349,6 +356,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
     }
     pc.nvme_min_hits = o->nvme_min_hits;
     pc.no_cost_drop = o->no_cost_drop;
+    pc.reports_node_frees = 1;
     pc.ops = &sim_ops;
     pc.ops_arg = &sim;
     err = kvt_policy_create(&pol, t, &pc);

@@ -219,7 +219,8 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         rc = -errno;
         goto fail;
     }
-    kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb, .free_arg = s};
+    kvt_radix_conf_t rconf = {
+        .free_cb = kvt__store_free_cb, .node_free_cb = kvt__store_node_free_cb, .free_arg = s};
     rc = kvt_radix_create(&s->radix, &rconf);
     if (rc < 0)
         goto fail;

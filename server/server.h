@@ -273,6 +273,7 @@ void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
 int kvt__store_open(kvt_srv_t *s);
 void kvt__store_close(kvt_srv_t *s);
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
+void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n);
 /* A block its tier lost by itself (an NVMe segment reclaim dropped it, the remote server evicted
  * it, or its read failed the checksum) at page `depth` of the path ending in node n: that page
  * and the rest of the node

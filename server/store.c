@@ -535,7 +535,10 @@ static void kvt_adopt_recovered(kvt_srv_t *s)
 static int kvt_policy_open(kvt_srv_t *s)
 {
     kvt_srv_conf_t *c = s->conf;
-    kvt_policy_conf_t pc = {.ops = &kvt_exec_ops, .ops_arg = s, .nvme_min_hits = c->nvme_min_hits};
+    kvt_policy_conf_t pc = {.ops = &kvt_exec_ops,
+                            .ops_arg = s,
+                            .nvme_min_hits = c->nvme_min_hits,
+                            .reports_node_frees = 1};
     if (kvt_policy_kind_parse(c->policy, &pc.kind) < 0 ||
         kvt_model_profile_get(c->policy_model, &pc.model) < 0 ||
         kvt_hw_profile_get(c->policy_hw, &pc.hw) < 0)
@@ -803,6 +806,13 @@ void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
     if (!s->removing)
         s->ghosts[b->hash & (s->nghosts - 1)] = b->hash;
     kvt_block_gone(s, ns, b, !s->removing);
+}
+
+void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n)
+{
+    kvt_srv_t *s = arg;
+    if (!s->tearing_down && s->policy)
+        kvt_policy_on_node_free(s->policy, n);
 }
 
 void kvt__tier_metrics(kvt_srv_t *s)

@@ -780,3 +780,63 @@ Test(radix_ops, byte_count_matches_the_allocator)
     cr_expect_leq(st1.bytes, st1.blocks * (sizeof(kvt_block_t) + PS * 4) + st1.nodes * 256 + 4096);
     free(a);
 }
+
+/*
+ * Thousands of children under one node: 3,000 prompts that share one page and then differ, and
+ * 3,000 that differ from their first page (children of the root). Their child tables grow
+ * (rehashing as they do), every prompt is found, a split of a child in the table keeps it
+ * findable, and removals in a scattered order and evictions empty the tables again, with the
+ * tree's invariants (every child where a lookup of its key goes) checked along the way.
+ */
+Test(radix_ops, thousands_of_children_under_one_node)
+{
+    enum { N = 3000, P = 3 };
+    static uint32_t tok[2][N][P * PS];
+    for (uint32_t i = 0; i < N; i++)
+        for (uint32_t j = 0; j < P * PS; j++) {
+            tok[0][i][j] = j < PS ? 7 + j : 1000000 + i * 1000 + j;
+            tok[1][i][j] = 5000000 + i * 1000 + j;
+        }
+    for (uint32_t i = 0; i < N; i++)
+        for (int w = 0; w < 2; w++) {
+            kvt_insert_t r;
+            cr_assert_eq(kvt_radix_insert(tree, ns, tok[w][i], P * PS, &r), 0);
+            cr_assert_eq(r.new_pages, w == 0 && i == 0 ? P : w == 0 ? P - 1 : P);
+        }
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    for (uint32_t i = 0; i < N; i++)
+        for (int w = 0; w < 2; w++)
+            cr_assert_eq(match_pages(tok[w][i], P * PS), P, "prompt %u of %d", i, w);
+    /* A split of a child in the table: a prompt sharing two pages with prompt 17. */
+    uint32_t fork[P * PS];
+    memcpy(fork, tok[1][17], sizeof fork);
+    fork[2 * PS] += 1;
+    kvt_insert_t r = insert(fork, P * PS);
+    cr_assert_eq(r.new_pages, 1);
+    cr_assert_eq(match_pages(tok[1][17], P * PS), P);
+    cr_assert_eq(match_pages(fork, P * PS), P);
+    /* Remove every other prompt, in a scattered order. */
+    for (uint32_t k = 0; k < N; k++) {
+        uint32_t i = (k * 7919u) % N;
+        if (i % 2)
+            continue;
+        /* From the second page on (the first is everyone's), and the whole prompt. */
+        cr_assert_eq(kvt_radix_remove(tree, ns, tok[0][i], 2 * PS), 0);
+        cr_assert_eq(kvt_radix_remove(tree, ns, tok[1][i], PS), 0);
+    }
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    for (uint32_t i = 0; i < N; i++)
+        for (int w = 0; w < 2; w++) {
+            uint32_t want = i % 2 ? P : w == 0 ? 1 : 0;
+            cr_assert_eq(match_pages(tok[w][i], P * PS), want, "prompt %u of %d", i, w);
+        }
+    /* Evict every leaf until the tree is empty. */
+    kvt_radix_node_t *leaf;
+    while ((leaf = kvt_radix_evictable_first(tree)) != NULL)
+        cr_assert_eq(kvt_radix_evict(tree, leaf, kvt_radix_node_pages(leaf)), 0);
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    kvt_radix_stats_t st;
+    kvt_radix_stats(tree, &st);
+    cr_assert_eq(st.blocks, 0);
+    cr_assert_eq(st.nodes, 0);
+}

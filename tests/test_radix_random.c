@@ -299,3 +299,12 @@ Test(radix_random, page_size_3_many_seeds)
     for (uint64_t seed = 1; seed <= 8; seed++)
         run(seed * 0x2545F4914F6CDD1Dull, 3, 600, 3);
 }
+
+/* A large alphabet: most first pages differ, so the roots (and nodes under shared prefixes) get
+ * hundreds of children and keep them in a hash table, grown, probed and shrunk by removals and
+ * evictions (backward-shift deletion) at every step of the run. */
+Test(radix_random, wide_fan_out)
+{
+    run(4242, 1, 3000, 1000);
+    run(99, 2, 2000, 40);
+}
