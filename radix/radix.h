@@ -11,8 +11,9 @@
  * Compressed edges and splits
  * ---------------------------
  * A node holds a run of pages. Children are keyed by a hash of their first page, which is
- * unique under their parent, and found by binary search, so a node with thousands of
- * continuations (a shared system prompt) is still found in log time:
+ * unique under their parent, kept sorted for binary search up to 64 of them and in a hash table
+ * past that, so a node with a million continuations (a shared system prompt) still finds, adds
+ * and removes one in constant time:
  *
  *     insert "A B C D" (one page per letter)        then "A B X"
  *
