@@ -17,7 +17,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -73,18 +75,51 @@ void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
 
 static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 
+int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
+{
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd >= 0)
+            return fd;
+        if (errno == EINTR || errno == ECONNABORTED)
+            continue;
+        if ((errno == EMFILE || errno == ENFILE) && s->spare_fd >= 0) {
+            /* The connection stays in the backlog, and the socket readable, until it is taken:
+             * take it with the spare descriptor's slot and close it. */
+            close(s->spare_fd);
+            int x = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+            if (x >= 0)
+                close(x);
+            s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            struct rlimit rl = {0};
+            getrlimit(RLIMIT_NOFILE, &rl);
+            kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
+            static kvt_log_limit_t lim;
+            kvt_log_limited(&lim, KVT_LOG_WARN,
+                            "kvtierd: refusing a %s connection: no file descriptor left (open-file "
+                            "limit %llu, %u client connections)",
+                            what, (unsigned long long)rl.rlim_cur, s->nconns);
+            if (x >= 0)
+                continue;
+        } else if (errno != EAGAIN) {
+            static kvt_log_limit_t lim;
+            kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: accept (%s): %s", what, strerror(errno));
+        }
+        return -1;
+    }
+}
+
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 {
     for (int k = 0; k < 64; k++) {
-        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
-                kvt_log(KVT_LOG_WARN, "kvtierd: accept: %s", strerror(errno));
+        int fd = kvt__accept(s, lfd, tcp ? "tcp" : "unix");
+        if (fd < 0)
             return;
-        }
         if (s->nconns >= s->conf->max_conns || s->stopping) {
-            kvt_log(KVT_LOG_WARN, "kvtierd: refusing a connection: %s",
-                    s->stopping ? "shutting down" : "max-conns reached");
+            kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
+            static kvt_log_limit_t lim;
+            kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: refusing a connection: %s",
+                            s->stopping ? "shutting down" : "max-conns reached");
             close(fd);
             continue;
         }

@@ -137,7 +137,7 @@ static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     for (int k = 0; k < 16; k++) {
-        int fd = accept4(ev->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int fd = kvt__accept(s, ev->fd, "metrics");
         if (fd < 0)
             return;
         if (s->http_nconns >= KVT_HTTP_MAX_CONNS) {

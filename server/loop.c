@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -197,6 +198,40 @@ static void kvt_on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
                 kvt_tier_name(kvt_tier_kind(t)), kvt_strerror(rc));
 }
 
+/* Descriptors besides client connections: listeners, epoll, signals, timers, the tiers' files
+ * and rings and remote connection, metrics scrapes (64 at most), the spare, and slack. */
+#define KVT_FD_RESERVE 160
+
+/*
+ * The open-file limit must hold max-conns clients and the daemon's own descriptors. Debian's
+ * default soft limit is 1024, the same as max-conns': the soft limit is raised as far as the hard
+ * limit lets it, and if that is not far enough the daemon says how many clients it can hold (the
+ * rest are refused, kvt__accept).
+ */
+static void kvt_fd_limit(const kvt_srv_conf_t *c)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return;
+    rlim_t want = (rlim_t)c->max_conns + KVT_FD_RESERVE;
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
+        rlim_t was = rl.rlim_cur;
+        rl.rlim_cur = rl.rlim_max == RLIM_INFINITY ? want : KVT_MIN(want, rl.rlim_max);
+        if (rl.rlim_cur > was && setrlimit(RLIMIT_NOFILE, &rl) == 0)
+            kvt_log(KVT_LOG_INFO, "kvtierd: open-file limit raised from %llu to %llu",
+                    (unsigned long long)was, (unsigned long long)rl.rlim_cur);
+        else
+            rl.rlim_cur = was;
+    }
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want)
+        kvt_log(KVT_LOG_WARN,
+                "kvtierd: the open-file limit (%llu, hard %llu) is below max-conns (%u) plus the "
+                "%d descriptors kept for the daemon: connections past it are refused; raise it "
+                "(ulimit -n) or lower max-conns",
+                (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max, c->max_conns,
+                KVT_FD_RESERVE);
+}
+
 int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
 {
     kvt_srv_t *s = calloc(1, sizeof *s);
@@ -204,6 +239,8 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         return KVT_ENOMEM;
     s->conf = conf;
     s->sig_ev.fd = s->unix_ev.fd = s->tcp_ev.fd = s->http_ev.fd = -1;
+    kvt_fd_limit(conf);
+    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     for (int i = 0; i < KVT_TIER_COUNT; i++)
         s->tier_ev[i].fd = -1;
     s->next_conn_id = 1;
@@ -379,6 +416,8 @@ void kvt__srv_close(kvt_srv_t *s)
         close(s->tcp_ev.fd);
     if (s->sig_ev.fd >= 0)
         close(s->sig_ev.fd);
+    if (s->spare_fd >= 0)
+        close(s->spare_fd);
     /* The tree first: its free callback gives the tiers their blocks back (NVMe keeps its data
      * on disk for a warm restart regardless). */
     s->tearing_down = 1;

@@ -83,6 +83,9 @@ typedef enum {
     X(TIER_IO_ERRORS, COUNTER, "kvtier_tier_io_errors_total",                                      \
       "Tier reads and writes that completed with an error (misses included).", TIER_IO)            \
     X(CONNECTIONS, GAUGE, "kvtier_connections", "Client connections open now.", NONE)              \
+    X(CONNECTIONS_REFUSED, COUNTER, "kvtier_connections_refused_total",                            \
+      "Connections closed as soon as accepted: max-conns, shutting down, no descriptor left.",     \
+      NONE)                                                                                        \
     X(CONNECTIONS_ACCEPTED, COUNTER, "kvtier_connections_accepted_total",                          \
       "Client connections accepted.", NONE)                                                        \
     X(PROTOCOL_ERRORS, COUNTER, "kvtier_protocol_errors_total",                                    \

@@ -191,6 +191,7 @@ struct kvt_srv {
      * big frames, token scratch, queued replies, request payloads. max-client-bytes bounds it. */
     uint64_t client_bytes;
     uint32_t mem_waiting;   /* connections with mem_wait set */
+    int spare_fd;           /* /dev/null, given up to refuse a connection at the open-file limit */
     struct kvt__busy *busy; /* reads in flight per block hash (store.c) */
     size_t busy_cap, busy_n;
     int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
@@ -219,6 +220,10 @@ int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out);
 
 /* conn.c */
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp);
+/* accept4 on listening socket lfd: the new descriptor, or -1 when there is none to take now. At
+ * the open-file limit the waiting connection is refused (closed at once, through the spare
+ * descriptor) instead of being left to wake the loop again and again. */
+int kvt__accept(kvt_srv_t *s, int lfd, const char *what);
 void kvt__conn_close(kvt__conn_t *c);
 /* Appends a complete reply frame (header + body) for request (op, id) to the queue. */
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,

@@ -19,6 +19,7 @@
 #include <arpa/inet.h>
 #include <poll.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -34,6 +35,8 @@ typedef struct kvd {
     char tcp[64];
     char metrics[64];
     FILE *out;
+    /* When nofile_soft is set, the daemon starts with this open-file limit (soft, hard). */
+    unsigned long nofile_soft, nofile_hard;
 } kvd_t;
 
 static inline const char *kvd_binary(void)
@@ -80,6 +83,11 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
         prctl(PR_SET_PDEATHSIG, SIGKILL); /* a test that dies takes its daemon with it */
         if (chdir(d->dir) < 0)
             _exit(127);
+        if (d->nofile_soft) {
+            struct rlimit rl = {.rlim_cur = d->nofile_soft, .rlim_max = d->nofile_hard};
+            if (setrlimit(RLIMIT_NOFILE, &rl) < 0)
+                _exit(127);
+        }
         dup2(pipefd[1], 1);
         close(pipefd[0]);
         close(pipefd[1]);

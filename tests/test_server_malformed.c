@@ -581,3 +581,81 @@ Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+/* CPU time kvtierd has used so far, in clock ticks (utime + stime of /proc/PID/stat). */
+static long kvd_cpu_ticks(const kvd_t *d)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)d->pid);
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f)
+        fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* the command name may hold spaces */
+    long ut = 0, st = 0;
+    cr_assert(p &&
+              sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %ld %ld", &ut, &st) == 2);
+    return ut + st;
+}
+
+static int kvd_log_has(const kvd_t *d, const char *what)
+{
+    char log[16384];
+    kvd_slurp(d, "kvtierd.log", log, sizeof log);
+    return strstr(log, what) != NULL;
+}
+
+/*
+ * The daemon at its open-file limit (64, which it cannot raise): 100 more clients connect. Those
+ * past the limit are refused (closed at once and counted) instead of staying in the backlog and
+ * waking the loop over and over (it used to spin at 100% CPU, logging a line each time); the
+ * client connected before is served all along, and once the others go a new one is served too.
+ * With a hard limit above what it needs, the daemon raises its soft limit and takes all 100.
+ */
+Test(server_malformed, at_the_open_file_limit_connections_are_refused_not_spun_on)
+{
+    kvd_t d = {.nofile_soft = 64, .nofile_hard = 64};
+    kvd_start(&d, NULL);
+    cr_expect(kvd_log_has(&d, "open-file limit (64, hard 64) is below max-conns"));
+    kvt_client_t *c = kvd_client(&d, "m", 16, 0);
+    int fds[100];
+    for (int i = 0; i < 100; i++)
+        fds[i] = kvd_raw(&d);
+    usleep(200000);
+    long t0 = kvd_cpu_ticks(&d);
+    usleep(1000000);
+    long used = kvd_cpu_ticks(&d) - t0;
+    cr_expect_lt(used, 30, "kvtierd used %ld ticks in a second with clients it cannot take", used);
+    cr_assert_eq(kvt_client_ping(c, NULL), 0, "the client connected before is served");
+    cr_expect_lt(kvd_stat(c, "connections"), 64);
+    for (int i = 0; i < 100; i++)
+        close(fds[i]);
+    for (int i = 0; i < 200 && kvd_stat(c, "connections") > 1; i++)
+        usleep(10000);
+    kvt_client_t *c2 = kvd_client(&d, "m", 16, 0);
+    cr_assert_eq(kvt_client_ping(c2, NULL), 0, "a new client is served once the others went");
+    char body[1 << 16];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    char *line = strstr(body, "\nkvtier_connections_refused_total ");
+    cr_assert(line);
+    cr_expect_geq(atof(line + strlen("\nkvtier_connections_refused_total ")), 30);
+    cr_expect(kvd_log_has(&d, "no file descriptor left"));
+    kvt_client_close(c2);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+
+    kvd_t e = {.nofile_soft = 64, .nofile_hard = 4096};
+    kvd_start(&e, "--log-level", "info", NULL);
+    cr_expect(kvd_log_has(&e, "open-file limit raised from 64 to"));
+    c = kvd_client(&e, "m", 16, 0);
+    for (int i = 0; i < 100; i++)
+        fds[i] = kvd_raw(&e);
+    for (int i = 0; i < 200 && kvd_stat(c, "connections") < 101; i++)
+        usleep(10000);
+    cr_expect_eq(kvd_stat(c, "connections"), 101, "all taken under the raised limit");
+    for (int i = 0; i < 100; i++)
+        close(fds[i]);
+    kvt_client_close(c);
+    kvd_cleanup(&e);
+}
