@@ -594,6 +594,20 @@ Test(server_e2e, bad_configuration_exit_codes)
     snprintf(sock, sizeof sock, "%s/x.sock", d.dir);
     struct stat sb;
     cr_expect(stat(sock, &sb) < 0, "no socket left after a failed start");
+    /* A second daemon on a running one's data-dir (another socket, no ports): 69, and it says
+     * why; the first goes on serving. */
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s' --unix y.sock --metrics '' --tcp '' --dram-bytes 16M "
+             "--nvme-bytes 8M --nvme-segment-bytes 1M 2>err2.txt >/dev/null",
+             a.dir, kvd_binary());
+    st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "data-dir in use: exit %d", WEXITSTATUS(st));
+    char err[4096];
+    kvd_slurp(&a, "err2.txt", err, sizeof err);
+    cr_expect(strstr(err, "in use by another process"), "%s", err);
+    kvt_client_t *c = kvd_client(&a, "m", 16, 0);
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
+    kvt_client_close(c);
     kvd_cleanup(&a);
     kvd_rmrf(d.dir);
 }

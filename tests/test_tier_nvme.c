@@ -571,3 +571,41 @@ Test(tier_nvme, bad_configuration_is_refused)
     kvt_tier_destroy(t);
     tu_rmrf(dir);
 }
+
+/* One tier per directory: a second one on the same data-dir (another kvtierd given the same
+ * directory) is refused with EBUSY, names the holder's pid, and touches nothing: the first
+ * reads back what it wrote, and once it is gone the directory opens again, its block found. */
+Test(tier_nvme, a_second_tier_on_the_same_directory_is_refused)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 4u << 20, 1u << 20, 8);
+    const uint32_t len = 64u << 10;
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    kvt_block_key_t k = tu_key(7, tok, 16);
+    tu_fill(buf, len, 7);
+    uint64_t loc = 0;
+    cr_assert_eq(tu_write(t, &k, buf, len, &loc), 0);
+    kvt_tier_t *t2 = NULL;
+    kvt_tier_nvme_conf_t c = {.dir = dir, .capacity_bytes = 4u << 20, .segment_bytes = 1u << 20};
+    cr_assert_eq(kvt_tier_nvme_create(&t2, &c), KVT_EBUSY);
+    cr_assert_null(t2);
+    char lock[4200], pid[32] = {0};
+    snprintf(lock, sizeof(lock), "%s/kvtier.lock", dir);
+    FILE *f = fopen(lock, "r");
+    cr_assert(f && fgets(pid, sizeof(pid), f));
+    fclose(f);
+    cr_expect_eq(atol(pid), (long)getpid(), "the lock file names its holder");
+    memset(buf, 0, len);
+    cr_assert_eq(tu_read(t, &k, loc, buf, len), 0);
+    cr_assert(tu_same(buf, len, 7), "the refused tier touched nothing");
+    kvt_tier_destroy(t);
+    t2 = mk(dir, 4u << 20, 1u << 20, 8);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t2, &u);
+    cr_expect_eq(u.blocks, 1, "the block is recovered once the directory is free");
+    kvt_tier_destroy(t2);
+    free(buf);
+    tu_rmrf(dir);
+}

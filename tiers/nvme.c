@@ -53,6 +53,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -665,6 +666,8 @@ static void nvme_dealloc(nvme_t *n)
         close(n->efd);
     if (n->fd >= 0)
         close(n->fd);
+    if (n->lockfd >= 0)
+        close(n->lockfd); /* and with it the lock */
     if (n->reqs) {
         for (uint32_t i = 0; i < n->qd; i++) {
             free(n->reqs[i].hdr);
@@ -762,6 +765,43 @@ static int meta_check_or_write(nvme_t *n, int fresh)
 
 /* ---- creation ---- */
 
+/*
+ * One process at a time per directory: a second daemon given the same data-dir would write into
+ * segments the first thinks its own. An exclusive flock on kvtier.lock, taken before anything in
+ * the directory is looked at and held until the tier is destroyed (the kernel drops it when the
+ * process dies, so a crash leaves nothing to clean up). The holder's pid is written in it for
+ * the message of the next one.
+ */
+static int lock_dir(nvme_t *n)
+{
+    char path[4096], pid[32];
+    snprintf(path, sizeof(path), "%s/kvtier.lock", n->dir);
+    n->lockfd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (n->lockfd < 0) {
+        int e = errno;
+        kvt_log(KVT_LOG_ERROR, "nvme tier: cannot open %s: %s", path, strerror(e));
+        return -e;
+    }
+    if (flock(n->lockfd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        ssize_t got = pread(n->lockfd, pid, sizeof(pid) - 1, 0);
+        pid[got > 0 ? got : 0] = 0;
+        pid[strcspn(pid, "\n")] = 0;
+        if (e != EWOULDBLOCK) {
+            kvt_log(KVT_LOG_ERROR, "nvme tier: cannot lock %s: %s", path, strerror(e));
+            return -e;
+        }
+        kvt_log(KVT_LOG_ERROR,
+                "nvme tier: %s is in use by another process (pid %s): one kvtierd per data-dir",
+                n->dir, pid[0] ? pid : "unknown");
+        return KVT_EBUSY;
+    }
+    int len = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
+    if (ftruncate(n->lockfd, 0) != 0 || pwrite(n->lockfd, pid, (size_t)len, 0) != len)
+        kvt_log(KVT_LOG_WARN, "nvme tier: cannot write the pid into %s: %s", path, strerror(errno));
+    return 0;
+}
+
 static int open_data(nvme_t *n, int direct_mode, int *fresh)
 {
     struct stat st;
@@ -839,7 +879,7 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
     nvme_t *n = calloc(1, sizeof(*n));
     if (!n)
         return KVT_ENOMEM;
-    n->fd = n->efd = -1;
+    n->fd = n->efd = n->lockfd = -1;
     n->cur = UINT32_MAX;
     n->seg_bytes = segb;
     n->nsegs = (uint32_t)nsegs;
@@ -870,7 +910,9 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
         kvt_log(KVT_LOG_ERROR, "nvme tier: cannot make %s: %s", conf->dir, strerror(errno));
         goto fail;
     }
-    int fresh;
+    int fresh = 0;
+    if ((rc = lock_dir(n)) < 0)
+        goto fail;
     rc = open_data(n, conf->direct, &fresh);
     if (rc == 0 && !fresh)
         rc = meta_check_or_write(n, 0);

@@ -51,6 +51,7 @@ typedef struct nvme {
     kvt_tier_t *tier;
     char *dir, *path;
     int fd, efd;
+    int lockfd; /* kvtier.lock, flock()ed for as long as the tier is open */
     int direct;
     struct io_uring ring;
     int ring_ok;
