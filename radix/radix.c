@@ -80,6 +80,8 @@ struct kvt_radix {
 
     kvt_ns_t *ns;
     uint32_t nns, ns_cap;
+    uint32_t *ns_slots; /* by seed: namespace id + 1, 0 for empty; at most half full */
+    uint32_t ns_slots_cap;
 
     kvt_radix_node_t **nodes; /* registry of non-root nodes */
     size_t nnodes, nodes_cap;
@@ -535,6 +537,7 @@ void kvt_radix_destroy(kvt_radix_t *t)
         free(t->ns[i].desc);
     }
     free(t->ns);
+    free(t->ns_slots);
     free(t->nodes);
     free(t->leases);
     free(t);
@@ -553,12 +556,41 @@ uint32_t kvt_radix_clock(const kvt_radix_t *t)
 
 /* ---- namespaces ----------------------------------------------------------------------------- */
 
+/* The slot of seed in the namespace index: where it is, or the empty one where it would go. */
+static uint32_t ns_slot(const kvt_radix_t *t, uint64_t seed)
+{
+    uint32_t mask = t->ns_slots_cap - 1, i = (uint32_t)seed & mask;
+    while (t->ns_slots[i] && t->ns[t->ns_slots[i] - 1].seed != seed)
+        i = (i + 1) & mask;
+    return i;
+}
+
+/* Room in the namespace index for one more. */
+static int ns_index_reserve(kvt_radix_t *t)
+{
+    if (2 * (t->nns + 1) <= t->ns_slots_cap)
+        return 0;
+    uint32_t cap = t->ns_slots_cap ? 2 * t->ns_slots_cap : 16;
+    uint32_t *v = rx_malloc(t, cap * sizeof(*v));
+    if (!v)
+        return KVT_ENOMEM;
+    memset(v, 0, cap * sizeof(*v));
+    rx_free(t, t->ns_slots);
+    t->ns_slots = v;
+    t->ns_slots_cap = cap;
+    for (uint32_t id = 0; id < t->nns; id++)
+        t->ns_slots[ns_slot(t, t->ns[id].seed)] = id + 1;
+    return 0;
+}
+
 static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc, size_t desc_len,
                   uint32_t *ns_out)
 {
-    for (uint32_t i = 0; i < t->nns; i++) {
-        if (t->ns[i].seed != seed)
-            continue;
+    if (ns_index_reserve(t) < 0)
+        return KVT_ENOMEM;
+    uint32_t slot = ns_slot(t, seed);
+    if (t->ns_slots[slot]) {
+        uint32_t i = t->ns_slots[slot] - 1;
         if (t->ns[i].page_size != page_size)
             return KVT_EINVAL;
         if (!t->ns[i].desc && desc) { /* first learnt by seed, now by name */
@@ -569,6 +601,8 @@ static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc,
         *ns_out = i;
         return 0;
     }
+    if (t->nns >= KVT_RADIX_NS_MAX)
+        return KVT_ENOSPC;
     if (t->nns == t->ns_cap) {
         uint32_t cap = t->ns_cap ? t->ns_cap * 2 : 4;
         kvt_ns_t *v = rx_realloc(t, t->ns, cap * sizeof(*v));
@@ -592,7 +626,8 @@ static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc,
         }
         memcpy(s->desc, desc, desc_len);
     }
-    *ns_out = t->nns++;
+    *ns_out = t->nns;
+    t->ns_slots[slot] = ++t->nns;
     return 0;
 }
 
@@ -1514,7 +1549,8 @@ int kvt_radix_verify(const kvt_radix_t *t)
         free(stack);
         return KVT_ENOMEM;
     }
-    uint64_t bytes = usable(t) + usable(t->ns) + usable(t->nodes) + usable(t->leases);
+    uint64_t bytes =
+        usable(t) + usable(t->ns) + usable(t->ns_slots) + usable(t->nodes) + usable(t->leases);
     uint64_t blocks = 0, tokens = 0, seen_nodes = 0, want_list = 0;
 
     for (uint32_t i = 0; i < t->lease_cap; i++) {

@@ -129,8 +129,11 @@ void kvt_radix_destroy(kvt_radix_t *t);
  * Namespaces. A namespace is (model, adapter, tenant salt, page size); adapter and salt may be
  * NULL or "". Opening the same description twice returns the same id. Ids are small integers
  * (0, 1, ...) valid for the tree's lifetime. Strings are copied; each is at most 255 bytes.
- * Returns 0, KVT_EINVAL or KVT_ENOMEM.
+ * Namespaces are never freed, so there are at most KVT_RADIX_NS_MAX: a client making up tenant
+ * salts cannot grow the tree without bound. Returns 0, KVT_EINVAL, KVT_ENOSPC (that many are
+ * open) or KVT_ENOMEM.
  */
+#define KVT_RADIX_NS_MAX 65536
 int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
                       uint32_t page_size, uint32_t *ns_out);
 /* Opens a namespace known only by its seed (as stored in a tier's block headers): the same id as

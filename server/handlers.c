@@ -194,7 +194,9 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     uint32_t ns;
     int rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
     if (rc < 0)
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot open namespace");
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot open namespace%s",
+                                rc == KVT_ENOSPC ? ": the daemon holds as many as it may (65,536)"
+                                                 : "");
     kvt__ns_t *n;
     if ((rc = kvt__ns_get(s, ns, &n)) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "out of memory");

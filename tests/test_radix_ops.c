@@ -840,3 +840,24 @@ Test(radix_ops, thousands_of_children_under_one_node)
     cr_assert_eq(st.blocks, 0);
     cr_assert_eq(st.nodes, 0);
 }
+
+/* Namespaces are never freed: a tree holds at most KVT_RADIX_NS_MAX of them, and the one past
+ * that is refused (KVT_ENOSPC) while the ones open stay usable. */
+Test(radix_ops, namespaces_are_bounded)
+{
+    char salt[32];
+    uint32_t id = 0;
+    for (uint32_t i = 1; i < KVT_RADIX_NS_MAX; i++) { /* the fixture opened one */
+        snprintf(salt, sizeof salt, "tenant-%u", i);
+        cr_assert_eq(kvt_radix_ns_open(tree, "llama", NULL, salt, PS, &id), 0, "namespace %u", i);
+    }
+    cr_assert_eq(id, KVT_RADIX_NS_MAX - 1);
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama", NULL, "one-more", PS, &id), KVT_ENOSPC);
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama", NULL, "tenant-7", PS, &id), 0);
+    cr_assert_eq(id, 7);
+    uint32_t *s = seq(4 * PS, 1);
+    kvt_insert_t r;
+    cr_assert_eq(kvt_radix_insert(tree, id, s, 4 * PS, &r), 0);
+    cr_assert_eq(r.new_pages, 4);
+    free(s);
+}
