@@ -333,7 +333,9 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     if (!(q->flags & KVT_MATCH_F_PROBE))
         kvt_count_match(s, m, q->wire, q->ntokens, c->page_size, tiers, remote_down);
     uint64_t lease = 0;
-    if ((q->flags & KVT_MATCH_F_LEASE) && m->pages > 0) {
+    if ((q->flags & KVT_MATCH_F_LEASE) && m->pages > 0 && c->nleases >= s->conf->max_leases) {
+        rc = KVT_ENOSPC; /* refused below, saying why */
+    } else if ((q->flags & KVT_MATCH_F_LEASE) && m->pages > 0) {
         rc = kvt_radix_lease(s->radix, m, c->id, &lease);
         uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
         kvt__lease_t l = {
@@ -361,7 +363,11 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     };
     memcpy(out, &w, sizeof w);
     if (rc < 0) {
-        if (!r)
+        if (!r && rc == KVT_ENOSPC)
+            rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
+                                  "this connection holds max-leases (%u) leases: release some",
+                                  s->conf->max_leases);
+        else if (!r)
             rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot lease");
         len = 0;
     } else if (!r) {

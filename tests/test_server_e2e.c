@@ -218,6 +218,40 @@ Test(server_e2e, leases_released_on_disconnect)
     kvd_cleanup(&d);
 }
 
+/* max-leases 3: a fourth lease on the connection is refused with ENOSPC (saying why) until one
+ * is released; lookups without a lease and other connections are not held back by it. */
+Test(server_e2e, leases_per_connection_are_bounded)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--max-leases", "3", NULL);
+    kvt_client_t *a = kvd_client(&d, "m", PAGE, BB), *b = kvd_client(&d, "m", PAGE, BB);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 3);
+    kvt_client_put_t r;
+    put_pages(a, tok, 4 * PAGE, 0, 4, BB, 0, &r);
+    kvt_client_match_t m[4];
+    for (int i = 0; i < 3; i++) {
+        m[i] = (kvt_client_match_t){0};
+        cr_assert_eq(kvt_client_match(a, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m[i]), 0);
+    }
+    m[3] = (kvt_client_match_t){0};
+    cr_assert_eq(kvt_client_match(a, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m[3]),
+                 KVT_CLIENT_ENOSPC);
+    cr_expect(strstr(kvt_client_errmsg(a), "max-leases"), "%s", kvt_client_errmsg(a));
+    cr_expect_eq(kvd_stat(b, "leases"), 3);
+    kvt_client_match_t q = {0};
+    cr_assert_eq(kvt_client_match(a, tok, 4 * PAGE, 0, 0, NULL, &q), 0);
+    cr_expect_eq(q.pages, 4, "a lookup without a lease is answered");
+    cr_assert_eq(kvt_client_match(b, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &q), 0);
+    cr_assert_eq(kvt_client_release(a, m[1].lease, NULL), 0);
+    cr_assert_eq(kvt_client_match(a, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m[3]), 0);
+    uint8_t buf[BB];
+    cr_expect_eq(kvt_client_get(a, m[3].lease, 0, 1, buf, sizeof buf, NULL, NULL), 0);
+    kvt_client_close(a);
+    kvt_client_close(b);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, lease_time_limit)
 {
     kvd_t d = {0};
