@@ -17,10 +17,14 @@
 
 #define KVT_HTTP_HEAD_MAX  8192
 #define KVT_HTTP_MAX_CONNS 64
+/* A scrape's connection gets this long for its request and the reply; then it is closed, so
+ * that clients that connect and say nothing cannot take all KVT_HTTP_MAX_CONNS for good. */
+#define KVT_HTTP_TIMEOUT_NS (5000ull * 1000000)
 
 struct kvt_http_conn {
     kvt__ev_t ev;
     struct kvt_http_conn *next, **pprev;
+    uint64_t deadline_ns;
     char head[KVT_HTTP_HEAD_MAX];
     size_t head_len;
     char *out;
@@ -151,6 +155,7 @@ static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         }
         h->ev.fd = fd;
         h->ev.cb = kvt_http_on_conn;
+        h->deadline_ns = kvt_now_ns() + KVT_HTTP_TIMEOUT_NS;
         if (kvt__ev_add(s, &h->ev, EPOLLIN) < 0) {
             close(fd);
             free(h);
@@ -178,6 +183,16 @@ int kvt__http_listen(kvt_srv_t *s, const char *addr)
         s->http_ev.fd = -1;
     }
     return rc;
+}
+
+void kvt__http_tick(kvt_srv_t *s, uint64_t now)
+{
+    kvt_http_conn_t *next;
+    for (kvt_http_conn_t *h = s->http_conns; h; h = next) {
+        next = h->next;
+        if (now >= h->deadline_ns)
+            kvt_http_free(s, h);
+    }
 }
 
 void kvt__http_close(kvt_srv_t *s)

@@ -371,6 +371,7 @@ int kvt__srv_run(kvt_srv_t *s)
         }
         if (now >= next_tick) {
             kvt__conns_tick(s, now);
+            kvt__http_tick(s, now);
             kvt__tier_metrics(s);
             kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
             next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;

@@ -330,6 +330,8 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
 /* http.c */
 int kvt__http_listen(kvt_srv_t *s, const char *addr);
 void kvt__http_close(kvt_srv_t *s);
+/* Every tick: scrape connections past their time (5 s) are closed. */
+void kvt__http_tick(kvt_srv_t *s, uint64_t now);
 
 /* Sockets (loop.c): host:port parsing and listening. */
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);

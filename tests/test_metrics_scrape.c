@@ -110,3 +110,36 @@ Test(metrics_scrape, promtool_check_metrics_has_no_warnings)
     cr_expect_eq(n, 0, "promtool printed: %s", out);
     kvd_cleanup(&d);
 }
+
+/* 64 connections to the metrics port that never send a request take every scrape slot; each
+ * is closed once its 5 s are up, and scrapes are answered again. */
+Test(metrics_scrape, silent_connections_do_not_block_scrapes_for_long)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    char host[64];
+    unsigned port = 0;
+    cr_assert_eq(sscanf(d.metrics, "%63[^:]:%u", host, &port), 2);
+    int fds[64];
+    for (int i = 0; i < 64; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        inet_pton(AF_INET, host, &sin.sin_addr);
+        cr_assert_eq(connect(fds[i], (struct sockaddr *)&sin, sizeof sin), 0);
+    }
+    usleep(200000);
+    cr_expect_eq(kvd_http_get(&d, "/healthz", body, sizeof body), 0, "every slot is taken");
+    int status = 0, waited = 0;
+    for (; status != 200 && waited < 80; waited++) {
+        usleep(100000);
+        status = kvd_http_get(&d, "/healthz", body, sizeof body);
+    }
+    cr_assert_eq(status, 200, "a scrape is answered once the silent ones are closed");
+    cr_expect_geq(waited, 40, "not before their 5 s (%d00 ms)", waited);
+    char b;
+    for (int i = 0; i < 64; i++) {
+        cr_expect_eq(read(fds[i], &b, 1), 0, "silent connection %d was closed", i);
+        close(fds[i]);
+    }
+    kvd_cleanup(&d);
+}
