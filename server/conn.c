@@ -77,7 +77,7 @@ static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 
 int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
 {
-    for (;;) {
+    for (int refused = 0; refused < 64;) { /* then the loop's other work gets its turn */
         int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd >= 0)
             return fd;
@@ -99,14 +99,17 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
                             "kvtierd: refusing a %s connection: no file descriptor left (open-file "
                             "limit %llu, %u client connections)",
                             what, (unsigned long long)rl.rlim_cur, s->nconns);
-            if (x >= 0)
+            if (x >= 0) {
+                refused++;
                 continue;
+            }
         } else if (errno != EAGAIN) {
             static kvt_log_limit_t lim;
             kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: accept (%s): %s", what, strerror(errno));
         }
         return -1;
     }
+    return -1;
 }
 
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
