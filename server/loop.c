@@ -181,6 +181,13 @@ static void kvt_on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     (void)events;
     struct signalfd_siginfo si;
     while (read(ev->fd, &si, sizeof si) == sizeof si) {
+        if (si.ssi_signo == SIGHUP) {
+            /* Its default would end the daemon without a clean shutdown when the terminal it was
+             * started from goes away; there is nothing to reload (settings are read at start,
+             * logs go to stderr). */
+            kvt_log(KVT_LOG_INFO, "kvtierd: SIGHUP received: ignored (restart to change settings)");
+            continue;
+        }
         if (!s->stopping)
             kvt_log(KVT_LOG_INFO, "kvtierd: %s received, shutting down",
                     si.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM");
@@ -277,6 +284,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
     sigprocmask(SIG_BLOCK, &set, NULL);
     signal(SIGPIPE, SIG_IGN);
     s->sig_ev.fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
