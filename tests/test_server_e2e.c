@@ -544,6 +544,29 @@ Test(server_e2e, shared_secret)
     kvd_cleanup(&d);
 }
 
+/* TCP on every interface with no secret: the daemon starts, and warns that anyone who reaches
+ * the port can use the cache; with a secret, or on loopback, it does not. */
+Test(server_e2e, tcp_beyond_loopback_without_a_secret_is_warned_about)
+{
+    const char *warn = "reachable from other machines and no secret is set";
+    char log[16384];
+    kvd_t d = {0};
+    kvd_start(&d, "--tcp", "0.0.0.0:0", NULL);
+    kvd_slurp(&d, "kvtierd.log", log, sizeof log);
+    cr_expect(strstr(log, warn), "%s", log);
+    kvd_cleanup(&d);
+    kvd_t e = {0};
+    kvd_start(&e, "--tcp", "0.0.0.0:0", "--secret", "s3cret", NULL);
+    kvd_slurp(&e, "kvtierd.log", log, sizeof log);
+    cr_expect(!strstr(log, warn), "%s", log);
+    kvd_cleanup(&e);
+    kvd_t f = {0};
+    kvd_start(&f, NULL); /* the test default, 127.0.0.1 */
+    kvd_slurp(&f, "kvtierd.log", log, sizeof log);
+    cr_expect(!strstr(log, warn), "%s", log);
+    kvd_cleanup(&f);
+}
+
 Test(server_e2e, cli_reaches_default_socket_in_working_dir)
 {
     kvd_t d = {0};
