@@ -43,6 +43,9 @@ struct kvt_client {
     int broken;
     uint64_t next_id;
     uint32_t page_size, block_bytes, max_frame;
+    /* The longest reply body taken: 64 KiB until HELLO, then the daemon's max-frame (no reply of
+     * its is longer). A longer one is a broken or hostile server: EPROTO, nothing allocated. */
+    uint32_t max_reply;
     uint64_t seed;
     unsigned tiers;
     char errmsg[KVT_PROTO_ERRMSG_MAX + 1];
@@ -204,7 +207,7 @@ static int kvt_read_frame(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **b
     if (rc < 0)
         return rc;
     kvt_proto_hdr_decode(c->in + c->in_pos, h);
-    if (kvt_proto_hdr_check(h, UINT32_MAX) < 0)
+    if (kvt_proto_hdr_check(h, c->max_reply) < 0)
         return kvt_fail(c, KVT_EPROTO);
     if ((rc = kvt_need(c, KVT_PROTO_HDR + (size_t)h->body_len, deadline)) < 0)
         return rc;
@@ -322,6 +325,7 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
     c->timeout_ms = conf->timeout_ms ? conf->timeout_ms : 10000;
     c->next_id = 1;
     c->max_frame = KVT_PROTO_MAX_FRAME_DEFAULT;
+    c->max_reply = 64u << 10;
     c->fd = kvt_connect_fd(conf);
     if (c->fd < 0) {
         int rc = c->fd;
@@ -364,6 +368,7 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
     c->seed = le64toh(r.ns_seed);
     c->tiers = le16toh(r.tiers);
     c->max_frame = le32toh(r.max_frame);
+    c->max_reply = KVT_MAX(c->max_frame, c->max_reply);
     c->page_size = conf->page_size;
     c->block_bytes = conf->block_bytes;
     *out = c;
@@ -910,7 +915,7 @@ int kvt_batch_run(kvt_batch_t *b)
         while (done < b->n && c->in_len - c->in_pos >= KVT_PROTO_HDR) {
             kvt_proto_hdr_t h;
             kvt_proto_hdr_decode(c->in + c->in_pos, &h);
-            if (kvt_proto_hdr_check(&h, UINT32_MAX) < 0) {
+            if (kvt_proto_hdr_check(&h, c->max_reply) < 0) {
                 rc = kvt_fail(c, KVT_EPROTO);
                 break;
             }

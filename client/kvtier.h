@@ -39,7 +39,8 @@ enum {
     KVT_CLIENT_ENOSPC = -30804,
     KVT_CLIENT_ECORRUPT = -30805,
     KVT_CLIENT_EIO = -30806,
-    KVT_CLIENT_EPROTO = -30807, /* malformed frame or reply */
+    KVT_CLIENT_EPROTO = -30807, /* malformed frame or reply (also: a reply longer than the
+                                   daemon's max-frame, refused before its body is read) */
     KVT_CLIENT_EUNAVAIL = -30808,
     KVT_CLIENT_ETIMEDOUT = -30809,
     KVT_CLIENT_EAUTH = -30813,

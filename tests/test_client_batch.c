@@ -4,6 +4,7 @@
  * with its own status and result; an error in the middle touches only its own entry; a closed
  * daemon makes every later call fail with ECLOSED instead of hanging.
  */
+#include "../server/proto.h"
 #include "test_server_harness.h"
 
 #define PAGE 16
@@ -81,4 +82,79 @@ Test(client_batch, daemon_gone)
     conf.model = NULL;
     cr_expect_eq(kvt_client_connect(&c, &conf), KVT_CLIENT_EINVAL);
     kvd_cleanup(&d);
+}
+
+/* A fake daemon on a Unix socket for one connection: answers HELLO (saying max-frame 1 MiB, or
+ * with a reply header claiming body bytes of `hello_body` when that is non-zero), then answers
+ * the next request with a header claiming `body` bytes and sends nothing more. */
+static pid_t fake_daemon(const char *path, uint32_t hello_body, uint32_t body)
+{
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sun = {.sun_family = AF_UNIX};
+    snprintf(sun.sun_path, sizeof sun.sun_path, "%s", path);
+    unlink(path);
+    cr_assert_eq(bind(lfd, (struct sockaddr *)&sun, sizeof sun), 0);
+    cr_assert_eq(listen(lfd, 1), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid > 0) {
+        close(lfd);
+        return pid;
+    }
+    int fd = accept(lfd, NULL, NULL);
+    uint8_t in[4096], out[KVT_PROTO_HDR + sizeof(kvt_wire_hello_reply_t)];
+    for (int step = 0; step < 2 && fd >= 0; step++) {
+        kvt_proto_hdr_t h;
+        if (read(fd, in, KVT_PROTO_HDR) != KVT_PROTO_HDR)
+            break;
+        kvt_proto_hdr_decode(in, &h);
+        if (h.body_len && read(fd, in, h.body_len) != (ssize_t)h.body_len)
+            break;
+        if (step == 0 && !hello_body) {
+            kvt_wire_hello_reply_t r = {.max_frame = htole32(1u << 20)};
+            kvt_proto_frame(out, h.opcode | KVT_OP_REPLY, 0, h.request_id, 0, sizeof r);
+            memcpy(out + KVT_PROTO_HDR, &r, sizeof r);
+            if (write(fd, out, sizeof out) != (ssize_t)sizeof out)
+                break;
+        } else {
+            kvt_proto_frame(out, h.opcode | KVT_OP_REPLY, 0, h.request_id, 0,
+                            step == 0 ? hello_body : body);
+            if (write(fd, out, KVT_PROTO_HDR) != KVT_PROTO_HDR)
+                break;
+            break;
+        }
+    }
+    sleep(5); /* keep the connection open: the client must not wait for the body */
+    _exit(0);
+}
+
+/* A server whose reply header claims more than any reply of a real daemon can hold (its
+ * max-frame, or 64 KiB before HELLO has told it) gets EPROTO at once: the client neither waits
+ * for nor allocates a body it would never use. */
+Test(client_batch, a_reply_longer_than_the_daemon_can_send_is_refused)
+{
+    char dir[] = "/tmp/kvt-fake.XXXXXX", path[64];
+    cr_assert(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/k.sock", dir);
+    kvt_client_conf_t conf = {
+        .unix_path = path, .model = "m", .page_size = PAGE, .timeout_ms = 3000};
+    kvt_client_t *c = NULL;
+
+    pid_t pid = fake_daemon(path, 0, 1u << 30);
+    cr_assert_eq(kvt_client_connect(&c, &conf), 0);
+    uint64_t t0 = kvt_now_ns();
+    cr_expect_eq(kvt_client_ping(c, NULL), KVT_CLIENT_EPROTO);
+    cr_expect_lt(kvt_now_ns() - t0, 1000000000ull, "refused at the header, not at the timeout");
+    kvt_client_close(c);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+
+    pid = fake_daemon(path, 100u << 20, 0);
+    c = NULL;
+    cr_expect_eq(kvt_client_connect(&c, &conf), KVT_CLIENT_EPROTO, "a HELLO reply of 100 MiB");
+    cr_expect_null(c);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    unlink(path);
+    rmdir(dir);
 }
