@@ -64,6 +64,8 @@ static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
         c->cap_leases = cap;
     }
     c->leases[c->nleases++] = *l;
+    if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
+        c->lease_next_ns = l->expires_ns;
     kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
     return 0;
 }
@@ -131,6 +133,11 @@ void kvt__lease_drop_all(kvt__conn_t *c)
 
 void kvt__lease_expire(kvt__conn_t *c, uint64_t now)
 {
+    /* Every tick, over every connection: the list is walked only when one of its leases is due
+     * (a connection may hold max-leases of them). */
+    if (c->nleases == 0 || now < c->lease_next_ns)
+        return;
+    uint64_t next = UINT64_MAX;
     for (size_t i = 0; i < c->nleases;) {
         if (c->leases[i].expires_ns <= now) {
             kvt_log(KVT_LOG_DEBUG,
@@ -141,9 +148,11 @@ void kvt__lease_expire(kvt__conn_t *c, uint64_t now)
             kvt__metric_add(c->srv->metrics, KVT_M_LEASES_EXPIRED, 0, 1);
             kvt_lease_del(c, &c->leases[i]);
         } else {
+            next = KVT_MIN(next, c->leases[i].expires_ns);
             i++;
         }
     }
+    c->lease_next_ns = next;
 }
 
 /* Handlers. Each returns 0, or a negative code when the connection must close. */

@@ -159,7 +159,8 @@ struct kvt__conn {
     uint32_t events;
     kvt__lease_t *leases;
     size_t nleases, cap_leases;
-    int mem_wait; /* waits for max-client-bytes to have mem_need more bytes */
+    uint64_t lease_next_ns; /* no lease expires before this: the tick skips the list until then */
+    int mem_wait;           /* waits for max-client-bytes to have mem_need more bytes */
     size_t mem_need;
     uint32_t *tokens;    /* scratch for decoded tokens */
     const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
