@@ -569,7 +569,8 @@ static void kvt_conn_parse(kvt__conn_t *c)
     if (want > c->in_cap) {
         /* A frame bigger than the buffer: a buffer of its size, if the clients' memory has room
          * for it; else the connection waits (unread) until it has (kvt__conns_mem_retry). */
-        size_t grow = want - KVT_MAX(c->in_cap, (size_t)KVT_IN_BASE);
+        size_t base = KVT_MAX(c->in_cap, (size_t)KVT_IN_BASE);
+        size_t grow = want > base ? want - base : 0; /* counted beyond the base buffer */
         if (s->client_bytes + grow > s->conf->max_client_bytes) {
             if (!c->mem_wait) {
                 c->mem_wait = 1;
