@@ -239,6 +239,22 @@ int main(int argc, char **argv)
             nargs = (nargs < k - i ? nargs : k - i);
         }
     }
+    /* The command and its tokens are checked before anything is asked of the daemon. */
+    int with_tokens = !strcmp(cmd, "match") || !strcmp(cmd, "put") || !strcmp(cmd, "get") ||
+                      !strcmp(cmd, "remove");
+    if (!with_tokens && strcmp(cmd, "ping") && strcmp(cmd, "stats")) {
+        fprintf(stderr, "kvtier: unknown command '%s'\n", cmd);
+        kvt_usage(stderr);
+        return 2;
+    }
+    uint32_t *tok = NULL, ntok = 0;
+    if (with_tokens && kvt_parse_tokens(argv + i, nargs, &tok, &ntok) < 0)
+        return 2;
+    if (with_tokens && ntok == 0) {
+        fprintf(stderr, "kvtier: %s needs token ids (numbers, or ranges such as 1-512)\n", cmd);
+        free(tok);
+        return 2;
+    }
     kvt_client_t *c;
     int rc = kvt_client_connect(&c, &conf);
     if (rc < 0) {
@@ -248,10 +264,10 @@ int main(int argc, char **argv)
                 : conf.tcp     ? conf.tcp
                                : "kvtierd.sock",
                 kvt_client_strerror(rc));
+        free(tok);
         return 1;
     }
     int status = 0;
-    uint32_t *tok = NULL, ntok = 0;
     if (!strcmp(cmd, "ping")) {
         long n = nargs > 0 ? strtol(argv[i], NULL, 10) : 1;
         for (long k = 0; k < n && !status; k++) {
@@ -264,12 +280,7 @@ int main(int argc, char **argv)
     } else if (!strcmp(cmd, "stats")) {
         if ((rc = kvt_client_stats(c, kvt_print_stat, NULL)) < 0)
             status = kvt_fail(c, "stats", rc);
-    } else if (!strcmp(cmd, "match") || !strcmp(cmd, "put") || !strcmp(cmd, "get") ||
-               !strcmp(cmd, "remove")) {
-        if (kvt_parse_tokens(argv + i, nargs, &tok, &ntok) < 0) {
-            kvt_client_close(c);
-            return 2;
-        }
+    } else {
         uint32_t pages = ntok / conf.page_size;
         if (!strcmp(cmd, "match")) {
             uint8_t *tiers = malloc(pages + 1);
@@ -344,10 +355,6 @@ int main(int argc, char **argv)
             else
                 printf("removed\n");
         }
-    } else {
-        fprintf(stderr, "kvtier: unknown command '%s'\n", cmd);
-        kvt_usage(stderr);
-        status = 2;
     }
 out:
     free(tok);

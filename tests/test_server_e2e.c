@@ -619,6 +619,15 @@ Test(server_e2e, cli_runs_the_benchmarks)
     snprintf(cmd, sizeof cmd, "'%s/client/kvtier' bench nosuch >/dev/null 2>&1", root);
     int st = system(cmd);
     cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "unknown benchmark: exit %d", WEXITSTATUS(st));
+    /* Usage errors are told before any daemon is asked (none listens at this socket). */
+    static const char *const bad[] = {"match", "put 1-x", "frob"};
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        snprintf(cmd, sizeof cmd, "'%s/client/kvtier' --unix /nonexistent.sock %s >/dev/null 2>&1",
+                 root, bad[k]);
+        st = system(cmd);
+        cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "kvtier %s: exit %d", bad[k],
+                  WEXITSTATUS(st));
+    }
     kvd_cleanup(&d);
 }
 
