@@ -440,15 +440,20 @@ static int kvt_conn_write(kvt__conn_t *c)
             if (r->out_off < r->out_len || !r->done)
                 break;
             /* Fully written. One still waiting on I/O (PREFETCH answered at its deadline) goes
-             * on as an orphan and frees itself. */
+             * on as an orphan and frees itself; its I/O no longer counts against the connection
+             * (which its completions, seeing no connection, would never give back: 64 such
+             * PREFETCHes used to leave the connection unread for good). */
             c->head = r->next;
             if (!c->head)
                 c->tail = NULL;
             r->next = NULL;
-            if (r->pending == 0)
+            if (r->pending == 0) {
                 kvt__req_free(r);
-            else
+            } else {
+                kvt_assert(c->inflight >= r->pending);
+                c->inflight -= r->pending;
                 r->conn = NULL;
+            }
         }
         if ((size_t)w < total)
             return 0;
@@ -513,9 +518,20 @@ static void kvt_conn_parse(kvt__conn_t *c)
     size_t off = 0;
     kvt_conn_warm(c);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
-        if (c->inflight >= s->conf->max_inflight || c->out_bytes >= s->conf->max_output ||
-            kvt_mem_full(c))
-            break;
+        if (c->inflight >= s->conf->max_inflight)
+            break; /* their completions kick the connection */
+        if (c->out_bytes >= s->conf->max_output || kvt_mem_full(c)) {
+            /* The replies of the frames before may leave at once. If they do, this frame goes
+             * on: stopping here would leave it waiting for an event that may never come (its
+             * client, having sent all it has, waits for these very replies). If they do not,
+             * the socket's EPOLLOUT kicks the connection when they can. */
+            if (kvt_conn_write(c) < 0) {
+                c->dead = 1;
+                break;
+            }
+            if (c->out_bytes >= s->conf->max_output || kvt_mem_full(c))
+                break;
+        }
         kvt_proto_hdr_t h;
         int rc = kvt_frame_at(c, off, &h);
         if (rc < 0) {

@@ -289,3 +289,98 @@ Test(server_remote, remote_down_is_a_counted_miss)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+/* A redis-server of this test's own (the shared one must not be paused under other tests), on a
+ * free loopback port; *port gets it. Skips without a redis-server binary. */
+static pid_t own_redis(char *dir, size_t dlen, uint16_t *port)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t l = sizeof a;
+    cr_assert(s >= 0 && bind(s, (struct sockaddr *)&a, sizeof a) == 0 &&
+              getsockname(s, (struct sockaddr *)&a, &l) == 0);
+    close(s);
+    *port = ntohs(a.sin_port);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(dir, dlen, "%s/kvt-redis-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    cr_assert(mkdtemp(dir));
+    const char *bin = getenv("KVT_REDIS_SERVER") ? getenv("KVT_REDIS_SERVER") : "redis-server";
+    char ps[16];
+    snprintf(ps, sizeof ps, "%u", *port);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execlp(bin, bin, "--port", ps, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", dir, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 500; i++) { /* up to 5 s for it to listen */
+        int c = socket(AF_INET, SOCK_STREAM, 0);
+        int ok = connect(c, (struct sockaddr *)&a, sizeof a) == 0;
+        close(c);
+        if (ok)
+            return pid;
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            cr_skip_test("no redis-server to start (%s)", bin);
+        usleep(10000);
+    }
+    cr_assert_fail("redis-server did not start");
+    return -1;
+}
+
+/*
+ * PREFETCHes answered at their deadline while their moves still run (the remote tier paused, so
+ * reads from it hang until its timeout): each goes on as an orphan, and its moves used to stay
+ * counted against the connection, which stopped reading for good once 64 had piled up. 80 of
+ * them, then the connection is still served.
+ */
+Test(server_remote, prefetches_answered_at_their_deadline_leave_the_connection_free)
+{
+    enum { N = 80 };
+    char dir[512], addr[64], pfx[64];
+    uint16_t port;
+    pid_t redis = own_redis(dir, sizeof dir, &port);
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    prefix(pfx, sizeof pfx);
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&b, "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
+              "--remote-timeout-ms", "3000", NULL);
+    kvt_client_t *ca = kvd_client(&a, "m", PAGE, BB), *cb = kvd_client(&b, "m", PAGE, BB);
+    static uint32_t tok[N][PAGE];
+    kvt_client_put_t r;
+    for (int k = 0; k < N; k++) {
+        kvd_tokens(tok[k], PAGE, 7000000u + 1000u * (uint32_t)k);
+        put_all(ca, tok[k], 1, (uint32_t)k, &r);
+        cr_assert_eq(r.stored, 1);
+        kvt_client_match_t m = {0};
+        cr_assert_eq(
+            kvt_client_match(cb, tok[k], PAGE, KVT_CLIENT_REMOTE | KVT_CLIENT_PROBE, 0, NULL, &m),
+            0);
+        cr_assert_eq(m.remote_pages, 1, "b learns of prompt %d from the server", k);
+    }
+    kill(redis, SIGSTOP);
+    for (int k = 0; k < N; k++) {
+        kvt_client_prefetch_t pr;
+        int rc = kvt_client_prefetch(cb, tok[k], PAGE, KVT_CLIENT_TIER_DRAM, 5, &pr);
+        cr_assert(rc == 0 || rc == KVT_CLIENT_ETIMEDOUT || rc == KVT_CLIENT_EUNAVAIL,
+                  "prefetch %d: %s %s", k, kvt_client_strerror(rc), kvt_client_errmsg(cb));
+    }
+    cr_expect_eq(kvt_client_ping(cb, NULL), 0, "the connection is still read");
+    kill(redis, SIGCONT);
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
+    kvd_rmrf(dir);
+}
