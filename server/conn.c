@@ -68,6 +68,14 @@ static int kvt_mem_full(const kvt__conn_t *c)
     return s->client_bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
 }
 
+/* Back-pressure: c takes no new request while it has max-inflight tier I/Os in flight, max-output
+ * reply bytes queued, or work out with the clients' memory full. */
+static int kvt_conn_held(const kvt__conn_t *c)
+{
+    const kvt_srv_conf_t *cf = c->srv->conf;
+    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || kvt_mem_full(c);
+}
+
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
 {
     kvt__metric_add(s->metrics, KVT_M_PROTOCOL_ERRORS, kind, 1);
@@ -518,9 +526,9 @@ static void kvt_conn_parse(kvt__conn_t *c)
     size_t off = 0;
     kvt_conn_warm(c);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
-        if (c->inflight >= s->conf->max_inflight)
-            break; /* their completions kick the connection */
-        if (c->out_bytes >= s->conf->max_output || kvt_mem_full(c)) {
+        if (kvt_conn_held(c)) {
+            if (c->inflight >= s->conf->max_inflight)
+                break; /* their completions kick the connection */
             /* The replies of the frames before may leave at once. If they do, this frame goes
              * on: stopping here would leave it waiting for an event that may never come (its
              * client, having sent all it has, waits for these very replies). If they do not,
@@ -529,7 +537,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
                 c->dead = 1;
                 break;
             }
-            if (c->out_bytes >= s->conf->max_output || kvt_mem_full(c))
+            if (kvt_conn_held(c))
                 break;
         }
         kvt_proto_hdr_t h;
@@ -640,8 +648,7 @@ static void kvt_conn_read(kvt__conn_t *c)
         }
         c->in_len += (size_t)n;
         kvt_conn_parse(c);
-        if (c->inflight >= c->srv->conf->max_inflight || c->out_bytes >= c->srv->conf->max_output ||
-            kvt_mem_full(c))
+        if (kvt_conn_held(c))
             return;
         /* A short read took all the socket had: the next read would only say EAGAIN. Bytes
          * that arrive meanwhile wake epoll again (level-triggered), so none wait. */
@@ -659,9 +666,7 @@ void kvt__conn_kick(kvt__conn_t *c)
     if (!c->dead && kvt_conn_write(c) < 0)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
-    if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR &&
-        c->inflight < s->conf->max_inflight && c->out_bytes < s->conf->max_output &&
-        !kvt_mem_full(c)) {
+    if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR && !kvt_conn_held(c)) {
         kvt_conn_parse(c);
         if (kvt_conn_write(c) < 0)
             c->dead = 1;
@@ -673,8 +678,7 @@ void kvt__conn_kick(kvt__conn_t *c)
         return;
     }
     uint32_t want = 0;
-    if (!c->closing && !c->mem_wait && c->inflight < s->conf->max_inflight &&
-        c->out_bytes < s->conf->max_output && !kvt_mem_full(c))
+    if (!c->closing && !c->mem_wait && !kvt_conn_held(c))
         want |= EPOLLIN;
     int unsent = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
