@@ -1089,7 +1089,8 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
 
 void kvt_policy_on_node_free(kvt_policy_t *p, kvt_radix_node_t *n)
 {
-    if (p && n && dead_add(p, n) < 0)
+    /* The engine's own drops (in_drop) record their nodes' deaths themselves, after the evict. */
+    if (p && n && !p->in_drop && dead_add(p, n) < 0)
         p->dead_lost = 1;
 }
 
