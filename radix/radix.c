@@ -480,7 +480,7 @@ static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
 }
 
 /* Moves n's children to the front of its allocation, in no order, for tear-down only: after
- * this, children can be taken from the end (kid_pop) but no longer looked up. */
+ * this, children can be taken from the end (nkids - 1 down) but no longer looked up. */
 static void kid_densify(kvt_radix_node_t *n)
 {
     if (!n->kid_hash)

@@ -342,9 +342,10 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     if (!(q->flags & KVT_MATCH_F_PROBE))
         kvt_count_match(s, m, q->wire, q->ntokens, c->page_size, tiers, remote_down);
     uint64_t lease = 0;
-    if ((q->flags & KVT_MATCH_F_LEASE) && m->pages > 0 && c->nleases >= s->conf->max_leases) {
+    int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0;
+    if (leasing && c->nleases >= s->conf->max_leases) {
         rc = KVT_ENOSPC; /* refused below, saying why */
-    } else if ((q->flags & KVT_MATCH_F_LEASE) && m->pages > 0) {
+    } else if (leasing) {
         rc = kvt_radix_lease(s->radix, m, c->id, &lease);
         uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
         kvt__lease_t l = {

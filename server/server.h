@@ -120,7 +120,7 @@ struct kvt__req {
     kvt_radix_node_t *node; /* the path's deepest node */
     uint32_t pages;         /* path length */
     uint32_t block_bytes;
-    uint8_t *payload; /* PUT: the payload pages; REMOVE, PREFETCH: their tokens */
+    uint8_t *payload; /* PUT: the payload pages; a waiting REMOVE: its tokens */
     void *held;       /* what payload lies in, counted in the clients' memory */
     size_t held_bytes;
     uint32_t first, cur, end; /* PUT: payload pages [first, end); GET: pages [cur, end) left */
