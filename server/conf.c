@@ -89,6 +89,9 @@ static const kvt_opt_t kvt_opts[] = {
     {"max-client-bytes", KVT_OPT_BYTES, KVT_O(max_client_bytes), "1G",
      "memory all connections together may hold beyond their 512 KiB input buffers: frames over "
      "that, queued replies, PUT payloads waiting for their writes (at least max-frame + 1M)"},
+    {"reply-timeout-ms", KVT_OPT_U32, KVT_O(reply_timeout_ms), "60000",
+     "a connection whose socket takes none of its queued replies for this long is closed; 0 for "
+     "never"},
     {"tick-ms", KVT_OPT_U32, KVT_O(tick_ms), "50",
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",

@@ -43,6 +43,7 @@ typedef struct kvt_srv_conf {
     uint32_t max_leases;       /* leases one connection may hold at once */
     uint64_t max_output;       /* queued reply bytes per connection before reads pause */
     uint64_t max_client_bytes; /* clients' buffers beyond their base input buffers, all together */
+    uint32_t reply_timeout_ms; /* a socket that takes none of its replies this long is closed */
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what

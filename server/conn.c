@@ -416,10 +416,13 @@ static int kvt_conn_write(kvt__conn_t *c)
         }
         ssize_t w = writev(c->ev.fd, iov, n);
         if (w < 0) {
-            if (errno == EAGAIN || errno == EINTR)
-                return 0;
-            return -1;
+            if (errno != EAGAIN && errno != EINTR)
+                return -1;
+            if (errno == EAGAIN && c->stuck_ns == 0)
+                c->stuck_ns = kvt_now_ns(); /* the tick closes it if this lasts (reply-timeout) */
+            return 0;
         }
+        c->stuck_ns = 0;
         kvt__out_add(c, -(int64_t)w);
         size_t total = 0;
         for (int i = 0; i < n; i++)
@@ -734,9 +737,30 @@ void kvt__conns_mem_retry(kvt_srv_t *s)
     }
 }
 
+/* A client that stopped reading holds its replies, its leases and its share of max-client-bytes
+ * for as long as it stays connected; past reply-timeout-ms it is closed, as Redis closes a client
+ * over its output buffer limit. Any reply byte the socket takes starts the time again. */
+static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
+{
+    uint64_t limit = (uint64_t)c->srv->conf->reply_timeout_ms * 1000000;
+    if (limit == 0 || c->stuck_ns == 0 || now - c->stuck_ns < limit)
+        return 0;
+    kvt_log(KVT_LOG_WARN,
+            "kvtierd: connection %llu took none of its replies for %u ms (%zu bytes queued, %zu "
+            "leases): closed (reply-timeout-ms)",
+            (unsigned long long)c->id, c->srv->conf->reply_timeout_ms, c->out_bytes, c->nleases);
+    kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_TIMED_OUT, 0, 1);
+    kvt__conn_close(c);
+    return 1;
+}
+
 void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
 {
-    for (kvt__conn_t *c = s->conns; c; c = c->next)
-        kvt__lease_expire(c, now);
+    kvt__conn_t *next;
+    for (kvt__conn_t *c = s->conns; c; c = next) {
+        next = c->next;
+        if (!kvt_conn_timed_out(c, now))
+            kvt__lease_expire(c, now);
+    }
     kvt__conns_deadlines(s, now);
 }

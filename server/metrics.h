@@ -88,6 +88,9 @@ typedef enum {
       NONE)                                                                                        \
     X(CONNECTIONS_ACCEPTED, COUNTER, "kvtier_connections_accepted_total",                          \
       "Client connections accepted.", NONE)                                                        \
+    X(CONNECTIONS_TIMED_OUT, COUNTER, "kvtier_connections_timed_out_total",                        \
+      "Connections closed because their socket took none of their replies for reply-timeout-ms.",  \
+      NONE)                                                                                        \
     X(PROTOCOL_ERRORS, COUNTER, "kvtier_protocol_errors_total",                                    \
       "Malformed or refused frames, by kind.", ERR)                                                \
     X(INDEX_BLOCKS, GAUGE, "kvtier_index_blocks", "Pages cached in the prefix index.", NONE)       \

@@ -160,6 +160,7 @@ struct kvt__conn {
     kvt__lease_t *leases;
     size_t nleases, cap_leases;
     uint64_t lease_next_ns; /* no lease expires before this: the tick skips the list until then */
+    uint64_t stuck_ns;      /* since when its socket has taken none of its queued replies; 0: not */
     int mem_wait;           /* waits for max-client-bytes to have mem_need more bytes */
     size_t mem_need;
     uint32_t *tokens;    /* scratch for decoded tokens */

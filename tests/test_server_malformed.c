@@ -659,3 +659,101 @@ Test(server_malformed, at_the_open_file_limit_connections_are_refused_not_spun_o
     kvt_client_close(c);
     kvd_cleanup(&e);
 }
+
+/* Writes PING frames to fd until the daemon stops reading them (the socket has taken nothing for
+ * 300 ms); returns how many. */
+static int flood_pings(int fd)
+{
+    static uint8_t frames[256 * KVT_PROTO_HDR];
+    for (int i = 0; i < 256; i++)
+        kvt_proto_frame(frames + (size_t)i * KVT_PROTO_HDR, KVT_OP_PING, 0, 1000 + (uint64_t)i, 0,
+                        0);
+    int sent = 0;
+    for (;;) {
+        ssize_t w = send(fd, frames, sizeof frames, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w < 0) {
+            cr_assert(errno == EAGAIN, "send: %s", strerror(errno));
+            struct pollfd p = {.fd = fd, .events = POLLOUT};
+            if (poll(&p, 1, 300) == 0)
+                return sent;
+            continue;
+        }
+        sent += (int)(w / KVT_PROTO_HDR);
+        if ((size_t)w < sizeof frames)
+            return sent; /* part of a frame went: the daemon never sees it whole */
+    }
+}
+
+static double metric(const kvd_t *d, const char *name)
+{
+    char body[1 << 16], key[128];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    snprintf(key, sizeof key, "\n%s ", name);
+    char *line = strstr(body, key);
+    cr_assert(line, "%s missing", name);
+    return atof(line + strlen(key));
+}
+
+/*
+ * A client that stops reading its replies is closed once its socket has taken none of them for
+ * reply-timeout-ms, and its lease goes with it; a client that reads slowly, but reads, is not;
+ * other clients are served throughout.
+ */
+Test(server_malformed, a_client_that_stops_reading_is_closed_after_reply_timeout)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--reply-timeout-ms", "1000", "--tick-ms", "20", "--max-output", "64K", NULL);
+    kvt_client_t *good = kvd_client(&d, "m", 4, 16);
+    uint32_t tok[64];
+    kvd_tokens(tok, 64, 9);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(good, tok, 64, 0, 0, NULL, NULL, &pr), 0);
+
+    int stuck = kvd_raw(&d), slow = kvd_raw(&d);
+    hello(stuck, 1);
+    hello(slow, 1);
+    uint8_t mbody[sizeof(kvt_wire_match_t) + 64 * 4];
+    kvt_wire_match_t mw = {.ntokens = 64};
+    memcpy(mbody, &mw, sizeof mw);
+    for (int i = 0; i < 64; i++)
+        kvt_put_u32(mbody + sizeof mw + 4 * i, tok[i]);
+    req(stuck, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, mbody, sizeof mbody);
+    cr_assert_eq(reply(stuck, KVT_OP_MATCH, 2, NULL, NULL), 0);
+    cr_assert_eq(kvd_stat(good, "leases"), 1);
+
+    int n_stuck = flood_pings(stuck), n_slow = flood_pings(slow);
+    cr_assert_gt(n_stuck, 1000, "the daemon stopped reading after %d pings", n_stuck);
+    cr_assert_gt(n_slow, 1000);
+    /* The slow client reads 32 KiB every 50 ms until it has every reply (2 s at least), the
+     * stuck one nothing. */
+    uint64_t slow_bytes = 0, want = (uint64_t)n_slow * KVT_PROTO_HDR;
+    uint8_t buf[32 << 10];
+    for (int i = 0; i < 40 || (slow_bytes < want && i < 1000); i++) {
+        ssize_t r = recv(slow, buf, sizeof buf, MSG_DONTWAIT);
+        cr_assert(r > 0 || (r < 0 && errno == EAGAIN), "the slow reader was closed at %d ms",
+                  i * 50);
+        slow_bytes += r > 0 ? (uint64_t)r : 0;
+        if (i % 10 == 0)
+            cr_assert_eq(kvt_client_ping(good, NULL), 0, "the other client is served");
+        usleep(50000);
+    }
+    cr_expect_eq(slow_bytes, want, "%llu bytes of %d replies", (unsigned long long)slow_bytes,
+                 n_slow);
+    cr_expect_eq(metric(&d, "kvtier_connections_timed_out_total"), 1);
+    cr_expect_eq(kvd_stat(good, "leases"), 0, "the stuck client's lease went with it");
+    cr_expect_eq(kvd_stat(good, "connections"), 2);
+    cr_expect(kvd_log_has(&d, "took none of its replies for 1000 ms"));
+    /* The stuck client finds the replies that were already in its socket, then the end. */
+    int end = 0;
+    for (int i = 0; i < 100000 && !end; i++) {
+        ssize_t r = recv(stuck, buf, sizeof buf, 0);
+        end = r == 0 || (r < 0 && errno == ECONNRESET);
+        cr_assert(r >= 0 || end, "recv: %s", strerror(errno));
+    }
+    cr_expect(end);
+    close(stuck);
+    close(slow);
+    cr_assert_eq(kvt_client_ping(good, NULL), 0);
+    kvt_client_close(good);
+    kvd_cleanup(&d);
+}
