@@ -18,6 +18,10 @@
  *          rest of a MATCH.
  *   get    GET of one DRAM-resident block per request, pipelined, as bandwidth. Baseline:
  *          redis-benchmark GET of a value of the block's size.
+ *   lease  An engine's connection with --held leases out (requests in flight): batches of MATCH
+ *          with a lease, then RELEASE of each, pipelined through libkvtier on the Unix socket.
+ *          Baseline: the same with no other lease held. The ratio is what holding them costs
+ *          each request (1.0: nothing).
  *
  * Each connection pipelines as redis-benchmark -P does: it writes `pipeline` requests at once
  * (one writev over the pre-encoded frames, nothing copied) and the next batch when all of them
@@ -28,7 +32,7 @@
  *
  * usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] [--redis-benchmark PATH]
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
- *        [--ops match|get|all] [--transport unix|tcp|all] [--prompts N]
+ *        [--ops match|get|lease|all] [--transport unix|tcp|all] [--prompts N] [--held N]
  */
 #include <dirent.h>
 #include <errno.h>
@@ -73,9 +77,10 @@ typedef struct opts {
     int conns, pipeline;
     long requests;
     uint32_t block_bytes;
-    const char *ops;       /* "match", "get" or "all" */
+    const char *ops;       /* "match", "get", "lease" or "all" */
     const char *transport; /* "unix", "tcp" or "all" */
     int rounds;            /* alternating rounds per side; the median is reported */
+    int held;              /* lease: leases the connection holds throughout */
     long prompts;          /* MATCH over the first N prompts only (the index holds all); 0: all */
 } opts_t;
 
@@ -456,6 +461,79 @@ static uint64_t proc_cpu_ns(pid_t pid)
     return sum;
 }
 
+/*
+ * The lease load: one libkvtier connection holding o->held leases (0 for the baseline), which
+ * runs `cycles` batches of LEASE_BATCH MATCHes with a lease followed by LEASE_BATCH RELEASEs of
+ * them, all pipelined. Returns requests/s, or -1.
+ */
+#define LEASE_BATCH    500
+#define LEASE_HELD_MAX 3500 /* with LEASE_BATCH, under max-leases (4096) */
+
+static double lease_load(const char *sock, int held, int cycles)
+{
+    kvt_client_conf_t cf = {.unix_path = sock, .model = "bench-lease", .page_size = PAGE};
+    kvt_client_t *c = NULL;
+    kvt_batch_t *b = NULL;
+    static kvt_client_match_t m[LEASE_HELD_MAX + LEASE_BATCH];
+    static int st[LEASE_HELD_MAX + LEASE_BATCH];
+    uint32_t tok[4 * PAGE];
+    for (uint32_t i = 0; i < 4 * PAGE; i++)
+        tok[i] = 7 * i + 1;
+    kvt_client_put_t pr;
+    double rps = -1;
+    if (kvt_client_connect(&c, &cf) != 0 || kvt_batch_create(&b, c) != 0 ||
+        kvt_client_put(c, tok, 4 * PAGE, 0, 0, NULL, NULL, &pr) != 0)
+        goto done;
+    for (int i = 0; i < held; i++)
+        kvt_batch_match(b, tok, 4 * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m[i], &st[i]);
+    if (held && kvt_batch_run(b) != 0)
+        goto done;
+    uint64_t t0 = kvt_now_ns();
+    for (int k = 0; k < cycles; k++) {
+        kvt_client_match_t *x = m + held;
+        for (int i = 0; i < LEASE_BATCH; i++)
+            kvt_batch_match(b, tok, 4 * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &x[i], &st[i]);
+        if (kvt_batch_run(b) != 0)
+            goto done;
+        for (int i = 0; i < LEASE_BATCH; i++) {
+            if (st[i] != 0 || x[i].lease == 0)
+                goto done;
+            kvt_batch_release(b, x[i].lease, &st[i]);
+        }
+        if (kvt_batch_run(b) != 0)
+            goto done;
+        for (int i = 0; i < LEASE_BATCH; i++)
+            if (st[i] != 0)
+                goto done;
+    }
+    rps = 2.0 * LEASE_BATCH * cycles / ((double)(kvt_now_ns() - t0) / 1e9);
+done:
+    kvt_batch_destroy(b);
+    kvt_client_close(c); /* releases the held ones */
+    return rps;
+}
+
+static int bench_leases(const opts_t *o, const char *sock)
+{
+    double with[9], without[9];
+    int cycles = 200;
+    for (int i = 0; i < o->rounds; i++) {
+        with[i] = lease_load(sock, o->held, cycles);
+        without[i] = lease_load(sock, 0, cycles);
+        if (with[i] < 0 || without[i] < 0) {
+            fprintf(stderr, "bench_server: the lease load failed\n");
+            return -1;
+        }
+    }
+    double k = bench_median(with, o->rounds), r = bench_median(without, o->rounds);
+    printf("{\"op\":\"lease\",\"transport\":\"unix\",\"held\":%d,\"batch\":%d,"
+           "\"requests\":%d,\"requests_per_s\":%.0f,\"baseline\":\"no other lease held\","
+           "\"baseline_requests_per_s\":%.0f,\"rounds\":%d,\"ratio\":%.3f}\n",
+           o->held, LEASE_BATCH, 2 * LEASE_BATCH * cycles, k, r, o->rounds, k / r);
+    fflush(stdout);
+    return 0;
+}
+
 static int run_load(load_t *l, result_t *res)
 {
     int nc = l->o->conns, ep = epoll_create1(0), rc = 0;
@@ -744,7 +822,8 @@ int main(int argc, char **argv)
                 .block_bytes = 256 << 10,
                 .ops = "all",
                 .transport = "all",
-                .rounds = 3};
+                .rounds = 3,
+                .held = 3000};
     /* kvtierd of the same build: $KVT_BUILD_ROOT (meson's), else next to this binary's bench/,
      * else the installed one. */
     const char *root = getenv("KVT_BUILD_ROOT");
@@ -786,24 +865,34 @@ int main(int argc, char **argv)
             o.transport = argv[++i];
         else if (!strcmp(argv[i], "--prompts") && i + 1 < argc)
             o.prompts = atol(argv[++i]);
+        else if (!strcmp(argv[i], "--held") && i + 1 < argc)
+            o.held = atoi(argv[++i]);
         else if (argv[i][0] != '-' && !o.trace)
             o.trace = argv[i];
         else {
             fprintf(stderr, "usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] "
                             "[--redis-benchmark PATH] [--conns N] [--pipeline N] [--requests N] "
-                            "[--block-bytes N] [--rounds N] [--ops match|get|all] "
-                            "[--transport unix|tcp|all] [--prompts N]\n");
+                            "[--block-bytes N] [--rounds N] [--ops match|get|lease|all] "
+                            "[--transport unix|tcp|all] [--prompts N] [--held N]\n");
             return 2;
         }
     }
     if (!o.trace || o.conns < 1 || o.conns > 64 || o.pipeline < 1 || o.pipeline > KVT_PIPE_MAX ||
         o.requests < o.conns || o.prompts < 0 || o.rounds < 1 || o.rounds > 9 ||
-        o.block_bytes < 4096 || o.block_bytes > (16u << 20) ||
-        (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all"))) {
-        fprintf(stderr, "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
-                        "transport unix, tcp or all\n");
+        o.block_bytes < 4096 || o.block_bytes > (16u << 20) || o.held < 0 ||
+        o.held > LEASE_HELD_MAX ||
+        (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all")) ||
+        (strcmp(o.ops, "match") && strcmp(o.ops, "get") && strcmp(o.ops, "lease") &&
+         strcmp(o.ops, "all"))) {
+        fprintf(stderr,
+                "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
+                "held 0..%d; ops match, get, lease or all; transport unix, tcp or all\n",
+                LEASE_HELD_MAX);
         return 2;
     }
+    int want_match = !strcmp(o.ops, "match") || !strcmp(o.ops, "all");
+    int want_get = !strcmp(o.ops, "get") || !strcmp(o.ops, "all");
+    int want_lease = !strcmp(o.ops, "lease") || !strcmp(o.ops, "all");
     signal(SIGPIPE, SIG_IGN);
     kvt_trace_t *tr;
     int rc = kvt_trace_load(&tr, o.trace);
@@ -865,8 +954,8 @@ int main(int argc, char **argv)
     }
 
     load_t match = {.o = &o};
-    double avg_bytes;
-    if (populate(&o, ksock, tr, &match, &avg_bytes) < 0) {
+    double avg_bytes = 0;
+    if (want_match && populate(&o, ksock, tr, &match, &avg_bytes) < 0) {
         fprintf(stderr, "bench_server: populating the index failed\n");
         return 1;
     }
@@ -875,7 +964,7 @@ int main(int argc, char **argv)
     snprintf(redis_tcp, sizeof redis_tcp, "-h 127.0.0.1 -p %d", rport);
     const char *transports[2] = {"unix", "tcp"};
     int status = 0;
-    for (int t = 0; t < 2 && strcmp(o.ops, "get"); t++) {
+    for (int t = 0; t < 2 && want_match; t++) {
         if (strcmp(o.transport, "all") && strcmp(o.transport, transports[t]))
             continue;
         match.tcp_port = t ? kport : 0;
@@ -917,6 +1006,10 @@ int main(int argc, char **argv)
     /* GET bandwidth: 32 DRAM-resident blocks, one block per GET, against GET over 32 values of
      * the same size (-r 32), and over one value as redis-benchmark's default (the hot key). */
     uint32_t nblocks = 32;
+    if (want_lease && bench_leases(&o, ksock) < 0)
+        status = 1;
+    if (!want_get)
+        goto out;
     if (store_blocks(ksock, o.block_bytes, nblocks) < 0)
         return 1;
     char setcmd[1200];
@@ -933,7 +1026,7 @@ int main(int argc, char **argv)
     go.pipeline = KVT_MIN(o.pipeline, 8);
     go.requests = get_requests;
     load_t get = {.o = &go, .hello_block = o.block_bytes, .get_blocks = nblocks};
-    for (int t = 0; t < 2 && strcmp(o.ops, "match"); t++) {
+    for (int t = 0; t < 2 && want_get; t++) {
         if (strcmp(o.transport, "all") && strcmp(o.transport, transports[t]))
             continue;
         get.tcp_port = t ? kport : 0;
@@ -964,6 +1057,7 @@ int main(int argc, char **argv)
                k.client_cpu_us, r.client_cpu_us, h.client_cpu_us);
         fflush(stdout);
     }
+out:
     for (size_t i = 0; i < match.nframes; i++)
         free(match.frames[i]);
     free(match.frames);

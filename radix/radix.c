@@ -1280,7 +1280,7 @@ int kvt_radix_release(kvt_radix_t *t, uint64_t lease)
 {
     if (!t)
         return KVT_EINVAL;
-    uint32_t slot = (uint32_t)lease, gen = (uint32_t)(lease >> 32);
+    uint32_t slot = kvt_radix_lease_slot(lease), gen = (uint32_t)(lease >> 32);
     if (slot >= t->lease_cap || t->leases[slot].owner == 0 || t->leases[slot].gen != gen)
         return KVT_ENOENT;
     lease_drop(t, slot);

@@ -242,9 +242,15 @@ int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64
 /* Releases one lease. Returns 0, or KVT_ENOENT for an id that is not (any longer) held: a
  * second release of the same id is harmless. */
 int kvt_radix_release(kvt_radix_t *t, uint64_t lease);
-/* Releases every lease of owner; returns how many. */
+/* Releases every lease of owner; returns how many. Walks every lease slot of the tree. */
 size_t kvt_radix_release_owner(kvt_radix_t *t, uint64_t owner);
 size_t kvt_radix_lease_count(const kvt_radix_t *t);
+/* A lease's slot: no two leases held at once share one, and slots are reused, so the slots in use
+ * stay below the most leases ever held at once. For tables of the caller's own, by lease. */
+static inline uint32_t kvt_radix_lease_slot(uint64_t lease)
+{
+    return (uint32_t)lease;
+}
 
 /*
  * Nodes. Pointers stay valid until the node is evicted or removed (never across a split).

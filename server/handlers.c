@@ -51,10 +51,26 @@ static uint16_t kvt_tier_mask(const kvt_srv_t *s)
     return m;
 }
 
-/* Leases */
+/*
+ * Leases. A connection keeps its leases in a list (the tick walks it for expiry); the server's
+ * lease_pos says where in its owner's list each one is, by the tree's lease slot, so a GET or
+ * RELEASE finds its lease at once among the thousands an engine's connection may hold.
+ */
 
 static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
 {
+    kvt_srv_t *s = c->srv;
+    uint32_t slot = kvt_radix_lease_slot(l->id);
+    if (slot >= s->lease_pos_cap) {
+        size_t cap = s->lease_pos_cap ? s->lease_pos_cap : 64;
+        while (cap <= slot)
+            cap *= 2;
+        uint32_t *p = realloc(s->lease_pos, cap * sizeof *p);
+        if (!p)
+            return KVT_ENOMEM;
+        s->lease_pos = p;
+        s->lease_pos_cap = cap;
+    }
     if (c->nleases == c->cap_leases) {
         size_t cap = c->cap_leases ? c->cap_leases * 2 : 8;
         kvt__lease_t *n = realloc(c->leases, cap * sizeof *n);
@@ -63,6 +79,7 @@ static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
         c->leases = n;
         c->cap_leases = cap;
     }
+    s->lease_pos[slot] = (uint32_t)c->nleases;
     c->leases[c->nleases++] = *l;
     if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
         c->lease_next_ns = l->expires_ns;
@@ -103,12 +120,16 @@ static void kvt_lease_unpin(kvt_srv_t *s, kvt__lease_t *l)
     l->npins = 0;
 }
 
+/* c's lease id, or NULL: a stale id, or another connection's lease, is not found (the entry at
+ * its slot's position, if any, has another id). */
 static kvt__lease_t *kvt_lease_find(kvt__conn_t *c, uint64_t id)
 {
-    for (size_t i = 0; i < c->nleases; i++)
-        if (c->leases[i].id == id)
-            return &c->leases[i];
-    return NULL;
+    const kvt_srv_t *s = c->srv;
+    uint32_t slot = kvt_radix_lease_slot(id);
+    if (slot >= s->lease_pos_cap)
+        return NULL;
+    uint32_t i = s->lease_pos[slot];
+    return i < c->nleases && c->leases[i].id == id ? &c->leases[i] : NULL;
 }
 
 static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
@@ -116,14 +137,19 @@ static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
     kvt_radix_release(c->srv->radix, l->id);
     kvt_lease_unpin(c->srv, l);
     *l = c->leases[--c->nleases];
+    if (l != c->leases + c->nleases) /* the last one moved into l's place */
+        c->srv->lease_pos[kvt_radix_lease_slot(l->id)] = (uint32_t)(l - c->leases);
     kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
 }
 
 void kvt__lease_drop_all(kvt__conn_t *c)
 {
-    size_t n = kvt_radix_release_owner(c->srv->radix, c->id);
-    for (size_t i = 0; i < c->nleases; i++)
+    /* Every lease the connection owns is in its list (a MATCH releases one it cannot list). */
+    size_t n = c->nleases;
+    for (size_t i = 0; i < c->nleases; i++) {
+        kvt_radix_release(c->srv->radix, c->leases[i].id);
         kvt_lease_unpin(c->srv, &c->leases[i]);
+    }
     if (n)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
                 (unsigned long long)c->id, n);

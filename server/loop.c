@@ -445,6 +445,7 @@ void kvt__srv_close(kvt_srv_t *s)
         close(s->epfd);
     kvt__metrics_destroy(s->metrics);
     free(s->ghosts);
+    free(s->lease_pos);
     free(s->ns);
     free(s);
 }

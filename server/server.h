@@ -184,6 +184,10 @@ struct kvt_srv {
     uint32_t nconns;
     uint64_t next_conn_id;
     uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
+    /* By lease slot (kvt_radix_lease_slot): where a connection's lease is in its list, so that
+     * GET and RELEASE find it at once however many the connection holds (handlers.c). */
+    uint32_t *lease_pos;
+    size_t lease_pos_cap;
     int stopping;
     int removing;     /* the free callback is called by REMOVE, not by an eviction */
     uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */

@@ -252,6 +252,79 @@ Test(server_e2e, leases_per_connection_are_bounded)
     kvd_cleanup(&d);
 }
 
+/*
+ * An engine's connection holding thousands of leases: each GET and RELEASE finds its own, in any
+ * order, as leases come and go around it; a released id, and another connection's lease, are not
+ * found. STATS counts every one, and closing the connection releases what is left.
+ */
+Test(server_e2e, thousands_of_leases_on_one_connection)
+{
+    enum { N = 3000 };
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *a = kvd_client(&d, "m", PAGE, BB), *b = kvd_client(&d, "m", PAGE, BB);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 3);
+    kvt_client_put_t r;
+    put_pages(a, tok, 4 * PAGE, 0, 4, BB, 0, &r);
+    static uint64_t lease[N];
+    for (int i = 0; i < N; i++) {
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(a, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+        lease[i] = m.lease;
+    }
+    kvt_client_match_t mb = {0};
+    cr_assert_eq(kvt_client_match(b, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &mb), 0);
+    cr_expect_eq(kvd_stat(b, "leases"), N + 1);
+    /* Every other lease released, in a shuffled order, each once. */
+    static int order[N / 2];
+    for (int i = 0; i < N / 2; i++)
+        order[i] = 2 * i;
+    uint64_t x = 88172645463325252ull;
+    for (int i = N / 2 - 1; i > 0; i--) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        int j = (int)(x % (uint64_t)(i + 1)), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    int released = 0;
+    for (int i = 0; i < N / 2; i++) {
+        cr_assert_eq(kvt_client_release(a, lease[order[i]], &released), 0);
+        cr_assert_eq(released, 1, "lease %d", order[i]);
+    }
+    cr_expect_eq(kvd_stat(b, "leases"), N / 2 + 1);
+    uint8_t buf[BB];
+    for (int i = 0; i < N; i += 97) {
+        int want = i % 2 ? 0 : KVT_CLIENT_ENOENT;
+        cr_expect_eq(kvt_client_get(a, lease[i], 1, 1, buf, sizeof buf, NULL, NULL), want,
+                     "GET with lease %d", i);
+        cr_assert_eq(kvt_client_release(a, lease[i], &released), 0);
+        cr_expect_eq(released, i % 2, "RELEASE of lease %d", i);
+        if (i % 2)
+            cr_assert_eq(kvt_client_release(a, lease[i], &released), 0);
+        cr_expect_eq(released, 0, "a second RELEASE of lease %d", i);
+    }
+    /* a's leases are not b's, and b's is not a's. */
+    cr_expect_eq(kvt_client_get(b, lease[1], 0, 1, buf, sizeof buf, NULL, NULL), KVT_CLIENT_ENOENT);
+    cr_assert_eq(kvt_client_release(b, lease[3], &released), 0);
+    cr_expect_eq(released, 0);
+    cr_assert_eq(kvt_client_release(a, mb.lease, &released), 0);
+    cr_expect_eq(released, 0);
+    cr_expect_eq(kvt_client_get(a, lease[3], 0, 1, buf, sizeof buf, NULL, NULL), 0);
+    cr_expect_eq(kvt_client_get(b, mb.lease, 0, 1, buf, sizeof buf, NULL, NULL), 0);
+    uint64_t held = kvd_stat(b, "leases");
+    cr_expect_eq(held, N / 2 + 1 - (N + 96) / 97 / 2, "%llu", (unsigned long long)held);
+    kvt_client_close(a);
+    uint64_t leases = held;
+    for (int i = 0; i < 1000 && leases > 1; i++) {
+        usleep(5000);
+        leases = kvd_stat(b, "leases");
+    }
+    cr_expect_eq(leases, 1, "a's leases are released when it closes, b's stays");
+    kvt_client_close(b);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, lease_time_limit)
 {
     kvd_t d = {0};
