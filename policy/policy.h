@@ -186,6 +186,11 @@ typedef struct kvt_policy_conf {
      * node_free_cb): frees by others (REMOVE, a tier losing blocks) then need no rebuild of the
      * engine's heaps, which costs a walk over every node. 0: every such free costs one. */
     int reports_node_frees;
+    /* COST: a tree of more nodes than this renews its victim heaps for a refreshed model a slice
+     * at a time, in kvt_policy_step, instead of in one walk over every node (about 0.2 s at a
+     * million nodes). 0 picks 16384. */
+    size_t sweep_above;
+    uint32_t sweep_slice; /* nodes a sweep visits per kvt_policy_step; 0 picks 2048 */
     const kvt_policy_ops_t *ops;
     void *ops_arg;
 } kvt_policy_conf_t;
@@ -308,6 +313,8 @@ typedef struct kvt_policy_stats {
     uint64_t rejected;      /* new pages that fit in no tier */
     uint64_t pending_moves; /* moves in flight */
     uint64_t index_trimmed; /* index-only pages evicted by kvt_policy_trim_index */
+    uint64_t rebuilds;      /* victim heaps rebuilt in one walk over every node */
+    uint64_t sweeps;        /* and renewed by a sweep (sweep_above) */
 } kvt_policy_stats_t;
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);

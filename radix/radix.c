@@ -1508,6 +1508,11 @@ kvt_radix_node_t *kvt_radix_node_at(const kvt_radix_t *t, size_t i)
     return t && i < t->nnodes ? t->nodes[i] : NULL;
 }
 
+kvt_radix_node_t *const *kvt_radix_nodes(const kvt_radix_t *t)
+{
+    return t ? t->nodes : NULL;
+}
+
 void kvt_radix_stats(const kvt_radix_t *t, kvt_radix_stats_t *st)
 {
     if (!st)

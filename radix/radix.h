@@ -357,6 +357,9 @@ uint32_t kvt_radix_trim(kvt_radix_t *t, uint64_t target, uint32_t budget,
  * unspecified and changes when nodes go. */
 size_t kvt_radix_node_count(const kvt_radix_t *t);
 kvt_radix_node_t *kvt_radix_node_at(const kvt_radix_t *t, size_t i);
+/* The same nodes as one array (kvt_radix_node_count of them), valid until the tree next changes:
+ * for a copy taken at once. */
+kvt_radix_node_t *const *kvt_radix_nodes(const kvt_radix_t *t);
 
 /* The most kvt_radix_insert of ntokens tokens in namespace ns can add to the tree's bytes now:
  * its new nodes, a split and its copies, a child array's and the node registry's growth, each

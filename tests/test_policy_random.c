@@ -270,6 +270,7 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
     kvt_radix_destroy(t);
     for (int k = 0; k < KVT_TIER_COUNT; k++)
         cr_assert_eq(e.used[k], 0);
+    cr_assert_eq(st.sweeps, 0, "no tree here is large enough for sweeps");
     kvt_policy_destroy(pol);
 }
 
@@ -304,4 +305,100 @@ Test(policy_random, node_frees_reported_need_no_rebuild)
     random_run(KVT_POLICY_COST, 0, 1);
     random_run(KVT_POLICY_COST, 1, 1);
     random_run(KVT_POLICY_LFU, 1, 1);
+}
+
+/*
+ * A tree counted as large (sweep_above 256): a refreshed cost model renews the victim heaps by
+ * sweeps of 16 nodes per step, with inserts, splits, hits, leases, drops and removals the engine
+ * did not ask for between the slices. Checked after every step against the executor's counts
+ * and capacities; ASan would show a swept node that had been freed. Without node deaths
+ * reported, the registry's copy cannot be trusted and the rebuild stays whole.
+ */
+static kvt_policy_stats_t sweep_run(int reports)
+{
+    exec_t e;
+    memset(&e, 0, sizeof(e));
+    kvt_radix_t *t;
+    kvt_radix_conf_t rc = {
+        .free_cb = ex_free, .node_free_cb = reports ? ex_node_free : NULL, .free_arg = &e};
+    cr_assert_eq(kvt_radix_create(&t, &rc), 0);
+    uint32_t ns;
+    cr_assert_eq(kvt_radix_ns_open(t, "tiny", NULL, NULL, PS, &ns), 0);
+    kvt_policy_conf_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = KVT_POLICY_COST;
+    c.model = (kvt_model_profile_t){"tiny", 1, 1, 64, 2, 1, 64, 1e6};
+    c.hw = (kvt_hw_profile_t){"flat", 1e9, {0, 1e12, 1e11, 1e4, 1e9}, {0, 0, 0, 0, 0}};
+    c.tiers[KVT_TIER_DRAM].capacity = 1500ull * PAGE;
+    c.tiers[KVT_TIER_NVME].capacity = 3000ull * PAGE;
+    c.ops = &ops;
+    c.ops_arg = &e;
+    c.reports_node_frees = reports;
+    c.sweep_above = 256;
+    c.sweep_slice = 16;
+    kvt_policy_t *pol;
+    cr_assert_eq(kvt_policy_create(&pol, t, &c), 0);
+    e.pol = pol;
+    enum { N = 6000, LEN = 3 * PS };
+    static uint32_t prompts[N][LEN];
+    uint64_t leases[16] = {0};
+    for (int i = 0; i < N; i++) {
+        kvt_radix_set_clock(t, (uint32_t)i * 10);
+        uint32_t *tok = prompts[i];
+        if (i > 0 && rnd(3) == 0) { /* shares a page or two with an earlier one: a split */
+            uint32_t keep = PS * (1 + rnd(2));
+            memcpy(tok, prompts[rnd((uint32_t)i)], keep * sizeof(uint32_t));
+            for (uint32_t j = keep; j < LEN; j++)
+                tok[j] = 1 + rnd(1u << 30);
+        } else {
+            for (uint32_t j = 0; j < LEN; j++)
+                tok[j] = 1 + rnd(1u << 30);
+        }
+        kvt_insert_t ins;
+        int r = kvt_radix_insert(t, ns, tok, LEN, &ins);
+        CHECK(r == 0 || r == KVT_EEXIST, "insert: %d", r);
+        CHECK(kvt_policy_on_insert(pol, &ins, NULL) >= 0, "on_insert");
+        const uint32_t *old = prompts[rnd((uint32_t)i + 1)];
+        kvt_match_t m;
+        CHECK(kvt_radix_match(t, ns, old, LEN, 0, &m) == 0, "match");
+        kvt_policy_on_match(pol, &m, NULL);
+        int slot = (int)rnd(16);
+        if (leases[slot]) {
+            kvt_radix_release(t, leases[slot]);
+            leases[slot] = 0;
+        }
+        if (m.pages && rnd(4) == 0)
+            CHECK(kvt_radix_lease(t, &m, 1 + (uint64_t)slot, &leases[slot]) == 0, "lease");
+        if (rnd(40) == 0) { /* a removal the engine did not ask for */
+            int rr = kvt_radix_remove(t, ns, prompts[rnd((uint32_t)i + 1)], LEN);
+            CHECK(rr == 0 || rr == KVT_ENOENT || rr == KVT_EBUSY || rr == KVT_EINVAL, "remove: %d",
+                  rr);
+        }
+        CHECK(kvt_policy_step(pol, 0) >= 0, "step");
+        check(t, pol, &e);
+    }
+    for (int k = 0; k < 16; k++)
+        if (leases[k])
+            kvt_radix_release(t, leases[k]);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_gt(st.demotions, 0, "the test must exercise eviction");
+    cr_assert_gt(st.dropped_blocks, 0);
+    kvt_radix_destroy(t);
+    for (int k = 0; k < KVT_TIER_COUNT; k++)
+        cr_assert_eq(e.used[k], 0);
+    kvt_policy_destroy(pol);
+    return st;
+}
+
+Test(policy_random, large_trees_renew_their_heaps_by_sweeps)
+{
+    kvt_policy_stats_t st = sweep_run(1);
+    cr_assert_gt(st.sweeps, 10, "%llu sweeps, %llu whole rebuilds", (unsigned long long)st.sweeps,
+                 (unsigned long long)st.rebuilds);
+    cr_expect_lt(st.rebuilds, st.sweeps, "%llu sweeps, %llu whole rebuilds",
+                 (unsigned long long)st.sweeps, (unsigned long long)st.rebuilds);
+    st = sweep_run(0);
+    cr_assert_eq(st.sweeps, 0);
+    cr_assert_gt(st.rebuilds, 0);
 }
