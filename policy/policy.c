@@ -949,7 +949,9 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
 }
 
 /* Frees room in t until need more bytes fit under its capacity. 0, KVT_ENOSPC (no victim
- * left), or KVT_EAGAIN (pending moves will free it later). */
+ * left), or KVT_EAGAIN (pending moves will free it later). Bytes already on their way out count
+ * as room to come: a tier whose moves are all asynchronous (kvtierd's) would otherwise have
+ * every victim it has moved out for one PUT, since no move lowers its count before it lands. */
 static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth)
 {
     if (!tier_ok(t) || !p->cap[t] || need > p->cap[t])
@@ -957,11 +959,14 @@ static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth)
     if (depth > KVT_TIER_COUNT)
         return KVT_ENOSPC;
     while (p->cap[t] - p->used[t] < need) {
-        int rc = evict_one(p, t, depth, need - (p->cap[t] - p->used[t]));
+        uint64_t coming = p->cap[t] - p->used[t] + p->pending_out[t];
+        if (coming >= need)
+            return KVT_EAGAIN;
+        int rc = evict_one(p, t, depth, need - coming);
         if (rc < 0)
             return rc;
         if (rc == 0)
-            return p->cap[t] - p->used[t] + p->pending_out[t] >= need ? KVT_EAGAIN : KVT_ENOSPC;
+            return KVT_ENOSPC;
     }
     return 0;
 }
@@ -1374,11 +1379,14 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
         total += rc;
     }
     p->npromo = 0;
+    /* A tier's level net of what its moves in flight take out: those bytes are leaving already
+     * (counting them, every step until they land would move out as much again). */
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
-        if (!p->cap[t] || p->used[t] <= p->high[t])
+        if (!p->cap[t] || p->used[t] - p->pending_out[t] <= p->high[t])
             continue;
-        while (p->used[t] > p->low[t] && (budget == 0 || (uint32_t)total < budget)) {
-            int rc = evict_one(p, (kvt_tier_id_t)t, 0, p->used[t] - p->low[t]);
+        while (p->used[t] - p->pending_out[t] > p->low[t] &&
+               (budget == 0 || (uint32_t)total < budget)) {
+            int rc = evict_one(p, (kvt_tier_id_t)t, 0, p->used[t] - p->pending_out[t] - p->low[t]);
             if (rc < 0)
                 return rc;
             if (rc == 0)

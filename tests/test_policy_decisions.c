@@ -17,8 +17,9 @@
 typedef struct exec {
     uint64_t used[KVT_TIER_COUNT];
     uint64_t moves, admits;
-    int pending; /* answer moves with KVT_POLICY_PENDING */
-    int fail;    /* answer moves with KVT_EIO */
+    uint64_t pending_pages; /* pages of the moves answered KVT_POLICY_PENDING */
+    int pending;            /* answer moves with KVT_POLICY_PENDING */
+    int fail;               /* answer moves with KVT_EIO */
     kvt_policy_t *pol;
 } exec_t;
 
@@ -51,6 +52,7 @@ static int ex_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npag
         kvt_block_t *bl = kvt_radix_node_blocks(n) + (depth - kvt_radix_node_depth(n));
         for (uint32_t i = 0; i < npages; i++)
             bl[i].flags |= KVT_BLOCK_BUSY;
+        e->pending_pages += npages;
         return KVT_POLICY_PENDING;
     }
     e->used[from] -= b;
@@ -590,6 +592,57 @@ Test(policy_decisions, pending_moves_hold_their_reservation)
     all_in(a, 4, KVT_TIER_DRAM);
     free(a);
     free(b);
+    stop();
+}
+
+/*
+ * Moves in flight count as room on its way (kvtierd's moves are all asynchronous): above the high
+ * mark, steps move out what takes the tier to the low mark once, not again in every step until
+ * those land; and a PUT into a full tier has its room made once, its pages going lower while it
+ * is on its way, instead of the tier's every block being moved out for it.
+ */
+Test(policy_decisions, moves_in_flight_count_as_room_on_its_way)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 128, 1000);
+    c.tiers[KVT_TIER_DRAM].high = 0.9375f; /* 120 pages */
+    c.tiers[KVT_TIER_DRAM].low = 0.875f;   /* 112 pages */
+    start(&c);
+    ex.pending = 1;
+    uint32_t *p[31];
+    for (int i = 0; i < 31; i++) { /* 124 pages: over the high mark at the last one */
+        p[i] = seq(16, 1000 * (uint32_t)(i + 1));
+        request(p[i], 16, NULL);
+    }
+    cr_assert_eq(ex.pending_pages, 12, "%llu pages moved out for 12",
+                 (unsigned long long)ex.pending_pages);
+    for (int k = 0; k < 20; k++)
+        cr_assert_geq(kvt_policy_step(pol, 0), 0);
+    cr_assert_eq(ex.pending_pages, 12, "steps moved out more while the first 12 were in flight");
+    all_in(p[30], 4, KVT_TIER_DRAM);
+    for (int i = 0; i < 31; i++)
+        free(p[i]);
+    stop();
+
+    c = base_conf(KVT_POLICY_LRU, 0, 100, 1000); /* watermarks at 100%: no background moves */
+    start(&c);
+    for (int i = 0; i < 25; i++) {
+        p[i] = seq(16, 1000 * (uint32_t)(i + 1));
+        request(p[i], 16, NULL);
+    }
+    cr_assert_eq(ex.pending_pages, 0, "100 pages fit");
+    ex.pending = 1;
+    uint32_t *q = seq(16, 500000), *r = seq(16, 600000);
+    request(q, 16, NULL); /* room for 4 pages made: they leave, q goes to NVMe meanwhile */
+    cr_assert_eq(ex.pending_pages, 4, "%llu pages moved out for a 4-page PUT",
+                 (unsigned long long)ex.pending_pages);
+    all_in(q, 4, KVT_TIER_NVME);
+    request(r, 16, NULL); /* the room on its way is taken into account: nothing more leaves */
+    cr_assert_eq(ex.pending_pages, 4);
+    all_in(r, 4, KVT_TIER_NVME);
+    for (int i = 0; i < 25; i++)
+        free(p[i]);
+    free(q);
+    free(r);
     stop();
 }
 

@@ -434,7 +434,9 @@ Test(server_policy, leased_nvme_path_survives_segment_reclaim)
     uint32_t tok[P * PAGE], churn[C * PAGE];
     kvd_tokens(tok, P * PAGE, 9000000);
     put_prompt(c, tok, P, 900);
-    /* Push it down to NVMe: everything after it goes through DRAM first. */
+    /* Push it down to NVMe: everything after it goes through DRAM first, and it is the least
+     * recently used once the index clock (a tick, 50 ms) has moved on. */
+    usleep(120000);
     for (int k = 0; k < 3; k++) {
         kvd_tokens(churn, C * PAGE, 9100000u + 10000u * k);
         put_prompt(c, churn, C, 910 + 10 * k);
