@@ -886,6 +886,12 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     for (unsigned k = 0; k < KVT_PERR_COUNT; k++)
         perr += (uint64_t)kvt__metric_get(s->metrics, KVT_M_PROTOCOL_ERRORS, k);
     kvt_stat(&b, "protocol_errors", perr);
+    if (s->policy) {
+        kvt_policy_stats_t ps;
+        kvt_policy_stats(s->policy, &ps);
+        kvt_stat(&b, "policy_rebuilds", ps.rebuilds);
+        kvt_stat(&b, "policy_sweeps", ps.sweeps);
+    }
     kvt_put_u32(b.buf, b.count);
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, b.buf, (uint32_t)b.len);
 }

@@ -804,3 +804,50 @@ Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+/*
+ * A tree past 16,384 nodes (sweep_above, docs/policy.md): the cost policy renews its victim heaps
+ * by sweeps, a slice per loop iteration, while PUTs keep DRAM and NVMe full; STATS counts the
+ * sweeps, and the latest prompts read back byte-exact.
+ */
+Test(server_policy, a_large_index_renews_the_policy_heaps_by_sweeps)
+{
+    enum { NODES = 17000, STORED = 600, BATCH = 500 };
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "cost", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    kvt_batch_t *b;
+    cr_assert_eq(kvt_batch_create(&b, c), 0);
+    static uint32_t tok[BATCH][PAGE];
+    static kvt_client_put_t res[BATCH];
+    static int st[BATCH];
+    for (uint32_t k = 0; k < NODES; k += BATCH) { /* index-only prompts: a node each */
+        for (uint32_t i = 0; i < BATCH; i++) {
+            index_prompt(tok[i], 1, 1 + k + i);
+            cr_assert_eq(kvt_batch_put(b, tok[i], PAGE, 0, 0, NULL, NULL, &res[i], &st[i]), 0);
+        }
+        cr_assert_eq(kvt_batch_run(b), 0);
+        for (uint32_t i = 0; i < BATCH; i++)
+            cr_assert_eq(st[i], 0);
+    }
+    cr_assert_geq(kvd_stat(c, "index_nodes"), NODES);
+    uint32_t stored[PAGE];
+    for (uint32_t k = 0; k < STORED; k++) {
+        index_prompt(stored, 1, 100000 + k);
+        put_prompt(c, stored, 1, 7000 + k);
+    }
+    uint64_t sweeps = 0;
+    for (int i = 0; i < 200 && sweeps == 0; i++) {
+        sweeps = kvd_stat(c, "policy_sweeps");
+        usleep(10000);
+    }
+    cr_expect_gt(sweeps, 0, "%llu whole rebuilds",
+                 (unsigned long long)kvd_stat(c, "policy_rebuilds"));
+    for (uint32_t k = STORED - 4; k < STORED; k++) {
+        index_prompt(stored, 1, 100000 + k);
+        get_prompt(c, stored, 1, 7000 + k, NULL);
+    }
+    kvt_batch_destroy(b);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
