@@ -160,7 +160,7 @@ static int run(long prompts, uint32_t pages, int whole, result_t *res)
 
 int main(int argc, char **argv)
 {
-    long prompts = 150000;
+    long prompts = 50000;
     uint32_t pages = 4;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--prompts") && i + 1 < argc)
