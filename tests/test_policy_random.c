@@ -141,6 +141,32 @@ static void check(kvt_radix_t *t, kvt_policy_t *pol, exec_t *e)
     CHECK(kvt_radix_verify(t) == 0, "radix verify");
 }
 
+/* A tree of one namespace of PS-token pages whose frees go to e (and to e's policy). */
+static kvt_radix_t *new_tree(exec_t *e, int reports, uint32_t *ns)
+{
+    kvt_radix_t *t;
+    kvt_radix_conf_t rc = {
+        .free_cb = ex_free, .node_free_cb = reports ? ex_node_free : NULL, .free_arg = e};
+    cr_assert_eq(kvt_radix_create(&t, &rc), 0);
+    cr_assert_eq(kvt_radix_ns_open(t, "tiny", NULL, NULL, PS, ns), 0);
+    return t;
+}
+
+/* A policy of the tiny model (a page of PS tokens weighs PAGE bytes) on flat hardware, executed
+ * by e; no tier configured yet. */
+static kvt_policy_conf_t tiny_conf(kvt_policy_kind_t kind, exec_t *e, int reports)
+{
+    kvt_policy_conf_t c;
+    memset(&c, 0, sizeof(c));
+    c.kind = kind;
+    c.model = (kvt_model_profile_t){"tiny", 1, 1, 64, 2, 1, 64, 1e6};
+    c.hw = (kvt_hw_profile_t){"flat", 1e9, {0, 1e12, 1e11, 1e4, 1e9}, {0, 0, 0, 0, 0}};
+    c.ops = &ops;
+    c.ops_arg = e;
+    c.reports_node_frees = reports;
+    return c;
+}
+
 /* reports: the tree tells the engine of every node it frees (as kvtierd and the replay do), so
  * frees the engine did not ask for cost no rebuild of its heaps: with ASan, a heap entry left
  * naming a freed node would show. */
@@ -149,17 +175,9 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
     exec_t e;
     memset(&e, 0, sizeof(e));
     e.pending_mode = pending;
-    kvt_radix_t *t;
-    kvt_radix_conf_t rc = {
-        .free_cb = ex_free, .node_free_cb = reports ? ex_node_free : NULL, .free_arg = &e};
-    cr_assert_eq(kvt_radix_create(&t, &rc), 0);
     uint32_t ns;
-    cr_assert_eq(kvt_radix_ns_open(t, "tiny", NULL, NULL, PS, &ns), 0);
-    kvt_policy_conf_t c;
-    memset(&c, 0, sizeof(c));
-    c.kind = kind;
-    c.model = (kvt_model_profile_t){"tiny", 1, 1, 64, 2, 1, 64, 1e6};
-    c.hw = (kvt_hw_profile_t){"flat", 1e9, {0, 1e12, 1e11, 1e4, 1e9}, {0, 0, 0, 0, 0}};
+    kvt_radix_t *t = new_tree(&e, reports, &ns);
+    kvt_policy_conf_t c = tiny_conf(kind, &e, reports);
     uint32_t pages[KVT_TIER_COUNT] = {0, 5 + rnd(10), 10 + rnd(20), 20 + rnd(40), rnd(2) * 30};
     for (int k = KVT_TIER_HBM; k < KVT_TIER_COUNT; k++) {
         c.tiers[k].capacity = (uint64_t)pages[k] * PAGE;
@@ -167,9 +185,6 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
         c.tiers[k].low = 0.7f;
     }
     c.nvme_min_hits = rnd(2);
-    c.ops = &ops;
-    c.ops_arg = &e;
-    c.reports_node_frees = reports;
     kvt_policy_t *pol;
     cr_assert_eq(kvt_policy_create(&pol, t, &c), 0);
     e.pol = pol;
@@ -318,22 +333,11 @@ static kvt_policy_stats_t sweep_run(int reports)
 {
     exec_t e;
     memset(&e, 0, sizeof(e));
-    kvt_radix_t *t;
-    kvt_radix_conf_t rc = {
-        .free_cb = ex_free, .node_free_cb = reports ? ex_node_free : NULL, .free_arg = &e};
-    cr_assert_eq(kvt_radix_create(&t, &rc), 0);
     uint32_t ns;
-    cr_assert_eq(kvt_radix_ns_open(t, "tiny", NULL, NULL, PS, &ns), 0);
-    kvt_policy_conf_t c;
-    memset(&c, 0, sizeof(c));
-    c.kind = KVT_POLICY_COST;
-    c.model = (kvt_model_profile_t){"tiny", 1, 1, 64, 2, 1, 64, 1e6};
-    c.hw = (kvt_hw_profile_t){"flat", 1e9, {0, 1e12, 1e11, 1e4, 1e9}, {0, 0, 0, 0, 0}};
+    kvt_radix_t *t = new_tree(&e, reports, &ns);
+    kvt_policy_conf_t c = tiny_conf(KVT_POLICY_COST, &e, reports);
     c.tiers[KVT_TIER_DRAM].capacity = 1500ull * PAGE;
     c.tiers[KVT_TIER_NVME].capacity = 3000ull * PAGE;
-    c.ops = &ops;
-    c.ops_arg = &e;
-    c.reports_node_frees = reports;
     c.sweep_above = 256;
     c.sweep_slice = 16;
     kvt_policy_t *pol;

@@ -189,15 +189,24 @@ Test(server_e2e, index_only_namespace)
     kvd_cleanup(&d);
 }
 
+/* Two clients of namespace "m" on d, and a 4-page prompt (tok) a has stored. */
+static void two_clients_one_prompt(const kvd_t *d, kvt_client_t **a, kvt_client_t **b,
+                                   uint32_t tok[4 * PAGE])
+{
+    *a = kvd_client(d, "m", PAGE, BB);
+    *b = kvd_client(d, "m", PAGE, BB);
+    kvd_tokens(tok, 4 * PAGE, 3);
+    kvt_client_put_t r;
+    put_pages(*a, tok, 4 * PAGE, 0, 4, BB, 0, &r);
+}
+
 Test(server_e2e, leases_released_on_disconnect)
 {
     kvd_t d = {0};
     kvd_start(&d, NULL);
-    kvt_client_t *a = kvd_client(&d, "m", PAGE, BB), *b = kvd_client(&d, "m", PAGE, BB);
+    kvt_client_t *a, *b;
     uint32_t tok[4 * PAGE];
-    kvd_tokens(tok, 4 * PAGE, 3);
-    kvt_client_put_t r;
-    put_pages(a, tok, 4 * PAGE, 0, 4, BB, 0, &r);
+    two_clients_one_prompt(&d, &a, &b, tok);
     kvt_client_match_t m = {0};
     for (int i = 0; i < 3; i++)
         cr_assert_eq(kvt_client_match(a, tok, 4 * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
@@ -224,11 +233,9 @@ Test(server_e2e, leases_per_connection_are_bounded)
 {
     kvd_t d = {0};
     kvd_start(&d, "--max-leases", "3", NULL);
-    kvt_client_t *a = kvd_client(&d, "m", PAGE, BB), *b = kvd_client(&d, "m", PAGE, BB);
+    kvt_client_t *a, *b;
     uint32_t tok[4 * PAGE];
-    kvd_tokens(tok, 4 * PAGE, 3);
-    kvt_client_put_t r;
-    put_pages(a, tok, 4 * PAGE, 0, 4, BB, 0, &r);
+    two_clients_one_prompt(&d, &a, &b, tok);
     kvt_client_match_t m[4];
     for (int i = 0; i < 3; i++) {
         m[i] = (kvt_client_match_t){0};
@@ -262,11 +269,9 @@ Test(server_e2e, thousands_of_leases_on_one_connection)
     enum { N = 3000 };
     kvd_t d = {0};
     kvd_start(&d, NULL);
-    kvt_client_t *a = kvd_client(&d, "m", PAGE, BB), *b = kvd_client(&d, "m", PAGE, BB);
+    kvt_client_t *a, *b;
     uint32_t tok[4 * PAGE];
-    kvd_tokens(tok, 4 * PAGE, 3);
-    kvt_client_put_t r;
-    put_pages(a, tok, 4 * PAGE, 0, 4, BB, 0, &r);
+    two_clients_one_prompt(&d, &a, &b, tok);
     static uint64_t lease[N];
     for (int i = 0; i < N; i++) {
         kvt_client_match_t m = {0};
