@@ -1361,6 +1361,13 @@ int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages
     return total == 0 && stop == KVT_EAGAIN ? KVT_EAGAIN : total;
 }
 
+/* Tier t's bytes net of those its moves in flight take out. A page of such a move that the tier
+ * lost meanwhile has left the count already but not the pending bytes: never below 0. */
+static uint64_t level(const kvt_policy_t *p, int t)
+{
+    return p->used[t] > p->pending_out[t] ? p->used[t] - p->pending_out[t] : 0;
+}
+
 int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
 {
     if (!p)
@@ -1382,11 +1389,10 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
     /* A tier's level net of what its moves in flight take out: those bytes are leaving already
      * (counting them, every step until they land would move out as much again). */
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
-        if (!p->cap[t] || p->used[t] - p->pending_out[t] <= p->high[t])
+        if (!p->cap[t] || level(p, t) <= p->high[t])
             continue;
-        while (p->used[t] - p->pending_out[t] > p->low[t] &&
-               (budget == 0 || (uint32_t)total < budget)) {
-            int rc = evict_one(p, (kvt_tier_id_t)t, 0, p->used[t] - p->pending_out[t] - p->low[t]);
+        while (level(p, t) > p->low[t] && (budget == 0 || (uint32_t)total < budget)) {
+            int rc = evict_one(p, (kvt_tier_id_t)t, 0, level(p, t) - p->low[t]);
             if (rc < 0)
                 return rc;
             if (rc == 0)
