@@ -307,33 +307,41 @@ static size_t ptr_slot(const dead_t *d, const kvt_radix_node_t *n)
     return (size_t)x & (d->cap - 1);
 }
 
+/* Moves d's deaths recorded at seq `from` or later into a new table of cap slots (a power of
+ * two). 0, or KVT_ENOMEM with d unchanged. */
+static int dead_rehash(dead_t *d, size_t cap, uint64_t from)
+{
+    dead_t nd = {0};
+    nd.cap = cap;
+    nd.keys = calloc(nd.cap, sizeof(*nd.keys));
+    nd.seqs = calloc(nd.cap, sizeof(*nd.seqs));
+    if (!nd.keys || !nd.seqs) {
+        free(nd.keys);
+        free(nd.seqs);
+        return KVT_ENOMEM;
+    }
+    for (size_t i = 0; i < d->cap; i++) {
+        if (!d->keys[i] || d->seqs[i] < from)
+            continue;
+        size_t s = ptr_slot(&nd, d->keys[i]);
+        while (nd.keys[s])
+            s = (s + 1) & (nd.cap - 1);
+        nd.keys[s] = d->keys[i];
+        nd.seqs[s] = d->seqs[i];
+        nd.len++;
+    }
+    free(d->keys);
+    free(d->seqs);
+    *d = nd;
+    return 0;
+}
+
 static int dead_add(kvt_policy_t *p, kvt_radix_node_t *n)
 {
     dead_t *d = &p->dead;
-    if (2 * (d->len + 1) > d->cap) {
-        dead_t nd = {0};
-        nd.cap = d->cap ? 2 * d->cap : 256;
-        nd.keys = calloc(nd.cap, sizeof(*nd.keys));
-        nd.seqs = calloc(nd.cap, sizeof(*nd.seqs));
-        if (!nd.keys || !nd.seqs) {
-            free(nd.keys);
-            free(nd.seqs);
-            p->dead_lost = 1; /* only a whole rebuild is safe now */
-            return KVT_ENOMEM;
-        }
-        for (size_t i = 0; i < d->cap; i++) {
-            if (!d->keys[i])
-                continue;
-            size_t s = ptr_slot(&nd, d->keys[i]);
-            while (nd.keys[s])
-                s = (s + 1) & (nd.cap - 1);
-            nd.keys[s] = d->keys[i];
-            nd.seqs[s] = d->seqs[i];
-            nd.len++;
-        }
-        free(d->keys);
-        free(d->seqs);
-        *d = nd;
+    if (2 * (d->len + 1) > d->cap && dead_rehash(d, d->cap ? 2 * d->cap : 256, 0) < 0) {
+        p->dead_lost = 1; /* only a whole rebuild is safe now */
+        return KVT_ENOMEM;
     }
     size_t s = ptr_slot(d, n);
     while (d->keys[s] && d->keys[s] != n)
@@ -501,8 +509,9 @@ static void push_entry(kvt_policy_t *p, uint8_t t, kvt_radix_node_t *n, vkey_t k
         heap_push(p, &p->next[t], n, k);
 }
 
-/* Pushes n into the heap of every tier it has a run in. */
-static void push_node(kvt_policy_t *p, kvt_radix_node_t *n)
+/* Pushes n into the heap of every tier it has a run in; with next_only, only into the heaps a
+ * sweep is filling. */
+static void push_runs(kvt_policy_t *p, kvt_radix_node_t *n, int next_only)
 {
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
     uint32_t np = kvt_radix_node_pages(n);
@@ -515,10 +524,20 @@ static void push_node(kvt_policy_t *p, kvt_radix_node_t *n)
         node_run(n, t, &a, &b);
         if (b <= i)
             break; /* out of order: verify reports it */
-        if (tier_ok((kvt_tier_id_t)t) && p->cap[t])
-            push_entry(p, t, n, block_key(p, n, b - 1));
+        if (tier_ok((kvt_tier_id_t)t) && p->cap[t]) {
+            vkey_t k = block_key(p, n, b - 1);
+            if (next_only)
+                heap_push(p, &p->next[t], n, k);
+            else
+                push_entry(p, t, n, k);
+        }
         i = b;
     }
+}
+
+static void push_node(kvt_policy_t *p, kvt_radix_node_t *n)
+{
+    push_runs(p, n, 0);
 }
 
 /* Pushes n into the heap of tier t when it has a run there. */
@@ -601,36 +620,8 @@ static void dead_forget_before(kvt_policy_t *p, uint64_t seq)
     size_t live = 0;
     for (size_t i = 0; i < d->cap; i++)
         live += d->keys[i] && d->seqs[i] >= seq;
-    if (live == d->len)
-        return;
-    kvt_radix_node_t **keys = d->keys;
-    uint64_t *seqs = d->seqs;
-    size_t cap = d->cap;
-    memset(d, 0, sizeof(*d));
-    for (size_t i = 0; i < cap; i++) {
-        if (!keys[i] || seqs[i] < seq)
-            continue;
-        if (2 * (d->len + 1) > d->cap) { /* the first one: a table of the old one's size */
-            d->cap = cap;
-            d->keys = calloc(cap, sizeof(*d->keys));
-            d->seqs = calloc(cap, sizeof(*d->seqs));
-            if (!d->keys || !d->seqs) {
-                free(d->keys);
-                free(d->seqs);
-                memset(d, 0, sizeof(*d));
-                p->dead_lost = 1; /* a whole rebuild before the next victim */
-                break;
-            }
-        }
-        size_t s = ptr_slot(d, keys[i]);
-        while (d->keys[s])
-            s = (s + 1) & (d->cap - 1);
-        d->keys[s] = keys[i];
-        d->seqs[s] = seqs[i];
-        d->len++;
-    }
-    free(keys);
-    free(seqs);
+    if (live < d->len && dead_rehash(d, d->cap, seq) < 0)
+        p->dead_lost = 1; /* a whole rebuild before the next victim */
 }
 
 /* One slice of the sweep: up to SWEEP_SLICE nodes into the new heaps; at the copy's end they
@@ -643,22 +634,8 @@ static void sweep_some(kvt_policy_t *p)
     }
     for (uint32_t k = 0; k < p->c.sweep_slice && p->sweep_at < p->sweep_n; k++) {
         kvt_radix_node_t *n = p->sweep_nodes[p->sweep_at++];
-        if (dead_after(p, n, p->sweep_seq) || kvt_radix_node_leased(n))
-            continue;
-        const kvt_block_t *bl = kvt_radix_node_blocks(n);
-        uint32_t np = kvt_radix_node_pages(n), i = 0;
-        if (np == 0 || bl[0].tier == KVT_TIER_NONE)
-            continue;
-        while (i < np) { /* push_node's walk, into the new heaps only */
-            uint8_t t = bl[i].tier;
-            uint32_t a, b;
-            node_run(n, t, &a, &b);
-            if (b <= i)
-                break;
-            if (tier_ok((kvt_tier_id_t)t) && p->cap[t])
-                heap_push(p, &p->next[t], n, block_key(p, n, b - 1));
-            i = b;
-        }
+        if (!dead_after(p, n, p->sweep_seq) && !kvt_radix_node_leased(n))
+            push_runs(p, n, 1);
     }
     if (p->sweep_at < p->sweep_n)
         return;
