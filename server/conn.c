@@ -189,6 +189,8 @@ void kvt__req_free(kvt__req_t *r)
 void kvt__conn_close(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
+    if (c->gone)
+        return;
     kvt__lease_drop_all(c);
     kvt__req_t *r = c->head;
     while (r) {
@@ -205,6 +207,7 @@ void kvt__conn_close(kvt__conn_t *c)
         }
         r = next;
     }
+    c->head = c->tail = NULL;
     kvt_mem_wait_end(c);
     s->client_bytes -= kvt_in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_del(s, &c->ev);
@@ -221,7 +224,22 @@ void kvt__conn_close(kvt__conn_t *c)
     free(c->in);
     free(c->leases);
     free(c->tokens);
-    free(c);
+    c->in = NULL;
+    c->leases = NULL;
+    c->tokens = NULL;
+    c->in_len = c->in_cap = c->nleases = c->cap_leases = c->tokens_cap = 0;
+    c->gone = 1;
+    c->gone_next = s->conns_gone;
+    s->conns_gone = c;
+}
+
+void kvt__conns_reap(kvt_srv_t *s)
+{
+    while (s->conns_gone) {
+        kvt__conn_t *c = s->conns_gone;
+        s->conns_gone = c->gone_next;
+        free(c);
+    }
 }
 
 static int kvt_reserve(uint8_t **p, size_t *cap, size_t need)
@@ -663,7 +681,7 @@ static void kvt_conn_read(kvt__conn_t *c)
 void kvt__conn_kick(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
-    if (c->in_handler)
+    if (c->gone || c->in_handler)
         return; /* the frame loop that is running kicks when it is done */
     c->in_handler = 1;
     if (!c->dead && kvt_conn_write(c) < 0)
@@ -708,6 +726,8 @@ static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)s;
     kvt__conn_t *c = (kvt__conn_t *)ev;
+    if (c->gone)
+        return; /* closed by an earlier event of the same batch */
     if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
         c->dead = 1;
     c->in_handler = 1;
@@ -722,8 +742,9 @@ void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *next;
     s->reqs_waiting = 0; /* set again by the deadlines of those still waiting */
     for (kvt__conn_t *c = s->conns; c; c = next) {
-        next = c->next;
-        kvt__store_deadlines(c, now);
+        next = c->next; /* a closed one keeps its link until the reap */
+        if (!c->gone)
+            kvt__store_deadlines(c, now);
     }
 }
 
@@ -732,7 +753,7 @@ void kvt__conns_mem_retry(kvt_srv_t *s)
     kvt__conn_t *next;
     for (kvt__conn_t *c = s->conns; c && s->mem_waiting; c = next) {
         next = c->next;
-        if (c->mem_wait && s->client_bytes + c->mem_need <= s->conf->max_client_bytes)
+        if (!c->gone && c->mem_wait && s->client_bytes + c->mem_need <= s->conf->max_client_bytes)
             kvt__conn_kick(c); /* parses again: takes its buffer, or waits on */
     }
 }
@@ -759,7 +780,7 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *next;
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next;
-        if (!kvt_conn_timed_out(c, now))
+        if (!c->gone && !kvt_conn_timed_out(c, now))
             kvt__lease_expire(c, now);
     }
     kvt__conns_deadlines(s, now);

@@ -415,6 +415,7 @@ int kvt__srv_run(kvt_srv_t *s)
         if (s->mem_waiting)
             kvt__conns_mem_retry(s);
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
+        kvt__conns_reap(s); /* no event or walk holds a connection here */
     }
 }
 
@@ -424,6 +425,7 @@ void kvt__srv_close(kvt_srv_t *s)
         return;
     while (s->conns)
         kvt__conn_close(s->conns);
+    kvt__conns_reap(s);
     kvt__http_close(s);
     if (s->unix_ev.fd >= 0)
         close(s->unix_ev.fd);

@@ -156,6 +156,10 @@ struct kvt__conn {
     int closing;    /* no more requests: close once the queue drains */
     int dead;       /* the peer is gone or broke the framing: close now */
     int in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
+    /* Closed, and off the list, but its memory is kept until kvt__conns_reap: an event for it
+     * may still be in the batch epoll_wait returned, and a walk over the list may stand on it. */
+    int gone;
+    kvt__conn_t *gone_next;
     uint32_t events;
     kvt__lease_t *leases;
     size_t nleases, cap_leases;
@@ -181,6 +185,7 @@ struct kvt_srv {
     kvt__ns_t *ns;
     size_t nns, cap_ns;
     kvt__conn_t *conns;
+    kvt__conn_t *conns_gone; /* closed, freed by kvt__conns_reap */
     uint32_t nconns;
     uint64_t next_conn_id;
     uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
@@ -230,7 +235,12 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp);
  * the open-file limit the waiting connection is refused (closed at once, through the spare
  * descriptor) instead of being left to wake the loop again and again. */
 int kvt__accept(kvt_srv_t *s, int lfd, const char *what);
+/* Closes c: its leases, requests and socket go now; the struct itself at kvt__conns_reap, so
+ * that whatever still points at it (an epoll event of the same batch, a walk over the list that
+ * stands on it) finds it marked gone. */
 void kvt__conn_close(kvt__conn_t *c);
+/* Frees the connections closed since the last call; only where no pointer to one is held. */
+void kvt__conns_reap(kvt_srv_t *s);
 /* Appends a complete reply frame (header + body) for request (op, id) to the queue. */
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
                uint32_t len);
