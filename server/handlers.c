@@ -336,6 +336,7 @@ typedef struct kvt_match_q {
     uint32_t lease_ms;
     uint64_t engine_id;
     uint32_t ntokens;
+    uint32_t page;       /* the namespace's page size when asked (a HELLO may change c's) */
     const uint8_t *wire; /* the tokens as they came (little-endian) */
     const uint32_t *tokens;
     uint32_t gone; /* kvt__store_check_path: pages from here on are reported index-only */
@@ -366,7 +367,7 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     if (q->gone < m->pages)
         memset(tiers + q->gone, KVT_TIER_NONE, m->pages - q->gone);
     if (!(q->flags & KVT_MATCH_F_PROBE))
-        kvt_count_match(s, m, q->wire, q->ntokens, c->page_size, tiers, remote_down);
+        kvt_count_match(s, m, q->wire, q->ntokens, q->page, tiers, remote_down);
     uint64_t lease = 0;
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
@@ -392,7 +393,7 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
             lease = 0;
     }
     kvt_wire_match_reply_t w = {
-        .tokens = htole32(m->pages * c->page_size),
+        .tokens = htole32(m->pages * q->page),
         .pages = htole32(m->pages),
         .lease = htole64(lease),
         .remote_pages = htole32(remote_pages),
@@ -446,7 +447,8 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
         return;
     }
     c->inflight--;
-    uint32_t page = c->page_size, found = p->status == 0 ? p->found : 0;
+    /* x->q's namespace, not c's: a HELLO since may have switched the connection to another. */
+    uint32_t page = x->q.page, found = p->status == 0 ? p->found : 0;
     int down = p->status == KVT_EUNAVAIL || p->status == KVT_ETIMEDOUT;
     if (p->status < 0)
         kvt_log(KVT_LOG_INFO, "kvtierd: remote probe: %s", kvt_strerror(p->status));
@@ -500,7 +502,7 @@ static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0
 {
     kvt_srv_t *s = c->srv;
     kvt_tier_t *remote = s->tiers[KVT_TIER_REMOTE];
-    uint32_t page = c->page_size, whole = q->ntokens / page;
+    uint32_t page = q->page, whole = q->ntokens / page;
     if (!remote || whole <= m->pages || !c->block_bytes)
         return 0;
     uint32_t n = KVT_MIN(whole - m->pages, KVT_TIER_PROBE_MAX);
@@ -576,6 +578,7 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                         .lease_ms = q.lease_ms,
                         .engine_id = q.hints.engine_request_id,
                         .ntokens = q.ntokens,
+                        .page = c->page_size,
                         .wire = q.tokens,
                         .tokens = c->tok,
                         /* blocks NVMe dropped by itself are not reported stored */

@@ -9,6 +9,7 @@
  */
 #include <time.h>
 
+#include "../server/proto.h"
 #include "test_server_harness.h"
 
 static unsigned long long kvt_now_ns_test(void)
@@ -264,6 +265,91 @@ Test(server_remote, second_daemon_finds_the_first_ones_prefix)
     cr_expect_eq(m.pages, 8);
     cr_expect_eq(tiers[7], KVT_CLIENT_TIER_DRAM);
     get_all(cb, m.lease, 8, 40, from);
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
+}
+
+/* A HELLO frame for model with the given page and block size, at out; returns its length. */
+static size_t hello_frame(uint8_t *out, uint64_t id, const char *model, uint32_t page, uint32_t bb)
+{
+    kvt_wire_hello_t w = {.min_version = 1,
+                          .max_version = 1,
+                          .page_size = page,
+                          .block_bytes = bb,
+                          .model_len = (uint16_t)strlen(model)};
+    kvt_proto_frame(out, KVT_OP_HELLO, 0, id, 0, (uint32_t)(sizeof w + w.model_len));
+    memcpy(out + KVT_PROTO_HDR, &w, sizeof w);
+    memcpy(out + KVT_PROTO_HDR + sizeof w, model, w.model_len);
+    return KVT_PROTO_HDR + sizeof w + w.model_len;
+}
+
+/*
+ * A MATCH whose remote probe is still out when the next frame, a HELLO, switches the connection
+ * to a namespace with a far bigger page: the probe's answer is the first namespace's, in its
+ * pages. The daemon took the page size from the connection when the answer came, so it inserted
+ * 8 x 1,024 tokens from the request's 192 (reading past its buffer: found by a fuzzer under
+ * ASan) and answered 8,192 matched tokens.
+ */
+Test(server_remote, a_probe_answers_in_the_namespace_it_was_asked_in)
+{
+    const char *addr = redis_addr();
+    char pfx[64];
+    prefix(pfx, sizeof pfx);
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&b, "--remote", addr, "--remote-prefix", pfx, NULL);
+    kvt_client_t *ca = kvd_client(&a, "shared-model", PAGE, BB);
+    uint32_t tok[12 * PAGE];
+    kvd_tokens(tok, 12 * PAGE, 5);
+    kvt_client_put_t r;
+    put_all(ca, tok, 8, 60, &r);
+    cr_assert_eq(r.stored, 8);
+
+    /* HELLO, MATCH with the remote probe, HELLO to another namespace: one write. PROBE (only
+     * look): a use would queue the path's promotion to DRAM, and the tiers are checked below. */
+    static uint8_t out[4096];
+    size_t n = hello_frame(out, 1, "shared-model", PAGE, BB);
+    kvt_wire_match_t mw = {.ntokens = 12 * PAGE};
+    kvt_proto_frame(out + n, KVT_OP_MATCH, KVT_MATCH_F_REMOTE | KVT_MATCH_F_PROBE, 2, 0,
+                    (uint32_t)(sizeof mw + sizeof tok));
+    memcpy(out + n + KVT_PROTO_HDR, &mw, sizeof mw);
+    for (uint32_t i = 0; i < 12 * PAGE; i++)
+        kvt_put_u32(out + n + KVT_PROTO_HDR + sizeof mw + 4 * i, tok[i]);
+    n += KVT_PROTO_HDR + sizeof mw + sizeof tok;
+    n += hello_frame(out + n, 3, "other-model", 1024, 0);
+    int fd = kvd_raw(&b);
+    cr_assert_eq(write(fd, out, n), (ssize_t)n);
+    uint8_t in[4096];
+    for (uint64_t id = 1; id <= 3; id++) {
+        uint8_t hdr[KVT_PROTO_HDR];
+        cr_assert_eq(recv(fd, hdr, sizeof hdr, MSG_WAITALL), (ssize_t)sizeof hdr);
+        kvt_proto_hdr_t h;
+        kvt_proto_hdr_decode(hdr, &h);
+        cr_assert_eq(h.request_id, id);
+        cr_assert_eq(h.status, 0, "request %llu: status %d", (unsigned long long)id, h.status);
+        cr_assert_leq(h.body_len, sizeof in);
+        cr_assert_eq(recv(fd, in, h.body_len, MSG_WAITALL), (ssize_t)h.body_len);
+        if (id == 2) {
+            kvt_wire_match_reply_t mr;
+            memcpy(&mr, in, sizeof mr);
+            cr_expect_eq(mr.pages, 8);
+            cr_expect_eq(mr.remote_pages, 8);
+            cr_expect_eq(mr.tokens, 8 * PAGE, "matched tokens %u", mr.tokens);
+        }
+    }
+    close(fd);
+    /* b's index holds the 8 pages in the first namespace, as remote blocks, and reads them. */
+    kvt_client_t *cb = kvd_client(&b, "shared-model", PAGE, BB);
+    uint8_t tiers[12];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 12};
+    cr_assert_eq(
+        kvt_client_match(cb, tok, 12 * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 8);
+    cr_expect_eq(tiers[7], KVT_CLIENT_TIER_REMOTE);
+    get_all(cb, m.lease, 8, 60, NULL);
     kvt_client_close(ca);
     kvt_client_close(cb);
     kvd_cleanup(&a);
