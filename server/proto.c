@@ -97,6 +97,8 @@ int kvt_proto_hints_from_wire(const kvt_wire_hints_t *w, kvt_proto_hints_t *h)
 
 void kvt_proto_tokens(const uint8_t *src, uint32_t n, uint32_t *dst)
 {
+    if (n == 0)
+        return; /* dst may be NULL then: no buffer was needed yet */
     memcpy(dst, src, (size_t)n * 4);
 #if __BYTE_ORDER != __LITTLE_ENDIAN
     for (uint32_t i = 0; i < n; i++)

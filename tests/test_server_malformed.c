@@ -830,3 +830,43 @@ Test(server_malformed, clients_that_hang_up_while_their_puts_are_written)
     kvt_client_close(good);
     kvd_cleanup(&d);
 }
+
+/* Requests with no tokens at all, each after a MATCH of 100,000 tokens whose scratch buffer the
+ * daemon gives back once it is answered: the daemon then copied no tokens into no buffer, a
+ * memcpy to NULL that UBSan reported under a fuzzer (this sequence did not make it report here,
+ * so the test only pins the answers down). Each gets its answer. */
+Test(server_malformed, requests_with_no_tokens_are_answered)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    struct {
+        unsigned op;
+        uint8_t body[32];
+        uint32_t len;
+        int status;
+    } cases[] = {
+        {KVT_OP_MATCH, {0}, sizeof(kvt_wire_match_t), 0},
+        {KVT_OP_PUT, {0}, sizeof(kvt_wire_put_t), 0},
+        {KVT_OP_PREFETCH, {KVT_CLIENT_TIER_DRAM}, sizeof(kvt_wire_prefetch_t), 0},
+        {KVT_OP_REMOVE, {0}, sizeof(kvt_wire_remove_t), KVT_EINVAL},
+    };
+    enum { BIG = 100000 };
+    uint8_t *big = calloc(1, sizeof(kvt_wire_match_t) + BIG * 4);
+    cr_assert(big);
+    kvt_wire_match_t mw = {.ntokens = BIG};
+    memcpy(big, &mw, sizeof mw);
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        int fd = kvd_raw(&d);
+        hello(fd, 1);
+        req(fd, KVT_OP_MATCH, 0, 9, big, sizeof mw + BIG * 4);
+        cr_assert_eq(reply(fd, KVT_OP_MATCH, 9, NULL, NULL), 0);
+        req(fd, cases[i].op, 0, 2, cases[i].body, cases[i].len);
+        int st = reply(fd, cases[i].op, 2, NULL, NULL);
+        cr_expect_eq(st, cases[i].status, "opcode %u: status %d", cases[i].op, st);
+        req(fd, KVT_OP_PING, 0, 3, NULL, 0);
+        cr_assert_eq(reply(fd, KVT_OP_PING, 3, NULL, NULL), 0);
+        close(fd);
+    }
+    free(big);
+    kvd_cleanup(&d);
+}
