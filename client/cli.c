@@ -1,11 +1,11 @@
 /*
- * cli.c: the kvtier command line, a thin layer on libkvtier. It owns argument parsing, turning
- * token lists ("1-64 100 7") into arrays, and printing replies for people (and, with --json, for
- * scripts). With no address flags it talks to ./kvtierd.sock, which is where a kvtierd started
- * with no configuration in the same working directory listens. "kvtier replay ..." runs the
- * trace replay of replay/ when this build has it; "kvtier bench NAME ..." runs one of bench/'s
- * benchmarks, which are programs of their own (bench_radix must run on glibc's malloc, which
- * the DRAM tier's jemalloc would replace in any program that links the tiers).
+ * cli.c: the kvtier command line, a thin layer on libkvtier. It owns argument parsing (options
+ * before or after the command, as people type them), turning token lists ("1-64 100 7") into
+ * arrays, and printing replies for people. With no address flags it talks to ./kvtierd.sock, which
+ * is where a kvtierd started with no configuration in the same working directory listens. "kvtier
+ * replay ..." runs the trace replay of replay/ when this build has it; "kvtier bench NAME ..." runs
+ * one of bench/'s benchmarks, which are programs of their own (bench_radix must run on glibc's
+ * malloc, which the DRAM tier's jemalloc would replace in any program that links the tiers).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -25,7 +25,7 @@
 
 static void kvt_usage(FILE *f)
 {
-    fprintf(f, "usage: kvtier [options] COMMAND [args]\n"
+    fprintf(f, "usage: kvtier [options] COMMAND [args] [options]\n"
                "\n"
                "commands:\n"
                "  ping [COUNT]                 round trips to the daemon\n"
@@ -41,6 +41,8 @@ static void kvt_usage(FILE *f)
                "                               beside its baseline (README, \"Benchmarks\")\n"
                "\n"
                "TOKENS are numbers and ranges: 1-64 100 7 (the range 1-64 is 64 tokens).\n"
+               "Options may come before or after the command, except for replay and bench,\n"
+               "which take everything after their name as their own.\n"
                "\n"
                "options:\n"
                "  --unix PATH        Unix socket (default ./kvtierd.sock)\n"
@@ -169,16 +171,51 @@ static int kvt_bench(int argc, char **argv)
     return 1;
 }
 
+/* A numeric option's value: digits only (0x for hex), at most max; else a message and -1. */
+static int kvt_num(const char *opt, const char *v, unsigned long max, unsigned long *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long x = strtoul(v, &end, 0);
+    if (!*v || *v == '-' || *end || errno || x > max) {
+        fprintf(stderr, "kvtier: %s takes a number from 0 to %lu, not '%s'\n", opt, max, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     kvt_client_conf_t conf = {.model = "default", .page_size = 16};
-    const char *out_path = NULL;
-    unsigned fill = 0xab;
-    uint32_t lease_ms = 0;
-    int i = 1;
+    const char *out_path = NULL, *cmd = NULL;
+    unsigned long fill = 0xab, lease_ms = 0, num;
     conf.secret = getenv("KVTIER_SECRET");
-    for (; i < argc && !strncmp(argv[i], "--", 2); i++) {
+    /* The command's own arguments are gathered at the front of argv (never past where they were
+     * read from): args[0 .. nargs). */
+    char **args = argv + 1;
+    int nargs = 0;
+    for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0) {
+            if (cmd) {
+                args[nargs++] = argv[i];
+                continue;
+            }
+            cmd = a;
+            /* These two parse their own arguments. */
+            if (!strcmp(cmd, "bench"))
+                return kvt_bench(argc - i - 1, argv + i + 1);
+            if (!strcmp(cmd, "replay")) {
+#if KVT_HAVE_REPLAY
+                return kvt_replay_main(argc - i, argv + i);
+#else
+                fprintf(stderr, "kvtier: this build has no replay\n");
+                return 2;
+#endif
+            }
+            continue;
+        }
         if (!strcmp(a, "--help")) {
             kvt_usage(stdout);
             return 0;
@@ -188,6 +225,7 @@ int main(int argc, char **argv)
             return 2;
         }
         const char *v = argv[++i];
+        int bad = 0;
         if (!strcmp(a, "--unix"))
             conf.unix_path = v;
         else if (!strcmp(a, "--tcp"))
@@ -200,44 +238,28 @@ int main(int argc, char **argv)
             conf.adapter = v;
         else if (!strcmp(a, "--salt"))
             conf.salt = v;
+        else if (!strcmp(a, "--out"))
+            out_path = v;
         else if (!strcmp(a, "--page"))
-            conf.page_size = (uint32_t)strtoul(v, NULL, 10);
+            bad = kvt_num(a, v, UINT32_MAX, &num) < 0 || (conf.page_size = (uint32_t)num, 0);
         else if (!strcmp(a, "--block-bytes"))
-            conf.block_bytes = (uint32_t)strtoul(v, NULL, 10);
+            bad = kvt_num(a, v, UINT32_MAX, &num) < 0 || (conf.block_bytes = (uint32_t)num, 0);
         else if (!strcmp(a, "--lease-ms"))
-            lease_ms = (uint32_t)strtoul(v, NULL, 10);
+            bad = kvt_num(a, v, UINT32_MAX, &lease_ms) < 0;
         else if (!strcmp(a, "--timeout-ms"))
-            conf.timeout_ms = (int)strtol(v, NULL, 10);
+            bad = kvt_num(a, v, INT_MAX, &num) < 0 || (conf.timeout_ms = (int)num, 0);
+        else if (!strcmp(a, "--fill"))
+            bad = kvt_num(a, v, 255, &fill) < 0;
         else {
             fprintf(stderr, "kvtier: unknown option %s\n", a);
             return 2;
         }
+        if (bad)
+            return 2;
     }
-    if (i >= argc) {
+    if (!cmd) {
         kvt_usage(stderr);
         return 2;
-    }
-    const char *cmd = argv[i++];
-    if (!strcmp(cmd, "bench"))
-        return kvt_bench(argc - i, argv + i);
-    if (!strcmp(cmd, "replay")) {
-#if KVT_HAVE_REPLAY
-        return kvt_replay_main(argc - i + 1, argv + i - 1);
-#else
-        fprintf(stderr, "kvtier: this build has no replay\n");
-        return 2;
-#endif
-    }
-    /* Trailing command options (--fill, --out) may follow the tokens. */
-    int nargs = argc - i;
-    for (int k = i; k < argc; k++) {
-        if (!strcmp(argv[k], "--fill") && k + 1 < argc) {
-            fill = (unsigned)strtoul(argv[k + 1], NULL, 0) & 0xff;
-            nargs = (nargs < k - i ? nargs : k - i);
-        } else if (!strcmp(argv[k], "--out") && k + 1 < argc) {
-            out_path = argv[k + 1];
-            nargs = (nargs < k - i ? nargs : k - i);
-        }
     }
     /* The command and its tokens are checked before anything is asked of the daemon. */
     int with_tokens = !strcmp(cmd, "match") || !strcmp(cmd, "put") || !strcmp(cmd, "get") ||
@@ -248,7 +270,7 @@ int main(int argc, char **argv)
         return 2;
     }
     uint32_t *tok = NULL, ntok = 0;
-    if (with_tokens && kvt_parse_tokens(argv + i, nargs, &tok, &ntok) < 0)
+    if (with_tokens && kvt_parse_tokens(args, nargs, &tok, &ntok) < 0)
         return 2;
     if (with_tokens && ntok == 0) {
         fprintf(stderr, "kvtier: %s needs token ids (numbers, or ranges such as 1-512)\n", cmd);
@@ -269,8 +291,12 @@ int main(int argc, char **argv)
     }
     int status = 0;
     if (!strcmp(cmd, "ping")) {
-        long n = nargs > 0 ? strtol(argv[i], NULL, 10) : 1;
-        for (long k = 0; k < n && !status; k++) {
+        unsigned long n = 1;
+        if (nargs > 0 && kvt_num("ping", args[0], 1000000000, &n) < 0) {
+            kvt_client_close(c);
+            return 2;
+        }
+        for (unsigned long k = 0; k < n && !status; k++) {
             uint64_t rtt;
             if ((rc = kvt_client_ping(c, &rtt)) < 0)
                 status = kvt_fail(c, "ping", rc);
@@ -317,8 +343,8 @@ int main(int argc, char **argv)
             if (!conf.block_bytes) {
                 fprintf(stderr, "kvtier: get needs --block-bytes (the namespace's block size)\n");
                 status = 2;
-            } else if ((rc = kvt_client_match(c, tok, ntok, KVT_CLIENT_LEASE, lease_ms, NULL, &m)) <
-                       0) {
+            } else if ((rc = kvt_client_match(c, tok, ntok, KVT_CLIENT_LEASE, (uint32_t)lease_ms,
+                                              NULL, &m)) < 0) {
                 status = kvt_fail(c, "match", rc);
             } else if (m.pages == 0) {
                 printf("nothing cached for these tokens\n");

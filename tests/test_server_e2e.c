@@ -661,6 +661,32 @@ Test(server_e2e, cli_reaches_default_socket_in_working_dir)
     cr_expect(strstr(text, "put 4 pages: 4 new, 4 stored"), "%s", text);
     cr_expect(strstr(text, "matched 64 of 70 tokens (4 pages)"), "%s", text);
     cr_expect(strstr(text, "pong"), "%s", text);
+    /* Options after the command, as people type them; bad numbers are usage errors (exit 2). */
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s/client/kvtier' get 1-64 --block-bytes 64 --out got.bin >/dev/null",
+             d.dir, root);
+    cr_expect_eq(system(cmd), 0);
+    uint8_t got[512];
+    size_t n = 0;
+    char path[700];
+    snprintf(path, sizeof path, "%s/got.bin", d.dir);
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        n = fread(got, 1, sizeof got, f);
+        fclose(f);
+    }
+    cr_expect_eq(n, 4 * 64, "four 64-byte pages read back");
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(got[i], 0xab, "byte %zu", i);
+    const char *bad[] = {"--page abc match 1-4", "match 1-4 --block-bytes -1", "ping x",
+                         "put 1-16 --fill 300"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        snprintf(cmd, sizeof cmd, "cd '%s' && '%s/client/kvtier' %s 2>/dev/null", d.dir, root,
+                 bad[i]);
+        int st = system(cmd);
+        cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "kvtier %s: exit %d", bad[i],
+                  WEXITSTATUS(st));
+    }
     kvd_cleanup(&d);
 }
 
