@@ -5,14 +5,15 @@
  * Several raw connections send mostly well-formed requests of every opcode (prompts that share
  * prefixes, PUT payloads, GETs and RELEASEs of leases seen in replies and of made-up ones, HELLOs
  * that switch namespaces), and one frame in two is mutated: a flipped bit, a byte or a count of
- * the body, the opcode, the flags, the body length, a body length past max-frame. Now and then a
- * connection sends random bytes, stops in the middle of a frame, or just hangs up. The daemon has
- * small DRAM, HBM (host memory) and NVMe tiers, and Redis when the test command started one, so
- * blocks move between tiers all the time. Between batches, a libkvtier client in a namespace of
- * its own stores prompts whose page bytes are a function of the page's prefix, and reads back
- * every prompt it finds: a wrong byte, a lost connection, or an unclean exit (the ASan+UBSan
- * build stops the daemon at its first report) fails the test. Its first runs found a
- * use-after-free, a read past a buffer, and a memcpy to NULL (see the git log).
+ * the body, the opcode, the flags, the body length, a body length past max-frame. Half of them
+ * use the Unix socket, half TCP. Now and then a connection sends random bytes, stops in the middle
+ * of a frame, or just hangs up. The daemon has small DRAM, HBM (host memory) and NVMe tiers, and
+ * Redis when the test command started one, so blocks move between tiers all the time. Between
+ * batches, a libkvtier client in a namespace of its own stores prompts whose page bytes are a
+ * function of the page's prefix, and reads back every prompt it finds: a wrong byte, a lost
+ * connection, or an unclean exit (the ASan+UBSan build stops the daemon at its first report) fails
+ * the test. Its first runs found a use-after-free, a read past a buffer, and a memcpy to NULL (see
+ * the git log).
  *
  * Each seed runs 5 s; KVT_FUZZ_MS=N runs each for N ms instead (longer runs by hand).
  */
@@ -216,14 +217,30 @@ static size_t gen_frame(fuzz_t *z, uint8_t *out, int hello)
     return n;
 }
 
-static int fz_connect(const kvd_t *d)
+/* Half the connections over the Unix socket, half over TCP (each has its own read and close
+ * paths in the daemon). */
+static int fz_connect(const kvd_t *d, int tcp)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
-    cr_assert(fd >= 0);
-    struct sockaddr_un sun = {.sun_family = AF_UNIX};
-    memcpy(sun.sun_path, d->sock, strlen(d->sock) + 1);
-    cr_assert(connect(fd, (struct sockaddr *)&sun, sizeof sun) == 0, "connect: %s",
-              strerror(errno));
+    int fd;
+    if (tcp) {
+        char host[64];
+        unsigned port = 0;
+        cr_assert_eq(sscanf(d->tcp, "%63[^:]:%u", host, &port), 2, "tcp address %s", d->tcp);
+        struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        inet_pton(AF_INET, host, &sin.sin_addr);
+        fd = socket(AF_INET, SOCK_STREAM, 0);
+        cr_assert(fd >= 0);
+        cr_assert(connect(fd, (struct sockaddr *)&sin, sizeof sin) == 0, "connect: %s",
+                  strerror(errno));
+    } else {
+        struct sockaddr_un sun = {.sun_family = AF_UNIX};
+        memcpy(sun.sun_path, d->sock, strlen(d->sock) + 1);
+        fd = socket(AF_UNIX, SOCK_STREAM, 0);
+        cr_assert(fd >= 0);
+        cr_assert(connect(fd, (struct sockaddr *)&sun, sizeof sun) == 0, "connect: %s",
+                  strerror(errno));
+    }
+    cr_assert(fcntl(fd, F_SETFL, O_NONBLOCK) == 0);
     return fd;
 }
 
@@ -259,7 +276,7 @@ static void fz_pass(fuzz_t *z, fconn_t *cs, const kvd_t *d, uint8_t *in, size_t 
     struct pollfd pf[NFUZZ];
     for (int i = 0; i < NFUZZ; i++) {
         if (cs[i].fd < 0) {
-            cs[i].fd = fz_connect(d);
+            cs[i].fd = fz_connect(d, i % 2);
             cs[i].hello = 1;
             cs[i].hang_up = 0;
             cs[i].len = cs[i].off = 0;
