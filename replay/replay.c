@@ -482,7 +482,8 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
         err = KVT_ECORRUPT;
         goto out;
     }
-    qsort(times, nreq, sizeof(double), cmp_double);
+    if (nreq > 0)
+        qsort(times, nreq, sizeof(double), cmp_double);
     res->total_s = total;
     res->no_cache_s = no_cache;
     res->p50_s = nreq ? times[(size_t)(0.50 * (double)(nreq - 1))] : 0;

@@ -1077,7 +1077,8 @@ int kvt__nvme_scan(nvme_t *n)
     free(buf);
     if (rc < 0)
         return rc;
-    qsort(n->recovered, n->nrecovered, sizeof(*n->recovered), rec_cmp);
+    if (n->nrecovered > 0) /* none found: the array is NULL, which qsort may not be given */
+        qsort(n->recovered, n->nrecovered, sizeof(*n->recovered), rec_cmp);
     size_t keep = 0;
     for (size_t i = 0; i < n->nrecovered; i++) {
         nvme_recovered_t *r = &n->recovered[i];
