@@ -1141,6 +1141,14 @@ void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r)
     kvt_unpin(s, r);
 }
 
+/* A tier's error as a client reads it: the remote tier's EPROTO (its server answered something
+ * malformed) would tell the client that its own frame was malformed; to it, that is a failed
+ * I/O. */
+static int kvt_tier_failure(int rc)
+{
+    return rc == KVT_EPROTO ? KVT_EIO : rc;
+}
+
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_assert(r->pending == 0);
@@ -1150,7 +1158,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         for (; good < r->batch; good++) {
             kvt__io_t *x = r->ios[good];
             if (!x->zero_copy && x->io.status < 0) {
-                r->status = x->io.status;
+                r->status = kvt_tier_failure(x->io.status);
                 static kvt_log_limit_t lim; /* a remote tier down fails every GET */
                 kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
                                 kvt_tier_name(x->tier), kvt_strerror(x->io.status));
@@ -1239,7 +1247,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                     kvt_busy_dec(s, x->io.key.hash);
                 free(x->buf);
                 free(x);
-                r->status = rc;
+                r->status = kvt_tier_failure(rc);
                 break;
             }
             r->segs[2 * i + 1] = (kvt__seg_t){.ptr = x->buf, .len = b->size};

@@ -5,8 +5,10 @@
  * stored through MATCH's remote probe and reads its bytes; a remote that is down is a counted
  * miss reason, not an error; values overwritten with far more than a block are refused unbuffered
  * and counted (kvtier_remote_oversized_values_total) while the connection stays up; a PUT's
- * pages that NVMe cannot place (its segments all pinned) go on to Redis.
+ * pages that NVMe cannot place (its segments all pinned) go on to Redis. One test stands up a
+ * fake server of its own whose GET answers have the wrong type.
  */
+#include <strings.h>
 #include <time.h>
 
 #include "../server/proto.h"
@@ -354,6 +356,110 @@ Test(server_remote, a_probe_answers_in_the_namespace_it_was_asked_in)
     kvt_client_close(cb);
     kvd_cleanup(&a);
     kvd_cleanup(&b);
+}
+
+/* Serves one RESP connection of a Redis that stores nothing: every GET is answered with an
+ * integer, everything else with +OK (+PONG for PING). In a child process. */
+static void lying_redis_conn(int fd)
+{
+    static char buf[1 << 20];
+    size_t len = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf + len, sizeof buf - len);
+        if (n <= 0)
+            return;
+        len += (size_t)n;
+        size_t off = 0;
+        for (;;) { /* whole commands: *N then N bulk strings */
+            char *p = buf + off, *end = buf + len, *nl;
+            if (p >= end || *p != '*' || !(nl = memchr(p, '\n', (size_t)(end - p))))
+                break;
+            long argc = strtol(p + 1, NULL, 10), i;
+            char verb[16] = "";
+            p = nl + 1;
+            for (i = 0; i < argc; i++) {
+                if (p >= end || !(nl = memchr(p, '\n', (size_t)(end - p))))
+                    break;
+                long l = strtol(p + 1, NULL, 10);
+                if (nl + 1 + l + 2 > end)
+                    break;
+                if (i == 0)
+                    snprintf(verb, sizeof verb, "%.*s", (int)KVT_MIN(l, 15), nl + 1);
+                p = nl + 1 + l + 2;
+            }
+            if (i < argc)
+                break;
+            off = (size_t)(p - buf);
+            const char *reply = !strcasecmp(verb, "GET")    ? ":1\r\n"
+                                : !strcasecmp(verb, "PING") ? "+PONG\r\n"
+                                                            : "+OK\r\n";
+            if (write(fd, reply, strlen(reply)) < 0)
+                return;
+        }
+        memmove(buf, buf + off, len - off);
+        len -= off;
+    }
+}
+
+static pid_t lying_redis(uint16_t *port)
+{
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sin = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sin;
+    cr_assert(lfd >= 0 && bind(lfd, (struct sockaddr *)&sin, sizeof sin) == 0 &&
+              listen(lfd, 8) == 0 && getsockname(lfd, (struct sockaddr *)&sin, &sl) == 0);
+    *port = ntohs(sin.sin_port);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        for (;;) {
+            int fd = accept(lfd, NULL, NULL);
+            if (fd >= 0) {
+                lying_redis_conn(fd);
+                close(fd);
+            }
+        }
+    }
+    close(lfd);
+    cr_assert(pid > 0);
+    return pid;
+}
+
+/*
+ * A remote server whose GET answers are of the wrong type (a proxy or a broken server): the GET
+ * of those pages fails with EIO, a failed tier I/O, and not with the remote tier's own EPROTO,
+ * which a client reads as "your frame was malformed". No redis-server needed.
+ */
+Test(server_remote, a_malformed_remote_answer_is_a_failed_read)
+{
+    uint16_t port;
+    pid_t liar = lying_redis(&port);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    uint32_t tok[2 * PAGE];
+    kvd_tokens(tok, 2 * PAGE, 11);
+    kvt_client_put_t r;
+    put_all(c, tok, 2, 1, &r);
+    cr_assert_eq(r.stored, 2, "the liar answers SET with +OK");
+    uint8_t tiers[2];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 2};
+    cr_assert_eq(kvt_client_match(c, tok, 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 2);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_REMOTE);
+    uint8_t *buf = malloc(2 * BB);
+    uint32_t got = 9;
+    int rc = kvt_client_get(c, m.lease, 0, 2, buf, 2 * BB, &got, NULL);
+    cr_expect_eq(rc, KVT_CLIENT_EIO, "GET: %s (%s)", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_expect_eq(got, 0);
+    cr_assert_eq(kvt_client_ping(c, NULL), 0, "the connection goes on");
+    free(buf);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+    kill(liar, SIGKILL);
+    waitpid(liar, NULL, 0);
 }
 
 Test(server_remote, remote_down_is_a_counted_miss)
