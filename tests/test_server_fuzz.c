@@ -6,14 +6,14 @@
  * prefixes, PUT payloads, GETs and RELEASEs of leases seen in replies and of made-up ones, HELLOs
  * that switch namespaces), and one frame in two is mutated: a flipped bit, a byte or a count of
  * the body, the opcode, the flags, the body length, a body length past max-frame. Half of them
- * use the Unix socket, half TCP. Now and then a connection sends random bytes, stops in the middle
- * of a frame, or just hangs up. The daemon has small DRAM, HBM (host memory) and NVMe tiers, and
- * Redis when the test command started one, so blocks move between tiers all the time. Between
- * batches, a libkvtier client in a namespace of its own stores prompts whose page bytes are a
- * function of the page's prefix, and reads back every prompt it finds: a wrong byte, a lost
- * connection, or an unclean exit (the ASan+UBSan build stops the daemon at its first report) fails
- * the test. Its first runs found a use-after-free, a read past a buffer, and a memcpy to NULL (see
- * the git log).
+ * use the Unix socket, half TCP; the odd PUT is bigger than the daemon's input buffer. Now and then
+ * a connection sends random bytes, stops in the middle of a frame, or just hangs up. The daemon has
+ * small DRAM, HBM (host memory) and NVMe tiers, and Redis when the test command started one, so
+ * blocks move between tiers all the time. Between batches, a libkvtier client in a namespace of its
+ * own stores prompts whose page bytes are a function of the page's prefix, and reads back every
+ * prompt it finds: a wrong byte, a lost connection, or an unclean exit (the ASan+UBSan build stops
+ * the daemon at its first report) fails the test. Its first runs found a use-after-free, a read
+ * past a buffer, and a memcpy to NULL (see the git log).
  *
  * Each seed runs 5 s; KVT_FUZZ_MS=N runs each for N ms instead (longer runs by hand).
  */
@@ -23,11 +23,13 @@
 #include "../server/proto.h"
 #include "test_server_harness.h"
 
-#define PAGE   16
-#define BB     4096
-#define NFUZZ  6
-#define MAXPG  40
-#define OUTCAP (2u << 20)
+#define PAGE  16
+#define BB    4096
+#define NFUZZ 6
+#define MAXPG 40  /* pages of a prompt */
+#define BIGPG 200 /* pages of the odd big PUT: 800 KiB of payload, over the 512 KiB input buffer   \
+                   */
+#define OUTCAP (8u << 20)
 
 static uint64_t rnd(uint64_t *s)
 {
@@ -54,11 +56,12 @@ static uint64_t now_ms(void)
     return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
-/* A prompt of one of six families: the family's pages up to a random page, then one of five
- * variants, and sometimes a few tokens short of a page. Returns its token count. */
-static uint32_t gen_prompt(uint64_t *s, uint32_t *tok)
+/* A prompt of one of six families, of at most maxpg pages: the family's pages up to a random
+ * page, then one of five variants, and sometimes a few tokens short of a page. Returns its token
+ * count. */
+static uint32_t gen_prompt_of(uint64_t *s, uint32_t *tok, uint32_t maxpg)
 {
-    uint32_t f = (uint32_t)(rnd(s) % 6), np = 1 + (uint32_t)(rnd(s) % MAXPG);
+    uint32_t f = (uint32_t)(rnd(s) % 6), np = 1 + (uint32_t)(rnd(s) % maxpg);
     uint32_t split = (uint32_t)(rnd(s) % (np + 1)), v = 1 + (uint32_t)(rnd(s) % 5);
     for (uint32_t p = 0; p < np; p++)
         for (uint32_t j = 0; j < PAGE; j++)
@@ -68,6 +71,11 @@ static uint32_t gen_prompt(uint64_t *s, uint32_t *tok)
     for (uint32_t j = 0; j < extra; j++)
         tok[np * PAGE + j] = (uint32_t)rnd(s);
     return np * PAGE + extra;
+}
+
+static uint32_t gen_prompt(uint64_t *s, uint32_t *tok)
+{
+    return gen_prompt_of(s, tok, MAXPG);
 }
 
 /* The bytes of page p of a prompt: a function of the tokens up to the page's end, so that any
@@ -86,8 +94,8 @@ static void page_bytes(const uint32_t *tok, uint32_t p, uint8_t *out)
 typedef struct fuzz {
     uint64_t rng;
     uint64_t leases[64]; /* ids seen in MATCH replies, for GET and RELEASE */
-    uint32_t tok[(MAXPG + 1) * PAGE];
-    uint8_t body[(MAXPG + 1) * PAGE * 4 + MAXPG * BB + 64];
+    uint32_t tok[(BIGPG + 1) * PAGE];
+    uint8_t body[(BIGPG + 1) * PAGE * 4 + BIGPG * BB + 64];
     long frames;
 } fuzz_t;
 
@@ -135,7 +143,7 @@ static size_t gen_body(fuzz_t *z, unsigned op, uint16_t *flags)
         return put_tokens(z, sizeof w, n);
     }
     case KVT_OP_PUT: {
-        uint32_t n = gen_prompt(s, z->tok), np = n / PAGE;
+        uint32_t n = gen_prompt_of(s, z->tok, rnd(s) % 30 ? MAXPG : BIGPG), np = n / PAGE;
         uint32_t first = (uint32_t)(rnd(s) % (np + 1));
         uint32_t pay = rnd(s) % 3 == 0 ? 0 : (uint32_t)(rnd(s) % (np - first + 1));
         kvt_wire_put_t w = {.ntokens = n, .first_page = first, .npayload = pay};
