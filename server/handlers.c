@@ -244,10 +244,17 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     if (m.block_bytes)
         n->block_bytes = m.block_bytes;
     if (s->tiers[KVT_TIER_NVME]) {
+        /* The record only names the namespace after a restart: its blocks come back by seed
+         * without it. Names with a tab or a line break cannot be recorded (EINVAL). */
         rc = kvt_tier_nvme_add_ns(s->tiers[KVT_TIER_NVME], model, adapter, salt, m.page_size);
-        if (rc < 0)
-            kvt_log(KVT_LOG_WARN, "kvtierd: recording namespace %s for recovery: %s", model,
-                    kvt_strerror(rc));
+        if (rc < 0) {
+            static kvt_log_limit_t lim;
+            kvt_log_limited(
+                &lim, rc == KVT_EINVAL ? KVT_LOG_INFO : KVT_LOG_WARN,
+                "kvtierd: namespace \"%s\" not recorded in the NVMe tier's list (%s): "
+                "after a restart its blocks come back unnamed, found by seed",
+                model, rc == KVT_EINVAL ? "a name holds a tab or a line break" : kvt_strerror(rc));
+        }
     }
     c->hello = 1;
     c->ns = ns;
