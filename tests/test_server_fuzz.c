@@ -26,9 +26,9 @@
 #define PAGE  16
 #define BB    4096
 #define NFUZZ 6
-#define MAXPG 40  /* pages of a prompt */
-#define BIGPG 200 /* pages of the odd big PUT: 800 KiB of payload, over the 512 KiB input buffer   \
-                   */
+/* Pages of a prompt, and of the odd big PUT (800 KiB of payload, over the 512 KiB input buffer). */
+#define MAXPG  40
+#define BIGPG  200
 #define OUTCAP (8u << 20)
 
 static uint64_t rnd(uint64_t *s)
