@@ -222,16 +222,22 @@ Test(server_remote, remove_is_answered_while_demotions_to_a_dead_remote_fail)
     kvd_cleanup(&d);
 }
 
-Test(server_remote, second_daemon_finds_the_first_ones_prefix)
+/* Two daemons on the test's redis-server under a key prefix of their own: a keeps nothing
+ * locally (every block it stores goes to the shared server), b has the default tiers. */
+static void two_daemons_one_remote(kvd_t *a, kvd_t *b)
 {
     const char *addr = redis_addr();
     char pfx[64];
     prefix(pfx, sizeof pfx);
+    kvd_start(a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
+              NULL);
+    kvd_start(b, "--remote", addr, "--remote-prefix", pfx, NULL);
+}
+
+Test(server_remote, second_daemon_finds_the_first_ones_prefix)
+{
     kvd_t a = {0}, b = {0};
-    /* a keeps nothing locally: every block goes to the shared server. */
-    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
-              pfx, NULL);
-    kvd_start(&b, "--remote", addr, "--remote-prefix", pfx, NULL);
+    two_daemons_one_remote(&a, &b);
     kvt_client_t *ca = kvd_client(&a, "shared-model", PAGE, BB);
     kvt_client_t *cb = kvd_client(&b, "shared-model", PAGE, BB);
     uint32_t tok[12 * PAGE];
@@ -296,13 +302,8 @@ static size_t hello_frame(uint8_t *out, uint64_t id, const char *model, uint32_t
  */
 Test(server_remote, a_probe_answers_in_the_namespace_it_was_asked_in)
 {
-    const char *addr = redis_addr();
-    char pfx[64];
-    prefix(pfx, sizeof pfx);
     kvd_t a = {0}, b = {0};
-    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
-              pfx, NULL);
-    kvd_start(&b, "--remote", addr, "--remote-prefix", pfx, NULL);
+    two_daemons_one_remote(&a, &b);
     kvt_client_t *ca = kvd_client(&a, "shared-model", PAGE, BB);
     uint32_t tok[12 * PAGE];
     kvd_tokens(tok, 12 * PAGE, 5);
