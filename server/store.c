@@ -1141,9 +1141,9 @@ void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r)
     kvt_unpin(s, r);
 }
 
-/* A tier's error as a client reads it: the remote tier's EPROTO (its server answered something
- * malformed) would tell the client that its own frame was malformed; to it, that is a failed
- * I/O. */
+/* A tier's error as a client reads it in a GET's end frame: the remote tier's EPROTO (its server
+ * answered something malformed) would tell the client that its own frame was malformed; to it,
+ * that is a failed I/O. */
 static int kvt_tier_failure(int rc)
 {
     return rc == KVT_EPROTO ? KVT_EIO : rc;
@@ -1158,7 +1158,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         for (; good < r->batch; good++) {
             kvt__io_t *x = r->ios[good];
             if (!x->zero_copy && x->io.status < 0) {
-                r->status = kvt_tier_failure(x->io.status);
+                r->status = x->io.status;
                 static kvt_log_limit_t lim; /* a remote tier down fails every GET */
                 kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
                                 kvt_tier_name(x->tier), kvt_strerror(x->io.status));
@@ -1247,7 +1247,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                     kvt_busy_dec(s, x->io.key.hash);
                 free(x->buf);
                 free(x);
-                r->status = kvt_tier_failure(rc);
+                r->status = rc;
                 break;
             }
             r->segs[2 * i + 1] = (kvt__seg_t){.ptr = x->buf, .len = b->size};
@@ -1266,6 +1266,7 @@ end:;
     if (r->ios)
         kvt_get_release_batch(s, r);
     kvt_wire_get_end_t e = {.npages = htole32(r->sent)};
+    r->status = kvt_tier_failure(r->status);
     kvt_unpin(s, r);
     r->out_off = r->out_len = 0;
     kvt__req_reply(r, &e, sizeof e);
