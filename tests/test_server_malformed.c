@@ -74,15 +74,21 @@ static int closed(int fd)
     return n == 0 || (n < 0 && errno == ECONNRESET);
 }
 
-static void hello(int fd, uint64_t id)
+/* HELLO as request id for model "m" with the given page and block size; it must succeed. */
+static void hello_as(int fd, uint64_t id, uint32_t page, uint32_t bb)
 {
     uint8_t body[64];
     kvt_wire_hello_t w = {
-        .min_version = 1, .max_version = 1, .page_size = 4, .block_bytes = 16, .model_len = 1};
+        .min_version = 1, .max_version = 1, .page_size = page, .block_bytes = bb, .model_len = 1};
     memcpy(body, &w, sizeof w);
     body[sizeof w] = 'm';
     req(fd, KVT_OP_HELLO, 0, id, body, sizeof w + 1);
     cr_assert_eq(reply(fd, KVT_OP_HELLO, id, NULL, NULL), 0);
+}
+
+static void hello(int fd, uint64_t id)
+{
+    hello_as(fd, id, 4, 16);
 }
 
 static uint64_t perrors(kvt_client_t *c)
@@ -450,13 +456,7 @@ static void reads_back(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uin
 
 static void raw_hello(int fd, uint32_t page, uint32_t bb)
 {
-    uint8_t body[64];
-    kvt_wire_hello_t w = {
-        .min_version = 1, .max_version = 1, .page_size = page, .block_bytes = bb, .model_len = 1};
-    memcpy(body, &w, sizeof w);
-    body[sizeof w] = 'm';
-    req(fd, KVT_OP_HELLO, 0, 1, body, sizeof w + 1);
-    cr_assert_eq(reply(fd, KVT_OP_HELLO, 1, NULL, NULL), 0);
+    hello_as(fd, 1, page, bb);
 }
 
 /* Polls STATS until name reaches at least v (2 s at most); returns the last value. */
