@@ -752,8 +752,8 @@ void kvt__conns_mem_retry(kvt_srv_t *s)
 {
     kvt__conn_t *next;
     for (kvt__conn_t *c = s->conns; c && s->mem_waiting; c = next) {
-        next = c->next;
-        if (!c->gone && c->mem_wait && s->client_bytes + c->mem_need <= s->conf->max_client_bytes)
+        next = c->next; /* a closed one (its mem_wait cleared by the close) keeps its link */
+        if (c->mem_wait && s->client_bytes + c->mem_need <= s->conf->max_client_bytes)
             kvt__conn_kick(c); /* parses again: takes its buffer, or waits on */
     }
 }
