@@ -277,6 +277,9 @@ int main(int argc, char **argv)
         free(tok);
         return 2;
     }
+    unsigned long pings = 1;
+    if (!strcmp(cmd, "ping") && nargs > 0 && kvt_num("ping", args[0], 1000000000, &pings) < 0)
+        return 2;
     kvt_client_t *c;
     int rc = kvt_client_connect(&c, &conf);
     if (rc < 0) {
@@ -291,12 +294,7 @@ int main(int argc, char **argv)
     }
     int status = 0;
     if (!strcmp(cmd, "ping")) {
-        unsigned long n = 1;
-        if (nargs > 0 && kvt_num("ping", args[0], 1000000000, &n) < 0) {
-            kvt_client_close(c);
-            return 2;
-        }
-        for (unsigned long k = 0; k < n && !status; k++) {
+        for (unsigned long k = 0; k < pings && !status; k++) {
             uint64_t rtt;
             if ((rc = kvt_client_ping(c, &rtt)) < 0)
                 status = kvt_fail(c, "ping", rc);
