@@ -394,6 +394,63 @@ Test(tier_nvme_recover, rebuilds_radix_entries_from_parent_hashes)
     tu_rmrf(dir);
 }
 
+/* Lines of DIR/namespaces, and how many of them are exactly want (NULL: none asked). */
+static int ns_lines(const char *dir, const char *want, int *matching)
+{
+    char path[4200], line[1100];
+    snprintf(path, sizeof(path), "%s/namespaces", dir);
+    FILE *f = fopen(path, "r");
+    cr_assert(f, "%s: %s", path, strerror(errno));
+    int n = 0;
+    *matching = 0;
+    while (fgets(line, sizeof(line), f)) {
+        n++;
+        *matching += want && strcmp(line, want) == 0;
+    }
+    fclose(f);
+    return n;
+}
+
+Test(tier_nvme_recover, each_namespace_is_listed_once)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvnslist");
+    kvt_tier_t *t = open_tier(dir);
+    int same;
+    /* Many, as a fleet of tenants makes: each new one appends its line, an old one none. */
+    for (int round = 0; round < 2; round++)
+        for (int i = 0; i < 3000; i++) {
+            char salt[32];
+            snprintf(salt, sizeof(salt), "tenant-%d", i);
+            cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, salt, 16), 0);
+        }
+    cr_assert_eq(ns_lines(dir, "v1\tllama-70b\t\ttenant-2999\t16\n", &same), 3000);
+    cr_assert_eq(same, 1);
+    /* The page size is part of the description. */
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", "", "tenant-7", 32), 0);
+    cr_assert_eq(ns_lines(dir, "v1\tllama-70b\t\ttenant-7\t32\n", &same), 3001);
+    cr_assert_eq(same, 1);
+    kvt_tier_destroy(t);
+
+    /* A restart knows the list from the file: nothing is added twice. A line that is not a
+     * namespace's (damage) is passed over. */
+    char path[4200];
+    snprintf(path, sizeof(path), "%s/namespaces", dir);
+    FILE *f = fopen(path, "a");
+    cr_assert(f);
+    fputs("v1\ttorn", f);
+    fclose(f);
+    t = open_tier(dir);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-7", 16), 0);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-7", 32), 0);
+    cr_assert_eq(ns_lines(dir, NULL, &same), 3001 + 1);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "mistral-7b", NULL, NULL, 16), 0);
+    cr_assert_eq(ns_lines(dir, "v1\tmistral-7b\t\t\t16\n", &same), 3001 + 2);
+    cr_assert_eq(same, 1, "a line of its own, not the torn one's end");
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
 Test(tier_nvme_recover, namespaces_known_only_by_seed_come_back_too)
 {
     char dir[4096];

@@ -682,6 +682,7 @@ static void nvme_dealloc(nvme_t *n)
         free(n->segs);
     }
     kvt__nvme_recovered_free(n);
+    free(n->ns_set);
     free(n->dir);
     free(n->path);
     free(n);

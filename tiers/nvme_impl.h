@@ -68,6 +68,11 @@ typedef struct nvme {
     nvme_recovered_t *recovered;
     size_t nrecovered, recovered_cap;
     int recover_done;
+    /* Hashes of the descriptions DIR/namespaces holds (kvt_tier_nvme_add_ns): an open-addressing
+     * set, 0 marking a free slot, read from the file once, on the first call. */
+    uint64_t *ns_set;
+    size_t ns_count, ns_cap;
+    int ns_loaded;
     void (*reclaim_cb)(void *arg, uint64_t loc, uint64_t ns_seed, uint64_t hash);
     void *reclaim_arg;
     kvt_tier_nvme_recovery_t rec;

@@ -18,7 +18,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <xxhash.h>
 
 #define NS_FILE "namespaces"
 
@@ -81,21 +84,53 @@ static int ns_each(const nvme_t *n,
     return rc < 0 ? rc : 0;
 }
 
-typedef struct ns_find {
-    const char *model, *adapter, *salt;
-    uint32_t page;
-    int found;
-} ns_find_t;
-
-static int ns_match(void *arg, const char *model, const char *adapter, const char *salt,
-                    uint32_t page)
+/* A description's key in n->ns_set. Two descriptions with one key (a 64-bit hash collision)
+ * would leave the second unrecorded: its blocks still come back, found by seed. */
+static uint64_t ns_key(const char *model, const char *adapter, const char *salt, uint32_t page)
 {
-    ns_find_t *q = arg;
-    if (strcmp(model, q->model) == 0 && strcmp(adapter, q->adapter) == 0 &&
-        strcmp(salt, q->salt) == 0 && page == q->page) {
-        q->found = 1;
-        return 1;
-    }
+    char buf[3 * 256 + 16]; /* ns_str_ok: each at most 255 bytes */
+    int len = snprintf(buf, sizeof buf, "%s%c%s%c%s%c%u", model, 0, adapter, 0, salt, 0, page);
+    uint64_t k = XXH3_64bits(buf, (size_t)len);
+    return k ? k : 1;
+}
+
+/* The slot holding key, or the free slot where it would go. */
+static size_t ns_slot(const nvme_t *n, uint64_t key)
+{
+    size_t j = key & (n->ns_cap - 1);
+    while (n->ns_set[j] && n->ns_set[j] != key)
+        j = (j + 1) & (n->ns_cap - 1);
+    return j;
+}
+
+/* Room for one more key (the set stays at most half full): 0 or KVT_ENOMEM. */
+static int ns_set_reserve(nvme_t *n)
+{
+    if (2 * (n->ns_count + 1) <= n->ns_cap)
+        return 0;
+    size_t ocap = n->ns_cap, cap = ocap ? 2 * ocap : 64;
+    uint64_t *m = calloc(cap, sizeof *m), *old = n->ns_set;
+    if (!m)
+        return KVT_ENOMEM;
+    n->ns_set = m;
+    n->ns_cap = cap;
+    for (size_t i = 0; i < ocap; i++)
+        if (old[i])
+            m[ns_slot(n, old[i])] = old[i];
+    free(old);
+    return 0;
+}
+
+static int ns_load_one(void *arg, const char *model, const char *adapter, const char *salt,
+                       uint32_t page)
+{
+    nvme_t *n = arg;
+    if (ns_set_reserve(n) < 0)
+        return KVT_ENOMEM;
+    uint64_t key = ns_key(model, adapter, salt, page);
+    size_t j = ns_slot(n, key);
+    n->ns_count += !n->ns_set[j];
+    n->ns_set[j] = key;
     return 0;
 }
 
@@ -106,23 +141,41 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
     if (!n || !ns_str_ok(model, 0) || !ns_str_ok(adapter, 1) || !ns_str_ok(salt, 1) ||
         page_size == 0 || page_size > KVT_PAGE_MAX)
         return KVT_EINVAL;
-    ns_find_t q = {model, adapter ? adapter : "", salt ? salt : "", page_size, 0};
-    int rc = ns_each(n, ns_match, &q);
-    if (rc < 0)
+    adapter = adapter ? adapter : "";
+    salt = salt ? salt : "";
+    int rc;
+    if (!n->ns_loaded) { /* the file is read once; a failed read is tried again next call */
+        if ((rc = ns_each(n, ns_load_one, n)) < 0)
+            return rc;
+        n->ns_loaded = 1;
+    }
+    if ((rc = ns_set_reserve(n)) < 0)
         return rc;
-    if (q.found)
+    uint64_t key = ns_key(model, adapter, salt, page_size);
+    size_t j = ns_slot(n, key);
+    if (n->ns_set[j])
         return 0;
     char path[4096], line[1100];
     snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
-    int len =
-        snprintf(line, sizeof(line), "v1\t%s\t%s\t%s\t%u\n", q.model, q.adapter, q.salt, page_size);
-    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    /* One append, not synced: the line only names the namespace after a restart (its blocks come
+     * back by seed without it), not worth an fsync in the daemon's event loop. A file that a
+     * crash left without its last line break gets one first, or this line would join that one. */
+    int fd = open(path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd < 0)
         return -errno;
-    rc = 0;
-    if (write(fd, line, (size_t)len) != len || fsync(fd) != 0)
-        rc = errno ? -errno : KVT_EIO;
+    struct stat sb;
+    char last = '\n';
+    if (fstat(fd, &sb) == 0 && sb.st_size > 0 && pread(fd, &last, 1, sb.st_size - 1) != 1)
+        last = '\n';
+    int len = snprintf(line, sizeof(line), "%sv1\t%s\t%s\t%s\t%u\n", last == '\n' ? "" : "\n",
+                       model, adapter, salt, page_size);
+    ssize_t w = write(fd, line, (size_t)len);
+    rc = w == len ? 0 : w < 0 ? -errno : KVT_EIO;
     close(fd);
+    if (rc == 0) {
+        n->ns_set[j] = key;
+        n->ns_count++;
+    }
     return rc;
 }
 

@@ -242,8 +242,11 @@ void kvt_tier_nvme_recovery(const kvt_tier_t *t, kvt_tier_nvme_recovery_t *out);
 /*
  * Records a namespace description in DIR/namespaces so that a later kvt_tier_nvme_recover can
  * open it again by itself. Strings follow kvt_radix_ns_open (adapter and salt may be NULL) and
- * must not hold tabs or newlines. Recording the same namespace twice is a no-op. Returns 0,
- * KVT_EINVAL or a negated errno.
+ * must not hold tabs or newlines. Recording the same namespace twice is a no-op: the file is
+ * read once, on the first call, and the descriptions it holds are kept as a set of hashes (8-16
+ * bytes each), so a call costs a hash lookup and, for a new one, an append. The append is not
+ * fsync'd (the name is all it adds: blocks come back by seed without it). Returns 0, KVT_EINVAL
+ * or a negated errno.
  */
 int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, const char *salt,
                          uint32_t page_size);
