@@ -1068,27 +1068,42 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
         return;
     uint32_t now = now_clock(p);
     int promote = 0, repush = p->c.kind == KVT_POLICY_ORACLE || (hint && hint->finished);
+    int cost = p->c.kind == KVT_POLICY_COST;
+    int oracle = p->c.kind == KVT_POLICY_ORACLE && hint && hint->next_use;
+    unsigned top = tier_rank((uint8_t)p->top);
+    /* Hits per class are counted in runs (a path's pages mostly share one) and added to the
+     * decayed doubles once per run: one += per page made every page wait for the last. */
+    unsigned run_class = 0;
+    uint32_t run = 0;
     /* Node by node (this runs on every MATCH; a path iterator steps block by block). */
     for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
          kvt_path_run_next(&r)) {
         for (uint32_t i = 0; i < r.n; i++) {
             kvt_block_t *b = &r.blocks[i];
-            uint32_t depth = r.depth + i;
-            if (b->tier != KVT_TIER_NONE && tier_rank(b->tier) > tier_rank((uint8_t)p->top))
-                promote = 1;
-            if (p->c.kind == KVT_POLICY_COST && tier_ok((kvt_tier_id_t)b->tier)) {
+            uint8_t t = b->tier;
+            promote |= t != KVT_TIER_NONE && tier_rank(t) > top;
+            if (cost && tier_ok((kvt_tier_id_t)t)) {
                 uint32_t before = b->hits ? b->hits - 1 : 0; /* the match has counted this hit */
-                p->class_hits[block_class(before, b->flags)] += 1;
+                unsigned k = block_class(before, b->flags);
+                if (k != run_class && run > 0) {
+                    p->class_hits[run_class] += run;
+                    run = 0;
+                }
+                run_class = k;
+                run++;
                 b->policy = now;
-            } else if (p->c.kind == KVT_POLICY_ORACLE && hint && hint->next_use &&
-                       depth < hint->nnext) {
-                b->policy = hint->next_use[depth];
+            } else if (oracle && r.depth + i < hint->nnext) {
+                b->policy = hint->next_use[r.depth + i];
             }
-            apply_hint(b, hint, depth);
         }
+        if (hint)
+            for (uint32_t i = 0; i < r.n; i++)
+                apply_hint(&r.blocks[i], hint, r.depth + i);
         if (repush && !kvt_radix_node_leased(r.node))
             push_node(p, r.node);
     }
+    if (run > 0)
+        p->class_hits[run_class] += run;
     if (promote && p->npromo < PROMO_QUEUE)
         p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq, p->foreign};
 }

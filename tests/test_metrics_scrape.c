@@ -83,6 +83,36 @@ Test(metrics_scrape, counters_follow_traffic)
     kvd_cleanup(&d);
 }
 
+/* A path of two runs (13 pages in DRAM, 32 index-only), of lengths that are not multiples of
+ * eight: the hits are counted per tier, as the reply's tiers say. */
+Test(metrics_scrape, hits_are_counted_per_tier_along_a_mixed_path)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 512);
+    uint32_t tok[45 * PAGE];
+    kvd_tokens(tok, 45 * PAGE, 7);
+    static uint8_t payload[13 * 512];
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, 45 * PAGE, 0, 13, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, 13);
+    uint8_t tiers[45];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 45};
+    cr_assert_eq(kvt_client_match(c, tok, 45 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 45);
+    for (int i = 0; i < 45; i++)
+        cr_assert_eq(tiers[i], i < 13 ? KVT_CLIENT_TIER_DRAM : KVT_CLIENT_TIER_NONE,
+                     "page %d: tier %u", i, tiers[i]);
+    /* A prefix that ends inside the DRAM run. */
+    cr_assert_eq(kvt_client_match(c, tok, 7 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 7);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    cr_expect_eq(metric(body, "kvtier_hit_tokens_total{tier=\"dram\"}"), (13 + 7) * PAGE);
+    cr_expect_eq(metric(body, "kvtier_hit_tokens_total{tier=\"none\"}"), 32 * PAGE);
+    kvd_cleanup(&d);
+}
+
 Test(metrics_scrape, promtool_check_metrics_has_no_warnings)
 {
     if (system("command -v promtool >/dev/null 2>&1") != 0)
