@@ -554,7 +554,10 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
             if (got)
                 *got = n;
             if (h.status < 0) {
-                kvt_set_errmsg(c, &h, body);
+                /* An end frame's body is the count of pages sent, not a message. */
+                snprintf(c->errmsg, sizeof c->errmsg,
+                         "the stream stopped after %u page%s (the daemon's log says why)", n,
+                         n == 1 ? "" : "s");
                 return h.status;
             }
             if (h.body_len != sizeof(kvt_wire_get_end_t) || kvt_get_u32(body) != n)

@@ -79,7 +79,8 @@ typedef struct kvt_client_conf {
 int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
 /* Closes the connection; the daemon releases every lease it held. NULL is a no-op. */
 void kvt_client_close(kvt_client_t *c);
-/* The daemon's message for the last error reply ("" if none); valid until the next call. */
+/* The daemon's message for the last error reply ("" if none); valid until the next call. A GET
+ * whose stream stopped (its end frame carries a status, no message) says after how many pages. */
 const char *kvt_client_errmsg(const kvt_client_t *c);
 /* What HELLO answered: the namespace's seed (its hash chain's start) and the server's tiers
  * (bit 1 << tier per tier it has). */

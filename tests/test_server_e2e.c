@@ -119,6 +119,40 @@ Test(server_e2e, put_get_byte_exact)
     kvd_cleanup(&d);
 }
 
+/* A GET whose stream stops at a page with no bytes: the pages before it arrive whole, the
+ * status says why it stopped, and the message says where (the end frame's body is the count
+ * of pages sent, which the client once took for the message: 65 pages read as "A"). */
+Test(server_e2e, a_get_stopped_mid_stream_says_where)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 512);
+    uint32_t tok[66 * PAGE];
+    kvd_tokens(tok, 66 * PAGE, 5);
+    kvt_client_put_t r;
+    put_pages(c, tok, 66 * PAGE, 0, 65, 512, 3, &r);
+    cr_assert_eq(r.stored, 65);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 66 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 66);
+    static uint8_t buf[66 * 512];
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, m.lease, 0, 66, buf, sizeof buf, &got, NULL);
+    cr_expect_eq(rc, KVT_CLIENT_ENOENT, "%s", kvt_client_strerror(rc));
+    cr_expect_eq(got, 65);
+    cr_expect_str_eq(kvt_client_errmsg(c),
+                     "the stream stopped after 65 pages (the daemon's log says why)");
+    uint8_t want[512];
+    for (uint32_t p = 0; p < 65; p++) {
+        kvd_fill(want, 512, 3 + p);
+        cr_assert(memcmp(buf + (size_t)p * 512, want, 512) == 0, "page %u differs", p);
+    }
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
+    cr_expect_str_eq(kvt_client_errmsg(c), "", "a later success clears it");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, put_in_two_steps_and_prefix_sharing)
 {
     kvd_t d = {0};
