@@ -21,7 +21,8 @@
  * Up to KID_ARRAY_MAX children the keys are sorted, for binary search; past that the allocation
  * is an open-addressing hash table (linear probing, at most half full, an empty slot has a NULL
  * pointer): a shared system prompt followed by a million different conversations would otherwise
- * move half a million entries on every insert and removal under it.
+ * move half a million entries on every insert and removal under it. A big table grows a step at
+ * a time ("Growing a big table" below).
  *
  * The evictable list holds exactly the nodes that are leaves (no children), unleased and not a
  * root. Leases live in a slab whose ids carry a generation, so a stale id is recognised and a
@@ -86,6 +87,10 @@ struct kvt_radix {
     kvt_radix_node_t **nodes; /* registry of non-root nodes */
     size_t nnodes, nodes_cap;
     uint32_t max_kcap; /* the largest child array made so far (kvt_radix_insert_bound) */
+    /* The one node whose child table is growing a step at a time, and its old table. */
+    kvt_radix_node_t *mig;
+    uint64_t *mig_keys;
+    uint32_t mig_cap, mig_pos;
 
     kvt_radix_node_t list; /* sentinel of the evictable list */
     size_t nlist;
@@ -102,12 +107,23 @@ struct kvt_radix {
 
 #define NO_SLOT       UINT32_MAX
 #define KID_ARRAY_MAX 64 /* children kept as a sorted array; more go to a hash table */
+#define KID_MOVED     ((kvt_radix_node_t *)(uintptr_t)1) /* an old table's moved entry */
 
 /* ---- allocation with byte accounting -------------------------------------------------------- */
 
 static void *rx_malloc(kvt_radix_t *t, size_t n)
 {
     void *p = malloc(n);
+    if (p)
+        t->bytes += malloc_usable_size(p);
+    return p;
+}
+
+/* Zeroed; a big block comes from fresh pages the kernel zeroes when first touched, so a big
+ * child table costs no memset up front. */
+static void *rx_calloc(kvt_radix_t *t, size_t n)
+{
+    void *p = calloc(1, n);
     if (p)
         t->bytes += malloc_usable_size(p);
     return p;
@@ -326,6 +342,7 @@ static kvt_radix_node_t *node_new(kvt_radix_t *t, uint32_t ns, uint32_t page_siz
 
 static void node_free(kvt_radix_t *t, kvt_radix_node_t *n)
 {
+    kvt_assert(n != t->mig); /* emptied through kid_free_all or kid_densify, which end a move */
     rx_free(t, n->keys);
     rx_free(t, node_store(n));
     rx_free(t, n);
@@ -368,14 +385,6 @@ static uint32_t kid_slot(const kvt_radix_node_t *n, uint64_t key)
     }
 }
 
-static kvt_radix_node_t *kid_find(const kvt_radix_node_t *n, uint64_t key)
-{
-    if (n->nkids == 1 && !n->kid_hash) /* the common case: a chain, no search */
-        return n->keys[0] == key ? kids_ptrs(n)[0] : NULL;
-    uint32_t i = kid_slot(n, key);
-    return i != UINT32_MAX ? kids_ptrs(n)[i] : NULL;
-}
-
 /* Puts (key, c) in n's hash table, which has a free slot. */
 static void kid_hash_put(kvt_radix_node_t *n, uint64_t key, kvt_radix_node_t *c)
 {
@@ -387,31 +396,133 @@ static void kid_hash_put(kvt_radix_node_t *n, uint64_t key, kvt_radix_node_t *c)
     p[i] = c;
 }
 
+/*
+ * Growing a big table. Rehashing a child table in one go stops the tree for as long as it takes
+ * (a root with 1.1 million children: 44 ms on this project's VM). A table of at least
+ * conf.step_table_slots slots grows as Redis grows its dicts: the new table is made at once and
+ * the old one kept (t->mig, one node at a time), and each insert, removal and eviction moves
+ * 1/64 of step_table_slots of the old slots over (1,024 by default: an old table of 65,536 slots
+ * or more is moved over 64 or more of them). Meanwhile a lookup that misses in the new table looks
+ * in the old one, where a moved entry leaves KID_MOVED so that probes go on past it; an entry the
+ * tree is about to change or delete is moved first (mig_take), so that changes only touch the new
+ * table; a walk over all children finishes the move first or looks in both.
+ */
+static kvt_radix_node_t **mig_ptrs(const kvt_radix_t *t)
+{
+    return (kvt_radix_node_t **)(t->mig_keys + t->mig_cap);
+}
+
+/* The old table's slot holding key, or NO_SLOT. It ends in an empty slot: it was at most half
+ * full, and moved entries become KID_MOVED, never NULL. */
+static uint32_t mig_slot(const kvt_radix_t *t, uint64_t key)
+{
+    kvt_radix_node_t *const *p = mig_ptrs(t);
+    uint32_t mask = t->mig_cap - 1;
+    for (uint32_t i = (uint32_t)key & mask;; i = (i + 1) & mask) {
+        if (!p[i])
+            return NO_SLOT;
+        if (p[i] != KID_MOVED && t->mig_keys[i] == key)
+            return i;
+    }
+}
+
+static uint32_t step_above(const kvt_radix_t *t)
+{
+    return t->conf.step_table_slots ? t->conf.step_table_slots : 65536;
+}
+
+/* Moves `slots` slots of the old table over (one step: step_above / 64). */
+static void mig_step(kvt_radix_t *t, uint32_t slots)
+{
+    if (!t->mig)
+        return;
+    kvt_radix_node_t **p = mig_ptrs(t);
+    uint32_t end = t->mig_cap - t->mig_pos > slots ? t->mig_pos + slots : t->mig_cap;
+    for (uint32_t i = t->mig_pos; i < end; i++)
+        if (p[i] && p[i] != KID_MOVED) {
+            kid_hash_put(t->mig, t->mig_keys[i], p[i]);
+            p[i] = KID_MOVED;
+        }
+    t->mig_pos = end;
+    if (end == t->mig_cap) {
+        rx_free(t, t->mig_keys);
+        t->mig = NULL;
+        t->mig_keys = NULL;
+        t->mig_cap = t->mig_pos = 0;
+    }
+}
+
+/* One step of the move, if one is under way: each insert, removal and eviction takes one. */
+static void mig_tick(kvt_radix_t *t)
+{
+    mig_step(t, KVT_MAX(step_above(t) / 64, 1u));
+}
+
+static void mig_finish(kvt_radix_t *t)
+{
+    mig_step(t, t->mig_cap);
+}
+
+/* Moves key's entry into n's new table if n's old table still has it. */
+static void mig_take(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
+{
+    if (n != t->mig)
+        return;
+    uint32_t i = mig_slot(t, key);
+    if (i != NO_SLOT) {
+        kid_hash_put(n, key, mig_ptrs(t)[i]);
+        mig_ptrs(t)[i] = KID_MOVED;
+    }
+}
+
+static kvt_radix_node_t *kid_find(const kvt_radix_t *t, const kvt_radix_node_t *n, uint64_t key)
+{
+    if (n->nkids == 1 && !n->kid_hash) /* the common case: a chain, no search */
+        return n->keys[0] == key ? kids_ptrs(n)[0] : NULL;
+    uint32_t i = kid_slot(n, key);
+    if (i != UINT32_MAX)
+        return kids_ptrs(n)[i];
+    if (n == t->mig && (i = mig_slot(t, key)) != NO_SLOT)
+        return mig_ptrs(t)[i];
+    return NULL;
+}
+
 /* Room for one more child: the array doubles up to KID_ARRAY_MAX, then becomes a table of four
  * times that, which doubles whenever it would be more than half full. */
 static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     if (n->kid_hash ? 2 * (n->nkids + 1) <= n->kcap : n->nkids < n->kcap)
         return 0;
+    if (n->kid_hash)
+        mig_finish(t); /* one old table at a time, and n's own goes before a newer one */
     uint32_t cap = n->kid_hash               ? n->kcap * 2
                    : n->kcap == 0            ? 1
                    : n->kcap < KID_ARRAY_MAX ? n->kcap * 2
                                              : 4 * KID_ARRAY_MAX;
     int hash = cap > KID_ARRAY_MAX;
-    uint64_t *k = rx_malloc(t, (size_t)cap * (sizeof(uint64_t) + sizeof(void *)));
+    size_t bytes = (size_t)cap * (sizeof(uint64_t) + sizeof(void *));
+    uint64_t *k = hash ? rx_calloc(t, bytes) : rx_malloc(t, bytes);
     if (!k)
         return KVT_ENOMEM;
     if (cap > t->max_kcap)
         t->max_kcap = cap;
     kvt_radix_node_t **p = (kvt_radix_node_t **)(k + cap), **old = kids_ptrs(n);
-    if (hash) {
-        memset(p, 0, (size_t)cap * sizeof(void *));
-    } else if (n->nkids) {
+    if (!hash && n->nkids) {
         memcpy(k, n->keys, n->nkids * sizeof(uint64_t));
         memcpy(p, old, n->nkids * sizeof(void *));
     }
     uint64_t *okeys = n->keys;
     uint32_t oslots = kid_slots(n);
+    if (n->kid_hash && n->kcap >= step_above(t)) {
+        t->mig = n;
+        t->mig_keys = okeys;
+        t->mig_cap = n->kcap;
+        t->mig_pos = 0;
+        n->keys = k;
+        n->kcap = cap;
+        mig_tick(t);
+        return 0;
+    }
     n->keys = k;
     n->kcap = cap;
     if (hash)
@@ -446,6 +557,8 @@ static void kid_add(kvt_radix_node_t *n, kvt_radix_node_t *c)
 
 static void kid_free_all(kvt_radix_t *t, kvt_radix_node_t *n)
 {
+    if (n == t->mig)
+        mig_finish(t); /* nothing left to move: it frees the old table */
     rx_free(t, n->keys);
     n->keys = NULL;
     n->kcap = n->nkids = 0;
@@ -454,6 +567,7 @@ static void kid_free_all(kvt_radix_t *t, kvt_radix_node_t *n)
 
 static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
 {
+    mig_take(t, n, key);
     uint32_t i = kid_slot(n, key);
     kvt_assert(i != UINT32_MAX);
     kvt_radix_node_t **p = kids_ptrs(n);
@@ -481,10 +595,12 @@ static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
 
 /* Moves n's children to the front of its allocation, in no order, for tear-down only: after
  * this, children can be taken from the end (nkids - 1 down) but no longer looked up. */
-static void kid_densify(kvt_radix_node_t *n)
+static void kid_densify(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     if (!n->kid_hash)
         return;
+    if (n == t->mig)
+        mig_finish(t);
     kvt_radix_node_t **p = kids_ptrs(n);
     uint32_t d = 0;
     for (uint32_t i = 0; i < n->kcap; i++)
@@ -741,7 +857,7 @@ static void walk(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uint32_t n
     w->parent = n;
     while (w->pos < npages && n->nkids > 0) {
         const uint32_t *pg = tokens + (size_t)w->pos * ps;
-        kvt_radix_node_t *c = kid_find(n, page_key(pg, ps));
+        kvt_radix_node_t *c = kid_find(t, n, page_key(pg, ps));
         if (!c || memcmp(c->tokens, pg, (size_t)ps * sizeof(uint32_t)) != 0) {
             w->collision = c != NULL;
             return;
@@ -815,7 +931,7 @@ void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *ru
         for (size_t i = 0; i < live;) {
             const kvt_radix_node_t *p = st[i].node, *c = NULL;
             if (p->nkids > 0)
-                c = kid_find(p, XXH3_64bits(st[i].tokens + st[i].pos * page_bytes, page_bytes));
+                c = kid_find(t, p, XXH3_64bits(st[i].tokens + st[i].pos * page_bytes, page_bytes));
             if (!c) {
                 st[i] = st[--live];
                 continue;
@@ -876,6 +992,7 @@ static kvt_radix_node_t *split(kvt_radix_t *t, kvt_radix_node_t *c, uint32_t k)
         return NULL;
     }
     /* p takes c's place under g: same key, since p starts with c's old first page. */
+    mig_take(t, g, page_key(c->tokens, ps));
     uint32_t i = kid_slot(g, page_key(c->tokens, ps));
     kvt_assert(i != UINT32_MAX && kids_ptrs(g)[i] == c);
     kids_ptrs(g)[i] = p;
@@ -916,6 +1033,7 @@ static int insert_after(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uin
                         const walk_t *w, kvt_insert_t *res)
 {
     uint32_t ps = t->ns[ns].page_size;
+    mig_tick(t);
     memset(res, 0, sizeof(*res));
     res->pages = npages;
     if (w->pos == npages || w->collision) {
@@ -993,8 +1111,10 @@ uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntoken
      * one child array doubling; the registry doubling when it is full. */
     uint64_t b = 2 * sizeof(kvt_radix_node_t) + 2 * (sizeof(uint64_t) + sizeof(void *)) +
                  3 * (uint64_t)storage_bytes((uint32_t)np, ps);
-    /* A child array's growth: at most its own size, or the array-to-table step's three times. */
-    b += (uint64_t)KVT_MAX(t->max_kcap, 4u * KID_ARRAY_MAX) * (sizeof(uint64_t) + sizeof(void *));
+    /* A child array's growth: at most its own size, or the array-to-table step's three times;
+     * twice its size for a table that grows a step at a time (the old one stays for a while). */
+    uint64_t kcap = KVT_MAX(t->max_kcap, 4u * KID_ARRAY_MAX);
+    b += (kcap >= step_above(t) ? 2 : 1) * kcap * (sizeof(uint64_t) + sizeof(void *));
     if (t->nnodes + 2 > t->nodes_cap)
         b += (uint64_t)KVT_MAX(t->nodes_cap, (size_t)64) * sizeof(void *);
     /* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
@@ -1021,7 +1141,7 @@ int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_
     /* The match stopped at a missing child or a collision; tell which for an exact result. */
     if (w.pos < npages && w.k == (m->node ? m->node->npages : 0)) {
         const uint32_t *pg = tokens + (size_t)w.pos * ps;
-        kvt_radix_node_t *c = kid_find(w.parent, page_key(pg, ps));
+        kvt_radix_node_t *c = kid_find(t, w.parent, page_key(pg, ps));
         w.collision = c != NULL;
         if (c && memcmp(c->tokens, pg, (size_t)ps * sizeof(uint32_t)) == 0)
             return kvt_radix_insert(t, m->ns, tokens, ntokens, res); /* not what was matched */
@@ -1047,7 +1167,7 @@ static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
     kvt_radix_node_t *cur = n;
     while (cur) {
         if (cur->nkids > 0) { /* descend into the last child first */
-            kid_densify(cur);
+            kid_densify(t, cur);
             cur = kids_ptrs(cur)[cur->nkids - 1];
             continue;
         }
@@ -1072,7 +1192,7 @@ static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
 }
 
 /* Whether anything in n's subtree (n included when whole) is leased or busy. */
-static int subtree_busy(kvt_radix_node_t *n, uint32_t from)
+static int subtree_busy(const kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from)
 {
     if (n->leases > 0)
         return 1;
@@ -1081,7 +1201,11 @@ static int subtree_busy(kvt_radix_node_t *n, uint32_t from)
             return 1;
     kvt_radix_node_t **kids = kids_ptrs(n);
     for (uint32_t i = 0; i < kid_slots(n); i++)
-        if (kids[i] && subtree_busy(kids[i], 0))
+        if (kids[i] && subtree_busy(t, kids[i], 0))
+            return 1;
+    kids = n == t->mig ? mig_ptrs(t) : NULL; /* the children not yet moved */
+    for (uint32_t i = 0; kids && i < t->mig_cap; i++)
+        if (kids[i] && kids[i] != KID_MOVED && subtree_busy(t, kids[i], 0))
             return 1;
     return 0;
 }
@@ -1112,18 +1236,19 @@ int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
     uint32_t npages = (uint32_t)(ntokens / t->ns[ns].page_size);
     if (npages == 0)
         return KVT_EINVAL;
+    mig_tick(t);
     walk_t w;
     walk(t, ns, tokens, npages, 0, &w);
     if (w.pos < npages)
         return KVT_ENOENT;
     kvt_radix_node_t *n = w.node;
     uint32_t from = w.k - 1; /* index in n of the block to remove */
-    if (subtree_busy(n, from))
+    if (subtree_busy(t, n, from))
         return KVT_EBUSY;
     t->epoch++;
 
     /* Children first, then the node's tail or the whole node. */
-    kid_densify(n);
+    kid_densify(t, n);
     while (n->nkids > 0) {
         kvt_radix_node_t *c = kids_ptrs(n)[n->nkids - 1];
         subtree_free(t, c, 1);
@@ -1144,6 +1269,7 @@ int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages)
         if (n->blocks[i].flags & KVT_BLOCK_BUSY)
             return KVT_EBUSY;
     t->epoch++;
+    mig_tick(t);
     drop_tail(t, n, n->npages - npages);
     return 0;
 }
@@ -1554,8 +1680,11 @@ int kvt_radix_verify(const kvt_radix_t *t)
         free(stack);
         return KVT_ENOMEM;
     }
-    uint64_t bytes =
-        usable(t) + usable(t->ns) + usable(t->ns_slots) + usable(t->nodes) + usable(t->leases);
+    uint64_t bytes = usable(t) + usable(t->ns) + usable(t->ns_slots) + usable(t->nodes) +
+                     usable(t->leases) + usable(t->mig_keys);
+    if (t->mig && (!t->mig->kid_hash || t->mig_pos >= t->mig_cap || t->mig->kcap <= t->mig_cap))
+        VFAIL("a table move in a bad state: old %u slots, at %u, new %u", t->mig_cap, t->mig_pos,
+              t->mig->kcap);
     uint64_t blocks = 0, tokens = 0, seen_nodes = 0, want_list = 0;
 
     for (uint32_t i = 0; i < t->lease_cap; i++) {
@@ -1634,6 +1763,21 @@ int kvt_radix_verify(const kvt_radix_t *t)
                 if (n->kid_hash ? kid_slot(n, n->keys[i]) != i
                                 : i > 0 && n->keys[i - 1] >= n->keys[i])
                     VFAIL("a child is not where a lookup of its key goes");
+                stack[sp++] = kids[i];
+            }
+            /* A table growing a step at a time: the entries its old table still holds. */
+            kids = n == t->mig ? mig_ptrs(t) : NULL;
+            for (uint32_t i = 0; kids && i < t->mig_cap; i++) {
+                if (!kids[i] || kids[i] == KID_MOVED)
+                    continue;
+                found++;
+                if (i < t->mig_pos)
+                    VFAIL("an old table's entry behind the move's position");
+                if (kids[i]->parent != n ||
+                    t->mig_keys[i] != page_key(kids[i]->tokens, kids[i]->page_size))
+                    VFAIL("an old table's entry has the wrong parent or key");
+                if (kid_slot(n, t->mig_keys[i]) != UINT32_MAX || mig_slot(t, t->mig_keys[i]) != i)
+                    VFAIL("an old table's entry is not where a lookup of its key goes");
                 stack[sp++] = kids[i];
             }
             if (found != n->nkids)

@@ -118,6 +118,9 @@ typedef struct kvt_radix_conf {
     kvt_block_free_cb free_cb;
     kvt_node_free_cb node_free_cb; /* NULL for none */
     void *free_arg;
+    /* Child tables of at least this many slots grow a step at a time rather than in one rehash
+     * (radix.c, "growing a big table"); 0 picks 65536. */
+    uint32_t step_table_slots;
 } kvt_radix_conf_t;
 
 /* Creates an empty tree. conf may be NULL for defaults. Returns 0, KVT_EINVAL or KVT_ENOMEM. */

@@ -861,3 +861,83 @@ Test(radix_ops, namespaces_are_bounded)
     cr_assert_eq(r.new_pages, 4);
     free(s);
 }
+
+/* A child table of at least step_table_slots slots grows a step at a time (radix.c): its old
+ * table stays while inserts, removals and evictions move 1/64 of step_table_slots slots each.
+ * Here tables of 256 slots or more do (4 slots a step). While the root's table is moving,
+ * matches, splits and removals meet children still in the old table; then a second table (under
+ * prompt 1's first page) grows, which ends the root's move first, and its own move meets
+ * removals, evictions and blocks in copy; the tree is destroyed with that move under way. The tree
+ * is checked after every change. */
+static void step_check(kvt_radix_t *t, uint32_t id, const uint32_t *tok, uint32_t n, uint32_t want)
+{
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_verify(t), 0);
+    cr_assert_eq(kvt_radix_match(t, id, tok, n, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, want);
+}
+
+Test(radix_ops, a_big_table_grows_a_step_at_a_time)
+{
+    kvt_radix_t *t;
+    kvt_radix_conf_t conf = {.free_cb = count_free, .step_table_slots = 256};
+    cr_assert_eq(kvt_radix_create(&t, &conf), 0);
+    uint32_t id;
+    cr_assert_eq(kvt_radix_ns_open(t, "m", NULL, NULL, PS, &id), 0);
+    enum { N = 129, P = 3 };
+    static uint32_t tok[N][P * PS], fork[P * PS], sub[N - 1][2 * PS];
+    kvt_insert_t r;
+    kvt_match_t m;
+    for (uint32_t i = 0; i < N; i++)
+        for (uint32_t j = 0; j < P * PS; j++)
+            tok[i][j] = 1000 * (i + 1) + j;
+    for (uint32_t i = 0; i < N - 1; i++) {
+        memcpy(sub[i], tok[1], PS * sizeof(uint32_t));
+        for (uint32_t j = PS; j < 2 * PS; j++)
+            sub[i][j] = 900000 + 10 * i + j;
+    }
+    /* 128 children under the root, 128 under prompt 1's first page: both tables full. */
+    for (uint32_t i = 0; i < N - 1; i++)
+        cr_assert_eq(kvt_radix_insert(t, id, tok[i], P * PS, &r), 0);
+    for (uint32_t i = 0; i < N - 2; i++)
+        cr_assert_eq(kvt_radix_insert(t, id, sub[i], 2 * PS, &r), 0);
+    cr_assert_eq(kvt_radix_verify(t), 0);
+
+    /* The 129th root child: the root's move starts. */
+    cr_assert_eq(kvt_radix_insert(t, id, tok[N - 1], P * PS, &r), 0);
+    for (uint32_t i = 0; i < N; i++)
+        step_check(t, id, tok[i], P * PS, P);
+    for (uint32_t i = 8; i < N; i += 8) { /* splits: forks sharing two pages */
+        memcpy(fork, tok[i], sizeof fork);
+        fork[2 * PS] = 7;
+        cr_assert_eq(kvt_radix_insert(t, id, fork, P * PS, &r), 0);
+        cr_assert_eq(r.new_pages, 1);
+        step_check(t, id, tok[i], P * PS, P);
+    }
+    for (uint32_t i = 3; i < N; i += 8) { /* removals of whole root children */
+        cr_assert_eq(kvt_radix_remove(t, id, tok[i], PS), 0);
+        step_check(t, id, tok[i], P * PS, 0);
+    }
+
+    /* The 128th child under prompt 1's page: that table grows, the root's move ends first. */
+    cr_assert_eq(kvt_radix_insert(t, id, sub[N - 2], 2 * PS, &r), 0);
+    for (uint32_t i = 0; i < N - 1; i++)
+        step_check(t, id, sub[i], 2 * PS, 2);
+    /* A block in copy below: the removal looks at the children in both tables. */
+    for (uint32_t i = 0; i < N - 1; i++) {
+        cr_assert_eq(kvt_radix_match(t, id, sub[i], 2 * PS, KVT_MATCH_NOTOUCH, &m), 0);
+        kvt_radix_node_blocks(m.node)[0].flags |= KVT_BLOCK_BUSY;
+        cr_assert_eq(kvt_radix_remove(t, id, tok[1], PS), KVT_EBUSY, "sub %u is busy", i);
+        kvt_radix_node_blocks(m.node)[0].flags &= (uint8_t)~KVT_BLOCK_BUSY;
+    }
+    for (uint32_t i = 5; i < N - 1; i += 8) { /* removals and evictions of its children */
+        cr_assert_eq(kvt_radix_remove(t, id, sub[i], 2 * PS), 0);
+        step_check(t, id, sub[i], 2 * PS, 1);
+        cr_assert_eq(kvt_radix_match(t, id, sub[i + 1], 2 * PS, KVT_MATCH_NOTOUCH, &m), 0);
+        cr_assert_eq(kvt_radix_evict(t, m.node, 1), 0);
+        step_check(t, id, sub[i + 1], 2 * PS, 1);
+    }
+    for (uint32_t i = 0; i < N; i++)
+        step_check(t, id, tok[i], P * PS, i % 8 == 3 ? 0 : P);
+    kvt_radix_destroy(t); /* with the second move under way: ASan sees no leak */
+}

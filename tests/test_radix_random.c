@@ -111,7 +111,9 @@ typedef struct lease_rec {
     uint64_t owner;
 } lease_rec_t;
 
-static void run(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet)
+/* step_slots: the tree's step_table_slots (0: its default). */
+static void run_conf(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet,
+                     uint32_t step_slots)
 {
     static model_t m;
     memset(&m, 0, sizeof(m));
@@ -119,7 +121,8 @@ static void run(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet)
     rng_state = seed;
     kvt_radix_t *t;
     uint32_t ns, ns_other;
-    cr_assert_eq(kvt_radix_create(&t, NULL), 0);
+    kvt_radix_conf_t conf = {.step_table_slots = step_slots};
+    cr_assert_eq(kvt_radix_create(&t, &conf), 0);
     cr_assert_eq(kvt_radix_ns_open(t, "model", NULL, NULL, ps, &ns), 0);
     cr_assert_eq(kvt_radix_ns_open(t, "model", NULL, "other", ps, &ns_other), 0);
     lease_rec_t leases[64];
@@ -279,6 +282,11 @@ static void run(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet)
     kvt_radix_destroy(t);
 }
 
+static void run(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet)
+{
+    run_conf(seed, ps, steps, alphabet, 0);
+}
+
 Test(radix_random, page_size_1_small_alphabet)
 {
     run(0x9E3779B97F4A7C15ull, 1, 3000, 3);
@@ -307,4 +315,14 @@ Test(radix_random, wide_fan_out)
 {
     run(4242, 1, 3000, 1000);
     run(99, 2, 2000, 40);
+}
+
+/* The same with every table of 256 slots or more growing a step at a time (4 slots of the old
+ * table moved per insert, removal or eviction): lookups, splits and deletions meet children in
+ * the old table, and kvt_radix_verify checks both tables at every step. */
+Test(radix_random, wide_fan_out_tables_grow_a_step_at_a_time)
+{
+    run_conf(4242, 1, 3000, 1000, 256);
+    run_conf(99, 2, 2000, 40, 256);
+    run_conf(7, 1, 3000, 5000, 256);
 }
