@@ -941,3 +941,33 @@ Test(radix_ops, a_big_table_grows_a_step_at_a_time)
         step_check(t, id, tok[i], P * PS, i % 8 == 3 ? 0 : P);
     kvt_radix_destroy(t); /* with the second move under way: ASan sees no leak */
 }
+
+/* Past 1 MiB (131,072 nodes) the node registry is a mapping of its own, grown with mremap: the
+ * nodes stay reachable by index through the change to a mapping and the growth after it, the
+ * byte count follows, and removals and tear-down work over it. */
+Test(radix_ops, a_big_registry_grows_as_a_mapping)
+{
+    enum { N = 140000 };
+    uint32_t tok[2 * PS];
+    for (uint32_t i = 0; i < N; i++) {
+        for (uint32_t j = 0; j < 2 * PS; j++)
+            tok[j] = 10 * i + j + 1;
+        kvt_insert_t r;
+        cr_assert_eq(kvt_radix_insert(tree, ns, tok, 2 * PS, &r), 0);
+    }
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    kvt_radix_stats_t st;
+    kvt_radix_stats(tree, &st);
+    cr_assert_eq(st.nodes, N);
+    cr_assert_geq(st.bytes, (uint64_t)262144 * sizeof(void *), "the registry counts");
+    cr_assert_eq(kvt_radix_node_count(tree), N);
+    for (size_t i = 0; i < N; i += 997)
+        cr_assert_eq(kvt_radix_node_pages(kvt_radix_node_at(tree, i)), 2);
+    for (uint32_t i = 0; i < N; i += 2) {
+        for (uint32_t j = 0; j < 2 * PS; j++)
+            tok[j] = 10 * i + j + 1;
+        cr_assert_eq(kvt_radix_remove(tree, ns, tok, PS), 0);
+    }
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    cr_assert_eq(kvt_radix_node_count(tree), N / 2);
+}
