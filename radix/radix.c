@@ -89,10 +89,13 @@ struct kvt_radix {
     kvt_radix_node_t **nodes; /* registry of non-root nodes */
     size_t nnodes, nodes_cap;
     uint32_t max_kcap; /* the largest child array made so far (kvt_radix_insert_bound) */
-    /* The one node whose child table is growing a step at a time, and its old table. */
+    /* The one node whose child table is growing a step at a time, and its old table; then
+     * that table's pages given back a step at a time (done bytes of it so far). */
     kvt_radix_node_t *mig;
     uint64_t *mig_keys;
     uint32_t mig_cap, mig_pos;
+    uint64_t *old_tab;
+    size_t old_bytes, old_done;
 
     kvt_radix_node_t list; /* sentinel of the evictable list */
     size_t nlist;
@@ -461,6 +464,33 @@ static uint32_t mig_slot(const kvt_radix_t *t, uint64_t key)
     }
 }
 
+/* Frees the old table left by the last move. */
+static void old_free(kvt_radix_t *t)
+{
+    rx_free(t, t->old_tab);
+    t->old_tab = NULL;
+    t->old_bytes = t->old_done = 0;
+}
+
+/*
+ * Gives back `bytes` more of the old table's pages (MADV_DONTNEED: nothing reads it any more),
+ * freeing it once all are: freeing 64 MB of touched pages at once took 6-7 ms, most of it the
+ * kernel unmapping them.
+ */
+static void old_step(kvt_radix_t *t, size_t bytes)
+{
+    if (!t->old_tab)
+        return;
+    uintptr_t page = 4096, base = (uintptr_t)t->old_tab;
+    uintptr_t from = (base + t->old_done + page - 1) & ~(page - 1);
+    t->old_done = KVT_MIN(t->old_bytes, t->old_done + bytes);
+    uintptr_t to = (base + t->old_done) & ~(page - 1);
+    if (to > from)
+        madvise((void *)from, to - from, MADV_DONTNEED);
+    if (t->old_done == t->old_bytes)
+        old_free(t);
+}
+
 static uint32_t step_above(const kvt_radix_t *t)
 {
     return t->conf.step_table_slots ? t->conf.step_table_slots : 65536;
@@ -480,7 +510,10 @@ static void mig_step(kvt_radix_t *t, uint32_t slots)
         }
     t->mig_pos = end;
     if (end == t->mig_cap) {
-        rx_free(t, t->mig_keys);
+        old_free(t); /* an earlier one not yet given back goes now */
+        t->old_tab = t->mig_keys;
+        t->old_bytes = (size_t)t->mig_cap * (sizeof(uint64_t) + sizeof(void *));
+        t->old_done = 0;
         t->mig = NULL;
         t->mig_keys = NULL;
         t->mig_cap = t->mig_pos = 0;
@@ -490,7 +523,11 @@ static void mig_step(kvt_radix_t *t, uint32_t slots)
 /* One step of the move, if one is under way: each insert, removal and eviction takes one. */
 static void mig_tick(kvt_radix_t *t)
 {
-    mig_step(t, KVT_MAX(step_above(t) / 64, 1u));
+    uint32_t slots = KVT_MAX(step_above(t) / 64, 1u);
+    if (t->mig)
+        mig_step(t, slots);
+    else
+        old_step(t, (size_t)slots * (sizeof(uint64_t) + sizeof(void *)) * 4);
 }
 
 static void mig_finish(kvt_radix_t *t)
@@ -689,6 +726,7 @@ void kvt_radix_destroy(kvt_radix_t *t)
     }
     free(t->ns);
     free(t->ns_slots);
+    old_free(t);
     if (registry_mapped(t))
         munmap(t->nodes, t->nodes_cap * sizeof(void *));
     else
@@ -1719,7 +1757,7 @@ int kvt_radix_verify(const kvt_radix_t *t)
         return KVT_ENOMEM;
     }
     uint64_t bytes = usable(t) + usable(t->ns) + usable(t->ns_slots) + usable(t->leases) +
-                     usable(t->mig_keys) +
+                     usable(t->mig_keys) + usable(t->old_tab) +
                      (registry_mapped(t) ? t->nodes_cap * sizeof(void *) : usable(t->nodes));
     if (t->mig && (!t->mig->kid_hash || t->mig_pos >= t->mig_cap || t->mig->kcap <= t->mig_cap))
         VFAIL("a table move in a bad state: old %u slots, at %u, new %u", t->mig_cap, t->mig_pos,
