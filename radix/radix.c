@@ -1176,25 +1176,62 @@ int kvt_radix_insert(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
     return insert_after(t, ns, tokens, npages, &w, res);
 }
 
+/* The bytes an insert of np pages can add besides a child array's growth: the new leaf and its
+ * storage; a split's node, child array and the smaller half's copy (no more pages than the
+ * request's); a compaction of the split's other half (as much again); the registry doubling
+ * when it is full. */
+static uint64_t insert_base(const kvt_radix_t *t, size_t np, uint32_t ps)
+{
+    uint64_t b = 2 * sizeof(kvt_radix_node_t) + 2 * (sizeof(uint64_t) + sizeof(void *)) +
+                 3 * (uint64_t)storage_bytes((uint32_t)np, ps);
+    if (t->nnodes + 2 > t->nodes_cap)
+        b += (uint64_t)KVT_MAX(t->nodes_cap, (size_t)64) * sizeof(void *);
+    return b;
+}
+
+/* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
+static uint64_t rounded(uint64_t b)
+{
+    return b + b / 4 + 8 * 64;
+}
+
 uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntokens)
 {
     if (!t || ns >= t->nns)
         return 0;
     uint32_t ps = t->ns[ns].page_size;
-    size_t np = KVT_MIN(ntokens / ps, (size_t)UINT32_MAX);
-    /* The new leaf and its storage; a split's node, child array and the smaller half's copy (no
-     * more pages than the request's); a compaction of the split's other half (as much again);
-     * one child array doubling; the registry doubling when it is full. */
-    uint64_t b = 2 * sizeof(kvt_radix_node_t) + 2 * (sizeof(uint64_t) + sizeof(void *)) +
-                 3 * (uint64_t)storage_bytes((uint32_t)np, ps);
+    uint64_t b = insert_base(t, KVT_MIN(ntokens / ps, (size_t)UINT32_MAX), ps);
     /* A child array's growth: at most its own size, or the array-to-table step's three times;
      * twice its size for a table that grows a step at a time (the old one stays for a while). */
     uint64_t kcap = KVT_MAX(t->max_kcap, 4u * KID_ARRAY_MAX);
     b += (kcap >= step_above(t) ? 2 : 1) * kcap * (sizeof(uint64_t) + sizeof(void *));
-    if (t->nnodes + 2 > t->nodes_cap)
-        b += (uint64_t)KVT_MAX(t->nodes_cap, (size_t)64) * sizeof(void *);
-    /* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
-    return b + b / 4 + 8 * 64;
+    return rounded(b);
+}
+
+uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens)
+{
+    if (!t || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+        return 0;
+    uint32_t ps = t->ns[ns].page_size, npages = (uint32_t)(ntokens / ps);
+    walk_t w;
+    walk(t, ns, tokens, npages, 0, &w);
+    if (w.pos == npages || w.collision)
+        return 0; /* nothing to add */
+    uint64_t b = insert_base(t, npages, ps);
+    /* The one child array that may grow: the node the new leaf hangs under, unless a split
+     * makes that node (with room for two). It grows by the new allocation less the old one,
+     * or by all of it when the old one stays (a table that grows a step at a time). */
+    const kvt_radix_node_t *n = w.parent;
+    if (!(w.node && w.k < w.node->npages) &&
+        !(n->kid_hash ? 2 * (n->nkids + 1) <= n->kcap : n->nkids < n->kcap)) {
+        uint64_t cap = n->kid_hash               ? 2 * (uint64_t)n->kcap
+                       : n->kcap == 0            ? 1
+                       : n->kcap < KID_ARRAY_MAX ? 2 * (uint64_t)n->kcap
+                                                 : 4 * KID_ARRAY_MAX;
+        int stays = n->kid_hash && n->kcap >= step_above(t);
+        b += (cap - (stays ? 0 : n->kcap)) * (sizeof(uint64_t) + sizeof(void *));
+    }
+    return rounded(b);
 }
 
 int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_t *tokens,

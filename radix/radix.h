@@ -368,6 +368,10 @@ kvt_radix_node_t *const *kvt_radix_nodes(const kvt_radix_t *t);
  * its new nodes, a split and its copies, a child array's and the node registry's growth, each
  * rounded up as the allocator does. For admission against a bound on the index's memory. */
 uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntokens);
+/* The same for inserting these tokens into the tree as it is now (a walk): only the child array
+ * this insert would grow counts, not the largest one anywhere; 0 when it adds nothing. Valid
+ * until the tree next changes. */
+uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens);
 
 /* Statistics. */
 typedef struct kvt_radix_stats {

@@ -471,7 +471,7 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
         /* The blocks another daemon stored join this index, held by the remote tier: a GET
          * reads them by key (location 0), promoting them to DRAM. */
         kvt_insert_t res;
-        if (kvt__index_room(s, r->ns, (size_t)(x->local_pages + found) * page) == 0 &&
+        if (kvt__index_room(s, r->ns, x->tokens, (size_t)(x->local_pages + found) * page) == 0 &&
             kvt_radix_insert(s->radix, r->ns, x->tokens, (size_t)(x->local_pages + found) * page,
                              &res) == 0) {
             /* Runs of index-only pages join the policy as remote blocks (location 0: read by
@@ -621,7 +621,7 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
                                 q.first_page, q.first_page + q.npayload, whole);
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    if (kvt__index_room(s, c->ns, q.ntokens) < 0)
+    if (kvt__index_room(s, c->ns, c->tok, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
                                 "no room for %u tokens in the index: it is at index-bytes (%llu) "
                                 "and every page it could evict is leased or holds bytes",

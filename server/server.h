@@ -325,9 +325,9 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
  * allocated at most target bytes or budget pages went; through the policy when there is one.
  * Returns the pages evicted. */
 uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget);
-/* Before an insert of ntokens tokens in namespace ns: 0 when the most it can allocate fits under
- * index-bytes (trimming the index if need be), KVT_ENOSPC when it cannot be made to fit. */
-int kvt__index_room(kvt_srv_t *s, uint32_t ns, size_t ntokens);
+/* Before an insert of tokens[0, ntokens) in namespace ns: 0 when the most it can allocate fits
+ * under index-bytes (trimming the index if need be), KVT_ENOSPC when it cannot be made to fit. */
+int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens);
 void kvt__tier_metrics(kvt_srv_t *s);
 /* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
  * every batch of events. */

@@ -473,18 +473,24 @@ static uint64_t kvt_index_bytes(const kvt_srv_t *s)
     return rs.bytes;
 }
 
-int kvt__index_room(kvt_srv_t *s, uint32_t ns, size_t ntokens)
+int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens)
 {
     uint64_t cap = s->conf->index_bytes;
     if (!cap)
         return 0;
-    /* Admitted only when the insert's worst case fits: the index never passes index-bytes. */
-    uint64_t need = kvt_radix_insert_bound(s->radix, ns, ntokens);
+    /* Admitted only when the insert's worst case fits: the index never passes index-bytes. The
+     * tree-wide bound first (no walk); near the cap, what this insert can add to the tree as it
+     * is (a walk), which does not reserve room for the largest child table's growth when this
+     * insert cannot grow it. */
+    if (kvt_index_bytes(s) + kvt_radix_insert_bound(s->radix, ns, ntokens) <= cap)
+        return 0;
+    uint64_t need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens);
     if (need > cap)
         return KVT_ENOSPC;
     if (kvt_index_bytes(s) + need <= cap)
         return 0;
     kvt__index_trim(s, KVT_MIN(cap / 100 * KVT_INDEX_LOW_PCT, cap - need), KVT_TRIM_INLINE);
+    need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens); /* the trim changed the tree */
     return kvt_index_bytes(s) + need <= cap ? 0 : KVT_ENOSPC;
 }
 

@@ -971,3 +971,48 @@ Test(radix_ops, a_big_registry_grows_as_a_mapping)
     cr_assert_eq(kvt_radix_verify(tree), 0);
     cr_assert_eq(kvt_radix_node_count(tree), N / 2);
 }
+
+/* kvt_radix_insert_need counts the growth of the one child array an insert can grow, where
+ * kvt_radix_insert_bound counts the largest anywhere: under a root with a 512-slot table, an
+ * insert deeper down needs a few hundred bytes, not that table's 8 KiB; the insert that grows
+ * the root's table needs its growth; and each stays within what it says. */
+static uint64_t tree_bytes(void)
+{
+    kvt_radix_stats_t st;
+    kvt_radix_stats(tree, &st);
+    return st.bytes;
+}
+
+static void insert_within_need(const uint32_t *tok, size_t n, uint64_t *need)
+{
+    *need = kvt_radix_insert_need(tree, ns, tok, n);
+    uint64_t before = tree_bytes();
+    insert(tok, n);
+    cr_assert_leq(tree_bytes() - before, *need);
+}
+
+Test(radix_ops, an_insert_needs_room_only_for_the_table_it_grows)
+{
+    uint32_t tok[5 * PS];
+    uint64_t need;
+    for (uint32_t i = 0; i < 256; i++) { /* 256 children: the 512-slot table is half full */
+        for (uint32_t j = 0; j < 3 * PS; j++)
+            tok[j] = 1000 * (i + 1) + j;
+        insert_within_need(tok, 3 * PS, &need);
+    }
+    cr_assert_eq(kvt_radix_node_count(tree), 256);
+    /* Under prompt 255 (its node has no children yet): a one-slot array. */
+    for (uint32_t j = 3 * PS; j < 5 * PS; j++)
+        tok[j] = 7 + j;
+    uint64_t bound = kvt_radix_insert_bound(tree, ns, 5 * PS);
+    insert_within_need(tok, 5 * PS, &need);
+    cr_assert_lt(need + 512 * 16, bound, "need %llu, bound %llu", (unsigned long long)need,
+                 (unsigned long long)bound);
+    /* Already cached: nothing. */
+    cr_assert_eq(kvt_radix_insert_need(tree, ns, tok, 5 * PS), 0);
+    /* The 257th child grows the root's table to 1,024 slots: 8 KiB more. */
+    for (uint32_t j = 0; j < 3 * PS; j++)
+        tok[j] = 999999 + j;
+    insert_within_need(tok, 3 * PS, &need);
+    cr_assert_geq(need, 512 * 16);
+}
