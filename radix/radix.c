@@ -559,18 +559,30 @@ static kvt_radix_node_t *kid_find(const kvt_radix_t *t, const kvt_radix_node_t *
     return NULL;
 }
 
-/* Room for one more child: the array doubles up to KID_ARRAY_MAX, then becomes a table of four
- * times that, which doubles whenever it would be more than half full. */
+/* Whether n has room for one more child as it is. */
+static int kid_room(const kvt_radix_node_t *n)
+{
+    return n->kid_hash ? 2 * (n->nkids + 1) <= n->kcap : n->nkids < n->kcap;
+}
+
+/* n's child capacity after its next growth: the array doubles up to KID_ARRAY_MAX, then becomes a
+ * table of four times that, which doubles whenever it would be more than half full. */
+static uint32_t kid_next_cap(const kvt_radix_node_t *n)
+{
+    return n->kid_hash               ? n->kcap * 2
+           : n->kcap == 0            ? 1
+           : n->kcap < KID_ARRAY_MAX ? n->kcap * 2
+                                     : 4 * KID_ARRAY_MAX;
+}
+
+/* Room for one more child. */
 static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
 {
-    if (n->kid_hash ? 2 * (n->nkids + 1) <= n->kcap : n->nkids < n->kcap)
+    if (kid_room(n))
         return 0;
     if (n->kid_hash)
         mig_finish(t); /* one old table at a time, and n's own goes before a newer one */
-    uint32_t cap = n->kid_hash               ? n->kcap * 2
-                   : n->kcap == 0            ? 1
-                   : n->kcap < KID_ARRAY_MAX ? n->kcap * 2
-                                             : 4 * KID_ARRAY_MAX;
+    uint32_t cap = kid_next_cap(n);
     int hash = cap > KID_ARRAY_MAX;
     size_t bytes = (size_t)cap * (sizeof(uint64_t) + sizeof(void *));
     uint64_t *k = hash ? rx_calloc(t, bytes) : rx_malloc(t, bytes);
@@ -1222,14 +1234,10 @@ uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *toke
      * makes that node (with room for two). It grows by the new allocation less the old one,
      * or by all of it when the old one stays (a table that grows a step at a time). */
     const kvt_radix_node_t *n = w.parent;
-    if (!(w.node && w.k < w.node->npages) &&
-        !(n->kid_hash ? 2 * (n->nkids + 1) <= n->kcap : n->nkids < n->kcap)) {
-        uint64_t cap = n->kid_hash               ? 2 * (uint64_t)n->kcap
-                       : n->kcap == 0            ? 1
-                       : n->kcap < KID_ARRAY_MAX ? 2 * (uint64_t)n->kcap
-                                                 : 4 * KID_ARRAY_MAX;
+    if (!(w.node && w.k < w.node->npages) && !kid_room(n)) {
         int stays = n->kid_hash && n->kcap >= step_above(t);
-        b += (cap - (stays ? 0 : n->kcap)) * (sizeof(uint64_t) + sizeof(void *));
+        uint64_t slots = (uint64_t)kid_next_cap(n) - (stays ? 0 : n->kcap);
+        b += slots * (sizeof(uint64_t) + sizeof(void *));
     }
     return rounded(b);
 }
