@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -112,7 +113,8 @@ struct kvt_radix {
 
 #define NO_SLOT       UINT32_MAX
 #define KID_ARRAY_MAX 64 /* children kept as a sorted array; more go to a hash table */
-#define KID_MOVED     ((kvt_radix_node_t *)(uintptr_t)1) /* an old table's moved entry */
+#define KID_MOVED     ((kvt_radix_node_t *)(uintptr_t)1)  /* an old table's moved entry */
+#define KID_SLOT      (sizeof(uint64_t) + sizeof(void *)) /* bytes of a child slot: key, pointer */
 #define REG_MAP_BYTES (1u << 20) /* a node registry this big is a mapping of its own */
 
 /* ---- allocation with byte accounting -------------------------------------------------------- */
@@ -481,7 +483,7 @@ static void old_step(kvt_radix_t *t, size_t bytes)
 {
     if (!t->old_tab)
         return;
-    uintptr_t page = 4096, base = (uintptr_t)t->old_tab;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), base = (uintptr_t)t->old_tab;
     uintptr_t from = (base + t->old_done + page - 1) & ~(page - 1);
     t->old_done = KVT_MIN(t->old_bytes, t->old_done + bytes);
     uintptr_t to = (base + t->old_done) & ~(page - 1);
@@ -512,7 +514,7 @@ static void mig_step(kvt_radix_t *t, uint32_t slots)
     if (end == t->mig_cap) {
         old_free(t); /* an earlier one not yet given back goes now */
         t->old_tab = t->mig_keys;
-        t->old_bytes = (size_t)t->mig_cap * (sizeof(uint64_t) + sizeof(void *));
+        t->old_bytes = (size_t)t->mig_cap * KID_SLOT;
         t->old_done = 0;
         t->mig = NULL;
         t->mig_keys = NULL;
@@ -527,7 +529,7 @@ static void mig_tick(kvt_radix_t *t)
     if (t->mig)
         mig_step(t, slots);
     else
-        old_step(t, (size_t)slots * (sizeof(uint64_t) + sizeof(void *)) * 4);
+        old_step(t, (size_t)slots * KID_SLOT * 4);
 }
 
 static void mig_finish(kvt_radix_t *t)
@@ -584,7 +586,7 @@ static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
         mig_finish(t); /* one old table at a time, and n's own goes before a newer one */
     uint32_t cap = kid_next_cap(n);
     int hash = cap > KID_ARRAY_MAX;
-    size_t bytes = (size_t)cap * (sizeof(uint64_t) + sizeof(void *));
+    size_t bytes = (size_t)cap * KID_SLOT;
     uint64_t *k = hash ? rx_calloc(t, bytes) : rx_malloc(t, bytes);
     if (!k)
         return KVT_ENOMEM;
@@ -963,6 +965,12 @@ static void walk(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uint32_t n
     }
 }
 
+/* Whether w stopped inside a node, which an insert after it then splits. */
+static int walk_inside(const walk_t *w)
+{
+    return w->node && w->k < w->node->npages;
+}
+
 int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
                     unsigned flags, kvt_match_t *m)
 {
@@ -1071,7 +1079,7 @@ static kvt_radix_node_t *split(kvt_radix_t *t, kvt_radix_node_t *c, uint32_t k)
         return NULL;
     void *tail_store = NULL;
     p->kcap = 2; /* room for c and the leaf the insert adds next to it */
-    p->keys = rx_malloc(t, 2 * (sizeof(uint64_t) + sizeof(void *)));
+    p->keys = rx_malloc(t, 2 * KID_SLOT);
     if (!head_moves)
         tail_store = rx_malloc(t, storage_bytes(rest, ps));
     if (!p->keys || (!head_moves && !tail_store) || registry_add(t, p) != 0) {
@@ -1139,7 +1147,7 @@ static int insert_after(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uin
         return KVT_ENOMEM;
     }
     kvt_radix_node_t *under = w->parent;
-    if (w->node && w->k < w->node->npages) {
+    if (walk_inside(w)) {
         under = split(t, w->node, w->k);
         if (!under) {
             registry_del(t, leaf);
@@ -1194,8 +1202,8 @@ int kvt_radix_insert(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
  * when it is full. */
 static uint64_t insert_base(const kvt_radix_t *t, size_t np, uint32_t ps)
 {
-    uint64_t b = 2 * sizeof(kvt_radix_node_t) + 2 * (sizeof(uint64_t) + sizeof(void *)) +
-                 3 * (uint64_t)storage_bytes((uint32_t)np, ps);
+    uint64_t b =
+        2 * sizeof(kvt_radix_node_t) + 2 * KID_SLOT + 3 * (uint64_t)storage_bytes((uint32_t)np, ps);
     if (t->nnodes + 2 > t->nodes_cap)
         b += (uint64_t)KVT_MAX(t->nodes_cap, (size_t)64) * sizeof(void *);
     return b;
@@ -1216,7 +1224,7 @@ uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntoken
     /* A child array's growth: at most its own size, or the array-to-table step's three times;
      * twice its size for a table that grows a step at a time (the old one stays for a while). */
     uint64_t kcap = KVT_MAX(t->max_kcap, 4u * KID_ARRAY_MAX);
-    b += (kcap >= step_above(t) ? 2 : 1) * kcap * (sizeof(uint64_t) + sizeof(void *));
+    b += (kcap >= step_above(t) ? 2 : 1) * kcap * KID_SLOT;
     return rounded(b);
 }
 
@@ -1234,10 +1242,10 @@ uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *toke
      * makes that node (with room for two). It grows by the new allocation less the old one,
      * or by all of it when the old one stays (a table that grows a step at a time). */
     const kvt_radix_node_t *n = w.parent;
-    if (!(w.node && w.k < w.node->npages) && !kid_room(n)) {
+    if (!walk_inside(&w) && !kid_room(n)) {
         int stays = n->kid_hash && n->kcap >= step_above(t);
         uint64_t slots = (uint64_t)kid_next_cap(n) - (stays ? 0 : n->kcap);
-        b += slots * (sizeof(uint64_t) + sizeof(void *));
+        b += slots * KID_SLOT;
     }
     return rounded(b);
 }
