@@ -75,7 +75,8 @@ typedef struct kvt_client_conf {
 } kvt_client_conf_t;
 
 /* Connects, authenticates and declares the namespace. Returns 0, a negated errno (no daemon
- * there: -ENOENT or -ECONNREFUSED), KVT_CLIENT_EAUTH, KVT_CLIENT_EINVAL, KVT_CLIENT_EPROTO. */
+ * there: -ENOENT or -ECONNREFUSED), KVT_CLIENT_EAUTH, KVT_CLIENT_EINVAL, KVT_CLIENT_EPROTO, or
+ * KVT_CLIENT_ENOSPC (a new namespace the daemon has no room for). */
 int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
 /* Closes the connection; the daemon releases every lease it held. NULL is a no-op. */
 void kvt_client_close(kvt_client_t *c);

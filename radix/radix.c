@@ -154,6 +154,12 @@ static void rx_free(kvt_radix_t *t, void *p)
     free(p);
 }
 
+/* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
+static uint64_t rounded(uint64_t b)
+{
+    return b + b / 4 + 8 * 64;
+}
+
 static size_t storage_bytes(uint32_t cap, uint32_t page_size)
 {
     return (size_t)cap * (sizeof(kvt_block_t) + (size_t)page_size * sizeof(uint32_t));
@@ -789,14 +795,18 @@ static int ns_index_reserve(kvt_radix_t *t)
     return 0;
 }
 
+/* The id + 1 of the namespace with this seed, 0 when none. */
+static uint32_t ns_find(const kvt_radix_t *t, uint64_t seed)
+{
+    return t->ns_slots_cap ? t->ns_slots[ns_slot(t, seed)] : 0;
+}
+
 static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc, size_t desc_len,
                   uint32_t *ns_out)
 {
-    if (ns_index_reserve(t) < 0)
-        return KVT_ENOMEM;
-    uint32_t slot = ns_slot(t, seed);
-    if (t->ns_slots[slot]) {
-        uint32_t i = t->ns_slots[slot] - 1;
+    uint32_t found = ns_find(t, seed);
+    if (found) {
+        uint32_t i = found - 1;
         if (t->ns[i].page_size != page_size)
             return KVT_EINVAL;
         if (!t->ns[i].desc && desc) { /* first learnt by seed, now by name */
@@ -809,6 +819,8 @@ static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc,
     }
     if (t->nns >= KVT_RADIX_NS_MAX)
         return KVT_ENOSPC;
+    if (ns_index_reserve(t) < 0)
+        return KVT_ENOMEM;
     if (t->nns == t->ns_cap) {
         uint32_t cap = t->ns_cap ? t->ns_cap * 2 : 4;
         kvt_ns_t *v = rx_realloc(t, t->ns, cap * sizeof(*v));
@@ -832,9 +844,34 @@ static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc,
         }
         memcpy(s->desc, desc, desc_len);
     }
+    uint32_t slot = ns_slot(t, seed);
     *ns_out = t->nns;
     t->ns_slots[slot] = ++t->nns;
     return 0;
+}
+
+/* A namespace's description as hashed (buf must hold KVT_NS_DESC_MAX bytes): a tag, the three
+ * strings with their NULs, the page size. Returns its length, or 0 when a string is too long;
+ * the part kept as the namespace's name starts at buf + NS_TAG_LEN. */
+#define NS_TAG_LEN      13 /* "kvtier-ns-v1" with its NUL */
+#define KVT_NS_DESC_MAX (NS_TAG_LEN + 3 * 256 + 4)
+static size_t ns_describe(char *buf, const char *model, const char *adapter, const char *salt,
+                          uint32_t page_size)
+{
+    const char *parts[3] = {model, adapter ? adapter : "", salt ? salt : ""};
+    memcpy(buf, "kvtier-ns-v1", NS_TAG_LEN);
+    size_t len = NS_TAG_LEN;
+    for (int i = 0; i < 3; i++) {
+        size_t l = strlen(parts[i]);
+        if (l > 255)
+            return 0;
+        memcpy(buf + len, parts[i], l + 1);
+        len += l + 1;
+    }
+    uint8_t ps[4] = {(uint8_t)page_size, (uint8_t)(page_size >> 8), (uint8_t)(page_size >> 16),
+                     (uint8_t)(page_size >> 24)};
+    memcpy(buf + len, ps, 4);
+    return len + 4;
 }
 
 int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
@@ -842,23 +879,33 @@ int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, co
 {
     if (!t || !model || !ns_out || page_size < 1 || page_size > KVT_PAGE_MAX)
         return KVT_EINVAL;
-    const char *parts[3] = {model, adapter ? adapter : "", salt ? salt : ""};
-    char buf[16 + 3 * 256 + 4];
-    size_t len = 0;
-    memcpy(buf, "kvtier-ns-v1", 13); /* with its NUL */
-    len = 13;
-    for (int i = 0; i < 3; i++) {
-        size_t l = strlen(parts[i]);
-        if (l > 255)
-            return KVT_EINVAL;
-        memcpy(buf + len, parts[i], l + 1);
-        len += l + 1;
-    }
-    uint8_t ps[4] = {(uint8_t)page_size, (uint8_t)(page_size >> 8), (uint8_t)(page_size >> 16),
-                     (uint8_t)(page_size >> 24)};
-    memcpy(buf + len, ps, 4);
-    uint64_t seed = XXH3_64bits(buf, len + 4);
-    return ns_add(t, seed, page_size, buf + 13, len - 13, ns_out);
+    char buf[KVT_NS_DESC_MAX];
+    size_t len = ns_describe(buf, model, adapter, salt, page_size);
+    if (!len)
+        return KVT_EINVAL;
+    /* The name kept is the strings, without the tag and the page size. */
+    return ns_add(t, XXH3_64bits(buf, len), page_size, buf + NS_TAG_LEN, len - NS_TAG_LEN - 4,
+                  ns_out);
+}
+
+uint64_t kvt_radix_ns_need(const kvt_radix_t *t, const char *model, const char *adapter,
+                           const char *salt, uint32_t page_size)
+{
+    char buf[KVT_NS_DESC_MAX];
+    size_t len;
+    if (!t || !model || page_size < 1 || page_size > KVT_PAGE_MAX ||
+        !(len = ns_describe(buf, model, adapter, salt, page_size)))
+        return 0; /* refused by kvt_radix_ns_open, which then adds nothing */
+    uint64_t b = len - NS_TAG_LEN - 4;
+    uint32_t found = ns_find(t, XXH3_64bits(buf, len));
+    if (found)
+        return t->ns[found - 1].desc ? 0 : rounded(b);
+    b += sizeof(kvt_radix_node_t);
+    if (2 * (t->nns + 1) > t->ns_slots_cap)
+        b += (uint64_t)(t->ns_slots_cap ? 2 * t->ns_slots_cap : 16) * sizeof(uint32_t);
+    if (t->nns == t->ns_cap)
+        b += (uint64_t)(t->ns_cap ? 2 * t->ns_cap : 4) * sizeof(kvt_ns_t);
+    return rounded(b);
 }
 
 int kvt_radix_ns_open_seed(kvt_radix_t *t, uint64_t seed, uint32_t page_size, uint32_t *ns_out)
@@ -1209,12 +1256,6 @@ static uint64_t insert_base(const kvt_radix_t *t, size_t np, uint32_t ps)
     return b;
 }
 
-/* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
-static uint64_t rounded(uint64_t b)
-{
-    return b + b / 4 + 8 * 64;
-}
-
 uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntokens)
 {
     if (!t || ns >= t->nns)
@@ -1487,6 +1528,11 @@ static void pin(kvt_radix_t *t, kvt_radix_node_t *n, int delta)
     }
 }
 
+static uint32_t lease_next_cap(const kvt_radix_t *t)
+{
+    return t->lease_cap ? t->lease_cap * 2 : 64;
+}
+
 int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64_t *lease_out)
 {
     if (!t || !m || !lease_out || owner == 0)
@@ -1494,7 +1540,7 @@ int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64
     if (!m->node || m->pages == 0)
         return KVT_ENOENT;
     if (t->lease_free == NO_SLOT) {
-        uint32_t cap = t->lease_cap ? t->lease_cap * 2 : 64;
+        uint32_t cap = lease_next_cap(t);
         kvt_lease_t *v = rx_realloc(t, t->leases, cap * sizeof(*v));
         if (!v)
             return KVT_ENOMEM;
@@ -1517,6 +1563,13 @@ int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64
     pin(t, m->node, 1);
     *lease_out = (uint64_t)l->gen << 32 | slot;
     return 0;
+}
+
+uint64_t kvt_radix_lease_need(const kvt_radix_t *t)
+{
+    if (!t || t->lease_free != NO_SLOT)
+        return 0;
+    return rounded((uint64_t)lease_next_cap(t) * sizeof(kvt_lease_t));
 }
 
 static void lease_drop(kvt_radix_t *t, uint32_t slot)

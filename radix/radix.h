@@ -143,6 +143,11 @@ int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, co
  * kvt_radix_ns_open() of the description that hashes to that seed. Returns 0, KVT_EINVAL
  * (page_size differs from the one the namespace has) or KVT_ENOMEM. */
 int kvt_radix_ns_open_seed(kvt_radix_t *t, uint64_t seed, uint32_t page_size, uint32_t *ns_out);
+/* At most the bytes kvt_radix_ns_open() of this description adds to the tree's count: 0 for a
+ * namespace already open by that name (or a description it refuses), so that a caller with a
+ * memory limit can make room first, or refuse. */
+uint64_t kvt_radix_ns_need(const kvt_radix_t *t, const char *model, const char *adapter,
+                           const char *salt, uint32_t page_size);
 uint32_t kvt_radix_ns_page_size(const kvt_radix_t *t, uint32_t ns); /* 0 if ns is unknown */
 uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns);      /* 0 if ns is unknown */
 
@@ -248,6 +253,9 @@ int kvt_radix_release(kvt_radix_t *t, uint64_t lease);
 /* Releases every lease of owner; returns how many. Walks every lease slot of the tree. */
 size_t kvt_radix_release_owner(kvt_radix_t *t, uint64_t owner);
 size_t kvt_radix_lease_count(const kvt_radix_t *t);
+/* At most the bytes the next kvt_radix_lease adds to the tree's count: 0 while a lease slot is
+ * free, else the growth of the lease table. */
+uint64_t kvt_radix_lease_need(const kvt_radix_t *t);
 /* A lease's slot: no two leases held at once share one, and slots are reused, so the slots in use
  * stay below the most leases ever held at once. For tables of the caller's own, by lease. */
 static inline uint32_t kvt_radix_lease_slot(uint64_t lease)

@@ -226,6 +226,11 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     adapter[m.adapter_len] = 0;
     memcpy(salt, m.salt, m.salt_len);
     salt[m.salt_len] = 0;
+    if (kvt__index_fit(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
+                                "no room for a new namespace in the index: it is at index-bytes "
+                                "(%llu) and every page it could evict is leased or holds bytes",
+                                (unsigned long long)s->conf->index_bytes);
     uint32_t ns;
     int rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
     if (rc < 0)
@@ -292,9 +297,12 @@ static int kvt_h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *b
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, NULL, 0);
 }
 
-/* A lease over node and everything above it, for I/O that must not see the path go. */
+/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
+ * when the lease table would grow past index-bytes: the caller made room first when it could. */
 static int kvt_pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
 {
+    if (!kvt__index_fits(s, kvt_radix_lease_need(s->radix)))
+        return KVT_ENOSPC;
     kvt_match_t m = {
         .node = node,
         .node_pages = kvt_radix_node_pages(node),
@@ -383,9 +391,12 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     if (!(q->flags & KVT_MATCH_F_PROBE))
         kvt_count_match(s, m, q->wire, q->ntokens, q->page, tiers, remote_down);
     uint64_t lease = 0;
-    int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0;
+    int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
         rc = KVT_ENOSPC; /* refused below, saying why */
+    } else if (leasing && !kvt__index_fits(s, kvt_radix_lease_need(s->radix))) {
+        rc = KVT_ENOSPC; /* the lease table would grow past index-bytes */
+        full = 1;
     } else if (leasing) {
         rc = kvt_radix_lease(s->radix, m, c->id, &lease);
         uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
@@ -414,7 +425,12 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     };
     memcpy(out, &w, sizeof w);
     if (rc < 0) {
-        if (!r && rc == KVT_ENOSPC)
+        if (!r && full)
+            rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
+                                  "no room for one more lease in the index: it is at index-bytes "
+                                  "(%llu) and every page it could evict is leased or holds bytes",
+                                  (unsigned long long)s->conf->index_bytes);
+        else if (!r && rc == KVT_ENOSPC)
             rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
                                   "this connection holds max-leases (%u) leases: release some",
                                   s->conf->max_leases);
@@ -471,7 +487,7 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
         /* The blocks another daemon stored join this index, held by the remote tier: a GET
          * reads them by key (location 0), promoting them to DRAM. */
         kvt_insert_t res;
-        if (kvt__index_room(s, r->ns, x->tokens, (size_t)(x->local_pages + found) * page) == 0 &&
+        if (kvt__index_room(s, r->ns, x->tokens, (size_t)(x->local_pages + found) * page, 0) == 0 &&
             kvt_radix_insert(s->radix, r->ns, x->tokens, (size_t)(x->local_pages + found) * page,
                              &res) == 0) {
             /* Runs of index-only pages join the policy as remote blocks (location 0: read by
@@ -497,6 +513,8 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
             found = 0;
         }
     }
+    if (x->q.flags & KVT_MATCH_F_LEASE)
+        kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* may trim: before the match */
     kvt_match_t m;
     if (kvt_radix_match(s->radix, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH, &m) < 0)
         memset(&m, 0, sizeof m);
@@ -583,6 +601,9 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
         return 0;
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    /* Room for the lease, trimming if need be: before the match, whose path a trim may cut. */
+    if (h->flags & KVT_MATCH_F_LEASE)
+        kvt__index_fit(s, kvt_radix_lease_need(s->radix));
     kvt_match_t m;
     int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens,
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
@@ -621,7 +642,7 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
                                 q.first_page, q.first_page + q.npayload, whole);
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    if (kvt__index_room(s, c->ns, c->tok, q.ntokens) < 0)
+    if (kvt__index_room(s, c->ns, c->tok, q.ntokens, q.npayload > 0) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
                                 "no room for %u tokens in the index: it is at index-bytes (%llu) "
                                 "and every page it could evict is leased or holds bytes",
@@ -691,6 +712,7 @@ static int kvt_h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     r->block_bytes = ns->block_bytes;
     r->cur = q.first_page;
     r->end = q.first_page + n;
+    kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* the client's lease holds the path */
     int rc = kvt_pin(s, l->node, l->ns, &r->lease);
     if (rc < 0) {
         r->status = rc;
@@ -718,6 +740,7 @@ static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
                                 "the %s tier is not configured", kvt_tier_name(q.tier));
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* room for the pin, before the match */
     kvt_match_t m;
     int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens, KVT_MATCH_NOTOUCH, &m);
     if (rc < 0)

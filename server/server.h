@@ -325,9 +325,15 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
  * allocated at most target bytes or budget pages went; through the policy when there is one.
  * Returns the pages evicted. */
 uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget);
-/* Before an insert of tokens[0, ntokens) in namespace ns: 0 when the most it can allocate fits
- * under index-bytes (trimming the index if need be), KVT_ENOSPC when it cannot be made to fit. */
-int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens);
+/* Whether need more bytes of index fit under index-bytes as the index is (nothing always fits). */
+int kvt__index_fits(const kvt_srv_t *s, uint64_t need);
+/* 0 when need more bytes fit under index-bytes, trimming the index if need be (which evicts
+ * unleased pages: no match result may be held across it), KVT_ENOSPC when they cannot. */
+int kvt__index_fit(kvt_srv_t *s, uint64_t need);
+/* Before an insert of tokens[0, ntokens) in namespace ns, followed by a pin of its path when pin
+ * is set: 0 when the most they can allocate fits under index-bytes (trimming the index if need
+ * be), KVT_ENOSPC when it cannot be made to fit. */
+int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens, int pin);
 void kvt__tier_metrics(kvt_srv_t *s);
 /* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
  * every batch of events. */

@@ -473,25 +473,42 @@ static uint64_t kvt_index_bytes(const kvt_srv_t *s)
     return rs.bytes;
 }
 
-int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens)
+int kvt__index_fits(const kvt_srv_t *s, uint64_t need)
 {
     uint64_t cap = s->conf->index_bytes;
-    if (!cap)
+    return !cap || !need || (need <= cap && kvt_index_bytes(s) <= cap - need);
+}
+
+int kvt__index_fit(kvt_srv_t *s, uint64_t need)
+{
+    uint64_t cap = s->conf->index_bytes;
+    if (kvt__index_fits(s, need))
+        return 0;
+    if (need > cap)
+        return KVT_ENOSPC;
+    kvt__index_trim(s, KVT_MIN(cap / 100 * KVT_INDEX_LOW_PCT, cap - need), KVT_TRIM_INLINE);
+    return kvt__index_fits(s, need) ? 0 : KVT_ENOSPC;
+}
+
+int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens, int pin)
+{
+    if (!s->conf->index_bytes)
         return 0;
     /* Admitted only when the insert's worst case fits: the index never passes index-bytes. The
      * tree-wide bound first (no walk); near the cap, what this insert can add to the tree as it
      * is (a walk), which does not reserve room for the largest child table's growth when this
-     * insert cannot grow it. */
-    if (kvt_index_bytes(s) + kvt_radix_insert_bound(s->radix, ns, ntokens) <= cap)
+     * insert cannot grow it. A pin is a lease, which may grow the lease table. */
+    uint64_t lease = pin ? kvt_radix_lease_need(s->radix) : 0;
+    if (kvt__index_fits(s, kvt_radix_insert_bound(s->radix, ns, ntokens) + lease))
         return 0;
-    uint64_t need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens);
-    if (need > cap)
+    uint64_t need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens) + lease;
+    if (kvt__index_fits(s, need))
+        return 0;
+    if (kvt__index_fit(s, need) < 0) /* trims */
         return KVT_ENOSPC;
-    if (kvt_index_bytes(s) + need <= cap)
-        return 0;
-    kvt__index_trim(s, KVT_MIN(cap / 100 * KVT_INDEX_LOW_PCT, cap - need), KVT_TRIM_INLINE);
-    need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens); /* the trim changed the tree */
-    return kvt_index_bytes(s) + need <= cap ? 0 : KVT_ENOSPC;
+    /* The trim changed the tree, and with it what the insert adds. */
+    need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens) + lease;
+    return kvt__index_fits(s, need) ? 0 : KVT_ENOSPC;
 }
 
 void kvt__store_step(kvt_srv_t *s)

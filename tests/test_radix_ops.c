@@ -1016,3 +1016,56 @@ Test(radix_ops, an_insert_needs_room_only_for_the_table_it_grows)
     insert_within_need(tok, 3 * PS, &need);
     cr_assert_geq(need, 512 * 16);
 }
+
+/* What a lease or a new namespace adds to the byte count is never more than its need: 0 while a
+ * lease slot is free or the namespace is open by that name, the table's growth otherwise. Through
+ * 5,000 leases (the table is made, then doubles seven times) and 3,000 namespaces, one learnt by
+ * seed first. */
+Test(radix_ops, leases_and_namespaces_add_no_more_than_their_need)
+{
+    uint32_t *s = seq(4 * PS, 1);
+    insert(s, 4 * PS);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, s, 4 * PS, KVT_MATCH_NOTOUCH, &m), 0);
+    uint32_t grew = 0;
+    static uint64_t ids[5000];
+    for (uint32_t i = 0; i < 5000; i++) {
+        uint64_t need = kvt_radix_lease_need(tree), before = tree_bytes();
+        cr_assert_eq(kvt_radix_lease(tree, &m, 1, &ids[i]), 0);
+        uint64_t added = tree_bytes() - before;
+        cr_assert_leq(added, need, "lease %u added %llu bytes, need %llu", i,
+                      (unsigned long long)added, (unsigned long long)need);
+        grew += need > 0;
+        cr_assert(need > 0 || added == 0, "lease %u", i);
+    }
+    cr_assert_eq(grew, 8, "made with 64 slots, then 128, ... 8,192");
+    cr_assert_eq(kvt_radix_release(tree, ids[17]), 0);
+    cr_assert_eq(kvt_radix_lease_need(tree), 0, "a slot given back is taken first");
+    cr_assert_eq(kvt_radix_release_owner(tree, 1), 4999);
+
+    char salt[32];
+    uint32_t id;
+    cr_assert_eq(kvt_radix_ns_need(tree, "llama", NULL, NULL, PS), 0, "the fixture's namespace");
+    cr_assert_eq(kvt_radix_ns_need(tree, "llama", NULL, "", PS), 0, "the same description");
+    kvt_radix_t *elsewhere; /* namespace 100's seed, as another tree (a block header) has it */
+    cr_assert_eq(kvt_radix_create(&elsewhere, NULL), 0);
+    cr_assert_eq(kvt_radix_ns_open(elsewhere, "llama", NULL, "tenant-100", PS, &id), 0);
+    uint64_t seed = kvt_radix_ns_seed(elsewhere, id);
+    kvt_radix_destroy(elsewhere);
+    for (uint32_t i = 0; i < 3000; i++) {
+        snprintf(salt, sizeof salt, "tenant-%u", i);
+        uint64_t need = kvt_radix_ns_need(tree, "llama", NULL, salt, PS), before = tree_bytes();
+        cr_assert_gt(need, 0);
+        if (i == 100) { /* learnt by seed (as NVMe recovery does), then by name */
+            cr_assert_eq(kvt_radix_ns_open_seed(tree, seed, PS, &id), 0);
+            cr_assert_leq(tree_bytes() - before, need);
+            need = kvt_radix_ns_need(tree, "llama", NULL, salt, PS);
+            cr_assert_gt(need, 0, "its name is not kept yet");
+            before = tree_bytes();
+        }
+        cr_assert_eq(kvt_radix_ns_open(tree, "llama", NULL, salt, PS, &id), 0);
+        cr_assert_leq(tree_bytes() - before, need, "namespace %u", i);
+        cr_assert_eq(kvt_radix_ns_need(tree, "llama", NULL, salt, PS), 0, "now open");
+    }
+    free(s);
+}

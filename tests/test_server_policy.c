@@ -561,24 +561,17 @@ Test(server_policy, index_stays_under_index_bytes)
     }
 }
 
-/* When everything in a full index is leased, a PUT that would add pages is refused (ENOSPC,
- * nothing added, the daemon says why) until leases go; the connection stays usable. Each PUT
- * and the MATCH that leases it go in one batch: handled together, before the loop's maintenance
- * could trim the new, still unleased prompt (the only page it may take). */
-Test(server_policy, full_index_of_leased_pages_refuses_puts)
+/* Fills a 64K index with leased prompts of 16 pages until a PUT is refused; returns the prompt
+ * refused. Each PUT and the MATCH that leases it go in one batch: handled together, before the
+ * loop's maintenance could trim the new, still unleased prompt (the only page it may take). */
+static uint32_t fill_with_leases(kvt_client_t *c)
 {
     enum { PAGES = 16 };
-    kvd_t d = {0};
-    kvd_start(&d, "--index-bytes", "64K", "--dram-bytes", "0", "--nvme-bytes", "0", "--hbm-bytes",
-              "0", NULL);
-    kvt_client_t *c = kvd_client(&d, "m", PAGE, 0), *other = kvd_client(&d, "m", PAGE, 0);
-    cr_assert(c && other);
     kvt_batch_t *b;
     cr_assert_eq(kvt_batch_create(&b, c), 0);
-    uint32_t tok[PAGES * PAGE];
+    uint32_t tok[PAGES * PAGE], k = 0;
     kvt_client_put_t r;
     int put_st = 0, match_st = 0;
-    uint32_t k = 0;
     for (; k < 500; k++) {
         index_prompt(tok, PAGES, k);
         kvt_client_match_t m = {0};
@@ -592,8 +585,26 @@ Test(server_policy, full_index_of_leased_pages_refuses_puts)
         cr_assert_eq(match_st, 0);
         cr_assert_eq(m.pages, PAGES, "prompt %u is there to lease", k);
     }
+    kvt_batch_destroy(b);
     cr_assert_eq(put_st, KVT_CLIENT_ENOSPC, "a PUT is refused once all is leased (%u PUTs, %d)", k,
                  put_st);
+    cr_assert_gt(k, 0);
+    return k;
+}
+
+/* When everything in a full index is leased, a PUT that would add pages is refused (ENOSPC,
+ * nothing added, the daemon says why) until leases go; the connection stays usable. */
+Test(server_policy, full_index_of_leased_pages_refuses_puts)
+{
+    enum { PAGES = 16 };
+    kvd_t d = {0};
+    kvd_start(&d, "--index-bytes", "64K", "--dram-bytes", "0", "--nvme-bytes", "0", "--hbm-bytes",
+              "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 0), *other = kvd_client(&d, "m", PAGE, 0);
+    cr_assert(c && other);
+    uint32_t tok[PAGES * PAGE];
+    kvt_client_put_t r;
+    index_prompt(tok, PAGES, fill_with_leases(c));
     cr_expect(strstr(kvt_client_errmsg(c), "index-bytes"), "%s", kvt_client_errmsg(c));
     cr_expect_leq(index_bytes(other), (uint64_t)(64 << 10));
     kvt_client_match_t q = {0};
@@ -601,7 +612,6 @@ Test(server_policy, full_index_of_leased_pages_refuses_puts)
     cr_expect_eq(q.pages, 0, "the refused PUT added nothing");
     cr_expect_eq(kvt_client_ping(c, NULL), 0, "the refused client is still served");
     /* The leases go with their connection: room again. */
-    kvt_batch_destroy(b);
     kvt_client_close(c);
     int rc = -1;
     for (int i = 0; i < 200 && rc < 0; i++) {
@@ -610,6 +620,86 @@ Test(server_policy, full_index_of_leased_pages_refuses_puts)
             usleep(10000);
     }
     cr_expect_eq(rc, 0, "PUT after the leases went: %s", kvt_client_errmsg(other));
+    kvt_client_close(other);
+    kvd_cleanup(&d);
+}
+
+/*
+ * Leases and namespaces take index memory too (the lease table, a namespace's root and name):
+ * when a full index of leased pages cannot make room, a MATCH asking for a lease is refused
+ * (ENOSPC, nothing leased, the daemon says why) and so is a HELLO of a new namespace, while a
+ * MATCH without a lease, a lease in a slot given back and a HELLO of a known namespace are
+ * served. The index is never over index-bytes. (The daemon used to grow the lease table and
+ * the namespace list past it.)
+ */
+Test(server_policy, full_index_refuses_leases_and_namespaces_it_cannot_hold)
+{
+    enum { PAGES = 16, CAP = 64 << 10 };
+    kvd_t d = {0};
+    kvd_start(&d, "--index-bytes", "64K", "--dram-bytes", "0", "--nvme-bytes", "0", "--hbm-bytes",
+              "0", "--max-leases", "100000", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 0), *other = kvd_client(&d, "m", PAGE, 0);
+    cr_assert(c && other);
+    uint32_t tok[PAGES * PAGE];
+    index_prompt(tok, PAGES, fill_with_leases(c) - 1); /* the last prompt stored */
+    kvt_client_match_t m = {0};
+    int rc = 0;
+    uint32_t held = 0;
+    uint64_t first = 0;
+    for (; held < 100000; held++) {
+        rc = kvt_client_match(c, tok, PAGES * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m);
+        cr_assert_leq(index_bytes(other), (uint64_t)CAP, "with %u more leases", held);
+        if (rc < 0)
+            break;
+        cr_assert_eq(m.pages, PAGES);
+        first = first ? first : m.lease;
+    }
+    cr_assert_eq(rc, KVT_CLIENT_ENOSPC, "a lease the index cannot hold is refused (%u held): %s",
+                 held, kvt_client_strerror(rc));
+    cr_expect(strstr(kvt_client_errmsg(c), "lease") && strstr(kvt_client_errmsg(c), "index-bytes"),
+              "%s", kvt_client_errmsg(c));
+    cr_assert_gt(held, 0, "the test leased the prompt again before the index was full");
+    /* Served still: a MATCH with no lease, and a lease in a slot given back. */
+    kvt_client_match_t q = {0};
+    cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
+    cr_expect_eq(q.pages, PAGES);
+    cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &q),
+                 KVT_CLIENT_ENOSPC, "still no room");
+    cr_assert_eq(kvt_client_release(c, first, NULL), 0);
+    cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &q), 0,
+                 "a lease in the slot given back: %s", kvt_client_errmsg(c));
+    cr_expect_eq(q.pages, PAGES);
+    /* New namespaces open while they fit, then are refused; known ones still open. */
+    char model[32];
+    kvt_client_conf_t conf = {.unix_path = d.sock, .model = model, .page_size = PAGE};
+    kvt_client_t *n = NULL;
+    uint32_t opened = 0;
+    for (; opened < 2000; opened++) {
+        snprintf(model, sizeof model, "tenant-%u", opened);
+        rc = kvt_client_connect(&n, &conf);
+        cr_assert_leq(index_bytes(other), (uint64_t)CAP, "with %u more namespaces", opened);
+        if (rc < 0)
+            break;
+        kvt_client_close(n);
+    }
+    cr_assert_eq(rc, KVT_CLIENT_ENOSPC,
+                 "HELLO of a namespace the index cannot hold (%u opened): %s", opened,
+                 kvt_client_strerror(rc));
+    snprintf(model, sizeof model, "tenant-0");
+    cr_expect_eq(kvt_client_connect(&n, &conf), 0, "HELLO of a namespace opened before");
+    kvt_client_close(n);
+    /* The leases go with their connection: room again. */
+    kvt_client_close(c);
+    snprintf(model, sizeof model, "tenant-%u", opened);
+    rc = -1;
+    for (int i = 0; i < 200 && rc < 0; i++) {
+        n = NULL;
+        if ((rc = kvt_client_connect(&n, &conf)) < 0)
+            usleep(10000);
+    }
+    cr_expect_eq(rc, 0, "HELLO after the leases went: %s", kvt_client_strerror(rc));
+    kvt_client_close(n);
+    cr_expect_leq(index_bytes(other), (uint64_t)CAP);
     kvt_client_close(other);
     kvd_cleanup(&d);
 }
