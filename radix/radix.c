@@ -888,6 +888,17 @@ int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, co
                   ns_out);
 }
 
+uint64_t kvt_radix_ns_seed_of(const char *model, const char *adapter, const char *salt,
+                              uint32_t page_size)
+{
+    char buf[KVT_NS_DESC_MAX];
+    size_t len;
+    if (!model || page_size < 1 || page_size > KVT_PAGE_MAX ||
+        !(len = ns_describe(buf, model, adapter, salt, page_size)))
+        return 0;
+    return XXH3_64bits(buf, len);
+}
+
 uint64_t kvt_radix_ns_need(const kvt_radix_t *t, const char *model, const char *adapter,
                            const char *salt, uint32_t page_size)
 {

@@ -148,6 +148,9 @@ int kvt_radix_ns_open_seed(kvt_radix_t *t, uint64_t seed, uint32_t page_size, ui
  * memory limit can make room first, or refuse. */
 uint64_t kvt_radix_ns_need(const kvt_radix_t *t, const char *model, const char *adapter,
                            const char *salt, uint32_t page_size);
+/* The seed kvt_radix_ns_open() gives this description, in any tree; 0 for one it refuses. */
+uint64_t kvt_radix_ns_seed_of(const char *model, const char *adapter, const char *salt,
+                              uint32_t page_size);
 uint32_t kvt_radix_ns_page_size(const kvt_radix_t *t, uint32_t ns); /* 0 if ns is unknown */
 uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns);      /* 0 if ns is unknown */
 

@@ -482,3 +482,74 @@ Test(tier_nvme_recover, namespaces_known_only_by_seed_come_back_too)
     kvt_radix_destroy(tree);
     tu_rmrf(dir);
 }
+
+/*
+ * A namespaces file that grew over many runs (here 70,000 tenants that left nothing on disk)
+ * crowds out nothing: recovery opens only the namespaces whose blocks it found (the tree holds
+ * at most KVT_RADIX_NS_MAX), by name where the file has one, and rewrites the file to those
+ * lines. (Recovery used to open every line first: the namespaces with blocks, listed last, found
+ * the tree full, and their blocks were freed as orphans.)
+ */
+Test(tier_nvme_recover, a_long_namespace_list_crowds_out_no_blocks)
+{
+    enum { IDLE = 70000 };
+    char dir[4096], path[4200];
+    tu_tmpdir(dir, sizeof(dir), "nvnsmany");
+    kvt_radix_t *tree = NULL;
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    uint32_t named, unnamed, a[3 * 16], b[2 * 16];
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama-70b", NULL, "tenant-busy", 16, &named), 0);
+    cr_assert_eq(kvt_radix_ns_open(tree, "mistral", NULL, NULL, 16, &unnamed), 0);
+    for (int i = 0; i < 3 * 16; i++)
+        a[i] = (uint32_t)i * 7 + 1;
+    for (int i = 0; i < 2 * 16; i++)
+        b[i] = (uint32_t)i * 11 + 3;
+    kvt_insert_t ins;
+    cr_assert_eq(kvt_radix_insert(tree, named, a, 3 * 16, &ins), 0);
+    cr_assert_eq(kvt_radix_insert(tree, unnamed, b, 2 * 16, &ins), 0);
+    kvt_tier_t *t = open_tier(dir);
+    write_path(tree, t, named, a, 3, 0);
+    write_path(tree, t, unnamed, b, 2, 0);
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+    snprintf(path, sizeof(path), "%s/namespaces", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    for (int i = 0; i < IDLE; i++)
+        fprintf(f, "v1\tllama-70b\t\ttenant-%d\t16\n", i);
+    fputs("v1\tllama-70b\t\ttenant-busy\t16\n", f);
+    fputs("v1\tllama-70b\t\ttenant-busy\t16\n", f); /* twice, as two daemons could */
+    cr_assert_eq(fclose(f), 0);
+
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    cr_assert_eq(r.inserted, 5, "every block back (%llu orphans)", (unsigned long long)r.orphans);
+    cr_assert_eq(r.orphans, 0);
+    cr_assert_eq(kvt_radix_ns_page_size(tree, 2), 0, "two namespaces open, not %d", IDLE + 2);
+    uint32_t ns;
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama-70b", NULL, "tenant-busy", 16, &ns), 0);
+    cr_assert_lt(ns, 2, "opened by recovery, by its name");
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 3 * 16, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, 3);
+    cr_assert_eq(kvt_radix_ns_open(tree, "mistral", NULL, NULL, 16, &ns), 0);
+    cr_assert_lt(ns, 2, "opened by recovery, by its seed");
+    cr_assert_eq(kvt_radix_match(tree, ns, b, 2 * 16, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(m.pages, 2);
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    int same;
+    cr_assert_eq(ns_lines(dir, "v1\tllama-70b\t\ttenant-busy\t16\n", &same), 1,
+                 "the file keeps the namespaces with blocks");
+    cr_assert_eq(same, 1);
+    /* The set follows the new file: an idle tenant coming back is listed again, once. */
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-5", 16), 0);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-5", 16), 0);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-busy", 16), 0);
+    cr_assert_eq(ns_lines(dir, "v1\tllama-70b\t\ttenant-5\t16\n", &same), 2);
+    cr_assert_eq(same, 1);
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+    tu_rmrf(dir);
+}

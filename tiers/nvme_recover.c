@@ -84,6 +84,13 @@ static int ns_each(const nvme_t *n,
     return rc < 0 ? rc : 0;
 }
 
+/* A namespace's line in the file, with its line break. */
+static int ns_line(char *buf, size_t size, const char *model, const char *adapter, const char *salt,
+                   uint32_t page)
+{
+    return snprintf(buf, size, "v1\t%s\t%s\t%s\t%u\n", model, adapter, salt, page);
+}
+
 /* A description's key in n->ns_set. Two descriptions with one key (a 64-bit hash collision)
  * would leave the second unrecorded: its blocks still come back, found by seed. */
 static uint64_t ns_key(const char *model, const char *adapter, const char *salt, uint32_t page)
@@ -167,8 +174,9 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
     char last = '\n';
     if (fstat(fd, &sb) == 0 && sb.st_size > 0 && pread(fd, &last, 1, sb.st_size - 1) != 1)
         last = '\n';
-    int len = snprintf(line, sizeof(line), "%sv1\t%s\t%s\t%s\t%u\n", last == '\n' ? "" : "\n",
-                       model, adapter, salt, page_size);
+    int len = last == '\n' ? 0 : 1;
+    line[0] = '\n';
+    len += ns_line(line + len, sizeof(line) - 1, model, adapter, salt, page_size);
     ssize_t w = write(fd, line, (size_t)len);
     rc = w == len ? 0 : w < 0 ? -errno : KVT_EIO;
     close(fd);
@@ -179,19 +187,123 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
     return rc;
 }
 
-typedef struct ns_open_ctx {
-    kvt_radix_t *tree;
-} ns_open_ctx_t;
+/* A namespace seed found on disk: the page size of its first block (or of its line in the file),
+ * its id in the tree once opened, and whether the file named it. */
+typedef struct disk_ns {
+    uint64_t seed;
+    size_t first; /* its first block in n->recovered */
+    uint32_t page, id;
+    uint8_t open, named;
+} disk_ns_t;
 
-static int ns_open_one(void *arg, const char *model, const char *adapter, const char *salt,
+static int disk_ns_cmp(const void *a, const void *b)
+{
+    const disk_ns_t *x = a, *y = b;
+    if (x->seed != y->seed)
+        return x->seed < y->seed ? -1 : 1;
+    return x->first < y->first ? -1 : x->first > y->first;
+}
+
+static disk_ns_t *disk_ns_find(disk_ns_t *v, size_t nv, uint64_t seed)
+{
+    size_t lo = 0, hi = nv;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (v[mid].seed < seed)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < nv && v[lo].seed == seed ? &v[lo] : NULL;
+}
+
+/* The namespaces of the blocks found, one per seed, sorted by seed; *out NULL when none. */
+static int disk_ns_collect(const nvme_t *n, disk_ns_t **out, size_t *nout)
+{
+    size_t nr = n->nrecovered, k = 0;
+    *out = NULL;
+    *nout = 0;
+    if (nr == 0)
+        return 0;
+    disk_ns_t *v = malloc(nr * sizeof(*v));
+    if (!v)
+        return KVT_ENOMEM;
+    for (size_t i = 0; i < nr; i++)
+        if (n->recovered[i].ntokens > 0)
+            v[k++] = (disk_ns_t){
+                .seed = n->recovered[i].ns_seed, .first = i, .page = n->recovered[i].ntokens};
+    if (k > 0)
+        qsort(v, k, sizeof(*v), disk_ns_cmp);
+    size_t u = 0;
+    for (size_t i = 0; i < k; i++)
+        if (u == 0 || v[u - 1].seed != v[i].seed)
+            v[u++] = v[i];
+    *out = v;
+    *nout = u;
+    return 0;
+}
+
+typedef struct ns_name_ctx {
+    kvt_radix_t *tree;
+    disk_ns_t *ns;
+    size_t nns;
+    FILE *keep; /* the file's new contents: the lines that named a namespace found on disk */
+    int write_err;
+} ns_name_ctx_t;
+
+/* A line of the file: opens its namespace by name when blocks of it were found (once), and keeps
+ * the line. Lines of namespaces that left nothing on disk are dropped: the list would otherwise
+ * grow with every tenant ever seen, and opening them all could fill the tree's namespaces. */
+static int ns_name_one(void *arg, const char *model, const char *adapter, const char *salt,
                        uint32_t page)
 {
-    ns_open_ctx_t *c = arg;
-    uint32_t id;
-    if (kvt_radix_ns_open(c->tree, model, adapter, salt, page, &id) < 0)
+    ns_name_ctx_t *c = arg;
+    disk_ns_t *d = disk_ns_find(c->ns, c->nns, kvt_radix_ns_seed_of(model, adapter, salt, page));
+    if (!d || d->named)
+        return 0;
+    if (kvt_radix_ns_open(c->tree, model, adapter, salt, page, &d->id) < 0) {
         kvt_log(KVT_LOG_WARN, "nvme tier: could not reopen namespace %s/%s (page %u)", model,
                 adapter, page);
+        return 0;
+    }
+    d->named = d->open = 1;
+    d->page = page; /* blocks of another page size are orphans */
+    char line[1100];
+    int len = ns_line(line, sizeof line, model, adapter, salt, page);
+    if (c->keep && fwrite(line, 1, (size_t)len, c->keep) != (size_t)len)
+        c->write_err = 1;
     return 0;
+}
+
+/* Names the namespaces found on disk from DIR/namespaces and rewrites the file to their lines
+ * (a new file renamed over it); the set of recorded names is read again on the next add_ns. */
+static void ns_name_found(nvme_t *n, kvt_radix_t *tree, disk_ns_t *ns, size_t nns)
+{
+    char path[4096], tmp[4100];
+    snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
+    snprintf(tmp, sizeof(tmp), "%s.new", path);
+    ns_name_ctx_t c = {.tree = tree, .ns = ns, .nns = nns};
+    int exists = access(path, F_OK) == 0;
+    if (exists && !(c.keep = fopen(tmp, "we")))
+        kvt_log(KVT_LOG_WARN, "nvme tier: cannot write %s (%s): the namespace list stays as it is",
+                tmp, strerror(errno));
+    int rc = ns_each(n, ns_name_one, &c);
+    if (rc < 0)
+        kvt_log(KVT_LOG_WARN, "nvme tier: cannot read %s: %s", path, kvt_strerror(rc));
+    if (!c.keep)
+        return;
+    int ok = rc == 0 && !c.write_err && fflush(c.keep) == 0 && fsync(fileno(c.keep)) == 0;
+    ok = fclose(c.keep) == 0 && ok;
+    if (ok && rename(tmp, path) == 0) {
+        free(n->ns_set);
+        n->ns_set = NULL;
+        n->ns_count = n->ns_cap = 0;
+        n->ns_loaded = 0;
+        return;
+    }
+    kvt_log(KVT_LOG_WARN, "nvme tier: could not rewrite %s: the namespace list stays as it is",
+            path);
+    unlink(tmp);
 }
 
 /* The recovered block with (hash, ns_seed), or -1; n->recovered is sorted by hash, ns_seed. */
@@ -211,11 +323,6 @@ static long rec_find(const nvme_t *n, uint64_t hash, uint64_t ns_seed)
     return -1;
 }
 
-typedef struct seen_ns {
-    uint64_t seed;
-    uint32_t id, page;
-} seen_ns_t;
-
 enum { D_UNKNOWN = 0, D_ORPHAN = -1, D_VISITING = -2 };
 
 int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out)
@@ -227,14 +334,8 @@ int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recove
         return KVT_EBUSY;
     n->recover_done = 1;
 
-    ns_open_ctx_t oc = {tree};
-    int rc = ns_each(n, ns_open_one, &oc);
-    if (rc < 0)
-        kvt_log(KVT_LOG_WARN, "nvme tier: cannot read %s/" NS_FILE ": %s", n->dir,
-                kvt_strerror(rc));
-    size_t nns = 0, cap_ns = 16;
-    seen_ns_t *nss = malloc(cap_ns * sizeof(*nss));
-    size_t nr = n->nrecovered;
+    size_t nr = n->nrecovered, nns = 0;
+    disk_ns_t *nss = NULL;
     int32_t *depth = calloc(nr ? nr : 1, sizeof(*depth));
     long *parent = calloc(nr ? nr : 1, sizeof(*parent));
     uint32_t *nsidx = calloc(nr ? nr : 1, sizeof(*nsidx));
@@ -242,44 +343,26 @@ int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recove
     uint8_t *placed = calloc(nr ? nr : 1, 1);
     long *stack = calloc(nr ? nr : 1, sizeof(*stack));
     uint32_t *path = NULL;
-    rc = KVT_ENOMEM;
-    if (!nss || !depth || !parent || !nsidx || !has_child || !placed || !stack)
+    int rc = KVT_ENOMEM;
+    if (!depth || !parent || !nsidx || !has_child || !placed || !stack ||
+        disk_ns_collect(n, &nss, &nns) < 0)
         goto out;
-    for (uint32_t id = 0; kvt_radix_ns_page_size(tree, id) != 0; id++) {
-        if (nns == cap_ns) {
-            seen_ns_t *m = realloc(nss, 2 * cap_ns * sizeof(*nss));
-            if (!m)
-                goto out;
-            nss = m;
-            cap_ns *= 2;
-        }
-        nss[nns++] = (seen_ns_t){kvt_radix_ns_seed(tree, id), id, kvt_radix_ns_page_size(tree, id)};
-    }
+    /* The namespaces of the blocks found: by name where the file has it, else by seed. */
+    ns_name_found(n, tree, nss, nns);
+    for (size_t k = 0; k < nns; k++)
+        if (!nss[k].open && kvt_radix_ns_open_seed(tree, nss[k].seed, nss[k].page, &nss[k].id) == 0)
+            nss[k].open = 1;
 
-    /* Namespace and parent of each block. A namespace the tree does not know yet is opened by
-     * its seed; a block whose page size differs from its namespace's is an orphan. */
+    /* Namespace and parent of each block; a block whose page size differs from its namespace's,
+     * or whose namespace could not be opened, is an orphan. */
     for (size_t i = 0; i < nr; i++) {
         const nvme_recovered_t *r = &n->recovered[i];
-        size_t k = 0;
-        while (k < nns && nss[k].seed != r->ns_seed)
-            k++;
-        if (k == nns && r->ntokens > 0) {
-            uint32_t id;
-            if (nns == cap_ns) {
-                seen_ns_t *m = realloc(nss, 2 * cap_ns * sizeof(*nss));
-                if (!m)
-                    goto out;
-                nss = m;
-                cap_ns *= 2;
-            }
-            if (kvt_radix_ns_open_seed(tree, r->ns_seed, r->ntokens, &id) == 0)
-                nss[nns++] = (seen_ns_t){r->ns_seed, id, r->ntokens};
-        }
-        if (k == nns || nss[k].page != r->ntokens) {
+        disk_ns_t *d = disk_ns_find(nss, nns, r->ns_seed);
+        if (!d || !d->open || d->page != r->ntokens) {
             depth[i] = D_ORPHAN;
             continue;
         }
-        nsidx[i] = (uint32_t)k;
+        nsidx[i] = (uint32_t)(d - nss);
         parent[i] = r->parent == r->ns_seed ? -1 : rec_find(n, r->parent, r->ns_seed);
         if (r->parent != r->ns_seed && parent[i] < 0)
             depth[i] = D_ORPHAN;
@@ -317,7 +400,7 @@ int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recove
     for (size_t i = 0; i < nr && rc == 0; i++) {
         if (depth[i] <= 0 || has_child[i])
             continue;
-        const seen_ns_t *ns = &nss[nsidx[i]];
+        const disk_ns_t *ns = &nss[nsidx[i]];
         size_t ntok = (size_t)depth[i] * ns->page;
         uint32_t *p = realloc(path, ntok * sizeof(*p));
         if (!p) {

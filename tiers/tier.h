@@ -252,9 +252,10 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
                          uint32_t page_size);
 
 /*
- * Gives the blocks found by the scan back to tree: opens every namespace recorded with
- * kvt_tier_nvme_add_ns, opens any other namespace seed found on disk with
- * kvt_radix_ns_open_seed, rebuilds each block's token path by following parent hashes back to
+ * Gives the blocks found by the scan back to tree: opens the namespace of each seed found on
+ * disk, by its name where kvt_tier_nvme_add_ns recorded one, else with kvt_radix_ns_open_seed,
+ * and rewrites DIR/namespaces to the names it used (namespaces with no block on disk are
+ * neither opened nor kept); rebuilds each block's token path by following parent hashes back to
  * the namespace seed, inserts the path and sets tier = KVT_TIER_NVME, loc and size on the blocks
  * (their hashes are checked against the tree's). Blocks whose chain of ancestors is not complete
  * on disk (or whose page size is not their namespace's, or whose page the tree already holds in
