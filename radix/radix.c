@@ -48,8 +48,9 @@
 typedef struct kvt_ns {
     uint64_t seed;
     uint32_t page_size;
-    kvt_radix_node_t *root;
-    char *desc; /* "model\0adapter\0salt\0", for logs; NULL when opened by seed */
+    uint32_t next_free;     /* closed: the next closed id, or NO_SLOT */
+    kvt_radix_node_t *root; /* NULL once closed */
+    char *desc;             /* "model\0adapter\0salt\0", for logs; NULL when opened by seed */
 } kvt_ns_t;
 
 struct kvt_radix_node {
@@ -83,8 +84,10 @@ struct kvt_radix {
     uint32_t clock;
 
     kvt_ns_t *ns;
-    uint32_t nns, ns_cap;
-    uint32_t *ns_slots; /* by seed: namespace id + 1, 0 for empty; at most half full */
+    uint32_t nns, ns_cap; /* ids in use or closed, and room */
+    uint32_t ns_open;     /* ids in use */
+    uint32_t ns_free;     /* the last id closed, first to be reused; NO_SLOT when none */
+    uint32_t *ns_slots;   /* by seed: namespace id + 1, 0 for empty; at most half full */
     uint32_t ns_slots_cap;
 
     kvt_radix_node_t **nodes; /* registry of non-root nodes */
@@ -729,6 +732,9 @@ int kvt_radix_create(kvt_radix_t **out, const kvt_radix_conf_t *conf)
     t->decay_per_tick = 1.0f / t->conf.freq_half_life;
     t->list.lnext = t->list.lprev = &t->list;
     t->lease_free = NO_SLOT;
+    t->ns_free = NO_SLOT;
+    if (t->conf.max_namespaces == 0 || t->conf.max_namespaces > KVT_RADIX_NS_MAX)
+        t->conf.max_namespaces = KVT_RADIX_NS_MAX;
     t->rng = 0x9e3779b97f4a7c15ull;
     *out = t;
     return 0;
@@ -741,7 +747,8 @@ void kvt_radix_destroy(kvt_radix_t *t)
     if (!t)
         return;
     for (uint32_t i = 0; i < t->nns; i++) {
-        subtree_free(t, t->ns[i].root, 1);
+        if (t->ns[i].root)
+            subtree_free(t, t->ns[i].root, 1);
         free(t->ns[i].desc);
     }
     free(t->ns);
@@ -768,6 +775,11 @@ uint32_t kvt_radix_clock(const kvt_radix_t *t)
 
 /* ---- namespaces ----------------------------------------------------------------------------- */
 
+static int ns_live(const kvt_radix_t *t, uint32_t ns)
+{
+    return ns < t->nns && t->ns[ns].root != NULL;
+}
+
 /* The slot of seed in the namespace index: where it is, or the empty one where it would go. */
 static uint32_t ns_slot(const kvt_radix_t *t, uint64_t seed)
 {
@@ -780,7 +792,7 @@ static uint32_t ns_slot(const kvt_radix_t *t, uint64_t seed)
 /* Room in the namespace index for one more. */
 static int ns_index_reserve(kvt_radix_t *t)
 {
-    if (2 * (t->nns + 1) <= t->ns_slots_cap)
+    if (2 * (t->ns_open + 1) <= t->ns_slots_cap)
         return 0;
     uint32_t cap = t->ns_slots_cap ? 2 * t->ns_slots_cap : 16;
     uint32_t *v = rx_malloc(t, cap * sizeof(*v));
@@ -791,8 +803,23 @@ static int ns_index_reserve(kvt_radix_t *t)
     t->ns_slots = v;
     t->ns_slots_cap = cap;
     for (uint32_t id = 0; id < t->nns; id++)
-        t->ns_slots[ns_slot(t, t->ns[id].seed)] = id + 1;
+        if (t->ns[id].root)
+            t->ns_slots[ns_slot(t, t->ns[id].seed)] = id + 1;
     return 0;
+}
+
+/* Takes slot i out of the namespace index: backward-shift deletion, as kid_del does. */
+static void ns_index_del(kvt_radix_t *t, uint32_t i)
+{
+    uint32_t mask = t->ns_slots_cap - 1;
+    for (uint32_t j = (i + 1) & mask; t->ns_slots[j]; j = (j + 1) & mask) {
+        uint32_t home = (uint32_t)t->ns[t->ns_slots[j] - 1].seed & mask;
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            t->ns_slots[i] = t->ns_slots[j];
+            i = j;
+        }
+    }
+    t->ns_slots[i] = 0;
 }
 
 /* The id + 1 of the namespace with this seed, 0 when none. */
@@ -817,11 +844,11 @@ static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc,
         *ns_out = i;
         return 0;
     }
-    if (t->nns >= KVT_RADIX_NS_MAX)
+    if (t->ns_open >= t->conf.max_namespaces)
         return KVT_ENOSPC;
     if (ns_index_reserve(t) < 0)
         return KVT_ENOMEM;
-    if (t->nns == t->ns_cap) {
+    if (t->ns_free == NO_SLOT && t->nns == t->ns_cap) {
         uint32_t cap = t->ns_cap ? t->ns_cap * 2 : 4;
         kvt_ns_t *v = rx_realloc(t, t->ns, cap * sizeof(*v));
         if (!v)
@@ -829,24 +856,42 @@ static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc,
         t->ns = v;
         t->ns_cap = cap;
     }
-    kvt_ns_t *s = &t->ns[t->nns];
-    memset(s, 0, sizeof(*s));
-    s->seed = seed;
-    s->page_size = page_size;
-    s->root = node_new(t, t->nns, page_size, 0);
-    if (!s->root)
+    /* A closed id is reused first, so that ids stay below KVT_RADIX_NS_MAX. */
+    uint32_t id = t->ns_free != NO_SLOT ? t->ns_free : t->nns;
+    kvt_radix_node_t *root = node_new(t, id, page_size, 0);
+    char *name = desc ? rx_malloc(t, desc_len) : NULL;
+    if (!root || (desc && !name)) {
+        if (root)
+            node_free(t, root);
         return KVT_ENOMEM;
-    if (desc) {
-        s->desc = rx_malloc(t, desc_len);
-        if (!s->desc) {
-            node_free(t, s->root);
-            return KVT_ENOMEM;
-        }
-        memcpy(s->desc, desc, desc_len);
     }
-    uint32_t slot = ns_slot(t, seed);
-    *ns_out = t->nns;
-    t->ns_slots[slot] = ++t->nns;
+    if (name)
+        memcpy(name, desc, desc_len);
+    if (id == t->nns)
+        t->nns++;
+    else
+        t->ns_free = t->ns[id].next_free;
+    t->ns[id] = (kvt_ns_t){
+        .seed = seed, .page_size = page_size, .next_free = NO_SLOT, .root = root, .desc = name};
+    t->ns_slots[ns_slot(t, seed)] = id + 1;
+    t->ns_open++;
+    *ns_out = id;
+    return 0;
+}
+
+int kvt_radix_ns_close(kvt_radix_t *t, uint32_t ns)
+{
+    if (!t || !ns_live(t, ns))
+        return KVT_EINVAL;
+    kvt_ns_t *s = &t->ns[ns];
+    if (s->root->nkids > 0)
+        return KVT_EBUSY; /* no child, so no block, lease or I/O either */
+    ns_index_del(t, ns_slot(t, s->seed));
+    node_free(t, s->root);
+    rx_free(t, s->desc);
+    *s = (kvt_ns_t){.next_free = t->ns_free};
+    t->ns_free = ns;
+    t->ns_open--;
     return 0;
 }
 
@@ -912,9 +957,9 @@ uint64_t kvt_radix_ns_need(const kvt_radix_t *t, const char *model, const char *
     if (found)
         return t->ns[found - 1].desc ? 0 : rounded(b);
     b += sizeof(kvt_radix_node_t);
-    if (2 * (t->nns + 1) > t->ns_slots_cap)
+    if (2 * (t->ns_open + 1) > t->ns_slots_cap)
         b += (uint64_t)(t->ns_slots_cap ? 2 * t->ns_slots_cap : 16) * sizeof(uint32_t);
-    if (t->nns == t->ns_cap)
+    if (t->ns_free == NO_SLOT && t->nns == t->ns_cap)
         b += (uint64_t)(t->ns_cap ? 2 * t->ns_cap : 4) * sizeof(kvt_ns_t);
     return rounded(b);
 }
@@ -928,18 +973,18 @@ int kvt_radix_ns_open_seed(kvt_radix_t *t, uint64_t seed, uint32_t page_size, ui
 
 uint32_t kvt_radix_ns_page_size(const kvt_radix_t *t, uint32_t ns)
 {
-    return t && ns < t->nns ? t->ns[ns].page_size : 0;
+    return t && ns_live(t, ns) ? t->ns[ns].page_size : 0;
 }
 
 uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns)
 {
-    return t && ns < t->nns ? t->ns[ns].seed : 0;
+    return t && ns_live(t, ns) ? t->ns[ns].seed : 0;
 }
 
 int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
                          uint64_t *hashes)
 {
-    if (!t || ns >= t->nns || (npages && (!tokens || !hashes)))
+    if (!t || !ns_live(t, ns) || (npages && (!tokens || !hashes)))
         return KVT_EINVAL;
     uint32_t ps = t->ns[ns].page_size;
     uint64_t h = t->ns[ns].seed;
@@ -1032,7 +1077,7 @@ static int walk_inside(const walk_t *w)
 int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
                     unsigned flags, kvt_match_t *m)
 {
-    if (!t || !m || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+    if (!t || !m || !ns_live(t, ns) || (ntokens && !tokens) || ntokens > UINT32_MAX)
         return KVT_EINVAL;
     walk_t w;
     walk(t, ns, tokens, (uint32_t)(ntokens / t->ns[ns].page_size), !(flags & KVT_MATCH_NOTOUCH),
@@ -1060,7 +1105,7 @@ static inline void prefetch_range(const void *p, size_t len)
 
 void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n)
 {
-    if (!t || !runs || ns >= t->nns)
+    if (!t || !runs || !ns_live(t, ns))
         return;
     uint32_t ps = t->ns[ns].page_size;
     size_t page_bytes = (size_t)ps * sizeof(uint32_t);
@@ -1246,7 +1291,7 @@ static int insert_after(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uin
 int kvt_radix_insert(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
                      kvt_insert_t *res)
 {
-    if (!t || !res || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+    if (!t || !res || !ns_live(t, ns) || (ntokens && !tokens) || ntokens > UINT32_MAX)
         return KVT_EINVAL;
     uint32_t npages = (uint32_t)(ntokens / t->ns[ns].page_size);
     walk_t w;
@@ -1269,7 +1314,7 @@ static uint64_t insert_base(const kvt_radix_t *t, size_t np, uint32_t ps)
 
 uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntokens)
 {
-    if (!t || ns >= t->nns)
+    if (!t || !ns_live(t, ns))
         return 0;
     uint32_t ps = t->ns[ns].page_size;
     uint64_t b = insert_base(t, KVT_MIN(ntokens / ps, (size_t)UINT32_MAX), ps);
@@ -1282,7 +1327,7 @@ uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntoken
 
 uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens)
 {
-    if (!t || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+    if (!t || !ns_live(t, ns) || (ntokens && !tokens) || ntokens > UINT32_MAX)
         return 0;
     uint32_t ps = t->ns[ns].page_size, npages = (uint32_t)(ntokens / ps);
     walk_t w;
@@ -1305,7 +1350,7 @@ uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *toke
 int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_t *tokens,
                              size_t ntokens, kvt_insert_t *res)
 {
-    if (!t || !m || !res || m->ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+    if (!t || !m || !res || !ns_live(t, m->ns) || (ntokens && !tokens) || ntokens > UINT32_MAX)
         return KVT_EINVAL;
     uint32_t ps = t->ns[m->ns].page_size;
     uint32_t npages = (uint32_t)(ntokens / ps);
@@ -1412,7 +1457,7 @@ static void drop_tail(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t keep)
 
 int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens)
 {
-    if (!t || ns >= t->nns || (ntokens && !tokens) || ntokens > UINT32_MAX)
+    if (!t || !ns_live(t, ns) || (ntokens && !tokens) || ntokens > UINT32_MAX)
         return KVT_EINVAL;
     uint32_t npages = (uint32_t)(ntokens / t->ns[ns].page_size);
     if (npages == 0)
@@ -1844,7 +1889,7 @@ void kvt_radix_stats(const kvt_radix_t *t, kvt_radix_stats_t *st)
     st->blocks = t->blocks;
     st->cached_tokens = t->cached_tokens;
     st->leases = t->nleases;
-    st->namespaces = t->nns;
+    st->namespaces = t->ns_open;
 }
 
 /* ---- verification --------------------------------------------------------------------------- */
@@ -1892,8 +1937,19 @@ int kvt_radix_verify(const kvt_radix_t *t)
         }
     }
 
+    uint32_t closed = 0, open = 0;
+    for (uint32_t s = t->ns_free; s != NO_SLOT && closed <= t->nns; s = t->ns[s].next_free) {
+        if (s >= t->nns || t->ns[s].root)
+            VFAIL("namespace %u is on the closed list but not closed", s);
+        closed++;
+    }
     for (uint32_t s = 0; s < t->nns; s++) {
         const kvt_ns_t *ns = &t->ns[s];
+        if (!ns->root)
+            continue;
+        open++;
+        if (ns_find(t, ns->seed) != s + 1)
+            VFAIL("namespace %u is not found by its seed", s);
         bytes += usable(ns->desc);
         size_t sp = 0;
         stack[sp++] = ns->root;
@@ -1978,6 +2034,9 @@ int kvt_radix_verify(const kvt_radix_t *t)
                 VFAIL("%u children in the slots, %u counted", found, n->nkids);
         }
     }
+    if (open != t->ns_open || open + closed != t->nns)
+        VFAIL("%u namespaces open and %u closed of %u ids; the tree says %u open", open, closed,
+              t->nns, t->ns_open);
     if (seen_nodes != t->nnodes)
         VFAIL("%llu nodes reachable, %zu registered", (unsigned long long)seen_nodes, t->nnodes);
     if (blocks != t->blocks || tokens != t->cached_tokens)

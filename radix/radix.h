@@ -121,6 +121,8 @@ typedef struct kvt_radix_conf {
     /* Child tables of at least this many slots grow a step at a time rather than in one rehash
      * (radix.c, "growing a big table"); 0 picks 65536. */
     uint32_t step_table_slots;
+    /* Namespaces open at once, at most KVT_RADIX_NS_MAX; 0 picks KVT_RADIX_NS_MAX. */
+    uint32_t max_namespaces;
 } kvt_radix_conf_t;
 
 /* Creates an empty tree. conf may be NULL for defaults. Returns 0, KVT_EINVAL or KVT_ENOMEM. */
@@ -131,14 +133,19 @@ void kvt_radix_destroy(kvt_radix_t *t);
 /*
  * Namespaces. A namespace is (model, adapter, tenant salt, page size); adapter and salt may be
  * NULL or "". Opening the same description twice returns the same id. Ids are small integers
- * (0, 1, ...) valid for the tree's lifetime. Strings are copied; each is at most 255 bytes.
- * Namespaces are never freed, so there are at most KVT_RADIX_NS_MAX: a client making up tenant
- * salts cannot grow the tree without bound. Returns 0, KVT_EINVAL, KVT_ENOSPC (that many are
- * open) or KVT_ENOMEM.
+ * (0, 1, ...) valid until the namespace is closed; a closed id is given to a later namespace.
+ * Strings are copied; each is at most 255 bytes. At most conf.max_namespaces (KVT_RADIX_NS_MAX)
+ * are open at once: a client making up tenant salts cannot grow the tree without bound. Returns
+ * 0, KVT_EINVAL, KVT_ENOSPC (that many are open) or KVT_ENOMEM.
  */
 #define KVT_RADIX_NS_MAX 65536
 int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
                       uint32_t page_size, uint32_t *ns_out);
+/* Closes an empty namespace (nothing inserted, or all of it removed or evicted): its id and
+ * memory go back, and a later open of the same description starts afresh, maybe under another
+ * id. Whoever keeps state by namespace id must drop it first. Returns 0, KVT_EINVAL (not open)
+ * or KVT_EBUSY (it holds pages). */
+int kvt_radix_ns_close(kvt_radix_t *t, uint32_t ns);
 /* Opens a namespace known only by its seed (as stored in a tier's block headers): the same id as
  * kvt_radix_ns_open() of the description that hashes to that seed. Returns 0, KVT_EINVAL
  * (page_size differs from the one the namespace has) or KVT_ENOMEM. */
