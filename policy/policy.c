@@ -218,6 +218,12 @@ static uint32_t block_bytes(kvt_policy_t *p, uint32_t ns)
     return p->bb_ps[slot];
 }
 
+void kvt_policy_forget_ns(kvt_policy_t *p, uint32_t ns)
+{
+    if (p && p->bb_ns[ns % BLOCK_CACHE_NS] == ns)
+        p->bb_ps[ns % BLOCK_CACHE_NS] = 0;
+}
+
 /* The run [*a, *b) of node-local indices of blocks in tier t (empty when *a == *b). */
 static void node_run(kvt_radix_node_t *n, uint8_t t, uint32_t *a, uint32_t *b)
 {

@@ -321,6 +321,9 @@ void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);
 
 /* Bytes of one block of namespace ns (its page size through the model profile). */
 uint64_t kvt_policy_block_bytes(const kvt_policy_t *p, uint32_t ns);
+/* Forgets what the policy keeps by namespace id, before the tree closes that namespace (its id
+ * may then name another). */
+void kvt_policy_forget_ns(kvt_policy_t *p, uint32_t ns);
 
 /* Walks the tree and checks the invariants above against the engine's accounting. O(tree):
  * tests and debug builds. Returns 0 or KVT_ECORRUPT (logging what broke). */

@@ -80,6 +80,9 @@ static const kvt_opt_t kvt_opts[] = {
     {"max-conns", KVT_OPT_U32, KVT_O(max_conns), "1024", "most client connections at once"},
     {"lease-ms", KVT_OPT_U32, KVT_O(lease_ms), "30000", "lease time limit when MATCH gives 0"},
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
+    {"max-namespaces", KVT_OPT_U32, KVT_O(max_namespaces), "65536",
+     "namespaces open at once (1..65536); when full, a HELLO of a new one closes the empty "
+     "namespaces no client uses"},
     {"max-leases", KVT_OPT_U32, KVT_O(max_leases), "4096",
      "leases one connection may hold at once; a MATCH asking for one more gets ENOSPC"},
     {"max-inflight", KVT_OPT_U32, KVT_O(max_inflight), "64",
@@ -448,6 +451,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen,
                  "max-conns, lease-ms and max-inflight must be > 0, and lease-ms <= "
                  "lease-ms-max");
+        return KVT_EINVAL;
+    }
+    if (conf->max_namespaces == 0 || conf->max_namespaces > KVT_RADIX_NS_MAX) {
+        snprintf(err, errlen, "max-namespaces must be between 1 and %u", KVT_RADIX_NS_MAX);
         return KVT_EINVAL;
     }
     if (conf->max_leases == 0 || conf->max_leases > (1u << 20)) {

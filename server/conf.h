@@ -41,6 +41,7 @@ typedef struct kvt_srv_conf {
     uint32_t lease_ms_max;     /* the longest a client may ask for */
     uint32_t max_inflight;     /* tier I/Os in flight per connection before reads pause */
     uint32_t max_leases;       /* leases one connection may hold at once */
+    uint32_t max_namespaces;   /* namespaces open at once */
     uint64_t max_output;       /* queued reply bytes per connection before reads pause */
     uint64_t max_client_bytes; /* clients' buffers beyond their base input buffers, all together */
     uint32_t reply_timeout_ms; /* a socket that takes none of its replies this long is closed */

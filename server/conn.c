@@ -181,9 +181,20 @@ void kvt__req_free(kvt__req_t *r)
         free(r->held);
         r->srv->client_bytes -= r->held_bytes;
     }
+    if (r->ns_held)
+        kvt__ns_unuse(r->srv, r->ns);
     free(r->extra);
     free(r->out);
     free(r);
+}
+
+void kvt__req_ns(kvt__req_t *r, uint32_t ns)
+{
+    if (r->ns_held)
+        kvt__ns_unuse(r->srv, r->ns);
+    r->ns = ns;
+    r->ns_held = 1;
+    kvt__ns_use(r->srv, ns);
 }
 
 void kvt__conn_close(kvt__conn_t *c)
@@ -208,6 +219,8 @@ void kvt__conn_close(kvt__conn_t *c)
         r = next;
     }
     c->head = c->tail = NULL;
+    if (c->hello)
+        kvt__ns_unuse(s, c->ns);
     kvt_mem_wait_end(c);
     s->client_bytes -= kvt_in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_del(s, &c->ev);

@@ -226,17 +226,29 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     adapter[m.adapter_len] = 0;
     memcpy(salt, m.salt, m.salt_len);
     salt[m.salt_len] = 0;
-    if (kvt__index_fit(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)) < 0)
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
-                                "no room for a new namespace in the index: it is at index-bytes "
-                                "(%llu) and every page it could evict is leased or holds bytes",
-                                (unsigned long long)s->conf->index_bytes);
+    /* A new namespace needs room in the index and one of the 65,536 ids: when either is short,
+     * the empty namespaces nobody uses are closed first. */
+    int reclaimed = 0;
+    if (kvt__index_fit(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)) < 0) {
+        reclaimed = 1;
+        if (!kvt__ns_reclaim(s) ||
+            kvt__index_fit(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)) < 0)
+            return kvt__reply_error(
+                c, h->opcode, h->request_id, t0, KVT_ENOSPC,
+                "no room for a new namespace in the index: it is at index-bytes (%llu) and every "
+                "page it could evict is leased or holds bytes",
+                (unsigned long long)s->conf->index_bytes);
+    }
     uint32_t ns;
     int rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
+    if (rc == KVT_ENOSPC && !reclaimed && kvt__ns_reclaim(s) &&
+        kvt__index_fits(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)))
+        rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
     if (rc < 0)
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot open namespace%s",
-                                rc == KVT_ENOSPC ? ": the daemon holds as many as it may (65,536)"
-                                                 : "");
+        return kvt__reply_error(
+            c, h->opcode, h->request_id, t0, rc, "cannot open namespace%s",
+            rc == KVT_ENOSPC ? ": the daemon holds max-namespaces, each holding pages or used"
+                             : "");
     kvt__ns_t *n;
     if ((rc = kvt__ns_get(s, ns, &n)) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "out of memory");
@@ -261,6 +273,9 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                 model, rc == KVT_EINVAL ? "a name holds a tab or a line break" : kvt_strerror(rc));
         }
     }
+    kvt__ns_use(s, ns);
+    if (c->hello)
+        kvt__ns_unuse(s, c->ns);
     c->hello = 1;
     c->ns = ns;
     c->page_size = m.page_size;
@@ -545,7 +560,7 @@ static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0
         return 0;
     }
     r->extra = x;
-    r->ns = c->ns;
+    kvt__req_ns(r, c->ns);
     x->req = r;
     x->hdr = *h;
     x->q = *q;
@@ -658,7 +673,7 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     kvt__req_t *r = kvt__req_new(c, KVT_REQ_PUT, h->opcode, h->request_id, t0);
     if (!r)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    r->ns = c->ns;
+    kvt__req_ns(r, c->ns);
     r->node = res.node;
     r->pages = res.pages;
     r->new_pages = res.new_pages;
@@ -706,7 +721,7 @@ static int kvt_h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     kvt__req_t *r = kvt__req_new(c, KVT_REQ_GET, h->opcode, h->request_id, t0);
     if (!r)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    r->ns = l->ns;
+    kvt__req_ns(r, l->ns);
     r->node = l->node;
     r->pages = l->pages;
     r->block_bytes = ns->block_bytes;
@@ -752,7 +767,7 @@ static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
     kvt__req_t *r = kvt__req_new(c, KVT_REQ_PREFETCH, h->opcode, h->request_id, t0);
     if (!r)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    r->ns = c->ns;
+    kvt__req_ns(r, c->ns);
     r->node = m.node;
     r->pages = m.pages;
     r->target = q.tier;
@@ -847,7 +862,7 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
          * wait behind it. */
         kvt__req_t *r = kvt__req_new(c, KVT_REQ_REMOVE, h->opcode, h->request_id, t0);
         if (r && kvt__req_hold(r, c->tok, (size_t)n * sizeof(uint32_t)) == 0) {
-            r->ns = c->ns;
+            kvt__req_ns(r, c->ns);
             r->pages = n; /* tokens, for a REMOVE */
             r->deadline_ns = kvt_now_ns() + KVT_REMOVE_WAIT_MS * 1000000ull;
             s->reqs_waiting = 1;

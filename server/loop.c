@@ -63,6 +63,36 @@ int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out)
     return 0;
 }
 
+void kvt__ns_use(kvt_srv_t *s, uint32_t ns)
+{
+    kvt_assert(ns < s->nns); /* every id in use was declared by a HELLO, which made its entry */
+    s->ns[ns].users++;
+}
+
+void kvt__ns_unuse(kvt_srv_t *s, uint32_t ns)
+{
+    kvt_assert(ns < s->nns && s->ns[ns].users > 0);
+    s->ns[ns].users--;
+}
+
+uint32_t kvt__ns_reclaim(kvt_srv_t *s)
+{
+    uint32_t closed = 0;
+    for (uint32_t id = 0; id < KVT_RADIX_NS_MAX; id++) {
+        if ((id < s->nns && s->ns[id].users) || !kvt_radix_ns_page_size(s->radix, id) ||
+            kvt_radix_ns_close(s->radix, id) < 0) /* KVT_EBUSY: it holds pages */
+            continue;
+        kvt_policy_forget_ns(s->policy, id);
+        if (id < s->nns)
+            s->ns[id] = (kvt__ns_t){0};
+        closed++;
+    }
+    kvt__metric_add(s->metrics, KVT_M_NAMESPACES_CLOSED, 0, closed);
+    kvt_log(KVT_LOG_INFO, "kvtierd: closed %u empty namespaces no client uses, for new ones",
+            closed);
+    return closed;
+}
+
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port)
 {
     const char *colon = strrchr(s, ':');
@@ -263,8 +293,10 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         rc = -errno;
         goto fail;
     }
-    kvt_radix_conf_t rconf = {
-        .free_cb = kvt__store_free_cb, .node_free_cb = kvt__store_node_free_cb, .free_arg = s};
+    kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb,
+                              .node_free_cb = kvt__store_node_free_cb,
+                              .free_arg = s,
+                              .max_namespaces = s->conf->max_namespaces};
     rc = kvt_radix_create(&s->radix, &rconf);
     if (rc < 0)
         goto fail;

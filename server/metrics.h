@@ -97,6 +97,9 @@ typedef enum {
     X(INDEX_BYTES, GAUGE, "kvtier_index_bytes", "Memory allocated by the prefix index.", NONE)     \
     X(INDEX_CAPACITY, GAUGE, "kvtier_index_capacity_bytes",                                        \
       "The prefix index's memory limit (index-bytes); 0 for none.", NONE)                          \
+    X(NAMESPACES, GAUGE, "kvtier_namespaces", "Namespaces open in the prefix index.", NONE)        \
+    X(NAMESPACES_CLOSED, COUNTER, "kvtier_namespaces_closed_total",                                \
+      "Empty namespaces no client used, closed to make room for new ones.", NONE)                  \
     X(REMOTE_CONNECTS, COUNTER, "kvtier_remote_connects_total",                                    \
       "Connections to the remote server that completed their handshake.", NONE)                    \
     X(REMOTE_DISCONNECTS, COUNTER, "kvtier_remote_disconnects_total",                              \

@@ -46,11 +46,13 @@ struct kvt__ev {
     void (*cb)(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 };
 
-/* What the daemon knows of a namespace beyond the tree: the block size clients declared. */
+/* What the daemon knows of a namespace beyond the tree: the block size clients declared, and who
+ * uses it. An empty namespace nobody uses may be closed (kvt__ns_reclaim) and its id reused. */
 typedef struct kvt__ns {
     uint32_t page_size;
     uint32_t block_bytes; /* 0 until a client declares a non-zero size */
     uint64_t seed;
+    uint32_t users; /* connections that declared it, requests that name it */
 } kvt__ns_t;
 
 /* A lease held by a connection: the pinned path's deepest node and its length in pages. */
@@ -115,7 +117,8 @@ struct kvt__req {
 
     /* PUT, GET and PREFETCH */
     kvt_policy_hint_t hint; /* PUT: the engine's hints, handed to the policy with the blocks */
-    uint32_t ns;
+    uint32_t ns;            /* set by kvt__req_ns, which holds the namespace open */
+    uint8_t ns_held;
     uint64_t lease;         /* an internal lease pinning the path while I/O runs */
     kvt_radix_node_t *node; /* the path's deepest node */
     uint32_t pages;         /* path length */
@@ -228,6 +231,12 @@ int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 int kvt__ev_mod(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 void kvt__ev_del(kvt_srv_t *s, kvt__ev_t *ev);
 int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out);
+/* Holds namespace ns open (it stays open while it has users) or lets it go. */
+void kvt__ns_use(kvt_srv_t *s, uint32_t ns);
+void kvt__ns_unuse(kvt_srv_t *s, uint32_t ns);
+/* Closes every namespace that holds no page and that no connection or request uses, so that its
+ * id and memory can go to a new one; returns how many. Walks every namespace. */
+uint32_t kvt__ns_reclaim(kvt_srv_t *s);
 
 /* conn.c */
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp);
@@ -249,6 +258,8 @@ int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int s
 /* A request that will finish later: its place in the queue. */
 kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint64_t id,
                          uint64_t t0);
+/* The namespace r works in, held open until r is freed. */
+void kvt__req_ns(kvt__req_t *r, uint32_t ns);
 /* Adds bytes to a request's output (GET frames, final replies). Returns 0 or KVT_ENOMEM. */
 int kvt__req_append(kvt__req_t *r, const void *p, size_t len);
 /* Appends r's reply frame: status r->status, then len bytes of body. Out of memory closes the

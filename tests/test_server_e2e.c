@@ -293,6 +293,69 @@ Test(server_e2e, leases_per_connection_are_bounded)
     kvd_cleanup(&d);
 }
 
+/* Connects to namespace `model` (index-only), or returns the refusal. */
+static int ns_connect(const kvd_t *d, const char *model, kvt_client_t **out)
+{
+    kvt_client_conf_t conf = {.unix_path = d->sock, .model = model, .page_size = PAGE};
+    *out = NULL;
+    return kvt_client_connect(out, &conf);
+}
+
+/*
+ * max-namespaces 4: tenants come and go for ever without the daemon filling up. A HELLO of a new
+ * namespace when four are open closes the empty ones no client uses (m4 here) and takes an id;
+ * namespaces holding pages (m3) or declared by a connected client (m1, m2) stay. When every one
+ * holds pages or is in use, the HELLO is refused with ENOSPC, saying why, and nothing changes.
+ * (Namespaces used to stay open for the daemon's life: the 65,537th tenant ever was refused.)
+ */
+Test(server_e2e, idle_empty_namespaces_make_room_for_new_ones)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--max-namespaces", "4", NULL);
+    kvt_client_t *m1, *m2, *m3, *m4, *m5, *x;
+    cr_assert_eq(ns_connect(&d, "m1", &m1), 0);
+    cr_assert_eq(ns_connect(&d, "m2", &m2), 0);
+    cr_assert_eq(ns_connect(&d, "m3", &m3), 0);
+    cr_assert_eq(ns_connect(&d, "m4", &m4), 0);
+    uint32_t tok[4 * PAGE];
+    for (uint32_t i = 0; i < 4 * PAGE; i++)
+        tok[i] = 7 * i + 1;
+    kvt_client_put_t p;
+    cr_assert_eq(kvt_client_put(m3, tok, 4 * PAGE, 0, 0, NULL, NULL, &p), 0);
+    cr_assert_eq(kvd_stat(m1, "namespaces"), 4);
+    cr_assert_eq(ns_connect(&d, "m5", &m5), KVT_CLIENT_ENOSPC, "all four in use");
+    kvt_client_close(m3);
+    kvt_client_close(m4);
+    int rc = -1;
+    for (int i = 0; i < 200 && rc < 0; i++) /* until the daemon has seen the closes */
+        if ((rc = ns_connect(&d, "m5", &m5)) < 0)
+            usleep(10000);
+    cr_assert_eq(rc, 0, "m4 is closed for m5: %s", kvt_client_strerror(rc));
+    cr_expect_eq(kvd_stat(m1, "namespaces"), 4, "m1, m2, m3 (pages) and m5");
+    cr_assert_eq(ns_connect(&d, "m6", &x), KVT_CLIENT_ENOSPC, "every one holds pages or is used");
+    /* m3 kept its pages; m4 comes back empty in m5's place once m5's client is gone. */
+    cr_assert_eq(ns_connect(&d, "m3", &m3), 0, "a namespace open already");
+    kvt_client_match_t q = {0};
+    cr_assert_eq(kvt_client_match(m3, tok, 4 * PAGE, 0, 0, NULL, &q), 0);
+    cr_expect_eq(q.pages, 4);
+    kvt_client_close(m5);
+    rc = -1;
+    for (int i = 0; i < 200 && rc < 0; i++)
+        if ((rc = ns_connect(&d, "m4", &m4)) < 0)
+            usleep(10000);
+    cr_assert_eq(rc, 0, "%s", kvt_client_strerror(rc));
+    cr_assert_eq(kvt_client_match(m4, tok, 4 * PAGE, 0, 0, NULL, &q), 0);
+    cr_expect_eq(q.pages, 0, "m4 starts afresh");
+    cr_assert_eq(kvt_client_put(m4, tok, 4 * PAGE, 0, 0, NULL, NULL, &p), 0);
+    cr_assert_eq(kvt_client_match(m4, tok, 4 * PAGE, 0, 0, NULL, &q), 0);
+    cr_expect_eq(q.pages, 4);
+    kvt_client_close(m1);
+    kvt_client_close(m2);
+    kvt_client_close(m3);
+    kvt_client_close(m4);
+    kvd_cleanup(&d);
+}
+
 /*
  * An engine's connection holding thousands of leases: each GET and RELEASE finds its own, in any
  * order, as leases come and go around it; a released id, and another connection's lease, are not
