@@ -4,7 +4,8 @@
  *
  * Several raw connections send mostly well-formed requests of every opcode (prompts that share
  * prefixes, PUT payloads, GETs and RELEASEs of leases seen in replies and of made-up ones, HELLOs
- * that switch namespaces), and one frame in two is mutated: a flipped bit, a byte or a count of
+ * that switch among more namespaces than the daemon may hold open, so that empty ones are closed
+ * under requests in flight), and one frame in two is mutated: a flipped bit, a byte or a count of
  * the body, the opcode, the flags, the body length, a body length past max-frame. Half of them
  * use the Unix socket, half TCP; the odd PUT is bigger than the daemon's input buffer. Now and then
  * a connection sends random bytes, stops in the middle of a frame, or just hangs up. The daemon has
@@ -108,7 +109,11 @@ typedef struct fconn {
 
 static size_t body_hello(fuzz_t *z)
 {
-    const char *model = rnd(&z->rng) % 2 ? "fuzz-a" : "fuzz-b";
+    /* Six models against max-namespaces 4 (the clean client's among them): HELLOs find the
+     * daemon full, close the empty namespaces nobody uses, or are refused. */
+    static const char *const models[] = {"fuzz-a", "fuzz-b", "fuzz-c",
+                                         "fuzz-d", "fuzz-e", "fuzz-f"};
+    const char *model = models[rnd(&z->rng) % 6];
     kvt_wire_hello_t w = {.min_version = 1,
                           .max_version = 1,
                           .page_size = PAGE,
@@ -387,7 +392,8 @@ static void fuzz_for(uint64_t seed, uint64_t ms)
     snprintf(pfx, sizeof pfx, "kvfuzz%d-%llu", (int)getpid(), (unsigned long long)seed);
     kvd_start(&d, "--dram-bytes", "4M", "--hbm-backend", "host", "--hbm-bytes", "2M",
               "--nvme-bytes", "16M", "--nvme-segment-bytes", "1M", "--remote",
-              redis && *redis ? redis : "", "--remote-prefix", pfx, "--remote-bytes", "64M", NULL);
+              redis && *redis ? redis : "", "--remote-prefix", pfx, "--remote-bytes", "64M",
+              "--max-namespaces", "4", NULL);
     static fuzz_t z;
     static clean_t k;
     memset(&z, 0, sizeof z);
@@ -415,8 +421,14 @@ static void fuzz_for(uint64_t seed, uint64_t ms)
         free(cs[i].out);
     }
     free(in);
-    cr_log_info("seed %llu: %ld frames, %ld clean rounds, %ld pages read back",
-                (unsigned long long)seed, z.frames, k.rounds, k.pages_checked);
+    static char body[1 << 18];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    const char *closed = strstr(body, "\nkvtier_namespaces_closed_total ");
+    cr_assert(closed);
+    cr_log_info(
+        "seed %llu: %ld frames, %ld clean rounds, %ld pages read back, %ld namespaces closed",
+        (unsigned long long)seed, z.frames, k.rounds, k.pages_checked,
+        strtol(closed + 32, NULL, 10));
     cr_expect_gt(z.frames, 1000);
     cr_expect_gt(k.pages_checked, 100, "the clean client read back only %ld pages",
                  k.pages_checked);

@@ -360,8 +360,9 @@ Test(server_remote, a_probe_answers_in_the_namespace_it_was_asked_in)
 }
 
 /* Serves one RESP connection of a Redis that stores nothing: every GET is answered with an
- * integer, everything else with +OK (+PONG for PING). In a child process. */
-static void lying_redis_conn(int fd)
+ * integer, everything else with +OK (+PONG for PING); or, with exists_ms, every EXISTS with 1
+ * after exists_ms (a slow server that has every key). In a child process. */
+static void lying_redis_conn(int fd, int exists_ms)
 {
     static char buf[1 << 20];
     size_t len = 0;
@@ -391,9 +392,12 @@ static void lying_redis_conn(int fd)
             if (i < argc)
                 break;
             off = (size_t)(p - buf);
-            const char *reply = !strcasecmp(verb, "GET")    ? ":1\r\n"
-                                : !strcasecmp(verb, "PING") ? "+PONG\r\n"
-                                                            : "+OK\r\n";
+            int exists = exists_ms && !strcasecmp(verb, "EXISTS");
+            const char *reply = !strcasecmp(verb, "GET") || exists ? ":1\r\n"
+                                : !strcasecmp(verb, "PING")        ? "+PONG\r\n"
+                                                                   : "+OK\r\n";
+            if (exists)
+                usleep((useconds_t)exists_ms * 1000);
             if (write(fd, reply, strlen(reply)) < 0)
                 return;
         }
@@ -402,7 +406,7 @@ static void lying_redis_conn(int fd)
     }
 }
 
-static pid_t lying_redis(uint16_t *port)
+static pid_t lying_redis(uint16_t *port, int exists_ms)
 {
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sin = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -416,7 +420,7 @@ static pid_t lying_redis(uint16_t *port)
         for (;;) {
             int fd = accept(lfd, NULL, NULL);
             if (fd >= 0) {
-                lying_redis_conn(fd);
+                lying_redis_conn(fd, exists_ms);
                 close(fd);
             }
         }
@@ -434,7 +438,7 @@ static pid_t lying_redis(uint16_t *port)
 Test(server_remote, a_malformed_remote_answer_is_a_failed_read)
 {
     uint16_t port;
-    pid_t liar = lying_redis(&port);
+    pid_t liar = lying_redis(&port, 0);
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
     kvd_t d = {0};
@@ -461,6 +465,108 @@ Test(server_remote, a_malformed_remote_answer_is_a_failed_read)
     kvd_cleanup(&d);
     kill(liar, SIGKILL);
     waitpid(liar, NULL, 0);
+}
+
+/* Reads one reply frame of fd into body (at most cap bytes); returns its status. */
+static int raw_reply(int fd, uint8_t *body, uint32_t cap, uint32_t *len)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    kvt_proto_hdr_t h;
+    for (size_t got = 0; got < sizeof hdr;) {
+        ssize_t n = read(fd, hdr + got, sizeof hdr - got);
+        cr_assert(n > 0, "reply header: %s", n < 0 ? strerror(errno) : "closed");
+        got += (size_t)n;
+    }
+    kvt_proto_hdr_decode(hdr, &h);
+    cr_assert_leq(h.body_len, cap);
+    for (size_t got = 0; got < h.body_len;) {
+        ssize_t n = read(fd, body + got, h.body_len - got);
+        cr_assert(n > 0);
+        got += (size_t)n;
+    }
+    *len = h.body_len;
+    return h.status;
+}
+
+/* A HELLO frame for model m (one letter) at out; returns its length. */
+static size_t raw_hello_frame(uint8_t *out, char m, uint64_t id)
+{
+    kvt_wire_hello_t hw = {
+        .min_version = 1, .max_version = 1, .page_size = PAGE, .block_bytes = BB, .model_len = 1};
+    kvt_proto_frame(out, KVT_OP_HELLO, 0, id, 0, sizeof hw + 1);
+    memcpy(out + KVT_PROTO_HDR, &hw, sizeof hw);
+    out[KVT_PROTO_HDR + sizeof hw] = (uint8_t)m;
+    return KVT_PROTO_HDR + sizeof hw + 1;
+}
+
+/*
+ * A remote probe in flight keeps its namespace open: a connection declares x, asks a slow remote
+ * server for a prompt (every key exists there, each answer 200 ms late) and switches to y at once.
+ * With max-namespaces 2, another client's HELLO of z is refused while the probe runs (x is empty
+ * but the probe names it), so the 4 pages found remote join x, not whatever took x's id; once the
+ * connection is gone, y (empty, unused) is closed for z, which starts empty. (A probe held nothing
+ * open at first: x was closed under it, z took its id, and z found x's pages.)
+ */
+Test(server_remote, a_probe_in_flight_keeps_its_namespace_open)
+{
+    uint16_t port;
+    pid_t slow = lying_redis(&port, 200);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    kvd_t d = {0};
+    kvd_start(&d, "--max-namespaces", "2", "--nvme-bytes", "0", "--remote", addr, NULL);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 21);
+    static uint8_t f[3 * (KVT_PROTO_HDR + 64) + sizeof(kvt_wire_match_t) + sizeof tok];
+    size_t len = raw_hello_frame(f, 'x', 1);
+    kvt_wire_match_t mw = {.ntokens = 4 * PAGE};
+    kvt_proto_frame(f + len, KVT_OP_MATCH, KVT_MATCH_F_REMOTE, 2, 0, sizeof mw + sizeof tok);
+    memcpy(f + len + KVT_PROTO_HDR, &mw, sizeof mw);
+    memcpy(f + len + KVT_PROTO_HDR + sizeof mw, tok, sizeof tok);
+    len += KVT_PROTO_HDR + sizeof mw + sizeof tok;
+    len += raw_hello_frame(f + len, 'y', 3);
+    int fd = kvd_raw(&d);
+    uint8_t body[256];
+    uint32_t blen;
+    static char text[1 << 18];
+    for (int i = 0; i < 200; i++) { /* until the handshake with the slow server is done */
+        cr_assert_eq(kvd_http_get(&d, "/metrics", text, sizeof text), 200);
+        if (strstr(text, "\nkvtier_remote_connects_total 1"))
+            break;
+        usleep(10000);
+    }
+    cr_assert(strstr(text, "\nkvtier_remote_connects_total 1"), "the daemon reached the server");
+    cr_assert(write(fd, f, len) == (ssize_t)len);
+    cr_assert_eq(raw_reply(fd, body, sizeof body, &blen), 0, "HELLO x");
+    for (int i = 0; i < 200; i++) { /* until the daemon has read the second HELLO: x and y */
+        cr_assert_eq(kvd_http_get(&d, "/metrics", text, sizeof text), 200);
+        if (strstr(text, "\nkvtier_namespaces 2"))
+            break;
+        usleep(10000);
+    }
+    kvt_client_t *z = NULL;
+    kvt_client_conf_t zc = {
+        .unix_path = d.sock, .model = "z", .page_size = PAGE, .block_bytes = BB};
+    cr_assert_eq(kvt_client_connect(&z, &zc), KVT_CLIENT_ENOSPC, "x is held by the probe");
+    cr_assert_eq(raw_reply(fd, body, sizeof body, &blen), 0, "MATCH");
+    kvt_wire_match_reply_t mr;
+    memcpy(&mr, body, sizeof mr);
+    cr_expect_eq(le32toh(mr.pages), 4);
+    cr_expect_eq(le32toh(mr.remote_pages), 4, "the slow server has them all");
+    cr_assert_eq(raw_reply(fd, body, sizeof body, &blen), 0, "HELLO y");
+    close(fd);
+    int rc = -1;
+    for (int i = 0; i < 200 && rc < 0; i++)
+        if ((rc = kvt_client_connect(&z, &zc)) < 0)
+            usleep(10000);
+    cr_assert_eq(rc, 0, "y is closed for z: %s", kvt_client_strerror(rc));
+    kvt_client_match_t q = {0};
+    cr_assert_eq(kvt_client_match(z, tok, 4 * PAGE, 0, 0, NULL, &q), 0);
+    cr_expect_eq(q.pages, 0, "z starts empty: x's pages stayed in x");
+    kvt_client_close(z);
+    kvd_cleanup(&d);
+    kill(slow, SIGKILL);
+    waitpid(slow, NULL, 0);
 }
 
 Test(server_remote, remote_down_is_a_counted_miss)
