@@ -553,3 +553,62 @@ Test(tier_nvme_recover, a_long_namespace_list_crowds_out_no_blocks)
     kvt_radix_destroy(tree);
     tu_rmrf(dir);
 }
+
+/*
+ * Tenants that come and go (each HELLO of a new one appends its line) do not grow the list for
+ * ever: once it reaches 4,096 lines it is rewritten to the namespaces that hold blocks in the
+ * tier, and again each time it doubles from there. A namespace with blocks keeps its line
+ * through every compaction and comes back by name after a restart.
+ */
+Test(tier_nvme_recover, the_namespace_list_is_compacted_as_tenants_come_and_go)
+{
+    enum { TENANTS = 10000 };
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvnscompact");
+    kvt_radix_t *tree = NULL;
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    uint32_t ns, a[2 * 16];
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama-70b", NULL, "tenant-busy", 16, &ns), 0);
+    for (int i = 0; i < 2 * 16; i++)
+        a[i] = (uint32_t)i * 13 + 5;
+    kvt_insert_t ins;
+    cr_assert_eq(kvt_radix_insert(tree, ns, a, 2 * 16, &ins), 0);
+    kvt_tier_t *t = open_tier(dir);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "tenant-busy", 16), 0);
+    write_path(tree, t, ns, a, 2, 0);
+    int same, most = 0;
+    char salt[32], want[64];
+    for (int i = 0; i < TENANTS; i++) {
+        snprintf(salt, sizeof salt, "idle-%d", i);
+        cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, salt, 16), 0);
+        if (i % 500 == 0 || i == TENANTS - 1) {
+            int lines = ns_lines(dir, "v1\tllama-70b\t\ttenant-busy\t16\n", &same);
+            cr_assert_eq(same, 1, "after %d tenants", i + 1);
+            most = lines > most ? lines : most;
+        }
+    }
+    snprintf(want, sizeof want, "v1\tllama-70b\t\tidle-%d\t16\n", TENANTS - 1);
+    int lines = ns_lines(dir, want, &same);
+    cr_assert_eq(same, 1, "the newest tenant is listed");
+    cr_assert_leq(lines, 4096, "%d lines for %d tenants", lines, TENANTS + 1);
+    cr_assert_leq(most, 4096);
+    /* A tenant listed before a compaction and dropped by it is listed again when it comes back. */
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "idle-0", 16), 0);
+    cr_assert_eq(ns_lines(dir, "v1\tllama-70b\t\tidle-0\t16\n", &same), lines + 1);
+    cr_assert_eq(same, 1);
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    cr_assert_eq(r.inserted, 2);
+    cr_assert_eq(ns_lines(dir, NULL, &same), 1, "the restart keeps the busy tenant's line only");
+    uint32_t id;
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama-70b", NULL, "tenant-busy", 16, &id), 0);
+    cr_assert_eq(id, 0, "opened by recovery");
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+    tu_rmrf(dir);
+}

@@ -72,6 +72,7 @@ typedef struct nvme {
      * set, 0 marking a free slot, read from the file once, on the first call. */
     uint64_t *ns_set;
     size_t ns_count, ns_cap;
+    size_t ns_lines, ns_compact_at; /* lines in the file; compacted when it reaches the second */
     int ns_loaded;
     void (*reclaim_cb)(void *arg, uint64_t loc, uint64_t ns_seed, uint64_t hash);
     void *reclaim_arg;

@@ -23,7 +23,8 @@
 
 #include <xxhash.h>
 
-#define NS_FILE "namespaces"
+#define NS_FILE        "namespaces"
+#define NS_COMPACT_MIN 4096 /* lines the list may reach before its first compaction */
 
 static int ns_str_ok(const char *s, int may_be_empty)
 {
@@ -138,7 +139,141 @@ static int ns_load_one(void *arg, const char *model, const char *adapter, const 
     size_t j = ns_slot(n, key);
     n->ns_count += !n->ns_set[j];
     n->ns_set[j] = key;
+    n->ns_lines++;
     return 0;
+}
+
+typedef int (*ns_keep_fn)(void *arg, const char *model, const char *adapter, const char *salt,
+                          uint32_t page);
+
+typedef struct ns_rewrite_ctx {
+    nvme_t *n;
+    FILE *out;
+    ns_keep_fn keep;
+    void *arg;
+    int err;
+} ns_rewrite_ctx_t;
+
+static int ns_rewrite_one(void *arg, const char *model, const char *adapter, const char *salt,
+                          uint32_t page)
+{
+    ns_rewrite_ctx_t *c = arg;
+    nvme_t *n = c->n;
+    if (!c->keep(c->arg, model, adapter, salt, page))
+        return 0;
+    if (ns_set_reserve(n) < 0)
+        return KVT_ENOMEM;
+    uint64_t key = ns_key(model, adapter, salt, page);
+    size_t j = ns_slot(n, key);
+    if (n->ns_set[j])
+        return 0; /* listed twice (two daemons, a lost set): kept once */
+    char line[1100];
+    int len = ns_line(line, sizeof line, model, adapter, salt, page);
+    if (fwrite(line, 1, (size_t)len, c->out) != (size_t)len)
+        c->err = 1;
+    n->ns_set[j] = key;
+    n->ns_count++;
+    n->ns_lines++;
+    return 0;
+}
+
+/*
+ * Rewrites DIR/namespaces to the lines keep() accepts, each description once: a new file,
+ * synced, renamed over the old, so that a crash leaves one or the other. The set of recorded
+ * names becomes those lines. Returns 0, or an error with the file and the set as they were.
+ */
+static int ns_rewrite(nvme_t *n, ns_keep_fn keep, void *arg)
+{
+    char path[4096], tmp[4100];
+    snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
+    snprintf(tmp, sizeof(tmp), "%s.new", path);
+    ns_rewrite_ctx_t c = {.n = n, .keep = keep, .arg = arg};
+    if (!(c.out = fopen(tmp, "we")))
+        return -errno;
+    uint64_t *set = n->ns_set;
+    size_t count = n->ns_count, cap = n->ns_cap, lines = n->ns_lines;
+    n->ns_set = NULL;
+    n->ns_count = n->ns_cap = n->ns_lines = 0;
+    int rc = ns_each(n, ns_rewrite_one, &c);
+    if (rc == 0 && (c.err || fflush(c.out) != 0 || fsync(fileno(c.out)) != 0))
+        rc = errno ? -errno : KVT_EIO;
+    if (fclose(c.out) != 0 && rc == 0)
+        rc = KVT_EIO;
+    if (rc == 0 && rename(tmp, path) != 0)
+        rc = -errno;
+    if (rc == 0) {
+        free(set);
+        n->ns_loaded = 1;
+        return 0;
+    }
+    unlink(tmp);
+    free(n->ns_set);
+    n->ns_set = set;
+    n->ns_count = count;
+    n->ns_cap = cap;
+    n->ns_lines = lines;
+    return rc;
+}
+
+/* The namespace seeds of the blocks the tier holds, sorted. */
+typedef struct seed_vec {
+    uint64_t *v;
+    size_t n, cap;
+    int err;
+} seed_vec_t;
+
+static void seed_collect(void *arg, const kvt__tier_ent_t *e)
+{
+    seed_vec_t *s = arg;
+    if (s->n > 0 && s->v[s->n - 1] == e->ns_seed)
+        return; /* the common run of one namespace's blocks */
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 64;
+        uint64_t *v = realloc(s->v, cap * sizeof(*v));
+        if (!v) {
+            s->err = 1;
+            return;
+        }
+        s->v = v;
+        s->cap = cap;
+    }
+    s->v[s->n++] = e->ns_seed;
+}
+
+static int u64_cmp(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int seed_held(void *arg, const char *model, const char *adapter, const char *salt,
+                     uint32_t page)
+{
+    const seed_vec_t *s = arg;
+    uint64_t seed = kvt_radix_ns_seed_of(model, adapter, salt, page);
+    return s->n && bsearch(&seed, s->v, s->n, sizeof(*s->v), u64_cmp) != NULL;
+}
+
+/* Drops the lines of namespaces with no block in the tier: the list would otherwise grow with
+ * every tenant that ever came and went. Next when it has doubled again. */
+static void ns_compact(nvme_t *n)
+{
+    seed_vec_t s = {0};
+    kvt__tier_foreach(n->tier, seed_collect, &s);
+    int rc = KVT_ENOMEM;
+    if (!s.err) {
+        if (s.n)
+            qsort(s.v, s.n, sizeof(*s.v), u64_cmp);
+        size_t before = n->ns_lines;
+        if ((rc = ns_rewrite(n, seed_held, &s)) == 0)
+            kvt_log(KVT_LOG_INFO, "nvme tier: namespace list compacted from %zu lines to %zu",
+                    before, n->ns_lines);
+    }
+    if (rc < 0)
+        kvt_log(KVT_LOG_WARN, "nvme tier: could not compact %s/" NS_FILE ": %s", n->dir,
+                kvt_strerror(rc));
+    n->ns_compact_at = KVT_MAX((size_t)NS_COMPACT_MIN, 2 * n->ns_lines);
+    free(s.v);
 }
 
 int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, const char *salt,
@@ -156,12 +291,14 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
             return rc;
         n->ns_loaded = 1;
     }
+    uint64_t key = ns_key(model, adapter, salt, page_size);
+    if (n->ns_cap && n->ns_set[ns_slot(n, key)])
+        return 0;
+    if (n->ns_lines >= KVT_MAX((size_t)NS_COMPACT_MIN, n->ns_compact_at))
+        ns_compact(n);
     if ((rc = ns_set_reserve(n)) < 0)
         return rc;
-    uint64_t key = ns_key(model, adapter, salt, page_size);
     size_t j = ns_slot(n, key);
-    if (n->ns_set[j])
-        return 0;
     char path[4096], line[1100];
     snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
     /* One append, not synced: the line only names the namespace after a restart (its blocks come
@@ -183,6 +320,7 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
     if (rc == 0) {
         n->ns_set[j] = key;
         n->ns_count++;
+        n->ns_lines++;
     }
     return rc;
 }
@@ -247,8 +385,6 @@ typedef struct ns_name_ctx {
     kvt_radix_t *tree;
     disk_ns_t *ns;
     size_t nns;
-    FILE *keep; /* the file's new contents: the lines that named a namespace found on disk */
-    int write_err;
 } ns_name_ctx_t;
 
 /* A line of the file: opens its namespace by name when blocks of it were found (once), and keeps
@@ -268,42 +404,31 @@ static int ns_name_one(void *arg, const char *model, const char *adapter, const 
     }
     d->named = d->open = 1;
     d->page = page; /* blocks of another page size are orphans */
-    char line[1100];
-    int len = ns_line(line, sizeof line, model, adapter, salt, page);
-    if (c->keep && fwrite(line, 1, (size_t)len, c->keep) != (size_t)len)
-        c->write_err = 1;
+    return 1;
+}
+
+static int ns_name_each(void *arg, const char *model, const char *adapter, const char *salt,
+                        uint32_t page)
+{
+    ns_name_one(arg, model, adapter, salt, page);
     return 0;
 }
 
-/* Names the namespaces found on disk from DIR/namespaces and rewrites the file to their lines
- * (a new file renamed over it); the set of recorded names is read again on the next add_ns. */
+/* Names the namespaces found on disk from DIR/namespaces, which is rewritten to their lines. */
 static void ns_name_found(nvme_t *n, kvt_radix_t *tree, disk_ns_t *ns, size_t nns)
 {
-    char path[4096], tmp[4100];
+    char path[4096];
     snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
-    snprintf(tmp, sizeof(tmp), "%s.new", path);
+    if (access(path, F_OK) != 0)
+        return; /* no list: every namespace is opened by seed */
     ns_name_ctx_t c = {.tree = tree, .ns = ns, .nns = nns};
-    int exists = access(path, F_OK) == 0;
-    if (exists && !(c.keep = fopen(tmp, "we")))
-        kvt_log(KVT_LOG_WARN, "nvme tier: cannot write %s (%s): the namespace list stays as it is",
-                tmp, strerror(errno));
-    int rc = ns_each(n, ns_name_one, &c);
-    if (rc < 0)
-        kvt_log(KVT_LOG_WARN, "nvme tier: cannot read %s: %s", path, kvt_strerror(rc));
-    if (!c.keep)
-        return;
-    int ok = rc == 0 && !c.write_err && fflush(c.keep) == 0 && fsync(fileno(c.keep)) == 0;
-    ok = fclose(c.keep) == 0 && ok;
-    if (ok && rename(tmp, path) == 0) {
-        free(n->ns_set);
-        n->ns_set = NULL;
-        n->ns_count = n->ns_cap = 0;
-        n->ns_loaded = 0;
-        return;
+    int rc = ns_rewrite(n, ns_name_one, &c);
+    if (rc < 0) {
+        kvt_log(KVT_LOG_WARN, "nvme tier: could not rewrite %s (%s): names read as it is", path,
+                kvt_strerror(rc));
+        ns_each(n, ns_name_each, &c); /* the names, at least */
     }
-    kvt_log(KVT_LOG_WARN, "nvme tier: could not rewrite %s: the namespace list stays as it is",
-            path);
-    unlink(tmp);
+    n->ns_compact_at = KVT_MAX((size_t)NS_COMPACT_MIN, 2 * n->ns_lines);
 }
 
 /* The recovered block with (hash, ns_seed), or -1; n->recovered is sorted by hash, ns_seed. */

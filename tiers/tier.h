@@ -245,8 +245,11 @@ void kvt_tier_nvme_recovery(const kvt_tier_t *t, kvt_tier_nvme_recovery_t *out);
  * must not hold tabs or newlines. Recording the same namespace twice is a no-op: the file is
  * read once, on the first call, and the descriptions it holds are kept as a set of hashes (8-16
  * bytes each), so a call costs a hash lookup and, for a new one, an append. The append is not
- * fsync'd (the name is all it adds: blocks come back by seed without it). Returns 0, KVT_EINVAL
- * or a negated errno.
+ * fsync'd (the name is all it adds: blocks come back by seed without it). When the file reaches
+ * 4,096 lines, and each time it doubles from what the last compaction left, it is rewritten to
+ * the namespaces that hold blocks in the tier (one pass over the tier's location index), so it
+ * stays as big as what is on disk however many tenants come and go; a tenant dropped while it
+ * had no block is listed again at its next call. Returns 0, KVT_EINVAL or a negated errno.
  */
 int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, const char *salt,
                          uint32_t page_size);
