@@ -733,8 +733,7 @@ int kvt_radix_create(kvt_radix_t **out, const kvt_radix_conf_t *conf)
     t->list.lnext = t->list.lprev = &t->list;
     t->lease_free = NO_SLOT;
     t->ns_free = NO_SLOT;
-    if (t->conf.max_namespaces == 0 || t->conf.max_namespaces > KVT_RADIX_NS_MAX)
-        t->conf.max_namespaces = KVT_RADIX_NS_MAX;
+    kvt_radix_set_max_namespaces(t, t->conf.max_namespaces);
     t->rng = 0x9e3779b97f4a7c15ull;
     *out = t;
     return 0;
@@ -877,6 +876,12 @@ static int ns_add(kvt_radix_t *t, uint64_t seed, uint32_t page_size, char *desc,
     t->ns_open++;
     *ns_out = id;
     return 0;
+}
+
+void kvt_radix_set_max_namespaces(kvt_radix_t *t, uint32_t max)
+{
+    if (t)
+        t->conf.max_namespaces = max && max <= KVT_RADIX_NS_MAX ? max : KVT_RADIX_NS_MAX;
 }
 
 int kvt_radix_ns_close(kvt_radix_t *t, uint32_t ns)

@@ -141,6 +141,9 @@ void kvt_radix_destroy(kvt_radix_t *t);
 #define KVT_RADIX_NS_MAX 65536
 int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
                       uint32_t page_size, uint32_t *ns_out);
+/* Sets conf.max_namespaces (0: KVT_RADIX_NS_MAX). Namespaces open past a lowered limit stay;
+ * new ones are refused until enough have closed. */
+void kvt_radix_set_max_namespaces(kvt_radix_t *t, uint32_t max);
 /* Closes an empty namespace (nothing inserted, or all of it removed or evicted): its id and
  * memory go back, and a later open of the same description starts afresh, maybe under another
  * id. Whoever keeps state by namespace id must drop it first. Returns 0, KVT_EINVAL (not open)

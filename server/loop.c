@@ -88,8 +88,14 @@ uint32_t kvt__ns_reclaim(kvt_srv_t *s)
         closed++;
     }
     kvt__metric_add(s->metrics, KVT_M_NAMESPACES_CLOSED, 0, closed);
-    kvt_log(KVT_LOG_INFO, "kvtierd: closed %u empty namespaces no client uses, for new ones",
-            closed);
+    static kvt_log_limit_t lim; /* a HELLO flood at a full daemon would repeat it */
+    if (closed)
+        kvt_log_limited(&lim, KVT_LOG_INFO,
+                        "kvtierd: closed %u empty namespaces no client uses, for new ones", closed);
+    else
+        kvt_log_limited(&lim, KVT_LOG_WARN,
+                        "kvtierd: no namespace can be closed (each holds pages or is in use): "
+                        "new ones are refused");
     return closed;
 }
 
@@ -293,16 +299,17 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         rc = -errno;
         goto fail;
     }
-    kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb,
-                              .node_free_cb = kvt__store_node_free_cb,
-                              .free_arg = s,
-                              .max_namespaces = s->conf->max_namespaces};
+    kvt_radix_conf_t rconf = {
+        .free_cb = kvt__store_free_cb, .node_free_cb = kvt__store_node_free_cb, .free_arg = s};
     rc = kvt_radix_create(&s->radix, &rconf);
     if (rc < 0)
         goto fail;
     rc = kvt__store_open(s);
     if (rc < 0)
         goto fail;
+    /* After the NVMe recovery: a lowered max-namespaces frees no recovered block; it refuses new
+     * namespaces until enough of those have emptied. */
+    kvt_radix_set_max_namespaces(s->radix, s->conf->max_namespaces);
     for (int i = 0; i < KVT_TIER_COUNT; i++) {
         if (!s->tiers[i])
             continue;

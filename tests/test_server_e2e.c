@@ -643,6 +643,38 @@ Test(server_e2e, restart_recovers_nvme)
     kvd_cleanup(&d);
 }
 
+/* Three tenants' blocks in NVMe, then a restart with max-namespaces 2: recovery frees none of
+ * them (the limit applies after it), every tenant finds its pages, and a new tenant is refused
+ * while all three hold pages. */
+Test(server_e2e, a_lowered_namespace_limit_keeps_what_nvme_recovers)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    const char *tenants[3] = {"t1", "t2", "t3"};
+    uint32_t tok[3][2 * PAGE];
+    kvt_client_put_t r;
+    for (int i = 0; i < 3; i++) {
+        kvt_client_t *c = kvd_client(&d, tenants[i], PAGE, BB);
+        kvd_tokens(tok[i], 2 * PAGE, 100 + (uint32_t)i);
+        put_pages(c, tok[i], 2 * PAGE, 0, 2, BB, 30 + (uint32_t)i, &r);
+        cr_assert_eq(r.stored, 2);
+        kvt_client_close(c);
+    }
+    cr_assert_eq(kvd_stop(&d), 0, "clean shutdown");
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", "--max-namespaces", "2", NULL});
+    for (int i = 0; i < 3; i++) {
+        kvt_client_t *c = kvd_client(&d, tenants[i], PAGE, BB);
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(c, tok[i], 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+        cr_assert_eq(m.pages, 2, "tenant %d's pages came back", i + 1);
+        check_get(c, m.lease, 0, 2, BB, 30 + (uint32_t)i, NULL);
+        kvt_client_close(c);
+    }
+    kvt_client_t *n = NULL;
+    cr_assert_eq(ns_connect(&d, "t4", &n), KVT_CLIENT_ENOSPC);
+    kvd_cleanup(&d);
+}
+
 /* A data directory with nothing in it to recover (the first run stored no block): the second
  * start scans it, finds nothing, and serves. Sorting the empty list of what it found passed NULL
  * to qsort, which the ASan+UBSan build stopped the daemon on. */
