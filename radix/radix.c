@@ -660,6 +660,53 @@ static void kid_free_all(kvt_radix_t *t, kvt_radix_node_t *n)
     n->kid_hash = 0;
 }
 
+/*
+ * A table at most 1/8 full shrinks, when it can in one go (below step_table_slots: a rehash of
+ * at most that many slots, and less memory at every point): to a table a quarter full, or back
+ * to the sorted array once half an array's worth of children is left. A node that once had
+ * thousands of children thus gives their table back as they go. Bigger tables keep their size.
+ */
+static void kid_shrink(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    if (!n->kid_hash || n == t->mig || n->kcap >= step_above(t) || 8 * n->nkids > n->kcap)
+        return;
+    int array = n->nkids <= KID_ARRAY_MAX / 2;
+    uint32_t cap = array ? KID_ARRAY_MAX : 4 * KID_ARRAY_MAX;
+    while (!array && cap < 4 * n->nkids)
+        cap *= 2;
+    if (cap >= n->kcap)
+        return;
+    size_t bytes = (size_t)cap * KID_SLOT;
+    uint64_t *k = array ? rx_malloc(t, bytes) : rx_calloc(t, bytes);
+    if (!k)
+        return; /* it stays as it is, which is no worse */
+    uint64_t *okeys = n->keys;
+    uint32_t ocap = n->kcap;
+    kvt_radix_node_t **old = kids_ptrs(n);
+    n->keys = k;
+    n->kcap = cap;
+    n->kid_hash = (uint8_t)!array;
+    kvt_radix_node_t **p = kids_ptrs(n);
+    uint32_t d = 0;
+    for (uint32_t i = 0; i < ocap; i++) {
+        if (!old[i])
+            continue;
+        if (!array) {
+            kid_hash_put(n, okeys[i], old[i]);
+            continue;
+        }
+        uint32_t j = d++; /* the array is sorted by key: insertion sort, at most 32 */
+        for (; j > 0 && n->keys[j - 1] > okeys[i]; j--) {
+            n->keys[j] = n->keys[j - 1];
+            p[j] = p[j - 1];
+        }
+        n->keys[j] = okeys[i];
+        p[j] = old[i];
+    }
+    kvt_assert(array ? d == n->nkids : 1);
+    rx_free(t, okeys);
+}
+
 static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
 {
     mig_take(t, n, key);
@@ -686,6 +733,8 @@ static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
     n->nkids--;
     if (n->nkids == 0)
         kid_free_all(t, n);
+    else
+        kid_shrink(t, n);
 }
 
 /* Moves n's children to the front of its allocation, in no order, for tear-down only: after
@@ -901,13 +950,16 @@ int kvt_radix_ns_close(kvt_radix_t *t, uint32_t ns)
 }
 
 /* A namespace's description as hashed (buf must hold KVT_NS_DESC_MAX bytes): a tag, the three
- * strings with their NULs, the page size. Returns its length, or 0 when a string is too long;
- * the part kept as the namespace's name starts at buf + NS_TAG_LEN. */
+ * strings with their NULs, the page size. Returns its length, or 0 for a description
+ * kvt_radix_ns_open refuses (no model, a string too long, a page size out of range); the part
+ * kept as the namespace's name starts at buf + NS_TAG_LEN. */
 #define NS_TAG_LEN      13 /* "kvtier-ns-v1" with its NUL */
 #define KVT_NS_DESC_MAX (NS_TAG_LEN + 3 * 256 + 4)
 static size_t ns_describe(char *buf, const char *model, const char *adapter, const char *salt,
                           uint32_t page_size)
 {
+    if (!model || page_size < 1 || page_size > KVT_PAGE_MAX)
+        return 0;
     const char *parts[3] = {model, adapter ? adapter : "", salt ? salt : ""};
     memcpy(buf, "kvtier-ns-v1", NS_TAG_LEN);
     size_t len = NS_TAG_LEN;
@@ -927,11 +979,9 @@ static size_t ns_describe(char *buf, const char *model, const char *adapter, con
 int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
                       uint32_t page_size, uint32_t *ns_out)
 {
-    if (!t || !model || !ns_out || page_size < 1 || page_size > KVT_PAGE_MAX)
-        return KVT_EINVAL;
     char buf[KVT_NS_DESC_MAX];
     size_t len = ns_describe(buf, model, adapter, salt, page_size);
-    if (!len)
+    if (!t || !ns_out || !len)
         return KVT_EINVAL;
     /* The name kept is the strings, without the tag and the page size. */
     return ns_add(t, XXH3_64bits(buf, len), page_size, buf + NS_TAG_LEN, len - NS_TAG_LEN - 4,
@@ -942,20 +992,16 @@ uint64_t kvt_radix_ns_seed_of(const char *model, const char *adapter, const char
                               uint32_t page_size)
 {
     char buf[KVT_NS_DESC_MAX];
-    size_t len;
-    if (!model || page_size < 1 || page_size > KVT_PAGE_MAX ||
-        !(len = ns_describe(buf, model, adapter, salt, page_size)))
-        return 0;
-    return XXH3_64bits(buf, len);
+    size_t len = ns_describe(buf, model, adapter, salt, page_size);
+    return len ? XXH3_64bits(buf, len) : 0;
 }
 
 uint64_t kvt_radix_ns_need(const kvt_radix_t *t, const char *model, const char *adapter,
                            const char *salt, uint32_t page_size)
 {
     char buf[KVT_NS_DESC_MAX];
-    size_t len;
-    if (!t || !model || page_size < 1 || page_size > KVT_PAGE_MAX ||
-        !(len = ns_describe(buf, model, adapter, salt, page_size)))
+    size_t len = ns_describe(buf, model, adapter, salt, page_size);
+    if (!t || !len)
         return 0; /* refused by kvt_radix_ns_open, which then adds nothing */
     uint64_t b = len - NS_TAG_LEN - 4;
     uint32_t found = ns_find(t, XXH3_64bits(buf, len));

@@ -226,8 +226,8 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     adapter[m.adapter_len] = 0;
     memcpy(salt, m.salt, m.salt_len);
     salt[m.salt_len] = 0;
-    /* A new namespace needs room in the index and one of the 65,536 ids: when either is short,
-     * the empty namespaces nobody uses are closed first. */
+    /* A new namespace needs room in the index and one of max-namespaces ids: when either is
+     * short, the empty namespaces nobody uses are closed first. */
     int reclaimed = 0;
     if (kvt__index_fit(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)) < 0) {
         reclaimed = 1;

@@ -1190,3 +1190,60 @@ Test(radix_ops, a_closed_namespace_makes_room_at_the_limit)
     cr_assert_eq(kvt_radix_ns_open(tree, "llama", NULL, "tenant-7", PS, &id), KVT_ENOSPC);
     cr_assert_eq(kvt_radix_verify(tree), 0);
 }
+
+/* A node's child table gives memory back as its children go: 3,000 children under the root (a
+ * table of 8,192 slots), removed down to 300 (a table a quarter full), then to 20 (the sorted
+ * array again); what is left is found all along, and the table grows again as children come. */
+Test(radix_ops, a_child_table_shrinks_as_children_go)
+{
+    enum { KIDS = 3000 };
+    uint32_t tok[2 * PS];
+    for (uint32_t i = 0; i < KIDS; i++) {
+        for (uint32_t j = 0; j < 2 * PS; j++)
+            tok[j] = 100000 * (i + 1) + j;
+        insert(tok, 2 * PS);
+    }
+    uint64_t full = tree_bytes();
+    for (uint32_t i = KIDS; i-- > 20;) {
+        for (uint32_t j = 0; j < 2 * PS; j++)
+            tok[j] = 100000 * (i + 1) + j;
+        cr_assert_eq(kvt_radix_remove(tree, ns, tok, PS), 0, "child %u", i);
+        if (i % 97 == 0 || i < 40) {
+            cr_assert_eq(kvt_radix_verify(tree), 0, "at %u children", i);
+            for (uint32_t k = 0; k < i; k += 1 + i / 50) {
+                for (uint32_t j = 0; j < 2 * PS; j++)
+                    tok[j] = 100000 * (k + 1) + j;
+                cr_assert_eq(match_pages(tok, 2 * PS), 2, "child %u at %u children", k, i);
+            }
+        }
+    }
+    uint64_t few = tree_bytes();
+    cr_assert_eq(kvt_radix_node_count(tree), 20);
+    /* As much as a tree that only ever had those 20, but for the node registry (4,096 slots of
+     * 8 bytes, which stays): the 8,192-slot table (128 KiB) went. */
+    kvt_radix_t *fresh;
+    uint32_t fns;
+    cr_assert_eq(kvt_radix_create(&fresh, NULL), 0);
+    cr_assert_eq(kvt_radix_ns_open(fresh, "llama", NULL, NULL, PS, &fns), 0);
+    for (uint32_t i = 0; i < 20; i++) {
+        for (uint32_t j = 0; j < 2 * PS; j++)
+            tok[j] = 100000 * (i + 1) + j;
+        kvt_insert_t r;
+        cr_assert_eq(kvt_radix_insert(fresh, fns, tok, 2 * PS, &r), 0);
+    }
+    kvt_radix_stats_t st;
+    kvt_radix_stats(fresh, &st);
+    kvt_radix_destroy(fresh);
+    cr_assert_lt(few, st.bytes + 4096 * 8 + 4096, "%llu bytes left, %llu in a fresh tree",
+                 (unsigned long long)few, (unsigned long long)st.bytes);
+    cr_assert_lt(few, full);
+    for (uint32_t i = 20; i < KIDS; i++) {
+        for (uint32_t j = 0; j < 2 * PS; j++)
+            tok[j] = 100000 * (i + 1) + j;
+        insert(tok, 2 * PS);
+    }
+    cr_assert_gt(tree_bytes(), few);
+    for (uint32_t j = 0; j < 2 * PS; j++)
+        tok[j] = 100000 * KIDS + j;
+    cr_assert_eq(match_pages(tok, 2 * PS), 2);
+}
