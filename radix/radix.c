@@ -1376,13 +1376,17 @@ uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntoken
     return rounded(b);
 }
 
-uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens)
+uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
+                               kvt_match_t *at)
 {
     if (!t || !ns_live(t, ns) || (ntokens && !tokens) || ntokens > UINT32_MAX)
         return 0;
     uint32_t ps = t->ns[ns].page_size, npages = (uint32_t)(ntokens / ps);
     walk_t w;
     walk(t, ns, tokens, npages, 0, &w);
+    if (at)
+        *at = (kvt_match_t){
+            .node = w.node, .node_pages = w.k, .pages = w.pos, .ns = ns, .epoch = t->epoch};
     if (w.pos == npages || w.collision)
         return 0; /* nothing to add */
     uint64_t b = insert_base(t, npages, ps);

@@ -391,8 +391,11 @@ kvt_radix_node_t *const *kvt_radix_nodes(const kvt_radix_t *t);
 uint64_t kvt_radix_insert_bound(const kvt_radix_t *t, uint32_t ns, size_t ntokens);
 /* The same for inserting these tokens into the tree as it is now (a walk): only the child array
  * this insert would grow counts, not the largest one anywhere; 0 when it adds nothing. Valid
- * until the tree next changes. */
-uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens);
+ * until the tree next changes. at, when not NULL, receives where the walk stopped, as
+ * kvt_radix_match (with KVT_MATCH_NOTOUCH) gives it: kvt_radix_insert_matched then goes on from
+ * there instead of walking again. */
+uint64_t kvt_radix_insert_need(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
+                               kvt_match_t *at);
 
 /* Statistics. */
 typedef struct kvt_radix_stats {

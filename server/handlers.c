@@ -502,7 +502,8 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
         /* The blocks another daemon stored join this index, held by the remote tier: a GET
          * reads them by key (location 0), promoting them to DRAM. */
         kvt_insert_t res;
-        if (kvt__index_room(s, r->ns, x->tokens, (size_t)(x->local_pages + found) * page, 0) == 0 &&
+        if (kvt__index_room(s, r->ns, x->tokens, (size_t)(x->local_pages + found) * page, 0,
+                            NULL) == 0 &&
             kvt_radix_insert(s->radix, r->ns, x->tokens, (size_t)(x->local_pages + found) * page,
                              &res) == 0) {
             /* Runs of index-only pages join the policy as remote blocks (location 0: read by
@@ -657,13 +658,15 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
                                 q.first_page, q.first_page + q.npayload, whole);
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    if (kvt__index_room(s, c->ns, c->tok, q.ntokens, q.npayload > 0) < 0)
+    kvt_match_t at;
+    if (kvt__index_room(s, c->ns, c->tok, q.ntokens, q.npayload > 0, &at) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
                                 "no room for %u tokens in the index: it is at index-bytes (%llu) "
                                 "and every page it could evict is leased or holds bytes",
                                 q.ntokens, (unsigned long long)s->conf->index_bytes);
-    kvt_insert_t res;
-    int rc = kvt_radix_insert(s->radix, c->ns, c->tok, q.ntokens, &res);
+    kvt_insert_t res; /* near the cap the room check walked the path: the insert goes on from it */
+    int rc = at.ns == c->ns ? kvt_radix_insert_matched(s->radix, &at, c->tok, q.ntokens, &res)
+                            : kvt_radix_insert(s->radix, c->ns, c->tok, q.ntokens, &res);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "insert failed");
     if (q.npayload == 0 || res.pages == 0) {

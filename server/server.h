@@ -343,8 +343,11 @@ int kvt__index_fits(const kvt_srv_t *s, uint64_t need);
 int kvt__index_fit(kvt_srv_t *s, uint64_t need);
 /* Before an insert of tokens[0, ntokens) in namespace ns, followed by a pin of its path when pin
  * is set: 0 when the most they can allocate fits under index-bytes (trimming the index if need
- * be), KVT_ENOSPC when it cannot be made to fit. */
-int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens, int pin);
+ * be), KVT_ENOSPC when it cannot be made to fit. When it had to walk the tree (near the cap),
+ * *at (if given) says where the walk stopped, for kvt_radix_insert_matched; at->ns is
+ * UINT32_MAX when it did not. */
+int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens, int pin,
+                    kvt_match_t *at);
 void kvt__tier_metrics(kvt_srv_t *s);
 /* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
  * every batch of events. */

@@ -490,8 +490,11 @@ int kvt__index_fit(kvt_srv_t *s, uint64_t need)
     return kvt__index_fits(s, need) ? 0 : KVT_ENOSPC;
 }
 
-int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens, int pin)
+int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens, int pin,
+                    kvt_match_t *at)
 {
+    if (at)
+        at->ns = UINT32_MAX; /* no walk yet */
     if (!s->conf->index_bytes)
         return 0;
     /* Admitted only when the insert's worst case fits: the index never passes index-bytes. The
@@ -501,13 +504,13 @@ int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t nt
     uint64_t lease = pin ? kvt_radix_lease_need(s->radix) : 0;
     if (kvt__index_fits(s, kvt_radix_insert_bound(s->radix, ns, ntokens) + lease))
         return 0;
-    uint64_t need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens) + lease;
+    uint64_t need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens, at) + lease;
     if (kvt__index_fits(s, need))
         return 0;
     if (kvt__index_fit(s, need) < 0) /* trims */
         return KVT_ENOSPC;
     /* The trim changed the tree, and with it what the insert adds. */
-    need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens) + lease;
+    need = kvt_radix_insert_need(s->radix, ns, tokens, ntokens, at) + lease;
     return kvt__index_fits(s, need) ? 0 : KVT_ENOSPC;
 }
 

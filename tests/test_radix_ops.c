@@ -985,7 +985,7 @@ static uint64_t tree_bytes(void)
 
 static void insert_within_need(const uint32_t *tok, size_t n, uint64_t *need)
 {
-    *need = kvt_radix_insert_need(tree, ns, tok, n);
+    *need = kvt_radix_insert_need(tree, ns, tok, n, NULL);
     uint64_t before = tree_bytes();
     insert(tok, n);
     cr_assert_leq(tree_bytes() - before, *need);
@@ -1009,7 +1009,7 @@ Test(radix_ops, an_insert_needs_room_only_for_the_table_it_grows)
     cr_assert_lt(need + 512 * 16, bound, "need %llu, bound %llu", (unsigned long long)need,
                  (unsigned long long)bound);
     /* Already cached: nothing. */
-    cr_assert_eq(kvt_radix_insert_need(tree, ns, tok, 5 * PS), 0);
+    cr_assert_eq(kvt_radix_insert_need(tree, ns, tok, 5 * PS, NULL), 0);
     /* The 257th child grows the root's table to 1,024 slots: 8 KiB more. */
     for (uint32_t j = 0; j < 3 * PS; j++)
         tok[j] = 999999 + j;

@@ -148,10 +148,15 @@ static void run_conf(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphab
             kvt_radix_stats_t before, after;
             kvt_radix_stats(t, &before);
             uint64_t bound = kvt_radix_insert_bound(t, ns, ntok);
-            uint64_t need = kvt_radix_insert_need(t, ns, q, ntok);
+            kvt_match_t at;
+            uint64_t need = kvt_radix_insert_need(t, ns, q, ntok, &at);
             cr_assert_leq(need, bound, "step %u", step);
-            int rc = rnd(2) ? kvt_radix_insert_matched(t, &mt, q, ntok, &r)
-                            : kvt_radix_insert(t, ns, q, ntok, &r);
+            cr_assert(at.node == mt.node && at.pages == mt.pages && at.node_pages == mt.node_pages,
+                      "step %u: the need's walk stops where the match does", step);
+            unsigned how = rnd(3); /* from the match, from the need's walk, or a plain insert */
+            int rc = how == 0   ? kvt_radix_insert_matched(t, &mt, q, ntok, &r)
+                     : how == 1 ? kvt_radix_insert_matched(t, &at, q, ntok, &r)
+                                : kvt_radix_insert(t, ns, q, ntok, &r);
             cr_assert_eq(rc, 0, "step %u: insert: %s", step, kvt_strerror(rc));
             kvt_radix_stats(t, &after);
             cr_assert_leq(after.bytes, before.bytes + need,
