@@ -451,10 +451,11 @@ static void kid_hash_put(kvt_radix_node_t *n, uint64_t key, kvt_radix_node_t *c)
  * conf.step_table_slots slots grows as Redis grows its dicts: the new table is made at once and
  * the old one kept (t->mig, one node at a time), and each insert, removal and eviction moves
  * 1/64 of step_table_slots of the old slots over (1,024 by default: an old table of 65,536 slots
- * or more is moved over 64 or more of them). Meanwhile a lookup that misses in the new table looks
- * in the old one, where a moved entry leaves KID_MOVED so that probes go on past it; an entry the
- * tree is about to change or delete is moved first (mig_take), so that changes only touch the new
- * table; a walk over all children finishes the move first or looks in both.
+ * or more is moved over 64 or more of them). It shrinks the same way, into a smaller new table
+ * (kid_shrink). Meanwhile a lookup that misses in the new table looks in the old one, where a
+ * moved entry leaves KID_MOVED so that probes go on past it; an entry the tree is about to change
+ * or delete is moved first (mig_take), so that changes only touch the new table; a walk over all
+ * children finishes the move first or looks in both.
  */
 static kvt_radix_node_t **mig_ptrs(const kvt_radix_t *t)
 {
@@ -661,16 +662,21 @@ static void kid_free_all(kvt_radix_t *t, kvt_radix_node_t *n)
 }
 
 /*
- * A table at most 1/8 full shrinks, when it can in one go (below step_table_slots: a rehash of
- * at most that many slots, and less memory at every point): to a table a quarter full, or back
- * to the sorted array once half an array's worth of children is left. A node that once had
- * thousands of children thus gives their table back as they go. Bigger tables keep their size.
+ * A table at most 1/8 full shrinks: to a table a quarter full, or back to the sorted array once
+ * half an array's worth of children is left. A node that once had millions of children thus
+ * gives their table back as they go. Below step_table_slots in one go (a rehash of at most that
+ * many slots, the old table freed at once); a bigger one a step at a time, as it grew, once it is
+ * at most 1/64 full, so that the new table that sits beside the old one during the move is at
+ * most 1/8 of its size, and only while no other table is moving.
  */
 static void kid_shrink(kvt_radix_t *t, kvt_radix_node_t *n)
 {
-    if (!n->kid_hash || n == t->mig || n->kcap >= step_above(t) || 8 * n->nkids > n->kcap)
+    if (!n->kid_hash || n == t->mig || 8 * n->nkids > n->kcap)
         return;
-    int array = n->nkids <= KID_ARRAY_MAX / 2;
+    int step = n->kcap >= step_above(t);
+    if (step && (t->mig || 64 * n->nkids > n->kcap))
+        return;
+    int array = n->nkids <= KID_ARRAY_MAX / 2 && !step;
     uint32_t cap = array ? KID_ARRAY_MAX : 4 * KID_ARRAY_MAX;
     while (!array && cap < 4 * n->nkids)
         cap *= 2;
@@ -685,6 +691,14 @@ static void kid_shrink(kvt_radix_t *t, kvt_radix_node_t *n)
     kvt_radix_node_t **old = kids_ptrs(n);
     n->keys = k;
     n->kcap = cap;
+    if (step) { /* the entries move over as a grown table's do */
+        t->mig = n;
+        t->mig_keys = okeys;
+        t->mig_cap = ocap;
+        t->mig_pos = 0;
+        mig_tick(t);
+        return;
+    }
     n->kid_hash = (uint8_t)!array;
     kvt_radix_node_t **p = kids_ptrs(n);
     uint32_t d = 0;
@@ -1976,7 +1990,8 @@ int kvt_radix_verify(const kvt_radix_t *t)
     uint64_t bytes = usable(t) + usable(t->ns) + usable(t->ns_slots) + usable(t->leases) +
                      usable(t->mig_keys) + usable(t->old_tab) +
                      (registry_mapped(t) ? t->nodes_cap * sizeof(void *) : usable(t->nodes));
-    if (t->mig && (!t->mig->kid_hash || t->mig_pos >= t->mig_cap || t->mig->kcap <= t->mig_cap))
+    if (t->mig && (!t->mig->kid_hash || t->mig_pos >= t->mig_cap || t->mig->kcap == t->mig_cap ||
+                   2 * t->mig->nkids > t->mig->kcap))
         VFAIL("a table move in a bad state: old %u slots, at %u, new %u", t->mig_cap, t->mig_pos,
               t->mig->kcap);
     uint64_t blocks = 0, tokens = 0, seen_nodes = 0, want_list = 0;

@@ -1247,3 +1247,69 @@ Test(radix_ops, a_child_table_shrinks_as_children_go)
         tok[j] = 100000 * KIDS + j;
     cr_assert_eq(match_pages(tok, 2 * PS), 2);
 }
+
+/* A big table (here tables of 256 slots or more step) shrinks a step at a time, as it grew: the
+ * root's 3,000 children (8,192 slots) removed, evicted or left, down to 40, the tree verified
+ * after each change and every child left found, a new child added and one removed during a
+ * shrink. At the end the 8,192-slot table (128 KiB) is gone: the tree holds what one that only
+ * had those children holds, but for the node registry and a 512-slot table (one that steps
+ * shrinks again only when at most 1/64 full). */
+Test(radix_ops, a_big_table_shrinks_a_step_at_a_time)
+{
+    enum { KIDS = 3000, LEFT = 40 };
+    kvt_radix_t *t;
+    kvt_radix_conf_t conf = {.free_cb = count_free, .step_table_slots = 256};
+    cr_assert_eq(kvt_radix_create(&t, &conf), 0);
+    uint32_t id;
+    cr_assert_eq(kvt_radix_ns_open(t, "m", NULL, NULL, PS, &id), 0);
+    static uint32_t tok[KIDS + 2][2 * PS];
+    kvt_insert_t r;
+    for (uint32_t i = 0; i < KIDS + 2; i++)
+        for (uint32_t j = 0; j < 2 * PS; j++)
+            tok[i][j] = 100000 * (i + 1) + j;
+    for (uint32_t i = 0; i < KIDS; i++)
+        cr_assert_eq(kvt_radix_insert(t, id, tok[i], 2 * PS, &r), 0);
+    kvt_radix_stats_t st;
+    kvt_radix_stats(t, &st);
+    uint64_t full = st.bytes;
+    for (uint32_t i = KIDS; i-- > LEFT;) {
+        if (i % 3 == 0) { /* an eviction of the whole child (its two pages) */
+            kvt_match_t m;
+            cr_assert_eq(kvt_radix_match(t, id, tok[i], 2 * PS, KVT_MATCH_NOTOUCH, &m), 0);
+            cr_assert_eq(kvt_radix_evict(t, m.node, 2), 0, "child %u", i);
+        } else {
+            cr_assert_eq(kvt_radix_remove(t, id, tok[i], PS), 0, "child %u", i);
+        }
+        if (i == 60) { /* during the last shrinks: a child comes and one goes */
+            cr_assert_eq(kvt_radix_insert(t, id, tok[KIDS], 2 * PS, &r), 0);
+            cr_assert_eq(kvt_radix_remove(t, id, tok[KIDS], PS), 0);
+        }
+        cr_assert_eq(kvt_radix_verify(t), 0, "at %u children", i);
+        if (i % 101 == 0 || i < 80)
+            for (uint32_t k = 0; k < i; k += 1 + i / 40) {
+                kvt_match_t m;
+                cr_assert_eq(kvt_radix_match(t, id, tok[k], 2 * PS, KVT_MATCH_NOTOUCH, &m), 0);
+                cr_assert_eq(m.pages, 2, "child %u at %u children", k, i);
+            }
+    }
+    /* Inserts and removals of one more child finish the move (4 of the old table's 8,192 slots a
+     * step with these tables) and give the old table back. */
+    for (int k = 0; k < 2000; k++) {
+        cr_assert_eq(kvt_radix_insert(t, id, tok[KIDS + 1], 2 * PS, &r), 0);
+        cr_assert_eq(kvt_radix_remove(t, id, tok[KIDS + 1], PS), 0);
+    }
+    cr_assert_eq(kvt_radix_verify(t), 0);
+    kvt_radix_stats(t, &st);
+    uint64_t few = st.bytes;
+    kvt_radix_t *fresh;
+    cr_assert_eq(kvt_radix_create(&fresh, &conf), 0);
+    cr_assert_eq(kvt_radix_ns_open(fresh, "m", NULL, NULL, PS, &id), 0);
+    for (uint32_t i = 0; i < LEFT; i++)
+        cr_assert_eq(kvt_radix_insert(fresh, id, tok[i], 2 * PS, &r), 0);
+    kvt_radix_stats(fresh, &st);
+    kvt_radix_destroy(fresh);
+    cr_assert_lt(few, st.bytes + 4096 * 8 + 512 * 16 + 4096,
+                 "%llu bytes left of %llu, %llu in a fresh tree", (unsigned long long)few,
+                 (unsigned long long)full, (unsigned long long)st.bytes);
+    kvt_radix_destroy(t);
+}

@@ -112,8 +112,9 @@ typedef struct lease_rec {
 } lease_rec_t;
 
 /* step_slots: the tree's step_table_slots (0: its default). */
+/* With drain, the second half of the run only removes and evicts: tables shrink. */
 static void run_conf(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet,
-                     uint32_t step_slots)
+                     uint32_t step_slots, int drain)
 {
     static model_t m;
     memset(&m, 0, sizeof(m));
@@ -130,7 +131,7 @@ static void run_conf(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphab
     uint32_t q[MAXPAGES * 16 + 16]; /* room for a ragged tail of up to a page */
 
     for (uint32_t step = 0; step < steps; step++) {
-        uint32_t op = rnd(100);
+        uint32_t op = drain && step >= steps / 2 ? 83 + rnd(17) : rnd(100);
         uint32_t np = make_query(&m, q, alphabet);
         /* Sometimes a ragged tail that never gets cached. */
         uint32_t extra = rnd(4) == 0 ? rnd(ps) : 0;
@@ -291,7 +292,7 @@ static void run_conf(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphab
 
 static void run(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphabet)
 {
-    run_conf(seed, ps, steps, alphabet, 0);
+    run_conf(seed, ps, steps, alphabet, 0, 0);
 }
 
 Test(radix_random, page_size_1_small_alphabet)
@@ -329,7 +330,16 @@ Test(radix_random, wide_fan_out)
  * the old table, and kvt_radix_verify checks both tables at every step. */
 Test(radix_random, wide_fan_out_tables_grow_a_step_at_a_time)
 {
-    run_conf(4242, 1, 3000, 1000, 256);
-    run_conf(99, 2, 2000, 40, 256);
-    run_conf(7, 1, 3000, 5000, 256);
+    run_conf(4242, 1, 3000, 1000, 256, 0);
+    run_conf(99, 2, 2000, 40, 256, 0);
+    run_conf(7, 1, 3000, 5000, 256, 0);
+}
+
+/* Wide fan-out built up, then only removals and evictions: tables shrink, at once and (tables
+ * of 256 slots or more) a step at a time, with lookups meeting children in both tables. */
+Test(radix_random, wide_fan_out_tables_shrink_as_children_go)
+{
+    run_conf(4242, 1, 6000, 1000, 0, 1);
+    run_conf(7, 1, 6000, 5000, 256, 1);
+    run_conf(31, 2, 4000, 3000, 256, 1);
 }
