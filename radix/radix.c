@@ -592,8 +592,10 @@ static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     if (kid_room(n))
         return 0;
-    if (n->kid_hash)
-        mig_finish(t); /* one old table at a time, and n's own goes before a newer one */
+    /* n's own move ends before it grows again, and another ends before n's starts (one old
+     * table at a time); a table rehashed at once leaves another's move as it is. */
+    if (n == t->mig || (n->kid_hash && n->kcap >= step_above(t)))
+        mig_finish(t);
     uint32_t cap = kid_next_cap(n);
     int hash = cap > KID_ARRAY_MAX;
     size_t bytes = (size_t)cap * KID_SLOT;
