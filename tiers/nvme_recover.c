@@ -178,11 +178,13 @@ static int ns_rewrite_one(void *arg, const char *model, const char *adapter, con
 }
 
 /*
- * Rewrites DIR/namespaces to the lines keep() accepts, each description once: a new file,
- * synced, renamed over the old, so that a crash leaves one or the other. The set of recorded
- * names becomes those lines. Returns 0, or an error with the file and the set as they were.
+ * Rewrites DIR/namespaces to the lines keep() accepts, each description once: a new file renamed
+ * over the old, so that a crash leaves one or the other; synced first when sync is set (at start
+ * up; in the event loop a crash may at worst leave the new file empty, which loses names only:
+ * the blocks come back by seed). The set of recorded names becomes those lines. Returns 0, or an
+ * error with the file and the set as they were.
  */
-static int ns_rewrite(nvme_t *n, ns_keep_fn keep, void *arg)
+static int ns_rewrite(nvme_t *n, ns_keep_fn keep, void *arg, int sync)
 {
     char path[4096], tmp[4100];
     snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
@@ -195,7 +197,7 @@ static int ns_rewrite(nvme_t *n, ns_keep_fn keep, void *arg)
     n->ns_set = NULL;
     n->ns_count = n->ns_cap = n->ns_lines = 0;
     int rc = ns_each(n, ns_rewrite_one, &c);
-    if (rc == 0 && (c.err || fflush(c.out) != 0 || fsync(fileno(c.out)) != 0))
+    if (rc == 0 && (c.err || fflush(c.out) != 0 || (sync && fsync(fileno(c.out)) != 0)))
         rc = errno ? -errno : KVT_EIO;
     if (fclose(c.out) != 0 && rc == 0)
         rc = KVT_EIO;
@@ -265,7 +267,7 @@ static void ns_compact(nvme_t *n)
         if (s.n)
             qsort(s.v, s.n, sizeof(*s.v), u64_cmp);
         size_t before = n->ns_lines;
-        if ((rc = ns_rewrite(n, seed_held, &s)) == 0)
+        if ((rc = ns_rewrite(n, seed_held, &s, 0)) == 0)
             kvt_log(KVT_LOG_INFO, "nvme tier: namespace list compacted from %zu lines to %zu",
                     before, n->ns_lines);
     }
@@ -422,7 +424,7 @@ static void ns_name_found(nvme_t *n, kvt_radix_t *tree, disk_ns_t *ns, size_t nn
     if (access(path, F_OK) != 0)
         return; /* no list: every namespace is opened by seed */
     ns_name_ctx_t c = {.tree = tree, .ns = ns, .nns = nns};
-    int rc = ns_rewrite(n, ns_name_one, &c);
+    int rc = ns_rewrite(n, ns_name_one, &c, 1);
     if (rc < 0) {
         kvt_log(KVT_LOG_WARN, "nvme tier: could not rewrite %s (%s): names read as it is", path,
                 kvt_strerror(rc));
