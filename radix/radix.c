@@ -669,15 +669,15 @@ static void kid_free_all(kvt_radix_t *t, kvt_radix_node_t *n)
  * gives their table back as they go. Below step_table_slots in one go (a rehash of at most that
  * many slots, the old table freed at once); a bigger one a step at a time, as it grew, once it is
  * at most 1/64 full, so that the new table that sits beside the old one during the move is at
- * most 1/8 of its size, and only while no other table is moving.
+ * most 1/8 of its size, and only while no other table is moving or being given back.
  */
 static void kid_shrink(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     if (!n->kid_hash || n == t->mig || 8 * n->nkids > n->kcap)
         return;
     int step = n->kcap >= step_above(t);
-    if (step && (t->mig || 64 * n->nkids > n->kcap))
-        return;
+    if (step && (t->mig || t->old_tab || 64 * n->nkids > n->kcap))
+        return; /* nor while the last move's old table is being given back: its end frees it */
     int array = n->nkids <= KID_ARRAY_MAX / 2 && !step;
     uint32_t cap = array ? KID_ARRAY_MAX : 4 * KID_ARRAY_MAX;
     while (!array && cap < 4 * n->nkids)
