@@ -37,8 +37,9 @@ static void kvt_usage(FILE *f)
                "  remove TOKENS...             drop the last page of TOKENS and what follows\n"
                "  stats                        the daemon's counters\n"
                "  replay ARGS...               the trace replay (kvtier replay --help)\n"
-               "  bench NAME ARGS...           a benchmark, NAME radix, tiers or server, each\n"
-               "                               beside its baseline (README, \"Benchmarks\")\n"
+               "  bench NAME ARGS...           a benchmark, NAME radix, tiers, server, policy or\n"
+               "                               recover, each beside its baseline (README,\n"
+               "                               \"Benchmarks\")\n"
                "\n"
                "TOKENS are numbers and ranges: 1-64 100 7 (the range 1-64 is 64 tokens).\n"
                "Options may come before or after the command, except for replay and bench,\n"
@@ -120,7 +121,7 @@ static int kvt_print_stat(void *arg, const char *name, uint64_t v)
     return 0;
 }
 
-static const char *const kvt_benches[] = {"radix", "tiers", "server"};
+static const char *const kvt_benches[] = {"radix", "tiers", "server", "policy", "recover"};
 #define KVT_NBENCHES (sizeof kvt_benches / sizeof kvt_benches[0])
 
 /*
@@ -136,9 +137,12 @@ static int kvt_bench(int argc, char **argv)
         k++;
     if (k == KVT_NBENCHES) {
         if (argc > 0)
-            fprintf(stderr, "kvtier: bench %s: no such benchmark (radix, tiers, server)\n", name);
+            fprintf(stderr,
+                    "kvtier: bench %s: no such benchmark (radix, tiers, server, policy, recover)\n",
+                    name);
         else
-            fprintf(stderr, "kvtier: bench needs a NAME: radix, tiers or server\n");
+            fprintf(stderr,
+                    "kvtier: bench needs a NAME: radix, tiers, server, policy or recover\n");
         return 2;
     }
     char self[PATH_MAX], tree[PATH_MAX], path[PATH_MAX];

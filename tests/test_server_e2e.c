@@ -834,7 +834,7 @@ Test(server_e2e, cli_reaches_default_socket_in_working_dir)
 
 /* kvtier bench NAME runs bench/'s benchmark of that name: here the radix one on a three-prompt
  * trace, whose hit tokens are known (the second prompt repeats the first's 1,000 tokens, 62
- * whole pages of 16). */
+ * whole pages of 16), and the NVMe restart one on 300 blocks. */
 Test(server_e2e, cli_runs_the_benchmarks)
 {
     kvd_t d = {0};
@@ -860,6 +860,15 @@ Test(server_e2e, cli_runs_the_benchmarks)
     cr_expect(strstr(text, "\"trace\":\"tiny\""), "%s", text);
     cr_expect(strstr(text, "\"requests\":3,"), "%s", text);
     cr_expect(strstr(text, "\"hit_tokens\":992,"), "%s", text);
+    cr_expect(strstr(text, "\"ratio\":"), "%s", text);
+    /* And the NVMe warm restart one, small. */
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s/client/kvtier' bench recover --dir . --blocks 300 --idle 200 "
+             "--rounds 1 >out.json 2>err.txt",
+             d.dir, root);
+    cr_assert_eq(system(cmd), 0, "kvtier bench recover runs bench_recover");
+    kvd_slurp(&d, "out.json", text, sizeof text);
+    cr_expect(strstr(text, "\"bench\":\"nvme_recover\",\"blocks\":300,"), "%s", text);
     cr_expect(strstr(text, "\"ratio\":"), "%s", text);
 
     snprintf(cmd, sizeof cmd, "'%s/client/kvtier' bench nosuch >/dev/null 2>&1", root);
