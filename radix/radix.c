@@ -587,6 +587,55 @@ static uint32_t kid_next_cap(const kvt_radix_node_t *n)
                                      : 4 * KID_ARRAY_MAX;
 }
 
+/*
+ * Gives n's children a new allocation of cap slots: a sorted array up to KID_ARRAY_MAX, a table
+ * past it. With step set (n's table is big) the new table is made and the entries move over a
+ * step at a time (t->mig, "Growing a big table"); otherwise at once, and the old allocation goes.
+ * Growth and shrinking both come here. Returns 0 or KVT_ENOMEM (n as it was).
+ */
+static int kid_resize(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t cap, int step)
+{
+    int hash = cap > KID_ARRAY_MAX;
+    size_t bytes = (size_t)cap * KID_SLOT;
+    uint64_t *k = hash ? rx_calloc(t, bytes) : rx_malloc(t, bytes);
+    if (!k)
+        return KVT_ENOMEM;
+    uint64_t *okeys = n->keys;
+    uint32_t ocap = n->kcap, oslots = kid_slots(n);
+    kvt_radix_node_t **old = kids_ptrs(n);
+    n->keys = k;
+    n->kcap = cap;
+    if (step) {
+        t->mig = n;
+        t->mig_keys = okeys;
+        t->mig_cap = ocap;
+        t->mig_pos = 0;
+        mig_tick(t);
+        return 0;
+    }
+    n->kid_hash = (uint8_t)hash;
+    kvt_radix_node_t **p = kids_ptrs(n);
+    uint32_t d = 0;
+    for (uint32_t i = 0; i < oslots; i++) {
+        if (!old[i])
+            continue;
+        if (hash) {
+            kid_hash_put(n, okeys[i], old[i]);
+            continue;
+        }
+        uint32_t j = d++; /* the array is sorted by key: from an array this appends */
+        for (; j > 0 && n->keys[j - 1] > okeys[i]; j--) {
+            n->keys[j] = n->keys[j - 1];
+            p[j] = p[j - 1];
+        }
+        n->keys[j] = okeys[i];
+        p[j] = old[i];
+    }
+    kvt_assert(hash || d == n->nkids);
+    rx_free(t, okeys);
+    return 0;
+}
+
 /* Room for one more child. */
 static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
 {
@@ -594,45 +643,16 @@ static int kid_reserve(kvt_radix_t *t, kvt_radix_node_t *n)
         return 0;
     /* n's own move ends before it grows again, and another ends before n's starts (one old
      * table at a time); a table rehashed at once leaves another's move as it is. */
-    if (n == t->mig || (n->kid_hash && n->kcap >= step_above(t)))
+    int step = n->kid_hash && n->kcap >= step_above(t);
+    if (n == t->mig || step)
         mig_finish(t);
     uint32_t cap = kid_next_cap(n);
-    int hash = cap > KID_ARRAY_MAX;
-    size_t bytes = (size_t)cap * KID_SLOT;
-    uint64_t *k = hash ? rx_calloc(t, bytes) : rx_malloc(t, bytes);
-    if (!k)
-        return KVT_ENOMEM;
-    if (cap > t->max_kcap)
+    int rc = kid_resize(t, n, cap, step);
+    if (rc == 0 && cap > t->max_kcap)
         t->max_kcap = cap;
-    kvt_radix_node_t **p = (kvt_radix_node_t **)(k + cap), **old = kids_ptrs(n);
-    if (!hash && n->nkids) {
-        memcpy(k, n->keys, n->nkids * sizeof(uint64_t));
-        memcpy(p, old, n->nkids * sizeof(void *));
-    }
-    uint64_t *okeys = n->keys;
-    uint32_t oslots = kid_slots(n);
-    if (n->kid_hash && n->kcap >= step_above(t)) {
-        t->mig = n;
-        t->mig_keys = okeys;
-        t->mig_cap = n->kcap;
-        t->mig_pos = 0;
-        n->keys = k;
-        n->kcap = cap;
-        mig_tick(t);
-        return 0;
-    }
-    n->keys = k;
-    n->kcap = cap;
-    if (hash)
-        for (uint32_t i = 0; i < oslots; i++)
-            if (old[i])
-                kid_hash_put(n, okeys[i], old[i]);
-    n->kid_hash = (uint8_t)hash;
-    rx_free(t, okeys);
-    return 0;
+    return rc;
 }
 
-/* Adds child c (kid_reserve has made room). */
 static void kid_add(kvt_radix_node_t *n, kvt_radix_node_t *c)
 {
     uint64_t key = page_key(c->tokens, c->page_size);
@@ -682,45 +702,8 @@ static void kid_shrink(kvt_radix_t *t, kvt_radix_node_t *n)
     uint32_t cap = array ? KID_ARRAY_MAX : 4 * KID_ARRAY_MAX;
     while (!array && cap < 4 * n->nkids)
         cap *= 2;
-    if (cap >= n->kcap)
-        return;
-    size_t bytes = (size_t)cap * KID_SLOT;
-    uint64_t *k = array ? rx_malloc(t, bytes) : rx_calloc(t, bytes);
-    if (!k)
-        return; /* it stays as it is, which is no worse */
-    uint64_t *okeys = n->keys;
-    uint32_t ocap = n->kcap;
-    kvt_radix_node_t **old = kids_ptrs(n);
-    n->keys = k;
-    n->kcap = cap;
-    if (step) { /* the entries move over as a grown table's do */
-        t->mig = n;
-        t->mig_keys = okeys;
-        t->mig_cap = ocap;
-        t->mig_pos = 0;
-        mig_tick(t);
-        return;
-    }
-    n->kid_hash = (uint8_t)!array;
-    kvt_radix_node_t **p = kids_ptrs(n);
-    uint32_t d = 0;
-    for (uint32_t i = 0; i < ocap; i++) {
-        if (!old[i])
-            continue;
-        if (!array) {
-            kid_hash_put(n, okeys[i], old[i]);
-            continue;
-        }
-        uint32_t j = d++; /* the array is sorted by key: insertion sort, at most 32 */
-        for (; j > 0 && n->keys[j - 1] > okeys[i]; j--) {
-            n->keys[j] = n->keys[j - 1];
-            p[j] = p[j - 1];
-        }
-        n->keys[j] = okeys[i];
-        p[j] = old[i];
-    }
-    kvt_assert(array ? d == n->nkids : 1);
-    rx_free(t, okeys);
+    if (cap < n->kcap)
+        kid_resize(t, n, cap, step); /* KVT_ENOMEM leaves it as it is, which is no worse */
 }
 
 static void kid_del(kvt_radix_t *t, kvt_radix_node_t *n, uint64_t key)
