@@ -406,14 +406,15 @@ static void lying_redis_conn(int fd, int exists_ms)
     }
 }
 
-static pid_t lying_redis(uint16_t *port, int exists_ms)
+/* Starts the fake server on a free loopback port; addr gets its host:port. */
+static pid_t lying_redis(char *addr, size_t cap, int exists_ms)
 {
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sin = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sin;
     cr_assert(lfd >= 0 && bind(lfd, (struct sockaddr *)&sin, sizeof sin) == 0 &&
               listen(lfd, 8) == 0 && getsockname(lfd, (struct sockaddr *)&sin, &sl) == 0);
-    *port = ntohs(sin.sin_port);
+    snprintf(addr, cap, "127.0.0.1:%u", ntohs(sin.sin_port));
     pid_t pid = fork();
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -437,10 +438,8 @@ static pid_t lying_redis(uint16_t *port, int exists_ms)
  */
 Test(server_remote, a_malformed_remote_answer_is_a_failed_read)
 {
-    uint16_t port;
-    pid_t liar = lying_redis(&port, 0);
     char addr[64];
-    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    pid_t liar = lying_redis(addr, sizeof addr, 0);
     kvd_t d = {0};
     kvd_start(&d, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, NULL);
     kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
@@ -509,10 +508,8 @@ static size_t raw_hello_frame(uint8_t *out, char m, uint64_t id)
  */
 Test(server_remote, a_probe_in_flight_keeps_its_namespace_open)
 {
-    uint16_t port;
-    pid_t slow = lying_redis(&port, 200);
     char addr[64];
-    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    pid_t slow = lying_redis(addr, sizeof addr, 200);
     kvd_t d = {0};
     kvd_start(&d, "--max-namespaces", "2", "--nvme-bytes", "0", "--remote", addr, NULL);
     uint32_t tok[4 * PAGE];

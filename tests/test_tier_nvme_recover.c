@@ -295,6 +295,19 @@ Test(tier_nvme_recover, the_newest_copy_of_a_block_wins)
     tu_rmrf(dir);
 }
 
+/* A restart: the tier and the tree go, a new, empty tree and the tier reopened on dir come back,
+ * and recovery gives the blocks found to the tree (it must succeed). Returns the tier. */
+static kvt_tier_t *restart(const char *dir, kvt_tier_t *t, kvt_radix_t **tree,
+                           kvt_tier_nvme_recovery_t *r)
+{
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(*tree);
+    cr_assert_eq(kvt_radix_create(tree, NULL), 0);
+    t = open_tier(dir);
+    cr_assert_eq(kvt_tier_nvme_recover(t, *tree, r), 0);
+    return t;
+}
+
 /* Writes every block of the first `pages` pages of toks (already inserted in tree) to t. */
 static void write_path(kvt_radix_t *tree, kvt_tier_t *t, uint32_t ns, const uint32_t *toks,
                        uint32_t pages, uint32_t skip_below)
@@ -349,14 +362,8 @@ Test(tier_nvme_recover, rebuilds_radix_entries_from_parent_hashes)
     write_path(tree, t, ns, b, 5, 3); /* its first three pages are a's */
     write_path(tree, t, ns, c, 4, 2); /* pages 2, 3 only: their ancestors are missing */
     uint64_t seed = kvt_radix_ns_seed(tree, ns);
-    kvt_tier_destroy(t);
-    kvt_radix_destroy(tree);
-
-    /* The restart: a new, empty tree. */
-    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    t = restart(dir, t, &tree, &r);
     cr_assert_eq(r.recovered, 9);
     cr_assert_eq(r.inserted, 7);
     cr_assert_eq(r.orphans, 2);
@@ -466,12 +473,8 @@ Test(tier_nvme_recover, namespaces_known_only_by_seed_come_back_too)
     cr_assert_eq(kvt_radix_insert(tree, ns, a, 3 * 16, &ins), 0);
     kvt_tier_t *t = open_tier(dir);
     write_path(tree, t, ns, a, 3, 0); /* no kvt_tier_nvme_add_ns */
-    kvt_tier_destroy(t);
-    kvt_radix_destroy(tree);
-    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    t = restart(dir, t, &tree, &r);
     cr_assert_eq(r.inserted, 3);
     cr_assert_eq(kvt_radix_ns_open(tree, "mistral", "lora-7", NULL, 16, &ns), 0);
     kvt_match_t m;
@@ -510,8 +513,6 @@ Test(tier_nvme_recover, a_long_namespace_list_crowds_out_no_blocks)
     kvt_tier_t *t = open_tier(dir);
     write_path(tree, t, named, a, 3, 0);
     write_path(tree, t, unnamed, b, 2, 0);
-    kvt_tier_destroy(t);
-    kvt_radix_destroy(tree);
     snprintf(path, sizeof(path), "%s/namespaces", dir);
     FILE *f = fopen(path, "w");
     cr_assert(f);
@@ -520,11 +521,8 @@ Test(tier_nvme_recover, a_long_namespace_list_crowds_out_no_blocks)
     fputs("v1\tllama-70b\t\ttenant-busy\t16\n", f);
     fputs("v1\tllama-70b\t\ttenant-busy\t16\n", f); /* twice, as two daemons could */
     cr_assert_eq(fclose(f), 0);
-
-    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    t = restart(dir, t, &tree, &r);
     cr_assert_eq(r.inserted, 5, "every block back (%llu orphans)", (unsigned long long)r.orphans);
     cr_assert_eq(r.orphans, 0);
     cr_assert_eq(kvt_radix_ns_page_size(tree, 2), 0, "two namespaces open, not %d", IDLE + 2);
@@ -596,13 +594,8 @@ Test(tier_nvme_recover, the_namespace_list_is_compacted_as_tenants_come_and_go)
     cr_assert_eq(kvt_tier_nvme_add_ns(t, "llama-70b", NULL, "idle-0", 16), 0);
     cr_assert_eq(ns_lines(dir, "v1\tllama-70b\t\tidle-0\t16\n", &same), lines + 1);
     cr_assert_eq(same, 1);
-    kvt_tier_destroy(t);
-    kvt_radix_destroy(tree);
-
-    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), 0);
+    t = restart(dir, t, &tree, &r);
     cr_assert_eq(r.inserted, 2);
     cr_assert_eq(ns_lines(dir, NULL, &same), 1, "the restart keeps the busy tenant's line only");
     uint32_t id;
