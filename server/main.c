@@ -17,17 +17,17 @@
 
 /*
  * kvtierd's malloc is jemalloc: the DRAM tier links it, and it then serves every allocation of
- * the process, the index's included (glibc's malloc tunables do nothing here). jemalloc reads
- * this once, at its first allocation; MALLOC_CONF in the environment overrides it (thp:never to
- * opt out). thp:always makes it advise transparent huge pages on the memory it maps for its
- * arenas: the index is hundreds of MiB of nodes walked in no particular order, so on 4 KiB pages
- * nearly every node a MATCH visits costs a TLB miss. Measured with bench_server's MATCH over the
- * conversation trace, three alternating runs against MALLOC_CONF=thp:never: kvtierd CPU per MATCH
- * 2.64-3.06 us against 2.80-3.28 on the Unix socket, 2.47-2.68 against 2.72-2.76 over TCP. The
- * DRAM tier's arena maps its own region (tiers/dram.c): this does not touch it.
+ * the process, the index's included (glibc's malloc tunables do nothing here). Its heap follows
+ * the kernel's transparent huge page setting: nothing is advised, so on the usual "madvise"
+ * kernels the index is on 4 KiB pages. MALLOC_CONF=thp:always in the environment opts in. It
+ * was the default until measured both ways (README, "The radix index"): bench_index_pauses took
+ * 317-352 of 2.2 million inserts over 1 ms with it (huge pages faulted in and compacted for in
+ * the event loop; the longest 37-43 ms, the 99.99th percentile 4.6-4.7 ms) and 0-3 without
+ * (0.07-0.12 ms), while bench_server's MATCH gained nothing above the noise from it (kvtierd CPU
+ * per MATCH 2.69-3.14 us against 2.73-2.95 on the Unix socket, 2.45-2.92 against 2.32-3.24 over
+ * TCP, alternating runs). The DRAM tier's region asks for huge pages itself (tiers/dram.c): its
+ * faults come once per slice of a fixed region, not as the index grows.
  */
-const char *malloc_conf = "thp:always,metadata_thp:auto";
-
 int main(int argc, char **argv)
 {
     kvt_srv_conf_t conf;

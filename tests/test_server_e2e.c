@@ -1059,24 +1059,11 @@ Test(server_e2e, large_get_in_batches_and_disconnect_mid_get)
     kvd_cleanup(&d);
 }
 
-/* kvtierd's index lives in jemalloc's arenas, which it asks to advise transparent huge pages
- * (server/main.c): after a few MiB of index the daemon holds anonymous huge pages. Skipped where
- * the kernel has transparent huge pages off. */
-Test(server_e2e, index_heap_on_huge_pages)
+/* Anonymous huge pages kvtierd holds (AnonHugePages of its smaps_rollup), in kB. */
+static long kvd_huge_kb(const kvd_t *d)
 {
-    thp_skip_unless_on();
-    kvd_t d = {0};
-    kvd_start(&d, NULL);
-    kvt_client_t *c = kvd_client(&d, "thp", PAGE, 0);
-    enum { PROMPT = 128 * PAGE };
-    static uint32_t tok[PROMPT];
-    kvt_client_put_t r;
-    for (uint32_t i = 0; i < 1000; i++) { /* ~2M tokens, tens of MiB of index */
-        kvd_tokens(tok, PROMPT, 1000 + i);
-        cr_assert_eq(kvt_client_put(c, tok, PROMPT, 0, 0, NULL, NULL, &r), 0);
-    }
     char path[64], line[256];
-    snprintf(path, sizeof path, "/proc/%d/smaps_rollup", (int)d.pid);
+    snprintf(path, sizeof path, "/proc/%d/smaps_rollup", (int)d->pid);
     FILE *f = fopen(path, "r");
     cr_assert(f, "%s: %s", path, strerror(errno));
     long huge_kb = -1;
@@ -1084,7 +1071,51 @@ Test(server_e2e, index_heap_on_huge_pages)
         if (sscanf(line, "AnonHugePages: %ld kB", &huge_kb) == 1)
             break;
     fclose(f);
-    cr_expect_gt(huge_kb, 0, "kvtierd holds %ld kB of anonymous huge pages", huge_kb);
+    return huge_kb;
+}
+
+/* Puts ~2M tokens of index (tens of MiB) into d and returns its log. */
+static void kvd_fill_index(kvd_t *d, char *log, size_t cap)
+{
+    kvt_client_t *c = kvd_client(d, "thp", PAGE, 0);
+    enum { PROMPT = 128 * PAGE };
+    static uint32_t tok[PROMPT];
+    kvt_client_put_t r;
+    for (uint32_t i = 0; i < 1000; i++) {
+        kvd_tokens(tok, PROMPT, 1000 + i);
+        cr_assert_eq(kvt_client_put(c, tok, PROMPT, 0, 0, NULL, NULL, &r), 0);
+    }
     kvt_client_close(c);
+    kvd_slurp(d, "kvtierd.log", log, cap);
+}
+
+/* kvtierd's heap (the index's memory) follows the kernel's transparent huge page setting and
+ * says so at start-up (server/main.c): huge pages faulted in as the index grew stopped the loop
+ * for tens of ms. */
+Test(server_e2e, index_heap_follows_the_kernel)
+{
+    static char log[16384];
+    kvd_t d = {0};
+    cr_assert_eq(unsetenv("MALLOC_CONF"), 0);
+    kvd_start(&d, "--log-level", "info", NULL);
+    kvd_fill_index(&d, log, sizeof log);
+    cr_expect(strstr(log, "heap: jemalloc, transparent huge pages default"), "log:\n%s", log);
+    kvd_cleanup(&d);
+}
+
+/* MALLOC_CONF=thp:always opts in: after a few MiB of index the daemon holds anonymous huge
+ * pages. Skipped where the kernel has them off. */
+Test(server_e2e, index_heap_on_huge_pages_when_asked)
+{
+    thp_skip_unless_on();
+    static char log[16384];
+    kvd_t d = {0};
+    cr_assert_eq(setenv("MALLOC_CONF", "thp:always", 1), 0);
+    kvd_start(&d, "--log-level", "info", NULL);
+    cr_assert_eq(unsetenv("MALLOC_CONF"), 0);
+    kvd_fill_index(&d, log, sizeof log);
+    cr_expect(strstr(log, "heap: jemalloc, transparent huge pages always"), "log:\n%s", log);
+    long huge_kb = kvd_huge_kb(&d);
+    cr_expect_gt(huge_kb, 0, "kvtierd holds %ld kB of anonymous huge pages", huge_kb);
     kvd_cleanup(&d);
 }
