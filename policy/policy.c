@@ -723,6 +723,20 @@ static int protected(const kvt_policy_t *p, const kvt_radix_node_t *n)
     return 0;
 }
 
+/* Room for one more move in flight. */
+static int pend_reserve(kvt_policy_t *p)
+{
+    if (p->npend < p->pend_cap)
+        return 0;
+    size_t nc = p->pend_cap ? 2 * p->pend_cap : 16;
+    pmove_t *v = realloc(p->pend, nc * sizeof(*v));
+    if (!v)
+        return KVT_ENOMEM;
+    p->pend = v;
+    p->pend_cap = nc;
+    return 0;
+}
+
 /* Moves node-local [i0, i0 + cnt) of n from `from` to `to`. Returns cnt, or a negative error
  * (nothing changed). */
 static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
@@ -746,6 +760,15 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
     if ((i0 > 0 && tier_rank(bl[i0 - 1].tier) > tier_rank((uint8_t)to)) ||
         (i0 + cnt < np && tier_rank(bl[i0 + cnt].tier) < tier_rank((uint8_t)to)))
         return KVT_EAGAIN;
+    /* What a pending move needs, before it starts: its pin's lease slot (the index's memory,
+     * within what the executor allows) and its entry. */
+    uint64_t grow = kvt_radix_lease_need(p->t);
+    if (grow && p->c.ops->index_room && !p->c.ops->index_room(p->c.ops_arg, grow)) {
+        p->st.pin_refusals++;
+        return KVT_ENOSPC;
+    }
+    if (kvt_radix_lease_reserve(p->t) < 0 || pend_reserve(p) < 0)
+        return KVT_ENOMEM;
     uint32_t ta, tb;
     node_run(n, (uint8_t)to, &ta, &tb);
     rc = p->c.ops->move(p->c.ops_arg, n, kvt_radix_node_depth(n) + i0, cnt, from, to);
@@ -757,16 +780,11 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
     if (rc == KVT_POLICY_PENDING) {
         /* The lease keeps (n, depth) valid until kvt_policy_move_done, whatever inserts split
          * or evictions happen meanwhile. */
-        if (p->npend == p->pend_cap) {
-            size_t nc = p->pend_cap ? 2 * p->pend_cap : 16;
-            pmove_t *v = realloc(p->pend, nc * sizeof(*v));
-            kvt_assert(v != NULL);
-            p->pend = v;
-            p->pend_cap = nc;
-        }
         kvt_match_t m = {n, i0 + cnt, kvt_radix_node_depth(n) + i0 + cnt, kvt_radix_node_ns(n), 0};
         uint64_t lease = 0;
+        /* cannot fail: the slot and the entry were reserved before the move started */
         kvt_assert(kvt_radix_lease(p->t, &m, KVT_POLICY_LEASE_OWNER, &lease) == 0);
+        kvt_assert(p->npend < p->pend_cap);
         p->pend[p->npend++] =
             (pmove_t){n, kvt_radix_node_depth(n) + i0, cnt, from, to, lease, bytes, cto, cfrom};
         p->pending_out[from] += cfrom;

@@ -156,6 +156,13 @@ typedef struct kvt_policy_ops {
      * units, so that its capacity can be the tier's own. NULL: the size itself (the replay).
      */
     uint64_t (*footprint)(void *arg, kvt_tier_id_t tier, uint32_t size);
+    /*
+     * Whether the index may grow by `bytes`: the lease table's growth, when a move is about to
+     * start with no lease slot free for its pin. Return nonzero if it may; zero refuses the
+     * move (KVT_ENOSPC: the engine tries other blocks, drops the run where it is the only way
+     * to free its tier, or leaves a promotion where it is). NULL: it may.
+     */
+    int (*index_room)(void *arg, uint64_t bytes);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1
@@ -315,6 +322,7 @@ typedef struct kvt_policy_stats {
     uint64_t index_trimmed; /* index-only pages evicted by kvt_policy_trim_index */
     uint64_t rebuilds;      /* victim heaps rebuilt in one walk over every node */
     uint64_t sweeps;        /* and renewed by a sweep (sweep_above) */
+    uint64_t pin_refusals;  /* moves not started: the index had no room for their pin */
 } kvt_policy_stats_t;
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);

@@ -1643,27 +1643,37 @@ static uint32_t lease_next_cap(const kvt_radix_t *t)
     return t->lease_cap ? t->lease_cap * 2 : 64;
 }
 
+int kvt_radix_lease_reserve(kvt_radix_t *t)
+{
+    if (!t)
+        return KVT_EINVAL;
+    if (t->lease_free != NO_SLOT)
+        return 0;
+    uint32_t cap = lease_next_cap(t);
+    kvt_lease_t *v = rx_realloc(t, t->leases, cap * sizeof(*v));
+    if (!v)
+        return KVT_ENOMEM;
+    for (uint32_t i = t->lease_cap; i < cap; i++) {
+        v[i].owner = 0;
+        v[i].node = NULL;
+        v[i].gen = 1;
+        v[i].next_free = i + 1 < cap ? i + 1 : NO_SLOT;
+    }
+    t->leases = v;
+    t->lease_free = t->lease_cap;
+    t->lease_cap = cap;
+    return 0;
+}
+
 int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64_t *lease_out)
 {
     if (!t || !m || !lease_out || owner == 0)
         return KVT_EINVAL;
     if (!m->node || m->pages == 0)
         return KVT_ENOENT;
-    if (t->lease_free == NO_SLOT) {
-        uint32_t cap = lease_next_cap(t);
-        kvt_lease_t *v = rx_realloc(t, t->leases, cap * sizeof(*v));
-        if (!v)
-            return KVT_ENOMEM;
-        for (uint32_t i = t->lease_cap; i < cap; i++) {
-            v[i].owner = 0;
-            v[i].node = NULL;
-            v[i].gen = 1;
-            v[i].next_free = i + 1 < cap ? i + 1 : NO_SLOT;
-        }
-        t->leases = v;
-        t->lease_free = t->lease_cap;
-        t->lease_cap = cap;
-    }
+    int rc = kvt_radix_lease_reserve(t);
+    if (rc < 0)
+        return rc;
     uint32_t slot = t->lease_free;
     kvt_lease_t *l = &t->leases[slot];
     t->lease_free = l->next_free;

@@ -269,6 +269,9 @@ size_t kvt_radix_lease_count(const kvt_radix_t *t);
 /* At most the bytes the next kvt_radix_lease adds to the tree's count: 0 while a lease slot is
  * free, else the growth of the lease table. */
 uint64_t kvt_radix_lease_need(const kvt_radix_t *t);
+/* Makes the lease table grow now, when no slot is free, so that the next kvt_radix_lease
+ * allocates nothing and cannot fail for memory. Returns 0 or KVT_ENOMEM (nothing changed). */
+int kvt_radix_lease_reserve(kvt_radix_t *t);
 /* A lease's slot: no two leases held at once share one, and slots are reused, so the slots in use
  * stay below the most leases ever held at once. For tables of the caller's own, by lease. */
 static inline uint32_t kvt_radix_lease_slot(uint64_t lease)

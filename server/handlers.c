@@ -949,6 +949,7 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
         kvt_policy_stats(s->policy, &ps);
         kvt_stat(&b, "policy_rebuilds", ps.rebuilds);
         kvt_stat(&b, "policy_sweeps", ps.sweeps);
+        kvt_stat(&b, "policy_pin_refusals", ps.pin_refusals);
     }
     kvt_put_u32(b.buf, b.count);
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, b.buf, (uint32_t)b.len);

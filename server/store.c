@@ -396,9 +396,17 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
     return KVT_POLICY_PENDING;
 }
 
+/* A move's pin may grow the lease table: within index-bytes, as a client's lease (no trim here,
+ * inside the policy's step). */
+static int kvt_exec_index_room(void *arg, uint64_t bytes)
+{
+    return kvt__index_fits(arg, bytes);
+}
+
 static const kvt_policy_ops_t kvt_exec_ops = {
     .move = kvt_exec_move,
     .footprint = kvt_exec_footprint,
+    .index_room = kvt_exec_index_room,
 };
 
 void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out)

@@ -595,6 +595,67 @@ Test(policy_decisions, pending_moves_hold_their_reservation)
     stop();
 }
 
+/* The executor's say on the index's memory (kvt_policy_ops_t.index_room). */
+static int room_ok;
+static uint64_t room_asked;
+
+static int ex_index_room(void *arg, uint64_t bytes)
+{
+    (void)arg;
+    room_asked = bytes;
+    return room_ok;
+}
+
+static const kvt_policy_ops_t ops_room = {ex_move, ex_admit, NULL, ex_index_room};
+
+/* A move in flight pins its node with a lease, and a lease may grow the lease table: the engine
+ * asks the executor whether the index has room for that first, and starts no move it refuses.
+ * Refused, the least recent run is dropped instead (the only way left to make room for the
+ * new one), with no lease taken and the table not grown; allowed, the move starts under its
+ * lease. */
+Test(policy_decisions, a_move_starts_only_when_the_index_has_room_for_its_pin)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    c.ops = &ops_room;
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *d = seq(16, 3000);
+    request(a, 16, NULL);
+    ex.pending = 1;
+    room_ok = 0;
+    room_asked = 0;
+    uint64_t need = kvt_radix_lease_need(tree);
+    cr_assert_gt(need, 0, "no lease slot yet");
+    kvt_radix_stats_t before, after;
+    kvt_radix_stats(tree, &before);
+    request(b, 16, NULL); /* a must leave HBM for b */
+    cr_assert_eq(room_asked, need, "asked for the lease table's growth");
+    cr_assert_eq(ex.moves, 0, "no move started");
+    cr_assert_eq(kvt_radix_lease_count(tree), 0);
+    cr_assert_eq(kvt_radix_lease_need(tree), need, "the lease table did not grow");
+    kvt_radix_stats(tree, &after);
+    cr_assert_leq(after.bytes, before.bytes + 16 * 64, "b's new node only");
+    cr_assert_eq(tier_of(a, 0), -1, "a was dropped to make room");
+    all_in(b, 4, KVT_TIER_HBM);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.pin_refusals, 1);
+    cr_assert_eq(st.pending_moves, 0);
+    /* With room, b's demotion starts and holds a lease until it lands (d goes to DRAM
+     * meanwhile, as in pending_moves_hold_their_reservation). */
+    room_ok = 1;
+    request(d, 16, NULL);
+    cr_assert_eq(ex.moves, 1);
+    cr_assert_eq(kvt_radix_lease_count(tree), 1);
+    land_demotion(b);
+    cr_assert_eq(kvt_radix_lease_count(tree), 0);
+    all_in(b, 4, KVT_TIER_DRAM);
+    all_in(d, 4, KVT_TIER_DRAM);
+    free(a);
+    free(b);
+    free(d);
+    stop();
+}
+
 /*
  * Moves in flight count as room on its way (kvtierd's moves are all asynchronous): above the high
  * mark, steps move out what takes the tier to the low mark once, not again in every step until

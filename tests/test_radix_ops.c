@@ -1041,7 +1041,28 @@ Test(radix_ops, leases_and_namespaces_add_no_more_than_their_need)
     cr_assert_eq(grew, 8, "made with 64 slots, then 128, ... 8,192");
     cr_assert_eq(kvt_radix_release(tree, ids[17]), 0);
     cr_assert_eq(kvt_radix_lease_need(tree), 0, "a slot given back is taken first");
-    cr_assert_eq(kvt_radix_release_owner(tree, 1), 4999);
+    /* A reservation with a slot free changes nothing; with none, it grows the table by its need
+     * now, and the lease after it adds nothing. */
+    uint64_t at = tree_bytes();
+    cr_assert_eq(kvt_radix_lease_reserve(tree), 0);
+    cr_assert_eq(tree_bytes(), at);
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &ids[17]), 0);
+    for (uint32_t i = 5000; kvt_radix_lease_need(tree) == 0; i++) {
+        uint64_t more;
+        cr_assert_eq(kvt_radix_lease(tree, &m, 1, &more), 0, "lease %u", i);
+    }
+    uint64_t grow = kvt_radix_lease_need(tree);
+    at = tree_bytes();
+    cr_assert_eq(kvt_radix_lease_reserve(tree), 0);
+    cr_assert_leq(tree_bytes() - at, grow);
+    cr_assert_gt(tree_bytes(), at);
+    cr_assert_eq(kvt_radix_lease_need(tree), 0, "a slot is free now");
+    at = tree_bytes();
+    uint64_t last;
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &last), 0);
+    cr_assert_eq(tree_bytes(), at, "the reserved slot");
+    cr_assert_eq(kvt_radix_lease_reserve(NULL), KVT_EINVAL);
+    cr_assert_eq(kvt_radix_release_owner(tree, 1), 8193);
 
     char salt[32];
     uint32_t id;

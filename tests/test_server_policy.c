@@ -711,6 +711,92 @@ Test(server_policy, full_index_refuses_leases_and_namespaces_it_cannot_hold)
     kvd_cleanup(&d);
 }
 
+/* Waits until every one of A's pages is in tier `want` (a PROBE: no use, no promotion). */
+static int wait_tiers(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint8_t want)
+{
+    for (int i = 0; i < 500; i++) {
+        uint8_t tiers[16];
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 16};
+        cr_assert_eq(kvt_client_match(c, tok, pages * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+        uint32_t k = 0;
+        while (k < m.pages && tiers[k] == want)
+            k++;
+        if (m.pages == pages && k == pages)
+            return 1;
+        usleep(10000);
+    }
+    return 0;
+}
+
+/*
+ * A tier move in flight pins its blocks with a lease, and that lease may need the lease table
+ * to grow: within index-bytes, as a client's would. With the table full of a client's leases and
+ * no room left in the index to grow it, a hit on NVMe pages starts no promotion (counted in
+ * policy_pin_refusals) and the index stays under its cap; once a lease slot is free the next hit
+ * promotes them, and they read back byte-exact. (The policy used to take the lease regardless,
+ * doubling a table whose growth index-bytes had just refused a client.)
+ */
+Test(server_policy, a_move_pins_its_blocks_only_within_index_bytes)
+{
+    enum { A = 4, B = 8, CAP = 64 << 10 };
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--dram-bytes", "1M", "--nvme-bytes", "16M", "--index-bytes",
+              "64K", "--max-leases", "100000", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG), *other = kvd_client(&d, "m", PAGE, BIG);
+    cr_assert(c && other);
+    static uint32_t a[A * PAGE], b[B * PAGE];
+    kvd_tokens(a, A * PAGE, 8000000);
+    put_prompt(c, a, A, 100);
+    /* DRAM holds 16 blocks: a, the least recently used once the index clock (a tick, 50 ms) has
+     * moved on, goes down to NVMe as more comes in. */
+    usleep(120000);
+    for (int k = 0; k < 3; k++) {
+        kvd_tokens(b, B * PAGE, 9000000u + 10000u * k);
+        put_prompt(c, b, B, 200 + 10 * k);
+    }
+    cr_assert(wait_tiers(c, a, A, KVT_CLIENT_TIER_NVME), "a's pages reached NVMe");
+    /* a leased again and again (PROBE: no promotion yet) until the lease table can grow no more:
+     * the index trims b to make room for it meanwhile. */
+    uint32_t held = 0;
+    uint64_t first[2] = {0, 0};
+    int rc = 0;
+    for (; held < 100000; held++) {
+        kvt_client_match_t m = {0};
+        rc =
+            kvt_client_match(c, a, A * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE, 600000, NULL, &m);
+        if (rc < 0)
+            break;
+        if (held < 2)
+            first[held] = m.lease;
+    }
+    cr_assert_eq(rc, KVT_CLIENT_ENOSPC, "the leases filled the index (%u held): %s", held,
+                 kvt_client_strerror(rc));
+    cr_assert_leq(index_bytes(other), (uint64_t)CAP);
+    uint64_t refused = kvd_stat(other, "policy_pin_refusals");
+    /* A hit: the promotion it asks for needs a lease slot the index cannot hold. */
+    kvt_client_match_t m = {0};
+    for (int i = 0; i < 5; i++) {
+        cr_assert_eq(kvt_client_match(other, a, A * PAGE, 0, 0, NULL, &m), 0);
+        cr_assert_eq(m.pages, A);
+        usleep(20000);
+        cr_assert_leq(index_bytes(other), (uint64_t)CAP, "after hit %d", i);
+    }
+    cr_expect_gt(kvd_stat(other, "policy_pin_refusals"), refused);
+    cr_assert(wait_tiers(other, a, A, KVT_CLIENT_TIER_NVME), "a stays in NVMe, whole");
+    /* Slots given back: the next hit promotes a, and it reads back byte-exact (the GET's pin
+     * takes a slot too). */
+    cr_assert_eq(kvt_client_release(c, first[0], NULL), 0);
+    cr_assert_eq(kvt_client_release(c, first[1], NULL), 0);
+    cr_assert_eq(kvt_client_match(other, a, A * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect(wait_tiers(other, a, A, KVT_CLIENT_TIER_DRAM), "a promoted into DRAM");
+    cr_expect_leq(index_bytes(other), (uint64_t)CAP);
+    cr_assert_eq(kvt_client_match(other, a, A * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    expect_reads_back(other, m.lease, A, 100, "a after its promotion");
+    kvt_client_close(c);
+    kvt_client_close(other);
+    kvd_cleanup(&d);
+}
+
 /*
  * A random mix of PUT, MATCH + GET, PREFETCH and REMOVE over prompts that share prefixes, with
  * tiers small enough that the policy moves blocks all the time, NVMe segments are reclaimed
