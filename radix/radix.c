@@ -361,11 +361,32 @@ static int registry_add(kvt_radix_t *t, kvt_radix_node_t *n)
     return 0;
 }
 
+/*
+ * A mapped registry at most a quarter full gives its tail back, REG_MAP_BYTES a removal, down to
+ * REG_MAP_BYTES (it stays a mapping): a tree that once held millions of nodes does not keep 8
+ * bytes for each in index-bytes. A step at a time, as a big child table's old pages go back:
+ * unmapping tens of MB at once would stop the loop for milliseconds. A mapped registry's size is
+ * a multiple of REG_MAP_BYTES (doubled from it, shrunk by it), and so of the page size.
+ */
+static void registry_shrink(kvt_radix_t *t)
+{
+    size_t ob = t->nodes_cap * sizeof(void *);
+    if (ob <= REG_MAP_BYTES || t->nnodes > t->nodes_cap / 4)
+        return;
+    size_t nb = ob - REG_MAP_BYTES;
+    void *v = mremap(t->nodes, ob, nb, 0); /* in place */
+    if (v == MAP_FAILED)
+        return; /* it keeps its pages */
+    t->nodes_cap = nb / sizeof(void *);
+    t->bytes -= ob - nb;
+}
+
 static void registry_del(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     kvt_radix_node_t *last = t->nodes[--t->nnodes];
     t->nodes[n->idx] = last;
     last->idx = n->idx;
+    registry_shrink(t);
 }
 
 /* Allocates a node with room for npages pages (storage uninitialised). */

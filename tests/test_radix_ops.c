@@ -1017,6 +1017,58 @@ Test(radix_ops, an_insert_needs_room_only_for_the_table_it_grows)
     cr_assert_geq(need, 512 * 16);
 }
 
+/* The node registry (8 bytes a node, for sampling) gives back what a tree that shrank no longer
+ * needs: from 300,000 nodes (a registry of 4 MiB) down to 100, the tree holds what one that only
+ * ever had those 100 holds, but for a registry of 1 MiB (a mapping of its own, which stays) and
+ * a few KiB of table. */
+Test(radix_ops, the_node_registry_gives_memory_back)
+{
+    enum { NODES = 300000, KEEP = 100 };
+    uint32_t tok[PS];
+    kvt_insert_t r;
+    for (uint32_t i = 0; i < NODES; i++) {
+        for (uint32_t j = 0; j < PS; j++)
+            tok[j] = (i + 1) * PS + j;
+        cr_assert_eq(kvt_radix_insert(tree, ns, tok, PS, &r), 0);
+    }
+    uint64_t full = tree_bytes();
+    for (uint32_t i = NODES; i-- > KEEP;) {
+        for (uint32_t j = 0; j < PS; j++)
+            tok[j] = (i + 1) * PS + j;
+        cr_assert_eq(kvt_radix_remove(tree, ns, tok, PS), 0, "node %u", i);
+    }
+    cr_assert_eq(kvt_radix_node_count(tree), KEEP);
+    cr_assert_eq(kvt_radix_verify(tree), 0, "the byte count follows the registry");
+    kvt_radix_t *fresh;
+    uint32_t fns;
+    cr_assert_eq(kvt_radix_create(&fresh, NULL), 0);
+    cr_assert_eq(kvt_radix_ns_open(fresh, "llama", NULL, NULL, PS, &fns), 0);
+    for (uint32_t i = 0; i < KEEP; i++) {
+        for (uint32_t j = 0; j < PS; j++)
+            tok[j] = (i + 1) * PS + j;
+        cr_assert_eq(kvt_radix_insert(fresh, fns, tok, PS, &r), 0);
+    }
+    kvt_radix_stats_t st;
+    kvt_radix_stats(fresh, &st);
+    kvt_radix_destroy(fresh);
+    uint64_t left = tree_bytes();
+    cr_assert_leq(left, st.bytes + (1u << 20) + (16u << 10),
+                  "%llu bytes left of %llu, %llu in a fresh tree", (unsigned long long)left,
+                  (unsigned long long)full, (unsigned long long)st.bytes);
+    /* and it grows again */
+    for (uint32_t i = KEEP; i < 200000; i++) {
+        for (uint32_t j = 0; j < PS; j++)
+            tok[j] = (i + 1) * PS + j;
+        cr_assert_eq(kvt_radix_insert(tree, ns, tok, PS, &r), 0);
+    }
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    for (uint32_t i = 0; i < 200000; i += 997) {
+        for (uint32_t j = 0; j < PS; j++)
+            tok[j] = (i + 1) * PS + j;
+        cr_assert_eq(match_pages(tok, PS), 1, "node %u", i);
+    }
+}
+
 /* What a lease or a new namespace adds to the byte count is never more than its need: 0 while a
  * lease slot is free or the namespace is open by that name, the table's growth otherwise. Through
  * 5,000 leases (the table is made, then doubles seven times) and 3,000 namespaces, one learnt by
