@@ -100,6 +100,8 @@ typedef enum {
     X(NAMESPACES, GAUGE, "kvtier_namespaces", "Namespaces open in the prefix index.", NONE)        \
     X(NAMESPACES_CLOSED, COUNTER, "kvtier_namespaces_closed_total",                                \
       "Empty namespaces no client used, closed to make room for new ones.", NONE)                  \
+    X(PIN_REFUSALS, COUNTER, "kvtier_policy_pin_refusals_total",                                   \
+      "Tier moves not started: index-bytes had no room for the lease that pins them.", NONE)       \
     X(REMOTE_CONNECTS, COUNTER, "kvtier_remote_connects_total",                                    \
       "Connections to the remote server that completed their handshake.", NONE)                    \
     X(REMOTE_DISCONNECTS, COUNTER, "kvtier_remote_disconnects_total",                              \

@@ -876,6 +876,11 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_REMOTE_OVERSIZED, 0, (double)st.oversized);
     }
 #endif
+    if (s->policy) {
+        kvt_policy_stats_t ps;
+        kvt_policy_stats(s->policy, &ps);
+        kvt__metric_set(s->metrics, KVT_M_PIN_REFUSALS, 0, (double)ps.pin_refusals);
+    }
     kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)rs.leases);
     kvt__metric_set(s->metrics, KVT_M_NAMESPACES, 0, (double)rs.namespaces);
     kvt__metric_set(s->metrics, KVT_M_CLIENT_BYTES, 0, (double)s->client_bytes);

@@ -782,6 +782,7 @@ Test(server_policy, a_move_pins_its_blocks_only_within_index_bytes)
         cr_assert_leq(index_bytes(other), (uint64_t)CAP, "after hit %d", i);
     }
     cr_expect_gt(kvd_stat(other, "policy_pin_refusals"), refused);
+    cr_expect_geq(metric(&d, "kvtier_policy_pin_refusals_total"), 1.0);
     cr_assert(wait_tiers(other, a, A, KVT_CLIENT_TIER_NVME), "a stays in NVMe, whole");
     /* Slots given back: the next hit promotes a, and it reads back byte-exact (the GET's pin
      * takes a slot too). */
