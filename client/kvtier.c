@@ -619,8 +619,9 @@ static int kvt_prefetch_parse(const uint8_t *body, uint32_t len, kvt_client_pref
     return 0;
 }
 
-int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
-                        uint32_t deadline_ms, kvt_client_prefetch_t *res)
+static int kvt_prefetch_call(kvt_client_t *c, unsigned flags, const uint32_t *tokens,
+                             uint32_t ntokens, unsigned tier, uint32_t deadline_ms,
+                             kvt_client_prefetch_t *res)
 {
     if (!c || (ntokens && !tokens))
         return KVT_EINVAL;
@@ -632,8 +633,8 @@ int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntoken
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_PREFETCH, 0, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, &body,
-                      &len);
+    int rc = kvt_call(c, KVT_OP_PREFETCH, flags, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
+                      &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
@@ -641,6 +642,18 @@ int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntoken
     if (kvt_prefetch_parse(body, len, res) < 0)
         return kvt_fail(c, KVT_EPROTO);
     return 0;
+}
+
+int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
+                        uint32_t deadline_ms, kvt_client_prefetch_t *res)
+{
+    return kvt_prefetch_call(c, 0, tokens, ntokens, tier, deadline_ms, res);
+}
+
+int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                              unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res)
+{
+    return kvt_prefetch_call(c, KVT_PREFETCH_F_START, tokens, ntokens, tier, deadline_ms, res);
 }
 
 int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released)
@@ -840,15 +853,30 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
                             (size_t)npages * b->c->block_bytes, res, status);
 }
 
-int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
-                       uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status)
+static int kvt_batch_prefetch_flags(kvt_batch_t *b, unsigned flags, const uint32_t *tokens,
+                                    uint32_t ntokens, unsigned tier, uint32_t deadline_ms,
+                                    kvt_client_prefetch_t *res, int *status)
 {
     if (!b || (ntokens && !tokens))
         return KVT_EINVAL;
     kvt_wire_prefetch_t w = {
         .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
-    return kvt_batch_tokens(b, KVT_OP_PREFETCH, 0, &w, sizeof w, tokens, ntokens, NULL, 0, res,
+    return kvt_batch_tokens(b, KVT_OP_PREFETCH, flags, &w, sizeof w, tokens, ntokens, NULL, 0, res,
                             status);
+}
+
+int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
+                       uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status)
+{
+    return kvt_batch_prefetch_flags(b, 0, tokens, ntokens, tier, deadline_ms, res, status);
+}
+
+int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                             unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res,
+                             int *status)
+{
+    return kvt_batch_prefetch_flags(b, KVT_PREFETCH_F_START, tokens, ntokens, tier, deadline_ms,
+                                    res, status);
 }
 
 int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)

@@ -164,6 +164,12 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
  * daemon's lease time); replies at completion or at the deadline. */
 int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
                         uint32_t deadline_ms, kvt_client_prefetch_t *res);
+/* The same, answered as soon as the moves have started, so that it holds up no reply behind it
+ * on the connection: res->moved counts the pages on their way up (or arrived since the request
+ * came), res->failed those not started when it answered. More start as the first land, until
+ * the deadline, with no further reply; a MATCH shows where the pages are. */
+int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                              unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res);
 
 /* Releases a lease; *released (if not NULL) is 1 if it was held, 0 if not (already released,
  * expired): releasing twice is not an error. */
@@ -201,6 +207,10 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
  * moves are done or the deadline passes (the batch's run waits for that). */
 int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
                        uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status);
+/* kvt_client_prefetch_start's request, queued. */
+int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                             unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res,
+                             int *status);
 /* kvt_client_remove's request, queued. */
 int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);

@@ -745,7 +745,7 @@ static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
 {
     kvt_srv_t *s = c->srv;
     kvt_proto_prefetch_t q;
-    if (h->flags || kvt_proto_prefetch_decode(body, h->body_len, &q) < 0)
+    if ((h->flags & ~KVT_PREFETCH_F_ALL) || kvt_proto_prefetch_decode(body, h->body_len, &q) < 0)
         return kvt_bad_body(c, h, t0, "PREFETCH");
     if (kvt_need_hello(c, h, t0) < 0)
         return 0;
@@ -774,6 +774,7 @@ static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
     r->node = m.node;
     r->pages = m.pages;
     r->target = q.tier;
+    r->start_only = (h->flags & KVT_PREFETCH_F_START) != 0;
     r->deadline_ns = t0 + (uint64_t)(q.deadline_ms ? q.deadline_ms : s->conf->lease_ms) * 1000000;
     kvt__ns_t *ns;
     kvt__ns_get(s, c->ns, &ns);

@@ -63,6 +63,8 @@ enum {
     KVT_MATCH_F_REMOTE = 1u << 1, /* probe the remote tier for pages beyond the local match */
     KVT_MATCH_F_PROBE = 1u << 2,  /* a probe: do not count as a use of the blocks */
     KVT_MATCH_F_ALL = 0x7,
+    KVT_PREFETCH_F_START = 1u << 0, /* reply once the moves have started, not when they land */
+    KVT_PREFETCH_F_ALL = 0x1,
     KVT_RF_MORE = 1u << 0, /* reply: more frames for this request follow (GET data) */
 };
 

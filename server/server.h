@@ -107,7 +107,7 @@ struct kvt__req {
     kvt__req_kind_t kind;
     uint8_t op;
     uint8_t done;    /* the whole reply is in out (or, GET, the final frame is) */
-    uint8_t replied; /* PREFETCH: the reply went out at the deadline, I/O still running */
+    uint8_t replied; /* PREFETCH: the reply went out (deadline, START), I/O still running */
     uint64_t id;     /* the client's request id */
     uint64_t t0;     /* arrival, for the latency histogram */
     uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
@@ -133,6 +133,7 @@ struct kvt__req {
     int progress;    /* PREFETCH: a move of the last round landed */
     int waiting;     /* PREFETCH: no move of its own; pages of its path are in another's move */
     int waited;      /* PREFETCH: has waited at least once (counted in the metrics) */
+    int start_only;  /* PREFETCH: KVT_PREFETCH_F_START, replied once its moves began */
     uint64_t deadline_ns;
     kvt__io_t **ios;  /* GET batch */
     kvt__seg_t *segs; /* GET batch output; written instead of out while nsegs > 0 */

@@ -1337,10 +1337,16 @@ static uint32_t kvt_prefetch_count(kvt__req_t *r, uint32_t *busy)
 static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     (void)s;
-    uint32_t failed = r->pages - KVT_MIN(r->pages, r->resident + r->moved);
+    uint32_t moved = r->moved;
+    if (r->start_only && r->status == 0) {
+        /* On their way: at the target since the count before the round, or in a move up. */
+        uint32_t busy, at = kvt_prefetch_count(r, &busy);
+        moved = (at > r->resident ? at - r->resident : 0) + busy;
+    }
+    uint32_t failed = r->pages - KVT_MIN(r->pages, r->resident + moved);
     kvt_wire_prefetch_reply_t w = {
         .pages = htole32(r->pages),
-        .moved = htole32(r->moved),
+        .moved = htole32(moved),
         .resident = htole32(r->resident),
         .failed = htole32(failed),
     };
@@ -1397,7 +1403,9 @@ static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
 {
     if (r->pending > 0)
         return;
-    if (!r->replied && r->conn && r->progress && r->resident + r->moved < r->pages &&
+    /* START: answered already, its rounds go on as its moves land, connection or not. */
+    int more = r->start_only || (!r->replied && r->conn);
+    if (more && r->progress && r->resident + r->moved < r->pages &&
         r->rounds < KVT_PREFETCH_ROUNDS && kvt_now_ns() < r->deadline_ns) {
         int rc = kvt_prefetch_round(s, r);
         if (r->pending > 0 || kvt_prefetch_wait(r, rc))
@@ -1421,9 +1429,16 @@ int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
         r->resident = kvt_prefetch_count(r, &busy);
         if (r->resident < r->pages) {
             int rc = kvt_prefetch_round(s, r);
-            if (kvt_prefetch_wait(r, rc))
+            if (!r->start_only && kvt_prefetch_wait(r, rc))
                 return 0;
         }
+    }
+    if (r->start_only && r->pending > 0) {
+        /* START: answered now with what is on its way; more rounds start as those moves land
+         * (kvt_prefetch_moved), until the deadline, with no further reply. */
+        kvt_prefetch_reply(s, r);
+        kvt__req_finish(r);
+        return 0;
     }
     if (r->pending == 0) {
         kvt_unpin(s, r);

@@ -60,6 +60,20 @@ Test(client_batch, thousand_pipelined_requests)
     for (int i = 0; i < N; i++)
         cr_expect_eq(rst[i], 0);
     cr_expect_eq(kvd_stat(c, "leases"), 0);
+    /* PREFETCHes of pages in DRAM already, with and without START: resident, nothing to move. */
+    kvt_client_prefetch_t fr[2];
+    int fst[2];
+    cr_assert_eq(kvt_batch_prefetch(b, tok[1], 4 * PAGE, KVT_CLIENT_TIER_DRAM, 0, &fr[0], &fst[0]),
+                 0);
+    cr_assert_eq(
+        kvt_batch_prefetch_start(b, tok[2], 4 * PAGE, KVT_CLIENT_TIER_DRAM, 0, &fr[1], &fst[1]), 0);
+    cr_assert_eq(kvt_batch_run(b), 0);
+    for (int i = 0; i < 2; i++) {
+        cr_expect_eq(fst[i], 0);
+        cr_expect(fr[i].pages == 4 && fr[i].resident == 4 && fr[i].moved == 0 && fr[i].failed == 0,
+                  "prefetch %d: %u pages, %u resident, %u moved, %u failed", i, fr[i].pages,
+                  fr[i].resident, fr[i].moved, fr[i].failed);
+    }
     kvt_batch_destroy(b);
     kvt_client_close(c);
     kvd_cleanup(&d);

@@ -167,6 +167,7 @@ static size_t gen_body(fuzz_t *z, unsigned op, uint16_t *flags)
     }
     case KVT_OP_PREFETCH: {
         uint32_t n = gen_prompt(s, z->tok);
+        *flags = (uint16_t)(rnd(s) & KVT_PREFETCH_F_ALL);
         kvt_wire_prefetch_t w = {
             .tier = (uint32_t)(rnd(s) % 6), .deadline_ms = (uint32_t)(rnd(s) % 200), .ntokens = n};
         memcpy(z->body, &w, sizeof w);

@@ -680,3 +680,78 @@ Test(server_remote, prefetches_answered_at_their_deadline_leave_the_connection_f
     waitpid(redis, NULL, 0);
     kvd_rmrf(dir);
 }
+
+/*
+ * A PREFETCH with START is answered as soon as its moves have started, so that it holds up no
+ * reply behind it on the connection: with the remote server paused, a PREFETCH of pages only it
+ * holds is answered at once (all of them on their way), and a PING behind it too, where one
+ * without START waits until its pages land or its deadline. Once the server goes on, the pages
+ * land in DRAM and read back byte-exact.
+ */
+Test(server_remote, a_started_prefetch_holds_up_no_reply)
+{
+    enum { P = 4 };
+    char dir[512], addr[64], pfx[64];
+    uint16_t port;
+    pid_t redis = own_redis(dir, sizeof dir, &port);
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    prefix(pfx, sizeof pfx);
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&b, "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
+              "--remote-timeout-ms", "30000", NULL);
+    kvt_client_t *ca = kvd_client(&a, "m", PAGE, BB), *cb = kvd_client(&b, "m", PAGE, BB);
+    uint32_t tok[P * PAGE];
+    kvd_tokens(tok, P * PAGE, 8100000);
+    kvt_client_put_t r;
+    put_all(ca, tok, P, 500, &r);
+    cr_assert_eq(r.stored, P);
+    uint8_t tiers[P];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(
+        kvt_client_match(cb, tok, P * PAGE, KVT_CLIENT_REMOTE | KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    cr_assert_eq(m.remote_pages, P, "b learns of the prompt from the server");
+
+    kill(redis, SIGSTOP);
+    unsigned long long t0 = kvt_now_ns_test();
+    kvt_client_prefetch_t pr = {0};
+    int rc = kvt_client_prefetch_start(cb, tok, P * PAGE, KVT_CLIENT_TIER_DRAM, 20000, &pr);
+    cr_assert_eq(rc, 0, "%s %s", kvt_client_strerror(rc), kvt_client_errmsg(cb));
+    cr_expect_eq(kvt_client_ping(cb, NULL), 0);
+    double waited = (double)(kvt_now_ns_test() - t0) / 1e9;
+    cr_expect_lt(waited, 5.0, "answered with the reads still hanging (%.2f s)", waited);
+    cr_expect_eq(pr.pages, P);
+    cr_expect_eq(pr.moved, P, "all on their way");
+    cr_expect_eq(pr.resident, 0);
+    cr_expect_eq(pr.failed, 0);
+    m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(cb, tok, P * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_REMOTE, "still on their way");
+
+    kill(redis, SIGCONT);
+    int up = 0;
+    for (int i = 0; i < 1000 && !up; i++) {
+        m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = P};
+        cr_assert_eq(kvt_client_match(cb, tok, P * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+        up = m.pages == P;
+        for (int k = 0; k < P; k++)
+            up &= tiers[k] == KVT_CLIENT_TIER_DRAM;
+        if (!up)
+            usleep(10000);
+    }
+    cr_expect(up, "the pages landed in DRAM");
+    m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(cb, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    uint8_t from[P];
+    get_all(cb, m.lease, P, 500, from);
+    for (int k = 0; k < P; k++)
+        cr_expect_eq(from[k], KVT_CLIENT_TIER_DRAM, "page %d read from tier %u", k, from[k]);
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
+    kvd_rmrf(dir);
+}
