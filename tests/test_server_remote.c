@@ -631,6 +631,42 @@ static pid_t own_redis(char *dir, size_t dlen, uint16_t *port)
     return -1;
 }
 
+/* Two daemons on a redis-server of the test's own (which a test may pause): a keeps its blocks
+ * there only, b (a DRAM tier, remote-timeout-ms timeout_ms) learns of them by its remote probe. */
+typedef struct remote_pair {
+    char dir[512];
+    pid_t redis;
+    kvd_t a, b;
+    kvt_client_t *ca, *cb;
+} remote_pair_t;
+
+static void pair_start(remote_pair_t *p, const char *timeout_ms)
+{
+    char addr[64], pfx[64];
+    uint16_t port;
+    memset(p, 0, sizeof *p);
+    p->redis = own_redis(p->dir, sizeof p->dir, &port);
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    prefix(pfx, sizeof pfx);
+    kvd_start(&p->a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&p->b, "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
+              "--remote-timeout-ms", timeout_ms, NULL);
+    p->ca = kvd_client(&p->a, "m", PAGE, BB);
+    p->cb = kvd_client(&p->b, "m", PAGE, BB);
+}
+
+static void pair_stop(remote_pair_t *p)
+{
+    kvt_client_close(p->ca);
+    kvt_client_close(p->cb);
+    kvd_cleanup(&p->a);
+    kvd_cleanup(&p->b);
+    kill(p->redis, SIGKILL);
+    waitpid(p->redis, NULL, 0);
+    kvd_rmrf(p->dir);
+}
+
 /*
  * PREFETCHes answered at their deadline while their moves still run (the remote tier paused, so
  * reads from it hang until its timeout): each goes on as an orphan, and its moves used to stay
@@ -640,17 +676,9 @@ static pid_t own_redis(char *dir, size_t dlen, uint16_t *port)
 Test(server_remote, prefetches_answered_at_their_deadline_leave_the_connection_free)
 {
     enum { N = 80 };
-    char dir[512], addr[64], pfx[64];
-    uint16_t port;
-    pid_t redis = own_redis(dir, sizeof dir, &port);
-    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
-    prefix(pfx, sizeof pfx);
-    kvd_t a = {0}, b = {0};
-    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
-              pfx, NULL);
-    kvd_start(&b, "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
-              "--remote-timeout-ms", "3000", NULL);
-    kvt_client_t *ca = kvd_client(&a, "m", PAGE, BB), *cb = kvd_client(&b, "m", PAGE, BB);
+    remote_pair_t p;
+    pair_start(&p, "3000");
+    kvt_client_t *ca = p.ca, *cb = p.cb;
     static uint32_t tok[N][PAGE];
     kvt_client_put_t r;
     for (int k = 0; k < N; k++) {
@@ -663,7 +691,7 @@ Test(server_remote, prefetches_answered_at_their_deadline_leave_the_connection_f
             0);
         cr_assert_eq(m.remote_pages, 1, "b learns of prompt %d from the server", k);
     }
-    kill(redis, SIGSTOP);
+    kill(p.redis, SIGSTOP);
     for (int k = 0; k < N; k++) {
         kvt_client_prefetch_t pr;
         int rc = kvt_client_prefetch(cb, tok[k], PAGE, KVT_CLIENT_TIER_DRAM, 5, &pr);
@@ -671,14 +699,8 @@ Test(server_remote, prefetches_answered_at_their_deadline_leave_the_connection_f
                   "prefetch %d: %s %s", k, kvt_client_strerror(rc), kvt_client_errmsg(cb));
     }
     cr_expect_eq(kvt_client_ping(cb, NULL), 0, "the connection is still read");
-    kill(redis, SIGCONT);
-    kvt_client_close(ca);
-    kvt_client_close(cb);
-    kvd_cleanup(&a);
-    kvd_cleanup(&b);
-    kill(redis, SIGKILL);
-    waitpid(redis, NULL, 0);
-    kvd_rmrf(dir);
+    kill(p.redis, SIGCONT);
+    pair_stop(&p);
 }
 
 /*
@@ -691,17 +713,9 @@ Test(server_remote, prefetches_answered_at_their_deadline_leave_the_connection_f
 Test(server_remote, a_started_prefetch_holds_up_no_reply)
 {
     enum { P = 4 };
-    char dir[512], addr[64], pfx[64];
-    uint16_t port;
-    pid_t redis = own_redis(dir, sizeof dir, &port);
-    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
-    prefix(pfx, sizeof pfx);
-    kvd_t a = {0}, b = {0};
-    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
-              pfx, NULL);
-    kvd_start(&b, "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
-              "--remote-timeout-ms", "30000", NULL);
-    kvt_client_t *ca = kvd_client(&a, "m", PAGE, BB), *cb = kvd_client(&b, "m", PAGE, BB);
+    remote_pair_t p;
+    pair_start(&p, "30000");
+    kvt_client_t *ca = p.ca, *cb = p.cb;
     uint32_t tok[P * PAGE];
     kvd_tokens(tok, P * PAGE, 8100000);
     kvt_client_put_t r;
@@ -713,7 +727,7 @@ Test(server_remote, a_started_prefetch_holds_up_no_reply)
         kvt_client_match(cb, tok, P * PAGE, KVT_CLIENT_REMOTE | KVT_CLIENT_PROBE, 0, NULL, &m), 0);
     cr_assert_eq(m.remote_pages, P, "b learns of the prompt from the server");
 
-    kill(redis, SIGSTOP);
+    kill(p.redis, SIGSTOP);
     unsigned long long t0 = kvt_now_ns_test();
     kvt_client_prefetch_t pr = {0};
     int rc = kvt_client_prefetch_start(cb, tok, P * PAGE, KVT_CLIENT_TIER_DRAM, 20000, &pr);
@@ -729,7 +743,7 @@ Test(server_remote, a_started_prefetch_holds_up_no_reply)
     cr_assert_eq(kvt_client_match(cb, tok, P * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
     cr_expect_eq(tiers[0], KVT_CLIENT_TIER_REMOTE, "still on their way");
 
-    kill(redis, SIGCONT);
+    kill(p.redis, SIGCONT);
     int up = 0;
     for (int i = 0; i < 1000 && !up; i++) {
         m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = P};
@@ -747,11 +761,5 @@ Test(server_remote, a_started_prefetch_holds_up_no_reply)
     get_all(cb, m.lease, P, 500, from);
     for (int k = 0; k < P; k++)
         cr_expect_eq(from[k], KVT_CLIENT_TIER_DRAM, "page %d read from tier %u", k, from[k]);
-    kvt_client_close(ca);
-    kvt_client_close(cb);
-    kvd_cleanup(&a);
-    kvd_cleanup(&b);
-    kill(redis, SIGKILL);
-    waitpid(redis, NULL, 0);
-    kvd_rmrf(dir);
+    pair_stop(&p);
 }
