@@ -673,7 +673,8 @@ int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released)
     return 0;
 }
 
-int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
+static int kvt_remove_call(kvt_client_t *c, unsigned flags, const uint32_t *tokens,
+                           uint32_t ntokens)
 {
     if (!c || (ntokens && !tokens))
         return KVT_EINVAL;
@@ -684,11 +685,21 @@ int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc =
-        kvt_call(c, KVT_OP_REMOVE, 0, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, &body, &len);
+    int rc = kvt_call(c, KVT_OP_REMOVE, flags, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
+                      &body, &len);
     if (own)
         free(tw);
     return rc;
+}
+
+int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
+{
+    return kvt_remove_call(c, 0, tokens, ntokens);
+}
+
+int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
+{
+    return kvt_remove_call(c, KVT_REMOVE_F_NOWAIT, tokens, ntokens);
 }
 
 int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg)
@@ -879,13 +890,24 @@ int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t nt
                                     res, status);
 }
 
-int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)
+static int kvt_batch_remove_flags(kvt_batch_t *b, unsigned flags, const uint32_t *tokens,
+                                  uint32_t ntokens, int *status)
 {
     if (!b || (ntokens && !tokens))
         return KVT_EINVAL;
     kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
-    return kvt_batch_tokens(b, KVT_OP_REMOVE, 0, &w, sizeof w, tokens, ntokens, NULL, 0, NULL,
+    return kvt_batch_tokens(b, KVT_OP_REMOVE, flags, &w, sizeof w, tokens, ntokens, NULL, 0, NULL,
                             status);
+}
+
+int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)
+{
+    return kvt_batch_remove_flags(b, 0, tokens, ntokens, status);
+}
+
+int kvt_batch_remove_nowait(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)
+{
+    return kvt_batch_remove_flags(b, KVT_REMOVE_F_NOWAIT, tokens, ntokens, status);
 }
 
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)

@@ -179,6 +179,9 @@ int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
  * not cached, KVT_CLIENT_EBUSY when a connection's lease holds it. Blocks the daemon itself is
  * moving or reading are waited for (up to a second, then KVT_CLIENT_EBUSY), not refused. */
 int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
+/* The same, but blocks busy with the daemon's own I/O are KVT_CLIENT_EBUSY at once (nothing
+ * removed), so that the REMOVE holds up no reply behind it on the connection. */
+int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 
 /* The daemon's counters, one cb call per (name, value); cb's non-zero return stops. */
 typedef int (*kvt_client_stat_cb)(void *arg, const char *name, uint64_t value);
@@ -211,8 +214,9 @@ int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
 int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
                              unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res,
                              int *status);
-/* kvt_client_remove's request, queued. */
+/* kvt_client_remove's request, queued; and kvt_client_remove_nowait's. */
 int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
+int kvt_batch_remove_nowait(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);
 /* Sends everything queued and waits for every reply. Returns 0 when all replies came (each
  * request's own outcome is in its status), or a transport error. The batch is empty after. */

@@ -851,13 +851,18 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     kvt_srv_t *s = c->srv;
     uint32_t n;
     const uint8_t *tok;
-    if (h->flags || kvt_proto_remove_decode(body, h->body_len, &n, &tok) < 0)
+    if ((h->flags & ~KVT_REMOVE_F_ALL) || kvt_proto_remove_decode(body, h->body_len, &n, &tok) < 0)
         return kvt_bad_body(c, h, t0, "REMOVE");
     if (kvt_need_hello(c, h, t0) < 0)
         return 0;
     if (kvt_tokens(c, tok, n) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     int rc = kvt_remove(s, c->ns, c->tok, n);
+    if (rc == KVT_EBUSY && (h->flags & KVT_REMOVE_F_NOWAIT))
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "remove of %u tokens: %s", n,
+                                kvt_remove_leased(s, c->ns, c->tok, n)
+                                    ? "a lease holds them"
+                                    : "busy with moves or requests in flight (NOWAIT)");
     if (rc == KVT_EBUSY && !kvt_remove_leased(s, c->ns, c->tok, n)) {
         /* Held by moves or requests in flight, which end soon: wait for them (retried when
          * moves land and every tick) rather than answer "try again". For at most

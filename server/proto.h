@@ -65,6 +65,8 @@ enum {
     KVT_MATCH_F_ALL = 0x7,
     KVT_PREFETCH_F_START = 1u << 0, /* reply once the moves have started, not when they land */
     KVT_PREFETCH_F_ALL = 0x1,
+    KVT_REMOVE_F_NOWAIT = 1u << 0, /* EBUSY at once for blocks busy with I/O, instead of waiting */
+    KVT_REMOVE_F_ALL = 0x1,
     KVT_RF_MORE = 1u << 0, /* reply: more frames for this request follow (GET data) */
 };
 

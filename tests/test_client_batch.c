@@ -74,6 +74,14 @@ Test(client_batch, thousand_pipelined_requests)
                   "prefetch %d: %u pages, %u resident, %u moved, %u failed", i, fr[i].pages,
                   fr[i].resident, fr[i].moved, fr[i].failed);
     }
+    /* REMOVEs of idle pages, waiting or not: both done; a second one finds nothing. */
+    int xst[3];
+    cr_assert_eq(kvt_batch_remove(b, tok[1], 4 * PAGE, &xst[0]), 0);
+    cr_assert_eq(kvt_batch_remove_nowait(b, tok[2], 4 * PAGE, &xst[1]), 0);
+    cr_assert_eq(kvt_batch_remove_nowait(b, tok[2], 4 * PAGE, &xst[2]), 0);
+    cr_assert_eq(kvt_batch_run(b), 0);
+    cr_expect(xst[0] == 0 && xst[1] == 0 && xst[2] == KVT_CLIENT_ENOENT, "%d %d %d", xst[0], xst[1],
+              xst[2]);
     kvt_batch_destroy(b);
     kvt_client_close(c);
     kvd_cleanup(&d);

@@ -132,7 +132,7 @@ class PythonClient(unittest.TestCase):
         with self.d.client() as c:
             tok = tokens(3 * PAGE, 30000)
             c.put(tok, 0, b"".join(block(p, 3) for p in range(3)))
-            c.remove(tok)  # the last whole page and what is beneath it
+            c.remove(tok, wait=False)  # the last whole page and what is beneath it (idle: done)
             self.assertEqual(c.match(tok).pages, 2)
             c.remove(tok[:PAGE])  # the first page: all of it
             self.assertEqual(c.match(tok).pages, 0)

@@ -180,6 +180,7 @@ static size_t gen_body(fuzz_t *z, unsigned op, uint16_t *flags)
     }
     case KVT_OP_REMOVE: {
         uint32_t n = gen_prompt(s, z->tok);
+        *flags = (uint16_t)(rnd(s) & KVT_REMOVE_F_ALL);
         kvt_wire_remove_t w = {.ntokens = n};
         memcpy(z->body, &w, sizeof w);
         return put_tokens(z, sizeof w, n);

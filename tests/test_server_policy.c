@@ -799,15 +799,15 @@ Test(server_policy, a_move_pins_its_blocks_only_within_index_bytes)
 }
 
 /*
- * A random mix of PUT, MATCH + GET, PREFETCH (half with START) and REMOVE over prompts that share
- * prefixes, with tiers small enough that the policy moves blocks all the time, NVMe segments are
- * reclaimed under it, and the remote tier holds what falls out of NVMe. Whatever moves or goes
- * meanwhile, every promise holds, for one client and then for two at once (one over TCP): a page a
- * MATCH reports stored reads back byte-exact under its lease, no request fails but for the answers
- * allowed (REMOVE: not found, busy), no tier goes over its capacity, and once every prompt is
- * removed no block, byte or lease is left anywhere. (It found moves whose lease the policy never
- * gave back, a page in flight out of NVMe reported stored after the log had dropped its source,
- * and a demotion into NVMe that landed unpinned under a lease.)
+ * A random mix of PUT, MATCH + GET, PREFETCH (half with START) and REMOVE (half NOWAIT) over
+ * prompts that share prefixes, with tiers small enough that the policy moves blocks all the time,
+ * NVMe segments are reclaimed under it, and the remote tier holds what falls out of NVMe. Whatever
+ * moves or goes meanwhile, every promise holds, for one client and then for two at once (one over
+ * TCP): a page a MATCH reports stored reads back byte-exact under its lease, no request fails but
+ * for the answers allowed (REMOVE: not found, busy), no tier goes over its capacity, and once
+ * every prompt is removed no block, byte or lease is left anywhere. (It found moves whose lease
+ * the policy never gave back, a page in flight out of NVMe reported stored after the log had
+ * dropped its source, and a demotion into NVMe that landed unpinned under a lease.)
  */
 #define MIX_K    32
 #define MIX_MAXP 64
@@ -916,7 +916,8 @@ static void *mix_main(void *arg)
                          pf.moved, pf.failed);
         } else {
             uint32_t at = 1 + (uint32_t)(x->rng >> 40) % np;
-            rc = kvt_client_remove(c, tok, at * PAGE);
+            rc = op % 2 ? kvt_client_remove(c, tok, at * PAGE)
+                        : kvt_client_remove_nowait(c, tok, at * PAGE);
             if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
                 MIX_FAIL(x, "op %d: REMOVE: %s", op, kvt_client_errmsg(c));
         }

@@ -707,10 +707,11 @@ Test(server_remote, prefetches_answered_at_their_deadline_leave_the_connection_f
  * A PREFETCH with START is answered as soon as its moves have started, so that it holds up no
  * reply behind it on the connection: with the remote server paused, a PREFETCH of pages only it
  * holds is answered at once (all of them on their way), and a PING behind it too, where one
- * without START waits until its pages land or its deadline. Once the server goes on, the pages
- * land in DRAM and read back byte-exact.
+ * without START waits until its pages land or its deadline. A REMOVE of those busy pages with
+ * NOWAIT is EBUSY at once, where one without it waits a second first. Once the server goes on,
+ * the pages land in DRAM and read back byte-exact.
  */
-Test(server_remote, a_started_prefetch_holds_up_no_reply)
+Test(server_remote, a_started_prefetch_or_nowait_remove_holds_up_no_reply)
 {
     enum { P = 4 };
     remote_pair_t p;
@@ -742,6 +743,19 @@ Test(server_remote, a_started_prefetch_holds_up_no_reply)
     m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = P};
     cr_assert_eq(kvt_client_match(cb, tok, P * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
     cr_expect_eq(tiers[0], KVT_CLIENT_TIER_REMOTE, "still on their way");
+    /* A REMOVE of pages busy with those moves: NOWAIT answers EBUSY at once; without it the
+     * REMOVE (and the PING behind it) waits its second for the moves, then EBUSY. */
+    t0 = kvt_now_ns_test();
+    cr_expect_eq(kvt_client_remove_nowait(cb, tok, P * PAGE), KVT_CLIENT_EBUSY);
+    cr_expect(strstr(kvt_client_errmsg(cb), "NOWAIT"), "%s", kvt_client_errmsg(cb));
+    cr_expect_eq(kvt_client_ping(cb, NULL), 0);
+    double nowait = (double)(kvt_now_ns_test() - t0) / 1e9;
+    t0 = kvt_now_ns_test();
+    cr_expect_eq(kvt_client_remove(cb, tok, P * PAGE), KVT_CLIENT_EBUSY);
+    cr_expect_eq(kvt_client_ping(cb, NULL), 0);
+    double waited_remove = (double)(kvt_now_ns_test() - t0) / 1e9;
+    cr_expect_lt(nowait, 0.5, "NOWAIT answered in %.2f s", nowait);
+    cr_expect_geq(waited_remove, 0.9, "the REMOVE waited %.2f s", waited_remove);
 
     kill(p.redis, SIGCONT);
     int up = 0;

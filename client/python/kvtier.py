@@ -30,6 +30,7 @@ FLAG_MORE = 1  # reply: more frames for this request follow (GET data)
 
 MATCH_LEASE, MATCH_REMOTE, MATCH_PROBE = 1, 2, 4
 PREFETCH_START = 1
+REMOVE_NOWAIT = 1
 HINT_PAUSED, HINT_FINISHED = 1, 2
 
 TIER_NONE, TIER_HBM, TIER_DRAM, TIER_NVME, TIER_REMOTE = 0, 1, 2, 3, 4
@@ -218,8 +219,11 @@ class Client:
         """True when this connection held the lease."""
         return struct.unpack("<I", self.call(OP_RELEASE, struct.pack("<Q", lease)))[0] == 1
 
-    def remove(self, tokens):
-        self.call(OP_REMOVE, struct.pack("<II", len(tokens), 0) + _tokens(tokens))
+    def remove(self, tokens, wait=True):
+        """Drops the last whole page of tokens and everything after it. wait=False: EBUSY at once
+        for blocks busy with the daemon's I/O, rather than waiting for it (up to a second)."""
+        self.call(OP_REMOVE, struct.pack("<II", len(tokens), 0) + _tokens(tokens),
+                  0 if wait else REMOVE_NOWAIT)
 
     def stats(self):
         r = self.call(OP_STATS)
