@@ -1302,6 +1302,34 @@ uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget
     return p ? kvt_radix_trim(p->t, target, budget, kvt_radix_index_only, trim_drop, p) : 0;
 }
 
+static int trim_any(void *arg, const kvt_block_t *b)
+{
+    (void)arg;
+    return !(b->flags & KVT_BLOCK_BUSY);
+}
+
+/* Drops the trailing run of one tier of the npages kvt_radix_trim found droppable. */
+static int trim_drop_run(void *arg, kvt_radix_node_t *n, uint32_t npages)
+{
+    kvt_policy_t *p = arg;
+    const kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t np = kvt_radix_node_pages(n), k = 1;
+    uint8_t t = bl[np - 1].tier;
+    while (k < npages && bl[np - 1 - k].tier == t)
+        k++;
+    int rc = do_drop(p, n, k, (kvt_tier_id_t)t);
+    if (rc > 0 && t == KVT_TIER_NONE)
+        p->st.index_trimmed += (uint64_t)rc;
+    else if (rc > 0)
+        p->st.pages_dropped_for_index += (uint64_t)rc;
+    return rc;
+}
+
+uint32_t kvt_policy_trim_index_bytes(kvt_policy_t *p, uint64_t target, uint32_t budget)
+{
+    return p ? kvt_radix_trim(p->t, target, budget, trim_any, trim_drop_run, p) : 0;
+}
+
 /* Promotes the path ending at node n (first node_pages pages) into tier `to`. */
 static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
                         int *stop)

@@ -269,6 +269,14 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
  * pages went. Pages with bytes are left to the tiers' capacities. Returns the pages evicted.
  */
 uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget);
+/*
+ * The same for when index-only pages are not enough: drops pages that hold bytes too (not busy,
+ * on unleased leaves' tails, the trailing run of one tier at a time), least recently used first,
+ * freeing them in their tiers. For an index-bytes too small for what the tiers hold (a warm
+ * restart with a lowered limit): rather than refuse every new page for good, the oldest go.
+ * Returns the pages dropped; counted in pages_dropped_for_index.
+ */
+uint32_t kvt_policy_trim_index_bytes(kvt_policy_t *p, uint64_t target, uint32_t budget);
 
 /* Every block that leaves the tree (the tree's free callback forwards it here). */
 void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b);
@@ -314,15 +322,16 @@ typedef struct kvt_policy_stats {
     uint64_t admitted_bytes[KVT_TIER_COUNT];              /* new blocks written per tier */
     uint64_t dropped_bytes[KVT_TIER_COUNT]; /* dropped by the engine, per tier they were in */
     uint64_t dropped_blocks;
-    uint64_t cost_drops;    /* drops chosen because recompute beat loading from below */
-    uint64_t demotions;     /* runs moved down */
-    uint64_t promotions;    /* runs moved up */
-    uint64_t rejected;      /* new pages that fit in no tier */
-    uint64_t pending_moves; /* moves in flight */
-    uint64_t index_trimmed; /* index-only pages evicted by kvt_policy_trim_index */
-    uint64_t rebuilds;      /* victim heaps rebuilt in one walk over every node */
-    uint64_t sweeps;        /* and renewed by a sweep (sweep_above) */
-    uint64_t pin_refusals;  /* moves not started: the index had no room for their pin */
+    uint64_t cost_drops;              /* drops chosen because recompute beat loading from below */
+    uint64_t demotions;               /* runs moved down */
+    uint64_t promotions;              /* runs moved up */
+    uint64_t rejected;                /* new pages that fit in no tier */
+    uint64_t pending_moves;           /* moves in flight */
+    uint64_t index_trimmed;           /* index-only pages evicted by kvt_policy_trim_index */
+    uint64_t pages_dropped_for_index; /* pages with bytes dropped by kvt_policy_trim_index_bytes */
+    uint64_t rebuilds;                /* victim heaps rebuilt in one walk over every node */
+    uint64_t sweeps;                  /* and renewed by a sweep (sweep_above) */
+    uint64_t pin_refusals;            /* moves not started: the index had no room for their pin */
 } kvt_policy_stats_t;
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);

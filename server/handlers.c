@@ -236,7 +236,7 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
             return kvt__reply_error(
                 c, h->opcode, h->request_id, t0, KVT_ENOSPC,
                 "no room for a new namespace in the index: it is at index-bytes (%llu) and every "
-                "page it could evict is leased or holds bytes",
+                "page it could evict is leased or busy with I/O",
                 (unsigned long long)s->conf->index_bytes);
     }
     uint32_t ns;
@@ -443,7 +443,7 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
         if (!r && full)
             rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
                                   "no room for one more lease in the index: it is at index-bytes "
-                                  "(%llu) and every page it could evict is leased or holds bytes",
+                                  "(%llu) and every page it could evict is leased or busy with I/O",
                                   (unsigned long long)s->conf->index_bytes);
         else if (!r && rc == KVT_ENOSPC)
             rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
@@ -662,7 +662,7 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     if (kvt__index_room(s, c->ns, c->tok, q.ntokens, q.npayload > 0, &at) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
                                 "no room for %u tokens in the index: it is at index-bytes (%llu) "
-                                "and every page it could evict is leased or holds bytes",
+                                "and every page it could evict is leased or busy with I/O",
                                 q.ntokens, (unsigned long long)s->conf->index_bytes);
     kvt_insert_t res; /* near the cap the room check walked the path: the insert goes on from it */
     int rc = at.ns == c->ns ? kvt_radix_insert_matched(s->radix, &at, c->tok, q.ntokens, &res)
@@ -956,6 +956,7 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
         kvt_stat(&b, "policy_rebuilds", ps.rebuilds);
         kvt_stat(&b, "policy_sweeps", ps.sweeps);
         kvt_stat(&b, "policy_pin_refusals", ps.pin_refusals);
+        kvt_stat(&b, "policy_index_drops", ps.pages_dropped_for_index);
     }
     kvt_put_u32(b.buf, b.count);
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, b.buf, (uint32_t)b.len);

@@ -459,6 +459,13 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
     return adopted;
 }
 
+static uint64_t kvt_index_bytes(const kvt_srv_t *s)
+{
+    kvt_radix_stats_t rs;
+    kvt_radix_stats(s->radix, &rs);
+    return rs.bytes;
+}
+
 static int kvt_trim_evict(void *arg, kvt_radix_node_t *n, uint32_t npages)
 {
     kvt_srv_t *s = arg;
@@ -468,17 +475,26 @@ static int kvt_trim_evict(void *arg, kvt_radix_node_t *n, uint32_t npages)
 
 uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget)
 {
-    if (s->policy)
-        return kvt_policy_trim_index(s->policy, target, budget);
+    if (s->policy) {
+        uint32_t n = kvt_policy_trim_index(s->policy, target, budget);
+        if (n >= budget || kvt_index_bytes(s) <= target)
+            return n;
+        /* Index-only pages were not enough: pages with bytes go too, oldest first, rather than
+         * every new page being refused for good (index-bytes too small for what the tiers hold,
+         * or lowered across a warm restart). */
+        uint32_t d = kvt_policy_trim_index_bytes(s->policy, target, budget - n);
+        if (d > 0) {
+            static kvt_log_limit_t lim;
+            kvt_log_limited(&lim, KVT_LOG_WARN,
+                            "kvtierd: index-bytes (%llu) is full of pages that hold bytes: "
+                            "dropped the %u least recently used; the tiers hold more than the "
+                            "index may (raise index-bytes to keep them)",
+                            (unsigned long long)s->conf->index_bytes, d);
+        }
+        return n + d;
+    }
     /* No tier, so no policy: every page is index-only and nothing else tracks the nodes. */
     return kvt_radix_trim(s->radix, target, budget, kvt_radix_index_only, kvt_trim_evict, s);
-}
-
-static uint64_t kvt_index_bytes(const kvt_srv_t *s)
-{
-    kvt_radix_stats_t rs;
-    kvt_radix_stats(s->radix, &rs);
-    return rs.bytes;
 }
 
 int kvt__index_fits(const kvt_srv_t *s, uint64_t need)

@@ -193,7 +193,7 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
     uint32_t tok[256], prev[256], prevn = 0;
     uint64_t leases[8] = {0};
     uint32_t nextu[64];
-    uint64_t trimmed = 0;
+    uint64_t trimmed = 0, dropped = 0;
     for (int i = 0; i < 3000; i++) {
         kvt_radix_set_clock(t, (uint32_t)i * 10);
         uint32_t n;
@@ -258,6 +258,23 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
             CHECK(kvt_policy_verify(pol) == 0, "after trim %d", i);
             check(t, pol, &e);
         }
+        if (rnd(40) == 0) { /* index-only pages not enough: pages with bytes go too, freed */
+            kvt_radix_stats_t rs;
+            kvt_radix_stats(t, &rs);
+            kvt_policy_stats_t before;
+            kvt_policy_stats(pol, &before);
+            uint32_t got =
+                kvt_policy_trim_index_bytes(pol, rs.bytes / 100 * (50 + rnd(50)), 1 + rnd(64));
+            kvt_policy_stats_t after;
+            kvt_policy_stats(pol, &after);
+            dropped += after.pages_dropped_for_index - before.pages_dropped_for_index;
+            trimmed += after.index_trimmed - before.index_trimmed;
+            CHECK(got == (after.pages_dropped_for_index - before.pages_dropped_for_index) +
+                             (after.index_trimmed - before.index_trimmed),
+                  "trim %d: %u pages counted", i, got);
+            CHECK(kvt_policy_verify(pol) == 0, "after byte trim %d", i);
+            check(t, pol, &e);
+        }
         if (rnd(50) == 0) { /* a removal the engine did not ask for */
             uint32_t cut = PS * (1 + rnd(n / PS + 1));
             int rr = kvt_radix_remove(t, ns, tok, KVT_MIN(cut, n));
@@ -282,6 +299,8 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
     cr_assert_gt(st.demotions + st.dropped_blocks, 0, "the test must exercise eviction");
     cr_assert_eq(st.index_trimmed, trimmed);
     cr_assert_gt(trimmed, 0, "the test must exercise the index trim");
+    cr_assert_eq(st.pages_dropped_for_index, dropped);
+    cr_assert_gt(dropped, 0, "the test must drop pages with bytes for the index");
     kvt_radix_destroy(t);
     for (int k = 0; k < KVT_TIER_COUNT; k++)
         cr_assert_eq(e.used[k], 0);

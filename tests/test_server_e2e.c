@@ -675,6 +675,71 @@ Test(server_e2e, a_lowered_namespace_limit_keeps_what_nvme_recovers)
     kvd_cleanup(&d);
 }
 
+/*
+ * A warm restart with index-bytes lowered below what NVMe brings back: the daemon drops the least
+ * recently used recovered pages until the index is under the limit (counted, and freed in NVMe)
+ * instead of refusing every new page for good, as it did. What is left reads back byte-exact,
+ * and new prompts with payload keep being stored with the index under its limit.
+ */
+Test(server_e2e, a_lowered_index_limit_drops_what_nvme_recovers_past_it)
+{
+    enum { N = 40, P = 48, CAP = 96 << 10 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", "--nvme-bytes", "32M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    static uint32_t tok[N][P * PAGE];
+    kvt_client_put_t r;
+    for (int i = 0; i < N; i++) {
+        kvd_tokens(tok[i], P * PAGE, 300000u + 10000u * (uint32_t)i);
+        put_pages(c, tok[i], P * PAGE, 0, P, BB, 1000u * (uint32_t)i, &r);
+        cr_assert_eq(r.stored, P);
+    }
+    uint64_t before = kvd_stat(c, "index_bytes");
+    cr_assert_gt(before, 2 * CAP, "the index to come back (%llu) is well over the new limit",
+                 (unsigned long long)before);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0, "clean shutdown");
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", "--nvme-bytes", "32M",
+                                         "--index-bytes", "96K", NULL});
+    c = kvd_client(&d, "m", PAGE, BB);
+    uint64_t bytes = UINT64_MAX;
+    for (int i = 0; i < 500 && (bytes = kvd_stat(c, "index_bytes")) > CAP; i++)
+        usleep(10000); /* the loop trims after its events and every tick */
+    cr_assert_leq(bytes, (uint64_t)CAP, "the index came under index-bytes (%llu)",
+                  (unsigned long long)bytes);
+    uint64_t dropped = kvd_stat(c, "policy_index_drops"), left = kvd_stat(c, "nvme_blocks");
+    cr_expect_gt(dropped, 0);
+    cr_expect_eq(left + dropped, (uint64_t)N * P, "%llu left, %llu dropped",
+                 (unsigned long long)left, (unsigned long long)dropped);
+    uint32_t stored = 0;
+    uint8_t tiers[P];
+    for (int i = 0; i < N; i++) {
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+        cr_assert_eq(
+            kvt_client_match(c, tok[i], P * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE, 0, NULL, &m),
+            0);
+        uint32_t k = 0;
+        while (k < m.pages && tiers[k] == KVT_CLIENT_TIER_NVME)
+            k++;
+        if (k > 0)
+            check_get(c, m.lease, 0, k, BB, 1000u * (uint32_t)i, NULL);
+        stored += k;
+        if (m.lease)
+            cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    }
+    cr_expect_gt(stored, 0, "recovered pages still read back");
+    for (int i = 0; i < N; i++) {
+        uint32_t fresh[P * PAGE];
+        kvd_tokens(fresh, P * PAGE, 900000u + 10000u * (uint32_t)i);
+        put_pages(c, fresh, P * PAGE, 0, P, BB, 77, &r);
+        cr_expect_eq(r.stored, P, "new prompt %d stored", i);
+        cr_assert_leq(kvd_stat(c, "index_bytes"), (uint64_t)CAP);
+    }
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 /* A data directory with nothing in it to recover (the first run stored no block): the second
  * start scans it, finds nothing, and serves. Sorting the empty list of what it found passed NULL
  * to qsort, which the ASan+UBSan build stopped the daemon on. */
