@@ -711,10 +711,11 @@ Test(server_policy, full_index_refuses_leases_and_namespaces_it_cannot_hold)
     kvd_cleanup(&d);
 }
 
-/* Waits until every one of A's pages is in tier `want` (a PROBE: no use, no promotion). */
-static int wait_tiers(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint8_t want)
+/* Waits (tries x 10 ms at most) until every page of tok is in tier `want` (a PROBE: no use, no
+ * promotion). */
+static int wait_tiers(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint8_t want, int tries)
 {
-    for (int i = 0; i < 500; i++) {
+    for (int i = 0; i < tries; i++) {
         uint8_t tiers[16];
         kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 16};
         cr_assert_eq(kvt_client_match(c, tok, pages * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
@@ -738,23 +739,26 @@ static int wait_tiers(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint
  */
 Test(server_policy, a_move_pins_its_blocks_only_within_index_bytes)
 {
-    enum { A = 4, B = 8, CAP = 64 << 10 };
+    enum { A = 4, B = 8, CAP = 256 << 10 };
     kvd_t d = {0};
     kvd_start(&d, "--policy", "lru", "--dram-bytes", "1M", "--nvme-bytes", "16M", "--index-bytes",
-              "64K", "--max-leases", "100000", NULL);
+              "256K", "--max-leases", "100000", NULL);
     kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG), *other = kvd_client(&d, "m", PAGE, BIG);
     cr_assert(c && other);
     static uint32_t a[A * PAGE], b[B * PAGE];
     kvd_tokens(a, A * PAGE, 8000000);
     put_prompt(c, a, A, 100);
     /* DRAM holds 16 blocks: a, the least recently used once the index clock (a tick, 50 ms) has
-     * moved on, goes down to NVMe as more comes in. */
-    usleep(120000);
-    for (int k = 0; k < 3; k++) {
-        kvd_tokens(b, B * PAGE, 9000000u + 10000u * k);
-        put_prompt(c, b, B, 200 + 10 * k);
+     * moved on, goes down to NVMe as more comes in (as many more as that takes on a busy
+     * machine, whose clock may lag). */
+    int down = 0;
+    for (int k = 0; k < 40 && !down; k++) {
+        usleep(60000);
+        kvd_tokens(b, B * PAGE, 9000000u + 10000u * (uint32_t)k);
+        put_prompt(c, b, B, 200 + 10 * (uint32_t)k);
+        down = wait_tiers(c, a, A, KVT_CLIENT_TIER_NVME, 20);
     }
-    cr_assert(wait_tiers(c, a, A, KVT_CLIENT_TIER_NVME), "a's pages reached NVMe");
+    cr_assert(down, "a's pages reached NVMe");
     /* a leased again and again (PROBE: no promotion yet) until the lease table can grow no more:
      * the index trims b to make room for it meanwhile. */
     uint32_t held = 0;
@@ -783,13 +787,13 @@ Test(server_policy, a_move_pins_its_blocks_only_within_index_bytes)
     }
     cr_expect_gt(kvd_stat(other, "policy_pin_refusals"), refused);
     cr_expect_geq(metric(&d, "kvtier_policy_pin_refusals_total"), 1.0);
-    cr_assert(wait_tiers(other, a, A, KVT_CLIENT_TIER_NVME), "a stays in NVMe, whole");
+    cr_assert(wait_tiers(other, a, A, KVT_CLIENT_TIER_NVME, 500), "a stays in NVMe, whole");
     /* Slots given back: the next hit promotes a, and it reads back byte-exact (the GET's pin
      * takes a slot too). */
     cr_assert_eq(kvt_client_release(c, first[0], NULL), 0);
     cr_assert_eq(kvt_client_release(c, first[1], NULL), 0);
     cr_assert_eq(kvt_client_match(other, a, A * PAGE, 0, 0, NULL, &m), 0);
-    cr_expect(wait_tiers(other, a, A, KVT_CLIENT_TIER_DRAM), "a promoted into DRAM");
+    cr_expect(wait_tiers(other, a, A, KVT_CLIENT_TIER_DRAM, 500), "a promoted into DRAM");
     cr_expect_leq(index_bytes(other), (uint64_t)CAP);
     cr_assert_eq(kvt_client_match(other, a, A * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     expect_reads_back(other, m.lease, A, 100, "a after its promotion");
