@@ -766,7 +766,11 @@ Test(server_malformed, a_client_that_stops_reading_is_closed_after_reply_timeout
  * not be written), and the hang-up's event after it in the batch used the freed connection (found
  * by a fuzzer against the ASan build, which stops the daemon on it: the exit status at cleanup).
  * Some clients close in the middle of the PUT frame. A well-behaved client is served throughout
- * and reads back what it stores at the end.
+ * and reads back what it stores at the end. (Its PUT may find NVMe full for a moment: the
+ * hung-up clients' writes still in flight hold their room until they land and the policy's
+ * watermark step drops what is over; its pages are then skipped, as the protocol allows, and it
+ * sends them again, as an engine would. Expecting them stored at the first try failed 2 runs in
+ * 16 here.)
  */
 Test(server_malformed, clients_that_hang_up_while_their_puts_are_written)
 {
@@ -814,10 +818,16 @@ Test(server_malformed, clients_that_hang_up_while_their_puts_are_written)
     kvd_tokens(tok, PAGES * PAGE, 1u << 30);
     uint8_t *mine = put_frame(tok, PAGES * PAGE, PAGES, BB, 7, 1, &len);
     kvt_client_put_t pr;
-    cr_assert_eq(kvt_client_put(good, tok, PAGES * PAGE, 0, PAGES, mine + len - (size_t)PAGES * BB,
-                                NULL, &pr),
-                 0);
-    cr_assert_eq(pr.stored, PAGES);
+    uint32_t stored = 0;
+    for (int i = 0; i < 100 && stored < PAGES; i++) {
+        if (i > 0)
+            usleep(50000);
+        cr_assert_eq(kvt_client_put(good, tok, PAGES * PAGE, 0, PAGES,
+                                    mine + len - (size_t)PAGES * BB, NULL, &pr),
+                     0);
+        stored += pr.stored;
+    }
+    cr_assert_eq(stored, PAGES, "the good client's pages went in");
     free(mine);
     reads_back(good, tok, PAGES, PAGE, BB, 7);
     close(busy);
