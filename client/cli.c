@@ -34,7 +34,13 @@ static void kvt_usage(FILE *f)
                "                               each page's bytes (BYTE repeated, default 0xab)\n"
                "  get TOKENS... [--out FILE]   match with a lease and fetch the matched pages'\n"
                "                               bytes (to FILE, or just counted)\n"
-               "  remove TOKENS...             drop the last page of TOKENS and what follows\n"
+               "  prefetch TOKENS... [--tier T] [--deadline-ms N] [--start]\n"
+               "                               move the cached prefix up to tier T (hbm, dram,\n"
+               "                               nvme; default dram) within N ms; --start: answered\n"
+               "                               once the moves have started\n"
+               "  remove TOKENS... [--nowait]  drop the last page of TOKENS and what follows;\n"
+               "                               --nowait: busy (EBUSY) at once for blocks with\n"
+               "                               I/O in flight, instead of waiting up to a second\n"
                "  stats                        the daemon's counters\n"
                "  replay ARGS...               the trace replay (kvtier replay --help)\n"
                "  bench NAME ARGS...           a benchmark, NAME radix, tiers, server, policy or\n"
@@ -193,7 +199,9 @@ int main(int argc, char **argv)
 {
     kvt_client_conf_t conf = {.model = "default", .page_size = 16};
     const char *out_path = NULL, *cmd = NULL;
-    unsigned long fill = 0xab, lease_ms = 0, num;
+    unsigned long fill = 0xab, lease_ms = 0, deadline_ms = 0, num;
+    unsigned tier = 2; /* DRAM */
+    int start = 0, nowait = 0;
     conf.secret = getenv("KVTIER_SECRET");
     /* The command's own arguments are gathered at the front of argv (never past where they were
      * read from): args[0 .. nargs). */
@@ -223,6 +231,10 @@ int main(int argc, char **argv)
         if (!strcmp(a, "--help")) {
             kvt_usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--start") || !strcmp(a, "--nowait")) { /* the two that take no value */
+            *(a[2] == 's' ? &start : &nowait) = 1;
+            continue;
         }
         if (i + 1 >= argc) {
             fprintf(stderr, "kvtier: %s needs a value\n", a);
@@ -254,7 +266,19 @@ int main(int argc, char **argv)
             bad = kvt_num(a, v, INT_MAX, &num) < 0 || (conf.timeout_ms = (int)num, 0);
         else if (!strcmp(a, "--fill"))
             bad = kvt_num(a, v, 255, &fill) < 0;
-        else {
+        else if (!strcmp(a, "--deadline-ms"))
+            bad = kvt_num(a, v, UINT32_MAX, &deadline_ms) < 0;
+        else if (!strcmp(a, "--tier")) {
+            static const char *const names[] = {"hbm", "dram", "nvme"};
+            tier = 0;
+            for (unsigned k = 0; k < 3; k++)
+                if (!strcmp(v, names[k]))
+                    tier = k + 1;
+            if (!tier) {
+                fprintf(stderr, "kvtier: --tier is hbm, dram or nvme, not '%s'\n", v);
+                bad = 1;
+            }
+        } else {
             fprintf(stderr, "kvtier: unknown option %s\n", a);
             return 2;
         }
@@ -267,7 +291,7 @@ int main(int argc, char **argv)
     }
     /* The command and its tokens are checked before anything is asked of the daemon. */
     int with_tokens = !strcmp(cmd, "match") || !strcmp(cmd, "put") || !strcmp(cmd, "get") ||
-                      !strcmp(cmd, "remove");
+                      !strcmp(cmd, "prefetch") || !strcmp(cmd, "remove");
     if (!with_tokens && strcmp(cmd, "ping") && strcmp(cmd, "stats")) {
         fprintf(stderr, "kvtier: unknown command '%s'\n", cmd);
         kvt_usage(stderr);
@@ -377,8 +401,19 @@ int main(int argc, char **argv)
                 free(buf);
                 free(tiers);
             }
+        } else if (!strcmp(cmd, "prefetch")) {
+            kvt_client_prefetch_t r;
+            rc = start ? kvt_client_prefetch_start(c, tok, ntok, tier, (uint32_t)deadline_ms, &r)
+                       : kvt_client_prefetch(c, tok, ntok, tier, (uint32_t)deadline_ms, &r);
+            if (rc < 0)
+                status = kvt_fail(c, "prefetch", rc);
+            else
+                printf("prefetch %u pages to %s: %u %s, %u resident, %u failed\n", r.pages,
+                       kvt_tname(tier), r.moved, start ? "on their way" : "moved", r.resident,
+                       r.failed);
         } else {
-            if ((rc = kvt_client_remove(c, tok, ntok)) < 0)
+            rc = nowait ? kvt_client_remove_nowait(c, tok, ntok) : kvt_client_remove(c, tok, ntok);
+            if (rc < 0)
                 status = kvt_fail(c, "remove", rc);
             else
                 printf("removed\n");

@@ -894,6 +894,21 @@ Test(server_e2e, cli_reaches_default_socket_in_working_dir)
     cr_expect_eq(n, 4 * 64, "four 64-byte pages read back");
     for (size_t i = 0; i < n; i++)
         cr_assert_eq(got[i], 0xab, "byte %zu", i);
+    /* PREFETCH (with and without START) of pages in DRAM already, a bad tier name, and REMOVE
+     * with --nowait of idle pages. */
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && K='%s/client/kvtier' && $K prefetch 1-64 >out.txt 2>&1 && "
+             "$K prefetch 1-64 --start --deadline-ms 500 >>out.txt 2>&1 && "
+             "! $K prefetch 1-64 --tier gpu >>out.txt 2>&1 && $K remove 1-64 --nowait >>out.txt "
+             "2>&1 && $K match 1-64 >>out.txt 2>&1",
+             d.dir, root);
+    cr_expect_eq(system(cmd), 0);
+    kvd_slurp(&d, "out.txt", text, sizeof text);
+    cr_expect(strstr(text, "prefetch 4 pages to dram: 0 moved, 4 resident, 0 failed"), "%s", text);
+    cr_expect(strstr(text, "prefetch 4 pages to dram: 0 on their way, 4 resident, 0 failed"), "%s",
+              text);
+    cr_expect(strstr(text, "--tier is hbm, dram or nvme, not 'gpu'"), "%s", text);
+    cr_expect(strstr(text, "removed\nmatched 48 of 64 tokens (3 pages)"), "%s", text);
     kvd_cleanup(&d);
 }
 
