@@ -232,8 +232,12 @@ int main(int argc, char **argv)
             kvt_usage(stdout);
             return 0;
         }
-        if (!strcmp(a, "--start") || !strcmp(a, "--nowait")) { /* the two that take no value */
-            *(a[2] == 's' ? &start : &nowait) = 1;
+        if (!strcmp(a, "--start")) { /* the two options that take no value */
+            start = 1;
+            continue;
+        }
+        if (!strcmp(a, "--nowait")) {
+            nowait = 1;
             continue;
         }
         if (i + 1 >= argc) {
