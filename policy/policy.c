@@ -1288,28 +1288,9 @@ void kvt_policy_on_free(kvt_policy_t *p, uint32_t ns, const kvt_block_t *b)
     }
 }
 
+/* Drops the trailing run of one tier of the npages kvt_radix_trim found droppable (all of them
+ * when they are index-only, as kvt_policy_trim_index takes). */
 static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
-{
-    kvt_policy_t *p = arg;
-    int rc = do_drop(p, n, npages, KVT_TIER_NONE);
-    if (rc > 0)
-        p->st.index_trimmed += (uint64_t)rc;
-    return rc;
-}
-
-uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget)
-{
-    return p ? kvt_radix_trim(p->t, target, budget, kvt_radix_index_only, trim_drop, p) : 0;
-}
-
-static int trim_any(void *arg, const kvt_block_t *b)
-{
-    (void)arg;
-    return !(b->flags & KVT_BLOCK_BUSY);
-}
-
-/* Drops the trailing run of one tier of the npages kvt_radix_trim found droppable. */
-static int trim_drop_run(void *arg, kvt_radix_node_t *n, uint32_t npages)
 {
     kvt_policy_t *p = arg;
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
@@ -1325,9 +1306,20 @@ static int trim_drop_run(void *arg, kvt_radix_node_t *n, uint32_t npages)
     return rc;
 }
 
+uint32_t kvt_policy_trim_index(kvt_policy_t *p, uint64_t target, uint32_t budget)
+{
+    return p ? kvt_radix_trim(p->t, target, budget, kvt_radix_index_only, trim_drop, p) : 0;
+}
+
+static int trim_any(void *arg, const kvt_block_t *b)
+{
+    (void)arg;
+    return !(b->flags & KVT_BLOCK_BUSY);
+}
+
 uint32_t kvt_policy_trim_index_bytes(kvt_policy_t *p, uint64_t target, uint32_t budget)
 {
-    return p ? kvt_radix_trim(p->t, target, budget, trim_any, trim_drop_run, p) : 0;
+    return p ? kvt_radix_trim(p->t, target, budget, trim_any, trim_drop, p) : 0;
 }
 
 /* Promotes the path ending at node n (first node_pages pages) into tier `to`. */
