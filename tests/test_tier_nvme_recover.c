@@ -28,6 +28,11 @@ static uint32_t len_of(int i)
     return 40000 + 7919u * (uint32_t)i;
 }
 
+/* The SIGKILL test's blocks: TOTAL of them, each buffer BLOCK_MAX bytes (4 KiB-aligned) for the
+ * longest, len_of(TOTAL - 1). */
+enum { TOTAL = 48, BLOCK_MAX = 412u << 10 };
+_Static_assert(40000 + 7919u * (TOTAL - 1) <= BLOCK_MAX, "a buffer holds the longest block");
+
 Test(tier_nvme_recover, reopening_finds_the_blocks_again)
 {
     char dir[4096];
@@ -112,10 +117,10 @@ static void child_main(const char *dir, int fd)
         .dir = dir, .capacity_bytes = 16u << 20, .segment_bytes = 2u << 20, .queue_depth = 8};
     if (kvt_tier_nvme_create(&t, &c) != 0)
         _exit(2);
-    enum { K = 4, TOTAL = 48 };
+    enum { K = 4 };
     static child_slot_t slots[K];
     uint8_t *bufs = NULL;
-    if (posix_memalign((void **)&bufs, 4096, (size_t)K * (256u << 10)) != 0)
+    if (posix_memalign((void **)&bufs, 4096, (size_t)K * BLOCK_MAX) != 0)
         _exit(2);
     int next = 0;
     uint64_t deadline = kvt_now_ns() + 15ull * 1000000000ull;
@@ -124,7 +129,7 @@ static void child_main(const char *dir, int fd)
             child_slot_t *s = &slots[k];
             if (s->busy)
                 continue;
-            uint8_t *b = bufs + (size_t)k * (256u << 10);
+            uint8_t *b = bufs + (size_t)k * BLOCK_MAX;
             tu_fill(b, len_of(next), (uint64_t)next);
             s->index = next;
             s->fd = fd;
@@ -192,7 +197,7 @@ Test(tier_nvme_recover, blocks_written_before_sigkill_are_found_again)
     kvt_tier_nvme_recovery(t, &r);
     cr_assert_geq(r.recovered, (uint64_t)n, "recovered %llu, %d were complete",
                   (unsigned long long)r.recovered, n);
-    uint8_t *buf = tu_aligned(256u << 10);
+    uint8_t *buf = tu_aligned(BLOCK_MAX);
     uint32_t tok[16];
     for (int k = 0; k < n; k++) {
         kvt_block_key_t key = tu_key((uint64_t)recs[k].i, tok, 16);
