@@ -690,10 +690,10 @@ int kvt__store_open(kvt_srv_t *s)
             kvt_recovered_sizes(s);
             kvt_log(KVT_LOG_INFO,
                     "kvtierd: NVMe recovery: %llu blocks back in the index (%llu scanned, %llu "
-                    "torn, %llu stale, %llu orphans)",
+                    "torn, %llu stale, %llu gaps, %llu orphans)",
                     (unsigned long long)rec.inserted, (unsigned long long)rec.scanned,
                     (unsigned long long)rec.torn, (unsigned long long)rec.stale,
-                    (unsigned long long)rec.orphans);
+                    (unsigned long long)rec.gaps, (unsigned long long)rec.orphans);
         }
     }
 #else

@@ -36,11 +36,17 @@
  * Opening a directory whose data file has the recorded geometry (DIR/kvtier.meta) scans every
  * segment from its start: records follow one another while their prefix is intact and carries
  * the stamp of the segment's first record; a record whose block checksum fails (a torn last
- * write) is skipped. When one block was written several times, the highest sequence number wins.
- * Recovered segments are not appended to again until they are reclaimed.
+ * write) is skipped. Where the records stop, the rest of the segment is searched sector by
+ * sector for a prefix with the same stamp (recovery's gaps): writes complete out of order, and a
+ * crash cancels the ones still queued, so a record may be missing with later ones intact. That
+ * search reads the unused tail of every partly filled segment; the open segment's first record
+ * is the one a scan cannot do without (a segment whose first record never landed is empty to
+ * it). When one block was written several times, the highest sequence number wins. Recovered
+ * segments are not appended to again until they are reclaimed.
  *
  * Durability is that of a cache: writes are not fdatasync'd, so a process crash (SIGKILL) loses
- * nothing that completed, while a power cut may lose recent writes (which recovery then skips).
+ * nothing that completed (but the records of an open segment whose first write was still
+ * queued), while a power cut may lose recent writes (which recovery then skips).
  */
 #define _GNU_SOURCE
 #define XXH_STATIC_LINKING_ONLY
@@ -955,10 +961,11 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
     }
     kvt_log(KVT_LOG_INFO,
             "nvme tier: %s, %u segments of %u bytes, queue depth %u, %s%s; recovered %llu blocks "
-            "(%llu torn, %llu stale)",
+            "(%llu torn, %llu stale, %llu gaps)",
             n->path, n->nsegs, n->seg_bytes, qd, n->direct ? "O_DIRECT" : "buffered",
             conf->sparse ? ", sparse" : "", (unsigned long long)n->rec.recovered,
-            (unsigned long long)n->rec.torn, (unsigned long long)n->rec.stale);
+            (unsigned long long)n->rec.torn, (unsigned long long)n->rec.stale,
+            (unsigned long long)n->rec.gaps);
     *out = t;
     return 0;
 fail:
@@ -1006,6 +1013,28 @@ static int rec_push(nvme_t *n, const nvme_recovered_t *r)
     return 0;
 }
 
+/* The offset of the first sector after off, in segment s at base, that starts an intact prefix
+ * of the segment's current use: 0 when there is none, or a negated errno. Reads the rest of the
+ * segment into buf at once (buf holds a segment). */
+static int64_t next_record(nvme_t *n, const nvme_seg_t *s, uint64_t base, uint32_t off,
+                           uint8_t *buf)
+{
+    uint32_t from = off + SECTOR;
+    if (from >= n->seg_bytes)
+        return 0;
+    int rc = pread_all(n->fd, buf, n->seg_bytes - from, base + from);
+    if (rc < 0)
+        return rc;
+    for (uint32_t p = from; p + SECTOR <= n->seg_bytes; p += SECTOR) {
+        uint32_t rec, hdr;
+        uint64_t stamp;
+        if (prefix_decode(buf + (p - from), &rec, &hdr, &stamp) == 0 && stamp == s->stamp &&
+            rec <= n->seg_bytes - p)
+            return p;
+    }
+    return 0;
+}
+
 /* Scans one segment, appending its intact records to n->recovered. */
 static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
 {
@@ -1020,8 +1049,19 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
         uint32_t rec, hdr;
         uint64_t stamp;
         if (prefix_decode(buf, &rec, &hdr, &stamp) < 0 || rec > n->seg_bytes - off ||
-            (off > 0 && stamp != s->stamp))
-            break;
+            (off > 0 && stamp != s->stamp)) {
+            if (off == 0)
+                break; /* no record of a current use: nothing to look for */
+            /* The end of the records, or a record that never landed with later ones that did
+             * (writes complete out of order, and a crash cancels those still queued). */
+            int64_t next = next_record(n, s, base, off, buf);
+            if (next <= 0)
+                return next < 0 ? (int)next : 0;
+            n->rec.gaps++;
+            off = (uint32_t)next;
+            s->head = off;
+            continue;
+        }
         if (off == 0)
             s->stamp = stamp;
         if (rec > first &&

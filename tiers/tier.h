@@ -232,6 +232,7 @@ typedef struct kvt_tier_nvme_recovery {
     uint64_t recovered; /* blocks kept after the scan (tier usage counts them) */
     uint64_t torn;      /* records whose checksum failed during the scan, skipped */
     uint64_t stale;     /* older copies of a block written again later, skipped */
+    uint64_t gaps;      /* stretches with no record and intact records after them (a crash) */
     uint64_t inserted;  /* blocks given back to the radix tree by kvt_tier_nvme_recover */
     uint64_t orphans;   /* blocks whose namespace or ancestors were not found: freed */
 } kvt_tier_nvme_recovery_t;
