@@ -515,6 +515,80 @@ Test(tier_nvme, a_full_file_system_gives_a_clear_error_and_changes_nothing)
     kvt_tier_usage_t u;
     kvt_tier_usage(t, &u);
     cr_assert_eq(u.blocks, (uint64_t)n);
+    /* Room again: the next write lands, and a restart finds every block (what the failed write
+     * left on disk is skipped as torn). */
+    cr_assert_eq(mount(NULL, dir, NULL, MS_REMOUNT, "size=8m"), 0, "remount: %s", strerror(errno));
+    kvt_block_key_t kx = tu_key(1000, tok, 16);
+    tu_fill(buf, len, 1000);
+    uint64_t lx = 0;
+    cr_assert_eq(tu_write(t, &kx, buf, len, &lx), 0);
+    kvt_tier_destroy(t);
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    kvt_tier_nvme_recovery_t r;
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.recovered, (uint64_t)n + 1, "recovered %llu of %d",
+                 (unsigned long long)r.recovered, n + 1);
+    kx = tu_key(1000, tok, 16);
+    cr_assert_eq(tu_read(t, &kx, lx, buf, len), 0);
+    cr_assert(tu_same(buf, len, 1000));
+    free(buf);
+    kvt_tier_destroy(t);
+    umount(dir);
+    tu_rmrf(dir);
+}
+
+/* Fills the file system under dir; returns the path of the file that fills it. */
+static void fill_fs(const char *dir, char *path, size_t size)
+{
+    snprintf(path, size, "%s/filler", dir);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    cr_assert_geq(fd, 0);
+    static uint8_t z[4096];
+    while (write(fd, z, sizeof(z)) == (ssize_t)sizeof(z))
+        ;
+    close(fd);
+}
+
+/* A segment's first record that failed with nothing written leaves the segment unusable: the
+ * scan reads a segment from its first record, so anything written after it there would be lost
+ * at the next restart. The tier opens another segment instead. */
+Test(tier_nvme, a_segment_whose_first_record_failed_takes_no_other)
+{
+    private_mounts();
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "firstfail");
+    cr_assert_eq(mount("tmpfs", dir, "tmpfs", 0, "size=8m"), 0, "mount: %s", strerror(errno));
+    char sub[4200], filler[4300];
+    snprintf(sub, sizeof(sub), "%s/data", dir);
+    kvt_tier_t *t = NULL;
+    kvt_tier_nvme_conf_t c = {
+        .dir = sub, .capacity_bytes = 4u << 20, .segment_bytes = 1u << 20, .sparse = 1};
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    const uint32_t len = 256u << 10; /* three records fill a segment */
+    uint8_t *buf = tu_aligned(len);
+    uint32_t tok[16];
+    uint64_t locs[4];
+    for (int i = 0; i < 3; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, len, (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len, &locs[i]), 0);
+    }
+    fill_fs(dir, filler, sizeof(filler));
+    kvt_block_key_t k3 = tu_key(3, tok, 16);
+    tu_fill(buf, len, 3);
+    cr_assert_eq(tu_write(t, &k3, buf, len, &locs[3]), KVT_ENOSPC, "segment 1's first record");
+    cr_assert_eq(unlink(filler), 0);
+    cr_assert_eq(tu_write(t, &k3, buf, len, &locs[3]), 0);
+    kvt_tier_destroy(t);
+    cr_assert_eq(kvt_tier_nvme_create(&t, &c), 0);
+    kvt_tier_nvme_recovery_t r;
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.recovered, 4, "recovered %llu of 4", (unsigned long long)r.recovered);
+    for (int i = 0; i < 4; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, len), 0, "block %d", i);
+        cr_assert(tu_same(buf, len, (uint64_t)i), "block %d", i);
+    }
     free(buf);
     kvt_tier_destroy(t);
     umount(dir);

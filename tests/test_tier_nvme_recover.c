@@ -274,6 +274,80 @@ Test(tier_nvme_recover, a_torn_last_write_is_skipped)
     tu_rmrf(dir);
 }
 
+/* Whether the data file in dir holds anything but zeros in the sector at off. */
+static int sector_written(const char *dir, uint64_t off)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/kvtier.data", dir);
+    int fd = open(p, O_RDONLY);
+    cr_assert_geq(fd, 0);
+    uint8_t b[4096];
+    cr_assert_eq(pread(fd, b, sizeof(b), (off_t)off), (ssize_t)sizeof(b));
+    close(fd);
+    for (size_t i = 0; i < sizeof(b); i++)
+        if (b[i])
+            return 1;
+    return 0;
+}
+
+/* The scan reads a segment from its first record, so none of the segment's other records may
+ * reach the disk without it: they start only once it has completed. */
+Test(tier_nvme_recover, a_segment_takes_no_record_before_its_first_has_landed)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvfirst");
+    kvt_tier_t *t = open_tier(dir);
+    enum { N = 3, LEN = 40000 };
+    kvt_tier_io_t ios[N];
+    uint32_t toks[N][16];
+    uint8_t *bufs = tu_aligned((size_t)N * LEN);
+    int done = 0;
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 500, &done);
+    /* Nothing processed yet: the first write is with the kernel, the other two wait for its
+     * completion to be seen. */
+    usleep(300 * 1000);
+    cr_assert_eq(sector_written(dir, rec_size(LEN)), 0, "the second record started early");
+    cr_assert_eq(sector_written(dir, 2 * rec_size(LEN)), 0, "the third record started early");
+    cr_assert(tu_drive(t, &done, N));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(sector_written(dir, (uint64_t)i * rec_size(LEN)), "record %d", i);
+    }
+
+    /* A write that opens the next segment does not wait for this one's first record: A opens
+     * segment 1 (segment 0 has no room left for it) and leaves it too little for B, which opens
+     * segment 2 while A is in flight. */
+    uint32_t big = (2u << 20) - 2 * 4096;
+    uint8_t *b = tu_aligned(big);
+    tu_fill(b, big, 7);
+    uint32_t tok2[2][16];
+    int done2 = 0;
+    kvt_tier_io_t w[2] = {
+        {.key = tu_key(600, tok2[0], 16), .buf = b, .len = big, .cb = tu_count_cb, .data = &done2},
+        {.key = tu_key(601, tok2[1], 16), .buf = b, .len = LEN, .cb = tu_count_cb, .data = &done2},
+    };
+    cr_assert_eq(kvt_tier_write(t, &w[0]), 0);
+    cr_assert_eq(kvt_tier_write(t, &w[1]), 0);
+    uint64_t seg2 = 2 * (2u << 20);
+    for (int k = 0; k < 500 && !sector_written(dir, seg2); k++)
+        usleep(10 * 1000); /* not processed meanwhile */
+    cr_assert(sector_written(dir, seg2), "the next segment's first record was held back");
+    cr_assert(tu_drive(t, &done2, 2));
+    cr_assert_eq(w[0].status, 0);
+    cr_assert_eq(w[1].status, 0);
+    free(b);
+    free(bufs);
+    kvt_tier_destroy(t);
+
+    t = open_tier(dir);
+    kvt_tier_nvme_recovery_t r;
+    kvt_tier_nvme_recovery(t, &r);
+    cr_assert_eq(r.recovered, N + 2);
+    cr_assert_eq(r.torn + r.gaps, 0);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
 /* Writes complete out of order, and SIGKILL cancels writes still queued in io_uring: a record can
  * be missing with completed ones after it. The scan finds those. */
 Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)

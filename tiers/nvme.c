@@ -41,12 +41,13 @@
  * crash cancels the ones still queued, so a record may be missing with later ones intact. That
  * search reads the unused tail of every partly filled segment; the open segment's first record
  * is the one a scan cannot do without (a segment whose first record never landed is empty to
- * it). When one block was written several times, the highest sequence number wins. Recovered
- * segments are not appended to again until they are reclaimed.
+ * it), so no other write starts in a segment until its first record has completed, and a
+ * segment whose first record failed takes no other (the next write opens another). When one
+ * block was written several times, the highest sequence number wins. Recovered segments are not
+ * appended to again until they are reclaimed.
  *
  * Durability is that of a cache: writes are not fdatasync'd, so a process crash (SIGKILL) loses
- * nothing that completed (but the records of an open segment whose first write was still
- * queued), while a power cut may lose recent writes (which recovery then skips).
+ * nothing that completed, while a power cut may lose recent writes (which recovery then skips).
  */
 #define _GNU_SOURCE
 #define XXH_STATIC_LINKING_ONLY
@@ -385,27 +386,60 @@ static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr,
     return 0;
 }
 
+/*
+ * Whether io, a write, must wait for the first record of the open segment to land: the recovery
+ * scan reads a segment from that record on (its stamp names the segment's current use), and a
+ * crash cancels writes still queued in io_uring, so no later record of the segment may start
+ * before it has completed. A write that would open a new segment does not wait.
+ */
+static int write_waits(const nvme_t *n, const kvt_tier_io_t *io)
+{
+    if (io->op != KVT_IO_WRITE || n->cur == UINT32_MAX || !n->segs[n->cur].opening)
+        return 0;
+    uint32_t rec = rec_bytes(hdr_region(io->key.ntokens), io->len);
+    return n->segs[n->cur].head + (uint64_t)rec <= n->seg_bytes;
+}
+
+/* The first record of segment seg did not land: nothing more goes there (the scan would not
+ * find it), and the segment is free again once its I/O is over. */
+static void first_failed(nvme_t *n, uint32_t seg)
+{
+    n->segs[seg].opening = 0;
+    if (n->cur == seg) {
+        n->segs[seg].state = SEG_FULL;
+        n->cur = UINT32_MAX;
+    }
+}
+
 static int nvme_start_write(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
 {
     uint32_t hdr = hdr_region(io->key.ntokens);
     uint32_t rec = rec_bytes(hdr, io->len);
     uint32_t seg, off;
-    int rc = seg_alloc(n, rec, &seg, &off);
+    int rc = req_layout(n, r, io, hdr, 1);
     if (rc < 0)
         return rc;
+    if ((rc = seg_alloc(n, rec, &seg, &off)) < 0) {
+        free(r->bounce);
+        r->bounce = NULL;
+        return rc;
+    }
     nvme_seg_t *s = &n->segs[seg];
     r->io = io;
     r->seg = seg;
     r->off = (uint64_t)seg * n->seg_bytes + off;
+    r->first = off == 0;
+    s->opening |= r->first;
     memset(r->hdr, 0, hdr);
     prefix_encode(r->hdr, rec, hdr, s->stamp);
     kvt__blockhdr_encode(r->hdr + PREFIX_BYTES, &io->key, io->buf, io->len, ++n->seq);
-    if ((rc = req_layout(n, r, io, hdr, 1)) < 0)
-        return rc;
     io->loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR);
     s->inflight++;
     if ((rc = req_submit(n, r)) < 0) {
         s->inflight--;
+        if (r->first)
+            first_failed(n, seg);
+        seg_maybe_free(n, seg);
         free(r->bounce);
         r->bounce = NULL;
         io->loc = 0;
@@ -419,6 +453,7 @@ static int nvme_start_read(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     uint32_t seg = loc_seg(io->loc);
     r->io = io;
     r->seg = seg;
+    r->first = 0;
     r->off = loc_off(n, io->loc);
     int rc = req_layout(n, r, io, loc_hdr(io->loc), 0);
     if (rc < 0)
@@ -464,8 +499,8 @@ static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     nvme_t *n = t->impl;
     if (io->op == KVT_IO_WRITE && rec_bytes(hdr_region(io->key.ntokens), io->len) > n->seg_bytes)
-        return KVT_ETOOBIG; /* a record never spans segments */
-    if (n->wait_head) {     /* keep submission order */
+        return KVT_ETOOBIG;                   /* a record never spans segments */
+    if (n->wait_head || write_waits(n, io)) { /* keep submission order */
         wait_push(n, io);
         return 0;
     }
@@ -541,6 +576,11 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
     }
     if (io->op == KVT_IO_WRITE && status < 0)
         io->loc = 0;
+    if (r->first) {
+        if (status < 0)
+            first_failed(n, r->seg);
+        s->opening = 0;
+    }
     seg_maybe_free(n, r->seg);
     req_put(n, r);
     kvt__tier_complete(n->tier, io, status);
@@ -549,7 +589,7 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
 /* Starts waiting requests while slots are free. */
 static void nvme_drain_wait(nvme_t *n)
 {
-    while (n->wait_head && n->free_reqs) {
+    while (n->wait_head && n->free_reqs && !write_waits(n, n->wait_head)) {
         kvt_tier_io_t *io = wait_pop(n);
         nvme_req_t *r = req_get(n);
         int rc = nvme_start(n, r, io);

@@ -21,6 +21,7 @@ typedef struct nvme_seg {
     uint64_t live_bytes; /* record bytes of live blocks */
     uint32_t inflight;   /* reads and writes in flight here: never reclaimed meanwhile */
     uint32_t pins;       /* kvt_tier_pin counts on blocks here: never reclaimed meanwhile */
+    uint32_t opening;    /* the first record of this use is in flight: no other starts here */
     uint32_t nlocs, locs_cap;
     uint64_t *locs; /* every location written in this use (some freed since) */
 } nvme_seg_t;
@@ -36,6 +37,7 @@ typedef struct nvme_req {
     uint32_t niov, iov_at;
     uint32_t done, total; /* bytes transferred so far, bytes to transfer */
     uint32_t seg;
+    int first; /* a write of its segment's first record */
     int payload_direct;
     uint64_t off; /* file offset of the record */
 } nvme_req_t;
