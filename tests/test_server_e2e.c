@@ -2,8 +2,8 @@
  * test_server_e2e.c: kvtierd end to end through libkvtier: byte-exact PUT/GET round trips,
  * index-only use, leases (held, released, released on disconnect), DRAM spilling to NVMe,
  * PREFETCH and GET promotions, warm restart with the NVMe tier recovered (also after a SIGKILL
- * amid PUTs: every page a reply said was stored comes back), many concurrent
- * clients, AUTH, defaults in the working directory, clean shutdown and exit codes.
+ * amid PUTs: every page a reply said was stored comes back), many concurrent clients, AUTH,
+ * defaults in the working directory, clean shutdown and exit codes.
  */
 #include <pthread.h>
 
