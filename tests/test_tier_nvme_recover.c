@@ -210,17 +210,30 @@ Test(tier_nvme_recover, blocks_written_before_sigkill_are_found_again)
     tu_rmrf(dir);
 }
 
-static void overwrite(const char *dir, uint64_t off, size_t len)
+/* The data file of the tier in dir, opened with flags. */
+static int data_open(const char *dir, int flags)
 {
     char p[4200];
     snprintf(p, sizeof(p), "%s/kvtier.data", dir);
-    int fd = open(p, O_RDWR);
-    cr_assert_geq(fd, 0);
-    uint8_t *z = calloc(1, len);
-    cr_assert_eq(pwrite(fd, z, len, (off_t)off), (ssize_t)len);
+    int fd = open(p, flags);
+    cr_assert_geq(fd, 0, "%s: %s", p, strerror(errno));
+    return fd;
+}
+
+/* Writes len bytes of buf (zeros when NULL) at off of the data file in dir. */
+static void overwrite_with(const char *dir, uint64_t off, const void *buf, size_t len)
+{
+    int fd = data_open(dir, O_RDWR);
+    uint8_t *z = buf ? NULL : calloc(1, len);
+    cr_assert_eq(pwrite(fd, buf ? buf : z, len, (off_t)off), (ssize_t)len);
     cr_assert_eq(fsync(fd), 0);
     free(z);
     close(fd);
+}
+
+static void overwrite(const char *dir, uint64_t off, size_t len)
+{
+    overwrite_with(dir, off, NULL, len);
 }
 
 /* Records of blocks written one after another from the start of segment 0. */
@@ -277,10 +290,7 @@ Test(tier_nvme_recover, a_torn_last_write_is_skipped)
 /* Whether the data file in dir holds anything but zeros in the sector at off. */
 static int sector_written(const char *dir, uint64_t off)
 {
-    char p[4200];
-    snprintf(p, sizeof(p), "%s/kvtier.data", dir);
-    int fd = open(p, O_RDONLY);
-    cr_assert_geq(fd, 0);
+    int fd = data_open(dir, O_RDONLY);
     uint8_t b[4096];
     cr_assert_eq(pread(fd, b, sizeof(b), (off_t)off), (ssize_t)sizeof(b));
     close(fd);
@@ -390,7 +400,7 @@ Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)
 
     /* An intact record of another use of a segment (another stamp: here, another directory's) in
      * the gap is not taken for one of this use. */
-    char other[4096], path[4200];
+    char other[4096];
     tu_tmpdir(other, sizeof(other), "nvgap2");
     t = open_tier(other);
     uint32_t otok[16];
@@ -402,14 +412,10 @@ Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)
     size_t olen = rec_size(60000);
     cr_assert_leq(olen, offs[6] - offs[4]);
     uint8_t *orec = malloc(olen);
-    snprintf(path, sizeof(path), "%s/kvtier.data", other);
-    int fd = open(path, O_RDONLY);
+    int fd = data_open(other, O_RDONLY);
     cr_assert_eq(pread(fd, orec, olen, 0), (ssize_t)olen);
     close(fd);
-    snprintf(path, sizeof(path), "%s/kvtier.data", dir);
-    fd = open(path, O_RDWR);
-    cr_assert_eq(pwrite(fd, orec, olen, (off_t)offs[4]), (ssize_t)olen);
-    close(fd);
+    overwrite_with(dir, offs[4], orec, olen);
     free(orec);
     t = open_tier(dir);
     kvt_tier_nvme_recovery(t, &r);
