@@ -31,6 +31,12 @@ static const struct kvt_metric_def {
 static const char *const kvt_reason_names[KVT_MISS_COUNT] = {
     "never_seen", "evicted", "short_page", "remote_unreachable", "checksum",
 };
+static const char *const kvt_recovery_names[KVT_RECOVERY_COUNT] = {
+    "inserted",
+    "torn",
+    "stale",
+    "orphan",
+};
 static const char *const kvt_perr_names[KVT_PERR_COUNT] = {
     "bad_magic", "bad_version", "too_big", "unknown_op",
     "bad_body",  "no_hello",    "auth",    "truncated",
@@ -162,6 +168,11 @@ static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf
         if (s >= KVT_PERR_COUNT)
             return NULL;
         snprintf(buf, len, "kind=\"%s\"", kvt_perr_names[s]);
+        return buf;
+    case KVT_LBL_RECOVERY:
+        if (s >= KVT_RECOVERY_COUNT)
+            return NULL;
+        snprintf(buf, len, "outcome=\"%s\"", kvt_recovery_names[s]);
         return buf;
     }
     return NULL;

@@ -18,12 +18,13 @@
 
 typedef enum {
     KVT_LBL_NONE,
-    KVT_LBL_TIER,    /* tier="hbm|dram|nvme|remote|none" */
-    KVT_LBL_REASON,  /* reason="never_seen|evicted|short_page|remote_unreachable|checksum" */
-    KVT_LBL_OP,      /* op="hello|auth|match|..." */
-    KVT_LBL_PAIR,    /* from="...",to="..." over real tiers */
-    KVT_LBL_TIER_IO, /* tier="...",dir="read|write" */
-    KVT_LBL_ERR,     /* kind="..." protocol error kinds */
+    KVT_LBL_TIER,     /* tier="hbm|dram|nvme|remote|none" */
+    KVT_LBL_REASON,   /* reason="never_seen|evicted|short_page|remote_unreachable|checksum" */
+    KVT_LBL_OP,       /* op="hello|auth|match|..." */
+    KVT_LBL_PAIR,     /* from="...",to="..." over real tiers */
+    KVT_LBL_TIER_IO,  /* tier="...",dir="read|write" */
+    KVT_LBL_ERR,      /* kind="..." protocol error kinds */
+    KVT_LBL_RECOVERY, /* outcome="inserted|torn|stale|orphan" */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -48,6 +49,15 @@ typedef enum {
     KVT_PERR_TRUNCATED, /* the peer closed in the middle of a frame */
     KVT_PERR_COUNT
 } kvt_proto_err_t;
+
+/* What the NVMe tier's recovery did with a block it found at start-up. */
+typedef enum {
+    KVT_RECOVERY_INSERTED,
+    KVT_RECOVERY_TORN,
+    KVT_RECOVERY_STALE,
+    KVT_RECOVERY_ORPHAN,
+    KVT_RECOVERY_COUNT
+} kvt_recovery_outcome_t;
 
 /*     id, type, name, unit-bearing help, labels */
 #define KVT_METRIC_LIST(X)                                                                         \
@@ -118,7 +128,16 @@ typedef enum {
       "Times a connection stopped reading until max-client-bytes had room for its frame.", NONE)   \
     X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
     X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
-      "Leases released because their time limit passed.", NONE)
+      "Leases released because their time limit passed.", NONE)                                    \
+    X(NVME_RECOVERY, GAUGE, "kvtier_nvme_recovery_blocks",                                         \
+      "Blocks the NVMe recovery found at start-up, by outcome: inserted in the index, torn "       \
+      "(checksum failed: skipped), stale (an older copy: skipped), orphan (namespace or "          \
+      "ancestors gone: freed).",                                                                   \
+      RECOVERY)                                                                                    \
+    X(NVME_RECOVERY_GAPS, GAUGE, "kvtier_nvme_recovery_gaps",                                      \
+      "Stretches with no record before intact ones that the NVMe recovery passed at start-up "     \
+      "(writes a crash cancelled).",                                                               \
+      NONE)
 
 typedef enum {
 #define KVT_X(id, type, name, help, lbl) KVT_M_##id,

@@ -688,6 +688,12 @@ int kvt__store_open(kvt_srv_t *s)
                 return rc;
             }
             kvt_recovered_sizes(s);
+            kvt_metrics_t *m = s->metrics;
+            kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_INSERTED, (double)rec.inserted);
+            kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_TORN, (double)rec.torn);
+            kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_STALE, (double)rec.stale);
+            kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_ORPHAN, (double)rec.orphans);
+            kvt__metric_set(m, KVT_M_NVME_RECOVERY_GAPS, 0, (double)rec.gaps);
             kvt_log(KVT_LOG_INFO,
                     "kvtierd: NVMe recovery: %llu blocks back in the index (%llu scanned, %llu "
                     "torn, %llu stale, %llu gaps, %llu orphans)",

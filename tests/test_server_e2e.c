@@ -640,6 +640,16 @@ Test(server_e2e, restart_recovers_nvme)
     cr_assert_eq(m.pages, 6, "the index was rebuilt from the NVMe tier");
     cr_expect_eq(tiers[5], KVT_CLIENT_TIER_NVME);
     check_get(c, m.lease, 0, 6, BB, 77, NULL);
+    /* What the recovery did, in STATS and on /metrics. */
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_inserted"), 6);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_torn") + kvd_stat(c, "nvme_recovery_stale") +
+                     kvd_stat(c, "nvme_recovery_orphans") + kvd_stat(c, "nvme_recovery_gaps"),
+                 0);
+    static char body[1 << 20];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    cr_expect(strstr(body, "\nkvtier_nvme_recovery_blocks{outcome=\"inserted\"} 6\n"), "%s", body);
+    cr_expect(strstr(body, "\nkvtier_nvme_recovery_blocks{outcome=\"torn\"} 0\n"));
+    cr_expect(strstr(body, "\nkvtier_nvme_recovery_gaps 0\n"));
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
