@@ -1300,6 +1300,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 x->io.len = b->size;
                 x->io.loc = b->loc;
                 x->io.cb = kvt_get_read_done;
+                x->io.urgent = 1; /* the client waits: ahead of queued moves */
                 rc = kvt_tier_read(s->tiers[b->tier], &x->io);
             } else {
                 rc = KVT_ENOMEM;

@@ -537,6 +537,65 @@ Test(tier_nvme, a_full_file_system_gives_a_clear_error_and_changes_nothing)
     tu_rmrf(dir);
 }
 
+typedef struct ordered_io {
+    kvt_tier_io_t io;
+    uint32_t tok[16];
+    int *next; /* the order counter */
+    int at;    /* 1 + how many completed before it */
+} ordered_io_t;
+
+static void ordered_cb(kvt_tier_io_t *io)
+{
+    ordered_io_t *o = io->data;
+    o->at = ++*o->next;
+}
+
+/* With every request slot taken, a read a client waits for (io->urgent) gets the next free slot
+ * ahead of the writes queued before it; a plain read waits its turn behind them. */
+Test(tier_nvme, urgent_reads_pass_queued_writes)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvurgent");
+    kvt_tier_t *t = mk(dir, 16u << 20, 2u << 20, 2);
+    enum { N = 32, LEN = 64 << 10, RLEN = 5000 };
+    uint8_t *rbuf = tu_aligned(RLEN), *wbuf = tu_aligned(LEN);
+    uint32_t rtok[16];
+    kvt_block_key_t rk = tu_key(7000, rtok, 16);
+    tu_fill(rbuf, RLEN, 7000);
+    uint64_t rloc = 0;
+    cr_assert_eq(tu_write(t, &rk, rbuf, RLEN, &rloc), 0);
+    tu_fill(wbuf, LEN, 1);
+    ordered_io_t *o = calloc(N + 2, sizeof(*o));
+    uint8_t *back = tu_aligned(2 * RLEN);
+    int next = 0;
+    for (int i = 0; i < N + 2; i++) {
+        int rd = i >= N; /* the last two: reads of rk's block, urgent then plain */
+        o[i].io = (kvt_tier_io_t){.key = tu_key(rd ? 7000 : (uint64_t)i, o[i].tok, 16),
+                                  .buf = rd ? back + (size_t)(i - N) * RLEN : wbuf,
+                                  .len = rd ? RLEN : LEN,
+                                  .loc = rd ? rloc : 0,
+                                  .urgent = i == N,
+                                  .cb = ordered_cb,
+                                  .data = &o[i]};
+        o[i].next = &next;
+        cr_assert_eq(rd ? kvt_tier_read(t, &o[i].io) : kvt_tier_write(t, &o[i].io), 0);
+    }
+    for (int k = 0; k < 2000 && next < N + 2; k++)
+        kvt_tier_wait(t, 10);
+    cr_assert_eq(next, N + 2, "%d of %d completed", next, N + 2);
+    for (int i = 0; i < N + 2; i++)
+        cr_assert_eq(o[i].io.status, 0, "request %d: %s", i, kvt_strerror(o[i].io.status));
+    cr_assert_leq(o[N].at, 2 * 2 + 1, "the urgent read came back %d-th", o[N].at);
+    cr_assert_geq(o[N + 1].at, N, "the plain read came back %d-th", o[N + 1].at);
+    cr_assert(tu_same(back, RLEN, 7000) && tu_same(back + RLEN, RLEN, 7000));
+    free(o);
+    free(back);
+    free(wbuf);
+    free(rbuf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
 /* Fills the file system under dir; returns the path of the file that fills it. */
 static void fill_fs(const char *dir, char *path, size_t size)
 {

@@ -610,6 +610,77 @@ Test(tier_remote, many_requests_in_flight)
     kvt_tier_destroy(t);
 }
 
+/* Completion order of the requests of one test, through io->data. */
+typedef struct ordered {
+    blk_t b;
+    int *next; /* the order counter */
+    int at;    /* 1 + how many completed before it */
+} ordered_t;
+
+static void ordered_done(kvt_tier_io_t *io)
+{
+    ordered_t *o = io->data;
+    o->b.done++;
+    o->at = ++*o->next;
+}
+
+/* A read a client waits for (io->urgent) is sent before writes queued ahead of it for the window
+ * of max_inflight; a plain read waits its turn behind them. */
+Test(tier_remote, urgent_reads_pass_queued_writes)
+{
+    static char host[64];
+    uint16_t port;
+    if (!shared_server(host, sizeof(host), &port))
+        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
+    kvt_tier_remote_conf_t conf = base_conf(host, port);
+    conf.max_inflight = 4;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    enum { N = 64, LEN = 64 << 10 };
+    blk_t r;
+    blk_init(&r, 9000, 4000);
+    cr_assert_eq(write_blk(t, &r, 9000), 0);
+    int next = 0;
+    ordered_t *w = calloc(N + 2, sizeof(*w));
+    blk_t **pb = calloc(N + 2, sizeof(*pb));
+    cr_assert(w && pb);
+    for (int i = 0; i < N + 2; i++) {
+        int rd = i >= N; /* the last two: reads of r, urgent then plain */
+        blk_init(&w[i].b, rd ? 9000 : (uint32_t)i, rd ? 4000 : LEN);
+        w[i].b.io.cb = ordered_done;
+        w[i].b.io.data = &w[i];
+        w[i].next = &next;
+        pb[i] = &w[i].b;
+        if (rd) {
+            w[i].b.io.loc = r.io.loc;
+            w[i].b.io.urgent = i == N;
+            cr_assert_eq(kvt_tier_read(t, &w[i].b.io), 0);
+        } else {
+            fill(w[i].b.buf, LEN, (uint64_t)i);
+            cr_assert_eq(kvt_tier_write(t, &w[i].b.io), 0);
+        }
+    }
+    wait_done(t, pb, N + 2, 20000);
+    for (int i = 0; i < N + 2; i++)
+        cr_assert_eq(w[i].b.io.status, 0, "request %d: %s", i, kvt_strerror(w[i].b.io.status));
+    cr_assert_leq(w[N].at, 2 * 4 + 1, "the urgent read came back %d-th", w[N].at);
+    cr_assert_eq(w[N + 1].at, N + 2, "the plain read came back %d-th", w[N + 1].at);
+    uint8_t *want = malloc(4000);
+    fill(want, 4000, 9000);
+    cr_assert(!memcmp(w[N].b.buf, want, 4000) && !memcmp(w[N + 1].b.buf, want, 4000));
+    free(want);
+    for (int i = 0; i < N + 2; i++) {
+        if (i < N)
+            kvt_tier_free(t, w[i].b.io.loc, LEN);
+        blk_fini(&w[i].b);
+    }
+    kvt_tier_free(t, r.io.loc, 4000);
+    blk_fini(&r);
+    free(w);
+    free(pb);
+    kvt_tier_destroy(t);
+}
+
 Test(tier_remote, value_deleted_behind_our_back_is_a_miss)
 {
     kvt_tier_t *t = open_shared(0);

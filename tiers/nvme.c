@@ -473,24 +473,38 @@ static int nvme_start(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     return io->op == KVT_IO_WRITE ? nvme_start_write(n, r, io) : nvme_start_read(n, r, io);
 }
 
-/* Requests wait for a slot in a FIFO linked through priv[1]. */
+/* Requests wait for a slot in two FIFOs linked through priv[1]: urgent reads (io->urgent) and
+ * the rest; a slot goes to the urgent ones first. */
+static int io_urgent(const kvt_tier_io_t *io)
+{
+    return io->urgent && io->op == KVT_IO_READ;
+}
+
 static void wait_push(nvme_t *n, kvt_tier_io_t *io)
 {
+    nvme_fifo_t *q = &n->wait[io_urgent(io)];
     io->priv[1] = 0;
-    if (n->wait_tail)
-        n->wait_tail->priv[1] = (uint64_t)(uintptr_t)io;
+    if (q->tail)
+        q->tail->priv[1] = (uint64_t)(uintptr_t)io;
     else
-        n->wait_head = io;
-    n->wait_tail = io;
+        q->head = io;
+    q->tail = io;
+}
+
+/* The request a free slot goes to next, or NULL. */
+static kvt_tier_io_t *wait_next(const nvme_t *n)
+{
+    return n->wait[1].head ? n->wait[1].head : n->wait[0].head;
 }
 
 static kvt_tier_io_t *wait_pop(nvme_t *n)
 {
-    kvt_tier_io_t *io = n->wait_head;
+    nvme_fifo_t *q = &n->wait[n->wait[1].head != NULL];
+    kvt_tier_io_t *io = q->head;
     if (io) {
-        n->wait_head = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
-        if (!n->wait_head)
-            n->wait_tail = NULL;
+        q->head = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
+        if (!q->head)
+            q->tail = NULL;
     }
     return io;
 }
@@ -499,8 +513,9 @@ static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     nvme_t *n = t->impl;
     if (io->op == KVT_IO_WRITE && rec_bytes(hdr_region(io->key.ntokens), io->len) > n->seg_bytes)
-        return KVT_ETOOBIG;                   /* a record never spans segments */
-    if (n->wait_head || write_waits(n, io)) { /* keep submission order */
+        return KVT_ETOOBIG; /* a record never spans segments */
+    /* Keep submission order within the request's class (urgent reads pass the others). */
+    if (n->wait[1].head || (!io_urgent(io) && n->wait[0].head) || write_waits(n, io)) {
         wait_push(n, io);
         return 0;
     }
@@ -589,7 +604,7 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
 /* Starts waiting requests while slots are free. */
 static void nvme_drain_wait(nvme_t *n)
 {
-    while (n->wait_head && n->free_reqs && !write_waits(n, n->wait_head)) {
+    while (wait_next(n) && n->free_reqs && !write_waits(n, wait_next(n))) {
         kvt_tier_io_t *io = wait_pop(n);
         nvme_req_t *r = req_get(n);
         int rc = nvme_start(n, r, io);
@@ -738,7 +753,7 @@ static void nvme_destroy(kvt_tier_t *t)
 {
     nvme_t *n = t->impl;
     /* Requests still waiting for a slot never started: nobody is called back for them. */
-    n->wait_head = n->wait_tail = NULL;
+    n->wait[0] = n->wait[1] = (nvme_fifo_t){0};
     nvme_dealloc(n);
 }
 

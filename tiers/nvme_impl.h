@@ -26,6 +26,10 @@ typedef struct nvme_seg {
     uint64_t *locs; /* every location written in this use (some freed since) */
 } nvme_seg_t;
 
+typedef struct nvme_fifo {
+    kvt_tier_io_t *head, *tail; /* linked through priv[1] */
+} nvme_fifo_t;
+
 /* One io_uring request slot: the tier has queue_depth of them. */
 typedef struct nvme_req {
     kvt_tier_io_t *io;
@@ -59,7 +63,7 @@ typedef struct nvme {
     int ring_ok;
     uint32_t qd;
     nvme_req_t *reqs, *free_reqs;
-    kvt_tier_io_t *wait_head, *wait_tail; /* waiting for a slot, linked through priv[1] */
+    nvme_fifo_t wait[2]; /* waiting for a slot: [1] urgent reads, [0] the rest */
     uint32_t seg_bytes, nsegs;
     nvme_seg_t *segs;
     uint32_t cur;       /* the open segment, or UINT32_MAX */

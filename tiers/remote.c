@@ -15,6 +15,7 @@
  * Requests flow through FIFO queues:
  *
  *   submit -> waitq --(connection up, < max_inflight unanswered)--> sentq --reply--> callback
+ *          \-> urgentq (reads a client waits for, and probes): sent before anything in waitq
  *               |                                                     |  \
  *               +- deadline passed: ETIMEDOUT                         |   outq: bytes not yet
  *                                                                     |   all on the socket
@@ -149,7 +150,7 @@ typedef struct remote {
     uint64_t rng;         /* xorshift state for the backoff's jitter */
     int logged_down;
 
-    rq_queue_t waitq, sentq, undoq;
+    rq_queue_t urgentq, waitq, sentq, undoq; /* urgentq: urgent reads and probes */
     rq_t *out_head, *out_tail; /* sent to hiredis, bytes not all written yet (onext) */
     rq_t *free_rqs;
     kvt_tier_probe_t *probes_done_head, *probes_done_tail;
@@ -390,7 +391,7 @@ static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
 {
     /* Detach every request still naming p: the caller may reuse p after its callback. (After
      * a success every key was answered, and each answer detached its own request.) */
-    rq_queue_t *qs[] = {&rm->waitq, &rm->sentq};
+    rq_queue_t *qs[] = {&rm->urgentq, &rm->waitq, &rm->sentq};
     for (size_t i = 0; status != 0 && i < KVT_ARRAY_LEN(qs); i++)
         for (rq_t *r = qs[i]->head; r; r = r->next)
             if (r->probe == p)
@@ -749,6 +750,10 @@ static void after_hiredis(remote_t *rm, uint64_t now)
     rm->logged_down = 1;
     rm->state = ST_DOWN;
     rq_t *r;
+    while ((r = q_pop(&rm->urgentq))) {
+        rq_fail(rm, r, status);
+        rq_release(rm, r);
+    }
     while ((r = q_pop(&rm->waitq))) {
         if (r->kind == RQ_DEL && !r->io)
             q_push(&rm->undoq, r); /* still worth sending once the server is back */
@@ -805,13 +810,14 @@ static int send_rq(remote_t *rm, rq_t *r)
     return rc ? rc : wire_queue(rm, r);
 }
 
-/* Moves requests from waitq to the connection while fewer than max_inflight are unanswered. */
+/* Moves requests from urgentq, then waitq, to the connection while fewer than max_inflight are
+ * unanswered. */
 static void pump(remote_t *rm)
 {
     int queued = 0;
-    while (rm->state == ST_READY && rm->ac && !rm->ac_gone && !rm->drop && rm->waitq.head &&
-           rm->sentq.n < rm->max_inflight) {
-        rq_t *r = q_pop(&rm->waitq);
+    while (rm->state == ST_READY && rm->ac && !rm->ac_gone && !rm->drop &&
+           (rm->urgentq.head || rm->waitq.head) && rm->sentq.n < rm->max_inflight) {
+        rq_t *r = q_pop(rm->urgentq.head ? &rm->urgentq : &rm->waitq);
         if (rq_dead(r)) {
             rq_release(rm, r);
             continue;
@@ -1003,17 +1009,17 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
     rq_release(rm, r);
 }
 
-/* Fails requests past their deadline; closes a stalled connection; returns the next deadline. */
-static uint64_t expire(remote_t *rm, uint64_t now)
+/* Fails the requests of q (waiting to be sent) past their deadline; returns the next deadline
+ * there. Callers' requests are in deadline order in each queue; DELs nobody waits for never
+ * expire. */
+static uint64_t expire_waiting(remote_t *rm, rq_queue_t *q, uint64_t now)
 {
-    uint64_t next = UINT64_MAX;
-    /* waitq: callers' requests are in deadline order; DELs nobody waits for never expire. */
     rq_t *prev = NULL;
-    for (rq_t *r = rm->waitq.head, *nx; r; r = nx) {
+    for (rq_t *r = q->head, *nx; r; r = nx) {
         nx = r->next;
         int waited = r->io || r->probe;
         if (rq_dead(r) || (waited && r->deadline_ns <= now)) {
-            q_unlink(&rm->waitq, prev, r);
+            q_unlink(q, prev, r);
             if (waited) {
                 rm->stats.timeouts++;
                 rq_fail(rm, r, KVT_ETIMEDOUT);
@@ -1021,18 +1027,26 @@ static uint64_t expire(remote_t *rm, uint64_t now)
             rq_release(rm, r);
             continue;
         }
-        if (waited) {
-            next = r->deadline_ns;
-            break;
-        }
+        if (waited)
+            return r->deadline_ns;
         prev = r;
     }
+    return UINT64_MAX;
+}
+
+/* Fails requests past their deadline; closes a stalled connection; returns the next deadline. */
+static uint64_t expire(remote_t *rm, uint64_t now)
+{
+    uint64_t next =
+        KVT_MIN(expire_waiting(rm, &rm->urgentq, now), expire_waiting(rm, &rm->waitq, now));
+    /* sentq is not in deadline order (urgent requests passed others): all of it is looked at,
+     * at most max_inflight requests. */
     for (rq_t *r = rm->sentq.head; r; r = r->next) {
         if (!r->io && !r->probe && r->kind != RQ_HELLO)
             continue;
         if (r->deadline_ns > now) {
             next = KVT_MIN(next, r->deadline_ns);
-            break;
+            continue;
         }
         if (r->kind == RQ_HELLO) {
             rm->drop = 1;
@@ -1112,7 +1126,7 @@ static int submit(remote_t *rm, rq_t *r)
         return KVT_EUNAVAIL;
     }
     r->deadline_ns = now + rm->timeout_ns;
-    q_push(&rm->waitq, r);
+    q_push(r->kind == RQ_GET && r->io->urgent ? &rm->urgentq : &rm->waitq, r);
     pump(rm);
     if (r->deadline_ns < rm->timer_armed_ns)
         arm_timer(rm, r->deadline_ns);
@@ -1390,7 +1404,8 @@ static void remote_destroy(kvt_tier_t *t)
 {
     remote_t *rm = remote_of(t);
     uint64_t end = kvt_now_ns() + KVT__DESTROY_FLUSH_MS * 1000000ull;
-    while (rm->state == ST_READY && (rm->waitq.n || rm->sentq.n) && kvt_now_ns() < end) {
+    while (rm->state == ST_READY && (rm->urgentq.n || rm->waitq.n || rm->sentq.n) &&
+           kvt_now_ns() < end) {
         struct epoll_event ev;
         (void)epoll_wait(rm->epfd, &ev, 1, 10);
         if (remote_poll(t) < 0)
@@ -1403,7 +1418,7 @@ static void remote_destroy(kvt_tier_t *t)
         redisAsyncFree(rm->ac);
     }
     rm->ac = NULL;
-    rq_queue_t *qs[] = {&rm->waitq, &rm->sentq, &rm->undoq};
+    rq_queue_t *qs[] = {&rm->urgentq, &rm->waitq, &rm->sentq, &rm->undoq};
     for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++) {
         rq_t *r;
         while ((r = q_pop(qs[i])))
@@ -1568,7 +1583,7 @@ int kvt_tier_remote_probe(kvt_tier_t *t, kvt_tier_probe_t *p)
         rs[i]->seed = p->keys[i].ns_seed;
         rs[i]->hash = p->keys[i].hash;
         rs[i]->deadline_ns = deadline;
-        q_push(&rm->waitq, rs[i]);
+        q_push(&rm->urgentq, rs[i]); /* a MATCH waits for its probe */
     }
     pump(rm);
     if (deadline < rm->timer_armed_ns)

@@ -73,6 +73,11 @@ struct kvt_tier_io {
     kvt_tier_cb cb;
     void *data; /* the caller's */
     int status;
+    /* 1: a client waits for this read (a GET's), so where a tier queues requests (NVMe for its
+     * request slots, the remote tier for its window) it goes ahead of those queued without it
+     * (the policy's moves), behind only other urgent ones. Reads only: writes keep their order
+     * (the remote tier's undo of a failed SET must not be overtaken). */
+    int urgent;
 
     /* Private to tiers/. */
     kvt_io_op_t op;
