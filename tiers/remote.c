@@ -15,12 +15,15 @@
  * Requests flow through FIFO queues:
  *
  *   submit -> waitq --(connection up, < max_inflight unanswered)--> sentq --reply--> callback
- *          \-> urgentq (reads a client waits for, and probes): sent before anything in waitq
  *               |                                                     |  \
  *               +- deadline passed: ETIMEDOUT                         |   outq: bytes not yet
  *                                                                     |   all on the socket
  *                             deadline passed: ETIMEDOUT, the request -+
  *                             stays in sentq, detached, until its reply
+ *
+ * Reads a client waits for (io->urgent) and probes take the same path through a queue of their
+ * own, urgentq, which pump() empties before waitq: they wait for the window, not for the writes
+ * and moves queued before them.
  *
  * Redis answers in order, so sentq mirrors hiredis's own callback list one for one: the head
  * of sentq is the request whose reply is being parsed. That lets the reply decoder check a GET
