@@ -664,7 +664,9 @@ typedef struct killed_writer {
     int stored; /* PUTs [0, stored) had all their pages stored */
 } killed_writer_t;
 
-enum { KW_THREADS = 4, KW_PUTS = 40, KW_PAGES = 4 };
+/* 4 x 400 PUTs of 4 pages (12 KiB records) fill 79 MB of the 128 MB NVMe tier at most: below
+ * the policy's watermarks, so no page goes for room; the kill comes after 40. */
+enum { KW_THREADS = 4, KW_PUTS = 400, KW_PAGES = 4 };
 
 static void kw_tokens(uint32_t *tok, int id, int k)
 {
@@ -700,7 +702,7 @@ static void *killed_writer_main(void *arg)
 Test(server_e2e, pages_stored_before_a_sigkill_come_back)
 {
     kvd_t d = {0};
-    const char *flags[] = {"--dram-bytes", "0", "--nvme-bytes", "32M", NULL};
+    const char *flags[] = {"--dram-bytes", "0", "--nvme-bytes", "128M", NULL};
     kvd_startv(&d, flags);
     int total = 0;
     pthread_t th[KW_THREADS];
@@ -709,7 +711,7 @@ Test(server_e2e, pages_stored_before_a_sigkill_come_back)
         w[i] = (killed_writer_t){.d = &d, .id = i, .stored_total = &total};
         pthread_create(&th[i], NULL, killed_writer_main, &w[i]);
     }
-    for (int i = 0; i < 5000 && __atomic_load_n(&total, __ATOMIC_RELAXED) < KW_THREADS * 10; i++)
+    for (int i = 0; i < 20000 && __atomic_load_n(&total, __ATOMIC_RELAXED) < KW_THREADS * 10; i++)
         usleep(1000);
     cr_assert_eq(kill(d.pid, SIGKILL), 0);
     int st;
