@@ -949,7 +949,7 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     if (s->tiers[KVT_TIER_NVME] && s->conf->nvme_recover) {
         static const char *const outcome[KVT_RECOVERY_COUNT] = {
             "nvme_recovery_inserted", "nvme_recovery_torn", "nvme_recovery_stale",
-            "nvme_recovery_orphans"};
+            "nvme_recovery_orphans", "nvme_recovery_removed"};
         for (unsigned k = 0; k < KVT_RECOVERY_COUNT; k++)
             kvt_stat(&b, outcome[k], (uint64_t)kvt__metric_get(s->metrics, KVT_M_NVME_RECOVERY, k));
         kvt_stat(&b, "nvme_recovery_gaps",

@@ -32,10 +32,7 @@ static const char *const kvt_reason_names[KVT_MISS_COUNT] = {
     "never_seen", "evicted", "short_page", "remote_unreachable", "checksum",
 };
 static const char *const kvt_recovery_names[KVT_RECOVERY_COUNT] = {
-    "inserted",
-    "torn",
-    "stale",
-    "orphan",
+    "inserted", "torn", "stale", "orphan", "removed",
 };
 static const char *const kvt_perr_names[KVT_PERR_COUNT] = {
     "bad_magic", "bad_version", "too_big", "unknown_op",

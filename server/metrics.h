@@ -24,7 +24,7 @@ typedef enum {
     KVT_LBL_PAIR,     /* from="...",to="..." over real tiers */
     KVT_LBL_TIER_IO,  /* tier="...",dir="read|write" */
     KVT_LBL_ERR,      /* kind="..." protocol error kinds */
-    KVT_LBL_RECOVERY, /* outcome="inserted|torn|stale|orphan" */
+    KVT_LBL_RECOVERY, /* outcome="inserted|torn|stale|orphan|removed" */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -56,6 +56,7 @@ typedef enum {
     KVT_RECOVERY_TORN,
     KVT_RECOVERY_STALE,
     KVT_RECOVERY_ORPHAN,
+    KVT_RECOVERY_DISCARDED,
     KVT_RECOVERY_COUNT
 } kvt_recovery_outcome_t;
 
@@ -132,7 +133,7 @@ typedef enum {
     X(NVME_RECOVERY, GAUGE, "kvtier_nvme_recovery_blocks",                                         \
       "Blocks the NVMe recovery found at start-up, by outcome: inserted in the index, torn "       \
       "(checksum failed: skipped), stale (an older copy: skipped), orphan (namespace or "          \
-      "ancestors gone: freed).",                                                                   \
+      "ancestors gone: freed), removed (a REMOVE's tombstone: stepped over).",                     \
       RECOVERY)                                                                                    \
     X(NVME_RECOVERY_GAPS, GAUGE, "kvtier_nvme_recovery_gaps",                                      \
       "Stretches with no record before intact ones that the NVMe recovery passed at start-up "     \

@@ -52,6 +52,7 @@ typedef struct kvt__dfree {
     uint64_t hash, loc;
     uint32_t len;
     uint8_t tier;
+    uint8_t discard; /* kvt_tier_discard: a REMOVE's */
 } kvt__dfree_t;
 
 /* One page of a move: its copy and the tokens its key borrows. */
@@ -74,7 +75,8 @@ struct kvt__move {
     kvt__mpage_t pages[];
 };
 
-static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash);
+static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
+                         int discard);
 
 /* ---- reads in flight, per block hash (open addressing, backward-shift deletion) ---- */
 
@@ -151,7 +153,9 @@ static void kvt_busy_dec(kvt_srv_t *s, uint64_t h)
             k++;
             continue;
         }
-        if (s->tiers[d->tier])
+        if (s->tiers[d->tier] && d->discard)
+            kvt_tier_discard(s->tiers[d->tier], d->loc, d->len);
+        else if (s->tiers[d->tier])
             kvt_tier_free(s->tiers[d->tier], d->loc, d->len);
         *d = s->dfree[--s->ndfree];
     }
@@ -168,13 +172,18 @@ static void kvt_busy_dec(kvt_srv_t *s, uint64_t h)
     }
 }
 
-/* Frees a tier location now, or once the reads of its block in flight are done. */
-static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash)
+/* Frees a tier location now, or once the reads of its block in flight are done; discard: the
+ * block must not come back at a restart either (kvt_tier_discard: a REMOVE's). */
+static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
+                         int discard)
 {
     if (!s->tiers[tier])
         return;
     if (kvt_busy_get(s, hash) == 0) {
-        kvt_tier_free(s->tiers[tier], loc, len);
+        if (discard)
+            kvt_tier_discard(s->tiers[tier], loc, len);
+        else
+            kvt_tier_free(s->tiers[tier], loc, len);
         return;
     }
     if (s->ndfree == s->cap_dfree) {
@@ -189,7 +198,8 @@ static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len,
         s->dfree = d;
         s->cap_dfree = cap;
     }
-    s->dfree[s->ndfree++] = (kvt__dfree_t){.hash = hash, .loc = loc, .len = len, .tier = tier};
+    s->dfree[s->ndfree++] = (kvt__dfree_t){
+        .hash = hash, .loc = loc, .len = len, .tier = tier, .discard = (uint8_t)discard};
 }
 
 /* ---- the policy's executor ---- */
@@ -257,7 +267,7 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
             uint64_t old = b->loc;
             b->loc = c->dst_loc;
             /* A read of the old copy may still be in flight (a GET): it keeps it till done. */
-            kvt_free_loc(s, m->from, old, b->size, b->hash);
+            kvt_free_loc(s, m->from, old, b->size, b->hash, 0);
         } else if (c->status == 0) {
             kvt_tier_free(s->tiers[m->to], c->dst_loc, c->len);
         }
@@ -693,13 +703,15 @@ int kvt__store_open(kvt_srv_t *s)
             kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_TORN, (double)rec.torn);
             kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_STALE, (double)rec.stale);
             kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_ORPHAN, (double)rec.orphans);
+            kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_DISCARDED, (double)rec.discarded);
             kvt__metric_set(m, KVT_M_NVME_RECOVERY_GAPS, 0, (double)rec.gaps);
             kvt_log(KVT_LOG_INFO,
                     "kvtierd: NVMe recovery: %llu blocks back in the index (%llu scanned, %llu "
-                    "torn, %llu stale, %llu gaps, %llu orphans)",
+                    "torn, %llu stale, %llu gaps, %llu orphans, %llu removed)",
                     (unsigned long long)rec.inserted, (unsigned long long)rec.scanned,
                     (unsigned long long)rec.torn, (unsigned long long)rec.stale,
-                    (unsigned long long)rec.gaps, (unsigned long long)rec.orphans);
+                    (unsigned long long)rec.gaps, (unsigned long long)rec.orphans,
+                    (unsigned long long)rec.discarded);
         }
     }
 #else
@@ -783,7 +795,7 @@ static void kvt_block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int droppe
     if (s->policy)
         kvt_policy_on_free(s->policy, ns, b);
     if (b->tier != KVT_TIER_NONE && s->tiers[b->tier])
-        kvt_free_loc(s, b->tier, b->loc, b->size, b->hash);
+        kvt_free_loc(s, b->tier, b->loc, b->size, b->hash, s->removing);
     if (dropped)
         kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
 }

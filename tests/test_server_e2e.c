@@ -654,6 +654,34 @@ Test(server_e2e, restart_recovers_nvme)
     kvd_cleanup(&d);
 }
 
+/* A REMOVE holds across a restart: the NVMe tier marks the removed blocks' records, so recovery
+ * steps over them instead of giving them back. */
+Test(server_e2e, removed_pages_stay_removed_after_a_restart)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t tok[6 * PAGE];
+    kvd_tokens(tok, 6 * PAGE, 43);
+    kvt_client_put_t r;
+    put_pages(c, tok, 6 * PAGE, 0, 6, BB, 78, &r);
+    cr_expect_eq(r.stored, 6);
+    cr_assert_eq(remove_retry(c, tok, 5 * PAGE), 0, "pages 4 and 5 go");
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 6 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4, "the removed pages came back: %u pages", m.pages);
+    check_get(c, m.lease, 0, 4, BB, 78, NULL);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_inserted"), 4);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_removed"), 2);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 /* Clients that PUT while the daemon is killed (SIGKILL): every page a PUT reply said was stored
  * comes back after the restart, byte-exact, from the NVMe tier. The writers keep several PUTs'
  * writes in flight at the kill, completing out of order. */

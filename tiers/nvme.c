@@ -136,17 +136,20 @@ static uint64_t get64(const uint8_t *p)
     return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
 }
 
-static void prefix_encode(uint8_t *p, uint32_t rec, uint32_t hdr, uint64_t stamp)
+#define PREFIX_DISCARDED 1u /* flags: the record's block was discarded (a tombstone) */
+
+static void prefix_encode(uint8_t *p, uint32_t rec, uint32_t hdr, uint64_t stamp, uint32_t flags)
 {
     put32(p, PREFIX_MAGIC);
     put32(p + 4, rec / SECTOR);
     put64(p + 8, stamp);
     put32(p + 16, hdr / SECTOR);
-    put32(p + 20, 0);
+    put32(p + 20, flags);
     put64(p + 24, XXH3_64bits(p, 24));
 }
 
-/* Returns 0 and the record and header sizes, or -1 when p is not an intact prefix. */
+/* Returns 0 and the record and header sizes, 1 and the same for the intact prefix of a
+ * discarded record, or -1 when p is not an intact prefix. */
 static int prefix_decode(const uint8_t *p, uint32_t *rec, uint32_t *hdr, uint64_t *stamp)
 {
     if (get32(p) != PREFIX_MAGIC || get64(p + 24) != XXH3_64bits(p, 24))
@@ -156,7 +159,7 @@ static int prefix_decode(const uint8_t *p, uint32_t *rec, uint32_t *hdr, uint64_
     *stamp = get64(p + 8);
     if (*hdr == 0 || *hdr > HDR_MAX_BYTES || *rec < *hdr)
         return -1;
-    return 0;
+    return (get32(p + 20) & PREFIX_DISCARDED) != 0;
 }
 
 /* ---- segments ---- */
@@ -386,6 +389,16 @@ static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr,
     return 0;
 }
 
+/* A tombstone (kvt_tier_discard): one sector written over a discarded record's first sector,
+ * its prefix kept but marked discarded, so that a restart steps over the record (and over no
+ * other). The tier owns the request: io->priv[2] says so, buf is the sector. */
+#define NVME_TOMB 0x746f6d62u
+
+static int is_tomb(const kvt_tier_io_t *io)
+{
+    return io->priv[2] == NVME_TOMB;
+}
+
 /*
  * Whether io, a write, must wait for the first record of the open segment to land: the recovery
  * scan reads a segment from that record on (its stamp names the segment's current use), and a
@@ -394,7 +407,7 @@ static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr,
  */
 static int write_waits(const nvme_t *n, const kvt_tier_io_t *io)
 {
-    if (io->op != KVT_IO_WRITE || n->cur == UINT32_MAX || !n->segs[n->cur].opening)
+    if (io->op != KVT_IO_WRITE || is_tomb(io) || n->cur == UINT32_MAX || !n->segs[n->cur].opening)
         return 0;
     uint32_t rec = rec_bytes(hdr_region(io->key.ntokens), io->len);
     return n->segs[n->cur].head + (uint64_t)rec <= n->seg_bytes;
@@ -431,7 +444,7 @@ static int nvme_start_write(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     r->first = off == 0;
     s->opening |= r->first;
     memset(r->hdr, 0, hdr);
-    prefix_encode(r->hdr, rec, hdr, s->stamp);
+    prefix_encode(r->hdr, rec, hdr, s->stamp, 0);
     kvt__blockhdr_encode(r->hdr + PREFIX_BYTES, &io->key, io->buf, io->len, ++n->seq);
     io->loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR);
     s->inflight++;
@@ -468,8 +481,33 @@ static int nvme_start_read(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     return 0;
 }
 
+static void tomb_free(nvme_t *n, kvt_tier_io_t *io)
+{
+    n->tombs--;
+    free(io->buf);
+    free(io);
+}
+
+/* The segment's inflight count was taken when the tombstone was made (nvme_discard). */
+static int nvme_start_tomb(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
+{
+    r->io = io;
+    r->seg = loc_seg(io->loc);
+    r->first = 0;
+    r->off = loc_off(n, io->loc);
+    r->niov = 1;
+    r->iov_at = 0;
+    r->iov[0] = (struct iovec){io->buf, SECTOR};
+    r->done = 0;
+    r->total = SECTOR;
+    r->payload_direct = 1;
+    return req_submit(n, r);
+}
+
 static int nvme_start(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
 {
+    if (is_tomb(io))
+        return nvme_start_tomb(n, r, io);
     return io->op == KVT_IO_WRITE ? nvme_start_write(n, r, io) : nvme_start_read(n, r, io);
 }
 
@@ -562,7 +600,7 @@ static int read_finish(nvme_t *n, nvme_req_t *r)
     const nvme_seg_t *s = &n->segs[r->seg];
     if (loc_gen(io->loc) != s->gen) {
         st = KVT_ENOENT;
-    } else if (prefix_decode(r->hdr, &rec, &h, &stamp) < 0 || h != hdr || stamp != s->stamp ||
+    } else if (prefix_decode(r->hdr, &rec, &h, &stamp) != 0 || h != hdr || stamp != s->stamp ||
                kvt__blockhdr_verify(r->hdr + PREFIX_BYTES, hdr - PREFIX_BYTES, io->buf, io->len,
                                     &io->key, &len) < 0 ||
                len != io->len) {
@@ -579,6 +617,19 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
     nvme_seg_t *s = &n->segs[r->seg];
     kvt_assert(s->inflight > 0);
     s->inflight--;
+    if (is_tomb(io)) {
+        if (status < 0) {
+            static kvt_log_limit_t lim;
+            kvt_log_limited(&lim, KVT_LOG_WARN,
+                            "nvme tier: marking a discarded block failed (%s): a restart may "
+                            "bring it back",
+                            kvt_strerror(status));
+        }
+        seg_maybe_free(n, r->seg);
+        req_put(n, r);
+        tomb_free(n, io);
+        return;
+    }
     if (io->op == KVT_IO_WRITE) {
         if (status == 0) {
             if (seg_note_loc(s, io->loc) < 0)
@@ -608,7 +659,9 @@ static void nvme_drain_wait(nvme_t *n)
         kvt_tier_io_t *io = wait_pop(n);
         nvme_req_t *r = req_get(n);
         int rc = nvme_start(n, r, io);
-        if (rc < 0) {
+        if (rc < 0 && is_tomb(io)) {
+            req_done(n, r, rc);
+        } else if (rc < 0) {
             req_put(n, r);
             kvt__tier_complete(n->tier, io, rc);
         }
@@ -692,6 +745,43 @@ static void nvme_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     seg_maybe_free(n, seg);
 }
 
+/* Frees loc and marks its record discarded on disk (a tombstone, written in the background), so
+ * that a restart does not bring the block back. Without memory for the tombstone the block is
+ * only freed, and logged. */
+static void nvme_discard(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    nvme_t *n = t->impl;
+    uint32_t seg = loc_seg(loc);
+    kvt_assert(seg < n->nsegs && loc_gen(loc) == n->segs[seg].gen);
+    nvme_seg_t *s = &n->segs[seg];
+    kvt_tier_io_t *io = calloc(1, sizeof(*io));
+    void *buf = NULL;
+    if (!io || posix_memalign(&buf, SECTOR, SECTOR) != 0) {
+        free(io);
+        static kvt_log_limit_t lim;
+        kvt_log_limited(&lim, KVT_LOG_WARN,
+                        "nvme tier: no memory to mark a discarded block: a restart may bring it "
+                        "back");
+        nvme_free(t, loc, len);
+        return;
+    }
+    memset(buf, 0, SECTOR);
+    prefix_encode(buf, rec_bytes(loc_hdr(loc), len), loc_hdr(loc), s->stamp, PREFIX_DISCARDED);
+    io->op = KVT_IO_WRITE;
+    io->buf = buf;
+    io->len = SECTOR;
+    io->loc = loc;
+    io->priv[2] = NVME_TOMB;
+    n->tombs++;
+    s->inflight++; /* before the free: the segment is not reused under the tombstone */
+    nvme_req_t *r = n->wait[0].head || n->wait[1].head ? NULL : req_get(n);
+    if (!r)
+        wait_push(n, io);
+    else if (nvme_start_tomb(n, r, io) < 0)
+        req_done(n, r, KVT_EIO);
+    nvme_free(t, loc, len);
+}
+
 static int nvme_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
 {
     (void)key;
@@ -752,8 +842,36 @@ static void nvme_dealloc(nvme_t *n)
 static void nvme_destroy(kvt_tier_t *t)
 {
     nvme_t *n = t->impl;
-    /* Requests still waiting for a slot never started: nobody is called back for them. */
-    n->wait[0] = n->wait[1] = (nvme_fifo_t){0};
+    /* Requests still waiting for a slot never started: nobody is called back for them. The
+     * tier's own tombstones are written first (up to 5 s), so that a stop right after a
+     * discard does not bring the block back. */
+    nvme_fifo_t keep = {0};
+    for (kvt_tier_io_t *io = n->wait[0].head, *nx; io; io = nx) {
+        nx = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
+        if (!is_tomb(io))
+            continue;
+        io->priv[1] = 0;
+        if (keep.tail)
+            keep.tail->priv[1] = (uint64_t)(uintptr_t)io;
+        else
+            keep.head = io;
+        keep.tail = io;
+    }
+    n->wait[0] = keep;
+    n->wait[1] = (nvme_fifo_t){0};
+    uint64_t end = kvt_now_ns() + 5000000000ull;
+    while (n->tombs > 0 && kvt_now_ns() < end) {
+        nvme_drain_wait(n);
+        struct __kernel_timespec ts = {.tv_nsec = 10000000};
+        struct io_uring_cqe *cqe;
+        (void)io_uring_wait_cqe_timeout(&n->ring, &cqe, &ts);
+        nvme_poll(t);
+    }
+    for (kvt_tier_io_t *io = n->wait[0].head, *nx; io; io = nx) {
+        nx = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
+        tomb_free(n, io); /* never started */
+    }
+    n->wait[0] = (nvme_fifo_t){0};
     nvme_dealloc(n);
 }
 
@@ -763,6 +881,7 @@ const kvt_tier_ops_t kvt__nvme_ops = {
     .write = nvme_submit,
     .read = nvme_submit,
     .free = nvme_free,
+    .discard = nvme_discard,
     .valid = nvme_valid,
     .pin = nvme_pin,
     .fd = nvme_fd,
@@ -1016,11 +1135,11 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
     }
     kvt_log(KVT_LOG_INFO,
             "nvme tier: %s, %u segments of %u bytes, queue depth %u, %s%s; recovered %llu blocks "
-            "(%llu torn, %llu stale, %llu gaps)",
+            "(%llu torn, %llu stale, %llu gaps, %llu discarded)",
             n->path, n->nsegs, n->seg_bytes, qd, n->direct ? "O_DIRECT" : "buffered",
             conf->sparse ? ", sparse" : "", (unsigned long long)n->rec.recovered,
             (unsigned long long)n->rec.torn, (unsigned long long)n->rec.stale,
-            (unsigned long long)n->rec.gaps);
+            (unsigned long long)n->rec.gaps, (unsigned long long)n->rec.discarded);
     *out = t;
     return 0;
 fail:
@@ -1083,7 +1202,7 @@ static int64_t next_record(nvme_t *n, const nvme_seg_t *s, uint64_t base, uint32
     for (uint32_t p = from; p + SECTOR <= n->seg_bytes; p += SECTOR) {
         uint32_t rec, hdr;
         uint64_t stamp;
-        if (prefix_decode(buf + (p - from), &rec, &hdr, &stamp) == 0 && stamp == s->stamp &&
+        if (prefix_decode(buf + (p - from), &rec, &hdr, &stamp) >= 0 && stamp == s->stamp &&
             rec <= n->seg_bytes - p)
             return p;
     }
@@ -1103,8 +1222,8 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
             return rc;
         uint32_t rec, hdr;
         uint64_t stamp;
-        if (prefix_decode(buf, &rec, &hdr, &stamp) < 0 || rec > n->seg_bytes - off ||
-            (off > 0 && stamp != s->stamp)) {
+        int dead = prefix_decode(buf, &rec, &hdr, &stamp);
+        if (dead < 0 || rec > n->seg_bytes - off || (off > 0 && stamp != s->stamp)) {
             if (off == 0)
                 break; /* no record of a current use: nothing to look for */
             /* The end of the records, or a record that never landed with later ones that did
@@ -1119,6 +1238,13 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
         }
         if (off == 0)
             s->stamp = stamp;
+        if (dead) { /* a discarded block: stepped over, its bytes not even read */
+            n->rec.discarded++;
+            off += rec;
+            s->head = off;
+            s->state = SEG_FULL;
+            continue;
+        }
         if (rec > first &&
             (rc = pread_all(n->fd, buf + first, rec - first, base + off + first)) < 0)
             return rc;

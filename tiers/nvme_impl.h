@@ -64,6 +64,7 @@ typedef struct nvme {
     uint32_t qd;
     nvme_req_t *reqs, *free_reqs;
     nvme_fifo_t wait[2]; /* waiting for a slot: [1] urgent reads, [0] the rest */
+    uint32_t tombs;      /* tombstones (nvme_discard) waiting or in flight */
     uint32_t seg_bytes, nsegs;
     nvme_seg_t *segs;
     uint32_t cur;       /* the open segment, or UINT32_MAX */

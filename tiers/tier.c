@@ -398,7 +398,7 @@ int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io)
     return rc;
 }
 
-void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
+static void tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len, int discard)
 {
     if (!t)
         return;
@@ -409,7 +409,20 @@ void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     kvt_assert(t->usage.used_bytes >= e->charge);
     t->usage.used_bytes -= e->charge;
     tier_index_del(t, e);
-    t->ops->free(t, loc, elen);
+    if (discard && t->ops->discard)
+        t->ops->discard(t, loc, elen);
+    else
+        t->ops->free(t, loc, elen);
+}
+
+void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    tier_free(t, loc, len, 0);
+}
+
+void kvt_tier_discard(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    tier_free(t, loc, len, 1);
 }
 
 int kvt__tier_adopt(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key, uint32_t len)

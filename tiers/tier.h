@@ -113,6 +113,10 @@ int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io);
 /* Frees a location written earlier; freeing an unknown or already freed location is a no-op.
  * A read of it already in flight still completes (with the data or a miss). */
 void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len);
+/* kvt_tier_free for a block that must not come back: the NVMe tier also marks its record on disk
+ * (one sector, written in the background) so that a restart's recovery steps over it; a plain
+ * free leaves the record to be recovered. For blocks a client removed. */
+void kvt_tier_discard(kvt_tier_t *t, uint64_t loc, uint32_t len);
 /* 1 when loc holds the block named key->hash (and key->ns_seed), 0 when not. */
 int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
 /* Keeps (delta > 0) or stops keeping (delta < 0) the bytes at loc from being dropped by the tier
@@ -238,6 +242,7 @@ typedef struct kvt_tier_nvme_recovery {
     uint64_t torn;      /* records whose checksum failed during the scan, skipped */
     uint64_t stale;     /* older copies of a block written again later, skipped */
     uint64_t gaps;      /* stretches with no record and intact records after them (a crash) */
+    uint64_t discarded; /* records of blocks discarded (kvt_tier_discard), stepped over */
     uint64_t inserted;  /* blocks given back to the radix tree by kvt_tier_nvme_recover */
     uint64_t orphans;   /* blocks whose namespace or ancestors were not found: freed */
 } kvt_tier_nvme_recovery_t;

@@ -39,6 +39,9 @@ typedef struct kvt_tier_ops {
     int (*read)(kvt_tier_t *t, kvt_tier_io_t *io);
     /* Forget an indexed location (tier.c has already unindexed and uncharged it). */
     void (*free)(kvt_tier_t *t, uint64_t loc, uint32_t len);
+    /* kvt_tier_discard: free, and make sure a restart does not bring the block back (NVMe). May
+     * be NULL: free is enough. */
+    void (*discard)(kvt_tier_t *t, uint64_t loc, uint32_t len);
     /* Extra validity check after the index said yes (a stale NVMe generation). May be NULL. */
     int (*valid)(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
     void *(*ptr)(kvt_tier_t *t, uint64_t loc); /* may be NULL */
