@@ -28,6 +28,24 @@ static uint32_t len_of(int i)
     return 40000 + 7919u * (uint32_t)i;
 }
 
+/* Checks blocks 0 .. n-1 written by write_blocks: those whose bit is set in gone are not there,
+ * the others read back byte-exact. */
+static void check_blocks(kvt_tier_t *t, int n, uint32_t (*tok)[16], const uint64_t *locs,
+                         uint32_t gone)
+{
+    uint8_t *buf = tu_aligned(len_of(n));
+    for (int i = 0; i < n; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
+        int lost = (gone >> i) & 1;
+        cr_assert_eq(kvt_tier_valid(t, locs[i], &k), !lost, "block %d", i);
+        if (lost)
+            continue;
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, len_of(i)), 0, "block %d", i);
+        cr_assert(tu_same(buf, len_of(i), (uint64_t)i), "block %d", i);
+    }
+    free(buf);
+}
+
 /* The SIGKILL test's blocks: TOTAL of them, each buffer BLOCK_MAX bytes (4 KiB-aligned) for the
  * longest, len_of(TOTAL - 1). */
 enum { TOTAL = 48, BLOCK_MAX = 412u << 10 };
@@ -242,6 +260,24 @@ static uint64_t rec_size(uint32_t len)
     return 4096 + ((uint64_t)len + 4095) / 4096 * 4096;
 }
 
+/* Writes blocks 0 .. n-1 (block i: len_of(i) bytes of seed i under tu_key(i)) one after another;
+ * their locations in locs, and, when offs is not NULL, their records' offsets from the start of
+ * a fresh tier's first segment in offs[0 .. n] (offs[n]: where the next would go). */
+static void write_blocks(kvt_tier_t *t, int n, uint32_t (*tok)[16], uint64_t *locs, uint64_t *offs)
+{
+    uint8_t *buf = tu_aligned(len_of(n));
+    if (offs)
+        offs[0] = 0;
+    for (int i = 0; i < n; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
+        tu_fill(buf, len_of(i), (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len_of(i), &locs[i]), 0);
+        if (offs)
+            offs[i + 1] = offs[i] + rec_size(len_of(i));
+    }
+    free(buf);
+}
+
 Test(tier_nvme_recover, a_torn_last_write_is_skipped)
 {
     char dir[4096];
@@ -369,13 +405,7 @@ Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)
     uint32_t tok[N][16];
     uint64_t locs[N], offs[N + 1];
     uint8_t *buf = tu_aligned(len_of(N));
-    offs[0] = 0;
-    for (int i = 0; i < N; i++) {
-        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
-        tu_fill(buf, len_of(i), (uint64_t)i);
-        cr_assert_eq(tu_write(t, &k, buf, len_of(i), &locs[i]), 0);
-        offs[i + 1] = offs[i] + rec_size(len_of(i));
-    }
+    write_blocks(t, N, tok, locs, offs);
     cr_assert_lt(offs[N], 2u << 20, "all in segment 0");
     kvt_tier_destroy(t);
     /* Record 2 never written at all; records 4 and 5 neither, back to back. */
@@ -387,15 +417,7 @@ Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)
     cr_assert_eq(r.recovered, N - 3);
     cr_assert_eq(r.gaps, 2);
     cr_assert_eq(r.torn + r.stale, 0);
-    for (int i = 0; i < N; i++) {
-        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
-        int lost = i == 2 || i == 4 || i == 5;
-        cr_assert_eq(kvt_tier_valid(t, locs[i], &k), !lost, "block %d", i);
-        if (lost)
-            continue;
-        cr_assert_eq(tu_read(t, &k, locs[i], buf, len_of(i)), 0, "block %d", i);
-        cr_assert(tu_same(buf, len_of(i), (uint64_t)i), "block %d", i);
-    }
+    check_blocks(t, N, tok, locs, 1u << 2 | 1u << 4 | 1u << 5);
     kvt_tier_destroy(t);
 
     /* An intact record of another use of a segment (another stamp: here, another directory's) in
@@ -443,12 +465,7 @@ Test(tier_nvme_recover, discarded_blocks_stay_gone_after_a_restart)
     enum { N = 5 };
     uint32_t tok[N][16];
     uint64_t locs[N];
-    uint8_t *buf = tu_aligned(len_of(N));
-    for (int i = 0; i < N; i++) {
-        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
-        tu_fill(buf, len_of(i), (uint64_t)i);
-        cr_assert_eq(tu_write(t, &k, buf, len_of(i), &locs[i]), 0);
-    }
+    write_blocks(t, N, tok, locs, NULL);
     kvt_tier_discard(t, locs[0], len_of(0));
     kvt_tier_discard(t, locs[2], len_of(2));
     kvt_tier_free(t, locs[3], len_of(3));
@@ -463,16 +480,7 @@ Test(tier_nvme_recover, discarded_blocks_stay_gone_after_a_restart)
     cr_assert_eq(r.discarded, 2);
     cr_assert_eq(r.recovered, N - 2, "blocks 1, 3 and 4");
     cr_assert_eq(r.torn + r.gaps, 0);
-    for (int i = 0; i < N; i++) {
-        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
-        int gone = i == 0 || i == 2;
-        cr_assert_eq(kvt_tier_valid(t, locs[i], &k), !gone, "block %d", i);
-        if (gone)
-            continue;
-        cr_assert_eq(tu_read(t, &k, locs[i], buf, len_of(i)), 0, "block %d", i);
-        cr_assert(tu_same(buf, len_of(i), (uint64_t)i), "block %d", i);
-    }
-    free(buf);
+    check_blocks(t, N, tok, locs, 1u << 0 | 1u << 2);
     kvt_tier_destroy(t);
     tu_rmrf(dir);
 }
