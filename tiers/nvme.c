@@ -481,8 +481,16 @@ static int nvme_start_read(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     return 0;
 }
 
-static void tomb_free(nvme_t *n, kvt_tier_io_t *io)
+/* A tombstone is over (written, failed, or never started: status says which failed). */
+static void tomb_end(nvme_t *n, kvt_tier_io_t *io, int status)
 {
+    if (status < 0) {
+        static kvt_log_limit_t lim;
+        kvt_log_limited(&lim, KVT_LOG_WARN,
+                        "nvme tier: marking a discarded block failed (%s): a restart may bring "
+                        "it back",
+                        kvt_strerror(status));
+    }
     n->tombs--;
     free(io->buf);
     free(io);
@@ -618,16 +626,9 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
     kvt_assert(s->inflight > 0);
     s->inflight--;
     if (is_tomb(io)) {
-        if (status < 0) {
-            static kvt_log_limit_t lim;
-            kvt_log_limited(&lim, KVT_LOG_WARN,
-                            "nvme tier: marking a discarded block failed (%s): a restart may "
-                            "bring it back",
-                            kvt_strerror(status));
-        }
         seg_maybe_free(n, r->seg);
         req_put(n, r);
-        tomb_free(n, io);
+        tomb_end(n, io, status);
         return;
     }
     if (io->op == KVT_IO_WRITE) {
@@ -774,11 +775,11 @@ static void nvme_discard(kvt_tier_t *t, uint64_t loc, uint32_t len)
     io->priv[2] = NVME_TOMB;
     n->tombs++;
     s->inflight++; /* before the free: the segment is not reused under the tombstone */
-    nvme_req_t *r = n->wait[0].head || n->wait[1].head ? NULL : req_get(n);
-    if (!r)
-        wait_push(n, io);
-    else if (nvme_start_tomb(n, r, io) < 0)
-        req_done(n, r, KVT_EIO);
+    int rc = nvme_submit(t, io);
+    if (rc < 0) {
+        s->inflight--;
+        tomb_end(n, io, rc);
+    }
     nvme_free(t, loc, len);
 }
 
@@ -845,20 +846,13 @@ static void nvme_destroy(kvt_tier_t *t)
     /* Requests still waiting for a slot never started: nobody is called back for them. The
      * tier's own tombstones are written first (up to 5 s), so that a stop right after a
      * discard does not bring the block back. */
-    nvme_fifo_t keep = {0};
-    for (kvt_tier_io_t *io = n->wait[0].head, *nx; io; io = nx) {
+    kvt_tier_io_t *io = n->wait[0].head;
+    n->wait[0] = n->wait[1] = (nvme_fifo_t){0};
+    for (kvt_tier_io_t *nx; io; io = nx) {
         nx = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
-        if (!is_tomb(io))
-            continue;
-        io->priv[1] = 0;
-        if (keep.tail)
-            keep.tail->priv[1] = (uint64_t)(uintptr_t)io;
-        else
-            keep.head = io;
-        keep.tail = io;
+        if (is_tomb(io))
+            wait_push(n, io);
     }
-    n->wait[0] = keep;
-    n->wait[1] = (nvme_fifo_t){0};
     uint64_t end = kvt_now_ns() + 5000000000ull;
     while (n->tombs > 0 && kvt_now_ns() < end) {
         nvme_drain_wait(n);
@@ -867,11 +861,8 @@ static void nvme_destroy(kvt_tier_t *t)
         (void)io_uring_wait_cqe_timeout(&n->ring, &cqe, &ts);
         nvme_poll(t);
     }
-    for (kvt_tier_io_t *io = n->wait[0].head, *nx; io; io = nx) {
-        nx = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
-        tomb_free(n, io); /* never started */
-    }
-    n->wait[0] = (nvme_fifo_t){0};
+    while ((io = wait_pop(n)))
+        tomb_end(n, io, 0); /* never started: the 5 s ran out */
     nvme_dealloc(n);
 }
 
@@ -1209,6 +1200,53 @@ static int64_t next_record(nvme_t *n, const nvme_seg_t *s, uint64_t base, uint32
     return 0;
 }
 
+/* Reads the rest of the record at off in segment seg (its first `first` bytes are in buf, its
+ * prefix intact) and appends its block to n->recovered, or counts it torn. Returns 0 or an
+ * error. */
+static int scan_record(nvme_t *n, uint32_t seg, uint32_t off, uint32_t rec, uint32_t hdr,
+                       uint8_t *buf, uint32_t first)
+{
+    const nvme_seg_t *s = &n->segs[seg];
+    uint64_t base = (uint64_t)seg * n->seg_bytes;
+    int rc;
+    if (rec > first && (rc = pread_all(n->fd, buf + first, rec - first, base + off + first)) < 0)
+        return rc;
+    kvt__blockhdr_info_t in;
+    uint32_t len;
+    if (kvt__blockhdr_peek(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, &in) < 0 ||
+        rec_bytes(hdr, in.len) != rec || hdr_region(in.ntokens) != hdr ||
+        kvt__blockhdr_verify(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, buf + hdr, rec - hdr, NULL,
+                             &len) < 0) {
+        n->rec.torn++;
+        return 0;
+    }
+    nvme_recovered_t r = {
+        .loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR),
+        .ns_seed = in.ns_seed,
+        .hash = in.hash,
+        .parent = in.parent,
+        .seq = in.seq,
+        .len = in.len,
+        .ntokens = in.ntokens,
+    };
+    if (in.ntokens) {
+        r.tokens = malloc((size_t)4 * in.ntokens);
+        if (!r.tokens)
+            return KVT_ENOMEM;
+        const uint8_t *tp = buf + PREFIX_BYTES + KVT_BLOCKHDR_BYTES;
+        for (uint32_t i = 0; i < in.ntokens; i++)
+            r.tokens[i] = get32(tp + 4 * i);
+    }
+    if ((rc = rec_push(n, &r)) < 0) {
+        free(r.tokens);
+        return rc;
+    }
+    n->rec.scanned++;
+    if (in.seq > n->seq)
+        n->seq = in.seq;
+    return 0;
+}
+
 /* Scans one segment, appending its intact records to n->recovered. */
 static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
 {
@@ -1222,8 +1260,8 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
             return rc;
         uint32_t rec, hdr;
         uint64_t stamp;
-        int dead = prefix_decode(buf, &rec, &hdr, &stamp);
-        if (dead < 0 || rec > n->seg_bytes - off || (off > 0 && stamp != s->stamp)) {
+        int discarded = prefix_decode(buf, &rec, &hdr, &stamp);
+        if (discarded < 0 || rec > n->seg_bytes - off || (off > 0 && stamp != s->stamp)) {
             if (off == 0)
                 break; /* no record of a current use: nothing to look for */
             /* The end of the records, or a record that never landed with later ones that did
@@ -1238,49 +1276,10 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
         }
         if (off == 0)
             s->stamp = stamp;
-        if (dead) { /* a discarded block: stepped over, its bytes not even read */
-            n->rec.discarded++;
-            off += rec;
-            s->head = off;
-            s->state = SEG_FULL;
-            continue;
-        }
-        if (rec > first &&
-            (rc = pread_all(n->fd, buf + first, rec - first, base + off + first)) < 0)
+        if (discarded)
+            n->rec.discarded++; /* a discarded block: stepped over, its bytes not even read */
+        else if ((rc = scan_record(n, seg, off, rec, hdr, buf, first)) < 0)
             return rc;
-        kvt__blockhdr_info_t in;
-        uint32_t len;
-        if (kvt__blockhdr_peek(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, &in) < 0 ||
-            rec_bytes(hdr, in.len) != rec || hdr_region(in.ntokens) != hdr ||
-            kvt__blockhdr_verify(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, buf + hdr, rec - hdr, NULL,
-                                 &len) < 0) {
-            n->rec.torn++;
-        } else {
-            nvme_recovered_t r = {
-                .loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR),
-                .ns_seed = in.ns_seed,
-                .hash = in.hash,
-                .parent = in.parent,
-                .seq = in.seq,
-                .len = in.len,
-                .ntokens = in.ntokens,
-            };
-            if (in.ntokens) {
-                r.tokens = malloc((size_t)4 * in.ntokens);
-                if (!r.tokens)
-                    return KVT_ENOMEM;
-                const uint8_t *tp = buf + PREFIX_BYTES + KVT_BLOCKHDR_BYTES;
-                for (uint32_t i = 0; i < in.ntokens; i++)
-                    r.tokens[i] = get32(tp + 4 * i);
-            }
-            if ((rc = rec_push(n, &r)) < 0) {
-                free(r.tokens);
-                return rc;
-            }
-            n->rec.scanned++;
-            if (in.seq > n->seq)
-                n->seq = in.seq;
-        }
         off += rec;
         s->head = off;
         s->state = SEG_FULL;
