@@ -78,6 +78,18 @@ struct kvt__move {
 static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
                          int discard);
 
+/* Frees a tier location; discard: for good, the block must not come back at a restart either
+ * (kvt_tier_discard: a REMOVE's). */
+static void kvt_free_now(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, int discard)
+{
+    if (!s->tiers[tier])
+        return;
+    if (discard)
+        kvt_tier_discard(s->tiers[tier], loc, len);
+    else
+        kvt_tier_free(s->tiers[tier], loc, len);
+}
+
 /* ---- reads in flight, per block hash (open addressing, backward-shift deletion) ---- */
 
 #define kvt_busy_tab (s->busy)
@@ -153,10 +165,7 @@ static void kvt_busy_dec(kvt_srv_t *s, uint64_t h)
             k++;
             continue;
         }
-        if (s->tiers[d->tier] && d->discard)
-            kvt_tier_discard(s->tiers[d->tier], d->loc, d->len);
-        else if (s->tiers[d->tier])
-            kvt_tier_free(s->tiers[d->tier], d->loc, d->len);
+        kvt_free_now(s, d->tier, d->loc, d->len, d->discard);
         *d = s->dfree[--s->ndfree];
     }
     for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
@@ -172,18 +181,14 @@ static void kvt_busy_dec(kvt_srv_t *s, uint64_t h)
     }
 }
 
-/* Frees a tier location now, or once the reads of its block in flight are done; discard: the
- * block must not come back at a restart either (kvt_tier_discard: a REMOVE's). */
+/* Frees a tier location now, or once the reads of its block in flight are done (kvt_free_now). */
 static void kvt_free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
                          int discard)
 {
     if (!s->tiers[tier])
         return;
     if (kvt_busy_get(s, hash) == 0) {
-        if (discard)
-            kvt_tier_discard(s->tiers[tier], loc, len);
-        else
-            kvt_tier_free(s->tiers[tier], loc, len);
+        kvt_free_now(s, tier, loc, len, discard);
         return;
     }
     if (s->ndfree == s->cap_dfree) {
