@@ -468,14 +468,23 @@ Test(tier_nvme, flipped_bytes_read_as_a_counted_miss)
     tu_rmrf(dir);
 }
 
-Test(tier_nvme, a_full_file_system_gives_a_clear_error_and_changes_nothing)
+/* A tmpfs of `size` (mount's size= option) on a new directory dir, in this test's own mount
+ * namespace; sub: dir/data, for the tier (not yet made). */
+static void tiny_fs(char *dir, size_t dir_size, const char *name, const char *size, char *sub,
+                    size_t sub_size)
 {
     private_mounts();
-    char dir[4096];
-    tu_tmpdir(dir, sizeof(dir), "tinyfs");
-    cr_assert_eq(mount("tmpfs", dir, "tmpfs", 0, "size=4m"), 0, "mount: %s", strerror(errno));
-    char sub[4200];
-    snprintf(sub, sizeof(sub), "%s/data", dir);
+    tu_tmpdir(dir, dir_size, name);
+    char opt[64];
+    snprintf(opt, sizeof(opt), "size=%s", size);
+    cr_assert_eq(mount("tmpfs", dir, "tmpfs", 0, opt), 0, "mount: %s", strerror(errno));
+    snprintf(sub, sub_size, "%s/data", dir);
+}
+
+Test(tier_nvme, a_full_file_system_gives_a_clear_error_and_changes_nothing)
+{
+    char dir[4096], sub[4200];
+    tiny_fs(dir, sizeof(dir), "tinyfs", "4m", sub, sizeof(sub));
     /* Preallocation that cannot fit: refused, and nothing is left behind. */
     kvt_tier_t *t = NULL;
     kvt_tier_nvme_conf_t c = {.dir = sub, .capacity_bytes = 16u << 20, .segment_bytes = 1u << 20};
@@ -613,12 +622,8 @@ static void fill_fs(const char *dir, char *path, size_t size)
  * at the next restart. The tier opens another segment instead. */
 Test(tier_nvme, a_segment_whose_first_record_failed_takes_no_other)
 {
-    private_mounts();
-    char dir[4096];
-    tu_tmpdir(dir, sizeof(dir), "firstfail");
-    cr_assert_eq(mount("tmpfs", dir, "tmpfs", 0, "size=8m"), 0, "mount: %s", strerror(errno));
-    char sub[4200], filler[4300];
-    snprintf(sub, sizeof(sub), "%s/data", dir);
+    char dir[4096], sub[4200], filler[4300];
+    tiny_fs(dir, sizeof(dir), "firstfail", "8m", sub, sizeof(sub));
     kvt_tier_t *t = NULL;
     kvt_tier_nvme_conf_t c = {
         .dir = sub, .capacity_bytes = 4u << 20, .segment_bytes = 1u << 20, .sparse = 1};
