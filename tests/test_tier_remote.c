@@ -210,13 +210,20 @@ static kvt_tier_t *open_tier(const kvt_tier_remote_conf_t *conf)
     return t;
 }
 
+/* The test defaults for the shared redis-server (host must outlive the tier); skips the test
+ * when there is none. */
+static kvt_tier_remote_conf_t shared_conf(char *host, size_t cap, uint16_t *port)
+{
+    if (!shared_server(host, cap, port))
+        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
+    return base_conf(host, *port);
+}
+
 static kvt_tier_t *open_shared(uint64_t capacity)
 {
     static char host[64];
     uint16_t port;
-    if (!shared_server(host, sizeof(host), &port))
-        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
-    kvt_tier_remote_conf_t c = base_conf(host, port);
+    kvt_tier_remote_conf_t c = shared_conf(host, sizeof(host), &port);
     if (capacity)
         c.capacity_bytes = capacity;
     kvt_tier_t *t = open_tier(&c);
@@ -630,9 +637,7 @@ Test(tier_remote, urgent_reads_pass_queued_writes)
 {
     static char host[64];
     uint16_t port;
-    if (!shared_server(host, sizeof(host), &port))
-        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
-    kvt_tier_remote_conf_t conf = base_conf(host, port);
+    kvt_tier_remote_conf_t conf = shared_conf(host, sizeof(host), &port);
     conf.max_inflight = 4;
     kvt_tier_t *t = open_tier(&conf);
     cr_assert(wait_connected(t, 3000));
@@ -871,9 +876,7 @@ Test(tier_remote, selected_db_holds_the_blocks)
 {
     char host[64];
     uint16_t port;
-    if (!shared_server(host, sizeof(host), &port))
-        cr_skip_test("KVT_TEST_REDIS is not set");
-    kvt_tier_remote_conf_t conf = base_conf(host, port);
+    kvt_tier_remote_conf_t conf = shared_conf(host, sizeof(host), &port);
     conf.db = 3;
     conf.ttl_s = 600;
     kvt_tier_t *t = open_tier(&conf);
@@ -1159,9 +1162,7 @@ Test(tier_remote, keep_on_free_leaves_the_key)
 {
     char host[64];
     uint16_t port;
-    if (!shared_server(host, sizeof(host), &port))
-        cr_skip_test("KVT_TEST_REDIS is not set");
-    kvt_tier_remote_conf_t conf = base_conf(host, port);
+    kvt_tier_remote_conf_t conf = shared_conf(host, sizeof(host), &port);
     conf.keep_on_free = 1;
     kvt_tier_t *t = open_tier(&conf);
     cr_assert(wait_connected(t, 3000));
