@@ -23,6 +23,14 @@ static kvt_tier_t *open_tier(const char *dir)
     return t;
 }
 
+/* The tier on dir opened again, and what its recovery scan found in r. */
+static kvt_tier_t *reopen(const char *dir, kvt_tier_nvme_recovery_t *r)
+{
+    kvt_tier_t *t = open_tier(dir);
+    kvt_tier_nvme_recovery(t, r);
+    return t;
+}
+
 static uint32_t len_of(int i)
 {
     return 40000 + 7919u * (uint32_t)i;
@@ -69,9 +77,8 @@ Test(tier_nvme_recover, reopening_finds_the_blocks_again)
     kvt_tier_usage(t, &before);
     kvt_tier_destroy(t);
 
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.scanned, N);
     cr_assert_eq(r.recovered, N);
     cr_assert_eq(r.torn + r.stale + r.gaps, 0);
@@ -91,8 +98,7 @@ Test(tier_nvme_recover, reopening_finds_the_blocks_again)
     uint64_t loc = 0;
     cr_assert_eq(tu_write(t, &k, buf, 5000, &loc), 0);
     kvt_tier_destroy(t);
-    t = open_tier(dir);
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.recovered, N + 1);
     cr_assert_eq(tu_read(t, &k, loc, buf, 5000), 0);
     cr_assert(tu_same(buf, 5000, 1000));
@@ -210,9 +216,8 @@ Test(tier_nvme_recover, blocks_written_before_sigkill_are_found_again)
         n++;
     close(p[0]);
 
-    kvt_tier_t *t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    kvt_tier_nvme_recovery(t, &r);
+    kvt_tier_t *t = reopen(dir, &r);
     cr_assert_geq(r.recovered, (uint64_t)n, "recovered %llu, %d were complete",
                   (unsigned long long)r.recovered, n);
     uint8_t *buf = tu_aligned(BLOCK_MAX);
@@ -297,9 +302,8 @@ Test(tier_nvme_recover, a_torn_last_write_is_skipped)
     kvt_tier_destroy(t);
     /* The last record lost its final sectors: header intact, payload short. */
     overwrite(dir, off - 8192, 8192);
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.recovered, N - 1);
     cr_assert_eq(r.torn, 1);
     kvt_block_key_t k = tu_key(N - 1, tok[N - 1], 16);
@@ -313,8 +317,7 @@ Test(tier_nvme_recover, a_torn_last_write_is_skipped)
     kvt_tier_destroy(t);
     /* The last record's first sector gone too: the scan ends before it, nothing torn counted. */
     overwrite(dir, last_off, 4096);
-    t = open_tier(dir);
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.recovered, N - 1);
     cr_assert_eq(r.torn, 0);
     cr_assert_eq(r.gaps, 0, "the end of the records is no gap");
@@ -385,9 +388,8 @@ Test(tier_nvme_recover, a_segment_takes_no_record_before_its_first_has_landed)
     free(bufs);
     kvt_tier_destroy(t);
 
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.recovered, N + 2);
     cr_assert_eq(r.torn + r.gaps, 0);
     kvt_tier_destroy(t);
@@ -411,9 +413,8 @@ Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)
     /* Record 2 never written at all; records 4 and 5 neither, back to back. */
     overwrite(dir, offs[2], offs[3] - offs[2]);
     overwrite(dir, offs[4], offs[6] - offs[4]);
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.recovered, N - 3);
     cr_assert_eq(r.gaps, 2);
     cr_assert_eq(r.torn + r.stale, 0);
@@ -439,8 +440,7 @@ Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)
     close(fd);
     overwrite_with(dir, offs[4], orec, olen);
     free(orec);
-    t = open_tier(dir);
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.recovered, N - 3);
     cr_assert_eq(r.gaps, 2);
     cr_assert_eq(r.torn, 0);
@@ -474,9 +474,8 @@ Test(tier_nvme_recover, discarded_blocks_stay_gone_after_a_restart)
     cr_assert_eq(u.blocks, N - 3);
     kvt_tier_destroy(t);
 
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.discarded, 2);
     cr_assert_eq(r.recovered, N - 2, "blocks 1, 3 and 4");
     cr_assert_eq(r.torn + r.gaps, 0);
@@ -499,9 +498,8 @@ Test(tier_nvme_recover, the_newest_copy_of_a_block_wins)
     tu_fill(buf, sizeof(buf), 2);
     cr_assert_eq(tu_write(t, &k, buf, sizeof(buf), &new_loc), 0);
     kvt_tier_destroy(t);
-    t = open_tier(dir);
     kvt_tier_nvme_recovery_t r;
-    kvt_tier_nvme_recovery(t, &r);
+    t = reopen(dir, &r);
     cr_assert_eq(r.scanned, 2);
     cr_assert_eq(r.recovered, 1);
     cr_assert_eq(r.stale, 1);
