@@ -479,7 +479,7 @@ static int bench_nvme(const opts_t *o, size_t bs)
     kvt_tier_destroy(dram);
     free(bufs);
     char path[4200];
-    const char *files[] = {"kvtier.data", "kvtier.meta", "fio.data"};
+    const char *files[] = {"kvtier.data", "kvtier.meta", "kvtier.lock", "fio.data"};
     for (size_t i = 0; i < KVT_ARRAY_LEN(files); i++) {
         snprintf(path, sizeof(path), "%s/%s", dir, files[i]);
         unlink(path);
