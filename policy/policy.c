@@ -15,8 +15,10 @@
  * has a min-heap of (node, key) with the key of that boundary block, where a lower key means a
  * better victim. Keys go stale; a popped entry is checked against the live key and pushed back
  * when it has grown. A key that shrinks (the oracle's next use after a hit, a "finished" hint)
- * is pushed anew at once. The heaps are rebuilt from a scan of every node when they run dry,
- * when the cost model has been refreshed, or when the tree lost blocks behind the engine's back.
+ * is pushed anew at once. Leased nodes are left out (a popped one is not pushed back). The
+ * heaps are rebuilt from a scan of every node when they run dry with something changed since
+ * the last scan (a push, a lease ended), when the cost model has been refreshed, or when the
+ * tree lost blocks behind the engine's back.
  * Nodes the engine empties are remembered (with a sequence number) until the next rebuild, so
  * that stale entries naming them are skipped even if the allocator reuses the address.
  *
@@ -125,6 +127,7 @@ struct kvt_policy {
     dead_t dead;
     uint64_t seq;          /* bumped on every push and every death */
     uint64_t rebuild_seq;  /* seq at the last rebuild */
+    uint64_t releases;     /* the tree's lease releases at the last rebuild */
     uint64_t foreign_seen; /* foreign frees at the last rebuild */
     uint64_t foreign;      /* blocks freed by someone else than the engine */
     int in_drop;
@@ -591,6 +594,7 @@ static void rebuild(kvt_policy_t *p)
         p->dead.len = 0;
     }
     p->rebuild_seq = ++p->seq;
+    p->releases = kvt_radix_lease_releases(p->t);
     p->foreign_seen = p->foreign;
     p->stale = p->dead_lost = 0;
     p->inserts_since_rebuild = 0;
@@ -871,7 +875,10 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
             rebuilt = 1;
         }
         if (h->len == 0) {
-            if (rebuilt || p->rebuild_seq == p->seq)
+            /* Empty: walk the tree again when it may hold victims the heap lacks, nodes pushed
+             * or leases ended since the last walk (leased nodes are left out of the heap). */
+            if (rebuilt ||
+                (p->rebuild_seq == p->seq && p->releases == kvt_radix_lease_releases(p->t)))
                 return 0;
             rebuild(p);
             rebuilt = 1;
@@ -1264,6 +1271,13 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
     push_tier(p, n, (uint8_t)tier); /* leased now, it is skipped until the next rebuild */
     after_insert(p);
     return (int)npages;
+}
+
+int kvt_policy_make_room(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size, uint32_t nblocks)
+{
+    if (!p || !tier_ok(tier) || !p->cap[tier] || nblocks == 0)
+        return KVT_EINVAL;
+    return make_room(p, tier, (uint64_t)nblocks * charge(p, tier, size), 0);
 }
 
 void kvt_policy_on_node_free(kvt_policy_t *p, kvt_radix_node_t *n)

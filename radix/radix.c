@@ -106,6 +106,7 @@ struct kvt_radix {
 
     kvt_lease_t *leases;
     uint32_t lease_cap, lease_free, nleases;
+    uint64_t releases; /* leases ended, ever */
 
     uint64_t epoch; /* bumped by every change of shape: insert, split, remove, evict */
     uint64_t rng;   /* xorshift64 state of kvt_radix_trim's sampling */
@@ -1723,6 +1724,7 @@ static void lease_drop(kvt_radix_t *t, uint32_t slot)
     l->next_free = t->lease_free;
     t->lease_free = slot;
     t->nleases--;
+    t->releases++;
 }
 
 int kvt_radix_release(kvt_radix_t *t, uint64_t lease)
@@ -1753,6 +1755,11 @@ size_t kvt_radix_release_owner(kvt_radix_t *t, uint64_t owner)
 size_t kvt_radix_lease_count(const kvt_radix_t *t)
 {
     return t ? t->nleases : 0;
+}
+
+uint64_t kvt_radix_lease_releases(const kvt_radix_t *t)
+{
+    return t ? t->releases : 0;
 }
 
 /* ---- node accessors and paths --------------------------------------------------------------- */

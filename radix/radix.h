@@ -266,6 +266,9 @@ int kvt_radix_release(kvt_radix_t *t, uint64_t lease);
 /* Releases every lease of owner; returns how many. Walks every lease slot of the tree. */
 size_t kvt_radix_release_owner(kvt_radix_t *t, uint64_t owner);
 size_t kvt_radix_lease_count(const kvt_radix_t *t);
+/* Leases ended so far (released, or dropped with their owner): a count that only grows, for
+ * callers that skipped leased nodes and want to know whether to look at them again. */
+uint64_t kvt_radix_lease_releases(const kvt_radix_t *t);
 /* At most the bytes the next kvt_radix_lease adds to the tree's count: 0 while a lease slot is
  * free, else the growth of the lease table. */
 uint64_t kvt_radix_lease_need(const kvt_radix_t *t);

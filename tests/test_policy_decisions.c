@@ -707,6 +707,112 @@ Test(policy_decisions, moves_in_flight_count_as_room_on_its_way)
     stop();
 }
 
+/* Inserts tok index-only and gives its pages bytes of the executor's own, as kvtierd's PUT does
+ * before it hands them to the engine with kvt_policy_adopt. */
+static kvt_radix_node_t *stored_by_executor(const uint32_t *tok)
+{
+    kvt_insert_t ins;
+    cr_assert_eq(kvt_radix_insert(tree, ns, tok, 16, &ins), 0);
+    cr_assert_eq(ins.new_pages, 4);
+    kvt_block_t *bl = kvt_radix_node_blocks(ins.node);
+    for (int i = 0; i < 4; i++) {
+        bl[i].size = PAGE;
+        bl[i].loc = 1 + (uint64_t)i;
+    }
+    return ins.node;
+}
+
+static uint64_t lease_path(const uint32_t *tok)
+{
+    kvt_match_t m;
+    uint64_t id;
+    cr_assert_eq(kvt_radix_match(tree, ns, tok, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(kvt_radix_lease(tree, &m, 7, &id), 0);
+    return id;
+}
+
+/* Blocks the executor stored by itself in a full tier: kvt_policy_adopt refuses them, and
+ * kvt_policy_make_room frees what they need from the lowest tier by dropping its least recently
+ * used blocks, never a leased path's, says so when nothing more may go, and finds a path again
+ * once its lease ends. */
+Test(policy_decisions, make_room_drops_for_blocks_to_adopt)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 8, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *n = seq(16, 3000), *o = seq(16, 4000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);        /* DRAM full: 8 pages of 8 */
+    uint64_t la = lease_path(a); /* the least recent, but leased: b must go instead */
+    kvt_radix_node_t *nn = stored_by_executor(n);
+    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), KVT_ENOSPC);
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), 0);
+    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), 4);
+    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    check();
+    all_in(n, 4, KVT_TIER_DRAM);
+    all_in(a, 4, KVT_TIER_DRAM);
+    cr_assert_eq(tier_of(b, 0), -1, "b made the room");
+    /* Both paths leased: nothing may go, and nothing does. */
+    uint64_t ln = lease_path(n);
+    kvt_radix_node_t *on = stored_by_executor(o);
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), KVT_ENOSPC);
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 9), KVT_ENOSPC, "over capacity");
+    all_in(a, 4, KVT_TIER_DRAM);
+    all_in(n, 4, KVT_TIER_DRAM);
+    cr_assert_eq(kvt_policy_make_room(NULL, KVT_TIER_DRAM, PAGE, 4), KVT_EINVAL);
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_NVME, PAGE, 4), KVT_EINVAL, "not configured");
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 0), KVT_EINVAL);
+    /* n's lease ends with nothing else changing: the search that passed n, leased, finds it. */
+    cr_assert_eq(kvt_radix_release(tree, ln), 0);
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), 0);
+    cr_assert_eq(kvt_policy_adopt(pol, on, 0, 4, KVT_TIER_DRAM, 4, NULL), 4);
+    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    cr_assert_eq(tier_of(n, 0), -1, "n, released, made the room");
+    cr_assert_eq(kvt_radix_release(tree, la), 0);
+    free(a);
+    free(b);
+    free(n);
+    free(o);
+    stop();
+}
+
+/* Above the lowest tier the room is made by moves down; while they are in flight it is only on
+ * its way (KVT_EAGAIN, and the blocks are still refused); once they land the blocks fit. */
+Test(policy_decisions, make_room_above_the_lowest_tier_waits_for_its_moves)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 8, 100);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *n = seq(16, 3000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);
+    kvt_radix_node_t *nn = stored_by_executor(n);
+    ex.pending = 1;
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), KVT_EAGAIN);
+    cr_assert_eq(ex.pending_pages, 4, "a's 4 pages on their way down");
+    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), KVT_ENOSPC);
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), KVT_EAGAIN);
+    cr_assert_eq(ex.pending_pages, 4, "asking again moves nothing more");
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    kvt_block_t *bl = kvt_radix_node_blocks(m.node);
+    for (int i = 0; i < 4; i++)
+        bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
+    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_DRAM, KVT_TIER_NVME, 0), 0);
+    ex.used[KVT_TIER_DRAM] -= 4 * PAGE;
+    ex.used[KVT_TIER_NVME] += 4 * PAGE;
+    ex.pending = 0;
+    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), 0);
+    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), 4);
+    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    all_in(n, 4, KVT_TIER_DRAM);
+    all_in(a, 4, KVT_TIER_NVME);
+    all_in(b, 4, KVT_TIER_DRAM);
+    free(a);
+    free(b);
+    free(n);
+    stop();
+}
+
 /* A page of a pending move that a tier lost meanwhile (kvtierd: a GET found it gone, and it went
  * index-only through kvt_policy_on_free) ends the move as failed, whatever status the copies had:
  * the move's reservation and lease are given back instead of being held forever. */

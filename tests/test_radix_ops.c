@@ -553,12 +553,16 @@ Test(radix_ops, leases_survive_splits_and_release_by_owner)
     cr_assert_eq(kvt_radix_match(tree, ns, c, 8 * PS, 0, &m), 0);
     cr_assert_eq(kvt_radix_lease(tree, &m, 1, &l3), 0);
     cr_expect_eq(kvt_radix_lease_count(tree), 3);
+    cr_expect_eq(kvt_radix_lease_releases(tree), 0);
     cr_expect_eq(kvt_radix_release_owner(tree, 1), 2);
     cr_expect_eq(kvt_radix_release(tree, l1), KVT_ENOENT);
     cr_expect_eq(kvt_radix_release(tree, l3), KVT_ENOENT);
+    cr_expect_eq(kvt_radix_lease_releases(tree), 2, "ends by owner count, failed releases do not");
     cr_expect(kvt_radix_node_leased(leased));
     cr_expect_eq(kvt_radix_release_owner(tree, 1), 0);
     cr_expect_eq(kvt_radix_release(tree, l2), 0);
+    cr_expect_eq(kvt_radix_lease_releases(tree), 3);
+    cr_expect_eq(kvt_radix_lease_releases(NULL), 0);
     cr_expect(!kvt_radix_node_leased(leased));
     cr_expect_eq(kvt_radix_evictable_count(tree), 3);
     kvt_match_t empty = {0};
