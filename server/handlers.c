@@ -522,7 +522,7 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
                     e->loc = 0;
                     e->size = ns->block_bytes;
                 }
-                kvt__policy_adopt(s, res.node, i, j, KVT_TIER_REMOTE, res.pages, NULL);
+                kvt__policy_adopt(s, res.node, i, j, KVT_TIER_REMOTE, res.pages, NULL, 0);
                 i = j;
             }
         } else {
@@ -955,6 +955,7 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
         kvt_stat(&b, "nvme_recovery_gaps",
                  (uint64_t)kvt__metric_get(s->metrics, KVT_M_NVME_RECOVERY_GAPS, 0));
     }
+    kvt_stat(&b, "put_room_pages", (uint64_t)kvt__metric_get(s->metrics, KVT_M_PUT_ROOM, 0));
     uint64_t perr = 0;
     for (unsigned k = 0; k < KVT_PERR_COUNT; k++)
         perr += (uint64_t)kvt__metric_get(s->metrics, KVT_M_PROTOCOL_ERRORS, k);

@@ -448,7 +448,8 @@ void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints
 }
 
 uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
-                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h)
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h,
+                           int room)
 {
     uint32_t adopted = 0;
     while (from < to) {
@@ -456,6 +457,15 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
         kvt_radix_node_t *x = kvt_radix_node_holding(node, from);
         uint32_t end = KVT_MIN(to, kvt_radix_node_depth(x) + kvt_radix_node_pages(x));
         int rc = kvt_policy_adopt(s->policy, x, from, end - from, tier, prompt_pages, h);
+        /* Full in the policy's accounting (its own moves in flight count there, as they should):
+         * the new pages displace the tier's least valuable ones, as on_insert's do, where that
+         * can be done now (a drop, from the lowest tier). Without it a run of pages larger than
+         * the watermarks' headroom would be refused by a full cache every time. */
+        uint32_t size = kvt_radix_block_at(x, from)->size;
+        if (rc == KVT_ENOSPC && room &&
+            kvt_policy_make_room(s->policy, tier, size, end - from) == 0 &&
+            (rc = kvt_policy_adopt(s->policy, x, from, end - from, tier, prompt_pages, h)) > 0)
+            kvt__metric_add(s->metrics, KVT_M_PUT_ROOM, 0, rc);
         if (rc > 0) {
             adopted += (uint32_t)rc;
         } else {
@@ -583,7 +593,7 @@ static void kvt_adopt_recovered(kvt_srv_t *s)
                 for (uint32_t q = j; q < k; q++)
                     b[q].tier = KVT_TIER_NONE;
                 uint32_t got =
-                    kvt__policy_adopt(s, node, d0 + j, d0 + k, (kvt_tier_id_t)t, 0, NULL);
+                    kvt__policy_adopt(s, node, d0 + j, d0 + k, (kvt_tier_id_t)t, 0, NULL, 0);
                 refused += (k - j) - got;
                 b = kvt_radix_node_blocks(node);
             }
@@ -1032,7 +1042,7 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
         kvt_tier_id_t t = (kvt_tier_id_t)l[i].tier;
         uint32_t got = kvt__policy_adopt(
             s, r->node, r->first + i, r->first + j, t, r->pages,
-            r->hint.priority || r->hint.finished || r->hint.paused_ms ? &r->hint : NULL);
+            r->hint.priority || r->hint.finished || r->hint.paused_ms ? &r->hint : NULL, 1);
         r->stored += got;
         r->skipped += (j - i) - got;
         if (t == KVT_TIER_NVME)

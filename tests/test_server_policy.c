@@ -94,7 +94,8 @@ static void fill_pages(uint8_t *buf, uint32_t n, uint32_t seed)
         kvd_fill(buf + (size_t)p * BIG, BIG, seed + p);
 }
 
-static void put_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed)
+/* PUTs the prompt's pages with fill_pages(seed) bytes; returns the pages the reply says stored. */
+static uint32_t put_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed)
 {
     uint8_t *payload = malloc((size_t)pages * BIG);
     fill_pages(payload, pages, seed);
@@ -102,6 +103,7 @@ static void put_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uin
     int rc = kvt_client_put(c, tok, pages * PAGE, 0, pages, payload, NULL, &r);
     cr_assert_eq(rc, 0, "put: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
     free(payload);
+    return r.stored;
 }
 
 /* The value of one metric line (name with labels, exactly as exposed), or -1 when absent. */
@@ -361,6 +363,39 @@ Test(server_policy, nvme_reclaim_turns_lost_pages_index_only)
             cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
     }
     cr_expect_gt(checked, 0, "some pages were still stored to read back");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A cache that is full takes new pages by dropping its least valuable ones, as the policy's own
+ * inserts do: with NVMe the only tier and filled to its watermark, every later PUT stores all its
+ * pages (the oldest prompts go) and reads back byte-exact. Before, a PUT there kept only the
+ * pages that fit in the watermark's headroom and answered the rest skipped.
+ */
+Test(server_policy, a_put_into_a_full_cache_displaces_the_oldest_pages)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--dram-bytes", "0", "--nvme-bytes", "8M",
+              "--nvme-segment-bytes", "1M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    enum { N = 12, P = 16 }; /* 192 pages of 64 KiB into a tier of about 115 */
+    static uint32_t tok[N][P * PAGE];
+    for (int k = 0; k < N; k++) {
+        usleep(60000); /* a tick apart (tick-ms 50), so that the index clock orders them */
+        kvd_tokens(tok[k], P * PAGE, 3000000u * (k + 1));
+        uint32_t stored = put_prompt(c, tok[k], P, 500 * (k + 1));
+        cr_expect_eq(stored, P, "prompt %d: %u of %u pages stored", k, stored, P);
+        cr_assert_leq(kvd_stat(c, "nvme_used_bytes"), kvd_stat(c, "nvme_capacity_bytes"));
+    }
+    cr_expect_gt(kvd_stat(c, "put_room_pages"), 0, "room was made for PUT pages");
+    cr_expect_gt(metric(&d, "kvtier_put_room_pages_total"), 0);
+    uint8_t from[P];
+    get_prompt(c, tok[N - 1], P, 500 * N, from);
+    uint8_t tiers[P];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c, tok[0], P * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "the oldest prompt made room (%u pages left)", m.pages);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
