@@ -119,6 +119,7 @@ struct kvt_policy {
     uint64_t cap[KVT_TIER_COUNT], high[KVT_TIER_COUNT], low[KVT_TIER_COUNT];
     uint64_t used[KVT_TIER_COUNT];        /* resident bytes + reservations for pending moves */
     uint64_t pending_out[KVT_TIER_COUNT]; /* bytes leaving the tier when pending moves finish */
+    uint64_t held[KVT_TIER_COUNT];        /* bytes the executor holds for its own writes */
     kvt_tier_id_t lower[KVT_TIER_COUNT];  /* next configured tier down; NONE at the bottom */
     kvt_tier_id_t top;                    /* the admission tier */
     kvt_policy_stats_t st;
@@ -1273,11 +1274,31 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
     return (int)npages;
 }
 
-int kvt_policy_make_room(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size, uint32_t nblocks)
+int kvt_policy_hold(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size, int room)
 {
-    if (!p || !tier_ok(tier) || !p->cap[tier] || nblocks == 0)
+    if (!p || !tier_ok(tier) || !p->cap[tier] || size == 0)
         return KVT_EINVAL;
-    return make_room(p, tier, (uint64_t)nblocks * charge(p, tier, size), 0);
+    uint64_t need = charge(p, tier, size);
+    if (need > p->cap[tier] - KVT_MIN(p->used[tier], p->cap[tier])) {
+        if (!room)
+            return KVT_ENOSPC;
+        int rc = make_room(p, tier, need, 0);
+        if (rc < 0)
+            return rc;
+    }
+    p->used[tier] += need;
+    p->held[tier] += need;
+    return 0;
+}
+
+void kvt_policy_unhold(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size)
+{
+    if (!p || !tier_ok(tier) || !p->cap[tier] || size == 0)
+        return;
+    uint64_t c = charge(p, tier, size);
+    kvt_assert(p->held[tier] >= c && p->used[tier] >= c);
+    p->held[tier] -= c;
+    p->used[tier] -= c;
 }
 
 void kvt_policy_on_node_free(kvt_policy_t *p, kvt_radix_node_t *n)
@@ -1554,7 +1575,7 @@ int kvt_policy_verify(const kvt_policy_t *p)
     }
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
         /* Pending moves hold reservations no block's tier shows yet: compare when idle. */
-        if (p->st.pending_moves == 0 && p->used[t] != used[t]) {
+        if (p->st.pending_moves == 0 && p->used[t] != used[t] + p->held[t]) {
             kvt_log(KVT_LOG_ERROR, "policy verify: %s holds %llu bytes, engine counts %llu",
                     kvt_tier_name((kvt_tier_id_t)t), (unsigned long long)used[t],
                     (unsigned long long)p->used[t]);

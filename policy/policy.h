@@ -262,16 +262,19 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
 int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                      kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *hint);
 /*
- * Makes room in tier for nblocks blocks of size bytes, as on_insert does for its new blocks: the
+ * Room for a block the executor writes into tier by itself before adopting it (kvtierd's PUT):
+ * the charge of size bytes is held in the tier's accounting until kvt_policy_unhold gives it
+ * back, so that the tier's used bytes and its watermarks count writes in flight. Without room
+ * in the tier: KVT_ENOSPC, or with make_room, room is made as for the policy's own inserts (the
  * tier's lowest-value blocks are moved down, or dropped where the tier is the lowest configured
- * (or the cost rule says so), never leased or busy ones. For an executor whose blocks
- * kvt_policy_adopt refused with KVT_ENOSPC: their bytes already sit in the tier, and a new block
- * should displace the cache's least valuable one rather than be refused while the tier is full.
- * Returns 0 when they fit now; KVT_EAGAIN when the room is on its way (moves out of the tier in
- * flight, ones started here included, will free it when they land); KVT_ENOSPC when nothing left
- * there may go, or the blocks would not fit even in the empty tier; KVT_EINVAL.
+ * or the cost rule says so; never a leased or busy path's). Returns 0 (held); KVT_EAGAIN (the
+ * room is on its way: moves out of the tier in flight will free it when they land); KVT_ENOSPC
+ * (nothing there may go, or the block would not fit even in the empty tier); KVT_EINVAL.
  */
-int kvt_policy_make_room(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size, uint32_t nblocks);
+int kvt_policy_hold(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size, int make_room);
+/* Gives back what kvt_policy_hold held for a block of size bytes in tier: before adopting the
+ * block (kvt_policy_adopt then finds the room), or when its write failed. */
+void kvt_policy_unhold(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size);
 
 /*
  * Bounds the index's memory: evicts index-only pages (tier KVT_TIER_NONE, no bytes anywhere,

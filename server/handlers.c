@@ -522,7 +522,7 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
                     e->loc = 0;
                     e->size = ns->block_bytes;
                 }
-                kvt__policy_adopt(s, res.node, i, j, KVT_TIER_REMOTE, res.pages, NULL, 0);
+                kvt__policy_adopt(s, res.node, i, j, KVT_TIER_REMOTE, res.pages, NULL);
                 i = j;
             }
         } else {

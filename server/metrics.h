@@ -124,7 +124,7 @@ typedef enum {
     X(PREFETCH_WAITS, COUNTER, "kvtier_prefetch_waits_total",                                      \
       "PREFETCH requests that waited for room on its way or for others' moves.", NONE)             \
     X(PUT_ROOM, COUNTER, "kvtier_put_room_pages_total",                                            \
-      "PUT pages stored after the policy made room for them in a tier that was full.", NONE)       \
+      "PUT pages written after the policy made room for them (no tier had any).", NONE)            \
     X(CLIENT_BYTES, GAUGE, "kvtier_client_buffer_bytes",                                           \
       "Memory held for clients beyond their base input buffers (max-client-bytes).", NONE)         \
     X(CLIENT_MEMORY_WAITS, COUNTER, "kvtier_client_memory_waits_total",                            \

@@ -358,14 +358,11 @@ void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy
 /* A MATCH's use of its path, for the policy's reuse counters and promotions. */
 void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
 /* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
- * node, index-only until now, with loc and size set; tier as given. With room (only for a path
- * the caller has leased: the policy's drops must not reach it), a tier full in the policy's
- * accounting first makes room for them by moving or dropping its lowest-value blocks. Pages the
- * policy still refuses (no room, order) are freed in the tier and left index-only. Returns the
+ * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
+ * (no room in its accounting, order) are freed in the tier and left index-only. Returns the
  * pages adopted. */
 uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
-                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h,
-                           int room);
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h);
 
 /* http.c */
 int kvt__http_listen(kvt_srv_t *s, const char *addr);

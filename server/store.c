@@ -448,8 +448,7 @@ void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints
 }
 
 uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
-                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h,
-                           int room)
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h)
 {
     uint32_t adopted = 0;
     while (from < to) {
@@ -457,15 +456,6 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
         kvt_radix_node_t *x = kvt_radix_node_holding(node, from);
         uint32_t end = KVT_MIN(to, kvt_radix_node_depth(x) + kvt_radix_node_pages(x));
         int rc = kvt_policy_adopt(s->policy, x, from, end - from, tier, prompt_pages, h);
-        /* Full in the policy's accounting (its own moves in flight count there, as they should):
-         * the new pages displace the tier's least valuable ones, as on_insert's do, where that
-         * can be done now (a drop, from the lowest tier). Without it a run of pages larger than
-         * the watermarks' headroom would be refused by a full cache every time. */
-        uint32_t size = kvt_radix_block_at(x, from)->size;
-        if (rc == KVT_ENOSPC && room &&
-            kvt_policy_make_room(s->policy, tier, size, end - from) == 0 &&
-            (rc = kvt_policy_adopt(s->policy, x, from, end - from, tier, prompt_pages, h)) > 0)
-            kvt__metric_add(s->metrics, KVT_M_PUT_ROOM, 0, rc);
         if (rc > 0) {
             adopted += (uint32_t)rc;
         } else {
@@ -593,7 +583,7 @@ static void kvt_adopt_recovered(kvt_srv_t *s)
                 for (uint32_t q = j; q < k; q++)
                     b[q].tier = KVT_TIER_NONE;
                 uint32_t got =
-                    kvt__policy_adopt(s, node, d0 + j, d0 + k, (kvt_tier_id_t)t, 0, NULL, 0);
+                    kvt__policy_adopt(s, node, d0 + j, d0 + k, (kvt_tier_id_t)t, 0, NULL);
                 refused += (k - j) - got;
                 b = kvt_radix_node_blocks(node);
             }
@@ -1007,6 +997,7 @@ typedef struct kvt__landed {
     uint32_t len;
     uint8_t tier;    /* KVT_TIER_NONE: not written */
     uint8_t started; /* a write was submitted: the block is BUSY */
+    uint8_t held;    /* the tier whose policy accounting holds room for the write, or NONE */
 } kvt__landed_t;
 
 /*
@@ -1022,6 +1013,9 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
         return;
     uint32_t n = r->end - r->first;
     for (uint32_t i = 0; i < n; i++) {
+        if (l[i].held != KVT_TIER_NONE) /* the room the policy held is the adoption's to take */
+            kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, r->block_bytes);
+        l[i].held = KVT_TIER_NONE;
         if (!l[i].started)
             continue;
         kvt_block_t *b = kvt_radix_block_at(r->node, r->first + i);
@@ -1042,7 +1036,7 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
         kvt_tier_id_t t = (kvt_tier_id_t)l[i].tier;
         uint32_t got = kvt__policy_adopt(
             s, r->node, r->first + i, r->first + j, t, r->pages,
-            r->hint.priority || r->hint.finished || r->hint.paused_ms ? &r->hint : NULL, 1);
+            r->hint.priority || r->hint.finished || r->hint.paused_ms ? &r->hint : NULL);
         r->stored += got;
         r->skipped += (j - i) - got;
         if (t == KVT_TIER_NVME)
@@ -1074,18 +1068,36 @@ static int kvt_put_passes_on(int rc)
     return rc == KVT_ENOSPC || rc == KVT_EAGAIN || rc == KVT_EUNAVAIL;
 }
 
-/* Writes a PUT's page into the first tier of kvt_order[from ..] that takes it; x->tier says which.
- * Returns 0, or the refusal of the last one asked (x->tier then as it was). */
+/*
+ * Writes a PUT's page into the first tier of kvt_order[from ..] that takes it, holding room for
+ * it in that tier's policy accounting until the PUT is adopted, so that the tier's watermarks see
+ * the writes in flight (x->tier and the page's held say which). A first pass takes only room
+ * there is; when no tier has any, a second makes room as the policy's own inserts do (the lowest
+ * tier's least valuable pages go), so that a full cache takes new pages instead of refusing every
+ * run larger than its watermarks' headroom. Returns 0, or the refusal of the last one asked
+ * (x->tier then as it was).
+ */
 static int kvt_put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
 {
+    kvt__req_t *r = x->req;
+    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->first);
     uint8_t was = x->tier;
     int rc = KVT_ENOSPC;
-    for (size_t i = from; i < KVT_ARRAY_LEN(kvt_order) && kvt_put_passes_on(rc); i++) {
-        kvt_tier_t *t = s->tiers[kvt_order[i]];
-        if (!t)
-            continue;
-        x->tier = (uint8_t)kvt_order[i];
-        rc = kvt_tier_write(t, &x->io);
+    for (int room = 0; room < 2 && kvt_put_passes_on(rc); room++) {
+        rc = KVT_ENOSPC;
+        for (size_t i = from; i < KVT_ARRAY_LEN(kvt_order) && kvt_put_passes_on(rc); i++) {
+            kvt_tier_id_t id = kvt_order[i];
+            if (!s->tiers[id] || (rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
+                continue;
+            x->tier = (uint8_t)id;
+            if ((rc = kvt_tier_write(s->tiers[id], &x->io)) < 0) {
+                kvt_policy_unhold(s->policy, id, x->io.len);
+                continue;
+            }
+            l->held = (uint8_t)id;
+            if (room)
+                kvt__metric_add(s->metrics, KVT_M_PUT_ROOM, 0, 1);
+        }
     }
     if (rc < 0)
         x->tier = was;
@@ -1104,6 +1116,8 @@ static void kvt_put_done(kvt_tier_io_t *io)
         uint8_t failed = x->tier;
         uint64_t now = kvt_now_ns();
         size_t i = 0;
+        kvt_policy_unhold(s->policy, (kvt_tier_id_t)failed, x->io.len);
+        l->held = KVT_TIER_NONE;
         while (i < KVT_ARRAY_LEN(kvt_order) && kvt_order[i] != failed)
             i++;
         if (kvt_put_write(s, x, i + 1) == 0) {

@@ -707,18 +707,12 @@ Test(policy_decisions, moves_in_flight_count_as_room_on_its_way)
     stop();
 }
 
-/* Inserts tok index-only and gives its pages bytes of the executor's own, as kvtierd's PUT does
- * before it hands them to the engine with kvt_policy_adopt. */
+/* Inserts tok index-only, as kvtierd's PUT does before it writes the pages' bytes itself. */
 static kvt_radix_node_t *stored_by_executor(const uint32_t *tok)
 {
     kvt_insert_t ins;
     cr_assert_eq(kvt_radix_insert(tree, ns, tok, 16, &ins), 0);
     cr_assert_eq(ins.new_pages, 4);
-    kvt_block_t *bl = kvt_radix_node_blocks(ins.node);
-    for (int i = 0; i < 4; i++) {
-        bl[i].size = PAGE;
-        bl[i].loc = 1 + (uint64_t)i;
-    }
     return ins.node;
 }
 
@@ -731,11 +725,36 @@ static uint64_t lease_path(const uint32_t *tok)
     return id;
 }
 
-/* Blocks the executor stored by itself in a full tier: kvt_policy_adopt refuses them, and
- * kvt_policy_make_room frees what they need from the lowest tier by dropping its least recently
- * used blocks, never a leased path's, says so when nothing more may go, and finds a path again
- * once its lease ends. */
-Test(policy_decisions, make_room_drops_for_blocks_to_adopt)
+/* Holds room in tier for k pages the executor writes (counted as the executor's from then on),
+ * with or without making room; the first refusal's error, or 0 when all are held. */
+static int hold(kvt_tier_id_t tier, int k, int room)
+{
+    for (int i = 0; i < k; i++) {
+        int rc = kvt_policy_hold(pol, tier, PAGE, room);
+        if (rc < 0)
+            return rc;
+        ex.used[tier] += PAGE;
+    }
+    return 0;
+}
+
+/* The executor's 4 written pages of n join the engine: their holds given back, then adopted. */
+static void unhold_and_adopt(kvt_radix_node_t *n, kvt_tier_id_t tier)
+{
+    kvt_block_t *bl = kvt_radix_node_blocks(n);
+    for (int i = 0; i < 4; i++) {
+        bl[i].size = PAGE;
+        bl[i].loc = 1 + (uint64_t)i;
+        kvt_policy_unhold(pol, tier, PAGE);
+    }
+    cr_assert_eq(kvt_policy_adopt(pol, n, 0, 4, tier, 4, NULL), 4);
+}
+
+/* Room for blocks the executor writes by itself into a full tier: kvt_policy_hold refuses it, or
+ * with make_room frees it from the lowest tier by dropping the least recently used blocks, never
+ * a leased path's; says so when nothing may go; finds a path again once its lease ends. Held
+ * room counts as used (verify agrees) until given back for the adoption. */
+Test(policy_decisions, hold_makes_room_in_the_lowest_tier)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 8, 0);
     start(&c);
@@ -744,30 +763,32 @@ Test(policy_decisions, make_room_drops_for_blocks_to_adopt)
     request(b, 16, NULL);        /* DRAM full: 8 pages of 8 */
     uint64_t la = lease_path(a); /* the least recent, but leased: b must go instead */
     kvt_radix_node_t *nn = stored_by_executor(n);
-    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), KVT_ENOSPC);
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), 0);
-    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), 4);
-    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    cr_assert_eq(hold(KVT_TIER_DRAM, 1, 0), KVT_ENOSPC);
+    cr_assert_eq(hold(KVT_TIER_DRAM, 4, 1), 0);
+    check();
+    cr_assert_eq(tier_of(b, 0), -1, "b made the room");
+    unhold_and_adopt(nn, KVT_TIER_DRAM);
     check();
     all_in(n, 4, KVT_TIER_DRAM);
     all_in(a, 4, KVT_TIER_DRAM);
-    cr_assert_eq(tier_of(b, 0), -1, "b made the room");
     /* Both paths leased: nothing may go, and nothing does. */
     uint64_t ln = lease_path(n);
     kvt_radix_node_t *on = stored_by_executor(o);
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), KVT_ENOSPC);
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 9), KVT_ENOSPC, "over capacity");
+    cr_assert_eq(hold(KVT_TIER_DRAM, 1, 1), KVT_ENOSPC);
+    cr_assert_eq(kvt_policy_hold(pol, KVT_TIER_DRAM, 9 * PAGE, 1), KVT_ENOSPC, "over capacity");
     all_in(a, 4, KVT_TIER_DRAM);
     all_in(n, 4, KVT_TIER_DRAM);
-    cr_assert_eq(kvt_policy_make_room(NULL, KVT_TIER_DRAM, PAGE, 4), KVT_EINVAL);
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_NVME, PAGE, 4), KVT_EINVAL, "not configured");
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 0), KVT_EINVAL);
+    cr_assert_eq(kvt_policy_hold(NULL, KVT_TIER_DRAM, PAGE, 1), KVT_EINVAL);
+    cr_assert_eq(kvt_policy_hold(pol, KVT_TIER_NVME, PAGE, 1), KVT_EINVAL, "not configured");
+    cr_assert_eq(kvt_policy_hold(pol, KVT_TIER_DRAM, 0, 1), KVT_EINVAL);
+    kvt_policy_unhold(NULL, KVT_TIER_DRAM, PAGE); /* harmless */
+    check();
     /* n's lease ends with nothing else changing: the search that passed n, leased, finds it. */
     cr_assert_eq(kvt_radix_release(tree, ln), 0);
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), 0);
-    cr_assert_eq(kvt_policy_adopt(pol, on, 0, 4, KVT_TIER_DRAM, 4, NULL), 4);
-    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    cr_assert_eq(hold(KVT_TIER_DRAM, 4, 1), 0);
+    unhold_and_adopt(on, KVT_TIER_DRAM);
     cr_assert_eq(tier_of(n, 0), -1, "n, released, made the room");
+    all_in(o, 4, KVT_TIER_DRAM);
     cr_assert_eq(kvt_radix_release(tree, la), 0);
     free(a);
     free(b);
@@ -776,40 +797,62 @@ Test(policy_decisions, make_room_drops_for_blocks_to_adopt)
     stop();
 }
 
-/* Above the lowest tier the room is made by moves down; while they are in flight it is only on
- * its way (KVT_EAGAIN, and the blocks are still refused); once they land the blocks fit. */
-Test(policy_decisions, make_room_above_the_lowest_tier_waits_for_its_moves)
+/* Above the lowest tier the room is made by moves down: while they are in flight it is only on
+ * its way (KVT_EAGAIN, and asking again starts no more), the tier below takes the write
+ * meanwhile, and once the move lands the tier has room again. */
+Test(policy_decisions, hold_above_the_lowest_tier_waits_for_its_moves)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 8, 100);
     start(&c);
-    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *n = seq(16, 3000);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
     request(a, 16, NULL);
     request(b, 16, NULL);
-    kvt_radix_node_t *nn = stored_by_executor(n);
     ex.pending = 1;
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), KVT_EAGAIN);
-    cr_assert_eq(ex.pending_pages, 4, "a's 4 pages on their way down");
-    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), KVT_ENOSPC);
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), KVT_EAGAIN);
-    cr_assert_eq(ex.pending_pages, 4, "asking again moves nothing more");
+    cr_assert_eq(hold(KVT_TIER_DRAM, 1, 1), KVT_EAGAIN);
+    cr_assert_eq(ex.pending_pages, 1, "one page of a on its way down");
+    cr_assert_eq(hold(KVT_TIER_DRAM, 1, 1), KVT_EAGAIN);
+    cr_assert_eq(ex.pending_pages, 1, "asking again moves nothing more");
+    cr_assert_eq(hold(KVT_TIER_NVME, 1, 0), 0);
     kvt_match_t m;
     cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
-    kvt_block_t *bl = kvt_radix_node_blocks(m.node);
-    for (int i = 0; i < 4; i++)
-        bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
-    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_DRAM, KVT_TIER_NVME, 0), 0);
-    ex.used[KVT_TIER_DRAM] -= 4 * PAGE;
-    ex.used[KVT_TIER_NVME] += 4 * PAGE;
+    kvt_radix_node_blocks(m.node)[3].flags &= (uint8_t)~KVT_BLOCK_BUSY;
+    cr_assert_eq(kvt_policy_move_done(pol, m.node, 3, 1, KVT_TIER_DRAM, KVT_TIER_NVME, 0), 0);
+    ex.used[KVT_TIER_DRAM] -= PAGE;
+    ex.used[KVT_TIER_NVME] += PAGE;
     ex.pending = 0;
-    cr_assert_eq(kvt_policy_make_room(pol, KVT_TIER_DRAM, PAGE, 4), 0);
-    cr_assert_eq(kvt_policy_adopt(pol, nn, 0, 4, KVT_TIER_DRAM, 4, NULL), 4);
-    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
-    all_in(n, 4, KVT_TIER_DRAM);
-    all_in(a, 4, KVT_TIER_NVME);
-    all_in(b, 4, KVT_TIER_DRAM);
+    cr_assert_eq(hold(KVT_TIER_DRAM, 1, 0), 0);
+    check();
+    kvt_policy_unhold(pol, KVT_TIER_DRAM, PAGE); /* both writes failed after all */
+    kvt_policy_unhold(pol, KVT_TIER_NVME, PAGE);
+    ex.used[KVT_TIER_DRAM] -= PAGE;
+    ex.used[KVT_TIER_NVME] -= PAGE;
+    check();
     free(a);
     free(b);
-    free(n);
+    stop();
+}
+
+/* Writes in flight count toward a tier's watermarks: held room past the high mark makes the
+ * maintenance step move blocks down to the low mark, as blocks already there would. */
+Test(policy_decisions, held_room_counts_toward_the_watermarks)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 10, 100);
+    c.tiers[KVT_TIER_DRAM].high = 0.8f; /* 8 pages */
+    c.tiers[KVT_TIER_DRAM].low = 0.6f;  /* 6 pages */
+    start(&c);
+    uint32_t *a = seq(16, 1000);
+    request(a, 16, NULL);
+    cr_assert_eq(hold(KVT_TIER_DRAM, 5, 0), 0); /* 9 pages of 10 */
+    cr_assert_geq(kvt_policy_step(pol, 0), 0);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 3 * PAGE, "down to 6 pages");
+    cr_assert_eq(st.used[KVT_TIER_DRAM], 6 * PAGE);
+    check();
+    for (int i = 0; i < 5; i++)
+        kvt_policy_unhold(pol, KVT_TIER_DRAM, PAGE);
+    ex.used[KVT_TIER_DRAM] -= 5 * PAGE;
+    free(a);
     stop();
 }
 

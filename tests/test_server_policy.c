@@ -369,14 +369,17 @@ Test(server_policy, nvme_reclaim_turns_lost_pages_index_only)
 
 /*
  * A cache that is full takes new pages by dropping its least valuable ones, as the policy's own
- * inserts do: with NVMe the only tier and filled to its watermark, every later PUT stores all its
- * pages (the oldest prompts go) and reads back byte-exact. Before, a PUT there kept only the
- * pages that fit in the watermark's headroom and answered the rest skipped.
+ * inserts do: with one tier, filled past its watermark, every later PUT stores all its pages (the
+ * oldest prompts go) and reads back byte-exact. Before, a PUT there kept only the pages that fit
+ * in the watermarks' headroom and answered the rest skipped.
  */
-Test(server_policy, a_put_into_a_full_cache_displaces_the_oldest_pages)
+static void put_past_capacity(const char *tier, const char *dram, const char *nvme)
 {
+    char used[32], cap[32];
+    snprintf(used, sizeof used, "%s_used_bytes", tier);
+    snprintf(cap, sizeof cap, "%s_capacity_bytes", tier);
     kvd_t d = {0};
-    kvd_start(&d, "--policy", "lru", "--dram-bytes", "0", "--nvme-bytes", "8M",
+    kvd_start(&d, "--policy", "lru", "--dram-bytes", dram, "--nvme-bytes", nvme,
               "--nvme-segment-bytes", "1M", NULL);
     kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
     enum { N = 12, P = 16 }; /* 192 pages of 64 KiB into a tier of about 115 */
@@ -386,7 +389,7 @@ Test(server_policy, a_put_into_a_full_cache_displaces_the_oldest_pages)
         kvd_tokens(tok[k], P * PAGE, 3000000u * (k + 1));
         uint32_t stored = put_prompt(c, tok[k], P, 500 * (k + 1));
         cr_expect_eq(stored, P, "prompt %d: %u of %u pages stored", k, stored, P);
-        cr_assert_leq(kvd_stat(c, "nvme_used_bytes"), kvd_stat(c, "nvme_capacity_bytes"));
+        cr_assert_leq(kvd_stat(c, used), kvd_stat(c, cap));
     }
     cr_expect_gt(kvd_stat(c, "put_room_pages"), 0, "room was made for PUT pages");
     cr_expect_gt(metric(&d, "kvtier_put_room_pages_total"), 0);
@@ -398,6 +401,16 @@ Test(server_policy, a_put_into_a_full_cache_displaces_the_oldest_pages)
     cr_expect_eq(m.pages, 0, "the oldest prompt made room (%u pages left)", m.pages);
     kvt_client_close(c);
     kvd_cleanup(&d);
+}
+
+Test(server_policy, a_put_into_a_full_nvme_tier_displaces_the_oldest_pages)
+{
+    put_past_capacity("nvme", "0", "8M");
+}
+
+Test(server_policy, a_put_into_a_full_dram_tier_displaces_the_oldest_pages)
+{
+    put_past_capacity("dram", "8M", "0");
 }
 
 /* A block whose NVMe record fails its checksum: the GET stops before it (the pages up to it are
