@@ -141,6 +141,72 @@ static void check(kvt_radix_t *t, kvt_policy_t *pol, exec_t *e)
     CHECK(kvt_radix_verify(t) == 0, "radix verify");
 }
 
+/*
+ * The new pages of ins written by the executor itself, as kvtierd's PUT does: the path pinned,
+ * each page's room held in the fastest tier that has it (made, on a second pass, as for an
+ * insert), maintenance running while the writes are in flight, then the holds given back and the
+ * pages adopted by runs of one tier (a run the node's order refuses is freed). Returns the pages
+ * adopted; *made counts the holds that needed room made.
+ */
+static uint32_t executor_writes(kvt_radix_t *t, kvt_policy_t *pol, exec_t *e, uint32_t ns,
+                                const kvt_insert_t *ins, uint32_t *made)
+{
+    if (ins->new_pages == 0)
+        return 0;
+    kvt_radix_node_t *n = ins->node;
+    kvt_match_t pin = {n, kvt_radix_node_pages(n),
+                       kvt_radix_node_depth(n) + kvt_radix_node_pages(n), ns};
+    uint64_t lease;
+    CHECK(kvt_radix_lease(t, &pin, 77, &lease) == 0, "pin");
+    uint8_t held[64] = {0};
+    uint32_t np = KVT_MIN(ins->new_pages, 64u);
+    for (uint32_t j = 0; j < np; j++)
+        for (int room = 0; room < 2 && held[j] == KVT_TIER_NONE; room++)
+            for (int k = KVT_TIER_HBM; k < KVT_TIER_COUNT && held[j] == KVT_TIER_NONE; k++) {
+                int rc = kvt_policy_hold(pol, (kvt_tier_id_t)k, PAGE, room);
+                CHECK(rc == 0 || rc == KVT_EINVAL || rc == KVT_ENOSPC || rc == KVT_EAGAIN,
+                      "hold: %d", rc);
+                if (rc == 0) {
+                    held[j] = (uint8_t)k;
+                    e->used[k] += PAGE;
+                    *made += (uint32_t)room;
+                }
+            }
+    check(t, pol, e);
+    if (rnd(2)) {
+        CHECK(kvt_policy_step(pol, 0) >= 0, "step with writes in flight");
+        check(t, pol, e);
+    }
+    uint32_t adopted = 0;
+    for (uint32_t j = 0; j < np; j++)
+        if (held[j] != KVT_TIER_NONE)
+            kvt_policy_unhold(pol, (kvt_tier_id_t)held[j], PAGE);
+    for (uint32_t j = 0; j < np;) {
+        uint32_t k = j + 1;
+        while (k < np && held[k] == held[j])
+            k++;
+        if (held[j] != KVT_TIER_NONE) {
+            uint32_t d = ins->first_page + j;
+            for (uint32_t q = j; q < k; q++)
+                kvt_radix_block_at(n, ins->first_page + q)->size = PAGE;
+            int rc = kvt_policy_adopt(pol, kvt_radix_node_holding(n, d), d, k - j,
+                                      (kvt_tier_id_t)held[j], ins->pages, NULL);
+            CHECK(rc == (int)(k - j) || rc == KVT_EAGAIN, "adopt: %d", rc);
+            if (rc > 0) {
+                adopted += (uint32_t)rc;
+            } else { /* the executor frees what it wrote */
+                for (uint32_t q = j; q < k; q++)
+                    kvt_radix_block_at(n, ins->first_page + q)->size = 0;
+                e->used[held[j]] -= (uint64_t)(k - j) * PAGE;
+            }
+        }
+        j = k;
+    }
+    CHECK(kvt_radix_release(t, lease) == 0, "unpin");
+    check(t, pol, e);
+    return adopted;
+}
+
 /* A tree of one namespace of PS-token pages whose frees go to e (and to e's policy). */
 static kvt_radix_t *new_tree(exec_t *e, int reports, uint32_t *ns)
 {
@@ -194,6 +260,7 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
     uint64_t leases[8] = {0};
     uint32_t nextu[64];
     uint64_t trimmed = 0, dropped = 0;
+    uint32_t self_adopted = 0, room_made = 0;
     for (int i = 0; i < 3000; i++) {
         kvt_radix_set_clock(t, (uint32_t)i * 10);
         uint32_t n;
@@ -240,7 +307,11 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
         int r = kvt_radix_insert_matched(t, &m, tok, n, &ins);
         CHECK(r == 0 || r == KVT_EEXIST, "insert: %d", r);
         CHECK(kvt_policy_verify(pol) == 0, "after insert %d", i);
-        if (rnd(4)) /* else an index-only PUT: the pages stay in no tier */
+        if (rnd(4) == 0)
+            ; /* an index-only PUT: the pages stay in no tier */
+        else if (rnd(3) == 0 && r == 0)
+            self_adopted += executor_writes(t, pol, &e, ns, &ins, &room_made);
+        else
             CHECK(kvt_policy_on_insert(pol, &ins, &h) >= 0, "on_insert");
         CHECK(kvt_policy_verify(pol) == 0, "after on_insert %d", i);
         check(t, pol, &e);
@@ -301,6 +372,8 @@ static void random_run(kvt_policy_kind_t kind, int pending, int reports)
     cr_assert_gt(trimmed, 0, "the test must exercise the index trim");
     cr_assert_eq(st.pages_dropped_for_index, dropped);
     cr_assert_gt(dropped, 0, "the test must drop pages with bytes for the index");
+    cr_assert_gt(self_adopted, 0, "the test must adopt pages the executor wrote");
+    cr_assert_gt(room_made, 0, "the test must make room for them");
     kvt_radix_destroy(t);
     for (int k = 0; k < KVT_TIER_COUNT; k++)
         cr_assert_eq(e.used[k], 0);
