@@ -797,6 +797,40 @@ Test(policy_decisions, hold_makes_room_in_the_lowest_tier)
     stop();
 }
 
+/* A tier whose every victim is leased runs its heap dry at every search for room, and an
+ * engine ends and takes leases all the time: the heap is walked again for the paths whose
+ * leases ended only once a 1/64 of the nodes in leases have ended, not at every search. */
+Test(policy_decisions, a_dry_heap_of_leased_victims_is_not_walked_at_every_release)
+{
+    enum { N = 1000 };
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 4 * N, 0);
+    start(&c);
+    static uint32_t *tok[N];
+    static uint64_t lease[N];
+    for (int i = 0; i < N; i++) {
+        tok[i] = seq(16, 1000 * (uint32_t)(i + 1));
+        request(tok[i], 16, NULL);
+        lease[i] = lease_path(tok[i]);
+    }
+    kvt_policy_stats_t before, after;
+    kvt_policy_stats(pol, &before);
+    for (int k = 0; k < 500; k++) { /* one request ends, another begins: all stay leased */
+        cr_assert_eq(kvt_radix_release(tree, lease[k % N]), 0);
+        lease[k % N] = lease_path(tok[k % N]);
+        cr_assert_eq(hold(KVT_TIER_DRAM, 1, 1), KVT_ENOSPC);
+    }
+    kvt_policy_stats(pol, &after);
+    uint64_t walks = after.rebuilds - before.rebuilds;
+    cr_assert_leq(walks, 500 / (N / 64) + 1, "%llu walks of the tree for 500 lease ends",
+                  (unsigned long long)walks);
+    cr_assert_geq(walks, 1, "the ended leases are looked at again");
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(kvt_radix_release(tree, lease[i]), 0);
+        free(tok[i]);
+    }
+    stop();
+}
+
 /* Above the lowest tier the room is made by moves down: while they are in flight it is only on
  * its way (KVT_EAGAIN, and asking again starts no more), the tier below takes the write
  * meanwhile, and once the move lands the tier has room again. */
