@@ -876,14 +876,15 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
             rebuilt = 1;
         }
         if (h->len == 0) {
-            /* Empty: walk the tree again when it may hold victims the heap lacks: nodes pushed
-             * since the last walk, or paths whose leases ended (leased nodes are left out of the
-             * heap). For the latter, once a 1/64 of the nodes in lease ends: a tier whose every
-             * victim is leased runs its heap dry at every step, and an engine ends leases all
-             * the time, so a walk per step would cost O(tree) each; this costs 64 node visits a
-             * release at most. */
-            uint64_t ended = kvt_radix_lease_releases(p->t) - p->releases;
-            if (rebuilt || (p->rebuild_seq == p->seq && (ended == 0 || ended < nodes / 64)))
+            /* Empty: walk the tree again when it may hold victims the heap lacks, once enough
+             * has happened since the last walk (pushes, deaths, ended leases: leased nodes are
+             * left out of the heap) to be worth a walk, a 1/64 of the nodes' count of events. A
+             * tier whose every victim is leased runs its heap dry at every search for room, and
+             * an engine ends leases and adds pages all the time: a walk at each would cost
+             * O(tree) per step; this costs 64 node visits an event at most. */
+            uint64_t events =
+                p->seq - p->rebuild_seq + kvt_radix_lease_releases(p->t) - p->releases;
+            if (rebuilt || events == 0 || events < nodes / 64)
                 return 0;
             rebuild(p);
             rebuilt = 1;
