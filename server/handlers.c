@@ -955,6 +955,10 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
         kvt_stat(&b, "nvme_recovery_gaps",
                  (uint64_t)kvt__metric_get(s->metrics, KVT_M_NVME_RECOVERY_GAPS, 0));
     }
+    static const char *const put[KVT_PUT_COUNT] = {"put_pages_stored", "put_pages_cached",
+                                                   "put_pages_no_room", "put_pages_failed"};
+    for (unsigned k = 0; k < KVT_PUT_COUNT; k++)
+        kvt_stat(&b, put[k], (uint64_t)kvt__metric_get(s->metrics, KVT_M_PUT_PAGES, k));
     kvt_stat(&b, "put_room_pages", (uint64_t)kvt__metric_get(s->metrics, KVT_M_PUT_ROOM, 0));
     uint64_t perr = 0;
     for (unsigned k = 0; k < KVT_PERR_COUNT; k++)

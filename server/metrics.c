@@ -34,6 +34,7 @@ static const char *const kvt_reason_names[KVT_MISS_COUNT] = {
 static const char *const kvt_recovery_names[KVT_RECOVERY_COUNT] = {
     "inserted", "torn", "stale", "orphan", "removed",
 };
+static const char *const kvt_put_names[KVT_PUT_COUNT] = {"stored", "cached", "no_room", "failed"};
 static const char *const kvt_perr_names[KVT_PERR_COUNT] = {
     "bad_magic", "bad_version", "too_big", "unknown_op",
     "bad_body",  "no_hello",    "auth",    "truncated",
@@ -170,6 +171,11 @@ static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf
         if (s >= KVT_RECOVERY_COUNT)
             return NULL;
         snprintf(buf, len, "outcome=\"%s\"", kvt_recovery_names[s]);
+        return buf;
+    case KVT_LBL_PUT:
+        if (s >= KVT_PUT_COUNT)
+            return NULL;
+        snprintf(buf, len, "outcome=\"%s\"", kvt_put_names[s]);
         return buf;
     }
     return NULL;

@@ -25,6 +25,7 @@ typedef enum {
     KVT_LBL_TIER_IO,  /* tier="...",dir="read|write" */
     KVT_LBL_ERR,      /* kind="..." protocol error kinds */
     KVT_LBL_RECOVERY, /* outcome="inserted|torn|stale|orphan|removed" */
+    KVT_LBL_PUT,      /* outcome="stored|cached|no_room|failed" */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -49,6 +50,15 @@ typedef enum {
     KVT_PERR_TRUNCATED, /* the peer closed in the middle of a frame */
     KVT_PERR_COUNT
 } kvt_proto_err_t;
+
+/* What became of a PUT's payload page. */
+typedef enum {
+    KVT_PUT_STORED,  /* in a tier, and in the policy's accounting */
+    KVT_PUT_CACHED,  /* the page held bytes already, or another PUT was writing them */
+    KVT_PUT_NO_ROOM, /* no tier took it, nor could room be made */
+    KVT_PUT_FAILED,  /* its write failed */
+    KVT_PUT_COUNT
+} kvt_put_outcome_t;
 
 /* What the NVMe tier's recovery did with a block it found at start-up. */
 typedef enum {
@@ -123,6 +133,10 @@ typedef enum {
       "Remote values longer than their block, refused without being buffered.", NONE)              \
     X(PREFETCH_WAITS, COUNTER, "kvtier_prefetch_waits_total",                                      \
       "PREFETCH requests that waited for room on its way or for others' moves.", NONE)             \
+    X(PUT_PAGES, COUNTER, "kvtier_put_pages_total",                                                \
+      "PUT payload pages, by outcome: stored, cached (held already or being written), no_room "    \
+      "(no tier took it, nor could room be made), failed (the write failed).",                     \
+      PUT)                                                                                         \
     X(PUT_ROOM, COUNTER, "kvtier_put_room_pages_total",                                            \
       "PUT pages written after the policy made room for them (no tier had any).", NONE)            \
     X(CLIENT_BYTES, GAUGE, "kvtier_client_buffer_bytes",                                           \

@@ -1000,6 +1000,13 @@ typedef struct kvt__landed {
     uint8_t held;    /* the tier whose policy accounting holds room for the write, or NONE */
 } kvt__landed_t;
 
+/* A payload page of r not stored, and why. */
+static void kvt_put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_t pages)
+{
+    r->skipped += pages;
+    kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, why, pages);
+}
+
 /*
  * Every write of the PUT is done: its blocks join the policy in page order, runs of one tier
  * at a time (the order of tiers inside a node must hold, so the policy may refuse a page that
@@ -1038,7 +1045,9 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
             s, r->node, r->first + i, r->first + j, t, r->pages,
             r->hint.priority || r->hint.finished || r->hint.paused_ms ? &r->hint : NULL);
         r->stored += got;
-        r->skipped += (j - i) - got;
+        kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, KVT_PUT_STORED, got);
+        if (got < j - i) /* refused: the node's tier order */
+            kvt_put_skip(s, r, KVT_PUT_NO_ROOM, (j - i) - got);
         if (t == KVT_TIER_NVME)
             kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0, (double)(j - i) * l[i].len);
         i = j;
@@ -1136,7 +1145,7 @@ static void kvt_put_done(kvt_tier_io_t *io)
         static kvt_log_limit_t lim; /* a full tier fails every write */
         kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: %s tier write failed: %s",
                         kvt_tier_name(x->tier), kvt_strerror(io->status));
-        r->skipped++;
+        kvt_put_skip(s, r, kvt_put_passes_on(io->status) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
     }
     int last = kvt_io_finished(s, x, io->status, 1);
     free(x);
@@ -1158,7 +1167,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
     for (uint32_t p = r->first; p < end; p++) {
         kvt_block_t *b = kvt_radix_block_at(r->node, p);
         if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
-            r->skipped++; /* held already, or being written by another PUT */
+            kvt_put_skip(s, r, KVT_PUT_CACHED, 1); /* held already, or another PUT writes it */
             continue;
         }
         kvt__io_t *x = kvt_io_new(s, r, p);
@@ -1172,7 +1181,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         int rc = kvt_put_write(s, x, 0);
         if (rc < 0) {
             free(x);
-            r->skipped++;
+            kvt_put_skip(s, r, kvt_put_passes_on(rc) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
             continue;
         }
         b->flags |= KVT_BLOCK_BUSY;

@@ -399,6 +399,22 @@ static void put_past_capacity(const char *tier, const char *dram, const char *nv
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
     cr_assert_eq(kvt_client_match(c, tok[0], P * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
     cr_expect_eq(m.pages, 0, "the oldest prompt made room (%u pages left)", m.pages);
+    cr_expect_eq(kvd_stat(c, "put_pages_stored"), N * P);
+    cr_expect_eq(kvd_stat(c, "put_pages_no_room"), 0);
+    /* The newest again: every page is there already. */
+    cr_expect_eq(put_prompt(c, tok[N - 1], P, 500 * N), 0);
+    cr_expect_eq(kvd_stat(c, "put_pages_cached"), P);
+    /* One prompt larger than the tier: what fits is stored, the rest has no room. */
+    enum { BIGP = 160 };
+    static uint32_t huge[BIGP * PAGE];
+    kvd_tokens(huge, BIGP * PAGE, 90000000u);
+    uint32_t stored = put_prompt(c, huge, BIGP, 7000);
+    double no_room = metric(&d, "kvtier_put_pages_total{outcome=\"no_room\"}");
+    cr_expect(stored > 0 && stored < BIGP, "%u of %u pages of a prompt larger than the tier",
+              stored, BIGP);
+    cr_expect_eq(no_room, BIGP - stored, "the others counted as no_room (%.0f)", no_room);
+    cr_expect_eq(metric(&d, "kvtier_put_pages_total{outcome=\"failed\"}"), 0);
+    cr_assert_leq(kvd_stat(c, used), kvd_stat(c, cap));
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
