@@ -1,10 +1,13 @@
 /*
- * common.c: error names, the assertion handler, the stderr logger and the monotonic clock.
+ * common.c: error names, the assertion handler, the stderr logger, the monotonic clock and the
+ * parsing of sizes (64G) that the daemon's settings and the replay's flags share.
  * Nothing here allocates; the logger writes one line per call with a single fprintf so that
  * lines from different threads do not interleave mid-line.
  */
 #include "common.h"
 
+#include <ctype.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -154,4 +157,45 @@ void kvt_heap_hugepages(char **argv)
 #else
     (void)argv;
 #endif
+}
+
+int kvt_parse_u64(const char *s, uint64_t *out, int with_suffix)
+{
+    char *end;
+    if (!*s || *s == '-' || isspace((unsigned char)*s))
+        return KVT_EINVAL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s)
+        return KVT_EINVAL;
+    uint64_t mul = 1;
+    if (with_suffix && *end) {
+        switch (toupper((unsigned char)*end)) {
+        case 'K':
+            mul = 1ull << 10;
+            break;
+        case 'M':
+            mul = 1ull << 20;
+            break;
+        case 'G':
+            mul = 1ull << 30;
+            break;
+        case 'T':
+            mul = 1ull << 40;
+            break;
+        default:
+            return KVT_EINVAL;
+        }
+        end++;
+        if (toupper((unsigned char)*end) == 'I')
+            end++;
+        if (toupper((unsigned char)*end) == 'B')
+            end++;
+    }
+    if (*end)
+        return KVT_EINVAL;
+    if (v > UINT64_MAX / mul)
+        return KVT_EINVAL;
+    *out = v * mul;
+    return 0;
 }

@@ -64,6 +64,11 @@ typedef struct kvt_log_limit {
 void kvt_log_limited(kvt_log_limit_t *lim, kvt_log_level_t level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* A decimal unsigned number; with_suffix, optionally followed by K, M, G or T (powers of 1024,
+ * case-insensitive, an "i" and a "B" allowed after: 64G, 64GiB, 512kb). Returns 0, or KVT_EINVAL
+ * for anything else (a sign, spaces, an unknown suffix, trailing text, overflow). */
+int kvt_parse_u64(const char *s, uint64_t *out, int with_suffix);
+
 /* Monotonic clock. */
 uint64_t kvt_now_ns(void);
 static inline uint64_t kvt_now_us(void)

@@ -132,47 +132,6 @@ static const kvt_opt_t *kvt_opt_find(const char *name)
     return NULL;
 }
 
-static int kvt_parse_u64(const char *s, uint64_t *out, int with_suffix)
-{
-    char *end;
-    if (!*s || *s == '-' || isspace((unsigned char)*s))
-        return KVT_EINVAL;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s)
-        return KVT_EINVAL;
-    uint64_t mul = 1;
-    if (with_suffix && *end) {
-        switch (toupper((unsigned char)*end)) {
-        case 'K':
-            mul = 1ull << 10;
-            break;
-        case 'M':
-            mul = 1ull << 20;
-            break;
-        case 'G':
-            mul = 1ull << 30;
-            break;
-        case 'T':
-            mul = 1ull << 40;
-            break;
-        default:
-            return KVT_EINVAL;
-        }
-        end++;
-        if (toupper((unsigned char)*end) == 'I')
-            end++;
-        if (toupper((unsigned char)*end) == 'B')
-            end++;
-    }
-    if (*end)
-        return KVT_EINVAL;
-    if (v > UINT64_MAX / mul)
-        return KVT_EINVAL;
-    *out = v * mul;
-    return 0;
-}
-
 int kvt__conf_set(kvt_srv_conf_t *conf, const char *name, const char *value, char *err,
                   size_t errlen)
 {

@@ -1,6 +1,7 @@
 /*
- * test_common.c: common/'s rate-limited log line: at most one a second per limiter, the held-back
- * ones counted on the next line, nothing below the log level counted at all.
+ * test_common.c: common/'s rate-limited log line (at most one a second per limiter, the held-back
+ * ones counted on the next line, nothing below the log level counted at all) and its parsing of
+ * sizes.
  */
 #include <criterion/criterion.h>
 
@@ -73,4 +74,44 @@ Test(common_log, limited_says_one_line_a_second_and_counts_the_rest)
               "the next line counts the held ones: '%s'", s);
     s = capture(one);
     cr_expect_eq(lines(s), 0, "and starts a new second");
+}
+
+Test(common_parse, sizes_with_and_without_units)
+{
+    static const struct {
+        const char *s;
+        int units, ok;
+        uint64_t want;
+    } cases[] = {
+        {"0", 0, 1, 0},
+        {"4096", 0, 1, 4096},
+        {"18446744073709551615", 0, 1, UINT64_MAX},
+        {"64G", 1, 1, 64ull << 30},
+        {"64GiB", 1, 1, 64ull << 30},
+        {"512kb", 1, 1, 512ull << 10},
+        {"3m", 1, 1, 3ull << 20},
+        {"2T", 1, 1, 2ull << 40},
+        {"7", 1, 1, 7},
+        {"64G", 0, 0, 0}, /* no units here */
+        {"", 1, 0, 0},
+        {"-1", 1, 0, 0},
+        {" 1", 1, 0, 0},
+        {"1 ", 1, 0, 0},
+        {"12X", 1, 0, 0},
+        {"1GBs", 1, 0, 0},
+        {"1.5G", 1, 0, 0},
+        {"18446744073709551616", 0, 0, 0},
+        {"17179869184G", 1, 0, 0}, /* 2^64 bytes */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint64_t v = 12345;
+        int rc = kvt_parse_u64(cases[i].s, &v, cases[i].units);
+        if (cases[i].ok) {
+            cr_expect_eq(rc, 0, "'%s' parsed", cases[i].s);
+            cr_expect_eq(v, cases[i].want, "'%s' = %llu", cases[i].s, (unsigned long long)v);
+        } else {
+            cr_expect_eq(rc, KVT_EINVAL, "'%s' refused", cases[i].s);
+            cr_expect_eq(v, 12345, "'%s' leaves the output alone", cases[i].s);
+        }
+    }
 }
