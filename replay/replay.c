@@ -10,6 +10,7 @@
  */
 #include "replay.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -34,6 +35,8 @@ typedef struct opts {
     kvt_hw_profile_t hw;
     uint32_t page_size;
     double pct[KVT_TIER_COUNT];
+    uint64_t bytes[KVT_TIER_COUNT]; /* a capacity given in bytes (--dram 64G) instead of pct */
+    uint8_t in_bytes[KVT_TIER_COUNT];
     int configs; /* 1 = as given, 2 = also with a remote tier added */
     double hint_acc[MAX_HINTS];
     int nhints;
@@ -71,6 +74,7 @@ typedef struct result {
     double hint_acc; /* < 0: no hints */
     uint64_t requests;
     uint64_t cap_tokens[KVT_TIER_COUNT];
+    uint64_t cap_bytes[KVT_TIER_COUNT];
     uint64_t hit_tokens[KVT_TIER_COUNT];
     uint64_t miss_tokens, input_tokens;
     kvt_policy_stats_t st;
@@ -349,10 +353,11 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
     pc.hw = o->hw;
     double per_token = (double)kvt_cost_kv_bytes(&o->model, 1);
     for (int ti = KVT_TIER_HBM; ti < KVT_TIER_COUNT; ti++) {
-        uint64_t toks = (uint64_t)(pct[ti] / 100.0 * (double)f->unique_tokens);
+        uint64_t toks = o->in_bytes[ti] ? (uint64_t)((double)o->bytes[ti] / per_token)
+                                        : (uint64_t)(pct[ti] / 100.0 * (double)f->unique_tokens);
         toks -= toks % o->page_size;
         res->cap_tokens[ti] = toks;
-        pc.tiers[ti].capacity = (uint64_t)(toks * per_token);
+        res->cap_bytes[ti] = pc.tiers[ti].capacity = (uint64_t)(toks * per_token);
     }
     pc.nvme_min_hits = o->nvme_min_hits;
     pc.no_cost_drop = o->no_cost_drop;
@@ -516,6 +521,9 @@ static void print_result(const result_t *r, const result_t *lru, const result_t 
         printf("%s\"%s\":%llu", first ? "" : ",", tn[t], (unsigned long long)r->cap_tokens[t]);
         first = 0;
     }
+    printf("},\"capacity_bytes\":{");
+    for (int t = 1; t < KVT_TIER_COUNT; t++)
+        printf("%s\"%s\":%llu", t > 1 ? "," : "", tn[t], (unsigned long long)r->cap_bytes[t]);
     printf("},\"input_tokens\":%llu,\"hit_tokens\":{", (unsigned long long)r->input_tokens);
     for (int t = 1; t < KVT_TIER_COUNT; t++)
         printf("%s\"%s\":%llu", t > 1 ? "," : "", tn[t], (unsigned long long)r->hit_tokens[t]);
@@ -579,8 +587,9 @@ static void usage(FILE *f, const char *prog)
             "  --model NAME|FILE    built-in model or a key=value file (default llama-3-70b)\n"
             "  --hw NAME|FILE       built-in hardware or a key=value file (default h200-node)\n"
             "  --page-size N        tokens per page (default 16)\n"
-            "  --hbm PCT --dram PCT --nvme PCT --remote PCT\n"
-            "                       tier capacities in %% of the trace's unique tokens\n"
+            "  --hbm CAP --dram CAP --nvme CAP --remote CAP\n"
+            "                       tier capacities: a percentage of the trace's unique tokens\n"
+            "                       (4), or bytes of KV cache with a unit (64G, 2T, 512M)\n"
             "                       (default 1, 4, 15; remote 0 plus a second configuration\n"
             "                       with remote %.0f unless any tier flag is given)\n"
             "  --hints LIST         also run the cost policy with simulated engine hints of\n"
@@ -713,7 +722,7 @@ int kvt_replay_main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        double d;
+        double d = 0;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             usage(stdout, prog);
             return 0;
@@ -755,15 +764,20 @@ int kvt_replay_main(int argc, char **argv)
             i++;
         } else if (strcmp(a, "--hbm") == 0 || strcmp(a, "--dram") == 0 ||
                    strcmp(a, "--nvme") == 0 || strcmp(a, "--remote") == 0) {
-            if (parse_num(v, 0, 1000, &d) < 0) {
-                fprintf(stderr, "%s: bad %s '%s' (percent)\n", prog, a, v);
-                return 2;
-            }
             int t = a[2] == 'h'   ? KVT_TIER_HBM
                     : a[2] == 'd' ? KVT_TIER_DRAM
                     : a[2] == 'n' ? KVT_TIER_NVME
                                   : KVT_TIER_REMOTE;
-            o.pct[t] = d;
+            /* A unit makes it bytes (64G); a bare number is a percentage. */
+            size_t vl = strlen(v);
+            o.in_bytes[t] = vl > 0 && isalpha((unsigned char)v[vl - 1]);
+            if (o.in_bytes[t] ? kvt_parse_u64(v, &o.bytes[t], 1) < 0
+                              : parse_num(v, 0, 1000, &d) < 0) {
+                fprintf(stderr, "%s: bad %s '%s' (a percentage, or bytes with K, M, G or T)\n",
+                        prog, a, v);
+                return 2;
+            }
+            o.pct[t] = o.in_bytes[t] ? 0 : d;
             tier_flags = 1;
             i++;
         } else if (strcmp(a, "--max-prompt") == 0 || strcmp(a, "--requests") == 0 ||
@@ -801,7 +815,7 @@ int kvt_replay_main(int argc, char **argv)
         o.configs = 1;
     double sum = 0;
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
-        sum += o.pct[t];
+        sum += o.pct[t] + (double)o.bytes[t];
     if (sum <= 0) {
         fprintf(stderr, "%s: every tier has capacity 0\n", prog);
         return 2;
@@ -812,7 +826,8 @@ int kvt_replay_main(int argc, char **argv)
         return 2;
     }
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
-        if ((o.pct[t] > 0 || (t == KVT_TIER_REMOTE && o.configs == 2)) && o.hw.bw[t] <= 0) {
+        if ((o.pct[t] > 0 || o.bytes[t] > 0 || (t == KVT_TIER_REMOTE && o.configs == 2)) &&
+            o.hw.bw[t] <= 0) {
             fprintf(stderr, "%s: hardware '%s' has no load path from %s\n", prog, o.hw.name,
                     kvt_tier_name((kvt_tier_id_t)t));
             return 2;

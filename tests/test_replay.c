@@ -156,14 +156,21 @@ static double num(const char *line, const char *key)
     return strtod(p + strlen(pat), NULL);
 }
 
+/* The four tiers' numbers of the object `key` ({"hbm":..,"dram":..,"nvme":..,"remote":..}). */
+static void per_tier(const char *line, const char *key, unsigned long long v[4])
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":{", key);
+    const char *p = strstr(line, pat);
+    cr_assert_not_null(p, "no %s in %s", key, line);
+    cr_assert_eq(sscanf(p + strlen(pat), "\"hbm\":%llu,\"dram\":%llu,\"nvme\":%llu,\"remote\":%llu",
+                        &v[0], &v[1], &v[2], &v[3]),
+                 4, "%s", line);
+}
+
 static void hits(const char *line, unsigned long long h[4])
 {
-    const char *p = strstr(line, "\"hit_tokens\":{");
-    cr_assert_not_null(p);
-    cr_assert_eq(sscanf(p,
-                        "\"hit_tokens\":{\"hbm\":%llu,\"dram\":%llu,\"nvme\":%llu,\"remote\":%llu",
-                        &h[0], &h[1], &h[2], &h[3]),
-                 4, "%s", line);
+    per_tier(line, "hit_tokens", h);
 }
 
 static const char *const policies[] = {"cost", "lru", "lfu", "oracle"};
@@ -277,6 +284,39 @@ Test(replay_slice, small_tiers_keep_every_invariant)
     free(out);
 }
 
+/* A capacity planner thinks in bytes: a tier flag with a unit is the KV bytes the tier holds,
+ * rounded down to whole pages of the model's KV; a bare number stays a percentage. */
+Test(replay_slice, capacities_in_bytes)
+{
+    find_trace();
+    char *argv[] = {
+        "kvtier-replay", "--no-progress", "--requests", "50", "--policy", "lru", "--hbm",    "1G",
+        "--dram",        "64GiB",         "--nvme",     "0",  "--remote", "2",   trace_path, NULL};
+    int rc;
+    char *out = run_replay(15, argv, &rc);
+    cr_assert_eq(rc, 0, "%s", out);
+    char *l = line_of(out, "lru");
+    cr_assert_not_null(l);
+    kvt_model_profile_t m;
+    kvt_model_profile_get("llama-3-70b", &m);
+    uint64_t per_token = kvt_cost_kv_bytes(&m, 1);
+    unsigned long long toks[4], bytes[4];
+    per_tier(l, "capacity_tokens", toks);
+    per_tier(l, "capacity_bytes", bytes);
+    uint64_t want[2] = {(1ull << 30) / per_token, (64ull << 30) / per_token};
+    for (int t = 0; t < 2; t++) {
+        want[t] -= want[t] % PSZ;
+        cr_assert_eq(toks[t], want[t], "tier %d: %llu tokens", t, toks[t]);
+        cr_assert_eq(bytes[t], want[t] * per_token);
+        cr_assert_leq(bytes[t], t ? 64ull << 30 : 1ull << 30);
+    }
+    cr_assert_eq(toks[2], 0);
+    cr_assert_gt(toks[3], 0, "the remote's 2 is a percentage");
+    cr_assert_eq(bytes[3], toks[3] * per_token);
+    free(l);
+    free(out);
+}
+
 Test(replay_usage, bad_arguments_are_refused)
 {
     find_trace();
@@ -288,6 +328,8 @@ Test(replay_usage, bad_arguments_are_refused)
         {1, {"r"}, 2},
         {3, {"r", "--policy", "arc"}, 2},
         {4, {"r", "--hbm", "lots", trace_path}, 2},
+        {4, {"r", "--dram", "12X", trace_path}, 2},
+        {4, {"r", "--dram", "1.5G", trace_path}, 2},
         {4, {"r", "--page-size", "0", trace_path}, 2},
         {4, {"r", "--model", "/nonexistent/model.conf", trace_path}, 2},
         {3, {"r", "--frobnicate", trace_path}, 2},
