@@ -16,9 +16,9 @@
  * better victim. Keys go stale; a popped entry is checked against the live key and pushed back
  * when it has grown. A key that shrinks (the oracle's next use after a hit, a "finished" hint)
  * is pushed anew at once. Leased nodes are left out (a popped one is not pushed back). The
- * heaps are rebuilt from a scan of every node when they run dry with something changed since
- * the last scan (a push, a lease ended), when the cost model has been refreshed, or when the
- * tree lost blocks behind the engine's back.
+ * heaps are rebuilt from a scan of every node when they run dry after enough has changed since
+ * the last scan (pushes, deaths, ended leases: a 1/64 of the nodes' count), when the cost model
+ * has been refreshed, or when the tree lost blocks behind the engine's back.
  * Nodes the engine empties are remembered (with a sequence number) until the next rebuild, so
  * that stale entries naming them are skipped even if the allocator reuses the address.
  *
@@ -117,7 +117,7 @@ struct kvt_policy {
     kvt_radix_t *t;
     kvt_policy_conf_t c;
     uint64_t cap[KVT_TIER_COUNT], high[KVT_TIER_COUNT], low[KVT_TIER_COUNT];
-    uint64_t used[KVT_TIER_COUNT];        /* resident bytes + reservations for pending moves */
+    uint64_t used[KVT_TIER_COUNT];        /* resident + reserved for moves + held (hold) */
     uint64_t pending_out[KVT_TIER_COUNT]; /* bytes leaving the tier when pending moves finish */
     uint64_t held[KVT_TIER_COUNT];        /* bytes the executor holds for its own writes */
     kvt_tier_id_t lower[KVT_TIER_COUNT];  /* next configured tier down; NONE at the bottom */

@@ -20,7 +20,8 @@
  *
  * Invariants the engine keeps (kvt_policy_verify checks them):
  *  - every configured tier's used bytes stay at or below its capacity, and equal the sum of the
- *    charges (ops->footprint of the size, or the size) of the blocks whose tier field names it;
+ *    charges (ops->footprint of the size, or the size) of the blocks whose tier field names it,
+ *    plus what the executor holds there for its own writes (kvt_policy_hold);
  *  - within one node, tiers never get faster with depth (the head of a node is in the same or a
  *    faster tier than its tail), so a node's blocks form at most one run per tier;
  *  - a leased node's blocks never move and are never dropped; neither are KVT_BLOCK_BUSY blocks;
