@@ -507,24 +507,43 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
             kvt_radix_insert(s->radix, r->ns, x->tokens, (size_t)(x->local_pages + found) * page,
                              &res) == 0) {
             /* Runs of index-only pages join the policy as remote blocks (location 0: read by
-             * key); pages that hold bytes here already, or are being written, stay as they are. */
+             * key); pages that hold bytes here already, or are being written, stay as they are.
+             * With the path pinned, a remote tier full in the policy's accounting makes room for
+             * them as for a PUT's pages (its lowest-value blocks dropped): a fleet's daemon whose
+             * share of the server is full would otherwise never take a run of found blocks
+             * larger than its watermarks' headroom. */
+            uint64_t pin = 0;
+            if (kvt_pin(s, res.node, r->ns, &pin) < 0)
+                pin = 0;
             for (uint32_t i = x->local_pages; i < res.pages;) {
                 kvt_block_t *b = kvt_radix_block_at(res.node, i);
                 if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
                     i++;
                     continue;
                 }
-                uint32_t j = i;
+                uint32_t j = i, held = 0;
                 for (; j < res.pages; j++) {
                     kvt_block_t *e = kvt_radix_block_at(res.node, j);
                     if (!e || e->tier != KVT_TIER_NONE || (e->flags & KVT_BLOCK_BUSY))
                         break;
+                }
+                while (pin && held < j - i &&
+                       kvt_policy_hold(s->policy, KVT_TIER_REMOTE, ns->block_bytes, 1) == 0)
+                    held++;
+                for (uint32_t k = 0; k < held; k++)
+                    kvt_policy_unhold(s->policy, KVT_TIER_REMOTE, ns->block_bytes);
+                uint32_t end = pin ? i + held : j; /* unpinned: as many as fit, as before */
+                for (uint32_t k = i; k < end; k++) {
+                    kvt_block_t *e = kvt_radix_block_at(res.node, k);
                     e->loc = 0;
                     e->size = ns->block_bytes;
                 }
-                kvt__policy_adopt(s, res.node, i, j, KVT_TIER_REMOTE, res.pages, NULL);
+                if (end > i)
+                    kvt__policy_adopt(s, res.node, i, end, KVT_TIER_REMOTE, res.pages, NULL);
                 i = j;
             }
+            if (pin)
+                kvt_radix_release(s->radix, pin);
         } else {
             found = 0;
         }

@@ -279,6 +279,52 @@ Test(server_remote, second_daemon_finds_the_first_ones_prefix)
     kvd_cleanup(&b);
 }
 
+/* A daemon whose share of the server is full takes a run of found blocks larger than its
+ * watermarks' headroom, dropping its own least valuable remote blocks for them, and reads them
+ * back byte-exact. Before, adopting them was refused as a whole: MATCH reported them found but
+ * index-only, every time. */
+Test(server_remote, a_full_remote_tier_takes_the_blocks_a_probe_finds)
+{
+    const char *addr = redis_addr();
+    char pfx[64];
+    prefix(pfx, sizeof pfx);
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&b, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, "--remote-bytes", "1M", "--policy", "lru", NULL);
+    kvt_client_t *ca = kvd_client(&a, "shared-model", PAGE, BB);
+    kvt_client_t *cb = kvd_client(&b, "shared-model", PAGE, BB);
+    enum { P = 32, OWN = 5 };
+    static uint32_t tok[P * PAGE], own[OWN][16 * PAGE];
+    kvd_tokens(tok, P * PAGE, 77);
+    kvt_client_put_t r;
+    put_all(ca, tok, P, 900, &r);
+    cr_assert_eq(r.stored, P);
+    for (int k = 0; k < OWN; k++) { /* b's own 80 pages into its 1 MiB: full */
+        kvd_tokens(own[k], 16 * PAGE, 1000 + (uint32_t)k);
+        put_all(cb, own[k], 16, 100 * (uint32_t)k, &r);
+    }
+    cr_assert_geq(kvd_stat(cb, "remote_used_bytes"), kvd_stat(cb, "remote_capacity_bytes") * 8 / 10,
+                  "b's remote share is full");
+    uint8_t tiers[P], from[P];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(cb, tok, P * PAGE,
+                                  KVT_CLIENT_LEASE | KVT_CLIENT_REMOTE | KVT_CLIENT_PROBE, 0, NULL,
+                                  &m),
+                 0);
+    cr_expect_eq(m.remote_pages, P);
+    for (int p = 0; p < P; p++)
+        cr_expect_eq(tiers[p], KVT_CLIENT_TIER_REMOTE, "page %d held by the remote tier", p);
+    get_all(cb, m.lease, P, 900, from);
+    cr_expect_eq(from[P - 1], KVT_CLIENT_TIER_REMOTE);
+    cr_assert_leq(kvd_stat(cb, "remote_used_bytes"), kvd_stat(cb, "remote_capacity_bytes"));
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
+}
+
 /* A HELLO frame for model with the given page and block size, at out; returns its length. */
 static size_t hello_frame(uint8_t *out, uint64_t id, const char *model, uint32_t page, uint32_t bb)
 {
