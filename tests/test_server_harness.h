@@ -163,7 +163,6 @@ static inline void kvd_rmrf(const char *dir)
         fprintf(stderr, "could not remove %s\n", dir);
 }
 
-/* Stops the daemon if running and removes its directory. */
 /* Reads the file `name` in d->dir into buf (cap bytes, NUL-terminated); the file must exist. */
 static inline void kvd_slurp(const kvd_t *d, const char *name, char *buf, size_t cap)
 {
@@ -176,6 +175,29 @@ static inline void kvd_slurp(const kvd_t *d, const char *name, char *buf, size_t
     fclose(f);
 }
 
+/* Copies the end of the daemon's log to stderr: for a test about to fail, whose directory (and
+ * log) a CI machine does not keep. */
+static inline void kvd_log_tail(const kvd_t *d, long bytes)
+{
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtierd.log", d->dir);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    if (fseek(f, 0, SEEK_END) == 0 && ftell(f) > bytes)
+        fseek(f, -bytes, SEEK_END);
+    else
+        rewind(f);
+    char buf[4096];
+    size_t n;
+    fprintf(stderr, "---- the end of %s ----\n", path);
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0)
+        fwrite(buf, 1, n, stderr);
+    fprintf(stderr, "---- end ----\n");
+    fclose(f);
+}
+
+/* Stops the daemon if running and removes its directory. */
 static inline void kvd_cleanup(kvd_t *d)
 {
     if (d->pid > 0) {

@@ -950,18 +950,19 @@ static void *mix_main(void *arg)
                 mix_fill(buf + (size_t)p * MIX_BB, tok + p * PAGE, p);
             kvt_client_put_t r;
             if ((rc = kvt_client_put(c, tok, np * PAGE, 0, np, buf, NULL, &r)) < 0)
-                MIX_FAIL(x, "op %d: PUT: %s", op, kvt_client_errmsg(c));
+                MIX_FAIL(x, "op %d: PUT: %s %s", op, kvt_client_strerror(rc), kvt_client_errmsg(c));
         } else if (what < 7) {
             kvt_client_match_t m = {.tiers = tiers, .tiers_cap = MIX_MAXP};
             if ((rc = kvt_client_match(c, tok, np * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m)) < 0)
-                MIX_FAIL(x, "op %d: MATCH: %s", op, kvt_client_errmsg(c));
+                MIX_FAIL(x, "op %d: MATCH: %s %s", op, kvt_client_strerror(rc),
+                         kvt_client_errmsg(c));
             uint32_t stored = 0, got = 0;
             while (stored < m.pages && tiers[stored] != KVT_CLIENT_TIER_NONE)
                 stored++;
             if (stored > 0 && (rc = kvt_client_get(c, m.lease, 0, stored, buf,
                                                    (size_t)MIX_MAXP * MIX_BB, &got, NULL)) < 0)
-                MIX_FAIL(x, "op %d: GET of %u pages a MATCH reported stored: %s", op, stored,
-                         kvt_client_errmsg(c));
+                MIX_FAIL(x, "op %d: GET of %u pages a MATCH reported stored: %s %s", op, stored,
+                         kvt_client_strerror(rc), kvt_client_errmsg(c));
             if (got != stored)
                 MIX_FAIL(x, "op %d: GET gave %u of %u pages", op, got, stored);
             for (uint32_t p = 0; p < got; p++) {
@@ -970,15 +971,17 @@ static void *mix_main(void *arg)
                     MIX_FAIL(x, "op %d: prompt %d page %u differs", op, k, p);
             }
             x->read += got;
-            if (m.lease && kvt_client_release(c, m.lease, NULL) < 0)
-                MIX_FAIL(x, "op %d: RELEASE: %s", op, kvt_client_errmsg(c));
+            if (m.lease && (rc = kvt_client_release(c, m.lease, NULL)) < 0)
+                MIX_FAIL(x, "op %d: RELEASE: %s %s", op, kvt_client_strerror(rc),
+                         kvt_client_errmsg(c));
         } else if (what < 9) {
             kvt_client_prefetch_t pf;
             rc = op % 2
                      ? kvt_client_prefetch(c, tok, np * PAGE, KVT_CLIENT_TIER_DRAM, 200, &pf)
                      : kvt_client_prefetch_start(c, tok, np * PAGE, KVT_CLIENT_TIER_DRAM, 200, &pf);
             if (rc < 0)
-                MIX_FAIL(x, "op %d: PREFETCH: %s", op, kvt_client_errmsg(c));
+                MIX_FAIL(x, "op %d: PREFETCH: %s %s", op, kvt_client_strerror(rc),
+                         kvt_client_errmsg(c));
             if (pf.resident + pf.moved + pf.failed != pf.pages)
                 MIX_FAIL(x, "op %d: PREFETCH of %u pages: %u + %u + %u", op, pf.pages, pf.resident,
                          pf.moved, pf.failed);
@@ -987,7 +990,8 @@ static void *mix_main(void *arg)
             rc = op % 2 ? kvt_client_remove(c, tok, at * PAGE)
                         : kvt_client_remove_nowait(c, tok, at * PAGE);
             if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
-                MIX_FAIL(x, "op %d: REMOVE: %s", op, kvt_client_errmsg(c));
+                MIX_FAIL(x, "op %d: REMOVE: %s %s", op, kvt_client_strerror(rc),
+                         kvt_client_errmsg(c));
         }
         if (op % 500 == 0)
             for (int t = 0; t < 3; t++) {
@@ -1042,6 +1046,8 @@ Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
         pthread_join(th[i], NULL);
     uint64_t read = 0;
     for (int i = 0; i < 3; i++) {
+        if (x[i].failed)
+            kvd_log_tail(&d, 8192);
         cr_assert_not(x[i].failed, "client %d: %s", i, x[i].err);
         read += x[i].read;
     }
