@@ -41,7 +41,7 @@ static void kvt_usage(FILE *f)
                "  remove TOKENS... [--nowait]  drop the last page of TOKENS and what follows;\n"
                "                               --nowait: busy (EBUSY) at once for blocks with\n"
                "                               I/O in flight, instead of waiting up to a second\n"
-               "  stats                        the daemon's counters\n"
+               "  stats                        the daemon's counters, and its hit rate per tier\n"
                "  replay ARGS...               the trace replay (kvtier replay --help)\n"
                "  bench NAME ARGS...           a benchmark, NAME radix, tiers, server, policy or\n"
                "                               recover, each beside its baseline (README,\n"
@@ -120,11 +120,43 @@ static int kvt_fail(kvt_client_t *c, const char *what, int rc)
     return 1;
 }
 
+/* What the hit-rate line under the counters is made of. */
+typedef struct kvt_hits {
+    uint64_t looked_up;
+    uint64_t tier[4]; /* hbm, dram, nvme, remote */
+} kvt_hits_t;
+
+static const char *const kvt_hit_tiers[4] = {"hbm", "dram", "nvme", "remote"};
+
 static int kvt_print_stat(void *arg, const char *name, uint64_t v)
 {
-    (void)arg;
+    kvt_hits_t *h = arg;
     printf("%-28s %" PRIu64 "\n", name, v);
+    if (!strcmp(name, "lookup_tokens"))
+        h->looked_up = v;
+    for (int t = 0; t < 4; t++)
+        if (!strncmp(name, "hit_tokens_", 11) && !strcmp(name + 11, kvt_hit_tiers[t]))
+            h->tier[t] = v;
     return 0;
+}
+
+/* The operator's question, answered from the counters above: what share of the looked-up tokens
+ * the cache served, and from which tier. */
+static void kvt_print_hit_rate(const kvt_hits_t *h)
+{
+    if (h->looked_up == 0) {
+        printf("hit rate: no lookups yet\n");
+        return;
+    }
+    uint64_t all = 0;
+    for (int t = 0; t < 4; t++)
+        all += h->tier[t];
+    printf("hit rate: %.1f%% of %" PRIu64 " looked-up tokens (",
+           100.0 * (double)all / (double)h->looked_up, h->looked_up);
+    for (int t = 0; t < 4; t++)
+        printf("%s%s %.1f%%", t ? ", " : "", kvt_hit_tiers[t],
+               100.0 * (double)h->tier[t] / (double)h->looked_up);
+    printf(")\n");
 }
 
 static const char *const kvt_benches[] = {"radix", "tiers", "server", "policy", "recover"};
@@ -334,8 +366,11 @@ int main(int argc, char **argv)
                 printf("pong %.1f us\n", (double)rtt / 1000.0);
         }
     } else if (!strcmp(cmd, "stats")) {
-        if ((rc = kvt_client_stats(c, kvt_print_stat, NULL)) < 0)
+        kvt_hits_t hits = {0};
+        if ((rc = kvt_client_stats(c, kvt_print_stat, &hits)) < 0)
             status = kvt_fail(c, "stats", rc);
+        else
+            kvt_print_hit_rate(&hits);
     } else {
         uint32_t pages = ntok / conf.page_size;
         if (!strcmp(cmd, "match")) {

@@ -1011,14 +1011,17 @@ Test(server_e2e, cli_reaches_default_socket_in_working_dir)
     const char *root = getenv("KVT_BUILD_ROOT");
     snprintf(cmd, sizeof cmd,
              "cd '%s' && '%s/client/kvtier' --block-bytes 64 put 1-64 >out.txt 2>&1 && "
-             "'%s/client/kvtier' match 1-70 >>out.txt 2>&1 && '%s/client/kvtier' ping >>out.txt",
-             d.dir, root, root, root);
+             "'%s/client/kvtier' match 1-70 >>out.txt 2>&1 && '%s/client/kvtier' ping >>out.txt && "
+             "'%s/client/kvtier' stats >>out.txt",
+             d.dir, root, root, root, root);
     cr_expect_eq(system(cmd), 0, "kvtier with no address flags reaches the daemon");
-    char text[4096];
+    char text[16384]; /* the counters STATS lists, then the hit-rate line */
     kvd_slurp(&d, "out.txt", text, sizeof text);
     cr_expect(strstr(text, "put 4 pages: 4 new, 4 stored"), "%s", text);
     cr_expect(strstr(text, "matched 64 of 70 tokens (4 pages)"), "%s", text);
     cr_expect(strstr(text, "pong"), "%s", text);
+    cr_expect(strstr(text, "hit rate: 91.4% of 70 looked-up tokens (hbm 0.0%, dram 91.4%"), "%s",
+              text);
     /* Options after the command, as people type them (bad numbers: cli_runs_the_benchmarks). */
     snprintf(cmd, sizeof cmd,
              "cd '%s' && '%s/client/kvtier' get 1-64 --block-bytes 64 --out got.bin >/dev/null",
