@@ -170,22 +170,11 @@ int kvt_parse_u64(const char *s, uint64_t *out, int with_suffix)
         return KVT_EINVAL;
     uint64_t mul = 1;
     if (with_suffix && *end) {
-        switch (toupper((unsigned char)*end)) {
-        case 'K':
-            mul = 1ull << 10;
-            break;
-        case 'M':
-            mul = 1ull << 20;
-            break;
-        case 'G':
-            mul = 1ull << 30;
-            break;
-        case 'T':
-            mul = 1ull << 40;
-            break;
-        default:
+        static const char units[] = "KMGT"; /* 2^10, 2^20, 2^30, 2^40 */
+        const char *u = strchr(units, toupper((unsigned char)*end));
+        if (!u)
             return KVT_EINVAL;
-        }
+        mul = 1ull << (10 * (u - units + 1));
         end++;
         if (toupper((unsigned char)*end) == 'I')
             end++;
