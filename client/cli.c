@@ -120,13 +120,11 @@ static int kvt_fail(kvt_client_t *c, const char *what, int rc)
     return 1;
 }
 
-/* What the hit-rate line under the counters is made of. */
+/* What the hit-rate line under the counters is made of: tier[] by KVT_CLIENT_TIER_*. */
 typedef struct kvt_hits {
     uint64_t looked_up;
-    uint64_t tier[4]; /* hbm, dram, nvme, remote */
+    uint64_t tier[KVT_CLIENT_TIER_REMOTE + 1];
 } kvt_hits_t;
-
-static const char *const kvt_hit_tiers[4] = {"hbm", "dram", "nvme", "remote"};
 
 static int kvt_print_stat(void *arg, const char *name, uint64_t v)
 {
@@ -134,9 +132,10 @@ static int kvt_print_stat(void *arg, const char *name, uint64_t v)
     printf("%-28s %" PRIu64 "\n", name, v);
     if (!strcmp(name, "lookup_tokens"))
         h->looked_up = v;
-    for (int t = 0; t < 4; t++)
-        if (!strncmp(name, "hit_tokens_", 11) && !strcmp(name + 11, kvt_hit_tiers[t]))
-            h->tier[t] = v;
+    else if (!strncmp(name, "hit_tokens_", 11))
+        for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
+            if (!strcmp(name + 11, kvt_tname(t)))
+                h->tier[t] = v;
     return 0;
 }
 
@@ -149,12 +148,12 @@ static void kvt_print_hit_rate(const kvt_hits_t *h)
         return;
     }
     uint64_t all = 0;
-    for (int t = 0; t < 4; t++)
+    for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
         all += h->tier[t];
     printf("hit rate: %.1f%% of %" PRIu64 " looked-up tokens (",
            100.0 * (double)all / (double)h->looked_up, h->looked_up);
-    for (int t = 0; t < 4; t++)
-        printf("%s%s %.1f%%", t ? ", " : "", kvt_hit_tiers[t],
+    for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
+        printf("%s%s %.1f%%", t > KVT_CLIENT_TIER_HBM ? ", " : "", kvt_tname(t),
                100.0 * (double)h->tier[t] / (double)h->looked_up);
     printf(")\n");
 }
