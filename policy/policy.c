@@ -690,6 +690,12 @@ static uint64_t charge(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t size)
     return p->c.ops->footprint ? p->c.ops->footprint(p->c.ops_arg, t, size) : size;
 }
 
+/* The bytes tier t can still take under its capacity. */
+static uint64_t room_left(const kvt_policy_t *p, kvt_tier_id_t t)
+{
+    return p->cap[t] > p->used[t] ? p->cap[t] - p->used[t] : 0;
+}
+
 static uint64_t run_charge(const kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
                            kvt_tier_id_t t)
 {
@@ -1167,14 +1173,14 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
     while (done < res->new_pages && t != KVT_TIER_NONE) {
         uint32_t want = res->new_pages - done;
         uint64_t one = charge(p, t, size);
-        uint64_t free_b = p->cap[t] > p->used[t] ? p->cap[t] - p->used[t] : 0;
+        uint64_t free_b = room_left(p, t);
         if (free_b < (uint64_t)want * one) {
             uint64_t need = (uint64_t)want * one - free_b;
             if (need > p->cap[t])
                 need = p->cap[t] - (p->cap[t] % one);
             (void)make_room(p, t, need, 0);
             bl = kvt_radix_node_blocks(n);
-            free_b = p->cap[t] > p->used[t] ? p->cap[t] - p->used[t] : 0;
+            free_b = room_left(p, t);
         }
         uint32_t fit = (uint32_t)KVT_MIN((uint64_t)want, free_b / one);
         if (fit > 0 && p->c.ops->admit &&
@@ -1249,7 +1255,7 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
         return KVT_EAGAIN;
     if (i0 + npages < np && tier_rank(bl[i0 + npages].tier) < tier_rank((uint8_t)tier))
         return KVT_EAGAIN;
-    if (need > p->cap[tier] - KVT_MIN(p->used[tier], p->cap[tier]))
+    if (need > room_left(p, tier))
         return KVT_ENOSPC;
     uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
     uint32_t now = now_clock(p);
@@ -1284,7 +1290,7 @@ int kvt_policy_hold(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size, int room
     if (!p || !tier_ok(tier) || !p->cap[tier] || size == 0)
         return KVT_EINVAL;
     uint64_t need = charge(p, tier, size);
-    if (need > p->cap[tier] - KVT_MIN(p->used[tier], p->cap[tier])) {
+    if (need > room_left(p, tier)) {
         if (!room)
             return KVT_ENOSPC;
         int rc = make_room(p, tier, need, 0);
