@@ -112,11 +112,7 @@ Test(tier_copy, a_full_destination_is_refused_up_front)
     uint8_t *buf = tu_aligned(len);
     uint32_t tok[16];
     uint64_t locs[4];
-    for (int i = 0; i < 4; i++) {
-        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
-        tu_fill(buf, len, (uint64_t)i);
-        cr_assert_eq(tu_write(ts.nvme, &k, buf, len, &locs[i]), 0);
-    }
+    tu_write_n(ts.nvme, 4, buf, len, tok, locs);
     uint64_t dloc;
     for (int i = 0; i < 3; i++) {
         kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);

@@ -433,11 +433,7 @@ Test(tier_nvme, flipped_bytes_read_as_a_counted_miss)
     /* Blocks 0..2 land at the start of segment 0, one after another: header region 4 KiB, then
      * the payload rounded up to whole sectors. */
     uint64_t locs[3];
-    for (int i = 0; i < 3; i++) {
-        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
-        tu_fill(buf, len, (uint64_t)i);
-        cr_assert_eq(tu_write(t, &k, buf, len, &locs[i]), 0);
-    }
+    tu_write_n(t, 3, buf, len, tok, locs);
     uint64_t rec = 4096 + ((len + 4095) / 4096) * 4096;
     flip(dir, 0 * rec + 4096 + 5000); /* block 0: payload */
     flip(dir, 1 * rec + 32 + 64 + 8); /* block 1: a token in the header */
@@ -632,11 +628,7 @@ Test(tier_nvme, a_segment_whose_first_record_failed_takes_no_other)
     uint8_t *buf = tu_aligned(len);
     uint32_t tok[16];
     uint64_t locs[4];
-    for (int i = 0; i < 3; i++) {
-        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
-        tu_fill(buf, len, (uint64_t)i);
-        cr_assert_eq(tu_write(t, &k, buf, len, &locs[i]), 0);
-    }
+    tu_write_n(t, 3, buf, len, tok, locs);
     fill_fs(dir, filler, sizeof(filler));
     kvt_block_key_t k3 = tu_key(3, tok, 16);
     tu_fill(buf, len, 3);

@@ -118,6 +118,18 @@ static inline int tu_write(kvt_tier_t *t, const kvt_block_key_t *key, const void
     return io.status;
 }
 
+/* Writes blocks 0 .. n-1 of len bytes one at a time, block i keyed tu_key(i) over tok and filled
+ * with tu_fill(i) through buf; every write must succeed. Their locations go to locs. */
+static inline void tu_write_n(kvt_tier_t *t, int n, uint8_t *buf, uint32_t len, uint32_t *tok,
+                              uint64_t *locs)
+{
+    for (int i = 0; i < n; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, len, (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len, &locs[i]), 0, "block %d", i);
+    }
+}
+
 static inline int tu_read(kvt_tier_t *t, const kvt_block_key_t *key, uint64_t loc, void *buf,
                           uint32_t len)
 {
