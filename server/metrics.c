@@ -40,6 +40,18 @@ static const char *const kvt_perr_names[KVT_PERR_COUNT] = {
     "bad_body",  "no_hello",    "auth",    "truncated",
 };
 
+/* The labels that name one value of a fixed list: label, the list, its length. */
+static const struct kvt_enum_label {
+    const char *key;
+    const char *const *names;
+    unsigned count;
+} kvt_enum_labels[] = {
+    [KVT_LBL_REASON] = {"reason", kvt_reason_names, KVT_MISS_COUNT},
+    [KVT_LBL_ERR] = {"kind", kvt_perr_names, KVT_PERR_COUNT},
+    [KVT_LBL_RECOVERY] = {"outcome", kvt_recovery_names, KVT_RECOVERY_COUNT},
+    [KVT_LBL_PUT] = {"outcome", kvt_put_names, KVT_PUT_COUNT},
+};
+
 struct kvt_metrics {
     double values[KVT_M_COUNT][KVT_MAX_SERIES];
     kvt_hist_t hists[KVT_M_COUNT][KVT_MAX_SERIES];
@@ -138,11 +150,6 @@ static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf
             return NULL;
         snprintf(buf, len, "tier=\"%s\"", kvt_tier_name((kvt_tier_id_t)s));
         return buf;
-    case KVT_LBL_REASON:
-        if (s >= KVT_MISS_COUNT)
-            return NULL;
-        snprintf(buf, len, "reason=\"%s\"", kvt_reason_names[s]);
-        return buf;
     case KVT_LBL_OP:
         if (s == 0 || s >= KVT_OP_COUNT)
             return NULL;
@@ -162,21 +169,16 @@ static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf
         snprintf(buf, len, "tier=\"%s\",dir=\"%s\"", kvt_tier_name((kvt_tier_id_t)(s / 2)),
                  s % 2 ? "write" : "read");
         return buf;
+    case KVT_LBL_REASON:
     case KVT_LBL_ERR:
-        if (s >= KVT_PERR_COUNT)
-            return NULL;
-        snprintf(buf, len, "kind=\"%s\"", kvt_perr_names[s]);
-        return buf;
     case KVT_LBL_RECOVERY:
-        if (s >= KVT_RECOVERY_COUNT)
+    case KVT_LBL_PUT: {
+        const struct kvt_enum_label *e = &kvt_enum_labels[lbl];
+        if (s >= e->count)
             return NULL;
-        snprintf(buf, len, "outcome=\"%s\"", kvt_recovery_names[s]);
+        snprintf(buf, len, "%s=\"%s\"", e->key, e->names[s]);
         return buf;
-    case KVT_LBL_PUT:
-        if (s >= KVT_PUT_COUNT)
-            return NULL;
-        snprintf(buf, len, "outcome=\"%s\"", kvt_put_names[s]);
-        return buf;
+    }
     }
     return NULL;
 }
