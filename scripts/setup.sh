@@ -25,7 +25,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     $sudo rm -f /usr/sbin/policy-rc.d
 fi
 
-# nvcc lives outside PATH on these machines; meson finds it there too, this only helps tools.
+# nvcc lives outside PATH on some machines; meson finds the toolkit by itself (CUDA_PATH, else
+# /usr/local/cuda): this only helps tools.
 if [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH="$PATH:/usr/local/cuda/bin"
 fi
