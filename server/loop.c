@@ -1,8 +1,9 @@
 /*
  * loop.c: the daemon's skeleton and its one event loop. It owns the epoll set, the listening
- * sockets (Unix and TCP), the signalfd for SIGTERM/SIGINT, the tier descriptors, the periodic
- * tick (lease expiry, gauges) and the orderly shutdown: stop accepting, fail nothing that can
- * still finish within the grace period, flush replies, remove the socket file.
+ * sockets (Unix and TCP), the signalfd for SIGTERM/SIGINT/SIGHUP (blocked from the start of
+ * main: kvt__srv_block_signals), the tier descriptors, the periodic tick (lease expiry, gauges)
+ * and the orderly shutdown: stop accepting, fail nothing that can still finish within the grace
+ * period, flush replies, remove the socket file.
  */
 #include "server.h"
 
@@ -12,6 +13,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -231,6 +233,22 @@ static void kvt_on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     }
 }
 
+static void kvt_signal_set(sigset_t *set)
+{
+    sigemptyset(set);
+    sigaddset(set, SIGTERM);
+    sigaddset(set, SIGINT);
+    sigaddset(set, SIGHUP);
+}
+
+int kvt__srv_block_signals(void)
+{
+    sigset_t set;
+    kvt_signal_set(&set);
+    int rc = pthread_sigmask(SIG_BLOCK, &set, NULL);
+    return rc ? -rc : 0;
+}
+
 static void kvt_on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
@@ -319,12 +337,14 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
             goto fail;
     }
 
+    /* The signals were blocked before anything else ran (main); blocking them again is a no-op
+     * there and keeps a caller other than main correct. A SIGTERM that came during start-up
+     * (the NVMe recovery, pinning the DRAM tier) is pending: the signalfd reads it on the loop's
+     * first turn, and the daemon shuts down cleanly. */
     sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGTERM);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGHUP);
-    sigprocmask(SIG_BLOCK, &set, NULL);
+    kvt_signal_set(&set);
+    if ((rc = kvt__srv_block_signals()) < 0)
+        goto fail;
     signal(SIGPIPE, SIG_IGN);
     s->sig_ev.fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
     s->sig_ev.cb = kvt_on_signal;

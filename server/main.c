@@ -30,6 +30,14 @@
  */
 int main(int argc, char **argv)
 {
+    /* Before anything else: libraries start threads of their own (the CUDA runtime does while
+     * the HBM tier opens, and the DRAM tier's pinning asks it first), and each inherits the mask
+     * of the thread that starts it. Blocked from here on, SIGTERM, SIGINT and SIGHUP reach only
+     * the loop's signalfd; one that arrives during start-up waits there (server/loop.c). */
+    if (kvt__srv_block_signals() < 0) {
+        fprintf(stderr, "kvtierd: cannot block SIGTERM, SIGINT and SIGHUP\n");
+        return 70;
+    }
     kvt_srv_conf_t conf;
     char err[512] = "";
     if (kvt__conf_defaults(&conf) < 0) {

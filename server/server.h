@@ -225,6 +225,12 @@ struct kvt_srv {
 };
 
 /* loop.c */
+/* Blocks SIGTERM, SIGINT and SIGHUP in the calling thread, the signals the loop's signalfd
+ * takes. main calls it first thing, before any library can start a thread: a thread inherits the
+ * mask of the one that starts it, so every later thread (the CUDA runtime's, any of ours) keeps
+ * them blocked and none can take one and die by its default action. A signal that arrives
+ * before the loop runs stays pending, and the signalfd reads it then. Returns 0 or -errno. */
+int kvt__srv_block_signals(void);
 int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf);
 int kvt__srv_run(kvt_srv_t *s);
 void kvt__srv_close(kvt_srv_t *s);
