@@ -36,7 +36,8 @@ def block(page, seed):
 
 
 class Daemon:
-    """kvtierd in a fresh directory, on its default Unix socket there."""
+    """kvtierd in a fresh directory, on its default Unix socket there, with every tier named
+    (no HBM tier: the default backend would add one wherever a GPU is usable)."""
 
     def __init__(self):
         root = os.environ.get("KVT_BUILD_ROOT", "build")
@@ -45,7 +46,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [os.path.join(root, "server", "kvtierd"), "--tcp", "127.0.0.1:0", "--metrics",
              "127.0.0.1:0", "--dram-bytes", "16M", "--nvme-bytes", "8M",
-             "--nvme-segment-bytes", "1M", "--log-level", "warn"],
+             "--nvme-segment-bytes", "1M", "--hbm-bytes", "0", "--log-level", "warn"],
             cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.unix = None
         for line in self.proc.stdout:

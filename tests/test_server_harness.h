@@ -55,7 +55,10 @@ static inline void kvd_mkdir(kvd_t *d)
 }
 
 /* Starts kvtierd in d->dir (made by kvd_mkdir, or fresh when d->dir is empty) with the given
- * flags (NULL-terminated) after the test defaults: small tiers, ephemeral ports. */
+ * flags (NULL-terminated) after the test defaults: small tiers, ephemeral ports. The defaults
+ * name every tier the daemon gets, so that a test runs the same on every machine: no HBM tier
+ * (hbm-backend auto would add one wherever a GPU is usable); a test that wants one asks for it,
+ * with its backend. */
 static inline void kvd_startv(kvd_t *d, const char *const *extra)
 {
     if (!d->dir[0])
@@ -66,7 +69,8 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
     const char *defaults[] = {"--tcp",        "127.0.0.1:0",  "--metrics",
                               "127.0.0.1:0",  "--dram-bytes", "16M",
                               "--nvme-bytes", "8M",           "--nvme-segment-bytes",
-                              "1M",           "--log-level",  "warn"};
+                              "1M",           "--hbm-bytes",  "0",
+                              "--log-level",  "warn"};
     for (size_t i = 0; i < sizeof defaults / sizeof *defaults; i++)
         argv[n++] = defaults[i];
     for (int i = 0; extra && extra[i]; i++)
