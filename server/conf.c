@@ -58,6 +58,8 @@ static const kvt_opt_t kvt_opts[] = {
     {"nvme-sparse", KVT_OPT_BOOL, KVT_O(nvme_sparse), "no",
      "do not preallocate the NVMe data file"},
     {"hbm-device", KVT_OPT_INT, KVT_O(hbm_device), "0", "CUDA device of the HBM tier"},
+    {"hbm-batch", KVT_OPT_U32, KVT_O(hbm_batch), "16",
+     "most HBM copies submitted as one batch (1 .. 256; 1 submits each copy at once)"},
     {"remote", KVT_OPT_STR, KVT_O(remote), "",
      "Valkey/Redis server host:port of the remote tier; \"\" for none"},
     {"remote-bytes", KVT_OPT_BYTES, KVT_O(remote_bytes), "4G", "remote tier capacity"},

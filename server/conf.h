@@ -24,6 +24,7 @@ typedef struct kvt_srv_conf {
     uint64_t hbm_bytes;
     char *hbm_backend; /* "auto" (a GPU if usable, else none), "cuda", "host" */
     int hbm_device;
+    uint32_t hbm_batch; /* copies per batch, at most */
     uint64_t nvme_segment_bytes;
     int nvme_sparse;
     char *remote; /* host:port of a Valkey/Redis server; "" for none */

@@ -85,6 +85,10 @@ typedef enum {
     X(TIER_BLOCKS, GAUGE, "kvtier_tier_blocks", "Blocks stored in each tier.", TIER)               \
     X(TIER_LOST, COUNTER, "kvtier_tier_lost_blocks_total",                                         \
       "Blocks a tier dropped by itself (NVMe segment reclaim, remote server eviction).", TIER)     \
+    X(HBM_BATCHES, COUNTER, "kvtier_hbm_copy_batches_total",                                       \
+      "Batches the HBM tier's copies went out in (one cudaMemcpyBatchAsync each).", NONE)          \
+    X(HBM_COPIES, COUNTER, "kvtier_hbm_copies_total",                                              \
+      "HBM copies in those batches, both ways: copies per batch = this / the batches.", NONE)      \
     X(BLOCKS_MOVED, COUNTER, "kvtier_blocks_moved_total",                                          \
       "Blocks copied from one tier to another.", PAIR)                                             \
     X(BLOCKS_DROPPED, COUNTER, "kvtier_blocks_dropped_total",                                      \

@@ -656,8 +656,10 @@ int kvt__store_open(kvt_srv_t *s)
     kvt_srv_conf_t *c = s->conf;
     int rc;
     if (c->hbm_bytes) {
-        kvt_tier_hbm_conf_t hc = {
-            .backend = c->hbm_backend, .capacity_bytes = c->hbm_bytes, .device = c->hbm_device};
+        kvt_tier_hbm_conf_t hc = {.backend = c->hbm_backend,
+                                  .capacity_bytes = c->hbm_bytes,
+                                  .device = c->hbm_device,
+                                  .batch = c->hbm_batch};
         rc = kvt_tier_hbm_create(&s->tiers[KVT_TIER_HBM], &hc);
         if (rc == KVT_EUNAVAIL && !strcmp(c->hbm_backend, "auto")) {
             kvt_log(KVT_LOG_INFO, "kvtierd: HBM tier unavailable (no usable GPU): continuing "
@@ -899,6 +901,11 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_TIER_CAPACITY, (unsigned)i, (double)u.capacity_bytes);
         kvt__metric_set(s->metrics, KVT_M_TIER_BLOCKS, (unsigned)i, (double)u.blocks);
         kvt__metric_set(s->metrics, KVT_M_TIER_LOST, (unsigned)i, (double)u.reclaimed);
+    }
+    kvt_tier_hbm_stats_t hs;
+    if (s->tiers[KVT_TIER_HBM] && kvt_tier_hbm_stats(s->tiers[KVT_TIER_HBM], &hs) == 0) {
+        kvt__metric_set(s->metrics, KVT_M_HBM_BATCHES, 0, (double)hs.batches);
+        kvt__metric_set(s->metrics, KVT_M_HBM_COPIES, 0, (double)hs.copies);
     }
     kvt_radix_stats_t rs;
     kvt_radix_stats(s->radix, &rs);

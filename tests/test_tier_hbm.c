@@ -1,11 +1,48 @@
 /*
  * test_tier_hbm.c: the HBM tier. The `host` backend (ordinary memory, chosen explicitly) runs
  * everywhere: round trips, slot rounding, capacity exhaustion, fragmentation of the slot pool,
- * free and reuse, requests in flight. The `cuda` backend needs a usable GPU: without one its
- * creation must fail with KVT_EUNAVAIL (tested here), and the tests that move bytes through the
- * device are skipped, not passed.
+ * free and reuse, requests in flight, and the grouping of requests into batches (the same code
+ * for both backends: requests queued together go out as one batch). The `cuda` backend needs a
+ * usable GPU: without one its creation must fail with KVT_EUNAVAIL (tested here), and the tests
+ * that move bytes through the device are skipped, not passed, with the reason on stderr too
+ * (Criterion prints it only with --verbose).
  */
 #include "test_tier_util.h"
+
+#include <poll.h>
+
+static void skip_no_gpu(const char *why)
+{
+    fprintf(stderr, "SKIP %s::%s: %s\n", criterion_current_test->category,
+            criterion_current_test->name, why);
+    cr_skip_test("%s", why);
+}
+
+/* Block i's completion order, for tests of the order batches go out in. */
+typedef struct order {
+    int done;
+    int seq[256];
+    kvt_tier_io_t *base;
+} order_t;
+
+static void order_cb(kvt_tier_io_t *io)
+{
+    order_t *o = io->data;
+    o->seq[io - o->base] = o->done++;
+}
+
+static kvt_tier_hbm_stats_t stats(kvt_tier_t *t)
+{
+    kvt_tier_hbm_stats_t st;
+    cr_assert_eq(kvt_tier_hbm_stats(t, &st), 0);
+    return st;
+}
+
+static int fd_readable(kvt_tier_t *t)
+{
+    struct pollfd pf = {.fd = kvt_tier_fd(t), .events = POLLIN};
+    return poll(&pf, 1, 0) == 1;
+}
 
 static kvt_tier_t *mk_host(uint64_t cap, uint32_t slot)
 {
@@ -148,10 +185,132 @@ Test(tier_hbm, bad_configuration_is_refused)
     cr_assert_eq(kvt_tier_hbm_create(NULL, &c), KVT_EINVAL);
 }
 
+Test(tier_hbm, requests_queued_together_go_out_as_one_batch)
+{
+    enum { N = 40, LEN = 100000 };
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "host", .capacity_bytes = 64u << 20, .batch = 16};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    static kvt_tier_io_t ios[N];
+    static uint32_t toks[N][16];
+    uint8_t *bufs = malloc((size_t)N * LEN);
+    int done = 0;
+    /* Ten writes in one turn: queued, nothing copied yet, and the fd says so to the loop. */
+    tu_write_burst(t, ios, toks, bufs, 10, LEN, 0, &done);
+    kvt_tier_hbm_stats_t st = stats(t);
+    cr_assert_eq(st.batches, 0, "queued, not yet sent");
+    cr_assert_eq(st.batch_max, 16);
+    cr_assert_str_eq(st.api, "memcpy");
+    cr_assert(fd_readable(t), "a queued request makes the tier's fd readable");
+    cr_assert(tu_drive(t, &done, 10));
+    st = stats(t);
+    cr_assert_eq(st.batches, 1, "ten writes queued together: one batch (%llu)",
+                 (unsigned long long)st.batches);
+    cr_assert_eq(st.copies, 10);
+    cr_assert_eq(st.largest, 10);
+    for (int i = 0; i < 10; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(tu_same(kvt_tier_ptr(t, ios[i].loc), LEN, (uint64_t)i), "block %d", i);
+    }
+    /* Their reads, queued together: one more batch, every callback run, byte-exact. */
+    memset(bufs, 0, (size_t)N * LEN);
+    done = 0;
+    for (int i = 0; i < 10; i++)
+        cr_assert_eq(kvt_tier_read(t, &ios[i]), 0);
+    cr_assert(tu_drive(t, &done, 10));
+    st = stats(t);
+    cr_assert_eq(st.batches, 2);
+    cr_assert_eq(st.copies, 20);
+    for (int i = 0; i < 10; i++)
+        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, (uint64_t)i), "read %d", i);
+    for (int i = 0; i < 10; i++)
+        kvt_tier_free(t, ios[i].loc, LEN);
+    /* Forty at once: each full batch of 16 goes out as it fills, the last 8 on the next
+     * process; no callback runs inside a submit. */
+    done = 0;
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 100, &done);
+    cr_assert_eq(done, 0);
+    cr_assert_eq(stats(t).batches, 4, "two full batches went out at once");
+    cr_assert(tu_drive(t, &done, N));
+    st = stats(t);
+    cr_assert_eq(st.batches, 5);
+    cr_assert_eq(st.copies, 20 + N);
+    cr_assert_eq(st.largest, 16);
+    memset(bufs, 0, (size_t)N * LEN);
+    done = 0;
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(kvt_tier_read(t, &ios[i]), 0);
+    cr_assert(tu_drive(t, &done, N));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, 100 + (uint64_t)i), "read %d", i);
+    }
+    free(bufs);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_hbm, batch_of_one_sends_each_copy_at_once)
+{
+    enum { N = 5, LEN = 4096 };
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "host", .capacity_bytes = 1u << 20, .batch = 1};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    static kvt_tier_io_t ios[N];
+    static uint32_t toks[N][16];
+    uint8_t bufs[N * LEN];
+    int done = 0;
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 7, &done);
+    cr_assert_eq(stats(t).batches, N, "each write went out as it was submitted");
+    cr_assert_eq(done, 0, "but its callback waits for kvt_tier_process");
+    cr_assert(tu_drive(t, &done, N));
+    cr_assert_eq(stats(t).largest, 1);
+    kvt_tier_destroy(t);
+    c.batch = 257;
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "at most 256 copies a batch");
+}
+
+Test(tier_hbm, queued_reads_go_out_before_the_writes_after_them)
+{
+    /* A read queued, its block freed and its slots written again in the same turn: the read
+     * still gets the bytes it was submitted for, and its callback comes first. The pool has
+     * four slots, all taken, so the new write can only land in the freed one. */
+    enum { LEN = 64u << 10 };
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {
+        .backend = "host", .capacity_bytes = 4 * LEN, .slot_bytes = LEN, .batch = 4};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    static uint8_t buf[LEN], got[LEN], fresh[4][LEN];
+    uint32_t tok[16];
+    uint64_t locs[4];
+    tu_write_n(t, 4, buf, LEN, tok, locs);
+    static kvt_tier_io_t ios[5];
+    static uint32_t toks[5][16];
+    order_t o = {.base = ios};
+    ios[0] = (kvt_tier_io_t){.key = tu_key(0, toks[0], 16),
+                             .loc = locs[0],
+                             .buf = got,
+                             .len = LEN,
+                             .cb = order_cb,
+                             .data = &o};
+    cr_assert_eq(kvt_tier_read(t, &ios[0]), 0);
+    kvt_tier_free(t, locs[0], LEN);
+    /* A write in the same turn takes block 0's slot; both go out on the next process. */
+    tu_fill(fresh[0], LEN, 99);
+    ios[1] = (kvt_tier_io_t){
+        .key = tu_key(50, toks[1], 16), .buf = fresh[0], .len = LEN, .cb = order_cb, .data = &o};
+    cr_assert_eq(kvt_tier_write(t, &ios[1]), 0);
+    cr_assert_eq(ios[1].loc, locs[0], "the only free slot is the one just freed");
+    cr_assert(tu_drive(t, &o.done, 2));
+    cr_assert(tu_same(got, LEN, 0), "the read got the bytes it was submitted for");
+    cr_assert_lt(o.seq[0], o.seq[1], "the queued read completed first");
+    cr_assert(tu_same(kvt_tier_ptr(t, ios[1].loc), LEN, 99));
+    kvt_tier_destroy(t);
+}
+
 Test(tier_hbm, cuda_without_a_usable_gpu_is_unavailable)
 {
     if (kvt_tier_cuda_usable())
-        cr_skip_test("a GPU is usable here: the no-GPU path is not reachable");
+        skip_no_gpu("a GPU is usable here: the no-GPU path is not reachable");
     const char *names[] = {"cuda", "auto", NULL};
     for (int i = 0; i < 3; i++) {
         kvt_tier_t *t = NULL;
@@ -165,7 +324,7 @@ Test(tier_hbm, cuda_without_a_usable_gpu_is_unavailable)
 static kvt_tier_t *mk_cuda(uint64_t cap)
 {
     if (!kvt_tier_cuda_usable())
-        cr_skip_test("no usable CUDA device: the cuda backend cannot move bytes here");
+        skip_no_gpu("no usable CUDA device: the cuda backend cannot move bytes here");
     kvt_tier_t *t = NULL;
     kvt_tier_hbm_conf_t c = {.backend = "cuda", .capacity_bytes = cap};
     cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
@@ -236,5 +395,70 @@ Test(tier_hbm, cuda_many_copies_in_flight_and_capacity)
     for (int i = 0; i < accepted; i++)
         cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, (uint64_t)i), "block %d", i);
     free(bufs);
+    kvt_tier_destroy(h);
+}
+
+Test(tier_hbm, cuda_batches_both_ways_at_once_are_byte_exact)
+{
+    /* 96 blocks of 256 KiB written, then the first half read back while the second half is
+     * written again, all queued in one turn: batches of up to 16 each way on their own streams,
+     * every callback run, every byte where it belongs. */
+    enum { N = 96, LEN = 256u << 10 };
+    kvt_tier_t *h = mk_cuda(64u << 20);
+    kvt_tier_t *d = NULL;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 2ull * N * LEN, .pin = 1};
+    cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
+    static kvt_tier_io_t ios[N], again[N];
+    static uint32_t toks[N][16];
+    uint8_t *host = malloc((size_t)N * LEN);
+    uint8_t *pinned[N];
+    uint32_t tok[16];
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key(1000 + (uint64_t)i, tok, 16);
+        uint64_t loc = 0;
+        tu_fill(host + (size_t)i * LEN, LEN, (uint64_t)i);
+        cr_assert_eq(tu_write(d, &k, host + (size_t)i * LEN, LEN, &loc), 0);
+        pinned[i] = kvt_tier_ptr(d, loc);
+    }
+    int done = 0;
+    for (int i = 0; i < N; i++) {
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = pinned[i],
+                                 .len = LEN,
+                                 .cb = tu_count_cb,
+                                 .data = &done};
+        cr_assert_eq(kvt_tier_write(h, &ios[i]), 0, "write %d", i);
+    }
+    cr_assert(tu_drive(h, &done, N));
+    kvt_tier_hbm_stats_t st = stats(h);
+    cr_assert_str_eq(st.api, "cudaMemcpyBatchAsync", "batches refused by this driver?");
+    cr_assert_eq(st.copies, N);
+    cr_assert_lt(st.batches, (uint64_t)N, "copies went out in batches");
+    done = 0;
+    for (int i = 0; i < N / 2; i++) {
+        memset(pinned[i], 0, LEN);
+        cr_assert_eq(kvt_tier_read(h, &ios[i]), 0);
+        int j = N / 2 + i;
+        kvt_tier_free(h, ios[j].loc, LEN);
+        tu_fill(pinned[j], LEN, 5000 + (uint64_t)j);
+        again[j] = (kvt_tier_io_t){.key = tu_key((uint64_t)j, toks[j], 16),
+                                   .buf = pinned[j],
+                                   .len = LEN,
+                                   .cb = tu_count_cb,
+                                   .data = &done};
+        cr_assert_eq(kvt_tier_write(h, &again[j]), 0);
+    }
+    cr_assert(tu_drive(h, &done, N));
+    for (int i = 0; i < N / 2; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(tu_same(pinned[i], LEN, (uint64_t)i), "read %d", i);
+        int j = N / 2 + i;
+        cr_assert_eq(again[j].status, 0);
+        memset(pinned[j], 0, LEN);
+        cr_assert_eq(tu_read(h, &again[j].key, again[j].loc, pinned[j], LEN), 0);
+        cr_assert(tu_same(pinned[j], LEN, 5000 + (uint64_t)j), "rewritten %d", j);
+    }
+    free(host);
+    kvt_tier_destroy(d);
     kvt_tier_destroy(h);
 }

@@ -281,18 +281,38 @@ int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recove
 
 /* --- HBM (tiers/hbm.c) ---
  * A pool of device memory allocated once and carved into slots (a bitmap allocator; a block
- * takes a run of whole slots). backend "cuda": cudaMalloc'd memory, copies with cudaMemcpyAsync
- * on a few streams, completions through CUDA events polled from the tier's fd (a timerfd armed
- * while copies are in flight); needs a usable GPU, else creation fails with KVT_EUNAVAIL and
- * logs why. "auto" is "cuda". "host": the same pool in ordinary memory, for testing four tiers
- * on machines without a GPU; chosen only explicitly, logged, and named by kvt_tier_backend(). */
+ * takes a run of whole slots). backend "cuda": cudaMalloc'd memory, copies in batches (one
+ * cudaMemcpyBatchAsync each, cudaMemcpyAsync per copy where that is refused) on a few streams per
+ * direction, completions through CUDA events polled from the tier's fd (a timerfd armed while
+ * copies are in flight); needs a usable GPU, else creation fails with KVT_EUNAVAIL and logs why.
+ * "auto" is "cuda". "host": the same pool in ordinary memory, for testing four tiers on machines
+ * without a GPU; chosen only explicitly, logged, and named by kvt_tier_backend().
+ *
+ * Batches, both backends: a read or write submitted is queued, and what was queued goes out in
+ * batches on the tier's next kvt_tier_process (the submit makes kvt_tier_fd readable), or at
+ * once when its direction has `batch` copies queued. Requests submitted together in one turn of
+ * the caller's loop thus complete together, one batch per direction (tiers/hbm.c). */
 typedef struct kvt_tier_hbm_conf {
     const char *backend;     /* "cuda", "host" or "auto"; NULL: "auto" */
     uint64_t capacity_bytes; /* pool size, rounded down to whole slots */
     uint32_t slot_bytes;     /* 0: 64 KiB; a power of two, 4 KiB .. 16 MiB */
     int device;              /* CUDA device ordinal */
-    uint32_t streams;        /* 0: 4; 1 .. 16 */
+    uint32_t streams;        /* 0: 4 (half each way); 1 .. 16 */
+    uint32_t batch;          /* most copies in one batch; 0: 16; 1: each copy at once; .. 256 */
 } kvt_tier_hbm_conf_t;
+
+/* How the tier's copies went out: batches (one call each) and the copies in them. */
+typedef struct kvt_tier_hbm_stats {
+    uint64_t batches;
+    uint64_t copies;
+    uint32_t largest;   /* copies in the largest batch so far */
+    uint32_t batch_max; /* the configured most */
+    const char *api;    /* "cudaMemcpyBatchAsync", "cudaMemcpyAsync" (batch 1, or refused),
+                           "memcpy" (host); static */
+} kvt_tier_hbm_stats_t;
+
+/* Returns 0, or KVT_EINVAL when t is not an HBM tier. */
+int kvt_tier_hbm_stats(const kvt_tier_t *t, kvt_tier_hbm_stats_t *out);
 
 /* Returns 0, KVT_EINVAL, KVT_ENOMEM, or KVT_EUNAVAIL (no usable GPU, or no CUDA in this build). */
 int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf);

@@ -102,6 +102,9 @@ int kvt__tier_init(kvt_tier_t **out, kvt_tier_id_t kind, const kvt_tier_ops_t *o
 /* Adds the backend's fd to the tier's epoll set (for backends whose fd exists only after
  * kvt__tier_init). Returns 0 or a negated errno. */
 int kvt__tier_watch_fd(kvt_tier_t *t, int fd);
+/* Makes the tier's fd readable, so that the caller's loop calls kvt_tier_process (and the
+ * backend's poll op) soon: for a backend holding requests back to submit them together. */
+void kvt__tier_kick(kvt_tier_t *t);
 /* Queues io as finished with status; its callback runs in the next kvt_tier_process. */
 void kvt__tier_complete(kvt_tier_t *t, kvt_tier_io_t *io, int status);
 /* Indexes and charges a block the backend found by itself (NVMe recovery, a remote block stored

@@ -1,0 +1,211 @@
+/*
+ * test_server_hbm.c: kvtierd with an HBM tier, through the client library and /metrics. Each
+ * behaviour runs with the `host` backend (ordinary memory standing in for HBM: every machine)
+ * and with the `cuda` backend where a GPU is usable (skipped otherwise, with the reason on
+ * stderr as well, since Criterion prints it only with --verbose): pages land in HBM first,
+ * a full HBM spills to DRAM and is brought down to its low watermark by demotions, a PREFETCH
+ * brings pages back up to HBM (demoting others to make room), every GET returns the bytes PUT,
+ * and the HBM metrics count it all.
+ */
+#include "test_server_harness.h"
+
+#include "tier.h"
+
+#define PAGE 16
+#define BLK  65536 /* one 64 KiB HBM slot per page: 1 MiB of HBM holds 16 pages */
+
+static void need_backend(const char *backend)
+{
+    if (!strcmp(backend, "cuda") && !kvt_tier_cuda_usable()) {
+        const char *why = "no usable CUDA device (or no CUDA in this build): the cuda backend "
+                          "is tested on GPU hosts";
+        fprintf(stderr, "SKIP %s::%s: %s\n", criterion_current_test->category,
+                criterion_current_test->name, why);
+        cr_skip_test("%s", why);
+    }
+}
+
+static void start(kvd_t *d, const char *backend, const char *high, const char *low)
+{
+    kvd_start(d, "--hbm-backend", backend, "--hbm-bytes", "1M", "--dram-bytes", "8M",
+              "--nvme-bytes", "0", "--policy-high", high, "--policy-low", low, "--log-level",
+              "info", NULL);
+}
+
+/* Pages [0, n) of a prompt, page i's bytes from seed + i. */
+static void put_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t n, uint32_t seed)
+{
+    uint8_t *buf = malloc((size_t)n * BLK);
+    for (uint32_t i = 0; i < n; i++)
+        kvd_fill(buf + (size_t)i * BLK, BLK, seed + i);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, n * PAGE, 0, n, buf, NULL, &r), 0);
+    cr_expect_eq(r.stored, n, "stored %u of %u pages", r.stored, n);
+    free(buf);
+}
+
+/* MATCHes the prompt (every page cached), GETs every page and checks its bytes; the tier each
+ * page was in for the MATCH goes to tiers, the one each was read from to from. */
+static void get_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t n, uint32_t seed,
+                       uint8_t *tiers, uint8_t *from)
+{
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = n};
+    cr_assert_eq(kvt_client_match(c, tok, n * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, n);
+    uint8_t *buf = malloc((size_t)n * BLK), *want = malloc(BLK);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c, m.lease, 0, n, buf, (size_t)n * BLK, &got, from), 0);
+    cr_assert_eq(got, n);
+    for (uint32_t i = 0; i < n; i++) {
+        kvd_fill(want, BLK, seed + i);
+        cr_assert(!memcmp(buf + (size_t)i * BLK, want, BLK), "page %u (seed %u) differs", i,
+                  seed + i);
+    }
+    cr_expect_eq(kvt_client_release(c, m.lease, NULL), 0);
+    free(buf);
+    free(want);
+}
+
+/* The value of one series from /metrics (-1 when absent). */
+static double metric(const kvd_t *d, const char *series)
+{
+    static char body[1 << 20];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    size_t len = strlen(series);
+    for (const char *p = body; (p = strstr(p, series)); p += len)
+        if ((p == body || p[-1] == '\n') && p[len] == ' ')
+            return strtod(p + len + 1, NULL);
+    return -1;
+}
+
+/* Waits up to 5 s for the gauges (refreshed every tick) to show what STATS shows now (a MATCH
+ * that hit DRAM may have started promotions, which the policy may then undo). */
+static void wait_gauges(const kvd_t *d, kvt_client_t *c)
+{
+    uint64_t deadline = kvt_now_ns() + 5000000000ull;
+    while (metric(d, "kvtier_tier_blocks{tier=\"hbm\"}") != (double)kvd_stat(c, "hbm_blocks") &&
+           kvt_now_ns() < deadline)
+        usleep(10000);
+}
+
+static void spill_and_prefetch(const char *backend)
+{
+    need_backend(backend);
+    kvd_t d = {0};
+    /* Watermarks at 100%: no maintenance in the background, so where each page goes is known. */
+    start(&d, backend, "1", "1");
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BLK);
+    uint32_t a[16 * PAGE], b[8 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 8 * PAGE, 900000);
+    uint8_t tiers[16], from[16];
+
+    /* a's 16 pages fill HBM exactly; b's 8 find no room there and land in DRAM. */
+    put_prompt(c, a, 16, 100);
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 16);
+    cr_expect_eq(kvd_stat(c, "hbm_used_bytes"), kvd_stat(c, "hbm_capacity_bytes"));
+    put_prompt(c, b, 8, 200);
+    cr_expect_eq(kvd_stat(c, "dram_blocks"), 8);
+    get_prompt(c, a, 16, 100, tiers, from);
+    for (int i = 0; i < 16; i++) {
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_HBM, "a's page %d in %u", i, tiers[i]);
+        cr_expect_eq(from[i], KVT_CLIENT_TIER_HBM, "a's page %d read from %u", i, from[i]);
+    }
+    get_prompt(c, b, 8, 200, tiers, from);
+    for (int i = 0; i < 8; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "b's page %d in %u", i, tiers[i]);
+
+    /* PREFETCH b up to HBM: the policy demotes eight of a's pages to DRAM to make room, then
+     * promotes b's. */
+    kvt_client_prefetch_t pf;
+    cr_assert_eq(kvt_client_prefetch(c, b, 8 * PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
+    cr_expect_eq(pf.pages, 8);
+    cr_expect_eq(pf.moved + pf.resident, 8, "moved %u resident %u failed %u", pf.moved, pf.resident,
+                 pf.failed);
+    cr_expect_eq(pf.failed, 0);
+    get_prompt(c, b, 8, 200, tiers, from);
+    for (int i = 0; i < 8; i++) {
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_HBM, "b's page %d in %u after PREFETCH", i,
+                     tiers[i]);
+        cr_expect_eq(from[i], KVT_CLIENT_TIER_HBM, "b's page %d read from %u", i, from[i]);
+    }
+    get_prompt(c, a, 16, 100, tiers, from);
+    int in_hbm = 0, in_dram = 0;
+    for (int i = 0; i < 16; i++) {
+        in_hbm += tiers[i] == KVT_CLIENT_TIER_HBM;
+        in_dram += tiers[i] == KVT_CLIENT_TIER_DRAM;
+    }
+    cr_expect_eq(in_hbm + in_dram, 16);
+    cr_expect_geq(in_dram, 8, "a's pages demoted to DRAM: %d", in_dram);
+    cr_expect_leq(kvd_stat(c, "hbm_used_bytes"), kvd_stat(c, "hbm_capacity_bytes"));
+
+    /* The metrics: the moves both ways, the tier's gauges, the hits, the copies' batches. */
+    wait_gauges(&d, c);
+    cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 8);
+    cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"hbm\"}"), 8);
+    cr_expect_eq(metric(&d, "kvtier_tier_blocks{tier=\"hbm\"}"), (double)kvd_stat(c, "hbm_blocks"));
+    cr_expect_eq(metric(&d, "kvtier_tier_capacity_bytes{tier=\"hbm\"}"), 1 << 20);
+    cr_expect_gt(metric(&d, "kvtier_hit_tokens_total{tier=\"hbm\"}"), 0);
+    double copies = metric(&d, "kvtier_hbm_copies_total");
+    double batches = metric(&d, "kvtier_hbm_copy_batches_total");
+    /* a's 16 writes and b's 8 promotions at least (the host backend's GETs and demotions read
+     * its memory directly; the cuda backend's copy it out too): a PUT's pages, and a PREFETCH's,
+     * are queued in one turn and go out together. */
+    fprintf(stderr, "%s: %g HBM copies in %g batches\n", backend, copies, batches);
+    cr_expect_geq(copies, 16 + 8, "copies %g", copies);
+    cr_expect_gt(batches, 0);
+    cr_expect_lt(batches, copies, "copies went out in batches: %g batches, %g copies", batches,
+                 copies);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+static void fill_and_demote(const char *backend)
+{
+    need_backend(backend);
+    kvd_t d = {0};
+    /* Maintenance above 90% of a tier, down to 75%: a full HBM of 16 pages gives up 4. */
+    start(&d, backend, "0.9", "0.75");
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BLK);
+    uint32_t a[16 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 7);
+    put_prompt(c, a, 16, 300);
+    uint64_t t0 = kvt_now_ns(), deadline = t0 + 5000000000ull;
+    while (kvd_stat(c, "hbm_blocks") > 12 && kvt_now_ns() < deadline)
+        usleep(10000);
+    fprintf(stderr, "%s: HBM at %llu blocks after %.3f s\n", backend,
+            (unsigned long long)kvd_stat(c, "hbm_blocks"), (double)(kvt_now_ns() - t0) / 1e9);
+    cr_expect_leq(kvd_stat(c, "hbm_blocks"), 12, "HBM brought down to its low watermark");
+    cr_expect_geq(kvd_stat(c, "dram_blocks"), 4, "the demoted pages are in DRAM");
+    cr_expect_eq(kvd_stat(c, "hbm_blocks") + kvd_stat(c, "dram_blocks"), 16);
+    uint8_t tiers[16], from[16];
+    get_prompt(c, a, 16, 300, tiers, from);
+    for (int i = 1; i < 16; i++)
+        cr_expect_geq(tiers[i], tiers[i - 1], "faster tiers first along the path");
+    wait_gauges(&d, c);
+    cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 4);
+    kvt_client_close(c);
+    kvd_stop(&d);
+    kvd_log_tail(&d, 3000);
+    kvd_cleanup(&d);
+}
+
+Test(server_hbm, host_spill_to_dram_and_prefetch_back)
+{
+    spill_and_prefetch("host");
+}
+
+Test(server_hbm, cuda_spill_to_dram_and_prefetch_back)
+{
+    spill_and_prefetch("cuda");
+}
+
+Test(server_hbm, host_full_hbm_demotes_to_dram)
+{
+    fill_and_demote("host");
+}
+
+Test(server_hbm, cuda_full_hbm_demotes_to_dram)
+{
+    fill_and_demote("cuda");
+}
