@@ -21,8 +21,13 @@
  *           Each timed phase starts after an untimed syncfs, so that the disk's host has
  *           flushed the writes of the phase before (whichever side ran after a fast writer
  *           otherwise paid for it).
- *   hbm     only where a GPU is usable: the tier's copies between pinned DRAM and the device
- *           vs plain cudaMemcpy of the same size
+ *   hbm     only where a GPU is usable: the tier's copies between pinned DRAM-tier blocks and
+ *           the device, writes (to the device), reads (back) and both at once (--qd requests in
+ *           flight each way), vs the machine's ceiling measured in the same run: one large
+ *           pinned copy each way (--ceiling-mib, 1 GiB by default), and those two at once on
+ *           two streams. Each block size runs at several batch sizes (the tier's hbm-batch: 1 is
+ *           a cudaMemcpyAsync per copy, larger ones a cudaMemcpyBatchAsync per batch), so that
+ *           one run says which comes nearest the ceiling.
  *   remote  bench_remote_run() (bench/bench_remote.c) against --redis HOST:PORT, or a throwaway
  *           redis-server, vs redis-benchmark
  *
@@ -58,6 +63,7 @@ typedef struct opts {
     const char *redis;
     uint64_t volume; /* bytes per case */
     uint32_t qd;
+    uint64_t ceiling; /* bytes of the hbm ceiling's one large copy */
     int reps;
     int only_dram, only_nvme, no_remote;
 } opts_t;
@@ -162,14 +168,14 @@ static void pump_cb(kvt_tier_io_t *io)
         pump_submit(p, &p->ios[slot]);
 }
 
-/* Runs n writes or reads of bs bytes with `window` in flight; returns seconds, or -1. */
-static double pump_run(pump_t *p, kvt_io_op_t op, uint32_t n)
+/* Submits the first `window` of n writes or reads of bs bytes; completions submit the rest.
+ * Returns 0 or -1. */
+static int pump_start(pump_t *p, kvt_io_op_t op, uint32_t n)
 {
     p->op = op;
     p->n = n;
     p->next = p->done = 0;
     p->failed = 0;
-    double t0 = now_s();
     for (uint32_t w = 0; w < p->window && p->next < n; w++) {
         p->ios[w].buf = p->bufs[w];
         p->ios[w].cb = pump_cb;
@@ -177,7 +183,21 @@ static double pump_run(pump_t *p, kvt_io_op_t op, uint32_t n)
         if (pump_submit(p, &p->ios[w]) < 0)
             return -1;
     }
-    while (p->done < p->next && !p->failed)
+    return 0;
+}
+
+static int pump_busy(const pump_t *p)
+{
+    return p->done < p->next && !p->failed;
+}
+
+/* Runs n writes or reads of bs bytes with `window` in flight; returns seconds, or -1. */
+static double pump_run(pump_t *p, kvt_io_op_t op, uint32_t n)
+{
+    double t0 = now_s();
+    if (pump_start(p, op, n) < 0)
+        return -1;
+    while (pump_busy(p))
         if (kvt_tier_wait(p->t, 1000) < 0)
             return -1;
     double dt = now_s() - t0;
@@ -488,63 +508,217 @@ static int bench_nvme(const opts_t *o, size_t bs)
     return rc;
 }
 
-/* ---- HBM vs cudaMemcpy (only with a usable GPU) ---- */
+/* ---- HBM vs the copy ceiling (only with a usable GPU) ---- */
 
 #if KVT_HAVE_CUDA
-static int bench_hbm(const opts_t *o, size_t bs)
+/* The machine's ceiling: one large copy from pinned memory to the device, one back, and the two
+ * at once on two streams (the copy engines of both directions busy), each as fast as the DMA
+ * goes with no per-copy cost. */
+typedef struct ceiling {
+    size_t bytes;
+    void *host[2], *dev[2];
+    cudaStream_t s[2];
+} ceiling_t;
+
+static int ceiling_open(ceiling_t *c, size_t bytes)
+{
+    memset(c, 0, sizeof(*c));
+    c->bytes = bytes;
+    for (int i = 0; i < 2; i++) {
+        if (cudaHostAlloc(&c->host[i], bytes, cudaHostAllocDefault) != cudaSuccess ||
+            cudaMalloc(&c->dev[i], bytes) != cudaSuccess ||
+            cudaStreamCreateWithFlags(&c->s[i], cudaStreamNonBlocking) != cudaSuccess) {
+            fprintf(stderr, "bench_tiers: cannot set up the hbm ceiling's %zu-byte copies\n",
+                    bytes);
+            return -1;
+        }
+        memset(c->host[i], 0x5a, bytes);
+    }
+    return 0;
+}
+
+static void ceiling_close(ceiling_t *c)
+{
+    for (int i = 0; i < 2; i++) {
+        if (c->s[i])
+            cudaStreamDestroy(c->s[i]);
+        if (c->dev[i])
+            cudaFree(c->dev[i]);
+        if (c->host[i])
+            cudaFreeHost(c->host[i]);
+    }
+}
+
+/* GB/s of one copy to the device, one back, and both at once; returns 0 or -1. */
+static int ceiling_run(ceiling_t *c, double *h2d, double *d2h, double *both)
+{
+    cudaError_t ce = cudaSuccess;
+    double t0 = now_s();
+    ce = cudaMemcpyAsync(c->dev[0], c->host[0], c->bytes, cudaMemcpyHostToDevice, c->s[0]);
+    if (ce == cudaSuccess)
+        ce = cudaStreamSynchronize(c->s[0]);
+    double t1 = now_s();
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(c->host[1], c->dev[1], c->bytes, cudaMemcpyDeviceToHost, c->s[1]);
+    if (ce == cudaSuccess)
+        ce = cudaStreamSynchronize(c->s[1]);
+    double t2 = now_s();
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(c->dev[0], c->host[0], c->bytes, cudaMemcpyHostToDevice, c->s[0]);
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(c->host[1], c->dev[1], c->bytes, cudaMemcpyDeviceToHost, c->s[1]);
+    if (ce == cudaSuccess)
+        ce = cudaStreamSynchronize(c->s[0]);
+    if (ce == cudaSuccess)
+        ce = cudaStreamSynchronize(c->s[1]);
+    double t3 = now_s();
+    if (ce != cudaSuccess) {
+        fprintf(stderr, "bench_tiers: ceiling copy failed: %s\n", cudaGetErrorString(ce));
+        return -1;
+    }
+    *h2d = (double)c->bytes / (t1 - t0) / 1e9;
+    *d2h = (double)c->bytes / (t2 - t1) / 1e9;
+    *both = 2.0 * (double)c->bytes / (t3 - t2) / 1e9;
+    return 0;
+}
+
+static void emit_hbm(size_t bs, const char *op, const opts_t *o, uint32_t batch,
+                     const kvt_tier_hbm_stats_t *st, double gbps, const char *base,
+                     double base_gbps)
+{
+    printf("{\"tier\":\"hbm\",\"block_bytes\":%zu,\"op\":\"%s\",\"qd\":%u,\"batch\":%u,"
+           "\"api\":\"%s\",\"copies_per_batch\":%.2f,\"gbps\":%.3f,\"baseline\":\"%s\","
+           "\"baseline_gbps\":%.3f,\"ratio\":%.3f}\n",
+           bs, op, o->qd, batch, st->api,
+           st->batches ? (double)st->copies / (double)st->batches : 0.0, gbps, base, base_gbps,
+           base_gbps > 0 ? gbps / base_gbps : 0.0);
+    fflush(stdout);
+}
+
+/* One batch size: --reps rounds of the ceiling, then the tier's writes, reads, and reads and
+ * writes at once, from and into pinned DRAM-tier blocks as when the policy moves blocks. */
+static int bench_hbm_batch(const opts_t *o, size_t bs, uint32_t batch, ceiling_t *ceil,
+                           uint8_t **wbufs, uint8_t **rbufs)
 {
     uint32_t n = (uint32_t)(o->volume / bs);
-    kvt_tier_t *h, *d;
-    kvt_tier_hbm_conf_t hc = {.backend = "cuda", .capacity_bytes = (uint64_t)n * bs};
-    kvt_tier_dram_conf_t dc = {.capacity_bytes = (uint64_t)o->qd * (bs + (64u << 10)), .pin = 1};
-    if (kvt_tier_hbm_create(&h, &hc) < 0 || kvt_tier_dram_create(&d, &dc) < 0)
+    kvt_tier_t *h;
+    /* Room for n blocks, and n more written while the first n are read back. */
+    kvt_tier_hbm_conf_t hc = {.backend = "cuda", .capacity_bytes = 2ull * n * bs, .batch = batch};
+    if (kvt_tier_hbm_create(&h, &hc) < 0)
         return -1;
-    /* The host side of every copy is a pinned DRAM-tier block, as when the policy promotes. */
-    uint8_t **bufs = calloc(o->qd, sizeof(*bufs));
-    uint8_t *src = xalign(bs);
-    fill(src, bs, 3);
-    for (uint32_t i = 0; i < o->qd; i++) {
-        kvt_tier_io_t io = {
-            .key = {.ns_seed = 7, .hash = 1 + i, .parent = 7}, .buf = src, .len = (uint32_t)bs};
-        if (kvt_tier_write(d, &io) < 0 || kvt_tier_wait(d, 1000) < 0 || io.status < 0)
-            return -1;
-        bufs[i] = kvt_tier_ptr(d, io.loc);
-    }
-    void *dev = NULL;
-    if (cudaMalloc(&dev, bs) != cudaSuccess)
-        return -1;
-    pump_t p;
-    pump_init(&p, h, o->qd, (uint32_t)bs, n, bufs);
-    double *runs = calloc(4 * (size_t)o->reps, sizeof(*runs));
-    for (int rep = 0; rep < o->reps; rep++) {
+    pump_t p, q;
+    pump_init(&p, h, o->qd, (uint32_t)bs, n, wbufs);
+    pump_init(&q, h, o->qd, (uint32_t)bs, n, rbufs);
+    double *runs = calloc(6 * (size_t)o->reps, sizeof(*runs));
+    int rc = 0;
+    for (int rep = 0; rep < o->reps && rc == 0; rep++) {
+        double c_h2d, c_d2h, c_both;
+        if (ceiling_run(ceil, &c_h2d, &c_d2h, &c_both) < 0) {
+            rc = -1;
+            break;
+        }
         double dw = pump_run(&p, KVT_IO_WRITE, n);
+        p.bufs = rbufs; /* reads land in the other blocks */
         double dr = dw > 0 ? pump_run(&p, KVT_IO_READ, n) : -1;
-        if (dw < 0 || dr < 0)
-            return -1;
+        /* Both at once: p reads its n blocks back while q writes n new ones. */
+        double db = -1;
+        if (dr > 0) {
+            double t0 = now_s();
+            q.bufs = wbufs;
+            if (pump_start(&p, KVT_IO_READ, n) == 0 && pump_start(&q, KVT_IO_WRITE, n) == 0) {
+                while (pump_busy(&p) || pump_busy(&q))
+                    if (kvt_tier_wait(h, 1000) < 0)
+                        break;
+                if (!p.failed && !q.failed && p.done == n && q.done == n)
+                    db = now_s() - t0;
+            }
+            q.bufs = rbufs;
+        }
+        p.bufs = wbufs;
+        if (dw < 0 || dr < 0 || db < 0) {
+            rc = -1;
+            break;
+        }
         pump_free_all(&p, n);
-        double t0 = now_s();
-        for (uint32_t i = 0; i < n; i++)
-            cudaMemcpy(dev, bufs[i % o->qd], bs, cudaMemcpyHostToDevice);
-        double bw = now_s() - t0;
-        t0 = now_s();
-        for (uint32_t i = 0; i < n; i++)
-            cudaMemcpy(bufs[i % o->qd], dev, bs, cudaMemcpyDeviceToHost);
-        double br = now_s() - t0;
+        pump_free_all(&q, n);
         double bytes = (double)n * bs;
         runs[0 * o->reps + rep] = bytes / dw / 1e9;
-        runs[1 * o->reps + rep] = bytes / bw / 1e9;
+        runs[1 * o->reps + rep] = c_h2d;
         runs[2 * o->reps + rep] = bytes / dr / 1e9;
-        runs[3 * o->reps + rep] = bytes / br / 1e9;
+        runs[3 * o->reps + rep] = c_d2h;
+        runs[4 * o->reps + rep] = 2 * bytes / db / 1e9;
+        runs[5 * o->reps + rep] = c_both;
+        fprintf(stderr,
+                "bench_tiers: hbm %zu batch %u rep %d: write %.3f (ceiling %.3f) read %.3f "
+                "(%.3f) both %.3f (%.3f)\n",
+                bs, batch, rep, runs[0 * o->reps + rep], c_h2d, runs[2 * o->reps + rep], c_d2h,
+                runs[4 * o->reps + rep], c_both);
     }
-    emit_runs("hbm", bs, runs, o->reps, "cudaMemcpy");
+    if (rc == 0) {
+        kvt_tier_hbm_stats_t st;
+        kvt_tier_hbm_stats(h, &st);
+        char base[64];
+        snprintf(base, sizeof(base), "one %llu MiB pinned copy",
+                 (unsigned long long)(ceil->bytes >> 20));
+        const char *ops[3] = {"write", "read", "read+write"};
+        char both[128];
+        snprintf(both, sizeof(both), "%s each way at once", base);
+        for (int k = 0; k < 3; k++)
+            emit_hbm(bs, ops[k], o, batch, &st, bench_median(runs + 2 * k * o->reps, o->reps),
+                     k == 2 ? both : base, bench_median(runs + (2 * k + 1) * o->reps, o->reps));
+    } else {
+        fprintf(stderr, "bench_tiers: hbm %zu batch %u failed\n", bs, batch);
+    }
     free(runs);
-    cudaFree(dev);
     pump_fini(&p);
+    pump_fini(&q);
     kvt_tier_destroy(h);
+    return rc;
+}
+
+static int bench_hbm(const opts_t *o, size_t bs)
+{
+    /* The host side of every copy is a pinned DRAM-tier block: qd to write from, qd to read
+     * into. */
+    kvt_tier_t *d;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 2ull * o->qd * (bs + (64u << 10)), .pin = 1};
+    if (kvt_tier_dram_create(&d, &dc) < 0)
+        return -1;
+    uint8_t **bufs = calloc(2 * (size_t)o->qd, sizeof(*bufs));
+    uint8_t *src = xalign(bs);
+    int rc = 0;
+    for (uint32_t i = 0; i < 2 * o->qd && rc == 0; i++) {
+        fill(src, bs, i);
+        int done = 0;
+        kvt_tier_io_t io = {.key = {.ns_seed = 7, .hash = 1 + i, .parent = 7},
+                            .buf = src,
+                            .len = (uint32_t)bs,
+                            .cb = sync_cb,
+                            .data = &done};
+        if (kvt_tier_write(d, &io) < 0)
+            rc = -1;
+        while (rc == 0 && !done)
+            if (kvt_tier_wait(d, 1000) < 0)
+                rc = -1;
+        if (rc == 0 && io.status < 0)
+            rc = -1;
+        if (rc == 0)
+            bufs[i] = kvt_tier_ptr(d, io.loc);
+    }
+    ceiling_t ceil;
+    memset(&ceil, 0, sizeof(ceil));
+    if (rc == 0)
+        rc = ceiling_open(&ceil, (size_t)o->ceiling);
+    /* 1: a cudaMemcpyAsync per copy (what the tier did before batches); 16: the daemon's
+     * default hbm-batch; 64: larger batches. */
+    static const uint32_t batches[] = {1, 16, 64};
+    for (size_t i = 0; rc == 0 && i < KVT_ARRAY_LEN(batches); i++)
+        rc = bench_hbm_batch(o, bs, batches[i], &ceil, bufs, bufs + o->qd);
+    ceiling_close(&ceil);
     kvt_tier_destroy(d);
     free(bufs);
     free(src);
-    return 0;
+    return rc;
 }
 #endif
 
@@ -552,13 +726,14 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: bench_tiers [--dir DIR] [--redis HOST:PORT] [--mib-per-case N] [--qd N]\n"
-            "                   [--reps N] [--only dram|nvme|hbm|remote] [--no-remote]\n");
+            "                   [--reps N] [--only dram|nvme|hbm|remote] [--no-remote]\n"
+            "                   [--ceiling-mib N]\n");
     exit(2);
 }
 
 int main(int argc, char **argv)
 {
-    opts_t o = {.volume = 1ull << 30, .qd = 32, .reps = 5};
+    opts_t o = {.volume = 1ull << 30, .qd = 32, .ceiling = 1ull << 30, .reps = 5};
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -569,6 +744,8 @@ int main(int argc, char **argv)
             o.redis = v, i++;
         else if (!strcmp(a, "--mib-per-case") && v)
             o.volume = strtoull(v, NULL, 10) << 20, i++;
+        else if (!strcmp(a, "--ceiling-mib") && v)
+            o.ceiling = strtoull(v, NULL, 10) << 20, i++;
         else if (!strcmp(a, "--qd") && v)
             o.qd = (uint32_t)strtoul(v, NULL, 10), i++;
         else if (!strcmp(a, "--reps") && v)
@@ -580,7 +757,7 @@ int main(int argc, char **argv)
         else
             usage();
     }
-    if (o.volume < (16u << 20) || o.qd < 2 || o.qd > 1024 || o.reps < 1)
+    if (o.volume < (16u << 20) || o.qd < 2 || o.qd > 1024 || o.reps < 1 || o.ceiling < (1u << 20))
         usage();
     if (!o.dir) {
         o.dir = getenv("KVT_BENCH_DIR");
