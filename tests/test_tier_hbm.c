@@ -11,6 +11,8 @@
 
 #include <poll.h>
 
+#include "config.h" /* KVT_HAVE_CUDA */
+
 static void skip_no_gpu(const char *why)
 {
     fprintf(stderr, "SKIP %s::%s: %s\n", criterion_current_test->category,
@@ -305,6 +307,44 @@ Test(tier_hbm, queued_reads_go_out_before_the_writes_after_them)
     cr_assert_lt(o.seq[0], o.seq[1], "the queued read completed first");
     cr_assert(tu_same(kvt_tier_ptr(t, ios[1].loc), LEN, 99));
     kvt_tier_destroy(t);
+}
+
+/* The first NVIDIA GPU the driver lists (its /proc entry), or "" when the machine shows none. */
+static void gpu_listed(char *out, size_t cap)
+{
+    out[0] = 0;
+    DIR *d = opendir("/proc/driver/nvidia/gpus");
+    if (!d) {
+        if (access("/dev/nvidia0", F_OK) == 0)
+            snprintf(out, cap, "/dev/nvidia0");
+        return;
+    }
+    struct dirent *e;
+    while ((e = readdir(d)))
+        if (e->d_name[0] != '.') {
+            snprintf(out, cap, "/proc/driver/nvidia/gpus/%s", e->d_name);
+            break;
+        }
+    closedir(d);
+}
+
+Test(tier_hbm, a_gpu_the_machine_has_is_usable)
+{
+    /* On a GPU host the cuda tests must run, not skip: a build without CUDA, or a runtime that
+     * cannot see the device, fails here (this was scripts/gpu-check.sh's job). */
+    char gpu[300];
+    gpu_listed(gpu, sizeof gpu);
+    if (!gpu[0])
+        skip_no_gpu("this machine shows no NVIDIA GPU (/proc/driver/nvidia/gpus, /dev/nvidia0)");
+    cr_assert(KVT_HAVE_CUDA, "this machine has a GPU (%s) but the build has no CUDA", gpu);
+    if (!kvt_tier_cuda_usable()) {
+        kvt_tier_t *t = NULL;
+        kvt_tier_hbm_conf_t c = {.backend = "cuda", .capacity_bytes = 1u << 20};
+        (void)kvt_tier_hbm_create(&t, &c); /* logs cudaGetDeviceCount's error */
+        cr_assert_fail("this machine has a GPU (%s) but CUDA cannot use it (the log line above "
+                       "says why)",
+                       gpu);
+    }
 }
 
 Test(tier_hbm, cuda_without_a_usable_gpu_is_unavailable)
