@@ -65,6 +65,7 @@ typedef struct hbm_batch {
     struct hbm_batch *next;
     kvt_tier_io_t *head;
     cudaEvent_t ev;
+    int to_device;
 } hbm_batch_t;
 #endif
 
@@ -89,8 +90,10 @@ typedef struct hbm {
     uint32_t next_stream[2];
     int tfd;
     int armed;
-    int pinned;                         /* counted in pin_tiers */
-    int batch_api;                      /* cudaMemcpyBatchAsync not refused so far */
+    int pinned;            /* counted in pin_tiers */
+    int batch_api;         /* cudaMemcpyBatchAsync not refused so far */
+    uint32_t read_batches; /* batches of reads submitted and not yet done */
+    int fence; /* slots were freed while reads were out: the next writes wait for those reads */
     hbm_batch_t *pend_head, *pend_tail; /* submitted, in order */
     hbm_batch_t *spare;                 /* free batch records */
     void **dsts;                        /* batch_max entries each: the arguments of a batch */
@@ -195,7 +198,15 @@ static uint8_t *hbm_addr(const hbm_t *h, uint64_t loc)
 
 static void hbm_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
 {
-    hbm_release(t->impl, loc, len);
+    hbm_t *h = t->impl;
+#if KVT_HAVE_CUDA
+    /* A read of these slots may still be queued or on its way, and a write may be given them
+     * next: queued reads go out before writes (hbm_enqueue), but on the device the two
+     * directions run on different streams, so that write must also wait for the reads. */
+    if (h->cuda && (h->q[0].head || h->read_batches))
+        h->fence = 1;
+#endif
+    hbm_release(h, loc, len);
 }
 
 /* ---- batches (both backends) ---- */
@@ -223,6 +234,8 @@ static void hbm_flush(kvt_tier_t *t, int to_device)
 {
     hbm_t *h = t->impl;
     hbm_queue_t *q = &h->q[to_device];
+    if (!q->head)
+        return; /* (and a fence stays for the writes still to come) */
     while (q->head) {
         uint32_t n = 0;
         uint64_t bytes = 0;
@@ -245,6 +258,10 @@ static void hbm_flush(kvt_tier_t *t, int to_device)
         host_batch(t, h->batch, n, to_device);
     }
     *q = (hbm_queue_t){0};
+#if KVT_HAVE_CUDA
+    if (to_device)
+        h->fence = 0; /* every write that may have been given freed slots went out behind it */
+#endif
 }
 
 /* Queues a request; a full queue goes out now, anything else on the next kvt_tier_process. */
@@ -592,6 +609,14 @@ static void cuda_batch(kvt_tier_t *t, kvt_tier_io_t **ios, uint32_t n, int to_de
     cudaError_t ce = b ? cudaSetDevice(h->device) : cudaErrorMemoryAllocation;
     if (ce == cudaSuccess && cuda_event_get(h, &ev) < 0)
         ce = cudaErrorMemoryAllocation;
+    if (ce == cudaSuccess && to_device && h->fence) {
+        /* After a free while reads were out (hbm_free): the writes of this flush start once
+         * every read batch submitted so far is done. Rare: the daemon frees a block only when no
+         * read of it is in flight, unless a client removes it. */
+        for (hbm_batch_t *r = h->pend_head; r && ce == cudaSuccess; r = r->next)
+            if (!r->to_device)
+                ce = cudaStreamWaitEvent(s, r->ev, 0);
+    }
     if (ce == cudaSuccess)
         ce = cuda_copies(h, ios, n, to_device, s);
     if (ce == cudaSuccess)
@@ -611,7 +636,9 @@ static void cuda_batch(kvt_tier_t *t, kvt_tier_io_t **ios, uint32_t n, int to_de
         ios[i]->priv[1] = i + 1 < n ? (uint64_t)(uintptr_t)ios[i + 1] : 0;
     b->head = ios[0];
     b->ev = ev;
+    b->to_device = to_device;
     b->next = NULL;
+    h->read_batches += !to_device;
     if (h->pend_tail)
         h->pend_tail->next = b;
     else
@@ -648,6 +675,7 @@ static int cuda_harvest(kvt_tier_t *t)
             h->pend_head = next;
         if (h->pend_tail == b)
             h->pend_tail = prev;
+        h->read_batches -= !b->to_device;
         cuda_event_put(h, b->ev);
         if (ce != cudaSuccess)
             kvt_log(KVT_LOG_ERROR, "hbm tier: copy failed: %s", cudaGetErrorString(ce));
