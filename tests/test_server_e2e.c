@@ -1141,7 +1141,7 @@ Test(server_e2e, bad_configuration_exit_codes)
     kvd_t a = {0};
     kvd_start(&a, NULL);
     snprintf(cmd, sizeof cmd,
-             "cd '%s' && '%s' --unix x.sock --nvme-bytes 0 --metrics '' --tcp '%s' "
+             "cd '%s' && '%s' --unix x.sock --nvme-bytes 0 --hbm-bytes 0 --metrics '' --tcp '%s' "
              ">/dev/null 2>&1",
              d.dir, kvd_binary(), a.tcp);
     st = system(cmd);
@@ -1154,7 +1154,7 @@ Test(server_e2e, bad_configuration_exit_codes)
      * why; the first goes on serving. */
     snprintf(cmd, sizeof cmd,
              "cd '%s' && '%s' --unix y.sock --metrics '' --tcp '' --dram-bytes 16M "
-             "--nvme-bytes 8M --nvme-segment-bytes 1M 2>err2.txt >/dev/null",
+             "--nvme-bytes 8M --nvme-segment-bytes 1M --hbm-bytes 0 2>err2.txt >/dev/null",
              a.dir, kvd_binary());
     st = system(cmd);
     cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "data-dir in use: exit %d", WEXITSTATUS(st));
