@@ -3,10 +3,10 @@
  * options before or after the command, as people type them), turning token lists ("1-64 100 7")
  * into arrays, and printing replies for people, or as JSON (--json) for scripts. With no address
  * flags it talks to ./kvtierd.sock, which is where a kvtierd started with no configuration in the
- * same working directory listens. "kvtier
- * replay ..." runs the trace replay of replay/ when this build has it; "kvtier bench NAME ..." runs
- * one of bench/'s benchmarks, which are programs of their own (bench_radix must run on glibc's
- * malloc, which the DRAM tier's jemalloc would replace in any program that links the tiers).
+ * same working directory listens. "kvtier replay ..." runs the trace replay of replay/; "kvtier
+ * bench NAME ..." runs one of bench/'s benchmarks, which are programs of their own (bench_radix
+ * must run on glibc's malloc, which the DRAM tier's jemalloc would replace in any program that
+ * links the tiers).
  */
 #include <errno.h>
 #include <getopt.h>
@@ -22,9 +22,7 @@
 
 #include "kvtier.h"
 
-#if KVT_HAVE_REPLAY
 #include "../replay/replay.h"
-#endif
 
 static void kvt_usage(FILE *f)
 {
@@ -393,12 +391,7 @@ int main(int argc, char **argv)
             if (!strcmp(cmd, "bench") && !help && !version && !bad)
                 return kvt_bench(argc - optind, argv + optind);
             if (!strcmp(cmd, "replay") && !help && !version && !bad) {
-#if KVT_HAVE_REPLAY
                 return kvt_replay_main(argc - optind + 1, argv + optind - 1);
-#else
-                fprintf(stderr, "kvtier: this build has no replay\n");
-                return 2;
-#endif
             }
             break;
         case 'h':

@@ -15,8 +15,9 @@
 static char *trace_path(const char *name)
 {
     static char buf[4096];
-    const char *root = getenv("KVT_SOURCE_ROOT");
-    snprintf(buf, sizeof(buf), "%s/../shared/traces/%s", root ? root : ".", name);
+    /* KVT_TRACE_DIR: meson's `traces` option, set for every test. */
+    const char *dir = getenv("KVT_TRACE_DIR");
+    snprintf(buf, sizeof(buf), "%s/%s", dir ? dir : "../shared/traces", name);
     return buf;
 }
 
@@ -164,7 +165,7 @@ Test(trace, conversation_trace_matches_its_readme, .timeout = 120)
     kvt_trace_t *tr;
     int rc = kvt_trace_load(&tr, trace_path("mooncake-conversation.jsonl"));
     if (rc != 0)
-        cr_skip_test("shared traces not found (KVT_SOURCE_ROOT/../shared/traces)");
+        cr_skip_test("shared traces not found (KVT_TRACE_DIR, meson option traces)");
     cr_assert_eq(tr->nreqs, 12031);
     kvt_radix_t *t;
     uint32_t ns;
