@@ -35,7 +35,8 @@ struct kvt_http_conn {
     size_t out_len, out_off;
 };
 
-static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
+/* Closes h's socket and takes it off the list. */
+static void kvt_http_unlink(kvt_srv_t *s, kvt_http_conn_t *h)
 {
     kvt__ev_del(s, &h->ev);
     close(h->ev.fd);
@@ -43,8 +44,32 @@ static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
     if (h->next)
         h->next->pprev = h->pprev;
     s->http_nconns--;
+}
+
+static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
+{
+    kvt_http_unlink(s, h);
     free(h->out);
     free(h);
+}
+
+/* The callback of a connection closed while the batch of events epoll_wait returned may still
+ * hold one for it. */
+static void kvt_http_on_gone(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)s;
+    (void)ev;
+    (void)events;
+}
+
+static void kvt_http_reap(kvt_srv_t *s)
+{
+    while (s->http_gone) {
+        kvt_http_conn_t *h = s->http_gone;
+        s->http_gone = h->next;
+        free(h->out);
+        free(h);
+    }
 }
 
 static void kvt_http_respond(kvt_http_conn_t *h, const char *status, const char *type,
@@ -188,7 +213,11 @@ static int kvt_http_evict(kvt_srv_t *s)
     if (!victim)
         return 0;
     kvt__metric_add(s->metrics, KVT_M_SCRAPES_EVICTED, 0, 1);
-    kvt_http_free(s, victim);
+    /* Freed at the next tick: an event for it may come later in this batch. */
+    kvt_http_unlink(s, victim);
+    victim->ev.cb = kvt_http_on_gone;
+    victim->next = s->http_gone;
+    s->http_gone = victim;
     return 1;
 }
 
@@ -242,6 +271,7 @@ int kvt__http_listen(kvt_srv_t *s, const char *addr)
 
 void kvt__http_tick(kvt_srv_t *s, uint64_t now)
 {
+    kvt_http_reap(s);
     kvt_http_conn_t *next;
     for (kvt_http_conn_t *h = s->http_conns; h; h = next) {
         next = h->next;
@@ -254,6 +284,7 @@ void kvt__http_close(kvt_srv_t *s)
 {
     while (s->http_conns)
         kvt_http_free(s, s->http_conns);
+    kvt_http_reap(s);
     if (s->http_ev.fd >= 0) {
         kvt__ev_del(s, &s->http_ev);
         close(s->http_ev.fd);

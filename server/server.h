@@ -228,6 +228,7 @@ struct kvt_srv {
     size_t ndfree, cap_dfree;
     kvt_http_conn_t *http_conns; /* http.c */
     unsigned http_nconns;
+    kvt_http_conn_t *http_gone; /* closed to make room, freed at the next tick */
 };
 
 /* loop.c */
