@@ -827,7 +827,7 @@ static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
 }
 
 /*
- * Clients too slow to send what they began (issue 31): a connection must have sent a whole first
+ * Clients too slow to send what they began: a connection must have sent a whole first
  * frame within hello-timeout-ms of connecting, and a frame once begun must be whole within
  * frame-timeout-ms or have at least frame-min-rate x frame-timeout-ms of its bytes arrive in
  * every frame-timeout-ms, measured from tick to tick. Otherwise the connection is closed, and
