@@ -46,6 +46,10 @@ typedef struct kvt_srv_conf {
     uint64_t max_output;       /* queued reply bytes per connection before reads pause */
     uint64_t max_client_bytes; /* clients' buffers beyond their base input buffers, all together */
     uint32_t reply_timeout_ms; /* a socket that takes none of its replies this long is closed */
+    uint32_t hello_timeout_ms; /* a connection with no whole first frame this long is closed */
+    uint32_t frame_timeout_ms; /* a frame begun must be whole within it, or keep arriving at */
+    uint64_t frame_min_rate;   /* ... this many bytes per second */
+    uint32_t evict_idle_ms;    /* at max-conns, a connection idle this long may make room */
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what

@@ -116,6 +116,20 @@ typedef enum {
     X(CONNECTIONS_TIMED_OUT, COUNTER, "kvtier_connections_timed_out_total",                        \
       "Connections closed because their socket took none of their replies for reply-timeout-ms.",  \
       NONE)                                                                                        \
+    X(CONNECTIONS_HELLO_TIMED_OUT, COUNTER, "kvtier_connections_hello_timed_out_total",            \
+      "Connections closed because their first frame was not whole within hello-timeout-ms.", NONE) \
+    X(CONNECTIONS_FRAME_TIMED_OUT, COUNTER, "kvtier_connections_frame_timed_out_total",            \
+      "Connections closed because a frame was neither whole within frame-timeout-ms nor "          \
+      "arriving at frame-min-rate.",                                                               \
+      NONE)                                                                                        \
+    X(CONNECTIONS_EVICTED, COUNTER, "kvtier_connections_evicted_total",                            \
+      "Idle connections with no lease and no request closed at max-conns to make room for a new "  \
+      "one (evict-idle-ms).",                                                                      \
+      NONE)                                                                                        \
+    X(SCRAPES_EVICTED, COUNTER, "kvtier_metrics_connections_evicted_total",                        \
+      "Metrics-port connections not yet answered, closed to make room for a new one (64 at "       \
+      "most).",                                                                                    \
+      NONE)                                                                                        \
     X(PROTOCOL_ERRORS, COUNTER, "kvtier_protocol_errors_total",                                    \
       "Malformed or refused frames, by kind.", ERR)                                                \
     X(INDEX_BLOCKS, GAUGE, "kvtier_index_blocks", "Pages cached in the prefix index.", NONE)       \

@@ -171,6 +171,12 @@ struct kvt__conn {
     uint64_t stuck_ns;      /* since when its socket has taken none of its queued replies; 0: not */
     int mem_wait;           /* waits for max-client-bytes to have mem_need more bytes */
     size_t mem_need;
+    /* Slow and idle clients (conn.c): when it connected, when its last bytes came, how many
+     * bytes and whole frames it has sent, and where the progress of the frame being received
+     * was last measured (frame-timeout-ms). */
+    uint64_t born_ns, rx_ns;
+    uint64_t rx_bytes, frames;
+    uint64_t mark_ns, mark_rx, mark_frames;
     uint32_t *tokens;    /* scratch for decoded tokens */
     const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
     size_t tokens_cap;
@@ -222,6 +228,7 @@ struct kvt_srv {
     size_t ndfree, cap_dfree;
     kvt_http_conn_t *http_conns; /* http.c */
     unsigned http_nconns;
+    kvt_http_conn_t *http_gone; /* closed to make room, freed at the next tick */
 };
 
 /* loop.c */
