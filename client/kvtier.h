@@ -65,7 +65,7 @@ typedef struct kvt_client kvt_client_t;
 typedef struct kvt_client_conf {
     const char *unix_path; /* Unix socket; with tcp NULL too: "kvtierd.sock" in the working dir */
     const char *tcp;       /* "host:port", used when unix_path is NULL */
-    const char *secret;    /* shared secret for AUTH; NULL: none */
+    const char *secret;    /* shared secret for AUTH; NULL or "": none */
     const char *model;     /* namespace: model name (required, 1..255 bytes) */
     const char *adapter;   /* namespace: adapter (LoRA) name; NULL: none */
     const char *salt;      /* namespace: tenant salt, isolates tenants; NULL: none */
