@@ -80,7 +80,8 @@ static int hello(int fd, uint64_t id, const char *model, size_t model_len, const
                           .salt_len = (uint16_t)sl};
     memcpy(body, &w, sizeof w);
     memcpy(body + sizeof w, model, model_len);
-    memcpy(body + sizeof w + model_len, salt, sl);
+    if (sl) /* memcpy's source must not be NULL, even for 0 bytes */
+        memcpy(body + sizeof w + model_len, salt, sl);
     raw_send(fd, KVT_OP_HELLO, 0, id, body, (uint32_t)(sizeof w + model_len + sl));
     return reply(fd, KVT_OP_HELLO, id, msg);
 }
