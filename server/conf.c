@@ -122,7 +122,7 @@ static const kvt_opt_t kvt_opts[] = {
     {"auth-failures-per-s", KVT_OPT_U32, KVT_O(auth_failures_per_s), "10",
      "wrong AUTHs answered a second, all connections together (in bursts of as many); past it "
      "every AUTH answer waits its turn; 0 for no limit"},
-    {"auth-wait-ms", KVT_OPT_U32, KVT_O(auth_wait_ms), "10000",
+    {"auth-wait-ms", KVT_OPT_U32, KVT_O(auth_wait_ms), "5000",
      "the longest an AUTH answer waits for auth-failures-per-s; an AUTH that would wait longer "
      "gets EAGAIN at once, its secret unchecked (1..600000)"},
 };
