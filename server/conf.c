@@ -125,10 +125,19 @@ static const kvt_opt_t kvt_opts[] = {
     {"nvme-min-hits", KVT_OPT_U32, KVT_O(nvme_min_hits), "0",
      "hits a block needs before it is demoted into NVMe; 0 for none"},
     {"log-level", KVT_OPT_STR, KVT_O(log_level), "info", "debug, info, warn or error"},
+    {"log-rate", KVT_OPT_U32, KVT_O(log_rate), "10",
+     "lines a second each line a client can repeat (error replies, ...) may write (1..1000000); "
+     "the rest are counted and the next line says how many"},
     {"secret", KVT_OPT_STR, KVT_O(secret), "",
      "shared secret clients must AUTH with before anything else; \"\" for none"},
     {"secret-file", KVT_OPT_STR, KVT_O(secret_file), "",
      "file holding the shared secret (first line), instead of secret"},
+    {"auth-failures-per-s", KVT_OPT_U32, KVT_O(auth_failures_per_s), "10",
+     "wrong AUTHs answered a second, all connections together (in bursts of as many); past it "
+     "every AUTH answer waits its turn; 0 for no limit"},
+    {"auth-wait-ms", KVT_OPT_U32, KVT_O(auth_wait_ms), "5000",
+     "the longest an AUTH answer waits for auth-failures-per-s; an AUTH that would wait longer "
+     "gets EAGAIN at once, its secret unchecked (1..600000)"},
 };
 
 static const kvt_opt_t *kvt_opt_find(const char *name)
@@ -390,6 +399,15 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         return KVT_EINVAL;
     }
     kvt_log_set_level(lvl);
+    if (conf->log_rate == 0 || conf->log_rate > 1000000) {
+        snprintf(err, errlen, "log-rate must be between 1 and 1000000");
+        return KVT_EINVAL;
+    }
+    kvt_log_set_rate(conf->log_rate);
+    if (conf->auth_wait_ms == 0 || conf->auth_wait_ms > 600000) {
+        snprintf(err, errlen, "auth-wait-ms must be between 1 and 600000");
+        return KVT_EINVAL;
+    }
     if (*conf->secret_file) {
         FILE *f = fopen(conf->secret_file, "r");
         if (!f) {

@@ -61,9 +61,12 @@ typedef struct kvt_srv_conf {
     double policy_low;      /* low watermark */
     uint32_t nvme_min_hits; /* hits a block needs before it is demoted into NVMe */
     char *log_level;
+    uint32_t log_rate; /* lines a second each rate-limited log line may write */
     char *secret;
     char *secret_file;
-    char *config; /* the file that was read, if any */
+    uint32_t auth_failures_per_s; /* wrong AUTHs answered a second, all connections; 0: no limit */
+    uint32_t auth_wait_ms;        /* the longest an AUTH answer waits for that rate */
+    char *config;                 /* the file that was read, if any */
 } kvt_srv_conf_t;
 
 /* Fills conf with the embedded defaults (strings are malloc'ed). Returns 0 or KVT_ENOMEM. */

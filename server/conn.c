@@ -69,11 +69,13 @@ static int kvt_mem_full(const kvt__conn_t *c)
 }
 
 /* Back-pressure: c takes no new request while it has max-inflight tier I/Os in flight, max-output
- * reply bytes queued, or work out with the clients' memory full. */
+ * reply bytes queued, or work out with the clients' memory full; nor while its AUTH waits its
+ * turn (handlers.c: reading on would tell a guesser how its guess went). */
 static int kvt_conn_held(const kvt__conn_t *c)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
-    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || kvt_mem_full(c);
+    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || kvt_mem_full(c) ||
+           c->auth_wait;
 }
 
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
@@ -423,9 +425,13 @@ int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int s
      * evicted, RELEASE of an expired lease): debug only; kvtier_request_errors_total counts them.
      * The rest are worth a line at the default level. */
     int level = status == KVT_ENOENT || status == KVT_EBUSY ? KVT_LOG_DEBUG : KVT_LOG_INFO;
-    kvt_log(level, "kvtierd: connection %llu: %s request %llu: %s (%s)", (unsigned long long)c->id,
-            kvt_proto_op_name(op) ? kvt_proto_op_name(op) : "unknown", (unsigned long long)id, msg,
-            kvt_strerror(status));
+    /* A client can make every request an error: log-rate lines a second per operation, so that
+     * one flooding one kind does not hide the others (the rest are counted). */
+    static kvt_log_limit_t lim[KVT_OP_COUNT + 1];
+    kvt_log_limited(&lim[op < KVT_OP_COUNT ? op : KVT_OP_COUNT], level,
+                    "kvtierd: connection %llu: %s request %llu: %s (%s)", (unsigned long long)c->id,
+                    kvt_proto_op_name(op) ? kvt_proto_op_name(op) : "unknown",
+                    (unsigned long long)id, msg, kvt_strerror(status));
     return kvt__reply(c, op, id, t0, status, msg, (uint32_t)n);
 }
 
@@ -704,9 +710,11 @@ static void kvt_conn_read(kvt__conn_t *c)
         if (n == 0) {
             if (c->in_len > 0) {
                 kvt__proto_error(c->srv, KVT_PERR_TRUNCATED);
-                kvt_log(KVT_LOG_INFO,
-                        "kvtierd: connection %llu closed in the middle of a frame (%zu bytes)",
-                        (unsigned long long)c->id, c->in_len);
+                static kvt_log_limit_t lim; /* a client can do it per connection */
+                kvt_log_limited(&lim, KVT_LOG_INFO,
+                                "kvtierd: connection %llu closed in the middle of a frame (%zu "
+                                "bytes)",
+                                (unsigned long long)c->id, c->in_len);
             }
             c->dead = 1;
             return;
@@ -817,10 +825,12 @@ static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
     uint64_t limit = (uint64_t)c->srv->conf->reply_timeout_ms * 1000000;
     if (limit == 0 || c->stuck_ns == 0 || now - c->stuck_ns < limit)
         return 0;
-    kvt_log(KVT_LOG_WARN,
-            "kvtierd: connection %llu took none of its replies for %u ms (%zu bytes queued, %zu "
-            "leases): closed (reply-timeout-ms)",
-            (unsigned long long)c->id, c->srv->conf->reply_timeout_ms, c->out_bytes, c->nleases);
+    static kvt_log_limit_t lim; /* many clients may stop reading at once */
+    kvt_log_limited(&lim, KVT_LOG_WARN,
+                    "kvtierd: connection %llu took none of its replies for %u ms (%zu bytes "
+                    "queued, %zu leases): closed (reply-timeout-ms)",
+                    (unsigned long long)c->id, c->srv->conf->reply_timeout_ms, c->out_bytes,
+                    c->nleases);
     kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_TIMED_OUT, 0, 1);
     kvt__conn_close(c);
     return 1;

@@ -169,6 +169,19 @@ typedef enum {
       "(checksum failed: skipped), stale (an older copy: skipped), orphan (namespace or "          \
       "ancestors gone: freed), removed (a REMOVE's tombstone: stepped over).",                     \
       RECOVERY)                                                                                    \
+    X(AUTH_FAILURES, COUNTER, "kvtier_auth_failures_total", "AUTH requests with a wrong secret.",  \
+      NONE)                                                                                        \
+    X(AUTH_DELAYED, COUNTER, "kvtier_auth_delayed_total",                                          \
+      "AUTH answers that waited their turn: wrong AUTHs came faster than auth-failures-per-s.",    \
+      NONE)                                                                                        \
+    X(AUTH_REFUSED, COUNTER, "kvtier_auth_refused_total",                                          \
+      "AUTH requests answered EAGAIN unchecked: they would have waited past auth-wait-ms.", NONE)  \
+    X(LOG_SUPPRESSED, COUNTER, "kvtier_log_lines_suppressed_total",                                \
+      "Log lines held back by their rate limit (log-rate).", NONE)                                 \
+    X(NAMESPACES_EVICTED, COUNTER, "kvtier_namespaces_evicted_total",                              \
+      "Namespaces no client used whose pages were evicted to free a namespace for a new one "      \
+      "(max-namespaces).",                                                                         \
+      NONE)                                                                                        \
     X(NVME_RECOVERY_GAPS, GAUGE, "kvtier_nvme_recovery_gaps",                                      \
       "Stretches with no record before intact ones that the NVMe recovery passed at start-up "     \
       "(writes a crash cancelled).",                                                               \
