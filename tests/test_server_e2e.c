@@ -785,6 +785,161 @@ Test(server_e2e, pages_stored_before_a_sigkill_come_back)
     kvd_cleanup(&d);
 }
 
+/*
+ * The NVMe tier's live set, exactly, across a restart once the log has wrapped. An NVMe-only
+ * daemon (8 MiB in 1 MiB segments: 128 records of 4 KiB pages to a segment, 682 pages charged
+ * at most) takes more than it holds: segment reclaims drop the live blocks left in old segments,
+ * the policy drops pages for room, REMOVE drops more. The pages each prompt has stored (MATCH's
+ * leading run in NVMe) and their bytes must be the same after a SIGTERM and a restart, and again
+ * after another round, a SIGKILL and a restart: a block the tier dropped never comes back, and
+ * none that was live is missing. Recovery used to adopt every record still on disk, in hash
+ * order until the tier was full.
+ */
+enum { LW_PAGES = 4, LW_BB = 4096, LW_ROUND = 400 };
+
+static void lw_tokens(uint32_t *tok, uint32_t i)
+{
+    kvd_tokens(tok, LW_PAGES * PAGE, 5000000u + 1000u * i);
+}
+
+static void lw_put(kvt_client_t *c, uint32_t i)
+{
+    uint32_t tok[LW_PAGES * PAGE];
+    kvt_client_put_t r;
+    lw_tokens(tok, i);
+    put_pages(c, tok, LW_PAGES * PAGE, 0, LW_PAGES, LW_BB, 16 * i, &r);
+}
+
+/*
+ * A round of prompts [from, from + LW_ROUND): the first 128 (four segments' worth, below the
+ * policy's watermark on a fresh tier) all but one in 32 removed, which leaves those segments
+ * full with a few live blocks each; the rest then need those segments again, and reclaim them
+ * with their live blocks. Every fourth of the last 40 loses pages 2.. by REMOVE where it still
+ * has them stored. Returns how many of those REMOVEs dropped stored pages.
+ */
+static uint32_t lw_fill(kvt_client_t *c, uint32_t from)
+{
+    uint32_t tok[LW_PAGES * PAGE], removed = 0, to = from + LW_ROUND;
+    for (uint32_t i = from; i < from + 128; i++)
+        lw_put(c, i);
+    for (uint32_t i = from; i < from + 128; i++) {
+        if ((i - from) % 32 == 0)
+            continue;
+        lw_tokens(tok, i);
+        int rc = remove_retry(c, tok, PAGE);
+        cr_assert(rc == 0 || rc == KVT_CLIENT_ENOENT, "remove: %s", kvt_client_strerror(rc));
+    }
+    for (uint32_t i = from + 128; i < to; i++)
+        lw_put(c, i);
+    for (uint32_t i = to - 40; i < to; i += 4) {
+        uint8_t tiers[LW_PAGES];
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = LW_PAGES};
+        lw_tokens(tok, i);
+        cr_assert_eq(kvt_client_match(c, tok, LW_PAGES * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+        if (m.pages < 3 || tiers[2] != KVT_CLIENT_TIER_NVME)
+            continue;
+        cr_assert_eq(remove_retry(c, tok, 3 * PAGE), 0);
+        removed++;
+    }
+    return removed;
+}
+
+/* The leading run of pages in NVMe of prompts [0, n), into stored. */
+static void lw_snapshot(kvt_client_t *c, uint32_t n, uint8_t *stored)
+{
+    uint32_t tok[LW_PAGES * PAGE];
+    uint8_t tiers[LW_PAGES];
+    for (uint32_t i = 0; i < n; i++) {
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = LW_PAGES};
+        lw_tokens(tok, i);
+        cr_assert_eq(kvt_client_match(c, tok, LW_PAGES * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+        uint32_t k = 0;
+        while (k < m.pages && tiers[k] == KVT_CLIENT_TIER_NVME)
+            k++;
+        stored[i] = (uint8_t)k;
+    }
+}
+
+/* A restart's snapshot against the one before it, and the bytes of every stored page. */
+static void lw_compare(kvt_client_t *c, uint32_t n, const uint8_t *before, const char *how)
+{
+    static uint8_t after[2 * LW_ROUND];
+    lw_snapshot(c, n, after);
+    uint32_t lost = 0, back = 0, live = 0, first_bad = UINT32_MAX;
+    for (uint32_t i = 0; i < n; i++) {
+        live += before[i];
+        lost += before[i] > after[i] ? before[i] - after[i] : 0;
+        back += after[i] > before[i] ? after[i] - before[i] : 0;
+        if (before[i] != after[i] && first_bad == UINT32_MAX)
+            first_bad = i;
+    }
+    cr_assert_eq(lost + back, 0,
+                 "after a %s: %u of %u live pages lost, %u dropped pages back (first: prompt %u, "
+                 "%u pages before, %u after)",
+                 how, lost, live, back, first_bad, first_bad < n ? before[first_bad] : 0,
+                 first_bad < n ? after[first_bad] : 0);
+    uint32_t tok[LW_PAGES * PAGE];
+    for (uint32_t i = 0; i < n; i++) {
+        if (!after[i])
+            continue;
+        kvt_client_match_t m = {0};
+        lw_tokens(tok, i);
+        cr_assert_eq(kvt_client_match(c, tok, LW_PAGES * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE,
+                                      0, NULL, &m),
+                     0);
+        check_get(c, m.lease, 0, after[i], LW_BB, 16 * i, NULL);
+        cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    }
+}
+
+static uint64_t lw_metric(const kvd_t *d, const char *line)
+{
+    static char body[1 << 20];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    const char *p = strstr(body, line);
+    return p ? strtoull(p + strlen(line), NULL, 10) : 0;
+}
+
+Test(server_e2e, nvme_live_set_survives_restarts_after_the_log_wrapped)
+{
+    kvd_t d = {0};
+    const char *flags[] = {"--dram-bytes", "0", NULL};
+    kvd_startv(&d, flags);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, LW_BB);
+    static uint8_t before[2 * LW_ROUND];
+    const char *lost = "\nkvtier_tier_lost_blocks_total{tier=\"nvme\"} ";
+    const char *dropped = "\nkvtier_blocks_dropped_total{tier=\"nvme\"} ";
+    cr_assert_gt(lw_fill(c, 0), 0, "REMOVE dropped stored pages");
+    cr_assert_gt(lw_metric(&d, lost), 0, "the log wrapped: reclaims dropped live blocks");
+    cr_assert_gt(lw_metric(&d, dropped), 0, "the policy dropped blocks for room");
+    lw_snapshot(c, LW_ROUND, before);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0, "clean shutdown");
+
+    kvd_startv(&d, flags);
+    c = kvd_client(&d, "llama", PAGE, LW_BB);
+    lw_compare(c, LW_ROUND, before, "SIGTERM");
+
+    /* Another round on the recovered log, then SIGKILL once every request has its reply. */
+    cr_assert_gt(lw_fill(c, LW_ROUND), 0);
+    cr_assert_gt(lw_metric(&d, lost), 0);
+    cr_assert_gt(lw_metric(&d, dropped), 0);
+    lw_snapshot(c, 2 * LW_ROUND, before);
+    kvt_client_close(c);
+    cr_assert_eq(kill(d.pid, SIGKILL), 0);
+    int st;
+    cr_assert_eq(waitpid(d.pid, &st, 0), d.pid);
+    d.pid = 0;
+    fclose(d.out);
+    d.out = NULL;
+
+    kvd_startv(&d, flags);
+    c = kvd_client(&d, "llama", PAGE, LW_BB);
+    lw_compare(c, 2 * LW_ROUND, before, "SIGKILL");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 /* Three tenants' blocks in NVMe, then a restart with max-namespaces 2: recovery frees none of
  * them (the limit applies after it), every tenant finds its pages, and a new tenant is refused
  * while all three hold pages. */
