@@ -1323,6 +1323,84 @@ Test(server_e2e, bad_configuration_exit_codes)
     kvd_rmrf(d.dir);
 }
 
+/* Replaces data-dir file `name` of d with len bytes of content (at offset 0 over what is there
+ * when keep is set), or removes it when content is NULL. */
+static void damage(const kvd_t *d, const char *name, const char *content, size_t len, int keep)
+{
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtier-data/%s", d->dir, name);
+    if (!content) {
+        cr_assert_eq(unlink(path), 0, "%s: %s", path, strerror(errno));
+        return;
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | (keep ? 0 : O_TRUNC), 0600);
+    cr_assert(fd >= 0, "%s: %s", path, strerror(errno));
+    cr_assert_eq(pwrite(fd, content, len, 0), (ssize_t)len);
+    close(fd);
+}
+
+/*
+ * A damaged side file of the NVMe tier stops the daemon (69) with a message that names the file,
+ * says what is wrong with it and how to start afresh: an empty, garbled or missing kvtier.meta, a
+ * damaged or missing kvtier.live, a data file truncated to zero. They used to end in "nvme-bytes
+ * must hold at least 2 segments", with settings that were fine.
+ */
+Test(server_e2e, damaged_nvme_side_files_are_named)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    cr_assert_eq(kvd_stop(&d), 0);
+    char meta[256], cmd[2048], err[8192];
+    kvd_slurp(&d, "kvtier-data/kvtier.meta", meta, sizeof meta);
+    static const struct {
+        const char *file, *content;
+        size_t len;
+        int keep;
+        const char *says;
+    } cases[] = {
+        {"kvtier.meta", "", 0, 0, "kvtier.meta is empty"},
+        {"kvtier.meta", "\x01kvtier-nvme v2 junk\n", 20, 0, "kvtier.meta is damaged"},
+        {"kvtier.meta", NULL, 0, 0, "kvtier.meta is missing"},
+        {"kvtier.data", "", 0, 0, "kvtier.data is 0 bytes long"},
+        /* These three in this order: each damages what the one before left. */
+        {"kvtier.live", "garbage!", 8, 1, "kvtier.live is damaged"},
+        {"kvtier.live", "garbage!", 8, 0, "kvtier.live is 8 bytes long"},
+        {"kvtier.live", NULL, 0, 0, "kvtier.live is missing"},
+    };
+    char data[700];
+    snprintf(data, sizeof data, "%s/kvtier-data/kvtier.data", d.dir);
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        /* What the case before damaged is whole again (the data file's size, at least). */
+        damage(&d, "kvtier.meta", meta, strlen(meta), 0);
+        cr_assert_eq(truncate(data, 8 << 20), 0);
+        damage(&d, cases[k].file, cases[k].content, cases[k].len, cases[k].keep);
+        snprintf(cmd, sizeof cmd,
+                 "cd '%s' && timeout -s KILL 20 '%s' --unix x.sock --tcp '' --metrics '' "
+                 "--dram-bytes 16M --nvme-bytes 8M --nvme-segment-bytes 1M 2>err.txt >/dev/null",
+                 d.dir, kvd_binary());
+        int st = system(cmd); /* a daemon that starts is killed after 20 s: exit 137 */
+        cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "%s: exit %d", cases[k].says,
+                  WEXITSTATUS(st));
+        kvd_slurp(&d, "err.txt", err, sizeof err);
+        cr_expect(strstr(err, cases[k].says), "wanted \"%s\" in: %s", cases[k].says, err);
+        cr_expect(strstr(err, "To start afresh"), "%s", err);
+        cr_expect(strstr(err, "kvtier.live from kvtier-data"), "the directory is named: %s", err);
+        cr_expect(!strstr(err, "at least 2 segments"), "%s", err);
+    }
+    /* Whole files made with other settings: those are named, and no hint about the size. */
+    damage(&d, "kvtier.meta", meta, strlen(meta), 0);
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && timeout -s KILL 20 '%s' --unix x.sock --tcp '' --metrics '' "
+             "--dram-bytes 16M --nvme-bytes 16M --nvme-segment-bytes 1M 2>err.txt >/dev/null",
+             d.dir, kvd_binary());
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "other geometry: exit %d", WEXITSTATUS(st));
+    kvd_slurp(&d, "err.txt", err, sizeof err);
+    cr_expect(strstr(err, "was made with 8 segments of 1048576 bytes, not the 16"), "%s", err);
+    cr_expect(!strstr(err, "at least 2 segments"), "%s", err);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, example_configuration_starts)
 {
     char conf[1024];
