@@ -149,7 +149,7 @@ typedef enum {
     X(NVME_RECOVERY, GAUGE, "kvtier_nvme_recovery_blocks",                                         \
       "Blocks the NVMe recovery found at start-up, by outcome: inserted in the index, torn "       \
       "(checksum failed: skipped), stale (an older copy: skipped), orphan (namespace or "          \
-      "ancestors gone: freed), removed (a REMOVE's tombstone: stepped over).",                     \
+      "ancestors gone: freed), removed (dropped before the stop: stepped over).",                  \
       RECOVERY)                                                                                    \
     X(NVME_RECOVERY_GAPS, GAUGE, "kvtier_nvme_recovery_gaps",                                      \
       "Stretches with no record before intact ones that the NVMe recovery passed at start-up "     \
