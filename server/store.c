@@ -720,6 +720,13 @@ int kvt__store_open(kvt_srv_t *s)
                     (unsigned long long)rec.torn, (unsigned long long)rec.stale,
                     (unsigned long long)rec.gaps, (unsigned long long)rec.orphans,
                     (unsigned long long)rec.discarded);
+        } else {
+            /* Left in the tier, they would hold its capacity with nothing naming them. */
+            long dropped = kvt_tier_nvme_drop_recovered(s->tiers[KVT_TIER_NVME]);
+            if (dropped > 0)
+                kvt_log(KVT_LOG_INFO,
+                        "kvtierd: nvme-recover is off: the %ld blocks found in %s were dropped",
+                        dropped, c->data_dir);
         }
     }
 #else

@@ -682,6 +682,41 @@ Test(server_e2e, removed_pages_stay_removed_after_a_restart)
     kvd_cleanup(&d);
 }
 
+/* With nvme-recover off the NVMe tier starts empty: the blocks found in the data file are
+ * dropped, where they used to stay charged to the tier with nothing in the index naming them,
+ * and they do not come back at the next restart either. */
+Test(server_e2e, a_start_without_recovery_drops_what_nvme_holds)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 44);
+    kvt_client_put_t r;
+    put_pages(c, tok, 4 * PAGE, 0, 4, BB, 79, &r);
+    cr_assert_eq(r.stored, 4);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", "--nvme-recover", "no", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 0);
+    cr_expect_eq(kvd_stat(c, "nvme_used_bytes"), 0);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "dropped blocks came back");
+    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 /* Clients that PUT while the daemon is killed (SIGKILL): every page a PUT reply said was stored
  * comes back after the restart, byte-exact, from the NVMe tier. The writers keep several PUTs'
  * writes in flight at the kill, completing out of order. */

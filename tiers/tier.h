@@ -284,6 +284,11 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
  * or KVT_EBUSY (called twice).
  */
 int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out);
+/* Instead of kvt_tier_nvme_recover, for a start that does not recover: frees every block the
+ * scan found, for good, so that they neither hold the tier's capacity with no index naming them
+ * nor come back at a later restart. Returns how many, or KVT_EINVAL or KVT_EBUSY (called after
+ * either of the two). */
+long kvt_tier_nvme_drop_recovered(kvt_tier_t *t);
 
 /* --- HBM (tiers/hbm.c) ---
  * A pool of device memory allocated once and carved into slots (a bitmap allocator; a block
