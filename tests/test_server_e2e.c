@@ -1427,7 +1427,8 @@ Test(server_e2e, damaged_nvme_side_files_are_named)
         damage(&d, cases[k].file, cases[k].content, cases[k].len, cases[k].keep);
         snprintf(cmd, sizeof cmd,
                  "cd '%s' && timeout -s KILL 20 '%s' --unix x.sock --tcp '' --metrics '' "
-                 "--dram-bytes 16M --nvme-bytes 8M --nvme-segment-bytes 1M 2>err.txt >/dev/null",
+                 "--dram-bytes 16M --nvme-bytes 8M --nvme-segment-bytes 1M --hbm-bytes 0 2>err.txt "
+                 ">/dev/null",
                  d.dir, kvd_binary());
         int st = system(cmd); /* a daemon that starts is killed after 20 s: exit 137 */
         cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "%s: exit %d", cases[k].says,
@@ -1442,7 +1443,8 @@ Test(server_e2e, damaged_nvme_side_files_are_named)
     damage(&d, "kvtier.meta", meta, strlen(meta), 0);
     snprintf(cmd, sizeof cmd,
              "cd '%s' && timeout -s KILL 20 '%s' --unix x.sock --tcp '' --metrics '' "
-             "--dram-bytes 16M --nvme-bytes 16M --nvme-segment-bytes 1M 2>err.txt >/dev/null",
+             "--dram-bytes 16M --nvme-bytes 16M --nvme-segment-bytes 1M --hbm-bytes 0 2>err.txt "
+             ">/dev/null",
              d.dir, kvd_binary());
     int st = system(cmd);
     cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "other geometry: exit %d", WEXITSTATUS(st));
