@@ -954,7 +954,18 @@ static uint64_t lw_metric(const kvd_t *d, const char *line)
 Test(server_e2e, nvme_live_set_survives_restarts_after_the_log_wrapped)
 {
     kvd_t d = {0};
-    const char *flags[] = {"--dram-bytes", "0", NULL};
+    /* The sizes and watermarks lw_fill counts on, whatever the harness's defaults. */
+    const char *flags[] = {"--dram-bytes",
+                           "0",
+                           "--nvme-bytes",
+                           "8M",
+                           "--nvme-segment-bytes",
+                           "1M",
+                           "--policy-high",
+                           "0.95",
+                           "--policy-low",
+                           "0.90",
+                           NULL};
     kvd_startv(&d, flags);
     kvt_client_t *c = kvd_client(&d, "llama", PAGE, LW_BB);
     static uint8_t before[2 * LW_ROUND];
