@@ -167,7 +167,7 @@ typedef enum {
     X(NVME_RECOVERY, GAUGE, "kvtier_nvme_recovery_blocks",                                         \
       "Blocks the NVMe recovery found at start-up, by outcome: inserted in the index, torn "       \
       "(checksum failed: skipped), stale (an older copy: skipped), orphan (namespace or "          \
-      "ancestors gone: freed), removed (a REMOVE's tombstone: stepped over).",                     \
+      "ancestors gone: freed), removed (dropped before the stop: stepped over).",                  \
       RECOVERY)                                                                                    \
     X(AUTH_FAILURES, COUNTER, "kvtier_auth_failures_total", "AUTH requests with a wrong secret.",  \
       NONE)                                                                                        \

@@ -754,10 +754,13 @@ int kvt__store_open(kvt_srv_t *s)
                                    .segment_bytes = (uint32_t)c->nvme_segment_bytes,
                                    .sparse = c->nvme_sparse};
         if ((rc = kvt_tier_nvme_create(&s->tiers[KVT_TIER_NVME], &nc)) < 0) {
+            /* The tier names what it found wrong on disk; the settings can only be short. */
+            uint64_t segb = c->nvme_segment_bytes ? c->nvme_segment_bytes : 64u << 20;
             kvt_log(KVT_LOG_ERROR, "kvtierd: NVMe tier in %s: %s%s", c->data_dir, kvt_strerror(rc),
-                    rc == KVT_EINVAL ? " (nvme-bytes must hold at least 2 segments of "
-                                       "nvme-segment-bytes, 64M by default)"
-                                     : "");
+                    rc == KVT_EINVAL && c->nvme_bytes / segb < 2
+                        ? " (nvme-bytes must hold at least 2 segments of "
+                          "nvme-segment-bytes, 64M by default)"
+                        : "");
             return rc;
         }
         if (c->nvme_recover) {
@@ -782,6 +785,13 @@ int kvt__store_open(kvt_srv_t *s)
                     (unsigned long long)rec.torn, (unsigned long long)rec.stale,
                     (unsigned long long)rec.gaps, (unsigned long long)rec.orphans,
                     (unsigned long long)rec.discarded);
+        } else {
+            /* Left in the tier, they would hold its capacity with nothing naming them. */
+            long dropped = kvt_tier_nvme_drop_recovered(s->tiers[KVT_TIER_NVME]);
+            if (dropped > 0)
+                kvt_log(KVT_LOG_INFO,
+                        "kvtierd: nvme-recover is off: the %ld blocks found in %s were dropped",
+                        dropped, c->data_dir);
         }
     }
 #else
