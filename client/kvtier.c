@@ -336,8 +336,10 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
     const uint8_t *body;
     uint32_t len;
     int rc;
-    if (conf->secret && (rc = kvt_call(c, KVT_OP_AUTH, 0, conf->secret, strlen(conf->secret), NULL,
-                                       0, NULL, 0, &body, &len)) < 0)
+    /* An empty secret is none: the daemon refuses an empty AUTH body (1..1024 bytes). */
+    if (conf->secret && *conf->secret &&
+        (rc = kvt_call(c, KVT_OP_AUTH, 0, conf->secret, strlen(conf->secret), NULL, 0, NULL, 0,
+                       &body, &len)) < 0)
         goto fail;
     size_t ml = strlen(conf->model), al = conf->adapter ? strlen(conf->adapter) : 0,
            sl = conf->salt ? strlen(conf->salt) : 0;

@@ -43,6 +43,7 @@ enum {
                                    daemon's max-frame, refused before its body is read) */
     KVT_CLIENT_EUNAVAIL = -30808,
     KVT_CLIENT_ETIMEDOUT = -30809,
+    KVT_CLIENT_EAGAIN = -30811, /* AUTH: too many wait their turn (a guessing attack): later */
     KVT_CLIENT_EAUTH = -30813,
     KVT_CLIENT_ETOOBIG = -30814,
     KVT_CLIENT_ECLOSED = -30812, /* the connection is gone */
@@ -65,7 +66,7 @@ typedef struct kvt_client kvt_client_t;
 typedef struct kvt_client_conf {
     const char *unix_path; /* Unix socket; with tcp NULL too: "kvtierd.sock" in the working dir */
     const char *tcp;       /* "host:port", used when unix_path is NULL */
-    const char *secret;    /* shared secret for AUTH; NULL: none */
+    const char *secret;    /* shared secret for AUTH; NULL or "": none */
     const char *model;     /* namespace: model name (required, 1..255 bytes) */
     const char *adapter;   /* namespace: adapter (LoRA) name; NULL: none */
     const char *salt;      /* namespace: tenant salt, isolates tenants; NULL: none */
@@ -75,8 +76,10 @@ typedef struct kvt_client_conf {
 } kvt_client_conf_t;
 
 /* Connects, authenticates and declares the namespace. Returns 0, a negated errno (no daemon
- * there: -ENOENT or -ECONNREFUSED), KVT_CLIENT_EAUTH, KVT_CLIENT_EINVAL, KVT_CLIENT_EPROTO, or
- * KVT_CLIENT_ENOSPC (a new namespace the daemon has no room for). */
+ * there: -ENOENT or -ECONNREFUSED), KVT_CLIENT_EAUTH, KVT_CLIENT_EAGAIN (the daemon's line of
+ * AUTHs is full: connect again later), KVT_CLIENT_EINVAL, KVT_CLIENT_EPROTO, or
+ * KVT_CLIENT_ENOSPC (a new namespace the daemon has no room for). An AUTH may take a while to be
+ * answered while someone guesses the secret (docs/protocol.md, AUTH). */
 int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
 /* Closes the connection; the daemon releases every lease it held. NULL is a no-op. */
 void kvt_client_close(kvt_client_t *c);

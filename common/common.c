@@ -79,15 +79,99 @@ int kvt_log_parse_level(const char *s, kvt_log_level_t *out)
     return KVT_EINVAL;
 }
 
+/* The length of the UTF-8 sequence at p (n bytes there) when a log line may show it as it is:
+ * well-formed, and not a C1 control (U+0080..U+009F, which terminals obey) nor a line or
+ * paragraph separator (U+2028, U+2029, which some viewers break lines at). 0 otherwise. */
+static size_t kvt_utf8_ok(const uint8_t *p, size_t n)
+{
+    uint8_t b = p[0];
+    size_t len = b >= 0xc2 && b <= 0xdf   ? 2
+                 : b >= 0xe0 && b <= 0xef ? 3
+                 : b >= 0xf0 && b <= 0xf4 ? 4
+                                          : 0;
+    if (len == 0 || len > n)
+        return 0;
+    for (size_t i = 1; i < len; i++)
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+    if ((b == 0xe0 && p[1] < 0xa0) || (b == 0xed && p[1] > 0x9f) || /* overlong, surrogate */
+        (b == 0xf0 && p[1] < 0x90) || (b == 0xf4 && p[1] > 0x8f) || /* overlong, past U+10FFFF */
+        (b == 0xc2 && p[1] < 0xa0) ||                               /* C1 controls */
+        (b == 0xe2 && p[1] == 0x80 && (p[2] == 0xa8 || p[2] == 0xa9)))
+        return 0;
+    return len;
+}
+
+/* Appends src[0, len) to dst at *at, escaped (kvt_log_str; a backslash doubled only when
+ * backslash is set), as far as dst's cap bytes hold it with its NUL. Returns the source bytes
+ * taken. */
+static size_t kvt_escape(char *dst, size_t cap, size_t *at, const uint8_t *src, size_t len,
+                         int backslash)
+{
+    size_t i = 0, o = *at;
+    while (i < len) {
+        uint8_t b = src[i];
+        char esc[8];
+        const char *out = esc;
+        size_t el = 1, take = 1;
+        if (b >= 0x20 && b < 0x7f) {
+            esc[0] = (char)b;
+            if (b == '\\' && backslash) {
+                out = "\\\\";
+                el = 2;
+            }
+        } else if (b == '\n' || b == '\r' || b == '\t') {
+            esc[0] = '\\';
+            esc[1] = b == '\n' ? 'n' : b == '\r' ? 'r' : 't';
+            el = 2;
+        } else if (b >= 0x80 && (take = kvt_utf8_ok(src + i, len - i)) > 0) {
+            out = (const char *)src + i;
+            el = take;
+        } else {
+            snprintf(esc, sizeof esc, "\\x%02x", b);
+            el = 4;
+            take = 1;
+        }
+        if (o + el >= cap)
+            break;
+        memcpy(dst + o, out, el);
+        o += el;
+        i += take;
+    }
+    if (cap)
+        dst[o] = 0;
+    *at = o;
+    return i;
+}
+
+const char *kvt_log_str(char *dst, size_t cap, const void *src, size_t len, size_t max)
+{
+    if (!dst || cap == 0)
+        return dst;
+    dst[0] = 0;
+    if (!src || cap < 4)
+        return dst;
+    size_t at = 0, n = KVT_MIN(len, max);
+    /* Room for the "..." kept back, so that a cut string always says so. */
+    if (kvt_escape(dst, cap - 3, &at, src, n, 1) < len)
+        memcpy(dst + at, "...", 4);
+    return dst;
+}
+
 static void kvt_log_line(kvt_log_level_t level, const char *msg)
 {
+    /* Whatever reached the message unescaped (a name read back from a file a client once
+     * named) still cannot start a line of its own. */
+    char clean[4 * 1024 + 4];
+    size_t at = 0;
+    kvt_escape(clean, sizeof clean, &at, (const uint8_t *)msg, strlen(msg), 0);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     struct tm tm;
     gmtime_r(&ts.tv_sec, &tm);
     fprintf(stderr, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s\n", tm.tm_year + 1900,
             tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
-            kvt_log_names[level], msg);
+            kvt_log_names[level], clean);
 }
 
 void kvt_log(kvt_log_level_t level, const char *fmt, ...)
@@ -102,13 +186,35 @@ void kvt_log(kvt_log_level_t level, const char *fmt, ...)
     kvt_log_line(level, msg);
 }
 
+static uint32_t kvt_log_rate = 1;
+static uint64_t kvt_log_held_total; /* atomic: a tier thread may log too */
+
+void kvt_log_set_rate(uint32_t lines_per_s)
+{
+    kvt_log_rate = lines_per_s ? KVT_MIN(lines_per_s, 1000000u) : 1;
+}
+
+uint32_t kvt_log_get_rate(void)
+{
+    return kvt_log_rate;
+}
+
+uint64_t kvt_log_suppressed(void)
+{
+    return __atomic_load_n(&kvt_log_held_total, __ATOMIC_RELAXED);
+}
+
 void kvt_log_limited(kvt_log_limit_t *lim, kvt_log_level_t level, const char *fmt, ...)
 {
     if (level < kvt_log_level)
         return;
-    uint64_t now = kvt_now_ns();
-    if (lim->last_ns && now - lim->last_ns < 1000000000ull) {
+    /* A token bucket of `rate` lines refilled at `rate` a second, kept as one time (GCRA): a
+     * line goes out when the bucket would not be over-full with it. */
+    uint64_t now = kvt_now_ns(), step = 1000000000ull / kvt_log_rate;
+    uint64_t tat = lim->tat_ns > now ? lim->tat_ns : now;
+    if (tat + step - now > step * kvt_log_rate) {
         lim->held++;
+        __atomic_add_fetch(&kvt_log_held_total, 1, __ATOMIC_RELAXED);
         return;
     }
     char msg[1024];
@@ -119,7 +225,7 @@ void kvt_log_limited(kvt_log_limit_t *lim, kvt_log_level_t level, const char *fm
     if (lim->held && n >= 0 && (size_t)n < sizeof msg)
         snprintf(msg + n, sizeof msg - (size_t)n, " (and %llu more like it since the last)",
                  (unsigned long long)lim->held);
-    lim->last_ns = now;
+    lim->tat_ns = tat + step;
     lim->held = 0;
     kvt_log_line(level, msg);
 }

@@ -53,16 +53,38 @@ int kvt_log_parse_level(const char *s, kvt_log_level_t *out);
 
 /*
  * A line that can repeat at any rate (a tier failing every write while it is full, a block lost
- * per request): at most one per second per limiter (a static one at the call site); the lines
- * held back meanwhile are counted and the next line says how many. Zero-initialised.
+ * per request, anything a client can make the daemon say): a static limiter at the call site
+ * lets through kvt_log_get_rate() lines a second, in bursts of as many; the lines held back
+ * meanwhile are counted, here and in kvt_log_suppressed(), and the next line that goes out says
+ * how many. Zero-initialised.
  */
 typedef struct kvt_log_limit {
-    uint64_t last_ns; /* when the last line went out; 0: never */
-    uint64_t held;    /* lines held back since */
+    uint64_t tat_ns; /* when the bucket is next empty (GCRA's theoretical arrival time); 0: never */
+    uint64_t held;   /* lines held back since the last one out */
 } kvt_log_limit_t;
 
 void kvt_log_limited(kvt_log_limit_t *lim, kvt_log_level_t level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Lines a second each limiter lets through (at least 1; 1 until set). Set once at start-up. */
+void kvt_log_set_rate(uint32_t lines_per_s);
+uint32_t kvt_log_get_rate(void);
+/* Lines every limiter together has held back since the process started. */
+uint64_t kvt_log_suppressed(void);
+
+/*
+ * A string someone else chose (a client's model name), made fit for a log line: printable ASCII
+ * and valid UTF-8 as they are, a backslash as two, \n \r \t as such, and every other control
+ * byte and every byte that is not valid UTF-8 as \xNN; at most max bytes of src, followed by
+ * "..." when it had more. Without this a name holding a line break writes a line of its own,
+ * which a client could make look like anything. dst (cap bytes) is always NUL-terminated;
+ * KVT_LOG_STR_CAP(max) bytes hold the longest result. Returns dst.
+ *
+ * Every line is also scrubbed on its way out (control bytes and bad UTF-8 escaped the same way,
+ * backslashes left alone), so a string that reaches a line unescaped cannot break it either.
+ */
+#define KVT_LOG_STR_MAX    64 /* bytes of a client's string a log line shows */
+#define KVT_LOG_STR_CAP(m) ((m)*4 + 4)
+const char *kvt_log_str(char *dst, size_t cap, const void *src, size_t len, size_t max);
 
 /* A decimal unsigned number; with_suffix, optionally followed by K, M, G or T (powers of 1024,
  * case-insensitive, an "i" and a "B" allowed after: 64G, 64GiB, 512kb). Returns 0, or KVT_EINVAL

@@ -51,6 +51,7 @@ typedef struct kvt_ns {
     uint32_t next_free;     /* closed: the next closed id, or NO_SLOT */
     kvt_radix_node_t *root; /* NULL once closed */
     char *desc;             /* "model\0adapter\0salt\0", for logs; NULL when opened by seed */
+    uint64_t blocks;        /* cached pages: what freeing the namespace would cost */
 } kvt_ns_t;
 
 struct kvt_radix_node {
@@ -1351,6 +1352,7 @@ static int insert_after(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uin
         list_update(t, under);
     list_update(t, leaf);
     t->blocks += m;
+    t->ns[ns].blocks += m;
     t->cached_tokens += (uint64_t)m * ps;
     t->epoch++;
 
@@ -1459,6 +1461,7 @@ static void free_blocks(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from, uint
         if (t->conf.free_cb)
             t->conf.free_cb(t->conf.free_arg, n->ns, &n->blocks[i - 1]);
     t->blocks -= to - from;
+    t->ns[n->ns].blocks -= to - from;
     t->cached_tokens -= (uint64_t)(to - from) * n->page_size;
 }
 
@@ -1559,6 +1562,30 @@ int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
     }
     drop_tail(t, n, from);
     return 0;
+}
+
+int kvt_radix_ns_clear(kvt_radix_t *t, uint32_t ns)
+{
+    if (!t || !ns_live(t, ns))
+        return KVT_EINVAL;
+    kvt_radix_node_t *root = t->ns[ns].root;
+    if (subtree_busy(t, root, 0))
+        return KVT_EBUSY;
+    mig_tick(t);
+    t->epoch++;
+    kid_densify(t, root);
+    while (root->nkids > 0) {
+        kvt_radix_node_t *c = kids_ptrs(root)[root->nkids - 1];
+        subtree_free(t, c, 1);
+        if (--root->nkids == 0)
+            kid_free_all(t, root);
+    }
+    return 0;
+}
+
+uint64_t kvt_radix_ns_blocks(const kvt_radix_t *t, uint32_t ns)
+{
+    return t && ns_live(t, ns) ? t->ns[ns].blocks : 0;
 }
 
 int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages)
@@ -2044,6 +2071,7 @@ int kvt_radix_verify(const kvt_radix_t *t)
         if (ns_find(t, ns->seed) != s + 1)
             VFAIL("namespace %u is not found by its seed", s);
         bytes += usable(ns->desc);
+        uint64_t ns_blocks = blocks; /* the namespace's pages are what this walk adds */
         size_t sp = 0;
         stack[sp++] = ns->root;
         while (sp > 0) {
@@ -2126,6 +2154,9 @@ int kvt_radix_verify(const kvt_radix_t *t)
             if (found != n->nkids)
                 VFAIL("%u children in the slots, %u counted", found, n->nkids);
         }
+        if (blocks - ns_blocks != ns->blocks)
+            VFAIL("namespace %u: %llu pages found, %llu counted", s,
+                  (unsigned long long)(blocks - ns_blocks), (unsigned long long)ns->blocks);
     }
     if (open != t->ns_open || open + closed != t->nns)
         VFAIL("%u namespaces open and %u closed of %u ids; the tree says %u open", open, closed,

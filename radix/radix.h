@@ -149,6 +149,14 @@ void kvt_radix_set_max_namespaces(kvt_radix_t *t, uint32_t max);
  * id. Whoever keeps state by namespace id must drop it first. Returns 0, KVT_EINVAL (not open)
  * or KVT_EBUSY (it holds pages). */
 int kvt_radix_ns_close(kvt_radix_t *t, uint32_t ns);
+/* Drops every page of namespace ns, as many kvt_radix_evict() calls would (free_cb for each block,
+ * node_free_cb for each node), so that kvt_radix_ns_close() can then close it: for a caller that
+ * must free a namespace that still holds pages. Returns 0, KVT_EINVAL (not open) or KVT_EBUSY
+ * (and changes nothing) when a node of it is leased or holds a KVT_BLOCK_BUSY block. Costs
+ * O(its pages). */
+int kvt_radix_ns_clear(kvt_radix_t *t, uint32_t ns);
+/* The pages namespace ns holds (0 if ns is unknown): what kvt_radix_ns_clear() would drop. */
+uint64_t kvt_radix_ns_blocks(const kvt_radix_t *t, uint32_t ns);
 /* Opens a namespace known only by its seed (as stored in a tier's block headers): the same id as
  * kvt_radix_ns_open() of the description that hashes to that seed. Returns 0, KVT_EINVAL
  * (page_size differs from the one the namespace has) or KVT_ENOMEM. */

@@ -97,6 +97,17 @@ static const kvt_opt_t kvt_opts[] = {
     {"reply-timeout-ms", KVT_OPT_U32, KVT_O(reply_timeout_ms), "60000",
      "a connection whose socket takes none of its queued replies for this long is closed; 0 for "
      "never"},
+    {"hello-timeout-ms", KVT_OPT_U32, KVT_O(hello_timeout_ms), "10000",
+     "a new connection whose first frame (HELLO, or AUTH) is not whole within this long is "
+     "closed; 0 for never"},
+    {"frame-timeout-ms", KVT_OPT_U32, KVT_O(frame_timeout_ms), "10000",
+     "a frame begun must be whole within this long, or arrive at frame-min-rate, or its "
+     "connection is closed and its buffer given back; 0 for never"},
+    {"frame-min-rate", KVT_OPT_BYTES, KVT_O(frame_min_rate), "1M",
+     "bytes per second a frame too big for one frame-timeout-ms must keep arriving at"},
+    {"evict-idle-ms", KVT_OPT_U32, KVT_O(evict_idle_ms), "1000",
+     "at max-conns a new connection closes the one idle longest, if idle this long with no "
+     "lease and no request; 0 refuses the new one instead"},
     {"tick-ms", KVT_OPT_U32, KVT_O(tick_ms), "50",
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
@@ -114,10 +125,19 @@ static const kvt_opt_t kvt_opts[] = {
     {"nvme-min-hits", KVT_OPT_U32, KVT_O(nvme_min_hits), "0",
      "hits a block needs before it is demoted into NVMe; 0 for none"},
     {"log-level", KVT_OPT_STR, KVT_O(log_level), "info", "debug, info, warn or error"},
+    {"log-rate", KVT_OPT_U32, KVT_O(log_rate), "10",
+     "lines a second each line a client can repeat (error replies, ...) may write (1..1000000); "
+     "the rest are counted and the next line says how many"},
     {"secret", KVT_OPT_STR, KVT_O(secret), "",
      "shared secret clients must AUTH with before anything else; \"\" for none"},
     {"secret-file", KVT_OPT_STR, KVT_O(secret_file), "",
      "file holding the shared secret (first line), instead of secret"},
+    {"auth-failures-per-s", KVT_OPT_U32, KVT_O(auth_failures_per_s), "10",
+     "wrong AUTHs answered a second, all connections together (in bursts of as many); past it "
+     "every AUTH answer waits its turn; 0 for no limit"},
+    {"auth-wait-ms", KVT_OPT_U32, KVT_O(auth_wait_ms), "5000",
+     "the longest an AUTH answer waits for auth-failures-per-s; an AUTH that would wait longer "
+     "gets EAGAIN at once, its secret unchecked (1..600000)"},
 };
 
 static const kvt_opt_t *kvt_opt_find(const char *name)
@@ -379,6 +399,15 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         return KVT_EINVAL;
     }
     kvt_log_set_level(lvl);
+    if (conf->log_rate == 0 || conf->log_rate > 1000000) {
+        snprintf(err, errlen, "log-rate must be between 1 and 1000000");
+        return KVT_EINVAL;
+    }
+    kvt_log_set_rate(conf->log_rate);
+    if (conf->auth_wait_ms == 0 || conf->auth_wait_ms > 600000) {
+        snprintf(err, errlen, "auth-wait-ms must be between 1 and 600000");
+        return KVT_EINVAL;
+    }
     if (*conf->secret_file) {
         FILE *f = fopen(conf->secret_file, "r");
         if (!f) {
@@ -429,6 +458,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     if (conf->max_client_bytes < conf->max_frame + (1u << 20)) {
         snprintf(err, errlen, "max-client-bytes must be at least max-frame + 1M (%llu)",
                  (unsigned long long)(conf->max_frame + (1u << 20)));
+        return KVT_EINVAL;
+    }
+    if (conf->frame_min_rate > (1ull << 30)) {
+        snprintf(err, errlen, "frame-min-rate must be at most 1G (bytes per second)");
         return KVT_EINVAL;
     }
     if (conf->tick_ms == 0 || conf->tick_ms > 10000) {

@@ -46,6 +46,10 @@ typedef struct kvt_srv_conf {
     uint64_t max_output;       /* queued reply bytes per connection before reads pause */
     uint64_t max_client_bytes; /* clients' buffers beyond their base input buffers, all together */
     uint32_t reply_timeout_ms; /* a socket that takes none of its replies this long is closed */
+    uint32_t hello_timeout_ms; /* a connection with no whole first frame this long is closed */
+    uint32_t frame_timeout_ms; /* a frame begun must be whole within it, or keep arriving at */
+    uint64_t frame_min_rate;   /* ... this many bytes per second */
+    uint32_t evict_idle_ms;    /* at max-conns, a connection idle this long may make room */
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
@@ -57,9 +61,12 @@ typedef struct kvt_srv_conf {
     double policy_low;      /* low watermark */
     uint32_t nvme_min_hits; /* hits a block needs before it is demoted into NVMe */
     char *log_level;
+    uint32_t log_rate; /* lines a second each rate-limited log line may write */
     char *secret;
     char *secret_file;
-    char *config; /* the file that was read, if any */
+    uint32_t auth_failures_per_s; /* wrong AUTHs answered a second, all connections; 0: no limit */
+    uint32_t auth_wait_ms;        /* the longest an AUTH answer waits for that rate */
+    char *config;                 /* the file that was read, if any */
 } kvt_srv_conf_t;
 
 /* Fills conf with the embedded defaults (strings are malloc'ed). Returns 0 or KVT_ENOMEM. */

@@ -69,11 +69,13 @@ static int kvt_mem_full(const kvt__conn_t *c)
 }
 
 /* Back-pressure: c takes no new request while it has max-inflight tier I/Os in flight, max-output
- * reply bytes queued, or work out with the clients' memory full. */
+ * reply bytes queued, or work out with the clients' memory full; nor while its AUTH waits its
+ * turn (handlers.c: reading on would tell a guesser how its guess went). */
 static int kvt_conn_held(const kvt__conn_t *c)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
-    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || kvt_mem_full(c);
+    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || kvt_mem_full(c) ||
+           c->auth_wait;
 }
 
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
@@ -120,13 +122,47 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
     return -1;
 }
 
+/*
+ * At max-conns a new connection takes the place of the connection idle the longest (no byte from
+ * it for evict-idle-ms or more) that holds no lease, has no request queued or in flight and
+ * waits for nothing: connections that only connected, or said HELLO and went quiet, cannot keep
+ * every slot. An engine's sidecar connection that holds leases, or is being answered, is never
+ * the one closed. One walk over the connections, only when every slot is taken.
+ */
+static int kvt_conn_evict(kvt_srv_t *s, uint64_t now)
+{
+    uint64_t idle = (uint64_t)s->conf->evict_idle_ms * 1000000;
+    if (idle == 0)
+        return 0;
+    kvt__conn_t *victim = NULL;
+    for (kvt__conn_t *c = s->conns; c; c = c->next) {
+        if (c->closing || c->nleases || c->head || c->inflight || c->mem_wait ||
+            now - c->rx_ns < idle)
+            continue;
+        if (!victim || c->rx_ns < victim->rx_ns)
+            victim = c;
+    }
+    if (!victim)
+        return 0;
+    static kvt_log_limit_t lim;
+    kvt_log_limited(&lim, KVT_LOG_INFO,
+                    "kvtierd: max-conns reached: connection %llu, idle for %llu ms with no lease "
+                    "and no request, closed for a new one (evict-idle-ms)",
+                    (unsigned long long)victim->id,
+                    (unsigned long long)((now - victim->rx_ns) / 1000000));
+    kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_EVICTED, 0, 1);
+    kvt__conn_close(victim);
+    return 1;
+}
+
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 {
     for (int k = 0; k < 64; k++) {
         int fd = kvt__accept(s, lfd, tcp ? "tcp" : "unix");
         if (fd < 0)
             return;
-        if (s->nconns >= s->conf->max_conns || s->stopping) {
+        uint64_t now = kvt_now_ns();
+        if (s->stopping || (s->nconns >= s->conf->max_conns && !kvt_conn_evict(s, now))) {
             kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
             static kvt_log_limit_t lim;
             kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: refusing a connection: %s",
@@ -150,6 +186,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         c->tcp = tcp;
         c->authed = !*s->conf->secret;
         c->events = EPOLLIN;
+        c->born_ns = c->rx_ns = c->mark_ns = now;
         if (kvt__ev_add(s, &c->ev, c->events) < 0) {
             close(fd);
             free(c);
@@ -388,9 +425,13 @@ int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int s
      * evicted, RELEASE of an expired lease): debug only; kvtier_request_errors_total counts them.
      * The rest are worth a line at the default level. */
     int level = status == KVT_ENOENT || status == KVT_EBUSY ? KVT_LOG_DEBUG : KVT_LOG_INFO;
-    kvt_log(level, "kvtierd: connection %llu: %s request %llu: %s (%s)", (unsigned long long)c->id,
-            kvt_proto_op_name(op) ? kvt_proto_op_name(op) : "unknown", (unsigned long long)id, msg,
-            kvt_strerror(status));
+    /* A client can make every request an error: log-rate lines a second per operation, so that
+     * one flooding one kind does not hide the others (the rest are counted). */
+    static kvt_log_limit_t lim[KVT_OP_COUNT + 1];
+    kvt_log_limited(&lim[op < KVT_OP_COUNT ? op : KVT_OP_COUNT], level,
+                    "kvtierd: connection %llu: %s request %llu: %s (%s)", (unsigned long long)c->id,
+                    kvt_proto_op_name(op) ? kvt_proto_op_name(op) : "unknown",
+                    (unsigned long long)id, msg, kvt_strerror(status));
     return kvt__reply(c, op, id, t0, status, msg, (uint32_t)n);
 }
 
@@ -599,6 +640,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
         if (rc == 0)
             break; /* the rest of it is still to come */
+        c->frames++;
         if (kvt__handle(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
             c->closing = 1;
         if (!c->in) { /* a PUT took the buffer with its frame (kvt__conn_take_frame) */
@@ -668,9 +710,11 @@ static void kvt_conn_read(kvt__conn_t *c)
         if (n == 0) {
             if (c->in_len > 0) {
                 kvt__proto_error(c->srv, KVT_PERR_TRUNCATED);
-                kvt_log(KVT_LOG_INFO,
-                        "kvtierd: connection %llu closed in the middle of a frame (%zu bytes)",
-                        (unsigned long long)c->id, c->in_len);
+                static kvt_log_limit_t lim; /* a client can do it per connection */
+                kvt_log_limited(&lim, KVT_LOG_INFO,
+                                "kvtierd: connection %llu closed in the middle of a frame (%zu "
+                                "bytes)",
+                                (unsigned long long)c->id, c->in_len);
             }
             c->dead = 1;
             return;
@@ -681,6 +725,8 @@ static void kvt_conn_read(kvt__conn_t *c)
             return;
         }
         c->in_len += (size_t)n;
+        c->rx_bytes += (uint64_t)n;
+        c->rx_ns = kvt_now_ns();
         kvt_conn_parse(c);
         if (kvt_conn_held(c))
             return;
@@ -779,11 +825,67 @@ static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
     uint64_t limit = (uint64_t)c->srv->conf->reply_timeout_ms * 1000000;
     if (limit == 0 || c->stuck_ns == 0 || now - c->stuck_ns < limit)
         return 0;
-    kvt_log(KVT_LOG_WARN,
-            "kvtierd: connection %llu took none of its replies for %u ms (%zu bytes queued, %zu "
-            "leases): closed (reply-timeout-ms)",
-            (unsigned long long)c->id, c->srv->conf->reply_timeout_ms, c->out_bytes, c->nleases);
+    static kvt_log_limit_t lim; /* many clients may stop reading at once */
+    kvt_log_limited(&lim, KVT_LOG_WARN,
+                    "kvtierd: connection %llu took none of its replies for %u ms (%zu bytes "
+                    "queued, %zu leases): closed (reply-timeout-ms)",
+                    (unsigned long long)c->id, c->srv->conf->reply_timeout_ms, c->out_bytes,
+                    c->nleases);
     kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_TIMED_OUT, 0, 1);
+    kvt__conn_close(c);
+    return 1;
+}
+
+/*
+ * Clients too slow to send what they began: a connection must have sent a whole first
+ * frame within hello-timeout-ms of connecting, and a frame once begun must be whole within
+ * frame-timeout-ms or have at least frame-min-rate x frame-timeout-ms of its bytes arrive in
+ * every frame-timeout-ms, measured from tick to tick. Otherwise the connection is closed, and
+ * with it the input buffer a big frame's header reserved in max-client-bytes (a frame one byte
+ * short would hold it for good). Time in which the daemon does not read the connection
+ * (back-pressure, a wait for max-client-bytes) does not count against it.
+ */
+static int kvt_conn_too_slow(kvt__conn_t *c, uint64_t now)
+{
+    const kvt_srv_conf_t *cf = c->srv->conf;
+    uint64_t hello = (uint64_t)cf->hello_timeout_ms * 1000000;
+    if (hello && c->frames == 0 && now - c->born_ns >= hello) {
+        static kvt_log_limit_t lim;
+        kvt_log_limited(&lim, KVT_LOG_INFO,
+                        "kvtierd: connection %llu sent no whole frame in its first %u ms (%zu "
+                        "bytes): closed (hello-timeout-ms)",
+                        (unsigned long long)c->id, cf->hello_timeout_ms, c->in_len);
+        kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_HELLO_TIMED_OUT, 0, 1);
+        kvt__conn_close(c);
+        return 1;
+    }
+    uint64_t window = (uint64_t)cf->frame_timeout_ms * 1000000;
+    if (window == 0)
+        return 0;
+    if (c->in_len == 0 || c->mem_wait || c->closing || !(c->events & EPOLLIN) ||
+        c->frames != c->mark_frames) {
+        /* Between frames, held by the daemon, or a frame finished since: a new period. */
+        c->mark_ns = now;
+        c->mark_rx = c->rx_bytes;
+        c->mark_frames = c->frames;
+        return 0;
+    }
+    if (now - c->mark_ns < window)
+        return 0;
+    uint64_t need = cf->frame_min_rate * cf->frame_timeout_ms / 1000;
+    uint64_t got = c->rx_bytes - c->mark_rx;
+    if (got >= KVT_MAX(need, 1)) {
+        c->mark_ns = now;
+        c->mark_rx = c->rx_bytes;
+        return 0;
+    }
+    static kvt_log_limit_t lim;
+    kvt_log_limited(&lim, KVT_LOG_INFO,
+                    "kvtierd: connection %llu sent %llu bytes of a frame in %llu ms (%zu of it "
+                    "buffered, %zu reserved): closed (frame-timeout-ms, frame-min-rate)",
+                    (unsigned long long)c->id, (unsigned long long)got,
+                    (unsigned long long)((now - c->mark_ns) / 1000000), c->in_len, c->in_cap);
+    kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_FRAME_TIMED_OUT, 0, 1);
     kvt__conn_close(c);
     return 1;
 }
@@ -793,7 +895,7 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *next;
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next;
-        if (!c->gone && !kvt_conn_timed_out(c, now))
+        if (!c->gone && !kvt_conn_too_slow(c, now) && !kvt_conn_timed_out(c, now))
             kvt__lease_expire(c, now);
     }
     kvt__conns_deadlines(s, now);

@@ -57,6 +57,14 @@ static uint16_t kvt_tier_mask(const kvt_srv_t *s)
  * RELEASE finds its lease at once among the thousands an engine's connection may hold.
  */
 
+/* Leases by namespace: one a lease holds keeps its pages (kvt__ns_evict passes it by). Every
+ * leased namespace was declared by a HELLO, which made its entry. */
+static void kvt_lease_ns(kvt_srv_t *s, uint32_t ns, int delta)
+{
+    kvt_assert(ns < s->nns && (delta > 0 || s->ns[ns].leases > 0));
+    s->ns[ns].leases += (uint32_t)delta;
+}
+
 static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
 {
     kvt_srv_t *s = c->srv;
@@ -81,6 +89,7 @@ static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
     }
     s->lease_pos[slot] = (uint32_t)c->nleases;
     c->leases[c->nleases++] = *l;
+    kvt_lease_ns(s, l->ns, 1);
     if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
         c->lease_next_ns = l->expires_ns;
     kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
@@ -136,6 +145,7 @@ static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
 {
     kvt_radix_release(c->srv->radix, l->id);
     kvt_lease_unpin(c->srv, l);
+    kvt_lease_ns(c->srv, l->ns, -1);
     *l = c->leases[--c->nleases];
     if (l != c->leases + c->nleases) /* the last one moved into l's place */
         c->srv->lease_pos[kvt_radix_lease_slot(l->id)] = (uint32_t)(l - c->leases);
@@ -149,6 +159,7 @@ void kvt__lease_drop_all(kvt__conn_t *c)
     for (size_t i = 0; i < c->nleases; i++) {
         kvt_radix_release(c->srv->radix, c->leases[i].id);
         kvt_lease_unpin(c->srv, &c->leases[i]);
+        kvt_lease_ns(c->srv, c->leases[i].ns, -1);
     }
     if (n)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
@@ -226,6 +237,9 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     adapter[m.adapter_len] = 0;
     memcpy(salt, m.salt, m.salt_len);
     salt[m.salt_len] = 0;
+    /* The model as a log line or an error message may show it: the client chose its bytes. */
+    char shown[KVT_LOG_STR_CAP(KVT_LOG_STR_MAX)];
+    kvt_log_str(shown, sizeof shown, m.model, m.model_len, KVT_LOG_STR_MAX);
     /* A new namespace needs room in the index and one of max-namespaces ids: when either is
      * short, the empty namespaces nobody uses are closed first. */
     int reclaimed = 0;
@@ -244,17 +258,23 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     if (rc == KVT_ENOSPC && !reclaimed && kvt__ns_reclaim(s) &&
         kvt__index_fits(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)))
         rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
+    /* None empty: the pages of one nobody uses go (kvt__ns_evict), as index-bytes evicts. */
+    if (rc == KVT_ENOSPC && kvt__ns_evict(s) &&
+        kvt__index_fits(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)))
+        rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
     if (rc < 0)
-        return kvt__reply_error(
-            c, h->opcode, h->request_id, t0, rc, "cannot open namespace%s",
-            rc == KVT_ENOSPC ? ": the daemon holds max-namespaces, each holding pages or used"
-                             : "");
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot open namespace%s",
+                                rc == KVT_ENOSPC
+                                    ? ": the daemon holds max-namespaces, each declared by a "
+                                      "connection, named by a request, leased, or with pages "
+                                      "being moved"
+                                    : "");
     kvt__ns_t *n;
     if ((rc = kvt__ns_get(s, ns, &n)) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "out of memory");
     if (m.block_bytes && n->block_bytes && n->block_bytes != m.block_bytes)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "namespace %s already has blocks of %u bytes, not %u", model,
+                                "namespace \"%s\" already has blocks of %u bytes, not %u", shown,
                                 n->block_bytes, m.block_bytes);
     n->page_size = m.page_size;
     n->seed = kvt_radix_ns_seed(s->radix, ns);
@@ -270,7 +290,7 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                 &lim, rc == KVT_EINVAL ? KVT_LOG_INFO : KVT_LOG_WARN,
                 "kvtierd: namespace \"%s\" not recorded in the NVMe tier's list (%s): "
                 "after a restart its blocks come back unnamed, found by seed",
-                model, rc == KVT_EINVAL ? "a name holds a tab or a line break" : kvt_strerror(rc));
+                shown, rc == KVT_EINVAL ? "a name holds a tab or a line break" : kvt_strerror(rc));
         }
     }
     kvt__ns_use(s, ns);
@@ -279,7 +299,9 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     c->hello = 1;
     c->ns = ns;
     c->page_size = m.page_size;
-    c->block_bytes = n->block_bytes;
+    /* What this client declared, not the namespace's: a payload on a connection that said 0 is
+     * malformed whichever HELLO came first (docs/protocol.md). */
+    c->block_bytes = m.block_bytes;
     kvt_wire_hello_reply_t r = {
         .version = htole16(KVT_PROTO_VERSION),
         .tiers = htole16(kvt_tier_mask(s)),
@@ -291,10 +313,110 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
 }
 
+/*
+ * Guessing the secret. Wrong AUTHs, over all connections together, take tokens from a bucket of
+ * auth-failures-per-s refilled at that rate. An AUTH is answered at once while no other waits
+ * and a token is left (a wrong one takes it); otherwise it waits in line, its connection read no
+ * further, and the tick answers the line's head whenever a token is there, right or wrong alike,
+ * taking one either way: were a right one answered sooner, the wait itself would tell a guesser
+ * it guessed wrong, and guessing would go on at full speed with a short timeout. A guesser thus
+ * learns the answer to at most that many guesses a second, whatever number of connections it
+ * uses, and the loop never waits for anyone. Waiting AUTHs hold connection slots, so the line is
+ * at most auth-wait-ms of tokens long; an AUTH past it gets EAGAIN at once, its secret unchecked.
+ */
+static void kvt_auth_refill(kvt_srv_t *s, uint64_t now)
+{
+    double rate = s->conf->auth_failures_per_s;
+    if (s->auth_refill_ns == 0)
+        s->auth_tokens = rate; /* the bucket starts full */
+    else if (now > s->auth_refill_ns)
+        s->auth_tokens =
+            KVT_MIN(rate, s->auth_tokens + (double)(now - s->auth_refill_ns) * rate / 1e9);
+    s->auth_refill_ns = now;
+}
+
+static int kvt_auth_failed(kvt__conn_t *c, uint64_t id)
+{
+    static kvt_log_limit_t lim; /* a guesser's every try */
+    kvt__proto_error(c->srv, KVT_PERR_AUTH);
+    kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: connection %llu: AUTH request %llu: wrong secret",
+                    (unsigned long long)c->id, (unsigned long long)id);
+    return KVT_EAUTH;
+}
+
+/* Answers the AUTH c waits with, in its place in c's queue. */
+static void kvt_auth_answer(kvt__conn_t *c, int status)
+{
+    static const char wrong[] = "wrong secret", stop[] = "the daemon is shutting down";
+    kvt__req_t *r = c->auth_req;
+    c->auth_wait = 0;
+    c->auth_req = NULL;
+    r->status = status;
+    if (status == 0) {
+        c->authed = 1;
+        kvt__req_reply(r, NULL, 0);
+    } else {
+        if (status == KVT_EAUTH)
+            kvt_auth_failed(c, r->id);
+        c->closing = 1;
+        kvt__req_reply(r, status == KVT_EAUTH ? wrong : stop,
+                       status == KVT_EAUTH ? sizeof wrong - 1 : sizeof stop - 1);
+    }
+    kvt__req_finish(r); /* kicks c: its queue moves on, and it reads again or closes */
+}
+
+static int kvt_auth_order(const void *a, const void *b)
+{
+    uint64_t x = (*(kvt__conn_t *const *)a)->auth_seq, y = (*(kvt__conn_t *const *)b)->auth_seq;
+    return x < y ? -1 : x > y;
+}
+
+void kvt__auth_tick(kvt_srv_t *s, uint64_t now)
+{
+    if (!s->auth_waiting)
+        return;
+    kvt_auth_refill(s, now);
+    /* Connections closed since they began waiting left the list with their AUTH. */
+    uint32_t n = 0;
+    for (kvt__conn_t *c = s->conns; c; c = c->next)
+        n += !c->gone && c->auth_wait;
+    s->auth_waiting = n;
+    if (n == 0 || (s->auth_tokens < 1 && !s->stopping))
+        return;
+    kvt__conn_t **line = malloc(n * sizeof *line);
+    if (!line)
+        return; /* the next tick tries again */
+    n = 0;
+    for (kvt__conn_t *c = s->conns; c; c = c->next)
+        if (!c->gone && c->auth_wait)
+            line[n++] = c;
+    qsort(line, n, sizeof *line, kvt_auth_order);
+    uint32_t i = 0;
+    for (; i < n && (s->auth_tokens >= 1 || s->stopping); i++) {
+        if (line[i]->gone || !line[i]->auth_wait)
+            continue;      /* closed by an answer before it (not by one of its own: never) */
+        if (s->stopping) { /* no more turns to wait for: answered unchecked */
+            kvt_auth_answer(line[i], KVT_EAGAIN);
+            continue;
+        }
+        s->auth_tokens -= 1;
+        kvt_auth_answer(line[i], line[i]->auth_req->status);
+    }
+    s->auth_waiting = n - i;
+    free(line);
+}
+
 static int kvt_h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
-    const char *secret = c->srv->conf->secret;
+    kvt_srv_t *s = c->srv;
+    const char *secret = s->conf->secret;
     size_t sl = strlen(secret);
+    if (h->body_len == 0 || h->body_len > KVT_PROTO_SECRET_MAX) {
+        /* A secret is 1..1024 bytes: this is no guess, and with a secret set the connection
+         * cannot go on unauthenticated. */
+        kvt_bad_body(c, h, t0, "AUTH");
+        return sl && !c->authed ? KVT_EPROTO : 0;
+    }
     if (!sl) {
         c->authed = 1;
         return kvt__reply(c, h->opcode, h->request_id, t0, 0, NULL, 0);
@@ -303,9 +425,40 @@ static int kvt_h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *b
     unsigned diff = (unsigned)(h->body_len != sl);
     for (size_t i = 0; i < sl; i++)
         diff |= (unsigned)(secret[i] ^ (i < h->body_len ? body[i] : 0));
+    if (diff)
+        kvt__metric_add(s->metrics, KVT_M_AUTH_FAILURES, 0, 1);
+    uint32_t rate = s->conf->auth_failures_per_s;
+    if (rate) {
+        kvt_auth_refill(s, t0);
+        if (s->auth_waiting || s->auth_tokens < 1) {
+            uint64_t most = KVT_MAX((uint64_t)rate * s->conf->auth_wait_ms / 1000, 1);
+            if (s->auth_waiting >= most) {
+                kvt__metric_add(s->metrics, KVT_M_AUTH_REFUSED, 0, 1);
+                kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAGAIN,
+                                 "AUTH refused unchecked: too many wait their turn "
+                                 "(auth-failures-per-s %u); try again later",
+                                 rate);
+                return KVT_EAGAIN;
+            }
+            kvt__req_t *r = kvt__req_new(c, KVT_REQ_PLAIN, h->opcode, h->request_id, t0);
+            if (!r) {
+                kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+                return KVT_ENOMEM;
+            }
+            r->status = diff ? KVT_EAUTH : 0; /* told when its turn comes */
+            c->auth_req = r;
+            c->auth_wait = 1;
+            c->auth_seq = ++s->auth_seq;
+            s->auth_waiting++;
+            kvt__metric_add(s->metrics, KVT_M_AUTH_DELAYED, 0, 1);
+            return 0;
+        }
+        if (diff)
+            s->auth_tokens -= 1;
+    }
     if (diff) {
-        kvt__proto_error(c->srv, KVT_PERR_AUTH);
-        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAUTH, "wrong secret");
+        kvt_auth_failed(c, h->request_id);
+        kvt__reply(c, h->opcode, h->request_id, t0, KVT_EAUTH, "wrong secret", 12);
         return KVT_EAUTH;
     }
     c->authed = 1;
@@ -495,8 +648,9 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
     /* x->q's namespace, not c's: a HELLO since may have switched the connection to another. */
     uint32_t page = x->q.page, found = p->status == 0 ? p->found : 0;
     int down = p->status == KVT_EUNAVAIL || p->status == KVT_ETIMEDOUT;
+    static kvt_log_limit_t lim; /* every MATCH with REMOTE while the server is down */
     if (p->status < 0)
-        kvt_log(KVT_LOG_INFO, "kvtierd: remote probe: %s", kvt_strerror(p->status));
+        kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: remote probe: %s", kvt_strerror(p->status));
     kvt__ns_t *ns;
     if (found > 0 && kvt__ns_get(s, r->ns, &ns) == 0 && ns->block_bytes) {
         /* The blocks another daemon stored join this index, held by the remote tier: a GET
@@ -570,7 +724,8 @@ static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0
     kvt_srv_t *s = c->srv;
     kvt_tier_t *remote = s->tiers[KVT_TIER_REMOTE];
     uint32_t page = q->page, whole = q->ntokens / page;
-    if (!remote || whole <= m->pages || !c->block_bytes)
+    kvt__ns_t *nsr; /* blocks found there are read by the namespace's size (kvt_probe_done) */
+    if (!remote || whole <= m->pages || kvt__ns_get(s, c->ns, &nsr) < 0 || !nsr->block_bytes)
         return 0;
     uint32_t n = KVT_MIN(whole - m->pages, KVT_TIER_PROBE_MAX);
     kvt_rprobe_t *x = calloc(1, sizeof *x + (size_t)q->ntokens * 8);

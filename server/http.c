@@ -1,12 +1,16 @@
 /*
  * http.c: the metrics endpoint. A minimal HTTP/1.0-style server on its own port inside the same
  * event loop: it reads one request head (at most 8 KiB), answers GET /metrics with the Prometheus
- * text rendering and GET /healthz with "ok", anything else with 404 or 405, and closes. A scrape
- * renders from the live counters; nothing is cached and nothing blocks.
+ * text rendering and GET /healthz with "ok", a request line that is not HTTP's with 400 (as soon
+ * as it shows), anything else with 404 or 405, and closes. A scrape renders from the live
+ * counters; nothing is cached and nothing blocks. When all KVT_HTTP_MAX_CONNS are open, a new
+ * connection closes the oldest one not yet answered: clients that connect and say nothing (or
+ * connect, wait and close, again and again) cannot keep a scrape out.
  */
 #define _GNU_SOURCE /* accept4 */
 #include "server.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,7 +35,8 @@ struct kvt_http_conn {
     size_t out_len, out_off;
 };
 
-static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
+/* Closes h's socket and takes it off the list. */
+static void kvt_http_unlink(kvt_srv_t *s, kvt_http_conn_t *h)
 {
     kvt__ev_del(s, &h->ev);
     close(h->ev.fd);
@@ -39,8 +44,32 @@ static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
     if (h->next)
         h->next->pprev = h->pprev;
     s->http_nconns--;
+}
+
+static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
+{
+    kvt_http_unlink(s, h);
     free(h->out);
     free(h);
+}
+
+/* The callback of a connection closed while the batch of events epoll_wait returned may still
+ * hold one for it. */
+static void kvt_http_on_gone(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)s;
+    (void)ev;
+    (void)events;
+}
+
+static void kvt_http_reap(kvt_srv_t *s)
+{
+    while (s->http_gone) {
+        kvt_http_conn_t *h = s->http_gone;
+        s->http_gone = h->next;
+        free(h->out);
+        free(h);
+    }
 }
 
 static void kvt_http_respond(kvt_http_conn_t *h, const char *status, const char *type,
@@ -92,6 +121,36 @@ static void kvt_http_route(kvt_srv_t *s, kvt_http_conn_t *h)
     }
 }
 
+/* Whether the first len bytes of a request can begin an HTTP/1 request line: a method of capital
+ * letters, a target, "HTTP/" and a version, then the line's end. Another protocol's bytes (TLS, a
+ * kvtier frame, text) fail as soon as they show, and get their 400 without a wait for a blank line
+ * that may never come. */
+static int kvt_http_line_ok(const char *p, size_t len)
+{
+    size_t i = 0, n = 0;
+    while (i < len && p[i] >= 'A' && p[i] <= 'Z' && n < 15) {
+        i++;
+        n++;
+    }
+    if (i == len)
+        return 1;
+    if (n == 0 || p[i++] != ' ')
+        return 0;
+    for (n = 0; i < len && p[i] > ' ' && p[i] < 0x7f; i++)
+        n++;
+    if (i == len)
+        return 1;
+    if (n == 0 || p[i++] != ' ')
+        return 0;
+    static const char version[] = "HTTP/0.0"; /* '0': a digit */
+    for (n = 0; version[n] && i < len; n++, i++)
+        if (version[n] == '0' ? !isdigit((unsigned char)p[i]) : p[i] != version[n])
+            return 0;
+    if (i < len && p[i] == '\r')
+        i++;
+    return i == len || p[i] == '\n';
+}
+
 static void kvt_http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     kvt_http_conn_t *h = (kvt_http_conn_t *)ev;
@@ -104,7 +163,9 @@ static void kvt_http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         }
         h->head_len += (size_t)n;
         h->head[h->head_len] = 0;
-        if (!strstr(h->head, "\r\n\r\n") && !strstr(h->head, "\n\n")) {
+        if (!kvt_http_line_ok(h->head, h->head_len)) {
+            kvt_http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
+        } else if (!strstr(h->head, "\r\n\r\n") && !strstr(h->head, "\n\n")) {
             if (h->head_len == sizeof h->head - 1) {
                 kvt_http_respond(h, "431 Request Header Fields Too Large", "text/plain",
                                  "too large\n", 10);
@@ -137,6 +198,29 @@ static void kvt_http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         kvt_http_free(s, h);
 }
 
+/* Every slot is taken: the oldest connection not yet answered goes (or, if all are being
+ * answered, the oldest). A scrape sends its request as it connects and is answered within an
+ * iteration of the loop, so it is never the oldest for long; a burst of connections from others
+ * can only push out what came before it. */
+static int kvt_http_evict(kvt_srv_t *s)
+{
+    kvt_http_conn_t *victim = NULL;
+    for (kvt_http_conn_t *h = s->http_conns; h; h = h->next) {
+        if (!victim || (!h->out && victim->out) ||
+            (!h->out == !victim->out && h->deadline_ns < victim->deadline_ns))
+            victim = h;
+    }
+    if (!victim)
+        return 0;
+    kvt__metric_add(s->metrics, KVT_M_SCRAPES_EVICTED, 0, 1);
+    /* Freed at the next tick: an event for it may come later in this batch. */
+    kvt_http_unlink(s, victim);
+    victim->ev.cb = kvt_http_on_gone;
+    victim->next = s->http_gone;
+    s->http_gone = victim;
+    return 1;
+}
+
 static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
@@ -144,7 +228,7 @@ static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         int fd = kvt__accept(s, ev->fd, "metrics");
         if (fd < 0)
             return;
-        if (s->http_nconns >= KVT_HTTP_MAX_CONNS) {
+        if (s->http_nconns >= KVT_HTTP_MAX_CONNS && !kvt_http_evict(s)) {
             close(fd);
             continue;
         }
@@ -187,6 +271,7 @@ int kvt__http_listen(kvt_srv_t *s, const char *addr)
 
 void kvt__http_tick(kvt_srv_t *s, uint64_t now)
 {
+    kvt_http_reap(s);
     kvt_http_conn_t *next;
     for (kvt_http_conn_t *h = s->http_conns; h; h = next) {
         next = h->next;
@@ -199,6 +284,7 @@ void kvt__http_close(kvt_srv_t *s)
 {
     while (s->http_conns)
         kvt_http_free(s, s->http_conns);
+    kvt_http_reap(s);
     if (s->http_ev.fd >= 0) {
         kvt__ev_del(s, &s->http_ev);
         close(s->http_ev.fd);

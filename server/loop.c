@@ -74,7 +74,8 @@ void kvt__ns_use(kvt_srv_t *s, uint32_t ns)
 void kvt__ns_unuse(kvt_srv_t *s, uint32_t ns)
 {
     kvt_assert(ns < s->nns && s->ns[ns].users > 0);
-    s->ns[ns].users--;
+    if (--s->ns[ns].users == 0)
+        s->ns[ns].idle_ns = kvt_now_ns(); /* kvt__ns_evict takes the longest unused first */
 }
 
 uint32_t kvt__ns_reclaim(kvt_srv_t *s)
@@ -447,6 +448,7 @@ int kvt__srv_run(kvt_srv_t *s)
         if (now >= next_tick) {
             kvt__conns_tick(s, now);
             kvt__http_tick(s, now);
+            kvt__auth_tick(s, now);
             kvt__tier_metrics(s);
             kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
             next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;

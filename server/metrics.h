@@ -116,6 +116,20 @@ typedef enum {
     X(CONNECTIONS_TIMED_OUT, COUNTER, "kvtier_connections_timed_out_total",                        \
       "Connections closed because their socket took none of their replies for reply-timeout-ms.",  \
       NONE)                                                                                        \
+    X(CONNECTIONS_HELLO_TIMED_OUT, COUNTER, "kvtier_connections_hello_timed_out_total",            \
+      "Connections closed because their first frame was not whole within hello-timeout-ms.", NONE) \
+    X(CONNECTIONS_FRAME_TIMED_OUT, COUNTER, "kvtier_connections_frame_timed_out_total",            \
+      "Connections closed because a frame was neither whole within frame-timeout-ms nor "          \
+      "arriving at frame-min-rate.",                                                               \
+      NONE)                                                                                        \
+    X(CONNECTIONS_EVICTED, COUNTER, "kvtier_connections_evicted_total",                            \
+      "Idle connections with no lease and no request closed at max-conns to make room for a new "  \
+      "one (evict-idle-ms).",                                                                      \
+      NONE)                                                                                        \
+    X(SCRAPES_EVICTED, COUNTER, "kvtier_metrics_connections_evicted_total",                        \
+      "Metrics-port connections not yet answered, closed to make room for a new one (64 at "       \
+      "most).",                                                                                    \
+      NONE)                                                                                        \
     X(PROTOCOL_ERRORS, COUNTER, "kvtier_protocol_errors_total",                                    \
       "Malformed or refused frames, by kind.", ERR)                                                \
     X(INDEX_BLOCKS, GAUGE, "kvtier_index_blocks", "Pages cached in the prefix index.", NONE)       \
@@ -153,8 +167,21 @@ typedef enum {
     X(NVME_RECOVERY, GAUGE, "kvtier_nvme_recovery_blocks",                                         \
       "Blocks the NVMe recovery found at start-up, by outcome: inserted in the index, torn "       \
       "(checksum failed: skipped), stale (an older copy: skipped), orphan (namespace or "          \
-      "ancestors gone: freed), removed (a REMOVE's tombstone: stepped over).",                     \
+      "ancestors gone: freed), removed (dropped before the stop: stepped over).",                  \
       RECOVERY)                                                                                    \
+    X(AUTH_FAILURES, COUNTER, "kvtier_auth_failures_total", "AUTH requests with a wrong secret.",  \
+      NONE)                                                                                        \
+    X(AUTH_DELAYED, COUNTER, "kvtier_auth_delayed_total",                                          \
+      "AUTH answers that waited their turn: wrong AUTHs came faster than auth-failures-per-s.",    \
+      NONE)                                                                                        \
+    X(AUTH_REFUSED, COUNTER, "kvtier_auth_refused_total",                                          \
+      "AUTH requests answered EAGAIN unchecked: they would have waited past auth-wait-ms.", NONE)  \
+    X(LOG_SUPPRESSED, COUNTER, "kvtier_log_lines_suppressed_total",                                \
+      "Log lines held back by their rate limit (log-rate).", NONE)                                 \
+    X(NAMESPACES_EVICTED, COUNTER, "kvtier_namespaces_evicted_total",                              \
+      "Namespaces no client used whose pages were evicted to free a namespace for a new one "      \
+      "(max-namespaces).",                                                                         \
+      NONE)                                                                                        \
     X(NVME_RECOVERY_GAPS, GAUGE, "kvtier_nvme_recovery_gaps",                                      \
       "Stretches with no record before intact ones that the NVMe recovery passed at start-up "     \
       "(writes a crash cancelled).",                                                               \

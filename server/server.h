@@ -47,12 +47,15 @@ struct kvt__ev {
 };
 
 /* What the daemon knows of a namespace beyond the tree: the block size clients declared, and who
- * uses it. An empty namespace nobody uses may be closed (kvt__ns_reclaim) and its id reused. */
+ * uses it. An empty namespace nobody uses may be closed (kvt__ns_reclaim) and its id reused; when
+ * none is empty, the pages of one nobody uses and nobody leases may be evicted (kvt__ns_evict). */
 typedef struct kvt__ns {
     uint32_t page_size;
     uint32_t block_bytes; /* 0 until a client declares a non-zero size */
     uint64_t seed;
-    uint32_t users; /* connections that declared it, requests that name it */
+    uint32_t users;   /* connections that declared it, requests that name it */
+    uint32_t leases;  /* connections' leases on its pages */
+    uint64_t idle_ns; /* when users last fell to 0 */
 } kvt__ns_t;
 
 /* A lease held by a connection: the pinned path's deepest node and its length in pages. */
@@ -171,6 +174,17 @@ struct kvt__conn {
     uint64_t stuck_ns;      /* since when its socket has taken none of its queued replies; 0: not */
     int mem_wait;           /* waits for max-client-bytes to have mem_need more bytes */
     size_t mem_need;
+    /* Slow and idle clients (conn.c): when it connected, when its last bytes came, how many
+     * bytes and whole frames it has sent, and where the progress of the frame being received
+     * was last measured (frame-timeout-ms). */
+    uint64_t born_ns, rx_ns;
+    uint64_t rx_bytes, frames;
+    uint64_t mark_ns, mark_rx, mark_frames;
+    /* An AUTH waiting for its turn (handlers.c, auth-failures-per-s): nothing more is read
+     * until it is answered, in the order of auth_seq. */
+    int auth_wait;
+    uint64_t auth_seq;
+    kvt__req_t *auth_req;
     uint32_t *tokens;    /* scratch for decoded tokens */
     const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
     size_t tokens_cap;
@@ -220,8 +234,14 @@ struct kvt_srv {
     int reqs_waiting; /* a PREFETCH or REMOVE may be waiting for others' moves */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
+    /* Wrong AUTHs' token bucket and the AUTHs waiting for it (handlers.c). */
+    double auth_tokens;
+    uint64_t auth_refill_ns;
+    uint64_t auth_seq;
+    uint32_t auth_waiting;       /* at most; recounted by kvt__auth_tick */
     kvt_http_conn_t *http_conns; /* http.c */
     unsigned http_nconns;
+    kvt_http_conn_t *http_gone; /* closed to make room, freed at the next tick */
 };
 
 /* loop.c */
@@ -307,6 +327,8 @@ void kvt__lease_drop_all(kvt__conn_t *c);
  * answered (removed, gone, held by a lease, or past its deadline). */
 int kvt__remove_retry(kvt__req_t *r, uint64_t now);
 void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
+/* Every tick: AUTHs waiting for auth-failures-per-s are answered as its tokens allow. */
+void kvt__auth_tick(kvt_srv_t *s, uint64_t now);
 
 /* store.c: KV bytes in the tiers */
 int kvt__store_open(kvt_srv_t *s);
@@ -355,6 +377,11 @@ int kvt__index_fit(kvt_srv_t *s, uint64_t need);
  * UINT32_MAX when it did not. */
 int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t ntokens, int pin,
                     kvt_match_t *at);
+/* max-namespaces are open and none is empty and unused (kvt__ns_reclaim closed none): evicts every
+ * page of the namespace whose loss costs least among those no connection or request uses and no
+ * lease holds (the fewest pages, then the longest unused), and closes it. Returns 1 when one was
+ * closed, 0 when none could be (each in use, leased, or with pages being moved). */
+int kvt__ns_evict(kvt_srv_t *s);
 void kvt__tier_metrics(kvt_srv_t *s);
 /* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
  * every batch of events. */

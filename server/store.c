@@ -553,6 +553,69 @@ int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t nt
     return kvt__index_fits(s, need) ? 0 : KVT_ENOSPC;
 }
 
+/*
+ * A client that makes up a namespace per request (a salt each time) and leaves one page in each
+ * fills max-namespaces with namespaces that are neither empty nor used, which kvt__ns_reclaim
+ * cannot close and index-bytes never evicts (their pages are few): every new tenant would then be
+ * refused for good, long after that client left. So a new namespace frees one as index-bytes
+ * pressure frees pages: the namespace whose pages are worth least goes, here the one holding the
+ * fewest (freeing a namespace costs all of its pages), then the one unused longest. A namespace a
+ * connection has declared, a request names or a connection's lease holds is never chosen. The
+ * KVT_NS_EVICT_TRIES cheapest are tried: one fails only while the policy is moving a block of it.
+ */
+#define KVT_NS_EVICT_TRIES 16
+
+typedef struct kvt_ns_victim {
+    uint64_t blocks, idle_ns;
+    uint32_t id;
+} kvt_ns_victim_t;
+
+static int kvt_ns_victim_before(const kvt_ns_victim_t *a, const kvt_ns_victim_t *b)
+{
+    return a->blocks != b->blocks ? a->blocks < b->blocks : a->idle_ns < b->idle_ns;
+}
+
+int kvt__ns_evict(kvt_srv_t *s)
+{
+    kvt_ns_victim_t best[KVT_NS_EVICT_TRIES];
+    uint32_t n = 0;
+    /* One pass over the ids keeps the cheapest few, in order (an insertion into a short list). */
+    for (uint32_t id = 0; id < KVT_RADIX_NS_MAX; id++) {
+        if (!kvt_radix_ns_page_size(s->radix, id))
+            continue;
+        kvt_ns_victim_t v = {.blocks = kvt_radix_ns_blocks(s->radix, id), .id = id};
+        if (id < s->nns) {
+            if (s->ns[id].users || s->ns[id].leases)
+                continue;
+            v.idle_ns = s->ns[id].idle_ns;
+        }
+        if (n == KVT_NS_EVICT_TRIES && !kvt_ns_victim_before(&v, &best[n - 1]))
+            continue;
+        uint32_t i = n < KVT_NS_EVICT_TRIES ? n++ : n - 1;
+        for (; i > 0 && kvt_ns_victim_before(&v, &best[i - 1]); i--)
+            best[i] = best[i - 1];
+        best[i] = v;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t id = best[i].id;
+        if (kvt_radix_ns_clear(s->radix, id) < 0) /* KVT_EBUSY: a move holds a block of it */
+            continue;
+        kvt_policy_forget_ns(s->policy, id);
+        if (kvt_radix_ns_close(s->radix, id) < 0)
+            continue; /* cannot be: it is empty now */
+        if (id < s->nns)
+            s->ns[id] = (kvt__ns_t){0};
+        kvt__metric_add(s->metrics, KVT_M_NAMESPACES_EVICTED, 0, 1);
+        static kvt_log_limit_t lim; /* a HELLO flood of new namespaces would repeat it */
+        kvt_log_limited(&lim, KVT_LOG_INFO,
+                        "kvtierd: max-namespaces (%u) are open and none is empty: evicted the %llu "
+                        "pages of an unused one for a new one",
+                        s->conf->max_namespaces, (unsigned long long)best[i].blocks);
+        return 1;
+    }
+    return 0;
+}
+
 void kvt__store_step(kvt_srv_t *s)
 {
     uint64_t cap = s->conf->index_bytes;
@@ -691,10 +754,13 @@ int kvt__store_open(kvt_srv_t *s)
                                    .segment_bytes = (uint32_t)c->nvme_segment_bytes,
                                    .sparse = c->nvme_sparse};
         if ((rc = kvt_tier_nvme_create(&s->tiers[KVT_TIER_NVME], &nc)) < 0) {
+            /* The tier names what it found wrong on disk; the settings can only be short. */
+            uint64_t segb = c->nvme_segment_bytes ? c->nvme_segment_bytes : 64u << 20;
             kvt_log(KVT_LOG_ERROR, "kvtierd: NVMe tier in %s: %s%s", c->data_dir, kvt_strerror(rc),
-                    rc == KVT_EINVAL ? " (nvme-bytes must hold at least 2 segments of "
-                                       "nvme-segment-bytes, 64M by default)"
-                                     : "");
+                    rc == KVT_EINVAL && c->nvme_bytes / segb < 2
+                        ? " (nvme-bytes must hold at least 2 segments of "
+                          "nvme-segment-bytes, 64M by default)"
+                        : "");
             return rc;
         }
         if (c->nvme_recover) {
@@ -719,6 +785,13 @@ int kvt__store_open(kvt_srv_t *s)
                     (unsigned long long)rec.torn, (unsigned long long)rec.stale,
                     (unsigned long long)rec.gaps, (unsigned long long)rec.orphans,
                     (unsigned long long)rec.discarded);
+        } else {
+            /* Left in the tier, they would hold its capacity with nothing naming them. */
+            long dropped = kvt_tier_nvme_drop_recovered(s->tiers[KVT_TIER_NVME]);
+            if (dropped > 0)
+                kvt_log(KVT_LOG_INFO,
+                        "kvtierd: nvme-recover is off: the %ld blocks found in %s were dropped",
+                        dropped, c->data_dir);
         }
     }
 #else
@@ -912,6 +985,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
     kvt__metric_set(s->metrics, KVT_M_INDEX_BLOCKS, 0, (double)rs.blocks);
     kvt__metric_set(s->metrics, KVT_M_INDEX_BYTES, 0, (double)rs.bytes);
     kvt__metric_set(s->metrics, KVT_M_INDEX_CAPACITY, 0, (double)s->conf->index_bytes);
+    kvt__metric_set(s->metrics, KVT_M_LOG_SUPPRESSED, 0, (double)kvt_log_suppressed());
 #if KVT_HAVE_REMOTE
     if (s->tiers[KVT_TIER_REMOTE]) {
         kvt_tier_remote_stats_t st;

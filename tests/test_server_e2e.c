@@ -308,7 +308,8 @@ static int ns_connect(const kvd_t *d, const char *model, kvt_client_t **out)
  * max-namespaces 4: tenants come and go for ever without the daemon filling up. A HELLO of a new
  * namespace when four are open closes the empty ones no client uses (m4 here) and takes an id;
  * namespaces holding pages (m3) or declared by a connected client (m1, m2) stay. When every one
- * holds pages or is in use, the HELLO is refused with ENOSPC, saying why, and nothing changes.
+ * is in use, the HELLO is refused with ENOSPC, saying why, and nothing changes (one holding pages
+ * that nobody uses would have them evicted instead: test_server_abuse.c).
  * (Namespaces used to stay open for the daemon's life: the 65,537th tenant ever was refused.)
  */
 Test(server_e2e, idle_empty_namespaces_make_room_for_new_ones)
@@ -335,9 +336,9 @@ Test(server_e2e, idle_empty_namespaces_make_room_for_new_ones)
             usleep(10000);
     cr_assert_eq(rc, 0, "m4 is closed for m5: %s", kvt_client_strerror(rc));
     cr_expect_eq(kvd_stat(m1, "namespaces"), 4, "m1, m2, m3 (pages) and m5");
-    cr_assert_eq(ns_connect(&d, "m6", &x), KVT_CLIENT_ENOSPC, "every one holds pages or is used");
-    /* m3 kept its pages; m4 comes back empty in m5's place once m5's client is gone. */
     cr_assert_eq(ns_connect(&d, "m3", &m3), 0, "a namespace open already");
+    cr_assert_eq(ns_connect(&d, "m6", &x), KVT_CLIENT_ENOSPC, "every one is used");
+    /* m3 kept its pages; m4 comes back empty in m5's place once m5's client is gone. */
     kvt_client_match_t q = {0};
     cr_assert_eq(kvt_client_match(m3, tok, 4 * PAGE, 0, 0, NULL, &q), 0);
     cr_expect_eq(q.pages, 4);
@@ -684,6 +685,41 @@ Test(server_e2e, removed_pages_stay_removed_after_a_restart)
     kvd_cleanup(&d);
 }
 
+/* With nvme-recover off the NVMe tier starts empty: the blocks found in the data file are
+ * dropped, where they used to stay charged to the tier with nothing in the index naming them,
+ * and they do not come back at the next restart either. */
+Test(server_e2e, a_start_without_recovery_drops_what_nvme_holds)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 44);
+    kvt_client_put_t r;
+    put_pages(c, tok, 4 * PAGE, 0, 4, BB, 79, &r);
+    cr_assert_eq(r.stored, 4);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", "--nvme-recover", "no", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 0);
+    cr_expect_eq(kvd_stat(c, "nvme_used_bytes"), 0);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "dropped blocks came back");
+    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 /* Clients that PUT while the daemon is killed (SIGKILL): every page a PUT reply said was stored
  * comes back after the restart, byte-exact, from the NVMe tier. The writers keep several PUTs'
  * writes in flight at the kill, completing out of order. */
@@ -783,6 +819,188 @@ Test(server_e2e, pages_stored_before_a_sigkill_come_back)
     }
     free(buf);
     free(want);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/*
+ * The NVMe tier's live set, exactly, across a restart once the log has wrapped. An NVMe-only
+ * daemon (8 MiB in 1 MiB segments: 128 records of 4 KiB pages to a segment, 682 pages charged
+ * at most) takes more than it holds: segment reclaims drop the live blocks left in old segments,
+ * the policy drops pages for room, REMOVE drops more. The pages each prompt has stored (MATCH's
+ * leading run in NVMe) and their bytes must be the same after a SIGTERM and a restart, and again
+ * after another round, a SIGKILL and a restart: a block the tier dropped never comes back, and
+ * none that was live is missing. Recovery used to adopt every record still on disk, in hash
+ * order until the tier was full.
+ */
+enum { LW_PAGES = 4, LW_BB = 4096, LW_ROUND = 400 };
+
+static void lw_tokens(uint32_t *tok, uint32_t i)
+{
+    kvd_tokens(tok, LW_PAGES * PAGE, 5000000u + 1000u * i);
+}
+
+static void lw_put(kvt_client_t *c, uint32_t i)
+{
+    uint32_t tok[LW_PAGES * PAGE];
+    kvt_client_put_t r;
+    lw_tokens(tok, i);
+    put_pages(c, tok, LW_PAGES * PAGE, 0, LW_PAGES, LW_BB, 16 * i, &r);
+}
+
+/*
+ * A round of prompts [from, from + LW_ROUND): the first 128 (four segments' worth, below the
+ * policy's watermark on a fresh tier) all but one in 32 removed, which leaves those segments
+ * full with a few live blocks each; the rest then need those segments again, and reclaim them
+ * with their live blocks. Every fourth of the last 40 loses pages 2.. by REMOVE where it still
+ * has them stored. Returns how many of those REMOVEs dropped stored pages.
+ */
+static uint32_t lw_fill(kvt_client_t *c, uint32_t from)
+{
+    uint32_t tok[LW_PAGES * PAGE], removed = 0, to = from + LW_ROUND;
+    for (uint32_t i = from; i < from + 128; i++)
+        lw_put(c, i);
+    for (uint32_t i = from; i < from + 128; i++) {
+        if ((i - from) % 32 == 0)
+            continue;
+        lw_tokens(tok, i);
+        int rc = remove_retry(c, tok, PAGE);
+        cr_assert(rc == 0 || rc == KVT_CLIENT_ENOENT, "remove: %s", kvt_client_strerror(rc));
+    }
+    for (uint32_t i = from + 128; i < to; i++)
+        lw_put(c, i);
+    for (uint32_t i = to - 40; i < to; i += 4) {
+        uint8_t tiers[LW_PAGES];
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = LW_PAGES};
+        lw_tokens(tok, i);
+        cr_assert_eq(kvt_client_match(c, tok, LW_PAGES * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+        if (m.pages < 3 || tiers[2] != KVT_CLIENT_TIER_NVME)
+            continue;
+        cr_assert_eq(remove_retry(c, tok, 3 * PAGE), 0);
+        removed++;
+    }
+    return removed;
+}
+
+/* The leading run of pages in NVMe of prompts [0, n), into stored. */
+static void lw_snapshot(kvt_client_t *c, uint32_t n, uint8_t *stored)
+{
+    uint32_t tok[LW_PAGES * PAGE];
+    uint8_t tiers[LW_PAGES];
+    for (uint32_t i = 0; i < n; i++) {
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = LW_PAGES};
+        lw_tokens(tok, i);
+        cr_assert_eq(kvt_client_match(c, tok, LW_PAGES * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+        uint32_t k = 0;
+        while (k < m.pages && tiers[k] == KVT_CLIENT_TIER_NVME)
+            k++;
+        stored[i] = (uint8_t)k;
+    }
+}
+
+/* lw_snapshot once the daemon has settled: the policy works in bounded steps between events, so
+ * a drop may still be under way when the last reply has come; two snapshots in a row agree. */
+static void lw_snapshot_settled(kvt_client_t *c, uint32_t n, uint8_t *stored)
+{
+    static uint8_t again[2 * LW_ROUND];
+    lw_snapshot(c, n, stored);
+    for (int k = 0; k < 100; k++) {
+        lw_snapshot(c, n, again);
+        if (!memcmp(stored, again, n))
+            return;
+        memcpy(stored, again, n);
+        usleep(20000);
+    }
+    cr_assert_fail("the daemon's stored pages kept changing");
+}
+
+/* A restart's snapshot against the one before it, and the bytes of every stored page. */
+static void lw_compare(kvt_client_t *c, uint32_t n, const uint8_t *before, const char *how)
+{
+    static uint8_t after[2 * LW_ROUND];
+    lw_snapshot(c, n, after);
+    uint32_t lost = 0, back = 0, live = 0, first_bad = UINT32_MAX;
+    for (uint32_t i = 0; i < n; i++) {
+        live += before[i];
+        lost += before[i] > after[i] ? before[i] - after[i] : 0;
+        back += after[i] > before[i] ? after[i] - before[i] : 0;
+        if (before[i] != after[i] && first_bad == UINT32_MAX)
+            first_bad = i;
+    }
+    cr_assert_eq(lost + back, 0,
+                 "after a %s: %u of %u live pages lost, %u dropped pages back (first: prompt %u, "
+                 "%u pages before, %u after)",
+                 how, lost, live, back, first_bad, first_bad < n ? before[first_bad] : 0,
+                 first_bad < n ? after[first_bad] : 0);
+    uint32_t tok[LW_PAGES * PAGE];
+    for (uint32_t i = 0; i < n; i++) {
+        if (!after[i])
+            continue;
+        kvt_client_match_t m = {0};
+        lw_tokens(tok, i);
+        cr_assert_eq(kvt_client_match(c, tok, LW_PAGES * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE,
+                                      0, NULL, &m),
+                     0);
+        check_get(c, m.lease, 0, after[i], LW_BB, 16 * i, NULL);
+        cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    }
+}
+
+static uint64_t lw_metric(const kvd_t *d, const char *line)
+{
+    static char body[1 << 20];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    const char *p = strstr(body, line);
+    return p ? strtoull(p + strlen(line), NULL, 10) : 0;
+}
+
+Test(server_e2e, nvme_live_set_survives_restarts_after_the_log_wrapped)
+{
+    kvd_t d = {0};
+    /* The sizes and watermarks lw_fill counts on, whatever the harness's defaults. */
+    const char *flags[] = {"--dram-bytes",
+                           "0",
+                           "--nvme-bytes",
+                           "8M",
+                           "--nvme-segment-bytes",
+                           "1M",
+                           "--policy-high",
+                           "0.95",
+                           "--policy-low",
+                           "0.90",
+                           NULL};
+    kvd_startv(&d, flags);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, LW_BB);
+    static uint8_t before[2 * LW_ROUND];
+    const char *lost = "\nkvtier_tier_lost_blocks_total{tier=\"nvme\"} ";
+    const char *dropped = "\nkvtier_blocks_dropped_total{tier=\"nvme\"} ";
+    cr_assert_gt(lw_fill(c, 0), 0, "REMOVE dropped stored pages");
+    cr_assert_gt(lw_metric(&d, lost), 0, "the log wrapped: reclaims dropped live blocks");
+    cr_assert_gt(lw_metric(&d, dropped), 0, "the policy dropped blocks for room");
+    lw_snapshot_settled(c, LW_ROUND, before);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0, "clean shutdown");
+
+    kvd_startv(&d, flags);
+    c = kvd_client(&d, "llama", PAGE, LW_BB);
+    lw_compare(c, LW_ROUND, before, "SIGTERM");
+
+    /* Another round on the recovered log, then SIGKILL once every request has its reply. */
+    cr_assert_gt(lw_fill(c, LW_ROUND), 0);
+    cr_assert_gt(lw_metric(&d, lost), 0);
+    cr_assert_gt(lw_metric(&d, dropped), 0);
+    lw_snapshot_settled(c, 2 * LW_ROUND, before);
+    kvt_client_close(c);
+    cr_assert_eq(kill(d.pid, SIGKILL), 0);
+    int st;
+    cr_assert_eq(waitpid(d.pid, &st, 0), d.pid);
+    d.pid = 0;
+    fclose(d.out);
+    d.out = NULL;
+
+    kvd_startv(&d, flags);
+    c = kvd_client(&d, "llama", PAGE, LW_BB);
+    lw_compare(c, 2 * LW_ROUND, before, "SIGKILL");
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
@@ -1234,6 +1452,86 @@ Test(server_e2e, bad_configuration_exit_codes)
     kvt_client_close(c);
     kvd_cleanup(&a);
     kvd_rmrf(d.dir);
+}
+
+/* Replaces data-dir file `name` of d with len bytes of content (at offset 0 over what is there
+ * when keep is set), or removes it when content is NULL. */
+static void damage(const kvd_t *d, const char *name, const char *content, size_t len, int keep)
+{
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtier-data/%s", d->dir, name);
+    if (!content) {
+        cr_assert_eq(unlink(path), 0, "%s: %s", path, strerror(errno));
+        return;
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | (keep ? 0 : O_TRUNC), 0600);
+    cr_assert(fd >= 0, "%s: %s", path, strerror(errno));
+    cr_assert_eq(pwrite(fd, content, len, 0), (ssize_t)len);
+    close(fd);
+}
+
+/*
+ * A damaged side file of the NVMe tier stops the daemon (69) with a message that names the file,
+ * says what is wrong with it and how to start afresh: an empty, garbled or missing kvtier.meta, a
+ * damaged or missing kvtier.live, a data file truncated to zero. They used to end in "nvme-bytes
+ * must hold at least 2 segments", with settings that were fine.
+ */
+Test(server_e2e, damaged_nvme_side_files_are_named)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    cr_assert_eq(kvd_stop(&d), 0);
+    char meta[256], cmd[2048], err[8192];
+    kvd_slurp(&d, "kvtier-data/kvtier.meta", meta, sizeof meta);
+    static const struct {
+        const char *file, *content;
+        size_t len;
+        int keep;
+        const char *says;
+    } cases[] = {
+        {"kvtier.meta", "", 0, 0, "kvtier.meta is empty"},
+        {"kvtier.meta", "\x01kvtier-nvme v2 junk\n", 20, 0, "kvtier.meta is damaged"},
+        {"kvtier.meta", NULL, 0, 0, "kvtier.meta is missing"},
+        {"kvtier.data", "", 0, 0, "kvtier.data is 0 bytes long"},
+        /* These three in this order: each damages what the one before left. */
+        {"kvtier.live", "garbage!", 8, 1, "kvtier.live is damaged"},
+        {"kvtier.live", "garbage!", 8, 0, "kvtier.live is 8 bytes long"},
+        {"kvtier.live", NULL, 0, 0, "kvtier.live is missing"},
+    };
+    char data[700];
+    snprintf(data, sizeof data, "%s/kvtier-data/kvtier.data", d.dir);
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        /* What the case before damaged is whole again (the data file's size, at least). */
+        damage(&d, "kvtier.meta", meta, strlen(meta), 0);
+        cr_assert_eq(truncate(data, 8 << 20), 0);
+        damage(&d, cases[k].file, cases[k].content, cases[k].len, cases[k].keep);
+        snprintf(cmd, sizeof cmd,
+                 "cd '%s' && timeout -s KILL 20 '%s' --unix x.sock --tcp '' --metrics '' "
+                 "--dram-bytes 16M --nvme-bytes 8M --nvme-segment-bytes 1M --hbm-bytes 0 2>err.txt "
+                 ">/dev/null",
+                 d.dir, kvd_binary());
+        int st = system(cmd); /* a daemon that starts is killed after 20 s: exit 137 */
+        cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "%s: exit %d", cases[k].says,
+                  WEXITSTATUS(st));
+        kvd_slurp(&d, "err.txt", err, sizeof err);
+        cr_expect(strstr(err, cases[k].says), "wanted \"%s\" in: %s", cases[k].says, err);
+        cr_expect(strstr(err, "To start afresh"), "%s", err);
+        cr_expect(strstr(err, "kvtier.live from kvtier-data"), "the directory is named: %s", err);
+        cr_expect(!strstr(err, "at least 2 segments"), "%s", err);
+    }
+    /* Whole files made with other settings: those are named, and no hint about the size. */
+    damage(&d, "kvtier.meta", meta, strlen(meta), 0);
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && timeout -s KILL 20 '%s' --unix x.sock --tcp '' --metrics '' "
+             "--dram-bytes 16M --nvme-bytes 16M --nvme-segment-bytes 1M --hbm-bytes 0 2>err.txt "
+             ">/dev/null",
+             d.dir, kvd_binary());
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 69, "other geometry: exit %d", WEXITSTATUS(st));
+    kvd_slurp(&d, "err.txt", err, sizeof err);
+    cr_expect(strstr(err, "was made with 8 segments of 1048576 bytes, not the 16"), "%s", err);
+    cr_expect(!strstr(err, "at least 2 segments"), "%s", err);
+    kvd_cleanup(&d);
 }
 
 Test(server_e2e, example_configuration_starts)

@@ -454,10 +454,10 @@ Test(tier_nvme_recover, records_after_one_that_never_landed_are_found)
     tu_rmrf(dir);
 }
 
-/* A discarded block (a client removed it) stays gone after a restart, the first record of a
- * segment included; a block only freed comes back, as a cache's may. The tombstones are written
- * in the background; destroying the tier right away waits for them. */
-Test(tier_nvme_recover, discarded_blocks_stay_gone_after_a_restart)
+/* A block discarded (a client removed it) or only freed (the policy dropped it, or moved it to
+ * another tier) stays gone after a restart, the first record of a segment included: kvtier.live
+ * no longer marks it live. Freed blocks used to come back. */
+Test(tier_nvme_recover, freed_and_discarded_blocks_stay_gone_after_a_restart)
 {
     char dir[4096];
     tu_tmpdir(dir, sizeof(dir), "nvdiscard");
@@ -476,10 +476,10 @@ Test(tier_nvme_recover, discarded_blocks_stay_gone_after_a_restart)
 
     kvt_tier_nvme_recovery_t r;
     t = reopen(dir, &r);
-    cr_assert_eq(r.discarded, 2);
-    cr_assert_eq(r.recovered, N - 2, "blocks 1, 3 and 4");
+    cr_assert_eq(r.discarded, 3);
+    cr_assert_eq(r.recovered, N - 3, "blocks 1 and 4");
     cr_assert_eq(r.torn + r.gaps, 0);
-    check_blocks(t, N, tok, locs, 1u << 0 | 1u << 2);
+    check_blocks(t, N, tok, locs, 1u << 0 | 1u << 2 | 1u << 3);
     kvt_tier_destroy(t);
     tu_rmrf(dir);
 }
@@ -546,6 +546,181 @@ static void write_path(kvt_radix_t *tree, kvt_tier_t *t, uint32_t ns, const uint
         uint64_t loc = 0;
         cr_assert_eq(tu_write(t, &k, buf, 60000 + d, &loc), 0);
     }
+}
+
+/* Prompt i of one page: its tokens. */
+static void one_page(uint32_t *tok, uint32_t i)
+{
+    for (uint32_t k = 0; k < 16; k++)
+        tok[k] = 1000000u + i * 16 + k;
+}
+
+/* Writes prompt i's one block (len bytes of its hash's fill) to t; its location and hash. */
+static void write_one(kvt_radix_t *tree, kvt_tier_t *t, uint32_t ns, uint32_t i, uint32_t len,
+                      uint64_t *loc, uint64_t *hash)
+{
+    uint32_t tok[16];
+    one_page(tok, i);
+    kvt_insert_t ins;
+    cr_assert_eq(kvt_radix_insert(tree, ns, tok, 16, &ins), 0);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, tok, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    uint64_t seed = kvt_radix_ns_seed(tree, ns);
+    *hash = kvt_radix_block_hash(tree, m.node, 0);
+    kvt_block_key_t k = {
+        .ns_seed = seed, .hash = *hash, .parent = seed, .tokens = tok, .ntokens = 16};
+    uint8_t *buf = tu_aligned(len);
+    tu_fill(buf, len, *hash);
+    cr_assert_eq(tu_write(t, &k, buf, len, loc), 0, "prompt %u", i);
+    free(buf);
+}
+
+/*
+ * Blocks a segment reclaim dropped stay gone after a restart, though their records lie intact on
+ * disk until the segment is written again, and so do blocks freed or discarded meanwhile; every
+ * block live at the stop comes back, byte-exact. Recovery used to bring back every intact record.
+ */
+Test(tier_nvme_recover, reclaimed_blocks_stay_gone_after_a_restart)
+{
+    /* Records of 200 KiB: ten to a 2 MiB segment, 80 in the 16 MiB tier. */
+    enum { N = 110, LEN = 200000 };
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvreclaim");
+    kvt_radix_t *tree = NULL;
+    cr_assert_eq(kvt_radix_create(&tree, NULL), 0);
+    uint32_t ns;
+    cr_assert_eq(kvt_radix_ns_open(tree, "m", NULL, NULL, 16, &ns), 0);
+    kvt_tier_t *t = open_tier(dir);
+    cr_assert_eq(kvt_tier_nvme_add_ns(t, "m", NULL, NULL, 16), 0);
+    uint64_t seed = kvt_radix_ns_seed(tree, ns);
+    static uint64_t locs[N], hashes[N];
+    /* The tier full, every other block freed (no segment empties), then 30 more: each segment
+     * they need is reclaimed with the live blocks it still holds. */
+    for (uint32_t i = 0; i < 80; i++)
+        write_one(tree, t, ns, i, LEN, &locs[i], &hashes[i]);
+    for (uint32_t i = 1; i < 80; i += 2)
+        kvt_tier_free(t, locs[i], LEN);
+    for (uint32_t i = 80; i < N; i++)
+        write_one(tree, t, ns, i, LEN, &locs[i], &hashes[i]);
+    kvt_tier_free(t, locs[85], LEN);
+    kvt_tier_free(t, locs[40], LEN);
+    kvt_tier_discard(t, locs[42], LEN);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_geq(u.reclaimed, 10, "segment reclaims dropped live blocks (%llu)",
+                  (unsigned long long)u.reclaimed);
+    static int live[N];
+    uint64_t nlive = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        uint32_t tok[16];
+        one_page(tok, i);
+        kvt_block_key_t k = {.ns_seed = seed, .hash = hashes[i], .tokens = tok, .ntokens = 16};
+        live[i] = kvt_tier_valid(t, locs[i], &k);
+        nlive += (uint64_t)live[i];
+    }
+    cr_assert_eq(nlive, u.blocks);
+
+    kvt_tier_nvme_recovery_t r;
+    t = restart(dir, t, &tree, &r);
+    cr_assert_eq(r.recovered, nlive, "%llu blocks back, %llu were live",
+                 (unsigned long long)r.recovered, (unsigned long long)nlive);
+    cr_assert_eq(r.inserted, nlive);
+    cr_assert_eq(r.torn + r.orphans, 0);
+    cr_assert_eq(kvt_radix_ns_open(tree, "m", NULL, NULL, 16, &ns), 0);
+    uint8_t *buf = tu_aligned(LEN);
+    for (uint32_t i = 0; i < N; i++) {
+        uint32_t tok[16];
+        one_page(tok, i);
+        kvt_match_t m;
+        cr_assert_eq(kvt_radix_match(tree, ns, tok, 16, KVT_MATCH_NOTOUCH, &m), 0);
+        cr_assert_eq(m.pages, (uint32_t)live[i], "block %u: %s", i,
+                     live[i] ? "live at the stop, lost" : "dropped before the stop, back");
+        if (!live[i])
+            continue;
+        kvt_block_t *b = kvt_radix_block_at(m.node, 0);
+        cr_assert_eq(b->tier, KVT_TIER_NVME);
+        kvt_block_key_t k = {.ns_seed = seed, .hash = hashes[i], .tokens = tok, .ntokens = 16};
+        cr_assert_eq(tu_read(t, &k, b->loc, buf, LEN), 0, "block %u", i);
+        cr_assert(tu_same(buf, LEN, hashes[i]), "block %u", i);
+    }
+    free(buf);
+    kvt_tier_destroy(t);
+    kvt_radix_destroy(tree);
+    tu_rmrf(dir);
+}
+
+/* Makes dir look as a kvtierd before kvtier.live left it: no map, kvtier.meta v1. */
+static void make_v1(const char *dir)
+{
+    char p[4200];
+    snprintf(p, sizeof(p), "%s/kvtier.live", dir);
+    cr_assert(unlink(p) == 0 || errno == ENOENT, "%s: %s", p, strerror(errno));
+    snprintf(p, sizeof(p), "%s/kvtier.meta", dir);
+    FILE *f = fopen(p, "w");
+    cr_assert(f);
+    fprintf(f, "kvtier-nvme v1 segment_bytes=%u segments=%u\n", 2u << 20, 8u);
+    fclose(f);
+}
+
+/*
+ * A directory written before kvtier.live (kvtier.meta v1) is recovered as it was then, from every
+ * intact record, but the newest first while they fit: here the log holds 2,048 records of 4 KiB
+ * blocks, 683 of them freed, and the tier takes 1,365 (12 KiB charged each): the newest 1,365 are
+ * exactly the live ones. Recovery used to take them in hash order. The directory then has a map
+ * and kvtier.meta v2: from the next restart on, a freed block stays gone.
+ */
+Test(tier_nvme_recover, a_directory_from_before_the_live_map_is_recovered_and_upgraded)
+{
+    enum { N = 2048, FREED = 683, LEN = 4096 };
+    char dir[4096], p[4200], meta[128] = {0};
+    tu_tmpdir(dir, sizeof(dir), "nvv1");
+    kvt_tier_t *t = open_tier(dir);
+    static uint64_t locs[N];
+    uint32_t tok[16];
+    uint8_t *buf = tu_aligned(LEN);
+    tu_write_n(t, N - FREED, buf, LEN, tok, locs);
+    for (int i = 0; i < FREED; i++)
+        kvt_tier_free(t, locs[i], LEN);
+    for (int i = N - FREED; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, LEN, (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, LEN, &locs[i]), 0, "block %d", i);
+    }
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reclaimed, 0, "every record is still on disk");
+    kvt_tier_destroy(t);
+    make_v1(dir);
+
+    kvt_tier_nvme_recovery_t r;
+    t = reopen(dir, &r);
+    cr_assert_eq(r.scanned, N);
+    cr_assert_eq(r.recovered, N - FREED);
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        cr_assert_eq(kvt_tier_valid(t, locs[i], &k), i >= FREED, "block %d", i);
+    }
+    kvt_block_key_t k = tu_key(N - 1, tok, 16);
+    cr_assert_eq(tu_read(t, &k, locs[N - 1], buf, LEN), 0);
+    cr_assert(tu_same(buf, LEN, N - 1));
+    snprintf(p, sizeof(p), "%s/kvtier.meta", dir);
+    FILE *f = fopen(p, "r");
+    cr_assert(f);
+    cr_assert(fgets(meta, sizeof(meta), f));
+    fclose(f);
+    cr_assert_str_eq(meta, "kvtier-nvme v2 segment_bytes=2097152 segments=8\n");
+    kvt_tier_free(t, locs[N - 1], LEN);
+    kvt_tier_destroy(t);
+
+    t = reopen(dir, &r);
+    cr_assert_eq(r.recovered, N - FREED - 1);
+    cr_assert_eq(kvt_tier_valid(t, locs[N - 1], &k), 0, "freed after the upgrade: gone");
+    k = tu_key(N - 2, tok, 16);
+    cr_assert_eq(tu_read(t, &k, locs[N - 2], buf, LEN), 0);
+    cr_assert(tu_same(buf, LEN, N - 2));
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
 }
 
 Test(tier_nvme_recover, rebuilds_radix_entries_from_parent_hashes)

@@ -12,6 +12,10 @@
  *   a record:     | prefix 32 | block header + tokens | pad | payload | pad |
  *                 '--------- header region: 4 or 8 KiB ------''- len rounded to 4 KiB -'
  *
+ *   kvtier.live:  | header 4 KiB | entry 0 | entry 1 | ... | entry n-1 | (pad to 4 KiB)
+ *   an entry:     | stamp 8 | bitmap: one bit per 4 KiB sector of the segment |
+ *   kvtier.meta:  "kvtier-nvme v2 segment_bytes=S segments=N\n"
+ *
  * The 32-byte prefix holds a magic, the record's size in sectors, the header region's size,
  * and the stamp of the segment's current use (64 random bits drawn when the segment was opened
  * for writing), with its own checksum. The block header (blockhdr.c) carries the namespace,
@@ -31,12 +35,30 @@
  *   63        40 39        20 19    18 17          0
  *   | gen (24)  | segment(20)| hdr(2) | sector (18) |
  *
+ * Live blocks
+ * -----------
+ * A record outlives its block: a free (the policy's drop, a move's old copy, a REMOVE) and a
+ * segment reclaim leave its bytes where they are until the segment is written again. What says
+ * which records hold live blocks is kvtier.live, mapped shared into memory. Each segment has an
+ * entry: the stamp of its current use (0: none) and a bit for every sector that starts the
+ * record of a live block (bit k of byte k / 8, least significant first). A write's bit is set
+ * when it has completed, before its callback runs; a free clears it; a segment's entry is zeroed
+ * when the segment is freed or reclaimed and takes the new stamp when it is opened. Those are
+ * stores to memory, no system call on any path, and the mapped pages are the kernel's page
+ * cache: a process that dies (SIGKILL) leaves the live set of its last instant. The kernel
+ * writes the pages back in its own time; destroying the tier msyncs them. (memcached's extstore
+ * keeps a page version in each location and checks it against the page; here the page's entry
+ * keeps which of its locations are live, because after a restart nothing else is left to ask.)
+ * The header: "KVTLIVE1", u32 version 1, u32 segment bytes, u32 segments, u32 entry bytes, u64
+ * XXH3 of the 24 bytes before it, all little-endian; kvtier.meta's v2 says the map exists.
+ *
  * Recovery
  * --------
  * Opening a directory whose data file has the recorded geometry (DIR/kvtier.meta) scans every
- * segment from its start: records follow one another while their prefix is intact and carries
- * the stamp of the segment's first record; a record whose block checksum fails (a torn last
- * write) is skipped. Where the records stop, the rest of the segment is searched sector by
+ * segment whose kvtier.live entry has a live bit, from its start: records follow one another
+ * while their prefix is intact and carries the entry's stamp; only those whose bit is set are
+ * read (the others' blocks were dropped before the stop), and one whose block checksum fails (a
+ * torn write) is skipped. Where the records stop, the rest of the segment is searched sector by
  * sector for a prefix with the same stamp (recovery's gaps): writes complete out of order, and a
  * crash cancels the ones still queued, so a record may be missing with later ones intact. That
  * search reads the unused tail of every partly filled segment; the open segment's first record
@@ -44,10 +66,17 @@
  * it), so no other write starts in a segment until its first record has completed, and a
  * segment whose first record failed takes no other (the next write opens another). When one
  * block was written several times, the highest sequence number wins. Recovered segments are not
- * appended to again until they are reclaimed.
+ * appended to again until they are reclaimed. The map is rebuilt from what was adopted.
+ *
+ * A directory from before kvtier.live (kvtier.meta v1) is recovered as it was then: every
+ * intact record (the first record's stamp names the segment's use; records a REMOVE marked
+ * with a discarded flag are stepped over), the newest copy of each block, adopted newest first
+ * until the tier is full. It is then given its map and kvtier.meta becomes v2. Blocks freed
+ * before that stop may come back that once, as they always did.
  *
  * Durability is that of a cache: writes are not fdatasync'd, so a process crash (SIGKILL) loses
- * nothing that completed, while a power cut may lose recent writes (which recovery then skips).
+ * nothing that completed, while a power cut may lose recent writes (which recovery then skips)
+ * and, where the map's pages had not reached the disk, bring back blocks dropped shortly before.
  */
 #define _GNU_SOURCE
 #define XXH_STATIC_LINKING_ONLY
@@ -56,11 +85,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <liburing.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -70,6 +101,9 @@
 #define PREFIX_BYTES  32u
 #define PREFIX_MAGIC  0x5254564bu /* "KVTR" */
 #define HDR_MAX_BYTES (2 * SECTOR)
+#define META_VERSION  2u /* kvtier.meta's: 2 since kvtier.live */
+#define LIVE_MAGIC    "KVTLIVE1"
+#define LIVE_HDR      SECTOR
 
 static uint32_t round_sector(uint64_t n)
 {
@@ -136,7 +170,9 @@ static uint64_t get64(const uint8_t *p)
     return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
 }
 
-#define PREFIX_DISCARDED 1u /* flags: the record's block was discarded (a tombstone) */
+/* flags: the record's block was removed (a tombstone, written by versions before kvtier.live;
+ * still stepped over in the logs they left) */
+#define PREFIX_DISCARDED 1u
 
 static void prefix_encode(uint8_t *p, uint32_t rec, uint32_t hdr, uint64_t stamp, uint32_t flags)
 {
@@ -160,6 +196,47 @@ static int prefix_decode(const uint8_t *p, uint32_t *rec, uint32_t *hdr, uint64_
     if (*hdr == 0 || *hdr > HDR_MAX_BYTES || *rec < *hdr)
         return -1;
     return (get32(p + 20) & PREFIX_DISCARDED) != 0;
+}
+
+/* ---- kvtier.live: which records hold live blocks ---- */
+
+static uint8_t *live_entry(const nvme_t *n, uint32_t seg)
+{
+    return n->live + LIVE_HDR + (size_t)seg * n->live_entry;
+}
+
+/* Marks the record at loc as a live block's (on) or not. */
+static void live_mark(nvme_t *n, uint64_t loc, int on)
+{
+    uint32_t sector = (uint32_t)(loc & 0x3ffffu);
+    uint8_t *bits = live_entry(n, loc_seg(loc)) + 8, bit = (uint8_t)(1u << (sector & 7));
+    if (on)
+        bits[sector >> 3] |= bit;
+    else
+        bits[sector >> 3] &= (uint8_t)~bit;
+}
+
+static int live_bit(const nvme_t *n, uint32_t seg, uint32_t sector)
+{
+    return (live_entry(n, seg)[8 + (sector >> 3)] >> (sector & 7)) & 1;
+}
+
+/* Whether the entry of seg has any live record. */
+static int live_any(const nvme_t *n, uint32_t seg)
+{
+    const uint8_t *bits = live_entry(n, seg) + 8;
+    for (uint32_t i = 0; i < n->live_entry - 8; i++)
+        if (bits[i])
+            return 1;
+    return 0;
+}
+
+/* A segment's entry for a new use (stamp) or for none (0): no live record in it. */
+static void live_reset(nvme_t *n, uint32_t seg, uint64_t stamp)
+{
+    uint8_t *e = live_entry(n, seg);
+    memset(e + 8, 0, n->live_entry - 8);
+    put64(e, stamp);
 }
 
 /* ---- segments ---- */
@@ -186,6 +263,7 @@ static void seg_set_free(nvme_t *n, uint32_t i)
     s->gen = (s->gen + 1) & 0xffffffu;
     if (s->gen == 0)
         s->gen = 1;
+    live_reset(n, i, 0); /* its blocks, freed or reclaimed, never come back */
 }
 
 /* A FULL segment whose blocks are all gone and whose I/O is done is free again. */
@@ -273,6 +351,7 @@ static int seg_open_next(nvme_t *n)
     s->state = SEG_OPEN;
     s->stamp = new_stamp();
     s->head = 0;
+    live_reset(n, pick, s->stamp);
     n->cur = pick;
     n->next_free = (pick + 1) % n->nsegs;
     return 0;
@@ -389,16 +468,6 @@ static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr,
     return 0;
 }
 
-/* A tombstone (kvt_tier_discard): one sector written over a discarded record's first sector,
- * its prefix kept but marked discarded, so that a restart steps over the record (and over no
- * other). The tier owns the request: io->priv[2] says so, buf is the sector. */
-#define NVME_TOMB 0x746f6d62u
-
-static int is_tomb(const kvt_tier_io_t *io)
-{
-    return io->priv[2] == NVME_TOMB;
-}
-
 /*
  * Whether io, a write, must wait for the first record of the open segment to land: the recovery
  * scan reads a segment from that record on (its stamp names the segment's current use), and a
@@ -407,7 +476,7 @@ static int is_tomb(const kvt_tier_io_t *io)
  */
 static int write_waits(const nvme_t *n, const kvt_tier_io_t *io)
 {
-    if (io->op != KVT_IO_WRITE || is_tomb(io) || n->cur == UINT32_MAX || !n->segs[n->cur].opening)
+    if (io->op != KVT_IO_WRITE || n->cur == UINT32_MAX || !n->segs[n->cur].opening)
         return 0;
     uint32_t rec = rec_bytes(hdr_region(io->key.ntokens), io->len);
     return n->segs[n->cur].head + (uint64_t)rec <= n->seg_bytes;
@@ -481,41 +550,8 @@ static int nvme_start_read(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     return 0;
 }
 
-/* A tombstone is over (written, failed, or never started: status says which failed). */
-static void tomb_end(nvme_t *n, kvt_tier_io_t *io, int status)
-{
-    if (status < 0) {
-        static kvt_log_limit_t lim;
-        kvt_log_limited(&lim, KVT_LOG_WARN,
-                        "nvme tier: marking a discarded block failed (%s): a restart may bring "
-                        "it back",
-                        kvt_strerror(status));
-    }
-    n->tombs--;
-    free(io->buf);
-    free(io);
-}
-
-/* The segment's inflight count was taken when the tombstone was made (nvme_discard). */
-static int nvme_start_tomb(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
-{
-    r->io = io;
-    r->seg = loc_seg(io->loc);
-    r->first = 0;
-    r->off = loc_off(n, io->loc);
-    r->niov = 1;
-    r->iov_at = 0;
-    r->iov[0] = (struct iovec){io->buf, SECTOR};
-    r->done = 0;
-    r->total = SECTOR;
-    r->payload_direct = 1;
-    return req_submit(n, r);
-}
-
 static int nvme_start(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
 {
-    if (is_tomb(io))
-        return nvme_start_tomb(n, r, io);
     return io->op == KVT_IO_WRITE ? nvme_start_write(n, r, io) : nvme_start_read(n, r, io);
 }
 
@@ -625,18 +661,14 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
     nvme_seg_t *s = &n->segs[r->seg];
     kvt_assert(s->inflight > 0);
     s->inflight--;
-    if (is_tomb(io)) {
-        seg_maybe_free(n, r->seg);
-        req_put(n, r);
-        tomb_end(n, io, status);
-        return;
-    }
     if (io->op == KVT_IO_WRITE) {
         if (status == 0) {
-            if (seg_note_loc(s, io->loc) < 0)
+            if (seg_note_loc(s, io->loc) < 0) {
                 status = KVT_ENOMEM;
-            else
+            } else {
                 seg_live_add(n, io->loc, io->len);
+                live_mark(n, io->loc, 1); /* before anyone is told it is stored */
+            }
         }
     } else if (status == 0) {
         status = read_finish(n, r);
@@ -660,9 +692,7 @@ static void nvme_drain_wait(nvme_t *n)
         kvt_tier_io_t *io = wait_pop(n);
         nvme_req_t *r = req_get(n);
         int rc = nvme_start(n, r, io);
-        if (rc < 0 && is_tomb(io)) {
-            req_done(n, r, rc);
-        } else if (rc < 0) {
+        if (rc < 0) {
             req_put(n, r);
             kvt__tier_complete(n->tier, io, rc);
         }
@@ -742,45 +772,9 @@ static void nvme_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     nvme_t *n = t->impl;
     uint32_t seg = loc_seg(loc);
     kvt_assert(seg < n->nsegs && loc_gen(loc) == n->segs[seg].gen);
+    live_mark(n, loc, 0); /* gone for good: a restart does not bring it back */
     seg_live_sub(n, loc, len);
     seg_maybe_free(n, seg);
-}
-
-/* Frees loc and marks its record discarded on disk (a tombstone, written in the background), so
- * that a restart does not bring the block back. Without memory for the tombstone the block is
- * only freed, and logged. */
-static void nvme_discard(kvt_tier_t *t, uint64_t loc, uint32_t len)
-{
-    nvme_t *n = t->impl;
-    uint32_t seg = loc_seg(loc);
-    kvt_assert(seg < n->nsegs && loc_gen(loc) == n->segs[seg].gen);
-    nvme_seg_t *s = &n->segs[seg];
-    kvt_tier_io_t *io = calloc(1, sizeof(*io));
-    void *buf = NULL;
-    if (!io || posix_memalign(&buf, SECTOR, SECTOR) != 0) {
-        free(io);
-        static kvt_log_limit_t lim;
-        kvt_log_limited(&lim, KVT_LOG_WARN,
-                        "nvme tier: no memory to mark a discarded block: a restart may bring it "
-                        "back");
-        nvme_free(t, loc, len);
-        return;
-    }
-    memset(buf, 0, SECTOR);
-    prefix_encode(buf, rec_bytes(loc_hdr(loc), len), loc_hdr(loc), s->stamp, PREFIX_DISCARDED);
-    io->op = KVT_IO_WRITE;
-    io->buf = buf;
-    io->len = SECTOR;
-    io->loc = loc;
-    io->priv[2] = NVME_TOMB;
-    n->tombs++;
-    s->inflight++; /* before the free: the segment is not reused under the tombstone */
-    int rc = nvme_submit(t, io);
-    if (rc < 0) {
-        s->inflight--;
-        tomb_end(n, io, rc);
-    }
-    nvme_free(t, loc, len);
 }
 
 static int nvme_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
@@ -812,6 +806,16 @@ static int nvme_fd(kvt_tier_t *t)
 
 static void nvme_dealloc(nvme_t *n)
 {
+    if (n->live) {
+        /* The kernel has every change already (a crash loses none); this is for a power cut
+         * after a clean stop. */
+        if (msync(n->live, n->live_size, MS_SYNC) != 0)
+            kvt_log(KVT_LOG_WARN, "nvme tier: msync of %s/kvtier.live: %s", n->dir,
+                    strerror(errno));
+        munmap(n->live, n->live_size);
+    }
+    if (n->livefd >= 0)
+        close(n->livefd);
     if (n->ring_ok)
         io_uring_queue_exit(&n->ring);
     if (n->efd >= 0)
@@ -842,28 +846,8 @@ static void nvme_dealloc(nvme_t *n)
 
 static void nvme_destroy(kvt_tier_t *t)
 {
-    nvme_t *n = t->impl;
-    /* Requests still waiting for a slot never started: nobody is called back for them. The
-     * tier's own tombstones are written first (up to 5 s), so that a stop right after a
-     * discard does not bring the block back. */
-    kvt_tier_io_t *io = n->wait[0].head;
-    n->wait[0] = n->wait[1] = (nvme_fifo_t){0};
-    for (kvt_tier_io_t *nx; io; io = nx) {
-        nx = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
-        if (is_tomb(io))
-            wait_push(n, io);
-    }
-    uint64_t end = kvt_now_ns() + 5000000000ull;
-    while (n->tombs > 0 && kvt_now_ns() < end) {
-        nvme_drain_wait(n);
-        struct __kernel_timespec ts = {.tv_nsec = 10000000};
-        struct io_uring_cqe *cqe;
-        (void)io_uring_wait_cqe_timeout(&n->ring, &cqe, &ts);
-        nvme_poll(t);
-    }
-    while ((io = wait_pop(n)))
-        tomb_end(n, io, 0); /* never started: the 5 s ran out */
-    nvme_dealloc(n);
+    /* Requests still waiting for a slot never started: nobody is called back for them. */
+    nvme_dealloc(t->impl);
 }
 
 const kvt_tier_ops_t kvt__nvme_ops = {
@@ -871,8 +855,7 @@ const kvt_tier_ops_t kvt__nvme_ops = {
     .footprint = nvme_footprint,
     .write = nvme_submit,
     .read = nvme_submit,
-    .free = nvme_free,
-    .discard = nvme_discard,
+    .free = nvme_free, /* and kvt_tier_discard: every free is for good (kvtier.live) */
     .valid = nvme_valid,
     .pin = nvme_pin,
     .fd = nvme_fd,
@@ -894,30 +877,108 @@ void kvt_tier_nvme_recovery(const kvt_tier_t *t, kvt_tier_nvme_recovery_t *out)
         *out = ((const nvme_t *)t->impl)->rec;
 }
 
-/* ---- geometry file ---- */
+/* ---- side files: kvtier.meta, kvtier.live ---- */
 
-static int meta_check_or_write(nvme_t *n, int fresh)
+/*
+ * A side file that is missing, empty or damaged, or a data file of the wrong size, stops the
+ * tier with a message that names the file, says what is wrong with it and how to start afresh:
+ * the data file cannot be read without them (its geometry, which of its records are live).
+ */
+static void disk_error(const nvme_t *n, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void disk_error(const nvme_t *n, const char *fmt, ...)
 {
-    char path[4096], want[128], have[128] = {0};
+    char what[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof(what), fmt, ap);
+    va_end(ap);
+    kvt_log(KVT_LOG_ERROR,
+            "nvme tier: %s. To start afresh (the blocks cached in %s are lost), remove "
+            "kvtier.data, kvtier.meta and kvtier.live from %s",
+            what, n->dir, n->dir);
+}
+
+/* Up to 40 bytes of s for a message: printable ASCII, the rest as '?'. */
+static void printable(char *out, const char *s, size_t len)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < len && k < 40; i++)
+        out[k++] = s[i] >= 0x20 && s[i] < 0x7f ? s[i] : '?';
+    out[k] = 0;
+}
+
+/* Reads kvtier.meta of a directory that holds a data file: its version into *version when the
+ * geometry is the one asked. KVT_EINVAL for another geometry, KVT_ECORRUPT when it is missing,
+ * empty or not a geometry line, or a negated errno. */
+static int meta_read(nvme_t *n, uint32_t *version)
+{
+    char path[4096], have[128];
     snprintf(path, sizeof(path), "%s/kvtier.meta", n->dir);
-    snprintf(want, sizeof(want), "kvtier-nvme v1 segment_bytes=%u segments=%u\n", n->seg_bytes,
-             n->nsegs);
-    if (!fresh) {
-        FILE *f = fopen(path, "r");
-        if (f) {
-            size_t got = fread(have, 1, sizeof(have) - 1, f);
-            have[got] = 0;
-            fclose(f);
+    FILE *f = fopen(path, "re");
+    if (!f) {
+        int e = errno;
+        if (e != ENOENT) {
+            kvt_log(KVT_LOG_ERROR, "nvme tier: cannot read %s: %s", path, strerror(e));
+            return -e;
         }
-        if (strcmp(have, want) != 0) {
-            kvt_log(KVT_LOG_ERROR,
-                    "nvme tier: %s was made with a different geometry (%.*s) than asked (%.*s): "
-                    "remove the directory's kvtier.* files to start over",
-                    n->path, (int)strcspn(have, "\n"), have, (int)strcspn(want, "\n"), want);
-            return KVT_EINVAL;
-        }
-        return 0;
+        disk_error(n,
+                   "%s is missing: it records the geometry of %s, which cannot be read without it",
+                   path, n->path);
+        return KVT_ECORRUPT;
     }
+    size_t got = fread(have, 1, sizeof(have) - 1, f);
+    int err = ferror(f);
+    fclose(f);
+    if (err) {
+        kvt_log(KVT_LOG_ERROR, "nvme tier: cannot read %s", path);
+        return KVT_EIO;
+    }
+    have[got] = 0;
+    unsigned v = 0, segb = 0, nsegs = 0;
+    int end = -1;
+    if (got == 0) {
+        disk_error(n,
+                   "%s is empty (a crash while it was written?): it should record the geometry "
+                   "of %s",
+                   path, n->path);
+        return KVT_ECORRUPT;
+    }
+    if (sscanf(have, "kvtier-nvme v%u segment_bytes=%u segments=%u\n%n", &v, &segb, &nsegs, &end) !=
+            3 ||
+        end < 0 || (size_t)end != got || have[got - 1] != '\n' || strlen(have) != got) {
+        char shown[48];
+        printable(shown, have, got);
+        disk_error(n,
+                   "%s is damaged: it starts with \"%s\" where a line \"kvtier-nvme v%u "
+                   "segment_bytes=... segments=...\" should record the geometry of %s",
+                   path, shown, META_VERSION, n->path);
+        return KVT_ECORRUPT;
+    }
+    if (v == 0 || v > META_VERSION) {
+        disk_error(n, "%s says format v%u; this kvtierd reads v1 and v%u", path, v, META_VERSION);
+        return KVT_ECORRUPT;
+    }
+    if (segb != n->seg_bytes || nsegs != n->nsegs) {
+        kvt_log(
+            KVT_LOG_ERROR,
+            "nvme tier: %s was made with %u segments of %u bytes, not the %u of %u bytes asked: "
+            "start with the settings it was made with, or remove the directory's kvtier.* "
+            "files to start afresh",
+            n->path, nsegs, segb, n->nsegs, n->seg_bytes);
+        return KVT_EINVAL;
+    }
+    *version = v;
+    return 0;
+}
+
+/* Writes kvtier.meta (the current version): a new file, synced, renamed over the old. */
+static int meta_write(nvme_t *n)
+{
+    char path[4096], want[128];
+    snprintf(path, sizeof(path), "%s/kvtier.meta", n->dir);
+    snprintf(want, sizeof(want), "kvtier-nvme v%u segment_bytes=%u segments=%u\n", META_VERSION,
+             n->seg_bytes, n->nsegs);
     char tmp[4200];
     snprintf(tmp, sizeof(tmp), "%s.tmp", path);
     FILE *f = fopen(tmp, "w");
@@ -932,6 +993,114 @@ static int meta_check_or_write(nvme_t *n, int fresh)
         unlink(tmp);
         return e;
     }
+    return 0;
+}
+
+static void live_header(const nvme_t *n, uint8_t *h)
+{
+    memset(h, 0, 32);
+    memcpy(h, LIVE_MAGIC, 8);
+    put32(h + 8, 1);
+    put32(h + 12, n->seg_bytes);
+    put32(h + 16, n->nsegs);
+    put32(h + 20, n->live_entry);
+    put64(h + 24, XXH3_64bits(h, 24));
+}
+
+/*
+ * Opens kvtier.live and maps it: made afresh (no live block) when make is set, else checked
+ * against the geometry (KVT_ECORRUPT when missing, of another size or header). Its blocks are
+ * allocated (posix_fallocate), so that a store into the mapping never meets a full disk (which
+ * would be a SIGBUS).
+ */
+static int live_open(nvme_t *n, int make)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/kvtier.live", n->dir);
+    n->live_entry = 8 + n->seg_bytes / SECTOR / 8;
+    uint64_t size = LIVE_HDR + (uint64_t)n->nsegs * n->live_entry;
+    size = (size + SECTOR - 1) & ~(uint64_t)(SECTOR - 1);
+    uint8_t want[32], have[32];
+    live_header(n, want);
+    int fd = open(path, O_RDWR | O_CLOEXEC | (make ? O_CREAT | O_TRUNC : 0), 0644);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENOENT) {
+            disk_error(n, "%s is missing: it says which records in %s hold live blocks", path,
+                       n->path);
+            return KVT_ECORRUPT;
+        }
+        kvt_log(KVT_LOG_ERROR, "nvme tier: cannot open %s: %s", path, strerror(e));
+        return -e;
+    }
+    struct stat st;
+    int rc = 0;
+    if (fstat(fd, &st) != 0) {
+        rc = -errno;
+    } else if (make) {
+        if (ftruncate(fd, (off_t)size) != 0 || pwrite(fd, want, sizeof(want), 0) != sizeof(want))
+            rc = errno ? -errno : KVT_EIO;
+    } else if ((uint64_t)st.st_size != size) {
+        disk_error(n, "%s is %lld bytes long, where %u segments of %u bytes need %llu", path,
+                   (long long)st.st_size, n->nsegs, n->seg_bytes, (unsigned long long)size);
+        rc = KVT_ECORRUPT;
+    } else if (pread(fd, have, sizeof(have), 0) != sizeof(have) ||
+               memcmp(have, want, sizeof(want)) != 0) {
+        disk_error(n,
+                   "%s is damaged: its header is not that of a live-block map for %u segments "
+                   "of %u bytes",
+                   path, n->nsegs, n->seg_bytes);
+        rc = KVT_ECORRUPT;
+    }
+    if (rc == 0) {
+        int e = posix_fallocate(fd, 0, (off_t)size);
+        if (e == ENOSPC || e == EDQUOT) {
+            kvt_log(KVT_LOG_ERROR, "nvme tier: the file system under %s cannot hold %s", n->dir,
+                    path);
+            rc = KVT_ENOSPC;
+        } else if (e != 0) {
+            rc = -e;
+        }
+    }
+    void *m = MAP_FAILED;
+    if (rc == 0 &&
+        (m = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
+        rc = -errno;
+    if (rc < 0) {
+        if (rc != KVT_ECORRUPT && rc != KVT_ENOSPC)
+            kvt_log(KVT_LOG_ERROR, "nvme tier: %s: %s", path, kvt_strerror(rc));
+        close(fd);
+        if (make)
+            unlink(path);
+        return rc;
+    }
+    n->livefd = fd;
+    n->live = m;
+    n->live_size = (size_t)size;
+    return 0;
+}
+
+/* A directory from before kvtier.live has been recovered and its map built: the map is synced
+ * before kvtier.meta says v2, so that a crash meanwhile leaves a v1 directory, recovered the old
+ * way again. */
+static int live_upgrade(nvme_t *n)
+{
+    int rc = 0;
+    if (msync(n->live, n->live_size, MS_SYNC) != 0 || fsync(n->livefd) != 0)
+        rc = -errno;
+    if (rc == 0)
+        rc = meta_write(n);
+    if (rc < 0) {
+        kvt_log(KVT_LOG_ERROR, "nvme tier: cannot record the live-block map of %s: %s", n->path,
+                kvt_strerror(rc));
+        return rc;
+    }
+    kvt_log(KVT_LOG_WARN,
+            "nvme tier: %s was written by an earlier kvtierd (kvtier.meta v1, no kvtier.live): "
+            "its blocks were recovered from every intact record, the newest first, so blocks "
+            "freed before that stop may have come back this once; from now on kvtier.live says "
+            "which are live (kvtier.meta v%u)",
+            n->path, META_VERSION);
     return 0;
 }
 
@@ -1015,9 +1184,12 @@ static int size_data(nvme_t *n, int fresh, int sparse)
     if (fstat(n->fd, &st) != 0)
         return -errno;
     if (!fresh && (uint64_t)st.st_size != size) {
-        kvt_log(KVT_LOG_ERROR, "nvme tier: %s holds %lld bytes, its geometry says %llu", n->path,
-                (long long)st.st_size, (unsigned long long)size);
-        return KVT_EINVAL;
+        disk_error(n,
+                   "%s is %lld bytes long, where its geometry (%s/kvtier.meta: %u segments of %u "
+                   "bytes) needs %llu: it was truncated or replaced",
+                   n->path, (long long)st.st_size, n->dir, n->nsegs, n->seg_bytes,
+                   (unsigned long long)size);
+        return KVT_ECORRUPT;
     }
     if (!sparse) {
         int rc = posix_fallocate(n->fd, 0, (off_t)size);
@@ -1051,7 +1223,8 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
     nvme_t *n = calloc(1, sizeof(*n));
     if (!n)
         return KVT_ENOMEM;
-    n->fd = n->efd = n->lockfd = -1;
+    n->fd = n->efd = n->lockfd = n->livefd = -1;
+    n->meta_version = META_VERSION;
     n->cur = UINT32_MAX;
     n->seg_bytes = segb;
     n->nsegs = (uint32_t)nsegs;
@@ -1087,11 +1260,13 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
         goto fail;
     rc = open_data(n, conf->direct, &fresh);
     if (rc == 0 && !fresh)
-        rc = meta_check_or_write(n, 0);
+        rc = meta_read(n, &n->meta_version);
     if (rc == 0)
         rc = size_data(n, fresh, conf->sparse);
-    if (rc == 0 && fresh)
-        rc = meta_check_or_write(n, 1);
+    if (rc == 0) /* a fresh map for a fresh data file, and for one from before the map */
+        rc = live_open(n, fresh || n->meta_version < 2);
+    if (rc == 0 && fresh) /* last: a data file is only used once its side files are complete */
+        rc = meta_write(n);
     if (rc < 0) {
         if (fresh) /* a data file that could not be set up leaves nothing behind */
             unlink(n->path);
@@ -1120,7 +1295,8 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
                              (uint64_t)n->nsegs * n->seg_bytes)) < 0)
         goto fail;
     n->tier = t;
-    if (!fresh && (rc = kvt__nvme_scan(n)) < 0) {
+    if (!fresh && ((rc = kvt__nvme_scan(n)) < 0 ||
+                   (n->meta_version < META_VERSION && (rc = live_upgrade(n)) < 0))) {
         kvt_tier_destroy(t);
         return rc;
     }
@@ -1247,12 +1423,20 @@ static int scan_record(nvme_t *n, uint32_t seg, uint32_t off, uint32_t rec, uint
     return 0;
 }
 
-/* Scans one segment, appending its intact records to n->recovered. */
+/* Scans one segment, appending its intact records of live blocks to n->recovered. */
 static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
 {
     nvme_seg_t *s = &n->segs[seg];
     uint64_t base = (uint64_t)seg * n->seg_bytes;
     uint32_t off = 0;
+    /* With kvtier.live (v2), its entry names the segment's use and which records are live; a
+     * segment with none is not even read. Before it (v1), the first record names the use. */
+    int mapped = n->meta_version >= 2;
+    if (mapped) {
+        if (!live_any(n, seg))
+            return 0;
+        s->stamp = get64(live_entry(n, seg));
+    }
     while (off + SECTOR <= n->seg_bytes) {
         uint32_t first = KVT_MIN(HDR_MAX_BYTES, n->seg_bytes - off);
         int rc = pread_all(n->fd, buf, first, base + off);
@@ -1261,8 +1445,9 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
         uint32_t rec, hdr;
         uint64_t stamp;
         int discarded = prefix_decode(buf, &rec, &hdr, &stamp);
-        if (discarded < 0 || rec > n->seg_bytes - off || (off > 0 && stamp != s->stamp)) {
-            if (off == 0)
+        if (discarded < 0 || rec > n->seg_bytes - off ||
+            ((off > 0 || mapped) && stamp != s->stamp)) {
+            if (off == 0 && !mapped)
                 break; /* no record of a current use: nothing to look for */
             /* The end of the records, or a record that never landed with later ones that did
              * (writes complete out of order, and a crash cancels those still queued). */
@@ -1274,16 +1459,105 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
             s->head = off;
             continue;
         }
-        if (off == 0)
+        if (off == 0 && !mapped)
             s->stamp = stamp;
-        if (discarded)
-            n->rec.discarded++; /* a discarded block: stepped over, its bytes not even read */
+        if (discarded || (mapped && !live_bit(n, seg, off / SECTOR)))
+            n->rec.discarded++; /* a dropped block: stepped over, its bytes not even read */
         else if ((rc = scan_record(n, seg, off, rec, hdr, buf, first)) < 0)
             return rc;
         off += rec;
         s->head = off;
         s->state = SEG_FULL;
     }
+    return 0;
+}
+
+/* A recovered block's place in the order of adoption: newest first. */
+typedef struct seq_ix {
+    uint64_t seq;
+    size_t i;
+} seq_ix_t;
+
+static int seq_ix_cmp(const void *a, const void *b)
+{
+    const seq_ix_t *x = a, *y = b;
+    return x->seq > y->seq ? -1 : x->seq < y->seq;
+}
+
+/*
+ * Indexes the recovered blocks (one copy each, n->recovered sorted by hash) in the tier, the
+ * newest first: a v2 map never holds more than the tier did, but a v1 log holds every record
+ * still on disk, and those that do not fit should be the oldest. Those not adopted are dropped
+ * from n->recovered, which stays sorted.
+ */
+static int adopt_newest_first(nvme_t *n)
+{
+    size_t nr = n->nrecovered;
+    seq_ix_t *order = malloc((nr ? nr : 1) * sizeof(*order));
+    uint8_t *taken = calloc(nr ? nr : 1, 1);
+    if (!order || !taken) {
+        free(order);
+        free(taken);
+        return KVT_ENOMEM;
+    }
+    for (size_t i = 0; i < nr; i++)
+        order[i] = (seq_ix_t){.seq = n->recovered[i].seq, .i = i};
+    if (nr > 0)
+        qsort(order, nr, sizeof(*order), seq_ix_cmp);
+    for (size_t k = 0; k < nr; k++) {
+        const nvme_recovered_t *r = &n->recovered[order[k].i];
+        kvt_block_key_t key = {.ns_seed = r->ns_seed,
+                               .hash = r->hash,
+                               .parent = r->parent,
+                               .tokens = r->tokens,
+                               .ntokens = r->ntokens};
+        nvme_seg_t *s = &n->segs[loc_seg(r->loc)];
+        if (seg_note_loc(s, r->loc) < 0) {
+            n->rec.stale++;
+            continue;
+        }
+        if (kvt__tier_adopt(n->tier, r->loc, &key, r->len) < 0) {
+            s->nlocs--;
+            n->rec.stale++;
+            continue;
+        }
+        seg_live_add(n, r->loc, r->len);
+        taken[order[k].i] = 1;
+    }
+    size_t keep = 0;
+    for (size_t i = 0; i < nr; i++) {
+        if (taken[i])
+            n->recovered[keep++] = n->recovered[i];
+        else
+            free(n->recovered[i].tokens);
+    }
+    n->nrecovered = keep;
+    free(order);
+    free(taken);
+    return 0;
+}
+
+/* After the scan, kvtier.live holds exactly the blocks adopted (torn records and older copies
+ * lose their bits; a v1 directory gets its map). Each entry is built aside and copied over, so
+ * that a crash meanwhile leaves every bit as it was or as it is to be. */
+static int live_rebuild(nvme_t *n)
+{
+    uint8_t *e = malloc(n->live_entry);
+    if (!e)
+        return KVT_ENOMEM;
+    for (uint32_t i = 0; i < n->nsegs; i++) {
+        const nvme_seg_t *s = &n->segs[i];
+        memset(e, 0, n->live_entry);
+        if (s->state != SEG_FREE) {
+            put64(e, s->stamp);
+            for (uint32_t k = 0; k < s->nlocs; k++) {
+                uint32_t sector = (uint32_t)(s->locs[k] & 0x3ffffu);
+                e[8 + (sector >> 3)] |= (uint8_t)(1u << (sector & 7));
+            }
+        }
+        memcpy(live_entry(n, i), e, n->live_entry);
+    }
+    free(e);
     return 0;
 }
 
@@ -1309,25 +1583,15 @@ int kvt__nvme_scan(nvme_t *n)
             free(r->tokens);
             continue;
         }
-        kvt_block_key_t key = {.ns_seed = r->ns_seed,
-                               .hash = r->hash,
-                               .parent = r->parent,
-                               .tokens = r->tokens,
-                               .ntokens = r->ntokens};
-        nvme_seg_t *s = &n->segs[loc_seg(r->loc)];
-        if (kvt__tier_adopt(n->tier, r->loc, &key, r->len) < 0 || seg_note_loc(s, r->loc) < 0) {
-            n->rec.stale++;
-            free(r->tokens);
-            continue;
-        }
-        seg_live_add(n, r->loc, r->len);
         n->recovered[keep++] = *r;
     }
     n->nrecovered = keep;
-    n->rec.recovered = keep;
+    if ((rc = adopt_newest_first(n)) < 0)
+        return rc;
+    n->rec.recovered = n->nrecovered;
     for (uint32_t i = 0; i < n->nsegs; i++)
         seg_maybe_free(n, i);
-    return 0;
+    return live_rebuild(n);
 }
 
 void kvt__nvme_recovered_free(nvme_t *n)

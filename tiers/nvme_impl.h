@@ -64,7 +64,6 @@ typedef struct nvme {
     uint32_t qd;
     nvme_req_t *reqs, *free_reqs;
     nvme_fifo_t wait[2]; /* waiting for a slot: [1] urgent reads, [0] the rest */
-    uint32_t tombs;      /* tombstones (nvme_discard) waiting or in flight */
     uint32_t seg_bytes, nsegs;
     nvme_seg_t *segs;
     uint32_t cur;       /* the open segment, or UINT32_MAX */
@@ -84,6 +83,13 @@ typedef struct nvme {
     void (*reclaim_cb)(void *arg, uint64_t loc, uint64_t ns_seed, uint64_t hash);
     void *reclaim_arg;
     kvt_tier_nvme_recovery_t rec;
+    /* DIR/kvtier.live, mapped shared: per segment the stamp of its current use and a bit for
+     * each sector that starts a live block's record (nvme.c, "Live blocks"). */
+    int livefd;
+    uint8_t *live;
+    size_t live_size;
+    uint32_t live_entry;   /* bytes per segment: 8 + one bit per sector */
+    uint32_t meta_version; /* of the directory opened: 1 was written before kvtier.live */
 } nvme_t;
 
 extern const kvt_tier_ops_t kvt__nvme_ops;

@@ -580,3 +580,18 @@ out:
             (unsigned long long)n->rec.inserted, (unsigned long long)n->rec.orphans);
     return rc;
 }
+
+long kvt_tier_nvme_drop_recovered(kvt_tier_t *t)
+{
+    nvme_t *n = nvme_of(t);
+    if (!n)
+        return KVT_EINVAL;
+    if (n->recover_done)
+        return KVT_EBUSY;
+    n->recover_done = 1;
+    long dropped = (long)n->nrecovered;
+    for (size_t i = 0; i < n->nrecovered; i++)
+        kvt_tier_free(t, n->recovered[i].loc, n->recovered[i].len);
+    kvt__nvme_recovered_free(n);
+    return dropped;
+}

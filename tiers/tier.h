@@ -113,9 +113,9 @@ int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io);
 /* Frees a location written earlier; freeing an unknown or already freed location is a no-op.
  * A read of it already in flight still completes (with the data or a miss). */
 void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len);
-/* kvt_tier_free for a block that must not come back: the NVMe tier also marks its record on disk
- * (one sector, written in the background) so that a restart's recovery steps over it; a plain
- * free leaves the record to be recovered. For blocks a client removed. */
+/* kvt_tier_free for a block that must not come back at a restart (a client removed it). The
+ * NVMe tier now keeps that promise for every free (its DIR/kvtier.live), so for it this is a
+ * free; kept as the call that says so. */
 void kvt_tier_discard(kvt_tier_t *t, uint64_t loc, uint32_t len);
 /* 1 when loc holds the block named key->hash (and key->ns_seed), 0 when not. */
 int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
@@ -213,7 +213,10 @@ int kvt_tier_dram_pinned(const kvt_tier_t *t);
  * too short for the next record), the write that needs space reclaims the full segment with the
  * fewest live bytes: its blocks are dropped (usage.reclaimed, reclaim_cb) and read as misses
  * from then on. Blocks of one size that divides the segment evenly never trigger that before
- * capacity is reached. */
+ * capacity is reached. A restart brings back exactly the blocks live at the stop: DIR/kvtier.live
+ * marks them (docs/tiers.md); a block freed, discarded or reclaimed never comes back. A missing
+ * or damaged side file (kvtier.meta, kvtier.live) or a data file of the wrong length fails the
+ * creation with KVT_ECORRUPT and a log line naming the file. */
 typedef struct kvt_tier_nvme_conf {
     const char *dir;         /* the data directory; created if missing */
     uint64_t capacity_bytes; /* data file size; at least 2 segments */
@@ -229,9 +232,11 @@ typedef struct kvt_tier_nvme_conf {
     void *reclaim_arg;
 } kvt_tier_nvme_conf_t;
 
-/* Returns 0, KVT_EINVAL, KVT_ENOMEM, KVT_ENOSPC (the file system cannot hold the data file:
- * nothing is left behind), KVT_EUNAVAIL (direct = 1 refused, io_uring unavailable), KVT_EIO,
- * or a negated errno from opening the directory. */
+/* Returns 0, KVT_EINVAL (also: the directory holds another geometry), KVT_ENOMEM, KVT_ENOSPC
+ * (the file system cannot hold the data file: nothing is left behind), KVT_ECORRUPT (a side
+ * file is missing or damaged, or the data file has the wrong length: logged, naming the file and
+ * how to start afresh), KVT_EBUSY (another process has the directory), KVT_EUNAVAIL (direct = 1
+ * refused, io_uring unavailable), KVT_EIO, or a negated errno from opening the directory. */
 int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf);
 /* 1 when the data file is open with O_DIRECT. */
 int kvt_tier_nvme_direct(const kvt_tier_t *t);
@@ -242,7 +247,8 @@ typedef struct kvt_tier_nvme_recovery {
     uint64_t torn;      /* records whose checksum failed during the scan, skipped */
     uint64_t stale;     /* older copies of a block written again later, skipped */
     uint64_t gaps;      /* stretches with no record and intact records after them (a crash) */
-    uint64_t discarded; /* records of blocks discarded (kvt_tier_discard), stepped over */
+    uint64_t discarded; /* records of blocks dropped before the stop (freed, removed, or
+                           reclaimed in a segment still holding live blocks), stepped over */
     uint64_t inserted;  /* blocks given back to the radix tree by kvt_tier_nvme_recover */
     uint64_t orphans;   /* blocks whose namespace or ancestors were not found: freed */
 } kvt_tier_nvme_recovery_t;
@@ -278,6 +284,11 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
  * or KVT_EBUSY (called twice).
  */
 int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out);
+/* Instead of kvt_tier_nvme_recover, for a start that does not recover: frees every block the
+ * scan found, for good, so that they neither hold the tier's capacity with no index naming them
+ * nor come back at a later restart. Returns how many, or KVT_EINVAL or KVT_EBUSY (called after
+ * either of the two). */
+long kvt_tier_nvme_drop_recovered(kvt_tier_t *t);
 
 /* --- HBM (tiers/hbm.c) ---
  * A pool of device memory allocated once and carved into slots (a bitmap allocator; a block

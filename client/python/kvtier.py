@@ -39,7 +39,8 @@ TIER_NAMES = {0: "none", 1: "hbm", 2: "dram", 3: "nvme", 4: "remote"}
 STATUS_NAMES = {
     -30800: "EINVAL", -30801: "ENOMEM", -30802: "ENOENT", -30803: "EBUSY",
     -30804: "ENOSPC", -30805: "ECORRUPT", -30806: "EIO", -30807: "EPROTO",
-    -30808: "EUNAVAIL", -30809: "ETIMEDOUT", -30813: "EAUTH", -30814: "ETOOBIG",
+    -30808: "EUNAVAIL", -30809: "ETIMEDOUT", -30811: "EAGAIN", -30813: "EAUTH",
+    -30814: "ETOOBIG",
 }
 
 
