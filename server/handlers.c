@@ -673,8 +673,9 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     uint32_t whole = q.ntokens / c->page_size;
     if (q.npayload && ((uint64_t)q.first_page + q.npayload > whole))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "payload pages %u..%u are past the request's %u whole pages",
-                                q.first_page, q.first_page + q.npayload, whole);
+                                "payload pages %u..%llu go past the request's %u whole pages",
+                                q.first_page, (unsigned long long)q.first_page + q.npayload - 1,
+                                whole);
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t at;
@@ -732,10 +733,14 @@ static int kvt_h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
                                 "lease %llu is not held by this connection",
                                 (unsigned long long)q.lease);
     uint32_t n = q.npages ? q.npages : (q.first_page < l->pages ? l->pages - q.first_page : 0);
-    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages)
+    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages) {
+        if (!q.npages)
+            return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                    "page %u is past the leased %u pages", q.first_page, l->pages);
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "pages %u..%u are outside the leased %u pages", q.first_page,
-                                q.first_page + n, l->pages);
+                                "pages %u..%llu go past the leased %u pages", q.first_page,
+                                (unsigned long long)q.first_page + q.npages - 1, l->pages);
+    }
     kvt__ns_t *ns;
     if (kvt__ns_get(s, l->ns, &ns) < 0 || ns->block_bytes == 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,

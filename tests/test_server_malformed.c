@@ -65,6 +65,17 @@ static int reply(int fd, unsigned op, uint64_t id, uint8_t *body, uint32_t *len)
     return h.status;
 }
 
+/* Reads one reply: its status must be st and its message must say text. */
+static void says(int fd, unsigned op, uint64_t id, int st, const char *text)
+{
+    static uint8_t msg[65536 + 1];
+    uint32_t len = 0;
+    cr_expect_eq(reply(fd, op, id, msg, &len), st, "request %llu", (unsigned long long)id);
+    msg[len] = 0;
+    cr_expect(strstr((char *)msg, text), "request %llu: '%s' does not say '%s'",
+              (unsigned long long)id, (char *)msg, text);
+}
+
 /* The daemon closed the connection: end of file, or a reset when it closed with bytes of ours
  * still unread. */
 static int closed(int fd)
@@ -201,7 +212,42 @@ Test(server_malformed, body_errors_answer_and_continue)
     pw.first_page = 1;
     memcpy(body, &pw, sizeof pw);
     req(fd, KVT_OP_PUT, 0, 16, body, sizeof pw + 8 * 4 + 32);
-    cr_expect_eq(reply(fd, KVT_OP_PUT, 16, NULL, NULL), KVT_EINVAL, "payload past the pages");
+    says(fd, KVT_OP_PUT, 16, KVT_EINVAL, "payload pages 1..2 go past the request's 2 whole pages");
+    pw.first_page = 0xffffffffu;
+    pw.npayload = 1;
+    memcpy(body, &pw, sizeof pw);
+    req(fd, KVT_OP_PUT, 0, 161, body, sizeof pw + 8 * 4 + 16);
+    says(fd, KVT_OP_PUT, 161, KVT_EINVAL, "payload pages 4294967295..4294967295 go past");
+
+    /* GET outside a lease's pages: the last page named as sent, not wrapped past 2^32. */
+    kvt_wire_put_t iw = {.ntokens = 8}; /* index-only: 2 pages to lease */
+    memcpy(body, &iw, sizeof iw);
+    for (int i = 0; i < 8; i++)
+        kvt_put_u32(body + sizeof iw + 4 * i, 5000 + (uint32_t)i);
+    req(fd, KVT_OP_PUT, 0, 162, body, sizeof iw + 32);
+    cr_assert_eq(reply(fd, KVT_OP_PUT, 162, NULL, NULL), 0);
+    kvt_wire_match_t lw = {.ntokens = 8};
+    memcpy(body, &lw, sizeof lw);
+    for (int i = 0; i < 8; i++)
+        kvt_put_u32(body + sizeof lw + 4 * i, 5000 + (uint32_t)i);
+    req(fd, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 163, body, sizeof lw + 32);
+    uint8_t mrb[64];
+    cr_assert_eq(reply(fd, KVT_OP_MATCH, 163, mrb, NULL), 0);
+    kvt_wire_match_reply_t mr;
+    memcpy(&mr, mrb, sizeof mr);
+    cr_assert_eq(mr.pages, 2);
+    kvt_wire_get_t gw = {.lease = mr.lease, .first_page = 0xffffffffu, .npages = 1};
+    req(fd, KVT_OP_GET, 0, 164, &gw, sizeof gw);
+    says(fd, KVT_OP_GET, 164, KVT_EINVAL,
+         "pages 4294967295..4294967295 go past the leased 2 pages");
+    gw.first_page = 1;
+    gw.npages = 2;
+    req(fd, KVT_OP_GET, 0, 165, &gw, sizeof gw);
+    says(fd, KVT_OP_GET, 165, KVT_EINVAL, "pages 1..2 go past the leased 2 pages");
+    gw.first_page = 2;
+    gw.npages = 0; /* to the end: from past it */
+    req(fd, KVT_OP_GET, 0, 166, &gw, sizeof gw);
+    says(fd, KVT_OP_GET, 166, KVT_EINVAL, "page 2 is past the leased 2 pages");
 
     /* Fixed-size bodies of the wrong size. */
     req(fd, KVT_OP_GET, 0, 17, body, 15);
