@@ -186,8 +186,13 @@ void kvt__lease_expire(kvt__conn_t *c, uint64_t now)
 static int kvt_bad_body(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const char *what)
 {
     kvt__proto_error(c->srv, KVT_PERR_BAD_BODY);
-    kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "malformed %s body (%u bytes)",
-                     what, h->body_len);
+    unsigned unknown = h->flags & ~(unsigned)kvt_proto_req_flags(h->opcode);
+    if (unknown)
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "unknown %s flag bits 0x%x",
+                         what, unknown);
+    else
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                         "malformed %s body (%u bytes)", what, h->body_len);
     return 0;
 }
 
@@ -936,8 +941,10 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     kvt_srv_t *s = c->srv;
     if (h->flags || h->body_len != 0) {
         kvt__proto_error(s, KVT_PERR_BAD_BODY);
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
-                                "STATS takes an empty body");
+        return h->flags ? kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                           "unknown STATS flag bits 0x%x", h->flags)
+                        : kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                           "STATS takes an empty body");
     }
     kvt_statbuf_t b = {.len = 4};
     kvt_radix_stats_t rs;

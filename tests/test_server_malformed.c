@@ -192,8 +192,8 @@ Test(server_malformed, body_errors_answer_and_continue)
     cr_expect_eq(reply(fd, KVT_OP_MATCH, 10, NULL, NULL), KVT_EPROTO, "long token list");
     req(fd, KVT_OP_MATCH, 0, 11, body, sizeof mw + 3);
     cr_expect_eq(reply(fd, KVT_OP_MATCH, 11, NULL, NULL), KVT_EPROTO, "ragged tokens");
-    req(fd, KVT_OP_MATCH, 0x80, 12, body, sizeof mw + 10 * 4);
-    cr_expect_eq(reply(fd, KVT_OP_MATCH, 12, NULL, NULL), KVT_EPROTO, "unknown flag");
+    req(fd, KVT_OP_MATCH, 0x80 | KVT_MATCH_F_LEASE, 12, body, sizeof mw + 10 * 4);
+    says(fd, KVT_OP_MATCH, 12, KVT_EPROTO, "unknown MATCH flag bits 0x80");
     mw.hints.flags = 0x40;
     memcpy(body, &mw, sizeof mw);
     req(fd, KVT_OP_MATCH, 0, 13, body, sizeof mw + 10 * 4);
@@ -255,11 +255,23 @@ Test(server_malformed, body_errors_answer_and_continue)
     req(fd, KVT_OP_RELEASE, 0, 18, body, 9);
     cr_expect_eq(reply(fd, KVT_OP_RELEASE, 18, NULL, NULL), KVT_EPROTO, "RELEASE of 9 bytes");
     req(fd, KVT_OP_STATS, 0, 19, body, 1);
-    cr_expect_eq(reply(fd, KVT_OP_STATS, 19, NULL, NULL), KVT_EPROTO, "STATS with a body");
+    says(fd, KVT_OP_STATS, 19, KVT_EPROTO, "STATS takes an empty body");
+    req(fd, KVT_OP_STATS, 0x2, 191, NULL, 0);
+    says(fd, KVT_OP_STATS, 191, KVT_EPROTO, "unknown STATS flag bits 0x2");
     req(fd, KVT_OP_REMOVE, 0, 20, body, 3);
     cr_expect_eq(reply(fd, KVT_OP_REMOVE, 20, NULL, NULL), KVT_EPROTO, "REMOVE of 3 bytes");
     req(fd, KVT_OP_PREFETCH, 0, 21, body, 8);
     cr_expect_eq(reply(fd, KVT_OP_PREFETCH, 21, NULL, NULL), KVT_EPROTO, "PREFETCH of 8 bytes");
+
+    /* Flag bits an opcode does not define are named as such, not as a malformed body. */
+    req(fd, KVT_OP_PING, 0x4, 211, "hi", 2);
+    says(fd, KVT_OP_PING, 211, KVT_EPROTO, "unknown PING flag bits 0x4");
+    req(fd, KVT_OP_RELEASE, 0x1, 212, body, 8);
+    says(fd, KVT_OP_RELEASE, 212, KVT_EPROTO, "unknown RELEASE flag bits 0x1");
+    req(fd, KVT_OP_REMOVE, 0x6, 213, body, 3);
+    says(fd, KVT_OP_REMOVE, 213, KVT_EPROTO, "unknown REMOVE flag bits 0x6");
+    req(fd, KVT_OP_REMOVE, KVT_REMOVE_F_NOWAIT, 214, body, 3);
+    says(fd, KVT_OP_REMOVE, 214, KVT_EPROTO, "malformed REMOVE body (3 bytes)");
 
     /* Unknown opcodes, a reply opcode sent as a request. */
     req(fd, 77, 0, 22, "xyz", 3);
