@@ -219,10 +219,18 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     if (m.page_size == 0 || m.page_size > KVT_PAGE_MAX)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
                                 "page size %u is not in 1..%u", m.page_size, KVT_PAGE_MAX);
-    if (m.block_bytes > KVT_TIER_MAX_BLOCK || (uint64_t)m.block_bytes + 64 > s->conf->max_frame)
+    /* docs/protocol.md: a PUT of one page's payload (page 0: one page of tokens) fits a frame */
+    uint64_t put1 = sizeof(kvt_wire_put_t) + 4ull * m.page_size + m.block_bytes;
+    if (m.block_bytes > KVT_TIER_MAX_BLOCK)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "block size %u is over the limit (%u and max-frame)", m.block_bytes,
+                                "block size %u is over the limit of %u bytes", m.block_bytes,
                                 KVT_TIER_MAX_BLOCK);
+    if (m.block_bytes && put1 > s->conf->max_frame)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "block size %u does not fit in a frame: a PUT of one page is "
+                                "%llu bytes, over max-frame (%llu)",
+                                m.block_bytes, (unsigned long long)put1,
+                                (unsigned long long)s->conf->max_frame);
     char model[KVT_PROTO_NAME_MAX + 1], adapter[KVT_PROTO_NAME_MAX + 1],
         salt[KVT_PROTO_NAME_MAX + 1];
     memcpy(model, m.model, m.model_len);

@@ -176,6 +176,17 @@ Test(server_malformed, body_errors_answer_and_continue)
     req(fd, KVT_OP_HELLO, 0, 6, body, sizeof hw + 5);
     cr_expect_eq(reply(fd, KVT_OP_HELLO, 6, NULL, NULL), KVT_EINVAL, "page size out of range");
     hw.page_size = 4;
+    /* Block sizes: over the tiers' 64 MiB; at it, but a PUT of one page is over max-frame. */
+    hw.block_bytes = (64u << 20) + 1;
+    memcpy(body, &hw, sizeof hw);
+    req(fd, KVT_OP_HELLO, 0, 61, body, sizeof hw + 5);
+    says(fd, KVT_OP_HELLO, 61, KVT_EINVAL, "block size 67108865 is over the limit of 67108864");
+    hw.block_bytes = 64u << 20;
+    memcpy(body, &hw, sizeof hw);
+    req(fd, KVT_OP_HELLO, 0, 62, body, sizeof hw + 5);
+    says(fd, KVT_OP_HELLO, 62, KVT_EINVAL,
+         "a PUT of one page is 67108912 bytes, over max-frame (67108864)");
+    hw.block_bytes = 0;
     hw.min_version = 2;
     hw.max_version = 3;
     memcpy(body, &hw, sizeof hw);
@@ -289,6 +300,17 @@ Test(server_malformed, body_errors_answer_and_continue)
     cr_expect_geq(perrors(good), e0 + 18, "each bad body is counted");
     close(fd);
     kvt_client_close(good);
+    kvd_cleanup(&d);
+}
+
+/* A block size equal to the tiers' limit (64 MiB) is taken where max-frame holds a PUT of it. */
+Test(server_malformed, a_block_size_at_the_limit_is_taken)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--max-frame", "65M", NULL);
+    int fd = kvd_raw(&d);
+    hello_as(fd, 1, 4, 64u << 20);
+    close(fd);
     kvd_cleanup(&d);
 }
 
