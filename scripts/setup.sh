@@ -50,6 +50,8 @@ shift || true
 if [ ! -f "$dir/build.ninja" ]; then
     meson setup "$dir" "$@"
 elif [ $# -gt 0 ]; then
-    meson configure "$dir" "$@" # an existing build directory takes the options asked for now
+    # An existing build directory takes the options asked for now; one configured before an
+    # option existed does not know it yet, and is set up again with it.
+    meson configure "$dir" "$@" 2>/dev/null || meson setup --reconfigure "$dir" "$@"
 fi
 ninja -C "$dir"
