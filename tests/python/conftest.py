@@ -35,11 +35,14 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "kvtierd.log")
         self.log = open(self.log_path, "w")
         exe = os.path.join(BUILD_ROOT, "server", "kvtierd")
+        env = dict(os.environ)
+        if os.environ.get("KVT_DAEMON_ASAN_OPTIONS") is not None:  # tests/python/run.py
+            env["ASAN_OPTIONS"] = os.environ["KVT_DAEMON_ASAN_OPTIONS"]
         self.proc = subprocess.Popen(
             [exe, "--tcp", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--dram-bytes", "16M",
              "--nvme-bytes", "8M", "--nvme-segment-bytes", "1M", "--hbm-bytes", "0",
              "--log-level", "warn", *extra],
-            cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            cwd=self.dir, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.unix: Optional[str] = None
         self.tcp: Optional[str] = None
         assert self.proc.stdout is not None
