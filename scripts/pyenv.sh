@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The Python environment of the package's tests and benchmark: a venv at $1/pyenv (default
 # build/pyenv) with torch (the CPU wheel, pinned: any other version downloads GBs of CUDA
-# wheels), numpy, pytest and cffi, and the kvtier package (python/) installed into it. Creates
-# the venv once; reinstalls the package only when python/ changed; quiet when all is current.
+# wheels), numpy, pytest, cffi and setuptools (to build the package), and the kvtier package
+# (python/) installed into it. Creates the venv once; reinstalls the package only when python/
+# changed; quiet when all is current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dir=${1:-build}
 venv="$dir/pyenv"
-reqs="torch==2.13.0 numpy pytest cffi>=1.15"
+reqs="torch==2.13.0 numpy pytest cffi>=1.15 setuptools"
 
 # Debian's python3 makes venvs only with python3-venv (ensurepip) installed.
 if ! python3 -c 'import ensurepip' 2>/dev/null; then
