@@ -92,3 +92,22 @@ def test_error_names_for_every_code():
     assert kvtier.code_name(-errno.ECONNREFUSED) == "ECONNREFUSED"
     e = kvtier.errors.error_for(-30804, "full")
     assert isinstance(e, kvtier.NoSpace) and "ENOSPC" in str(e) and e.message == "full"
+
+
+def test_a_daemon_that_stops_answering_times_out():
+    d = Daemon()
+    try:
+        c = d.client(timeout_ms=300)
+        assert c.ping() > 0
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(kvtier.Timeout) as e:
+                c.ping()
+            assert e.value.code == -30809
+            with pytest.raises(kvtier.ConnectionClosed):
+                c.ping()
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        c.close()
+    finally:
+        assert d.stop() == 0
