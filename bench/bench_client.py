@@ -155,7 +155,7 @@ def main() -> int:
              r["block_bytes"] == block and (r["pass"] > 1) == warm]
         return statistics.median(v)
 
-    for block, pages in SIZES:
+    for block, _ in SIZES:
         for op in ("get", "put"):
             for warm in (False, True):
                 py, lib, mc = (rate("python", op, block, warm), rate("libkvtier", op, block, warm),

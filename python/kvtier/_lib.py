@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, List
 
-import cffi
+import cffi  # type: ignore[import-untyped]
 
 CDEF = """
 enum {

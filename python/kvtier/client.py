@@ -117,7 +117,7 @@ class PrefetchResult:
     failed: int
 
 
-def _tokens(tokens: Tokens) -> Tuple[Any, int]:
+def _tokens(tokens: Any) -> Tuple[Any, int]:
     """A uint32_t* over the token ids and their count. A buffer of 4-byte integers (numpy
     uint32/int32, array('I'), a torch int32 tensor) is borrowed as it is; anything else is
     converted once into an array('I') (raises OverflowError for ids outside 0..2**32-1)."""
@@ -176,16 +176,20 @@ def _wbuf(obj: Buffer) -> Tuple[Any, int]:
     return p, len(p)
 
 
-@ffi.callback("int(void *, uint32_t, unsigned, const void *, uint32_t)")
-def _collect_block(arg: Any, page: int, tier: int, data: Any, length: int) -> int:
+def _collect_block_py(arg: Any, page: int, tier: int, data: Any, length: int) -> int:
     ffi.from_handle(arg).append(ffi.buffer(data, length)[:])
     return 0
 
 
-@ffi.callback("int(void *, const char *, uint64_t)")
-def _collect_stat(arg: Any, name: Any, value: int) -> int:
+def _collect_stat_py(arg: Any, name: Any, value: int) -> int:
     ffi.from_handle(arg)[ffi.string(name).decode()] = value
     return 0
+
+
+# One C callback each for the whole process (cffi keeps them alive while this module is).
+_collect_block = ffi.callback("int(void *, uint32_t, unsigned, const void *, uint32_t)",
+                              _collect_block_py)
+_collect_stat = ffi.callback("int(void *, const char *, uint64_t)", _collect_stat_py)
 
 
 def _s(v: Optional[str]) -> Any:
@@ -262,7 +266,8 @@ class Client:
 
     @property
     def closed(self) -> bool:
-        return self._c == ffi.NULL
+        """True after close()."""
+        return bool(self._c == ffi.NULL)
 
     @property
     def ns_seed(self) -> int:
