@@ -9,7 +9,7 @@
  * the bytes of page i), MATCH it with a lease, GET each page into its place in one buffer,
  * RELEASE, check the bytes, REMOVE the sequence (so that the next pass stores again, into the
  * memory the daemon freed: the first pass on a fresh daemon faults its memory in, the reruns
- * are warm). Each pass uses new token ids.
+ * are warm). Each pass uses new token ids. Then PING round trips: the per-call cost alone.
  *
  *   bench_client client --unix PATH --block-bytes B --pages N --passes R
  *   bench_client memcpy --block-bytes B --pages N --passes R
@@ -134,6 +134,15 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
         if ((rc = kvt_client_remove(c, tok, PAGE_TOKENS)) < 0)
             return fail("remove", rc, c);
     }
+    /* The per-call cost without payload: PING round trips. */
+    enum { PINGS = 5000 };
+    double t0 = now_s();
+    for (int i = 0; i < PINGS; i++)
+        if ((rc = kvt_client_ping(c, NULL)) < 0)
+            return fail("ping", rc, c);
+    printf("{\"bench\":\"client\",\"impl\":\"libkvtier\",\"op\":\"ping\",\"calls\":%d,"
+           "\"us_per_call\":%.2f}\n",
+           PINGS, (now_s() - t0) * 1e6 / PINGS);
     free(tok);
     munmap(src, n);
     munmap(dst, n);

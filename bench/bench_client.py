@@ -3,7 +3,8 @@ through libkvtier (bench_client, a C loop), over kvtierd's Unix socket, beside m
 bytes, in one run. Each (implementation, page size) gets a fresh daemon: pass 1 is its first
 pass (the daemon's memory faulted in), passes 2.. are warm reruns. Prints each pass, then one
 summary line per (op, page size, first|warm) with the ratios python/libkvtier, libkvtier/memcpy
-and python/memcpy (warm: the median of the reruns). One JSON object per line.
+and python/memcpy (warm: the median of the reruns), and one for PING round trips (the per-call
+cost alone; the ratio is libkvtier's time over the package's). One JSON object per line.
 
   bench_client.py --build-root BUILD [--passes R] [--quick]
 
@@ -118,6 +119,14 @@ def python_passes(unix: str, block: int, pages: int, passes: int) -> list:
             assert np.array_equal(src, dst), "GET returned other bytes than PUT stored"
             c.release(m.lease)
             c.remove(tok[:PAGE_TOKENS])
+        pings = 5000
+        t0 = time.perf_counter()
+        for _ in range(pings):
+            c.ping()
+        rec = {"bench": "client", "impl": "python", "op": "ping", "calls": pings,
+               "us_per_call": round((time.perf_counter() - t0) * 1e6 / pings, 2)}
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
     return out
 
 
@@ -151,10 +160,18 @@ def main() -> int:
                 d.stop()
 
     def rate(impl: str, op: str, block: int, warm: bool) -> float:
-        v = [r["gib_s"] for r in recs if r["impl"] == impl and r["op"] == op and
+        v = [r["gib_s"] for r in recs if r["impl"] == impl and r["op"] == op and "gib_s" in r and
              r["block_bytes"] == block and (r["pass"] > 1) == warm]
         return statistics.median(v)
 
+    def ping(impl: str) -> float:
+        return statistics.median(r["us_per_call"] for r in recs
+                                 if r["impl"] == impl and r["op"] == "ping")
+
+    py, lib = ping("python"), ping("libkvtier")
+    print(json.dumps({"bench": "client", "summary": "ping", "python_us_per_call": round(py, 2),
+                      "libkvtier_us_per_call": round(lib, 2),
+                      "python_vs_libkvtier": round(lib / py, 3)}), flush=True)
     for block, _ in SIZES:
         for op in ("get", "put"):
             for warm in (False, True):
