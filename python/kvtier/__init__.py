@@ -14,7 +14,7 @@ subclasses carrying the daemon's status code. docs/python.md has the details.
 """
 
 from ._lib import path as library_path
-from .aio import AsyncBatch, AsyncClient
+from .aio import AsyncBatch, AsyncClient, Deferred
 from .client import Batch, Client, Hints, Match, Pending, PrefetchResult, PutResult, Tier
 from .errors import (
     AuthError,
@@ -47,6 +47,7 @@ __all__ = [
     "ConnectError",
     "ConnectionClosed",
     "Corrupt",
+    "Deferred",
     "Error",
     "Hints",
     "InvalidArgument",

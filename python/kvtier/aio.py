@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from .client import (
     Batch,
@@ -34,7 +34,7 @@ from .client import (
     Tokens,
 )
 
-__all__ = ["AsyncBatch", "AsyncClient"]
+__all__ = ["AsyncBatch", "AsyncClient", "Deferred"]
 
 T = TypeVar("T")
 
@@ -121,45 +121,96 @@ class AsyncClient:
         return await self._run(self.client.stats)
 
     def batch(self) -> "AsyncBatch":
-        """A new AsyncBatch: queue requests (plain calls), then ``await b.run()``."""
+        """A new AsyncBatch: record requests (plain calls), then ``await b.run()``."""
         return AsyncBatch(self)
 
 
+class Deferred:
+    """A request queued in an AsyncBatch: like Pending, once the batch ran."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self) -> None:
+        self._p: Optional[Pending] = None
+
+    @property
+    def done(self) -> bool:
+        return self._p is not None and self._p.done
+
+    @property
+    def status(self) -> int:
+        """The request's status code, after the batch ran. Raises RuntimeError before."""
+        if self._p is None:
+            raise RuntimeError("kvtier: the batch has not run yet")
+        return self._p.status
+
+    def result(self) -> Any:
+        """The request's result, or raises its Error. Raises RuntimeError before the run."""
+        if self._p is None:
+            raise RuntimeError("kvtier: the batch has not run yet")
+        return self._p.result()
+
+
 class AsyncBatch:
-    """Batch with an awaitable run(). Queueing copies tokens and payloads and does no I/O, so
-    the queueing methods are plain calls made from the loop's thread."""
+    """Batch with an awaitable run(). The queueing methods are plain calls that only record the
+    request; run() queues them all into libkvtier's batch and runs it, in the connection's
+    worker thread (queueing takes request ids from the connection, which only that thread
+    touches). So, unlike Batch, tokens and payloads are read during run(): keep them unchanged
+    until it returns, as for AsyncClient.put. Arguments are checked then too: run() raises what
+    queueing would have (InvalidArgument, TypeError) before sending anything."""
 
     def __init__(self, client: AsyncClient) -> None:
         self._ac = client
         self._b = Batch(client.client)
+        self._ops: List[Tuple[str, Tuple[Any, ...], Dict[str, Any], Deferred]] = []
 
     def __len__(self) -> int:
-        return len(self._b)
+        return len(self._ops) + len(self._b)
 
     def __enter__(self) -> "AsyncBatch":
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Frees the batch (requests not run are dropped)."""
+        self._ops = []
         self._b.close()
 
-    def ping(self) -> Pending:
-        return self._b.ping()
+    def _add(self, name: str, *args: Any, **kwargs: Any) -> Deferred:
+        d = Deferred()
+        self._ops.append((name, args, kwargs, d))
+        return d
 
-    def match(self, tokens: Tokens, **kwargs: Any) -> Pending:
-        return self._b.match(tokens, **kwargs)
+    def ping(self) -> Deferred:
+        return self._add("ping")
 
-    def put(self, tokens: Tokens, payload: Optional[Buffer] = None, **kwargs: Any) -> Pending:
-        return self._b.put(tokens, payload, **kwargs)
+    def match(self, tokens: Tokens, **kwargs: Any) -> Deferred:
+        return self._add("match", tokens, **kwargs)
 
-    def prefetch(self, tokens: Tokens, tier: int = Tier.DRAM, **kwargs: Any) -> Pending:
-        return self._b.prefetch(tokens, tier, **kwargs)
+    def put(self, tokens: Tokens, payload: Optional[Buffer] = None, **kwargs: Any) -> Deferred:
+        return self._add("put", tokens, payload, **kwargs)
 
-    def remove(self, tokens: Tokens, *, wait: bool = True) -> Pending:
-        return self._b.remove(tokens, wait=wait)
+    def prefetch(self, tokens: Tokens, tier: int = Tier.DRAM, **kwargs: Any) -> Deferred:
+        return self._add("prefetch", tokens, tier, **kwargs)
 
-    def release(self, lease: int) -> Pending:
-        return self._b.release(lease)
+    def remove(self, tokens: Tokens, *, wait: bool = True) -> Deferred:
+        return self._add("remove", tokens, wait=wait)
+
+    def release(self, lease: int) -> Deferred:
+        return self._add("release", lease)
+
+    def _run(self, raise_on_error: bool) -> List[Any]:
+        ops, self._ops = self._ops, []
+        try:
+            for name, args, kwargs, d in ops:
+                d._p = getattr(self._b, name)(*args, **kwargs)
+        except BaseException:
+            self._b.reset()  # all or nothing: none of this run's requests goes out
+            raise
+        return self._b.run(raise_on_error=raise_on_error)
 
     async def run(self, *, raise_on_error: bool = True) -> List[Any]:
-        """Batch.run in the worker thread."""
-        return await self._ac._run(self._b.run, raise_on_error=raise_on_error)
+        """Queues the recorded requests and runs the batch (Batch.run) in the worker thread."""
+        return await self._ac._run(self._run, raise_on_error)

@@ -543,7 +543,21 @@ class Batch:
             self._b = ffi.NULL
         self._pending = []
 
-    def _queue(self, rc: int, p: Pending) -> Pending:
+    def reset(self) -> None:
+        """Drops every request queued and not run (their Pending never complete)."""
+        with self._client._lock:
+            if self._b != ffi.NULL:
+                lib.kvt_batch_reset(self._b)
+        self._pending = []
+
+    def _queue(self, p: Pending, fn: Any, *args: Any) -> Pending:
+        # Under the client's lock: queueing takes a request id from the connection, which a call
+        # running in another thread would be taking too.
+        with self._client._lock:
+            if self._b == ffi.NULL:
+                raise RuntimeError("kvtier: the batch is closed")
+            self._client._live()  # the batch's requests live on the client's connection
+            rc = fn(self._b, *args)
         if rc < 0:
             raise error_for(rc, "queueing a batch request")
         self._pending.append(p)
@@ -552,7 +566,7 @@ class Batch:
     def ping(self) -> Pending:
         """Queues a PING; its result is None."""
         p = Pending(None, lambda r: None)
-        return self._queue(lib.kvt_batch_ping(self._b, p._status), p)
+        return self._queue(p, lib.kvt_batch_ping, p._status)
 
     def match(self, tokens: Tokens, *, lease: bool = False, lease_ms: int = 0,
               remote: bool = False, probe: bool = False,
@@ -572,8 +586,7 @@ class Batch:
                          ffi.buffer(tiers, min(r.pages, cap))[:])
 
         p = Pending(res, conv, tiers)
-        return self._queue(lib.kvt_batch_match(self._b, tp, n, flags, lease_ms, h, res,
-                                               p._status), p)
+        return self._queue(p, lib.kvt_batch_match, tp, n, flags, lease_ms, h, res, p._status)
 
     def put(self, tokens: Tokens, payload: Optional[Buffer] = None, *, first_page: int = 0,
             hints: Optional[Hints] = None) -> Pending:
@@ -593,8 +606,8 @@ class Batch:
         res = ffi.new("kvt_client_put_t *")
         h = hints._c() if hints is not None else ffi.NULL
         p = Pending(res, lambda r: PutResult(r.pages, r.new_pages, r.stored, r.skipped))
-        return self._queue(lib.kvt_batch_put(self._b, tp, n, first_page, npages, pp, h, res,
-                                             p._status), p)
+        return self._queue(p, lib.kvt_batch_put, tp, n, first_page, npages, pp, h, res,
+                           p._status)
 
     def prefetch(self, tokens: Tokens, tier: int = Tier.DRAM, *, deadline_ms: int = 0,
                  wait: bool = True) -> Pending:
@@ -603,19 +616,19 @@ class Batch:
         res = ffi.new("kvt_client_prefetch_t *")
         p = Pending(res, lambda r: PrefetchResult(r.pages, r.moved, r.resident, r.failed))
         fn = lib.kvt_batch_prefetch if wait else lib.kvt_batch_prefetch_start
-        return self._queue(fn(self._b, tp, n, int(tier), deadline_ms, res, p._status), p)
+        return self._queue(p, fn, tp, n, int(tier), deadline_ms, res, p._status)
 
     def remove(self, tokens: Tokens, *, wait: bool = True) -> Pending:
         """Queues a REMOVE (arguments as Client.remove); its result is None."""
         tp, n = _tokens(tokens)
         p = Pending(None, lambda r: None)
         fn = lib.kvt_batch_remove if wait else lib.kvt_batch_remove_nowait
-        return self._queue(fn(self._b, tp, n, p._status), p)
+        return self._queue(p, fn, tp, n, p._status)
 
     def release(self, lease: int) -> Pending:
         """Queues a RELEASE; its result is None (releasing a lease not held is not an error)."""
         p = Pending(None, lambda r: None)
-        return self._queue(lib.kvt_batch_release(self._b, lease, p._status), p)
+        return self._queue(p, lib.kvt_batch_release, lease, p._status)
 
     def run(self, *, raise_on_error: bool = True) -> List[Any]:
         """Sends every queued request, waits for every reply, and returns their results in
@@ -624,6 +637,8 @@ class Batch:
         list as Error instances. The batch is empty afterwards and may be reused.
         Raises Error for transport failures (then the client is closed for use)."""
         c = self._client
+        if self._b == ffi.NULL:
+            raise RuntimeError("kvtier: the batch is closed")
         pending, self._pending = self._pending, []
         with c._lock:
             c._live()

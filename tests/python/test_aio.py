@@ -81,3 +81,33 @@ def test_errors_raise_in_the_awaiting_task(daemon, tmp_path):
         with pytest.raises(RuntimeError):
             await kvtier.AsyncClient("m").ping()
     run(main())
+
+
+def test_a_batch_recorded_while_a_call_runs_on_the_same_connection(daemon):
+    async def main():
+        async with connect(daemon) as c:
+            tok = tokens(4)
+            await c.put(tok, payload(4, 50))
+            m = await c.match(tok, lease=True)
+            big = bytearray(4 * BLOCK)
+            b = c.batch()
+            for _ in range(50):
+                # A GET runs in the worker while the loop records requests: request ids are
+                # taken only in the worker, so the two never share one.
+                get = asyncio.ensure_future(c.get_into(m.lease, big))
+                d = b.match(tok)
+                p = b.ping()
+                assert len(b) >= 2
+                with pytest.raises(RuntimeError):
+                    d.result()
+                res = await b.run()
+                assert await get == 4 and big == payload(4, 50)
+                assert res[-2].pages == 4 and d.result().pages == 4 and p.status == 0
+            first = b.remove(tok)
+            bad = b.put(tok, b"x")  # not whole blocks: raised by run(), before anything is sent
+            with pytest.raises(kvtier.InvalidArgument):
+                await b.run()
+            assert not bad.done and not first.done and len(b) == 0
+            assert (await c.match(tok)).pages == 4, "the REMOVE queued before it did not go out"
+            b.close()
+    run(main())

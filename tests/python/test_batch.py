@@ -65,3 +65,17 @@ def test_a_batch_copies_its_payloads_when_queued(client):
     batch.run()
     m = client.match(tok, lease=True)
     assert client.get(m.lease) == payload(1, 33)
+
+
+def test_a_batch_on_a_closed_client_or_closed_itself(daemon):
+    c = daemon.client()
+    b = c.batch()
+    b.ping()
+    c.close()
+    with pytest.raises(kvtier.ConnectionClosed):
+        b.run()
+    with pytest.raises(kvtier.ConnectionClosed):
+        b.ping()
+    b.close()
+    with pytest.raises(RuntimeError):
+        b.run()
