@@ -5,6 +5,7 @@ tier) and stop it by its PID; and clients of it. The package is imported from th
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -22,6 +23,17 @@ os.environ.setdefault("KVT_BUILD_ROOT", BUILD_ROOT)
 sys.path.insert(0, os.path.join(SOURCE_ROOT, "python"))
 
 import kvtier  # noqa: E402
+
+# A daemon dies with the test process that started it (as tests/test_server_harness.h does): a
+# pytest that crashes leaves no kvtierd behind. Looked up before any fork, so that the child runs
+# only the one call between fork and exec.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 PAGE = 16  # tokens per page
 BLOCK = 4096  # bytes per page
@@ -42,7 +54,8 @@ class Daemon:
             [exe, "--tcp", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--dram-bytes", "16M",
              "--nvme-bytes", "8M", "--nvme-segment-bytes", "1M", "--hbm-bytes", "0",
              "--log-level", "warn", *extra],
-            cwd=self.dir, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            cwd=self.dir, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            preexec_fn=_die_with_parent)
         self.unix: Optional[str] = None
         self.tcp: Optional[str] = None
         assert self.proc.stdout is not None
