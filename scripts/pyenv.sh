@@ -40,3 +40,21 @@ if [ "$(cat "$venv/.kvtier" 2>/dev/null)" != "$stamp" ]; then
     rm -rf python/build python/*.egg-info
     echo "$stamp" >"$venv/.kvtier"
 fi
+# The serving engines the connectors are tested against (vLLM, SGLang, LMCache): one script each
+# in scripts/engines/, run with $venv and $pip set, redone when the script changes. An engine
+# that cannot be installed (its registry unreachable, say) does not stop the rest: the script's
+# log is kept in $venv/engine-NAME.log and the tests of that connector skip, naming it.
+for f in scripts/engines/*.sh; do
+    [ -e "$f" ] || continue
+    name=$(basename "$f" .sh)
+    sum=$(sha1sum "$f" | cut -d' ' -f1)
+    [ "$(cat "$venv/.engine-$name" 2>/dev/null)" = "$sum" ] && continue
+    echo "pyenv: installing engine $name ($f)" >&2
+    if venv="$venv" pip="$venv/bin/python -m pip" bash "$f" >"$venv/engine-$name.log" 2>&1; then
+        echo "$sum" >"$venv/.engine-$name"
+    else
+        echo "pyenv: engine $name not installed; its connector's tests will skip" \
+            "(see $venv/engine-$name.log)" >&2
+        rm -f "$venv/.engine-$name"
+    fi
+done
