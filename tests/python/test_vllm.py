@@ -335,3 +335,139 @@ def test_scheduler_survives_no_daemon(tmp_path: Any) -> None:
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     assert s.request_finished(r, []) == (False, None)
     s.shutdown()
+
+
+# -- end to end: a small attention model whose KV goes through the connector ------------------
+
+
+class TinyModel:
+    """A 3-layer decoder (embeddings, multi-head causal attention over vLLM's paged KV, MLP),
+    fixed seed, CPU, float32 compute and bfloat16 KV. The forward calls the connector where
+    vLLM's attention layers do: wait_for_layer_load before a layer reads its KV, save_kv_layer
+    after it wrote the step's K and V."""
+
+    VOCAB = 101
+    DIM = 32
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+
+        def w(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) / shape[0] ** 0.5
+
+        d, a = self.DIM, HEADS * HEAD
+        self.emb = w(self.VOCAB, d)
+        self.pos = w(512, d)
+        self.layers = [dict(q=w(d, a), k=w(d, a), v=w(d, a), o=w(a, d), up=w(d, 4 * d),
+                            down=w(4 * d, d)) for _ in range(LAYERS)]
+
+    def forward(self, toks: List[int], start: int, kvc: Dict[str, torch.Tensor],
+                table: List[int], worker: Any = None, meta: Any = None) -> torch.Tensor:
+        """Computes positions [start, start + len(toks)) with the KV of [0, start) read from the
+        paged cache; returns the last position's logits."""
+        if worker is not None:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+        n = len(toks)
+        end = start + n
+        pos = torch.arange(start, end)
+        x = self.emb[torch.tensor(toks) % self.VOCAB] + self.pos[pos]
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(end)])
+        causal = torch.arange(end)[None, :] <= pos[:, None]
+        for (name, cache), p in zip(kvc.items(), self.layers):
+            if worker is not None:
+                worker.wait_for_layer_load(name)
+            h = torch.nn.functional.layer_norm(x, (self.DIM,))
+            q = (h @ p["q"]).view(n, HEADS, HEAD)
+            flat = cache.view(2, NBLOCKS * BS, HEADS, HEAD)
+            flat[0, slots[start:]] = (h @ p["k"]).view(n, HEADS, HEAD).to(DTYPE)
+            flat[1, slots[start:]] = (h @ p["v"]).view(n, HEADS, HEAD).to(DTYPE)
+            if worker is not None:
+                worker.save_kv_layer(name, cache, None)
+            k, v = flat[0, slots].float(), flat[1, slots].float()
+            att = torch.einsum("qhd,khd->hqk", q, k) / HEAD ** 0.5
+            att = att.masked_fill(~causal[None], float("-inf")).softmax(-1)
+            x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(n, -1) @ p["o"]
+            h = torch.nn.functional.layer_norm(x, (self.DIM,))
+            x = x + torch.nn.functional.gelu(h @ p["up"]) @ p["down"]
+        if worker is not None:
+            worker.wait_for_save()
+            assert worker.get_block_ids_with_load_errors() == set()
+            worker.clear_connector_metadata()
+        return x[-1] @ self.emb.T
+
+
+def generate(model: TinyModel, e: Optional[Engine], toks: List[int], steps: int,
+             pool: List[int]) -> Tuple[List[int], int, List[torch.Tensor]]:
+    """Greedy decoding of `steps` tokens, as vLLM's scheduler and model runner would run it
+    with the connector (e) or without (None: everything recomputed, fresh paged tensors).
+    Returns the tokens, how many prompt tokens came from kvtierd, and each step's logits."""
+    r = request(list(toks))
+    kvc = e.kv if e is not None else paged(None)
+    worker = e.worker if e is not None else None
+    free = iter(pool)
+    table: List[int] = []
+
+    def need(ntok: int) -> List[int]:
+        old = len(table)
+        while len(table) * BS < ntok:
+            table.append(next(free))
+        return table[old:]
+
+    need(len(toks))
+    hit = 0
+    meta = None
+    if e is not None:
+        hit, _ = e.sched.get_num_new_matched_tokens(r, 0)
+        e.sched.update_state_after_alloc(r, blocks(table), hit)
+        r.num_computed_tokens = hit
+        meta = e.sched.build_connector_meta(sched_output(new=[(r, list(table), len(toks) - hit)]))
+    logits = model.forward(list(toks[hit:]), hit, kvc, table, worker, meta)
+    r.num_computed_tokens = len(toks)
+    out: List[int] = []
+    seen = []
+    for i in range(steps):
+        seen.append(logits)
+        t = int(logits.argmax())
+        out.append(t)
+        r.append_output_token_ids(t)
+        if i == steps - 1:
+            break
+        p = r.num_tokens - 1
+        new_ids = need(p + 1)
+        if e is not None:
+            meta = e.sched.build_connector_meta(sched_output(cached=[(r, new_ids, 1)]))
+        logits = model.forward([t], p, kvc, table, worker, meta)
+        r.num_computed_tokens += 1
+    if e is not None:
+        e.sched.request_finished(r, table)
+    return out, hit, seen
+
+
+def test_end_to_end_tiny_model(vd: Daemon) -> None:
+    model = TinyModel(seed=7)
+    toks = prompt(3)  # 53 tokens
+    pool_a = [20, 3, 17, 9, 25, 1]
+    pool_b = [5, 30, 12, 2, 8, 19]
+    # Recomputed everywhere: the reference.
+    ref, _, ref_logits = generate(model, None, toks, 12, pool_a)
+    # Engine A computes it all and saves the prompt's pages (and the page decoding completes).
+    a = Engine(vd, seed=None)
+    out_a, hit_a, _ = generate(model, a, toks, 12, pool_a)
+    assert hit_a == 0 and out_a == ref
+    # Engine B (other paged tensors, other blocks) loads 3 pages and computes the rest: the
+    # same tokens, from the same logits (up to float summation order: B computes fewer rows).
+    b = Engine(vd, seed=None)
+    out_b, hit_b, logits_b = generate(model, b, toks, 12, pool_b)
+    assert hit_b == 3 * BS and out_b == ref
+    assert all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(logits_b, ref_logits))
+    # The page that A's decoding completed (generated tokens included) is there too.
+    longer = toks + ref  # 65 tokens: 4 whole pages
+    ref2, _, ref2_logits = generate(model, None, longer, 4, pool_a)
+    c = Engine(vd, seed=None)
+    out_c, hit_c, logits_c = generate(model, c, longer, 4, pool_b)
+    assert hit_c == 4 * BS and out_c == ref2
+    assert all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(logits_c, ref2_logits))
+    assert leases(vd) == 0
+    for e in (a, b, c):
+        e.close()
