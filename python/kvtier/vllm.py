@@ -177,12 +177,21 @@ class _PageStore:
 
     def save(self, keys: Sequence[bytes], first: int, buf: Any) -> int:
         """Stores pages [first, len(keys)) from buf. Returns the pages stored."""
+        # One PUT per few pages: a PUT is one frame, and the daemon's max-frame (64 MiB by
+        # default) bounds it; put_bytes (default 16 MiB) keeps well under it.
+        step = max(1, int(self._conf.get("put_bytes", 16 << 20)) // max(self.block_bytes, 1))
+        stored = 0
         with self._lock:
             try:
-                return int(self._c().put(self.tokens(keys), buf, first_page=first).stored)
+                c = self._c()
+                for a in range(first, len(keys), step):
+                    b = min(a + step, len(keys))
+                    stored += c.put(self.tokens(keys[:b]), buf[a - first:b - first],
+                                    first_page=a).stored
             except Error as e:
                 self._failed(e)
                 raise
+        return stored
 
     def finished(self, keys: Sequence[bytes]) -> None:
         """The policy's hint that the request using this chain finished."""
@@ -319,17 +328,21 @@ class _Layout:
         v = staging[:, o:o + s].view(dtype)
         return v.view(staging.shape[0], *self.shapes[layer])
 
+    # One copy per block: index_select / index_copy_ over the block dimension measured 10-25x
+    # slower on CPU (bf16, 64 KiB slices: 0.1-0.4 against 1-2.8 GiB/s).
     def gather(self, staging: torch.Tensor, layer: int, kv: torch.Tensor,
-               blocks: torch.Tensor) -> None:
+               blocks: List[int]) -> None:
         """Copies this layer's slice of each block in ``blocks`` into the staging pages."""
-        src = kv.index_select(self.dims[layer], blocks.to(kv.device))
-        self._slot(staging, layer, kv.dtype).copy_(src.movedim(self.dims[layer], 0))
+        dst, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
+        for j, b in enumerate(blocks):
+            dst[j].copy_(kv.select(dim, b))
 
     def scatter(self, staging: torch.Tensor, layer: int, kv: torch.Tensor,
-                blocks: torch.Tensor) -> None:
+                blocks: List[int]) -> None:
         """Copies this layer's slice of the staging pages into the blocks of ``kv``."""
-        src = self._slot(staging, layer, kv.dtype).to(kv.device)
-        kv.index_copy_(self.dims[layer], blocks.to(kv.device), src.movedim(0, self.dims[layer]))
+        src, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
+        for j, b in enumerate(blocks):
+            kv.select(dim, b).copy_(src[j])
 
 
 @dataclass
@@ -337,7 +350,7 @@ class _Load:
     t: _Transfer
     future: "Future[int]"
     staging: torch.Tensor
-    blocks: torch.Tensor
+    blocks: List[int]
     got: int = -1  # pages read, once the future is done
     layers_done: Set[int] = field(default_factory=set)
 
@@ -346,7 +359,7 @@ class _Load:
 class _Save:
     t: _Transfer
     staging: torch.Tensor
-    blocks: torch.Tensor
+    blocks: List[int]
     layers_done: Set[int] = field(default_factory=set)
 
 
@@ -389,6 +402,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self._saves: Dict[str, _Save] = {}
         self._save_futures: List[Tuple[_Transfer, "Future[int]"]] = []
         self._load_errors: Set[int] = set()
+        # Staging memory kept from step to step (a fresh 64 MiB tensor each step costs its page
+        # faults on every load and save): [0] loads, [1] saves; each step slices its pages off.
+        self._arenas: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
         if role == KVConnectorRole.SCHEDULER:
             # Index-only (block_bytes 0) in rank 0's namespace: all ranks store the same pages.
             self._index = _PageStore(self._extra, self._model,
@@ -541,12 +557,23 @@ class KvtierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
         self._finish_loads()  # anything a previous step left
+        arena = self._arena(0, sum(len(t.keys) - t.first for t in meta.loads))
+        at = 0
         for t in meta.loads:
             n = len(t.keys) - t.first
-            staging = torch.empty((n, self._layout.page_bytes), dtype=torch.uint8)
+            staging = arena[at:at + n]
+            at += n
             assert self._pool is not None and self._store is not None
             fut = self._pool.submit(self._store.load, t.keys, t.first, staging)
-            self._loads.append(_Load(t, fut, staging, torch.tensor(t.block_ids)))
+            self._loads.append(_Load(t, fut, staging, list(t.block_ids)))
+
+    def _arena(self, which: int, pages: int) -> torch.Tensor:
+        assert self._layout is not None
+        a = self._arenas[which]
+        if a.shape[0] < pages or a.dim() != 2:
+            a = self._arenas[which] = torch.empty((pages, self._layout.page_bytes),
+                                                  dtype=torch.uint8)
+        return a
 
     def _resolve(self, ld: _Load) -> None:
         if ld.got >= 0:
@@ -588,13 +615,18 @@ class KvtierConnector(KVConnectorBase_V1):
         li = self._layout.index.get(layer_name)
         if li is None:
             return
+        if meta.saves and not self._saves and not self._save_futures:
+            # The step's first layer: the staging of every page saved this step.
+            arena = self._arena(1, sum(len(t.keys) - t.first for t in meta.saves))
+            at = 0
+            for t in meta.saves:
+                n = len(t.keys) - t.first
+                self._saves[t.req_id] = _Save(t, arena[at:at + n], list(t.block_ids))
+                at += n
         for t in meta.saves:
             sv = self._saves.get(t.req_id)
-            if sv is None:
-                n = len(t.keys) - t.first
-                sv = self._saves[t.req_id] = _Save(
-                    t, torch.empty((n, self._layout.page_bytes), dtype=torch.uint8),
-                    torch.tensor(t.block_ids))
+            if sv is None:  # stored already this step
+                continue
             if li in sv.layers_done:
                 continue
             self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
