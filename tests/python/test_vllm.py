@@ -185,7 +185,8 @@ def test_factory_builds_both_roles(vd: Daemon) -> None:
 
 
 def test_save_then_load_into_another_paged_tensor(vd: Daemon) -> None:
-    a, b = Engine(vd, seed=1), Engine(vd, seed=None)
+    # A stores one page per PUT (put_bytes under a page), B loads them all in one GET.
+    a, b = Engine(vd, seed=1, put_bytes=1), Engine(vd, seed=None)
     toks = prompt(3)  # 3 full pages and 5 tokens
     save_prompt(a, request(toks), [4, 9, 2, 7])
     # A second request sharing the 3 pages (its own tail): 48 tokens matched, loaded into other
