@@ -14,8 +14,10 @@ A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads
   chain, against aggregate-per-put: one PUT of 32 layers (2 MiB) per page. This is the number
   behind the connector's choice to aggregate a page's layers (docs/engines.md).
 
-Each figure is the median of --passes passes after one warm-up pass (a fresh daemon faulting
-its memory in); one JSON object per line, then the summary lines with the ratios.
+Each figure is the median of --passes passes after two warm-up passes: a fresh daemon faults its
+DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after), so from
+the third pass on its memory is warm. One JSON object per line (warm-up passes included, as
+pass -1 and 0), then the summary lines with the ratios.
 
   bench_vllm.py --build-root BUILD [--passes R]
 
@@ -88,7 +90,7 @@ class Daemon:
         self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
         self.proc = subprocess.Popen(
             [os.path.join(build, "server", "kvtierd"), "--tcp", "", "--metrics", "",
-             "--dram-bytes", "1536M", "--nvme-bytes", "0", "--hbm-bytes", "0",
+             "--dram-bytes", "384M", "--nvme-bytes", "0", "--hbm-bytes", "0",
              "--log-level", "warn"],
             cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.unix = ""
@@ -176,8 +178,8 @@ def run(d: Daemon) -> None:
                         timeout_ms=60000)
     lay = kvtier.Client("bench-layer", page_size=BS, block_bytes=LAYER_BYTES, unix_path=d.unix,
                         timeout_ms=60000)
-    for p in range(args.passes + 1):  # pass 0: warm-up
-        base = 10_000_000 * (p + 1)
+    for p in range(-1, args.passes + 1):  # passes -1 and 0: warm-up
+        base = 10_000_000 * (p + 2)
         toks = list(range(base, base + PAGES * BS + 1))
         # The connector: A saves, B loads into its own paged tensors.
         ra = Request("a%d" % p, toks, SamplingParams(max_tokens=1), None)
