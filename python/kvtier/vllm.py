@@ -48,7 +48,7 @@ from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 
 from .client import Client, Hints
-from .errors import Error
+from .errors import ECLOSED, Error, error_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,27 +77,42 @@ def _stored(tiers: bytes) -> int:
 
 # -- the page store: the one place that speaks to kvtierd ------------------------------------
 
+try:  # the package's block keys (docs/protocol.md, "Keyed blocks"), where this package has them
+    from .keys import KEY_TOKENS, KEYS_TAG, key_tokens
+
+    _HAVE_KEYS = hasattr(Client, "put_keys")
+except ImportError:  # an older package: the same chain through the token calls, below
+    _HAVE_KEYS = False
+
+_TRANSPORT = (-30812, -30809, -30807)  # ECLOSED, ETIMEDOUT, EPROTO: the connection is gone
+
 
 class _PageStore:
     """Pages named by a key chain (one 32-byte key per page, each covering its prefix).
 
-    Today over the token API: each key becomes 8 token ids (its 32 bytes as uint32), so a chain
-    of keys is a token sequence whose pages are the keys, in a namespace of page_size 8. The
-    radix tree's prefix structure (shared prefixes stored once, leaf-first eviction) applies as
-    it does to tokens, and MATCH leases pin what a load will read. The keyed calls of the
-    package (put_keys / exists_keys / get_keys_into) replace the bodies here, and nothing else.
+    With the package's block keys (``api`` "keys", the default where the package has them):
+    the chain is a keyed chain (docs/protocol.md, "Keyed blocks"): PUT through put_keys, loads
+    through get_keys_into, and the scheduler's lookup a MATCH with a lease (and the policy's
+    hints) in the keyed namespace, the chain as the documented synthetic tokens, which the
+    keyed calls have no form of. Without them (``api`` "tokens"): each key is sent as 8 token
+    ids (its 32 bytes as uint32) in a namespace of 8 tokens per page of its own. Either way the
+    radix tree holds the chain with its prefix structure (shared prefixes stored once,
+    leaf-first eviction), and leases pin what a load will read.
 
     Every method raises kvtier.Error on failure; a transport failure closes the client and the
     next call reconnects (no sooner than ``retry_ms`` after the failure).
     """
-
-    TOKENS_PER_KEY = KEY_BYTES // 4
 
     def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int) -> None:
         self._conf = conf
         self._model = model
         self._salt = salt
         self.block_bytes = block_bytes
+        api = conf.get("api", "keys" if _HAVE_KEYS else "tokens")
+        if api not in ("keys", "tokens") or (api == "keys" and not _HAVE_KEYS):
+            raise ValueError("kvtier.vllm: api %r: 'keys' (needs the package's keyed calls) or "
+                             "'tokens'" % api)
+        self.keyed = api == "keys"
         self._client: Optional[Client] = None
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -107,12 +122,19 @@ class _PageStore:
         if c is not None and not c.closed:
             return c
         if time.monotonic() < self._down_until:
-            raise Error(-30812, "kvtierd unreachable; not retried before retry_ms")
+            raise error_for(ECLOSED, "kvtierd unreachable; not retried before retry_ms")
+        kw: Dict[str, Any] = dict(
+            block_bytes=self.block_bytes, unix_path=self._conf.get("unix_path"),
+            tcp=self._conf.get("tcp"), secret=self._conf.get("secret"), salt=self._salt,
+            timeout_ms=int(self._conf.get("timeout_ms", 5000)))
         try:
-            c = Client(self._model, page_size=self.TOKENS_PER_KEY, block_bytes=self.block_bytes,
-                       unix_path=self._conf.get("unix_path"), tcp=self._conf.get("tcp"),
-                       secret=self._conf.get("secret"), salt=self._salt,
-                       timeout_ms=int(self._conf.get("timeout_ms", 5000)))
+            if self.keyed and not self.block_bytes:
+                # The scheduler: token calls on the keyed namespace itself (index only).
+                c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+            elif self.keyed:
+                c = Client(self._model, **kw)  # keyed calls open the keyed namespace
+            else:
+                c = Client(self._model, page_size=KEY_BYTES // 4, **kw)
         except Error:
             self._down_until = time.monotonic() + int(self._conf.get("retry_ms", 1000)) / 1000
             raise
@@ -121,12 +143,18 @@ class _PageStore:
 
     def _failed(self, e: Error) -> None:
         c = self._client
-        if c is not None and c.closed:  # a transport failure: reconnect later
+        if c is None:
+            return
+        if not c.closed and (e.code in _TRANSPORT or e.code > -30800):  # > -30800: -errno
+            c.close()
+        if c.closed:  # a transport failure: reconnect later
             self._client = None
             self._down_until = time.monotonic() + int(self._conf.get("retry_ms", 1000)) / 1000
 
-    @classmethod
-    def tokens(cls, keys: Sequence[bytes]) -> memoryview:
+    def tokens(self, keys: Sequence[bytes]) -> Any:
+        """The chain as the token ids the daemon sees."""
+        if self.keyed:
+            return [t for k in keys for t in key_tokens(k)]
         return memoryview(b"".join(keys)).cast("I")
 
     def lookup(self, keys: Sequence[bytes], *, lease: bool) -> Tuple[int, int]:
@@ -162,6 +190,8 @@ class _PageStore:
         with self._lock:
             try:
                 c = self._c()
+                if self.keyed:
+                    return int(c.get_keys_into(keys, buf, first))
                 m = c.match(self.tokens(keys), lease=True)
                 try:
                     n = _stored(m.tiers) - first
@@ -186,8 +216,11 @@ class _PageStore:
                 c = self._c()
                 for a in range(first, len(keys), step):
                     b = min(a + step, len(keys))
-                    stored += c.put(self.tokens(keys[:b]), buf[a - first:b - first],
-                                    first_page=a).stored
+                    if self.keyed:
+                        r = c.put_keys(keys[:b], buf[a - first:b - first], a)
+                    else:
+                        r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a)
+                    stored += r.stored
             except Error as e:
                 self._failed(e)
                 raise

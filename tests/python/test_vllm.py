@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -272,6 +273,29 @@ def test_daemon_killed_mid_load(vd: Daemon) -> None:
     meta2 = b.sched.build_connector_meta(sched_output(new=[(r2, [9, 10, 11, 12], len(toks))]))
     assert run_step(b.worker, b.kv, meta2) == set()
     b.sched.request_finished(r2, [])
+    a.close()
+    b.close()
+
+
+def test_daemon_hung_mid_load(vd: Daemon) -> None:
+    """The daemon stops answering (SIGSTOP) between the lookup and the load: the load times
+    out into load errors; once it answers again, no lease is left."""
+    a, b = Engine(vd, seed=6), Engine(vd, seed=None, timeout_ms=300)
+    toks = prompt(2)
+    save_prompt(a, request(toks), [1, 2, 3])
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [4, 5, 6])
+    assert n == 2 * BS
+    os.kill(vd.proc.pid, signal.SIGSTOP)
+    try:
+        assert run_step(b.worker, b.kv, meta) == {4, 5}
+    finally:
+        os.kill(vd.proc.pid, signal.SIGCONT)
+    b.sched.request_finished(r, [4, 5, 6])
+    deadline = time.monotonic() + 2
+    while leases(vd) and time.monotonic() < deadline:  # the worker's closed connection
+        time.sleep(0.01)
+    assert leases(vd) == 0
     a.close()
     b.close()
 
