@@ -297,6 +297,8 @@ class _Transfer:
     keys: List[bytes]  # the chain up to the last page moved
     first: int  # the first page moved (pages before it are not)
     block_ids: List[int]  # the engine's block of each page moved
+    async_load: bool = False  # a load between steps, reported by get_finished
+
 
 
 @dataclass
@@ -406,7 +408,10 @@ class KvtierConnector(KVConnectorBase_V1):
     ("host:port"), ``secret``, ``model`` (the namespace's model; default: vLLM's model and KV
     dtype), ``timeout_ms`` (per call, default 5000), ``retry_ms`` (after a failure, no call to
     the daemon for this long, default 1000), ``lease_ms`` (the scheduler's lease, 0: the
-    daemon's default), ``tp_rank`` (this worker's tensor-parallel rank, default: vLLM's).
+    daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks, default: vLLM's),
+    ``put_bytes`` (payload bytes per PUT, default 16 MiB), ``load_async`` (load between steps,
+    reported by get_finished, instead of inside the step; default False), ``api`` ("keys" or
+    "tokens": how chains reach the daemon, see _PageStore).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -422,6 +427,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         self._pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self._async = bool(self._extra.get("load_async", False))
         # Scheduler side.
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, _Transfer] = {}
@@ -435,6 +441,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self._saves: Dict[str, _Save] = {}
         self._save_futures: List[Tuple[_Transfer, "Future[int]"]] = []
         self._load_errors: Set[int] = set()
+        # Loads between steps (load_async): their own connection and thread, so that a step's
+        # saves never queue behind them; reported by get_finished once done.
+        self._async_store: Optional[_PageStore] = None
+        self._async_pool: Optional[ThreadPoolExecutor] = None
+        self._async_loads: Dict[str, "Future[int]"] = {}
+        self._async_errors: Dict[str, List[int]] = {}
         # Staging memory kept from step to step (a fresh 64 MiB tensor each step costs its page
         # faults on every load and save): [0] loads, [1] saves; each step slices its pages off.
         self._arenas: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
@@ -451,7 +463,8 @@ class KvtierConnector(KVConnectorBase_V1):
         request's full blocks (leaving one token for the engine to compute), leased until the
         request finishes. 0 when the daemon is unreachable or anything fails."""
         try:
-            return self._match(request, num_computed_tokens), False
+            n = self._match(request, num_computed_tokens)
+            return n, bool(n and self._async)
         except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
             log.warning("kvtier: lookup of %s failed, computing it: %s", request.request_id, e)
             st = self._reqs.get(request.request_id)
@@ -498,7 +511,8 @@ class KvtierConnector(KVConnectorBase_V1):
             last = min(st.hit_pages, len(ids))
             if last > first:
                 self._pending_loads[request.request_id] = _Transfer(
-                    request.request_id, list(st.keys[:last]), first, ids[first:last])
+                    request.request_id, list(st.keys[:last]), first, ids[first:last],
+                    self._async)
         except Exception as e:  # noqa: BLE001
             log.warning("kvtier: no load planned for %s: %s", request.request_id, e)
 
@@ -582,6 +596,10 @@ class KvtierConnector(KVConnectorBase_V1):
                                  rank_salt(int(tp_rank), self._tp_size, pp_rank, self._pp_size),
                                  self._layout.page_bytes)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm")
+        if self._async:
+            self._async_store = _PageStore(self._extra, self._model, self._store._salt,
+                                           self._layout.page_bytes)
+            self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Starts reading this step's pages (whole pages, all layers) from kvtierd into staging
@@ -590,15 +608,41 @@ class KvtierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
         self._finish_loads()  # anything a previous step left
-        arena = self._arena(0, sum(len(t.keys) - t.first for t in meta.loads))
-        at = 0
+        sync = [t for t in meta.loads if not t.async_load]
         for t in meta.loads:
+            if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
+                self._async_loads[t.req_id] = self._async_pool.submit(self._load_between, t)
+        arena = self._arena(0, sum(len(t.keys) - t.first for t in sync))
+        at = 0
+        for t in sync:
             n = len(t.keys) - t.first
             staging = arena[at:at + n]
             at += n
             assert self._pool is not None and self._store is not None
             fut = self._pool.submit(self._store.load, t.keys, t.first, staging)
             self._loads.append(_Load(t, fut, staging, list(t.block_ids)))
+
+    def _load_between(self, t: _Transfer) -> int:
+        """An asynchronous load, on its own thread: whole pages into a staging buffer of its
+        own, then every layer into the blocks (which vLLM does not touch until get_finished
+        reports the request). Never raises: pages that did not come are load errors."""
+        assert self._layout is not None and self._async_store is not None
+        got = 0
+        try:
+            staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
+                                  dtype=torch.uint8)
+            got = int(self._async_store.load(t.keys, t.first, staging))
+            if got > 0:
+                for li, name in enumerate(self._layout.names):
+                    self._layout.scatter(staging[:got], li, self._kv[name], t.block_ids[:got])
+                kv = self._kv[self._layout.names[0]]
+                if kv.is_cuda:
+                    torch.cuda.current_stream(kv.device).synchronize()
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
+        if got < len(t.block_ids):
+            self._async_errors[t.req_id] = t.block_ids[got:]
+        return got
 
     def _arena(self, which: int, pages: int) -> torch.Tensor:
         assert self._layout is not None
@@ -683,9 +727,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """Loads and saves complete within their step (start_load_kv .. wait_for_save), so no
-        request waits on this connector after it: nothing to report."""
-        return None, None
+        """(None, the requests whose asynchronous load is done). Their blocks that did not
+        arrive are reported by the get_block_ids_with_load_errors call that follows. Saves and
+        synchronous loads complete within their step: blocks are never held past it."""
+        done = {rid for rid, f in self._async_loads.items() if f.done()}
+        for rid in done:
+            del self._async_loads[rid]
+            self._load_errors.update(self._async_errors.pop(rid, ()))
+        return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose pages did not arrive this step (daemon gone, page evicted): vLLM
@@ -699,10 +748,11 @@ class KvtierConnector(KVConnectorBase_V1):
             self.wait_for_save()
         except Exception:  # noqa: BLE001
             pass
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for s in (self._store, self._index):
+        for pool in (self._pool, self._async_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._async_pool = None
+        for s in (self._store, self._async_store, self._index):
             if s is not None:
                 s.close()
         if self._index is not None:

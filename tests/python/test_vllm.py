@@ -124,6 +124,29 @@ def schedule(sched: Any, r: "Request", ids: List[int]) -> Tuple[int, Any]:
     return n, sched.build_connector_meta(sched_output(new=[(r, ids, r.num_tokens - n)]))
 
 
+def load_between_steps(e: "Engine", r: "Request") -> set:
+    """An asynchronous load (load_async): a step in which the request waits for its KV (not
+    scheduled), then the worker's steps until get_finished reports it. Returns the blocks
+    reported as failed, in the pass that reports the request or before."""
+    meta = e.sched.build_connector_meta(sched_output())
+    e.worker.bind_connector_metadata(meta)
+    e.worker.start_load_kv(None)
+    errors: set = set()
+    deadline = time.monotonic() + 5
+    while True:
+        e.worker.wait_for_save()
+        sending, recving = e.worker.get_finished(set())
+        errors |= e.worker.get_block_ids_with_load_errors()
+        assert sending is None
+        if recving:
+            assert recving == {r.request_id}
+            break
+        assert time.monotonic() < deadline, "the load was never reported"
+        time.sleep(0.005)
+    e.worker.clear_connector_metadata()
+    return errors
+
+
 def run_step(worker: Any, kvc: Dict[str, torch.Tensor], meta: Any) -> set:
     """The worker's calls in one forward, as vLLM's model runner and attention layers make
     them. Returns the blocks reported as failed to load."""
@@ -133,8 +156,8 @@ def run_step(worker: Any, kvc: Dict[str, torch.Tensor], meta: Any) -> set:
         worker.wait_for_layer_load(name)
         worker.save_kv_layer(name, t, None)
     worker.wait_for_save()
-    errors = worker.get_block_ids_with_load_errors()
     assert worker.get_finished(set()) == (None, None)
+    errors = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
     return errors
 
@@ -216,6 +239,36 @@ def test_save_then_load_into_another_paged_tensor(vd: Daemon) -> None:
     assert [(t.first, t.block_ids) for t in m3.loads] == [(1, [9, 10])]
     b.sched.request_finished(r3, [])
     assert leases(vd) == 0
+    a.close()
+    b.close()
+
+
+def test_async_load(vd: Daemon) -> None:
+    """load_async: the hit is announced as asynchronous, the pages arrive between steps into
+    the allocated blocks, get_finished reports the request; a load that fails (daemon killed)
+    is reported the same way, its blocks as load errors in the same pass."""
+    a, b = Engine(vd, seed=8), Engine(vd, seed=None, load_async=True)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    r = request(toks)
+    assert b.sched.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    b.sched.update_state_after_alloc(r, blocks([11, 3, 30, 5]), 3 * BS)
+    assert load_between_steps(b, r) == set()
+    for x, y in zip(pages_of(a.kv, [4, 9, 2]), pages_of(b.kv, [11, 3, 30])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    # Then scheduled with its 48 tokens computed: nothing loaded again, nothing saved again.
+    r.num_computed_tokens = 3 * BS
+    meta = b.sched.build_connector_meta(sched_output(new=[(r, [11, 3, 30, 5], 5)]))
+    assert meta.loads == [] and meta.saves == []
+    b.sched.request_finished(r, [11, 3, 30, 5])
+    assert leases(vd) == 0
+    # The daemon killed before the load: the request is still reported, its blocks failed.
+    r = request(toks)
+    assert b.sched.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    b.sched.update_state_after_alloc(r, blocks([12, 13, 14, 15]), 3 * BS)
+    vd.stop(signal.SIGKILL)
+    assert load_between_steps(b, r) == {12, 13, 14}
+    b.sched.request_finished(r, [])
     a.close()
     b.close()
 
@@ -422,7 +475,7 @@ class TinyModel:
         return x[-1] @ self.emb.T
 
 
-def generate(model: TinyModel, e: Optional[Engine], toks: List[int], steps: int,
+def generate(model: TinyModel, e: Optional["Engine"], toks: List[int], steps: int,
              pool: List[int]) -> Tuple[List[int], int, List[torch.Tensor]]:
     """Greedy decoding of `steps` tokens, as vLLM's scheduler and model runner would run it
     with the connector (e) or without (None: everything recomputed, fresh paged tensors).
@@ -443,8 +496,10 @@ def generate(model: TinyModel, e: Optional[Engine], toks: List[int], steps: int,
     hit = 0
     meta = None
     if e is not None:
-        hit, _ = e.sched.get_num_new_matched_tokens(r, 0)
+        hit, async_load = e.sched.get_num_new_matched_tokens(r, 0)
         e.sched.update_state_after_alloc(r, blocks(table), hit)
+        if async_load:
+            assert load_between_steps(e, r) == set()
         r.num_computed_tokens = hit
         meta = e.sched.build_connector_meta(sched_output(new=[(r, list(table), len(toks) - hit)]))
     logits = model.forward(list(toks[hit:]), hit, kvc, table, worker, meta)
@@ -469,7 +524,8 @@ def generate(model: TinyModel, e: Optional[Engine], toks: List[int], steps: int,
     return out, hit, seen
 
 
-def test_end_to_end_tiny_model(vd: Daemon) -> None:
+@pytest.mark.parametrize("load_async", [False, True])
+def test_end_to_end_tiny_model(vd: Daemon, load_async: bool) -> None:
     model = TinyModel(seed=7)
     toks = prompt(3)  # 53 tokens
     pool_a = [20, 3, 17, 9, 25, 1]
@@ -482,14 +538,14 @@ def test_end_to_end_tiny_model(vd: Daemon) -> None:
     assert hit_a == 0 and out_a == ref
     # Engine B (other paged tensors, other blocks) loads 3 pages and computes the rest: the
     # same tokens, from the same logits (up to float summation order: B computes fewer rows).
-    b = Engine(vd, seed=None)
+    b = Engine(vd, seed=None, load_async=load_async)
     out_b, hit_b, logits_b = generate(model, b, toks, 12, pool_b)
     assert hit_b == 3 * BS and out_b == ref
     assert all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(logits_b, ref_logits))
     # The page that A's decoding completed (generated tokens included) is there too.
     longer = toks + ref  # 65 tokens: 4 whole pages
     ref2, _, ref2_logits = generate(model, None, longer, 4, pool_a)
-    c = Engine(vd, seed=None)
+    c = Engine(vd, seed=None, load_async=load_async)
     out_c, hit_c, logits_c = generate(model, c, longer, 4, pool_b)
     assert hit_c == 4 * BS and out_c == ref2
     assert all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(logits_c, ref2_logits))
