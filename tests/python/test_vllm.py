@@ -208,9 +208,13 @@ def test_factory_builds_both_roles(vd: Daemon) -> None:
         c.shutdown()
 
 
-def test_save_then_load_into_another_paged_tensor(vd: Daemon) -> None:
+APIS = ["keys", "tokens"] if kv._HAVE_KEYS else ["tokens"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_save_then_load_into_another_paged_tensor(vd: Daemon, api: str) -> None:
     # A stores one page per PUT (put_bytes under a page), B loads them all in one GET.
-    a, b = Engine(vd, seed=1, put_bytes=1), Engine(vd, seed=None)
+    a, b = Engine(vd, seed=1, put_bytes=1, api=api), Engine(vd, seed=None, api=api)
     toks = prompt(3)  # 3 full pages and 5 tokens
     save_prompt(a, request(toks), [4, 9, 2, 7])
     # A second request sharing the 3 pages (its own tail): 48 tokens matched, loaded into other
@@ -271,6 +275,26 @@ def test_async_load(vd: Daemon) -> None:
     b.sched.request_finished(r, [])
     a.close()
     b.close()
+
+
+@pytest.mark.skipif(not kv._HAVE_KEYS, reason="the package has no keyed calls (api tokens)")
+def test_pages_are_a_keyed_chain(vd: Daemon) -> None:
+    """The connector's pages are the package's keyed chain of vLLM block hashes: a plain
+    Client finds them with exists_keys and reads them with get_keys_into."""
+    a = Engine(vd, seed=9)
+    toks = prompt(2)
+    r = request(toks)
+    save_prompt(a, r, [1, 2, 3])
+    keys = kv.key_chain(r, BS, kv.chain_root("tiny-test"), [], 2)
+    page = a.worker._layout.page_bytes
+    with vd.client(model="tiny-test", salt=kv.rank_salt(0, 1, 0, 1), block_bytes=page) as c:
+        assert c.exists_keys(keys) == 2
+        out = torch.empty((2, page), dtype=torch.uint8)
+        assert c.get_keys_into(keys, out) == 2
+    name = next(iter(a.kv))
+    assert torch.equal(out[1, :a.worker._layout.sizes[0]].view(DTYPE).view(2, BS, HEADS, HEAD),
+                       a.kv[name][:, 2])
+    a.close()
 
 
 def test_identity_salt_lora_multimodal(vd: Daemon) -> None:
@@ -527,19 +551,19 @@ def generate(model: TinyModel, e: Optional["Engine"], toks: List[int], steps: in
 @pytest.mark.parametrize("load_async", [False, True])
 def test_end_to_end_tiny_model(vd: Daemon, load_async: bool) -> None:
     model = TinyModel(seed=7)
-    toks = prompt(3)  # 53 tokens
+    toks = prompt(3, extra=10)  # 58 tokens
     pool_a = [20, 3, 17, 9, 25, 1]
     pool_b = [5, 30, 12, 2, 8, 19]
     # Recomputed everywhere: the reference.
-    ref, _, ref_logits = generate(model, None, toks, 12, pool_a)
+    ref, _, ref_logits = generate(model, None, toks, 7, pool_a)
     # Engine A computes it all and saves the prompt's pages (and the page decoding completes).
     a = Engine(vd, seed=None)
-    out_a, hit_a, _ = generate(model, a, toks, 12, pool_a)
+    out_a, hit_a, _ = generate(model, a, toks, 7, pool_a)
     assert hit_a == 0 and out_a == ref
     # Engine B (other paged tensors, other blocks) loads 3 pages and computes the rest: the
     # same tokens, from the same logits (up to float summation order: B computes fewer rows).
     b = Engine(vd, seed=None, load_async=load_async)
-    out_b, hit_b, logits_b = generate(model, b, toks, 12, pool_b)
+    out_b, hit_b, logits_b = generate(model, b, toks, 7, pool_b)
     assert hit_b == 3 * BS and out_b == ref
     assert all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(logits_b, ref_logits))
     # The page that A's decoding completed (generated tokens included) is there too.
