@@ -535,6 +535,7 @@ class KvtierConnector(KVConnectorBase_V1):
             if st is not None:
                 st.block_ids = list(nr.block_ids[0]) if nr.block_ids else []
                 st.saved_pages = max(st.hit_pages, 0)
+                st.no_save = False  # its blocks listed afresh
             steps.append((nr.req_id, None, nr.num_computed_tokens))
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
