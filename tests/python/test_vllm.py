@@ -35,7 +35,8 @@ try:
     from vllm.v1.request import Request
 except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLLM here
     pytest.skip("vllm is not importable (%s: %s); scripts/engines/vllm.sh installs it, its log "
-                "is %s" % (type(e).__name__, e, os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
+                "is %s" % (type(e).__name__, e,
+                           os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
                 allow_module_level=True)
 
 import kvtier.vllm as kv  # noqa: E402
