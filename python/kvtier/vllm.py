@@ -582,6 +582,7 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Learns the paged layout; the worker's namespace is its rank's."""
+        self.shutdown()  # registered again (a restored cache): start afresh
         self._kv = dict(kv_caches)
         self._layout = _Layout(self._kv, self._num_blocks)
         tp_rank = self._extra.get("tp_rank")
@@ -745,6 +746,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return out
 
     def shutdown(self) -> None:
+        """Finishes the step's saves, stops the I/O threads, closes the connections (the
+        daemon drops their leases)."""
         try:
             self.wait_for_save()
         except Exception:  # noqa: BLE001
@@ -753,6 +756,8 @@ class KvtierConnector(KVConnectorBase_V1):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._pool = self._async_pool = None
+        self._async_loads.clear()
+        self._async_errors.clear()
         for s in (self._store, self._async_store, self._index):
             if s is not None:
                 s.close()
