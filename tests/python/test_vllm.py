@@ -22,7 +22,13 @@ import torch
 from conftest import BUILD_ROOT, Daemon
 
 try:
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ParallelConfig,
+        VllmConfig,
+    )
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.lora.request import LoRARequest
@@ -52,14 +58,15 @@ _ids = itertools.count(1)
 _tok = itertools.count(0)
 
 
-def config(d: Daemon, **extra: Any) -> "VllmConfig":
+def config(d: Daemon, tp: int = 1, **extra: Any) -> "VllmConfig":
     ec = {"unix_path": d.unix, "model": "tiny-test", "timeout_ms": 2000, "retry_ms": 0}
     ec.update(extra)
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
                                             kv_connector_module_path="kvtier.vllm",
                                             kv_role="kv_both", kv_connector_extra_config=ec),
-        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS))
+        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp))
 
 
 def connector(cfg: "VllmConfig", role: "KVConnectorRole") -> Any:
@@ -296,6 +303,55 @@ def test_pages_are_a_keyed_chain(vd: Daemon) -> None:
     assert torch.equal(out[1, :a.worker._layout.sizes[0]].view(DTYPE).view(2, BS, HEADS, HEAD),
                        a.kv[name][:, 2])
     a.close()
+
+
+def test_tensor_parallel_ranks_keep_their_shards(vd: Daemon) -> None:
+    """Tensor parallelism 2: each rank stores its shard under the same chain, in its rank's
+    namespace, and gets its own back; a rank whose shard is missing reports load errors."""
+    toks = prompt(2)
+
+    def ranks(seed: Optional[int]) -> Tuple[Any, List[Any], List[Dict[str, torch.Tensor]]]:
+        sched = connector(config(vd, tp=2), KVConnectorRole.SCHEDULER)
+        workers, kvs = [], []
+        for rank in range(2):
+            w = connector(config(vd, tp=2, tp_rank=rank), KVConnectorRole.WORKER)
+            kvs.append(paged(None if seed is None else seed + rank))
+            w.register_kv_caches(kvs[-1])
+            workers.append(w)
+        return sched, workers, kvs
+
+    sched, workers, kvs = ranks(seed=20)
+    r = request(toks)
+    n, meta = schedule(sched, r, [1, 2, 3])
+    for w, k in zip(workers, kvs):
+        assert run_step(w, k, meta) == set()
+    sched.request_finished(r, [1, 2, 3])
+    sched2, workers2, kvs2 = ranks(seed=None)
+    r = request(toks)
+    n, meta = schedule(sched2, r, [7, 8, 9])
+    assert n == 2 * BS
+    for w, k in zip(workers2, kvs2):
+        assert run_step(w, k, meta) == set()
+    for rank in range(2):
+        for x, y in zip(pages_of(kvs[rank], [1, 2]), pages_of(kvs2[rank], [7, 8])):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    sched2.request_finished(r, [])
+    # Rank 0 alone saved a prompt: the scheduler (rank 0's namespace) sees it, rank 1 cannot
+    # load its shard and says so.
+    toks2 = prompt(2)
+    r = request(toks2)
+    n, meta = schedule(sched, r, [4, 5, 6])
+    assert run_step(workers[0], kvs[0], meta) == set()
+    sched.request_finished(r, [])
+    r = request(toks2)
+    n, meta = schedule(sched2, r, [10, 11, 12])
+    assert n == 2 * BS
+    assert run_step(workers2[0], kvs2[0], meta) == set()
+    assert run_step(workers2[1], kvs2[1], meta) == {10, 11}
+    sched2.request_finished(r, [])
+    assert leases(vd) == 0
+    for c in (sched, sched2, *workers, *workers2):
+        c.shutdown()
 
 
 def test_identity_salt_lora_multimodal(vd: Daemon) -> None:
