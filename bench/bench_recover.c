@@ -25,6 +25,7 @@
 #include "../common/common.h"
 #include "../radix/radix.h"
 #include "../tiers/tier.h"
+#include "server.h" /* kvt_store_nvme_recover */
 #include "bench_stats.h"
 
 #define PAGE    16
@@ -137,7 +138,7 @@ static double recover_once(uint32_t blocks, uint32_t idle)
         die("tree", KVT_ENOMEM);
     kvt_tier_nvme_recovery_t r;
     uint64_t t0 = kvt_now_ns();
-    int rc = kvt_tier_nvme_recover(t, tree, &r);
+    int rc = kvt_store_nvme_recover(tree, t, &r);
     double s = (double)(kvt_now_ns() - t0) / 1e9;
     if (rc < 0)
         die("recover", rc);

@@ -2,8 +2,8 @@
  * nvme.c: the NVMe tier. One preallocated data file, DIR/kvtier.data, used as a log of
  * fixed-size segments and driven by io_uring with O_DIRECT (buffered where the file system
  * refuses O_DIRECT, logged once). This file owns the on-disk layout, the segment table, the
- * io_uring request slots, and the recovery scan that runs at creation; nvme_recover.c gives the
- * recovered blocks back to a radix tree.
+ * io_uring request slots, and the recovery scan that runs at creation; nvme_recover.c hands the
+ * recovered blocks to the owner of the index.
  *
  * On disk
  * -------
@@ -1596,6 +1596,7 @@ int kvt__nvme_scan(nvme_t *n)
 
 void kvt__nvme_recovered_free(nvme_t *n)
 {
+    kvt__nvme_replay_free(n);
     for (size_t i = 0; i < n->nrecovered; i++)
         free(n->recovered[i].tokens);
     free(n->recovered);

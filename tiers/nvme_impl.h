@@ -1,6 +1,6 @@
 /*
  * nvme_impl.h: the NVMe tier's state, shared by nvme.c (I/O, segments, the recovery scan) and
- * nvme_recover.c (putting recovered blocks back into a radix tree). Internal to tiers/.
+ * nvme_recover.c (handing recovered blocks to the owner of the index). Internal to tiers/.
  */
 #ifndef KVT_NVME_IMPL_H
 #define KVT_NVME_IMPL_H
@@ -46,7 +46,8 @@ typedef struct nvme_req {
     uint64_t off; /* file offset of the record */
 } nvme_req_t;
 
-/* A block the recovery scan found, kept until kvt_tier_nvme_recover consumes it. */
+/* A block the recovery scan found, kept until recovery ends (kvt_tier_nvme_recover_end). */
+typedef struct nvme_replay nvme_replay_t; /* nvme_recover.c */
 typedef struct nvme_recovered {
     uint64_t loc, ns_seed, hash, parent, seq;
     uint32_t len, ntokens;
@@ -74,6 +75,7 @@ typedef struct nvme {
     nvme_recovered_t *recovered;
     size_t nrecovered, recovered_cap;
     int recover_done;
+    nvme_replay_t *replay; /* between kvt_tier_nvme_recover_begin and _end */
     /* Hashes of the descriptions DIR/namespaces holds (kvt_tier_nvme_add_ns): an open-addressing
      * set, 0 marking a free slot, read from the file once, on the first call. */
     uint64_t *ns_set;
@@ -96,6 +98,7 @@ extern const kvt_tier_ops_t kvt__nvme_ops;
 
 uint64_t kvt__nvme_loc(uint32_t seg, uint32_t gen, uint32_t hdr_sectors, uint32_t sector);
 int kvt__nvme_scan(nvme_t *n);
-void kvt__nvme_recovered_free(nvme_t *n);
+void kvt__nvme_recovered_free(nvme_t *n); /* the scan's blocks and the replay state */
+void kvt__nvme_replay_free(nvme_t *n);
 
 #endif
