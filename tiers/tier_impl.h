@@ -25,7 +25,7 @@ typedef struct kvt_tier_ops {
     /* Reads of locations the index does not hold go to the backend instead of missing. */
     int unindexed_reads;
     /* A copy that stages through host memory on its way to or from this tier stages through
-     * pinned memory (kvt__pinned_get): a CUDA copy from pageable memory is synchronous and
+     * pinned memory (tier.c's cache): a CUDA copy from pageable memory is synchronous and
      * bounces through the driver's own buffer. */
     int pinned_staging;
     /* Bytes charged for a payload of len bytes (1 .. KVT_TIER_MAX_BLOCK), whatever the page
@@ -86,12 +86,11 @@ struct kvt_tier {
 };
 
 #if KVT_HAVE_CUDA
-/* Pinned (cudaHostAlloc'd, page-aligned) host memory of at least sz bytes for a copy's staging
- * buffer, from a small cache the CUDA HBM tiers keep while any of them is open (tiers/hbm.c);
- * NULL when CUDA cannot allocate it. kvt__pinned_put takes it back with the same sz; it is
- * thread-safe and needs no tier to exist. */
-void *kvt__pinned_get(size_t sz);
-void kvt__pinned_put(void *p, size_t sz);
+/* A CUDA tier opens (kvt__pinned_open) and closes (kvt__pinned_close): while any is open, the
+ * copy code (tier.c) keeps the pinned staging buffers of finished copies in a small cache for
+ * the next ones; the last close frees them. Thread-safe. */
+void kvt__pinned_open(void);
+void kvt__pinned_close(void);
 #endif
 
 /* Makes a tier around a backend; on success the tier owns impl (ops->destroy frees it). Returns
