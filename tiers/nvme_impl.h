@@ -26,17 +26,13 @@ typedef struct nvme_seg {
     uint64_t *locs; /* every location written in this use (some freed since) */
 } nvme_seg_t;
 
-typedef struct nvme_fifo {
-    kvt_tier_io_t *head, *tail; /* linked through priv[1] */
-} nvme_fifo_t;
-
 /* One io_uring request slot: the tier has queue_depth of them. */
 typedef struct nvme_req {
     kvt_tier_io_t *io;
-    struct nvme_req *next; /* free list */
-    uint8_t *hdr;          /* HDR_MAX_BYTES, sector-aligned: prefix, block header, tokens */
-    uint8_t *tail;         /* one sector for a payload's partial last sector */
-    uint8_t *bounce;       /* the whole payload, for a caller buffer that is not aligned */
+    kvt__ioq_link_t link; /* the slot pool (ioq) */
+    uint8_t *hdr;         /* HDR_MAX_BYTES, sector-aligned: prefix, block header, tokens */
+    uint8_t *tail;        /* one sector for a payload's partial last sector */
+    uint8_t *bounce;      /* the whole payload, for a caller buffer that is not aligned */
     struct iovec iov[3];
     uint32_t niov, iov_at;
     uint32_t done, total; /* bytes transferred so far, bytes to transfer */
@@ -63,8 +59,8 @@ typedef struct nvme {
     struct io_uring ring;
     int ring_ok;
     uint32_t qd;
-    nvme_req_t *reqs, *free_reqs;
-    nvme_fifo_t wait[2]; /* waiting for a slot: [1] urgent reads, [0] the rest */
+    nvme_req_t *reqs;
+    kvt__ioq_t q; /* requests waiting for a slot (window: qd), and the free slots */
     uint32_t seg_bytes, nsegs;
     nvme_seg_t *segs;
     uint32_t cur;       /* the open segment, or UINT32_MAX */

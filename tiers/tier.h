@@ -84,6 +84,10 @@ struct kvt_tier_io {
     kvt_tier_io_t *next;
     uint64_t submit_ns;
     uint64_t charge; /* footprint reserved by a write */
+    struct kvt__ioq_link {
+        struct kvt__ioq_link *next;
+        uint64_t deadline_ns; /* 0: none */
+    } wait;                   /* where a tier holds it back (tiers/ioq.c) */
     uint64_t priv[4];
 };
 
