@@ -197,8 +197,13 @@ void kvt__lease_expire(kvt__conn_t *c, uint64_t now)
 static int kvt_bad_body(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const char *what)
 {
     kvt__proto_error(c->srv, KVT_PERR_BAD_BODY);
-    kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "malformed %s body (%u bytes)",
-                     what, h->body_len);
+    unsigned unknown = h->flags & ~(unsigned)kvt_proto_req_flags(h->opcode);
+    if (unknown)
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "unknown %s flag bits 0x%x",
+                         what, unknown);
+    else
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                         "malformed %s body (%u bytes)", what, h->body_len);
     return 0;
 }
 
@@ -225,10 +230,18 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     if (m.page_size == 0 || m.page_size > KVT_PAGE_MAX)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
                                 "page size %u is not in 1..%u", m.page_size, KVT_PAGE_MAX);
-    if (m.block_bytes > KVT_TIER_MAX_BLOCK || (uint64_t)m.block_bytes + 64 > s->conf->max_frame)
+    /* docs/protocol.md: a PUT of one page's payload (page 0: one page of tokens) fits a frame */
+    uint64_t put1 = sizeof(kvt_wire_put_t) + 4ull * m.page_size + m.block_bytes;
+    if (m.block_bytes > KVT_TIER_MAX_BLOCK)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "block size %u is over the limit (%u and max-frame)", m.block_bytes,
+                                "block size %u is over the limit of %u bytes", m.block_bytes,
                                 KVT_TIER_MAX_BLOCK);
+    if (m.block_bytes && put1 > s->conf->max_frame)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "block size %u does not fit in a frame: a PUT of one page is "
+                                "%llu bytes, over max-frame (%llu)",
+                                m.block_bytes, (unsigned long long)put1,
+                                (unsigned long long)s->conf->max_frame);
     char model[KVT_PROTO_NAME_MAX + 1], adapter[KVT_PROTO_NAME_MAX + 1],
         salt[KVT_PROTO_NAME_MAX + 1];
     memcpy(model, m.model, m.model_len);
@@ -828,8 +841,9 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     uint32_t whole = q.ntokens / c->page_size;
     if (q.npayload && ((uint64_t)q.first_page + q.npayload > whole))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "payload pages %u..%u are past the request's %u whole pages",
-                                q.first_page, q.first_page + q.npayload, whole);
+                                "payload pages %u..%llu go past the request's %u whole pages",
+                                q.first_page, (unsigned long long)q.first_page + q.npayload - 1,
+                                whole);
     if (kvt_tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t at;
@@ -887,10 +901,14 @@ static int kvt_h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
                                 "lease %llu is not held by this connection",
                                 (unsigned long long)q.lease);
     uint32_t n = q.npages ? q.npages : (q.first_page < l->pages ? l->pages - q.first_page : 0);
-    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages)
+    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages) {
+        if (!q.npages)
+            return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                    "page %u is past the leased %u pages", q.first_page, l->pages);
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "pages %u..%u are outside the leased %u pages", q.first_page,
-                                q.first_page + n, l->pages);
+                                "pages %u..%llu go past the leased %u pages", q.first_page,
+                                (unsigned long long)q.first_page + q.npages - 1, l->pages);
+    }
     kvt__ns_t *ns;
     if (kvt__ns_get(s, l->ns, &ns) < 0 || ns->block_bytes == 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
@@ -1086,8 +1104,10 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     kvt_srv_t *s = c->srv;
     if (h->flags || h->body_len != 0) {
         kvt__proto_error(s, KVT_PERR_BAD_BODY);
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
-                                "STATS takes an empty body");
+        return h->flags ? kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                           "unknown STATS flag bits 0x%x", h->flags)
+                        : kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                           "STATS takes an empty body");
     }
     kvt_statbuf_t b = {.len = 4};
     kvt_radix_stats_t rs;
