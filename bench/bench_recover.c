@@ -2,7 +2,7 @@
  * bench_recover.c: what a long namespace list costs an NVMe warm restart. The NVMe tier keeps
  * DIR/namespaces, one line per namespace a client declared, to name namespaces again after a
  * restart; in a fleet with per-tenant salts most of those tenants have left nothing on disk.
- * Recovery (kvt_tier_nvme_recover) must cost what the blocks on disk cost, whatever the list
+ * Recovery (kvt_store_nvme_recover) must cost what the blocks on disk cost, whatever the list
  * holds.
  *
  * One namespace's --blocks blocks (one-page prompts, 512 bytes each) are written through the
@@ -128,7 +128,7 @@ static void write_list(uint32_t idle)
         die(path, -errno);
 }
 
-/* Seconds kvt_tier_nvme_recover takes with idle tenants listed before the busy one. */
+/* Seconds kvt_store_nvme_recover takes with idle tenants listed before the busy one. */
 static double recover_once(uint32_t blocks, uint32_t idle)
 {
     write_list(idle);
