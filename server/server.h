@@ -332,6 +332,12 @@ void kvt__auth_tick(kvt_srv_t *s, uint64_t now);
 
 /* store.c: KV bytes in the tiers */
 int kvt__store_open(kvt_srv_t *s);
+/* Gives what the NVMe tier's scan found back to tree (once, after creation, before any write):
+ * namespaces reopened by name where the tier recorded one, else by seed; blocks whose ancestors
+ * are not all on disk, whose page size is not their namespace's, or whose page the tree holds in
+ * another tier are freed as orphans. Returns 0, KVT_EINVAL, KVT_ENOMEM (the tree keeps what was
+ * inserted so far) or KVT_EBUSY (called twice). out (may be NULL) gets the tier's counts. */
+int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_recovery_t *out);
 void kvt__store_close(kvt_srv_t *s);
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
 void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n);
