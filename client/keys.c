@@ -119,6 +119,24 @@ const char *kvt_keys_errmsg(const kvt_keys_t *k)
     return k->local_err ? k->errmsg : kvt_client_errmsg(k->c);
 }
 
+/* The leading pages of a MATCH that hold bytes: a page the index knows without bytes (stored
+ * index only, or its bytes lost) is no block to an engine, and a prefix is no use past it. */
+static uint32_t keys_with_bytes(const uint8_t *tiers, uint32_t pages)
+{
+    uint32_t i = 0;
+    while (i < pages && tiers[i] != KVT_CLIENT_TIER_NONE)
+        i++;
+    return i;
+}
+
+/* An error that broke the connection (libkvtier: every later call is ECLOSED), as opposed to
+ * one request's error reply. */
+static int keys_transport(int rc)
+{
+    return (rc < 0 && rc > -30000) || rc == KVT_CLIENT_ECLOSED || rc == KVT_CLIENT_ETIMEDOUT ||
+           rc == KVT_CLIENT_EPROTO;
+}
+
 /* -- chains ------------------------------------------------------------------------------- */
 
 int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits)
@@ -132,10 +150,17 @@ int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint
     int rc = keys_chain_tokens(k, keys, n, &t);
     if (rc < 0)
         return rc;
-    kvt_client_match_t m = {0};
+    uint8_t *tiers = malloc(n);
+    if (!tiers) {
+        free(t);
+        return KVT_CLIENT_ENOMEM;
+    }
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = n};
     rc = kvt_client_match(k->c, t, n * KVT_KEY_TOKENS, 0, 0, NULL, &m);
     free(t);
-    *hits = rc < 0 ? 0 : m.pages;
+    if (rc == 0)
+        *hits = keys_with_bytes(tiers, m.pages);
+    free(tiers);
     return rc;
 }
 
@@ -201,18 +226,23 @@ int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_
         free(t);
         return 0;
     }
-    kvt_client_match_t m = {0};
+    uint8_t *tiers = malloc(end);
+    if (!tiers) {
+        free(t);
+        return KVT_CLIENT_ENOMEM;
+    }
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = (uint32_t)end};
     rc = kvt_client_match(k->c, t, (uint32_t)end * KVT_KEY_TOKENS, KVT_CLIENT_LEASE, 0, NULL, &m);
     free(t);
-    if (rc < 0 || m.pages <= first) {
-        if (rc == 0 && m.lease)
-            rc = kvt_client_release(k->c, m.lease, NULL);
-        return rc;
-    }
-    uint32_t np = m.pages - first;
-    rc = kvt_client_get(k->c, m.lease, first, np, buf, cap, got, NULL);
-    int rr = kvt_client_release(k->c, m.lease, NULL);
-    return rc < 0 ? rc : rr;
+    uint32_t have = rc == 0 ? keys_with_bytes(tiers, m.pages) : 0;
+    free(tiers);
+    if (rc == 0 && have > first)
+        rc = kvt_client_get(k->c, m.lease, first, have - first, buf, cap, got, NULL);
+    if (rc < 0 && !keys_transport(rc))
+        rc = 0; /* the stream stopped at a page whose bytes went (ECORRUPT, EIO): *got says where */
+    if (rc == 0 && m.lease)
+        rc = kvt_client_release(k->c, m.lease, NULL);
+    return rc;
 }
 
 int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n)
@@ -233,14 +263,6 @@ int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n)
 /* What each independent call queues per key, and what it does with the reply. */
 enum { KEYS_EXISTS, KEYS_PUT, KEYS_GET, KEYS_REMOVE };
 
-/* An error that broke the connection (libkvtier: every later call is ECLOSED), as opposed to
- * one request's error reply. */
-static int keys_transport(int rc)
-{
-    return (rc < 0 && rc > -30000) || rc == KVT_CLIENT_ECLOSED || rc == KVT_CLIENT_ETIMEDOUT ||
-           rc == KVT_CLIENT_EPROTO;
-}
-
 /* One chunk of independent keys: queue one request per key, run, then (get) GET each hit and
  * release the leases in a second batch. Returns the successes or a transport error. */
 static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *keys, uint32_t n,
@@ -248,6 +270,7 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
 {
     uint32_t t[KVT_KEYS_CHUNK][KVT_KEY_TOKENS];
     kvt_client_match_t m[KVT_KEYS_CHUNK];
+    uint8_t tier[KVT_KEYS_CHUNK];
     kvt_client_put_t pr[KVT_KEYS_CHUNK];
     int st[KVT_KEYS_CHUNK];
     int rc = 0;
@@ -255,6 +278,8 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
     for (uint32_t i = 0; i < n && rc == 0; i++) {
         (void)kvt_key_tokens(keys[i].data, keys[i].len, t[i]); /* checked by the caller */
         memset(&m[i], 0, sizeof m[i]);
+        m[i].tiers = &tier[i];
+        m[i].tiers_cap = 1;
         switch (op) {
         case KEYS_EXISTS:
             rc = kvt_batch_match(b, t[i], KVT_KEY_TOKENS, 0, 0, NULL, &m[i], &st[i]);
@@ -278,7 +303,8 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
     int ok = 0;
     for (uint32_t i = 0; i < n; i++) {
         int s = st[i];
-        if (s == 0 && (op == KEYS_EXISTS || op == KEYS_GET) && m[i].pages == 0)
+        if (s == 0 && (op == KEYS_EXISTS || op == KEYS_GET) &&
+            keys_with_bytes(&tier[i], m[i].pages) == 0)
             s = KVT_CLIENT_ENOENT;
         if (s == 0 && op == KEYS_GET) {
             uint32_t got = 0;
