@@ -243,9 +243,11 @@ def _build() -> Any:
             stored."""
             if not keys:
                 return True
+            vals = [v.contiguous() for v in values]
+            if not self.flat_bytes:
+                self.flat_bytes = vals[0].numel() * vals[0].element_size()
             if not self.writer:
                 return True  # MLA: another rank writes the shared page
-            vals = [v.contiguous() for v in values]
 
             def run() -> bool:
                 nbytes = vals[0].numel() * vals[0].element_size()
