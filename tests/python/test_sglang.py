@@ -167,9 +167,12 @@ def _host_pool() -> Optional[Any]:
         pytest.skip("SGLang's host KV pool does not import here (%s: %s): the zero-copy test "
                     "needs torchvision (docs/engines.md)" % (type(e).__name__, e))
     dev = MHATokenToKVPool(size=64, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                           layer_num=3, device="cpu", enable_memory_saver=False)
-    return MHATokenToKVPoolHost(dev, host_to_device_ratio=2.0, host_size=0, page_size=4,
-                                layout="page_first", pin_memory=False, device="cpu")
+                           layer_num=3, device="cpu", enable_memory_saver=False,
+                           enable_alt_stream=False)
+    # As SGLang's host-pool assembly builds it: from the device pool's buffer description.
+    return MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, 4, "page_first",
+                                pin_memory=False, device="cpu", device_capacity_tokens=64,
+                                start_layer=0, end_layer=3)
 
 
 def test_zero_copy_v1_into_host_indices(daemon: Daemon) -> None:
