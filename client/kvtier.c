@@ -75,21 +75,6 @@ unsigned kvt_client_tiers(const kvt_client_t *c)
     return c->tiers;
 }
 
-static int kvt_grow(uint8_t **p, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return 0;
-    size_t nc = *cap ? *cap : 4096;
-    while (nc < need)
-        nc *= 2;
-    uint8_t *np = realloc(*p, nc);
-    if (!np)
-        return KVT_ENOMEM;
-    *p = np;
-    *cap = nc;
-    return 0;
-}
-
 static int kvt_fail(kvt_client_t *c, int err)
 {
     c->broken = 1;
@@ -147,7 +132,7 @@ static int kvt_fill(kvt_client_t *c, uint64_t deadline, int wait)
             c->in_len -= c->in_pos;
             c->in_pos = 0;
         }
-        if (kvt_grow(&c->in, &c->in_cap, c->in_len + 65536) < 0)
+        if (kvt_reserve(&c->in, &c->in_cap, c->in_len + 65536, 1, 4096) < 0)
             return kvt_fail(c, KVT_ENOMEM);
     }
     for (;;) {
@@ -180,7 +165,7 @@ static int kvt_need(kvt_client_t *c, size_t n, uint64_t deadline)
         c->in_len -= c->in_pos;
         c->in_pos = 0;
     }
-    if (kvt_grow(&c->in, &c->in_cap, n) < 0)
+    if (kvt_reserve(&c->in, &c->in_cap, n, 1, 4096) < 0)
         return kvt_fail(c, KVT_ENOMEM);
     while (c->in_len - c->in_pos < n) {
         int rc = kvt_fill(c, deadline, 1);
@@ -238,7 +223,7 @@ static int kvt_call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1
     uint8_t hdr[KVT_PROTO_HDR];
     kvt_proto_frame(hdr, op, flags, id, 0, (uint32_t)blen);
     /* Small requests go out in one send; a big payload is sent from the caller's memory. */
-    if (kvt_grow(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2) < 0)
+    if (kvt_reserve(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
         return KVT_ENOMEM;
     memcpy(c->out, hdr, KVT_PROTO_HDR);
     if (l1)
@@ -796,7 +781,7 @@ static int kvt_batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void
         b->ents = e;
         b->cap = cap;
     }
-    if (kvt_grow(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen) < 0)
+    if (kvt_reserve(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen, 1, 4096) < 0)
         return KVT_ENOMEM;
     uint64_t id = b->c->next_id++;
     uint8_t *f = b->out + b->out_len;
@@ -976,7 +961,7 @@ int kvt_batch_run(kvt_batch_t *b)
             }
             size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
             if (c->in_len - c->in_pos < frame) {
-                if (kvt_grow(&c->in, &c->in_cap, c->in_pos + frame) < 0)
+                if (kvt_reserve(&c->in, &c->in_cap, c->in_pos + frame, 1, 4096) < 0)
                     rc = kvt_fail(c, KVT_ENOMEM);
                 break;
             }

@@ -237,6 +237,26 @@ uint64_t kvt_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+int kvt_reserve(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
+{
+    if (need <= *cap)
+        return 0;
+    size_t nc = *cap ? *cap : KVT_MAX(first, (size_t)1);
+    while (nc < need) {
+        if (nc > SIZE_MAX / 2 / elem)
+            return KVT_ENOMEM;
+        nc *= 2;
+    }
+    void *p;
+    memcpy(&p, pp, sizeof p); /* pp is a T **: its pointer is read and written as bytes */
+    void *np = realloc(p, nc * elem);
+    if (!np)
+        return KVT_ENOMEM;
+    memcpy(pp, &np, sizeof np);
+    *cap = nc;
+    return 0;
+}
+
 void kvt_heap_hugepages(char **argv)
 {
 #if defined(__GLIBC__)

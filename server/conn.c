@@ -292,27 +292,12 @@ void kvt__conns_reap(kvt_srv_t *s)
     }
 }
 
-static int kvt_reserve(uint8_t **p, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return 0;
-    size_t nc = *cap ? *cap : 4096;
-    while (nc < need)
-        nc *= 2;
-    uint8_t *np = realloc(*p, nc);
-    if (!np)
-        return KVT_ENOMEM;
-    *p = np;
-    *cap = nc;
-    return 0;
-}
-
 int kvt__req_append(kvt__req_t *r, const void *p, size_t len)
 {
     if (r->out_off > 0 && r->out_off == r->out_len) {
         r->out_off = r->out_len = 0;
     }
-    if (kvt_reserve(&r->out, &r->out_cap, r->out_len + len) < 0)
+    if (kvt_reserve(&r->out, &r->out_cap, r->out_len + len, 1, 4096) < 0)
         return KVT_ENOMEM;
     memcpy(r->out + r->out_len, p, len);
     r->out_len += len;

@@ -26,17 +26,10 @@ static int kvt_tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n)
         return 0;
     }
 #endif
-    if (n > c->tokens_cap) {
-        size_t cap = c->tokens_cap ? c->tokens_cap : 4096;
-        while (cap < n)
-            cap *= 2;
-        uint32_t *t = realloc(c->tokens, cap * sizeof *t);
-        if (!t)
-            return KVT_ENOMEM;
-        c->srv->client_bytes += (cap - c->tokens_cap) * sizeof *t;
-        c->tokens = t;
-        c->tokens_cap = cap;
-    }
+    size_t had = c->tokens_cap;
+    if (kvt_reserve(&c->tokens, &c->tokens_cap, n, sizeof *c->tokens, 4096) < 0)
+        return KVT_ENOMEM;
+    c->srv->client_bytes += (c->tokens_cap - had) * sizeof *c->tokens;
     kvt_proto_tokens(src, n, c->tokens);
     c->tok = c->tokens;
     return 0;
@@ -69,24 +62,10 @@ static int kvt_lease_add(kvt__conn_t *c, const kvt__lease_t *l)
 {
     kvt_srv_t *s = c->srv;
     uint32_t slot = kvt_radix_lease_slot(l->id);
-    if (slot >= s->lease_pos_cap) {
-        size_t cap = s->lease_pos_cap ? s->lease_pos_cap : 64;
-        while (cap <= slot)
-            cap *= 2;
-        uint32_t *p = realloc(s->lease_pos, cap * sizeof *p);
-        if (!p)
-            return KVT_ENOMEM;
-        s->lease_pos = p;
-        s->lease_pos_cap = cap;
-    }
-    if (c->nleases == c->cap_leases) {
-        size_t cap = c->cap_leases ? c->cap_leases * 2 : 8;
-        kvt__lease_t *n = realloc(c->leases, cap * sizeof *n);
-        if (!n)
-            return KVT_ENOMEM;
-        c->leases = n;
-        c->cap_leases = cap;
-    }
+    if (kvt_reserve(&s->lease_pos, &s->lease_pos_cap, (size_t)slot + 1, sizeof *s->lease_pos, 64) <
+            0 ||
+        kvt_reserve(&c->leases, &c->cap_leases, c->nleases + 1, sizeof *c->leases, 8) < 0)
+        return KVT_ENOMEM;
     s->lease_pos[slot] = (uint32_t)c->nleases;
     c->leases[c->nleases++] = *l;
     kvt_lease_ns(s, l->ns, 1);

@@ -317,35 +317,6 @@ int kvt_proto_remove_decode(const uint8_t *body, size_t len, uint32_t *ntokens,
 /* Copies n little-endian u32 tokens out of a frame into host order. */
 void kvt_proto_tokens(const uint8_t *src, uint32_t n, uint32_t *dst);
 
-/* Little-endian helpers, for encoders on both sides. */
-static inline void kvt_put_u16(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
-static inline void kvt_put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline void kvt_put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint16_t kvt_get_u16(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | (p[1] << 8));
-}
-static inline uint32_t kvt_get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-static inline uint64_t kvt_get_u64(const uint8_t *p)
-{
-    return (uint64_t)kvt_get_u32(p) | ((uint64_t)kvt_get_u32(p + 4) << 32);
-}
-
 /* Hints between host and wire form. decode returns KVT_EPROTO for unknown flag bits. */
 void kvt_proto_hints_to_wire(const kvt_proto_hints_t *h, kvt_wire_hints_t *w);
 int kvt_proto_hints_from_wire(const kvt_wire_hints_t *w, kvt_proto_hints_t *h);
