@@ -55,7 +55,7 @@
 
 #include "../client/kvtier.h"
 #include "../common/common.h"
-#include "../server/proto.h"
+#include "proto.h"
 #include "../trace/trace.h"
 #include "bench_stats.h"
 #include "config.h"

@@ -281,15 +281,17 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     /* What this client declared, not the namespace's: a payload on a connection that said 0 is
      * malformed whichever HELLO came first (docs/protocol.md). */
     c->block_bytes = m.block_bytes;
-    kvt_wire_hello_reply_t r = {
-        .version = htole16(KVT_PROTO_VERSION),
-        .tiers = htole16(kvt_tier_mask(s)),
-        .ns = htole32(ns),
-        .ns_seed = htole64(n->seed),
-        .max_frame = htole32((uint32_t)s->conf->max_frame),
-        .lease_ms_max = htole32(s->conf->lease_ms_max),
+    kvt_proto_hello_reply_t r = {
+        .version = KVT_PROTO_VERSION,
+        .tiers = kvt_tier_mask(s),
+        .ns = ns,
+        .ns_seed = n->seed,
+        .max_frame = (uint32_t)s->conf->max_frame,
+        .lease_ms_max = s->conf->lease_ms_max,
     };
-    return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+    uint8_t w[sizeof(kvt_wire_hello_reply_t)];
+    kvt_proto_hello_reply_encode(w, &r);
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
 }
 
 /*
@@ -564,13 +566,13 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
         if (rc < 0)
             lease = 0;
     }
-    kvt_wire_match_reply_t w = {
-        .tokens = htole32(m->pages * q->page),
-        .pages = htole32(m->pages),
-        .lease = htole64(lease),
-        .remote_pages = htole32(remote_pages),
+    kvt_proto_match_reply_t w = {
+        .tokens = m->pages * q->page,
+        .pages = m->pages,
+        .lease = lease,
+        .remote_pages = remote_pages,
     };
-    memcpy(out, &w, sizeof w);
+    kvt_proto_match_reply_encode(out, &w);
     if (rc < 0) {
         if (!r && full)
             rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
@@ -823,8 +825,10 @@ static int kvt_h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "insert failed");
     if (q.npayload == 0 || res.pages == 0) {
-        kvt_wire_put_reply_t r = {.pages = htole32(res.pages), .new_pages = htole32(res.new_pages)};
-        return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+        kvt_proto_put_reply_t r = {.pages = res.pages, .new_pages = res.new_pages};
+        uint8_t w[sizeof(kvt_wire_put_reply_t)];
+        kvt_proto_put_reply_encode(w, &r);
+        return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
     }
     kvt__req_t *r = kvt__req_new(c, KVT_REQ_PUT, h->opcode, h->request_id, t0);
     if (!r)
@@ -917,8 +921,9 @@ static int kvt_h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
     if (m.pages == 0) {
-        kvt_wire_prefetch_reply_t r = {0};
-        return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+        uint8_t w[sizeof(kvt_wire_prefetch_reply_t)];
+        kvt_proto_prefetch_reply_encode(w, &(kvt_proto_prefetch_reply_t){0});
+        return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
     }
     kvt__req_t *r = kvt__req_new(c, KVT_REQ_PREFETCH, h->opcode, h->request_id, t0);
     if (!r)
@@ -946,8 +951,9 @@ static int kvt_h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t
     kvt__lease_t *l = kvt_lease_find(c, id);
     if (l)
         kvt_lease_del(c, l);
-    kvt_wire_release_reply_t r = {.released = htole32(l ? 1 : 0)};
-    return kvt__reply(c, h->opcode, h->request_id, t0, 0, &r, sizeof r);
+    uint8_t w[sizeof(kvt_wire_release_reply_t)];
+    kvt_proto_release_reply_encode(w, l ? 1 : 0);
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
 }
 
 #define KVT_REMOVE_WAIT_MS 1000
@@ -1044,20 +1050,12 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
 typedef struct kvt_statbuf {
     uint8_t buf[4096];
     size_t len;
-    uint32_t count;
 } kvt_statbuf_t;
 
 static void kvt_stat(kvt_statbuf_t *b, const char *name, uint64_t v)
 {
-    size_t nl = strlen(name);
-    if (b->len + 1 + nl + 8 > sizeof b->buf)
-        return;
-    b->buf[b->len++] = (uint8_t)nl;
-    memcpy(b->buf + b->len, name, nl);
-    b->len += nl;
-    kvt_put_u64(b->buf + b->len, v);
-    b->len += 8;
-    b->count++;
+    kvt_proto_stat_encode(b->buf, sizeof b->buf, &b->len, name,
+                          v); /* one that does not fit: left out */
 }
 
 static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
@@ -1068,7 +1066,7 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
                                 "STATS takes an empty body");
     }
-    kvt_statbuf_t b = {.len = 4};
+    kvt_statbuf_t b = {.len = 4}; /* the count, at buf[0], starts at 0 */
     kvt_radix_stats_t rs;
     kvt_radix_stats(s->radix, &rs);
     kvt_stat(&b, "uptime_ms", (kvt_now_ns() - s->started_ns) / 1000000);
@@ -1125,7 +1123,6 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
         kvt_stat(&b, "policy_pin_refusals", ps.pin_refusals);
         kvt_stat(&b, "policy_index_drops", ps.pages_dropped_for_index);
     }
-    kvt_put_u32(b.buf, b.count);
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, b.buf, (uint32_t)b.len);
 }
 

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../radix/radix.h"
+#include "radix.h"
 #include "proto.h"
 
 typedef enum {

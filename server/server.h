@@ -25,10 +25,10 @@
 #include <endian.h>
 #include <sys/types.h>
 
-#include "../common/common.h"
-#include "../policy/policy.h"
-#include "../radix/radix.h"
-#include "../tiers/tier.h"
+#include "common.h"
+#include "policy.h"
+#include "radix.h"
+#include "tier.h"
 #include "conf.h"
 #include "metrics.h"
 #include "proto.h"

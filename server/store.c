@@ -1141,13 +1141,15 @@ static void kvt_put_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_put_adopt(s, r);
     kvt_unpin(s, r);
-    kvt_wire_put_reply_t w = {
-        .pages = htole32(r->pages),
-        .new_pages = htole32(r->new_pages),
-        .stored = htole32(r->stored),
-        .skipped = htole32(r->skipped),
+    kvt_proto_put_reply_t p = {
+        .pages = r->pages,
+        .new_pages = r->new_pages,
+        .stored = r->stored,
+        .skipped = r->skipped,
     };
-    kvt__req_reply(r, &w, r->status < 0 ? 0 : sizeof w);
+    uint8_t w[sizeof(kvt_wire_put_reply_t)];
+    kvt_proto_put_reply_encode(w, &p);
+    kvt__req_reply(r, w, r->status < 0 ? 0 : sizeof w);
     kvt__req_finish(r);
 }
 
@@ -1382,14 +1384,9 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         uint32_t n = (uint32_t)KVT_MIN((size_t)(r->end - r->cur),
                                        KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
         r->out_off = r->out_len = 0;
-        if (n * hdr > r->out_cap) {
-            uint8_t *np = realloc(r->out, n * hdr);
-            if (!np) {
-                r->status = KVT_ENOMEM;
-                goto end;
-            }
-            r->out = np;
-            r->out_cap = n * hdr;
+        if (kvt_reserve(&r->out, &r->out_cap, n * hdr, 1, 4096) < 0) {
+            r->status = KVT_ENOMEM;
+            goto end;
         }
         r->ios = calloc(n, sizeof *r->ios);
         r->segs = calloc(2 * (size_t)n, sizeof *r->segs);
@@ -1411,8 +1408,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
             uint8_t *f = r->out + (size_t)i * hdr;
             kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
                             (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
-            kvt_wire_get_data_t d = {.page = htole32(r->cur), .tier = b->tier};
-            memcpy(f + KVT_PROTO_HDR, &d, sizeof d);
+            kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->cur, b->tier);
             r->segs[2 * i] = (kvt__seg_t){.off = (size_t)i * hdr, .len = hdr};
             x->tier = b->tier;
             int rc = kvt_busy_inc(s, x->io.key.hash);
@@ -1459,11 +1455,12 @@ end:;
     /* The final frame: status, and how many pages went out before it. */
     if (r->ios)
         kvt_get_release_batch(s, r);
-    kvt_wire_get_end_t e = {.npages = htole32(r->sent)};
+    uint8_t e[sizeof(kvt_wire_get_end_t)];
+    kvt_proto_get_end_encode(e, r->sent);
     r->status = kvt_tier_failure(r->status);
     kvt_unpin(s, r);
     r->out_off = r->out_len = 0;
-    kvt__req_reply(r, &e, sizeof e);
+    kvt__req_reply(r, e, sizeof e);
     kvt__req_finish(r);
     return 0;
 }
@@ -1498,14 +1495,16 @@ static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
         moved = (at > r->resident ? at - r->resident : 0) + busy;
     }
     uint32_t failed = r->pages - KVT_MIN(r->pages, r->resident + moved);
-    kvt_wire_prefetch_reply_t w = {
-        .pages = htole32(r->pages),
-        .moved = htole32(moved),
-        .resident = htole32(r->resident),
-        .failed = htole32(failed),
+    kvt_proto_prefetch_reply_t p = {
+        .pages = r->pages,
+        .moved = moved,
+        .resident = r->resident,
+        .failed = failed,
     };
+    uint8_t w[sizeof(kvt_wire_prefetch_reply_t)];
+    kvt_proto_prefetch_reply_encode(w, &p);
     r->replied = 1;
-    kvt__req_reply(r, &w, r->status < 0 ? 0 : sizeof w);
+    kvt__req_reply(r, w, r->status < 0 ? 0 : sizeof w);
 }
 
 #define KVT_PREFETCH_ROUNDS 16

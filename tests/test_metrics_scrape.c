@@ -4,7 +4,7 @@
  * move with the requests (lookups, looked-up tokens, hits per tier, miss reasons, request
  * histograms, protocol errors), /healthz answers, and other paths get 404/405.
  */
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 #define PAGE 16

@@ -8,7 +8,7 @@
 #include <pthread.h>
 
 #include "../common/common.h"
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 #include "test_thp.h"
 
