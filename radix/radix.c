@@ -1054,16 +1054,24 @@ uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns)
     return t && ns_live(t, ns) ? t->ns[ns].seed : 0;
 }
 
-int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
-                         uint64_t *hashes)
+int kvt_radix_hash_chain(const kvt_radix_t *t, uint32_t ns, uint64_t parent, const uint32_t *tokens,
+                         size_t npages, uint64_t *hashes)
 {
     if (!t || !ns_live(t, ns) || (npages && (!tokens || !hashes)))
         return KVT_EINVAL;
     uint32_t ps = t->ns[ns].page_size;
-    uint64_t h = t->ns[ns].seed;
+    uint64_t h = parent;
     for (size_t i = 0; i < npages; i++)
         hashes[i] = h = page_hash(tokens + i * ps, ps, h);
     return 0;
+}
+
+int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
+                         uint64_t *hashes)
+{
+    if (!t || !ns_live(t, ns))
+        return KVT_EINVAL;
+    return kvt_radix_hash_chain(t, ns, t->ns[ns].seed, tokens, npages, hashes);
 }
 
 /* ---- match ---------------------------------------------------------------------------------- */

@@ -181,6 +181,11 @@ uint32_t kvt_radix_clock(const kvt_radix_t *t);
  * remote probe asks for beyond the local match. Returns 0 or KVT_EINVAL. */
 int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
                          uint64_t *hashes);
+/* The same chain continued from parent, the hash of the page before tokens[0] (the namespace's
+ * seed when tokens[0] starts page 0): what follows a matched path of which only the last page's
+ * hash is known (kvt_radix_block_hash), without hashing the path again. 0 or KVT_EINVAL. */
+int kvt_radix_hash_chain(const kvt_radix_t *t, uint32_t ns, uint64_t parent, const uint32_t *tokens,
+                         size_t npages, uint64_t *hashes);
 
 /*
  * The result of a match: the deepest node reached and how far. The path is every page of the

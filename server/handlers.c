@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
 
 #include "config.h" /* KVT_VERSION */
 
@@ -461,8 +460,8 @@ static int kvt_pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *
     return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
 }
 
-static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint8_t *wire_tokens,
-                            uint32_t ntokens, uint32_t page, const uint8_t *tiers, int remote_down)
+static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, uint32_t ntokens,
+                            uint32_t page, const uint8_t *tiers, int remote_down)
 {
     kvt_metrics_t *mt = s->metrics;
     kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
@@ -490,11 +489,11 @@ static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint8_t *wire_to
         /* The first page not matched names the reason for the whole rest: was it ever here? */
         kvt_miss_reason_t why = KVT_MISS_REMOTE_UNREACHABLE;
         if (!remote_down) {
-            uint64_t seed = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
-                                     : kvt_radix_ns_seed(s->radix, m->ns);
-            uint64_t next = XXH3_64bits_withSeed(wire_tokens + (size_t)m->pages * page * 4,
-                                                 (size_t)page * 4, seed);
-            next = next ? next : 1; /* radix.h: a hash of 0 is stored as 1 */
+            uint64_t parent = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
+                                       : kvt_radix_ns_seed(s->radix, m->ns);
+            uint64_t next = 0;
+            kvt_radix_hash_chain(s->radix, m->ns, parent, tokens + (size_t)m->pages * page, 1,
+                                 &next);
             why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
         }
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
@@ -507,8 +506,7 @@ typedef struct kvt_match_q {
     uint32_t lease_ms;
     uint64_t engine_id;
     uint32_t ntokens;
-    uint32_t page;       /* the namespace's page size when asked (a HELLO may change c's) */
-    const uint8_t *wire; /* the tokens as they came (little-endian) */
+    uint32_t page; /* the namespace's page size when asked (a HELLO may change c's) */
     const uint32_t *tokens;
     uint32_t gone; /* kvt__store_check_path: pages from here on are reported index-only */
 } kvt_match_q_t;
@@ -538,7 +536,7 @@ static int kvt_match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t
     if (q->gone < m->pages)
         memset(tiers + q->gone, KVT_TIER_NONE, m->pages - q->gone);
     if (!(q->flags & KVT_MATCH_F_PROBE))
-        kvt_count_match(s, m, q->wire, q->ntokens, q->page, tiers, remote_down);
+        kvt_count_match(s, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
     uint64_t lease = 0;
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
@@ -609,7 +607,6 @@ typedef struct kvt_rprobe {
     kvt_proto_hints_t hints; /* for the policy, told once the probe has answered */
     uint32_t local_pages;
     uint32_t *tokens;
-    uint8_t *wire;
     kvt_block_key_t keys[KVT_TIER_PROBE_MAX];
 } kvt_rprobe_t;
 
@@ -709,7 +706,7 @@ static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0
     if (!remote || whole <= m->pages || kvt__ns_get(s, c->ns, &nsr) < 0 || !nsr->block_bytes)
         return 0;
     uint32_t n = KVT_MIN(whole - m->pages, KVT_TIER_PROBE_MAX);
-    kvt_rprobe_t *x = calloc(1, sizeof *x + (size_t)q->ntokens * 8);
+    kvt_rprobe_t *x = calloc(1, sizeof *x + (size_t)q->ntokens * 4);
     kvt__req_t *r = x ? kvt__req_new(c, KVT_REQ_PLAIN, h->opcode, h->request_id, t0) : NULL;
     if (!r) {
         free(x);
@@ -723,23 +720,18 @@ static int kvt_probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0
     x->hints = *hints;
     x->local_pages = m->pages;
     x->tokens = (uint32_t *)(x + 1);
-    x->wire = (uint8_t *)(x->tokens + q->ntokens);
     memcpy(x->tokens, q->tokens, (size_t)q->ntokens * 4);
-    memcpy(x->wire, q->wire, (size_t)q->ntokens * 4);
     x->q.tokens = x->tokens;
-    x->q.wire = x->wire;
     uint64_t seed = kvt_radix_ns_seed(s->radix, c->ns);
     uint64_t prev = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1) : seed;
+    uint64_t hashes[KVT_TIER_PROBE_MAX];
+    kvt_radix_hash_chain(s->radix, c->ns, prev, x->tokens + (size_t)m->pages * page, n, hashes);
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t pg = m->pages + i;
-        uint64_t hh = XXH3_64bits_withSeed(x->wire + (size_t)pg * page * 4, (size_t)page * 4, prev);
-        hh = hh ? hh : 1;
         x->keys[i] = (kvt_block_key_t){.ns_seed = seed,
-                                       .hash = hh,
-                                       .parent = prev,
-                                       .tokens = x->tokens + (size_t)pg * page,
+                                       .hash = hashes[i],
+                                       .parent = i ? hashes[i - 1] : prev,
+                                       .tokens = x->tokens + (size_t)(m->pages + i) * page,
                                        .ntokens = page};
-        prev = hh;
     }
     x->probe.keys = x->keys;
     x->probe.n = n;
@@ -785,7 +777,6 @@ static int kvt_h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
                         .engine_id = q.hints.engine_request_id,
                         .ntokens = q.ntokens,
                         .page = c->page_size,
-                        .wire = q.tokens,
                         .tokens = c->tok,
                         /* blocks NVMe dropped by itself are not reported stored */
                         .gone = kvt__store_check_path(s, &m)};

@@ -259,6 +259,12 @@ Test(radix_ops, chain_hashes_are_lazy_and_match_hash_pages)
     kvt_match_t m;
     cr_assert_eq(kvt_radix_match(tree, ns, a, 10 * PS, 0, &m), 0);
     cr_expect_eq(kvt_radix_block_hash(tree, m.node, 9), ha[9]);
+    /* A chain continued from a known page's hash is the same chain. */
+    uint64_t hc[4];
+    cr_assert_eq(kvt_radix_hash_chain(tree, ns, hb[5], b + 6 * PS, 4, hc), 0);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(hc[i], hb[6 + i]);
+    cr_expect_eq(kvt_radix_hash_chain(tree, ns + 7, 0, b, 1, hc), KVT_EINVAL);
     /* Two trees in two processes name the same prefix the same way. */
     kvt_radix_t *t;
     uint32_t id;
