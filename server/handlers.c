@@ -1038,15 +1038,20 @@ static int kvt_h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, NULL, 0);
 }
 
+/* STATS: the same series as /metrics (metrics.h's table, kvt__metrics_each), as name/value
+ * entries in a buffer that grows as they come. */
 typedef struct kvt_statbuf {
-    uint8_t buf[4096];
-    size_t len;
+    uint8_t *buf;
+    size_t len, cap;
 } kvt_statbuf_t;
 
-static void kvt_stat(kvt_statbuf_t *b, const char *name, uint64_t v)
+static int kvt_stat(void *arg, const char *name, uint64_t v)
 {
-    kvt_proto_stat_encode(b->buf, sizeof b->buf, &b->len, name,
-                          v); /* one that does not fit: left out */
+    kvt_statbuf_t *b = arg;
+    while (kvt_proto_stat_encode(b->buf, b->cap, &b->len, name, v) < 0)
+        if (kvt_reserve(&b->buf, &b->cap, b->cap * 2, 1, 4096) < 0)
+            return KVT_ENOMEM;
+    return 0;
 }
 
 static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
@@ -1057,64 +1062,21 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
                                 "STATS takes an empty body");
     }
-    kvt_statbuf_t b = {.len = 4}; /* the count, at buf[0], starts at 0 */
-    kvt_radix_stats_t rs;
-    kvt_radix_stats(s->radix, &rs);
-    kvt_stat(&b, "uptime_ms", (kvt_now_ns() - s->started_ns) / 1000000);
-    kvt_stat(&b, "connections", s->nconns);
-    kvt_stat(&b, "client_bytes", s->client_bytes);
-    kvt_stat(&b, "client_memory_waits",
-             (uint64_t)kvt__metric_get(s->metrics, KVT_M_CLIENT_MEMORY_WAITS, 0));
-    kvt_stat(&b, "index_nodes", rs.nodes);
-    kvt_stat(&b, "index_blocks", rs.blocks);
-    kvt_stat(&b, "index_bytes", rs.bytes);
-    kvt_stat(&b, "index_cached_tokens", rs.cached_tokens);
-    kvt_stat(&b, "leases", rs.leases);
-    kvt_stat(&b, "namespaces", rs.namespaces);
-    kvt_stat(&b, "lookups", (uint64_t)kvt__metric_get(s->metrics, KVT_M_LOOKUPS, 0));
-    kvt_stat(&b, "lookup_tokens", (uint64_t)kvt__metric_get(s->metrics, KVT_M_LOOKUP_TOKENS, 0));
-    char name[64];
-    for (int t = 0; t < KVT_TIER_COUNT; t++) {
-        snprintf(name, sizeof name, "hit_tokens_%s", kvt_tier_name((kvt_tier_id_t)t));
-        kvt_stat(&b, name, (uint64_t)kvt__metric_get(s->metrics, KVT_M_HIT_TOKENS, (unsigned)t));
-        if (!s->tiers[t])
-            continue;
-        kvt_tier_usage_t u;
-        kvt_tier_usage(s->tiers[t], &u);
-        snprintf(name, sizeof name, "%s_capacity_bytes", kvt_tier_name((kvt_tier_id_t)t));
-        kvt_stat(&b, name, u.capacity_bytes);
-        snprintf(name, sizeof name, "%s_used_bytes", kvt_tier_name((kvt_tier_id_t)t));
-        kvt_stat(&b, name, u.used_bytes);
-        snprintf(name, sizeof name, "%s_blocks", kvt_tier_name((kvt_tier_id_t)t));
-        kvt_stat(&b, name, u.blocks);
+    kvt__tier_metrics(s); /* the gauges a scrape refreshes first */
+    kvt_statbuf_t b = {0};
+    int rc = kvt_reserve(&b.buf, &b.cap, 8192, 1, 8192);
+    if (rc == 0) {
+        memset(b.buf, 0, 4); /* the count */
+        b.len = 4;
+        rc = kvt__metrics_each(s->metrics, kvt_stat, &b);
     }
-    if (s->tiers[KVT_TIER_NVME] && s->conf->nvme_recover) {
-        static const char *const outcome[KVT_RECOVERY_COUNT] = {
-            "nvme_recovery_inserted", "nvme_recovery_torn", "nvme_recovery_stale",
-            "nvme_recovery_orphans", "nvme_recovery_removed"};
-        for (unsigned k = 0; k < KVT_RECOVERY_COUNT; k++)
-            kvt_stat(&b, outcome[k], (uint64_t)kvt__metric_get(s->metrics, KVT_M_NVME_RECOVERY, k));
-        kvt_stat(&b, "nvme_recovery_gaps",
-                 (uint64_t)kvt__metric_get(s->metrics, KVT_M_NVME_RECOVERY_GAPS, 0));
+    if (rc < 0) {
+        free(b.buf);
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     }
-    static const char *const put[KVT_PUT_COUNT] = {"put_pages_stored", "put_pages_cached",
-                                                   "put_pages_no_room", "put_pages_failed"};
-    for (unsigned k = 0; k < KVT_PUT_COUNT; k++)
-        kvt_stat(&b, put[k], (uint64_t)kvt__metric_get(s->metrics, KVT_M_PUT_PAGES, k));
-    kvt_stat(&b, "put_room_pages", (uint64_t)kvt__metric_get(s->metrics, KVT_M_PUT_ROOM, 0));
-    uint64_t perr = 0;
-    for (unsigned k = 0; k < KVT_PERR_COUNT; k++)
-        perr += (uint64_t)kvt__metric_get(s->metrics, KVT_M_PROTOCOL_ERRORS, k);
-    kvt_stat(&b, "protocol_errors", perr);
-    if (s->policy) {
-        kvt_policy_stats_t ps;
-        kvt_policy_stats(s->policy, &ps);
-        kvt_stat(&b, "policy_rebuilds", ps.rebuilds);
-        kvt_stat(&b, "policy_sweeps", ps.sweeps);
-        kvt_stat(&b, "policy_pin_refusals", ps.pin_refusals);
-        kvt_stat(&b, "policy_index_drops", ps.pages_dropped_for_index);
-    }
-    return kvt__reply(c, h->opcode, h->request_id, t0, 0, b.buf, (uint32_t)b.len);
+    rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, b.buf, (uint32_t)b.len);
+    free(b.buf);
+    return rc;
 }
 
 int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)

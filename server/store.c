@@ -985,6 +985,9 @@ void kvt__tier_metrics(kvt_srv_t *s)
     kvt__metric_set(s->metrics, KVT_M_INDEX_BLOCKS, 0, (double)rs.blocks);
     kvt__metric_set(s->metrics, KVT_M_INDEX_BYTES, 0, (double)rs.bytes);
     kvt__metric_set(s->metrics, KVT_M_INDEX_CAPACITY, 0, (double)s->conf->index_bytes);
+    kvt__metric_set(s->metrics, KVT_M_INDEX_NODES, 0, (double)rs.nodes);
+    kvt__metric_set(s->metrics, KVT_M_INDEX_CACHED_TOKENS, 0, (double)rs.cached_tokens);
+    kvt__metric_set(s->metrics, KVT_M_UPTIME, 0, (double)(kvt_now_ns() - s->started_ns) / 1e9);
     kvt__metric_set(s->metrics, KVT_M_LOG_SUPPRESSED, 0, (double)kvt_log_suppressed());
 #if KVT_HAVE_REMOTE
     if (s->tiers[KVT_TIER_REMOTE]) {
@@ -1000,6 +1003,10 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt_policy_stats_t ps;
         kvt_policy_stats(s->policy, &ps);
         kvt__metric_set(s->metrics, KVT_M_PIN_REFUSALS, 0, (double)ps.pin_refusals);
+        kvt__metric_set(s->metrics, KVT_M_POLICY_REBUILDS, 0, (double)ps.rebuilds);
+        kvt__metric_set(s->metrics, KVT_M_POLICY_SWEEPS, 0, (double)ps.sweeps);
+        kvt__metric_set(s->metrics, KVT_M_POLICY_INDEX_DROPS, 0,
+                        (double)ps.pages_dropped_for_index);
     }
     kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)rs.leases);
     kvt__metric_set(s->metrics, KVT_M_NAMESPACES, 0, (double)rs.namespaces);
