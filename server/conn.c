@@ -247,9 +247,9 @@ void kvt__conn_close(kvt__conn_t *c)
         if (r->pending > 0) {
             r->conn = NULL; /* an orphan: frees itself when its I/O completes */
         } else {
-            if (r->kind == KVT_REQ_GET && !r->done)
-                kvt__store_get_abort(s, r); /* a batch waiting for the socket */
-            if (r->lease) /* a PREFETCH waiting for others' moves still pins its path */
+            if (r->src && !r->done)
+                r->src->abort(r); /* a GET's batch waiting for the socket, say */
+            if (r->lease)         /* a PREFETCH waiting for others' moves still pins its path */
                 kvt_radix_release(s->radix, r->lease);
             kvt__req_free(r);
         }
@@ -441,17 +441,8 @@ static int kvt_conn_write(kvt__conn_t *c)
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
         for (kvt__req_t *r = c->head; r && n < KVT_IOV_MAX; r = r->next) {
-            if (r->nsegs) {
-                /* A GET batch: its frames from where the bytes are (store.c). */
-                if (!r->segs_ready)
-                    break;
-                for (uint32_t k = r->seg_i; k < r->nsegs && n < KVT_IOV_MAX; k++) {
-                    const kvt__seg_t *g = &r->segs[k];
-                    size_t skip = k == r->seg_i ? r->seg_off : 0;
-                    iov[n].iov_base = (uint8_t *)(g->ptr ? g->ptr : r->out + g->off) + skip;
-                    iov[n].iov_len = g->len - skip;
-                    n++;
-                }
+            if (r->src) { /* what it has ready, and nothing after it */
+                n += r->src->iov(r, iov + n, KVT_IOV_MAX - n);
                 break;
             }
             if (r->out_len > r->out_off) {
@@ -464,11 +455,8 @@ static int kvt_conn_write(kvt__conn_t *c)
         }
         if (n == 0) {
             kvt__req_t *r = c->head;
-            if (r && r->nsegs && r->segs_ready && r->seg_i == r->nsegs) {
-                /* The GET batch is out: the next one, or its end frame. */
-                kvt__store_get_batch(c->srv, r);
-                continue;
-            }
+            if (r && r->src && r->src->drained(r))
+                continue; /* its next part, or its final frame, is there now */
             break;
         }
         ssize_t w = writev(c->ev.fd, iov, n);
@@ -489,18 +477,9 @@ static int kvt_conn_write(kvt__conn_t *c)
             kvt__req_t *r = c->head;
             if (!r)
                 break;
-            if (r->nsegs) {
-                while (left > 0 && r->seg_i < r->nsegs) {
-                    size_t have = r->segs[r->seg_i].len - r->seg_off;
-                    size_t t = KVT_MIN(have, left);
-                    r->seg_off += t;
-                    left -= t;
-                    if (r->seg_off == r->segs[r->seg_i].len) {
-                        r->seg_i++;
-                        r->seg_off = 0;
-                    }
-                }
-                break; /* the batch's end is handled at the top of the loop */
+            if (r->src) {
+                r->src->wrote(r, left);
+                break; /* when all it offered is out, drained (at the top of the loop) says more */
             }
             size_t take = KVT_MIN(r->out_len - r->out_off, left);
             r->out_off += take;
@@ -747,8 +726,9 @@ void kvt__conn_kick(kvt__conn_t *c)
         want |= EPOLLIN;
     int unsent = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
-        if (r->nsegs) {
-            unsent = r->segs_ready && r->seg_i < r->nsegs;
+        if (r->src) {
+            struct iovec one;
+            unsent = r->src->iov(r, &one, 1) > 0;
             break;
         }
         if (r->out_len > r->out_off) {

@@ -103,6 +103,29 @@ typedef struct kvt__seg {
     size_t off, len;
 } kvt__seg_t;
 
+struct iovec;
+
+/*
+ * A reply source: where a request's reply bytes come from while they are not (all) in its out
+ * buffer, such as a GET's batch (frame heads in out, payloads in tier memory or read buffers).
+ * The connection's writer knows frames and buffers, not operations: it writes a request's out
+ * buffer, or, while the request has a source, what the source offers, and tells it what went.
+ *
+ *   iov      up to max pieces ready to be written now, in order; 0 when none is (yet)
+ *   wrote    n bytes of what iov offered were written
+ *   drained  called when the request is at the head and iov offers nothing: the source moves on
+ *            (its next part, or its final frame into out with the source cleared) and returns 1,
+ *            or returns 0 while it waits for I/O (whose completion kicks the connection)
+ *   abort    the connection closes with the reply unfinished and no I/O in flight: give back
+ *            what the source holds (its buffers, the pins on the blocks it sends from)
+ */
+typedef struct kvt__reply_src {
+    int (*iov)(kvt__req_t *r, struct iovec *iov, int max);
+    void (*wrote)(kvt__req_t *r, size_t n);
+    int (*drained)(kvt__req_t *r);
+    void (*abort)(kvt__req_t *r);
+} kvt__reply_src_t;
+
 struct kvt__req {
     kvt__req_t *next;
     kvt_srv_t *srv;
@@ -115,7 +138,8 @@ struct kvt__req {
     uint64_t t0;     /* arrival, for the latency histogram */
     uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
     size_t out_len, out_cap, out_off;
-    uint32_t pending; /* tier I/Os in flight */
+    const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
+    uint32_t pending;            /* tier I/Os in flight */
     int status;
 
     /* PUT, GET and PREFETCH */
@@ -357,8 +381,6 @@ void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32
                     kvt_block_key_t *key);
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
-/* A GET whose connection closed with nothing in flight: gives back its batch and its lease. */
-void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
 /* Evicts index-only pages (no bytes in any tier), least recently used first, until the index has

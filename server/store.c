@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <xxhash.h>
 
 #define KVT_GET_BATCH_BYTES (8u << 20) /* GET reads at most this much ahead of the socket */
@@ -1312,7 +1313,7 @@ static void kvt_get_read_done(kvt_tier_io_t *io)
  * go meanwhile: the request's lease pins the path against eviction and removal, and its read
  * count (kvt_busy) keeps moves off it until the batch is written. Other tiers are read into
  * buffers of the batch first. The batch is written when every read is done; when the socket has
- * taken all of it, conn.c calls kvt__store_get_batch() again for the next one. At most
+ * taken all of it, the source's drained hook builds the next one. At most
  * KVT_GET_BATCH_BYTES are referenced at a time.
  *
  * Called with nothing in flight: after the request is set up, when the batch's last read (or
@@ -1334,14 +1335,59 @@ static void kvt_get_release_batch(kvt_srv_t *s, kvt__req_t *r)
     r->segs = NULL;
     r->nsegs = r->seg_i = r->seg_off = 0;
     r->segs_ready = 0;
+    r->src = NULL;
 }
 
-void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r)
+/* The GET as a reply source (server.h): its batch's frames from where their bytes are. */
+static int kvt_get_iov(kvt__req_t *r, struct iovec *iov, int max)
+{
+    int n = 0;
+    if (!r->segs_ready)
+        return 0; /* reads still in flight */
+    for (uint32_t k = r->seg_i; k < r->nsegs && n < max; k++) {
+        const kvt__seg_t *g = &r->segs[k];
+        size_t skip = k == r->seg_i ? r->seg_off : 0;
+        iov[n].iov_base = (uint8_t *)(g->ptr ? g->ptr : r->out + g->off) + skip;
+        iov[n].iov_len = g->len - skip;
+        n++;
+    }
+    return n;
+}
+
+static void kvt_get_wrote(kvt__req_t *r, size_t left)
+{
+    while (left > 0 && r->seg_i < r->nsegs) {
+        size_t t = KVT_MIN(r->segs[r->seg_i].len - r->seg_off, left);
+        r->seg_off += t;
+        left -= t;
+        if (r->seg_off == r->segs[r->seg_i].len) {
+            r->seg_i++;
+            r->seg_off = 0;
+        }
+    }
+}
+
+static int kvt_get_drained(kvt__req_t *r)
+{
+    if (!r->segs_ready || r->seg_i < r->nsegs)
+        return 0;
+    kvt__store_get_batch(r->srv, r); /* the batch is out: the next one, or the end frame */
+    return 1;
+}
+
+static void kvt_get_abort(kvt__req_t *r)
 {
     if (r->ios)
-        kvt_get_release_batch(s, r);
-    kvt_unpin(s, r);
+        kvt_get_release_batch(r->srv, r);
+    kvt_unpin(r->srv, r);
 }
+
+static const kvt__reply_src_t kvt_get_src = {
+    .iov = kvt_get_iov,
+    .wrote = kvt_get_wrote,
+    .drained = kvt_get_drained,
+    .abort = kvt_get_abort,
+};
 
 /* A tier's error as a client reads it in a GET's end frame: the remote tier's EPROTO (its server
  * answered something malformed) would tell the client that its own frame was malformed; to it,
@@ -1376,7 +1422,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         if (r->conn && r->nsegs) {
             kvt__out_add(r->conn, (int64_t)bytes);
             kvt__conn_kick(r->conn);
-            return 0; /* conn.c calls back when the socket has taken it */
+            return 0; /* drained calls back when the socket has taken it */
         }
     }
     if (r->ios)
@@ -1397,6 +1443,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         }
         r->ios = calloc(n, sizeof *r->ios);
         r->segs = calloc(2 * (size_t)n, sizeof *r->segs);
+        r->src = &kvt_get_src;
         if (!r->ios || !r->segs) {
             r->status = KVT_ENOMEM;
             goto end;
