@@ -768,7 +768,7 @@ void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next; /* a closed one keeps its link until the reap */
         if (!c->gone)
-            kvt__store_deadlines(c, now);
+            kvt__ops_deadlines(c, now);
     }
 }
 

@@ -342,21 +342,106 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
 void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now);
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind);
 
-/* handlers.c */
+/* dispatch.c: a whole frame to its operation, and what every operation's handler shares. */
 /* Handles one frame (header and body). Returns 0, or a negative code when the connection must
  * close after the queued replies are written. */
 int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
-void kvt__lease_drop_all(kvt__conn_t *c);
-/* A REMOVE waiting for moves and requests on its prefix: tries again. Returns 1 when it was
- * answered (removed, gone, held by a lease, or past its deadline). */
-int kvt__remove_retry(kvt__req_t *r, uint64_t now);
-void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
+/* Requests' deadlines on c: a REMOVE or PREFETCH waiting for others' moves tries again, a
+ * PREFETCH past its deadline answers with what moved. */
+void kvt__ops_deadlines(kvt__conn_t *c, uint64_t now);
+/* A malformed body: counted, answered EPROTO; returns 0 (the connection goes on). */
+int kvt__bad_body(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const char *what);
+/* 0 when c declared its namespace; otherwise answers EPROTO and returns -1. */
+int kvt__need_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0);
+/* Points c->tok at the frame's n tokens in host order (valid until the next frame). 0 or
+ * KVT_ENOMEM. */
+int kvt__tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n);
+/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
+ * when the lease table would grow past index-bytes. */
+int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease);
+
+/* The operations' handlers (auth.c, lease.c, op_*.c): each decodes its body, answers at once
+ * or queues a request; 0, or a negative code when the connection must close. */
+int kvt__h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+
+/* auth.c: AUTH, and the wait line wrong secrets are throttled through. */
 /* Every tick: AUTHs waiting for auth-failures-per-s are answered as its tokens allow. */
 void kvt__auth_tick(kvt_srv_t *s, uint64_t now);
 
-/* store.c: KV bytes in the tiers */
+/* lease.c: the leases connections hold on matched paths. */
+int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l);
+/* Pins the lease's NVMe blocks against segment reclaim (best effort), and lets them go. */
+void kvt__lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m);
+void kvt__lease_unpin(kvt_srv_t *s, kvt__lease_t *l);
+/* c's lease id, or NULL (a stale id, or another connection's lease). */
+kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id);
+void kvt__lease_drop_all(kvt__conn_t *c);
+void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
+
+/* op_match.c and op_probe.c: MATCH, and its remote probe for the pages after a local match. */
+/* What a MATCH asked for, kept while a remote probe runs. */
+typedef struct kvt__match_q {
+    uint16_t flags;
+    uint32_t lease_ms;
+    uint64_t engine_id;
+    uint32_t ntokens;
+    uint32_t page; /* the namespace's page size when asked (a HELLO may change c's) */
+    const uint32_t *tokens;
+    uint32_t gone; /* kvt__store_check_path: pages from here on are reported index-only */
+} kvt__match_q_t;
+/* Answers a MATCH for m: tiers per page, counters, the lease if asked for; r is NULL for an answer
+ * given at once, else the request that waited for the probe. */
+int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, uint64_t t0,
+                      const kvt__match_q_t *q, kvt_match_t *m, uint32_t remote_pages,
+                      int remote_down);
+/* Starts a remote probe for the pages after m; returns 1 when the reply will come later. */
+int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const kvt__match_q_t *q,
+                     const kvt_match_t *m, const kvt_proto_hints_t *hints, int *down);
+
+/* op_remove.c */
+/* A REMOVE waiting for moves and requests on its prefix: tries again. Returns 1 when it was
+ * answered (removed, gone, held by a lease, or past its deadline). */
+int kvt__remove_retry(kvt__req_t *r, uint64_t now);
+
+/* op_put.c, op_get.c, op_prefetch.c: the state machines of the operations with tier I/O. */
+int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
+int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
+int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
+/* A move r asked for landed (exec.c reports it). */
+void kvt__prefetch_moved(kvt_srv_t *s, kvt__req_t *r);
+/* r's deadline and waits (kvt__ops_deadlines); 1 when it was answered (the kick may have freed
+ * the connection), 0 otherwise. */
+int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now);
+
+/* tierio.c: a request's tier I/Os. */
+/* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
+void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
+                    kvt_block_key_t *key);
+kvt__io_t *kvt__io_new(kvt_srv_t *s, kvt__req_t *r, uint32_t depth);
+void kvt__io_started(kvt_srv_t *s, kvt__req_t *r);
+/* One I/O of r done: counted; returns 1 when it was r's last in flight. */
+int kvt__io_finished(kvt_srv_t *s, kvt__io_t *x, int status, int write);
+/* Releases the lease r took on its path. */
+void kvt__unpin(kvt_srv_t *s, kvt__req_t *r);
+/* A tier's error as a client reads it (a remote EPROTO is a failed I/O to it). */
+int kvt__tier_failure(int rc);
+
+/* store.c: the tiers and the policy, opened from the configuration and closed. */
 int kvt__store_open(kvt_srv_t *s);
 void kvt__store_close(kvt_srv_t *s);
+void kvt__tier_metrics(kvt_srv_t *s);
+
+/* exec.c: the policy's executor: moves, adopt, frees, the busy table, lost blocks. */
+/* What the policy calls to act (policy.h's kvt_policy_ops_t), with the kvt_srv_t as its arg. */
+extern const kvt_policy_ops_t kvt__exec_ops;
+/* After the tiers are destroyed: the moves in flight, deferred frees and read counts go. */
+void kvt__exec_close(kvt_srv_t *s);
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
 void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n);
 /* A block its tier lost by itself (an NVMe segment reclaim dropped it, the remote server evicted
@@ -375,18 +460,35 @@ typedef struct kvt__busy {
     uint64_t hash; /* 0 = empty */
     uint32_t count;
 } kvt__busy_t;
-void kvt__store_deadlines(kvt__conn_t *c, uint64_t now);
-/* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
-void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
-                    kvt_block_key_t *key);
-int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
-int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
-int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
+/* Reads in flight per block hash: a block being read is never moved. inc: 0 or KVT_ENOMEM. */
+int kvt__busy_inc(kvt_srv_t *s, uint64_t h);
+void kvt__busy_dec(kvt_srv_t *s, uint64_t h);
+/* Frees a tier location, or defers it while reads of block hash are in flight; discard: for
+ * good (a REMOVE's: the block must not come back at a restart). */
+void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
+                   int discard);
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
+/* The policy's maintenance step (promotions, demotions, drops) and the index trim, bounded; the
+ * loop calls it after every batch of events. */
+void kvt__store_step(kvt_srv_t *s);
+/* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
+void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
+/* A MATCH's use of its path, for the policy's reuse counters and promotions. */
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
+/* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
+ * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
+ * (no room in its accounting, order) are freed in the tier and left index-only. Returns the
+ * pages adopted. */
+uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h);
+
+/* index.c: the index budget (index-bytes). */
 /* Evicts index-only pages (no bytes in any tier), least recently used first, until the index has
  * allocated at most target bytes or budget pages went; through the policy when there is one.
  * Returns the pages evicted. */
 uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget);
+/* The trim of the maintenance step: from above the high mark down to the low one, bounded. */
+void kvt__index_step(kvt_srv_t *s);
 /* Whether need more bytes of index fit under index-bytes as the index is (nothing always fits). */
 int kvt__index_fits(const kvt_srv_t *s, uint64_t need);
 /* 0 when need more bytes fit under index-bytes, trimming the index if need be (which evicts
@@ -404,20 +506,6 @@ int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t nt
  * lease holds (the fewest pages, then the longest unused), and closes it. Returns 1 when one was
  * closed, 0 when none could be (each in use, leased, or with pages being moved). */
 int kvt__ns_evict(kvt_srv_t *s);
-void kvt__tier_metrics(kvt_srv_t *s);
-/* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
- * every batch of events. */
-void kvt__store_step(kvt_srv_t *s);
-/* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
-void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
-/* A MATCH's use of its path, for the policy's reuse counters and promotions. */
-void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
-/* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
- * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
- * (no room in its accounting, order) are freed in the tier and left index-only. Returns the
- * pages adopted. */
-uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
-                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h);
 
 /* http.c */
 int kvt__http_listen(kvt_srv_t *s, const char *addr);
