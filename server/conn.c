@@ -239,7 +239,7 @@ void kvt__conn_close(kvt__conn_t *c)
     kvt_srv_t *s = c->srv;
     if (c->gone)
         return;
-    kvt__lease_drop_all(c);
+    s->conn_ops->closing(c);
     kvt__req_t *r = c->head;
     while (r) {
         kvt__req_t *next = r->next;
@@ -519,51 +519,13 @@ static int kvt_frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
     return c->in_len - off - KVT_PROTO_HDR >= h->body_len;
 }
 
-/*
- * Before the whole MATCH frames in the input buffer go to the handlers one by one, their paths
- * through the index are asked of the memory all together (kvt_radix_warm): a match alone
- * waits for the index's cache misses one after the other, a pipelined batch can have them in
- * flight at once while the frames before are handled. bench_server, twelve alternating runs with
- * and without: kvtierd CPU per MATCH lower in ten, by about 10% (README, "Benchmarks"). The wire's
- * tokens are little-endian, the tree's host-order: only done where those are the same bytes.
- */
-static void kvt_conn_warm(kvt__conn_t *c)
-{
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    kvt_token_run_t runs[KVT_WARM_MAX];
-    size_t n = 0, off = 0;
-    if (!c->hello)
-        return;
-    /* At most 2 x KVT_WARM_MAX frames looked at: a buffer of many small other frames (which the
-     * loop may take in several turns under back-pressure) is not scanned whole each time. */
-    for (int seen = 0;
-         seen < 2 * KVT_WARM_MAX && n < KVT_WARM_MAX && c->in_len - off >= KVT_PROTO_HDR; seen++) {
-        kvt_proto_hdr_t h;
-        if (kvt_frame_at(c, off, &h) <= 0)
-            break; /* a bad header or a frame not all here: the handlers' business */
-        kvt_proto_match_t q;
-        if (h.opcode == KVT_OP_MATCH &&
-            kvt_proto_match_decode(c->in + off + KVT_PROTO_HDR, h.body_len, &q) == 0) {
-            runs[n].tokens = q.tokens;
-            runs[n].ntokens = q.ntokens;
-            n++;
-        }
-        off += KVT_PROTO_HDR + (size_t)h.body_len;
-    }
-    if (n > 1)
-        kvt_radix_warm(c->srv->radix, c->ns, runs, n);
-#else
-    (void)c;
-#endif
-}
-
 /* Hands every whole frame in the input buffer to the handlers, while the connection is allowed
  * more work. */
 static void kvt_conn_parse(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
     size_t off = 0;
-    kvt_conn_warm(c);
+    s->conn_ops->batch(c, c->in, c->in_len);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
         if (kvt_conn_held(c)) {
             if (c->inflight >= s->conf->max_inflight)
@@ -605,7 +567,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         if (rc == 0)
             break; /* the rest of it is still to come */
         c->frames++;
-        if (kvt__handle(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
+        if (s->conn_ops->frame(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
             c->closing = 1;
         if (!c->in) { /* a PUT took the buffer with its frame (kvt__conn_take_frame) */
             off = 0;
@@ -768,7 +730,7 @@ void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next; /* a closed one keeps its link until the reap */
         if (!c->gone)
-            kvt__ops_deadlines(c, now);
+            s->conn_ops->deadlines(c, now);
     }
 }
 
@@ -861,7 +823,7 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
     for (kvt__conn_t *c = s->conns; c; c = next) {
         next = c->next;
         if (!c->gone && !kvt_conn_too_slow(c, now) && !kvt_conn_timed_out(c, now))
-            kvt__lease_expire(c, now);
+            s->conn_ops->tick(c, now);
     }
     kvt__conns_deadlines(s, now);
 }

@@ -287,8 +287,8 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
             r->conn->inflight--;
     }
     kvt_move_free(s, m);
-    if (r)
-        kvt__prefetch_moved(s, r);
+    if (r && r->on_move)
+        r->on_move(s, r);
 }
 
 static void kvt_move_copied(kvt_tier_copy_t *c)

@@ -163,7 +163,8 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
                          /* blocks NVMe dropped by itself are not reported stored */
                          .gone = kvt__store_check_path(s, &m)};
     int down = 0;
-    if ((h->flags & KVT_MATCH_F_REMOTE) && kvt__probe_start(c, h, t0, &mq, &m, &q.hints, &down))
+    if ((h->flags & KVT_MATCH_F_REMOTE) &&
+        kvt__probe_start(c, h, t0, &mq, &m, &q.hints, kvt__match_answer, &down))
         return 0; /* the probe's answer tells the policy */
     if (!(h->flags & KVT_MATCH_F_PROBE))
         kvt__policy_match(s, &m, &q.hints);

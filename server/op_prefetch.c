@@ -92,7 +92,7 @@ static int kvt_prefetch_wait(kvt__req_t *r, int rc)
  * pages are still below the target (the target tier had to be emptied first: its demotions were
  * among the moves), the next round promotes what now fits, until the deadline.
  */
-void kvt__prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
+static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
 {
     if (r->pending > 0)
         return;
@@ -117,6 +117,7 @@ void kvt__prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
  */
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
 {
+    r->on_move = kvt_prefetch_moved;
     if (r->status == 0 && s->policy) {
         uint32_t busy;
         r->resident = kvt_prefetch_count(r, &busy);
@@ -128,7 +129,7 @@ int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
     }
     if (r->start_only && r->pending > 0) {
         /* START: answered now with what is on its way; more rounds start as those moves land
-         * (kvt__prefetch_moved), until the deadline, with no further reply. */
+         * (kvt_prefetch_moved), until the deadline, with no further reply. */
         kvt_prefetch_reply(s, r);
         kvt__req_finish(r);
         return 0;

@@ -18,6 +18,7 @@ typedef struct kvt_rprobe {
     uint32_t local_pages;
     uint32_t *tokens;
     kvt_block_key_t keys[KVT_TIER_PROBE_MAX];
+    kvt__match_answer_fn answer;
 } kvt_rprobe_t;
 
 static void kvt_probe_done(kvt_tier_probe_t *p)
@@ -101,12 +102,13 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
     if (!(x->q.flags & KVT_MATCH_F_PROBE))
         kvt__policy_match(s, &m, &x->hints);
     uint32_t remote = m.pages > x->local_pages ? m.pages - x->local_pages : 0;
-    kvt__match_answer(c, r, &x->hdr, r->t0, &x->q, &m, remote, down); /* kicks c */
+    x->answer(c, r, &x->hdr, r->t0, &x->q, &m, remote, down); /* kicks c */
 }
 
 /* Starts a remote probe for the pages after m; returns 1 when the reply will come later. */
 int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const kvt__match_q_t *q,
-                     const kvt_match_t *m, const kvt_proto_hints_t *hints, int *down)
+                     const kvt_match_t *m, const kvt_proto_hints_t *hints,
+                     kvt__match_answer_fn answer, int *down)
 {
     kvt_srv_t *s = c->srv;
     kvt_tier_t *remote = s->tiers[KVT_TIER_REMOTE];
@@ -124,6 +126,7 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
     r->extra = x;
     kvt__req_ns(r, c->ns);
     x->req = r;
+    x->answer = answer;
     x->hdr = *h;
     x->q = *q;
     x->hints = *hints;
@@ -153,7 +156,7 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
         if (!(q->flags & KVT_MATCH_F_PROBE))
             kvt__policy_match(s, m, hints);
         kvt_match_t lm = *m;
-        kvt__match_answer(c, r, h, t0, &x->q, &lm, 0, *down);
+        answer(c, r, h, t0, &x->q, &lm, 0, *down);
         return 1;
     }
     r->pending++;

@@ -139,7 +139,9 @@ struct kvt__req {
     uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
     size_t out_len, out_cap, out_off;
     const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
-    uint32_t pending;            /* tier I/Os in flight */
+    /* A move this request asked for (a PREFETCH's promotion) landed: exec.c tells it so. */
+    void (*on_move)(kvt_srv_t *s, kvt__req_t *r);
+    uint32_t pending; /* tier I/Os in flight */
     int status;
 
     /* PUT, GET and PREFETCH */
@@ -169,6 +171,23 @@ struct kvt__req {
     int segs_ready; /* the batch's reads are done: segs may be written */
     void *extra;    /* op-specific state (a MATCH's remote probe), freed with the request */
 };
+
+/*
+ * What a connection hands up to the operations above it (dispatch.c's kvt__dispatch_ops, set by
+ * loop.c), so that framing calls no operation by name:
+ *   batch      the input buffer before its whole frames are handled one by one (len bytes at in)
+ *   frame      one whole frame; 0, or a negative code when the connection must close
+ *   closing    c closes: what it holds beyond its requests (its leases) goes
+ *   tick       every tick, per connection (lease expiry)
+ *   deadlines  its requests' deadlines and waits, every tick and as soon as moves land
+ */
+typedef struct kvt__conn_ops {
+    void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
+    int (*frame)(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
+    void (*closing)(kvt__conn_t *c);
+    void (*tick)(kvt__conn_t *c, uint64_t now);
+    void (*deadlines)(kvt__conn_t *c, uint64_t now);
+} kvt__conn_ops_t;
 
 struct kvt__conn {
     kvt__ev_t ev;
@@ -216,6 +235,7 @@ struct kvt__conn {
 
 struct kvt_srv {
     kvt_srv_conf_t *conf;
+    const kvt__conn_ops_t *conn_ops; /* the operations above the connections */
     int epfd;
     kvt__ev_t sig_ev, unix_ev, tcp_ev, http_ev;
     kvt__ev_t tier_ev[KVT_TIER_COUNT];
@@ -268,7 +288,8 @@ struct kvt_srv {
     kvt_http_conn_t *http_gone; /* closed to make room, freed at the next tick */
 };
 
-/* loop.c */
+/* loop.c: the daemon's skeleton, the event loop and the tick (the top of server/: it may call
+ * every file; no file calls it). */
 /* Blocks SIGTERM, SIGINT and SIGHUP in the calling thread, the signals the loop's signalfd
  * takes. main calls it first thing, before any library can start a thread: a thread inherits the
  * mask of the one that starts it, so every later thread (the CUDA runtime's, any of ours) keeps
@@ -278,9 +299,11 @@ int kvt__srv_block_signals(void);
 int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf);
 int kvt__srv_run(kvt_srv_t *s);
 void kvt__srv_close(kvt_srv_t *s);
+/* ev.c: the epoll set's registrations. */
 int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 int kvt__ev_mod(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 void kvt__ev_del(kvt_srv_t *s, kvt__ev_t *ev);
+/* ns.c: the namespace table. */
 int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out);
 /* Holds namespace ns open (it stays open while it has users) or lets it go. */
 void kvt__ns_use(kvt_srv_t *s, uint32_t ns);
@@ -342,7 +365,8 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
 void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now);
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind);
 
-/* dispatch.c: a whole frame to its operation, and what every operation's handler shares. */
+/* dispatch.c: a whole frame to its operation (the connections' kvt__conn_ops_t). */
+extern const kvt__conn_ops_t kvt__dispatch_ops;
 /* Handles one frame (header and body). Returns 0, or a negative code when the connection must
  * close after the queued replies are written. */
 int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
@@ -400,9 +424,16 @@ typedef struct kvt__match_q {
 int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, uint64_t t0,
                       const kvt__match_q_t *q, kvt_match_t *m, uint32_t remote_pages,
                       int remote_down);
-/* Starts a remote probe for the pages after m; returns 1 when the reply will come later. */
+/* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
+ * does not call back up into it. */
+typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,
+                                    uint64_t t0, const kvt__match_q_t *q, kvt_match_t *m,
+                                    uint32_t remote_pages, int remote_down);
+/* Starts a remote probe for the pages after m; returns 1 when the reply will come later (through
+ * answer, in the request's place in the queue). */
 int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const kvt__match_q_t *q,
-                     const kvt_match_t *m, const kvt_proto_hints_t *hints, int *down);
+                     const kvt_match_t *m, const kvt_proto_hints_t *hints,
+                     kvt__match_answer_fn answer, int *down);
 
 /* op_remove.c */
 /* A REMOVE waiting for moves and requests on its prefix: tries again. Returns 1 when it was
@@ -413,8 +444,6 @@ int kvt__remove_retry(kvt__req_t *r, uint64_t now);
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
-/* A move r asked for landed (exec.c reports it). */
-void kvt__prefetch_moved(kvt_srv_t *s, kvt__req_t *r);
 /* r's deadline and waits (kvt__ops_deadlines); 1 when it was answered (the kick may have freed
  * the connection), 0 otherwise. */
 int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now);
@@ -513,7 +542,7 @@ void kvt__http_close(kvt_srv_t *s);
 /* Every tick: scrape connections past their time (5 s) are closed. */
 void kvt__http_tick(kvt_srv_t *s, uint64_t now);
 
-/* Sockets (loop.c): host:port parsing and listening. */
+/* net.c: host:port parsing and listening TCP sockets. */
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);
 int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen);
 
