@@ -23,12 +23,12 @@
 static void kvt_auth_refill(kvt_srv_t *s, uint64_t now)
 {
     double rate = s->conf->auth_failures_per_s;
-    if (s->auth_refill_ns == 0)
-        s->auth_tokens = rate; /* the bucket starts full */
-    else if (now > s->auth_refill_ns)
-        s->auth_tokens =
-            KVT_MIN(rate, s->auth_tokens + (double)(now - s->auth_refill_ns) * rate / 1e9);
-    s->auth_refill_ns = now;
+    if (s->auth.refill_ns == 0)
+        s->auth.tokens = rate; /* the bucket starts full */
+    else if (now > s->auth.refill_ns)
+        s->auth.tokens =
+            KVT_MIN(rate, s->auth.tokens + (double)(now - s->auth.refill_ns) * rate / 1e9);
+    s->auth.refill_ns = now;
 }
 
 static int kvt_auth_failed(kvt__conn_t *c, uint64_t id)
@@ -69,36 +69,36 @@ static int kvt_auth_order(const void *a, const void *b)
 
 void kvt__auth_tick(kvt_srv_t *s, uint64_t now)
 {
-    if (!s->auth_waiting)
+    if (!s->auth.waiting)
         return;
     kvt_auth_refill(s, now);
     /* Connections closed since they began waiting left the list with their AUTH. */
     uint32_t n = 0;
-    for (kvt__conn_t *c = s->conns; c; c = c->next)
+    for (kvt__conn_t *c = s->clients.list; c; c = c->next)
         n += !c->gone && c->auth_wait;
-    s->auth_waiting = n;
-    if (n == 0 || (s->auth_tokens < 1 && !s->stopping))
+    s->auth.waiting = n;
+    if (n == 0 || (s->auth.tokens < 1 && !s->stopping))
         return;
     kvt__conn_t **line = malloc(n * sizeof *line);
     if (!line)
         return; /* the next tick tries again */
     n = 0;
-    for (kvt__conn_t *c = s->conns; c; c = c->next)
+    for (kvt__conn_t *c = s->clients.list; c; c = c->next)
         if (!c->gone && c->auth_wait)
             line[n++] = c;
     qsort(line, n, sizeof *line, kvt_auth_order);
     uint32_t i = 0;
-    for (; i < n && (s->auth_tokens >= 1 || s->stopping); i++) {
+    for (; i < n && (s->auth.tokens >= 1 || s->stopping); i++) {
         if (line[i]->gone || !line[i]->auth_wait)
             continue;      /* closed by an answer before it (not by one of its own: never) */
         if (s->stopping) { /* no more turns to wait for: answered unchecked */
             kvt_auth_answer(line[i], KVT_EAGAIN);
             continue;
         }
-        s->auth_tokens -= 1;
+        s->auth.tokens -= 1;
         kvt_auth_answer(line[i], line[i]->auth_req->status);
     }
-    s->auth_waiting = n - i;
+    s->auth.waiting = n - i;
     free(line);
 }
 
@@ -126,9 +126,9 @@ int kvt__h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, u
     uint32_t rate = s->conf->auth_failures_per_s;
     if (rate) {
         kvt_auth_refill(s, t0);
-        if (s->auth_waiting || s->auth_tokens < 1) {
+        if (s->auth.waiting || s->auth.tokens < 1) {
             uint64_t most = KVT_MAX((uint64_t)rate * s->conf->auth_wait_ms / 1000, 1);
-            if (s->auth_waiting >= most) {
+            if (s->auth.waiting >= most) {
                 kvt__metric_add(s->metrics, KVT_M_AUTH_REFUSED, 0, 1);
                 kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAGAIN,
                                  "AUTH refused unchecked: too many wait their turn "
@@ -144,13 +144,13 @@ int kvt__h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, u
             r->status = diff ? KVT_EAUTH : 0; /* told when its turn comes */
             c->auth_req = r;
             c->auth_wait = 1;
-            c->auth_seq = ++s->auth_seq;
-            s->auth_waiting++;
+            c->auth_seq = ++s->auth.seq;
+            s->auth.waiting++;
             kvt__metric_add(s->metrics, KVT_M_AUTH_DELAYED, 0, 1);
             return 0;
         }
         if (diff)
-            s->auth_tokens -= 1;
+            s->auth.tokens -= 1;
     }
     if (diff) {
         kvt_auth_failed(c, h->request_id);

@@ -44,8 +44,8 @@ static int kvt_in_resize(kvt__conn_t *c, size_t cap)
     uint8_t *p = realloc(c->in, cap);
     if (!p)
         return KVT_ENOMEM;
-    c->srv->client_bytes += kvt_in_counted(cap);
-    c->srv->client_bytes -= kvt_in_counted(c->in_cap);
+    c->srv->clients.bytes += kvt_in_counted(cap);
+    c->srv->clients.bytes -= kvt_in_counted(c->in_cap);
     c->in = p;
     c->in_cap = cap;
     return 0;
@@ -55,7 +55,7 @@ static void kvt_mem_wait_end(kvt__conn_t *c)
 {
     if (c->mem_wait) {
         c->mem_wait = 0;
-        c->srv->mem_waiting--;
+        c->srv->clients.mem_waiting--;
     }
 }
 
@@ -65,7 +65,7 @@ static void kvt_mem_wait_end(kvt__conn_t *c)
 static int kvt_mem_full(const kvt__conn_t *c)
 {
     const kvt_srv_t *s = c->srv;
-    return s->client_bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
+    return s->clients.bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
 }
 
 /* Back-pressure: c takes no new request while it has max-inflight tier I/Os in flight, max-output
@@ -93,14 +93,14 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
             return fd;
         if (errno == EINTR || errno == ECONNABORTED)
             continue;
-        if ((errno == EMFILE || errno == ENFILE) && s->spare_fd >= 0) {
+        if ((errno == EMFILE || errno == ENFILE) && s->clients.spare_fd >= 0) {
             /* The connection stays in the backlog, and the socket readable, until it is taken:
              * take it with the spare descriptor's slot and close it. */
-            close(s->spare_fd);
+            close(s->clients.spare_fd);
             int x = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
             if (x >= 0)
                 close(x);
-            s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            s->clients.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
             struct rlimit rl = {0};
             getrlimit(RLIMIT_NOFILE, &rl);
             kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
@@ -108,7 +108,7 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
             kvt_log_limited(&lim, KVT_LOG_WARN,
                             "kvtierd: refusing a %s connection: no file descriptor left (open-file "
                             "limit %llu, %u client connections)",
-                            what, (unsigned long long)rl.rlim_cur, s->nconns);
+                            what, (unsigned long long)rl.rlim_cur, s->clients.n);
             if (x >= 0) {
                 refused++;
                 continue;
@@ -135,7 +135,7 @@ static int kvt_conn_evict(kvt_srv_t *s, uint64_t now)
     if (idle == 0)
         return 0;
     kvt__conn_t *victim = NULL;
-    for (kvt__conn_t *c = s->conns; c; c = c->next) {
+    for (kvt__conn_t *c = s->clients.list; c; c = c->next) {
         if (c->closing || c->nleases || c->head || c->inflight || c->mem_wait ||
             now - c->rx_ns < idle)
             continue;
@@ -162,7 +162,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         if (fd < 0)
             return;
         uint64_t now = kvt_now_ns();
-        if (s->stopping || (s->nconns >= s->conf->max_conns && !kvt_conn_evict(s, now))) {
+        if (s->stopping || (s->clients.n >= s->conf->max_conns && !kvt_conn_evict(s, now))) {
             kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
             static kvt_log_limit_t lim;
             kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: refusing a connection: %s",
@@ -182,7 +182,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         c->ev.fd = fd;
         c->ev.cb = kvt_conn_on_event;
         c->srv = s;
-        c->id = s->next_conn_id++;
+        c->id = s->clients.next_id++;
         c->tcp = tcp;
         c->authed = !*s->conf->secret;
         c->events = EPOLLIN;
@@ -192,13 +192,13 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
             free(c);
             continue;
         }
-        c->next = s->conns;
-        if (s->conns)
-            s->conns->prev = c;
-        s->conns = c;
-        s->nconns++;
+        c->next = s->clients.list;
+        if (s->clients.list)
+            s->clients.list->prev = c;
+        s->clients.list = c;
+        s->clients.n++;
         kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_ACCEPTED, 0, 1);
-        kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->nconns);
+        kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->clients.n);
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu (%s)", (unsigned long long)c->id,
                 tcp ? "tcp" : "unix");
     }
@@ -216,7 +216,7 @@ void kvt__req_free(kvt__req_t *r)
     free(r->segs);
     if (r->held) {
         free(r->held);
-        r->srv->client_bytes -= r->held_bytes;
+        r->srv->clients.bytes -= r->held_bytes;
     }
     if (r->ns_held)
         kvt__ns_unuse(r->srv, r->ns);
@@ -259,17 +259,17 @@ void kvt__conn_close(kvt__conn_t *c)
     if (c->hello)
         kvt__ns_unuse(s, c->ns);
     kvt_mem_wait_end(c);
-    s->client_bytes -= kvt_in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
+    s->clients.bytes -= kvt_in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_del(s, &c->ev);
     close(c->ev.fd);
     if (c->prev)
         c->prev->next = c->next;
     else
-        s->conns = c->next;
+        s->clients.list = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    s->nconns--;
-    kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->nconns);
+    s->clients.n--;
+    kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->clients.n);
     kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu closed", (unsigned long long)c->id);
     free(c->in);
     free(c->leases);
@@ -279,15 +279,15 @@ void kvt__conn_close(kvt__conn_t *c)
     c->tokens = NULL;
     c->in_len = c->in_cap = c->nleases = c->cap_leases = c->tokens_cap = 0;
     c->gone = 1;
-    c->gone_next = s->conns_gone;
-    s->conns_gone = c;
+    c->gone_next = s->clients.gone;
+    s->clients.gone = c;
 }
 
 void kvt__conns_reap(kvt_srv_t *s)
 {
-    while (s->conns_gone) {
-        kvt__conn_t *c = s->conns_gone;
-        s->conns_gone = c->gone_next;
+    while (s->clients.gone) {
+        kvt__conn_t *c = s->clients.gone;
+        s->clients.gone = c->gone_next;
         free(c);
     }
 }
@@ -327,7 +327,7 @@ int kvt__req_hold(kvt__req_t *r, const void *src, size_t bytes)
     memcpy(p, src, bytes);
     r->held = r->payload = p;
     r->held_bytes = bytes;
-    r->srv->client_bytes += bytes;
+    r->srv->clients.bytes += bytes;
     return 0;
 }
 
@@ -338,7 +338,7 @@ void *kvt__conn_take_frame(kvt__conn_t *c, const uint8_t *body, uint32_t body_le
         return NULL;
     void *p = c->in;
     /* Counted whole from now on: the base part is no longer the connection's. */
-    c->srv->client_bytes += c->in_cap - kvt_in_counted(c->in_cap);
+    c->srv->clients.bytes += c->in_cap - kvt_in_counted(c->in_cap);
     *bytes = c->in_cap;
     c->in = NULL;
     c->in_len = c->in_cap = 0;
@@ -575,7 +575,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         }
         off += frame;
         if (c->tokens_cap > KVT_TOKENS_KEEP) {
-            s->client_bytes -= c->tokens_cap * sizeof(uint32_t);
+            s->clients.bytes -= c->tokens_cap * sizeof(uint32_t);
             free(c->tokens);
             c->tokens = NULL;
             c->tokens_cap = 0;
@@ -597,16 +597,16 @@ static void kvt_conn_parse(kvt__conn_t *c)
          * for it; else the connection waits (unread) until it has (kvt__conns_mem_retry). */
         size_t base = KVT_MAX(c->in_cap, (size_t)KVT_IN_BASE);
         size_t grow = want > base ? want - base : 0; /* counted beyond the base buffer */
-        if (s->client_bytes + grow > s->conf->max_client_bytes) {
+        if (s->clients.bytes + grow > s->conf->max_client_bytes) {
             if (!c->mem_wait) {
                 c->mem_wait = 1;
-                s->mem_waiting++;
+                s->clients.mem_waiting++;
                 kvt__metric_add(s->metrics, KVT_M_CLIENT_MEMORY_WAITS, 0, 1);
                 static kvt_log_limit_t lim;
                 kvt_log_limited(&lim, KVT_LOG_INFO,
                                 "kvtierd: connection %llu waits for max-client-bytes (%llu of "
                                 "%llu held) to take a frame of %zu bytes",
-                                (unsigned long long)c->id, (unsigned long long)s->client_bytes,
+                                (unsigned long long)c->id, (unsigned long long)s->clients.bytes,
                                 (unsigned long long)s->conf->max_client_bytes, want);
             }
             c->mem_need = grow;
@@ -727,7 +727,7 @@ void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
 {
     kvt__conn_t *next;
     s->reqs_waiting = 0; /* set again by the deadlines of those still waiting */
-    for (kvt__conn_t *c = s->conns; c; c = next) {
+    for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next; /* a closed one keeps its link until the reap */
         if (!c->gone)
             s->conn_ops->deadlines(c, now);
@@ -737,9 +737,9 @@ void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
 void kvt__conns_mem_retry(kvt_srv_t *s)
 {
     kvt__conn_t *next;
-    for (kvt__conn_t *c = s->conns; c && s->mem_waiting; c = next) {
+    for (kvt__conn_t *c = s->clients.list; c && s->clients.mem_waiting; c = next) {
         next = c->next; /* a closed one (its mem_wait cleared by the close) keeps its link */
-        if (c->mem_wait && s->client_bytes + c->mem_need <= s->conf->max_client_bytes)
+        if (c->mem_wait && s->clients.bytes + c->mem_need <= s->conf->max_client_bytes)
             kvt__conn_kick(c); /* parses again: takes its buffer, or waits on */
     }
 }
@@ -820,7 +820,7 @@ static int kvt_conn_too_slow(kvt__conn_t *c, uint64_t now)
 void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
 {
     kvt__conn_t *next;
-    for (kvt__conn_t *c = s->conns; c; c = next) {
+    for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next;
         if (!c->gone && !kvt_conn_too_slow(c, now) && !kvt_conn_timed_out(c, now))
             s->conn_ops->tick(c, now);

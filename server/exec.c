@@ -49,7 +49,7 @@ typedef struct kvt__mpage {
 
 /* A run of pages the policy moves from one tier to another. */
 struct kvt__move {
-    kvt__move_t *prev, *next; /* s->moves, for the teardown */
+    kvt__move_t *prev, *next; /* s->exec.moves, for the teardown */
     kvt_srv_t *srv;
     kvt__req_t *req; /* the PREFETCH it reports to, or NULL */
     kvt_radix_node_t *node;
@@ -73,9 +73,9 @@ static void kvt_free_now(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len,
 
 /* ---- reads in flight, per block hash (open addressing, backward-shift deletion) ---- */
 
-#define kvt_busy_tab (s->busy)
-#define kvt_busy_cap (s->busy_cap)
-#define kvt_busy_n   (s->busy_n)
+#define kvt_busy_tab (s->exec.busy)
+#define kvt_busy_cap (s->exec.busy_cap)
+#define kvt_busy_n   (s->exec.busy_n)
 
 static size_t kvt_busy_slot(uint64_t h, size_t cap)
 {
@@ -140,14 +140,14 @@ void kvt__busy_dec(kvt_srv_t *s, uint64_t h)
         return;
     kvt_busy_n--;
     /* The block's last read is done: the old locations a move left behind can go now. */
-    for (size_t k = 0; k < s->ndfree;) {
-        kvt__dfree_t *d = &s->dfree[k];
+    for (size_t k = 0; k < s->exec.ndfree;) {
+        kvt__dfree_t *d = &s->exec.dfree[k];
         if (d->hash != h) {
             k++;
             continue;
         }
         kvt_free_now(s, d->tier, d->loc, d->len, d->discard);
-        *d = s->dfree[--s->ndfree];
+        *d = s->exec.dfree[--s->exec.ndfree];
     }
     for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
         kvt_busy_tab[i] = (kvt__busy_t){0}; /* count too: the next one placed here starts at 0 */
@@ -172,19 +172,19 @@ void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint6
         kvt_free_now(s, tier, loc, len, discard);
         return;
     }
-    if (s->ndfree == s->cap_dfree) {
-        size_t cap = s->cap_dfree ? 2 * s->cap_dfree : 16;
-        kvt__dfree_t *d = realloc(s->dfree, cap * sizeof *d);
+    if (s->exec.ndfree == s->exec.cap_dfree) {
+        size_t cap = s->exec.cap_dfree ? 2 * s->exec.cap_dfree : 16;
+        kvt__dfree_t *d = realloc(s->exec.dfree, cap * sizeof *d);
         if (!d) {
             /* Cannot wait: leak the location rather than free it under a read. */
             kvt_log(KVT_LOG_ERROR, "kvtierd: out of memory deferring a %s free",
                     kvt_tier_name((kvt_tier_id_t)tier));
             return;
         }
-        s->dfree = d;
-        s->cap_dfree = cap;
+        s->exec.dfree = d;
+        s->exec.cap_dfree = cap;
     }
-    s->dfree[s->ndfree++] = (kvt__dfree_t){
+    s->exec.dfree[s->exec.ndfree++] = (kvt__dfree_t){
         .hash = hash, .loc = loc, .len = len, .tier = tier, .discard = (uint8_t)discard};
 }
 
@@ -201,7 +201,7 @@ static void kvt_move_free(kvt_srv_t *s, kvt__move_t *m)
     if (m->prev)
         m->prev->next = m->next;
     else
-        s->moves = m->next;
+        s->exec.moves = m->next;
     if (m->next)
         m->next->prev = m->prev;
     free(m);
@@ -218,7 +218,7 @@ static int kvt_leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
     if (all <= 1)
         return 0;
     uint32_t d = kvt_radix_node_depth(n);
-    for (kvt__move_t *mm = s->moves; mm && own < all; mm = mm->next)
+    for (kvt__move_t *mm = s->exec.moves; mm && own < all; mm = mm->next)
         own += kvt_radix_node_holding(mm->node, d) == n; /* n is on mm's path */
     return all > own;
 }
@@ -275,7 +275,7 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
             break;
         }
     }
-    s->moves_landed = 1;
+    s->exec.moves_landed = 1;
     kvt__req_t *r = m->req;
     if (r) {
         if (ok && m->to < m->from)
@@ -375,14 +375,14 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
             kvt_radix_block_at(n, depth + i)->flags |= KVT_BLOCK_BUSY;
     }
     m->left = m->started;
-    m->next = s->moves;
-    if (s->moves)
-        s->moves->prev = m;
-    s->moves = m;
-    if (s->move_req) {
+    m->next = s->exec.moves;
+    if (s->exec.moves)
+        s->exec.moves->prev = m;
+    s->exec.moves = m;
+    if (s->exec.move_req) {
         /* A PREFETCH's promotion, or a demotion that makes room for it: the PREFETCH waits for
          * it (and counts the promoted pages). */
-        m->req = s->move_req;
+        m->req = s->exec.move_req;
         m->req->pending++;
         if (m->req->conn)
             m->req->conn->inflight++;
@@ -466,7 +466,7 @@ void kvt__store_step(kvt_srv_t *s)
 
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
 {
-    return hash && s->ghosts[hash & (s->nghosts - 1)] == hash;
+    return hash && s->exec.ghosts[hash & (s->exec.nghosts - 1)] == hash;
 }
 
 /* A block's bytes leave the policy's books and their tier; dropped: count it as a drop. */
@@ -475,7 +475,7 @@ static void kvt_block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int droppe
     if (s->policy)
         kvt_policy_on_free(s->policy, ns, b);
     if (b->tier != KVT_TIER_NONE && s->tiers[b->tier])
-        kvt__free_loc(s, b->tier, b->loc, b->size, b->hash, s->removing);
+        kvt__free_loc(s, b->tier, b->loc, b->size, b->hash, s->exec.removing);
     if (dropped)
         kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
 }
@@ -549,29 +549,29 @@ void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
     kvt_srv_t *s = arg;
     /* Tearing down, the tiers are destroyed next and free everything themselves. A REMOVE is no
      * drop: no ghost, not counted. */
-    if (s->tearing_down)
+    if (s->exec.tearing_down)
         return;
-    if (!s->removing)
-        s->ghosts[b->hash & (s->nghosts - 1)] = b->hash;
-    kvt_block_gone(s, ns, b, !s->removing);
+    if (!s->exec.removing)
+        s->exec.ghosts[b->hash & (s->exec.nghosts - 1)] = b->hash;
+    kvt_block_gone(s, ns, b, !s->exec.removing);
 }
 
 void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n)
 {
     kvt_srv_t *s = arg;
-    if (!s->tearing_down && s->policy)
+    if (!s->exec.tearing_down && s->policy)
         kvt_policy_on_node_free(s->policy, n);
 }
 
 void kvt__exec_close(kvt_srv_t *s)
 {
     /* Destroyed tiers run no callbacks: moves still in flight are dropped here. */
-    while (s->moves)
-        kvt_move_free(s, s->moves);
-    free(s->dfree);
-    s->dfree = NULL;
-    s->ndfree = s->cap_dfree = 0;
-    free(s->busy);
-    s->busy = NULL;
-    s->busy_cap = s->busy_n = 0;
+    while (s->exec.moves)
+        kvt_move_free(s, s->exec.moves);
+    free(s->exec.dfree);
+    s->exec.dfree = NULL;
+    s->exec.ndfree = s->exec.cap_dfree = 0;
+    free(s->exec.busy);
+    s->exec.busy = NULL;
+    s->exec.busy_cap = s->exec.busy_n = 0;
 }

@@ -25,11 +25,11 @@ int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
 {
     kvt_srv_t *s = c->srv;
     uint32_t slot = kvt_radix_lease_slot(l->id);
-    if (kvt_reserve(&s->lease_pos, &s->lease_pos_cap, (size_t)slot + 1, sizeof *s->lease_pos, 64) <
-            0 ||
+    if (kvt_reserve(&s->leases.pos, &s->leases.pos_cap, (size_t)slot + 1, sizeof *s->leases.pos,
+                    64) < 0 ||
         kvt_reserve(&c->leases, &c->cap_leases, c->nleases + 1, sizeof *c->leases, 8) < 0)
         return KVT_ENOMEM;
-    s->lease_pos[slot] = (uint32_t)c->nleases;
+    s->leases.pos[slot] = (uint32_t)c->nleases;
     c->leases[c->nleases++] = *l;
     kvt_lease_ns(s, l->ns, 1);
     if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
@@ -77,9 +77,9 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
 {
     const kvt_srv_t *s = c->srv;
     uint32_t slot = kvt_radix_lease_slot(id);
-    if (slot >= s->lease_pos_cap)
+    if (slot >= s->leases.pos_cap)
         return NULL;
-    uint32_t i = s->lease_pos[slot];
+    uint32_t i = s->leases.pos[slot];
     return i < c->nleases && c->leases[i].id == id ? &c->leases[i] : NULL;
 }
 
@@ -90,7 +90,7 @@ static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
     kvt_lease_ns(c->srv, l->ns, -1);
     *l = c->leases[--c->nleases];
     if (l != c->leases + c->nleases) /* the last one moved into l's place */
-        c->srv->lease_pos[kvt_radix_lease_slot(l->id)] = (uint32_t)(l - c->leases);
+        c->srv->leases.pos[kvt_radix_lease_slot(l->id)] = (uint32_t)(l - c->leases);
     kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
 }
 

@@ -181,16 +181,16 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     s->conn_ops = &kvt__dispatch_ops;
     s->sig_ev.fd = s->unix_ev.fd = s->tcp_ev.fd = s->http_ev.fd = -1;
     kvt_fd_limit(conf);
-    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    s->clients.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     for (int i = 0; i < KVT_TIER_COUNT; i++)
         s->tier_ev[i].fd = -1;
-    s->next_conn_id = 1;
+    s->clients.next_id = 1;
     s->internal_owner = 1ull << 63;
     s->started_ns = kvt_now_ns();
     int rc = KVT_ENOMEM;
-    s->nghosts = KVT_GHOSTS;
-    s->ghosts = calloc(s->nghosts, sizeof *s->ghosts);
-    if (!s->ghosts || kvt__metrics_create(&s->metrics) < 0)
+    s->exec.nghosts = KVT_GHOSTS;
+    s->exec.ghosts = calloc(s->exec.nghosts, sizeof *s->exec.ghosts);
+    if (!s->exec.ghosts || kvt__metrics_create(&s->metrics) < 0)
         goto fail;
     s->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (s->epfd < 0) {
@@ -308,14 +308,14 @@ int kvt__srv_run(kvt_srv_t *s)
                     s->tcp_ev.fd = -1;
                 }
                 kvt__conn_t *next;
-                for (kvt__conn_t *c = s->conns; c; c = next) {
+                for (kvt__conn_t *c = s->clients.list; c; c = next) {
                     next = c->next; /* the kick frees an idle connection */
                     c->closing = 1;
                     kvt__conn_kick(c);
                 }
             }
             int pending_out = 0;
-            for (kvt__conn_t *c = s->conns; c; c = c->next)
+            for (kvt__conn_t *c = s->clients.list; c; c = c->next)
                 pending_out |= c->head != NULL;
             if ((!kvt_busy(s) && !pending_out) || now >= stop_at) {
                 if (kvt_busy(s))
@@ -347,12 +347,12 @@ int kvt__srv_run(kvt_srv_t *s)
         /* Requests waiting for moves go first, before the policy's step can start new moves on
          * what they wait for: a REMOVE behind a demotion that fails every time (a remote tier
          * that is down) would otherwise never find its prefix free. */
-        if (s->moves_landed) {
-            s->moves_landed = 0;
+        if (s->exec.moves_landed) {
+            s->exec.moves_landed = 0;
             if (s->reqs_waiting)
                 kvt__conns_deadlines(s, kvt_now_ns());
         }
-        if (s->mem_waiting)
+        if (s->clients.mem_waiting)
             kvt__conns_mem_retry(s);
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
         kvt__conns_reap(s); /* no event or walk holds a connection here */
@@ -363,8 +363,8 @@ void kvt__srv_close(kvt_srv_t *s)
 {
     if (!s)
         return;
-    while (s->conns)
-        kvt__conn_close(s->conns);
+    while (s->clients.list)
+        kvt__conn_close(s->clients.list);
     kvt__conns_reap(s);
     kvt__http_close(s);
     if (s->unix_ev.fd >= 0)
@@ -375,19 +375,19 @@ void kvt__srv_close(kvt_srv_t *s)
         close(s->tcp_ev.fd);
     if (s->sig_ev.fd >= 0)
         close(s->sig_ev.fd);
-    if (s->spare_fd >= 0)
-        close(s->spare_fd);
+    if (s->clients.spare_fd >= 0)
+        close(s->clients.spare_fd);
     /* The tree first: its free callback gives the tiers their blocks back (NVMe keeps its data
      * on disk for a warm restart regardless). */
-    s->tearing_down = 1;
+    s->exec.tearing_down = 1;
     kvt_radix_destroy(s->radix);
     s->radix = NULL;
     kvt__store_close(s);
     if (s->epfd > 0)
         close(s->epfd);
     kvt__metrics_destroy(s->metrics);
-    free(s->ghosts);
-    free(s->lease_pos);
+    free(s->exec.ghosts);
+    free(s->leases.pos);
     free(s->ns);
     free(s);
 }

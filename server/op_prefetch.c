@@ -54,9 +54,9 @@ static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
     uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
     r->progress = 0;
     r->rounds++;
-    s->move_req = r;
+    s->exec.move_req = r;
     int rc = kvt_policy_promote(s->policy, r->node, node_pages, (kvt_tier_id_t)r->target);
-    s->move_req = NULL;
+    s->exec.move_req = NULL;
     if (rc < 0 && rc != KVT_ENOSPC && rc != KVT_EAGAIN)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: PREFETCH promotion: %s", kvt_strerror(rc));
     return rc;

@@ -23,7 +23,7 @@ static int kvt_remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, 
         return 0;
     kvt_radix_node_t *top = kvt_radix_node_holding(m.node, pages - 1);
     uint32_t d = kvt_radix_node_depth(top);
-    for (kvt__conn_t *c = s->conns; c; c = c->next)
+    for (kvt__conn_t *c = s->clients.list; c; c = c->next)
         for (size_t i = 0; i < c->nleases; i++)
             if (kvt_radix_node_holding(c->leases[i].node, d) == top) /* top on the lease's path */
                 return 1;
@@ -32,9 +32,9 @@ static int kvt_remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, 
 
 static int kvt_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
 {
-    s->removing = 1;
+    s->exec.removing = 1;
     int rc = kvt_radix_remove(s->radix, ns, tokens, n);
-    s->removing = 0;
+    s->exec.removing = 0;
     return rc;
 }
 

@@ -233,6 +233,58 @@ struct kvt__conn {
     size_t tokens_cap;
 };
 
+/* The connections' part (conn.c): the open ones, the closed ones not yet freed, and the memory
+ * held for clients. */
+typedef struct kvt__clients {
+    kvt__conn_t *list;
+    kvt__conn_t *gone; /* closed, freed by kvt__conns_reap */
+    uint32_t n;
+    uint64_t next_id;
+    /* Memory held for clients beyond their base input buffers: input buffers grown for big
+     * frames, token scratch, queued replies, request payloads. max-client-bytes bounds it. */
+    uint64_t bytes;
+    uint32_t mem_waiting; /* connections with mem_wait set */
+    int spare_fd;         /* /dev/null, given up to refuse a connection at the open-file limit */
+} kvt__clients_t;
+
+/* The policy's executor's part (exec.c): moves in flight, the request a PREFETCH's promotions
+ * report to, tier locations whose free waits for reads, reads in flight per block, the ghosts. */
+typedef struct kvt__exec {
+    kvt__move_t *moves;
+    kvt__req_t *move_req;
+    int moves_landed; /* a move finished since the loop last looked */
+    struct kvt__dfree *dfree;
+    size_t ndfree, cap_dfree;
+    struct kvt__busy *busy; /* reads in flight per block hash */
+    size_t busy_cap, busy_n;
+    uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */
+    size_t nghosts;
+    int removing;     /* the free callback is called by REMOVE, not by an eviction */
+    int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
+} kvt__exec_t;
+
+/* Wrong AUTHs' token bucket and the AUTHs waiting for it (auth.c). */
+typedef struct kvt__auth {
+    double tokens;
+    uint64_t refill_ns;
+    uint64_t seq;
+    uint32_t waiting; /* at most; recounted by kvt__auth_tick */
+} kvt__auth_t;
+
+/* The metrics port's connections (http.c). */
+typedef struct kvt__http {
+    kvt_http_conn_t *conns;
+    unsigned n;
+    kvt_http_conn_t *gone; /* closed to make room, freed at the next tick */
+} kvt__http_t;
+
+/* By lease slot (kvt_radix_lease_slot): where a connection's lease is in its list, so that GET
+ * and RELEASE find it at once however many the connection holds (lease.c). */
+typedef struct kvt__lease_index {
+    uint32_t *pos;
+    size_t pos_cap;
+} kvt__lease_index_t;
+
 struct kvt_srv {
     kvt_srv_conf_t *conf;
     const kvt__conn_ops_t *conn_ops; /* the operations above the connections */
@@ -243,49 +295,20 @@ struct kvt_srv {
     char tcp_addr[128], http_addr[128];
     kvt_radix_t *radix;
     kvt_tier_t *tiers[KVT_TIER_COUNT];
-    kvt_metrics_t *metrics;
-    kvt__ns_t *ns;
-    size_t nns, cap_ns;
-    kvt__conn_t *conns;
-    kvt__conn_t *conns_gone; /* closed, freed by kvt__conns_reap */
-    uint32_t nconns;
-    uint64_t next_conn_id;
-    uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
-    /* By lease slot (kvt_radix_lease_slot): where a connection's lease is in its list, so that
-     * GET and RELEASE find it at once however many the connection holds (handlers.c). */
-    uint32_t *lease_pos;
-    size_t lease_pos_cap;
-    int stopping;
-    int removing;     /* the free callback is called by REMOVE, not by an eviction */
-    uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */
-    size_t nghosts;
-    uint64_t inflight; /* tier I/Os in flight, all connections */
-    /* Memory held for clients beyond their base input buffers (conn.c): input buffers grown for
-     * big frames, token scratch, queued replies, request payloads. max-client-bytes bounds it. */
-    uint64_t client_bytes;
-    uint32_t mem_waiting;   /* connections with mem_wait set */
-    int spare_fd;           /* /dev/null, given up to refuse a connection at the open-file limit */
-    struct kvt__busy *busy; /* reads in flight per block hash (store.c) */
-    size_t busy_cap, busy_n;
-    int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
-    uint64_t started_ns;
-    /* The tier policy (policy/) and what store.c does for it: moves in flight, the request a
-     * PREFETCH's promotions report to, and tier locations whose free waits for reads. */
     kvt_policy_t *policy;
-    kvt__move_t *moves;
-    kvt__req_t *move_req;
-    int moves_landed; /* a move finished since the loop last looked */
+    kvt_metrics_t *metrics;
+    kvt__ns_t *ns; /* ns.c */
+    size_t nns, cap_ns;
+    uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
+    uint64_t inflight;       /* tier I/Os in flight, all connections */
+    int stopping;
     int reqs_waiting; /* a PREFETCH or REMOVE may be waiting for others' moves */
-    struct kvt__dfree *dfree;
-    size_t ndfree, cap_dfree;
-    /* Wrong AUTHs' token bucket and the AUTHs waiting for it (handlers.c). */
-    double auth_tokens;
-    uint64_t auth_refill_ns;
-    uint64_t auth_seq;
-    uint32_t auth_waiting;       /* at most; recounted by kvt__auth_tick */
-    kvt_http_conn_t *http_conns; /* http.c */
-    unsigned http_nconns;
-    kvt_http_conn_t *http_gone; /* closed to make room, freed at the next tick */
+    uint64_t started_ns;
+    kvt__clients_t clients;
+    kvt__lease_index_t leases;
+    kvt__exec_t exec;
+    kvt__auth_t auth;
+    kvt__http_t http;
 };
 
 /* loop.c: the daemon's skeleton, the event loop and the tick (the top of server/: it may call
@@ -354,7 +377,7 @@ void kvt__conns_mem_retry(kvt_srv_t *s);
 static inline void kvt__out_add(kvt__conn_t *c, int64_t delta)
 {
     c->out_bytes += (size_t)delta;
-    c->srv->client_bytes += (uint64_t)delta;
+    c->srv->clients.bytes += (uint64_t)delta;
 }
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);

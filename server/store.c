@@ -281,5 +281,5 @@ void kvt__tier_metrics(kvt_srv_t *s)
     }
     kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)rs.leases);
     kvt__metric_set(s->metrics, KVT_M_NAMESPACES, 0, (double)rs.namespaces);
-    kvt__metric_set(s->metrics, KVT_M_CLIENT_BYTES, 0, (double)s->client_bytes);
+    kvt__metric_set(s->metrics, KVT_M_CLIENT_BYTES, 0, (double)s->clients.bytes);
 }
