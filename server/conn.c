@@ -206,14 +206,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 
 void kvt__req_free(kvt__req_t *r)
 {
-    if (r->ios) {
-        for (uint32_t i = 0; i < r->batch; i++) {
-            free(r->ios[i]->buf);
-            free(r->ios[i]);
-        }
-        free(r->ios);
-    }
-    free(r->segs);
+    kvt_assert(!r->src); /* a reply source gave back what it held (its abort, or its end) */
     if (r->held) {
         free(r->held);
         r->srv->clients.bytes -= r->held_bytes;

@@ -277,18 +277,15 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
     }
     s->exec.moves_landed = 1;
     kvt__req_t *r = m->req;
+    uint32_t promoted = ok && m->to < m->from ? m->npages : 0;
     if (r) {
-        if (ok && m->to < m->from)
-            r->moved += m->npages;
-        if (ok)
-            r->progress = 1;
         r->pending--;
         if (r->conn)
             r->conn->inflight--;
     }
     kvt_move_free(s, m);
     if (r && r->on_move)
-        r->on_move(s, r);
+        r->on_move(s, r, ok, promoted);
 }
 
 static void kvt_move_copied(kvt_tier_copy_t *c)

@@ -32,7 +32,7 @@ static void kvt_get_read_done(kvt_tier_io_t *io)
  * A GET goes out in batches of frames that reference the bytes where they are:
  *
  *     r->out:   [hdr 0][hdr 1][hdr 2] ...          32 bytes each (frame header + page, tier)
- *     r->segs:  hdr 0, payload 0, hdr 1, payload 1, ...
+ *     r->get.segs:  hdr 0, payload 0, hdr 1, payload 1, ...
  *                        |                 |
  *                 DRAM/HBM-host memory   a read buffer (NVMe, remote: read first)
  *
@@ -48,20 +48,20 @@ static void kvt_get_read_done(kvt_tier_io_t *io)
  */
 static void kvt_get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 {
-    for (uint32_t i = 0; i < r->batch; i++) {
-        kvt__io_t *x = r->ios[i];
+    for (uint32_t i = 0; i < r->get.batch; i++) {
+        kvt__io_t *x = r->get.ios[i];
         if (x->zero_copy)
             kvt__busy_dec(s, x->io.key.hash);
         free(x->buf);
         free(x);
     }
-    free(r->ios);
-    r->ios = NULL;
-    r->batch = 0;
-    free(r->segs);
-    r->segs = NULL;
-    r->nsegs = r->seg_i = r->seg_off = 0;
-    r->segs_ready = 0;
+    free(r->get.ios);
+    r->get.ios = NULL;
+    r->get.batch = 0;
+    free(r->get.segs);
+    r->get.segs = NULL;
+    r->get.nsegs = r->get.seg_i = r->get.seg_off = 0;
+    r->get.segs_ready = 0;
     r->src = NULL;
 }
 
@@ -69,11 +69,11 @@ static void kvt_get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 static int kvt_get_iov(kvt__req_t *r, struct iovec *iov, int max)
 {
     int n = 0;
-    if (!r->segs_ready)
+    if (!r->get.segs_ready)
         return 0; /* reads still in flight */
-    for (uint32_t k = r->seg_i; k < r->nsegs && n < max; k++) {
-        const kvt__seg_t *g = &r->segs[k];
-        size_t skip = k == r->seg_i ? r->seg_off : 0;
+    for (uint32_t k = r->get.seg_i; k < r->get.nsegs && n < max; k++) {
+        const kvt__seg_t *g = &r->get.segs[k];
+        size_t skip = k == r->get.seg_i ? r->get.seg_off : 0;
         iov[n].iov_base = (uint8_t *)(g->ptr ? g->ptr : r->out + g->off) + skip;
         iov[n].iov_len = g->len - skip;
         n++;
@@ -83,20 +83,20 @@ static int kvt_get_iov(kvt__req_t *r, struct iovec *iov, int max)
 
 static void kvt_get_wrote(kvt__req_t *r, size_t left)
 {
-    while (left > 0 && r->seg_i < r->nsegs) {
-        size_t t = KVT_MIN(r->segs[r->seg_i].len - r->seg_off, left);
-        r->seg_off += t;
+    while (left > 0 && r->get.seg_i < r->get.nsegs) {
+        size_t t = KVT_MIN(r->get.segs[r->get.seg_i].len - r->get.seg_off, left);
+        r->get.seg_off += t;
         left -= t;
-        if (r->seg_off == r->segs[r->seg_i].len) {
-            r->seg_i++;
-            r->seg_off = 0;
+        if (r->get.seg_off == r->get.segs[r->get.seg_i].len) {
+            r->get.seg_i++;
+            r->get.seg_off = 0;
         }
     }
 }
 
 static int kvt_get_drained(kvt__req_t *r)
 {
-    if (!r->segs_ready || r->seg_i < r->nsegs)
+    if (!r->get.segs_ready || r->get.seg_i < r->get.nsegs)
         return 0;
     kvt__store_get_batch(r->srv, r); /* the batch is out: the next one, or the end frame */
     return 1;
@@ -104,7 +104,7 @@ static int kvt_get_drained(kvt__req_t *r)
 
 static void kvt_get_abort(kvt__req_t *r)
 {
-    if (r->ios)
+    if (r->get.ios)
         kvt_get_release_batch(r->srv, r);
     kvt__unpin(r->srv, r);
 }
@@ -119,11 +119,11 @@ static const kvt__reply_src_t kvt_get_src = {
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_assert(r->pending == 0);
-    if (r->ios && !r->segs_ready) {
+    if (r->get.ios && !r->get.segs_ready) {
         /* The batch's reads are done: it may go out up to its first failure. */
         uint32_t good = 0;
-        for (; good < r->batch; good++) {
-            kvt__io_t *x = r->ios[good];
+        for (; good < r->get.batch; good++) {
+            kvt__io_t *x = r->get.ios[good];
             if (!x->zero_copy && x->io.status < 0) {
                 r->status = x->io.status;
                 static kvt_log_limit_t lim; /* a remote tier down fails every GET */
@@ -132,19 +132,19 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 break;
             }
         }
-        r->nsegs = 2 * good;
-        r->segs_ready = 1;
+        r->get.nsegs = 2 * good;
+        r->get.segs_ready = 1;
         size_t bytes = 0;
-        for (uint32_t i = 0; i < r->nsegs; i++)
-            bytes += r->segs[i].len;
-        r->sent += good;
-        if (r->conn && r->nsegs) {
+        for (uint32_t i = 0; i < r->get.nsegs; i++)
+            bytes += r->get.segs[i].len;
+        r->get.sent += good;
+        if (r->conn && r->get.nsegs) {
             kvt__out_add(r->conn, (int64_t)bytes);
             kvt__conn_kick(r->conn);
             return 0; /* drained calls back when the socket has taken it */
         }
     }
-    if (r->ios)
+    if (r->get.ios)
         kvt_get_release_batch(s, r);
     if (!r->conn) {
         kvt__unpin(s, r);
@@ -152,28 +152,28 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         return 0;
     }
     size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
-    if (r->status == 0 && r->cur < r->end) {
-        uint32_t n = (uint32_t)KVT_MIN((size_t)(r->end - r->cur),
+    if (r->status == 0 && r->get.cur < r->get.end) {
+        uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
                                        KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
         r->out_off = r->out_len = 0;
         if (kvt_reserve(&r->out, &r->out_cap, n * hdr, 1, 4096) < 0) {
             r->status = KVT_ENOMEM;
             goto end;
         }
-        r->ios = calloc(n, sizeof *r->ios);
-        r->segs = calloc(2 * (size_t)n, sizeof *r->segs);
+        r->get.ios = calloc(n, sizeof *r->get.ios);
+        r->get.segs = calloc(2 * (size_t)n, sizeof *r->get.segs);
         r->src = &kvt_get_src;
-        if (!r->ios || !r->segs) {
+        if (!r->get.ios || !r->get.segs) {
             r->status = KVT_ENOMEM;
             goto end;
         }
-        for (uint32_t i = 0; i < n; i++, r->cur++) {
-            kvt_block_t *b = kvt_radix_block_at(r->node, r->cur);
+        for (uint32_t i = 0; i < n; i++, r->get.cur++) {
+            kvt_block_t *b = kvt_radix_block_at(r->node, r->get.cur);
             if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier] || b->size != r->block_bytes) {
                 r->status = KVT_ENOENT;
                 break;
             }
-            kvt__io_t *x = kvt__io_new(s, r, r->cur);
+            kvt__io_t *x = kvt__io_new(s, r, r->get.cur);
             if (!x) {
                 r->status = KVT_ENOMEM;
                 break;
@@ -181,15 +181,15 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
             uint8_t *f = r->out + (size_t)i * hdr;
             kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
                             (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
-            kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->cur, b->tier);
-            r->segs[2 * i] = (kvt__seg_t){.off = (size_t)i * hdr, .len = hdr};
+            kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier);
+            r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * hdr, .len = hdr};
             x->tier = b->tier;
             int rc = kvt__busy_inc(s, x->io.key.hash);
             const uint8_t *ptr = rc == 0 ? kvt_tier_ptr(s->tiers[b->tier], b->loc) : NULL;
             if (ptr) {
                 x->zero_copy = 1;
-                r->segs[2 * i + 1] = (kvt__seg_t){.ptr = ptr, .len = b->size};
-                r->ios[r->batch++] = x;
+                r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = ptr, .len = b->size};
+                r->get.ios[r->get.batch++] = x;
                 kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(b->tier, 0),
                                     kvt_now_ns() - x->start_ns);
                 continue;
@@ -213,11 +213,11 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 r->status = rc;
                 break;
             }
-            r->segs[2 * i + 1] = (kvt__seg_t){.ptr = x->buf, .len = b->size};
-            r->ios[r->batch++] = x;
+            r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = x->buf, .len = b->size};
+            r->get.ios[r->get.batch++] = x;
             kvt__io_started(s, r);
         }
-        if (r->batch > 0) {
+        if (r->get.batch > 0) {
             if (r->pending == 0)
                 return kvt__store_get_batch(s, r); /* all from memory: out it goes */
             return 0;
@@ -226,10 +226,10 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
     }
 end:;
     /* The final frame: status, and how many pages went out before it. */
-    if (r->ios)
+    if (r->get.ios)
         kvt_get_release_batch(s, r);
     uint8_t e[sizeof(kvt_wire_get_end_t)];
-    kvt_proto_get_end_encode(e, r->sent);
+    kvt_proto_get_end_encode(e, r->get.sent);
     r->status = kvt__tier_failure(r->status);
     kvt__unpin(s, r);
     r->out_off = r->out_len = 0;
@@ -265,13 +265,13 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     r->node = l->node;
     r->pages = l->pages;
     r->block_bytes = ns->block_bytes;
-    r->cur = q.first_page;
-    r->end = q.first_page + n;
+    r->get.cur = q.first_page;
+    r->get.end = q.first_page + n;
     kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* the client's lease holds the path */
     int rc = kvt__pin(s, l->node, l->ns, &r->lease);
     if (rc < 0) {
         r->status = rc;
-        r->end = r->cur; /* nothing to send: the final frame carries the error */
+        r->get.end = r->get.cur; /* nothing to send: the final frame carries the error */
     }
     kvt__store_get_batch(s, r);
     return 0;

@@ -17,7 +17,7 @@ static uint32_t kvt_prefetch_count(kvt__req_t *r, uint32_t *busy)
     kvt_path_iter_init(&it, r->node, r->pages - kvt_radix_node_depth(r->node));
     kvt_block_t *b;
     while ((b = kvt_path_iter_next(&it, NULL))) {
-        if (b->tier != KVT_TIER_NONE && b->tier <= r->target)
+        if (b->tier != KVT_TIER_NONE && b->tier <= r->prefetch.target)
             at++;
         else if (b->tier != KVT_TIER_NONE && (b->flags & KVT_BLOCK_BUSY))
             (*busy)++;
@@ -28,22 +28,22 @@ static uint32_t kvt_prefetch_count(kvt__req_t *r, uint32_t *busy)
 static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     (void)s;
-    uint32_t moved = r->moved;
-    if (r->start_only && r->status == 0) {
+    uint32_t moved = r->prefetch.moved;
+    if (r->prefetch.start_only && r->status == 0) {
         /* On their way: at the target since the count before the round, or in a move up. */
         uint32_t busy, at = kvt_prefetch_count(r, &busy);
-        moved = (at > r->resident ? at - r->resident : 0) + busy;
+        moved = (at > r->prefetch.resident ? at - r->prefetch.resident : 0) + busy;
     }
-    uint32_t failed = r->pages - KVT_MIN(r->pages, r->resident + moved);
+    uint32_t failed = r->pages - KVT_MIN(r->pages, r->prefetch.resident + moved);
     kvt_proto_prefetch_reply_t p = {
         .pages = r->pages,
         .moved = moved,
-        .resident = r->resident,
+        .resident = r->prefetch.resident,
         .failed = failed,
     };
     uint8_t w[sizeof(kvt_wire_prefetch_reply_t)];
     kvt_proto_prefetch_reply_encode(w, &p);
-    r->replied = 1;
+    r->prefetch.replied = 1;
     kvt__req_reply(r, w, r->status < 0 ? 0 : sizeof w);
 }
 
@@ -52,10 +52,10 @@ static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
 {
     uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
-    r->progress = 0;
-    r->rounds++;
+    r->prefetch.progress = 0;
+    r->prefetch.rounds++;
     s->exec.move_req = r;
-    int rc = kvt_policy_promote(s->policy, r->node, node_pages, (kvt_tier_id_t)r->target);
+    int rc = kvt_policy_promote(s->policy, r->node, node_pages, (kvt_tier_id_t)r->prefetch.target);
     s->exec.move_req = NULL;
     if (rc < 0 && rc != KVT_ENOSPC && rc != KVT_EAGAIN)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: PREFETCH promotion: %s", kvt_strerror(rc));
@@ -73,18 +73,18 @@ static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
 static int kvt_prefetch_wait(kvt__req_t *r, int rc)
 {
     uint32_t busy;
-    if (r->pending > 0 || r->replied || !r->conn || kvt_now_ns() >= r->deadline_ns)
+    if (r->pending > 0 || r->prefetch.replied || !r->conn || kvt_now_ns() >= r->deadline_ns)
         return 0;
     uint32_t at = kvt_prefetch_count(r, &busy);
-    r->waiting = at < r->pages && (busy > 0 || rc == KVT_EAGAIN);
-    if (r->waiting) {
+    r->prefetch.waiting = at < r->pages && (busy > 0 || rc == KVT_EAGAIN);
+    if (r->prefetch.waiting) {
         kvt_srv_t *s = r->conn->srv;
         s->reqs_waiting = 1;
-        if (!r->waited)
+        if (!r->prefetch.waited)
             kvt__metric_add(s->metrics, KVT_M_PREFETCH_WAITS, 0, 1);
-        r->waited = 1;
+        r->prefetch.waited = 1;
     }
-    return r->waiting;
+    return r->prefetch.waiting;
 }
 
 /*
@@ -92,26 +92,29 @@ static int kvt_prefetch_wait(kvt__req_t *r, int rc)
  * pages are still below the target (the target tier had to be emptied first: its demotions were
  * among the moves), the next round promotes what now fits, until the deadline.
  */
-static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r)
+static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted)
 {
+    r->prefetch.moved += promoted;
+    if (ok)
+        r->prefetch.progress = 1;
     if (r->pending > 0)
         return;
     /* START: answered already, its rounds go on as its moves land, connection or not. */
-    int more = r->start_only || (!r->replied && r->conn);
-    if (more && r->progress && r->resident + r->moved < r->pages &&
-        r->rounds < KVT_PREFETCH_ROUNDS && kvt_now_ns() < r->deadline_ns) {
+    int more = r->prefetch.start_only || (!r->prefetch.replied && r->conn);
+    if (more && r->prefetch.progress && r->prefetch.resident + r->prefetch.moved < r->pages &&
+        r->prefetch.rounds < KVT_PREFETCH_ROUNDS && kvt_now_ns() < r->deadline_ns) {
         int rc = kvt_prefetch_round(s, r);
         if (r->pending > 0 || kvt_prefetch_wait(r, rc))
             return;
     }
     kvt__unpin(s, r);
-    if (!r->replied)
+    if (!r->prefetch.replied)
         kvt_prefetch_reply(s, r);
     kvt__req_finish(r);
 }
 
 /*
- * The policy promotes the path up to r->target (making room there by demoting others if it
+ * The policy promotes the path up to r->prefetch.target (making room there by demoting others if it
  * must); the moves it starts for this path report to r, which answers when they are done or at
  * its deadline, whichever comes first.
  */
@@ -120,14 +123,14 @@ int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
     r->on_move = kvt_prefetch_moved;
     if (r->status == 0 && s->policy) {
         uint32_t busy;
-        r->resident = kvt_prefetch_count(r, &busy);
-        if (r->resident < r->pages) {
+        r->prefetch.resident = kvt_prefetch_count(r, &busy);
+        if (r->prefetch.resident < r->pages) {
             int rc = kvt_prefetch_round(s, r);
-            if (!r->start_only && kvt_prefetch_wait(r, rc))
+            if (!r->prefetch.start_only && kvt_prefetch_wait(r, rc))
                 return 0;
         }
     }
-    if (r->start_only && r->pending > 0) {
+    if (r->prefetch.start_only && r->pending > 0) {
         /* START: answered now with what is on its way; more rounds start as those moves land
          * (kvt_prefetch_moved), until the deadline, with no further reply. */
         kvt_prefetch_reply(s, r);
@@ -175,8 +178,8 @@ int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bod
     kvt__req_ns(r, c->ns);
     r->node = m.node;
     r->pages = m.pages;
-    r->target = q.tier;
-    r->start_only = (h->flags & KVT_PREFETCH_F_START) != 0;
+    r->prefetch.target = q.tier;
+    r->prefetch.start_only = (h->flags & KVT_PREFETCH_F_START) != 0;
     r->deadline_ns = t0 + (uint64_t)(q.deadline_ms ? q.deadline_ms : s->conf->lease_ms) * 1000000;
     kvt__ns_t *ns;
     kvt__ns_get(s, c->ns, &ns);
@@ -190,7 +193,7 @@ int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bod
 int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now)
 {
     kvt_srv_t *s = r->srv;
-    if (r->waiting && r->pending == 0) {
+    if (r->prefetch.waiting && r->pending == 0) {
         uint32_t busy, at = kvt_prefetch_count(r, &busy);
         if (busy > 0 && now < r->deadline_ns) {
             s->reqs_waiting = 1;
@@ -198,9 +201,9 @@ int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now)
         }
         /* They landed (or failed): what reached the target without this request's own moves
          * is resident; what did not gets one more round, if there is time. */
-        r->waiting = 0;
-        r->resident = at > r->moved ? at - r->moved : 0;
-        if (now < r->deadline_ns && r->resident + r->moved < r->pages) {
+        r->prefetch.waiting = 0;
+        r->prefetch.resident = at > r->prefetch.moved ? at - r->prefetch.moved : 0;
+        if (now < r->deadline_ns && r->prefetch.resident + r->prefetch.moved < r->pages) {
             int rc = kvt_prefetch_round(s, r);
             if (r->pending > 0 || kvt_prefetch_wait(r, rc))
                 return 0;
@@ -211,7 +214,7 @@ int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now)
         s->reqs_waiting = 1; /* others after it: looked at next time */
         return 1;
     }
-    if (!r->replied && r->pending > 0 && now >= r->deadline_ns) {
+    if (!r->prefetch.replied && r->pending > 0 && now >= r->deadline_ns) {
         kvt_prefetch_reply(s, r);
         kvt__req_finish(r);
         return 1;

@@ -26,7 +26,7 @@ typedef struct kvt__landed {
 /* A payload page of r not stored, and why. */
 static void kvt_put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_t pages)
 {
-    r->skipped += pages;
+    r->put.skipped += pages;
     kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, why, pages);
 }
 
@@ -41,14 +41,14 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
     kvt__landed_t *l = r->extra;
     if (!l)
         return;
-    uint32_t n = r->end - r->first;
+    uint32_t n = r->put.end - r->put.first;
     for (uint32_t i = 0; i < n; i++) {
         if (l[i].held != KVT_TIER_NONE) /* the room the policy held is the adoption's to take */
             kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, r->block_bytes);
         l[i].held = KVT_TIER_NONE;
         if (!l[i].started)
             continue;
-        kvt_block_t *b = kvt_radix_block_at(r->node, r->first + i);
+        kvt_block_t *b = kvt_radix_block_at(r->node, r->put.first + i);
         b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
         if (l[i].tier == KVT_TIER_NONE)
             continue;
@@ -65,9 +65,10 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
             j++;
         kvt_tier_id_t t = (kvt_tier_id_t)l[i].tier;
         uint32_t got = kvt__policy_adopt(
-            s, r->node, r->first + i, r->first + j, t, r->pages,
-            r->hint.priority || r->hint.finished || r->hint.paused_ms ? &r->hint : NULL);
-        r->stored += got;
+            s, r->node, r->put.first + i, r->put.first + j, t, r->pages,
+            r->put.hint.priority || r->put.hint.finished || r->put.hint.paused_ms ? &r->put.hint
+                                                                                  : NULL);
+        r->put.stored += got;
         kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, KVT_PUT_STORED, got);
         if (got < j - i) /* refused: the node's tier order */
             kvt_put_skip(s, r, KVT_PUT_NO_ROOM, (j - i) - got);
@@ -85,9 +86,9 @@ static void kvt_put_reply(kvt_srv_t *s, kvt__req_t *r)
     kvt__unpin(s, r);
     kvt_proto_put_reply_t p = {
         .pages = r->pages,
-        .new_pages = r->new_pages,
-        .stored = r->stored,
-        .skipped = r->skipped,
+        .new_pages = r->put.new_pages,
+        .stored = r->put.stored,
+        .skipped = r->put.skipped,
     };
     uint8_t w[sizeof(kvt_wire_put_reply_t)];
     kvt_proto_put_reply_encode(w, &p);
@@ -114,7 +115,7 @@ static int kvt_put_passes_on(int rc)
 static int kvt_put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
 {
     kvt__req_t *r = x->req;
-    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->first);
+    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
     uint8_t was = x->tier;
     int rc = KVT_ENOSPC;
     for (int room = 0; room < 2 && kvt_put_passes_on(rc); room++) {
@@ -143,7 +144,7 @@ static void kvt_put_done(kvt_tier_io_t *io)
     kvt__io_t *x = io->data;
     kvt__req_t *r = x->req;
     kvt_srv_t *s = x->req->srv;
-    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->first);
+    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
     if (io->status < 0 && kvt_put_passes_on(io->status)) {
         /* Refused after it was taken (the tier queued it): the tiers below may take it. The
          * refused write counts as that tier's failed I/O; the request keeps waiting. */
@@ -180,16 +181,16 @@ static void kvt_put_done(kvt_tier_io_t *io)
 
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
 {
-    uint32_t end = r->status < 0 ? r->first : KVT_MIN(r->end, r->pages);
-    if (end > r->first) {
-        r->end = end;
-        r->extra = calloc(end - r->first, sizeof(kvt__landed_t));
+    uint32_t end = r->status < 0 ? r->put.first : KVT_MIN(r->put.end, r->pages);
+    if (end > r->put.first) {
+        r->put.end = end;
+        r->extra = calloc(end - r->put.first, sizeof(kvt__landed_t));
         if (!r->extra) {
             r->status = KVT_ENOMEM;
-            end = r->first;
+            end = r->put.first;
         }
     }
-    for (uint32_t p = r->first; p < end; p++) {
+    for (uint32_t p = r->put.first; p < end; p++) {
         kvt_block_t *b = kvt_radix_block_at(r->node, p);
         if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
             kvt_put_skip(s, r, KVT_PUT_CACHED, 1); /* held already, or another PUT writes it */
@@ -200,7 +201,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
             r->status = KVT_ENOMEM;
             break;
         }
-        x->io.buf = r->payload + (size_t)(p - r->first) * r->block_bytes;
+        x->io.buf = r->payload + (size_t)(p - r->put.first) * r->block_bytes;
         x->io.len = r->block_bytes;
         x->io.cb = kvt_put_done;
         int rc = kvt_put_write(s, x, 0);
@@ -210,7 +211,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
             continue;
         }
         b->flags |= KVT_BLOCK_BUSY;
-        ((kvt__landed_t *)r->extra)[p - r->first].started = 1;
+        ((kvt__landed_t *)r->extra)[p - r->put.first].started = 1;
         kvt__io_started(s, r);
     }
     if (r->pending == 0)
@@ -257,11 +258,11 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     kvt__req_ns(r, c->ns);
     r->node = res.node;
     r->pages = res.pages;
-    r->new_pages = res.new_pages;
-    kvt__policy_hint(&q.hints, kvt_radix_node_depth(res.node), &r->hint);
+    r->put.new_pages = res.new_pages;
+    kvt__policy_hint(&q.hints, kvt_radix_node_depth(res.node), &r->put.hint);
     r->block_bytes = c->block_bytes;
-    r->first = q.first_page;
-    r->end = q.first_page + q.npayload;
+    r->put.first = q.first_page;
+    r->put.end = q.first_page + q.npayload;
     size_t bytes = (size_t)q.npayload * c->block_bytes, held;
     /* A frame with a buffer of its own is kept whole until the pages are written, not copied. */
     if ((r->held = kvt__conn_take_frame(c, body, h->body_len, &held))) {

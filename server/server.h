@@ -132,44 +132,53 @@ struct kvt__req {
     kvt__conn_t *conn; /* NULL once the connection has gone */
     kvt__req_kind_t kind;
     uint8_t op;
-    uint8_t done;    /* the whole reply is in out (or, GET, the final frame is) */
-    uint8_t replied; /* PREFETCH: the reply went out (deadline, START), I/O still running */
-    uint64_t id;     /* the client's request id */
-    uint64_t t0;     /* arrival, for the latency histogram */
-    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
+    uint8_t done; /* the whole reply is in out (or, GET, the final frame is) */
+    uint64_t id;  /* the client's request id */
+    uint64_t t0;  /* arrival, for the latency histogram */
+    uint8_t *out; /* reply bytes not yet written: [out_off, out_len) */
     size_t out_len, out_cap, out_off;
     const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
     /* A move this request asked for (a PREFETCH's promotion) landed: exec.c tells it so. */
-    void (*on_move)(kvt_srv_t *s, kvt__req_t *r);
+    void (*on_move)(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted_pages);
     uint32_t pending; /* tier I/Os in flight */
     int status;
 
-    /* PUT, GET and PREFETCH */
-    kvt_policy_hint_t hint; /* PUT: the engine's hints, handed to the policy with the blocks */
-    uint32_t ns;            /* set by kvt__req_ns, which holds the namespace open */
+    /* PUT, GET, PREFETCH and REMOVE */
+    uint32_t ns; /* set by kvt__req_ns, which holds the namespace open */
     uint8_t ns_held;
     uint64_t lease;         /* an internal lease pinning the path while I/O runs */
     kvt_radix_node_t *node; /* the path's deepest node */
-    uint32_t pages;         /* path length */
+    uint32_t pages;         /* path length; a waiting REMOVE: its tokens */
     uint32_t block_bytes;
     uint8_t *payload; /* PUT: the payload pages; a waiting REMOVE: its tokens */
     void *held;       /* what payload lies in, counted in the clients' memory */
     size_t held_bytes;
-    uint32_t first, cur, end; /* PUT: payload pages [first, end); GET: pages [cur, end) left */
-    uint32_t stored, skipped, new_pages, sent;
-    uint32_t moved, resident, failed, target, batch;
-    uint32_t rounds; /* PREFETCH: promotion rounds run */
-    int progress;    /* PREFETCH: a move of the last round landed */
-    int waiting;     /* PREFETCH: no move of its own; pages of its path are in another's move */
-    int waited;      /* PREFETCH: has waited at least once (counted in the metrics) */
-    int start_only;  /* PREFETCH: KVT_PREFETCH_F_START, replied once its moves began */
-    uint64_t deadline_ns;
-    kvt__io_t **ios;  /* GET batch */
-    kvt__seg_t *segs; /* GET batch output; written instead of out while nsegs > 0 */
-    uint32_t nsegs, seg_i;
-    size_t seg_off;
-    int segs_ready; /* the batch's reads are done: segs may be written */
-    void *extra;    /* op-specific state (a MATCH's remote probe), freed with the request */
+    uint64_t deadline_ns; /* PREFETCH, REMOVE */
+    /* Each operation's own state, touched by its file only (op_put.c, op_get.c, op_prefetch.c). */
+    struct {
+        kvt_policy_hint_t hint; /* the engine's hints, handed to the policy with the blocks */
+        uint32_t first, end;    /* payload pages [first, end) */
+        uint32_t stored, skipped, new_pages;
+    } put;
+    struct {
+        uint32_t cur, end; /* pages [cur, end) left */
+        uint32_t sent, batch;
+        kvt__io_t **ios;  /* the batch's reads */
+        kvt__seg_t *segs; /* the batch's output, while it is the reply source */
+        uint32_t nsegs, seg_i;
+        size_t seg_off;
+        int segs_ready; /* the batch's reads are done: segs may be written */
+    } get;
+    struct {
+        uint8_t replied; /* the reply went out (deadline, START), I/O still running */
+        uint32_t moved, resident, target;
+        uint32_t rounds; /* promotion rounds run */
+        int progress;    /* a move of the last round landed */
+        int waiting;     /* no move of its own; pages of its path are in another's move */
+        int waited;      /* has waited at least once (counted in the metrics) */
+        int start_only;  /* KVT_PREFETCH_F_START, replied once its moves began */
+    } prefetch;
+    void *extra; /* op-specific state (a MATCH's remote probe), freed with the request */
 };
 
 /*
