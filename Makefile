@@ -1,9 +1,12 @@
-# Thin wrapper over meson: `make run` starts kvtier on embedded defaults, `make test` runs the
-# whole suite. Both install missing Debian packages and build first.
+# Thin wrapper over meson: `make run` starts kvtier on embedded defaults (kvtierd's flags in
+# ARGS: make run ARGS="--dram-bytes 2G"), `make test` runs the whole suite. Both install missing
+# Debian packages and build first: make run only what kvtierd needs, make test the test tools too.
 .PHONY: run test build bench format clean
 
+ARGS ?=
+
 run:
-	bash scripts/run.sh
+	bash scripts/run.sh $(ARGS)
 
 test:
 	bash scripts/test.sh

@@ -54,9 +54,7 @@
 #if KVT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
-#ifdef KVT_BENCH_REMOTE
 #include "bench_remote.h"
-#endif
 
 typedef struct opts {
     const char *dir;
@@ -783,12 +781,7 @@ int main(int argc, char **argv)
     if ((!only || !strcmp(only, "hbm")) && !kvt_tier_cuda_usable())
         fprintf(stderr, "bench_tiers: no usable GPU: hbm not measured\n");
 #endif
-#ifdef KVT_BENCH_REMOTE
     if ((!only || !strcmp(only, "remote")) && !o.no_remote)
         rc |= bench_remote_run(o.redis, sizes, (int)KVT_ARRAY_LEN(sizes)) < 0;
-#else
-    if ((!only || !strcmp(only, "remote")) && !o.no_remote)
-        fprintf(stderr, "bench_tiers: built without bench_remote.c: remote not measured\n");
-#endif
     return rc ? 1 : 0;
 }

@@ -1,27 +1,28 @@
 /*
- * cli.c: the kvtier command line, a thin layer on libkvtier. It owns argument parsing (options
- * before or after the command, as people type them), turning token lists ("1-64 100 7") into
- * arrays, and printing replies for people. With no address flags it talks to ./kvtierd.sock, which
- * is where a kvtierd started with no configuration in the same working directory listens. "kvtier
- * replay ..." runs the trace replay of replay/ when this build has it; "kvtier bench NAME ..." runs
- * one of bench/'s benchmarks, which are programs of their own (bench_radix must run on glibc's
- * malloc, which the DRAM tier's jemalloc would replace in any program that links the tiers).
+ * cli.c: the kvtier command line, a thin layer on libkvtier. It owns argument parsing (getopt_long,
+ * options before or after the command, as people type them), turning token lists ("1-64 100 7")
+ * into arrays, and printing replies for people, or as JSON (--json) for scripts. With no address
+ * flags it talks to ./kvtierd.sock, which is where a kvtierd started with no configuration in the
+ * same working directory listens. "kvtier replay ..." runs the trace replay of replay/; "kvtier
+ * bench NAME ..." runs one of bench/'s benchmarks, which are programs of their own (bench_radix
+ * must run on glibc's malloc, which the DRAM tier's jemalloc would replace in any program that
+ * links the tiers).
  */
 #include <errno.h>
+#include <getopt.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "config.h"
 
 #include "kvtier.h"
 
-#if KVT_HAVE_REPLAY
 #include "../replay/replay.h"
-#endif
 
 static void kvt_usage(FILE *f)
 {
@@ -29,7 +30,7 @@ static void kvt_usage(FILE *f)
                "\n"
                "commands:\n"
                "  ping [COUNT]                 round trips to the daemon\n"
-               "  match TOKENS...              longest cached prefix, tier per page\n"
+               "  match TOKENS... [--json]     longest cached prefix, tier per page\n"
                "  put TOKENS... [--fill BYTE]  cache the tokens; with --block-bytes also store\n"
                "                               each page's bytes (BYTE repeated, default 0xab)\n"
                "  get TOKENS... [--out FILE]   match with a lease and fetch the matched pages'\n"
@@ -41,26 +42,39 @@ static void kvt_usage(FILE *f)
                "  remove TOKENS... [--nowait]  drop the last page of TOKENS and what follows;\n"
                "                               --nowait: busy (EBUSY) at once for blocks with\n"
                "                               I/O in flight, instead of waiting up to a second\n"
-               "  stats                        the daemon's counters, and its hit rate per tier\n"
+               "  stats [--json] [--interval S [--count N]]\n"
+               "                               the daemon's counters, and its hit rate per tier;\n"
+               "                               with --interval, again every S seconds (N times,\n"
+               "                               default until interrupted)\n"
+               "  watch [--interval S] [--count N]\n"
+               "                               stats every S seconds (default 2)\n"
                "  replay ARGS...               the trace replay (kvtier replay --help)\n"
                "  bench NAME ARGS...           a benchmark, NAME radix, tiers, server, policy or\n"
-               "                               recover, each beside its baseline (README,\n"
-               "                               \"Benchmarks\")\n"
+               "                               recover, each beside its baseline\n"
+               "                               (docs/benchmarks.md)\n"
                "\n"
                "TOKENS are numbers and ranges: 1-64 100 7 (the range 1-64 is 64 tokens).\n"
                "Options may come before or after the command, except for replay and bench,\n"
-               "which take everything after their name as their own.\n"
+               "which take everything after their name as their own; \"--\" ends the options.\n"
                "\n"
                "options:\n"
-               "  --unix PATH        Unix socket (default ./kvtierd.sock)\n"
+               "  -s, --socket PATH  Unix socket (default ./kvtierd.sock; also --unix)\n"
+               "  -H, --host HOST    TCP to HOST (default 127.0.0.1 with --port)\n"
+               "  -p, --port PORT    TCP to PORT (default 7390 with --host)\n"
                "  --tcp HOST:PORT    TCP instead of the Unix socket\n"
                "  --secret S         shared secret (default: $KVTIER_SECRET)\n"
-               "  --model M          namespace model (default \"default\")\n"
+               "  -m, --model M      namespace model (default \"default\")\n"
                "  --adapter A, --salt S\n"
                "  --page N           tokens per page (default 16)\n"
-               "  --block-bytes N    KV bytes per page (default 0: index only)\n"
+               "  -b, --block-bytes N\n"
+               "                     KV bytes per page (default 0: index only)\n"
                "  --lease-ms N       lease time limit for get (default: the daemon's)\n"
-               "  --timeout-ms N     per call (default 10000)\n");
+               "  --timeout-ms N     per call (default 10000)\n"
+               "  -j, --json         JSON output (stats, watch and match): one object per line\n"
+               "  -i, --interval S   stats: repeat every S seconds (fractions allowed)\n"
+               "  -n, --count N      stats: stop after N rounds\n"
+               "  -h, --help         this text\n"
+               "  -V, --version      kvtier's version\n");
 }
 
 static int kvt_parse_tokens(char **args, int n, uint32_t **out, uint32_t *count)
@@ -120,8 +134,26 @@ static int kvt_fail(kvt_client_t *c, const char *what, int rc)
     return 1;
 }
 
-/* What the hit-rate line under the counters is made of: tier[] by KVT_CLIENT_TIER_*. */
+/* A string as a JSON string: the daemon's names are plain, but nothing here relies on it. */
+static void kvt_json_str(const char *str)
+{
+    putchar('"');
+    for (const unsigned char *p = (const unsigned char *)str; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            printf("\\%c", *p);
+        else if (*p < 0x20)
+            printf("\\u%04x", *p);
+        else
+            putchar(*p);
+    }
+    putchar('"');
+}
+
+/* What the hit-rate line under the counters is made of: tier[] by KVT_CLIENT_TIER_*; and how the
+ * counters are printed (json: one object, n counters so far). */
 typedef struct kvt_hits {
+    int json;
+    unsigned n;
     uint64_t looked_up;
     uint64_t tier[KVT_CLIENT_TIER_REMOTE + 1];
 } kvt_hits_t;
@@ -129,7 +161,13 @@ typedef struct kvt_hits {
 static int kvt_print_stat(void *arg, const char *name, uint64_t v)
 {
     kvt_hits_t *h = arg;
-    printf("%-28s %" PRIu64 "\n", name, v);
+    if (h->json) {
+        fputs(h->n++ ? "," : "{", stdout);
+        kvt_json_str(name);
+        printf(":%" PRIu64, v);
+    } else {
+        printf("%-28s %" PRIu64 "\n", name, v);
+    }
     if (!strcmp(name, "lookup_tokens"))
         h->looked_up = v;
     else if (!strncmp(name, "hit_tokens_", 11))
@@ -140,22 +178,66 @@ static int kvt_print_stat(void *arg, const char *name, uint64_t v)
 }
 
 /* The operator's question, answered from the counters above: what share of the looked-up tokens
- * the cache served, and from which tier. */
+ * the cache served, and from which tier. In JSON, fractions (0 to 1) under "hit_rate", null
+ * before the first lookup, closing the object the counters opened. */
 static void kvt_print_hit_rate(const kvt_hits_t *h)
 {
+    uint64_t all = 0;
+    for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
+        all += h->tier[t];
+    if (h->json) {
+        printf("%s\"hit_rate\":", h->n ? "," : "{");
+        if (h->looked_up == 0) {
+            printf("null}\n");
+            return;
+        }
+        printf("{\"all\":%.6f", (double)all / (double)h->looked_up);
+        for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
+            printf(",\"%s\":%.6f", kvt_tname(t), (double)h->tier[t] / (double)h->looked_up);
+        printf("}}\n");
+        return;
+    }
     if (h->looked_up == 0) {
         printf("hit rate: no lookups yet\n");
         return;
     }
-    uint64_t all = 0;
-    for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
-        all += h->tier[t];
     printf("hit rate: %.1f%% of %" PRIu64 " looked-up tokens (",
            100.0 * (double)all / (double)h->looked_up, h->looked_up);
     for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
         printf("%s%s %.1f%%", t > KVT_CLIENT_TIER_HBM ? ", " : "", kvt_tname(t),
                100.0 * (double)h->tier[t] / (double)h->looked_up);
     printf(")\n");
+}
+
+/* stats, once or every interval_s seconds (count rounds; 0: until interrupted or the daemon goes
+ * away). Rounds after the first are told apart by a time line in text; in JSON each round is one
+ * line of its own. Returns the exit status. */
+static int kvt_stats(kvt_client_t *c, int json, double interval_s, unsigned long count)
+{
+    for (unsigned long round = 0;; round++) {
+        if (interval_s > 0 && !json) {
+            time_t now = time(NULL);
+            struct tm tm;
+            char when[32];
+            strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&now, &tm));
+            printf("%s--- %s\n", round ? "\n" : "", when);
+        }
+        kvt_hits_t hits = {.json = json};
+        int rc = kvt_client_stats(c, kvt_print_stat, &hits);
+        if (rc < 0) {
+            if (json && hits.n)
+                printf("}\n"); /* what was printed stays one line */
+            return kvt_fail(c, "stats", rc);
+        }
+        kvt_print_hit_rate(&hits);
+        fflush(stdout);
+        if (interval_s <= 0 || (count && round + 1 >= count))
+            return 0;
+        struct timespec ts = {.tv_sec = (time_t)interval_s};
+        ts.tv_nsec = (long)((interval_s - (double)ts.tv_sec) * 1e9);
+        while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+            ;
+    }
 }
 
 static const char *const kvt_benches[] = {"radix", "tiers", "server", "policy", "recover"};
@@ -226,84 +308,168 @@ static int kvt_num(const char *opt, const char *v, unsigned long max, unsigned l
     return 0;
 }
 
+/* Long options; a short letter where people expect one. The values past 255 name options that
+ * have no letter. */
+enum {
+    OPT_TCP = 256,
+    OPT_SECRET,
+    OPT_ADAPTER,
+    OPT_SALT,
+    OPT_PAGE,
+    OPT_LEASE_MS,
+    OPT_TIMEOUT_MS,
+    OPT_FILL,
+    OPT_TIER,
+    OPT_DEADLINE_MS,
+    OPT_START,
+    OPT_NOWAIT,
+};
+
+static const struct option kvt_longopts[] = {
+    {"socket", required_argument, NULL, 's'},
+    {"unix", required_argument, NULL, 's'}, /* the first spelling, kept */
+    {"host", required_argument, NULL, 'H'},
+    {"port", required_argument, NULL, 'p'},
+    {"tcp", required_argument, NULL, OPT_TCP},
+    {"secret", required_argument, NULL, OPT_SECRET},
+    {"model", required_argument, NULL, 'm'},
+    {"adapter", required_argument, NULL, OPT_ADAPTER},
+    {"salt", required_argument, NULL, OPT_SALT},
+    {"page", required_argument, NULL, OPT_PAGE},
+    {"block-bytes", required_argument, NULL, 'b'},
+    {"lease-ms", required_argument, NULL, OPT_LEASE_MS},
+    {"timeout-ms", required_argument, NULL, OPT_TIMEOUT_MS},
+    {"fill", required_argument, NULL, OPT_FILL},
+    {"out", required_argument, NULL, 'o'},
+    {"tier", required_argument, NULL, OPT_TIER},
+    {"deadline-ms", required_argument, NULL, OPT_DEADLINE_MS},
+    {"start", no_argument, NULL, OPT_START},
+    {"nowait", no_argument, NULL, OPT_NOWAIT},
+    {"json", no_argument, NULL, 'j'},
+    {"interval", required_argument, NULL, 'i'},
+    {"count", required_argument, NULL, 'n'},
+    {"help", no_argument, NULL, 'h'},
+    {"version", no_argument, NULL, 'V'},
+    {NULL, 0, NULL, 0},
+};
+
 int main(int argc, char **argv)
 {
     kvt_client_conf_t conf = {.model = "default", .page_size = 16};
-    const char *out_path = NULL, *cmd = NULL;
-    unsigned long fill = 0xab, lease_ms = 0, deadline_ms = 0, num;
+    const char *out_path = NULL, *cmd = NULL, *host = NULL, *port = NULL;
+    unsigned long fill = 0xab, lease_ms = 0, deadline_ms = 0, count = 0, num;
     unsigned tier = 2; /* DRAM */
-    int start = 0, nowait = 0;
+    int start = 0, nowait = 0, json = 0, help = 0, version = 0, bad = 0;
+    double interval_s = 0;
+    char tcp[300];
     conf.secret = getenv("KVTIER_SECRET");
     /* The command's own arguments are gathered at the front of argv (never past where they were
-     * read from): args[0 .. nargs). */
+     * read from): args[0 .. nargs). "-" at the front of the option string returns them in order
+     * (as 1), whatever POSIXLY_CORRECT says, so that bench and replay can take the rest; ':'
+     * tells a missing value from an unknown option. A bad value is remembered rather than fatal
+     * at once, so that --help and --version work anywhere on the line. */
     char **args = argv + 1;
-    int nargs = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strncmp(a, "--", 2) != 0) {
+    int nargs = 0, opt, li = -1;
+    opterr = 0;
+    while ((opt = getopt_long(argc, argv, "-:s:H:p:m:b:o:ji:n:hV", kvt_longopts, &li)) != -1) {
+        const char *v = optarg;
+        /* The option as typed, for messages about its value. */
+        char name[40];
+        if (li >= 0)
+            snprintf(name, sizeof name, "--%s", kvt_longopts[li].name);
+        else
+            snprintf(name, sizeof name, "-%c", opt);
+        li = -1;
+        switch (opt) {
+        case 1:
             if (cmd) {
-                args[nargs++] = argv[i];
-                continue;
+                args[nargs++] = (char *)v;
+                break;
             }
-            cmd = a;
+            cmd = v;
             /* These two parse their own arguments. */
-            if (!strcmp(cmd, "bench"))
-                return kvt_bench(argc - i - 1, argv + i + 1);
-            if (!strcmp(cmd, "replay")) {
-#if KVT_HAVE_REPLAY
-                return kvt_replay_main(argc - i, argv + i);
-#else
-                fprintf(stderr, "kvtier: this build has no replay\n");
-                return 2;
-#endif
+            if (!strcmp(cmd, "bench") && !help && !version && !bad)
+                return kvt_bench(argc - optind, argv + optind);
+            if (!strcmp(cmd, "replay") && !help && !version && !bad) {
+                return kvt_replay_main(argc - optind + 1, argv + optind - 1);
             }
-            continue;
-        }
-        if (!strcmp(a, "--help")) {
-            kvt_usage(stdout);
-            return 0;
-        }
-        if (!strcmp(a, "--start")) { /* the two options that take no value */
-            start = 1;
-            continue;
-        }
-        if (!strcmp(a, "--nowait")) {
-            nowait = 1;
-            continue;
-        }
-        if (i + 1 >= argc) {
-            fprintf(stderr, "kvtier: %s needs a value\n", a);
-            return 2;
-        }
-        const char *v = argv[++i];
-        int bad = 0;
-        if (!strcmp(a, "--unix"))
+            break;
+        case 'h':
+            help = 1;
+            break;
+        case 'V':
+            version = 1;
+            break;
+        case 's':
             conf.unix_path = v;
-        else if (!strcmp(a, "--tcp"))
+            break;
+        case 'H':
+            host = v;
+            break;
+        case 'p':
+            port = v;
+            bad |= kvt_num(name, v, 65535, &num) < 0;
+            break;
+        case OPT_TCP:
             conf.tcp = v;
-        else if (!strcmp(a, "--secret"))
+            break;
+        case OPT_SECRET:
             conf.secret = v;
-        else if (!strcmp(a, "--model"))
+            break;
+        case 'm':
             conf.model = v;
-        else if (!strcmp(a, "--adapter"))
+            break;
+        case OPT_ADAPTER:
             conf.adapter = v;
-        else if (!strcmp(a, "--salt"))
+            break;
+        case OPT_SALT:
             conf.salt = v;
-        else if (!strcmp(a, "--out"))
+            break;
+        case 'o':
             out_path = v;
-        else if (!strcmp(a, "--page"))
-            bad = kvt_num(a, v, UINT32_MAX, &num) < 0 || (conf.page_size = (uint32_t)num, 0);
-        else if (!strcmp(a, "--block-bytes"))
-            bad = kvt_num(a, v, UINT32_MAX, &num) < 0 || (conf.block_bytes = (uint32_t)num, 0);
-        else if (!strcmp(a, "--lease-ms"))
-            bad = kvt_num(a, v, UINT32_MAX, &lease_ms) < 0;
-        else if (!strcmp(a, "--timeout-ms"))
-            bad = kvt_num(a, v, INT_MAX, &num) < 0 || (conf.timeout_ms = (int)num, 0);
-        else if (!strcmp(a, "--fill"))
-            bad = kvt_num(a, v, 255, &fill) < 0;
-        else if (!strcmp(a, "--deadline-ms"))
-            bad = kvt_num(a, v, UINT32_MAX, &deadline_ms) < 0;
-        else if (!strcmp(a, "--tier")) {
+            break;
+        case OPT_PAGE:
+            bad |= kvt_num(name, v, UINT32_MAX, &num) < 0 || (conf.page_size = (uint32_t)num, 0);
+            break;
+        case 'b':
+            bad |= kvt_num(name, v, UINT32_MAX, &num) < 0 || (conf.block_bytes = (uint32_t)num, 0);
+            break;
+        case OPT_LEASE_MS:
+            bad |= kvt_num(name, v, UINT32_MAX, &lease_ms) < 0;
+            break;
+        case OPT_TIMEOUT_MS:
+            bad |= kvt_num(name, v, INT_MAX, &num) < 0 || (conf.timeout_ms = (int)num, 0);
+            break;
+        case OPT_FILL:
+            bad |= kvt_num(name, v, 255, &fill) < 0;
+            break;
+        case OPT_DEADLINE_MS:
+            bad |= kvt_num(name, v, UINT32_MAX, &deadline_ms) < 0;
+            break;
+        case OPT_START:
+            start = 1;
+            break;
+        case OPT_NOWAIT:
+            nowait = 1;
+            break;
+        case 'j':
+            json = 1;
+            break;
+        case 'n':
+            bad |= kvt_num(name, v, ULONG_MAX, &count) < 0;
+            break;
+        case 'i': {
+            char *end;
+            errno = 0;
+            interval_s = strtod(v, &end);
+            /* A day at most: a typo should not look like a hang. */
+            if (!*v || *end || errno || !(interval_s >= 0.01 && interval_s <= 86400)) {
+                fprintf(stderr, "kvtier: %s takes seconds from 0.01 to 86400, not '%s'\n", name, v);
+                bad = 1;
+            }
+            break;
+        }
+        case OPT_TIER: {
             static const char *const names[] = {"hbm", "dram", "nvme"};
             tier = 0;
             for (unsigned k = 0; k < 3; k++)
@@ -313,12 +479,46 @@ int main(int argc, char **argv)
                 fprintf(stderr, "kvtier: --tier is hbm, dram or nvme, not '%s'\n", v);
                 bad = 1;
             }
-        } else {
-            fprintf(stderr, "kvtier: unknown option %s\n", a);
+            break;
+        }
+        case ':': /* the option is the last word read */
+            fprintf(stderr, "kvtier: %s needs a value\n", argv[optind - 1]);
+            bad = 1;
+            break;
+        default: /* '?': optopt is the letter of an unknown short option, 0 for a long one */
+            if (optopt)
+                fprintf(stderr, "kvtier: unknown option '-%c'\n", optopt);
+            else
+                fprintf(stderr, "kvtier: unknown option '%s'\n", argv[optind - 1]);
+            bad = 1;
+            break;
+        }
+    }
+    /* After "--", everything is the command and its arguments. */
+    for (; optind < argc; optind++) {
+        if (!cmd)
+            cmd = argv[optind];
+        else
+            args[nargs++] = argv[optind];
+    }
+    if (help) {
+        kvt_usage(stdout);
+        return 0;
+    }
+    if (version) {
+        printf("kvtier %s\n", KVT_VERSION);
+        return 0;
+    }
+    if (bad)
+        return 2;
+    if (host || port) {
+        if (conf.tcp) {
+            fprintf(stderr, "kvtier: --tcp HOST:PORT, or --host and --port, not both\n");
             return 2;
         }
-        if (bad)
-            return 2;
+        /* libkvtier splits HOST:PORT at the last colon, so an IPv6 address goes in bare. */
+        snprintf(tcp, sizeof tcp, "%s:%s", host ? host : "127.0.0.1", port ? port : "7390");
+        conf.tcp = tcp;
     }
     if (!cmd) {
         kvt_usage(stderr);
@@ -327,9 +527,28 @@ int main(int argc, char **argv)
     /* The command and its tokens are checked before anything is asked of the daemon. */
     int with_tokens = !strcmp(cmd, "match") || !strcmp(cmd, "put") || !strcmp(cmd, "get") ||
                       !strcmp(cmd, "prefetch") || !strcmp(cmd, "remove");
-    if (!with_tokens && strcmp(cmd, "ping") && strcmp(cmd, "stats")) {
+    int watch = !strcmp(cmd, "watch"), stats = watch || !strcmp(cmd, "stats");
+    if (!with_tokens && !stats && strcmp(cmd, "ping")) {
         fprintf(stderr, "kvtier: unknown command '%s'\n", cmd);
         kvt_usage(stderr);
+        return 2;
+    }
+    if (json && !stats && strcmp(cmd, "match")) {
+        fprintf(stderr, "kvtier: --json is for stats, watch and match\n");
+        return 2;
+    }
+    if ((interval_s > 0 || count) && !stats) {
+        fprintf(stderr, "kvtier: --interval and --count are for stats and watch\n");
+        return 2;
+    }
+    if (stats && nargs > 0) {
+        fprintf(stderr, "kvtier: %s takes no arguments ('%s')\n", cmd, args[0]);
+        return 2;
+    }
+    if (watch && interval_s == 0)
+        interval_s = 2;
+    if (count && interval_s == 0) {
+        fprintf(stderr, "kvtier: --count goes with --interval (or use watch)\n");
         return 2;
     }
     uint32_t *tok = NULL, ntok = 0;
@@ -364,12 +583,8 @@ int main(int argc, char **argv)
             else
                 printf("pong %.1f us\n", (double)rtt / 1000.0);
         }
-    } else if (!strcmp(cmd, "stats")) {
-        kvt_hits_t hits = {0};
-        if ((rc = kvt_client_stats(c, kvt_print_stat, &hits)) < 0)
-            status = kvt_fail(c, "stats", rc);
-        else
-            kvt_print_hit_rate(&hits);
+    } else if (stats) {
+        status = kvt_stats(c, json, interval_s, count);
     } else {
         uint32_t pages = ntok / conf.page_size;
         if (!strcmp(cmd, "match")) {
@@ -377,6 +592,12 @@ int main(int argc, char **argv)
             kvt_client_match_t m = {.tiers = tiers, .tiers_cap = pages};
             if ((rc = kvt_client_match(c, tok, ntok, 0, 0, NULL, &m)) < 0) {
                 status = kvt_fail(c, "match", rc);
+            } else if (json) {
+                printf("{\"tokens\":%u,\"matched_tokens\":%u,\"pages\":%u,\"tiers\":[", ntok,
+                       m.tokens, m.pages);
+                for (uint32_t p = 0; p < m.pages; p++)
+                    printf("%s\"%s\"", p ? "," : "", kvt_tname(tiers[p]));
+                printf("]}\n");
             } else {
                 printf("matched %u of %u tokens (%u pages)\n", m.tokens, ntok, m.pages);
                 for (uint32_t p = 0; p < m.pages; p++)

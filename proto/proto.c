@@ -23,6 +23,17 @@ const char *kvt_proto_op_name(unsigned op)
     return op < KVT_OP_COUNT ? kvt_op_names[op] : NULL;
 }
 
+static const uint16_t kvt_op_flags[KVT_OP_COUNT] = {
+    [KVT_OP_MATCH] = KVT_MATCH_F_ALL,
+    [KVT_OP_PREFETCH] = KVT_PREFETCH_F_ALL,
+    [KVT_OP_REMOVE] = KVT_REMOVE_F_ALL,
+};
+
+unsigned kvt_proto_req_flags(unsigned op)
+{
+    return op < KVT_OP_COUNT ? kvt_op_flags[op] : 0;
+}
+
 void kvt_proto_hdr_encode(uint8_t out[KVT_PROTO_HDR], const kvt_proto_hdr_t *h)
 {
     kvt_wire_hdr_t w = {

@@ -76,6 +76,9 @@ enum {
     KVT_RF_MORE = 1u << 0, /* reply: more frames for this request follow (GET data) */
 };
 
+/* The request flag bits op defines: 0 for an op that has none, or an unknown opcode. */
+unsigned kvt_proto_req_flags(unsigned op);
+
 /* Engine hints on MATCH and PUT. */
 enum {
     KVT_HINT_PAUSED = 1u << 0,   /* the session paused; expected back in resume_ms */

@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
-# Installs the Debian packages kvtier builds and tests with, when any is missing, then
-# configures the build directory given as $1 (default: build) with meson's extra options $2...
+# Installs the Debian packages kvtier builds with (and, unless --run-only, tests with) when any
+# is missing, then configures the build directory given as the next argument (default: build)
+# with meson's extra options after it:
+#   setup.sh [--run-only] [DIR [MESON OPTIONS...]]
+# `make run` asks for --run-only: a machine that only runs kvtierd gets no test tools.
 set -euo pipefail
 
-pkgs=(gcc pkg-config meson ninja-build clang-format
-      libjemalloc-dev liburing-dev libhiredis-dev libxxhash-dev libcriterion-dev
-      redis-server redis-tools fio prometheus)
+# What kvtierd and libkvtier need to build.
+run_pkgs=(gcc pkg-config meson ninja-build
+          libjemalloc-dev liburing-dev libhiredis-dev libxxhash-dev)
+# What only the tests and benchmarks use: Criterion, the format check, a redis-server for the
+# remote tier's tests, fio (bench_tiers' NVMe ceiling) and promtool (from prometheus, which
+# checks the /metrics text).
+test_pkgs=(libcriterion-dev clang-format redis-server redis-tools fio prometheus)
+
+pkgs=("${run_pkgs[@]}")
+if [ "${1:-}" = "--run-only" ]; then
+    shift
+else
+    pkgs+=("${test_pkgs[@]}")
+fi
 
 missing=()
 for p in "${pkgs[@]}"; do
@@ -36,6 +50,8 @@ shift || true
 if [ ! -f "$dir/build.ninja" ]; then
     meson setup "$dir" "$@"
 elif [ $# -gt 0 ]; then
-    meson configure "$dir" "$@" # an existing build directory takes the options asked for now
+    # An existing build directory takes the options asked for now; one configured before an
+    # option existed does not know it yet, and is set up again with it.
+    meson configure "$dir" "$@" 2>/dev/null || meson setup --reconfigure "$dir" "$@"
 fi
 ninja -C "$dir"

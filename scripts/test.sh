@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup.sh build -Dbuildtype=release
-bash scripts/setup.sh build-asan -Db_sanitize=address,undefined -Db_lundef=false \
+bash scripts/setup.sh build -Dbuildtype=release -Dtests=enabled
+bash scripts/setup.sh build-asan -Dtests=enabled -Db_sanitize=address,undefined -Db_lundef=false \
     -Dbuildtype=debugoptimized
 
 echo "== format check (clang-format, .clang-format)"

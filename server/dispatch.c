@@ -51,10 +51,18 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     if (m.page_size == 0 || m.page_size > KVT_PAGE_MAX)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
                                 "page size %u is not in 1..%u", m.page_size, KVT_PAGE_MAX);
-    if (m.block_bytes > KVT_TIER_MAX_BLOCK || (uint64_t)m.block_bytes + 64 > s->conf->max_frame)
+    /* docs/protocol.md: a PUT of one page's payload (page 0: one page of tokens) fits a frame */
+    uint64_t put1 = sizeof(kvt_wire_put_t) + 4ull * m.page_size + m.block_bytes;
+    if (m.block_bytes > KVT_TIER_MAX_BLOCK)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "block size %u is over the limit (%u and max-frame)", m.block_bytes,
+                                "block size %u is over the limit of %u bytes", m.block_bytes,
                                 KVT_TIER_MAX_BLOCK);
+    if (m.block_bytes && put1 > s->conf->max_frame)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "block size %u does not fit in a frame: a PUT of one page is "
+                                "%llu bytes, over max-frame (%llu)",
+                                m.block_bytes, (unsigned long long)put1,
+                                (unsigned long long)s->conf->max_frame);
     char model[KVT_PROTO_NAME_MAX + 1], adapter[KVT_PROTO_NAME_MAX + 1],
         salt[KVT_PROTO_NAME_MAX + 1];
     memcpy(model, m.model, m.model_len);
@@ -162,8 +170,10 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     kvt_srv_t *s = c->srv;
     if (h->flags || h->body_len != 0) {
         kvt__proto_error(s, KVT_PERR_BAD_BODY);
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
-                                "STATS takes an empty body");
+        return h->flags ? kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                           "unknown STATS flag bits 0x%x", h->flags)
+                        : kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                           "STATS takes an empty body");
     }
     kvt__tier_metrics(s); /* the gauges a scrape refreshes first */
     kvt_statbuf_t b = {0};

@@ -30,8 +30,13 @@ int kvt__tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n)
 int kvt__bad_body(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const char *what)
 {
     kvt__proto_error(c->srv, KVT_PERR_BAD_BODY);
-    kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "malformed %s body (%u bytes)",
-                     what, h->body_len);
+    unsigned unknown = h->flags & ~(unsigned)kvt_proto_req_flags(h->opcode);
+    if (unknown)
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO, "unknown %s flag bits 0x%x",
+                         what, unknown);
+    else
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                         "malformed %s body (%u bytes)", what, h->body_len);
     return 0;
 }
 

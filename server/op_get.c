@@ -250,10 +250,14 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
                                 "lease %llu is not held by this connection",
                                 (unsigned long long)q.lease);
     uint32_t n = q.npages ? q.npages : (q.first_page < l->pages ? l->pages - q.first_page : 0);
-    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages)
+    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages) {
+        if (!q.npages)
+            return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                    "page %u is past the leased %u pages", q.first_page, l->pages);
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "pages %u..%u are outside the leased %u pages", q.first_page,
-                                q.first_page + n, l->pages);
+                                "pages %u..%llu go past the leased %u pages", q.first_page,
+                                (unsigned long long)q.first_page + q.npages - 1, l->pages);
+    }
     kvt__ns_t *ns;
     if (kvt__ns_get(s, l->ns, &ns) < 0 || ns->block_bytes == 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,

@@ -231,8 +231,9 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     uint32_t whole = q.ntokens / c->page_size;
     if (q.npayload && ((uint64_t)q.first_page + q.npayload > whole))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "payload pages %u..%u are past the request's %u whole pages",
-                                q.first_page, q.first_page + q.npayload, whole);
+                                "payload pages %u..%llu go past the request's %u whole pages",
+                                q.first_page, (unsigned long long)q.first_page + q.npayload - 1,
+                                whole);
     if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t at;

@@ -24,9 +24,10 @@ static char trace_path[4096];
 
 static void find_trace(void)
 {
-    const char *root = getenv("KVT_SOURCE_ROOT");
-    snprintf(trace_path, sizeof(trace_path), "%s/../shared/traces/mooncake-conversation.jsonl",
-             root ? root : ".");
+    /* KVT_TRACE_DIR: meson's `traces` option, set for every test. */
+    const char *dir = getenv("KVT_TRACE_DIR");
+    snprintf(trace_path, sizeof(trace_path), "%s/mooncake-conversation.jsonl",
+             dir ? dir : "../shared/traces");
     if (access(trace_path, R_OK) != 0)
         cr_skip_test("no trace at %s", trace_path);
 }

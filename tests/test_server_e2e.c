@@ -7,6 +7,8 @@
  */
 #include <pthread.h>
 
+#include "config.h"
+
 #include "../common/common.h"
 #include "proto.h"
 #include "test_server_harness.h"
@@ -1273,6 +1275,72 @@ Test(server_e2e, cli_reaches_default_socket_in_working_dir)
               text);
     cr_expect(strstr(text, "--tier is hbm, dram or nvme, not 'gpu'"), "%s", text);
     cr_expect(strstr(text, "removed\nmatched 48 of 64 tokens (3 pages)"), "%s", text);
+    kvd_cleanup(&d);
+}
+
+/* The command line's habits: --help and --version anywhere, unknown options named, -s/--socket
+ * and --host/--port (the old --unix and --tcp still work), --json for stats and match (checked by
+ * Python's own JSON parser), and stats every --interval for --count rounds. */
+Test(server_e2e, cli_follows_common_habits)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--metrics", "", NULL);
+    char cmd[8192], text[16384];
+    const char *root = getenv("KVT_BUILD_ROOT");
+    const char *port = strrchr(d.tcp, ':') + 1;
+    snprintf(
+        cmd, sizeof cmd,
+        "cd '%s' && K='%s/client/kvtier' && $K --version >out.txt && "
+        "$K match 1-4 --version >>out.txt && $K stats -h >>out.txt && "
+        "$K --block-bytes=64 -s '%s' put 1-64 >>out.txt && "
+        "$K --socket '%s' match 1-70 --json >match.json && "
+        "$K --unix '%s' -j stats >stats.json && "
+        "$K -p %s ping >>out.txt && $K --host 127.0.0.1 --port=%s ping >>out.txt && "
+        "$K --tcp %s ping >>out.txt && "
+        "$K -s '%s' stats --interval 0.05 --count 3 --json >rounds.json && "
+        "$K -s '%s' watch -i 0.05 -n 2 >>out.txt && "
+        "python3 -c 'import json; m = json.load(open(\"match.json\")); "
+        "assert m == {\"tokens\": 70, \"matched_tokens\": 64, \"pages\": 4, "
+        "\"tiers\": [\"dram\"] * 4}, m; s = json.load(open(\"stats.json\")); "
+        "assert s[\"lookup_tokens\"] == 70 and abs(s[\"hit_rate\"][\"dram\"] - 64 / 70) < 1e-5, "
+        "s; r = [json.loads(l) for l in open(\"rounds.json\")]; "
+        "assert len(r) == 3 and all(x[\"lookup_tokens\"] == 70 for x in r), r' 2>>out.txt",
+        d.dir, root, d.sock, d.sock, d.sock, port, port, d.tcp, d.sock, d.sock);
+    int st = system(cmd);
+    kvd_slurp(&d, "out.txt", text, sizeof text);
+    cr_expect_eq(st, 0, "%s", text);
+    const char *head = "kvtier " KVT_VERSION "\nkvtier " KVT_VERSION "\nusage: kvtier";
+    cr_expect(!strncmp(text, head, strlen(head)), "--version and -h anywhere: %s", text);
+    cr_expect(strstr(text, "put 4 pages: 4 new, 4 stored"), "%s", text);
+    const char *pong = strstr(text, "pong");
+    cr_expect(pong && (pong = strstr(pong + 1, "pong")) && strstr(pong + 1, "pong"),
+              "three pings over TCP: %s", text);
+    const char *round = strstr(text, "\n--- ");
+    cr_expect(round && strstr(round + 1, "\n--- ") && strstr(text, "hit rate: 91.4%"),
+              "watch: two rounds, each with a time line: %s", text);
+    /* Usage errors: named, exit 2, before any daemon is asked. */
+    static const struct {
+        const char *args, *says;
+    } bad[] = {
+        {"--frobnicate ping", "unknown option '--frobnicate'"},
+        {"ping -x", "unknown option '-x'"},
+        {"ping --block-bytes", "--block-bytes needs a value"},
+        {"-b abc ping", "-b takes a number"},
+        {"ping --json", "--json is for stats, watch and match"},
+        {"stats --interval 0", "--interval takes seconds"},
+        {"stats --count 2", "--count goes with --interval"},
+        {"ping --interval 1", "--interval and --count are for stats and watch"},
+        {"--tcp 127.0.0.1:1 -p 2 ping", "not both"},
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof *bad; k++) {
+        snprintf(cmd, sizeof cmd, "cd '%s' && '%s/client/kvtier' %s >/dev/null 2>err.txt", d.dir,
+                 root, bad[k].args);
+        st = system(cmd);
+        kvd_slurp(&d, "err.txt", text, sizeof text);
+        cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 2, "kvtier %s: exit %d", bad[k].args,
+                  WEXITSTATUS(st));
+        cr_expect(strstr(text, bad[k].says), "kvtier %s: %s", bad[k].args, text);
+    }
     kvd_cleanup(&d);
 }
 

@@ -65,6 +65,17 @@ static int reply(int fd, unsigned op, uint64_t id, uint8_t *body, uint32_t *len)
     return h.status;
 }
 
+/* Reads one reply: its status must be st and its message must say text. */
+static void says(int fd, unsigned op, uint64_t id, int st, const char *text)
+{
+    static uint8_t msg[65536 + 1];
+    uint32_t len = 0;
+    cr_expect_eq(reply(fd, op, id, msg, &len), st, "request %llu", (unsigned long long)id);
+    msg[len] = 0;
+    cr_expect(strstr((char *)msg, text), "request %llu: '%s' does not say '%s'",
+              (unsigned long long)id, (char *)msg, text);
+}
+
 /* The daemon closed the connection: end of file, or a reset when it closed with bytes of ours
  * still unread. */
 static int closed(int fd)
@@ -175,6 +186,17 @@ Test(server_malformed, body_errors_answer_and_continue)
     req(fd, KVT_OP_HELLO, 0, 6, body, sizeof hw + 5);
     cr_expect_eq(reply(fd, KVT_OP_HELLO, 6, NULL, NULL), KVT_EINVAL, "page size out of range");
     hw.page_size = 4;
+    /* Block sizes: over the tiers' 64 MiB; at it, but a PUT of one page is over max-frame. */
+    hw.block_bytes = (64u << 20) + 1;
+    memcpy(body, &hw, sizeof hw);
+    req(fd, KVT_OP_HELLO, 0, 61, body, sizeof hw + 5);
+    says(fd, KVT_OP_HELLO, 61, KVT_EINVAL, "block size 67108865 is over the limit of 67108864");
+    hw.block_bytes = 64u << 20;
+    memcpy(body, &hw, sizeof hw);
+    req(fd, KVT_OP_HELLO, 0, 62, body, sizeof hw + 5);
+    says(fd, KVT_OP_HELLO, 62, KVT_EINVAL,
+         "a PUT of one page is 67108912 bytes, over max-frame (67108864)");
+    hw.block_bytes = 0;
     hw.min_version = 2;
     hw.max_version = 3;
     memcpy(body, &hw, sizeof hw);
@@ -191,8 +213,8 @@ Test(server_malformed, body_errors_answer_and_continue)
     cr_expect_eq(reply(fd, KVT_OP_MATCH, 10, NULL, NULL), KVT_EPROTO, "long token list");
     req(fd, KVT_OP_MATCH, 0, 11, body, sizeof mw + 3);
     cr_expect_eq(reply(fd, KVT_OP_MATCH, 11, NULL, NULL), KVT_EPROTO, "ragged tokens");
-    req(fd, KVT_OP_MATCH, 0x80, 12, body, sizeof mw + 10 * 4);
-    cr_expect_eq(reply(fd, KVT_OP_MATCH, 12, NULL, NULL), KVT_EPROTO, "unknown flag");
+    req(fd, KVT_OP_MATCH, 0x80 | KVT_MATCH_F_LEASE, 12, body, sizeof mw + 10 * 4);
+    says(fd, KVT_OP_MATCH, 12, KVT_EPROTO, "unknown MATCH flag bits 0x80");
     mw.hints.flags = 0x40;
     memcpy(body, &mw, sizeof mw);
     req(fd, KVT_OP_MATCH, 0, 13, body, sizeof mw + 10 * 4);
@@ -211,7 +233,42 @@ Test(server_malformed, body_errors_answer_and_continue)
     pw.first_page = 1;
     memcpy(body, &pw, sizeof pw);
     req(fd, KVT_OP_PUT, 0, 16, body, sizeof pw + 8 * 4 + 32);
-    cr_expect_eq(reply(fd, KVT_OP_PUT, 16, NULL, NULL), KVT_EINVAL, "payload past the pages");
+    says(fd, KVT_OP_PUT, 16, KVT_EINVAL, "payload pages 1..2 go past the request's 2 whole pages");
+    pw.first_page = 0xffffffffu;
+    pw.npayload = 1;
+    memcpy(body, &pw, sizeof pw);
+    req(fd, KVT_OP_PUT, 0, 161, body, sizeof pw + 8 * 4 + 16);
+    says(fd, KVT_OP_PUT, 161, KVT_EINVAL, "payload pages 4294967295..4294967295 go past");
+
+    /* GET outside a lease's pages: the last page named as sent, not wrapped past 2^32. */
+    kvt_wire_put_t iw = {.ntokens = 8}; /* index-only: 2 pages to lease */
+    memcpy(body, &iw, sizeof iw);
+    for (int i = 0; i < 8; i++)
+        kvt_put_u32(body + sizeof iw + 4 * i, 5000 + (uint32_t)i);
+    req(fd, KVT_OP_PUT, 0, 162, body, sizeof iw + 32);
+    cr_assert_eq(reply(fd, KVT_OP_PUT, 162, NULL, NULL), 0);
+    kvt_wire_match_t lw = {.ntokens = 8};
+    memcpy(body, &lw, sizeof lw);
+    for (int i = 0; i < 8; i++)
+        kvt_put_u32(body + sizeof lw + 4 * i, 5000 + (uint32_t)i);
+    req(fd, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 163, body, sizeof lw + 32);
+    uint8_t mrb[64];
+    cr_assert_eq(reply(fd, KVT_OP_MATCH, 163, mrb, NULL), 0);
+    kvt_wire_match_reply_t mr;
+    memcpy(&mr, mrb, sizeof mr);
+    cr_assert_eq(mr.pages, 2);
+    kvt_wire_get_t gw = {.lease = mr.lease, .first_page = 0xffffffffu, .npages = 1};
+    req(fd, KVT_OP_GET, 0, 164, &gw, sizeof gw);
+    says(fd, KVT_OP_GET, 164, KVT_EINVAL,
+         "pages 4294967295..4294967295 go past the leased 2 pages");
+    gw.first_page = 1;
+    gw.npages = 2;
+    req(fd, KVT_OP_GET, 0, 165, &gw, sizeof gw);
+    says(fd, KVT_OP_GET, 165, KVT_EINVAL, "pages 1..2 go past the leased 2 pages");
+    gw.first_page = 2;
+    gw.npages = 0; /* to the end: from past it */
+    req(fd, KVT_OP_GET, 0, 166, &gw, sizeof gw);
+    says(fd, KVT_OP_GET, 166, KVT_EINVAL, "page 2 is past the leased 2 pages");
 
     /* Fixed-size bodies of the wrong size. */
     req(fd, KVT_OP_GET, 0, 17, body, 15);
@@ -219,11 +276,23 @@ Test(server_malformed, body_errors_answer_and_continue)
     req(fd, KVT_OP_RELEASE, 0, 18, body, 9);
     cr_expect_eq(reply(fd, KVT_OP_RELEASE, 18, NULL, NULL), KVT_EPROTO, "RELEASE of 9 bytes");
     req(fd, KVT_OP_STATS, 0, 19, body, 1);
-    cr_expect_eq(reply(fd, KVT_OP_STATS, 19, NULL, NULL), KVT_EPROTO, "STATS with a body");
+    says(fd, KVT_OP_STATS, 19, KVT_EPROTO, "STATS takes an empty body");
+    req(fd, KVT_OP_STATS, 0x2, 191, NULL, 0);
+    says(fd, KVT_OP_STATS, 191, KVT_EPROTO, "unknown STATS flag bits 0x2");
     req(fd, KVT_OP_REMOVE, 0, 20, body, 3);
     cr_expect_eq(reply(fd, KVT_OP_REMOVE, 20, NULL, NULL), KVT_EPROTO, "REMOVE of 3 bytes");
     req(fd, KVT_OP_PREFETCH, 0, 21, body, 8);
     cr_expect_eq(reply(fd, KVT_OP_PREFETCH, 21, NULL, NULL), KVT_EPROTO, "PREFETCH of 8 bytes");
+
+    /* Flag bits an opcode does not define are named as such, not as a malformed body. */
+    req(fd, KVT_OP_PING, 0x4, 211, "hi", 2);
+    says(fd, KVT_OP_PING, 211, KVT_EPROTO, "unknown PING flag bits 0x4");
+    req(fd, KVT_OP_RELEASE, 0x1, 212, body, 8);
+    says(fd, KVT_OP_RELEASE, 212, KVT_EPROTO, "unknown RELEASE flag bits 0x1");
+    req(fd, KVT_OP_REMOVE, 0x6, 213, body, 3);
+    says(fd, KVT_OP_REMOVE, 213, KVT_EPROTO, "unknown REMOVE flag bits 0x6");
+    req(fd, KVT_OP_REMOVE, KVT_REMOVE_F_NOWAIT, 214, body, 3);
+    says(fd, KVT_OP_REMOVE, 214, KVT_EPROTO, "malformed REMOVE body (3 bytes)");
 
     /* Unknown opcodes, a reply opcode sent as a request. */
     req(fd, 77, 0, 22, "xyz", 3);
@@ -241,6 +310,17 @@ Test(server_malformed, body_errors_answer_and_continue)
     cr_expect_geq(perrors(good), e0 + 18, "each bad body is counted");
     close(fd);
     kvt_client_close(good);
+    kvd_cleanup(&d);
+}
+
+/* A block size equal to the tiers' limit (64 MiB) is taken where max-frame holds a PUT of it. */
+Test(server_malformed, a_block_size_at_the_limit_is_taken)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--max-frame", "65M", NULL);
+    int fd = kvd_raw(&d);
+    hello_as(fd, 1, 4, 64u << 20);
+    close(fd);
     kvd_cleanup(&d);
 }
 

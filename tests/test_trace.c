@@ -15,8 +15,9 @@
 static char *trace_path(const char *name)
 {
     static char buf[4096];
-    const char *root = getenv("KVT_SOURCE_ROOT");
-    snprintf(buf, sizeof(buf), "%s/../shared/traces/%s", root ? root : ".", name);
+    /* KVT_TRACE_DIR: meson's `traces` option, set for every test. */
+    const char *dir = getenv("KVT_TRACE_DIR");
+    snprintf(buf, sizeof(buf), "%s/%s", dir ? dir : "../shared/traces", name);
     return buf;
 }
 
@@ -98,7 +99,11 @@ Test(trace, malformed_records_are_refused)
         "{\"timestamp\": -1, \"input_length\": 1, \"hash_ids\": [1]}\n",  /* negative */
         "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1,]}\n",  /* trailing comma */
         "[1, 2, 3]\n",
-        "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1], \"x\": 2}\n",
+        "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1], \"x\": [2}\n", /* bad skip */
+        "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1], \"x\": nope}\n",
+        "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1], \"x\": \"open}\n",
+        "{\"timestamp\": 1., \"input_length\": 1, \"hash_ids\": [1]}\n",  /* no fraction */
+        "{\"timestamp\": 1, \"input_length\": 1.5, \"hash_ids\": [1]}\n", /* only timestamps */
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         char *p = write_tmp(bad[i]);
@@ -110,6 +115,30 @@ Test(trace, malformed_records_are_refused)
     kvt_trace_t *tr;
     cr_expect_lt(kvt_trace_load(&tr, "/nonexistent/trace.jsonl"), 0);
     cr_expect_eq(kvt_trace_load(NULL, "x"), KVT_EINVAL);
+}
+
+/* Traces written by other tools: extra keys of any JSON shape are skipped, and a timestamp may
+ * carry a fraction of a millisecond, which is dropped. */
+Test(trace, unknown_keys_are_skipped_and_timestamps_may_be_fractional)
+{
+    char *p = write_tmp(
+        "{\"id\": \"r-1\", \"timestamp\": 12.75, \"input_length\": 600, \"output_length\": 7, "
+        "\"hash_ids\": [3, 9], \"meta\": {\"tenant\": \"a\\\"b}\", \"tags\": [1, -2.5e3, true, "
+        "null, [], {}]}, \"ok\": false}\n"
+        "{\"timestamp\": 1700000000123.5, \"hash_ids\": [4], \"input_length\": 3, "
+        "\"output_length\": 1, \"score\": -0.25}\n");
+    kvt_trace_t *tr;
+    cr_assert_eq(kvt_trace_load(&tr, p), 0);
+    cr_assert_eq(tr->nreqs, 2);
+    cr_expect_eq(tr->reqs[0].timestamp_ms, 12);
+    cr_expect_eq(tr->reqs[0].input_length, 600);
+    cr_expect_eq(tr->reqs[0].output_length, 7);
+    cr_expect_eq(tr->reqs[0].nhash, 2);
+    cr_expect_eq(tr->reqs[0].hash_ids[1], 9);
+    cr_expect_eq(tr->reqs[1].timestamp_ms, 1700000000123ull);
+    cr_expect_eq(tr->reqs[1].hash_ids[0], 4);
+    kvt_trace_free(tr);
+    unlink(p);
 }
 
 /* The README's table (request and block counts), and the index at 512-token pages (a page is
@@ -136,7 +165,7 @@ Test(trace, conversation_trace_matches_its_readme, .timeout = 120)
     kvt_trace_t *tr;
     int rc = kvt_trace_load(&tr, trace_path("mooncake-conversation.jsonl"));
     if (rc != 0)
-        cr_skip_test("shared traces not found (KVT_SOURCE_ROOT/../shared/traces)");
+        cr_skip_test("shared traces not found (KVT_TRACE_DIR, meson option traces)");
     cr_assert_eq(tr->nreqs, 12031);
     kvt_radix_t *t;
     uint32_t ns;

@@ -1,9 +1,12 @@
 /*
  * trace.c: the Mooncake JSONL reader and the canonical hash-id-to-token mapping.
  *
- * The reader accepts exactly the record shape the traces use: one JSON object per line with the
- * integer fields timestamp, input_length, output_length and the integer array hash_ids, in any
- * order. It is not a general JSON parser and says so with KVT_EPROTO on anything else.
+ * The reader accepts the record shape the traces use: one JSON object per line with the integer
+ * fields timestamp, input_length, output_length and the integer array hash_ids, in any order.
+ * Other keys are skipped whatever their value (traces from other tools carry extra fields, and a
+ * reader that refuses them makes people edit gigabytes of JSON), and the timestamp may have a
+ * fraction (tools that write float milliseconds), which is dropped. It is not a general JSON
+ * parser: a malformed record, or a known field of the wrong shape, is KVT_EPROTO.
  */
 #include "trace.h"
 
@@ -83,6 +86,89 @@ static int parse_u64(cursor_t *c, uint64_t *v)
     return 0;
 }
 
+/* A timestamp in milliseconds: an integer, or one with a fraction that is dropped (12.75 is
+ * 12). No exponent: the traces' timestamps are plain numbers. */
+static int parse_ms(cursor_t *c, uint64_t *v)
+{
+    int rc = parse_u64(c, v);
+    if (rc != 0 || c->p >= c->end || *c->p != '.')
+        return rc;
+    c->p++;
+    if (c->p >= c->end || !isdigit((unsigned char)*c->p))
+        return KVT_EPROTO;
+    while (c->p < c->end && isdigit((unsigned char)*c->p))
+        c->p++;
+    return 0;
+}
+
+/* Past a JSON string whose opening quote is at c->p, escapes included. */
+static int skip_string(cursor_t *c)
+{
+    if (c->p >= c->end || *c->p != '"')
+        return KVT_EPROTO;
+    for (c->p++; c->p < c->end; c->p++) {
+        if (*c->p == '\\') {
+            c->p++;
+            continue;
+        }
+        if (*c->p == '"') {
+            c->p++;
+            return 0;
+        }
+    }
+    return KVT_EPROTO;
+}
+
+/* Past one JSON value of a key the reader does not know. Nesting is bounded so that a hostile
+ * line cannot exhaust the stack. */
+static int skip_value(cursor_t *c, int depth)
+{
+    skip_ws(c);
+    if (c->p >= c->end || depth > 64)
+        return KVT_EPROTO;
+    char ch = *c->p;
+    if (ch == '"')
+        return skip_string(c);
+    if (ch == '{' || ch == '[') {
+        char close = ch == '{' ? '}' : ']';
+        int rc;
+        c->p++;
+        skip_ws(c);
+        if (c->p < c->end && *c->p == close) {
+            c->p++;
+            return 0;
+        }
+        for (;;) {
+            if (ch == '{') {
+                skip_ws(c);
+                if ((rc = skip_string(c)) != 0 || (rc = expect(c, ':')) != 0)
+                    return rc;
+            }
+            if ((rc = skip_value(c, depth + 1)) != 0)
+                return rc;
+            skip_ws(c);
+            if (c->p < c->end && *c->p == ',') {
+                c->p++;
+                continue;
+            }
+            return expect(c, close);
+        }
+    }
+    /* A number or a literal: the characters they are made of. */
+    const char *start = c->p;
+    while (c->p < c->end && (isalnum((unsigned char)*c->p) || strchr("+-.", *c->p)))
+        c->p++;
+    size_t n = (size_t)(c->p - start);
+    if (n == 0)
+        return KVT_EPROTO;
+    if ((n == 4 && (!memcmp(start, "true", 4) || !memcmp(start, "null", 4))) ||
+        (n == 5 && !memcmp(start, "false", 5)))
+        return 0;
+    if (!isdigit((unsigned char)*start) && *start != '-')
+        return KVT_EPROTO;
+    return 0;
+}
+
 typedef struct {
     uint64_t *ids;
     size_t n, cap;
@@ -110,17 +196,16 @@ static int parse_line(const char *line, size_t len, kvt_trace_req_t *r, idvec_t 
     if ((rc = expect(&c, '{')) != 0)
         return rc;
     for (;;) {
-        if ((rc = expect(&c, '"')) != 0)
+        skip_ws(&c);
+        const char *key = c.p + 1;
+        if ((rc = skip_string(&c)) != 0)
             return rc;
-        const char *key = c.p;
-        while (c.p < c.end && *c.p != '"')
-            c.p++;
-        size_t klen = (size_t)(c.p - key);
-        if ((rc = expect(&c, '"')) != 0 || (rc = expect(&c, ':')) != 0)
+        size_t klen = (size_t)(c.p - 1 - key);
+        if ((rc = expect(&c, ':')) != 0)
             return rc;
         uint64_t v;
         if (klen == 9 && memcmp(key, "timestamp", 9) == 0) {
-            if ((rc = parse_u64(&c, &v)) != 0)
+            if ((rc = parse_ms(&c, &v)) != 0)
                 return rc;
             r->timestamp_ms = v;
             seen |= 1;
@@ -157,8 +242,8 @@ static int parse_line(const char *line, size_t len, kvt_trace_req_t *r, idvec_t 
                 }
             }
             seen |= 8;
-        } else {
-            return KVT_EPROTO;
+        } else if ((rc = skip_value(&c, 0)) != 0) {
+            return rc;
         }
         skip_ws(&c);
         if (c.p < c.end && *c.p == ',') {

@@ -15,7 +15,7 @@
 #define KVT_TRACE_VOCAB        151936u /* Qwen2's vocabulary size */
 
 typedef struct kvt_trace_req {
-    uint64_t timestamp_ms;
+    uint64_t timestamp_ms; /* a fraction in the trace is dropped */
     uint32_t input_length;
     uint32_t output_length;
     uint32_t nhash;
