@@ -450,17 +450,6 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
     return adopted;
 }
 
-void kvt__store_step(kvt_srv_t *s)
-{
-    kvt__index_step(s);
-    if (!s->policy || s->stopping)
-        return;
-    int rc = kvt_policy_step(s->policy, KVT_STEP_PAGES);
-    static kvt_log_limit_t lim; /* runs after every batch of events */
-    if (rc < 0)
-        kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: policy step: %s", kvt_strerror(rc));
-}
-
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
 {
     return hash && s->exec.ghosts[hash & (s->exec.nghosts - 1)] == hash;
@@ -511,16 +500,52 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
     return changed;
 }
 
-uint32_t kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
+/* A lost block a MATCH found, left for the step: its node pinned by an internal lease. */
+typedef struct kvt__settle {
+    kvt_radix_node_t *node;
+    uint32_t depth;
+    uint64_t lease;
+} kvt__settle_t;
+
+#define KVT_SETTLE_MAX 256 /* queued at most; the next MATCH of the path finds the rest again */
+
+static void kvt_settle_later(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t ns)
+{
+    kvt__exec_t *e = &s->exec;
+    for (size_t k = 0; k < e->nsettle; k++)
+        if (e->settle[k].node == node && e->settle[k].depth == depth)
+            return;
+    uint64_t lease;
+    if (e->nsettle >= KVT_SETTLE_MAX ||
+        kvt_reserve(&e->settle, &e->cap_settle, e->nsettle + 1, sizeof *e->settle, 16) < 0 ||
+        kvt__pin(s, node, ns, &lease) < 0)
+        return;
+    e->settle[e->nsettle++] = (kvt__settle_t){.node = node, .depth = depth, .lease = lease};
+}
+
+/* The step's part: the lost blocks MATCHes found become index-only (a move that holds one by
+ * now settles it itself). */
+static void kvt_settle(kvt_srv_t *s)
+{
+    kvt__exec_t *e = &s->exec;
+    for (size_t k = 0; k < e->nsettle; k++) {
+        kvt__store_lost(s, e->settle[k].node, e->settle[k].depth);
+        kvt_radix_release(s->radix, e->settle[k].lease);
+    }
+    e->nsettle = 0;
+}
+
+void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost)
 {
     kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
-    uint32_t gone = UINT32_MAX;
+    lost->n = 0;
+    lost->gone = UINT32_MAX;
     if (!t || !m->pages)
-        return gone;
+        return;
     kvt_tier_usage_t u;
     kvt_tier_usage(t, &u);
     if (u.reclaimed == 0 && u.corrupt == 0)
-        return gone; /* nothing was ever dropped by the tier: every location is good */
+        return; /* nothing was ever dropped by the tier: every location is good */
     uint64_t seed = kvt_radix_ns_seed(s->radix, m->ns);
     for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
          kvt_path_run_next(&r)) {
@@ -531,14 +556,36 @@ uint32_t kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m)
             kvt_block_key_t key = {.ns_seed = seed, .hash = b->hash};
             if (kvt_tier_valid(t, b->loc, &key))
                 continue;
-            /* A busy one belongs to a move (which fails for it and settles it): it is only not
-             * reported stored. The others become index-only, with the rest of their node. */
-            if ((b->flags & KVT_BLOCK_BUSY) || kvt__store_lost(s, r.node, r.depth + i) == 0)
-                gone = KVT_MIN(gone, r.depth + i);
+            /* A busy one on the rest of the node belongs to a move (which fails for it and
+             * settles it): from there the path is only not reported stored. The others become
+             * index-only with the rest of their node, at the next step. */
+            const kvt_block_t *all = kvt_radix_node_blocks(r.node);
+            uint32_t np = kvt_radix_node_pages(r.node), d0 = kvt_radix_node_depth(r.node);
+            int busy = 0;
+            for (uint32_t k = r.depth + i - d0; k < np && !busy; k++)
+                busy = (all[k].flags & KVT_BLOCK_BUSY) != 0;
+            if (busy || lost->n == KVT_LOST_RUNS) {
+                lost->gone = KVT_MIN(lost->gone, r.depth + i);
+            } else {
+                lost->from[lost->n] = r.depth + i;
+                lost->to[lost->n++] = r.depth + r.n;
+                kvt_settle_later(s, r.node, r.depth + i, m->ns);
+            }
             break;
         }
     }
-    return gone;
+}
+
+void kvt__store_step(kvt_srv_t *s)
+{
+    kvt_settle(s);
+    kvt__index_step(s);
+    if (!s->policy || s->stopping)
+        return;
+    int rc = kvt_policy_step(s->policy, KVT_STEP_PAGES);
+    static kvt_log_limit_t lim; /* runs after every batch of events */
+    if (rc < 0)
+        kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: policy step: %s", kvt_strerror(rc));
 }
 
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
@@ -565,6 +612,9 @@ void kvt__exec_close(kvt_srv_t *s)
     /* Destroyed tiers run no callbacks: moves still in flight are dropped here. */
     while (s->exec.moves)
         kvt_move_free(s, s->exec.moves);
+    free(s->exec.settle); /* their leases go with the tree */
+    s->exec.settle = NULL;
+    s->exec.nsettle = s->exec.cap_settle = 0;
     free(s->exec.dfree);
     s->exec.dfree = NULL;
     s->exec.ndfree = s->exec.cap_dfree = 0;

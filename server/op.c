@@ -1,7 +1,6 @@
 /*
  * op.c: what every operation's handler shares: the answer to a malformed body, the HELLO check,
- * the frame's tokens in host order, and the internal pin a request holds on its path while its
- * I/O runs. The handlers are above it, dispatch.c above them.
+ * and the frame's tokens in host order. The handlers are above it, dispatch.c above them.
  */
 #include "server.h"
 
@@ -48,19 +47,4 @@ int kvt__need_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
                      "HELLO must declare a namespace first");
     return -1;
-}
-
-/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
- * when the lease table would grow past index-bytes: the caller made room first when it could. */
-int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
-{
-    if (!kvt__index_fits(s, kvt_radix_lease_need(s->radix)))
-        return KVT_ENOSPC;
-    kvt_match_t m = {
-        .node = node,
-        .node_pages = kvt_radix_node_pages(node),
-        .pages = kvt_radix_node_depth(node) + kvt_radix_node_pages(node),
-        .ns = ns,
-    };
-    return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
 }

@@ -70,8 +70,13 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
          kvt_path_run_next(&pr))
         for (uint32_t i = 0; i < pr.n; i++)
             tiers[pr.depth + i] = pr.blocks[i].tier;
-    if (q->gone < m->pages)
-        memset(tiers + q->gone, KVT_TIER_NONE, m->pages - q->gone);
+    /* Blocks NVMe dropped by itself are not reported stored (exec.c settles them later). */
+    for (uint32_t k = 0; k < q->lost.n; k++)
+        if (q->lost.from[k] < m->pages)
+            memset(tiers + q->lost.from[k], KVT_TIER_NONE,
+                   KVT_MIN(q->lost.to[k], m->pages) - q->lost.from[k]);
+    if (q->lost.gone < m->pages)
+        memset(tiers + q->lost.gone, KVT_TIER_NONE, m->pages - q->lost.gone);
     if (!(q->flags & KVT_MATCH_F_PROBE))
         kvt_count_match(s, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
     uint64_t lease = 0;
@@ -146,9 +151,9 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
         return 0;
     if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    /* Room for the lease, trimming if need be: before the match, whose path a trim may cut. */
-    if (h->flags & KVT_MATCH_F_LEASE)
-        kvt__index_fit(s, kvt_radix_lease_need(s->radix));
+    /* A lookup only reads the tree and counts: no trim for the lease's room here (the
+     * maintenance step keeps the index under its high mark; a lease that does not fit now is
+     * refused, ENOSPC), and lost blocks are only reported, settled by the step. */
     kvt_match_t m;
     int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens,
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
@@ -159,9 +164,8 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
                          .engine_id = q.hints.engine_request_id,
                          .ntokens = q.ntokens,
                          .page = c->page_size,
-                         .tokens = c->tok,
-                         /* blocks NVMe dropped by itself are not reported stored */
-                         .gone = kvt__store_check_path(s, &m)};
+                         .tokens = c->tok};
+    kvt__store_check_path(s, &m, &mq.lost); /* blocks NVMe dropped are not reported stored */
     int down = 0;
     if ((h->flags & KVT_MATCH_F_REMOTE) &&
         kvt__probe_start(c, h, t0, &mq, &m, &q.hints, kvt__match_answer, &down))

@@ -91,12 +91,10 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
             found = 0;
         }
     }
-    if (x->q.flags & KVT_MATCH_F_LEASE)
-        kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* may trim: before the match */
     kvt_match_t m;
     if (kvt_radix_match(s->radix, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH, &m) < 0)
         memset(&m, 0, sizeof m);
-    x->q.gone = kvt__store_check_path(s, &m); /* NVMe may have dropped blocks meanwhile */
+    kvt__store_check_path(s, &m, &x->q.lost); /* NVMe may have dropped blocks meanwhile */
     /* The policy hears of this use once, for the whole path: the local pages and the blocks
      * found remote (a hit too: promote them). */
     if (!(x->q.flags & KVT_MATCH_F_PROBE))

@@ -268,6 +268,8 @@ typedef struct kvt__exec {
     size_t busy_cap, busy_n;
     uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */
     size_t nghosts;
+    struct kvt__settle *settle; /* lost blocks MATCHes found, made index-only by the step */
+    size_t nsettle, cap_settle;
     int removing;     /* the free callback is called by REMOVE, not by an eviction */
     int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
 } kvt__exec_t;
@@ -412,9 +414,6 @@ int kvt__need_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0);
 /* Points c->tok at the frame's n tokens in host order (valid until the next frame). 0 or
  * KVT_ENOMEM. */
 int kvt__tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n);
-/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
- * when the lease table would grow past index-bytes. */
-int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease);
 
 /* The operations' handlers (auth.c, lease.c, op_*.c): each decodes its body, answers at once
  * or queues a request; 0, or a negative code when the connection must close. */
@@ -440,6 +439,16 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id);
 void kvt__lease_drop_all(kvt__conn_t *c);
 void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
 
+/* The pages of a matched path whose NVMe blocks the tier dropped by itself, which a MATCH reports
+ * index-only (kvt__store_check_path): runs [from, to), and from gone on everything (a block a
+ * move holds, or more lost runs than fit). */
+#define KVT_LOST_RUNS 8
+typedef struct kvt__lost {
+    uint32_t n;
+    uint32_t from[KVT_LOST_RUNS], to[KVT_LOST_RUNS];
+    uint32_t gone;
+} kvt__lost_t;
+
 /* op_match.c and op_probe.c: MATCH, and its remote probe for the pages after a local match. */
 /* What a MATCH asked for, kept while a remote probe runs. */
 typedef struct kvt__match_q {
@@ -449,7 +458,7 @@ typedef struct kvt__match_q {
     uint32_t ntokens;
     uint32_t page; /* the namespace's page size when asked (a HELLO may change c's) */
     const uint32_t *tokens;
-    uint32_t gone; /* kvt__store_check_path: pages from here on are reported index-only */
+    kvt__lost_t lost; /* kvt__store_check_path: pages reported index-only */
 } kvt__match_q_t;
 /* Answers a MATCH for m: tiers per page, counters, the lease if asked for; r is NULL for an answer
  * given at once, else the request that waited for the probe. */
@@ -481,6 +490,9 @@ int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
 int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now);
 
 /* tierio.c: a request's tier I/Os. */
+/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
+ * when the lease table would grow past index-bytes. */
+int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease);
 /* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
 void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
                     kvt_block_key_t *key);
@@ -513,10 +525,11 @@ void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n);
  * block there is BUSY (the copy in flight settles first) or nothing was stored. */
 uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth);
 /* Checks the NVMe blocks of a matched path against the tier (only once the tier has dropped
- * anything by itself) and makes the lost ones index-only with kvt__store_lost. Returns the
- * depth of the first lost page it could not change (a move holds it: the move settles it), from
- * which a MATCH reports the path as not stored; UINT32_MAX when there is none. */
-uint32_t kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m);
+ * anything by itself), reading only: *lost says which pages a MATCH reports index-only (a lost
+ * block and the rest of its node, as kvt__store_lost will make them; from a block a move holds,
+ * the rest of the path). The lost blocks are made index-only by the next maintenance step
+ * (kvt__store_step), their nodes pinned until then; a lookup frees no tier bytes. */
+void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost);
 typedef struct kvt__busy {
     uint64_t hash; /* 0 = empty */
     uint32_t count;

@@ -80,3 +80,18 @@ int kvt__tier_failure(int rc)
 {
     return rc == KVT_EPROTO ? KVT_EIO : rc;
 }
+
+/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
+ * when the lease table would grow past index-bytes: the caller made room first when it could. */
+int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
+{
+    if (!kvt__index_fits(s, kvt_radix_lease_need(s->radix)))
+        return KVT_ENOSPC;
+    kvt_match_t m = {
+        .node = node,
+        .node_pages = kvt_radix_node_pages(node),
+        .pages = kvt_radix_node_depth(node) + kvt_radix_node_pages(node),
+        .ns = ns,
+    };
+    return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
+}
