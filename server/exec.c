@@ -188,6 +188,36 @@ void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint6
         .hash = hash, .loc = loc, .len = len, .tier = tier, .discard = (uint8_t)discard};
 }
 
+/* ---- the block record: every write of a block's tier, location, size and flags in server/ ---- */
+
+void kvt__block_busy(kvt_block_t *b, int busy)
+{
+    if (busy)
+        b->flags |= KVT_BLOCK_BUSY;
+    else
+        b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+}
+
+void kvt__block_place(kvt_block_t *b, uint64_t loc, uint32_t size)
+{
+    b->tier = KVT_TIER_NONE;
+    b->loc = loc;
+    b->size = size;
+}
+
+void kvt__block_relocate(kvt_block_t *b, uint64_t loc)
+{
+    b->loc = loc;
+}
+
+void kvt__block_drop(kvt_block_t *b)
+{
+    b->tier = KVT_TIER_NONE;
+    b->size = 0;
+    b->loc = 0;
+    b->flags &= (uint8_t)~KVT_BLOCK_DIRTY;
+}
+
 /* ---- the policy's executor ---- */
 
 static uint64_t kvt_exec_footprint(void *arg, kvt_tier_id_t tier, uint32_t size)
@@ -229,7 +259,7 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
     for (uint32_t i = 0; i < m->npages; i++) {
         kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
         kvt_assert(b);
-        b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+        kvt__block_busy(b, 0);
     }
     int status = m->status;
     if (status == 0 && m->started < m->npages)
@@ -249,7 +279,7 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
         kvt_tier_pin(s->tiers[m->from], c->src_loc, -1);
         if (ok) {
             uint64_t old = b->loc;
-            b->loc = c->dst_loc;
+            kvt__block_relocate(b, c->dst_loc);
             /* A read of the old copy may still be in flight (a GET): it keeps it till done. */
             kvt__free_loc(s, m->from, old, b->size, b->hash, 0);
         } else if (c->status == 0) {
@@ -355,7 +385,7 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
             kvt_tier_pin(s->tiers[from], b->loc, -1);
             break;
         }
-        b->flags |= KVT_BLOCK_BUSY;
+        kvt__block_busy(b, 1);
         m->started++;
         s->inflight++;
     }
@@ -369,7 +399,7 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
          * changes them under it. */
         m->status = rc;
         for (uint32_t i = m->started; i < npages; i++)
-            kvt_radix_block_at(n, depth + i)->flags |= KVT_BLOCK_BUSY;
+            kvt__block_busy(kvt_radix_block_at(n, depth + i), 1);
     }
     m->left = m->started;
     m->next = s->exec.moves;
@@ -441,8 +471,7 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
                 kvt_block_t *b = kvt_radix_block_at(x, p);
                 if (tier != KVT_TIER_REMOTE || b->loc)
                     kvt_tier_free(s->tiers[tier], b->loc, b->size);
-                b->loc = 0;
-                b->size = 0;
+                kvt__block_place(b, 0, 0);
             }
         }
         from = end;
@@ -485,10 +514,7 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
         /* A reclaimed or evicted one is no longer in its tier (freeing it frees nothing); a
          * corrupt one and the rest are. */
         kvt_block_gone(s, ns, b, 1);
-        b->tier = KVT_TIER_NONE;
-        b->size = 0;
-        b->loc = 0;
-        b->flags &= (uint8_t)~KVT_BLOCK_DIRTY;
+        kvt__block_drop(b);
         changed++;
     }
     static kvt_log_limit_t lim; /* an NVMe log under pressure reclaims all the time */

@@ -78,8 +78,7 @@ static void kvt_probe_done(kvt_tier_probe_t *p)
                 uint32_t end = pin ? i + held : j; /* unpinned: as many as fit, as before */
                 for (uint32_t k = i; k < end; k++) {
                     kvt_block_t *e = kvt_radix_block_at(res.node, k);
-                    e->loc = 0;
-                    e->size = ns->block_bytes;
+                    kvt__block_place(e, 0, ns->block_bytes); /* read by key */
                 }
                 if (end > i)
                     kvt__policy_adopt(s, res.node, i, end, KVT_TIER_REMOTE, res.pages, NULL);

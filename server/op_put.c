@@ -49,11 +49,10 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
         if (!l[i].started)
             continue;
         kvt_block_t *b = kvt_radix_block_at(r->node, r->put.first + i);
-        b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+        kvt__block_busy(b, 0);
         if (l[i].tier == KVT_TIER_NONE)
             continue;
-        b->loc = l[i].loc;
-        b->size = l[i].len;
+        kvt__block_place(b, l[i].loc, l[i].len);
     }
     for (uint32_t i = 0; i < n;) {
         uint32_t j = i + 1;
@@ -210,7 +209,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
             kvt_put_skip(s, r, kvt_put_passes_on(rc) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
             continue;
         }
-        b->flags |= KVT_BLOCK_BUSY;
+        kvt__block_busy(b, 1);
         ((kvt__landed_t *)r->extra)[p - r->put.first].started = 1;
         kvt__io_started(s, r);
     }

@@ -511,6 +511,20 @@ void kvt__store_close(kvt_srv_t *s);
 void kvt__tier_metrics(kvt_srv_t *s);
 
 /* exec.c: the policy's executor: moves, adopt, frees, the busy table, lost blocks. */
+/*
+ * The block record (radix.h's kvt_block_t: tier, loc, size, flags) is written in server/ only
+ * through these (policy/ switches the tier of the blocks it adopts and moves):
+ *   busy      a write or a move of the block is in flight (KVT_BLOCK_BUSY): nothing else moves,
+ *             frees or drops it meanwhile
+ *   place     its bytes are at loc (size bytes) in a tier, not yet in the policy's accounting:
+ *             tier NONE until kvt__policy_adopt gives it one
+ *   relocate  a move landed: the bytes are at loc now (the policy switched the tier)
+ *   drop      index-only: no tier, location or size
+ */
+void kvt__block_busy(kvt_block_t *b, int busy);
+void kvt__block_place(kvt_block_t *b, uint64_t loc, uint32_t size);
+void kvt__block_relocate(kvt_block_t *b, uint64_t loc);
+void kvt__block_drop(kvt_block_t *b);
 /* What the policy calls to act (policy.h's kvt_policy_ops_t), with the kvt_srv_t as its arg. */
 extern const kvt_policy_ops_t kvt__exec_ops;
 /* After the tiers are destroyed: the moves in flight, deferred frees and read counts go. */

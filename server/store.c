@@ -25,7 +25,7 @@ static void kvt_adopt_recovered(kvt_srv_t *s)
                 k++;
             if (t != KVT_TIER_NONE) {
                 for (uint32_t q = j; q < k; q++)
-                    b[q].tier = KVT_TIER_NONE;
+                    kvt__block_place(&b[q], b[q].loc, b[q].size); /* adopted below */
                 uint32_t got =
                     kvt__policy_adopt(s, node, d0 + j, d0 + k, (kvt_tier_id_t)t, 0, NULL);
                 refused += (k - j) - got;
