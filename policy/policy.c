@@ -159,7 +159,8 @@ struct kvt_policy {
 
     /* Ghosts (as in ARC and S3-FIFO): the prefix hashes of reused blocks the engine dropped, so
      * that a block coming back is known to have been reused before. Direct-mapped. */
-    uint64_t *ghost;
+    kvt_ghosts_t *ghost;
+    int own_ghost; /* made here (conf.ghosts NULL): destroyed with the engine */
 
     uint32_t bb_ns[BLOCK_CACHE_NS], bb_ps[BLOCK_CACHE_NS];
     kvt_radix_node_t **path; /* scratch: nodes of a path */
@@ -829,7 +830,7 @@ static void ghost_warm(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32
     (void)kvt_radix_block_hash(p->t, n, kvt_radix_node_depth(n) + i0 + cnt - 1);
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
     for (uint32_t i = i0; i < i0 + cnt; i++)
-        __builtin_prefetch(&p->ghost[bl[i].hash & ((1u << GHOST_BITS) - 1)], 0, 1);
+        kvt_ghosts_prefetch(p->ghost, bl[i].hash);
 }
 
 /* Drops the last cnt blocks of leaf n. Returns cnt or a negative error. */
@@ -843,7 +844,7 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
     if (p->ghost) {
         for (uint32_t i = np - cnt; i < np; i++) {
             uint64_t h = kvt_radix_block_hash(p->t, n, kvt_radix_node_depth(n) + i);
-            p->ghost[h & ((1u << GHOST_BITS) - 1)] = h;
+            kvt_ghosts_add(p->ghost, h);
         }
     }
     p->in_drop = 1;
@@ -1040,10 +1041,13 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
     if (conf->admit_tier)
         p->top = conf->admit_tier;
     if (p->c.kind == KVT_POLICY_COST) {
-        p->ghost = calloc((size_t)1 << GHOST_BITS, sizeof(uint64_t));
+        p->ghost = conf->ghosts;
         if (!p->ghost) {
-            free(p);
-            return KVT_ENOMEM;
+            if (kvt_ghosts_create(&p->ghost, GHOST_BITS) < 0) {
+                free(p);
+                return KVT_ENOMEM;
+            }
+            p->own_ghost = 1;
         }
     }
     refresh_model(p);
@@ -1064,7 +1068,8 @@ void kvt_policy_destroy(kvt_policy_t *p)
     free(p->dead.seqs);
     free(p->path);
     free(p->pend);
-    free(p->ghost);
+    if (p->own_ghost)
+        kvt_ghosts_destroy(p->ghost);
     free(p);
 }
 
@@ -1199,7 +1204,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
                 uint64_t h = kvt_radix_block_hash(p->t, n, depth);
                 bl = kvt_radix_node_blocks(n);
                 b = &bl[i];
-                if (h && p->ghost[h & ((1u << GHOST_BITS) - 1)] == h)
+                if (kvt_ghosts_seen(p->ghost, h))
                     b->flags |= GHOST_FLAG;
             }
             if (p->c.kind == KVT_POLICY_ORACLE)
@@ -1269,7 +1274,7 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
         if (p->ghost) {
             uint64_t h = kvt_radix_block_hash(p->t, n, d);
             bl = kvt_radix_node_blocks(n);
-            if (h && p->ghost[h & ((1u << GHOST_BITS) - 1)] == h)
+            if (kvt_ghosts_seen(p->ghost, h))
                 flags |= GHOST_FLAG;
         }
         bl[i].flags = flags;

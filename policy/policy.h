@@ -201,6 +201,10 @@ typedef struct kvt_policy_conf {
     uint32_t sweep_slice; /* nodes a sweep visits per kvt_policy_step; 0 picks 2048 */
     const kvt_policy_ops_t *ops;
     void *ops_arg;
+    /* COST: the ghost table the engine records its drops in and reads (radix.h), borrowed: the
+     * caller's, shared with whoever else asks about evicted blocks, and outliving the engine.
+     * NULL: the engine makes its own (2^22 slots). */
+    kvt_ghosts_t *ghosts;
 } kvt_policy_conf_t;
 
 /*

@@ -2191,3 +2191,43 @@ out:
     free(stack);
     return rc;
 }
+
+/* ---- ghosts ---------------------------------------------------------------------------------- */
+
+struct kvt_ghosts {
+    uint64_t mask;
+    uint64_t slot[];
+};
+
+int kvt_ghosts_create(kvt_ghosts_t **out, unsigned bits)
+{
+    if (!out || bits < 1 || bits > 30)
+        return KVT_EINVAL;
+    kvt_ghosts_t *g = calloc(1, sizeof *g + ((size_t)1 << bits) * sizeof(uint64_t));
+    if (!g)
+        return KVT_ENOMEM;
+    g->mask = ((uint64_t)1 << bits) - 1;
+    *out = g;
+    return 0;
+}
+
+void kvt_ghosts_destroy(kvt_ghosts_t *g)
+{
+    free(g);
+}
+
+void kvt_ghosts_add(kvt_ghosts_t *g, uint64_t hash)
+{
+    if (hash)
+        g->slot[hash & g->mask] = hash;
+}
+
+int kvt_ghosts_seen(const kvt_ghosts_t *g, uint64_t hash)
+{
+    return hash && g->slot[hash & g->mask] == hash;
+}
+
+void kvt_ghosts_prefetch(const kvt_ghosts_t *g, uint64_t hash)
+{
+    __builtin_prefetch(&g->slot[hash & g->mask], 0, 1);
+}

@@ -481,7 +481,7 @@ uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, 
 
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
 {
-    return hash && s->exec.ghosts[hash & (s->exec.nghosts - 1)] == hash;
+    return kvt_ghosts_seen(s->exec.ghosts, hash);
 }
 
 /* A block's bytes leave the policy's books and their tier; dropped: count it as a drop. */
@@ -622,7 +622,7 @@ void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
     if (s->exec.tearing_down)
         return;
     if (!s->exec.removing)
-        s->exec.ghosts[b->hash & (s->exec.nghosts - 1)] = b->hash;
+        kvt_ghosts_add(s->exec.ghosts, b->hash);
     kvt_block_gone(s, ns, b, !s->exec.removing);
 }
 

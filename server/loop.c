@@ -27,7 +27,10 @@
 #include <unistd.h>
 
 #define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
-#define KVT_GHOSTS   (1u << 16)
+/* Evicted blocks remembered for the "evicted" miss reason: 2^16 slots, or the cost policy's
+ * 2^22 when it shares the table (its reuse signal reads the same one). */
+#define KVT_GHOST_BITS      16
+#define KVT_GHOST_BITS_COST 22
 
 static int kvt_listen_unix(kvt_srv_t *s)
 {
@@ -188,9 +191,11 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     s->internal_owner = 1ull << 63;
     s->started_ns = kvt_now_ns();
     int rc = KVT_ENOMEM;
-    s->exec.nghosts = KVT_GHOSTS;
-    s->exec.ghosts = calloc(s->exec.nghosts, sizeof *s->exec.ghosts);
-    if (!s->exec.ghosts || kvt__metrics_create(&s->metrics) < 0)
+    kvt_policy_kind_t kind;
+    unsigned ghost_bits = kvt_policy_kind_parse(conf->policy, &kind) == 0 && kind == KVT_POLICY_COST
+                              ? KVT_GHOST_BITS_COST
+                              : KVT_GHOST_BITS;
+    if (kvt_ghosts_create(&s->exec.ghosts, ghost_bits) < 0 || kvt__metrics_create(&s->metrics) < 0)
         goto fail;
     s->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (s->epfd < 0) {
@@ -386,7 +391,7 @@ void kvt__srv_close(kvt_srv_t *s)
     if (s->epfd > 0)
         close(s->epfd);
     kvt__metrics_destroy(s->metrics);
-    free(s->exec.ghosts);
+    kvt_ghosts_destroy(s->exec.ghosts);
     free(s->leases.pos);
     free(s->ns);
     free(s);

@@ -266,8 +266,7 @@ typedef struct kvt__exec {
     size_t ndfree, cap_dfree;
     struct kvt__busy *busy; /* reads in flight per block hash */
     size_t busy_cap, busy_n;
-    uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */
-    size_t nghosts;
+    kvt_ghosts_t *ghosts; /* evicted blocks: the "evicted" miss reason, the cost policy's too */
     struct kvt__settle *settle; /* lost blocks MATCHes found, made index-only by the step */
     size_t nsettle, cap_settle;
     int removing;     /* the free callback is called by REMOVE, not by an eviction */

@@ -47,7 +47,8 @@ static int kvt_policy_open(kvt_srv_t *s)
     kvt_policy_conf_t pc = {.ops = &kvt__exec_ops,
                             .ops_arg = s,
                             .nvme_min_hits = c->nvme_min_hits,
-                            .reports_node_frees = 1};
+                            .reports_node_frees = 1,
+                            .ghosts = s->exec.ghosts};
     if (kvt_policy_kind_parse(c->policy, &pc.kind) < 0 ||
         kvt_model_profile_get(c->policy_model, &pc.model) < 0 ||
         kvt_hw_profile_get(c->policy_hw, &pc.hw) < 0)

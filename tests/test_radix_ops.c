@@ -1396,3 +1396,22 @@ Test(radix_ops, a_big_table_shrinks_a_step_at_a_time)
                  (unsigned long long)full, (unsigned long long)st.bytes);
     kvt_radix_destroy(t);
 }
+
+/* The ghost table the daemon and the cost policy share: a hash added is seen until a newer one
+ * takes its slot; 0 (a hash never computed) is neither added nor seen. */
+Test(radix_ops, ghosts_remember_evicted_hashes_by_slot)
+{
+    kvt_ghosts_t *g;
+    cr_assert_eq(kvt_ghosts_create(&g, 0), KVT_EINVAL);
+    cr_assert_eq(kvt_ghosts_create(&g, 4), 0);
+    cr_expect_not(kvt_ghosts_seen(g, 0x35));
+    kvt_ghosts_add(g, 0x35);
+    cr_expect(kvt_ghosts_seen(g, 0x35));
+    cr_expect_not(kvt_ghosts_seen(g, 0x45), "another hash of the same slot");
+    kvt_ghosts_add(g, 0x45);
+    cr_expect(kvt_ghosts_seen(g, 0x45));
+    cr_expect_not(kvt_ghosts_seen(g, 0x35), "the newer one took the slot");
+    kvt_ghosts_add(g, 0);
+    cr_expect_not(kvt_ghosts_seen(g, 0));
+    kvt_ghosts_destroy(g);
+}
