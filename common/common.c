@@ -15,6 +15,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 static const char *const kvt_errnames[] = {
     [KVT_EINVAL - KVT_EINVAL] = "invalid argument",
     [KVT_EINVAL - KVT_ENOMEM] = "out of memory",
@@ -313,4 +315,37 @@ int kvt_parse_u64(const char *s, uint64_t *out, int with_suffix)
         return KVT_EINVAL;
     *out = v * mul;
     return 0;
+}
+
+const char *kvt_tier_name(kvt_tier_id_t tier)
+{
+    static const char *const names[] = {"none", "hbm", "dram", "nvme", "remote"};
+    return (unsigned)tier < KVT_TIER_COUNT ? names[tier] : "invalid";
+}
+
+size_t kvt_ns_describe(char *buf, const char *model, const char *adapter, const char *salt,
+                       uint32_t page_size)
+{
+    if (!buf || !model || page_size < 1 || page_size > KVT_PAGE_MAX)
+        return 0;
+    const char *parts[3] = {model, adapter ? adapter : "", salt ? salt : ""};
+    memcpy(buf, "kvtier-ns-v1", KVT_NS_TAG_LEN);
+    size_t len = KVT_NS_TAG_LEN;
+    for (int i = 0; i < 3; i++) {
+        size_t l = strlen(parts[i]);
+        if (l > 255)
+            return 0;
+        memcpy(buf + len, parts[i], l + 1);
+        len += l + 1;
+    }
+    kvt_put_u32((uint8_t *)buf + len, page_size);
+    return len + 4;
+}
+
+uint64_t kvt_ns_seed_of(const char *model, const char *adapter, const char *salt,
+                        uint32_t page_size)
+{
+    char buf[KVT_NS_DESC_MAX];
+    size_t len = kvt_ns_describe(buf, model, adapter, salt, page_size);
+    return len ? XXH3_64bits(buf, len) : 0;
 }

@@ -112,6 +112,40 @@ static inline uint64_t kvt_now_us(void)
 void kvt_heap_hugepages(char **argv);
 
 /*
+ * Names the index (radix/), the tiers (tiers/) and the policy share, kept here so that none of
+ * them depends on another for them: where a block's bytes live, the largest page, and the seed a
+ * namespace's blocks are hashed from (the tree's prefix hashes and the tiers' stored headers both
+ * carry it).
+ */
+#define KVT_PAGE_MAX 1024 /* the most tokens in one page */
+
+/* Where a block's KV bytes live (kvt_block_t.tier; the tiers' own kind). */
+typedef enum {
+    KVT_TIER_NONE = 0, /* index only: no bytes stored anywhere */
+    KVT_TIER_HBM = 1,
+    KVT_TIER_DRAM = 2,
+    KVT_TIER_NVME = 3,
+    KVT_TIER_REMOTE = 4,
+    KVT_TIER_COUNT = 5
+} kvt_tier_id_t;
+
+const char *kvt_tier_name(kvt_tier_id_t t); /* "none", "hbm", "dram", "nvme", "remote" */
+
+/* A namespace's description as hashed into its seed (radix/radix.h, "The prefix hash"): the tag
+ * "kvtier-ns-v1" with its NUL, model, adapter and salt each with its NUL (NULL adapter or salt:
+ * empty), the page size as a little-endian uint32. kvt_ns_describe writes it into buf
+ * (KVT_NS_DESC_MAX bytes) and returns its length, or 0 for a description refused (no model, a
+ * string over 255 bytes, a page size outside 1..KVT_PAGE_MAX); the part after the tag
+ * (KVT_NS_TAG_LEN bytes) is what the tree keeps as the namespace's name. */
+#define KVT_NS_TAG_LEN  13
+#define KVT_NS_DESC_MAX (KVT_NS_TAG_LEN + 3 * 256 + 4)
+size_t kvt_ns_describe(char *buf, const char *model, const char *adapter, const char *salt,
+                       uint32_t page_size);
+/* The seed of a description (XXH3_64bits of it), the same in every process; 0 for one refused. */
+uint64_t kvt_ns_seed_of(const char *model, const char *adapter, const char *salt,
+                        uint32_t page_size);
+
+/*
  * Little-endian fields, byte by byte: the one set for every format kvtier writes (the wire
  * protocol, the stored block header, the NVMe log's records), so that none depends on the host's
  * byte order or on alignment.

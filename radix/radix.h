@@ -63,20 +63,6 @@
 
 #include "../common/common.h"
 
-#define KVT_PAGE_MAX 1024
-
-/* Where a block's KV bytes live. */
-typedef enum {
-    KVT_TIER_NONE = 0, /* index only: no bytes stored anywhere */
-    KVT_TIER_HBM = 1,
-    KVT_TIER_DRAM = 2,
-    KVT_TIER_NVME = 3,
-    KVT_TIER_REMOTE = 4,
-    KVT_TIER_COUNT = 5
-} kvt_tier_id_t;
-
-const char *kvt_tier_name(kvt_tier_id_t t); /* "none", "hbm", "dram", "nvme", "remote" */
-
 /*
  * One cached page. 40 bytes. The tree fills hash (lazily) and the counters; tier, loc, size, flags
  * and policy belong to whoever stores the bytes (tiers/ and policy/): the tree never reads them
@@ -89,7 +75,7 @@ typedef struct kvt_block {
     uint32_t hits;        /* matches that reached this block (saturates) */
     uint32_t last_access; /* tree clock (kvt_radix_set_clock) at the last match or insert */
     float freq;           /* hits decayed with the configured half-life, as of last_access */
-    uint8_t tier;         /* kvt_tier_id_t */
+    uint8_t tier;         /* kvt_tier_id_t (common.h) */
     uint8_t flags;        /* KVT_BLOCK_* */
     uint16_t prio;        /* retention priority hint; 0 = none */
     uint32_t policy;      /* policy-private word */

@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh build -Dbuildtype=release -Dtests=enabled
 bash scripts/setup.sh build-asan -Dtests=enabled -Db_sanitize=address,undefined -Db_lundef=false \
     -Dbuildtype=debugoptimized
+# The Python package's venv (build/pyenv: torch, numpy, pytest, cffi, the package), made once.
+bash scripts/pyenv.sh build
 
 echo "== format check (clang-format, .clang-format)"
 files=$(git ls-files '*.c' '*.h' 2>/dev/null || find . -name '*.[ch]' -not -path './build*')

@@ -210,6 +210,13 @@ void kvt__block_relocate(kvt_block_t *b, uint64_t loc)
     b->loc = loc;
 }
 
+void kvt__block_recovered(kvt_block_t *b, kvt_tier_id_t tier, uint64_t loc, uint32_t size)
+{
+    b->tier = (uint8_t)tier;
+    b->loc = loc;
+    b->size = size;
+}
+
 void kvt__block_drop(kvt_block_t *b)
 {
     b->tier = KVT_TIER_NONE;

@@ -506,6 +506,12 @@ int kvt__tier_failure(int rc);
 
 /* store.c: the tiers and the policy, opened from the configuration and closed. */
 int kvt__store_open(kvt_srv_t *s);
+/* Gives what the NVMe tier's scan found back to tree (once, after creation, before any write):
+ * namespaces reopened by name where the tier recorded one, else by seed; blocks whose ancestors
+ * are not all on disk, whose page size is not their namespace's, or whose page the tree holds in
+ * another tier are freed as orphans. Returns 0, KVT_EINVAL, KVT_ENOMEM (the tree keeps what was
+ * inserted so far) or KVT_EBUSY (called twice). out (may be NULL) gets the tier's counts. */
+int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_recovery_t *out);
 void kvt__store_close(kvt_srv_t *s);
 void kvt__tier_metrics(kvt_srv_t *s);
 
@@ -519,11 +525,14 @@ void kvt__tier_metrics(kvt_srv_t *s);
  *             tier NONE until kvt__policy_adopt gives it one
  *   relocate  a move landed: the bytes are at loc now (the policy switched the tier)
  *   drop      index-only: no tier, location or size
+ *   recovered a block the NVMe tier found at start-up, before the policy adopts it
  */
 void kvt__block_busy(kvt_block_t *b, int busy);
 void kvt__block_place(kvt_block_t *b, uint64_t loc, uint32_t size);
 void kvt__block_relocate(kvt_block_t *b, uint64_t loc);
 void kvt__block_drop(kvt_block_t *b);
+/* A block found on disk at start-up, in tier at loc: set before the policy adopts it. */
+void kvt__block_recovered(kvt_block_t *b, kvt_tier_id_t tier, uint64_t loc, uint32_t size);
 /* What the policy calls to act (policy.h's kvt_policy_ops_t), with the kvt_srv_t as its arg. */
 extern const kvt_policy_ops_t kvt__exec_ops;
 /* After the tiers are destroyed: the moves in flight, deferred frees and read counts go. */

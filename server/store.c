@@ -7,6 +7,7 @@
 #include "server.h"
 
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -77,6 +78,65 @@ static int kvt_policy_open(kvt_srv_t *s)
 
 /* ---- tiers ---- */
 
+/*
+ * The NVMe tier's warm restart, fed into the index: the tier yields token paths (tier.h,
+ * "Recovery into an index"); each namespace found on disk is opened by the description the tier
+ * recorded, else by its seed, each path inserted, and every block on it whose page the tree now
+ * holds with the same hash and no bytes elsewhere gets tier, loc and size. The tier frees what
+ * nothing indexed (orphans). On KVT_ENOMEM the tree keeps what was inserted so far.
+ */
+int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_recovery_t *out)
+{
+    if (!tree || !nvme)
+        return KVT_EINVAL;
+    kvt_tier_nvme_ns_t *ns;
+    size_t nns;
+    int rc = kvt_tier_nvme_recover_begin(nvme, &ns, &nns);
+    if (rc < 0)
+        return rc;
+    uint32_t *ids = calloc(nns ? nns : 1, sizeof(*ids));
+    uint8_t *open = calloc(nns ? nns : 1, 1);
+    if (!ids || !open) {
+        rc = KVT_ENOMEM;
+        goto out;
+    }
+    for (size_t k = 0; k < nns; k++) {
+        if (ns[k].model) {
+            if (kvt_radix_ns_open(tree, ns[k].model, ns[k].adapter, ns[k].salt, ns[k].page_size,
+                                  &ids[k]) == 0)
+                ns[k].named = open[k] = 1;
+            else
+                kvt_log(KVT_LOG_WARN, "nvme tier: could not reopen namespace %s/%s (page %u)",
+                        ns[k].model, ns[k].adapter, ns[k].page_size);
+        }
+        if (!open[k] && kvt_radix_ns_open_seed(tree, ns[k].seed, ns[k].page_size, &ids[k]) == 0)
+            open[k] = 1;
+    }
+    kvt_tier_nvme_path_t p;
+    while ((rc = kvt_tier_nvme_recover_next(nvme, &p)) > 0) {
+        if (!open[p.ns])
+            continue; /* its blocks are orphans */
+        kvt_insert_t res;
+        if ((rc = kvt_radix_insert(tree, ids[p.ns], p.tokens, (size_t)p.npages * ns[p.ns].page_size,
+                                   &res)) < 0)
+            break;
+        for (uint32_t d = 0; d < p.npages; d++) {
+            kvt_tier_nvme_block_t *r = p.blocks[d];
+            kvt_block_t *b = kvt_radix_block_at(res.node, d);
+            if (r->indexed || !b || kvt_radix_block_hash(tree, res.node, d) != r->hash ||
+                b->tier != KVT_TIER_NONE)
+                continue;
+            kvt__block_recovered(b, KVT_TIER_NVME, r->loc, r->len);
+            r->indexed = 1;
+        }
+    }
+out:
+    kvt_tier_nvme_recover_end(nvme, rc < 0, out);
+    free(open);
+    free(ids);
+    return rc < 0 ? rc : 0;
+}
+
 static void kvt_recovered_sizes(kvt_srv_t *s)
 {
     size_t n = kvt_radix_node_count(s->radix);
@@ -144,7 +204,7 @@ int kvt__store_open(kvt_srv_t *s)
         }
         if (c->nvme_recover) {
             kvt_tier_nvme_recovery_t rec;
-            rc = kvt_tier_nvme_recover(s->tiers[KVT_TIER_NVME], s->radix, &rec);
+            rc = kvt_store_nvme_recover(s->radix, s->tiers[KVT_TIER_NVME], &rec);
             if (rc < 0) {
                 kvt_log(KVT_LOG_ERROR, "kvtierd: NVMe recovery: %s", kvt_strerror(rc));
                 return rc;

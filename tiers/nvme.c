@@ -2,8 +2,8 @@
  * nvme.c: the NVMe tier. One preallocated data file, DIR/kvtier.data, used as a log of
  * fixed-size segments and driven by io_uring with O_DIRECT (buffered where the file system
  * refuses O_DIRECT, logged once). This file owns the on-disk layout, the segment table, the
- * io_uring request slots, and the recovery scan that runs at creation; nvme_recover.c gives the
- * recovered blocks back to a radix tree.
+ * io_uring request slots, and the recovery scan that runs at creation; nvme_recover.c hands the
+ * recovered blocks to the owner of the index.
  *
  * On disk
  * -------
@@ -358,21 +358,22 @@ static int seg_alloc(nvme_t *n, uint32_t rec, uint32_t *seg, uint32_t *off)
 
 /* ---- request slots and io_uring ---- */
 
+/* A slot for a request counted in flight (the window is the number of slots, so there is one). */
 static nvme_req_t *req_get(nvme_t *n)
 {
-    nvme_req_t *r = n->free_reqs;
-    if (r)
-        n->free_reqs = r->next;
-    return r;
+    kvt__ioq_link_t *l = kvt__ioq_slot_get(&n->q);
+    kvt_assert(l);
+    return KVT__IOQ_OF(l, nvme_req_t, link);
 }
 
+/* Gives the slot back and ends the request's count in flight. */
 static void req_put(nvme_t *n, nvme_req_t *r)
 {
     free(r->bounce);
     r->bounce = NULL;
     r->io = NULL;
-    r->next = n->free_reqs;
-    n->free_reqs = r;
+    kvt__ioq_slot_put(&n->q, &r->link);
+    kvt__ioq_finished(&n->q);
 }
 
 static int req_submit(nvme_t *n, nvme_req_t *r)
@@ -533,40 +534,16 @@ static int nvme_start(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     return io->op == KVT_IO_WRITE ? nvme_start_write(n, r, io) : nvme_start_read(n, r, io);
 }
 
-/* Requests wait for a slot in two FIFOs linked through priv[1]: urgent reads (io->urgent) and
- * the rest; a slot goes to the urgent ones first. */
+/* Requests wait for a slot in the tier's queue (ioq.c): urgent reads (io->urgent) go ahead of
+ * the rest. */
 static int io_urgent(const kvt_tier_io_t *io)
 {
     return io->urgent && io->op == KVT_IO_READ;
 }
 
-static void wait_push(nvme_t *n, kvt_tier_io_t *io)
+static kvt_tier_io_t *io_of(kvt__ioq_link_t *l)
 {
-    nvme_fifo_t *q = &n->wait[io_urgent(io)];
-    io->priv[1] = 0;
-    if (q->tail)
-        q->tail->priv[1] = (uint64_t)(uintptr_t)io;
-    else
-        q->head = io;
-    q->tail = io;
-}
-
-/* The request a free slot goes to next, or NULL. */
-static kvt_tier_io_t *wait_next(const nvme_t *n)
-{
-    return n->wait[1].head ? n->wait[1].head : n->wait[0].head;
-}
-
-static kvt_tier_io_t *wait_pop(nvme_t *n)
-{
-    nvme_fifo_t *q = &n->wait[n->wait[1].head != NULL];
-    kvt_tier_io_t *io = q->head;
-    if (io) {
-        q->head = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
-        if (!q->head)
-            q->tail = NULL;
-    }
-    return io;
+    return l ? KVT__IOQ_OF(l, kvt_tier_io_t, wait) : NULL;
 }
 
 static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
@@ -575,15 +552,12 @@ static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
     if (io->op == KVT_IO_WRITE && rec_bytes(hdr_region(io->key.ntokens), io->len) > n->seg_bytes)
         return KVT_ETOOBIG; /* a record never spans segments */
     /* Keep submission order within the request's class (urgent reads pass the others). */
-    if (n->wait[1].head || (!io_urgent(io) && n->wait[0].head) || write_waits(n, io)) {
-        wait_push(n, io);
+    if (kvt__ioq_behind(&n->q, io_urgent(io)) || write_waits(n, io) || !kvt__ioq_start(&n->q)) {
+        io->wait.deadline_ns = 0;
+        kvt__ioq_push(&n->q, &io->wait, io_urgent(io));
         return 0;
     }
     nvme_req_t *r = req_get(n);
-    if (!r) {
-        wait_push(n, io);
-        return 0;
-    }
     int rc = nvme_start(n, r, io);
     if (rc < 0)
         req_put(n, r);
@@ -666,8 +640,9 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
 /* Starts waiting requests while slots are free. */
 static void nvme_drain_wait(nvme_t *n)
 {
-    while (wait_next(n) && n->free_reqs && !write_waits(n, wait_next(n))) {
-        kvt_tier_io_t *io = wait_pop(n);
+    kvt_tier_io_t *io;
+    while ((io = io_of(kvt__ioq_next(&n->q))) && !write_waits(n, io)) {
+        kvt__ioq_pop(&n->q);
         nvme_req_t *r = req_get(n);
         int rc = nvme_start(n, r, io);
         if (rc < 0) {
@@ -1207,6 +1182,7 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
     n->seg_bytes = segb;
     n->nsegs = (uint32_t)nsegs;
     n->qd = qd;
+    kvt__ioq_init(&n->q, qd);
     n->reclaim_cb = conf->reclaim_cb;
     n->reclaim_arg = conf->reclaim_arg;
     n->dir = strdup(conf->dir);
@@ -1224,8 +1200,7 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
         if (posix_memalign((void **)&r->hdr, SECTOR, HDR_MAX_BYTES) != 0 ||
             posix_memalign((void **)&r->tail, SECTOR, SECTOR) != 0)
             goto fail;
-        r->next = n->free_reqs;
-        n->free_reqs = r;
+        kvt__ioq_slot_put(&n->q, &r->link);
     }
 
     if (mkdir(conf->dir, 0755) != 0 && errno != EEXIST) {
@@ -1574,6 +1549,7 @@ int kvt__nvme_scan(nvme_t *n)
 
 void kvt__nvme_recovered_free(nvme_t *n)
 {
+    kvt__nvme_replay_free(n);
     for (size_t i = 0; i < n->nrecovered; i++)
         free(n->recovered[i].tokens);
     free(n->recovered);

@@ -1,0 +1,182 @@
+/*
+ * bench_client.c: the C side of the client benchmark (bench/bench_client.py drives it): PUT and
+ * GET of whole pages through libkvtier over the daemon's Unix socket, one page per request, and
+ * memcpy of the same bytes, each pass printed as one JSON object per line. The Python side runs
+ * the same loops through the kvtier package against a daemon of its own, so that the driver can
+ * print the ratios package/libkvtier and each/memcpy.
+ *
+ * A pass: PUT pages 0..n-1 of one token sequence (request i carries the tokens of pages 0..i and
+ * the bytes of page i), MATCH it with a lease, GET each page into its place in one buffer,
+ * RELEASE, check the bytes, REMOVE the sequence (so that the next pass stores again, into the
+ * memory the daemon freed: the first pass on a fresh daemon faults its memory in, the reruns
+ * are warm). Each pass uses new token ids. Then PING round trips: the per-call cost alone.
+ *
+ *   bench_client client --unix PATH --block-bytes B --pages N --passes R
+ *   bench_client memcpy --block-bytes B --pages N --passes R
+ */
+#include "kvtier.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#define PAGE_TOKENS 16
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void emit(const char *impl, const char *op, size_t block, uint32_t pages, int pass,
+                 double secs)
+{
+    double bytes = (double)block * pages;
+    printf("{\"bench\":\"client\",\"impl\":\"%s\",\"op\":\"%s\",\"block_bytes\":%zu,"
+           "\"pages\":%u,\"pass\":%d,\"gib_s\":%.3f,\"us_per_page\":%.2f}\n",
+           impl, op, block, pages, pass, bytes / secs / (1u << 30), secs * 1e6 / pages);
+    fflush(stdout);
+}
+
+/* Fresh, untouched memory each call, as a new buffer would be (the first pass's faults). */
+static uint8_t *fresh(size_t n)
+{
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        perror("bench_client: mmap");
+        exit(1);
+    }
+    return p;
+}
+
+static int bench_memcpy(size_t block, uint32_t pages, int passes)
+{
+    size_t n = block * pages;
+    uint8_t *src = fresh(n), *dst = fresh(n);
+    memset(src, 0x5a, n);
+    for (int pass = 1; pass <= passes; pass++) {
+        double t0 = now_s();
+        for (uint32_t i = 0; i < pages; i++)
+            memcpy(dst + (size_t)i * block, src + (size_t)i * block, block);
+        emit("memcpy", "copy", block, pages, pass, now_s() - t0);
+        if (dst[n - 1] != 0x5a)
+            return 1;
+    }
+    munmap(src, n);
+    munmap(dst, n);
+    return 0;
+}
+
+static int fail(const char *what, int rc, kvt_client_t *c)
+{
+    fprintf(stderr, "bench_client: %s: %s %s\n", what, kvt_client_strerror(rc),
+            c ? kvt_client_errmsg(c) : "");
+    return 1;
+}
+
+static int bench_client(const char *unix_path, size_t block, uint32_t pages, int passes)
+{
+    kvt_client_conf_t conf = {.unix_path = unix_path,
+                              .model = "bench-client",
+                              .page_size = PAGE_TOKENS,
+                              .block_bytes = (uint32_t)block,
+                              .timeout_ms = 60000};
+    kvt_client_t *c;
+    int rc = kvt_client_connect(&c, &conf);
+    if (rc < 0)
+        return fail("connect", rc, NULL);
+    size_t n = block * pages;
+    uint8_t *src = fresh(n), *dst = fresh(n);
+    /* The client's buffers are faulted in first, as an engine's pinned buffers are: the first
+     * pass measures a fresh daemon, not this process's page faults. */
+    memset(src, 1, n);
+    memset(dst, 1, n);
+    uint32_t ntok = pages * PAGE_TOKENS;
+    uint32_t *tok = malloc(ntok * sizeof *tok);
+    if (!tok)
+        return 1;
+    for (int pass = 1; pass <= passes; pass++) {
+        for (uint32_t i = 0; i < ntok; i++)
+            tok[i] = 7000000u + (uint32_t)pass * 1000000u + i;
+        for (size_t i = 0; i < n; i += 4096)
+            src[i] = (uint8_t)(pass + i / 4096);
+        double t0 = now_s();
+        for (uint32_t i = 0; i < pages; i++) {
+            kvt_client_put_t pr;
+            rc = kvt_client_put(c, tok, (i + 1) * PAGE_TOKENS, i, 1, src + (size_t)i * block, NULL,
+                                &pr);
+            if (rc < 0 || pr.stored != 1)
+                return fail("put", rc, c);
+        }
+        emit("libkvtier", "put", block, pages, pass, now_s() - t0);
+        kvt_client_match_t m = {0};
+        if ((rc = kvt_client_match(c, tok, ntok, KVT_CLIENT_LEASE, 60000, NULL, &m)) < 0 ||
+            m.pages != pages)
+            return fail("match", rc, c);
+        t0 = now_s();
+        for (uint32_t i = 0; i < pages; i++) {
+            uint32_t got;
+            rc = kvt_client_get(c, m.lease, i, 1, dst + (size_t)i * block, block, &got, NULL);
+            if (rc < 0 || got != 1)
+                return fail("get", rc, c);
+        }
+        emit("libkvtier", "get", block, pages, pass, now_s() - t0);
+        if (memcmp(src, dst, n) != 0) {
+            fprintf(stderr, "bench_client: GET returned other bytes than PUT stored\n");
+            return 1;
+        }
+        if ((rc = kvt_client_release(c, m.lease, NULL)) < 0)
+            return fail("release", rc, c);
+        if ((rc = kvt_client_remove(c, tok, PAGE_TOKENS)) < 0)
+            return fail("remove", rc, c);
+    }
+    /* The per-call cost without payload: PING round trips. */
+    enum { PINGS = 5000 };
+    double t0 = now_s();
+    for (int i = 0; i < PINGS; i++)
+        if ((rc = kvt_client_ping(c, NULL)) < 0)
+            return fail("ping", rc, c);
+    printf("{\"bench\":\"client\",\"impl\":\"libkvtier\",\"op\":\"ping\",\"calls\":%d,"
+           "\"us_per_call\":%.2f}\n",
+           PINGS, (now_s() - t0) * 1e6 / PINGS);
+    free(tok);
+    munmap(src, n);
+    munmap(dst, n);
+    kvt_client_close(c);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *mode = argc > 1 ? argv[1] : "", *unix_path = NULL;
+    size_t block = 2u << 20;
+    uint32_t pages = 64;
+    int passes = 4;
+    for (int i = 2; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--unix"))
+            unix_path = argv[i + 1];
+        else if (!strcmp(argv[i], "--block-bytes"))
+            block = strtoull(argv[i + 1], NULL, 0);
+        else if (!strcmp(argv[i], "--pages"))
+            pages = (uint32_t)strtoul(argv[i + 1], NULL, 0);
+        else if (!strcmp(argv[i], "--passes"))
+            passes = atoi(argv[i + 1]);
+        else
+            goto usage;
+    }
+    if (!block || !pages || passes < 1)
+        goto usage;
+    if (!strcmp(mode, "memcpy"))
+        return bench_memcpy(block, pages, passes);
+    if (!strcmp(mode, "client") && unix_path)
+        return bench_client(unix_path, block, pages, passes);
+usage:
+    fprintf(stderr, "usage: bench_client client --unix PATH [--block-bytes B] [--pages N] "
+                    "[--passes R]\n       bench_client memcpy [--block-bytes B] [--pages N] "
+                    "[--passes R]\n");
+    return 2;
+}

@@ -1,0 +1,191 @@
+"""bench_client.py: PUT and GET of 2 MiB and 256 KiB pages through the kvtier Python package and
+through libkvtier (bench_client, a C loop), over kvtierd's Unix socket, beside memcpy of the same
+bytes, in one run. Each (implementation, page size) gets a fresh daemon: pass 1 is its first
+pass (the daemon's memory faulted in), passes 2.. are warm reruns. Prints each pass, then one
+summary line per (op, page size, first|warm) with the ratios python/libkvtier, libkvtier/memcpy
+and python/memcpy (warm: the median of the reruns), and one for PING round trips (the per-call
+cost alone; the ratio is libkvtier's time over the package's). One JSON object per line.
+
+  bench_client.py --build-root BUILD [--passes R] [--quick]
+
+Runs under BUILD/pyenv's Python (re-executing itself there) so that numpy and cffi are present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PAGE_TOKENS = 16
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
+    ap.add_argument("--passes", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="fewer pages (a smoke run)")
+    return ap.parse_args()
+
+
+args = parse()
+build = os.path.abspath(args.build_root)
+venv_py = os.path.join(build, "pyenv", "bin", "python")
+if os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(build, "pyenv")):
+    if not os.access(venv_py, os.X_OK):
+        print("bench_client: no %s (bash scripts/pyenv.sh makes it)" % venv_py, file=sys.stderr)
+        sys.exit(1)
+    os.execv(venv_py, [venv_py, os.path.abspath(__file__), *sys.argv[1:]])
+
+source = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(source, "python"))
+os.environ.setdefault("KVT_BUILD_ROOT", build)
+import numpy as np  # noqa: E402
+
+import kvtier  # noqa: E402
+
+SIZES = [(2 << 20, 64), (256 << 10, 256)]  # (block bytes, pages per pass): 128 and 64 MiB
+if args.quick:
+    SIZES = [(2 << 20, 8), (256 << 10, 32)]
+
+
+class Daemon:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvt-bench-client-")
+        self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
+        self.proc = subprocess.Popen(
+            [os.path.join(build, "server", "kvtierd"), "--tcp", "", "--metrics", "",
+             "--dram-bytes", "512M", "--nvme-bytes", "0", "--hbm-bytes", "0",
+             "--log-level", "warn"],
+            cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.unix = None
+        for line in self.proc.stdout:
+            if line.startswith("unix "):
+                self.unix = os.path.join(self.dir, line.split(" ", 1)[1].strip())
+            if line.strip() == "ready":
+                break
+        if not self.unix:
+            raise RuntimeError("kvtierd did not start (%s/kvtierd.log)" % self.dir)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def emit(impl: str, op: str, block: int, pages: int, pass_: int, secs: float) -> dict:
+    rec = {"bench": "client", "impl": impl, "op": op, "block_bytes": block, "pages": pages,
+           "pass": pass_, "gib_s": round(block * pages / secs / (1 << 30), 3),
+           "us_per_page": round(secs * 1e6 / pages, 2)}
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def python_passes(unix: str, block: int, pages: int, passes: int) -> list:
+    out = []
+    with kvtier.Client("bench-client", page_size=PAGE_TOKENS, block_bytes=block,
+                       unix_path=unix, timeout_ms=60000) as c:
+        # Faulted in first (np.ones writes every page), as bench_client.c's: the first pass
+        # measures a fresh daemon, not this process's page faults.
+        src = np.ones(block * pages, np.uint8)
+        dst = np.ones(block * pages, np.uint8)
+        srcs = [src[i * block:(i + 1) * block] for i in range(pages)]
+        dsts = [dst[i * block:(i + 1) * block] for i in range(pages)]
+        ntok = pages * PAGE_TOKENS
+        for p in range(1, passes + 1):
+            tok = np.arange(ntok, dtype=np.uint32) + np.uint32(9_000_000 + p * 1_000_000)
+            toks = [tok[:(i + 1) * PAGE_TOKENS] for i in range(pages)]
+            src[::4096] = np.arange(len(src[::4096]), dtype=np.uint8) + p
+            t0 = time.perf_counter()
+            for i in range(pages):
+                r = c.put(toks[i], srcs[i], first_page=i)
+            secs = time.perf_counter() - t0
+            assert r.stored == 1
+            out.append(emit("python", "put", block, pages, p, secs))
+            m = c.match(tok, lease=True, lease_ms=60000)
+            assert m.pages == pages, m
+            t0 = time.perf_counter()
+            for i in range(pages):
+                c.get_into(m.lease, dsts[i], first_page=i, npages=1)
+            secs = time.perf_counter() - t0
+            out.append(emit("python", "get", block, pages, p, secs))
+            assert np.array_equal(src, dst), "GET returned other bytes than PUT stored"
+            c.release(m.lease)
+            c.remove(tok[:PAGE_TOKENS])
+        pings = 5000
+        t0 = time.perf_counter()
+        for _ in range(pings):
+            c.ping()
+        rec = {"bench": "client", "impl": "python", "op": "ping", "calls": pings,
+               "us_per_call": round((time.perf_counter() - t0) * 1e6 / pings, 2)}
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
+
+
+def c_passes(helper: str, mode: str, unix: str, block: int, pages: int, passes: int) -> list:
+    cmd = [helper, mode, "--block-bytes", str(block), "--pages", str(pages), "--passes",
+           str(passes)]
+    if unix:
+        cmd += ["--unix", unix]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError("%s failed: %s" % (" ".join(cmd), res.stderr))
+    recs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    for r in recs:
+        print(json.dumps(r), flush=True)
+    return recs
+
+
+def main() -> int:
+    helper = os.path.join(build, "bench", "bench_client")
+    recs = []
+    for block, pages in SIZES:
+        recs += c_passes(helper, "memcpy", "", block, pages, args.passes)
+        for impl in ("libkvtier", "python"):
+            d = Daemon()
+            try:
+                if impl == "python":
+                    recs += python_passes(d.unix, block, pages, args.passes)
+                else:
+                    recs += c_passes(helper, "client", d.unix, block, pages, args.passes)
+            finally:
+                d.stop()
+
+    def rate(impl: str, op: str, block: int, warm: bool) -> float:
+        v = [r["gib_s"] for r in recs if r["impl"] == impl and r["op"] == op and "gib_s" in r and
+             r["block_bytes"] == block and (r["pass"] > 1) == warm]
+        return statistics.median(v)
+
+    def ping(impl: str) -> float:
+        return statistics.median(r["us_per_call"] for r in recs
+                                 if r["impl"] == impl and r["op"] == "ping")
+
+    py, lib = ping("python"), ping("libkvtier")
+    print(json.dumps({"bench": "client", "summary": "ping", "python_us_per_call": round(py, 2),
+                      "libkvtier_us_per_call": round(lib, 2),
+                      "python_vs_libkvtier": round(lib / py, 3)}), flush=True)
+    for block, _ in SIZES:
+        for op in ("get", "put"):
+            for warm in (False, True):
+                py, lib, mc = (rate("python", op, block, warm), rate("libkvtier", op, block, warm),
+                               rate("memcpy", "copy", block, warm))
+                print(json.dumps({
+                    "bench": "client", "summary": op, "block_bytes": block,
+                    "pass": "warm" if warm else "first", "python_gib_s": py,
+                    "libkvtier_gib_s": lib, "memcpy_gib_s": mc,
+                    "python_vs_libkvtier": round(py / lib, 3),
+                    "libkvtier_vs_memcpy": round(lib / mc, 3),
+                    "python_vs_memcpy": round(py / mc, 3)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

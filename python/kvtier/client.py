@@ -1,0 +1,659 @@
+"""client.py: Client (one connection to kvtierd) and Batch (pipelined requests), over libkvtier.
+
+Units: tokens are token ids (uint32); a page is ``page_size`` tokens; a block is the KV bytes of
+one page, ``block_bytes`` bytes. Payload sizes are always whole blocks.
+
+Buffers: payloads are borrowed through the buffer protocol (``bytes``, ``bytearray``,
+``memoryview``, numpy arrays, ``array.array``, mmap) or, for torch tensors (which have no buffer
+protocol), through ``data_ptr()`` of a contiguous CPU tensor, pinned or not. Nothing is copied in
+Python: PUT sends from the caller's memory, GET writes into the caller's memory. A buffer must be
+C-contiguous; its dtype does not matter, only its size in bytes.
+
+Threads: a Client serialises its calls with a lock (libkvtier's client is one thread at a time);
+the GIL is released while libkvtier waits on the daemon. Use one Client per thread for
+parallelism.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+from ._lib import ffi, lib
+from .errors import ECLOSED, EINVAL, Error, InvalidArgument, error_for
+
+__all__ = [
+    "Batch",
+    "Client",
+    "Hints",
+    "Match",
+    "Pending",
+    "PrefetchResult",
+    "PutResult",
+    "Tier",
+]
+
+Tokens = Union[Iterable[int], "array.array[int]", memoryview, Any]
+Buffer = Any  # anything with the buffer protocol, or a contiguous CPU torch tensor
+
+_LEASE = 1 << 0
+_REMOTE = 1 << 1
+_PROBE = 1 << 2
+_HINT_PAUSED = 1 << 0
+_HINT_FINISHED = 1 << 1
+
+
+class Tier(enum.IntEnum):
+    """Where a page's bytes are, as MATCH reports them and PREFETCH takes them."""
+
+    NONE = 0  # index only: no bytes stored
+    HBM = 1
+    DRAM = 2
+    NVME = 3
+    REMOTE = 4
+
+
+@dataclass(frozen=True)
+class Hints:
+    """Hints to the daemon's retention policy (all optional).
+
+    ``engine_request_id``: the engine's request id, for the daemon's logs. ``resume_ms``: with
+    ``paused``, when the session is expected back (milliseconds). ``priority``: retention
+    priority, 0 = none (0..65535). ``paused`` / ``finished``: the session paused or ended (not
+    both: the daemon answers EPROTO).
+    """
+
+    engine_request_id: int = 0
+    resume_ms: int = 0
+    priority: int = 0
+    paused: bool = False
+    finished: bool = False
+
+    def _c(self) -> Any:
+        h = ffi.new("kvt_client_hints_t *")
+        h.engine_request_id = self.engine_request_id
+        h.resume_ms = self.resume_ms
+        h.priority = self.priority
+        h.flags = (_HINT_PAUSED if self.paused else 0) | (_HINT_FINISHED if self.finished else 0)
+        return h
+
+
+@dataclass(frozen=True)
+class Match:
+    """What MATCH found: ``tokens`` and ``pages`` matched (tokens = pages x page_size),
+    ``remote_pages`` of them found by the remote probe, ``lease`` (non-zero when a lease was
+    asked for and pages > 0), ``tiers`` the Tier of each matched page (bytes, one per page)."""
+
+    tokens: int
+    pages: int
+    remote_pages: int
+    lease: int
+    tiers: bytes
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What PUT did, in pages: ``pages`` of the request now in the index, ``new_pages`` added by
+    it, ``stored`` payload pages stored, ``skipped`` payload pages not stored (held already, or
+    no room anywhere)."""
+
+    pages: int
+    new_pages: int
+    stored: int
+    skipped: int
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """What PREFETCH did, in pages: ``pages`` of the cached prefix, ``moved`` up (or on their
+    way, for ``wait=False``), ``resident`` already at or above the tier, ``failed``."""
+
+    pages: int
+    moved: int
+    resident: int
+    failed: int
+
+
+def _tokens(tokens: Any) -> Tuple[Any, int]:
+    """A uint32_t* over the token ids and their count. A buffer of 4-byte integers (numpy
+    uint32/int32, array('I'), a torch int32 tensor) is borrowed as it is; anything else is
+    converted once into an array('I') (raises OverflowError for ids outside 0..2**32-1)."""
+    if isinstance(tokens, array.array) and tokens.itemsize == 4 and tokens.typecode in "IiLl":
+        return ffi.from_buffer("uint32_t[]", tokens), len(tokens)
+    if isinstance(tokens, (list, tuple, range)):
+        a = array.array("I", tokens)
+        return ffi.from_buffer("uint32_t[]", a), len(a)
+    if hasattr(tokens, "data_ptr") and hasattr(tokens, "element_size"):
+        if str(tokens.dtype) in ("torch.int32", "torch.uint32"):
+            _check_tensor(tokens)
+            return ffi.cast("uint32_t *", tokens.data_ptr()), tokens.numel()
+    else:
+        try:
+            m = memoryview(tokens)
+        except TypeError:
+            m = None
+        if m is not None and m.itemsize == 4 and m.format in ("I", "i", "<I", "<i", "=I", "=i"):
+            if not m.c_contiguous:
+                raise InvalidArgument(EINVAL, "tokens: not a contiguous buffer")
+            return ffi.from_buffer("uint32_t[]", m), m.nbytes // 4
+    if hasattr(tokens, "tolist"):  # numpy or torch of another dtype: checked conversion
+        tokens = tokens.tolist()
+    a = array.array("I", tokens)
+    return ffi.from_buffer("uint32_t[]", a), len(a)
+
+
+def _check_tensor(t: Any) -> None:
+    if t.device.type != "cpu":
+        raise InvalidArgument(EINVAL, "a %s tensor: only CPU tensors (pinned or not)" % t.device)
+    if not t.is_contiguous():
+        raise InvalidArgument(EINVAL, "a non-contiguous tensor")
+
+
+def _rbuf(obj: Buffer) -> Tuple[Any, int]:
+    """A pointer to a readable buffer's bytes and its size in bytes, without a copy."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
+        _check_tensor(obj)
+        return ffi.cast("void *", obj.data_ptr()), obj.numel() * obj.element_size()
+    try:
+        p = ffi.from_buffer(obj)
+    except TypeError as e:
+        raise TypeError("kvtier: a payload must support the buffer protocol: %s" % e) from None
+    return p, len(p)
+
+
+def _wbuf(obj: Buffer) -> Tuple[Any, int]:
+    """A pointer to a writable buffer's bytes and its size in bytes, without a copy."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
+        _check_tensor(obj)
+        return ffi.cast("void *", obj.data_ptr()), obj.numel() * obj.element_size()
+    try:
+        p = ffi.from_buffer(obj, require_writable=True)
+    except (TypeError, BufferError) as e:  # not a buffer, or a read-only one
+        raise TypeError("kvtier: get_into needs a writable buffer: %s" % e) from None
+    return p, len(p)
+
+
+def _collect_block_py(arg: Any, page: int, tier: int, data: Any, length: int) -> int:
+    ffi.from_handle(arg).append(ffi.buffer(data, length)[:])
+    return 0
+
+
+def _collect_stat_py(arg: Any, name: Any, value: int) -> int:
+    ffi.from_handle(arg)[ffi.string(name).decode()] = value
+    return 0
+
+
+# One C callback each for the whole process (cffi keeps them alive while this module is).
+_collect_block = ffi.callback("int(void *, uint32_t, unsigned, const void *, uint32_t)",
+                              _collect_block_py)
+_collect_stat = ffi.callback("int(void *, const char *, uint64_t)", _collect_stat_py)
+
+
+def _s(v: Optional[str]) -> Any:
+    return ffi.NULL if v is None else ffi.new("char[]", v.encode())
+
+
+class Client:
+    """One connection to kvtierd, declared to one namespace.
+
+    ``Client(model, page_size=16, block_bytes=..., unix_path=...)`` connects at once: AUTH (when
+    ``secret`` is given), then HELLO with the namespace (model, adapter, salt, page size in
+    tokens, block size in bytes). Use it as a context manager, or call close().
+
+    Keyword arguments: ``unix_path`` (the daemon's Unix socket; with ``tcp`` None as well:
+    "kvtierd.sock" in the working directory), ``tcp`` ("host:port", used when unix_path is None),
+    ``secret`` (shared secret), ``adapter`` (LoRA name), ``salt`` (tenant salt: isolates
+    tenants), ``page_size`` (tokens per page, 1..1024), ``block_bytes`` (KV bytes of one page; 0
+    for index-only use), ``timeout_ms`` (per call, milliseconds).
+
+    Raises ConnectError (no daemon there: errno ENOENT or ECONNREFUSED), AuthError,
+    InvalidArgument, ProtocolError, NoSpace (no room for a new namespace).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        page_size: int = 16,
+        block_bytes: int = 0,
+        unix_path: Optional[str] = None,
+        tcp: Optional[str] = None,
+        secret: Optional[str] = None,
+        adapter: Optional[str] = None,
+        salt: Optional[str] = None,
+        timeout_ms: int = 10000,
+    ) -> None:
+        self._c = ffi.NULL
+        self._lock = threading.Lock()
+        self.model = model
+        self.page_size = page_size
+        self.block_bytes = block_bytes
+        keep = [_s(unix_path), _s(tcp), _s(secret), _s(model), _s(adapter), _s(salt)]
+        conf = ffi.new("kvt_client_conf_t *")
+        conf.unix_path, conf.tcp, conf.secret, conf.model, conf.adapter, conf.salt = keep
+        conf.page_size = page_size
+        conf.block_bytes = block_bytes
+        conf.timeout_ms = timeout_ms
+        out = ffi.new("kvt_client_t **")
+        rc = lib.kvt_client_connect(out, conf)
+        if rc < 0:
+            raise error_for(rc)
+        self._c = out[0]
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the connection; the daemon releases every lease it held. Idempotent."""
+        with self._lock:
+            if self._c != ffi.NULL:
+                lib.kvt_client_close(self._c)
+                self._c = ffi.NULL
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        c = getattr(self, "_c", ffi.NULL)
+        if c != ffi.NULL:
+            lib.kvt_client_close(c)
+            self._c = ffi.NULL
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return bool(self._c == ffi.NULL)
+
+    @property
+    def ns_seed(self) -> int:
+        """The namespace's seed (the start of its hash chain), as HELLO answered."""
+        return int(lib.kvt_client_ns_seed(self._live()))
+
+    @property
+    def tiers(self) -> List[Tier]:
+        """The tiers the daemon has, as HELLO answered."""
+        mask = lib.kvt_client_tiers(self._live())
+        return [t for t in Tier if t != Tier.NONE and mask & (1 << t)]
+
+    def _live(self) -> Any:
+        if self._c == ffi.NULL:
+            raise error_for(ECLOSED, "the client is closed")
+        return self._c
+
+    def _raise(self, rc: int) -> None:
+        msg = ffi.string(lib.kvt_client_errmsg(self._c)).decode("utf-8", "replace")
+        raise error_for(rc, msg)
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def ping(self) -> int:
+        """A PING round trip; returns it in nanoseconds. Raises a transport Error."""
+        rtt = ffi.new("uint64_t *")
+        with self._lock:
+            rc = lib.kvt_client_ping(self._live(), rtt)
+            if rc < 0:
+                self._raise(rc)
+        return int(rtt[0])
+
+    def match(
+        self,
+        tokens: Tokens,
+        *,
+        lease: bool = False,
+        lease_ms: int = 0,
+        remote: bool = False,
+        probe: bool = False,
+        hints: Optional[Hints] = None,
+    ) -> Match:
+        """The longest cached prefix of ``tokens`` (token ids), in whole pages.
+
+        ``lease``: pin the matched pages until release() (or ``lease_ms`` milliseconds, 0: the
+        daemon's default, capped by its maximum), so that get_into() can read them.
+        ``remote``: also probe the remote tier. ``probe``: only look (not counted as a use).
+        Raises ProtocolError (contradictory hints), Error for transport failures.
+        """
+        tp, n = _tokens(tokens)
+        cap = n // self.page_size if self.page_size else 0
+        tiers = ffi.new("uint8_t[]", max(cap, 1))
+        res = ffi.new("kvt_client_match_t *")
+        res.tiers = tiers
+        res.tiers_cap = cap
+        flags = (_LEASE if lease else 0) | (_REMOTE if remote else 0) | (_PROBE if probe else 0)
+        h = hints._c() if hints is not None else ffi.NULL
+        with self._lock:
+            rc = lib.kvt_client_match(self._live(), tp, n, flags, lease_ms, h, res)
+            if rc < 0:
+                self._raise(rc)
+        pages = res.pages
+        return Match(res.tokens, pages, res.remote_pages, res.lease,
+                     ffi.buffer(tiers, min(pages, cap))[:])
+
+    def put(
+        self,
+        tokens: Tokens,
+        payload: Optional[Buffer] = None,
+        *,
+        first_page: int = 0,
+        hints: Optional[Hints] = None,
+    ) -> PutResult:
+        """Caches every whole page of ``tokens`` and stores the KV bytes of pages
+        ``[first_page, first_page + npages)`` from ``payload``, a buffer of npages x block_bytes
+        bytes (None: index only). The daemon reads the bytes straight from the payload's memory
+        (no copy in Python or libkvtier). Pages already stored keep their bytes. Returns when the
+        bytes are in their tier.
+
+        Raises InvalidArgument (payload not a whole number of blocks, or beyond the tokens'
+        pages), TypeError (not a buffer), NoSpace, Error for transport failures.
+        """
+        tp, n = _tokens(tokens)
+        if payload is None:
+            pp, npages = ffi.NULL, 0
+        else:
+            pp, size = _rbuf(payload)
+            bb = self.block_bytes
+            if not bb or size % bb:
+                raise InvalidArgument(
+                    EINVAL, "payload of %d bytes is not whole blocks of %d bytes" % (size, bb))
+            npages = size // bb
+            if npages == 0:
+                pp = ffi.NULL
+        res = ffi.new("kvt_client_put_t *")
+        h = hints._c() if hints is not None else ffi.NULL
+        with self._lock:
+            rc = lib.kvt_client_put(self._live(), tp, n, first_page, npages, pp, h, res)
+            if rc < 0:
+                self._raise(rc)
+        return PutResult(res.pages, res.new_pages, res.stored, res.skipped)
+
+    def get_into(
+        self,
+        lease: int,
+        buf: Buffer,
+        *,
+        first_page: int = 0,
+        npages: int = 0,
+        tiers: Optional[Buffer] = None,
+    ) -> int:
+        """Reads the KV bytes of pages ``[first_page, first_page + npages)`` of a leased path
+        into ``buf``, a writable buffer (bytearray, memoryview, numpy array, CPU torch tensor),
+        in place: the bytes land in the caller's memory with no copy in Python. ``npages`` 0:
+        to the lease's end, which must fit in ``buf``. ``tiers``: a writable buffer that gets
+        the Tier each page came from (one byte per page; at least npages, or buf's pages).
+
+        Returns the pages received (int). Raises NotFound (a lease this connection does not
+        hold), TooBig (more pages came than buf holds), InvalidArgument, TypeError (not a writable
+        buffer), Error for transport failures.
+        """
+        bp, cap = _wbuf(buf)
+        if npages and npages * self.block_bytes > cap:
+            raise InvalidArgument(EINVAL, "buffer of %d bytes is under %d pages x %d bytes" % (
+                cap, npages, self.block_bytes))
+        tp = ffi.NULL
+        if tiers is not None:
+            tp, tcap = _wbuf(tiers)
+            want = npages or (cap // self.block_bytes if self.block_bytes else 0)
+            if tcap < want:
+                raise InvalidArgument(EINVAL, "tiers holds %d entries, under %d" % (tcap, want))
+        got = ffi.new("uint32_t *")
+        with self._lock:
+            rc = lib.kvt_client_get(self._live(), lease, first_page, npages, bp, cap, got, tp)
+            if rc < 0:
+                self._raise(rc)
+        return int(got[0])
+
+    def get(self, lease: int, *, first_page: int = 0, npages: int = 0) -> bytes:
+        """The KV bytes of pages ``[first_page, first_page + npages)`` of a leased path (npages
+        0: to its end), as bytes: a convenience that copies once more than get_into().
+        Raises as get_into()."""
+        if npages:
+            out = bytearray(npages * self.block_bytes)
+            got = self.get_into(lease, out, first_page=first_page, npages=npages)
+            del out[got * self.block_bytes:]
+            return bytes(out)
+        blocks: List[bytes] = []
+        h = ffi.new_handle(blocks)
+        got = ffi.new("uint32_t *")
+        with self._lock:
+            rc = lib.kvt_client_get_cb(self._live(), lease, first_page, 0, _collect_block, h, got)
+            if rc < 0:
+                self._raise(rc)
+        return b"".join(blocks)
+
+    def prefetch(
+        self, tokens: Tokens, tier: int = Tier.DRAM, *, deadline_ms: int = 0, wait: bool = True
+    ) -> PrefetchResult:
+        """Moves the cached prefix of ``tokens`` up to ``tier`` (HBM, DRAM or NVMe) within
+        ``deadline_ms`` milliseconds (0: the daemon's lease time). ``wait`` True: answers when
+        the moves are done or the deadline passed; False: as soon as they have started.
+        Raises Unavailable (no such tier), InvalidArgument, Error for transport failures."""
+        tp, n = _tokens(tokens)
+        res = ffi.new("kvt_client_prefetch_t *")
+        fn = lib.kvt_client_prefetch if wait else lib.kvt_client_prefetch_start
+        with self._lock:
+            rc = fn(self._live(), tp, n, int(tier), deadline_ms, res)
+            if rc < 0:
+                self._raise(rc)
+        return PrefetchResult(res.pages, res.moved, res.resident, res.failed)
+
+    def release(self, lease: int) -> bool:
+        """Releases a lease. Returns True if it was held, False if not (already released or
+        expired: not an error). Raises Error for transport failures."""
+        released = ffi.new("int *")
+        with self._lock:
+            rc = lib.kvt_client_release(self._live(), lease, released)
+            if rc < 0:
+                self._raise(rc)
+        return bool(released[0])
+
+    def remove(self, tokens: Tokens, *, wait: bool = True) -> None:
+        """Drops the last whole page of ``tokens`` and everything cached beneath it. ``wait``
+        False: blocks busy with the daemon's own I/O are Busy at once instead of waited for.
+        Raises NotFound (not cached), Busy (leased, or in I/O), Error for transport failures."""
+        tp, n = _tokens(tokens)
+        fn = lib.kvt_client_remove if wait else lib.kvt_client_remove_nowait
+        with self._lock:
+            rc = fn(self._live(), tp, n)
+            if rc < 0:
+                self._raise(rc)
+
+    def stats(self) -> Dict[str, int]:
+        """The daemon's counters and gauges by name (the same as /metrics, without labels)."""
+        out: Dict[str, int] = {}
+        h = ffi.new_handle(out)
+        with self._lock:
+            rc = lib.kvt_client_stats(self._live(), _collect_stat, h)
+            if rc < 0:
+                self._raise(rc)
+        return out
+
+    def batch(self) -> "Batch":
+        """A new Batch on this connection (see Batch)."""
+        return Batch(self)
+
+
+class Pending:
+    """One request queued in a Batch; ``result()`` after the batch ran."""
+
+    __slots__ = ("_status", "_res", "_conv", "_keep", "_done")
+
+    def __init__(self, res: Any, conv: Callable[[Any], Any], keep: Any = None) -> None:
+        self._status = ffi.new("int *")
+        self._res = res
+        self._conv = conv
+        self._keep = keep
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def status(self) -> int:
+        """The request's status code (0 or a negative KVT_E* code), after the batch ran."""
+        return int(self._status[0])
+
+    def result(self) -> Any:
+        """The request's result (Match, PutResult, ...), or raises its Error. Raises
+        RuntimeError before the batch ran."""
+        if not self._done:
+            raise RuntimeError("kvtier: the batch has not run yet")
+        st = self._status[0]
+        if st < 0:
+            raise error_for(st)
+        return self._conv(self._res)
+
+
+class Batch:
+    """Requests queued and sent together, pipelined, in run(): one round trip for many MATCH,
+    PUT, PREFETCH, REMOVE, RELEASE and PING requests, as an engine's scheduler does per step.
+
+    Each queueing call returns a Pending; run() sends them all, waits for every reply, and
+    returns their results in order. libkvtier copies tokens and payloads when a request is
+    queued (the batch owns its frames), so buffers may be reused at once after queueing.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._b = ffi.NULL
+        out = ffi.new("kvt_batch_t **")
+        rc = lib.kvt_batch_create(out, client._live())
+        if rc < 0:
+            raise error_for(rc)
+        self._b = ffi.gc(out[0], lib.kvt_batch_destroy)
+        self._pending: List[Pending] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Frees the batch (the requests not run are dropped). Idempotent."""
+        if self._b != ffi.NULL:
+            ffi.release(self._b)
+            self._b = ffi.NULL
+        self._pending = []
+
+    def reset(self) -> None:
+        """Drops every request queued and not run (their Pending never complete)."""
+        with self._client._lock:
+            if self._b != ffi.NULL:
+                lib.kvt_batch_reset(self._b)
+        self._pending = []
+
+    def _queue(self, p: Pending, fn: Any, *args: Any) -> Pending:
+        # Under the client's lock: queueing takes a request id from the connection, which a call
+        # running in another thread would be taking too.
+        with self._client._lock:
+            if self._b == ffi.NULL:
+                raise RuntimeError("kvtier: the batch is closed")
+            self._client._live()  # the batch's requests live on the client's connection
+            rc = fn(self._b, *args)
+        if rc < 0:
+            raise error_for(rc, "queueing a batch request")
+        self._pending.append(p)
+        return p
+
+    def ping(self) -> Pending:
+        """Queues a PING; its result is None."""
+        p = Pending(None, lambda r: None)
+        return self._queue(p, lib.kvt_batch_ping, p._status)
+
+    def match(self, tokens: Tokens, *, lease: bool = False, lease_ms: int = 0,
+              remote: bool = False, probe: bool = False,
+              hints: Optional[Hints] = None) -> Pending:
+        """Queues a MATCH (arguments as Client.match); its result is a Match."""
+        tp, n = _tokens(tokens)
+        cap = n // self._client.page_size if self._client.page_size else 0
+        tiers = ffi.new("uint8_t[]", max(cap, 1))
+        res = ffi.new("kvt_client_match_t *")
+        res.tiers = tiers
+        res.tiers_cap = cap
+        flags = (_LEASE if lease else 0) | (_REMOTE if remote else 0) | (_PROBE if probe else 0)
+        h = hints._c() if hints is not None else ffi.NULL
+
+        def conv(r: Any) -> Match:
+            return Match(r.tokens, r.pages, r.remote_pages, r.lease,
+                         ffi.buffer(tiers, min(r.pages, cap))[:])
+
+        p = Pending(res, conv, tiers)
+        return self._queue(p, lib.kvt_batch_match, tp, n, flags, lease_ms, h, res, p._status)
+
+    def put(self, tokens: Tokens, payload: Optional[Buffer] = None, *, first_page: int = 0,
+            hints: Optional[Hints] = None) -> Pending:
+        """Queues a PUT (arguments as Client.put; the payload is copied now); its result is a
+        PutResult. Raises InvalidArgument for a payload that is not whole blocks."""
+        tp, n = _tokens(tokens)
+        pp, npages = ffi.NULL, 0
+        if payload is not None:
+            pp, size = _rbuf(payload)
+            bb = self._client.block_bytes
+            if not bb or size % bb:
+                raise InvalidArgument(
+                    EINVAL, "payload of %d bytes is not whole blocks of %d bytes" % (size, bb))
+            npages = size // bb
+            if npages == 0:
+                pp = ffi.NULL
+        res = ffi.new("kvt_client_put_t *")
+        h = hints._c() if hints is not None else ffi.NULL
+        p = Pending(res, lambda r: PutResult(r.pages, r.new_pages, r.stored, r.skipped))
+        return self._queue(p, lib.kvt_batch_put, tp, n, first_page, npages, pp, h, res,
+                           p._status)
+
+    def prefetch(self, tokens: Tokens, tier: int = Tier.DRAM, *, deadline_ms: int = 0,
+                 wait: bool = True) -> Pending:
+        """Queues a PREFETCH (arguments as Client.prefetch); its result is a PrefetchResult."""
+        tp, n = _tokens(tokens)
+        res = ffi.new("kvt_client_prefetch_t *")
+        p = Pending(res, lambda r: PrefetchResult(r.pages, r.moved, r.resident, r.failed))
+        fn = lib.kvt_batch_prefetch if wait else lib.kvt_batch_prefetch_start
+        return self._queue(p, fn, tp, n, int(tier), deadline_ms, res, p._status)
+
+    def remove(self, tokens: Tokens, *, wait: bool = True) -> Pending:
+        """Queues a REMOVE (arguments as Client.remove); its result is None."""
+        tp, n = _tokens(tokens)
+        p = Pending(None, lambda r: None)
+        fn = lib.kvt_batch_remove if wait else lib.kvt_batch_remove_nowait
+        return self._queue(p, fn, tp, n, p._status)
+
+    def release(self, lease: int) -> Pending:
+        """Queues a RELEASE; its result is None (releasing a lease not held is not an error)."""
+        p = Pending(None, lambda r: None)
+        return self._queue(p, lib.kvt_batch_release, lease, p._status)
+
+    def run(self, *, raise_on_error: bool = True) -> List[Any]:
+        """Sends every queued request, waits for every reply, and returns their results in
+        order. ``raise_on_error`` True: raises the first request's Error (after all replies
+        came; the others' results stay in their Pending); False: errors are returned in the
+        list as Error instances. The batch is empty afterwards and may be reused.
+        Raises Error for transport failures (then the client is closed for use)."""
+        c = self._client
+        if self._b == ffi.NULL:
+            raise RuntimeError("kvtier: the batch is closed")
+        pending, self._pending = self._pending, []
+        with c._lock:
+            c._live()
+            rc = lib.kvt_batch_run(self._b)
+            if rc < 0:
+                c._raise(rc)
+        out: List[Any] = []
+        first: Optional[Error] = None
+        for p in pending:
+            p._done = True
+            try:
+                out.append(p.result())
+            except Error as e:
+                first = first or e
+                out.append(e)
+        if first is not None and raise_on_error:
+            raise first
+        return out

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The Python environment of the package's tests and benchmark: a venv at $1/pyenv (default
+# build/pyenv) with torch (the CPU wheel, pinned: any other version downloads GBs of CUDA
+# wheels), numpy, pytest, cffi and setuptools (to build the package), and the kvtier package
+# (python/) installed into it. Creates the venv once; reinstalls the package only when python/
+# changed; quiet when all is current.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dir=${1:-build}
+venv="$dir/pyenv"
+reqs="torch==2.13.0 numpy pytest cffi>=1.15 setuptools"
+
+# Debian's python3 makes venvs only with python3-venv (ensurepip) installed.
+if ! python3 -c 'import ensurepip' 2>/dev/null; then
+    echo "pyenv: installing python3-venv" >&2
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends python3-venv
+fi
+if [ ! -x "$venv/bin/python" ]; then
+    echo "pyenv: creating $venv" >&2
+    python3 -m venv "$venv"
+fi
+if [ "$(cat "$venv/.reqs" 2>/dev/null)" != "$reqs" ]; then
+    echo "pyenv: installing $reqs" >&2
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip install -q $reqs
+    echo "$reqs" >"$venv/.reqs"
+fi
+# The package itself, from python/: a real install (not editable), so that the tests' check of
+# the installed copy proves `pip install ./python` works; redone whenever a file there changed.
+stamp=$(find python -type f -not -path '*/__pycache__/*' -not -path 'python/build/*' \
+    -not -name '*.egg-info' -not -path '*.egg-info/*' -not -name 'libkvtier.so*' -print0 |
+    sort -z | xargs -0 sha1sum | sha1sum | cut -d' ' -f1)
+if [ "$(cat "$venv/.kvtier" 2>/dev/null)" != "$stamp" ]; then
+    echo "pyenv: installing the kvtier package (python/)" >&2
+    "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./python
+    rm -rf python/build python/*.egg-info
+    echo "$stamp" >"$venv/.kvtier"
+fi
+# The serving engines the connectors are tested against (vLLM, SGLang, LMCache): one script each
+# in scripts/engines/, run with $venv and $pip set, redone when the script changes. An engine
+# that cannot be installed (its registry unreachable, say) does not stop the rest: the script's
+# log is kept in $venv/engine-NAME.log and the tests of that connector skip, naming it.
+for f in scripts/engines/*.sh; do
+    [ -e "$f" ] || continue
+    name=$(basename "$f" .sh)
+    sum=$(sha1sum "$f" | cut -d' ' -f1)
+    [ "$(cat "$venv/.engine-$name" 2>/dev/null)" = "$sum" ] && continue
+    echo "pyenv: installing engine $name ($f)" >&2
+    if venv="$venv" pip="$venv/bin/python -m pip" bash "$f" >"$venv/engine-$name.log" 2>&1; then
+        echo "$sum" >"$venv/.engine-$name"
+    else
+        echo "pyenv: engine $name not installed; its connector's tests will skip" \
+            "(see $venv/engine-$name.log)" >&2
+        rm -f "$venv/.engine-$name"
+    fi
+done
