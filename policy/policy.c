@@ -667,11 +667,24 @@ static void sweep_some(kvt_policy_t *p)
 
 /* ---- acting --------------------------------------------------------------------------------- */
 
-static void set_tier(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt, kvt_tier_id_t to)
+/* The tier of blocks [depth, depth + cnt) of the path ending at n, through the executor when it
+ * owns the block record (kvt_policy_ops_t.set_tier). */
+static void tier_run(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t cnt,
+                     kvt_tier_id_t to)
 {
-    kvt_block_t *bl = kvt_radix_node_blocks(n);
-    for (uint32_t i = i0; i < i0 + cnt; i++)
-        bl[i].tier = (uint8_t)to;
+    if (p->c.ops->set_tier) {
+        p->c.ops->set_tier(p->c.ops_arg, n, depth, cnt, to);
+        return;
+    }
+    for (uint32_t i = 0; i < cnt; i++)
+        kvt_radix_block_at(n, depth + i)->tier = (uint8_t)to;
+}
+
+/* The same for blocks [i0, i0 + cnt) of node n itself. */
+static void set_tier(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
+                     kvt_tier_id_t to)
+{
+    tier_run(p, n, kvt_radix_node_depth(n) + i0, cnt, to);
 }
 
 static uint64_t run_bytes(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
@@ -802,7 +815,7 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         p->pending_out[from] += cfrom;
         p->st.pending_moves++;
     } else {
-        set_tier(n, i0, cnt, to);
+        set_tier(p, n, i0, cnt, to);
         p->used[from] -= cfrom;
         p->st.blocks[from] -= cnt;
         p->st.blocks[to] += cnt;
@@ -1278,10 +1291,10 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
                 flags |= GHOST_FLAG;
         }
         bl[i].flags = flags;
-        bl[i].tier = (uint8_t)tier;
         bl[i].policy = now;
         apply_hint(&bl[i], hint, d);
     }
+    set_tier(p, n, i0, npages, tier);
     p->used[tier] += need;
     p->st.blocks[tier] += npages;
     p->st.admitted_bytes[tier] += run_bytes(n, i0, npages);
@@ -1537,8 +1550,7 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
     if (status < 0 || conflict) {
         p->used[to] -= mv.charge_to;
     } else {
-        for (uint32_t i = 0; i < npages; i++)
-            kvt_radix_block_at(n, depth + i)->tier = (uint8_t)to;
+        tier_run(p, n, depth, npages, to);
         p->used[from] -= mv.charge_frm;
         p->st.blocks[from] -= npages;
         p->st.blocks[to] += npages;

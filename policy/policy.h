@@ -164,6 +164,14 @@ typedef struct kvt_policy_ops {
      * to free its tier, or leaves a promotion where it is). NULL: it may.
      */
     int (*index_room)(void *arg, uint64_t bytes);
+    /*
+     * The blocks [depth, depth + npages) of the path ending at n hold their bytes in tier now
+     * (adopted, or a move landed): set their tier. The executor owns the block record (kvtierd
+     * writes it in one place); NULL: the engine writes the tier itself (the replay, and blocks
+     * kvt_policy_on_insert admits).
+     */
+    void (*set_tier)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t tier);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1

@@ -217,6 +217,11 @@ void kvt__block_recovered(kvt_block_t *b, kvt_tier_id_t tier, uint64_t loc, uint
     b->size = size;
 }
 
+void kvt__block_tier(kvt_block_t *b, kvt_tier_id_t tier)
+{
+    b->tier = (uint8_t)tier;
+}
+
 void kvt__block_drop(kvt_block_t *b)
 {
     b->tier = KVT_TIER_NONE;
@@ -431,7 +436,17 @@ static int kvt_exec_index_room(void *arg, uint64_t bytes)
     return kvt__index_fits(arg, bytes);
 }
 
+/* The policy placed a run's bytes in tier (adopted, or a move landed). */
+static void kvt_exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                              kvt_tier_id_t tier)
+{
+    (void)arg;
+    for (uint32_t i = 0; i < npages; i++)
+        kvt__block_tier(kvt_radix_block_at(n, depth + i), tier);
+}
+
 const kvt_policy_ops_t kvt__exec_ops = {
+    .set_tier = kvt_exec_set_tier,
     .move = kvt_exec_move,
     .footprint = kvt_exec_footprint,
     .index_room = kvt_exec_index_room,

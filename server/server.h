@@ -517,19 +517,23 @@ void kvt__tier_metrics(kvt_srv_t *s);
 
 /* exec.c: the policy's executor: moves, adopt, frees, the busy table, lost blocks. */
 /*
- * The block record (radix.h's kvt_block_t: tier, loc, size, flags) is written in server/ only
- * through these (policy/ switches the tier of the blocks it adopts and moves):
+ * The block record (radix.h's kvt_block_t: tier, loc, size, flags) is written in kvtierd only
+ * through these; the policy sets a tier through kvt__exec_ops' set_tier (its own flag bits, the
+ * position class and ghost mark, stay its own):
  *   busy      a write or a move of the block is in flight (KVT_BLOCK_BUSY): nothing else moves,
  *             frees or drops it meanwhile
  *   place     its bytes are at loc (size bytes) in a tier, not yet in the policy's accounting:
  *             tier NONE until kvt__policy_adopt gives it one
- *   relocate  a move landed: the bytes are at loc now (the policy switched the tier)
+ *   relocate  a move landed: the bytes are at loc now
+ *   tier      the policy placed the block's bytes in tier (it adopted it, or a move landed):
+ *             the policy's kvt_policy_ops_t.set_tier
  *   drop      index-only: no tier, location or size
  *   recovered a block the NVMe tier found at start-up, before the policy adopts it
  */
 void kvt__block_busy(kvt_block_t *b, int busy);
 void kvt__block_place(kvt_block_t *b, uint64_t loc, uint32_t size);
 void kvt__block_relocate(kvt_block_t *b, uint64_t loc);
+void kvt__block_tier(kvt_block_t *b, kvt_tier_id_t tier);
 void kvt__block_drop(kvt_block_t *b);
 /* A block found on disk at start-up, in tier at loc: set before the policy adopts it. */
 void kvt__block_recovered(kvt_block_t *b, kvt_tier_id_t tier, uint64_t loc, uint32_t size);
