@@ -1,6 +1,6 @@
 /*
- * kvtier.c: libkvtier. It owns one socket per client, a buffered reader over it, the request
- * encoders and reply decoders (on top of server/proto.h, the one definition of the wire format),
+ * kvtier.c: libkvtier. It owns one socket per client, a buffered reader over it, the calls (each
+ * encoded and its reply decoded by proto/, the one codec of the wire format, shared with kvtierd),
  * and the batch's pipelining loop, which writes queued frames and reads replies in the same poll
  * loop so that a batch larger than the socket buffers never deadlocks against a daemon that has
  * stopped reading until its replies drain.
@@ -20,8 +20,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "../common/common.h"
-#include "../server/proto.h"
+#include "common.h"
+#include "proto.h"
 
 #define KVT_SAME(a, b) ((int)(a) == (int)(b))
 _Static_assert(KVT_SAME(KVT_CLIENT_LEASE, KVT_MATCH_F_LEASE) &&
@@ -73,21 +73,6 @@ uint64_t kvt_client_ns_seed(const kvt_client_t *c)
 unsigned kvt_client_tiers(const kvt_client_t *c)
 {
     return c->tiers;
-}
-
-static int kvt_grow(uint8_t **p, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return 0;
-    size_t nc = *cap ? *cap : 4096;
-    while (nc < need)
-        nc *= 2;
-    uint8_t *np = realloc(*p, nc);
-    if (!np)
-        return KVT_ENOMEM;
-    *p = np;
-    *cap = nc;
-    return 0;
 }
 
 static int kvt_fail(kvt_client_t *c, int err)
@@ -147,7 +132,7 @@ static int kvt_fill(kvt_client_t *c, uint64_t deadline, int wait)
             c->in_len -= c->in_pos;
             c->in_pos = 0;
         }
-        if (kvt_grow(&c->in, &c->in_cap, c->in_len + 65536) < 0)
+        if (kvt_reserve(&c->in, &c->in_cap, c->in_len + 65536, 1, 4096) < 0)
             return kvt_fail(c, KVT_ENOMEM);
     }
     for (;;) {
@@ -180,7 +165,7 @@ static int kvt_need(kvt_client_t *c, size_t n, uint64_t deadline)
         c->in_len -= c->in_pos;
         c->in_pos = 0;
     }
-    if (kvt_grow(&c->in, &c->in_cap, n) < 0)
+    if (kvt_reserve(&c->in, &c->in_cap, n, 1, 4096) < 0)
         return kvt_fail(c, KVT_ENOMEM);
     while (c->in_len - c->in_pos < n) {
         int rc = kvt_fill(c, deadline, 1);
@@ -238,7 +223,7 @@ static int kvt_call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1
     uint8_t hdr[KVT_PROTO_HDR];
     kvt_proto_frame(hdr, op, flags, id, 0, (uint32_t)blen);
     /* Small requests go out in one send; a big payload is sent from the caller's memory. */
-    if (kvt_grow(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2) < 0)
+    if (kvt_reserve(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
         return KVT_ENOMEM;
     memcpy(c->out, hdr, KVT_PROTO_HDR);
     if (l1)
@@ -343,33 +328,32 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
         goto fail;
     size_t ml = strlen(conf->model), al = conf->adapter ? strlen(conf->adapter) : 0,
            sl = conf->salt ? strlen(conf->salt) : 0;
-    kvt_wire_hello_t w = {
-        .min_version = htole16(KVT_PROTO_VERSION),
-        .max_version = htole16(KVT_PROTO_VERSION),
-        .page_size = htole32(conf->page_size),
-        .block_bytes = htole32(conf->block_bytes),
-        .model_len = htole16((uint16_t)ml),
-        .adapter_len = htole16((uint16_t)al),
-        .salt_len = htole16((uint16_t)sl),
+    kvt_proto_hello_t hm = {
+        .min_version = KVT_PROTO_VERSION,
+        .max_version = KVT_PROTO_VERSION,
+        .page_size = conf->page_size,
+        .block_bytes = conf->block_bytes,
+        .model_len = (uint16_t)ml,
+        .adapter_len = (uint16_t)al,
+        .salt_len = (uint16_t)sl,
     };
+    uint8_t w[sizeof(kvt_wire_hello_t)];
+    kvt_proto_hello_encode(w, &hm);
     char names[3 * KVT_PROTO_NAME_MAX];
     memcpy(names, conf->model, ml);
     if (al)
         memcpy(names + ml, conf->adapter, al);
     if (sl)
         memcpy(names + ml + al, conf->salt, sl);
-    rc = kvt_call(c, KVT_OP_HELLO, 0, &w, sizeof w, names, ml + al + sl, NULL, 0, &body, &len);
+    rc = kvt_call(c, KVT_OP_HELLO, 0, w, sizeof w, names, ml + al + sl, NULL, 0, &body, &len);
     if (rc < 0)
         goto fail;
-    kvt_wire_hello_reply_t r;
-    if (len != sizeof r) {
-        rc = KVT_EPROTO;
+    kvt_proto_hello_reply_t r;
+    if ((rc = kvt_proto_hello_reply_decode(body, len, &r)) < 0)
         goto fail;
-    }
-    memcpy(&r, body, sizeof r);
-    c->seed = le64toh(r.ns_seed);
-    c->tiers = le16toh(r.tiers);
-    c->max_frame = le32toh(r.max_frame);
+    c->seed = r.ns_seed;
+    c->tiers = r.tiers;
+    c->max_frame = r.max_frame;
     c->max_reply = KVT_MAX(c->max_frame, c->max_reply);
     c->page_size = conf->page_size;
     c->block_bytes = conf->block_bytes;
@@ -408,7 +392,7 @@ int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns)
     return 0;
 }
 
-static void kvt_hints_wire(const kvt_client_hints_t *h, kvt_wire_hints_t *w)
+static kvt_proto_hints_t kvt_hints(const kvt_client_hints_t *h)
 {
     kvt_proto_hints_t p = {0};
     if (h) {
@@ -417,7 +401,7 @@ static void kvt_hints_wire(const kvt_client_hints_t *h, kvt_wire_hints_t *w)
         p.priority = h->priority;
         p.flags = h->flags;
     }
-    kvt_proto_hints_to_wire(&p, w);
+    return p;
 }
 
 static int kvt_tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, uint8_t **out)
@@ -432,8 +416,7 @@ static int kvt_tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, 
     uint8_t *p = malloc((size_t)n * 4 + 1);
     if (!p)
         return KVT_ENOMEM;
-    for (uint32_t i = 0; i < n; i++)
-        kvt_put_u32(p + 4 * i, tokens[i]);
+    kvt_proto_tokens_encode(p, tokens, n);
     *out = p;
     return 1;
 #endif
@@ -441,19 +424,16 @@ static int kvt_tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, 
 
 static int kvt_match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *res)
 {
-    kvt_wire_match_reply_t r;
-    if (len < sizeof r)
+    kvt_proto_match_reply_t r;
+    const uint8_t *tiers;
+    if (kvt_proto_match_reply_decode(body, len, &r, &tiers) < 0)
         return KVT_EPROTO;
-    memcpy(&r, body, sizeof r);
-    uint32_t pages = le32toh(r.pages);
-    if (len != sizeof r + pages)
-        return KVT_EPROTO;
-    res->tokens = le32toh(r.tokens);
-    res->pages = pages;
-    res->remote_pages = le32toh(r.remote_pages);
-    res->lease = le64toh(r.lease);
+    res->tokens = r.tokens;
+    res->pages = r.pages;
+    res->remote_pages = r.remote_pages;
+    res->lease = r.lease;
     if (res->tiers)
-        memcpy(res->tiers, body + sizeof r, KVT_MIN(pages, res->tiers_cap));
+        memcpy(res->tiers, tiers, KVT_MIN(r.pages, res->tiers_cap));
     return 0;
 }
 
@@ -462,15 +442,16 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
 {
     if (!c || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
         return KVT_EINVAL;
-    kvt_wire_match_t w = {.lease_ms = htole32(lease_ms), .ntokens = htole32(ntokens)};
-    kvt_hints_wire(hints, &w.hints);
+    kvt_proto_match_t m = {.hints = kvt_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_match_t)];
+    kvt_proto_match_encode(w, &m);
     uint8_t *tw;
     int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, NULL, 0, tw,
+    int rc = kvt_call(c, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, NULL, 0, tw,
                       (size_t)ntokens * 4, &body, &len);
     if (own)
         free(tw);
@@ -483,15 +464,14 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
 
 static int kvt_put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
 {
-    kvt_wire_put_reply_t r;
-    if (len != sizeof r)
+    kvt_proto_put_reply_t r;
+    if (kvt_proto_put_reply_decode(body, len, &r) < 0)
         return KVT_EPROTO;
-    memcpy(&r, body, sizeof r);
     if (res) {
-        res->pages = le32toh(r.pages);
-        res->new_pages = le32toh(r.new_pages);
-        res->stored = le32toh(r.stored);
-        res->skipped = le32toh(r.skipped);
+        res->pages = r.pages;
+        res->new_pages = r.new_pages;
+        res->stored = r.stored;
+        res->skipped = r.skipped;
     }
     return 0;
 }
@@ -502,19 +482,19 @@ int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, ui
 {
     if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
         return KVT_EINVAL;
-    kvt_wire_put_t w = {
-        .ntokens = htole32(ntokens),
-        .first_page = htole32(first_page),
-        .npayload = htole32(npages),
-    };
-    kvt_hints_wire(hints, &w.hints);
+    kvt_proto_put_t m = {.hints = kvt_hints(hints),
+                         .ntokens = ntokens,
+                         .first_page = first_page,
+                         .npayload = npages};
+    uint8_t w[sizeof(kvt_wire_put_t)];
+    kvt_proto_put_encode(w, &m);
     uint8_t *tw;
     int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_PUT, 0, &w, sizeof w, tw, (size_t)ntokens * 4, payload,
+    int rc = kvt_call(c, KVT_OP_PUT, 0, w, sizeof w, tw, (size_t)ntokens * 4, payload,
                       (size_t)npages * c->block_bytes, &body, &len);
     if (own)
         free(tw);
@@ -533,12 +513,11 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
     if (c->broken)
         return KVT_ECLOSED;
     c->errmsg[0] = 0;
-    kvt_wire_get_t w = {
-        .lease = htole64(lease), .first_page = htole32(first_page), .npages = htole32(npages)};
+    kvt_proto_get_t m = {.lease = lease, .first_page = first_page, .npages = npages};
     uint64_t id = c->next_id++, deadline = kvt_deadline(c);
-    uint8_t frame[KVT_PROTO_HDR + sizeof w];
-    kvt_proto_frame(frame, KVT_OP_GET, 0, id, 0, sizeof w);
-    memcpy(frame + KVT_PROTO_HDR, &w, sizeof w);
+    uint8_t frame[KVT_PROTO_HDR + sizeof(kvt_wire_get_t)];
+    kvt_proto_frame(frame, KVT_OP_GET, 0, id, 0, sizeof(kvt_wire_get_t));
+    kvt_proto_get_encode(frame + KVT_PROTO_HDR, &m);
     int rc = kvt_send(c, frame, sizeof frame, deadline);
     if (rc < 0)
         return rc;
@@ -562,17 +541,18 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
                          n == 1 ? "" : "s");
                 return h.status;
             }
-            if (h.body_len != sizeof(kvt_wire_get_end_t) || kvt_get_u32(body) != n)
+            uint32_t sent;
+            if (kvt_proto_get_end_decode(body, h.body_len, &sent) < 0 || sent != n)
                 return kvt_fail(c, KVT_EPROTO);
             return stop;
         }
-        if (h.body_len < sizeof(kvt_wire_get_data_t))
+        uint32_t page, dlen;
+        uint8_t tier;
+        const uint8_t *data;
+        if (kvt_proto_get_data_decode(body, h.body_len, &page, &tier, &data, &dlen) < 0)
             return kvt_fail(c, KVT_EPROTO);
-        kvt_wire_get_data_t d;
-        memcpy(&d, body, sizeof d);
         if (!stop)
-            stop =
-                cb(arg, le32toh(d.page), d.tier, body + sizeof d, h.body_len - (uint32_t)sizeof d);
+            stop = cb(arg, page, tier, data, dlen);
         n++;
     }
 }
@@ -608,15 +588,14 @@ int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_
 
 static int kvt_prefetch_parse(const uint8_t *body, uint32_t len, kvt_client_prefetch_t *res)
 {
-    kvt_wire_prefetch_reply_t r;
-    if (len != sizeof r)
+    kvt_proto_prefetch_reply_t r;
+    if (kvt_proto_prefetch_reply_decode(body, len, &r) < 0)
         return KVT_EPROTO;
-    memcpy(&r, body, sizeof r);
     if (res) {
-        res->pages = le32toh(r.pages);
-        res->moved = le32toh(r.moved);
-        res->resident = le32toh(r.resident);
-        res->failed = le32toh(r.failed);
+        res->pages = r.pages;
+        res->moved = r.moved;
+        res->resident = r.resident;
+        res->failed = r.failed;
     }
     return 0;
 }
@@ -627,15 +606,16 @@ static int kvt_prefetch_call(kvt_client_t *c, unsigned flags, const uint32_t *to
 {
     if (!c || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_prefetch_t w = {
-        .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
+    kvt_proto_prefetch_t m = {.tier = tier, .deadline_ms = deadline_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_prefetch_t)];
+    kvt_proto_prefetch_encode(w, &m);
     uint8_t *tw;
     int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_PREFETCH, flags, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
+    int rc = kvt_call(c, KVT_OP_PREFETCH, flags, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
                       &body, &len);
     if (own)
         free(tw);
@@ -662,16 +642,18 @@ int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released)
 {
     if (!c)
         return KVT_EINVAL;
-    kvt_wire_release_t w = {.lease = htole64(lease)};
+    uint8_t w[sizeof(kvt_wire_release_t)];
+    kvt_proto_release_encode(w, lease);
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_RELEASE, 0, &w, sizeof w, NULL, 0, NULL, 0, &body, &len);
+    int rc = kvt_call(c, KVT_OP_RELEASE, 0, w, sizeof w, NULL, 0, NULL, 0, &body, &len);
     if (rc < 0)
         return rc;
-    if (len != sizeof(kvt_wire_release_reply_t))
+    uint32_t n;
+    if (kvt_proto_release_reply_decode(body, len, &n) < 0)
         return kvt_fail(c, KVT_EPROTO);
     if (released)
-        *released = kvt_get_u32(body) != 0;
+        *released = n != 0;
     return 0;
 }
 
@@ -680,15 +662,16 @@ static int kvt_remove_call(kvt_client_t *c, unsigned flags, const uint32_t *toke
 {
     if (!c || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
+    uint8_t w[sizeof(kvt_wire_remove_t)];
+    kvt_proto_remove_encode(w, ntokens);
     uint8_t *tw;
     int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_REMOVE, flags, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
-                      &body, &len);
+    int rc = kvt_call(c, KVT_OP_REMOVE, flags, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, &body,
+                      &len);
     if (own)
         free(tw);
     return rc;
@@ -713,23 +696,15 @@ int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg)
     int rc = kvt_call(c, KVT_OP_STATS, 0, NULL, 0, NULL, 0, NULL, 0, &body, &len);
     if (rc < 0)
         return rc;
-    if (len < 4)
+    kvt_proto_stats_iter_t it;
+    char name[256];
+    uint64_t v;
+    if (kvt_proto_stats_begin(&it, body, len) < 0)
         return kvt_fail(c, KVT_EPROTO);
-    uint32_t n = kvt_get_u32(body);
-    size_t off = 4;
-    for (uint32_t i = 0; i < n; i++) {
-        if (off + 1 > len || off + 1 + body[off] + 8 > len)
-            return kvt_fail(c, KVT_EPROTO);
-        char name[256];
-        uint8_t nl = body[off];
-        memcpy(name, body + off + 1, nl);
-        name[nl] = 0;
-        uint64_t v = kvt_get_u64(body + off + 1 + nl);
-        off += 1 + nl + 8;
+    while ((rc = kvt_proto_stats_next(&it, name, &v)) > 0)
         if (cb(arg, name, v))
             break;
-    }
-    return 0;
+    return rc < 0 ? kvt_fail(c, KVT_EPROTO) : 0;
 }
 
 /* ---- batches ---- */
@@ -796,7 +771,7 @@ static int kvt_batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void
         b->ents = e;
         b->cap = cap;
     }
-    if (kvt_grow(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen) < 0)
+    if (kvt_reserve(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen, 1, 4096) < 0)
         return KVT_ENOMEM;
     uint64_t id = b->c->next_id++;
     uint8_t *f = b->out + b->out_len;
@@ -844,10 +819,11 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
 {
     if (!b || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
         return KVT_EINVAL;
-    kvt_wire_match_t w = {.lease_ms = htole32(lease_ms), .ntokens = htole32(ntokens)};
-    kvt_hints_wire(hints, &w.hints);
-    return kvt_batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, tokens, ntokens, NULL,
-                            0, res, status);
+    kvt_proto_match_t m = {.hints = kvt_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_match_t)];
+    kvt_proto_match_encode(w, &m);
+    return kvt_batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0,
+                            res, status);
 }
 
 int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -856,13 +832,13 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
 {
     if (!b || (ntokens && !tokens) || (npages && (!payload || !b->c->block_bytes)))
         return KVT_EINVAL;
-    kvt_wire_put_t w = {
-        .ntokens = htole32(ntokens),
-        .first_page = htole32(first_page),
-        .npayload = htole32(npages),
-    };
-    kvt_hints_wire(hints, &w.hints);
-    return kvt_batch_tokens(b, KVT_OP_PUT, 0, &w, sizeof w, tokens, ntokens, payload,
+    kvt_proto_put_t m = {.hints = kvt_hints(hints),
+                         .ntokens = ntokens,
+                         .first_page = first_page,
+                         .npayload = npages};
+    uint8_t w[sizeof(kvt_wire_put_t)];
+    kvt_proto_put_encode(w, &m);
+    return kvt_batch_tokens(b, KVT_OP_PUT, 0, w, sizeof w, tokens, ntokens, payload,
                             (size_t)npages * b->c->block_bytes, res, status);
 }
 
@@ -872,9 +848,10 @@ static int kvt_batch_prefetch_flags(kvt_batch_t *b, unsigned flags, const uint32
 {
     if (!b || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_prefetch_t w = {
-        .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
-    return kvt_batch_tokens(b, KVT_OP_PREFETCH, flags, &w, sizeof w, tokens, ntokens, NULL, 0, res,
+    kvt_proto_prefetch_t m = {.tier = tier, .deadline_ms = deadline_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_prefetch_t)];
+    kvt_proto_prefetch_encode(w, &m);
+    return kvt_batch_tokens(b, KVT_OP_PREFETCH, flags, w, sizeof w, tokens, ntokens, NULL, 0, res,
                             status);
 }
 
@@ -897,8 +874,9 @@ static int kvt_batch_remove_flags(kvt_batch_t *b, unsigned flags, const uint32_t
 {
     if (!b || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
-    return kvt_batch_tokens(b, KVT_OP_REMOVE, flags, &w, sizeof w, tokens, ntokens, NULL, 0, NULL,
+    uint8_t w[sizeof(kvt_wire_remove_t)];
+    kvt_proto_remove_encode(w, ntokens);
+    return kvt_batch_tokens(b, KVT_OP_REMOVE, flags, w, sizeof w, tokens, ntokens, NULL, 0, NULL,
                             status);
 }
 
@@ -916,8 +894,9 @@ int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)
 {
     if (!b)
         return KVT_EINVAL;
-    kvt_wire_release_t w = {.lease = htole64(lease)};
-    return kvt_batch_add(b, KVT_OP_RELEASE, 0, &w, sizeof w, NULL, 0, NULL, 0, NULL, status);
+    uint8_t w[sizeof(kvt_wire_release_t)];
+    kvt_proto_release_encode(w, lease);
+    return kvt_batch_add(b, KVT_OP_RELEASE, 0, w, sizeof w, NULL, 0, NULL, 0, NULL, status);
 }
 
 static int kvt_batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto_hdr_t *h,
@@ -976,7 +955,7 @@ int kvt_batch_run(kvt_batch_t *b)
             }
             size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
             if (c->in_len - c->in_pos < frame) {
-                if (kvt_grow(&c->in, &c->in_cap, c->in_pos + frame) < 0)
+                if (kvt_reserve(&c->in, &c->in_cap, c->in_pos + frame, 1, 4096) < 0)
                     rc = kvt_fail(c, KVT_ENOMEM);
                 break;
             }

@@ -239,6 +239,26 @@ uint64_t kvt_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+int kvt_reserve(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
+{
+    if (need <= *cap)
+        return 0;
+    size_t nc = *cap ? *cap : KVT_MAX(first, (size_t)1);
+    while (nc < need) {
+        if (nc > SIZE_MAX / 2 / elem)
+            return KVT_ENOMEM;
+        nc *= 2;
+    }
+    void *p;
+    memcpy(&p, pp, sizeof p); /* pp is a T **: its pointer is read and written as bytes */
+    void *np = realloc(p, nc * elem);
+    if (!np)
+        return KVT_ENOMEM;
+    memcpy(pp, &np, sizeof np);
+    *cap = nc;
+    return 0;
+}
+
 void kvt_heap_hugepages(char **argv)
 {
 #if defined(__GLIBC__)
@@ -318,9 +338,7 @@ size_t kvt_ns_describe(char *buf, const char *model, const char *adapter, const 
         memcpy(buf + len, parts[i], l + 1);
         len += l + 1;
     }
-    uint8_t ps[4] = {(uint8_t)page_size, (uint8_t)(page_size >> 8), (uint8_t)(page_size >> 16),
-                     (uint8_t)(page_size >> 24)};
-    memcpy(buf + len, ps, 4);
+    kvt_put_u32((uint8_t *)buf + len, page_size);
     return len + 4;
 }
 

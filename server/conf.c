@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../policy/policy.h"
+#include "policy.h"
 #include "proto.h"
 
 typedef enum {

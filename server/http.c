@@ -43,7 +43,7 @@ static void kvt_http_unlink(kvt_srv_t *s, kvt_http_conn_t *h)
     *h->pprev = h->next;
     if (h->next)
         h->next->pprev = h->pprev;
-    s->http_nconns--;
+    s->http.n--;
 }
 
 static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
@@ -64,9 +64,9 @@ static void kvt_http_on_gone(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 
 static void kvt_http_reap(kvt_srv_t *s)
 {
-    while (s->http_gone) {
-        kvt_http_conn_t *h = s->http_gone;
-        s->http_gone = h->next;
+    while (s->http.gone) {
+        kvt_http_conn_t *h = s->http.gone;
+        s->http.gone = h->next;
         free(h->out);
         free(h);
     }
@@ -205,7 +205,7 @@ static void kvt_http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 static int kvt_http_evict(kvt_srv_t *s)
 {
     kvt_http_conn_t *victim = NULL;
-    for (kvt_http_conn_t *h = s->http_conns; h; h = h->next) {
+    for (kvt_http_conn_t *h = s->http.conns; h; h = h->next) {
         if (!victim || (!h->out && victim->out) ||
             (!h->out == !victim->out && h->deadline_ns < victim->deadline_ns))
             victim = h;
@@ -216,8 +216,8 @@ static int kvt_http_evict(kvt_srv_t *s)
     /* Freed at the next tick: an event for it may come later in this batch. */
     kvt_http_unlink(s, victim);
     victim->ev.cb = kvt_http_on_gone;
-    victim->next = s->http_gone;
-    s->http_gone = victim;
+    victim->next = s->http.gone;
+    s->http.gone = victim;
     return 1;
 }
 
@@ -228,7 +228,7 @@ static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         int fd = kvt__accept(s, ev->fd, "metrics");
         if (fd < 0)
             return;
-        if (s->http_nconns >= KVT_HTTP_MAX_CONNS && !kvt_http_evict(s)) {
+        if (s->http.n >= KVT_HTTP_MAX_CONNS && !kvt_http_evict(s)) {
             close(fd);
             continue;
         }
@@ -245,12 +245,12 @@ static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
             free(h);
             continue;
         }
-        h->next = s->http_conns;
+        h->next = s->http.conns;
         if (h->next)
             h->next->pprev = &h->next;
-        h->pprev = &s->http_conns;
-        s->http_conns = h;
-        s->http_nconns++;
+        h->pprev = &s->http.conns;
+        s->http.conns = h;
+        s->http.n++;
     }
 }
 
@@ -273,7 +273,7 @@ void kvt__http_tick(kvt_srv_t *s, uint64_t now)
 {
     kvt_http_reap(s);
     kvt_http_conn_t *next;
-    for (kvt_http_conn_t *h = s->http_conns; h; h = next) {
+    for (kvt_http_conn_t *h = s->http.conns; h; h = next) {
         next = h->next;
         if (now >= h->deadline_ns)
             kvt_http_free(s, h);
@@ -282,8 +282,8 @@ void kvt__http_tick(kvt_srv_t *s, uint64_t now)
 
 void kvt__http_close(kvt_srv_t *s)
 {
-    while (s->http_conns)
-        kvt_http_free(s, s->http_conns);
+    while (s->http.conns)
+        kvt_http_free(s, s->http.conns);
     kvt_http_reap(s);
     if (s->http_ev.fd >= 0) {
         kvt__ev_del(s, &s->http_ev);

@@ -11,7 +11,7 @@
 #include <strings.h>
 #include <time.h>
 
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 static unsigned long long kvt_now_ns_test(void)
