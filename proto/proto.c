@@ -118,7 +118,7 @@ void kvt_proto_tokens(const uint8_t *src, uint32_t n, uint32_t *dst)
 }
 
 /* A token count is consistent when the tokens exactly fill what the fixed part leaves. */
-static int kvt_tokens_fit(size_t len, size_t fixed, uint32_t ntokens, size_t tail)
+static int tokens_fit(size_t len, size_t fixed, uint32_t ntokens, size_t tail)
 {
     return len >= fixed && (len - fixed) / 4 >= ntokens &&
            len == fixed + (size_t)ntokens * 4 + tail;
@@ -163,7 +163,7 @@ int kvt_proto_match_decode(const uint8_t *body, size_t len, kvt_proto_match_t *o
         return KVT_EPROTO;
     out->lease_ms = le32toh(w.lease_ms);
     out->ntokens = le32toh(w.ntokens);
-    if (!kvt_tokens_fit(len, sizeof w, out->ntokens, 0))
+    if (!tokens_fit(len, sizeof w, out->ntokens, 0))
         return KVT_EPROTO;
     out->tokens = body + sizeof w;
     return 0;
@@ -186,7 +186,7 @@ int kvt_proto_put_decode(const uint8_t *body, size_t len, uint32_t block_bytes,
     uint64_t payload = (uint64_t)out->npayload * block_bytes;
     if (payload > len)
         return KVT_EPROTO;
-    if (!kvt_tokens_fit(len, sizeof w, out->ntokens, (size_t)payload))
+    if (!tokens_fit(len, sizeof w, out->ntokens, (size_t)payload))
         return KVT_EPROTO;
     out->tokens = body + sizeof w;
     out->payload = out->tokens + (size_t)out->ntokens * 4;
@@ -214,7 +214,7 @@ int kvt_proto_prefetch_decode(const uint8_t *body, size_t len, kvt_proto_prefetc
     out->tier = le32toh(w.tier);
     out->deadline_ms = le32toh(w.deadline_ms);
     out->ntokens = le32toh(w.ntokens);
-    if (w.reserved != 0 || !kvt_tokens_fit(len, sizeof w, out->ntokens, 0))
+    if (w.reserved != 0 || !tokens_fit(len, sizeof w, out->ntokens, 0))
         return KVT_EPROTO;
     out->tokens = body + sizeof w;
     return 0;
@@ -238,7 +238,7 @@ int kvt_proto_remove_decode(const uint8_t *body, size_t len, uint32_t *ntokens,
         return KVT_EPROTO;
     memcpy(&w, body, sizeof w);
     *ntokens = le32toh(w.ntokens);
-    if (w.reserved != 0 || !kvt_tokens_fit(len, sizeof w, *ntokens, 0))
+    if (w.reserved != 0 || !tokens_fit(len, sizeof w, *ntokens, 0))
         return KVT_EPROTO;
     *tokens = body + sizeof w;
     return 0;

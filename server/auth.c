@@ -20,7 +20,7 @@
  * uses, and the loop never waits for anyone. Waiting AUTHs hold connection slots, so the line is
  * at most auth-wait-ms of tokens long; an AUTH past it gets EAGAIN at once, its secret unchecked.
  */
-static void kvt_auth_refill(kvt_srv_t *s, uint64_t now)
+static void auth_refill(kvt_srv_t *s, uint64_t now)
 {
     double rate = s->conf->auth_failures_per_s;
     if (s->auth.refill_ns == 0)
@@ -31,7 +31,7 @@ static void kvt_auth_refill(kvt_srv_t *s, uint64_t now)
     s->auth.refill_ns = now;
 }
 
-static int kvt_auth_failed(kvt__conn_t *c, uint64_t id)
+static int auth_failed(kvt__conn_t *c, uint64_t id)
 {
     static kvt_log_limit_t lim; /* a guesser's every try */
     kvt__proto_error(c->srv, KVT_PERR_AUTH);
@@ -41,7 +41,7 @@ static int kvt_auth_failed(kvt__conn_t *c, uint64_t id)
 }
 
 /* Answers the AUTH c waits with, in its place in c's queue. */
-static void kvt_auth_answer(kvt__conn_t *c, int status)
+static void auth_answer(kvt__conn_t *c, int status)
 {
     static const char wrong[] = "wrong secret", stop[] = "the daemon is shutting down";
     kvt__req_t *r = c->auth_req;
@@ -53,7 +53,7 @@ static void kvt_auth_answer(kvt__conn_t *c, int status)
         kvt__req_reply(r, NULL, 0);
     } else {
         if (status == KVT_EAUTH)
-            kvt_auth_failed(c, r->id);
+            auth_failed(c, r->id);
         c->closing = 1;
         kvt__req_reply(r, status == KVT_EAUTH ? wrong : stop,
                        status == KVT_EAUTH ? sizeof wrong - 1 : sizeof stop - 1);
@@ -61,7 +61,7 @@ static void kvt_auth_answer(kvt__conn_t *c, int status)
     kvt__req_finish(r); /* kicks c: its queue moves on, and it reads again or closes */
 }
 
-static int kvt_auth_order(const void *a, const void *b)
+static int auth_order(const void *a, const void *b)
 {
     uint64_t x = (*(kvt__conn_t *const *)a)->auth_seq, y = (*(kvt__conn_t *const *)b)->auth_seq;
     return x < y ? -1 : x > y;
@@ -71,7 +71,7 @@ void kvt__auth_tick(kvt_srv_t *s, uint64_t now)
 {
     if (!s->auth.waiting)
         return;
-    kvt_auth_refill(s, now);
+    auth_refill(s, now);
     /* Connections closed since they began waiting left the list with their AUTH. */
     uint32_t n = 0;
     for (kvt__conn_t *c = s->clients.list; c; c = c->next)
@@ -86,17 +86,17 @@ void kvt__auth_tick(kvt_srv_t *s, uint64_t now)
     for (kvt__conn_t *c = s->clients.list; c; c = c->next)
         if (!c->gone && c->auth_wait)
             line[n++] = c;
-    qsort(line, n, sizeof *line, kvt_auth_order);
+    qsort(line, n, sizeof *line, auth_order);
     uint32_t i = 0;
     for (; i < n && (s->auth.tokens >= 1 || s->stopping); i++) {
         if (line[i]->gone || !line[i]->auth_wait)
             continue;      /* closed by an answer before it (not by one of its own: never) */
         if (s->stopping) { /* no more turns to wait for: answered unchecked */
-            kvt_auth_answer(line[i], KVT_EAGAIN);
+            auth_answer(line[i], KVT_EAGAIN);
             continue;
         }
         s->auth.tokens -= 1;
-        kvt_auth_answer(line[i], line[i]->auth_req->status);
+        auth_answer(line[i], line[i]->auth_req->status);
     }
     s->auth.waiting = n - i;
     free(line);
@@ -125,7 +125,7 @@ int kvt__h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, u
         kvt__metric_add(s->metrics, KVT_M_AUTH_FAILURES, 0, 1);
     uint32_t rate = s->conf->auth_failures_per_s;
     if (rate) {
-        kvt_auth_refill(s, t0);
+        auth_refill(s, t0);
         if (s->auth.waiting || s->auth.tokens < 1) {
             uint64_t most = KVT_MAX((uint64_t)rate * s->conf->auth_wait_ms / 1000, 1);
             if (s->auth.waiting >= most) {
@@ -153,7 +153,7 @@ int kvt__h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, u
             s->auth.tokens -= 1;
     }
     if (diff) {
-        kvt_auth_failed(c, h->request_id);
+        auth_failed(c, h->request_id);
         kvt__reply(c, h->opcode, h->request_id, t0, KVT_EAUTH, "wrong secret", 12);
         return KVT_EAUTH;
     }

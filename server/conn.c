@@ -33,25 +33,25 @@
 #define KVT_TOKENS_KEEP (64u << 10)
 
 /* The part of an input buffer of cap bytes that counts in the clients' memory. */
-static size_t kvt_in_counted(size_t cap)
+static size_t in_counted(size_t cap)
 {
     return cap > KVT_IN_BASE ? cap - KVT_IN_BASE : 0;
 }
 
 /* c's input buffer becomes cap bytes (its content kept up to cap). */
-static int kvt_in_resize(kvt__conn_t *c, size_t cap)
+static int in_resize(kvt__conn_t *c, size_t cap)
 {
     uint8_t *p = realloc(c->in, cap);
     if (!p)
         return KVT_ENOMEM;
-    c->srv->clients.bytes += kvt_in_counted(cap);
-    c->srv->clients.bytes -= kvt_in_counted(c->in_cap);
+    c->srv->clients.bytes += in_counted(cap);
+    c->srv->clients.bytes -= in_counted(c->in_cap);
     c->in = p;
     c->in_cap = cap;
     return 0;
 }
 
-static void kvt_mem_wait_end(kvt__conn_t *c)
+static void mem_wait_end(kvt__conn_t *c)
 {
     if (c->mem_wait) {
         c->mem_wait = 0;
@@ -62,7 +62,7 @@ static void kvt_mem_wait_end(kvt__conn_t *c)
 /* max-client-bytes reached: a connection with replies queued or tier I/O in flight takes no new
  * request until they drain (they free memory, and kick it when they do). One with nothing may
  * still take one: a frame in its base buffer, so that every client gets served. */
-static int kvt_mem_full(const kvt__conn_t *c)
+static int mem_full(const kvt__conn_t *c)
 {
     const kvt_srv_t *s = c->srv;
     return s->clients.bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
@@ -71,10 +71,10 @@ static int kvt_mem_full(const kvt__conn_t *c)
 /* Back-pressure: c takes no new request while it has max-inflight tier I/Os in flight, max-output
  * reply bytes queued, or work out with the clients' memory full; nor while its AUTH waits its
  * turn (handlers.c: reading on would tell a guesser how its guess went). */
-static int kvt_conn_held(const kvt__conn_t *c)
+static int conn_held(const kvt__conn_t *c)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
-    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || kvt_mem_full(c) ||
+    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || mem_full(c) ||
            c->auth_wait;
 }
 
@@ -83,7 +83,7 @@ void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
     kvt__metric_add(s->metrics, KVT_M_PROTOCOL_ERRORS, kind, 1);
 }
 
-static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
+static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 
 int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
 {
@@ -129,7 +129,7 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
  * every slot. An engine's sidecar connection that holds leases, or is being answered, is never
  * the one closed. One walk over the connections, only when every slot is taken.
  */
-static int kvt_conn_evict(kvt_srv_t *s, uint64_t now)
+static int conn_evict(kvt_srv_t *s, uint64_t now)
 {
     uint64_t idle = (uint64_t)s->conf->evict_idle_ms * 1000000;
     if (idle == 0)
@@ -162,7 +162,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         if (fd < 0)
             return;
         uint64_t now = kvt_now_ns();
-        if (s->stopping || (s->clients.n >= s->conf->max_conns && !kvt_conn_evict(s, now))) {
+        if (s->stopping || (s->clients.n >= s->conf->max_conns && !conn_evict(s, now))) {
             kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
             static kvt_log_limit_t lim;
             kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: refusing a connection: %s",
@@ -180,7 +180,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         }
         c->ev.fd = fd;
-        c->ev.cb = kvt_conn_on_event;
+        c->ev.cb = conn_on_event;
         c->srv = s;
         c->id = s->clients.next_id++;
         c->tcp = tcp;
@@ -251,8 +251,8 @@ void kvt__conn_close(kvt__conn_t *c)
     c->head = c->tail = NULL;
     if (c->hello)
         kvt__ns_unuse(s, c->ns);
-    kvt_mem_wait_end(c);
-    s->clients.bytes -= kvt_in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
+    mem_wait_end(c);
+    s->clients.bytes -= in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_del(s, &c->ev);
     close(c->ev.fd);
     if (c->prev)
@@ -331,7 +331,7 @@ void *kvt__conn_take_frame(kvt__conn_t *c, const uint8_t *body, uint32_t body_le
         return NULL;
     void *p = c->in;
     /* Counted whole from now on: the base part is no longer the connection's. */
-    c->srv->clients.bytes += c->in_cap - kvt_in_counted(c->in_cap);
+    c->srv->clients.bytes += c->in_cap - in_counted(c->in_cap);
     *bytes = c->in_cap;
     c->in = NULL;
     c->in_len = c->in_cap = 0;
@@ -357,7 +357,7 @@ kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint6
     return r;
 }
 
-static void kvt_count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
+static void count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
 {
     if (op == 0 || op >= KVT_OP_COUNT)
         return;
@@ -370,7 +370,7 @@ static void kvt_count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
                uint32_t len)
 {
-    kvt_count_reply(c->srv, op, t0, status);
+    count_reply(c->srv, op, t0, status);
     /* Replies answered at once share the tail's buffer when it is complete, so that a pipeline
      * of small requests leaves in one write. */
     kvt__req_t *r = c->tail;
@@ -421,14 +421,14 @@ void kvt__req_finish(kvt__req_t *r)
         return;
     }
     if (!r->done)
-        kvt_count_reply(r->conn->srv, r->op, r->t0, r->status);
+        count_reply(r->conn->srv, r->op, r->t0, r->status);
     r->done = 1;
     kvt__conn_kick(r->conn);
 }
 
 /* Writes from the head of the queue as far as the socket takes it. Returns 0 or -1 when the
  * connection is broken. */
-static int kvt_conn_write(kvt__conn_t *c)
+static int conn_write(kvt__conn_t *c)
 {
     while (c->head) {
         struct iovec iov[KVT_IOV_MAX];
@@ -503,7 +503,7 @@ static int kvt_conn_write(kvt__conn_t *c)
 
 /* The frame whose header starts at off in c's input (at least a header's bytes there): 1 when
  * the whole frame is in, 0 when its body is not yet, or kvt_proto_hdr_check's error. */
-static int kvt_frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
+static int frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
 {
     kvt_proto_hdr_decode(c->in + off, h);
     int rc = kvt_proto_hdr_check(h, (uint32_t)c->srv->conf->max_frame);
@@ -514,28 +514,28 @@ static int kvt_frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
 
 /* Hands every whole frame in the input buffer to the handlers, while the connection is allowed
  * more work. */
-static void kvt_conn_parse(kvt__conn_t *c)
+static void conn_parse(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
     size_t off = 0;
     s->conn_ops->batch(c, c->in, c->in_len);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
-        if (kvt_conn_held(c)) {
+        if (conn_held(c)) {
             if (c->inflight >= s->conf->max_inflight)
                 break; /* their completions kick the connection */
             /* The replies of the frames before may leave at once. If they do, this frame goes
              * on: stopping here would leave it waiting for an event that may never come (its
              * client, having sent all it has, waits for these very replies). If they do not,
              * the socket's EPOLLOUT kicks the connection when they can. */
-            if (kvt_conn_write(c) < 0) {
+            if (conn_write(c) < 0) {
                 c->dead = 1;
                 break;
             }
-            if (kvt_conn_held(c))
+            if (conn_held(c))
                 break;
         }
         kvt_proto_hdr_t h;
-        int rc = kvt_frame_at(c, off, &h);
+        int rc = frame_at(c, off, &h);
         if (rc < 0) {
             /* The framing cannot be trusted past this header: answer and close. */
             kvt_proto_err_t kind = rc == KVT_ETOOBIG            ? KVT_PERR_TOO_BIG
@@ -582,7 +582,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         return;
     /* The frame at the front, whole or not, handled later. */
     kvt_proto_hdr_t h;
-    size_t want = c->in_len >= KVT_PROTO_HDR && kvt_frame_at(c, 0, &h) >= 0
+    size_t want = c->in_len >= KVT_PROTO_HDR && frame_at(c, 0, &h) >= 0
                       ? KVT_PROTO_HDR + (size_t)h.body_len
                       : 0;
     if (want > c->in_cap) {
@@ -604,21 +604,21 @@ static void kvt_conn_parse(kvt__conn_t *c)
             }
             c->mem_need = grow;
         } else {
-            kvt_mem_wait_end(c);
-            if (kvt_in_resize(c, want) < 0)
+            mem_wait_end(c);
+            if (in_resize(c, want) < 0)
                 c->dead = 1;
         }
     } else if (c->in_cap > KVT_IN_BASE && want <= KVT_IN_BASE && c->in_len <= KVT_IN_BASE) {
         /* The big frame is handled: back to the base buffer. */
-        if (kvt_in_resize(c, KVT_IN_BASE) < 0)
+        if (in_resize(c, KVT_IN_BASE) < 0)
             c->dead = 1;
     }
 }
 
-static void kvt_conn_read(kvt__conn_t *c)
+static void conn_read(kvt__conn_t *c)
 {
     for (int k = 0; k < 16 && !c->dead && !c->closing && !c->mem_wait; k++) {
-        if (c->in_cap < KVT_IN_BASE && kvt_in_resize(c, KVT_IN_BASE) < 0) {
+        if (c->in_cap < KVT_IN_BASE && in_resize(c, KVT_IN_BASE) < 0) {
             c->dead = 1;
             return;
         }
@@ -646,8 +646,8 @@ static void kvt_conn_read(kvt__conn_t *c)
         c->in_len += (size_t)n;
         c->rx_bytes += (uint64_t)n;
         c->rx_ns = kvt_now_ns();
-        kvt_conn_parse(c);
-        if (kvt_conn_held(c))
+        conn_parse(c);
+        if (conn_held(c))
             return;
         /* A short read took all the socket had: the next read would only say EAGAIN. Bytes
          * that arrive meanwhile wake epoll again (level-triggered), so none wait. */
@@ -662,12 +662,12 @@ void kvt__conn_kick(kvt__conn_t *c)
     if (c->gone || c->in_handler)
         return; /* the frame loop that is running kicks when it is done */
     c->in_handler = 1;
-    if (!c->dead && kvt_conn_write(c) < 0)
+    if (!c->dead && conn_write(c) < 0)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
-    if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR && !kvt_conn_held(c)) {
-        kvt_conn_parse(c);
-        if (kvt_conn_write(c) < 0)
+    if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR && !conn_held(c)) {
+        conn_parse(c);
+        if (conn_write(c) < 0)
             c->dead = 1;
     }
     c->in_handler = 0;
@@ -677,7 +677,7 @@ void kvt__conn_kick(kvt__conn_t *c)
         return;
     }
     uint32_t want = 0;
-    if (!c->closing && !c->mem_wait && !kvt_conn_held(c))
+    if (!c->closing && !c->mem_wait && !conn_held(c))
         want |= EPOLLIN;
     int unsent = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
@@ -701,7 +701,7 @@ void kvt__conn_kick(kvt__conn_t *c)
     }
 }
 
-static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)s;
     kvt__conn_t *c = (kvt__conn_t *)ev;
@@ -711,7 +711,7 @@ static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         c->dead = 1;
     c->in_handler = 1;
     if (!c->dead && (events & EPOLLIN))
-        kvt_conn_read(c);
+        conn_read(c);
     c->in_handler = 0;
     kvt__conn_kick(c);
 }
@@ -740,7 +740,7 @@ void kvt__conns_mem_retry(kvt_srv_t *s)
 /* A client that stopped reading holds its replies, its leases and its share of max-client-bytes
  * for as long as it stays connected; past reply-timeout-ms it is closed, as Redis closes a client
  * over its output buffer limit. Any reply byte the socket takes starts the time again. */
-static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
+static int conn_timed_out(kvt__conn_t *c, uint64_t now)
 {
     uint64_t limit = (uint64_t)c->srv->conf->reply_timeout_ms * 1000000;
     if (limit == 0 || c->stuck_ns == 0 || now - c->stuck_ns < limit)
@@ -765,7 +765,7 @@ static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
  * short would hold it for good). Time in which the daemon does not read the connection
  * (back-pressure, a wait for max-client-bytes) does not count against it.
  */
-static int kvt_conn_too_slow(kvt__conn_t *c, uint64_t now)
+static int conn_too_slow(kvt__conn_t *c, uint64_t now)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
     uint64_t hello = (uint64_t)cf->hello_timeout_ms * 1000000;
@@ -815,7 +815,7 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *next;
     for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next;
-        if (!c->gone && !kvt_conn_too_slow(c, now) && !kvt_conn_timed_out(c, now))
+        if (!c->gone && !conn_too_slow(c, now) && !conn_timed_out(c, now))
             s->conn_ops->tick(c, now);
     }
     kvt__conns_deadlines(s, now);

@@ -29,7 +29,7 @@ void kvt__ops_deadlines(kvt__conn_t *c, uint64_t now)
     }
 }
 
-static uint16_t kvt_tier_mask(const kvt_srv_t *s)
+static uint16_t tier_mask(const kvt_srv_t *s)
 {
     uint16_t m = 0;
     for (int i = 1; i < KVT_TIER_COUNT; i++)
@@ -38,7 +38,7 @@ static uint16_t kvt_tier_mask(const kvt_srv_t *s)
     return m;
 }
 
-static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
     kvt_proto_hello_t m;
@@ -138,7 +138,7 @@ static int kvt_h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *
     c->block_bytes = m.block_bytes;
     kvt_proto_hello_reply_t r = {
         .version = KVT_PROTO_VERSION,
-        .tiers = kvt_tier_mask(s),
+        .tiers = tier_mask(s),
         .ns = ns,
         .ns_seed = n->seed,
         .max_frame = (uint32_t)s->conf->max_frame,
@@ -156,7 +156,7 @@ typedef struct kvt_statbuf {
     size_t len, cap;
 } kvt_statbuf_t;
 
-static int kvt_stat(void *arg, const char *name, uint64_t v)
+static int add_stat(void *arg, const char *name, uint64_t v)
 {
     kvt_statbuf_t *b = arg;
     while (kvt_proto_stat_encode(b->buf, b->cap, &b->len, name, v) < 0)
@@ -165,7 +165,7 @@ static int kvt_stat(void *arg, const char *name, uint64_t v)
     return 0;
 }
 
-static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
+static int h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
     if (h->flags || h->body_len != 0) {
@@ -181,7 +181,7 @@ static int kvt_h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     if (rc == 0) {
         memset(b.buf, 0, 4); /* the count */
         b.len = 4;
-        rc = kvt__metrics_each(s->metrics, kvt_stat, &b);
+        rc = kvt__metrics_each(s->metrics, add_stat, &b);
     }
     if (rc < 0) {
         free(b.buf);
@@ -203,7 +203,7 @@ int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
     }
     switch (h->opcode) {
     case KVT_OP_HELLO:
-        return kvt_h_hello(c, h, body, t0);
+        return h_hello(c, h, body, t0);
     case KVT_OP_AUTH:
         return kvt__h_auth(c, h, body, t0);
     case KVT_OP_MATCH:
@@ -219,7 +219,7 @@ int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
     case KVT_OP_REMOVE:
         return kvt__h_remove(c, h, body, t0);
     case KVT_OP_STATS:
-        return kvt_h_stats(c, h, t0);
+        return h_stats(c, h, t0);
     case KVT_OP_PING:
         if (h->flags)
             return kvt__bad_body(c, h, t0, "PING");
@@ -240,7 +240,7 @@ int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
  * and without: kvtierd CPU per MATCH lower in ten, by about 10% (README, "Benchmarks"). The wire's
  * tokens are little-endian, the tree's host-order: only done where those are the same bytes.
  */
-static void kvt_dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
+static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     kvt_token_run_t runs[KVT_WARM_MAX];
@@ -275,7 +275,7 @@ static void kvt_dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 }
 
 const kvt__conn_ops_t kvt__dispatch_ops = {
-    .batch = kvt_dispatch_batch,
+    .batch = dispatch_batch,
     .frame = kvt__handle,
     .closing = kvt__lease_drop_all,
     .tick = kvt__lease_expire,

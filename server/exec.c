@@ -61,7 +61,7 @@ struct kvt__move {
 
 /* Frees a tier location; discard: for good, the block must not come back at a restart either
  * (kvt_tier_discard: a REMOVE's). */
-static void kvt_free_now(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, int discard)
+static void free_now(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, int discard)
 {
     if (!s->tiers[tier])
         return;
@@ -77,16 +77,16 @@ static void kvt_free_now(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len,
 #define kvt_busy_cap (s->exec.busy_cap)
 #define kvt_busy_n   (s->exec.busy_n)
 
-static size_t kvt_busy_slot(uint64_t h, size_t cap)
+static size_t busy_slot(uint64_t h, size_t cap)
 {
     return (size_t)(h * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
 }
 
-static uint32_t kvt_busy_get(const kvt_srv_t *s, uint64_t h)
+static uint32_t busy_get(const kvt_srv_t *s, uint64_t h)
 {
     if (!kvt_busy_cap || !h)
         return 0;
-    for (size_t i = kvt_busy_slot(h, kvt_busy_cap);; i = (i + 1) & (kvt_busy_cap - 1)) {
+    for (size_t i = busy_slot(h, kvt_busy_cap);; i = (i + 1) & (kvt_busy_cap - 1)) {
         if (kvt_busy_tab[i].hash == h)
             return kvt_busy_tab[i].count;
         if (!kvt_busy_tab[i].hash)
@@ -106,7 +106,7 @@ int kvt__busy_inc(kvt_srv_t *s, uint64_t h)
         for (size_t i = 0; i < kvt_busy_cap; i++) {
             if (!kvt_busy_tab[i].hash)
                 continue;
-            size_t j = kvt_busy_slot(kvt_busy_tab[i].hash, cap);
+            size_t j = busy_slot(kvt_busy_tab[i].hash, cap);
             while (t[j].hash)
                 j = (j + 1) & (cap - 1);
             t[j] = kvt_busy_tab[i];
@@ -115,7 +115,7 @@ int kvt__busy_inc(kvt_srv_t *s, uint64_t h)
         kvt_busy_tab = t;
         kvt_busy_cap = cap;
     }
-    size_t i = kvt_busy_slot(h, kvt_busy_cap);
+    size_t i = busy_slot(h, kvt_busy_cap);
     while (kvt_busy_tab[i].hash && kvt_busy_tab[i].hash != h)
         i = (i + 1) & (kvt_busy_cap - 1);
     if (!kvt_busy_tab[i].hash) {
@@ -130,7 +130,7 @@ void kvt__busy_dec(kvt_srv_t *s, uint64_t h)
 {
     if (!kvt_busy_cap || !h)
         return;
-    size_t mask = kvt_busy_cap - 1, i = kvt_busy_slot(h, kvt_busy_cap);
+    size_t mask = kvt_busy_cap - 1, i = busy_slot(h, kvt_busy_cap);
     while (kvt_busy_tab[i].hash != h) {
         if (!kvt_busy_tab[i].hash)
             return;
@@ -146,14 +146,14 @@ void kvt__busy_dec(kvt_srv_t *s, uint64_t h)
             k++;
             continue;
         }
-        kvt_free_now(s, d->tier, d->loc, d->len, d->discard);
+        free_now(s, d->tier, d->loc, d->len, d->discard);
         *d = s->exec.dfree[--s->exec.ndfree];
     }
     for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
         kvt_busy_tab[i] = (kvt__busy_t){0}; /* count too: the next one placed here starts at 0 */
         if (!kvt_busy_tab[j].hash)
             return;
-        size_t home = kvt_busy_slot(kvt_busy_tab[j].hash, kvt_busy_cap);
+        size_t home = busy_slot(kvt_busy_tab[j].hash, kvt_busy_cap);
         /* Move j back into the hole at i unless its home lies cyclically in (i, j]. */
         if ((j > i && (home <= i || home > j)) || (j < i && home <= i && home > j)) {
             kvt_busy_tab[i] = kvt_busy_tab[j];
@@ -162,14 +162,14 @@ void kvt__busy_dec(kvt_srv_t *s, uint64_t h)
     }
 }
 
-/* Frees a tier location now, or once the reads of its block in flight are done (kvt_free_now). */
+/* Frees a tier location now, or once the reads of its block in flight are done (free_now). */
 void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
                    int discard)
 {
     if (!s->tiers[tier])
         return;
-    if (kvt_busy_get(s, hash) == 0) {
-        kvt_free_now(s, tier, loc, len, discard);
+    if (busy_get(s, hash) == 0) {
+        free_now(s, tier, loc, len, discard);
         return;
     }
     if (s->exec.ndfree == s->exec.cap_dfree) {
@@ -232,13 +232,13 @@ void kvt__block_drop(kvt_block_t *b)
 
 /* ---- the policy's executor ---- */
 
-static uint64_t kvt_exec_footprint(void *arg, kvt_tier_id_t tier, uint32_t size)
+static uint64_t exec_footprint(void *arg, kvt_tier_id_t tier, uint32_t size)
 {
     kvt_srv_t *s = arg;
     return s->tiers[tier] ? kvt_tier_footprint(s->tiers[tier], size) : size;
 }
 
-static void kvt_move_free(kvt_srv_t *s, kvt__move_t *m)
+static void move_free(kvt_srv_t *s, kvt__move_t *m)
 {
     if (m->prev)
         m->prev->next = m->next;
@@ -254,7 +254,7 @@ static void kvt_move_free(kvt_srv_t *s, kvt__move_t *m)
  * lease on its node's path): a MATCH's lease, or a request's pin. Walks the moves only when n has
  * more leases than the one of the move asking.
  */
-static int kvt_leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
+static int leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
 {
     uint32_t all = kvt_radix_node_leases(n), own = 0;
     if (all <= 1)
@@ -266,7 +266,7 @@ static int kvt_leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
 }
 
 /* The last copy of a move has landed (or failed): switch the blocks over, or undo. */
-static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
+static void move_finish(kvt_srv_t *s, kvt__move_t *m)
 {
     for (uint32_t i = 0; i < m->npages; i++) {
         kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
@@ -280,7 +280,7 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
      * NVMe locations it saw (none of these), so the log's reclaim could drop them under a GET
      * the MATCH promised. The run stays where the lease found it; the policy may move it once
      * the lease is gone. */
-    if (status == 0 && m->to == KVT_TIER_NVME && kvt_leased_by_others(s, m->node))
+    if (status == 0 && m->to == KVT_TIER_NVME && leased_by_others(s, m->node))
         status = KVT_EBUSY;
     int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
                                   (kvt_tier_id_t)m->to, status);
@@ -325,12 +325,12 @@ static void kvt_move_finish(kvt_srv_t *s, kvt__move_t *m)
         if (r->conn)
             r->conn->inflight--;
     }
-    kvt_move_free(s, m);
+    move_free(s, m);
     if (r && r->on_move)
         r->on_move(s, r, ok, promoted);
 }
 
-static void kvt_move_copied(kvt_tier_copy_t *c)
+static void move_copied(kvt_tier_copy_t *c)
 {
     kvt__mpage_t *pg = c->data;
     kvt__move_t *m = pg->move;
@@ -344,7 +344,7 @@ static void kvt_move_copied(kvt_tier_copy_t *c)
             m->status = c->status;
     }
     if (--m->left == 0)
-        kvt_move_finish(s, m);
+        move_finish(s, m);
 }
 
 /*
@@ -352,8 +352,8 @@ static void kvt_move_copied(kvt_tier_copy_t *c)
  * copy is asynchronous (a tier never completes inside the submitting call), so a move that
  * starts is always KVT_POLICY_PENDING; the engine holds a lease on n meanwhile.
  */
-static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                         kvt_tier_id_t from, kvt_tier_id_t to)
+static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t from, kvt_tier_id_t to)
 {
     kvt_srv_t *s = arg;
     if (!s->tiers[from] || !s->tiers[to] || s->stopping)
@@ -386,7 +386,7 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
         pg->copy.dst = s->tiers[to];
         pg->copy.src_loc = b->loc;
         pg->copy.len = b->size;
-        pg->copy.cb = kvt_move_copied;
+        pg->copy.cb = move_copied;
         pg->copy.data = pg;
         pg->start_ns = kvt_now_ns();
         /* The source stays where it is until the move ends, even after the copy has read it: a
@@ -431,14 +431,14 @@ static int kvt_exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_
 
 /* A move's pin may grow the lease table: within index-bytes, as a client's lease (no trim here,
  * inside the policy's step). */
-static int kvt_exec_index_room(void *arg, uint64_t bytes)
+static int exec_index_room(void *arg, uint64_t bytes)
 {
     return kvt__index_fits(arg, bytes);
 }
 
 /* The policy placed a run's bytes in tier (adopted, or a move landed). */
-static void kvt_exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                              kvt_tier_id_t tier)
+static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                          kvt_tier_id_t tier)
 {
     (void)arg;
     for (uint32_t i = 0; i < npages; i++)
@@ -446,10 +446,10 @@ static void kvt_exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, ui
 }
 
 const kvt_policy_ops_t kvt__exec_ops = {
-    .set_tier = kvt_exec_set_tier,
-    .move = kvt_exec_move,
-    .footprint = kvt_exec_footprint,
-    .index_room = kvt_exec_index_room,
+    .set_tier = exec_set_tier,
+    .move = exec_move,
+    .footprint = exec_footprint,
+    .index_room = exec_index_room,
 };
 
 void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out)
@@ -507,7 +507,7 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
 }
 
 /* A block's bytes leave the policy's books and their tier; dropped: count it as a drop. */
-static void kvt_block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int dropped)
+static void block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int dropped)
 {
     if (s->policy)
         kvt_policy_on_free(s->policy, ns, b);
@@ -535,7 +535,7 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
             continue;
         /* A reclaimed or evicted one is no longer in its tier (freeing it frees nothing); a
          * corrupt one and the rest are. */
-        kvt_block_gone(s, ns, b, 1);
+        block_gone(s, ns, b, 1);
         kvt__block_drop(b);
         changed++;
     }
@@ -557,7 +557,7 @@ typedef struct kvt__settle {
 
 #define KVT_SETTLE_MAX 256 /* queued at most; the next MATCH of the path finds the rest again */
 
-static void kvt_settle_later(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t ns)
+static void settle_later(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t ns)
 {
     kvt__exec_t *e = &s->exec;
     for (size_t k = 0; k < e->nsettle; k++)
@@ -573,7 +573,7 @@ static void kvt_settle_later(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t dept
 
 /* The step's part: the lost blocks MATCHes found become index-only (a move that holds one by
  * now settles it itself). */
-static void kvt_settle(kvt_srv_t *s)
+static void settle_lost(kvt_srv_t *s)
 {
     kvt__exec_t *e = &s->exec;
     for (size_t k = 0; k < e->nsettle; k++) {
@@ -617,7 +617,7 @@ void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost
             } else {
                 lost->from[lost->n] = r.depth + i;
                 lost->to[lost->n++] = r.depth + r.n;
-                kvt_settle_later(s, r.node, r.depth + i, m->ns);
+                settle_later(s, r.node, r.depth + i, m->ns);
             }
             break;
         }
@@ -626,7 +626,7 @@ void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost
 
 void kvt__store_step(kvt_srv_t *s)
 {
-    kvt_settle(s);
+    settle_lost(s);
     kvt__index_step(s);
     if (!s->policy || s->stopping)
         return;
@@ -645,7 +645,7 @@ void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
         return;
     if (!s->exec.removing)
         kvt_ghosts_add(s->exec.ghosts, b->hash);
-    kvt_block_gone(s, ns, b, !s->exec.removing);
+    block_gone(s, ns, b, !s->exec.removing);
 }
 
 void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n)
@@ -659,7 +659,7 @@ void kvt__exec_close(kvt_srv_t *s)
 {
     /* Destroyed tiers run no callbacks: moves still in flight are dropped here. */
     while (s->exec.moves)
-        kvt_move_free(s, s->exec.moves);
+        move_free(s, s->exec.moves);
     free(s->exec.settle); /* their leases go with the tree */
     s->exec.settle = NULL;
     s->exec.nsettle = s->exec.cap_settle = 0;

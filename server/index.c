@@ -13,14 +13,14 @@
 #define KVT_TRIM_PAGES     4096
 #define KVT_TRIM_INLINE    65536
 
-static uint64_t kvt_index_bytes(const kvt_srv_t *s)
+static uint64_t index_used_bytes(const kvt_srv_t *s)
 {
     kvt_radix_stats_t rs;
     kvt_radix_stats(s->radix, &rs);
     return rs.bytes;
 }
 
-static int kvt_trim_evict(void *arg, kvt_radix_node_t *n, uint32_t npages)
+static int trim_evict(void *arg, kvt_radix_node_t *n, uint32_t npages)
 {
     kvt_srv_t *s = arg;
     int rc = kvt_radix_evict(s->radix, n, npages);
@@ -31,7 +31,7 @@ uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget)
 {
     if (s->policy) {
         uint32_t n = kvt_policy_trim_index(s->policy, target, budget);
-        if (n >= budget || kvt_index_bytes(s) <= target)
+        if (n >= budget || index_used_bytes(s) <= target)
             return n;
         /* Index-only pages were not enough: pages with bytes go too, oldest first, rather than
          * every new page being refused for good (index-bytes too small for what the tiers hold,
@@ -48,13 +48,13 @@ uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget)
         return n + d;
     }
     /* No tier, so no policy: every page is index-only and nothing else tracks the nodes. */
-    return kvt_radix_trim(s->radix, target, budget, kvt_radix_index_only, kvt_trim_evict, s);
+    return kvt_radix_trim(s->radix, target, budget, kvt_radix_index_only, trim_evict, s);
 }
 
 int kvt__index_fits(const kvt_srv_t *s, uint64_t need)
 {
     uint64_t cap = s->conf->index_bytes;
-    return !cap || !need || (need <= cap && kvt_index_bytes(s) <= cap - need);
+    return !cap || !need || (need <= cap && index_used_bytes(s) <= cap - need);
 }
 
 int kvt__index_fit(kvt_srv_t *s, uint64_t need)
@@ -109,7 +109,7 @@ typedef struct kvt_ns_victim {
     uint32_t id;
 } kvt_ns_victim_t;
 
-static int kvt_ns_victim_before(const kvt_ns_victim_t *a, const kvt_ns_victim_t *b)
+static int ns_victim_before(const kvt_ns_victim_t *a, const kvt_ns_victim_t *b)
 {
     return a->blocks != b->blocks ? a->blocks < b->blocks : a->idle_ns < b->idle_ns;
 }
@@ -128,10 +128,10 @@ int kvt__ns_evict(kvt_srv_t *s)
                 continue;
             v.idle_ns = s->ns[id].idle_ns;
         }
-        if (n == KVT_NS_EVICT_TRIES && !kvt_ns_victim_before(&v, &best[n - 1]))
+        if (n == KVT_NS_EVICT_TRIES && !ns_victim_before(&v, &best[n - 1]))
             continue;
         uint32_t i = n < KVT_NS_EVICT_TRIES ? n++ : n - 1;
-        for (; i > 0 && kvt_ns_victim_before(&v, &best[i - 1]); i--)
+        for (; i > 0 && ns_victim_before(&v, &best[i - 1]); i--)
             best[i] = best[i - 1];
         best[i] = v;
     }
@@ -158,6 +158,6 @@ int kvt__ns_evict(kvt_srv_t *s)
 void kvt__index_step(kvt_srv_t *s)
 {
     uint64_t cap = s->conf->index_bytes;
-    if (cap && !s->stopping && kvt_index_bytes(s) > cap / 100 * KVT_INDEX_HIGH_PCT)
+    if (cap && !s->stopping && index_used_bytes(s) > cap / 100 * KVT_INDEX_HIGH_PCT)
         kvt__index_trim(s, cap / 100 * KVT_INDEX_LOW_PCT, KVT_TRIM_PAGES);
 }

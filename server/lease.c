@@ -15,7 +15,7 @@
 
 /* Leases by namespace: one a lease holds keeps its pages (kvt__ns_evict passes it by). Every
  * leased namespace was declared by a HELLO, which made its entry. */
-static void kvt_lease_ns(kvt_srv_t *s, uint32_t ns, int delta)
+static void lease_ns(kvt_srv_t *s, uint32_t ns, int delta)
 {
     kvt_assert(ns < s->nns && (delta > 0 || s->ns[ns].leases > 0));
     s->ns[ns].leases += (uint32_t)delta;
@@ -31,7 +31,7 @@ int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
         return KVT_ENOMEM;
     s->leases.pos[slot] = (uint32_t)c->nleases;
     c->leases[c->nleases++] = *l;
-    kvt_lease_ns(s, l->ns, 1);
+    lease_ns(s, l->ns, 1);
     if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
         c->lease_next_ns = l->expires_ns;
     kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
@@ -83,11 +83,11 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
     return i < c->nleases && c->leases[i].id == id ? &c->leases[i] : NULL;
 }
 
-static void kvt_lease_del(kvt__conn_t *c, kvt__lease_t *l)
+static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
 {
     kvt_radix_release(c->srv->radix, l->id);
     kvt__lease_unpin(c->srv, l);
-    kvt_lease_ns(c->srv, l->ns, -1);
+    lease_ns(c->srv, l->ns, -1);
     *l = c->leases[--c->nleases];
     if (l != c->leases + c->nleases) /* the last one moved into l's place */
         c->srv->leases.pos[kvt_radix_lease_slot(l->id)] = (uint32_t)(l - c->leases);
@@ -101,7 +101,7 @@ void kvt__lease_drop_all(kvt__conn_t *c)
     for (size_t i = 0; i < c->nleases; i++) {
         kvt_radix_release(c->srv->radix, c->leases[i].id);
         kvt__lease_unpin(c->srv, &c->leases[i]);
-        kvt_lease_ns(c->srv, c->leases[i].ns, -1);
+        lease_ns(c->srv, c->leases[i].ns, -1);
     }
     if (n)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
@@ -125,7 +125,7 @@ void kvt__lease_expire(kvt__conn_t *c, uint64_t now)
                     (unsigned long long)c->id, (unsigned long long)c->leases[i].id,
                     (unsigned long long)c->leases[i].engine_id);
             kvt__metric_add(c->srv->metrics, KVT_M_LEASES_EXPIRED, 0, 1);
-            kvt_lease_del(c, &c->leases[i]);
+            lease_del(c, &c->leases[i]);
         } else {
             next = KVT_MIN(next, c->leases[i].expires_ns);
             i++;
@@ -141,7 +141,7 @@ int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
         return kvt__bad_body(c, h, t0, "RELEASE");
     kvt__lease_t *l = kvt__lease_find(c, id);
     if (l)
-        kvt_lease_del(c, l);
+        lease_del(c, l);
     uint8_t w[sizeof(kvt_wire_release_reply_t)];
     kvt_proto_release_reply_encode(w, l ? 1 : 0);
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);

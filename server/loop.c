@@ -32,7 +32,7 @@
 #define KVT_GHOST_BITS      16
 #define KVT_GHOST_BITS_COST 22
 
-static int kvt_listen_unix(kvt_srv_t *s)
+static int listen_unix(kvt_srv_t *s)
 {
     const char *path = s->conf->unix_path;
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
@@ -84,19 +84,19 @@ static int kvt_listen_unix(kvt_srv_t *s)
     return fd;
 }
 
-static void kvt_on_unix(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_unix(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     kvt__conn_accept(s, ev->fd, 0);
 }
 
-static void kvt_on_tcp(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_tcp(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     kvt__conn_accept(s, ev->fd, 1);
 }
 
-static void kvt_on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     struct signalfd_siginfo si;
@@ -115,7 +115,7 @@ static void kvt_on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     }
 }
 
-static void kvt_signal_set(sigset_t *set)
+static void signal_set(sigset_t *set)
 {
     sigemptyset(set);
     sigaddset(set, SIGTERM);
@@ -126,12 +126,12 @@ static void kvt_signal_set(sigset_t *set)
 int kvt__srv_block_signals(void)
 {
     sigset_t set;
-    kvt_signal_set(&set);
+    signal_set(&set);
     int rc = pthread_sigmask(SIG_BLOCK, &set, NULL);
     return rc ? -rc : 0;
 }
 
-static void kvt_on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     kvt_tier_t *t = s->tiers[ev - s->tier_ev];
@@ -151,7 +151,7 @@ static void kvt_on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
  * limit lets it, and if that is not far enough the daemon says how many clients it can hold (the
  * rest are refused, kvt__accept).
  */
-static void kvt_fd_limit(const kvt_srv_conf_t *c)
+static void fd_limit(const kvt_srv_conf_t *c)
 {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
@@ -183,7 +183,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     s->conf = conf;
     s->conn_ops = &kvt__dispatch_ops;
     s->sig_ev.fd = s->unix_ev.fd = s->tcp_ev.fd = s->http_ev.fd = -1;
-    kvt_fd_limit(conf);
+    fd_limit(conf);
     s->clients.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     for (int i = 0; i < KVT_TIER_COUNT; i++)
         s->tier_ev[i].fd = -1;
@@ -217,7 +217,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         if (!s->tiers[i])
             continue;
         s->tier_ev[i].fd = kvt_tier_fd(s->tiers[i]);
-        s->tier_ev[i].cb = kvt_on_tier;
+        s->tier_ev[i].cb = on_tier;
         if (s->tier_ev[i].fd >= 0 && (rc = kvt__ev_add(s, &s->tier_ev[i], EPOLLIN)) < 0)
             goto fail;
     }
@@ -227,19 +227,19 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
      * (the NVMe recovery, pinning the DRAM tier) is pending: the signalfd reads it on the loop's
      * first turn, and the daemon shuts down cleanly. */
     sigset_t set;
-    kvt_signal_set(&set);
+    signal_set(&set);
     if ((rc = kvt__srv_block_signals()) < 0)
         goto fail;
     signal(SIGPIPE, SIG_IGN);
     s->sig_ev.fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
-    s->sig_ev.cb = kvt_on_signal;
+    s->sig_ev.cb = on_signal;
     if (s->sig_ev.fd < 0 || (rc = kvt__ev_add(s, &s->sig_ev, EPOLLIN)) < 0) {
         rc = s->sig_ev.fd < 0 ? -errno : rc;
         goto fail;
     }
 
     if (*conf->unix_path) {
-        rc = kvt_listen_unix(s);
+        rc = listen_unix(s);
         if (rc < 0) {
             kvt_log(KVT_LOG_ERROR, "kvtierd: cannot listen on unix:%s: %s", conf->unix_path,
                     kvt_strerror(rc));
@@ -247,7 +247,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
             goto fail;
         }
         s->unix_ev.fd = rc;
-        s->unix_ev.cb = kvt_on_unix;
+        s->unix_ev.cb = on_unix;
         if ((rc = kvt__ev_add(s, &s->unix_ev, EPOLLIN)) < 0)
             goto fail;
     }
@@ -259,7 +259,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
             goto fail;
         }
         s->tcp_ev.fd = rc;
-        s->tcp_ev.cb = kvt_on_tcp;
+        s->tcp_ev.cb = on_tcp;
         struct sockaddr_in sin;
         socklen_t sl = sizeof sin;
         if (!*conf->secret && getsockname(rc, (struct sockaddr *)&sin, &sl) == 0 &&
@@ -287,7 +287,7 @@ fail:
 }
 
 /* Requests still waiting on tier I/O, over all connections and orphans. */
-static int kvt_busy(const kvt_srv_t *s)
+static int busy(const kvt_srv_t *s)
 {
     return s->inflight > 0;
 }
@@ -322,8 +322,8 @@ int kvt__srv_run(kvt_srv_t *s)
             int pending_out = 0;
             for (kvt__conn_t *c = s->clients.list; c; c = c->next)
                 pending_out |= c->head != NULL;
-            if ((!kvt_busy(s) && !pending_out) || now >= stop_at) {
-                if (kvt_busy(s))
+            if ((!busy(s) && !pending_out) || now >= stop_at) {
+                if (busy(s))
                     kvt_log(KVT_LOG_WARN, "kvtierd: %llu tier I/Os still in flight at exit",
                             (unsigned long long)s->inflight);
                 return 0;

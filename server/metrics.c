@@ -141,7 +141,7 @@ __attribute__((format(printf, 2, 3))) static void kvt_bprintf(kvt_buf_t *b, cons
 
 /* The labels of one series as key/value pairs (at most two), their count, or -1 when the series
  * index is not rendered (a tier pair of one tier with itself). */
-static int kvt_series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
+static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
 {
     switch (lbl) {
     case KVT_LBL_NONE:
@@ -193,10 +193,10 @@ static int kvt_series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
 
 /* The label set of one series, e.g. tier="dram", or "" for an unlabelled metric; NULL when the
  * series index is not rendered. */
-static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, size_t len)
+static const char *series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, size_t len)
 {
     const char *kv[4];
-    int n = kvt_series_kv(lbl, s, kv);
+    int n = series_kv(lbl, s, kv);
     if (n < 0)
         return NULL;
     buf[0] = 0;
@@ -208,11 +208,11 @@ static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf
 }
 
 /* A series' STATS name (metrics.h, kvt__metrics_each); NULL when the series is not rendered. */
-static const char *kvt_series_stat_name(const struct kvt_metric_def *d, unsigned s, char *buf,
-                                        size_t len)
+static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, char *buf,
+                                    size_t len)
 {
     const char *kv[4];
-    int n = kvt_series_kv(d->lbl, s, kv);
+    int n = series_kv(d->lbl, s, kv);
     if (n < 0)
         return NULL;
     const char *stem = d->name;
@@ -243,7 +243,7 @@ int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *n
             continue;
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char name[128];
-            if (!kvt_series_stat_name(d, s, name, sizeof name))
+            if (!series_stat_name(d, s, name, sizeof name))
                 continue;
             double v = m->values[id][s];
             int rc = cb(arg, name, v > 0 ? (uint64_t)v : 0);
@@ -254,7 +254,7 @@ int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *n
     return 0;
 }
 
-static void kvt_render_value(kvt_buf_t *b, double v)
+static void render_value(kvt_buf_t *b, double v)
 {
     if (v == (double)(uint64_t)v && v < 1e18)
         kvt_bprintf(b, "%llu\n", (unsigned long long)v);
@@ -274,12 +274,12 @@ int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
         kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", d->name, d->help, d->name, types[d->type]);
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char lb[96];
-            const char *l = kvt_series_labels(d->lbl, s, lb, sizeof lb);
+            const char *l = series_labels(d->lbl, s, lb, sizeof lb);
             if (!l)
                 continue;
             if (d->type != KVT_MT_HISTOGRAM) {
                 kvt_bprintf(&b, "%s%s%s%s ", d->name, *l ? "{" : "", l, *l ? "}" : "");
-                kvt_render_value(&b, m->values[id][s]);
+                render_value(&b, m->values[id][s]);
                 continue;
             }
             const kvt_hist_t *h = &m->hists[id][s];

@@ -13,7 +13,7 @@
 
 /* ---- GET ---- */
 
-static void kvt_get_read_done(kvt_tier_io_t *io)
+static void get_read_done(kvt_tier_io_t *io)
 {
     kvt__io_t *x = io->data;
     kvt__req_t *r = x->req;
@@ -46,7 +46,7 @@ static void kvt_get_read_done(kvt_tier_io_t *io)
  * Called with nothing in flight: after the request is set up, when the batch's last read (or
  * promotion) completes, and when conn.c has written the batch.
  */
-static void kvt_get_release_batch(kvt_srv_t *s, kvt__req_t *r)
+static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     for (uint32_t i = 0; i < r->get.batch; i++) {
         kvt__io_t *x = r->get.ios[i];
@@ -66,7 +66,7 @@ static void kvt_get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 }
 
 /* The GET as a reply source (server.h): its batch's frames from where their bytes are. */
-static int kvt_get_iov(kvt__req_t *r, struct iovec *iov, int max)
+static int get_iov(kvt__req_t *r, struct iovec *iov, int max)
 {
     int n = 0;
     if (!r->get.segs_ready)
@@ -81,7 +81,7 @@ static int kvt_get_iov(kvt__req_t *r, struct iovec *iov, int max)
     return n;
 }
 
-static void kvt_get_wrote(kvt__req_t *r, size_t left)
+static void get_wrote(kvt__req_t *r, size_t left)
 {
     while (left > 0 && r->get.seg_i < r->get.nsegs) {
         size_t t = KVT_MIN(r->get.segs[r->get.seg_i].len - r->get.seg_off, left);
@@ -94,7 +94,7 @@ static void kvt_get_wrote(kvt__req_t *r, size_t left)
     }
 }
 
-static int kvt_get_drained(kvt__req_t *r)
+static int get_drained(kvt__req_t *r)
 {
     if (!r->get.segs_ready || r->get.seg_i < r->get.nsegs)
         return 0;
@@ -102,18 +102,18 @@ static int kvt_get_drained(kvt__req_t *r)
     return 1;
 }
 
-static void kvt_get_abort(kvt__req_t *r)
+static void get_abort(kvt__req_t *r)
 {
     if (r->get.ios)
-        kvt_get_release_batch(r->srv, r);
+        get_release_batch(r->srv, r);
     kvt__unpin(r->srv, r);
 }
 
 static const kvt__reply_src_t kvt_get_src = {
-    .iov = kvt_get_iov,
-    .wrote = kvt_get_wrote,
-    .drained = kvt_get_drained,
-    .abort = kvt_get_abort,
+    .iov = get_iov,
+    .wrote = get_wrote,
+    .drained = get_drained,
+    .abort = get_abort,
 };
 
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
@@ -145,7 +145,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         }
     }
     if (r->get.ios)
-        kvt_get_release_batch(s, r);
+        get_release_batch(s, r);
     if (!r->conn) {
         kvt__unpin(s, r);
         kvt__req_finish(r);
@@ -199,7 +199,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 x->io.buf = x->buf;
                 x->io.len = b->size;
                 x->io.loc = b->loc;
-                x->io.cb = kvt_get_read_done;
+                x->io.cb = get_read_done;
                 x->io.urgent = 1; /* the client waits: ahead of queued moves */
                 rc = kvt_tier_read(s->tiers[b->tier], &x->io);
             } else {
@@ -222,12 +222,12 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 return kvt__store_get_batch(s, r); /* all from memory: out it goes */
             return 0;
         }
-        kvt_get_release_batch(s, r);
+        get_release_batch(s, r);
     }
 end:;
     /* The final frame: status, and how many pages went out before it. */
     if (r->get.ios)
-        kvt_get_release_batch(s, r);
+        get_release_batch(s, r);
     uint8_t e[sizeof(kvt_wire_get_end_t)];
     kvt_proto_get_end_encode(e, r->get.sent);
     r->status = kvt__tier_failure(r->status);

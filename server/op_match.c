@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void kvt_count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, uint32_t ntokens,
-                            uint32_t page, const uint8_t *tiers, int remote_down)
+static void count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, uint32_t ntokens,
+                        uint32_t page, const uint8_t *tiers, int remote_down)
 {
     kvt_metrics_t *mt = s->metrics;
     kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
@@ -78,7 +78,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
     if (q->lost.gone < m->pages)
         memset(tiers + q->lost.gone, KVT_TIER_NONE, m->pages - q->lost.gone);
     if (!(q->flags & KVT_MATCH_F_PROBE))
-        kvt_count_match(s, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
+        count_match(s, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
     uint64_t lease = 0;
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {

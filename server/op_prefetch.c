@@ -9,7 +9,7 @@
 
 /* Pages of r's path at its target tier or faster; *busy gets those below it that a move has in
  * flight (a GET's promotion, another PREFETCH's, the policy's). */
-static uint32_t kvt_prefetch_count(kvt__req_t *r, uint32_t *busy)
+static uint32_t prefetch_count(kvt__req_t *r, uint32_t *busy)
 {
     uint32_t at = 0;
     *busy = 0;
@@ -25,13 +25,13 @@ static uint32_t kvt_prefetch_count(kvt__req_t *r, uint32_t *busy)
     return at;
 }
 
-static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
+static void prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 {
     (void)s;
     uint32_t moved = r->prefetch.moved;
     if (r->prefetch.start_only && r->status == 0) {
         /* On their way: at the target since the count before the round, or in a move up. */
-        uint32_t busy, at = kvt_prefetch_count(r, &busy);
+        uint32_t busy, at = prefetch_count(r, &busy);
         moved = (at > r->prefetch.resident ? at - r->prefetch.resident : 0) + busy;
     }
     uint32_t failed = r->pages - KVT_MIN(r->pages, r->prefetch.resident + moved);
@@ -49,7 +49,7 @@ static void kvt_prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 
 #define KVT_PREFETCH_ROUNDS 16
 
-static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
+static int prefetch_round(kvt_srv_t *s, kvt__req_t *r)
 {
     uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
     r->prefetch.progress = 0;
@@ -70,12 +70,12 @@ static int kvt_prefetch_round(kvt_srv_t *s, kvt__req_t *r)
  * every tick, until the deadline, instead of answering at once that the pages failed. Returns 1
  * when it waits.
  */
-static int kvt_prefetch_wait(kvt__req_t *r, int rc)
+static int prefetch_wait(kvt__req_t *r, int rc)
 {
     uint32_t busy;
     if (r->pending > 0 || r->prefetch.replied || !r->conn || kvt_now_ns() >= r->deadline_ns)
         return 0;
-    uint32_t at = kvt_prefetch_count(r, &busy);
+    uint32_t at = prefetch_count(r, &busy);
     r->prefetch.waiting = at < r->pages && (busy > 0 || rc == KVT_EAGAIN);
     if (r->prefetch.waiting) {
         kvt_srv_t *s = r->conn->srv;
@@ -92,7 +92,7 @@ static int kvt_prefetch_wait(kvt__req_t *r, int rc)
  * pages are still below the target (the target tier had to be emptied first: its demotions were
  * among the moves), the next round promotes what now fits, until the deadline.
  */
-static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted)
+static void prefetch_moved(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted)
 {
     r->prefetch.moved += promoted;
     if (ok)
@@ -103,13 +103,13 @@ static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t pro
     int more = r->prefetch.start_only || (!r->prefetch.replied && r->conn);
     if (more && r->prefetch.progress && r->prefetch.resident + r->prefetch.moved < r->pages &&
         r->prefetch.rounds < KVT_PREFETCH_ROUNDS && kvt_now_ns() < r->deadline_ns) {
-        int rc = kvt_prefetch_round(s, r);
-        if (r->pending > 0 || kvt_prefetch_wait(r, rc))
+        int rc = prefetch_round(s, r);
+        if (r->pending > 0 || prefetch_wait(r, rc))
             return;
     }
     kvt__unpin(s, r);
     if (!r->prefetch.replied)
-        kvt_prefetch_reply(s, r);
+        prefetch_reply(s, r);
     kvt__req_finish(r);
 }
 
@@ -120,26 +120,26 @@ static void kvt_prefetch_moved(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t pro
  */
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r)
 {
-    r->on_move = kvt_prefetch_moved;
+    r->on_move = prefetch_moved;
     if (r->status == 0 && s->policy) {
         uint32_t busy;
-        r->prefetch.resident = kvt_prefetch_count(r, &busy);
+        r->prefetch.resident = prefetch_count(r, &busy);
         if (r->prefetch.resident < r->pages) {
-            int rc = kvt_prefetch_round(s, r);
-            if (!r->prefetch.start_only && kvt_prefetch_wait(r, rc))
+            int rc = prefetch_round(s, r);
+            if (!r->prefetch.start_only && prefetch_wait(r, rc))
                 return 0;
         }
     }
     if (r->prefetch.start_only && r->pending > 0) {
         /* START: answered now with what is on its way; more rounds start as those moves land
-         * (kvt_prefetch_moved), until the deadline, with no further reply. */
-        kvt_prefetch_reply(s, r);
+         * (prefetch_moved), until the deadline, with no further reply. */
+        prefetch_reply(s, r);
         kvt__req_finish(r);
         return 0;
     }
     if (r->pending == 0) {
         kvt__unpin(s, r);
-        kvt_prefetch_reply(s, r);
+        prefetch_reply(s, r);
         kvt__req_finish(r);
     }
     return 0;
@@ -194,7 +194,7 @@ int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now)
 {
     kvt_srv_t *s = r->srv;
     if (r->prefetch.waiting && r->pending == 0) {
-        uint32_t busy, at = kvt_prefetch_count(r, &busy);
+        uint32_t busy, at = prefetch_count(r, &busy);
         if (busy > 0 && now < r->deadline_ns) {
             s->reqs_waiting = 1;
             return 0; /* the other moves are still running */
@@ -204,18 +204,18 @@ int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now)
         r->prefetch.waiting = 0;
         r->prefetch.resident = at > r->prefetch.moved ? at - r->prefetch.moved : 0;
         if (now < r->deadline_ns && r->prefetch.resident + r->prefetch.moved < r->pages) {
-            int rc = kvt_prefetch_round(s, r);
-            if (r->pending > 0 || kvt_prefetch_wait(r, rc))
+            int rc = prefetch_round(s, r);
+            if (r->pending > 0 || prefetch_wait(r, rc))
                 return 0;
         }
         kvt__unpin(s, r);
-        kvt_prefetch_reply(s, r);
+        prefetch_reply(s, r);
         kvt__req_finish(r);
         s->reqs_waiting = 1; /* others after it: looked at next time */
         return 1;
     }
     if (!r->prefetch.replied && r->pending > 0 && now >= r->deadline_ns) {
-        kvt_prefetch_reply(s, r);
+        prefetch_reply(s, r);
         kvt__req_finish(r);
         return 1;
     }

@@ -21,7 +21,7 @@ typedef struct kvt_rprobe {
     kvt__match_answer_fn answer;
 } kvt_rprobe_t;
 
-static void kvt_probe_done(kvt_tier_probe_t *p)
+static void probe_done(kvt_tier_probe_t *p)
 {
     kvt_rprobe_t *x = p->data;
     kvt__req_t *r = x->req;
@@ -110,7 +110,7 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
     kvt_srv_t *s = c->srv;
     kvt_tier_t *remote = s->tiers[KVT_TIER_REMOTE];
     uint32_t page = q->page, whole = q->ntokens / page;
-    kvt__ns_t *nsr; /* blocks found there are read by the namespace's size (kvt_probe_done) */
+    kvt__ns_t *nsr; /* blocks found there are read by the namespace's size (probe_done) */
     if (!remote || whole <= m->pages || kvt__ns_get(s, c->ns, &nsr) < 0 || !nsr->block_bytes)
         return 0;
     uint32_t n = KVT_MIN(whole - m->pages, KVT_TIER_PROBE_MAX);
@@ -144,7 +144,7 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
     }
     x->probe.keys = x->keys;
     x->probe.n = n;
-    x->probe.cb = kvt_probe_done;
+    x->probe.cb = probe_done;
     x->probe.data = x;
     int rc = kvt_tier_remote_probe(remote, &x->probe);
     if (rc < 0) {

@@ -24,7 +24,7 @@ typedef struct kvt__landed {
 } kvt__landed_t;
 
 /* A payload page of r not stored, and why. */
-static void kvt_put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_t pages)
+static void put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_t pages)
 {
     r->put.skipped += pages;
     kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, why, pages);
@@ -36,7 +36,7 @@ static void kvt_put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uin
  * landed in a faster tier than the one before it; its bytes are then freed and it stays
  * index-only, counted as skipped).
  */
-static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
+static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt__landed_t *l = r->extra;
     if (!l)
@@ -70,7 +70,7 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
         r->put.stored += got;
         kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, KVT_PUT_STORED, got);
         if (got < j - i) /* refused: the node's tier order */
-            kvt_put_skip(s, r, KVT_PUT_NO_ROOM, (j - i) - got);
+            put_skip(s, r, KVT_PUT_NO_ROOM, (j - i) - got);
         if (t == KVT_TIER_NVME)
             kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0, (double)(j - i) * l[i].len);
         i = j;
@@ -79,9 +79,9 @@ static void kvt_put_adopt(kvt_srv_t *s, kvt__req_t *r)
     r->extra = NULL;
 }
 
-static void kvt_put_reply(kvt_srv_t *s, kvt__req_t *r)
+static void put_reply(kvt_srv_t *s, kvt__req_t *r)
 {
-    kvt_put_adopt(s, r);
+    put_adopt(s, r);
     kvt__unpin(s, r);
     kvt_proto_put_reply_t p = {
         .pages = r->pages,
@@ -97,7 +97,7 @@ static void kvt_put_reply(kvt_srv_t *s, kvt__req_t *r)
 
 /* A tier that answers a write so gives it up to the next one down: full, unable to place it for
  * now (an NVMe log whose full segments are all pinned), or down (the remote). */
-static int kvt_put_passes_on(int rc)
+static int put_passes_on(int rc)
 {
     return rc == KVT_ENOSPC || rc == KVT_EAGAIN || rc == KVT_EUNAVAIL;
 }
@@ -111,15 +111,15 @@ static int kvt_put_passes_on(int rc)
  * run larger than its watermarks' headroom. Returns 0, or the refusal of the last one asked
  * (x->tier then as it was).
  */
-static int kvt_put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
+static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
 {
     kvt__req_t *r = x->req;
     kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
     uint8_t was = x->tier;
     int rc = KVT_ENOSPC;
-    for (int room = 0; room < 2 && kvt_put_passes_on(rc); room++) {
+    for (int room = 0; room < 2 && put_passes_on(rc); room++) {
         rc = KVT_ENOSPC;
-        for (size_t i = from; i < KVT_ARRAY_LEN(kvt_order) && kvt_put_passes_on(rc); i++) {
+        for (size_t i = from; i < KVT_ARRAY_LEN(kvt_order) && put_passes_on(rc); i++) {
             kvt_tier_id_t id = kvt_order[i];
             if (!s->tiers[id] || (rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
                 continue;
@@ -138,13 +138,13 @@ static int kvt_put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
     return rc;
 }
 
-static void kvt_put_done(kvt_tier_io_t *io)
+static void put_done(kvt_tier_io_t *io)
 {
     kvt__io_t *x = io->data;
     kvt__req_t *r = x->req;
     kvt_srv_t *s = x->req->srv;
     kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
-    if (io->status < 0 && kvt_put_passes_on(io->status)) {
+    if (io->status < 0 && put_passes_on(io->status)) {
         /* Refused after it was taken (the tier queued it): the tiers below may take it. The
          * refused write counts as that tier's failed I/O; the request keeps waiting. */
         uint8_t failed = x->tier;
@@ -154,7 +154,7 @@ static void kvt_put_done(kvt_tier_io_t *io)
         l->held = KVT_TIER_NONE;
         while (i < KVT_ARRAY_LEN(kvt_order) && kvt_order[i] != failed)
             i++;
-        if (kvt_put_write(s, x, i + 1) == 0) {
+        if (put_write(s, x, i + 1) == 0) {
             unsigned series = kvt__tier_io(failed, 1);
             kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, now - x->start_ns);
             kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
@@ -170,12 +170,12 @@ static void kvt_put_done(kvt_tier_io_t *io)
         static kvt_log_limit_t lim; /* a full tier fails every write */
         kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: %s tier write failed: %s",
                         kvt_tier_name(x->tier), kvt_strerror(io->status));
-        kvt_put_skip(s, r, kvt_put_passes_on(io->status) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
+        put_skip(s, r, put_passes_on(io->status) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
     }
     int last = kvt__io_finished(s, x, io->status, 1);
     free(x);
     if (last)
-        kvt_put_reply(s, r);
+        put_reply(s, r);
 }
 
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
@@ -192,7 +192,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
     for (uint32_t p = r->put.first; p < end; p++) {
         kvt_block_t *b = kvt_radix_block_at(r->node, p);
         if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
-            kvt_put_skip(s, r, KVT_PUT_CACHED, 1); /* held already, or another PUT writes it */
+            put_skip(s, r, KVT_PUT_CACHED, 1); /* held already, or another PUT writes it */
             continue;
         }
         kvt__io_t *x = kvt__io_new(s, r, p);
@@ -202,11 +202,11 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         }
         x->io.buf = r->payload + (size_t)(p - r->put.first) * r->block_bytes;
         x->io.len = r->block_bytes;
-        x->io.cb = kvt_put_done;
-        int rc = kvt_put_write(s, x, 0);
+        x->io.cb = put_done;
+        int rc = put_write(s, x, 0);
         if (rc < 0) {
             free(x);
-            kvt_put_skip(s, r, kvt_put_passes_on(rc) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
+            put_skip(s, r, put_passes_on(rc) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
             continue;
         }
         kvt__block_busy(b, 1);
@@ -214,7 +214,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         kvt__io_started(s, r);
     }
     if (r->pending == 0)
-        kvt_put_reply(s, r); /* nothing to write (all held already), or it failed to start */
+        put_reply(s, r); /* nothing to write (all held already), or it failed to start */
     return 0;
 }
 

@@ -14,7 +14,7 @@
  * its last whole page, or one below it. Such a REMOVE is refused (EBUSY) at once; one held only by
  * the daemon's own work (a move, a request's I/O) waits for it instead.
  */
-static int kvt_remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
+static int remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
 {
     kvt_match_t m;
     uint32_t pages = n / kvt_radix_ns_page_size(s->radix, ns);
@@ -30,7 +30,7 @@ static int kvt_remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, 
     return 0;
 }
 
-static int kvt_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
+static int remove_path(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
 {
     s->exec.removing = 1;
     int rc = kvt_radix_remove(s->radix, ns, tokens, n);
@@ -38,7 +38,7 @@ static int kvt_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_
     return rc;
 }
 
-static void kvt_remove_reply(kvt__req_t *r, int rc)
+static void remove_reply(kvt__req_t *r, int rc)
 {
     r->status = rc;
     kvt__req_reply(r, NULL, 0);
@@ -49,10 +49,10 @@ int kvt__remove_retry(kvt__req_t *r, uint64_t now)
 {
     kvt_srv_t *s = r->srv;
     const uint32_t *tokens = (const uint32_t *)(void *)r->payload;
-    int rc = kvt_remove(s, r->ns, tokens, r->pages);
-    if (rc == KVT_EBUSY && now < r->deadline_ns && !kvt_remove_leased(s, r->ns, tokens, r->pages))
+    int rc = remove_path(s, r->ns, tokens, r->pages);
+    if (rc == KVT_EBUSY && now < r->deadline_ns && !remove_leased(s, r->ns, tokens, r->pages))
         return 0;
-    kvt_remove_reply(r, rc);
+    remove_reply(r, rc);
     return 1;
 }
 
@@ -67,13 +67,13 @@ int kvt__h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
         return 0;
     if (kvt__tokens(c, tok, n) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    int rc = kvt_remove(s, c->ns, c->tok, n);
+    int rc = remove_path(s, c->ns, c->tok, n);
     if (rc == KVT_EBUSY && (h->flags & KVT_REMOVE_F_NOWAIT))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "remove of %u tokens: %s", n,
-                                kvt_remove_leased(s, c->ns, c->tok, n)
+                                remove_leased(s, c->ns, c->tok, n)
                                     ? "a lease holds them"
                                     : "busy with moves or requests in flight (NOWAIT)");
-    if (rc == KVT_EBUSY && !kvt_remove_leased(s, c->ns, c->tok, n)) {
+    if (rc == KVT_EBUSY && !remove_leased(s, c->ns, c->tok, n)) {
         /* Held by moves or requests in flight, which end soon: wait for them (retried when
          * moves land and every tick) rather than answer "try again". For at most
          * KVT_REMOVE_WAIT_MS: the policy may keep starting moves under it (demotions into a
@@ -88,7 +88,7 @@ int kvt__h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
             return 0;
         }
         if (r) {
-            kvt_remove_reply(r, KVT_ENOMEM);
+            remove_reply(r, KVT_ENOMEM);
             return 0;
         }
         rc = KVT_ENOMEM;

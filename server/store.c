@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 
 /* The NVMe blocks recovery put back into the tree join the policy's accounting. */
-static void kvt_adopt_recovered(kvt_srv_t *s)
+static void adopt_recovered(kvt_srv_t *s)
 {
     size_t n = kvt_radix_node_count(s->radix), refused = 0;
     for (size_t i = 0; i < n; i++) {
@@ -42,7 +42,7 @@ static void kvt_adopt_recovered(kvt_srv_t *s)
                 refused);
 }
 
-static int kvt_policy_open(kvt_srv_t *s)
+static int policy_open(kvt_srv_t *s)
 {
     kvt_srv_conf_t *c = s->conf;
     kvt_policy_conf_t pc = {.ops = &kvt__exec_ops,
@@ -68,7 +68,7 @@ static int kvt_policy_open(kvt_srv_t *s)
         kvt_log(KVT_LOG_ERROR, "kvtierd: policy %s: %s", c->policy, kvt_strerror(rc));
         return rc;
     }
-    kvt_adopt_recovered(s);
+    adopt_recovered(s);
     kvt_log(KVT_LOG_INFO,
             "kvtierd: policy %s (%s on %s): tiers above %.0f%% of capacity are brought down to "
             "%.0f%% by demoting or dropping their lowest-value blocks",
@@ -137,7 +137,7 @@ out:
     return rc < 0 ? rc : 0;
 }
 
-static void kvt_recovered_sizes(kvt_srv_t *s)
+static void recovered_sizes(kvt_srv_t *s)
 {
     size_t n = kvt_radix_node_count(s->radix);
     for (size_t i = 0; i < n; i++) {
@@ -209,7 +209,7 @@ int kvt__store_open(kvt_srv_t *s)
                 kvt_log(KVT_LOG_ERROR, "kvtierd: NVMe recovery: %s", kvt_strerror(rc));
                 return rc;
             }
-            kvt_recovered_sizes(s);
+            recovered_sizes(s);
             kvt_metrics_t *m = s->metrics;
             kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_INSERTED, (double)rec.inserted);
             kvt__metric_set(m, KVT_M_NVME_RECOVERY, KVT_RECOVERY_TORN, (double)rec.torn);
@@ -281,7 +281,7 @@ int kvt__store_open(kvt_srv_t *s)
         kvt_log(KVT_LOG_INFO, "kvtierd: no tier configured: the index only, no KV bytes kept");
         return 0;
     }
-    return kvt_policy_open(s);
+    return policy_open(s);
 }
 
 void kvt__store_close(kvt_srv_t *s)
