@@ -2,7 +2,7 @@
  * bench_recover.c: what a long namespace list costs an NVMe warm restart. The NVMe tier keeps
  * DIR/namespaces, one line per namespace a client declared, to name namespaces again after a
  * restart; in a fleet with per-tenant salts most of those tenants have left nothing on disk.
- * Recovery (kvt_tier_nvme_recover) must cost what the blocks on disk cost, whatever the list
+ * Recovery (kvt_store_nvme_recover) must cost what the blocks on disk cost, whatever the list
  * holds.
  *
  * One namespace's --blocks blocks (one-page prompts, 512 bytes each) are written through the
@@ -22,9 +22,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../common/common.h"
-#include "../radix/radix.h"
-#include "../tiers/tier.h"
+#include "common.h"
+#include "radix.h"
+#include "tier.h"
+#include "server.h" /* kvt_store_nvme_recover */
 #include "bench_stats.h"
 
 #define PAGE    16
@@ -127,7 +128,7 @@ static void write_list(uint32_t idle)
         die(path, -errno);
 }
 
-/* Seconds kvt_tier_nvme_recover takes with idle tenants listed before the busy one. */
+/* Seconds kvt_store_nvme_recover takes with idle tenants listed before the busy one. */
 static double recover_once(uint32_t blocks, uint32_t idle)
 {
     write_list(idle);
@@ -137,7 +138,7 @@ static double recover_once(uint32_t blocks, uint32_t idle)
         die("tree", KVT_ENOMEM);
     kvt_tier_nvme_recovery_t r;
     uint64_t t0 = kvt_now_ns();
-    int rc = kvt_tier_nvme_recover(t, tree, &r);
+    int rc = kvt_store_nvme_recover(tree, t, &r);
     double s = (double)(kvt_now_ns() - t0) / 1e9;
     if (rc < 0)
         die("recover", rc);

@@ -111,6 +111,81 @@ static inline uint64_t kvt_now_us(void)
  */
 void kvt_heap_hugepages(char **argv);
 
+/*
+ * Names the index (radix/), the tiers (tiers/) and the policy share, kept here so that none of
+ * them depends on another for them: where a block's bytes live, the largest page, and the seed a
+ * namespace's blocks are hashed from (the tree's prefix hashes and the tiers' stored headers both
+ * carry it).
+ */
+#define KVT_PAGE_MAX 1024 /* the most tokens in one page */
+
+/* Where a block's KV bytes live (kvt_block_t.tier; the tiers' own kind). */
+typedef enum {
+    KVT_TIER_NONE = 0, /* index only: no bytes stored anywhere */
+    KVT_TIER_HBM = 1,
+    KVT_TIER_DRAM = 2,
+    KVT_TIER_NVME = 3,
+    KVT_TIER_REMOTE = 4,
+    KVT_TIER_COUNT = 5
+} kvt_tier_id_t;
+
+const char *kvt_tier_name(kvt_tier_id_t t); /* "none", "hbm", "dram", "nvme", "remote" */
+
+/* A namespace's description as hashed into its seed (radix/radix.h, "The prefix hash"): the tag
+ * "kvtier-ns-v1" with its NUL, model, adapter and salt each with its NUL (NULL adapter or salt:
+ * empty), the page size as a little-endian uint32. kvt_ns_describe writes it into buf
+ * (KVT_NS_DESC_MAX bytes) and returns its length, or 0 for a description refused (no model, a
+ * string over 255 bytes, a page size outside 1..KVT_PAGE_MAX); the part after the tag
+ * (KVT_NS_TAG_LEN bytes) is what the tree keeps as the namespace's name. */
+#define KVT_NS_TAG_LEN  13
+#define KVT_NS_DESC_MAX (KVT_NS_TAG_LEN + 3 * 256 + 4)
+size_t kvt_ns_describe(char *buf, const char *model, const char *adapter, const char *salt,
+                       uint32_t page_size);
+/* The seed of a description (XXH3_64bits of it), the same in every process; 0 for one refused. */
+uint64_t kvt_ns_seed_of(const char *model, const char *adapter, const char *salt,
+                        uint32_t page_size);
+
+/*
+ * Little-endian fields, byte by byte: the one set for every format kvtier writes (the wire
+ * protocol, the stored block header, the NVMe log's records), so that none depends on the host's
+ * byte order or on alignment.
+ */
+static inline void kvt_put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void kvt_put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void kvt_put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t kvt_get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static inline uint32_t kvt_get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint64_t kvt_get_u64(const uint8_t *p)
+{
+    return (uint64_t)kvt_get_u32(p) | ((uint64_t)kvt_get_u32(p + 4) << 32);
+}
+
+/*
+ * A growing array: *pp (any object pointer, passed by address) holds *cap elements of elem
+ * bytes; makes it hold at least need, doubling from first (or from *cap), contents kept. On
+ * failure nothing changes. Returns 0 or KVT_ENOMEM. Every buffer that grows by doubling (reply
+ * output, client input, token scratch) grows through this one.
+ */
+int kvt_reserve(void *pp, size_t *cap, size_t need, size_t elem, size_t first);
+
 #define KVT_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define KVT_MIN(a, b)    ((a) < (b) ? (a) : (b))
 #define KVT_MAX(a, b)    ((a) > (b) ? (a) : (b))

@@ -188,12 +188,6 @@ static inline uint64_t page_key(const uint32_t *tokens, uint32_t page_size)
     return XXH3_64bits(tokens, (size_t)page_size * sizeof(uint32_t));
 }
 
-const char *kvt_tier_name(kvt_tier_id_t tier)
-{
-    static const char *const names[] = {"none", "hbm", "dram", "nvme", "remote"};
-    return (unsigned)tier < KVT_TIER_COUNT ? names[tier] : "invalid";
-}
-
 /*
  * Copies a new node's tokens with non-temporal stores when the run is large: the pages are next
  * read when a later request shares them, long after they have left the cache, so pulling every
@@ -971,38 +965,13 @@ int kvt_radix_ns_close(kvt_radix_t *t, uint32_t ns)
     return 0;
 }
 
-/* A namespace's description as hashed (buf must hold KVT_NS_DESC_MAX bytes): a tag, the three
- * strings with their NULs, the page size. Returns its length, or 0 for a description
- * kvt_radix_ns_open refuses (no model, a string too long, a page size out of range); the part
- * kept as the namespace's name starts at buf + NS_TAG_LEN. */
-#define NS_TAG_LEN      13 /* "kvtier-ns-v1" with its NUL */
-#define KVT_NS_DESC_MAX (NS_TAG_LEN + 3 * 256 + 4)
-static size_t ns_describe(char *buf, const char *model, const char *adapter, const char *salt,
-                          uint32_t page_size)
-{
-    if (!model || page_size < 1 || page_size > KVT_PAGE_MAX)
-        return 0;
-    const char *parts[3] = {model, adapter ? adapter : "", salt ? salt : ""};
-    memcpy(buf, "kvtier-ns-v1", NS_TAG_LEN);
-    size_t len = NS_TAG_LEN;
-    for (int i = 0; i < 3; i++) {
-        size_t l = strlen(parts[i]);
-        if (l > 255)
-            return 0;
-        memcpy(buf + len, parts[i], l + 1);
-        len += l + 1;
-    }
-    uint8_t ps[4] = {(uint8_t)page_size, (uint8_t)(page_size >> 8), (uint8_t)(page_size >> 16),
-                     (uint8_t)(page_size >> 24)};
-    memcpy(buf + len, ps, 4);
-    return len + 4;
-}
+#define NS_TAG_LEN KVT_NS_TAG_LEN /* "kvtier-ns-v1" with its NUL: kvt_ns_describe */
 
 int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, const char *salt,
                       uint32_t page_size, uint32_t *ns_out)
 {
     char buf[KVT_NS_DESC_MAX];
-    size_t len = ns_describe(buf, model, adapter, salt, page_size);
+    size_t len = kvt_ns_describe(buf, model, adapter, salt, page_size);
     if (!t || !ns_out || !len)
         return KVT_EINVAL;
     /* The name kept is the strings, without the tag and the page size. */
@@ -1013,16 +982,14 @@ int kvt_radix_ns_open(kvt_radix_t *t, const char *model, const char *adapter, co
 uint64_t kvt_radix_ns_seed_of(const char *model, const char *adapter, const char *salt,
                               uint32_t page_size)
 {
-    char buf[KVT_NS_DESC_MAX];
-    size_t len = ns_describe(buf, model, adapter, salt, page_size);
-    return len ? XXH3_64bits(buf, len) : 0;
+    return kvt_ns_seed_of(model, adapter, salt, page_size);
 }
 
 uint64_t kvt_radix_ns_need(const kvt_radix_t *t, const char *model, const char *adapter,
                            const char *salt, uint32_t page_size)
 {
     char buf[KVT_NS_DESC_MAX];
-    size_t len = ns_describe(buf, model, adapter, salt, page_size);
+    size_t len = kvt_ns_describe(buf, model, adapter, salt, page_size);
     if (!t || !len)
         return 0; /* refused by kvt_radix_ns_open, which then adds nothing */
     uint64_t b = len - NS_TAG_LEN - 4;
@@ -1054,16 +1021,24 @@ uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns)
     return t && ns_live(t, ns) ? t->ns[ns].seed : 0;
 }
 
-int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
-                         uint64_t *hashes)
+int kvt_radix_hash_chain(const kvt_radix_t *t, uint32_t ns, uint64_t parent, const uint32_t *tokens,
+                         size_t npages, uint64_t *hashes)
 {
     if (!t || !ns_live(t, ns) || (npages && (!tokens || !hashes)))
         return KVT_EINVAL;
     uint32_t ps = t->ns[ns].page_size;
-    uint64_t h = t->ns[ns].seed;
+    uint64_t h = parent;
     for (size_t i = 0; i < npages; i++)
         hashes[i] = h = page_hash(tokens + i * ps, ps, h);
     return 0;
+}
+
+int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
+                         uint64_t *hashes)
+{
+    if (!t || !ns_live(t, ns))
+        return KVT_EINVAL;
+    return kvt_radix_hash_chain(t, ns, t->ns[ns].seed, tokens, npages, hashes);
 }
 
 /* ---- match ---------------------------------------------------------------------------------- */
@@ -2182,4 +2157,44 @@ out:
     free(expect_leases);
     free(stack);
     return rc;
+}
+
+/* ---- ghosts ---------------------------------------------------------------------------------- */
+
+struct kvt_ghosts {
+    uint64_t mask;
+    uint64_t slot[];
+};
+
+int kvt_ghosts_create(kvt_ghosts_t **out, unsigned bits)
+{
+    if (!out || bits < 1 || bits > 30)
+        return KVT_EINVAL;
+    kvt_ghosts_t *g = calloc(1, sizeof *g + ((size_t)1 << bits) * sizeof(uint64_t));
+    if (!g)
+        return KVT_ENOMEM;
+    g->mask = ((uint64_t)1 << bits) - 1;
+    *out = g;
+    return 0;
+}
+
+void kvt_ghosts_destroy(kvt_ghosts_t *g)
+{
+    free(g);
+}
+
+void kvt_ghosts_add(kvt_ghosts_t *g, uint64_t hash)
+{
+    if (hash)
+        g->slot[hash & g->mask] = hash;
+}
+
+int kvt_ghosts_seen(const kvt_ghosts_t *g, uint64_t hash)
+{
+    return hash && g->slot[hash & g->mask] == hash;
+}
+
+void kvt_ghosts_prefetch(const kvt_ghosts_t *g, uint64_t hash)
+{
+    __builtin_prefetch(&g->slot[hash & g->mask], 0, 1);
 }

@@ -9,8 +9,8 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#include "../radix/radix.h"
-#include "../server/proto.h"
+#include "radix.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 static void raw_send(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body,

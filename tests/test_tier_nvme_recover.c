@@ -2,11 +2,14 @@
  * test_tier_nvme_recover.c: the NVMe tier's warm restart. Reopening a data directory finds the
  * blocks written before; a child process writing blocks is killed with SIGKILL and the parent
  * finds every block the child saw completed; a torn last write and an overwritten prefix are
- * skipped; the newest copy of a block wins; and kvt_tier_nvme_recover() rebuilds the radix
+ * skipped; the newest copy of a block wins; and kvt_store_nvme_recover() rebuilds the radix
  * entries of recovered prefixes by following parent hashes, freeing blocks whose ancestors are
  * gone.
  */
 #include "test_tier_util.h"
+
+#include "radix.h"
+#include "server.h" /* kvt_store_nvme_recover: the daemon feeds what the tier yields to the tree */
 
 #include <fcntl.h>
 #include <signal.h>
@@ -519,7 +522,7 @@ static kvt_tier_t *restart(const char *dir, kvt_tier_t *t, kvt_radix_t **tree,
     kvt_radix_destroy(*tree);
     cr_assert_eq(kvt_radix_create(tree, NULL), 0);
     t = open_tier(dir);
-    cr_assert_eq(kvt_tier_nvme_recover(t, *tree, r), 0);
+    cr_assert_eq(kvt_store_nvme_recover(*tree, t, r), 0);
     return t;
 }
 
@@ -757,7 +760,7 @@ Test(tier_nvme_recover, rebuilds_radix_entries_from_parent_hashes)
     cr_assert_eq(r.recovered, 9);
     cr_assert_eq(r.inserted, 7);
     cr_assert_eq(r.orphans, 2);
-    cr_assert_eq(kvt_tier_nvme_recover(t, tree, &r), KVT_EBUSY);
+    cr_assert_eq(kvt_store_nvme_recover(tree, t, &r), KVT_EBUSY);
     kvt_tier_usage_t u;
     kvt_tier_usage(t, &u);
     cr_assert_eq(u.blocks, 7, "orphans are freed");
@@ -870,7 +873,7 @@ Test(tier_nvme_recover, namespaces_known_only_by_seed_come_back_too)
     kvt_match_t m;
     cr_assert_eq(kvt_radix_match(tree, ns, a, 3 * 16, KVT_MATCH_NOTOUCH, &m), 0);
     cr_assert_eq(m.pages, 3);
-    cr_assert_eq(kvt_tier_nvme_recover(NULL, tree, &r), KVT_EINVAL);
+    cr_assert_eq(kvt_store_nvme_recover(tree, NULL, &r), KVT_EINVAL);
     kvt_tier_destroy(t);
     kvt_radix_destroy(tree);
     tu_rmrf(dir);

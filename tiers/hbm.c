@@ -20,8 +20,8 @@
  *         done. The tier's fd is a timerfd armed (every 20 us) only while copies are in flight;
  *         the poll op queries the events and completes what is done. No thread of ours runs:
  *         the loop that owns the tier harvests everything. A copy that stages on its way to or
- *         from this backend stages through pinned memory (kvt__pinned_get below), so that its
- *         copy is a real asynchronous DMA.
+ *         from this backend stages through pinned memory (the copy code's cache, tier.c), so
+ *         that its copy is a real asynchronous DMA.
  *   host  the pool is ordinary memory and a batch is a memcpy per copy, completed at once:
  *         four-tier behaviour on machines without a GPU. Chosen only by explicit configuration,
  *         and it says so in its log line and in kvt_tier_backend().
@@ -90,7 +90,7 @@ typedef struct hbm {
     uint32_t next_stream[2];
     int tfd;
     int armed;
-    int pinned;            /* counted in pin_tiers */
+    int pinned;            /* counted by kvt__pinned_open */
     int batch_api;         /* cudaMemcpyBatchAsync not refused so far */
     uint32_t read_batches; /* batches of reads submitted and not yet done */
     int fence; /* slots were freed while reads were out: the next writes wait for those reads */
@@ -103,10 +103,6 @@ typedef struct hbm {
     size_t nevents, events_cap;
 #endif
 } hbm_t;
-
-#if KVT_HAVE_CUDA
-static void pin_close(void);
-#endif
 
 /* ---- the slot allocator ---- */
 
@@ -352,7 +348,7 @@ static void hbm_dealloc(hbm_t *h)
         if (h->tfd >= 0)
             close(h->tfd);
         if (h->pinned)
-            pin_close();
+            kvt__pinned_close();
     }
 #endif
     if (!h->cuda && h->base)
@@ -396,89 +392,6 @@ int kvt_tier_cuda_usable(void)
 {
     pthread_once(&cuda_once, cuda_probe);
     return cuda_ndev > 0;
-}
-
-/* ---- pinned staging for copies (kvt__pinned_get) ----
- * cudaHostAlloc pins pages at a cost of a millisecond or more for megabytes, so freed staging
- * buffers wait in a small cache, by size rounded up to a power of two, while any CUDA tier is
- * open; the last one to close empties it. A buffer handed back after that is freed at once. */
-#define PIN_CACHE_SLOTS 16
-#define PIN_CACHE_BYTES (128ull << 20)
-
-static pthread_mutex_t pin_lock = PTHREAD_MUTEX_INITIALIZER;
-static unsigned pin_tiers; /* CUDA tiers open */
-static void *pin_buf[PIN_CACHE_SLOTS];
-static size_t pin_len[PIN_CACHE_SLOTS];
-static unsigned pin_n;
-static uint64_t pin_bytes;
-
-static size_t pin_round(size_t sz)
-{
-    size_t r = 64u << 10;
-    while (r < sz)
-        r <<= 1;
-    return r;
-}
-
-void *kvt__pinned_get(size_t sz)
-{
-    size_t want = pin_round(sz);
-    void *p = NULL;
-    pthread_mutex_lock(&pin_lock);
-    for (unsigned i = 0; i < pin_n; i++) {
-        if (pin_len[i] == want) {
-            p = pin_buf[i];
-            pin_bytes -= want;
-            pin_n--;
-            pin_buf[i] = pin_buf[pin_n];
-            pin_len[i] = pin_len[pin_n];
-            break;
-        }
-    }
-    pthread_mutex_unlock(&pin_lock);
-    if (!p && cudaHostAlloc(&p, want, cudaHostAllocPortable) != cudaSuccess)
-        p = NULL;
-    return p;
-}
-
-void kvt__pinned_put(void *p, size_t sz)
-{
-    size_t len = pin_round(sz);
-    pthread_mutex_lock(&pin_lock);
-    int keep = pin_tiers > 0 && pin_n < PIN_CACHE_SLOTS && pin_bytes + len <= PIN_CACHE_BYTES;
-    if (keep) {
-        pin_buf[pin_n] = p;
-        pin_len[pin_n] = len;
-        pin_n++;
-        pin_bytes += len;
-    }
-    pthread_mutex_unlock(&pin_lock);
-    if (!keep)
-        cudaFreeHost(p);
-}
-
-static void pin_open(void)
-{
-    pthread_mutex_lock(&pin_lock);
-    pin_tiers++;
-    pthread_mutex_unlock(&pin_lock);
-}
-
-static void pin_close(void)
-{
-    void *drop[PIN_CACHE_SLOTS];
-    unsigned n = 0;
-    pthread_mutex_lock(&pin_lock);
-    kvt_assert(pin_tiers > 0);
-    if (--pin_tiers == 0) {
-        n = pin_n;
-        memcpy(drop, pin_buf, n * sizeof(drop[0]));
-        pin_n = 0;
-        pin_bytes = 0;
-    }
-    pthread_mutex_unlock(&pin_lock);
-    for (unsigned i = 0; i < n; i++)
-        cudaFreeHost(drop[i]);
 }
 
 static void cuda_arm(hbm_t *h, int on)
@@ -750,7 +663,7 @@ static int cuda_open(hbm_t *h, const kvt_tier_hbm_conf_t *conf)
     if (!h->dsts || !h->srcs || !h->sizes)
         return KVT_ENOMEM;
     h->batch_api = CUDART_VERSION >= 12080;
-    pin_open();
+    kvt__pinned_open();
     h->pinned = 1;
     return 0;
 }

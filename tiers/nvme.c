@@ -2,8 +2,8 @@
  * nvme.c: the NVMe tier. One preallocated data file, DIR/kvtier.data, used as a log of
  * fixed-size segments and driven by io_uring with O_DIRECT (buffered where the file system
  * refuses O_DIRECT, logged once). This file owns the on-disk layout, the segment table, the
- * io_uring request slots, and the recovery scan that runs at creation; nvme_recover.c gives the
- * recovered blocks back to a radix tree.
+ * io_uring request slots, and the recovery scan that runs at creation; nvme_recover.c hands the
+ * recovered blocks to the owner of the index.
  *
  * On disk
  * -------
@@ -148,54 +148,32 @@ static uint32_t rec_bytes(uint32_t hdr, uint32_t len)
 
 /* ---- the record prefix ---- */
 
-static void put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t get64(const uint8_t *p)
-{
-    return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
-}
-
 /* flags: the record's block was removed (a tombstone, written by versions before kvtier.live;
  * still stepped over in the logs they left) */
 #define PREFIX_DISCARDED 1u
 
 static void prefix_encode(uint8_t *p, uint32_t rec, uint32_t hdr, uint64_t stamp, uint32_t flags)
 {
-    put32(p, PREFIX_MAGIC);
-    put32(p + 4, rec / SECTOR);
-    put64(p + 8, stamp);
-    put32(p + 16, hdr / SECTOR);
-    put32(p + 20, flags);
-    put64(p + 24, XXH3_64bits(p, 24));
+    kvt_put_u32(p, PREFIX_MAGIC);
+    kvt_put_u32(p + 4, rec / SECTOR);
+    kvt_put_u64(p + 8, stamp);
+    kvt_put_u32(p + 16, hdr / SECTOR);
+    kvt_put_u32(p + 20, flags);
+    kvt_put_u64(p + 24, XXH3_64bits(p, 24));
 }
 
 /* Returns 0 and the record and header sizes, 1 and the same for the intact prefix of a
  * discarded record, or -1 when p is not an intact prefix. */
 static int prefix_decode(const uint8_t *p, uint32_t *rec, uint32_t *hdr, uint64_t *stamp)
 {
-    if (get32(p) != PREFIX_MAGIC || get64(p + 24) != XXH3_64bits(p, 24))
+    if (kvt_get_u32(p) != PREFIX_MAGIC || kvt_get_u64(p + 24) != XXH3_64bits(p, 24))
         return -1;
-    *rec = get32(p + 4) * SECTOR;
-    *hdr = get32(p + 16) * SECTOR;
-    *stamp = get64(p + 8);
+    *rec = kvt_get_u32(p + 4) * SECTOR;
+    *hdr = kvt_get_u32(p + 16) * SECTOR;
+    *stamp = kvt_get_u64(p + 8);
     if (*hdr == 0 || *hdr > HDR_MAX_BYTES || *rec < *hdr)
         return -1;
-    return (get32(p + 20) & PREFIX_DISCARDED) != 0;
+    return (kvt_get_u32(p + 20) & PREFIX_DISCARDED) != 0;
 }
 
 /* ---- kvtier.live: which records hold live blocks ---- */
@@ -236,7 +214,7 @@ static void live_reset(nvme_t *n, uint32_t seg, uint64_t stamp)
 {
     uint8_t *e = live_entry(n, seg);
     memset(e + 8, 0, n->live_entry - 8);
-    put64(e, stamp);
+    kvt_put_u64(e, stamp);
 }
 
 /* ---- segments ---- */
@@ -380,21 +358,22 @@ static int seg_alloc(nvme_t *n, uint32_t rec, uint32_t *seg, uint32_t *off)
 
 /* ---- request slots and io_uring ---- */
 
+/* A slot for a request counted in flight (the window is the number of slots, so there is one). */
 static nvme_req_t *req_get(nvme_t *n)
 {
-    nvme_req_t *r = n->free_reqs;
-    if (r)
-        n->free_reqs = r->next;
-    return r;
+    kvt__ioq_link_t *l = kvt__ioq_slot_get(&n->q);
+    kvt_assert(l);
+    return KVT__IOQ_OF(l, nvme_req_t, link);
 }
 
+/* Gives the slot back and ends the request's count in flight. */
 static void req_put(nvme_t *n, nvme_req_t *r)
 {
     free(r->bounce);
     r->bounce = NULL;
     r->io = NULL;
-    r->next = n->free_reqs;
-    n->free_reqs = r;
+    kvt__ioq_slot_put(&n->q, &r->link);
+    kvt__ioq_finished(&n->q);
 }
 
 static int req_submit(nvme_t *n, nvme_req_t *r)
@@ -555,40 +534,16 @@ static int nvme_start(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     return io->op == KVT_IO_WRITE ? nvme_start_write(n, r, io) : nvme_start_read(n, r, io);
 }
 
-/* Requests wait for a slot in two FIFOs linked through priv[1]: urgent reads (io->urgent) and
- * the rest; a slot goes to the urgent ones first. */
+/* Requests wait for a slot in the tier's queue (ioq.c): urgent reads (io->urgent) go ahead of
+ * the rest. */
 static int io_urgent(const kvt_tier_io_t *io)
 {
     return io->urgent && io->op == KVT_IO_READ;
 }
 
-static void wait_push(nvme_t *n, kvt_tier_io_t *io)
+static kvt_tier_io_t *io_of(kvt__ioq_link_t *l)
 {
-    nvme_fifo_t *q = &n->wait[io_urgent(io)];
-    io->priv[1] = 0;
-    if (q->tail)
-        q->tail->priv[1] = (uint64_t)(uintptr_t)io;
-    else
-        q->head = io;
-    q->tail = io;
-}
-
-/* The request a free slot goes to next, or NULL. */
-static kvt_tier_io_t *wait_next(const nvme_t *n)
-{
-    return n->wait[1].head ? n->wait[1].head : n->wait[0].head;
-}
-
-static kvt_tier_io_t *wait_pop(nvme_t *n)
-{
-    nvme_fifo_t *q = &n->wait[n->wait[1].head != NULL];
-    kvt_tier_io_t *io = q->head;
-    if (io) {
-        q->head = (kvt_tier_io_t *)(uintptr_t)io->priv[1];
-        if (!q->head)
-            q->tail = NULL;
-    }
-    return io;
+    return l ? KVT__IOQ_OF(l, kvt_tier_io_t, wait) : NULL;
 }
 
 static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
@@ -597,15 +552,12 @@ static int nvme_submit(kvt_tier_t *t, kvt_tier_io_t *io)
     if (io->op == KVT_IO_WRITE && rec_bytes(hdr_region(io->key.ntokens), io->len) > n->seg_bytes)
         return KVT_ETOOBIG; /* a record never spans segments */
     /* Keep submission order within the request's class (urgent reads pass the others). */
-    if (n->wait[1].head || (!io_urgent(io) && n->wait[0].head) || write_waits(n, io)) {
-        wait_push(n, io);
+    if (kvt__ioq_behind(&n->q, io_urgent(io)) || write_waits(n, io) || !kvt__ioq_start(&n->q)) {
+        io->wait.deadline_ns = 0;
+        kvt__ioq_push(&n->q, &io->wait, io_urgent(io));
         return 0;
     }
     nvme_req_t *r = req_get(n);
-    if (!r) {
-        wait_push(n, io);
-        return 0;
-    }
     int rc = nvme_start(n, r, io);
     if (rc < 0)
         req_put(n, r);
@@ -688,8 +640,9 @@ static void req_done(nvme_t *n, nvme_req_t *r, int status)
 /* Starts waiting requests while slots are free. */
 static void nvme_drain_wait(nvme_t *n)
 {
-    while (wait_next(n) && n->free_reqs && !write_waits(n, wait_next(n))) {
-        kvt_tier_io_t *io = wait_pop(n);
+    kvt_tier_io_t *io;
+    while ((io = io_of(kvt__ioq_next(&n->q))) && !write_waits(n, io)) {
+        kvt__ioq_pop(&n->q);
         nvme_req_t *r = req_get(n);
         int rc = nvme_start(n, r, io);
         if (rc < 0) {
@@ -1000,11 +953,11 @@ static void live_header(const nvme_t *n, uint8_t *h)
 {
     memset(h, 0, 32);
     memcpy(h, LIVE_MAGIC, 8);
-    put32(h + 8, 1);
-    put32(h + 12, n->seg_bytes);
-    put32(h + 16, n->nsegs);
-    put32(h + 20, n->live_entry);
-    put64(h + 24, XXH3_64bits(h, 24));
+    kvt_put_u32(h + 8, 1);
+    kvt_put_u32(h + 12, n->seg_bytes);
+    kvt_put_u32(h + 16, n->nsegs);
+    kvt_put_u32(h + 20, n->live_entry);
+    kvt_put_u64(h + 24, XXH3_64bits(h, 24));
 }
 
 /*
@@ -1229,6 +1182,7 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
     n->seg_bytes = segb;
     n->nsegs = (uint32_t)nsegs;
     n->qd = qd;
+    kvt__ioq_init(&n->q, qd);
     n->reclaim_cb = conf->reclaim_cb;
     n->reclaim_arg = conf->reclaim_arg;
     n->dir = strdup(conf->dir);
@@ -1246,8 +1200,7 @@ int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf)
         if (posix_memalign((void **)&r->hdr, SECTOR, HDR_MAX_BYTES) != 0 ||
             posix_memalign((void **)&r->tail, SECTOR, SECTOR) != 0)
             goto fail;
-        r->next = n->free_reqs;
-        n->free_reqs = r;
+        kvt__ioq_slot_put(&n->q, &r->link);
     }
 
     if (mkdir(conf->dir, 0755) != 0 && errno != EEXIST) {
@@ -1411,7 +1364,7 @@ static int scan_record(nvme_t *n, uint32_t seg, uint32_t off, uint32_t rec, uint
             return KVT_ENOMEM;
         const uint8_t *tp = buf + PREFIX_BYTES + KVT_BLOCKHDR_BYTES;
         for (uint32_t i = 0; i < in.ntokens; i++)
-            r.tokens[i] = get32(tp + 4 * i);
+            r.tokens[i] = kvt_get_u32(tp + 4 * i);
     }
     if ((rc = rec_push(n, &r)) < 0) {
         free(r.tokens);
@@ -1435,7 +1388,7 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
     if (mapped) {
         if (!live_any(n, seg))
             return 0;
-        s->stamp = get64(live_entry(n, seg));
+        s->stamp = kvt_get_u64(live_entry(n, seg));
     }
     while (off + SECTOR <= n->seg_bytes) {
         uint32_t first = KVT_MIN(HDR_MAX_BYTES, n->seg_bytes - off);
@@ -1549,7 +1502,7 @@ static int live_rebuild(nvme_t *n)
         const nvme_seg_t *s = &n->segs[i];
         memset(e, 0, n->live_entry);
         if (s->state != SEG_FREE) {
-            put64(e, s->stamp);
+            kvt_put_u64(e, s->stamp);
             for (uint32_t k = 0; k < s->nlocs; k++) {
                 uint32_t sector = (uint32_t)(s->locs[k] & 0x3ffffu);
                 e[8 + (sector >> 3)] |= (uint8_t)(1u << (sector & 7));
@@ -1596,6 +1549,7 @@ int kvt__nvme_scan(nvme_t *n)
 
 void kvt__nvme_recovered_free(nvme_t *n)
 {
+    kvt__nvme_replay_free(n);
     for (size_t i = 0; i < n->nrecovered; i++)
         free(n->recovered[i].tokens);
     free(n->recovered);

@@ -1,6 +1,6 @@
 /*
  * nvme_impl.h: the NVMe tier's state, shared by nvme.c (I/O, segments, the recovery scan) and
- * nvme_recover.c (putting recovered blocks back into a radix tree). Internal to tiers/.
+ * nvme_recover.c (handing recovered blocks to the owner of the index). Internal to tiers/.
  */
 #ifndef KVT_NVME_IMPL_H
 #define KVT_NVME_IMPL_H
@@ -26,17 +26,13 @@ typedef struct nvme_seg {
     uint64_t *locs; /* every location written in this use (some freed since) */
 } nvme_seg_t;
 
-typedef struct nvme_fifo {
-    kvt_tier_io_t *head, *tail; /* linked through priv[1] */
-} nvme_fifo_t;
-
 /* One io_uring request slot: the tier has queue_depth of them. */
 typedef struct nvme_req {
     kvt_tier_io_t *io;
-    struct nvme_req *next; /* free list */
-    uint8_t *hdr;          /* HDR_MAX_BYTES, sector-aligned: prefix, block header, tokens */
-    uint8_t *tail;         /* one sector for a payload's partial last sector */
-    uint8_t *bounce;       /* the whole payload, for a caller buffer that is not aligned */
+    kvt__ioq_link_t link; /* the slot pool (ioq) */
+    uint8_t *hdr;         /* HDR_MAX_BYTES, sector-aligned: prefix, block header, tokens */
+    uint8_t *tail;        /* one sector for a payload's partial last sector */
+    uint8_t *bounce;      /* the whole payload, for a caller buffer that is not aligned */
     struct iovec iov[3];
     uint32_t niov, iov_at;
     uint32_t done, total; /* bytes transferred so far, bytes to transfer */
@@ -46,7 +42,8 @@ typedef struct nvme_req {
     uint64_t off; /* file offset of the record */
 } nvme_req_t;
 
-/* A block the recovery scan found, kept until kvt_tier_nvme_recover consumes it. */
+/* A block the recovery scan found, kept until recovery ends (kvt_tier_nvme_recover_end). */
+typedef struct nvme_replay nvme_replay_t; /* nvme_recover.c */
 typedef struct nvme_recovered {
     uint64_t loc, ns_seed, hash, parent, seq;
     uint32_t len, ntokens;
@@ -62,8 +59,8 @@ typedef struct nvme {
     struct io_uring ring;
     int ring_ok;
     uint32_t qd;
-    nvme_req_t *reqs, *free_reqs;
-    nvme_fifo_t wait[2]; /* waiting for a slot: [1] urgent reads, [0] the rest */
+    nvme_req_t *reqs;
+    kvt__ioq_t q; /* requests waiting for a slot (window: qd), and the free slots */
     uint32_t seg_bytes, nsegs;
     nvme_seg_t *segs;
     uint32_t cur;       /* the open segment, or UINT32_MAX */
@@ -74,6 +71,7 @@ typedef struct nvme {
     nvme_recovered_t *recovered;
     size_t nrecovered, recovered_cap;
     int recover_done;
+    nvme_replay_t *replay; /* between kvt_tier_nvme_recover_begin and _end */
     /* Hashes of the descriptions DIR/namespaces holds (kvt_tier_nvme_add_ns): an open-addressing
      * set, 0 marking a free slot, read from the file once, on the first call. */
     uint64_t *ns_set;
@@ -96,6 +94,7 @@ extern const kvt_tier_ops_t kvt__nvme_ops;
 
 uint64_t kvt__nvme_loc(uint32_t seg, uint32_t gen, uint32_t hdr_sectors, uint32_t sector);
 int kvt__nvme_scan(nvme_t *n);
-void kvt__nvme_recovered_free(nvme_t *n);
+void kvt__nvme_recovered_free(nvme_t *n); /* the scan's blocks and the replay state */
+void kvt__nvme_replay_free(nvme_t *n);
 
 #endif

@@ -1,15 +1,12 @@
 /*
- * nvme_recover.c: the second half of the NVMe warm restart. The scan in nvme.c found the blocks
- * on disk, each with its namespace seed, prefix hash, parent hash and tokens; this file gives
- * them back to a radix tree. A block's token path is rebuilt by following parent hashes up to
- * the namespace seed (each hop is one page of tokens), and only the deepest blocks (those no
- * other block names as parent) are inserted: their paths cover their ancestors. Blocks name
- * their namespace by seed only: a seed the tree does not know is opened with
- * kvt_radix_ns_open_seed, and DIR/namespaces keeps descriptions (kvt_tier_nvme_add_ns) so that
- * the namespaces come back with their names too.
- *
- * Kept apart from nvme.c so that a program that never recovers into a tree does not link the
- * radix tree.
+ * nvme_recover.c: the second half of the NVMe warm restart, and the namespace list it needs. The
+ * scan in nvme.c found the blocks on disk, each with its namespace seed, prefix hash, parent hash
+ * and tokens; this file hands them to the owner of the index as token paths (tier.h, "Recovery
+ * into an index"), knowing no index itself. A block's token path is rebuilt by following parent
+ * hashes up to the namespace seed (each hop is one page of tokens), and only the deepest blocks
+ * (those no other block names as parent) start a path: their paths cover their ancestors. Blocks
+ * name their namespace by seed only: DIR/namespaces keeps descriptions (kvt_tier_nvme_add_ns) so
+ * that the namespaces come back with their names too.
  */
 #include "nvme_impl.h"
 
@@ -252,7 +249,7 @@ static int seed_held(void *arg, const char *model, const char *adapter, const ch
                      uint32_t page)
 {
     const seed_vec_t *s = arg;
-    uint64_t seed = kvt_radix_ns_seed_of(model, adapter, salt, page);
+    uint64_t seed = kvt_ns_seed_of(model, adapter, salt, page);
     return s->n && bsearch(&seed, s->v, s->n, sizeof(*s->v), u64_cmp) != NULL;
 }
 
@@ -327,110 +324,131 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
     return rc;
 }
 
-/* A namespace seed found on disk: the page size of its first block (or of its line in the file),
- * its id in the tree once opened, and whether the file named it. */
-typedef struct disk_ns {
-    uint64_t seed;
-    size_t first; /* its first block in n->recovered */
-    uint32_t page, id;
-    uint8_t open, named;
-} disk_ns_t;
+/* Recovery's state between kvt_tier_nvme_recover_begin and _end. */
+struct nvme_replay {
+    kvt_tier_nvme_ns_t *ns; /* one per seed found on disk, sorted by seed */
+    size_t nns;
+    char **strs;                /* per namespace: its description's strings, one allocation */
+    kvt_tier_nvme_block_t *pub; /* per recovered block: what the caller sees and marks */
+    int32_t *depth;             /* per block: pages from the root, or D_ORPHAN */
+    long *parent;               /* per block: its parent block, or -1 under the seed */
+    uint32_t *nsidx;            /* per block: its namespace */
+    uint8_t *has_child;
+    size_t next;    /* the next block kvt_tier_nvme_recover_next looks at */
+    uint32_t *path; /* the path handed out last */
+    kvt_tier_nvme_block_t **path_blocks;
+    size_t path_cap, blocks_cap;
+};
 
-static int disk_ns_cmp(const void *a, const void *b)
+static nvme_replay_t *replay_of(kvt_tier_t *t)
 {
-    const disk_ns_t *x = a, *y = b;
+    nvme_t *n = nvme_of(t);
+    return n ? n->replay : NULL;
+}
+
+void kvt__nvme_replay_free(nvme_t *n)
+{
+    nvme_replay_t *r = n->replay;
+    if (!r)
+        return;
+    if (r->strs)
+        for (size_t i = 0; i < r->nns; i++)
+            free(r->strs[i]);
+    free(r->strs);
+    free(r->ns);
+    free(r->pub);
+    free(r->depth);
+    free(r->parent);
+    free(r->nsidx);
+    free(r->has_child);
+    free(r->path);
+    free(r->path_blocks);
+    free(r);
+    n->replay = NULL;
+}
+
+static kvt_tier_nvme_ns_t *ns_find(const nvme_replay_t *r, uint64_t seed)
+{
+    size_t lo = 0, hi = r->nns;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (r->ns[mid].seed < seed)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < r->nns && r->ns[lo].seed == seed ? &r->ns[lo] : NULL;
+}
+
+typedef struct seed_first {
+    uint64_t seed;
+    size_t first;
+} seed_first_t;
+
+static int seed_first_cmp(const void *a, const void *b)
+{
+    const seed_first_t *x = a, *y = b;
     if (x->seed != y->seed)
         return x->seed < y->seed ? -1 : 1;
     return x->first < y->first ? -1 : x->first > y->first;
 }
 
-static disk_ns_t *disk_ns_find(disk_ns_t *v, size_t nv, uint64_t seed)
-{
-    size_t lo = 0, hi = nv;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (v[mid].seed < seed)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < nv && v[lo].seed == seed ? &v[lo] : NULL;
-}
-
-/* The namespaces of the blocks found, one per seed, sorted by seed; *out NULL when none. */
-static int disk_ns_collect(const nvme_t *n, disk_ns_t **out, size_t *nout)
+/* The namespaces of the blocks found, one per seed, sorted by seed, with the page size of the
+ * first block of each (DIR/namespaces may name a better one). */
+static int ns_collect(const nvme_t *n, nvme_replay_t *r)
 {
     size_t nr = n->nrecovered, k = 0;
-    *out = NULL;
-    *nout = 0;
     if (nr == 0)
         return 0;
-    disk_ns_t *v = malloc(nr * sizeof(*v));
+    seed_first_t *v = malloc(nr * sizeof(*v));
     if (!v)
         return KVT_ENOMEM;
     for (size_t i = 0; i < nr; i++)
         if (n->recovered[i].ntokens > 0)
-            v[k++] = (disk_ns_t){
-                .seed = n->recovered[i].ns_seed, .first = i, .page = n->recovered[i].ntokens};
+            v[k++] = (seed_first_t){.seed = n->recovered[i].ns_seed, .first = i};
     if (k > 0)
-        qsort(v, k, sizeof(*v), disk_ns_cmp);
+        qsort(v, k, sizeof(*v), seed_first_cmp);
     size_t u = 0;
     for (size_t i = 0; i < k; i++)
         if (u == 0 || v[u - 1].seed != v[i].seed)
             v[u++] = v[i];
-    *out = v;
-    *nout = u;
+    r->ns = calloc(u ? u : 1, sizeof(*r->ns));
+    r->strs = calloc(u ? u : 1, sizeof(*r->strs));
+    if (!r->ns || !r->strs) {
+        free(v);
+        return KVT_ENOMEM;
+    }
+    for (size_t i = 0; i < u; i++) {
+        r->ns[i] =
+            (kvt_tier_nvme_ns_t){.seed = v[i].seed, .page_size = n->recovered[v[i].first].ntokens};
+    }
+    r->nns = u;
+    free(v);
     return 0;
 }
 
-typedef struct ns_name_ctx {
-    kvt_radix_t *tree;
-    disk_ns_t *ns;
-    size_t nns;
-} ns_name_ctx_t;
-
-/* A line of the file: opens its namespace by name when blocks of it were found (once), and keeps
- * the line. Lines of namespaces that left nothing on disk are dropped: the list would otherwise
- * grow with every tenant ever seen, and opening them all could fill the tree's namespaces. */
+/* A line of DIR/namespaces: names the namespace of its seed when blocks of it were found and no
+ * earlier line named it. */
 static int ns_name_one(void *arg, const char *model, const char *adapter, const char *salt,
                        uint32_t page)
 {
-    ns_name_ctx_t *c = arg;
-    disk_ns_t *d = disk_ns_find(c->ns, c->nns, kvt_radix_ns_seed_of(model, adapter, salt, page));
-    if (!d || d->named)
+    nvme_replay_t *r = arg;
+    kvt_tier_nvme_ns_t *d = ns_find(r, kvt_ns_seed_of(model, adapter, salt, page));
+    if (!d || d->model)
         return 0;
-    if (kvt_radix_ns_open(c->tree, model, adapter, salt, page, &d->id) < 0) {
-        kvt_log(KVT_LOG_WARN, "nvme tier: could not reopen namespace %s/%s (page %u)", model,
-                adapter, page);
-        return 0;
-    }
-    d->named = d->open = 1;
-    d->page = page; /* blocks of another page size are orphans */
-    return 1;
-}
-
-static int ns_name_each(void *arg, const char *model, const char *adapter, const char *salt,
-                        uint32_t page)
-{
-    ns_name_one(arg, model, adapter, salt, page);
+    size_t lm = strlen(model) + 1, la = strlen(adapter) + 1, ls = strlen(salt) + 1;
+    char *p = malloc(lm + la + ls);
+    if (!p)
+        return KVT_ENOMEM;
+    memcpy(p, model, lm);
+    memcpy(p + lm, adapter, la);
+    memcpy(p + lm + la, salt, ls);
+    r->strs[d - r->ns] = p;
+    d->model = p;
+    d->adapter = p + lm;
+    d->salt = p + lm + la;
+    d->page_size = page; /* blocks of another page size are orphans */
     return 0;
-}
-
-/* Names the namespaces found on disk from DIR/namespaces, which is rewritten to their lines. */
-static void ns_name_found(nvme_t *n, kvt_radix_t *tree, disk_ns_t *ns, size_t nns)
-{
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
-    if (access(path, F_OK) != 0)
-        return; /* no list: every namespace is opened by seed */
-    ns_name_ctx_t c = {.tree = tree, .ns = ns, .nns = nns};
-    int rc = ns_rewrite(n, ns_name_one, &c, 1);
-    if (rc < 0) {
-        kvt_log(KVT_LOG_WARN, "nvme tier: could not rewrite %s (%s): names read as it is", path,
-                kvt_strerror(rc));
-        ns_each(n, ns_name_each, &c); /* the names, at least */
-    }
-    n->ns_compact_at = KVT_MAX((size_t)NS_COMPACT_MIN, 2 * n->ns_lines);
 }
 
 /* The recovered block with (hash, ns_seed), or -1; n->recovered is sorted by hash, ns_seed. */
@@ -452,47 +470,27 @@ static long rec_find(const nvme_t *n, uint64_t hash, uint64_t ns_seed)
 
 enum { D_UNKNOWN = 0, D_ORPHAN = -1, D_VISITING = -2 };
 
-int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out)
+/* Each block's namespace, parent and depth in pages; marks the blocks others name as parent. */
+static int chains_build(const nvme_t *n, nvme_replay_t *rp)
 {
-    nvme_t *n = nvme_of(t);
-    if (!n || !tree)
-        return KVT_EINVAL;
-    if (n->recover_done)
-        return KVT_EBUSY;
-    n->recover_done = 1;
-
-    size_t nr = n->nrecovered, nns = 0;
-    disk_ns_t *nss = NULL;
-    int32_t *depth = calloc(nr ? nr : 1, sizeof(*depth));
-    long *parent = calloc(nr ? nr : 1, sizeof(*parent));
-    uint32_t *nsidx = calloc(nr ? nr : 1, sizeof(*nsidx));
-    uint8_t *has_child = calloc(nr ? nr : 1, 1);
-    uint8_t *placed = calloc(nr ? nr : 1, 1);
+    size_t nr = n->nrecovered;
     long *stack = calloc(nr ? nr : 1, sizeof(*stack));
-    uint32_t *path = NULL;
-    int rc = KVT_ENOMEM;
-    if (!depth || !parent || !nsidx || !has_child || !placed || !stack ||
-        disk_ns_collect(n, &nss, &nns) < 0)
-        goto out;
-    /* The namespaces of the blocks found: by name where the file has it, else by seed. */
-    ns_name_found(n, tree, nss, nns);
-    for (size_t k = 0; k < nns; k++)
-        if (!nss[k].open && kvt_radix_ns_open_seed(tree, nss[k].seed, nss[k].page, &nss[k].id) == 0)
-            nss[k].open = 1;
-
-    /* Namespace and parent of each block; a block whose page size differs from its namespace's,
-     * or whose namespace could not be opened, is an orphan. */
+    if (!stack)
+        return KVT_ENOMEM;
+    /* Namespace and parent of each block; a block whose page size differs from its namespace's
+     * is an orphan. */
     for (size_t i = 0; i < nr; i++) {
         const nvme_recovered_t *r = &n->recovered[i];
-        disk_ns_t *d = disk_ns_find(nss, nns, r->ns_seed);
-        if (!d || !d->open || d->page != r->ntokens) {
-            depth[i] = D_ORPHAN;
+        rp->pub[i] = (kvt_tier_nvme_block_t){.loc = r->loc, .hash = r->hash, .len = r->len};
+        const kvt_tier_nvme_ns_t *d = ns_find(rp, r->ns_seed);
+        if (!d || d->page_size != r->ntokens) {
+            rp->depth[i] = D_ORPHAN;
             continue;
         }
-        nsidx[i] = (uint32_t)(d - nss);
-        parent[i] = r->parent == r->ns_seed ? -1 : rec_find(n, r->parent, r->ns_seed);
-        if (r->parent != r->ns_seed && parent[i] < 0)
-            depth[i] = D_ORPHAN;
+        rp->nsidx[i] = (uint32_t)(d - rp->ns);
+        rp->parent[i] = r->parent == r->ns_seed ? -1 : rec_find(n, r->parent, r->ns_seed);
+        if (r->parent != r->ns_seed && rp->parent[i] < 0)
+            rp->depth[i] = D_ORPHAN;
     }
     /* Depths in pages, by walking up to a block of known depth or to the namespace seed. */
     for (size_t i = 0; i < nr; i++) {
@@ -500,85 +498,152 @@ int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recove
         long j = (long)i;
         int32_t base;
         for (;;) {
-            if (depth[j] != D_UNKNOWN) {
-                base = depth[j] == D_VISITING ? D_ORPHAN : depth[j];
+            if (rp->depth[j] != D_UNKNOWN) {
+                base = rp->depth[j] == D_VISITING ? D_ORPHAN : rp->depth[j];
                 break;
             }
-            depth[j] = D_VISITING;
+            rp->depth[j] = D_VISITING;
             stack[sp++] = j;
-            if (parent[j] < 0) {
+            if (rp->parent[j] < 0) {
                 base = 0;
                 break;
             }
-            j = parent[j];
+            j = rp->parent[j];
         }
         while (sp > 0) {
             long k = stack[--sp];
             base = base == D_ORPHAN ? D_ORPHAN : base + 1;
-            depth[k] = base;
+            rp->depth[k] = base;
         }
     }
     for (size_t i = 0; i < nr; i++)
-        if (depth[i] > 0 && parent[i] >= 0)
-            has_child[parent[i]] = 1;
+        if (rp->depth[i] > 0 && rp->parent[i] >= 0)
+            rp->has_child[rp->parent[i]] = 1;
+    free(stack);
+    return 0;
+}
 
-    /* Insert each deepest path and hand its blocks their NVMe location. */
-    rc = 0;
-    for (size_t i = 0; i < nr && rc == 0; i++) {
-        if (depth[i] <= 0 || has_child[i])
+int kvt_tier_nvme_recover_begin(kvt_tier_t *t, kvt_tier_nvme_ns_t **ns, size_t *nns)
+{
+    nvme_t *n = nvme_of(t);
+    if (!n || !ns || !nns)
+        return KVT_EINVAL;
+    if (n->recover_done)
+        return KVT_EBUSY;
+    n->recover_done = 1;
+    size_t nr = n->nrecovered;
+    nvme_replay_t *r = calloc(1, sizeof(*r));
+    if (!r)
+        return KVT_ENOMEM;
+    n->replay = r;
+    r->pub = calloc(nr ? nr : 1, sizeof(*r->pub));
+    r->depth = calloc(nr ? nr : 1, sizeof(*r->depth));
+    r->parent = calloc(nr ? nr : 1, sizeof(*r->parent));
+    r->nsidx = calloc(nr ? nr : 1, sizeof(*r->nsidx));
+    r->has_child = calloc(nr ? nr : 1, 1);
+    int rc = KVT_ENOMEM;
+    if (!r->pub || !r->depth || !r->parent || !r->nsidx || !r->has_child ||
+        (rc = ns_collect(n, r)) < 0)
+        goto fail;
+    /* The namespaces by name where DIR/namespaces has them (a file that cannot be read: by
+     * seed, as with no file). */
+    if ((rc = ns_each(n, ns_name_one, r)) == KVT_ENOMEM)
+        goto fail;
+    if ((rc = chains_build(n, r)) < 0)
+        goto fail;
+    *ns = r->nns ? r->ns : NULL;
+    *nns = r->nns;
+    return 0;
+fail:
+    kvt__nvme_replay_free(n);
+    return rc;
+}
+
+int kvt_tier_nvme_recover_next(kvt_tier_t *t, kvt_tier_nvme_path_t *p)
+{
+    nvme_t *n = nvme_of(t);
+    nvme_replay_t *r = replay_of(t);
+    if (!r || !p)
+        return KVT_EINVAL;
+    for (; r->next < n->nrecovered; r->next++) {
+        size_t i = r->next;
+        if (r->depth[i] <= 0 || r->has_child[i])
             continue;
-        const disk_ns_t *ns = &nss[nsidx[i]];
-        size_t ntok = (size_t)depth[i] * ns->page;
-        uint32_t *p = realloc(path, ntok * sizeof(*p));
-        if (!p) {
-            rc = KVT_ENOMEM;
-            break;
+        const kvt_tier_nvme_ns_t *ns = &r->ns[r->nsidx[i]];
+        uint32_t npages = (uint32_t)r->depth[i];
+        size_t ntok = (size_t)npages * ns->page_size;
+        if (ntok > r->path_cap) {
+            uint32_t *v = realloc(r->path, ntok * sizeof(*v));
+            if (!v)
+                return KVT_ENOMEM;
+            r->path = v;
+            r->path_cap = ntok;
         }
-        path = p;
-        for (long j = (long)i; j >= 0; j = parent[j])
-            memcpy(path + (size_t)(depth[j] - 1) * ns->page, n->recovered[j].tokens,
-                   (size_t)ns->page * sizeof(*path));
-        kvt_insert_t res;
-        if ((rc = kvt_radix_insert(tree, ns->id, path, ntok, &res)) < 0)
-            break;
-        for (long j = (long)i; j >= 0; j = parent[j]) {
-            if (placed[j])
-                continue;
-            const nvme_recovered_t *r = &n->recovered[j];
-            kvt_block_t *b = kvt_radix_block_at(res.node, (uint32_t)depth[j] - 1);
-            if (!b || kvt_radix_block_hash(tree, res.node, (uint32_t)depth[j] - 1) != r->hash ||
-                b->tier != KVT_TIER_NONE)
-                continue; /* freed below as an orphan */
-            b->tier = KVT_TIER_NVME;
-            b->loc = r->loc;
-            b->size = r->len;
-            placed[j] = 1;
-            n->rec.inserted++;
+        if (npages > r->blocks_cap) {
+            kvt_tier_nvme_block_t **v = realloc(r->path_blocks, npages * sizeof(*v));
+            if (!v)
+                return KVT_ENOMEM;
+            r->path_blocks = v;
+            r->blocks_cap = npages;
         }
+        for (long j = (long)i; j >= 0; j = r->parent[j]) {
+            size_t page = (size_t)r->depth[j] - 1;
+            memcpy(r->path + page * ns->page_size, n->recovered[j].tokens,
+                   (size_t)ns->page_size * sizeof(*r->path));
+            r->path_blocks[page] = &r->pub[j];
+        }
+        r->next++;
+        *p = (kvt_tier_nvme_path_t){
+            .ns = r->nsidx[i], .npages = npages, .tokens = r->path, .blocks = r->path_blocks};
+        return 1;
     }
-    if (rc == 0) {
-        for (size_t i = 0; i < nr; i++) {
-            if (!placed[i]) {
+    return 0;
+}
+
+/* Keeps the lines of the namespaces the caller opened by name. */
+static int ns_keep_named(void *arg, const char *model, const char *adapter, const char *salt,
+                         uint32_t page)
+{
+    const kvt_tier_nvme_ns_t *d = ns_find(arg, kvt_ns_seed_of(model, adapter, salt, page));
+    return d && d->named;
+}
+
+int kvt_tier_nvme_recover_end(kvt_tier_t *t, int failed, kvt_tier_nvme_recovery_t *out)
+{
+    nvme_t *n = nvme_of(t);
+    nvme_replay_t *r = replay_of(t);
+    if (!r)
+        return KVT_EINVAL;
+    /* DIR/namespaces keeps the namespaces that left blocks on disk and came back by name: the
+     * list would otherwise grow with every tenant ever seen, and opening them all at the next
+     * start could fill the tree's namespaces. */
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/" NS_FILE, n->dir);
+    if (access(path, F_OK) == 0) {
+        int rc = ns_rewrite(n, ns_keep_named, r, 1);
+        if (rc < 0)
+            kvt_log(KVT_LOG_WARN, "nvme tier: could not rewrite %s (%s): left as it was", path,
+                    kvt_strerror(rc));
+        n->ns_compact_at = KVT_MAX((size_t)NS_COMPACT_MIN, 2 * n->ns_lines);
+    }
+    for (size_t i = 0; i < n->nrecovered; i++)
+        n->rec.inserted += r->pub[i].indexed != 0;
+    if (!failed) {
+        for (size_t i = 0; i < n->nrecovered; i++) {
+            if (!r->pub[i].indexed) {
                 kvt_tier_free(t, n->recovered[i].loc, n->recovered[i].len);
                 n->rec.orphans++;
             }
         }
-        kvt__nvme_recovered_free(n);
+        kvt__nvme_recovered_free(n); /* and the replay state */
+    } else {
+        kvt__nvme_replay_free(n);
     }
-out:
-    free(path);
-    free(stack);
-    free(placed);
-    free(has_child);
-    free(nsidx);
-    free(parent);
-    free(depth);
-    free(nss);
     if (out)
         *out = n->rec;
     kvt_log(KVT_LOG_INFO, "nvme tier: recovery gave %llu blocks back to the index (%llu orphans)",
             (unsigned long long)n->rec.inserted, (unsigned long long)n->rec.orphans);
-    return rc;
+    return 0;
 }
 
 long kvt_tier_nvme_drop_recovered(kvt_tier_t *t)

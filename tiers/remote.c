@@ -23,7 +23,8 @@
  *
  * Reads a client waits for (io->urgent) and probes take the same path through a queue of their
  * own, urgentq, which pump() empties before waitq: they wait for the window, not for the writes
- * and moves queued before them.
+ * and moves queued before them. urgentq and waitq, the window and the deadlines of waiting
+ * requests are the tiers' shared request queue (ioq.c), as for the NVMe tier's slots.
  *
  * Redis answers in order, so sentq mirrors hiredis's own callback list one for one: the head
  * of sentq is the request whose reply is being parsed. That lets the reply decoder check a GET
@@ -76,13 +77,12 @@ typedef enum { RQ_GET, RQ_SET, RQ_DEL, RQ_EXISTS, RQ_HELLO } rq_kind_t;
 
 typedef struct rq rq_t;
 struct rq {
-    rq_t *next;
+    kvt__ioq_link_t link; /* the queues and the free list (ioq.c); link.deadline_ns */
     rq_kind_t kind;
     kvt_tier_io_t *io;       /* GET/SET: the caller's request; NULL once detached */
     kvt_tier_probe_t *probe; /* EXISTS: its probe; NULL once the probe completed */
     uint32_t idx;            /* EXISTS: the key's index in the probe */
     uint32_t slot;           /* SET: the location slot reserved at submit */
-    uint64_t deadline_ns;
     uint64_t sent_ns;
     uint64_t seed, hash; /* the key's name */
 
@@ -101,11 +101,6 @@ struct rq {
     uint64_t vlen;   /* GET: the value's length in that case */
     char inl[320];   /* hb when it fits */
 };
-
-typedef struct rq_queue {
-    rq_t *head, *tail;
-    uint32_t n;
-} rq_queue_t;
 
 /* One location handed out by a successful write: which key to DEL when it is freed. */
 typedef struct loc_slot {
@@ -153,9 +148,11 @@ typedef struct remote {
     uint64_t rng;         /* xorshift state for the backoff's jitter */
     int logged_down;
 
-    rq_queue_t urgentq, waitq, sentq, undoq; /* urgentq: urgent reads and probes */
+    /* Waiting to be sent (urgent reads and probes ahead of the rest), the window (max_inflight
+     * unanswered, sentq.n), deadlines, and the free requests. */
+    kvt__ioq_t q;
+    kvt__ioq_fifo_t sentq, undoq;
     rq_t *out_head, *out_tail; /* sent to hiredis, bytes not all written yet (onext) */
-    rq_t *free_rqs;
     kvt_tier_probe_t *probes_done_head, *probes_done_tail;
 
     loc_slot_t *slots;
@@ -177,40 +174,35 @@ static remote_t *remote_of(const kvt_tier_t *t)
 
 /* --- queues and allocation --- */
 
-static void q_push(rq_queue_t *q, rq_t *r)
+static rq_t *rq_of(kvt__ioq_link_t *l)
 {
-    r->next = NULL;
-    if (q->tail)
-        q->tail->next = r;
-    else
-        q->head = r;
-    q->tail = r;
-    q->n++;
+    return l ? KVT__IOQ_OF(l, rq_t, link) : NULL;
 }
 
-static rq_t *q_pop(rq_queue_t *q)
+static rq_t *rq_next(const rq_t *r)
 {
-    rq_t *r = q->head;
-    if (r) {
-        q->head = r->next;
-        if (!q->head)
-            q->tail = NULL;
-        q->n--;
-        r->next = NULL;
-    }
-    return r;
+    return rq_of(r->link.next);
 }
 
-static void q_unlink(rq_queue_t *q, rq_t *prev, rq_t *r)
+static void q_push(kvt__ioq_fifo_t *q, rq_t *r)
 {
-    if (prev)
-        prev->next = r->next;
-    else
-        q->head = r->next;
-    if (q->tail == r)
-        q->tail = prev;
-    q->n--;
-    r->next = NULL;
+    kvt__ioq_fifo_push(q, &r->link);
+}
+
+static rq_t *q_pop(kvt__ioq_fifo_t *q)
+{
+    return rq_of(kvt__ioq_fifo_pop(q));
+}
+
+/* Waiting to be sent: urgent reads and probes, and the rest (ioq.c). */
+static kvt__ioq_fifo_t *urgentq(remote_t *rm)
+{
+    return &rm->q.wait[1];
+}
+
+static kvt__ioq_fifo_t *waitq(remote_t *rm)
+{
+    return &rm->q.wait[0];
 }
 
 static void outq_clear(remote_t *rm)
@@ -229,10 +221,8 @@ static int rq_dead(const rq_t *r)
 
 static rq_t *rq_new(remote_t *rm, rq_kind_t kind)
 {
-    rq_t *r = rm->free_rqs;
-    if (r)
-        rm->free_rqs = r->next;
-    else if (!(r = malloc(sizeof(*r))))
+    rq_t *r = rq_of(kvt__ioq_slot_get(&rm->q));
+    if (!r && !(r = malloc(sizeof(*r))))
         return NULL;
     memset(r, 0, sizeof(*r));
     r->kind = kind;
@@ -248,8 +238,7 @@ static void rq_release(remote_t *rm, rq_t *r)
     free(r->own);
     r->hb = NULL;
     r->own = NULL;
-    r->next = rm->free_rqs;
-    rm->free_rqs = r;
+    kvt__ioq_slot_put(&rm->q, &r->link);
 }
 
 static int slot_reserve(remote_t *rm, uint32_t *out)
@@ -394,9 +383,9 @@ static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
 {
     /* Detach every request still naming p: the caller may reuse p after its callback. (After
      * a success every key was answered, and each answer detached its own request.) */
-    rq_queue_t *qs[] = {&rm->urgentq, &rm->waitq, &rm->sentq};
+    kvt__ioq_fifo_t *qs[] = {urgentq(rm), waitq(rm), &rm->sentq};
     for (size_t i = 0; status != 0 && i < KVT_ARRAY_LEN(qs); i++)
-        for (rq_t *r = qs[i]->head; r; r = r->next)
+        for (rq_t *r = rq_of(qs[i]->head); r; r = rq_next(r))
             if (r->probe == p)
                 r->probe = NULL;
     p->status = status;
@@ -447,9 +436,9 @@ static void rq_fail(remote_t *rm, rq_t *r, int status)
  * a DEL for it unless a newer SET of the same key is queued (its outcome governs then). */
 static void undo_set(remote_t *rm, rq_t *r, int sent_now)
 {
-    rq_queue_t *qs[] = {&rm->waitq, &rm->sentq};
+    kvt__ioq_fifo_t *qs[] = {waitq(rm), &rm->sentq};
     for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++)
-        for (rq_t *o = qs[i]->head; o; o = o->next)
+        for (rq_t *o = rq_of(qs[i]->head); o; o = rq_next(o))
             if (o != r && o->kind == RQ_SET && o->io && o->seed == r->seed && o->hash == r->hash)
                 return;
     rq_t *d = rq_new(rm, RQ_DEL);
@@ -459,7 +448,7 @@ static void undo_set(remote_t *rm, rq_t *r, int sent_now)
     d->hash = r->hash;
     rm->stats.undone++;
     if (sent_now) {
-        q_push(&rm->waitq, d); /* the window sends it, ahead of nothing newer of this key */
+        q_push(waitq(rm), d); /* the window sends it, ahead of nothing newer of this key */
         return;
     }
     if (rm->undoq.n >= KVT__UNDO_MAX) {
@@ -585,7 +574,7 @@ static void *reply_string(const redisReadTask *task, char *str, size_t len)
         o->r.str = o->msg;
         return o;
     }
-    rq_t *r = rm->sentq.head;
+    rq_t *r = rq_of(rm->sentq.head);
     if (!r || r->kind != RQ_GET) {
         o->status = KVT_EPROTO;
         return o;
@@ -721,7 +710,7 @@ static void connect_start(remote_t *rm, uint64_t now)
             rm->drop_status = KVT_EUNAVAIL;
             return;
         }
-        r->deadline_ns = now + rm->timeout_ns;
+        r->link.deadline_ns = now + rm->timeout_ns;
         rm->hello_left++;
     }
     sock_update(rm);
@@ -753,11 +742,11 @@ static void after_hiredis(remote_t *rm, uint64_t now)
     rm->logged_down = 1;
     rm->state = ST_DOWN;
     rq_t *r;
-    while ((r = q_pop(&rm->urgentq))) {
+    while ((r = q_pop(urgentq(rm)))) {
         rq_fail(rm, r, status);
         rq_release(rm, r);
     }
-    while ((r = q_pop(&rm->waitq))) {
+    while ((r = q_pop(waitq(rm)))) {
         if (r->kind == RQ_DEL && !r->io)
             q_push(&rm->undoq, r); /* still worth sending once the server is back */
         else {
@@ -777,14 +766,7 @@ static void became_ready(remote_t *rm)
         kvt_log(KVT_LOG_INFO, "remote: connected to %s:%d", rm->host, rm->port);
     rm->logged_down = 0;
     /* Undo writes whose outcome was unknown before anything newer goes out. */
-    if (rm->undoq.head) {
-        rm->undoq.tail->next = rm->waitq.head;
-        if (!rm->waitq.head)
-            rm->waitq.tail = rm->undoq.tail;
-        rm->waitq.head = rm->undoq.head;
-        rm->waitq.n += rm->undoq.n;
-        rm->undoq = (rq_queue_t){0};
-    }
+    kvt__ioq_fifo_prepend(waitq(rm), &rm->undoq);
 }
 
 /* Registers r's reply callback with hiredis and queues its formatted bytes for writing. Returns
@@ -797,6 +779,7 @@ static int wire_queue(remote_t *rm, rq_t *r)
         return KVT_EUNAVAIL;
     r->sent_ns = kvt_now_ns();
     q_push(&rm->sentq, r);
+    kvt__ioq_started(&rm->q); /* the window counts sentq */
     r->onext = NULL;
     r->in_outq = 1;
     if (rm->out_tail)
@@ -813,14 +796,13 @@ static int send_rq(remote_t *rm, rq_t *r)
     return rc ? rc : wire_queue(rm, r);
 }
 
-/* Moves requests from urgentq, then waitq, to the connection while fewer than max_inflight are
- * unanswered. */
+/* Moves waiting requests (urgent ones first) to the connection while the window is open: fewer
+ * than max_inflight unanswered. */
 static void pump(remote_t *rm)
 {
     int queued = 0;
-    while (rm->state == ST_READY && rm->ac && !rm->ac_gone && !rm->drop &&
-           (rm->urgentq.head || rm->waitq.head) && rm->sentq.n < rm->max_inflight) {
-        rq_t *r = q_pop(rm->urgentq.head ? &rm->urgentq : &rm->waitq);
+    while (rm->state == ST_READY && rm->ac && !rm->ac_gone && !rm->drop && kvt__ioq_next(&rm->q)) {
+        rq_t *r = rq_of(kvt__ioq_take(&rm->q));
         if (rq_dead(r)) {
             rq_release(rm, r);
             continue;
@@ -898,8 +880,9 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
 {
     remote_t *rm = ac->data;
     rq_t *r = privdata;
-    kvt_assert(rm->sentq.head == r);
+    kvt_assert(rq_of(rm->sentq.head) == r);
     q_pop(&rm->sentq);
+    kvt__ioq_finished(&rm->q);
     remote_reply_t *o = reply;
     if (r->in_outq) {
         /* Not all written: the connection is going away (no reply), or the server answered a
@@ -1012,43 +995,35 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
     rq_release(rm, r);
 }
 
-/* Fails the requests of q (waiting to be sent) past their deadline; returns the next deadline
- * there. Callers' requests are in deadline order in each queue; DELs nobody waits for never
- * expire. */
-static uint64_t expire_waiting(remote_t *rm, rq_queue_t *q, uint64_t now)
+static int rq_gone(const kvt__ioq_link_t *l)
 {
-    rq_t *prev = NULL;
-    for (rq_t *r = q->head, *nx; r; r = nx) {
-        nx = r->next;
-        int waited = r->io || r->probe;
-        if (rq_dead(r) || (waited && r->deadline_ns <= now)) {
-            q_unlink(q, prev, r);
-            if (waited) {
-                rm->stats.timeouts++;
-                rq_fail(rm, r, KVT_ETIMEDOUT);
-            }
-            rq_release(rm, r);
-            continue;
-        }
-        if (waited)
-            return r->deadline_ns;
-        prev = r;
+    return rq_dead(KVT__IOQ_OF(l, const rq_t, link));
+}
+
+/* A waiting request past its deadline (expired), or one nobody waits for any more. DELs nobody
+ * waits for have no deadline: they never expire. */
+static void rq_expired(void *arg, kvt__ioq_link_t *l, int expired)
+{
+    remote_t *rm = arg;
+    rq_t *r = rq_of(l);
+    if (expired) {
+        rm->stats.timeouts++;
+        rq_fail(rm, r, KVT_ETIMEDOUT);
     }
-    return UINT64_MAX;
+    rq_release(rm, r);
 }
 
 /* Fails requests past their deadline; closes a stalled connection; returns the next deadline. */
 static uint64_t expire(remote_t *rm, uint64_t now)
 {
-    uint64_t next =
-        KVT_MIN(expire_waiting(rm, &rm->urgentq, now), expire_waiting(rm, &rm->waitq, now));
+    uint64_t next = kvt__ioq_expire(&rm->q, now, rq_gone, rq_expired, rm);
     /* sentq is not in deadline order (urgent requests passed others): all of it is looked at,
      * at most max_inflight requests. */
-    for (rq_t *r = rm->sentq.head; r; r = r->next) {
+    for (rq_t *r = rq_of(rm->sentq.head); r; r = rq_next(r)) {
         if (!r->io && !r->probe && r->kind != RQ_HELLO)
             continue;
-        if (r->deadline_ns > now) {
-            next = KVT_MIN(next, r->deadline_ns);
+        if (r->link.deadline_ns > now) {
+            next = KVT_MIN(next, r->link.deadline_ns);
             continue;
         }
         if (r->kind == RQ_HELLO) {
@@ -1059,7 +1034,7 @@ static uint64_t expire(remote_t *rm, uint64_t now)
         rm->stats.timeouts++;
         rq_fail(rm, r, KVT_ETIMEDOUT); /* r stays queued, detached, until its reply */
     }
-    rq_t *h = rm->sentq.head;
+    rq_t *h = rq_of(rm->sentq.head);
     if (h) {
         uint64_t stall = h->sent_ns + 2 * rm->timeout_ns;
         if (stall <= now && !rm->drop) {
@@ -1128,11 +1103,12 @@ static int submit(remote_t *rm, rq_t *r)
         rm->stats.unavailable++;
         return KVT_EUNAVAIL;
     }
-    r->deadline_ns = now + rm->timeout_ns;
-    q_push(r->kind == RQ_GET && r->io->urgent ? &rm->urgentq : &rm->waitq, r);
-    pump(rm);
-    if (r->deadline_ns < rm->timer_armed_ns)
-        arm_timer(rm, r->deadline_ns);
+    uint64_t deadline = now + rm->timeout_ns;
+    r->link.deadline_ns = deadline;
+    kvt__ioq_push(&rm->q, &r->link, r->kind == RQ_GET && r->io->urgent);
+    pump(rm); /* may send r, and even free it */
+    if (deadline < rm->timer_armed_ns)
+        arm_timer(rm, deadline);
     return 0;
 }
 
@@ -1207,7 +1183,7 @@ static void remote_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
             rq_release(rm, r);
         return;
     }
-    q_push(&rm->waitq, r); /* no deadline: a DEL nobody waits for */
+    q_push(waitq(rm), r); /* no deadline: a DEL nobody waits for */
     pump(rm);
 }
 
@@ -1237,7 +1213,7 @@ static int remote_fd(kvt_tier_t *t)
 static void cut_oversized(remote_t *rm)
 {
     redisReader *rd = rm->ac->c.reader;
-    rq_t *h = rm->sentq.head;
+    rq_t *h = rq_of(rm->sentq.head);
     if (rm->skip || !h || h->kind != RQ_GET || rd->ridx != 0 || rd->pos >= rd->len)
         return;
     const char *p = rd->buf + rd->pos, *end = rd->buf + rd->len;
@@ -1289,7 +1265,7 @@ static ssize_t read_more(remote_t *rm)
 {
     redisReader *rd = rm->ac->c.reader;
     size_t want = KVT__READ_MIN;
-    rq_t *h = rm->sentq.head;
+    rq_t *h = rq_of(rm->sentq.head);
     if (h && h->kind == RQ_GET && h->io) {
         size_t have = rd->len - rd->pos;
         if (h->expect > have)
@@ -1407,7 +1383,7 @@ static void remote_destroy(kvt_tier_t *t)
 {
     remote_t *rm = remote_of(t);
     uint64_t end = kvt_now_ns() + KVT__DESTROY_FLUSH_MS * 1000000ull;
-    while (rm->state == ST_READY && (rm->urgentq.n || rm->waitq.n || rm->sentq.n) &&
+    while (rm->state == ST_READY && (kvt__ioq_waiting(&rm->q) || rm->sentq.n) &&
            kvt_now_ns() < end) {
         struct epoll_event ev;
         (void)epoll_wait(rm->epfd, &ev, 1, 10);
@@ -1421,17 +1397,15 @@ static void remote_destroy(kvt_tier_t *t)
         redisAsyncFree(rm->ac);
     }
     rm->ac = NULL;
-    rq_queue_t *qs[] = {&rm->urgentq, &rm->waitq, &rm->sentq, &rm->undoq};
+    kvt__ioq_fifo_t *qs[] = {urgentq(rm), waitq(rm), &rm->sentq, &rm->undoq};
     for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++) {
         rq_t *r;
         while ((r = q_pop(qs[i])))
             free(r);
     }
-    while (rm->free_rqs) {
-        rq_t *r = rm->free_rqs;
-        rm->free_rqs = r->next;
+    rq_t *r;
+    while ((r = rq_of(kvt__ioq_slot_get(&rm->q))))
         free(r);
-    }
     close(rm->epfd);
     close(rm->tfd);
     close(rm->wfd);
@@ -1499,6 +1473,7 @@ int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf)
     rm->backoff_ns = rm->backoff_min_ns;
     rm->rng = (kvt_now_ns() ^ ((uint64_t)getpid() << 32)) | 1;
     rm->max_inflight = conf->max_inflight ? conf->max_inflight : 64;
+    kvt__ioq_init(&rm->q, rm->max_inflight);
     rm->keep_on_free = conf->keep_on_free;
     rm->fns = (redisReplyObjectFunctions){
         .createString = reply_string,
@@ -1585,8 +1560,8 @@ int kvt_tier_remote_probe(kvt_tier_t *t, kvt_tier_probe_t *p)
         rs[i]->idx = i;
         rs[i]->seed = p->keys[i].ns_seed;
         rs[i]->hash = p->keys[i].hash;
-        rs[i]->deadline_ns = deadline;
-        q_push(&rm->urgentq, rs[i]); /* a MATCH waits for its probe */
+        rs[i]->link.deadline_ns = deadline;
+        q_push(urgentq(rm), rs[i]); /* a MATCH waits for its probe */
     }
     pump(rm);
     if (deadline < rm->timer_armed_ns)

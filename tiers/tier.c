@@ -4,7 +4,8 @@
  * reserved when it is submitted, so that usage never exceeds capacity even with writes in
  * flight, and given back when the write fails or the block is freed), the completion queue with
  * its eventfd and the epoll fd the caller's loop watches, the usage counters, and copies between
- * two tiers. Backends (dram.c, nvme.c, hbm.c, remote.c) only move bytes.
+ * two tiers with their staging buffers (pinned ones from a cache while a CUDA tier is open).
+ * Backends (dram.c, nvme.c, hbm.c, remote.c) only move bytes.
  *
  * Completion path: a backend calls kvt__tier_complete() (from its submit op or its poll op);
  * that appends the request to done_head..done_tail and makes efd readable; kvt_tier_process()
@@ -14,11 +15,16 @@
 #include "tier_impl.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
+
+#if KVT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 /* ---- the location index ---- */
 
@@ -527,6 +533,91 @@ void kvt_tier_destroy(kvt_tier_t *t)
 
 /* ---- copies between tiers ---- */
 
+#if KVT_HAVE_CUDA
+/* Pinned staging. cudaHostAlloc pins pages at a cost of a millisecond or more for megabytes, so
+ * freed staging buffers wait in a small cache, by size rounded up to a power of two, while any
+ * CUDA tier is open (kvt__pinned_open); the last one to close empties it. A buffer handed back
+ * after that is freed at once. Thread-safe: tiers of different threads share it. */
+#define PIN_CACHE_SLOTS 16
+#define PIN_CACHE_BYTES (128ull << 20)
+
+static pthread_mutex_t pin_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned pin_tiers; /* CUDA tiers open */
+static void *pin_buf[PIN_CACHE_SLOTS];
+static size_t pin_len[PIN_CACHE_SLOTS];
+static unsigned pin_n;
+static uint64_t pin_bytes;
+
+static size_t pin_round(size_t sz)
+{
+    size_t r = 64u << 10;
+    while (r < sz)
+        r <<= 1;
+    return r;
+}
+
+static void *pinned_get(size_t sz)
+{
+    size_t want = pin_round(sz);
+    void *p = NULL;
+    pthread_mutex_lock(&pin_lock);
+    for (unsigned i = 0; i < pin_n; i++) {
+        if (pin_len[i] == want) {
+            p = pin_buf[i];
+            pin_bytes -= want;
+            pin_n--;
+            pin_buf[i] = pin_buf[pin_n];
+            pin_len[i] = pin_len[pin_n];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pin_lock);
+    if (!p && cudaHostAlloc(&p, want, cudaHostAllocPortable) != cudaSuccess)
+        p = NULL;
+    return p;
+}
+
+static void pinned_put(void *p, size_t sz)
+{
+    size_t len = pin_round(sz);
+    pthread_mutex_lock(&pin_lock);
+    int keep = pin_tiers > 0 && pin_n < PIN_CACHE_SLOTS && pin_bytes + len <= PIN_CACHE_BYTES;
+    if (keep) {
+        pin_buf[pin_n] = p;
+        pin_len[pin_n] = len;
+        pin_n++;
+        pin_bytes += len;
+    }
+    pthread_mutex_unlock(&pin_lock);
+    if (!keep)
+        cudaFreeHost(p);
+}
+
+void kvt__pinned_open(void)
+{
+    pthread_mutex_lock(&pin_lock);
+    pin_tiers++;
+    pthread_mutex_unlock(&pin_lock);
+}
+
+void kvt__pinned_close(void)
+{
+    void *drop[PIN_CACHE_SLOTS];
+    unsigned n = 0;
+    pthread_mutex_lock(&pin_lock);
+    kvt_assert(pin_tiers > 0);
+    if (--pin_tiers == 0) {
+        n = pin_n;
+        memcpy(drop, pin_buf, n * sizeof(drop[0]));
+        pin_n = 0;
+        pin_bytes = 0;
+    }
+    pthread_mutex_unlock(&pin_lock);
+    for (unsigned i = 0; i < n; i++)
+        cudaFreeHost(drop[i]);
+}
+#endif
+
 /* The staging buffer for a copy whose source has no memory to write from: sector-aligned so
  * that an NVMe side moves it without a bounce, and pinned when either side is a CUDA tier. */
 static size_t copy_staging_size(const kvt_tier_copy_t *c)
@@ -541,7 +632,7 @@ static int copy_stage(kvt_tier_copy_t *c)
     c->staging_pinned = 0;
 #if KVT_HAVE_CUDA
     if (c->src->ops->pinned_staging || c->dst->ops->pinned_staging) {
-        c->staging = kvt__pinned_get(sz);
+        c->staging = pinned_get(sz);
         if (!c->staging)
             return KVT_ENOMEM;
         c->staging_pinned = 1;
@@ -561,7 +652,7 @@ static void copy_unstage(kvt_tier_copy_t *c)
         return;
 #if KVT_HAVE_CUDA
     if (c->staging_pinned)
-        kvt__pinned_put(c->staging, copy_staging_size(c));
+        pinned_put(c->staging, copy_staging_size(c));
     else
         free(c->staging);
 #else

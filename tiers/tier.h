@@ -33,14 +33,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/common.h"
-#include "../radix/radix.h"
+#include "common.h"
 
 typedef struct kvt_tier kvt_tier_t;
 
 /* A block's name and the content its stored header carries and verifies. */
 typedef struct kvt_block_key {
-    uint64_t ns_seed;       /* kvt_radix_ns_seed() of the block's namespace */
+    uint64_t ns_seed;       /* the block's namespace seed (kvt_ns_seed_of, common.h) */
     uint64_t hash;          /* the block's prefix hash */
     uint64_t parent;        /* the parent block's hash; ns_seed for the first page */
     const uint32_t *tokens; /* the page's tokens, borrowed until completion */
@@ -85,6 +84,10 @@ struct kvt_tier_io {
     kvt_tier_io_t *next;
     uint64_t submit_ns;
     uint64_t charge; /* footprint reserved by a write */
+    struct kvt__ioq_link {
+        struct kvt__ioq_link *next;
+        uint64_t deadline_ns; /* 0: none */
+    } wait;                   /* where a tier holds it back (tiers/ioq.c) */
     uint64_t priv[4];
 };
 
@@ -205,7 +208,7 @@ int kvt_tier_dram_pinned(const kvt_tier_t *t);
  * One data file, DIR/kvtier.data, preallocated to capacity_bytes (rounded down to whole
  * segments) and used as a log of segments; see tiers/nvme.c for the layout. Opening a directory
  * that already holds a data file of the same geometry recovers the blocks in it (a warm
- * restart); kvt_tier_nvme_recover() then puts them back into a radix tree.
+ * restart), which the owner of the index then takes back (below, "Recovery into an index").
  *
  * A block is charged its payload rounded up to 4 KiB plus 8 KiB of header room. Space on disk
  * comes back by whole segments: a segment is free again when its last block is freed. When the
@@ -249,16 +252,16 @@ typedef struct kvt_tier_nvme_recovery {
     uint64_t gaps;      /* stretches with no record and intact records after them (a crash) */
     uint64_t discarded; /* records of blocks dropped before the stop (freed, removed, or
                            reclaimed in a segment still holding live blocks), stepped over */
-    uint64_t inserted;  /* blocks given back to the radix tree by kvt_tier_nvme_recover */
+    uint64_t inserted;  /* blocks the index took back (marked indexed during recovery) */
     uint64_t orphans;   /* blocks whose namespace or ancestors were not found: freed */
 } kvt_tier_nvme_recovery_t;
 
-/* What the scan at creation found (inserted/orphans stay 0 until kvt_tier_nvme_recover). */
+/* What the scan at creation found (inserted/orphans stay 0 until kvt_tier_nvme_recover_end). */
 void kvt_tier_nvme_recovery(const kvt_tier_t *t, kvt_tier_nvme_recovery_t *out);
 
 /*
- * Records a namespace description in DIR/namespaces so that a later kvt_tier_nvme_recover can
- * open it again by itself. Strings follow kvt_radix_ns_open (adapter and salt may be NULL) and
+ * Records a namespace description in DIR/namespaces so that a later recovery can name it again
+ * (kvt_tier_nvme_ns_t). Strings follow kvt_ns_describe (adapter and salt may be NULL) and
  * must not hold tabs or newlines. Recording the same namespace twice is a no-op: the file is
  * read once, on the first call, and the descriptions it holds are kept as a set of hashes (8-16
  * bytes each), so a call costs a hash lookup and, for a new one, an append. The append is not
@@ -272,19 +275,66 @@ int kvt_tier_nvme_add_ns(kvt_tier_t *t, const char *model, const char *adapter, 
                          uint32_t page_size);
 
 /*
- * Gives the blocks found by the scan back to tree: opens the namespace of each seed found on
- * disk, by its name where kvt_tier_nvme_add_ns recorded one, else with kvt_radix_ns_open_seed,
- * and rewrites DIR/namespaces to the names it used (namespaces with no block on disk are
- * neither opened nor kept); rebuilds each block's token path by following parent hashes back to
- * the namespace seed, inserts the path and sets tier = KVT_TIER_NVME, loc and size on the blocks
- * (their hashes are checked against the tree's). Blocks whose chain of ancestors is not complete
- * on disk (or whose page size is not their namespace's, or whose page the tree already holds in
- * another tier) cannot be indexed: they are freed and counted as orphans. Call once, after creation
- * and before any write. Returns 0, KVT_EINVAL, KVT_ENOMEM (the tree keeps what was inserted so far)
- * or KVT_EBUSY (called twice).
+ * Recovery into an index
+ * ----------------------
+ * The tier does not know the index: it yields what the scan found as token paths, and the owner
+ * of the index puts them back (kvtierd: kvt_store_nvme_recover in server/store.c). Call once,
+ * after creation and before any write:
+ *
+ *   kvt_tier_nvme_recover_begin()   the namespaces of the blocks on disk, each with its
+ *                                   description where kvt_tier_nvme_add_ns recorded one; the
+ *                                   caller opens them (by name, else by seed) and sets `named`
+ *                                   on those it opened by their description
+ *   kvt_tier_nvme_recover_next()    one token path at a time: the deepest blocks (those no other
+ *                                   block names as parent), each rebuilt by following parent
+ *                                   hashes back to the namespace seed, with the block of every
+ *                                   page on it; the caller indexes them and sets `indexed` on
+ *                                   each block its index now names at its location
+ *   kvt_tier_nvme_recover_end()     frees, for good, every block not indexed (orphans: their
+ *                                   chain of ancestors is incomplete on disk, their page size is
+ *                                   not their namespace's, their namespace could not be opened,
+ *                                   or the index holds their page elsewhere), rewrites
+ *                                   DIR/namespaces to the lines of the namespaces opened by name,
+ *                                   and fills the counts
+ *
+ * Pointers handed out stay valid until kvt_tier_nvme_recover_end (paths: until the next
+ * kvt_tier_nvme_recover_next).
  */
-int kvt_tier_nvme_recover(kvt_tier_t *t, kvt_radix_t *tree, kvt_tier_nvme_recovery_t *out);
-/* Instead of kvt_tier_nvme_recover, for a start that does not recover: frees every block the
+typedef struct kvt_tier_nvme_ns {
+    uint64_t seed;
+    uint32_t page_size; /* the namespace's: blocks of another page size are orphans */
+    /* Its description in DIR/namespaces (adapter and salt "" when absent), or model NULL when
+     * only the seed is known: open it with its seed then. */
+    const char *model, *adapter, *salt;
+    int named; /* set by the caller: opened by this description, whose line is kept */
+} kvt_tier_nvme_ns_t;
+
+typedef struct kvt_tier_nvme_block {
+    uint64_t loc;
+    uint64_t hash; /* its prefix hash: the index's block at this page must have it */
+    uint32_t len;  /* payload bytes */
+    int indexed;   /* set by the caller: the index names this block at loc */
+} kvt_tier_nvme_block_t;
+
+typedef struct kvt_tier_nvme_path {
+    size_t ns;              /* index in the array kvt_tier_nvme_recover_begin gave */
+    uint32_t npages;        /* pages on the path, >= 1 */
+    const uint32_t *tokens; /* npages * page_size tokens, from the namespace's root */
+    /* blocks[i]: the block of page i. A block shared by several paths comes in each of them. */
+    kvt_tier_nvme_block_t *const *blocks;
+} kvt_tier_nvme_path_t;
+
+/* Returns 0 with *ns (NULL when no block was found) and *nns set, KVT_EINVAL, KVT_ENOMEM, or
+ * KVT_EBUSY (called after kvt_tier_nvme_recover_begin or kvt_tier_nvme_drop_recovered). */
+int kvt_tier_nvme_recover_begin(kvt_tier_t *t, kvt_tier_nvme_ns_t **ns, size_t *nns);
+/* Fills *p with the next path. Returns 1, 0 when there is none left, KVT_ENOMEM, or KVT_EINVAL
+ * (not between begin and end). */
+int kvt_tier_nvme_recover_next(kvt_tier_t *t, kvt_tier_nvme_path_t *p);
+/* Ends recovery. failed != 0 (the caller gave up half-way: its error is what counts) skips
+ * freeing the blocks not indexed. out (may be NULL) gets the counts, inserted being the blocks
+ * marked indexed. Returns 0, or KVT_EINVAL (not after begin). */
+int kvt_tier_nvme_recover_end(kvt_tier_t *t, int failed, kvt_tier_nvme_recovery_t *out);
+/* Instead of recovery, for a start that does not recover: frees every block the
  * scan found, for good, so that they neither hold the tier's capacity with no index naming them
  * nor come back at a later restart. Returns how many, or KVT_EINVAL or KVT_EBUSY (called after
  * either of the two). */

@@ -25,7 +25,7 @@ typedef struct kvt_tier_ops {
     /* Reads of locations the index does not hold go to the backend instead of missing. */
     int unindexed_reads;
     /* A copy that stages through host memory on its way to or from this tier stages through
-     * pinned memory (kvt__pinned_get): a CUDA copy from pageable memory is synchronous and
+     * pinned memory (tier.c's cache): a CUDA copy from pageable memory is synchronous and
      * bounces through the driver's own buffer. */
     int pinned_staging;
     /* Bytes charged for a payload of len bytes (1 .. KVT_TIER_MAX_BLOCK), whatever the page
@@ -86,13 +86,78 @@ struct kvt_tier {
 };
 
 #if KVT_HAVE_CUDA
-/* Pinned (cudaHostAlloc'd, page-aligned) host memory of at least sz bytes for a copy's staging
- * buffer, from a small cache the CUDA HBM tiers keep while any of them is open (tiers/hbm.c);
- * NULL when CUDA cannot allocate it. kvt__pinned_put takes it back with the same sz; it is
- * thread-safe and needs no tier to exist. */
-void *kvt__pinned_get(size_t sz);
-void kvt__pinned_put(void *p, size_t sz);
+/* A CUDA tier opens (kvt__pinned_open) and closes (kvt__pinned_close): while any is open, the
+ * copy code (tier.c) keeps the pinned staging buffers of finished copies in a small cache for
+ * the next ones; the last close frees them. Thread-safe. */
+void kvt__pinned_open(void);
+void kvt__pinned_close(void);
 #endif
+
+/*
+ * The request queue (tiers/ioq.c), for a backend that holds requests back: two FIFOs (urgent
+ * reads a client waits for, and the rest), a window of requests in flight, deadlines, and a free
+ * list of the backend's own request structs (its slots). Whatever is queued embeds a
+ * kvt__ioq_link_t (a kvt_tier_io_t has one: wait); KVT__IOQ_OF gets the struct back. Not
+ * thread-safe: a tier is used by one thread.
+ */
+typedef struct kvt__ioq_link kvt__ioq_link_t; /* tier.h: next, deadline_ns (0: none) */
+
+#define KVT__IOQ_OF(link, type, member) ((type *)(void *)((char *)(link)-offsetof(type, member)))
+
+typedef struct kvt__ioq_fifo {
+    kvt__ioq_link_t *head, *tail;
+    uint32_t n;
+} kvt__ioq_fifo_t;
+
+typedef struct kvt__ioq {
+    kvt__ioq_fifo_t wait[2]; /* [1] urgent, [0] the rest */
+    uint32_t window;         /* most requests in flight */
+    uint32_t inflight;       /* started (kvt__ioq_pop, kvt__ioq_start) and not finished */
+    kvt__ioq_link_t *free;   /* the slots not in use */
+} kvt__ioq_t;
+
+void kvt__ioq_init(kvt__ioq_t *q, uint32_t window);
+/* The FIFOs themselves, for a backend's other lists too (the remote tier's sent requests). */
+void kvt__ioq_fifo_push(kvt__ioq_fifo_t *f, kvt__ioq_link_t *e);
+kvt__ioq_link_t *kvt__ioq_fifo_pop(kvt__ioq_fifo_t *f);
+/* Removes e, which follows prev (NULL: e is the head). */
+void kvt__ioq_fifo_unlink(kvt__ioq_fifo_t *f, kvt__ioq_link_t *prev, kvt__ioq_link_t *e);
+/* Moves all of front ahead of f's entries; front is left empty. */
+void kvt__ioq_fifo_prepend(kvt__ioq_fifo_t *f, kvt__ioq_fifo_t *front);
+
+/* Queues e at the tail of its class. */
+void kvt__ioq_push(kvt__ioq_t *q, kvt__ioq_link_t *e, int urgent);
+/* 1 when a request of this class submitted now must queue behind the ones waiting, to keep
+ * submission order within its class (urgent ones wait only for urgent ones). */
+int kvt__ioq_behind(const kvt__ioq_t *q, int urgent);
+/* The request that leaves next (urgent first), window or not; NULL when none waits. */
+kvt__ioq_link_t *kvt__ioq_head(const kvt__ioq_t *q);
+/* The same while the window is open, else NULL. */
+kvt__ioq_link_t *kvt__ioq_next(const kvt__ioq_t *q);
+/* Removes kvt__ioq_next's request and counts it in flight; NULL when none may leave. */
+kvt__ioq_link_t *kvt__ioq_pop(kvt__ioq_t *q);
+/* Removes the head (urgent first) without counting it: for a backend that counts in flight
+ * where its requests go out (kvt__ioq_started), requests of its own included. */
+kvt__ioq_link_t *kvt__ioq_take(kvt__ioq_t *q);
+size_t kvt__ioq_waiting(const kvt__ioq_t *q);
+/* Counts a request that never waited in flight: 1, or 0 when the window is full (queue it). */
+int kvt__ioq_start(kvt__ioq_t *q);
+/* Counts a request in flight whatever the window (one the backend sends by itself). */
+void kvt__ioq_started(kvt__ioq_t *q);
+/* A request counted in flight is done (answered, completed, or given up). */
+void kvt__ioq_finished(kvt__ioq_t *q);
+/*
+ * Hands back the waiting requests whose deadline (deadline_ns, absolute kvt_now_ns time) has
+ * passed, and those dead() (may be NULL) says nobody waits for any more: each is unlinked, then
+ * drop(arg, e, expired) runs, expired being 1 for a deadline and 0 for a dead one. Requests
+ * without a deadline are stepped over. Returns the earliest deadline left (UINT64_MAX: none).
+ * drop must not change the queue.
+ */
+uint64_t kvt__ioq_expire(kvt__ioq_t *q, uint64_t now, int (*dead)(const kvt__ioq_link_t *e),
+                         void (*drop)(void *arg, kvt__ioq_link_t *e, int expired), void *arg);
+/* The slot pool: a free list of the backend's request structs, through their links. */
+kvt__ioq_link_t *kvt__ioq_slot_get(kvt__ioq_t *q); /* NULL when every slot is in use */
+void kvt__ioq_slot_put(kvt__ioq_t *q, kvt__ioq_link_t *e);
 
 /* Makes a tier around a backend; on success the tier owns impl (ops->destroy frees it). Returns
  * 0, KVT_EINVAL, KVT_ENOMEM or a negated errno (eventfd, epoll). On failure impl is untouched:
