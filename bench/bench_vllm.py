@@ -1,0 +1,291 @@
+"""bench_vllm.py: kvtier.vllm's connector saving and loading 32-layer pages, beside the kvtier
+package's raw PUT and GET of the same bytes, in one run, over kvtierd's Unix socket.
+
+A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads of 128 (bf16):
+32 x 64 KiB = 2 MiB. A request of 32 pages (64 MiB) per pass:
+
+- connector save: the worker's save_kv_layer for each layer (staging that layer of every page)
+  and wait_for_save (the pages' PUTs), timed from the first layer to the end;
+- connector load: start_load_kv and wait_for_layer_load for each layer (the pages' GET, then
+  the scatter of each layer into vLLM's paged tensors);
+- raw put / raw get: the package's Client.put of the same 32 pages from one buffer (16 MiB per
+  PUT, as the connector sends them) and a leased Client.get_into of all of them;
+- layer-per-put: the same bytes as 32 PUTs of one layer (64 KiB) per page, each layer its own
+  chain, against aggregate-per-put: one PUT of 32 layers (2 MiB) per page. This is the number
+  behind the connector's choice to aggregate a page's layers (docs/engines.md).
+
+Each figure is the median of --passes passes after two warm-up passes: a fresh daemon faults its
+DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after), so from
+the third pass on its memory is warm. One JSON object per line (warm-up passes included, as
+pass -1 and 0), then the summary lines with the ratios.
+
+  bench_vllm.py --build-root BUILD [--passes R]
+
+Runs under BUILD/pyenv's Python (re-executing itself there). Exits 77 (skipped) when vLLM is
+not installed there (scripts/engines/vllm.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
+    ap.add_argument("--passes", type=int, default=3)
+    return ap.parse_args()
+
+
+args = parse()
+build = os.path.abspath(args.build_root)
+venv_py = os.path.join(build, "pyenv", "bin", "python")
+if os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(build, "pyenv")):
+    if not os.access(venv_py, os.X_OK):
+        print("bench_vllm: no %s (bash scripts/pyenv.sh makes it)" % venv_py, file=sys.stderr)
+        sys.exit(77)
+    os.execv(venv_py, [venv_py, os.path.abspath(__file__), *sys.argv[1:]])
+
+source = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(source, "python"))
+os.environ.setdefault("KVT_BUILD_ROOT", build)
+
+import torch  # noqa: E402
+
+import kvtier  # noqa: E402
+
+try:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+except Exception as e:  # noqa: BLE001
+    print(json.dumps({"bench": "vllm", "skipped": "vllm not importable: %s (see %s)" % (
+        e, os.path.join(build, "pyenv", "engine-vllm.log"))}), flush=True)
+    sys.exit(77)
+
+LAYERS, BS, HEADS, HEAD = 32, 16, 8, 128
+PAGES = 32
+NBLOCKS = PAGES + 8
+LAYER_BYTES = 2 * BS * HEADS * HEAD * 2
+PAGE_BYTES = LAYERS * LAYER_BYTES
+
+
+class Daemon:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvt-bench-vllm-")
+        self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
+        self.proc = subprocess.Popen(
+            [os.path.join(build, "server", "kvtierd"), "--tcp", "", "--metrics", "",
+             "--dram-bytes", "384M", "--nvme-bytes", "0", "--hbm-bytes", "0",
+             "--log-level", "warn"],
+            cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.unix = ""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("unix "):
+                self.unix = os.path.join(self.dir, line.split(" ", 1)[1].strip())
+            if line.strip() == "ready":
+                break
+        if not self.unix:
+            raise RuntimeError("kvtierd did not start (%s/kvtierd.log)" % self.dir)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def connectors(unix: str) -> tuple:
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"unix_path": unix, "model": "bench-32l",
+                                       "timeout_ms": 60000}),
+        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS))
+    kcc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    return (KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kcc),
+            KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kcc))
+
+
+def paged() -> dict:
+    return {"model.layers.%d.self_attn.attn" % i:
+            torch.ones((2, NBLOCKS, BS, HEADS, HEAD), dtype=torch.bfloat16) * i
+            for i in range(LAYERS)}
+
+
+def step_meta(sched, r, ids):
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(block_id=i)
+                                                            for i in ids],)), n)
+    r.num_computed_tokens = n
+    so = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData.from_request(r, (ids,), list(r.all_token_ids))],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={r.request_id: r.num_tokens - n},
+        total_num_scheduled_tokens=r.num_tokens - n, scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+    return n, sched.build_connector_meta(so)
+
+
+def emit(rec: dict) -> dict:
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def gib_s(nbytes: int, secs: float) -> float:
+    return round(nbytes / secs / (1 << 30), 3)
+
+
+def main() -> None:
+    d = Daemon()
+    try:
+        run(d)
+    finally:
+        d.stop()
+
+
+def run(d: Daemon) -> None:
+    total = PAGES * PAGE_BYTES
+    ids = list(range(4, 4 + PAGES + 1))
+    res: dict = {k: [] for k in ("connector_save", "connector_load", "raw_put", "raw_get",
+                                 "aggregate_put", "layer_put", "aggregate_get", "layer_get")}
+    sched_a, worker_a = connectors(d.unix)
+    sched_b, worker_b = connectors(d.unix)
+    kv_a, kv_b = paged(), paged()
+    worker_a.register_kv_caches(kv_a)
+    worker_b.register_kv_caches(kv_b)
+    buf = torch.ones((PAGES, PAGE_BYTES), dtype=torch.uint8)
+    out = torch.ones((PAGES, PAGE_BYTES), dtype=torch.uint8)
+    lbuf = torch.ones((PAGES, LAYERS, LAYER_BYTES), dtype=torch.uint8)
+    lout = torch.ones((LAYERS, PAGES, LAYER_BYTES), dtype=torch.uint8)
+    raw = kvtier.Client("bench-raw", page_size=BS, block_bytes=PAGE_BYTES, unix_path=d.unix,
+                        timeout_ms=60000)
+    lay = kvtier.Client("bench-layer", page_size=BS, block_bytes=LAYER_BYTES, unix_path=d.unix,
+                        timeout_ms=60000)
+    for p in range(-1, args.passes + 1):  # passes -1 and 0: warm-up
+        base = 10_000_000 * (p + 2)
+        toks = list(range(base, base + PAGES * BS + 1))
+        # The connector: A saves, B loads into its own paged tensors.
+        ra = Request("a%d" % p, toks, SamplingParams(max_tokens=1), None)
+        _, meta = step_meta(sched_a, ra, ids)
+        worker_a.bind_connector_metadata(meta)
+        worker_a.start_load_kv(None)
+        t0 = time.perf_counter()
+        for name, t in kv_a.items():
+            worker_a.save_kv_layer(name, t, None)
+        worker_a.wait_for_save()
+        t_save = time.perf_counter() - t0
+        worker_a.clear_connector_metadata()
+        sched_a.request_finished(ra, ids)
+        rb = Request("b%d" % p, toks, SamplingParams(max_tokens=1), None)
+        n, meta = step_meta(sched_b, rb, ids)
+        assert n == PAGES * BS, n
+        worker_b.bind_connector_metadata(meta)
+        t0 = time.perf_counter()
+        worker_b.start_load_kv(None)
+        for name in kv_b:
+            worker_b.wait_for_layer_load(name)
+        t_load = time.perf_counter() - t0
+        assert not worker_b.get_block_ids_with_load_errors()
+        worker_b.wait_for_save()
+        worker_b.clear_connector_metadata()
+        sched_b.request_finished(rb, ids)
+        assert torch.equal(kv_b["model.layers.31.self_attn.attn"][:, ids[:PAGES]],
+                           kv_a["model.layers.31.self_attn.attn"][:, ids[:PAGES]])
+        # The package, raw: the same pages from one buffer, 8 pages (16 MiB) per PUT.
+        rt = torch.arange(base + 5_000_000, base + 5_000_000 + PAGES * BS, dtype=torch.int32)
+        t0 = time.perf_counter()
+        for a in range(0, PAGES, 8):
+            raw.put(rt[:(a + 8) * BS], buf[a:a + 8], first_page=a)
+        t_put = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        m = raw.match(rt, lease=True)
+        got = raw.get_into(m.lease, out, npages=PAGES)
+        raw.release(m.lease)
+        t_get = time.perf_counter() - t0
+        assert got == PAGES
+        # One PUT of 32 layers per page against 32 PUTs of one layer per page.
+        at = torch.arange(base + 6_000_000, base + 6_000_000 + PAGES * BS, dtype=torch.int32)
+        lt = [torch.arange(base + 7_000_000 + 100_000 * li,
+                           base + 7_000_000 + 100_000 * li + PAGES * BS, dtype=torch.int32)
+              for li in range(LAYERS)]
+
+        def agg_put() -> float:
+            t0 = time.perf_counter()
+            for i in range(PAGES):
+                raw.put(at[:(i + 1) * BS], buf[i], first_page=i)
+            return time.perf_counter() - t0
+
+        def layer_put() -> float:
+            t0 = time.perf_counter()
+            for i in range(PAGES):
+                for li in range(LAYERS):
+                    lay.put(lt[li][:(i + 1) * BS], lbuf[i, li], first_page=i)
+            return time.perf_counter() - t0
+
+        # Which goes first alternates from pass to pass (the daemon's memory warms up).
+        if p % 2:
+            t_lay = layer_put()
+            t_agg = agg_put()
+        else:
+            t_agg = agg_put()
+            t_lay = layer_put()
+        t0 = time.perf_counter()
+        m = raw.match(at, lease=True)
+        raw.get_into(m.lease, out, npages=PAGES)
+        raw.release(m.lease)
+        t_agg_get = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for li in range(LAYERS):  # a layer range of every page: one GET per layer
+            m = lay.match(lt[li], lease=True)
+            lay.get_into(m.lease, lout[li], npages=PAGES)
+            lay.release(m.lease)
+        t_lay_get = time.perf_counter() - t0
+        for k, v in (("connector_save", t_save), ("connector_load", t_load), ("raw_put", t_put),
+                     ("raw_get", t_get), ("aggregate_put", t_agg), ("layer_put", t_lay),
+                     ("aggregate_get", t_agg_get), ("layer_get", t_lay_get)):
+            emit({"bench": "vllm", "op": k, "pass": p, "bytes": total,
+                  "gib_s": gib_s(total, v)})
+            if p > 0:
+                res[k].append(v)
+        # Free the daemon's memory for the next pass.
+        for c, t in ((raw, rt), (raw, at)):
+            c.remove(t[:BS])
+        for t in lt:
+            lay.remove(t[:BS])
+    for s in (worker_a, worker_b, sched_a, sched_b):
+        s.shutdown()
+    raw.close()
+    lay.close()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    g = {k: gib_s(total, v) for k, v in med.items()}
+    emit({"bench": "vllm", "summary": "save", "page_bytes": PAGE_BYTES, "layers": LAYERS,
+          "pages": PAGES, "connector_gib_s": g["connector_save"], "raw_put_gib_s": g["raw_put"],
+          "connector_over_raw": round(med["raw_put"] / med["connector_save"], 3)})
+    emit({"bench": "vllm", "summary": "load", "page_bytes": PAGE_BYTES, "layers": LAYERS,
+          "pages": PAGES, "connector_gib_s": g["connector_load"], "raw_get_gib_s": g["raw_get"],
+          "connector_over_raw": round(med["raw_get"] / med["connector_load"], 3)})
+    emit({"bench": "vllm", "summary": "layers_per_put", "layer_bytes": LAYER_BYTES,
+          "aggregate_put_gib_s": g["aggregate_put"], "layer_put_gib_s": g["layer_put"],
+          "layer_over_aggregate": round(med["aggregate_put"] / med["layer_put"], 3),
+          "aggregate_get_gib_s": g["aggregate_get"], "layer_get_gib_s": g["layer_get"],
+          "layer_get_over_aggregate": round(med["aggregate_get"] / med["layer_get"], 3)})
+
+
+main()

@@ -1,0 +1,635 @@
+"""test_vllm.py: kvtier.vllm.KvtierConnector against vLLM's own classes and a real kvtierd.
+
+The connector is built by vLLM's KVConnectorFactory from the module path, as `--kv-transfer-config`
+builds it; requests are vLLM's Request objects, blocks its KVCacheBlocks, each step's plan its
+SchedulerOutput. The worker side is driven as vLLM's model runner drives it (bind the step's
+metadata, start_load_kv, per layer wait_for_layer_load / save_kv_layer, wait_for_save), over
+real torch tensors in vLLM's paged layout (2, num_blocks, block_size, kv_heads, head_size).
+Skipped, with the reason, where vLLM is not installed (scripts/engines/vllm.sh).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from conftest import BUILD_ROOT, Daemon
+
+try:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ParallelConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLLM here
+    pytest.skip("vllm is not importable (%s: %s); scripts/engines/vllm.sh installs it, its log "
+                "is %s" % (type(e).__name__, e,
+                           os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
+                allow_module_level=True)
+
+import kvtier.vllm as kv  # noqa: E402
+
+BS = 16  # tokens per block
+LAYERS = 3
+HEADS = 2
+HEAD = 8
+NBLOCKS = 32
+DTYPE = torch.bfloat16
+
+_ids = itertools.count(1)
+_tok = itertools.count(0)
+
+
+def config(d: Daemon, tp: int = 1, **extra: Any) -> "VllmConfig":
+    ec = {"unix_path": d.unix, "model": "tiny-test", "timeout_ms": 2000, "retry_ms": 0}
+    ec.update(extra)
+    return VllmConfig(
+        kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
+                                            kv_connector_module_path="kvtier.vllm",
+                                            kv_role="kv_both", kv_connector_extra_config=ec),
+        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp))
+
+
+def connector(cfg: "VllmConfig", role: "KVConnectorRole") -> Any:
+    return KVConnectorFactory.create_connector(
+        cfg, role, KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[]))
+
+
+def paged(seed: Optional[int]) -> Dict[str, torch.Tensor]:
+    """vLLM's paged KV of each layer: (2, num_blocks, block_size, kv_heads, head_size)."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    out = {}
+    for i in range(LAYERS):
+        shape = (2, NBLOCKS, BS, HEADS, HEAD)
+        t = torch.randn(shape, generator=g) if g else torch.zeros(shape)
+        out["model.layers.%d.self_attn.attn" % i] = t.to(DTYPE)
+    return out
+
+
+def request(tokens: List[int], **kw: Any) -> "Request":
+    return Request("req-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None, **kw)
+
+
+def prompt(pages: int, extra: int = 5) -> List[int]:
+    base = next(_tok) * 100_000
+    return list(range(base, base + pages * BS + extra))
+
+
+def blocks(ids: List[int]) -> "KVCacheBlocks":
+    return KVCacheBlocks(blocks=([KVCacheBlock(block_id=i) for i in ids],))
+
+
+def sched_output(new: List[Tuple["Request", List[int], int]] = (),  # type: ignore[assignment]
+                 cached: List[Tuple["Request", List[int], int]] = ()  # type: ignore[assignment]
+                 ) -> "SchedulerOutput":
+    """One step: `new` requests (with their blocks and tokens scheduled) and cached ones."""
+    nrs = []
+    num: Dict[str, int] = {}
+    for r, ids, n in new:
+        nrs.append(NewRequestData.from_request(r, (ids,), list(r.all_token_ids)))
+        num[r.request_id] = n
+    crd = CachedRequestData.make_empty()
+    for r, ids, n in cached:
+        crd.req_ids.append(r.request_id)
+        crd.new_token_ids.append([])
+        crd.new_block_ids.append((ids,) if ids else None)
+        crd.num_computed_tokens.append(r.num_computed_tokens)
+        crd.num_output_tokens.append(0)
+        num[r.request_id] = n
+    return SchedulerOutput(scheduled_new_reqs=nrs, scheduled_cached_reqs=crd,
+                           num_scheduled_tokens=num, total_num_scheduled_tokens=sum(num.values()),
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                           finished_req_ids=set(),
+                           free_encoder_mm_hashes=[])
+
+
+def schedule(sched: Any, r: "Request", ids: List[int]) -> Tuple[int, Any]:
+    """The scheduler's calls for a new request given blocks `ids`: the hit, then the step's
+    metadata with the whole remaining prompt scheduled."""
+    n, async_load = sched.get_num_new_matched_tokens(r, 0)
+    assert async_load is False
+    sched.update_state_after_alloc(r, blocks(ids), n)
+    r.num_computed_tokens = n
+    return n, sched.build_connector_meta(sched_output(new=[(r, ids, r.num_tokens - n)]))
+
+
+def load_between_steps(e: "Engine", r: "Request") -> set:
+    """An asynchronous load (load_async): a step in which the request waits for its KV (not
+    scheduled), then the worker's steps until get_finished reports it. Returns the blocks
+    reported as failed, in the pass that reports the request or before."""
+    meta = e.sched.build_connector_meta(sched_output())
+    e.worker.bind_connector_metadata(meta)
+    e.worker.start_load_kv(None)
+    errors: set = set()
+    deadline = time.monotonic() + 5
+    while True:
+        e.worker.wait_for_save()
+        sending, recving = e.worker.get_finished(set())
+        errors |= e.worker.get_block_ids_with_load_errors()
+        assert sending is None
+        if recving:
+            assert recving == {r.request_id}
+            break
+        assert time.monotonic() < deadline, "the load was never reported"
+        time.sleep(0.005)
+    e.worker.clear_connector_metadata()
+    return errors
+
+
+def run_step(worker: Any, kvc: Dict[str, torch.Tensor], meta: Any) -> set:
+    """The worker's calls in one forward, as vLLM's model runner and attention layers make
+    them. Returns the blocks reported as failed to load."""
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name, t in kvc.items():
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, t, None)
+    worker.wait_for_save()
+    assert worker.get_finished(set()) == (None, None)
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return errors
+
+
+def leases(d: Daemon) -> int:
+    with d.client() as c:
+        return c.stats()["leases"]
+
+
+class Engine:
+    """One scheduler-side and one worker-side connector with their own paged tensors."""
+
+    def __init__(self, d: Daemon, seed: Optional[int], **extra: Any) -> None:
+        cfg = config(d, **extra)
+        self.sched = connector(cfg, KVConnectorRole.SCHEDULER)
+        self.worker = connector(cfg, KVConnectorRole.WORKER)
+        self.kv = paged(seed)
+        self.worker.register_kv_caches(self.kv)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+@pytest.fixture
+def vd() -> Any:
+    d = Daemon()
+    yield d
+    d.stop(signal.SIGKILL)
+
+
+def pages_of(kvc: Dict[str, torch.Tensor], ids: List[int]) -> List[torch.Tensor]:
+    return [t[:, ids] for t in kvc.values()]
+
+
+def save_prompt(e: Engine, r: "Request", ids: List[int]) -> None:
+    n, meta = schedule(e.sched, r, ids)
+    assert n == 0 and not meta.loads
+    assert run_step(e.worker, e.kv, meta) == set()
+    e.sched.request_finished(r, ids)
+
+
+def test_factory_builds_both_roles(vd: Daemon) -> None:
+    cfg = config(vd)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        c = connector(cfg, role)
+        assert type(c).__name__ == "KvtierConnector" and c.role == role
+        c.shutdown()
+
+
+APIS = ["keys", "tokens"] if kv._HAVE_KEYS else ["tokens"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_save_then_load_into_another_paged_tensor(vd: Daemon, api: str) -> None:
+    # A stores one page per PUT (put_bytes under a page), B loads them all in one GET.
+    a, b = Engine(vd, seed=1, put_bytes=1, api=api), Engine(vd, seed=None, api=api)
+    toks = prompt(3)  # 3 full pages and 5 tokens
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    # A second request sharing the 3 pages (its own tail): 48 tokens matched, loaded into other
+    # blocks of another engine's paged tensors, byte for byte.
+    r = request(toks[:3 * BS] + [7, 7, 7, 7, 7, 7, 7, 7, 7])
+    n, meta = schedule(b.sched, r, [11, 3, 30, 5])
+    assert n == 3 * BS
+    assert [ld.block_ids for ld in meta.loads] == [[11, 3, 30]]
+    assert leases(vd) == 1  # the scheduler's, held for the load
+    assert run_step(b.worker, b.kv, meta) == set()
+    for x, y in zip(pages_of(a.kv, [4, 9, 2]), pages_of(b.kv, [11, 3, 30])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    # Blocks outside the load were not touched.
+    assert all(int(t[:, [0, 1, 5, 6]].abs().sum()) == 0 for t in b.kv.values())
+    b.sched.request_finished(r, [11, 3, 30, 5])
+    assert leases(vd) == 0
+    # A prompt that is exactly whole pages leaves its last page for the engine to compute.
+    r2 = request(toks[:3 * BS])
+    assert b.sched.get_num_new_matched_tokens(r2, 0) == (2 * BS, False)
+    b.sched.request_finished(r2, [])
+    # Tokens vLLM computed itself are not loaded again.
+    r3 = request(toks[:3 * BS] + [1])
+    assert b.sched.get_num_new_matched_tokens(r3, BS) == (2 * BS, False)
+    b.sched.update_state_after_alloc(r3, blocks([8, 9, 10, 12]), 2 * BS)
+    m3 = b.sched.build_connector_meta(sched_output())
+    assert [(t.first, t.block_ids) for t in m3.loads] == [(1, [9, 10])]
+    b.sched.request_finished(r3, [])
+    assert leases(vd) == 0
+    a.close()
+    b.close()
+
+
+def test_async_load(vd: Daemon) -> None:
+    """load_async: the hit is announced as asynchronous, the pages arrive between steps into
+    the allocated blocks, get_finished reports the request; a load that fails (daemon killed)
+    is reported the same way, its blocks as load errors in the same pass."""
+    a, b = Engine(vd, seed=8), Engine(vd, seed=None, load_async=True)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    r = request(toks)
+    assert b.sched.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    b.sched.update_state_after_alloc(r, blocks([11, 3, 30, 5]), 3 * BS)
+    assert load_between_steps(b, r) == set()
+    for x, y in zip(pages_of(a.kv, [4, 9, 2]), pages_of(b.kv, [11, 3, 30])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    # Then scheduled with its 48 tokens computed: nothing loaded again, nothing saved again.
+    r.num_computed_tokens = 3 * BS
+    meta = b.sched.build_connector_meta(sched_output(new=[(r, [11, 3, 30, 5], 5)]))
+    assert meta.loads == [] and meta.saves == []
+    b.sched.request_finished(r, [11, 3, 30, 5])
+    assert leases(vd) == 0
+    # The daemon killed before the load: the request is still reported, its blocks failed.
+    r = request(toks)
+    assert b.sched.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+    b.sched.update_state_after_alloc(r, blocks([12, 13, 14, 15]), 3 * BS)
+    vd.stop(signal.SIGKILL)
+    assert load_between_steps(b, r) == {12, 13, 14}
+    b.sched.request_finished(r, [])
+    a.close()
+    b.close()
+
+
+@pytest.mark.skipif(not kv._HAVE_KEYS, reason="the package has no keyed calls (api tokens)")
+def test_pages_are_a_keyed_chain(vd: Daemon) -> None:
+    """The connector's pages are the package's keyed chain of vLLM block hashes: a plain
+    Client finds them with exists_keys and reads them with get_keys_into."""
+    a = Engine(vd, seed=9)
+    toks = prompt(2)
+    r = request(toks)
+    save_prompt(a, r, [1, 2, 3])
+    keys = kv.key_chain(r, BS, kv.chain_root("tiny-test"), [], 2)
+    page = a.worker._layout.page_bytes
+    with vd.client(model="tiny-test", salt=kv.rank_salt(0, 1, 0, 1), block_bytes=page) as c:
+        assert c.exists_keys(keys) == 2
+        out = torch.empty((2, page), dtype=torch.uint8)
+        assert c.get_keys_into(keys, out) == 2
+    name = next(iter(a.kv))
+    assert torch.equal(out[1, :a.worker._layout.sizes[0]].view(DTYPE).view(2, BS, HEADS, HEAD),
+                       a.kv[name][:, 2])
+    a.close()
+
+
+def test_tensor_parallel_ranks_keep_their_shards(vd: Daemon) -> None:
+    """Tensor parallelism 2: each rank stores its shard under the same chain, in its rank's
+    namespace, and gets its own back; a rank whose shard is missing reports load errors."""
+    toks = prompt(2)
+
+    def ranks(seed: Optional[int]) -> Tuple[Any, List[Any], List[Dict[str, torch.Tensor]]]:
+        sched = connector(config(vd, tp=2), KVConnectorRole.SCHEDULER)
+        workers, kvs = [], []
+        for rank in range(2):
+            w = connector(config(vd, tp=2, tp_rank=rank), KVConnectorRole.WORKER)
+            kvs.append(paged(None if seed is None else seed + rank))
+            w.register_kv_caches(kvs[-1])
+            workers.append(w)
+        return sched, workers, kvs
+
+    sched, workers, kvs = ranks(seed=20)
+    r = request(toks)
+    n, meta = schedule(sched, r, [1, 2, 3])
+    for w, k in zip(workers, kvs):
+        assert run_step(w, k, meta) == set()
+    sched.request_finished(r, [1, 2, 3])
+    sched2, workers2, kvs2 = ranks(seed=None)
+    r = request(toks)
+    n, meta = schedule(sched2, r, [7, 8, 9])
+    assert n == 2 * BS
+    for w, k in zip(workers2, kvs2):
+        assert run_step(w, k, meta) == set()
+    for rank in range(2):
+        for x, y in zip(pages_of(kvs[rank], [1, 2]), pages_of(kvs2[rank], [7, 8])):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    sched2.request_finished(r, [])
+    # Rank 0 alone saved a prompt: the scheduler (rank 0's namespace) sees it, rank 1 cannot
+    # load its shard and says so.
+    toks2 = prompt(2)
+    r = request(toks2)
+    n, meta = schedule(sched, r, [4, 5, 6])
+    assert run_step(workers[0], kvs[0], meta) == set()
+    sched.request_finished(r, [])
+    r = request(toks2)
+    n, meta = schedule(sched2, r, [10, 11, 12])
+    assert n == 2 * BS
+    assert run_step(workers2[0], kvs2[0], meta) == set()
+    assert run_step(workers2[1], kvs2[1], meta) == {10, 11}
+    sched2.request_finished(r, [])
+    assert leases(vd) == 0
+    for c in (sched, sched2, *workers, *workers2):
+        c.shutdown()
+
+
+def test_identity_salt_lora_multimodal(vd: Daemon) -> None:
+    a, b = Engine(vd, seed=2), Engine(vd, seed=None)
+    toks = prompt(2)
+
+    def image(ident: str) -> "MultiModalFeatureSpec":
+        return MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                     mm_position=PlaceholderRange(offset=3, length=8))
+
+    lora = LoRARequest("adapter-a", 1, "/adapters/a")
+    saved = [request(toks, cache_salt="tenant-a"), request(toks, lora_request=lora),
+             request(toks, mm_features=[image("img-a")])]
+    for i, r in enumerate(saved):
+        save_prompt(a, r, [3 * i, 3 * i + 1, 3 * i + 2])
+    # The same kind of request hits; another salt, adapter or image (same token ids) does not.
+    hit = [request(toks, cache_salt="tenant-a"), request(toks, lora_request=lora),
+           request(toks, mm_features=[image("img-a")])]
+    miss = [request(toks), request(toks, cache_salt="tenant-b"),
+            request(toks, lora_request=LoRARequest("adapter-b", 2, "/adapters/b")),
+            request(toks, lora_request=LoRARequest("adapter-a", 1, "/adapters/a-v2")),
+            request(toks, mm_features=[image("img-b")])]
+    for r in hit:
+        assert b.sched.get_num_new_matched_tokens(r, 0) == (2 * BS, False), r
+        b.sched.request_finished(r, [])
+    for r in miss:
+        assert b.sched.get_num_new_matched_tokens(r, 0) == (0, False), r
+        b.sched.request_finished(r, [])
+    # Another model's namespace does not see them either.
+    other = Engine(vd, seed=None, model="another-model")
+    assert other.sched.get_num_new_matched_tokens(request(toks, cache_salt="tenant-a"), 0) == \
+        (0, False)
+    assert leases(vd) == 0
+    for e in (a, b, other):
+        e.close()
+
+
+def test_daemon_killed_mid_load(vd: Daemon) -> None:
+    a, b = Engine(vd, seed=3), Engine(vd, seed=None)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [1, 2, 3, 4])
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [5, 6, 7, 8])
+    assert n == 3 * BS and leases(vd) == 1
+    vd.stop(signal.SIGKILL)  # between the scheduler's answer and the worker's load
+    # The worker's load fails: its blocks are reported for recompute, nothing raises.
+    assert run_step(b.worker, b.kv, meta) == {5, 6, 7}
+    b.sched.request_finished(r, [5, 6, 7, 8])
+    # The daemon still down: the scheduler sees no hit, and a save is dropped quietly.
+    r2 = request(toks)
+    assert b.sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+    b.sched.update_state_after_alloc(r2, blocks([9, 10, 11, 12]), 0)
+    meta2 = b.sched.build_connector_meta(sched_output(new=[(r2, [9, 10, 11, 12], len(toks))]))
+    assert run_step(b.worker, b.kv, meta2) == set()
+    b.sched.request_finished(r2, [])
+    a.close()
+    b.close()
+
+
+def test_daemon_hung_mid_load(vd: Daemon) -> None:
+    """The daemon stops answering (SIGSTOP) between the lookup and the load: the load times
+    out into load errors; once it answers again, no lease is left."""
+    a, b = Engine(vd, seed=6), Engine(vd, seed=None, timeout_ms=300)
+    toks = prompt(2)
+    save_prompt(a, request(toks), [1, 2, 3])
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [4, 5, 6])
+    assert n == 2 * BS
+    os.kill(vd.proc.pid, signal.SIGSTOP)
+    try:
+        assert run_step(b.worker, b.kv, meta) == {4, 5}
+    finally:
+        os.kill(vd.proc.pid, signal.SIGCONT)
+    b.sched.request_finished(r, [4, 5, 6])
+    deadline = time.monotonic() + 2
+    while leases(vd) and time.monotonic() < deadline:  # the worker's closed connection
+        time.sleep(0.01)
+    assert leases(vd) == 0
+    a.close()
+    b.close()
+
+
+def test_daemon_restarted_no_lease_left(vd: Daemon) -> None:
+    """A lookup, then the daemon gone and another in its place: the old lease is not left on
+    the new daemon, and the connector reconnects to it."""
+    d2 = Daemon()
+    try:
+        e = Engine(d2, seed=4)
+        toks = prompt(2)
+        save_prompt(e, request(toks), [1, 2, 3])
+        r = request(toks)
+        assert e.sched.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+        assert leases(d2) == 1
+        e.sched.request_finished(r, [])  # aborted before it was scheduled
+        assert leases(d2) == 0
+        # Asked twice (not scheduled the first time): one lease, not two.
+        r = request(toks)
+        e.sched.get_num_new_matched_tokens(r, 0)
+        e.sched.get_num_new_matched_tokens(r, 0)
+        assert leases(d2) == 1
+        e.sched.request_finished(r, [])
+        assert leases(d2) == 0
+        e.close()
+    finally:
+        d2.stop(signal.SIGKILL)
+
+
+def test_leases_released_on_finish_and_abort(vd: Daemon) -> None:
+    a, b = Engine(vd, seed=5), Engine(vd, seed=None)
+    toks = prompt(2)
+    save_prompt(a, request(toks), [1, 2, 3])
+    # Scheduled, loaded, then finished: released.
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [4, 5, 6])
+    assert n == 2 * BS and leases(vd) == 1
+    assert run_step(b.worker, b.kv, meta) == set()
+    assert leases(vd) == 1  # the worker's own lease went with its GET
+    b.sched.request_finished(r, [4, 5, 6])
+    assert leases(vd) == 0
+    # Aborted with its load planned but not yet run: released, and the load is not sent.
+    r = request(toks)
+    assert b.sched.get_num_new_matched_tokens(r, 0)[0] == 2 * BS
+    b.sched.update_state_after_alloc(r, blocks([7, 8, 9]), 2 * BS)
+    assert leases(vd) == 1
+    b.sched.request_finished(r, [7, 8, 9])
+    assert leases(vd) == 0
+    assert b.sched.build_connector_meta(sched_output()).loads == []
+    a.close()
+    b.close()
+
+
+def test_scheduler_survives_no_daemon(tmp_path: Any) -> None:
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both", kv_connector_extra_config={"unix_path": str(tmp_path / "none")}),
+        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS))
+    s = connector(cfg, KVConnectorRole.SCHEDULER)
+    r = request(prompt(4))
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s.request_finished(r, []) == (False, None)
+    s.shutdown()
+
+
+# -- end to end: a small attention model whose KV goes through the connector ------------------
+
+
+class TinyModel:
+    """A 3-layer decoder (embeddings, multi-head causal attention over vLLM's paged KV, MLP),
+    fixed seed, CPU, float32 compute and bfloat16 KV. The forward calls the connector where
+    vLLM's attention layers do: wait_for_layer_load before a layer reads its KV, save_kv_layer
+    after it wrote the step's K and V."""
+
+    VOCAB = 101
+    DIM = 32
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+
+        def w(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) / shape[0] ** 0.5
+
+        d, a = self.DIM, HEADS * HEAD
+        self.emb = w(self.VOCAB, d)
+        self.pos = w(512, d)
+        self.layers = [dict(q=w(d, a), k=w(d, a), v=w(d, a), o=w(a, d), up=w(d, 4 * d),
+                            down=w(4 * d, d)) for _ in range(LAYERS)]
+
+    def forward(self, toks: List[int], start: int, kvc: Dict[str, torch.Tensor],
+                table: List[int], worker: Any = None, meta: Any = None) -> torch.Tensor:
+        """Computes positions [start, start + len(toks)) with the KV of [0, start) read from the
+        paged cache; returns the last position's logits."""
+        if worker is not None:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+        n = len(toks)
+        end = start + n
+        pos = torch.arange(start, end)
+        x = self.emb[torch.tensor(toks) % self.VOCAB] + self.pos[pos]
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(end)])
+        causal = torch.arange(end)[None, :] <= pos[:, None]
+        for (name, cache), p in zip(kvc.items(), self.layers):
+            if worker is not None:
+                worker.wait_for_layer_load(name)
+            h = torch.nn.functional.layer_norm(x, (self.DIM,))
+            q = (h @ p["q"]).view(n, HEADS, HEAD)
+            flat = cache.view(2, NBLOCKS * BS, HEADS, HEAD)
+            flat[0, slots[start:]] = (h @ p["k"]).view(n, HEADS, HEAD).to(DTYPE)
+            flat[1, slots[start:]] = (h @ p["v"]).view(n, HEADS, HEAD).to(DTYPE)
+            if worker is not None:
+                worker.save_kv_layer(name, cache, None)
+            k, v = flat[0, slots].float(), flat[1, slots].float()
+            att = torch.einsum("qhd,khd->hqk", q, k) / HEAD ** 0.5
+            att = att.masked_fill(~causal[None], float("-inf")).softmax(-1)
+            x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(n, -1) @ p["o"]
+            h = torch.nn.functional.layer_norm(x, (self.DIM,))
+            x = x + torch.nn.functional.gelu(h @ p["up"]) @ p["down"]
+        if worker is not None:
+            worker.wait_for_save()
+            assert worker.get_block_ids_with_load_errors() == set()
+            worker.clear_connector_metadata()
+        return x[-1] @ self.emb.T
+
+
+def generate(model: TinyModel, e: Optional["Engine"], toks: List[int], steps: int,
+             pool: List[int]) -> Tuple[List[int], int, List[torch.Tensor]]:
+    """Greedy decoding of `steps` tokens, as vLLM's scheduler and model runner would run it
+    with the connector (e) or without (None: everything recomputed, fresh paged tensors).
+    Returns the tokens, how many prompt tokens came from kvtierd, and each step's logits."""
+    r = request(list(toks))
+    kvc = e.kv if e is not None else paged(None)
+    worker = e.worker if e is not None else None
+    free = iter(pool)
+    table: List[int] = []
+
+    def need(ntok: int) -> List[int]:
+        old = len(table)
+        while len(table) * BS < ntok:
+            table.append(next(free))
+        return table[old:]
+
+    need(len(toks))
+    hit = 0
+    meta = None
+    if e is not None:
+        hit, async_load = e.sched.get_num_new_matched_tokens(r, 0)
+        e.sched.update_state_after_alloc(r, blocks(table), hit)
+        if async_load:
+            assert load_between_steps(e, r) == set()
+        r.num_computed_tokens = hit
+        meta = e.sched.build_connector_meta(sched_output(new=[(r, list(table), len(toks) - hit)]))
+    logits = model.forward(list(toks[hit:]), hit, kvc, table, worker, meta)
+    r.num_computed_tokens = len(toks)
+    out: List[int] = []
+    seen = []
+    for i in range(steps):
+        seen.append(logits)
+        t = int(logits.argmax())
+        out.append(t)
+        r.append_output_token_ids(t)
+        if i == steps - 1:
+            break
+        p = r.num_tokens - 1
+        new_ids = need(p + 1)
+        if e is not None:
+            meta = e.sched.build_connector_meta(sched_output(cached=[(r, new_ids, 1)]))
+        logits = model.forward([t], p, kvc, table, worker, meta)
+        r.num_computed_tokens += 1
+    if e is not None:
+        e.sched.request_finished(r, table)
+    return out, hit, seen
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_end_to_end_tiny_model(vd: Daemon, load_async: bool) -> None:
+    model = TinyModel(seed=7)
+    toks = prompt(3, extra=10)  # 58 tokens
+    pool_a = [20, 3, 17, 9, 25, 1]
+    pool_b = [5, 30, 12, 2, 8, 19]
+    # Recomputed everywhere: the reference.
+    ref, _, ref_logits = generate(model, None, toks, 7, pool_a)
+    # Engine A computes it all and saves the prompt's pages (and the page decoding completes).
+    a = Engine(vd, seed=None)
+    out_a, hit_a, _ = generate(model, a, toks, 7, pool_a)
+    assert hit_a == 0 and out_a == ref
+    # Engine B (other paged tensors, other blocks) loads 3 pages and computes the rest: the
+    # same tokens, from the same logits (up to float summation order: B computes fewer rows).
+    b = Engine(vd, seed=None, load_async=load_async)
+    out_b, hit_b, logits_b = generate(model, b, toks, 7, pool_b)
+    assert hit_b == 3 * BS and out_b == ref
+    assert all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(logits_b, ref_logits))
+    # The page that A's decoding completed (generated tokens included) is there too.
+    longer = toks + ref  # 65 tokens: 4 whole pages
+    ref2, _, ref2_logits = generate(model, None, longer, 4, pool_a)
+    c = Engine(vd, seed=None, load_async=load_async)
+    out_c, hit_c, logits_c = generate(model, c, longer, 4, pool_b)
+    assert hit_c == 4 * BS and out_c == ref2
+    assert all(torch.allclose(x, y, rtol=0, atol=1e-4) for x, y in zip(logits_c, ref2_logits))
+    assert leases(vd) == 0
+    for e in (a, b, c):
+        e.close()
