@@ -155,9 +155,33 @@ def _make_class() -> type:
             self._store: Optional[_Store] = None
             self._down_until = 0.0
             self._closed = False
+            self._closing = False
             self._warned_partial = False
             # Calls block on the daemon: they run here, never on LMCache's event loop.
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lmcache")
+            self._hook_allocator_close()
+
+        def _hook_allocator_close(self) -> None:
+            # LMCache's StorageManager.close closes LocalCPUBackend (whose allocator frees the
+            # memory every MemoryObj lives in) before the remote backends: a put still queued
+            # here would then read freed memory (a segfault, seen in LMCache 0.5.6). So the
+            # allocator's close first waits for this connector's work and stops new work.
+            alloc = getattr(self.local_cpu_backend, "memory_allocator", None)
+            orig = getattr(alloc, "close", None)
+            if orig is None:
+                return
+
+            def close_after_kvtier(*args: Any, **kwargs: Any) -> Any:
+                self._quiesce()
+                return orig(*args, **kwargs)
+
+            alloc.close = close_after_kvtier
+
+        def _quiesce(self) -> None:
+            """Runs the calls already queued (their MemoryObjs are still valid), then stops
+            taking work: later calls answer misses."""
+            self._pool.shutdown(wait=True)
+            self._closing = True
 
         # -- the connection and its failures ------------------------------------------------
 
@@ -203,8 +227,15 @@ def _make_class() -> type:
                 self._failed(store, what, e)
                 return miss
 
-        async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        async def _run(self, miss: T, fn: Callable[..., T], *args: Any) -> T:
+            def guarded() -> T:
+                if self._closing:  # LMCache is freeing its memory: touch no MemoryObj
+                    return miss
+                return fn(*args)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._pool, guarded)
+            except RuntimeError:  # the pool was shut down (closing)
+                return miss
 
         # -- RemoteConnector ----------------------------------------------------------------
 
@@ -213,7 +244,7 @@ def _make_class() -> type:
             return self._call("exists", lambda s: s.exists([key_string(key)]), [False])[0]
 
         async def exists(self, key: Any) -> bool:
-            return await self._run(self.exists_sync, key)
+            return await self._run(False, self.exists_sync, key)
 
         def _contains_sync(self, keys: List[Any]) -> int:
             names = [key_string(k) for k in keys]
@@ -232,13 +263,17 @@ def _make_class() -> type:
 
         async def batched_async_contains(self, lookup_id: str, keys: List[Any],
                                          pin: bool = False) -> int:
-            return await self._run(self._contains_sync, list(keys))
+            return await self._run(0, self._contains_sync, list(keys))
 
         def _get_sync(self, keys: List[Any]) -> List[Optional[Any]]:
             objs: List[Optional[Any]] = []
             for _ in keys:
-                o = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
-                                                    self.meta_fmt)
+                try:
+                    o = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
+                                                        self.meta_fmt)
+                except Exception as e:  # noqa: BLE001: a closed backend, say
+                    log.warning("kvtier.lmcache: cannot allocate a chunk: %s", e)
+                    o = None
                 objs.append(o)
                 if o is None:
                     break  # no room in LocalCPUBackend: the rest are misses
@@ -257,7 +292,7 @@ def _make_class() -> type:
 
         async def get(self, key: Any) -> Optional[Any]:
             """A new MemoryObj (from LocalCPUBackend) holding the chunk, or None."""
-            return (await self._run(self._get_sync, [key]))[0]
+            return (await self._run([None], self._get_sync, [key]))[0]
 
         def support_batched_get(self) -> bool:
             return True
@@ -265,7 +300,7 @@ def _make_class() -> type:
         async def batched_get(self, keys: List[Any]) -> List[Optional[Any]]:
             """Each chunk in a new MemoryObj, or None per miss: pipelined, one round trip for
             the lookups and one GET per hit."""
-            return await self._run(self._get_sync, list(keys))
+            return await self._run([None] * len(keys), self._get_sync, list(keys))
 
         def _put_sync(self, keys: List[Any], objs: List[Any]) -> None:
             names, bufs = [], []
@@ -284,13 +319,13 @@ def _make_class() -> type:
 
         async def put(self, key: Any, memory_obj: Any) -> None:
             """Stores a full chunk (read in place); partial chunks are skipped."""
-            await self._run(self._put_sync, [key], [memory_obj])
+            await self._run(None, self._put_sync, [key], [memory_obj])
 
         def support_batched_put(self) -> bool:
             return True
 
         async def batched_put(self, keys: List[Any], memory_objs: List[Any]) -> None:
-            await self._run(self._put_sync, list(keys), list(memory_objs))
+            await self._run(None, self._put_sync, list(keys), list(memory_objs))
 
         def remove_sync(self, key: Any) -> bool:
             return self._call("remove", lambda s: s.remove([key_string(key)]), [False])[0]
@@ -310,17 +345,17 @@ def _make_class() -> type:
                 except Error as e:
                     self._failed(store, "ping", e)
                     return e.code
-            return await self._run(once)
+            return await self._run(-30812, once)
 
         async def list(self) -> List[str]:
             """Always []: kvtierd keeps keys as hashes and cannot list them."""
             return []
 
         async def close(self) -> None:
+            self._quiesce()
             with self._lock:
                 self._closed = True
                 store, self._store = self._store, None
-            self._pool.shutdown(wait=True)
             if store is not None:
                 store.client.close()
 

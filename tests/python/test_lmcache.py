@@ -297,3 +297,150 @@ def test_settings_defaults() -> None:
     assert klm.key_string(long_key).startswith("sha256:")
     assert klm.key_string(key(chunk_hash=0xabc)) == "%s@2@0@%s@bfloat16" % (
         MODEL, key(chunk_hash=0xabc).chunk_hash_hex)
+
+
+# -- end to end: LMCacheEngine with the plugin loaded from its config ----------------------------
+
+L, KVH, HD = SHAPE[0], SHAPE[3], SHAPE[4]
+
+
+def _gpu_connector() -> Any:
+    """LMCache's GPUConnectorInterface for a KV cache that is one CPU tensor kv[layer, K/V,
+    token, head, dim]: the engine side of LMCache (its own connectors are CUDA kernels for
+    vLLM's or SGLang's paged GPU memory). It copies between that tensor and LMCache's chunk
+    MemoryObjs ([K/V, layer, token, head x dim], KV_2LTD)."""
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+
+    class CPUConnector(GPUConnectorInterface):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            self.kvcaches = None
+
+        def from_gpu(self, o: Any, start: int, end: int, **kw: Any) -> None:
+            kv = kw["kvcaches"][:, :, start:end]
+            o.tensor.copy_(kv.permute(1, 0, 2, 3, 4).reshape(o.tensor.shape))
+
+        def to_gpu(self, o: Any, start: int, end: int, **kw: Any) -> None:
+            t = o.tensor.reshape(2, L, end - start, KVH, HD).permute(1, 0, 2, 3, 4)
+            kw["kvcaches"][:, :, start:end] = t
+
+        def batched_from_gpu(self, objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for o, s, e in zip(objs, starts, ends):
+                self.from_gpu(o, s, e, **kw)
+
+        def batched_to_gpu(self, objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for o, s, e in zip(objs, starts, ends):
+                self.to_gpu(o, s, e, **kw)
+
+        def get_shape(self, num_tokens: int) -> Any:
+            return torch.Size([2, L, num_tokens, KVH * HD])
+
+    return CPUConnector()
+
+
+_engines = [0]
+
+
+def lmcache_engine(daemon: Daemon) -> Tuple[str, Any]:
+    """A fresh LMCacheEngine (its own StorageManager and LocalCPUBackend) whose remote backend
+    is the kvtier plugin, named in the config only."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    _engines[0] += 1
+    iid = "pytest-kvtier-%d-%d" % (os.getpid(), _engines[0])
+    md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+                         local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=SHAPE,
+                         chunk_size=CHUNK)
+    e = LMCacheEngineBuilder.get_or_create(iid, lmc_config(daemon), md, _gpu_connector(),
+                                           lambda t, r: None, lambda o, r: o)
+    e.post_init()
+    assert "RemoteBackend-kvtier" in e.storage_manager.storage_backends
+    return iid, e
+
+
+def destroy(iid: str) -> None:
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    LMCacheEngineBuilder.destroy(iid)
+
+
+def wait_remote(e: Any, tokens: Any, want: int) -> int:
+    """Waits (2 s at most) until the engine's remote backend holds `want` tokens of the prompt:
+    LMCache's puts to remote storage are asynchronous."""
+    n = 0
+    for _ in range(40):
+        n = e.lookup(tokens, search_range=["RemoteBackend-kvtier"])
+        if n >= want:
+            break
+        threading.Event().wait(0.05)
+    return int(n)
+
+
+def test_engine_store_then_retrieve(daemon: Daemon) -> None:
+    """A prompt's KV stored through one LMCacheEngine is retrieved byte-exact by another (its
+    own, empty local CPU cache: the bytes come from kvtierd) into a different KV tensor; a
+    prompt differing in its first token retrieves nothing."""
+    T = 4 * CHUNK
+    tokens = torch.arange(50_000, 50_000 + T)
+    kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+    a, ea = lmcache_engine(daemon)
+    try:
+        ea.store(tokens, kvcaches=kv)
+        assert wait_remote(ea, tokens, T) == T
+    finally:
+        destroy(a)
+    b, eb = lmcache_engine(daemon)
+    try:
+        assert eb.lookup(tokens) == T
+        kv2 = torch.zeros_like(kv)
+        got = eb.retrieve(tokens, kvcaches=kv2)
+        assert int(got.sum()) == T
+        assert torch.equal(kv2, kv)
+        other = tokens.clone()
+        other[0] += 1
+        kv3 = torch.zeros_like(kv)
+        assert eb.lookup(other) == 0
+        assert int(eb.retrieve(other, kvcaches=kv3).sum()) == 0
+        assert not kv3.any()
+    finally:
+        destroy(b)
+
+
+def test_engine_daemon_gone(loop: asyncio.AbstractEventLoop) -> None:
+    """kvtierd killed between store and retrieve: LMCache is told nothing is there, retrieves
+    nothing, raises nothing, and leaves the KV tensor as it was (the engine recomputes)."""
+    d = Daemon()
+    T = 2 * CHUNK
+    tokens = torch.arange(60_000, 60_000 + T)
+    kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+    try:
+        a, ea = lmcache_engine(d)
+        try:
+            ea.store(tokens, kvcaches=kv)
+            assert wait_remote(ea, tokens, T) == T
+        finally:
+            destroy(a)
+        b, eb = lmcache_engine(d)
+        try:
+            d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait(10)
+            kv2 = torch.zeros_like(kv)
+            assert eb.lookup(tokens) == 0
+            assert int(eb.retrieve(tokens, kvcaches=kv2).sum()) == 0
+            assert not kv2.any()
+        finally:
+            destroy(b)
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_engine_closed_with_puts_queued(daemon: Daemon) -> None:
+    """LMCache closes LocalCPUBackend (freeing every MemoryObj's memory) before its remote
+    backends; the plugin's puts still queued then must not read freed memory (a segfault of
+    the whole process before the plugin held the allocator's close for them)."""
+    for i in range(3):
+        T = 8 * CHUNK
+        tokens = torch.arange(70_000 + i * T, 70_000 + (i + 1) * T)
+        kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+        a, ea = lmcache_engine(daemon)
+        ea.store(tokens, kvcaches=kv)
+        destroy(a)  # at once: puts are in flight
