@@ -444,3 +444,27 @@ def test_engine_closed_with_puts_queued(daemon: Daemon) -> None:
         a, ea = lmcache_engine(daemon)
         ea.store(tokens, kvcaches=kv)
         destroy(a)  # at once: puts are in flight
+
+
+def test_the_readme_config(daemon: Daemon, loop: asyncio.AbstractEventLoop, tmp_path: Any) -> None:
+    """The README's LMCache config block, as a file LMCache reads (LMCacheEngineConfig.from_file),
+    with the daemon's socket put in, selects and builds the plugin."""
+    import re
+
+    import yaml
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    block = re.search(r"```yaml\n(.*?)```", text[text.index("remote storage plugin"):], re.S)
+    assert block is not None
+    conf = yaml.safe_load(block.group(1))
+    conf["extra_config"]["remote_storage_plugin.kvtier.unix_path"] = daemon.unix
+    conf.update(chunk_size=CHUNK, max_local_cpu_size=0.02)
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    cfg = LMCacheEngineConfig.from_file(str(path))
+    md = lmc_metadata()
+    be = LocalCPUBackend(cfg, md)
+    conn = CreateConnector("plugin://kvtier", loop, be, cfg, md, plugin_name="kvtier")
+    assert type(conn._connector).__name__ == "KvtierConnector"
+    assert run(loop, conn.ping()) == 0
+    run(loop, conn.close())
