@@ -116,7 +116,7 @@ class _Store:
     def put(self, keys: Sequence[str], bufs: Sequence[Any]) -> List[bool]:
         if len(keys) == 1:  # read in place (the batched form copies each block)
             r = self.client.put_keys(keys, bufs[0])
-            return [r.pages == 1 and r.skipped == 0]
+            return [r.pages == 1]
         return list(self.client.put_keys_each(keys, list(bufs)))
 
     def get_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> List[bool]:
@@ -269,8 +269,10 @@ def _make_class() -> type:
             objs: List[Optional[Any]] = []
             for _ in keys:
                 try:
+                    # No busy loop: with no room, a miss (LMCache recomputes) rather than this
+                    # thread, and every call queued behind it, waiting for stores to free some.
                     o = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
-                                                        self.meta_fmt)
+                                                        self.meta_fmt, busy_loop=False)
                 except Exception as e:  # noqa: BLE001: a closed backend, say
                     log.warning("kvtier.lmcache: cannot allocate a chunk: %s", e)
                     o = None
