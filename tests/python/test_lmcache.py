@@ -437,7 +437,7 @@ def test_engine_closed_with_puts_queued(daemon: Daemon) -> None:
     """LMCache closes LocalCPUBackend (freeing every MemoryObj's memory) before its remote
     backends; the plugin's puts still queued then must not read freed memory (a segfault of
     the whole process before the plugin held the allocator's close for them)."""
-    for i in range(3):
+    for i in range(2):
         T = 8 * CHUNK
         tokens = torch.arange(70_000 + i * T, 70_000 + (i + 1) * T)
         kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
