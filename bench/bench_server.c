@@ -55,7 +55,7 @@
 
 #include "../client/kvtier.h"
 #include "../common/common.h"
-#include "../server/proto.h"
+#include "proto.h"
 #include "../trace/trace.h"
 #include "bench_stats.h"
 #include "config.h"
@@ -281,10 +281,10 @@ static uint64_t take_lease(int fd, uint32_t pages)
     size_t body = sizeof(kvt_wire_match_t) + (size_t)pages * PAGE * 4;
     uint8_t *f = malloc(KVT_PROTO_HDR + body);
     kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, (uint32_t)body);
-    kvt_wire_match_t w = {.lease_ms = htole32(600000), .ntokens = htole32(pages * PAGE)};
-    memcpy(f + KVT_PROTO_HDR, &w, sizeof w);
-    for (uint32_t k = 0; k < pages * PAGE; k++)
-        kvt_put_u32(f + KVT_PROTO_HDR + sizeof w + 4 * k, g_get_tokens[k]);
+    kvt_proto_match_t q = {.lease_ms = 600000, .ntokens = pages * PAGE};
+    kvt_proto_match_encode(f + KVT_PROTO_HDR, &q);
+    kvt_proto_tokens_encode(f + KVT_PROTO_HDR + sizeof(kvt_wire_match_t), g_get_tokens,
+                            pages * PAGE);
     int rc = write_all(fd, f, KVT_PROTO_HDR + body);
     free(f);
     uint8_t r[KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + 64];
@@ -293,9 +293,11 @@ static uint64_t take_lease(int fd, uint32_t pages)
         return 0;
     kvt_proto_hdr_t h;
     kvt_proto_hdr_decode(r, &h);
-    if (h.status < 0)
+    kvt_proto_match_reply_t m;
+    const uint8_t *tiers;
+    if (h.status < 0 || kvt_proto_match_reply_decode(r + KVT_PROTO_HDR, h.body_len, &m, &tiers) < 0)
         return 0;
-    return kvt_get_u64(r + KVT_PROTO_HDR + 8);
+    return m.lease;
 }
 
 /*
@@ -557,11 +559,10 @@ static int run_load(load_t *l, result_t *res)
         if (l->get_blocks) {
             c->gets = malloc((size_t)l->get_blocks * GET_FRAME);
             for (uint32_t b = 0; b < l->get_blocks; b++) {
-                kvt_wire_get_t w = {
-                    .lease = htole64(c->lease), .first_page = htole32(b), .npages = htole32(1)};
+                kvt_proto_get_t q = {.lease = c->lease, .first_page = b, .npages = 1};
                 uint8_t *f = c->gets + (size_t)b * GET_FRAME;
-                kvt_proto_frame(f, KVT_OP_GET, 0, b, 0, sizeof w);
-                memcpy(f + KVT_PROTO_HDR, &w, sizeof w);
+                kvt_proto_frame(f, KVT_OP_GET, 0, b, 0, sizeof(kvt_wire_get_t));
+                kvt_proto_get_encode(f + KVT_PROTO_HDR, &q);
             }
         }
         struct epoll_event e = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
@@ -761,10 +762,9 @@ static int populate(const opts_t *o, const char *sock, kvt_trace_t *tr, load_t *
         size_t len = KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + (size_t)nt * 4;
         uint8_t *f = malloc(len);
         kvt_proto_frame(f, KVT_OP_MATCH, 0, 0, 0, (uint32_t)(len - KVT_PROTO_HDR));
-        kvt_wire_match_t w = {.ntokens = htole32(nt)};
-        memcpy(f + KVT_PROTO_HDR, &w, sizeof w);
-        for (uint32_t k = 0; k < nt; k++)
-            kvt_put_u32(f + KVT_PROTO_HDR + sizeof w + 4 * k, tok[k]);
+        kvt_proto_match_t q = {.ntokens = nt};
+        kvt_proto_match_encode(f + KVT_PROTO_HDR, &q);
+        kvt_proto_tokens_encode(f + KVT_PROTO_HDR + sizeof(kvt_wire_match_t), tok, nt);
         match->frames[i] = f;
         match->frame_len[i] = len;
     }

@@ -24,7 +24,7 @@
 
 #include "../replay/replay.h"
 
-static void kvt_usage(FILE *f)
+static void print_usage(FILE *f)
 {
     fprintf(f, "usage: kvtier [options] COMMAND [args] [options]\n"
                "\n"
@@ -77,7 +77,7 @@ static void kvt_usage(FILE *f)
                "  -V, --version      kvtier's version\n");
 }
 
-static int kvt_parse_tokens(char **args, int n, uint32_t **out, uint32_t *count)
+static int parse_tokens(char **args, int n, uint32_t **out, uint32_t *count)
 {
     size_t cap = 1024, len = 0;
     uint32_t *t = malloc(cap * sizeof *t);
@@ -122,12 +122,12 @@ static int kvt_parse_tokens(char **args, int n, uint32_t **out, uint32_t *count)
 
 static const char *const kvt_tier_names[] = {"none", "hbm", "dram", "nvme", "remote"};
 
-static const char *kvt_tname(unsigned t)
+static const char *tname(unsigned t)
 {
     return t < 5 ? kvt_tier_names[t] : "?";
 }
 
-static int kvt_fail(kvt_client_t *c, const char *what, int rc)
+static int fail(kvt_client_t *c, const char *what, int rc)
 {
     const char *msg = kvt_client_errmsg(c);
     fprintf(stderr, "kvtier: %s: %s%s%s\n", what, kvt_client_strerror(rc), *msg ? ": " : "", msg);
@@ -135,7 +135,7 @@ static int kvt_fail(kvt_client_t *c, const char *what, int rc)
 }
 
 /* A string as a JSON string: the daemon's names are plain, but nothing here relies on it. */
-static void kvt_json_str(const char *str)
+static void json_str(const char *str)
 {
     putchar('"');
     for (const unsigned char *p = (const unsigned char *)str; *p; p++) {
@@ -158,12 +158,12 @@ typedef struct kvt_hits {
     uint64_t tier[KVT_CLIENT_TIER_REMOTE + 1];
 } kvt_hits_t;
 
-static int kvt_print_stat(void *arg, const char *name, uint64_t v)
+static int print_stat(void *arg, const char *name, uint64_t v)
 {
     kvt_hits_t *h = arg;
     if (h->json) {
         fputs(h->n++ ? "," : "{", stdout);
-        kvt_json_str(name);
+        json_str(name);
         printf(":%" PRIu64, v);
     } else {
         printf("%-28s %" PRIu64 "\n", name, v);
@@ -172,7 +172,7 @@ static int kvt_print_stat(void *arg, const char *name, uint64_t v)
         h->looked_up = v;
     else if (!strncmp(name, "hit_tokens_", 11))
         for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
-            if (!strcmp(name + 11, kvt_tname(t)))
+            if (!strcmp(name + 11, tname(t)))
                 h->tier[t] = v;
     return 0;
 }
@@ -180,7 +180,7 @@ static int kvt_print_stat(void *arg, const char *name, uint64_t v)
 /* The operator's question, answered from the counters above: what share of the looked-up tokens
  * the cache served, and from which tier. In JSON, fractions (0 to 1) under "hit_rate", null
  * before the first lookup, closing the object the counters opened. */
-static void kvt_print_hit_rate(const kvt_hits_t *h)
+static void print_hit_rate(const kvt_hits_t *h)
 {
     uint64_t all = 0;
     for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
@@ -193,7 +193,7 @@ static void kvt_print_hit_rate(const kvt_hits_t *h)
         }
         printf("{\"all\":%.6f", (double)all / (double)h->looked_up);
         for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
-            printf(",\"%s\":%.6f", kvt_tname(t), (double)h->tier[t] / (double)h->looked_up);
+            printf(",\"%s\":%.6f", tname(t), (double)h->tier[t] / (double)h->looked_up);
         printf("}}\n");
         return;
     }
@@ -204,7 +204,7 @@ static void kvt_print_hit_rate(const kvt_hits_t *h)
     printf("hit rate: %.1f%% of %" PRIu64 " looked-up tokens (",
            100.0 * (double)all / (double)h->looked_up, h->looked_up);
     for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
-        printf("%s%s %.1f%%", t > KVT_CLIENT_TIER_HBM ? ", " : "", kvt_tname(t),
+        printf("%s%s %.1f%%", t > KVT_CLIENT_TIER_HBM ? ", " : "", tname(t),
                100.0 * (double)h->tier[t] / (double)h->looked_up);
     printf(")\n");
 }
@@ -212,7 +212,7 @@ static void kvt_print_hit_rate(const kvt_hits_t *h)
 /* stats, once or every interval_s seconds (count rounds; 0: until interrupted or the daemon goes
  * away). Rounds after the first are told apart by a time line in text; in JSON each round is one
  * line of its own. Returns the exit status. */
-static int kvt_stats(kvt_client_t *c, int json, double interval_s, unsigned long count)
+static int cmd_stats(kvt_client_t *c, int json, double interval_s, unsigned long count)
 {
     for (unsigned long round = 0;; round++) {
         if (interval_s > 0 && !json) {
@@ -223,13 +223,13 @@ static int kvt_stats(kvt_client_t *c, int json, double interval_s, unsigned long
             printf("%s--- %s\n", round ? "\n" : "", when);
         }
         kvt_hits_t hits = {.json = json};
-        int rc = kvt_client_stats(c, kvt_print_stat, &hits);
+        int rc = kvt_client_stats(c, print_stat, &hits);
         if (rc < 0) {
             if (json && hits.n)
                 printf("}\n"); /* what was printed stays one line */
-            return kvt_fail(c, "stats", rc);
+            return fail(c, "stats", rc);
         }
-        kvt_print_hit_rate(&hits);
+        print_hit_rate(&hits);
         fflush(stdout);
         if (interval_s <= 0 || (count && round + 1 >= count))
             return 0;
@@ -248,7 +248,7 @@ static const char *const kvt_benches[] = {"radix", "tiers", "server", "policy", 
  * kvtier sits in (BUILD/client/kvtier, BUILD/bench/bench_NAME), else from where `meson install`
  * put it. Returns only when it cannot.
  */
-static int kvt_bench(int argc, char **argv)
+static int cmd_bench(int argc, char **argv)
 {
     const char *name = argc > 0 ? argv[0] : "";
     size_t k = 0;
@@ -295,7 +295,7 @@ static int kvt_bench(int argc, char **argv)
 }
 
 /* A numeric option's value: digits only (0x for hex), at most max; else a message and -1. */
-static int kvt_num(const char *opt, const char *v, unsigned long max, unsigned long *out)
+static int parse_num(const char *opt, const char *v, unsigned long max, unsigned long *out)
 {
     char *end;
     errno = 0;
@@ -389,7 +389,7 @@ int main(int argc, char **argv)
             cmd = v;
             /* These two parse their own arguments. */
             if (!strcmp(cmd, "bench") && !help && !version && !bad)
-                return kvt_bench(argc - optind, argv + optind);
+                return cmd_bench(argc - optind, argv + optind);
             if (!strcmp(cmd, "replay") && !help && !version && !bad) {
                 return kvt_replay_main(argc - optind + 1, argv + optind - 1);
             }
@@ -408,7 +408,7 @@ int main(int argc, char **argv)
             break;
         case 'p':
             port = v;
-            bad |= kvt_num(name, v, 65535, &num) < 0;
+            bad |= parse_num(name, v, 65535, &num) < 0;
             break;
         case OPT_TCP:
             conf.tcp = v;
@@ -429,22 +429,23 @@ int main(int argc, char **argv)
             out_path = v;
             break;
         case OPT_PAGE:
-            bad |= kvt_num(name, v, UINT32_MAX, &num) < 0 || (conf.page_size = (uint32_t)num, 0);
+            bad |= parse_num(name, v, UINT32_MAX, &num) < 0 || (conf.page_size = (uint32_t)num, 0);
             break;
         case 'b':
-            bad |= kvt_num(name, v, UINT32_MAX, &num) < 0 || (conf.block_bytes = (uint32_t)num, 0);
+            bad |=
+                parse_num(name, v, UINT32_MAX, &num) < 0 || (conf.block_bytes = (uint32_t)num, 0);
             break;
         case OPT_LEASE_MS:
-            bad |= kvt_num(name, v, UINT32_MAX, &lease_ms) < 0;
+            bad |= parse_num(name, v, UINT32_MAX, &lease_ms) < 0;
             break;
         case OPT_TIMEOUT_MS:
-            bad |= kvt_num(name, v, INT_MAX, &num) < 0 || (conf.timeout_ms = (int)num, 0);
+            bad |= parse_num(name, v, INT_MAX, &num) < 0 || (conf.timeout_ms = (int)num, 0);
             break;
         case OPT_FILL:
-            bad |= kvt_num(name, v, 255, &fill) < 0;
+            bad |= parse_num(name, v, 255, &fill) < 0;
             break;
         case OPT_DEADLINE_MS:
-            bad |= kvt_num(name, v, UINT32_MAX, &deadline_ms) < 0;
+            bad |= parse_num(name, v, UINT32_MAX, &deadline_ms) < 0;
             break;
         case OPT_START:
             start = 1;
@@ -456,7 +457,7 @@ int main(int argc, char **argv)
             json = 1;
             break;
         case 'n':
-            bad |= kvt_num(name, v, ULONG_MAX, &count) < 0;
+            bad |= parse_num(name, v, ULONG_MAX, &count) < 0;
             break;
         case 'i': {
             char *end;
@@ -502,7 +503,7 @@ int main(int argc, char **argv)
             args[nargs++] = argv[optind];
     }
     if (help) {
-        kvt_usage(stdout);
+        print_usage(stdout);
         return 0;
     }
     if (version) {
@@ -521,7 +522,7 @@ int main(int argc, char **argv)
         conf.tcp = tcp;
     }
     if (!cmd) {
-        kvt_usage(stderr);
+        print_usage(stderr);
         return 2;
     }
     /* The command and its tokens are checked before anything is asked of the daemon. */
@@ -530,7 +531,7 @@ int main(int argc, char **argv)
     int watch = !strcmp(cmd, "watch"), stats = watch || !strcmp(cmd, "stats");
     if (!with_tokens && !stats && strcmp(cmd, "ping")) {
         fprintf(stderr, "kvtier: unknown command '%s'\n", cmd);
-        kvt_usage(stderr);
+        print_usage(stderr);
         return 2;
     }
     if (json && !stats && strcmp(cmd, "match")) {
@@ -552,7 +553,7 @@ int main(int argc, char **argv)
         return 2;
     }
     uint32_t *tok = NULL, ntok = 0;
-    if (with_tokens && kvt_parse_tokens(args, nargs, &tok, &ntok) < 0)
+    if (with_tokens && parse_tokens(args, nargs, &tok, &ntok) < 0)
         return 2;
     if (with_tokens && ntok == 0) {
         fprintf(stderr, "kvtier: %s needs token ids (numbers, or ranges such as 1-512)\n", cmd);
@@ -560,7 +561,7 @@ int main(int argc, char **argv)
         return 2;
     }
     unsigned long pings = 1;
-    if (!strcmp(cmd, "ping") && nargs > 0 && kvt_num("ping", args[0], 1000000000, &pings) < 0)
+    if (!strcmp(cmd, "ping") && nargs > 0 && parse_num("ping", args[0], 1000000000, &pings) < 0)
         return 2;
     kvt_client_t *c;
     int rc = kvt_client_connect(&c, &conf);
@@ -579,29 +580,29 @@ int main(int argc, char **argv)
         for (unsigned long k = 0; k < pings && !status; k++) {
             uint64_t rtt;
             if ((rc = kvt_client_ping(c, &rtt)) < 0)
-                status = kvt_fail(c, "ping", rc);
+                status = fail(c, "ping", rc);
             else
                 printf("pong %.1f us\n", (double)rtt / 1000.0);
         }
     } else if (stats) {
-        status = kvt_stats(c, json, interval_s, count);
+        status = cmd_stats(c, json, interval_s, count);
     } else {
         uint32_t pages = ntok / conf.page_size;
         if (!strcmp(cmd, "match")) {
             uint8_t *tiers = malloc(pages + 1);
             kvt_client_match_t m = {.tiers = tiers, .tiers_cap = pages};
             if ((rc = kvt_client_match(c, tok, ntok, 0, 0, NULL, &m)) < 0) {
-                status = kvt_fail(c, "match", rc);
+                status = fail(c, "match", rc);
             } else if (json) {
                 printf("{\"tokens\":%u,\"matched_tokens\":%u,\"pages\":%u,\"tiers\":[", ntok,
                        m.tokens, m.pages);
                 for (uint32_t p = 0; p < m.pages; p++)
-                    printf("%s\"%s\"", p ? "," : "", kvt_tname(tiers[p]));
+                    printf("%s\"%s\"", p ? "," : "", tname(tiers[p]));
                 printf("]}\n");
             } else {
                 printf("matched %u of %u tokens (%u pages)\n", m.tokens, ntok, m.pages);
                 for (uint32_t p = 0; p < m.pages; p++)
-                    printf("  page %u: %s\n", p, kvt_tname(tiers[p]));
+                    printf("  page %u: %s\n", p, tname(tiers[p]));
             }
             free(tiers);
         } else if (!strcmp(cmd, "put")) {
@@ -618,7 +619,7 @@ int main(int argc, char **argv)
             }
             kvt_client_put_t r;
             if ((rc = kvt_client_put(c, tok, ntok, 0, np, payload, NULL, &r)) < 0)
-                status = kvt_fail(c, "put", rc);
+                status = fail(c, "put", rc);
             else
                 printf("put %u pages: %u new, %u stored, %u skipped\n", r.pages, r.new_pages,
                        r.stored, r.skipped);
@@ -630,7 +631,7 @@ int main(int argc, char **argv)
                 status = 2;
             } else if ((rc = kvt_client_match(c, tok, ntok, KVT_CLIENT_LEASE, (uint32_t)lease_ms,
                                               NULL, &m)) < 0) {
-                status = kvt_fail(c, "match", rc);
+                status = fail(c, "match", rc);
             } else if (m.pages == 0) {
                 printf("nothing cached for these tokens\n");
             } else {
@@ -641,11 +642,11 @@ int main(int argc, char **argv)
                     fprintf(stderr, "kvtier: out of memory\n");
                     status = 1;
                 } else if ((rc = kvt_client_get(c, m.lease, 0, 0, buf, cap, &got, tiers)) < 0) {
-                    status = kvt_fail(c, "get", rc);
+                    status = fail(c, "get", rc);
                 } else {
                     printf("got %u pages, %zu bytes\n", got, (size_t)got * conf.block_bytes);
                     for (uint32_t p = 0; p < got; p++)
-                        printf("  page %u: from %s\n", p, kvt_tname(tiers[p]));
+                        printf("  page %u: from %s\n", p, tname(tiers[p]));
                     if (out_path) {
                         FILE *f = fopen(out_path, "wb");
                         if (!f || fwrite(buf, conf.block_bytes, got, f) != got) {
@@ -665,15 +666,15 @@ int main(int argc, char **argv)
             rc = start ? kvt_client_prefetch_start(c, tok, ntok, tier, (uint32_t)deadline_ms, &r)
                        : kvt_client_prefetch(c, tok, ntok, tier, (uint32_t)deadline_ms, &r);
             if (rc < 0)
-                status = kvt_fail(c, "prefetch", rc);
+                status = fail(c, "prefetch", rc);
             else
                 printf("prefetch %u pages to %s: %u %s, %u resident, %u failed\n", r.pages,
-                       kvt_tname(tier), r.moved, start ? "on their way" : "moved", r.resident,
+                       tname(tier), r.moved, start ? "on their way" : "moved", r.resident,
                        r.failed);
         } else {
             rc = nowait ? kvt_client_remove_nowait(c, tok, ntok) : kvt_client_remove(c, tok, ntok);
             if (rc < 0)
-                status = kvt_fail(c, "remove", rc);
+                status = fail(c, "remove", rc);
             else
                 printf("removed\n");
         }

@@ -1,6 +1,6 @@
 /*
- * kvtier.c: libkvtier. It owns one socket per client, a buffered reader over it, the request
- * encoders and reply decoders (on top of server/proto.h, the one definition of the wire format),
+ * kvtier.c: libkvtier. It owns one socket per client, a buffered reader over it, the calls (each
+ * encoded and its reply decoded by proto/, the one codec of the wire format, shared with kvtierd),
  * and the batch's pipelining loop, which writes queued frames and reads replies in the same poll
  * loop so that a batch larger than the socket buffers never deadlocks against a daemon that has
  * stopped reading until its replies drain.
@@ -20,8 +20,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "../common/common.h"
-#include "../server/proto.h"
+#include "common.h"
+#include "proto.h"
 
 #define KVT_SAME(a, b) ((int)(a) == (int)(b))
 _Static_assert(KVT_SAME(KVT_CLIENT_LEASE, KVT_MATCH_F_LEASE) &&
@@ -75,28 +75,13 @@ unsigned kvt_client_tiers(const kvt_client_t *c)
     return c->tiers;
 }
 
-static int kvt_grow(uint8_t **p, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return 0;
-    size_t nc = *cap ? *cap : 4096;
-    while (nc < need)
-        nc *= 2;
-    uint8_t *np = realloc(*p, nc);
-    if (!np)
-        return KVT_ENOMEM;
-    *p = np;
-    *cap = nc;
-    return 0;
-}
-
-static int kvt_fail(kvt_client_t *c, int err)
+static int broken_with(kvt_client_t *c, int err)
 {
     c->broken = 1;
     return err;
 }
 
-static int kvt_wait(kvt_client_t *c, short ev, uint64_t deadline)
+static int wait_ready(kvt_client_t *c, short ev, uint64_t deadline)
 {
     for (;;) {
         uint64_t now = kvt_now_ns();
@@ -111,12 +96,12 @@ static int kvt_wait(kvt_client_t *c, short ev, uint64_t deadline)
     }
 }
 
-static uint64_t kvt_deadline(const kvt_client_t *c)
+static uint64_t deadline_from_now(const kvt_client_t *c)
 {
     return kvt_now_ns() + (uint64_t)c->timeout_ms * 1000000;
 }
 
-static int kvt_send(kvt_client_t *c, const uint8_t *p, size_t len, uint64_t deadline)
+static int send_all(kvt_client_t *c, const uint8_t *p, size_t len, uint64_t deadline)
 {
     while (len > 0) {
         ssize_t n = send(c->fd, p, len, MSG_NOSIGNAL);
@@ -128,16 +113,16 @@ static int kvt_send(kvt_client_t *c, const uint8_t *p, size_t len, uint64_t dead
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0 && errno != EAGAIN)
-            return kvt_fail(c, -errno);
-        int rc = kvt_wait(c, POLLOUT, deadline);
+            return broken_with(c, -errno);
+        int rc = wait_ready(c, POLLOUT, deadline);
         if (rc < 0)
-            return kvt_fail(c, rc);
+            return broken_with(c, rc);
     }
     return 0;
 }
 
 /* Reads whatever the socket has (at least one byte, waiting until deadline). */
-static int kvt_fill(kvt_client_t *c, uint64_t deadline, int wait)
+static int fill(kvt_client_t *c, uint64_t deadline, int wait)
 {
     if (c->in_pos > 0 && c->in_pos == c->in_len)
         c->in_pos = c->in_len = 0;
@@ -147,8 +132,8 @@ static int kvt_fill(kvt_client_t *c, uint64_t deadline, int wait)
             c->in_len -= c->in_pos;
             c->in_pos = 0;
         }
-        if (kvt_grow(&c->in, &c->in_cap, c->in_len + 65536) < 0)
-            return kvt_fail(c, KVT_ENOMEM);
+        if (kvt_reserve(&c->in, &c->in_cap, c->in_len + 65536, 1, 4096) < 0)
+            return broken_with(c, KVT_ENOMEM);
     }
     for (;;) {
         ssize_t n = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
@@ -157,21 +142,21 @@ static int kvt_fill(kvt_client_t *c, uint64_t deadline, int wait)
             return 0;
         }
         if (n == 0)
-            return kvt_fail(c, KVT_ECLOSED);
+            return broken_with(c, KVT_ECLOSED);
         if (errno == EINTR)
             continue;
         if (errno != EAGAIN)
-            return kvt_fail(c, -errno);
+            return broken_with(c, -errno);
         if (!wait)
             return KVT_EAGAIN;
-        int rc = kvt_wait(c, POLLIN, deadline);
+        int rc = wait_ready(c, POLLIN, deadline);
         if (rc < 0)
-            return kvt_fail(c, rc);
+            return broken_with(c, rc);
     }
 }
 
 /* Makes n bytes available at c->in + c->in_pos. */
-static int kvt_need(kvt_client_t *c, size_t n, uint64_t deadline)
+static int need(kvt_client_t *c, size_t n, uint64_t deadline)
 {
     if (c->in_len - c->in_pos >= n)
         return 0;
@@ -180,10 +165,10 @@ static int kvt_need(kvt_client_t *c, size_t n, uint64_t deadline)
         c->in_len -= c->in_pos;
         c->in_pos = 0;
     }
-    if (kvt_grow(&c->in, &c->in_cap, n) < 0)
-        return kvt_fail(c, KVT_ENOMEM);
+    if (kvt_reserve(&c->in, &c->in_cap, n, 1, 4096) < 0)
+        return broken_with(c, KVT_ENOMEM);
     while (c->in_len - c->in_pos < n) {
-        int rc = kvt_fill(c, deadline, 1);
+        int rc = fill(c, deadline, 1);
         if (rc < 0)
             return rc;
     }
@@ -191,32 +176,31 @@ static int kvt_need(kvt_client_t *c, size_t n, uint64_t deadline)
 }
 
 /* Checks a reply header against the request it must answer. */
-static int kvt_check_reply(kvt_client_t *c, const kvt_proto_hdr_t *h, unsigned op, uint64_t id)
+static int check_reply(kvt_client_t *c, const kvt_proto_hdr_t *h, unsigned op, uint64_t id)
 {
     if (kvt_proto_hdr_check(h, UINT32_MAX) < 0 || h->opcode != (op | KVT_OP_REPLY) ||
         h->request_id != id)
-        return kvt_fail(c, KVT_EPROTO);
+        return broken_with(c, KVT_EPROTO);
     return 0;
 }
 
 /* Reads one whole frame; *body points into the input buffer until the next read. */
-static int kvt_read_frame(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body,
-                          uint64_t deadline)
+static int read_frame(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body, uint64_t deadline)
 {
-    int rc = kvt_need(c, KVT_PROTO_HDR, deadline);
+    int rc = need(c, KVT_PROTO_HDR, deadline);
     if (rc < 0)
         return rc;
     kvt_proto_hdr_decode(c->in + c->in_pos, h);
     if (kvt_proto_hdr_check(h, c->max_reply) < 0)
-        return kvt_fail(c, KVT_EPROTO);
-    if ((rc = kvt_need(c, KVT_PROTO_HDR + (size_t)h->body_len, deadline)) < 0)
+        return broken_with(c, KVT_EPROTO);
+    if ((rc = need(c, KVT_PROTO_HDR + (size_t)h->body_len, deadline)) < 0)
         return rc;
     *body = c->in + c->in_pos + KVT_PROTO_HDR;
     c->in_pos += KVT_PROTO_HDR + (size_t)h->body_len;
     return 0;
 }
 
-static void kvt_set_errmsg(kvt_client_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
+static void set_errmsg(kvt_client_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 {
     size_t n = KVT_MIN((size_t)h->body_len, sizeof c->errmsg - 1);
     memcpy(c->errmsg, body, n);
@@ -224,9 +208,9 @@ static void kvt_set_errmsg(kvt_client_t *c, const kvt_proto_hdr_t *h, const uint
 }
 
 /* One request, one reply: returns the reply's status, its body in *body (len *len). */
-static int kvt_call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
-                    const void *b2, size_t l2, const void *b3, size_t l3, const uint8_t **body,
-                    uint32_t *len)
+static int call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                const void *b2, size_t l2, const void *b3, size_t l3, const uint8_t **body,
+                uint32_t *len)
 {
     if (c->broken)
         return KVT_ECLOSED;
@@ -234,36 +218,36 @@ static int kvt_call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1
     if (blen > UINT32_MAX || blen > c->max_frame)
         return KVT_ETOOBIG;
     c->errmsg[0] = 0;
-    uint64_t id = c->next_id++, deadline = kvt_deadline(c);
+    uint64_t id = c->next_id++, deadline = deadline_from_now(c);
     uint8_t hdr[KVT_PROTO_HDR];
     kvt_proto_frame(hdr, op, flags, id, 0, (uint32_t)blen);
     /* Small requests go out in one send; a big payload is sent from the caller's memory. */
-    if (kvt_grow(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2) < 0)
+    if (kvt_reserve(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
         return KVT_ENOMEM;
     memcpy(c->out, hdr, KVT_PROTO_HDR);
     if (l1)
         memcpy(c->out + KVT_PROTO_HDR, b1, l1);
     if (l2)
         memcpy(c->out + KVT_PROTO_HDR + l1, b2, l2);
-    int rc = kvt_send(c, c->out, KVT_PROTO_HDR + l1 + l2, deadline);
+    int rc = send_all(c, c->out, KVT_PROTO_HDR + l1 + l2, deadline);
     if (rc == 0 && l3)
-        rc = kvt_send(c, b3, l3, deadline);
+        rc = send_all(c, b3, l3, deadline);
     if (rc < 0)
         return rc;
     kvt_proto_hdr_t h;
-    if ((rc = kvt_read_frame(c, &h, body, deadline)) < 0)
+    if ((rc = read_frame(c, &h, body, deadline)) < 0)
         return rc;
-    if ((rc = kvt_check_reply(c, &h, op, id)) < 0)
+    if ((rc = check_reply(c, &h, op, id)) < 0)
         return rc;
     *len = h.body_len;
     if (h.status < 0) {
-        kvt_set_errmsg(c, &h, *body);
+        set_errmsg(c, &h, *body);
         return h.status;
     }
     return 0;
 }
 
-static int kvt_connect_fd(const kvt_client_conf_t *conf)
+static int connect_fd(const kvt_client_conf_t *conf)
 {
     if (conf->unix_path || !conf->tcp) {
         const char *path = conf->unix_path ? conf->unix_path : KVT_DEFAULT_UNIX_PATH;
@@ -326,7 +310,7 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
     c->next_id = 1;
     c->max_frame = KVT_PROTO_MAX_FRAME_DEFAULT;
     c->max_reply = 64u << 10;
-    c->fd = kvt_connect_fd(conf);
+    c->fd = connect_fd(conf);
     if (c->fd < 0) {
         int rc = c->fd;
         free(c);
@@ -338,38 +322,37 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
     int rc;
     /* An empty secret is none: the daemon refuses an empty AUTH body (1..1024 bytes). */
     if (conf->secret && *conf->secret &&
-        (rc = kvt_call(c, KVT_OP_AUTH, 0, conf->secret, strlen(conf->secret), NULL, 0, NULL, 0,
-                       &body, &len)) < 0)
+        (rc = call(c, KVT_OP_AUTH, 0, conf->secret, strlen(conf->secret), NULL, 0, NULL, 0, &body,
+                   &len)) < 0)
         goto fail;
     size_t ml = strlen(conf->model), al = conf->adapter ? strlen(conf->adapter) : 0,
            sl = conf->salt ? strlen(conf->salt) : 0;
-    kvt_wire_hello_t w = {
-        .min_version = htole16(KVT_PROTO_VERSION),
-        .max_version = htole16(KVT_PROTO_VERSION),
-        .page_size = htole32(conf->page_size),
-        .block_bytes = htole32(conf->block_bytes),
-        .model_len = htole16((uint16_t)ml),
-        .adapter_len = htole16((uint16_t)al),
-        .salt_len = htole16((uint16_t)sl),
+    kvt_proto_hello_t hm = {
+        .min_version = KVT_PROTO_VERSION,
+        .max_version = KVT_PROTO_VERSION,
+        .page_size = conf->page_size,
+        .block_bytes = conf->block_bytes,
+        .model_len = (uint16_t)ml,
+        .adapter_len = (uint16_t)al,
+        .salt_len = (uint16_t)sl,
     };
+    uint8_t w[sizeof(kvt_wire_hello_t)];
+    kvt_proto_hello_encode(w, &hm);
     char names[3 * KVT_PROTO_NAME_MAX];
     memcpy(names, conf->model, ml);
     if (al)
         memcpy(names + ml, conf->adapter, al);
     if (sl)
         memcpy(names + ml + al, conf->salt, sl);
-    rc = kvt_call(c, KVT_OP_HELLO, 0, &w, sizeof w, names, ml + al + sl, NULL, 0, &body, &len);
+    rc = call(c, KVT_OP_HELLO, 0, w, sizeof w, names, ml + al + sl, NULL, 0, &body, &len);
     if (rc < 0)
         goto fail;
-    kvt_wire_hello_reply_t r;
-    if (len != sizeof r) {
-        rc = KVT_EPROTO;
+    kvt_proto_hello_reply_t r;
+    if ((rc = kvt_proto_hello_reply_decode(body, len, &r)) < 0)
         goto fail;
-    }
-    memcpy(&r, body, sizeof r);
-    c->seed = le64toh(r.ns_seed);
-    c->tiers = le16toh(r.tiers);
-    c->max_frame = le32toh(r.max_frame);
+    c->seed = r.ns_seed;
+    c->tiers = r.tiers;
+    c->max_frame = r.max_frame;
     c->max_reply = KVT_MAX(c->max_frame, c->max_reply);
     c->page_size = conf->page_size;
     c->block_bytes = conf->block_bytes;
@@ -398,17 +381,17 @@ int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns)
     uint64_t t0 = kvt_now_ns();
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_PING, 0, payload, sizeof payload, NULL, 0, NULL, 0, &body, &len);
+    int rc = call(c, KVT_OP_PING, 0, payload, sizeof payload, NULL, 0, NULL, 0, &body, &len);
     if (rc < 0)
         return rc;
     if (len != sizeof payload || memcmp(body, payload, len) != 0)
-        return kvt_fail(c, KVT_EPROTO);
+        return broken_with(c, KVT_EPROTO);
     if (rtt_ns)
         *rtt_ns = kvt_now_ns() - t0;
     return 0;
 }
 
-static void kvt_hints_wire(const kvt_client_hints_t *h, kvt_wire_hints_t *w)
+static kvt_proto_hints_t proto_hints(const kvt_client_hints_t *h)
 {
     kvt_proto_hints_t p = {0};
     if (h) {
@@ -417,10 +400,10 @@ static void kvt_hints_wire(const kvt_client_hints_t *h, kvt_wire_hints_t *w)
         p.priority = h->priority;
         p.flags = h->flags;
     }
-    kvt_proto_hints_to_wire(&p, w);
+    return p;
 }
 
-static int kvt_tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, uint8_t **out)
+static int tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, uint8_t **out)
 {
     /* The wire is little-endian: on such hosts the caller's array goes out as it is. */
 #if __BYTE_ORDER == __LITTLE_ENDIAN
@@ -432,28 +415,24 @@ static int kvt_tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, 
     uint8_t *p = malloc((size_t)n * 4 + 1);
     if (!p)
         return KVT_ENOMEM;
-    for (uint32_t i = 0; i < n; i++)
-        kvt_put_u32(p + 4 * i, tokens[i]);
+    kvt_proto_tokens_encode(p, tokens, n);
     *out = p;
     return 1;
 #endif
 }
 
-static int kvt_match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *res)
+static int match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *res)
 {
-    kvt_wire_match_reply_t r;
-    if (len < sizeof r)
+    kvt_proto_match_reply_t r;
+    const uint8_t *tiers;
+    if (kvt_proto_match_reply_decode(body, len, &r, &tiers) < 0)
         return KVT_EPROTO;
-    memcpy(&r, body, sizeof r);
-    uint32_t pages = le32toh(r.pages);
-    if (len != sizeof r + pages)
-        return KVT_EPROTO;
-    res->tokens = le32toh(r.tokens);
-    res->pages = pages;
-    res->remote_pages = le32toh(r.remote_pages);
-    res->lease = le64toh(r.lease);
+    res->tokens = r.tokens;
+    res->pages = r.pages;
+    res->remote_pages = r.remote_pages;
+    res->lease = r.lease;
     if (res->tiers)
-        memcpy(res->tiers, body + sizeof r, KVT_MIN(pages, res->tiers_cap));
+        memcpy(res->tiers, tiers, KVT_MIN(r.pages, res->tiers_cap));
     return 0;
 }
 
@@ -462,36 +441,36 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
 {
     if (!c || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
         return KVT_EINVAL;
-    kvt_wire_match_t w = {.lease_ms = htole32(lease_ms), .ntokens = htole32(ntokens)};
-    kvt_hints_wire(hints, &w.hints);
+    kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_match_t)];
+    kvt_proto_match_encode(w, &m);
     uint8_t *tw;
-    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    int own = tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, NULL, 0, tw,
-                      (size_t)ntokens * 4, &body, &len);
+    int rc = call(c, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
+                  &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
         return rc;
-    if (kvt_match_parse(body, len, res) < 0)
-        return kvt_fail(c, KVT_EPROTO);
+    if (match_parse(body, len, res) < 0)
+        return broken_with(c, KVT_EPROTO);
     return 0;
 }
 
-static int kvt_put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
+static int put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
 {
-    kvt_wire_put_reply_t r;
-    if (len != sizeof r)
+    kvt_proto_put_reply_t r;
+    if (kvt_proto_put_reply_decode(body, len, &r) < 0)
         return KVT_EPROTO;
-    memcpy(&r, body, sizeof r);
     if (res) {
-        res->pages = le32toh(r.pages);
-        res->new_pages = le32toh(r.new_pages);
-        res->stored = le32toh(r.stored);
-        res->skipped = le32toh(r.skipped);
+        res->pages = r.pages;
+        res->new_pages = r.new_pages;
+        res->stored = r.stored;
+        res->skipped = r.skipped;
     }
     return 0;
 }
@@ -502,26 +481,26 @@ int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, ui
 {
     if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
         return KVT_EINVAL;
-    kvt_wire_put_t w = {
-        .ntokens = htole32(ntokens),
-        .first_page = htole32(first_page),
-        .npayload = htole32(npages),
-    };
-    kvt_hints_wire(hints, &w.hints);
+    kvt_proto_put_t m = {.hints = proto_hints(hints),
+                         .ntokens = ntokens,
+                         .first_page = first_page,
+                         .npayload = npages};
+    uint8_t w[sizeof(kvt_wire_put_t)];
+    kvt_proto_put_encode(w, &m);
     uint8_t *tw;
-    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    int own = tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_PUT, 0, &w, sizeof w, tw, (size_t)ntokens * 4, payload,
-                      (size_t)npages * c->block_bytes, &body, &len);
+    int rc = call(c, KVT_OP_PUT, 0, w, sizeof w, tw, (size_t)ntokens * 4, payload,
+                  (size_t)npages * c->block_bytes, &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
         return rc;
-    if (kvt_put_parse(body, len, res) < 0)
-        return kvt_fail(c, KVT_EPROTO);
+    if (put_parse(body, len, res) < 0)
+        return broken_with(c, KVT_EPROTO);
     return 0;
 }
 
@@ -533,13 +512,12 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
     if (c->broken)
         return KVT_ECLOSED;
     c->errmsg[0] = 0;
-    kvt_wire_get_t w = {
-        .lease = htole64(lease), .first_page = htole32(first_page), .npages = htole32(npages)};
-    uint64_t id = c->next_id++, deadline = kvt_deadline(c);
-    uint8_t frame[KVT_PROTO_HDR + sizeof w];
-    kvt_proto_frame(frame, KVT_OP_GET, 0, id, 0, sizeof w);
-    memcpy(frame + KVT_PROTO_HDR, &w, sizeof w);
-    int rc = kvt_send(c, frame, sizeof frame, deadline);
+    kvt_proto_get_t m = {.lease = lease, .first_page = first_page, .npages = npages};
+    uint64_t id = c->next_id++, deadline = deadline_from_now(c);
+    uint8_t frame[KVT_PROTO_HDR + sizeof(kvt_wire_get_t)];
+    kvt_proto_frame(frame, KVT_OP_GET, 0, id, 0, sizeof(kvt_wire_get_t));
+    kvt_proto_get_encode(frame + KVT_PROTO_HDR, &m);
+    int rc = send_all(c, frame, sizeof frame, deadline);
     if (rc < 0)
         return rc;
     int stop = 0;
@@ -548,9 +526,9 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
         kvt_proto_hdr_t h;
         const uint8_t *body;
         /* Each block frame restarts the clock: a long GET is fine while data flows. */
-        if ((rc = kvt_read_frame(c, &h, &body, kvt_deadline(c))) < 0)
+        if ((rc = read_frame(c, &h, &body, deadline_from_now(c))) < 0)
             return rc;
-        if ((rc = kvt_check_reply(c, &h, KVT_OP_GET, id)) < 0)
+        if ((rc = check_reply(c, &h, KVT_OP_GET, id)) < 0)
             return rc;
         if (!(h.flags & KVT_RF_MORE)) {
             if (got)
@@ -562,17 +540,18 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
                          n == 1 ? "" : "s");
                 return h.status;
             }
-            if (h.body_len != sizeof(kvt_wire_get_end_t) || kvt_get_u32(body) != n)
-                return kvt_fail(c, KVT_EPROTO);
+            uint32_t sent;
+            if (kvt_proto_get_end_decode(body, h.body_len, &sent) < 0 || sent != n)
+                return broken_with(c, KVT_EPROTO);
             return stop;
         }
-        if (h.body_len < sizeof(kvt_wire_get_data_t))
-            return kvt_fail(c, KVT_EPROTO);
-        kvt_wire_get_data_t d;
-        memcpy(&d, body, sizeof d);
+        uint32_t page, dlen;
+        uint8_t tier;
+        const uint8_t *data;
+        if (kvt_proto_get_data_decode(body, h.body_len, &page, &tier, &data, &dlen) < 0)
+            return broken_with(c, KVT_EPROTO);
         if (!stop)
-            stop =
-                cb(arg, le32toh(d.page), d.tier, body + sizeof d, h.body_len - (uint32_t)sizeof d);
+            stop = cb(arg, page, tier, data, dlen);
         n++;
     }
 }
@@ -584,7 +563,7 @@ typedef struct kvt_get_buf {
     uint32_t i, first;
 } kvt_get_buf_t;
 
-static int kvt_get_into(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+static int get_into(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
 {
     kvt_get_buf_t *g = arg;
     if (g->off + len > g->cap || page != g->first + g->i)
@@ -603,92 +582,93 @@ int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_
     if (!c || (!buf && cap))
         return KVT_EINVAL;
     kvt_get_buf_t g = {.buf = buf, .cap = cap, .tiers = tiers, .first = first_page};
-    return kvt_client_get_cb(c, lease, first_page, npages, kvt_get_into, &g, got);
+    return kvt_client_get_cb(c, lease, first_page, npages, get_into, &g, got);
 }
 
-static int kvt_prefetch_parse(const uint8_t *body, uint32_t len, kvt_client_prefetch_t *res)
+static int prefetch_parse(const uint8_t *body, uint32_t len, kvt_client_prefetch_t *res)
 {
-    kvt_wire_prefetch_reply_t r;
-    if (len != sizeof r)
+    kvt_proto_prefetch_reply_t r;
+    if (kvt_proto_prefetch_reply_decode(body, len, &r) < 0)
         return KVT_EPROTO;
-    memcpy(&r, body, sizeof r);
     if (res) {
-        res->pages = le32toh(r.pages);
-        res->moved = le32toh(r.moved);
-        res->resident = le32toh(r.resident);
-        res->failed = le32toh(r.failed);
+        res->pages = r.pages;
+        res->moved = r.moved;
+        res->resident = r.resident;
+        res->failed = r.failed;
     }
     return 0;
 }
 
-static int kvt_prefetch_call(kvt_client_t *c, unsigned flags, const uint32_t *tokens,
-                             uint32_t ntokens, unsigned tier, uint32_t deadline_ms,
-                             kvt_client_prefetch_t *res)
+static int prefetch_call(kvt_client_t *c, unsigned flags, const uint32_t *tokens, uint32_t ntokens,
+                         unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res)
 {
     if (!c || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_prefetch_t w = {
-        .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
+    kvt_proto_prefetch_t m = {.tier = tier, .deadline_ms = deadline_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_prefetch_t)];
+    kvt_proto_prefetch_encode(w, &m);
     uint8_t *tw;
-    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    int own = tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_PREFETCH, flags, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
-                      &body, &len);
+    int rc =
+        call(c, KVT_OP_PREFETCH, flags, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
         return rc;
-    if (kvt_prefetch_parse(body, len, res) < 0)
-        return kvt_fail(c, KVT_EPROTO);
+    if (prefetch_parse(body, len, res) < 0)
+        return broken_with(c, KVT_EPROTO);
     return 0;
 }
 
 int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
                         uint32_t deadline_ms, kvt_client_prefetch_t *res)
 {
-    return kvt_prefetch_call(c, 0, tokens, ntokens, tier, deadline_ms, res);
+    return prefetch_call(c, 0, tokens, ntokens, tier, deadline_ms, res);
 }
 
 int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                               unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res)
 {
-    return kvt_prefetch_call(c, KVT_PREFETCH_F_START, tokens, ntokens, tier, deadline_ms, res);
+    return prefetch_call(c, KVT_PREFETCH_F_START, tokens, ntokens, tier, deadline_ms, res);
 }
 
 int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released)
 {
     if (!c)
         return KVT_EINVAL;
-    kvt_wire_release_t w = {.lease = htole64(lease)};
+    uint8_t w[sizeof(kvt_wire_release_t)];
+    kvt_proto_release_encode(w, lease);
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_RELEASE, 0, &w, sizeof w, NULL, 0, NULL, 0, &body, &len);
+    int rc = call(c, KVT_OP_RELEASE, 0, w, sizeof w, NULL, 0, NULL, 0, &body, &len);
     if (rc < 0)
         return rc;
-    if (len != sizeof(kvt_wire_release_reply_t))
-        return kvt_fail(c, KVT_EPROTO);
+    uint32_t n;
+    if (kvt_proto_release_reply_decode(body, len, &n) < 0)
+        return broken_with(c, KVT_EPROTO);
     if (released)
-        *released = kvt_get_u32(body) != 0;
+        *released = n != 0;
     return 0;
 }
 
-static int kvt_remove_call(kvt_client_t *c, unsigned flags, const uint32_t *tokens,
-                           uint32_t ntokens)
+static int remove_call(kvt_client_t *c, unsigned flags, const uint32_t *tokens, uint32_t ntokens)
 {
     if (!c || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
+    uint8_t w[sizeof(kvt_wire_remove_t)];
+    kvt_proto_remove_encode(w, ntokens);
     uint8_t *tw;
-    int own = kvt_tokens_wire(c, tokens, ntokens, &tw);
+    int own = tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_REMOVE, flags, &w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
-                      &body, &len);
+    int rc =
+        call(c, KVT_OP_REMOVE, flags, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, &body, &len);
     if (own)
         free(tw);
     return rc;
@@ -696,12 +676,12 @@ static int kvt_remove_call(kvt_client_t *c, unsigned flags, const uint32_t *toke
 
 int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
 {
-    return kvt_remove_call(c, 0, tokens, ntokens);
+    return remove_call(c, 0, tokens, ntokens);
 }
 
 int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
 {
-    return kvt_remove_call(c, KVT_REMOVE_F_NOWAIT, tokens, ntokens);
+    return remove_call(c, KVT_REMOVE_F_NOWAIT, tokens, ntokens);
 }
 
 int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg)
@@ -710,26 +690,18 @@ int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg)
         return KVT_EINVAL;
     const uint8_t *body;
     uint32_t len;
-    int rc = kvt_call(c, KVT_OP_STATS, 0, NULL, 0, NULL, 0, NULL, 0, &body, &len);
+    int rc = call(c, KVT_OP_STATS, 0, NULL, 0, NULL, 0, NULL, 0, &body, &len);
     if (rc < 0)
         return rc;
-    if (len < 4)
-        return kvt_fail(c, KVT_EPROTO);
-    uint32_t n = kvt_get_u32(body);
-    size_t off = 4;
-    for (uint32_t i = 0; i < n; i++) {
-        if (off + 1 > len || off + 1 + body[off] + 8 > len)
-            return kvt_fail(c, KVT_EPROTO);
-        char name[256];
-        uint8_t nl = body[off];
-        memcpy(name, body + off + 1, nl);
-        name[nl] = 0;
-        uint64_t v = kvt_get_u64(body + off + 1 + nl);
-        off += 1 + nl + 8;
+    kvt_proto_stats_iter_t it;
+    char name[256];
+    uint64_t v;
+    if (kvt_proto_stats_begin(&it, body, len) < 0)
+        return broken_with(c, KVT_EPROTO);
+    while ((rc = kvt_proto_stats_next(&it, name, &v)) > 0)
         if (cb(arg, name, v))
             break;
-    }
-    return 0;
+    return rc < 0 ? broken_with(c, KVT_EPROTO) : 0;
 }
 
 /* ---- batches ---- */
@@ -781,9 +753,8 @@ size_t kvt_batch_size(const kvt_batch_t *b)
     return b->n;
 }
 
-static int kvt_batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void *p1, size_t l1,
-                         const void *p2, size_t l2, const void *p3, size_t l3, void *res,
-                         int *status)
+static int batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void *p1, size_t l1,
+                     const void *p2, size_t l2, const void *p3, size_t l3, void *res, int *status)
 {
     size_t blen = l1 + l2 + l3;
     if (blen > b->c->max_frame)
@@ -796,7 +767,7 @@ static int kvt_batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void
         b->ents = e;
         b->cap = cap;
     }
-    if (kvt_grow(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen) < 0)
+    if (kvt_reserve(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen, 1, 4096) < 0)
         return KVT_ENOMEM;
     uint64_t id = b->c->next_id++;
     uint8_t *f = b->out + b->out_len;
@@ -819,20 +790,20 @@ int kvt_batch_ping(kvt_batch_t *b, int *status)
 {
     if (!b)
         return KVT_EINVAL;
-    return kvt_batch_add(b, KVT_OP_PING, 0, NULL, 0, NULL, 0, NULL, 0, NULL, status);
+    return batch_add(b, KVT_OP_PING, 0, NULL, 0, NULL, 0, NULL, 0, NULL, status);
 }
 
 /* Queues a frame of a fixed part, the tokens (as the wire has them), then payload. */
-static int kvt_batch_tokens(kvt_batch_t *b, uint8_t op, uint16_t flags, const void *fixed,
-                            size_t flen, const uint32_t *tokens, uint32_t ntokens,
-                            const void *payload, size_t plen, void *res, int *status)
+static int batch_tokens(kvt_batch_t *b, uint8_t op, uint16_t flags, const void *fixed, size_t flen,
+                        const uint32_t *tokens, uint32_t ntokens, const void *payload, size_t plen,
+                        void *res, int *status)
 {
     uint8_t *tw;
-    int own = kvt_tokens_wire(b->c, tokens, ntokens, &tw);
+    int own = tokens_wire(b->c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
-    int rc = kvt_batch_add(b, op, flags, fixed, flen, tw, (size_t)ntokens * 4, payload, plen, res,
-                           status);
+    int rc =
+        batch_add(b, op, flags, fixed, flen, tw, (size_t)ntokens * 4, payload, plen, res, status);
     if (own)
         free(tw);
     return rc;
@@ -844,10 +815,11 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
 {
     if (!b || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
         return KVT_EINVAL;
-    kvt_wire_match_t w = {.lease_ms = htole32(lease_ms), .ntokens = htole32(ntokens)};
-    kvt_hints_wire(hints, &w.hints);
-    return kvt_batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, &w, sizeof w, tokens, ntokens, NULL,
-                            0, res, status);
+    kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_match_t)];
+    kvt_proto_match_encode(w, &m);
+    return batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0,
+                        res, status);
 }
 
 int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -856,88 +828,91 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
 {
     if (!b || (ntokens && !tokens) || (npages && (!payload || !b->c->block_bytes)))
         return KVT_EINVAL;
-    kvt_wire_put_t w = {
-        .ntokens = htole32(ntokens),
-        .first_page = htole32(first_page),
-        .npayload = htole32(npages),
-    };
-    kvt_hints_wire(hints, &w.hints);
-    return kvt_batch_tokens(b, KVT_OP_PUT, 0, &w, sizeof w, tokens, ntokens, payload,
-                            (size_t)npages * b->c->block_bytes, res, status);
+    kvt_proto_put_t m = {.hints = proto_hints(hints),
+                         .ntokens = ntokens,
+                         .first_page = first_page,
+                         .npayload = npages};
+    uint8_t w[sizeof(kvt_wire_put_t)];
+    kvt_proto_put_encode(w, &m);
+    return batch_tokens(b, KVT_OP_PUT, 0, w, sizeof w, tokens, ntokens, payload,
+                        (size_t)npages * b->c->block_bytes, res, status);
 }
 
-static int kvt_batch_prefetch_flags(kvt_batch_t *b, unsigned flags, const uint32_t *tokens,
-                                    uint32_t ntokens, unsigned tier, uint32_t deadline_ms,
-                                    kvt_client_prefetch_t *res, int *status)
+static int batch_prefetch_flags(kvt_batch_t *b, unsigned flags, const uint32_t *tokens,
+                                uint32_t ntokens, unsigned tier, uint32_t deadline_ms,
+                                kvt_client_prefetch_t *res, int *status)
 {
     if (!b || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_prefetch_t w = {
-        .tier = htole32(tier), .deadline_ms = htole32(deadline_ms), .ntokens = htole32(ntokens)};
-    return kvt_batch_tokens(b, KVT_OP_PREFETCH, flags, &w, sizeof w, tokens, ntokens, NULL, 0, res,
-                            status);
+    kvt_proto_prefetch_t m = {.tier = tier, .deadline_ms = deadline_ms, .ntokens = ntokens};
+    uint8_t w[sizeof(kvt_wire_prefetch_t)];
+    kvt_proto_prefetch_encode(w, &m);
+    return batch_tokens(b, KVT_OP_PREFETCH, flags, w, sizeof w, tokens, ntokens, NULL, 0, res,
+                        status);
 }
 
 int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
                        uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status)
 {
-    return kvt_batch_prefetch_flags(b, 0, tokens, ntokens, tier, deadline_ms, res, status);
+    return batch_prefetch_flags(b, 0, tokens, ntokens, tier, deadline_ms, res, status);
 }
 
 int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
                              unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res,
                              int *status)
 {
-    return kvt_batch_prefetch_flags(b, KVT_PREFETCH_F_START, tokens, ntokens, tier, deadline_ms,
-                                    res, status);
+    return batch_prefetch_flags(b, KVT_PREFETCH_F_START, tokens, ntokens, tier, deadline_ms, res,
+                                status);
 }
 
-static int kvt_batch_remove_flags(kvt_batch_t *b, unsigned flags, const uint32_t *tokens,
-                                  uint32_t ntokens, int *status)
+static int batch_remove_flags(kvt_batch_t *b, unsigned flags, const uint32_t *tokens,
+                              uint32_t ntokens, int *status)
 {
     if (!b || (ntokens && !tokens))
         return KVT_EINVAL;
-    kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
-    return kvt_batch_tokens(b, KVT_OP_REMOVE, flags, &w, sizeof w, tokens, ntokens, NULL, 0, NULL,
-                            status);
+    uint8_t w[sizeof(kvt_wire_remove_t)];
+    kvt_proto_remove_encode(w, ntokens);
+    return batch_tokens(b, KVT_OP_REMOVE, flags, w, sizeof w, tokens, ntokens, NULL, 0, NULL,
+                        status);
 }
 
 int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)
 {
-    return kvt_batch_remove_flags(b, 0, tokens, ntokens, status);
+    return batch_remove_flags(b, 0, tokens, ntokens, status);
 }
 
 int kvt_batch_remove_nowait(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status)
 {
-    return kvt_batch_remove_flags(b, KVT_REMOVE_F_NOWAIT, tokens, ntokens, status);
+    return batch_remove_flags(b, KVT_REMOVE_F_NOWAIT, tokens, ntokens, status);
 }
 
 int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)
 {
     if (!b)
         return KVT_EINVAL;
-    kvt_wire_release_t w = {.lease = htole64(lease)};
-    return kvt_batch_add(b, KVT_OP_RELEASE, 0, &w, sizeof w, NULL, 0, NULL, 0, NULL, status);
+    uint8_t w[sizeof(kvt_wire_release_t)];
+    kvt_proto_release_encode(w, lease);
+    return batch_add(b, KVT_OP_RELEASE, 0, w, sizeof w, NULL, 0, NULL, 0, NULL, status);
 }
 
-static int kvt_batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto_hdr_t *h,
-                           const uint8_t *body)
+static int batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto_hdr_t *h,
+                       const uint8_t *body)
 {
     kvt_client_t *c = b->c;
-    if (kvt_check_reply(c, h, e->op, e->id) < 0)
+    if (check_reply(c, h, e->op, e->id) < 0)
         return KVT_EPROTO;
     int st = h->status;
     if (st < 0) {
-        kvt_set_errmsg(c, h, body);
+        set_errmsg(c, h, body);
     } else if (e->op == KVT_OP_MATCH) {
-        if (kvt_match_parse(body, h->body_len, e->res) < 0)
-            return kvt_fail(c, KVT_EPROTO);
+        if (match_parse(body, h->body_len, e->res) < 0)
+            return broken_with(c, KVT_EPROTO);
     } else if (e->op == KVT_OP_PUT) {
-        if (kvt_put_parse(body, h->body_len, e->res) < 0)
-            return kvt_fail(c, KVT_EPROTO);
+        if (put_parse(body, h->body_len, e->res) < 0)
+            return broken_with(c, KVT_EPROTO);
     } else if (e->op == KVT_OP_PREFETCH) {
-        if (kvt_prefetch_parse(body, h->body_len, e->res) < 0)
-            return kvt_fail(c, KVT_EPROTO);
+        if (prefetch_parse(body, h->body_len, e->res) < 0)
+            return broken_with(c, KVT_EPROTO);
     }
     if (e->status)
         *e->status = st;
@@ -952,16 +927,16 @@ int kvt_batch_run(kvt_batch_t *b)
     if (c->broken)
         return KVT_ECLOSED;
     size_t sent = 0, done = 0;
-    uint64_t deadline = kvt_deadline(c);
+    uint64_t deadline = deadline_from_now(c);
     int rc = 0;
     while (done < b->n) {
         if (sent < b->out_len) {
             ssize_t n = send(c->fd, b->out + sent, b->out_len - sent, MSG_NOSIGNAL);
             if (n > 0) {
                 sent += (size_t)n;
-                deadline = kvt_deadline(c);
+                deadline = deadline_from_now(c);
             } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-                rc = kvt_fail(c, -errno);
+                rc = broken_with(c, -errno);
                 break;
             }
         }
@@ -971,27 +946,27 @@ int kvt_batch_run(kvt_batch_t *b)
             kvt_proto_hdr_t h;
             kvt_proto_hdr_decode(c->in + c->in_pos, &h);
             if (kvt_proto_hdr_check(&h, c->max_reply) < 0) {
-                rc = kvt_fail(c, KVT_EPROTO);
+                rc = broken_with(c, KVT_EPROTO);
                 break;
             }
             size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
             if (c->in_len - c->in_pos < frame) {
-                if (kvt_grow(&c->in, &c->in_cap, c->in_pos + frame) < 0)
-                    rc = kvt_fail(c, KVT_ENOMEM);
+                if (kvt_reserve(&c->in, &c->in_cap, c->in_pos + frame, 1, 4096) < 0)
+                    rc = broken_with(c, KVT_ENOMEM);
                 break;
             }
             const uint8_t *body = c->in + c->in_pos + KVT_PROTO_HDR;
             c->in_pos += frame;
-            if ((rc = kvt_batch_reply(b, &b->ents[done], &h, body)) < 0)
+            if ((rc = batch_reply(b, &b->ents[done], &h, body)) < 0)
                 break;
             done++;
             progressed = 1;
         }
         if (rc < 0 || done == b->n)
             break;
-        rc = kvt_fill(c, deadline, 0);
+        rc = fill(c, deadline, 0);
         if (rc == 0) {
-            deadline = kvt_deadline(c);
+            deadline = deadline_from_now(c);
             continue;
         }
         if (rc != KVT_EAGAIN)
@@ -1002,11 +977,11 @@ int kvt_batch_run(kvt_batch_t *b)
         struct pollfd p = {.fd = c->fd, .events = POLLIN | (sent < b->out_len ? POLLOUT : 0)};
         uint64_t now = kvt_now_ns();
         if (now >= deadline) {
-            rc = kvt_fail(c, KVT_ETIMEDOUT);
+            rc = broken_with(c, KVT_ETIMEDOUT);
             break;
         }
         if (poll(&p, 1, (int)((deadline - now) / 1000000) + 1) < 0 && errno != EINTR) {
-            rc = kvt_fail(c, -errno);
+            rc = broken_with(c, -errno);
             break;
         }
     }

@@ -225,6 +225,89 @@ int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);
  * request's own outcome is in its status), or a transport error. The batch is empty after. */
 int kvt_batch_run(kvt_batch_t *b);
 
+/*
+ * Block keys: engines that name their own pages (SGLang HiCache, LMCache, vLLM's block hashes)
+ * store and find them by key. This is a client-side convention over the same frames, not a
+ * daemon feature (docs/protocol.md, "Keyed blocks"): each key (1..KVT_KEY_MAX bytes) hashes
+ * (xxh3-128) to KVT_KEY_TOKENS synthetic token ids, one page of a keyed namespace whose page
+ * size is KVT_KEY_TOKENS. A chain of keys (each naming a page and, implicitly, its prefix) is
+ * the token sequence of its keys in order, so chains share prefixes in the radix tree, are
+ * deduplicated there and evicted leaf first, exactly as token pages. An independent key (a page
+ * named by an already-chained hash, looked up alone) is a chain of one.
+ *
+ * A keyed namespace is the namespace of the conf with KVT_KEYS_TAG put before its adapter name
+ * ("kvt:keys:v1", or "kvt:keys:v1:" + adapter) and page size KVT_KEY_TOKENS, so that it never
+ * sees the token namespaces of the same model. Adapter names beginning "kvt:" are reserved.
+ *
+ * A key is found only in the form it was stored in: keys[i] of a chain is the page under the
+ * chain's keys[0..i), not the independent key keys[i].
+ *
+ * kvt_keys_t is one connection (a kvt_client_t declared to the keyed namespace) plus the
+ * mapping; same thread rule as kvt_client_t. Keys are borrowed for the call.
+ */
+#define KVT_KEY_MAX    1024 /* bytes in one key */
+#define KVT_KEY_TOKENS 4    /* synthetic token ids per key (a keyed page's page_size) */
+#define KVT_KEYS_TAG   "kvt:keys:v1"
+
+typedef struct kvt_keys kvt_keys_t;
+typedef struct kvt_key {
+    const void *data;
+    size_t len; /* 1..KVT_KEY_MAX */
+} kvt_key_t;
+
+/* The synthetic tokens of one key: XXH3-128 of its bytes, high 64 bits first, each half high 32
+ * bits first (docs/protocol.md, "Keyed blocks"). KVT_CLIENT_EINVAL for len 0 or > KVT_KEY_MAX. */
+int kvt_key_tokens(const void *key, size_t len, uint32_t out[KVT_KEY_TOKENS]);
+
+/* Connects as kvt_client_connect() does, declaring conf's namespace made keyed (above):
+ * conf->page_size is ignored (KVT_KEY_TOKENS), conf->adapter must leave room for the tag (at most
+ * 255 - 12 bytes). Returns what kvt_client_connect() returns. */
+int kvt_keys_connect(kvt_keys_t **out, const kvt_client_conf_t *conf);
+/* Closes the connection (releasing its leases). NULL is a no-op. */
+void kvt_keys_close(kvt_keys_t *k);
+/* The connection underneath, for kvt_client_ping/stats; owned by k, valid until its close. */
+kvt_client_t *kvt_keys_client(kvt_keys_t *k);
+/* The message for the last error: a key-side one (a key too long) or the daemon's; "" if none.
+ * Valid until the next call on k. */
+const char *kvt_keys_errmsg(const kvt_keys_t *k);
+
+/* Chains. keys[0, n) is one chain. Too long a key anywhere: KVT_CLIENT_EINVAL, nothing sent. */
+
+/* *hits = how many leading keys of the chain are cached (a MATCH, counted as a lookup). */
+int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits);
+/* Caches the chain and stores the blocks of keys [first, first + npages) from payload (npages x
+ * block_bytes bytes; NULL with npages 0: index only). res may be NULL. As kvt_client_put. */
+int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                       uint32_t npages, const void *payload, kvt_client_put_t *res);
+/* The same with one pointer per block (blocks[i] holds key first + i's block_bytes bytes); the
+ * blocks are gathered into one PUT (one copy). */
+int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                        uint32_t npages, const void *const *blocks, kvt_client_put_t *res);
+/* Reads the blocks of keys [first, first + cap / block_bytes) of the chain into buf, as far as
+ * the chain is cached: MATCH with a lease, GET, RELEASE. *got = blocks written (0 when key first
+ * or one before it is missing: not an error). */
+int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first, void *buf,
+                       size_t cap, uint32_t *got);
+/* Drops the chain's last key and everything cached beneath it (as kvt_client_remove). */
+int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n);
+
+/*
+ * Independent keys: each key is a chain of one, and each gets its own answer. Pipelined (one
+ * batch per call). Returns how many keys succeeded (>= 0; a missing key is a miss, not an
+ * error) or a transport error / KVT_CLIENT_EINVAL (a key too long: nothing sent). status (may be
+ * NULL: n entries) gets each key's outcome: 0, KVT_CLIENT_ENOENT (missing), or its error.
+ */
+/* found[i] = 1 when key i is cached, else 0. */
+int kvt_keys_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint8_t *found);
+/* Stores blocks[i] (block_bytes bytes) under key i; the batch copies each block when queued. */
+int kvt_keys_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, const void *const *blocks,
+                 int *status);
+/* Reads key i's block into bufs[i] (block_bytes bytes each): one pipelined MATCH with a lease per
+ * key, a GET per hit, one pipelined RELEASE of the leases. */
+int kvt_keys_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, void *const *bufs, int *status);
+/* Drops each key (and what a chain stored beneath it). Busy/missing keys: their status. */
+int kvt_keys_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, int *status);
+
 #ifdef __cplusplus
 }
 #endif

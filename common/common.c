@@ -84,7 +84,7 @@ int kvt_log_parse_level(const char *s, kvt_log_level_t *out)
 /* The length of the UTF-8 sequence at p (n bytes there) when a log line may show it as it is:
  * well-formed, and not a C1 control (U+0080..U+009F, which terminals obey) nor a line or
  * paragraph separator (U+2028, U+2029, which some viewers break lines at). 0 otherwise. */
-static size_t kvt_utf8_ok(const uint8_t *p, size_t n)
+static size_t utf8_ok(const uint8_t *p, size_t n)
 {
     uint8_t b = p[0];
     size_t len = b >= 0xc2 && b <= 0xdf   ? 2
@@ -107,8 +107,8 @@ static size_t kvt_utf8_ok(const uint8_t *p, size_t n)
 /* Appends src[0, len) to dst at *at, escaped (kvt_log_str; a backslash doubled only when
  * backslash is set), as far as dst's cap bytes hold it with its NUL. Returns the source bytes
  * taken. */
-static size_t kvt_escape(char *dst, size_t cap, size_t *at, const uint8_t *src, size_t len,
-                         int backslash)
+static size_t escape(char *dst, size_t cap, size_t *at, const uint8_t *src, size_t len,
+                     int backslash)
 {
     size_t i = 0, o = *at;
     while (i < len) {
@@ -126,7 +126,7 @@ static size_t kvt_escape(char *dst, size_t cap, size_t *at, const uint8_t *src, 
             esc[0] = '\\';
             esc[1] = b == '\n' ? 'n' : b == '\r' ? 'r' : 't';
             el = 2;
-        } else if (b >= 0x80 && (take = kvt_utf8_ok(src + i, len - i)) > 0) {
+        } else if (b >= 0x80 && (take = utf8_ok(src + i, len - i)) > 0) {
             out = (const char *)src + i;
             el = take;
         } else {
@@ -155,18 +155,18 @@ const char *kvt_log_str(char *dst, size_t cap, const void *src, size_t len, size
         return dst;
     size_t at = 0, n = KVT_MIN(len, max);
     /* Room for the "..." kept back, so that a cut string always says so. */
-    if (kvt_escape(dst, cap - 3, &at, src, n, 1) < len)
+    if (escape(dst, cap - 3, &at, src, n, 1) < len)
         memcpy(dst + at, "...", 4);
     return dst;
 }
 
-static void kvt_log_line(kvt_log_level_t level, const char *msg)
+static void log_line(kvt_log_level_t level, const char *msg)
 {
     /* Whatever reached the message unescaped (a name read back from a file a client once
      * named) still cannot start a line of its own. */
     char clean[4 * 1024 + 4];
     size_t at = 0;
-    kvt_escape(clean, sizeof clean, &at, (const uint8_t *)msg, strlen(msg), 0);
+    escape(clean, sizeof clean, &at, (const uint8_t *)msg, strlen(msg), 0);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     struct tm tm;
@@ -185,7 +185,7 @@ void kvt_log(kvt_log_level_t level, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    kvt_log_line(level, msg);
+    log_line(level, msg);
 }
 
 static uint32_t kvt_log_rate = 1;
@@ -229,7 +229,7 @@ void kvt_log_limited(kvt_log_limit_t *lim, kvt_log_level_t level, const char *fm
                  (unsigned long long)lim->held);
     lim->tat_ns = tat + step;
     lim->held = 0;
-    kvt_log_line(level, msg);
+    log_line(level, msg);
 }
 
 uint64_t kvt_now_ns(void)
@@ -237,6 +237,26 @@ uint64_t kvt_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int kvt_reserve(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
+{
+    if (need <= *cap)
+        return 0;
+    size_t nc = *cap ? *cap : KVT_MAX(first, (size_t)1);
+    while (nc < need) {
+        if (nc > SIZE_MAX / 2 / elem)
+            return KVT_ENOMEM;
+        nc *= 2;
+    }
+    void *p;
+    memcpy(&p, pp, sizeof p); /* pp is a T **: its pointer is read and written as bytes */
+    void *np = realloc(p, nc * elem);
+    if (!np)
+        return KVT_ENOMEM;
+    memcpy(pp, &np, sizeof np);
+    *cap = nc;
+    return 0;
 }
 
 void kvt_heap_hugepages(char **argv)
@@ -318,9 +338,7 @@ size_t kvt_ns_describe(char *buf, const char *model, const char *adapter, const 
         memcpy(buf + len, parts[i], l + 1);
         len += l + 1;
     }
-    uint8_t ps[4] = {(uint8_t)page_size, (uint8_t)(page_size >> 8), (uint8_t)(page_size >> 16),
-                     (uint8_t)(page_size >> 24)};
-    memcpy(buf + len, ps, 4);
+    kvt_put_u32((uint8_t *)buf + len, page_size);
     return len + 4;
 }
 

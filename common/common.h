@@ -145,6 +145,47 @@ size_t kvt_ns_describe(char *buf, const char *model, const char *adapter, const 
 uint64_t kvt_ns_seed_of(const char *model, const char *adapter, const char *salt,
                         uint32_t page_size);
 
+/*
+ * Little-endian fields, byte by byte: the one set for every format kvtier writes (the wire
+ * protocol, the stored block header, the NVMe log's records), so that none depends on the host's
+ * byte order or on alignment.
+ */
+static inline void kvt_put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void kvt_put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void kvt_put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t kvt_get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static inline uint32_t kvt_get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+static inline uint64_t kvt_get_u64(const uint8_t *p)
+{
+    return (uint64_t)kvt_get_u32(p) | ((uint64_t)kvt_get_u32(p + 4) << 32);
+}
+
+/*
+ * A growing array: *pp (any object pointer, passed by address) holds *cap elements of elem
+ * bytes; makes it hold at least need, doubling from first (or from *cap), contents kept. On
+ * failure nothing changes. Returns 0 or KVT_ENOMEM. Every buffer that grows by doubling (reply
+ * output, client input, token scratch) grows through this one.
+ */
+int kvt_reserve(void *pp, size_t *cap, size_t need, size_t elem, size_t first);
+
 #define KVT_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define KVT_MIN(a, b)    ((a) < (b) ? (a) : (b))
 #define KVT_MAX(a, b)    ((a) > (b) ? (a) : (b))

@@ -159,7 +159,8 @@ struct kvt_policy {
 
     /* Ghosts (as in ARC and S3-FIFO): the prefix hashes of reused blocks the engine dropped, so
      * that a block coming back is known to have been reused before. Direct-mapped. */
-    uint64_t *ghost;
+    kvt_ghosts_t *ghost;
+    int own_ghost; /* made here (conf.ghosts NULL): destroyed with the engine */
 
     uint32_t bb_ns[BLOCK_CACHE_NS], bb_ps[BLOCK_CACHE_NS];
     kvt_radix_node_t **path; /* scratch: nodes of a path */
@@ -666,11 +667,24 @@ static void sweep_some(kvt_policy_t *p)
 
 /* ---- acting --------------------------------------------------------------------------------- */
 
-static void set_tier(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt, kvt_tier_id_t to)
+/* The tier of blocks [depth, depth + cnt) of the path ending at n, through the executor when it
+ * owns the block record (kvt_policy_ops_t.set_tier). */
+static void tier_run(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t cnt,
+                     kvt_tier_id_t to)
 {
-    kvt_block_t *bl = kvt_radix_node_blocks(n);
-    for (uint32_t i = i0; i < i0 + cnt; i++)
-        bl[i].tier = (uint8_t)to;
+    if (p->c.ops->set_tier) {
+        p->c.ops->set_tier(p->c.ops_arg, n, depth, cnt, to);
+        return;
+    }
+    for (uint32_t i = 0; i < cnt; i++)
+        kvt_radix_block_at(n, depth + i)->tier = (uint8_t)to;
+}
+
+/* The same for blocks [i0, i0 + cnt) of node n itself. */
+static void set_tier(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
+                     kvt_tier_id_t to)
+{
+    tier_run(p, n, kvt_radix_node_depth(n) + i0, cnt, to);
 }
 
 static uint64_t run_bytes(kvt_radix_node_t *n, uint32_t i0, uint32_t cnt)
@@ -801,7 +815,7 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         p->pending_out[from] += cfrom;
         p->st.pending_moves++;
     } else {
-        set_tier(n, i0, cnt, to);
+        set_tier(p, n, i0, cnt, to);
         p->used[from] -= cfrom;
         p->st.blocks[from] -= cnt;
         p->st.blocks[to] += cnt;
@@ -829,7 +843,7 @@ static void ghost_warm(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32
     (void)kvt_radix_block_hash(p->t, n, kvt_radix_node_depth(n) + i0 + cnt - 1);
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
     for (uint32_t i = i0; i < i0 + cnt; i++)
-        __builtin_prefetch(&p->ghost[bl[i].hash & ((1u << GHOST_BITS) - 1)], 0, 1);
+        kvt_ghosts_prefetch(p->ghost, bl[i].hash);
 }
 
 /* Drops the last cnt blocks of leaf n. Returns cnt or a negative error. */
@@ -843,7 +857,7 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
     if (p->ghost) {
         for (uint32_t i = np - cnt; i < np; i++) {
             uint64_t h = kvt_radix_block_hash(p->t, n, kvt_radix_node_depth(n) + i);
-            p->ghost[h & ((1u << GHOST_BITS) - 1)] = h;
+            kvt_ghosts_add(p->ghost, h);
         }
     }
     p->in_drop = 1;
@@ -1040,10 +1054,13 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
     if (conf->admit_tier)
         p->top = conf->admit_tier;
     if (p->c.kind == KVT_POLICY_COST) {
-        p->ghost = calloc((size_t)1 << GHOST_BITS, sizeof(uint64_t));
+        p->ghost = conf->ghosts;
         if (!p->ghost) {
-            free(p);
-            return KVT_ENOMEM;
+            if (kvt_ghosts_create(&p->ghost, GHOST_BITS) < 0) {
+                free(p);
+                return KVT_ENOMEM;
+            }
+            p->own_ghost = 1;
         }
     }
     refresh_model(p);
@@ -1064,7 +1081,8 @@ void kvt_policy_destroy(kvt_policy_t *p)
     free(p->dead.seqs);
     free(p->path);
     free(p->pend);
-    free(p->ghost);
+    if (p->own_ghost)
+        kvt_ghosts_destroy(p->ghost);
     free(p);
 }
 
@@ -1199,7 +1217,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
                 uint64_t h = kvt_radix_block_hash(p->t, n, depth);
                 bl = kvt_radix_node_blocks(n);
                 b = &bl[i];
-                if (h && p->ghost[h & ((1u << GHOST_BITS) - 1)] == h)
+                if (kvt_ghosts_seen(p->ghost, h))
                     b->flags |= GHOST_FLAG;
             }
             if (p->c.kind == KVT_POLICY_ORACLE)
@@ -1269,14 +1287,14 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
         if (p->ghost) {
             uint64_t h = kvt_radix_block_hash(p->t, n, d);
             bl = kvt_radix_node_blocks(n);
-            if (h && p->ghost[h & ((1u << GHOST_BITS) - 1)] == h)
+            if (kvt_ghosts_seen(p->ghost, h))
                 flags |= GHOST_FLAG;
         }
         bl[i].flags = flags;
-        bl[i].tier = (uint8_t)tier;
         bl[i].policy = now;
         apply_hint(&bl[i], hint, d);
     }
+    set_tier(p, n, i0, npages, tier);
     p->used[tier] += need;
     p->st.blocks[tier] += npages;
     p->st.admitted_bytes[tier] += run_bytes(n, i0, npages);
@@ -1532,8 +1550,7 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
     if (status < 0 || conflict) {
         p->used[to] -= mv.charge_to;
     } else {
-        for (uint32_t i = 0; i < npages; i++)
-            kvt_radix_block_at(n, depth + i)->tier = (uint8_t)to;
+        tier_run(p, n, depth, npages, to);
         p->used[from] -= mv.charge_frm;
         p->st.blocks[from] -= npages;
         p->st.blocks[to] += npages;

@@ -164,6 +164,14 @@ typedef struct kvt_policy_ops {
      * to free its tier, or leaves a promotion where it is). NULL: it may.
      */
     int (*index_room)(void *arg, uint64_t bytes);
+    /*
+     * The blocks [depth, depth + npages) of the path ending at n hold their bytes in tier now
+     * (adopted, or a move landed): set their tier. The executor owns the block record (kvtierd
+     * writes it in one place); NULL: the engine writes the tier itself (the replay, and blocks
+     * kvt_policy_on_insert admits).
+     */
+    void (*set_tier)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t tier);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1
@@ -201,6 +209,10 @@ typedef struct kvt_policy_conf {
     uint32_t sweep_slice; /* nodes a sweep visits per kvt_policy_step; 0 picks 2048 */
     const kvt_policy_ops_t *ops;
     void *ops_arg;
+    /* COST: the ghost table the engine records its drops in and reads (radix.h), borrowed: the
+     * caller's, shared with whoever else asks about evicted blocks, and outliving the engine.
+     * NULL: the engine makes its own (2^22 slots). */
+    kvt_ghosts_t *ghosts;
 } kvt_policy_conf_t;
 
 /*

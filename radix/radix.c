@@ -1021,16 +1021,24 @@ uint64_t kvt_radix_ns_seed(const kvt_radix_t *t, uint32_t ns)
     return t && ns_live(t, ns) ? t->ns[ns].seed : 0;
 }
 
-int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
-                         uint64_t *hashes)
+int kvt_radix_hash_chain(const kvt_radix_t *t, uint32_t ns, uint64_t parent, const uint32_t *tokens,
+                         size_t npages, uint64_t *hashes)
 {
     if (!t || !ns_live(t, ns) || (npages && (!tokens || !hashes)))
         return KVT_EINVAL;
     uint32_t ps = t->ns[ns].page_size;
-    uint64_t h = t->ns[ns].seed;
+    uint64_t h = parent;
     for (size_t i = 0; i < npages; i++)
         hashes[i] = h = page_hash(tokens + i * ps, ps, h);
     return 0;
+}
+
+int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
+                         uint64_t *hashes)
+{
+    if (!t || !ns_live(t, ns))
+        return KVT_EINVAL;
+    return kvt_radix_hash_chain(t, ns, t->ns[ns].seed, tokens, npages, hashes);
 }
 
 /* ---- match ---------------------------------------------------------------------------------- */
@@ -2149,4 +2157,44 @@ out:
     free(expect_leases);
     free(stack);
     return rc;
+}
+
+/* ---- ghosts ---------------------------------------------------------------------------------- */
+
+struct kvt_ghosts {
+    uint64_t mask;
+    uint64_t slot[];
+};
+
+int kvt_ghosts_create(kvt_ghosts_t **out, unsigned bits)
+{
+    if (!out || bits < 1 || bits > 30)
+        return KVT_EINVAL;
+    kvt_ghosts_t *g = calloc(1, sizeof *g + ((size_t)1 << bits) * sizeof(uint64_t));
+    if (!g)
+        return KVT_ENOMEM;
+    g->mask = ((uint64_t)1 << bits) - 1;
+    *out = g;
+    return 0;
+}
+
+void kvt_ghosts_destroy(kvt_ghosts_t *g)
+{
+    free(g);
+}
+
+void kvt_ghosts_add(kvt_ghosts_t *g, uint64_t hash)
+{
+    if (hash)
+        g->slot[hash & g->mask] = hash;
+}
+
+int kvt_ghosts_seen(const kvt_ghosts_t *g, uint64_t hash)
+{
+    return hash && g->slot[hash & g->mask] == hash;
+}
+
+void kvt_ghosts_prefetch(const kvt_ghosts_t *g, uint64_t hash)
+{
+    __builtin_prefetch(&g->slot[hash & g->mask], 0, 1);
 }

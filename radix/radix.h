@@ -167,6 +167,11 @@ uint32_t kvt_radix_clock(const kvt_radix_t *t);
  * remote probe asks for beyond the local match. Returns 0 or KVT_EINVAL. */
 int kvt_radix_hash_pages(const kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t npages,
                          uint64_t *hashes);
+/* The same chain continued from parent, the hash of the page before tokens[0] (the namespace's
+ * seed when tokens[0] starts page 0): what follows a matched path of which only the last page's
+ * hash is known (kvt_radix_block_hash), without hashing the path again. 0 or KVT_EINVAL. */
+int kvt_radix_hash_chain(const kvt_radix_t *t, uint32_t ns, uint64_t parent, const uint32_t *tokens,
+                         size_t npages, uint64_t *hashes);
 
 /*
  * The result of a match: the deepest node reached and how far. The path is every page of the
@@ -211,6 +216,21 @@ typedef struct kvt_token_run {
 } kvt_token_run_t;
 
 void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n);
+
+/*
+ * A ghost table: the chain hashes of blocks recently evicted from the tree, in a direct-mapped
+ * array of 2^bits slots (a newer hash takes an older one's slot). One is shared by whoever asks
+ * "was this block here before?": kvtierd's miss reasons and the cost policy's reuse signal.
+ * create returns 0 or KVT_EINVAL (bits not in 1..30) or KVT_ENOMEM; the table is the caller's
+ * to destroy. add ignores a hash of 0 (not computed); seen is 0 for it. prefetch asks the memory
+ * for a hash's slot without waiting (a loop over many blocks).
+ */
+typedef struct kvt_ghosts kvt_ghosts_t;
+int kvt_ghosts_create(kvt_ghosts_t **out, unsigned bits);
+void kvt_ghosts_destroy(kvt_ghosts_t *g);
+void kvt_ghosts_add(kvt_ghosts_t *g, uint64_t hash);
+int kvt_ghosts_seen(const kvt_ghosts_t *g, uint64_t hash);
+void kvt_ghosts_prefetch(const kvt_ghosts_t *g, uint64_t hash);
 
 /*
  * The result of an insert: the pages that were not cached before, all in one new leaf node at

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../policy/policy.h"
+#include "policy.h"
 #include "proto.h"
 
 typedef enum {
@@ -140,7 +140,7 @@ static const kvt_opt_t kvt_opts[] = {
      "gets EAGAIN at once, its secret unchecked (1..600000)"},
 };
 
-static const kvt_opt_t *kvt_opt_find(const char *name)
+static const kvt_opt_t *opt_find(const char *name)
 {
     for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_opts); i++) {
         const char *a = kvt_opts[i].name, *b = name;
@@ -157,7 +157,7 @@ static const kvt_opt_t *kvt_opt_find(const char *name)
 int kvt__conf_set(kvt_srv_conf_t *conf, const char *name, const char *value, char *err,
                   size_t errlen)
 {
-    const kvt_opt_t *o = kvt_opt_find(name);
+    const kvt_opt_t *o = opt_find(name);
     if (!o) {
         snprintf(err, errlen, "unknown setting '%s'", name);
         return KVT_ENOENT;
@@ -249,7 +249,7 @@ void kvt__conf_free(kvt_srv_conf_t *conf)
     conf->config = NULL;
 }
 
-static char *kvt_trim(char *s)
+static char *trim(char *s)
 {
     while (isspace((unsigned char)*s))
         s++;
@@ -276,7 +276,7 @@ int kvt__conf_load(kvt_srv_conf_t *conf, const char *path, char *err, size_t err
             rc = KVT_EINVAL;
             break;
         }
-        char *s = kvt_trim(line);
+        char *s = trim(line);
         if (!*s || *s == '#')
             continue;
         char *eq = strchr(s, '=');
@@ -286,11 +286,11 @@ int kvt__conf_load(kvt_srv_conf_t *conf, const char *path, char *err, size_t err
             break;
         }
         *eq = 0;
-        char *name = kvt_trim(s), *value = kvt_trim(eq + 1);
+        char *name = trim(s), *value = trim(eq + 1);
         if (value[0] == '"') {
             /* A quoted value runs to its closing quote; only a comment may follow it. */
             char *end = strchr(value + 1, '"');
-            char *rest = end ? kvt_trim(end + 1) : NULL;
+            char *rest = end ? trim(end + 1) : NULL;
             if (!end || (*rest && *rest != '#')) {
                 snprintf(err, errlen, "%s:%d: unterminated quote or text after it", path, lineno);
                 rc = KVT_EINVAL;
@@ -306,7 +306,7 @@ int kvt__conf_load(kvt_srv_conf_t *conf, const char *path, char *err, size_t err
                     break;
                 }
             }
-            value = kvt_trim(value);
+            value = trim(value);
         }
         char msg[256];
         rc = kvt__conf_set(conf, name, value, msg, sizeof msg);

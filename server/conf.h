@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "../common/common.h"
+#include "common.h"
 
 typedef struct kvt_srv_conf {
     char *unix_path;    /* "" disables the Unix socket */

@@ -33,48 +33,48 @@
 #define KVT_TOKENS_KEEP (64u << 10)
 
 /* The part of an input buffer of cap bytes that counts in the clients' memory. */
-static size_t kvt_in_counted(size_t cap)
+static size_t in_counted(size_t cap)
 {
     return cap > KVT_IN_BASE ? cap - KVT_IN_BASE : 0;
 }
 
 /* c's input buffer becomes cap bytes (its content kept up to cap). */
-static int kvt_in_resize(kvt__conn_t *c, size_t cap)
+static int in_resize(kvt__conn_t *c, size_t cap)
 {
     uint8_t *p = realloc(c->in, cap);
     if (!p)
         return KVT_ENOMEM;
-    c->srv->client_bytes += kvt_in_counted(cap);
-    c->srv->client_bytes -= kvt_in_counted(c->in_cap);
+    c->srv->clients.bytes += in_counted(cap);
+    c->srv->clients.bytes -= in_counted(c->in_cap);
     c->in = p;
     c->in_cap = cap;
     return 0;
 }
 
-static void kvt_mem_wait_end(kvt__conn_t *c)
+static void mem_wait_end(kvt__conn_t *c)
 {
     if (c->mem_wait) {
         c->mem_wait = 0;
-        c->srv->mem_waiting--;
+        c->srv->clients.mem_waiting--;
     }
 }
 
 /* max-client-bytes reached: a connection with replies queued or tier I/O in flight takes no new
  * request until they drain (they free memory, and kick it when they do). One with nothing may
  * still take one: a frame in its base buffer, so that every client gets served. */
-static int kvt_mem_full(const kvt__conn_t *c)
+static int mem_full(const kvt__conn_t *c)
 {
     const kvt_srv_t *s = c->srv;
-    return s->client_bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
+    return s->clients.bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
 }
 
 /* Back-pressure: c takes no new request while it has max-inflight tier I/Os in flight, max-output
  * reply bytes queued, or work out with the clients' memory full; nor while its AUTH waits its
  * turn (handlers.c: reading on would tell a guesser how its guess went). */
-static int kvt_conn_held(const kvt__conn_t *c)
+static int conn_held(const kvt__conn_t *c)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
-    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || kvt_mem_full(c) ||
+    return c->inflight >= cf->max_inflight || c->out_bytes >= cf->max_output || mem_full(c) ||
            c->auth_wait;
 }
 
@@ -83,7 +83,7 @@ void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind)
     kvt__metric_add(s->metrics, KVT_M_PROTOCOL_ERRORS, kind, 1);
 }
 
-static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
+static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 
 int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
 {
@@ -93,14 +93,14 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
             return fd;
         if (errno == EINTR || errno == ECONNABORTED)
             continue;
-        if ((errno == EMFILE || errno == ENFILE) && s->spare_fd >= 0) {
+        if ((errno == EMFILE || errno == ENFILE) && s->clients.spare_fd >= 0) {
             /* The connection stays in the backlog, and the socket readable, until it is taken:
              * take it with the spare descriptor's slot and close it. */
-            close(s->spare_fd);
+            close(s->clients.spare_fd);
             int x = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
             if (x >= 0)
                 close(x);
-            s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            s->clients.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
             struct rlimit rl = {0};
             getrlimit(RLIMIT_NOFILE, &rl);
             kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
@@ -108,7 +108,7 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
             kvt_log_limited(&lim, KVT_LOG_WARN,
                             "kvtierd: refusing a %s connection: no file descriptor left (open-file "
                             "limit %llu, %u client connections)",
-                            what, (unsigned long long)rl.rlim_cur, s->nconns);
+                            what, (unsigned long long)rl.rlim_cur, s->clients.n);
             if (x >= 0) {
                 refused++;
                 continue;
@@ -129,13 +129,13 @@ int kvt__accept(kvt_srv_t *s, int lfd, const char *what)
  * every slot. An engine's sidecar connection that holds leases, or is being answered, is never
  * the one closed. One walk over the connections, only when every slot is taken.
  */
-static int kvt_conn_evict(kvt_srv_t *s, uint64_t now)
+static int conn_evict(kvt_srv_t *s, uint64_t now)
 {
     uint64_t idle = (uint64_t)s->conf->evict_idle_ms * 1000000;
     if (idle == 0)
         return 0;
     kvt__conn_t *victim = NULL;
-    for (kvt__conn_t *c = s->conns; c; c = c->next) {
+    for (kvt__conn_t *c = s->clients.list; c; c = c->next) {
         if (c->closing || c->nleases || c->head || c->inflight || c->mem_wait ||
             now - c->rx_ns < idle)
             continue;
@@ -162,7 +162,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         if (fd < 0)
             return;
         uint64_t now = kvt_now_ns();
-        if (s->stopping || (s->nconns >= s->conf->max_conns && !kvt_conn_evict(s, now))) {
+        if (s->stopping || (s->clients.n >= s->conf->max_conns && !conn_evict(s, now))) {
             kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_REFUSED, 0, 1);
             static kvt_log_limit_t lim;
             kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: refusing a connection: %s",
@@ -180,9 +180,9 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         }
         c->ev.fd = fd;
-        c->ev.cb = kvt_conn_on_event;
+        c->ev.cb = conn_on_event;
         c->srv = s;
-        c->id = s->next_conn_id++;
+        c->id = s->clients.next_id++;
         c->tcp = tcp;
         c->authed = !*s->conf->secret;
         c->events = EPOLLIN;
@@ -192,13 +192,13 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
             free(c);
             continue;
         }
-        c->next = s->conns;
-        if (s->conns)
-            s->conns->prev = c;
-        s->conns = c;
-        s->nconns++;
+        c->next = s->clients.list;
+        if (s->clients.list)
+            s->clients.list->prev = c;
+        s->clients.list = c;
+        s->clients.n++;
         kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_ACCEPTED, 0, 1);
-        kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->nconns);
+        kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->clients.n);
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu (%s)", (unsigned long long)c->id,
                 tcp ? "tcp" : "unix");
     }
@@ -206,17 +206,10 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 
 void kvt__req_free(kvt__req_t *r)
 {
-    if (r->ios) {
-        for (uint32_t i = 0; i < r->batch; i++) {
-            free(r->ios[i]->buf);
-            free(r->ios[i]);
-        }
-        free(r->ios);
-    }
-    free(r->segs);
+    kvt_assert(!r->src); /* a reply source gave back what it held (its abort, or its end) */
     if (r->held) {
         free(r->held);
-        r->srv->client_bytes -= r->held_bytes;
+        r->srv->clients.bytes -= r->held_bytes;
     }
     if (r->ns_held)
         kvt__ns_unuse(r->srv, r->ns);
@@ -239,7 +232,7 @@ void kvt__conn_close(kvt__conn_t *c)
     kvt_srv_t *s = c->srv;
     if (c->gone)
         return;
-    kvt__lease_drop_all(c);
+    s->conn_ops->closing(c);
     kvt__req_t *r = c->head;
     while (r) {
         kvt__req_t *next = r->next;
@@ -247,9 +240,9 @@ void kvt__conn_close(kvt__conn_t *c)
         if (r->pending > 0) {
             r->conn = NULL; /* an orphan: frees itself when its I/O completes */
         } else {
-            if (r->kind == KVT_REQ_GET && !r->done)
-                kvt__store_get_abort(s, r); /* a batch waiting for the socket */
-            if (r->lease) /* a PREFETCH waiting for others' moves still pins its path */
+            if (r->src && !r->done)
+                r->src->abort(r); /* a GET's batch waiting for the socket, say */
+            if (r->lease)         /* a PREFETCH waiting for others' moves still pins its path */
                 kvt_radix_release(s->radix, r->lease);
             kvt__req_free(r);
         }
@@ -258,18 +251,18 @@ void kvt__conn_close(kvt__conn_t *c)
     c->head = c->tail = NULL;
     if (c->hello)
         kvt__ns_unuse(s, c->ns);
-    kvt_mem_wait_end(c);
-    s->client_bytes -= kvt_in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
+    mem_wait_end(c);
+    s->clients.bytes -= in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_del(s, &c->ev);
     close(c->ev.fd);
     if (c->prev)
         c->prev->next = c->next;
     else
-        s->conns = c->next;
+        s->clients.list = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    s->nconns--;
-    kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->nconns);
+    s->clients.n--;
+    kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->clients.n);
     kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu closed", (unsigned long long)c->id);
     free(c->in);
     free(c->leases);
@@ -279,32 +272,17 @@ void kvt__conn_close(kvt__conn_t *c)
     c->tokens = NULL;
     c->in_len = c->in_cap = c->nleases = c->cap_leases = c->tokens_cap = 0;
     c->gone = 1;
-    c->gone_next = s->conns_gone;
-    s->conns_gone = c;
+    c->gone_next = s->clients.gone;
+    s->clients.gone = c;
 }
 
 void kvt__conns_reap(kvt_srv_t *s)
 {
-    while (s->conns_gone) {
-        kvt__conn_t *c = s->conns_gone;
-        s->conns_gone = c->gone_next;
+    while (s->clients.gone) {
+        kvt__conn_t *c = s->clients.gone;
+        s->clients.gone = c->gone_next;
         free(c);
     }
-}
-
-static int kvt_reserve(uint8_t **p, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return 0;
-    size_t nc = *cap ? *cap : 4096;
-    while (nc < need)
-        nc *= 2;
-    uint8_t *np = realloc(*p, nc);
-    if (!np)
-        return KVT_ENOMEM;
-    *p = np;
-    *cap = nc;
-    return 0;
 }
 
 int kvt__req_append(kvt__req_t *r, const void *p, size_t len)
@@ -312,7 +290,7 @@ int kvt__req_append(kvt__req_t *r, const void *p, size_t len)
     if (r->out_off > 0 && r->out_off == r->out_len) {
         r->out_off = r->out_len = 0;
     }
-    if (kvt_reserve(&r->out, &r->out_cap, r->out_len + len) < 0)
+    if (kvt_reserve(&r->out, &r->out_cap, r->out_len + len, 1, 4096) < 0)
         return KVT_ENOMEM;
     memcpy(r->out + r->out_len, p, len);
     r->out_len += len;
@@ -342,7 +320,7 @@ int kvt__req_hold(kvt__req_t *r, const void *src, size_t bytes)
     memcpy(p, src, bytes);
     r->held = r->payload = p;
     r->held_bytes = bytes;
-    r->srv->client_bytes += bytes;
+    r->srv->clients.bytes += bytes;
     return 0;
 }
 
@@ -353,7 +331,7 @@ void *kvt__conn_take_frame(kvt__conn_t *c, const uint8_t *body, uint32_t body_le
         return NULL;
     void *p = c->in;
     /* Counted whole from now on: the base part is no longer the connection's. */
-    c->srv->client_bytes += c->in_cap - kvt_in_counted(c->in_cap);
+    c->srv->clients.bytes += c->in_cap - in_counted(c->in_cap);
     *bytes = c->in_cap;
     c->in = NULL;
     c->in_len = c->in_cap = 0;
@@ -379,7 +357,7 @@ kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint6
     return r;
 }
 
-static void kvt_count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
+static void count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
 {
     if (op == 0 || op >= KVT_OP_COUNT)
         return;
@@ -392,7 +370,7 @@ static void kvt_count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
                uint32_t len)
 {
-    kvt_count_reply(c->srv, op, t0, status);
+    count_reply(c->srv, op, t0, status);
     /* Replies answered at once share the tail's buffer when it is complete, so that a pipeline
      * of small requests leaves in one write. */
     kvt__req_t *r = c->tail;
@@ -443,30 +421,21 @@ void kvt__req_finish(kvt__req_t *r)
         return;
     }
     if (!r->done)
-        kvt_count_reply(r->conn->srv, r->op, r->t0, r->status);
+        count_reply(r->conn->srv, r->op, r->t0, r->status);
     r->done = 1;
     kvt__conn_kick(r->conn);
 }
 
 /* Writes from the head of the queue as far as the socket takes it. Returns 0 or -1 when the
  * connection is broken. */
-static int kvt_conn_write(kvt__conn_t *c)
+static int conn_write(kvt__conn_t *c)
 {
     while (c->head) {
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
         for (kvt__req_t *r = c->head; r && n < KVT_IOV_MAX; r = r->next) {
-            if (r->nsegs) {
-                /* A GET batch: its frames from where the bytes are (store.c). */
-                if (!r->segs_ready)
-                    break;
-                for (uint32_t k = r->seg_i; k < r->nsegs && n < KVT_IOV_MAX; k++) {
-                    const kvt__seg_t *g = &r->segs[k];
-                    size_t skip = k == r->seg_i ? r->seg_off : 0;
-                    iov[n].iov_base = (uint8_t *)(g->ptr ? g->ptr : r->out + g->off) + skip;
-                    iov[n].iov_len = g->len - skip;
-                    n++;
-                }
+            if (r->src) { /* what it has ready, and nothing after it */
+                n += r->src->iov(r, iov + n, KVT_IOV_MAX - n);
                 break;
             }
             if (r->out_len > r->out_off) {
@@ -479,11 +448,8 @@ static int kvt_conn_write(kvt__conn_t *c)
         }
         if (n == 0) {
             kvt__req_t *r = c->head;
-            if (r && r->nsegs && r->segs_ready && r->seg_i == r->nsegs) {
-                /* The GET batch is out: the next one, or its end frame. */
-                kvt__store_get_batch(c->srv, r);
-                continue;
-            }
+            if (r && r->src && r->src->drained(r))
+                continue; /* its next part, or its final frame, is there now */
             break;
         }
         ssize_t w = writev(c->ev.fd, iov, n);
@@ -504,18 +470,9 @@ static int kvt_conn_write(kvt__conn_t *c)
             kvt__req_t *r = c->head;
             if (!r)
                 break;
-            if (r->nsegs) {
-                while (left > 0 && r->seg_i < r->nsegs) {
-                    size_t have = r->segs[r->seg_i].len - r->seg_off;
-                    size_t t = KVT_MIN(have, left);
-                    r->seg_off += t;
-                    left -= t;
-                    if (r->seg_off == r->segs[r->seg_i].len) {
-                        r->seg_i++;
-                        r->seg_off = 0;
-                    }
-                }
-                break; /* the batch's end is handled at the top of the loop */
+            if (r->src) {
+                r->src->wrote(r, left);
+                break; /* when all it offered is out, drained (at the top of the loop) says more */
             }
             size_t take = KVT_MIN(r->out_len - r->out_off, left);
             r->out_off += take;
@@ -546,7 +503,7 @@ static int kvt_conn_write(kvt__conn_t *c)
 
 /* The frame whose header starts at off in c's input (at least a header's bytes there): 1 when
  * the whole frame is in, 0 when its body is not yet, or kvt_proto_hdr_check's error. */
-static int kvt_frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
+static int frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
 {
     kvt_proto_hdr_decode(c->in + off, h);
     int rc = kvt_proto_hdr_check(h, (uint32_t)c->srv->conf->max_frame);
@@ -555,68 +512,30 @@ static int kvt_frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
     return c->in_len - off - KVT_PROTO_HDR >= h->body_len;
 }
 
-/*
- * Before the whole MATCH frames in the input buffer go to the handlers one by one, their paths
- * through the index are asked of the memory all together (kvt_radix_warm): a match alone
- * waits for the index's cache misses one after the other, a pipelined batch can have them in
- * flight at once while the frames before are handled. bench_server, twelve alternating runs with
- * and without: kvtierd CPU per MATCH lower in ten, by about 10% (README, "Benchmarks"). The wire's
- * tokens are little-endian, the tree's host-order: only done where those are the same bytes.
- */
-static void kvt_conn_warm(kvt__conn_t *c)
-{
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    kvt_token_run_t runs[KVT_WARM_MAX];
-    size_t n = 0, off = 0;
-    if (!c->hello)
-        return;
-    /* At most 2 x KVT_WARM_MAX frames looked at: a buffer of many small other frames (which the
-     * loop may take in several turns under back-pressure) is not scanned whole each time. */
-    for (int seen = 0;
-         seen < 2 * KVT_WARM_MAX && n < KVT_WARM_MAX && c->in_len - off >= KVT_PROTO_HDR; seen++) {
-        kvt_proto_hdr_t h;
-        if (kvt_frame_at(c, off, &h) <= 0)
-            break; /* a bad header or a frame not all here: the handlers' business */
-        kvt_proto_match_t q;
-        if (h.opcode == KVT_OP_MATCH &&
-            kvt_proto_match_decode(c->in + off + KVT_PROTO_HDR, h.body_len, &q) == 0) {
-            runs[n].tokens = q.tokens;
-            runs[n].ntokens = q.ntokens;
-            n++;
-        }
-        off += KVT_PROTO_HDR + (size_t)h.body_len;
-    }
-    if (n > 1)
-        kvt_radix_warm(c->srv->radix, c->ns, runs, n);
-#else
-    (void)c;
-#endif
-}
-
 /* Hands every whole frame in the input buffer to the handlers, while the connection is allowed
  * more work. */
-static void kvt_conn_parse(kvt__conn_t *c)
+static void conn_parse(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
     size_t off = 0;
-    kvt_conn_warm(c);
+    s->conn_ops->batch(c, c->in, c->in_len);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
-        if (kvt_conn_held(c)) {
+        if (conn_held(c)) {
             if (c->inflight >= s->conf->max_inflight)
                 break; /* their completions kick the connection */
             /* The replies of the frames before may leave at once. If they do, this frame goes
              * on: stopping here would leave it waiting for an event that may never come (its
              * client, having sent all it has, waits for these very replies). If they do not,
              * the socket's EPOLLOUT kicks the connection when they can. */
-            if (kvt_conn_write(c) < 0) {
+            if (conn_write(c) < 0) {
                 c->dead = 1;
                 break;
             }
-            if (kvt_conn_held(c))
+            if (conn_held(c))
                 break;
         }
         kvt_proto_hdr_t h;
-        int rc = kvt_frame_at(c, off, &h);
+        int rc = frame_at(c, off, &h);
         if (rc < 0) {
             /* The framing cannot be trusted past this header: answer and close. */
             kvt_proto_err_t kind = rc == KVT_ETOOBIG            ? KVT_PERR_TOO_BIG
@@ -641,7 +560,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         if (rc == 0)
             break; /* the rest of it is still to come */
         c->frames++;
-        if (kvt__handle(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
+        if (s->conn_ops->frame(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
             c->closing = 1;
         if (!c->in) { /* a PUT took the buffer with its frame (kvt__conn_take_frame) */
             off = 0;
@@ -649,7 +568,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         }
         off += frame;
         if (c->tokens_cap > KVT_TOKENS_KEEP) {
-            s->client_bytes -= c->tokens_cap * sizeof(uint32_t);
+            s->clients.bytes -= c->tokens_cap * sizeof(uint32_t);
             free(c->tokens);
             c->tokens = NULL;
             c->tokens_cap = 0;
@@ -663,7 +582,7 @@ static void kvt_conn_parse(kvt__conn_t *c)
         return;
     /* The frame at the front, whole or not, handled later. */
     kvt_proto_hdr_t h;
-    size_t want = c->in_len >= KVT_PROTO_HDR && kvt_frame_at(c, 0, &h) >= 0
+    size_t want = c->in_len >= KVT_PROTO_HDR && frame_at(c, 0, &h) >= 0
                       ? KVT_PROTO_HDR + (size_t)h.body_len
                       : 0;
     if (want > c->in_cap) {
@@ -671,35 +590,35 @@ static void kvt_conn_parse(kvt__conn_t *c)
          * for it; else the connection waits (unread) until it has (kvt__conns_mem_retry). */
         size_t base = KVT_MAX(c->in_cap, (size_t)KVT_IN_BASE);
         size_t grow = want > base ? want - base : 0; /* counted beyond the base buffer */
-        if (s->client_bytes + grow > s->conf->max_client_bytes) {
+        if (s->clients.bytes + grow > s->conf->max_client_bytes) {
             if (!c->mem_wait) {
                 c->mem_wait = 1;
-                s->mem_waiting++;
+                s->clients.mem_waiting++;
                 kvt__metric_add(s->metrics, KVT_M_CLIENT_MEMORY_WAITS, 0, 1);
                 static kvt_log_limit_t lim;
                 kvt_log_limited(&lim, KVT_LOG_INFO,
                                 "kvtierd: connection %llu waits for max-client-bytes (%llu of "
                                 "%llu held) to take a frame of %zu bytes",
-                                (unsigned long long)c->id, (unsigned long long)s->client_bytes,
+                                (unsigned long long)c->id, (unsigned long long)s->clients.bytes,
                                 (unsigned long long)s->conf->max_client_bytes, want);
             }
             c->mem_need = grow;
         } else {
-            kvt_mem_wait_end(c);
-            if (kvt_in_resize(c, want) < 0)
+            mem_wait_end(c);
+            if (in_resize(c, want) < 0)
                 c->dead = 1;
         }
     } else if (c->in_cap > KVT_IN_BASE && want <= KVT_IN_BASE && c->in_len <= KVT_IN_BASE) {
         /* The big frame is handled: back to the base buffer. */
-        if (kvt_in_resize(c, KVT_IN_BASE) < 0)
+        if (in_resize(c, KVT_IN_BASE) < 0)
             c->dead = 1;
     }
 }
 
-static void kvt_conn_read(kvt__conn_t *c)
+static void conn_read(kvt__conn_t *c)
 {
     for (int k = 0; k < 16 && !c->dead && !c->closing && !c->mem_wait; k++) {
-        if (c->in_cap < KVT_IN_BASE && kvt_in_resize(c, KVT_IN_BASE) < 0) {
+        if (c->in_cap < KVT_IN_BASE && in_resize(c, KVT_IN_BASE) < 0) {
             c->dead = 1;
             return;
         }
@@ -727,8 +646,8 @@ static void kvt_conn_read(kvt__conn_t *c)
         c->in_len += (size_t)n;
         c->rx_bytes += (uint64_t)n;
         c->rx_ns = kvt_now_ns();
-        kvt_conn_parse(c);
-        if (kvt_conn_held(c))
+        conn_parse(c);
+        if (conn_held(c))
             return;
         /* A short read took all the socket had: the next read would only say EAGAIN. Bytes
          * that arrive meanwhile wake epoll again (level-triggered), so none wait. */
@@ -743,12 +662,12 @@ void kvt__conn_kick(kvt__conn_t *c)
     if (c->gone || c->in_handler)
         return; /* the frame loop that is running kicks when it is done */
     c->in_handler = 1;
-    if (!c->dead && kvt_conn_write(c) < 0)
+    if (!c->dead && conn_write(c) < 0)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
-    if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR && !kvt_conn_held(c)) {
-        kvt_conn_parse(c);
-        if (kvt_conn_write(c) < 0)
+    if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR && !conn_held(c)) {
+        conn_parse(c);
+        if (conn_write(c) < 0)
             c->dead = 1;
     }
     c->in_handler = 0;
@@ -758,12 +677,13 @@ void kvt__conn_kick(kvt__conn_t *c)
         return;
     }
     uint32_t want = 0;
-    if (!c->closing && !c->mem_wait && !kvt_conn_held(c))
+    if (!c->closing && !c->mem_wait && !conn_held(c))
         want |= EPOLLIN;
     int unsent = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
-        if (r->nsegs) {
-            unsent = r->segs_ready && r->seg_i < r->nsegs;
+        if (r->src) {
+            struct iovec one;
+            unsent = r->src->iov(r, &one, 1) > 0;
             break;
         }
         if (r->out_len > r->out_off) {
@@ -781,7 +701,7 @@ void kvt__conn_kick(kvt__conn_t *c)
     }
 }
 
-static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)s;
     kvt__conn_t *c = (kvt__conn_t *)ev;
@@ -791,7 +711,7 @@ static void kvt_conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         c->dead = 1;
     c->in_handler = 1;
     if (!c->dead && (events & EPOLLIN))
-        kvt_conn_read(c);
+        conn_read(c);
     c->in_handler = 0;
     kvt__conn_kick(c);
 }
@@ -800,19 +720,19 @@ void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
 {
     kvt__conn_t *next;
     s->reqs_waiting = 0; /* set again by the deadlines of those still waiting */
-    for (kvt__conn_t *c = s->conns; c; c = next) {
+    for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next; /* a closed one keeps its link until the reap */
         if (!c->gone)
-            kvt__store_deadlines(c, now);
+            s->conn_ops->deadlines(c, now);
     }
 }
 
 void kvt__conns_mem_retry(kvt_srv_t *s)
 {
     kvt__conn_t *next;
-    for (kvt__conn_t *c = s->conns; c && s->mem_waiting; c = next) {
+    for (kvt__conn_t *c = s->clients.list; c && s->clients.mem_waiting; c = next) {
         next = c->next; /* a closed one (its mem_wait cleared by the close) keeps its link */
-        if (c->mem_wait && s->client_bytes + c->mem_need <= s->conf->max_client_bytes)
+        if (c->mem_wait && s->clients.bytes + c->mem_need <= s->conf->max_client_bytes)
             kvt__conn_kick(c); /* parses again: takes its buffer, or waits on */
     }
 }
@@ -820,7 +740,7 @@ void kvt__conns_mem_retry(kvt_srv_t *s)
 /* A client that stopped reading holds its replies, its leases and its share of max-client-bytes
  * for as long as it stays connected; past reply-timeout-ms it is closed, as Redis closes a client
  * over its output buffer limit. Any reply byte the socket takes starts the time again. */
-static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
+static int conn_timed_out(kvt__conn_t *c, uint64_t now)
 {
     uint64_t limit = (uint64_t)c->srv->conf->reply_timeout_ms * 1000000;
     if (limit == 0 || c->stuck_ns == 0 || now - c->stuck_ns < limit)
@@ -845,7 +765,7 @@ static int kvt_conn_timed_out(kvt__conn_t *c, uint64_t now)
  * short would hold it for good). Time in which the daemon does not read the connection
  * (back-pressure, a wait for max-client-bytes) does not count against it.
  */
-static int kvt_conn_too_slow(kvt__conn_t *c, uint64_t now)
+static int conn_too_slow(kvt__conn_t *c, uint64_t now)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
     uint64_t hello = (uint64_t)cf->hello_timeout_ms * 1000000;
@@ -893,10 +813,10 @@ static int kvt_conn_too_slow(kvt__conn_t *c, uint64_t now)
 void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
 {
     kvt__conn_t *next;
-    for (kvt__conn_t *c = s->conns; c; c = next) {
+    for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next;
-        if (!c->gone && !kvt_conn_too_slow(c, now) && !kvt_conn_timed_out(c, now))
-            kvt__lease_expire(c, now);
+        if (!c->gone && !conn_too_slow(c, now) && !conn_timed_out(c, now))
+            s->conn_ops->tick(c, now);
     }
     kvt__conns_deadlines(s, now);
 }

@@ -36,44 +36,44 @@ struct kvt_http_conn {
 };
 
 /* Closes h's socket and takes it off the list. */
-static void kvt_http_unlink(kvt_srv_t *s, kvt_http_conn_t *h)
+static void http_unlink(kvt_srv_t *s, kvt_http_conn_t *h)
 {
     kvt__ev_del(s, &h->ev);
     close(h->ev.fd);
     *h->pprev = h->next;
     if (h->next)
         h->next->pprev = h->pprev;
-    s->http_nconns--;
+    s->http.n--;
 }
 
-static void kvt_http_free(kvt_srv_t *s, kvt_http_conn_t *h)
+static void http_free(kvt_srv_t *s, kvt_http_conn_t *h)
 {
-    kvt_http_unlink(s, h);
+    http_unlink(s, h);
     free(h->out);
     free(h);
 }
 
 /* The callback of a connection closed while the batch of events epoll_wait returned may still
  * hold one for it. */
-static void kvt_http_on_gone(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void http_on_gone(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)s;
     (void)ev;
     (void)events;
 }
 
-static void kvt_http_reap(kvt_srv_t *s)
+static void http_reap(kvt_srv_t *s)
 {
-    while (s->http_gone) {
-        kvt_http_conn_t *h = s->http_gone;
-        s->http_gone = h->next;
+    while (s->http.gone) {
+        kvt_http_conn_t *h = s->http.gone;
+        s->http.gone = h->next;
         free(h->out);
         free(h);
     }
 }
 
-static void kvt_http_respond(kvt_http_conn_t *h, const char *status, const char *type,
-                             const char *body, size_t len)
+static void http_respond(kvt_http_conn_t *h, const char *status, const char *type, const char *body,
+                         size_t len)
 {
     char hdr[256];
     int n = snprintf(hdr, sizeof hdr,
@@ -88,11 +88,11 @@ static void kvt_http_respond(kvt_http_conn_t *h, const char *status, const char 
     h->out_len = (size_t)n + len;
 }
 
-static void kvt_http_route(kvt_srv_t *s, kvt_http_conn_t *h)
+static void http_route(kvt_srv_t *s, kvt_http_conn_t *h)
 {
     char method[16], path[256];
     if (sscanf(h->head, "%15s %255s", method, path) != 2) {
-        kvt_http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
+        http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
         return;
     }
     char *q = strchr(path, '?');
@@ -104,20 +104,19 @@ static void kvt_http_route(kvt_srv_t *s, kvt_http_conn_t *h)
         char *body;
         size_t len;
         if (kvt__metrics_render(s->metrics, &body, &len) < 0) {
-            kvt_http_respond(h, "500 Internal Server Error", "text/plain", "out of memory\n", 14);
+            http_respond(h, "500 Internal Server Error", "text/plain", "out of memory\n", 14);
             return;
         }
-        kvt_http_respond(h, "200 OK", "text/plain; version=0.0.4; charset=utf-8", body,
-                         head ? 0 : len);
+        http_respond(h, "200 OK", "text/plain; version=0.0.4; charset=utf-8", body, head ? 0 : len);
         free(body);
     } else if (!strcmp(path, "/healthz") && (get || head)) {
         const char *msg = s->stopping ? "stopping\n" : "ok\n";
-        kvt_http_respond(h, s->stopping ? "503 Service Unavailable" : "200 OK", "text/plain", msg,
-                         head ? 0 : strlen(msg));
+        http_respond(h, s->stopping ? "503 Service Unavailable" : "200 OK", "text/plain", msg,
+                     head ? 0 : strlen(msg));
     } else if (!strcmp(path, "/metrics") || !strcmp(path, "/healthz")) {
-        kvt_http_respond(h, "405 Method Not Allowed", "text/plain", "GET only\n", 9);
+        http_respond(h, "405 Method Not Allowed", "text/plain", "GET only\n", 9);
     } else {
-        kvt_http_respond(h, "404 Not Found", "text/plain", "not found\n", 10);
+        http_respond(h, "404 Not Found", "text/plain", "not found\n", 10);
     }
 }
 
@@ -125,7 +124,7 @@ static void kvt_http_route(kvt_srv_t *s, kvt_http_conn_t *h)
  * letters, a target, "HTTP/" and a version, then the line's end. Another protocol's bytes (TLS, a
  * kvtier frame, text) fail as soon as they show, and get their 400 without a wait for a blank line
  * that may never come. */
-static int kvt_http_line_ok(const char *p, size_t len)
+static int http_line_ok(const char *p, size_t len)
 {
     size_t i = 0, n = 0;
     while (i < len && p[i] >= 'A' && p[i] <= 'Z' && n < 15) {
@@ -151,32 +150,32 @@ static int kvt_http_line_ok(const char *p, size_t len)
     return i == len || p[i] == '\n';
 }
 
-static void kvt_http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     kvt_http_conn_t *h = (kvt_http_conn_t *)ev;
     if (!h->out && (events & EPOLLIN)) {
         ssize_t n = read(ev->fd, h->head + h->head_len, sizeof h->head - 1 - h->head_len);
         if (n <= 0) {
             if (n == 0 || (errno != EAGAIN && errno != EINTR))
-                kvt_http_free(s, h);
+                http_free(s, h);
             return;
         }
         h->head_len += (size_t)n;
         h->head[h->head_len] = 0;
-        if (!kvt_http_line_ok(h->head, h->head_len)) {
-            kvt_http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
+        if (!http_line_ok(h->head, h->head_len)) {
+            http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
         } else if (!strstr(h->head, "\r\n\r\n") && !strstr(h->head, "\n\n")) {
             if (h->head_len == sizeof h->head - 1) {
-                kvt_http_respond(h, "431 Request Header Fields Too Large", "text/plain",
-                                 "too large\n", 10);
+                http_respond(h, "431 Request Header Fields Too Large", "text/plain", "too large\n",
+                             10);
             } else {
                 return;
             }
         } else {
-            kvt_http_route(s, h);
+            http_route(s, h);
         }
         if (!h->out) {
-            kvt_http_free(s, h);
+            http_free(s, h);
             return;
         }
         kvt__ev_mod(s, &h->ev, EPOLLOUT);
@@ -191,21 +190,21 @@ static void kvt_http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
             }
             h->out_off += (size_t)n;
         }
-        kvt_http_free(s, h);
+        http_free(s, h);
         return;
     }
     if (events & (EPOLLERR | EPOLLHUP))
-        kvt_http_free(s, h);
+        http_free(s, h);
 }
 
 /* Every slot is taken: the oldest connection not yet answered goes (or, if all are being
  * answered, the oldest). A scrape sends its request as it connects and is answered within an
  * iteration of the loop, so it is never the oldest for long; a burst of connections from others
  * can only push out what came before it. */
-static int kvt_http_evict(kvt_srv_t *s)
+static int http_evict(kvt_srv_t *s)
 {
     kvt_http_conn_t *victim = NULL;
-    for (kvt_http_conn_t *h = s->http_conns; h; h = h->next) {
+    for (kvt_http_conn_t *h = s->http.conns; h; h = h->next) {
         if (!victim || (!h->out && victim->out) ||
             (!h->out == !victim->out && h->deadline_ns < victim->deadline_ns))
             victim = h;
@@ -214,21 +213,21 @@ static int kvt_http_evict(kvt_srv_t *s)
         return 0;
     kvt__metric_add(s->metrics, KVT_M_SCRAPES_EVICTED, 0, 1);
     /* Freed at the next tick: an event for it may come later in this batch. */
-    kvt_http_unlink(s, victim);
-    victim->ev.cb = kvt_http_on_gone;
-    victim->next = s->http_gone;
-    s->http_gone = victim;
+    http_unlink(s, victim);
+    victim->ev.cb = http_on_gone;
+    victim->next = s->http.gone;
+    s->http.gone = victim;
     return 1;
 }
 
-static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     for (int k = 0; k < 16; k++) {
         int fd = kvt__accept(s, ev->fd, "metrics");
         if (fd < 0)
             return;
-        if (s->http_nconns >= KVT_HTTP_MAX_CONNS && !kvt_http_evict(s)) {
+        if (s->http.n >= KVT_HTTP_MAX_CONNS && !http_evict(s)) {
             close(fd);
             continue;
         }
@@ -238,19 +237,19 @@ static void kvt_http_on_accept(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
             continue;
         }
         h->ev.fd = fd;
-        h->ev.cb = kvt_http_on_conn;
+        h->ev.cb = http_on_conn;
         h->deadline_ns = kvt_now_ns() + KVT_HTTP_TIMEOUT_NS;
         if (kvt__ev_add(s, &h->ev, EPOLLIN) < 0) {
             close(fd);
             free(h);
             continue;
         }
-        h->next = s->http_conns;
+        h->next = s->http.conns;
         if (h->next)
             h->next->pprev = &h->next;
-        h->pprev = &s->http_conns;
-        s->http_conns = h;
-        s->http_nconns++;
+        h->pprev = &s->http.conns;
+        s->http.conns = h;
+        s->http.n++;
     }
 }
 
@@ -260,7 +259,7 @@ int kvt__http_listen(kvt_srv_t *s, const char *addr)
     if (fd < 0)
         return fd;
     s->http_ev.fd = fd;
-    s->http_ev.cb = kvt_http_on_accept;
+    s->http_ev.cb = http_on_accept;
     int rc = kvt__ev_add(s, &s->http_ev, EPOLLIN);
     if (rc < 0) {
         close(fd);
@@ -271,20 +270,20 @@ int kvt__http_listen(kvt_srv_t *s, const char *addr)
 
 void kvt__http_tick(kvt_srv_t *s, uint64_t now)
 {
-    kvt_http_reap(s);
+    http_reap(s);
     kvt_http_conn_t *next;
-    for (kvt_http_conn_t *h = s->http_conns; h; h = next) {
+    for (kvt_http_conn_t *h = s->http.conns; h; h = next) {
         next = h->next;
         if (now >= h->deadline_ns)
-            kvt_http_free(s, h);
+            http_free(s, h);
     }
 }
 
 void kvt__http_close(kvt_srv_t *s)
 {
-    while (s->http_conns)
-        kvt_http_free(s, s->http_conns);
-    kvt_http_reap(s);
+    while (s->http.conns)
+        http_free(s, s->http.conns);
+    http_reap(s);
     if (s->http_ev.fd >= 0) {
         kvt__ev_del(s, &s->http_ev);
         close(s->http_ev.fd);

@@ -27,131 +27,12 @@
 #include <unistd.h>
 
 #define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
-#define KVT_GHOSTS   (1u << 16)
+/* Evicted blocks remembered for the "evicted" miss reason: 2^16 slots, or the cost policy's
+ * 2^22 when it shares the table (its reuse signal reads the same one). */
+#define KVT_GHOST_BITS      16
+#define KVT_GHOST_BITS_COST 22
 
-int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
-{
-    struct epoll_event e = {.events = events, .data.ptr = ev};
-    return epoll_ctl(s->epfd, EPOLL_CTL_ADD, ev->fd, &e) < 0 ? -errno : 0;
-}
-
-int kvt__ev_mod(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
-{
-    struct epoll_event e = {.events = events, .data.ptr = ev};
-    return epoll_ctl(s->epfd, EPOLL_CTL_MOD, ev->fd, &e) < 0 ? -errno : 0;
-}
-
-void kvt__ev_del(kvt_srv_t *s, kvt__ev_t *ev)
-{
-    epoll_ctl(s->epfd, EPOLL_CTL_DEL, ev->fd, NULL);
-}
-
-int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out)
-{
-    if (ns >= s->cap_ns) {
-        size_t cap = s->cap_ns ? s->cap_ns * 2 : 8;
-        while (cap <= ns)
-            cap *= 2;
-        kvt__ns_t *n = realloc(s->ns, cap * sizeof *n);
-        if (!n)
-            return KVT_ENOMEM;
-        memset(n + s->cap_ns, 0, (cap - s->cap_ns) * sizeof *n);
-        s->ns = n;
-        s->cap_ns = cap;
-    }
-    if (ns >= s->nns)
-        s->nns = ns + 1;
-    *out = &s->ns[ns];
-    return 0;
-}
-
-void kvt__ns_use(kvt_srv_t *s, uint32_t ns)
-{
-    kvt_assert(ns < s->nns); /* every id in use was declared by a HELLO, which made its entry */
-    s->ns[ns].users++;
-}
-
-void kvt__ns_unuse(kvt_srv_t *s, uint32_t ns)
-{
-    kvt_assert(ns < s->nns && s->ns[ns].users > 0);
-    if (--s->ns[ns].users == 0)
-        s->ns[ns].idle_ns = kvt_now_ns(); /* kvt__ns_evict takes the longest unused first */
-}
-
-uint32_t kvt__ns_reclaim(kvt_srv_t *s)
-{
-    uint32_t closed = 0;
-    for (uint32_t id = 0; id < KVT_RADIX_NS_MAX; id++) {
-        if ((id < s->nns && s->ns[id].users) || !kvt_radix_ns_page_size(s->radix, id) ||
-            kvt_radix_ns_close(s->radix, id) < 0) /* KVT_EBUSY: it holds pages */
-            continue;
-        kvt_policy_forget_ns(s->policy, id);
-        if (id < s->nns)
-            s->ns[id] = (kvt__ns_t){0};
-        closed++;
-    }
-    kvt__metric_add(s->metrics, KVT_M_NAMESPACES_CLOSED, 0, closed);
-    static kvt_log_limit_t lim; /* a HELLO flood at a full daemon would repeat it */
-    if (closed)
-        kvt_log_limited(&lim, KVT_LOG_INFO,
-                        "kvtierd: closed %u empty namespaces no client uses, for new ones", closed);
-    else
-        kvt_log_limited(&lim, KVT_LOG_WARN,
-                        "kvtierd: no namespace can be closed (each holds pages or is in use): "
-                        "new ones are refused");
-    return closed;
-}
-
-int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port)
-{
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || (size_t)(colon - s) >= hostlen)
-        return KVT_EINVAL;
-    char *end;
-    long p = strtol(colon + 1, &end, 10);
-    if (!colon[1] || *end || p < 0 || p > 65535)
-        return KVT_EINVAL;
-    memcpy(host, s, (size_t)(colon - s));
-    host[colon - s] = 0;
-    *port = (uint16_t)p;
-    return 0;
-}
-
-int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen)
-{
-    char host[256];
-    uint16_t port;
-    if (kvt__parse_hostport(addr, host, sizeof host, &port) < 0)
-        return KVT_EINVAL;
-    struct addrinfo hints = {
-        .ai_family = AF_INET, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV | AI_PASSIVE};
-    struct addrinfo *ai;
-    char ps[8];
-    snprintf(ps, sizeof ps, "%u", port);
-    if (getaddrinfo(host, ps, &hints, &ai) != 0)
-        return KVT_EINVAL;
-    int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        freeaddrinfo(ai);
-        return -errno;
-    }
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 512) < 0) {
-        int e = -errno;
-        freeaddrinfo(ai);
-        close(fd);
-        return e;
-    }
-    freeaddrinfo(ai);
-    struct sockaddr_in sin;
-    socklen_t sl = sizeof sin;
-    if (getsockname(fd, (struct sockaddr *)&sin, &sl) == 0)
-        snprintf(bound, boundlen, "%s:%u", host, ntohs(sin.sin_port));
-    return fd;
-}
-
-static int kvt_listen_unix(kvt_srv_t *s)
+static int listen_unix(kvt_srv_t *s)
 {
     const char *path = s->conf->unix_path;
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
@@ -203,19 +84,19 @@ static int kvt_listen_unix(kvt_srv_t *s)
     return fd;
 }
 
-static void kvt_on_unix(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_unix(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     kvt__conn_accept(s, ev->fd, 0);
 }
 
-static void kvt_on_tcp(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_tcp(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     kvt__conn_accept(s, ev->fd, 1);
 }
 
-static void kvt_on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     struct signalfd_siginfo si;
@@ -234,7 +115,7 @@ static void kvt_on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     }
 }
 
-static void kvt_signal_set(sigset_t *set)
+static void signal_set(sigset_t *set)
 {
     sigemptyset(set);
     sigaddset(set, SIGTERM);
@@ -245,12 +126,12 @@ static void kvt_signal_set(sigset_t *set)
 int kvt__srv_block_signals(void)
 {
     sigset_t set;
-    kvt_signal_set(&set);
+    signal_set(&set);
     int rc = pthread_sigmask(SIG_BLOCK, &set, NULL);
     return rc ? -rc : 0;
 }
 
-static void kvt_on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+static void on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     kvt_tier_t *t = s->tiers[ev - s->tier_ev];
@@ -270,7 +151,7 @@ static void kvt_on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
  * limit lets it, and if that is not far enough the daemon says how many clients it can hold (the
  * rest are refused, kvt__accept).
  */
-static void kvt_fd_limit(const kvt_srv_conf_t *c)
+static void fd_limit(const kvt_srv_conf_t *c)
 {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
@@ -300,18 +181,21 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     if (!s)
         return KVT_ENOMEM;
     s->conf = conf;
+    s->conn_ops = &kvt__dispatch_ops;
     s->sig_ev.fd = s->unix_ev.fd = s->tcp_ev.fd = s->http_ev.fd = -1;
-    kvt_fd_limit(conf);
-    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    fd_limit(conf);
+    s->clients.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     for (int i = 0; i < KVT_TIER_COUNT; i++)
         s->tier_ev[i].fd = -1;
-    s->next_conn_id = 1;
+    s->clients.next_id = 1;
     s->internal_owner = 1ull << 63;
     s->started_ns = kvt_now_ns();
     int rc = KVT_ENOMEM;
-    s->nghosts = KVT_GHOSTS;
-    s->ghosts = calloc(s->nghosts, sizeof *s->ghosts);
-    if (!s->ghosts || kvt__metrics_create(&s->metrics) < 0)
+    kvt_policy_kind_t kind;
+    unsigned ghost_bits = kvt_policy_kind_parse(conf->policy, &kind) == 0 && kind == KVT_POLICY_COST
+                              ? KVT_GHOST_BITS_COST
+                              : KVT_GHOST_BITS;
+    if (kvt_ghosts_create(&s->exec.ghosts, ghost_bits) < 0 || kvt__metrics_create(&s->metrics) < 0)
         goto fail;
     s->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (s->epfd < 0) {
@@ -333,7 +217,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         if (!s->tiers[i])
             continue;
         s->tier_ev[i].fd = kvt_tier_fd(s->tiers[i]);
-        s->tier_ev[i].cb = kvt_on_tier;
+        s->tier_ev[i].cb = on_tier;
         if (s->tier_ev[i].fd >= 0 && (rc = kvt__ev_add(s, &s->tier_ev[i], EPOLLIN)) < 0)
             goto fail;
     }
@@ -343,19 +227,19 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
      * (the NVMe recovery, pinning the DRAM tier) is pending: the signalfd reads it on the loop's
      * first turn, and the daemon shuts down cleanly. */
     sigset_t set;
-    kvt_signal_set(&set);
+    signal_set(&set);
     if ((rc = kvt__srv_block_signals()) < 0)
         goto fail;
     signal(SIGPIPE, SIG_IGN);
     s->sig_ev.fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
-    s->sig_ev.cb = kvt_on_signal;
+    s->sig_ev.cb = on_signal;
     if (s->sig_ev.fd < 0 || (rc = kvt__ev_add(s, &s->sig_ev, EPOLLIN)) < 0) {
         rc = s->sig_ev.fd < 0 ? -errno : rc;
         goto fail;
     }
 
     if (*conf->unix_path) {
-        rc = kvt_listen_unix(s);
+        rc = listen_unix(s);
         if (rc < 0) {
             kvt_log(KVT_LOG_ERROR, "kvtierd: cannot listen on unix:%s: %s", conf->unix_path,
                     kvt_strerror(rc));
@@ -363,7 +247,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
             goto fail;
         }
         s->unix_ev.fd = rc;
-        s->unix_ev.cb = kvt_on_unix;
+        s->unix_ev.cb = on_unix;
         if ((rc = kvt__ev_add(s, &s->unix_ev, EPOLLIN)) < 0)
             goto fail;
     }
@@ -375,7 +259,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
             goto fail;
         }
         s->tcp_ev.fd = rc;
-        s->tcp_ev.cb = kvt_on_tcp;
+        s->tcp_ev.cb = on_tcp;
         struct sockaddr_in sin;
         socklen_t sl = sizeof sin;
         if (!*conf->secret && getsockname(rc, (struct sockaddr *)&sin, &sl) == 0 &&
@@ -403,7 +287,7 @@ fail:
 }
 
 /* Requests still waiting on tier I/O, over all connections and orphans. */
-static int kvt_busy(const kvt_srv_t *s)
+static int busy(const kvt_srv_t *s)
 {
     return s->inflight > 0;
 }
@@ -429,17 +313,17 @@ int kvt__srv_run(kvt_srv_t *s)
                     s->tcp_ev.fd = -1;
                 }
                 kvt__conn_t *next;
-                for (kvt__conn_t *c = s->conns; c; c = next) {
+                for (kvt__conn_t *c = s->clients.list; c; c = next) {
                     next = c->next; /* the kick frees an idle connection */
                     c->closing = 1;
                     kvt__conn_kick(c);
                 }
             }
             int pending_out = 0;
-            for (kvt__conn_t *c = s->conns; c; c = c->next)
+            for (kvt__conn_t *c = s->clients.list; c; c = c->next)
                 pending_out |= c->head != NULL;
-            if ((!kvt_busy(s) && !pending_out) || now >= stop_at) {
-                if (kvt_busy(s))
+            if ((!busy(s) && !pending_out) || now >= stop_at) {
+                if (busy(s))
                     kvt_log(KVT_LOG_WARN, "kvtierd: %llu tier I/Os still in flight at exit",
                             (unsigned long long)s->inflight);
                 return 0;
@@ -468,12 +352,12 @@ int kvt__srv_run(kvt_srv_t *s)
         /* Requests waiting for moves go first, before the policy's step can start new moves on
          * what they wait for: a REMOVE behind a demotion that fails every time (a remote tier
          * that is down) would otherwise never find its prefix free. */
-        if (s->moves_landed) {
-            s->moves_landed = 0;
+        if (s->exec.moves_landed) {
+            s->exec.moves_landed = 0;
             if (s->reqs_waiting)
                 kvt__conns_deadlines(s, kvt_now_ns());
         }
-        if (s->mem_waiting)
+        if (s->clients.mem_waiting)
             kvt__conns_mem_retry(s);
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
         kvt__conns_reap(s); /* no event or walk holds a connection here */
@@ -484,8 +368,8 @@ void kvt__srv_close(kvt_srv_t *s)
 {
     if (!s)
         return;
-    while (s->conns)
-        kvt__conn_close(s->conns);
+    while (s->clients.list)
+        kvt__conn_close(s->clients.list);
     kvt__conns_reap(s);
     kvt__http_close(s);
     if (s->unix_ev.fd >= 0)
@@ -496,19 +380,19 @@ void kvt__srv_close(kvt_srv_t *s)
         close(s->tcp_ev.fd);
     if (s->sig_ev.fd >= 0)
         close(s->sig_ev.fd);
-    if (s->spare_fd >= 0)
-        close(s->spare_fd);
+    if (s->clients.spare_fd >= 0)
+        close(s->clients.spare_fd);
     /* The tree first: its free callback gives the tiers their blocks back (NVMe keeps its data
      * on disk for a warm restart regardless). */
-    s->tearing_down = 1;
+    s->exec.tearing_down = 1;
     kvt_radix_destroy(s->radix);
     s->radix = NULL;
     kvt__store_close(s);
     if (s->epfd > 0)
         close(s->epfd);
     kvt__metrics_destroy(s->metrics);
-    free(s->ghosts);
-    free(s->lease_pos);
+    kvt_ghosts_destroy(s->exec.ghosts);
+    free(s->leases.pos);
     free(s->ns);
     free(s);
 }

@@ -1,8 +1,9 @@
 /*
- * metrics.c: the storage behind KVT_METRIC_LIST and its Prometheus text rendering. Everything a
- * scrape shows comes from the one table in metrics.h: name, type, help and label dimension; this
- * file only knows how to lay out each dimension's series. Histograms share one bucket ladder in
- * seconds, from 10 us to 10 s, which covers a DRAM hit and a remote round trip alike.
+ * metrics.c: the storage behind KVT_METRIC_LIST and its two renderings, the Prometheus text of
+ * /metrics and the name/value list of STATS. Everything either shows comes from the one table in
+ * metrics.h: name, type, help and label dimension; this file only knows how to lay out each
+ * dimension's series. Histograms share one bucket ladder in seconds, from 10 us to 10 s, which
+ * covers a DRAM hit and a remote round trip alike.
  */
 #include "metrics.h"
 
@@ -138,52 +139,122 @@ __attribute__((format(printf, 2, 3))) static void kvt_bprintf(kvt_buf_t *b, cons
     }
 }
 
-/* The label set of one series, e.g. {tier="dram"}, or "" for an unlabelled metric; NULL when the
- * series index is not rendered (a tier pair of one tier with itself). */
-static const char *kvt_series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, size_t len)
+/* The labels of one series as key/value pairs (at most two), their count, or -1 when the series
+ * index is not rendered (a tier pair of one tier with itself). */
+static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
 {
     switch (lbl) {
     case KVT_LBL_NONE:
-        return s == 0 ? "" : NULL;
+        return s == 0 ? 0 : -1;
     case KVT_LBL_TIER:
         if (s >= KVT_TIER_COUNT)
-            return NULL;
-        snprintf(buf, len, "tier=\"%s\"", kvt_tier_name((kvt_tier_id_t)s));
-        return buf;
+            return -1;
+        kv[0] = "tier";
+        kv[1] = kvt_tier_name((kvt_tier_id_t)s);
+        return 1;
     case KVT_LBL_OP:
         if (s == 0 || s >= KVT_OP_COUNT)
-            return NULL;
-        snprintf(buf, len, "op=\"%s\"", kvt_proto_op_name(s));
-        return buf;
+            return -1;
+        kv[0] = "op";
+        kv[1] = kvt_proto_op_name(s);
+        return 1;
     case KVT_LBL_PAIR: {
         unsigned from = s / KVT_TIER_COUNT, to = s % KVT_TIER_COUNT;
         if (s >= KVT_MAX_SERIES || from == to || from == KVT_TIER_NONE || to == KVT_TIER_NONE)
-            return NULL;
-        snprintf(buf, len, "from=\"%s\",to=\"%s\"", kvt_tier_name((kvt_tier_id_t)from),
-                 kvt_tier_name((kvt_tier_id_t)to));
-        return buf;
+            return -1;
+        kv[0] = "from";
+        kv[1] = kvt_tier_name((kvt_tier_id_t)from);
+        kv[2] = "to";
+        kv[3] = kvt_tier_name((kvt_tier_id_t)to);
+        return 2;
     }
     case KVT_LBL_TIER_IO:
         if (s / 2 == KVT_TIER_NONE || s / 2 >= KVT_TIER_COUNT)
-            return NULL;
-        snprintf(buf, len, "tier=\"%s\",dir=\"%s\"", kvt_tier_name((kvt_tier_id_t)(s / 2)),
-                 s % 2 ? "write" : "read");
-        return buf;
+            return -1;
+        kv[0] = "tier";
+        kv[1] = kvt_tier_name((kvt_tier_id_t)(s / 2));
+        kv[2] = "dir";
+        kv[3] = s % 2 ? "write" : "read";
+        return 2;
     case KVT_LBL_REASON:
     case KVT_LBL_ERR:
     case KVT_LBL_RECOVERY:
     case KVT_LBL_PUT: {
         const struct kvt_enum_label *e = &kvt_enum_labels[lbl];
         if (s >= e->count)
-            return NULL;
-        snprintf(buf, len, "%s=\"%s\"", e->key, e->names[s]);
-        return buf;
+            return -1;
+        kv[0] = e->key;
+        kv[1] = e->names[s];
+        return 1;
     }
     }
-    return NULL;
+    return -1;
 }
 
-static void kvt_render_value(kvt_buf_t *b, double v)
+/* The label set of one series, e.g. tier="dram", or "" for an unlabelled metric; NULL when the
+ * series index is not rendered. */
+static const char *series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, size_t len)
+{
+    const char *kv[4];
+    int n = series_kv(lbl, s, kv);
+    if (n < 0)
+        return NULL;
+    buf[0] = 0;
+    if (n == 1)
+        snprintf(buf, len, "%s=\"%s\"", kv[0], kv[1]);
+    else if (n == 2)
+        snprintf(buf, len, "%s=\"%s\",%s=\"%s\"", kv[0], kv[1], kv[2], kv[3]);
+    return buf;
+}
+
+/* A series' STATS name (metrics.h, kvt__metrics_each); NULL when the series is not rendered. */
+static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, char *buf,
+                                    size_t len)
+{
+    const char *kv[4];
+    int n = series_kv(d->lbl, s, kv);
+    if (n < 0)
+        return NULL;
+    const char *stem = d->name;
+    size_t sl = strlen(stem);
+    if (!strncmp(stem, "kvtier_", 7)) {
+        stem += 7;
+        sl -= 7;
+    }
+    if (sl > 6 && !strcmp(stem + sl - 6, "_total"))
+        sl -= 6;
+    if (d->lbl == KVT_LBL_TIER && !strncmp(stem, "tier_", 5))
+        snprintf(buf, len, "%s_%.*s", kv[1], (int)(sl - 5), stem + 5);
+    else if (n == 0)
+        snprintf(buf, len, "%.*s", (int)sl, stem);
+    else if (n == 1)
+        snprintf(buf, len, "%.*s_%s", (int)sl, stem, kv[1]);
+    else
+        snprintf(buf, len, "%.*s_%s_%s", (int)sl, stem, kv[1], kv[3]);
+    return buf;
+}
+
+int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *name, uint64_t v),
+                      void *arg)
+{
+    for (unsigned id = 0; id < KVT_M_COUNT; id++) {
+        const struct kvt_metric_def *d = &kvt_defs[id];
+        if (d->type == KVT_MT_HISTOGRAM)
+            continue;
+        for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
+            char name[128];
+            if (!series_stat_name(d, s, name, sizeof name))
+                continue;
+            double v = m->values[id][s];
+            int rc = cb(arg, name, v > 0 ? (uint64_t)v : 0);
+            if (rc)
+                return rc;
+        }
+    }
+    return 0;
+}
+
+static void render_value(kvt_buf_t *b, double v)
 {
     if (v == (double)(uint64_t)v && v < 1e18)
         kvt_bprintf(b, "%llu\n", (unsigned long long)v);
@@ -203,12 +274,12 @@ int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
         kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", d->name, d->help, d->name, types[d->type]);
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char lb[96];
-            const char *l = kvt_series_labels(d->lbl, s, lb, sizeof lb);
+            const char *l = series_labels(d->lbl, s, lb, sizeof lb);
             if (!l)
                 continue;
             if (d->type != KVT_MT_HISTOGRAM) {
                 kvt_bprintf(&b, "%s%s%s%s ", d->name, *l ? "{" : "", l, *l ? "}" : "");
-                kvt_render_value(&b, m->values[id][s]);
+                render_value(&b, m->values[id][s]);
                 continue;
             }
             const kvt_hist_t *h = &m->hists[id][s];

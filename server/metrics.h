@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../radix/radix.h"
+#include "radix.h"
 #include "proto.h"
 
 typedef enum {
@@ -136,11 +136,21 @@ typedef enum {
     X(INDEX_BYTES, GAUGE, "kvtier_index_bytes", "Memory allocated by the prefix index.", NONE)     \
     X(INDEX_CAPACITY, GAUGE, "kvtier_index_capacity_bytes",                                        \
       "The prefix index's memory limit (index-bytes); 0 for none.", NONE)                          \
+    X(INDEX_NODES, GAUGE, "kvtier_index_nodes", "Nodes of the prefix index.", NONE)                \
+    X(INDEX_CACHED_TOKENS, GAUGE, "kvtier_index_cached_tokens",                                    \
+      "Tokens of the pages cached in the prefix index.", NONE)                                     \
     X(NAMESPACES, GAUGE, "kvtier_namespaces", "Namespaces open in the prefix index.", NONE)        \
     X(NAMESPACES_CLOSED, COUNTER, "kvtier_namespaces_closed_total",                                \
       "Empty namespaces no client used, closed to make room for new ones.", NONE)                  \
     X(PIN_REFUSALS, COUNTER, "kvtier_policy_pin_refusals_total",                                   \
       "Tier moves not started: index-bytes had no room for the lease that pins them.", NONE)       \
+    X(POLICY_REBUILDS, COUNTER, "kvtier_policy_rebuilds_total",                                    \
+      "Times the tier policy renewed its victim heaps in one walk (docs/policy.md).", NONE)        \
+    X(POLICY_SWEEPS, COUNTER, "kvtier_policy_sweeps_total",                                        \
+      "Times the tier policy renewed its victim heaps by a sweep (docs/policy.md).", NONE)         \
+    X(POLICY_INDEX_DROPS, COUNTER, "kvtier_policy_index_drops_total",                              \
+      "Pages holding bytes dropped to keep the index under index-bytes.", NONE)                    \
+    X(UPTIME, GAUGE, "kvtier_uptime_seconds", "Seconds since the daemon started.", NONE)           \
     X(REMOTE_CONNECTS, COUNTER, "kvtier_remote_connects_total",                                    \
       "Connections to the remote server that completed their handshake.", NONE)                    \
     X(REMOTE_DISCONNECTS, COUNTER, "kvtier_remote_disconnects_total",                              \
@@ -222,6 +232,16 @@ void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, doub
 void kvt__metric_observe(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, uint64_t ns);
 double kvt__metric_get(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series);
 const kvt_hist_t *kvt__metric_hist(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series);
+
+/*
+ * Every counter and gauge series, in table order, by its STATS name (histograms are /metrics'
+ * only): the metric's name without "kvtier_" and "_total", then its label values joined by "_"
+ * (hit_tokens_dram, blocks_moved_dram_nvme, put_pages_stored); a per-tier metric named
+ * kvtier_tier_* puts the tier first instead (dram_used_bytes). Values are truncated to integers.
+ * cb returns non-zero to stop; that value is returned, else 0.
+ */
+int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *name, uint64_t v),
+                      void *arg);
 
 /* Renders every metric in the Prometheus text exposition format (0.0.4). The string is
  * malloc'ed; the caller frees it. Returns 0 or KVT_ENOMEM. */

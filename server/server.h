@@ -25,10 +25,10 @@
 #include <endian.h>
 #include <sys/types.h>
 
-#include "../common/common.h"
-#include "../policy/policy.h"
-#include "../radix/radix.h"
-#include "../tiers/tier.h"
+#include "common.h"
+#include "policy.h"
+#include "radix.h"
+#include "tier.h"
 #include "conf.h"
 #include "metrics.h"
 #include "proto.h"
@@ -103,48 +103,100 @@ typedef struct kvt__seg {
     size_t off, len;
 } kvt__seg_t;
 
+struct iovec;
+
+/*
+ * A reply source: where a request's reply bytes come from while they are not (all) in its out
+ * buffer, such as a GET's batch (frame heads in out, payloads in tier memory or read buffers).
+ * The connection's writer knows frames and buffers, not operations: it writes a request's out
+ * buffer, or, while the request has a source, what the source offers, and tells it what went.
+ *
+ *   iov      up to max pieces ready to be written now, in order; 0 when none is (yet)
+ *   wrote    n bytes of what iov offered were written
+ *   drained  called when the request is at the head and iov offers nothing: the source moves on
+ *            (its next part, or its final frame into out with the source cleared) and returns 1,
+ *            or returns 0 while it waits for I/O (whose completion kicks the connection)
+ *   abort    the connection closes with the reply unfinished and no I/O in flight: give back
+ *            what the source holds (its buffers, the pins on the blocks it sends from)
+ */
+typedef struct kvt__reply_src {
+    int (*iov)(kvt__req_t *r, struct iovec *iov, int max);
+    void (*wrote)(kvt__req_t *r, size_t n);
+    int (*drained)(kvt__req_t *r);
+    void (*abort)(kvt__req_t *r);
+} kvt__reply_src_t;
+
 struct kvt__req {
     kvt__req_t *next;
     kvt_srv_t *srv;
     kvt__conn_t *conn; /* NULL once the connection has gone */
     kvt__req_kind_t kind;
     uint8_t op;
-    uint8_t done;    /* the whole reply is in out (or, GET, the final frame is) */
-    uint8_t replied; /* PREFETCH: the reply went out (deadline, START), I/O still running */
-    uint64_t id;     /* the client's request id */
-    uint64_t t0;     /* arrival, for the latency histogram */
-    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
+    uint8_t done; /* the whole reply is in out (or, GET, the final frame is) */
+    uint64_t id;  /* the client's request id */
+    uint64_t t0;  /* arrival, for the latency histogram */
+    uint8_t *out; /* reply bytes not yet written: [out_off, out_len) */
     size_t out_len, out_cap, out_off;
+    const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
+    /* A move this request asked for (a PREFETCH's promotion) landed: exec.c tells it so. */
+    void (*on_move)(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted_pages);
     uint32_t pending; /* tier I/Os in flight */
     int status;
 
-    /* PUT, GET and PREFETCH */
-    kvt_policy_hint_t hint; /* PUT: the engine's hints, handed to the policy with the blocks */
-    uint32_t ns;            /* set by kvt__req_ns, which holds the namespace open */
+    /* PUT, GET, PREFETCH and REMOVE */
+    uint32_t ns; /* set by kvt__req_ns, which holds the namespace open */
     uint8_t ns_held;
     uint64_t lease;         /* an internal lease pinning the path while I/O runs */
     kvt_radix_node_t *node; /* the path's deepest node */
-    uint32_t pages;         /* path length */
+    uint32_t pages;         /* path length; a waiting REMOVE: its tokens */
     uint32_t block_bytes;
     uint8_t *payload; /* PUT: the payload pages; a waiting REMOVE: its tokens */
     void *held;       /* what payload lies in, counted in the clients' memory */
     size_t held_bytes;
-    uint32_t first, cur, end; /* PUT: payload pages [first, end); GET: pages [cur, end) left */
-    uint32_t stored, skipped, new_pages, sent;
-    uint32_t moved, resident, failed, target, batch;
-    uint32_t rounds; /* PREFETCH: promotion rounds run */
-    int progress;    /* PREFETCH: a move of the last round landed */
-    int waiting;     /* PREFETCH: no move of its own; pages of its path are in another's move */
-    int waited;      /* PREFETCH: has waited at least once (counted in the metrics) */
-    int start_only;  /* PREFETCH: KVT_PREFETCH_F_START, replied once its moves began */
-    uint64_t deadline_ns;
-    kvt__io_t **ios;  /* GET batch */
-    kvt__seg_t *segs; /* GET batch output; written instead of out while nsegs > 0 */
-    uint32_t nsegs, seg_i;
-    size_t seg_off;
-    int segs_ready; /* the batch's reads are done: segs may be written */
-    void *extra;    /* op-specific state (a MATCH's remote probe), freed with the request */
+    uint64_t deadline_ns; /* PREFETCH, REMOVE */
+    /* Each operation's own state, touched by its file only (op_put.c, op_get.c, op_prefetch.c). */
+    struct {
+        kvt_policy_hint_t hint; /* the engine's hints, handed to the policy with the blocks */
+        uint32_t first, end;    /* payload pages [first, end) */
+        uint32_t stored, skipped, new_pages;
+    } put;
+    struct {
+        uint32_t cur, end; /* pages [cur, end) left */
+        uint32_t sent, batch;
+        kvt__io_t **ios;  /* the batch's reads */
+        kvt__seg_t *segs; /* the batch's output, while it is the reply source */
+        uint32_t nsegs, seg_i;
+        size_t seg_off;
+        int segs_ready; /* the batch's reads are done: segs may be written */
+    } get;
+    struct {
+        uint8_t replied; /* the reply went out (deadline, START), I/O still running */
+        uint32_t moved, resident, target;
+        uint32_t rounds; /* promotion rounds run */
+        int progress;    /* a move of the last round landed */
+        int waiting;     /* no move of its own; pages of its path are in another's move */
+        int waited;      /* has waited at least once (counted in the metrics) */
+        int start_only;  /* KVT_PREFETCH_F_START, replied once its moves began */
+    } prefetch;
+    void *extra; /* op-specific state (a MATCH's remote probe), freed with the request */
 };
+
+/*
+ * What a connection hands up to the operations above it (dispatch.c's kvt__dispatch_ops, set by
+ * loop.c), so that framing calls no operation by name:
+ *   batch      the input buffer before its whole frames are handled one by one (len bytes at in)
+ *   frame      one whole frame; 0, or a negative code when the connection must close
+ *   closing    c closes: what it holds beyond its requests (its leases) goes
+ *   tick       every tick, per connection (lease expiry)
+ *   deadlines  its requests' deadlines and waits, every tick and as soon as moves land
+ */
+typedef struct kvt__conn_ops {
+    void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
+    int (*frame)(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
+    void (*closing)(kvt__conn_t *c);
+    void (*tick)(kvt__conn_t *c, uint64_t now);
+    void (*deadlines)(kvt__conn_t *c, uint64_t now);
+} kvt__conn_ops_t;
 
 struct kvt__conn {
     kvt__ev_t ev;
@@ -190,8 +242,62 @@ struct kvt__conn {
     size_t tokens_cap;
 };
 
+/* The connections' part (conn.c): the open ones, the closed ones not yet freed, and the memory
+ * held for clients. */
+typedef struct kvt__clients {
+    kvt__conn_t *list;
+    kvt__conn_t *gone; /* closed, freed by kvt__conns_reap */
+    uint32_t n;
+    uint64_t next_id;
+    /* Memory held for clients beyond their base input buffers: input buffers grown for big
+     * frames, token scratch, queued replies, request payloads. max-client-bytes bounds it. */
+    uint64_t bytes;
+    uint32_t mem_waiting; /* connections with mem_wait set */
+    int spare_fd;         /* /dev/null, given up to refuse a connection at the open-file limit */
+} kvt__clients_t;
+
+/* The policy's executor's part (exec.c): moves in flight, the request a PREFETCH's promotions
+ * report to, tier locations whose free waits for reads, reads in flight per block, the ghosts. */
+typedef struct kvt__exec {
+    kvt__move_t *moves;
+    kvt__req_t *move_req;
+    int moves_landed; /* a move finished since the loop last looked */
+    struct kvt__dfree *dfree;
+    size_t ndfree, cap_dfree;
+    struct kvt__busy *busy; /* reads in flight per block hash */
+    size_t busy_cap, busy_n;
+    kvt_ghosts_t *ghosts; /* evicted blocks: the "evicted" miss reason, the cost policy's too */
+    struct kvt__settle *settle; /* lost blocks MATCHes found, made index-only by the step */
+    size_t nsettle, cap_settle;
+    int removing;     /* the free callback is called by REMOVE, not by an eviction */
+    int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
+} kvt__exec_t;
+
+/* Wrong AUTHs' token bucket and the AUTHs waiting for it (auth.c). */
+typedef struct kvt__auth {
+    double tokens;
+    uint64_t refill_ns;
+    uint64_t seq;
+    uint32_t waiting; /* at most; recounted by kvt__auth_tick */
+} kvt__auth_t;
+
+/* The metrics port's connections (http.c). */
+typedef struct kvt__http {
+    kvt_http_conn_t *conns;
+    unsigned n;
+    kvt_http_conn_t *gone; /* closed to make room, freed at the next tick */
+} kvt__http_t;
+
+/* By lease slot (kvt_radix_lease_slot): where a connection's lease is in its list, so that GET
+ * and RELEASE find it at once however many the connection holds (lease.c). */
+typedef struct kvt__lease_index {
+    uint32_t *pos;
+    size_t pos_cap;
+} kvt__lease_index_t;
+
 struct kvt_srv {
     kvt_srv_conf_t *conf;
+    const kvt__conn_ops_t *conn_ops; /* the operations above the connections */
     int epfd;
     kvt__ev_t sig_ev, unix_ev, tcp_ev, http_ev;
     kvt__ev_t tier_ev[KVT_TIER_COUNT];
@@ -199,52 +305,24 @@ struct kvt_srv {
     char tcp_addr[128], http_addr[128];
     kvt_radix_t *radix;
     kvt_tier_t *tiers[KVT_TIER_COUNT];
-    kvt_metrics_t *metrics;
-    kvt__ns_t *ns;
-    size_t nns, cap_ns;
-    kvt__conn_t *conns;
-    kvt__conn_t *conns_gone; /* closed, freed by kvt__conns_reap */
-    uint32_t nconns;
-    uint64_t next_conn_id;
-    uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
-    /* By lease slot (kvt_radix_lease_slot): where a connection's lease is in its list, so that
-     * GET and RELEASE find it at once however many the connection holds (handlers.c). */
-    uint32_t *lease_pos;
-    size_t lease_pos_cap;
-    int stopping;
-    int removing;     /* the free callback is called by REMOVE, not by an eviction */
-    uint64_t *ghosts; /* hashes of recently evicted blocks: the "evicted" miss reason */
-    size_t nghosts;
-    uint64_t inflight; /* tier I/Os in flight, all connections */
-    /* Memory held for clients beyond their base input buffers (conn.c): input buffers grown for
-     * big frames, token scratch, queued replies, request payloads. max-client-bytes bounds it. */
-    uint64_t client_bytes;
-    uint32_t mem_waiting;   /* connections with mem_wait set */
-    int spare_fd;           /* /dev/null, given up to refuse a connection at the open-file limit */
-    struct kvt__busy *busy; /* reads in flight per block hash (store.c) */
-    size_t busy_cap, busy_n;
-    int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
-    uint64_t started_ns;
-    /* The tier policy (policy/) and what store.c does for it: moves in flight, the request a
-     * PREFETCH's promotions report to, and tier locations whose free waits for reads. */
     kvt_policy_t *policy;
-    kvt__move_t *moves;
-    kvt__req_t *move_req;
-    int moves_landed; /* a move finished since the loop last looked */
+    kvt_metrics_t *metrics;
+    kvt__ns_t *ns; /* ns.c */
+    size_t nns, cap_ns;
+    uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
+    uint64_t inflight;       /* tier I/Os in flight, all connections */
+    int stopping;
     int reqs_waiting; /* a PREFETCH or REMOVE may be waiting for others' moves */
-    struct kvt__dfree *dfree;
-    size_t ndfree, cap_dfree;
-    /* Wrong AUTHs' token bucket and the AUTHs waiting for it (handlers.c). */
-    double auth_tokens;
-    uint64_t auth_refill_ns;
-    uint64_t auth_seq;
-    uint32_t auth_waiting;       /* at most; recounted by kvt__auth_tick */
-    kvt_http_conn_t *http_conns; /* http.c */
-    unsigned http_nconns;
-    kvt_http_conn_t *http_gone; /* closed to make room, freed at the next tick */
+    uint64_t started_ns;
+    kvt__clients_t clients;
+    kvt__lease_index_t leases;
+    kvt__exec_t exec;
+    kvt__auth_t auth;
+    kvt__http_t http;
 };
 
-/* loop.c */
+/* loop.c: the daemon's skeleton, the event loop and the tick (the top of server/: it may call
+ * every file; no file calls it). */
 /* Blocks SIGTERM, SIGINT and SIGHUP in the calling thread, the signals the loop's signalfd
  * takes. main calls it first thing, before any library can start a thread: a thread inherits the
  * mask of the one that starts it, so every later thread (the CUDA runtime's, any of ours) keeps
@@ -254,9 +332,11 @@ int kvt__srv_block_signals(void);
 int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf);
 int kvt__srv_run(kvt_srv_t *s);
 void kvt__srv_close(kvt_srv_t *s);
+/* ev.c: the epoll set's registrations. */
 int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 int kvt__ev_mod(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 void kvt__ev_del(kvt_srv_t *s, kvt__ev_t *ev);
+/* ns.c: the namespace table. */
 int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out);
 /* Holds namespace ns open (it stays open while it has users) or lets it go. */
 void kvt__ns_use(kvt_srv_t *s, uint32_t ns);
@@ -307,7 +387,7 @@ void kvt__conns_mem_retry(kvt_srv_t *s);
 static inline void kvt__out_add(kvt__conn_t *c, int64_t delta)
 {
     c->out_bytes += (size_t)delta;
-    c->srv->client_bytes += (uint64_t)delta;
+    c->srv->clients.bytes += (uint64_t)delta;
 }
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
@@ -318,19 +398,113 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
 void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now);
 void kvt__proto_error(kvt_srv_t *s, kvt_proto_err_t kind);
 
-/* handlers.c */
+/* dispatch.c: a whole frame to its operation (the connections' kvt__conn_ops_t). */
+extern const kvt__conn_ops_t kvt__dispatch_ops;
 /* Handles one frame (header and body). Returns 0, or a negative code when the connection must
  * close after the queued replies are written. */
 int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
-void kvt__lease_drop_all(kvt__conn_t *c);
-/* A REMOVE waiting for moves and requests on its prefix: tries again. Returns 1 when it was
- * answered (removed, gone, held by a lease, or past its deadline). */
-int kvt__remove_retry(kvt__req_t *r, uint64_t now);
-void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
+/* Requests' deadlines on c: a REMOVE or PREFETCH waiting for others' moves tries again, a
+ * PREFETCH past its deadline answers with what moved. */
+void kvt__ops_deadlines(kvt__conn_t *c, uint64_t now);
+/* A malformed body: counted, answered EPROTO; returns 0 (the connection goes on). */
+int kvt__bad_body(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const char *what);
+/* 0 when c declared its namespace; otherwise answers EPROTO and returns -1. */
+int kvt__need_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0);
+/* Points c->tok at the frame's n tokens in host order (valid until the next frame). 0 or
+ * KVT_ENOMEM. */
+int kvt__tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n);
+
+/* The operations' handlers (auth.c, lease.c, op_*.c): each decodes its body, answers at once
+ * or queues a request; 0, or a negative code when the connection must close. */
+int kvt__h_auth(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+
+/* auth.c: AUTH, and the wait line wrong secrets are throttled through. */
 /* Every tick: AUTHs waiting for auth-failures-per-s are answered as its tokens allow. */
 void kvt__auth_tick(kvt_srv_t *s, uint64_t now);
 
-/* store.c: KV bytes in the tiers */
+/* lease.c: the leases connections hold on matched paths. */
+int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l);
+/* Pins the lease's NVMe blocks against segment reclaim (best effort), and lets them go. */
+void kvt__lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m);
+void kvt__lease_unpin(kvt_srv_t *s, kvt__lease_t *l);
+/* c's lease id, or NULL (a stale id, or another connection's lease). */
+kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id);
+void kvt__lease_drop_all(kvt__conn_t *c);
+void kvt__lease_expire(kvt__conn_t *c, uint64_t now);
+
+/* The pages of a matched path whose NVMe blocks the tier dropped by itself, which a MATCH reports
+ * index-only (kvt__store_check_path): runs [from, to), and from gone on everything (a block a
+ * move holds, or more lost runs than fit). */
+#define KVT_LOST_RUNS 8
+typedef struct kvt__lost {
+    uint32_t n;
+    uint32_t from[KVT_LOST_RUNS], to[KVT_LOST_RUNS];
+    uint32_t gone;
+} kvt__lost_t;
+
+/* op_match.c and op_probe.c: MATCH, and its remote probe for the pages after a local match. */
+/* What a MATCH asked for, kept while a remote probe runs. */
+typedef struct kvt__match_q {
+    uint16_t flags;
+    uint32_t lease_ms;
+    uint64_t engine_id;
+    uint32_t ntokens;
+    uint32_t page; /* the namespace's page size when asked (a HELLO may change c's) */
+    const uint32_t *tokens;
+    kvt__lost_t lost; /* kvt__store_check_path: pages reported index-only */
+} kvt__match_q_t;
+/* Answers a MATCH for m: tiers per page, counters, the lease if asked for; r is NULL for an answer
+ * given at once, else the request that waited for the probe. */
+int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, uint64_t t0,
+                      const kvt__match_q_t *q, kvt_match_t *m, uint32_t remote_pages,
+                      int remote_down);
+/* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
+ * does not call back up into it. */
+typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,
+                                    uint64_t t0, const kvt__match_q_t *q, kvt_match_t *m,
+                                    uint32_t remote_pages, int remote_down);
+/* Starts a remote probe for the pages after m; returns 1 when the reply will come later (through
+ * answer, in the request's place in the queue). */
+int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const kvt__match_q_t *q,
+                     const kvt_match_t *m, const kvt_proto_hints_t *hints,
+                     kvt__match_answer_fn answer, int *down);
+
+/* op_remove.c */
+/* A REMOVE waiting for moves and requests on its prefix: tries again. Returns 1 when it was
+ * answered (removed, gone, held by a lease, or past its deadline). */
+int kvt__remove_retry(kvt__req_t *r, uint64_t now);
+
+/* op_put.c, op_get.c, op_prefetch.c: the state machines of the operations with tier I/O. */
+int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
+int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
+int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
+/* r's deadline and waits (kvt__ops_deadlines); 1 when it was answered (the kick may have freed
+ * the connection), 0 otherwise. */
+int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now);
+
+/* tierio.c: a request's tier I/Os. */
+/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
+ * when the lease table would grow past index-bytes. */
+int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease);
+/* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
+void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
+                    kvt_block_key_t *key);
+kvt__io_t *kvt__io_new(kvt_srv_t *s, kvt__req_t *r, uint32_t depth);
+void kvt__io_started(kvt_srv_t *s, kvt__req_t *r);
+/* One I/O of r done: counted; returns 1 when it was r's last in flight. */
+int kvt__io_finished(kvt_srv_t *s, kvt__io_t *x, int status, int write);
+/* Releases the lease r took on its path. */
+void kvt__unpin(kvt_srv_t *s, kvt__req_t *r);
+/* A tier's error as a client reads it (a remote EPROTO is a failed I/O to it). */
+int kvt__tier_failure(int rc);
+
+/* store.c: the tiers and the policy, opened from the configuration and closed. */
 int kvt__store_open(kvt_srv_t *s);
 /* Gives what the NVMe tier's scan found back to tree (once, after creation, before any write):
  * namespaces reopened by name where the tier recorded one, else by seed; blocks whose ancestors
@@ -339,6 +513,34 @@ int kvt__store_open(kvt_srv_t *s);
  * inserted so far) or KVT_EBUSY (called twice). out (may be NULL) gets the tier's counts. */
 int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_recovery_t *out);
 void kvt__store_close(kvt_srv_t *s);
+void kvt__tier_metrics(kvt_srv_t *s);
+
+/* exec.c: the policy's executor: moves, adopt, frees, the busy table, lost blocks. */
+/*
+ * The block record (radix.h's kvt_block_t: tier, loc, size, flags) is written in kvtierd only
+ * through these; the policy sets a tier through kvt__exec_ops' set_tier (its own flag bits, the
+ * position class and ghost mark, stay its own):
+ *   busy      a write or a move of the block is in flight (KVT_BLOCK_BUSY): nothing else moves,
+ *             frees or drops it meanwhile
+ *   place     its bytes are at loc (size bytes) in a tier, not yet in the policy's accounting:
+ *             tier NONE until kvt__policy_adopt gives it one
+ *   relocate  a move landed: the bytes are at loc now
+ *   tier      the policy placed the block's bytes in tier (it adopted it, or a move landed):
+ *             the policy's kvt_policy_ops_t.set_tier
+ *   drop      index-only: no tier, location or size
+ *   recovered a block the NVMe tier found at start-up, before the policy adopts it
+ */
+void kvt__block_busy(kvt_block_t *b, int busy);
+void kvt__block_place(kvt_block_t *b, uint64_t loc, uint32_t size);
+void kvt__block_relocate(kvt_block_t *b, uint64_t loc);
+void kvt__block_tier(kvt_block_t *b, kvt_tier_id_t tier);
+void kvt__block_drop(kvt_block_t *b);
+/* A block found on disk at start-up, in tier at loc: set before the policy adopts it. */
+void kvt__block_recovered(kvt_block_t *b, kvt_tier_id_t tier, uint64_t loc, uint32_t size);
+/* What the policy calls to act (policy.h's kvt_policy_ops_t), with the kvt_srv_t as its arg. */
+extern const kvt_policy_ops_t kvt__exec_ops;
+/* After the tiers are destroyed: the moves in flight, deferred frees and read counts go. */
+void kvt__exec_close(kvt_srv_t *s);
 void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
 void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n);
 /* A block its tier lost by itself (an NVMe segment reclaim dropped it, the remote server evicted
@@ -349,28 +551,44 @@ void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n);
  * block there is BUSY (the copy in flight settles first) or nothing was stored. */
 uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth);
 /* Checks the NVMe blocks of a matched path against the tier (only once the tier has dropped
- * anything by itself) and makes the lost ones index-only with kvt__store_lost. Returns the
- * depth of the first lost page it could not change (a move holds it: the move settles it), from
- * which a MATCH reports the path as not stored; UINT32_MAX when there is none. */
-uint32_t kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m);
+ * anything by itself), reading only: *lost says which pages a MATCH reports index-only (a lost
+ * block and the rest of its node, as kvt__store_lost will make them; from a block a move holds,
+ * the rest of the path). The lost blocks are made index-only by the next maintenance step
+ * (kvt__store_step), their nodes pinned until then; a lookup frees no tier bytes. */
+void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost);
 typedef struct kvt__busy {
     uint64_t hash; /* 0 = empty */
     uint32_t count;
 } kvt__busy_t;
-void kvt__store_deadlines(kvt__conn_t *c, uint64_t now);
-/* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
-void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
-                    kvt_block_key_t *key);
-int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
-int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
-/* A GET whose connection closed with nothing in flight: gives back its batch and its lease. */
-void kvt__store_get_abort(kvt_srv_t *s, kvt__req_t *r);
-int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
+/* Reads in flight per block hash: a block being read is never moved. inc: 0 or KVT_ENOMEM. */
+int kvt__busy_inc(kvt_srv_t *s, uint64_t h);
+void kvt__busy_dec(kvt_srv_t *s, uint64_t h);
+/* Frees a tier location, or defers it while reads of block hash are in flight; discard: for
+ * good (a REMOVE's: the block must not come back at a restart). */
+void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
+                   int discard);
 int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
+/* The policy's maintenance step (promotions, demotions, drops) and the index trim, bounded; the
+ * loop calls it after every batch of events. */
+void kvt__store_step(kvt_srv_t *s);
+/* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
+void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
+/* A MATCH's use of its path, for the policy's reuse counters and promotions. */
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
+/* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
+ * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
+ * (no room in its accounting, order) are freed in the tier and left index-only. Returns the
+ * pages adopted. */
+uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h);
+
+/* index.c: the index budget (index-bytes). */
 /* Evicts index-only pages (no bytes in any tier), least recently used first, until the index has
  * allocated at most target bytes or budget pages went; through the policy when there is one.
  * Returns the pages evicted. */
 uint32_t kvt__index_trim(kvt_srv_t *s, uint64_t target, uint32_t budget);
+/* The trim of the maintenance step: from above the high mark down to the low one, bounded. */
+void kvt__index_step(kvt_srv_t *s);
 /* Whether need more bytes of index fit under index-bytes as the index is (nothing always fits). */
 int kvt__index_fits(const kvt_srv_t *s, uint64_t need);
 /* 0 when need more bytes fit under index-bytes, trimming the index if need be (which evicts
@@ -388,20 +606,6 @@ int kvt__index_room(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t nt
  * lease holds (the fewest pages, then the longest unused), and closes it. Returns 1 when one was
  * closed, 0 when none could be (each in use, leased, or with pages being moved). */
 int kvt__ns_evict(kvt_srv_t *s);
-void kvt__tier_metrics(kvt_srv_t *s);
-/* The policy's maintenance step (promotions, demotions, drops), bounded; the loop calls it after
- * every batch of events. */
-void kvt__store_step(kvt_srv_t *s);
-/* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
-void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
-/* A MATCH's use of its path, for the policy's reuse counters and promotions. */
-void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
-/* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
- * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
- * (no room in its accounting, order) are freed in the tier and left index-only. Returns the
- * pages adopted. */
-uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
-                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h);
 
 /* http.c */
 int kvt__http_listen(kvt_srv_t *s, const char *addr);
@@ -409,7 +613,7 @@ void kvt__http_close(kvt_srv_t *s);
 /* Every tick: scrape connections past their time (5 s) are closed. */
 void kvt__http_tick(kvt_srv_t *s, uint64_t now);
 
-/* Sockets (loop.c): host:port parsing and listening. */
+/* net.c: host:port parsing and listening TCP sockets. */
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);
 int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen);
 

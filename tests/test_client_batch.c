@@ -4,7 +4,7 @@
  * with its own status and result; an error in the middle touches only its own entry; a closed
  * daemon makes every later call fail with ECLOSED instead of hanging.
  */
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 #define PAGE 16

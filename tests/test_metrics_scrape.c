@@ -2,9 +2,10 @@
  * test_metrics_scrape.c: kvtierd's HTTP endpoint on a real scrape: /metrics after real traffic
  * passes `promtool check metrics` with no warnings (skipped when promtool is absent), the counters
  * move with the requests (lookups, looked-up tokens, hits per tier, miss reasons, request
- * histograms, protocol errors), /healthz answers, and other paths get 404/405.
+ * histograms, protocol errors), STATS lists the same series as /metrics (every counter and gauge
+ * of the one metric table), /healthz answers, and other paths get 404/405.
  */
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 #define PAGE 16
@@ -172,4 +173,68 @@ Test(metrics_scrape, silent_connections_do_not_block_scrapes_for_long)
     cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
     cr_expect_eq(metric(body, "kvtier_metrics_connections_evicted_total"), 1);
     kvd_cleanup(&d);
+}
+
+typedef struct stats_list {
+    char names[512][128];
+    uint64_t values[512];
+    unsigned n;
+} stats_list_t;
+
+static int stats_take(void *arg, const char *name, uint64_t v)
+{
+    stats_list_t *l = arg;
+    cr_assert_lt(l->n, 512);
+    snprintf(l->names[l->n], sizeof l->names[l->n], "%s", name);
+    l->values[l->n++] = v;
+    return 0;
+}
+
+static uint64_t stats_value(const stats_list_t *l, const char *name)
+{
+    for (unsigned i = 0; i < l->n; i++)
+        if (!strcmp(l->names[i], name))
+            return l->values[i];
+    cr_assert_fail("no STATS entry %s", name);
+    return 0;
+}
+
+/* STATS and /metrics render one table: every counter and gauge series a scrape shows is a STATS
+ * entry, named after it, newer counters (AUTH, connection limits, moves) included. */
+Test(metrics_scrape, stats_has_every_series_of_the_metrics)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    traffic(&d);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 4096);
+    static stats_list_t l;
+    cr_assert_eq(kvt_client_stats(c, stats_take, &l), 0);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    /* Sample lines of counters and gauges, as many as STATS has entries. */
+    unsigned samples = 0;
+    int histogram = 0;
+    for (const char *p = body; *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : p + strlen(p)) {
+        if (!strncmp(p, "# TYPE ", 7))
+            histogram = !strncmp(strchr(p + 7, ' ') + 1, "histogram", 9);
+        else if (*p != '#' && *p != '\n' && !histogram)
+            samples++;
+    }
+    cr_expect_eq(l.n, samples, "STATS %u entries, /metrics %u counter and gauge series", l.n,
+                 samples);
+    cr_expect_eq(stats_value(&l, "lookups"), metric(body, "kvtier_lookups_total"));
+    cr_expect_eq(stats_value(&l, "hit_tokens_dram"),
+                 metric(body, "kvtier_hit_tokens_total{tier=\"dram\"}"));
+    cr_expect_eq(stats_value(&l, "miss_tokens_never_seen"),
+                 metric(body, "kvtier_miss_tokens_total{reason=\"never_seen\"}"));
+    cr_expect_eq(stats_value(&l, "dram_capacity_bytes"), 16 << 20);
+    cr_expect_eq(stats_value(&l, "protocol_errors_unknown_op"), 1);
+    cr_expect_eq(stats_value(&l, "auth_failures"), 0);
+    cr_expect_eq(stats_value(&l, "connections_accepted"),
+                 metric(body, "kvtier_connections_accepted_total"));
+    cr_expect_eq(stats_value(&l, "blocks_moved_dram_nvme"),
+                 metric(body, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"));
+    cr_expect_eq(stats_value(&l, "tier_io_errors_dram_read"), 0);
+    cr_expect_eq(stats_value(&l, "put_pages_stored"), 4);
+    kvt_client_close(c);
+    kvd_stop(&d);
 }

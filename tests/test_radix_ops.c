@@ -259,6 +259,12 @@ Test(radix_ops, chain_hashes_are_lazy_and_match_hash_pages)
     kvt_match_t m;
     cr_assert_eq(kvt_radix_match(tree, ns, a, 10 * PS, 0, &m), 0);
     cr_expect_eq(kvt_radix_block_hash(tree, m.node, 9), ha[9]);
+    /* A chain continued from a known page's hash is the same chain. */
+    uint64_t hc[4];
+    cr_assert_eq(kvt_radix_hash_chain(tree, ns, hb[5], b + 6 * PS, 4, hc), 0);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(hc[i], hb[6 + i]);
+    cr_expect_eq(kvt_radix_hash_chain(tree, ns + 7, 0, b, 1, hc), KVT_EINVAL);
     /* Two trees in two processes name the same prefix the same way. */
     kvt_radix_t *t;
     uint32_t id;
@@ -1389,4 +1395,23 @@ Test(radix_ops, a_big_table_shrinks_a_step_at_a_time)
                  "%llu bytes left of %llu, %llu in a fresh tree", (unsigned long long)few,
                  (unsigned long long)full, (unsigned long long)st.bytes);
     kvt_radix_destroy(t);
+}
+
+/* The ghost table the daemon and the cost policy share: a hash added is seen until a newer one
+ * takes its slot; 0 (a hash never computed) is neither added nor seen. */
+Test(radix_ops, ghosts_remember_evicted_hashes_by_slot)
+{
+    kvt_ghosts_t *g;
+    cr_assert_eq(kvt_ghosts_create(&g, 0), KVT_EINVAL);
+    cr_assert_eq(kvt_ghosts_create(&g, 4), 0);
+    cr_expect_not(kvt_ghosts_seen(g, 0x35));
+    kvt_ghosts_add(g, 0x35);
+    cr_expect(kvt_ghosts_seen(g, 0x35));
+    cr_expect_not(kvt_ghosts_seen(g, 0x45), "another hash of the same slot");
+    kvt_ghosts_add(g, 0x45);
+    cr_expect(kvt_ghosts_seen(g, 0x45));
+    cr_expect_not(kvt_ghosts_seen(g, 0x35), "the newer one took the slot");
+    kvt_ghosts_add(g, 0);
+    cr_expect_not(kvt_ghosts_seen(g, 0));
+    kvt_ghosts_destroy(g);
 }

@@ -10,7 +10,7 @@
 #include <time.h>
 
 #include "../radix/radix.h"
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 static void raw_send(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body,

@@ -10,7 +10,7 @@
 #include "config.h"
 
 #include "../common/common.h"
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 #include "test_thp.h"
 
@@ -644,9 +644,10 @@ Test(server_e2e, restart_recovers_nvme)
     cr_expect_eq(tiers[5], KVT_CLIENT_TIER_NVME);
     check_get(c, m.lease, 0, 6, BB, 77, NULL);
     /* What the recovery did, in STATS and on /metrics. */
-    cr_expect_eq(kvd_stat(c, "nvme_recovery_inserted"), 6);
-    cr_expect_eq(kvd_stat(c, "nvme_recovery_torn") + kvd_stat(c, "nvme_recovery_stale") +
-                     kvd_stat(c, "nvme_recovery_orphans") + kvd_stat(c, "nvme_recovery_gaps"),
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 6);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_torn") +
+                     kvd_stat(c, "nvme_recovery_blocks_stale") +
+                     kvd_stat(c, "nvme_recovery_blocks_orphan") + kvd_stat(c, "nvme_recovery_gaps"),
                  0);
     static char body[1 << 20];
     cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
@@ -679,8 +680,8 @@ Test(server_e2e, removed_pages_stay_removed_after_a_restart)
     cr_assert_eq(kvt_client_match(c, tok, 6 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, 4, "the removed pages came back: %u pages", m.pages);
     check_get(c, m.lease, 0, 4, BB, 78, NULL);
-    cr_expect_eq(kvd_stat(c, "nvme_recovery_inserted"), 4);
-    cr_expect_eq(kvd_stat(c, "nvme_recovery_removed"), 2);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 4);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_removed"), 2);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }

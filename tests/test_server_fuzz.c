@@ -21,7 +21,7 @@
 #include <poll.h>
 #include <time.h>
 
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 #define PAGE  16

@@ -9,7 +9,7 @@
 #include <pthread.h>
 #include <time.h>
 
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 #define PAGE     16

@@ -8,7 +8,7 @@
  */
 #include <sys/uio.h>
 
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 static void raw_send(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body,
@@ -102,9 +102,19 @@ static void hello(int fd, uint64_t id)
     hello_as(fd, id, 4, 16);
 }
 
+/* STATS has one protocol_errors_<kind> per kind, as /metrics has one series per kind. */
+static int perrors_cb(void *arg, const char *name, uint64_t v)
+{
+    if (!strncmp(name, "protocol_errors_", 16))
+        *(uint64_t *)arg += v;
+    return 0;
+}
+
 static uint64_t perrors(kvt_client_t *c)
 {
-    return kvd_stat(c, "protocol_errors");
+    uint64_t n = 0;
+    cr_assert_eq(kvt_client_stats(c, perrors_cb, &n), 0);
+    return n;
 }
 
 Test(server_malformed, framing_errors_close_only_that_connection)
@@ -561,7 +571,7 @@ Test(server_malformed, big_frames_get_a_buffer_of_their_own_and_give_it_back)
     kvd_t d = {0};
     kvd_start(&d, "--dram-bytes", "64M", "--nvme-bytes", "0", "--max-frame", "16M", NULL);
     kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
-    cr_assert_eq(kvd_stat(c, "client_bytes"), 0);
+    cr_assert_eq(kvd_stat(c, "client_buffer_bytes"), 0);
     int fd = kvd_raw(&d);
     raw_hello(fd, PAGE, BB);
     uint32_t tok[PAGES * PAGE];
@@ -574,7 +584,7 @@ Test(server_malformed, big_frames_get_a_buffer_of_their_own_and_give_it_back)
     kvt_wire_put_reply_t pr;
     memcpy(&pr, rb, sizeof pr);
     cr_assert_eq(pr.pages, PAGES);
-    cr_expect_eq(kvd_stat(c, "client_bytes"), 0, "the PUT's buffer went with its writes");
+    cr_expect_eq(kvd_stat(c, "client_buffer_bytes"), 0, "the PUT's buffer went with its writes");
     reads_back(c, tok, PAGES, PAGE, BB, 500);
 
     enum { NT = 200000 };
@@ -590,7 +600,7 @@ Test(server_malformed, big_frames_get_a_buffer_of_their_own_and_give_it_back)
     kvt_wire_match_reply_t mr;
     memcpy(&mr, big, sizeof mr);
     cr_assert_eq(mr.pages, PAGES, "the long MATCH finds the stored prefix");
-    cr_expect_eq(kvd_stat(c, "client_bytes"), 0, "the MATCH's buffer went back to the base");
+    cr_expect_eq(kvd_stat(c, "client_buffer_bytes"), 0, "the MATCH's buffer went back to the base");
     cr_expect_eq(kvd_stat(c, "client_memory_waits"), 0);
     free(mb);
     free(f);
@@ -624,7 +634,7 @@ Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
     uint8_t *fb = put_frame(tb, PAGES * PAGE, PAGES, BB, 20, 2, &lb);
     enum { HEAD = 64 << 10 }; /* what each sends first: fits the socket's buffer */
     cr_assert_eq(write(a, fa, HEAD), HEAD);
-    cr_assert(stat_reaches(c, "client_bytes", la - (512 << 10)) >= la - (512 << 10),
+    cr_assert(stat_reaches(c, "client_buffer_bytes", la - (512 << 10)) >= la - (512 << 10),
               "the first frame got a buffer of its own");
     cr_assert_eq(write(b, fb, HEAD), HEAD);
     cr_assert_eq(stat_reaches(c, "client_memory_waits", 1), 1, "the second frame waits");
@@ -637,7 +647,7 @@ Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
     for (int i = 0; i < 200 && kvd_stat(c, "connections") > 3; i++)
         usleep(10000);
     cr_assert_eq(kvd_stat(c, "connections"), 3, "the third connection is gone");
-    uint64_t held = kvd_stat(c, "client_bytes");
+    uint64_t held = kvd_stat(c, "client_buffer_bytes");
     cr_expect_leq(held, 9u << 20, "held %llu", (unsigned long long)held);
     /* The waiting connection holds back no one else. */
     uint32_t small[4 * PAGE];
@@ -653,7 +663,7 @@ Test(server_malformed, max_client_bytes_makes_big_frames_wait_their_turn)
     reads_back(c, ta, PAGES, PAGE, BB, 10);
     reads_back(c, tb, PAGES, PAGE, BB, 20);
     cr_expect_eq(kvd_stat(c, "client_memory_waits"), 2);
-    cr_expect_eq(kvd_stat(c, "client_bytes"), 0);
+    cr_expect_eq(kvd_stat(c, "client_buffer_bytes"), 0);
     free(fa);
     free(fb);
     close(a);

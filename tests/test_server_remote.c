@@ -11,10 +11,10 @@
 #include <strings.h>
 #include <time.h>
 
-#include "../server/proto.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
-static unsigned long long kvt_now_ns_test(void)
+static unsigned long long now_ns_test(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -34,7 +34,7 @@ static const char *redis_addr(void)
 
 static void prefix(char *buf, size_t len)
 {
-    snprintf(buf, len, "kvtest%d-%llu", (int)getpid(), (unsigned long long)kvt_now_ns_test());
+    snprintf(buf, len, "kvtest%d-%llu", (int)getpid(), (unsigned long long)now_ns_test());
 }
 
 static void put_all(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed,
@@ -775,12 +775,12 @@ Test(server_remote, a_started_prefetch_or_nowait_remove_holds_up_no_reply)
     cr_assert_eq(m.remote_pages, P, "b learns of the prompt from the server");
 
     kill(p.redis, SIGSTOP);
-    unsigned long long t0 = kvt_now_ns_test();
+    unsigned long long t0 = now_ns_test();
     kvt_client_prefetch_t pr = {0};
     int rc = kvt_client_prefetch_start(cb, tok, P * PAGE, KVT_CLIENT_TIER_DRAM, 20000, &pr);
     cr_assert_eq(rc, 0, "%s %s", kvt_client_strerror(rc), kvt_client_errmsg(cb));
     cr_expect_eq(kvt_client_ping(cb, NULL), 0);
-    double waited = (double)(kvt_now_ns_test() - t0) / 1e9;
+    double waited = (double)(now_ns_test() - t0) / 1e9;
     cr_expect_lt(waited, 5.0, "answered with the reads still hanging (%.2f s)", waited);
     cr_expect_eq(pr.pages, P);
     cr_expect_eq(pr.moved, P, "all on their way");
@@ -791,15 +791,15 @@ Test(server_remote, a_started_prefetch_or_nowait_remove_holds_up_no_reply)
     cr_expect_eq(tiers[0], KVT_CLIENT_TIER_REMOTE, "still on their way");
     /* A REMOVE of pages busy with those moves: NOWAIT answers EBUSY at once; without it the
      * REMOVE (and the PING behind it) waits its second for the moves, then EBUSY. */
-    t0 = kvt_now_ns_test();
+    t0 = now_ns_test();
     cr_expect_eq(kvt_client_remove_nowait(cb, tok, P * PAGE), KVT_CLIENT_EBUSY);
     cr_expect(strstr(kvt_client_errmsg(cb), "NOWAIT"), "%s", kvt_client_errmsg(cb));
     cr_expect_eq(kvt_client_ping(cb, NULL), 0);
-    double nowait = (double)(kvt_now_ns_test() - t0) / 1e9;
-    t0 = kvt_now_ns_test();
+    double nowait = (double)(now_ns_test() - t0) / 1e9;
+    t0 = now_ns_test();
     cr_expect_eq(kvt_client_remove(cb, tok, P * PAGE), KVT_CLIENT_EBUSY);
     cr_expect_eq(kvt_client_ping(cb, NULL), 0);
-    double waited_remove = (double)(kvt_now_ns_test() - t0) / 1e9;
+    double waited_remove = (double)(now_ns_test() - t0) / 1e9;
     cr_expect_lt(nowait, 0.5, "NOWAIT answered in %.2f s", nowait);
     cr_expect_geq(waited_remove, 0.9, "the REMOVE waited %.2f s", waited_remove);
 

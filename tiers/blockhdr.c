@@ -22,39 +22,6 @@
 #define BLOCKHDR_VERSION 1u
 #define BLOCKHDR_SUMOFF  56u
 
-static void put16(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
-
-static void put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint16_t get16(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | (p[1] << 8));
-}
-
-static uint32_t get32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t get64(const uint8_t *p)
-{
-    return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
-}
-
 size_t kvt__blockhdr_size(uint32_t ntokens)
 {
     return KVT_BLOCKHDR_BYTES + (size_t)4 * ntokens;
@@ -76,19 +43,19 @@ void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *pay
                           uint64_t seq)
 {
     uint8_t *p = dst;
-    put32(p, BLOCKHDR_MAGIC);
-    put16(p + 4, BLOCKHDR_VERSION);
-    put16(p + 6, KVT_BLOCKHDR_BYTES);
-    put32(p + 8, key->ntokens);
-    put32(p + 12, len);
-    put64(p + 16, key->ns_seed);
-    put64(p + 24, key->hash);
-    put64(p + 32, key->parent);
-    put64(p + 40, seq);
-    put64(p + 48, 0);
+    kvt_put_u32(p, BLOCKHDR_MAGIC);
+    kvt_put_u16(p + 4, BLOCKHDR_VERSION);
+    kvt_put_u16(p + 6, KVT_BLOCKHDR_BYTES);
+    kvt_put_u32(p + 8, key->ntokens);
+    kvt_put_u32(p + 12, len);
+    kvt_put_u64(p + 16, key->ns_seed);
+    kvt_put_u64(p + 24, key->hash);
+    kvt_put_u64(p + 32, key->parent);
+    kvt_put_u64(p + 40, seq);
+    kvt_put_u64(p + 48, 0);
     for (uint32_t i = 0; i < key->ntokens; i++)
-        put32(p + KVT_BLOCKHDR_BYTES + 4 * i, key->tokens[i]);
-    put64(p + BLOCKHDR_SUMOFF, blockhdr_sum(p, key->ntokens, payload, len));
+        kvt_put_u32(p + KVT_BLOCKHDR_BYTES + 4 * i, key->tokens[i]);
+    kvt_put_u64(p + BLOCKHDR_SUMOFF, blockhdr_sum(p, key->ntokens, payload, len));
 }
 
 int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info)
@@ -96,17 +63,17 @@ int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info
     const uint8_t *p = src;
     if (!src || !info || avail < KVT_BLOCKHDR_BYTES)
         return KVT_ECORRUPT;
-    if (get32(p) != BLOCKHDR_MAGIC || get16(p + 4) != BLOCKHDR_VERSION ||
-        get16(p + 6) != KVT_BLOCKHDR_BYTES)
+    if (kvt_get_u32(p) != BLOCKHDR_MAGIC || kvt_get_u16(p + 4) != BLOCKHDR_VERSION ||
+        kvt_get_u16(p + 6) != KVT_BLOCKHDR_BYTES)
         return KVT_ECORRUPT;
-    info->ntokens = get32(p + 8);
-    info->len = get32(p + 12);
+    info->ntokens = kvt_get_u32(p + 8);
+    info->len = kvt_get_u32(p + 12);
     if (info->ntokens > KVT_PAGE_MAX || info->len > KVT_TIER_MAX_BLOCK)
         return KVT_ECORRUPT;
-    info->ns_seed = get64(p + 16);
-    info->hash = get64(p + 24);
-    info->parent = get64(p + 32);
-    info->seq = get64(p + 40);
+    info->ns_seed = kvt_get_u64(p + 16);
+    info->hash = kvt_get_u64(p + 24);
+    info->parent = kvt_get_u64(p + 32);
+    info->seq = kvt_get_u64(p + 40);
     info->hdr_bytes = kvt__blockhdr_size(info->ntokens);
     return 0;
 }
@@ -121,7 +88,7 @@ int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
         payload_avail < in.len)
         return KVT_ECORRUPT;
     const uint8_t *p = hdr;
-    if (get64(p + BLOCKHDR_SUMOFF) != blockhdr_sum(p, in.ntokens, payload, in.len))
+    if (kvt_get_u64(p + BLOCKHDR_SUMOFF) != blockhdr_sum(p, in.ntokens, payload, in.len))
         return KVT_ECORRUPT;
     if (key) {
         if (in.ns_seed != key->ns_seed || in.hash != key->hash)
@@ -132,7 +99,7 @@ int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
             if (in.ntokens != key->ntokens)
                 return KVT_ECORRUPT;
             for (uint32_t i = 0; i < in.ntokens; i++)
-                if (get32(p + KVT_BLOCKHDR_BYTES + 4 * i) != key->tokens[i])
+                if (kvt_get_u32(p + KVT_BLOCKHDR_BYTES + 4 * i) != key->tokens[i])
                     return KVT_ECORRUPT;
         }
     }

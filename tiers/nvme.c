@@ -148,54 +148,32 @@ static uint32_t rec_bytes(uint32_t hdr, uint32_t len)
 
 /* ---- the record prefix ---- */
 
-static void put32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t get64(const uint8_t *p)
-{
-    return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
-}
-
 /* flags: the record's block was removed (a tombstone, written by versions before kvtier.live;
  * still stepped over in the logs they left) */
 #define PREFIX_DISCARDED 1u
 
 static void prefix_encode(uint8_t *p, uint32_t rec, uint32_t hdr, uint64_t stamp, uint32_t flags)
 {
-    put32(p, PREFIX_MAGIC);
-    put32(p + 4, rec / SECTOR);
-    put64(p + 8, stamp);
-    put32(p + 16, hdr / SECTOR);
-    put32(p + 20, flags);
-    put64(p + 24, XXH3_64bits(p, 24));
+    kvt_put_u32(p, PREFIX_MAGIC);
+    kvt_put_u32(p + 4, rec / SECTOR);
+    kvt_put_u64(p + 8, stamp);
+    kvt_put_u32(p + 16, hdr / SECTOR);
+    kvt_put_u32(p + 20, flags);
+    kvt_put_u64(p + 24, XXH3_64bits(p, 24));
 }
 
 /* Returns 0 and the record and header sizes, 1 and the same for the intact prefix of a
  * discarded record, or -1 when p is not an intact prefix. */
 static int prefix_decode(const uint8_t *p, uint32_t *rec, uint32_t *hdr, uint64_t *stamp)
 {
-    if (get32(p) != PREFIX_MAGIC || get64(p + 24) != XXH3_64bits(p, 24))
+    if (kvt_get_u32(p) != PREFIX_MAGIC || kvt_get_u64(p + 24) != XXH3_64bits(p, 24))
         return -1;
-    *rec = get32(p + 4) * SECTOR;
-    *hdr = get32(p + 16) * SECTOR;
-    *stamp = get64(p + 8);
+    *rec = kvt_get_u32(p + 4) * SECTOR;
+    *hdr = kvt_get_u32(p + 16) * SECTOR;
+    *stamp = kvt_get_u64(p + 8);
     if (*hdr == 0 || *hdr > HDR_MAX_BYTES || *rec < *hdr)
         return -1;
-    return (get32(p + 20) & PREFIX_DISCARDED) != 0;
+    return (kvt_get_u32(p + 20) & PREFIX_DISCARDED) != 0;
 }
 
 /* ---- kvtier.live: which records hold live blocks ---- */
@@ -236,7 +214,7 @@ static void live_reset(nvme_t *n, uint32_t seg, uint64_t stamp)
 {
     uint8_t *e = live_entry(n, seg);
     memset(e + 8, 0, n->live_entry - 8);
-    put64(e, stamp);
+    kvt_put_u64(e, stamp);
 }
 
 /* ---- segments ---- */
@@ -975,11 +953,11 @@ static void live_header(const nvme_t *n, uint8_t *h)
 {
     memset(h, 0, 32);
     memcpy(h, LIVE_MAGIC, 8);
-    put32(h + 8, 1);
-    put32(h + 12, n->seg_bytes);
-    put32(h + 16, n->nsegs);
-    put32(h + 20, n->live_entry);
-    put64(h + 24, XXH3_64bits(h, 24));
+    kvt_put_u32(h + 8, 1);
+    kvt_put_u32(h + 12, n->seg_bytes);
+    kvt_put_u32(h + 16, n->nsegs);
+    kvt_put_u32(h + 20, n->live_entry);
+    kvt_put_u64(h + 24, XXH3_64bits(h, 24));
 }
 
 /*
@@ -1386,7 +1364,7 @@ static int scan_record(nvme_t *n, uint32_t seg, uint32_t off, uint32_t rec, uint
             return KVT_ENOMEM;
         const uint8_t *tp = buf + PREFIX_BYTES + KVT_BLOCKHDR_BYTES;
         for (uint32_t i = 0; i < in.ntokens; i++)
-            r.tokens[i] = get32(tp + 4 * i);
+            r.tokens[i] = kvt_get_u32(tp + 4 * i);
     }
     if ((rc = rec_push(n, &r)) < 0) {
         free(r.tokens);
@@ -1410,7 +1388,7 @@ static int scan_segment(nvme_t *n, uint32_t seg, uint8_t *buf)
     if (mapped) {
         if (!live_any(n, seg))
             return 0;
-        s->stamp = get64(live_entry(n, seg));
+        s->stamp = kvt_get_u64(live_entry(n, seg));
     }
     while (off + SECTOR <= n->seg_bytes) {
         uint32_t first = KVT_MIN(HDR_MAX_BYTES, n->seg_bytes - off);
@@ -1524,7 +1502,7 @@ static int live_rebuild(nvme_t *n)
         const nvme_seg_t *s = &n->segs[i];
         memset(e, 0, n->live_entry);
         if (s->state != SEG_FREE) {
-            put64(e, s->stamp);
+            kvt_put_u64(e, s->stamp);
             for (uint32_t k = 0; k < s->nlocs; k++) {
                 uint32_t sector = (uint32_t)(s->locs[k] & 0x3ffffu);
                 e[8 + (sector >> 3)] |= (uint8_t)(1u << (sector & 7));

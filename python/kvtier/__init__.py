@@ -16,6 +16,7 @@ subclasses carrying the daemon's status code. docs/python.md has the details.
 from ._lib import path as library_path
 from .aio import AsyncBatch, AsyncClient, Deferred
 from .client import Batch, Client, Hints, Match, Pending, PrefetchResult, PutResult, Tier
+from .keys import KEY_MAX, KEY_TOKENS, KEYS_TAG, key_tokens
 from .errors import (
     AuthError,
     Busy,
@@ -52,6 +53,9 @@ __all__ = [
     "Hints",
     "InvalidArgument",
     "IOFailure",
+    "KEY_MAX",
+    "KEY_TOKENS",
+    "KEYS_TAG",
     "Match",
     "NoSpace",
     "NotFound",
@@ -65,5 +69,6 @@ __all__ = [
     "TooBig",
     "Unavailable",
     "code_name",
+    "key_tokens",
     "library_path",
 ]

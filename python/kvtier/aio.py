@@ -33,13 +33,14 @@ from .client import (
     Tier,
     Tokens,
 )
+from .keys import AsyncKeysMixin
 
 __all__ = ["AsyncBatch", "AsyncClient", "Deferred"]
 
 T = TypeVar("T")
 
 
-class AsyncClient:
+class AsyncClient(AsyncKeysMixin):
     """Client as coroutines. ``AsyncClient(model, **kwargs)`` takes Client's arguments and
     connects on ``await c.connect()`` or ``async with AsyncClient(...) as c``. Every method
     awaits the Client method of the same name and raises what it raises."""

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 from ._lib import ffi, lib
 from .errors import ECLOSED, EINVAL, Error, InvalidArgument, error_for
 from .hints import HintsMixin
+from .keys import KeysMixin
 
 __all__ = [
     "Batch",
@@ -197,7 +198,7 @@ def _s(v: Optional[str]) -> Any:
     return ffi.NULL if v is None else ffi.new("char[]", v.encode())
 
 
-class Client(HintsMixin):
+class Client(KeysMixin, HintsMixin):
     """One connection to kvtierd, declared to one namespace.
 
     ``Client(model, page_size=16, block_bytes=..., unix_path=...)`` connects at once: AUTH (when
@@ -212,6 +213,9 @@ class Client(HintsMixin):
 
     Raises ConnectError (no daemon there: errno ENOENT or ECONNREFUSED), AuthError,
     InvalidArgument, ProtocolError, NoSpace (no room for a new namespace).
+
+    Keyed calls (exists_keys, put_keys, get_keys_into, ... : kvtier/keys.py) name pages by
+    key instead of tokens, on a second connection opened on first use.
     """
 
     def __init__(
@@ -243,12 +247,14 @@ class Client(HintsMixin):
         if rc < 0:
             raise error_for(rc)
         self._c = out[0]
+        self._conf, self._conf_keep = conf, keep  # for the keyed connection (keys.py)
 
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
         """Closes the connection; the daemon releases every lease it held. Idempotent."""
         with self._lock:
+            self._close_keys()
             if self._c != ffi.NULL:
                 lib.kvt_client_close(self._c)
                 self._c = ffi.NULL
@@ -260,6 +266,7 @@ class Client(HintsMixin):
         self.close()
 
     def __del__(self) -> None:
+        self._close_keys()
         c = getattr(self, "_c", ffi.NULL)
         if c != ffi.NULL:
             lib.kvt_client_close(c)

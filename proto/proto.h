@@ -1,6 +1,8 @@
 /*
- * proto.h: the kvtier wire protocol, shared by kvtierd and libkvtier. docs/protocol.md is the
- * byte-by-byte description for other languages; this header is its C form and the two must agree.
+ * proto.h: the kvtier wire protocol, the proto/ module's one header, shared by kvtierd and
+ * libkvtier: every request and every reply is encoded and decoded here and nowhere else.
+ * docs/protocol.md is the byte-by-byte description for other languages; this header is its C
+ * form and the two must agree.
  *
  * Every frame is a 24-byte header followed by body_len bytes of body. All integers are
  * little-endian; no field is aligned beyond what its offset gives. Requests carry status 0; a
@@ -14,6 +16,10 @@
  *
  * The kvt_wire_* structs below are the exact layouts. Code never casts a buffer to them: the
  * kvt_proto_* functions memcpy and convert byte order, so alignment and host order never matter.
+ * Encoders write the fixed part of a body into a buffer of the wire struct's size; what follows
+ * it (names, tokens, payload, a MATCH reply's tier bytes) the caller appends or sends from where
+ * it lies, so a payload is never copied just to be framed. Decoders take exactly one body and
+ * answer KVT_EPROTO for anything else; pointers they return borrow from that body.
  *
  * Replies come back in request order on a connection, except that one GET answers with several
  * frames (KVT_RF_MORE on all but its last), all before the reply to the next request.
@@ -24,7 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/common.h"
+#include "common.h"
 
 #define KVT_PROTO_MAGIC   0x5254564bu /* the bytes 'K' 'V' 'T' 'R' */
 #define KVT_PROTO_VERSION 1
@@ -205,8 +211,6 @@ typedef struct KVT_WIRE kvt_wire_remove { /* then ntokens x u32 */
     uint32_t reserved;
 } kvt_wire_remove_t;
 
-/* STATS reply: u32 count, then count entries of u8 name_len, name, u64 value. */
-
 _Static_assert(sizeof(kvt_wire_hdr_t) == KVT_PROTO_HDR, "header is 24 bytes");
 _Static_assert(sizeof(kvt_wire_hints_t) == 16, "hints are 16 bytes");
 _Static_assert(sizeof(kvt_wire_hello_t) == 20, "HELLO fixed part is 20 bytes");
@@ -319,35 +323,73 @@ int kvt_proto_remove_decode(const uint8_t *body, size_t len, uint32_t *ntokens,
 
 /* Copies n little-endian u32 tokens out of a frame into host order. */
 void kvt_proto_tokens(const uint8_t *src, uint32_t n, uint32_t *dst);
+/* Writes n host-order tokens to dst (4n bytes) as the wire has them. */
+void kvt_proto_tokens_encode(uint8_t *dst, const uint32_t *src, uint32_t n);
 
-/* Little-endian helpers, for encoders on both sides. */
-static inline void kvt_put_u16(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
-static inline void kvt_put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline void kvt_put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint16_t kvt_get_u16(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | (p[1] << 8));
-}
-static inline uint32_t kvt_get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-static inline uint64_t kvt_get_u64(const uint8_t *p)
-{
-    return (uint64_t)kvt_get_u32(p) | ((uint64_t)kvt_get_u32(p + 4) << 32);
-}
+/*
+ * Request encoders (the client's side): the fixed part of each body. HELLO's names, the tokens
+ * (kvt_proto_tokens_encode, or the caller's array as it is on a little-endian host) and PUT's
+ * payload follow it; the pointers and lengths of the names and tokens in m are not read, except
+ * HELLO's three lengths.
+ */
+void kvt_proto_hello_encode(uint8_t out[sizeof(kvt_wire_hello_t)], const kvt_proto_hello_t *m);
+void kvt_proto_match_encode(uint8_t out[sizeof(kvt_wire_match_t)], const kvt_proto_match_t *m);
+void kvt_proto_put_encode(uint8_t out[sizeof(kvt_wire_put_t)], const kvt_proto_put_t *m);
+void kvt_proto_get_encode(uint8_t out[sizeof(kvt_wire_get_t)], const kvt_proto_get_t *m);
+void kvt_proto_prefetch_encode(uint8_t out[sizeof(kvt_wire_prefetch_t)],
+                               const kvt_proto_prefetch_t *m);
+void kvt_proto_release_encode(uint8_t out[sizeof(kvt_wire_release_t)], uint64_t lease);
+void kvt_proto_remove_encode(uint8_t out[sizeof(kvt_wire_remove_t)], uint32_t ntokens);
+
+/*
+ * Replies. The server encodes, the client decodes; a decoder answers KVT_EPROTO for a body of
+ * the wrong length. A MATCH reply's fixed part is followed by r->pages tier bytes (one
+ * kvt_tier_id_t per matched page); its decoder checks that they are there and points *tiers at
+ * them. A GET answers with data frames (KVT_RF_MORE: a head, then block_bytes of payload) and an
+ * end frame (the pages sent).
+ */
+void kvt_proto_hello_reply_encode(uint8_t out[sizeof(kvt_wire_hello_reply_t)],
+                                  const kvt_proto_hello_reply_t *r);
+int kvt_proto_hello_reply_decode(const uint8_t *body, size_t len, kvt_proto_hello_reply_t *r);
+void kvt_proto_match_reply_encode(uint8_t out[sizeof(kvt_wire_match_reply_t)],
+                                  const kvt_proto_match_reply_t *r);
+int kvt_proto_match_reply_decode(const uint8_t *body, size_t len, kvt_proto_match_reply_t *r,
+                                 const uint8_t **tiers);
+void kvt_proto_put_reply_encode(uint8_t out[sizeof(kvt_wire_put_reply_t)],
+                                const kvt_proto_put_reply_t *r);
+int kvt_proto_put_reply_decode(const uint8_t *body, size_t len, kvt_proto_put_reply_t *r);
+void kvt_proto_prefetch_reply_encode(uint8_t out[sizeof(kvt_wire_prefetch_reply_t)],
+                                     const kvt_proto_prefetch_reply_t *r);
+int kvt_proto_prefetch_reply_decode(const uint8_t *body, size_t len, kvt_proto_prefetch_reply_t *r);
+void kvt_proto_release_reply_encode(uint8_t out[sizeof(kvt_wire_release_reply_t)],
+                                    uint32_t released);
+int kvt_proto_release_reply_decode(const uint8_t *body, size_t len, uint32_t *released);
+void kvt_proto_get_data_encode(uint8_t out[sizeof(kvt_wire_get_data_t)], uint32_t page,
+                               uint8_t tier);
+/* *data and *data_len: the block's bytes after the head. */
+int kvt_proto_get_data_decode(const uint8_t *body, size_t len, uint32_t *page, uint8_t *tier,
+                              const uint8_t **data, uint32_t *data_len);
+void kvt_proto_get_end_encode(uint8_t out[sizeof(kvt_wire_get_end_t)], uint32_t npages);
+int kvt_proto_get_end_decode(const uint8_t *body, size_t len, uint32_t *npages);
+
+/*
+ * STATS reply: u32 count, then count entries of u8 name_len, name, u64 value. The encoder
+ * appends one entry at *len in out (cap bytes) and counts it in the u32 at out[0] (the caller
+ * zeroes it and sets *len = 4 before the first); it returns KVT_ETOOBIG, writing nothing, when
+ * the entry does not fit or its name is longer than 255 bytes. The decoder is an iterator on the
+ * caller's stack over a body it borrows: begin checks the count is there (0 or KVT_EPROTO); next
+ * gives the next entry (name NUL-terminated) and returns 1, 0 after the last, KVT_EPROTO for an
+ * entry that runs past the body.
+ */
+typedef struct kvt_proto_stats_iter {
+    const uint8_t *body;
+    size_t len, off;
+    uint32_t left;
+} kvt_proto_stats_iter_t;
+
+int kvt_proto_stat_encode(uint8_t *out, size_t cap, size_t *len, const char *name, uint64_t value);
+int kvt_proto_stats_begin(kvt_proto_stats_iter_t *it, const uint8_t *body, size_t len);
+int kvt_proto_stats_next(kvt_proto_stats_iter_t *it, char name[256], uint64_t *value);
 
 /* Hints between host and wire form. decode returns KVT_EPROTO for unknown flag bits. */
 void kvt_proto_hints_to_wire(const kvt_proto_hints_t *h, kvt_wire_hints_t *w);

@@ -1,0 +1,344 @@
+"""sglang.py: kvtier as SGLang's HiCache storage backend (the L3 tier under HiCache's host
+memory), over the package's keyed calls (kvtier/keys.py).
+
+Loading (docs/engines.md)::
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+            "module_path": "kvtier.sglang", "class_name": "KvtierStorage",
+            "unix_path": "/run/kvtier/kvtierd.sock", "interface_v1": 1}'
+
+SGLang builds the backend as ``KvtierStorage(storage_config, kwargs)`` and hands it its host KV
+pool later (``register_mem_pool_host``). sglang is imported when ``KvtierStorage`` is first
+looked up in this module (module ``__getattr__``), never by ``import kvtier``.
+
+Mapping: SGLang names each page by a key (a hash chained over the page's prefix), so every page
+is an independent kvtier key: ``batch_exists`` is ``exists_keys_each`` counting the leading
+hits, ``batch_get``/``get`` are ``get_keys_each_into`` into the caller's tensors, ``batch_set``/
+``set`` are ``put_keys_each``; the zero-copy ``batch_get_v1``/``batch_set_v1`` read and write
+the host pool's memory in place at the pointers its ``get_page_buffer_meta`` gives, one kvtier
+key per (page, buffer segment) (an MHA page is a K and a V segment; an MLA page one). Identity:
+the namespace is the model (``model`` in the extra config, else SGLang's model name), and the
+adapter field names the byte layout and the shard: ``sglang/<form>/<bytes>B/<shard>`` with
+shard ``tp<rank>-<size>`` (``mla`` for MLA, whose KV every TP rank holds whole; only the
+storage-writer rank writes it), plus ``-pp<r>-<n>`` / ``-cp<r>-<n>`` / ``-dcp<r>-<n>`` when
+those are in use: another model, TP rank, layout or page size never hits.
+
+Failures never reach the engine: every call catches kvtier's errors (and any other), logs them
+(rate-limited) and answers as a miss (False, None, 0). A transport failure (the daemon gone, a
+timeout) closes the connections; calls then answer misses at once, without waiting on a socket,
+until ``reconnect_s`` (1 s) has passed, when the next call connects again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["KvtierStorage"]
+
+logger = logging.getLogger(__name__)
+
+# Extra-config keys this backend reads (beside SGLang's backend_name/module_path/class_name and
+# interface_v1): where the daemon is, the namespace's model/adapter/salt, timeouts.
+CONFIG_KEYS = ("unix_path", "tcp", "secret", "model", "adapter", "salt", "timeout_ms",
+               "reconnect_s")
+
+_built: Dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvtierStorage":
+        if name not in _built:
+            _built[name] = _build()
+        return _built[name]
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def _shard(cfg: Any) -> str:
+    """The part of the namespace that names this rank's shard of the KV."""
+    s = "mla" if getattr(cfg, "is_mla_model", False) else "tp%d-%d" % (cfg.tp_rank, cfg.tp_size)
+    if getattr(cfg, "pp_size", 1) > 1:
+        s += "-pp%d-%d" % (cfg.pp_rank, cfg.pp_size)
+    if getattr(cfg, "attn_cp_size", 1) > 1:
+        s += "-cp%d-%d" % (cfg.attn_cp_rank, cfg.attn_cp_size)
+    if getattr(cfg, "dcp_size", 1) > 1:
+        s += "-dcp%d-%d" % (cfg.dcp_rank, cfg.dcp_size)
+    return s
+
+
+def _build() -> Any:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    import kvtier
+    from kvtier._lib import ffi
+
+    transport = (kvtier.ConnectError, kvtier.ConnectionClosed, kvtier.Timeout,
+                 kvtier.ProtocolError)
+
+    class KvtierStorage(HiCacheStorage):
+        """SGLang HiCache storage backend on kvtierd (see kvtier/sglang.py's docstring)."""
+
+        def __init__(self, storage_config: Any, kwargs: Optional[dict] = None) -> None:
+            self.storage_config = storage_config
+            extra = dict(getattr(storage_config, "extra_config", None) or {})
+            self.extra = extra
+            self.model = str(extra.get("model") or storage_config.model_name or "sglang")
+            self.shard = _shard(storage_config)
+            self.writer = bool(getattr(storage_config, "is_storage_writer", True))
+            self.interface_v1 = bool(extra.get("interface_v1", 0))
+            self.reconnect_s = float(extra.get("reconnect_s", 1.0))
+            self._conn = dict(unix_path=extra.get("unix_path"), tcp=extra.get("tcp"),
+                              secret=extra.get("secret"), salt=extra.get("salt"),
+                              timeout_ms=int(extra.get("timeout_ms", 5000)))
+            self._adapter = extra.get("adapter")
+            self._clients: Dict[Tuple[str, int], kvtier.Client] = {}
+            self._lock = threading.Lock()
+            self._down_until = 0.0
+            self._last_log = 0.0
+            self.flat_bytes = 0  # bytes of one flat data page (get/set), once known
+            self.layout = "flat"
+            self.mem_pool_host = None
+            self.stats = {"errors": 0, "get_hits": 0, "get_misses": 0, "set_pages": 0}
+
+        # -- host pool --------------------------------------------------------------------
+
+        def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+            """SGLang's host KV pool: its page layout names the namespace, its memory is where
+            batch_get_v1/batch_set_v1 read and write."""
+            super().register_mem_pool_host(mem_pool_host)
+            self.layout = str(getattr(mem_pool_host, "layout", "flat"))
+            page = mem_pool_host.get_dummy_flat_data_page()
+            self.flat_bytes = page.numel() * page.element_size()
+
+        # -- connections ------------------------------------------------------------------
+
+        def _client(self, form: str, nbytes: int) -> Any:
+            """The connection for blocks of nbytes in this form; None while the daemon is
+            down (a transport error less than reconnect_s ago)."""
+            key = (form, nbytes)
+            with self._lock:
+                c = self._clients.get(key)
+                if c is not None:
+                    return c
+                if time.monotonic() < self._down_until:
+                    return None
+                adapter = "sglang/%s/%dB/%s" % (form, nbytes, self.shard)
+                if self._adapter:
+                    adapter += "/" + str(self._adapter)
+                try:
+                    c = kvtier.Client(self.model, page_size=kvtier.KEY_TOKENS,
+                                      block_bytes=nbytes, adapter=adapter, **self._conn)
+                except Exception as e:
+                    self._failed(e)
+                    return None
+                self._clients[key] = c
+                return c
+
+        def _failed(self, e: BaseException) -> None:
+            """Logs a failure (at most once a second) and, for a transport one, drops the
+            connections until reconnect_s has passed."""
+            self.stats["errors"] += 1
+            now = time.monotonic()
+            if now - self._last_log >= 1.0:
+                self._last_log = now
+                logger.warning("kvtier: %s: %s (answering misses)", type(e).__name__, e)
+            if isinstance(e, transport):
+                self._down_until = now + self.reconnect_s
+                clients, self._clients = self._clients, {}
+                for c in clients.values():
+                    try:
+                        c.close()
+                    except Exception:
+                        pass
+
+        def _guard(self, fn: Any, miss: Any) -> Any:
+            try:
+                return fn()
+            except Exception as e:
+                with self._lock:
+                    self._failed(e)
+                return miss
+
+        def _flat(self, nbytes: int) -> Any:
+            if not self.flat_bytes:
+                self.flat_bytes = nbytes
+            return self._client("flat-" + self.layout, nbytes)
+
+        # -- the tensor interface (a copy through the caller's tensors) -------------------
+
+        def exists(self, key: str) -> bool:
+            return self.batch_exists([key]) == 1
+
+        def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+            """How many leading keys are stored (SGLang's prefetch asks this first)."""
+            if not keys:
+                return 0
+
+            def run() -> int:
+                found = self._exists_each(keys)
+                return found.index(False) if False in found else len(found)
+
+            return int(self._guard(run, 0))
+
+        def _exists_each(self, keys: List[str]) -> List[bool]:
+            if self.interface_v1 and self.mem_pool_host is not None:
+                seg = self._segments()
+                if seg is None:
+                    return [False] * len(keys)
+                sizes = seg
+                found = [True] * len(keys)
+                for s, size in enumerate(sizes):
+                    c = self._client("v1-%s-%d" % (self.layout, s), size)
+                    if c is None:
+                        return [False] * len(keys)
+                    for i, ok in enumerate(c.exists_keys_each(keys)):
+                        found[i] = found[i] and ok
+                return found
+            if not self.flat_bytes:
+                return [False] * len(keys)  # nothing stored or asked for through this backend
+            c = self._flat(self.flat_bytes)
+            return c.exists_keys_each(keys) if c is not None else [False] * len(keys)
+
+        def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+            return self.batch_get([key], [target_location] if target_location is not None
+                                  else None)[0]
+
+        def batch_get(self, keys: List[str], target_locations: Any = None,
+                      target_sizes: Any = None) -> List[Any]:
+            """Each key's page into its target tensor (a flat data page; allocated when
+            None); None for a miss."""
+            if not keys:
+                return []
+            if target_locations is None:
+                if not self.flat_bytes:
+                    return [None] * len(keys)
+                target_locations = [torch.empty(self.flat_bytes, dtype=torch.uint8)
+                                    for _ in keys]
+            targets = list(target_locations)
+
+            def run() -> List[Any]:
+                nbytes = targets[0].numel() * targets[0].element_size()
+                c = self._flat(nbytes)
+                if c is None:
+                    return [None] * len(keys)
+                ok = c.get_keys_each_into(keys, targets)
+                self.stats["get_hits"] += sum(ok)
+                self.stats["get_misses"] += len(ok) - sum(ok)
+                return [t if hit else None for t, hit in zip(targets, ok)]
+
+            return list(self._guard(run, [None] * len(keys)))
+
+        def set(self, key: str, value: Any = None, target_location: Any = None,
+                target_sizes: Any = None) -> bool:
+            return self.batch_set([key], [value])
+
+        def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
+                      target_sizes: Any = None) -> bool:
+            """Stores each value (a flat data page tensor) under its key; True when all are
+            stored."""
+            if not keys:
+                return True
+            vals = [v.contiguous() for v in values]
+            if not self.flat_bytes:
+                self.flat_bytes = vals[0].numel() * vals[0].element_size()
+            if not self.writer:
+                return True  # MLA: another rank writes the shared page
+
+            def run() -> bool:
+                nbytes = vals[0].numel() * vals[0].element_size()
+                c = self._flat(nbytes)
+                if c is None:
+                    return False
+                ok = c.put_keys_each(keys, vals)
+                self.stats["set_pages"] += sum(ok)
+                return all(ok)
+
+            return bool(self._guard(run, False))
+
+        # -- zero copy into the host pool -------------------------------------------------
+
+        def _segments(self) -> Optional[List[int]]:
+            """The byte sizes of one page's buffer segments in the host pool."""
+            host = self.mem_pool_host
+            ps = int(getattr(host, "page_size", 1) or 1)
+            meta = host.get_page_buffer_meta(torch.arange(ps, dtype=torch.int64))
+            if not meta:
+                return None
+            return [int(s) for s in meta[1]]
+
+        def _v1(self, keys: List[str], host_indices: Any, write: bool) -> List[bool]:
+            host = self.mem_pool_host
+            if host is None:
+                raise RuntimeError("kvtier: batch_%s_v1 before register_mem_pool_host" %
+                                   ("set" if write else "get"))
+            ptrs, sizes = host.get_page_buffer_meta(host_indices)
+            n = len(keys)
+            nseg = len(ptrs) // n if n else 0
+            if n == 0 or nseg * n != len(ptrs):
+                raise RuntimeError("kvtier: %d buffer segments for %d keys" % (len(ptrs), n))
+            ok = [True] * n
+            for s in range(nseg):
+                size = int(sizes[s])
+                c = self._client("v1-%s-%d" % (self.layout, s), size)
+                if c is None:
+                    return [False] * n
+                # The host pool's own memory, borrowed: no copy in Python.
+                bufs = [ffi.buffer(ffi.cast("char *", int(ptrs[p * nseg + s])), size)
+                        for p in range(n)]
+                got = c.put_keys_each(keys, bufs) if write else c.get_keys_each_into(keys, bufs)
+                ok = [a and b for a, b in zip(ok, got)]
+            return ok
+
+        def batch_get_v1(self, keys: List[str], host_indices: Any,
+                         extra_info: Any = None) -> List[bool]:
+            """Each key's page straight into the host pool at host_indices (page_size
+            indices per key); per key, whether it was read."""
+            if not keys:
+                return []
+
+            def run() -> List[bool]:
+                ok = self._v1(keys, host_indices, False)
+                self.stats["get_hits"] += sum(ok)
+                self.stats["get_misses"] += len(ok) - sum(ok)
+                return ok
+
+            return list(self._guard(run, [False] * len(keys)))
+
+        def batch_set_v1(self, keys: List[str], host_indices: Any,
+                         extra_info: Any = None) -> List[bool]:
+            """Each key's page from the host pool at host_indices; per key, whether it is
+            stored."""
+            if not keys:
+                return []
+            if not self.writer:
+                return [True] * len(keys)
+
+            def run() -> List[bool]:
+                ok = self._v1(keys, host_indices, True)
+                self.stats["set_pages"] += sum(ok)
+                return ok
+
+            return list(self._guard(run, [False] * len(keys)))
+
+        # -- the rest ---------------------------------------------------------------------
+
+        def clear(self) -> None:
+            """kvtierd is shared with other engines and has no per-namespace clear: a no-op
+            (pages leave by the daemon's own eviction)."""
+
+        def get_stats(self) -> Any:
+            return dict(self.stats)
+
+        def close(self) -> None:
+            """Closes the connections (the daemon keeps the pages)."""
+            with self._lock:
+                clients, self._clients = self._clients, {}
+            for c in clients.values():
+                c.close()
+
+    return KvtierStorage

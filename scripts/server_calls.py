@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Which files of server/ call which: a file calls another when it names a kvt__ function
+(or a kvt__ variable) that the other defines. Prints the graph and every call circle (strongly
+connected group of files); exits 1 when there is one. A function reached through a pointer (a
+hook: a reply source, the policy's ops, a tier's callback) is not a call: that is how a lower
+file hands control back up without knowing the file above it."""
+import glob, os, re, sys
+
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'server')
+src = {}
+for p in sorted(glob.glob(os.path.join(root, '*.c'))):
+    t = open(p).read()
+    t = re.sub(r'/\*.*?\*/', ' ', t, flags=re.S)          # comments
+    t = re.sub(r'"(\\.|[^"\\])*"', '""', t)                # strings
+    src[os.path.basename(p)] = t
+defs = {}
+for f, t in src.items():
+    # a definition: a kvt__ name followed by ( at the start of a line's declarator and then {
+    for m in re.finditer(r'^[\w \*]*?\b(kvt__\w+)\s*\([^;{]*\)\s*\{', t, flags=re.M | re.S):
+        defs.setdefault(m.group(1), f)
+    for m in re.finditer(r'^(?:const )?[\w \*]+\b(kvt__\w+)\s*=', t, flags=re.M):
+        defs.setdefault(m.group(1), f)
+calls = {f: set() for f in src}
+for f, t in src.items():
+    for m in re.finditer(r'\b(kvt__\w+)\s*\(', t):
+        g = defs.get(m.group(1))
+        if g and g != f:
+            calls[f].add(g)
+    for m in re.finditer(r'&(kvt__\w+)\b', t):  # a variable taken by address (kvt__exec_ops)
+        g = defs.get(m.group(1))
+        if g and g != f:
+            calls[f].add(g)
+for f in sorted(calls):
+    print('%-14s -> %s' % (f, ' '.join(sorted(calls[f])) or '-'))
+# Tarjan's strongly connected components
+index, low, stack, on, sccs, n = {}, {}, [], set(), [], [0]
+def visit(v):
+    index[v] = low[v] = n[0]; n[0] += 1; stack.append(v); on.add(v)
+    for w in calls[v]:
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        c = []
+        while True:
+            w = stack.pop(); on.discard(w); c.append(w)
+            if w == v: break
+        if len(c) > 1: sccs.append(sorted(c))
+sys.setrecursionlimit(10000)
+for v in sorted(calls):
+    if v not in index: visit(v)
+for c in sccs:
+    print('circle:', ' '.join(c))
+sys.exit(1 if sccs else 0)

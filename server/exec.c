@@ -1,0 +1,672 @@
+/*
+ * exec.c: the policy's executor, the one place that acts on the tiers for the policy (policy/):
+ * moves (a run of pages copied from one tier to another, switched over when the last copy lands),
+ * adopting blocks into the policy's accounting, freeing tier locations (deferred while reads of
+ * the block are in flight: the busy table), the radix free callbacks that give a leaving block's
+ * bytes back to its tier, the ghost table of evicted blocks, and blocks a tier lost by itself.
+ *
+ * The policy decides, exec.c acts
+ * -------------------------------
+ * Every change of a block's tier goes through the policy engine, which keeps each tier's
+ * accounting (in the tiers' own footprints, so its capacities are the tiers') and the order of
+ * tiers inside a node. Blocks enter it by kvt_policy_adopt (a PUT's writes once they landed,
+ * blocks a remote probe found, NVMe blocks recovered at start-up). It leaves them by the tree's
+ * free callback. In between it moves them: kvt_policy_step (after every batch of events) runs
+ * the promotions that MATCH queued and, above a tier's high watermark, demotes or drops its
+ * lowest-value blocks; the move operation below copies each page with kvt_tier_copy, and when
+ * the last copy lands, kvt_policy_move_done() switches the blocks over and the old locations are
+ * freed:
+ *
+ *     MATCH ─> on_match ─┐                          ┌─> kvt_tier_copy per page ─> ... ─┐
+ *     PREFETCH ─> promote┼─> step/promote ─> move() ┤  (blocks BUSY, node leased)      │
+ *     DRAM > high ───────┘                          └─ move_done(): tier, loc, free old┘
+ *
+ * A block is named by (node, page depth) while I/O runs: the request holds a lease on the node
+ * (so nothing on the path is evicted) and resolves the block again with kvt_radix_block_at() on
+ * completion, because a split may have moved it. Reads in flight are counted per block hash
+ * (kvt_busy_*): a block being read is never moved, so a move never frees a location under a read.
+ */
+#include "server.h"
+
+#include <stdlib.h>
+#define KVT_STEP_PAGES 256 /* pages the policy may act on per loop iteration */
+
+/* A tier location whose free waits for the reads of its block still in flight. */
+typedef struct kvt__dfree {
+    uint64_t hash, loc;
+    uint32_t len;
+    uint8_t tier;
+    uint8_t discard; /* kvt_tier_discard: a REMOVE's */
+} kvt__dfree_t;
+
+/* One page of a move: its copy and the tokens its key borrows. */
+typedef struct kvt__mpage {
+    kvt_tier_copy_t copy;
+    kvt__move_t *move;
+    uint64_t start_ns;
+    uint32_t *tokens;
+} kvt__mpage_t;
+
+/* A run of pages the policy moves from one tier to another. */
+struct kvt__move {
+    kvt__move_t *prev, *next; /* s->exec.moves, for the teardown */
+    kvt_srv_t *srv;
+    kvt__req_t *req; /* the PREFETCH it reports to, or NULL */
+    kvt_radix_node_t *node;
+    uint32_t depth, npages, started, left;
+    uint8_t from, to;
+    int status;
+    kvt__mpage_t pages[];
+};
+
+/* Frees a tier location; discard: for good, the block must not come back at a restart either
+ * (kvt_tier_discard: a REMOVE's). */
+static void free_now(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, int discard)
+{
+    if (!s->tiers[tier])
+        return;
+    if (discard)
+        kvt_tier_discard(s->tiers[tier], loc, len);
+    else
+        kvt_tier_free(s->tiers[tier], loc, len);
+}
+
+/* ---- reads in flight, per block hash (open addressing, backward-shift deletion) ---- */
+
+#define kvt_busy_tab (s->exec.busy)
+#define kvt_busy_cap (s->exec.busy_cap)
+#define kvt_busy_n   (s->exec.busy_n)
+
+static size_t busy_slot(uint64_t h, size_t cap)
+{
+    return (size_t)(h * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
+}
+
+static uint32_t busy_get(const kvt_srv_t *s, uint64_t h)
+{
+    if (!kvt_busy_cap || !h)
+        return 0;
+    for (size_t i = busy_slot(h, kvt_busy_cap);; i = (i + 1) & (kvt_busy_cap - 1)) {
+        if (kvt_busy_tab[i].hash == h)
+            return kvt_busy_tab[i].count;
+        if (!kvt_busy_tab[i].hash)
+            return 0;
+    }
+}
+
+int kvt__busy_inc(kvt_srv_t *s, uint64_t h)
+{
+    if (!h)
+        return 0;
+    if ((kvt_busy_n + 1) * 2 > kvt_busy_cap) {
+        size_t cap = kvt_busy_cap ? kvt_busy_cap * 2 : 1024;
+        kvt__busy_t *t = calloc(cap, sizeof *t);
+        if (!t)
+            return KVT_ENOMEM;
+        for (size_t i = 0; i < kvt_busy_cap; i++) {
+            if (!kvt_busy_tab[i].hash)
+                continue;
+            size_t j = busy_slot(kvt_busy_tab[i].hash, cap);
+            while (t[j].hash)
+                j = (j + 1) & (cap - 1);
+            t[j] = kvt_busy_tab[i];
+        }
+        free(kvt_busy_tab);
+        kvt_busy_tab = t;
+        kvt_busy_cap = cap;
+    }
+    size_t i = busy_slot(h, kvt_busy_cap);
+    while (kvt_busy_tab[i].hash && kvt_busy_tab[i].hash != h)
+        i = (i + 1) & (kvt_busy_cap - 1);
+    if (!kvt_busy_tab[i].hash) {
+        kvt_busy_tab[i] = (kvt__busy_t){.hash = h};
+        kvt_busy_n++;
+    }
+    kvt_busy_tab[i].count++;
+    return 0;
+}
+
+void kvt__busy_dec(kvt_srv_t *s, uint64_t h)
+{
+    if (!kvt_busy_cap || !h)
+        return;
+    size_t mask = kvt_busy_cap - 1, i = busy_slot(h, kvt_busy_cap);
+    while (kvt_busy_tab[i].hash != h) {
+        if (!kvt_busy_tab[i].hash)
+            return;
+        i = (i + 1) & mask;
+    }
+    if (--kvt_busy_tab[i].count > 0)
+        return;
+    kvt_busy_n--;
+    /* The block's last read is done: the old locations a move left behind can go now. */
+    for (size_t k = 0; k < s->exec.ndfree;) {
+        kvt__dfree_t *d = &s->exec.dfree[k];
+        if (d->hash != h) {
+            k++;
+            continue;
+        }
+        free_now(s, d->tier, d->loc, d->len, d->discard);
+        *d = s->exec.dfree[--s->exec.ndfree];
+    }
+    for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+        kvt_busy_tab[i] = (kvt__busy_t){0}; /* count too: the next one placed here starts at 0 */
+        if (!kvt_busy_tab[j].hash)
+            return;
+        size_t home = busy_slot(kvt_busy_tab[j].hash, kvt_busy_cap);
+        /* Move j back into the hole at i unless its home lies cyclically in (i, j]. */
+        if ((j > i && (home <= i || home > j)) || (j < i && home <= i && home > j)) {
+            kvt_busy_tab[i] = kvt_busy_tab[j];
+            i = j;
+        }
+    }
+}
+
+/* Frees a tier location now, or once the reads of its block in flight are done (free_now). */
+void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,
+                   int discard)
+{
+    if (!s->tiers[tier])
+        return;
+    if (busy_get(s, hash) == 0) {
+        free_now(s, tier, loc, len, discard);
+        return;
+    }
+    if (s->exec.ndfree == s->exec.cap_dfree) {
+        size_t cap = s->exec.cap_dfree ? 2 * s->exec.cap_dfree : 16;
+        kvt__dfree_t *d = realloc(s->exec.dfree, cap * sizeof *d);
+        if (!d) {
+            /* Cannot wait: leak the location rather than free it under a read. */
+            kvt_log(KVT_LOG_ERROR, "kvtierd: out of memory deferring a %s free",
+                    kvt_tier_name((kvt_tier_id_t)tier));
+            return;
+        }
+        s->exec.dfree = d;
+        s->exec.cap_dfree = cap;
+    }
+    s->exec.dfree[s->exec.ndfree++] = (kvt__dfree_t){
+        .hash = hash, .loc = loc, .len = len, .tier = tier, .discard = (uint8_t)discard};
+}
+
+/* ---- the block record: every write of a block's tier, location, size and flags in server/ ---- */
+
+void kvt__block_busy(kvt_block_t *b, int busy)
+{
+    if (busy)
+        b->flags |= KVT_BLOCK_BUSY;
+    else
+        b->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+}
+
+void kvt__block_place(kvt_block_t *b, uint64_t loc, uint32_t size)
+{
+    b->tier = KVT_TIER_NONE;
+    b->loc = loc;
+    b->size = size;
+}
+
+void kvt__block_relocate(kvt_block_t *b, uint64_t loc)
+{
+    b->loc = loc;
+}
+
+void kvt__block_recovered(kvt_block_t *b, kvt_tier_id_t tier, uint64_t loc, uint32_t size)
+{
+    b->tier = (uint8_t)tier;
+    b->loc = loc;
+    b->size = size;
+}
+
+void kvt__block_tier(kvt_block_t *b, kvt_tier_id_t tier)
+{
+    b->tier = (uint8_t)tier;
+}
+
+void kvt__block_drop(kvt_block_t *b)
+{
+    b->tier = KVT_TIER_NONE;
+    b->size = 0;
+    b->loc = 0;
+    b->flags &= (uint8_t)~KVT_BLOCK_DIRTY;
+}
+
+/* ---- the policy's executor ---- */
+
+static uint64_t exec_footprint(void *arg, kvt_tier_id_t tier, uint32_t size)
+{
+    kvt_srv_t *s = arg;
+    return s->tiers[tier] ? kvt_tier_footprint(s->tiers[tier], size) : size;
+}
+
+static void move_free(kvt_srv_t *s, kvt__move_t *m)
+{
+    if (m->prev)
+        m->prev->next = m->next;
+    else
+        s->exec.moves = m->next;
+    if (m->next)
+        m->next->prev = m->prev;
+    free(m);
+}
+
+/*
+ * Whether node n is leased by someone other than the policy's moves in flight (each holds one
+ * lease on its node's path): a MATCH's lease, or a request's pin. Walks the moves only when n has
+ * more leases than the one of the move asking.
+ */
+static int leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
+{
+    uint32_t all = kvt_radix_node_leases(n), own = 0;
+    if (all <= 1)
+        return 0;
+    uint32_t d = kvt_radix_node_depth(n);
+    for (kvt__move_t *mm = s->exec.moves; mm && own < all; mm = mm->next)
+        own += kvt_radix_node_holding(mm->node, d) == n; /* n is on mm's path */
+    return all > own;
+}
+
+/* The last copy of a move has landed (or failed): switch the blocks over, or undo. */
+static void move_finish(kvt_srv_t *s, kvt__move_t *m)
+{
+    for (uint32_t i = 0; i < m->npages; i++) {
+        kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
+        kvt_assert(b);
+        kvt__block_busy(b, 0);
+    }
+    int status = m->status;
+    if (status == 0 && m->started < m->npages)
+        status = KVT_EIO; /* a copy did not start: the run stays where it was */
+    /* A demotion into NVMe whose node was leased while it ran: the lease pinned the blocks'
+     * NVMe locations it saw (none of these), so the log's reclaim could drop them under a GET
+     * the MATCH promised. The run stays where the lease found it; the policy may move it once
+     * the lease is gone. */
+    if (status == 0 && m->to == KVT_TIER_NVME && leased_by_others(s, m->node))
+        status = KVT_EBUSY;
+    int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
+                                  (kvt_tier_id_t)m->to, status);
+    int ok = status == 0 && rc == 0;
+    for (uint32_t i = 0; i < m->started; i++) {
+        kvt_tier_copy_t *c = &m->pages[i].copy;
+        kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
+        kvt_tier_pin(s->tiers[m->from], c->src_loc, -1);
+        if (ok) {
+            uint64_t old = b->loc;
+            kvt__block_relocate(b, c->dst_loc);
+            /* A read of the old copy may still be in flight (a GET): it keeps it till done. */
+            kvt__free_loc(s, m->from, old, b->size, b->hash, 0);
+        } else if (c->status == 0) {
+            kvt_tier_free(s->tiers[m->to], c->dst_loc, c->len);
+        }
+    }
+    if (ok) {
+        kvt__metric_add(s->metrics, KVT_M_BLOCKS_MOVED, kvt__pair(m->from, m->to), m->npages);
+        if (m->to == KVT_TIER_NVME)
+            kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0,
+                            (double)m->npages * m->pages[0].copy.len);
+    } else {
+        kvt_log(KVT_LOG_DEBUG, "kvtierd: move of %u pages %s -> %s not done: %s", m->npages,
+                kvt_tier_name((kvt_tier_id_t)m->from), kvt_tier_name((kvt_tier_id_t)m->to),
+                status < 0 ? kvt_strerror(status) : "the policy kept them");
+    }
+    /* A source the tier lost by itself (reclaimed, evicted, corrupt): index-only from there, so
+     * the policy does not try to move it again. */
+    for (uint32_t i = 0; !ok && i < m->started; i++) {
+        int cs = m->pages[i].copy.status;
+        if (cs == KVT_ENOENT || cs == KVT_ECORRUPT) {
+            kvt__store_lost(s, m->node, m->depth + i);
+            break;
+        }
+    }
+    s->exec.moves_landed = 1;
+    kvt__req_t *r = m->req;
+    uint32_t promoted = ok && m->to < m->from ? m->npages : 0;
+    if (r) {
+        r->pending--;
+        if (r->conn)
+            r->conn->inflight--;
+    }
+    move_free(s, m);
+    if (r && r->on_move)
+        r->on_move(s, r, ok, promoted);
+}
+
+static void move_copied(kvt_tier_copy_t *c)
+{
+    kvt__mpage_t *pg = c->data;
+    kvt__move_t *m = pg->move;
+    kvt_srv_t *s = m->srv;
+    s->inflight--;
+    unsigned series = kvt__tier_io(m->to, 1);
+    kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, kvt_now_ns() - pg->start_ns);
+    if (c->status < 0) {
+        kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
+        if (m->status == 0)
+            m->status = c->status;
+    }
+    if (--m->left == 0)
+        move_finish(s, m);
+}
+
+/*
+ * The policy's move: copy pages [depth, depth + npages) of node n from `from` to `to`. Every
+ * copy is asynchronous (a tier never completes inside the submitting call), so a move that
+ * starts is always KVT_POLICY_PENDING; the engine holds a lease on n meanwhile.
+ */
+static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t from, kvt_tier_id_t to)
+{
+    kvt_srv_t *s = arg;
+    if (!s->tiers[from] || !s->tiers[to] || s->stopping)
+        return KVT_EUNAVAIL;
+    for (uint32_t i = 0; i < npages; i++) {
+        kvt_block_t *b = kvt_radix_block_at(n, depth + i);
+        if (!b || b->tier != from || (b->flags & KVT_BLOCK_BUSY) || !b->size)
+            return KVT_EBUSY;
+    }
+    uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
+    size_t sz = sizeof(kvt__move_t) + npages * (sizeof(kvt__mpage_t) + page * sizeof(uint32_t));
+    kvt__move_t *m = calloc(1, sz);
+    if (!m)
+        return KVT_ENOMEM;
+    uint32_t *tok = (uint32_t *)(void *)&m->pages[npages];
+    m->srv = s;
+    m->node = n;
+    m->depth = depth;
+    m->npages = npages;
+    m->from = (uint8_t)from;
+    m->to = (uint8_t)to;
+    int rc = 0;
+    for (uint32_t i = 0; i < npages; i++) {
+        kvt__mpage_t *pg = &m->pages[i];
+        kvt_block_t *b = kvt_radix_block_at(n, depth + i);
+        pg->move = m;
+        pg->tokens = tok + (size_t)i * page;
+        kvt__block_key(s, n, depth + i, pg->tokens, &pg->copy.key);
+        pg->copy.src = s->tiers[from];
+        pg->copy.dst = s->tiers[to];
+        pg->copy.src_loc = b->loc;
+        pg->copy.len = b->size;
+        pg->copy.cb = move_copied;
+        pg->copy.data = pg;
+        pg->start_ns = kvt_now_ns();
+        /* The source stays where it is until the move ends, even after the copy has read it: a
+         * MATCH meanwhile reports the block there, and its GET may read it there. */
+        if ((rc = kvt_tier_pin(s->tiers[from], b->loc, 1)) < 0)
+            break; /* already gone (an NVMe reclaim the index has not seen yet) */
+        if ((rc = kvt_tier_copy(&pg->copy)) < 0) {
+            kvt_tier_pin(s->tiers[from], b->loc, -1);
+            break;
+        }
+        kvt__block_busy(b, 1);
+        m->started++;
+        s->inflight++;
+    }
+    if (m->started == 0) {
+        free(m);
+        return rc;
+    }
+    if (m->started < npages) {
+        /* What started finishes, then the move is undone. The pages that did not start are
+         * still the move's until then: busy, so that nothing (a tier losing them, a REMOVE)
+         * changes them under it. */
+        m->status = rc;
+        for (uint32_t i = m->started; i < npages; i++)
+            kvt__block_busy(kvt_radix_block_at(n, depth + i), 1);
+    }
+    m->left = m->started;
+    m->next = s->exec.moves;
+    if (s->exec.moves)
+        s->exec.moves->prev = m;
+    s->exec.moves = m;
+    if (s->exec.move_req) {
+        /* A PREFETCH's promotion, or a demotion that makes room for it: the PREFETCH waits for
+         * it (and counts the promoted pages). */
+        m->req = s->exec.move_req;
+        m->req->pending++;
+        if (m->req->conn)
+            m->req->conn->inflight++;
+    }
+    return KVT_POLICY_PENDING;
+}
+
+/* A move's pin may grow the lease table: within index-bytes, as a client's lease (no trim here,
+ * inside the policy's step). */
+static int exec_index_room(void *arg, uint64_t bytes)
+{
+    return kvt__index_fits(arg, bytes);
+}
+
+/* The policy placed a run's bytes in tier (adopted, or a move landed). */
+static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                          kvt_tier_id_t tier)
+{
+    (void)arg;
+    for (uint32_t i = 0; i < npages; i++)
+        kvt__block_tier(kvt_radix_block_at(n, depth + i), tier);
+}
+
+const kvt_policy_ops_t kvt__exec_ops = {
+    .set_tier = exec_set_tier,
+    .move = exec_move,
+    .footprint = exec_footprint,
+    .index_room = exec_index_room,
+};
+
+void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out)
+{
+    *out = (kvt_policy_hint_t){
+        .priority = w->priority,
+        .finished = (w->flags & KVT_HINT_FINISHED) != 0,
+        .paused_ms = (w->flags & KVT_HINT_PAUSED) ? KVT_MAX(w->resume_ms, 1u) : 0,
+        .from_page = from_page,
+    };
+}
+
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w)
+{
+    if (!s->policy || !m->pages)
+        return;
+    /* Hints name the request's own part of the path: the deepest node's pages. What lies
+     * above it is shared with other requests (a split made it a node of its own). */
+    kvt_policy_hint_t h;
+    int any = w && (w->priority || (w->flags & (KVT_HINT_PAUSED | KVT_HINT_FINISHED)));
+    if (any)
+        kvt__policy_hint(w, kvt_radix_node_depth(m->node), &h);
+    kvt_policy_on_match(s->policy, m, any ? &h : NULL);
+}
+
+uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,
+                           kvt_tier_id_t tier, uint32_t prompt_pages, const kvt_policy_hint_t *h)
+{
+    uint32_t adopted = 0;
+    while (from < to) {
+        /* The part of [from, to) that lies in one node. */
+        kvt_radix_node_t *x = kvt_radix_node_holding(node, from);
+        uint32_t end = KVT_MIN(to, kvt_radix_node_depth(x) + kvt_radix_node_pages(x));
+        int rc = kvt_policy_adopt(s->policy, x, from, end - from, tier, prompt_pages, h);
+        if (rc > 0) {
+            adopted += (uint32_t)rc;
+        } else {
+            kvt_log(KVT_LOG_DEBUG, "kvtierd: policy refused %u pages in %s: %s", end - from,
+                    kvt_tier_name(tier), kvt_strerror(rc));
+            for (uint32_t p = from; p < end; p++) {
+                kvt_block_t *b = kvt_radix_block_at(x, p);
+                if (tier != KVT_TIER_REMOTE || b->loc)
+                    kvt_tier_free(s->tiers[tier], b->loc, b->size);
+                kvt__block_place(b, 0, 0);
+            }
+        }
+        from = end;
+    }
+    return adopted;
+}
+
+int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
+{
+    return kvt_ghosts_seen(s->exec.ghosts, hash);
+}
+
+/* A block's bytes leave the policy's books and their tier; dropped: count it as a drop. */
+static void block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int dropped)
+{
+    if (s->policy)
+        kvt_policy_on_free(s->policy, ns, b);
+    if (b->tier != KVT_TIER_NONE && s->tiers[b->tier])
+        kvt__free_loc(s, b->tier, b->loc, b->size, b->hash, s->exec.removing);
+    if (dropped)
+        kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
+}
+
+uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
+{
+    n = kvt_radix_node_holding(n, depth);
+    if (!n)
+        return 0;
+    kvt_block_t *bl = kvt_radix_node_blocks(n);
+    uint32_t np = kvt_radix_node_pages(n), ns = kvt_radix_node_ns(n), changed = 0;
+    uint32_t i0 = depth - kvt_radix_node_depth(n);
+    uint8_t lost_tier = bl[i0].tier;
+    for (uint32_t i = i0; i < np; i++)
+        if (bl[i].flags & KVT_BLOCK_BUSY)
+            return 0;
+    for (uint32_t i = i0; i < np; i++) {
+        kvt_block_t *b = &bl[i];
+        if (b->tier == KVT_TIER_NONE)
+            continue;
+        /* A reclaimed or evicted one is no longer in its tier (freeing it frees nothing); a
+         * corrupt one and the rest are. */
+        block_gone(s, ns, b, 1);
+        kvt__block_drop(b);
+        changed++;
+    }
+    static kvt_log_limit_t lim; /* an NVMe log under pressure reclaims all the time */
+    if (changed)
+        kvt_log_limited(&lim, KVT_LOG_INFO,
+                        "kvtierd: the %s tier lost the block at page %u (reclaimed, evicted or "
+                        "corrupt): %u pages of its node are index-only now",
+                        kvt_tier_name((kvt_tier_id_t)lost_tier), depth, changed);
+    return changed;
+}
+
+/* A lost block a MATCH found, left for the step: its node pinned by an internal lease. */
+typedef struct kvt__settle {
+    kvt_radix_node_t *node;
+    uint32_t depth;
+    uint64_t lease;
+} kvt__settle_t;
+
+#define KVT_SETTLE_MAX 256 /* queued at most; the next MATCH of the path finds the rest again */
+
+static void settle_later(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t ns)
+{
+    kvt__exec_t *e = &s->exec;
+    for (size_t k = 0; k < e->nsettle; k++)
+        if (e->settle[k].node == node && e->settle[k].depth == depth)
+            return;
+    uint64_t lease;
+    if (e->nsettle >= KVT_SETTLE_MAX ||
+        kvt_reserve(&e->settle, &e->cap_settle, e->nsettle + 1, sizeof *e->settle, 16) < 0 ||
+        kvt__pin(s, node, ns, &lease) < 0)
+        return;
+    e->settle[e->nsettle++] = (kvt__settle_t){.node = node, .depth = depth, .lease = lease};
+}
+
+/* The step's part: the lost blocks MATCHes found become index-only (a move that holds one by
+ * now settles it itself). */
+static void settle_lost(kvt_srv_t *s)
+{
+    kvt__exec_t *e = &s->exec;
+    for (size_t k = 0; k < e->nsettle; k++) {
+        kvt__store_lost(s, e->settle[k].node, e->settle[k].depth);
+        kvt_radix_release(s->radix, e->settle[k].lease);
+    }
+    e->nsettle = 0;
+}
+
+void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
+    lost->n = 0;
+    lost->gone = UINT32_MAX;
+    if (!t || !m->pages)
+        return;
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    if (u.reclaimed == 0 && u.corrupt == 0)
+        return; /* nothing was ever dropped by the tier: every location is good */
+    uint64_t seed = kvt_radix_ns_seed(s->radix, m->ns);
+    for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
+         kvt_path_run_next(&r)) {
+        for (uint32_t i = 0; i < r.n; i++) {
+            const kvt_block_t *b = &r.blocks[i];
+            if (b->tier != KVT_TIER_NVME)
+                continue;
+            kvt_block_key_t key = {.ns_seed = seed, .hash = b->hash};
+            if (kvt_tier_valid(t, b->loc, &key))
+                continue;
+            /* A busy one on the rest of the node belongs to a move (which fails for it and
+             * settles it): from there the path is only not reported stored. The others become
+             * index-only with the rest of their node, at the next step. */
+            const kvt_block_t *all = kvt_radix_node_blocks(r.node);
+            uint32_t np = kvt_radix_node_pages(r.node), d0 = kvt_radix_node_depth(r.node);
+            int busy = 0;
+            for (uint32_t k = r.depth + i - d0; k < np && !busy; k++)
+                busy = (all[k].flags & KVT_BLOCK_BUSY) != 0;
+            if (busy || lost->n == KVT_LOST_RUNS) {
+                lost->gone = KVT_MIN(lost->gone, r.depth + i);
+            } else {
+                lost->from[lost->n] = r.depth + i;
+                lost->to[lost->n++] = r.depth + r.n;
+                settle_later(s, r.node, r.depth + i, m->ns);
+            }
+            break;
+        }
+    }
+}
+
+void kvt__store_step(kvt_srv_t *s)
+{
+    settle_lost(s);
+    kvt__index_step(s);
+    if (!s->policy || s->stopping)
+        return;
+    int rc = kvt_policy_step(s->policy, KVT_STEP_PAGES);
+    static kvt_log_limit_t lim; /* runs after every batch of events */
+    if (rc < 0)
+        kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: policy step: %s", kvt_strerror(rc));
+}
+
+void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
+{
+    kvt_srv_t *s = arg;
+    /* Tearing down, the tiers are destroyed next and free everything themselves. A REMOVE is no
+     * drop: no ghost, not counted. */
+    if (s->exec.tearing_down)
+        return;
+    if (!s->exec.removing)
+        kvt_ghosts_add(s->exec.ghosts, b->hash);
+    block_gone(s, ns, b, !s->exec.removing);
+}
+
+void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n)
+{
+    kvt_srv_t *s = arg;
+    if (!s->exec.tearing_down && s->policy)
+        kvt_policy_on_node_free(s->policy, n);
+}
+
+void kvt__exec_close(kvt_srv_t *s)
+{
+    /* Destroyed tiers run no callbacks: moves still in flight are dropped here. */
+    while (s->exec.moves)
+        move_free(s, s->exec.moves);
+    free(s->exec.settle); /* their leases go with the tree */
+    s->exec.settle = NULL;
+    s->exec.nsettle = s->exec.cap_settle = 0;
+    free(s->exec.dfree);
+    s->exec.dfree = NULL;
+    s->exec.ndfree = s->exec.cap_dfree = 0;
+    free(s->exec.busy);
+    s->exec.busy = NULL;
+    s->exec.busy_cap = s->exec.busy_n = 0;
+}

@@ -1,0 +1,148 @@
+/*
+ * lease.c: the leases a connection holds on matched paths (MATCH with LEASE), found by id at
+ * once however many it holds, expired by the tick, pinned against NVMe segment reclaim, and all
+ * released when the connection closes; RELEASE.
+ */
+#include "server.h"
+
+#include <stdlib.h>
+
+/*
+ * Leases. A connection keeps its leases in a list (the tick walks it for expiry); the server's
+ * lease_pos says where in its owner's list each one is, by the tree's lease slot, so a GET or
+ * RELEASE finds its lease at once among the thousands an engine's connection may hold.
+ */
+
+/* Leases by namespace: one a lease holds keeps its pages (kvt__ns_evict passes it by). Every
+ * leased namespace was declared by a HELLO, which made its entry. */
+static void lease_ns(kvt_srv_t *s, uint32_t ns, int delta)
+{
+    kvt_assert(ns < s->nns && (delta > 0 || s->ns[ns].leases > 0));
+    s->ns[ns].leases += (uint32_t)delta;
+}
+
+int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
+{
+    kvt_srv_t *s = c->srv;
+    uint32_t slot = kvt_radix_lease_slot(l->id);
+    if (kvt_reserve(&s->leases.pos, &s->leases.pos_cap, (size_t)slot + 1, sizeof *s->leases.pos,
+                    64) < 0 ||
+        kvt_reserve(&c->leases, &c->cap_leases, c->nleases + 1, sizeof *c->leases, 8) < 0)
+        return KVT_ENOMEM;
+    s->leases.pos[slot] = (uint32_t)c->nleases;
+    c->leases[c->nleases++] = *l;
+    lease_ns(s, l->ns, 1);
+    if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
+        c->lease_next_ns = l->expires_ns;
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+    return 0;
+}
+
+/*
+ * A lease pins its path against the NVMe log's segment reclaim too, which drops blocks without
+ * asking the index: every NVMe block on the path is pinned in the tier until the lease goes.
+ * Out of memory for the list, the lease still holds in the index; its NVMe blocks are then only
+ * as safe as any other (kvt__store_lost catches a reclaimed one).
+ */
+void kvt__lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
+    if (!t)
+        return;
+    uint32_t n = 0;
+    kvt_path_run_t r;
+    for (r = kvt_path_run_first(m->node, m->node_pages); r.node; kvt_path_run_next(&r))
+        for (uint32_t i = 0; i < r.n; i++)
+            n += r.blocks[i].tier == KVT_TIER_NVME;
+    if (n == 0 || !(l->pins = malloc(n * sizeof *l->pins)))
+        return;
+    for (r = kvt_path_run_first(m->node, m->node_pages); r.node; kvt_path_run_next(&r))
+        for (uint32_t i = 0; i < r.n; i++)
+            if (r.blocks[i].tier == KVT_TIER_NVME && kvt_tier_pin(t, r.blocks[i].loc, 1) == 0)
+                l->pins[l->npins++] = r.blocks[i].loc;
+}
+
+void kvt__lease_unpin(kvt_srv_t *s, kvt__lease_t *l)
+{
+    for (uint32_t i = 0; i < l->npins; i++)
+        kvt_tier_pin(s->tiers[KVT_TIER_NVME], l->pins[i], -1);
+    free(l->pins);
+    l->pins = NULL;
+    l->npins = 0;
+}
+
+/* c's lease id, or NULL: a stale id, or another connection's lease, is not found (the entry at
+ * its slot's position, if any, has another id). */
+kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
+{
+    const kvt_srv_t *s = c->srv;
+    uint32_t slot = kvt_radix_lease_slot(id);
+    if (slot >= s->leases.pos_cap)
+        return NULL;
+    uint32_t i = s->leases.pos[slot];
+    return i < c->nleases && c->leases[i].id == id ? &c->leases[i] : NULL;
+}
+
+static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
+{
+    kvt_radix_release(c->srv->radix, l->id);
+    kvt__lease_unpin(c->srv, l);
+    lease_ns(c->srv, l->ns, -1);
+    *l = c->leases[--c->nleases];
+    if (l != c->leases + c->nleases) /* the last one moved into l's place */
+        c->srv->leases.pos[kvt_radix_lease_slot(l->id)] = (uint32_t)(l - c->leases);
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+}
+
+void kvt__lease_drop_all(kvt__conn_t *c)
+{
+    /* Every lease the connection owns is in its list (a MATCH releases one it cannot list). */
+    size_t n = c->nleases;
+    for (size_t i = 0; i < c->nleases; i++) {
+        kvt_radix_release(c->srv->radix, c->leases[i].id);
+        kvt__lease_unpin(c->srv, &c->leases[i]);
+        lease_ns(c->srv, c->leases[i].ns, -1);
+    }
+    if (n)
+        kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
+                (unsigned long long)c->id, n);
+    c->nleases = 0;
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+}
+
+void kvt__lease_expire(kvt__conn_t *c, uint64_t now)
+{
+    /* Every tick, over every connection: the list is walked only when one of its leases is due
+     * (a connection may hold max-leases of them). */
+    if (c->nleases == 0 || now < c->lease_next_ns)
+        return;
+    uint64_t next = UINT64_MAX;
+    for (size_t i = 0; i < c->nleases;) {
+        if (c->leases[i].expires_ns <= now) {
+            kvt_log(KVT_LOG_DEBUG,
+                    "kvtierd: connection %llu: lease %llu (engine request %llu) "
+                    "expired",
+                    (unsigned long long)c->id, (unsigned long long)c->leases[i].id,
+                    (unsigned long long)c->leases[i].engine_id);
+            kvt__metric_add(c->srv->metrics, KVT_M_LEASES_EXPIRED, 0, 1);
+            lease_del(c, &c->leases[i]);
+        } else {
+            next = KVT_MIN(next, c->leases[i].expires_ns);
+            i++;
+        }
+    }
+    c->lease_next_ns = next;
+}
+
+int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    uint64_t id;
+    if (h->flags || kvt_proto_release_decode(body, h->body_len, &id) < 0)
+        return kvt__bad_body(c, h, t0, "RELEASE");
+    kvt__lease_t *l = kvt__lease_find(c, id);
+    if (l)
+        lease_del(c, l);
+    uint8_t w[sizeof(kvt_wire_release_reply_t)];
+    kvt_proto_release_reply_encode(w, l ? 1 : 0);
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
+}

@@ -1,0 +1,282 @@
+/*
+ * op_get.c: GET. The handler finds the connection's lease and queues the request; the state
+ * machine reads the leased path's blocks in bounded batches and is the request's reply source
+ * (server.h): the connection's writer sends each batch's frames from where their bytes are.
+ */
+#include "server.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+
+#define KVT_GET_BATCH_BYTES (8u << 20) /* GET reads at most this much ahead of the socket */
+
+/* ---- GET ---- */
+
+static void get_read_done(kvt_tier_io_t *io)
+{
+    kvt__io_t *x = io->data;
+    kvt__req_t *r = x->req;
+    kvt_srv_t *s = x->req->srv;
+    kvt__busy_dec(s, io->key.hash);
+    if (io->status == KVT_ECORRUPT)
+        kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, io->key.ntokens);
+    if (io->status == KVT_ECORRUPT || io->status == KVT_ENOENT)
+        kvt__store_lost(s, x->node, x->depth); /* later MATCHes say so; this GET ends here */
+    /* Promotion is the policy's: the MATCH that leased this path queued it. */
+    if (kvt__io_finished(s, x, io->status, 0))
+        kvt__store_get_batch(s, r);
+}
+
+/*
+ * A GET goes out in batches of frames that reference the bytes where they are:
+ *
+ *     r->out:   [hdr 0][hdr 1][hdr 2] ...          32 bytes each (frame header + page, tier)
+ *     r->get.segs:  hdr 0, payload 0, hdr 1, payload 1, ...
+ *                        |                 |
+ *                 DRAM/HBM-host memory   a read buffer (NVMe, remote: read first)
+ *
+ * Memory tiers are sent from their own memory (kvt_tier_ptr): no copy, no I/O. The block cannot
+ * go meanwhile: the request's lease pins the path against eviction and removal, and its read
+ * count (kvt_busy) keeps moves off it until the batch is written. Other tiers are read into
+ * buffers of the batch first. The batch is written when every read is done; when the socket has
+ * taken all of it, the source's drained hook builds the next one. At most
+ * KVT_GET_BATCH_BYTES are referenced at a time.
+ *
+ * Called with nothing in flight: after the request is set up, when the batch's last read (or
+ * promotion) completes, and when conn.c has written the batch.
+ */
+static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
+{
+    for (uint32_t i = 0; i < r->get.batch; i++) {
+        kvt__io_t *x = r->get.ios[i];
+        if (x->zero_copy)
+            kvt__busy_dec(s, x->io.key.hash);
+        free(x->buf);
+        free(x);
+    }
+    free(r->get.ios);
+    r->get.ios = NULL;
+    r->get.batch = 0;
+    free(r->get.segs);
+    r->get.segs = NULL;
+    r->get.nsegs = r->get.seg_i = r->get.seg_off = 0;
+    r->get.segs_ready = 0;
+    r->src = NULL;
+}
+
+/* The GET as a reply source (server.h): its batch's frames from where their bytes are. */
+static int get_iov(kvt__req_t *r, struct iovec *iov, int max)
+{
+    int n = 0;
+    if (!r->get.segs_ready)
+        return 0; /* reads still in flight */
+    for (uint32_t k = r->get.seg_i; k < r->get.nsegs && n < max; k++) {
+        const kvt__seg_t *g = &r->get.segs[k];
+        size_t skip = k == r->get.seg_i ? r->get.seg_off : 0;
+        iov[n].iov_base = (uint8_t *)(g->ptr ? g->ptr : r->out + g->off) + skip;
+        iov[n].iov_len = g->len - skip;
+        n++;
+    }
+    return n;
+}
+
+static void get_wrote(kvt__req_t *r, size_t left)
+{
+    while (left > 0 && r->get.seg_i < r->get.nsegs) {
+        size_t t = KVT_MIN(r->get.segs[r->get.seg_i].len - r->get.seg_off, left);
+        r->get.seg_off += t;
+        left -= t;
+        if (r->get.seg_off == r->get.segs[r->get.seg_i].len) {
+            r->get.seg_i++;
+            r->get.seg_off = 0;
+        }
+    }
+}
+
+static int get_drained(kvt__req_t *r)
+{
+    if (!r->get.segs_ready || r->get.seg_i < r->get.nsegs)
+        return 0;
+    kvt__store_get_batch(r->srv, r); /* the batch is out: the next one, or the end frame */
+    return 1;
+}
+
+static void get_abort(kvt__req_t *r)
+{
+    if (r->get.ios)
+        get_release_batch(r->srv, r);
+    kvt__unpin(r->srv, r);
+}
+
+static const kvt__reply_src_t kvt_get_src = {
+    .iov = get_iov,
+    .wrote = get_wrote,
+    .drained = get_drained,
+    .abort = get_abort,
+};
+
+int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt_assert(r->pending == 0);
+    if (r->get.ios && !r->get.segs_ready) {
+        /* The batch's reads are done: it may go out up to its first failure. */
+        uint32_t good = 0;
+        for (; good < r->get.batch; good++) {
+            kvt__io_t *x = r->get.ios[good];
+            if (!x->zero_copy && x->io.status < 0) {
+                r->status = x->io.status;
+                static kvt_log_limit_t lim; /* a remote tier down fails every GET */
+                kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
+                                kvt_tier_name(x->tier), kvt_strerror(x->io.status));
+                break;
+            }
+        }
+        r->get.nsegs = 2 * good;
+        r->get.segs_ready = 1;
+        size_t bytes = 0;
+        for (uint32_t i = 0; i < r->get.nsegs; i++)
+            bytes += r->get.segs[i].len;
+        r->get.sent += good;
+        if (r->conn && r->get.nsegs) {
+            kvt__out_add(r->conn, (int64_t)bytes);
+            kvt__conn_kick(r->conn);
+            return 0; /* drained calls back when the socket has taken it */
+        }
+    }
+    if (r->get.ios)
+        get_release_batch(s, r);
+    if (!r->conn) {
+        kvt__unpin(s, r);
+        kvt__req_finish(r);
+        return 0;
+    }
+    size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
+    if (r->status == 0 && r->get.cur < r->get.end) {
+        uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
+                                       KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
+        r->out_off = r->out_len = 0;
+        if (kvt_reserve(&r->out, &r->out_cap, n * hdr, 1, 4096) < 0) {
+            r->status = KVT_ENOMEM;
+            goto end;
+        }
+        r->get.ios = calloc(n, sizeof *r->get.ios);
+        r->get.segs = calloc(2 * (size_t)n, sizeof *r->get.segs);
+        r->src = &kvt_get_src;
+        if (!r->get.ios || !r->get.segs) {
+            r->status = KVT_ENOMEM;
+            goto end;
+        }
+        for (uint32_t i = 0; i < n; i++, r->get.cur++) {
+            kvt_block_t *b = kvt_radix_block_at(r->node, r->get.cur);
+            if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier] || b->size != r->block_bytes) {
+                r->status = KVT_ENOENT;
+                break;
+            }
+            kvt__io_t *x = kvt__io_new(s, r, r->get.cur);
+            if (!x) {
+                r->status = KVT_ENOMEM;
+                break;
+            }
+            uint8_t *f = r->out + (size_t)i * hdr;
+            kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
+                            (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
+            kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier);
+            r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * hdr, .len = hdr};
+            x->tier = b->tier;
+            int rc = kvt__busy_inc(s, x->io.key.hash);
+            const uint8_t *ptr = rc == 0 ? kvt_tier_ptr(s->tiers[b->tier], b->loc) : NULL;
+            if (ptr) {
+                x->zero_copy = 1;
+                r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = ptr, .len = b->size};
+                r->get.ios[r->get.batch++] = x;
+                kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(b->tier, 0),
+                                    kvt_now_ns() - x->start_ns);
+                continue;
+            }
+            x->buf = rc == 0 ? malloc(b->size) : NULL;
+            if (x->buf) {
+                x->io.buf = x->buf;
+                x->io.len = b->size;
+                x->io.loc = b->loc;
+                x->io.cb = get_read_done;
+                x->io.urgent = 1; /* the client waits: ahead of queued moves */
+                rc = kvt_tier_read(s->tiers[b->tier], &x->io);
+            } else {
+                rc = KVT_ENOMEM;
+            }
+            if (rc < 0) {
+                if (rc != KVT_ENOMEM || x->buf)
+                    kvt__busy_dec(s, x->io.key.hash);
+                free(x->buf);
+                free(x);
+                r->status = rc;
+                break;
+            }
+            r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = x->buf, .len = b->size};
+            r->get.ios[r->get.batch++] = x;
+            kvt__io_started(s, r);
+        }
+        if (r->get.batch > 0) {
+            if (r->pending == 0)
+                return kvt__store_get_batch(s, r); /* all from memory: out it goes */
+            return 0;
+        }
+        get_release_batch(s, r);
+    }
+end:;
+    /* The final frame: status, and how many pages went out before it. */
+    if (r->get.ios)
+        get_release_batch(s, r);
+    uint8_t e[sizeof(kvt_wire_get_end_t)];
+    kvt_proto_get_end_encode(e, r->get.sent);
+    r->status = kvt__tier_failure(r->status);
+    kvt__unpin(s, r);
+    r->out_off = r->out_len = 0;
+    kvt__req_reply(r, e, sizeof e);
+    kvt__req_finish(r);
+    return 0;
+}
+
+int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_get_t q;
+    if (h->flags || kvt_proto_get_decode(body, h->body_len, &q) < 0)
+        return kvt__bad_body(c, h, t0, "GET");
+    kvt__lease_t *l = kvt__lease_find(c, q.lease);
+    if (!l || l->expires_ns <= kvt_now_ns())
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOENT,
+                                "lease %llu is not held by this connection",
+                                (unsigned long long)q.lease);
+    uint32_t n = q.npages ? q.npages : (q.first_page < l->pages ? l->pages - q.first_page : 0);
+    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages) {
+        if (!q.npages)
+            return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                    "page %u is past the leased %u pages", q.first_page, l->pages);
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "pages %u..%llu go past the leased %u pages", q.first_page,
+                                (unsigned long long)q.first_page + q.npages - 1, l->pages);
+    }
+    kvt__ns_t *ns;
+    if (kvt__ns_get(s, l->ns, &ns) < 0 || ns->block_bytes == 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "the namespace is index-only (HELLO block size 0)");
+    kvt__req_t *r = kvt__req_new(c, KVT_REQ_GET, h->opcode, h->request_id, t0);
+    if (!r)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    kvt__req_ns(r, l->ns);
+    r->node = l->node;
+    r->pages = l->pages;
+    r->block_bytes = ns->block_bytes;
+    r->get.cur = q.first_page;
+    r->get.end = q.first_page + n;
+    kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* the client's lease holds the path */
+    int rc = kvt__pin(s, l->node, l->ns, &r->lease);
+    if (rc < 0) {
+        r->status = rc;
+        r->get.end = r->get.cur; /* nothing to send: the final frame carries the error */
+    }
+    kvt__store_get_batch(s, r);
+    return 0;
+}

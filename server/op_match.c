@@ -1,0 +1,176 @@
+/*
+ * op_match.c: MATCH. It reads the tree (kvt_radix_match), counts hits and misses by tier and
+ * reason, tells the policy of the use, and answers with a tier per page and, if asked, a lease.
+ * A MATCH with REMOTE may wait for the remote probe (op_probe.c) before answering.
+ */
+#include "server.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static void count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, uint32_t ntokens,
+                        uint32_t page, const uint8_t *tiers, int remote_down)
+{
+    kvt_metrics_t *mt = s->metrics;
+    kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
+    kvt__metric_add(mt, KVT_M_LOOKUP_TOKENS, 0, ntokens);
+    /* Runs of one tier (a path is mostly one or two runs): no per-page counter updates. A run
+     * is followed eight pages at a time. */
+    for (uint32_t i = 0, run; i < m->pages; i += run) {
+        uint64_t all = 0x0101010101010101ull * tiers[i], w;
+        for (run = 1; i + run + 8 <= m->pages; run += 8) {
+            memcpy(&w, tiers + i + run, 8);
+            if (w != all)
+                break;
+        }
+        for (; i + run < m->pages && tiers[i + run] == tiers[i]; run++)
+            ;
+        kvt__metric_add(mt, KVT_M_HIT_TOKENS, tiers[i] < KVT_TIER_COUNT ? tiers[i] : 0,
+                        (double)run * page);
+    }
+    kvt__metric_add(mt, KVT_M_PREFILL_SAVED, 0,
+                    (double)m->pages * page / s->conf->prefill_tokens_per_s);
+    uint32_t whole = ntokens / page;
+    if (ntokens % page)
+        kvt__metric_add(mt, KVT_M_MISS_TOKENS, KVT_MISS_SHORT_PAGE, ntokens % page);
+    if (whole > m->pages) {
+        /* The first page not matched names the reason for the whole rest: was it ever here? */
+        kvt_miss_reason_t why = KVT_MISS_REMOTE_UNREACHABLE;
+        if (!remote_down) {
+            uint64_t parent = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
+                                       : kvt_radix_ns_seed(s->radix, m->ns);
+            uint64_t next = 0;
+            kvt_radix_hash_chain(s->radix, m->ns, parent, tokens + (size_t)m->pages * page, 1,
+                                 &next);
+            why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+        }
+        kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
+    }
+}
+
+/*
+ * Answers a MATCH for m: tiers per page, counters, the lease if asked for. r is NULL for an
+ * answer given at once (appended to the connection's queue) or the request that waited for the
+ * remote probe (its reply goes in its own slot).
+ */
+int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, uint64_t t0,
+                      const kvt__match_q_t *q, kvt_match_t *m, uint32_t remote_pages,
+                      int remote_down)
+{
+    kvt_srv_t *s = c->srv;
+    uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
+    size_t len = sizeof(kvt_wire_match_reply_t) + m->pages;
+    uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
+    int rc = 0;
+    if (!out)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
+    /* Tiers per page, node by node: each node's blocks are read in place. */
+    for (kvt_path_run_t pr = kvt_path_run_first(m->pages ? m->node : NULL, m->node_pages); pr.node;
+         kvt_path_run_next(&pr))
+        for (uint32_t i = 0; i < pr.n; i++)
+            tiers[pr.depth + i] = pr.blocks[i].tier;
+    /* Blocks NVMe dropped by itself are not reported stored (exec.c settles them later). */
+    for (uint32_t k = 0; k < q->lost.n; k++)
+        if (q->lost.from[k] < m->pages)
+            memset(tiers + q->lost.from[k], KVT_TIER_NONE,
+                   KVT_MIN(q->lost.to[k], m->pages) - q->lost.from[k]);
+    if (q->lost.gone < m->pages)
+        memset(tiers + q->lost.gone, KVT_TIER_NONE, m->pages - q->lost.gone);
+    if (!(q->flags & KVT_MATCH_F_PROBE))
+        count_match(s, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
+    uint64_t lease = 0;
+    int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
+    if (leasing && c->nleases >= s->conf->max_leases) {
+        rc = KVT_ENOSPC; /* refused below, saying why */
+    } else if (leasing && !kvt__index_fits(s, kvt_radix_lease_need(s->radix))) {
+        rc = KVT_ENOSPC; /* the lease table would grow past index-bytes */
+        full = 1;
+    } else if (leasing) {
+        rc = kvt_radix_lease(s->radix, m, c->id, &lease);
+        uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+        kvt__lease_t l = {
+            .id = lease,
+            .node = m->node,
+            .pages = m->pages,
+            .ns = m->ns,
+            .expires_ns = kvt_now_ns() + (uint64_t)ms * 1000000,
+            .engine_id = q->engine_id,
+        };
+        if (rc == 0)
+            kvt__lease_pin(s, &l, m);
+        if (rc == 0 && (rc = kvt__lease_add(c, &l)) < 0) {
+            kvt__lease_unpin(s, &l);
+            kvt_radix_release(s->radix, lease);
+        }
+        if (rc < 0)
+            lease = 0;
+    }
+    kvt_proto_match_reply_t w = {
+        .tokens = m->pages * q->page,
+        .pages = m->pages,
+        .lease = lease,
+        .remote_pages = remote_pages,
+    };
+    kvt_proto_match_reply_encode(out, &w);
+    if (rc < 0) {
+        if (!r && full)
+            rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
+                                  "no room for one more lease in the index: it is at index-bytes "
+                                  "(%llu) and every page it could evict is leased or busy with I/O",
+                                  (unsigned long long)s->conf->index_bytes);
+        else if (!r && rc == KVT_ENOSPC)
+            rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
+                                  "this connection holds max-leases (%u) leases: release some",
+                                  s->conf->max_leases);
+        else if (!r)
+            rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot lease");
+        len = 0;
+    } else if (!r) {
+        rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len);
+    }
+    if (r) {
+        r->status = rc;
+        kvt__req_reply(r, out, (uint32_t)len);
+        kvt__req_finish(r);
+        rc = 0;
+    }
+    if (out != stackbuf)
+        free(out);
+    return rc;
+}
+
+int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_match_t q;
+    if ((h->flags & ~(unsigned)KVT_MATCH_F_ALL) ||
+        kvt_proto_match_decode(body, h->body_len, &q) < 0)
+        return kvt__bad_body(c, h, t0, "MATCH");
+    if (kvt__need_hello(c, h, t0) < 0)
+        return 0;
+    if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    /* A lookup only reads the tree and counts: no trim for the lease's room here (the
+     * maintenance step keeps the index under its high mark; a lease that does not fit now is
+     * refused, ENOSPC), and lost blocks are only reported, settled by the step. */
+    kvt_match_t m;
+    int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens,
+                             (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
+    if (rc < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    kvt__match_q_t mq = {.flags = h->flags,
+                         .lease_ms = q.lease_ms,
+                         .engine_id = q.hints.engine_request_id,
+                         .ntokens = q.ntokens,
+                         .page = c->page_size,
+                         .tokens = c->tok};
+    kvt__store_check_path(s, &m, &mq.lost); /* blocks NVMe dropped are not reported stored */
+    int down = 0;
+    if ((h->flags & KVT_MATCH_F_REMOTE) &&
+        kvt__probe_start(c, h, t0, &mq, &m, &q.hints, kvt__match_answer, &down))
+        return 0; /* the probe's answer tells the policy */
+    if (!(h->flags & KVT_MATCH_F_PROBE))
+        kvt__policy_match(s, &m, &q.hints);
+    return kvt__match_answer(c, NULL, h, t0, &mq, &m, 0, down);
+}

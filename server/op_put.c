@@ -1,0 +1,281 @@
+/*
+ * op_put.c: PUT. The handler inserts the tokens into the index and queues the request; the state
+ * machine writes each new page's payload to the fastest tier that takes it (kvt_order), making
+ * room through the policy when none has any, and once every write has landed hands the blocks to
+ * the policy in page order and answers.
+ */
+#include "server.h"
+
+#include <stdlib.h>
+
+/* Where a PUT's page goes: the first of these that takes it. */
+static const kvt_tier_id_t kvt_order[] = {KVT_TIER_HBM, KVT_TIER_DRAM, KVT_TIER_NVME,
+                                          KVT_TIER_REMOTE};
+
+/* ---- PUT ---- */
+
+/* Where a PUT's page landed, until the whole PUT is done and hands its blocks to the policy. */
+typedef struct kvt__landed {
+    uint64_t loc;
+    uint32_t len;
+    uint8_t tier;    /* KVT_TIER_NONE: not written */
+    uint8_t started; /* a write was submitted: the block is BUSY */
+    uint8_t held;    /* the tier whose policy accounting holds room for the write, or NONE */
+} kvt__landed_t;
+
+/* A payload page of r not stored, and why. */
+static void put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_t pages)
+{
+    r->put.skipped += pages;
+    kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, why, pages);
+}
+
+/*
+ * Every write of the PUT is done: its blocks join the policy in page order, runs of one tier
+ * at a time (the order of tiers inside a node must hold, so the policy may refuse a page that
+ * landed in a faster tier than the one before it; its bytes are then freed and it stays
+ * index-only, counted as skipped).
+ */
+static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt__landed_t *l = r->extra;
+    if (!l)
+        return;
+    uint32_t n = r->put.end - r->put.first;
+    for (uint32_t i = 0; i < n; i++) {
+        if (l[i].held != KVT_TIER_NONE) /* the room the policy held is the adoption's to take */
+            kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, r->block_bytes);
+        l[i].held = KVT_TIER_NONE;
+        if (!l[i].started)
+            continue;
+        kvt_block_t *b = kvt_radix_block_at(r->node, r->put.first + i);
+        kvt__block_busy(b, 0);
+        if (l[i].tier == KVT_TIER_NONE)
+            continue;
+        kvt__block_place(b, l[i].loc, l[i].len);
+    }
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        if (l[i].tier == KVT_TIER_NONE) {
+            i = j;
+            continue;
+        }
+        while (j < n && l[j].tier == l[i].tier)
+            j++;
+        kvt_tier_id_t t = (kvt_tier_id_t)l[i].tier;
+        uint32_t got = kvt__policy_adopt(
+            s, r->node, r->put.first + i, r->put.first + j, t, r->pages,
+            r->put.hint.priority || r->put.hint.finished || r->put.hint.paused_ms ? &r->put.hint
+                                                                                  : NULL);
+        r->put.stored += got;
+        kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, KVT_PUT_STORED, got);
+        if (got < j - i) /* refused: the node's tier order */
+            put_skip(s, r, KVT_PUT_NO_ROOM, (j - i) - got);
+        if (t == KVT_TIER_NVME)
+            kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0, (double)(j - i) * l[i].len);
+        i = j;
+    }
+    free(r->extra);
+    r->extra = NULL;
+}
+
+static void put_reply(kvt_srv_t *s, kvt__req_t *r)
+{
+    put_adopt(s, r);
+    kvt__unpin(s, r);
+    kvt_proto_put_reply_t p = {
+        .pages = r->pages,
+        .new_pages = r->put.new_pages,
+        .stored = r->put.stored,
+        .skipped = r->put.skipped,
+    };
+    uint8_t w[sizeof(kvt_wire_put_reply_t)];
+    kvt_proto_put_reply_encode(w, &p);
+    kvt__req_reply(r, w, r->status < 0 ? 0 : sizeof w);
+    kvt__req_finish(r);
+}
+
+/* A tier that answers a write so gives it up to the next one down: full, unable to place it for
+ * now (an NVMe log whose full segments are all pinned), or down (the remote). */
+static int put_passes_on(int rc)
+{
+    return rc == KVT_ENOSPC || rc == KVT_EAGAIN || rc == KVT_EUNAVAIL;
+}
+
+/*
+ * Writes a PUT's page into the first tier of kvt_order[from ..] that takes it, holding room for
+ * it in that tier's policy accounting until the PUT is adopted, so that the tier's watermarks see
+ * the writes in flight (x->tier and the page's held say which). A first pass takes only room
+ * there is; when no tier has any, a second makes room as the policy's own inserts do (the lowest
+ * tier's least valuable pages go), so that a full cache takes new pages instead of refusing every
+ * run larger than its watermarks' headroom. Returns 0, or the refusal of the last one asked
+ * (x->tier then as it was).
+ */
+static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
+{
+    kvt__req_t *r = x->req;
+    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
+    uint8_t was = x->tier;
+    int rc = KVT_ENOSPC;
+    for (int room = 0; room < 2 && put_passes_on(rc); room++) {
+        rc = KVT_ENOSPC;
+        for (size_t i = from; i < KVT_ARRAY_LEN(kvt_order) && put_passes_on(rc); i++) {
+            kvt_tier_id_t id = kvt_order[i];
+            if (!s->tiers[id] || (rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
+                continue;
+            x->tier = (uint8_t)id;
+            if ((rc = kvt_tier_write(s->tiers[id], &x->io)) < 0) {
+                kvt_policy_unhold(s->policy, id, x->io.len);
+                continue;
+            }
+            l->held = (uint8_t)id;
+            if (room)
+                kvt__metric_add(s->metrics, KVT_M_PUT_ROOM, 0, 1);
+        }
+    }
+    if (rc < 0)
+        x->tier = was;
+    return rc;
+}
+
+static void put_done(kvt_tier_io_t *io)
+{
+    kvt__io_t *x = io->data;
+    kvt__req_t *r = x->req;
+    kvt_srv_t *s = x->req->srv;
+    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
+    if (io->status < 0 && put_passes_on(io->status)) {
+        /* Refused after it was taken (the tier queued it): the tiers below may take it. The
+         * refused write counts as that tier's failed I/O; the request keeps waiting. */
+        uint8_t failed = x->tier;
+        uint64_t now = kvt_now_ns();
+        size_t i = 0;
+        kvt_policy_unhold(s->policy, (kvt_tier_id_t)failed, x->io.len);
+        l->held = KVT_TIER_NONE;
+        while (i < KVT_ARRAY_LEN(kvt_order) && kvt_order[i] != failed)
+            i++;
+        if (put_write(s, x, i + 1) == 0) {
+            unsigned series = kvt__tier_io(failed, 1);
+            kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, now - x->start_ns);
+            kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
+            x->start_ns = now;
+            return;
+        }
+    }
+    if (io->status == 0) {
+        l->tier = x->tier;
+        l->loc = io->loc;
+        l->len = io->len;
+    } else {
+        static kvt_log_limit_t lim; /* a full tier fails every write */
+        kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: %s tier write failed: %s",
+                        kvt_tier_name(x->tier), kvt_strerror(io->status));
+        put_skip(s, r, put_passes_on(io->status) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
+    }
+    int last = kvt__io_finished(s, x, io->status, 1);
+    free(x);
+    if (last)
+        put_reply(s, r);
+}
+
+int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
+{
+    uint32_t end = r->status < 0 ? r->put.first : KVT_MIN(r->put.end, r->pages);
+    if (end > r->put.first) {
+        r->put.end = end;
+        r->extra = calloc(end - r->put.first, sizeof(kvt__landed_t));
+        if (!r->extra) {
+            r->status = KVT_ENOMEM;
+            end = r->put.first;
+        }
+    }
+    for (uint32_t p = r->put.first; p < end; p++) {
+        kvt_block_t *b = kvt_radix_block_at(r->node, p);
+        if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
+            put_skip(s, r, KVT_PUT_CACHED, 1); /* held already, or another PUT writes it */
+            continue;
+        }
+        kvt__io_t *x = kvt__io_new(s, r, p);
+        if (!x) {
+            r->status = KVT_ENOMEM;
+            break;
+        }
+        x->io.buf = r->payload + (size_t)(p - r->put.first) * r->block_bytes;
+        x->io.len = r->block_bytes;
+        x->io.cb = put_done;
+        int rc = put_write(s, x, 0);
+        if (rc < 0) {
+            free(x);
+            put_skip(s, r, put_passes_on(rc) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
+            continue;
+        }
+        kvt__block_busy(b, 1);
+        ((kvt__landed_t *)r->extra)[p - r->put.first].started = 1;
+        kvt__io_started(s, r);
+    }
+    if (r->pending == 0)
+        put_reply(s, r); /* nothing to write (all held already), or it failed to start */
+    return 0;
+}
+
+int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_put_t q;
+    if (h->flags || !c->hello || kvt_proto_put_decode(body, h->body_len, c->block_bytes, &q) < 0) {
+        if (!h->flags && kvt__need_hello(c, h, t0) < 0)
+            return 0;
+        return kvt__bad_body(c, h, t0, "PUT");
+    }
+    uint32_t whole = q.ntokens / c->page_size;
+    if (q.npayload && ((uint64_t)q.first_page + q.npayload > whole))
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "payload pages %u..%llu go past the request's %u whole pages",
+                                q.first_page, (unsigned long long)q.first_page + q.npayload - 1,
+                                whole);
+    if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    kvt_match_t at;
+    if (kvt__index_room(s, c->ns, c->tok, q.ntokens, q.npayload > 0, &at) < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
+                                "no room for %u tokens in the index: it is at index-bytes (%llu) "
+                                "and every page it could evict is leased or busy with I/O",
+                                q.ntokens, (unsigned long long)s->conf->index_bytes);
+    kvt_insert_t res; /* near the cap the room check walked the path: the insert goes on from it */
+    int rc = at.ns == c->ns ? kvt_radix_insert_matched(s->radix, &at, c->tok, q.ntokens, &res)
+                            : kvt_radix_insert(s->radix, c->ns, c->tok, q.ntokens, &res);
+    if (rc < 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "insert failed");
+    if (q.npayload == 0 || res.pages == 0) {
+        kvt_proto_put_reply_t r = {.pages = res.pages, .new_pages = res.new_pages};
+        uint8_t w[sizeof(kvt_wire_put_reply_t)];
+        kvt_proto_put_reply_encode(w, &r);
+        return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
+    }
+    kvt__req_t *r = kvt__req_new(c, KVT_REQ_PUT, h->opcode, h->request_id, t0);
+    if (!r)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    kvt__req_ns(r, c->ns);
+    r->node = res.node;
+    r->pages = res.pages;
+    r->put.new_pages = res.new_pages;
+    kvt__policy_hint(&q.hints, kvt_radix_node_depth(res.node), &r->put.hint);
+    r->block_bytes = c->block_bytes;
+    r->put.first = q.first_page;
+    r->put.end = q.first_page + q.npayload;
+    size_t bytes = (size_t)q.npayload * c->block_bytes, held;
+    /* A frame with a buffer of its own is kept whole until the pages are written, not copied. */
+    if ((r->held = kvt__conn_take_frame(c, body, h->body_len, &held))) {
+        r->held_bytes = held;
+        r->payload = (uint8_t *)(uintptr_t)q.payload;
+        rc = 0;
+    } else {
+        rc = kvt__req_hold(r, q.payload, bytes);
+    }
+    if (rc < 0 || (rc = kvt__pin(s, res.node, c->ns, &r->lease)) < 0) {
+        r->status = rc;
+        r->lease = 0;
+    }
+    kvt__store_put(s, r); /* replies at once when there is nothing to write */
+    return 0;
+}

@@ -1,0 +1,97 @@
+/*
+ * tierio.c: what every request with tier I/O shares: the block key of a page, the I/O record,
+ * the in-flight counts (per request, connection and daemon) and their completion accounting, and
+ * the pin the request holds on its path while its I/O runs.
+ */
+#include "server.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
+                    kvt_block_key_t *key)
+{
+    uint32_t ns = kvt_radix_node_ns(node);
+    uint32_t page = kvt_radix_ns_page_size(s->radix, ns);
+    key->ns_seed = kvt_radix_ns_seed(s->radix, ns);
+    key->hash = kvt_radix_block_hash(s->radix, node, depth); /* computed here if not yet */
+    kvt_assert(key->hash);
+    key->parent = depth ? kvt_radix_block_hash(s->radix, node, depth - 1) : key->ns_seed;
+    kvt_radix_node_t *n = node;
+    while (depth < kvt_radix_node_depth(n))
+        n = kvt_radix_node_parent(n);
+    memcpy(tok, kvt_radix_node_tokens(n, depth - kvt_radix_node_depth(n)), page * sizeof *tok);
+    key->tokens = tok;
+    key->ntokens = page;
+}
+
+kvt__io_t *kvt__io_new(kvt_srv_t *s, kvt__req_t *r, uint32_t depth)
+{
+    uint32_t page = kvt_radix_ns_page_size(s->radix, r->ns);
+    kvt__io_t *x = calloc(1, sizeof *x + page * sizeof(uint32_t));
+    if (!x)
+        return NULL;
+    x->req = r;
+    x->node = r->node;
+    x->depth = depth;
+    kvt__block_key(s, r->node, depth, x->tokens, &x->io.key);
+    x->io.data = x;
+    x->copy.data = x;
+    x->start_ns = kvt_now_ns();
+    return x;
+}
+
+void kvt__io_started(kvt_srv_t *s, kvt__req_t *r)
+{
+    r->pending++;
+    s->inflight++;
+    if (r->conn)
+        r->conn->inflight++;
+}
+
+/* Accounts one finished I/O; returns 1 when it was the request's last. */
+int kvt__io_finished(kvt_srv_t *s, kvt__io_t *x, int status, int write)
+{
+    kvt__req_t *r = x->req;
+    unsigned series = kvt__tier_io(x->tier, write);
+    kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, kvt_now_ns() - x->start_ns);
+    if (status < 0)
+        kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
+    r->pending--;
+    s->inflight--;
+    if (r->conn)
+        r->conn->inflight--;
+    return r->pending == 0;
+}
+
+void kvt__unpin(kvt_srv_t *s, kvt__req_t *r)
+{
+    if (r->lease) {
+        kvt_radix_release(s->radix, r->lease);
+        r->lease = 0;
+    }
+}
+
+/* A tier's error as a client reads it in a GET's end frame: the remote tier's EPROTO (its server
+ * answered something malformed) would tell the client that its own frame was malformed; to it,
+ * that is a failed I/O. */
+int kvt__tier_failure(int rc)
+{
+    return rc == KVT_EPROTO ? KVT_EIO : rc;
+}
+
+/* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
+ * when the lease table would grow past index-bytes: the caller made room first when it could. */
+int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
+{
+    if (!kvt__index_fits(s, kvt_radix_lease_need(s->radix)))
+        return KVT_ENOSPC;
+    kvt_match_t m = {
+        .node = node,
+        .node_pages = kvt_radix_node_pages(node),
+        .pages = kvt_radix_node_depth(node) + kvt_radix_node_pages(node),
+        .ns = ns,
+    };
+    return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
+}

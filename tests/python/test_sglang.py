@@ -1,0 +1,196 @@
+"""kvtier.sglang (SGLang's HiCache storage backend) against SGLang's own classes (HiCacheStorage,
+HiCacheStorageConfig, StorageBackendFactory; MHATokenToKVPoolHost where it imports) and a real
+kvtierd. Skipped, saying why, when sglang is not importable (scripts/engines/sglang.sh installs
+it; its log is build/pyenv/engine-sglang.log)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Optional
+
+import pytest
+
+from conftest import BUILD_ROOT, Daemon
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+except Exception as e:  # ImportError, or a dependency failing at import
+    pytest.skip("sglang is not importable (%s: %s); see %s" % (
+        type(e).__name__, e, os.path.join(BUILD_ROOT, "pyenv", "engine-sglang.log")),
+        allow_module_level=True)
+
+import torch  # noqa: E402  (sglang needs it; so do these tests)
+
+PAGE_BYTES = 8192  # a flat data page of this test's "model"
+
+
+def config(d: Daemon, *, model: str = "sgl-model", tp_rank: int = 0, tp_size: int = 2,
+           mla: bool = False, **extra: Any) -> Any:
+    ec = {"backend_name": "kvtier", "module_path": "kvtier.sglang",
+          "class_name": "KvtierStorage", "unix_path": d.unix, "timeout_ms": 2000}
+    ec.update(extra)
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+        is_page_first_layout=True, model_name=model, extra_config=ec)
+
+
+def backend(d: Daemon, **kw: Any) -> Any:
+    b = StorageBackendFactory.create_backend("dynamic", config(d, **kw), None)
+    assert isinstance(b, HiCacheStorage)
+    return b
+
+
+def page(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**15, 2**15, (PAGE_BYTES // 2,), dtype=torch.int16,
+                         generator=g).view(torch.bfloat16)
+
+
+def hkeys(tag: str, n: int) -> list:
+    return ["%s-%064x" % (tag, i * 7919 + 1) for i in range(n)]  # SGLang-style page hashes
+
+
+def test_the_factory_builds_it_from_the_dynamic_config(daemon: Daemon) -> None:
+    import kvtier.sglang
+
+    b = backend(daemon)
+    assert type(b).__name__ == "KvtierStorage" and type(b) is kvtier.sglang.KvtierStorage
+    assert b.shard == "tp0-2" and b.model == "sgl-model"
+    b.close()
+
+
+def test_set_then_get_byte_exact_into_another_buffer(daemon: Daemon) -> None:
+    b = backend(daemon)
+    ks = hkeys("rt", 4)
+    vals = [page(i) for i in range(4)]
+    assert b.batch_set(ks, vals) is True
+    outs = [torch.zeros(PAGE_BYTES // 2, dtype=torch.bfloat16) for _ in ks]
+    got = b.batch_get(ks, outs)
+    for g, o, v in zip(got, outs, vals):
+        assert g is o and torch.equal(o.view(torch.int16), v.view(torch.int16))
+    assert b.set("single", page(9)) is True and b.exists("single")
+    one = torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+    assert b.get("single", one) is one
+    assert torch.equal(one, page(9).view(torch.uint8))
+    # a miss is None in its place, the others served
+    outs = [torch.zeros(PAGE_BYTES // 2, dtype=torch.bfloat16) for _ in range(3)]
+    got = b.batch_get([ks[0], "absent", ks[2]], outs)
+    assert got[1] is None and got[0] is outs[0] and got[2] is outs[2]
+    assert b.get("absent", torch.zeros(PAGE_BYTES, dtype=torch.uint8)) is None
+    b.close()
+
+
+def test_batch_exists_counts_leading_hits(daemon: Daemon) -> None:
+    b = backend(daemon)
+    ks = hkeys("ex", 5)
+    assert b.batch_set(ks[:3], [page(20 + i) for i in range(3)])
+    assert b.batch_exists(ks) == 3
+    assert b.batch_exists(ks[1:3]) == 2  # a suffix alone
+    assert b.batch_exists([ks[0], "gap", ks[1]]) == 1
+    assert b.batch_exists(["gap"]) == 0 and b.batch_exists([]) == 0
+    assert b.exists(ks[2]) and not b.exists(ks[3])
+    b.close()
+
+
+def test_another_model_or_tp_rank_does_not_hit(daemon: Daemon) -> None:
+    b = backend(daemon)
+    ks = hkeys("id", 2)
+    assert b.batch_set(ks, [page(30), page(31)])
+    others = [backend(daemon, model="other-model"), backend(daemon, tp_rank=1),
+              backend(daemon, tp_size=4), backend(daemon, salt="tenant-b")]
+    for o in others:
+        o.set("warm", page(0))  # learns the page size, as a registered host pool would give
+        assert o.batch_exists(ks) == 0, o.shard
+        assert o.batch_get(ks, [torch.zeros(PAGE_BYTES, dtype=torch.uint8)] * 2) == [None] * 2
+        o.close()
+    # MLA: every TP rank holds the whole KV, so ranks share it; only the writer writes
+    m0 = backend(daemon, mla=True, tp_rank=0)
+    m1 = backend(daemon, mla=True, tp_rank=1)
+    assert m0.batch_set(ks, [page(40), page(41)])
+    m1.set("warm", page(0))
+    assert m1.batch_exists(ks) == 2
+    b.close(), m0.close(), m1.close()
+
+
+def test_daemon_killed_answers_misses_and_raises_nothing() -> None:
+    d = Daemon()
+    b = backend(d, reconnect_s=30)
+    ks = hkeys("kill", 64)
+    vals = [page(50 + i) for i in range(64)]
+    assert b.batch_set(ks[:8], vals[:8])
+    # mid-batch: the daemon dies while a thread stores and loads as SGLang's backup and
+    # prefetch threads do; every call returns, none raises
+    errors: list = []
+
+    def engine() -> None:
+        try:
+            for _ in range(20):
+                r = b.batch_set(ks, vals)
+                assert r in (True, False)
+                got = b.batch_get(ks, [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in ks])
+                assert len(got) == len(ks)
+                assert 0 <= b.batch_exists(ks) <= len(ks)
+        except BaseException as e:  # what would escape into the engine
+            errors.append(e)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    time.sleep(0.05)
+    os.kill(d.proc.pid, signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive() and errors == []
+    d.stop()
+    # after: misses at once, without waiting on a socket
+    start = time.monotonic()
+    assert b.batch_exists(ks) == 0
+    assert b.batch_get(ks[:2], [torch.zeros(PAGE_BYTES, dtype=torch.uint8)] * 2) == [None] * 2
+    assert b.batch_set(ks[:2], vals[:2]) is False
+    assert b.exists(ks[0]) is False and b.get(ks[0], torch.zeros(PAGE_BYTES,
+                                                                  dtype=torch.uint8)) is None
+    assert time.monotonic() - start < 2.0
+    assert b.get_stats()["errors"] >= 1
+    b.close()
+
+
+def _host_pool() -> Optional[Any]:
+    """A real SGLang host KV pool (MHATokenToKVPoolHost over a real MHATokenToKVPool), or None
+    when it does not import here (it pulls in transformers and torchvision)."""
+    try:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    except Exception as e:
+        pytest.skip("SGLang's host KV pool does not import here (%s: %s): the zero-copy test "
+                    "needs torchvision (docs/engines.md)" % (type(e).__name__, e))
+    dev = MHATokenToKVPool(size=64, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                           layer_num=3, device="cpu", enable_memory_saver=False,
+                           enable_alt_stream=False)
+    # As SGLang's host-pool assembly builds it: from the device pool's buffer description.
+    return MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, 4, "page_first",
+                                pin_memory=False, device="cpu", device_capacity_tokens=64,
+                                start_layer=0, end_layer=3)
+
+
+def test_zero_copy_v1_into_host_indices(daemon: Daemon) -> None:
+    host = _host_pool()
+    b = backend(daemon, interface_v1=1)
+    b.register_mem_pool_host(host)
+    ps = host.page_size
+    ks = hkeys("v1", 3)
+    src = torch.arange(0, 3 * ps, dtype=torch.int64) + 2 * ps  # pages 2..4 of the pool
+    g = torch.Generator().manual_seed(7)
+    host.kv_buffer.view(torch.int16).copy_(
+        torch.randint(-2**15, 2**15, host.kv_buffer.shape, dtype=torch.int16, generator=g))
+    want = [host.get_data_page(int(src[i * ps]), flat=True).clone() for i in range(3)]
+    assert b.batch_set_v1(ks, src) == [True] * 3
+    assert b.batch_exists(ks + ["absent"]) == 3
+    dst = torch.arange(0, 3 * ps, dtype=torch.int64) + 8 * ps  # other pages of the pool
+    assert b.batch_get_v1([ks[0], "absent", ks[2]], dst) == [True, False, True]
+    for i in (0, 2):
+        got = host.get_data_page(int(dst[i * ps]), flat=True)
+        assert torch.equal(got.view(torch.int16), want[i].view(torch.int16))
+    b.close()
