@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 from ._lib import ffi, lib
 from .errors import EINVAL, InvalidArgument
 
-__all__ = ["HintsMixin"]
+__all__ = ["AsyncHintsMixin", "HintsMixin"]
 
 _RESUME_MAX_MS = 0xFFFFFFFF  # resume_ms is a u32 on the wire
 _PRIORITY_MAX = 0xFFFF  # priority is a u16 on the wire (the policy caps it at 1000)
@@ -142,3 +142,23 @@ class HintsMixin:
         from .errors import error_for
 
         raise error_for(rc, ffi.string(lib.kvt_client_errmsg(c)).decode("utf-8", "replace"))
+
+
+class AsyncHintsMixin:
+    """The hint calls of AsyncClient: each awaits the Client method of the same name in the
+    connection's worker thread."""
+
+    async def session_paused(self, tokens: Any = None, expected_pause_s: float = 0.0,
+                             **kwargs: Any) -> int:
+        """Client.session_paused."""
+        return await self._run(self.client.session_paused, tokens,  # type: ignore
+                               expected_pause_s, **kwargs)
+
+    async def request_finished(self, tokens: Any = None, **kwargs: Any) -> int:
+        """Client.request_finished."""
+        return await self._run(self.client.request_finished, tokens, **kwargs)  # type: ignore
+
+    async def prioritize(self, tokens: Any = None, priority: int = 100, **kwargs: Any) -> int:
+        """Client.prioritize."""
+        return await self._run(self.client.prioritize, tokens, priority,  # type: ignore
+                               **kwargs)

@@ -127,3 +127,19 @@ def test_keyed_pages(client: kvtier.Client) -> None:
     client.put_keys_each(each[:3], [bytes(payload(1, i)) for i in range(3)])
     assert client.session_paused(keys=each, expected_pause_s=1.0, independent=True) == 3
     assert client.prioritize(keys=each[:1], priority=200, independent=True) == 1
+
+
+def test_async_forms(daemon: Daemon) -> None:
+    import asyncio
+
+    t = tokens(2)
+
+    async def main() -> None:
+        async with kvtier.AsyncClient("pytest", page_size=16, block_bytes=4096,
+                                      unix_path=daemon.unix) as c:
+            await c.put(t, payload(2, 9))
+            assert await c.session_paused(t, 1.0, engine_request_id=5) == 2
+            assert await c.prioritize(t, 120) == 2
+            assert await c.request_finished(t) == 2
+
+    asyncio.run(main())
