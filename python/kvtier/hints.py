@@ -102,7 +102,9 @@ class HintsMixin:
         for i in range(n):  # each key's synthetic tokens, as libkvtier sends them
             rc = lib.kvt_key_tokens(arr[i].data, arr[i].len, toks + i * KEY_TOKENS)
             if rc < 0:
-                raise InvalidArgument(rc, "key %d" % i)
+                from .errors import error_for
+
+                raise error_for(rc, "key %d" % i)
         hc = h._c()
         with self._lock:  # type: ignore[attr-defined]
             c = lib.kvt_keys_client(self._keyed())  # type: ignore[attr-defined]
