@@ -60,8 +60,8 @@ class HintsMixin:
                        keys: Optional[Sequence[Any]] = None, independent: bool = False,
                        priority: int = 0, engine_request_id: int = 0) -> int:
         """An agent session paused (a tool call) and is expected back in ``expected_pause_s``
-        seconds: keep its pages (``tokens``, or ``keys``) for it. Returns the pages the daemon
-        holds for it (for independent keys: how many of the keys it holds).
+        seconds: keep its pages (``tokens``, or ``keys``) for it. Returns how many of the pages
+        the daemon's index holds (for independent keys: how many of the keys).
 
         Raises InvalidArgument (a negative pause, a priority outside 0..65535), Error for
         transport failures."""
