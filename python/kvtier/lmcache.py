@@ -32,7 +32,8 @@ LMCache instances with other chunk shapes never share a namespace (whose block s
 
 What is stored: full chunks, byte for byte, zero copy (a PUT reads the MemoryObj's memory, a
 GET writes into a new MemoryObj's memory). A partial chunk (only with ``save_unfull_chunk``,
-off by default) is not stored: ``put`` skips it and LMCache recomputes that tail.
+off by default) is not stored: ``put`` skips it and LMCache recomputes that tail; nor is
+layerwise mode's one-layer object (``use_layerwise``: the plugin then stores nothing).
 
 Failures: every daemon error, timeout or lost connection is logged and answered as a miss
 (``exists`` False, ``get`` None, ``put`` dropped, ``batched_*`` per key); nothing raises into
