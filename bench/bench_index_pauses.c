@@ -24,8 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../common/common.h"
-#include "../radix/radix.h"
+#include "common.h"
+#include "radix.h"
 #include "bench_stats.h"
 
 #define PAGE 16

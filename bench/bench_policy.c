@@ -19,8 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../common/common.h"
-#include "../policy/policy.h"
+#include "common.h"
+#include "policy.h"
 #include "bench_stats.h"
 
 #define PAGE_TOKENS 16

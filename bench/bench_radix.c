@@ -29,8 +29,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#include "../radix/radix.h"
-#include "../trace/trace.h"
+#include "radix.h"
+#include "trace.h"
 #include "bench_stats.h"
 
 #define PASSES_MAX 15

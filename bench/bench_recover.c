@@ -22,9 +22,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../common/common.h"
-#include "../radix/radix.h"
-#include "../tiers/tier.h"
+#include "common.h"
+#include "radix.h"
+#include "tier.h"
 #include "server.h" /* kvt_store_nvme_recover */
 #include "bench_stats.h"
 

@@ -26,7 +26,7 @@
 
 #include <hiredis/hiredis.h>
 
-#include "../tiers/tier.h"
+#include "tier.h"
 
 #define BENCH_DEPTH      16
 #define BENCH_REPS       9

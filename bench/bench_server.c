@@ -53,10 +53,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../client/kvtier.h"
-#include "../common/common.h"
+#include "kvtier.h"
+#include "common.h"
 #include "proto.h"
-#include "../trace/trace.h"
+#include "trace.h"
 #include "bench_stats.h"
 #include "config.h"
 

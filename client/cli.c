@@ -22,7 +22,7 @@
 
 #include "kvtier.h"
 
-#include "../replay/replay.h"
+#include "replay.h"
 
 static void print_usage(FILE *f)
 {

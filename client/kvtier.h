@@ -299,7 +299,8 @@ int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n);
  */
 /* found[i] = 1 when key i is cached, else 0. */
 int kvt_keys_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint8_t *found);
-/* Stores blocks[i] (block_bytes bytes) under key i; the batch copies each block when queued. */
+/* Stores blocks[i] (block_bytes bytes) under key i; the batch copies each block when queued. A
+ * block the daemon skipped for want of room (checked with a PROBE) is KVT_CLIENT_ENOSPC. */
 int kvt_keys_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, const void *const *blocks,
                  int *status);
 /* Reads key i's block into bufs[i] (block_bytes bytes each): one pipelined MATCH with a lease per

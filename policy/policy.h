@@ -40,8 +40,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/common.h"
-#include "../radix/radix.h"
+#include "common.h"
+#include "radix.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Cost model

@@ -61,7 +61,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/common.h"
+#include "common.h"
 
 /*
  * One cached page. 40 bytes. The tree fills hash (lazily) and the counters; tier, loc, size, flags

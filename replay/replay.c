@@ -18,9 +18,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../policy/policy.h"
-#include "../radix/radix.h"
-#include "../trace/trace.h"
+#include "policy.h"
+#include "radix.h"
+#include "trace.h"
 
 #define MAX_RUNS   64
 #define MAX_HINTS  8

@@ -181,7 +181,6 @@ int kvt__store_open(kvt_srv_t *s)
             return rc;
         }
     }
-#if KVT_HAVE_NVME
     if (c->nvme_bytes) {
         if (mkdir(c->data_dir, 0700) < 0 && errno != EEXIST) {
             rc = -errno;
@@ -233,11 +232,6 @@ int kvt__store_open(kvt_srv_t *s)
                         dropped, c->data_dir);
         }
     }
-#else
-    if (c->nvme_bytes)
-        kvt_log(KVT_LOG_WARN, "kvtierd: this build has no NVMe tier: nvme-bytes ignored");
-#endif
-#if KVT_HAVE_REMOTE
     if (*c->remote) {
         char host[256];
         uint16_t port;
@@ -259,12 +253,6 @@ int kvt__store_open(kvt_srv_t *s)
             return rc;
         }
     }
-#else
-    if (*c->remote) {
-        kvt_log(KVT_LOG_ERROR, "kvtierd: this build has no remote tier");
-        return KVT_EUNAVAIL;
-    }
-#endif
     int any = 0;
     for (int i = 1; i < KVT_TIER_COUNT; i++) {
         if (!s->tiers[i])
@@ -321,7 +309,6 @@ void kvt__tier_metrics(kvt_srv_t *s)
     kvt__metric_set(s->metrics, KVT_M_INDEX_CACHED_TOKENS, 0, (double)rs.cached_tokens);
     kvt__metric_set(s->metrics, KVT_M_UPTIME, 0, (double)(kvt_now_ns() - s->started_ns) / 1e9);
     kvt__metric_set(s->metrics, KVT_M_LOG_SUPPRESSED, 0, (double)kvt_log_suppressed());
-#if KVT_HAVE_REMOTE
     if (s->tiers[KVT_TIER_REMOTE]) {
         kvt_tier_remote_stats_t st;
         kvt_tier_remote_stats(s->tiers[KVT_TIER_REMOTE], &st);
@@ -330,7 +317,6 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_REMOTE_TIMEOUTS, 0, (double)st.timeouts);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_OVERSIZED, 0, (double)st.oversized);
     }
-#endif
     if (s->policy) {
         kvt_policy_stats_t ps;
         kvt_policy_stats(s->policy, &ps);

@@ -6,7 +6,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "../policy/policy.h"
+#include "policy.h"
 
 static void near(double got, double want, double rel)
 {

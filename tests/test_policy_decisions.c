@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../policy/policy.h"
+#include "policy.h"
 
 #define PS   4
 #define PAGE 1024u

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../policy/policy.h"
+#include "policy.h"
 
 /* Checks in the loop report only failures: with --full-stats every cr_assert is an event. */
 #define CHECK(cond, ...)                                                                           \

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../radix/radix.h"
+#include "radix.h"
 
 #define PS 4
 

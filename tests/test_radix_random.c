@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../radix/radix.h"
+#include "radix.h"
 
 #define MAXSEQ   400
 #define MAXPAGES 24

@@ -13,9 +13,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../policy/policy.h"
-#include "../replay/replay.h"
-#include "../trace/trace.h"
+#include "policy.h"
+#include "replay.h"
+#include "trace.h"
 
 #define NREQ 200
 #define PSZ  16

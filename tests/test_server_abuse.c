@@ -9,7 +9,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#include "../radix/radix.h"
+#include "radix.h"
 #include "proto.h"
 #include "test_server_harness.h"
 

@@ -9,7 +9,7 @@
 
 #include "config.h"
 
-#include "../common/common.h"
+#include "common.h"
 #include "proto.h"
 #include "test_server_harness.h"
 #include "test_thp.h"

@@ -26,7 +26,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../client/kvtier.h"
+#include "kvtier.h"
 
 typedef struct kvd {
     pid_t pid;

@@ -9,8 +9,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../radix/radix.h"
-#include "../trace/trace.h"
+#include "radix.h"
+#include "trace.h"
 
 static char *trace_path(const char *name)
 {

@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/common.h"
+#include "common.h"
 
 #define KVT_TRACE_BLOCK_TOKENS 512
 #define KVT_TRACE_VOCAB        151936u /* Qwen2's vocabulary size */

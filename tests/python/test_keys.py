@@ -228,5 +228,9 @@ def test_eviction_under_a_small_tier_keeps_within_capacity() -> None:
             assert bytes(out) == blocks(4, 100)[:2 * BLOCK] + blocks(4, 139)[2 * BLOCK:]
             assert c.exists_keys(keys("shared", 2) + keys("ev0", 2)) < 4  # evicted
             assert stat(c, "dram_used_bytes") <= cap
+        # a block no tier has room for: the PUT skips it, and the key is reported not stored
+        with d.client(model(), block_bytes=512 * 1024) as big:
+            assert big.put_keys_each([b"big", b"big2"], bytes(1024 * 1024)) == [False, False]
+            assert big.exists_keys_each([b"big"]) == [False]
     finally:
         assert d.stop() == 0
