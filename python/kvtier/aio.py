@@ -33,6 +33,7 @@ from .client import (
     Tier,
     Tokens,
 )
+from .hints import AsyncHintsMixin
 from .keys import AsyncKeysMixin
 
 __all__ = ["AsyncBatch", "AsyncClient", "Deferred"]
@@ -40,7 +41,7 @@ __all__ = ["AsyncBatch", "AsyncClient", "Deferred"]
 T = TypeVar("T")
 
 
-class AsyncClient(AsyncKeysMixin):
+class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
     """Client as coroutines. ``AsyncClient(model, **kwargs)`` takes Client's arguments and
     connects on ``await c.connect()`` or ``async with AsyncClient(...) as c``. Every method
     awaits the Client method of the same name and raises what it raises."""

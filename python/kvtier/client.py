@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from ._lib import ffi, lib
 from .errors import ECLOSED, EINVAL, Error, InvalidArgument, error_for
+from .hints import HintsMixin
 from .keys import KeysMixin
 
 __all__ = [
@@ -197,7 +198,7 @@ def _s(v: Optional[str]) -> Any:
     return ffi.NULL if v is None else ffi.new("char[]", v.encode())
 
 
-class Client(KeysMixin):
+class Client(KeysMixin, HintsMixin):
     """One connection to kvtierd, declared to one namespace.
 
     ``Client(model, page_size=16, block_bytes=..., unix_path=...)`` connects at once: AUTH (when

@@ -1,0 +1,381 @@
+"""lmcache.py: kvtierd as an LMCache remote storage plugin (LMCache 0.5.x).
+
+LMCache's current extension point for remote storage is the remote storage plugin: a
+``RemoteConnector`` subclass that LMCache imports by module path and class name from its own
+configuration. This module's ``KvtierConnector`` is one. Select it in LMCache's config::
+
+    chunk_size: 256
+    local_cpu: true                 # the remote backend stages chunks in LocalCPUBackend
+    max_local_cpu_size: 5
+    remote_storage_plugins: ["kvtier"]
+    extra_config:
+      remote_storage_plugin.kvtier.module_path: kvtier.lmcache
+      remote_storage_plugin.kvtier.class_name: KvtierConnector
+      remote_storage_plugin.kvtier.unix_path: /run/kvtier/kvtierd.sock   # or .tcp: host:port
+
+Other settings, all optional, under the same ``remote_storage_plugin.kvtier.`` prefix: ``tcp``
+("host:port", used when ``unix_path`` is absent), ``secret``, ``salt`` (tenant salt),
+``namespace`` (first part of the kvtier model name, default "lmcache"), ``timeout_ms`` (per
+call, default 5000), ``retry_ms`` (after a transport failure, how long calls answer "miss"
+before the connector dials again, default 1000).
+
+``remote_url`` alone cannot select it: LMCache builds plugin connectors only for the names in
+``remote_storage_plugins``, and a ``remote_url`` scheme needs an adapter built into LMCache
+(``external://``, the old way to name a module, is deprecated since LMCache 0.5.0).
+
+Identity: LMCache names a chunk with a ``CacheEngineKey`` (model, world size, worker id, chunk
+hash, KV dtype, request tags; a ``LayerCacheEngineKey`` adds the layer). Its ``to_string()`` is
+the kvtier key, an independent key per chunk (kvtier's keyed calls, docs/protocol.md "Keyed
+blocks"; a key over 1,024 bytes is replaced by its SHA-256). The kvtier namespace is
+``<namespace>/<LMCache model>/<memory format>/<chunk bytes>``: one block is one full chunk, so
+LMCache instances with other chunk shapes never share a namespace (whose block size is fixed).
+
+What is stored: full chunks, byte for byte, zero copy (a PUT reads the MemoryObj's memory, a
+GET writes into a new MemoryObj's memory). A partial chunk (only with ``save_unfull_chunk``,
+off by default) is not stored: ``put`` skips it and LMCache recomputes that tail; nor is
+layerwise mode's one-layer object (``use_layerwise``: the plugin then stores nothing).
+
+Failures: every daemon error, timeout or lost connection is logged and answered as a miss
+(``exists`` False, ``get`` None, ``put`` dropped, ``batched_*`` per key); nothing raises into
+LMCache. A MemoryObj allocated for a GET that fails is released here; a MemoryObj given to
+``put`` is not (LMCache releases it itself after put / batched_put).
+
+``list()`` returns []: kvtierd indexes keys by hash (their synthetic tokens), it keeps no key
+strings, so it cannot enumerate them.
+
+``import kvtier.lmcache`` does not import LMCache; the class is made on first access of
+``KvtierConnector`` (a module ``__getattr__``), which imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
+
+from .client import Client
+from .errors import ConnectError, ConnectionClosed, Error, ProtocolError, Timeout
+
+__all__ = ["KvtierConnector", "PLUGIN", "settings"]
+
+log = logging.getLogger("kvtier.lmcache")
+
+PLUGIN = "kvtier"  # the name in remote_storage_plugins that the settings are read under
+_PREFIX = "remote_storage_plugin.%s." % PLUGIN
+_KEY_MAX = 1024  # bytes in one kvtier key (KVT_KEY_MAX)
+T = TypeVar("T")
+_TRANSPORT = (ConnectError, ConnectionClosed, Timeout, ProtocolError)
+
+
+def settings(config: Any) -> Dict[str, Any]:
+    """The connector's settings from an LMCacheEngineConfig's ``extra_config`` (keys
+    ``remote_storage_plugin.kvtier.<name>``), with their defaults. Raises ValueError for a
+    malformed number."""
+    extra = getattr(config, "extra_config", None) or {}
+    s: Dict[str, Any] = {
+        "unix_path": None,
+        "tcp": None,
+        "secret": None,
+        "salt": None,
+        "namespace": "lmcache",
+        "timeout_ms": 5000,
+        "retry_ms": 1000,
+    }
+    for name in list(s):
+        v = extra.get(_PREFIX + name)
+        if v is None:
+            continue
+        s[name] = int(v) if name in ("timeout_ms", "retry_ms") else str(v)
+    return s
+
+
+def key_string(key: Any) -> str:
+    """The kvtier key of an LMCache CacheEngineKey (or LayerCacheEngineKey): its
+    ``to_string()`` (model@world size@worker id@chunk hash@dtype[@tags][@layer]), or
+    ``sha256:<hex>`` of it when over the 1,024 bytes a kvtier key may hold."""
+    s = key.to_string()
+    if len(s.encode()) > _KEY_MAX:
+        return "sha256:" + hashlib.sha256(s.encode()).hexdigest()
+    return str(s)
+
+
+class _Store:
+    """Independent keys (each a chain of one) over one kvtier Client: the one place that
+    speaks to the package. Every method answers per key; a transport failure raises
+    kvtier.Error (the connector turns it into misses)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def exists(self, keys: Sequence[str]) -> List[bool]:
+        return list(self.client.exists_keys_each(keys))
+
+    def put(self, keys: Sequence[str], bufs: Sequence[Any]) -> List[bool]:
+        if len(keys) == 1:  # read in place (the batched form copies each block)
+            r = self.client.put_keys(keys, bufs[0])
+            return [r.pages == 1]
+        return list(self.client.put_keys_each(keys, list(bufs)))
+
+    def get_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> List[bool]:
+        return list(self.client.get_keys_each_into(keys, list(bufs)))
+
+    def remove(self, keys: Sequence[str]) -> List[bool]:
+        return list(self.client.remove_keys_each(keys))
+
+
+def _make_class() -> type:
+    from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+    class KvtierConnector(RemoteConnector):  # type: ignore[misc, valid-type]
+        """LMCache remote storage plugin over kvtierd (see the module's docstring). Built by
+        LMCache as ``KvtierConnector(loop=, local_cpu_backend=, config=)``."""
+
+        def __init__(self, loop: Any, local_cpu_backend: Any, config: Any) -> None:
+            metadata = getattr(local_cpu_backend, "metadata", None)
+            if metadata is None:
+                # LMCache's base needs the chunk shape, which comes from the worker's metadata;
+                # a scheduler-role backend has none.
+                raise ValueError("kvtier.lmcache: needs a worker-role LocalCPUBackend "
+                                 "(one with LMCacheMetadata) to know the chunk shape")
+            super().__init__(config, metadata)
+            self.loop = loop
+            self.local_cpu_backend = local_cpu_backend
+            self.settings = settings(config)
+            self.block_bytes = int(self.full_chunk_size_bytes)
+            ns = "%s/%s/%s/%d" % (self.settings["namespace"], metadata.model_name,
+                                  self.meta_fmt.name, self.block_bytes)
+            if len(ns.encode()) > 255:  # a kvtier model name is 1..255 bytes
+                ns = "%s/sha256:%s" % (self.settings["namespace"][:64],
+                                       hashlib.sha256(ns.encode()).hexdigest())
+            self.kvtier_model = ns
+            self._lock = threading.Lock()
+            self._store: Optional[_Store] = None
+            self._down_until = 0.0
+            self._closed = False
+            self._closing = False
+            self._warned_partial = False
+            # Calls block on the daemon: they run here, never on LMCache's event loop.
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lmcache")
+            self._hook_allocator_close()
+
+        def _hook_allocator_close(self) -> None:
+            # LMCache's StorageManager.close closes LocalCPUBackend (whose allocator frees the
+            # memory every MemoryObj lives in) before the remote backends: a put still queued
+            # here would then read freed memory (a segfault, seen in LMCache 0.5.6). So the
+            # allocator's close first waits for this connector's work and stops new work.
+            alloc = getattr(self.local_cpu_backend, "memory_allocator", None)
+            orig = getattr(alloc, "close", None)
+            if orig is None:
+                return
+
+            def close_after_kvtier(*args: Any, **kwargs: Any) -> Any:
+                self._quiesce()
+                return orig(*args, **kwargs)
+
+            alloc.close = close_after_kvtier
+
+        def _quiesce(self) -> None:
+            """Runs the calls already queued (their MemoryObjs are still valid), then stops
+            taking work: later calls answer misses."""
+            self._pool.shutdown(wait=True)
+            self._closing = True
+
+        # -- the connection and its failures ------------------------------------------------
+
+        def _connect(self) -> Optional[_Store]:
+            with self._lock:
+                if self._store is not None or self._closed:
+                    return self._store
+                if time.monotonic() < self._down_until:
+                    return None
+                s = self.settings
+                try:
+                    c = Client(self.kvtier_model, page_size=4, block_bytes=self.block_bytes,
+                               unix_path=s["unix_path"], tcp=s["tcp"], secret=s["secret"],
+                               salt=s["salt"], timeout_ms=s["timeout_ms"])
+                except Error as e:
+                    log.warning("kvtier.lmcache: cannot connect to kvtierd: %s", e)
+                    self._down_until = time.monotonic() + s["retry_ms"] / 1000.0
+                    return None
+                self._store = _Store(c)
+                return self._store
+
+        def _failed(self, store: _Store, what: str, e: BaseException) -> None:
+            log.warning("kvtier.lmcache: %s failed, answering a miss: %s", what, e)
+            if isinstance(e, _TRANSPORT) or store.client.closed:
+                # A transport failure closes libkvtier's connection: drop it, dial again later
+                # (an error reply, such as NoSpace, leaves it usable).
+                with self._lock:
+                    if self._store is store:
+                        self._store = None
+                        self._down_until = time.monotonic() + self.settings["retry_ms"] / 1000.0
+                try:
+                    store.client.close()
+                except Exception:  # noqa: BLE001 (closing a broken connection)
+                    pass
+
+        def _call(self, what: str, fn: Callable[[_Store], T], miss: T) -> T:
+            store = self._connect()
+            if store is None:
+                return miss
+            try:
+                return fn(store)
+            except Exception as e:  # noqa: BLE001: nothing may escape into LMCache
+                self._failed(store, what, e)
+                return miss
+
+        async def _run(self, miss: T, fn: Callable[..., T], *args: Any) -> T:
+            def guarded() -> T:
+                if self._closing:  # LMCache is freeing its memory: touch no MemoryObj
+                    return miss
+                return fn(*args)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._pool, guarded)
+            except RuntimeError:  # the pool was shut down (closing)
+                return miss
+
+        # -- RemoteConnector ----------------------------------------------------------------
+
+        def exists_sync(self, key: Any) -> bool:
+            """Whether kvtierd holds the chunk's bytes (one MATCH)."""
+            return self._call("exists", lambda s: s.exists([key_string(key)]), [False])[0]
+
+        async def exists(self, key: Any) -> bool:
+            return await self._run(False, self.exists_sync, key)
+
+        def _contains_sync(self, keys: List[Any]) -> int:
+            names = [key_string(k) for k in keys]
+            found = self._call("batched exists", lambda s: s.exists(names), [False] * len(keys))
+            return found.index(False) if False in found else len(found)
+
+        def support_batched_contains(self) -> bool:
+            return True
+
+        def batched_contains(self, keys: List[Any]) -> int:
+            """How many leading chunks kvtierd holds (one round trip)."""
+            return self._contains_sync(list(keys))
+
+        def support_batched_async_contains(self) -> bool:
+            return True
+
+        async def batched_async_contains(self, lookup_id: str, keys: List[Any],
+                                         pin: bool = False) -> int:
+            return await self._run(0, self._contains_sync, list(keys))
+
+        def _get_sync(self, keys: List[Any]) -> List[Optional[Any]]:
+            objs: List[Optional[Any]] = []
+            for _ in keys:
+                try:
+                    # No busy loop: with no room, a miss (LMCache recomputes) rather than this
+                    # thread, and every call queued behind it, waiting for stores to free some.
+                    o = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes,
+                                                        self.meta_fmt, busy_loop=False)
+                except Exception as e:  # noqa: BLE001: a closed backend, say
+                    log.warning("kvtier.lmcache: cannot allocate a chunk: %s", e)
+                    o = None
+                objs.append(o)
+                if o is None:
+                    break  # no room in LocalCPUBackend: the rest are misses
+            objs += [None] * (len(keys) - len(objs))
+            want = [i for i, o in enumerate(objs) if o is not None]
+            names = [key_string(keys[i]) for i in want]
+            bufs = [objs[i].byte_array for i in want]  # type: ignore[union-attr]
+            hits = self._call("get", lambda s: s.get_into(names, bufs), [False] * len(want))
+            out: List[Optional[Any]] = [None] * len(keys)
+            for i, hit in zip(want, hits):
+                if hit:
+                    out[i] = objs[i]
+                else:  # a miss, or the daemon failed mid-read: the bytes are not the chunk's
+                    objs[i].ref_count_down()  # type: ignore[union-attr]
+            return out
+
+        async def get(self, key: Any) -> Optional[Any]:
+            """A new MemoryObj (from LocalCPUBackend) holding the chunk, or None."""
+            return (await self._run([None], self._get_sync, [key]))[0]
+
+        def support_batched_get(self) -> bool:
+            return True
+
+        async def batched_get(self, keys: List[Any]) -> List[Optional[Any]]:
+            """Each chunk in a new MemoryObj, or None per miss: pipelined, one round trip for
+            the lookups and one GET per hit."""
+            return await self._run([None] * len(keys), self._get_sync, list(keys))
+
+        def _put_sync(self, keys: List[Any], objs: List[Any]) -> None:
+            names, bufs = [], []
+            for k, o in zip(keys, objs):
+                if o.get_size() != self.block_bytes:
+                    if not self._warned_partial:
+                        log.info("kvtier.lmcache: a partial chunk (%d of %d bytes) is not "
+                                 "stored; LMCache recomputes it", o.get_size(), self.block_bytes)
+                        self._warned_partial = True
+                    continue
+                names.append(key_string(k))
+                bufs.append(o.byte_array)
+            if names:
+                self._call("put", lambda s: s.put(names, bufs), [False] * len(names))
+            # No ref_count_down here: LMCache's wrapper releases each MemoryObj after put.
+
+        async def put(self, key: Any, memory_obj: Any) -> None:
+            """Stores a full chunk (read in place); partial chunks are skipped."""
+            await self._run(None, self._put_sync, [key], [memory_obj])
+
+        def support_batched_put(self) -> bool:
+            return True
+
+        async def batched_put(self, keys: List[Any], memory_objs: List[Any]) -> None:
+            await self._run(None, self._put_sync, list(keys), list(memory_objs))
+
+        def remove_sync(self, key: Any) -> bool:
+            return self._call("remove", lambda s: s.remove([key_string(key)]), [False])[0]
+
+        def support_ping(self) -> bool:
+            return True
+
+        async def ping(self) -> int:
+            """0 when kvtierd answers, else the kvtier error code (negative)."""
+            def once() -> int:
+                store = self._connect()
+                if store is None:
+                    return -30812  # ECLOSED
+                try:
+                    store.client.ping()
+                    return 0
+                except Error as e:
+                    self._failed(store, "ping", e)
+                    return e.code
+            return await self._run(-30812, once)
+
+        async def list(self) -> List[str]:
+            """Always []: kvtierd keeps keys as hashes and cannot list them."""
+            return []
+
+        async def close(self) -> None:
+            self._quiesce()
+            with self._lock:
+                self._closed = True
+                store, self._store = self._store, None
+            if store is not None:
+                store.client.close()
+
+        def __repr__(self) -> str:
+            return "<KvtierConnector %s>" % self.kvtier_model
+
+    return KvtierConnector
+
+
+_cls: Optional[type] = None
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the class (and the LMCache import) only when LMCache asks for it.
+    global _cls
+    if name == "KvtierConnector":
+        if _cls is None:
+            _cls = _make_class()
+        return _cls
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))

@@ -1,0 +1,470 @@
+"""test_lmcache.py: kvtier.lmcache, the LMCache remote storage plugin, against a real kvtierd and
+LMCache's own classes (LMCacheEngineConfig, LMCacheMetadata, LocalCPUBackend, MemoryObj, the
+plugin loader CreateConnector and its InstrumentedRemoteConnector wrapper). Skipped, saying
+why, when lmcache is not installed (scripts/engines/lmcache.sh)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Iterator, Tuple
+
+import pytest
+
+from conftest import BUILD_ROOT, SOURCE_ROOT, Daemon
+
+try:
+    import torch
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.connector import CreateConnector
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+except Exception as e:  # noqa: BLE001: any import failure means "not installed here"
+    pytest.skip("lmcache is not importable (%s: %s); scripts/engines/lmcache.sh installs it, its "
+                "log is %s" % (type(e).__name__, e, os.path.join(BUILD_ROOT, "pyenv",
+                                                              "engine-lmcache.log")),
+                allow_module_level=True)
+
+import kvtier.lmcache as klm  # noqa: E402
+
+CHUNK = 16  # tokens per LMCache chunk
+SHAPE = (2, 2, CHUNK, 2, 8)  # (layers, K/V, chunk tokens, kv heads, head size): 2 KiB in bf16
+MODEL = "pytest/lmcache-model"
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """The event loop LMCache runs connector coroutines on, in a thread of its own."""
+    lp = asyncio.new_event_loop()
+    t = threading.Thread(target=lp.run_forever, daemon=True)
+    t.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    t.join(5)
+    lp.close()
+
+
+def run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float = 20) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+def lmc_config(daemon: Daemon, **extra: Any) -> Any:
+    ec = {"remote_storage_plugin.kvtier.module_path": "kvtier.lmcache",
+          "remote_storage_plugin.kvtier.class_name": "KvtierConnector",
+          "remote_storage_plugin.kvtier.unix_path": daemon.unix}
+    ec.update({"remote_storage_plugin.kvtier." + k: v for k, v in extra.items()})
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.02,
+        remote_storage_plugins=["kvtier"], extra_config=ec)
+
+
+def lmc_metadata(model: str = MODEL, worker: int = 0) -> Any:
+    return LMCacheMetadata(model_name=model, world_size=2, local_world_size=2, worker_id=worker,
+                           local_worker_id=worker, kv_dtype=torch.bfloat16, kv_shape=SHAPE,
+                           chunk_size=CHUNK)
+
+
+def connector(daemon: Daemon, loop: asyncio.AbstractEventLoop, **extra: Any) -> Tuple[Any, Any]:
+    """(LMCache's wrapped connector, its LocalCPUBackend), built the way LMCache's RemoteBackend
+    builds a plugin: CreateConnector("plugin://kvtier", ...) from the config alone."""
+    cfg = lmc_config(daemon, **extra)
+    md = lmc_metadata()
+    be = LocalCPUBackend(cfg, md)
+    conn = CreateConnector("plugin://kvtier", loop, be, cfg, md, plugin_name="kvtier")
+    return conn, be
+
+
+_hash = [0x5EED0000]
+
+
+def key(model: str = MODEL, worker: int = 0, chunk_hash: int = 0) -> Any:
+    if not chunk_hash:
+        _hash[0] += 1
+        chunk_hash = _hash[0]
+    return CacheEngineKey(model, 2, worker, chunk_hash, torch.bfloat16)
+
+
+def chunk(be: Any) -> Tuple[Any, bytes]:
+    """A MemoryObj from the backend holding a random full chunk, and a copy of its bytes."""
+    o = be.allocate([torch.Size([2, SHAPE[0], CHUNK, SHAPE[3] * SHAPE[4]])], [torch.bfloat16],
+                    MemoryFormat.KV_2LTD)
+    assert o is not None
+    o.tensor.copy_(torch.randn(o.tensor.shape, dtype=torch.float32).to(torch.bfloat16))
+    return o, bytes(o.byte_array)
+
+
+def put(loop: asyncio.AbstractEventLoop, conn: Any, k: Any, o: Any) -> None:
+    """As LMCache's RemoteBackend does: a reference for the put, which the wrapper drops."""
+    o.ref_count_up()
+    run(loop, conn.put(k, o))
+
+
+def active(be: Any) -> int:
+    """MemoryObjs the backend's allocator has out (to see that a miss frees its buffer)."""
+    return int(be.memory_allocator.pin_allocator.num_active_allocations)
+
+
+def test_import_needs_no_engine() -> None:
+    code = ("import sys; sys.path.insert(0, %r); import kvtier, kvtier.lmcache; "
+            "assert 'lmcache' not in sys.modules, 'kvtier.lmcache imported lmcache'"
+            % os.path.join(SOURCE_ROOT, "python"))
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_loaded_from_config(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+    conn, be = connector(daemon, loop)
+    inner = conn._connector  # LMCache's InstrumentedRemoteConnector wraps every connector
+    assert type(inner).__name__ == "KvtierConnector"
+    assert type(inner).__module__ == "kvtier.lmcache"
+    assert inner.block_bytes == 2 * SHAPE[0] * CHUNK * SHAPE[3] * SHAPE[4] * 2
+    assert inner.kvtier_model == "lmcache/%s/KV_2LTD/%d" % (MODEL, inner.block_bytes)
+    assert run(loop, conn.ping()) == 0
+    assert run(loop, conn.list()) == []
+    run(loop, conn.close())
+
+
+def test_put_get_byte_exact(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+    conn, be = connector(daemon, loop)
+    k = key()
+    assert not run(loop, conn.exists(k))
+    o, want = chunk(be)
+    put(loop, conn, k, o)
+    # The wrapper dropped the put's reference and the connector none: the caller's is left.
+    assert o.get_ref_count() == 1
+    assert run(loop, conn.exists(k)) and conn.exists_sync(k)
+    got = run(loop, conn.get(k))
+    assert got is not None and got is not o
+    assert got.get_ref_count() == 1
+    assert got.raw_data.data_ptr() != o.raw_data.data_ptr()
+    assert bytes(got.byte_array) == want
+    assert torch.equal(got.tensor, o.tensor)
+    assert got.meta.fmt == MemoryFormat.KV_2LTD and got.meta.dtype == torch.bfloat16
+    o.ref_count_down()
+    got.ref_count_down()
+    assert o.get_ref_count() == 0 and got.get_ref_count() == 0
+    run(loop, conn.close())
+
+
+def test_other_model_or_worker_misses(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+    conn, be = connector(daemon, loop)
+    k = key()
+    o, _ = chunk(be)
+    put(loop, conn, k, o)
+    o.ref_count_down()
+    before = active(be)
+    for other in (key(model="pytest/another-model", chunk_hash=k.chunk_hash),
+                  key(worker=1, chunk_hash=k.chunk_hash),
+                  CacheEngineKey(MODEL, 2, 0, k.chunk_hash, torch.float16)):
+        assert not run(loop, conn.exists(other))
+        assert run(loop, conn.get(other)) is None
+    assert active(be) == before, "a miss left its MemoryObj allocated"
+    assert run(loop, conn.exists(k))
+    run(loop, conn.close())
+
+
+def test_batched(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+    conn, be = connector(daemon, loop)
+    inner = conn._connector
+    assert inner.support_batched_put() and inner.support_batched_get()
+    assert inner.support_batched_contains() and inner.support_batched_async_contains()
+    ks = [key() for _ in range(4)]
+    objs = [chunk(be) for _ in range(4)]
+    stored = [0, 1, 3]  # key 2 is never stored
+    for i in stored:
+        objs[i][0].ref_count_up()
+    run(loop, conn.batched_put([ks[i] for i in stored], [objs[i][0] for i in stored]))
+    assert all(o.get_ref_count() == 1 for o, _ in objs)
+    assert inner.batched_contains(ks) == 2
+    assert run(loop, conn.batched_async_contains("lookup-1", ks)) == 2
+    before = active(be)
+    got = run(loop, conn.batched_get(ks))
+    assert [g is not None for g in got] == [True, True, False, True]
+    for i in stored:
+        assert bytes(got[i].byte_array) == objs[i][1]
+        got[i].ref_count_down()
+    assert active(be) == before, "the miss's MemoryObj was not freed"
+    assert inner.remove_sync(ks[0]) and not run(loop, conn.exists(ks[0]))
+    for o, _ in objs:
+        o.ref_count_down()
+    run(loop, conn.close())
+
+
+def test_partial_chunk_is_not_stored(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+    conn, be = connector(daemon, loop)
+    o = be.allocate([torch.Size([2, SHAPE[0], CHUNK // 2, SHAPE[3] * SHAPE[4]])],
+                    [torch.bfloat16], MemoryFormat.KV_2LTD)
+    k = key()
+    put(loop, conn, k, o)
+    assert o.get_ref_count() == 1
+    assert not run(loop, conn.exists(k))
+    o.ref_count_down()
+    run(loop, conn.close())
+
+
+def test_daemon_dies_mid_get(loop: asyncio.AbstractEventLoop) -> None:
+    """A daemon that stops answering during a get, then dies: every call answers a miss (no
+    exception reaches LMCache), the MemoryObj allocated for the get is freed, and a new
+    daemon on the same socket is dialled again after retry_ms."""
+    d = Daemon()
+    try:
+        conn, be = connector(d, loop, timeout_ms=300, retry_ms=100)
+        ks = [key(), key()]
+        objs = [chunk(be) for _ in ks]
+        for k, (o, _) in zip(ks, objs):
+            put(loop, conn, k, o)
+            o.ref_count_down()
+        assert conn._connector.batched_contains(ks) == 2
+        before = active(be)
+        os.kill(d.proc.pid, signal.SIGSTOP)  # mid-get: the daemon takes the request, never answers
+        try:
+            assert run(loop, conn.get(ks[0])) is None
+            assert run(loop, conn.batched_get(ks)) == [None, None]
+        finally:
+            os.kill(d.proc.pid, signal.SIGKILL)
+            os.kill(d.proc.pid, signal.SIGCONT)
+            d.proc.wait(10)
+        assert active(be) == before, "a failed get left its MemoryObj allocated"
+        assert not run(loop, conn.exists(ks[0]))
+        assert not conn._connector.exists_sync(ks[0])
+        assert conn._connector.batched_contains(ks) == 0
+        assert run(loop, conn.ping()) != 0
+        o, _ = chunk(be)
+        put(loop, conn, ks[0], o)  # dropped, not raised
+        assert o.get_ref_count() == 1
+        o.ref_count_down()
+        assert conn._connector.remove_sync(ks[0]) is False
+        run(loop, conn.close())
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_reconnects_after_restart(loop: asyncio.AbstractEventLoop) -> None:
+    d = Daemon()
+    conn = None
+    try:
+        conn, be = connector(d, loop, retry_ms=50)
+        assert run(loop, conn.ping()) == 0
+        unix = d.unix
+        d.stop(signal.SIGKILL)
+        assert run(loop, conn.ping()) != 0
+        d = Daemon()
+        # The config names the old socket path: point the connector at the new daemon.
+        conn._connector.settings["unix_path"] = d.unix
+        assert unix != d.unix
+        deadline = 50
+        while run(loop, conn.ping()) != 0 and deadline:
+            deadline -= 1
+            threading.Event().wait(0.05)
+        assert run(loop, conn.ping()) == 0
+        k = key()
+        o, want = chunk(be)
+        put(loop, conn, k, o)
+        o.ref_count_down()
+        got = run(loop, conn.get(k))
+        assert got is not None and bytes(got.byte_array) == want
+        got.ref_count_down()
+    finally:
+        if conn is not None:
+            run(loop, conn.close())
+        d.stop(signal.SIGKILL)
+
+
+def test_no_daemon_no_exception(loop: asyncio.AbstractEventLoop, tmp_path: Any) -> None:
+    class Nowhere:
+        unix = str(tmp_path / "no-such.sock")
+    conn, be = connector(Nowhere(), loop)  # type: ignore[arg-type]
+    k = key()
+    assert not run(loop, conn.exists(k))
+    assert run(loop, conn.get(k)) is None
+    assert run(loop, conn.batched_get([k, key()])) == [None, None]
+    run(loop, conn.close())
+
+
+def test_settings_defaults() -> None:
+    class Cfg:
+        extra_config = {"remote_storage_plugin.kvtier.tcp": "127.0.0.1:7000",
+                        "remote_storage_plugin.kvtier.timeout_ms": "250"}
+    s = klm.settings(Cfg())
+    assert s["tcp"] == "127.0.0.1:7000" and s["timeout_ms"] == 250
+    assert s["unix_path"] is None and s["namespace"] == "lmcache" and s["retry_ms"] == 1000
+    long_key = CacheEngineKey("m" * 2000, 1, 0, 7, torch.bfloat16)
+    assert klm.key_string(long_key).startswith("sha256:")
+    assert klm.key_string(key(chunk_hash=0xabc)) == "%s@2@0@%s@bfloat16" % (
+        MODEL, key(chunk_hash=0xabc).chunk_hash_hex)
+
+
+# -- end to end: LMCacheEngine with the plugin loaded from its config ----------------------------
+
+L, KVH, HD = SHAPE[0], SHAPE[3], SHAPE[4]
+
+
+def _gpu_connector() -> Any:
+    """LMCache's GPUConnectorInterface for a KV cache that is one CPU tensor kv[layer, K/V,
+    token, head, dim]: the engine side of LMCache (its own connectors are CUDA kernels for
+    vLLM's or SGLang's paged GPU memory). It copies between that tensor and LMCache's chunk
+    MemoryObjs ([K/V, layer, token, head x dim], KV_2LTD)."""
+    from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+
+    class CPUConnector(GPUConnectorInterface):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            self.kvcaches = None
+
+        def from_gpu(self, o: Any, start: int, end: int, **kw: Any) -> None:
+            kv = kw["kvcaches"][:, :, start:end]
+            o.tensor.copy_(kv.permute(1, 0, 2, 3, 4).reshape(o.tensor.shape))
+
+        def to_gpu(self, o: Any, start: int, end: int, **kw: Any) -> None:
+            t = o.tensor.reshape(2, L, end - start, KVH, HD).permute(1, 0, 2, 3, 4)
+            kw["kvcaches"][:, :, start:end] = t
+
+        def batched_from_gpu(self, objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for o, s, e in zip(objs, starts, ends):
+                self.from_gpu(o, s, e, **kw)
+
+        def batched_to_gpu(self, objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for o, s, e in zip(objs, starts, ends):
+                self.to_gpu(o, s, e, **kw)
+
+        def get_shape(self, num_tokens: int) -> Any:
+            return torch.Size([2, L, num_tokens, KVH * HD])
+
+    return CPUConnector()
+
+
+_engines = [0]
+
+
+def lmcache_engine(daemon: Daemon) -> Tuple[str, Any]:
+    """A fresh LMCacheEngine (its own StorageManager and LocalCPUBackend) whose remote backend
+    is the kvtier plugin, named in the config only."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    _engines[0] += 1
+    iid = "pytest-kvtier-%d-%d" % (os.getpid(), _engines[0])
+    md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+                         local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=SHAPE,
+                         chunk_size=CHUNK)
+    e = LMCacheEngineBuilder.get_or_create(iid, lmc_config(daemon), md, _gpu_connector(),
+                                           lambda t, r: None, lambda o, r: o)
+    e.post_init()
+    assert "RemoteBackend-kvtier" in e.storage_manager.storage_backends
+    return iid, e
+
+
+def destroy(iid: str) -> None:
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    LMCacheEngineBuilder.destroy(iid)
+
+
+def wait_remote(e: Any, tokens: Any, want: int) -> int:
+    """Waits (2 s at most) until the engine's remote backend holds `want` tokens of the prompt:
+    LMCache's puts to remote storage are asynchronous."""
+    n = 0
+    for _ in range(40):
+        n = e.lookup(tokens, search_range=["RemoteBackend-kvtier"])
+        if n >= want:
+            break
+        threading.Event().wait(0.05)
+    return int(n)
+
+
+def test_engine_store_then_retrieve(daemon: Daemon) -> None:
+    """A prompt's KV stored through one LMCacheEngine is retrieved byte-exact by another (its
+    own, empty local CPU cache: the bytes come from kvtierd) into a different KV tensor; a
+    prompt differing in its first token retrieves nothing."""
+    T = 4 * CHUNK
+    tokens = torch.arange(50_000, 50_000 + T)
+    kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+    a, ea = lmcache_engine(daemon)
+    try:
+        ea.store(tokens, kvcaches=kv)
+        assert wait_remote(ea, tokens, T) == T
+    finally:
+        destroy(a)
+    b, eb = lmcache_engine(daemon)
+    try:
+        assert eb.lookup(tokens) == T
+        kv2 = torch.zeros_like(kv)
+        got = eb.retrieve(tokens, kvcaches=kv2)
+        assert int(got.sum()) == T
+        assert torch.equal(kv2, kv)
+        other = tokens.clone()
+        other[0] += 1
+        kv3 = torch.zeros_like(kv)
+        assert eb.lookup(other) == 0
+        assert int(eb.retrieve(other, kvcaches=kv3).sum()) == 0
+        assert not kv3.any()
+    finally:
+        destroy(b)
+
+
+def test_engine_daemon_gone(loop: asyncio.AbstractEventLoop) -> None:
+    """kvtierd killed between store and retrieve: LMCache is told nothing is there, retrieves
+    nothing, raises nothing, and leaves the KV tensor as it was (the engine recomputes)."""
+    d = Daemon()
+    T = 2 * CHUNK
+    tokens = torch.arange(60_000, 60_000 + T)
+    kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+    try:
+        a, ea = lmcache_engine(d)
+        try:
+            ea.store(tokens, kvcaches=kv)
+            assert wait_remote(ea, tokens, T) == T
+        finally:
+            destroy(a)
+        b, eb = lmcache_engine(d)
+        try:
+            d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait(10)
+            kv2 = torch.zeros_like(kv)
+            assert eb.lookup(tokens) == 0
+            assert int(eb.retrieve(tokens, kvcaches=kv2).sum()) == 0
+            assert not kv2.any()
+        finally:
+            destroy(b)
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_engine_closed_with_puts_queued(daemon: Daemon) -> None:
+    """LMCache closes LocalCPUBackend (freeing every MemoryObj's memory) before its remote
+    backends; the plugin's puts still queued then must not read freed memory (a segfault of
+    the whole process before the plugin held the allocator's close for them)."""
+    for i in range(2):
+        T = 8 * CHUNK
+        tokens = torch.arange(70_000 + i * T, 70_000 + (i + 1) * T)
+        kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+        a, ea = lmcache_engine(daemon)
+        ea.store(tokens, kvcaches=kv)
+        destroy(a)  # at once: puts are in flight
+
+
+def test_the_readme_config(daemon: Daemon, loop: asyncio.AbstractEventLoop, tmp_path: Any) -> None:
+    """The README's LMCache config block, as a file LMCache reads (LMCacheEngineConfig.from_file),
+    with the daemon's socket put in, selects and builds the plugin."""
+    import re
+
+    import yaml
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    block = re.search(r"```yaml\n(.*?)```", text[text.index("remote storage plugin"):], re.S)
+    assert block is not None
+    conf = yaml.safe_load(block.group(1))
+    conf["extra_config"]["remote_storage_plugin.kvtier.unix_path"] = daemon.unix
+    conf.update(chunk_size=CHUNK, max_local_cpu_size=0.02)
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    cfg = LMCacheEngineConfig.from_file(str(path))
+    md = lmc_metadata()
+    be = LocalCPUBackend(cfg, md)
+    conn = CreateConnector("plugin://kvtier", loop, be, cfg, md, plugin_name="kvtier")
+    assert type(conn._connector).__name__ == "KvtierConnector"
+    assert run(loop, conn.ping()) == 0
+    run(loop, conn.close())
