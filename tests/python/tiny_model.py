@@ -9,7 +9,7 @@ LMCache tests copy pages between it and their engine's own layouts.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,14 +21,14 @@ NBLOCKS = 32
 DTYPE = torch.bfloat16
 
 
-def paged_kv(seed: Any = None) -> Dict[str, torch.Tensor]:
+def paged_kv(seed: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """A fresh paged KV cache, one tensor per layer, named as vLLM names attention layers;
     random contents (seed) or zeros (None)."""
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     out = {}
     for i in range(LAYERS):
         shape = (2, NBLOCKS, BS, HEADS, HEAD)
-        t = (torch.randn(*shape, generator=g) if g is not None else torch.zeros(*shape))
+        t = torch.randn(*shape, generator=g) if g is not None else torch.zeros(*shape)
         out["model.layers.%d.self_attn.attn" % i] = t.to(DTYPE)
     return out
 
