@@ -304,12 +304,14 @@ def test_settings_defaults() -> None:
 L, KVH, HD = SHAPE[0], SHAPE[3], SHAPE[4]
 
 
-def _gpu_connector() -> Any:
+def _gpu_connector(shape: Tuple[int, ...] = SHAPE) -> Any:
     """LMCache's GPUConnectorInterface for a KV cache that is one CPU tensor kv[layer, K/V,
     token, head, dim]: the engine side of LMCache (its own connectors are CUDA kernels for
     vLLM's or SGLang's paged GPU memory). It copies between that tensor and LMCache's chunk
     MemoryObjs ([K/V, layer, token, head x dim], KV_2LTD)."""
     from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+
+    L, KVH, HD = shape[0], shape[3], shape[4]
 
     class CPUConnector(GPUConnectorInterface):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
@@ -340,7 +342,7 @@ def _gpu_connector() -> Any:
 _engines = [0]
 
 
-def lmcache_engine(daemon: Daemon) -> Tuple[str, Any]:
+def lmcache_engine(daemon: Daemon, shape: Tuple[int, ...] = SHAPE) -> Tuple[str, Any]:
     """A fresh LMCacheEngine (its own StorageManager and LocalCPUBackend) whose remote backend
     is the kvtier plugin, named in the config only."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -348,9 +350,9 @@ def lmcache_engine(daemon: Daemon) -> Tuple[str, Any]:
     _engines[0] += 1
     iid = "pytest-kvtier-%d-%d" % (os.getpid(), _engines[0])
     md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
-                         local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=SHAPE,
+                         local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=shape,
                          chunk_size=CHUNK)
-    e = LMCacheEngineBuilder.get_or_create(iid, lmc_config(daemon), md, _gpu_connector(),
+    e = LMCacheEngineBuilder.get_or_create(iid, lmc_config(daemon), md, _gpu_connector(shape),
                                            lambda t, r: None, lambda o, r: o)
     e.post_init()
     assert "RemoteBackend-kvtier" in e.storage_manager.storage_backends
@@ -468,3 +470,52 @@ def test_the_readme_config(daemon: Daemon, loop: asyncio.AbstractEventLoop, tmp_
     assert type(conn._connector).__name__ == "KvtierConnector"
     assert run(loop, conn.ping()) == 0
     run(loop, conn.close())
+
+
+def test_engine_end_to_end_tiny_model(daemon: Daemon) -> None:
+    """The tiny model's prompt KV, gathered from its paged KV after the prefill, is stored by one
+    LMCacheEngine; another (its own, empty local CPU cache: the bytes come from kvtierd)
+    retrieves the prompt's whole chunks into a fresh KV tensor, which fills fresh paged KV; the
+    model computes only the rest: the same greedy output as everything recomputed."""
+    import tiny_model as tm
+
+    assert tm.BS == CHUNK
+    shape = (tm.LAYERS, 2, CHUNK, tm.HEADS, tm.HEAD)
+    model = tm.TinyModel(seed=13)
+    toks = [80_000 + i for i in range(3 * CHUNK + 9)]  # 3 whole chunks and a partial one
+    T, steps = len(toks), 6
+    table_a, table_b = [6, 13, 0, 21, 9], [18, 2, 27, 5, 11]
+    ref = tm.generate(model, toks, steps, table_a)
+
+    def tokens_kv(kvc: Any, table: Any, n: int) -> torch.Tensor:
+        """The first n positions of the paged KV as the engine's KV tensor (layer, K/V, token,
+        head, dim)."""
+        at = tm.slots(table, n)
+        return torch.stack([c.view(2, tm.NBLOCKS * tm.BS, tm.HEADS, tm.HEAD)[:, at]
+                            for c in kvc.values()])
+
+    # Run A: prefill, store the prompt's KV (LMCache keeps its whole chunks), decode.
+    a, ea = lmcache_engine(daemon, shape)
+    try:
+        kvc = tm.paged_kv(None)
+        logits = model.forward(toks, 0, kvc, table_a)
+        ea.store(torch.tensor(toks), kvcaches=tokens_kv(kvc, table_a, T))
+        assert wait_remote(ea, torch.tensor(toks), 3 * CHUNK) == 3 * CHUNK
+        assert tm.same_output(tm.decode(model, logits, T, kvc, table_a, steps), ref)
+    finally:
+        destroy(a)
+    # Run B: another engine, fresh KV; retrieves the whole chunks, computes the rest.
+    b, eb = lmcache_engine(daemon, shape)
+    try:
+        hit = int(eb.lookup(torch.tensor(toks)))
+        assert hit == 3 * CHUNK
+        kv = torch.zeros(tm.LAYERS, 2, hit, tm.HEADS, tm.HEAD, dtype=tm.DTYPE)
+        assert int(eb.retrieve(torch.tensor(toks[:hit]), kvcaches=kv).sum()) == hit
+        kvc = tm.paged_kv(None)
+        at = tm.slots(table_b, hit)
+        for c, layer in zip(kvc.values(), kv):
+            c.view(2, tm.NBLOCKS * tm.BS, tm.HEADS, tm.HEAD)[:, at] = layer
+        logits = model.forward(toks[hit:], hit, kvc, table_b)
+        assert tm.same_output(tm.decode(model, logits, T, kvc, table_b, steps), ref)
+    finally:
+        destroy(b)

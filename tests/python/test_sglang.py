@@ -194,3 +194,71 @@ def test_zero_copy_v1_into_host_indices(daemon: Daemon) -> None:
         got = host.get_data_page(int(dst[i * ps]), flat=True)
         assert torch.equal(got.view(torch.int16), want[i].view(torch.int16))
     b.close()
+
+
+# -- end to end: a small attention model whose KV goes through the backend ---------------------
+
+
+def test_end_to_end_tiny_model(daemon: Daemon) -> None:
+    """The tiny model's prompt KV, copied page by page from its paged KV into a host buffer in
+    SGLang's page_first host-pool layout, is stored by SGLang's page hashes with batch_set and
+    set (as HiCacheController's backup does); a second run in other buffers loads it with
+    batch_get and get into SGLang's flat data pages, writes them into its own host buffer at
+    other indices (set_from_flat_data_page), copies them into fresh paged KV and computes only
+    the rest: the same greedy output as everything recomputed."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    import tiny_model as tm
+
+    L, P = tm.LAYERS, tm.BS  # SGLang's page size is the model's block size
+
+    def host_pool() -> torch.Tensor:
+        # MHATokenToKVPoolHost's "page_first" kv_buffer: (2, size, layer_num, head_num, head_dim)
+        return torch.zeros(2, 8 * P, L, tm.HEADS, tm.HEAD, dtype=tm.DTYPE)
+
+    def data_page(host: torch.Tensor, index: int) -> torch.Tensor:  # get_data_page(flat=True)
+        return host[:, index:index + P].flatten()
+
+    model = tm.TinyModel(seed=11)
+    toks = list(range(9000, 9000 + 3 * P + 7))  # 3 whole pages and a partial one
+    steps = 6
+    pages = len(toks) // P
+    keys, prior = [], None
+    for i in range(pages):  # SGLang's page keys: a hash chain over each page's token ids
+        prior = get_hash_str(toks[i * P:(i + 1) * P], prior)
+        keys.append(prior)
+    table_a, table_b = [4, 11, 2, 20, 7], [15, 1, 9, 30, 22]
+    ref = tm.generate(model, toks, steps, table_a)
+
+    # Run A: prefill, back the prompt's whole pages up to the host pool, store them.
+    b = backend(daemon, tp_size=1, model="tiny-model")
+    kvc = tm.paged_kv(None)
+    logits = model.forward(toks, 0, kvc, table_a)
+    host_a, at_a = host_pool(), [3 * P, 1 * P, 6 * P]  # host indices of the pages
+    for i in range(pages):
+        for layer, cache in enumerate(kvc.values()):
+            host_a[:, at_a[i]:at_a[i] + P, layer] = cache[:, table_a[i]]
+    assert b.batch_set(keys[:-1], [data_page(host_a, at_a[i]) for i in range(pages - 1)])
+    assert b.set(keys[-1], data_page(host_a, at_a[-1]))
+    assert tm.same_output(tm.decode(model, logits, len(toks), kvc, table_a, steps), ref)
+    b.close()
+
+    # Run B: another backend, host pool and paged KV; loads what kvtierd holds.
+    b = backend(daemon, tp_size=1, model="tiny-model")
+    host_b, at_b = host_pool(), [5 * P, 0, 2 * P]
+    dummy = [torch.zeros(2 * L * P * tm.HEADS * tm.HEAD, dtype=tm.DTYPE) for _ in keys]
+    got = b.batch_get(keys[:-1], dummy[:-1]) + [b.get(keys[-1], dummy[-1])]
+    assert all(g is d for g, d in zip(got, dummy))
+    # (SGLang asks batch_exists first; here, with no host pool registered (it needs
+    # torchvision), the backend learns the flat page's size from the first page it sees.)
+    assert b.batch_exists(keys) == pages
+    for i in range(pages):  # set_from_flat_data_page
+        host_b[:, at_b[i]:at_b[i] + P] = got[i].reshape(2, P, L, tm.HEADS, tm.HEAD)
+    kvc = tm.paged_kv(None)
+    for i in range(pages):  # load_to_device
+        for layer, cache in enumerate(kvc.values()):
+            cache[:, table_b[i]] = host_b[:, at_b[i]:at_b[i] + P, layer]
+    hit = pages * P
+    logits = model.forward(toks[hit:], hit, kvc, table_b)
+    assert tm.same_output(tm.decode(model, logits, len(toks), kvc, table_b, steps), ref)
+    b.close()

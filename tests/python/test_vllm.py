@@ -47,12 +47,9 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLL
 
 import kvtier.vllm as kv  # noqa: E402
 
-BS = 16  # tokens per block
-LAYERS = 3
-HEADS = 2
-HEAD = 8
-NBLOCKS = 32
-DTYPE = torch.bfloat16
+# The paged KV's shape and the end-to-end model are shared with the other connectors' tests.
+from tiny_model import BS, DTYPE, HEAD, HEADS, NBLOCKS, TinyModel  # noqa: E402
+from tiny_model import paged_kv as paged  # noqa: E402
 
 _ids = itertools.count(1)
 _tok = itertools.count(0)
@@ -72,17 +69,6 @@ def config(d: Daemon, tp: int = 1, **extra: Any) -> "VllmConfig":
 def connector(cfg: "VllmConfig", role: "KVConnectorRole") -> Any:
     return KVConnectorFactory.create_connector(
         cfg, role, KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[]))
-
-
-def paged(seed: Optional[int]) -> Dict[str, torch.Tensor]:
-    """vLLM's paged KV of each layer: (2, num_blocks, block_size, kv_heads, head_size)."""
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    out = {}
-    for i in range(LAYERS):
-        shape = (2, NBLOCKS, BS, HEADS, HEAD)
-        t = torch.randn(shape, generator=g) if g else torch.zeros(shape)
-        out["model.layers.%d.self_attn.attn" % i] = t.to(DTYPE)
-    return out
 
 
 def request(tokens: List[int], **kw: Any) -> "Request":
@@ -497,63 +483,6 @@ def test_scheduler_survives_no_daemon(tmp_path: Any) -> None:
 
 
 # -- end to end: a small attention model whose KV goes through the connector ------------------
-
-
-class TinyModel:
-    """A 3-layer decoder (embeddings, multi-head causal attention over vLLM's paged KV, MLP),
-    fixed seed, CPU, float32 compute and bfloat16 KV. The forward calls the connector where
-    vLLM's attention layers do: wait_for_layer_load before a layer reads its KV, save_kv_layer
-    after it wrote the step's K and V."""
-
-    VOCAB = 101
-    DIM = 32
-
-    def __init__(self, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-
-        def w(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g) / shape[0] ** 0.5
-
-        d, a = self.DIM, HEADS * HEAD
-        self.emb = w(self.VOCAB, d)
-        self.pos = w(512, d)
-        self.layers = [dict(q=w(d, a), k=w(d, a), v=w(d, a), o=w(a, d), up=w(d, 4 * d),
-                            down=w(4 * d, d)) for _ in range(LAYERS)]
-
-    def forward(self, toks: List[int], start: int, kvc: Dict[str, torch.Tensor],
-                table: List[int], worker: Any = None, meta: Any = None) -> torch.Tensor:
-        """Computes positions [start, start + len(toks)) with the KV of [0, start) read from the
-        paged cache; returns the last position's logits."""
-        if worker is not None:
-            worker.bind_connector_metadata(meta)
-            worker.start_load_kv(None)
-        n = len(toks)
-        end = start + n
-        pos = torch.arange(start, end)
-        x = self.emb[torch.tensor(toks) % self.VOCAB] + self.pos[pos]
-        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(end)])
-        causal = torch.arange(end)[None, :] <= pos[:, None]
-        for (name, cache), p in zip(kvc.items(), self.layers):
-            if worker is not None:
-                worker.wait_for_layer_load(name)
-            h = torch.nn.functional.layer_norm(x, (self.DIM,))
-            q = (h @ p["q"]).view(n, HEADS, HEAD)
-            flat = cache.view(2, NBLOCKS * BS, HEADS, HEAD)
-            flat[0, slots[start:]] = (h @ p["k"]).view(n, HEADS, HEAD).to(DTYPE)
-            flat[1, slots[start:]] = (h @ p["v"]).view(n, HEADS, HEAD).to(DTYPE)
-            if worker is not None:
-                worker.save_kv_layer(name, cache, None)
-            k, v = flat[0, slots].float(), flat[1, slots].float()
-            att = torch.einsum("qhd,khd->hqk", q, k) / HEAD ** 0.5
-            att = att.masked_fill(~causal[None], float("-inf")).softmax(-1)
-            x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(n, -1) @ p["o"]
-            h = torch.nn.functional.layer_norm(x, (self.DIM,))
-            x = x + torch.nn.functional.gelu(h @ p["up"]) @ p["down"]
-        if worker is not None:
-            worker.wait_for_save()
-            assert worker.get_block_ids_with_load_errors() == set()
-            worker.clear_connector_metadata()
-        return x[-1] @ self.emb.T
 
 
 def generate(model: TinyModel, e: Optional["Engine"], toks: List[int], steps: int,
