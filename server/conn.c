@@ -252,9 +252,9 @@ void kvt__req_free(kvt__req_t *r)
     if (r->held) {
         kvt__clients_t *cl = &r->srv->clients;
         cl->bytes -= r->held_bytes;
-        spare_drop(r->srv); /* the newest is kept: the next big frame is most like it */
         if (r->conn && r->held_bytes > KVT_IN_BASE &&
             cl->bytes + r->held_bytes < r->srv->conf->max_client_bytes) {
+            spare_drop(r->srv); /* the newest is kept: the next big frame is most like it */
             cl->kept = r->held; /* for the next big frame (spare_take) */
             cl->kept_bytes = r->held_bytes;
         } else {
