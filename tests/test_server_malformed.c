@@ -612,8 +612,9 @@ Test(server_malformed, big_frames_get_a_buffer_of_their_own_and_give_it_back)
 /*
  * PUTs of 8 MiB one after another, as an engine stores its pages: from the second on, each frame
  * is read into the buffer the PUT before it gave back (kept, instead of one freed and purged by
- * the allocator and a fresh one faulted in per frame), and still stores exactly its own bytes; a
- * frame bigger than that buffer gets a fresh one. The kept buffer counts as held for no client,
+ * the allocator and a fresh one faulted in per frame), and still stores exactly its own bytes,
+ * small PUTs of another connection in between or not; a frame bigger than that buffer gets a
+ * fresh one. The kept buffer counts as held for no client,
  * and a second connection's frame may take it.
  */
 Test(server_malformed, big_frames_reuse_the_buffer_of_the_last_one)
@@ -621,7 +622,7 @@ Test(server_malformed, big_frames_reuse_the_buffer_of_the_last_one)
     enum { PAGE = 16, BB = 1 << 20, PAGES = 8, N = 3 };
     kvd_t d = {0};
     kvd_start(&d, "--dram-bytes", "64M", "--nvme-bytes", "0", "--max-frame", "16M", NULL);
-    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB), *small = kvd_client(&d, "s", PAGE, 4096);
     int fd = kvd_raw(&d), fd2 = kvd_raw(&d);
     raw_hello(fd, PAGE, BB);
     raw_hello(fd2, PAGE, BB);
@@ -636,6 +637,15 @@ Test(server_malformed, big_frames_reuse_the_buffer_of_the_last_one)
         cr_assert_eq(reply(to, KVT_OP_PUT, 2, NULL, NULL), 0);
         free(f);
         cr_expect_eq(kvd_stat(c, "client_buffer_bytes"), 0, "the kept buffer is no client's");
+        if (i == 0) { /* a small PUT meanwhile (its payload copied, then freed) keeps it too */
+            uint32_t st[PAGE];
+            uint8_t page[4096];
+            kvd_tokens(st, PAGE, 777);
+            kvd_fill(page, sizeof page, 7);
+            kvt_client_put_t sp;
+            cr_assert_eq(kvt_client_put(small, st, PAGE, 0, 1, page, NULL, &sp), 0);
+            cr_assert_eq(sp.stored, 1);
+        }
     }
     cr_expect_eq(kvd_stat(c, "frame_buffers_reused"), 3,
                  "the 2nd and 3rd frames, and the other connection's, took a kept buffer");
@@ -643,6 +653,7 @@ Test(server_malformed, big_frames_reuse_the_buffer_of_the_last_one)
         reads_back(c, tok[i], i == N ? PAGES + 4 : PAGES, PAGE, BB, 100 * (i + 1));
     close(fd);
     close(fd2);
+    kvt_client_close(small);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
