@@ -171,6 +171,8 @@ typedef enum {
       "Memory held for clients beyond their base input buffers (max-client-bytes).", NONE)         \
     X(CLIENT_MEMORY_WAITS, COUNTER, "kvtier_client_memory_waits_total",                            \
       "Times a connection stopped reading until max-client-bytes had room for its frame.", NONE)   \
+    X(FRAME_BUFFERS_REUSED, COUNTER, "kvtier_frame_buffers_reused_total",                          \
+      "Big frames read into the kept buffer of an earlier one instead of a fresh buffer.", NONE)   \
     X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
     X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
       "Leases released because their time limit passed.", NONE)                                    \

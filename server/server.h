@@ -254,6 +254,13 @@ typedef struct kvt__clients {
     uint64_t bytes;
     uint32_t mem_waiting; /* connections with mem_wait set */
     int spare_fd;         /* /dev/null, given up to refuse a connection at the open-file limit */
+    /* The buffer of the last big frame a request freed, kept for the next big frame: a fresh one
+     * per frame came from jemalloc purged (madvise) at every free, its pages faulted and zeroed
+     * again (conn.c spare_take). Not in bytes (held for no client), but kept only while bytes
+     * plus it are under max-client-bytes, and dropped before anyone would wait or be held back
+     * for memory, and when the last connection closes. */
+    void *kept;
+    size_t kept_bytes;
 } kvt__clients_t;
 
 /* The policy's executor's part (exec.c): moves in flight, the request a PREFETCH's promotions

@@ -610,6 +610,55 @@ Test(server_malformed, big_frames_get_a_buffer_of_their_own_and_give_it_back)
 }
 
 /*
+ * PUTs of 8 MiB one after another, as an engine stores its pages: from the second on, each frame
+ * is read into the buffer the PUT before it gave back (kept, instead of one freed and purged by
+ * the allocator and a fresh one faulted in per frame), and still stores exactly its own bytes,
+ * small PUTs of another connection in between or not; a frame bigger than that buffer gets a
+ * fresh one. The kept buffer counts as held for no client,
+ * and a second connection's frame may take it.
+ */
+Test(server_malformed, big_frames_reuse_the_buffer_of_the_last_one)
+{
+    enum { PAGE = 16, BB = 1 << 20, PAGES = 8, N = 3 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "64M", "--nvme-bytes", "0", "--max-frame", "16M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB), *small = kvd_client(&d, "s", PAGE, 4096);
+    int fd = kvd_raw(&d), fd2 = kvd_raw(&d);
+    raw_hello(fd, PAGE, BB);
+    raw_hello(fd2, PAGE, BB);
+    uint32_t tok[N + 2][(PAGES + 4) * PAGE];
+    for (int i = 0; i < N + 2; i++) {
+        int pages = i == N ? PAGES + 4 : PAGES; /* the one bigger than the kept buffer */
+        kvd_tokens(tok[i], pages * PAGE, 10000 * (i + 1));
+        size_t len;
+        uint8_t *f = put_frame(tok[i], pages * PAGE, pages, BB, 100 * (i + 1), 2, &len);
+        int to = i == N + 1 ? fd2 : fd;
+        cr_assert_eq(write(to, f, len), (ssize_t)len);
+        cr_assert_eq(reply(to, KVT_OP_PUT, 2, NULL, NULL), 0);
+        free(f);
+        cr_expect_eq(kvd_stat(c, "client_buffer_bytes"), 0, "the kept buffer is no client's");
+        if (i == 0) { /* a small PUT meanwhile (its payload copied, then freed) keeps it too */
+            uint32_t st[PAGE];
+            uint8_t page[4096];
+            kvd_tokens(st, PAGE, 777);
+            kvd_fill(page, sizeof page, 7);
+            kvt_client_put_t sp;
+            cr_assert_eq(kvt_client_put(small, st, PAGE, 0, 1, page, NULL, &sp), 0);
+            cr_assert_eq(sp.stored, 1);
+        }
+    }
+    cr_expect_eq(kvd_stat(c, "frame_buffers_reused"), 3,
+                 "the 2nd and 3rd frames, and the other connection's, took a kept buffer");
+    for (int i = 0; i < N + 2; i++)
+        reads_back(c, tok[i], i == N ? PAGES + 4 : PAGES, PAGE, BB, 100 * (i + 1));
+    close(fd);
+    close(fd2);
+    kvt_client_close(small);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/*
  * max-client-bytes 9M, frames of about 6 MiB: the first connection's frame gets its buffer, the
  * second's does not fit beside it, so that connection is not read (counted, and the memory held
  * stays under the bound) until the first frame is handled; then it is, and both PUTs store their
