@@ -26,6 +26,7 @@ typedef enum {
     KVT_LBL_ERR,      /* kind="..." protocol error kinds */
     KVT_LBL_RECOVERY, /* outcome="inserted|torn|stale|orphan|removed" */
     KVT_LBL_PUT,      /* outcome="stored|cached|no_room|failed" */
+    KVT_LBL_HINT,     /* kind="paused|finished|priority" */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -59,6 +60,14 @@ typedef enum {
     KVT_PUT_FAILED,  /* its write failed */
     KVT_PUT_COUNT
 } kvt_put_outcome_t;
+
+/* An engine hint a MATCH or PUT carried (docs/protocol.md "Engine hints"). */
+typedef enum {
+    KVT_HINTK_PAUSED,   /* KVT_HINT_PAUSED, with its resume_ms */
+    KVT_HINTK_FINISHED, /* KVT_HINT_FINISHED */
+    KVT_HINTK_PRIORITY, /* a non-zero priority */
+    KVT_HINTK_COUNT
+} kvt_hint_kind_t;
 
 /* What the NVMe tier's recovery did with a block it found at start-up. */
 typedef enum {
@@ -167,6 +176,10 @@ typedef enum {
       PUT)                                                                                         \
     X(PUT_ROOM, COUNTER, "kvtier_put_room_pages_total",                                            \
       "PUT pages written after the policy made room for them (no tier had any).", NONE)            \
+    X(HINTS, COUNTER, "kvtier_hints_total",                                                        \
+      "Engine hints carried by MATCH and PUT requests, by kind: paused, finished, priority "       \
+      "(non-zero). A request with several counts once for each.",                                  \
+      HINT)                                                                                        \
     X(CLIENT_BYTES, GAUGE, "kvtier_client_buffer_bytes",                                           \
       "Memory held for clients beyond their base input buffers (max-client-bytes).", NONE)         \
     X(CLIENT_MEMORY_WAITS, COUNTER, "kvtier_client_memory_waits_total",                            \

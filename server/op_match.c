@@ -149,6 +149,7 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
         return kvt__bad_body(c, h, t0, "MATCH");
     if (kvt__need_hello(c, h, t0) < 0)
         return 0;
+    kvt__count_hints(s, &q.hints);
     if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     /* A lookup only reads the tree and counts: no trim for the lease's room here (the

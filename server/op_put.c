@@ -227,6 +227,7 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
             return 0;
         return kvt__bad_body(c, h, t0, "PUT");
     }
+    kvt__count_hints(s, &q.hints);
     uint32_t whole = q.ntokens / c->page_size;
     if (q.npayload && ((uint64_t)q.first_page + q.npayload > whole))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,

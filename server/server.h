@@ -578,6 +578,9 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
 /* The policy's maintenance step (promotions, demotions, drops) and the index trim, bounded; the
  * loop calls it after every batch of events. */
 void kvt__store_step(kvt_srv_t *s);
+/* Counts a MATCH's or PUT's engine hints by kind (kvtier_hints_total), as they arrive, so that
+ * an operator sees whether the engines' connectors send them at all. */
+void kvt__count_hints(kvt_srv_t *s, const kvt_proto_hints_t *w);
 /* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
 void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
 /* A MATCH's use of its path, for the policy's reuse counters and promotions. */

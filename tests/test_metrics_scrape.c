@@ -2,8 +2,9 @@
  * test_metrics_scrape.c: kvtierd's HTTP endpoint on a real scrape: /metrics after real traffic
  * passes `promtool check metrics` with no warnings (skipped when promtool is absent), the counters
  * move with the requests (lookups, looked-up tokens, hits per tier, miss reasons, request
- * histograms, protocol errors), STATS lists the same series as /metrics (every counter and gauge
- * of the one metric table), /healthz answers, and other paths get 404/405.
+ * histograms, protocol errors, engine hints by kind), STATS lists the same series as /metrics
+ * (every counter and gauge of the one metric table), /healthz answers, and other paths get
+ * 404/405.
  */
 #include "proto.h"
 #include "test_server_harness.h"
@@ -237,4 +238,42 @@ Test(metrics_scrape, stats_has_every_series_of_the_metrics)
     cr_expect_eq(stats_value(&l, "put_pages_stored"), 4);
     kvt_client_close(c);
     kvd_stop(&d);
+}
+
+/* The engine hints MATCH and PUT carry are counted by kind, as STATS and /metrics show: an
+ * operator sees whether the engines' connectors send them. A request id alone is no hint. */
+Test(metrics_scrape, hints_are_counted_by_kind)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 512);
+    uint32_t tok[2 * PAGE];
+    kvd_tokens(tok, 2 * PAGE, 3);
+    static const kvt_client_hints_t sent[] = {
+        {.engine_request_id = 1},
+        {.engine_request_id = 2, .resume_ms = 500, .flags = KVT_CLIENT_HINT_PAUSED},
+        {.engine_request_id = 3, .flags = KVT_CLIENT_HINT_FINISHED},
+        {.engine_request_id = 4, .priority = 5},
+    };
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 2 * PAGE, 0, 0, NULL, &m), 0);
+    for (size_t i = 0; i < sizeof sent / sizeof sent[0]; i++)
+        cr_assert_eq(kvt_client_match(c, tok, 2 * PAGE, 0, 0, &sent[i], &m), 0);
+    /* A PUT counts too, once per kind it carries (paused and finished together are refused). */
+    static uint8_t payload[2 * 512];
+    const kvt_client_hints_t two = {
+        .resume_ms = 100, .priority = 1, .flags = KVT_CLIENT_HINT_PAUSED};
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, 2 * PAGE, 0, 2, payload, &two, &r), 0);
+    static stats_list_t l;
+    cr_assert_eq(kvt_client_stats(c, stats_take, &l), 0);
+    cr_expect_eq(stats_value(&l, "hints_paused"), 2);
+    cr_expect_eq(stats_value(&l, "hints_finished"), 1);
+    cr_expect_eq(stats_value(&l, "hints_priority"), 2);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    cr_expect_eq(metric(body, "kvtier_hints_total{kind=\"paused\"}"), 2);
+    cr_expect_eq(metric(body, "kvtier_hints_total{kind=\"finished\"}"), 1);
+    cr_expect_eq(metric(body, "kvtier_hints_total{kind=\"priority\"}"), 2);
+    kvd_cleanup(&d);
 }

@@ -1,7 +1,8 @@
 """test_hints.py: engine hints as explicit calls (kvtier/hints.py: Client.session_paused,
 request_finished, prioritize) against a real kvtierd: they reach the daemon (it validates
 them), and its cost policy keeps or drops the hinted pages under pressure as docs/policy.md
-says. The daemon keeps no count of hints, so their effect is what the tests look at."""
+says. The daemon counts the hints it receives by kind (kvtier_hints_total; STATS hints_paused,
+hints_finished, hints_priority): each call moves its own counter."""
 
 from __future__ import annotations
 
@@ -61,6 +62,35 @@ def test_hints_reach_the_daemon(client: kvtier.Client) -> None:
     with pytest.raises(kvtier.ProtocolError):
         client.match(t, hints=kvtier.Hints(paused=True, finished=True))
     assert client.match(t).pages == 2
+
+
+HINT_STATS = ("hints_paused", "hints_finished", "hints_priority")
+
+
+def hint_counts(c: kvtier.Client) -> Tuple[int, ...]:
+    st = c.stats()
+    return tuple(st[k] for k in HINT_STATS)
+
+
+def test_each_hint_call_moves_its_counter(client: kvtier.Client) -> None:
+    """An operator reads from these counters whether an engine's connector sends hints: each
+    call counts once under its own kind, and a MATCH without hints under none."""
+    t = tokens(2)
+    client.put(t, payload(2, 4))
+    before = hint_counts(client)
+    client.match(t)
+    assert hint_counts(client) == before
+    steps = [
+        (lambda: client.session_paused(t, 1.0), (1, 0, 0)),
+        (lambda: client.request_finished(t), (0, 1, 0)),
+        (lambda: client.prioritize(t, 50), (0, 0, 1)),
+        (lambda: client.session_paused(t, 1.0, priority=10), (1, 0, 1)),
+    ]
+    for call, moved in steps:
+        was = hint_counts(client)
+        call()
+        now = hint_counts(client)
+        assert tuple(b - a for a, b in zip(was, now)) == moved, (HINT_STATS, was, now)
 
 
 def test_bad_arguments(client: kvtier.Client) -> None:
