@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+from pybench import Daemon, run_in_venv
 
 PAGE_TOKENS = 16
 
@@ -36,16 +36,7 @@ def parse() -> argparse.Namespace:
 
 args = parse()
 build = os.path.abspath(args.build_root)
-venv_py = os.path.join(build, "pyenv", "bin", "python")
-if os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(build, "pyenv")):
-    if not os.access(venv_py, os.X_OK):
-        print("bench_client: no %s (bash scripts/pyenv.sh makes it)" % venv_py, file=sys.stderr)
-        sys.exit(1)
-    os.execv(venv_py, [venv_py, os.path.abspath(__file__), *sys.argv[1:]])
-
-source = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(source, "python"))
-os.environ.setdefault("KVT_BUILD_ROOT", build)
+run_in_venv(build, "bench_client", 1)
 import numpy as np  # noqa: E402
 
 import kvtier  # noqa: E402
@@ -53,31 +44,6 @@ import kvtier  # noqa: E402
 SIZES = [(2 << 20, 64), (256 << 10, 256)]  # (block bytes, pages per pass): 128 and 64 MiB
 if args.quick:
     SIZES = [(2 << 20, 8), (256 << 10, 32)]
-
-
-class Daemon:
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kvt-bench-client-")
-        self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
-        self.proc = subprocess.Popen(
-            [os.path.join(build, "server", "kvtierd"), "--tcp", "", "--metrics", "",
-             "--dram-bytes", "512M", "--nvme-bytes", "0", "--hbm-bytes", "0",
-             "--log-level", "warn"],
-            cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.unix = None
-        for line in self.proc.stdout:
-            if line.startswith("unix "):
-                self.unix = os.path.join(self.dir, line.split(" ", 1)[1].strip())
-            if line.strip() == "ready":
-                break
-        if not self.unix:
-            raise RuntimeError("kvtierd did not start (%s/kvtierd.log)" % self.dir)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def emit(impl: str, op: str, block: int, pages: int, pass_: int, secs: float) -> dict:
@@ -150,7 +116,7 @@ def main() -> int:
     for block, pages in SIZES:
         recs += c_passes(helper, "memcpy", "", block, pages, args.passes)
         for impl in ("libkvtier", "python"):
-            d = Daemon()
+            d = Daemon(build, "kvt-bench-client-", "512M")
             try:
                 if impl == "python":
                     recs += python_passes(d.unix, block, pages, args.passes)

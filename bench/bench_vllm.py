@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+from pybench import Daemon, run_in_venv
 
 
 def parse() -> argparse.Namespace:
@@ -47,16 +46,7 @@ def parse() -> argparse.Namespace:
 
 args = parse()
 build = os.path.abspath(args.build_root)
-venv_py = os.path.join(build, "pyenv", "bin", "python")
-if os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(build, "pyenv")):
-    if not os.access(venv_py, os.X_OK):
-        print("bench_vllm: no %s (bash scripts/pyenv.sh makes it)" % venv_py, file=sys.stderr)
-        sys.exit(77)
-    os.execv(venv_py, [venv_py, os.path.abspath(__file__), *sys.argv[1:]])
-
-source = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(source, "python"))
-os.environ.setdefault("KVT_BUILD_ROOT", build)
+run_in_venv(build, "bench_vllm", 77)
 
 import torch  # noqa: E402
 
@@ -82,32 +72,6 @@ PAGES = 32
 NBLOCKS = PAGES + 8
 LAYER_BYTES = 2 * BS * HEADS * HEAD * 2
 PAGE_BYTES = LAYERS * LAYER_BYTES
-
-
-class Daemon:
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="kvt-bench-vllm-")
-        self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
-        self.proc = subprocess.Popen(
-            [os.path.join(build, "server", "kvtierd"), "--tcp", "", "--metrics", "",
-             "--dram-bytes", "384M", "--nvme-bytes", "0", "--hbm-bytes", "0",
-             "--log-level", "warn"],
-            cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.unix = ""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("unix "):
-                self.unix = os.path.join(self.dir, line.split(" ", 1)[1].strip())
-            if line.strip() == "ready":
-                break
-        if not self.unix:
-            raise RuntimeError("kvtierd did not start (%s/kvtierd.log)" % self.dir)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def connectors(unix: str) -> tuple:
@@ -153,7 +117,7 @@ def gib_s(nbytes: int, secs: float) -> float:
 
 
 def main() -> None:
-    d = Daemon()
+    d = Daemon(build, "kvt-bench-vllm-", "384M")
     try:
         run(d)
     finally:
