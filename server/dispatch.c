@@ -168,12 +168,12 @@ static int add_stat(void *arg, const char *name, uint64_t v)
 static int h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
-    if (h->flags || h->body_len != 0) {
+    if (h->flags)
+        return kvt__bad_body(c, h, t0, "STATS");
+    if (h->body_len != 0) {
         kvt__proto_error(s, KVT_PERR_BAD_BODY);
-        return h->flags ? kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
-                                           "unknown STATS flag bits 0x%x", h->flags)
-                        : kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
-                                           "STATS takes an empty body");
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EPROTO,
+                                "STATS takes an empty body");
     }
     kvt__tier_metrics(s); /* the gauges a scrape refreshes first */
     kvt_statbuf_t b = {0};
