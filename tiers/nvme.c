@@ -852,15 +852,6 @@ static void disk_error(const nvme_t *n, const char *fmt, ...)
             what, n->dir, n->dir);
 }
 
-/* Up to 40 bytes of s for a message: printable ASCII, the rest as '?'. */
-static void printable(char *out, const char *s, size_t len)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < len && k < 40; i++)
-        out[k++] = s[i] >= 0x20 && s[i] < 0x7f ? s[i] : '?';
-    out[k] = 0;
-}
-
 /* Reads kvtier.meta of a directory that holds a data file: its version into *version when the
  * geometry is the one asked. KVT_EINVAL for another geometry, KVT_ECORRUPT when it is missing,
  * empty or not a geometry line, or a negated errno. */
@@ -900,8 +891,8 @@ static int meta_read(nvme_t *n, uint32_t *version)
     if (sscanf(have, "kvtier-nvme v%u segment_bytes=%u segments=%u\n%n", &v, &segb, &nsegs, &end) !=
             3 ||
         end < 0 || (size_t)end != got || have[got - 1] != '\n' || strlen(have) != got) {
-        char shown[48];
-        printable(shown, have, got);
+        char shown[KVT_LOG_STR_CAP(40)];
+        kvt_log_str(shown, sizeof shown, have, got, 40);
         disk_error(n,
                    "%s is damaged: it starts with \"%s\" where a line \"kvtier-nvme v%u "
                    "segment_bytes=... segments=...\" should record the geometry of %s",
