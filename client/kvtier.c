@@ -759,14 +759,8 @@ static int batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void *p1
     size_t blen = l1 + l2 + l3;
     if (blen > b->c->max_frame)
         return KVT_ETOOBIG;
-    if (b->n == b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 64;
-        kvt_batch_ent_t *e = realloc(b->ents, cap * sizeof *e);
-        if (!e)
-            return KVT_ENOMEM;
-        b->ents = e;
-        b->cap = cap;
-    }
+    if (kvt_reserve(&b->ents, &b->cap, b->n + 1, sizeof *b->ents, 64) < 0)
+        return KVT_ENOMEM;
     if (kvt_reserve(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen, 1, 4096) < 0)
         return KVT_ENOMEM;
     uint64_t id = b->c->next_id++;

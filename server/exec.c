@@ -172,17 +172,12 @@ void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint6
         free_now(s, tier, loc, len, discard);
         return;
     }
-    if (s->exec.ndfree == s->exec.cap_dfree) {
-        size_t cap = s->exec.cap_dfree ? 2 * s->exec.cap_dfree : 16;
-        kvt__dfree_t *d = realloc(s->exec.dfree, cap * sizeof *d);
-        if (!d) {
-            /* Cannot wait: leak the location rather than free it under a read. */
-            kvt_log(KVT_LOG_ERROR, "kvtierd: out of memory deferring a %s free",
-                    kvt_tier_name((kvt_tier_id_t)tier));
-            return;
-        }
-        s->exec.dfree = d;
-        s->exec.cap_dfree = cap;
+    if (kvt_reserve(&s->exec.dfree, &s->exec.cap_dfree, s->exec.ndfree + 1, sizeof *s->exec.dfree,
+                    16) < 0) {
+        /* Cannot wait: leak the location rather than free it under a read. */
+        kvt_log(KVT_LOG_ERROR, "kvtierd: out of memory deferring a %s free",
+                kvt_tier_name((kvt_tier_id_t)tier));
+        return;
     }
     s->exec.dfree[s->exec.ndfree++] = (kvt__dfree_t){
         .hash = hash, .loc = loc, .len = len, .tier = tier, .discard = (uint8_t)discard};

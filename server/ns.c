@@ -9,17 +9,10 @@
 
 int kvt__ns_get(kvt_srv_t *s, uint32_t ns, kvt__ns_t **out)
 {
-    if (ns >= s->cap_ns) {
-        size_t cap = s->cap_ns ? s->cap_ns * 2 : 8;
-        while (cap <= ns)
-            cap *= 2;
-        kvt__ns_t *n = realloc(s->ns, cap * sizeof *n);
-        if (!n)
-            return KVT_ENOMEM;
-        memset(n + s->cap_ns, 0, (cap - s->cap_ns) * sizeof *n);
-        s->ns = n;
-        s->cap_ns = cap;
-    }
+    size_t old = s->cap_ns;
+    if (kvt_reserve(&s->ns, &s->cap_ns, (size_t)ns + 1, sizeof *s->ns, 8) < 0)
+        return KVT_ENOMEM;
+    memset(s->ns + old, 0, (s->cap_ns - old) * sizeof *s->ns);
     if (ns >= s->nns)
         s->nns = ns + 1;
     *out = &s->ns[ns];
