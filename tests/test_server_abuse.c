@@ -11,34 +11,13 @@
 
 #include "radix.h"
 #include "proto.h"
+#include "test_raw_frames.h"
 #include "test_server_harness.h"
 
 static void raw_send(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body,
                      uint32_t len)
 {
-    uint8_t hdr[KVT_PROTO_HDR];
-    kvt_proto_hdr_t h = {.magic = KVT_PROTO_MAGIC,
-                         .version = KVT_PROTO_VERSION,
-                         .opcode = (uint8_t)op,
-                         .flags = flags,
-                         .request_id = id,
-                         .body_len = len};
-    kvt_proto_hdr_encode(hdr, &h);
-    struct iovec iov[2] = {{hdr, sizeof hdr}, {(void *)body, body ? len : 0}};
-    ssize_t want = (ssize_t)(sizeof hdr + (body ? len : 0));
-    cr_assert_eq(writev(fd, iov, 2), want);
-}
-
-static int read_full(int fd, uint8_t *p, size_t n)
-{
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = read(fd, p + got, n - got);
-        if (r <= 0)
-            return -1;
-        got += (size_t)r;
-    }
-    return 0;
+    raw_frame(fd, op, flags, id, body, len, KVT_PROTO_MAGIC, KVT_PROTO_VERSION);
 }
 
 /* Reads one reply to request id of opcode op; returns its status. body (if given, 4096 bytes)

@@ -9,41 +9,12 @@
 #include <sys/uio.h>
 
 #include "proto.h"
+#include "test_raw_frames.h"
 #include "test_server_harness.h"
-
-static void raw_send(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body,
-                     uint32_t len, uint32_t magic, uint8_t version)
-{
-    uint8_t hdr[KVT_PROTO_HDR];
-    kvt_proto_hdr_t h = {.magic = magic,
-                         .version = version,
-                         .opcode = (uint8_t)op,
-                         .flags = flags,
-                         .request_id = id,
-                         .body_len = len};
-    kvt_proto_hdr_encode(hdr, &h);
-    /* Header and body in one call: the daemon may close the connection as soon as it has read
-     * a bad header, and a body written after that would raise SIGPIPE in this process. */
-    struct iovec iov[2] = {{hdr, sizeof hdr}, {(void *)body, body ? len : 0}};
-    ssize_t want = (ssize_t)(sizeof hdr + (body ? len : 0));
-    cr_assert_eq(writev(fd, iov, 2), want);
-}
 
 static void req(int fd, unsigned op, uint16_t flags, uint64_t id, const void *body, uint32_t len)
 {
-    raw_send(fd, op, flags, id, body, len, KVT_PROTO_MAGIC, KVT_PROTO_VERSION);
-}
-
-static int read_full(int fd, uint8_t *p, size_t n)
-{
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = read(fd, p + got, n - got);
-        if (r <= 0)
-            return -1;
-        got += (size_t)r;
-    }
-    return 0;
+    raw_frame(fd, op, flags, id, body, len, KVT_PROTO_MAGIC, KVT_PROTO_VERSION);
 }
 
 /* Reads one reply; returns its status, checks its id and opcode. */
@@ -125,13 +96,13 @@ Test(server_malformed, framing_errors_close_only_that_connection)
     uint64_t e0 = perrors(good);
 
     int fd = kvd_raw(&d);
-    raw_send(fd, KVT_OP_PING, 0, 5, "hi", 2, 0xdeadbeef, KVT_PROTO_VERSION);
+    raw_frame(fd, KVT_OP_PING, 0, 5, "hi", 2, 0xdeadbeef, KVT_PROTO_VERSION);
     cr_expect_eq(reply(fd, 0, 5, NULL, NULL), KVT_EPROTO, "bad magic");
     cr_expect(closed(fd));
     close(fd);
 
     fd = kvd_raw(&d);
-    raw_send(fd, KVT_OP_PING, 0, 6, "hi", 2, KVT_PROTO_MAGIC, 9);
+    raw_frame(fd, KVT_OP_PING, 0, 6, "hi", 2, KVT_PROTO_MAGIC, 9);
     cr_expect_eq(reply(fd, KVT_OP_PING, 6, NULL, NULL), KVT_EPROTO, "bad version");
     cr_expect(closed(fd));
     close(fd);
