@@ -541,7 +541,7 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
                 return h.status;
             }
             uint32_t sent;
-            if (kvt_proto_get_end_decode(body, h.body_len, &sent) < 0 || sent != n)
+            if (kvt_proto_get_end_decode(body, h.body_len, &sent, NULL) < 0 || sent != n)
                 return broken_with(c, KVT_EPROTO);
             return stop;
         }

@@ -14,7 +14,8 @@ static const char *const kvt_op_names[KVT_OP_COUNT] = {
     [KVT_OP_HELLO] = "hello",     [KVT_OP_AUTH] = "auth",     [KVT_OP_MATCH] = "match",
     [KVT_OP_PUT] = "put",         [KVT_OP_GET] = "get",       [KVT_OP_PREFETCH] = "prefetch",
     [KVT_OP_RELEASE] = "release", [KVT_OP_REMOVE] = "remove", [KVT_OP_STATS] = "stats",
-    [KVT_OP_PING] = "ping",
+    [KVT_OP_PING] = "ping",       [KVT_OP_MAP] = "map",       [KVT_OP_RESERVE] = "reserve",
+    [KVT_OP_COMMIT] = "commit",
 };
 
 const char *kvt_proto_op_name(unsigned op)
@@ -27,6 +28,8 @@ static const uint16_t kvt_op_flags[KVT_OP_COUNT] = {
     [KVT_OP_MATCH] = KVT_MATCH_F_ALL,
     [KVT_OP_PREFETCH] = KVT_PREFETCH_F_ALL,
     [KVT_OP_REMOVE] = KVT_REMOVE_F_ALL,
+    [KVT_OP_GET] = KVT_GET_F_ALL,
+    [KVT_OP_COMMIT] = KVT_COMMIT_F_ALL,
 };
 
 unsigned kvt_proto_req_flags(unsigned op)
@@ -193,6 +196,43 @@ int kvt_proto_put_decode(const uint8_t *body, size_t len, uint32_t block_bytes,
     return 0;
 }
 
+int kvt_proto_map_decode(const uint8_t *body, size_t len, uint32_t *tier)
+{
+    kvt_wire_map_t w;
+    if (len != sizeof w)
+        return KVT_EPROTO;
+    memcpy(&w, body, sizeof w);
+    if (w.reserved != 0)
+        return KVT_EPROTO;
+    *tier = le32toh(w.tier);
+    return 0;
+}
+
+int kvt_proto_reserve_decode(const uint8_t *body, size_t len, kvt_proto_reserve_t *out)
+{
+    kvt_wire_reserve_t w;
+    if (len < sizeof w)
+        return KVT_EPROTO;
+    memcpy(&w, body, sizeof w);
+    if (kvt_proto_hints_from_wire(&w.hints, &out->hints) < 0 || w.reserved != 0)
+        return KVT_EPROTO;
+    out->ntokens = le32toh(w.ntokens);
+    out->first_page = le32toh(w.first_page);
+    out->npages = le32toh(w.npages);
+    if (!tokens_fit(len, sizeof w, out->ntokens, 0))
+        return KVT_EPROTO;
+    out->tokens = body + sizeof w;
+    return 0;
+}
+
+int kvt_proto_commit_decode(const uint8_t *body, size_t len, uint64_t *resv)
+{
+    if (len != sizeof(kvt_wire_commit_t))
+        return KVT_EPROTO;
+    *resv = kvt_get_u64(body);
+    return 0;
+}
+
 int kvt_proto_get_decode(const uint8_t *body, size_t len, kvt_proto_get_t *out)
 {
     kvt_wire_get_t w;
@@ -319,6 +359,29 @@ void kvt_proto_remove_encode(uint8_t out[sizeof(kvt_wire_remove_t)], uint32_t nt
 {
     kvt_wire_remove_t w = {.ntokens = htole32(ntokens)};
     memcpy(out, &w, sizeof w);
+}
+
+void kvt_proto_map_encode(uint8_t out[sizeof(kvt_wire_map_t)], uint32_t tier)
+{
+    kvt_wire_map_t w = {.tier = htole32(tier)};
+    memcpy(out, &w, sizeof w);
+}
+
+void kvt_proto_reserve_encode(uint8_t out[sizeof(kvt_wire_reserve_t)],
+                              const kvt_proto_reserve_t *m)
+{
+    kvt_wire_reserve_t w = {
+        .ntokens = htole32(m->ntokens),
+        .first_page = htole32(m->first_page),
+        .npages = htole32(m->npages),
+    };
+    kvt_proto_hints_to_wire(&m->hints, &w.hints);
+    memcpy(out, &w, sizeof w);
+}
+
+void kvt_proto_commit_encode(uint8_t out[sizeof(kvt_wire_commit_t)], uint64_t resv)
+{
+    kvt_put_u64(out, resv);
 }
 
 /* ---- replies ---- */
@@ -459,6 +522,8 @@ int kvt_proto_get_data_decode(const uint8_t *body, size_t len, uint32_t *page, u
     if (len < sizeof w)
         return KVT_EPROTO;
     memcpy(&w, body, sizeof w);
+    if (w.reserved[0] != KVT_GET_DATA_BYTES)
+        return KVT_EPROTO;
     *page = le32toh(w.page);
     *tier = w.tier;
     *data = body + sizeof w;
@@ -466,18 +531,128 @@ int kvt_proto_get_data_decode(const uint8_t *body, size_t len, uint32_t *page, u
     return 0;
 }
 
-void kvt_proto_get_end_encode(uint8_t out[sizeof(kvt_wire_get_end_t)], uint32_t npages)
+void kvt_proto_get_end_encode(uint8_t out[sizeof(kvt_wire_get_end_t)], uint32_t npages,
+                              uint32_t lease_ms_left)
 {
-    kvt_wire_get_end_t w = {.npages = htole32(npages)};
+    kvt_wire_get_end_t w = {.npages = htole32(npages), .lease_ms_left = htole32(lease_ms_left)};
     memcpy(out, &w, sizeof w);
 }
 
-int kvt_proto_get_end_decode(const uint8_t *body, size_t len, uint32_t *npages)
+int kvt_proto_get_end_decode(const uint8_t *body, size_t len, uint32_t *npages,
+                             uint32_t *lease_ms_left)
 {
     if (len != sizeof(kvt_wire_get_end_t))
         return KVT_EPROTO;
     *npages = kvt_get_u32(body);
+    if (lease_ms_left)
+        *lease_ms_left = kvt_get_u32(body + 4);
     return 0;
+}
+
+int kvt_proto_get_data_kind(const uint8_t *body, size_t len)
+{
+    if (len < sizeof(kvt_wire_get_data_t))
+        return KVT_EPROTO;
+    return body[5];
+}
+
+void kvt_proto_get_loc_encode(uint8_t out[sizeof(kvt_wire_get_loc_t)], uint32_t page, uint8_t tier,
+                              uint64_t offset, uint32_t len)
+{
+    kvt_wire_get_loc_t w = {
+        .page = htole32(page),
+        .tier = tier,
+        .kind = KVT_GET_DATA_LOC,
+        .offset = htole64(offset),
+        .len = htole32(len),
+    };
+    memcpy(out, &w, sizeof w);
+}
+
+int kvt_proto_get_loc_decode(const uint8_t *body, size_t len, uint32_t *page, uint8_t *tier,
+                             uint64_t *offset, uint32_t *data_len)
+{
+    kvt_wire_get_loc_t w;
+    if (len != sizeof w)
+        return KVT_EPROTO;
+    memcpy(&w, body, sizeof w);
+    if (w.kind != KVT_GET_DATA_LOC || w.reserved != 0 || w.reserved2 != 0)
+        return KVT_EPROTO;
+    *page = le32toh(w.page);
+    *tier = w.tier;
+    *offset = le64toh(w.offset);
+    *data_len = le32toh(w.len);
+    return 0;
+}
+
+void kvt_proto_map_reply_encode(uint8_t out[sizeof(kvt_wire_map_reply_t)],
+                                const kvt_proto_map_reply_t *r)
+{
+    kvt_wire_map_reply_t w = {
+        .map_bytes = htole64(r->map_bytes),
+        .tier = htole32(r->tier),
+        .handle_len = htole32(r->handle_len),
+    };
+    memcpy(out, &w, sizeof w);
+}
+
+int kvt_proto_map_reply_decode(const uint8_t *body, size_t len, kvt_proto_map_reply_t *r)
+{
+    kvt_wire_map_reply_t w;
+    if (len < sizeof w)
+        return KVT_EPROTO;
+    memcpy(&w, body, sizeof w);
+    r->map_bytes = le64toh(w.map_bytes);
+    r->tier = le32toh(w.tier);
+    r->handle_len = le32toh(w.handle_len);
+    if (len - sizeof w != r->handle_len)
+        return KVT_EPROTO;
+    r->handle = body + sizeof w;
+    return 0;
+}
+
+void kvt_proto_reserve_reply_encode(uint8_t out[sizeof(kvt_wire_reserve_reply_t)],
+                                    const kvt_proto_reserve_reply_t *r)
+{
+    kvt_wire_reserve_reply_t w = {
+        .resv = htole64(r->resv),
+        .pages = htole32(r->pages),
+        .new_pages = htole32(r->new_pages),
+        .nlocs = htole32(r->nlocs),
+    };
+    memcpy(out, &w, sizeof w);
+}
+
+void kvt_proto_resv_loc_encode(uint8_t out[sizeof(kvt_wire_resv_loc_t)], uint32_t page,
+                               uint64_t offset)
+{
+    kvt_wire_resv_loc_t w = {.page = htole32(page), .offset = htole64(offset)};
+    memcpy(out, &w, sizeof w);
+}
+
+int kvt_proto_reserve_reply_decode(const uint8_t *body, size_t len, kvt_proto_reserve_reply_t *r)
+{
+    kvt_wire_reserve_reply_t w;
+    if (len < sizeof w)
+        return KVT_EPROTO;
+    memcpy(&w, body, sizeof w);
+    r->resv = le64toh(w.resv);
+    r->pages = le32toh(w.pages);
+    r->new_pages = le32toh(w.new_pages);
+    r->nlocs = le32toh(w.nlocs);
+    if (w.reserved != 0 ||
+        (uint64_t)(len - sizeof w) != (uint64_t)r->nlocs * sizeof(kvt_wire_resv_loc_t))
+        return KVT_EPROTO;
+    r->locs = body + sizeof w;
+    return 0;
+}
+
+void kvt_proto_resv_loc(const kvt_proto_reserve_reply_t *r, uint32_t i, uint32_t *page,
+                        uint64_t *offset)
+{
+    const uint8_t *p = r->locs + (size_t)i * sizeof(kvt_wire_resv_loc_t);
+    *page = kvt_get_u32(p);
+    *offset = kvt_get_u64(p + 8);
 }
 
 int kvt_proto_stat_encode(uint8_t *out, size_t cap, size_t *len, const char *name, uint64_t value)

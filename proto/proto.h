@@ -56,7 +56,10 @@ typedef enum {
     KVT_OP_REMOVE = 8,
     KVT_OP_STATS = 9,
     KVT_OP_PING = 10,
-    KVT_OP_COUNT = 11,
+    KVT_OP_MAP = 11,     /* zero-copy: map the namespace's shared memory (Unix socket only) */
+    KVT_OP_RESERVE = 12, /* zero-copy PUT: reserve room the client writes through its mapping */
+    KVT_OP_COMMIT = 13,  /* zero-copy PUT: make a reservation's pages visible (or give it back) */
+    KVT_OP_COUNT = 14,
     KVT_OP_REPLY = 0x80 /* or-ed into a reply's opcode */
 } kvt_op_t;
 
@@ -73,6 +76,10 @@ enum {
     KVT_PREFETCH_F_ALL = 0x1,
     KVT_REMOVE_F_NOWAIT = 1u << 0, /* EBUSY at once for blocks busy with I/O, instead of waiting */
     KVT_REMOVE_F_ALL = 0x1,
+    KVT_GET_F_LOCATE = 1u << 0, /* pages in the connection's mapping answered by location */
+    KVT_GET_F_ALL = 0x1,
+    KVT_COMMIT_F_ABORT = 1u << 0, /* give the reservation back: nothing becomes visible */
+    KVT_COMMIT_F_ALL = 0x1,
     KVT_RF_MORE = 1u << 0, /* reply: more frames for this request follow (GET data) */
 };
 
@@ -184,8 +191,58 @@ typedef struct KVT_WIRE kvt_wire_get_data { /* then block_bytes of payload */
 
 typedef struct KVT_WIRE kvt_wire_get_end {
     uint32_t npages;
-    uint32_t reserved;
+    uint32_t lease_ms_left; /* GET with LOCATE: what the lease had left; 0 otherwise */
 } kvt_wire_get_end_t;
+
+/* A GET data frame's byte 5: what follows the head. */
+enum { KVT_GET_DATA_BYTES = 0, KVT_GET_DATA_LOC = 1 };
+
+typedef struct KVT_WIRE kvt_wire_get_loc { /* a data frame answered by location (LOCATE) */
+    uint32_t page;
+    uint8_t tier;
+    uint8_t kind; /* KVT_GET_DATA_LOC */
+    uint16_t reserved;
+    uint64_t offset; /* into the mapping MAP gave for that tier */
+    uint32_t len;
+    uint32_t reserved2;
+} kvt_wire_get_loc_t;
+
+typedef struct KVT_WIRE kvt_wire_map {
+    uint32_t tier; /* KVT_TIER_DRAM or KVT_TIER_HBM */
+    uint32_t reserved;
+} kvt_wire_map_t;
+
+typedef struct KVT_WIRE kvt_wire_map_reply { /* then handle_len bytes (HBM: the IPC handle) */
+    uint64_t map_bytes;
+    uint32_t tier;
+    uint32_t handle_len;
+} kvt_wire_map_reply_t;
+
+typedef struct KVT_WIRE kvt_wire_reserve { /* then ntokens x u32 */
+    kvt_wire_hints_t hints;
+    uint32_t ntokens;
+    uint32_t first_page;
+    uint32_t npages;
+    uint32_t reserved;
+} kvt_wire_reserve_t;
+
+typedef struct KVT_WIRE kvt_wire_reserve_reply { /* then nlocs x kvt_wire_resv_loc */
+    uint64_t resv;
+    uint32_t pages;
+    uint32_t new_pages;
+    uint32_t nlocs;
+    uint32_t reserved;
+} kvt_wire_reserve_reply_t;
+
+typedef struct KVT_WIRE kvt_wire_resv_loc {
+    uint32_t page;
+    uint32_t reserved;
+    uint64_t offset;
+} kvt_wire_resv_loc_t;
+
+typedef struct KVT_WIRE kvt_wire_commit {
+    uint64_t resv;
+} kvt_wire_commit_t;
 
 typedef struct KVT_WIRE kvt_wire_prefetch { /* then ntokens x u32 */
     uint32_t tier;
@@ -222,6 +279,13 @@ _Static_assert(sizeof(kvt_wire_put_reply_t) == 16, "PUT reply is 16 bytes");
 _Static_assert(sizeof(kvt_wire_get_t) == 16, "GET is 16 bytes");
 _Static_assert(sizeof(kvt_wire_get_data_t) == 8, "GET data frame head is 8 bytes");
 _Static_assert(sizeof(kvt_wire_get_end_t) == 8, "GET end frame is 8 bytes");
+_Static_assert(sizeof(kvt_wire_get_loc_t) == 24, "GET location frame is 24 bytes");
+_Static_assert(sizeof(kvt_wire_map_t) == 8, "MAP is 8 bytes");
+_Static_assert(sizeof(kvt_wire_map_reply_t) == 16, "MAP reply fixed part is 16 bytes");
+_Static_assert(sizeof(kvt_wire_reserve_t) == 32, "RESERVE fixed part is 32 bytes");
+_Static_assert(sizeof(kvt_wire_reserve_reply_t) == 24, "RESERVE reply fixed part is 24 bytes");
+_Static_assert(sizeof(kvt_wire_resv_loc_t) == 16, "a reserved page's location is 16 bytes");
+_Static_assert(sizeof(kvt_wire_commit_t) == 8, "COMMIT is 8 bytes");
 _Static_assert(sizeof(kvt_wire_prefetch_t) == 16, "PREFETCH fixed part is 16 bytes");
 _Static_assert(sizeof(kvt_wire_prefetch_reply_t) == 16, "PREFETCH reply is 16 bytes");
 _Static_assert(sizeof(kvt_wire_release_t) == 8, "RELEASE is 8 bytes");
@@ -281,6 +345,30 @@ typedef struct kvt_proto_get {
     uint32_t npages; /* 0: to the end of the leased path */
 } kvt_proto_get_t;
 
+/* RESERVE: PUT's fields without a payload; npages pages from first_page get room. */
+typedef struct kvt_proto_reserve {
+    kvt_proto_hints_t hints;
+    uint32_t ntokens;
+    uint32_t first_page;
+    uint32_t npages;
+    const uint8_t *tokens;
+} kvt_proto_reserve_t;
+
+typedef struct kvt_proto_reserve_reply {
+    uint64_t resv;      /* the reservation's id, for COMMIT; 0 when nothing was reserved */
+    uint32_t pages;     /* whole pages of the request, all in the index now */
+    uint32_t new_pages; /* pages this RESERVE added to the index */
+    uint32_t nlocs;     /* pages that got room: as many locations follow */
+    const uint8_t *locs;
+} kvt_proto_reserve_reply_t;
+
+typedef struct kvt_proto_map_reply {
+    uint64_t map_bytes; /* the length to mmap (DRAM) or of the device allocation (HBM) */
+    uint32_t tier;
+    uint32_t handle_len;
+    const uint8_t *handle; /* HBM: the cudaIpcMemHandle_t bytes */
+} kvt_proto_map_reply_t;
+
 typedef struct kvt_proto_prefetch {
     uint32_t tier; /* kvt_tier_id_t to move the blocks up to (HBM or DRAM) */
     uint32_t deadline_ms;
@@ -320,6 +408,9 @@ int kvt_proto_prefetch_decode(const uint8_t *body, size_t len, kvt_proto_prefetc
 int kvt_proto_release_decode(const uint8_t *body, size_t len, uint64_t *lease);
 int kvt_proto_remove_decode(const uint8_t *body, size_t len, uint32_t *ntokens,
                             const uint8_t **tokens);
+int kvt_proto_map_decode(const uint8_t *body, size_t len, uint32_t *tier);
+int kvt_proto_reserve_decode(const uint8_t *body, size_t len, kvt_proto_reserve_t *out);
+int kvt_proto_commit_decode(const uint8_t *body, size_t len, uint64_t *resv);
 
 /* Copies n little-endian u32 tokens out of a frame into host order. */
 void kvt_proto_tokens(const uint8_t *src, uint32_t n, uint32_t *dst);
@@ -340,6 +431,10 @@ void kvt_proto_prefetch_encode(uint8_t out[sizeof(kvt_wire_prefetch_t)],
                                const kvt_proto_prefetch_t *m);
 void kvt_proto_release_encode(uint8_t out[sizeof(kvt_wire_release_t)], uint64_t lease);
 void kvt_proto_remove_encode(uint8_t out[sizeof(kvt_wire_remove_t)], uint32_t ntokens);
+void kvt_proto_map_encode(uint8_t out[sizeof(kvt_wire_map_t)], uint32_t tier);
+void kvt_proto_reserve_encode(uint8_t out[sizeof(kvt_wire_reserve_t)],
+                              const kvt_proto_reserve_t *m);
+void kvt_proto_commit_encode(uint8_t out[sizeof(kvt_wire_commit_t)], uint64_t resv);
 
 /*
  * Replies. The server encodes, the client decodes; a decoder answers KVT_EPROTO for a body of
@@ -366,11 +461,33 @@ void kvt_proto_release_reply_encode(uint8_t out[sizeof(kvt_wire_release_reply_t)
 int kvt_proto_release_reply_decode(const uint8_t *body, size_t len, uint32_t *released);
 void kvt_proto_get_data_encode(uint8_t out[sizeof(kvt_wire_get_data_t)], uint32_t page,
                                uint8_t tier);
-/* *data and *data_len: the block's bytes after the head. */
+/* *data and *data_len: the block's bytes after the head. KVT_EPROTO for a location frame. */
 int kvt_proto_get_data_decode(const uint8_t *body, size_t len, uint32_t *page, uint8_t *tier,
                               const uint8_t **data, uint32_t *data_len);
-void kvt_proto_get_end_encode(uint8_t out[sizeof(kvt_wire_get_end_t)], uint32_t npages);
-int kvt_proto_get_end_decode(const uint8_t *body, size_t len, uint32_t *npages);
+/* A data frame's kind (KVT_GET_DATA_BYTES or _LOC), or KVT_EPROTO when it is too short. */
+int kvt_proto_get_data_kind(const uint8_t *body, size_t len);
+void kvt_proto_get_loc_encode(uint8_t out[sizeof(kvt_wire_get_loc_t)], uint32_t page, uint8_t tier,
+                              uint64_t offset, uint32_t len);
+int kvt_proto_get_loc_decode(const uint8_t *body, size_t len, uint32_t *page, uint8_t *tier,
+                             uint64_t *offset, uint32_t *data_len);
+void kvt_proto_get_end_encode(uint8_t out[sizeof(kvt_wire_get_end_t)], uint32_t npages,
+                              uint32_t lease_ms_left);
+/* lease_ms_left may be NULL. */
+int kvt_proto_get_end_decode(const uint8_t *body, size_t len, uint32_t *npages,
+                             uint32_t *lease_ms_left);
+/* MAP's reply: the fixed part, then handle_len bytes of handle. */
+void kvt_proto_map_reply_encode(uint8_t out[sizeof(kvt_wire_map_reply_t)],
+                                const kvt_proto_map_reply_t *r);
+int kvt_proto_map_reply_decode(const uint8_t *body, size_t len, kvt_proto_map_reply_t *r);
+/* RESERVE's reply: the fixed part, then r->nlocs locations (kvt_proto_resv_loc_encode each);
+ * the decoder checks they are all there, and kvt_proto_resv_loc reads the i-th. */
+void kvt_proto_reserve_reply_encode(uint8_t out[sizeof(kvt_wire_reserve_reply_t)],
+                                    const kvt_proto_reserve_reply_t *r);
+void kvt_proto_resv_loc_encode(uint8_t out[sizeof(kvt_wire_resv_loc_t)], uint32_t page,
+                               uint64_t offset);
+int kvt_proto_reserve_reply_decode(const uint8_t *body, size_t len, kvt_proto_reserve_reply_t *r);
+void kvt_proto_resv_loc(const kvt_proto_reserve_reply_t *r, uint32_t i, uint32_t *page,
+                        uint64_t *offset);
 
 /*
  * STATS reply: u32 count, then count entries of u8 name_len, name, u64 value. The encoder

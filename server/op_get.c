@@ -229,7 +229,7 @@ end:;
     if (r->get.ios)
         get_release_batch(s, r);
     uint8_t e[sizeof(kvt_wire_get_end_t)];
-    kvt_proto_get_end_encode(e, r->get.sent);
+    kvt_proto_get_end_encode(e, r->get.sent, 0);
     r->status = kvt__tier_failure(r->status);
     kvt__unpin(s, r);
     r->out_off = r->out_len = 0;

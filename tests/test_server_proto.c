@@ -253,9 +253,87 @@ Test(server_proto, encoders_round_trip)
                  0);
     cr_expect(page == 7 && tier == 3 && dlen == 4 && memcmp(data, "abcd", 4) == 0);
     cr_expect_eq(kvt_proto_get_data_decode(body, 3, &page, &tier, &data, &dlen), KVT_EPROTO);
-    kvt_proto_get_end_encode(body, 11);
-    cr_assert_eq(kvt_proto_get_end_decode(body, sizeof(kvt_wire_get_end_t), &n), 0);
-    cr_expect_eq(n, 11);
+    kvt_proto_get_end_encode(body, 11, 250);
+    uint32_t left = 0;
+    cr_assert_eq(kvt_proto_get_end_decode(body, sizeof(kvt_wire_get_end_t), &n, &left), 0);
+    cr_expect(n == 11 && left == 250);
+    cr_assert_eq(kvt_proto_get_end_decode(body, sizeof(kvt_wire_get_end_t), &n, NULL), 0);
+
+    /* A location frame is not a payload frame, and the other way round. */
+    uint64_t off;
+    kvt_proto_get_loc_encode(body, 9, 2, 1ull << 40, 4096);
+    cr_expect_eq(kvt_proto_get_data_kind(body, sizeof(kvt_wire_get_loc_t)), KVT_GET_DATA_LOC);
+    cr_assert_eq(kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &off,
+                                          &dlen),
+                 0);
+    cr_expect(page == 9 && tier == 2 && off == 1ull << 40 && dlen == 4096);
+    cr_expect_eq(kvt_proto_get_data_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &data,
+                                           &dlen),
+                 KVT_EPROTO);
+    cr_expect_eq(kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t) - 1, &page, &tier, &off,
+                                          &dlen),
+                 KVT_EPROTO);
+    kvt_proto_get_data_encode(body, 7, 3);
+    cr_expect_eq(kvt_proto_get_data_kind(body, sizeof(kvt_wire_get_loc_t)), KVT_GET_DATA_BYTES);
+    cr_expect_eq(kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &off,
+                                          &dlen),
+                 KVT_EPROTO);
+}
+
+/* The zero-copy requests and replies round-trip; a count that disagrees with the length, or a
+ * reserved field set, is refused. */
+Test(server_proto, zero_copy_codec_round_trips)
+{
+    uint8_t b[256];
+    uint32_t tier;
+    kvt_proto_map_encode(b, 2);
+    cr_assert_eq(kvt_proto_map_decode(b, sizeof(kvt_wire_map_t), &tier), 0);
+    cr_expect_eq(tier, 2);
+    cr_expect_eq(kvt_proto_map_decode(b, sizeof(kvt_wire_map_t) + 1, &tier), KVT_EPROTO);
+    b[4] = 1;
+    cr_expect_eq(kvt_proto_map_decode(b, sizeof(kvt_wire_map_t), &tier), KVT_EPROTO);
+
+    kvt_proto_map_reply_t mr = {.map_bytes = 1ull << 33, .tier = 1, .handle_len = 4};
+    kvt_proto_map_reply_encode(b, &mr);
+    memcpy(b + sizeof(kvt_wire_map_reply_t), "hndl", 4);
+    kvt_proto_map_reply_t mo;
+    cr_assert_eq(kvt_proto_map_reply_decode(b, sizeof(kvt_wire_map_reply_t) + 4, &mo), 0);
+    cr_expect(mo.map_bytes == 1ull << 33 && mo.tier == 1 && mo.handle_len == 4 &&
+              memcmp(mo.handle, "hndl", 4) == 0);
+    cr_expect_eq(kvt_proto_map_reply_decode(b, sizeof(kvt_wire_map_reply_t) + 3, &mo), KVT_EPROTO);
+
+    uint32_t toks[3] = {1, 2, 3};
+    kvt_proto_reserve_t rq = {.ntokens = 3, .first_page = 1, .npages = 2};
+    rq.hints.priority = 5;
+    kvt_proto_reserve_encode(b, &rq);
+    kvt_proto_tokens_encode(b + sizeof(kvt_wire_reserve_t), toks, 3);
+    kvt_proto_reserve_t ro;
+    cr_assert_eq(kvt_proto_reserve_decode(b, sizeof(kvt_wire_reserve_t) + 12, &ro), 0);
+    cr_expect(ro.ntokens == 3 && ro.first_page == 1 && ro.npages == 2 && ro.hints.priority == 5);
+    cr_expect_eq(kvt_proto_reserve_decode(b, sizeof(kvt_wire_reserve_t) + 8, &ro), KVT_EPROTO);
+
+    kvt_proto_reserve_reply_t rr = {.resv = 77, .pages = 4, .new_pages = 2, .nlocs = 2};
+    kvt_proto_reserve_reply_encode(b, &rr);
+    kvt_proto_resv_loc_encode(b + sizeof(kvt_wire_reserve_reply_t), 1, 4096);
+    kvt_proto_resv_loc_encode(b + sizeof(kvt_wire_reserve_reply_t) + 16, 3, 1ull << 36);
+    kvt_proto_reserve_reply_t rd;
+    cr_assert_eq(kvt_proto_reserve_reply_decode(b, sizeof(kvt_wire_reserve_reply_t) + 32, &rd), 0);
+    cr_expect(rd.resv == 77 && rd.pages == 4 && rd.new_pages == 2 && rd.nlocs == 2);
+    uint32_t page;
+    uint64_t off;
+    kvt_proto_resv_loc(&rd, 1, &page, &off);
+    cr_expect(page == 3 && off == 1ull << 36);
+    cr_expect_eq(kvt_proto_reserve_reply_decode(b, sizeof(kvt_wire_reserve_reply_t) + 16, &rd),
+                 KVT_EPROTO);
+
+    uint64_t resv;
+    kvt_proto_commit_encode(b, 99);
+    cr_assert_eq(kvt_proto_commit_decode(b, 8, &resv), 0);
+    cr_expect_eq(resv, 99);
+    cr_expect_eq(kvt_proto_commit_decode(b, 9, &resv), KVT_EPROTO);
+    cr_expect_eq(kvt_proto_req_flags(KVT_OP_GET), KVT_GET_F_LOCATE);
+    cr_expect_eq(kvt_proto_req_flags(KVT_OP_COMMIT), KVT_COMMIT_F_ABORT);
+    cr_expect_str_eq(kvt_proto_op_name(KVT_OP_RESERVE | KVT_OP_REPLY), "reserve");
 }
 
 /* STATS: entries that fit go in and are counted; one that does not is left out whole; the
