@@ -401,8 +401,8 @@ int kvt_tier_hbm_offset(const kvt_tier_t *t, uint64_t loc, uint64_t *off);
  * kvt_tier_hbm_ipc) on CUDA device `device` (the pool's, or one with peer access to it, enabled
  * lazily) and sets *base to the pool's first byte there; a block's payload is at *base + its
  * offset, for copies and kernels on that device, and its bytes stay put while its lease holds.
- * The mapping stays until kvt_tier_hbm_ipc_close (before the daemon's pool goes away: CUDA
- * leaves a mapping of freed memory undefined). Returns 0, KVT_EINVAL, KVT_EUNAVAIL (a build
+ * The mapping stays until kvt_tier_hbm_ipc_close, best called before the daemon frees its pool
+ * (CUDA leaves a mapping of freed memory undefined). Returns 0, KVT_EINVAL, KVT_EUNAVAIL (a build
  * without CUDA, or no usable device) or KVT_EIO (CUDA refused the handle, logged: in the process
  * that made it, for one). */
 int kvt_tier_hbm_ipc_open(const uint8_t handle[KVT_HBM_IPC_HANDLE], int device, void **base);
