@@ -383,6 +383,33 @@ void *kvt_tier_hbm_devptr(kvt_tier_t *t, uint64_t loc);
 /* 1 when a CUDA device is usable by this process (counts devices once and caches it). */
 int kvt_tier_cuda_usable(void);
 
+/*
+ * CUDA IPC export of the HBM pool, for zero-copy local clients. The pool is one cudaMalloc
+ * allocation, so one handle opens all of it: kvtierd exports it only where every local client
+ * is one tenant (its hbm-ipc setting). A client opens the handle with cudaIpcOpenMemHandle in
+ * its own process (not the daemon's: CUDA refuses a handle in the process that made it) and
+ * reads a block at its offset while its lease holds.
+ */
+#define KVT_HBM_IPC_HANDLE 64 /* sizeof(cudaIpcMemHandle_t) */
+/* Fills handle and *pool_bytes. KVT_EUNAVAIL with the host backend or a build without CUDA,
+ * KVT_EIO when cudaIpcGetMemHandle fails (logged), KVT_EINVAL when t is not an HBM tier. */
+int kvt_tier_hbm_ipc(kvt_tier_t *t, uint8_t handle[KVT_HBM_IPC_HANDLE], uint64_t *pool_bytes);
+/* 0 with *off the payload's byte offset in the pool when loc is a live location of this HBM
+ * tier; KVT_ENOENT otherwise (KVT_EINVAL when t is not an HBM tier). Works for both backends. */
+int kvt_tier_hbm_offset(const kvt_tier_t *t, uint64_t loc, uint64_t *off);
+/* The client's side, in the client's process: maps a handle received from kvtierd (made by
+ * kvt_tier_hbm_ipc) on CUDA device `device` (the pool's, or one with peer access to it, enabled
+ * lazily) and sets *base to the pool's first byte there; a block's payload is at *base + its
+ * offset, for copies and kernels on that device, and its bytes stay put while its lease holds.
+ * The mapping stays until kvt_tier_hbm_ipc_close, best called before the daemon frees its pool
+ * (CUDA leaves a mapping of freed memory undefined). Returns 0, KVT_EINVAL, KVT_EUNAVAIL (a build
+ * without CUDA, or no usable device) or KVT_EIO (CUDA refused the handle, logged: in the process
+ * that made it, for one). */
+int kvt_tier_hbm_ipc_open(const uint8_t handle[KVT_HBM_IPC_HANDLE], int device, void **base);
+/* Unmaps what kvt_tier_hbm_ipc_open mapped. Returns 0, KVT_EINVAL (base NULL), KVT_EUNAVAIL (a
+ * build without CUDA) or KVT_EIO (CUDA refused, logged: base was no such mapping, for one). */
+int kvt_tier_hbm_ipc_close(void *base);
+
 /* --- remote (tiers/remote.c) ---
  * Blocks as string values in a Valkey or Redis server (hiredis, plain TCP, optional AUTH and
  * SELECT). The key is "<key_prefix>:<ns_seed as 16 hex>:<hash as 16 hex>", so every kvtierd
