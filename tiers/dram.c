@@ -463,7 +463,8 @@ static int dram_err(int e)
  * A shared arena: a memfd as large as the main region, sparse until touched, mapped MAP_SHARED
  * (a client maps the same pages) without a swap reservation. Sealed against shrinking and
  * growing: a client holds the fd too, and a shrink would turn the tier's own accesses past the
- * new end into SIGBUS; holes (our purges, or a client's) stay possible and read as zeros. Not
+ * new end into SIGBUS; holes (our purges, or a client's) stay possible and read as zeros. The
+ * seals are sealed too, so that no client adds a write seal that would make our purges fail. Not
  * registered with CUDA, unlike the main region: that would touch and lock every page.
  */
 static int dram_shared_make(dram_t *d, uint64_t seed, dram_shared_t **out)
