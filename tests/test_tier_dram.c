@@ -742,3 +742,47 @@ Test(tier_dram, destroy_frees_blocks_in_every_arena)
     closedir(dir);
     cr_assert_eq(fds_after, fds_before, "every memfd closed");
 }
+
+/* The client maps the whole memfd read-write: whatever it writes there, even where no block of
+ * its own lies, must not reach the allocator's metadata (kept out of the memfd) and so cannot
+ * break the tier; blocks written after the scribbling read back as written. */
+Test(tier_dram, a_client_scribbling_over_its_mapping_cannot_break_the_tier)
+{
+    kvt_tier_t *t = mk_shared(16u << 20, 1);
+    int fd;
+    uint64_t mb;
+    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
+    cr_assert_eq(fd_bytes(fd), 0, "no allocator metadata in the memfd");
+    uint8_t *c = client_map(fd, mb);
+    memset(c, 0xa5, 8u << 20);
+    static const uint32_t sizes[] = {100, 5000, 300000, 64, 4096, 1u << 20};
+    enum { N = 24 };
+    uint64_t locs[N];
+    uint32_t tok[16];
+    uint8_t *buf = malloc(1u << 20);
+    for (int i = 0; i < N; i++) {
+        uint32_t len = sizes[i % KVT_ARRAY_LEN(sizes)];
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        tu_fill(buf, len, (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len, &locs[i]), 0);
+        memset(c, 0x5a, 4096); /* and again, while the arena is busy */
+    }
+    for (int i = 0; i < N; i++) {
+        uint32_t len = sizes[i % KVT_ARRAY_LEN(sizes)];
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        uint64_t off;
+        cr_assert_eq(kvt_tier_dram_offset(t, NS_A, locs[i], &off), 0);
+        if (off >= 4096) /* the first page was scribbled over after the write */
+            cr_assert(tu_same(c + off, len, (uint64_t)i), "block %d in the client's mapping", i);
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, len), 0);
+        if (off >= 4096)
+            cr_assert(tu_same(buf, len, (uint64_t)i), "block %d read back", i);
+    }
+    for (int i = 0; i < N; i++)
+        kvt_tier_free(t, locs[i], sizes[i % KVT_ARRAY_LEN(sizes)]);
+    munmap(c, mb);
+    kvt_tier_dram_unshare(t, NS_A);
+    cr_assert_eq(kvt_tier_dram_shared(t), 0);
+    free(buf);
+    kvt_tier_destroy(t);
+}

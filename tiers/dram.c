@@ -153,7 +153,10 @@ static bool dram_ext_punch(extent_hooks_t *h, void *addr, size_t size, size_t of
 {
     (void)size, (void)arena_ind;
     dram_space_t *sp = space_of_hooks(h);
-    off_t at = (off_t)((uint8_t *)addr - sp->base + offset);
+    uint8_t *p = addr;
+    if (p < sp->base || p >= sp->base + sp->bytes)
+        return true; /* metadata memory (dram_ext_alloc_shared): not ours to punch */
+    off_t at = (off_t)(p - sp->base + offset);
     return fallocate(sp->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, at, (off_t)length) != 0;
 }
 
@@ -182,22 +185,75 @@ static bool dram_ext_merge(extent_hooks_t *h, void *addr_a, size_t size_a, void 
  * allocated 4 KiB-page buffers in alternating runs (the block layer split those records into
  * several bios each; docs/tiers.md).
  */
-static uint8_t *dram_map_huge(size_t bytes)
+static uint8_t *dram_map_aligned(size_t bytes, size_t align)
 {
-    const size_t huge = 2u << 20;
-    uint8_t *m = mmap(NULL, bytes + huge, PROT_READ | PROT_WRITE,
+    uint8_t *m = mmap(NULL, bytes + align, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED)
         return NULL;
-    uint8_t *r = (uint8_t *)(((uintptr_t)m + huge - 1) & ~(uintptr_t)(huge - 1));
+    uint8_t *r = (uint8_t *)(((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1));
     if (r > m)
         munmap(m, (size_t)(r - m));
-    if (r + bytes < m + bytes + huge)
-        munmap(r + bytes, (size_t)(m + bytes + huge - (r + bytes)));
+    if (r + bytes < m + bytes + align)
+        munmap(r + bytes, (size_t)(m + bytes + align - (r + bytes)));
+    return r;
+}
+
+static uint8_t *dram_map_huge(size_t bytes)
+{
+    uint8_t *r = dram_map_aligned(bytes, 2u << 20);
+    if (!r)
+        return NULL;
     if (madvise(r, bytes, MADV_HUGEPAGE) != 0)
         kvt_log(KVT_LOG_DEBUG, "dram tier: no transparent huge pages for the region: %s",
                 strerror(errno));
     return r;
+}
+
+static int space_holds(const dram_space_t *sp, uint64_t loc)
+{
+    uintptr_t p = (uintptr_t)loc, b = (uintptr_t)sp->base;
+    return p >= b && p - b < sp->bytes;
+}
+
+/*
+ * A shared arena's jemalloc metadata (the arena itself, its extent records, its bins) must not
+ * live in the memfd: a client maps all of it read-write and could then corrupt the daemon's
+ * allocator. jemalloc asks the hooks for metadata through base_map, always 2 MiB aligned with no
+ * address wanted; block extents come PAGE aligned (this file never asks for more than 4 KiB
+ * alignment). So 2 MiB-aligned requests get private anonymous memory, which dalloc (base_unmap,
+ * when the arena is destroyed) unmaps. A block extent fresh from the memfd is not reported
+ * zeroed: a client may have written anywhere in its mapping, even where no block was yet.
+ */
+static void *dram_ext_alloc_shared(extent_hooks_t *h, void *new_addr, size_t size, size_t alignment,
+                                   bool *zero, bool *commit, unsigned arena_ind)
+{
+    if (!new_addr && alignment >= (2u << 20)) {
+        void *m = dram_map_aligned(size, alignment);
+        if (m) {
+            *zero = true;
+            *commit = true;
+        }
+        return m;
+    }
+    bool want_zero = *zero;
+    void *p = dram_ext_alloc(h, new_addr, size, alignment, zero, commit, arena_ind);
+    if (p) {
+        if (want_zero)
+            memset(p, 0, size);
+        *zero = want_zero;
+    }
+    return p;
+}
+
+static bool dram_ext_dalloc_shared(extent_hooks_t *h, void *addr, size_t size, bool committed,
+                                   unsigned arena_ind)
+{
+    (void)committed, (void)arena_ind;
+    if (space_holds(space_of_hooks(h), (uint64_t)(uintptr_t)addr))
+        return true; /* a block extent: retained, like the main region's */
+    munmap(addr, size);
+    return false;
 }
 
 static int dram_flags(unsigned arena, uint32_t len)
@@ -221,12 +277,6 @@ static dram_shared_t *dram_shared_find(const dram_t *d, uint64_t seed)
         if (d->shared[i]->seed == seed)
             return d->shared[i];
     return NULL;
-}
-
-static int space_holds(const dram_space_t *sp, uint64_t loc)
-{
-    uintptr_t p = (uintptr_t)loc, b = (uintptr_t)sp->base;
-    return p >= b && p - b < sp->bytes;
 }
 
 /* The shared arena loc lies in, or NULL for the main region. */
@@ -407,19 +457,18 @@ static size_t dram_region_bytes(uint64_t capacity)
     return (size_t)((bytes + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1));
 }
 
-static void space_init(dram_space_t *sp,
-                       bool (*purge)(extent_hooks_t *, void *, size_t, size_t, size_t, unsigned))
+static void space_init(dram_space_t *sp, int shared)
 {
     pthread_mutex_init(&sp->mu, NULL);
     sp->fd = -1;
     sp->hooks = (extent_hooks_t){
-        .alloc = dram_ext_alloc,
-        .dalloc = dram_ext_dalloc,
+        .alloc = shared ? dram_ext_alloc_shared : dram_ext_alloc,
+        .dalloc = shared ? dram_ext_dalloc_shared : dram_ext_dalloc,
         .destroy = dram_ext_destroy,
         .commit = dram_ext_commit,
         .decommit = dram_ext_decommit,
-        .purge_lazy = purge,
-        .purge_forced = purge,
+        .purge_lazy = shared ? dram_ext_punch : dram_ext_purge,
+        .purge_forced = shared ? dram_ext_punch : dram_ext_purge,
         .split = dram_ext_split,
         .merge = dram_ext_merge,
     };
@@ -473,7 +522,7 @@ static int dram_shared_make(dram_t *d, uint64_t seed, dram_shared_t **out)
     if (!s)
         return KVT_ENOMEM;
     s->seed = seed;
-    space_init(&s->sp, dram_ext_punch);
+    space_init(&s->sp, 1);
     s->sp.bytes = d->sp.bytes;
     char name[32];
     snprintf(name, sizeof(name), "kvtier-ns-%016llx", (unsigned long long)seed);
@@ -573,7 +622,7 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
     dram_t *d = calloc(1, sizeof(*d));
     if (!d)
         return KVT_ENOMEM;
-    space_init(&d->sp, dram_ext_purge);
+    space_init(&d->sp, 0);
     d->max_shared = conf->max_shared;
     if (d->max_shared && !(d->shared = calloc(d->max_shared, sizeof(*d->shared)))) {
         dram_release(d);
