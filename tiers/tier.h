@@ -224,7 +224,11 @@ int kvt_tier_dram_pinned(const kvt_tier_t *t);
  * to the main region again) and waits for its last block to be freed; sharing the namespace
  * again before that revives it. It keeps its slot (of max_shared) until it is destroyed. The
  * memfd is sealed against shrinking and growing (a client's ftruncate must not turn the tier's
- * own accesses into SIGBUS); a client may still write any byte of its namespace's blocks.
+ * own accesses into SIGBUS) and holds no allocator metadata; a client may still write any byte
+ * of its namespace's blocks. The fd is valid only while the arena exists: send it (or dup it)
+ * before the unshare that may destroy it. A write with buf NULL outside a shared arena (the
+ * namespace not shared) leaves whatever a freed block of any namespace left there: make such a
+ * block visible only once it has been filled.
  */
 /* Creates ns_seed's arena, or finds it, and takes a reference on it. *fd is the tier's descriptor
  * (the caller must not close it; send it with SCM_RIGHTS or dup it), *map_bytes the length to
