@@ -411,6 +411,64 @@ Test(tier_hbm, cuda_round_trips_from_pinned_dram)
     kvt_tier_destroy(h);
 }
 
+/* A DRAM shared arena (zero-copy clients) is never pinned: HBM copies from and to its blocks
+ * are from pageable memory, one at a time and in batches, and must still be right. */
+Test(tier_hbm, cuda_round_trips_from_a_dram_shared_arena)
+{
+    enum { N = 8 };
+    const uint64_t ns = 0x5ea4ed0000000001ull;
+    kvt_tier_t *h = mk_cuda(256u << 20);
+    kvt_tier_t *d = NULL;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 64u << 20, .max_shared = 1};
+    cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
+    int fd;
+    uint64_t mb, off;
+    cr_assert_eq(kvt_tier_dram_share(d, ns, &fd, &mb), 0);
+    static const uint32_t sizes[N] = {1,      4097,           256u << 10, 2u << 20,
+                                      100000, (2u << 20) + 3, 4096,       1u << 20};
+    static uint32_t toks[N][16];
+    static kvt_tier_io_t ios[N];
+    uint64_t dloc[N];
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, toks[i], 16);
+        k.ns_seed = ns;
+        uint8_t *src = malloc(sizes[i]);
+        tu_fill(src, sizes[i], (uint64_t)i);
+        cr_assert_eq(tu_write(d, &k, src, sizes[i], &dloc[i]), 0);
+        cr_assert_eq(kvt_tier_dram_offset(d, ns, dloc[i], &off), 0, "block %d in the arena", i);
+        free(src);
+    }
+    /* All to HBM at once (one batch), then all back into the zeroed arena blocks. */
+    int done = 0;
+    for (int i = 0; i < N; i++) {
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = kvt_tier_ptr(d, dloc[i]),
+                                 .len = sizes[i],
+                                 .cb = tu_count_cb,
+                                 .data = &done};
+        ios[i].key.ns_seed = ns;
+        cr_assert_eq(kvt_tier_write(h, &ios[i]), 0);
+    }
+    cr_assert(tu_drive(h, &done, N));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        memset(kvt_tier_ptr(d, dloc[i]), 0, sizes[i]);
+        ios[i].cb = tu_count_cb;
+    }
+    done = 0;
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(kvt_tier_read(h, &ios[i]), 0);
+    cr_assert(tu_drive(h, &done, N));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(tu_same(kvt_tier_ptr(d, dloc[i]), sizes[i], (uint64_t)i), "block %d", i);
+        kvt_tier_free(h, ios[i].loc, sizes[i]);
+        kvt_tier_free(d, dloc[i], sizes[i]);
+    }
+    kvt_tier_destroy(d);
+    kvt_tier_destroy(h);
+}
+
 Test(tier_hbm, cuda_many_copies_in_flight_and_capacity)
 {
     enum { N = 64, LEN = 1u << 20 };

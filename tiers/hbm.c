@@ -471,8 +471,8 @@ static cudaError_t cuda_copies(hbm_t *h, kvt_tier_io_t **ios, uint32_t n, int to
 #if CUDART_VERSION >= 12080
     if (h->batch_api && n > 1) {
         /* Every copy in stream order (the host side is pinned DRAM-tier or staging memory, or
-         * a client's buffer that stays put until the callback); the location hints matter
-         * only for managed or pageable memory. */
+         * pageable memory that stays put until the callback: a client's buffer, a block in a
+         * DRAM shared arena); the location hints matter only for managed or pageable memory. */
         struct cudaMemcpyAttributes attr;
         memset(&attr, 0, sizeof(attr));
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
