@@ -577,7 +577,7 @@ Test(server_zc, refusals_are_clear_errors, .fini = teardown)
     cr_expect(strstr((char *)r.body, "past"), "%s", r.body);
     zcall(fd, KVT_OP_MAP, 0, mb, 7, &r);
     cr_expect_eq(r.h.status, KVT_EPROTO);
-    uint8_t cb[8] = {0};
+    uint8_t cb[9] = {0};
     zcall(fd, KVT_OP_COMMIT, 0x2, cb, 8, &r);
     cr_expect_eq(r.h.status, KVT_EPROTO);
     cr_expect(strstr((char *)r.body, "flag"), "%s", r.body);
