@@ -33,7 +33,7 @@ from pybench import run_in_venv
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
-    ap.add_argument("--passes", type=int, default=3, help="warm passes after the first (>= 1)")
+    ap.add_argument("--passes", type=int, default=5, help="warm passes after the first (>= 1)")
     return ap.parse_args()
 
 

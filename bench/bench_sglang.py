@@ -32,7 +32,7 @@ from pybench import run_in_venv
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
-    ap.add_argument("--passes", type=int, default=3, help="warm passes after the first (>= 1)")
+    ap.add_argument("--passes", type=int, default=5, help="warm passes after the first (>= 1)")
     return ap.parse_args()
 
 
@@ -86,6 +86,8 @@ class Connector(cb.Form):
                                 adapter="sglang/flat-flat/%dB/tp0-1" % cb.PAGE_BYTES,
                                 unix_path=unix, timeout_ms=60000)
         self.keys: List[str] = []
+        self.ok = False
+        self.got: List[Any] = []
 
     def prepare(self, p: int) -> None:
         self.keys = page_keys(p)

@@ -92,6 +92,7 @@ class Keyed(Form):
         self.outs = list(self.out)
         self.keys: List[str] = []
         self.ok: List[bool] = []
+        self.got: List[bool] = []
 
     def prepare(self, p: int) -> None:
         self.keys = self.names(p)
@@ -124,6 +125,7 @@ class Raw(Form):
         self.src = torch.randint(0, 256, (PAGES, PAGE_BYTES), dtype=torch.uint8, generator=g)
         self.out = torch.zeros((PAGES, PAGE_BYTES), dtype=torch.uint8)
         self.toks = torch.zeros(0, dtype=torch.int32)
+        self.got = 0
 
     def prepare(self, p: int) -> None:
         base = 10_000_000 * p
