@@ -450,3 +450,44 @@ Test(client_zc, a_get_that_may_outlive_its_lease_fails)
     free(src);
     kvd_cleanup(&d);
 }
+
+Test(client_zc, map_hbm_is_refused_without_an_exportable_pool)
+{
+    /* No HBM tier; then the host backend (ordinary memory: nothing a CUDA IPC handle can name).
+     * Either way EUNAVAIL, and the connection keeps its DRAM zero-copy. The GPU case (a handle
+     * that cudaIpcOpenMemHandle opens) needs a CUDA device and hbm-ipc: tests/test_server_hbm.c's
+     * territory. */
+    for (int host = 0; host < 2; host++) {
+        kvd_t d = {0};
+        if (host)
+            kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "4M", NULL);
+        else
+            zc_start(&d);
+        kvt_client_t *c = zc_client(&d, "m", 1);
+        uint8_t handle[64];
+        uint64_t pool = 7;
+        cr_expect_eq(kvt_client_map_hbm(c, handle, &pool), KVT_CLIENT_EUNAVAIL, "%s: %s",
+                     host ? "host backend" : "no HBM tier", kvt_client_errmsg(c));
+        cr_expect_eq(kvt_client_zero_copy(c), 1);
+        cr_assert_eq(kvt_client_ping(c, NULL), 0);
+        if (host) { /* a GET may promote into the host-backed HBM: no DRAM read to check */
+            kvt_client_close(c);
+            kvd_cleanup(&d);
+            continue;
+        }
+        uint32_t tok[PAGE];
+        kvd_tokens(tok, PAGE, 800);
+        uint8_t *src = block_buf(1, 8);
+        cb_check_t k = {.src = src};
+        k.map = kvt_client_mapping(c, &k.bytes);
+        cr_assert_eq(kvt_client_put(c, tok, PAGE, 0, 1, src, NULL, NULL), 0);
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(c, tok, PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+        uint32_t got;
+        cr_expect_eq(kvt_client_get_cb(c, m.lease, 0, 1, check_block, &k, &got), 0);
+        cr_expect_eq(k.inside, 1, "still read where the block lies");
+        kvt_client_close(c);
+        free(src);
+        kvd_cleanup(&d);
+    }
+}
