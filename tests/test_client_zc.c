@@ -445,6 +445,11 @@ Test(client_zc, a_get_that_may_outlive_its_lease_fails)
     cr_assert_eq(kvt_client_match(plain, tok, PAGE, KVT_CLIENT_LEASE, 600, NULL, &m), 0);
     ms = 650;
     cr_expect_eq(kvt_client_get_cb(plain, m.lease, 0, 1, sleepy_block, &ms, &got), 0);
+    /* A lease that expired before the GET came: the daemon itself refuses it. */
+    cr_assert_eq(kvt_client_match(c, tok, PAGE, KVT_CLIENT_LEASE, 50, NULL, &m), 0);
+    usleep(100000);
+    ms = 0;
+    cr_expect_eq(kvt_client_get_cb(c, m.lease, 0, 1, sleepy_block, &ms, &got), KVT_CLIENT_ENOENT);
     kvt_client_close(c);
     kvt_client_close(plain);
     free(src);
