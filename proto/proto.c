@@ -25,10 +25,8 @@ const char *kvt_proto_op_name(unsigned op)
 }
 
 static const uint16_t kvt_op_flags[KVT_OP_COUNT] = {
-    [KVT_OP_MATCH] = KVT_MATCH_F_ALL,
-    [KVT_OP_PREFETCH] = KVT_PREFETCH_F_ALL,
-    [KVT_OP_REMOVE] = KVT_REMOVE_F_ALL,
-    [KVT_OP_GET] = KVT_GET_F_ALL,
+    [KVT_OP_MATCH] = KVT_MATCH_F_ALL,   [KVT_OP_PREFETCH] = KVT_PREFETCH_F_ALL,
+    [KVT_OP_REMOVE] = KVT_REMOVE_F_ALL, [KVT_OP_GET] = KVT_GET_F_ALL,
     [KVT_OP_COMMIT] = KVT_COMMIT_F_ALL,
 };
 
@@ -367,8 +365,7 @@ void kvt_proto_map_encode(uint8_t out[sizeof(kvt_wire_map_t)], uint32_t tier)
     memcpy(out, &w, sizeof w);
 }
 
-void kvt_proto_reserve_encode(uint8_t out[sizeof(kvt_wire_reserve_t)],
-                              const kvt_proto_reserve_t *m)
+void kvt_proto_reserve_encode(uint8_t out[sizeof(kvt_wire_reserve_t)], const kvt_proto_reserve_t *m)
 {
     kvt_wire_reserve_t w = {
         .ntokens = htole32(m->ntokens),

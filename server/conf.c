@@ -82,6 +82,18 @@ static const kvt_opt_t kvt_opts[] = {
     {"max-conns", KVT_OPT_U32, KVT_O(max_conns), "1024", "most client connections at once"},
     {"lease-ms", KVT_OPT_U32, KVT_O(lease_ms), "30000", "lease time limit when MATCH gives 0"},
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
+    {"zero-copy", KVT_OPT_BOOL, KVT_O(zero_copy), "yes",
+     "clients on the Unix socket may map their namespace's DRAM arena (MAP, GET LOCATE, "
+     "RESERVE/COMMIT)"},
+    {"zero-copy-arenas", KVT_OPT_U32, KVT_O(zero_copy_arenas), "64",
+     "namespaces with a DRAM arena of their own at once (1..4096); a MAP past it gets ENOSPC"},
+    {"hbm-ipc", KVT_OPT_BOOL, KVT_O(hbm_ipc), "no",
+     "MAP of the HBM pool (one CUDA IPC handle opens all of it): only when every local client "
+     "is one tenant"},
+    {"reserve-ms", KVT_OPT_U32, KVT_O(reserve_ms), "10000",
+     "a RESERVE not committed within this long is given back (1..600000)"},
+    {"max-reservations", KVT_OPT_U32, KVT_O(max_reservations), "64",
+     "reservations one connection may hold at once (1..65536)"},
     {"max-namespaces", KVT_OPT_U32, KVT_O(max_namespaces), "65536",
      "namespaces open at once (1..65536); when full, a HELLO of a new one closes the empty "
      "namespaces no client uses"},
@@ -441,6 +453,14 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen,
                  "max-conns, lease-ms and max-inflight must be > 0, and lease-ms <= "
                  "lease-ms-max");
+        return KVT_EINVAL;
+    }
+    if (conf->zero_copy_arenas == 0 || conf->zero_copy_arenas > 4096 || conf->reserve_ms == 0 ||
+        conf->reserve_ms > 600000 || conf->max_reservations == 0 ||
+        conf->max_reservations > 65536) {
+        snprintf(err, errlen,
+                 "zero-copy-arenas must be 1..4096, reserve-ms 1..600000, max-reservations "
+                 "1..65536");
         return KVT_EINVAL;
     }
     if (conf->max_namespaces == 0 || conf->max_namespaces > KVT_RADIX_NS_MAX) {

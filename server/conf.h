@@ -40,6 +40,11 @@ typedef struct kvt_srv_conf {
     uint32_t max_conns;
     uint32_t lease_ms;         /* default lease time limit */
     uint32_t lease_ms_max;     /* the longest a client may ask for */
+    int zero_copy;             /* MAP, LOCATE, RESERVE for clients on the Unix socket */
+    uint32_t zero_copy_arenas; /* namespaces with a DRAM arena of their own at once */
+    int hbm_ipc;               /* MAP of HBM: every local client is one tenant */
+    uint32_t reserve_ms;       /* a reservation not committed this long is given back */
+    uint32_t max_reservations; /* reservations one connection may hold at once */
     uint32_t max_inflight;     /* tier I/Os in flight per connection before reads pause */
     uint32_t max_leases;       /* leases one connection may hold at once */
     uint32_t max_namespaces;   /* namespaces open at once */

@@ -263,6 +263,8 @@ void kvt__req_free(kvt__req_t *r)
     }
     if (r->ns_held)
         kvt__ns_unuse(r->srv, r->ns);
+    if (r->has_fd)
+        close(r->pass_fd);
     free(r->extra);
     free(r->out);
     free(r);
@@ -478,6 +480,33 @@ void kvt__req_finish(kvt__req_t *r)
     kvt__conn_kick(r->conn);
 }
 
+/* writev with r's descriptor attached (SCM_RIGHTS), given up once a byte has gone with it. */
+static ssize_t send_fd(int sock, struct iovec *iov, int n, kvt__req_t *r)
+{
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    memset(&ctl, 0, sizeof ctl);
+    struct msghdr m = {
+        .msg_iov = iov,
+        .msg_iovlen = (size_t)n,
+        .msg_control = ctl.buf,
+        .msg_controllen = sizeof ctl.buf,
+    };
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &r->pass_fd, sizeof(int));
+    ssize_t w = sendmsg(sock, &m, MSG_NOSIGNAL);
+    if (w > 0) {
+        close(r->pass_fd);
+        r->has_fd = 0;
+    }
+    return w;
+}
+
 /* Writes from the head of the queue as far as the socket takes it. Returns 0 or -1 when the
  * connection is broken. */
 static int conn_write(kvt__conn_t *c)
@@ -485,7 +514,15 @@ static int conn_write(kvt__conn_t *c)
     while (c->head) {
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
+        kvt__req_t *fd_req = NULL;
         for (kvt__req_t *r = c->head; r && n < KVT_IOV_MAX; r = r->next) {
+            if (r->has_fd) {
+                /* A descriptor goes with its reply's first byte, in a write of its own that
+                 * starts there: the client reads that reply with recvmsg. */
+                if (n > 0)
+                    break;
+                fd_req = r;
+            }
             if (r->src) { /* what it has ready, and nothing after it */
                 n += r->src->iov(r, iov + n, KVT_IOV_MAX - n);
                 break;
@@ -504,7 +541,7 @@ static int conn_write(kvt__conn_t *c)
                 continue; /* its next part, or its final frame, is there now */
             break;
         }
-        ssize_t w = writev(c->ev.fd, iov, n);
+        ssize_t w = fd_req ? send_fd(c->ev.fd, iov, n, fd_req) : writev(c->ev.fd, iov, n);
         if (w < 0) {
             if (errno != EAGAIN && errno != EINTR)
                 return -1;

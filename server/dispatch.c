@@ -218,6 +218,12 @@ int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
         return kvt__h_release(c, h, body, t0);
     case KVT_OP_REMOVE:
         return kvt__h_remove(c, h, body, t0);
+    case KVT_OP_MAP:
+        return kvt__h_map(c, h, body, t0);
+    case KVT_OP_RESERVE:
+        return kvt__h_reserve(c, h, body, t0);
+    case KVT_OP_COMMIT:
+        return kvt__h_commit(c, h, body, t0);
     case KVT_OP_STATS:
         return h_stats(c, h, t0);
     case KVT_OP_PING:
@@ -274,10 +280,26 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 #endif
 }
 
+/* A closing connection's leases, reservations and mappings go; reservations before the mapping,
+ * so that an arena emptied by them can go with its last reference. */
+static void dispatch_closing(kvt__conn_t *c)
+{
+    kvt__lease_drop_all(c);
+    kvt__resv_drop_all(c);
+    kvt__map_close(c);
+}
+
+static void dispatch_tick(kvt__conn_t *c, uint64_t now)
+{
+    kvt__lease_expire(c, now);
+    if (c->nresv)
+        kvt__resv_expire(c, now);
+}
+
 const kvt__conn_ops_t kvt__dispatch_ops = {
     .batch = dispatch_batch,
     .frame = kvt__handle,
-    .closing = kvt__lease_drop_all,
-    .tick = kvt__lease_expire,
+    .closing = dispatch_closing,
+    .tick = dispatch_tick,
     .deadlines = kvt__ops_deadlines,
 };

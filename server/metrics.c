@@ -37,6 +37,8 @@ static const char *const kvt_recovery_names[KVT_RECOVERY_COUNT] = {
 };
 static const char *const kvt_put_names[KVT_PUT_COUNT] = {"stored", "cached", "no_room", "failed"};
 static const char *const kvt_hint_names[KVT_HINTK_COUNT] = {"paused", "finished", "priority"};
+static const char *const kvt_resv_names[KVT_RESV_COUNT] = {"committed", "aborted", "expired",
+                                                           "closed"};
 static const char *const kvt_perr_names[KVT_PERR_COUNT] = {
     "bad_magic", "bad_version", "too_big", "unknown_op",
     "bad_body",  "no_hello",    "auth",    "truncated",
@@ -53,6 +55,7 @@ static const struct kvt_enum_label {
     [KVT_LBL_RECOVERY] = {"outcome", kvt_recovery_names, KVT_RECOVERY_COUNT},
     [KVT_LBL_PUT] = {"outcome", kvt_put_names, KVT_PUT_COUNT},
     [KVT_LBL_HINT] = {"kind", kvt_hint_names, KVT_HINTK_COUNT},
+    [KVT_LBL_RESV] = {"outcome", kvt_resv_names, KVT_RESV_COUNT},
 };
 
 struct kvt_metrics {
@@ -182,7 +185,8 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
     case KVT_LBL_ERR:
     case KVT_LBL_RECOVERY:
     case KVT_LBL_PUT:
-    case KVT_LBL_HINT: {
+    case KVT_LBL_HINT:
+    case KVT_LBL_RESV: {
         const struct kvt_enum_label *e = &kvt_enum_labels[lbl];
         if (s >= e->count)
             return -1;

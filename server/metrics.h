@@ -27,6 +27,7 @@ typedef enum {
     KVT_LBL_RECOVERY, /* outcome="inserted|torn|stale|orphan|removed" */
     KVT_LBL_PUT,      /* outcome="stored|cached|no_room|failed" */
     KVT_LBL_HINT,     /* kind="paused|finished|priority" */
+    KVT_LBL_RESV,     /* outcome="committed|aborted|expired|closed" */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -68,6 +69,15 @@ typedef enum {
     KVT_HINTK_PRIORITY, /* a non-zero priority */
     KVT_HINTK_COUNT
 } kvt_hint_kind_t;
+
+/* How a zero-copy reservation ended (op_put.c). */
+typedef enum {
+    KVT_RESV_COMMITTED, /* COMMIT: its pages are stored */
+    KVT_RESV_ABORTED,   /* COMMIT with ABORT */
+    KVT_RESV_EXPIRED,   /* reserve-ms passed */
+    KVT_RESV_CLOSED,    /* its connection closed */
+    KVT_RESV_COUNT
+} kvt_resv_outcome_t;
 
 /* What the NVMe tier's recovery did with a block it found at start-up. */
 typedef enum {
@@ -210,7 +220,18 @@ typedef enum {
     X(NVME_RECOVERY_GAPS, GAUGE, "kvtier_nvme_recovery_gaps",                                      \
       "Stretches with no record before intact ones that the NVMe recovery passed at start-up "     \
       "(writes a crash cancelled).",                                                               \
-      NONE)
+      NONE)                                                                                        \
+    X(ZC_MAPS, COUNTER, "kvtier_zero_copy_maps_total",                                             \
+      "MAP requests granted to local clients, by tier (a memfd for DRAM, an IPC handle for HBM).", \
+      TIER)                                                                                        \
+    X(ZC_ARENAS, GAUGE, "kvtier_zero_copy_arenas",                                                 \
+      "Namespaces with a DRAM arena of their own (zero-copy-arenas).", NONE)                       \
+    X(ZC_PAGES, COUNTER, "kvtier_zero_copy_pages_total",                                           \
+      "Pages a local client read (GET with LOCATE) or wrote (RESERVE) through its mapping.", OP)   \
+    X(RESERVATIONS, COUNTER, "kvtier_reservations_total",                                          \
+      "Zero-copy reservations ended, by outcome: committed, aborted, expired (reserve-ms), "       \
+      "closed (the connection went).",                                                             \
+      RESV)
 
 typedef enum {
 #define KVT_X(id, type, name, help, lbl) KVT_M_##id,

@@ -83,7 +83,9 @@ static int get_iov(kvt__req_t *r, struct iovec *iov, int max)
 
 static void get_wrote(kvt__req_t *r, size_t left)
 {
-    while (left > 0 && r->get.seg_i < r->get.nsegs) {
+    /* Empty pieces (a location frame's payload) are passed over as soon as they are reached. */
+    while (r->get.seg_i < r->get.nsegs &&
+           (left > 0 || r->get.segs[r->get.seg_i].len == r->get.seg_off)) {
         size_t t = KVT_MIN(r->get.segs[r->get.seg_i].len - r->get.seg_off, left);
         r->get.seg_off += t;
         left -= t;
@@ -115,6 +117,20 @@ static const kvt__reply_src_t kvt_get_src = {
     .drained = get_drained,
     .abort = get_abort,
 };
+
+/* Whether page b can go as a location to r's connection: it lies in the DRAM arena the
+ * connection mapped (its namespace's: r's lease is in it), or in the HBM pool it mapped. */
+static int get_locate(kvt_srv_t *s, kvt__req_t *r, const kvt_block_t *b, uint64_t *off)
+{
+    const kvt__conn_t *c = r->conn;
+    if (!c)
+        return 0;
+    if (b->tier == KVT_TIER_DRAM && c->zc_dram && c->zc_seed == kvt_radix_ns_seed(s->radix, r->ns))
+        return kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], c->zc_seed, b->loc, off) == 0;
+    if (b->tier == KVT_TIER_HBM && c->zc_hbm)
+        return kvt_tier_hbm_offset(s->tiers[KVT_TIER_HBM], b->loc, off) == 0;
+    return 0;
+}
 
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
@@ -152,11 +168,13 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         return 0;
     }
     size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
+    /* Each page's frame head lies at i * stride in out: a location frame is longer. */
+    size_t stride = r->get.locate ? KVT_PROTO_HDR + sizeof(kvt_wire_get_loc_t) : hdr;
     if (r->status == 0 && r->get.cur < r->get.end) {
         uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
                                        KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
         r->out_off = r->out_len = 0;
-        if (kvt_reserve(&r->out, &r->out_cap, n * hdr, 1, 4096) < 0) {
+        if (kvt_reserve(&r->out, &r->out_cap, n * stride, 1, 4096) < 0) {
             r->status = KVT_ENOMEM;
             goto end;
         }
@@ -178,12 +196,24 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 r->status = KVT_ENOMEM;
                 break;
             }
-            uint8_t *f = r->out + (size_t)i * hdr;
+            uint8_t *f = r->out + (size_t)i * stride;
+            x->tier = b->tier;
+            uint64_t off;
+            if (r->get.locate && get_locate(s, r, b, &off)) {
+                /* The client reads it where it lies, under its lease: no I/O, no bytes. */
+                kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
+                                sizeof(kvt_wire_get_loc_t));
+                kvt_proto_get_loc_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier, off, b->size);
+                r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = stride};
+                r->get.segs[2 * i + 1] = (kvt__seg_t){.off = 0, .len = 0};
+                r->get.ios[r->get.batch++] = x;
+                r->get.located++;
+                continue;
+            }
             kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
                             (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
             kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier);
-            r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * hdr, .len = hdr};
-            x->tier = b->tier;
+            r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = hdr};
             int rc = kvt__busy_inc(s, x->io.key.hash);
             const uint8_t *ptr = rc == 0 ? kvt_tier_ptr(s->tiers[b->tier], b->loc) : NULL;
             if (ptr) {
@@ -229,7 +259,13 @@ end:;
     if (r->get.ios)
         get_release_batch(s, r);
     uint8_t e[sizeof(kvt_wire_get_end_t)];
-    kvt_proto_get_end_encode(e, r->get.sent, 0);
+    uint64_t now = kvt_now_ns();
+    uint32_t left = 0;
+    if (r->get.locate && r->get.lease_expires > now)
+        left = (uint32_t)KVT_MIN((r->get.lease_expires - now) / 1000000u, UINT32_MAX);
+    if (r->get.located)
+        kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
+    kvt_proto_get_end_encode(e, r->get.sent, left);
     r->status = kvt__tier_failure(r->status);
     kvt__unpin(s, r);
     r->out_off = r->out_len = 0;
@@ -242,7 +278,7 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
 {
     kvt_srv_t *s = c->srv;
     kvt_proto_get_t q;
-    if (h->flags || kvt_proto_get_decode(body, h->body_len, &q) < 0)
+    if ((h->flags & ~(unsigned)KVT_GET_F_ALL) || kvt_proto_get_decode(body, h->body_len, &q) < 0)
         return kvt__bad_body(c, h, t0, "GET");
     kvt__lease_t *l = kvt__lease_find(c, q.lease);
     if (!l || l->expires_ns <= kvt_now_ns())
@@ -271,6 +307,8 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     r->block_bytes = ns->block_bytes;
     r->get.cur = q.first_page;
     r->get.end = q.first_page + n;
+    r->get.locate = (h->flags & KVT_GET_F_LOCATE) != 0;
+    r->get.lease_expires = l->expires_ns;
     kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* the client's lease holds the path */
     int rc = kvt__pin(s, l->node, l->ns, &r->lease);
     if (rc < 0) {

@@ -3,10 +3,18 @@
  * machine writes each new page's payload to the fastest tier that takes it (kvt_order), making
  * room through the policy when none has any, and once every write has landed hands the blocks to
  * the policy in page order and answers.
+ *
+ * RESERVE and COMMIT are the same PUT written by a local client through its mapping (op_map.c):
+ * RESERVE runs the state machine with no payload, its writes only allocating room in the
+ * connection's DRAM arena, and instead of handing the blocks to the policy it parks the request
+ * on the connection as a reservation, its pages still BUSY and invisible; COMMIT hands them over
+ * exactly as a PUT's landing does, and an abort, the connection's close or reserve-ms gives the
+ * room back.
  */
 #include "server.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* Where a PUT's page goes: the first of these that takes it. */
 static const kvt_tier_id_t kvt_order[] = {KVT_TIER_HBM, KVT_TIER_DRAM, KVT_TIER_NVME,
@@ -79,8 +87,14 @@ static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
     r->extra = NULL;
 }
 
+static void resv_reply(kvt_srv_t *s, kvt__req_t *r);
+
 static void put_reply(kvt_srv_t *s, kvt__req_t *r)
 {
+    if (r->put.reserve) {
+        resv_reply(s, r);
+        return;
+    }
     put_adopt(s, r);
     kvt__unpin(s, r);
     kvt_proto_put_reply_t p = {
@@ -121,6 +135,8 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
         rc = KVT_ENOSPC;
         for (size_t i = from; i < KVT_ARRAY_LEN(kvt_order) && put_passes_on(rc); i++) {
             kvt_tier_id_t id = kvt_order[i];
+            if (r->put.reserve && id != KVT_TIER_DRAM)
+                continue; /* room a client can write is in its DRAM arena only */
             if (!s->tiers[id] || (rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
                 continue;
             x->tier = (uint8_t)id;
@@ -200,7 +216,9 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
             r->status = KVT_ENOMEM;
             break;
         }
-        x->io.buf = r->payload + (size_t)(p - r->put.first) * r->block_bytes;
+        /* A reservation's write only allocates (tiers/dram.c): the client writes the bytes. */
+        x->io.buf =
+            r->put.reserve ? NULL : r->payload + (size_t)(p - r->put.first) * r->block_bytes;
         x->io.len = r->block_bytes;
         x->io.cb = put_done;
         int rc = put_write(s, x, 0);
@@ -218,36 +236,45 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
     return 0;
 }
 
-int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+/* The RESERVE reply when nothing gets room: no reservation, only the index's answer. */
+static int resv_reply_empty(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, uint32_t pages,
+                            uint32_t new_pages)
+{
+    kvt_proto_reserve_reply_t rr = {.pages = pages, .new_pages = new_pages};
+    uint8_t w[sizeof(kvt_wire_reserve_reply_t)];
+    kvt_proto_reserve_reply_encode(w, &rr);
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
+}
+
+/* PUT and RESERVE from their decoded bodies: q->payload is NULL for RESERVE. */
+static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0,
+                     const kvt_proto_put_t *q)
 {
     kvt_srv_t *s = c->srv;
-    kvt_proto_put_t q;
-    if (h->flags || !c->hello || kvt_proto_put_decode(body, h->body_len, c->block_bytes, &q) < 0) {
-        if (!h->flags && kvt__need_hello(c, h, t0) < 0)
-            return 0;
-        return kvt__bad_body(c, h, t0, "PUT");
-    }
-    kvt__count_hints(s, &q.hints);
-    uint32_t whole = q.ntokens / c->page_size;
-    if (q.npayload && ((uint64_t)q.first_page + q.npayload > whole))
+    int reserve = h->opcode == KVT_OP_RESERVE;
+    kvt__count_hints(s, &q->hints);
+    uint32_t whole = q->ntokens / c->page_size;
+    if (q->npayload && ((uint64_t)q->first_page + q->npayload > whole))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
-                                "payload pages %u..%llu go past the request's %u whole pages",
-                                q.first_page, (unsigned long long)q.first_page + q.npayload - 1,
-                                whole);
-    if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
+                                "%s pages %u..%llu go past the request's %u whole pages",
+                                reserve ? "reserved" : "payload", q->first_page,
+                                (unsigned long long)q->first_page + q->npayload - 1, whole);
+    if (kvt__tokens(c, q->tokens, q->ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t at;
-    if (kvt__index_room(s, c->ns, c->tok, q.ntokens, q.npayload > 0, &at) < 0)
+    if (kvt__index_room(s, c->ns, c->tok, q->ntokens, q->npayload > 0, &at) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
                                 "no room for %u tokens in the index: it is at index-bytes (%llu) "
                                 "and every page it could evict is leased or busy with I/O",
-                                q.ntokens, (unsigned long long)s->conf->index_bytes);
+                                q->ntokens, (unsigned long long)s->conf->index_bytes);
     kvt_insert_t res; /* near the cap the room check walked the path: the insert goes on from it */
-    int rc = at.ns == c->ns ? kvt_radix_insert_matched(s->radix, &at, c->tok, q.ntokens, &res)
-                            : kvt_radix_insert(s->radix, c->ns, c->tok, q.ntokens, &res);
+    int rc = at.ns == c->ns ? kvt_radix_insert_matched(s->radix, &at, c->tok, q->ntokens, &res)
+                            : kvt_radix_insert(s->radix, c->ns, c->tok, q->ntokens, &res);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "insert failed");
-    if (q.npayload == 0 || res.pages == 0) {
+    if (q->npayload == 0 || res.pages == 0) {
+        if (reserve)
+            return resv_reply_empty(c, h, t0, res.pages, res.new_pages);
         kvt_proto_put_reply_t r = {.pages = res.pages, .new_pages = res.new_pages};
         uint8_t w[sizeof(kvt_wire_put_reply_t)];
         kvt_proto_put_reply_encode(w, &r);
@@ -260,18 +287,22 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     r->node = res.node;
     r->pages = res.pages;
     r->put.new_pages = res.new_pages;
-    kvt__policy_hint(&q.hints, kvt_radix_node_depth(res.node), &r->put.hint);
+    r->put.reserve = (uint8_t)reserve;
+    kvt__policy_hint(&q->hints, kvt_radix_node_depth(res.node), &r->put.hint);
     r->block_bytes = c->block_bytes;
-    r->put.first = q.first_page;
-    r->put.end = q.first_page + q.npayload;
-    size_t bytes = (size_t)q.npayload * c->block_bytes, held;
-    /* A frame with a buffer of its own is kept whole until the pages are written, not copied. */
-    if ((r->held = kvt__conn_take_frame(c, body, h->body_len, &held))) {
-        r->held_bytes = held;
-        r->payload = (uint8_t *)(uintptr_t)q.payload;
-        rc = 0;
-    } else {
-        rc = kvt__req_hold(r, q.payload, bytes);
+    r->put.first = q->first_page;
+    r->put.end = q->first_page + q->npayload;
+    rc = 0;
+    if (!reserve) {
+        size_t bytes = (size_t)q->npayload * c->block_bytes, held;
+        /* A frame with a buffer of its own is kept whole until the pages are written, not
+         * copied. */
+        if ((r->held = kvt__conn_take_frame(c, body, h->body_len, &held))) {
+            r->held_bytes = held;
+            r->payload = (uint8_t *)(uintptr_t)q->payload;
+        } else {
+            rc = kvt__req_hold(r, q->payload, bytes);
+        }
     }
     if (rc < 0 || (rc = kvt__pin(s, res.node, c->ns, &r->lease)) < 0) {
         r->status = rc;
@@ -279,4 +310,233 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     }
     kvt__store_put(s, r); /* replies at once when there is nothing to write */
     return 0;
+}
+
+int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_proto_put_t q;
+    if (h->flags || !c->hello || kvt_proto_put_decode(body, h->body_len, c->block_bytes, &q) < 0) {
+        if (!h->flags && kvt__need_hello(c, h, t0) < 0)
+            return 0;
+        return kvt__bad_body(c, h, t0, "PUT");
+    }
+    return put_begin(c, h, body, t0, &q);
+}
+
+/* ---- RESERVE and COMMIT ---- */
+
+/* Gives back what a reservation (or a RESERVE that cannot become one) holds: the room in the
+ * arena, the policy's hold, the pages' BUSY marks, the pin on the path. Nothing of it was
+ * visible: the pages stay index-only. */
+static void resv_give_back(kvt_srv_t *s, kvt__req_t *v)
+{
+    kvt__landed_t *l = v->extra;
+    for (uint32_t i = 0; l && i < v->put.end - v->put.first; i++) {
+        if (l[i].held != KVT_TIER_NONE)
+            kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, v->block_bytes);
+        l[i].held = KVT_TIER_NONE;
+        if (!l[i].started)
+            continue;
+        kvt__block_busy(kvt_radix_block_at(v->node, v->put.first + i), 0);
+        if (l[i].tier != KVT_TIER_NONE)
+            kvt_tier_free(s->tiers[l[i].tier], l[i].loc, l[i].len);
+        l[i].started = 0;
+        l[i].tier = KVT_TIER_NONE;
+    }
+    kvt__unpin(s, v);
+}
+
+/* The connection's reservation id, or NULL; *at its index. */
+static kvt__req_t *resv_find(kvt__conn_t *c, uint64_t id, size_t *at)
+{
+    for (size_t i = 0; i < c->nresv; i++)
+        if (c->resv[i]->put.resv == id) {
+            *at = i;
+            return c->resv[i];
+        }
+    return NULL;
+}
+
+static void resv_end(kvt__conn_t *c, size_t i, kvt_resv_outcome_t how)
+{
+    kvt__req_t *v = c->resv[i];
+    c->resv[i] = c->resv[--c->nresv];
+    if (how != KVT_RESV_COMMITTED)
+        resv_give_back(c->srv, v);
+    kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, how, 1);
+    kvt__req_free(v);
+}
+
+/*
+ * A RESERVE's writes have all landed (or failed): the pages that got room in the connection's
+ * arena become a reservation, parked on the connection with the request's state (its landed
+ * table, pin and namespace use) moved into a record of its own, and the reply says where each
+ * page goes. Pages that landed outside the arena (the connection's HELLO named another namespace
+ * meanwhile) are given back: the client could not write them.
+ */
+static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt__conn_t *c = r->conn;
+    kvt__landed_t *l = r->extra;
+    uint32_t n = r->put.end - r->put.first, nlocs = 0;
+    uint64_t seed = kvt_radix_ns_seed(s->radix, r->ns);
+    uint8_t *b = NULL;
+    kvt__req_t *v = NULL;
+    if (r->status == 0 && c && c->nresv >= s->conf->max_reservations)
+        r->status = KVT_ENOSPC; /* pipelined RESERVEs passed the handler's check together */
+    if (r->status == 0 && c && l) {
+        b = malloc(sizeof(kvt_wire_reserve_reply_t) + (size_t)n * sizeof(kvt_wire_resv_loc_t));
+        v = calloc(1, sizeof *v);
+        if (!b || !v || kvt_reserve(&c->resv, &c->cap_resv, c->nresv + 1, sizeof *c->resv, 8) < 0)
+            r->status = KVT_ENOMEM;
+    }
+    if (r->status < 0 || !c || !l) {
+        resv_give_back(s, r);
+        free(b);
+        free(v);
+        if (r->status < 0) {
+            const char *m = kvt_strerror(r->status);
+            kvt__req_reply(r, m, (uint32_t)strlen(m));
+        } else {
+            kvt_proto_reserve_reply_t e = {.pages = r->pages, .new_pages = r->put.new_pages};
+            uint8_t w[sizeof(kvt_wire_reserve_reply_t)];
+            kvt_proto_reserve_reply_encode(w, &e);
+            kvt__req_reply(r, w, sizeof w);
+        }
+        kvt__req_finish(r);
+        return;
+    }
+    uint8_t *p = b + sizeof(kvt_wire_reserve_reply_t);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t off;
+        if (l[i].tier == KVT_TIER_NONE)
+            continue;
+        if (l[i].tier != KVT_TIER_DRAM ||
+            kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], seed, l[i].loc, &off) < 0) {
+            if (l[i].held != KVT_TIER_NONE)
+                kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, r->block_bytes);
+            kvt__block_busy(kvt_radix_block_at(r->node, r->put.first + i), 0);
+            kvt_tier_free(s->tiers[l[i].tier], l[i].loc, l[i].len);
+            l[i] = (kvt__landed_t){.tier = KVT_TIER_NONE, .held = KVT_TIER_NONE};
+            continue;
+        }
+        kvt_proto_resv_loc_encode(p, r->put.first + i, off);
+        p += sizeof(kvt_wire_resv_loc_t);
+        nlocs++;
+    }
+    kvt_proto_reserve_reply_t rr = {
+        .pages = r->pages, .new_pages = r->put.new_pages, .nlocs = nlocs};
+    if (nlocs == 0) {
+        resv_give_back(s, r); /* nothing to write: no reservation */
+        free(v);
+    } else {
+        v->srv = s;
+        v->kind = KVT_REQ_PUT;
+        v->op = KVT_OP_COMMIT;
+        v->node = r->node;
+        v->pages = r->pages;
+        v->block_bytes = r->block_bytes;
+        v->put = r->put;
+        v->put.stored = v->put.skipped = 0; /* the RESERVE counted its own skips */
+        v->put.resv = rr.resv = ++s->resv_next;
+        v->put.resv_expiry = kvt_now_ns() + (uint64_t)s->conf->reserve_ms * 1000000ull;
+        v->extra = r->extra;
+        v->lease = r->lease;
+        r->extra = NULL;
+        r->lease = 0;
+        kvt__req_ns(v, r->ns);
+        c->resv[c->nresv++] = v;
+        kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_RESERVE, nlocs);
+    }
+    kvt_proto_reserve_reply_encode(b, &rr);
+    kvt__req_reply(r, b, (uint32_t)(p - b));
+    free(b);
+    kvt__req_finish(r);
+}
+
+int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_reserve_t q;
+    if (h->flags || kvt_proto_reserve_decode(body, h->body_len, &q) < 0)
+        return kvt__bad_body(c, h, t0, "RESERVE");
+    if (kvt__need_hello(c, h, t0) < 0)
+        return 0;
+    if (!c->zc_dram || c->zc_seed != kvt_radix_ns_seed(s->radix, c->ns))
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "MAP the namespace's DRAM arena on this connection first");
+    if (q.npages == 0)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "a RESERVE of 0 pages");
+    if (c->nresv >= s->conf->max_reservations)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
+                                "this connection holds max-reservations (%u) already",
+                                s->conf->max_reservations);
+    kvt_proto_put_t p = {
+        .hints = q.hints,
+        .ntokens = q.ntokens,
+        .first_page = q.first_page,
+        .npayload = q.npages,
+        .tokens = q.tokens,
+    };
+    return put_begin(c, h, body, t0, &p);
+}
+
+int kvt__h_commit(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    uint64_t id;
+    if ((h->flags & ~(unsigned)KVT_COMMIT_F_ALL) ||
+        kvt_proto_commit_decode(body, h->body_len, &id) < 0)
+        return kvt__bad_body(c, h, t0, "COMMIT");
+    size_t at;
+    kvt__req_t *v = resv_find(c, id, &at);
+    if (!v)
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOENT,
+                                "reservation %llu is not held by this connection (never made, "
+                                "committed, given back, or expired after reserve-ms)",
+                                (unsigned long long)id);
+    uint32_t reserved = 0;
+    for (uint32_t i = 0; i < v->put.end - v->put.first; i++)
+        reserved += ((kvt__landed_t *)v->extra)[i].tier != KVT_TIER_NONE;
+    kvt_proto_put_reply_t p = {.pages = v->pages, .new_pages = v->put.new_pages};
+    if (h->flags & KVT_COMMIT_F_ABORT) {
+        p.skipped = reserved;
+        resv_end(c, at, KVT_RESV_ABORTED);
+    } else {
+        put_adopt(s, v); /* the blocks join the policy as a PUT's landing does */
+        kvt__unpin(s, v);
+        p.stored = v->put.stored;
+        p.skipped = v->put.skipped;
+        resv_end(c, at, KVT_RESV_COMMITTED);
+    }
+    uint8_t w[sizeof(kvt_wire_put_reply_t)];
+    kvt_proto_put_reply_encode(w, &p);
+    return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
+}
+
+void kvt__resv_drop_all(kvt__conn_t *c)
+{
+    while (c->nresv)
+        resv_end(c, c->nresv - 1, KVT_RESV_CLOSED);
+    free(c->resv);
+    c->resv = NULL;
+    c->cap_resv = 0;
+}
+
+void kvt__resv_expire(kvt__conn_t *c, uint64_t now)
+{
+    for (size_t i = 0; i < c->nresv;) {
+        if (c->resv[i]->put.resv_expiry > now) {
+            i++;
+            continue;
+        }
+        static kvt_log_limit_t lim;
+        kvt_log_limited(&lim, KVT_LOG_INFO,
+                        "kvtierd: connection %llu: reservation %llu not committed within "
+                        "reserve-ms (%u): given back",
+                        (unsigned long long)c->id, (unsigned long long)c->resv[i]->put.resv,
+                        c->srv->conf->reserve_ms);
+        resv_end(c, i, KVT_RESV_EXPIRED);
+    }
 }

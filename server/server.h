@@ -138,6 +138,8 @@ struct kvt__req {
     uint8_t *out; /* reply bytes not yet written: [out_off, out_len) */
     size_t out_len, out_cap, out_off;
     const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
+    int pass_fd; /* with has_fd: a descriptor sent with the reply's first byte (MAP), then closed */
+    uint8_t has_fd;
     /* A move this request asked for (a PREFETCH's promotion) landed: exec.c tells it so. */
     void (*on_move)(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted_pages);
     uint32_t pending; /* tier I/Os in flight */
@@ -159,6 +161,9 @@ struct kvt__req {
         kvt_policy_hint_t hint; /* the engine's hints, handed to the policy with the blocks */
         uint32_t first, end;    /* payload pages [first, end) */
         uint32_t stored, skipped, new_pages;
+        uint8_t reserve;      /* RESERVE: room in the connection's DRAM arena, no payload */
+        uint64_t resv;        /* its id, once replied to */
+        uint64_t resv_expiry; /* when it is given back if not committed */
     } put;
     struct {
         uint32_t cur, end; /* pages [cur, end) left */
@@ -167,7 +172,10 @@ struct kvt__req {
         kvt__seg_t *segs; /* the batch's output, while it is the reply source */
         uint32_t nsegs, seg_i;
         size_t seg_off;
-        int segs_ready; /* the batch's reads are done: segs may be written */
+        int segs_ready;         /* the batch's reads are done: segs may be written */
+        uint8_t locate;         /* LOCATE: mapped pages go as locations */
+        uint32_t located;       /* pages that went as locations */
+        uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;
     struct {
         uint8_t replied; /* the reply went out (deadline, START), I/O still running */
@@ -237,6 +245,13 @@ struct kvt__conn {
     int auth_wait;
     uint64_t auth_seq;
     kvt__req_t *auth_req;
+    /* Zero-copy (op_map.c, op_put.c): the namespace whose DRAM arena it mapped (a reference on
+     * the arena until it closes), whether it mapped the HBM pool, and its reservations (PUT
+     * requests whose writes landed in room the client fills, waiting for COMMIT). */
+    uint64_t zc_seed;
+    uint8_t zc_dram, zc_hbm;
+    kvt__req_t **resv;
+    size_t nresv, cap_resv;
     uint32_t *tokens;    /* scratch for decoded tokens */
     const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
     size_t tokens_cap;
@@ -317,6 +332,7 @@ struct kvt_srv {
     kvt__ns_t *ns; /* ns.c */
     size_t nns, cap_ns;
     uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
+    uint64_t resv_next;      /* the next zero-copy reservation's id */
     uint64_t inflight;       /* tier I/Os in flight, all connections */
     int stopping;
     int reqs_waiting; /* a PREFETCH or REMOVE may be waiting for others' moves */
@@ -430,6 +446,16 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
 int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 int kvt__h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_map(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+int kvt__h_commit(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+
+/* op_map.c: the connection's mappings go with it (its reference on its namespace's arena). */
+void kvt__map_close(kvt__conn_t *c);
+/* op_put.c: reservations. The closing connection's are given back; the tick gives back those
+ * past reserve-ms. */
+void kvt__resv_drop_all(kvt__conn_t *c);
+void kvt__resv_expire(kvt__conn_t *c, uint64_t now);
 
 /* auth.c: AUTH, and the wait line wrong secrets are throttled through. */
 /* Every tick: AUTHs waiting for auth-failures-per-s are answered as its tokens allow. */

@@ -174,7 +174,10 @@ int kvt__store_open(kvt_srv_t *s)
         }
     }
     if (c->dram_bytes) {
-        kvt_tier_dram_conf_t dc = {.capacity_bytes = c->dram_bytes};
+        kvt_tier_dram_conf_t dc = {
+            .capacity_bytes = c->dram_bytes,
+            .max_shared = c->zero_copy ? c->zero_copy_arenas : 0,
+        };
         if ((rc = kvt_tier_dram_create(&s->tiers[KVT_TIER_DRAM], &dc)) < 0) {
             kvt_log(KVT_LOG_ERROR, "kvtierd: DRAM tier of %llu bytes: %s",
                     (unsigned long long)c->dram_bytes, kvt_strerror(rc));

@@ -263,21 +263,20 @@ Test(server_proto, encoders_round_trip)
     uint64_t off;
     kvt_proto_get_loc_encode(body, 9, 2, 1ull << 40, 4096);
     cr_expect_eq(kvt_proto_get_data_kind(body, sizeof(kvt_wire_get_loc_t)), KVT_GET_DATA_LOC);
-    cr_assert_eq(kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &off,
-                                          &dlen),
-                 0);
+    cr_assert_eq(
+        kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &off, &dlen), 0);
     cr_expect(page == 9 && tier == 2 && off == 1ull << 40 && dlen == 4096);
-    cr_expect_eq(kvt_proto_get_data_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &data,
-                                           &dlen),
-                 KVT_EPROTO);
-    cr_expect_eq(kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t) - 1, &page, &tier, &off,
-                                          &dlen),
-                 KVT_EPROTO);
+    cr_expect_eq(
+        kvt_proto_get_data_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &data, &dlen),
+        KVT_EPROTO);
+    cr_expect_eq(
+        kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t) - 1, &page, &tier, &off, &dlen),
+        KVT_EPROTO);
     kvt_proto_get_data_encode(body, 7, 3);
     cr_expect_eq(kvt_proto_get_data_kind(body, sizeof(kvt_wire_get_loc_t)), KVT_GET_DATA_BYTES);
-    cr_expect_eq(kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &off,
-                                          &dlen),
-                 KVT_EPROTO);
+    cr_expect_eq(
+        kvt_proto_get_loc_decode(body, sizeof(kvt_wire_get_loc_t), &page, &tier, &off, &dlen),
+        KVT_EPROTO);
 }
 
 /* The zero-copy requests and replies round-trip; a count that disagrees with the length, or a

@@ -6,12 +6,21 @@
  * usable GPU: without one its creation must fail with KVT_EUNAVAIL (tested here), and the tests
  * that move bytes through the device are skipped, not passed, with the reason on stderr too
  * (Criterion prints it only with --verbose).
+ *
+ * The IPC export: block offsets in the pool (both backends), no handle from the host backend,
+ * and, with a GPU, a block read through the handle in another process. That process is this
+ * test program exec'd afresh (ipc_child_entry), not a plain fork: CUDA does not work in a child
+ * forked from a process that has used it, and by the time a handle exists this one has.
  */
 #include "test_tier_util.h"
 
 #include <poll.h>
+#include <sys/wait.h>
 
 #include "config.h" /* KVT_HAVE_CUDA */
+#if KVT_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 static void skip_no_gpu(const char *why)
 {
@@ -402,6 +411,64 @@ Test(tier_hbm, cuda_round_trips_from_pinned_dram)
     kvt_tier_destroy(h);
 }
 
+/* A DRAM shared arena (zero-copy clients) is never pinned: HBM copies from and to its blocks
+ * are from pageable memory, one at a time and in batches, and must still be right. */
+Test(tier_hbm, cuda_round_trips_from_a_dram_shared_arena)
+{
+    enum { N = 8 };
+    const uint64_t ns = 0x5ea4ed0000000001ull;
+    kvt_tier_t *h = mk_cuda(256u << 20);
+    kvt_tier_t *d = NULL;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 64u << 20, .max_shared = 1};
+    cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
+    int fd;
+    uint64_t mb, off;
+    cr_assert_eq(kvt_tier_dram_share(d, ns, &fd, &mb), 0);
+    static const uint32_t sizes[N] = {1,      4097,           256u << 10, 2u << 20,
+                                      100000, (2u << 20) + 3, 4096,       1u << 20};
+    static uint32_t toks[N][16];
+    static kvt_tier_io_t ios[N];
+    uint64_t dloc[N];
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, toks[i], 16);
+        k.ns_seed = ns;
+        uint8_t *src = malloc(sizes[i]);
+        tu_fill(src, sizes[i], (uint64_t)i);
+        cr_assert_eq(tu_write(d, &k, src, sizes[i], &dloc[i]), 0);
+        cr_assert_eq(kvt_tier_dram_offset(d, ns, dloc[i], &off), 0, "block %d in the arena", i);
+        free(src);
+    }
+    /* All to HBM at once (one batch), then all back into the zeroed arena blocks. */
+    int done = 0;
+    for (int i = 0; i < N; i++) {
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = kvt_tier_ptr(d, dloc[i]),
+                                 .len = sizes[i],
+                                 .cb = tu_count_cb,
+                                 .data = &done};
+        ios[i].key.ns_seed = ns;
+        cr_assert_eq(kvt_tier_write(h, &ios[i]), 0);
+    }
+    cr_assert(tu_drive(h, &done, N));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        memset(kvt_tier_ptr(d, dloc[i]), 0, sizes[i]);
+        ios[i].cb = tu_count_cb;
+    }
+    done = 0;
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(kvt_tier_read(h, &ios[i]), 0);
+    cr_assert(tu_drive(h, &done, N));
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(tu_same(kvt_tier_ptr(d, dloc[i]), sizes[i], (uint64_t)i), "block %d", i);
+        kvt_tier_free(h, ios[i].loc, sizes[i]);
+        kvt_tier_free(d, dloc[i], sizes[i]);
+    }
+    kvt_tier_destroy(d);
+    kvt_tier_destroy(h);
+}
+
 Test(tier_hbm, cuda_many_copies_in_flight_and_capacity)
 {
     enum { N = 64, LEN = 1u << 20 };
@@ -500,5 +567,230 @@ Test(tier_hbm, cuda_batches_both_ways_at_once_are_byte_exact)
     }
     free(host);
     kvt_tier_destroy(d);
+    kvt_tier_destroy(h);
+}
+
+/* ---- the IPC export ---- */
+
+Test(tier_hbm, host_offsets_name_where_blocks_are)
+{
+    enum { SLOT = 64u << 10, POOL = 2u << 20 };
+    kvt_tier_t *t = mk_host(POOL, SLOT);
+    static const uint32_t sizes[] = {1, SLOT, SLOT + 1, 3 * SLOT, 4096, 2 * SLOT - 7, 5 * SLOT};
+    enum { N = KVT_ARRAY_LEN(sizes) };
+    uint32_t tok[16];
+    uint64_t locs[N + 2], offs[N + 2];
+    uint32_t lens[N + 2];
+    uint8_t *buf = malloc(5 * SLOT);
+    for (int i = 0; i < N; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        lens[i] = sizes[i];
+        tu_fill(buf, lens[i], (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, lens[i], &locs[i]), 0, "block %d", i);
+    }
+    /* Holes, then two blocks more, so that offsets are not merely in the order written. */
+    kvt_tier_free(t, locs[1], lens[1]);
+    kvt_tier_free(t, locs[3], lens[3]);
+    uint64_t freed[2] = {locs[1], locs[3]};
+    for (int j = 0; j < 2; j++) {
+        int i = j ? 3 : 1;
+        kvt_block_key_t k = tu_key(100 + (uint64_t)i, tok, 16);
+        lens[i] = j ? 2 * SLOT : SLOT - 1;
+        tu_fill(buf, lens[i], 100 + (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, lens[i], &locs[i]), 0);
+    }
+    cr_assert_eq(kvt_tier_hbm_offset(t, locs[0], &offs[0]), 0);
+    cr_assert_eq(offs[0], 0, "the first block written to an empty pool is at its start");
+    uint8_t *base = kvt_tier_ptr(t, locs[0]);
+    for (int i = 0; i < N; i++) {
+        uint64_t seed = i == 1 || i == 3 ? 100 + (uint64_t)i : (uint64_t)i;
+        cr_assert_eq(kvt_tier_hbm_offset(t, locs[i], &offs[i]), 0, "block %d", i);
+        cr_assert_eq(offs[i] % SLOT, 0, "block %d: offset %llu is not slot-aligned", i,
+                     (unsigned long long)offs[i]);
+        cr_assert_leq(offs[i] + kvt_tier_footprint(t, lens[i]), POOL, "block %d", i);
+        cr_assert_eq((uint8_t *)kvt_tier_ptr(t, locs[i]) - base, (ptrdiff_t)offs[i],
+                     "block %d: its offset is where its bytes are", i);
+        cr_assert(tu_same(base + offs[i], lens[i], seed), "block %d's bytes at its offset", i);
+        for (int j = 0; j < i; j++)
+            cr_assert(offs[j] + kvt_tier_footprint(t, lens[j]) <= offs[i] ||
+                          offs[i] + kvt_tier_footprint(t, lens[i]) <= offs[j],
+                      "blocks %d and %d overlap", j, i);
+    }
+    /* What is not a live location of this tier. */
+    uint64_t off = 7;
+    kvt_tier_free(t, locs[4], lens[4]);
+    cr_assert_eq(kvt_tier_hbm_offset(t, locs[4], &off), KVT_ENOENT, "a freed location");
+    for (int j = 0; j < 2; j++) /* unless the writes after the frees were given it again */
+        if (freed[j] != locs[1] && freed[j] != locs[3])
+            cr_assert_eq(kvt_tier_hbm_offset(t, freed[j], &off), KVT_ENOENT);
+    cr_assert_eq(kvt_tier_hbm_offset(t, 0, &off), KVT_ENOENT);
+    cr_assert_eq(kvt_tier_hbm_offset(t, POOL / SLOT + 1, &off), KVT_ENOENT, "past the pool");
+    cr_assert_eq(off, 7, "*off untouched by a miss");
+    cr_assert_eq(kvt_tier_hbm_offset(t, locs[0], NULL), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_offset(NULL, locs[0], &off), KVT_EINVAL);
+    kvt_tier_t *d = NULL;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 1u << 20, .pin = 2};
+    cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
+    uint64_t dloc = 0;
+    kvt_block_key_t k = tu_key(7, tok, 16);
+    cr_assert_eq(tu_write(d, &k, buf, 4096, &dloc), 0);
+    cr_assert_eq(kvt_tier_hbm_offset(d, dloc, &off), KVT_EINVAL, "a DRAM tier");
+    kvt_tier_destroy(d);
+    free(buf);
+    kvt_tier_destroy(t);
+}
+
+Test(tier_hbm, host_pool_has_no_ipc_handle)
+{
+    kvt_tier_t *t = mk_host(1u << 20, 0);
+    uint8_t hd[KVT_HBM_IPC_HANDLE];
+    uint64_t pool = 0;
+    cr_assert_eq(kvt_tier_hbm_ipc(t, hd, &pool), KVT_EUNAVAIL, "host memory has no CUDA handle");
+    cr_assert_eq(kvt_tier_hbm_ipc(t, hd, NULL), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc(t, NULL, &pool), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc(NULL, hd, &pool), KVT_EINVAL);
+    kvt_tier_t *d = NULL;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 1u << 20, .pin = 2};
+    cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
+    cr_assert_eq(kvt_tier_hbm_ipc(d, hd, &pool), KVT_EINVAL, "a DRAM tier");
+    kvt_tier_destroy(d);
+    void *base = &pool;
+    memset(hd, 0, sizeof hd);
+    cr_assert_eq(kvt_tier_hbm_ipc_open(hd, 0, NULL), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc_open(NULL, 0, &base), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc_open(hd, -1, &base), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc_close(NULL), KVT_EINVAL);
+    kvt_tier_destroy(t);
+}
+
+/* The process that opens the handle: this program again (see the top), told by the environment
+ * variable what to read: "<handle as hex>:<offset>:<len>:<seed>:<device>". Exits 0 when the
+ * block read through the handle is byte-exact, 1 when it differs, 2 for bad arguments or a build
+ * without CUDA, 3 when the handle does not open, 4 when the copy fails, 5 when the mapping does
+ * not close. */
+#define IPC_CHILD_ENV "KVT_TEST_HBM_IPC_CHILD"
+
+static int ipc_child(const char *arg)
+{
+#if KVT_HAVE_CUDA
+    uint8_t hd[KVT_HBM_IPC_HANDLE];
+    for (size_t i = 0; i < sizeof hd; i++) {
+        unsigned v;
+        if (sscanf(arg + 2 * i, "%2x", &v) != 1)
+            return 2;
+        hd[i] = (uint8_t)v;
+    }
+    unsigned long long off, seed;
+    unsigned len;
+    int device;
+    if (sscanf(arg + 2 * sizeof hd, ":%llu:%u:%llu:%d", &off, &len, &seed, &device) != 4)
+        return 2;
+    void *base = NULL;
+    if (kvt_tier_hbm_ipc_open(hd, device, &base) != 0)
+        return 3; /* logged */
+    uint8_t *buf = malloc(len);
+    cudaError_t ce = cudaMemcpy(buf, (uint8_t *)base + off, len, cudaMemcpyDeviceToHost);
+    if (ce != cudaSuccess)
+        fprintf(stderr, "ipc child: cudaMemcpy from the mapped pool: %s\n", cudaGetErrorString(ce));
+    int same = ce == cudaSuccess && tu_same(buf, len, seed);
+    free(buf);
+    if (kvt_tier_hbm_ipc_close(base) != 0)
+        return 5;
+    return ce != cudaSuccess ? 4 : same ? 0 : 1;
+#else
+    (void)arg;
+    return 2;
+#endif
+}
+
+static const char *ipc_child_says(int code)
+{
+    static const char *why[] = {
+        "ok",          "the block's bytes differ", "bad arguments", "the handle did not open",
+        "copy failed", "the mapping did not close"};
+    if (code >= 0 && code < (int)KVT_ARRAY_LEN(why))
+        return why[code];
+    return code == 127 ? "exec failed" : "?";
+}
+
+/* Before Criterion's main: in the exec'd child, do its work and leave. */
+__attribute__((constructor)) static void ipc_child_entry(void)
+{
+    const char *arg = getenv(IPC_CHILD_ENV);
+    if (arg)
+        _exit(ipc_child(arg));
+}
+
+/* Runs ipc_child(arg) in a fresh process (this program exec'd, the environment kept plus arg)
+ * and returns its wait status. Everything the child needs is made before the fork: after it,
+ * in a process with CUDA's threads, the child only execs. */
+static int ipc_spawn(const char *arg)
+{
+    extern char **environ;
+    size_t n = 0;
+    while (environ[n])
+        n++;
+    char **envp = calloc(n + 2, sizeof(*envp));
+    size_t vlen = strlen(IPC_CHILD_ENV) + strlen(arg) + 2;
+    char *var = malloc(vlen);
+    cr_assert(envp && var);
+    snprintf(var, vlen, "%s=%s", IPC_CHILD_ENV, arg);
+    envp[0] = var;
+    memcpy(envp + 1, environ, n * sizeof(*envp));
+    char *argv[] = {"test_tier_hbm (ipc child)", NULL};
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0, "fork: %s", strerror(errno));
+    if (pid == 0) {
+        execve("/proc/self/exe", argv, envp);
+        _exit(127);
+    }
+    free(envp);
+    free(var);
+    int st = 0;
+    while (waitpid(pid, &st, 0) < 0)
+        cr_assert_eq(errno, EINTR, "waitpid: %s", strerror(errno));
+    return st;
+}
+
+Test(tier_hbm, cuda_pool_read_through_its_ipc_handle_in_another_process)
+{
+    if (!kvt_tier_cuda_usable())
+        skip_no_gpu("no usable CUDA device (or no CUDA in this build): the IPC export of the "
+                    "pool is tested on GPU hosts");
+    enum { POOL = 64u << 20, LEN = (256u << 10) + 3 };
+    kvt_tier_t *h = mk_cuda(POOL);
+    uint8_t *buf = malloc(LEN);
+    uint32_t tok[16];
+    uint64_t locs[2], offs[2];
+    /* Two blocks, so that the one read through the handle is not at the pool's start. */
+    for (int i = 0; i < 2; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        tu_fill(buf, LEN, 70 + (uint64_t)i);
+        cr_assert_eq(tu_write(h, &k, buf, LEN, &locs[i]), 0, "block %d", i);
+        cr_assert_eq(kvt_tier_hbm_offset(h, locs[i], &offs[i]), 0);
+    }
+    free(buf);
+    cr_assert_gt(offs[1], 0);
+    cr_assert_eq((uint8_t *)kvt_tier_hbm_devptr(h, locs[0]) - offs[0],
+                 (uint8_t *)kvt_tier_hbm_devptr(h, locs[1]) - offs[1],
+                 "device address - offset is the pool's base for every block");
+    uint8_t hd[KVT_HBM_IPC_HANDLE], again[KVT_HBM_IPC_HANDLE];
+    uint64_t pool = 0, pool2 = 0;
+    cr_assert_eq(kvt_tier_hbm_ipc(h, hd, &pool), 0);
+    cr_assert_eq(pool, POOL);
+    cr_assert_leq(offs[1] + LEN, pool);
+    cr_assert_eq(kvt_tier_hbm_ipc(h, again, &pool2), 0);
+    cr_assert(!memcmp(hd, again, sizeof hd) && pool2 == pool, "the same handle each time");
+    char arg[2 * KVT_HBM_IPC_HANDLE + 96];
+    for (size_t i = 0; i < sizeof hd; i++)
+        snprintf(arg + 2 * i, 3, "%02x", hd[i]);
+    snprintf(arg + 2 * sizeof hd, sizeof arg - 2 * sizeof hd, ":%llu:%u:%llu:%d",
+             (unsigned long long)offs[1], (unsigned)LEN, 71ull, 0 /* mk_cuda's device */);
+    int st = ipc_spawn(arg);
+    cr_assert(WIFEXITED(st), "the ipc child died (wait status %#x)", st);
+    int code = WEXITSTATUS(st);
+    cr_assert_eq(code, 0, "the ipc child exited %d: %s (its log is above)", code,
+                 ipc_child_says(code));
+    /* The child has closed its mapping (and exited): the pool may go. */
     kvt_tier_destroy(h);
 }

@@ -10,10 +10,22 @@
  * usage.used_bytes equals what the arena reports allocated (tests check it). Allocations skip the
  * thread cache so that a free goes back to the arena at once. Blocks of 4 KiB or more are 4 KiB
  * aligned, so that the NVMe tier moves them with O_DIRECT without a bounce buffer.
+ *
+ * Shared arenas (zero-copy local clients, tier.h): a namespace may get an arena of its own over
+ * a memfd instead of the anonymous region, same hooks and flags, except that freed extents are
+ * purged by punching holes in the memfd. Per namespace so that a client mapping it sees only its
+ * own tenant's blocks. Which arena a block lies in is an address-range check, which is how a free
+ * finds the arena whose live-block count it lowers.
+ *
+ *   main region   [ anonymous, 2 MiB aligned, maybe pinned ..................... ]
+ *   ns A arena    [ memfd "kvtier-ns-<A>", MAP_SHARED, sparse, holes punched .... ]  client A maps
+ *   ns B arena    [ memfd "kvtier-ns-<B>" ...................................... ]  client B maps
  */
+#define _GNU_SOURCE /* memfd_create, fallocate's FALLOC_FL_PUNCH_HOLE */
 #include "tier_impl.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jemalloc/jemalloc.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -21,44 +33,67 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "config.h"
 #if KVT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
-typedef struct dram {
+/* A mapped region and the bump pointer its arena's extent hooks hand it out with: the main
+ * region, or a shared arena's memfd mapping. */
+typedef struct dram_space {
     extent_hooks_t hooks; /* first: the hooks get &hooks and find the rest from it */
-    pthread_mutex_t mu;
-    uint8_t *region;
-    size_t region_bytes;
+    pthread_mutex_t mu;   /* the hooks run in whichever thread jemalloc calls them from */
+    uint8_t *base;
+    size_t bytes;
     size_t bump;
+    int fd; /* a shared arena's memfd; -1 for the main region */
     unsigned arena;
     int arena_made;
+    int warned_full;
+} dram_space_t;
+
+/* A namespace's shared arena (tier.h). */
+typedef struct dram_shared {
+    dram_space_t sp; /* first: its hooks find it */
+    uint64_t seed;
+    uint32_t refs;   /* kvt_tier_dram_share calls not yet unshared */
+    uint64_t blocks; /* live blocks in it: it is destroyed only once both are 0 */
+} dram_shared_t;
+
+typedef struct dram {
+    dram_space_t sp; /* the main region */
     int pinned;
     uint64_t pin_ns; /* how long cudaHostRegister took */
-    int warned_full;
+    /* The shared arenas, nshared of them in no order. A table scanned linearly: max_shared is
+     * the number of namespaces with zero-copy clients on this host, a handful, and a write
+     * costs a memcpy of kilobytes to megabytes beside which the scan is noise. */
+    dram_shared_t **shared;
+    uint32_t nshared, max_shared;
 } dram_t;
 
-static dram_t *dram_of_hooks(extent_hooks_t *h)
+static dram_space_t *space_of_hooks(extent_hooks_t *h)
 {
-    return (dram_t *)(void *)h;
+    return (dram_space_t *)(void *)h;
 }
 
+/* Bump allocation, aligned on the address (a memfd mapping is only page-aligned, and jemalloc
+ * asks for 2 MiB-aligned chunks for its metadata). */
 static void *dram_ext_alloc(extent_hooks_t *h, void *new_addr, size_t size, size_t alignment,
                             bool *zero, bool *commit, unsigned arena_ind)
 {
     (void)arena_ind;
-    dram_t *d = dram_of_hooks(h);
+    dram_space_t *sp = space_of_hooks(h);
     void *ret = NULL;
-    pthread_mutex_lock(&d->mu);
-    size_t at = (d->bump + alignment - 1) & ~(alignment - 1);
-    if (at <= d->region_bytes && size <= d->region_bytes - at &&
-        (!new_addr || new_addr == d->region + at)) {
-        ret = d->region + at;
-        d->bump = at + size;
+    pthread_mutex_lock(&sp->mu);
+    uintptr_t b = (uintptr_t)sp->base;
+    size_t at = (size_t)(((b + sp->bump + alignment - 1) & ~(uintptr_t)(alignment - 1)) - b);
+    if (at <= sp->bytes && size <= sp->bytes - at && (!new_addr || new_addr == sp->base + at)) {
+        ret = sp->base + at;
+        sp->bump = at + size;
     }
-    pthread_mutex_unlock(&d->mu);
+    pthread_mutex_unlock(&sp->mu);
     if (ret) {
         *zero = true; /* never handed out before: still the zero pages of the mapping */
         *commit = true;
@@ -104,6 +139,27 @@ static bool dram_ext_purge(extent_hooks_t *h, void *addr, size_t size, size_t of
     return true;
 }
 
+/*
+ * A shared arena purges for real: its pages would otherwise stay resident after its namespace's
+ * blocks go, and memory stranded in one namespace's arena is memory no other namespace (nor the
+ * main region) can use, so the tier's footprint would grow past its capacity as namespaces come
+ * and go. A hole punched in the memfd gives the pages back to the kernel (a mere MADV_DONTNEED
+ * would not: the shmem pages belong to the file, and clients map it too) and reads as zeros
+ * afterwards, which is what jemalloc assumes of a forced purge. Both kinds punch: a lazy purge
+ * that happens to zero is still a valid lazy purge.
+ */
+static bool dram_ext_punch(extent_hooks_t *h, void *addr, size_t size, size_t offset, size_t length,
+                           unsigned arena_ind)
+{
+    (void)size, (void)arena_ind;
+    dram_space_t *sp = space_of_hooks(h);
+    uint8_t *p = addr;
+    if (p < sp->base || p >= sp->base + sp->bytes)
+        return true; /* metadata memory (dram_ext_alloc_shared): not ours to punch */
+    off_t at = (off_t)(p - sp->base + offset);
+    return fallocate(sp->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, at, (off_t)length) != 0;
+}
+
 /* The region is one mapping, so any split or merge of extents inside it is valid. */
 static bool dram_ext_split(extent_hooks_t *h, void *addr, size_t size, size_t size_a, size_t size_b,
                            bool committed, unsigned arena_ind)
@@ -129,27 +185,80 @@ static bool dram_ext_merge(extent_hooks_t *h, void *addr_a, size_t size_a, void 
  * allocated 4 KiB-page buffers in alternating runs (the block layer split those records into
  * several bios each; docs/tiers.md).
  */
-static uint8_t *dram_map_huge(size_t bytes)
+static uint8_t *dram_map_aligned(size_t bytes, size_t align)
 {
-    const size_t huge = 2u << 20;
-    uint8_t *m = mmap(NULL, bytes + huge, PROT_READ | PROT_WRITE,
+    uint8_t *m = mmap(NULL, bytes + align, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED)
         return NULL;
-    uint8_t *r = (uint8_t *)(((uintptr_t)m + huge - 1) & ~(uintptr_t)(huge - 1));
+    uint8_t *r = (uint8_t *)(((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1));
     if (r > m)
         munmap(m, (size_t)(r - m));
-    if (r + bytes < m + bytes + huge)
-        munmap(r + bytes, (size_t)(m + bytes + huge - (r + bytes)));
+    if (r + bytes < m + bytes + align)
+        munmap(r + bytes, (size_t)(m + bytes + align - (r + bytes)));
+    return r;
+}
+
+static uint8_t *dram_map_huge(size_t bytes)
+{
+    uint8_t *r = dram_map_aligned(bytes, 2u << 20);
+    if (!r)
+        return NULL;
     if (madvise(r, bytes, MADV_HUGEPAGE) != 0)
         kvt_log(KVT_LOG_DEBUG, "dram tier: no transparent huge pages for the region: %s",
                 strerror(errno));
     return r;
 }
 
-static int dram_flags(const dram_t *d, uint32_t len)
+static int space_holds(const dram_space_t *sp, uint64_t loc)
 {
-    int f = MALLOCX_ARENA(d->arena) | MALLOCX_TCACHE_NONE;
+    uintptr_t p = (uintptr_t)loc, b = (uintptr_t)sp->base;
+    return p >= b && p - b < sp->bytes;
+}
+
+/*
+ * A shared arena's jemalloc metadata (the arena itself, its extent records, its bins) must not
+ * live in the memfd: a client maps all of it read-write and could then corrupt the daemon's
+ * allocator. jemalloc asks the hooks for metadata through base_map, always 2 MiB aligned with no
+ * address wanted; block extents come PAGE aligned (this file never asks for more than 4 KiB
+ * alignment). So 2 MiB-aligned requests get private anonymous memory, which dalloc (base_unmap,
+ * when the arena is destroyed) unmaps. A block extent fresh from the memfd is not reported
+ * zeroed: a client may have written anywhere in its mapping, even where no block was yet.
+ */
+static void *dram_ext_alloc_shared(extent_hooks_t *h, void *new_addr, size_t size, size_t alignment,
+                                   bool *zero, bool *commit, unsigned arena_ind)
+{
+    if (!new_addr && alignment >= (2u << 20)) {
+        void *m = dram_map_aligned(size, alignment);
+        if (m) {
+            *zero = true;
+            *commit = true;
+        }
+        return m;
+    }
+    bool want_zero = *zero;
+    void *p = dram_ext_alloc(h, new_addr, size, alignment, zero, commit, arena_ind);
+    if (p) {
+        if (want_zero)
+            memset(p, 0, size);
+        *zero = want_zero;
+    }
+    return p;
+}
+
+static bool dram_ext_dalloc_shared(extent_hooks_t *h, void *addr, size_t size, bool committed,
+                                   unsigned arena_ind)
+{
+    (void)committed, (void)arena_ind;
+    if (space_holds(space_of_hooks(h), (uint64_t)(uintptr_t)addr))
+        return true; /* a block extent: retained, like the main region's */
+    munmap(addr, size);
+    return false;
+}
+
+static int dram_flags(unsigned arena, uint32_t len)
+{
+    int f = MALLOCX_ARENA(arena) | MALLOCX_TCACHE_NONE;
     if (len >= 4096)
         f |= MALLOCX_ALIGN(4096);
     return f;
@@ -158,24 +267,61 @@ static int dram_flags(const dram_t *d, uint32_t len)
 static uint64_t dram_footprint(const kvt_tier_t *t, uint32_t len)
 {
     const dram_t *d = t->impl;
-    return nallocx(len, dram_flags(d, len));
+    /* Size classes are the same in every arena, so a shared arena's block costs the same. */
+    return nallocx(len, dram_flags(d->sp.arena, len));
+}
+
+static dram_shared_t *dram_shared_find(const dram_t *d, uint64_t seed)
+{
+    for (uint32_t i = 0; i < d->nshared; i++)
+        if (d->shared[i]->seed == seed)
+            return d->shared[i];
+    return NULL;
+}
+
+/* The shared arena loc lies in, or NULL for the main region. */
+static dram_shared_t *dram_shared_at(const dram_t *d, uint64_t loc)
+{
+    if (space_holds(&d->sp, loc))
+        return NULL;
+    for (uint32_t i = 0; i < d->nshared; i++)
+        if (space_holds(&d->shared[i]->sp, loc))
+            return d->shared[i];
+    return NULL;
 }
 
 static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     dram_t *d = t->impl;
-    void *p = mallocx(io->len, dram_flags(d, io->len));
+    /* An arena nobody references any more only drains: new blocks of its namespace go to the
+     * main region, so that its last block can go and the arena with it. */
+    dram_shared_t *s = d->nshared ? dram_shared_find(d, io->key.ns_seed) : NULL;
+    if (s && s->refs == 0)
+        s = NULL;
+    dram_space_t *sp = s ? &s->sp : &d->sp;
+    void *p = mallocx(io->len, dram_flags(sp->arena, io->len));
     if (!p) {
-        if (!d->warned_full) {
-            kvt_log(KVT_LOG_WARN,
-                    "dram tier: its %zu-byte region is exhausted by fragmentation below capacity",
-                    d->region_bytes);
-            d->warned_full = 1;
+        if (!sp->warned_full) {
+            if (s)
+                kvt_log(KVT_LOG_WARN,
+                        "dram tier: the %zu-byte shared arena of namespace %016llx is exhausted "
+                        "by fragmentation below capacity",
+                        sp->bytes, (unsigned long long)s->seed);
+            else
+                kvt_log(KVT_LOG_WARN,
+                        "dram tier: its %zu-byte region is exhausted by fragmentation below "
+                        "capacity",
+                        sp->bytes);
+            sp->warned_full = 1;
         }
         return KVT_ENOSPC;
     }
-    kvt_assert(sallocx(p, dram_flags(d, io->len)) == io->charge);
-    memcpy(p, io->buf, io->len);
+    kvt_assert(sallocx(p, dram_flags(sp->arena, io->len)) == io->charge);
+    /* No buf: a zero-copy PUT's reservation, filled by the client through its mapping. */
+    if (io->buf)
+        memcpy(p, io->buf, io->len);
+    if (s)
+        s->blocks++;
     io->loc = (uint64_t)(uintptr_t)p;
     kvt__tier_complete(t, io, 0);
     return 0;
@@ -188,10 +334,62 @@ static int dram_read(kvt_tier_t *t, kvt_tier_io_t *io)
     return 0;
 }
 
+/* Destroys the arena first (it may still call the hooks, which use the mapping), then the
+ * mapping and the memfd. Blocks left in the arena are gone with it. */
+static void space_arena_destroy(dram_space_t *sp)
+{
+    if (sp->arena_made) {
+        char name[64];
+        snprintf(name, sizeof(name), "arena.%u.destroy", sp->arena);
+        if (mallctl(name, NULL, NULL, NULL, 0) != 0)
+            kvt_log(KVT_LOG_WARN, "dram tier: jemalloc refused to destroy arena %u", sp->arena);
+        sp->arena_made = 0;
+    }
+}
+
+static void space_release(dram_space_t *sp)
+{
+    space_arena_destroy(sp);
+    if (sp->base)
+        munmap(sp->base, sp->bytes);
+    sp->base = NULL;
+    if (sp->fd >= 0)
+        close(sp->fd);
+    sp->fd = -1;
+    pthread_mutex_destroy(&sp->mu);
+}
+
+static void dram_shared_destroy(dram_shared_t *s)
+{
+    if (s->sp.arena_made)
+        kvt_log(KVT_LOG_INFO, "dram tier: shared arena of namespace %016llx destroyed",
+                (unsigned long long)s->seed);
+    space_release(&s->sp);
+    free(s);
+}
+
+/* Takes s out of the table and destroys it (no reference, no block left). */
+static void dram_shared_drop(dram_t *d, dram_shared_t *s)
+{
+    for (uint32_t i = 0; i < d->nshared; i++) {
+        if (d->shared[i] == s) {
+            d->shared[i] = d->shared[--d->nshared];
+            break;
+        }
+    }
+    dram_shared_destroy(s);
+}
+
 static void dram_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
 {
     dram_t *d = t->impl;
-    dallocx((void *)(uintptr_t)loc, dram_flags(d, len));
+    dram_shared_t *s = d->nshared ? dram_shared_at(d, loc) : NULL;
+    dallocx((void *)(uintptr_t)loc, dram_flags(s ? s->sp.arena : d->sp.arena, len));
+    if (s) {
+        kvt_assert(s->blocks > 0);
+        if (--s->blocks == 0 && s->refs == 0)
+            dram_shared_drop(d, s);
+    }
 }
 
 static void *dram_ptr(kvt_tier_t *t, uint64_t loc)
@@ -202,29 +400,28 @@ static void *dram_ptr(kvt_tier_t *t, uint64_t loc)
 
 static void dram_release(dram_t *d)
 {
-    if (d->arena_made) {
-        char name[64];
-        snprintf(name, sizeof(name), "arena.%u.destroy", d->arena);
-        if (mallctl(name, NULL, NULL, NULL, 0) != 0)
-            kvt_log(KVT_LOG_WARN, "dram tier: jemalloc refused to destroy arena %u", d->arena);
-    }
+    for (uint32_t i = 0; i < d->nshared; i++)
+        dram_shared_destroy(d->shared[i]);
+    free(d->shared);
+    space_arena_destroy(&d->sp); /* before unregistering the memory it still describes */
 #if KVT_HAVE_CUDA
     if (d->pinned)
-        cudaHostUnregister(d->region);
+        cudaHostUnregister(d->sp.base);
 #endif
-    if (d->region)
-        munmap(d->region, d->region_bytes);
-    pthread_mutex_destroy(&d->mu);
+    space_release(&d->sp);
     free(d);
 }
 
 static void dram_free_block(void *arg, const kvt__tier_ent_t *e)
 {
     dram_t *d = arg;
-    dallocx((void *)(uintptr_t)e->loc, dram_flags(d, e->len));
+    dram_shared_t *s = d->nshared ? dram_shared_at(d, e->loc) : NULL;
+    dallocx((void *)(uintptr_t)e->loc, dram_flags(s ? s->sp.arena : d->sp.arena, e->len));
+    if (s)
+        s->blocks--;
 }
 
-/* Blocks still stored when the tier goes are freed before the arena is destroyed. */
+/* Blocks still stored when the tier goes are freed before the arenas are destroyed. */
 static void dram_destroy_all(kvt_tier_t *t)
 {
     kvt__tier_foreach(t, dram_free_block, t->impl);
@@ -243,12 +440,173 @@ static const kvt_tier_ops_t dram_ops = {
 
 unsigned kvt_tier_dram_arena(const kvt_tier_t *t)
 {
-    return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->arena : 0;
+    return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->sp.arena : 0;
 }
 
 int kvt_tier_dram_pinned(const kvt_tier_t *t)
 {
     return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->pinned : 0;
+}
+
+/* Slack for size classes (up to a quarter above the request), alignment and the arena's own
+ * metadata. A shared arena's region is as large as the main one: a namespace may hold the
+ * whole capacity, and the memfd is sparse, so the size costs address space only. */
+static size_t dram_region_bytes(uint64_t capacity)
+{
+    uint64_t bytes = capacity + capacity / 4 + (64u << 20);
+    return (size_t)((bytes + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1));
+}
+
+static void space_init(dram_space_t *sp, int shared)
+{
+    pthread_mutex_init(&sp->mu, NULL);
+    sp->fd = -1;
+    sp->hooks = (extent_hooks_t){
+        .alloc = shared ? dram_ext_alloc_shared : dram_ext_alloc,
+        .dalloc = shared ? dram_ext_dalloc_shared : dram_ext_dalloc,
+        .destroy = dram_ext_destroy,
+        .commit = dram_ext_commit,
+        .decommit = dram_ext_decommit,
+        .purge_lazy = shared ? dram_ext_punch : dram_ext_purge,
+        .purge_forced = shared ? dram_ext_punch : dram_ext_purge,
+        .split = dram_ext_split,
+        .merge = dram_ext_merge,
+    };
+}
+
+/* Creates sp's jemalloc arena over its hooks. Returns 0 or KVT_EIO. */
+static int space_arena(dram_space_t *sp)
+{
+    extent_hooks_t *hp = &sp->hooks;
+    size_t sz = sizeof(sp->arena);
+    if (mallctl("arenas.create", &sp->arena, &sz, &hp, sizeof(hp)) != 0) {
+        kvt_log(KVT_LOG_ERROR, "dram tier: jemalloc arenas.create failed");
+        return KVT_EIO;
+    }
+    sp->arena_made = 1;
+    /* Freed extents leave the dirty set at once: with purging refused (the main region) they
+     * land in the retained set, which jemalloc coalesces eagerly (dirty extents coalesce only
+     * when they decay), so a mix of block sizes does not fragment the region. In a shared
+     * arena the same setting punches the hole at once (a forced purge, muzzy skipped). */
+    ssize_t now = 0;
+    char name[64];
+    snprintf(name, sizeof(name), "arena.%u.dirty_decay_ms", sp->arena);
+    (void)mallctl(name, NULL, NULL, &now, sizeof(now));
+    snprintf(name, sizeof(name), "arena.%u.muzzy_decay_ms", sp->arena);
+    (void)mallctl(name, NULL, NULL, &now, sizeof(now));
+    /* jemalloc grows its retained memory geometrically; from a fixed region that would strand
+     * up to half of it in one last oversized request. Small steps keep the slack bounded. */
+    size_t grow = 8u << 20;
+    snprintf(name, sizeof(name), "arena.%u.retain_grow_limit", sp->arena);
+    if (mallctl(name, NULL, NULL, &grow, sizeof(grow)) != 0)
+        kvt_log(KVT_LOG_WARN, "dram tier: jemalloc refused retain_grow_limit");
+    return 0;
+}
+
+static int dram_err(int e)
+{
+    return e == ENOMEM ? KVT_ENOMEM : KVT_EIO;
+}
+
+/*
+ * A shared arena: a memfd as large as the main region, sparse until touched, mapped MAP_SHARED
+ * (a client maps the same pages) without a swap reservation. Sealed against shrinking and
+ * growing: a client holds the fd too, and a shrink would turn the tier's own accesses past the
+ * new end into SIGBUS; holes (our purges, or a client's) stay possible and read as zeros. The
+ * seals are sealed too, so that no client adds a write seal that would make our purges fail. Not
+ * registered with CUDA, unlike the main region: that would touch and lock every page.
+ */
+static int dram_shared_make(dram_t *d, uint64_t seed, dram_shared_t **out)
+{
+    dram_shared_t *s = calloc(1, sizeof(*s));
+    if (!s)
+        return KVT_ENOMEM;
+    s->seed = seed;
+    space_init(&s->sp, 1);
+    s->sp.bytes = d->sp.bytes;
+    char name[32];
+    snprintf(name, sizeof(name), "kvtier-ns-%016llx", (unsigned long long)seed);
+    int rc = 0;
+    const char *what = "memfd_create";
+    s->sp.fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (s->sp.fd < 0)
+        goto fail;
+    what = "ftruncate";
+    if (ftruncate(s->sp.fd, (off_t)s->sp.bytes) != 0)
+        goto fail;
+    what = "sealing";
+    if (fcntl(s->sp.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+        goto fail;
+    what = "mmap";
+    void *m =
+        mmap(NULL, s->sp.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, s->sp.fd, 0);
+    if (m == MAP_FAILED)
+        goto fail;
+    s->sp.base = m;
+    if ((rc = space_arena(&s->sp)) < 0) {
+        dram_shared_destroy(s);
+        return rc;
+    }
+    kvt_log(KVT_LOG_INFO,
+            "dram tier: shared arena of namespace %016llx: jemalloc arena %u, memfd of %zu bytes",
+            (unsigned long long)seed, s->sp.arena, s->sp.bytes);
+    *out = s;
+    return 0;
+fail:
+    rc = dram_err(errno);
+    kvt_log(KVT_LOG_ERROR, "dram tier: shared arena of namespace %016llx: %s failed: %s",
+            (unsigned long long)seed, what, strerror(errno));
+    dram_shared_destroy(s);
+    return rc;
+}
+
+int kvt_tier_dram_share(kvt_tier_t *t, uint64_t ns_seed, int *fd, uint64_t *map_bytes)
+{
+    if (!t || t->ops != &dram_ops || !fd || !map_bytes)
+        return KVT_EINVAL;
+    dram_t *d = t->impl;
+    dram_shared_t *s = dram_shared_find(d, ns_seed);
+    if (!s) {
+        if (d->nshared >= d->max_shared)
+            return KVT_ENOSPC;
+        int rc = dram_shared_make(d, ns_seed, &s);
+        if (rc < 0)
+            return rc;
+        d->shared[d->nshared++] = s;
+    }
+    s->refs++;
+    *fd = s->sp.fd;
+    *map_bytes = s->sp.bytes;
+    return 0;
+}
+
+void kvt_tier_dram_unshare(kvt_tier_t *t, uint64_t ns_seed)
+{
+    if (!t || t->ops != &dram_ops)
+        return;
+    dram_t *d = t->impl;
+    dram_shared_t *s = dram_shared_find(d, ns_seed);
+    if (!s || s->refs == 0)
+        return;
+    if (--s->refs == 0 && s->blocks == 0)
+        dram_shared_drop(d, s);
+}
+
+int kvt_tier_dram_offset(const kvt_tier_t *t, uint64_t ns_seed, uint64_t loc, uint64_t *off)
+{
+    if (!t || t->ops != &dram_ops)
+        return KVT_ENOENT;
+    const dram_shared_t *s = dram_shared_find(t->impl, ns_seed);
+    if (!s || !space_holds(&s->sp, loc))
+        return KVT_ENOENT;
+    if (off)
+        *off = loc - (uint64_t)(uintptr_t)s->sp.base;
+    return 0;
+}
+
+uint32_t kvt_tier_dram_shared(const kvt_tier_t *t)
+{
+    return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->nshared : 0;
 }
 
 int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
@@ -264,24 +622,15 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
     dram_t *d = calloc(1, sizeof(*d));
     if (!d)
         return KVT_ENOMEM;
-    pthread_mutex_init(&d->mu, NULL);
-    d->hooks = (extent_hooks_t){
-        .alloc = dram_ext_alloc,
-        .dalloc = dram_ext_dalloc,
-        .destroy = dram_ext_destroy,
-        .commit = dram_ext_commit,
-        .decommit = dram_ext_decommit,
-        .purge_lazy = dram_ext_purge,
-        .purge_forced = dram_ext_purge,
-        .split = dram_ext_split,
-        .merge = dram_ext_merge,
-    };
-    /* Slack for size classes (up to a quarter above the request), alignment and the arena's
-     * own metadata. */
-    uint64_t bytes = conf->capacity_bytes + conf->capacity_bytes / 4 + (64u << 20);
-    d->region_bytes = (size_t)((bytes + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1));
-    d->region = dram_map_huge(d->region_bytes);
-    if (!d->region) {
+    space_init(&d->sp, 0);
+    d->max_shared = conf->max_shared;
+    if (d->max_shared && !(d->shared = calloc(d->max_shared, sizeof(*d->shared)))) {
+        dram_release(d);
+        return KVT_ENOMEM;
+    }
+    d->sp.bytes = dram_region_bytes(conf->capacity_bytes);
+    d->sp.base = dram_map_huge(d->sp.bytes);
+    if (!d->sp.base) {
         dram_release(d);
         return KVT_ENOMEM;
     }
@@ -290,11 +639,11 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
         /* Pinning touches and locks every page of the region (1.4 s for 4 GiB on an H200
          * host): the log says how long, since it delays the start-up. */
         uint64_t t0 = kvt_now_ns();
-        cudaError_t ce = cudaHostRegister(d->region, d->region_bytes, cudaHostRegisterDefault);
+        cudaError_t ce = cudaHostRegister(d->sp.base, d->sp.bytes, cudaHostRegisterDefault);
         d->pin_ns = kvt_now_ns() - t0;
         if (ce != cudaSuccess) {
             kvt_log(conf->pin == 1 ? KVT_LOG_ERROR : KVT_LOG_WARN,
-                    "dram tier: cudaHostRegister of %zu bytes failed: %s", d->region_bytes,
+                    "dram tier: cudaHostRegister of %zu bytes failed: %s", d->sp.bytes,
                     cudaGetErrorString(ce));
             if (conf->pin == 1) {
                 dram_release(d);
@@ -305,30 +654,9 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
         }
     }
 #endif
-    extent_hooks_t *hp = &d->hooks;
-    size_t sz = sizeof(d->arena);
-    if (mallctl("arenas.create", &d->arena, &sz, &hp, sizeof(hp)) != 0) {
-        kvt_log(KVT_LOG_ERROR, "dram tier: jemalloc arenas.create failed");
-        dram_release(d);
-        return KVT_EIO;
-    }
-    d->arena_made = 1;
-    /* Freed extents leave the dirty set at once: with purging refused they land in the
-     * retained set, which jemalloc coalesces eagerly (dirty extents coalesce only when they
-     * decay), so a mix of block sizes does not fragment the region. */
-    ssize_t now = 0;
-    char name[64];
-    snprintf(name, sizeof(name), "arena.%u.dirty_decay_ms", d->arena);
-    (void)mallctl(name, NULL, NULL, &now, sizeof(now));
-    snprintf(name, sizeof(name), "arena.%u.muzzy_decay_ms", d->arena);
-    (void)mallctl(name, NULL, NULL, &now, sizeof(now));
-    /* jemalloc grows its retained memory geometrically; from a fixed region that would strand
-     * up to half of it in one last oversized request. Small steps keep the slack bounded. */
-    size_t grow = 8u << 20;
-    snprintf(name, sizeof(name), "arena.%u.retain_grow_limit", d->arena);
-    if (mallctl(name, NULL, NULL, &grow, sizeof(grow)) != 0)
-        kvt_log(KVT_LOG_WARN, "dram tier: jemalloc refused retain_grow_limit");
-    int rc = kvt__tier_init(out, KVT_TIER_DRAM, &dram_ops, d, conf->capacity_bytes);
+    int rc = space_arena(&d->sp);
+    if (rc == 0)
+        rc = kvt__tier_init(out, KVT_TIER_DRAM, &dram_ops, d, conf->capacity_bytes);
     if (rc < 0) {
         dram_release(d);
         return rc;
@@ -337,10 +665,10 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
         kvt_log(KVT_LOG_INFO,
                 "dram tier: %llu bytes, jemalloc arena %u, pinned for CUDA (%zu bytes registered "
                 "in %.3f s)",
-                (unsigned long long)conf->capacity_bytes, d->arena, d->region_bytes,
+                (unsigned long long)conf->capacity_bytes, d->sp.arena, d->sp.bytes,
                 (double)d->pin_ns / 1e9);
     else
         kvt_log(KVT_LOG_INFO, "dram tier: %llu bytes, jemalloc arena %u, not pinned",
-                (unsigned long long)conf->capacity_bytes, d->arena);
+                (unsigned long long)conf->capacity_bytes, d->sp.arena);
     return 0;
 }

@@ -26,6 +26,12 @@
  *         four-tier behaviour on machines without a GPU. Chosen only by explicit configuration,
  *         and it says so in its log line and in kvt_tier_backend().
  *
+ * IPC export. Because the cuda pool is one cudaMalloc allocation, one cudaIpcMemHandle maps all
+ * of it in a local client's process (kvt_tier_hbm_ipc), and a block is named to that client by
+ * its byte offset in the pool (kvt_tier_hbm_offset, which the host backend answers too, so that
+ * the daemon's side is tested without a GPU). The handle is taken once and kept: CUDA gives the
+ * same handle for the same allocation every time.
+ *
  * Only the CUDA runtime API is used (never libcuda); in a build without CUDA the cuda backend
  * reports KVT_EUNAVAIL.
  */
@@ -42,6 +48,9 @@
 #include "config.h"
 #if KVT_HAVE_CUDA
 #include <cuda_runtime_api.h>
+
+_Static_assert(KVT_HBM_IPC_HANDLE == sizeof(cudaIpcMemHandle_t),
+               "KVT_HBM_IPC_HANDLE (tier.h) is the size of a cudaIpcMemHandle_t");
 #endif
 
 #define HBM_MAX_STREAMS   16
@@ -101,6 +110,8 @@ typedef struct hbm {
     size_t *sizes;
     cudaEvent_t *events; /* free events */
     size_t nevents, events_cap;
+    int ipc_ok; /* ipc holds the pool's handle (taken on the first export) */
+    cudaIpcMemHandle_t ipc;
 #endif
 } hbm_t;
 
@@ -460,8 +471,8 @@ static cudaError_t cuda_copies(hbm_t *h, kvt_tier_io_t **ios, uint32_t n, int to
 #if CUDART_VERSION >= 12080
     if (h->batch_api && n > 1) {
         /* Every copy in stream order (the host side is pinned DRAM-tier or staging memory, or
-         * a client's buffer that stays put until the callback); the location hints matter
-         * only for managed or pageable memory. */
+         * pageable memory that stays put until the callback: a client's buffer, a block in a
+         * DRAM shared arena); the location hints matter only for managed or pageable memory. */
         struct cudaMemcpyAttributes attr;
         memset(&attr, 0, sizeof(attr));
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -702,6 +713,101 @@ static uint32_t hbm_nstreams(const hbm_t *h)
 #else
     (void)h;
     return 0;
+#endif
+}
+
+int kvt_tier_hbm_offset(const kvt_tier_t *t, uint64_t loc, uint64_t *off)
+{
+    if (!t || !off || t->kind != KVT_TIER_HBM)
+        return KVT_EINVAL;
+    if (!kvt__tier_lookup(t, loc))
+        return KVT_ENOENT;
+    const hbm_t *h = t->impl;
+    *off = (loc - 1) << h->slot_shift;
+    return 0;
+}
+
+int kvt_tier_hbm_ipc(kvt_tier_t *t, uint8_t handle[KVT_HBM_IPC_HANDLE], uint64_t *pool_bytes)
+{
+    if (!t || !handle || !pool_bytes || t->kind != KVT_TIER_HBM)
+        return KVT_EINVAL;
+    if (!hbm_is_cuda(t))
+        return KVT_EUNAVAIL; /* host memory: nothing another process could open */
+#if KVT_HAVE_CUDA
+    hbm_t *h = t->impl;
+    if (!h->ipc_ok) {
+        cudaError_t ce = cudaSetDevice(h->device);
+        if (ce == cudaSuccess)
+            ce = cudaIpcGetMemHandle(&h->ipc, h->base);
+        if (ce != cudaSuccess) {
+            (void)cudaGetLastError(); /* not sticky: the tier's copies go on */
+            kvt_log(KVT_LOG_ERROR,
+                    "hbm tier: cudaIpcGetMemHandle of the pool (%llu bytes on device %d) failed: "
+                    "%s",
+                    (unsigned long long)h->pool_bytes, h->device, cudaGetErrorString(ce));
+            return KVT_EIO;
+        }
+        h->ipc_ok = 1;
+    }
+    memcpy(handle, &h->ipc, KVT_HBM_IPC_HANDLE);
+    *pool_bytes = h->pool_bytes;
+    return 0;
+#else
+    return KVT_EUNAVAIL;
+#endif
+}
+
+int kvt_tier_hbm_ipc_open(const uint8_t handle[KVT_HBM_IPC_HANDLE], int device, void **base)
+{
+    if (!handle || !base || device < 0)
+        return KVT_EINVAL;
+    *base = NULL;
+#if KVT_HAVE_CUDA
+    if (!kvt_tier_cuda_usable())
+        return KVT_EUNAVAIL;
+    if (device >= cuda_ndev)
+        return KVT_EINVAL;
+    cudaIpcMemHandle_t ih;
+    memcpy(&ih, handle, sizeof(ih));
+    void *p = NULL;
+    /* The mapping goes to `device`; the caller's thread keeps the device it had (an engine's
+     * own code relies on it). */
+    int prev = -1;
+    cudaError_t ce = cudaGetDevice(&prev);
+    if (ce == cudaSuccess)
+        ce = cudaSetDevice(device);
+    if (ce == cudaSuccess) {
+        ce = cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess);
+        if (prev != device)
+            (void)cudaSetDevice(prev);
+    }
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        kvt_log(KVT_LOG_ERROR, "hbm ipc: cudaIpcOpenMemHandle on device %d failed: %s", device,
+                cudaGetErrorString(ce));
+        return KVT_EIO;
+    }
+    *base = p;
+    return 0;
+#else
+    return KVT_EUNAVAIL;
+#endif
+}
+
+int kvt_tier_hbm_ipc_close(void *base)
+{
+    if (!base)
+        return KVT_EINVAL;
+#if KVT_HAVE_CUDA
+    cudaError_t ce = cudaIpcCloseMemHandle(base);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        kvt_log(KVT_LOG_ERROR, "hbm ipc: cudaIpcCloseMemHandle failed: %s", cudaGetErrorString(ce));
+        return KVT_EIO;
+    }
+    return 0;
+#else
+    return KVT_EUNAVAIL;
 #endif
 }
 

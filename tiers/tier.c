@@ -374,7 +374,8 @@ static int tier_reserve(kvt_tier_t *t, uint32_t len, uint64_t *charge)
 
 int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io)
 {
-    if (!t || !io || !io->buf || !tier_key_ok(&io->key))
+    /* buf NULL only for DRAM: a zero-copy PUT's reservation (tier.h). */
+    if (!t || !io || (!io->buf && t->kind != KVT_TIER_DRAM) || !tier_key_ok(&io->key))
         return KVT_EINVAL;
     uint64_t charge;
     int rc = tier_reserve(t, io->len, &charge);

@@ -67,7 +67,12 @@ typedef void (*kvt_tier_cb)(kvt_tier_io_t *io);
 struct kvt_tier_io {
     kvt_block_key_t key;
     uint64_t loc; /* read: where to read; write: filled on success */
-    void *buf;    /* host memory; for an HBM tier read/write it is the host side of the copy */
+    /* Host memory; for an HBM tier read/write it is the host side of the copy. A write to a
+     * DRAM tier may leave it NULL: the block is allocated and charged but nothing is copied (its
+     * bytes are whatever the memory holds), the reservation of a zero-copy PUT that a local
+     * client fills through its mapping (kvt_tier_dram_share) before the daemon makes it visible.
+     * Every other tier, and every read, refuses NULL with KVT_EINVAL. */
+    void *buf;
     uint32_t len; /* payload bytes (read: the buffer must hold len bytes) */
     kvt_tier_cb cb;
     void *data; /* the caller's */
@@ -194,6 +199,7 @@ typedef struct kvt_tier_dram_conf {
     uint64_t capacity_bytes; /* > 0 */
     int pin;                 /* 0: register when a GPU is usable; 1: must register
                                 (KVT_EUNAVAIL without a GPU); 2: never */
+    uint32_t max_shared; /* shared arenas at most (0: none; kvt_tier_dram_share then KVT_ENOSPC) */
 } kvt_tier_dram_conf_t;
 
 /* Returns 0, KVT_EINVAL, KVT_ENOMEM, KVT_EUNAVAIL (pin = 1 without a GPU) or KVT_EIO (jemalloc
@@ -201,8 +207,44 @@ typedef struct kvt_tier_dram_conf {
 int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf);
 /* The tier's jemalloc arena index, for tests and metrics that read jemalloc's own stats. */
 unsigned kvt_tier_dram_arena(const kvt_tier_t *t);
-/* 1 when the DRAM region is registered with CUDA (pinned), 0 otherwise. */
+/* 1 when the DRAM region is registered with CUDA (pinned), 0 otherwise. Shared arenas (below)
+ * are never pinned: registering would touch every page of their sparse memfds. A copy between
+ * one and an HBM tier is still correct, only a synchronous copy from pageable memory. */
 int kvt_tier_dram_pinned(const kvt_tier_t *t);
+
+/*
+ * Shared arenas, for zero-copy local clients. A namespace (by its seed) may get an arena of its
+ * own, backed by a memfd that the daemon passes to local clients of that namespace: from then on
+ * every new DRAM block of that namespace (any write whose key.ns_seed is it, copies and
+ * promotions included) is allocated there, so a client that maps the memfd sees its own
+ * namespace's blocks and nobody else's. Blocks written before the arena existed stay where they
+ * are (kvt_tier_dram_offset tells). The arenas count in the tier's one capacity.
+ *
+ * While an arena has no reference left but still holds blocks, it takes no new blocks (they go
+ * to the main region again) and waits for its last block to be freed; sharing the namespace
+ * again before that revives it. It keeps its slot (of max_shared) until it is destroyed. The
+ * memfd is sealed against shrinking and growing (a client's ftruncate must not turn the tier's
+ * own accesses into SIGBUS) and holds no allocator metadata; a client may still write any byte
+ * of its namespace's blocks. The fd is valid only while the arena exists: send it (or dup it)
+ * before the unshare that may destroy it. A write with buf NULL outside a shared arena (the
+ * namespace not shared) leaves whatever a freed block of any namespace left there: make such a
+ * block visible only once it has been filled.
+ */
+/* Creates ns_seed's arena, or finds it, and takes a reference on it. *fd is the tier's descriptor
+ * (the caller must not close it; send it with SCM_RIGHTS or dup it), *map_bytes the length to
+ * mmap (MAP_SHARED, offset 0). Returns 0, KVT_ENOSPC (max_shared arenas exist), KVT_EINVAL,
+ * KVT_ENOMEM or KVT_EIO (memfd_create, ftruncate, mmap or jemalloc failed; logged). */
+int kvt_tier_dram_share(kvt_tier_t *t, uint64_t ns_seed, int *fd, uint64_t *map_bytes);
+/* Drops a reference. An arena with no reference and no block left is destroyed (at once, or
+ * when its last block is freed): its memfd is closed and its region unmapped, so its slot and
+ * memory are free for another namespace. */
+void kvt_tier_dram_unshare(kvt_tier_t *t, uint64_t ns_seed);
+/* 0 with *off set when loc (a location of this DRAM tier) lies in ns_seed's shared arena: the
+ * payload starts *off bytes into the memfd. KVT_ENOENT when it does not (the main region, another
+ * namespace's arena, no such arena, or t is not a DRAM tier). */
+int kvt_tier_dram_offset(const kvt_tier_t *t, uint64_t ns_seed, uint64_t loc, uint64_t *off);
+/* Shared arenas that exist now. */
+uint32_t kvt_tier_dram_shared(const kvt_tier_t *t);
 
 /* --- NVMe (tiers/nvme.c, tiers/nvme_recover.c) ---
  * One data file, DIR/kvtier.data, preallocated to capacity_bytes (rounded down to whole
@@ -382,6 +424,33 @@ int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf);
 void *kvt_tier_hbm_devptr(kvt_tier_t *t, uint64_t loc);
 /* 1 when a CUDA device is usable by this process (counts devices once and caches it). */
 int kvt_tier_cuda_usable(void);
+
+/*
+ * CUDA IPC export of the HBM pool, for zero-copy local clients. The pool is one cudaMalloc
+ * allocation, so one handle opens all of it: kvtierd exports it only where every local client
+ * is one tenant (its hbm-ipc setting). A client opens the handle with cudaIpcOpenMemHandle in
+ * its own process (not the daemon's: CUDA refuses a handle in the process that made it) and
+ * reads a block at its offset while its lease holds.
+ */
+#define KVT_HBM_IPC_HANDLE 64 /* sizeof(cudaIpcMemHandle_t) */
+/* Fills handle and *pool_bytes. KVT_EUNAVAIL with the host backend or a build without CUDA,
+ * KVT_EIO when cudaIpcGetMemHandle fails (logged), KVT_EINVAL when t is not an HBM tier. */
+int kvt_tier_hbm_ipc(kvt_tier_t *t, uint8_t handle[KVT_HBM_IPC_HANDLE], uint64_t *pool_bytes);
+/* 0 with *off the payload's byte offset in the pool when loc is a live location of this HBM
+ * tier; KVT_ENOENT otherwise (KVT_EINVAL when t is not an HBM tier). Works for both backends. */
+int kvt_tier_hbm_offset(const kvt_tier_t *t, uint64_t loc, uint64_t *off);
+/* The client's side, in the client's process: maps a handle received from kvtierd (made by
+ * kvt_tier_hbm_ipc) on CUDA device `device` (the pool's, or one with peer access to it, enabled
+ * lazily) and sets *base to the pool's first byte there; a block's payload is at *base + its
+ * offset, for copies and kernels on that device, and its bytes stay put while its lease holds.
+ * The mapping stays until kvt_tier_hbm_ipc_close, best called before the daemon frees its pool
+ * (CUDA leaves a mapping of freed memory undefined). Returns 0, KVT_EINVAL, KVT_EUNAVAIL (a build
+ * without CUDA, or no usable device) or KVT_EIO (CUDA refused the handle, logged: in the process
+ * that made it, for one). */
+int kvt_tier_hbm_ipc_open(const uint8_t handle[KVT_HBM_IPC_HANDLE], int device, void **base);
+/* Unmaps what kvt_tier_hbm_ipc_open mapped. Returns 0, KVT_EINVAL (base NULL), KVT_EUNAVAIL (a
+ * build without CUDA) or KVT_EIO (CUDA refused, logged: base was no such mapping, for one). */
+int kvt_tier_hbm_ipc_close(void *base);
 
 /* --- remote (tiers/remote.c) ---
  * Blocks as string values in a Valkey or Redis server (hiredis, plain TCP, optional AUTH and

@@ -1,0 +1,676 @@
+/*
+ * test_server_zc.c: the daemon's zero-copy path for local clients (docs/protocol.md, "Zero-copy
+ * for local clients"), spoken frame by frame over a raw Unix socket: MAP's memfd really arrives
+ * over SCM_RIGHTS and is really mapped here, RESERVE's room is really written through that
+ * mapping, GET with LOCATE really answers by offset. Tenancy, the lifetimes (commit, abort,
+ * expiry, a client killed mid-write, a lease holding bytes in place) and every refusal are checked
+ * against a real kvtierd.
+ */
+#define _GNU_SOURCE /* SEEK_DATA, SEEK_HOLE */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "proto.h"
+#include "test_raw_frames.h"
+#include "test_server_harness.h"
+
+#define PAGE 4
+#define BB   (64u << 10) /* block bytes */
+
+/* One reply: header, body (up to cap bytes kept), and a descriptor if one came with it. */
+typedef struct zreply {
+    kvt_proto_hdr_t h;
+    uint8_t body[4096];
+    int fd; /* -1 when none came */
+} zreply_t;
+
+/* Reads one whole reply with recvmsg, so that a descriptor on its first byte is taken. */
+static void zrecv(int fd, zreply_t *r)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    struct iovec iov = {hdr, sizeof hdr};
+    struct msghdr m = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl};
+    r->fd = -1;
+    ssize_t n = recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+    cr_assert_gt(n, 0, "recvmsg: %s", n < 0 ? strerror(errno) : "closed");
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+            memcpy(&r->fd, CMSG_DATA(c), sizeof(int));
+    if ((size_t)n < sizeof hdr)
+        cr_assert_eq(read_full(fd, hdr + n, sizeof hdr - (size_t)n), 0);
+    kvt_proto_hdr_decode(hdr, &r->h);
+    size_t keep = KVT_MIN((size_t)r->h.body_len, sizeof r->body);
+    cr_assert_eq(read_full(fd, r->body, keep), 0);
+    for (size_t left = r->h.body_len - keep; left > 0;) { /* a data frame's payload: not kept */
+        uint8_t junk[4096];
+        size_t t = KVT_MIN(left, sizeof junk);
+        cr_assert_eq(read_full(fd, junk, t), 0);
+        left -= t;
+    }
+    r->body[KVT_MIN(keep, sizeof r->body - 1)] = 0;
+}
+
+static void zsend(int fd, unsigned op, uint16_t flags, uint64_t id, const void *b, uint32_t len)
+{
+    raw_frame(fd, op, flags, id, b, len, KVT_PROTO_MAGIC, KVT_PROTO_VERSION);
+}
+
+/* Sends a request and reads its (single-frame) reply. */
+static void zcall(int fd, unsigned op, uint16_t flags, const void *b, uint32_t len, zreply_t *r)
+{
+    static uint64_t id = 1;
+    uint64_t my = id++;
+    zsend(fd, op, flags, my, b, len);
+    zrecv(fd, r);
+    cr_assert_eq(r->h.request_id, my);
+    cr_assert_eq(r->h.opcode, op | KVT_OP_REPLY);
+}
+
+static int zhello(int fd, const char *model, const char *salt, uint32_t bb)
+{
+    uint8_t body[600];
+    size_t ml = strlen(model), sl = salt ? strlen(salt) : 0;
+    kvt_proto_hello_t m = {.min_version = 1,
+                           .max_version = 1,
+                           .page_size = PAGE,
+                           .block_bytes = bb,
+                           .model_len = (uint16_t)ml,
+                           .salt_len = (uint16_t)sl};
+    kvt_proto_hello_encode(body, &m);
+    memcpy(body + sizeof(kvt_wire_hello_t), model, ml);
+    if (sl)
+        memcpy(body + sizeof(kvt_wire_hello_t) + ml, salt, sl);
+    zreply_t r;
+    zcall(fd, KVT_OP_HELLO, 0, body, (uint32_t)(sizeof(kvt_wire_hello_t) + ml + sl), &r);
+    return r.h.status;
+}
+
+static int zconn(const kvd_t *d, const char *model, const char *salt)
+{
+    int fd = kvd_raw(d);
+    cr_assert_eq(zhello(fd, model, salt, BB), 0);
+    return fd;
+}
+
+typedef struct zmap {
+    uint8_t *base;
+    uint64_t bytes;
+    int fd; /* the memfd, kept for fstat and SEEK_DATA */
+} zmap_t;
+
+/* MAP of tier; returns the status, with the mapping made on success (DRAM). */
+static int zmap_tier(int fd, uint32_t tier, zmap_t *z, char *msg)
+{
+    uint8_t b[sizeof(kvt_wire_map_t)];
+    kvt_proto_map_encode(b, tier);
+    zreply_t r;
+    zcall(fd, KVT_OP_MAP, 0, b, sizeof b, &r);
+    if (msg)
+        snprintf(msg, 256, "%.200s", (const char *)r.body);
+    if (r.h.status < 0) {
+        cr_expect_eq(r.fd, -1, "a refused MAP carries no descriptor");
+        return r.h.status;
+    }
+    kvt_proto_map_reply_t m;
+    cr_assert_eq(kvt_proto_map_reply_decode(r.body, r.h.body_len, &m), 0);
+    cr_assert_eq(m.tier, tier);
+    cr_assert_geq(r.fd, 0, "the MAP reply carried no descriptor");
+    z->bytes = m.map_bytes;
+    z->fd = r.fd;
+    z->base = mmap(NULL, m.map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd, 0);
+    cr_assert(z->base != MAP_FAILED, "mmap: %s", strerror(errno));
+    return 0;
+}
+
+static void zunmap(zmap_t *z)
+{
+    munmap(z->base, z->bytes);
+    close(z->fd);
+}
+
+/* RESERVE pages [first, first + n) of the tokens t; returns the status, the reply in *rr and
+ * the locations in page/off (n entries at most). */
+static int zreserve(int fd, const uint32_t *t, uint32_t nt, uint32_t first, uint32_t n,
+                    kvt_proto_reserve_reply_t *rr, uint32_t *page, uint64_t *off, zreply_t *r)
+{
+    uint8_t b[4096];
+    kvt_proto_reserve_t q = {.ntokens = nt, .first_page = first, .npages = n};
+    kvt_proto_reserve_encode(b, &q);
+    kvt_proto_tokens_encode(b + sizeof(kvt_wire_reserve_t), t, nt);
+    zcall(fd, KVT_OP_RESERVE, 0, b, (uint32_t)(sizeof(kvt_wire_reserve_t) + 4 * nt), r);
+    if (r->h.status < 0)
+        return r->h.status;
+    cr_assert_eq(kvt_proto_reserve_reply_decode(r->body, r->h.body_len, rr), 0);
+    for (uint32_t i = 0; i < rr->nlocs; i++)
+        kvt_proto_resv_loc(rr, i, &page[i], &off[i]);
+    return 0;
+}
+
+static int zcommit(int fd, uint64_t resv, uint16_t flags, kvt_proto_put_reply_t *p)
+{
+    uint8_t b[8];
+    kvt_proto_commit_encode(b, resv);
+    zreply_t r;
+    zcall(fd, KVT_OP_COMMIT, flags, b, sizeof b, &r);
+    if (r.h.status == 0)
+        cr_assert_eq(kvt_proto_put_reply_decode(r.body, r.h.body_len, p), 0);
+    return r.h.status;
+}
+
+/* MATCH with a lease; returns the lease (0 when nothing matched), *pages and the tiers. */
+static uint64_t zmatch(int fd, const uint32_t *t, uint32_t nt, uint32_t *pages, uint8_t *tiers)
+{
+    uint8_t b[4096];
+    kvt_proto_match_t q = {.ntokens = nt};
+    kvt_proto_match_encode(b, &q);
+    kvt_proto_tokens_encode(b + sizeof(kvt_wire_match_t), t, nt);
+    zreply_t r;
+    zcall(fd, KVT_OP_MATCH, KVT_MATCH_F_LEASE, b, (uint32_t)(sizeof(kvt_wire_match_t) + 4 * nt),
+          &r);
+    cr_assert_eq(r.h.status, 0, "MATCH: %s", r.body);
+    kvt_proto_match_reply_t m;
+    const uint8_t *tb;
+    cr_assert_eq(kvt_proto_match_reply_decode(r.body, r.h.body_len, &m, &tb), 0);
+    *pages = m.pages;
+    if (tiers)
+        memcpy(tiers, tb, m.pages);
+    return m.lease;
+}
+
+/* GET of a lease's pages with LOCATE: per page, its offset (or UINT64_MAX when it came with its
+ * bytes); returns the end frame's status, *left the lease time it reported. */
+static int zget_locate(int fd, uint64_t lease, uint32_t n, uint64_t *off, uint32_t *left)
+{
+    uint8_t b[sizeof(kvt_wire_get_t)];
+    kvt_proto_get_t q = {.lease = lease, .npages = n};
+    kvt_proto_get_encode(b, &q);
+    zsend(fd, KVT_OP_GET, KVT_GET_F_LOCATE, 999, b, sizeof b);
+    for (uint32_t i = 0;; i++) {
+        zreply_t r;
+        zrecv(fd, &r);
+        cr_assert_eq(r.h.request_id, 999);
+        if (!(r.h.flags & KVT_RF_MORE)) {
+            uint32_t sent;
+            if (r.h.status == 0)
+                cr_assert_eq(kvt_proto_get_end_decode(r.body, r.h.body_len, &sent, left), 0);
+            return r.h.status;
+        }
+        cr_assert_lt(i, n);
+        uint32_t page, len;
+        uint8_t tier;
+        if (kvt_proto_get_data_kind(r.body, r.h.body_len) == KVT_GET_DATA_LOC) {
+            cr_assert_eq(
+                kvt_proto_get_loc_decode(r.body, r.h.body_len, &page, &tier, &off[i], &len), 0);
+            cr_expect_eq(len, BB);
+            cr_expect_eq(tier, KVT_TIER_DRAM);
+        } else {
+            cr_assert_eq(r.h.body_len, sizeof(kvt_wire_get_data_t) + BB);
+            off[i] = UINT64_MAX;
+            page = kvt_get_u32(r.body);
+        }
+        cr_expect_eq(page, i);
+    }
+}
+
+static void zrelease(int fd, uint64_t lease)
+{
+    uint8_t b[8];
+    kvt_proto_release_encode(b, lease);
+    zreply_t r;
+    zcall(fd, KVT_OP_RELEASE, 0, b, sizeof b, &r);
+}
+
+/* Waits (up to 10 s) for a STATS counter to reach want. */
+static uint64_t wait_stat(kvt_client_t *c, const char *name, uint64_t want)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 1000 && (v = kvd_stat(c, name)) < want; i++)
+        usleep(10000);
+    return v;
+}
+
+static kvt_client_t *zclient(const kvd_t *d, const char *salt)
+{
+    kvt_client_conf_t conf = {.unix_path = d->sock,
+                              .model = "zc",
+                              .salt = salt,
+                              .page_size = PAGE,
+                              .block_bytes = BB,
+                              .timeout_ms = 10000};
+    kvt_client_t *c = NULL;
+    cr_assert_eq(kvt_client_connect(&c, &conf), 0);
+    return c;
+}
+
+/* A page's pattern, and whether mem holds it. */
+static void pattern(uint8_t *p, uint32_t seed)
+{
+    kvd_fill(p, BB, seed);
+}
+
+static kvd_t d;
+
+static void teardown(void)
+{
+    kvd_cleanup(&d);
+}
+
+/* The whole path: MAP, RESERVE, write through the mapping, COMMIT; another client reads the
+ * bytes through the socket; the writer's GET with LOCATE answers the same offsets, and the bytes
+ * there are the bytes. */
+Test(server_zc, reserve_write_commit_then_locate, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t t[3 * PAGE];
+    kvd_tokens(t, 3 * PAGE, 100);
+    kvt_proto_reserve_reply_t rr;
+    uint32_t page[3];
+    uint64_t off[3];
+    zreply_t r;
+    cr_assert_eq(zreserve(fd, t, 3 * PAGE, 0, 3, &rr, page, off, &r), 0, "RESERVE: %s", r.body);
+    cr_assert(rr.resv != 0 && rr.pages == 3 && rr.new_pages == 3 && rr.nlocs == 3);
+    for (uint32_t i = 0; i < 3; i++) {
+        cr_assert_eq(page[i], i);
+        cr_assert_leq(off[i] + BB, z.bytes);
+        pattern(z.base + off[i], 7 + i);
+    }
+    kvt_proto_put_reply_t p;
+    cr_assert_eq(zcommit(fd, rr.resv, 0, &p), 0);
+    cr_expect(p.pages == 3 && p.stored == 3 && p.skipped == 0);
+
+    kvt_client_t *c = zclient(&d, NULL);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, t, 3 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 3);
+    uint8_t *got = malloc(3 * BB), *want = malloc(BB);
+    cr_assert_eq(kvt_client_get(c, m.lease, 0, 3, got, 3 * BB, NULL, NULL), 0);
+    for (uint32_t i = 0; i < 3; i++) {
+        pattern(want, 7 + i);
+        cr_expect(memcmp(got + (size_t)i * BB, want, BB) == 0, "page %u read back wrong", i);
+    }
+
+    uint32_t pages, left = 0;
+    uint8_t tiers[3];
+    uint64_t lease = zmatch(fd, t, 3 * PAGE, &pages, tiers);
+    cr_assert_eq(pages, 3);
+    uint64_t loc[3];
+    cr_assert_eq(zget_locate(fd, lease, 3, loc, &left), 0);
+    for (uint32_t i = 0; i < 3; i++) {
+        cr_expect_eq(tiers[i], KVT_TIER_DRAM);
+        cr_expect_eq(loc[i], off[i], "page %u answered at another place", i);
+    }
+    cr_expect(left > 0 && left <= 30000, "lease_ms_left %u", left);
+    cr_expect_eq(kvd_stat(c, "zero_copy_pages_get"), 3);
+    cr_expect_eq(kvd_stat(c, "zero_copy_pages_reserve"), 3);
+    cr_expect_eq(kvd_stat(c, "reservations_committed"), 1);
+    cr_expect_eq(kvd_stat(c, "zero_copy_maps_dram"), 1);
+    cr_expect_eq(kvd_stat(c, "zero_copy_arenas"), 1);
+    zrelease(fd, lease);
+    free(got);
+    free(want);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* A client killed between RESERVE and COMMIT, half its page written: nobody sees the page, its
+ * room goes back, and the next PUT of it stores it. */
+Test(server_zc, client_killed_mid_write_leaves_nothing, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint64_t used0 = kvd_stat(c, "dram_used_bytes");
+    uint32_t t[2 * PAGE];
+    kvd_tokens(t, 2 * PAGE, 500);
+    int ready[2];
+    cr_assert_eq(pipe(ready), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int fd = zconn(&d, "zc", NULL);
+        zmap_t z;
+        if (zmap_tier(fd, KVT_TIER_DRAM, &z, NULL) != 0)
+            _exit(2);
+        kvt_proto_reserve_reply_t rr;
+        uint32_t page[2];
+        uint64_t off[2];
+        zreply_t r;
+        if (zreserve(fd, t, 2 * PAGE, 0, 2, &rr, page, off, &r) != 0 || rr.nlocs != 2)
+            _exit(3);
+        memset(z.base + off[0], 0xab, BB / 2); /* half of the first page */
+        if (write(ready[1], "x", 1) != 1)
+            _exit(4);
+        pause(); /* killed here */
+        _exit(5);
+    }
+    close(ready[1]);
+    char x;
+    cr_assert_eq(read(ready[0], &x, 1), 1, "the child failed before writing");
+    close(ready[0]);
+    cr_assert_gt(kvd_stat(c, "dram_used_bytes"), used0, "the reservation holds room");
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    cr_assert_eq(wait_stat(c, "reservations_closed", 1), 1);
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), used0, "the reservation's room went back");
+    kvt_client_match_t m = {0};
+    uint8_t tiers[2];
+    m.tiers = tiers;
+    m.tiers_cap = 2;
+    cr_assert_eq(kvt_client_match(c, t, 2 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 2, "the index keeps the pages");
+    cr_expect(tiers[0] == KVT_CLIENT_TIER_NONE && tiers[1] == KVT_CLIENT_TIER_NONE,
+              "a page of a dead reservation is visible (tiers %u %u)", tiers[0], tiers[1]);
+    uint8_t *pay = malloc(2 * BB);
+    kvd_fill(pay, 2 * BB, 3);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(c, t, 2 * PAGE, 0, 2, pay, NULL, &pr), 0);
+    cr_expect_eq(pr.stored, 2, "the pages are no longer busy");
+    free(pay);
+    kvt_client_close(c);
+}
+
+/* Until COMMIT a reserved page is invisible; ABORT gives it back; a reservation is the
+ * connection's own; one left past reserve-ms is given back by the daemon. */
+Test(server_zc, abort_foreign_and_expired_reservations, .fini = teardown)
+{
+    kvd_start(&d, "--reserve-ms", "300", NULL);
+    int a = zconn(&d, "zc", NULL), b = zconn(&d, "zc", NULL);
+    zmap_t za, zb;
+    cr_assert_eq(zmap_tier(a, KVT_TIER_DRAM, &za, NULL), 0);
+    cr_assert_eq(zmap_tier(b, KVT_TIER_DRAM, &zb, NULL), 0);
+    cr_expect(za.bytes == zb.bytes);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 900);
+    kvt_proto_reserve_reply_t rr;
+    uint32_t page[1];
+    uint64_t off[1];
+    zreply_t r;
+    cr_assert_eq(zreserve(a, t, PAGE, 0, 1, &rr, page, off, &r), 0);
+    cr_assert_eq(rr.nlocs, 1);
+    /* Invisible: another connection sees an index-only page. */
+    uint32_t pages;
+    uint8_t tiers[1];
+    uint64_t lease = zmatch(b, t, PAGE, &pages, tiers);
+    cr_expect(pages == 1 && tiers[0] == KVT_TIER_NONE);
+    zrelease(b, lease);
+    /* Reserved twice: the second finds the page being written. */
+    kvt_proto_reserve_reply_t r2;
+    cr_assert_eq(zreserve(b, t, PAGE, 0, 1, &r2, page, off, &r), 0);
+    cr_expect(r2.nlocs == 0 && r2.resv == 0);
+    /* Another connection's reservation is not found. */
+    kvt_proto_put_reply_t p;
+    cr_expect_eq(zcommit(b, rr.resv, 0, &p), KVT_ENOENT);
+    cr_expect_eq(zcommit(a, rr.resv + 1000, 0, &p), KVT_ENOENT);
+    cr_assert_eq(zcommit(a, rr.resv, KVT_COMMIT_F_ABORT, &p), 0);
+    cr_expect(p.stored == 0 && p.skipped == 1);
+    cr_expect_eq(zcommit(a, rr.resv, 0, &p), KVT_ENOENT, "committed after its abort");
+    /* Expiry. */
+    cr_assert_eq(zreserve(a, t, PAGE, 0, 1, &rr, page, off, &r), 0);
+    cr_assert_eq(rr.nlocs, 1);
+    kvt_client_t *c = zclient(&d, NULL);
+    cr_assert_eq(wait_stat(c, "reservations_expired", 1), 1);
+    cr_expect_eq(zcommit(a, rr.resv, 0, &p), KVT_ENOENT, "committed after it expired");
+    cr_expect_eq(kvd_stat(c, "reservations_aborted"), 1);
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), 0);
+    kvt_client_close(c);
+    zunmap(&za);
+    zunmap(&zb);
+    close(a);
+    close(b);
+}
+
+/* Whether the memfd holds the bytes of p (BB of them) anywhere it has data. */
+static int memfd_holds(int fd, const uint8_t *p)
+{
+    off_t at = 0;
+    uint8_t *buf = malloc(1u << 20);
+    int found = 0;
+    for (;;) {
+        off_t data = lseek(fd, at, SEEK_DATA);
+        if (data < 0)
+            break;
+        off_t hole = lseek(fd, data, SEEK_HOLE);
+        for (off_t o = data; o < hole && !found; o += 4096) {
+            uint8_t pg[64];
+            if (pread(fd, pg, sizeof pg, o) == (ssize_t)sizeof pg && !memcmp(pg, p, sizeof pg))
+                found = 1;
+        }
+        at = hole;
+    }
+    free(buf);
+    return found;
+}
+
+/* Two tenants (salts) get two memfds; one's blocks are never in the other's. Blocks stored
+ * before the namespace mapped its arena stay outside it and come with their bytes. */
+Test(server_zc, tenants_map_only_their_own_blocks, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    kvt_client_t *early = zclient(&d, "tenant-a");
+    uint32_t t0[PAGE];
+    kvd_tokens(t0, PAGE, 40);
+    uint8_t *pay = malloc(BB);
+    pattern(pay, 41);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(early, t0, PAGE, 0, 1, pay, NULL, &pr), 0);
+    cr_assert_eq(pr.stored, 1);
+
+    int a = zconn(&d, "zc", "tenant-a"), b = zconn(&d, "zc", "tenant-b");
+    zmap_t za, zb;
+    cr_assert_eq(zmap_tier(a, KVT_TIER_DRAM, &za, NULL), 0);
+    cr_assert_eq(zmap_tier(b, KVT_TIER_DRAM, &zb, NULL), 0);
+    struct stat sa, sb;
+    cr_assert(fstat(za.fd, &sa) == 0 && fstat(zb.fd, &sb) == 0);
+    cr_expect_neq(sa.st_ino, sb.st_ino, "two tenants share one memfd");
+
+    /* a's page through the socket PUT lands in a's arena (a mapped it). */
+    uint32_t t1[PAGE];
+    kvd_tokens(t1, PAGE, 80);
+    pattern(pay, 81);
+    cr_assert_eq(kvt_client_put(early, t1, PAGE, 0, 1, pay, NULL, &pr), 0);
+    cr_assert_eq(pr.stored, 1);
+    cr_expect(memfd_holds(za.fd, pay), "a's page is not in a's arena");
+    cr_expect(!memfd_holds(zb.fd, pay), "a's page is in b's arena");
+
+    /* GET with LOCATE on a: the early page comes with its bytes, the later one by location. */
+    uint32_t t2[2 * PAGE];
+    memcpy(t2, t0, sizeof t0);
+    uint32_t pages, left;
+    uint64_t lease = zmatch(a, t0, PAGE, &pages, NULL);
+    uint64_t loc[1];
+    cr_assert_eq(pages, 1);
+    cr_assert_eq(zget_locate(a, lease, 1, loc, &left), 0);
+    cr_expect_eq(loc[0], UINT64_MAX, "a page from before the arena was answered by location");
+    zrelease(a, lease);
+    lease = zmatch(a, t1, PAGE, &pages, NULL);
+    cr_assert_eq(zget_locate(a, lease, 1, loc, &left), 0);
+    cr_assert_neq(loc[0], UINT64_MAX);
+    cr_expect(memcmp(za.base + loc[0], pay, BB) == 0);
+    zrelease(a, lease);
+    /* b cannot lease a's page at all: same tokens, its own namespace. */
+    lease = zmatch(b, t1, PAGE, &pages, NULL);
+    cr_expect_eq(pages, 0);
+    free(pay);
+    kvt_client_close(early);
+    zunmap(&za);
+    zunmap(&zb);
+    close(a);
+    close(b);
+}
+
+/* zero-copy-arenas bounds the namespaces with an arena; one nobody maps and that holds no block
+ * goes, and its slot is another's. */
+Test(server_zc, arena_limit_and_reuse, .fini = teardown)
+{
+    kvd_start(&d, "--zero-copy-arenas", "1", NULL);
+    int a = zconn(&d, "zc", "one"), b = zconn(&d, "zc", "two");
+    zmap_t za, zb;
+    char msg[256];
+    cr_assert_eq(zmap_tier(a, KVT_TIER_DRAM, &za, NULL), 0);
+    cr_expect_eq(zmap_tier(b, KVT_TIER_DRAM, &zb, msg), KVT_ENOSPC);
+    cr_expect(strstr(msg, "zero-copy-arenas"), "%s", msg);
+    zunmap(&za);
+    close(a);
+    kvt_client_t *c = zclient(&d, NULL);
+    for (int i = 0; i < 1000 && kvd_stat(c, "zero_copy_arenas") != 0; i++)
+        usleep(10000);
+    cr_assert_eq(kvd_stat(c, "zero_copy_arenas"), 0);
+    cr_expect_eq(zmap_tier(b, KVT_TIER_DRAM, &zb, NULL), 0);
+    zunmap(&zb);
+    kvt_client_close(c);
+    close(b);
+}
+
+/* Every refusal is an error reply that changes nothing, and the connection goes on. */
+Test(server_zc, refusals_are_clear_errors, .fini = teardown)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "4M", NULL);
+    char msg[256];
+    zmap_t z;
+    /* Before HELLO. */
+    int fd = kvd_raw(&d);
+    uint8_t mb[8];
+    kvt_proto_map_encode(mb, KVT_TIER_DRAM);
+    zreply_t r;
+    zcall(fd, KVT_OP_MAP, 0, mb, sizeof mb, &r);
+    cr_expect_eq(r.h.status, KVT_EPROTO);
+    close(fd);
+    /* Index-only. */
+    fd = kvd_raw(&d);
+    cr_assert_eq(zhello(fd, "zc", NULL, 0), 0);
+    cr_expect_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, msg), KVT_EINVAL);
+    cr_expect(strstr(msg, "index-only"), "%s", msg);
+    close(fd);
+
+    fd = zconn(&d, "zc", NULL);
+    cr_expect_eq(zmap_tier(fd, 3, &z, msg), KVT_EINVAL);
+    cr_expect_eq(zmap_tier(fd, KVT_TIER_HBM, &z, msg), KVT_EUNAVAIL);
+    cr_expect(strstr(msg, "hbm-ipc"), "%s", msg);
+    /* RESERVE before MAP, and malformed. */
+    uint32_t t[2 * PAGE];
+    kvd_tokens(t, 2 * PAGE, 3000);
+    kvt_proto_reserve_reply_t rr;
+    uint32_t page[4];
+    uint64_t off[4];
+    cr_expect_eq(zreserve(fd, t, 2 * PAGE, 0, 1, &rr, page, off, &r), KVT_EINVAL);
+    cr_expect(strstr((char *)r.body, "MAP"), "%s", r.body);
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    cr_expect_eq(zreserve(fd, t, 2 * PAGE, 0, 0, &rr, page, off, &r), KVT_EINVAL);
+    cr_expect_eq(zreserve(fd, t, 2 * PAGE, 1, 2, &rr, page, off, &r), KVT_EINVAL);
+    cr_expect(strstr((char *)r.body, "past"), "%s", r.body);
+    zcall(fd, KVT_OP_MAP, 0, mb, 7, &r);
+    cr_expect_eq(r.h.status, KVT_EPROTO);
+    uint8_t cb[8] = {0};
+    zcall(fd, KVT_OP_COMMIT, 0x2, cb, 8, &r);
+    cr_expect_eq(r.h.status, KVT_EPROTO);
+    cr_expect(strstr((char *)r.body, "flag"), "%s", r.body);
+    zcall(fd, KVT_OP_COMMIT, 0, cb, 9, &r);
+    cr_expect_eq(r.h.status, KVT_EPROTO);
+    uint8_t gb[sizeof(kvt_wire_get_t)] = {0};
+    zcall(fd, KVT_OP_GET, 0x2, gb, sizeof gb, &r);
+    cr_expect_eq(r.h.status, KVT_EPROTO);
+    /* Nothing changed, and the connection still works. */
+    zcall(fd, KVT_OP_PING, 0, "hi", 2, &r);
+    cr_expect(r.h.status == 0 && r.h.body_len == 2);
+    zunmap(&z);
+    close(fd);
+
+    /* The host stand-in for HBM has no device memory to export. */
+    kvd_stop(&d);
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "4M", "--hbm-ipc", "yes", NULL);
+    fd = zconn(&d, "zc", NULL);
+    cr_expect_eq(zmap_tier(fd, KVT_TIER_HBM, &z, msg), KVT_EUNAVAIL);
+    cr_expect(strstr(msg, "host"), "%s", msg);
+    close(fd);
+
+    /* Zero-copy off. */
+    kvd_stop(&d);
+    kvd_start(&d, "--zero-copy", "no", NULL);
+    fd = zconn(&d, "zc", NULL);
+    cr_expect_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, msg), KVT_EUNAVAIL);
+    close(fd);
+}
+
+/* Over TCP a mapping means nothing: refused. */
+Test(server_zc, tcp_is_refused, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    char host[64];
+    unsigned port;
+    cr_assert_eq(sscanf(d.tcp, "%63[^:]:%u", host, &port), 2);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, host, &sin.sin_addr);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&sin, sizeof sin), 0);
+    cr_assert_eq(zhello(fd, "zc", NULL, BB), 0);
+    char msg[256];
+    zmap_t z;
+    cr_expect_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, msg), KVT_EINVAL);
+    cr_expect(strstr(msg, "Unix socket"), "%s", msg);
+    close(fd);
+}
+
+/* A lease holds a located page in place: pages pushed through DRAM by another client while it
+ * holds the lease do not move it, and its bytes stay. */
+Test(server_zc, lease_holds_located_bytes_in_place, .fini = teardown)
+{
+    kvd_start(&d, "--dram-bytes", "2M", "--nvme-bytes", "64M", "--nvme-segment-bytes", "4M", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 7000);
+    kvt_proto_reserve_reply_t rr;
+    uint32_t page[1];
+    uint64_t off[1];
+    zreply_t r;
+    cr_assert_eq(zreserve(fd, t, PAGE, 0, 1, &rr, page, off, &r), 0);
+    cr_assert_eq(rr.nlocs, 1);
+    pattern(z.base + off[0], 77);
+    kvt_proto_put_reply_t p;
+    cr_assert_eq(zcommit(fd, rr.resv, 0, &p), 0);
+    uint32_t pages, left;
+    uint64_t lease = zmatch(fd, t, PAGE, &pages, NULL), loc[1];
+    cr_assert_eq(zget_locate(fd, lease, 1, loc, &left), 0);
+    cr_assert_eq(loc[0], off[0]);
+
+    /* 64 pages of 64 KiB through a 2 MiB DRAM tier: everything unleased is demoted. */
+    kvt_client_t *c = zclient(&d, NULL);
+    uint8_t *pay = malloc(BB);
+    for (uint32_t i = 0; i < 64; i++) {
+        uint32_t u[PAGE];
+        kvd_tokens(u, PAGE, 10000 + 100 * i);
+        kvd_fill(pay, BB, 1000 + i);
+        kvt_client_put_t pr;
+        cr_assert_eq(kvt_client_put(c, u, PAGE, 0, 1, pay, NULL, &pr), 0);
+    }
+    cr_assert_gt(kvd_stat(c, "blocks_moved_dram_nvme"), 0, "nothing was demoted");
+    uint8_t *want = malloc(BB);
+    pattern(want, 77);
+    cr_expect(memcmp(z.base + off[0], want, BB) == 0, "a leased page's bytes changed");
+    cr_expect_eq(zget_locate(fd, lease, 1, loc, &left), 0);
+    cr_expect_eq(loc[0], off[0], "a leased page moved");
+    zrelease(fd, lease);
+    free(pay);
+    free(want);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
