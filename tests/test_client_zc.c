@@ -250,6 +250,8 @@ Test(client_zc, get_cb_points_into_the_mapping_and_get_loc_gives_offsets)
                  kvt_client_errmsg(c));
     cr_expect_eq(k.n, 2);
     cr_expect_eq(k.located, 2);
+    cr_expect_eq(kvd_stat(c, "zero_copy_pages_get"), N + 2, "the daemon answered by location");
+    cr_expect_eq(kvd_stat(c, "zero_copy_pages_reserve"), N);
     cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
     kvt_client_close(c);
     free(src);
