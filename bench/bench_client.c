@@ -20,6 +20,12 @@
  * that reads the bytes where they lie. Then put_reserve: kvt_client_reserve of the page, a
  * memcpy into its room, kvt_client_commit (the two-step API without put's probe), on new
  * tokens. The first pass of a fresh daemon also pays this process's page faults on the mapping.
+ * And memcpy: the same bytes copied page by page right after the GETs, in this process (the
+ * baseline beside them, under the same load); get_reader: kvt_client_get of the same pages by a
+ * second connection with a mapping of its own (another process's reader: its first touch of
+ * each page faults, since every block written lies in pages the arena punched and refilled);
+ * put_socket_arena: socket PUTs into the same namespace by a connection without a mapping (the
+ * daemon writes them into the namespace's arena: the zero-copy PUT's fair baseline).
  *
  *   bench_client client --unix PATH --block-bytes B --pages N --passes R
  *   bench_client zc --unix PATH --block-bytes B --pages N --passes R
@@ -122,7 +128,13 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
     int rc = kvt_client_connect(&c, &conf);
     if (rc < 0)
         return fail("connect", rc, NULL);
-    if (zc && !kvt_client_zero_copy(c)) {
+    kvt_client_t *c2 = NULL, *c3 = NULL;
+    if (zc && (rc = kvt_client_connect(&c2, &conf)) < 0)
+        return fail("connect", rc, NULL);
+    conf.zero_copy = 0;
+    if (zc && (rc = kvt_client_connect(&c3, &conf)) < 0)
+        return fail("connect", rc, NULL);
+    if (zc && (!kvt_client_zero_copy(c) || !kvt_client_zero_copy(c2))) {
         fprintf(stderr, "bench_client: no zero-copy mapping: %s\n", kvt_client_zero_copy_reason(c));
         return 1;
     }
@@ -167,6 +179,29 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
             return 1;
         }
         if (zc) {
+            /* memcpy of the same bytes, page by page, in this process right after the GETs:
+             * the baseline under the same load (the machine's load moves between runs). */
+            t0 = now_s();
+            for (uint32_t i = 0; i < pages; i++)
+                memcpy(dst + (size_t)i * block, src + (size_t)i * block, block);
+            emit(impl, "memcpy", block, pages, pass, now_s() - t0);
+            /* Another reader: a second connection with a mapping of its own, as another process
+             * (an engine's other worker) would have; its first touch of each page faults. */
+            kvt_client_match_t m2 = {0};
+            if ((rc = kvt_client_match(c2, tok, ntok, KVT_CLIENT_LEASE, 60000, NULL, &m2)) < 0 ||
+                m2.pages != pages)
+                return fail("match", rc, c2);
+            memset(dst, 0, n);
+            t0 = now_s();
+            for (uint32_t i = 0; i < pages; i++) {
+                uint32_t got;
+                rc = kvt_client_get(c2, m2.lease, i, 1, dst + (size_t)i * block, block, &got, NULL);
+                if (rc < 0 || got != 1)
+                    return fail("get", rc, c2);
+            }
+            emit(impl, "get_reader", block, pages, pass, now_s() - t0);
+            if (memcmp(src, dst, n) != 0 || (rc = kvt_client_release(c2, m2.lease, NULL)) < 0)
+                return fail("get_reader", rc, c2);
             touch_t t = {0}, want = {0};
             t0 = now_s();
             for (uint32_t i = 0; i < pages; i++) {
@@ -207,6 +242,21 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
         emit(impl, "put_reserve", block, pages, pass, now_s() - t0);
         if ((rc = kvt_client_remove(c, tok, PAGE_TOKENS)) < 0)
             return fail("remove", rc, c);
+        /* Socket PUTs into the same namespace (whose DRAM blocks live in its arena now), by a
+         * connection without a mapping: what the zero-copy PUT is to be weighed against. */
+        for (uint32_t i = 0; i < ntok; i++)
+            tok[i] = 900000000u + (uint32_t)pass * 1000000u + i;
+        t0 = now_s();
+        for (uint32_t i = 0; i < pages; i++) {
+            kvt_client_put_t pr;
+            rc = kvt_client_put(c3, tok, (i + 1) * PAGE_TOKENS, i, 1, src + (size_t)i * block, NULL,
+                                &pr);
+            if (rc < 0 || pr.stored != 1)
+                return fail("put", rc, c3);
+        }
+        emit(impl, "put_socket_arena", block, pages, pass, now_s() - t0);
+        if ((rc = kvt_client_remove(c3, tok, PAGE_TOKENS)) < 0)
+            return fail("remove", rc, c3);
     }
     /* The per-call cost without payload: PING round trips. */
     enum { PINGS = 5000 };
@@ -221,6 +271,8 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
     munmap(src, n);
     munmap(dst, n);
     kvt_client_close(c);
+    kvt_client_close(c2);
+    kvt_client_close(c3);
     return 0;
 }
 

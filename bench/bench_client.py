@@ -11,7 +11,12 @@ package's), and one line per bar of issue 22 (met or not). One JSON object per l
 Zero-copy ops (impl libkvtier_zc, python_zc): put (kvt_client_put / Client.put: RESERVE + probe,
 a memcpy into the mapping, COMMIT), get (kvt_client_get / Client.get_into: one memcpy from the
 mapping), get_cb / get_views (no copy: the consumer reads one 8-byte word per 4 KiB where the
-block lies), put_reserve (reserve, a memcpy into the room, commit).
+block lies), put_reserve (reserve, a memcpy into the room, commit); libkvtier's get_reader is a
+second connection's GET of the same pages through a mapping of its own (another process: its
+first touch of each page faults), memcpy beside it the same bytes copied in that process right
+after its GETs (the baseline under the same load), and put_socket_arena socket PUTs into the same
+namespace by a connection without a mapping (the daemon writes them into the namespace's arena:
+the zero-copy PUT's like-for-like baseline).
 
   bench_client.py --build-root BUILD [--passes R] [--quick]
 
@@ -173,31 +178,44 @@ def main() -> int:
                       "python_vs_libkvtier": round(lib / py, 3)}), flush=True)
     # (path, summary op, the package's op, libkvtier's op)
     rows = [("socket", "get", "get", "get"), ("socket", "put", "put", "put"),
-            ("zero_copy", "get", "get", "get"), ("zero_copy", "get_nocopy", "get_views", "get_cb"),
+            ("zero_copy", "get", "get", "get"), ("zero_copy", "get_reader", None, "get_reader"),
+            ("zero_copy", "get_nocopy", "get_views", "get_cb"),
             ("zero_copy", "put", "put", "put"), ("zero_copy", "put_reserve", "put_reserve",
-                                                 "put_reserve")]
+                                                 "put_reserve"),
+            ("zero_copy", "put_socket_arena", None, "put_socket_arena")]
     bars = []
     for block, _ in SIZES:
         for path, op, pyop, libop in rows:
             sfx = "_zc" if path == "zero_copy" else ""
             for warm in (False, True):
-                py, lib, mc = (rate("python" + sfx, pyop, block, warm),
-                               rate("libkvtier" + sfx, libop, block, warm),
-                               rate("memcpy", "copy", block, warm))
+                lib, mc = (rate("libkvtier" + sfx, libop, block, warm),
+                           rate("memcpy", "copy", block, warm))
                 rec = {
                     "bench": "client", "summary": op, "path": path, "block_bytes": block,
-                    "pass": "warm" if warm else "first", "python_op": pyop, "libkvtier_op": libop,
-                    "python_gib_s": py, "libkvtier_gib_s": lib, "memcpy_gib_s": mc,
-                    "python_vs_libkvtier": round(py / lib, 3),
-                    "libkvtier_vs_memcpy": round(lib / mc, 3),
-                    "python_vs_memcpy": round(py / mc, 3)}
+                    "pass": "warm" if warm else "first", "libkvtier_op": libop,
+                    "libkvtier_gib_s": lib, "memcpy_gib_s": mc,
+                    "libkvtier_vs_memcpy": round(lib / mc, 3)}
+                if pyop:  # the package's counterpart, where it has one
+                    py = rate("python" + sfx, pyop, block, warm)
+                    rec.update({"python_op": pyop, "python_gib_s": py,
+                                "python_vs_libkvtier": round(py / lib, 3),
+                                "python_vs_memcpy": round(py / mc, 3)})
+                if op == "put" and path == "zero_copy":
+                    arena = rate("libkvtier_zc", "put_socket_arena", block, warm)
+                    rec["libkvtier_zc_vs_socket_into_arena"] = round(lib / arena, 3)
                 if path == "zero_copy" and op in ("get", "put"):
                     sock = rate("libkvtier", libop, block, warm)
                     rec["libkvtier_zc_vs_socket"] = round(lib / sock, 3)
+                    # memcpy in the zero-copy helper's own process right after its GETs
+                    beside = rate("libkvtier_zc", "memcpy", block, warm)
+                    rec["memcpy_beside_gib_s"] = beside
+                    rec["libkvtier_vs_memcpy_beside"] = round(lib / beside, 3)
                 print(json.dumps(rec), flush=True)
                 if path == "zero_copy" and op == "get" and block == 2 << 20:
                     bars.append(("zero-copy 2 MiB DRAM GET >= 0.8x memcpy", warm,
                                  rec["libkvtier_vs_memcpy"], 0.8))
+                    bars.append(("zero-copy 2 MiB DRAM GET >= 0.8x memcpy beside it", warm,
+                                 rec["libkvtier_vs_memcpy_beside"], 0.8))
                     bars.append(("python zero-copy GET >= 0.7x libkvtier's", warm,
                                  rec["python_vs_libkvtier"], 0.7))
     for name, warm, ratio, bar in bars:
