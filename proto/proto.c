@@ -170,26 +170,38 @@ int kvt_proto_match_decode(const uint8_t *body, size_t len, kvt_proto_match_t *o
     return 0;
 }
 
-int kvt_proto_put_decode(const uint8_t *body, size_t len, uint32_t block_bytes,
-                         kvt_proto_put_t *out)
+/* PUT's and RESERVE's fixed parts are the same 32 bytes: hints, tokens, first page, pages. */
+_Static_assert(sizeof(kvt_wire_reserve_t) == sizeof(kvt_wire_put_t), "RESERVE is PUT's layout");
+
+static int pages_fixed_decode(const uint8_t *body, size_t len, kvt_proto_hints_t *hints,
+                              uint32_t *ntokens, uint32_t *first_page, uint32_t *npages)
 {
     kvt_wire_put_t w;
     if (len < sizeof w)
         return KVT_EPROTO;
     memcpy(&w, body, sizeof w);
-    if (kvt_proto_hints_from_wire(&w.hints, &out->hints) < 0 || w.reserved != 0)
+    if (kvt_proto_hints_from_wire(&w.hints, hints) < 0 || w.reserved != 0)
         return KVT_EPROTO;
-    out->ntokens = le32toh(w.ntokens);
-    out->first_page = le32toh(w.first_page);
-    out->npayload = le32toh(w.npayload);
+    *ntokens = le32toh(w.ntokens);
+    *first_page = le32toh(w.first_page);
+    *npages = le32toh(w.npayload);
+    return 0;
+}
+
+int kvt_proto_put_decode(const uint8_t *body, size_t len, uint32_t block_bytes,
+                         kvt_proto_put_t *out)
+{
+    if (pages_fixed_decode(body, len, &out->hints, &out->ntokens, &out->first_page,
+                           &out->npayload) < 0)
+        return KVT_EPROTO;
     if (out->npayload > 0 && block_bytes == 0)
         return KVT_EPROTO;
     uint64_t payload = (uint64_t)out->npayload * block_bytes;
     if (payload > len)
         return KVT_EPROTO;
-    if (!tokens_fit(len, sizeof w, out->ntokens, (size_t)payload))
+    if (!tokens_fit(len, sizeof(kvt_wire_put_t), out->ntokens, (size_t)payload))
         return KVT_EPROTO;
-    out->tokens = body + sizeof w;
+    out->tokens = body + sizeof(kvt_wire_put_t);
     out->payload = out->tokens + (size_t)out->ntokens * 4;
     return 0;
 }
@@ -208,18 +220,11 @@ int kvt_proto_map_decode(const uint8_t *body, size_t len, uint32_t *tier)
 
 int kvt_proto_reserve_decode(const uint8_t *body, size_t len, kvt_proto_reserve_t *out)
 {
-    kvt_wire_reserve_t w;
-    if (len < sizeof w)
+    if (pages_fixed_decode(body, len, &out->hints, &out->ntokens, &out->first_page, &out->npages) <
+            0 ||
+        !tokens_fit(len, sizeof(kvt_wire_reserve_t), out->ntokens, 0))
         return KVT_EPROTO;
-    memcpy(&w, body, sizeof w);
-    if (kvt_proto_hints_from_wire(&w.hints, &out->hints) < 0 || w.reserved != 0)
-        return KVT_EPROTO;
-    out->ntokens = le32toh(w.ntokens);
-    out->first_page = le32toh(w.first_page);
-    out->npages = le32toh(w.npages);
-    if (!tokens_fit(len, sizeof w, out->ntokens, 0))
-        return KVT_EPROTO;
-    out->tokens = body + sizeof w;
+    out->tokens = body + sizeof(kvt_wire_reserve_t);
     return 0;
 }
 
@@ -367,13 +372,11 @@ void kvt_proto_map_encode(uint8_t out[sizeof(kvt_wire_map_t)], uint32_t tier)
 
 void kvt_proto_reserve_encode(uint8_t out[sizeof(kvt_wire_reserve_t)], const kvt_proto_reserve_t *m)
 {
-    kvt_wire_reserve_t w = {
-        .ntokens = htole32(m->ntokens),
-        .first_page = htole32(m->first_page),
-        .npages = htole32(m->npages),
-    };
-    kvt_proto_hints_to_wire(&m->hints, &w.hints);
-    memcpy(out, &w, sizeof w);
+    kvt_proto_put_t p = {.hints = m->hints,
+                         .ntokens = m->ntokens,
+                         .first_page = m->first_page,
+                         .npayload = m->npages};
+    kvt_proto_put_encode(out, &p);
 }
 
 void kvt_proto_commit_encode(uint8_t out[sizeof(kvt_wire_commit_t)], uint64_t resv)

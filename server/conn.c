@@ -503,6 +503,7 @@ static ssize_t send_fd(int sock, struct iovec *iov, int n, kvt__req_t *r)
     if (w > 0) {
         close(r->pass_fd);
         r->has_fd = 0;
+        r->conn->fd_queued = 0;
     }
     return w;
 }

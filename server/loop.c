@@ -156,7 +156,9 @@ static void fd_limit(const kvt_srv_conf_t *c)
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
         return;
-    rlim_t want = (rlim_t)c->max_conns + KVT_FD_RESERVE;
+    /* Zero-copy: an arena's memfd each, and a connection's MAP reply holds one until sent. */
+    rlim_t want = (rlim_t)c->max_conns + KVT_FD_RESERVE +
+                  (c->zero_copy ? (rlim_t)c->zero_copy_arenas + c->max_conns : 0);
     if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
         rlim_t was = rl.rlim_cur;
         rl.rlim_cur = rl.rlim_max == RLIM_INFINITY ? want : KVT_MIN(want, rl.rlim_max);

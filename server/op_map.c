@@ -23,11 +23,13 @@ static int map_dram(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     if (!t)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EUNAVAIL,
                                 "the daemon has no DRAM tier");
+    if (c->fd_queued) /* one descriptor held per connection, whatever it pipelines */
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAGAIN,
+                                "the reply to an earlier MAP is not yet read");
     uint64_t seed = kvt_radix_ns_seed(s->radix, c->ns);
     int fd;
     uint64_t bytes;
     int rc = kvt_tier_dram_share(t, seed, &fd, &bytes);
-    kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0, kvt_tier_dram_shared(t));
     if (rc == KVT_ENOSPC)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
                                 "zero-copy-arenas (%u) namespaces have arenas already",
@@ -55,6 +57,7 @@ static int map_dram(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     }
     r->pass_fd = dup_fd;
     r->has_fd = 1;
+    c->fd_queued = 1;
     kvt_proto_map_reply_t m = {.map_bytes = bytes, .tier = KVT_TIER_DRAM};
     uint8_t w[sizeof(kvt_wire_map_reply_t)];
     kvt_proto_map_reply_encode(w, &m);

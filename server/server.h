@@ -250,6 +250,7 @@ struct kvt__conn {
      * requests whose writes landed in room the client fills, waiting for COMMIT). */
     uint64_t zc_seed;
     uint8_t zc_dram, zc_hbm;
+    uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     kvt__req_t **resv;
     size_t nresv, cap_resv;
     uint32_t *tokens;    /* scratch for decoded tokens */

@@ -853,8 +853,8 @@ static void lw_put(kvt_client_t *c, uint32_t i)
  * A round of prompts [from, from + LW_ROUND): the first 128 (four segments' worth, below the
  * policy's watermark on a fresh tier) all but one in 32 removed, which leaves those segments
  * full with a few live blocks each; the rest then need those segments again, and reclaim them
- * with their live blocks. Every fourth of the last 40 loses pages 2.. by REMOVE where it still
- * has them stored. Returns how many of those REMOVEs dropped stored pages.
+ * with their live blocks. Every fourth of the later prompts, newest first, loses pages 2.. by
+ * REMOVE where it still has them stored, ten at most. Returns how many REMOVEs dropped pages.
  */
 static uint32_t lw_fill(kvt_client_t *c, uint32_t from)
 {
@@ -870,7 +870,10 @@ static uint32_t lw_fill(kvt_client_t *c, uint32_t from)
     }
     for (uint32_t i = from + 128; i < to; i++)
         lw_put(c, i);
-    for (uint32_t i = to - 40; i < to; i += 4) {
+    /* Up to ten of them, newest first: on a loaded machine the newest may not all have their
+     * pages stored (skipped while every page the tier could drop was busy with a write), so the
+     * search goes back as far as it must rather than giving up after the last 40. */
+    for (uint32_t i = to - 4; i >= from + 128 && removed < 10; i -= 4) {
         uint8_t tiers[LW_PAGES];
         kvt_client_match_t m = {.tiers = tiers, .tiers_cap = LW_PAGES};
         lw_tokens(tok, i);

@@ -577,7 +577,7 @@ Test(server_zc, refusals_are_clear_errors, .fini = teardown)
     cr_expect(strstr((char *)r.body, "past"), "%s", r.body);
     zcall(fd, KVT_OP_MAP, 0, mb, 7, &r);
     cr_expect_eq(r.h.status, KVT_EPROTO);
-    uint8_t cb[8] = {0};
+    uint8_t cb[9] = {0};
     zcall(fd, KVT_OP_COMMIT, 0x2, cb, 8, &r);
     cr_expect_eq(r.h.status, KVT_EPROTO);
     cr_expect(strstr((char *)r.body, "flag"), "%s", r.body);
@@ -586,6 +586,29 @@ Test(server_zc, refusals_are_clear_errors, .fini = teardown)
     uint8_t gb[sizeof(kvt_wire_get_t)] = {0};
     zcall(fd, KVT_OP_GET, 0x2, gb, sizeof gb, &r);
     cr_expect_eq(r.h.status, KVT_EPROTO);
+    /* Two MAPs in one write: the first reply holds a descriptor until it is read, and a
+     * connection holds one at a time (a client that never reads cannot pile them up). */
+    uint8_t two[2 * (KVT_PROTO_HDR + sizeof mb)];
+    for (int i = 0; i < 2; i++) {
+        kvt_proto_hdr_t hh = {.magic = KVT_PROTO_MAGIC,
+                              .version = KVT_PROTO_VERSION,
+                              .opcode = KVT_OP_MAP,
+                              .request_id = 500 + (uint64_t)i,
+                              .body_len = sizeof mb};
+        kvt_proto_hdr_encode(two + i * (KVT_PROTO_HDR + sizeof mb), &hh);
+        memcpy(two + i * (KVT_PROTO_HDR + sizeof mb) + KVT_PROTO_HDR, mb, sizeof mb);
+    }
+    cr_assert_eq(write(fd, two, sizeof two), (ssize_t)sizeof two);
+    zrecv(fd, &r);
+    cr_expect(r.h.request_id == 500 && r.h.status == 0 && r.fd >= 0);
+    if (r.fd >= 0)
+        close(r.fd);
+    zrecv(fd, &r);
+    cr_expect(r.h.request_id == 501 && r.h.status == KVT_EAGAIN && r.fd < 0, "status %d",
+              r.h.status);
+    zmap_t z2;
+    cr_expect_eq(zmap_tier(fd, KVT_TIER_DRAM, &z2, NULL), 0, "a MAP after the reply was read");
+    zunmap(&z2);
     /* Nothing changed, and the connection still works. */
     zcall(fd, KVT_OP_PING, 0, "hi", 2, &r);
     cr_expect(r.h.status == 0 && r.h.body_len == 2);
