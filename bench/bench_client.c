@@ -11,7 +11,24 @@
  * memory the daemon freed: the first pass on a fresh daemon faults its memory in, the reruns
  * are warm). Each pass uses new token ids. Then PING round trips: the per-call cost alone.
  *
+ * zc: the same pass on the zero-copy path (impl "libkvtier_zc": the client maps its namespace's
+ * DRAM arena): put is kvt_client_put (RESERVE with a MATCH PROBE behind it, a memcpy into the
+ * mapping, COMMIT), get is kvt_client_get (GET by location, one memcpy from the mapping into the
+ * caller's buffer), get_cb is kvt_client_get_cb with no copy at all: the callback reads one
+ * 8-byte word per 4 KiB of the block (it sums them, so that the reads happen and the page
+ * table entries are made) and nothing else, which is what the zero-copy GET costs a consumer
+ * that reads the bytes where they lie. Then put_reserve: kvt_client_reserve of the page, a
+ * memcpy into its room, kvt_client_commit (the two-step API without put's probe), on new
+ * tokens. The first pass of a fresh daemon also pays this process's page faults on the mapping.
+ * And memcpy: the same bytes copied page by page right after the GETs, in this process (the
+ * baseline beside them, under the same load); get_reader: kvt_client_get of the same pages by a
+ * second connection with a mapping of its own (another process's reader: its first touch of
+ * each page faults, since every block written lies in pages the arena punched and refilled);
+ * put_socket_arena: socket PUTs into the same namespace by a connection without a mapping (the
+ * daemon writes them into the namespace's arena: the zero-copy PUT's fair baseline).
+ *
  *   bench_client client --unix PATH --block-bytes B --pages N --passes R
+ *   bench_client zc --unix PATH --block-bytes B --pages N --passes R
  *   bench_client memcpy --block-bytes B --pages N --passes R
  */
 #include "kvtier.h"
@@ -78,17 +95,49 @@ static int fail(const char *what, int rc, kvt_client_t *c)
     return 1;
 }
 
-static int bench_client(const char *unix_path, size_t block, uint32_t pages, int passes)
+typedef struct touch {
+    uint64_t sum;
+    uint32_t n;
+} touch_t;
+
+/* get_cb's consumer: one word per 4 KiB, where the block lies (no copy). */
+static int touch_block(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    (void)page, (void)tier;
+    touch_t *t = arg;
+    const uint8_t *p = data;
+    for (uint32_t off = 0; off + 8 <= len; off += 4096) {
+        uint64_t w;
+        memcpy(&w, p + off, 8);
+        t->sum += w;
+    }
+    t->n++;
+    return 0;
+}
+
+static int bench_client(const char *unix_path, size_t block, uint32_t pages, int passes, int zc)
 {
     kvt_client_conf_t conf = {.unix_path = unix_path,
                               .model = "bench-client",
                               .page_size = PAGE_TOKENS,
                               .block_bytes = (uint32_t)block,
-                              .timeout_ms = 60000};
+                              .timeout_ms = 60000,
+                              .zero_copy = zc};
+    const char *impl = zc ? "libkvtier_zc" : "libkvtier";
     kvt_client_t *c;
     int rc = kvt_client_connect(&c, &conf);
     if (rc < 0)
         return fail("connect", rc, NULL);
+    kvt_client_t *c2 = NULL, *c3 = NULL;
+    if (zc && (rc = kvt_client_connect(&c2, &conf)) < 0)
+        return fail("connect", rc, NULL);
+    conf.zero_copy = 0;
+    if (zc && (rc = kvt_client_connect(&c3, &conf)) < 0)
+        return fail("connect", rc, NULL);
+    if (zc && (!kvt_client_zero_copy(c) || !kvt_client_zero_copy(c2))) {
+        fprintf(stderr, "bench_client: no zero-copy mapping: %s\n", kvt_client_zero_copy_reason(c));
+        return 1;
+    }
     size_t n = block * pages;
     uint8_t *src = fresh(n), *dst = fresh(n);
     /* The client's buffers are faulted in first, as an engine's pinned buffers are: the first
@@ -112,7 +161,7 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
             if (rc < 0 || pr.stored != 1)
                 return fail("put", rc, c);
         }
-        emit("libkvtier", "put", block, pages, pass, now_s() - t0);
+        emit(impl, "put", block, pages, pass, now_s() - t0);
         kvt_client_match_t m = {0};
         if ((rc = kvt_client_match(c, tok, ntok, KVT_CLIENT_LEASE, 60000, NULL, &m)) < 0 ||
             m.pages != pages)
@@ -124,15 +173,90 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
             if (rc < 0 || got != 1)
                 return fail("get", rc, c);
         }
-        emit("libkvtier", "get", block, pages, pass, now_s() - t0);
+        emit(impl, "get", block, pages, pass, now_s() - t0);
         if (memcmp(src, dst, n) != 0) {
             fprintf(stderr, "bench_client: GET returned other bytes than PUT stored\n");
             return 1;
+        }
+        if (zc) {
+            /* memcpy of the same bytes, page by page, in this process right after the GETs:
+             * the baseline under the same load (the machine's load moves between runs). */
+            t0 = now_s();
+            for (uint32_t i = 0; i < pages; i++)
+                memcpy(dst + (size_t)i * block, src + (size_t)i * block, block);
+            emit(impl, "memcpy", block, pages, pass, now_s() - t0);
+            /* Another reader: a second connection with a mapping of its own, as another process
+             * (an engine's other worker) would have; its first touch of each page faults. */
+            kvt_client_match_t m2 = {0};
+            if ((rc = kvt_client_match(c2, tok, ntok, KVT_CLIENT_LEASE, 60000, NULL, &m2)) < 0 ||
+                m2.pages != pages)
+                return fail("match", rc, c2);
+            memset(dst, 0, n);
+            t0 = now_s();
+            for (uint32_t i = 0; i < pages; i++) {
+                uint32_t got;
+                rc = kvt_client_get(c2, m2.lease, i, 1, dst + (size_t)i * block, block, &got, NULL);
+                if (rc < 0 || got != 1)
+                    return fail("get", rc, c2);
+            }
+            emit(impl, "get_reader", block, pages, pass, now_s() - t0);
+            if (memcmp(src, dst, n) != 0 || (rc = kvt_client_release(c2, m2.lease, NULL)) < 0)
+                return fail("get_reader", rc, c2);
+            touch_t t = {0}, want = {0};
+            t0 = now_s();
+            for (uint32_t i = 0; i < pages; i++) {
+                uint32_t got;
+                rc = kvt_client_get_cb(c, m.lease, i, 1, touch_block, &t, &got);
+                if (rc < 0 || got != 1)
+                    return fail("get_cb", rc, c);
+            }
+            emit(impl, "get_cb", block, pages, pass, now_s() - t0);
+            for (uint32_t i = 0; i < pages; i++)
+                touch_block(&want, i, 0, src + (size_t)i * block, (uint32_t)block);
+            if (t.sum != want.sum || t.n != pages) {
+                fprintf(stderr, "bench_client: get_cb saw other bytes than PUT stored\n");
+                return 1;
+            }
         }
         if ((rc = kvt_client_release(c, m.lease, NULL)) < 0)
             return fail("release", rc, c);
         if ((rc = kvt_client_remove(c, tok, PAGE_TOKENS)) < 0)
             return fail("remove", rc, c);
+        if (!zc)
+            continue;
+        /* The two-step PUT, on tokens of its own (then removed as well). */
+        for (uint32_t i = 0; i < ntok; i++)
+            tok[i] = 500000000u + (uint32_t)pass * 1000000u + i;
+        t0 = now_s();
+        for (uint32_t i = 0; i < pages; i++) {
+            void *room;
+            kvt_client_resv_t rv = {.ptrs = &room};
+            kvt_client_put_t pr;
+            rc = kvt_client_reserve(c, tok, (i + 1) * PAGE_TOKENS, i, 1, NULL, &rv);
+            if (rc < 0 || !room)
+                return fail("reserve", rc, c);
+            memcpy(room, src + (size_t)i * block, block);
+            if ((rc = kvt_client_commit(c, rv.id, &pr)) < 0 || pr.stored != 1)
+                return fail("commit", rc, c);
+        }
+        emit(impl, "put_reserve", block, pages, pass, now_s() - t0);
+        if ((rc = kvt_client_remove(c, tok, PAGE_TOKENS)) < 0)
+            return fail("remove", rc, c);
+        /* Socket PUTs into the same namespace (whose DRAM blocks live in its arena now), by a
+         * connection without a mapping: what the zero-copy PUT is to be weighed against. */
+        for (uint32_t i = 0; i < ntok; i++)
+            tok[i] = 900000000u + (uint32_t)pass * 1000000u + i;
+        t0 = now_s();
+        for (uint32_t i = 0; i < pages; i++) {
+            kvt_client_put_t pr;
+            rc = kvt_client_put(c3, tok, (i + 1) * PAGE_TOKENS, i, 1, src + (size_t)i * block, NULL,
+                                &pr);
+            if (rc < 0 || pr.stored != 1)
+                return fail("put", rc, c3);
+        }
+        emit(impl, "put_socket_arena", block, pages, pass, now_s() - t0);
+        if ((rc = kvt_client_remove(c3, tok, PAGE_TOKENS)) < 0)
+            return fail("remove", rc, c3);
     }
     /* The per-call cost without payload: PING round trips. */
     enum { PINGS = 5000 };
@@ -140,13 +264,15 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
     for (int i = 0; i < PINGS; i++)
         if ((rc = kvt_client_ping(c, NULL)) < 0)
             return fail("ping", rc, c);
-    printf("{\"bench\":\"client\",\"impl\":\"libkvtier\",\"op\":\"ping\",\"calls\":%d,"
+    printf("{\"bench\":\"client\",\"impl\":\"%s\",\"op\":\"ping\",\"calls\":%d,"
            "\"us_per_call\":%.2f}\n",
-           PINGS, (now_s() - t0) * 1e6 / PINGS);
+           impl, PINGS, (now_s() - t0) * 1e6 / PINGS);
     free(tok);
     munmap(src, n);
     munmap(dst, n);
     kvt_client_close(c);
+    kvt_client_close(c2);
+    kvt_client_close(c3);
     return 0;
 }
 
@@ -173,9 +299,11 @@ int main(int argc, char **argv)
     if (!strcmp(mode, "memcpy"))
         return bench_memcpy(block, pages, passes);
     if (!strcmp(mode, "client") && unix_path)
-        return bench_client(unix_path, block, pages, passes);
+        return bench_client(unix_path, block, pages, passes, 0);
+    if (!strcmp(mode, "zc") && unix_path)
+        return bench_client(unix_path, block, pages, passes, 1);
 usage:
-    fprintf(stderr, "usage: bench_client client --unix PATH [--block-bytes B] [--pages N] "
+    fprintf(stderr, "usage: bench_client client|zc --unix PATH [--block-bytes B] [--pages N] "
                     "[--passes R]\n       bench_client memcpy [--block-bytes B] [--pages N] "
                     "[--passes R]\n");
     return 2;

@@ -4,6 +4,12 @@
  * and the batch's pipelining loop, which writes queued frames and reads replies in the same poll
  * loop so that a batch larger than the socket buffers never deadlocks against a daemon that has
  * stopped reading until its replies drain.
+ *
+ * Zero-copy (docs/protocol.md, "Zero-copy for local clients"): on the Unix socket the client maps
+ * its namespace's DRAM arena after HELLO. The memfd comes on the MAP reply's first byte
+ * (SCM_RIGHTS), so every read of the socket is a recvmsg with room for a descriptor: one that
+ * comes with any other reply is closed at once, never leaked or silently swallowed. GETs then ask
+ * for locations and read the pages from the mapping; PUTs reserve room, copy into it and commit.
  */
 #include "kvtier.h"
 
@@ -16,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -53,6 +60,12 @@ struct kvt_client {
     size_t in_pos, in_len, in_cap;
     uint8_t *out; /* the request being built */
     size_t out_cap;
+    /* Zero-copy. map is the namespace's DRAM arena (map_bytes long) or NULL; fd_want is set
+     * while a MAP reply is awaited, and fd_got holds the descriptor it brought (or -1). */
+    int is_unix, fd_want, fd_got, hbm_mapped;
+    uint8_t *map;
+    uint64_t map_bytes, hbm_bytes;
+    char zc_reason[KVT_PROTO_ERRMSG_MAX + 64];
 };
 
 const char *kvt_client_strerror(int err)
@@ -73,6 +86,23 @@ uint64_t kvt_client_ns_seed(const kvt_client_t *c)
 unsigned kvt_client_tiers(const kvt_client_t *c)
 {
     return c->tiers;
+}
+
+int kvt_client_zero_copy(const kvt_client_t *c)
+{
+    return c && c->map != NULL;
+}
+
+const char *kvt_client_zero_copy_reason(const kvt_client_t *c)
+{
+    return c ? c->zc_reason : "";
+}
+
+const void *kvt_client_mapping(const kvt_client_t *c, uint64_t *bytes)
+{
+    if (bytes)
+        *bytes = c && c->map ? c->map_bytes : 0;
+    return c ? c->map : NULL;
 }
 
 static int broken_with(kvt_client_t *c, int err)
@@ -121,6 +151,26 @@ static int send_all(kvt_client_t *c, const uint8_t *p, size_t len, uint64_t dead
     return 0;
 }
 
+/* The descriptors a read brought: the first kept while a MAP reply is awaited, the rest closed.
+ * A truncated control message (MSG_CTRUNC: the kernel closed what did not fit) is remembered as
+ * no descriptor, so a MAP reply short of its fd maps nothing. */
+static void take_fds(kvt_client_t *c, struct msghdr *msg)
+{
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(msg); cm; cm = CMSG_NXTHDR(msg, cm)) {
+        if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t nfd = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < nfd; i++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof fd);
+            if (c->fd_want && c->fd_got < 0 && !(msg->msg_flags & MSG_CTRUNC))
+                c->fd_got = fd;
+            else
+                close(fd);
+        }
+    }
+}
+
 /* Reads whatever the socket has (at least one byte, waiting until deadline). */
 static int fill(kvt_client_t *c, uint64_t deadline, int wait)
 {
@@ -136,7 +186,19 @@ static int fill(kvt_client_t *c, uint64_t deadline, int wait)
             return broken_with(c, KVT_ENOMEM);
     }
     for (;;) {
-        ssize_t n = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
+        /* recvmsg with room for descriptors on every read: a descriptor rides on a byte of the
+         * stream, and a plain recv over that byte would drop it. Only a MAP reply carries one
+         * (kept in fd_got); any other is closed here. */
+        struct iovec iov = {.iov_base = c->in + c->in_len, .iov_len = c->in_cap - c->in_len};
+        union {
+            struct cmsghdr align;
+            char buf[CMSG_SPACE(4 * sizeof(int))];
+        } ctl;
+        struct msghdr msg = {
+            .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl};
+        ssize_t n = recvmsg(c->fd, &msg, MSG_CMSG_CLOEXEC);
+        if (n >= 0 && msg.msg_controllen > 0)
+            take_fds(c, &msg);
         if (n > 0) {
             c->in_len += (size_t)n;
             return 0;
@@ -207,20 +269,19 @@ static void set_errmsg(kvt_client_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     c->errmsg[n] = 0;
 }
 
-/* One request, one reply: returns the reply's status, its body in *body (len *len). */
-static int call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
-                const void *b2, size_t l2, const void *b3, size_t l3, const uint8_t **body,
-                uint32_t *len)
+/* Sends one request (its body is b1, b2, b3 in that order); *id gets its request id. */
+static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                    const void *b2, size_t l2, const void *b3, size_t l3, uint64_t *id,
+                    uint64_t deadline)
 {
     if (c->broken)
         return KVT_ECLOSED;
     size_t blen = l1 + l2 + l3;
     if (blen > UINT32_MAX || blen > c->max_frame)
         return KVT_ETOOBIG;
-    c->errmsg[0] = 0;
-    uint64_t id = c->next_id++, deadline = deadline_from_now(c);
+    *id = c->next_id++;
     uint8_t hdr[KVT_PROTO_HDR];
-    kvt_proto_frame(hdr, op, flags, id, 0, (uint32_t)blen);
+    kvt_proto_frame(hdr, op, flags, *id, 0, (uint32_t)blen);
     /* Small requests go out in one send; a big payload is sent from the caller's memory. */
     if (kvt_reserve(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
         return KVT_ENOMEM;
@@ -232,9 +293,16 @@ static int call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, si
     int rc = send_all(c, c->out, KVT_PROTO_HDR + l1 + l2, deadline);
     if (rc == 0 && l3)
         rc = send_all(c, b3, l3, deadline);
-    if (rc < 0)
-        return rc;
+    return rc;
+}
+
+/* Reads the reply to request id: returns its status, its body in *body (len *len), valid until
+ * the next read; an error reply's message goes to errmsg. */
+static int read_reply(kvt_client_t *c, unsigned op, uint64_t id, const uint8_t **body,
+                      uint32_t *len, uint64_t deadline)
+{
     kvt_proto_hdr_t h;
+    int rc;
     if ((rc = read_frame(c, &h, body, deadline)) < 0)
         return rc;
     if ((rc = check_reply(c, &h, op, id)) < 0)
@@ -245,6 +313,19 @@ static int call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, si
         return h.status;
     }
     return 0;
+}
+
+/* One request, one reply: returns the reply's status, its body in *body (len *len). */
+static int call(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                const void *b2, size_t l2, const void *b3, size_t l3, const uint8_t **body,
+                uint32_t *len)
+{
+    c->errmsg[0] = 0;
+    uint64_t id, deadline = deadline_from_now(c);
+    int rc = send_req(c, op, flags, b1, l1, b2, l2, b3, l3, &id, deadline);
+    if (rc < 0)
+        return rc;
+    return read_reply(c, op, id, body, len, deadline);
 }
 
 static int connect_fd(const kvt_client_conf_t *conf)
@@ -295,6 +376,104 @@ static int connect_fd(const kvt_client_conf_t *conf)
     return fd;
 }
 
+/* MAP of one tier: the reply decoded into *r (its handle borrowed from the input buffer until
+ * the next read); a DRAM reply's descriptor in c->fd_got (-1 when none came). */
+static int map_call(kvt_client_t *c, uint32_t tier, kvt_proto_map_reply_t *r)
+{
+    uint8_t w[sizeof(kvt_wire_map_t)];
+    kvt_proto_map_encode(w, tier);
+    const uint8_t *body;
+    uint32_t len;
+    /* Nothing else is in flight (calls are synchronous), so the next byte read is the reply's
+     * first, the one that carries the descriptor. */
+    if (c->in_pos != c->in_len)
+        return broken_with(c, KVT_EPROTO);
+    c->fd_want = 1;
+    int rc = call(c, KVT_OP_MAP, 0, w, sizeof w, NULL, 0, NULL, 0, &body, &len);
+    c->fd_want = 0;
+    if (rc < 0)
+        return rc;
+    if (kvt_proto_map_reply_decode(body, len, r) < 0 || r->tier != tier)
+        return broken_with(c, KVT_EPROTO);
+    return 0;
+}
+
+/* Maps the namespace's DRAM arena (connect, with conf->zero_copy). Only a transport error is
+ * returned: a refusal, or a reply that cannot be mapped, leaves the client on the socket path
+ * with the reason in zc_reason. */
+static int map_dram(kvt_client_t *c)
+{
+    if (!c->is_unix) {
+        snprintf(c->zc_reason, sizeof c->zc_reason,
+                 "the connection is over TCP: zero-copy needs the daemon's Unix socket");
+        return 0;
+    }
+    if (!c->block_bytes) {
+        snprintf(c->zc_reason, sizeof c->zc_reason,
+                 "an index-only client (block_bytes 0) has no blocks to map");
+        return 0;
+    }
+    kvt_proto_map_reply_t r;
+    int rc = map_call(c, KVT_TIER_DRAM, &r);
+    int fd = c->fd_got;
+    c->fd_got = -1;
+    if (rc < 0) {
+        if (fd >= 0)
+            close(fd);
+        if (c->broken)
+            return rc;
+        snprintf(c->zc_reason, sizeof c->zc_reason, "MAP refused: %s: %s", kvt_strerror(rc),
+                 c->errmsg);
+        c->errmsg[0] = 0;
+        return 0;
+    }
+    if (fd < 0 || r.map_bytes == 0 || r.map_bytes > SIZE_MAX) {
+        if (fd >= 0)
+            close(fd);
+        snprintf(c->zc_reason, sizeof c->zc_reason,
+                 "the MAP reply came without a descriptor or a length");
+        return 0;
+    }
+    void *p = mmap(NULL, (size_t)r.map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int e = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+        snprintf(c->zc_reason, sizeof c->zc_reason, "mmap of %llu bytes: %s",
+                 (unsigned long long)r.map_bytes, strerror(e));
+        return 0;
+    }
+    c->map = p;
+    c->map_bytes = r.map_bytes;
+    c->zc_reason[0] = 0;
+    return 0;
+}
+
+int kvt_client_map_hbm(kvt_client_t *c, uint8_t handle[64], uint64_t *pool_bytes)
+{
+    if (!c || !handle)
+        return KVT_EINVAL;
+    if (!c->is_unix || !c->block_bytes) {
+        snprintf(c->errmsg, sizeof c->errmsg, "MAP needs the Unix socket and a block size");
+        return KVT_EINVAL;
+    }
+    kvt_proto_map_reply_t r;
+    int rc = map_call(c, KVT_TIER_HBM, &r);
+    if (c->fd_got >= 0) { /* an HBM reply carries none: never keep one */
+        close(c->fd_got);
+        c->fd_got = -1;
+    }
+    if (rc < 0)
+        return rc;
+    if (r.handle_len != 64)
+        return broken_with(c, KVT_EPROTO);
+    memcpy(handle, r.handle, 64);
+    c->hbm_mapped = 1;
+    c->hbm_bytes = r.map_bytes;
+    if (pool_bytes)
+        *pool_bytes = r.map_bytes;
+    return 0;
+}
+
 int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
 {
     if (!out || !conf || !conf->model || !*conf->model ||
@@ -310,6 +489,8 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
     c->next_id = 1;
     c->max_frame = KVT_PROTO_MAX_FRAME_DEFAULT;
     c->max_reply = 64u << 10;
+    c->fd_got = -1;
+    c->is_unix = conf->unix_path || !conf->tcp;
     c->fd = connect_fd(conf);
     if (c->fd < 0) {
         int rc = c->fd;
@@ -356,6 +537,10 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
     c->max_reply = KVT_MAX(c->max_frame, c->max_reply);
     c->page_size = conf->page_size;
     c->block_bytes = conf->block_bytes;
+    if (conf->zero_copy && (rc = map_dram(c)) < 0)
+        goto fail;
+    if (!conf->zero_copy)
+        snprintf(c->zc_reason, sizeof c->zc_reason, "zero_copy is off in the client's conf");
     *out = c;
     return 0;
 fail:
@@ -367,6 +552,10 @@ void kvt_client_close(kvt_client_t *c)
 {
     if (!c)
         return;
+    if (c->map)
+        munmap(c->map, c->map_bytes);
+    if (c->fd_got >= 0)
+        close(c->fd_got);
     close(c->fd);
     free(c->in);
     free(c->out);
@@ -475,12 +664,11 @@ static int put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
     return 0;
 }
 
-int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
-                   kvt_client_put_t *res)
+/* PUT through the socket: the payload goes out from the caller's memory. */
+static int put_socket(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                      uint32_t first_page, uint32_t npages, const void *payload,
+                      const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
-    if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
-        return KVT_EINVAL;
     kvt_proto_put_t m = {.hints = proto_hints(hints),
                          .ntokens = ntokens,
                          .first_page = first_page,
@@ -504,23 +692,275 @@ int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, ui
     return 0;
 }
 
-int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
-                      kvt_client_block_cb cb, void *arg, uint32_t *got)
+/* Sends RESERVE (and, with probe, a MATCH PROBE of the same tokens right behind it, pipelined:
+ * one round trip) without reading the replies; *id and *probe_id get their request ids. */
+static int reserve_send(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                        uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
+                        int probe, uint64_t *id, uint64_t *probe_id, uint64_t deadline)
 {
-    if (!c || !cb)
+    kvt_proto_reserve_t m = {.hints = proto_hints(hints),
+                             .ntokens = ntokens,
+                             .first_page = first_page,
+                             .npages = npages};
+    uint8_t w[sizeof(kvt_wire_reserve_t)];
+    kvt_proto_reserve_encode(w, &m);
+    uint8_t *tw;
+    int own = tokens_wire(c, tokens, ntokens, &tw);
+    if (own < 0)
+        return own;
+    int rc =
+        send_req(c, KVT_OP_RESERVE, 0, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, id, deadline);
+    if (rc == 0 && probe) {
+        kvt_proto_match_t mm = {.ntokens = ntokens};
+        uint8_t mw[sizeof(kvt_wire_match_t)];
+        kvt_proto_match_encode(mw, &mm);
+        rc = send_req(c, KVT_OP_MATCH, KVT_MATCH_F_PROBE, mw, sizeof mw, NULL, 0, tw,
+                      (size_t)ntokens * 4, probe_id, deadline);
+        if (rc < 0) /* RESERVE went out and its reply would be left unread */
+            rc = broken_with(c, rc);
+    }
+    if (own)
+        free(tw);
+    return rc;
+}
+
+/* Reads RESERVE's reply into res, each location checked against the mapping and the pages
+ * asked for. */
+static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint32_t npages,
+                        kvt_client_resv_t *res, uint64_t deadline)
+{
+    const uint8_t *body;
+    uint32_t len;
+    int rc = read_reply(c, KVT_OP_RESERVE, id, &body, &len, deadline);
+    if (rc < 0)
+        return rc;
+    kvt_proto_reserve_reply_t r;
+    if (kvt_proto_reserve_reply_decode(body, len, &r) < 0 || r.nlocs > npages ||
+        (r.nlocs && !r.resv))
+        return broken_with(c, KVT_EPROTO);
+    for (uint32_t i = 0; i < npages; i++)
+        res->ptrs[i] = NULL;
+    for (uint32_t i = 0; i < r.nlocs; i++) {
+        uint32_t page;
+        uint64_t off;
+        kvt_proto_resv_loc(&r, i, &page, &off);
+        if (page < first_page || page - first_page >= npages || res->ptrs[page - first_page] ||
+            off > c->map_bytes || c->block_bytes > c->map_bytes - off)
+            return broken_with(c, KVT_EPROTO);
+        res->ptrs[page - first_page] = c->map + off;
+    }
+    res->id = r.resv;
+    res->pages = r.pages;
+    res->new_pages = r.new_pages;
+    res->nreserved = r.nlocs;
+    return 0;
+}
+
+int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                       uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
+                       kvt_client_resv_t *res)
+{
+    if (!c || !res || (ntokens && !tokens) || (npages && !res->ptrs))
         return KVT_EINVAL;
+    if (!c->map) {
+        snprintf(c->errmsg, sizeof c->errmsg, "RESERVE needs the zero-copy mapping (%.400s)",
+                 c->zc_reason);
+        return KVT_EINVAL;
+    }
+    c->errmsg[0] = 0;
+    uint64_t id, unused, deadline = deadline_from_now(c);
+    int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 0, &id, &unused, deadline);
+    if (rc < 0)
+        return rc;
+    return reserve_read(c, id, first_page, npages, res, deadline);
+}
+
+static int commit_call(kvt_client_t *c, uint64_t id, uint16_t flags, kvt_client_put_t *res)
+{
+    if (!c)
+        return KVT_EINVAL;
+    if (!c->map) {
+        snprintf(c->errmsg, sizeof c->errmsg, "COMMIT needs the zero-copy mapping (%.400s)",
+                 c->zc_reason);
+        return KVT_EINVAL;
+    }
+    uint8_t w[sizeof(kvt_wire_commit_t)];
+    kvt_proto_commit_encode(w, id);
+    const uint8_t *body;
+    uint32_t len;
+    int rc = call(c, KVT_OP_COMMIT, flags, w, sizeof w, NULL, 0, NULL, 0, &body, &len);
+    if (rc < 0)
+        return rc;
+    if (put_parse(body, len, res) < 0)
+        return broken_with(c, KVT_EPROTO);
+    return 0;
+}
+
+int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res)
+{
+    return commit_call(c, id, 0, res);
+}
+
+int kvt_client_abort(kvt_client_t *c, uint64_t id)
+{
+    return commit_call(c, id, KVT_COMMIT_F_ABORT, NULL);
+}
+
+/*
+ * PUT through the mapping: RESERVE with a MATCH PROBE behind it (one round trip), a memcpy per
+ * reserved page, COMMIT. A page RESERVE gave no room either holds bytes already (the probe
+ * shows its tier: nothing to send, as a socket PUT would skip it) or got no room in DRAM or is
+ * being written by another request (tier NONE): those go by a socket PUT, one per run of such
+ * pages, so that the daemon places them as it places any PUT's. So a PUT of held pages costs one
+ * round trip and no payload, and the results add up as one socket PUT's would.
+ */
+static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                      uint32_t first_page, uint32_t npages, const uint8_t *payload,
+                      const kvt_client_hints_t *hints, kvt_client_put_t *res)
+{
+    void *small[16];
+    void **ptrs = npages <= 16 ? small : malloc(npages * sizeof *ptrs);
+    if (!ptrs)
+        return KVT_ENOMEM;
+    kvt_client_resv_t rv = {.ptrs = ptrs};
+    c->errmsg[0] = 0;
+    uint64_t id, pid, deadline = deadline_from_now(c);
+    int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 1, &id, &pid, deadline);
+    int rrc = rc < 0 ? rc : reserve_read(c, id, first_page, npages, &rv, deadline);
+    char msg[sizeof c->errmsg];
+    memcpy(msg, c->errmsg, sizeof msg);
+    /* The probe's reply is read whatever RESERVE answered: replies come in order. */
+    const uint8_t *body = NULL;
+    uint32_t len = 0;
+    int prc =
+        rc < 0 || c->broken ? KVT_ECLOSED : read_reply(c, KVT_OP_MATCH, pid, &body, &len, deadline);
+    kvt_proto_match_reply_t mr = {0};
+    const uint8_t *tiers = NULL;
+    if (prc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
+        prc = broken_with(c, KVT_EPROTO);
+    if (c->broken) {
+        rc = rrc < 0 ? rrc : prc < 0 ? prc : KVT_ECLOSED;
+        goto out;
+    }
+    memcpy(c->errmsg, msg, sizeof msg);
+    if (rrc < 0) {
+        /* No reservation (ENOSPC: this connection holds max-reservations, or the index is full;
+         * or RESERVE's own EINVAL): a socket PUT answers as it would have. */
+        rc = put_socket(c, tokens, ntokens, first_page, npages, payload, hints, res);
+        goto out;
+    }
+    /* Which unreserved pages must still be sent: those without bytes now. tiers[] is read
+     * before the next request overwrites the input buffer. */
+    uint8_t need_small[16], *need = npages <= 16 ? need_small : malloc(npages);
+    if (!need) {
+        rc = KVT_ENOMEM;
+        if (rv.id)
+            kvt_client_abort(c, rv.id);
+        goto out;
+    }
+    for (uint32_t i = 0; i < npages; i++) {
+        uint32_t p = first_page + i;
+        need[i] = !ptrs[i] && (p >= mr.pages || tiers[p] == KVT_TIER_NONE);
+    }
+    kvt_client_put_t sum = {.pages = rv.pages, .new_pages = rv.new_pages};
+    rc = 0;
+    if (rv.id) {
+        for (uint32_t i = 0; i < npages; i++)
+            if (ptrs[i])
+                memcpy(ptrs[i], payload + (size_t)i * c->block_bytes, c->block_bytes);
+        kvt_client_put_t cr;
+        rc = kvt_client_commit(c, rv.id, &cr);
+        if (rc == KVT_ENOENT) {
+            /* The reservation expired (reserve-ms) before the commit: send those pages too. */
+            for (uint32_t i = 0; i < npages; i++)
+                need[i] |= ptrs[i] != NULL;
+            rc = 0;
+        } else if (rc == 0) {
+            sum.stored += cr.stored;
+        }
+    }
+    for (uint32_t i = 0; rc == 0 && i < npages;) {
+        if (!need[i]) {
+            i++;
+            continue;
+        }
+        uint32_t j = i;
+        while (j < npages && need[j])
+            j++;
+        kvt_client_put_t pr;
+        rc = put_socket(c, tokens, ntokens, first_page + i, j - i,
+                        payload + (size_t)i * c->block_bytes, hints, &pr);
+        if (rc == 0) {
+            sum.new_pages += pr.new_pages;
+            sum.stored += pr.stored;
+        }
+        i = j;
+    }
+    if (need != need_small)
+        free(need);
+    if (rc == 0) {
+        sum.skipped = npages - sum.stored;
+        if (res)
+            *res = sum;
+    }
+out:
+    if (ptrs != small)
+        free(ptrs);
+    return rc;
+}
+
+int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                   kvt_client_put_t *res)
+{
+    if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
+        return KVT_EINVAL;
+    if (c->map && npages)
+        return put_mapped(c, tokens, ntokens, first_page, npages, payload, hints, res);
+    return put_socket(c, tokens, ntokens, first_page, npages, payload, hints, res);
+}
+
+/* Where a located page lies: a pointer into the DRAM mapping, or an offset into the HBM pool.
+ * KVT_EPROTO for a location outside them or of another length than a block. */
+static int check_loc(const kvt_client_t *c, uint8_t tier, uint64_t off, uint32_t len,
+                     const void **host)
+{
+    if (len != c->block_bytes)
+        return KVT_EPROTO;
+    if (tier == KVT_TIER_DRAM && c->map && off <= c->map_bytes && len <= c->map_bytes - off) {
+        *host = c->map + off;
+        return 0;
+    }
+    if (tier == KVT_TIER_HBM && c->hbm_mapped && off <= c->hbm_bytes && len <= c->hbm_bytes - off) {
+        *host = NULL;
+        return 0;
+    }
+    return KVT_EPROTO;
+}
+
+/*
+ * One GET, each page handed to cb in kvt_client_loc_cb's shape. With locate, the request asks
+ * for locations, and the end frame's lease_ms_left is checked against the time since the request
+ * went out: the lease's expiry lies at least lease_ms_left after the send (the daemon built the
+ * reply after it received the request), so reads that ended before then read the leased bytes.
+ */
+static int get_run(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                   int locate, kvt_client_loc_cb cb, void *arg, uint32_t *got)
+{
     if (c->broken)
         return KVT_ECLOSED;
     c->errmsg[0] = 0;
     kvt_proto_get_t m = {.lease = lease, .first_page = first_page, .npages = npages};
     uint64_t id = c->next_id++, deadline = deadline_from_now(c);
     uint8_t frame[KVT_PROTO_HDR + sizeof(kvt_wire_get_t)];
-    kvt_proto_frame(frame, KVT_OP_GET, 0, id, 0, sizeof(kvt_wire_get_t));
+    kvt_proto_frame(frame, KVT_OP_GET, locate ? KVT_GET_F_LOCATE : 0, id, 0,
+                    sizeof(kvt_wire_get_t));
     kvt_proto_get_encode(frame + KVT_PROTO_HDR, &m);
+    uint64_t sent_ns = kvt_now_ns();
     int rc = send_all(c, frame, sizeof frame, deadline);
     if (rc < 0)
         return rc;
-    int stop = 0;
+    int stop = 0, located = 0;
     uint32_t n = 0;
     for (;;) {
         kvt_proto_hdr_t h;
@@ -540,20 +980,83 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
                          n == 1 ? "" : "s");
                 return h.status;
             }
-            uint32_t sent;
-            if (kvt_proto_get_end_decode(body, h.body_len, &sent, NULL) < 0 || sent != n)
+            uint32_t sent, left_ms;
+            if (kvt_proto_get_end_decode(body, h.body_len, &sent, &left_ms) < 0 || sent != n)
                 return broken_with(c, KVT_EPROTO);
-            return stop;
+            if (stop)
+                return stop;
+            uint64_t took_ns = kvt_now_ns() - sent_ns;
+            if (located && took_ns >= (uint64_t)left_ms * 1000000) {
+                snprintf(c->errmsg, sizeof c->errmsg,
+                         "the lease had %u ms left and the GET took %llu ms: the mapped pages "
+                         "may have been reused before they were read",
+                         left_ms, (unsigned long long)(took_ns / 1000000));
+                return KVT_ETIMEDOUT;
+            }
+            return 0;
         }
         uint32_t page, dlen;
         uint8_t tier;
-        const uint8_t *data;
-        if (kvt_proto_get_data_decode(body, h.body_len, &page, &tier, &data, &dlen) < 0)
-            return broken_with(c, KVT_EPROTO);
-        if (!stop)
-            stop = cb(arg, page, tier, data, dlen);
+        int kind = kvt_proto_get_data_kind(body, h.body_len);
+        if (kind == KVT_GET_DATA_LOC && locate) {
+            uint64_t off;
+            const void *host;
+            if (kvt_proto_get_loc_decode(body, h.body_len, &page, &tier, &off, &dlen) < 0 ||
+                check_loc(c, tier, off, dlen, &host) < 0)
+                return broken_with(c, KVT_EPROTO);
+            located = 1;
+            if (!stop)
+                stop = cb(arg, page, tier, host, off, dlen, NULL);
+        } else {
+            const uint8_t *data;
+            if (kind != KVT_GET_DATA_BYTES ||
+                kvt_proto_get_data_decode(body, h.body_len, &page, &tier, &data, &dlen) < 0)
+                return broken_with(c, KVT_EPROTO);
+            if (!stop)
+                stop = cb(arg, page, tier, NULL, 0, dlen, data);
+        }
         n++;
     }
+}
+
+int kvt_client_get_loc(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                       kvt_client_loc_cb cb, void *arg)
+{
+    if (!c || !cb)
+        return KVT_EINVAL;
+    return get_run(c, lease, first_page, npages, 1, cb, arg, NULL);
+}
+
+typedef struct kvt_block_fwd {
+    kvt_client_block_cb cb;
+    void *arg;
+} kvt_block_fwd_t;
+
+/* kvt_client_get_cb's callback behind get_run's: host bytes, wherever they lie. */
+static int block_fwd(void *arg, uint32_t page, unsigned tier, const void *host, uint64_t off,
+                     uint32_t len, const void *data)
+{
+    (void)off;
+    kvt_block_fwd_t *f = arg;
+    if (!host && !data)
+        return KVT_EPROTO; /* HBM: not asked for by get/get_cb (see get_locates) */
+    return f->cb(f->arg, page, tier, host ? host : data, len);
+}
+
+/* get and get_cb ask for locations when they can deliver every one as host bytes: with the DRAM
+ * arena mapped, and not HBM (whose pages only kvt_client_get_loc can hand over). */
+static int get_locates(const kvt_client_t *c)
+{
+    return c->map && !c->hbm_mapped;
+}
+
+int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                      kvt_client_block_cb cb, void *arg, uint32_t *got)
+{
+    if (!c || !cb)
+        return KVT_EINVAL;
+    kvt_block_fwd_t f = {cb, arg};
+    return get_run(c, lease, first_page, npages, get_locates(c), block_fwd, &f, got);
 }
 
 typedef struct kvt_get_buf {

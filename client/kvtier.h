@@ -73,6 +73,7 @@ typedef struct kvt_client_conf {
     uint32_t page_size;    /* tokens per page, 1..1024 */
     uint32_t block_bytes;  /* KV bytes of one page; 0 for index-only use */
     int timeout_ms;        /* per call; 0: 10000 */
+    int zero_copy;         /* 1: map the namespace's DRAM arena when possible (below); 0: never */
 } kvt_client_conf_t;
 
 /* Connects, authenticates and declares the namespace. Returns 0, a negated errno (no daemon
@@ -81,7 +82,9 @@ typedef struct kvt_client_conf {
  * KVT_CLIENT_ENOSPC (a new namespace the daemon has no room for). An AUTH may take a while to be
  * answered while someone guesses the secret (docs/protocol.md, AUTH). */
 int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
-/* Closes the connection; the daemon releases every lease it held. NULL is a no-op. */
+/* Closes the connection (the daemon releases every lease and reservation it held) and unmaps
+ * the zero-copy mapping: every pointer into it (kvt_client_get_cb's, kvt_client_reserve's) dies
+ * here. NULL is a no-op. */
 void kvt_client_close(kvt_client_t *c);
 /* The daemon's message for the last error reply ("" if none); valid until the next call. A GET
  * whose stream stopped (its end frame carries a status, no message) says after how many pages. */
@@ -90,6 +93,39 @@ const char *kvt_client_errmsg(const kvt_client_t *c);
  * (bit 1 << tier per tier it has). */
 uint64_t kvt_client_ns_seed(const kvt_client_t *c);
 unsigned kvt_client_tiers(const kvt_client_t *c);
+
+/*
+ * Zero-copy (docs/protocol.md, "Zero-copy for local clients"). With conf->zero_copy set, a client
+ * on the daemon's Unix socket with a block size sends MAP after HELLO and maps (MAP_SHARED) the
+ * memfd that holds its namespace's DRAM blocks, which the reply carries (SCM_RIGHTS). From then
+ * on, with nothing else to do for the caller:
+ *
+ *   kvt_client_get     GET with LOCATE: a page in the mapping is copied from it into buf (the
+ *                      one copy; no bytes cross the socket); other pages come as before.
+ *   kvt_client_get_cb  the same, but cb gets a pointer INTO the mapping: no copy at all.
+ *   kvt_client_put     RESERVE, one memcpy per page into the reserved room, COMMIT; pages that
+ *                      got no room go by an ordinary PUT. Same results as a socket PUT.
+ *
+ * A refused MAP (no DRAM tier, zero-copy off in the daemon, no arena left, TCP) is not an error:
+ * the client stays on the socket path, and kvt_client_zero_copy_reason() says why. Batches
+ * (kvt_batch_*) are socket-only. Keyed clients (kvt_keys_*) map as their conf says.
+ *
+ * Safety: bytes read through the mapping are valid only while the lease they were read under
+ * holds; after RELEASE or expiry the daemon may reuse the memory for another block of the
+ * namespace. kvt_client_get and kvt_client_get_cb check, before returning, that the lease could
+ * not have expired while the pages were read (the GET's end frame says how long it had left,
+ * counted from before the request was sent): if it could, they return KVT_CLIENT_ETIMEDOUT and
+ * the bytes delivered must be thrown away. Ask for leases long enough to read the pages.
+ */
+
+/* 1 when the client mapped its namespace's DRAM arena (zero-copy in use), else 0. */
+int kvt_client_zero_copy(const kvt_client_t *c);
+/* Why zero-copy is not in use: "" when it is, else a message (conf->zero_copy 0, TCP, no block
+ * size, or the daemon's refusal with its code and message). Static until kvt_client_close. */
+const char *kvt_client_zero_copy_reason(const kvt_client_t *c);
+/* The mapping's address and length (*bytes, if not NULL); NULL (and 0) when not mapped. Valid
+ * until kvt_client_close. Read-only for callers, except through kvt_client_reserve's pointers. */
+const void *kvt_client_mapping(const kvt_client_t *c, uint64_t *bytes);
 
 /* Hints to the daemon's policy, on MATCH and PUT. All optional: pass NULL for none. */
 enum {
@@ -141,7 +177,10 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
 /*
  * Caches every whole page of tokens and stores the KV bytes of pages [first_page, first_page +
  * npages): payload holds npages x block_bytes bytes (NULL with npages 0: index only). Pages
- * already stored keep their bytes. Replies when the bytes are in their tier.
+ * already stored keep their bytes. Replies when the bytes are in their tier. Zero-copy: RESERVE
+ * (with a MATCH PROBE pipelined behind it), a memcpy per reserved page into the mapping, COMMIT;
+ * pages that got no room and hold no bytes go by a socket PUT. The results are a socket PUT's;
+ * a PUT of pages already held costs one round trip and sends no payload.
  */
 int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
                    uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
@@ -151,17 +190,86 @@ int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, ui
  * The KV bytes of pages [first_page, first_page + npages) of a leased path (npages 0: to its
  * end), into buf (cap bytes: npages x block_bytes). *got (if not NULL) gets the pages received;
  * tiers (if not NULL, npages entries) the tier each came from. The daemon streams the blocks
- * from wherever they are, promoting them on the way.
+ * from wherever they are, promoting them on the way. Zero-copy: pages in the mapping are copied
+ * from it into buf; KVT_CLIENT_ETIMEDOUT when the lease may have expired before they were (buf's
+ * bytes are then not to be trusted; the call can be repeated under a new lease).
  */
 int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages, void *buf,
                    size_t cap, uint32_t *got, uint8_t *tiers);
 
 /* The same, handing each block to cb as it arrives (data valid during the call). A non-zero
- * return from cb stops delivery (the rest of the reply is read and dropped) and is returned. */
+ * return from cb stops delivery (the rest of the reply is read and dropped) and is returned.
+ * Zero-copy (above): data points into the mapping, the daemon's own copy of the block. Read it,
+ * never write it; KVT_CLIENT_ETIMEDOUT after the callbacks means what they read may have been
+ * reused and must be discarded. */
 typedef int (*kvt_client_block_cb)(void *arg, uint32_t page, unsigned tier, const void *data,
                                    uint32_t len);
 int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
                       kvt_client_block_cb cb, void *arg, uint32_t *got);
+
+/*
+ * Zero-copy PUT in two steps, for a caller that produces a page's bytes straight into the
+ * daemon's memory. kvt_client_reserve caches every whole page of tokens (as a PUT) and reserves
+ * room in the mapping for the pages [first_page, first_page + npages) that have no bytes yet:
+ * res->ptrs (the caller's array of npages pointers) gets, for page first_page + i, where to write
+ * its block_bytes bytes, or NULL when it got none (held already, being written by another
+ * request, or no room in DRAM: send those with kvt_client_put if they matter). res->id names the
+ * reservation (0 when nothing was reserved: nothing to commit). Nothing is visible to anyone
+ * until kvt_client_commit(id), which stores every reserved page as a PUT would and fills res
+ * (stored: pages made visible) if not NULL; kvt_client_abort(id) gives the room back. A
+ * reservation not committed within the daemon's reserve-ms, or whose connection closes, is
+ * given back by the daemon: its pages stay index-only (KVT_CLIENT_TIER_NONE).
+ *
+ * The pointers are valid until the commit or abort (the memory is the daemon's after that).
+ * Errors: KVT_CLIENT_EINVAL (not mapped; npages 0; pages past the tokens' whole pages),
+ * KVT_CLIENT_ENOSPC (the index is full, or this connection holds the daemon's
+ * max-reservations), KVT_CLIENT_ENOENT from commit/abort (an id this connection does not hold:
+ * never made, committed already, expired, or another connection's).
+ */
+typedef struct kvt_client_resv {
+    uint64_t id;        /* for kvt_client_commit/abort; 0 when no page got room */
+    uint32_t pages;     /* whole pages of the request, all in the index now */
+    uint32_t new_pages; /* pages this request added to the index */
+    uint32_t nreserved; /* pages that got room (non-NULL entries of ptrs) */
+    void **ptrs;        /* in: caller's array of npages; out: page first_page + i's room or NULL */
+} kvt_client_resv_t;
+int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                       uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
+                       kvt_client_resv_t *res);
+int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res);
+int kvt_client_abort(kvt_client_t *c, uint64_t id);
+
+/*
+ * HBM blocks for a CUDA client in the same host: sends MAP for the HBM tier and returns the
+ * cudaIpcMemHandle_t of the daemon's HBM pool (handle, 64 bytes) and its size. The caller opens
+ * it with cudaIpcOpenMemHandle in its own process (libkvtier does not link CUDA) and reads HBM
+ * pages at the offsets kvt_client_get_loc gives. Errors: KVT_CLIENT_EUNAVAIL (no HBM tier, a
+ * host backend, or the daemon's hbm-ipc off), KVT_CLIENT_EINVAL (TCP, no block size). After it,
+ * the daemon answers this connection's HBM pages by location: kvt_client_get and
+ * kvt_client_get_cb (which deliver host bytes) stop asking for locations at all; read through
+ * kvt_client_get_loc.
+ */
+int kvt_client_map_hbm(kvt_client_t *c, uint8_t handle[64], uint64_t *pool_bytes);
+
+/*
+ * The raw form of a zero-copy GET, for callers that copy with their own engine (cudaMemcpy from
+ * the mapping or from the HBM pool): GET with LOCATE of pages [first_page, first_page + npages)
+ * of a leased path (npages 0: to its end), one cb call per page in page order:
+ *
+ *   a page in the DRAM mapping: tier DRAM, host_ptr = mapping + offset, data NULL
+ *   a page in the HBM pool:     tier HBM, host_ptr NULL, offset into the pool, data NULL
+ *   any other page:             its bytes in data (valid during the call), host_ptr NULL, offset 0
+ *
+ * len is block_bytes. A location outside the mapping (or pool), or a len other than
+ * block_bytes, is KVT_CLIENT_EPROTO. A non-zero return from cb stops delivery (the rest is read
+ * and dropped) and is returned. Located bytes stay valid while the lease holds: finish reading
+ * them (a copy started in cb included) before it is released or expires. The call returns
+ * KVT_CLIENT_ETIMEDOUT when the lease may have expired before it returned (as kvt_client_get).
+ */
+typedef int (*kvt_client_loc_cb)(void *arg, uint32_t page, unsigned tier, const void *host_ptr,
+                                 uint64_t offset, uint32_t len, const void *data);
+int kvt_client_get_loc(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                       kvt_client_loc_cb cb, void *arg);
 
 /* Moves the cached prefix of tokens up to tier (HBM, DRAM or NVMe) within deadline_ms (0: the
  * daemon's lease time); replies at completion or at the deadline. */
@@ -194,7 +302,8 @@ int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg);
  * Batches: requests queued with kvt_batch_* go out together in kvt_batch_run(), pipelined, and
  * their replies fill the result structs given when queued. Each queued request has its own
  * status (an int the caller gives, set by run). A batch may be run again after more requests are
- * queued; kvt_batch_reset() empties it.
+ * queued; kvt_batch_reset() empties it. Batches are socket-only: a batched PUT sends its payload
+ * through the socket even on a zero-copy client.
  */
 typedef struct kvt_batch kvt_batch_t;
 

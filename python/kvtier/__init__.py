@@ -15,7 +15,17 @@ subclasses carrying the daemon's status code. docs/python.md has the details.
 
 from ._lib import path as library_path
 from .aio import AsyncBatch, AsyncClient, Deferred
-from .client import Batch, Client, Hints, Match, Pending, PrefetchResult, PutResult, Tier
+from .client import (
+    Batch,
+    Client,
+    Hints,
+    Match,
+    Pending,
+    PrefetchResult,
+    PutResult,
+    Reservation,
+    Tier,
+)
 from .keys import KEY_MAX, KEY_TOKENS, KEYS_TAG, key_tokens
 from .errors import (
     AuthError,
@@ -64,6 +74,7 @@ __all__ = [
     "PrefetchResult",
     "ProtocolError",
     "PutResult",
+    "Reservation",
     "Tier",
     "Timeout",
     "TooBig",

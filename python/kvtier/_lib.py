@@ -56,6 +56,7 @@ typedef struct kvt_client_conf {
     uint32_t page_size;
     uint32_t block_bytes;
     int timeout_ms;
+    int zero_copy;
 } kvt_client_conf_t;
 
 int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
@@ -112,6 +113,26 @@ int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens)
 int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 typedef int (*kvt_client_stat_cb)(void *arg, const char *name, uint64_t value);
 int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg);
+
+int kvt_client_zero_copy(const kvt_client_t *c);
+const char *kvt_client_zero_copy_reason(const kvt_client_t *c);
+const void *kvt_client_mapping(const kvt_client_t *c, uint64_t *bytes);
+typedef struct kvt_client_resv {
+    uint64_t id;
+    uint32_t pages, new_pages;
+    uint32_t nreserved;
+    void **ptrs;
+} kvt_client_resv_t;
+int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                       uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
+                       kvt_client_resv_t *res);
+int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res);
+int kvt_client_abort(kvt_client_t *c, uint64_t id);
+int kvt_client_map_hbm(kvt_client_t *c, uint8_t handle[64], uint64_t *pool_bytes);
+typedef int (*kvt_client_loc_cb)(void *arg, uint32_t page, unsigned tier, const void *host_ptr,
+                                 uint64_t offset, uint32_t len, const void *data);
+int kvt_client_get_loc(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                       kvt_client_loc_cb cb, void *arg);
 
 typedef struct kvt_batch kvt_batch_t;
 int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c);

@@ -30,6 +30,7 @@ from .client import (
     Pending,
     PrefetchResult,
     PutResult,
+    Reservation,
     Tier,
     Tokens,
 )
@@ -104,6 +105,32 @@ class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
     async def get(self, lease: int, **kwargs: Any) -> bytes:
         """Client.get: the pages' bytes."""
         return await self._run(self.client.get, lease, **kwargs)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Client.zero_copy: whether the connection mapped its DRAM arena."""
+        return self.client.zero_copy
+
+    @property
+    def zero_copy_reason(self) -> str:
+        """Client.zero_copy_reason."""
+        return self.client.zero_copy_reason
+
+    async def get_views(self, lease: int, **kwargs: Any) -> List[Any]:
+        """Client.get_views: views into the mapping, valid only while the lease holds."""
+        return await self._run(self.client.get_views, lease, **kwargs)
+
+    async def reserve(self, tokens: Tokens, npages: int, **kwargs: Any) -> Reservation:
+        """Client.reserve (first_page, hints): writable views into the mapping."""
+        return await self._run(self.client.reserve, tokens, npages, **kwargs)
+
+    async def commit(self, reservation: Any) -> PutResult:
+        """Client.commit."""
+        return await self._run(self.client.commit, reservation)
+
+    async def abort(self, reservation: Any) -> None:
+        """Client.abort."""
+        await self._run(self.client.abort, reservation)
 
     async def prefetch(self, tokens: Tokens, tier: int = Tier.DRAM, **kwargs: Any
                        ) -> PrefetchResult:

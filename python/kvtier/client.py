@@ -9,6 +9,11 @@ protocol), through ``data_ptr()`` of a contiguous CPU tensor, pinned or not. Not
 Python: PUT sends from the caller's memory, GET writes into the caller's memory. A buffer must be
 C-contiguous; its dtype does not matter, only its size in bytes.
 
+Zero-copy: on the daemon's Unix socket a Client maps its namespace's DRAM arena at connect
+(``zero_copy=True``, the default; docs/python.md, "Zero-copy"): get_into/get/put and the keyed
+calls then move block bytes through that shared memory instead of the socket, with no change to
+their results; get_views() and reserve()/commit() expose the mapping itself.
+
 Threads: a Client serialises its calls with a lock (libkvtier's client is one thread at a time);
 the GIL is released while libkvtier waits on the daemon. Use one Client per thread for
 parallelism.
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from ._lib import ffi, lib
-from .errors import ECLOSED, EINVAL, Error, InvalidArgument, error_for
+from .errors import ECLOSED, EINVAL, EPROTO, Error, InvalidArgument, error_for
 from .hints import HintsMixin
 from .keys import KeysMixin
 
@@ -35,6 +40,7 @@ __all__ = [
     "Pending",
     "PrefetchResult",
     "PutResult",
+    "Reservation",
     "Tier",
 ]
 
@@ -119,6 +125,43 @@ class PrefetchResult:
     failed: int
 
 
+class Reservation:
+    """Room reserved in the daemon's DRAM arena for pages of a token sequence (Client.reserve):
+    ``views[i]`` is a writable memoryview of block_bytes bytes where page ``first_page + i``
+    goes, or None when that page got no room (held already, being written by another request,
+    or no room in DRAM: put() those if they matter). ``id`` names it for commit()/abort() (0:
+    nothing was reserved); ``pages`` and ``new_pages`` as PutResult's; ``nreserved`` the views
+    that are not None.
+
+    Write each view completely, then commit(): the pages become visible to every client. The
+    views point into the daemon's memory: after commit() or abort() (which release them, unless
+    something still holds a buffer taken from them) they must not be touched."""
+
+    __slots__ = ("id", "pages", "new_pages", "nreserved", "first_page", "views")
+
+    def __init__(self, id: int, pages: int, new_pages: int, nreserved: int, first_page: int,
+                 views: List[Optional[memoryview]]) -> None:
+        self.id = id
+        self.pages = pages
+        self.new_pages = new_pages
+        self.nreserved = nreserved
+        self.first_page = first_page
+        self.views = views
+
+    def _release(self) -> None:
+        for v in self.views:
+            if v is not None:
+                try:
+                    v.release()
+                except BufferError:  # a numpy array or torch tensor still uses it
+                    pass
+        self.views = [None] * len(self.views)
+
+    def __repr__(self) -> str:
+        return "Reservation(id=%d, pages=%d, new_pages=%d, nreserved=%d)" % (
+            self.id, self.pages, self.new_pages, self.nreserved)
+
+
 def _tokens(tokens: Any) -> Tuple[Any, int]:
     """A uint32_t* over the token ids and their count. A buffer of 4-byte integers (numpy
     uint32/int32, array('I'), a torch int32 tensor) is borrowed as it is; anything else is
@@ -183,6 +226,19 @@ def _collect_block_py(arg: Any, page: int, tier: int, data: Any, length: int) ->
     return 0
 
 
+def _collect_loc_py(arg: Any, page: int, tier: int, host: Any, offset: int, length: int,
+                    data: Any) -> int:
+    out = ffi.from_handle(arg)
+    if host != ffi.NULL:
+        # A read-only view of the page where it lies in the mapping: no copy.
+        out.append(memoryview(ffi.buffer(host, length)).toreadonly())
+    elif data != ffi.NULL:
+        out.append(ffi.buffer(data, length)[:])  # came through the socket: its own bytes
+    else:
+        out.append(None)  # HBM: not mapped by this package
+    return 0
+
+
 def _collect_stat_py(arg: Any, name: Any, value: int) -> int:
     ffi.from_handle(arg)[ffi.string(name).decode()] = value
     return 0
@@ -192,6 +248,9 @@ def _collect_stat_py(arg: Any, name: Any, value: int) -> int:
 _collect_block = ffi.callback("int(void *, uint32_t, unsigned, const void *, uint32_t)",
                               _collect_block_py)
 _collect_stat = ffi.callback("int(void *, const char *, uint64_t)", _collect_stat_py)
+_collect_loc = ffi.callback(
+    "int(void *, uint32_t, unsigned, const void *, uint64_t, uint32_t, const void *)",
+    _collect_loc_py)
 
 
 def _s(v: Optional[str]) -> Any:
@@ -209,7 +268,9 @@ class Client(KeysMixin, HintsMixin):
     "kvtierd.sock" in the working directory), ``tcp`` ("host:port", used when unix_path is None),
     ``secret`` (shared secret), ``adapter`` (LoRA name), ``salt`` (tenant salt: isolates
     tenants), ``page_size`` (tokens per page, 1..1024), ``block_bytes`` (KV bytes of one page; 0
-    for index-only use), ``timeout_ms`` (per call, milliseconds).
+    for index-only use), ``timeout_ms`` (per call, milliseconds), ``zero_copy`` (default True:
+    on the Unix socket, map the namespace's DRAM arena and move block bytes through it; a
+    refusal is not an error, see ``zero_copy`` and ``zero_copy_reason``).
 
     Raises ConnectError (no daemon there: errno ENOENT or ECONNREFUSED), AuthError,
     InvalidArgument, ProtocolError, NoSpace (no room for a new namespace).
@@ -230,6 +291,7 @@ class Client(KeysMixin, HintsMixin):
         adapter: Optional[str] = None,
         salt: Optional[str] = None,
         timeout_ms: int = 10000,
+        zero_copy: bool = True,
     ) -> None:
         self._c = ffi.NULL
         self._lock = threading.Lock()
@@ -242,6 +304,7 @@ class Client(KeysMixin, HintsMixin):
         conf.page_size = page_size
         conf.block_bytes = block_bytes
         conf.timeout_ms = timeout_ms
+        conf.zero_copy = 1 if zero_copy else 0
         out = ffi.new("kvt_client_t **")
         rc = lib.kvt_client_connect(out, conf)
         if rc < 0:
@@ -287,6 +350,24 @@ class Client(KeysMixin, HintsMixin):
         """The tiers the daemon has, as HELLO answered."""
         mask = lib.kvt_client_tiers(self._live())
         return [t for t in Tier if t != Tier.NONE and mask & (1 << t)]
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when this connection mapped its namespace's DRAM arena (zero-copy in use)."""
+        return bool(lib.kvt_client_zero_copy(self._live()))
+
+    @property
+    def zero_copy_reason(self) -> str:
+        """Why zero-copy is not in use ("" when it is): zero_copy=False, TCP, block_bytes 0, or
+        the daemon's refusal (its code and message)."""
+        return ffi.string(lib.kvt_client_zero_copy_reason(self._live())).decode("utf-8",
+                                                                                "replace")
+
+    def _mapping(self) -> Tuple[int, int]:
+        """The mapping's address and length in bytes ((0, 0) when not mapped): for tests."""
+        n = ffi.new("uint64_t *")
+        p = lib.kvt_client_mapping(self._live(), n)
+        return int(ffi.cast("uintptr_t", p)), int(n[0])
 
     def _live(self) -> Any:
         if self._c == ffi.NULL:
@@ -352,8 +433,9 @@ class Client(KeysMixin, HintsMixin):
         """Caches every whole page of ``tokens`` and stores the KV bytes of pages
         ``[first_page, first_page + npages)`` from ``payload``, a buffer of npages x block_bytes
         bytes (None: index only). The daemon reads the bytes straight from the payload's memory
-        (no copy in Python or libkvtier). Pages already stored keep their bytes. Returns when the
-        bytes are in their tier.
+        (no copy in Python or libkvtier); with zero-copy, libkvtier copies each page once into
+        room reserved in the mapping instead of sending it. Pages already stored keep their
+        bytes. Returns when the bytes are in their tier.
 
         Raises InvalidArgument (payload not a whole number of blocks, or beyond the tokens'
         pages), TypeError (not a buffer), NoSpace, Error for transport failures.
@@ -389,7 +471,8 @@ class Client(KeysMixin, HintsMixin):
     ) -> int:
         """Reads the KV bytes of pages ``[first_page, first_page + npages)`` of a leased path
         into ``buf``, a writable buffer (bytearray, memoryview, numpy array, CPU torch tensor),
-        in place: the bytes land in the caller's memory with no copy in Python. ``npages`` 0:
+        in place: the bytes land in the caller's memory with no copy in Python (with zero-copy,
+        one memcpy from the mapping, no socket). ``npages`` 0:
         to the lease's end, which must fit in ``buf``. ``tiers``: a writable buffer that gets
         the Tier each page came from (one byte per page; at least npages, or buf's pages).
 
@@ -431,6 +514,97 @@ class Client(KeysMixin, HintsMixin):
             if rc < 0:
                 self._raise(rc)
         return b"".join(blocks)
+
+    def get_views(self, lease: int, *, first_page: int = 0, npages: int = 0
+                  ) -> List[Union[memoryview, bytes]]:
+        """The pages ``[first_page, first_page + npages)`` of a leased path (npages 0: to its
+        end), one item per page, WITHOUT COPYING the mapped ones: a page in the zero-copy
+        mapping is a read-only memoryview of block_bytes bytes INTO the daemon's memory (wrap it
+        with numpy.frombuffer or torch.frombuffer at no cost); a page that came through the
+        socket (another tier, a block stored before the mapping, or no mapping at all) is
+        bytes.
+
+        LIFETIME: a view is valid only while ``lease`` is held. After release(), the lease's
+        expiry or close() the memory may hold another block (or be unmapped: touching a view
+        then may crash the process). Copy what must outlive the lease. Raises Timeout when the
+        lease may have expired before this call returned (ask for a longer lease_ms), and as
+        get_into() otherwise.
+        """
+        out: List[Any] = []
+        h = ffi.new_handle(out)
+        with self._lock:
+            rc = lib.kvt_client_get_loc(self._live(), lease, first_page, npages, _collect_loc, h)
+            if rc < 0:
+                self._raise(rc)
+        if any(v is None for v in out):
+            raise error_for(EPROTO, "an HBM location: this package maps only DRAM")
+        return out
+
+    def reserve(
+        self,
+        tokens: Tokens,
+        npages: int,
+        *,
+        first_page: int = 0,
+        hints: Optional[Hints] = None,
+    ) -> Reservation:
+        """Caches every whole page of ``tokens`` (as put() does) and reserves room in the
+        zero-copy mapping for the pages ``[first_page, first_page + npages)`` that hold no bytes
+        yet: the Reservation's writable views are where to write them (numpy.frombuffer /
+        torch.frombuffer over a view writes in place). Nothing is visible to anyone until
+        commit(); a reservation not committed within the daemon's reserve-ms, or whose client
+        closes, is given back.
+
+        Raises InvalidArgument (no zero-copy mapping: see zero_copy_reason; npages 0; pages past
+        the tokens' whole pages), NoSpace (index full, or too many reservations held), Error for
+        transport failures.
+        """
+        tp, n = _tokens(tokens)
+        if npages <= 0:
+            raise InvalidArgument(EINVAL, "reserve: npages must be at least 1")
+        ptrs = ffi.new("void *[]", npages)
+        res = ffi.new("kvt_client_resv_t *")
+        res.ptrs = ptrs
+        h = hints._c() if hints is not None else ffi.NULL
+        with self._lock:
+            rc = lib.kvt_client_reserve(self._live(), tp, n, first_page, npages, h, res)
+            if rc < 0:
+                self._raise(rc)
+        bb = self.block_bytes
+        views: List[Optional[memoryview]] = [
+            memoryview(ffi.buffer(p, bb)) if p != ffi.NULL else None for p in ptrs]
+        return Reservation(int(res.id), res.pages, res.new_pages, res.nreserved, first_page,
+                           views)
+
+    def commit(self, reservation: Union[Reservation, int]) -> PutResult:
+        """Makes a reservation's pages visible, as a PUT of the bytes written would: ``stored``
+        counts them. A Reservation with id 0 (nothing reserved) commits nothing and sends
+        nothing. Raises NotFound (not this connection's: never made, committed or aborted
+        already, expired), Error for transport failures."""
+        rid = reservation.id if isinstance(reservation, Reservation) else int(reservation)
+        if isinstance(reservation, Reservation):
+            reservation._release()
+            if rid == 0:
+                return PutResult(reservation.pages, reservation.new_pages, 0, 0)
+        res = ffi.new("kvt_client_put_t *")
+        with self._lock:
+            rc = lib.kvt_client_commit(self._live(), rid, res)
+            if rc < 0:
+                self._raise(rc)
+        return PutResult(res.pages, res.new_pages, res.stored, res.skipped)
+
+    def abort(self, reservation: Union[Reservation, int]) -> None:
+        """Gives a reservation's room back: none of its pages becomes visible. Raises as
+        commit()."""
+        rid = reservation.id if isinstance(reservation, Reservation) else int(reservation)
+        if isinstance(reservation, Reservation):
+            reservation._release()
+            if rid == 0:
+                return
+        with self._lock:
+            rc = lib.kvt_client_abort(self._live(), rid)
+            if rc < 0:
+                self._raise(rc)
 
     def prefetch(
         self, tokens: Tokens, tier: int = Tier.DRAM, *, deadline_ms: int = 0, wait: bool = True

@@ -85,7 +85,9 @@ class Unavailable(Error):
 
 
 class Timeout(Error):
-    """ETIMEDOUT: no reply within the client's timeout (the connection is then closed)."""
+    """ETIMEDOUT: no reply within the client's timeout (the connection is then closed); or, on
+    the zero-copy path, a lease that may have expired before the mapped bytes were read (the
+    bytes must be discarded; the connection stays usable)."""
 
 
 class AuthError(Error):

@@ -219,6 +219,9 @@ def test_save_then_load_into_another_paged_tensor(vd: Daemon, api: str) -> None:
     assert [ld.block_ids for ld in meta.loads] == [[11, 3, 30]]
     assert leases(vd) == 1  # the scheduler's, held for the load
     assert run_step(b.worker, b.kv, meta) == set()
+    with vd.client() as c:  # the connector's defaults take the zero-copy path
+        st = c.stats()
+        assert st["zero_copy_pages_reserve"] > 0 and st["zero_copy_pages_get"] > 0, st
     for x, y in zip(pages_of(a.kv, [4, 9, 2]), pages_of(b.kv, [11, 3, 30])):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
     # Blocks outside the load were not touched.

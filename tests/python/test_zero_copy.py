@@ -1,0 +1,221 @@
+"""test_zero_copy.py: the package's zero-copy path (docs/python.md, "Zero-copy") against a real
+kvtierd: a Client on the Unix socket maps its namespace's DRAM arena by default and one over TCP
+falls back, saying why; zero_copy on and off give the same results and bytes; get_views hands out
+read-only views INTO the mapping (numpy over them shares the memory) for mapped pages and bytes
+for pages that came through the socket; reserve gives writable views that numpy and torch write
+in place, commit makes them visible, abort leaves nothing; the mapping survives many calls and
+close() unmaps it; keyed calls and AsyncClient take the same path."""
+
+import asyncio
+
+import pytest
+from conftest import BLOCK, PAGE, Daemon, payload, tokens
+
+import kvtier
+from kvtier._lib import ffi
+
+np = pytest.importorskip("numpy", reason="numpy is not installed")
+
+
+@pytest.fixture(scope="module")
+def zd():
+    d = Daemon()
+    yield d
+    assert d.stop() == 0
+
+
+def _addr(buf) -> int:
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
+
+
+def _maps_at(addr: int) -> bool:
+    """Whether this process has a mapping starting at addr (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return any(int(line.split("-", 1)[0], 16) == addr for line in f)
+
+
+def _inside(c: kvtier.Client, buf) -> bool:
+    base, size = c._mapping()
+    a = _addr(buf)
+    return base <= a and a + len(memoryview(buf).cast("B")) <= base + size
+
+
+def test_unix_maps_and_tcp_falls_back(zd):
+    with zd.client() as c:
+        assert c.zero_copy, c.zero_copy_reason
+        assert c.zero_copy_reason == ""
+        base, size = c._mapping()
+        assert base and size >= BLOCK
+    with kvtier.Client("pytest", page_size=PAGE, block_bytes=BLOCK, tcp=zd.tcp) as t:
+        assert not t.zero_copy
+        assert "TCP" in t.zero_copy_reason
+        tok, raw = tokens(2), payload(2, 1)
+        assert t.put(tok, raw).stored == 2
+        m = t.match(tok, lease=True)
+        assert t.get(m.lease) == raw
+        views = t.get_views(m.lease)
+        assert [bytes(v) for v in views] == [raw[:BLOCK], raw[BLOCK:]]
+        assert all(isinstance(v, bytes) for v in views), "no mapping: every page is bytes"
+        t.release(m.lease)
+        with pytest.raises(kvtier.InvalidArgument):
+            t.reserve(tok, 1)
+    with zd.client(zero_copy=False) as off:
+        assert not off.zero_copy and "off" in off.zero_copy_reason
+
+
+def test_zero_copy_on_and_off_give_the_same_results_and_bytes(zd):
+    with zd.client("zc-on") as on, zd.client("zc-off", zero_copy=False) as off, \
+            zd.client("zc-on", zero_copy=False) as reader:
+        assert on.zero_copy and not off.zero_copy
+        tok = tokens(4, extra=5)
+        raw = payload(4, 2)
+        steps = [(0, 2), (1, 3), (0, 4), (0, 0)]
+        for first, n in steps:
+            data = raw[first * BLOCK:(first + n) * BLOCK] if n else None
+            a = on.put(tok, data, first_page=first)
+            b = off.put(tok, data, first_page=first)
+            assert a == b, (first, n)
+        for c in (on, off, reader):  # the zero-copy writer's pages, read both ways
+            m = c.match(tok, lease=True)
+            assert m.pages == 4 and all(t == kvtier.Tier.DRAM for t in m.tiers)
+            out = bytearray(4 * BLOCK)
+            assert c.get_into(m.lease, out) == 4
+            assert bytes(out) == raw
+            assert c.get(m.lease, first_page=1, npages=2) == raw[BLOCK:3 * BLOCK]
+            assert c.get(m.lease) == raw
+            c.release(m.lease)
+
+
+def test_get_views_point_into_the_mapping(zd):
+    with zd.client() as c:
+        tok, raw = tokens(3), payload(3, 3)
+        c.put(tok, raw)
+        m = c.match(tok, lease=True, lease_ms=30000)
+        views = c.get_views(m.lease)
+        assert len(views) == 3
+        for i, v in enumerate(views):
+            assert isinstance(v, memoryview) and v.readonly and v.nbytes == BLOCK
+            assert _inside(c, v), "page %d is a view into the mapping, not a copy" % i
+            assert bytes(v) == raw[i * BLOCK:(i + 1) * BLOCK]
+            a = np.frombuffer(v, np.uint8)  # no copy: the array's memory is the mapping's
+            assert a.ctypes.data == _addr(v) and a.tobytes() == bytes(v)
+        part = c.get_views(m.lease, first_page=1, npages=1)
+        assert len(part) == 1 and _addr(part[0]) == _addr(views[1])
+        c.release(m.lease)
+
+
+def test_pages_stored_before_the_mapping_come_as_bytes(zd):
+    # A namespace of its own, written by an unmapped client before any client mapped it: its
+    # blocks stay in the shared region and are sent through the socket.
+    with zd.client("zc-before", zero_copy=False) as early:
+        tok, raw = tokens(2), payload(2, 4)
+        early.put(tok, raw)
+        with zd.client("zc-before") as c:
+            assert c.zero_copy
+            m = c.match(tok, lease=True)
+            views = c.get_views(m.lease)
+            assert all(isinstance(v, bytes) for v in views)
+            assert b"".join(views) == raw
+            # New pages of that namespace now land in its arena.
+            tok2, raw2 = tokens(1), payload(1, 5)
+            c.put(tok2, raw2)
+            m2 = c.match(tok2, lease=True)
+            (v,) = c.get_views(m2.lease)
+            assert isinstance(v, memoryview) and _inside(c, v) and bytes(v) == raw2
+            c.release(m.lease)
+            c.release(m2.lease)
+
+
+def test_reserve_gives_writable_views_numpy_and_torch_write_in_place(zd):
+    with zd.client() as c, zd.client(zero_copy=False) as reader:
+        tok, raw = tokens(3), payload(3, 6)
+        r = c.reserve(tok, 3)
+        assert r.id and r.nreserved == 3 and r.pages == 3 and r.new_pages == 3
+        assert all(v is not None and not v.readonly and _inside(c, v) for v in r.views)
+        np.frombuffer(r.views[0], np.uint8)[:] = np.frombuffer(raw[:BLOCK], np.uint8)
+        r.views[1][:] = raw[BLOCK:2 * BLOCK]
+        torch = pytest.importorskip("torch", reason="torch is not installed")
+        t = torch.frombuffer(r.views[2], dtype=torch.uint8)
+        t.copy_(torch.frombuffer(bytearray(raw[2 * BLOCK:]), dtype=torch.uint8))
+        assert reader.match(tok).tiers == bytes([kvtier.Tier.NONE] * 3), "invisible until commit"
+        del t
+        res = c.commit(r)
+        assert res.stored == 3
+        m = reader.match(tok, lease=True)
+        assert reader.get(m.lease) == raw
+        reader.release(m.lease)
+        # Held already: nothing to reserve, and a commit of it sends nothing.
+        r2 = c.reserve(tok, 3)
+        assert r2.id == 0 and r2.nreserved == 0 and r2.views == [None] * 3
+        assert c.commit(r2).stored == 0
+        with pytest.raises(kvtier.NotFound):
+            c.commit(r.id)  # committed already
+
+
+def test_abort_leaves_nothing_visible(zd):
+    with zd.client() as c:
+        tok = tokens(2)
+        used = c.stats()["dram_used_bytes"]
+        r = c.reserve(tok, 2)
+        assert r.nreserved == 2
+        r.views[0][:10] = b"x" * 10
+        c.abort(r)
+        assert c.match(tok).tiers == bytes([kvtier.Tier.NONE] * 2)
+        assert c.stats()["dram_used_bytes"] == used
+        with pytest.raises(kvtier.NotFound):
+            c.abort(r.id)
+        with pytest.raises(kvtier.NotFound):
+            c.commit(0x5EED)
+
+
+def test_the_mapping_survives_many_calls_and_close_unmaps_it(zd):
+    c = zd.client()
+    base, size = c._mapping()
+    assert _maps_at(base)
+    tok, raw = tokens(2), payload(2, 7)
+    c.put(tok, raw)
+    out = np.zeros(2 * BLOCK, np.uint8)
+    for _ in range(300):
+        m = c.match(tok, lease=True)
+        assert c.get_into(m.lease, out) == 2
+        views = c.get_views(m.lease)
+        assert _addr(views[0]) >= base
+        c.release(m.lease)
+    assert out.tobytes() == raw
+    assert c.zero_copy and c._mapping() == (base, size)
+    with open("/proc/self/maps") as f:
+        assert sum(int(line.split("-", 1)[0], 16) == base for line in f) == 1
+    c.close()
+    assert not _maps_at(base), "close() unmapped the arena"
+
+
+def test_keyed_calls_take_the_same_path(zd):
+    with zd.client("zc-keys") as c, zd.client("zc-keys", zero_copy=False) as plain:
+        keys = [b"k/%d" % i for i in range(3)]
+        raw = payload(3, 8)
+        r = c.put_keys(keys, raw)
+        assert r.stored == 3
+        for cl in (c, plain):
+            out = bytearray(3 * BLOCK)
+            assert cl.get_keys_into(keys, out) == 3
+            assert bytes(out) == raw
+
+
+def test_async_client_views_and_reservations(zd):
+    async def main():
+        async with kvtier.AsyncClient("pytest", unix_path=zd.unix, page_size=PAGE,
+                                      block_bytes=BLOCK) as ac:
+            assert ac.zero_copy
+            tok, raw = tokens(2), payload(2, 9)
+            r = await ac.reserve(tok, 2)
+            for i, v in enumerate(r.views):
+                v[:] = raw[i * BLOCK:(i + 1) * BLOCK]
+            assert (await ac.commit(r)).stored == 2
+            m = await ac.match(tok, lease=True)
+            views = await ac.get_views(m.lease)
+            assert b"".join(bytes(v) for v in views) == raw
+            await ac.release(m.lease)
+            r = await ac.reserve(tokens(1), 1)
+            await ac.abort(r)
+
+    asyncio.run(main())
