@@ -245,6 +245,10 @@ void kvt_tier_dram_unshare(kvt_tier_t *t, uint64_t ns_seed);
 int kvt_tier_dram_offset(const kvt_tier_t *t, uint64_t ns_seed, uint64_t loc, uint64_t *off);
 /* Shared arenas that exist now. */
 uint32_t kvt_tier_dram_shared(const kvt_tier_t *t);
+/* A shared arena keeps freed pages for its namespace's next blocks (no page faults, no zeroing)
+ * and gives them back to the kernel (holes punched in the memfd) over about a second after they
+ * stop being reused, as far as it is called: call it every tick. No-op for other tiers. */
+void kvt_tier_dram_decay(kvt_tier_t *t);
 
 /* --- NVMe (tiers/nvme.c, tiers/nvme_recover.c) ---
  * One data file, DIR/kvtier.data, preallocated to capacity_bytes (rounded down to whole
