@@ -317,7 +317,16 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
             rc = kvt_batch_match(b, t[i], KVT_KEY_TOKENS, KVT_CLIENT_LEASE, 0, NULL, &m[i], &st[i]);
             break;
         case KEYS_PUT:
-            rc = kvt_batch_put(b, t[i], KVT_KEY_TOKENS, 0, 1, blocks[i], NULL, &pr[i], &st[i]);
+            if (kvt_client_zero_copy(k->c)) {
+                /* Through the mapping, one key at a time: written in place, no socket bytes
+                 * (bench_client: twice a socket PUT's speed for 2 MiB pages). */
+                st[i] = kvt_client_put(k->c, t[i], KVT_KEY_TOKENS, 0, 1, blocks[i], NULL, &pr[i]);
+                if (keys_transport(st[i]))
+                    rc = st[i];
+                break;
+            }
+            /* Lent, not copied into the batch: the batch runs before this returns. */
+            rc = kvt_batch_put_ref(b, t[i], KVT_KEY_TOKENS, 0, 1, blocks[i], NULL, &pr[i], &st[i]);
             break;
         default:
             rc = kvt_batch_remove(b, t[i], KVT_KEY_TOKENS, &st[i]);

@@ -24,6 +24,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -1216,12 +1217,23 @@ typedef struct kvt_batch_ent {
     void *res;
 } kvt_batch_ent_t;
 
+/* A piece of a batch's output: bytes of out ([off, off + len)), or, with ptr set, a payload the
+ * caller lent (kvt_batch_put_ref) sent from where it lies. */
+typedef struct kvt_batch_seg {
+    const uint8_t *ptr;
+    size_t off, len;
+} kvt_batch_seg_t;
+
 struct kvt_batch {
     kvt_client_t *c;
     uint8_t *out;
     size_t out_len, out_cap;
     kvt_batch_ent_t *ents;
     size_t n, cap;
+    /* The output in order: out's bytes up to out_cut, then lent payloads between them. With
+     * nothing lent, one piece (out) at run time. */
+    kvt_batch_seg_t *segs;
+    size_t nsegs, cap_segs, out_cut;
 };
 
 int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c)
@@ -1242,6 +1254,7 @@ void kvt_batch_destroy(kvt_batch_t *b)
         return;
     free(b->out);
     free(b->ents);
+    free(b->segs);
     free(b);
 }
 
@@ -1249,6 +1262,21 @@ void kvt_batch_reset(kvt_batch_t *b)
 {
     b->out_len = 0;
     b->n = 0;
+    b->nsegs = 0;
+    b->out_cut = 0;
+}
+
+/* Ends the piece of out that runs up to out_len (if any) before the next lent payload, or
+ * before the run. */
+static int batch_cut(kvt_batch_t *b)
+{
+    if (b->out_len == b->out_cut)
+        return 0;
+    if (kvt_reserve(&b->segs, &b->cap_segs, b->nsegs + 1, sizeof *b->segs, 16) < 0)
+        return KVT_ENOMEM;
+    b->segs[b->nsegs++] = (kvt_batch_seg_t){.off = b->out_cut, .len = b->out_len - b->out_cut};
+    b->out_cut = b->out_len;
+    return 0;
 }
 
 size_t kvt_batch_size(const kvt_batch_t *b)
@@ -1257,15 +1285,18 @@ size_t kvt_batch_size(const kvt_batch_t *b)
 }
 
 static int batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void *p1, size_t l1,
-                     const void *p2, size_t l2, const void *p3, size_t l3, void *res, int *status)
+                     const void *p2, size_t l2, const void *p3, size_t l3, int lend, void *res,
+                     int *status)
 {
-    size_t blen = l1 + l2 + l3;
+    size_t blen = l1 + l2 + l3, copied = lend ? l1 + l2 : blen;
     if (blen > b->c->max_frame)
         return KVT_ETOOBIG;
     if (kvt_reserve(&b->ents, &b->cap, b->n + 1, sizeof *b->ents, 64) < 0)
         return KVT_ENOMEM;
-    if (kvt_reserve(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + blen, 1, 4096) < 0)
+    if (kvt_reserve(&b->out, &b->out_cap, b->out_len + KVT_PROTO_HDR + copied, 1, 4096) < 0)
         return KVT_ENOMEM;
+    if (lend && l3 && kvt_reserve(&b->segs, &b->cap_segs, b->nsegs + 2, sizeof *b->segs, 16) < 0)
+        return KVT_ENOMEM; /* room for batch_cut's piece and the payload's: neither fails now */
     uint64_t id = b->c->next_id++;
     uint8_t *f = b->out + b->out_len;
     kvt_proto_frame(f, op, flags, id, 0, (uint32_t)blen);
@@ -1274,9 +1305,13 @@ static int batch_add(kvt_batch_t *b, unsigned op, uint16_t flags, const void *p1
         memcpy(f, p1, l1);
     if (l2)
         memcpy(f + l1, p2, l2);
-    if (l3)
+    if (l3 && !lend)
         memcpy(f + l1 + l2, p3, l3);
-    b->out_len += KVT_PROTO_HDR + blen;
+    b->out_len += KVT_PROTO_HDR + copied;
+    if (lend && l3) {
+        (void)batch_cut(b);
+        b->segs[b->nsegs++] = (kvt_batch_seg_t){.ptr = p3, .len = l3};
+    }
     b->ents[b->n++] = (kvt_batch_ent_t){.op = op, .id = id, .status = status, .res = res};
     if (status)
         *status = KVT_EAGAIN; /* until run */
@@ -1287,20 +1322,20 @@ int kvt_batch_ping(kvt_batch_t *b, int *status)
 {
     if (!b)
         return KVT_EINVAL;
-    return batch_add(b, KVT_OP_PING, 0, NULL, 0, NULL, 0, NULL, 0, NULL, status);
+    return batch_add(b, KVT_OP_PING, 0, NULL, 0, NULL, 0, NULL, 0, 0, NULL, status);
 }
 
 /* Queues a frame of a fixed part, the tokens (as the wire has them), then payload. */
 static int batch_tokens(kvt_batch_t *b, uint8_t op, uint16_t flags, const void *fixed, size_t flen,
                         const uint32_t *tokens, uint32_t ntokens, const void *payload, size_t plen,
-                        void *res, int *status)
+                        int lend, void *res, int *status)
 {
     uint8_t *tw;
     int own = tokens_wire(b->c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
-    int rc =
-        batch_add(b, op, flags, fixed, flen, tw, (size_t)ntokens * 4, payload, plen, res, status);
+    int rc = batch_add(b, op, flags, fixed, flen, tw, (size_t)ntokens * 4, payload, plen, lend, res,
+                       status);
     if (own)
         free(tw);
     return rc;
@@ -1315,13 +1350,13 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
     kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
     uint8_t w[sizeof(kvt_wire_match_t)];
     kvt_proto_match_encode(w, &m);
-    return batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0,
+    return batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0, 0,
                         res, status);
 }
 
-int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                  uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
-                  kvt_client_put_t *res, int *status)
+static int batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                     uint32_t npages, const void *payload, int lend,
+                     const kvt_client_hints_t *hints, kvt_client_put_t *res, int *status)
 {
     if (!b || (ntokens && !tokens) || (npages && (!payload || !b->c->block_bytes)))
         return KVT_EINVAL;
@@ -1332,7 +1367,21 @@ int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint
     uint8_t w[sizeof(kvt_wire_put_t)];
     kvt_proto_put_encode(w, &m);
     return batch_tokens(b, KVT_OP_PUT, 0, w, sizeof w, tokens, ntokens, payload,
-                        (size_t)npages * b->c->block_bytes, res, status);
+                        (size_t)npages * b->c->block_bytes, lend, res, status);
+}
+
+int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                  uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                  kvt_client_put_t *res, int *status)
+{
+    return batch_put(b, tokens, ntokens, first_page, npages, payload, 0, hints, res, status);
+}
+
+int kvt_batch_put_ref(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                      uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                      kvt_client_put_t *res, int *status)
+{
+    return batch_put(b, tokens, ntokens, first_page, npages, payload, 1, hints, res, status);
 }
 
 static int batch_prefetch_flags(kvt_batch_t *b, unsigned flags, const uint32_t *tokens,
@@ -1344,7 +1393,7 @@ static int batch_prefetch_flags(kvt_batch_t *b, unsigned flags, const uint32_t *
     kvt_proto_prefetch_t m = {.tier = tier, .deadline_ms = deadline_ms, .ntokens = ntokens};
     uint8_t w[sizeof(kvt_wire_prefetch_t)];
     kvt_proto_prefetch_encode(w, &m);
-    return batch_tokens(b, KVT_OP_PREFETCH, flags, w, sizeof w, tokens, ntokens, NULL, 0, res,
+    return batch_tokens(b, KVT_OP_PREFETCH, flags, w, sizeof w, tokens, ntokens, NULL, 0, 0, res,
                         status);
 }
 
@@ -1369,7 +1418,7 @@ static int batch_remove_flags(kvt_batch_t *b, unsigned flags, const uint32_t *to
         return KVT_EINVAL;
     uint8_t w[sizeof(kvt_wire_remove_t)];
     kvt_proto_remove_encode(w, ntokens);
-    return batch_tokens(b, KVT_OP_REMOVE, flags, w, sizeof w, tokens, ntokens, NULL, 0, NULL,
+    return batch_tokens(b, KVT_OP_REMOVE, flags, w, sizeof w, tokens, ntokens, NULL, 0, 0, NULL,
                         status);
 }
 
@@ -1389,7 +1438,7 @@ int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status)
         return KVT_EINVAL;
     uint8_t w[sizeof(kvt_wire_release_t)];
     kvt_proto_release_encode(w, lease);
-    return batch_add(b, KVT_OP_RELEASE, 0, w, sizeof w, NULL, 0, NULL, 0, NULL, status);
+    return batch_add(b, KVT_OP_RELEASE, 0, w, sizeof w, NULL, 0, NULL, 0, 0, NULL, status);
 }
 
 static int batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto_hdr_t *h,
@@ -1416,6 +1465,21 @@ static int batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto
     return 0;
 }
 
+/* Sends what it can of the batch's pieces from piece seg, seg_off bytes into it. */
+static ssize_t batch_send(int fd, const kvt_batch_t *b, size_t seg, size_t seg_off)
+{
+    struct iovec iov[64];
+    int n = 0;
+    for (size_t i = seg; i < b->nsegs && n < 64; i++, n++) {
+        const kvt_batch_seg_t *g = &b->segs[i];
+        size_t skip = i == seg ? seg_off : 0;
+        iov[n].iov_base = (void *)((g->ptr ? g->ptr : b->out + g->off) + skip);
+        iov[n].iov_len = g->len - skip;
+    }
+    struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+    return sendmsg(fd, &m, MSG_NOSIGNAL);
+}
+
 int kvt_batch_run(kvt_batch_t *b)
 {
     if (!b)
@@ -1423,14 +1487,26 @@ int kvt_batch_run(kvt_batch_t *b)
     kvt_client_t *c = b->c;
     if (c->broken)
         return KVT_ECLOSED;
-    size_t sent = 0, done = 0;
+    size_t seg = 0, seg_off = 0, done = 0;
     uint64_t deadline = deadline_from_now(c);
-    int rc = 0;
+    int rc = batch_cut(b); /* out's last piece */
+    if (rc < 0) {
+        kvt_batch_reset(b);
+        return rc;
+    }
     while (done < b->n) {
-        if (sent < b->out_len) {
-            ssize_t n = send(c->fd, b->out + sent, b->out_len - sent, MSG_NOSIGNAL);
+        if (seg < b->nsegs) {
+            ssize_t n = batch_send(c->fd, b, seg, seg_off);
             if (n > 0) {
-                sent += (size_t)n;
+                for (size_t left = (size_t)n; left > 0;) {
+                    size_t t = KVT_MIN(b->segs[seg].len - seg_off, left);
+                    seg_off += t;
+                    left -= t;
+                    if (seg_off == b->segs[seg].len) {
+                        seg++;
+                        seg_off = 0;
+                    }
+                }
                 deadline = deadline_from_now(c);
             } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
                 rc = broken_with(c, -errno);
@@ -1471,7 +1547,7 @@ int kvt_batch_run(kvt_batch_t *b)
         rc = 0;
         if (progressed)
             continue;
-        struct pollfd p = {.fd = c->fd, .events = POLLIN | (sent < b->out_len ? POLLOUT : 0)};
+        struct pollfd p = {.fd = c->fd, .events = POLLIN | (seg < b->nsegs ? POLLOUT : 0)};
         uint64_t now = kvt_now_ns();
         if (now >= deadline) {
             rc = broken_with(c, KVT_ETIMEDOUT);

@@ -15,8 +15,9 @@
  * every later call returns KVT_CLIENT_ECLOSED; close it and connect again.
  *
  * Ownership: the client copies everything from its configuration. Token arrays and payloads are
- * borrowed only for the duration of the call (a batch copies them when queued). Result structs
- * and tier arrays passed to a batch are borrowed until kvt_batch_run() returns.
+ * borrowed only for the duration of the call (a batch copies them when queued, except
+ * kvt_batch_put_ref's payload). Result structs and tier arrays passed to a batch are borrowed
+ * until kvt_batch_run() returns.
  *
  * Threads: a client is used by one thread at a time; use one client per thread.
  */
@@ -318,6 +319,12 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
 int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
                   kvt_client_put_t *res, int *status);
+/* kvt_batch_put with the payload lent, not copied: it is sent from where it lies and must stay
+ * valid and unchanged until kvt_batch_run() returns (or the batch is reset). For big pages the
+ * copy into the batch costs as much as sending them. */
+int kvt_batch_put_ref(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                      uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
+                      kvt_client_put_t *res, int *status);
 /* kvt_client_prefetch's request, queued: res is filled when its reply comes, which is when the
  * moves are done or the deadline passes (the batch's run waits for that). */
 int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,

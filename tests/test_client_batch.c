@@ -87,6 +87,49 @@ Test(client_batch, thousand_pipelined_requests)
     kvd_cleanup(&d);
 }
 
+/* Lent payloads (kvt_batch_put_ref) go out from the caller's buffers between the copied frames,
+ * in order, and land byte-exact; a frame bigger than the socket buffer goes in several writes. */
+Test(client_batch, lent_payloads_go_out_in_order)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    enum { BLK = 256 << 10, N = 6 };
+    kvt_client_t *c = kvd_client(&d, "lent", PAGE, BLK);
+    kvt_batch_t *b;
+    cr_assert_eq(kvt_batch_create(&b, c), 0);
+    static uint32_t tok[N][2 * PAGE];
+    uint8_t *pay[N];
+    kvt_client_put_t pr[N];
+    int pst[N], pingst[N];
+    for (int i = 0; i < N; i++) {
+        kvd_tokens(tok[i], 2 * PAGE, 70000 + (uint32_t)i * 100);
+        pay[i] = malloc(2 * BLK);
+        kvd_fill(pay[i], 2 * BLK, (uint32_t)i);
+        /* Lent and copied frames interleaved: a PING between every two PUTs. */
+        cr_assert_eq(kvt_batch_put_ref(b, tok[i], 2 * PAGE, 0, 2, pay[i], NULL, &pr[i], &pst[i]),
+                     0);
+        cr_assert_eq(kvt_batch_ping(b, &pingst[i]), 0);
+    }
+    cr_assert_eq(kvt_batch_run(b), 0);
+    uint8_t *got = malloc(2 * BLK);
+    for (int i = 0; i < N; i++) {
+        cr_expect(pst[i] == 0 && pr[i].stored == 2, "put %d: %d, stored %u", i, pst[i],
+                  pr[i].stored);
+        cr_expect_eq(pingst[i], 0);
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(c, tok[i], 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+        cr_assert_eq(m.pages, 2);
+        cr_assert_eq(kvt_client_get(c, m.lease, 0, 2, got, 2 * BLK, NULL, NULL), 0);
+        cr_expect(memcmp(got, pay[i], 2 * BLK) == 0, "put %d landed wrong", i);
+        kvt_client_release(c, m.lease, NULL);
+        free(pay[i]);
+    }
+    free(got);
+    kvt_batch_destroy(b);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(client_batch, daemon_gone)
 {
     kvd_t d = {0};
