@@ -4,12 +4,33 @@
 # wheels), numpy, pytest, cffi and setuptools (to build the package), and the kvtier package
 # (python/) installed into it. Creates the venv once; reinstalls the package only when python/
 # changed; quiet when all is current.
+#
+# pyenv.sh --sglang [DIR]: the venv $DIR/pyenv-sglang of the one test that needs SGLang's real
+# host KV pool (tests/meson.build's python_sglang_hostpool). The pool imports torchvision, and
+# PyPI's torchvision for the CPU torch 2.13.0 does not load here; torch 2.14.1 with torchvision
+# 0.29.1 (CUDA builds, on this machine's disk, that run on the CPU; about 5.5 GB) do. Only SGLang
+# goes in beside them (scripts/engines/sglang.sh, with $hostpool=1). $venv/.ready says that all
+# of it installed: without it that test skips, printing why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+sglang=0
+if [ "${1:-}" = "--sglang" ]; then
+    sglang=1
+    shift
+fi
 dir=${1:-build}
-venv="$dir/pyenv"
-reqs="torch==2.13.0 numpy pytest cffi>=1.15 setuptools"
+if [ $sglang = 1 ]; then
+    venv="$dir/pyenv-sglang"
+    reqs="torch==2.14.1 torchvision==0.29.1 numpy pytest cffi>=1.15 setuptools"
+    engines=(scripts/engines/sglang.sh)
+    export torch=2.14.1 torchvision=0.29.1 hostpool=1
+    rm -f "$venv/.ready"
+else
+    venv="$dir/pyenv"
+    reqs="torch==2.13.0 numpy pytest cffi>=1.15 setuptools"
+    engines=(scripts/engines/*.sh)
+fi
 
 # Debian's python3 makes venvs only with python3-venv (ensurepip) installed.
 if ! python3 -c 'import ensurepip' 2>/dev/null; then
@@ -44,7 +65,7 @@ fi
 # in scripts/engines/, run with $venv and $pip set, redone when the script changes. An engine
 # that cannot be installed (its registry unreachable, say) does not stop the rest: the script's
 # log is kept in $venv/engine-NAME.log and the tests of that connector skip, naming it.
-for f in scripts/engines/*.sh; do
+for f in "${engines[@]}"; do
     [ -e "$f" ] || continue
     name=$(basename "$f" .sh)
     sum=$(sha1sum "$f" | cut -d' ' -f1)
@@ -58,3 +79,7 @@ for f in scripts/engines/*.sh; do
         rm -f "$venv/.engine-$name"
     fi
 done
+if [ $sglang = 1 ]; then
+    [ -e "$venv/.engine-sglang" ] || exit 1
+    touch "$venv/.ready"
+fi

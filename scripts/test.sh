@@ -10,6 +10,16 @@ bash scripts/setup.sh build-asan -Dtests=enabled -Db_sanitize=address,undefined 
     -Dbuildtype=debugoptimized
 # The Python package's venv (build/pyenv: torch, numpy, pytest, cffi, the package), made once.
 bash scripts/pyenv.sh build
+# SGLang's host-pool venv (build/pyenv-sglang: torch 2.14.1 and torchvision 0.29.1, about 6 GB;
+# 2.5 minutes from nothing on this machine kind, then seconds), made once, for the one meson test
+# that needs it (python_sglang_hostpool). Its pip output goes to build/pyenv-sglang.log; failing to
+# make it only makes that test skip, printing the log's end.
+if bash scripts/pyenv.sh --sglang build >build/pyenv-sglang.log 2>&1; then
+    grep '^pyenv:' build/pyenv-sglang.log >&2 || true
+else
+    echo "test: build/pyenv-sglang not made (build/pyenv-sglang.log); python_sglang_hostpool" \
+        "will skip" >&2
+fi
 
 echo "== format check (clang-format, .clang-format)"
 files=$(git ls-files '*.c' '*.h' 2>/dev/null || find . -name '*.[ch]' -not -path './build*')

@@ -86,6 +86,12 @@ class Daemon:
         return rc
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "hostpool: needs SGLang's host KV pool (the meson test python_sglang_hostpool "
+        "runs these in build/pyenv-sglang)")
+
+
 @pytest.fixture(scope="session")
 def daemon() -> Iterator[Daemon]:
     d = Daemon()
