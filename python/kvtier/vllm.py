@@ -30,6 +30,7 @@ that fails or comes back short (daemon killed, page evicted) reports its blocks 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import threading
@@ -47,7 +48,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 
-from .client import Client, Hints
+from ._lib import ffi
+from .client import Client, Hints, Reservation
 from .errors import ECLOSED, Error, error_for
 
 if TYPE_CHECKING:
@@ -99,8 +101,19 @@ class _PageStore:
     radix tree holds the chain with its prefix structure (shared prefixes stored once,
     leaf-first eviction), and leases pin what a load will read.
 
+    The worker's zero-copy path (``mapped``): on the Unix socket (``zero_copy`` not False in
+    the extra config) the worker's client is a token client of the keyed namespace itself
+    (page_size KEY_TOKENS, adapter KEYS_TAG: the namespace put_keys uses, the chain as the
+    same synthetic tokens), and when it maps that namespace's DRAM arena the pages are
+    reserved, written and committed in the mapping (reserve/commit/abort) and read where they
+    lie (load_views), so that the connector copies each layer once each way. Its other calls
+    (save, load) then take the token forms on that client, which name exactly the pages the
+    keyed calls name. Not mapped (TCP, refused), the client is the keyed one, as before.
+
     Every method raises kvtier.Error on failure; a transport failure closes the client and the
-    next call reconnects (no sooner than ``retry_ms`` after the failure).
+    next call reconnects (no sooner than ``retry_ms`` after the failure). While views into the
+    mapping are out (a reservation or a leased load not given back: ``_holds``) the close waits
+    for the last of them: closing unmaps, and the worker may still be writing a view.
     """
 
     def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int) -> None:
@@ -113,12 +126,17 @@ class _PageStore:
             raise ValueError("kvtier.vllm: api %r: 'keys' (needs the package's keyed calls) or "
                              "'tokens'" % api)
         self.keyed = api == "keys"
+        self.mapped = False  # the worker's client maps the keyed namespace's arena
+        self._holds = 0  # reservations and leased views handed out and not given back
+        self._doomed = False  # failed while views were out: closed when the last comes back
         self._client: Optional[Client] = None
         self._down_until = 0.0
         self._lock = threading.Lock()
 
     def _c(self) -> Client:
         c = self._client
+        if self._doomed:
+            raise error_for(ECLOSED, "the connection failed; closed once its views come back")
         if c is not None and not c.closed:
             return c
         if time.monotonic() < self._down_until:
@@ -128,9 +146,19 @@ class _PageStore:
             tcp=self._conf.get("tcp"), secret=self._conf.get("secret"), salt=self._salt,
             timeout_ms=int(self._conf.get("timeout_ms", 5000)))
         try:
+            self.mapped = False
             if self.keyed and not self.block_bytes:
                 # The scheduler: token calls on the keyed namespace itself (index only).
                 c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+            elif self.keyed and (kw["unix_path"] or not kw["tcp"]) and \
+                    self._conf.get("zero_copy", True):
+                # The worker, local: the keyed namespace's token client, which maps its arena.
+                c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+                self.mapped = c.zero_copy
+                if not self.mapped:  # refused: the keyed calls, as over TCP
+                    log.info("kvtier: no zero-copy mapping (%s); staging", c.zero_copy_reason)
+                    c.close()
+                    c = Client(self._model, **kw)
             elif self.keyed:
                 c = Client(self._model, **kw)  # keyed calls open the keyed namespace
             else:
@@ -146,8 +174,11 @@ class _PageStore:
         if c is None:
             return
         if not c.closed and (e.code in _TRANSPORT or e.code > -30800):  # > -30800: -errno
-            c.close()
-        if c.closed:  # a transport failure: reconnect later
+            if self._holds:
+                self._doomed = True  # closing would unmap views still in use: at _unhold
+            else:
+                c.close()
+        if c.closed or self._doomed:  # a transport failure: reconnect later
             self._client = None
             self._down_until = time.monotonic() + int(self._conf.get("retry_ms", 1000)) / 1000
 
@@ -190,7 +221,7 @@ class _PageStore:
         with self._lock:
             try:
                 c = self._c()
-                if self.keyed:
+                if self.keyed and not self.mapped:
                     return int(c.get_keys_into(keys, buf, first))
                 m = c.match(self.tokens(keys), lease=True)
                 try:
@@ -216,7 +247,7 @@ class _PageStore:
                 c = self._c()
                 for a in range(first, len(keys), step):
                     b = min(a + step, len(keys))
-                    if self.keyed:
+                    if self.keyed and not self.mapped:
                         r = c.put_keys(keys[:b], buf[a - first:b - first], a)
                     else:
                         r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a)
@@ -225,6 +256,106 @@ class _PageStore:
                 self._failed(e)
                 raise
         return stored
+
+    # -- the zero-copy path (mapped): views into the arena ----------------------------------
+
+    def _unhold(self) -> None:
+        self._holds -= 1
+        if self._holds == 0 and self._doomed:
+            self._doomed = False
+            if self._client is not None:
+                self._client.close()  # unmaps: no view of it is in use any more
+                self._client = None
+
+    def reserve(self, keys: Sequence[bytes], first: int
+                ) -> Optional[Tuple[Reservation, Optional[bytes]]]:
+        """Reserves room in the mapping for pages [first, len(keys)) of the chain. Returns None
+        when this client does not map (the staging path), else (the Reservation, and when some
+        pages got no view, the tier of every page of the chain: a page with bytes is held
+        already). A Reservation with views is out until commit() or abort()."""
+        with self._lock:
+            try:
+                c = self._c()
+                if not self.mapped:
+                    return None
+                toks = self.tokens(keys)
+                r = c.reserve(toks, len(keys) - first, first_page=first)
+                if r.id:
+                    self._holds += 1
+                held = None
+                if r.nreserved < len(keys) - first:
+                    held = c.match(toks, probe=True).tiers
+                return r, held
+            except Error as e:
+                self._failed(e)
+                raise
+
+    def commit(self, r: Reservation) -> int:
+        """Makes a reservation's pages visible. Returns the pages stored."""
+        with self._lock:
+            try:
+                return int(self._c().commit(r).stored)
+            except Error as e:
+                self._failed(e)
+                raise
+            finally:
+                if r.id:
+                    self._unhold()
+
+    def abort(self, r: Reservation) -> None:
+        """Gives a reservation's room back (nothing of it becomes visible)."""
+        with self._lock:
+            try:
+                self._c().abort(r)
+            except Error as e:  # the daemon gone: it gave the room back with the connection
+                self._failed(e)
+                raise
+            finally:
+                if r.id:
+                    self._unhold()
+
+    def load_views(self, keys: Sequence[bytes], first: int
+                   ) -> Optional[Tuple[int, List[Any]]]:
+        """MATCH with a lease and GET by location of pages [first, len(keys)), as far as they
+        are stored. Returns None when this client does not map (the staging path), else (the
+        lease, 0 when nothing came, and one item per page: a read-only memoryview into the
+        mapping, or bytes for a page that came through the socket). The items are valid until
+        release_views(lease)."""
+        with self._lock:
+            try:
+                c = self._c()
+                if not self.mapped:
+                    return None
+                m = c.match(self.tokens(keys), lease=True)
+                n = _stored(m.tiers) - first
+                if n <= 0 or not m.lease:
+                    if m.lease:
+                        c.release(m.lease)
+                    return 0, []
+                try:
+                    items = c.get_views(m.lease, first_page=first, npages=n)
+                except Error:
+                    if not c.closed:
+                        try:
+                            c.release(m.lease)
+                        except Error:
+                            pass
+                    raise
+                self._holds += 1
+                return m.lease, items
+            except Error as e:
+                self._failed(e)
+                raise
+
+    def release_views(self, lease: int) -> None:
+        """Releases the lease of load_views (its views must not be touched after)."""
+        with self._lock:
+            try:
+                self._c().release(lease)
+            except Error as e:  # the daemon gone: its leases went with the connection
+                self._failed(e)
+            finally:
+                self._unhold()
 
     def finished(self, keys: Sequence[bytes]) -> None:
         """The policy's hint that the request using this chain finished."""
@@ -337,6 +468,7 @@ class _Layout:
         self.shapes: List[Tuple[int, ...]] = []
         self.offsets: List[int] = []
         self.sizes: List[int] = []
+        self.dtypes: List[torch.dtype] = []
         off = 0
         for n in self.names:
             t = kv_caches[n]
@@ -349,6 +481,7 @@ class _Layout:
             shape = tuple(t.select(dim, 0).shape)
             size = t.select(dim, 0).numel() * t.element_size()
             self.dims.append(dim)
+            self.dtypes.append(t.dtype)
             self.shapes.append(shape)
             self.offsets.append(off)
             self.sizes.append(size)
@@ -379,23 +512,73 @@ class _Layout:
         for j, b in enumerate(blocks):
             kv.select(dim, b).copy_(src[j])
 
+    # The zero-copy path: a page is a view into kvtierd's mapping (or bytes that came through
+    # the socket), not a row of a staging tensor; each layer's slot of it is made once (on the
+    # I/O thread), so that the forward pays one select and one copy per block and layer.
+    def page_slots(self, page: torch.Tensor) -> List[torch.Tensor]:
+        """Each layer's slice of one page (a uint8 tensor of page_bytes), shaped as a block of
+        that layer's tensor."""
+        return [page[o:o + s].view(d).view(shape) for o, s, d, shape in
+                zip(self.offsets, self.sizes, self.dtypes, self.shapes)]
+
+    def gather_pages(self, slots: List[List[torch.Tensor]], layer: int, kv: torch.Tensor,
+                     blocks: List[int]) -> None:
+        """Copies this layer's slice of each block straight into its page's slot."""
+        dim = self.dims[layer]
+        for s, b in zip(slots, blocks):
+            s[layer].copy_(kv.select(dim, b))
+
+    def scatter_pages(self, slots: List[List[torch.Tensor]], layer: int, kv: torch.Tensor,
+                      blocks: List[int]) -> None:
+        """Copies this layer's slot of each page straight into its block of ``kv``."""
+        dim = self.dims[layer]
+        for s, b in zip(slots, blocks):
+            kv.select(dim, b).copy_(s[layer])
+
+
+def _page_tensor(buf: Any, writable: bool) -> torch.Tensor:
+    """A uint8 CPU tensor over a page's memory, no copy: a reservation's writable view, or
+    a read-only view into the mapping (or bytes) of a load, which torch.frombuffer would take
+    only with a warning about writes (the connector only reads those; the caller keeps ``buf``
+    alive as long as the tensor). copy_ between it and a CUDA tensor is a pageable copy."""
+    if writable:
+        return torch.frombuffer(buf, dtype=torch.uint8)
+    p = ffi.from_buffer(buf)
+    arr = (ctypes.c_ubyte * len(p)).from_address(int(ffi.cast("uintptr_t", p)))
+    return torch.frombuffer(arr, dtype=torch.uint8)
+
+
+@dataclass
+class _Views:
+    """What a load through the mapping got: the pages' slots (each layer's slice of each page,
+    in the mapping or in bytes that came through the socket), valid while ``lease`` holds."""
+
+    lease: int
+    slots: List[List[torch.Tensor]]
+    items: List[Any]  # the views and bytes the slots lie in, kept alive with them
+
 
 @dataclass
 class _Load:
     t: _Transfer
-    future: "Future[int]"
+    future: "Future[Any]"  # pages read (staging), or _Views (mapped)
     staging: torch.Tensor
     blocks: List[int]
     got: int = -1  # pages read, once the future is done
     layers_done: Set[int] = field(default_factory=set)
+    views: Optional[_Views] = None
 
 
 @dataclass
 class _Save:
     t: _Transfer
-    staging: torch.Tensor
-    blocks: List[int]
+    staging: torch.Tensor  # the pages saved through the socket, one row each
+    blocks: List[int]  # the block of each staging row
     layers_done: Set[int] = field(default_factory=set)
+    rows: Optional[List[int]] = None  # each staging row's page (from t.first); None: all
+    resv: Optional[Reservation] = None  # the mapped path: the pages reserved in the arena
+    slots: List[List[torch.Tensor]] = field(default_factory=list)  # of each reserved page
+    slot_blocks: List[int] = field(default_factory=list)  # the block of each reserved page
 
 
 # -- the connector ----------------------------------------------------------------------------
@@ -441,6 +624,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self._saves: Dict[str, _Save] = {}
         self._save_futures: List[Tuple[_Transfer, "Future[int]"]] = []
         self._load_errors: Set[int] = set()
+        # The zero-copy path: the step's reservations (made on the I/O thread from
+        # start_load_kv, taken by the first save_kv_layer), whether this step's saves are laid
+        # out, and the I/O the step still waits for (lease releases, aborts).
+        self._resv_future: Optional["Future[Dict[str, Any]]"] = None
+        self._saves_ready = False
+        self._io_futures: List[Tuple[str, "Future[Any]"]] = []
         # Loads between steps (load_async): their own connection and thread, so that a step's
         # saves never queue behind them; reported by get_finished once done.
         self._async_store: Optional[_PageStore] = None
@@ -604,8 +793,10 @@ class KvtierConnector(KVConnectorBase_V1):
             self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Starts reading this step's pages (whole pages, all layers) from kvtierd into staging
-        buffers; wait_for_layer_load scatters each layer."""
+        """Starts reading this step's pages (whole pages, all layers) from kvtierd: with the
+        zero-copy mapping, a MATCH with a lease and a GET by location (the pages stay where
+        they lie in the mapping); else into staging buffers. wait_for_layer_load scatters each
+        layer. Then, mapped, starts reserving room in the mapping for this step's saves."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
@@ -614,15 +805,86 @@ class KvtierConnector(KVConnectorBase_V1):
         for t in meta.loads:
             if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
                 self._async_loads[t.req_id] = self._async_pool.submit(self._load_between, t)
-        arena = self._arena(0, sum(len(t.keys) - t.first for t in sync))
+        assert self._pool is not None and self._store is not None
+        # Mapped, no staging: the load job makes one only if the mapping went meanwhile.
+        arena = None if self._store.mapped else \
+            self._arena(0, sum(len(t.keys) - t.first for t in sync))
         at = 0
         for t in sync:
             n = len(t.keys) - t.first
-            staging = arena[at:at + n]
+            ld = _Load(t, None, None if arena is None else arena[at:at + n],  # type: ignore
+                       list(t.block_ids))
             at += n
-            assert self._pool is not None and self._store is not None
-            fut = self._pool.submit(self._store.load, t.keys, t.first, staging)
-            self._loads.append(_Load(t, fut, staging, list(t.block_ids)))
+            ld.future = self._pool.submit(self._load_job, ld)
+            self._loads.append(ld)
+        if meta.saves and self._resv_future is None and self._zero_copy():
+            self._resv_future = self._pool.submit(self._reserve_job, list(meta.saves))
+
+    def _zero_copy(self) -> bool:
+        """Whether to try the mapped path (not known before the first connection)."""
+        st = self._store
+        return st is not None and st.keyed and bool(self._extra.get("zero_copy", True)) and \
+            (st.mapped or st._client is None)
+
+    def _load_job(self, ld: _Load) -> Any:
+        """A step's load, on the I/O thread: the pages' views (mapped: _Views), or the pages
+        read into staging (their count)."""
+        assert self._store is not None and self._layout is not None
+        t = ld.t
+        got = self._store.load_views(t.keys, t.first)
+        if got is None:  # not mapped
+            if ld.staging is None:
+                ld.staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
+                                         dtype=torch.uint8)
+            return self._store.load(t.keys, t.first, ld.staging)
+        lease, items = got
+        try:
+            slots = [self._layout.page_slots(_page_tensor(x, False)) for x in items]
+        except Exception:
+            if lease:
+                self._store.release_views(lease)
+            raise
+        return _Views(lease, slots, items)
+
+    def _reserve_job(self, saves: List[_Transfer]) -> Dict[str, Any]:
+        """Reserves room in the mapping for this step's saves, on the I/O thread. Returns, per
+        request, (Reservation, slots of the reserved pages, their pages, the pages to stage):
+        a page without room is staged and PUT through the socket; one held already, or reserved
+        by an earlier request of this step (a shared prefix), is left alone. A request missing
+        from the answer is staged whole (no mapping, or its reservation failed)."""
+        assert self._store is not None and self._layout is not None
+        out: Dict[str, Any] = {}
+        mine: Set[bytes] = set()
+        for t in saves:
+            try:
+                got = self._store.reserve(t.keys, t.first)
+            except Exception as e:  # noqa: BLE001 - staged instead
+                log.info("kvtier: no reservation for %s, staging it: %s", t.req_id, e)
+                continue
+            if got is None:
+                return out
+            r, held = got
+            try:
+                slots, sidx, rows = [], [], []
+                for j, v in enumerate(r.views):
+                    p = t.first + j
+                    if v is not None:
+                        slots.append(self._layout.page_slots(_page_tensor(v, True)))
+                        sidx.append(j)
+                        mine.add(t.keys[p])
+                    elif t.keys[p] in mine or (held is not None and p < len(held) and held[p]):
+                        pass
+                    else:
+                        rows.append(j)
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvtier: reservation for %s unusable, staging it: %s", t.req_id, e)
+                try:
+                    self._store.abort(r)
+                except Exception:  # noqa: BLE001
+                    pass
+                continue
+            out[t.req_id] = (r, slots, sidx, rows)
+        return out
 
     def _load_between(self, t: _Transfer) -> int:
         """An asynchronous load, on its own thread: whole pages into a staging buffer of its
@@ -658,7 +920,12 @@ class KvtierConnector(KVConnectorBase_V1):
         if ld.got >= 0:
             return
         try:
-            ld.got = int(ld.future.result())
+            r = ld.future.result()
+            if isinstance(r, _Views):
+                ld.views = r
+                ld.got = len(r.slots)
+            else:
+                ld.got = int(r)
         except Exception as e:  # noqa: BLE001
             log.warning("kvtier: load of %s failed, recomputing: %s", ld.t.req_id, e)
             ld.got = 0
@@ -675,57 +942,170 @@ class KvtierConnector(KVConnectorBase_V1):
         for ld in self._loads:
             self._resolve(ld)
             if ld.got > 0 and li not in ld.layers_done:
-                self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
-                                     ld.blocks[:ld.got])
+                if ld.views is not None:  # straight from the mapping
+                    self._layout.scatter_pages(ld.views.slots, li, self._kv[layer_name],
+                                               ld.blocks[:ld.got])
+                else:
+                    self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
+                                         ld.blocks[:ld.got])
             ld.layers_done.add(li)
+            if ld.views is not None and len(ld.layers_done) == len(self._layout.names):
+                self._give_back(ld)
+
+    def _give_back(self, ld: _Load) -> None:
+        """The load's pages all scattered: its lease released (on the I/O thread; the step's
+        wait_for_save waits for it). Its views are not touched after this."""
+        v, ld.views = ld.views, None
+        if v is not None and v.lease:
+            v.slots.clear()
+            assert self._pool is not None and self._store is not None
+            self._io_futures.append((ld.t.req_id, self._pool.submit(self._store.release_views,
+                                                                     v.lease)))
 
     def _finish_loads(self) -> None:
-        for name in self._layout.names if self._layout else ():
-            self.wait_for_layer_load(name)
-        self._loads.clear()
+        try:
+            for name in self._layout.names if self._layout else ():
+                self.wait_for_layer_load(name)
+        finally:
+            for ld in self._loads:  # a scatter that raised: the lease given back all the same
+                self._give_back(ld)
+            self._loads.clear()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Stages this layer of each page saved this step; a page's last layer staged, its
-        store to kvtierd starts."""
+        """Copies this layer of each page saved this step straight into the room reserved for
+        it in kvtierd's mapping (the zero-copy path), or into a staging buffer (no mapping, or
+        a page the reservation gave no room); a request's last layer in, its pages are
+        committed (and the staged ones PUT) on the I/O thread."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
         li = self._layout.index.get(layer_name)
         if li is None:
             return
-        if meta.saves and not self._saves and not self._save_futures:
-            # The step's first layer: the staging of every page saved this step.
-            arena = self._arena(1, sum(len(t.keys) - t.first for t in meta.saves))
-            at = 0
-            for t in meta.saves:
-                n = len(t.keys) - t.first
-                self._saves[t.req_id] = _Save(t, arena[at:at + n], list(t.block_ids))
-                at += n
+        if meta.saves and not self._saves_ready:
+            self._lay_out_saves(meta.saves)
         for t in meta.saves:
             sv = self._saves.get(t.req_id)
             if sv is None:  # stored already this step
                 continue
             if li in sv.layers_done:
                 continue
-            self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
+            if sv.slots:
+                self._layout.gather_pages(sv.slots, li, kv_layer, sv.slot_blocks)
+            if sv.blocks:
+                self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
             sv.layers_done.add(li)
             if len(sv.layers_done) == len(self._layout.names):
-                assert self._pool is not None and self._store is not None
-                self._save_futures.append(
-                    (t, self._pool.submit(self._store.save, t.keys, t.first, sv.staging)))
+                assert self._pool is not None
+                self._save_futures.append((t, self._pool.submit(self._store_save, sv)))
                 del self._saves[t.req_id]
 
+    def _lay_out_saves(self, saves: List[_Transfer]) -> None:
+        """The step's first layer: where each page saved this step goes (its reserved room,
+        else a row of the staging buffer)."""
+        self._saves_ready = True
+        resv: Dict[str, Any] = {}
+        if self._resv_future is None and self._zero_copy():  # start_load_kv did not run
+            assert self._pool is not None
+            self._resv_future = self._pool.submit(self._reserve_job, list(saves))
+        if self._resv_future is not None:
+            try:
+                resv = self._resv_future.result()
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvtier: reservations failed, staging the step's saves: %s", e)
+            self._resv_future = None
+        plan = []
+        for t in saves:
+            x = resv.get(t.req_id)
+            if x is None:
+                plan.append((t, None, [], [], list(range(len(t.keys) - t.first)), False))
+            else:
+                plan.append((t, *x, True))
+        rows = sum(len(p[4]) for p in plan)
+        arena = self._arena(1, rows) if rows else None
+        at = 0
+        for t, r, slots, sidx, prow, mapped in plan:
+            n = len(prow)
+            staging = arena[at:at + n] if arena is not None else None
+            at += n
+            self._saves[t.req_id] = _Save(
+                t, staging, [t.block_ids[j] for j in prow],  # type: ignore[arg-type]
+                rows=prow if mapped else None, resv=r if r is not None and r.id else None,
+                slots=slots, slot_blocks=[t.block_ids[j] for j in sidx])
+
+    def _store_save(self, sv: _Save) -> int:
+        """A request's pages all in, on the I/O thread: commits its reservation and PUTs its
+        staged pages (runs of consecutive pages). Returns the pages stored."""
+        assert self._store is not None
+        t, stored, err = sv.t, 0, None
+        sv.slots = []
+        if sv.resv is not None:
+            try:
+                stored += self._store.commit(sv.resv)
+            except Exception as e:  # noqa: BLE001 - the staged pages may still go
+                err = e
+        if sv.rows is None:
+            stored += self._store.save(t.keys, t.first, sv.staging)
+        else:
+            i = 0
+            while i < len(sv.rows):
+                k = i + 1
+                while k < len(sv.rows) and sv.rows[k] == sv.rows[k - 1] + 1:
+                    k += 1
+                a, b = t.first + sv.rows[i], t.first + sv.rows[k - 1] + 1
+                stored += self._store.save(t.keys[:b], a, sv.staging[i:k])
+                i = k
+        if err is not None:
+            raise err
+        return stored
+
+    def _abort(self, r: Reservation) -> None:
+        assert self._store is not None
+        try:
+            self._store.abort(r)
+        except Exception as e:  # noqa: BLE001 - expires in the daemon's reserve-ms, or gone
+            log.info("kvtier: abort of reservation %d: %s", r.id, e)
+
     def wait_for_save(self) -> None:
-        """Waits for this step's stores (a failed one is logged: a later miss, no error)."""
-        self._finish_loads()
-        self._saves.clear()  # pages whose layers did not all come (another pipeline stage)
+        """Waits for this step's stores (a failed one is logged: a later miss, no error).
+        Reservations of pages whose layers did not all come (another pipeline stage) are
+        aborted: nothing of them becomes visible."""
+        try:
+            self._finish_loads()
+        finally:
+            self._abort_incomplete()
         for t, fut in self._save_futures:
             try:
                 fut.result()
             except Exception as e:  # noqa: BLE001
                 log.warning("kvtier: save of %s failed: %s", t.req_id, e)
         self._save_futures.clear()
+        for rid, fut in self._io_futures:
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001
+                log.info("kvtier: %s: %s", rid, e)
+        self._io_futures.clear()
+
+    def _abort_incomplete(self) -> None:
+        resv: List[Reservation] = []
+        if self._resv_future is not None:  # reserved, and no layer of this step saved here
+            try:
+                resv = [x[0] for x in self._resv_future.result().values()]
+            except Exception:  # noqa: BLE001 - nothing reserved
+                pass
+            self._resv_future = None
+        for sv in self._saves.values():
+            sv.slots = []
+            if sv.resv is not None:
+                resv.append(sv.resv)
+        self._saves.clear()
+        self._saves_ready = False
+        for r in resv:
+            if r.id:
+                assert self._pool is not None
+                self._io_futures.append(("abort", self._pool.submit(self._abort, r)))
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
