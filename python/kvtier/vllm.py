@@ -513,39 +513,79 @@ class _Layout:
             kv.select(dim, b).copy_(src[j])
 
     # The zero-copy path: a page is a view into kvtierd's mapping (or bytes that came through
-    # the socket), not a row of a staging tensor; each layer's slot of it is made once (on the
-    # I/O thread), so that the forward pays one select and one copy per block and layer.
-    def page_slots(self, page: torch.Tensor) -> List[torch.Tensor]:
-        """Each layer's slice of one page (a uint8 tensor of page_bytes), shaped as a block of
-        that layer's tensor."""
-        return [page[o:o + s].view(d).view(shape) for o, s, d, shape in
-                zip(self.offsets, self.sizes, self.dtypes, self.shapes)]
+    # the socket), not a row of a staging tensor. Pages whose blocks are consecutive and whose
+    # places in the mapping are equally spaced (a reservation's room and a GET's pages often
+    # are) form a run, one strided tensor over the mapping: a layer of a run is then one copy
+    # instead of one per block (a copy_ of one block's 64 KiB layer costs about as much in call
+    # overhead as in bytes moved). The tensors are made once, on the I/O thread.
+    def runs(self, items: List[Any], blocks: List[int]) -> List[_Run]:
+        """``items[j]`` (a memoryview into the mapping, or bytes) holds the page of block
+        ``blocks[j]``: returns them as runs, each with every layer's slot of its pages."""
+        out: List[_Run] = []
+        es = self.dtypes[0].itemsize if self.dtypes else 1
+        uniform = len(set(self.dtypes)) == 1 and len(set(self.shapes)) == 1 and \
+            all(o == i * self.sizes[0] for i, o in enumerate(self.offsets))
+        addrs = [_addr(x) for x in items]
+        j = 0
+        while j < len(items):
+            k, d = j + 1, self.page_bytes
+            if uniform and isinstance(items[j], memoryview):
+                while k < len(items) and isinstance(items[k], memoryview) and \
+                        blocks[k] == blocks[k - 1] + 1:
+                    step = addrs[k] - addrs[k - 1]
+                    if (k > j + 1 and step != d) or step < self.page_bytes or step % es:
+                        break
+                    d = step
+                    k += 1
+            out.append(_Run(blocks[j], k - j, self._run_slots(addrs[j], k - j, d, uniform)))
+            j = k
+        return out
 
-    def gather_pages(self, slots: List[List[torch.Tensor]], layer: int, kv: torch.Tensor,
-                     blocks: List[int]) -> None:
-        """Copies this layer's slice of each block straight into its page's slot."""
+    def _run_slots(self, addr: int, n: int, stride: int, uniform: bool) -> List[torch.Tensor]:
+        span = (n - 1) * stride + self.page_bytes
+        mem = (ctypes.c_ubyte * span).from_address(addr)
+        if not uniform:  # one page (n 1): each layer's slice by its own offset, dtype, shape
+            page = torch.frombuffer(mem, dtype=torch.uint8)
+            return [page[o:o + sz].view(d).view(1, *shape) for o, sz, d, shape in
+                    zip(self.offsets, self.sizes, self.dtypes, self.shapes)]
+        d, shape = self.dtypes[0], self.shapes[0]
+        es = d.itemsize
+        inner = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        t = torch.frombuffer(mem, dtype=d).as_strided(
+            (n, len(self.names), *shape), (stride // es, self.sizes[0] // es, *inner))
+        return list(t.unbind(1))
+
+    def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
+        """Copies this layer of each run's blocks straight into its pages' slots."""
         dim = self.dims[layer]
-        for s, b in zip(slots, blocks):
-            s[layer].copy_(kv.select(dim, b))
+        for r in runs:
+            r.slots[layer].copy_(kv.narrow(dim, r.block, r.n).movedim(dim, 0))
 
-    def scatter_pages(self, slots: List[List[torch.Tensor]], layer: int, kv: torch.Tensor,
-                      blocks: List[int]) -> None:
-        """Copies this layer's slot of each page straight into its block of ``kv``."""
+    def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
+        """Copies this layer of each run's pages straight into its blocks of ``kv``."""
         dim = self.dims[layer]
-        for s, b in zip(slots, blocks):
-            kv.select(dim, b).copy_(s[layer])
+        for r in runs:
+            kv.narrow(dim, r.block, r.n).movedim(dim, 0).copy_(r.slots[layer])
 
 
-def _page_tensor(buf: Any, writable: bool) -> torch.Tensor:
-    """A uint8 CPU tensor over a page's memory, no copy: a reservation's writable view, or
-    a read-only view into the mapping (or bytes) of a load, which torch.frombuffer would take
-    only with a warning about writes (the connector only reads those; the caller keeps ``buf``
-    alive as long as the tensor). copy_ between it and a CUDA tensor is a pageable copy."""
-    if writable:
-        return torch.frombuffer(buf, dtype=torch.uint8)
-    p = ffi.from_buffer(buf)
-    arr = (ctypes.c_ubyte * len(p)).from_address(int(ffi.cast("uintptr_t", p)))
-    return torch.frombuffer(arr, dtype=torch.uint8)
+def _addr(buf: Any) -> int:
+    """Where a buffer's bytes lie (the caller keeps it alive while they are used). A tensor
+    made over them through ctypes (_run_slots) borrows no buffer export, so that commit() can
+    release a reservation's views, and a read-only view of a load is taken without
+    torch.frombuffer's warning about writes (the connector only reads those). copy_ between
+    such a CPU tensor and a CUDA tensor is a pageable copy."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
+
+
+@dataclass
+class _Run:
+    """Pages of consecutive blocks from ``block`` on, equally spaced in memory."""
+
+    block: int
+    n: int
+    slots: List[torch.Tensor]  # each layer's slice of the pages: (n, *that layer's block shape)
 
 
 @dataclass
@@ -554,8 +594,9 @@ class _Views:
     in the mapping or in bytes that came through the socket), valid while ``lease`` holds."""
 
     lease: int
-    slots: List[List[torch.Tensor]]
-    items: List[Any]  # the views and bytes the slots lie in, kept alive with them
+    pages: int
+    runs: List[_Run]
+    items: List[Any]  # the views and bytes the runs lie in, kept alive with them
 
 
 @dataclass
@@ -577,8 +618,7 @@ class _Save:
     layers_done: Set[int] = field(default_factory=set)
     rows: Optional[List[int]] = None  # each staging row's page (from t.first); None: all
     resv: Optional[Reservation] = None  # the mapped path: the pages reserved in the arena
-    slots: List[List[torch.Tensor]] = field(default_factory=list)  # of each reserved page
-    slot_blocks: List[int] = field(default_factory=list)  # the block of each reserved page
+    runs: List[_Run] = field(default_factory=list)  # the reserved pages, in the mapping
 
 
 # -- the connector ----------------------------------------------------------------------------
@@ -806,8 +846,8 @@ class KvtierConnector(KVConnectorBase_V1):
             if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
                 self._async_loads[t.req_id] = self._async_pool.submit(self._load_between, t)
         assert self._pool is not None and self._store is not None
-        # Mapped, no staging: the load job makes one only if the mapping went meanwhile.
-        arena = None if self._store.mapped else \
+        # Mapped (or not known yet), no staging: the load job makes one if it finds no mapping.
+        arena = None if self._zero_copy() else \
             self._arena(0, sum(len(t.keys) - t.first for t in sync))
         at = 0
         for t in sync:
@@ -839,16 +879,16 @@ class KvtierConnector(KVConnectorBase_V1):
             return self._store.load(t.keys, t.first, ld.staging)
         lease, items = got
         try:
-            slots = [self._layout.page_slots(_page_tensor(x, False)) for x in items]
+            runs = self._layout.runs(items, ld.blocks[:len(items)])
         except Exception:
             if lease:
                 self._store.release_views(lease)
             raise
-        return _Views(lease, slots, items)
+        return _Views(lease, len(items), runs, items)
 
     def _reserve_job(self, saves: List[_Transfer]) -> Dict[str, Any]:
         """Reserves room in the mapping for this step's saves, on the I/O thread. Returns, per
-        request, (Reservation, slots of the reserved pages, their pages, the pages to stage):
+        request, (Reservation, runs of the reserved pages, the pages to stage):
         a page without room is staged and PUT through the socket; one held already, or reserved
         by an earlier request of this step (a shared prefix), is left alone. A request missing
         from the answer is staged whole (no mapping, or its reservation failed)."""
@@ -865,17 +905,18 @@ class KvtierConnector(KVConnectorBase_V1):
                 return out
             r, held = got
             try:
-                slots, sidx, rows = [], [], []
+                views, vblocks, rows = [], [], []
                 for j, v in enumerate(r.views):
                     p = t.first + j
                     if v is not None:
-                        slots.append(self._layout.page_slots(_page_tensor(v, True)))
-                        sidx.append(j)
+                        views.append(v)
+                        vblocks.append(t.block_ids[j])
                         mine.add(t.keys[p])
                     elif t.keys[p] in mine or (held is not None and p < len(held) and held[p]):
                         pass
                     else:
                         rows.append(j)
+                runs = self._layout.runs(views, vblocks)
             except Exception as e:  # noqa: BLE001
                 log.warning("kvtier: reservation for %s unusable, staging it: %s", t.req_id, e)
                 try:
@@ -883,7 +924,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 except Exception:  # noqa: BLE001
                     pass
                 continue
-            out[t.req_id] = (r, slots, sidx, rows)
+            out[t.req_id] = (r, runs, rows)
         return out
 
     def _load_between(self, t: _Transfer) -> int:
@@ -923,7 +964,7 @@ class KvtierConnector(KVConnectorBase_V1):
             r = ld.future.result()
             if isinstance(r, _Views):
                 ld.views = r
-                ld.got = len(r.slots)
+                ld.got = r.pages
             else:
                 ld.got = int(r)
         except Exception as e:  # noqa: BLE001
@@ -943,8 +984,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._resolve(ld)
             if ld.got > 0 and li not in ld.layers_done:
                 if ld.views is not None:  # straight from the mapping
-                    self._layout.scatter_pages(ld.views.slots, li, self._kv[layer_name],
-                                               ld.blocks[:ld.got])
+                    self._layout.scatter_runs(ld.views.runs, li, self._kv[layer_name])
                 else:
                     self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
                                          ld.blocks[:ld.got])
@@ -957,7 +997,7 @@ class KvtierConnector(KVConnectorBase_V1):
         wait_for_save waits for it). Its views are not touched after this."""
         v, ld.views = ld.views, None
         if v is not None and v.lease:
-            v.slots.clear()
+            v.runs.clear()
             assert self._pool is not None and self._store is not None
             self._io_futures.append((ld.t.req_id, self._pool.submit(self._store.release_views,
                                                                      v.lease)))
@@ -991,8 +1031,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 continue
             if li in sv.layers_done:
                 continue
-            if sv.slots:
-                self._layout.gather_pages(sv.slots, li, kv_layer, sv.slot_blocks)
+            if sv.runs:
+                self._layout.gather_runs(sv.runs, li, kv_layer)
             if sv.blocks:
                 self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
             sv.layers_done.add(li)
@@ -1019,27 +1059,27 @@ class KvtierConnector(KVConnectorBase_V1):
         for t in saves:
             x = resv.get(t.req_id)
             if x is None:
-                plan.append((t, None, [], [], list(range(len(t.keys) - t.first)), False))
+                plan.append((t, None, [], list(range(len(t.keys) - t.first)), False))
             else:
                 plan.append((t, *x, True))
-        rows = sum(len(p[4]) for p in plan)
+        rows = sum(len(p[3]) for p in plan)
         arena = self._arena(1, rows) if rows else None
         at = 0
-        for t, r, slots, sidx, prow, mapped in plan:
+        for t, r, runs, prow, mapped in plan:
             n = len(prow)
             staging = arena[at:at + n] if arena is not None else None
             at += n
             self._saves[t.req_id] = _Save(
                 t, staging, [t.block_ids[j] for j in prow],  # type: ignore[arg-type]
                 rows=prow if mapped else None, resv=r if r is not None and r.id else None,
-                slots=slots, slot_blocks=[t.block_ids[j] for j in sidx])
+                runs=runs)
 
     def _store_save(self, sv: _Save) -> int:
         """A request's pages all in, on the I/O thread: commits its reservation and PUTs its
         staged pages (runs of consecutive pages). Returns the pages stored."""
         assert self._store is not None
         t, stored, err = sv.t, 0, None
-        sv.slots = []
+        sv.runs = []  # the views are not touched after the commit
         if sv.resv is not None:
             try:
                 stored += self._store.commit(sv.resv)
@@ -1097,7 +1137,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 pass
             self._resv_future = None
         for sv in self._saves.values():
-            sv.slots = []
+            sv.runs = []
             if sv.resv is not None:
                 resv.append(sv.resv)
         self._saves.clear()
