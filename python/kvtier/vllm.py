@@ -19,9 +19,13 @@ The namespace is (model + KV dtype, tensor-parallel and pipeline rank): each ran
 shard of a page under the same chain; the scheduler asks rank 0's namespace.
 
 A page's bytes are every layer (K and V) of one block of this rank, layer after layer: the worker
-stages each layer as vLLM saves it and stores the page when its last layer is staged; a load
-reads whole pages and scatters them layer by layer into vLLM's paged tensors. docs/engines.md
-says why (measured) rather than one PUT per layer.
+writes each layer as vLLM saves it and stores the page when its last layer is in; a load reads
+whole pages and scatters them layer by layer into vLLM's paged tensors. docs/engines.md says why
+(measured) rather than one PUT per layer. On the daemon's Unix socket the worker maps its
+namespace's DRAM arena (zero-copy): each layer is copied once, straight into room reserved in
+the mapping (committed when the request's last layer is in) and, on load, straight from the
+pages where they lie in the mapping into vLLM's blocks. Without the mapping (TCP, refused) each
+layer goes through a staging buffer and the socket.
 
 Failures never reach the engine: a daemon that is down makes the scheduler see 0 hits; a load
 that fails or comes back short (daemon killed, page evicted) reports its blocks through
@@ -128,14 +132,16 @@ class _PageStore:
         self.keyed = api == "keys"
         self.mapped = False  # the worker's client maps the keyed namespace's arena
         self._holds = 0  # reservations and leased views handed out and not given back
-        self._doomed = False  # failed while views were out: closed when the last comes back
+        # The client that failed while views were out: closed (unmapped) when the last comes
+        # back, and referenced until then (dropping it would close it, under the worker).
+        self._doomed: Optional[Client] = None
         self._client: Optional[Client] = None
         self._down_until = 0.0
         self._lock = threading.Lock()
 
     def _c(self) -> Client:
         c = self._client
-        if self._doomed:
+        if self._doomed is not None:
             raise error_for(ECLOSED, "the connection failed; closed once its views come back")
         if c is not None and not c.closed:
             return c
@@ -175,10 +181,10 @@ class _PageStore:
             return
         if not c.closed and (e.code in _TRANSPORT or e.code > -30800):  # > -30800: -errno
             if self._holds:
-                self._doomed = True  # closing would unmap views still in use: at _unhold
+                self._doomed = c  # closing would unmap views still in use: at _unhold
             else:
                 c.close()
-        if c.closed or self._doomed:  # a transport failure: reconnect later
+        if c.closed or self._doomed is not None:  # a transport failure: reconnect later
             self._client = None
             self._down_until = time.monotonic() + int(self._conf.get("retry_ms", 1000)) / 1000
 
@@ -261,11 +267,9 @@ class _PageStore:
 
     def _unhold(self) -> None:
         self._holds -= 1
-        if self._holds == 0 and self._doomed:
-            self._doomed = False
-            if self._client is not None:
-                self._client.close()  # unmaps: no view of it is in use any more
-                self._client = None
+        if self._holds == 0 and self._doomed is not None:
+            self._doomed.close()  # unmaps: no view of it is in use any more
+            self._doomed = None
 
     def reserve(self, keys: Sequence[bytes], first: int
                 ) -> Optional[Tuple[Reservation, Optional[bytes]]]:
@@ -282,13 +286,16 @@ class _PageStore:
                 r = c.reserve(toks, len(keys) - first, first_page=first)
                 if r.id:
                     self._holds += 1
-                held = None
-                if r.nreserved < len(keys) - first:
-                    held = c.match(toks, probe=True).tiers
-                return r, held
             except Error as e:
                 self._failed(e)
                 raise
+            held = None
+            if r.nreserved < len(keys) - first:
+                try:  # which of the pages without room are held already
+                    held = c.match(toks, probe=True).tiers
+                except Error as e:  # none known held: stage them all (the commit will say)
+                    self._failed(e)
+            return r, held
 
     def commit(self, r: Reservation) -> int:
         """Makes a reservation's pages visible. Returns the pages stored."""
@@ -370,9 +377,10 @@ class _PageStore:
 
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            for c in (self._client, self._doomed):
+                if c is not None:
+                    c.close()
+            self._client = self._doomed = None
 
 
 # -- identity ---------------------------------------------------------------------------------
@@ -633,8 +641,10 @@ class KvtierConnector(KVConnectorBase_V1):
     the daemon for this long, default 1000), ``lease_ms`` (the scheduler's lease, 0: the
     daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks, default: vLLM's),
     ``put_bytes`` (payload bytes per PUT, default 16 MiB), ``load_async`` (load between steps,
-    reported by get_finished, instead of inside the step; default False), ``api`` ("keys" or
-    "tokens": how chains reach the daemon, see _PageStore).
+    reported by get_finished, instead of inside the step; default False; such a load goes
+    through a staging buffer even when mapped), ``api`` ("keys" or "tokens": how chains reach
+    the daemon, see _PageStore), ``zero_copy`` (default True: on the Unix socket, map the
+    arena and copy each layer once each way; False: the staging path).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,

@@ -646,7 +646,8 @@ def test_zero_copy_daemon_killed_between_reserve_and_commit(vd: Daemon, caplog: 
     assert any("save of %s failed" % r.request_id in m for m in caplog.messages), caplog.messages
     assert w.get_block_ids_with_load_errors() == set()
     w.clear_connector_metadata()
-    assert w._store._holds == 0 and w._store._client is None, "closed once the views came back"
+    assert w._store._holds == 0 and w._store._client is None and w._store._doomed is None, \
+        "closed once the views came back"
     a.sched.request_finished(r, [])
     r2 = request(toks)
     assert a.sched.get_num_new_matched_tokens(r2, 0) == (0, False)
@@ -656,6 +657,29 @@ def test_zero_copy_daemon_killed_between_reserve_and_commit(vd: Daemon, caplog: 
     a.sched.request_finished(r2, [])
     a.close()
 
+
+
+def test_zero_copy_connection_kept_while_views_are_out(vd: Daemon) -> None:
+    """A transport failure while another reservation's views are still being written does not
+    close the connection (closing unmaps them under the worker): the views stay writable, the
+    connection is closed when the last one is given back."""
+    a = Engine(vd, seed=17)
+    st = a.worker._store
+    root = kv.chain_root("tiny-test")
+    k1 = kv.key_chain(request(prompt(2)), BS, root, [], 2)
+    k2 = kv.key_chain(request(prompt(2)), BS, root, [], 2)
+    r1, _ = st.reserve(k1, 0)
+    r2, _ = st.reserve(k2, 0)
+    assert st.mapped and st._holds == 2 and r1.nreserved == r2.nreserved == 2
+    vd.stop(signal.SIGKILL)
+    with pytest.raises(Exception):
+        st.commit(r1)
+    assert st._doomed is not None and st._holds == 1, "kept: r2's views are out"
+    torch.frombuffer(r2.views[1], dtype=torch.uint8).fill_(7)  # still mapped
+    with pytest.raises(Exception):
+        st.abort(r2)
+    assert st._doomed is None and st._holds == 0
+    a.close()
 
 # -- end to end: a small attention model whose KV goes through the connector ------------------
 
