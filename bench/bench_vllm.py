@@ -15,8 +15,9 @@ A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads
   behind the connector's choice to aggregate a page's layers (docs/engines.md).
 
 Each figure is the median of --passes passes after two warm-up passes: a fresh daemon faults its
-DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after), so from
-the third pass on its memory is warm. One JSON object per line (warm-up passes included, as
+DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after, the
+connector's pages included), so from the third pass on its memory is warm. On the Unix socket
+the connector's worker takes the zero-copy path (docs/engines.md). One JSON object per line (warm-up passes included, as
 pass -1 and 0), then the summary lines with the ratios.
 
   bench_vllm.py --build-root BUILD [--passes R]

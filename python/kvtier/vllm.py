@@ -565,17 +565,37 @@ class _Layout:
             (n, len(self.names), *shape), (stride // es, self.sizes[0] // es, *inner))
         return list(t.unbind(1))
 
+    def _chunk(self, layer: int, kv: torch.Tensor) -> int:
+        """Blocks per copy_. A CUDA copy: the whole run (one transfer instead of one per
+        block). A CPU copy: as many as stay under torch's parallel grain (32768 elements),
+        because a larger one runs in an OpenMP parallel region, which on a machine with every
+        core busy stalled for scheduler slices (bench_vllm passes of 1-3 s instead of 10 ms,
+        gone with OMP_NUM_THREADS=1); a 64 KiB bf16 layer slice is one block per copy."""
+        if kv.is_cuda:
+            return 1 << 30
+        return max(1, 32768 // max(1, self.sizes[layer] // self.dtypes[layer].itemsize))
+
     def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
         """Copies this layer of each run's blocks straight into its pages' slots."""
-        dim = self.dims[layer]
+        dim, step = self.dims[layer], self._chunk(layer, kv)
         for r in runs:
-            r.slots[layer].copy_(kv.narrow(dim, r.block, r.n).movedim(dim, 0))
+            src, dst = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
+            if r.n <= step:
+                dst.copy_(src)
+                continue
+            for a in range(0, r.n, step):
+                dst[a:a + step].copy_(src[a:a + step])
 
     def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
         """Copies this layer of each run's pages straight into its blocks of ``kv``."""
-        dim = self.dims[layer]
+        dim, step = self.dims[layer], self._chunk(layer, kv)
         for r in runs:
-            kv.narrow(dim, r.block, r.n).movedim(dim, 0).copy_(r.slots[layer])
+            dst, src = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
+            if r.n <= step:
+                dst.copy_(src)
+                continue
+            for a in range(0, r.n, step):
+                dst[a:a + step].copy_(src[a:a + step])
 
 
 def _addr(buf: Any) -> int:
