@@ -15,8 +15,9 @@ A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads
   behind the connector's choice to aggregate a page's layers (docs/engines.md).
 
 Each figure is the median of --passes passes after two warm-up passes: a fresh daemon faults its
-DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after), so from
-the third pass on its memory is warm. One JSON object per line (warm-up passes included, as
+DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after, the
+connector's pages included), so from the third pass on its memory is warm. On the Unix socket
+the connector's worker takes the zero-copy path (docs/engines.md). One JSON object per line (warm-up passes included, as
 pass -1 and 0), then the summary lines with the ratios.
 
   bench_vllm.py --build-root BUILD [--passes R]
@@ -66,6 +67,8 @@ except Exception as e:  # noqa: BLE001
     print(json.dumps({"bench": "vllm", "skipped": "vllm not importable: %s (see %s)" % (
         e, os.path.join(build, "pyenv", "engine-vllm.log"))}), flush=True)
     sys.exit(77)
+
+import kvtier.vllm as kvv  # noqa: E402
 
 LAYERS, BS, HEADS, HEAD = 32, 16, 8, 128
 PAGES = 32
@@ -142,6 +145,10 @@ def run(d: Daemon) -> None:
                         timeout_ms=60000)
     lay = kvtier.Client("bench-layer", page_size=BS, block_bytes=LAYER_BYTES, unix_path=d.unix,
                         timeout_ms=60000)
+    # The connector's pages, as its worker names them (the keyed chain in its rank's namespace):
+    # removed after each pass as the raw ones are, so that every pass writes into warm memory.
+    keyed = kvtier.Client("bench-32l", page_size=BS, block_bytes=PAGE_BYTES, unix_path=d.unix,
+                          salt=kvv.rank_salt(0, 1, 0, 1), timeout_ms=60000)
     for p in range(-1, args.passes + 1):  # passes -1 and 0: warm-up
         base = 10_000_000 * (p + 2)
         toks = list(range(base, base + PAGES * BS + 1))
@@ -233,10 +240,12 @@ def run(d: Daemon) -> None:
             c.remove(t[:BS])
         for t in lt:
             lay.remove(t[:BS])
+        keyed.remove_keys(kvv.key_chain(ra, BS, kvv.chain_root("bench-32l"), [], 1))
     for s in (worker_a, worker_b, sched_a, sched_b):
         s.shutdown()
     raw.close()
     lay.close()
+    keyed.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     g = {k: gib_s(total, v) for k, v in med.items()}
     emit({"bench": "vllm", "summary": "save", "page_bytes": PAGE_BYTES, "layers": LAYERS,

@@ -19,9 +19,13 @@ The namespace is (model + KV dtype, tensor-parallel and pipeline rank): each ran
 shard of a page under the same chain; the scheduler asks rank 0's namespace.
 
 A page's bytes are every layer (K and V) of one block of this rank, layer after layer: the worker
-stages each layer as vLLM saves it and stores the page when its last layer is staged; a load
-reads whole pages and scatters them layer by layer into vLLM's paged tensors. docs/engines.md
-says why (measured) rather than one PUT per layer.
+writes each layer as vLLM saves it and stores the page when its last layer is in; a load reads
+whole pages and scatters them layer by layer into vLLM's paged tensors. docs/engines.md says why
+(measured) rather than one PUT per layer. On the daemon's Unix socket the worker maps its
+namespace's DRAM arena (zero-copy): each layer is copied once, straight into room reserved in
+the mapping (committed when the request's last layer is in) and, on load, straight from the
+pages where they lie in the mapping into vLLM's blocks. Without the mapping (TCP, refused) each
+layer goes through a staging buffer and the socket.
 
 Failures never reach the engine: a daemon that is down makes the scheduler see 0 hits; a load
 that fails or comes back short (daemon killed, page evicted) reports its blocks through
@@ -30,6 +34,7 @@ that fails or comes back short (daemon killed, page evicted) reports its blocks 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import threading
@@ -47,7 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 
-from .client import Client, Hints
+from ._lib import ffi
+from .client import Client, Hints, Reservation
 from .errors import ECLOSED, Error, error_for
 
 if TYPE_CHECKING:
@@ -99,8 +105,19 @@ class _PageStore:
     radix tree holds the chain with its prefix structure (shared prefixes stored once,
     leaf-first eviction), and leases pin what a load will read.
 
+    The worker's zero-copy path (``mapped``): on the Unix socket (``zero_copy`` not False in
+    the extra config) the worker's client is a token client of the keyed namespace itself
+    (page_size KEY_TOKENS, adapter KEYS_TAG: the namespace put_keys uses, the chain as the
+    same synthetic tokens), and when it maps that namespace's DRAM arena the pages are
+    reserved, written and committed in the mapping (reserve/commit/abort) and read where they
+    lie (load_views), so that the connector copies each layer once each way. Its other calls
+    (save, load) then take the token forms on that client, which name exactly the pages the
+    keyed calls name. Not mapped (TCP, refused), the client is the keyed one, as before.
+
     Every method raises kvtier.Error on failure; a transport failure closes the client and the
-    next call reconnects (no sooner than ``retry_ms`` after the failure).
+    next call reconnects (no sooner than ``retry_ms`` after the failure). While views into the
+    mapping are out (a reservation or a leased load not given back: ``_holds``) the close waits
+    for the last of them: closing unmaps, and the worker may still be writing a view.
     """
 
     def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int) -> None:
@@ -113,12 +130,19 @@ class _PageStore:
             raise ValueError("kvtier.vllm: api %r: 'keys' (needs the package's keyed calls) or "
                              "'tokens'" % api)
         self.keyed = api == "keys"
+        self.mapped = False  # the worker's client maps the keyed namespace's arena
+        self._holds = 0  # reservations and leased views handed out and not given back
+        # The client that failed while views were out: closed (unmapped) when the last comes
+        # back, and referenced until then (dropping it would close it, under the worker).
+        self._doomed: Optional[Client] = None
         self._client: Optional[Client] = None
         self._down_until = 0.0
         self._lock = threading.Lock()
 
     def _c(self) -> Client:
         c = self._client
+        if self._doomed is not None:
+            raise error_for(ECLOSED, "the connection failed; closed once its views come back")
         if c is not None and not c.closed:
             return c
         if time.monotonic() < self._down_until:
@@ -128,9 +152,19 @@ class _PageStore:
             tcp=self._conf.get("tcp"), secret=self._conf.get("secret"), salt=self._salt,
             timeout_ms=int(self._conf.get("timeout_ms", 5000)))
         try:
+            self.mapped = False
             if self.keyed and not self.block_bytes:
                 # The scheduler: token calls on the keyed namespace itself (index only).
                 c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+            elif self.keyed and (kw["unix_path"] or not kw["tcp"]) and \
+                    self._conf.get("zero_copy", True):
+                # The worker, local: the keyed namespace's token client, which maps its arena.
+                c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+                self.mapped = c.zero_copy
+                if not self.mapped:  # refused: the keyed calls, as over TCP
+                    log.info("kvtier: no zero-copy mapping (%s); staging", c.zero_copy_reason)
+                    c.close()
+                    c = Client(self._model, **kw)
             elif self.keyed:
                 c = Client(self._model, **kw)  # keyed calls open the keyed namespace
             else:
@@ -146,8 +180,11 @@ class _PageStore:
         if c is None:
             return
         if not c.closed and (e.code in _TRANSPORT or e.code > -30800):  # > -30800: -errno
-            c.close()
-        if c.closed:  # a transport failure: reconnect later
+            if self._holds:
+                self._doomed = c  # closing would unmap views still in use: at _unhold
+            else:
+                c.close()
+        if c.closed or self._doomed is not None:  # a transport failure: reconnect later
             self._client = None
             self._down_until = time.monotonic() + int(self._conf.get("retry_ms", 1000)) / 1000
 
@@ -190,7 +227,7 @@ class _PageStore:
         with self._lock:
             try:
                 c = self._c()
-                if self.keyed:
+                if self.keyed and not self.mapped:
                     return int(c.get_keys_into(keys, buf, first))
                 m = c.match(self.tokens(keys), lease=True)
                 try:
@@ -216,7 +253,7 @@ class _PageStore:
                 c = self._c()
                 for a in range(first, len(keys), step):
                     b = min(a + step, len(keys))
-                    if self.keyed:
+                    if self.keyed and not self.mapped:
                         r = c.put_keys(keys[:b], buf[a - first:b - first], a)
                     else:
                         r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a)
@@ -225,6 +262,107 @@ class _PageStore:
                 self._failed(e)
                 raise
         return stored
+
+    # -- the zero-copy path (mapped): views into the arena ----------------------------------
+
+    def _unhold(self) -> None:
+        self._holds -= 1
+        if self._holds == 0 and self._doomed is not None:
+            self._doomed.close()  # unmaps: no view of it is in use any more
+            self._doomed = None
+
+    def reserve(self, keys: Sequence[bytes], first: int
+                ) -> Optional[Tuple[Reservation, Optional[bytes]]]:
+        """Reserves room in the mapping for pages [first, len(keys)) of the chain. Returns None
+        when this client does not map (the staging path), else (the Reservation, and when some
+        pages got no view, the tier of every page of the chain: a page with bytes is held
+        already). A Reservation with views is out until commit() or abort()."""
+        with self._lock:
+            try:
+                c = self._c()
+                if not self.mapped:
+                    return None
+                toks = self.tokens(keys)
+                r = c.reserve(toks, len(keys) - first, first_page=first)
+                if r.id:
+                    self._holds += 1
+            except Error as e:
+                self._failed(e)
+                raise
+            held = None
+            if r.nreserved < len(keys) - first:
+                try:  # which of the pages without room are held already
+                    held = c.match(toks, probe=True).tiers
+                except Error as e:  # none known held: stage them all (the commit will say)
+                    self._failed(e)
+            return r, held
+
+    def commit(self, r: Reservation) -> int:
+        """Makes a reservation's pages visible. Returns the pages stored."""
+        with self._lock:
+            try:
+                return int(self._c().commit(r).stored)
+            except Error as e:
+                self._failed(e)
+                raise
+            finally:
+                if r.id:
+                    self._unhold()
+
+    def abort(self, r: Reservation) -> None:
+        """Gives a reservation's room back (nothing of it becomes visible)."""
+        with self._lock:
+            try:
+                self._c().abort(r)
+            except Error as e:  # the daemon gone: it gave the room back with the connection
+                self._failed(e)
+                raise
+            finally:
+                if r.id:
+                    self._unhold()
+
+    def load_views(self, keys: Sequence[bytes], first: int
+                   ) -> Optional[Tuple[int, List[Any]]]:
+        """MATCH with a lease and GET by location of pages [first, len(keys)), as far as they
+        are stored. Returns None when this client does not map (the staging path), else (the
+        lease, 0 when nothing came, and one item per page: a read-only memoryview into the
+        mapping, or bytes for a page that came through the socket). The items are valid until
+        release_views(lease)."""
+        with self._lock:
+            try:
+                c = self._c()
+                if not self.mapped:
+                    return None
+                m = c.match(self.tokens(keys), lease=True)
+                n = _stored(m.tiers) - first
+                if n <= 0 or not m.lease:
+                    if m.lease:
+                        c.release(m.lease)
+                    return 0, []
+                try:
+                    items = c.get_views(m.lease, first_page=first, npages=n)
+                except Error:
+                    if not c.closed:
+                        try:
+                            c.release(m.lease)
+                        except Error:
+                            pass
+                    raise
+                self._holds += 1
+                return m.lease, items
+            except Error as e:
+                self._failed(e)
+                raise
+
+    def release_views(self, lease: int) -> None:
+        """Releases the lease of load_views (its views must not be touched after)."""
+        with self._lock:
+            try:
+                self._c().release(lease)
+            except Error as e:  # the daemon gone: its leases went with the connection
+                self._failed(e)
+            finally:
+                self._unhold()
 
     def finished(self, keys: Sequence[bytes]) -> None:
         """The policy's hint that the request using this chain finished."""
@@ -239,9 +377,10 @@ class _PageStore:
 
     def close(self) -> None:
         with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            for c in (self._client, self._doomed):
+                if c is not None:
+                    c.close()
+            self._client = self._doomed = None
 
 
 # -- identity ---------------------------------------------------------------------------------
@@ -337,6 +476,7 @@ class _Layout:
         self.shapes: List[Tuple[int, ...]] = []
         self.offsets: List[int] = []
         self.sizes: List[int] = []
+        self.dtypes: List[torch.dtype] = []
         off = 0
         for n in self.names:
             t = kv_caches[n]
@@ -349,6 +489,7 @@ class _Layout:
             shape = tuple(t.select(dim, 0).shape)
             size = t.select(dim, 0).numel() * t.element_size()
             self.dims.append(dim)
+            self.dtypes.append(t.dtype)
             self.shapes.append(shape)
             self.offsets.append(off)
             self.sizes.append(size)
@@ -379,23 +520,133 @@ class _Layout:
         for j, b in enumerate(blocks):
             kv.select(dim, b).copy_(src[j])
 
+    # The zero-copy path: a page is a view into kvtierd's mapping (or bytes that came through
+    # the socket), not a row of a staging tensor. Pages whose blocks are consecutive and whose
+    # places in the mapping are equally spaced (a reservation's room and a GET's pages often
+    # are) form a run, one strided tensor over the mapping: a layer of a run is then one copy
+    # instead of one per block (a copy_ of one block's 64 KiB layer costs about as much in call
+    # overhead as in bytes moved). The tensors are made once, on the I/O thread.
+    def runs(self, items: List[Any], blocks: List[int]) -> List[_Run]:
+        """``items[j]`` (a memoryview into the mapping, or bytes) holds the page of block
+        ``blocks[j]``: returns them as runs, each with every layer's slot of its pages."""
+        out: List[_Run] = []
+        es = self.dtypes[0].itemsize if self.dtypes else 1
+        uniform = len(set(self.dtypes)) == 1 and len(set(self.shapes)) == 1 and \
+            all(o == i * self.sizes[0] for i, o in enumerate(self.offsets))
+        addrs = [_addr(x) for x in items]
+        j = 0
+        while j < len(items):
+            k, d = j + 1, self.page_bytes
+            if uniform and isinstance(items[j], memoryview):
+                while k < len(items) and isinstance(items[k], memoryview) and \
+                        blocks[k] == blocks[k - 1] + 1:
+                    step = addrs[k] - addrs[k - 1]
+                    if (k > j + 1 and step != d) or step < self.page_bytes or step % es:
+                        break
+                    d = step
+                    k += 1
+            out.append(_Run(blocks[j], k - j, self._run_slots(addrs[j], k - j, d, uniform)))
+            j = k
+        return out
+
+    def _run_slots(self, addr: int, n: int, stride: int, uniform: bool) -> List[torch.Tensor]:
+        span = (n - 1) * stride + self.page_bytes
+        mem = (ctypes.c_ubyte * span).from_address(addr)
+        if not uniform:  # one page (n 1): each layer's slice by its own offset, dtype, shape
+            page = torch.frombuffer(mem, dtype=torch.uint8)
+            return [page[o:o + sz].view(d).view(1, *shape) for o, sz, d, shape in
+                    zip(self.offsets, self.sizes, self.dtypes, self.shapes)]
+        d, shape = self.dtypes[0], self.shapes[0]
+        es = d.itemsize
+        inner = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        t = torch.frombuffer(mem, dtype=d).as_strided(
+            (n, len(self.names), *shape), (stride // es, self.sizes[0] // es, *inner))
+        return list(t.unbind(1))
+
+    def _chunk(self, layer: int, kv: torch.Tensor) -> int:
+        """Blocks per copy_. A CUDA copy: the whole run (one transfer instead of one per
+        block). A CPU copy: as many as stay under torch's parallel grain (32768 elements),
+        because a larger one runs in an OpenMP parallel region, which on a machine with every
+        core busy stalled for scheduler slices (bench_vllm passes of 1-3 s instead of 10 ms,
+        gone with OMP_NUM_THREADS=1); a 64 KiB bf16 layer slice is one block per copy."""
+        if kv.is_cuda:
+            return 1 << 30
+        return max(1, 32768 // max(1, self.sizes[layer] // self.dtypes[layer].itemsize))
+
+    def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
+        """Copies this layer of each run's blocks straight into its pages' slots."""
+        dim, step = self.dims[layer], self._chunk(layer, kv)
+        for r in runs:
+            src, dst = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
+            if r.n <= step:
+                dst.copy_(src)
+                continue
+            for a in range(0, r.n, step):
+                dst[a:a + step].copy_(src[a:a + step])
+
+    def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
+        """Copies this layer of each run's pages straight into its blocks of ``kv``."""
+        dim, step = self.dims[layer], self._chunk(layer, kv)
+        for r in runs:
+            dst, src = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
+            if r.n <= step:
+                dst.copy_(src)
+                continue
+            for a in range(0, r.n, step):
+                dst[a:a + step].copy_(src[a:a + step])
+
+
+def _addr(buf: Any) -> int:
+    """Where a buffer's bytes lie (the caller keeps it alive while they are used). A tensor
+    made over them through ctypes (_run_slots) borrows no buffer export, so that commit() can
+    release a reservation's views, and a read-only view of a load is taken without
+    torch.frombuffer's warning about writes (the connector only reads those). copy_ between
+    such a CPU tensor and a CUDA tensor is a pageable copy."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
+
+
+@dataclass
+class _Run:
+    """Pages of consecutive blocks from ``block`` on, equally spaced in memory."""
+
+    block: int
+    n: int
+    slots: List[torch.Tensor]  # each layer's slice of the pages: (n, *that layer's block shape)
+
+
+@dataclass
+class _Views:
+    """What a load through the mapping got: the pages' slots (each layer's slice of each page,
+    in the mapping or in bytes that came through the socket), valid while ``lease`` holds."""
+
+    lease: int
+    pages: int
+    runs: List[_Run]
+    items: List[Any]  # the views and bytes the runs lie in, kept alive with them
+
 
 @dataclass
 class _Load:
     t: _Transfer
-    future: "Future[int]"
+    future: "Future[Any]"  # pages read (staging), or _Views (mapped)
     staging: torch.Tensor
     blocks: List[int]
     got: int = -1  # pages read, once the future is done
     layers_done: Set[int] = field(default_factory=set)
+    views: Optional[_Views] = None
 
 
 @dataclass
 class _Save:
     t: _Transfer
-    staging: torch.Tensor
-    blocks: List[int]
+    staging: torch.Tensor  # the pages saved through the socket, one row each
+    blocks: List[int]  # the block of each staging row
     layers_done: Set[int] = field(default_factory=set)
+    rows: Optional[List[int]] = None  # each staging row's page (from t.first); None: all
+    resv: Optional[Reservation] = None  # the mapped path: the pages reserved in the arena
+    runs: List[_Run] = field(default_factory=list)  # the reserved pages, in the mapping
 
 
 # -- the connector ----------------------------------------------------------------------------
@@ -410,8 +661,10 @@ class KvtierConnector(KVConnectorBase_V1):
     the daemon for this long, default 1000), ``lease_ms`` (the scheduler's lease, 0: the
     daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks, default: vLLM's),
     ``put_bytes`` (payload bytes per PUT, default 16 MiB), ``load_async`` (load between steps,
-    reported by get_finished, instead of inside the step; default False), ``api`` ("keys" or
-    "tokens": how chains reach the daemon, see _PageStore).
+    reported by get_finished, instead of inside the step; default False; such a load goes
+    through a staging buffer even when mapped), ``api`` ("keys" or "tokens": how chains reach
+    the daemon, see _PageStore), ``zero_copy`` (default True: on the Unix socket, map the
+    arena and copy each layer once each way; False: the staging path).
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -441,6 +694,12 @@ class KvtierConnector(KVConnectorBase_V1):
         self._saves: Dict[str, _Save] = {}
         self._save_futures: List[Tuple[_Transfer, "Future[int]"]] = []
         self._load_errors: Set[int] = set()
+        # The zero-copy path: the step's reservations (made on the I/O thread from
+        # start_load_kv, taken by the first save_kv_layer), whether this step's saves are laid
+        # out, and the I/O the step still waits for (lease releases, aborts).
+        self._resv_future: Optional["Future[Dict[str, Any]]"] = None
+        self._saves_ready = False
+        self._io_futures: List[Tuple[str, "Future[Any]"]] = []
         # Loads between steps (load_async): their own connection and thread, so that a step's
         # saves never queue behind them; reported by get_finished once done.
         self._async_store: Optional[_PageStore] = None
@@ -604,8 +863,10 @@ class KvtierConnector(KVConnectorBase_V1):
             self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Starts reading this step's pages (whole pages, all layers) from kvtierd into staging
-        buffers; wait_for_layer_load scatters each layer."""
+        """Starts reading this step's pages (whole pages, all layers) from kvtierd: with the
+        zero-copy mapping, a MATCH with a lease and a GET by location (the pages stay where
+        they lie in the mapping); else into staging buffers. wait_for_layer_load scatters each
+        layer. Then, mapped, starts reserving room in the mapping for this step's saves."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
@@ -614,15 +875,87 @@ class KvtierConnector(KVConnectorBase_V1):
         for t in meta.loads:
             if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
                 self._async_loads[t.req_id] = self._async_pool.submit(self._load_between, t)
-        arena = self._arena(0, sum(len(t.keys) - t.first for t in sync))
+        assert self._pool is not None and self._store is not None
+        # Mapped (or not known yet), no staging: the load job makes one if it finds no mapping.
+        arena = None if self._zero_copy() else \
+            self._arena(0, sum(len(t.keys) - t.first for t in sync))
         at = 0
         for t in sync:
             n = len(t.keys) - t.first
-            staging = arena[at:at + n]
+            ld = _Load(t, None, None if arena is None else arena[at:at + n],  # type: ignore
+                       list(t.block_ids))
             at += n
-            assert self._pool is not None and self._store is not None
-            fut = self._pool.submit(self._store.load, t.keys, t.first, staging)
-            self._loads.append(_Load(t, fut, staging, list(t.block_ids)))
+            ld.future = self._pool.submit(self._load_job, ld)
+            self._loads.append(ld)
+        if meta.saves and self._resv_future is None and self._zero_copy():
+            self._resv_future = self._pool.submit(self._reserve_job, list(meta.saves))
+
+    def _zero_copy(self) -> bool:
+        """Whether to try the mapped path (not known before the first connection)."""
+        st = self._store
+        return st is not None and st.keyed and bool(self._extra.get("zero_copy", True)) and \
+            (st.mapped or st._client is None)
+
+    def _load_job(self, ld: _Load) -> Any:
+        """A step's load, on the I/O thread: the pages' views (mapped: _Views), or the pages
+        read into staging (their count)."""
+        assert self._store is not None and self._layout is not None
+        t = ld.t
+        got = self._store.load_views(t.keys, t.first)
+        if got is None:  # not mapped
+            if ld.staging is None:
+                ld.staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
+                                         dtype=torch.uint8)
+            return self._store.load(t.keys, t.first, ld.staging)
+        lease, items = got
+        try:
+            runs = self._layout.runs(items, ld.blocks[:len(items)])
+        except Exception:
+            if lease:
+                self._store.release_views(lease)
+            raise
+        return _Views(lease, len(items), runs, items)
+
+    def _reserve_job(self, saves: List[_Transfer]) -> Dict[str, Any]:
+        """Reserves room in the mapping for this step's saves, on the I/O thread. Returns, per
+        request, (Reservation, runs of the reserved pages, the pages to stage):
+        a page without room is staged and PUT through the socket; one held already, or reserved
+        by an earlier request of this step (a shared prefix), is left alone. A request missing
+        from the answer is staged whole (no mapping, or its reservation failed)."""
+        assert self._store is not None and self._layout is not None
+        out: Dict[str, Any] = {}
+        mine: Set[bytes] = set()
+        for t in saves:
+            try:
+                got = self._store.reserve(t.keys, t.first)
+            except Exception as e:  # noqa: BLE001 - staged instead
+                log.info("kvtier: no reservation for %s, staging it: %s", t.req_id, e)
+                continue
+            if got is None:
+                return out
+            r, held = got
+            try:
+                views, vblocks, rows = [], [], []
+                for j, v in enumerate(r.views):
+                    p = t.first + j
+                    if v is not None:
+                        views.append(v)
+                        vblocks.append(t.block_ids[j])
+                        mine.add(t.keys[p])
+                    elif t.keys[p] in mine or (held is not None and p < len(held) and held[p]):
+                        pass
+                    else:
+                        rows.append(j)
+                runs = self._layout.runs(views, vblocks)
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvtier: reservation for %s unusable, staging it: %s", t.req_id, e)
+                try:
+                    self._store.abort(r)
+                except Exception:  # noqa: BLE001
+                    pass
+                continue
+            out[t.req_id] = (r, runs, rows)
+        return out
 
     def _load_between(self, t: _Transfer) -> int:
         """An asynchronous load, on its own thread: whole pages into a staging buffer of its
@@ -658,7 +991,12 @@ class KvtierConnector(KVConnectorBase_V1):
         if ld.got >= 0:
             return
         try:
-            ld.got = int(ld.future.result())
+            r = ld.future.result()
+            if isinstance(r, _Views):
+                ld.views = r
+                ld.got = r.pages
+            else:
+                ld.got = int(r)
         except Exception as e:  # noqa: BLE001
             log.warning("kvtier: load of %s failed, recomputing: %s", ld.t.req_id, e)
             ld.got = 0
@@ -675,57 +1013,169 @@ class KvtierConnector(KVConnectorBase_V1):
         for ld in self._loads:
             self._resolve(ld)
             if ld.got > 0 and li not in ld.layers_done:
-                self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
-                                     ld.blocks[:ld.got])
+                if ld.views is not None:  # straight from the mapping
+                    self._layout.scatter_runs(ld.views.runs, li, self._kv[layer_name])
+                else:
+                    self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
+                                         ld.blocks[:ld.got])
             ld.layers_done.add(li)
+            if ld.views is not None and len(ld.layers_done) == len(self._layout.names):
+                self._give_back(ld)
+
+    def _give_back(self, ld: _Load) -> None:
+        """The load's pages all scattered: its lease released (on the I/O thread; the step's
+        wait_for_save waits for it). Its views are not touched after this."""
+        v, ld.views = ld.views, None
+        if v is not None and v.lease:
+            v.runs.clear()
+            assert self._pool is not None and self._store is not None
+            self._io_futures.append((ld.t.req_id, self._pool.submit(self._store.release_views,
+                                                                     v.lease)))
 
     def _finish_loads(self) -> None:
-        for name in self._layout.names if self._layout else ():
-            self.wait_for_layer_load(name)
-        self._loads.clear()
+        try:
+            for name in self._layout.names if self._layout else ():
+                self.wait_for_layer_load(name)
+        finally:
+            for ld in self._loads:  # a scatter that raised: the lease given back all the same
+                self._give_back(ld)
+            self._loads.clear()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Stages this layer of each page saved this step; a page's last layer staged, its
-        store to kvtierd starts."""
+        """Copies this layer of each page saved this step straight into the room reserved for
+        it in kvtierd's mapping (the zero-copy path), or into a staging buffer (no mapping, or
+        a page the reservation gave no room); a request's last layer in, its pages are
+        committed (and the staged ones PUT) on the I/O thread."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
         li = self._layout.index.get(layer_name)
         if li is None:
             return
-        if meta.saves and not self._saves and not self._save_futures:
-            # The step's first layer: the staging of every page saved this step.
-            arena = self._arena(1, sum(len(t.keys) - t.first for t in meta.saves))
-            at = 0
-            for t in meta.saves:
-                n = len(t.keys) - t.first
-                self._saves[t.req_id] = _Save(t, arena[at:at + n], list(t.block_ids))
-                at += n
+        if meta.saves and not self._saves_ready:
+            self._lay_out_saves(meta.saves)
         for t in meta.saves:
             sv = self._saves.get(t.req_id)
             if sv is None:  # stored already this step
                 continue
             if li in sv.layers_done:
                 continue
-            self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
+            if sv.runs:
+                self._layout.gather_runs(sv.runs, li, kv_layer)
+            if sv.blocks:
+                self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
             sv.layers_done.add(li)
             if len(sv.layers_done) == len(self._layout.names):
-                assert self._pool is not None and self._store is not None
-                self._save_futures.append(
-                    (t, self._pool.submit(self._store.save, t.keys, t.first, sv.staging)))
+                assert self._pool is not None
+                self._save_futures.append((t, self._pool.submit(self._store_save, sv)))
                 del self._saves[t.req_id]
 
+    def _lay_out_saves(self, saves: List[_Transfer]) -> None:
+        """The step's first layer: where each page saved this step goes (its reserved room,
+        else a row of the staging buffer)."""
+        self._saves_ready = True
+        resv: Dict[str, Any] = {}
+        if self._resv_future is None and self._zero_copy():  # start_load_kv did not run
+            assert self._pool is not None
+            self._resv_future = self._pool.submit(self._reserve_job, list(saves))
+        if self._resv_future is not None:
+            try:
+                resv = self._resv_future.result()
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvtier: reservations failed, staging the step's saves: %s", e)
+            self._resv_future = None
+        plan = []
+        for t in saves:
+            x = resv.get(t.req_id)
+            if x is None:
+                plan.append((t, None, [], list(range(len(t.keys) - t.first)), False))
+            else:
+                plan.append((t, *x, True))
+        rows = sum(len(p[3]) for p in plan)
+        arena = self._arena(1, rows) if rows else None
+        at = 0
+        for t, r, runs, prow, mapped in plan:
+            n = len(prow)
+            staging = arena[at:at + n] if arena is not None else None
+            at += n
+            self._saves[t.req_id] = _Save(
+                t, staging, [t.block_ids[j] for j in prow],  # type: ignore[arg-type]
+                rows=prow if mapped else None, resv=r if r is not None and r.id else None,
+                runs=runs)
+
+    def _store_save(self, sv: _Save) -> int:
+        """A request's pages all in, on the I/O thread: commits its reservation and PUTs its
+        staged pages (runs of consecutive pages). Returns the pages stored."""
+        assert self._store is not None
+        t, stored, err = sv.t, 0, None
+        sv.runs = []  # the views are not touched after the commit
+        if sv.resv is not None:
+            try:
+                stored += self._store.commit(sv.resv)
+            except Exception as e:  # noqa: BLE001 - the staged pages may still go
+                err = e
+        if sv.rows is None:
+            stored += self._store.save(t.keys, t.first, sv.staging)
+        else:
+            i = 0
+            while i < len(sv.rows):
+                k = i + 1
+                while k < len(sv.rows) and sv.rows[k] == sv.rows[k - 1] + 1:
+                    k += 1
+                a, b = t.first + sv.rows[i], t.first + sv.rows[k - 1] + 1
+                stored += self._store.save(t.keys[:b], a, sv.staging[i:k])
+                i = k
+        if err is not None:
+            raise err
+        return stored
+
+    def _abort(self, r: Reservation) -> None:
+        assert self._store is not None
+        try:
+            self._store.abort(r)
+        except Exception as e:  # noqa: BLE001 - expires in the daemon's reserve-ms, or gone
+            log.info("kvtier: abort of reservation %d: %s", r.id, e)
+
     def wait_for_save(self) -> None:
-        """Waits for this step's stores (a failed one is logged: a later miss, no error)."""
-        self._finish_loads()
-        self._saves.clear()  # pages whose layers did not all come (another pipeline stage)
+        """Waits for this step's stores (a failed one is logged: a later miss, no error).
+        Reservations of pages whose layers did not all come (another pipeline stage) are
+        aborted: nothing of them becomes visible."""
+        try:
+            self._finish_loads()
+        finally:
+            self._abort_incomplete()
         for t, fut in self._save_futures:
             try:
                 fut.result()
             except Exception as e:  # noqa: BLE001
                 log.warning("kvtier: save of %s failed: %s", t.req_id, e)
         self._save_futures.clear()
+        for rid, fut in self._io_futures:
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001
+                log.info("kvtier: %s: %s", rid, e)
+        self._io_futures.clear()
+
+    def _abort_incomplete(self) -> None:
+        resv: List[Reservation] = []
+        if self._resv_future is not None:  # reserved, and no layer of this step saved here
+            try:
+                resv = [x[0] for x in self._resv_future.result().values()]
+            except Exception:  # noqa: BLE001 - nothing reserved
+                pass
+            self._resv_future = None
+        for sv in self._saves.values():
+            sv.runs = []
+            if sv.resv is not None:
+                resv.append(sv.resv)
+        self._saves.clear()
+        self._saves_ready = False
+        for r in resv:
+            if r.id:
+                assert self._pool is not None
+                self._io_futures.append(("abort", self._pool.submit(self._abort, r)))
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:

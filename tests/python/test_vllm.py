@@ -485,6 +485,202 @@ def test_scheduler_survives_no_daemon(tmp_path: Any) -> None:
     s.shutdown()
 
 
+# -- the worker's zero-copy path: one copy each way through the mapping ----------------------
+
+
+def zc_stats(d: Daemon) -> Dict[str, int]:
+    with d.client() as c:
+        return c.stats()
+
+
+def same_pages(x: Engine, xi: List[int], y: Engine, yi: List[int]) -> bool:
+    return all(torch.equal(p.view(torch.int16), q.view(torch.int16))
+               for p, q in zip(pages_of(x.kv, xi), pages_of(y.kv, yi)))
+
+
+def test_zero_copy_path_is_used(vd: Daemon) -> None:
+    """On the Unix socket the worker maps its namespace's arena: a save reserves the step's
+    pages and writes each layer straight into them (RESERVE, COMMIT), a load reads them where
+    they lie (GET by location) and scatters each layer from there into another paged tensor,
+    byte for byte; the staging buffers are never made."""
+    a, b = Engine(vd, seed=11), Engine(vd, seed=None)
+    toks = prompt(3)
+    before = zc_stats(vd)
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    mid = zc_stats(vd)
+    assert a.worker._store.mapped
+    assert mid["zero_copy_pages_reserve"] - before["zero_copy_pages_reserve"] == 3
+    assert mid["reservations_committed"] - before["reservations_committed"] == 1
+    assert mid["requests_put"] == before["requests_put"], "nothing went through the socket"
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [11, 3, 30, 5])
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    after = zc_stats(vd)
+    assert b.worker._store.mapped
+    assert after["zero_copy_pages_get"] - mid["zero_copy_pages_get"] == 3
+    assert same_pages(a, [4, 9, 2], b, [11, 3, 30])
+    assert all(int(t[:, [0, 1, 5, 6]].abs().sum()) == 0 for t in b.kv.values())
+    for w in (a.worker, b.worker):  # no staging: the one copy is the layer's, into/from the arena
+        assert all(s.numel() == 0 for s in w._arenas), [s.shape for s in w._arenas]
+    b.sched.request_finished(r, [11, 3, 30, 5])
+    assert leases(vd) == 0
+    a.close()
+    b.close()
+
+
+def test_zero_copy_and_socket_connectors_share_pages(vd: Daemon) -> None:
+    """A page saved through the mapping (reserve, commit in the keyed namespace as synthetic
+    tokens) is the page put_keys names: a connector over TCP (staging, keyed calls) loads it,
+    and one on the Unix socket loads what the TCP one saved; both byte for byte."""
+    zc, tcp = Engine(vd, seed=12), Engine(vd, seed=13, unix_path=None, tcp=vd.tcp)
+    rz, rt = request(prompt(2)), request(prompt(3))
+    save_prompt(zc, rz, [1, 2, 3])
+    save_prompt(tcp, rt, [5, 6, 7, 8])
+    assert zc.worker._store.mapped and not tcp.worker._store.mapped
+    assert tcp.worker._store._client.zero_copy is False
+    z2, t2 = Engine(vd, seed=None), Engine(vd, seed=None, unix_path=None, tcp=vd.tcp)
+    r = request(list(rz.all_token_ids))
+    n, meta = schedule(t2.sched, r, [20, 21, 22])
+    assert n == 2 * BS and run_step(t2.worker, t2.kv, meta) == set()
+    t2.sched.request_finished(r, [])
+    assert same_pages(zc, [1, 2], t2, [20, 21])
+    r = request(list(rt.all_token_ids))
+    n, meta = schedule(z2.sched, r, [10, 11, 12, 13])
+    assert n == 3 * BS and run_step(z2.worker, z2.kv, meta) == set()
+    z2.sched.request_finished(r, [])
+    assert same_pages(tcp, [5, 6, 7], z2, [10, 11, 12])
+    assert z2.worker._store.mapped and all(s.numel() == 0 for s in z2.worker._arenas)
+    assert leases(vd) == 0
+    for e in (zc, tcp, z2, t2):
+        e.close()
+
+
+def test_zero_copy_step_with_missing_layers_leaves_nothing(vd: Daemon) -> None:
+    """A step whose layers do not all come to this worker (another pipeline stage holds the
+    rest), or that saves none at all: its reservations are aborted in wait_for_save; nothing
+    becomes visible and the next save of the same pages goes through whole."""
+    a = Engine(vd, seed=14)
+    names = list(a.kv)
+    toks = prompt(2)
+    r = request(toks)
+    _, meta = schedule(a.sched, r, [1, 2, 3])
+    before = zc_stats(vd)
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.save_kv_layer(names[0], a.kv[names[0]], None)  # the first layer only
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    a.worker.bind_connector_metadata(meta)  # the same step again, no layer saved at all
+    a.worker.start_load_kv(None)
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    a.sched.request_finished(r, [])
+    after = zc_stats(vd)
+    assert after["reservations_aborted"] - before["reservations_aborted"] == 2
+    assert after["reservations_committed"] == before["reservations_committed"]
+    assert a.worker._store._holds == 0
+    b = Engine(vd, seed=None)
+    assert b.sched.get_num_new_matched_tokens(request(toks), 0) == (0, False)
+    save_prompt(a, request(toks), [4, 5, 6])  # now whole: committed, and found
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [7, 8, 9])
+    assert n == 2 * BS and run_step(b.worker, b.kv, meta) == set()
+    assert same_pages(a, [4, 5], b, [7, 8])
+    b.sched.request_finished(r, [])
+    assert leases(vd) == 0
+    a.close()
+    b.close()
+
+
+def test_zero_copy_no_reservation_falls_back_to_the_socket() -> None:
+    """A request whose pages get no reservation (here: the daemon's max-reservations is 1 and
+    another request of the step holds it) is staged and PUT through the socket: nothing lost."""
+    d = Daemon("--max-reservations", "1")
+    try:
+        a, b = Engine(d, seed=15), Engine(d, seed=None)
+        r1, r2 = request(prompt(2)), request(prompt(2))
+        r1.num_computed_tokens = r2.num_computed_tokens = 0
+        for r in (r1, r2):
+            assert a.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            a.sched.update_state_after_alloc(r, blocks([]), 0)
+        meta = a.sched.build_connector_meta(sched_output(
+            new=[(r1, [1, 2, 3], r1.num_tokens), (r2, [4, 5, 6], r2.num_tokens)]))
+        assert len(meta.saves) == 2
+        assert run_step(a.worker, a.kv, meta) == set()
+        assert a.worker._arenas[1].shape[0] == 2, "r2's two pages were staged"
+        for r in (r1, r2):
+            a.sched.request_finished(r, [])
+        for r, src, dst in ((r1, [1, 2], [10, 11]), (r2, [4, 5], [12, 13])):
+            q = request(list(r.all_token_ids))
+            n, meta = schedule(b.sched, q, dst + [14])
+            assert n == 2 * BS and run_step(b.worker, b.kv, meta) == set()
+            b.sched.request_finished(q, [])
+            assert same_pages(a, src, b, dst)
+        a.close()
+        b.close()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_zero_copy_daemon_killed_between_reserve_and_commit(vd: Daemon, caplog: Any) -> None:
+    """The daemon dies while the worker writes a step's layers into its reservation: the
+    remaining layers still go into the mapping (kept until the step is over: closing would
+    unmap it under the worker), the commit fails and is logged, nothing raises; the next
+    step sees no hit and recomputes, its save dropped quietly."""
+    a = Engine(vd, seed=16)
+    names = list(a.kv)
+    toks = prompt(2)
+    r = request(toks)
+    _, meta = schedule(a.sched, r, [1, 2, 3])
+    w = a.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.save_kv_layer(names[0], a.kv[names[0]], None)
+    assert w._store._holds == 1, "the step's reservation is out"
+    vd.stop(signal.SIGKILL)
+    for name in names[1:]:
+        w.save_kv_layer(name, a.kv[name], None)
+    with caplog.at_level("WARNING", logger="kvtier.vllm"):
+        w.wait_for_save()
+    assert any("save of %s failed" % r.request_id in m for m in caplog.messages), caplog.messages
+    assert w.get_block_ids_with_load_errors() == set()
+    w.clear_connector_metadata()
+    assert w._store._holds == 0 and w._store._client is None and w._store._doomed is None, \
+        "closed once the views came back"
+    a.sched.request_finished(r, [])
+    r2 = request(toks)
+    assert a.sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+    a.sched.update_state_after_alloc(r2, blocks([4, 5, 6]), 0)
+    meta2 = a.sched.build_connector_meta(sched_output(new=[(r2, [4, 5, 6], len(toks))]))
+    assert run_step(w, a.kv, meta2) == set()
+    a.sched.request_finished(r2, [])
+    a.close()
+
+
+
+def test_zero_copy_connection_kept_while_views_are_out(vd: Daemon) -> None:
+    """A transport failure while another reservation's views are still being written does not
+    close the connection (closing unmaps them under the worker): the views stay writable, the
+    connection is closed when the last one is given back."""
+    a = Engine(vd, seed=17)
+    st = a.worker._store
+    root = kv.chain_root("tiny-test")
+    k1 = kv.key_chain(request(prompt(2)), BS, root, [], 2)
+    k2 = kv.key_chain(request(prompt(2)), BS, root, [], 2)
+    r1, _ = st.reserve(k1, 0)
+    r2, _ = st.reserve(k2, 0)
+    assert st.mapped and st._holds == 2 and r1.nreserved == r2.nreserved == 2
+    vd.stop(signal.SIGKILL)
+    with pytest.raises(Exception):
+        st.commit(r1)
+    assert st._doomed is not None and st._holds == 1, "kept: r2's views are out"
+    torch.frombuffer(r2.views[1], dtype=torch.uint8).fill_(7)  # still mapped
+    with pytest.raises(Exception):
+        st.abort(r2)
+    assert st._doomed is None and st._holds == 0
+    a.close()
+
 # -- end to end: a small attention model whose KV goes through the connector ------------------
 
 
