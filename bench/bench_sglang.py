@@ -12,10 +12,11 @@ path, as for its mooncake and hf3fs backends): batch_set_v1 of 32 pages read in 
 real SGLang host KV pool (MHATokenToKVPoolHost over an MHATokenToKVPool, on the CPU) at their
 host indices, then batch_get_v1 of the same keys straight into 32 other pages of that pool. The
 pool has the same geometry (32 layers, 16 tokens a page, 8 KV heads of 128, bf16: 2 MiB a page)
-in the page_first layout: the one SGLang turns a layer_first request into for its zero-copy
-backends with the kernel io backend (page_first_direct with the direct one; mooncake, hf3fs and
-tensorcast take only those two), and whose get_page_buffer_meta gives two segments a page (K and
-V, 1 MiB each), which the backend stores as one key each.
+in the page_first layout: the one SGLang pairs with its zero-copy backends (its server turns a
+layer_first request for mooncake into it with the kernel io backend, page_first_direct with the
+direct one; hf3fs is zero-copy, and simm and tensorcast work, only in those two), and whose
+get_page_buffer_meta gives two segments a page (K and V, 1 MiB each), which the backend stores
+as one key each.
 
 The host pool imports sglang.srt.configs, which needs torchvision: it imports in
 build/pyenv-sglang (scripts/pyenv.sh --sglang: torch 2.14.1 and torchvision 0.29.1), not in
