@@ -159,7 +159,8 @@ def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes:
     kvtierd, printing one line per form, operation and pass, then the summary lines: for save
     and load, first and warm (the median of the warm passes), the connector's GiB/s beside the
     keyed and raw forms' and the ratios. forms: name -> constructor taking the daemon's Unix
-    socket path; "connector", "keyed" and "raw" are expected."""
+    socket path; "connector", "keyed" and "raw" are expected. Any other form (bench_sglang's
+    "connector_v1") adds NAME_gib_s and its ratios over the three to the summary lines."""
     total = PAGES * PAGE_BYTES
     daemons: Dict[str, Daemon] = {}
     made: Dict[str, Form] = {}
@@ -194,10 +195,16 @@ def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes:
         for phase in ("first", "warm"):
             t = {n: (v[op][0] if phase == "first" else statistics.median(v[op][1:]))
                  for n, v in secs.items()}
-            emit({"bench": bench, "summary": op, "pass": phase, "page_bytes": PAGE_BYTES,
-                  "layers": LAYERS, "pages": PAGES,
-                  "connector_gib_s": gib_s(total, t["connector"]),
-                  "keyed_%s_gib_s" % base: gib_s(total, t["keyed"]),
-                  "raw_%s_gib_s" % base: gib_s(total, t["raw"]),
-                  "connector_over_keyed": round(t["keyed"] / t["connector"], 3),
-                  "connector_over_raw": round(t["raw"] / t["connector"], 3)})
+            rec = {"bench": bench, "summary": op, "pass": phase, "page_bytes": PAGE_BYTES,
+                   "layers": LAYERS, "pages": PAGES,
+                   "connector_gib_s": gib_s(total, t["connector"]),
+                   "keyed_%s_gib_s" % base: gib_s(total, t["keyed"]),
+                   "raw_%s_gib_s" % base: gib_s(total, t["raw"]),
+                   "connector_over_keyed": round(t["keyed"] / t["connector"], 3),
+                   "connector_over_raw": round(t["raw"] / t["connector"], 3)}
+            for n in forms:
+                if n not in ("connector", "keyed", "raw"):
+                    rec["%s_gib_s" % n] = gib_s(total, t[n])
+                    for other in ("connector", "keyed", "raw"):
+                        rec["%s_over_%s" % (n, other)] = round(t[other] / t[n], 3)
+            emit(rec)

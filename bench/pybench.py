@@ -11,12 +11,13 @@ import sys
 import tempfile
 
 
-def run_in_venv(build: str, name: str, missing_rc: int) -> None:
-    """Re-executes the calling script under BUILD/pyenv's Python unless it already runs there;
-    exits with missing_rc (77: skipped) when there is no such venv. On return the package in
-    the source tree's python/ is importable and KVT_BUILD_ROOT is set."""
-    venv_py = os.path.join(build, "pyenv", "bin", "python")
-    if os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(build, "pyenv")):
+def run_in_venv(build: str, name: str, missing_rc: int, venv: str = "pyenv") -> None:
+    """Re-executes the calling script under BUILD/VENV's Python (BUILD/pyenv unless named)
+    unless it already runs there; exits with missing_rc (77: skipped) when there is no such
+    venv. On return the package in the source tree's python/ is importable and KVT_BUILD_ROOT
+    is set."""
+    venv_py = os.path.join(build, venv, "bin", "python")
+    if os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(build, venv)):
         if not os.access(venv_py, os.X_OK):
             print("%s: no %s (bash scripts/pyenv.sh makes it)" % (name, venv_py), file=sys.stderr)
             sys.exit(missing_rc)
