@@ -164,8 +164,10 @@ int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint
     return rc;
 }
 
-int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                       uint32_t npages, const void *payload, kvt_client_put_t *res)
+/* A chain's PUT of payload (one buffer) or blocks (one per page). */
+static int keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                          uint32_t npages, const void *payload, const void *const *blocks,
+                          kvt_client_put_t *res)
 {
     if (!k)
         return KVT_CLIENT_EINVAL;
@@ -173,15 +175,26 @@ int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_
     int rc = keys_chain_tokens(k, keys, n, &t);
     if (rc < 0)
         return rc;
-    if ((uint64_t)first + npages > n || (npages && !payload)) {
+    if ((uint64_t)first + npages > n || (npages && !payload && !blocks)) {
         free(t);
         return keys_fail(k, KVT_CLIENT_EINVAL, "blocks [%u, +%u) beyond the chain's %u keys", first,
                          npages, n);
     }
     kvt_client_put_t r = {0};
-    rc = kvt_client_put(k->c, t, n * KVT_KEY_TOKENS, first, npages, payload, NULL, res ? res : &r);
+    /* One PUT for the chain rather than one per block: a PUT carries the whole prefix's tokens,
+     * so a PUT per block would send the chain's tokens npages times. */
+    rc = blocks ? kvt_client_putv(k->c, t, n * KVT_KEY_TOKENS, first, npages, blocks, NULL,
+                                  res ? res : &r)
+                : kvt_client_put(k->c, t, n * KVT_KEY_TOKENS, first, npages, payload, NULL,
+                                 res ? res : &r);
     free(t);
     return rc;
+}
+
+int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                       uint32_t npages, const void *payload, kvt_client_put_t *res)
+{
+    return keys_chain_put(k, keys, n, first, npages, payload, NULL, res);
 }
 
 int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
@@ -189,20 +202,10 @@ int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32
 {
     if (!k || (npages && !blocks))
         return KVT_CLIENT_EINVAL;
-    size_t bb = k->block_bytes;
-    if (npages && bb == 0)
+    if (npages && k->block_bytes == 0)
         return keys_fail(k, KVT_CLIENT_EINVAL,
                          "blocks (%u) on an index-only client (block_bytes 0)", npages);
-    /* One PUT of the gathered blocks rather than one per block: a PUT carries the whole prefix's
-     * tokens, so a PUT per block would send the chain's tokens npages times. */
-    uint8_t *p = npages ? malloc(npages * bb) : NULL;
-    if (npages && !p)
-        return KVT_CLIENT_ENOMEM;
-    for (uint32_t i = 0; i < npages; i++)
-        memcpy(p + i * bb, blocks[i], bb);
-    int rc = kvt_keys_chain_put(k, keys, n, first, npages, p, res);
-    free(p);
-    return rc;
+    return keys_chain_put(k, keys, n, first, npages, NULL, npages ? blocks : NULL, res);
 }
 
 int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first, void *buf,

@@ -815,9 +815,36 @@ int kvt_client_abort(kvt_client_t *c, uint64_t id)
  * pages, so that the daemon places them as it places any PUT's. So a PUT of held pages costs one
  * round trip and no payload, and the results add up as one socket PUT's would.
  */
+/* Page i of a PUT's bytes: in one buffer (payload) or one buffer per page (blocks). */
+static const uint8_t *page_at(const kvt_client_t *c, const uint8_t *payload,
+                              const void *const *blocks, uint32_t i)
+{
+    return payload ? payload + (size_t)i * c->block_bytes : (const uint8_t *)blocks[i];
+}
+
+/* put_socket of pages [i, j) of payload or blocks; blocks are gathered into one buffer first. */
+static int put_socket_run(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                          uint32_t first_page, uint32_t i, uint32_t j, const uint8_t *payload,
+                          const void *const *blocks, const kvt_client_hints_t *hints,
+                          kvt_client_put_t *res)
+{
+    if (payload)
+        return put_socket(c, tokens, ntokens, first_page + i, j - i,
+                          payload + (size_t)i * c->block_bytes, hints, res);
+    uint8_t *g = malloc((size_t)(j - i) * c->block_bytes);
+    if (!g)
+        return KVT_ENOMEM;
+    for (uint32_t k = i; k < j; k++)
+        memcpy(g + (size_t)(k - i) * c->block_bytes, blocks[k], c->block_bytes);
+    int rc = put_socket(c, tokens, ntokens, first_page + i, j - i, g, hints, res);
+    free(g);
+    return rc;
+}
+
 static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                       uint32_t first_page, uint32_t npages, const uint8_t *payload,
-                      const kvt_client_hints_t *hints, kvt_client_put_t *res)
+                      const void *const *blocks, const kvt_client_hints_t *hints,
+                      kvt_client_put_t *res)
 {
     void *small[16];
     void **ptrs = npages <= 16 ? small : malloc(npages * sizeof *ptrs);
@@ -847,7 +874,7 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     if (rrc < 0) {
         /* No reservation (ENOSPC: this connection holds max-reservations, or the index is full;
          * or RESERVE's own EINVAL): a socket PUT answers as it would have. */
-        rc = put_socket(c, tokens, ntokens, first_page, npages, payload, hints, res);
+        rc = put_socket_run(c, tokens, ntokens, first_page, 0, npages, payload, blocks, hints, res);
         goto out;
     }
     /* Which unreserved pages must still be sent: those without bytes now. tiers[] is read
@@ -868,7 +895,7 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     if (rv.id) {
         for (uint32_t i = 0; i < npages; i++)
             if (ptrs[i])
-                memcpy(ptrs[i], payload + (size_t)i * c->block_bytes, c->block_bytes);
+                memcpy(ptrs[i], page_at(c, payload, blocks, i), c->block_bytes);
         kvt_client_put_t cr;
         rc = kvt_client_commit(c, rv.id, &cr);
         if (rc == KVT_ENOENT) {
@@ -889,8 +916,7 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         while (j < npages && need[j])
             j++;
         kvt_client_put_t pr;
-        rc = put_socket(c, tokens, ntokens, first_page + i, j - i,
-                        payload + (size_t)i * c->block_bytes, hints, &pr);
+        rc = put_socket_run(c, tokens, ntokens, first_page, i, j, payload, blocks, hints, &pr);
         if (rc == 0) {
             sum.new_pages += pr.new_pages;
             sum.stored += pr.stored;
@@ -917,8 +943,22 @@ int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, ui
     if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
         return KVT_EINVAL;
     if (c->map && npages)
-        return put_mapped(c, tokens, ntokens, first_page, npages, payload, hints, res);
+        return put_mapped(c, tokens, ntokens, first_page, npages, payload, NULL, hints, res);
     return put_socket(c, tokens, ntokens, first_page, npages, payload, hints, res);
+}
+
+int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                    uint32_t npages, const void *const *blocks, const kvt_client_hints_t *hints,
+                    kvt_client_put_t *res)
+{
+    if (!c || (ntokens && !tokens) || (npages && (!blocks || !c->block_bytes)))
+        return KVT_EINVAL;
+    for (uint32_t i = 0; i < npages; i++)
+        if (!blocks[i])
+            return KVT_EINVAL;
+    if (c->map && npages)
+        return put_mapped(c, tokens, ntokens, first_page, npages, NULL, blocks, hints, res);
+    return put_socket_run(c, tokens, ntokens, first_page, 0, npages, NULL, blocks, hints, res);
 }
 
 /* Where a located page lies: a pointer into the DRAM mapping, or an offset into the HBM pool.

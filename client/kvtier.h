@@ -186,6 +186,11 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
 int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
                    uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
                    kvt_client_put_t *res);
+/* The same with one buffer of block_bytes per page (blocks[0 .. npages)). A mapped client copies
+ * each straight into its reserved room; on the socket they are gathered into one PUT first. */
+int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
+                    uint32_t npages, const void *const *blocks, const kvt_client_hints_t *hints,
+                    kvt_client_put_t *res);
 
 /*
  * The KV bytes of pages [first_page, first_page + npages) of a leased path (npages 0: to its
@@ -395,8 +400,9 @@ int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint
  * block_bytes bytes; NULL with npages 0: index only). res may be NULL. As kvt_client_put. */
 int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
                        uint32_t npages, const void *payload, kvt_client_put_t *res);
-/* The same with one pointer per block (blocks[i] holds key first + i's block_bytes bytes); the
- * blocks are gathered into one PUT (one copy). */
+/* The same with one pointer per block (blocks[i] holds key first + i's block_bytes bytes), as
+ * kvt_client_putv: copied each straight into the daemon's memory by a mapped client, gathered
+ * into one PUT (one copy) on the socket. */
 int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
                         uint32_t npages, const void *const *blocks, kvt_client_put_t *res);
 /* Reads the blocks of keys [first, first + cap / block_bytes) of the chain into buf, as far as

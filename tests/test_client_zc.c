@@ -411,6 +411,53 @@ Test(client_zc, put_answers_as_a_socket_put_and_held_pages_send_no_payload)
     kvd_cleanup(&d);
 }
 
+/* kvt_client_putv: one buffer per page, scattered in memory. A mapped client copies each
+ * straight into its reserved room (no PUT frame, no gathering); the socket client gathers them.
+ * Both store the same bytes with the same results. */
+Test(client_zc, putv_blocks_go_straight_into_the_mapping)
+{
+    kvd_t d = {0};
+    zc_start(&d);
+    kvt_client_t *z = zc_client(&d, "zc", 1), *s = zc_client(&d, "sock", 0);
+    cr_assert(kvt_client_zero_copy(z));
+    enum { N = 5 };
+    uint32_t tok[N * PAGE];
+    kvd_tokens(tok, N * PAGE, 900);
+    uint8_t *one[N];
+    const void *blocks[N];
+    for (int i = 0; i < N; i++)
+        blocks[i] = one[i] = block_buf(1, 40 + (uint32_t)i);
+    uint64_t puts = kvd_stat(z, "requests_put");
+    kvt_client_put_t a, b;
+    cr_assert_eq(kvt_client_putv(z, tok, N * PAGE, 0, N, blocks, NULL, &a), 0, "%s",
+                 kvt_client_errmsg(z));
+    cr_assert_eq(kvt_client_putv(s, tok, N * PAGE, 0, N, blocks, NULL, &b), 0);
+    cr_expect(a.pages == b.pages && a.new_pages == b.new_pages && a.stored == N && b.stored == N &&
+                  a.skipped == 0 && b.skipped == 0,
+              "zero-copy %u/%u/%u/%u, socket %u/%u/%u/%u", a.pages, a.new_pages, a.stored,
+              a.skipped, b.pages, b.new_pages, b.stored, b.skipped);
+    cr_expect_eq(kvd_stat(z, "requests_put"), puts + 1, "only the socket client sent a PUT");
+    uint8_t *got = malloc((size_t)N * BB);
+    kvt_client_t *cs[2] = {z, s};
+    for (int k = 0; k < 2; k++) {
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(cs[k], tok, N * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+        cr_assert_eq(m.pages, N);
+        cr_assert_eq(kvt_client_get(cs[k], m.lease, 0, N, got, (size_t)N * BB, NULL, NULL), 0);
+        for (int i = 0; i < N; i++)
+            cr_expect(memcmp(got + (size_t)i * BB, one[i], BB) == 0, "client %d page %d", k, i);
+        kvt_client_release(cs[k], m.lease, NULL);
+    }
+    const void *bad[2] = {one[0], NULL};
+    cr_expect_eq(kvt_client_putv(z, tok, 2 * PAGE, 0, 2, bad, NULL, &a), KVT_CLIENT_EINVAL);
+    free(got);
+    for (int i = 0; i < N; i++)
+        free(one[i]);
+    kvt_client_close(z);
+    kvt_client_close(s);
+    kvd_cleanup(&d);
+}
+
 static int sleepy_block(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
 {
     (void)page, (void)tier, (void)data, (void)len;
