@@ -209,3 +209,60 @@ Test(server_hbm, cuda_full_hbm_demotes_to_dram)
 {
     fill_and_demote("cuda");
 }
+
+typedef struct hbm_locs {
+    uint32_t n, in_hbm;
+    uint64_t pool;
+    int bad;
+} hbm_locs_t;
+
+static int hbm_loc(void *arg, uint32_t page, unsigned tier, const void *host_ptr, uint64_t offset,
+                   uint32_t len, const void *data)
+{
+    hbm_locs_t *l = arg;
+    (void)page;
+    l->n++;
+    if (tier == KVT_CLIENT_TIER_HBM) {
+        l->in_hbm++;
+        /* A location in the device pool: no host pointer, no bytes, inside the pool. */
+        if (host_ptr || data || len != BLK || offset % BLK || offset + len > l->pool)
+            l->bad++;
+    }
+    return 0;
+}
+
+/* A local client that maps the HBM pool (hbm-ipc yes) gets its 64-byte CUDA IPC handle, and a
+ * GET by location answers the HBM pages with offsets in that pool (a client process opens the
+ * handle with cudaIpcOpenMemHandle and copies from there; tier_hbm reads a block that way in a
+ * separate process). */
+Test(server_hbm, cuda_map_hbm_answers_pool_offsets)
+{
+    need_backend("cuda");
+    kvd_t d = {0};
+    kvd_start(&d, "--hbm-backend", "cuda", "--hbm-bytes", "1M", "--dram-bytes", "8M",
+              "--nvme-bytes", "0", "--hbm-ipc", "yes", NULL);
+    kvt_client_conf_t conf = {.unix_path = d.sock,
+                              .model = "m",
+                              .page_size = PAGE,
+                              .block_bytes = BLK,
+                              .timeout_ms = 10000,
+                              .zero_copy = 1};
+    kvt_client_t *c = NULL;
+    cr_assert_eq(kvt_client_connect(&c, &conf), 0);
+    uint8_t handle[64];
+    hbm_locs_t l = {0};
+    cr_assert_eq(kvt_client_map_hbm(c, handle, &l.pool), 0, "%s", kvt_client_errmsg(c));
+    cr_expect_eq(l.pool, 1u << 20);
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 4242);
+    put_prompt(c, tok, 4, 50);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_assert_eq(kvt_client_get_loc(c, m.lease, 0, 4, hbm_loc, &l), 0);
+    cr_expect(l.n == 4 && l.in_hbm == 4 && l.bad == 0, "%u pages, %u in HBM, %d bad", l.n, l.in_hbm,
+              l.bad);
+    kvt_client_release(c, m.lease, NULL);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
