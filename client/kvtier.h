@@ -223,8 +223,9 @@ int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint
  * reservation (0 when nothing was reserved: nothing to commit). Nothing is visible to anyone
  * until kvt_client_commit(id), which stores every reserved page as a PUT would and fills res
  * (stored: pages made visible) if not NULL; kvt_client_abort(id) gives the room back. A
- * reservation not committed within the daemon's reserve-ms, or whose connection closes, is
- * given back by the daemon: its pages stay index-only (KVT_CLIENT_TIER_NONE).
+ * reservation not committed within the daemon's reserve-ms, or whose connection closes, makes
+ * none of its pages visible: they stay index-only (KVT_CLIENT_TIER_NONE); an expired one's
+ * commit answers KVT_CLIENT_ENOENT (its room, kept until then, goes back).
  *
  * The pointers are valid until the commit or abort (the memory is the daemon's after that).
  * Errors: KVT_CLIENT_EINVAL (not mapped; npages 0; pages past the tokens' whole pages),

@@ -325,25 +325,38 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
 
 /* ---- RESERVE and COMMIT ---- */
 
-/* Gives back what a reservation (or a RESERVE that cannot become one) holds: the room in the
- * arena, the policy's hold, the pages' BUSY marks, the pin on the path. Nothing of it was
- * visible: the pages stay index-only. */
-static void resv_give_back(kvt_srv_t *s, kvt__req_t *v)
+/* Lets a reservation's pages go in the index: the policy's hold, the pages' BUSY marks, the pin
+ * on the path. Its room in the arena stays allocated (resv_free_room). */
+static void resv_let_go(kvt_srv_t *s, kvt__req_t *v)
 {
     kvt__landed_t *l = v->extra;
     for (uint32_t i = 0; l && i < v->put.end - v->put.first; i++) {
         if (l[i].held != KVT_TIER_NONE)
             kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, v->block_bytes);
         l[i].held = KVT_TIER_NONE;
-        if (!l[i].started)
-            continue;
-        kvt__block_busy(kvt_radix_block_at(v->node, v->put.first + i), 0);
-        if (l[i].tier != KVT_TIER_NONE)
-            kvt_tier_free(s->tiers[l[i].tier], l[i].loc, l[i].len);
+        if (l[i].started)
+            kvt__block_busy(kvt_radix_block_at(v->node, v->put.first + i), 0);
         l[i].started = 0;
-        l[i].tier = KVT_TIER_NONE;
     }
     kvt__unpin(s, v);
+}
+
+static void resv_free_room(kvt_srv_t *s, kvt__req_t *v)
+{
+    kvt__landed_t *l = v->extra;
+    for (uint32_t i = 0; l && i < v->put.end - v->put.first; i++) {
+        if (l[i].tier != KVT_TIER_NONE)
+            kvt_tier_free(s->tiers[l[i].tier], l[i].loc, l[i].len);
+        l[i].tier = KVT_TIER_NONE;
+    }
+}
+
+/* Gives back all a reservation (or a RESERVE that cannot become one) holds. Nothing of it was
+ * visible: the pages stay index-only. */
+static void resv_give_back(kvt_srv_t *s, kvt__req_t *v)
+{
+    resv_let_go(s, v);
+    resv_free_room(s, v);
 }
 
 /* The connection's reservation id, or NULL; *at its index. */
@@ -363,7 +376,8 @@ static void resv_end(kvt__conn_t *c, size_t i, kvt_resv_outcome_t how)
     c->resv[i] = c->resv[--c->nresv];
     if (how != KVT_RESV_COMMITTED)
         resv_give_back(c->srv, v);
-    kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, how, 1);
+    if (!v->put.expired) /* an expired one was counted when it expired */
+        kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, how, 1);
     kvt__req_free(v);
 }
 
@@ -491,10 +505,17 @@ int kvt__h_commit(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
         return kvt__bad_body(c, h, t0, "COMMIT");
     size_t at;
     kvt__req_t *v = resv_find(c, id, &at);
+    if (v && v->put.expired) {
+        resv_end(c, at, KVT_RESV_EXPIRED); /* its room, kept since it expired, goes now */
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOENT,
+                                "reservation %llu expired after reserve-ms (%u): nothing of it "
+                                "was stored",
+                                (unsigned long long)id, s->conf->reserve_ms);
+    }
     if (!v)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOENT,
                                 "reservation %llu is not held by this connection (never made, "
-                                "committed, given back, or expired after reserve-ms)",
+                                "committed or given back)",
                                 (unsigned long long)id);
     uint32_t reserved = 0;
     for (uint32_t i = 0; i < v->put.end - v->put.first; i++)
@@ -524,19 +545,28 @@ void kvt__resv_drop_all(kvt__conn_t *c)
     c->cap_resv = 0;
 }
 
+/*
+ * A reservation past reserve-ms lets its pages go (not BUSY, not pinned: another PUT may store
+ * them, the policy may evict them), but keeps its room in the arena allocated until the client's
+ * COMMIT or ABORT of it, or its connection's close: a client that is only slow may still be
+ * writing there, and memory reused for another block at once would take its late bytes. The room
+ * stays charged to the DRAM tier meanwhile, at most max-reservations' worth per connection.
+ */
 void kvt__resv_expire(kvt__conn_t *c, uint64_t now)
 {
-    for (size_t i = 0; i < c->nresv;) {
-        if (c->resv[i]->put.resv_expiry > now) {
-            i++;
+    for (size_t i = 0; i < c->nresv; i++) {
+        kvt__req_t *v = c->resv[i];
+        if (v->put.expired || v->put.resv_expiry > now)
             continue;
-        }
         static kvt_log_limit_t lim;
         kvt_log_limited(&lim, KVT_LOG_INFO,
                         "kvtierd: connection %llu: reservation %llu not committed within "
-                        "reserve-ms (%u): given back",
-                        (unsigned long long)c->id, (unsigned long long)c->resv[i]->put.resv,
+                        "reserve-ms (%u): its pages are let go, its room kept until COMMIT, "
+                        "ABORT or close",
+                        (unsigned long long)c->id, (unsigned long long)v->put.resv,
                         c->srv->conf->reserve_ms);
-        resv_end(c, i, KVT_RESV_EXPIRED);
+        resv_let_go(c->srv, v);
+        v->put.expired = 1;
+        kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, KVT_RESV_EXPIRED, 1);
     }
 }

@@ -163,7 +163,8 @@ struct kvt__req {
         uint32_t stored, skipped, new_pages;
         uint8_t reserve;      /* RESERVE: room in the connection's DRAM arena, no payload */
         uint64_t resv;        /* its id, once replied to */
-        uint64_t resv_expiry; /* when it is given back if not committed */
+        uint64_t resv_expiry; /* when its pages are let go if not committed */
+        uint8_t expired;      /* past it: only its room is still held (kvt__resv_expire) */
     } put;
     struct {
         uint32_t cur, end; /* pages [cur, end) left */

@@ -136,6 +136,13 @@ static int zmap_tier(int fd, uint32_t tier, zmap_t *z, char *msg)
     return 0;
 }
 
+/* Where a reserved page lies in the client's mapping. */
+static uint8_t *z_late(zmap_t *z, uint64_t off)
+{
+    cr_assert_leq(off + BB, z->bytes);
+    return z->base + off;
+}
+
 static void zunmap(zmap_t *z)
 {
     munmap(z->base, z->bytes);
@@ -426,9 +433,27 @@ Test(server_zc, abort_foreign_and_expired_reservations, .fini = teardown)
     cr_assert_eq(rr.nlocs, 1);
     kvt_client_t *c = zclient(&d, NULL);
     cr_assert_eq(wait_stat(c, "reservations_expired", 1), 1);
+    /* Expired: its page is let go (another client stores it), but its room stays allocated
+     * until the slow client's COMMIT (or close), so late bytes land nowhere else. */
+    uint64_t room = kvd_stat(c, "dram_used_bytes");
+    cr_expect_gt(room, 0, "an expired reservation's room went at once");
+    uint8_t *pay = malloc(BB);
+    kvd_fill(pay, BB, 99);
+    kvt_client_put_t cp;
+    cr_assert_eq(kvt_client_put(c, t, PAGE, 0, 1, pay, NULL, &cp), 0);
+    cr_expect_eq(cp.stored, 1, "the expired reservation's page is still busy");
+    memset(z_late(&za, off[0]), 0xee, BB); /* the slow client's late write */
     cr_expect_eq(zcommit(a, rr.resv, 0, &p), KVT_ENOENT, "committed after it expired");
     cr_expect_eq(kvd_stat(c, "reservations_aborted"), 1);
-    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), 0);
+    cr_expect_eq(kvd_stat(c, "reservations_expired"), 1, "counted once");
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), room, "the commit gave the room back");
+    kvt_client_match_t cm = {0};
+    uint8_t *got = malloc(BB);
+    cr_assert_eq(kvt_client_match(c, t, PAGE, KVT_CLIENT_LEASE, 0, NULL, &cm), 0);
+    cr_assert_eq(kvt_client_get(c, cm.lease, 0, 1, got, BB, NULL, NULL), 0);
+    cr_expect(memcmp(got, pay, BB) == 0, "the late write reached the stored page");
+    free(got);
+    free(pay);
     kvt_client_close(c);
     zunmap(&za);
     zunmap(&zb);
