@@ -20,6 +20,8 @@
  * that reads the bytes where they lie. Then put_reserve: kvt_client_reserve of the page, a
  * memcpy into its room, kvt_client_commit (the two-step API without put's probe), on new
  * tokens. The first pass of a fresh daemon also pays this process's page faults on the mapping.
+ * get_batch8: kvt_client_get of 8 pages a request, each into its place (one round trip per 8
+ * memcpys out of the mapping, as an engine's load of a prompt's pages).
  * And memcpy: the same bytes copied page by page right after the GETs, in this process (the
  * baseline beside them, under the same load); get_reader: kvt_client_get of the same pages by a
  * second connection with a mapping of its own (another process's reader: its first touch of
@@ -211,6 +213,22 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
                     return fail("get_cb", rc, c);
             }
             emit(impl, "get_cb", block, pages, pass, now_s() - t0);
+            /* GETs of 8 pages a request (a prompt's pages come together: an engine's load asks
+             * for them in one GET): the round trip spread over 8 memcpys out of the mapping. */
+            memset(dst, 0, n);
+            t0 = now_s();
+            for (uint32_t i = 0; i < pages; i += 8) {
+                uint32_t k = pages - i < 8 ? pages - i : 8, got;
+                rc = kvt_client_get(c, m.lease, i, k, dst + (size_t)i * block, (size_t)k * block,
+                                    &got, NULL);
+                if (rc < 0 || got != k)
+                    return fail("get_batch8", rc, c);
+            }
+            emit(impl, "get_batch8", block, pages, pass, now_s() - t0);
+            if (memcmp(src, dst, n) != 0) {
+                fprintf(stderr, "bench_client: an 8-page GET returned other bytes\n");
+                return 1;
+            }
             for (uint32_t i = 0; i < pages; i++)
                 touch_block(&want, i, 0, src + (size_t)i * block, (uint32_t)block);
             if (t.sum != want.sum || t.n != pages) {
