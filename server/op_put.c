@@ -325,38 +325,31 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
 
 /* ---- RESERVE and COMMIT ---- */
 
-/* Lets a reservation's pages go in the index: the policy's hold, the pages' BUSY marks, the pin
- * on the path. Its room in the arena stays allocated (resv_free_room). */
-static void resv_let_go(kvt_srv_t *s, kvt__req_t *v)
+/* Lets page i of a reservation (or of a RESERVE that cannot become one) go in the index: the
+ * policy's hold, its BUSY mark; with free_room, its room in the arena too. */
+static void resv_page_release(kvt_srv_t *s, kvt__req_t *v, uint32_t i, int free_room)
 {
-    kvt__landed_t *l = v->extra;
-    for (uint32_t i = 0; l && i < v->put.end - v->put.first; i++) {
-        if (l[i].held != KVT_TIER_NONE)
-            kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, v->block_bytes);
-        l[i].held = KVT_TIER_NONE;
-        if (l[i].started)
-            kvt__block_busy(kvt_radix_block_at(v->node, v->put.first + i), 0);
-        l[i].started = 0;
+    kvt__landed_t *l = (kvt__landed_t *)v->extra + i;
+    if (l->held != KVT_TIER_NONE)
+        kvt_policy_unhold(s->policy, (kvt_tier_id_t)l->held, v->block_bytes);
+    l->held = KVT_TIER_NONE;
+    if (l->started)
+        kvt__block_busy(kvt_radix_block_at(v->node, v->put.first + i), 0);
+    l->started = 0;
+    if (free_room && l->tier != KVT_TIER_NONE) {
+        kvt_tier_free(s->tiers[l->tier], l->loc, l->len);
+        l->tier = KVT_TIER_NONE;
     }
+}
+
+/* Every page of v released, and the pin on its path. Without free_room (an expired
+ * reservation) its room stays allocated; with it, all v holds is given back and nothing of it
+ * was visible: the pages stay index-only. */
+static void resv_release(kvt_srv_t *s, kvt__req_t *v, int free_room)
+{
+    for (uint32_t i = 0; v->extra && i < v->put.end - v->put.first; i++)
+        resv_page_release(s, v, i, free_room);
     kvt__unpin(s, v);
-}
-
-static void resv_free_room(kvt_srv_t *s, kvt__req_t *v)
-{
-    kvt__landed_t *l = v->extra;
-    for (uint32_t i = 0; l && i < v->put.end - v->put.first; i++) {
-        if (l[i].tier != KVT_TIER_NONE)
-            kvt_tier_free(s->tiers[l[i].tier], l[i].loc, l[i].len);
-        l[i].tier = KVT_TIER_NONE;
-    }
-}
-
-/* Gives back all a reservation (or a RESERVE that cannot become one) holds. Nothing of it was
- * visible: the pages stay index-only. */
-static void resv_give_back(kvt_srv_t *s, kvt__req_t *v)
-{
-    resv_let_go(s, v);
-    resv_free_room(s, v);
 }
 
 /* The connection's reservation id, or NULL; *at its index. */
@@ -375,7 +368,7 @@ static void resv_end(kvt__conn_t *c, size_t i, kvt_resv_outcome_t how)
     kvt__req_t *v = c->resv[i];
     c->resv[i] = c->resv[--c->nresv];
     if (how != KVT_RESV_COMMITTED)
-        resv_give_back(c->srv, v);
+        resv_release(c->srv, v, 1);
     if (!v->put.expired) /* an expired one was counted when it expired */
         kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, how, 1);
     kvt__req_free(v);
@@ -405,7 +398,7 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
             r->status = KVT_ENOMEM;
     }
     if (r->status < 0 || !c || !l) {
-        resv_give_back(s, r);
+        resv_release(s, r, 1);
         free(b);
         free(v);
         if (r->status < 0) {
@@ -427,11 +420,7 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
             continue;
         if (l[i].tier != KVT_TIER_DRAM ||
             kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], seed, l[i].loc, &off) < 0) {
-            if (l[i].held != KVT_TIER_NONE)
-                kvt_policy_unhold(s->policy, (kvt_tier_id_t)l[i].held, r->block_bytes);
-            kvt__block_busy(kvt_radix_block_at(r->node, r->put.first + i), 0);
-            kvt_tier_free(s->tiers[l[i].tier], l[i].loc, l[i].len);
-            l[i] = (kvt__landed_t){.tier = KVT_TIER_NONE, .held = KVT_TIER_NONE};
+            resv_page_release(s, r, i, 1);
             continue;
         }
         kvt_proto_resv_loc_encode(p, r->put.first + i, off);
@@ -441,7 +430,7 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
     kvt_proto_reserve_reply_t rr = {
         .pages = r->pages, .new_pages = r->put.new_pages, .nlocs = nlocs};
     if (nlocs == 0) {
-        resv_give_back(s, r); /* nothing to write: no reservation */
+        resv_release(s, r, 1); /* nothing to write: no reservation */
         free(v);
     } else {
         v->srv = s;
@@ -565,7 +554,7 @@ void kvt__resv_expire(kvt__conn_t *c, uint64_t now)
                         "ABORT or close",
                         (unsigned long long)c->id, (unsigned long long)v->put.resv,
                         c->srv->conf->reserve_ms);
-        resv_let_go(c->srv, v);
+        resv_release(c->srv, v, 0);
         v->put.expired = 1;
         kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, KVT_RESV_EXPIRED, 1);
     }
