@@ -209,6 +209,18 @@ def _rbuf(obj: Buffer) -> Tuple[Any, int]:
     return p, len(p)
 
 
+def _payload(payload: Optional[Buffer], bb: int) -> Tuple[Any, int]:
+    """A PUT's payload as (pointer, pages): NULL and 0 for None or an empty buffer. Raises
+    InvalidArgument for bytes that are not whole blocks of bb."""
+    if payload is None:
+        return ffi.NULL, 0
+    pp, size = _rbuf(payload)
+    if not bb or size % bb:
+        raise InvalidArgument(
+            EINVAL, "payload of %d bytes is not whole blocks of %d bytes" % (size, bb))
+    return (pp if size else ffi.NULL), size // bb
+
+
 def _wbuf(obj: Buffer) -> Tuple[Any, int]:
     """A pointer to a writable buffer's bytes and its size in bytes, without a copy."""
     if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
@@ -441,17 +453,7 @@ class Client(KeysMixin, HintsMixin):
         pages), TypeError (not a buffer), NoSpace, Error for transport failures.
         """
         tp, n = _tokens(tokens)
-        if payload is None:
-            pp, npages = ffi.NULL, 0
-        else:
-            pp, size = _rbuf(payload)
-            bb = self.block_bytes
-            if not bb or size % bb:
-                raise InvalidArgument(
-                    EINVAL, "payload of %d bytes is not whole blocks of %d bytes" % (size, bb))
-            npages = size // bb
-            if npages == 0:
-                pp = ffi.NULL
+        pp, npages = _payload(payload, self.block_bytes)
         res = ffi.new("kvt_client_put_t *")
         h = hints._c() if hints is not None else ffi.NULL
         with self._lock:
@@ -775,16 +777,7 @@ class Batch:
         """Queues a PUT (arguments as Client.put; the payload is copied now); its result is a
         PutResult. Raises InvalidArgument for a payload that is not whole blocks."""
         tp, n = _tokens(tokens)
-        pp, npages = ffi.NULL, 0
-        if payload is not None:
-            pp, size = _rbuf(payload)
-            bb = self._client.block_bytes
-            if not bb or size % bb:
-                raise InvalidArgument(
-                    EINVAL, "payload of %d bytes is not whole blocks of %d bytes" % (size, bb))
-            npages = size // bb
-            if npages == 0:
-                pp = ffi.NULL
+        pp, npages = _payload(payload, self._client.block_bytes)
         res = ffi.new("kvt_client_put_t *")
         h = hints._c() if hints is not None else ffi.NULL
         p = Pending(res, lambda r: PutResult(r.pages, r.new_pages, r.stored, r.skipped))
