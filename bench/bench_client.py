@@ -204,10 +204,10 @@ def main() -> int:
                 if op == "put" and path == "zero_copy":
                     arena = rate("libkvtier_zc", "put_socket_arena", block, warm)
                     rec["libkvtier_zc_vs_socket_into_arena"] = round(lib / arena, 3)
+                if path == "zero_copy" and op in ("get", "put"):  # ops the socket path has
+                    sock = rate("libkvtier", libop, block, warm)
+                    rec["libkvtier_zc_vs_socket"] = round(lib / sock, 3)
                 if path == "zero_copy" and op in ("get", "put", "get_batch8"):
-                    if op != "get_batch8":
-                        sock = rate("libkvtier", libop, block, warm)
-                        rec["libkvtier_zc_vs_socket"] = round(lib / sock, 3)
                     # memcpy in the zero-copy helper's own process right after its GETs
                     beside = rate("libkvtier_zc", "memcpy", block, warm)
                     rec["memcpy_beside_gib_s"] = beside
