@@ -27,7 +27,7 @@ static void find_trace(void)
     /* KVT_TRACE_DIR: meson's `traces` option, set for every test. */
     const char *dir = getenv("KVT_TRACE_DIR");
     snprintf(trace_path, sizeof(trace_path), "%s/mooncake-conversation.jsonl",
-             dir ? dir : "../shared/traces");
+             dir ? dir : "traces");
     if (access(trace_path, R_OK) != 0)
         cr_skip_test("no trace at %s", trace_path);
 }

@@ -1,6 +1,6 @@
 /*
  * test_trace.c: the Mooncake trace reader and the canonical hash-id-to-token mapping, checked
- * against an independent transcription of ../shared/traces/README.md and against the figures
+ * against an independent transcription of traces/README.md and against the figures
  * that README gives for the real traces.
  */
 #include <criterion/criterion.h>
@@ -17,7 +17,7 @@ static char *trace_path(const char *name)
     static char buf[4096];
     /* KVT_TRACE_DIR: meson's `traces` option, set for every test. */
     const char *dir = getenv("KVT_TRACE_DIR");
-    snprintf(buf, sizeof(buf), "%s/%s", dir ? dir : "../shared/traces", name);
+    snprintf(buf, sizeof(buf), "%s/%s", dir ? dir : "traces", name);
     return buf;
 }
 

@@ -1,7 +1,7 @@
 /*
- * trace.h: Mooncake JSONL request traces (../shared/traces/) and the one canonical mapping from
- * their 512-token block hash ids to token ids, so that every replay in the project and outside
- * it sees the same tokens.
+ * trace.h: Mooncake JSONL request traces (traces/ at the repository root, with their notice) and
+ * the one canonical mapping from their 512-token block hash ids to token ids, so that every
+ * replay in the project and outside it sees the same tokens.
  */
 #ifndef KVT_TRACE_H
 #define KVT_TRACE_H
