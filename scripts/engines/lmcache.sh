@@ -4,7 +4,7 @@
 # need, and numpy<=2.2.6 (it runs with the venv's newer numpy). So lmcache goes in with
 # --no-deps and a constraint holding torch at 2.13.0, then exactly what importing its config,
 # metadata, memory management, LocalCPUBackend, storage manager and RemoteConnector needs
-# (../shared/ENGINES.md, tried on this machine):
+# (scripts/engines/README.md, tried on this machine kind):
 #   pyyaml requests cachetools sortedcontainers numba prometheus_client>=0.18,<=0.24.1
 #   py-cpuinfo psutil aiohttp aiofile msgspec pyzmq>=25 transformers>=5.4 cryptography
 #   xxhash>=3.4 blake3>=0.4

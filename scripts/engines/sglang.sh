@@ -4,7 +4,7 @@
 # So sglang goes in with --no-deps and a constraint holding the venv's torch ($torch, default
 # the CPU 2.13.0 of build/pyenv), then exactly what importing its HiCache storage interface
 # (sglang.srt.mem_cache.hicache_storage and .storage.backend_factory) asks for
-# (../shared/ENGINES.md, tried on this machine):
+# (scripts/engines/README.md, tried on this machine kind):
 #   numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec
 #   pydantic_core pyzmq>=25.1.2 tqdm IPython pydantic aiohttp
 # (sglang imports triton when loaded: about 1 GB).

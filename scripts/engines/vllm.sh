@@ -3,7 +3,7 @@
 # torch. vllm pins torch==2.14.0 and a CUDA stack; a plain install would download several GB.
 # So vllm goes in with --no-deps and a constraint holding torch at 2.13.0, then exactly what
 # importing its KV connector interface (vllm.config, vllm.distributed.kv_transfer,
-# vllm.v1.request, vllm.v1.core) needs (../shared/ENGINES.md, tried on this machine), pinned to
+# vllm.v1.request, vllm.v1.core) needs (scripts/engines/README.md, tried on this machine kind), pinned to
 # the versions tested: the packages below (their own dependencies resolved by pip), numpy being
 # the venv's own; and, also --no-deps, xgrammar and apache-tvm-ffi (xgrammar's dependencies pull
 # triton, about 1 GB, which the connector interface does not use).
