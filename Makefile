@@ -1,7 +1,7 @@
 # Thin wrapper over meson: `make run` starts kvtier on embedded defaults (kvtierd's flags in
 # ARGS: make run ARGS="--dram-bytes 2G"), `make test` runs the whole suite. Both install missing
 # Debian packages and build first: make run only what kvtierd needs, make test the test tools too.
-.PHONY: run test build bench format clean
+.PHONY: run test build bench format clean gpu-pack
 
 ARGS ?=
 
@@ -16,6 +16,9 @@ build:
 
 bench: build
 	meson test -C build --benchmark -v
+
+gpu-pack:
+	bash scripts/gpu-pack.sh
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h')
