@@ -1007,6 +1007,21 @@ static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth)
 
 /* ---- create / destroy ----------------------------------------------------------------------- */
 
+int kvt_policy_tune(kvt_policy_t *p, float high, float low, uint32_t nvme_min_hits)
+{
+    if (!p || !(high > 0 && high <= 1 && low > 0 && low <= high))
+        return KVT_EINVAL;
+    for (int i = KVT_TIER_HBM; i < KVT_TIER_COUNT; i++) {
+        kvt_policy_tier_conf_t *tc = &p->c.tiers[i];
+        tc->high = high;
+        tc->low = low;
+        p->high[i] = (uint64_t)((double)p->cap[i] * high);
+        p->low[i] = (uint64_t)((double)p->cap[i] * low);
+    }
+    p->c.nvme_min_hits = nvme_min_hits;
+    return 0;
+}
+
 int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_t *conf)
 {
     if (!out || !t || !conf || (unsigned)conf->kind >= KVT_POLICY_KIND_COUNT || !conf->ops ||

@@ -244,6 +244,14 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
 void kvt_policy_destroy(kvt_policy_t *p); /* NULL is a no-op; frees nothing in the tree */
 
 /*
+ * Changes the knobs a running engine may take (a daemon's reload): the watermarks of every
+ * configured tier (0 < low <= high <= 1) and the hits NVMe
+ * demotion needs. The next kvt_policy_step works to the new marks. Returns 0 or KVT_EINVAL
+ * (nothing changed).
+ */
+int kvt_policy_tune(kvt_policy_t *p, float high, float low, uint32_t nvme_min_hits);
+
+/*
  * Hot path: a request matched m (from kvt_radix_match, best with KVT_MATCH_NOTOUCH when an
  * insert of the same request follows and bumps the tree counters). Updates the engine's
  * counters of the matched blocks, applies hints, and queues a promotion of every matched block

@@ -120,6 +120,9 @@ static const kvt_opt_t kvt_opts[] = {
     {"evict-idle-ms", KVT_OPT_U32, KVT_O(evict_idle_ms), "1000",
      "at max-conns a new connection closes the one idle longest, if idle this long with no "
      "lease and no request; 0 refuses the new one instead"},
+    {"drain-ms", KVT_OPT_U32, KVT_O(drain_ms), "30000",
+     "on SIGUSR1 (drain), the longest the daemon waits for its connections to give back their "
+     "leases and reservations before it shuts down as on SIGTERM (1..3600000)"},
     {"tick-ms", KVT_OPT_U32, KVT_O(tick_ms), "50",
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
@@ -346,6 +349,8 @@ void kvt__conf_usage(FILE *f)
 
 int kvt__conf_args(kvt_srv_conf_t *conf, int argc, char **argv, char *err, size_t errlen)
 {
+    conf->argc = argc; /* for a reload (SIGHUP), which reads the same file and flags again */
+    conf->argv = argv;
     /* The file first, so that every flag overrides it whatever the order on the line. */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -410,12 +415,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen, "bad log-level '%s'", conf->log_level);
         return KVT_EINVAL;
     }
-    kvt_log_set_level(lvl);
     if (conf->log_rate == 0 || conf->log_rate > 1000000) {
         snprintf(err, errlen, "log-rate must be between 1 and 1000000");
         return KVT_EINVAL;
     }
-    kvt_log_set_rate(conf->log_rate);
     if (conf->auth_wait_ms == 0 || conf->auth_wait_ms > 600000) {
         snprintf(err, errlen, "auth-wait-ms must be between 1 and 600000");
         return KVT_EINVAL;
@@ -484,6 +487,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen, "frame-min-rate must be at most 1G (bytes per second)");
         return KVT_EINVAL;
     }
+    if (conf->drain_ms == 0 || conf->drain_ms > 3600000) {
+        snprintf(err, errlen, "drain-ms must be between 1 and 3600000");
+        return KVT_EINVAL;
+    }
     if (conf->tick_ms == 0 || conf->tick_ms > 10000) {
         snprintf(err, errlen, "tick-ms must be between 1 and 10000");
         return KVT_EINVAL;
@@ -513,4 +520,162 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         return KVT_EINVAL;
     }
     return 0;
+}
+
+void kvt__conf_apply_log(const kvt_srv_conf_t *conf)
+{
+    kvt_log_level_t lvl;
+    if (kvt_log_parse_level(conf->log_level, &lvl) == 0) /* kvt__conf_finish checked it */
+        kvt_log_set_level(lvl);
+    kvt_log_set_rate(conf->log_rate);
+}
+
+/* ---- reload (SIGHUP) ---- */
+
+/*
+ * The settings a running daemon takes on a reload: each is read where it is used (a limit
+ * checked per request or per tick, a log setting, the secret an AUTH is checked against) or is
+ * handed to the policy by the caller (policy-high, policy-low, nvme-min-hits). Everything else
+ * sizes or opens something at start (tiers, sockets, the index, the arenas) and needs a restart.
+ */
+static const char *const kvt_reloadable[] = {
+    "log-level",        "log-rate",         "lease-ms",
+    "lease-ms-max",     "reserve-ms",       "max-reservations",
+    "max-leases",       "max-inflight",     "max-output",
+    "max-conns",        "max-client-bytes", "reply-timeout-ms",
+    "hello-timeout-ms", "frame-timeout-ms", "frame-min-rate",
+    "evict-idle-ms",    "tick-ms",          "prefill-tokens-per-s",
+    "policy-high",      "policy-low",       "nvme-min-hits",
+    "secret",           "secret-file",      "auth-failures-per-s",
+    "auth-wait-ms",     "drain-ms",
+};
+
+int kvt__conf_reloadable(const char *name)
+{
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_reloadable); i++)
+        if (!strcmp(kvt_reloadable[i], name))
+            return 1;
+    return 0;
+}
+
+static int opt_equal(const kvt_opt_t *o, const kvt_srv_conf_t *a, const kvt_srv_conf_t *b)
+{
+    const void *x = (const char *)a + o->off, *y = (const char *)b + o->off;
+    switch (o->type) {
+    case KVT_OPT_STR:
+        return !strcmp(*(char *const *)x, *(char *const *)y);
+    case KVT_OPT_BYTES:
+        return *(const uint64_t *)x == *(const uint64_t *)y;
+    case KVT_OPT_U32:
+    case KVT_OPT_MODE:
+        return *(const uint32_t *)x == *(const uint32_t *)y;
+    case KVT_OPT_INT:
+    case KVT_OPT_BOOL:
+        return *(const int *)x == *(const int *)y;
+    case KVT_OPT_DBL:
+        return *(const double *)x == *(const double *)y;
+    }
+    return 1;
+}
+
+static size_t opt_size(const kvt_opt_t *o)
+{
+    switch (o->type) {
+    case KVT_OPT_STR:
+        return sizeof(char *);
+    case KVT_OPT_BYTES:
+        return sizeof(uint64_t);
+    case KVT_OPT_U32:
+    case KVT_OPT_MODE:
+        return sizeof(uint32_t);
+    case KVT_OPT_INT:
+    case KVT_OPT_BOOL:
+        return sizeof(int);
+    case KVT_OPT_DBL:
+        return sizeof(double);
+    }
+    return 0;
+}
+
+/* The value as a person wrote it, for the log: strings as they are (the secret hidden). */
+static void opt_show(const kvt_opt_t *o, const kvt_srv_conf_t *c, char *buf, size_t len)
+{
+    const void *x = (const char *)c + o->off;
+    switch (o->type) {
+    case KVT_OPT_STR:
+        snprintf(buf, len, "\"%s\"", strcmp(o->name, "secret") ? *(char *const *)x : "...");
+        return;
+    case KVT_OPT_BYTES:
+        snprintf(buf, len, "%llu", (unsigned long long)*(const uint64_t *)x);
+        return;
+    case KVT_OPT_U32:
+        snprintf(buf, len, "%u", *(const uint32_t *)x);
+        return;
+    case KVT_OPT_MODE:
+        snprintf(buf, len, "%03o", *(const uint32_t *)x);
+        return;
+    case KVT_OPT_INT:
+    case KVT_OPT_BOOL:
+        snprintf(buf, len, "%d", *(const int *)x);
+        return;
+    case KVT_OPT_DBL:
+        snprintf(buf, len, "%g", *(const double *)x);
+        return;
+    }
+}
+
+int kvt__conf_reload(kvt_srv_conf_t *cur, char *err, size_t errlen)
+{
+    kvt_srv_conf_t next;
+    int rc = kvt__conf_defaults(&next);
+    if (rc < 0)
+        return rc;
+    rc = kvt__conf_args(&next, cur->argc, cur->argv, err, errlen);
+    if (rc == 0)
+        rc = kvt__conf_finish(&next, err, errlen);
+    if (rc != 0) {
+        kvt__conf_free(&next);
+        return rc < 0 ? rc : KVT_EINVAL;
+    }
+    /* Strings first, into fresh copies, so that running out of memory changes nothing. */
+    char *fresh[KVT_ARRAY_LEN(kvt_opts)] = {0};
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_opts); i++) {
+        const kvt_opt_t *o = &kvt_opts[i];
+        if (o->type != KVT_OPT_STR || !kvt__conf_reloadable(o->name) || opt_equal(o, cur, &next))
+            continue;
+        fresh[i] = strdup(*(char **)((char *)&next + o->off));
+        if (!fresh[i]) {
+            for (size_t j = 0; j < i; j++)
+                free(fresh[j]);
+            kvt__conf_free(&next);
+            return KVT_ENOMEM;
+        }
+    }
+    int changed = 0;
+    for (size_t i = 0; i < KVT_ARRAY_LEN(kvt_opts); i++) {
+        const kvt_opt_t *o = &kvt_opts[i];
+        if (opt_equal(o, cur, &next))
+            continue;
+        char was[96], now[96];
+        opt_show(o, cur, was, sizeof was);
+        opt_show(o, &next, now, sizeof now);
+        if (!kvt__conf_reloadable(o->name)) {
+            kvt_log(KVT_LOG_WARN, "kvtierd: reload: %s changed to %s but needs a restart: still %s",
+                    o->name, now, was);
+            continue;
+        }
+        void *dst = (char *)cur + o->off;
+        const void *src = (const char *)&next + o->off;
+        if (o->type == KVT_OPT_STR) {
+            free(*(char **)dst);
+            *(char **)dst = fresh[i];
+        } else {
+            memcpy(dst, src, opt_size(o));
+        }
+        kvt_log(KVT_LOG_INFO, "kvtierd: reload: %s %s -> %s", o->name, was, now);
+        changed++;
+    }
+    kvt__conf_free(&next);
+    kvt__conf_apply_log(cur);
+    return changed;
 }

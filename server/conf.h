@@ -56,6 +56,7 @@ typedef struct kvt_srv_conf {
     uint64_t frame_min_rate;   /* ... this many bytes per second */
     uint32_t evict_idle_ms;    /* at max-conns, a connection idle this long may make room */
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
+    uint32_t drain_ms;         /* SIGUSR1: the longest a drain waits before shutting down */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
      * the daemon does with them today. */
@@ -72,6 +73,8 @@ typedef struct kvt_srv_conf {
     uint32_t auth_failures_per_s; /* wrong AUTHs answered a second, all connections; 0: no limit */
     uint32_t auth_wait_ms;        /* the longest an AUTH answer waits for that rate */
     char *config;                 /* the file that was read, if any */
+    int argc;                     /* the command line kvt__conf_args read (main's, borrowed), */
+    char **argv;                  /* read again by kvt__conf_reload */
 } kvt_srv_conf_t;
 
 /* Fills conf with the embedded defaults (strings are malloc'ed). Returns 0 or KVT_ENOMEM. */
@@ -93,5 +96,21 @@ int kvt__conf_args(kvt_srv_conf_t *conf, int argc, char **argv, char *err, size_
 void kvt__conf_usage(FILE *f);
 /* Final checks after everything is applied (secret file read, ranges). */
 int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen);
+
+/* Sets the process's log level and rate from conf (after kvt__conf_finish checked them). */
+void kvt__conf_apply_log(const kvt_srv_conf_t *conf);
+
+/* 1 when the setting `name` can change while the daemon runs (kvt__conf_reload applies it). */
+int kvt__conf_reloadable(const char *name);
+
+/*
+ * SIGHUP: reads the settings again as at start (embedded defaults, the --config file, then the
+ * flags of cur->argv) and checks them. When they are valid, every reloadable setting that
+ * changed is copied into cur (logged at info) and each other one that changed is logged as
+ * needing a restart (cur keeps it); the log settings are applied. Returns the number of
+ * settings changed, or a negative code with err filled (a missing file, a bad value) and cur
+ * unchanged. The caller hands the policy's knobs on (kvt_policy_tune).
+ */
+int kvt__conf_reload(kvt_srv_conf_t *cur, char *err, size_t errlen);
 
 #endif

@@ -110,8 +110,10 @@ static void http_route(kvt_srv_t *s, kvt_http_conn_t *h)
         http_respond(h, "200 OK", "text/plain; version=0.0.4; charset=utf-8", body, head ? 0 : len);
         free(body);
     } else if (!strcmp(path, "/healthz") && (get || head)) {
-        const char *msg = s->stopping ? "stopping\n" : "ok\n";
-        http_respond(h, s->stopping ? "503 Service Unavailable" : "200 OK", "text/plain", msg,
+        /* A load balancer or an engine's health check stops sending here while it drains. */
+        const char *msg = s->stopping ? "stopping\n" : s->draining ? "draining\n" : "ok\n";
+        int down = s->stopping || s->draining;
+        http_respond(h, down ? "503 Service Unavailable" : "200 OK", "text/plain", msg,
                      head ? 0 : strlen(msg));
     } else if (!strcmp(path, "/metrics") || !strcmp(path, "/healthz")) {
         http_respond(h, "405 Method Not Allowed", "text/plain", "GET only\n", 9);

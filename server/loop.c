@@ -1,9 +1,12 @@
 /*
  * loop.c: the daemon's skeleton and its one event loop. It owns the epoll set, the listening
- * sockets (Unix and TCP), the signalfd for SIGTERM/SIGINT/SIGHUP (blocked from the start of
- * main: kvt__srv_block_signals), the tier descriptors, the periodic tick (lease expiry, gauges)
- * and the orderly shutdown: stop accepting, fail nothing that can still finish within the grace
- * period, flush replies, remove the socket file.
+ * sockets (Unix and TCP), the signalfd for SIGTERM/SIGINT/SIGHUP/SIGUSR1 (blocked from the
+ * start of main: kvt__srv_block_signals), the tier descriptors, the periodic tick (lease expiry,
+ * gauges), the reload of the settings on SIGHUP, and the two ways out: the orderly shutdown
+ * (SIGTERM, SIGINT: stop accepting, fail nothing that can still finish within the grace period,
+ * flush replies, remove the socket file) and the drain for rolling restarts (SIGUSR1: stop
+ * accepting, keep serving every connection that holds a lease, a reservation or a request, close
+ * each one as soon as it holds none, exit when none is left or drain-ms has passed).
  */
 #include "server.h"
 
@@ -24,6 +27,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
@@ -96,16 +100,113 @@ static void on_tcp(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     kvt__conn_accept(s, ev->fd, 1);
 }
 
+void kvt__srv_notify(const char *state)
+{
+    const char *path = getenv("NOTIFY_SOCKET");
+    struct sockaddr_un sun = {.sun_family = AF_UNIX};
+    size_t len = path ? strlen(path) : 0;
+    if (len < 2 || len >= sizeof sun.sun_path || (path[0] != '/' && path[0] != '@'))
+        return;
+    memcpy(sun.sun_path, path, len);
+    if (path[0] == '@')
+        sun.sun_path[0] = 0; /* an abstract socket */
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return;
+    socklen_t sl = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len);
+    if (sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&sun, sl) < 0)
+        kvt_log(KVT_LOG_DEBUG, "kvtierd: notify %s: %s", state, strerror(errno));
+    close(fd);
+}
+
+/* SIGHUP: the settings read again (server/conf.c says which can change while running). */
+static void reload(kvt_srv_t *s)
+{
+    char err[512] = "";
+    kvt__srv_notify("RELOADING=1");
+    int rc = kvt__conf_reload(s->conf, err, sizeof err);
+    if (rc < 0) {
+        kvt_log(KVT_LOG_ERROR, "kvtierd: reload refused, nothing changed: %s",
+                err[0] ? err : kvt_strerror(rc));
+        kvt__metric_add(s->metrics, KVT_M_CONFIG_RELOAD_FAILURES, 0, 1);
+    } else {
+        if (s->policy)
+            kvt_policy_tune(s->policy, (float)s->conf->policy_high, (float)s->conf->policy_low,
+                            s->conf->nvme_min_hits);
+        kvt_log(KVT_LOG_INFO, "kvtierd: reload: %d setting%s changed", rc, rc == 1 ? "" : "s");
+        kvt__metric_add(s->metrics, KVT_M_CONFIG_RELOADS, 0, 1);
+    }
+    kvt__srv_notify("READY=1");
+}
+
+static void close_listeners(kvt_srv_t *s)
+{
+    if (s->unix_ev.fd >= 0) {
+        kvt__ev_del(s, &s->unix_ev);
+        close(s->unix_ev.fd);
+        s->unix_ev.fd = -1;
+    }
+    if (s->tcp_ev.fd >= 0) {
+        kvt__ev_del(s, &s->tcp_ev);
+        close(s->tcp_ev.fd);
+        s->tcp_ev.fd = -1;
+    }
+}
+
+/* A connection the drain may close: it holds nothing a client is still using. */
+static int conn_quiet(const kvt__conn_t *c)
+{
+    return !c->nleases && !c->nresv && !c->inflight && !c->head && !c->in_len;
+}
+
+static int busy(const kvt_srv_t *s);
+
+/* One drain step (each tick): returns 1 when the daemon may exit. */
+static int drain_step(kvt_srv_t *s, uint64_t now)
+{
+    kvt__conn_t *next;
+    for (kvt__conn_t *c = s->clients.list; c; c = next) {
+        next = c->next; /* the kick frees a quiet connection */
+        if (!c->closing && conn_quiet(c)) {
+            c->closing = 1;
+            kvt__conn_kick(c);
+        }
+    }
+    if (!s->clients.n && !busy(s)) {
+        kvt_log(KVT_LOG_INFO, "kvtierd: drained: no connection left");
+        return 1;
+    }
+    if (now >= s->drain_until_ns) {
+        kvt_log(KVT_LOG_WARN,
+                "kvtierd: drain-ms passed with %u connection%s left: shutting down (their "
+                "leases are released)",
+                s->clients.n, s->clients.n == 1 ? "" : "s");
+        s->stopping = 1;
+    }
+    return 0;
+}
+
 static void on_signal(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     struct signalfd_siginfo si;
     while (read(ev->fd, &si, sizeof si) == sizeof si) {
         if (si.ssi_signo == SIGHUP) {
-            /* Its default would end the daemon without a clean shutdown when the terminal it was
-             * started from goes away; there is nothing to reload (settings are read at start,
-             * logs go to stderr). */
-            kvt_log(KVT_LOG_INFO, "kvtierd: SIGHUP received: ignored (restart to change settings)");
+            s->reload = 1; /* on the loop's next turn, outside any handler */
+            continue;
+        }
+        if (si.ssi_signo == SIGUSR1) {
+            if (!s->draining && !s->stopping) {
+                kvt_log(KVT_LOG_INFO,
+                        "kvtierd: SIGUSR1 received, draining: no new connections; each one closes "
+                        "once it holds no lease, reservation or request (at most %u ms)",
+                        s->conf->drain_ms);
+                s->draining = 1;
+                kvt__metric_set(s->metrics, KVT_M_DRAINING, 0, 1);
+                s->drain_until_ns = kvt_now_ns() + (uint64_t)s->conf->drain_ms * 1000000ull;
+                close_listeners(s);
+                kvt__srv_notify("STOPPING=1");
+            }
             continue;
         }
         if (!s->stopping)
@@ -121,6 +222,7 @@ static void signal_set(sigset_t *set)
     sigaddset(set, SIGTERM);
     sigaddset(set, SIGINT);
     sigaddset(set, SIGHUP);
+    sigaddset(set, SIGUSR1);
 }
 
 int kvt__srv_block_signals(void)
@@ -303,17 +405,9 @@ int kvt__srv_run(kvt_srv_t *s)
         if (s->stopping) {
             if (!stop_at) {
                 stop_at = now + KVT_GRACE_NS;
+                kvt__srv_notify("STOPPING=1");
                 /* No new connections, no new requests; what is in flight may finish. */
-                if (s->unix_ev.fd >= 0) {
-                    kvt__ev_del(s, &s->unix_ev);
-                    close(s->unix_ev.fd);
-                    s->unix_ev.fd = -1;
-                }
-                if (s->tcp_ev.fd >= 0) {
-                    kvt__ev_del(s, &s->tcp_ev);
-                    close(s->tcp_ev.fd);
-                    s->tcp_ev.fd = -1;
-                }
+                close_listeners(s);
                 kvt__conn_t *next;
                 for (kvt__conn_t *c = s->clients.list; c; c = next) {
                     next = c->next; /* the kick frees an idle connection */
@@ -331,7 +425,13 @@ int kvt__srv_run(kvt_srv_t *s)
                 return 0;
             }
         }
+        if (s->reload) {
+            s->reload = 0;
+            reload(s);
+        }
         if (now >= next_tick) {
+            if (s->draining && !s->stopping && drain_step(s, now))
+                return 0;
             kvt__conns_tick(s, now);
             kvt__http_tick(s, now);
             kvt__auth_tick(s, now);

@@ -1,8 +1,9 @@
 /*
  * main.c: kvtierd's entry point. It reads the settings (embedded defaults, then --config FILE,
- * then flags), opens the daemon, prints the addresses it serves, runs the loop until SIGTERM or
- * SIGINT, and maps the outcome to an exit status:
- *   0   clean shutdown after a signal
+ * then flags), opens the daemon, prints the addresses it serves (and tells systemd it is ready
+ * when started as a Type=notify service), runs the loop until SIGTERM or SIGINT or the end of a
+ * drain (SIGUSR1), and maps the outcome to an exit status:
+ *   0   clean shutdown after a signal, or a drain finished
  *   64  bad command line or configuration (EX_USAGE)
  *   69  a tier or socket could not be set up (EX_UNAVAILABLE: port in use, disk full, ...)
  *   70  the loop failed (EX_SOFTWARE)
@@ -32,10 +33,11 @@ int main(int argc, char **argv)
 {
     /* Before anything else: libraries start threads of their own (the CUDA runtime does while
      * the HBM tier opens, and the DRAM tier's pinning asks it first), and each inherits the mask
-     * of the thread that starts it. Blocked from here on, SIGTERM, SIGINT and SIGHUP reach only
-     * the loop's signalfd; one that arrives during start-up waits there (server/loop.c). */
+     * of the thread that starts it. Blocked from here on, SIGTERM, SIGINT, SIGHUP and SIGUSR1
+     * reach only the loop's signalfd; one that arrives during start-up waits there
+     * (server/loop.c). */
     if (kvt__srv_block_signals() < 0) {
-        fprintf(stderr, "kvtierd: cannot block SIGTERM, SIGINT and SIGHUP\n");
+        fprintf(stderr, "kvtierd: cannot block SIGTERM, SIGINT, SIGHUP and SIGUSR1\n");
         return 70;
     }
     kvt_srv_conf_t conf;
@@ -56,6 +58,7 @@ int main(int argc, char **argv)
         kvt__conf_free(&conf);
         return 64;
     }
+    kvt__conf_apply_log(&conf);
     const char *thp = NULL;
     size_t sz = sizeof thp;
     if (mallctl("opt.thp", &thp, &sz, NULL, 0) == 0 && thp)
@@ -78,6 +81,7 @@ int main(int argc, char **argv)
         printf("metrics http://%s/metrics\n", s->http_addr);
     printf("ready\n");
     fflush(stdout);
+    kvt__srv_notify("READY=1");
     rc = kvt__srv_run(s);
     kvt__srv_close(s);
     kvt__conf_free(&conf);

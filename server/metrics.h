@@ -170,6 +170,12 @@ typedef enum {
     X(POLICY_INDEX_DROPS, COUNTER, "kvtier_policy_index_drops_total",                              \
       "Pages holding bytes dropped to keep the index under index-bytes.", NONE)                    \
     X(UPTIME, GAUGE, "kvtier_uptime_seconds", "Seconds since the daemon started.", NONE)           \
+    X(CONFIG_RELOADS, COUNTER, "kvtier_config_reloads_total",                                      \
+      "Reloads of the settings (SIGHUP) that were applied.", NONE)                                 \
+    X(CONFIG_RELOAD_FAILURES, COUNTER, "kvtier_config_reload_failures_total",                      \
+      "Reloads refused, the settings left as they were: a bad value, an unreadable file.", NONE)   \
+    X(DRAINING, GAUGE, "kvtier_draining",                                                          \
+      "1 while the daemon drains for a restart (SIGUSR1): it accepts no new connection.", NONE)    \
     X(REMOTE_CONNECTS, COUNTER, "kvtier_remote_connects_total",                                    \
       "Connections to the remote server that completed their handshake.", NONE)                    \
     X(REMOTE_DISCONNECTS, COUNTER, "kvtier_remote_disconnects_total",                              \

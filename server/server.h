@@ -337,7 +337,10 @@ struct kvt_srv {
     uint64_t resv_next;      /* the next zero-copy reservation's id */
     uint64_t inflight;       /* tier I/Os in flight, all connections */
     int stopping;
-    int reqs_waiting; /* a PREFETCH or REMOVE may be waiting for others' moves */
+    int reload;              /* SIGHUP came: the loop reads the settings again */
+    int draining;            /* SIGUSR1 came: no new connections, quiet ones closed (loop.c) */
+    uint64_t drain_until_ns; /* then the ordinary shutdown, whatever is left */
+    int reqs_waiting;        /* a PREFETCH or REMOVE may be waiting for others' moves */
     uint64_t started_ns;
     kvt__clients_t clients;
     kvt__lease_index_t leases;
@@ -356,6 +359,9 @@ struct kvt_srv {
 int kvt__srv_block_signals(void);
 int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf);
 int kvt__srv_run(kvt_srv_t *s);
+/* Tells systemd (Type=notify) the daemon's state when $NOTIFY_SOCKET names its socket:
+ * "READY=1", "RELOADING=1", "STOPPING=1". Does nothing otherwise; failures are ignored. */
+void kvt__srv_notify(const char *state);
 void kvt__srv_close(kvt_srv_t *s);
 /* ev.c: the epoll set's registrations. */
 int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);

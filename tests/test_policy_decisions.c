@@ -248,6 +248,32 @@ Test(policy_decisions, watermarks_bound_the_steady_state)
     stop();
 }
 
+/* A daemon's reload hands new watermarks to the running engine: its next step works to them. */
+Test(policy_decisions, tuned_watermarks_take_effect_at_the_next_step)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 10, 100, 0);
+    start(&c); /* marks at 1.0: the tier may fill */
+    uint32_t *a = seq(36, 1000);
+    request(a, 36, NULL); /* 9 pages, all in HBM */
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.used[KVT_TIER_HBM], 9 * PAGE);
+    cr_assert_eq(kvt_policy_tune(pol, 0.5f, 0.8f, 0), KVT_EINVAL, "low above high");
+    cr_assert_eq(kvt_policy_tune(pol, 1.5f, 0.5f, 0), KVT_EINVAL, "high above 1");
+    cr_assert_eq(kvt_policy_tune(NULL, 0.8f, 0.5f, 0), KVT_EINVAL);
+    cr_assert_geq(kvt_policy_step(pol, 0), 0);
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.used[KVT_TIER_HBM], 9 * PAGE, "a refused tune changed nothing");
+    cr_assert_eq(kvt_policy_tune(pol, 0.8f, 0.5f, 0), 0);
+    cr_assert_geq(kvt_policy_step(pol, 0), 0);
+    check();
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.used[KVT_TIER_HBM], 5 * PAGE, "brought down to the new low mark");
+    cr_assert_eq(st.used[KVT_TIER_DRAM], 4 * PAGE);
+    free(a);
+    stop();
+}
+
 Test(policy_decisions, promote_a_hit_in_a_lower_tier)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);

@@ -626,7 +626,7 @@ Test(server_e2e, restart_recovers_nvme)
     kvt_client_put_t r;
     put_pages(c, tok, 6 * PAGE, 0, 6, BB, 77, &r);
     cr_expect_eq(r.stored, 6);
-    /* A SIGHUP (the terminal went away) is ignored: the daemon serves on. */
+    /* A SIGHUP (a reload, or the terminal went away) leaves the daemon serving. */
     cr_assert_eq(kill(d.pid, SIGHUP), 0);
     usleep(50000);
     cr_expect_eq(kvt_client_ping(c, NULL), 0, "serving after SIGHUP");

@@ -1,9 +1,9 @@
 /*
  * test_server_signals.c: kvtierd's signals on every thread it has. The daemon takes SIGTERM,
- * SIGINT and SIGHUP through its loop's signalfd, which works only while no thread of the process
- * leaves them open: the kernel hands a process-directed signal to any thread that does not block
- * it, and its default action then ends the whole process with no clean shutdown. Libraries start
- * threads of their own (the CUDA runtime does while the HBM tier opens), so the daemon blocks
+ * SIGINT, SIGHUP and SIGUSR1 through its loop's signalfd, which works only while no thread of the
+ * process leaves them open: the kernel hands a process-directed signal to any thread that does not
+ * block it, and its default action then ends the whole process with no clean shutdown. Libraries
+ * start threads of their own (the CUDA runtime does while the HBM tier opens), so the daemon blocks
  * the three signals first thing in main. These tests read every thread's SigBlk from
  * /proc/PID/task/TID/status of a daemon with every tier this machine can give it (a GPU's only
  * where one is usable: without one the daemon has a single thread, and the check is there for
@@ -20,8 +20,8 @@
 /* Bit n-1 of SigBlk is signal n. */
 #define SIGMASK(sig) (1ull << ((sig)-1))
 
-/* Checks that every thread of pid blocks SIGTERM, SIGINT and SIGHUP; returns how many threads
- * it has. A status without a SigBlk line fails: a check that cannot see the mask proves
+/* Checks that every thread of pid blocks SIGTERM, SIGINT, SIGHUP and SIGUSR1; returns how many
+ * threads it has. A status without a SigBlk line fails: a check that cannot see the mask proves
  * nothing. */
 static int check_threads_block(pid_t pid)
 {
@@ -51,11 +51,13 @@ static int check_threads_block(pid_t pid)
         }
         fclose(f);
         cr_assert(found, "%s has no SigBlk line: the thread's mask cannot be checked", st);
-        unsigned long long want = SIGMASK(SIGTERM) | SIGMASK(SIGINT) | SIGMASK(SIGHUP);
-        cr_expect_eq(blk & want, want,
-                     "thread %s (%s) leaves SIGTERM, SIGINT or SIGHUP open (SigBlk %016llx): "
-                     "one sent to the daemon may end it by its default action",
-                     e->d_name, name, blk);
+        unsigned long long want =
+            SIGMASK(SIGTERM) | SIGMASK(SIGINT) | SIGMASK(SIGHUP) | SIGMASK(SIGUSR1);
+        cr_expect_eq(
+            blk & want, want,
+            "thread %s (%s) leaves SIGTERM, SIGINT, SIGHUP or SIGUSR1 open (SigBlk %016llx): "
+            "one sent to the daemon may end it by its default action",
+            e->d_name, name, blk);
         fprintf(stderr, "kvtierd thread %s (%s): SigBlk %016llx\n", e->d_name, name, blk);
         threads++;
     }
@@ -77,7 +79,8 @@ static void check_and_stop(kvd_t *d, const char *what)
     cr_expect_eq(r.stored, 4);
     cr_expect_eq(kvt_client_ping(c, NULL), 0);
     int n = check_threads_block(d->pid);
-    fprintf(stderr, "%s: kvtierd runs %d thread(s), each blocking SIGTERM, SIGINT and SIGHUP\n",
+    fprintf(stderr,
+            "%s: kvtierd runs %d thread(s), each blocking SIGTERM, SIGINT, SIGHUP and SIGUSR1\n",
             what, n);
     kvt_client_close(c);
     int rc = kvd_stop(d);
