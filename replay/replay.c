@@ -18,6 +18,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "config.h" /* KVT_SOURCE_ROOT, KVT_BENCHDIR: where the plotter is */
 #include "policy.h"
 #include "radix.h"
 #include "trace.h"
@@ -27,6 +31,7 @@
 #define NEVER      UINT32_MAX
 #define OWNER      1
 #define REMOTE_PCT 30.0
+#define NWIN       48 /* windows of the timeline (--plot, --timeline) */
 
 typedef struct opts {
     kvt_policy_kind_t kinds[KVT_POLICY_KIND_COUNT];
@@ -47,6 +52,10 @@ typedef struct opts {
     int progress;
     int verify;
     uint64_t seed;
+    int timeline;   /* each result carries its hit ratio per tier per time window */
+    int sweep_tier; /* --sweep TIER=A..B: that tier's capacity doubles from A to B */
+    double sweep_from, sweep_to;
+    int sweep_bytes; /* A and B are bytes (else percentages) */
 } opts_t;
 
 /* Future knowledge of one trace, computed once. */
@@ -79,6 +88,10 @@ typedef struct result {
     uint64_t miss_tokens, input_tokens;
     kvt_policy_stats_t st;
     double total_s, p50_s, p99_s, no_cache_s, wall_s;
+    /* The timeline: the replayed span cut into NWIN windows of trace time. */
+    double win_s;
+    uint64_t win_in[NWIN];
+    uint64_t win_hit[NWIN][KVT_TIER_COUNT];
 } result_t;
 
 /* ---- executor ------------------------------------------------------------------------------- */
@@ -325,6 +338,11 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
                    result_t *res)
 {
     memset(res->hit_tokens, 0, sizeof(res->hit_tokens));
+    memset(res->win_in, 0, sizeof(res->win_in));
+    memset(res->win_hit, 0, sizeof(res->win_hit));
+    uint64_t ts0 = nreq ? tr->reqs[0].timestamp_ms : 0;
+    uint64_t span = nreq ? tr->reqs[nreq - 1].timestamp_ms - ts0 + 1 : 1;
+    res->win_s = (double)span / 1000.0 / NWIN;
     res->kind = kind;
     res->hint_acc = hint_acc;
     res->requests = nreq;
@@ -417,13 +435,16 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
         kvt_path_iter_t it;
         kvt_path_iter_init(&it, m.node, m.node_pages);
         kvt_block_t *b;
+        size_t w = (size_t)((r->timestamp_ms - ts0) * NWIN / span);
         while ((b = kvt_path_iter_next(&it, NULL))) {
             if (b->tier == KVT_TIER_NONE)
                 break;
             tier_bytes[b->tier] += b->size;
             res->hit_tokens[b->tier] += ps;
+            res->win_hit[w][b->tier] += ps;
             hit_pages++;
         }
+        res->win_in[w] += n;
         double req_s = 0;
         for (int ti = KVT_TIER_HBM; ti < KVT_TIER_COUNT; ti++)
             req_s += kvt_cost_load_s(&o->hw, (kvt_tier_id_t)ti, tier_bytes[ti]);
@@ -506,35 +527,35 @@ out:
 
 /* ---- report --------------------------------------------------------------------------------- */
 
-static void print_result(const result_t *r, const result_t *lru, const result_t *oracle,
+static void print_result(FILE *f, const result_t *r, const result_t *lru, const result_t *oracle,
                          const opts_t *o)
 {
     static const char *const tn[KVT_TIER_COUNT] = {"none", "hbm", "dram", "nvme", "remote"};
-    printf("{\"trace\":\"%s\",\"config\":\"%s\",\"policy\":\"%s\"", r->trace, r->config,
-           kvt_policy_kind_name(r->kind));
+    fprintf(f, "{\"trace\":\"%s\",\"config\":\"%s\",\"policy\":\"%s\"", r->trace, r->config,
+            kvt_policy_kind_name(r->kind));
     if (r->hint_acc >= 0)
-        printf(",\"hint_accuracy\":%.2f", r->hint_acc);
-    printf(",\"model\":\"%s\",\"hw\":\"%s\",\"page_size\":%u,\"requests\":%llu", o->model.name,
-           o->hw.name, o->page_size, (unsigned long long)r->requests);
-    printf(",\"capacity_tokens\":{");
+        fprintf(f, ",\"hint_accuracy\":%.2f", r->hint_acc);
+    fprintf(f, ",\"model\":\"%s\",\"hw\":\"%s\",\"page_size\":%u,\"requests\":%llu", o->model.name,
+            o->hw.name, o->page_size, (unsigned long long)r->requests);
+    fprintf(f, ",\"capacity_tokens\":{");
     for (int t = 1, first = 1; t < KVT_TIER_COUNT; t++) {
-        printf("%s\"%s\":%llu", first ? "" : ",", tn[t], (unsigned long long)r->cap_tokens[t]);
+        fprintf(f, "%s\"%s\":%llu", first ? "" : ",", tn[t], (unsigned long long)r->cap_tokens[t]);
         first = 0;
     }
-    printf("},\"capacity_bytes\":{");
+    fprintf(f, "},\"capacity_bytes\":{");
     for (int t = 1; t < KVT_TIER_COUNT; t++)
-        printf("%s\"%s\":%llu", t > 1 ? "," : "", tn[t], (unsigned long long)r->cap_bytes[t]);
-    printf("},\"input_tokens\":%llu,\"hit_tokens\":{", (unsigned long long)r->input_tokens);
+        fprintf(f, "%s\"%s\":%llu", t > 1 ? "," : "", tn[t], (unsigned long long)r->cap_bytes[t]);
+    fprintf(f, "},\"input_tokens\":%llu,\"hit_tokens\":{", (unsigned long long)r->input_tokens);
     for (int t = 1; t < KVT_TIER_COUNT; t++)
-        printf("%s\"%s\":%llu", t > 1 ? "," : "", tn[t], (unsigned long long)r->hit_tokens[t]);
-    printf("},\"miss_tokens\":%llu,\"moved_bytes\":{", (unsigned long long)r->miss_tokens);
+        fprintf(f, "%s\"%s\":%llu", t > 1 ? "," : "", tn[t], (unsigned long long)r->hit_tokens[t]);
+    fprintf(f, "},\"miss_tokens\":%llu,\"moved_bytes\":{", (unsigned long long)r->miss_tokens);
     int first = 1;
     for (int a = 1; a < KVT_TIER_COUNT; a++) {
         for (int b = 1; b < KVT_TIER_COUNT; b++) {
             if (a == b || (!r->cap_tokens[a] || !r->cap_tokens[b]))
                 continue;
-            printf("%s\"%s->%s\":%llu", first ? "" : ",", tn[a], tn[b],
-                   (unsigned long long)r->st.moved_bytes[a][b]);
+            fprintf(f, "%s\"%s->%s\":%llu", first ? "" : ",", tn[a], tn[b],
+                    (unsigned long long)r->st.moved_bytes[a][b]);
             first = 0;
         }
     }
@@ -544,35 +565,49 @@ static void print_result(const result_t *r, const result_t *lru, const result_t 
     uint64_t dropped = 0;
     for (int t = 1; t < KVT_TIER_COUNT; t++)
         dropped += r->st.dropped_bytes[t];
-    printf("},\"nvme_written_bytes\":%llu,\"dropped_bytes\":%llu,\"cost_drop_pages\":%llu",
-           (unsigned long long)nvme_w, (unsigned long long)dropped,
-           (unsigned long long)r->st.cost_drops);
-    printf(",\"rejected_pages\":%llu,\"final_fill\":{", (unsigned long long)r->st.rejected);
+    fprintf(f, "},\"nvme_written_bytes\":%llu,\"dropped_bytes\":%llu,\"cost_drop_pages\":%llu",
+            (unsigned long long)nvme_w, (unsigned long long)dropped,
+            (unsigned long long)r->st.cost_drops);
+    fprintf(f, ",\"rejected_pages\":%llu,\"final_fill\":{", (unsigned long long)r->st.rejected);
     for (int t = 1, first_t = 1; t < KVT_TIER_COUNT; t++) {
         if (!r->st.capacity[t])
             continue;
-        printf("%s\"%s\":%.3f", first_t ? "" : ",", tn[t],
-               (double)r->st.used[t] / (double)r->st.capacity[t]);
+        fprintf(f, "%s\"%s\":%.3f", first_t ? "" : ",", tn[t],
+                (double)r->st.used[t] / (double)r->st.capacity[t]);
         first_t = 0;
     }
-    printf("}");
+    fprintf(f, "}");
     double saving = r->no_cache_s - r->total_s;
-    printf(",\"prefill_seconds_total\":%.3f,\"prefill_seconds_p50\":%.6f,"
-           "\"prefill_seconds_p99\":%.6f,\"prefill_seconds_no_cache\":%.3f,"
-           "\"saving_vs_no_cache\":%.4f",
-           r->total_s, r->p50_s, r->p99_s, r->no_cache_s,
-           r->no_cache_s > 0 ? saving / r->no_cache_s : 0);
+    fprintf(f,
+            ",\"prefill_seconds_total\":%.3f,\"prefill_seconds_p50\":%.6f,"
+            "\"prefill_seconds_p99\":%.6f,\"prefill_seconds_no_cache\":%.3f,"
+            "\"saving_vs_no_cache\":%.4f",
+            r->total_s, r->p50_s, r->p99_s, r->no_cache_s,
+            r->no_cache_s > 0 ? saving / r->no_cache_s : 0);
     if (lru) {
         double ls = lru->no_cache_s - lru->total_s;
-        printf(",\"saving_ratio_vs_lru\":%.4f", ls > 0 ? saving / ls : 0);
+        fprintf(f, ",\"saving_ratio_vs_lru\":%.4f", ls > 0 ? saving / ls : 0);
     }
     if (lru && oracle) {
         double gap = lru->total_s - oracle->total_s;
         if (fabs(gap) > 1e-12)
-            printf(",\"lru_oracle_gap_closed\":%.4f", (lru->total_s - r->total_s) / gap);
+            fprintf(f, ",\"lru_oracle_gap_closed\":%.4f", (lru->total_s - r->total_s) / gap);
     }
-    printf(",\"wall_seconds\":%.2f}\n", r->wall_s);
-    fflush(stdout);
+    if (o->timeline) {
+        fprintf(f, ",\"timeline\":{\"window_seconds\":%.3f,\"input_tokens\":[", r->win_s);
+        for (int w = 0; w < NWIN; w++)
+            fprintf(f, "%s%llu", w ? "," : "", (unsigned long long)r->win_in[w]);
+        fprintf(f, "],\"hit_tokens\":{");
+        for (int t = 1; t < KVT_TIER_COUNT; t++) {
+            fprintf(f, "%s\"%s\":[", t > 1 ? "," : "", tn[t]);
+            for (int w = 0; w < NWIN; w++)
+                fprintf(f, "%s%llu", w ? "," : "", (unsigned long long)r->win_hit[w][t]);
+            fprintf(f, "]");
+        }
+        fprintf(f, "}}");
+    }
+    fprintf(f, ",\"wall_seconds\":%.2f}\n", r->wall_s);
+    fflush(f);
 }
 
 /* ---- options -------------------------------------------------------------------------------- */
@@ -600,8 +635,16 @@ static void usage(FILE *f, const char *prog)
             "  --no-cost-drop       the cost policy demotes even when recomputing is cheaper\n"
             "  --seed N             seed of the simulated hints (default 1)\n"
             "  --verify             check the policy's and the tree's invariants as it runs\n"
-            "  --no-progress        no progress bar on stderr\n",
-            prog, REMOTE_PCT);
+            "  --no-progress        no progress bar on stderr\n"
+            "  --timeline           each result also gives its hit tokens per tier over time\n"
+            "                       (%d windows of the replayed span)\n"
+            "  --sweep TIER=A..B    replay at that tier's capacity A, 2A, 4A ... up to B (bytes\n"
+            "                       with a unit, e.g. dram=1G..64G, or percentages), the\n"
+            "                       other tiers as given: what more of that tier buys\n"
+            "  --plot FILE.png      draw the results with matplotlib (python3, or\n"
+            "                       $KVTIER_PYTHON): hit ratio per tier over time and prefill\n"
+            "                       time per policy; with --sweep, a curve per policy\n",
+            prog, REMOTE_PCT, NWIN);
 }
 
 static char *read_file(const char *path)
@@ -699,6 +742,82 @@ static int parse_list(const char *s, opts_t *o, int policies)
     return 0;
 }
 
+/* --sweep TIER=A..B: A and B both bytes with a unit, or both percentages; A <= B. */
+static int parse_sweep(const char *v, opts_t *o)
+{
+    static const char *const names[] = {"hbm", "dram", "nvme", "remote"};
+    const char *eq = strchr(v, '='), *dots = eq ? strstr(eq, "..") : NULL;
+    if (!eq || !dots)
+        return KVT_EINVAL;
+    o->sweep_tier = 0;
+    for (int t = 0; t < 4; t++)
+        if ((size_t)(eq - v) == strlen(names[t]) && !strncmp(v, names[t], (size_t)(eq - v)))
+            o->sweep_tier = KVT_TIER_HBM + t;
+    char a[64], b[64];
+    size_t al = (size_t)(dots - eq - 1), bl = strlen(dots + 2);
+    if (!o->sweep_tier || al == 0 || al >= sizeof a || bl == 0 || bl >= sizeof b)
+        return KVT_EINVAL;
+    memcpy(a, eq + 1, al);
+    a[al] = 0;
+    memcpy(b, dots + 2, bl + 1);
+    int abytes = !!isalpha((unsigned char)a[al - 1]), bbytes = !!isalpha((unsigned char)b[bl - 1]);
+    if (abytes != bbytes)
+        return KVT_EINVAL;
+    o->sweep_bytes = abytes;
+    if (abytes) {
+        uint64_t x, y;
+        if (kvt_parse_u64(a, &x, 1) < 0 || kvt_parse_u64(b, &y, 1) < 0)
+            return KVT_EINVAL;
+        o->sweep_from = (double)x;
+        o->sweep_to = (double)y;
+    } else if (parse_num(a, 0, 1000, &o->sweep_from) < 0 ||
+               parse_num(b, 0, 1000, &o->sweep_to) < 0) {
+        return KVT_EINVAL;
+    }
+    return o->sweep_from > 0 && o->sweep_from <= o->sweep_to ? 0 : KVT_EINVAL;
+}
+
+/* The plotter: $KVTIER_PLOT, else installed beside the benchmarks, else in the source tree. */
+static const char *plotter(void)
+{
+    static char path[1024];
+    const char *env = getenv("KVTIER_PLOT");
+    if (env && *env)
+        return env;
+    snprintf(path, sizeof path, "%s/kvtier-plot.py", KVT_BENCHDIR);
+    if (access(path, R_OK) == 0)
+        return path;
+    snprintf(path, sizeof path, "%s/replay/plot.py", KVT_SOURCE_ROOT);
+    return path;
+}
+
+/* Runs the plotter over the results in data; returns 0 or 1 (it said why on stderr). */
+static int plot(const char *prog, const char *data, const char *png)
+{
+    const char *py = getenv("KVTIER_PYTHON");
+    if (!py || !*py)
+        py = "python3";
+    const char *script = plotter();
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execlp(py, py, script, "--out", png, data, (char *)NULL);
+        fprintf(stderr, "%s: --plot: cannot run %s: %s\n", prog, py, strerror(errno));
+        _exit(127);
+    }
+    int st = 0;
+    if (pid < 0 || waitpid(pid, &st, 0) < 0) {
+        fprintf(stderr, "%s: --plot: cannot start the plotter: %s\n", prog, strerror(errno));
+        return 1;
+    }
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        fprintf(stderr, "%s: --plot: %s %s failed (exit %d); the results above stand\n", prog, py,
+                script, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+        return 1;
+    }
+    return 0;
+}
+
 int kvt_replay_main(int argc, char **argv)
 {
     const char *prog = argc > 0 ? argv[0] : "kvtier-replay";
@@ -717,6 +836,9 @@ int kvt_replay_main(int argc, char **argv)
     o.progress = isatty(2);
     o.seed = 1;
     int tier_flags = 0;
+    const char *plot_path = NULL;
+    FILE *plot_data = NULL;
+    char plot_tmp[4096] = "";
     const char *traces[64];
     int ntraces = 0;
     for (int i = 1; i < argc; i++) {
@@ -732,9 +854,24 @@ int kvt_replay_main(int argc, char **argv)
             o.verify = 1;
         } else if (strcmp(a, "--no-cost-drop") == 0) {
             o.no_cost_drop = 1;
+        } else if (strcmp(a, "--timeline") == 0) {
+            o.timeline = 1;
         } else if (a[0] == '-' && a[1] == '-' && !v) {
             fprintf(stderr, "%s: %s needs a value\n", prog, a);
             return 2;
+        } else if (strcmp(a, "--plot") == 0) {
+            plot_path = v;
+            o.timeline = 1;
+            i++;
+        } else if (strcmp(a, "--sweep") == 0) {
+            if (parse_sweep(v, &o) < 0) {
+                fprintf(stderr,
+                        "%s: bad --sweep '%s' (TIER=A..B: dram=1G..64G, or percentages "
+                        "nvme=5..40; A <= B)\n",
+                        prog, v);
+                return 2;
+            }
+            i++;
         } else if (strcmp(a, "--policy") == 0) {
             if (parse_list(v, &o, 1) < 0) {
                 fprintf(stderr, "%s: bad --policy '%s' (cost,lru,lfu,oracle)\n", prog, v);
@@ -811,8 +948,17 @@ int kvt_replay_main(int argc, char **argv)
         usage(stderr, prog);
         return 2;
     }
-    if (tier_flags)
+    if (tier_flags || o.sweep_tier)
         o.configs = 1;
+    if (plot_path) {
+        const char *dir = getenv("TMPDIR");
+        snprintf(plot_tmp, sizeof plot_tmp, "%s/kvtier-replay-XXXXXX", dir && *dir ? dir : "/tmp");
+        int fd = mkstemp(plot_tmp);
+        if (fd < 0 || !(plot_data = fdopen(fd, "w"))) {
+            fprintf(stderr, "%s: --plot: %s: %s\n", prog, plot_tmp, strerror(errno));
+            return 1;
+        }
+    }
     double sum = 0;
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
         sum += o.pct[t] + (double)o.bytes[t];
@@ -854,14 +1000,26 @@ int kvt_replay_main(int argc, char **argv)
             failed = 1;
             continue;
         }
-        for (int cfg = 0; cfg < o.configs; cfg++) {
+        int nsteps = o.configs;
+        if (o.sweep_tier)
+            for (nsteps = 1; nsteps < 32 && o.sweep_from * pow(2, nsteps) <= o.sweep_to * 1.0001;)
+                nsteps++;
+        for (int cfg = 0; cfg < nsteps; cfg++) {
             double pct[KVT_TIER_COUNT];
             memcpy(pct, o.pct, sizeof(pct));
-            if (cfg == 1)
+            opts_t oc = o; /* this configuration's capacities */
+            if (!o.sweep_tier && cfg == 1)
                 pct[KVT_TIER_REMOTE] = REMOTE_PCT;
-            const char *cname = o.configs == 1 ? (pct[KVT_TIER_REMOTE] > 0 ? "remote" : "local")
-                                : cfg == 0     ? "local"
-                                               : "remote";
+            const char *cname = o.sweep_tier     ? "sweep"
+                                : o.configs == 1 ? (pct[KVT_TIER_REMOTE] > 0 ? "remote" : "local")
+                                : cfg == 0       ? "local"
+                                                 : "remote";
+            if (o.sweep_tier) {
+                double cap = o.sweep_from * pow(2, cfg);
+                oc.in_bytes[o.sweep_tier] = (uint8_t)o.sweep_bytes;
+                oc.bytes[o.sweep_tier] = o.sweep_bytes ? (uint64_t)cap : 0;
+                pct[o.sweep_tier] = o.sweep_bytes ? 0 : cap;
+            }
             result_t runs[MAX_RUNS];
             int nruns = 0, lru = -1, oracle = -1;
             for (int k = 0; k < o.nkinds + o.nhints; k++) {
@@ -871,7 +1029,7 @@ int kvt_replay_main(int argc, char **argv)
                 r->config = cname;
                 kvt_policy_kind_t kind = k < o.nkinds ? o.kinds[k] : KVT_POLICY_COST;
                 double acc = k < o.nkinds ? -1 : o.hint_acc[k - o.nkinds];
-                rc = run_one(&o, tr, nreq, &fut, pct, kind, acc, r);
+                rc = run_one(&oc, tr, nreq, &fut, pct, kind, acc, r);
                 if (rc < 0) {
                     fprintf(stderr, "%s: %s %s: %s\n", prog, r->trace, kvt_policy_kind_name(kind),
                             kvt_strerror(rc));
@@ -884,12 +1042,25 @@ int kvt_replay_main(int argc, char **argv)
                     oracle = nruns;
                 nruns++;
             }
-            for (int k = 0; k < nruns; k++)
-                print_result(&runs[k], lru >= 0 ? &runs[lru] : NULL,
-                             oracle >= 0 ? &runs[oracle] : NULL, &o);
+            for (int k = 0; k < nruns; k++) {
+                print_result(stdout, &runs[k], lru >= 0 ? &runs[lru] : NULL,
+                             oracle >= 0 ? &runs[oracle] : NULL, &oc);
+                if (plot_data)
+                    print_result(plot_data, &runs[k], lru >= 0 ? &runs[lru] : NULL,
+                                 oracle >= 0 ? &runs[oracle] : NULL, &oc);
+            }
         }
         future_free(&fut);
         kvt_trace_free(tr);
+    }
+    if (plot_data) {
+        int bad = fclose(plot_data) != 0;
+        if (bad)
+            fprintf(stderr, "%s: --plot: %s: %s\n", prog, plot_tmp, strerror(errno));
+        else if (!failed)
+            bad = plot(prog, plot_tmp, plot_path);
+        unlink(plot_tmp);
+        failed |= bad;
     }
     return failed ? 1 : 0;
 }

@@ -28,7 +28,7 @@ if [ $sglang = 1 ]; then
     rm -f "$venv/.ready"
 else
     venv="$dir/pyenv"
-    reqs="torch==2.13.0 numpy pytest cffi>=1.15 setuptools"
+    reqs="torch==2.13.0 numpy pytest cffi>=1.15 setuptools matplotlib"
     engines=(scripts/engines/*.sh)
 fi
 
