@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU pack's runner, copied to .gpu/run.sh by scripts/gpu-pack.sh (which documents it):
-#     run.sh suite [TEST...] | bench | all | -- CMD ARGS...
+#     run.sh suite [TEST...] | bench | ttft | all | -- CMD ARGS...
 # It runs from the checkout's root on the GPU machine, starts a throwaway redis-server on a
 # free loopback port (stopped by its PID on exit), prints one line per check and closes with
 # "N passed, N failed".
@@ -59,18 +59,18 @@ if [ "$mode" = "--" ]; then
     exit $?
 fi
 case $mode in
-suite | bench | all) ;;
+suite | bench | ttft | all) ;;
 *)
-    echo "usage: run.sh suite [TEST...] | bench | all | -- CMD ARGS..." >&2
+    echo "usage: run.sh suite [TEST...] | bench | ttft | all | -- CMD ARGS..." >&2
     exit 2
     ;;
 esac
 
-python3 - "$mode" "$g" "$tmp/logs" "$@" <<'PY'
+python3 - "$mode" "$g" "$tmp/logs" "$here" "$@" <<'PY'
 import json, os, re, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
-mode, g, logs, only = sys.argv[1], sys.argv[2], sys.argv[3], set(sys.argv[4:])
+mode, g, logs, here, only = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], set(sys.argv[5:])
 checks = []
 if mode in ("suite", "all"):
     for t in json.load(open(os.path.join(g, "tests.json"))):
@@ -87,6 +87,12 @@ if mode in ("suite", "all"):
 if mode in ("bench", "all"):
     checks.append(("bench_tiers_hbm", [os.path.join(g, "build", "bench", "bench_tiers"), "--only",
                                        "hbm"], dict(os.environ), 300))
+if mode in ("ttft", "all"):
+    # TTFT recomputed against loaded through kvtier, Llama-3-8B and a quarter of 70B
+    # (bench/bench_ttft.py), with the image's python3 and its CUDA torch.
+    checks.append(("bench_ttft", ["python3", os.path.join(here, "bench", "bench_ttft.py"),
+                                  "--no-venv", "--build-root", os.path.join(g, "build")],
+                   dict(os.environ), 480))
 
 
 def run(check):
@@ -102,23 +108,30 @@ def run(check):
     with open(os.path.join(logs, name + ".log"), "w") as f:
         f.write(text)
     lines = text.splitlines()
-    tail = [l for l in lines if re.search(r"Synthesis|^=+ .* in [0-9.]+s|passed|\"ratio", l)]
+    tail = [l for l in lines if re.search(r"Synthesis|^=+ .* in [0-9.]+s|passed|\"ratio|\"speedup", l)]
     fails = [l for l in lines if re.search(r"\[FAIL\]|Assertion|FAILED|Error", l)]
     skips = [l.strip() for l in lines if re.search(r"\[SKIP\]|SKIP:|skipped", l)]
-    return name, rc, time.time() - t0, tail[-3:], fails[:10], skips[:6]
+    return name, rc, time.time() - t0, tail[-24:], fails[:10], skips[:6]
 
 
 bad = 0
-with ThreadPoolExecutor(1 if mode == "bench" else 4) as ex:
-    for name, rc, dt, tail, fails, skips in ex.map(run, checks):
-        print("%-24s %-10s %6.1fs  %s" % (name, "ok" if rc in (0, 77) else "FAIL(%s)" % rc, dt,
-                                          (tail[-1].strip() if tail else "")[:120]), flush=True)
-        for l in (tail[:-1] if name.startswith("bench") else []) + skips:
+# Benchmarks alone (one at a time, after the tests); tests four at a time.
+tests = [c for c in checks if not c[0].startswith("bench")]
+benches = [c for c in checks if c[0].startswith("bench")]
+with ThreadPoolExecutor(4) as ex:
+    results = list(ex.map(run, tests))
+results += [run(c) for c in benches]
+for name, rc, dt, tail, fails, skips in results:
+    bench = name.startswith("bench")
+    print("%-24s %-10s %6.1fs  %s" % (name, "ok" if rc in (0, 77) else "FAIL(%s)" % rc, dt,
+                                      "" if bench else (tail[-1].strip() if tail else "")[:120]),
+          flush=True)
+    for l in (tail if bench else []) + skips:  # a benchmark's figures, every one
+        print("      " + l[:400])
+    if rc not in (0, 77):
+        bad += 1
+        for l in fails:
             print("      " + l[:160])
-        if rc not in (0, 77):
-            bad += 1
-            for l in fails:
-                print("      " + l[:160])
 print("%d passed, %d failed" % (len(checks) - bad, bad))
 sys.exit(1 if bad else 0)
 PY
