@@ -717,7 +717,8 @@ static uint64_t dram_shared_scan(dram_t *d, dram_shared_t *s, uint64_t page)
         free(sc.runs);
         return 0; /* out of memory: the next scan tries again */
     }
-    qsort(sc.runs, sc.n, sizeof(*sc.runs), dram_run_cmp);
+    if (sc.n)
+        qsort(sc.runs, sc.n, sizeof(*sc.runs), dram_run_cmp);
     uint64_t before = dram_shared_resident(s), cur = 0;
     for (size_t i = 0; i <= sc.n; i++) {
         uint64_t stop = i < sc.n ? sc.runs[i].off : s->sp.bytes;
