@@ -891,7 +891,7 @@ Test(server_zc, expired_reservations_give_dram_back, .fini = teardown)
  * get no location, and ABORT gives the room back. */
 Test(server_zc, max_reserved_bytes_caps_a_connection, .fini = teardown)
 {
-    kvd_start(&d, "--max-reserved-bytes", "256K", NULL);
+    kvd_start(&d, "--max-reserved-bytes", "256K", "--reserve-ms", "200", NULL);
     int fd = zconn(&d, "zc", NULL);
     zmap_t z;
     cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
@@ -909,6 +909,16 @@ Test(server_zc, max_reserved_bytes_caps_a_connection, .fini = teardown)
     cr_assert_eq(zcommit(fd, rr.resv, KVT_COMMIT_F_ABORT, &p), 0);
     cr_assert_eq(zreserve(fd, t, 8 * PAGE, 6, 2, &r2, page, off, &r), 0);
     cr_expect_eq(r2.nlocs, 2, "the aborted room was not given back");
+    /* Expired, its room still counts until the client's COMMIT answers ENOENT. */
+    kvt_client_t *c = zclient(&d, NULL);
+    cr_assert_eq(wait_stat(c, "reservations_expired", 1), 1);
+    cr_assert_eq(zreserve(fd, t, 8 * PAGE, 0, 4, &rr, page, off, &r), 0);
+    cr_expect_eq(rr.nlocs, 2, "an expired reservation's room stopped counting");
+    cr_expect_eq(zcommit(fd, r2.resv, 0, &p), KVT_ENOENT);
+    kvt_proto_reserve_reply_t r3;
+    cr_assert_eq(zreserve(fd, t, 8 * PAGE, 6, 2, &r3, page, off, &r), 0);
+    cr_expect_eq(r3.nlocs, 2, "the expired room was not given back at its COMMIT");
+    kvt_client_close(c);
     zunmap(&z);
     close(fd);
 }
