@@ -4,7 +4,9 @@
  * over SCM_RIGHTS and is really mapped here, RESERVE's room is really written through that
  * mapping, GET with LOCATE really answers by offset. Tenancy, the lifetimes (commit, abort,
  * expiry, a client killed mid-write, a lease holding bytes in place) and every refusal are checked
- * against a real kvtierd.
+ * against a real kvtierd. So is what a client cannot keep (issue 36): memory it makes resident in
+ * its memfd outside its blocks, DRAM held by expired reservations, arena slots after it left,
+ * and the arenas gauge against the daemon's real memfds.
  */
 #define _GNU_SOURCE /* SEEK_DATA, SEEK_HOLE */
 #include <criterion/criterion.h>
