@@ -94,6 +94,9 @@ static const kvt_opt_t kvt_opts[] = {
      "a RESERVE not committed within this long is given back (1..600000)"},
     {"max-reservations", KVT_OPT_U32, KVT_O(max_reservations), "64",
      "reservations one connection may hold at once (1..65536)"},
+    {"max-reserved-bytes", KVT_OPT_BYTES, KVT_O(max_resv_bytes), "1G",
+     "bytes of pages one connection's reservations may hold, expired ones included, until "
+     "COMMIT, ABORT or close (at least 4K); a RESERVE past it gets room for the pages that fit"},
     {"max-namespaces", KVT_OPT_U32, KVT_O(max_namespaces), "65536",
      "namespaces open at once (1..65536); when full, a HELLO of a new one closes the empty "
      "namespaces no client uses"},
@@ -460,10 +463,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     }
     if (conf->zero_copy_arenas == 0 || conf->zero_copy_arenas > 4096 || conf->reserve_ms == 0 ||
         conf->reserve_ms > 600000 || conf->max_reservations == 0 ||
-        conf->max_reservations > 65536) {
+        conf->max_reservations > 65536 || conf->max_resv_bytes < 4096) {
         snprintf(err, errlen,
                  "zero-copy-arenas must be 1..4096, reserve-ms 1..600000, max-reservations "
-                 "1..65536");
+                 "1..65536, max-reserved-bytes at least 4K");
         return KVT_EINVAL;
     }
     if (conf->max_namespaces == 0 || conf->max_namespaces > KVT_RADIX_NS_MAX) {

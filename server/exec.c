@@ -94,6 +94,11 @@ static uint32_t busy_get(const kvt_srv_t *s, uint64_t h)
     }
 }
 
+uint32_t kvt__busy_reads(const kvt_srv_t *s, uint64_t h)
+{
+    return busy_get(s, h);
+}
+
 int kvt__busy_inc(kvt_srv_t *s, uint64_t h)
 {
     if (!h)

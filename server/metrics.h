@@ -232,6 +232,14 @@ typedef enum {
       TIER)                                                                                        \
     X(ZC_ARENAS, GAUGE, "kvtier_zero_copy_arenas",                                                 \
       "Namespaces with a DRAM arena of their own (zero-copy-arenas).", NONE)                       \
+    X(ZC_RESIDENT, GAUGE, "kvtier_zero_copy_resident_bytes",                                       \
+      "Bytes the DRAM arenas' memfds hold in memory (their blocks, freed pages not yet punched, "  \
+      "and what clients touched outside their blocks until it is punched).",                       \
+      NONE)                                                                                        \
+    X(ZC_PUNCHED, COUNTER, "kvtier_zero_copy_punched_bytes_total",                                 \
+      "Bytes of the DRAM arenas' memfds that clients made resident outside any live block, "       \
+      "punched out by the daemon.",                                                                \
+      NONE)                                                                                        \
     X(ZC_PAGES, COUNTER, "kvtier_zero_copy_pages_total",                                           \
       "Pages a local client read (GET with LOCATE) or wrote (RESERVE) through its mapping.", OP)   \
     X(RESERVATIONS, COUNTER, "kvtier_reservations_total",                                          \

@@ -8,6 +8,12 @@
  * Why an arena per namespace: a mapping shows everything in the memory it maps, so the memory a
  * client maps must hold its own tenant's blocks and no one else's. The namespace is the tenant
  * (model, adapter, salt: what a GET through the socket could read anyway).
+ *
+ * zero-copy-arenas bounds the arenas (each a memfd, a mapping and a jemalloc arena). An arena
+ * that no connection maps any more only drains (tiers/dram.c), and a departed client's last
+ * blocks could keep it, and its slot, for as long as the policy keeps them in DRAM; so when the
+ * slots are all taken, a MAP moves the blocks of such an arena into the main region (same tier,
+ * same charge: the policy sees nothing change but the location) and the arena goes.
  */
 #include "server.h"
 
@@ -15,6 +21,48 @@
 #include <fcntl.h>
 #include <string.h>
 #include <unistd.h>
+
+/*
+ * Empties the arena of a namespace no connection maps (the one with the fewest blocks) into the
+ * main region. A block whose bytes are in use stays: one a copy reads (BUSY), one a GET's reply
+ * is being written from (kvt__busy_reads), one under a lease (a client may hold its location).
+ * Returns 0 when the arena went, KVT_ENOSPC when there was none or something stayed.
+ */
+static int map_free_slot(kvt_srv_t *s, kvt_tier_t *t)
+{
+    uint64_t seed;
+    if (kvt_tier_dram_idle(t, &seed) < 0)
+        return KVT_ENOSPC;
+    uint32_t before = kvt_tier_dram_shared(t), moved = 0, stayed = 0;
+    size_t n = kvt_radix_node_count(s->radix);
+    for (size_t i = 0; i < n && kvt_tier_dram_shared(t) == before; i++) {
+        kvt_radix_node_t *node = kvt_radix_node_at(s->radix, i);
+        if (kvt_radix_ns_seed(s->radix, kvt_radix_node_ns(node)) != seed)
+            continue;
+        kvt_block_t *b = kvt_radix_node_blocks(node);
+        uint32_t np = kvt_radix_node_pages(node), d0 = kvt_radix_node_depth(node);
+        int leased = kvt_radix_node_leased(node);
+        for (uint32_t j = 0; j < np; j++) {
+            uint64_t loc = b[j].loc;
+            if (b[j].tier != KVT_TIER_DRAM || kvt_tier_dram_offset(t, seed, loc, NULL) < 0)
+                continue;
+            if (leased || (b[j].flags & KVT_BLOCK_BUSY) ||
+                kvt__busy_reads(s, kvt_radix_block_hash(s->radix, node, d0 + j)) ||
+                kvt_tier_dram_move_out(t, &loc) < 0) {
+                stayed++;
+                continue;
+            }
+            kvt__block_relocate(&b[j], loc);
+            moved++;
+        }
+    }
+    int gone = kvt_tier_dram_shared(t) < before;
+    kvt_log(gone ? KVT_LOG_INFO : KVT_LOG_WARN,
+            "kvtierd: zero-copy-arenas full: namespace %016llx's arena, mapped by no connection, "
+            "%s (%u blocks moved to the main region, %u in use)",
+            (unsigned long long)seed, gone ? "gave way" : "could not give way yet", moved, stayed);
+    return gone ? 0 : KVT_ENOSPC;
+}
 
 static int map_dram(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
 {
@@ -30,9 +78,12 @@ static int map_dram(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     int fd;
     uint64_t bytes;
     int rc = kvt_tier_dram_share(t, seed, &fd, &bytes);
+    if (rc == KVT_ENOSPC && map_free_slot(s, t) == 0)
+        rc = kvt_tier_dram_share(t, seed, &fd, &bytes);
     if (rc == KVT_ENOSPC)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
-                                "zero-copy-arenas (%u) namespaces have arenas already",
+                                "zero-copy-arenas (%u) namespaces have arenas already, each "
+                                "mapped by a connection or holding blocks in use",
                                 s->conf->zero_copy_arenas);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc,

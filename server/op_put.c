@@ -29,6 +29,7 @@ typedef struct kvt__landed {
     uint8_t tier;    /* KVT_TIER_NONE: not written */
     uint8_t started; /* a write was submitted: the block is BUSY */
     uint8_t held;    /* the tier whose policy accounting holds room for the write, or NONE */
+    uint8_t orphan;  /* an expired reservation's room: kvt_tier_dram_orphan, no longer stored */
 } kvt__landed_t;
 
 /* A payload page of r not stored, and why. */
@@ -246,10 +247,13 @@ static int resv_reply_empty(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
 }
 
-/* PUT and RESERVE from their decoded bodies: q->payload is NULL for RESERVE. */
+/* PUT and RESERVE from their decoded bodies: q->payload is NULL for RESERVE, whose room
+ * max-reserved-bytes bounds (the pages past it get none, as if DRAM were full). */
 static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0,
-                     const kvt_proto_put_t *q)
+                     const kvt_proto_put_t *q_in)
 {
+    kvt_proto_put_t cq = *q_in;
+    const kvt_proto_put_t *q = &cq;
     kvt_srv_t *s = c->srv;
     int reserve = h->opcode == KVT_OP_RESERVE;
     kvt__count_hints(s, &q->hints);
@@ -259,6 +263,13 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
                                 "%s pages %u..%llu go past the request's %u whole pages",
                                 reserve ? "reserved" : "payload", q->first_page,
                                 (unsigned long long)q->first_page + q->npayload - 1, whole);
+    uint64_t resv_room = c->srv->conf->max_resv_bytes;
+    resv_room = resv_room > c->resv_bytes ? resv_room - c->resv_bytes : 0;
+    if (reserve && (uint64_t)cq.npayload * c->block_bytes > resv_room) {
+        uint32_t fit = (uint32_t)(resv_room / c->block_bytes);
+        kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, KVT_PUT_NO_ROOM, cq.npayload - fit);
+        cq.npayload = fit;
+    }
     if (kvt__tokens(c, q->tokens, q->ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t at;
@@ -292,6 +303,10 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     r->block_bytes = c->block_bytes;
     r->put.first = q->first_page;
     r->put.end = q->first_page + q->npayload;
+    if (reserve) { /* until the reply says how much of it became a reservation */
+        r->put.resv_bytes = (uint64_t)q->npayload * c->block_bytes;
+        c->resv_bytes += r->put.resv_bytes;
+    }
     rc = 0;
     if (!reserve) {
         size_t bytes = (size_t)q->npayload * c->block_bytes, held;
@@ -337,8 +352,12 @@ static void resv_page_release(kvt_srv_t *s, kvt__req_t *v, uint32_t i, int free_
         kvt__block_busy(kvt_radix_block_at(v->node, v->put.first + i), 0);
     l->started = 0;
     if (free_room && l->tier != KVT_TIER_NONE) {
-        kvt_tier_free(s->tiers[l->tier], l->loc, l->len);
+        if (l->orphan)
+            kvt_tier_dram_orphan_free(s->tiers[l->tier], l->loc, l->len);
+        else
+            kvt_tier_free(s->tiers[l->tier], l->loc, l->len);
         l->tier = KVT_TIER_NONE;
+        l->orphan = 0;
     }
 }
 
@@ -367,6 +386,8 @@ static void resv_end(kvt__conn_t *c, size_t i, kvt_resv_outcome_t how)
 {
     kvt__req_t *v = c->resv[i];
     c->resv[i] = c->resv[--c->nresv];
+    kvt_assert(c->resv_bytes >= v->put.resv_bytes);
+    c->resv_bytes -= v->put.resv_bytes;
     if (how != KVT_RESV_COMMITTED)
         resv_release(c->srv, v, 1);
     if (!v->put.expired) /* an expired one was counted when it expired */
@@ -389,6 +410,11 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
     uint64_t seed = kvt_radix_ns_seed(s->radix, r->ns);
     uint8_t *b = NULL;
     kvt__req_t *v = NULL;
+    if (c) { /* the room it asked for; a reservation below counts its own */
+        kvt_assert(c->resv_bytes >= r->put.resv_bytes);
+        c->resv_bytes -= r->put.resv_bytes;
+    }
+    r->put.resv_bytes = 0;
     if (r->status == 0 && c && c->nresv >= s->conf->max_reservations)
         r->status = KVT_ENOSPC; /* pipelined RESERVEs passed the handler's check together */
     if (r->status == 0 && c && l) {
@@ -441,6 +467,8 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
         v->block_bytes = r->block_bytes;
         v->put = r->put;
         v->put.stored = v->put.skipped = 0; /* the RESERVE counted its own skips */
+        v->put.resv_bytes = (uint64_t)nlocs * r->block_bytes;
+        c->resv_bytes += v->put.resv_bytes;
         v->put.resv = rr.resv = ++s->resv_next;
         v->put.resv_expiry = kvt_now_ns() + (uint64_t)s->conf->reserve_ms * 1000000ull;
         v->extra = r->extra;
@@ -538,8 +566,11 @@ void kvt__resv_drop_all(kvt__conn_t *c)
  * A reservation past reserve-ms lets its pages go (not BUSY, not pinned: another PUT may store
  * them, the policy may evict them), but keeps its room in the arena allocated until the client's
  * COMMIT or ABORT of it, or its connection's close: a client that is only slow may still be
- * writing there, and memory reused for another block at once would take its late bytes. The room
- * stays charged to the DRAM tier meanwhile, at most max-reservations' worth per connection.
+ * writing there, and memory reused for another block at once would take its late bytes. The
+ * room becomes an orphan (kvt_tier_dram_orphan): no longer charged to the DRAM tier, so other
+ * tenants' writes have the capacity, and punched, so it holds no memory whatever the client
+ * writes there after; it costs only address space in the namespace's own arena, bounded by
+ * max-reserved-bytes per connection.
  */
 void kvt__resv_expire(kvt__conn_t *c, uint64_t now)
 {
@@ -555,6 +586,11 @@ void kvt__resv_expire(kvt__conn_t *c, uint64_t now)
                         (unsigned long long)c->id, (unsigned long long)v->put.resv,
                         c->srv->conf->reserve_ms);
         resv_release(c->srv, v, 0);
+        kvt__landed_t *l = v->extra;
+        for (uint32_t j = 0; l && j < v->put.end - v->put.first; j++)
+            if (l[j].tier == KVT_TIER_DRAM && !l[j].orphan &&
+                kvt_tier_dram_orphan(c->srv->tiers[KVT_TIER_DRAM], l[j].loc, l[j].len) == 0)
+                l[j].orphan = 1;
         v->put.expired = 1;
         kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, KVT_RESV_EXPIRED, 1);
     }

@@ -165,6 +165,7 @@ struct kvt__req {
         uint64_t resv;        /* its id, once replied to */
         uint64_t resv_expiry; /* when its pages are let go if not committed */
         uint8_t expired;      /* past it: only its room is still held (kvt__resv_expire) */
+        uint64_t resv_bytes;  /* counted in its connection's resv_bytes (max-reserved-bytes) */
     } put;
     struct {
         uint32_t cur, end; /* pages [cur, end) left */
@@ -254,6 +255,9 @@ struct kvt__conn {
     uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     kvt__req_t **resv;
     size_t nresv, cap_resv;
+    /* Bytes of pages its reservations hold (expired ones too) and its RESERVEs in flight ask
+     * for: at most max-reserved-bytes. */
+    uint64_t resv_bytes;
     uint32_t *tokens;    /* scratch for decoded tokens */
     const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
     size_t tokens_cap;
@@ -604,6 +608,8 @@ typedef struct kvt__busy {
 /* Reads in flight per block hash: a block being read is never moved. inc: 0 or KVT_ENOMEM. */
 int kvt__busy_inc(kvt_srv_t *s, uint64_t h);
 void kvt__busy_dec(kvt_srv_t *s, uint64_t h);
+/* Reads of block hash h in flight (0 when none). */
+uint32_t kvt__busy_reads(const kvt_srv_t *s, uint64_t h);
 /* Frees a tier location, or defers it while reads of block hash are in flight; discard: for
  * good (a REMOVE's: the block must not come back at a restart). */
 void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,

@@ -298,6 +298,14 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_TIER_BLOCKS, (unsigned)i, (double)u.blocks);
         kvt__metric_set(s->metrics, KVT_M_TIER_LOST, (unsigned)i, (double)u.reclaimed);
     }
+    kvt_tier_dram_shared_stats_t ds;
+    if (s->tiers[KVT_TIER_DRAM] && kvt_tier_dram_shared_stats(s->tiers[KVT_TIER_DRAM], &ds) == 0) {
+        /* Read here, not kept up to date by MAP and close: an arena also goes with its last
+         * block, and a scrape must see the memfds that exist. */
+        kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0, (double)ds.arenas);
+        kvt__metric_set(s->metrics, KVT_M_ZC_RESIDENT, 0, (double)ds.resident_bytes);
+        kvt__metric_set(s->metrics, KVT_M_ZC_PUNCHED, 0, (double)ds.punched_bytes);
+    }
     kvt_tier_hbm_stats_t hs;
     if (s->tiers[KVT_TIER_HBM] && kvt_tier_hbm_stats(s->tiers[KVT_TIER_HBM], &hs) == 0) {
         kvt__metric_set(s->metrics, KVT_M_HBM_BATCHES, 0, (double)hs.batches);

@@ -4,11 +4,15 @@
  * over SCM_RIGHTS and is really mapped here, RESERVE's room is really written through that
  * mapping, GET with LOCATE really answers by offset. Tenancy, the lifetimes (commit, abort,
  * expiry, a client killed mid-write, a lease holding bytes in place) and every refusal are checked
- * against a real kvtierd.
+ * against a real kvtierd. So is what a client cannot keep (issue 36): memory it makes resident in
+ * its memfd outside its blocks, DRAM held by expired reservations, arena slots after it left,
+ * and the arenas gauge against the daemon's real memfds.
  */
 #define _GNU_SOURCE /* SEEK_DATA, SEEK_HOLE */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -16,6 +20,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -433,10 +438,10 @@ Test(server_zc, abort_foreign_and_expired_reservations, .fini = teardown)
     cr_assert_eq(rr.nlocs, 1);
     kvt_client_t *c = zclient(&d, NULL);
     cr_assert_eq(wait_stat(c, "reservations_expired", 1), 1);
-    /* Expired: its page is let go (another client stores it), but its room stays allocated
-     * until the slow client's COMMIT (or close), so late bytes land nowhere else. */
-    uint64_t room = kvd_stat(c, "dram_used_bytes");
-    cr_expect_gt(room, 0, "an expired reservation's room went at once");
+    /* Expired: its page is let go (another client stores it), and its room no longer counts in
+     * DRAM (others may use the capacity), but it stays allocated until the slow client's COMMIT
+     * (or close), so late bytes land nowhere else. */
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), 0, "an expired reservation's room still counts");
     uint8_t *pay = malloc(BB);
     kvd_fill(pay, BB, 99);
     kvt_client_put_t cp;
@@ -446,7 +451,7 @@ Test(server_zc, abort_foreign_and_expired_reservations, .fini = teardown)
     cr_expect_eq(zcommit(a, rr.resv, 0, &p), KVT_ENOENT, "committed after it expired");
     cr_expect_eq(kvd_stat(c, "reservations_aborted"), 1);
     cr_expect_eq(kvd_stat(c, "reservations_expired"), 1, "counted once");
-    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), room, "the commit gave the room back");
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), BB, "the stored page alone counts");
     kvt_client_match_t cm = {0};
     uint8_t *got = malloc(BB);
     cr_assert_eq(kvt_client_match(c, t, PAGE, KVT_CLIENT_LEASE, 0, NULL, &cm), 0);
@@ -721,4 +726,308 @@ Test(server_zc, lease_holds_located_bytes_in_place, .fini = teardown)
     kvt_client_close(c);
     zunmap(&z);
     close(fd);
+}
+
+/* ---- Memory a client can touch, and slots and gauges that must not go stale (issue 36) ---- */
+
+static uint64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* The bytes the memfd holds in memory, whoever maps it. */
+static uint64_t memfd_resident(int fd)
+{
+    struct stat st;
+    cr_assert_eq(fstat(fd, &st), 0);
+    return (uint64_t)st.st_blocks * 512;
+}
+
+/* Waits (up to ms) for the memfd to hold at most max bytes; returns how long it took, or
+ * UINT64_MAX when it did not come down. */
+static uint64_t wait_resident(int fd, uint64_t max, uint64_t ms)
+{
+    uint64_t t0 = mono_ms();
+    while (memfd_resident(fd) > max) {
+        if (mono_ms() - t0 > ms)
+            return UINT64_MAX;
+        usleep(20000);
+    }
+    return mono_ms() - t0;
+}
+
+/* Reserves, writes (pattern seed) and commits page 0 of t through the mapping; its offset. */
+static uint64_t zstore_one(int fd, zmap_t *z, const uint32_t *t, uint32_t seed)
+{
+    kvt_proto_reserve_reply_t rr;
+    uint32_t page[1];
+    uint64_t off[1];
+    zreply_t r;
+    cr_assert_eq(zreserve(fd, t, PAGE, 0, 1, &rr, page, off, &r), 0, "RESERVE: %s", r.body);
+    cr_assert_eq(rr.nlocs, 1);
+    pattern(z_late(z, off[0]), seed);
+    kvt_proto_put_reply_t p;
+    cr_assert_eq(zcommit(fd, rr.resv, 0, &p), 0);
+    cr_assert_eq(p.stored, 1);
+    return off[0];
+}
+
+/* Whether c (of the page's namespace) reads page 0 of t from DRAM with pattern seed. */
+static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const char *what)
+{
+    kvt_client_match_t m = {0};
+    uint8_t tiers[1];
+    m.tiers = tiers;
+    m.tiers_cap = 1;
+    cr_assert_eq(kvt_client_match(c, t, PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 1, "%s: not in the index", what);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "%s: in tier %u", what, tiers[0]);
+    uint8_t *got = malloc(BB), *want = malloc(BB);
+    cr_assert_eq(kvt_client_get(c, m.lease, 0, 1, got, BB, NULL, NULL), 0);
+    pattern(want, seed);
+    cr_expect(memcmp(got, want, BB) == 0, "%s: bytes changed", what);
+    kvt_client_release(c, m.lease, NULL);
+    free(got);
+    free(want);
+}
+
+/* A client makes its whole memfd resident (fallocate) and writes pages of its mapping where no
+ * block is, then leaves: the daemon punches all of it within 2 s, the live block's bytes stay,
+ * and the resident gauge shows what the memfd holds. */
+Test(server_zc, client_touched_arena_memory_goes_back, .fini = teardown)
+{
+    kvd_start(&d, "--dram-bytes", "16M", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 12000);
+    uint64_t off = zstore_one(fd, &z, t, 55);
+    for (uint64_t o = 0; o < (8u << 20); o += 4096)
+        if (o + 4096 <= off || o >= off + BB)
+            z.base[o] = 1;
+    cr_assert_eq(fallocate(z.fd, 0, 0, (off_t)z.bytes), 0, "fallocate: %s", strerror(errno));
+    cr_assert_geq(memfd_resident(z.fd), z.bytes - BB, "fallocate made nothing resident");
+    int keep = dup(z.fd); /* to watch the memfd after the client left */
+    zunmap(&z);
+    close(fd);
+    uint64_t took = wait_resident(keep, 2 * BB, 2500);
+    cr_expect_leq(took, 2000, "the touched memory was not punched within 2 s (%llu bytes left)",
+                  (unsigned long long)memfd_resident(keep));
+    kvt_client_t *c = zclient(&d, NULL);
+    cr_expect_leq(kvd_stat(c, "zero_copy_resident_bytes"), 2 * BB);
+    cr_expect_geq(kvd_stat(c, "zero_copy_punched_bytes"), (16u << 20));
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), BB);
+    expect_page(c, t, 55, "the live block");
+    kvt_client_close(c);
+    close(keep);
+}
+
+/* Reservations that expire while their connection stays give DRAM back to other tenants at
+ * once, their memory is punched (again after a late write), and their offsets stay unused until
+ * the connection commits. */
+Test(server_zc, expired_reservations_give_dram_back, .fini = teardown)
+{
+    kvd_start(&d, "--dram-bytes", "2M", "--reserve-ms", "300", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t t[32 * PAGE];
+    kvd_tokens(t, 32 * PAGE, 20000);
+    kvt_proto_reserve_reply_t rr;
+    uint32_t page[32];
+    uint64_t off[32];
+    zreply_t r;
+    cr_assert_eq(zreserve(fd, t, 32 * PAGE, 0, 32, &rr, page, off, &r), 0, "RESERVE: %s", r.body);
+    cr_assert_geq(rr.nlocs, 16, "the reservation got %u pages of DRAM", rr.nlocs);
+    for (uint32_t i = 0; i < rr.nlocs; i++)
+        memset(z_late(&z, off[i]), 0x5a, BB);
+    kvt_client_t *c = zclient(&d, NULL);
+    cr_assert_eq(kvd_stat(c, "dram_used_bytes"), (uint64_t)rr.nlocs * BB);
+    cr_assert_eq(wait_stat(c, "reservations_expired", 1), 1);
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), 0, "expired reservations still hold DRAM");
+    cr_expect_leq(wait_resident(z.fd, BB, 2500), 2000, "the expired room was not punched");
+
+    /* Another tenant's pages all go to DRAM. */
+    kvt_client_t *o = zclient(&d, "other-tenant");
+    uint32_t u[16 * PAGE];
+    kvd_tokens(u, 16 * PAGE, 30000);
+    uint8_t *pay = malloc(16 * BB);
+    kvd_fill(pay, 16 * BB, 8);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(o, u, 16 * PAGE, 0, 16, pay, NULL, &pr), 0);
+    cr_expect_eq(pr.stored, 16);
+    kvt_client_match_t m = {0};
+    uint8_t tiers[16];
+    m.tiers = tiers;
+    m.tiers_cap = 16;
+    cr_assert_eq(kvt_client_match(o, u, 16 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 16);
+    for (uint32_t i = 0; i < 16; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "page %u went to tier %u", i, tiers[i]);
+
+    /* The slow client writes late: nothing of it lands in the other pages, and it is punched
+     * again. */
+    for (uint32_t i = 0; i < rr.nlocs; i++)
+        memset(z_late(&z, off[i]), 0xee, BB);
+    cr_expect_leq(wait_resident(z.fd, BB, 2500), 2000, "the late write was not punched");
+    uint8_t *got = malloc(16 * BB);
+    cr_assert_eq(kvt_client_match(o, u, 16 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(kvt_client_get(o, m.lease, 0, 16, got, 16 * BB, NULL, NULL), 0);
+    cr_expect(memcmp(got, pay, 16 * BB) == 0, "the late write reached another block");
+    kvt_client_release(o, m.lease, NULL);
+    kvt_proto_put_reply_t p;
+    cr_expect_eq(zcommit(fd, rr.resv, 0, &p), KVT_ENOENT);
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), 16 * BB);
+    free(got);
+    free(pay);
+    kvt_client_close(o);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* max-reserved-bytes bounds one connection's room, expired reservations included: pages past it
+ * get no location, and ABORT gives the room back. */
+Test(server_zc, max_reserved_bytes_caps_a_connection, .fini = teardown)
+{
+    kvd_start(&d, "--max-reserved-bytes", "256K", "--reserve-ms", "200", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t t[8 * PAGE];
+    kvd_tokens(t, 8 * PAGE, 40000);
+    kvt_proto_reserve_reply_t rr, r2;
+    uint32_t page[8];
+    uint64_t off[8];
+    zreply_t r;
+    cr_assert_eq(zreserve(fd, t, 8 * PAGE, 0, 6, &rr, page, off, &r), 0, "RESERVE: %s", r.body);
+    cr_expect_eq(rr.nlocs, 4, "256K of 64K pages: 4 of 6 pages");
+    cr_assert_eq(zreserve(fd, t, 8 * PAGE, 6, 2, &r2, page, off, &r), 0);
+    cr_expect(r2.nlocs == 0 && r2.resv == 0, "%u pages past the cap", r2.nlocs);
+    kvt_proto_put_reply_t p;
+    cr_assert_eq(zcommit(fd, rr.resv, KVT_COMMIT_F_ABORT, &p), 0);
+    cr_assert_eq(zreserve(fd, t, 8 * PAGE, 6, 2, &r2, page, off, &r), 0);
+    cr_expect_eq(r2.nlocs, 2, "the aborted room was not given back");
+    /* Expired, its room still counts until the client's COMMIT answers ENOENT. */
+    kvt_client_t *c = zclient(&d, NULL);
+    cr_assert_eq(wait_stat(c, "reservations_expired", 1), 1);
+    cr_assert_eq(zreserve(fd, t, 8 * PAGE, 0, 4, &rr, page, off, &r), 0);
+    cr_expect_eq(rr.nlocs, 2, "an expired reservation's room stopped counting");
+    cr_expect_eq(zcommit(fd, r2.resv, 0, &p), KVT_ENOENT);
+    kvt_proto_reserve_reply_t r3;
+    cr_assert_eq(zreserve(fd, t, 8 * PAGE, 6, 2, &r3, page, off, &r), 0);
+    cr_expect_eq(r3.nlocs, 2, "the expired room was not given back at its COMMIT");
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* Arenas whose clients left, one block in each, give way to a newcomer's MAP: their blocks move
+ * to the main region (still in DRAM, same bytes), and the arenas go. */
+Test(server_zc, departed_clients_arenas_give_way, .fini = teardown)
+{
+    kvd_start(&d, "--zero-copy-arenas", "2", NULL);
+    char salt[2][16] = {"dep-0", "dep-1"};
+    uint32_t t[2][PAGE];
+    for (int i = 0; i < 2; i++) {
+        int fd = zconn(&d, "zc", salt[i]);
+        zmap_t z;
+        cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+        kvd_tokens(t[i], PAGE, 50000 + 100 * (uint32_t)i);
+        zstore_one(fd, &z, t[i], 60 + (uint32_t)i);
+        zunmap(&z);
+        close(fd);
+    }
+    kvt_client_t *c = zclient(&d, NULL);
+    cr_assert_eq(kvd_stat(c, "zero_copy_arenas"), 2, "the departed clients' blocks keep them");
+    for (int i = 0; i < 2; i++) {
+        char nm[16];
+        snprintf(nm, sizeof nm, "new-%d", i);
+        int fd = zconn(&d, "zc", nm);
+        zmap_t z;
+        char msg[256];
+        cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, msg), 0, "newcomer %d: %s", i, msg);
+        cr_expect_eq(kvd_stat(c, "zero_copy_arenas"), 2);
+        if (i == 1) {
+            char again[256];
+            int fd2 = zconn(&d, "zc", "new-2");
+            zmap_t z2;
+            cr_expect_eq(zmap_tier(fd2, KVT_TIER_DRAM, &z2, again), KVT_ENOSPC,
+                         "both arenas are mapped now: %s", again);
+            close(fd2);
+        }
+        zunmap(&z);
+        /* kept open: the newcomers' arenas are mapped */
+        (void)fd;
+    }
+    for (int i = 0; i < 2; i++) {
+        kvt_client_t *o = zclient(&d, salt[i]);
+        expect_page(o, t[i], 60 + (uint32_t)i, "a moved block");
+        kvt_client_close(o);
+    }
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), 2 * BB);
+    kvt_client_close(c);
+}
+
+/* The daemon's memfds of arenas, by its /proc links. */
+static int memfds_of(pid_t pid)
+{
+    char dir[64];
+    snprintf(dir, sizeof dir, "/proc/%d/fd", (int)pid);
+    DIR *dp = opendir(dir);
+    cr_assert(dp, "opendir %s: %s", dir, strerror(errno));
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(dp))) {
+        char path[320], link[256];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        ssize_t l = readlink(path, link, sizeof link - 1);
+        if (l <= 0)
+            continue;
+        link[l] = 0;
+        n += strstr(link, "memfd:kvtier-ns-") != NULL;
+    }
+    closedir(dp);
+    return n;
+}
+
+/* kvtier_zero_copy_arenas is the number of memfds the daemon holds, also once arenas go with
+ * their last block (not with a connection's close). */
+Test(server_zc, arenas_gauge_counts_the_memfds, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    char salt[3][16] = {"g-0", "g-1", "g-2"};
+    uint32_t t[3][PAGE];
+    for (int i = 0; i < 3; i++) {
+        int fd = zconn(&d, "zc", salt[i]);
+        zmap_t z;
+        cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+        kvd_tokens(t[i], PAGE, 60000 + 100 * (uint32_t)i);
+        zstore_one(fd, &z, t[i], 70 + (uint32_t)i);
+        zunmap(&z);
+        close(fd);
+    }
+    kvt_client_t *c = zclient(&d, NULL);
+    cr_expect_eq(kvd_stat(c, "zero_copy_arenas"), 3);
+    cr_expect_eq(memfds_of(d.pid), 3);
+    for (int i = 0; i < 3; i++) {
+        kvt_client_t *o = zclient(&d, salt[i]);
+        cr_assert_eq(kvt_client_remove(o, t[i], PAGE), 0);
+        kvt_client_close(o);
+    }
+    for (int i = 0; i < 200 && memfds_of(d.pid) > 0; i++)
+        usleep(10000);
+    cr_assert_eq(memfds_of(d.pid), 0, "the arenas outlived their blocks");
+    cr_expect_eq(kvd_stat(c, "zero_copy_arenas"), 0, "the gauge counts arenas that went");
+    int fd = zconn(&d, "zc", "g-new");
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    cr_expect_eq(kvd_stat(c, "zero_copy_arenas"), 1);
+    cr_expect_eq(memfds_of(d.pid), 1);
+    zunmap(&z);
+    close(fd);
+    kvt_client_close(c);
 }

@@ -5,6 +5,8 @@
  * (which also exercises tier.c's location index). Then the shared arenas of zero-copy clients,
  * with real memfds: a second mapping of the tier's fd stands for the client's.
  */
+#define _GNU_SOURCE /* fallocate */
+#include <fcntl.h>
 #include <jemalloc/jemalloc.h>
 #include <poll.h>
 #include <sys/mman.h>
@@ -794,5 +796,161 @@ Test(tier_dram, a_client_scribbling_over_its_mapping_cannot_break_the_tier)
     kvt_tier_dram_unshare(t, NS_A);
     cr_assert_eq(kvt_tier_dram_shared(t), 0);
     free(buf);
+    kvt_tier_destroy(t);
+}
+
+/* ---- what a client can touch (issue 36) ---- */
+
+/* A client makes its whole memfd resident (fallocate): the check punches everything no live
+ * block holds, blocks under a page that share pages with others included, and every live block
+ * keeps its bytes. The scan's time is logged: its cost, for docs/tiers.md. */
+Test(tier_dram, client_touched_pages_are_punched_and_live_blocks_kept)
+{
+    enum { N = 6000 };
+    kvt_tier_t *t = mk_shared(64u << 20, 1);
+    int fd;
+    uint64_t mb;
+    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
+    static uint64_t locs[N];
+    static uint32_t lens[N];
+    uint8_t buf[9000], got[9000];
+    uint32_t tok[16];
+    uint64_t live = 0;
+    for (int i = 0; i < N; i++) {
+        lens[i] = i % 3 == 0 ? 1000 : i % 3 == 1 ? 4096 : 9000; /* slab-sized and page-sized */
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        tu_fill(buf, lens[i], (uint32_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, lens[i], &locs[i]), 0);
+    }
+    for (int i = 0; i < N; i += 4)
+        kvt_tier_free(t, locs[i], lens[i]);
+    for (int i = 0; i < N; i++)
+        if (i % 4)
+            live += (lens[i] + 4095) & ~4095u;
+    uint8_t *m = client_map(fd, mb);
+    cr_assert_eq(fallocate(fd, 0, 0, (off_t)mb), 0, "fallocate: %s", strerror(errno));
+    cr_assert_geq(fd_bytes(fd), mb - (1u << 20));
+    cr_assert_eq(kvt_tier_dram_scan(t), 0);
+    kvt_tier_dram_shared_stats_t st;
+    cr_assert_eq(kvt_tier_dram_shared_stats(t, &st), 0);
+    cr_assert_eq(st.arenas, 1);
+    cr_assert_eq(st.scans, 1);
+    cr_expect_leq(fd_bytes(fd), live, "%llu bytes resident for %llu of live blocks' pages",
+                  (unsigned long long)fd_bytes(fd), (unsigned long long)live);
+    cr_expect_eq(st.resident_bytes, fd_bytes(fd));
+    cr_expect_geq(st.punched_bytes, mb - live - (1u << 20));
+    cr_log_info("scan of a %llu-byte memfd holding %d blocks: %.3f ms", (unsigned long long)mb,
+                N - N / 4, (double)st.scan_ns / 1e6);
+    for (int i = 0; i < N; i++) {
+        if (i % 4 == 0)
+            continue;
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        tu_fill(buf, lens[i], (uint32_t)i);
+        cr_assert_eq(tu_read(t, &k, locs[i], got, lens[i]), 0);
+        cr_assert(memcmp(got, buf, lens[i]) == 0, "block %d (%u bytes) lost its bytes", i, lens[i]);
+    }
+    /* Nothing touched since: the next check does not scan. */
+    uint64_t scan_ns = st.scan_ns;
+    cr_assert_eq(kvt_tier_dram_scan(t), 0);
+    cr_assert_eq(kvt_tier_dram_shared_stats(t, &st), 0);
+    cr_expect_eq(st.scans, 1, "an arena holding only its blocks was scanned");
+    cr_log_info("a check that finds nothing to scan: %.3f ms",
+                (double)(st.scan_ns - scan_ns) / 1e6);
+    munmap(m, mb);
+    kvt_tier_destroy(t);
+}
+
+/* An orphan (an expired reservation's room) no longer counts in the capacity and holds no
+ * memory, whatever the client writes there, but no other block is placed in it until it is
+ * freed. */
+Test(tier_dram, an_orphan_keeps_its_room_but_not_its_charge_or_memory)
+{
+    const uint32_t len = 65536;
+    kvt_tier_t *t = mk_shared(8u << 20, 1);
+    int fd;
+    uint64_t mb, off, loc = 0, other = 0;
+    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
+    uint8_t *m = client_map(fd, mb);
+    uint32_t tok[16];
+    kvt_block_key_t k = ns_key(NS_A, 1, tok);
+    cr_assert_eq(tu_write(t, &k, NULL, len, &loc), 0);
+    cr_assert_eq(kvt_tier_dram_offset(t, NS_A, loc, &off), 0);
+    memset(m + off, 0x11, len); /* the client fills it */
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.used_bytes, len);
+    cr_assert_eq(kvt_tier_dram_orphan(t, loc, len + 1), KVT_ENOENT);
+    cr_assert_eq(kvt_tier_dram_orphan(t, loc, len), 0);
+    kvt_tier_usage(t, &u);
+    cr_expect(u.used_bytes == 0 && u.blocks == 0, "an orphan still counts");
+    cr_expect_lt(fd_bytes(fd), len, "an orphan's pages were not punched");
+    cr_assert_eq(kvt_tier_dram_orphan(t, loc, len), KVT_ENOENT, "orphaned twice");
+    /* Its room is kept: a new block lies elsewhere. */
+    kvt_block_key_t k2 = ns_key(NS_A, 2, tok);
+    uint8_t buf[65536];
+    tu_fill(buf, len, 5);
+    cr_assert_eq(tu_write(t, &k2, buf, len, &other), 0);
+    cr_expect(other + len <= loc || other >= loc + len, "a block was placed in an orphan");
+    /* The slow client writes late: punched again by the next check. */
+    memset(m + off, 0x22, len);
+    cr_assert_geq(fd_bytes(fd), 2 * (uint64_t)len);
+    cr_assert_eq(kvt_tier_dram_scan(t), 0);
+    cr_expect_leq(fd_bytes(fd), len, "a late write into an orphan stayed resident");
+    uint8_t got[65536];
+    cr_assert_eq(tu_read(t, &k2, other, got, len), 0);
+    cr_expect(memcmp(got, buf, len) == 0);
+    /* Freed: the arena goes with it once unshared and empty. */
+    kvt_tier_dram_orphan_free(t, loc, len);
+    kvt_tier_free(t, other, len);
+    kvt_tier_dram_unshare(t, NS_A);
+    cr_expect_eq(kvt_tier_dram_shared(t), 0, "an orphan freed is still counted in its arena");
+    munmap(m, mb);
+    kvt_tier_destroy(t);
+}
+
+/* An arena nobody shares gives way: its blocks move to the main region with their bytes and
+ * charge, and the arena (its slot) goes with the last of them. */
+Test(tier_dram, an_unshared_arena_s_blocks_move_out)
+{
+    const uint32_t len = 50000;
+    kvt_tier_t *t = mk_shared(8u << 20, 1);
+    int fd;
+    uint64_t mb, off, loc[3], seed;
+    cr_assert_eq(kvt_tier_dram_idle(t, &seed), KVT_ENOENT);
+    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
+    uint8_t buf[50000], got[50000];
+    uint32_t tok[16];
+    for (int i = 0; i < 3; i++) {
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        tu_fill(buf, len, 40 + (uint32_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len, &loc[i]), 0);
+    }
+    cr_assert_eq(kvt_tier_dram_idle(t, &seed), KVT_ENOENT, "a shared arena is not idle");
+    uint64_t l0 = loc[0];
+    cr_assert_eq(kvt_tier_dram_move_out(t, &l0), KVT_EBUSY);
+    kvt_tier_dram_unshare(t, NS_A);
+    cr_assert_eq(kvt_tier_dram_idle(t, &seed), 0);
+    cr_assert_eq(seed, NS_A);
+    kvt_tier_usage_t before, after;
+    kvt_tier_usage(t, &before);
+    for (int i = 0; i < 3; i++) {
+        uint64_t was = loc[i];
+        cr_assert_eq(kvt_tier_dram_move_out(t, &loc[i]), 0);
+        cr_assert_neq(loc[i], was);
+        cr_assert_eq(kvt_tier_dram_offset(t, NS_A, loc[i], &off), KVT_ENOENT);
+        cr_assert_eq(kvt_tier_dram_shared(t), i < 2 ? 1u : 0u);
+    }
+    kvt_tier_usage(t, &after);
+    cr_expect(after.used_bytes == before.used_bytes && after.blocks == before.blocks);
+    for (int i = 0; i < 3; i++) {
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        tu_fill(buf, len, 40 + (uint32_t)i);
+        cr_assert_eq(tu_read(t, &k, loc[i], got, len), 0);
+        cr_expect(memcmp(got, buf, len) == 0, "block %d moved wrong", i);
+        kvt_tier_free(t, loc[i], len);
+    }
+    kvt_tier_usage(t, &after);
+    cr_expect_eq(after.used_bytes, 0);
+    cr_assert_eq(kvt_tier_dram_move_out(t, &l0), KVT_ENOENT);
     kvt_tier_destroy(t);
 }

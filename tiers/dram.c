@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -44,6 +45,9 @@
  * region, or a shared arena's memfd mapping. */
 /* How long a shared arena keeps freed pages for reuse before punching them out (space_arena). */
 #define KVT_DRAM_SHARED_DECAY_MS 1000
+/* How often kvt_tier_dram_decay checks each arena's memfd for pages no live block holds (a
+ * client's writes or fallocate outside its blocks) and punches them (dram_shared_scan). */
+#define KVT_DRAM_SCAN_NS (1000ull * 1000 * 1000)
 
 typedef struct dram_space {
     extent_hooks_t hooks; /* first: the hooks get &hooks and find the rest from it */
@@ -61,8 +65,9 @@ typedef struct dram_space {
 typedef struct dram_shared {
     dram_space_t sp; /* first: its hooks find it */
     uint64_t seed;
-    uint32_t refs;   /* kvt_tier_dram_share calls not yet unshared */
-    uint64_t blocks; /* live blocks in it: it is destroyed only once both are 0 */
+    uint32_t refs;         /* kvt_tier_dram_share calls not yet unshared */
+    uint64_t blocks;       /* allocations in it, orphans too: destroyed only once both are 0 */
+    uint64_t orphan_bytes; /* charge of its orphans (kvt_tier_dram_orphan): allocated, not live */
 } dram_shared_t;
 
 typedef struct dram {
@@ -74,6 +79,11 @@ typedef struct dram {
      * costs a memcpy of kilobytes to megabytes beside which the scan is noise. */
     dram_shared_t **shared;
     uint32_t nshared, max_shared;
+    uint64_t scan_at; /* when kvt_tier_dram_decay scans the arenas' memfds next */
+    uint64_t punched; /* bytes the scans punched: touched by a client, held by no block */
+    uint64_t scans;   /* arenas scanned (their resident bytes exceeded what jemalloc holds) */
+    uint64_t scan_ns; /* time those scans took */
+    kvt_tier_t *tier; /* the tier this is the impl of: the scan walks its location index */
 } dram_t;
 
 static dram_space_t *space_of_hooks(extent_hooks_t *h)
@@ -367,6 +377,12 @@ static void dram_shared_destroy(dram_shared_t *s)
     if (s->sp.arena_made)
         kvt_log(KVT_LOG_INFO, "dram tier: shared arena of namespace %016llx destroyed",
                 (unsigned long long)s->seed);
+    /* A client may keep its mapping after its connection went (the mapping is its to unmap),
+     * which keeps the memfd alive after our close: whatever pages are left would stay out of
+     * every count but that client's. */
+    if (s->sp.fd >= 0 && s->sp.bytes)
+        (void)fallocate(s->sp.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                        (off_t)s->sp.bytes);
     space_release(&s->sp);
     free(s);
 }
@@ -383,6 +399,13 @@ static void dram_shared_drop(dram_t *d, dram_shared_t *s)
     dram_shared_destroy(s);
 }
 
+/* Takes s out of the table and destroys it when nothing keeps it: no reference, no block. */
+static void dram_shared_maybe_drop(dram_t *d, dram_shared_t *s)
+{
+    if (s->blocks == 0 && s->refs == 0)
+        dram_shared_drop(d, s);
+}
+
 static void dram_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
 {
     dram_t *d = t->impl;
@@ -390,8 +413,8 @@ static void dram_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     dallocx((void *)(uintptr_t)loc, dram_flags(s ? s->sp.arena : d->sp.arena, len));
     if (s) {
         kvt_assert(s->blocks > 0);
-        if (--s->blocks == 0 && s->refs == 0)
-            dram_shared_drop(d, s);
+        s->blocks--;
+        dram_shared_maybe_drop(d, s);
     }
 }
 
@@ -597,8 +620,8 @@ void kvt_tier_dram_unshare(kvt_tier_t *t, uint64_t ns_seed)
     dram_shared_t *s = dram_shared_find(d, ns_seed);
     if (!s || s->refs == 0)
         return;
-    if (--s->refs == 0 && s->blocks == 0)
-        dram_shared_drop(d, s);
+    s->refs--;
+    dram_shared_maybe_drop(d, s);
 }
 
 int kvt_tier_dram_offset(const kvt_tier_t *t, uint64_t ns_seed, uint64_t loc, uint64_t *off)
@@ -618,6 +641,137 @@ uint32_t kvt_tier_dram_shared(const kvt_tier_t *t)
     return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->nshared : 0;
 }
 
+/*
+ * What a client can touch. A client maps all of its arena's memfd read-write, so it can make any
+ * page of it resident (write it, or fallocate the fd), not only its blocks' pages: up to the
+ * memfd's whole size, 1.25 x capacity + 64 MiB, outside the tier's capacity and outside the
+ * daemon's RSS (shmem belongs to the file, and the file outlives the client while the daemon
+ * holds it). So once a second each arena's resident bytes (the memfd's st_blocks) are compared
+ * with what jemalloc can account for (its active and dirty pages, less the orphans, which hold
+ * no bytes worth keeping); an arena over that is scanned: every gap between its live blocks'
+ * page-rounded extents is punched. Pages shared by a live block and something else are kept
+ * whole (punching part of a page zeroes that part). Dirty pages are punched too by such a scan:
+ * their contents are garbage to jemalloc, and a hole reads as zeros. The check costs one fstat
+ * per arena and one jemalloc stats refresh a second; a scan costs a walk of the tier's location
+ * index, a sort of the arena's blocks and one punch per gap (measured in docs/tiers.md).
+ */
+typedef struct dram_run {
+    uint64_t off, end; /* page-rounded, within the memfd */
+} dram_run_t;
+
+typedef struct dram_scan {
+    const dram_shared_t *s;
+    dram_run_t *runs;
+    size_t n, cap;
+    int failed;
+    uint64_t page;
+} dram_scan_t;
+
+static void dram_scan_collect(void *arg, const kvt__tier_ent_t *e)
+{
+    dram_scan_t *sc = arg;
+    if (sc->failed || !space_holds(&sc->s->sp, e->loc))
+        return;
+    if (sc->n == sc->cap) {
+        size_t cap = sc->cap ? sc->cap * 2 : 256;
+        dram_run_t *r = realloc(sc->runs, cap * sizeof(*r));
+        if (!r) {
+            sc->failed = 1;
+            return;
+        }
+        sc->runs = r;
+        sc->cap = cap;
+    }
+    uint64_t off = e->loc - (uint64_t)(uintptr_t)sc->s->sp.base;
+    sc->runs[sc->n++] = (dram_run_t){.off = off & ~(sc->page - 1),
+                                     .end = (off + e->len + sc->page - 1) & ~(sc->page - 1)};
+}
+
+static int dram_run_cmp(const void *a, const void *b)
+{
+    uint64_t x = ((const dram_run_t *)a)->off, y = ((const dram_run_t *)b)->off;
+    return x < y ? -1 : x > y;
+}
+
+static int dram_punch(const dram_shared_t *s, uint64_t off, uint64_t len)
+{
+    return fallocate(s->sp.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)len);
+}
+
+/* The bytes s's memfd holds in memory. */
+static uint64_t dram_shared_resident(const dram_shared_t *s)
+{
+    struct stat st;
+    return fstat(s->sp.fd, &st) == 0 ? (uint64_t)st.st_blocks * 512 : 0;
+}
+
+/* Punches every page of s's memfd that no live block holds; returns the bytes that went (the
+ * resident bytes before and after: a punch of a hole costs little, but says nothing). The gaps
+ * between blocks are punched whole rather than found with SEEK_DATA: shmem reports a page that
+ * fallocate made resident but nobody wrote as a hole. */
+static uint64_t dram_shared_scan(dram_t *d, dram_shared_t *s, uint64_t page)
+{
+    dram_scan_t sc = {.s = s, .page = page};
+    kvt__tier_foreach(d->tier, dram_scan_collect, &sc);
+    if (sc.failed) {
+        free(sc.runs);
+        return 0; /* out of memory: the next scan tries again */
+    }
+    if (sc.n)
+        qsort(sc.runs, sc.n, sizeof(*sc.runs), dram_run_cmp);
+    uint64_t before = dram_shared_resident(s), cur = 0;
+    for (size_t i = 0; i <= sc.n; i++) {
+        uint64_t stop = i < sc.n ? sc.runs[i].off : s->sp.bytes;
+        if (stop > cur)
+            (void)dram_punch(s, cur, stop - cur);
+        if (i < sc.n && sc.runs[i].end > cur)
+            cur = sc.runs[i].end;
+    }
+    free(sc.runs);
+    uint64_t after = dram_shared_resident(s);
+    return before > after ? before - after : 0;
+}
+
+/* The bytes jemalloc accounts for in s: its active and dirty pages, less the orphans'. */
+static uint64_t dram_shared_expected(const dram_shared_t *s, uint64_t page)
+{
+    size_t active = 0, dirty = 0, sz = sizeof(size_t);
+    char name[64];
+    snprintf(name, sizeof(name), "stats.arenas.%u.pactive", s->sp.arena);
+    if (mallctl(name, &active, &sz, NULL, 0) != 0)
+        return 0; /* no stats: scan every time */
+    snprintf(name, sizeof(name), "stats.arenas.%u.pdirty", s->sp.arena);
+    sz = sizeof(size_t);
+    if (mallctl(name, &dirty, &sz, NULL, 0) != 0)
+        return 0;
+    uint64_t bytes = ((uint64_t)active + dirty) * page;
+    return bytes > s->orphan_bytes ? bytes - s->orphan_bytes : 0;
+}
+
+static void dram_scan_all(dram_t *d)
+{
+    uint64_t t0 = kvt_now_ns(), page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t epoch = 1;
+    size_t esz = sizeof(epoch);
+    (void)mallctl("epoch", &epoch, &esz, &epoch, esz); /* refresh the arenas' stats */
+    for (uint32_t i = 0; i < d->nshared; i++) {
+        dram_shared_t *s = d->shared[i];
+        if (dram_shared_resident(s) <= dram_shared_expected(s, page))
+            continue;
+        uint64_t got = dram_shared_scan(d, s, page);
+        d->scans++;
+        d->punched += got;
+        if (got) {
+            static kvt_log_limit_t lim;
+            kvt_log_limited(&lim, KVT_LOG_INFO,
+                            "dram tier: %llu bytes of namespace %016llx's memfd held no live "
+                            "block (written by a client outside its blocks): punched",
+                            (unsigned long long)got, (unsigned long long)s->seed);
+        }
+    }
+    d->scan_ns += kvt_now_ns() - t0;
+}
+
 void kvt_tier_dram_decay(kvt_tier_t *t)
 {
     if (!t || t->ops != &dram_ops)
@@ -628,6 +782,125 @@ void kvt_tier_dram_decay(kvt_tier_t *t)
         snprintf(name, sizeof(name), "arena.%u.decay", d->shared[i]->sp.arena);
         (void)mallctl(name, NULL, NULL, NULL, 0);
     }
+    uint64_t now = kvt_now_ns();
+    if (d->nshared && now >= d->scan_at) {
+        d->scan_at = now + KVT_DRAM_SCAN_NS;
+        dram_scan_all(d);
+    }
+}
+
+int kvt_tier_dram_scan(kvt_tier_t *t)
+{
+    if (!t || t->ops != &dram_ops)
+        return KVT_EINVAL;
+    dram_t *d = t->impl;
+    d->scan_at = kvt_now_ns() + KVT_DRAM_SCAN_NS;
+    dram_scan_all(d);
+    return 0;
+}
+
+int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t *st)
+{
+    if (!t || t->ops != &dram_ops || !st)
+        return KVT_EINVAL;
+    const dram_t *d = t->impl;
+    *st = (kvt_tier_dram_shared_stats_t){.arenas = d->nshared,
+                                         .punched_bytes = d->punched,
+                                         .scans = d->scans,
+                                         .scan_ns = d->scan_ns};
+    for (uint32_t i = 0; i < d->nshared; i++)
+        st->resident_bytes += dram_shared_resident(d->shared[i]);
+    return 0;
+}
+
+/*
+ * Orphans: an expired reservation's room (server/op_put.c). Its block leaves the location index
+ * and the capacity (other namespaces' writes may have the bytes) but stays allocated in the
+ * arena, so that jemalloc places nothing there that the slow client's late bytes could land
+ * in; its pages are punched now and by every scan after (a client writing there again makes
+ * the arena's memfd exceed what jemalloc holds). Blocks under a page share their pages with
+ * others: those are punched by the scan once no live block holds them.
+ */
+int kvt_tier_dram_orphan(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    if (!t || t->ops != &dram_ops)
+        return KVT_EINVAL;
+    dram_t *d = t->impl;
+    dram_shared_t *s = dram_shared_at(d, loc);
+    const kvt__tier_ent_t *e = kvt__tier_lookup(t, loc);
+    if (!s || !e || e->len != len)
+        return KVT_ENOENT;
+    uint64_t charge = e->charge, off = loc - (uint64_t)(uintptr_t)s->sp.base;
+    kvt__tier_forget(t, loc);
+    s->orphan_bytes += charge;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    if ((off & (page - 1)) == 0 && (charge & (page - 1)) == 0)
+        (void)dram_punch(s, off, charge);
+    return 0;
+}
+
+void kvt_tier_dram_orphan_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
+{
+    if (!t || t->ops != &dram_ops)
+        return;
+    dram_t *d = t->impl;
+    dram_shared_t *s = dram_shared_at(d, loc);
+    if (!s || kvt__tier_lookup(t, loc))
+        return; /* not an orphan */
+    uint64_t charge = dram_footprint(t, len);
+    kvt_assert(s->blocks > 0 && s->orphan_bytes >= charge);
+    dallocx((void *)(uintptr_t)loc, dram_flags(s->sp.arena, len));
+    s->orphan_bytes -= charge;
+    s->blocks--;
+    dram_shared_maybe_drop(d, s);
+}
+
+int kvt_tier_dram_idle(const kvt_tier_t *t, uint64_t *ns_seed)
+{
+    if (!t || t->ops != &dram_ops || !ns_seed)
+        return KVT_EINVAL;
+    const dram_t *d = t->impl;
+    const dram_shared_t *best = NULL;
+    for (uint32_t i = 0; i < d->nshared; i++) {
+        const dram_shared_t *s = d->shared[i];
+        if (s->refs == 0 && (!best || s->blocks < best->blocks))
+            best = s;
+    }
+    if (!best)
+        return KVT_ENOENT;
+    *ns_seed = best->seed;
+    return 0;
+}
+
+/*
+ * Moves a block out of an arena nobody maps into the main region, so that the arena can go and
+ * its slot serve another namespace: same charge (size classes are the same in every arena), so
+ * the capacity does not change; the location index follows the block. The caller makes sure no
+ * read of the old copy is in flight, and updates its own record of the location.
+ */
+int kvt_tier_dram_move_out(kvt_tier_t *t, uint64_t *loc)
+{
+    if (!t || t->ops != &dram_ops || !loc)
+        return KVT_EINVAL;
+    dram_t *d = t->impl;
+    dram_shared_t *s = dram_shared_at(d, *loc);
+    const kvt__tier_ent_t *e = kvt__tier_lookup(t, *loc);
+    if (!s || !e)
+        return KVT_ENOENT;
+    if (s->refs)
+        return KVT_EBUSY; /* mapped: a client may read it where it lies */
+    uint32_t len = e->len;
+    void *p = mallocx(len, dram_flags(d->sp.arena, len));
+    if (!p)
+        return KVT_ENOSPC;
+    memcpy(p, (const void *)(uintptr_t)*loc, len);
+    kvt__tier_relocate(t, *loc, (uint64_t)(uintptr_t)p);
+    dallocx((void *)(uintptr_t)*loc, dram_flags(s->sp.arena, len));
+    *loc = (uint64_t)(uintptr_t)p;
+    kvt_assert(s->blocks > 0);
+    s->blocks--;
+    dram_shared_maybe_drop(d, s);
+    return 0;
 }
 
 int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
@@ -682,6 +955,7 @@ int kvt_tier_dram_create(kvt_tier_t **out, const kvt_tier_dram_conf_t *conf)
         dram_release(d);
         return rc;
     }
+    d->tier = *out;
     if (d->pinned)
         kvt_log(KVT_LOG_INFO,
                 "dram tier: %llu bytes, jemalloc arena %u, pinned for CUDA (%zu bytes registered "

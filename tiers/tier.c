@@ -468,6 +468,27 @@ void kvt__tier_drop(kvt_tier_t *t, uint64_t loc)
     t->usage.reclaimed++;
 }
 
+void kvt__tier_forget(kvt_tier_t *t, uint64_t loc)
+{
+    kvt__tier_ent_t *e = tier_find(t, loc);
+    if (!e)
+        return;
+    kvt_assert(t->usage.used_bytes >= e->charge);
+    t->usage.used_bytes -= e->charge;
+    tier_index_del(t, e);
+}
+
+void kvt__tier_relocate(kvt_tier_t *t, uint64_t loc, uint64_t to)
+{
+    kvt__tier_ent_t *e = tier_find(t, loc);
+    kvt_assert(e && to != 0 && !tier_find(t, to));
+    kvt__tier_ent_t moved = *e;
+    moved.loc = to;
+    tier_index_del(t, e);
+    tier_place(t->ents, t->ents_cap, &moved); /* a slot just freed: no growth needed */
+    t->usage.blocks++;
+}
+
 int kvt_tier_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
 {
     if (!t || !key)

@@ -247,8 +247,39 @@ int kvt_tier_dram_offset(const kvt_tier_t *t, uint64_t ns_seed, uint64_t loc, ui
 uint32_t kvt_tier_dram_shared(const kvt_tier_t *t);
 /* A shared arena keeps freed pages for its namespace's next blocks (no page faults, no zeroing)
  * and gives them back to the kernel (holes punched in the memfd) over about a second after they
- * stop being reused, as far as it is called: call it every tick. No-op for other tiers. */
+ * stop being reused, as far as it is called: call it every tick. Once a second it also checks
+ * each arena's memfd for pages a client made resident where no live block is (a write through
+ * its mapping, an fallocate of the fd) and punches them. No-op for other tiers. */
 void kvt_tier_dram_decay(kvt_tier_t *t);
+/* That check and punch, now, whatever the time (tests). Returns 0 or KVT_EINVAL. */
+int kvt_tier_dram_scan(kvt_tier_t *t);
+
+typedef struct kvt_tier_dram_shared_stats {
+    uint32_t arenas;         /* shared arenas that exist now (kvt_tier_dram_shared) */
+    uint64_t resident_bytes; /* bytes their memfds hold in memory now (st_blocks) */
+    uint64_t punched_bytes;  /* bytes the checks punched: resident, held by no live block */
+    uint64_t scans;          /* arenas the checks scanned (resident beyond what jemalloc holds) */
+    uint64_t scan_ns;        /* time the checks took, scans included */
+} kvt_tier_dram_shared_stats_t;
+/* Returns 0 with *st filled, or KVT_EINVAL (not a DRAM tier). */
+int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t *st);
+
+/* An expired zero-copy reservation's block (loc, len in a shared arena) stops being a stored
+ * block: unindexed and uncharged (others may use the capacity), its pages punched now and by
+ * every check after, but its room stays allocated so that no other block is placed where a slow
+ * client may still write. kvt_tier_dram_orphan_free frees the room. Returns 0, KVT_EINVAL or
+ * KVT_ENOENT (not an indexed block of a shared arena). */
+int kvt_tier_dram_orphan(kvt_tier_t *t, uint64_t loc, uint32_t len);
+void kvt_tier_dram_orphan_free(kvt_tier_t *t, uint64_t loc, uint32_t len);
+/* The namespace of an arena no reference holds (the one with the fewest blocks): 0, or
+ * KVT_ENOENT when every arena is shared, KVT_EINVAL. */
+int kvt_tier_dram_idle(const kvt_tier_t *t, uint64_t *ns_seed);
+/* Moves the block at *loc out of its shared arena, which no reference may hold, into the main
+ * region (same charge), and sets *loc to where it is now; the arena goes with its last block.
+ * The caller makes sure no read of the old address is in flight. Returns 0, KVT_ENOENT (not a
+ * block of a shared arena), KVT_EBUSY (the arena is shared), KVT_ENOSPC (the main region has no
+ * room: fragmentation) or KVT_EINVAL. */
+int kvt_tier_dram_move_out(kvt_tier_t *t, uint64_t *loc);
 
 /* --- NVMe (tiers/nvme.c, tiers/nvme_recover.c) ---
  * One data file, DIR/kvtier.data, preallocated to capacity_bytes (rounded down to whole

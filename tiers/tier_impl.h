@@ -179,6 +179,12 @@ int kvt__tier_adopt(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key, uin
 /* The backend lost a block by itself (segment reclaimed, server evicted it): unindexes and
  * uncharges it, counted in usage.reclaimed; ops->free is not called. Unknown loc: no-op. */
 void kvt__tier_drop(kvt_tier_t *t, uint64_t loc);
+/* The backend keeps the block's memory but it is no longer a stored block (the DRAM tier's
+ * orphans): unindexed and uncharged, not counted as reclaimed; ops->free is not called. */
+void kvt__tier_forget(kvt_tier_t *t, uint64_t loc);
+/* The backend moved an indexed block from loc to `to` (not indexed): the entry follows, with its
+ * key and charge. */
+void kvt__tier_relocate(kvt_tier_t *t, uint64_t loc, uint64_t to);
 /* The index entry of loc, or NULL. Valid until the next index change. */
 const kvt__tier_ent_t *kvt__tier_lookup(const kvt_tier_t *t, uint64_t loc);
 /* Calls fn for every indexed location (the callback must not change the index). */
