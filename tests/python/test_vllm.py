@@ -901,9 +901,17 @@ def test_worker_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any,
         assert err == {5, 6, 7}
         base = max(base, took)
     none.shutdown()
-    assert step(worker, meta)[1] == set()  # connected, the load hits
+
+    def hits() -> bool:  # a whole step, the load served (the first one connects)
+        r, r2, meta = plan()
+        ok = step(worker, meta)[1] == set()
+        for x in (r, r2):
+            b_sched.request_finished(x, [])
+        return ok
+
     for x in (r, r2):
         b_sched.request_finished(x, [])
+    assert wait_until(hits)
     r, r2, meta = plan()
     os.kill(vd.proc.pid, signal.SIGSTOP)
     try:
@@ -920,10 +928,7 @@ def test_worker_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any,
     assert wait_until(lambda: leases(vd) == 0 and resv_open(vd) == 0)
     # Back: the probe reconnected in the background, the next load hits.
     assert wait_until(lambda: worker.kvtier_stats()["recoveries"] == 1)
-    r, r2, meta = plan()
-    assert step(worker, meta)[1] == set()
-    for x in (r, r2):
-        b_sched.request_finished(x, [])
+    assert wait_until(hits)
     worker.shutdown()
     b_sched.shutdown()
     a.close()
