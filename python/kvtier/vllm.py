@@ -30,6 +30,10 @@ layer goes through a staging buffer and the socket.
 Failures never reach the engine: a daemon that is down makes the scheduler see 0 hits; a load
 that fails or comes back short (daemon killed, page evicted) reports its blocks through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them; a failed save is logged and dropped.
+Nothing waits long on the daemon: the scheduler's calls have a deadline of
+``scheduler_deadline_ms`` (20), a forward step waits ``worker_deadline_ms`` (100) in all for its
+I/O, and after a failure a circuit breaker answers misses at once while a background thread
+reconnects (kvtier/guard.py; docs/engines.md, "Deadlines and the circuit breaker").
 """
 
 from __future__ import annotations
