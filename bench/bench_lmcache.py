@@ -79,7 +79,7 @@ class Connector(cb.Form):
         ec = {"remote_storage_plugin.kvtier.module_path": "kvtier.lmcache",
               "remote_storage_plugin.kvtier.class_name": "KvtierConnector",
               "remote_storage_plugin.kvtier.unix_path": unix,
-              "remote_storage_plugin.kvtier.timeout_ms": 60000}
+              "remote_storage_plugin.kvtier.deadline_ms": 60000}
         # Room for the 32 chunks put and the 32 a load allocates (128 MiB), with some to spare.
         cfg = LMCacheEngineConfig.from_defaults(
             chunk_size=cb.BS, local_cpu=True, max_local_cpu_size=0.25,

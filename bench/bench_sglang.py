@@ -84,7 +84,7 @@ class Connector(cb.Form):
 
     def __init__(self, unix: str) -> None:
         ec = {"backend_name": "kvtier", "module_path": "kvtier.sglang",
-              "class_name": "KvtierStorage", "unix_path": unix, "timeout_ms": 60000}
+              "class_name": "KvtierStorage", "unix_path": unix, "deadline_ms": 60000}
         cfg = HiCacheStorageConfig(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
             is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
@@ -147,7 +147,7 @@ class ConnectorV1(cb.Form):
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         ec = {"backend_name": "kvtier", "module_path": "kvtier.sglang",
-              "class_name": "KvtierStorage", "unix_path": unix, "timeout_ms": 60000,
+              "class_name": "KvtierStorage", "unix_path": unix, "deadline_ms": 60000,
               "interface_v1": 1}
         cfg = HiCacheStorageConfig(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,

@@ -83,7 +83,8 @@ def connectors(unix: str) -> tuple:
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"unix_path": unix, "model": "bench-32l",
-                                       "timeout_ms": 60000}),
+                                       "scheduler_deadline_ms": 60000,
+                                       "worker_deadline_ms": 60000}),
         device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS))
     kcc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
     return (KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, kcc),

@@ -15,9 +15,11 @@ configuration. This module's ``KvtierConnector`` is one. Select it in LMCache's 
 
 Other settings, all optional, under the same ``remote_storage_plugin.kvtier.`` prefix: ``tcp``
 ("host:port", used when ``unix_path`` is absent), ``secret``, ``salt`` (tenant salt),
-``namespace`` (first part of the kvtier model name, default "lmcache"), ``timeout_ms`` (per
-call, default 5000), ``retry_ms`` (after a transport failure, how long calls answer "miss"
-before the connector dials again, default 1000).
+``namespace`` (first part of the kvtier model name, default "lmcache"), ``deadline_ms`` (each
+call to kvtierd, default 100), ``probe_ms`` (while the circuit breaker is open, how often a
+background thread tries to reach the daemon, default 200), ``warn_interval_s`` (at most one
+warning line this often, default 10). Any other key under the prefix (a typo, or the replaced
+``timeout_ms`` / ``retry_ms``) is refused at start, naming it.
 
 ``remote_url`` alone cannot select it: LMCache builds plugin connectors only for the names in
 ``remote_storage_plugins``, and a ``remote_url`` scheme needs an adapter built into LMCache
@@ -35,9 +37,11 @@ GET writes into a new MemoryObj's memory). A partial chunk (only with ``save_unf
 off by default) is not stored: ``put`` skips it and LMCache recomputes that tail; nor is
 layerwise mode's one-layer object (``use_layerwise``: the plugin then stores nothing).
 
-Failures: every daemon error, timeout or lost connection is logged and answered as a miss
-(``exists`` False, ``get`` None, ``put`` dropped, ``batched_*`` per key); nothing raises into
-LMCache. A MemoryObj allocated for a GET that fails is released here; a MemoryObj given to
+Failures: every daemon error, timeout or lost connection is logged (rate-limited, counted:
+kvtier/guard.py) and answered as a miss (``exists`` False, ``get`` None, ``put`` dropped,
+``batched_*`` per key); nothing raises into LMCache. A transport failure (a missed deadline
+included) opens the connector's circuit breaker: calls answer a miss at once, without a socket,
+while a background thread connects again every ``probe_ms`` and hands the connection over. A MemoryObj allocated for a GET that fails is released here; a MemoryObj given to
 ``put`` is not (LMCache releases it itself after put / batched_put).
 
 ``list()`` returns []: kvtierd indexes keys by hash (their synthetic tokens), it keeps no key
@@ -53,12 +57,13 @@ import asyncio
 import hashlib
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 from .client import Client
-from .errors import ConnectError, ConnectionClosed, Error, ProtocolError, Timeout
+from .errors import ECLOSED, ConnectError, ConnectionClosed, Error, ProtocolError, Timeout, \
+    error_for
+from .guard import Guard, check_keys, number
 
 __all__ = ["KvtierConnector", "PLUGIN", "settings"]
 
@@ -69,12 +74,20 @@ _PREFIX = "remote_storage_plugin.%s." % PLUGIN
 _KEY_MAX = 1024  # bytes in one kvtier key (KVT_KEY_MAX)
 T = TypeVar("T")
 _TRANSPORT = (ConnectError, ConnectionClosed, Timeout, ProtocolError)
+# Why 100 ms: docs/engines.md, "Deadlines and the circuit breaker". A chunk of a few MiB moves
+# in about a millisecond; LMCache's lookups (exists_sync, batched_contains) run on its caller's
+# thread and share the connection with the gets and puts.
+DEADLINE_MS = 100
+PROBE_MS = 200
+WARN_INTERVAL_S = 10.0
+_NUMBERS = {"deadline_ms": 1, "probe_ms": 1, "warn_interval_s": 0}  # each one's minimum
+_REPLACED = {"timeout_ms": "deadline_ms", "retry_ms": "probe_ms (a background probe)"}
 
 
 def settings(config: Any) -> Dict[str, Any]:
     """The connector's settings from an LMCacheEngineConfig's ``extra_config`` (keys
-    ``remote_storage_plugin.kvtier.<name>``), with their defaults. Raises ValueError for a
-    malformed number."""
+    ``remote_storage_plugin.kvtier.<name>``), with their defaults. Raises ValueError naming the
+    key for an unknown (or replaced) one or a malformed number."""
     extra = getattr(config, "extra_config", None) or {}
     s: Dict[str, Any] = {
         "unix_path": None,
@@ -82,14 +95,19 @@ def settings(config: Any) -> Dict[str, Any]:
         "secret": None,
         "salt": None,
         "namespace": "lmcache",
-        "timeout_ms": 5000,
-        "retry_ms": 1000,
+        "deadline_ms": DEADLINE_MS,
+        "probe_ms": PROBE_MS,
+        "warn_interval_s": WARN_INTERVAL_S,
     }
+    where = "kvtier.lmcache: extra_config " + _PREFIX + "*"
+    check_keys([k[len(_PREFIX):] for k in extra if str(k).startswith(_PREFIX)],
+               list(s) + ["module_path", "class_name"], where, _REPLACED)
     for name in list(s):
         v = extra.get(_PREFIX + name)
         if v is None:
             continue
-        s[name] = int(v) if name in ("timeout_ms", "retry_ms") else str(v)
+        s[name] = number(extra, _PREFIX + name, s[name], where, minimum=_NUMBERS[name],
+                         integer=name != "warn_interval_s") if name in _NUMBERS else str(v)
     return s
 
 
@@ -154,7 +172,10 @@ def _make_class() -> type:
             self.kvtier_model = ns
             self._lock = threading.Lock()
             self._store: Optional[_Store] = None
-            self._down_until = 0.0
+            self.guard = Guard(log, self.settings["warn_interval_s"])
+            self.breaker = self.guard.breaker("lmcache", self._new_client, self._install,
+                                              self.settings["probe_ms"])
+            self._connected = False  # the first connection was tried (on a calling thread)
             self._closed = False
             self._closing = False
             self._warned_partial = False
@@ -186,37 +207,57 @@ def _make_class() -> type:
 
         # -- the connection and its failures ------------------------------------------------
 
+        def _new_client(self) -> Client:
+            s = self.settings
+            return Client(self.kvtier_model, page_size=4, block_bytes=self.block_bytes,
+                          unix_path=s["unix_path"], tcp=s["tcp"], secret=s["secret"],
+                          salt=s["salt"], timeout_ms=s["deadline_ms"])
+
+        def _install(self, c: Client) -> bool:
+            """The breaker's new connection (on its probe thread)."""
+            with self._lock:
+                if self._closed or self._store is not None:
+                    c.close()
+                else:
+                    self._store = _Store(c)
+            return True
+
         def _connect(self) -> Optional[_Store]:
+            """The connection; None (a miss, at once) while the circuit breaker is open. Only
+            the first connection is made here; later ones by the breaker's probe thread."""
             with self._lock:
                 if self._store is not None or self._closed:
                     return self._store
-                if time.monotonic() < self._down_until:
+                if not self.breaker.allow():
                     return None
-                s = self.settings
+                if self._connected:  # lost: the probe thread connects again
+                    self.breaker.trip(error_for(ECLOSED, "the connection to kvtierd was lost"))
+                    return None
+                self._connected = True
                 try:
-                    c = Client(self.kvtier_model, page_size=4, block_bytes=self.block_bytes,
-                               unix_path=s["unix_path"], tcp=s["tcp"], secret=s["secret"],
-                               salt=s["salt"], timeout_ms=s["timeout_ms"])
+                    self._store = _Store(self._new_client())
                 except Error as e:
-                    log.warning("kvtier.lmcache: cannot connect to kvtierd: %s", e)
-                    self._down_until = time.monotonic() + s["retry_ms"] / 1000.0
+                    self.guard.count("failures")
+                    self.breaker.trip(e)
                     return None
-                self._store = _Store(c)
                 return self._store
 
         def _failed(self, store: _Store, what: str, e: BaseException) -> None:
-            log.warning("kvtier.lmcache: %s failed, answering a miss: %s", what, e)
+            self.guard.count("failures")
             if isinstance(e, _TRANSPORT) or store.client.closed:
-                # A transport failure closes libkvtier's connection: drop it, dial again later
-                # (an error reply, such as NoSpace, leaves it usable).
+                # A transport failure closes libkvtier's connection: drop it, and let the
+                # breaker's probe dial again (an error reply, such as NoSpace, leaves it
+                # usable).
                 with self._lock:
                     if self._store is store:
                         self._store = None
-                        self._down_until = time.monotonic() + self.settings["retry_ms"] / 1000.0
                 try:
                     store.client.close()
                 except Exception:  # noqa: BLE001 (closing a broken connection)
                     pass
+                self.breaker.trip(e)
+            else:
+                self.guard.warn("kvtier.lmcache: %s failed, answering a miss: %s", what, e)
 
         def _call(self, what: str, fn: Callable[[_Store], T], miss: T) -> T:
             store = self._connect()
@@ -354,6 +395,10 @@ def _make_class() -> type:
             """Always []: kvtierd keeps keys as hashes and cannot list them."""
             return []
 
+        def kvtier_stats(self) -> Dict[str, int]:
+            """The connector's guard counters (kvtier/guard.py COUNTERS)."""
+            return self.guard.stats()
+
         async def close(self) -> None:
             self._quiesce()
             with self._lock:
@@ -361,6 +406,7 @@ def _make_class() -> type:
                 store, self._store = self._store, None
             if store is not None:
                 store.client.close()
+            self.breaker.close()
 
         def __repr__(self) -> str:
             return "<KvtierConnector %s>" % self.kvtier_model

@@ -26,16 +26,18 @@ storage-writer rank writes it), plus ``-pp<r>-<n>`` / ``-cp<r>-<n>`` / ``-dcp<r>
 those are in use: another model, TP rank, layout or page size never hits.
 
 Failures never reach the engine: every call catches kvtier's errors (and any other), logs them
-(rate-limited) and answers as a miss (False, None, 0). A transport failure (the daemon gone, a
-timeout) closes the connections; calls then answer misses at once, without waiting on a socket,
-until ``reconnect_s`` (1 s) has passed, when the next call connects again.
+(rate-limited: kvtier/guard.py) and answers as a miss (False, None, 0). Each call to kvtierd is
+bounded by ``deadline_ms`` (100). A transport failure (the daemon gone, a missed deadline) closes
+the connections and opens the backend's circuit breaker: calls then answer misses at once,
+without touching a socket, while a background thread connects again every ``probe_ms`` (200);
+once it reaches the daemon, calls go to it again. An unknown extra-config key is refused at
+start (ValueError naming it).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["KvtierStorage"]
@@ -43,9 +45,21 @@ __all__ = ["KvtierStorage"]
 logger = logging.getLogger(__name__)
 
 # Extra-config keys this backend reads (beside SGLang's backend_name/module_path/class_name and
-# interface_v1): where the daemon is, the namespace's model/adapter/salt, timeouts.
-CONFIG_KEYS = ("unix_path", "tcp", "secret", "model", "adapter", "salt", "timeout_ms",
-               "reconnect_s")
+# interface_v1): where the daemon is, the namespace's model/adapter/salt, deadlines.
+CONFIG_KEYS = ("unix_path", "tcp", "secret", "model", "adapter", "salt", "deadline_ms",
+               "probe_ms", "warn_interval_s")
+# Keys SGLang itself reads from the same extra config (sglang 0.5.23: the dynamic loader,
+# HiCacheController, the prefetch settings, HiCacheFile's metadata cache).
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
+               "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+               "hicache_storage_pass_prefix_keys", "enable_metadata_cache", "metadata_ttl")
+REPLACED_KEYS = {"timeout_ms": "deadline_ms", "reconnect_s": "probe_ms (a background probe)"}
+# Why 100 ms: docs/engines.md, "Deadlines and the circuit breaker". SGLang calls the backend
+# from its prefetch and backup threads; a page of a few MiB moves in about a millisecond.
+DEADLINE_MS = 100
+PROBE_MS = 200
+WARN_INTERVAL_S = 10.0
+_WHERE = "kvtier.sglang: hicache-storage-backend-extra-config"
 
 _built: Dict[str, Any] = {}
 
@@ -76,6 +90,7 @@ def _build() -> Any:
 
     import kvtier
     from kvtier._lib import ffi
+    from kvtier.guard import Guard, check_keys, number
 
     transport = (kvtier.ConnectError, kvtier.ConnectionClosed, kvtier.Timeout,
                  kvtier.ProtocolError)
@@ -86,20 +101,26 @@ def _build() -> Any:
         def __init__(self, storage_config: Any, kwargs: Optional[dict] = None) -> None:
             self.storage_config = storage_config
             extra = dict(getattr(storage_config, "extra_config", None) or {})
+            check_keys(extra, CONFIG_KEYS + SGLANG_KEYS, _WHERE, REPLACED_KEYS)
+            self.deadline_ms = number(extra, "deadline_ms", DEADLINE_MS, _WHERE, minimum=1)
+            self.guard = Guard(logger, number(extra, "warn_interval_s", WARN_INTERVAL_S, _WHERE,
+                                              integer=False))
+            self.breaker = self.guard.breaker(
+                "sglang", self._probe, self._install,
+                number(extra, "probe_ms", PROBE_MS, _WHERE, minimum=1))
+            self._probe_key: Optional[Tuple[str, int]] = None  # the connection the probe makes
+            self._closed = False
             self.extra = extra
             self.model = str(extra.get("model") or storage_config.model_name or "sglang")
             self.shard = _shard(storage_config)
             self.writer = bool(getattr(storage_config, "is_storage_writer", True))
             self.interface_v1 = bool(extra.get("interface_v1", 0))
-            self.reconnect_s = float(extra.get("reconnect_s", 1.0))
             self._conn = dict(unix_path=extra.get("unix_path"), tcp=extra.get("tcp"),
                               secret=extra.get("secret"), salt=extra.get("salt"),
-                              timeout_ms=int(extra.get("timeout_ms", 5000)))
+                              timeout_ms=self.deadline_ms)
             self._adapter = extra.get("adapter")
             self._clients: Dict[Tuple[str, int], kvtier.Client] = {}
             self._lock = threading.Lock()
-            self._down_until = 0.0
-            self._last_log = 0.0
             self.flat_bytes = 0  # bytes of one flat data page (get/set), once known
             self.layout = "flat"
             self.mem_pool_host = None
@@ -117,22 +138,43 @@ def _build() -> Any:
 
         # -- connections ------------------------------------------------------------------
 
+        def _connect(self, key: Tuple[str, int]) -> Any:
+            form, nbytes = key
+            adapter = "sglang/%s/%dB/%s" % (form, nbytes, self.shard)
+            if self._adapter:
+                adapter += "/" + str(self._adapter)
+            return kvtier.Client(self.model, page_size=kvtier.KEY_TOKENS, block_bytes=nbytes,
+                                 adapter=adapter, **self._conn)
+
+        def _probe(self) -> Any:
+            """The breaker's background attempt: the connection whose failure opened it."""
+            key = self._probe_key
+            assert key is not None
+            return key, self._connect(key)
+
+        def _install(self, got: Any) -> bool:
+            key, c = got
+            with self._lock:
+                if self._closed or key in self._clients:
+                    c.close()
+                else:
+                    self._clients[key] = c
+            return True
+
         def _client(self, form: str, nbytes: int) -> Any:
-            """The connection for blocks of nbytes in this form; None while the daemon is
-            down (a transport error less than reconnect_s ago)."""
+            """The connection for blocks of nbytes in this form; None (a miss, at once)
+            while the circuit breaker is open."""
             key = (form, nbytes)
             with self._lock:
                 c = self._clients.get(key)
                 if c is not None:
+                    self._probe_key = key
                     return c
-                if time.monotonic() < self._down_until:
+                if not self.breaker.allow():
                     return None
-                adapter = "sglang/%s/%dB/%s" % (form, nbytes, self.shard)
-                if self._adapter:
-                    adapter += "/" + str(self._adapter)
+                self._probe_key = key
                 try:
-                    c = kvtier.Client(self.model, page_size=kvtier.KEY_TOKENS,
-                                      block_bytes=nbytes, adapter=adapter, **self._conn)
+                    c = self._connect(key)
                 except Exception as e:
                     self._failed(e)
                     return None
@@ -140,21 +182,20 @@ def _build() -> Any:
                 return c
 
         def _failed(self, e: BaseException) -> None:
-            """Logs a failure (at most once a second) and, for a transport one, drops the
-            connections until reconnect_s has passed."""
+            """Counts and logs a failure (rate-limited) and, for a transport one, closes the
+            connections and opens the circuit breaker."""
             self.stats["errors"] += 1
-            now = time.monotonic()
-            if now - self._last_log >= 1.0:
-                self._last_log = now
-                logger.warning("kvtier: %s: %s (answering misses)", type(e).__name__, e)
-            if isinstance(e, transport):
-                self._down_until = now + self.reconnect_s
+            self.guard.count("failures")
+            if isinstance(e, transport) and self._probe_key is not None:
                 clients, self._clients = self._clients, {}
                 for c in clients.values():
                     try:
                         c.close()
                     except Exception:
                         pass
+                self.breaker.trip(e)
+            else:
+                self.guard.warn("kvtier: %s: %s (answering misses)", type(e).__name__, e)
 
         def _guard(self, fn: Any, miss: Any) -> Any:
             try:
@@ -334,11 +375,17 @@ def _build() -> Any:
         def get_stats(self) -> Any:
             return dict(self.stats)
 
+        def kvtier_stats(self) -> Dict[str, int]:
+            """The backend's guard counters (kvtier/guard.py COUNTERS)."""
+            return self.guard.stats()
+
         def close(self) -> None:
-            """Closes the connections (the daemon keeps the pages)."""
+            """Closes the connections (the daemon keeps the pages) and stops the probe."""
             with self._lock:
+                self._closed = True
                 clients, self._clients = self._clients, {}
             for c in clients.values():
                 c.close()
+            self.breaker.close()
 
     return KvtierStorage

@@ -30,6 +30,10 @@ layer goes through a staging buffer and the socket.
 Failures never reach the engine: a daemon that is down makes the scheduler see 0 hits; a load
 that fails or comes back short (daemon killed, page evicted) reports its blocks through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them; a failed save is logged and dropped.
+Nothing waits long on the daemon: the scheduler's calls have a deadline of
+``scheduler_deadline_ms`` (20), a forward step waits ``worker_deadline_ms`` (100) in all for its
+I/O, and after a failure a circuit breaker answers misses at once while a background thread
+reconnects (kvtier/guard.py; docs/engines.md, "Deadlines and the circuit breaker").
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -55,6 +60,7 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_blo
 from ._lib import ffi
 from .client import Client, Hints, Reservation
 from .errors import ECLOSED, Error, error_for
+from .guard import Guard, check_keys, number
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = ["KvtierConnector", "KvtierConnectorMetadata"]
 
 log = logging.getLogger("kvtier.vllm")
+_WHERE = "kvtier.vllm: kv_connector_extra_config"
 
 KEY_BYTES = 32  # sha256
 
@@ -92,6 +99,24 @@ except ImportError:  # an older package: the same chain through the token calls,
 
 _TRANSPORT = (-30812, -30809, -30807)  # ECLOSED, ETIMEDOUT, EPROTO: the connection is gone
 
+# Deadlines (docs/engines.md, "Deadlines and the circuit breaker", says why these values). The
+# scheduler's calls run on vLLM's scheduler thread, between steps: a MATCH answers in tens of
+# microseconds, and 20 ms is a fraction of one decode step. The worker's calls run on its I/O
+# thread while the forward waits for them: 100 ms bounds what a step waits in all (a few
+# hundred MiB of pages at the mapping's or the socket's rate), and each call to kvtierd.
+SCHEDULER_DEADLINE_MS = 20
+WORKER_DEADLINE_MS = 100
+PROBE_MS = 200  # while the breaker is open: a background connection attempt this often
+WARN_INTERVAL_S = 10.0  # at most one warning line this often (all counted)
+
+# kv_connector_extra_config keys this connector reads; any other is refused at start.
+EXTRA_KEYS = ("unix_path", "tcp", "secret", "model", "lease_ms", "tp_rank", "pp_rank",
+              "put_bytes", "load_async", "api", "zero_copy", "block_size",
+              "scheduler_deadline_ms", "worker_deadline_ms", "probe_ms", "warn_interval_s")
+REPLACED_KEYS = {"timeout_ms": "scheduler_deadline_ms and worker_deadline_ms",
+                 "retry_ms": "probe_ms (a background probe instead of a retry on the engine's "
+                             "thread)"}
+
 
 class _PageStore:
     """Pages named by a key chain (one 32-byte key per page, each covering its prefix).
@@ -114,14 +139,24 @@ class _PageStore:
     (save, load) then take the token forms on that client, which name exactly the pages the
     keyed calls name. Not mapped (TCP, refused), the client is the keyed one, as before.
 
-    Every method raises kvtier.Error on failure; a transport failure closes the client and the
-    next call reconnects (no sooner than ``retry_ms`` after the failure). While views into the
-    mapping are out (a reservation or a leased load not given back: ``_holds``) the close waits
-    for the last of them: closing unmaps, and the worker may still be writing a view.
+    Every method raises kvtier.Error on failure. Each call to kvtierd is bounded by
+    ``deadline_ms`` (libkvtier's per-call timeout). A transport failure (a missed deadline
+    included) closes the client and opens the store's circuit breaker (kvtier/guard.py): calls
+    then raise at once, without a socket, while a background thread connects again and hands
+    the new client over. Only the first connection is made on the caller's thread. While views
+    into the mapping are out (a reservation or a leased load not given back: ``_holds``) the
+    close waits for the last of them: closing unmaps, and the worker may still be writing a
+    view.
     """
 
-    def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int) -> None:
+    def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int, *,
+                 guard: Guard, deadline_ms: int, what: str) -> None:
         self._conf = conf
+        self.deadline_ms = deadline_ms
+        self.breaker = guard.breaker(what, self._connect, self._install,
+                                     int(conf.get("probe_ms", PROBE_MS)))
+        self._connected = False  # the first connection was tried (on the caller's thread)
+        self._closed = False
         self._model = model
         self._salt = salt
         self.block_bytes = block_bytes
@@ -136,8 +171,47 @@ class _PageStore:
         # back, and referenced until then (dropping it would close it, under the worker).
         self._doomed: Optional[Client] = None
         self._client: Optional[Client] = None
-        self._down_until = 0.0
         self._lock = threading.Lock()
+
+    @property
+    def up(self) -> bool:
+        """False while the breaker is open (calls would raise at once)."""
+        return not self.breaker.open
+
+    def _connect(self) -> Tuple[Client, bool]:
+        """A new client (and whether it maps the arena), or raises kvtier.Error."""
+        kw: Dict[str, Any] = dict(
+            block_bytes=self.block_bytes, unix_path=self._conf.get("unix_path"),
+            tcp=self._conf.get("tcp"), secret=self._conf.get("secret"), salt=self._salt,
+            timeout_ms=self.deadline_ms)
+        mapped = False
+        if self.keyed and not self.block_bytes:
+            # The scheduler: token calls on the keyed namespace itself (index only).
+            c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+        elif self.keyed and (kw["unix_path"] or not kw["tcp"]) and \
+                self._conf.get("zero_copy", True):
+            # The worker, local: the keyed namespace's token client, which maps its arena.
+            c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+            mapped = c.zero_copy
+            if not mapped:  # refused: the keyed calls, as over TCP
+                log.info("kvtier: no zero-copy mapping (%s); staging", c.zero_copy_reason)
+                c.close()
+                c = Client(self._model, **kw)
+        elif self.keyed:
+            c = Client(self._model, **kw)  # keyed calls open the keyed namespace
+        else:
+            c = Client(self._model, page_size=KEY_BYTES // 4, **kw)
+        return c, mapped
+
+    def _install(self, got: Tuple[Client, bool]) -> bool:
+        """The probe's new client (on the probe thread): taken unless the store is closed or
+        the failed client still waits for its views."""
+        with self._lock:
+            if self._closed or self._doomed is not None or self._client is not None:
+                got[0].close()
+                return self._closed or self._client is not None
+            self._client, self.mapped = got
+            return True
 
     def _c(self) -> Client:
         c = self._client
@@ -145,32 +219,18 @@ class _PageStore:
             raise error_for(ECLOSED, "the connection failed; closed once its views come back")
         if c is not None and not c.closed:
             return c
-        if time.monotonic() < self._down_until:
-            raise error_for(ECLOSED, "kvtierd unreachable; not retried before retry_ms")
-        kw: Dict[str, Any] = dict(
-            block_bytes=self.block_bytes, unix_path=self._conf.get("unix_path"),
-            tcp=self._conf.get("tcp"), secret=self._conf.get("secret"), salt=self._salt,
-            timeout_ms=int(self._conf.get("timeout_ms", 5000)))
+        if not self.breaker.allow():
+            raise error_for(ECLOSED, "kvtierd unreachable; answering misses until the "
+                            "background probe reaches it")
+        if self._connected or self._closed:  # lost: only the probe thread connects again
+            e = error_for(ECLOSED, "the connection to kvtierd was lost")
+            self.breaker.trip(e)
+            raise e
+        self._connected = True
         try:
-            self.mapped = False
-            if self.keyed and not self.block_bytes:
-                # The scheduler: token calls on the keyed namespace itself (index only).
-                c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
-            elif self.keyed and (kw["unix_path"] or not kw["tcp"]) and \
-                    self._conf.get("zero_copy", True):
-                # The worker, local: the keyed namespace's token client, which maps its arena.
-                c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
-                self.mapped = c.zero_copy
-                if not self.mapped:  # refused: the keyed calls, as over TCP
-                    log.info("kvtier: no zero-copy mapping (%s); staging", c.zero_copy_reason)
-                    c.close()
-                    c = Client(self._model, **kw)
-            elif self.keyed:
-                c = Client(self._model, **kw)  # keyed calls open the keyed namespace
-            else:
-                c = Client(self._model, page_size=KEY_BYTES // 4, **kw)
-        except Error:
-            self._down_until = time.monotonic() + int(self._conf.get("retry_ms", 1000)) / 1000
+            c, self.mapped = self._connect()
+        except Error as e:
+            self.breaker.trip(e)
             raise
         self._client = c
         return c
@@ -184,9 +244,9 @@ class _PageStore:
                 self._doomed = c  # closing would unmap views still in use: at _unhold
             else:
                 c.close()
-        if c.closed or self._doomed is not None:  # a transport failure: reconnect later
+        if c.closed or self._doomed is not None:  # a transport failure: the probe reconnects
             self._client = None
-            self._down_until = time.monotonic() + int(self._conf.get("retry_ms", 1000)) / 1000
+            self.breaker.trip(e)
 
     def tokens(self, keys: Sequence[bytes]) -> Any:
         """The chain as the token ids the daemon sees."""
@@ -377,10 +437,12 @@ class _PageStore:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for c in (self._client, self._doomed):
                 if c is not None:
                     c.close()
             self._client = self._doomed = None
+        self.breaker.close()
 
 
 # -- identity ---------------------------------------------------------------------------------
@@ -657,14 +719,19 @@ class KvtierConnector(KVConnectorBase_V1):
 
     ``kv_connector_extra_config`` keys: ``unix_path`` (the daemon's Unix socket) or ``tcp``
     ("host:port"), ``secret``, ``model`` (the namespace's model; default: vLLM's model and KV
-    dtype), ``timeout_ms`` (per call, default 5000), ``retry_ms`` (after a failure, no call to
-    the daemon for this long, default 1000), ``lease_ms`` (the scheduler's lease, 0: the
+    dtype), ``scheduler_deadline_ms`` (each call on the scheduler's thread, default 20),
+    ``worker_deadline_ms`` (what a forward step waits for the worker's I/O in all, and each call
+    of it, default 100), ``probe_ms`` (while the circuit breaker is open, how often a background
+    thread tries to reach the daemon, default 200), ``warn_interval_s`` (at most one warning
+    line this often, default 10), ``block_size`` (must equal vLLM's), ``lease_ms`` (the
+    scheduler's lease, 0: the
     daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks, default: vLLM's),
     ``put_bytes`` (payload bytes per PUT, default 16 MiB), ``load_async`` (load between steps,
     reported by get_finished, instead of inside the step; default False; such a load goes
     through a staging buffer even when mapped), ``api`` ("keys" or "tokens": how chains reach
     the daemon, see _PageStore), ``zero_copy`` (default True: on the Unix socket, map the
-    arena and copy each layer once each way; False: the staging path).
+    arena and copy each layer once each way; False: the staging path). Any other key (and the
+    replaced ``timeout_ms`` / ``retry_ms``) is refused at start: ValueError naming it.
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -674,6 +741,12 @@ class KvtierConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config or {})
         cc = vllm_config.cache_config
         self._block_size = int(self._extra.get("block_size") or cc.block_size)
+        self._check_settings(cc, kv_cache_config)
+        self._guard = Guard(log, number(self._extra, "warn_interval_s", WARN_INTERVAL_S, _WHERE,
+                                        integer=False))
+        self._worker_deadline_ms = number(self._extra, "worker_deadline_ms", WORKER_DEADLINE_MS,
+                                          _WHERE, minimum=1)
+        self._waited = 0.0  # seconds this step's forward has waited for the worker's I/O
         self._model = model_name(vllm_config, self._extra)
         self._root = chain_root(self._model)
         pc = vllm_config.parallel_config
@@ -711,8 +784,35 @@ class KvtierConnector(KVConnectorBase_V1):
         self._arenas: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
         if role == KVConnectorRole.SCHEDULER:
             # Index-only (block_bytes 0) in rank 0's namespace: all ranks store the same pages.
-            self._index = _PageStore(self._extra, self._model,
-                                     rank_salt(0, self._tp_size, 0, self._pp_size), 0)
+            self._index = _PageStore(
+                self._extra, self._model, rank_salt(0, self._tp_size, 0, self._pp_size), 0,
+                guard=self._guard, what="vllm scheduler",
+                deadline_ms=number(self._extra, "scheduler_deadline_ms", SCHEDULER_DEADLINE_MS,
+                                   _WHERE, minimum=1))
+
+    def _check_settings(self, cc: Any, kv_cache_config: Any) -> None:
+        """Refuses (ValueError naming the key) a setting this connector does not know, a
+        malformed number, or a block size other than the engine's."""
+        check_keys(self._extra, EXTRA_KEYS, _WHERE, REPLACED_KEYS)
+        for k in ("scheduler_deadline_ms", "worker_deadline_ms", "probe_ms"):
+            number(self._extra, k, 1, _WHERE, minimum=1)
+        for k in ("lease_ms", "put_bytes", "tp_rank", "pp_rank"):
+            number(self._extra, k, 0, _WHERE)
+        sizes = {int(cc.block_size)}
+        for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+            bs = getattr(getattr(g, "kv_cache_spec", None), "block_size", None)
+            if bs:
+                sizes.add(int(bs))
+        if self._block_size not in sizes:
+            raise ValueError("%s: setting 'block_size': %d tokens, but the engine's KV cache "
+                             "blocks are %s tokens" % (_WHERE, self._block_size,
+                                                       "/".join(map(str, sorted(sizes)))))
+
+    def kvtier_stats(self) -> Dict[str, int]:
+        """The connector's counters (kvtier/guard.py COUNTERS): failures, breaker trips and
+        recoveries, calls answered "miss" at once, waits cut at the deadline, saves dropped,
+        warnings raised and logged."""
+        return self._guard.stats()
 
     # == scheduler side ==========================================================================
 
@@ -725,7 +825,9 @@ class KvtierConnector(KVConnectorBase_V1):
             n = self._match(request, num_computed_tokens)
             return n, bool(n and self._async)
         except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
-            log.warning("kvtier: lookup of %s failed, computing it: %s", request.request_id, e)
+            self._guard.count("failures")
+            self._guard.warn("kvtier: lookup of %s failed, computing it: %s",
+                             request.request_id, e)
             st = self._reqs.get(request.request_id)
             if st is not None:
                 st.hit_pages = 0
@@ -773,7 +875,7 @@ class KvtierConnector(KVConnectorBase_V1):
                     request.request_id, list(st.keys[:last]), first, ids[first:last],
                     self._async)
         except Exception as e:  # noqa: BLE001
-            log.warning("kvtier: no load planned for %s: %s", request.request_id, e)
+            self._guard.warn("kvtier: no load planned for %s: %s", request.request_id, e)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """This step's loads (planned by update_state_after_alloc) and saves (each request's
@@ -783,7 +885,7 @@ class KvtierConnector(KVConnectorBase_V1):
         try:
             self._plan_saves(scheduler_output, meta)
         except Exception as e:  # noqa: BLE001
-            log.warning("kvtier: saves of this step not planned: %s", e)
+            self._guard.warn("kvtier: saves of this step not planned: %s", e)
         return meta
 
     def _plan_saves(self, so: "SchedulerOutput", meta: KvtierConnectorMetadata) -> None:
@@ -855,27 +957,73 @@ class KvtierConnector(KVConnectorBase_V1):
         pp_rank = int(self._extra.get("pp_rank", 0))
         self._store = _PageStore(self._extra, self._model,
                                  rank_salt(int(tp_rank), self._tp_size, pp_rank, self._pp_size),
-                                 self._layout.page_bytes)
+                                 self._layout.page_bytes, **self._worker_store())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm")
         if self._async:
             self._async_store = _PageStore(self._extra, self._model, self._store._salt,
-                                           self._layout.page_bytes)
+                                           self._layout.page_bytes,
+                                           **self._worker_store(" (async loads)"))
             self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
+
+    def _worker_store(self, what: str = "") -> Dict[str, Any]:
+        return dict(guard=self._guard, deadline_ms=self._worker_deadline_ms,
+                    what="vllm worker" + what)
+
+    def _wait(self, fut: "Future[Any]") -> bool:
+        """Waits for an I/O job within what is left of this step's worker_deadline_ms. False
+        (counted) when it is not done by then: the forward goes on without it."""
+        if fut.done():
+            return True
+        left = self._worker_deadline_ms / 1000.0 - self._waited
+        t0 = time.monotonic()
+        if left > 0:
+            wait_futures([fut], timeout=left)
+        self._waited += time.monotonic() - t0
+        if fut.done():
+            return True
+        self._guard.count("deadline_misses")
+        return False
+
+    def _later(self, fut: "Future[Any]", fn: Callable[[Any], None]) -> None:
+        """Runs fn(result) on the I/O thread once an abandoned job is done (a lease or a
+        reservation given back), never on the forward's thread."""
+        pool = self._pool
+
+        def done(f: "Future[Any]") -> None:
+            try:
+                r = f.result()
+            except Exception:  # noqa: BLE001 - failed: nothing of it is held
+                return
+            try:
+                if pool is not None:
+                    pool.submit(fn, r)
+            except RuntimeError:  # shut down: the closed connection gave it back
+                pass
+
+        fut.add_done_callback(done)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Starts reading this step's pages (whole pages, all layers) from kvtierd: with the
         zero-copy mapping, a MATCH with a lease and a GET by location (the pages stay where
         they lie in the mapping); else into staging buffers. wait_for_layer_load scatters each
-        layer. Then, mapped, starts reserving room in the mapping for this step's saves."""
+        layer. Then, mapped, starts reserving room in the mapping for this step's saves.
+        The step's waits for all of it share worker_deadline_ms; with the circuit breaker open,
+        the loads are load errors at once and nothing is sent."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
+        self._waited = 0.0  # a new step: its own wait budget
         self._finish_loads()  # anything a previous step left
         sync = [t for t in meta.loads if not t.async_load]
         for t in meta.loads:
             if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
                 self._async_loads[t.req_id] = self._async_pool.submit(self._load_between, t)
         assert self._pool is not None and self._store is not None
+        if sync and not self._store.up:  # kvtierd unreachable: recompute, ask nothing
+            self._guard.count("short_circuited")
+            for t in sync:
+                self._load_errors.update(t.block_ids)
+            sync = []
         # Mapped (or not known yet), no staging: the load job makes one if it finds no mapping.
         arena = None if self._zero_copy() else \
             self._arena(0, sum(len(t.keys) - t.first for t in sync))
@@ -948,7 +1096,8 @@ class KvtierConnector(KVConnectorBase_V1):
                         rows.append(j)
                 runs = self._layout.runs(views, vblocks)
             except Exception as e:  # noqa: BLE001
-                log.warning("kvtier: reservation for %s unusable, staging it: %s", t.req_id, e)
+                self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
+                                 t.req_id, e)
                 try:
                     self._store.abort(r)
                 except Exception:  # noqa: BLE001
@@ -974,7 +1123,8 @@ class KvtierConnector(KVConnectorBase_V1):
                 if kv.is_cuda:
                     torch.cuda.current_stream(kv.device).synchronize()
         except Exception as e:  # noqa: BLE001
-            log.warning("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
+            self._guard.count("failures")
+            self._guard.warn("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
         if got < len(t.block_ids):
             self._async_errors[t.req_id] = t.block_ids[got:]
         return got
@@ -990,18 +1140,41 @@ class KvtierConnector(KVConnectorBase_V1):
     def _resolve(self, ld: _Load) -> None:
         if ld.got >= 0:
             return
-        try:
-            r = ld.future.result()
-            if isinstance(r, _Views):
-                ld.views = r
-                ld.got = r.pages
-            else:
-                ld.got = int(r)
-        except Exception as e:  # noqa: BLE001
-            log.warning("kvtier: load of %s failed, recomputing: %s", ld.t.req_id, e)
+        if not self._wait(ld.future):
+            # Not here by the deadline: recomputed. Its staging stays the job's (the next step
+            # takes fresh memory), and a lease it gets is given back when it comes.
+            self._guard.warn("kvtier: load of %s not done within worker_deadline_ms (%d ms), "
+                             "recomputing it", ld.t.req_id, self._worker_deadline_ms)
+            if ld.staging is not None:
+                self._arenas[0] = torch.empty(0, dtype=torch.uint8)
+            self._later(ld.future, self._release_late)
             ld.got = 0
+        else:
+            try:
+                r = ld.future.result()
+                if isinstance(r, _Views):
+                    ld.views = r
+                    ld.got = r.pages
+                else:
+                    ld.got = int(r)
+            except Exception as e:  # noqa: BLE001
+                self._guard.count("failures")
+                self._guard.warn("kvtier: load of %s failed, recomputing: %s", ld.t.req_id, e)
+                ld.got = 0
         if ld.got < len(ld.t.block_ids):
             self._load_errors.update(ld.t.block_ids[ld.got:])
+
+    def _release_late(self, r: Any) -> None:
+        """A load that came after its deadline: its lease given back (its views unused)."""
+        if isinstance(r, _Views) and r.lease and self._store is not None:
+            r.runs.clear()
+            self._store.release_views(r.lease)
+
+    def _abort_late(self, resv: Dict[str, Any]) -> None:
+        """Reservations that came after their deadline: given back, nothing visible."""
+        for x in resv.values():
+            if x[0].id:
+                self._abort(x[0])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Scatters this layer of every page loaded this step into vLLM's blocks."""
@@ -1076,15 +1249,29 @@ class KvtierConnector(KVConnectorBase_V1):
         else a row of the staging buffer)."""
         self._saves_ready = True
         resv: Dict[str, Any] = {}
+        if self._store is not None and not self._store.up:
+            # kvtierd unreachable: the step's saves are dropped at once (no copy, no I/O).
+            self._guard.count("short_circuited")
+            self._guard.count("saves_dropped", len(saves))
+            self._abort_incomplete()
+            self._saves_ready = True
+            return
         if self._resv_future is None and self._zero_copy():  # start_load_kv did not run
             assert self._pool is not None
             self._resv_future = self._pool.submit(self._reserve_job, list(saves))
         if self._resv_future is not None:
-            try:
-                resv = self._resv_future.result()
-            except Exception as e:  # noqa: BLE001
-                log.warning("kvtier: reservations failed, staging the step's saves: %s", e)
-            self._resv_future = None
+            f, self._resv_future = self._resv_future, None
+            if not self._wait(f):  # staged instead; the reservations given back when they come
+                self._guard.warn("kvtier: reservations not made within worker_deadline_ms "
+                                 "(%d ms), staging the step's saves", self._worker_deadline_ms)
+                self._later(f, self._abort_late)
+            else:
+                try:
+                    resv = f.result()
+                except Exception as e:  # noqa: BLE001
+                    self._guard.count("failures")
+                    self._guard.warn("kvtier: reservations failed, staging the step's saves: "
+                                     "%s", e)
         plan = []
         for t in saves:
             x = resv.get(t.req_id)
@@ -1146,12 +1333,25 @@ class KvtierConnector(KVConnectorBase_V1):
         finally:
             self._abort_incomplete()
         for t, fut in self._save_futures:
+            if not self._wait(fut):
+                # Dropped: the job goes on alone (its pages stored if it ends well, else a
+                # later miss) with its staging, which the next step does not reuse. vLLM's
+                # blocks were copied out in save_kv_layer: none is held.
+                self._guard.count("saves_dropped")
+                self._guard.warn("kvtier: save of %s not done within worker_deadline_ms "
+                                 "(%d ms), dropped", t.req_id, self._worker_deadline_ms)
+                self._arenas[1] = torch.empty(0, dtype=torch.uint8)
+                continue
             try:
                 fut.result()
             except Exception as e:  # noqa: BLE001
-                log.warning("kvtier: save of %s failed: %s", t.req_id, e)
+                self._guard.count("failures")
+                self._guard.count("saves_dropped")
+                self._guard.warn("kvtier: save of %s failed: %s", t.req_id, e)
         self._save_futures.clear()
         for rid, fut in self._io_futures:
+            if not self._wait(fut):  # a release or an abort: it runs on alone
+                continue
             try:
                 fut.result()
             except Exception as e:  # noqa: BLE001
@@ -1161,11 +1361,14 @@ class KvtierConnector(KVConnectorBase_V1):
     def _abort_incomplete(self) -> None:
         resv: List[Reservation] = []
         if self._resv_future is not None:  # reserved, and no layer of this step saved here
-            try:
-                resv = [x[0] for x in self._resv_future.result().values()]
-            except Exception:  # noqa: BLE001 - nothing reserved
-                pass
-            self._resv_future = None
+            f, self._resv_future = self._resv_future, None
+            if not self._wait(f):
+                self._later(f, self._abort_late)
+            else:
+                try:
+                    resv = [x[0] for x in f.result().values()]
+                except Exception:  # noqa: BLE001 - nothing reserved
+                    pass
         for sv in self._saves.values():
             sv.runs = []
             if sv.resv is not None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Iterator, Tuple
 
 import pytest
@@ -209,11 +210,10 @@ def test_partial_chunk_is_not_stored(daemon: Daemon, loop: asyncio.AbstractEvent
 
 def test_daemon_dies_mid_get(loop: asyncio.AbstractEventLoop) -> None:
     """A daemon that stops answering during a get, then dies: every call answers a miss (no
-    exception reaches LMCache), the MemoryObj allocated for the get is freed, and a new
-    daemon on the same socket is dialled again after retry_ms."""
+    exception reaches LMCache), the MemoryObj allocated for the get is freed."""
     d = Daemon()
     try:
-        conn, be = connector(d, loop, timeout_ms=300, retry_ms=100)
+        conn, be = connector(d, loop, deadline_ms=300, probe_ms=100)
         ks = [key(), key()]
         objs = [chunk(be) for _ in ks]
         for k, (o, _) in zip(ks, objs):
@@ -248,7 +248,7 @@ def test_reconnects_after_restart(loop: asyncio.AbstractEventLoop) -> None:
     d = Daemon()
     conn = None
     try:
-        conn, be = connector(d, loop, retry_ms=50)
+        conn, be = connector(d, loop, probe_ms=50)
         assert run(loop, conn.ping()) == 0
         unix = d.unix
         d.stop(signal.SIGKILL)
@@ -289,10 +289,10 @@ def test_no_daemon_no_exception(loop: asyncio.AbstractEventLoop, tmp_path: Any) 
 def test_settings_defaults() -> None:
     class Cfg:
         extra_config = {"remote_storage_plugin.kvtier.tcp": "127.0.0.1:7000",
-                        "remote_storage_plugin.kvtier.timeout_ms": "250"}
+                        "remote_storage_plugin.kvtier.deadline_ms": "250"}
     s = klm.settings(Cfg())
-    assert s["tcp"] == "127.0.0.1:7000" and s["timeout_ms"] == 250
-    assert s["unix_path"] is None and s["namespace"] == "lmcache" and s["retry_ms"] == 1000
+    assert s["tcp"] == "127.0.0.1:7000" and s["deadline_ms"] == 250
+    assert s["unix_path"] is None and s["namespace"] == "lmcache" and s["probe_ms"] == 200
     long_key = CacheEngineKey("m" * 2000, 1, 0, 7, torch.bfloat16)
     assert klm.key_string(long_key).startswith("sha256:")
     assert klm.key_string(key(chunk_hash=0xabc)) == "%s@2@0@%s@bfloat16" % (
@@ -519,3 +519,119 @@ def test_engine_end_to_end_tiny_model(daemon: Daemon) -> None:
         assert tm.same_output(tm.decode(model, logits, T, kvc, table_b, steps), ref)
     finally:
         destroy(b)
+
+
+# -- never stall the engine: deadlines, the circuit breaker, settings refused ----------------
+
+
+def _wait_until(cond: Any, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _calls(loop: asyncio.AbstractEventLoop, conn: Any, be: Any, ks: list) -> Tuple[float, tuple]:
+    """LMCache's lookups (on its caller's thread), a get and a put: (seconds, answers)."""
+    o, _ = chunk(be)
+    t0 = time.perf_counter()
+    a = conn._connector.exists_sync(ks[0])
+    n = conn._connector.batched_contains(ks)
+    got = run(loop, conn.batched_get(ks))
+    o.ref_count_up()
+    run(loop, conn.put(key(), o))
+    took = time.perf_counter() - t0
+    o.ref_count_down()
+    for g in got:
+        if g is not None:
+            g.ref_count_down()
+    return took, (a, n, sum(g is not None for g in got))
+
+
+def test_calls_bounded_when_daemon_hangs(loop: asyncio.AbstractEventLoop, tmp_path: Any) -> None:
+    """The daemon SIGSTOPped: with the default deadline (deadline_ms 100), LMCache's calls take
+    no longer than with no daemon, plus the deadline, plus 20 ms, and answer misses (the
+    breaker answers later calls at once); after SIGCONT the background probe reconnects and
+    the chunks are hits again."""
+    class Nowhere:
+        unix = str(tmp_path / "no-such.sock")
+    d = Daemon()
+    try:
+        none, nbe = connector(Nowhere(), loop)  # type: ignore[arg-type]
+        ks = [key(), key()]
+        base = max(_calls(loop, none, nbe, ks)[0] for _ in range(3))
+        run(loop, none.close())
+        conn, be = connector(d, loop, probe_ms=20)
+        assert conn._connector.settings["deadline_ms"] == 100
+        for k in ks:
+            o, _ = chunk(be)
+            put(loop, conn, k, o)
+            o.ref_count_down()
+        assert conn._connector.batched_contains(ks) == 2
+        before = active(be)
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                took, answers = _calls(loop, conn, be, ks)
+                assert answers == (False, 0, 0)
+                assert took <= base + 0.100 + 0.020, (took, base)
+            st = conn._connector.kvtier_stats()
+            assert st["trips"] == 1 and st["short_circuited"] >= 3
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert active(be) == before, "a get that missed left its MemoryObj allocated"
+        assert _wait_until(lambda: conn._connector.batched_contains(ks) == 2)
+        assert conn._connector.kvtier_stats()["recoveries"] == 1
+        run(loop, conn.close())
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_daemon_not_up_at_start(loop: asyncio.AbstractEventLoop, tmp_path: Any,
+                                caplog: Any) -> None:
+    """The connector built before kvtierd: misses with one warning line however many calls
+    (all counted), and hits once the daemon is up, reached by the background probe."""
+    class Later:
+        unix = str(tmp_path / "later.sock")
+    with caplog.at_level("WARNING", logger="kvtier.lmcache"):
+        conn, be = connector(Later(), loop, probe_ms=20)  # type: ignore[arg-type]
+        k = key()
+        for _ in range(10):
+            o, _ = chunk(be)
+            put(loop, conn, k, o)
+            o.ref_count_down()
+            assert not conn._connector.exists_sync(k)
+    lines = [r for r in caplog.records if r.name == "kvtier.lmcache"]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert conn._connector.kvtier_stats()["trips"] == 1
+    d = Daemon("--unix", Later.unix)
+    try:
+        assert _wait_until(lambda: conn._connector.kvtier_stats()["recoveries"] == 1)
+        o, want = chunk(be)
+        put(loop, conn, k, o)
+        o.ref_count_down()
+        got = run(loop, conn.get(k))
+        assert got is not None and bytes(got.byte_array) == want
+        got.ref_count_down()
+        run(loop, conn.close())
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("bad, names", [
+    ({"unix_pth": "/x"}, "'unix_pth'"),
+    ({"timeout_ms": 5000}, "deadline_ms"),
+    ({"retry_ms": 0}, "probe_ms"),
+    ({"deadline_ms": "soon"}, "deadline_ms"),
+    ({"probe_ms": 0}, "probe_ms"),
+])
+def test_wrong_settings_refused_at_start(loop: asyncio.AbstractEventLoop, tmp_path: Any,
+                                         bad: dict, names: str) -> None:
+    """A key under remote_storage_plugin.kvtier. that the plugin does not read (a typo, or a
+    replaced one), or a malformed number: LMCache's plugin loader fails with the key named."""
+    class Nowhere:
+        unix = str(tmp_path / "no-such.sock")
+    with pytest.raises(ValueError, match=names):
+        connector(Nowhere(), loop, **bad)  # type: ignore[arg-type]

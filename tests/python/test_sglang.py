@@ -43,8 +43,9 @@ PAGE_BYTES = 8192  # a flat data page of this test's "model"
 def config(d: Daemon, *, model: str = "sgl-model", tp_rank: int = 0, tp_size: int = 2,
            mla: bool = False, **extra: Any) -> Any:
     ec = {"backend_name": "kvtier", "module_path": "kvtier.sglang",
-          "class_name": "KvtierStorage", "unix_path": d.unix, "timeout_ms": 2000}
+          "class_name": "KvtierStorage", "unix_path": d.unix, "deadline_ms": 2000}
     ec.update(extra)
+    ec = {k: v for k, v in ec.items() if v is not None}  # None: the backend's default
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
         attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
@@ -131,7 +132,7 @@ def test_another_model_or_tp_rank_does_not_hit(daemon: Daemon) -> None:
 
 def test_daemon_killed_answers_misses_and_raises_nothing() -> None:
     d = Daemon()
-    b = backend(d, reconnect_s=30)
+    b = backend(d)
     ks = hkeys("kill", 64)
     vals = [page(50 + i) for i in range(64)]
     assert b.batch_set(ks[:8], vals[:8])
@@ -285,3 +286,107 @@ def test_end_to_end_tiny_model(daemon: Daemon) -> None:
     logits = model.forward(toks[hit:], hit, kvc, table_b)
     assert tm.same_output(tm.decode(model, logits, len(toks), kvc, table_b, steps), ref)
     b.close()
+
+
+# -- never stall the engine: deadlines, the circuit breaker, settings refused ----------------
+
+
+def _wait_until(cond: Any, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _calls(b: Any, ks: list, vals: list) -> Any:
+    """SGLang's prefetch and backup calls in one go: (seconds, batch_exists, batch_get hits,
+    batch_set)."""
+    t0 = time.perf_counter()
+    n = b.batch_exists(ks)
+    got = b.batch_get(ks, [torch.zeros(PAGE_BYTES, dtype=torch.uint8) for _ in ks])
+    ok = b.batch_set(hkeys("stall-new", 2), vals[:2])
+    return time.perf_counter() - t0, n, sum(g is not None for g in got), ok
+
+
+def test_calls_bounded_when_daemon_hangs(tmp_path: Any) -> None:
+    """The daemon SIGSTOPped: with the default deadline (deadline_ms 100) SGLang's calls take
+    no longer than with no daemon at all, plus the deadline, plus 20 ms, and answer misses;
+    later calls answer at once (the circuit breaker); once the daemon runs again, the
+    background probe reconnects and the pages are hits again."""
+    d = Daemon()
+    try:
+        none = backend(d, deadline_ms=None, unix_path=str(tmp_path / "none"))
+        ks = hkeys("stall", 4)
+        vals = [page(60 + i) for i in range(4)]
+        none.set("warm", page(0))  # learns the page size
+        base = max(_calls(none, ks, vals)[0] for _ in range(3))
+        none.close()
+        b = backend(d, deadline_ms=None, probe_ms=20)
+        assert b.deadline_ms == 100
+        assert b.batch_set(ks, vals) is True and b.batch_exists(ks) == 4
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                took, n, hits, ok = _calls(b, ks, vals)
+                assert (n, hits, ok) == (0, 0, False)
+                assert took <= base + 0.100 + 0.020, (took, base)
+            st = b.kvtier_stats()
+            assert st["trips"] == 1 and st["short_circuited"] >= 3
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert _wait_until(lambda: b.batch_exists(ks) == 4)
+        assert b.kvtier_stats()["recoveries"] == 1
+        b.close()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+def test_daemon_not_up_at_start(tmp_path: Any, caplog: Any) -> None:
+    """The backend built before kvtierd: misses with one warning line however many calls
+    (all counted), and hits once the daemon is up, reached by the background probe."""
+    sock = str(tmp_path / "later.sock")
+    ks = hkeys("later", 2)
+    vals = [page(70), page(71)]
+    with caplog.at_level("WARNING", logger="kvtier.sglang"):
+        b = StorageBackendFactory.create_backend("dynamic", HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+            model_name="later", extra_config={
+                "backend_name": "kvtier", "module_path": "kvtier.sglang",
+                "class_name": "KvtierStorage", "unix_path": sock, "probe_ms": 20}), None)
+        for _ in range(10):
+            assert b.batch_set(ks, vals) is False
+            assert b.batch_exists(ks) == 0
+    lines = [r for r in caplog.records if r.name == "kvtier.sglang"]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    st = b.kvtier_stats()
+    assert st["trips"] == 1 and st["short_circuited"] >= 19
+    d = Daemon("--unix", sock)
+    try:
+        assert _wait_until(lambda: b.batch_set(ks, vals) is True)
+        assert b.batch_exists(ks) == 2 and b.kvtier_stats()["recoveries"] == 1
+        b.close()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("bad, names", [
+    ({"unix_pth": "/x"}, "'unix_pth'"),
+    ({"timeout_ms": 5000}, "deadline_ms"),
+    ({"reconnect_s": 1.0}, "probe_ms"),
+    ({"deadline_ms": "soon"}, "'deadline_ms'"),
+    ({"probe_ms": 0}, "'probe_ms'"),
+])
+def test_wrong_settings_refused_at_start(tmp_path: Any, bad: dict, names: str) -> None:
+    """A key neither the backend nor SGLang reads (a typo, or one this version replaced), or
+    a malformed number: SGLang's factory fails with the key named."""
+    ec = {"backend_name": "kvtier", "module_path": "kvtier.sglang",
+          "class_name": "KvtierStorage", "unix_path": str(tmp_path / "none"), **bad}
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="m", extra_config=ec)
+    with pytest.raises(ValueError, match=names):
+        StorageBackendFactory.create_backend("dynamic", cfg, None)

@@ -56,7 +56,8 @@ _tok = itertools.count(0)
 
 
 def config(d: Daemon, tp: int = 1, **extra: Any) -> "VllmConfig":
-    ec = {"unix_path": d.unix, "model": "tiny-test", "timeout_ms": 2000, "retry_ms": 0}
+    ec = {"unix_path": d.unix, "model": "tiny-test", "scheduler_deadline_ms": 2000,
+          "worker_deadline_ms": 2000, "probe_ms": 20}
     ec.update(extra)
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
@@ -403,7 +404,7 @@ def test_daemon_killed_mid_load(vd: Daemon) -> None:
 def test_daemon_hung_mid_load(vd: Daemon) -> None:
     """The daemon stops answering (SIGSTOP) between the lookup and the load: the load times
     out into load errors; once it answers again, no lease is left."""
-    a, b = Engine(vd, seed=6), Engine(vd, seed=None, timeout_ms=300)
+    a, b = Engine(vd, seed=6), Engine(vd, seed=None, worker_deadline_ms=300)
     toks = prompt(2)
     save_prompt(a, request(toks), [1, 2, 3])
     r = request(toks)
@@ -641,9 +642,13 @@ def test_zero_copy_daemon_killed_between_reserve_and_commit(vd: Daemon, caplog: 
     vd.stop(signal.SIGKILL)
     for name in names[1:]:
         w.save_kv_layer(name, a.kv[name], None)
+    failures = w.kvtier_stats()["failures"]
     with caplog.at_level("WARNING", logger="kvtier.vllm"):
         w.wait_for_save()
-    assert any("save of %s failed" % r.request_id in m for m in caplog.messages), caplog.messages
+    # Logged: the daemon unreachable (one line; the save's own warning is counted, held back by
+    # the rate limit).
+    assert any("kvtierd unreachable" in m for m in caplog.messages), caplog.messages
+    assert w.kvtier_stats()["failures"] == failures + 1
     assert w.get_block_ids_with_load_errors() == set()
     w.clear_connector_metadata()
     assert w._store._holds == 0 and w._store._client is None and w._store._doomed is None, \
@@ -761,3 +766,302 @@ def test_end_to_end_tiny_model(vd: Daemon, load_async: bool) -> None:
     assert leases(vd) == 0
     for e in (a, b, c):
         e.close()
+
+
+# -- never stall the engine: deadlines, the circuit breaker, settings refused ----------------
+
+
+def stall_config(unix: str, **extra: Any) -> "VllmConfig":
+    """The connector's own defaults for deadlines, probe and warnings (none set here)."""
+    return VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"unix_path": unix, "model": "tiny-test", **extra}),
+        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS))
+
+
+def wait_until(cond: Any, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def scheduler_step(sched: Any, toks: List[int], n: int = 4) -> Tuple[float, List[int]]:
+    """One scheduler step with n new requests of the same prompt, the connector's calls in the
+    order vLLM's Scheduler.schedule() makes them (get_num_new_matched_tokens, then
+    update_state_after_alloc for each request admitted, then build_connector_meta once), and
+    each request then finished (request_finished, as vLLM's _free_request calls it). Returns
+    the step's wall time and each request's matched tokens."""
+    rs = [request(toks) for _ in range(n)]
+    t0 = time.perf_counter()
+    hits, new = [], []
+    for i, r in enumerate(rs):
+        m, _ = sched.get_num_new_matched_tokens(r, 0)
+        ids = list(range(1 + 4 * i, 5 + 4 * i))
+        sched.update_state_after_alloc(r, blocks(ids), m)
+        r.num_computed_tokens = m
+        hits.append(m)
+        new.append((r, ids, r.num_tokens - m))
+    sched.build_connector_meta(sched_output(new=new))
+    for r in rs:
+        sched.request_finished(r, [])
+    return time.perf_counter() - t0, hits
+
+
+def test_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any) -> None:
+    """The stall test (issue 35): vLLM's scheduler-side connector, built by KVConnectorFactory
+    with its default deadline (scheduler_deadline_ms 20), its scheduler-role methods called as
+    vLLM's Scheduler calls them (a real Scheduler needs a model config this CPU cannot build).
+    With the daemon SIGSTOPped, no step takes longer than the same step with no daemon at all,
+    plus the deadline, plus 20 ms; the lookups are misses; once the daemon runs again, the
+    background probe reconnects, hits come back and no lease is left."""
+    a = Engine(vd, seed=21)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [1, 2, 3, 4])
+    # The same step with no daemon: the baseline.
+    none = connector(stall_config(str(tmp_path / "none")), KVConnectorRole.SCHEDULER)
+    base = max(scheduler_step(none, toks)[0] for _ in range(3))
+    assert none.kvtier_stats()["trips"] == 1
+    none.shutdown()
+    s = connector(stall_config(vd.unix), KVConnectorRole.SCHEDULER)
+    assert s._index.deadline_ms == kv.SCHEDULER_DEADLINE_MS == 20
+    assert wait_until(lambda: scheduler_step(s, toks)[1][0] == 3 * BS)
+    os.kill(vd.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(5):
+            took, hits = scheduler_step(s, toks)
+            assert hits == [0, 0, 0, 0]
+            assert took <= base + 0.020 + 0.020, (took, base)
+        st = s.kvtier_stats()
+        assert st["trips"] == 1 and st["short_circuited"] > 0
+    finally:
+        os.kill(vd.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: scheduler_step(s, toks)[1] == [3 * BS] * 4)
+    assert s.kvtier_stats()["recoveries"] == 1
+    assert wait_until(lambda: leases(vd) == 0)
+    s.shutdown()
+    a.close()
+
+
+def resv_open(d: Daemon) -> int:
+    st = zc_stats(d)
+    return (st["requests_reserve"] - st["request_errors_reserve"] - st["reservations_committed"]
+            - st["reservations_aborted"] - st["reservations_expired"]
+            - st["reservations_closed"])
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_worker_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any,
+                                               zero_copy: bool) -> None:
+    """A forward step that loads one request and saves another, the daemon SIGSTOPped before
+    it: the step takes no longer than the same step with no daemon plus worker_deadline_ms
+    (100) plus 20 ms; the load is reported as load errors (recomputed, never served partly),
+    the save dropped (counted); the next steps answer at once (circuit breaker); once the
+    daemon runs again, no lease or reservation is left and loads hit again."""
+    a = Engine(vd, seed=22)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [1, 2, 3, 4])
+    cfg = stall_config(vd.unix, zero_copy=zero_copy)
+    b_sched = connector(config(vd), KVConnectorRole.SCHEDULER)  # plans with a long deadline
+    worker = connector(cfg, KVConnectorRole.WORKER)
+    kvc = paged(None)
+    worker.register_kv_caches(kvc)
+    assert worker._worker_deadline_ms == kv.WORKER_DEADLINE_MS == 100
+
+    def plan() -> Any:
+        r, r2 = request(toks), request(prompt(2))
+        n, _ = b_sched.get_num_new_matched_tokens(r, 0)
+        assert n == 3 * BS
+        b_sched.update_state_after_alloc(r, blocks([5, 6, 7, 8]), n)
+        r.num_computed_tokens = n
+        assert b_sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+        b_sched.update_state_after_alloc(r2, blocks([9, 10, 11]), 0)
+        meta = b_sched.build_connector_meta(sched_output(new=[(r, [5, 6, 7, 8], 5),
+                                                              (r2, [9, 10, 11], r2.num_tokens)]))
+        assert len(meta.loads) == 1 and len(meta.saves) == 1
+        return r, r2, meta
+
+    def step(w: Any, meta: Any) -> Tuple[float, set]:
+        t0 = time.perf_counter()
+        err = run_step(w, kvc, meta)
+        return time.perf_counter() - t0, err
+
+    # The baseline: the same step on a worker with no daemon.
+    none = connector(stall_config(str(tmp_path / "none"), zero_copy=zero_copy),
+                     KVConnectorRole.WORKER)
+    none.register_kv_caches(paged(None))
+    r, r2, meta = plan()
+    base = 0.0
+    for _ in range(3):
+        took, err = step(none, meta)
+        assert err == {5, 6, 7}
+        base = max(base, took)
+    none.shutdown()
+
+    def hits() -> bool:  # a whole step, the load served (the first one connects)
+        r, r2, meta = plan()
+        ok = step(worker, meta)[1] == set()
+        for x in (r, r2):
+            b_sched.request_finished(x, [])
+        return ok
+
+    for x in (r, r2):
+        b_sched.request_finished(x, [])
+    assert wait_until(hits)
+    r, r2, meta = plan()
+    os.kill(vd.proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(3):
+            took, err = step(worker, meta)
+            assert err == {5, 6, 7}, i
+            assert took <= base + 0.100 + 0.020, (i, took, base)
+        st = worker.kvtier_stats()
+        assert st["trips"] == 1 and st["saves_dropped"] >= 1 and st["short_circuited"] >= 1
+    finally:
+        os.kill(vd.proc.pid, signal.SIGCONT)
+    for x in (r, r2):
+        b_sched.request_finished(x, [])
+    assert wait_until(lambda: leases(vd) == 0 and resv_open(vd) == 0)
+    # Back: the probe reconnected in the background, the next load hits.
+    assert wait_until(lambda: worker.kvtier_stats()["recoveries"] == 1)
+    assert wait_until(hits)
+    worker.shutdown()
+    b_sched.shutdown()
+    a.close()
+
+
+def test_daemon_not_up_at_start(tmp_path: Any, caplog: Any) -> None:
+    """Both roles started before kvtierd: misses, one warning line per connector however many
+    calls (the rest counted), and hits once the daemon is up (the background probe connects;
+    the engine's thread never waits on it)."""
+    sock = str(tmp_path / "later.sock")
+    cfg = stall_config(sock, probe_ms=20)
+    sched = connector(cfg, KVConnectorRole.SCHEDULER)
+    worker = connector(cfg, KVConnectorRole.WORKER)
+    kvc = paged(23)
+    worker.register_kv_caches(kvc)
+    toks = prompt(2)
+    with caplog.at_level("WARNING", logger="kvtier.vllm"):
+        for _ in range(20):
+            r = request(toks)
+            assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            sched.request_finished(r, [])
+        r = request(toks)
+        n, meta = schedule(sched, r, [1, 2, 3])
+        assert n == 0 and len(meta.saves) == 1
+        assert run_step(worker, kvc, meta) == set()  # the save dropped, nothing raised
+        sched.request_finished(r, [])
+    lines = [m for m in caplog.records if m.name == "kvtier.vllm"]
+    assert len(lines) == 2, [m.getMessage() for m in lines]  # one per connector
+    st = sched.kvtier_stats()
+    assert st["warnings_logged"] == 1 and st["warnings"] >= 20 and st["trips"] == 1
+    assert worker.kvtier_stats()["saves_dropped"] == 1
+    d = Daemon("--unix", sock)
+    try:
+        assert wait_until(lambda: sched.kvtier_stats()["recoveries"] == 1 and
+                          worker.kvtier_stats()["recoveries"] == 1)
+        r = request(toks)
+        n, meta = schedule(sched, r, [1, 2, 3])
+        assert n == 0 and run_step(worker, kvc, meta) == set()
+        sched.request_finished(r, [])
+        assert sched.get_num_new_matched_tokens(request(toks), 0) == (2 * BS, False)
+        worker.shutdown()
+        sched.shutdown()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("bad, names", [
+    ({"unix_pth": "/x"}, "'unix_pth'"),
+    ({"timeout_ms": 5000}, "scheduler_deadline_ms"),
+    ({"retry_ms": 0}, "probe_ms"),
+    ({"scheduler_deadline_ms": "fast"}, "'scheduler_deadline_ms'"),
+    ({"worker_deadline_ms": 0}, "'worker_deadline_ms'"),
+    ({"block_size": 2 * BS}, "'block_size'"),
+])
+def test_wrong_settings_refused_at_start(tmp_path: Any, bad: Dict[str, Any], names: str) -> None:
+    """A key the connector does not know (a typo, or one it replaced), a malformed deadline,
+    or a block size other than the engine's: KVConnectorFactory fails with the key named,
+    for either role, instead of a connector that answers misses."""
+    cfg = stall_config(str(tmp_path / "none"), **bad)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=names):
+            connector(cfg, role)
+
+
+def test_daemon_stopped_mid_save(vd: Daemon) -> None:
+    """SIGSTOP after a step's first layer went into its reservation (the mapping): the rest
+    of the step (layers, the commit that times out) takes at most worker_deadline_ms and 20
+    ms more, nothing raises, the save is dropped; the commit fails on the I/O thread (the
+    daemon, once running, reads the COMMIT already in its socket, or gives the reservation
+    back with the closed connection: either way the pages are whole or absent), no reservation
+    or lease is left, and pages saved by a later step are hits."""
+    e = Engine(vd, seed=24, worker_deadline_ms=kv.WORKER_DEADLINE_MS)
+    names = list(e.kv)
+    toks = prompt(2)
+    r = request(toks)
+    _, meta = schedule(e.sched, r, [1, 2, 3])
+    w = e.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.save_kv_layer(names[0], e.kv[names[0]], None)
+    assert w._store._holds == 1, "the step's reservation is out"
+    os.kill(vd.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        for name in names[1:]:
+            w.save_kv_layer(name, e.kv[name], None)
+        w.wait_for_save()
+        took = time.perf_counter() - t0
+        assert w.get_block_ids_with_load_errors() == set()
+        w.clear_connector_metadata()
+        assert took <= 0.100 + 0.020, took
+        # Stopped past the commit's own deadline: it fails on the I/O thread (a commit
+        # answered in time would have stored the pages, as a slow save does).
+        assert wait_until(lambda: w.kvtier_stats()["trips"] == 1)
+    finally:
+        os.kill(vd.proc.pid, signal.SIGCONT)
+    assert w.kvtier_stats()["saves_dropped"] == 1
+    e.sched.request_finished(r, [])
+    assert wait_until(lambda: resv_open(vd) == 0 and leases(vd) == 0)
+    assert wait_until(lambda: w.kvtier_stats()["recoveries"] == 1)
+    toks = prompt(2)
+    save_prompt(e, request(toks), [4, 5, 6])
+    assert e.sched.get_num_new_matched_tokens(request(toks), 0) == (2 * BS, False)
+    e.close()
+
+
+def test_daemon_restarted_mid_load(tmp_path: Any) -> None:
+    """The daemon killed between the lookup and the load, a new one started on the same
+    socket: the step is bounded, the load reported as load errors; the connectors reach the
+    new daemon in the background, and pages saved there are hits."""
+    sock = str(tmp_path / "k.sock")
+    d = Daemon("--unix", sock)
+    try:
+        b = Engine(d, seed=25, worker_deadline_ms=100, probe_ms=20)
+        toks = prompt(2)
+        save_prompt(b, request(toks), [1, 2, 3])  # both roles connected to the first daemon
+        r = request(toks)
+        n, meta = schedule(b.sched, r, [4, 5, 6])
+        assert n == 2 * BS
+        d.stop(signal.SIGKILL)
+        d = Daemon("--unix", sock)
+        t0 = time.perf_counter()
+        assert run_step(b.worker, b.kv, meta) == {4, 5}
+        assert time.perf_counter() - t0 <= 0.100 + 0.020
+        b.sched.request_finished(r, [])
+        st = b.worker.kvtier_stats()
+        assert st["trips"] == 1 and st["failures"] == 1
+        assert wait_until(lambda: b.worker.kvtier_stats()["recoveries"] == 1)
+        save_prompt(b, request(toks), [7, 8, 9])
+        assert wait_until(lambda: b.sched.get_num_new_matched_tokens(request(toks), 0) ==
+                          (2 * BS, False))
+        assert leases(d) <= 1  # the last lookup's lease (released below)
+        b.close()
+        assert wait_until(lambda: leases(d) == 0)
+    finally:
+        d.stop(signal.SIGKILL)
