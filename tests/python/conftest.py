@@ -88,8 +88,9 @@ class Daemon:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "hostpool: needs SGLang's host KV pool (the meson test python_sglang_hostpool "
-        "runs these in build/pyenv-sglang)")
+        "markers", "hostpool: needs SGLang modules that import torchvision (its host KV pool, "
+        "its scheduler's cache); the meson test python_sglang_hostpool runs these in "
+        "build/pyenv-sglang")
 
 
 @pytest.fixture(scope="session")
