@@ -57,6 +57,7 @@ typedef struct kvt_srv_conf {
     uint32_t evict_idle_ms;    /* at max-conns, a connection idle this long may make room */
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
+    uint32_t metrics_namespaces; /* (model, adapter) pairs with series of their own */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
      * the daemon does with them today. */
     char *policy;           /* cost, lru, lfu */
