@@ -248,6 +248,10 @@ typedef enum {
       "1, labelled with the daemon's version, the commit it was built from and whether it has "    \
       "the CUDA backend.",                                                                         \
       BUILD)                                                                                       \
+    X(REMOTE_UP, GAUGE, "kvtier_remote_up",                                                        \
+      "1 while the connection to the remote server is up (handshake answered), else 0; 0 also "    \
+      "with no remote tier (its kvtier_tier_capacity_bytes is 0 then).",                           \
+      NONE)                                                                                        \
     X(PROC_START, GAUGE, "process_start_time_seconds",                                             \
       "Start time of the process since the Unix epoch, in seconds.", NONE)                         \
     X(PROC_CPU, COUNTER, "process_cpu_seconds_total",                                              \
