@@ -176,7 +176,7 @@ void kvt__metrics_process(kvt_metrics_t *m)
         for (struct dirent *e; (e = readdir(d));)
             fds += e->d_name[0] != '.';
         closedir(d);
-        m->values[KVT_M_PROC_FDS][0] = fds - 1; /* the directory's own descriptor */
+        m->values[KVT_M_PROC_FDS][0] = fds ? fds - 1 : 0; /* less the directory's own */
     }
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
@@ -330,6 +330,7 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
         return 1;
     }
     case KVT_LBL_BUILD:
+        /* Three labels fixed at build time, given as one key whose value is the last one's. */
         if (s != 0)
             return -1;
         kv[0] = "version=\"" KVT_VERSION "\",commit=\"" KVT_COMMIT "\",cuda";
