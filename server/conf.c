@@ -130,6 +130,9 @@ static const kvt_opt_t kvt_opts[] = {
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
      "prefill throughput the saved-seconds estimate assumes"},
+    {"metrics-namespaces", KVT_OPT_U32, KVT_O(metrics_namespaces), "32",
+     "(model, adapter) pairs with a kvtier_namespace_prefill_seconds_saved_total series of their "
+     "own (0..1024); later ones count under model=\"_other\""},
     {"policy", KVT_OPT_STR, KVT_O(policy), "cost",
      "tier policy: cost (cost-aware), lru or lfu (checked; see docs/server.md)"},
     {"policy-model", KVT_OPT_STR, KVT_O(policy_model), "llama-3-70b",
@@ -471,6 +474,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     }
     if (conf->max_namespaces == 0 || conf->max_namespaces > KVT_RADIX_NS_MAX) {
         snprintf(err, errlen, "max-namespaces must be between 1 and %u", KVT_RADIX_NS_MAX);
+        return KVT_EINVAL;
+    }
+    if (conf->metrics_namespaces > 1024) {
+        snprintf(err, errlen, "metrics-namespaces must be between 0 and 1024");
         return KVT_EINVAL;
     }
     if (conf->max_leases == 0 || conf->max_leases > (1u << 20)) {

@@ -59,6 +59,7 @@ typedef struct kvt_srv_conf {
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
     uint32_t drain_ms;         /* SIGUSR1: the longest a drain waits before shutting down */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
+    uint32_t metrics_namespaces; /* (model, adapter) pairs with series of their own */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
      * the daemon does with them today. */
     char *policy;           /* cost, lru, lfu */

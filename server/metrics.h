@@ -28,6 +28,9 @@ typedef enum {
     KVT_LBL_PUT,      /* outcome="stored|cached|no_room|failed" */
     KVT_LBL_HINT,     /* kind="paused|finished|priority" */
     KVT_LBL_RESV,     /* outcome="committed|aborted|expired|closed" */
+    KVT_LBL_STORE,    /* tier="hbm|dram|nvme|remote": the tiers that hold bytes */
+    KVT_LBL_NS,       /* model="...",adapter="...": metrics-namespaces of them, then "_other" */
+    KVT_LBL_BUILD,    /* version="...",commit="...",cuda="yes|no": one series */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -245,7 +248,33 @@ typedef enum {
     X(RESERVATIONS, COUNTER, "kvtier_reservations_total",                                          \
       "Zero-copy reservations ended, by outcome: committed, aborted, expired (reserve-ms), "       \
       "closed (the connection went).",                                                             \
-      RESV)
+      RESV)                                                                                        \
+    X(SECONDS_SAVED, COUNTER, "kvtier_prefill_seconds_saved_total",                                \
+      "Prefill seconds the matched pages held in each tier saved, by the cost model "              \
+      "(policy-model on policy-hw): recompute time avoided minus the load from that tier, per "    \
+      "MATCH, never below 0.",                                                                     \
+      STORE)                                                                                       \
+    X(NS_SECONDS_SAVED, COUNTER, "kvtier_namespace_prefill_seconds_saved_total",                   \
+      "The same, by the model and adapter the clients' HELLO named; past metrics-namespaces "      \
+      "distinct pairs the rest count under model=\"_other\".",                                     \
+      NS)                                                                                          \
+    X(BUILD_INFO, GAUGE, "kvtier_build_info",                                                      \
+      "1, labelled with the daemon's version, the commit it was built from and whether it has "    \
+      "the CUDA backend.",                                                                         \
+      BUILD)                                                                                       \
+    X(REMOTE_UP, GAUGE, "kvtier_remote_up",                                                        \
+      "1 while the connection to the remote server is up (handshake answered), else 0; 0 also "    \
+      "with no remote tier (its kvtier_tier_capacity_bytes is 0 then).",                           \
+      NONE)                                                                                        \
+    X(PROC_START, GAUGE, "process_start_time_seconds",                                             \
+      "Start time of the process since the Unix epoch, in seconds.", NONE)                         \
+    X(PROC_CPU, COUNTER, "process_cpu_seconds_total",                                              \
+      "User and system CPU time spent, in seconds.", NONE)                                         \
+    X(PROC_RSS, GAUGE, "process_resident_memory_bytes", "Resident memory size, in bytes.", NONE)   \
+    X(PROC_VSIZE, GAUGE, "process_virtual_memory_bytes", "Virtual memory size, in bytes.", NONE)   \
+    X(PROC_FDS, GAUGE, "process_open_fds", "Open file descriptors.", NONE)                         \
+    X(PROC_MAX_FDS, GAUGE, "process_max_fds",                                                      \
+      "The limit on open file descriptors (RLIMIT_NOFILE).", NONE)
 
 typedef enum {
 #define KVT_X(id, type, name, help, lbl) KVT_M_##id,
@@ -284,14 +313,30 @@ double kvt__metric_get(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned seri
 const kvt_hist_t *kvt__metric_hist(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series);
 
 /*
- * Every counter and gauge series, in table order, by its STATS name (histograms are /metrics'
- * only): the metric's name without "kvtier_" and "_total", then its label values joined by "_"
- * (hit_tokens_dram, blocks_moved_dram_nvme, put_pages_stored); a per-tier metric named
- * kvtier_tier_* puts the tier first instead (dram_used_bytes). Values are truncated to integers.
- * cb returns non-zero to stop; that value is returned, else 0.
+ * Every counter and gauge series, in table order, by its STATS name (histograms and the
+ * per-namespace series, whose labels are client-chosen strings, are /metrics' only): the metric's
+ * name without "kvtier_" and "_total", then its label values joined by "_" (hit_tokens_dram,
+ * blocks_moved_dram_nvme, put_pages_stored); a per-tier metric named kvtier_tier_* puts the tier
+ * first instead (dram_used_bytes); kvtier_build_info is build_info, its labels left out. Values are
+ * truncated to integers. cb returns non-zero to stop; that value is returned, else 0.
  */
 int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *name, uint64_t v),
                       void *arg);
+
+/*
+ * The per-namespace series (KVT_LBL_NS). Their label is the model and adapter a HELLO named (the
+ * tenant salt is a secret and the page size an engine detail: neither is shown); the first limit
+ * distinct pairs get a series each for the daemon's life, every later one shares
+ * model="_other",adapter="" (slot 0), so that clients inventing names cannot grow a scrape.
+ * Returns the slot to pass to kvt__metric_ns_add; 0 also when memory is short.
+ */
+void kvt__metrics_ns_limit(kvt_metrics_t *m, unsigned limit);
+unsigned kvt__metrics_ns_slot(kvt_metrics_t *m, const char *model, const char *adapter);
+void kvt__metric_ns_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned slot, double v);
+
+/* Reads the process_* gauges from /proc/self (at scrape time: a scrape shows them fresh). A value
+ * it cannot read keeps its last one. */
+void kvt__metrics_process(kvt_metrics_t *m);
 
 /* Renders every metric in the Prometheus text exposition format (0.0.4). The string is
  * malloc'ed; the caller frees it. Returns 0 or KVT_ENOMEM. */

@@ -2,16 +2,42 @@
  * op_match.c: MATCH. It reads the tree (kvt_radix_match), counts hits and misses by tier and
  * reason, tells the policy of the use, and answers with a tier per page and, if asked, a lease.
  * A MATCH with REMOTE may wait for the remote probe (op_probe.c) before answering.
+ *
+ * It also prices the hit with the cost model (policy-model on policy-hw): per tier, the prefill
+ * the matched pages held there spare (recompute seconds at their depth) minus loading them from
+ * that tier (bandwidth and the tier's fixed latency, once per MATCH), never below 0. Pages in no
+ * tier (index-only, or lost) are left out: nothing of kvtier's loads them.
  */
 #include "server.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-static void count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, uint32_t ntokens,
-                        uint32_t page, const uint8_t *tiers, int remote_down)
+/* The seconds saved by the hits of one MATCH: recompute[t] and bytes[t] summed over its runs in
+ * tier t, then each tier's load subtracted once. */
+static void count_saved(kvt_srv_t *s, unsigned ns_slot, const double *recompute,
+                        const uint64_t *bytes)
+{
+    double all = 0;
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        if (!bytes[t])
+            continue;
+        double saved = recompute[t] - kvt_cost_load_s(&s->cost_hw, (kvt_tier_id_t)t, bytes[t]);
+        if (!(saved > 0)) /* no path from that tier (INFINITY), or loading costs more */
+            continue;
+        kvt__metric_add(s->metrics, KVT_M_SECONDS_SAVED, (unsigned)t, saved);
+        all += saved;
+    }
+    if (all > 0)
+        kvt__metric_ns_add(s->metrics, KVT_M_NS_SECONDS_SAVED, ns_slot, all);
+}
+
+static void count_match(kvt_srv_t *s, unsigned ns_slot, kvt_match_t *m, const uint32_t *tokens,
+                        uint32_t ntokens, uint32_t page, const uint8_t *tiers, int remote_down)
 {
     kvt_metrics_t *mt = s->metrics;
+    double recompute[KVT_TIER_COUNT] = {0};
+    uint64_t bytes[KVT_TIER_COUNT] = {0};
     kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
     kvt__metric_add(mt, KVT_M_LOOKUP_TOKENS, 0, ntokens);
     /* Runs of one tier (a path is mostly one or two runs): no per-page counter updates. A run
@@ -27,7 +53,13 @@ static void count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, ui
             ;
         kvt__metric_add(mt, KVT_M_HIT_TOKENS, tiers[i] < KVT_TIER_COUNT ? tiers[i] : 0,
                         (double)run * page);
+        if (tiers[i] != KVT_TIER_NONE && tiers[i] < KVT_TIER_COUNT) {
+            recompute[tiers[i]] += kvt_cost_recompute_s(&s->cost_model, &s->cost_hw,
+                                                        (uint64_t)i * page, (uint64_t)run * page);
+            bytes[tiers[i]] += kvt_cost_kv_bytes(&s->cost_model, (uint64_t)run * page);
+        }
     }
+    count_saved(s, ns_slot, recompute, bytes);
     kvt__metric_add(mt, KVT_M_PREFILL_SAVED, 0,
                     (double)m->pages * page / s->conf->prefill_tokens_per_s);
     uint32_t whole = ntokens / page;
@@ -78,7 +110,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
     if (q->lost.gone < m->pages)
         memset(tiers + q->lost.gone, KVT_TIER_NONE, m->pages - q->lost.gone);
     if (!(q->flags & KVT_MATCH_F_PROBE))
-        count_match(s, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
+        count_match(s, c->metric_ns, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
     uint64_t lease = 0;
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {

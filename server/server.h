@@ -222,6 +222,8 @@ struct kvt__conn {
     int authed;
     int hello;
     uint32_t ns, page_size, block_bytes;
+    /* Its namespace's slot in the per-namespace series (kvt__metrics_ns_slot, at HELLO). */
+    unsigned metric_ns;
     int closing;    /* no more requests: close once the queue drains */
     int dead;       /* the peer is gone or broke the framing: close now */
     int in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
@@ -335,6 +337,9 @@ struct kvt_srv {
     kvt_tier_t *tiers[KVT_TIER_COUNT];
     kvt_policy_t *policy;
     kvt_metrics_t *metrics;
+    /* policy-model and policy-hw: what the prefill seconds a hit saved are priced with */
+    kvt_model_profile_t cost_model;
+    kvt_hw_profile_t cost_hw;
     kvt__ns_t *ns; /* ns.c */
     size_t nns, cap_ns;
     uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */

@@ -327,6 +327,8 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_REMOTE_DISCONNECTS, 0, (double)st.disconnects);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_TIMEOUTS, 0, (double)st.timeouts);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_OVERSIZED, 0, (double)st.oversized);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_UP, 0,
+                        kvt_tier_remote_connected(s->tiers[KVT_TIER_REMOTE]));
     }
     if (s->policy) {
         kvt_policy_stats_t ps;
