@@ -1,0 +1,531 @@
+/*
+ * test_remote_cluster.c: the remote tier's cluster mode against a real Redis Cluster on
+ * loopback (3 primaries, 3 replicas, test_cluster.h).
+ *
+ * The runner forms one cluster before the tests (a report hook: each test runs in a process of
+ * its own, forked from the runner, and finds the cluster's ports in KVT_TEST_CLUSTER) and kills
+ * it after them; the tests that use it leave it whole (a slot they migrate stays served). The
+ * failover test forms a cluster of its own, since it kills a primary. Without redis-server and
+ * redis-cli the tests skip; a cluster that fails to form fails them.
+ */
+#include "test_cluster.h"
+
+#include <criterion/hooks.h>
+
+#include "tier.h"
+
+#define PAGE 16
+
+/* --- the shared cluster --- */
+
+static cl_t g_shared;
+
+ReportHook(PRE_ALL)(struct criterion_test_set *set)
+{
+    (void)set;
+    char err[512] = "";
+    int rc = cl_start(&g_shared, err, sizeof(err));
+    if (rc == 0)
+        setenv("KVT_TEST_CLUSTER", g_shared.seeds, 1);
+    else if (rc == -2)
+        setenv("KVT_TEST_CLUSTER_ERROR", err, 1);
+}
+
+ReportHook(POST_ALL)(struct criterion_global_stats *stats)
+{
+    (void)stats;
+    cl_stop(&g_shared);
+}
+
+/* The shared cluster's ports (every node); skips or fails the test without one. */
+static int shared(uint16_t *ports)
+{
+    const char *err = getenv("KVT_TEST_CLUSTER_ERROR");
+    cr_assert(!err, "the test cluster did not form: %s", err);
+    const char *s = getenv("KVT_TEST_CLUSTER");
+    if (!s)
+        cr_skip_test("no redis-server and redis-cli to form a cluster with");
+    int n = 0;
+    for (const char *p = s; p && *p && n < CL_NODES; n++) {
+        const char *colon = strchr(p, ':');
+        cr_assert(colon);
+        ports[n] = (uint16_t)atoi(colon + 1);
+        p = strchr(colon, ',');
+        p = p ? p + 1 : NULL;
+    }
+    cr_assert_eq(n, CL_NODES);
+    return n;
+}
+
+/* --- tiers and blocks --- */
+
+static uint64_t g_seed;
+static char g_prefix[64];
+
+static void test_init(void)
+{
+    g_seed = ((uint64_t)getpid() << 32) ^ kvt_now_ns() ^ 0x9e3779b97f4a7c15ull;
+    snprintf(g_prefix, sizeof(g_prefix), "kvt-cl-%d", (int)getpid());
+}
+
+static kvt_tier_remote_conf_t cluster_conf(const char *seeds)
+{
+    return (kvt_tier_remote_conf_t){.cluster = 1,
+                                    .seeds = seeds,
+                                    .key_prefix = g_prefix,
+                                    .capacity_bytes = 1ull << 30,
+                                    .timeout_ms = 1000,
+                                    .backoff_min_ms = 20,
+                                    .backoff_max_ms = 200};
+}
+
+static int wait_connected(kvt_tier_t *t, int ms)
+{
+    uint64_t end = kvt_now_ns() + (uint64_t)ms * 1000000u;
+    while (!kvt_tier_remote_connected(t) && kvt_now_ns() < end)
+        kvt_tier_wait(t, 10);
+    return kvt_tier_remote_connected(t);
+}
+
+static kvt_tier_t *open_cluster(const char *seeds)
+{
+    kvt_tier_remote_conf_t c = cluster_conf(seeds);
+    kvt_tier_t *t = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    cr_assert(wait_connected(t, 5000), "no slot map from %s", seeds);
+    return t;
+}
+
+static kvt_tier_remote_stats_t stats(const kvt_tier_t *t)
+{
+    kvt_tier_remote_stats_t s;
+    kvt_tier_remote_stats(t, &s);
+    return s;
+}
+
+typedef struct blk {
+    kvt_tier_io_t io;
+    uint32_t tokens[PAGE];
+    uint8_t *buf;
+    int done;
+} blk_t;
+
+static void io_done(kvt_tier_io_t *io)
+{
+    ((blk_t *)io->data)->done++;
+}
+
+static void fill(uint8_t *p, uint32_t len, uint64_t salt)
+{
+    uint64_t x = salt * 0x9e3779b97f4a7c15ull + 1;
+    for (uint32_t i = 0; i < len; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        p[i] = (uint8_t)x;
+    }
+}
+
+static void blk_init(blk_t *b, uint32_t i, uint32_t len)
+{
+    memset(b, 0, sizeof(*b));
+    for (uint32_t k = 0; k < PAGE; k++)
+        b->tokens[k] = i * 1000 + k;
+    b->io.key = (kvt_block_key_t){.ns_seed = g_seed,
+                                  .hash = g_seed ^ (0x100000001b3ull * (i + 1)),
+                                  .parent = g_seed ^ (0x100000001b3ull * i),
+                                  .tokens = b->tokens,
+                                  .ntokens = PAGE};
+    b->io.len = len;
+    b->buf = malloc(len);
+    cr_assert(b->buf);
+    b->io.buf = b->buf;
+    b->io.cb = io_done;
+    b->io.data = b;
+}
+
+static void blk_fini(blk_t *b)
+{
+    free(b->buf);
+}
+
+static void wait_all(kvt_tier_t *t, blk_t *b, int n, int ms)
+{
+    uint64_t end = kvt_now_ns() + (uint64_t)ms * 1000000u;
+    for (;;) {
+        int left = 0;
+        for (int i = 0; i < n; i++)
+            left += b[i].done == 0;
+        if (!left)
+            return;
+        cr_assert(kvt_now_ns() < end, "%d requests never completed", left);
+        kvt_tier_wait(t, 20);
+    }
+}
+
+static int do_io(kvt_tier_t *t, blk_t *b, int write)
+{
+    b->done = 0;
+    int rc = write ? kvt_tier_write(t, &b->io) : kvt_tier_read(t, &b->io);
+    if (rc)
+        return rc;
+    wait_all(t, b, 1, 10000);
+    return b->io.status;
+}
+
+static int write_blk(kvt_tier_t *t, blk_t *b, uint64_t salt)
+{
+    fill(b->buf, b->io.len, salt);
+    return do_io(t, b, 1);
+}
+
+/* Reads b into a scrubbed buffer; a success must hold salt's bytes exactly. */
+static int read_check(kvt_tier_t *t, blk_t *b, uint64_t salt)
+{
+    uint8_t *want = malloc(b->io.len);
+    cr_assert(want);
+    fill(want, b->io.len, salt);
+    memset(b->buf, 0xa5, b->io.len);
+    int rc = do_io(t, b, 0);
+    if (rc == 0)
+        cr_assert(!memcmp(b->buf, want, b->io.len), "a wrong byte was served");
+    free(want);
+    return rc;
+}
+
+static int key_slot_of(kvt_tier_t *t, const blk_t *b, char *key)
+{
+    int n = kvt_tier_remote_key(t, b->io.key.ns_seed, b->io.key.hash, key, KVT_TIER_REMOTE_KEY_MAX);
+    cr_assert_gt(n, 0);
+    return kvt_tier_remote_key_slot(key, (size_t)n);
+}
+
+/* Keys of ours held by the node on port. */
+static long long keys_on(uint16_t port)
+{
+    char pat[80];
+    snprintf(pat, sizeof(pat), "%s:*", g_prefix);
+    long long n = 0;
+    redisContext *c = cl_conn(port);
+    cr_assert(c);
+    char cursor[32] = "0";
+    do {
+        redisReply *r = redisCommand(c, "SCAN %s MATCH %s COUNT 1000", cursor, pat);
+        cr_assert(r && r->type == REDIS_REPLY_ARRAY && r->elements == 2);
+        snprintf(cursor, sizeof(cursor), "%s", r->element[0]->str);
+        n += (long long)r->element[1]->elements;
+        freeReplyObject(r);
+    } while (strcmp(cursor, "0"));
+    redisFree(c);
+    return n;
+}
+
+static void ok_reply(redisReply *r, const char *what)
+{
+    cr_assert(r, "%s: no reply", what);
+    cr_assert(r->type != REDIS_REPLY_ERROR, "%s: %s", what, r->str);
+    freeReplyObject(r);
+}
+
+/* Moves slot from the primary on port src to the one on port dst, keys and all, and tells
+ * every primary (ports[0..n)) the new owner. */
+static void migrate_slot(int slot, uint16_t src, uint16_t dst, const uint16_t *ports, int n)
+{
+    char sid[41], did[41];
+    cl_myid(src, sid);
+    cl_myid(dst, did);
+    ok_reply(cl_cmd(dst, "CLUSTER SETSLOT %d IMPORTING %s", slot, sid), "IMPORTING");
+    ok_reply(cl_cmd(src, "CLUSTER SETSLOT %d MIGRATING %s", slot, did), "MIGRATING");
+    for (;;) {
+        redisReply *r = cl_cmd(src, "CLUSTER GETKEYSINSLOT %d 100", slot);
+        cr_assert(r && r->type == REDIS_REPLY_ARRAY);
+        size_t k = r->elements;
+        for (size_t i = 0; i < k; i++)
+            ok_reply(cl_cmd(src, "MIGRATE 127.0.0.1 %u %s 0 5000", dst, r->element[i]->str),
+                     "MIGRATE");
+        freeReplyObject(r);
+        if (k == 0)
+            break;
+    }
+    for (int i = 0; i < n; i++) {
+        redisReply *r = cl_cmd(ports[i], "CLUSTER SETSLOT %d NODE %s", slot, did);
+        if (r)
+            freeReplyObject(r); /* a replica refuses: it learns from its primary */
+    }
+}
+
+TestSuite(remote_cluster, .init = test_init, .timeout = 60);
+
+Test(remote_cluster, key_slots_match_the_server)
+{
+    uint16_t ports[CL_NODES];
+    shared(ports);
+    const char *samples[] = {"",
+                             "a",
+                             "kvt:0123456789abcdef:fedcba9876543210",
+                             "{user1000}.following",
+                             "foo{}{bar}",
+                             "foo{{bar}}zap",
+                             "foo{bar}{zap}",
+                             "{}",
+                             "}{"};
+    for (size_t i = 0; i < sizeof(samples) / sizeof(samples[0]); i++) {
+        redisReply *r = cl_cmd(ports[0], "CLUSTER KEYSLOT %s", samples[i]);
+        cr_assert(r && r->type == REDIS_REPLY_INTEGER);
+        cr_expect_eq(kvt_tier_remote_key_slot(samples[i], strlen(samples[i])), r->integer,
+                     "slot of '%s'", samples[i]);
+        freeReplyObject(r);
+    }
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    for (uint32_t i = 0; i < 200; i++) {
+        char key[KVT_TIER_REMOTE_KEY_MAX];
+        int n = kvt_tier_remote_key(t, g_seed + i, i * 0x9e3779b97f4a7c15ull, key, sizeof(key));
+        cr_assert_gt(n, 0);
+        redisReply *r = cl_cmd(ports[0], "CLUSTER KEYSLOT %s", key);
+        cr_assert(r && r->type == REDIS_REPLY_INTEGER);
+        cr_assert_eq(kvt_tier_remote_key_slot(key, (size_t)n), r->integer, "slot of %s", key);
+        freeReplyObject(r);
+    }
+    kvt_tier_destroy(t);
+}
+
+Test(remote_cluster, keys_spread_over_every_primary_and_read_back)
+{
+    uint16_t ports[CL_NODES];
+    shared(ports);
+    /* One seed is enough: the map names the rest. */
+    char seed[32];
+    snprintf(seed, sizeof(seed), "127.0.0.1:%u", ports[0]);
+    kvt_tier_t *t = open_cluster(seed);
+    enum { N = 96 };
+    blk_t *b = calloc(N, sizeof(*b));
+    cr_assert(b);
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 4096 + (uint32_t)i * 100);
+        fill(b[i].buf, b[i].io.len, (uint64_t)i);
+        cr_assert_eq(kvt_tier_write(t, &b[i].io), 0); /* all in flight at once */
+    }
+    wait_all(t, b, N, 10000);
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(b[i].io.status, 0, "write %d: %s", i, kvt_strerror(b[i].io.status));
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(read_check(t, &b[i], (uint64_t)i), 0);
+    uint16_t prim[CL_NODES];
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    cr_assert_eq(np, 3);
+    long long total = 0;
+    for (int i = 0; i < np; i++) {
+        long long k = keys_on(prim[i]);
+        cr_expect_gt(k, 0, "no key of ours on the primary on port %u", prim[i]);
+        total += k;
+    }
+    cr_expect_eq(total, N);
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_geq(s.map_refreshes, 1);
+    cr_expect_eq(s.moved, 0, "the map was known before the first write");
+    cr_expect_eq(s.connects, 3, "one connection per primary (the seed is one of them)");
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    free(b);
+    kvt_tier_destroy(t);
+}
+
+Test(remote_cluster, moved_after_a_slot_migration_is_followed)
+{
+    uint16_t ports[CL_NODES];
+    shared(ports);
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    blk_t b;
+    blk_init(&b, 7, 8192);
+    cr_assert_eq(write_blk(t, &b, 7), 0);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    int slot = key_slot_of(t, &b, key);
+    uint16_t src = cl_owner(ports[0], slot), prim[CL_NODES];
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    uint16_t dst = prim[0] == src ? prim[1] : prim[0];
+    migrate_slot(slot, src, dst, prim, np);
+    cr_assert_eq(cl_owner(dst, slot), dst);
+
+    /* The tier still sends the key to src, which answers MOVED: followed, and the map learns. */
+    kvt_tier_remote_stats_t before = stats(t);
+    cr_assert_eq(read_check(t, &b, 7), 0);
+    kvt_tier_remote_stats_t after = stats(t);
+    cr_expect_eq(after.moved, before.moved + 1);
+    /* The next read goes straight to dst. */
+    cr_assert_eq(read_check(t, &b, 7), 0);
+    cr_expect_eq(stats(t).moved, after.moved, "the map learnt the slot from the MOVED");
+    /* And a refresh of the whole map followed. */
+    uint64_t end = kvt_now_ns() + 2000000000ull;
+    while (stats(t).map_refreshes == before.map_refreshes && kvt_now_ns() < end)
+        kvt_tier_wait(t, 10);
+    cr_expect_gt(stats(t).map_refreshes, before.map_refreshes);
+    cr_expect_eq(stats(t).redirect_errors, 0);
+    blk_fini(&b);
+    kvt_tier_destroy(t);
+}
+
+Test(remote_cluster, ask_during_a_migration_is_followed)
+{
+    uint16_t ports[CL_NODES];
+    shared(ports);
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    /* Two blocks in one slot: the first stored before the migration starts (it stays on src until
+     * moved), the second written while the slot is MIGRATING (src has no such key: ASK). */
+    blk_t a, b;
+    blk_init(&a, 1, 4096);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    int slot = key_slot_of(t, &a, key);
+    uint32_t i = 2;
+    for (;; i++) {
+        blk_init(&b, i, 4096);
+        if (key_slot_of(t, &b, key) == slot)
+            break;
+        blk_fini(&b);
+        cr_assert_lt(i, 200000u, "no second key in slot %d", slot);
+    }
+    cr_assert_eq(write_blk(t, &a, 1), 0);
+    uint16_t src = cl_owner(ports[0], slot), prim[CL_NODES];
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    uint16_t dst = prim[0] == src ? prim[1] : prim[0];
+    char sid[41], did[41];
+    cl_myid(src, sid);
+    cl_myid(dst, did);
+    ok_reply(cl_cmd(dst, "CLUSTER SETSLOT %d IMPORTING %s", slot, sid), "IMPORTING");
+    ok_reply(cl_cmd(src, "CLUSTER SETSLOT %d MIGRATING %s", slot, did), "MIGRATING");
+
+    kvt_tier_remote_stats_t s0 = stats(t);
+    cr_assert_eq(write_blk(t, &b, i), 0); /* src: ASK; dst takes it after ASKING */
+    cr_expect_eq(stats(t).asks, s0.asks + 1);
+    cr_assert_eq(read_check(t, &b, i), 0); /* ASK again */
+    cr_expect_eq(stats(t).asks, s0.asks + 2);
+    cr_assert_eq(read_check(t, &a, 1), 0); /* still on src: no redirect */
+    cr_expect_eq(stats(t).asks, s0.asks + 2);
+    cr_expect_eq(stats(t).moved, s0.moved, "ASK does not change the map");
+    /* Where the bytes are: b on dst, a on src. */
+    long long on_dst = keys_on(dst), on_src_before = keys_on(src);
+    cr_expect_eq(on_dst, 1);
+    cr_expect_geq(on_src_before, 1);
+
+    /* Finish the migration; both read back from dst (a MOVED for the first). */
+    migrate_slot(slot, src, dst, prim, np);
+    cr_assert_eq(read_check(t, &a, 1), 0);
+    cr_assert_eq(read_check(t, &b, i), 0);
+    cr_expect_eq(stats(t).redirect_errors, 0);
+    blk_fini(&a);
+    blk_fini(&b);
+    kvt_tier_destroy(t);
+}
+
+Test(remote_cluster, a_dead_seed_is_passed_over)
+{
+    uint16_t ports[CL_NODES];
+    shared(ports);
+    char seeds[96];
+    snprintf(seeds, sizeof(seeds), "127.0.0.1:%u,127.0.0.1:%u", cl_free_port(), ports[1]);
+    kvt_tier_t *t = open_cluster(seeds);
+    blk_t b;
+    blk_init(&b, 3, 2048);
+    cr_assert_eq(write_blk(t, &b, 3), 0);
+    cr_assert_eq(read_check(t, &b, 3), 0);
+    cr_expect_geq(stats(t).connect_failures, 1, "the dead seed was tried");
+    blk_fini(&b);
+    kvt_tier_destroy(t);
+
+    /* Only dead seeds: no map, every request a fast KVT_EUNAVAIL, and no crash. */
+    snprintf(seeds, sizeof(seeds), "127.0.0.1:%u", cl_free_port());
+    kvt_tier_remote_conf_t c = cluster_conf(seeds);
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    cr_assert_not(wait_connected(t, 300));
+    blk_init(&b, 4, 2048);
+    fill(b.buf, b.io.len, 4);
+    cr_expect_eq(kvt_tier_write(t, &b.io), KVT_EUNAVAIL);
+    cr_expect_eq(kvt_tier_read(t, &b.io), KVT_EUNAVAIL);
+    blk_fini(&b);
+    kvt_tier_destroy(t);
+}
+
+Test(remote_cluster, bad_settings_are_refused)
+{
+    kvt_tier_t *t = NULL;
+    const char *bad_seeds[] = {"",
+                               ",",
+                               "127.0.0.1",
+                               "127.0.0.1:0",
+                               "127.0.0.1:6379,",
+                               "127.0.0.1:6379,,127.0.0.1:6380",
+                               "host:port"};
+    for (size_t i = 0; i < sizeof(bad_seeds) / sizeof(bad_seeds[0]); i++) {
+        kvt_tier_remote_conf_t c = cluster_conf(bad_seeds[i]);
+        cr_expect_eq(kvt_tier_remote_create(&t, &c), KVT_EINVAL, "seeds '%s'", bad_seeds[i]);
+    }
+    kvt_tier_remote_conf_t c = cluster_conf("127.0.0.1:6379");
+    c.db = 1; /* a cluster has one database */
+    cr_expect_eq(kvt_tier_remote_create(&t, &c), KVT_EINVAL);
+    c = cluster_conf("127.0.0.1:6379");
+    c.key_prefix = "kv{t}"; /* a hash tag: every key in one slot */
+    cr_expect_eq(kvt_tier_remote_create(&t, &c), KVT_EINVAL);
+    c = cluster_conf(NULL);
+    cr_expect_eq(kvt_tier_remote_create(&t, &c), KVT_EINVAL);
+    cr_expect_null(t);
+}
+
+/* A single-server tier pointed at one primary of a cluster: keys the primary does not own come
+ * back MOVED, which the tier cannot follow there: a counted KVT_EIO, at once, never a retry
+ * loop. */
+Test(remote_cluster, moved_to_a_single_server_tier_is_a_counted_error)
+{
+    uint16_t ports[CL_NODES];
+    shared(ports);
+    uint16_t prim[CL_NODES];
+    cr_assert_eq(cl_primaries(ports[0], prim, CL_NODES), 3);
+    kvt_tier_remote_conf_t c = cluster_conf(NULL);
+    c.cluster = 0;
+    c.host = "127.0.0.1";
+    c.port = prim[0];
+    kvt_tier_t *t = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    cr_assert(wait_connected(t, 3000));
+    int moved = 0, stored = 0;
+    for (uint32_t i = 0; i < 32; i++) {
+        blk_t b;
+        blk_init(&b, i, 1024);
+        int rc = write_blk(t, &b, i);
+        cr_assert(rc == 0 || rc == KVT_EIO, "write: %s", kvt_strerror(rc));
+        moved += rc == KVT_EIO;
+        stored += rc == 0;
+        if (rc == 0)
+            cr_assert_eq(read_check(t, &b, i), 0);
+        blk_fini(&b);
+    }
+    cr_expect_gt(moved, 0);
+    cr_expect_gt(stored, 0);
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_eq(s.moved, (uint64_t)moved);
+    cr_expect_eq(s.redirect_errors, (uint64_t)moved);
+    cr_expect(kvt_tier_remote_connected(t), "the connection stays up");
+    kvt_tier_destroy(t);
+}
+
+/* A cluster-mode tier whose seed is no cluster node: CLUSTER SLOTS is refused; the tier counts
+ * it, asks again at most every 100 ms, and sends no block anywhere. */
+Test(remote_cluster, a_seed_that_is_no_cluster_node_gives_no_map)
+{
+    const char *plain = getenv("KVT_TEST_REDIS");
+    if (!plain || !*plain)
+        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
+    kvt_tier_remote_conf_t c = cluster_conf(plain);
+    kvt_tier_t *t = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    uint64_t end = kvt_now_ns() + 600000000ull;
+    while (kvt_now_ns() < end)
+        kvt_tier_wait(t, 10);
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_not(kvt_tier_remote_connected(t));
+    cr_expect_geq(s.map_errors, 2, "refused, and asked again");
+    cr_expect_leq(s.map_errors, 8, "at most every 100 ms, not in a loop");
+    cr_expect_eq(s.map_refreshes, 0);
+    blk_t b;
+    blk_init(&b, 1, 1024);
+    fill(b.buf, b.io.len, 1);
+    cr_expect_eq(kvt_tier_write(t, &b.io), KVT_EUNAVAIL);
+    blk_fini(&b);
+    kvt_tier_destroy(t);
+}
