@@ -6,12 +6,14 @@
  * its own, forked from the runner, and finds the cluster's ports in KVT_TEST_CLUSTER) and kills
  * it after them; the tests that use it leave it whole (a slot they migrate stays served). The
  * failover test forms a cluster of its own, since it kills a primary. Without redis-server and
- * redis-cli the tests skip; a cluster that fails to form fails them.
+ * redis-cli the tests skip; a cluster that fails to form fails them. The last test runs two real
+ * kvtierd (test_server_harness.h) over the cluster.
  */
 #include "test_cluster.h"
 
 #include <criterion/hooks.h>
 
+#include "test_server_harness.h"
 #include "tier.h"
 
 #define PAGE 16
@@ -528,4 +530,216 @@ Test(remote_cluster, a_seed_that_is_no_cluster_node_gives_no_map)
     cr_expect_eq(kvt_tier_write(t, &b.io), KVT_EUNAVAIL);
     blk_fini(&b);
     kvt_tier_destroy(t);
+}
+
+/* Reads every block at once; each must complete (within the timeout, never hang) and a success
+ * must hold exactly its bytes. Returns how many read back; *unavail counts the reads that found
+ * their node down or failing over. */
+static int read_all(kvt_tier_t *t, blk_t *b, int n, int *unavail)
+{
+    uint8_t *want = malloc(b[0].io.len);
+    cr_assert(want);
+    for (int i = 0; i < n; i++) {
+        memset(b[i].buf, 0xa5, b[i].io.len);
+        b[i].done = 0;
+        int rc = kvt_tier_read(t, &b[i].io);
+        if (rc) {
+            cr_assert_eq(rc, KVT_EUNAVAIL, "read %d: %s", i, kvt_strerror(rc));
+            b[i].done = 1;
+            b[i].io.status = rc;
+        }
+    }
+    wait_all(t, b, n, 3000); /* timeout_ms is 500 */
+    int ok = 0;
+    for (int i = 0; i < n; i++) {
+        int st = b[i].io.status;
+        if (st == 0) {
+            fill(want, b[i].io.len, (uint64_t)i);
+            cr_assert(!memcmp(b[i].buf, want, b[i].io.len), "read %d served a wrong byte", i);
+            ok++;
+        } else {
+            cr_assert(st == KVT_EUNAVAIL || st == KVT_ETIMEDOUT || st == KVT_ENOENT, "read %d: %s",
+                      i, kvt_strerror(st));
+            *unavail += st != KVT_ENOENT;
+        }
+    }
+    free(want);
+    return ok;
+}
+
+/* A primary SIGKILLed while blocks are being read: its replica is promoted by the cluster, the
+ * tier finds it by itself, no wrong byte is served, and every request completes or is a counted
+ * miss in the meantime. */
+Test(remote_cluster, primary_killed_under_load_fails_over_to_its_replica, .timeout = 90)
+{
+    cl_t cl;
+    char err[512] = "";
+    int rc = cl_start(&cl, err, sizeof(err));
+    if (rc == -1)
+        cr_skip_test("no redis-server and redis-cli to form a cluster with");
+    cr_assert_eq(rc, 0, "the cluster did not form: %s", err);
+    kvt_tier_remote_conf_t c = cluster_conf(cl.seeds);
+    c.timeout_ms = 500;
+    kvt_tier_t *t = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    cr_assert(wait_connected(t, 5000));
+    enum { N = 48 };
+    blk_t *b = calloc(N, sizeof(*b));
+    cr_assert(b);
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 8192);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    /* Let the replicas catch up before the primary goes (replication is asynchronous). */
+    uint16_t prim[CL_NODES];
+    int np = cl_primaries(cl.port[0], prim, CL_NODES);
+    for (int i = 0; i < np; i++)
+        ok_reply(cl_cmd(prim[i], "WAIT 1 1000"), "WAIT");
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    uint16_t victim = cl_owner(cl.port[0], key_slot_of(t, &b[0], key));
+    int vi = -1;
+    for (int i = 0; i < CL_NODES; i++)
+        if (cl.port[i] == victim)
+            vi = i;
+    cr_assert_geq(vi, 0);
+    uint16_t other = cl.port[(vi + 1) % CL_NODES];
+
+    int unavail = 0, ok = read_all(t, b, N, &unavail);
+    cr_assert_eq(ok, N);
+    cr_assert_eq(unavail, 0);
+    kill(cl.pid[vi], SIGKILL);
+    waitpid(cl.pid[vi], NULL, 0);
+    cl.pid[vi] = -1;
+    uint64_t killed = kvt_now_ns(), back = 0;
+    int rounds = 0;
+    while (kvt_now_ns() - killed < 15000000000ull) {
+        rounds++;
+        ok = read_all(t, b, N, &unavail);
+        if (ok == N && cl_owner(other, key_slot_of(t, &b[0], key)) != victim) {
+            back = kvt_now_ns();
+            break;
+        }
+        cl_sleep_ms(10); /* a steady load, not a spin */
+        kvt_tier_process(t);
+    }
+    cr_assert(back, "the tier never served every block again (%d rounds)", rounds);
+    cr_expect_gt(unavail, 0, "the reads in the failover were counted misses");
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_geq(s.failovers, 1);
+    cr_expect_geq(s.disconnects, 1);
+    cr_expect_geq(s.map_refreshes, 2);
+    cr_expect(kvt_tier_remote_connected(t), "whole again: every primary up");
+    fprintf(stderr,
+            "failover: every block served again %.2f s after the SIGKILL (%d rounds, %d "
+            "misses while failing over)\n",
+            (double)(back - killed) / 1e9, rounds, unavail);
+    /* Writes land on the promoted replica. */
+    blk_t w;
+    blk_init(&w, 1000, 4096);
+    cr_assert_eq(write_blk(t, &w, 1000), 0);
+    cr_assert_eq(read_check(t, &w, 1000), 0);
+    blk_fini(&w);
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    free(b);
+    kvt_tier_destroy(t);
+    cl_stop(&cl);
+}
+
+/* --- two daemons over the cluster --- */
+
+#define BB 16384
+
+static void put_pages(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed)
+{
+    uint8_t *payload = malloc((size_t)pages * BB);
+    cr_assert(payload);
+    for (uint32_t p = 0; p < pages; p++)
+        kvd_fill(payload + (size_t)p * BB, BB, seed + p);
+    kvt_client_put_t r;
+    int rc = kvt_client_put(c, tok, pages * PAGE, 0, pages, payload, NULL, &r);
+    cr_assert_eq(rc, 0, "put: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_assert_eq(r.stored, pages);
+    free(payload);
+}
+
+static void get_pages(kvt_client_t *c, uint64_t lease, uint32_t pages, uint32_t seed, uint8_t *from)
+{
+    uint8_t *buf = malloc((size_t)pages * BB), *want = malloc(BB);
+    cr_assert(buf && want);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, lease, 0, pages, buf, (size_t)pages * BB, &got, from);
+    cr_assert_eq(rc, 0, "get: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_assert_eq(got, pages);
+    for (uint32_t p = 0; p < pages; p++) {
+        kvd_fill(want, BB, seed + p);
+        cr_assert(!memcmp(buf + (size_t)p * BB, want, BB), "page %u differs", p);
+    }
+    free(buf);
+    free(want);
+}
+
+/* Daemon a stores a prefix with no local tier (every page goes to the cluster, spread over its
+ * primaries); daemon b, seeded with another node, finds it with MATCH's remote probe (its keys
+ * asked of their nodes in parallel) and reads every byte back from the cluster. */
+Test(remote_cluster, second_daemon_finds_the_first_ones_prefix_through_the_cluster)
+{
+    uint16_t ports[CL_NODES];
+    shared(ports);
+    char seed_a[32], seed_b[32], pfx[64];
+    snprintf(seed_a, sizeof(seed_a), "127.0.0.1:%u", ports[0]);
+    snprintf(seed_b, sizeof(seed_b), "127.0.0.1:%u,127.0.0.1:%u", ports[4], ports[5]);
+    snprintf(pfx, sizeof(pfx), "kvt-fleet-%d", (int)getpid());
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", seed_a, "--remote-cluster",
+              "yes", "--remote-prefix", pfx, NULL);
+    kvd_start(&b, "--remote", seed_b, "--remote-cluster", "yes", "--remote-prefix", pfx, NULL);
+    kvt_client_t *ca = kvd_client(&a, "shared-model", PAGE, BB);
+    kvt_client_t *cb = kvd_client(&b, "shared-model", PAGE, BB);
+    enum { P = 24 };
+    uint32_t tok[(P + 4) * PAGE];
+    kvd_tokens(tok, (P + 4) * PAGE, 3);
+    /* a's remote tier must be up before its PUT: poll its connection metric. */
+    int up = 0;
+    for (int i = 0; i < 500 && !up; i++) {
+        static char body[1 << 18];
+        cr_assert_eq(kvd_http_get(&a, "/metrics", body, sizeof(body)), 200);
+        up = strstr(body, "\nkvtier_remote_nodes 3\n") != NULL;
+        if (!up)
+            usleep(10000);
+    }
+    cr_assert(up, "a never saw 3 primaries");
+    put_pages(ca, tok, P, 40);
+    cr_assert_eq(kvd_stat(ca, "remote_blocks"), P);
+
+    uint8_t tiers[P + 4], from[P + 4];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P + 4};
+    cr_assert_eq(kvt_client_match(cb, tok, (P + 4) * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "without the probe b knows nothing");
+    uint64_t end = kvt_now_ns() / 1000000 + 5000;
+    do { /* b's tier may still be learning the map */
+        cr_assert_eq(kvt_client_match(cb, tok, (P + 4) * PAGE,
+                                      KVT_CLIENT_LEASE | KVT_CLIENT_REMOTE | KVT_CLIENT_PROBE, 0,
+                                      NULL, &m),
+                     0);
+        if (m.pages == P)
+            break;
+        if (m.lease)
+            kvt_client_release(cb, m.lease, NULL);
+        usleep(20000);
+    } while (kvt_now_ns() / 1000000 < end);
+    cr_assert_eq(m.pages, P, "the probe finds a's pages, not the 4 nobody stored");
+    cr_expect_eq(m.remote_pages, P);
+    get_pages(cb, m.lease, P, 40, from);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_REMOTE);
+    cr_expect_eq(from[P - 1], KVT_CLIENT_TIER_REMOTE);
+
+    static char body[1 << 18];
+    cr_assert_eq(kvd_http_get(&b, "/metrics", body, sizeof(body)), 200);
+    cr_expect(strstr(body, "\nkvtier_remote_nodes 3\n"), "b follows 3 primaries");
+    cr_expect(strstr(body, "\nkvtier_remote_redirect_errors_total 0\n"));
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
 }

@@ -2144,7 +2144,11 @@ void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out)
         memset(out, 0, sizeof(*out));
         return;
     }
-    *out = remote_of(t)->stats;
+    const remote_t *rm = remote_of(t);
+    *out = rm->stats;
+    out->nodes = rm->cluster ? 0 : 1;
+    for (uint32_t i = 0; rm->cluster && i < rm->nnodes; i++)
+        out->nodes += rm->nodes[i]->owned > 0;
 }
 
 int kvt_tier_remote_parse_addr(const char *s, char *host, size_t cap, uint16_t *port)

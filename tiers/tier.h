@@ -552,6 +552,7 @@ typedef struct kvt_tier_remote_stats {
     uint64_t map_refreshes;   /* slot maps applied */
     uint64_t map_errors;      /* slot-map replies refused as malformed (the map kept) */
     uint64_t failovers;       /* primaries lost whose slots a refreshed map gave another node */
+    uint64_t nodes;           /* primaries the map names (a gauge; 1 for a single server) */
 } kvt_tier_remote_stats_t;
 
 void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out);
