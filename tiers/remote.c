@@ -1117,7 +1117,7 @@ static kvt_log_limit_t map_lim;
 static int map_apply(node_t *from, const redisReply *rep)
 {
     remote_t *rm = from->rm;
-    static uint8_t m[16384]; /* one thread builds a map at a time: tiers are single-threaded */
+    uint8_t m[16384];
     memset(m, 0xff, sizeof(m));
     const char *why = NULL;
     if (!rep || rep->type != REDIS_REPLY_ARRAY)
@@ -1229,6 +1229,27 @@ static void map_refresh(remote_t *rm, uint64_t now)
     }
 }
 
+/* "HOST:PORT" as a redirect names it: split at the last colon, since the server writes an IPv6
+ * address without brackets. host holds 256 bytes. Returns 0 or KVT_EINVAL. */
+static int split_addr(const char *s, char *host, uint16_t *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s || (size_t)(colon - s) > 255)
+        return KVT_EINVAL;
+    char *end;
+    errno = 0;
+    unsigned long p = strtoul(colon + 1, &end, 10);
+    if (errno || end == colon + 1 || *end || p == 0 || p > 65535)
+        return KVT_EINVAL;
+    for (const char *c = s; c < colon; c++)
+        if (*c <= ' ' || *c == 0x7f)
+            return KVT_EINVAL;
+    memcpy(host, s, (size_t)(colon - s));
+    host[colon - s] = 0;
+    *port = (uint16_t)p;
+    return 0;
+}
+
 /*
  * A MOVED or ASK error in reply to r, from node from: r goes to the node it names (a MOVED also
  * teaches the map that slot and asks for a whole refresh). Returns 0 when r was queued there,
@@ -1246,8 +1267,7 @@ static int redirect(node_t *from, rq_t *r, const char *msg)
     char host[256];
     uint16_t port = 0;
     unsigned long slot = strtoul(p, &end, 10);
-    int ok = end != p && *end == ' ' && slot < 16384 &&
-             kvt_tier_remote_parse_addr(end + 1, host, sizeof(host), &port) == 0;
+    int ok = end != p && *end == ' ' && slot < 16384 && split_addr(end + 1, host, &port) == 0;
     if (ask)
         rm->stats.asks++;
     else
