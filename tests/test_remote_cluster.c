@@ -12,6 +12,7 @@
 #include "test_cluster.h"
 
 #include <criterion/hooks.h>
+#include <strings.h>
 
 #include "test_server_harness.h"
 #include "tier.h"
@@ -644,6 +645,147 @@ Test(remote_cluster, primary_killed_under_load_fails_over_to_its_replica, .timeo
     free(b);
     kvt_tier_destroy(t);
     cl_stop(&cl);
+}
+
+/* --- a node that answers what no real one would --- */
+
+/* The fake node: replies to PING; to CLUSTER SLOTS with three malformed maps, then a good one
+ * (every slot on itself, its host left empty); to every GET with a redirect: first MOVED to a
+ * garbage address, then MOVED to slot 99999, then MOVED back to itself, forever. */
+static void fake_reply(int fd, const char *cmd, uint16_t self, int *maps, int *gets)
+{
+    char out[512];
+    int n;
+    if (!strcasecmp(cmd, "PING")) {
+        n = snprintf(out, sizeof(out), "+PONG\r\n");
+    } else if (!strcasecmp(cmd, "CLUSTER")) {
+        static const char *const bad[] = {
+            "*1\r\n*3\r\n:0\r\n:20000\r\n*2\r\n$9\r\n127.0.0.1\r\n:1\r\n", /* slot out of range */
+            "*1\r\n:5\r\n",                                                /* not an entry */
+            "*1\r\n*3\r\n:0\r\n:16383\r\n:7\r\n",                          /* no primary */
+        };
+        if (*maps < 3)
+            n = snprintf(out, sizeof(out), "%s", bad[*maps]);
+        else
+            n = snprintf(out, sizeof(out),
+                         "*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$0\r\n\r\n:%u\r\n$2\r\nid\r\n", self);
+        ++*maps;
+    } else if (!strcasecmp(cmd, "GET")) {
+        if (*gets == 0)
+            n = snprintf(out, sizeof(out), "-MOVED 5 not-an-address\r\n");
+        else if (*gets == 1)
+            n = snprintf(out, sizeof(out), "-MOVED 99999 127.0.0.1:%u\r\n", self);
+        else
+            n = snprintf(out, sizeof(out), "-MOVED 5 127.0.0.1:%u\r\n", self);
+        ++*gets;
+    } else {
+        n = snprintf(out, sizeof(out), "-ERR unknown\r\n");
+    }
+    if (write(fd, out, (size_t)n) != n)
+        _exit(1);
+}
+
+/* Parses the whole commands in buf (RESP arrays of bulk strings) and answers each; returns the
+ * bytes consumed. */
+static size_t fake_serve(int fd, char *buf, size_t len, uint16_t self, int *maps, int *gets)
+{
+    size_t off = 0;
+    for (;;) {
+        char *p = buf + off, *end = buf + len;
+        if (p >= end || *p != '*')
+            return off;
+        char *nl = memchr(p, '\n', (size_t)(end - p));
+        if (!nl)
+            return off;
+        int argc = atoi(p + 1);
+        p = nl + 1;
+        char name[32] = "";
+        for (int i = 0; i < argc; i++) {
+            if (p >= end || *p != '$' || !(nl = memchr(p, '\n', (size_t)(end - p))))
+                return off;
+            long l = atol(p + 1);
+            p = nl + 1;
+            if (end - p < l + 2)
+                return off;
+            if (i == 0)
+                snprintf(name, sizeof(name), "%.*s", (int)KVT_MIN(l, 31), p);
+            p += l + 2;
+        }
+        fake_reply(fd, name, self, maps, gets);
+        off = (size_t)(p - buf);
+    }
+}
+
+static pid_t fake_node(uint16_t *port)
+{
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(ls >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(bind(ls, (struct sockaddr *)&a, sizeof(a)), 0);
+    socklen_t al = sizeof(a);
+    cr_assert_eq(getsockname(ls, (struct sockaddr *)&a, &al), 0);
+    cr_assert_eq(listen(ls, 8), 0);
+    *port = ntohs(a.sin_port);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid > 0) {
+        close(ls);
+        return pid;
+    }
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    int maps = 0, gets = 0;
+    for (;;) { /* one client at a time: the tier opens one connection */
+        int fd = accept(ls, NULL, NULL);
+        if (fd < 0)
+            continue;
+        static char buf[1 << 16];
+        size_t len = 0;
+        ssize_t r;
+        while ((r = read(fd, buf + len, sizeof(buf) - len)) > 0) {
+            len += (size_t)r;
+            size_t used = fake_serve(fd, buf, len, *port, &maps, &gets);
+            memmove(buf, buf + used, len - used);
+            len -= used;
+        }
+        close(fd);
+    }
+}
+
+/* Malformed slot maps are refused whole and counted; MOVED to a garbage address, to a slot out
+ * of range, or in a loop is a counted KVT_EIO miss at once: no crash, no request left hanging, no
+ * retry loop, and the connection stays up. */
+Test(remote_cluster, malformed_maps_and_redirects_are_counted_misses)
+{
+    uint16_t port;
+    pid_t pid = fake_node(&port);
+    char seed[32];
+    snprintf(seed, sizeof(seed), "127.0.0.1:%u", port);
+    kvt_tier_t *t = open_cluster(seed);
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_eq(s.map_errors, 3, "three malformed maps refused");
+    cr_expect_eq(s.map_refreshes, 1, "then the good one applied");
+    cr_expect_eq(s.nodes, 1);
+    for (uint32_t i = 0; i < 3; i++) {
+        blk_t b;
+        blk_init(&b, i, 1024);
+        uint64_t t0 = kvt_now_ns();
+        cr_expect_eq(read_check(t, &b, i), KVT_EIO, "read %u", i);
+        cr_expect_lt(kvt_now_ns() - t0, 900000000ull, "a miss at once, not by the timeout");
+        blk_fini(&b);
+    }
+    s = stats(t);
+    cr_expect_eq(s.redirect_errors, 3);
+    cr_expect_eq(s.moved, 1 + 1 + 6, "the loop was followed 5 times, then refused");
+    cr_expect_eq(s.map_errors, 3);
+    cr_expect(kvt_tier_remote_connected(t));
+    /* Quiet afterwards: the refreshes the redirects asked for, no more. */
+    uint64_t refreshes = s.map_refreshes, end = kvt_now_ns() + 400000000ull;
+    while (kvt_now_ns() < end)
+        kvt_tier_wait(t, 20);
+    cr_expect_leq(stats(t).map_refreshes, refreshes + 1);
+    kvt_tier_destroy(t);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
 }
 
 /* --- two daemons over the cluster --- */
