@@ -1,18 +1,25 @@
 /*
  * remote.c: the remote tier, blocks stored as string values in a Valkey or Redis server.
  *
- * This file owns one hiredis async connection and everything around it: the adapter that plugs
- * hiredis into an epoll fd of our own (the fd the tier's caller polls), the handshake (AUTH,
- * SELECT or PING) that must answer before a connection counts as up, reconnection with
- * exponential backoff, per-request deadlines on a timerfd, the RESP encoding of SET, GET, DEL and
- * EXISTS, reply decoding, and the longest-prefix probe. tier.c owns the location index, the
- * capacity accounting and the completion queue; this backend only moves bytes.
+ * This file owns the hiredis async connections (a node_t each: the one server, or every primary
+ * of a cluster) and everything around them: the adapter that plugs hiredis into an epoll fd of
+ * our own (the fd the tier's caller polls), the handshake (AUTH, SELECT or PING) that must answer
+ * before a connection counts as up, reconnection with exponential backoff, per-request deadlines
+ * on a timerfd, the RESP encoding of SET, GET, DEL and EXISTS, reply decoding, the
+ * longest-prefix probe, and in cluster mode the routing: the slot map (CLUSTER SLOTS), CRC16 key
+ * slots, MOVED and ASK. tier.c owns the location index, the capacity accounting and the
+ * completion queue; this backend only moves bytes.
  *
  * A block is stored under "<prefix>:<ns seed hex>:<prefix hash hex>" so that every kvtierd
  * pointed at the same server finds blocks another one stored; the value is the shared block
  * header, the page's tokens and the payload (blockhdr.c), checked before a byte is returned.
  *
- * Requests flow through FIFO queues:
+ * In cluster mode each request goes to the node owning its key's slot and takes the path below
+ * on that node's queues; a MOVED or ASK reply puts it back on the queue of the node named (the
+ * redirect is followed from the reply callback, never by blocking), and the map is asked for
+ * again, from any node up, after a redirect, a lost node or a timeout.
+ *
+ * Requests flow through FIFO queues (per node):
  *
  *   submit -> waitq --(connection up, < max_inflight unanswered)--> sentq --reply--> callback
  *               |                                                     |  \
