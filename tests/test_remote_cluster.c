@@ -647,6 +647,132 @@ Test(remote_cluster, primary_killed_under_load_fails_over_to_its_replica, .timeo
     cl_stop(&cl);
 }
 
+/* Every primary at a tiny maxmemory with noeviction: SETs the cluster refuses with OOM are
+ * KVT_ENOSPC, at once, while the blocks stored before still read back; no error loop, and the
+ * connections stay up. */
+Test(remote_cluster, a_full_cluster_refuses_writes_with_enospc)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    cr_assert_eq(np, 3);
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    enum { N = 4 };
+    blk_t b[N];
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 4096);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    for (int i = 0; i < np; i++) {
+        redisReply *r = cl_cmd(prim[i], "INFO memory");
+        cr_assert(r && r->type == REDIS_REPLY_STRING);
+        const char *u = strstr(r->str, "used_memory:");
+        cr_assert(u);
+        long long used = atoll(u + strlen("used_memory:"));
+        freeReplyObject(r);
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory-policy noeviction"), "policy");
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory %lld", used + 65536), "maxmemory");
+    }
+    int enospc = 0, stored = 0;
+    for (uint32_t i = 100; i < 300 && enospc < 20; i++) {
+        blk_t w;
+        blk_init(&w, i, 65536);
+        int rc = write_blk(t, &w, i);
+        cr_assert(rc == 0 || rc == KVT_ENOSPC, "write %u: %s", i, kvt_strerror(rc));
+        enospc += rc == KVT_ENOSPC;
+        stored += rc == 0;
+        blk_fini(&w);
+    }
+    for (int i = 0; i < np; i++)
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory 0"), "maxmemory 0");
+    cr_expect_geq(enospc, 20, "the full cluster refused writes (%d stored)", stored);
+    for (int i = 0; i < N; i++)
+        cr_expect_eq(read_check(t, &b[i], (uint64_t)i), 0, "block %d stored before", i);
+    cr_expect(kvt_tier_remote_connected(t));
+    cr_expect_eq(stats(t).disconnects, 0);
+    blk_t w;
+    blk_init(&w, 400, 4096);
+    cr_expect_eq(write_blk(t, &w, 400), 0, "room again");
+    blk_fini(&w);
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    kvt_tier_destroy(t);
+}
+
+/* redis-cli --cluster reshard moves 1000 slots from one primary to another while the tier reads
+ * and writes: every request completes, no wrong byte is served, and afterwards every block
+ * reads back (the tier followed MOVED and ASK). */
+Test(remote_cluster, reshard_under_load)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    cr_assert_eq(cl_primaries(ports[0], prim, CL_NODES), 3);
+    char cli[512], server[512];
+    cr_assert(cl_binaries(server, cli, sizeof(cli)));
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    enum { N = 64 };
+    blk_t *b = calloc(N, sizeof(*b));
+    cr_assert(b);
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 16384);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    char from[41], to[41], addr[32], logp[300];
+    cl_myid(prim[0], from);
+    cl_myid(prim[1], to);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", prim[0]);
+    snprintf(logp, sizeof(logp), "%s/reshard-%d.log", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp",
+             (int)getpid());
+    kvt_tier_remote_stats_t s0 = stats(t);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        FILE *f = freopen(logp, "w", stdout);
+        (void)f;
+        dup2(1, 2);
+        execl(cli, cli, "--cluster", "reshard", addr, "--cluster-from", from, "--cluster-to", to,
+              "--cluster-slots", "1000", "--cluster-yes", "--cluster-pipeline", "10", (char *)NULL);
+        _exit(127);
+    }
+    int st = 0, rounds = 0, misses = 0;
+    uint8_t *want = malloc(16384);
+    cr_assert(want);
+    for (;;) {
+        int done = waitpid(pid, &st, WNOHANG) == pid;
+        rounds++;
+        for (int i = 0; i < N; i++) {
+            memset(b[i].buf, 0xa5, b[i].io.len);
+            b[i].done = 0;
+            cr_assert_eq(kvt_tier_read(t, &b[i].io), 0);
+        }
+        wait_all(t, b, N, 5000);
+        for (int i = 0; i < N; i++) {
+            if (b[i].io.status) {
+                misses++;
+                continue;
+            }
+            fill(want, b[i].io.len, (uint64_t)i);
+            cr_assert(!memcmp(b[i].buf, want, b[i].io.len), "block %d: a wrong byte", i);
+        }
+        if (done)
+            break;
+    }
+    free(want);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "reshard failed: see %s", logp);
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(read_check(t, &b[i], (uint64_t)i), 0, "block %d after the reshard", i);
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_gt(s.moved + s.asks, s0.moved + s0.asks, "the tier met the migration");
+    cr_expect_eq(s.redirect_errors, 0);
+    fprintf(stderr, "reshard: %d rounds of %d reads, %d misses, %llu MOVED, %llu ASK\n", rounds, N,
+            misses, (unsigned long long)(s.moved - s0.moved),
+            (unsigned long long)(s.asks - s0.asks));
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    free(b);
+    kvt_tier_destroy(t);
+}
+
 /* --- a node that answers what no real one would --- */
 
 /* The fake node: replies to PING; to CLUSTER SLOTS with three malformed maps, then a good one
