@@ -61,7 +61,10 @@ static const kvt_opt_t kvt_opts[] = {
     {"hbm-batch", KVT_OPT_U32, KVT_O(hbm_batch), "16",
      "most HBM copies submitted as one batch (1 .. 256; 1 submits each copy at once)"},
     {"remote", KVT_OPT_STR, KVT_O(remote), "",
-     "Valkey/Redis server host:port of the remote tier; \"\" for none"},
+     "Valkey/Redis server host:port of the remote tier; \"\" for none; with remote-cluster, "
+     "seed nodes host:port[,host:port...]"},
+    {"remote-cluster", KVT_OPT_BOOL, KVT_O(remote_cluster), "no",
+     "the remote is a Redis/Valkey Cluster: remote lists seed nodes, keys go by hash slot"},
     {"remote-bytes", KVT_OPT_BYTES, KVT_O(remote_bytes), "4G", "remote tier capacity"},
     {"remote-prefix", KVT_OPT_STR, KVT_O(remote_prefix), "kvt",
      "key prefix of blocks on the remote server (keys are PREFIX:SEED:HASH)"},

@@ -27,7 +27,8 @@ typedef struct kvt_srv_conf {
     uint32_t hbm_batch; /* copies per batch, at most */
     uint64_t nvme_segment_bytes;
     int nvme_sparse;
-    char *remote; /* host:port of a Valkey/Redis server; "" for none */
+    char *remote;       /* host:port of a Valkey/Redis server; "" for none */
+    int remote_cluster; /* remote is a Cluster: seeds "host:port[,host:port...]" */
     uint64_t remote_bytes;
     char *remote_prefix;
     char *remote_password;

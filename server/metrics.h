@@ -187,6 +187,20 @@ typedef enum {
       "Remote requests and probes failed by their deadline.", NONE)                                \
     X(REMOTE_OVERSIZED, COUNTER, "kvtier_remote_oversized_values_total",                           \
       "Remote values longer than their block, refused without being buffered.", NONE)              \
+    X(REMOTE_MOVED, COUNTER, "kvtier_remote_moved_total",                                          \
+      "MOVED replies from the remote cluster (a slot served elsewhere): followed.", NONE)          \
+    X(REMOTE_ASKS, COUNTER, "kvtier_remote_asks_total",                                            \
+      "ASK replies from the remote cluster (a slot migrating): followed with ASKING.", NONE)       \
+    X(REMOTE_REDIRECT_ERRORS, COUNTER, "kvtier_remote_redirect_errors_total",                      \
+      "Remote redirects not followed (a bad address, too many, no cluster mode): misses.", NONE)   \
+    X(REMOTE_MAP_REFRESHES, COUNTER, "kvtier_remote_slot_map_refreshes_total",                     \
+      "Slot maps of the remote cluster applied (CLUSTER SLOTS).", NONE)                            \
+    X(REMOTE_MAP_ERRORS, COUNTER, "kvtier_remote_slot_map_errors_total",                           \
+      "Slot-map replies refused (malformed, or an error): the map was kept.", NONE)                \
+    X(REMOTE_FAILOVERS, COUNTER, "kvtier_remote_failovers_total",                                  \
+      "Lost remote primaries whose slots a refreshed map gave to another node.", NONE)             \
+    X(REMOTE_NODES, GAUGE, "kvtier_remote_nodes",                                                  \
+      "Remote cluster primaries the slot map names (1 for a single server).", NONE)                \
     X(PREFETCH_WAITS, COUNTER, "kvtier_prefetch_waits_total",                                      \
       "PREFETCH requests that waited for room on its way or for others' moves.", NONE)             \
     X(PUT_PAGES, COUNTER, "kvtier_put_pages_total",                                                \
