@@ -61,7 +61,19 @@ static const struct kvt_enum_label {
 struct kvt_metrics {
     double values[KVT_M_COUNT][KVT_MAX_SERIES];
     kvt_hist_t hists[KVT_M_COUNT][KVT_MAX_SERIES];
+    unsigned tier_mask; /* kvt__metrics_tiers */
 };
+
+void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask)
+{
+    m->tier_mask = mask;
+}
+
+/* A TIER_SCALE series of a tier not configured is not shown. */
+static int shown(const kvt_metrics_t *m, const struct kvt_metric_def *d, unsigned s)
+{
+    return d->lbl != KVT_LBL_TIER_SCALE || (m->tier_mask >> (s / KVT_MRC_SCALES) & 1);
+}
 
 int kvt__metrics_create(kvt_metrics_t **out)
 {
@@ -181,6 +193,17 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
         kv[2] = "dir";
         kv[3] = s % 2 ? "write" : "read";
         return 2;
+    case KVT_LBL_TIER_SCALE: {
+        static const char *const scales[KVT_MRC_SCALES] = {"0.25", "0.5", "1", "2", "4"};
+        unsigned t = s / KVT_MRC_SCALES;
+        if (t == KVT_TIER_NONE || t >= KVT_TIER_COUNT)
+            return -1;
+        kv[0] = "tier";
+        kv[1] = kvt_tier_name((kvt_tier_id_t)t);
+        kv[2] = "scale";
+        kv[3] = scales[s % KVT_MRC_SCALES];
+        return 2;
+    }
     case KVT_LBL_REASON:
     case KVT_LBL_ERR:
     case KVT_LBL_RECOVERY:
@@ -214,6 +237,13 @@ static const char *series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, si
     return buf;
 }
 
+/* A gauge whose value is a fraction: STATS sends it in parts per million. */
+static int is_ratio(const struct kvt_metric_def *d)
+{
+    size_t n = strlen(d->name);
+    return d->type == KVT_MT_GAUGE && n > 6 && !strcmp(d->name + n - 6, "_ratio");
+}
+
 /* A series' STATS name (metrics.h, kvt__metrics_each); NULL when the series is not rendered. */
 static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, char *buf,
                                     size_t len)
@@ -238,6 +268,10 @@ static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, 
         snprintf(buf, len, "%.*s_%s", (int)sl, stem, kv[1]);
     else
         snprintf(buf, len, "%.*s_%s_%s", (int)sl, stem, kv[1], kv[3]);
+    if (is_ratio(d)) {
+        size_t bl = strlen(buf);
+        snprintf(buf + bl, len - bl, "_ppm");
+    }
     return buf;
 }
 
@@ -250,9 +284,9 @@ int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *n
             continue;
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char name[128];
-            if (!series_stat_name(d, s, name, sizeof name))
+            if (!shown(m, d, s) || !series_stat_name(d, s, name, sizeof name))
                 continue;
-            double v = m->values[id][s];
+            double v = m->values[id][s] * (is_ratio(d) ? 1e6 : 1);
             int rc = cb(arg, name, v > 0 ? (uint64_t)v : 0);
             if (rc)
                 return rc;
@@ -281,7 +315,7 @@ int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
         kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", d->name, d->help, d->name, types[d->type]);
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char lb[96];
-            const char *l = series_labels(d->lbl, s, lb, sizeof lb);
+            const char *l = shown(m, d, s) ? series_labels(d->lbl, s, lb, sizeof lb) : NULL;
             if (!l)
                 continue;
             if (d->type != KVT_MT_HISTOGRAM) {
