@@ -132,7 +132,7 @@ static const kvt_opt_t kvt_opts[] = {
     {"mrc-sample-rate", KVT_OPT_DBL, KVT_O(mrc_sample_rate), "0.1",
      "share of the pages the miss-ratio curve samples at first (0 < rate <= 1)"},
     {"mrc-max-keys", KVT_OPT_U32, KVT_O(mrc_max_keys), "16384",
-     "pages the miss-ratio curve tracks at most (64..16777216; 64 bytes each); past it the "
+     "pages the miss-ratio curve tracks at most (64..16777216; about 72 bytes each); past it the "
      "sample rate is lowered"},
     {"policy", KVT_OPT_STR, KVT_O(policy), "cost",
      "tier policy: cost (cost-aware), lru or lfu (checked; see docs/server.md)"},

@@ -189,12 +189,17 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    /* The block size for the miss-ratio curve: c's, or the namespace's when c declared none (a
+     * lookup-only client of a namespace that others fill). */
+    uint32_t block = c->block_bytes   ? c->block_bytes
+                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
+                                      : 0;
     kvt__match_q_t mq = {.flags = h->flags,
                          .lease_ms = q.lease_ms,
                          .engine_id = q.hints.engine_request_id,
                          .ntokens = q.ntokens,
                          .page = c->page_size,
-                         .block_bytes = c->block_bytes,
+                         .block_bytes = block,
                          .tokens = c->tok};
     kvt__store_check_path(s, &m, &mq.lost); /* blocks NVMe dropped are not reported stored */
     int down = 0;

@@ -403,6 +403,29 @@ Test(mrc_daemon, curve_matches_the_lru_replay, .timeout = 300)
     cr_expect_not_null(strstr(body, "kvtier_mrc_prefill_saved_seconds{tier=\"nvme\",scale=\"4\"}"));
     cr_expect_null(strstr(body, "kvtier_mrc_hit_ratio{tier=\"hbm\""));
     cr_expect_null(strstr(body, "kvtier_mrc_hit_ratio{tier=\"remote\""));
+    /* kvtier stats: the curve as a table, a row per configured tier, and in --json */
+    char want[256], cmd[8192];
+    int w = snprintf(want, sizeof want, "\n  dram    ");
+    for (int k = 0; k < 5; k++) {
+        char name[96];
+        snprintf(name, sizeof name, "mrc_hit_ratio_dram_%s_ppm", scale_names[k]);
+        w += snprintf(want + w, sizeof want - (size_t)w, " %7.1f%%",
+                      (double)kvd_stat(c, name) / 1e4);
+    }
+    const char *root = getenv("KVT_BUILD_ROOT");
+    snprintf(cmd, sizeof cmd,
+             "'%s/client/kvtier' --unix '%s' stats >'%s/out.txt' 2>&1 && '%s/client/kvtier' "
+             "--unix '%s' stats --json >>'%s/out.txt' 2>&1",
+             root ? root : ".", d.sock, d.dir, root ? root : ".", d.sock, d.dir);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    static char text[65536];
+    kvd_slurp(&d, "out.txt", text, sizeof text);
+    cr_expect_not_null(strstr(text, "if a tier were s x its size (LRU estimate"), "%s", text);
+    cr_expect_not_null(strstr(text, want), "no '%s' in %s", want, text);
+    cr_expect_not_null(strstr(text, "\n  nvme    "), "%s", text);
+    cr_expect_null(strstr(text, "\n  hbm     "), "%s", text);
+    cr_expect_not_null(strstr(text, ",\"mrc\":{\"all\":0."), "%s", text);
+    cr_expect_not_null(strstr(text, "\"dram\":{\"0.25\":0."), "%s", text);
     kvt_client_close(c);
     free(tokens);
     free(payload);
@@ -418,5 +441,31 @@ Test(mrc_daemon, off_shows_no_curve)
     cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
     cr_expect_null(strstr(body, "kvtier_mrc_hit_ratio{"));
     cr_expect_not_null(strstr(body, "kvtier_mrc_tracked_pages 0"));
+    kvd_cleanup(&d);
+}
+
+Test(mrc_daemon, bad_settings_are_refused)
+{
+    static const char *const bad[][2] = {
+        {"--mrc-sample-rate", "0"}, {"--mrc-sample-rate", "1.5"},   {"--mrc-sample-rate", "-1"},
+        {"--mrc-max-keys", "10"},   {"--mrc-max-keys", "99999999"}, {"--mrc", "maybe"},
+    };
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        char cmd[2048];
+        snprintf(cmd, sizeof cmd,
+                 "cd '%s' && '%s' --unix s.sock --tcp '' --metrics '' %s %s >out.txt 2>&1", d.dir,
+                 kvd_binary(), bad[i][0], bad[i][1]);
+        int st = system(cmd);
+        cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 64, "%s %s: status %d", bad[i][0], bad[i][1],
+                  st);
+        char text[4096];
+        kvd_slurp(&d, "out.txt", text, sizeof text);
+        cr_expect_not_null(strstr(text, bad[i][0] + 2), "%s", text);
+        char sock[1024];
+        snprintf(sock, sizeof sock, "%s/s.sock", d.dir);
+        cr_expect_neq(access(sock, F_OK), 0, "%s %s: it listened", bad[i][0], bad[i][1]);
+    }
     kvd_cleanup(&d);
 }
