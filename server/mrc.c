@@ -186,12 +186,19 @@ static void bucket_bounds(unsigned b, double *lo, double *hi)
     *hi = ldexp(1 + (k + 1) / 32.0, (int)e);
 }
 
-static void access_page(kvt__mrc_t *m, uint64_t key, uint32_t bytes, double w)
+static void access_page(kvt__mrc_t *m, uint64_t key, uint32_t bytes, uint32_t tokens)
 {
+    if (sample_hash(key) >= m->thresh)
+        return; /* the threshold fell since the key was picked (an earlier page's lookup) */
     if (m->now > m->fen_n)
         rebuild(m);
     kvt_mrc_slot_t *s = find(m, key);
-    double scale = (double)(1u << KVT_MRC_P_BITS) / m->thresh;
+    double scale = (double)(1u << KVT_MRC_P_BITS) / m->thresh, w = tokens * scale;
+    if (!s->t && m->n >= m->max_keys && m->thresh == 1) {
+        m->cold += w; /* no lower rate left (a billion pages seen): the table stays as it is */
+        m->weight += w;
+        return;
+    }
     if (s->t) {
         /* the bytes looked up since, itself included (its own time's bytes are in the sum) */
         uint64_t since = m->fen_total - fen_prefix(m, s->t - 1);
@@ -220,11 +227,10 @@ static void access_page(kvt__mrc_t *m, uint64_t key, uint32_t bytes, double w)
 void kvt__mrc_lookup(kvt__mrc_t *m, const uint64_t *keys, uint32_t npages, uint32_t page_tokens,
                      uint32_t block_bytes, uint32_t ntokens)
 {
+    if (!block_bytes)
+        return; /* no block size known: not a page of any tier's stack */
     m->lookup_tokens += ntokens;
     m->page_tokens += (uint64_t)npages * page_tokens;
-    if (!block_bytes)
-        return;
-    double w = (double)page_tokens * (double)(1u << KVT_MRC_P_BITS) / m->thresh;
     /* Deepest first: the first page ends up the most recent, never less recent than a child.
      * The sampled pages' slots are asked of the memory a batch at a time before any is read:
      * the table is megabytes, each lookup of it a cache miss, and they then overlap. */
@@ -237,7 +243,7 @@ void kvt__mrc_lookup(kvt__mrc_t *m, const uint64_t *keys, uint32_t npages, uint3
                 __builtin_prefetch(&m->tab[slot_of(m, keys[i - 1])]);
             }
         for (unsigned k = 0; k < n; k++)
-            access_page(m, batch[k], block_bytes, w);
+            access_page(m, batch[k], block_bytes, page_tokens);
         if (n)
             m->last_bytes = block_bytes;
     }

@@ -22,8 +22,9 @@
  * over R. Those pages' last-lookup times index a Fenwick tree of their bytes, so a distance costs
  * O(log n). At most max_keys pages are tracked: past it T is lowered by an eighth and the pages
  * now over it forgotten (SHARDS' fixed-size variant), so memory is bounded whatever the traffic.
- * Each sampled lookup adds its tokens / R to a histogram of distances with 32 buckets per
- * doubling (2.2% wide, read with linear interpolation inside a bucket).
+ * Each sampled lookup adds its tokens / R to a histogram of distances with 32 linear buckets per
+ * doubling (at most 3.1% of the distance wide, read with linear interpolation inside a bucket).
+ * The sampled weight is corrected to the known count of looked-up page tokens (SHARDS-adj).
  */
 #ifndef KVT_SERVER_MRC_H
 #define KVT_SERVER_MRC_H
@@ -56,7 +57,7 @@ void kvt__mrc_destroy(kvt__mrc_t *m);
 uint64_t *kvt__mrc_scratch(kvt__mrc_t *m, size_t n);
 
 /* One lookup of ntokens tokens: its whole pages' keys in path order (keys[0] is the first page),
- * each page_tokens tokens and block_bytes bytes. */
+ * each page_tokens tokens and block_bytes bytes (0: unknown, the lookup is not counted). */
 void kvt__mrc_lookup(kvt__mrc_t *m, const uint64_t *keys, uint32_t npages, uint32_t page_tokens,
                      uint32_t block_bytes, uint32_t ntokens);
 

@@ -229,6 +229,9 @@ Test(mrc, segments_are_differences)
     kvt__mrc_lookup(m, path, 2, PAGE, BYTES, 2 * PAGE);
     cr_expect(fabs(kvt__mrc_hit_tokens(m, 0, 2.5 * BYTES) - PAGE) < 1e-9);
     cr_expect(fabs(kvt__mrc_hit_tokens(m, 2.5 * BYTES, 3.5 * BYTES) - 2 * PAGE) < 1e-9);
+    /* a lookup whose block size is unknown is no tier's: not counted at all */
+    kvt__mrc_lookup(m, path, 2, PAGE, 0, 2 * PAGE);
+    cr_expect(fabs(kvt__mrc_hit_tokens(m, 0, 3.5 * BYTES) - 3 * PAGE) < 1e-9);
     kvt__mrc_stats_t st;
     kvt__mrc_stats(m, &st);
     cr_expect_eq(st.keys, 3);
