@@ -136,6 +136,13 @@ static const kvt_opt_t kvt_opts[] = {
     {"metrics-namespaces", KVT_OPT_U32, KVT_O(metrics_namespaces), "32",
      "(model, adapter) pairs with a kvtier_namespace_prefill_seconds_saved_total series of their "
      "own (0..1024); later ones count under model=\"_other\""},
+    {"mrc", KVT_OPT_BOOL, KVT_O(mrc), "yes",
+     "estimate each tier's miss-ratio curve from the lookups (kvtier_mrc_* metrics)"},
+    {"mrc-sample-rate", KVT_OPT_DBL, KVT_O(mrc_sample_rate), "0.1",
+     "share of the pages the miss-ratio curve samples at first (0 < rate <= 1)"},
+    {"mrc-max-keys", KVT_OPT_U32, KVT_O(mrc_max_keys), "16384",
+     "pages the miss-ratio curve tracks at most (64..16777216; about 72 bytes each); past it the "
+     "sample rate is lowered"},
     {"policy", KVT_OPT_STR, KVT_O(policy), "cost",
      "tier policy: cost (cost-aware), lru or lfu (checked; see docs/server.md)"},
     {"policy-model", KVT_OPT_STR, KVT_O(policy_model), "llama-3-70b",
@@ -526,6 +533,14 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     }
     if (!(conf->policy_low > 0) || conf->policy_low > conf->policy_high || conf->policy_high > 1) {
         snprintf(err, errlen, "policy watermarks need 0 < policy-low <= policy-high <= 1");
+        return KVT_EINVAL;
+    }
+    if (!(conf->mrc_sample_rate > 0 && conf->mrc_sample_rate <= 1)) {
+        snprintf(err, errlen, "mrc-sample-rate needs 0 < rate <= 1");
+        return KVT_EINVAL;
+    }
+    if (conf->mrc_max_keys < 64 || conf->mrc_max_keys > (1u << 24)) {
+        snprintf(err, errlen, "mrc-max-keys needs 64 .. 16777216");
         return KVT_EINVAL;
     }
     if (!*conf->unix_path && !*conf->tcp) {

@@ -61,6 +61,9 @@ typedef struct kvt_srv_conf {
     uint32_t drain_ms;         /* SIGUSR1: the longest a drain waits before shutting down */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     uint32_t metrics_namespaces; /* (model, adapter) pairs with series of their own */
+    int mrc;                     /* the miss-ratio curve of the lookups (mrc.c) */
+    double mrc_sample_rate;      /* its first sampling rate, (0, 1] */
+    uint32_t mrc_max_keys;       /* pages it tracks at most */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
      * the daemon does with them today. */
     char *policy;           /* cost, lru, lfu */

@@ -307,6 +307,9 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         rc = KVT_EINVAL; /* kvt__conf_finish checked them: not reached */
         goto fail;
     }
+    kvt__mrc_conf_t mc = {.rate = conf->mrc_sample_rate, .max_keys = conf->mrc_max_keys};
+    if (conf->mrc && (rc = kvt__mrc_create(&s->mrc, &mc)) < 0)
+        goto fail;
     s->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (s->epfd < 0) {
         rc = -errno;
@@ -500,6 +503,7 @@ void kvt__srv_close(kvt_srv_t *s)
     if (s->epfd > 0)
         close(s->epfd);
     kvt__metrics_destroy(s->metrics);
+    kvt__mrc_destroy(s->mrc);
     kvt_ghosts_destroy(s->exec.ghosts);
     free(s->leases.pos);
     free(s->ns);

@@ -78,6 +78,7 @@ struct kvt_metrics {
     kvt_hist_t hists[KVT_M_COUNT][KVT_MAX_SERIES];
     kvt_ns_series_t *ns; /* [0] is model="_other" */
     unsigned nns, ns_limit;
+    unsigned tier_mask; /* kvt__metrics_tiers */
 };
 
 /* Appends a label value to dst (room for 2 x len + 1 bytes): a backslash or a quote escaped, as
@@ -181,6 +182,17 @@ void kvt__metrics_process(kvt_metrics_t *m)
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
         m->values[KVT_M_PROC_MAX_FDS][0] = rl.rlim_cur == RLIM_INFINITY ? 0 : (double)rl.rlim_cur;
+}
+
+void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask)
+{
+    m->tier_mask = mask;
+}
+
+/* A TIER_SCALE series of a tier not configured is not shown. */
+static int shown(const kvt_metrics_t *m, const struct kvt_metric_def *d, unsigned s)
+{
+    return d->lbl != KVT_LBL_TIER_SCALE || (m->tier_mask >> (s / KVT_MRC_SCALES) & 1);
 }
 
 int kvt__metrics_create(kvt_metrics_t **out)
@@ -316,6 +328,17 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
         kv[2] = "dir";
         kv[3] = s % 2 ? "write" : "read";
         return 2;
+    case KVT_LBL_TIER_SCALE: {
+        static const char *const scales[KVT_MRC_SCALES] = {"0.25", "0.5", "1", "2", "4"};
+        unsigned t = s / KVT_MRC_SCALES;
+        if (t == KVT_TIER_NONE || t >= KVT_TIER_COUNT)
+            return -1;
+        kv[0] = "tier";
+        kv[1] = kvt_tier_name((kvt_tier_id_t)t);
+        kv[2] = "scale";
+        kv[3] = scales[s % KVT_MRC_SCALES];
+        return 2;
+    }
     case KVT_LBL_REASON:
     case KVT_LBL_ERR:
     case KVT_LBL_RECOVERY:
@@ -358,6 +381,13 @@ static const char *series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, si
     return buf;
 }
 
+/* A gauge whose value is a fraction: STATS sends it in parts per million. */
+static int is_ratio(const struct kvt_metric_def *d)
+{
+    size_t n = strlen(d->name);
+    return d->type == KVT_MT_GAUGE && n > 6 && !strcmp(d->name + n - 6, "_ratio");
+}
+
 /* A series' STATS name (metrics.h, kvt__metrics_each); NULL when the series is not rendered. */
 static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, char *buf,
                                     size_t len)
@@ -384,6 +414,10 @@ static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, 
         snprintf(buf, len, "%.*s_%s", (int)sl, stem, kv[1]);
     else
         snprintf(buf, len, "%.*s_%s_%s", (int)sl, stem, kv[1], kv[3]);
+    if (is_ratio(d)) {
+        size_t bl = strlen(buf);
+        snprintf(buf + bl, len - bl, "_ppm");
+    }
     return buf;
 }
 
@@ -396,9 +430,9 @@ int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *n
             continue;
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char name[128];
-            if (!series_stat_name(d, s, name, sizeof name))
+            if (!shown(m, d, s) || !series_stat_name(d, s, name, sizeof name))
                 continue;
-            double v = m->values[id][s];
+            double v = m->values[id][s] * (is_ratio(d) ? 1e6 : 1);
             int rc = cb(arg, name, v > 0 ? (uint64_t)v : 0);
             if (rc)
                 return rc;
@@ -431,7 +465,7 @@ int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
         }
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char lb[96];
-            const char *l = series_labels(d->lbl, s, lb, sizeof lb);
+            const char *l = shown(m, d, s) ? series_labels(d->lbl, s, lb, sizeof lb) : NULL;
             if (!l)
                 continue;
             if (d->type != KVT_MT_HISTOGRAM) {

@@ -31,6 +31,8 @@ typedef enum {
     KVT_LBL_STORE,    /* tier="hbm|dram|nvme|remote": the tiers that hold bytes */
     KVT_LBL_NS,       /* model="...",adapter="...": metrics-namespaces of them, then "_other" */
     KVT_LBL_BUILD,    /* version="...",commit="...",cuda="yes|no": one series */
+    /* tier="...",scale="0.25|0.5|1|2|4" over the configured real tiers (kvt__metrics_tiers) */
+    KVT_LBL_TIER_SCALE,
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -288,7 +290,27 @@ typedef enum {
     X(PROC_VSIZE, GAUGE, "process_virtual_memory_bytes", "Virtual memory size, in bytes.", NONE)   \
     X(PROC_FDS, GAUGE, "process_open_fds", "Open file descriptors.", NONE)                         \
     X(PROC_MAX_FDS, GAUGE, "process_max_fds",                                                      \
-      "The limit on open file descriptors (RLIMIT_NOFILE).", NONE)
+      "The limit on open file descriptors (RLIMIT_NOFILE).", NONE)                                 \
+    X(MRC_HIT_RATIO, GAUGE, "kvtier_mrc_hit_ratio",                                                \
+      "Estimated share of the looked-up tokens the tier would have served at scale x its size, "   \
+      "the other tiers as they are, under LRU (the miss-ratio curve, docs/server.md).",            \
+      TIER_SCALE)                                                                                  \
+    X(MRC_PREFILL_SAVED, GAUGE, "kvtier_mrc_prefill_saved_seconds",                                \
+      "Estimated prefill seconds the tier's hits since start would have saved at scale x its "     \
+      "size (its hit tokens at that size / prefill_tokens_per_s).",                                \
+      TIER_SCALE)                                                                                  \
+    X(MRC_HIERARCHY, GAUGE, "kvtier_mrc_hierarchy_hit_ratio",                                      \
+      "Estimated share of the looked-up tokens all the tiers together serve at their sizes, "      \
+      "under LRU.",                                                                                \
+      NONE)                                                                                        \
+    X(MRC_SAMPLING, GAUGE, "kvtier_mrc_sampling_ratio",                                            \
+      "Share of the pages the miss-ratio curve tracks now (mrc-sample-rate, lowered when more "    \
+      "than mrc-max-keys would be tracked).",                                                      \
+      NONE)                                                                                        \
+    X(MRC_PAGES, GAUGE, "kvtier_mrc_tracked_pages", "Pages the miss-ratio curve tracks now.",      \
+      NONE)                                                                                        \
+    X(MRC_BYTES, GAUGE, "kvtier_mrc_bytes", "Memory held by the miss-ratio curve's estimator.",    \
+      NONE)
 
 typedef enum {
 #define KVT_X(id, type, name, help, lbl) KVT_M_##id,
@@ -319,6 +341,14 @@ static inline unsigned kvt__tier_io(unsigned tier, int write)
 {
     return tier * 2 + (write ? 1 : 0);
 }
+/* The sizes a miss-ratio curve is read at: 0.25, 0.5, 1, 2 and 4 times a tier's (mrc.c). */
+#define KVT_MRC_SCALES 5
+static inline unsigned kvt__tier_scale(unsigned tier, unsigned scale)
+{
+    return tier * KVT_MRC_SCALES + scale;
+}
+/* The tiers (bit i: tier i) whose TIER_SCALE series are shown; none until set. */
+void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask);
 
 void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
@@ -332,7 +362,8 @@ const kvt_hist_t *kvt__metric_hist(const kvt_metrics_t *m, kvt_metric_id_t id, u
  * name without "kvtier_" and "_total", then its label values joined by "_" (hit_tokens_dram,
  * blocks_moved_dram_nvme, put_pages_stored); a per-tier metric named kvtier_tier_* puts the tier
  * first instead (dram_used_bytes); kvtier_build_info is build_info, its labels left out. Values are
- * truncated to integers. cb returns non-zero to stop; that value is returned, else 0.
+ * truncated to integers, but a gauge named *_ratio is sent in parts per million, "_ppm" added to
+ * its name (mrc_hit_ratio_dram_2_ppm). cb returns non-zero to stop; that value is returned, else 0.
  */
 int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *name, uint64_t v),
                       void *arg);

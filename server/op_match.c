@@ -81,6 +81,32 @@ static void count_match(kvt_srv_t *s, unsigned ns_slot, kvt_match_t *m, const ui
 }
 
 /*
+ * The lookup's whole pages for the miss-ratio curve (mrc.h), named by their chain hashes: those
+ * of the matched pages are the tree's own (cached in the blocks once computed; count_match needs
+ * the last one anyway), the rest are hashed on from there, one XXH3 of a page's tokens each.
+ */
+static void mrc_match(kvt_srv_t *s, const kvt_match_t *m, const kvt__match_q_t *q)
+{
+    uint32_t whole = q->ntokens / q->page;
+    uint64_t *keys = kvt__mrc_scratch(s->mrc, whole ? whole : 1);
+    if (!keys)
+        return;
+    uint64_t parent = kvt_radix_ns_seed(s->radix, m->ns);
+    if (m->pages) {
+        parent = kvt_radix_block_hash(s->radix, m->node, m->pages - 1);
+        for (kvt_path_run_t pr = kvt_path_run_first(m->node, m->node_pages); pr.node;
+             kvt_path_run_next(&pr))
+            for (uint32_t i = 0; i < pr.n; i++)
+                keys[pr.depth + i] = pr.blocks[i].hash;
+    }
+    if (whole > m->pages &&
+        kvt_radix_hash_chain(s->radix, m->ns, parent, q->tokens + (size_t)m->pages * q->page,
+                             whole - m->pages, keys + m->pages) < 0)
+        return;
+    kvt__mrc_lookup(s->mrc, keys, whole, q->page, q->block_bytes, q->ntokens);
+}
+
+/*
  * Answers a MATCH for m: tiers per page, counters, the lease if asked for. r is NULL for an
  * answer given at once (appended to the connection's queue) or the request that waited for the
  * remote probe (its reply goes in its own slot).
@@ -109,8 +135,11 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
                    KVT_MIN(q->lost.to[k], m->pages) - q->lost.from[k]);
     if (q->lost.gone < m->pages)
         memset(tiers + q->lost.gone, KVT_TIER_NONE, m->pages - q->lost.gone);
-    if (!(q->flags & KVT_MATCH_F_PROBE))
+    if (!(q->flags & KVT_MATCH_F_PROBE)) {
         count_match(s, c->metric_ns, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
+        if (s->mrc)
+            mrc_match(s, m, q);
+    }
     uint64_t lease = 0;
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
@@ -192,11 +221,17 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    /* The block size for the miss-ratio curve: c's, or the namespace's when c declared none (a
+     * lookup-only client of a namespace that others fill). */
+    uint32_t block = c->block_bytes   ? c->block_bytes
+                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
+                                      : 0;
     kvt__match_q_t mq = {.flags = h->flags,
                          .lease_ms = q.lease_ms,
                          .engine_id = q.hints.engine_request_id,
                          .ntokens = q.ntokens,
                          .page = c->page_size,
+                         .block_bytes = block,
                          .tokens = c->tok};
     kvt__store_check_path(s, &m, &mq.lost); /* blocks NVMe dropped are not reported stored */
     int down = 0;

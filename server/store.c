@@ -323,6 +323,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
     kvt__metric_set(s->metrics, KVT_M_INDEX_CACHED_TOKENS, 0, (double)rs.cached_tokens);
     kvt__metric_set(s->metrics, KVT_M_UPTIME, 0, (double)(kvt_now_ns() - s->started_ns) / 1e9);
     kvt__metric_set(s->metrics, KVT_M_LOG_SUPPRESSED, 0, (double)kvt_log_suppressed());
+    kvt__mrc_metrics(s);
     if (s->tiers[KVT_TIER_REMOTE]) {
         kvt_tier_remote_stats_t st;
         kvt_tier_remote_stats(s->tiers[KVT_TIER_REMOTE], &st);
