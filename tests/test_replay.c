@@ -3,7 +3,9 @@
  * a simple reference computes here on its own: an unlimited cache of page-prefix hashes (no
  * radix tree, no policy) gives the exact hit and miss tokens, and the cost functions give the
  * exact prefill seconds. Also the replay's invariant checks over a small-tier run, and its usage
- * errors.
+ * errors. On generated traces where documents sit behind different prefixes (written here, in
+ * the Mooncake format): the oracle's notion of a page, the working set that percentages are
+ * shares of, and ids that start at 10,000,000.
  */
 #include <criterion/criterion.h>
 #include <fcntl.h>
