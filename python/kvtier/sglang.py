@@ -25,6 +25,17 @@ shard ``tp<rank>-<size>`` (``mla`` for MLA, whose KV every TP rank holds whole; 
 storage-writer rank writes it), plus ``-pp<r>-<n>`` / ``-cp<r>-<n>`` / ``-dcp<r>-<n>`` when
 those are in use: another model, TP rank, layout or page size never hits.
 
+Hybrid models (Mamba, sliding-window, DSA): SGLang hands each host pool over with
+``register_mem_host_pool_v2`` and moves its pages with ``batch_*_v2``, one ``PoolTransfer`` per
+pool; each pool's pages are kvtier keys of their own (form ``v2-<pool>-...``; the KV pool keeps
+the forms above), a sliding-window or Mamba pool only the trailing pages SGLang gives it, and
+``batch_exists_v2`` applies SGLang's hit policies. Mamba state is split across TP ranks even
+in an MLA model: keyed per rank (``tp<rank>-<size>``).
+
+Metrics: ``get_stats`` returns SGLang's ``StorageMetrics`` and, with SGLang's storage metrics
+on, adds the backend's counters (``stats``, the guard's) to SGLang's metric system as
+``kvtier_sglang_<name>_total``.
+
 Failures never reach the engine: every call catches kvtier's errors (and any other), logs them
 (rate-limited: kvtier/guard.py) and answers as a miss (False, None, 0). Each call to kvtierd is
 bounded by ``deadline_ms`` (100). A transport failure (the daemon gone, a missed deadline) closes
@@ -577,7 +588,7 @@ def _build() -> Any:
                 c = self._client(form, nbytes, shard)
                 if c is None:
                     return [False] * n
-                at = [int(idx[i * ps]) for i in range(n)]
+                at = [int(a) for a in idx[::ps].tolist()]
                 if write:
                     ok = c.put_keys_each(keys, [host.get_data_page(a, flat=True).contiguous()
                                                 for a in at])
