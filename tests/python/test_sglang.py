@@ -359,6 +359,91 @@ def test_v2_hybrid_pools_round_trip_and_trailing_hits(daemon: Daemon, v1: int) -
 
 
 @pytest.mark.hostpool
+def test_v2_through_sglangs_hybrid_cache_controller(daemon: Daemon) -> None:
+    """SGLang's HybridCacheController itself (its methods, on a controller holding only what
+    they read: the backend, a real HostPoolGroup of the KV, SWA and Mamba host pools) drives
+    the backend: its backup (_page_backup: batch_set_v2 for the SWA window and the Mamba state
+    of a 5-page request, then batch_set_v1 for the KV pages), the hit query of a longer request
+    sharing those pages (_storage_hit_query: batch_exists_v2, SGLang's page hashes), and the
+    load (_page_transfer_kv_batch, then _page_transfer_sidecar, which re-aligns the window to
+    the hit and calls batch_get_v2) into other slots of each pool: byte-exact."""
+    from queue import Queue
+    from types import SimpleNamespace
+
+    kv, swa, mamba = _hybrid_pools()
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorageExtraInfo,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        HybridCacheController,
+        PrefetchOperation,
+        StorageOperation,
+    )
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    cfg = config(daemon, model="hybrid-ctrl", tp_size=1, interface_v1=1)
+    b = StorageBackendFactory.create_backend("dynamic", cfg, None)
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, kv, None, lambda layer: layer, is_primary_index_anchor=True),
+        PoolEntry(PoolName.SWA, swa, None, lambda layer: layer),
+        PoolEntry(PoolName.MAMBA, mamba, None, lambda layer: layer)])
+    ctrl = HybridCacheController.__new__(HybridCacheController)
+    ctrl.storage_backend, ctrl.storage_config, ctrl.storage_backend_type = b, cfg, "dynamic"
+    ctrl.mem_pool_host, ctrl.storage_host_pool, ctrl.page_size = group, kv, kv.page_size
+    ctrl.page_get_func, ctrl.page_set_func = ctrl._page_get_zero_copy, ctrl._page_set_zero_copy
+    ctrl.prefetch_sync_queue = Queue()
+    b.register_mem_pool_host(kv)  # as attach_storage_backend does
+    for entry in group.entries[1:]:
+        b.register_mem_host_pool_v2(entry.host_pool, entry.name)
+    b.on_host_pools_registered()
+
+    ps = kv.page_size
+    toks = list(range(7000, 7000 + 5 * ps))
+    hashes = get_storage_hash_str(toks, None, page_size=ps)
+    kv_want = [_fill(kv, a * ps, 700 + a) for a in range(1, 6)]
+    swa_want = [_fill(swa, a * ps, 800 + a) for a in (1, 2)]  # the window: pages 3 and 4
+    mamba_want = _fill(mamba, 1, 900)  # the state after page 4
+    trailing = PoolHitPolicy.TRAILING_PAGES
+    op = StorageOperation(_pages(ps, [1, 2, 3, 4, 5]), toks, hash_value=hashes, pool_transfers=[
+        PoolTransfer(PoolName.SWA, host_indices=_pages(ps, [1, 2]), keys=hashes[3:],
+                     hit_policy=trailing),
+        PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([1]), keys=hashes[4:],
+                     hit_policy=trailing)])
+    ctrl._page_backup(op)
+    assert op.completed_tokens == 5 * ps
+    assert op.pool_storage_result.extra_pool_hit_pages == {PoolName.SWA: 2, PoolName.MAMBA: 1}
+
+    # A longer request over the same 5 pages: what the storage can restore.
+    longer = toks + list(range(100, 100 + 2 * ps))
+    pf = PrefetchOperation(SimpleNamespace(rid="r2"), longer, pool_transfers=[
+        PoolTransfer(PoolName.SWA, host_indices=_pages(ps, [5, 6]), keys=[None, None],
+                     hit_policy=trailing),
+        PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([5]), keys=[None],
+                     hit_policy=trailing)])
+    hit, tokens = ctrl._storage_hit_query(pf)
+    assert hit == hashes and tokens == 5 * ps
+    assert pf.pool_storage_result.restorable_prefix_pages == [5]
+    assert pf.query_pool_hit_pages == {PoolName.KV: 5, PoolName.SWA: 5, PoolName.MAMBA: 5}
+
+    pf.hash_value = hit
+    assert ctrl._page_transfer_kv_batch(pf, hit, _pages(ps, [8, 9, 10, 11, 12]),
+                                        HiCacheStorageExtraInfo(), []) == 5
+    ctrl._page_transfer_sidecar(pf, 5)
+    ack = ctrl.prefetch_sync_queue.get_nowait()
+    assert ack.pool_hits == {PoolName.SWA: 2, PoolName.MAMBA: 1}
+    for i, a in enumerate((8, 9, 10, 11, 12)):
+        assert torch.equal(_bytes(kv, a * ps), kv_want[i])
+    assert torch.equal(_bytes(swa, 5 * ps), swa_want[0])
+    assert torch.equal(_bytes(swa, 6 * ps), swa_want[1])
+    assert torch.equal(_bytes(mamba, 5), mamba_want)
+    b.close()
+
+
+@pytest.mark.hostpool
 def test_v2_bad_transfers_answer_misses_and_change_nothing(daemon: Daemon) -> None:
     """A pool never registered, host indices that do not match the keys, a hit policy the
     backend does not serve (BLOCK_GROUPS), and kvtierd gone: each answers misses for that pool
