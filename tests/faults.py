@@ -29,10 +29,12 @@ Payloads are deterministic per (namespace, sequence, page) (page_bytes), so a re
 what it must get. The last line printed is a JSON summary: faults injected, pages verified,
 missing, wrong, and the daemon's memory at the end of the soak.
 
-Needs the kvtier package's imports (cffi, numpy): run by the system python3 it re-executes
+Needs the kvtier package's imports (cffi, numpy): run by a python3 without them it re-executes
 itself with the venv scripts/pyenv.sh makes ($KVT_PYENV, $KVT_BUILD_ROOT/pyenv, build/pyenv),
 and exits 77 (skipped) when there is none. kvtierd and libkvtier come from $KVT_BUILD_ROOT
-(default build/). Exit status 0: every check held; 1: a check failed (printed).
+(default build/); --sanitized LIBASAN for a build with AddressSanitizer (tests/meson.build
+passes it). Every daemon's log is searched for sanitizer reports and failed assertions. Exit
+status 0: every check held; 1: a check failed (printed, and the work directory kept).
 """
 
 from __future__ import annotations
