@@ -265,6 +265,38 @@ static int leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
     return all > own;
 }
 
+/*
+ * A move whose writes into its tier failed (not its source: a block the source lost is settled
+ * below) pauses the moves into that tier: 100 ms, doubling with each failure in a row up to 2 s,
+ * so that a full file system costs a few failed writes a second instead of the policy retrying
+ * at every step (tests/faults.py, fullfs), while the policy drops what it cannot demote and new
+ * PUTs still find room. The first move that lands there ends the pause.
+ */
+#define KVT_WRITE_PAUSE_MIN_NS (100ull * 1000 * 1000)
+#define KVT_WRITE_PAUSE_MAX_NS (2000ull * 1000 * 1000)
+
+static void write_outcome(kvt_srv_t *s, kvt_tier_id_t to, int status)
+{
+    kvt__exec_t *e = &s->exec;
+    if (status == 0) {
+        if (e->write_failures[to])
+            kvt_log(KVT_LOG_INFO, "kvtierd: moves into %s resumed", kvt_tier_name(to));
+        e->write_failures[to] = 0;
+        e->write_paused_until[to] = 0;
+        return;
+    }
+    uint32_t n = e->write_failures[to] < 16 ? ++e->write_failures[to] : 16;
+    uint64_t pause = KVT_WRITE_PAUSE_MIN_NS << (n - 1);
+    if (pause > KVT_WRITE_PAUSE_MAX_NS)
+        pause = KVT_WRITE_PAUSE_MAX_NS;
+    e->write_paused_until[to] = kvt_now_ns() + pause;
+    if (n == 1)
+        kvt_log(KVT_LOG_WARN,
+                "kvtierd: a write into %s failed (%s): moves into it pause, up to 2 s at a time, "
+                "until one lands",
+                kvt_tier_name(to), kvt_strerror(status));
+}
+
 /* The last copy of a move has landed (or failed): switch the blocks over, or undo. */
 static void move_finish(kvt_srv_t *s, kvt__move_t *m)
 {
@@ -285,6 +317,10 @@ static void move_finish(kvt_srv_t *s, kvt__move_t *m)
     int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
                                   (kvt_tier_id_t)m->to, status);
     int ok = status == 0 && rc == 0;
+    if (m->status == 0)
+        write_outcome(s, (kvt_tier_id_t)m->to, 0);
+    else if (m->status != KVT_ENOENT && m->status != KVT_ECORRUPT && m->status != KVT_EBUSY)
+        write_outcome(s, (kvt_tier_id_t)m->to, m->status);
     for (uint32_t i = 0; i < m->started; i++) {
         kvt_tier_copy_t *c = &m->pages[i].copy;
         kvt_block_t *b = kvt_radix_block_at(m->node, m->depth + i);
@@ -358,6 +394,8 @@ static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
     kvt_srv_t *s = arg;
     if (!s->tiers[from] || !s->tiers[to] || s->stopping)
         return KVT_EUNAVAIL;
+    if (s->exec.write_paused_until[to] && kvt_now_ns() < s->exec.write_paused_until[to])
+        return KVT_ENOSPC; /* its writes are failing: the policy drops instead, or waits */
     for (uint32_t i = 0; i < npages; i++) {
         kvt_block_t *b = kvt_radix_block_at(n, depth + i);
         if (!b || b->tier != from || (b->flags & KVT_BLOCK_BUSY) || !b->size)

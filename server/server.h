@@ -302,6 +302,10 @@ typedef struct kvt__exec {
     size_t nsettle, cap_settle;
     int removing;     /* the free callback is called by REMOVE, not by an eviction */
     int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
+    /* Moves into a tier whose writes keep failing (a full file system, a dead device) pause,
+     * 100 ms after the first failure, doubling to 2 s, until one lands (exec.c). */
+    uint64_t write_paused_until[KVT_TIER_COUNT];
+    uint32_t write_failures[KVT_TIER_COUNT];
 } kvt__exec_t;
 
 /* Wrong AUTHs' token bucket and the AUTHs waiting for it (auth.c). */

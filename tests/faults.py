@@ -602,18 +602,24 @@ def fault_fullfs(work: str, long: bool) -> None:
             idle = c.stats()["tier_io_errors_nvme_write"] - st["tier_io_errors_nvme_write"]
             st = c.stats()
             full_errors = st["tier_io_errors_nvme_write"]
-            # (The policy retries its demotions into the full tier at every step: docs/faults.md,
-            # "Found", counts them here without failing on them.)
+            # Moves into a tier whose writes fail pause (up to 2 s at a time: server/exec.c):
+            # before that pause, the policy retried at every step, ~100,000 failed writes a
+            # second while idle (docs/faults.md).
             log("fullfs: %d of %d PUTs fully stored, %d NVMe write errors (%d in the last idle "
                 "second), nvme_used %d, dram_used %d" % (
                     len(acked), n, full_errors, idle, st["nvme_used_bytes"],
                     st["dram_used_bytes"]))
             TOTALS["fullfs_idle_write_errors_per_s"] = idle
             check(full_errors > 0, "fullfs: the full file system showed as NVMe write errors")
+            check(idle < 1000, "fullfs: %d failed NVMe writes in an idle second: the moves into "
+                  "the full tier do not pause" % idle)
             TOTALS["faults_injected"] += 1
             for s in acked:
                 verify(c, 0, s, 8, tally)
             _remount(mnt, "96m")
+            # Moves into NVMe pause for up to 2 s after failed writes (server/exec.c); in the
+            # meantime the policy drops what it cannot demote. Wait the pause out.
+            time.sleep(2.2)
             written = c.stats()["nvme_written_bytes"]
             for s in range(n, n + 100):
                 r = c.put(tokens_of(s, 8), seq_bytes(0, s, 0, 8))
@@ -624,7 +630,7 @@ def fault_fullfs(work: str, long: bool) -> None:
                 "write errors" % (st["nvme_written_bytes"] - written,
                                   st["tier_io_errors_nvme_write"] - full_errors))
             check(st["nvme_written_bytes"] > written, "fullfs: NVMe writes resume once there is "
-                  "room")
+                  "room (kvtierd's log ends: %s)" % d.log_tail())
         d.stop()
         d = Daemon(mnt, *args)
         with d.client() as c:
