@@ -1178,3 +1178,80 @@ def test_daemon_restarted_mid_load(tmp_path: Any) -> None:
         assert wait_until(lambda: leases(d) == 0)
     finally:
         d.stop(signal.SIGKILL)
+
+
+def test_metrics_through_vllms_own_aggregation(vd: Daemon, caplog: Any) -> None:
+    """The connector's figures reach vLLM's own metrics: each worker's get_kv_connector_stats
+    summed by vLLM's KVOutputAggregator (two workers), the scheduler's added as vLLM's
+    Scheduler.update_from_output adds it, to_dict() through vLLM's msgpack serialisation of
+    SchedulerStats, then vLLM's KVConnectorLogging (its log line) and KVConnectorProm (the
+    Prometheus counters) through the connector class's build_kv_connector_stats and
+    build_prom_metrics. Hits, misses, bytes, load and save time, failures."""
+    import logging
+
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    a, b = Engine(vd, seed=31), Engine(vd, seed=None)
+    page = a.worker._layout.page_bytes
+    toks = prompt(3)
+    r = request(toks)
+    save_prompt(a, r, [4, 9, 2, 7])  # a lookup with 3 pages missed, then 3 pages saved
+    r2 = request(toks)
+    n, meta = schedule(b.sched, r2, [11, 3, 30, 5])  # 3 pages hit
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta) == set()  # 3 pages loaded
+    b.sched.request_finished(r2, [])
+    # A lookup with the daemon gone: its pages missed, the failure counted.
+    vd.stop(signal.SIGKILL)
+    r3 = request(prompt(2))
+    assert b.sched.get_num_new_matched_tokens(r3, 0) == (0, False)
+    b.sched.request_finished(r3, [])
+
+    def step_output(w: Any) -> "ModelRunnerOutput":
+        return ModelRunnerOutput(req_ids=[], kv_connector_output=(
+            KVConnectorOutput(kv_connector_stats=w.get_kv_connector_stats())))
+
+    out = KVOutputAggregator(2).aggregate([step_output(a.worker), step_output(b.worker)])
+    stats = out.kv_connector_output.kv_connector_stats
+    for s in (a.sched, b.sched):  # vLLM's scheduler adds its own connector's figures
+        s_stats = s.get_kv_connector_stats()
+        assert s_stats is not None and not s_stats.is_empty()
+        stats = stats.aggregate(s_stats)
+    sent = SchedulerStats(kv_connector_stats=stats.to_dict())
+    got = MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(sent)).kv_connector_stats
+    assert got["lookups"] == 3
+    assert got["hit_pages"] == 3 and got["miss_pages"] == 3 + 2  # r's 3 pages, then r3's 2
+    assert got["save_pages"] == 3 and got["save_bytes"] == 3 * page
+    assert got["load_pages"] == 3 and got["load_bytes"] == 3 * page
+    assert got["load_seconds"] > 0 and got["save_seconds"] > 0
+    assert got.get("load_errors", 0) == 0
+    assert got["failures"] >= 1 and got["trips"] >= 1
+    # An interval's figures are reported once: the next call has nothing new.
+    assert a.worker.get_kv_connector_stats() is None
+    assert a.sched.get_kv_connector_stats() is None
+
+    cfg = config(vd)
+    logging_ = KVConnectorLogging(cfg.kv_transfer_config)
+    logging_.observe(got)
+    lines: List[str] = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and "hit_pages=3" in lines[0] and "hit_rate=0.375" in lines[0], lines
+    assert "load_bytes=%d" % (3 * page) in lines[0] and "load_GBps=" in lines[0]
+    prom = KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny-test", "0"]})
+    prom.observe(got, 0)
+    labels = {"model_name": "tiny-test", "engine": "0"}
+    for name, want in (("hit_pages", 3), ("miss_pages", 5), ("save_bytes", 3 * page),
+                       ("load_pages", 3), ("lookups", 3)):
+        assert REGISTRY.get_sample_value("vllm:kvtier_%s_total" % name, labels) == want, name
+    assert REGISTRY.get_sample_value("vllm:kvtier_load_seconds_total", labels) > 0
+    assert REGISTRY.get_sample_value("vllm:kvtier_failures_total", labels) >= 1
+    a.close()
+    b.close()

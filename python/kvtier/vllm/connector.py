@@ -5,13 +5,14 @@ wrong), the guard, the namespace's identity."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from ..guard import Guard, check_keys, number
 from .common import (EXTRA_KEYS, REPLACED_KEYS, WARN_INTERVAL_S, WORKER_DEADLINE_MS, _WHERE,
                      chain_root, log, model_name)
+from .metrics import KvtierConnectorStats, KvtierPromMetrics, Tally
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
@@ -58,6 +59,7 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         self._tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         self._pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        self._tally = Tally(self._guard)  # this role's figures for vLLM's metrics (metrics.py)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._async = bool(self._extra.get("load_async", False))
         self._init_scheduler_side(role == KVConnectorRole.SCHEDULER)
@@ -86,6 +88,26 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         recoveries, calls answered "miss" at once, waits cut at the deadline, saves dropped,
         warnings raised and logged."""
         return self._guard.stats()
+
+    # == vLLM's KV connector metrics (metrics.py) =================================================
+
+    def get_kv_connector_stats(self) -> Optional[KvtierConnectorStats]:
+        """This role's figures since the last call (vLLM asks after every step: the workers'
+        are summed, then the scheduler's added), or None when nothing happened."""
+        return self._tally.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> KvtierConnectorStats:
+        """The figures from the dict vLLM sent to its front end (to_dict())."""
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Dict[Any, Any],
+                           labelnames: List[str], per_engine_labelvalues: Dict[int, List[object]]
+                           ) -> KvtierPromMetrics:
+        """The vllm:kvtier_*_total counters of vLLM's Prometheus logger."""
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Finishes the step's saves, stops the I/O threads, closes the connections (the

@@ -69,8 +69,15 @@ class SchedulerSide:
         if max_pages <= computed:
             return 0
         keys = key_chain(request, bs, self._root, st.keys, max_pages)
-        hit, lease = self._index.lookup(keys[:max_pages], lease=True)
+        self._tally.add("lookups")
+        try:
+            hit, lease = self._index.lookup(keys[:max_pages], lease=True)
+        except Exception:
+            self._tally.add("miss_pages", max_pages - computed)  # answered 0: all missed
+            raise
         st.hit_pages = hit
+        self._tally.add("hit_pages", max(hit - computed, 0))
+        self._tally.add("miss_pages", max_pages - max(hit, computed))
         if hit <= computed:
             self._index.release(lease)
             return 0

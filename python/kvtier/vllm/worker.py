@@ -149,6 +149,7 @@ class WorkerSide:
             self._guard.count("short_circuited")
             for t in sync:
                 self._load_errors.update(t.block_ids)
+                self._tally.add("load_errors", len(t.block_ids))
             sync = []
         # Mapped (or not known yet), no staging: the load job makes one if it finds no mapping.
         arena = None if self._zero_copy() else \
@@ -173,6 +174,10 @@ class WorkerSide:
     def _load_job(self, ld: _Load) -> Any:
         """A step's load, on the I/O thread: the pages' views (mapped: _Views), or the pages
         read into staging (their count)."""
+        with self._tally.timer("load_seconds"):
+            return self._load(ld)
+
+    def _load(self, ld: _Load) -> Any:
         assert self._store is not None and self._layout is not None
         t = ld.t
         got = self._store.load_views(t.keys, t.first)
@@ -191,6 +196,10 @@ class WorkerSide:
         return _Views(lease, len(items), runs, items)
 
     def _reserve_job(self, saves: List[_Transfer]) -> Dict[str, Any]:
+        with self._tally.timer("save_seconds"):
+            return self._reserve(saves)
+
+    def _reserve(self, saves: List[_Transfer]) -> Dict[str, Any]:
         """Reserves room in the mapping for this step's saves, on the I/O thread. Returns, per
         request, (Reservation, runs of the reserved pages, the pages to stage):
         a page without room is staged and PUT through the socket; one held already, or reserved
@@ -241,7 +250,8 @@ class WorkerSide:
         try:
             staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
                                   dtype=torch.uint8)
-            got = int(self._async_store.load(t.keys, t.first, staging))
+            with self._tally.timer("load_seconds"):
+                got = int(self._async_store.load(t.keys, t.first, staging))
             if got > 0:
                 for li, name in enumerate(self._layout.names):
                     self._layout.scatter(staging[:got], li, self._kv[name], t.block_ids[:got])
@@ -251,6 +261,7 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001
             self._guard.count("failures")
             self._guard.warn("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
+        self._count_load(got, len(t.block_ids))
         if got < len(t.block_ids):
             self._async_errors[t.req_id] = t.block_ids[got:]
         return got
@@ -287,8 +298,15 @@ class WorkerSide:
                 self._guard.count("failures")
                 self._guard.warn("kvtier: load of %s failed, recomputing: %s", ld.t.req_id, e)
                 ld.got = 0
+        self._count_load(ld.got, len(ld.t.block_ids))
         if ld.got < len(ld.t.block_ids):
             self._load_errors.update(ld.t.block_ids[ld.got:])
+
+    def _count_load(self, got: int, blocks: int) -> None:
+        assert self._layout is not None
+        self._tally.add("load_pages", got)
+        self._tally.add("load_bytes", got * self._layout.page_bytes)
+        self._tally.add("load_errors", blocks - got)
 
     def _release_late(self, r: Any) -> None:
         """A load that came after its deadline: its lease given back (its views unused)."""
@@ -420,16 +438,27 @@ class WorkerSide:
     def _store_save(self, sv: _Save) -> int:
         """A request's pages all in, on the I/O thread: commits its reservation and PUTs its
         staged pages (runs of consecutive pages). Returns the pages stored."""
+        assert self._store is not None and self._layout is not None
+        stored = [0]
+        try:
+            with self._tally.timer("save_seconds"):
+                return self._store_pages(sv, stored)
+        finally:  # what did go, even when a part failed
+            self._tally.add("save_pages", stored[0])
+            self._tally.add("save_bytes", stored[0] * self._layout.page_bytes)
+
+    def _store_pages(self, sv: _Save, stored: List[int]) -> int:
+        """_store_save's work; ``stored[0]`` counts the pages stored as they go."""
         assert self._store is not None
-        t, stored, err = sv.t, 0, None
+        t, err = sv.t, None
         sv.runs = []  # the views are not touched after the commit
         if sv.resv is not None:
             try:
-                stored += self._store.commit(sv.resv)
+                stored[0] += self._store.commit(sv.resv)
             except Exception as e:  # noqa: BLE001 - the staged pages may still go
                 err = e
         if sv.rows is None:
-            stored += self._store.save(t.keys, t.first, sv.staging)
+            stored[0] += self._store.save(t.keys, t.first, sv.staging)
         else:
             i = 0
             while i < len(sv.rows):
@@ -437,11 +466,11 @@ class WorkerSide:
                 while k < len(sv.rows) and sv.rows[k] == sv.rows[k - 1] + 1:
                     k += 1
                 a, b = t.first + sv.rows[i], t.first + sv.rows[k - 1] + 1
-                stored += self._store.save(t.keys[:b], a, sv.staging[i:k])
+                stored[0] += self._store.save(t.keys[:b], a, sv.staging[i:k])
                 i = k
         if err is not None:
             raise err
-        return stored
+        return stored[0]
 
     def _abort(self, r: Reservation) -> None:
         assert self._store is not None
