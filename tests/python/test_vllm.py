@@ -1255,3 +1255,65 @@ def test_metrics_through_vllms_own_aggregation(vd: Daemon, caplog: Any) -> None:
     assert REGISTRY.get_sample_value("vllm:kvtier_failures_total", labels) >= 1
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("same_step", [True, False])
+def test_preempted_request_saved_and_loaded_after_resume(vd: Daemon, same_step: bool) -> None:
+    """Preemption as vLLM 0.34's scheduler signals it: the request's blocks freed and its
+    computed tokens reset, its id in the next SchedulerOutput's preempted_req_ids, then, when
+    resumed, asked get_num_new_matched_tokens afresh and sent in full among the new requests
+    with its new blocks: in a later step, or in the same output (reset_prefix_cache preempts
+    every running request between steps, and the next step resumes them). The pages saved
+    before the preemption are loaded into the new blocks, the rest is saved from them, and
+    the request goes on being saved while it decodes; another engine then loads every page."""
+    a, b = Engine(vd, seed=41), Engine(vd, seed=None)
+    toks = prompt(3, extra=10)  # 3 whole pages and 10 tokens
+    r = request(toks)
+    assert a.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    a.sched.update_state_after_alloc(r, blocks([1, 2, 3, 4]), 0)
+    # A chunked prefill: the first 2 pages this step.
+    meta = a.sched.build_connector_meta(sched_output(new=[(r, [1, 2, 3, 4], 2 * BS)]))
+    assert [(t.first, t.block_ids) for t in meta.saves] == [(0, [1, 2])]
+    assert run_step(a.worker, a.kv, meta) == set()
+    r.num_computed_tokens = 2 * BS
+    # Preempted: its blocks freed, its computed tokens reset (vLLM's _preempt_request).
+    r.num_computed_tokens = 0
+    if not same_step:
+        so = sched_output()
+        so.preempted_req_ids = {r.request_id}
+        meta = a.sched.build_connector_meta(so)
+        assert meta.saves == [] and meta.loads == []
+        assert run_step(a.worker, a.kv, meta) == set()
+    # Resumed into other blocks: the 2 pages saved come back from kvtierd.
+    n, async_load = a.sched.get_num_new_matched_tokens(r, 0)
+    assert (n, async_load) == (2 * BS, False)
+    a.sched.update_state_after_alloc(r, blocks([5, 6, 7, 8]), n)
+    r.num_computed_tokens = n
+    so = sched_output(new=[(r, [5, 6, 7, 8], r.num_tokens - n)])
+    if same_step:
+        so.preempted_req_ids = {r.request_id}
+    meta = a.sched.build_connector_meta(so)
+    assert [(t.first, t.block_ids) for t in meta.loads] == [(0, [5, 6])]
+    assert [(t.first, t.block_ids) for t in meta.saves] == [(2, [7])]
+    assert run_step(a.worker, a.kv, meta) == set()
+    for x, y in zip(pages_of(a.kv, [1, 2]), pages_of(a.kv, [5, 6])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    # Decoding on: the tokens that fill its 4th page, and that page is saved too.
+    r.num_computed_tokens = r.num_tokens
+    for _ in range(BS - 10):
+        r.append_output_token_ids(7)
+    meta = a.sched.build_connector_meta(sched_output(cached=[(r, [], BS - 10)]))
+    assert [(t.first, t.block_ids) for t in meta.saves] == [(3, [8])]
+    assert run_step(a.worker, a.kv, meta) == set()
+    a.sched.request_finished(r, [5, 6, 7, 8])
+    # Another engine finds all 4 pages (and their bytes: pages 0-1 from before the preemption).
+    r2 = request(list(r.all_token_ids) + [1])
+    n, meta = schedule(b.sched, r2, [20, 21, 22, 23, 24])
+    assert n == 4 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    for x, y in zip(pages_of(a.kv, [1, 2, 7, 8]), pages_of(b.kv, [20, 21, 22, 23])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    b.sched.request_finished(r2, [])
+    assert leases(vd) == 0
+    a.close()
+    b.close()

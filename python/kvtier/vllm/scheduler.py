@@ -118,21 +118,30 @@ class SchedulerSide:
     def _plan_saves(self, so: "SchedulerOutput", meta: KvtierConnectorMetadata) -> None:
         bs = self._block_size
         steps: List[Tuple[str, Optional[List[int]], int]] = []
+        # Preempted first: vLLM lists a request preempted since the last step here, and a
+        # request it resumes among the new ones, both in the same output when it resumes at
+        # once (reset_prefix_cache preempts between steps and the next step resumes). Taken
+        # after the new ones, a resumed request was marked preempted for good: never saved
+        # again.
+        for rid in so.preempted_req_ids or ():
+            st = self._reqs.get(rid)
+            if st is not None:  # its blocks are gone: nothing saved until it is listed afresh
+                st.no_save = True
+                st.block_ids = []
         for nr in so.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is not None:
+                # New, or resumed after a preemption (vLLM sends it in full again, with the
+                # blocks it now has, after asking get_num_new_matched_tokens afresh): saved
+                # from the pages kvtierd held at that lookup on.
                 st.block_ids = list(nr.block_ids[0]) if nr.block_ids else []
                 st.saved_pages = max(st.hit_pages, 0)
-                st.no_save = False  # its blocks listed afresh
+                st.no_save = False
             steps.append((nr.req_id, None, nr.num_computed_tokens))
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
             nb = cr.new_block_ids[i]
             steps.append((rid, list(nb[0]) if nb else [], cr.num_computed_tokens[i]))
-        for rid in so.preempted_req_ids or ():
-            st = self._reqs.get(rid)
-            if st is not None:  # its blocks are gone; stop saving it
-                st.no_save = True
         for rid, new_ids, computed in steps:
             st = self._reqs.get(rid)
             if st is None or st.no_save:
