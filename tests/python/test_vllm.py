@@ -1317,3 +1317,80 @@ def test_preempted_request_saved_and_loaded_after_resume(vd: Daemon, same_step: 
     assert leases(vd) == 0
     a.close()
     b.close()
+
+
+def test_mla_tensor_parallel_stores_the_latent_once(vd: Daemon) -> None:
+    """MLA with tensor parallelism 2: the latent KV (one (num_blocks, block_size, latent)
+    tensor per layer, identical on every rank) is stored once, by TP rank 0, in one namespace
+    shared by the ranks (vLLM's own kv_tp_replicas, computed by vLLM from its MLAAttentionSpec
+    with max_tp_shards 1), and every rank loads it; an MLA deployment at TP 1 reads the same
+    pages."""
+    from vllm.v1.core.kv_cache_planning import kv_cache_groups_tp_replicas
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
+
+    latent = 64
+    names = ["model.layers.%d.self_attn.attn" % i for i in range(3)]
+
+    def mla_connector(tp: int, role: "KVConnectorRole", **extra: Any) -> Any:
+        spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=latent, dtype=DTYPE,
+                                max_tp_shards=1)
+        kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        kvc.kv_tp_replicas = kv_cache_groups_tp_replicas(kvc.kv_cache_groups, tp)
+        assert kvc.kv_tp_replicas == tp  # vLLM's own figure: every rank holds the latent
+        return KVConnectorFactory.create_connector(config(vd, tp=tp, **extra), role, kvc)
+
+    def latents(seed: Optional[int]) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed or 0)
+        return {n: (torch.randn((NBLOCKS, BS, latent), generator=g) if seed is not None
+                    else torch.zeros((NBLOCKS, BS, latent))).to(DTYPE) for n in names}
+
+    def ranks(seed: Optional[int]) -> Tuple[Any, List[Any], List[Dict[str, torch.Tensor]]]:
+        sched = mla_connector(2, KVConnectorRole.SCHEDULER)
+        workers, kvs = [], []
+        for rank in range(2):
+            w = mla_connector(2, KVConnectorRole.WORKER, tp_rank=rank)
+            kvs.append(latents(seed))  # the same latent on every rank
+            w.register_kv_caches(kvs[-1])
+            workers.append(w)
+        return sched, workers, kvs
+
+    sched, workers, kvs = ranks(seed=50)
+    toks = prompt(2)
+    r = request(toks)
+    n, meta = schedule(sched, r, [1, 2, 3])
+    assert n == 0 and [t.block_ids for t in meta.saves] == [[1, 2]]
+    for w, k in zip(workers, kvs):
+        assert run_step(w, k, meta) == set()
+    sched.request_finished(r, [1, 2, 3])
+    saved = [w.get_kv_connector_stats() for w in workers]
+    assert saved[0].data["save_pages"] == 2
+    assert saved[1] is None or not saved[1].data.get("save_pages")  # rank 1 skipped its save
+    # Stored once: the chain is in the shared namespace (tp0/1), none in a rank's own.
+    keys = kv.key_chain(r, BS, kv.chain_root("tiny-test"), [], 2)
+    page = workers[0]._layout.page_bytes
+    assert page == len(names) * BS * latent * 2
+    for salt, want in ((kv.rank_salt(0, 1, 0, 1), 2), (kv.rank_salt(0, 2, 0, 1), 0),
+                       (kv.rank_salt(1, 2, 0, 1), 0)):
+        with vd.client(model="tiny-test", salt=salt, block_bytes=page) as c:
+            assert c.exists_keys(keys) == want, salt
+    # Fresh ranks with zeroed latents: both load the pages rank 0 stored.
+    sched2, workers2, kvs2 = ranks(seed=None)
+    r = request(toks)
+    n, meta = schedule(sched2, r, [7, 8, 9])
+    assert n == 2 * BS and meta.saves == []
+    for w, k in zip(workers2, kvs2):
+        assert run_step(w, k, meta) == set()
+    for rank in range(2):
+        for name in names:
+            assert torch.equal(kvs[0][name][[1, 2]].view(torch.int16),
+                               kvs2[rank][name][[7, 8]].view(torch.int16))
+    sched2.request_finished(r, [])
+    # An MLA deployment at TP 1 finds the same pages.
+    s1 = mla_connector(1, KVConnectorRole.SCHEDULER)
+    r = request(toks)
+    assert s1.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+    s1.request_finished(r, [])
+    assert leases(vd) == 0
+    for c in (sched, sched2, s1, *workers, *workers2):
+        c.shutdown()

@@ -55,8 +55,27 @@ def model_name(vllm_config: "VllmConfig", extra: Dict[str, Any]) -> str:
 
 
 def rank_salt(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> str:
-    """The namespace's salt: the rank whose shard a page holds."""
+    """The namespace's salt: the shard a page holds. With TP replicas (tp_replicas), pass
+    the shard (tp_rank // replicas) and the shards (tp_size // replicas)."""
     return "vllm tp%d/%d pp%d/%d" % (tp_rank, tp_size, pp_rank, pp_size)
+
+
+def tp_replicas(vllm_config: "VllmConfig", kv_cache_config: Any, tp_size: int) -> int:
+    """How many consecutive tensor-parallel ranks hold identical KV (1: each its own shard).
+
+    vLLM's own figure where it gives one: ``kv_cache_config.kv_tp_replicas`` (vLLM 0.34
+    computes it from each layer's ``max_tp_shards``: an MLA layer's latent KV is one shard,
+    held whole by every rank, so all ``tp_size`` ranks are replicas; decode context parallelism
+    shards it again, and then it is 1). Without a KV cache config (a connector built outside
+    vLLM's engine): ``tp_size`` when the model config says ``use_mla``, else 1. A figure that
+    does not divide ``tp_size`` is not trusted (1)."""
+    r = getattr(kv_cache_config, "kv_tp_replicas", None) if kv_cache_config is not None \
+        else None
+    if r is None:
+        mc = getattr(vllm_config, "model_config", None)
+        r = tp_size if mc is not None and getattr(mc, "use_mla", False) else 1
+    r = int(r)
+    return r if 1 <= r <= tp_size and tp_size % r == 0 else 1
 
 
 def worker_ranks(extra: Dict[str, Any], tp_size: int, pp_size: int) -> Tuple[int, int]:

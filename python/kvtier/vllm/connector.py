@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from ..guard import Guard, check_keys, number
 from .common import (EXTRA_KEYS, REPLACED_KEYS, WARN_INTERVAL_S, WORKER_DEADLINE_MS, _WHERE,
-                     chain_root, log, model_name)
+                     chain_root, log, model_name, tp_replicas)
 from .metrics import KvtierConnectorStats, KvtierPromMetrics, Tally
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -59,6 +59,8 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         self._tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         self._pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        # TP ranks holding the same KV (MLA: all) share one namespace, their shard's.
+        self._tp_replicas = tp_replicas(vllm_config, kv_cache_config, self._tp_size)
         self._tally = Tally(self._guard)  # this role's figures for vLLM's metrics (metrics.py)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
         self._async = bool(self._extra.get("load_async", False))

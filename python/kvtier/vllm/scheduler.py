@@ -31,7 +31,8 @@ class SchedulerSide:
             return
         # Index-only (block_bytes 0) in rank 0's namespace: all ranks store the same pages.
         self._index = _PageStore(
-            self._extra, self._model, rank_salt(0, self._tp_size, 0, self._pp_size), 0,
+            self._extra, self._model,
+            rank_salt(0, self._tp_size // self._tp_replicas, 0, self._pp_size), 0,
             guard=self._guard, what="vllm scheduler",
             deadline_ms=number(self._extra, "scheduler_deadline_ms", SCHEDULER_DEADLINE_MS,
                                _WHERE, minimum=1))

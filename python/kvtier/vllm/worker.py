@@ -50,6 +50,7 @@ class WorkerSide:
 
     def _init_worker_side(self) -> None:
         self._waited = 0.0  # seconds this step's forward has waited for the worker's I/O
+        self._saves_here = True  # False on a TP rank whose KV another rank saves (MLA)
 
         self._layout: Optional[_Layout] = None
         self._kv: Dict[str, torch.Tensor] = {}
@@ -76,13 +77,18 @@ class WorkerSide:
         self._arenas: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        """Learns the paged layout; the worker's namespace is its rank's."""
+        """Learns the paged layout; the worker's namespace is its shard's: its TP rank's, or
+        with TP replicas (MLA) the one shared by the ranks holding the same KV, where only the
+        first of them saves and all load."""
         self._close_worker_side()  # registered again (a restored cache): start afresh
         self._kv = dict(kv_caches)
         self._layout = _Layout(self._kv, self._num_blocks)
         tp_rank, pp_rank = worker_ranks(self._extra, self._tp_size, self._pp_size)
+        rep = self._tp_replicas
+        self._saves_here = tp_rank % rep == 0
         self._store = _PageStore(self._extra, self._model,
-                                 rank_salt(tp_rank, self._tp_size, pp_rank, self._pp_size),
+                                 rank_salt(tp_rank // rep, self._tp_size // rep, pp_rank,
+                                           self._pp_size),
                                  self._layout.page_bytes, **self._worker_store())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm")
         if self._async:
@@ -162,7 +168,8 @@ class WorkerSide:
             at += n
             ld.future = self._pool.submit(self._load_job, ld)
             self._loads.append(ld)
-        if meta.saves and self._resv_future is None and self._zero_copy():
+        if meta.saves and self._saves_here and self._resv_future is None and \
+                self._zero_copy():
             self._resv_future = self._pool.submit(self._reserve_job, list(meta.saves))
 
     def _zero_copy(self) -> bool:
@@ -365,7 +372,8 @@ class WorkerSide:
         a page the reservation gave no room); a request's last layer in, its pages are
         committed (and the staged ones PUT) on the I/O thread."""
         meta = self._connector_metadata
-        if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
+        if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None or \
+                not self._saves_here:  # another TP rank saves the KV this one holds too
             return
         li = self._layout.index.get(layer_name)
         if li is None:
