@@ -1257,6 +1257,23 @@ def test_metrics_through_vllms_own_aggregation(vd: Daemon, caplog: Any) -> None:
     b.close()
 
 
+def test_preemption_keeps_in_flight_output() -> None:
+    """vLLM's scheduler reads connector.requires_kv_delivery once, and with True drops (and
+    samples again) the in-flight output of every request it preempts. vLLM's base answers True
+    for a KV producer, which kv_role kv_both (the README's) is; this connector, a best-effort
+    cache that holds no blocks past a step, answers False in both roles."""
+    d = Daemon()
+    try:
+        cfg = config(d)
+        assert cfg.kv_transfer_config.is_kv_producer  # what vLLM's base would answer True for
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            c = connector(cfg, role)
+            assert c.requires_kv_delivery is False
+            c.shutdown()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
 @pytest.mark.parametrize("same_step", [True, False])
 def test_preempted_request_saved_and_loaded_after_resume(vd: Daemon, same_step: bool) -> None:
     """Preemption as vLLM 0.34's scheduler signals it: the request's blocks freed and its

@@ -67,6 +67,16 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._init_scheduler_side(role == KVConnectorRole.SCHEDULER)
         self._init_worker_side()
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache (vLLM's own word for it). vLLM's base says True for a
+        KV producer (kv_role kv_both included), and its scheduler then drops, and samples
+        again, the in-flight output of every request it preempts, in case a hand-off of
+        blocks the preemption freed were pending. This connector holds no blocks past a step
+        (request_finished returns False; saves copy them out within their step): a save cut
+        short by a preemption is a later miss, nothing to deliver."""
+        return False
+
     def _check_settings(self, cc: Any, kv_cache_config: Any) -> None:
         """Refuses (ValueError naming the key) a setting this connector does not know, a
         malformed number, or a block size other than the engine's."""
