@@ -6,7 +6,7 @@ Turned on by configuration alone::
         "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"unix_path": "/run/kvtier/kvtierd.sock"}}'
 
-This module imports vLLM (it is only imported by vLLM's connector factory); ``import kvtier``
+This package imports vLLM (it is only imported by vLLM's connector factory); ``import kvtier``
 does not. docs/engines.md describes the mapping of each engine call to kvtierd's operations.
 
 Identity. A page (one vLLM block of ``block_size`` tokens) is named by a chain of 32-byte keys
@@ -16,7 +16,8 @@ embeddings), with sha256-CBOR and a root derived from the model instead of vLLM'
 that the keys are the same in every process and every restart (vLLM's own NONE_HASH is random
 per process for its non-cryptographic hashes). Each key covers its whole prefix, as vLLM's does.
 The namespace is (model + KV dtype, tensor-parallel and pipeline rank): each rank stores its own
-shard of a page under the same chain; the scheduler asks rank 0's namespace.
+shard of a page under the same chain (ranks holding the same KV, as with MLA, share one, which
+the first of them saves); the scheduler asks rank 0's namespace.
 
 A page's bytes are every layer (K and V) of one block of this rank, layer after layer: the worker
 writes each layer as vLLM saves it and stores the page when its last layer is in; a load reads
@@ -38,7 +39,8 @@ reconnects (kvtier/guard.py; docs/engines.md, "Deadlines and the circuit breaker
 One file per role: ``scheduler.py`` (the scheduler's lookups and each step's plan), ``worker.py``
 (the forward pass's loads and saves), ``layout.py`` (vLLM's paged tensors and pages of all layers,
 and the copies between them), ``store.py`` (the one place that speaks to kvtierd), ``common.py``
-(settings, identity of pages, the step's metadata) and ``connector.py`` (the class vLLM builds).
+(settings, identity of pages, the step's metadata), ``metrics.py`` (the figures in vLLM's own KV
+connector metrics) and ``connector.py`` (the class vLLM builds).
 """
 
 # What tests, benchmarks and callers import from kvtier.vllm, as when it was one file.

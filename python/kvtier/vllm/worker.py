@@ -51,7 +51,6 @@ class WorkerSide:
     def _init_worker_side(self) -> None:
         self._waited = 0.0  # seconds this step's forward has waited for the worker's I/O
         self._saves_here = True  # False on a TP rank whose KV another rank saves (MLA)
-
         self._layout: Optional[_Layout] = None
         self._kv: Dict[str, torch.Tensor] = {}
         self._store: Optional[_PageStore] = None
