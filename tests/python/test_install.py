@@ -92,9 +92,12 @@ def test_pip_install_of_the_checkout_runs_the_readme_example_in_a_fresh_venv(tmp
     site = glob.glob(str(venv / "lib" / "python*" / "site-packages" / "kvtier"))
     assert len(site) == 1
     shipped = sorted(os.listdir(site[0]))
-    want = sorted(os.path.basename(f) for f in
-                  glob.glob(os.path.join(SOURCE_ROOT, "python", "kvtier", "*.py")))
-    assert set(want) <= set(shipped), "every module of python/kvtier is in the wheel"
+    src = os.path.join(SOURCE_ROOT, "python", "kvtier")
+    want = sorted(os.path.relpath(f, src) for f in
+                  glob.glob(os.path.join(src, "**", "*.py"), recursive=True))
+    assert "vllm/worker.py" in want  # a subpackage's modules are checked too
+    missing = [f for f in want if not os.path.isfile(os.path.join(site[0], f))]
+    assert not missing, "every module of python/kvtier (subpackages too) is in the wheel"
     assert "libkvtier.so" in shipped and "py.typed" in shipped
 
     d = Daemon()

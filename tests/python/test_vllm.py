@@ -1178,3 +1178,236 @@ def test_daemon_restarted_mid_load(tmp_path: Any) -> None:
         assert wait_until(lambda: leases(d) == 0)
     finally:
         d.stop(signal.SIGKILL)
+
+
+def test_metrics_through_vllms_own_aggregation(vd: Daemon, caplog: Any) -> None:
+    """The connector's figures reach vLLM's own metrics: each worker's get_kv_connector_stats
+    summed by vLLM's KVOutputAggregator (two workers), the scheduler's added as vLLM's
+    Scheduler.update_from_output adds it, to_dict() through vLLM's msgpack serialisation of
+    SchedulerStats, then vLLM's KVConnectorLogging (its log line) and KVConnectorProm (the
+    Prometheus counters) through the connector class's build_kv_connector_stats and
+    build_prom_metrics. Hits, misses, bytes, load and save time, failures."""
+    import logging
+
+    from prometheus_client import REGISTRY
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging,
+        KVConnectorProm,
+    )
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    a, b = Engine(vd, seed=31), Engine(vd, seed=None)
+    page = a.worker._layout.page_bytes
+    toks = prompt(3)
+    r = request(toks)
+    save_prompt(a, r, [4, 9, 2, 7])  # a lookup with 3 pages missed, then 3 pages saved
+    r2 = request(toks)
+    n, meta = schedule(b.sched, r2, [11, 3, 30, 5])  # 3 pages hit
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta) == set()  # 3 pages loaded
+    b.sched.request_finished(r2, [])
+    # A lookup with the daemon gone: its pages missed, the failure counted.
+    vd.stop(signal.SIGKILL)
+    r3 = request(prompt(2))
+    assert b.sched.get_num_new_matched_tokens(r3, 0) == (0, False)
+    b.sched.request_finished(r3, [])
+
+    def step_output(w: Any) -> "ModelRunnerOutput":
+        return ModelRunnerOutput(req_ids=[], kv_connector_output=(
+            KVConnectorOutput(kv_connector_stats=w.get_kv_connector_stats())))
+
+    out = KVOutputAggregator(2).aggregate([step_output(a.worker), step_output(b.worker)])
+    stats = out.kv_connector_output.kv_connector_stats
+    for s in (a.sched, b.sched):  # vLLM's scheduler adds its own connector's figures
+        s_stats = s.get_kv_connector_stats()
+        assert s_stats is not None and not s_stats.is_empty()
+        stats = stats.aggregate(s_stats)
+    sent = SchedulerStats(kv_connector_stats=stats.to_dict())
+    got = MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(sent)).kv_connector_stats
+    assert got["lookups"] == 3
+    assert got["hit_pages"] == 3 and got["miss_pages"] == 3 + 2  # r's 3 pages, then r3's 2
+    assert got["save_pages"] == 3 and got["save_bytes"] == 3 * page
+    assert got["load_pages"] == 3 and got["load_bytes"] == 3 * page
+    assert got["load_seconds"] > 0 and got["save_seconds"] > 0
+    assert got.get("load_errors", 0) == 0
+    assert got["failures"] >= 1 and got["trips"] >= 1
+    # An interval's figures are reported once: the next call has nothing new.
+    assert a.worker.get_kv_connector_stats() is None
+    assert a.sched.get_kv_connector_stats() is None
+
+    cfg = config(vd)
+    logging_ = KVConnectorLogging(cfg.kv_transfer_config)
+    logging_.observe(got)
+    lines: List[str] = []
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and "hit_pages=3" in lines[0] and "hit_rate=0.375" in lines[0], lines
+    assert "load_bytes=%d" % (3 * page) in lines[0] and "load_GBps=" in lines[0]
+    prom = KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny-test", "0"]})
+    prom.observe(got, 0)
+    labels = {"model_name": "tiny-test", "engine": "0"}
+    for name, want in (("hit_pages", 3), ("miss_pages", 5), ("save_bytes", 3 * page),
+                       ("load_pages", 3), ("lookups", 3)):
+        assert REGISTRY.get_sample_value("vllm:kvtier_%s_total" % name, labels) == want, name
+    assert REGISTRY.get_sample_value("vllm:kvtier_load_seconds_total", labels) > 0
+    assert REGISTRY.get_sample_value("vllm:kvtier_failures_total", labels) >= 1
+    a.close()
+    b.close()
+
+
+def test_preemption_keeps_in_flight_output() -> None:
+    """vLLM's scheduler reads connector.requires_kv_delivery once, and with True drops (and
+    samples again) the in-flight output of every request it preempts. vLLM's base answers True
+    for a KV producer, which kv_role kv_both (the README's) is; this connector, a best-effort
+    cache that holds no blocks past a step, answers False in both roles."""
+    d = Daemon()
+    try:
+        cfg = config(d)
+        assert cfg.kv_transfer_config.is_kv_producer  # what vLLM's base would answer True for
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            c = connector(cfg, role)
+            assert c.requires_kv_delivery is False
+            c.shutdown()
+    finally:
+        d.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("same_step", [True, False])
+def test_preempted_request_saved_and_loaded_after_resume(vd: Daemon, same_step: bool) -> None:
+    """Preemption as vLLM 0.34's scheduler signals it: the request's blocks freed and its
+    computed tokens reset, its id in the next SchedulerOutput's preempted_req_ids, then, when
+    resumed, asked get_num_new_matched_tokens afresh and sent in full among the new requests
+    with its new blocks: in a later step, or in the same output (reset_prefix_cache preempts
+    every running request between steps, and the next step resumes them). The pages saved
+    before the preemption are loaded into the new blocks, the rest is saved from them, and
+    the request goes on being saved while it decodes; another engine then loads every page."""
+    a, b = Engine(vd, seed=41), Engine(vd, seed=None)
+    toks = prompt(3, extra=10)  # 3 whole pages and 10 tokens
+    r = request(toks)
+    assert a.sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    a.sched.update_state_after_alloc(r, blocks([1, 2, 3, 4]), 0)
+    # A chunked prefill: the first 2 pages this step.
+    meta = a.sched.build_connector_meta(sched_output(new=[(r, [1, 2, 3, 4], 2 * BS)]))
+    assert [(t.first, t.block_ids) for t in meta.saves] == [(0, [1, 2])]
+    assert run_step(a.worker, a.kv, meta) == set()
+    r.num_computed_tokens = 2 * BS
+    # Preempted: its blocks freed, its computed tokens reset (vLLM's _preempt_request).
+    r.num_computed_tokens = 0
+    if not same_step:
+        so = sched_output()
+        so.preempted_req_ids = {r.request_id}
+        meta = a.sched.build_connector_meta(so)
+        assert meta.saves == [] and meta.loads == []
+        assert run_step(a.worker, a.kv, meta) == set()
+    # Resumed into other blocks: the 2 pages saved come back from kvtierd.
+    n, async_load = a.sched.get_num_new_matched_tokens(r, 0)
+    assert (n, async_load) == (2 * BS, False)
+    a.sched.update_state_after_alloc(r, blocks([5, 6, 7, 8]), n)
+    r.num_computed_tokens = n
+    so = sched_output(new=[(r, [5, 6, 7, 8], r.num_tokens - n)])
+    if same_step:
+        so.preempted_req_ids = {r.request_id}
+    meta = a.sched.build_connector_meta(so)
+    assert [(t.first, t.block_ids) for t in meta.loads] == [(0, [5, 6])]
+    assert [(t.first, t.block_ids) for t in meta.saves] == [(2, [7])]
+    assert run_step(a.worker, a.kv, meta) == set()
+    for x, y in zip(pages_of(a.kv, [1, 2]), pages_of(a.kv, [5, 6])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    # Decoding on: the tokens that fill its 4th page, and that page is saved too.
+    r.num_computed_tokens = r.num_tokens
+    for _ in range(BS - 10):
+        r.append_output_token_ids(7)
+    meta = a.sched.build_connector_meta(sched_output(cached=[(r, [], BS - 10)]))
+    assert [(t.first, t.block_ids) for t in meta.saves] == [(3, [8])]
+    assert run_step(a.worker, a.kv, meta) == set()
+    a.sched.request_finished(r, [5, 6, 7, 8])
+    # Another engine finds all 4 pages (and their bytes: pages 0-1 from before the preemption).
+    r2 = request(list(r.all_token_ids) + [1])
+    n, meta = schedule(b.sched, r2, [20, 21, 22, 23, 24])
+    assert n == 4 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    for x, y in zip(pages_of(a.kv, [1, 2, 7, 8]), pages_of(b.kv, [20, 21, 22, 23])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    b.sched.request_finished(r2, [])
+    assert leases(vd) == 0
+    a.close()
+    b.close()
+
+
+def test_mla_tensor_parallel_stores_the_latent_once(vd: Daemon) -> None:
+    """MLA with tensor parallelism 2: the latent KV (one (num_blocks, block_size, latent)
+    tensor per layer, identical on every rank) is stored once, by TP rank 0, in one namespace
+    shared by the ranks (vLLM's own kv_tp_replicas, computed by vLLM from its MLAAttentionSpec
+    with max_tp_shards 1), and every rank loads it; an MLA deployment at TP 1 reads the same
+    pages."""
+    from vllm.v1.core.kv_cache_planning import kv_cache_groups_tp_replicas
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MLAAttentionSpec
+
+    latent = 64
+    names = ["model.layers.%d.self_attn.attn" % i for i in range(3)]
+
+    def mla_connector(tp: int, role: "KVConnectorRole", **extra: Any) -> Any:
+        spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=latent, dtype=DTYPE,
+                                max_tp_shards=1)
+        kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+        kvc.kv_tp_replicas = kv_cache_groups_tp_replicas(kvc.kv_cache_groups, tp)
+        assert kvc.kv_tp_replicas == tp  # vLLM's own figure: every rank holds the latent
+        return KVConnectorFactory.create_connector(config(vd, tp=tp, **extra), role, kvc)
+
+    def latents(seed: Optional[int]) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed or 0)
+        return {n: (torch.randn((NBLOCKS, BS, latent), generator=g) if seed is not None
+                    else torch.zeros((NBLOCKS, BS, latent))).to(DTYPE) for n in names}
+
+    def ranks(seed: Optional[int]) -> Tuple[Any, List[Any], List[Dict[str, torch.Tensor]]]:
+        sched = mla_connector(2, KVConnectorRole.SCHEDULER)
+        workers, kvs = [], []
+        for rank in range(2):
+            w = mla_connector(2, KVConnectorRole.WORKER, tp_rank=rank)
+            kvs.append(latents(seed))  # the same latent on every rank
+            w.register_kv_caches(kvs[-1])
+            workers.append(w)
+        return sched, workers, kvs
+
+    sched, workers, kvs = ranks(seed=50)
+    toks = prompt(2)
+    r = request(toks)
+    n, meta = schedule(sched, r, [1, 2, 3])
+    assert n == 0 and [t.block_ids for t in meta.saves] == [[1, 2]]
+    for w, k in zip(workers, kvs):
+        assert run_step(w, k, meta) == set()
+    sched.request_finished(r, [1, 2, 3])
+    saved = [w.get_kv_connector_stats() for w in workers]
+    assert saved[0].data["save_pages"] == 2
+    assert saved[1] is None or not saved[1].data.get("save_pages")  # rank 1 skipped its save
+    # Stored once: the chain is in the shared namespace (tp0/1), none in a rank's own.
+    keys = kv.key_chain(r, BS, kv.chain_root("tiny-test"), [], 2)
+    page = workers[0]._layout.page_bytes
+    assert page == len(names) * BS * latent * 2
+    for salt, want in ((kv.rank_salt(0, 1, 0, 1), 2), (kv.rank_salt(0, 2, 0, 1), 0),
+                       (kv.rank_salt(1, 2, 0, 1), 0)):
+        with vd.client(model="tiny-test", salt=salt, block_bytes=page) as c:
+            assert c.exists_keys(keys) == want, salt
+    # Fresh ranks with zeroed latents: both load the pages rank 0 stored.
+    sched2, workers2, kvs2 = ranks(seed=None)
+    r = request(toks)
+    n, meta = schedule(sched2, r, [7, 8, 9])
+    assert n == 2 * BS and meta.saves == []
+    for w, k in zip(workers2, kvs2):
+        assert run_step(w, k, meta) == set()
+    for rank in range(2):
+        for name in names:
+            assert torch.equal(kvs[0][name][[1, 2]].view(torch.int16),
+                               kvs2[rank][name][[7, 8]].view(torch.int16))
+    sched2.request_finished(r, [])
+    # An MLA deployment at TP 1 finds the same pages.
+    s1 = mla_connector(1, KVConnectorRole.SCHEDULER)
+    r = request(toks)
+    assert s1.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+    s1.request_finished(r, [])
+    assert leases(vd) == 0
+    for c in (sched, sched2, s1, *workers, *workers2):
+        c.shutdown()

@@ -1,0 +1,168 @@
+"""kvtier.vllm.common: what both sides of the connector share: its settings and their defaults,
+the identity of pages (the namespace's model and rank salt, the key chain of vLLM block hashes),
+and the metadata the scheduler hands the workers each step."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.vllm")
+_WHERE = "kvtier.vllm: kv_connector_extra_config"
+
+# Deadlines (docs/engines.md, "Deadlines and the circuit breaker", says why these values). The
+# scheduler's calls run on vLLM's scheduler thread, between steps: a MATCH answers in tens of
+# microseconds, and 20 ms is a fraction of one decode step. The worker's calls run on its I/O
+# thread while the forward waits for them: 100 ms bounds what a step waits in all (a few
+# hundred MiB of pages at the mapping's or the socket's rate), and each call to kvtierd.
+SCHEDULER_DEADLINE_MS = 20
+WORKER_DEADLINE_MS = 100
+PROBE_MS = 200  # while the breaker is open: a background connection attempt this often
+WARN_INTERVAL_S = 10.0  # at most one warning line this often (all counted)
+
+# kv_connector_extra_config keys this connector reads; any other is refused at start.
+EXTRA_KEYS = ("unix_path", "tcp", "secret", "model", "lease_ms", "tp_rank", "pp_rank",
+              "put_bytes", "load_async", "api", "zero_copy", "block_size",
+              "scheduler_deadline_ms", "worker_deadline_ms", "probe_ms", "warn_interval_s")
+REPLACED_KEYS = {"timeout_ms": "scheduler_deadline_ms and worker_deadline_ms",
+                 "retry_ms": "probe_ms (a background probe instead of a retry on the engine's "
+                             "thread)"}
+
+
+# -- identity ---------------------------------------------------------------------------------
+
+
+def model_name(vllm_config: "VllmConfig", extra: Dict[str, Any]) -> str:
+    """The namespace's model: the served model and the KV cache's dtype (the bytes' meaning)."""
+    name = extra.get("model")
+    if name is None:
+        mc = getattr(vllm_config, "model_config", None)
+        name = getattr(mc, "model", None) or "unknown-model"
+        dtype = getattr(mc, "dtype", None) if mc is not None else None
+        kv = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+        name = "%s|%s|kv=%s" % (name, str(dtype).replace("torch.", ""), kv)
+    return str(name)[-255:]
+
+
+def rank_salt(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> str:
+    """The namespace's salt: the shard a page holds. With TP replicas (tp_replicas), pass
+    the shard (tp_rank // replicas) and the shards (tp_size // replicas)."""
+    return "vllm tp%d/%d pp%d/%d" % (tp_rank, tp_size, pp_rank, pp_size)
+
+
+def tp_replicas(vllm_config: "VllmConfig", kv_cache_config: Any, tp_size: int) -> int:
+    """How many consecutive tensor-parallel ranks hold identical KV (1: each its own shard).
+
+    vLLM's own figure where it gives one: ``kv_cache_config.kv_tp_replicas`` (vLLM 0.34
+    computes it from each layer's ``max_tp_shards``: an MLA layer's latent KV is one shard,
+    held whole by every rank, so all ``tp_size`` ranks are replicas; decode context parallelism
+    shards it again, and then it is 1). Without a KV cache config (a connector built outside
+    vLLM's engine): ``tp_size`` when the model config says ``use_mla``, else 1. A figure that
+    does not divide ``tp_size`` is not trusted (1)."""
+    r = getattr(kv_cache_config, "kv_tp_replicas", None) if kv_cache_config is not None \
+        else None
+    if r is None:
+        mc = getattr(vllm_config, "model_config", None)
+        r = tp_size if mc is not None and getattr(mc, "use_mla", False) else 1
+    r = int(r)
+    return r if 1 <= r <= tp_size and tp_size % r == 0 else 1
+
+
+def worker_ranks(extra: Dict[str, Any], tp_size: int, pp_size: int) -> Tuple[int, int]:
+    """This worker's (tensor-parallel rank, pipeline stage): ``tp_rank`` / ``pp_rank`` from the
+    extra config where set, else vLLM's own, from its parallel state (the groups vLLM's worker
+    initialises before it builds the connector: ``get_tp_group().rank_in_group`` and
+    ``get_pp_group().rank_in_group``). Without that state (a connector built outside vLLM's
+    worker) a size of 1 means rank 0; a larger size raises ValueError: guessing 0 would
+    store and load another rank's shard under this one's name."""
+    ps: Any = None
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            ps = None
+    except Exception:  # noqa: BLE001 - no parallel state in this process
+        ps = None
+    out = []
+    for key, size, group in (("tp_rank", tp_size, "get_tp_group"),
+                             ("pp_rank", pp_size, "get_pp_group")):
+        v = extra.get(key)
+        if v is None and ps is not None:
+            v = getattr(ps, group)().rank_in_group
+        if v is None:
+            if size > 1:
+                raise ValueError(
+                    "kvtier.vllm: %s size %d, and no %s in kv_connector_extra_config nor vLLM's "
+                    "parallel state initialised to take it from" % (
+                        "tensor-parallel" if key == "tp_rank" else "pipeline", size, key))
+            v = 0
+        v = int(v)
+        if not 0 <= v < size:
+            raise ValueError("kvtier.vllm: %s %d outside 0..%d" % (key, v, size - 1))
+        out.append(v)
+    return out[0], out[1]
+
+
+def key_chain(request: "Request", block_size: int, root: bytes, have: List[bytes],
+              pages: int) -> List[bytes]:
+    """Extends ``have`` (the request's keys so far) to ``pages`` keys: vLLM's block hash of each
+    full block (tokens, LoRA, multimodal inputs, cache_salt, prompt embeddings), chained from
+    ``root`` (kvtier's, per model: fixed across processes)."""
+    if len(have) >= pages:
+        return have
+    tokens = request.all_token_ids
+    parent = have[-1] if have else root
+    start = len(have) * block_size
+    mm_idx = 0  # the extra-keys helper skips the inputs that end before each block
+    while len(have) < pages:
+        end = start + block_size
+        extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+        parent = bytes(hash_block_tokens(sha256_cbor, parent, tokens[start:end], extra))
+        have.append(parent)
+        start = end
+    return have
+
+
+def chain_root(model: str) -> bytes:
+    return hashlib.sha256(b"kvtier vllm v1\0" + model.encode()).digest()
+
+
+# -- metadata: what the scheduler tells the workers each step ---------------------------------
+
+
+@dataclass
+class _Transfer:
+    req_id: str
+    keys: List[bytes]  # the chain up to the last page moved
+    first: int  # the first page moved (pages before it are not)
+    block_ids: List[int]  # the engine's block of each page moved
+    async_load: bool = False  # a load between steps, reported by get_finished
+
+
+
+@dataclass
+class KvtierConnectorMetadata(KVConnectorMetadata):
+    loads: List[_Transfer] = field(default_factory=list)
+    saves: List[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: "Request"
+    keys: List[bytes] = field(default_factory=list)
+    lease: int = 0
+    hit_pages: int = 0  # pages kvtierd held at lookup (stored already)
+    computed_pages: int = 0  # pages vLLM had itself at lookup
+    block_ids: List[int] = field(default_factory=list)
+    saved_pages: int = 0  # pages [0, saved_pages) stored or known to be there
+    no_save: bool = False

@@ -1,0 +1,128 @@
+"""kvtier.vllm.connector: KvtierConnector, the class vLLM's connector factory builds. vLLM makes
+one per role (the scheduler's and each worker's); the calls of each role are in scheduler.py and
+worker.py, and this file holds what both roles share: the settings (refused at start when
+wrong), the guard, the namespace's identity."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from ..guard import Guard, check_keys, number
+from .common import (EXTRA_KEYS, REPLACED_KEYS, WARN_INTERVAL_S, WORKER_DEADLINE_MS, _WHERE,
+                     chain_root, log, model_name, tp_replicas)
+from .metrics import KvtierConnectorStats, KvtierPromMetrics, Tally
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
+    """vLLM KV connector (v1) storing pages in kvtierd and loading them back.
+
+    ``kv_connector_extra_config`` keys: ``unix_path`` (the daemon's Unix socket) or ``tcp``
+    ("host:port"), ``secret``, ``model`` (the namespace's model; default: vLLM's model and KV
+    dtype), ``scheduler_deadline_ms`` (each call on the scheduler's thread, default 20),
+    ``worker_deadline_ms`` (what a forward step waits for the worker's I/O in all, and each call
+    of it, default 100), ``probe_ms`` (while the circuit breaker is open, how often a background
+    thread tries to reach the daemon, default 200), ``warn_interval_s`` (at most one warning
+    line this often, default 10), ``block_size`` (must equal vLLM's), ``lease_ms`` (the
+    scheduler's lease, 0: the
+    daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks; default: vLLM's
+    parallel state, see worker_ranks),
+    ``put_bytes`` (payload bytes per PUT, default 16 MiB), ``load_async`` (load between steps,
+    reported by get_finished, instead of inside the step; default False; such a load goes
+    through a staging buffer even when mapped), ``api`` ("keys" or "tokens": how chains reach
+    the daemon, see _PageStore), ``zero_copy`` (default True: on the Unix socket, map the
+    arena and copy each layer once each way; False: the staging path). Any other key (and the
+    replaced ``timeout_ms`` / ``retry_ms``) is refused at start: ValueError naming it.
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: Optional["KVCacheConfig"] = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._extra: Dict[str, Any] = dict(
+            self._kv_transfer_config.kv_connector_extra_config or {})
+        cc = vllm_config.cache_config
+        self._block_size = int(self._extra.get("block_size") or cc.block_size)
+        self._check_settings(cc, kv_cache_config)
+        self._guard = Guard(log, number(self._extra, "warn_interval_s", WARN_INTERVAL_S, _WHERE,
+                                        integer=False))
+        self._worker_deadline_ms = number(self._extra, "worker_deadline_ms", WORKER_DEADLINE_MS,
+                                          _WHERE, minimum=1)
+        self._model = model_name(vllm_config, self._extra)
+        self._root = chain_root(self._model)
+        pc = vllm_config.parallel_config
+        self._tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self._pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+        # TP ranks holding the same KV (MLA: all) share one namespace, their shard's.
+        self._tp_replicas = tp_replicas(vllm_config, kv_cache_config, self._tp_size)
+        self._tally = Tally(self._guard)  # this role's figures for vLLM's metrics (metrics.py)
+        self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        self._async = bool(self._extra.get("load_async", False))
+        self._init_scheduler_side(role == KVConnectorRole.SCHEDULER)
+        self._init_worker_side()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache (vLLM's own word for it). vLLM's base says True for a
+        KV producer (kv_role kv_both included), and its scheduler then drops, and samples
+        again, the in-flight output of every request it preempts, in case a hand-off of
+        blocks the preemption freed were pending. This connector holds no blocks past a step
+        (request_finished returns False; saves copy them out within their step): a save cut
+        short by a preemption is a later miss, nothing to deliver."""
+        return False
+
+    def _check_settings(self, cc: Any, kv_cache_config: Any) -> None:
+        """Refuses (ValueError naming the key) a setting this connector does not know, a
+        malformed number, or a block size other than the engine's."""
+        check_keys(self._extra, EXTRA_KEYS, _WHERE, REPLACED_KEYS)
+        for k in ("scheduler_deadline_ms", "worker_deadline_ms", "probe_ms"):
+            number(self._extra, k, 1, _WHERE, minimum=1)
+        for k in ("lease_ms", "put_bytes", "tp_rank", "pp_rank"):
+            number(self._extra, k, 0, _WHERE)
+        sizes = {int(cc.block_size)}
+        for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+            bs = getattr(getattr(g, "kv_cache_spec", None), "block_size", None)
+            if bs:
+                sizes.add(int(bs))
+        if self._block_size not in sizes:
+            raise ValueError("%s: setting 'block_size': %d tokens, but the engine's KV cache "
+                             "blocks are %s tokens" % (_WHERE, self._block_size,
+                                                       "/".join(map(str, sorted(sizes)))))
+
+    def kvtier_stats(self) -> Dict[str, int]:
+        """The connector's counters (kvtier/guard.py COUNTERS): failures, breaker trips and
+        recoveries, calls answered "miss" at once, waits cut at the deadline, saves dropped,
+        warnings raised and logged."""
+        return self._guard.stats()
+
+    # == vLLM's KV connector metrics (metrics.py) =================================================
+
+    def get_kv_connector_stats(self) -> Optional[KvtierConnectorStats]:
+        """This role's figures since the last call (vLLM asks after every step: the workers'
+        are summed, then the scheduler's added), or None when nothing happened."""
+        return self._tally.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> KvtierConnectorStats:
+        """The figures from the dict vLLM sent to its front end (to_dict())."""
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: Dict[Any, Any],
+                           labelnames: List[str], per_engine_labelvalues: Dict[int, List[object]]
+                           ) -> KvtierPromMetrics:
+        """The vllm:kvtier_*_total counters of vLLM's Prometheus logger."""
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        """Finishes the step's saves, stops the I/O threads, closes the connections (the
+        daemon drops their leases)."""
+        self._close_worker_side()
+        self._close_scheduler_side()

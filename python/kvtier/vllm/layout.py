@@ -1,0 +1,177 @@
+"""kvtier.vllm.layout: vLLM's per-layer paged tensors and kvtierd's pages of all layers, and the
+copies between them (through a staging tensor, or straight into and out of kvtierd's mapping)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .._lib import ffi
+
+class _Layout:
+    """Where each layer's slice of a block lies inside a page of all layers.
+
+    A layer's tensor has a block dimension (the one of size num_blocks: dim 1 in the
+    (2, num_blocks, block_size, heads, head_size) layout of FlashAttention and the CPU backend,
+    dim 0 in (num_blocks, ...) layouts such as MLA's or FlashInfer's); one block of it is the
+    rest of the tensor. A page is those block slices of every layer, in registration order."""
+
+    def __init__(self, kv_caches: Dict[str, torch.Tensor], num_blocks: Optional[int]) -> None:
+        self.names: List[str] = list(kv_caches)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.dims: List[int] = []
+        self.shapes: List[Tuple[int, ...]] = []
+        self.offsets: List[int] = []
+        self.sizes: List[int] = []
+        self.dtypes: List[torch.dtype] = []
+        off = 0
+        for n in self.names:
+            t = kv_caches[n]
+            dim = 0
+            if num_blocks is not None and t.dim() > 1 and t.shape[0] != num_blocks and \
+                    t.shape[1] == num_blocks:
+                dim = 1
+            elif num_blocks is None and t.dim() == 5 and t.shape[0] == 2:
+                dim = 1
+            shape = tuple(t.select(dim, 0).shape)
+            size = t.select(dim, 0).numel() * t.element_size()
+            self.dims.append(dim)
+            self.dtypes.append(t.dtype)
+            self.shapes.append(shape)
+            self.offsets.append(off)
+            self.sizes.append(size)
+            off += size
+        self.page_bytes = off
+        self.signature = ";".join("%s%s@%d" % (str(kv_caches[n].dtype).replace("torch.", ""),
+                                               "x".join(map(str, s)), d)
+                                  for n, s, d in zip(self.names, self.shapes, self.dims))
+
+    def _slot(self, staging: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        o, s = self.offsets[layer], self.sizes[layer]
+        v = staging[:, o:o + s].view(dtype)
+        return v.view(staging.shape[0], *self.shapes[layer])
+
+    # One copy per block: index_select / index_copy_ over the block dimension measured 10-25x
+    # slower on CPU (bf16, 64 KiB slices: 0.1-0.4 against 1-2.8 GiB/s).
+    def gather(self, staging: torch.Tensor, layer: int, kv: torch.Tensor,
+               blocks: List[int]) -> None:
+        """Copies this layer's slice of each block in ``blocks`` into the staging pages."""
+        dst, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
+        for j, b in enumerate(blocks):
+            dst[j].copy_(kv.select(dim, b))
+
+    def scatter(self, staging: torch.Tensor, layer: int, kv: torch.Tensor,
+                blocks: List[int]) -> None:
+        """Copies this layer's slice of the staging pages into the blocks of ``kv``."""
+        src, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
+        for j, b in enumerate(blocks):
+            kv.select(dim, b).copy_(src[j])
+
+    # The zero-copy path: a page is a view into kvtierd's mapping (or bytes that came through
+    # the socket), not a row of a staging tensor. Pages whose blocks are consecutive and whose
+    # places in the mapping are equally spaced (a reservation's room and a GET's pages often
+    # are) form a run, one strided tensor over the mapping: a layer of a run is then one copy
+    # instead of one per block (a copy_ of one block's 64 KiB layer costs about as much in call
+    # overhead as in bytes moved). The tensors are made once, on the I/O thread.
+    def runs(self, items: List[Any], blocks: List[int]) -> List[_Run]:
+        """``items[j]`` (a memoryview into the mapping, or bytes) holds the page of block
+        ``blocks[j]``: returns them as runs, each with every layer's slot of its pages."""
+        out: List[_Run] = []
+        es = self.dtypes[0].itemsize if self.dtypes else 1
+        uniform = len(set(self.dtypes)) == 1 and len(set(self.shapes)) == 1 and \
+            all(o == i * self.sizes[0] for i, o in enumerate(self.offsets))
+        addrs = [_addr(x) for x in items]
+        j = 0
+        while j < len(items):
+            k, d = j + 1, self.page_bytes
+            if uniform and isinstance(items[j], memoryview):
+                while k < len(items) and isinstance(items[k], memoryview) and \
+                        blocks[k] == blocks[k - 1] + 1:
+                    step = addrs[k] - addrs[k - 1]
+                    if (k > j + 1 and step != d) or step < self.page_bytes or step % es:
+                        break
+                    d = step
+                    k += 1
+            out.append(_Run(blocks[j], k - j, self._run_slots(addrs[j], k - j, d, uniform)))
+            j = k
+        return out
+
+    def _run_slots(self, addr: int, n: int, stride: int, uniform: bool) -> List[torch.Tensor]:
+        span = (n - 1) * stride + self.page_bytes
+        mem = (ctypes.c_ubyte * span).from_address(addr)
+        if not uniform:  # one page (n 1): each layer's slice by its own offset, dtype, shape
+            page = torch.frombuffer(mem, dtype=torch.uint8)
+            return [page[o:o + sz].view(d).view(1, *shape) for o, sz, d, shape in
+                    zip(self.offsets, self.sizes, self.dtypes, self.shapes)]
+        d, shape = self.dtypes[0], self.shapes[0]
+        es = d.itemsize
+        inner = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        t = torch.frombuffer(mem, dtype=d).as_strided(
+            (n, len(self.names), *shape), (stride // es, self.sizes[0] // es, *inner))
+        return list(t.unbind(1))
+
+    def _chunk(self, layer: int, kv: torch.Tensor) -> int:
+        """Blocks per copy_. A CUDA copy: the whole run (one transfer instead of one per
+        block). A CPU copy: as many as stay under torch's parallel grain (32768 elements),
+        because a larger one runs in an OpenMP parallel region, which on a machine with every
+        core busy stalled for scheduler slices (bench_vllm passes of 1-3 s instead of 10 ms,
+        gone with OMP_NUM_THREADS=1); a 64 KiB bf16 layer slice is one block per copy."""
+        if kv.is_cuda:
+            return 1 << 30
+        return max(1, 32768 // max(1, self.sizes[layer] // self.dtypes[layer].itemsize))
+
+    def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
+        """Copies this layer of each run's blocks straight into its pages' slots."""
+        dim, step = self.dims[layer], self._chunk(layer, kv)
+        for r in runs:
+            src, dst = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
+            if r.n <= step:
+                dst.copy_(src)
+                continue
+            for a in range(0, r.n, step):
+                dst[a:a + step].copy_(src[a:a + step])
+
+    def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
+        """Copies this layer of each run's pages straight into its blocks of ``kv``."""
+        dim, step = self.dims[layer], self._chunk(layer, kv)
+        for r in runs:
+            dst, src = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
+            if r.n <= step:
+                dst.copy_(src)
+                continue
+            for a in range(0, r.n, step):
+                dst[a:a + step].copy_(src[a:a + step])
+
+
+def _addr(buf: Any) -> int:
+    """Where a buffer's bytes lie (the caller keeps it alive while they are used). A tensor
+    made over them through ctypes (_run_slots) borrows no buffer export, so that commit() can
+    release a reservation's views, and a read-only view of a load is taken without
+    torch.frombuffer's warning about writes (the connector only reads those). copy_ between
+    such a CPU tensor and a CUDA tensor is a pageable copy."""
+    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
+
+
+@dataclass
+class _Run:
+    """Pages of consecutive blocks from ``block`` on, equally spaced in memory."""
+
+    block: int
+    n: int
+    slots: List[torch.Tensor]  # each layer's slice of the pages: (n, *that layer's block shape)
+
+
+@dataclass
+class _Views:
+    """What a load through the mapping got: the pages' slots (each layer's slice of each page,
+    in the mapping or in bytes that came through the socket), valid while ``lease`` holds."""
+
+    lease: int
+    pages: int
+    runs: List[_Run]
+    items: List[Any]  # the views and bytes the runs lie in, kept alive with them

@@ -1,0 +1,185 @@
+"""kvtier.vllm.scheduler: the connector's scheduler side. It runs on vLLM's scheduler thread:
+asks kvtierd how much of a request's prefix it holds (leased until the request finishes), and
+plans each step's loads and saves into the metadata the workers receive."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ..guard import number
+from .common import (SCHEDULER_DEADLINE_MS, _WHERE, KvtierConnectorMetadata, _ReqState,
+                     _Transfer, key_chain, log, rank_salt)
+from .store import _PageStore
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class SchedulerSide:
+    """The scheduler role's calls of KVConnectorBase_V1, mixed into KvtierConnector (which
+    sets the shared state: settings, guard, model, root, sizes)."""
+
+    def _init_scheduler_side(self, scheduler: bool) -> None:
+        self._reqs: Dict[str, _ReqState] = {}
+        self._pending_loads: Dict[str, _Transfer] = {}
+        self._index: Optional[_PageStore] = None
+        if not scheduler:
+            return
+        # Index-only (block_bytes 0) in rank 0's namespace: all ranks store the same pages.
+        self._index = _PageStore(
+            self._extra, self._model,
+            rank_salt(0, self._tp_size // self._tp_replicas, 0, self._pp_size), 0,
+            guard=self._guard, what="vllm scheduler",
+            deadline_ms=number(self._extra, "scheduler_deadline_ms", SCHEDULER_DEADLINE_MS,
+                               _WHERE, minimum=1))
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """Tokens kvtierd can give beyond ``num_computed_tokens``: its longest held prefix of the
+        request's full blocks (leaving one token for the engine to compute), leased until the
+        request finishes. 0 when the daemon is unreachable or anything fails."""
+        try:
+            n = self._match(request, num_computed_tokens)
+            return n, bool(n and self._async)
+        except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
+            self._guard.count("failures")
+            self._guard.warn("kvtier: lookup of %s failed, computing it: %s",
+                             request.request_id, e)
+            st = self._reqs.get(request.request_id)
+            if st is not None:
+                st.hit_pages = 0
+            return 0, False
+
+    def _match(self, request: "Request", num_computed_tokens: int) -> int:
+        assert self._index is not None
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(request)
+        elif st.lease:  # asked again (not scheduled last time): a fresh answer, a fresh lease
+            self._index.release(st.lease)
+            st.lease = 0
+        st.hit_pages = 0
+        bs = self._block_size
+        max_pages = max(request.num_tokens - 1, 0) // bs
+        computed = num_computed_tokens // bs
+        st.computed_pages = computed
+        if max_pages <= computed:
+            return 0
+        keys = key_chain(request, bs, self._root, st.keys, max_pages)
+        self._tally.add("lookups")
+        try:
+            hit, lease = self._index.lookup(keys[:max_pages], lease=True)
+        except Exception:
+            self._tally.add("miss_pages", max_pages - computed)  # answered 0: all missed
+            raise
+        st.hit_pages = hit
+        self._tally.add("hit_pages", max(hit - computed, 0))
+        self._tally.add("miss_pages", max_pages - max(hit, computed))
+        if hit <= computed:
+            self._index.release(lease)
+            return 0
+        st.lease = lease
+        return hit * bs - num_computed_tokens
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """Records the blocks the worker loads the matched pages into (the blocks of pages
+        [computed, computed + hits) among the request's blocks)."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens <= 0:
+            return
+        try:
+            ids = list(blocks.get_block_ids()[0])
+            first = st.computed_pages
+            last = min(st.hit_pages, len(ids))
+            if last > first:
+                self._pending_loads[request.request_id] = _Transfer(
+                    request.request_id, list(st.keys[:last]), first, ids[first:last],
+                    self._async)
+        except Exception as e:  # noqa: BLE001
+            self._guard.warn("kvtier: no load planned for %s: %s", request.request_id, e)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """This step's loads (planned by update_state_after_alloc) and saves (each request's
+        full pages whose KV this step completes and kvtierd did not hold)."""
+        meta = KvtierConnectorMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        try:
+            self._plan_saves(scheduler_output, meta)
+        except Exception as e:  # noqa: BLE001
+            self._guard.warn("kvtier: saves of this step not planned: %s", e)
+        return meta
+
+    def _plan_saves(self, so: "SchedulerOutput", meta: KvtierConnectorMetadata) -> None:
+        bs = self._block_size
+        steps: List[Tuple[str, Optional[List[int]], int]] = []
+        # Preempted first: vLLM lists a request preempted since the last step here, and a
+        # request it resumes among the new ones, both in the same output when it resumes at
+        # once (reset_prefix_cache preempts between steps and the next step resumes). Taken
+        # after the new ones, a resumed request was marked preempted for good: never saved
+        # again.
+        for rid in so.preempted_req_ids or ():
+            st = self._reqs.get(rid)
+            if st is not None:  # its blocks are gone: nothing saved until it is listed afresh
+                st.no_save = True
+                st.block_ids = []
+        for nr in so.scheduled_new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is not None:
+                # New, or resumed after a preemption (vLLM sends it in full again, with the
+                # blocks it now has, after asking get_num_new_matched_tokens afresh): saved
+                # from the pages kvtierd held at that lookup on.
+                st.block_ids = list(nr.block_ids[0]) if nr.block_ids else []
+                st.saved_pages = max(st.hit_pages, 0)
+                st.no_save = False
+            steps.append((nr.req_id, None, nr.num_computed_tokens))
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            nb = cr.new_block_ids[i]
+            steps.append((rid, list(nb[0]) if nb else [], cr.num_computed_tokens[i]))
+        for rid, new_ids, computed in steps:
+            st = self._reqs.get(rid)
+            if st is None or st.no_save:
+                continue
+            if new_ids:
+                st.block_ids.extend(new_ids)
+            done = computed + so.num_scheduled_tokens.get(rid, 0)
+            pages = min(done, st.request.num_tokens) // bs
+            pages = min(pages, len(st.block_ids))
+            if pages <= st.saved_pages:
+                continue
+            keys = key_chain(st.request, bs, self._root, st.keys, pages)
+            meta.saves.append(_Transfer(rid, list(keys[:pages]), st.saved_pages,
+                                        st.block_ids[st.saved_pages:pages]))
+            st.saved_pages = pages
+
+    def request_finished(self, request: "Request",
+                         block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Finished or aborted: releases the request's lease and sends the policy's finished
+        hint. Blocks are freed at once (saves copy them out within the step)."""
+        st = self._reqs.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        if st is None or self._index is None:
+            return False, None
+        try:
+            if st.lease:
+                self._index.release(st.lease)
+            if st.keys:
+                self._index.finished(st.keys)
+        except Exception as e:  # noqa: BLE001
+            log.debug("kvtier: finish of %s: %s", request.request_id, e)
+        return False, None
+
+    def _close_scheduler_side(self) -> None:
+        """Closes the index's connection (the daemon drops its leases)."""
+        if self._index is not None:
+            self._index.close()
+            for st in self._reqs.values():
+                st.lease = 0
+            self._reqs.clear()

@@ -1,0 +1,359 @@
+"""kvtier.vllm.store: the page store, the one place of the connector that speaks to kvtierd."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..client import Client, Hints, Reservation
+from ..errors import ECLOSED, Error, error_for
+from ..guard import Guard
+from .common import PROBE_MS, log
+
+KEY_BYTES = 32  # sha256
+
+
+def _stored(tiers: bytes) -> int:
+    """Pages from the start whose bytes are stored (an index-only page cannot be loaded)."""
+    n = 0
+    for t in tiers:
+        if t == 0:
+            break
+        n += 1
+    return n
+
+
+try:  # the package's block keys (docs/protocol.md, "Keyed blocks"), where this package has them
+    from ..keys import KEY_TOKENS, KEYS_TAG, key_tokens
+
+    _HAVE_KEYS = hasattr(Client, "put_keys")
+except ImportError:  # an older package: the same chain through the token calls, below
+    _HAVE_KEYS = False
+
+_TRANSPORT = (-30812, -30809, -30807)  # ECLOSED, ETIMEDOUT, EPROTO: the connection is gone
+
+class _PageStore:
+    """Pages named by a key chain (one 32-byte key per page, each covering its prefix).
+
+    With the package's block keys (``api`` "keys", the default where the package has them):
+    the chain is a keyed chain (docs/protocol.md, "Keyed blocks"): PUT through put_keys, loads
+    through get_keys_into, and the scheduler's lookup a MATCH with a lease (and the policy's
+    hints) in the keyed namespace, the chain as the documented synthetic tokens, which the
+    keyed calls have no form of. Without them (``api`` "tokens"): each key is sent as 8 token
+    ids (its 32 bytes as uint32) in a namespace of 8 tokens per page of its own. Either way the
+    radix tree holds the chain with its prefix structure (shared prefixes stored once,
+    leaf-first eviction), and leases pin what a load will read.
+
+    The worker's zero-copy path (``mapped``): on the Unix socket (``zero_copy`` not False in
+    the extra config) the worker's client is a token client of the keyed namespace itself
+    (page_size KEY_TOKENS, adapter KEYS_TAG: the namespace put_keys uses, the chain as the
+    same synthetic tokens), and when it maps that namespace's DRAM arena the pages are
+    reserved, written and committed in the mapping (reserve/commit/abort) and read where they
+    lie (load_views), so that the connector copies each layer once each way. Its other calls
+    (save, load) then take the token forms on that client, which name exactly the pages the
+    keyed calls name. Not mapped (TCP, refused), the client is the keyed one, as before.
+
+    Every method raises kvtier.Error on failure. Each call to kvtierd is bounded by
+    ``deadline_ms`` (libkvtier's per-call timeout). A transport failure (a missed deadline
+    included) closes the client and opens the store's circuit breaker (kvtier/guard.py): calls
+    then raise at once, without a socket, while a background thread connects again and hands
+    the new client over. Only the first connection is made on the caller's thread. While views
+    into the mapping are out (a reservation or a leased load not given back: ``_holds``) the
+    close waits for the last of them: closing unmaps, and the worker may still be writing a
+    view.
+    """
+
+    def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int, *,
+                 guard: Guard, deadline_ms: int, what: str) -> None:
+        self._conf = conf
+        self.deadline_ms = deadline_ms
+        self.breaker = guard.breaker(what, self._connect, self._install,
+                                     int(conf.get("probe_ms", PROBE_MS)))
+        self._connected = False  # the first connection was tried (on the caller's thread)
+        self._closed = False
+        self._model = model
+        self._salt = salt
+        self.block_bytes = block_bytes
+        api = conf.get("api", "keys" if _HAVE_KEYS else "tokens")
+        if api not in ("keys", "tokens") or (api == "keys" and not _HAVE_KEYS):
+            raise ValueError("kvtier.vllm: api %r: 'keys' (needs the package's keyed calls) or "
+                             "'tokens'" % api)
+        self.keyed = api == "keys"
+        self.mapped = False  # the worker's client maps the keyed namespace's arena
+        self._holds = 0  # reservations and leased views handed out and not given back
+        # The client that failed while views were out: closed (unmapped) when the last comes
+        # back, and referenced until then (dropping it would close it, under the worker).
+        self._doomed: Optional[Client] = None
+        self._client: Optional[Client] = None
+        self._lock = threading.Lock()
+
+    @property
+    def up(self) -> bool:
+        """False while the breaker is open (calls would raise at once)."""
+        return not self.breaker.open
+
+    def _connect(self) -> Tuple[Client, bool]:
+        """A new client (and whether it maps the arena), or raises kvtier.Error."""
+        kw: Dict[str, Any] = dict(
+            block_bytes=self.block_bytes, unix_path=self._conf.get("unix_path"),
+            tcp=self._conf.get("tcp"), secret=self._conf.get("secret"), salt=self._salt,
+            timeout_ms=self.deadline_ms)
+        mapped = False
+        if self.keyed and not self.block_bytes:
+            # The scheduler: token calls on the keyed namespace itself (index only).
+            c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+        elif self.keyed and (kw["unix_path"] or not kw["tcp"]) and \
+                self._conf.get("zero_copy", True):
+            # The worker, local: the keyed namespace's token client, which maps its arena.
+            c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
+            mapped = c.zero_copy
+            if not mapped:  # refused: the keyed calls, as over TCP
+                log.info("kvtier: no zero-copy mapping (%s); staging", c.zero_copy_reason)
+                c.close()
+                c = Client(self._model, **kw)
+        elif self.keyed:
+            c = Client(self._model, **kw)  # keyed calls open the keyed namespace
+        else:
+            c = Client(self._model, page_size=KEY_BYTES // 4, **kw)
+        return c, mapped
+
+    def _install(self, got: Tuple[Client, bool]) -> bool:
+        """The probe's new client (on the probe thread): taken unless the store is closed or
+        the failed client still waits for its views."""
+        with self._lock:
+            if self._closed or self._doomed is not None or self._client is not None:
+                got[0].close()
+                return self._closed or self._client is not None
+            self._client, self.mapped = got
+            return True
+
+    def _c(self) -> Client:
+        c = self._client
+        if self._doomed is not None:
+            raise error_for(ECLOSED, "the connection failed; closed once its views come back")
+        if c is not None and not c.closed:
+            return c
+        if not self.breaker.allow():
+            raise error_for(ECLOSED, "kvtierd unreachable; answering misses until the "
+                            "background probe reaches it")
+        if self._connected or self._closed:  # lost: only the probe thread connects again
+            e = error_for(ECLOSED, "the connection to kvtierd was lost")
+            self.breaker.trip(e)
+            raise e
+        self._connected = True
+        try:
+            c, self.mapped = self._connect()
+        except Error as e:
+            self.breaker.trip(e)
+            raise
+        self._client = c
+        return c
+
+    def _failed(self, e: Error) -> None:
+        c = self._client
+        if c is None:
+            return
+        if not c.closed and (e.code in _TRANSPORT or e.code > -30800):  # > -30800: -errno
+            if self._holds:
+                self._doomed = c  # closing would unmap views still in use: at _unhold
+            else:
+                c.close()
+        if c.closed or self._doomed is not None:  # a transport failure: the probe reconnects
+            self._client = None
+            self.breaker.trip(e)
+
+    def tokens(self, keys: Sequence[bytes]) -> Any:
+        """The chain as the token ids the daemon sees."""
+        if self.keyed:
+            return [t for k in keys for t in key_tokens(k)]
+        return memoryview(b"".join(keys)).cast("I")
+
+    def lookup(self, keys: Sequence[bytes], *, lease: bool) -> Tuple[int, int]:
+        """How many pages of the chain, from its start, kvtierd holds with their bytes; with
+        ``lease``, pinned until release(). Returns (pages, lease handle or 0)."""
+        if not keys:
+            return 0, 0
+        with self._lock:
+            try:
+                m = self._c().match(self.tokens(keys), lease=lease,
+                                    lease_ms=int(self._conf.get("lease_ms", 0)))
+            except Error as e:
+                self._failed(e)
+                raise
+        pages = _stored(m.tiers)
+        if lease and m.lease and pages == 0:
+            self.release(m.lease)
+            return 0, 0
+        return pages, m.lease
+
+    def release(self, handle: int) -> None:
+        if not handle:
+            return
+        with self._lock:
+            try:
+                self._c().release(handle)
+            except Error as e:  # the daemon gone: its leases went with the connection
+                self._failed(e)
+
+    def load(self, keys: Sequence[bytes], first: int, buf: Any) -> int:
+        """Reads pages [first, len(keys)) into buf (their bytes, page after page). Returns the
+        pages read: fewer when kvtierd no longer holds them all."""
+        with self._lock:
+            try:
+                c = self._c()
+                if self.keyed and not self.mapped:
+                    return int(c.get_keys_into(keys, buf, first))
+                m = c.match(self.tokens(keys), lease=True)
+                try:
+                    n = _stored(m.tiers) - first
+                    if n <= 0:
+                        return 0
+                    return c.get_into(m.lease, buf, first_page=first, npages=n)
+                finally:
+                    if m.lease:
+                        c.release(m.lease)
+            except Error as e:
+                self._failed(e)
+                raise
+
+    def save(self, keys: Sequence[bytes], first: int, buf: Any) -> int:
+        """Stores pages [first, len(keys)) from buf. Returns the pages stored."""
+        # One PUT per few pages: a PUT is one frame, and the daemon's max-frame (64 MiB by
+        # default) bounds it; put_bytes (default 16 MiB) keeps well under it.
+        step = max(1, int(self._conf.get("put_bytes", 16 << 20)) // max(self.block_bytes, 1))
+        stored = 0
+        with self._lock:
+            try:
+                c = self._c()
+                for a in range(first, len(keys), step):
+                    b = min(a + step, len(keys))
+                    if self.keyed and not self.mapped:
+                        r = c.put_keys(keys[:b], buf[a - first:b - first], a)
+                    else:
+                        r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a)
+                    stored += r.stored
+            except Error as e:
+                self._failed(e)
+                raise
+        return stored
+
+    # -- the zero-copy path (mapped): views into the arena ----------------------------------
+
+    def _unhold(self) -> None:
+        self._holds -= 1
+        if self._holds == 0 and self._doomed is not None:
+            self._doomed.close()  # unmaps: no view of it is in use any more
+            self._doomed = None
+
+    def reserve(self, keys: Sequence[bytes], first: int
+                ) -> Optional[Tuple[Reservation, Optional[bytes]]]:
+        """Reserves room in the mapping for pages [first, len(keys)) of the chain. Returns None
+        when this client does not map (the staging path), else (the Reservation, and when some
+        pages got no view, the tier of every page of the chain: a page with bytes is held
+        already). A Reservation with views is out until commit() or abort()."""
+        with self._lock:
+            try:
+                c = self._c()
+                if not self.mapped:
+                    return None
+                toks = self.tokens(keys)
+                r = c.reserve(toks, len(keys) - first, first_page=first)
+                if r.id:
+                    self._holds += 1
+            except Error as e:
+                self._failed(e)
+                raise
+            held = None
+            if r.nreserved < len(keys) - first:
+                try:  # which of the pages without room are held already
+                    held = c.match(toks, probe=True).tiers
+                except Error as e:  # none known held: stage them all (the commit will say)
+                    self._failed(e)
+            return r, held
+
+    def commit(self, r: Reservation) -> int:
+        """Makes a reservation's pages visible. Returns the pages stored."""
+        with self._lock:
+            try:
+                return int(self._c().commit(r).stored)
+            except Error as e:
+                self._failed(e)
+                raise
+            finally:
+                if r.id:
+                    self._unhold()
+
+    def abort(self, r: Reservation) -> None:
+        """Gives a reservation's room back (nothing of it becomes visible)."""
+        with self._lock:
+            try:
+                self._c().abort(r)
+            except Error as e:  # the daemon gone: it gave the room back with the connection
+                self._failed(e)
+                raise
+            finally:
+                if r.id:
+                    self._unhold()
+
+    def load_views(self, keys: Sequence[bytes], first: int
+                   ) -> Optional[Tuple[int, List[Any]]]:
+        """MATCH with a lease and GET by location of pages [first, len(keys)), as far as they
+        are stored. Returns None when this client does not map (the staging path), else (the
+        lease, 0 when nothing came, and one item per page: a read-only memoryview into the
+        mapping, or bytes for a page that came through the socket). The items are valid until
+        release_views(lease)."""
+        with self._lock:
+            try:
+                c = self._c()
+                if not self.mapped:
+                    return None
+                m = c.match(self.tokens(keys), lease=True)
+                n = _stored(m.tiers) - first
+                if n <= 0 or not m.lease:
+                    if m.lease:
+                        c.release(m.lease)
+                    return 0, []
+                try:
+                    items = c.get_views(m.lease, first_page=first, npages=n)
+                except Error:
+                    if not c.closed:
+                        try:
+                            c.release(m.lease)
+                        except Error:
+                            pass
+                    raise
+                self._holds += 1
+                return m.lease, items
+            except Error as e:
+                self._failed(e)
+                raise
+
+    def release_views(self, lease: int) -> None:
+        """Releases the lease of load_views (its views must not be touched after)."""
+        with self._lock:
+            try:
+                self._c().release(lease)
+            except Error as e:  # the daemon gone: its leases went with the connection
+                self._failed(e)
+            finally:
+                self._unhold()
+
+    def finished(self, keys: Sequence[bytes]) -> None:
+        """The policy's hint that the request using this chain finished."""
+        if not keys:
+            return
+        with self._lock:
+            try:
+                self._c().match(self.tokens(keys), probe=True, hints=Hints(finished=True))
+            except Error as e:
+                self._failed(e)
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for c in (self._client, self._doomed):
+                if c is not None:
+                    c.close()
+            self._client = self._doomed = None
+        self.breaker.close()
