@@ -359,8 +359,12 @@ def lmcache_engine(daemon: Daemon, shape: Tuple[int, ...] = SHAPE,
     """A fresh LMCacheEngine (its own StorageManager and LocalCPUBackend) whose remote backend
     is the kvtier plugin, named in the config only (under each of `names`). `md_chunk` is the
     metadata's chunk_size; None leaves LMCacheMetadata's default, as LMCache's SGLang adapter
-    does."""
+    does. These engines check what is stored and loaded, not timing: each call gets a deadline
+    of 2 s unless `extra` names one (the stall tests check the 100 ms default), so that a loaded
+    2-core machine turns no put into a dropped one."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    extra.setdefault("deadline_ms", 2000)
 
     _engines[0] += 1
     iid = "pytest-kvtier-%d-%d" % (os.getpid(), _engines[0])
