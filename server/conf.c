@@ -97,6 +97,10 @@ static const kvt_opt_t kvt_opts[] = {
     {"max-reserved-bytes", KVT_OPT_BYTES, KVT_O(max_resv_bytes), "1G",
      "bytes of pages one connection's reservations may hold, expired ones included, until "
      "COMMIT, ABORT or close (at least 4K); a RESERVE past it gets room for the pages that fit"},
+    {"zero-copy-checksum", KVT_OPT_BOOL, KVT_O(zc_checksum), "yes",
+     "a zero-copy COMMIT takes a checksum of its pages, checked when they leave DRAM (a "
+     "demotion, a socket GET): a page a client wrote over after its COMMIT is dropped, never "
+     "demoted or served"},
     {"max-namespaces", KVT_OPT_U32, KVT_O(max_namespaces), "65536",
      "namespaces open at once (1..65536); when full, a HELLO of a new one closes the empty "
      "namespaces no client uses"},

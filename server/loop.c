@@ -30,6 +30,9 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+/* Bytes of zero-copy seals hashed per loop iteration: 3-8 us (tiers/dram.c, docs/tiers.md). */
+#define KVT_SEAL_SLICE (256u << 10)
+
 #define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
 /* Evicted blocks remembered for the "evicted" miss reason: 2^16 slots, or the cost policy's
  * 2^22 when it shares the table (its reuse signal reads the same one). */
@@ -400,6 +403,7 @@ int kvt__srv_run(kvt_srv_t *s)
 {
     struct epoll_event evs[256];
     uint64_t next_tick = kvt_now_ns(), stop_at = 0;
+    int sealing = 0;
     for (;;) {
         uint64_t now = kvt_now_ns();
         if (s->stopping) {
@@ -440,7 +444,8 @@ int kvt__srv_run(kvt_srv_t *s)
             kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
             next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;
         }
-        int timeout = (int)((next_tick - now) / 1000000) + 1;
+        /* Seals of committed zero-copy pages still queued: no sleep until they are done. */
+        int timeout = sealing ? 0 : (int)((next_tick - now) / 1000000) + 1;
         int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         if (n < 0) {
             if (errno == EINTR)
@@ -463,6 +468,9 @@ int kvt__srv_run(kvt_srv_t *s)
         if (s->clients.mem_waiting)
             kvt__conns_mem_retry(s);
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
+        /* A slice of the zero-copy seals (op_put.c resv_seal): a few microseconds between
+         * events, so that no request waits for a whole block's hash. */
+        sealing = kvt_tier_dram_seal_step(s->tiers[KVT_TIER_DRAM], KVT_SEAL_SLICE) > 0;
         kvt__conns_reap(s); /* no event or walk holds a connection here */
     }
 }

@@ -240,6 +240,10 @@ typedef enum {
       "Bytes of the DRAM arenas' memfds that clients made resident outside any live block, "       \
       "punched out by the daemon.",                                                                \
       NONE)                                                                                        \
+    X(ZC_SCRIBBLES, COUNTER, "kvtier_zero_copy_scribbles_total",                                   \
+      "Committed zero-copy pages found changed as they left DRAM (a client wrote over them "       \
+      "through its mapping; zero-copy-checksum): dropped, never demoted or served.",               \
+      NONE)                                                                                        \
     X(ZC_PAGES, COUNTER, "kvtier_zero_copy_pages_total",                                           \
       "Pages a local client read (GET with LOCATE) or wrote (RESERVE) through its mapping.", OP)   \
     X(RESERVATIONS, COUNTER, "kvtier_reservations_total",                                          \

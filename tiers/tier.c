@@ -127,6 +127,11 @@ const kvt__tier_ent_t *kvt__tier_lookup(const kvt_tier_t *t, uint64_t loc)
     return tier_find(t, loc);
 }
 
+kvt__tier_ent_t *kvt__tier_entry(kvt_tier_t *t, uint64_t loc)
+{
+    return tier_find(t, loc);
+}
+
 void kvt__tier_foreach(const kvt_tier_t *t, void (*fn)(void *arg, const kvt__tier_ent_t *e),
                        void *arg)
 {

@@ -256,6 +256,7 @@ int kvt_tier_dram_scan(kvt_tier_t *t);
 
 typedef struct kvt_tier_dram_shared_stats {
     uint32_t arenas;         /* shared arenas that exist now (kvt_tier_dram_shared) */
+    uint64_t scribbles;      /* kvt_tier_dram_check calls that found a sealed block changed */
     uint64_t resident_bytes; /* bytes their memfds hold in memory now (st_blocks) */
     uint64_t punched_bytes;  /* bytes the checks punched: resident, held by no live block */
     uint64_t scans;          /* arenas the checks scanned (resident beyond what jemalloc holds) */
@@ -263,6 +264,30 @@ typedef struct kvt_tier_dram_shared_stats {
 } kvt_tier_dram_shared_stats_t;
 /* Returns 0 with *st filled, or KVT_EINVAL (not a DRAM tier). */
 int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t *st);
+
+/*
+ * Scribbles. A client that maps its namespace's arena can still write over blocks it committed
+ * (the namespace is the trust boundary for what it reads by location), which would change what
+ * every later reader gets and what a demotion writes to NVMe or the remote tier, whose own
+ * checksum would then cover the scribbled bytes. kvt_tier_dram_seal takes the XXH3-64 of a
+ * block's payload as it is now (a zero-copy COMMIT); kvt_tier_dram_check compares the payload
+ * with it when the block is about to leave (a demotion's copy, a GET through the socket). The
+ * checksum follows the block when kvt_tier_dram_move_out moves it. Both return 0, KVT_ENOENT (no
+ * block at loc) or KVT_EINVAL (not a DRAM tier); check also KVT_ECORRUPT when a sealed block's
+ * bytes changed since (counted in kvt_tier_dram_shared_stats' scribbles and usage.corrupt). An
+ * unsealed block always checks out. A read (kvt_tier_read) of a sealed block checks it too and
+ * completes with KVT_ECORRUPT. Cost: one pass over the payload each (about 24 us per 2 MiB with
+ * AVX-512, docs/tiers.md). */
+int kvt_tier_dram_seal(kvt_tier_t *t, uint64_t loc);
+int kvt_tier_dram_check(kvt_tier_t *t, uint64_t loc);
+/* A seal taken a step at a time, so that the caller's loop never stalls for a whole block:
+ * seal_later queues the block (0, KVT_ENOENT, KVT_EINVAL or KVT_ENOMEM) and marks it sealing;
+ * seal_step hashes up to budget bytes of the queued blocks, oldest first, and returns how many
+ * are still queued. A block that leaves while its seal is under way (check, read, move_out)
+ * has it finished first, so its bytes leave as sealed; what a client writes between
+ * seal_later and the seal's last step is sealed in, not detected. */
+int kvt_tier_dram_seal_later(kvt_tier_t *t, uint64_t loc);
+size_t kvt_tier_dram_seal_step(kvt_tier_t *t, size_t budget);
 
 /* An expired zero-copy reservation's block (loc, len in a shared arena) stops being a stored
  * block: unindexed and uncharged (others may use the capacity), its pages punched now and by
