@@ -469,8 +469,21 @@ static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32
         kvt__block_tier(kvt_radix_block_at(n, depth + i), tier);
 }
 
+/* The run's tenant may take it in `to` (tenant-<tier>-bytes; store.c kvt__store_quotas). */
+static int exec_fits(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t to)
+{
+    kvt_srv_t *s = arg;
+    const kvt_block_t *b = kvt_radix_block_at(n, depth);
+    if (!s->tiers[to] || !b)
+        return 1;
+    uint64_t seed = kvt_radix_ns_seed(s->radix, kvt_radix_node_ns(n));
+    return kvt_tier_ns_fits(s->tiers[to], seed, b->size, npages);
+}
+
 const kvt_policy_ops_t kvt__exec_ops = {
     .set_tier = exec_set_tier,
+    .fits = exec_fits,
     .move = exec_move,
     .footprint = exec_footprint,
     .index_room = exec_index_room,

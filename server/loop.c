@@ -136,6 +136,7 @@ static void reload(kvt_srv_t *s)
         if (s->policy)
             kvt_policy_tune(s->policy, (float)s->conf->policy_high, (float)s->conf->policy_low,
                             s->conf->nvme_min_hits);
+        kvt__store_quotas(s);
         kvt_log(KVT_LOG_INFO, "kvtierd: reload: %d setting%s changed", rc, rc == 1 ? "" : "s");
         kvt__metric_add(s->metrics, KVT_M_CONFIG_RELOADS, 0, 1);
     }

@@ -138,7 +138,15 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
             kvt_tier_id_t id = kvt_order[i];
             if (r->put.reserve && id != KVT_TIER_DRAM)
                 continue; /* room a client can write is in its DRAM arena only */
-            if (!s->tiers[id] || (rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
+            if (!s->tiers[id])
+                continue;
+            /* At its quota there (tenant-<tier>-bytes): the next tier down, and no room made
+             * for a write the tier would refuse anyway, at other tenants' expense. */
+            if (!kvt_tier_ns_fits(s->tiers[id], x->io.key.ns_seed, x->io.len, 1)) {
+                rc = KVT_ENOSPC;
+                continue;
+            }
+            if ((rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
                 continue;
             x->tier = (uint8_t)id;
             if ((rc = kvt_tier_write(s->tiers[id], &x->io)) < 0) {

@@ -1032,3 +1032,63 @@ Test(tier_dram, seals_find_bytes_changed_after_them)
     free(buf);
     kvt_tier_destroy(t);
 }
+
+/* Quotas per namespace (issue 36): a namespace stops at its quota whatever room the tier has,
+ * writes and copies alike, while another still writes; frees give its room back; the counts
+ * per namespace are exact and ns_top lists the largest first. */
+Test(tier_dram, a_namespace_stops_at_its_quota)
+{
+    const uint32_t len = 65536;
+    kvt_tier_t *t = mk(8u << 20), *t2 = mk(8u << 20);
+    cr_assert_eq(kvt_tier_set_ns_quota(t, 4 * (uint64_t)len), 0);
+    cr_assert_eq(kvt_tier_set_ns_quota(NULL, 1), KVT_EINVAL);
+    uint8_t *buf = malloc(len);
+    tu_fill(buf, len, 3);
+    uint32_t tok[16];
+    uint64_t loc[8] = {0};
+    for (int i = 0; i < 4; i++) {
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        cr_assert_eq(tu_write(t, &k, buf, len, &loc[i]), 0);
+    }
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 4 * (uint64_t)len);
+    cr_expect_eq(kvt_tier_ns_fits(t, NS_A, len, 1), 0);
+    cr_expect_eq(kvt_tier_ns_fits(t, NS_B, len, 4), 1);
+    cr_expect_eq(kvt_tier_ns_fits(t, NS_B, len, 5), 0);
+    kvt_block_key_t k4 = ns_key(NS_A, 4, tok);
+    cr_expect_eq(tu_write(t, &k4, buf, len, &loc[4]), KVT_ENOSPC, "past the quota");
+    /* A copy into t is held to it too. */
+    kvt_block_key_t k5 = ns_key(NS_A, 5, tok);
+    uint64_t src = 0;
+    cr_assert_eq(tu_write(t2, &k5, buf, len, &src), 0);
+    kvt_tier_copy_t c = {.src = t2, .dst = t, .src_loc = src, .key = k5, .len = len};
+    cr_expect_eq(kvt_tier_copy(&c), KVT_ENOSPC);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_expect_eq(u.quota_refused, 4, "a write, a copy and two ns_fits refused");
+    cr_expect_eq(u.used_bytes, 4 * (uint64_t)len, "nothing charged for the refusals");
+    /* Another namespace still writes. */
+    kvt_block_key_t kb = ns_key(NS_B, 6, tok);
+    cr_assert_eq(tu_write(t, &kb, buf, len, &loc[5]), 0);
+    kvt_tier_ns_usage_t top[4];
+    cr_assert_eq(kvt_tier_ns_top(t, top, 4), 2);
+    cr_expect(top[0].ns_seed == NS_A && top[0].bytes == 4 * (uint64_t)len);
+    cr_expect(top[1].ns_seed == NS_B && top[1].bytes == len);
+    cr_assert_eq(kvt_tier_ns_top(t, top, 1), 1);
+    cr_expect_eq(top[0].ns_seed, NS_A);
+    /* A free gives room back. */
+    kvt_tier_free(t, loc[0], len);
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 3 * (uint64_t)len);
+    cr_expect_eq(tu_write(t, &k4, buf, len, &loc[4]), 0);
+    /* No quota: anything the capacity takes. */
+    cr_assert_eq(kvt_tier_set_ns_quota(t, 0), 0);
+    kvt_block_key_t k7 = ns_key(NS_A, 7, tok);
+    cr_expect_eq(tu_write(t, &k7, buf, len, &loc[6]), 0);
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 5 * (uint64_t)len);
+    for (int i = 1; i < 7; i++)
+        kvt_tier_free(t, loc[i], len);
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 0);
+    cr_expect_eq(kvt_tier_ns_top(t, top, 4), 0, "a namespace holding nothing is not listed");
+    free(buf);
+    kvt_tier_destroy(t2);
+    kvt_tier_destroy(t);
+}

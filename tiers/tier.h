@@ -104,6 +104,8 @@ typedef struct kvt_tier_usage {
     uint64_t misses, corrupt, errors, timeouts;
     uint64_t reclaimed; /* live blocks dropped by the tier itself (NVMe segment reclaim) */
     uint64_t inflight;
+    uint64_t quota_refused; /* writes, copies, adoptions and kvt_tier_ns_fits refused by a
+                               namespace's quota */
 } kvt_tier_usage_t;
 
 /* Which tier kind this is, and its name in logs and metrics ("dram", "nvme", ...). */
@@ -140,6 +142,30 @@ void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc);
  * same for every page size (a tier that stores the tokens charges room for the largest page). */
 uint64_t kvt_tier_footprint(const kvt_tier_t *t, uint32_t len);
 void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u);
+
+/*
+ * Quotas per namespace. Every charge (a block's footprint, a write or copy in flight) counts
+ * against the namespace of its key (key.ns_seed) as well as the capacity; with a quota set, a
+ * write, copy or adoption that would take a namespace past it fails with KVT_ENOSPC like one
+ * over capacity (usage.quota_refused counts them), so no namespace ever holds more than the
+ * quota in this tier, whatever the others hold. Lowering the quota drops nothing: a namespace
+ * over it takes no more until its own blocks go.
+ *   set_ns_quota  the bytes each namespace may hold; 0 for no quota. 0 or KVT_EINVAL.
+ *   ns_used       what ns_seed holds now (footprints, writes in flight included).
+ *   ns_fits       1 when ns_seed may take n more payloads of len bytes under its quota (the
+ *                 capacity is not asked), 0 when not (counted as a refusal): for a caller that
+ *                 would otherwise make room for a write the quota refuses.
+ *   ns_top        up to max namespaces holding the most, largest first; returns how many.
+ * Costs: a hash lookup per charge; memory: 16 bytes per namespace holding bytes.
+ */
+typedef struct kvt_tier_ns_usage {
+    uint64_t ns_seed;
+    uint64_t bytes;
+} kvt_tier_ns_usage_t;
+int kvt_tier_set_ns_quota(kvt_tier_t *t, uint64_t bytes);
+uint64_t kvt_tier_ns_used(const kvt_tier_t *t, uint64_t ns_seed);
+int kvt_tier_ns_fits(kvt_tier_t *t, uint64_t ns_seed, uint32_t len, uint32_t n);
+size_t kvt_tier_ns_top(const kvt_tier_t *t, kvt_tier_ns_usage_t *out, size_t max);
 
 int kvt_tier_fd(kvt_tier_t *t);
 /* Runs the callbacks of ready completions; returns how many ran, or a negative error. */

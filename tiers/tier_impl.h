@@ -86,6 +86,14 @@ struct kvt_tier {
     kvt__tier_ent_t *ents;
     size_t ents_cap; /* power of two */
     uint64_t pending_writes;
+    /* Bytes charged per namespace (blocks and writes in flight), open addressing by seed with
+     * backward-shift deletion (an entry whose bytes fall to 0 goes), and the quota each may
+     * hold (0: none). */
+    struct kvt__tier_ns {
+        uint64_t seed, bytes; /* bytes 0: empty slot */
+    } * nss;
+    size_t nss_cap, nss_n;
+    uint64_t ns_quota;
 };
 
 #if KVT_HAVE_CUDA
