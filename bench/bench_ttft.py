@@ -23,11 +23,8 @@ model; ttft.py says why), bf16, prompts of 1k, 4k and 16k tokens, DRAM and NVMe 
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, here)
@@ -78,29 +75,11 @@ if device.type == "cpu":
 
 
 def daemon(tier: str, pages: int, page_bytes: int) -> Daemon:
+    """A fresh kvtierd holding only the tier under test: DRAM, or NVMe with no DRAM (every page
+    read from the file, O_DIRECT; the file holds at least 2 segments of 64M, sparse)."""
     need = pages * page_bytes * 2 + (64 << 20)
-    d = Daemon.__new__(Daemon)
-    # A daemon with only the tier under test: DRAM, or NVMe with no DRAM (every page read
-    # from the file, O_DIRECT).
-    # (the NVMe file holds at least 2 segments of 64M; sparse: only what is written takes room)
     dram, nvme = (need, 0) if tier == "dram" else (0, max(need, 256 << 20))
-    d.dir = tempfile.mkdtemp(prefix="kvt-ttft-")
-    d.log = open(os.path.join(d.dir, "kvtierd.log"), "w")
-    d.proc = subprocess.Popen(
-        [os.path.join(args.build_root, "server", "kvtierd"), "--tcp", "", "--metrics", "",
-         "--dram-bytes", str(dram), "--nvme-bytes", str(nvme), "--nvme-sparse", "yes",
-         "--hbm-bytes", "0", "--log-level", "warn"],
-        cwd=d.dir, stdout=subprocess.PIPE, stderr=d.log, text=True)
-    d.unix = ""
-    for line in d.proc.stdout:
-        if line.startswith("unix "):
-            d.unix = os.path.join(d.dir, line.split(" ", 1)[1].strip())
-        if line.strip() == "ready":
-            break
-    if not d.unix:
-        shutil.rmtree(d.dir, ignore_errors=True)
-        raise RuntimeError("kvtierd did not start")
-    return d
+    return Daemon(args.build_root, "kvt-ttft-", str(dram), str(nvme))
 
 
 failed = 0

@@ -29,16 +29,17 @@ def run_in_venv(build: str, name: str, missing_rc: int, venv: str = "pyenv") -> 
 
 
 class Daemon:
-    """A kvtierd with a DRAM tier of dram_bytes and no other, on a Unix socket only (unix is
-    its path); stop() ends it by its PID and removes its directory."""
+    """A kvtierd with a DRAM tier of dram_bytes (and an NVMe tier of nvme_bytes, sparse, when
+    not "0"), on a Unix socket only (unix is its path); stop() ends it by its PID and removes
+    its directory."""
 
-    def __init__(self, build: str, prefix: str, dram_bytes: str) -> None:
+    def __init__(self, build: str, prefix: str, dram_bytes: str, nvme_bytes: str = "0") -> None:
         self.dir = tempfile.mkdtemp(prefix=prefix)
         self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
         self.proc = subprocess.Popen(
             [os.path.join(build, "server", "kvtierd"), "--tcp", "", "--metrics", "",
-             "--dram-bytes", dram_bytes, "--nvme-bytes", "0", "--hbm-bytes", "0",
-             "--log-level", "warn"],
+             "--dram-bytes", dram_bytes, "--nvme-bytes", nvme_bytes, "--nvme-sparse", "yes",
+             "--hbm-bytes", "0", "--log-level", "warn"],
             cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.unix = ""
         assert self.proc.stdout is not None

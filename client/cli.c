@@ -156,7 +156,37 @@ typedef struct kvt_hits {
     unsigned n;
     uint64_t looked_up;
     uint64_t tier[KVT_CLIENT_TIER_REMOTE + 1];
+    /* The miss-ratio curve (mrc_hit_ratio_TIER_SCALE_ppm): has[t] when the daemon sent tier t's */
+    uint64_t mrc[KVT_CLIENT_TIER_REMOTE + 1][5], mrc_all;
+    int mrc_has[KVT_CLIENT_TIER_REMOTE + 1], mrc_any;
 } kvt_hits_t;
+
+static const char *const kvt_mrc_scales[5] = {"0.25", "0.5", "1", "2", "4"};
+
+/* mrc_hit_ratio_TIER_SCALE_ppm into h->mrc. */
+static void take_mrc(kvt_hits_t *h, const char *name, uint64_t v)
+{
+    if (!strcmp(name, "mrc_hierarchy_hit_ratio_ppm")) {
+        h->mrc_all = v;
+        return;
+    }
+    if (strncmp(name, "mrc_hit_ratio_", 14))
+        return;
+    for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++) {
+        size_t tl = strlen(tname(t));
+        const char *rest = name + 14;
+        if (strncmp(rest, tname(t), tl) || rest[tl] != '_')
+            continue;
+        for (unsigned k = 0; k < 5; k++) {
+            size_t kl = strlen(kvt_mrc_scales[k]);
+            if (!strncmp(rest + tl + 1, kvt_mrc_scales[k], kl) &&
+                !strcmp(rest + tl + 1 + kl, "_ppm")) {
+                h->mrc[t][k] = v;
+                h->mrc_has[t] = h->mrc_any = 1;
+            }
+        }
+    }
+}
 
 static int print_stat(void *arg, const char *name, uint64_t v)
 {
@@ -168,6 +198,7 @@ static int print_stat(void *arg, const char *name, uint64_t v)
     } else {
         printf("%-28s %" PRIu64 "\n", name, v);
     }
+    take_mrc(h, name, v);
     if (!strcmp(name, "lookup_tokens"))
         h->looked_up = v;
     else if (!strncmp(name, "hit_tokens_", 11))
@@ -194,7 +225,21 @@ static void print_hit_rate(const kvt_hits_t *h)
         printf("{\"all\":%.6f", (double)all / (double)h->looked_up);
         for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++)
             printf(",\"%s\":%.6f", tname(t), (double)h->tier[t] / (double)h->looked_up);
-        printf("}}\n");
+        printf("}");
+        if (h->mrc_any) {
+            printf(",\"mrc\":{\"all\":%.6f", (double)h->mrc_all / 1e6);
+            for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++) {
+                if (!h->mrc_has[t])
+                    continue;
+                printf(",\"%s\":{", tname(t));
+                for (unsigned k = 0; k < 5; k++)
+                    printf("%s\"%s\":%.6f", k ? "," : "", kvt_mrc_scales[k],
+                           (double)h->mrc[t][k] / 1e6);
+                printf("}");
+            }
+            printf("}");
+        }
+        printf("}\n");
         return;
     }
     if (h->looked_up == 0) {
@@ -207,6 +252,24 @@ static void print_hit_rate(const kvt_hits_t *h)
         printf("%s%s %.1f%%", t > KVT_CLIENT_TIER_HBM ? ", " : "", tname(t),
                100.0 * (double)h->tier[t] / (double)h->looked_up);
     printf(")\n");
+    if (!h->mrc_any)
+        return;
+    /* The miss-ratio curve: "what would twice the DRAM buy me", a row per tier. */
+    printf("if a tier were s x its size (LRU estimate, token hit ratio of that tier; all tiers "
+           "now %.1f%%):\n",
+           (double)h->mrc_all / 1e4);
+    printf("  %-8s", "s");
+    for (unsigned k = 0; k < 5; k++)
+        printf(" %7sx", kvt_mrc_scales[k]);
+    printf("\n");
+    for (unsigned t = KVT_CLIENT_TIER_HBM; t <= KVT_CLIENT_TIER_REMOTE; t++) {
+        if (!h->mrc_has[t])
+            continue;
+        printf("  %-8s", tname(t));
+        for (unsigned k = 0; k < 5; k++)
+            printf(" %7.1f%%", (double)h->mrc[t][k] / 1e4);
+        printf("\n");
+    }
 }
 
 /* stats, once or every interval_s seconds (count rounds; 0: until interrupted or the daemon goes

@@ -82,6 +82,7 @@ typedef struct result {
     kvt_policy_kind_t kind;
     double hint_acc; /* < 0: no hints */
     uint64_t requests;
+    uint64_t working_set; /* tokens of the distinct whole pages: what percentages are shares of */
     uint64_t cap_tokens[KVT_TIER_COUNT];
     uint64_t cap_bytes[KVT_TIER_COUNT];
     uint64_t hit_tokens[KVT_TIER_COUNT];
@@ -172,85 +173,113 @@ static void future_free(future_t *f)
 }
 
 /*
- * A whole page is named by the trace block holding its last token and where in that block it
- * ends: the trace's ids form a prefix chain, so that pair names the page's whole prefix.
+ * A page of the radix tree is its tokens and every token before it, so the future table keys a
+ * whole page by its prefix, never by a block id alone: the same id behind two different
+ * prefixes (a document pasted into two conversations) is two different sets of pages in the
+ * tree, and an oracle that merged them would see a next use that never comes.
+ *
+ * The prefix of a trace block is interned exactly (no hash to collide): a block prefix is the
+ * pair (prefix of the blocks before it, this block's id), and a table maps that pair to a dense
+ * index, assigned in the order prefixes first occur. A page is then (block prefix, where in the
+ * block it ends). Every table is sized by the ids the trace holds, not by their values, so a
+ * trace whose ids start at 10,000,000 costs what one starting at 0 does.
  */
+typedef struct prefix_slot {
+    uint64_t id;
+    uint32_t parent; /* dense index of the prefix before this block; UINT32_MAX at the root */
+    uint32_t idx;    /* dense index + 1; 0 = an empty slot */
+} prefix_slot_t;
+
+static uint32_t prefix_intern(prefix_slot_t *tab, size_t mask, uint32_t parent, uint64_t id,
+                              uint32_t *count)
+{
+    uint64_t h = id + ((uint64_t)parent + 1) * 0x9E3779B97F4A7C15ull;
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+    h ^= h >> 31;
+    for (size_t i = (size_t)h & mask;; i = (i + 1) & mask) {
+        if (tab[i].idx == 0) {
+            tab[i] = (prefix_slot_t){id, parent, ++*count};
+            return *count - 1;
+        }
+        if (tab[i].id == id && tab[i].parent == parent)
+            return tab[i].idx - 1;
+    }
+}
+
 static int future_build(const opts_t *o, const kvt_trace_t *tr, size_t nreq, future_t *f)
 {
     memset(f, 0, sizeof(*f));
-    uint64_t max_id = 0;
-    for (size_t i = 0; i < nreq; i++)
-        for (uint32_t j = 0; j < tr->reqs[i].nhash; j++)
-            if (tr->reqs[i].hash_ids[j] > max_id)
-                max_id = tr->reqs[i].hash_ids[j];
-    if (max_id > 64u * 1024 * 1024) {
-        kvt_log(KVT_LOG_ERROR, "replay: hash ids up to %llu: too sparse for the future table",
-                (unsigned long long)max_id);
-        return KVT_EINVAL;
-    }
     uint32_t ps = o->page_size;
     uint32_t per = (KVT_TRACE_BLOCK_TOKENS + ps - 1) / ps;
+    size_t nblk = 0; /* block references of the replayed requests: a bound on distinct prefixes */
+    for (size_t i = 0; i < nreq; i++)
+        nblk += tr->reqs[i].nhash;
+    if (nblk >= UINT32_MAX) {
+        kvt_log(KVT_LOG_ERROR, "replay: %zu block references: too many for the future table", nblk);
+        return KVT_EINVAL;
+    }
+    size_t cap = 1024;
+    while (cap < 2 * nblk)
+        cap *= 2;
     f->off = calloc(nreq + 1, sizeof(uint32_t));
     f->npages = calloc(nreq + 1, sizeof(uint32_t));
-    uint32_t *block_len = calloc(max_id + 1, sizeof(uint32_t));
-    uint32_t *last = malloc((max_id + 1) * per * sizeof(uint32_t));
-    if (!f->off || !f->npages || !block_len || !last) {
-        free(block_len);
-        free(last);
-        future_free(f);
-        return KVT_ENOMEM;
-    }
+    prefix_slot_t *tab = calloc(cap, sizeof(*tab));
+    uint32_t *bidx = malloc((nblk ? nblk : 1) * sizeof(uint32_t)); /* each reference's prefix */
+    uint32_t *last = NULL;
+    int err = KVT_ENOMEM;
+    if (!f->off || !f->npages || !tab || !bidx)
+        goto fail;
     uint64_t total = 0;
-    for (size_t i = 0; i < nreq; i++) {
-        uint32_t n = req_tokens(o, &tr->reqs[i]);
+    uint32_t nprefix = 0;
+    for (size_t i = 0, k = 0; i < nreq; i++) {
+        const kvt_trace_req_t *r = &tr->reqs[i];
+        uint32_t n = req_tokens(o, r);
         f->npages[i] = n / ps;
         f->off[i] = (uint32_t)total;
         total += f->npages[i];
-        for (uint32_t j = 0; j < tr->reqs[i].nhash; j++) {
-            uint64_t start = (uint64_t)j * KVT_TRACE_BLOCK_TOKENS;
-            if (start >= n)
-                break;
-            uint32_t len = (uint32_t)KVT_MIN((uint64_t)KVT_TRACE_BLOCK_TOKENS, n - start);
-            uint64_t id = tr->reqs[i].hash_ids[j];
-            if (len > block_len[id])
-                block_len[id] = len;
-        }
+        uint32_t parent = UINT32_MAX;
+        for (uint32_t j = 0; j < r->nhash; j++, k++)
+            bidx[k] = parent = prefix_intern(tab, cap - 1, parent, r->hash_ids[j], &nprefix);
     }
-    if (total > UINT32_MAX) {
-        free(block_len);
-        free(last);
-        future_free(f);
-        return KVT_EINVAL;
-    }
+    free(tab);
+    tab = NULL;
+    err = KVT_EINVAL;
+    if (total > UINT32_MAX)
+        goto fail;
     f->off[nreq] = (uint32_t)total;
-    for (uint64_t id = 0; id <= max_id; id++)
-        f->unique_tokens += block_len[id];
-    free(block_len);
+    err = KVT_ENOMEM;
     f->next = malloc((total ? total : 1) * sizeof(uint32_t));
-    if (!f->next) {
-        free(last);
-        future_free(f);
-        return KVT_ENOMEM;
-    }
-    for (size_t k = 0; k < (size_t)(max_id + 1) * per; k++)
-        last[k] = NEVER;
+    last = malloc(((size_t)nprefix * per + 1) * sizeof(uint32_t));
+    if (!f->next || !last)
+        goto fail;
+    for (size_t s = 0; s < (size_t)nprefix * per; s++)
+        last[s] = NEVER;
+    /* Backwards, so that last[] holds each page's next use; a page met for the first time is
+     * one more page of the working set the tree holds. */
+    size_t k = nblk;
+    uint64_t pages = 0;
     for (size_t i = nreq; i-- > 0;) {
         const kvt_trace_req_t *r = &tr->reqs[i];
+        k -= r->nhash;
         for (uint32_t pg = 0; pg < f->npages[i]; pg++) {
             uint64_t end = (uint64_t)(pg + 1) * ps; /* one past the page's last token */
             uint64_t blk = (end - 1) / KVT_TRACE_BLOCK_TOKENS;
             uint32_t eoff = (uint32_t)(end - blk * KVT_TRACE_BLOCK_TOKENS); /* 1..512 */
-            size_t slot = (size_t)r->hash_ids[blk] * per + (eoff - 1) / ps;
+            size_t slot = (size_t)bidx[k + blk] * per + (eoff - 1) / ps;
+            pages += last[slot] == NEVER;
             f->next[f->off[i] + pg] = last[slot];
             last[slot] = (uint32_t)i;
         }
     }
     free(last);
+    last = NULL;
+    free(bidx);
+    bidx = NULL;
+    f->unique_tokens = pages * ps;
     f->gaps = malloc((nreq ? nreq : 1) * sizeof(uint32_t));
-    if (!f->gaps) {
-        future_free(f);
-        return KVT_ENOMEM;
-    }
+    if (!f->gaps)
+        goto fail;
     for (size_t i = 0; i < nreq; i++) {
         if (f->npages[i] == 0)
             continue;
@@ -260,6 +289,12 @@ static int future_build(const opts_t *o, const kvt_trace_t *tr, size_t nreq, fut
                 tr->reqs[j].timestamp_ms - tr->reqs[i].timestamp_ms, (uint64_t)UINT32_MAX - 1);
     }
     return 0;
+fail:
+    free(tab);
+    free(bidx);
+    free(last);
+    future_free(f);
+    return err;
 }
 
 /* ---- one run -------------------------------------------------------------------------------- */
@@ -346,6 +381,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
     res->kind = kind;
     res->hint_acc = hint_acc;
     res->requests = nreq;
+    res->working_set = f->unique_tokens;
     res->miss_tokens = res->input_tokens = 0;
     uint64_t t0 = kvt_now_ns();
 
@@ -537,7 +573,8 @@ static void print_result(FILE *f, const result_t *r, const result_t *lru, const 
         fprintf(f, ",\"hint_accuracy\":%.2f", r->hint_acc);
     fprintf(f, ",\"model\":\"%s\",\"hw\":\"%s\",\"page_size\":%u,\"requests\":%llu", o->model.name,
             o->hw.name, o->page_size, (unsigned long long)r->requests);
-    fprintf(f, ",\"capacity_tokens\":{");
+    fprintf(f, ",\"working_set_tokens\":%llu,\"capacity_tokens\":{",
+            (unsigned long long)r->working_set);
     for (int t = 1, first = 1; t < KVT_TIER_COUNT; t++) {
         fprintf(f, "%s\"%s\":%llu", first ? "" : ",", tn[t], (unsigned long long)r->cap_tokens[t]);
         first = 0;
@@ -623,8 +660,9 @@ static void usage(FILE *f, const char *prog)
             "  --hw NAME|FILE       built-in hardware or a key=value file (default h200-node)\n"
             "  --page-size N        tokens per page (default 16)\n"
             "  --hbm CAP --dram CAP --nvme CAP --remote CAP\n"
-            "                       tier capacities: a percentage of the trace's unique tokens\n"
-            "                       (4), or bytes of KV cache with a unit (64G, 2T, 512M)\n"
+            "                       tier capacities: a percentage of the trace's working set\n"
+            "                       (its distinct whole pages by prefix), e.g. 4, or bytes\n"
+            "                       of KV cache with a unit (64G, 2T, 512M)\n"
             "                       (default 1, 4, 15; remote 0 plus a second configuration\n"
             "                       with remote %.0f unless any tier flag is given)\n"
             "  --hints LIST         also run the cost policy with simulated engine hints of\n"

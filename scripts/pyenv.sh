@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The Python environment of the package's tests and benchmark: a venv at $1/pyenv (default
 # build/pyenv) with torch (the CPU wheel, pinned: any other version downloads GBs of CUDA
-# wheels), numpy, pytest, cffi and setuptools (to build the package), and the kvtier package
-# (python/) installed into it. Creates the venv once; reinstalls the package only when python/
-# changed; quiet when all is current.
+# wheels), numpy, pytest, cffi and meson-python (to build the package), and the kvtier package
+# (`pip install .`: python/ with its own libkvtier) installed into it. Creates the venv once;
+# reinstalls the package only when its files changed; quiet when all is current.
 #
 # pyenv.sh --sglang [DIR]: the venv $DIR/pyenv-sglang of the one test that needs SGLang's real
 # host KV pool (tests/meson.build's python_sglang_hostpool). The pool imports torchvision, and
@@ -22,13 +22,13 @@ fi
 dir=${1:-build}
 if [ $sglang = 1 ]; then
     venv="$dir/pyenv-sglang"
-    reqs="torch==2.14.1 torchvision==0.29.1 numpy pytest cffi>=1.15 setuptools"
+    reqs="torch==2.14.1 torchvision==0.29.1 numpy pytest cffi>=1.15 meson-python"
     engines=(scripts/engines/sglang.sh)
     export torch=2.14.1 torchvision=0.29.1 hostpool=1
     rm -f "$venv/.ready"
 else
     venv="$dir/pyenv"
-    reqs="torch==2.13.0 numpy pytest cffi>=1.15 setuptools matplotlib"
+    reqs="torch==2.13.0 numpy pytest cffi>=1.15 meson-python matplotlib"
     engines=(scripts/engines/*.sh)
 fi
 
@@ -50,15 +50,17 @@ if [ "$(cat "$venv/.reqs" 2>/dev/null)" != "$reqs" ]; then
     "$venv/bin/python" -m pip install -q $reqs
     echo "$reqs" >"$venv/.reqs"
 fi
-# The package itself, from python/: a real install (not editable), so that the tests' check of
-# the installed copy proves `pip install ./python` works; redone whenever a file there changed.
-stamp=$(find python -type f -not -path '*/__pycache__/*' -not -path 'python/build/*' \
-    -not -name '*.egg-info' -not -path '*.egg-info/*' -not -name 'libkvtier.so*' -print0 |
+# The package itself: a real install (not editable) of the wheel `pip install .` builds (python/
+# and libkvtier inside it, built by meson-python: pyproject.toml), so that the tests' check of the
+# installed copy proves it works; redone whenever a file it is made of changed. No build
+# isolation: the venv's meson-python and meson (first on PATH) build it, with no download.
+stamp=$(find python client common proto meson.build meson_options.txt pyproject.toml -type f \
+    -not -path '*/__pycache__/*' -not -name 'libkvtier.so*' -print0 |
     sort -z | xargs -0 sha1sum | sha1sum | cut -d' ' -f1)
 if [ "$(cat "$venv/.kvtier" 2>/dev/null)" != "$stamp" ]; then
-    echo "pyenv: installing the kvtier package (python/)" >&2
-    "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation --force-reinstall ./python
-    rm -rf python/build python/*.egg-info
+    echo "pyenv: installing the kvtier package (pip install .)" >&2
+    PATH="$(cd "$venv/bin" && pwd):$PATH" "$venv/bin/python" -m pip install -q --no-deps \
+        --no-build-isolation --force-reinstall .
     echo "$stamp" >"$venv/.kvtier"
 fi
 # The serving engines the connectors are tested against (vLLM, SGLang, LMCache): one script each

@@ -61,7 +61,10 @@ static const kvt_opt_t kvt_opts[] = {
     {"hbm-batch", KVT_OPT_U32, KVT_O(hbm_batch), "16",
      "most HBM copies submitted as one batch (1 .. 256; 1 submits each copy at once)"},
     {"remote", KVT_OPT_STR, KVT_O(remote), "",
-     "Valkey/Redis server host:port of the remote tier; \"\" for none"},
+     "Valkey/Redis server host:port of the remote tier; \"\" for none; with remote-cluster, "
+     "seed nodes host:port[,host:port...]"},
+    {"remote-cluster", KVT_OPT_BOOL, KVT_O(remote_cluster), "no",
+     "the remote is a Redis/Valkey Cluster: remote lists seed nodes, keys go by hash slot"},
     {"remote-bytes", KVT_OPT_BYTES, KVT_O(remote_bytes), "4G", "remote tier capacity"},
     {"remote-prefix", KVT_OPT_STR, KVT_O(remote_prefix), "kvt",
      "key prefix of blocks on the remote server (keys are PREFIX:SEED:HASH)"},
@@ -145,6 +148,16 @@ static const kvt_opt_t kvt_opts[] = {
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
      "prefill throughput the saved-seconds estimate assumes"},
+    {"metrics-namespaces", KVT_OPT_U32, KVT_O(metrics_namespaces), "32",
+     "(model, adapter) pairs with a kvtier_namespace_prefill_seconds_saved_total series of their "
+     "own (0..1024); later ones count under model=\"_other\""},
+    {"mrc", KVT_OPT_BOOL, KVT_O(mrc), "yes",
+     "estimate each tier's miss-ratio curve from the lookups (kvtier_mrc_* metrics)"},
+    {"mrc-sample-rate", KVT_OPT_DBL, KVT_O(mrc_sample_rate), "0.1",
+     "share of the pages the miss-ratio curve samples at first (0 < rate <= 1)"},
+    {"mrc-max-keys", KVT_OPT_U32, KVT_O(mrc_max_keys), "16384",
+     "pages the miss-ratio curve tracks at most (64..16777216; about 72 bytes each); past it the "
+     "sample rate is lowered"},
     {"policy", KVT_OPT_STR, KVT_O(policy), "cost",
      "tier policy: cost (cost-aware), lru or lfu (checked; see docs/server.md)"},
     {"policy-model", KVT_OPT_STR, KVT_O(policy_model), "llama-3-70b",
@@ -488,6 +501,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen, "max-namespaces must be between 1 and %u", KVT_RADIX_NS_MAX);
         return KVT_EINVAL;
     }
+    if (conf->metrics_namespaces > 1024) {
+        snprintf(err, errlen, "metrics-namespaces must be between 0 and 1024");
+        return KVT_EINVAL;
+    }
     if (conf->max_leases == 0 || conf->max_leases > (1u << 20)) {
         snprintf(err, errlen, "max-leases must be between 1 and 1048576");
         return KVT_EINVAL;
@@ -531,6 +548,14 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     }
     if (!(conf->policy_low > 0) || conf->policy_low > conf->policy_high || conf->policy_high > 1) {
         snprintf(err, errlen, "policy watermarks need 0 < policy-low <= policy-high <= 1");
+        return KVT_EINVAL;
+    }
+    if (!(conf->mrc_sample_rate > 0 && conf->mrc_sample_rate <= 1)) {
+        snprintf(err, errlen, "mrc-sample-rate needs 0 < rate <= 1");
+        return KVT_EINVAL;
+    }
+    if (conf->mrc_max_keys < 64 || conf->mrc_max_keys > (1u << 24)) {
+        snprintf(err, errlen, "mrc-max-keys needs 64 .. 16777216");
         return KVT_EINVAL;
     }
     if (!*conf->unix_path && !*conf->tcp) {

@@ -27,7 +27,8 @@ typedef struct kvt_srv_conf {
     uint32_t hbm_batch; /* copies per batch, at most */
     uint64_t nvme_segment_bytes;
     int nvme_sparse;
-    char *remote; /* host:port of a Valkey/Redis server; "" for none */
+    char *remote;       /* host:port of a Valkey/Redis server; "" for none */
+    int remote_cluster; /* remote is a Cluster: seeds "host:port[,host:port...]" */
     uint64_t remote_bytes;
     char *remote_prefix;
     char *remote_password;
@@ -63,6 +64,10 @@ typedef struct kvt_srv_conf {
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
     uint32_t drain_ms;         /* SIGUSR1: the longest a drain waits before shutting down */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
+    uint32_t metrics_namespaces; /* (model, adapter) pairs with series of their own */
+    int mrc;                     /* the miss-ratio curve of the lookups (mrc.c) */
+    double mrc_sample_rate;      /* its first sampling rate, (0, 1] */
+    uint32_t mrc_max_keys;       /* pages it tracks at most */
     /* Tier policy (policy/policy.h): checked by kvt__conf_finish; see docs/server.md for what
      * the daemon does with them today. */
     char *policy;           /* cost, lru, lfu */

@@ -132,6 +132,7 @@ static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
         kvt__ns_unuse(s, c->ns);
     c->hello = 1;
     c->ns = ns;
+    c->metric_ns = kvt__metrics_ns_slot(s->metrics, model, adapter);
     c->page_size = m.page_size;
     /* What this client declared, not the namespace's: a payload on a connection that said 0 is
      * malformed whichever HELLO came first (docs/protocol.md). */
@@ -176,6 +177,7 @@ static int h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
                                 "STATS takes an empty body");
     }
     kvt__tier_metrics(s); /* the gauges a scrape refreshes first */
+    kvt__metrics_process(s->metrics);
     kvt_statbuf_t b = {0};
     int rc = kvt_reserve(&b.buf, &b.cap, 8192, 1, 8192);
     if (rc == 0) {

@@ -101,6 +101,7 @@ static void http_route(kvt_srv_t *s, kvt_http_conn_t *h)
     int get = !strcmp(method, "GET"), head = !strcmp(method, "HEAD");
     if (!strcmp(path, "/metrics") && (get || head)) {
         kvt__tier_metrics(s);
+        kvt__metrics_process(s->metrics);
         char *body;
         size_t len;
         if (kvt__metrics_render(s->metrics, &body, &len) < 0) {

@@ -305,6 +305,15 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
                               : KVT_GHOST_BITS;
     if (kvt_ghosts_create(&s->exec.ghosts, ghost_bits) < 0 || kvt__metrics_create(&s->metrics) < 0)
         goto fail;
+    kvt__metrics_ns_limit(s->metrics, conf->metrics_namespaces);
+    if (kvt_model_profile_get(conf->policy_model, &s->cost_model) < 0 ||
+        kvt_hw_profile_get(conf->policy_hw, &s->cost_hw) < 0) {
+        rc = KVT_EINVAL; /* kvt__conf_finish checked them: not reached */
+        goto fail;
+    }
+    kvt__mrc_conf_t mc = {.rate = conf->mrc_sample_rate, .max_keys = conf->mrc_max_keys};
+    if (conf->mrc && (rc = kvt__mrc_create(&s->mrc, &mc)) < 0)
+        goto fail;
     s->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (s->epfd < 0) {
         rc = -errno;
@@ -503,6 +512,7 @@ void kvt__srv_close(kvt_srv_t *s)
     if (s->epfd > 0)
         close(s->epfd);
     kvt__metrics_destroy(s->metrics);
+    kvt__mrc_destroy(s->mrc);
     kvt_ghosts_destroy(s->exec.ghosts);
     free(s->leases.pos);
     free(s->ns);

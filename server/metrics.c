@@ -3,14 +3,23 @@
  * /metrics and the name/value list of STATS. Everything either shows comes from the one table in
  * metrics.h: name, type, help and label dimension; this file only knows how to lay out each
  * dimension's series. Histograms share one bucket ladder in seconds, from 10 us to 10 s, which
- * covers a DRAM hit and a remote round trip alike.
+ * covers a DRAM hit and a remote round trip alike. Two dimensions are not fixed lists: the
+ * per-namespace series, a table of label strings that grows to metrics-namespaces entries and no
+ * further, and the one build_info series. The process_* gauges are read from /proc/self when a
+ * scrape asks, as every Prometheus client library does.
  */
 #include "metrics.h"
 
+#include <dirent.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "kvt_commit.h"
 
 #define KVT_MAX_SERIES (KVT_TIER_COUNT * KVT_TIER_COUNT)
 
@@ -58,9 +67,18 @@ static const struct kvt_enum_label {
     [KVT_LBL_RESV] = {"outcome", kvt_resv_names, KVT_RESV_COUNT},
 };
 
+/* One per-namespace series: its rendered label set and a value per KVT_LBL_NS metric. */
+typedef struct kvt_ns_series {
+    char *labels; /* model="...",adapter="...", escaped */
+    double v;
+} kvt_ns_series_t;
+
 struct kvt_metrics {
     double values[KVT_M_COUNT][KVT_MAX_SERIES];
     kvt_hist_t hists[KVT_M_COUNT][KVT_MAX_SERIES];
+    kvt_ns_series_t *ns; /* [0] is model="_other" */
+    unsigned nns, ns_limit;
+    unsigned tier_mask;                           /* kvt__metrics_tiers */
     kvt_metric_tenant_t tenants[KVT_TENANT_ROWS]; /* KVT_TENANT_NAME's rows */
     size_t ntenants;
 };
@@ -73,17 +91,142 @@ void kvt__metrics_tenants(kvt_metrics_t *m, const kvt_metric_tenant_t *rows, siz
     m->ntenants = n;
 }
 
+/* Appends a label value to dst (room for 2 x len + 1 bytes): a backslash or a quote escaped, as
+ * the text format wants, and a byte outside printable ASCII shown as '?' (a label value must be
+ * UTF-8; a client's name need not be). */
+static char *label_value(char *dst, const char *v)
+{
+    for (; *v; v++) {
+        unsigned char ch = (unsigned char)*v;
+        if (ch == '\\' || ch == '"')
+            *dst++ = '\\';
+        *dst++ = ch >= 0x20 && ch < 0x7f ? (char)ch : '?';
+    }
+    *dst = 0;
+    return dst;
+}
+
+void kvt__metrics_ns_limit(kvt_metrics_t *m, unsigned limit)
+{
+    m->ns_limit = limit;
+}
+
+unsigned kvt__metrics_ns_slot(kvt_metrics_t *m, const char *model, const char *adapter)
+{
+    char lb[2 * 2 * 256 + 32];
+    char *p = lb + sprintf(lb, "model=\"");
+    p = label_value(p, model);
+    p += sprintf(p, "\",adapter=\"");
+    p = label_value(p, adapter ? adapter : "");
+    strcpy(p, "\"");
+    for (unsigned i = 1; i < m->nns; i++)
+        if (!strcmp(m->ns[i].labels, lb))
+            return i;
+    if (m->nns > m->ns_limit) /* [0] is not one of the limit */
+        return 0;
+    kvt_ns_series_t *n = realloc(m->ns, (m->nns + 1) * sizeof *n);
+    if (!n)
+        return 0;
+    m->ns = n;
+    if (!(n[m->nns].labels = strdup(lb)))
+        return 0;
+    n[m->nns].v = 0;
+    return m->nns++;
+}
+
+void kvt__metric_ns_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned slot, double v)
+{
+    kvt_assert(id < KVT_M_COUNT && kvt_defs[id].lbl == KVT_LBL_NS && slot < m->nns);
+    m->ns[slot].v += v;
+}
+
+/* The seconds since boot the kernel booted at (/proc/stat's btime); 0 if unread. */
+static double boot_time(void)
+{
+    FILE *f = fopen("/proc/stat", "re");
+    char line[256];
+    double bt = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "btime %lf", &bt) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return bt;
+}
+
+void kvt__metrics_process(kvt_metrics_t *m)
+{
+    /* /proc/self/stat: the name in parentheses may hold spaces; the fields counted from the
+     * last ')' are 3 (state) onwards: utime 14, stime 15, starttime 22, vsize 23, rss 24. */
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "re");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f)
+        fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    unsigned long long utime, stime, start, vsize;
+    long long rss;
+    if (p && sscanf(p + 2,
+                    "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d %*d %*d "
+                    "%*d %llu %llu %lld",
+                    &utime, &stime, &start, &vsize, &rss) == 5) {
+        double hz = (double)sysconf(_SC_CLK_TCK);
+        m->values[KVT_M_PROC_CPU][0] = (double)(utime + stime) / hz;
+        m->values[KVT_M_PROC_VSIZE][0] = (double)vsize;
+        m->values[KVT_M_PROC_RSS][0] = (double)rss * (double)sysconf(_SC_PAGESIZE);
+        if (m->values[KVT_M_PROC_START][0] == 0) {
+            double bt = boot_time();
+            if (bt > 0)
+                m->values[KVT_M_PROC_START][0] = bt + (double)start / hz;
+        }
+    }
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        unsigned fds = 0;
+        for (struct dirent *e; (e = readdir(d));)
+            fds += e->d_name[0] != '.';
+        closedir(d);
+        m->values[KVT_M_PROC_FDS][0] = fds ? fds - 1 : 0; /* less the directory's own */
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
+        m->values[KVT_M_PROC_MAX_FDS][0] = rl.rlim_cur == RLIM_INFINITY ? 0 : (double)rl.rlim_cur;
+}
+
+void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask)
+{
+    m->tier_mask = mask;
+}
+
+/* A TIER_SCALE series of a tier not configured is not shown. */
+static int shown(const kvt_metrics_t *m, const struct kvt_metric_def *d, unsigned s)
+{
+    return d->lbl != KVT_LBL_TIER_SCALE || (m->tier_mask >> (s / KVT_MRC_SCALES) & 1);
+}
+
 int kvt__metrics_create(kvt_metrics_t **out)
 {
     kvt_metrics_t *m = calloc(1, sizeof *m);
-    if (!m)
+    if (!m || !(m->ns = calloc(1, sizeof *m->ns)) ||
+        !(m->ns[0].labels = strdup("model=\"_other\",adapter=\"\""))) {
+        kvt__metrics_destroy(m);
         return KVT_ENOMEM;
+    }
+    m->nns = 1;
+    m->ns_limit = 32;
+    m->values[KVT_M_BUILD_INFO][0] = 1;
     *out = m;
     return 0;
 }
 
 void kvt__metrics_destroy(kvt_metrics_t *m)
 {
+    if (!m)
+        return;
+    for (unsigned i = 0; m->ns && i < m->nns; i++)
+        free(m->ns[i].labels);
+    free(m->ns);
     free(m);
 }
 
@@ -161,6 +304,10 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
     switch (lbl) {
     case KVT_LBL_NONE:
         return s == 0 ? 0 : -1;
+    case KVT_LBL_STORE:
+        if (s == KVT_TIER_NONE)
+            return -1;
+        /* fall through */
     case KVT_LBL_TIER:
         if (s >= KVT_TIER_COUNT)
             return -1;
@@ -191,6 +338,17 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
         kv[2] = "dir";
         kv[3] = s % 2 ? "write" : "read";
         return 2;
+    case KVT_LBL_TIER_SCALE: {
+        static const char *const scales[KVT_MRC_SCALES] = {"0.25", "0.5", "1", "2", "4"};
+        unsigned t = s / KVT_MRC_SCALES;
+        if (t == KVT_TIER_NONE || t >= KVT_TIER_COUNT)
+            return -1;
+        kv[0] = "tier";
+        kv[1] = kvt_tier_name((kvt_tier_id_t)t);
+        kv[2] = "scale";
+        kv[3] = scales[s % KVT_MRC_SCALES];
+        return 2;
+    }
     case KVT_LBL_REASON:
     case KVT_LBL_ERR:
     case KVT_LBL_RECOVERY:
@@ -204,6 +362,15 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
         kv[1] = e->names[s];
         return 1;
     }
+    case KVT_LBL_BUILD:
+        /* Three labels fixed at build time, given as one key whose value is the last one's. */
+        if (s != 0)
+            return -1;
+        kv[0] = "version=\"" KVT_VERSION "\",commit=\"" KVT_COMMIT "\",cuda";
+        kv[1] = KVT_HAVE_CUDA ? "yes" : "no";
+        return 1;
+    case KVT_LBL_NS:
+        return -1; /* not a fixed list: kvt__metrics_render walks the table */
     }
     return -1;
 }
@@ -224,6 +391,13 @@ static const char *series_labels(kvt_label_kind_t lbl, unsigned s, char *buf, si
     return buf;
 }
 
+/* A gauge whose value is a fraction: STATS sends it in parts per million. */
+static int is_ratio(const struct kvt_metric_def *d)
+{
+    size_t n = strlen(d->name);
+    return d->type == KVT_MT_GAUGE && n > 6 && !strcmp(d->name + n - 6, "_ratio");
+}
+
 /* A series' STATS name (metrics.h, kvt__metrics_each); NULL when the series is not rendered. */
 static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, char *buf,
                                     size_t len)
@@ -240,7 +414,9 @@ static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, 
     }
     if (sl > 6 && !strcmp(stem + sl - 6, "_total"))
         sl -= 6;
-    if (d->lbl == KVT_LBL_TIER && !strncmp(stem, "tier_", 5))
+    if (d->lbl == KVT_LBL_BUILD)
+        snprintf(buf, len, "%.*s", (int)sl, stem);
+    else if (d->lbl == KVT_LBL_TIER && !strncmp(stem, "tier_", 5))
         snprintf(buf, len, "%s_%.*s", kv[1], (int)(sl - 5), stem + 5);
     else if (n == 0)
         snprintf(buf, len, "%.*s", (int)sl, stem);
@@ -248,6 +424,10 @@ static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, 
         snprintf(buf, len, "%.*s_%s", (int)sl, stem, kv[1]);
     else
         snprintf(buf, len, "%.*s_%s_%s", (int)sl, stem, kv[1], kv[3]);
+    if (is_ratio(d)) {
+        size_t bl = strlen(buf);
+        snprintf(buf + bl, len - bl, "_ppm");
+    }
     return buf;
 }
 
@@ -260,9 +440,9 @@ int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *n
             continue;
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char name[128];
-            if (!series_stat_name(d, s, name, sizeof name))
+            if (!shown(m, d, s) || !series_stat_name(d, s, name, sizeof name))
                 continue;
-            double v = m->values[id][s];
+            double v = m->values[id][s] * (is_ratio(d) ? 1e6 : 1);
             int rc = cb(arg, name, v > 0 ? (uint64_t)v : 0);
             if (rc)
                 return rc;
@@ -285,7 +465,7 @@ static void render_value(kvt_buf_t *b, double v)
     if (v == (double)(uint64_t)v && v < 1e18)
         kvt_bprintf(b, "%llu\n", (unsigned long long)v);
     else
-        kvt_bprintf(b, "%.9g\n", v);
+        kvt_bprintf(b, "%.15g\n", v); /* a start time in seconds keeps its fraction */
 }
 
 int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
@@ -298,9 +478,13 @@ int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
     for (unsigned id = 0; id < KVT_M_COUNT; id++) {
         const struct kvt_metric_def *d = &kvt_defs[id];
         kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", d->name, d->help, d->name, types[d->type]);
+        for (unsigned i = 0; d->lbl == KVT_LBL_NS && i < m->nns; i++) {
+            kvt_bprintf(&b, "%s{%s} ", d->name, m->ns[i].labels);
+            render_value(&b, m->ns[i].v);
+        }
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char lb[96];
-            const char *l = series_labels(d->lbl, s, lb, sizeof lb);
+            const char *l = shown(m, d, s) ? series_labels(d->lbl, s, lb, sizeof lb) : NULL;
             if (!l)
                 continue;
             if (d->type != KVT_MT_HISTOGRAM) {

@@ -28,6 +28,11 @@ typedef enum {
     KVT_LBL_PUT,      /* outcome="stored|cached|no_room|failed" */
     KVT_LBL_HINT,     /* kind="paused|finished|priority" */
     KVT_LBL_RESV,     /* outcome="committed|aborted|expired|closed" */
+    KVT_LBL_STORE,    /* tier="hbm|dram|nvme|remote": the tiers that hold bytes */
+    KVT_LBL_NS,       /* model="...",adapter="...": metrics-namespaces of them, then "_other" */
+    KVT_LBL_BUILD,    /* version="...",commit="...",cuda="yes|no": one series */
+    /* tier="...",scale="0.25|0.5|1|2|4" over the configured real tiers (kvt__metrics_tiers) */
+    KVT_LBL_TIER_SCALE,
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -184,6 +189,20 @@ typedef enum {
       "Remote requests and probes failed by their deadline.", NONE)                                \
     X(REMOTE_OVERSIZED, COUNTER, "kvtier_remote_oversized_values_total",                           \
       "Remote values longer than their block, refused without being buffered.", NONE)              \
+    X(REMOTE_MOVED, COUNTER, "kvtier_remote_moved_total",                                          \
+      "MOVED replies from the remote cluster (a slot served elsewhere): followed.", NONE)          \
+    X(REMOTE_ASKS, COUNTER, "kvtier_remote_asks_total",                                            \
+      "ASK replies from the remote cluster (a slot migrating): followed with ASKING.", NONE)       \
+    X(REMOTE_REDIRECT_ERRORS, COUNTER, "kvtier_remote_redirect_errors_total",                      \
+      "Remote redirects not followed (a bad address, too many, no cluster mode): misses.", NONE)   \
+    X(REMOTE_MAP_REFRESHES, COUNTER, "kvtier_remote_slot_map_refreshes_total",                     \
+      "Slot maps of the remote cluster applied (CLUSTER SLOTS).", NONE)                            \
+    X(REMOTE_MAP_ERRORS, COUNTER, "kvtier_remote_slot_map_errors_total",                           \
+      "Slot-map replies refused (malformed, or an error): the map was kept.", NONE)                \
+    X(REMOTE_FAILOVERS, COUNTER, "kvtier_remote_failovers_total",                                  \
+      "Lost remote primaries whose slots a refreshed map gave to another node.", NONE)             \
+    X(REMOTE_NODES, GAUGE, "kvtier_remote_nodes",                                                  \
+      "Remote cluster primaries the slot map names (1 for a single server).", NONE)                \
     X(PREFETCH_WAITS, COUNTER, "kvtier_prefetch_waits_total",                                      \
       "PREFETCH requests that waited for room on its way or for others' moves.", NONE)             \
     X(PUT_PAGES, COUNTER, "kvtier_put_pages_total",                                                \
@@ -256,7 +275,53 @@ typedef enum {
     X(RESERVATIONS, COUNTER, "kvtier_reservations_total",                                          \
       "Zero-copy reservations ended, by outcome: committed, aborted, expired (reserve-ms), "       \
       "closed (the connection went).",                                                             \
-      RESV)
+      RESV)                                                                                        \
+    X(SECONDS_SAVED, COUNTER, "kvtier_prefill_seconds_saved_total",                                \
+      "Prefill seconds the matched pages held in each tier saved, by the cost model "              \
+      "(policy-model on policy-hw): recompute time avoided minus the load from that tier, per "    \
+      "MATCH, never below 0.",                                                                     \
+      STORE)                                                                                       \
+    X(NS_SECONDS_SAVED, COUNTER, "kvtier_namespace_prefill_seconds_saved_total",                   \
+      "The same, by the model and adapter the clients' HELLO named; past metrics-namespaces "      \
+      "distinct pairs the rest count under model=\"_other\".",                                     \
+      NS)                                                                                          \
+    X(BUILD_INFO, GAUGE, "kvtier_build_info",                                                      \
+      "1, labelled with the daemon's version, the commit it was built from and whether it has "    \
+      "the CUDA backend.",                                                                         \
+      BUILD)                                                                                       \
+    X(REMOTE_UP, GAUGE, "kvtier_remote_up",                                                        \
+      "1 while the connection to the remote server is up (handshake answered), else 0; 0 also "    \
+      "with no remote tier (its kvtier_tier_capacity_bytes is 0 then).",                           \
+      NONE)                                                                                        \
+    X(PROC_START, GAUGE, "process_start_time_seconds",                                             \
+      "Start time of the process since the Unix epoch, in seconds.", NONE)                         \
+    X(PROC_CPU, COUNTER, "process_cpu_seconds_total",                                              \
+      "User and system CPU time spent, in seconds.", NONE)                                         \
+    X(PROC_RSS, GAUGE, "process_resident_memory_bytes", "Resident memory size, in bytes.", NONE)   \
+    X(PROC_VSIZE, GAUGE, "process_virtual_memory_bytes", "Virtual memory size, in bytes.", NONE)   \
+    X(PROC_FDS, GAUGE, "process_open_fds", "Open file descriptors.", NONE)                         \
+    X(PROC_MAX_FDS, GAUGE, "process_max_fds",                                                      \
+      "The limit on open file descriptors (RLIMIT_NOFILE).", NONE)                                 \
+    X(MRC_HIT_RATIO, GAUGE, "kvtier_mrc_hit_ratio",                                                \
+      "Estimated share of the looked-up tokens the tier would have served at scale x its size, "   \
+      "the other tiers as they are, under LRU (the miss-ratio curve, docs/server.md).",            \
+      TIER_SCALE)                                                                                  \
+    X(MRC_PREFILL_SAVED, GAUGE, "kvtier_mrc_prefill_saved_seconds",                                \
+      "Estimated prefill seconds the tier's hits since start would have saved at scale x its "     \
+      "size (its hit tokens at that size / prefill_tokens_per_s).",                                \
+      TIER_SCALE)                                                                                  \
+    X(MRC_HIERARCHY, GAUGE, "kvtier_mrc_hierarchy_hit_ratio",                                      \
+      "Estimated share of the looked-up tokens all the tiers together serve at their sizes, "      \
+      "under LRU.",                                                                                \
+      NONE)                                                                                        \
+    X(MRC_SAMPLING, GAUGE, "kvtier_mrc_sampling_ratio",                                            \
+      "Share of the pages the miss-ratio curve tracks now (mrc-sample-rate, lowered when more "    \
+      "than mrc-max-keys would be tracked).",                                                      \
+      NONE)                                                                                        \
+    X(MRC_PAGES, GAUGE, "kvtier_mrc_tracked_pages", "Pages the miss-ratio curve tracks now.",      \
+      NONE)                                                                                        \
+    X(MRC_BYTES, GAUGE, "kvtier_mrc_bytes", "Memory held by the miss-ratio curve's estimator.",    \
+      NONE)
 
 typedef enum {
 #define KVT_X(id, type, name, help, lbl) KVT_M_##id,
@@ -307,6 +372,14 @@ static inline unsigned kvt__tier_io(unsigned tier, int write)
 {
     return tier * 2 + (write ? 1 : 0);
 }
+/* The sizes a miss-ratio curve is read at: 0.25, 0.5, 1, 2 and 4 times a tier's (mrc.c). */
+#define KVT_MRC_SCALES 5
+static inline unsigned kvt__tier_scale(unsigned tier, unsigned scale)
+{
+    return tier * KVT_MRC_SCALES + scale;
+}
+/* The tiers (bit i: tier i) whose TIER_SCALE series are shown; none until set. */
+void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask);
 
 void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
@@ -315,14 +388,31 @@ double kvt__metric_get(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned seri
 const kvt_hist_t *kvt__metric_hist(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series);
 
 /*
- * Every counter and gauge series, in table order, by its STATS name (histograms are /metrics'
- * only): the metric's name without "kvtier_" and "_total", then its label values joined by "_"
- * (hit_tokens_dram, blocks_moved_dram_nvme, put_pages_stored); a per-tier metric named
- * kvtier_tier_* puts the tier first instead (dram_used_bytes). Values are truncated to integers.
- * cb returns non-zero to stop; that value is returned, else 0.
+ * Every counter and gauge series, in table order, by its STATS name (histograms and the
+ * per-namespace series, whose labels are client-chosen strings, are /metrics' only): the metric's
+ * name without "kvtier_" and "_total", then its label values joined by "_" (hit_tokens_dram,
+ * blocks_moved_dram_nvme, put_pages_stored); a per-tier metric named kvtier_tier_* puts the tier
+ * first instead (dram_used_bytes); kvtier_build_info is build_info, its labels left out. Values are
+ * truncated to integers, but a gauge named *_ratio is sent in parts per million, "_ppm" added to
+ * its name (mrc_hit_ratio_dram_2_ppm). cb returns non-zero to stop; that value is returned, else 0.
  */
 int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *name, uint64_t v),
                       void *arg);
+
+/*
+ * The per-namespace series (KVT_LBL_NS). Their label is the model and adapter a HELLO named (the
+ * tenant salt is a secret and the page size an engine detail: neither is shown); the first limit
+ * distinct pairs get a series each for the daemon's life, every later one shares
+ * model="_other",adapter="" (slot 0), so that clients inventing names cannot grow a scrape.
+ * Returns the slot to pass to kvt__metric_ns_add; 0 also when memory is short.
+ */
+void kvt__metrics_ns_limit(kvt_metrics_t *m, unsigned limit);
+unsigned kvt__metrics_ns_slot(kvt_metrics_t *m, const char *model, const char *adapter);
+void kvt__metric_ns_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned slot, double v);
+
+/* Reads the process_* gauges from /proc/self (at scrape time: a scrape shows them fresh). A value
+ * it cannot read keeps its last one. */
+void kvt__metrics_process(kvt_metrics_t *m);
 
 /* Renders every metric in the Prometheus text exposition format (0.0.4). The string is
  * malloc'ed; the caller frees it. Returns 0 or KVT_ENOMEM. */

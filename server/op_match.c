@@ -2,16 +2,42 @@
  * op_match.c: MATCH. It reads the tree (kvt_radix_match), counts hits and misses by tier and
  * reason, tells the policy of the use, and answers with a tier per page and, if asked, a lease.
  * A MATCH with REMOTE may wait for the remote probe (op_probe.c) before answering.
+ *
+ * It also prices the hit with the cost model (policy-model on policy-hw): per tier, the prefill
+ * the matched pages held there spare (recompute seconds at their depth) minus loading them from
+ * that tier (bandwidth and the tier's fixed latency, once per MATCH), never below 0. Pages in no
+ * tier (index-only, or lost) are left out: nothing of kvtier's loads them.
  */
 #include "server.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-static void count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, uint32_t ntokens,
-                        uint32_t page, const uint8_t *tiers, int remote_down)
+/* The seconds saved by the hits of one MATCH: recompute[t] and bytes[t] summed over its runs in
+ * tier t, then each tier's load subtracted once. */
+static void count_saved(kvt_srv_t *s, unsigned ns_slot, const double *recompute,
+                        const uint64_t *bytes)
+{
+    double all = 0;
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        if (!bytes[t])
+            continue;
+        double saved = recompute[t] - kvt_cost_load_s(&s->cost_hw, (kvt_tier_id_t)t, bytes[t]);
+        if (!(saved > 0)) /* no path from that tier (INFINITY), or loading costs more */
+            continue;
+        kvt__metric_add(s->metrics, KVT_M_SECONDS_SAVED, (unsigned)t, saved);
+        all += saved;
+    }
+    if (all > 0)
+        kvt__metric_ns_add(s->metrics, KVT_M_NS_SECONDS_SAVED, ns_slot, all);
+}
+
+static void count_match(kvt_srv_t *s, unsigned ns_slot, kvt_match_t *m, const uint32_t *tokens,
+                        uint32_t ntokens, uint32_t page, const uint8_t *tiers, int remote_down)
 {
     kvt_metrics_t *mt = s->metrics;
+    double recompute[KVT_TIER_COUNT] = {0};
+    uint64_t bytes[KVT_TIER_COUNT] = {0};
     kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
     kvt__metric_add(mt, KVT_M_LOOKUP_TOKENS, 0, ntokens);
     /* Runs of one tier (a path is mostly one or two runs): no per-page counter updates. A run
@@ -27,7 +53,13 @@ static void count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, ui
             ;
         kvt__metric_add(mt, KVT_M_HIT_TOKENS, tiers[i] < KVT_TIER_COUNT ? tiers[i] : 0,
                         (double)run * page);
+        if (tiers[i] != KVT_TIER_NONE && tiers[i] < KVT_TIER_COUNT) {
+            recompute[tiers[i]] += kvt_cost_recompute_s(&s->cost_model, &s->cost_hw,
+                                                        (uint64_t)i * page, (uint64_t)run * page);
+            bytes[tiers[i]] += kvt_cost_kv_bytes(&s->cost_model, (uint64_t)run * page);
+        }
     }
+    count_saved(s, ns_slot, recompute, bytes);
     kvt__metric_add(mt, KVT_M_PREFILL_SAVED, 0,
                     (double)m->pages * page / s->conf->prefill_tokens_per_s);
     uint32_t whole = ntokens / page;
@@ -46,6 +78,32 @@ static void count_match(kvt_srv_t *s, kvt_match_t *m, const uint32_t *tokens, ui
         }
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
     }
+}
+
+/*
+ * The lookup's whole pages for the miss-ratio curve (mrc.h), named by their chain hashes: those
+ * of the matched pages are the tree's own (cached in the blocks once computed; count_match needs
+ * the last one anyway), the rest are hashed on from there, one XXH3 of a page's tokens each.
+ */
+static void mrc_match(kvt_srv_t *s, const kvt_match_t *m, const kvt__match_q_t *q)
+{
+    uint32_t whole = q->ntokens / q->page;
+    uint64_t *keys = kvt__mrc_scratch(s->mrc, whole ? whole : 1);
+    if (!keys)
+        return;
+    uint64_t parent = kvt_radix_ns_seed(s->radix, m->ns);
+    if (m->pages) {
+        parent = kvt_radix_block_hash(s->radix, m->node, m->pages - 1);
+        for (kvt_path_run_t pr = kvt_path_run_first(m->node, m->node_pages); pr.node;
+             kvt_path_run_next(&pr))
+            for (uint32_t i = 0; i < pr.n; i++)
+                keys[pr.depth + i] = pr.blocks[i].hash;
+    }
+    if (whole > m->pages &&
+        kvt_radix_hash_chain(s->radix, m->ns, parent, q->tokens + (size_t)m->pages * q->page,
+                             whole - m->pages, keys + m->pages) < 0)
+        return;
+    kvt__mrc_lookup(s->mrc, keys, whole, q->page, q->block_bytes, q->ntokens);
 }
 
 /*
@@ -77,8 +135,11 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
                    KVT_MIN(q->lost.to[k], m->pages) - q->lost.from[k]);
     if (q->lost.gone < m->pages)
         memset(tiers + q->lost.gone, KVT_TIER_NONE, m->pages - q->lost.gone);
-    if (!(q->flags & KVT_MATCH_F_PROBE))
-        count_match(s, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
+    if (!(q->flags & KVT_MATCH_F_PROBE)) {
+        count_match(s, c->metric_ns, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
+        if (s->mrc)
+            mrc_match(s, m, q);
+    }
     uint64_t lease = 0;
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
@@ -160,11 +221,17 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
                              (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
+    /* The block size for the miss-ratio curve: c's, or the namespace's when c declared none (a
+     * lookup-only client of a namespace that others fill). */
+    uint32_t block = c->block_bytes   ? c->block_bytes
+                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
+                                      : 0;
     kvt__match_q_t mq = {.flags = h->flags,
                          .lease_ms = q.lease_ms,
                          .engine_id = q.hints.engine_request_id,
                          .ntokens = q.ntokens,
                          .page = c->page_size,
+                         .block_bytes = block,
                          .tokens = c->tok};
     kvt__store_check_path(s, &m, &mq.lost); /* blocks NVMe dropped are not reported stored */
     int down = 0;

@@ -31,6 +31,7 @@
 #include "tier.h"
 #include "conf.h"
 #include "metrics.h"
+#include "mrc.h"
 #include "proto.h"
 
 typedef struct kvt_srv kvt_srv_t;
@@ -222,6 +223,8 @@ struct kvt__conn {
     int authed;
     int hello;
     uint32_t ns, page_size, block_bytes;
+    /* Its namespace's slot in the per-namespace series (kvt__metrics_ns_slot, at HELLO). */
+    unsigned metric_ns;
     int closing;    /* no more requests: close once the queue drains */
     int dead;       /* the peer is gone or broke the framing: close now */
     int in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
@@ -335,6 +338,11 @@ struct kvt_srv {
     kvt_tier_t *tiers[KVT_TIER_COUNT];
     kvt_policy_t *policy;
     kvt_metrics_t *metrics;
+    /* policy-model and policy-hw: what the prefill seconds a hit saved are priced with */
+    kvt_model_profile_t cost_model;
+    kvt_hw_profile_t cost_hw;
+    /* The lookups' miss-ratio curve (mrc.c); NULL with mrc = no. */
+    kvt__mrc_t *mrc;
     kvt__ns_t *ns; /* ns.c */
     size_t nns, cap_ns;
     uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
@@ -501,6 +509,8 @@ typedef struct kvt__match_q {
     uint64_t engine_id;
     uint32_t ntokens;
     uint32_t page; /* the namespace's page size when asked (a HELLO may change c's) */
+    /* and its block size (0: not declared), for the miss-ratio curve */
+    uint32_t block_bytes;
     const uint32_t *tokens;
     kvt__lost_t lost; /* kvt__store_check_path: pages reported index-only */
 } kvt__match_q_t;

@@ -254,12 +254,15 @@ int kvt__store_open(kvt_srv_t *s)
     }
     if (*c->remote) {
         char host[256];
-        uint16_t port;
-        if (kvt_tier_remote_parse_addr(c->remote, host, sizeof host, &port) < 0) {
+        uint16_t port = 0;
+        if (!c->remote_cluster &&
+            kvt_tier_remote_parse_addr(c->remote, host, sizeof host, &port) < 0) {
             kvt_log(KVT_LOG_ERROR, "kvtierd: bad remote address '%s'", c->remote);
             return KVT_EINVAL;
         }
-        kvt_tier_remote_conf_t rcf = {.host = host,
+        kvt_tier_remote_conf_t rcf = {.host = c->remote_cluster ? NULL : host,
+                                      .cluster = c->remote_cluster,
+                                      .seeds = c->remote_cluster ? c->remote : NULL,
                                       .port = port,
                                       .key_prefix = c->remote_prefix,
                                       .capacity_bytes = c->remote_bytes,
@@ -350,6 +353,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
     kvt__metric_set(s->metrics, KVT_M_INDEX_CACHED_TOKENS, 0, (double)rs.cached_tokens);
     kvt__metric_set(s->metrics, KVT_M_UPTIME, 0, (double)(kvt_now_ns() - s->started_ns) / 1e9);
     kvt__metric_set(s->metrics, KVT_M_LOG_SUPPRESSED, 0, (double)kvt_log_suppressed());
+    kvt__mrc_metrics(s);
     if (s->tiers[KVT_TIER_REMOTE]) {
         kvt_tier_remote_stats_t st;
         kvt_tier_remote_stats(s->tiers[KVT_TIER_REMOTE], &st);
@@ -357,6 +361,15 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_REMOTE_DISCONNECTS, 0, (double)st.disconnects);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_TIMEOUTS, 0, (double)st.timeouts);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_OVERSIZED, 0, (double)st.oversized);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_UP, 0,
+                        kvt_tier_remote_connected(s->tiers[KVT_TIER_REMOTE]));
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_MOVED, 0, (double)st.moved);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_ASKS, 0, (double)st.asks);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_REDIRECT_ERRORS, 0, (double)st.redirect_errors);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_MAP_REFRESHES, 0, (double)st.map_refreshes);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_MAP_ERRORS, 0, (double)st.map_errors);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_FAILOVERS, 0, (double)st.failovers);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_NODES, 0, (double)st.nodes);
     }
     if (s->policy) {
         kvt_policy_stats_t ps;

@@ -4,8 +4,15 @@
  * move with the requests (lookups, looked-up tokens, hits per tier, miss reasons, request
  * histograms, protocol errors, engine hints by kind), STATS lists the same series as /metrics
  * (every counter and gauge of the one metric table), /healthz answers, and other paths get
- * 404/405.
+ * 404/405. The operator's series: prefill seconds saved per tier and per namespace as the cost
+ * model prices them, the per-namespace label set capped at metrics-namespaces, kvtier_build_info
+ * and the process_* gauges against what /proc says of the daemon.
  */
+#include <math.h>
+#include <time.h>
+
+#include "config.h"
+#include "policy.h"
 #include "proto.h"
 #include "test_server_harness.h"
 
@@ -217,7 +224,8 @@ Test(metrics_scrape, stats_has_every_series_of_the_metrics)
     for (const char *p = body; *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : p + strlen(p)) {
         if (!strncmp(p, "# TYPE ", 7))
             histogram = !strncmp(strchr(p + 7, ' ') + 1, "histogram", 9);
-        else if (*p != '#' && *p != '\n' && !histogram)
+        else if (*p != '#' && *p != '\n' && !histogram &&
+                 strncmp(p, "kvtier_namespace_", 17)) /* client-chosen labels: /metrics only */
             samples++;
     }
     cr_expect_eq(l.n, samples, "STATS %u entries, /metrics %u counter and gauge series", l.n,
@@ -236,6 +244,10 @@ Test(metrics_scrape, stats_has_every_series_of_the_metrics)
                  metric(body, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"));
     cr_expect_eq(stats_value(&l, "tier_io_errors_dram_read"), 0);
     cr_expect_eq(stats_value(&l, "put_pages_stored"), 4);
+    cr_expect_eq(stats_value(&l, "build_info"), 1);
+    cr_expect_eq(stats_value(&l, "prefill_seconds_saved_dram"),
+                 (uint64_t)metric(body, "kvtier_prefill_seconds_saved_total{tier=\"dram\"}"));
+    cr_expect_gt(stats_value(&l, "process_open_fds"), 0);
     kvt_client_close(c);
     kvd_stop(&d);
 }
@@ -275,5 +287,171 @@ Test(metrics_scrape, hints_are_counted_by_kind)
     cr_expect_eq(metric(body, "kvtier_hints_total{kind=\"paused\"}"), 2);
     cr_expect_eq(metric(body, "kvtier_hints_total{kind=\"finished\"}"), 1);
     cr_expect_eq(metric(body, "kvtier_hints_total{kind=\"priority\"}"), 2);
+    kvd_cleanup(&d);
+}
+
+static kvt_client_t *client_ns(const kvd_t *d, const char *model, const char *adapter)
+{
+    kvt_client_conf_t conf = {.unix_path = d->sock,
+                              .model = model,
+                              .adapter = adapter,
+                              .page_size = PAGE,
+                              .block_bytes = 512,
+                              .timeout_ms = 10000};
+    kvt_client_t *c = NULL;
+    int rc = kvt_client_connect(&c, &conf);
+    cr_assert_eq(rc, 0, "connect: %s", kvt_client_strerror(rc));
+    return c;
+}
+
+/* What the cost model says a hit of the pages [0, pages) in DRAM saves. */
+static double saved_dram(const kvt_model_profile_t *m, const kvt_hw_profile_t *hw, uint32_t pages)
+{
+    uint64_t t = (uint64_t)pages * PAGE;
+    return kvt_cost_recompute_s(m, hw, 0, t) -
+           kvt_cost_load_s(hw, KVT_TIER_DRAM, kvt_cost_kv_bytes(m, t));
+}
+
+static void expect_near(double got, double want, const char *what)
+{
+    cr_expect(fabs(got - want) <= 1e-9 * fabs(want) + 1e-12, "%s: %.12g, the cost model says %.12g",
+              what, got, want);
+}
+
+/* A path of 13 pages in DRAM and 32 index-only: the DRAM run saves its recompute at its depth less
+ * its load from DRAM, on the profiles the daemon was given (not the defaults); the index-only
+ * pages save nothing kvtier could load, and no tier="none" series shows. The namespace's series
+ * carries the same sum. */
+Test(metrics_scrape, seconds_saved_follow_the_cost_model)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--policy-model", "llama-3-8b", "--policy-hw", "h200-1gpu", NULL);
+    kvt_client_t *c = client_ns(&d, "m", NULL);
+    uint32_t tok[45 * PAGE];
+    kvd_tokens(tok, 45 * PAGE, 11);
+    static uint8_t payload[13 * 512];
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, 45 * PAGE, 0, 13, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, 13);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 45 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 45);
+    cr_assert_eq(kvt_client_match(c, tok, 7 * PAGE, 0, 0, NULL, &m), 0);
+    kvt_client_close(c);
+    kvt_model_profile_t mp;
+    kvt_hw_profile_t hw;
+    cr_assert_eq(kvt_model_profile_get("llama-3-8b", &mp), 0);
+    cr_assert_eq(kvt_hw_profile_get("h200-1gpu", &hw), 0);
+    double want = saved_dram(&mp, &hw, 13) + saved_dram(&mp, &hw, 7);
+    cr_assert_gt(want, 0);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    expect_near(metric(body, "kvtier_prefill_seconds_saved_total{tier=\"dram\"}"), want, "dram");
+    cr_expect_eq(metric(body, "kvtier_prefill_seconds_saved_total{tier=\"hbm\"}"), 0);
+    cr_expect_eq(metric(body, "kvtier_prefill_seconds_saved_total{tier=\"nvme\"}"), 0);
+    cr_expect_eq(metric(body, "kvtier_prefill_seconds_saved_total{tier=\"remote\"}"), 0);
+    cr_expect_null(strstr(body, "kvtier_prefill_seconds_saved_total{tier=\"none\"}"));
+    expect_near(
+        metric(body, "kvtier_namespace_prefill_seconds_saved_total{model=\"m\",adapter=\"\"}"),
+        want, "namespace m");
+    cr_expect_eq(
+        metric(body, "kvtier_namespace_prefill_seconds_saved_total{model=\"_other\",adapter=\"\"}"),
+        0);
+    kvd_cleanup(&d);
+}
+
+/* With metrics-namespaces 2 the first two (model, adapter) pairs get a series each, a name's
+ * quote and backslash escaped; the third and fourth share model="_other"; a pair seen again (a
+ * second salt, another connection) keeps its series; no fifth series appears. */
+Test(metrics_scrape, namespace_series_are_capped)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--metrics-namespaces", "2", NULL);
+    static const struct {
+        const char *model, *adapter;
+    } ns[] = {{"q\"\\", "lora"}, {"b", NULL}, {"c", NULL}, {"d", "x"}, {"q\"\\", "lora"}};
+    uint32_t tok[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 5);
+    static uint8_t payload[4 * 512];
+    for (size_t i = 0; i < sizeof ns / sizeof *ns; i++) {
+        kvt_client_t *c = client_ns(&d, ns[i].model, ns[i].adapter);
+        kvt_client_put_t r;
+        kvt_client_match_t m = {0};
+        if (i < 4)
+            cr_assert_eq(kvt_client_put(c, tok, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+        cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
+        cr_assert_eq(m.pages, 4);
+        kvt_client_close(c);
+    }
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    double one =
+        metric(body, "kvtier_namespace_prefill_seconds_saved_total{model=\"b\",adapter=\"\"}");
+    cr_assert_gt(one, 0);
+    expect_near(metric(body, "kvtier_namespace_prefill_seconds_saved_total{model=\"q\\\"\\\\\","
+                             "adapter=\"lora\"}"),
+                2 * one, "the escaped name, matched twice");
+    expect_near(
+        metric(body, "kvtier_namespace_prefill_seconds_saved_total{model=\"_other\",adapter=\"\"}"),
+        2 * one, "c and d");
+    unsigned series = 0;
+    for (const char *p = body; (p = strstr(p, "\nkvtier_namespace_prefill_seconds_saved_total{"));
+         p++)
+        series++;
+    cr_expect_eq(series, 3, "_other and two namespaces, not %u", series);
+    kvd_cleanup(&d);
+}
+
+/* The field of /proc/PID/<file> that follows key, as a number; -1 when absent. */
+static double proc_field(pid_t pid, const char *file, const char *key)
+{
+    char path[64], line[512];
+    snprintf(path, sizeof path, "/proc/%d/%s", (int)pid, file);
+    FILE *f = fopen(path, "r");
+    double v = -1;
+    size_t n = strlen(key);
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, key, n)) {
+            v = strtod(line + n, NULL);
+            break;
+        }
+    if (f)
+        fclose(f);
+    return v;
+}
+
+/* kvtier_build_info names this build's version and CUDA backend; the process_* gauges agree with
+ * what /proc says of the daemon: its start within the test's minute, its open descriptors (ten
+ * more with ten clients), its open-file limit, its resident memory. */
+Test(metrics_scrape, build_info_and_process_metrics)
+{
+    time_t t0 = time(NULL);
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    char want[128];
+    snprintf(want, sizeof want, "\nkvtier_build_info{version=\"%s\",commit=\"", KVT_VERSION);
+    const char *bi = strstr(body, want);
+    cr_assert(bi, "no %s in the scrape", want + 1);
+    snprintf(want, sizeof want, "\",cuda=\"%s\"} 1\n", KVT_HAVE_CUDA ? "yes" : "no");
+    const char *end = strchr(bi + 1, '\n');
+    cr_expect(end && strstr(bi, want) && strstr(bi, want) < end, "build_info: %.*s",
+              end ? (int)(end - bi) : 80, bi + 1);
+    double start = metric(body, "process_start_time_seconds");
+    cr_expect(start >= (double)t0 - 2 && start <= (double)time(NULL) + 1, "start %.3f, test %lld",
+              start, (long long)t0);
+    double fds = metric(body, "process_open_fds");
+    cr_expect_gt(fds, 3);
+    cr_expect_eq(metric(body, "process_max_fds"), proc_field(d.pid, "limits", "Max open files"));
+    double rss = metric(body, "process_resident_memory_bytes");
+    double vmrss = proc_field(d.pid, "status", "VmRSS:") * 1024;
+    cr_expect(rss > 0.5 * vmrss && rss < 2 * vmrss, "rss %.0f, VmRSS %.0f", rss, vmrss);
+    cr_expect_geq(metric(body, "process_cpu_seconds_total"), 0);
+    kvt_client_t *c[10];
+    for (int i = 0; i < 10; i++)
+        c[i] = kvd_client(&d, "m", PAGE, 512);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    cr_expect_geq(metric(body, "process_open_fds"), fds + 10);
+    for (int i = 0; i < 10; i++)
+        kvt_client_close(c[i]);
+    expect_near(metric(body, "process_start_time_seconds"), start, "a steady start time");
     kvd_cleanup(&d);
 }

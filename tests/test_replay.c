@@ -3,7 +3,9 @@
  * a simple reference computes here on its own: an unlimited cache of page-prefix hashes (no
  * radix tree, no policy) gives the exact hit and miss tokens, and the cost functions give the
  * exact prefill seconds. Also the replay's invariant checks over a small-tier run, and its usage
- * errors.
+ * errors. On generated traces where documents sit behind different prefixes (written here, in
+ * the Mooncake format): the oracle's notion of a page, the working set that percentages are
+ * shares of, and ids that start at 10,000,000.
  */
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -345,4 +347,261 @@ Test(replay_usage, bad_arguments_are_refused)
         cr_assert_eq(out[0], '\0', "case %zu printed results", i);
         free(out);
     }
+}
+
+/* ---- documents behind different prefixes ------------------------------------------------- */
+
+static uint64_t mix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/*
+ * Writes a Mooncake trace of nreq requests where 40 documents (2-6 blocks each) are pasted
+ * behind 30 conversation prefixes (1-4 blocks each), then one block of question: the same
+ * document ids behind different prefixes, as a retrieval workload sends them. Document
+ * popularity is heavy-tailed (document d with probability about 1/((d+1)(d+2))). Ids start at
+ * base. Returns the path (static storage).
+ */
+static const char *doc_trace(uint64_t base, uint64_t seed, int nreq)
+{
+    static char path[4096];
+    const char *tmp = getenv("TMPDIR");
+    snprintf(path, sizeof(path), "%s/kvt-doc-trace-XXXXXX.jsonl", tmp && *tmp ? tmp : "/tmp");
+    int fd = mkstemps(path, 6);
+    cr_assert_geq(fd, 0);
+    FILE *f = fdopen(fd, "w");
+    cr_assert_not_null(f);
+    enum { NDOC = 40, NCONV = 30 };
+    uint64_t s = seed, next = base;
+    uint64_t doc_first[NDOC], conv_first[NCONV];
+    int doc_len[NDOC], conv_len[NCONV];
+    for (int d = 0; d < NDOC; d++) {
+        doc_len[d] = 2 + (int)(mix(&s) % 5);
+        doc_first[d] = next;
+        next += (uint64_t)doc_len[d];
+    }
+    for (int c = 0; c < NCONV; c++) {
+        conv_len[c] = 1 + (int)(mix(&s) % 4);
+        conv_first[c] = next;
+        next += (uint64_t)conv_len[c];
+    }
+    uint64_t ts = 0;
+    for (int i = 0; i < nreq; i++) {
+        int c = (int)(mix(&s) % NCONV);
+        double u = ((double)(mix(&s) >> 11) + 1) * 0x1.0p-53; /* (0, 1] */
+        double dd = floor(1.0 / u) - 1;
+        int d = dd >= NDOC - 1 ? NDOC - 1 : (int)dd;
+        int nb = conv_len[c] + doc_len[d] + 1;
+        uint32_t len = (uint32_t)(512 * nb) - (uint32_t)(mix(&s) % 400);
+        fprintf(f,
+                "{\"timestamp\": %llu, \"input_length\": %u, \"output_length\": 10, "
+                "\"hash_ids\": [",
+                (unsigned long long)ts, len);
+        for (int b = 0; b < conv_len[c]; b++)
+            fprintf(f, "%llu, ", (unsigned long long)(conv_first[c] + (uint64_t)b));
+        for (int b = 0; b < doc_len[d]; b++)
+            fprintf(f, "%llu, ", (unsigned long long)(doc_first[d] + (uint64_t)b));
+        fprintf(f, "%llu]}\n", (unsigned long long)next++);
+        ts += 10 + mix(&s) % 490;
+    }
+    cr_assert_eq(fclose(f), 0);
+    return path;
+}
+
+/* Distinct whole pages of the trace counted by their token prefix (the FNV set of the
+ * reference above, which knows nothing of hash ids), in tokens: what the tree would hold with
+ * every tier unlimited. */
+static uint64_t prefix_pages_tokens(const char *path, size_t nreq)
+{
+    kvt_trace_t *tr;
+    cr_assert_eq(kvt_trace_load(&tr, path), 0);
+    if (nreq == 0 || nreq > tr->nreqs)
+        nreq = tr->nreqs;
+    set_t s = {calloc(1u << 22, sizeof(uint64_t)), 1u << 22, 0};
+    uint32_t *tok = malloc((tr->max_input_length + 1) * sizeof(uint32_t));
+    for (size_t i = 0; i < nreq; i++) {
+        kvt_trace_tokens(&tr->reqs[i], tok);
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (uint32_t p = 0; p < tr->reqs[i].input_length / PSZ; p++) {
+            for (uint32_t j = 0; j < PSZ; j++) {
+                h ^= tok[p * PSZ + j];
+                h *= 0x100000001b3ull;
+            }
+            set_add(&s, h ? h : 1);
+        }
+    }
+    uint64_t n = s.len * PSZ;
+    free(tok);
+    free(s.v);
+    kvt_trace_free(tr);
+    return n;
+}
+
+static double total_of(const char *out, const char *pol)
+{
+    char *l = line_of(out, pol);
+    cr_assert_not_null(l, "no %s line in %s", pol, out);
+    double v = num(l, "prefill_seconds_total");
+    free(l);
+    return v;
+}
+
+/*
+ * Belady needs the right notion of "the same page": a document's pages behind conversation A
+ * are other pages of the tree than the same document behind B. Keyed by hash id, the oracle
+ * kept pages whose "next use" was the document's use behind another prefix, and lost to LFU on
+ * every seed; keyed by prefix it is at least as good as LRU and LFU, on one tier and on three.
+ */
+Test(replay_prefix, oracle_beats_lru_and_lfu_on_documents_behind_prefixes)
+{
+    for (uint64_t seed = 0; seed < 2; seed++) {
+        const char *path = doc_trace(0, seed, 1500);
+        static char *const caps[][6] = {
+            {"--hbm", "2G", "--dram", "8G", "--nvme", "16G"},
+            {"--hbm", "16G", "--dram", "0", "--nvme", "0"},
+            {"--hbm", "1", "--dram", "4", "--nvme", "15"},
+        };
+        for (size_t c = 0; c < sizeof(caps) / sizeof(caps[0]); c++) {
+            char *argv[] = {"kvtier-replay", "--no-progress", "--verify", caps[c][0],
+                            caps[c][1],      caps[c][2],      caps[c][3], caps[c][4],
+                            caps[c][5],      (char *)path,    NULL};
+            int rc;
+            char *out = run_replay(10, argv, &rc);
+            cr_assert_eq(rc, 0, "%s", out);
+            double oracle = total_of(out, "oracle"), lru = total_of(out, "lru"),
+                   lfu = total_of(out, "lfu");
+            cr_assert_leq(oracle, lru, "seed %llu %s %s: oracle %.3f s, LRU %.3f s",
+                          (unsigned long long)seed, caps[c][0], caps[c][1], oracle, lru);
+            cr_assert_leq(oracle, lfu, "seed %llu %s %s: oracle %.3f s, LFU %.3f s",
+                          (unsigned long long)seed, caps[c][0], caps[c][1], oracle, lfu);
+            free(out);
+        }
+        unlink(path);
+    }
+}
+
+/* "--hbm 10" is 10 % of the pages the radix tree holds, counted by prefix: on the document
+ * trace that is about twice what counting hash ids gives (each document is held once per
+ * prefix it appears behind), and on the conversation trace partial pages, which the tree never
+ * holds, no longer count. */
+Test(replay_prefix, percentages_are_shares_of_the_pages_the_tree_holds)
+{
+    find_trace();
+    const char *doc = doc_trace(0, 7, 1500);
+    char docpath[4096];
+    snprintf(docpath, sizeof(docpath), "%s", doc);
+    struct {
+        const char *path, *reqs;
+    } cases[] = {{docpath, "1500"}, {trace_path, "200"}};
+    for (size_t k = 0; k < 2; k++) {
+        uint64_t unique = prefix_pages_tokens(cases[k].path, (size_t)atoi(cases[k].reqs));
+        char *argv[] = {"kvtier-replay",
+                        "--no-progress",
+                        "--policy",
+                        "lru",
+                        "--requests",
+                        (char *)cases[k].reqs,
+                        "--hbm",
+                        "10",
+                        "--dram",
+                        "100",
+                        "--nvme",
+                        "0",
+                        "--remote",
+                        "0",
+                        (char *)cases[k].path,
+                        NULL};
+        int rc;
+        char *out = run_replay(15, argv, &rc);
+        cr_assert_eq(rc, 0, "%s", out);
+        char *l = line_of(out, "lru");
+        cr_assert_not_null(l);
+        cr_assert_eq((uint64_t)num(l, "working_set_tokens"), unique, "%s", l);
+        unsigned long long toks[4];
+        per_tier(l, "capacity_tokens", toks);
+        uint64_t want[2] = {(uint64_t)(10 / 100.0 * (double)unique), unique};
+        for (int t = 0; t < 2; t++) {
+            want[t] -= want[t] % PSZ;
+            cr_assert_eq(toks[t], want[t], "%s tier %d: %llu tokens, %llu by prefix", cases[k].path,
+                         t, toks[t], (unsigned long long)want[t]);
+        }
+        /* DRAM holds the whole working set: nothing is dropped */
+        cr_assert_eq(num(l, "dropped_bytes"), 0, "%s", l);
+        free(l);
+        free(out);
+    }
+    unlink(docpath);
+}
+
+/* The peak resident set of this process since the last reset, in KiB (Linux). */
+static long peak_kib(int reset)
+{
+    if (reset) {
+        FILE *f = fopen("/proc/self/clear_refs", "w");
+        if (!f)
+            cr_skip_test("no /proc/self/clear_refs to reset the peak RSS");
+        fputs("5", f);
+        fclose(f);
+    }
+    FILE *f = fopen("/proc/self/status", "r");
+    cr_assert_not_null(f);
+    char line[256];
+    long kib = -1;
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %ld kB", &kib) == 1)
+            break;
+    fclose(f);
+    cr_assert_geq(kib, 0);
+    return kib;
+}
+
+/* A trace whose ids start at 10,000,000 replays like the same trace with ids from 0: the same
+ * figures, in about the same time and memory (the future table was sized by the largest id:
+ * 1.3 GB and seconds before the first request). */
+Test(replay_prefix, sparse_ids_cost_what_dense_ones_do)
+{
+    char dense[4096], sparse[4096];
+    snprintf(dense, sizeof(dense), "%s", doc_trace(0, 3, 1500));
+    snprintf(sparse, sizeof(sparse), "%s", doc_trace(10000000, 3, 1500));
+    char *outs[2];
+    long grew[2];
+    double secs[2];
+    for (int k = 0; k < 2; k++) {
+        char *argv[] = {"kvtier-replay",
+                        "--no-progress",
+                        "--policy",
+                        "lru,oracle",
+                        "--hbm",
+                        "2G",
+                        "--dram",
+                        "8G",
+                        "--nvme",
+                        "0",
+                        k ? sparse : dense,
+                        NULL};
+        long before = peak_kib(1);
+        uint64_t t0 = kvt_now_ns();
+        int rc;
+        outs[k] = run_replay(11, argv, &rc);
+        secs[k] = (double)(kvt_now_ns() - t0) / 1e9;
+        grew[k] = peak_kib(0) - before;
+        cr_assert_eq(rc, 0, "%s", outs[k]);
+    }
+    cr_log_info("dense ids: %.2f s, +%ld KiB; sparse ids: %.2f s, +%ld KiB", secs[0], grew[0],
+                secs[1], grew[1]);
+    for (int p = 0; p < 2; p++) {
+        const char *pol = p ? "oracle" : "lru";
+        cr_assert_eq(total_of(outs[0], pol), total_of(outs[1], pol), "%s", pol);
+    }
+    cr_assert_lt(grew[1], grew[0] + 64 * 1024, "sparse ids: +%ld KiB, dense +%ld KiB", grew[1],
+                 grew[0]);
+    cr_assert_lt(secs[1], 3 * secs[0] + 0.5, "sparse ids: %.2f s, dense %.2f s", secs[1], secs[0]);
+    free(outs[0]);
+    free(outs[1]);
+    unlink(dense);
+    unlink(sparse);
 }

@@ -55,6 +55,7 @@ Test(server_policy, bad_settings_refused)
         {"--max-client-bytes", "64M", "max-client-bytes must be at least max-frame + 1M"},
         {"--max-leases", "0", "max-leases must be between 1 and 1048576"},
         {"--max-reserved-bytes", "1K", "max-reserved-bytes at least 4K"},
+        {"--metrics-namespaces", "1025", "metrics-namespaces must be between 0 and 1024"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char err[1024];

@@ -823,3 +823,41 @@ Test(server_remote, a_started_prefetch_or_nowait_remove_holds_up_no_reply)
         cr_expect_eq(from[k], KVT_CLIENT_TIER_DRAM, "page %d read from tier %u", k, from[k]);
     pair_stop(&p);
 }
+
+/* The value of one unlabelled series of a /metrics scrape; -1 when absent. */
+static double scraped(const kvd_t *d, const char *series)
+{
+    static char text[1 << 20];
+    cr_assert_eq(kvd_http_get(d, "/metrics", text, sizeof text), 200);
+    char key[128];
+    snprintf(key, sizeof key, "\n%s ", series);
+    const char *p = strstr(text, key);
+    return p ? strtod(p + strlen(key), NULL) : -1;
+}
+
+/* kvtier_remote_up, what the remote-tier-down alert (ops/prometheus) watches: 1 while the daemon's
+ * connection to its remote server is up, 0 within a second or two of the server dying, and 0 for
+ * a daemon with no remote tier. */
+Test(server_remote, remote_up_follows_the_server)
+{
+    char dir[512], addr[64];
+    uint16_t port;
+    pid_t redis = own_redis(dir, sizeof dir, &port);
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    kvd_t d = {0}, none = {0};
+    kvd_start(&d, "--nvme-bytes", "0", "--remote", addr, "--tick-ms", "20", NULL);
+    kvd_start(&none, "--nvme-bytes", "0", NULL);
+    double up = -1;
+    for (int i = 0; i < 100 && (up = scraped(&d, "kvtier_remote_up")) != 1; i++)
+        usleep(20000);
+    cr_expect_eq(up, 1, "connected to the remote server");
+    cr_expect_eq(scraped(&none, "kvtier_remote_up"), 0, "no remote tier");
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
+    for (int i = 0; i < 150 && (up = scraped(&d, "kvtier_remote_up")) != 0; i++)
+        usleep(20000);
+    cr_expect_eq(up, 0, "the remote server is gone");
+    kvd_cleanup(&d);
+    kvd_cleanup(&none);
+    kvd_rmrf(dir);
+}

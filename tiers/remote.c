@@ -1,18 +1,25 @@
 /*
  * remote.c: the remote tier, blocks stored as string values in a Valkey or Redis server.
  *
- * This file owns one hiredis async connection and everything around it: the adapter that plugs
- * hiredis into an epoll fd of our own (the fd the tier's caller polls), the handshake (AUTH,
- * SELECT or PING) that must answer before a connection counts as up, reconnection with
- * exponential backoff, per-request deadlines on a timerfd, the RESP encoding of SET, GET, DEL and
- * EXISTS, reply decoding, and the longest-prefix probe. tier.c owns the location index, the
- * capacity accounting and the completion queue; this backend only moves bytes.
+ * This file owns the hiredis async connections (a node_t each: the one server, or every primary
+ * of a cluster) and everything around them: the adapter that plugs hiredis into an epoll fd of
+ * our own (the fd the tier's caller polls), the handshake (AUTH, SELECT or PING) that must answer
+ * before a connection counts as up, reconnection with exponential backoff, per-request deadlines
+ * on a timerfd, the RESP encoding of SET, GET, DEL and EXISTS, reply decoding, the
+ * longest-prefix probe, and in cluster mode the routing: the slot map (CLUSTER SLOTS), CRC16 key
+ * slots, MOVED and ASK. tier.c owns the location index, the capacity accounting and the
+ * completion queue; this backend only moves bytes.
  *
  * A block is stored under "<prefix>:<ns seed hex>:<prefix hash hex>" so that every kvtierd
  * pointed at the same server finds blocks another one stored; the value is the shared block
  * header, the page's tokens and the payload (blockhdr.c), checked before a byte is returned.
  *
- * Requests flow through FIFO queues:
+ * In cluster mode each request goes to the node owning its key's slot and takes the path below
+ * on that node's queues; a MOVED or ASK reply puts it back on the queue of the node named (the
+ * redirect is followed from the reply callback, never by blocking), and the map is asked for
+ * again, from any node up, after a redirect, a lost node or a timeout.
+ *
+ * Requests flow through FIFO queues (per node):
  *
  *   submit -> waitq --(connection up, < max_inflight unanswered)--> sentq --reply--> callback
  *               |                                                     |  \
@@ -70,11 +77,17 @@
 #define KVT__PREFIX_MAX 64u
 #define KVT__KEY_MAX    KVT_TIER_REMOTE_KEY_MAX
 #define KVT__UNDO_MAX   4096u
+#define KVT__NODES_MAX  64u /* cluster nodes known at once (seeds, primaries, redirect targets) */
+#define KVT__REDIRECTS  5u  /* MOVED/ASK a request may follow before it fails */
+#define KVT__MAP_GAP_NS (100ull * 1000000ull) /* slot-map refreshes at most this often */
 
+/* epoll data: the tag in the low 4 bits, a socket's node index above. */
 enum { TAG_SOCK = 1, TAG_TIMER = 2, TAG_WAKE = 3 };
 typedef enum { ST_DOWN, ST_CONNECTING, ST_READY } conn_state_t;
-typedef enum { RQ_GET, RQ_SET, RQ_DEL, RQ_EXISTS, RQ_HELLO } rq_kind_t;
+typedef enum { RQ_GET, RQ_SET, RQ_DEL, RQ_EXISTS, RQ_HELLO, RQ_ASKING, RQ_SLOTS } rq_kind_t;
 
+typedef struct remote remote_t;
+typedef struct node node_t;
 typedef struct rq rq_t;
 struct rq {
     kvt__ioq_link_t link; /* the queues and the free list (ioq.c); link.deadline_ns */
@@ -85,6 +98,10 @@ struct rq {
     uint32_t slot;           /* SET: the location slot reserved at submit */
     uint64_t sent_ns;
     uint64_t seed, hash; /* the key's name */
+    uint16_t cslot;      /* the key's cluster hash slot */
+    uint8_t redirects;   /* MOVED/ASK followed so far */
+    uint8_t ask;         /* send ASKING first (an ASK redirect) */
+    node_t *on;          /* the node whose queues hold it */
 
     /* The command's bytes while they are being written (outq). */
     rq_t *onext;
@@ -111,29 +128,21 @@ typedef struct loc_slot {
 
 /* The reply being decoded. hiredis hands one reply at a time to its callback and frees it right
  * after, so one object per connection is enough; it starts with a real redisReply because
- * hiredis reads type and str of an unsolicited error reply itself. */
+ * hiredis reads type and str of an unsolicited error reply itself. (A slot map, the one reply
+ * worth a tree, is built with hiredis's own functions instead: see reply_tree.) */
 typedef struct remote_reply {
     redisReply r;
-    int status; /* GET value: 0 (payload copied out), KVT_ECORRUPT or KVT_EPROTO */
-    char msg[128];
+    int status;    /* GET value: 0 (payload copied out), KVT_ECORRUPT or KVT_EPROTO */
+    char msg[320]; /* an error: long enough for "MOVED 16383 <255-byte host>:65535" */
 } remote_reply_t;
 
-typedef struct remote {
-    kvt_tier_t *tier;
+/* One server connection: the single server, or one cluster node. */
+struct node {
+    remote_t *rm;
+    uint32_t idx; /* in rm->nodes, and in its socket's epoll data */
     char *host;
     int port;
-    char *password;
-    int db;
-    char prefix[KVT__PREFIX_MAX + 1];
-    uint32_t ttl_s;
-    uint64_t timeout_ns;
-    uint64_t backoff_min_ns, backoff_max_ns, backoff_ns;
-    uint32_t max_inflight;
-    int keep_on_free;
-    uint64_t seq; /* stored in each block header written */
-
-    int epfd, tfd, wfd;
-    uint64_t timer_armed_ns; /* absolute time the timerfd is set to; UINT64_MAX: disarmed */
+    int seed; /* named by the conf: tried when no node knows the map */
 
     conn_state_t state;
     redisAsyncContext *ac;
@@ -145,14 +154,51 @@ typedef struct remote {
     int drop_status;      /* what requests still waiting are failed with */
     uint32_t hello_left;  /* handshake replies still expected */
     uint64_t retry_ns;    /* DOWN: when to connect again */
-    uint64_t rng;         /* xorshift state for the backoff's jitter */
+    uint64_t backoff_ns;
     int logged_down;
+    uint32_t owned; /* cluster: hash slots the map gives this node */
 
     /* Waiting to be sent (urgent reads and probes ahead of the rest), the window (max_inflight
-     * unanswered, sentq.n), deadlines, and the free requests. */
+     * unanswered, sentq.n) and deadlines. */
     kvt__ioq_t q;
     kvt__ioq_fifo_t sentq, undoq;
     rq_t *out_head, *out_tail; /* sent to hiredis, bytes not all written yet (onext) */
+
+    remote_reply_t reply;
+    redisReply *tree; /* a CLUSTER SLOTS reply being read or handled (reply_tree) */
+    uint64_t skip;    /* bytes of an oversized GET value still to read off the socket and drop */
+};
+
+struct remote {
+    kvt_tier_t *tier;
+    char *password;
+    int db;
+    char prefix[KVT__PREFIX_MAX + 1];
+    uint32_t ttl_s;
+    uint64_t timeout_ns;
+    uint64_t backoff_min_ns, backoff_max_ns;
+    uint32_t max_inflight;
+    int keep_on_free;
+    uint64_t seq; /* stored in each block header written */
+    uint64_t rng; /* xorshift state for the backoff's jitter */
+
+    int epfd, tfd, wfd;
+    uint64_t timer_armed_ns; /* absolute time the timerfd is set to; UINT64_MAX: disarmed */
+
+    /* The single server is nodes[0]; a cluster starts with its seeds and adds the nodes its map
+     * and redirects name. A node is never removed (its index names it in epoll and the map);
+     * one that owns no slot is left disconnected. */
+    int cluster;
+    node_t *nodes[KVT__NODES_MAX];
+    uint32_t nnodes;
+    uint8_t map[16384];   /* cluster: hash slot -> node index; 0xff: not known */
+    int map_known;        /* a CLUSTER SLOTS reply was applied */
+    int map_stale;        /* a redirect, a lost node or a timeout asked for a refresh */
+    int map_inflight;     /* a CLUSTER SLOTS is on its way */
+    uint64_t map_next_ns; /* no refresh before this */
+    uint32_t map_rr;      /* which ready node to ask next */
+
+    kvt__ioq_t pool; /* only its free list of requests */
     kvt_tier_probe_t *probes_done_head, *probes_done_tail;
 
     loc_slot_t *slots;
@@ -160,12 +206,10 @@ typedef struct remote {
     uint32_t *free_slots;
     uint32_t nfree_slots;
 
-    remote_reply_t reply;
-    redisReplyObjectFunctions fns;
-    uint64_t skip; /* bytes of an oversized GET value still to read off the socket and drop */
-    char *scratch; /* where they are read to, KVT__READ_MIN bytes, allocated when first needed */
+    redisReplyObjectFunctions fns, tree_fns;
+    char *scratch; /* oversized values are read here, KVT__READ_MIN bytes, allocated when needed */
     kvt_tier_remote_stats_t stats;
-} remote_t;
+};
 
 static remote_t *remote_of(const kvt_tier_t *t)
 {
@@ -195,21 +239,21 @@ static rq_t *q_pop(kvt__ioq_fifo_t *q)
 }
 
 /* Waiting to be sent: urgent reads and probes, and the rest (ioq.c). */
-static kvt__ioq_fifo_t *urgentq(remote_t *rm)
+static kvt__ioq_fifo_t *urgentq(node_t *n)
 {
-    return &rm->q.wait[1];
+    return &n->q.wait[1];
 }
 
-static kvt__ioq_fifo_t *waitq(remote_t *rm)
+static kvt__ioq_fifo_t *waitq(node_t *n)
 {
-    return &rm->q.wait[0];
+    return &n->q.wait[0];
 }
 
-static void outq_clear(remote_t *rm)
+static void outq_clear(node_t *n)
 {
-    for (rq_t *r = rm->out_head; r; r = r->onext)
+    for (rq_t *r = n->out_head; r; r = r->onext)
         r->in_outq = 0;
-    rm->out_head = rm->out_tail = NULL;
+    n->out_head = n->out_tail = NULL;
 }
 
 /* A caller's request whose caller was already answered (a probe's other keys after a timeout):
@@ -221,7 +265,7 @@ static int rq_dead(const rq_t *r)
 
 static rq_t *rq_new(remote_t *rm, rq_kind_t kind)
 {
-    rq_t *r = rq_of(kvt__ioq_slot_get(&rm->q));
+    rq_t *r = rq_of(kvt__ioq_slot_get(&rm->pool));
     if (!r && !(r = malloc(sizeof(*r))))
         return NULL;
     memset(r, 0, sizeof(*r));
@@ -238,7 +282,7 @@ static void rq_release(remote_t *rm, rq_t *r)
     free(r->own);
     r->hb = NULL;
     r->own = NULL;
-    kvt__ioq_slot_put(&rm->q, &r->link);
+    kvt__ioq_slot_put(&rm->pool, &r->link);
 }
 
 static int slot_reserve(remote_t *rm, uint32_t *out)
@@ -349,18 +393,9 @@ static int format_cmd(remote_t *rm, rq_t *r)
     return 0;
 }
 
-/* The handshake step s: 1 AUTH, 2 SELECT, 4 PING. */
-static int format_hello(remote_t *rm, rq_t *r, int s)
+/* A command of our own (the handshake, ASKING, CLUSTER SLOTS) as r's bytes. */
+static int format_words(rq_t *r, int argc, const char *const *argv)
 {
-    char dbs[16];
-    const char *argv[2] = {"PING", NULL};
-    int argc = 1;
-    if (s == 1)
-        argv[0] = "AUTH", argv[1] = rm->password, argc = 2;
-    else if (s == 2) {
-        snprintf(dbs, sizeof(dbs), "%d", rm->db);
-        argv[0] = "SELECT", argv[1] = dbs, argc = 2;
-    }
     size_t need = 16;
     for (int i = 0; i < argc; i++)
         need += strlen(argv[i]) + 32;
@@ -377,17 +412,136 @@ static int format_hello(remote_t *rm, rq_t *r, int s)
     return 0;
 }
 
+/* The handshake step s: 1 AUTH, 2 SELECT, 4 PING. */
+static int format_hello(remote_t *rm, rq_t *r, int s)
+{
+    char dbs[16];
+    const char *argv[2] = {"PING", NULL};
+    int argc = 1;
+    if (s == 1)
+        argv[0] = "AUTH", argv[1] = rm->password, argc = 2;
+    else if (s == 2) {
+        snprintf(dbs, sizeof(dbs), "%d", rm->db);
+        argv[0] = "SELECT", argv[1] = dbs, argc = 2;
+    }
+    return format_words(r, argc, argv);
+}
+
+/* --- cluster routing --- */
+
+static void map_stale(remote_t *rm)
+{
+    if (rm->cluster)
+        rm->map_stale = 1;
+}
+
+/* CRC16-CCITT (XMODEM), the cluster's key hash. Bitwise: a key is under 100 bytes, and a
+ * request's network round trip dwarfs it. */
+static uint16_t crc16(const char *buf, size_t len)
+{
+    uint16_t crc = 0;
+    for (size_t i = 0; i < len; i++) {
+        crc ^= (uint16_t)((uint8_t)buf[i] << 8);
+        for (int k = 0; k < 8; k++)
+            crc = (crc & 0x8000) ? (uint16_t)((crc << 1) ^ 0x1021) : (uint16_t)(crc << 1);
+    }
+    return crc;
+}
+
+uint16_t kvt_tier_remote_key_slot(const char *key, size_t len)
+{
+    if (!key)
+        return 0;
+    /* A hash tag: the bytes between the first '{' and the next '}', when not empty. */
+    const char *open = memchr(key, '{', len);
+    if (open) {
+        size_t o = (size_t)(open - key);
+        const char *close = memchr(open + 1, '}', len - o - 1);
+        if (close && close > open + 1)
+            return crc16(open + 1, (size_t)(close - open - 1)) & 16383;
+    }
+    return crc16(key, len) & 16383;
+}
+
+/* Names r's key, and its hash slot in cluster mode. */
+static void rq_name(remote_t *rm, rq_t *r, uint64_t seed, uint64_t hash)
+{
+    r->seed = seed;
+    r->hash = hash;
+    r->cslot = 0;
+    if (rm->cluster) {
+        char key[KVT__KEY_MAX];
+        int klen = format_key(rm, seed, hash, key, sizeof(key));
+        if (klen > 0)
+            r->cslot = kvt_tier_remote_key_slot(key, (size_t)klen);
+    }
+}
+
+/* The node at host:port, added (disconnected) when new; NULL when KVT__NODES_MAX are known or
+ * memory is short. */
+static node_t *node_get(remote_t *rm, const char *host, int port)
+{
+    for (uint32_t i = 0; i < rm->nnodes; i++)
+        if (rm->nodes[i]->port == port && !strcmp(rm->nodes[i]->host, host))
+            return rm->nodes[i];
+    if (rm->nnodes == KVT__NODES_MAX)
+        return NULL;
+    node_t *n = calloc(1, sizeof(*n));
+    if (!n || !(n->host = strdup(host))) {
+        free(n);
+        return NULL;
+    }
+    n->rm = rm;
+    n->idx = rm->nnodes;
+    n->port = port;
+    n->sock = -1;
+    n->state = ST_DOWN;
+    n->backoff_ns = rm->backoff_min_ns;
+    kvt__ioq_init(&n->q, rm->max_inflight);
+    rm->nodes[rm->nnodes++] = n;
+    return n;
+}
+
+/* Where r goes: the single server, or the owner of its slot; NULL while the map names no owner
+ * (not learnt yet, or a slot the cluster does not serve): such a request is not sent anywhere,
+ * since a node that is no cluster node would take it. */
+static node_t *route(remote_t *rm, const rq_t *r)
+{
+    if (!rm->cluster)
+        return rm->nodes[0];
+    uint8_t i = rm->map[r->cslot];
+    return i != 0xff ? rm->nodes[i] : NULL;
+}
+
+/* The node r goes to, NULL when none is known or it is down (connecting to it if its backoff
+ * allows). */
+static void connect_start(node_t *n, uint64_t now);
+static node_t *route_up(remote_t *rm, const rq_t *r, uint64_t now)
+{
+    node_t *n = route(rm, r);
+    if (n && n->state == ST_DOWN && !n->ac && now >= n->retry_ns)
+        connect_start(n, now);
+    if (!n || n->state == ST_DOWN) {
+        map_stale(rm);
+        return NULL;
+    }
+    return n;
+}
+
 /* --- completion --- */
 
 static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
 {
     /* Detach every request still naming p: the caller may reuse p after its callback. (After
      * a success every key was answered, and each answer detached its own request.) */
-    kvt__ioq_fifo_t *qs[] = {urgentq(rm), waitq(rm), &rm->sentq};
-    for (size_t i = 0; status != 0 && i < KVT_ARRAY_LEN(qs); i++)
-        for (rq_t *r = rq_of(qs[i]->head); r; r = rq_next(r))
-            if (r->probe == p)
-                r->probe = NULL;
+    for (uint32_t k = 0; status != 0 && k < rm->nnodes; k++) {
+        node_t *n = rm->nodes[k];
+        kvt__ioq_fifo_t *qs[] = {urgentq(n), waitq(n), &n->sentq};
+        for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++)
+            for (rq_t *r = rq_of(qs[i]->head); r; r = rq_next(r))
+                if (r->probe == p)
+                    r->probe = NULL;
+    }
     p->status = status;
     p->found = status == 0 ? p->first_missing : 0;
     p->next = NULL;
@@ -411,8 +565,8 @@ static void rq_fail(remote_t *rm, rq_t *r, int status)
             memcpy(r->own, r->pay, r->paylen);
             r->pay = r->own;
         } else {
-            rm->drop = 1;
-            rm->drop_status = KVT_EUNAVAIL;
+            r->on->drop = 1;
+            r->on->drop_status = KVT_EUNAVAIL;
         }
     }
     if (r->io) {
@@ -436,7 +590,10 @@ static void rq_fail(remote_t *rm, rq_t *r, int status)
  * a DEL for it unless a newer SET of the same key is queued (its outcome governs then). */
 static void undo_set(remote_t *rm, rq_t *r, int sent_now)
 {
-    kvt__ioq_fifo_t *qs[] = {waitq(rm), &rm->sentq};
+    node_t *n = sent_now ? route(rm, r) : r->on; /* else held until r's node is back */
+    if (!n)
+        n = r->on;
+    kvt__ioq_fifo_t *qs[] = {waitq(n), &n->sentq};
     for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++)
         for (rq_t *o = rq_of(qs[i]->head); o; o = rq_next(o))
             if (o != r && o->kind == RQ_SET && o->io && o->seed == r->seed && o->hash == r->hash)
@@ -444,18 +601,18 @@ static void undo_set(remote_t *rm, rq_t *r, int sent_now)
     rq_t *d = rq_new(rm, RQ_DEL);
     if (!d)
         return;
-    d->seed = r->seed;
-    d->hash = r->hash;
+    rq_name(rm, d, r->seed, r->hash);
+    d->on = n;
     rm->stats.undone++;
     if (sent_now) {
-        q_push(waitq(rm), d); /* the window sends it, ahead of nothing newer of this key */
+        q_push(waitq(n), d); /* the window sends it, ahead of nothing newer of this key */
         return;
     }
-    if (rm->undoq.n >= KVT__UNDO_MAX) {
+    if (n->undoq.n >= KVT__UNDO_MAX) {
         rq_release(rm, d);
         return;
     }
-    q_push(&rm->undoq, d);
+    q_push(&n->undoq, d);
 }
 
 /* An error reply as a KVT_E* code. AUTH's refusals differ across versions ("WRONGPASS ...",
@@ -468,7 +625,9 @@ static int map_error(const char *msg, rq_kind_t kind)
     if (!strncmp(msg, "NOAUTH", 6) || !strncmp(msg, "WRONGPASS", 9) ||
         (kind == RQ_HELLO && (strstr(msg, "password") || strstr(msg, "AUTH"))))
         return KVT_EAUTH;
-    if (!strncmp(msg, "LOADING", 7) || !strncmp(msg, "BUSY", 4) || !strncmp(msg, "MASTERDOWN", 10))
+    if (!strncmp(msg, "LOADING", 7) || !strncmp(msg, "BUSY", 4) ||
+        !strncmp(msg, "MASTERDOWN", 10) || !strncmp(msg, "CLUSTERDOWN", 11) ||
+        !strncmp(msg, "TRYAGAIN", 8))
         return KVT_EUNAVAIL;
     if (!strncmp(msg, "WRONGTYPE", 9))
         return KVT_ECORRUPT;
@@ -479,80 +638,80 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata);
 
 /* --- the hiredis adapter: hooks onto our epoll fd --- */
 
-static void sock_update(remote_t *rm)
+static void sock_update(node_t *n)
 {
-    uint32_t want = rm->sock_events | (rm->out_head ? (uint32_t)EPOLLOUT : 0);
-    if (rm->sock < 0 || want == rm->sock_armed)
+    uint32_t want = n->sock_events | (n->out_head ? (uint32_t)EPOLLOUT : 0);
+    if (n->sock < 0 || want == n->sock_armed)
         return;
-    rm->sock_armed = want;
-    struct epoll_event ev = {.events = want, .data.u32 = TAG_SOCK};
-    if (epoll_ctl(rm->epfd, EPOLL_CTL_MOD, rm->sock, &ev) < 0)
+    n->sock_armed = want;
+    struct epoll_event ev = {.events = want, .data.u32 = TAG_SOCK | (n->idx << 4)};
+    if (epoll_ctl(n->rm->epfd, EPOLL_CTL_MOD, n->sock, &ev) < 0)
         kvt_log(KVT_LOG_WARN, "remote: epoll_ctl: %s", strerror(errno));
 }
 
 static void ev_add_read(void *p)
 {
-    remote_t *rm = p;
-    rm->sock_events |= EPOLLIN;
-    sock_update(rm);
+    node_t *n = p;
+    n->sock_events |= EPOLLIN;
+    sock_update(n);
 }
 
 static void ev_del_read(void *p)
 {
-    remote_t *rm = p;
-    rm->sock_events &= ~(uint32_t)EPOLLIN;
-    sock_update(rm);
+    node_t *n = p;
+    n->sock_events &= ~(uint32_t)EPOLLIN;
+    sock_update(n);
 }
 
 static void ev_add_write(void *p)
 {
-    remote_t *rm = p;
-    rm->sock_events |= EPOLLOUT;
-    sock_update(rm);
+    node_t *n = p;
+    n->sock_events |= EPOLLOUT;
+    sock_update(n);
 }
 
 static void ev_del_write(void *p)
 {
-    remote_t *rm = p;
-    rm->sock_events &= ~(uint32_t)EPOLLOUT;
-    sock_update(rm);
+    node_t *n = p;
+    n->sock_events &= ~(uint32_t)EPOLLOUT;
+    sock_update(n);
 }
 
 /* hiredis is tearing ac down: called once or more, before the pending callbacks run (an error)
  * or after (redisAsyncFree). */
 static void ev_cleanup(void *p)
 {
-    remote_t *rm = p;
-    if (rm->sock >= 0) {
-        epoll_ctl(rm->epfd, EPOLL_CTL_DEL, rm->sock, NULL);
-        rm->sock = -1;
+    node_t *n = p;
+    if (n->sock >= 0) {
+        epoll_ctl(n->rm->epfd, EPOLL_CTL_DEL, n->sock, NULL);
+        n->sock = -1;
     }
-    rm->sock_events = rm->sock_armed = 0;
-    outq_clear(rm);
-    rm->ac_gone = 1;
+    n->sock_events = n->sock_armed = 0;
+    outq_clear(n);
+    n->ac_gone = 1;
 }
 
 static void on_connect(const redisAsyncContext *ac, int status)
 {
-    remote_t *rm = ac->data;
+    node_t *n = ac->data;
     if (status != REDIS_OK) {
-        rm->ac_gone = 1;
-        rm->stats.connect_failures++;
+        n->ac_gone = 1;
+        n->rm->stats.connect_failures++;
     }
 }
 
 static void on_disconnect(const redisAsyncContext *ac, int status)
 {
-    remote_t *rm = ac->data;
+    node_t *n = ac->data;
     (void)status;
-    rm->ac_gone = 1;
+    n->ac_gone = 1;
 }
 
 /* --- reply objects: decoded in place, a GET payload copied straight to the caller --- */
 
-static remote_reply_t *reply_reset(remote_t *rm, int type)
+static remote_reply_t *reply_reset(node_t *n, int type)
 {
-    remote_reply_t *o = &rm->reply;
+    remote_reply_t *o = &n->reply;
     memset(&o->r, 0, sizeof(o->r));
     o->r.type = type;
     o->status = 0;
@@ -560,21 +719,44 @@ static remote_reply_t *reply_reset(remote_t *rm, int type)
     return o;
 }
 
+/* 1 when the object being made belongs to a reply built as a tree by hiredis's own functions:
+ * a CLUSTER SLOTS reply (its root), or any element below such a root. The root is remembered in
+ * n->tree, which this file frees (reply_free cannot tell a tree from the one flat object). */
+static int reply_tree(node_t *n, const redisReadTask *task)
+{
+    if (task->parent)
+        return task->parent->obj != &n->reply;
+    rq_t *h = rq_of(n->sentq.head);
+    return h && h->kind == RQ_SLOTS;
+}
+
+static void *tree_root(node_t *n, const redisReadTask *task, void *obj)
+{
+    if (!task->parent && obj) {
+        if (n->tree)
+            freeReplyObject(n->tree);
+        n->tree = obj;
+    }
+    return obj;
+}
+
 static void *reply_string(const redisReadTask *task, char *str, size_t len)
 {
-    remote_t *rm = task->privdata;
+    node_t *n = task->privdata;
+    if (reply_tree(n, task))
+        return tree_root(n, task, n->rm->tree_fns.createString(task, str, len));
     if (task->parent)
-        return &rm->reply; /* an element of an array we never asked for */
-    remote_reply_t *o = reply_reset(rm, task->type);
+        return &n->reply; /* an element of an array we never asked for */
+    remote_reply_t *o = reply_reset(n, task->type);
     o->r.len = len;
     if (task->type != REDIS_REPLY_STRING) {
-        size_t n = KVT_MIN(len, sizeof(o->msg) - 1);
-        memcpy(o->msg, str, n);
-        o->msg[n] = 0;
+        size_t k = KVT_MIN(len, sizeof(o->msg) - 1);
+        memcpy(o->msg, str, k);
+        o->msg[k] = 0;
         o->r.str = o->msg;
         return o;
     }
-    rq_t *r = rq_of(rm->sentq.head);
+    rq_t *r = rq_of(n->sentq.head);
     if (!r || r->kind != RQ_GET) {
         o->status = KVT_EPROTO;
         return o;
@@ -599,88 +781,102 @@ static void *reply_string(const redisReadTask *task, char *str, size_t len)
 
 static void *reply_array(const redisReadTask *task, int elements)
 {
-    remote_t *rm = task->privdata;
+    node_t *n = task->privdata;
+    if (reply_tree(n, task))
+        return tree_root(n, task, n->rm->tree_fns.createArray(task, elements));
     if (task->parent)
-        return &rm->reply;
-    remote_reply_t *o = reply_reset(rm, REDIS_REPLY_ARRAY);
+        return &n->reply;
+    remote_reply_t *o = reply_reset(n, REDIS_REPLY_ARRAY);
     o->r.elements = elements > 0 ? (size_t)elements : 0;
     return o;
 }
 
 static void *reply_integer(const redisReadTask *task, long long value)
 {
-    remote_t *rm = task->privdata;
+    node_t *n = task->privdata;
+    if (reply_tree(n, task))
+        return tree_root(n, task, n->rm->tree_fns.createInteger(task, value));
     if (task->parent)
-        return &rm->reply;
-    remote_reply_t *o = reply_reset(rm, REDIS_REPLY_INTEGER);
+        return &n->reply;
+    remote_reply_t *o = reply_reset(n, REDIS_REPLY_INTEGER);
     o->r.integer = value;
     return o;
 }
 
 static void *reply_nil(const redisReadTask *task)
 {
-    remote_t *rm = task->privdata;
+    node_t *n = task->privdata;
+    if (reply_tree(n, task))
+        return tree_root(n, task, n->rm->tree_fns.createNil(task));
     if (task->parent)
-        return &rm->reply;
-    return reply_reset(rm, REDIS_REPLY_NIL);
+        return &n->reply;
+    return reply_reset(n, REDIS_REPLY_NIL);
 }
 
 static void reply_free(void *obj)
 {
-    (void)obj; /* the one object lives in remote_t */
+    (void)obj; /* the flat object lives in its node; a tree is freed through n->tree */
+}
+
+static void tree_free(node_t *n)
+{
+    if (n->tree)
+        freeReplyObject(n->tree);
+    n->tree = NULL;
 }
 
 /* --- connection --- */
 
 /* The next attempt in backoff x [0.75, 1.25): a fleet that lost one server does not come back
  * to it in lockstep. */
-static void schedule_retry(remote_t *rm, uint64_t now)
+static void schedule_retry(node_t *n, uint64_t now)
 {
+    remote_t *rm = n->rm;
     rm->rng ^= rm->rng << 13, rm->rng ^= rm->rng >> 7, rm->rng ^= rm->rng << 17;
-    uint64_t quarter = rm->backoff_ns / 4;
+    uint64_t quarter = n->backoff_ns / 4;
     uint64_t jitter = quarter ? rm->rng % (2 * quarter) : 0;
-    rm->retry_ns = now + rm->backoff_ns - quarter + jitter;
-    rm->backoff_ns = KVT_MIN(rm->backoff_ns * 2, rm->backoff_max_ns);
+    n->retry_ns = now + n->backoff_ns - quarter + jitter;
+    n->backoff_ns = KVT_MIN(n->backoff_ns * 2, rm->backoff_max_ns);
 }
 
-static int send_rq(remote_t *rm, rq_t *r);
-static int wire_queue(remote_t *rm, rq_t *r);
+static int wire_queue(node_t *n, rq_t *r);
 
-static void connect_start(remote_t *rm, uint64_t now)
+static void connect_start(node_t *n, uint64_t now)
 {
-    rm->ac_gone = 0;
-    rm->drop = 0;
+    remote_t *rm = n->rm;
+    n->ac_gone = 0;
+    n->drop = 0;
     rm->stats.connect_attempts++;
-    redisAsyncContext *ac = redisAsyncConnect(rm->host, rm->port);
+    redisAsyncContext *ac = redisAsyncConnect(n->host, n->port);
     if (!ac || ac->err) {
-        if (!rm->logged_down)
-            kvt_log(KVT_LOG_WARN, "remote: connect %s:%d: %s", rm->host, rm->port,
+        if (!n->logged_down)
+            kvt_log(KVT_LOG_WARN, "remote: connect %s:%d: %s", n->host, n->port,
                     ac ? ac->errstr : "out of memory");
-        rm->logged_down = 1;
+        n->logged_down = 1;
         if (ac)
             redisAsyncFree(ac);
         rm->stats.connect_failures++;
-        rm->state = ST_DOWN;
-        schedule_retry(rm, now);
+        n->state = ST_DOWN;
+        schedule_retry(n, now);
         return;
     }
-    ac->data = rm;
+    ac->data = n;
     ac->c.reader->fn = &rm->fns;
-    ac->c.reader->privdata = rm;
+    ac->c.reader->privdata = n;
     ac->c.reader->maxbuf = 0; /* keep the read buffer: values are megabytes */
-    rm->sock = ac->c.fd;
-    rm->sock_events = rm->sock_armed = 0;
-    struct epoll_event ev = {.events = 0, .data.u32 = TAG_SOCK};
-    if (epoll_ctl(rm->epfd, EPOLL_CTL_ADD, rm->sock, &ev) < 0) {
+    n->sock = ac->c.fd;
+    n->sock_events = n->sock_armed = 0;
+    struct epoll_event ev = {.events = 0, .data.u32 = TAG_SOCK | (n->idx << 4)};
+    if (epoll_ctl(rm->epfd, EPOLL_CTL_ADD, n->sock, &ev) < 0) {
         kvt_log(KVT_LOG_WARN, "remote: epoll_ctl add: %s", strerror(errno));
-        rm->sock = -1;
+        n->sock = -1;
         redisAsyncFree(ac);
         rm->stats.connect_failures++;
-        rm->state = ST_DOWN;
-        schedule_retry(rm, now);
+        n->state = ST_DOWN;
+        schedule_retry(n, now);
         return;
     }
-    ac->ev.data = rm;
+    ac->ev.data = n;
     ac->ev.addRead = ev_add_read;
     ac->ev.delRead = ev_del_read;
     ac->ev.addWrite = ev_add_write;
@@ -688,9 +884,9 @@ static void connect_start(remote_t *rm, uint64_t now)
     ac->ev.cleanup = ev_cleanup;
     redisAsyncSetConnectCallback(ac, on_connect);
     redisAsyncSetDisconnectCallback(ac, on_disconnect);
-    rm->ac = ac;
-    rm->state = ST_CONNECTING;
-    rm->hello_left = 0;
+    n->ac = ac;
+    n->state = ST_CONNECTING;
+    n->hello_left = 0;
 
     /* The handshake: the server must answer before the connection counts as up (a stopped
      * server still accepts TCP connections). */
@@ -703,111 +899,132 @@ static void connect_start(remote_t *rm, uint64_t now)
         if (!(steps & s))
             continue;
         rq_t *r = rq_new(rm, RQ_HELLO);
-        if (!r || format_hello(rm, r, s) || wire_queue(rm, r)) {
+        if (!r || format_hello(rm, r, s) || wire_queue(n, r)) {
             if (r)
                 rq_release(rm, r);
-            rm->drop = 1;
-            rm->drop_status = KVT_EUNAVAIL;
+            n->drop = 1;
+            n->drop_status = KVT_EUNAVAIL;
             return;
         }
         r->link.deadline_ns = now + rm->timeout_ns;
-        rm->hello_left++;
+        n->hello_left++;
     }
-    sock_update(rm);
+    sock_update(n);
 }
 
 /* After any call into hiredis: if it freed the context, the connection is down. */
-static void after_hiredis(remote_t *rm, uint64_t now)
+static void after_hiredis(node_t *n, uint64_t now)
 {
-    if (rm->drop && rm->ac && !rm->ac_gone) {
-        outq_clear(rm);
-        redisAsyncFree(rm->ac); /* runs every pending callback with a NULL reply */
+    remote_t *rm = n->rm;
+    if (n->drop && n->ac && !n->ac_gone) {
+        outq_clear(n);
+        redisAsyncFree(n->ac); /* runs every pending callback with a NULL reply */
     }
-    if (!rm->ac || !rm->ac_gone)
+    if (!n->ac || !n->ac_gone)
         return;
-    int status = rm->drop ? rm->drop_status : KVT_EUNAVAIL;
-    rm->ac = NULL;
-    rm->sock = -1;
-    rm->drop = 0;
-    rm->skip = 0;
-    rm->hello_left = 0;
-    kvt_assert(rm->sentq.n == 0);
-    if (rm->state == ST_READY) {
+    int status = n->drop ? n->drop_status : KVT_EUNAVAIL;
+    n->ac = NULL;
+    n->sock = -1;
+    n->drop = 0;
+    n->skip = 0;
+    n->hello_left = 0;
+    tree_free(n);
+    kvt_assert(n->sentq.n == 0);
+    map_stale(rm);
+    if (n->state == ST_READY) {
         rm->stats.disconnects++;
-        kvt_log(KVT_LOG_WARN, "remote: lost %s:%d; reconnecting with backoff", rm->host, rm->port);
-    } else if (!rm->logged_down) {
-        kvt_log(KVT_LOG_WARN, "remote: cannot reach %s:%d; retrying with backoff", rm->host,
-                rm->port);
+        kvt_log(KVT_LOG_WARN, "remote: lost %s:%d; reconnecting with backoff", n->host, n->port);
+    } else if (!n->logged_down) {
+        kvt_log(KVT_LOG_WARN, "remote: cannot reach %s:%d; retrying with backoff", n->host,
+                n->port);
     }
-    rm->logged_down = 1;
-    rm->state = ST_DOWN;
+    n->logged_down = 1;
+    n->state = ST_DOWN;
     rq_t *r;
-    while ((r = q_pop(urgentq(rm)))) {
+    while ((r = q_pop(urgentq(n)))) {
         rq_fail(rm, r, status);
         rq_release(rm, r);
     }
-    while ((r = q_pop(waitq(rm)))) {
+    while ((r = q_pop(waitq(n)))) {
         if (r->kind == RQ_DEL && !r->io)
-            q_push(&rm->undoq, r); /* still worth sending once the server is back */
+            q_push(&n->undoq, r); /* still worth sending once the server is back */
         else {
             rq_fail(rm, r, status);
             rq_release(rm, r);
         }
     }
-    schedule_retry(rm, now);
+    schedule_retry(n, now);
 }
 
-static void became_ready(remote_t *rm)
+static void became_ready(node_t *n)
 {
-    rm->state = ST_READY;
-    rm->backoff_ns = rm->backoff_min_ns;
+    remote_t *rm = n->rm;
+    n->state = ST_READY;
+    n->backoff_ns = rm->backoff_min_ns;
     rm->stats.connects++;
-    if (rm->logged_down)
-        kvt_log(KVT_LOG_INFO, "remote: connected to %s:%d", rm->host, rm->port);
-    rm->logged_down = 0;
+    if (n->logged_down)
+        kvt_log(KVT_LOG_INFO, "remote: connected to %s:%d", n->host, n->port);
+    n->logged_down = 0;
     /* Undo writes whose outcome was unknown before anything newer goes out. */
-    kvt__ioq_fifo_prepend(waitq(rm), &rm->undoq);
+    kvt__ioq_fifo_prepend(waitq(n), &n->undoq);
 }
 
 /* Registers r's reply callback with hiredis and queues its formatted bytes for writing. Returns
  * 0 or an error (r not queued). */
-static int wire_queue(remote_t *rm, rq_t *r)
+static int wire_queue(node_t *n, rq_t *r)
 {
-    kvt_assert(sdslen(rm->ac->c.obuf) == 0);
+    kvt_assert(sdslen(n->ac->c.obuf) == 0);
     /* Length 0: hiredis parses the command name from hb and appends nothing. */
-    if (redisAsyncFormattedCommand(rm->ac, on_reply, r, r->hb, 0) != REDIS_OK)
+    if (redisAsyncFormattedCommand(n->ac, on_reply, r, r->hb, 0) != REDIS_OK)
         return KVT_EUNAVAIL;
     r->sent_ns = kvt_now_ns();
-    q_push(&rm->sentq, r);
-    kvt__ioq_started(&rm->q); /* the window counts sentq */
+    r->on = n;
+    q_push(&n->sentq, r);
+    kvt__ioq_started(&n->q); /* the window counts sentq */
     r->onext = NULL;
     r->in_outq = 1;
-    if (rm->out_tail)
-        rm->out_tail->onext = r;
+    if (n->out_tail)
+        n->out_tail->onext = r;
     else
-        rm->out_head = r;
-    rm->out_tail = r;
+        n->out_head = r;
+    n->out_tail = r;
     return 0;
 }
 
-static int send_rq(remote_t *rm, rq_t *r)
+static int send_rq(node_t *n, rq_t *r)
 {
+    remote_t *rm = n->rm;
     int rc = format_cmd(rm, r);
-    return rc ? rc : wire_queue(rm, r);
+    if (rc)
+        return rc;
+    if (r->ask) {
+        /* An ASK redirect: this node takes the key only on the command right after ASKING. */
+        static const char *const asking[] = {"ASKING"};
+        rq_t *a = rq_new(rm, RQ_ASKING);
+        if (!a)
+            return KVT_ENOMEM;
+        if ((rc = format_words(a, 1, asking)) || (rc = wire_queue(n, a))) {
+            rq_release(rm, a);
+            return rc;
+        }
+        r->ask = 0;
+    }
+    return wire_queue(n, r);
 }
 
 /* Moves waiting requests (urgent ones first) to the connection while the window is open: fewer
  * than max_inflight unanswered. */
-static void pump(remote_t *rm)
+static void pump(node_t *n)
 {
+    remote_t *rm = n->rm;
     int queued = 0;
-    while (rm->state == ST_READY && rm->ac && !rm->ac_gone && !rm->drop && kvt__ioq_next(&rm->q)) {
-        rq_t *r = rq_of(kvt__ioq_take(&rm->q));
+    while (n->state == ST_READY && n->ac && !n->ac_gone && !n->drop && kvt__ioq_next(&n->q)) {
+        rq_t *r = rq_of(kvt__ioq_take(&n->q));
         if (rq_dead(r)) {
             rq_release(rm, r);
             continue;
         }
-        int rc = send_rq(rm, r);
+        int rc = send_rq(n, r);
         if (rc) {
             rq_fail(rm, r, rc);
             rq_release(rm, r);
@@ -816,7 +1033,7 @@ static void pump(remote_t *rm)
         queued = 1;
     }
     if (queued)
-        sock_update(rm);
+        sock_update(n);
 }
 
 static uint64_t rq_bytes(const rq_t *r)
@@ -825,40 +1042,40 @@ static uint64_t rq_bytes(const rq_t *r)
 }
 
 /* Writes queued command bytes until the socket is full. */
-static void flush(remote_t *rm)
+static void flush(node_t *n)
 {
-    while (rm->out_head && !rm->drop) {
+    while (n->out_head && !n->drop) {
         struct iovec iov[KVT__IOV];
-        int n = 0;
-        for (rq_t *r = rm->out_head; r && n + 3 <= KVT__IOV; r = r->onext) {
+        int k = 0;
+        for (rq_t *r = n->out_head; r && k + 3 <= KVT__IOV; r = r->onext) {
             const char *part[3] = {r->hb, (const char *)r->pay, r->tail};
             uint64_t plen[3] = {r->hblen, r->paylen, r->taillen};
             uint64_t off = r->off;
-            for (int k = 0; k < 3; k++) {
-                if (off >= plen[k]) {
-                    off -= plen[k];
+            for (int j = 0; j < 3; j++) {
+                if (off >= plen[j]) {
+                    off -= plen[j];
                     continue;
                 }
-                iov[n].iov_base = (void *)(part[k] + off);
-                iov[n].iov_len = plen[k] - off;
-                n++;
+                iov[k].iov_base = (void *)(part[j] + off);
+                iov[k].iov_len = plen[j] - off;
+                k++;
                 off = 0;
             }
         }
-        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
-        ssize_t w = sendmsg(rm->sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+        ssize_t w = sendmsg(n->sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w < 0) {
             if (errno == EINTR)
                 continue;
             if (errno != EAGAIN && errno != EWOULDBLOCK) {
-                rm->drop = 1; /* the read side sees the same error; close now */
-                rm->drop_status = KVT_EUNAVAIL;
+                n->drop = 1; /* the read side sees the same error; close now */
+                n->drop_status = KVT_EUNAVAIL;
             }
             break;
         }
         uint64_t left = (uint64_t)w;
-        while (left && rm->out_head) {
-            rq_t *r = rm->out_head;
+        while (left && n->out_head) {
+            rq_t *r = n->out_head;
             uint64_t rem = rq_bytes(r) - r->off;
             if (left < rem) {
                 r->off += left;
@@ -867,61 +1084,297 @@ static void flush(remote_t *rm)
             left -= rem;
             r->off += rem;
             r->in_outq = 0;
-            rm->out_head = r->onext;
-            if (!rm->out_head)
-                rm->out_tail = NULL;
+            n->out_head = r->onext;
+            if (!n->out_head)
+                n->out_tail = NULL;
             r->onext = NULL;
         }
     }
-    sock_update(rm);
+    sock_update(n);
+}
+
+/* --- the slot map --- */
+
+static void map_set(remote_t *rm, uint32_t slot, node_t *n)
+{
+    uint8_t old = rm->map[slot];
+    if (old != 0xff)
+        rm->nodes[old]->owned--;
+    rm->map[slot] = (uint8_t)n->idx;
+    n->owned++;
+}
+
+static int rq_urgent(const rq_t *r)
+{
+    return r->kind == RQ_EXISTS || (r->kind == RQ_GET && r->io && r->io->urgent);
+}
+
+/* Queues r on node n (not sent yet: pump does that). */
+static void node_queue(node_t *n, rq_t *r)
+{
+    r->on = n;
+    kvt__ioq_push(&n->q, &r->link, rq_urgent(r));
+}
+
+static kvt_log_limit_t map_lim;
+
+/* Applies a CLUSTER SLOTS reply from node from: each entry is [start, end, [host, port, id,
+ * ...] (the primary), replicas...]. Anything malformed leaves the map as it was. Returns 0 or
+ * KVT_EPROTO. */
+static int map_apply(node_t *from, const redisReply *rep)
+{
+    remote_t *rm = from->rm;
+    uint8_t m[16384];
+    memset(m, 0xff, sizeof(m));
+    const char *why = NULL;
+    if (!rep || rep->type != REDIS_REPLY_ARRAY)
+        why = rep && rep->type == REDIS_REPLY_ERROR ? rep->str : "not an array";
+    for (size_t i = 0; !why && i < rep->elements; i++) {
+        const redisReply *e = rep->element[i];
+        if (!e || e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+            e->element[0]->type != REDIS_REPLY_INTEGER ||
+            e->element[1]->type != REDIS_REPLY_INTEGER) {
+            why = "an entry is not [start, end, primary]";
+            break;
+        }
+        long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+        const redisReply *pr = e->element[2];
+        if (lo < 0 || hi > 16383 || lo > hi) {
+            why = "a slot range out of 0..16383";
+            break;
+        }
+        if (pr->type != REDIS_REPLY_ARRAY || pr->elements < 2 ||
+            pr->element[0]->type != REDIS_REPLY_STRING ||
+            pr->element[1]->type != REDIS_REPLY_INTEGER || pr->element[1]->integer <= 0 ||
+            pr->element[1]->integer > 65535 || pr->element[0]->len > 255) {
+            why = "a primary is not [host, port, ...]";
+            break;
+        }
+        /* An empty host (or "?") means "the address you reached me at" */
+        const char *host = pr->element[0]->str;
+        if (!host[0] || !strcmp(host, "?"))
+            host = from->host;
+        node_t *to = node_get(rm, host, (int)pr->element[1]->integer);
+        if (!to) {
+            why = "more nodes than this tier follows (64)";
+            break;
+        }
+        for (long long k = lo; k <= hi; k++)
+            m[k] = (uint8_t)to->idx;
+    }
+    if (why) {
+        rm->stats.map_errors++;
+        kvt_log_limited(&map_lim, KVT_LOG_WARN, "remote: %s:%d sent a slot map we cannot use: %s",
+                        from->host, from->port, why);
+        return KVT_EPROTO;
+    }
+    uint32_t owned[KVT__NODES_MAX] = {0};
+    for (uint32_t k = 0; k < 16384; k++)
+        if (m[k] != 0xff)
+            owned[m[k]]++;
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        node_t *n = rm->nodes[i];
+        /* A primary that was lost and whose slots another node now serves: its replica was
+         * promoted (or its slots were moved while it was away). */
+        if (n->owned && !owned[i] && n->state != ST_READY) {
+            rm->stats.failovers++;
+            kvt_log(KVT_LOG_WARN, "remote: %s:%d is gone from the slot map: failed over", n->host,
+                    n->port);
+        }
+        n->owned = owned[i];
+    }
+    memcpy(rm->map, m, sizeof(m));
+    rm->map_known = 1;
+    rm->map_stale = 0;
+    rm->stats.map_refreshes++;
+    /* DELs held for a node that no longer owns anything go where their keys live now. */
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        node_t *n = rm->nodes[i];
+        if (n->owned || n->state == ST_READY)
+            continue;
+        rq_t *r;
+        while ((r = q_pop(&n->undoq))) {
+            node_t *to = route(rm, r);
+            if (!to) {
+                rq_release(rm, r);
+                continue;
+            }
+            if (to == n || (to->state == ST_DOWN && !to->ac)) {
+                q_push(&to->undoq, r);
+                if (to == n)
+                    break;
+            } else {
+                node_queue(to, r);
+            }
+        }
+    }
+    return 0;
+}
+
+/* Asks a node that is up for the slot map, at most every KVT__MAP_GAP_NS. */
+static void map_refresh(remote_t *rm, uint64_t now)
+{
+    if (!rm->cluster || !rm->map_stale || rm->map_inflight || now < rm->map_next_ns)
+        return;
+    for (uint32_t k = 0; k < rm->nnodes; k++) {
+        node_t *n = rm->nodes[(rm->map_rr + k) % rm->nnodes];
+        if (n->state != ST_READY || !n->ac || n->ac_gone || n->drop)
+            continue;
+        static const char *const slots[] = {"CLUSTER", "SLOTS"};
+        rq_t *r = rq_new(rm, RQ_SLOTS);
+        if (!r)
+            return;
+        if (format_words(r, 2, slots) || wire_queue(n, r)) {
+            rq_release(rm, r);
+            return;
+        }
+        sock_update(n);
+        rm->map_rr = n->idx + 1;
+        rm->map_inflight = 1;
+        rm->map_next_ns = now + KVT__MAP_GAP_NS;
+        return;
+    }
+}
+
+/* "HOST:PORT" as a redirect names it: split at the last colon, since the server writes an IPv6
+ * address without brackets. host holds 256 bytes. Returns 0 or KVT_EINVAL. */
+static int split_addr(const char *s, char *host, uint16_t *port)
+{
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s || (size_t)(colon - s) > 255)
+        return KVT_EINVAL;
+    char *end;
+    errno = 0;
+    unsigned long p = strtoul(colon + 1, &end, 10);
+    if (errno || end == colon + 1 || *end || p == 0 || p > 65535)
+        return KVT_EINVAL;
+    for (const char *c = s; c < colon; c++)
+        if (*c <= ' ' || *c == 0x7f)
+            return KVT_EINVAL;
+    memcpy(host, s, (size_t)(colon - s));
+    host[colon - s] = 0;
+    *port = (uint16_t)p;
+    return 0;
+}
+
+/*
+ * A MOVED or ASK error in reply to r, from node from: r goes to the node it names (a MOVED also
+ * teaches the map that slot and asks for a whole refresh). Returns 0 when r was queued there,
+ * or the status to fail r with: KVT_EIO for a redirect that cannot be followed (not in cluster
+ * mode, a garbled address, more than KVT__REDIRECTS for one request, no room for another
+ * node), KVT_EUNAVAIL when the node named is down.
+ */
+static int redirect(node_t *from, rq_t *r, const char *msg)
+{
+    static kvt_log_limit_t lim;
+    remote_t *rm = from->rm;
+    int ask = msg[0] == 'A';
+    const char *p = msg + (ask ? 4 : 6);
+    char *end;
+    char host[256];
+    uint16_t port = 0;
+    unsigned long slot = strtoul(p, &end, 10);
+    int ok = end != p && *end == ' ' && slot < 16384 && split_addr(end + 1, host, &port) == 0;
+    if (ask)
+        rm->stats.asks++;
+    else
+        rm->stats.moved++;
+    map_stale(rm);
+    node_t *to = NULL;
+    const char *why = !rm->cluster                       ? "a cluster node: set remote-cluster"
+                      : !ok                              ? "not a slot and an address"
+                      : r->redirects >= KVT__REDIRECTS   ? "too many redirects"
+                      : !(to = node_get(rm, host, port)) ? "too many nodes"
+                                                         : NULL;
+    if (why) {
+        rm->stats.redirect_errors++;
+        kvt_log_limited(&lim, KVT_LOG_WARN, "remote: %s:%d answered \"%s\": %s; a miss", from->host,
+                        from->port, msg, why);
+        return KVT_EIO;
+    }
+    r->redirects++;
+    if (!ask)
+        map_set(rm, (uint32_t)slot, to);
+    if (to->state == ST_DOWN && !to->ac && kvt_now_ns() >= to->retry_ns)
+        connect_start(to, kvt_now_ns());
+    if (to->state == ST_DOWN)
+        return KVT_EUNAVAIL;
+    r->ask = (uint8_t)ask;
+    node_queue(to, r);
+    return 0;
 }
 
 static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
 {
-    remote_t *rm = ac->data;
+    node_t *n = ac->data;
+    remote_t *rm = n->rm;
     rq_t *r = privdata;
-    kvt_assert(rq_of(rm->sentq.head) == r);
-    q_pop(&rm->sentq);
-    kvt__ioq_finished(&rm->q);
+    kvt_assert(rq_of(n->sentq.head) == r);
+    q_pop(&n->sentq);
+    kvt__ioq_finished(&n->q);
     remote_reply_t *o = reply;
     if (r->in_outq) {
         /* Not all written: the connection is going away (no reply), or the server answered a
          * command it had not fully received, and the stream is out of step. */
-        if (rm->out_head == r) {
-            rm->out_head = r->onext;
-            if (!rm->out_head)
-                rm->out_tail = NULL;
+        if (n->out_head == r) {
+            n->out_head = r->onext;
+            if (!n->out_head)
+                n->out_tail = NULL;
             r->in_outq = 0;
         } else {
-            outq_clear(rm);
+            outq_clear(n);
         }
         if (o) {
-            rm->drop = 1;
-            rm->drop_status = KVT_EPROTO;
+            n->drop = 1;
+            n->drop_status = KVT_EPROTO;
         }
+    }
+    if (r->kind == RQ_SLOTS) { /* reply is hiredis's own tree (reply_tree), or NULL */
+        rm->map_inflight = 0;
+        if (!reply || n->drop || map_apply(n, reply) < 0)
+            rm->map_stale = 1;
+        tree_free(n);
+        rq_release(rm, r);
+        return;
     }
     if (!o) { /* the connection is going away */
         if (r->kind == RQ_SET)
             undo_set(rm, r, 0);
-        rq_fail(rm, r, rm->drop ? rm->drop_status : KVT_EUNAVAIL);
+        rq_fail(rm, r, n->drop ? n->drop_status : KVT_EUNAVAIL);
         rq_release(rm, r);
         return;
     }
     int type = o->r.type;
+    if (type == REDIS_REPLY_ERROR && r->kind <= RQ_EXISTS &&
+        (!strncmp(o->msg, "MOVED ", 6) || !strncmp(o->msg, "ASK ", 4))) {
+        if (rq_dead(r)) {
+            rq_release(rm, r);
+            return;
+        }
+        int st = redirect(n, r, o->msg);
+        if (st == 0)
+            return; /* r is queued on another node */
+        rq_fail(rm, r, st);
+        rq_release(rm, r);
+        return;
+    }
     int err = type == REDIS_REPLY_ERROR ? map_error(o->msg, r->kind) : 0;
     switch (r->kind) {
     case RQ_HELLO:
         if (err) {
-            if (!rm->logged_down)
-                kvt_log(KVT_LOG_ERROR, "remote: %s:%d refused the handshake: %s; retrying",
-                        rm->host, rm->port, o->msg);
-            rm->logged_down = 1;
-            rm->drop = 1;
-            rm->drop_status = err == KVT_EAUTH ? KVT_EAUTH : KVT_EUNAVAIL;
+            if (!n->logged_down)
+                kvt_log(KVT_LOG_ERROR, "remote: %s:%d refused the handshake: %s; retrying", n->host,
+                        n->port, o->msg);
+            n->logged_down = 1;
+            n->drop = 1;
+            n->drop_status = err == KVT_EAUTH ? KVT_EAUTH : KVT_EUNAVAIL;
             rm->stats.auth_failures += err == KVT_EAUTH;
-        } else if (--rm->hello_left == 0 && !rm->drop) {
-            became_ready(rm);
+        } else if (--n->hello_left == 0 && !n->drop) {
+            became_ready(n);
         }
+        break;
+    case RQ_ASKING:
+    case RQ_SLOTS:
         break;
     case RQ_SET:
         if (!r->io) { /* timed out before the server answered */
@@ -1014,12 +1467,14 @@ static void rq_expired(void *arg, kvt__ioq_link_t *l, int expired)
 }
 
 /* Fails requests past their deadline; closes a stalled connection; returns the next deadline. */
-static uint64_t expire(remote_t *rm, uint64_t now)
+static uint64_t expire(node_t *n, uint64_t now)
 {
-    uint64_t next = kvt__ioq_expire(&rm->q, now, rq_gone, rq_expired, rm);
+    remote_t *rm = n->rm;
+    uint64_t timeouts = rm->stats.timeouts;
+    uint64_t next = kvt__ioq_expire(&n->q, now, rq_gone, rq_expired, rm);
     /* sentq is not in deadline order (urgent requests passed others): all of it is looked at,
      * at most max_inflight requests. */
-    for (rq_t *r = rq_of(rm->sentq.head); r; r = rq_next(r)) {
+    for (rq_t *r = rq_of(n->sentq.head); r; r = rq_next(r)) {
         if (!r->io && !r->probe && r->kind != RQ_HELLO)
             continue;
         if (r->link.deadline_ns > now) {
@@ -1027,24 +1482,26 @@ static uint64_t expire(remote_t *rm, uint64_t now)
             continue;
         }
         if (r->kind == RQ_HELLO) {
-            rm->drop = 1;
-            rm->drop_status = KVT_EUNAVAIL;
+            n->drop = 1;
+            n->drop_status = KVT_EUNAVAIL;
             continue;
         }
         rm->stats.timeouts++;
         rq_fail(rm, r, KVT_ETIMEDOUT); /* r stays queued, detached, until its reply */
     }
-    rq_t *h = rq_of(rm->sentq.head);
+    rq_t *h = rq_of(n->sentq.head);
     if (h) {
         uint64_t stall = h->sent_ns + 2 * rm->timeout_ns;
-        if (stall <= now && !rm->drop) {
-            kvt_log(KVT_LOG_WARN, "remote: %s:%d has not answered for %llu ms; closing", rm->host,
-                    rm->port, (unsigned long long)((now - h->sent_ns) / 1000000));
-            rm->drop = 1;
-            rm->drop_status = KVT_EUNAVAIL;
+        if (stall <= now && !n->drop) {
+            kvt_log(KVT_LOG_WARN, "remote: %s:%d has not answered for %llu ms; closing", n->host,
+                    n->port, (unsigned long long)((now - h->sent_ns) / 1000000));
+            n->drop = 1;
+            n->drop_status = KVT_EUNAVAIL;
         }
         next = KVT_MIN(next, stall);
     }
+    if (rm->stats.timeouts != timeouts)
+        map_stale(rm); /* a node that stopped answering may have been failed over */
     return next;
 }
 
@@ -1067,20 +1524,47 @@ static void arm_timer(remote_t *rm, uint64_t at)
 }
 
 /* Runs every time-driven step and rearms the timer; the tail of each entry point. */
+/*
+ * Whether a disconnected node is worth connecting to: the single server always; a cluster node
+ * when the map gives it slots or requests wait for it, and every node (seeds first among them)
+ * while no node at all is up or on its way up, to learn the map from.
+ */
+static int node_wanted(const node_t *n, int any_up)
+{
+    return !n->rm->cluster || n->owned || kvt__ioq_waiting(&n->q) || n->undoq.n || !any_up;
+}
+
 static void tick(remote_t *rm)
 {
     uint64_t now = kvt_now_ns();
-    if (rm->state == ST_DOWN && !rm->ac && now >= rm->retry_ns)
-        connect_start(rm, now);
-    after_hiredis(rm, now);
-    pump(rm);
-    uint64_t next = expire(rm, now);
-    if (rm->drop) {
-        after_hiredis(rm, now);
-        next = expire(rm, now);
+    uint64_t next = UINT64_MAX;
+    int any_up = 0;
+    for (uint32_t i = 0; i < rm->nnodes; i++)
+        any_up |= rm->nodes[i]->state != ST_DOWN;
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        node_t *n = rm->nodes[i];
+        int wanted = node_wanted(n, any_up);
+        if (n->state == ST_DOWN && !n->ac && now >= n->retry_ns && wanted)
+            connect_start(n, now);
+        after_hiredis(n, now);
+        pump(n);
+        uint64_t nx = expire(n, now);
+        if (n->drop) {
+            after_hiredis(n, now);
+            nx = expire(n, now);
+        }
+        if (n->state == ST_DOWN && !n->ac && wanted)
+            nx = KVT_MIN(nx, n->retry_ns);
+        next = KVT_MIN(next, nx);
     }
-    if (rm->state == ST_DOWN && !rm->ac)
-        next = KVT_MIN(next, rm->retry_ns);
+    if (rm->cluster) {
+        for (uint32_t i = 0; i < rm->nnodes; i++)
+            if (rm->nodes[i]->owned && rm->nodes[i]->state != ST_READY)
+                map_stale(rm); /* until the map names who serves its slots now */
+        map_refresh(rm, now);
+        if (rm->map_stale && !rm->map_inflight)
+            next = KVT_MIN(next, KVT_MAX(rm->map_next_ns, now + 1000000));
+    }
     arm_timer(rm, next);
 }
 
@@ -1097,16 +1581,15 @@ static uint64_t remote_footprint(const kvt_tier_t *t, uint32_t len)
 static int submit(remote_t *rm, rq_t *r)
 {
     uint64_t now = kvt_now_ns();
-    if (rm->state == ST_DOWN && !rm->ac && now >= rm->retry_ns)
-        connect_start(rm, now);
-    if (rm->state == ST_DOWN) {
+    node_t *n = route_up(rm, r, now);
+    if (!n) {
         rm->stats.unavailable++;
         return KVT_EUNAVAIL;
     }
     uint64_t deadline = now + rm->timeout_ns;
     r->link.deadline_ns = deadline;
-    kvt__ioq_push(&rm->q, &r->link, r->kind == RQ_GET && r->io->urgent);
-    pump(rm); /* may send r, and even free it */
+    node_queue(n, r);
+    pump(n); /* may send r, and even free it */
     if (deadline < rm->timer_armed_ns)
         arm_timer(rm, deadline);
     return 0;
@@ -1133,8 +1616,7 @@ static int remote_write(kvt_tier_t *t, kvt_tier_io_t *io)
         return rc;
     }
     r->io = io;
-    r->seed = io->key.ns_seed;
-    r->hash = io->key.hash;
+    rq_name(rm, r, io->key.ns_seed, io->key.hash);
     rc = submit(rm, r);
     if (rc) {
         slot_unreserve(rm, r->slot);
@@ -1152,8 +1634,7 @@ static int remote_read(kvt_tier_t *t, kvt_tier_io_t *io)
     if (!r)
         return KVT_ENOMEM;
     r->io = io;
-    r->seed = io->key.ns_seed;
-    r->hash = io->key.hash;
+    rq_name(rm, r, io->key.ns_seed, io->key.hash);
     int rc = submit(rm, r);
     if (rc)
         rq_release(rm, r);
@@ -1174,17 +1655,22 @@ static void remote_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     rq_t *r = rq_new(rm, RQ_DEL);
     if (!r)
         return;
-    r->seed = seed;
-    r->hash = hash;
-    if (rm->state == ST_DOWN) {
-        if (rm->undoq.n < KVT__UNDO_MAX)
-            q_push(&rm->undoq, r);
+    rq_name(rm, r, seed, hash);
+    node_t *n = route(rm, r);
+    if (!n) { /* no owner known: the key stays (the daemon keeps keys anyway: keep_on_free) */
+        rq_release(rm, r);
+        return;
+    }
+    r->on = n;
+    if (n->state == ST_DOWN) {
+        if (n->undoq.n < KVT__UNDO_MAX)
+            q_push(&n->undoq, r);
         else
             rq_release(rm, r);
         return;
     }
-    q_push(waitq(rm), r); /* no deadline: a DEL nobody waits for */
-    pump(rm);
+    q_push(waitq(n), r); /* no deadline: a DEL nobody waits for */
+    pump(n);
 }
 
 static int remote_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
@@ -1208,13 +1694,14 @@ static int remote_fd(kvt_tier_t *t)
  * the value's first bytes at its cursor (the '$' consumed, ridx 0). When that length is over the
  * one expected, the reply is cut to an empty string, which the decoder refuses as corrupt as it
  * refuses any value of the wrong size, and the rest of the value is read off the socket into a
- * scratch buffer and dropped (rm->skip) before hiredis sees another byte.
+ * scratch buffer and dropped (n->skip) before hiredis sees another byte.
  */
-static void cut_oversized(remote_t *rm)
+static void cut_oversized(node_t *n)
 {
-    redisReader *rd = rm->ac->c.reader;
-    rq_t *h = rq_of(rm->sentq.head);
-    if (rm->skip || !h || h->kind != RQ_GET || rd->ridx != 0 || rd->pos >= rd->len)
+    remote_t *rm = n->rm;
+    redisReader *rd = n->ac->c.reader;
+    rq_t *h = rq_of(n->sentq.head);
+    if (n->skip || !h || h->kind != RQ_GET || rd->ridx != 0 || rd->pos >= rd->len)
         return;
     const char *p = rd->buf + rd->pos, *end = rd->buf + rd->len;
     uint64_t len = 0;
@@ -1230,11 +1717,11 @@ static void cut_oversized(remote_t *rm)
     if (!buf || !rm->scratch) {
         if (buf)
             rd->buf = buf;
-        rm->drop = 1; /* cannot even cut it: the connection goes, its requests fail */
-        rm->drop_status = KVT_EUNAVAIL;
+        n->drop = 1; /* cannot even cut it: the connection goes, its requests fail */
+        n->drop_status = KVT_EUNAVAIL;
         return;
     }
-    rm->skip = len + 2 - have;
+    n->skip = len + 2 - have;
     rm->stats.oversized++;
     rm->stats.skipped_bytes += len;
     static kvt_log_limit_t lim; /* a keyspace overwritten by someone else: every read */
@@ -1248,24 +1735,25 @@ static void cut_oversized(remote_t *rm)
     rd->len = rd->pos + 5;
 }
 
-/* Drops up to rm->skip bytes from the socket. Returns the bytes dropped; 0 when it had none. */
-static ssize_t skip_more(remote_t *rm)
+/* Drops up to n->skip bytes from the socket. Returns the bytes dropped; 0 when it had none. */
+static ssize_t skip_more(node_t *n)
 {
-    ssize_t n = read(rm->sock, rm->scratch, (size_t)KVT_MIN(rm->skip, (uint64_t)KVT__READ_MIN));
-    if (n <= 0)
+    remote_t *rm = n->rm;
+    ssize_t got = read(n->sock, rm->scratch, (size_t)KVT_MIN(n->skip, (uint64_t)KVT__READ_MIN));
+    if (got <= 0)
         return 0;
-    rm->skip -= (uint64_t)n;
-    return n;
+    n->skip -= (uint64_t)got;
+    return got;
 }
 
 /* Reads into hiredis's reader buffer directly: as much as the GET value at the head of sentq
  * still needs (so that one read takes a whole value), at least KVT__READ_MIN. Returns the bytes
  * read; 0 when the socket had nothing (EOF and errors are left for hiredis to find). */
-static ssize_t read_more(remote_t *rm)
+static ssize_t read_more(node_t *n)
 {
-    redisReader *rd = rm->ac->c.reader;
+    redisReader *rd = n->ac->c.reader;
     size_t want = KVT__READ_MIN;
-    rq_t *h = rq_of(rm->sentq.head);
+    rq_t *h = rq_of(n->sentq.head);
     if (h && h->kind == RQ_GET && h->io) {
         size_t have = rd->len - rd->pos;
         if (h->expect > have)
@@ -1275,55 +1763,55 @@ static ssize_t read_more(remote_t *rm)
     if (!buf)
         return 0;
     rd->buf = buf;
-    ssize_t n = read(rm->sock, buf + sdslen(buf), want);
-    if (n <= 0)
+    ssize_t got = read(n->sock, buf + sdslen(buf), want);
+    if (got <= 0)
         return 0;
-    sdsIncrLen(buf, n);
+    sdsIncrLen(buf, got);
     rd->len = sdslen(buf);
-    return n;
+    return got;
 }
 
-static void handle_sock(remote_t *rm, uint32_t events)
+static void handle_sock(node_t *n, uint32_t events)
 {
     uint64_t now = kvt_now_ns();
-    int connected = rm->ac->c.flags & REDIS_CONNECTED;
+    int connected = n->ac->c.flags & REDIS_CONNECTED;
     if ((events & EPOLLOUT) || (!connected && (events & (EPOLLERR | EPOLLHUP)))) {
-        if (!connected || (rm->sock_events & EPOLLOUT))
-            redisAsyncHandleWrite(rm->ac); /* connect completion; its buffer is always empty */
-        after_hiredis(rm, now);
-        if (rm->ac && (rm->ac->c.flags & REDIS_CONNECTED))
-            flush(rm);
-        after_hiredis(rm, now);
+        if (!connected || (n->sock_events & EPOLLOUT))
+            redisAsyncHandleWrite(n->ac); /* connect completion; its buffer is always empty */
+        after_hiredis(n, now);
+        if (n->ac && (n->ac->c.flags & REDIS_CONNECTED))
+            flush(n);
+        after_hiredis(n, now);
     }
-    if (!rm->ac || !(events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
+    if (!n->ac || !(events & (EPOLLIN | EPOLLERR | EPOLLHUP)))
         return;
     /* Keep reading while the socket has more, within a budget so that one busy connection
      * cannot hold the caller's loop. */
     for (int budget = 64; budget > 0; budget--) {
-        int up = rm->ac->c.flags & REDIS_CONNECTED;
-        if (up && rm->skip) {
-            if (skip_more(rm) <= 0)
+        int up = n->ac->c.flags & REDIS_CONNECTED;
+        if (up && n->skip) {
+            if (skip_more(n) <= 0)
                 break; /* the rest has not arrived: epoll says when it has */
-            if (rm->skip)
+            if (n->skip)
                 continue;
             /* All of it dropped: the reply it was cut to is decoded now, below. Nothing more may
              * come from the server to wake this up again (it was the last reply), so this must
              * not wait for another turn, which the budget could end first. */
         }
-        ssize_t n = up ? read_more(rm) : 0;
-        redisAsyncHandleRead(rm->ac);
-        if (rm->ac && !rm->ac_gone && (rm->ac->c.flags & REDIS_CONNECTED))
-            cut_oversized(rm);
-        after_hiredis(rm, now);
-        if (!rm->ac)
+        ssize_t got = up ? read_more(n) : 0;
+        redisAsyncHandleRead(n->ac);
+        if (n->ac && !n->ac_gone && (n->ac->c.flags & REDIS_CONNECTED))
+            cut_oversized(n);
+        after_hiredis(n, now);
+        if (!n->ac)
             return;
-        pump(rm);
-        if (n <= 0)
+        pump(n);
+        if (got <= 0)
             break;
     }
-    if (rm->out_head)
-        flush(rm);
-    after_hiredis(rm, now);
+    if (n->out_head)
+        flush(n);
+    after_hiredis(n, now);
 }
 
 /* Runs the callbacks of finished probes (not while the tier is being destroyed); returns how
@@ -1347,16 +1835,17 @@ static int deliver_probes(remote_t *rm)
 static int remote_poll(kvt_tier_t *t)
 {
     remote_t *rm = remote_of(t);
-    struct epoll_event evs[4];
+    struct epoll_event evs[16];
     int n = epoll_wait(rm->epfd, evs, KVT_ARRAY_LEN(evs), 0);
     if (n < 0 && errno != EINTR)
         return -errno;
     for (int i = 0; i < n; i++) {
         uint64_t v;
-        switch (evs[i].data.u32) {
+        uint32_t idx = evs[i].data.u32 >> 4;
+        switch (evs[i].data.u32 & 15) {
         case TAG_SOCK:
-            if (rm->ac && !rm->ac_gone)
-                handle_sock(rm, evs[i].events);
+            if (idx < rm->nnodes && rm->nodes[idx]->ac && !rm->nodes[idx]->ac_gone)
+                handle_sock(rm->nodes[idx], evs[i].events);
             break;
         case TAG_TIMER:
             if (read(rm->tfd, &v, sizeof(v)) < 0 && errno != EAGAIN)
@@ -1379,40 +1868,59 @@ static int remote_poll(kvt_tier_t *t)
 /* DELs (frees, undone writes) may still be queued when the tier goes: give them a moment. */
 #define KVT__DESTROY_FLUSH_MS 200
 
+static int flushing(const remote_t *rm)
+{
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        const node_t *n = rm->nodes[i];
+        if (n->state == ST_READY && (kvt__ioq_waiting(&n->q) || n->sentq.n))
+            return 1;
+    }
+    return 0;
+}
+
 static void remote_destroy(kvt_tier_t *t)
 {
     remote_t *rm = remote_of(t);
     uint64_t end = kvt_now_ns() + KVT__DESTROY_FLUSH_MS * 1000000ull;
-    while (rm->state == ST_READY && (kvt__ioq_waiting(&rm->q) || rm->sentq.n) &&
-           kvt_now_ns() < end) {
+    while (flushing(rm) && kvt_now_ns() < end) {
         struct epoll_event ev;
         (void)epoll_wait(rm->epfd, &ev, 1, 10);
         if (remote_poll(t) < 0)
             break;
     }
-    if (rm->ac && !rm->ac_gone) {
-        rm->drop_status = KVT_ECLOSED;
-        rm->drop = 1;
-        outq_clear(rm);
-        redisAsyncFree(rm->ac);
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        node_t *n = rm->nodes[i];
+        if (n->ac && !n->ac_gone) {
+            n->drop_status = KVT_ECLOSED;
+            n->drop = 1;
+            outq_clear(n);
+            redisAsyncFree(n->ac);
+        }
+        n->ac = NULL;
+        tree_free(n);
     }
-    rm->ac = NULL;
-    kvt__ioq_fifo_t *qs[] = {urgentq(rm), waitq(rm), &rm->sentq, &rm->undoq};
-    for (size_t i = 0; i < KVT_ARRAY_LEN(qs); i++) {
-        rq_t *r;
-        while ((r = q_pop(qs[i])))
-            free(r);
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        node_t *n = rm->nodes[i];
+        kvt__ioq_fifo_t *qs[] = {urgentq(n), waitq(n), &n->sentq, &n->undoq};
+        for (size_t k = 0; k < KVT_ARRAY_LEN(qs); k++) {
+            rq_t *r;
+            while ((r = q_pop(qs[k])))
+                free(r);
+        }
     }
     rq_t *r;
-    while ((r = rq_of(kvt__ioq_slot_get(&rm->q))))
+    while ((r = rq_of(kvt__ioq_slot_get(&rm->pool))))
         free(r);
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        free(rm->nodes[i]->host);
+        free(rm->nodes[i]);
+    }
     close(rm->epfd);
     close(rm->tfd);
     close(rm->wfd);
     free(rm->slots);
     free(rm->free_slots);
     free(rm->scratch);
-    free(rm->host);
     free(rm->password);
     free(rm);
 }
@@ -1444,24 +1952,68 @@ static int prefix_ok(const char *p)
     return 1;
 }
 
+static void free_nodes(remote_t *rm)
+{
+    for (uint32_t i = 0; i < rm->nnodes; i++) {
+        free(rm->nodes[i]->host);
+        free(rm->nodes[i]);
+    }
+    rm->nnodes = 0;
+}
+
+/* Adds the seeds of "HOST:PORT[,HOST:PORT...]". Returns 0, KVT_EINVAL or KVT_ENOMEM. */
+static int add_seeds(remote_t *rm, const char *list)
+{
+    const char *p = list;
+    while (*p) {
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        char one[300], host[256];
+        uint16_t port;
+        if (len == 0 || len >= sizeof(one))
+            return KVT_EINVAL;
+        memcpy(one, p, len);
+        one[len] = 0;
+        if (kvt_tier_remote_parse_addr(one, host, sizeof(host), &port) < 0)
+            return KVT_EINVAL;
+        if (rm->nnodes == KVT__NODES_MAX)
+            return KVT_EINVAL;
+        node_t *n = node_get(rm, host, port);
+        if (!n)
+            return KVT_ENOMEM;
+        n->seed = 1;
+        if (!comma)
+            break;
+        p = comma + 1;
+        if (!*p)
+            return KVT_EINVAL; /* a trailing comma */
+    }
+    return rm->nnodes ? 0 : KVT_EINVAL;
+}
+
 int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf)
 {
-    if (!out || !conf || !conf->host || !conf->host[0] || conf->capacity_bytes == 0 ||
-        conf->db < 0 || conf->db > 65535 || (conf->key_prefix && !prefix_ok(conf->key_prefix)) ||
+    if (!out || !conf || conf->capacity_bytes == 0 || conf->db < 0 || conf->db > 65535 ||
+        (conf->key_prefix && !prefix_ok(conf->key_prefix)) ||
         (conf->password && !conf->password[0]) ||
         (conf->backoff_max_ms && conf->backoff_min_ms > conf->backoff_max_ms))
+        return KVT_EINVAL;
+    if (!conf->cluster && (!conf->host || !conf->host[0]))
+        return KVT_EINVAL;
+    /* A cluster has one database, and a brace in the prefix would be a hash tag that puts every
+     * key in one slot, on one node. */
+    if (conf->cluster && (!conf->seeds || !conf->seeds[0] || conf->db != 0 ||
+                          (conf->key_prefix && strpbrk(conf->key_prefix, "{}"))))
         return KVT_EINVAL;
     *out = NULL;
     remote_t *rm = calloc(1, sizeof(*rm));
     if (!rm)
         return KVT_ENOMEM;
-    rm->epfd = rm->tfd = rm->wfd = rm->sock = -1;
-    rm->host = strdup(conf->host);
+    rm->epfd = rm->tfd = rm->wfd = -1;
     rm->password = conf->password ? strdup(conf->password) : NULL;
     int rc = KVT_ENOMEM;
-    if (!rm->host || (conf->password && !rm->password))
+    if (conf->password && !rm->password)
         goto fail;
-    rm->port = conf->port ? conf->port : 6379;
     rm->db = conf->db;
     snprintf(rm->prefix, sizeof(rm->prefix), "%s", conf->key_prefix ? conf->key_prefix : "kvt");
     rm->ttl_s = conf->ttl_s;
@@ -1470,11 +2022,18 @@ int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf)
     rm->backoff_max_ns = (uint64_t)(conf->backoff_max_ms ? conf->backoff_max_ms : 5000) * 1000000u;
     if (rm->backoff_max_ns < rm->backoff_min_ns)
         rm->backoff_max_ns = rm->backoff_min_ns;
-    rm->backoff_ns = rm->backoff_min_ns;
     rm->rng = (kvt_now_ns() ^ ((uint64_t)getpid() << 32)) | 1;
     rm->max_inflight = conf->max_inflight ? conf->max_inflight : 64;
-    kvt__ioq_init(&rm->q, rm->max_inflight);
     rm->keep_on_free = conf->keep_on_free;
+    rm->cluster = conf->cluster != 0;
+    memset(rm->map, 0xff, sizeof(rm->map));
+    rm->map_stale = rm->cluster;
+    if (rm->cluster) {
+        if ((rc = add_seeds(rm, conf->seeds)) < 0)
+            goto fail;
+    } else if (!node_get(rm, conf->host, conf->port ? conf->port : 6379)) {
+        goto fail;
+    }
     rm->fns = (redisReplyObjectFunctions){
         .createString = reply_string,
         .createArray = reply_array,
@@ -1482,6 +2041,12 @@ int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf)
         .createNil = reply_nil,
         .freeObject = reply_free,
     };
+    /* hiredis's own reply functions (static in hiredis), for the slot map's tree. */
+    redisReader *rd = redisReaderCreate();
+    if (!rd)
+        goto fail;
+    rm->tree_fns = *rd->fn;
+    redisReaderFree(rd);
     rm->timer_armed_ns = UINT64_MAX;
 
     rm->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -1506,8 +2071,7 @@ int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf)
     if (rc)
         goto fail;
     rm->tier = t;
-    connect_start(rm, kvt_now_ns());
-    tick(rm);
+    tick(rm); /* connects: the server, or every seed */
     *out = t;
     return 0;
 fail:
@@ -1517,7 +2081,7 @@ fail:
         close(rm->tfd);
     if (rm->wfd >= 0)
         close(rm->wfd);
-    free(rm->host);
+    free_nodes(rm);
     free(rm->password);
     free(rm);
     return rc;
@@ -1534,36 +2098,44 @@ int kvt_tier_remote_probe(kvt_tier_t *t, kvt_tier_probe_t *p)
         return KVT_EINVAL;
     remote_t *rm = remote_of(t);
     uint64_t now = kvt_now_ns();
-    if (rm->state == ST_DOWN && !rm->ac && now >= rm->retry_ns)
-        connect_start(rm, now);
-    if (rm->state == ST_DOWN) {
-        rm->stats.unavailable++;
-        return KVT_EUNAVAIL;
-    }
     rq_t *rs[KVT_TIER_PROBE_MAX];
-    for (uint32_t i = 0; i < p->n; i++) {
+    node_t *to[KVT_TIER_PROBE_MAX];
+    uint32_t n = p->n;
+    for (uint32_t i = 0; i < n; i++) {
         if (!(rs[i] = rq_new(rm, RQ_EXISTS))) {
             while (i > 0)
                 rq_release(rm, rs[--i]);
             return KVT_ENOMEM;
         }
+        rq_name(rm, rs[i], p->keys[i].ns_seed, p->keys[i].hash);
+        /* The keys go to their nodes in parallel. The prefix found cannot pass a key whose node
+         * is down: the keys from there on are not asked. */
+        if (!(to[i] = route_up(rm, rs[i], now))) {
+            rq_release(rm, rs[i]);
+            n = i;
+        }
+    }
+    if (n == 0) {
+        rm->stats.unavailable++;
+        return KVT_EUNAVAIL;
     }
     p->status = 0;
     p->found = 0;
-    p->pending = p->n;
-    p->first_missing = p->n;
+    p->pending = n;
+    p->first_missing = n;
     p->next = NULL;
     rm->stats.probes++;
     uint64_t deadline = now + rm->timeout_ns;
-    for (uint32_t i = 0; i < p->n; i++) {
+    for (uint32_t i = 0; i < n; i++) {
         rs[i]->probe = p;
         rs[i]->idx = i;
-        rs[i]->seed = p->keys[i].ns_seed;
-        rs[i]->hash = p->keys[i].hash;
         rs[i]->link.deadline_ns = deadline;
-        q_push(urgentq(rm), rs[i]); /* a MATCH waits for its probe */
+        rs[i]->on = to[i];
+        q_push(urgentq(to[i]), rs[i]); /* a MATCH waits for its probe */
     }
-    pump(rm);
+    for (uint32_t i = 0; i < n; i++)
+        if (i == 0 || to[i] != to[i - 1])
+            pump(to[i]);
     if (deadline < rm->timer_armed_ns)
         arm_timer(rm, deadline);
     return 0;
@@ -1578,7 +2150,17 @@ int kvt_tier_remote_key(const kvt_tier_t *t, uint64_t ns_seed, uint64_t hash, ch
 
 int kvt_tier_remote_connected(const kvt_tier_t *t)
 {
-    return is_remote(t) && remote_of(t)->state == ST_READY;
+    if (!is_remote(t))
+        return 0;
+    const remote_t *rm = remote_of(t);
+    if (!rm->cluster)
+        return rm->nodes[0]->state == ST_READY;
+    if (!rm->map_known)
+        return 0;
+    for (uint32_t i = 0; i < rm->nnodes; i++)
+        if (rm->nodes[i]->owned && rm->nodes[i]->state != ST_READY)
+            return 0;
+    return 1;
 }
 
 void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out)
@@ -1589,7 +2171,11 @@ void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out)
         memset(out, 0, sizeof(*out));
         return;
     }
-    *out = remote_of(t)->stats;
+    const remote_t *rm = remote_of(t);
+    *out = rm->stats;
+    out->nodes = rm->cluster ? 0 : 1;
+    for (uint32_t i = 0; rm->cluster && i < rm->nnodes; i++)
+        out->nodes += rm->nodes[i]->owned > 0;
 }
 
 int kvt_tier_remote_parse_addr(const char *s, char *host, size_t cap, uint16_t *port)

@@ -566,6 +566,18 @@ int kvt_tier_hbm_ipc_close(void *base);
  * The timers run from kvt_tier_process, so the caller's loop keeps polling the fd while the
  * server is down. kvt_tier_destroy leaves stored blocks on the server (they serve the fleet, or
  * the next run); DELs still queued get up to 200 ms to go out.
+ *
+ * Cluster mode (cluster = 1): a Redis or Valkey Cluster, reached through seeds, a list of any
+ * of its nodes. The tier learns the slot map (CLUSTER SLOTS) from the first node that answers,
+ * sends each key to the primary owning its hash slot (CRC16 of the whole key, as the server
+ * computes it: kvt_tier_remote_key_slot), one connection per primary, each pipelined as above
+ * (max_inflight and the timeouts are per node). A MOVED reply re-routes the request and
+ * refreshes the map, an ASK sends it once more with ASKING, at most 5 redirects per request
+ * (then KVT_EIO). A lost node, a timeout or a redirect refreshes the map (at most every 100 ms,
+ * and for as long as a node owning slots is down), so that a replica promoted in a failover is
+ * found without a restart. Requests to a node that is down fail with KVT_EUNAVAIL as above, each
+ * node with its own backoff. The password is sent to every node; db must be 0 and the prefix
+ * may not hold braces (a hash tag would put every key in one slot).
  */
 typedef struct kvt_tier_remote_conf {
     const char *host;        /* address literal or host name; copied */
@@ -580,13 +592,16 @@ typedef struct kvt_tier_remote_conf {
     uint32_t backoff_max_ms; /* 0: 5000 */
     uint32_t max_inflight;   /* requests sent and unanswered; 0: 64 */
     int keep_on_free;        /* 1: kvt_tier_free only forgets (the ttl or eviction clears it) */
+    int cluster;             /* 1: a Redis/Valkey Cluster: seeds, not host and port */
+    const char *seeds;       /* cluster: "HOST:PORT[,HOST:PORT...]", any of its nodes; parsed */
 } kvt_tier_remote_conf_t;
 
 /* Returns 0, KVT_EINVAL, KVT_ENOMEM or a negated errno (epoll, timerfd, eventfd). A server that
  * is down is not an error here: the tier starts disconnected and keeps trying. */
 int kvt_tier_remote_create(kvt_tier_t **out, const kvt_tier_remote_conf_t *conf);
 
-/* 1 once the connection is up and the handshake (AUTH, SELECT or PING) was answered. */
+/* 1 once the connection is up and the handshake (AUTH, SELECT or PING) was answered; in
+ * cluster mode, once the slot map is known and every node owning slots is up. */
 int kvt_tier_remote_connected(const kvt_tier_t *t);
 
 /* Formats the server key of (ns_seed, hash) into buf; returns its length, or KVT_EINVAL (not a
@@ -594,6 +609,10 @@ int kvt_tier_remote_connected(const kvt_tier_t *t);
 #define KVT_TIER_REMOTE_KEY_MAX 100
 int kvt_tier_remote_key(const kvt_tier_t *t, uint64_t ns_seed, uint64_t hash, char *buf,
                         size_t cap);
+
+/* The cluster hash slot (0 .. 16383) of a key of len bytes: CRC16 of the key, or of its hash
+ * tag (the bytes between the first '{' and the next '}', when not empty), modulo 16384. */
+uint16_t kvt_tier_remote_key_slot(const char *key, size_t len);
 
 /* Parses "HOST:PORT" or "[V6]:PORT" into host (cap bytes) and port. Returns 0 or KVT_EINVAL. */
 int kvt_tier_remote_parse_addr(const char *s, char *host, size_t cap, uint16_t *port);
@@ -609,6 +628,13 @@ typedef struct kvt_tier_remote_stats {
     uint64_t probes;
     uint64_t oversized;     /* GET values longer than the block asked for, refused unbuffered */
     uint64_t skipped_bytes; /* their bytes, read off the socket and dropped */
+    /* Cluster mode. */
+    uint64_t moved, asks;     /* MOVED and ASK replies */
+    uint64_t redirect_errors; /* redirects not followed (bad address, too many): KVT_EIO */
+    uint64_t map_refreshes;   /* slot maps applied */
+    uint64_t map_errors;      /* slot-map replies refused as malformed (the map kept) */
+    uint64_t failovers;       /* primaries lost whose slots a refreshed map gave another node */
+    uint64_t nodes;           /* primaries the map names (a gauge; 1 for a single server) */
 } kvt_tier_remote_stats_t;
 
 void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out);

@@ -5,8 +5,8 @@ Where libkvtier comes from, first match wins:
 
 1. ``$KVTIER_LIB``: a path to the library (a file name without a slash is looked up by the
    dynamic loader). If it is set and fails to load, that is an error, not a fallback.
-2. Next to the package: ``kvtier/libkvtier.so`` or ``kvtier/libkvtier.so.0`` (a wheel that
-   ships its own copy).
+2. Next to the package: ``kvtier/libkvtier.so`` (the wheel's own copy: ``pip install .`` from
+   the repository root builds it there) or ``kvtier/libkvtier.so.0``.
 3. ``$KVT_BUILD_ROOT/client/libkvtier.so`` (the meson build tree the tests run from).
 4. ``<source>/build/client/libkvtier.so`` when the package is imported from a source checkout
    (``python/kvtier`` beside ``build/``).
@@ -191,8 +191,10 @@ def load() -> Any:
         path = c
         return lib
     raise ImportError(
-        "kvtier: libkvtier not found; set KVTIER_LIB to its path, or build it (meson: "
-        "build/client/libkvtier.so) or install it (meson install). Tried: " + "; ".join(tried))
+        "kvtier: libkvtier not found; install the package with `pip install .` from the "
+        "kvtier repository's root (that builds libkvtier into it), or set KVTIER_LIB to the "
+        "library's path (meson: build/client/libkvtier.so), or install it (meson install). "
+        "Tried: " + "; ".join(tried))
 
 
 path = ""

@@ -89,17 +89,34 @@ class Hints:
         return h
 
 
+# Tier by its wire number, for Match.tiers: indexing a tuple is cheaper than Tier(n) per page.
+_TIERS = tuple(Tier(i) for i in range(max(Tier) + 1))
+
+
+def _tiers(raw: Any) -> Tuple[Union[Tier, int], ...]:
+    """The Tier of each page of a MATCH answer's tier bytes. A number this package does not know
+    (a newer daemon's tier) stays a plain int rather than failing the whole match."""
+    return tuple(_TIERS[t] if t < len(_TIERS) else t for t in bytes(raw))
+
+
 @dataclass(frozen=True)
 class Match:
     """What MATCH found: ``tokens`` and ``pages`` matched (tokens = pages x page_size),
     ``remote_pages`` of them found by the remote probe, ``lease`` (non-zero when a lease was
-    asked for and pages > 0), ``tiers`` the Tier of each matched page (bytes, one per page)."""
+    asked for and pages > 0), ``tiers`` the Tier of each matched page (a tuple, one per page:
+    ``Tier.NONE`` for a page indexed with no bytes stored). Tier is an IntEnum, so each also
+    compares equal to its wire number (``t == 2``, ``if t:`` for "stored")."""
 
     tokens: int
     pages: int
     remote_pages: int
     lease: int
-    tiers: bytes
+    tiers: Tuple[Union[Tier, int], ...]
+
+    @property
+    def tiers_raw(self) -> bytes:
+        """``tiers`` as the wire has them: one byte per page, the tier's number."""
+        return bytes(self.tiers)
 
 
 @dataclass(frozen=True)
@@ -432,7 +449,7 @@ class Client(KeysMixin, HintsMixin):
                 self._raise(rc)
         pages = res.pages
         return Match(res.tokens, pages, res.remote_pages, res.lease,
-                     ffi.buffer(tiers, min(pages, cap))[:])
+                     _tiers(ffi.buffer(tiers, min(pages, cap))))
 
     def put(
         self,
@@ -767,7 +784,7 @@ class Batch:
 
         def conv(r: Any) -> Match:
             return Match(r.tokens, r.pages, r.remote_pages, r.lease,
-                         ffi.buffer(tiers, min(r.pages, cap))[:])
+                         _tiers(ffi.buffer(tiers, min(r.pages, cap))))
 
         p = Pending(res, conv, tiers)
         return self._queue(p, lib.kvt_batch_match, tp, n, flags, lease_ms, h, res, p._status)

@@ -21,6 +21,11 @@ background thread tries to reach the daemon, default 200), ``warn_interval_s`` (
 warning line this often, default 10). Any other key under the prefix (a typo, or the replaced
 ``timeout_ms`` / ``retry_ms``) is refused at start, naming it.
 
+The plugin may have any name LMCache accepts (``kvt``, LMCache's ``type.instance`` form such as
+``kvtier.a``): its settings are read under ``remote_storage_plugin.<name>.``. LMCache does not
+pass the name to the connector, so it is the name in ``remote_storage_plugins`` whose
+module_path and class_name load this class (find_plugin_name).
+
 ``remote_url`` alone cannot select it: LMCache builds plugin connectors only for the names in
 ``remote_storage_plugins``, and a ``remote_url`` scheme needs an adapter built into LMCache
 (``external://``, the old way to name a module, is deprecated since LMCache 0.5.0).
@@ -33,16 +38,24 @@ blocks"; a key over 1,024 bytes is replaced by its SHA-256). The kvtier namespac
 LMCache instances with other chunk shapes never share a namespace (whose block size is fixed).
 
 What is stored: full chunks, byte for byte, zero copy (a PUT reads the MemoryObj's memory, a
-GET writes into a new MemoryObj's memory). A partial chunk (only with ``save_unfull_chunk``,
-off by default) is not stored: ``put`` skips it and LMCache recomputes that tail; nor is
-layerwise mode's one-layer object (``use_layerwise``: the plugin then stores nothing).
+GET writes into a new MemoryObj's memory). A full chunk is ``chunk_size`` tokens of the config
+(how LMCache cuts prompts), in the shape LMCache allocates it (``metadata.get_shapes(tokens)``),
+whatever ``chunk_size`` the metadata carries (LMCache's SGLang adapter leaves it at 256). A
+partial chunk (only with ``save_unfull_chunk``, off by default) is not stored, nor is layerwise
+mode's one-layer object (``use_layerwise``): each is a failed put (below), and LMCache
+recomputes it.
 
 Failures: every daemon error, timeout or lost connection is logged (rate-limited, counted:
-kvtier/guard.py) and answered as a miss (``exists`` False, ``get`` None, ``put`` dropped,
-``batched_*`` per key); nothing raises into LMCache. A transport failure (a missed deadline
-included) opens the connector's circuit breaker: calls answer a miss at once, without a socket,
-while a background thread connects again every ``probe_ms`` and hands the connection over. A MemoryObj allocated for a GET that fails is released here; a MemoryObj given to
-``put`` is not (LMCache releases it itself after put / batched_put).
+kvtier/guard.py) and answered as a miss (``exists`` False, ``get`` None, ``batched_*`` per key);
+nothing of them raises into LMCache but a put's: a chunk that ``put`` or ``batched_put`` did not
+store (not a full chunk, the daemon's refusal, the daemon unreachable) is counted in the
+connector's ``failed_puts`` and the call raises PutFailed after storing the rest, LMCache's own
+failure path (its RemoteBackend counts a failed ``put`` in ``put_failed_count``; its wrapper
+logs a failed ``batched_put``). A transport failure (a missed deadline included) opens the
+connector's circuit breaker: calls answer a miss at once, without a socket, while a background
+thread connects again every ``probe_ms`` and hands the connection over. A MemoryObj allocated
+for a GET that fails is released here; a MemoryObj given to ``put`` is not (LMCache releases it
+itself after put / batched_put, raised or not).
 
 ``list()`` returns []: kvtierd indexes keys by hash (their synthetic tokens), it keeps no key
 strings, so it cannot enumerate them.
@@ -55,22 +68,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import logging
+import math
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 from .client import Client
-from .errors import ECLOSED, ConnectError, ConnectionClosed, Error, ProtocolError, Timeout, \
-    error_for
+from .errors import ECLOSED, EINVAL, ConnectError, ConnectionClosed, Error, ProtocolError, \
+    Timeout, error_for
 from .guard import Guard, check_keys, number
 
-__all__ = ["KvtierConnector", "PLUGIN", "settings"]
+__all__ = ["KvtierConnector", "PLUGIN", "PutFailed", "find_plugin_name", "settings"]
 
 log = logging.getLogger("kvtier.lmcache")
 
-PLUGIN = "kvtier"  # the name in remote_storage_plugins that the settings are read under
-_PREFIX = "remote_storage_plugin.%s." % PLUGIN
+PLUGIN = "kvtier"  # the plugin's name when the config names none that loads this class
 _KEY_MAX = 1024  # bytes in one kvtier key (KVT_KEY_MAX)
 T = TypeVar("T")
 _TRANSPORT = (ConnectError, ConnectionClosed, Timeout, ProtocolError)
@@ -84,11 +99,24 @@ _NUMBERS = {"deadline_ms": 1, "probe_ms": 1, "warn_interval_s": 0}  # each one's
 _REPLACED = {"timeout_ms": "deadline_ms", "retry_ms": "probe_ms (a background probe)"}
 
 
-def settings(config: Any) -> Dict[str, Any]:
+class PutFailed(Error):
+    """Chunks of a ``put`` or ``batched_put`` that were not stored: ``code`` is the daemon's
+    error (or EINVAL: a chunk this connector cannot store, ECLOSED: kvtierd unreachable),
+    ``chunks`` how many. Raised to LMCache, whose RemoteBackend counts a failed ``put`` (its
+    ``put_failed_count``) and whose connector wrapper logs a failed ``batched_put``."""
+
+    def __init__(self, code: int, chunks: int, message: str) -> None:
+        super().__init__(code, message)
+        self.chunks = chunks
+
+
+def settings(config: Any, name: str = PLUGIN) -> Dict[str, Any]:
     """The connector's settings from an LMCacheEngineConfig's ``extra_config`` (keys
-    ``remote_storage_plugin.kvtier.<name>``), with their defaults. Raises ValueError naming the
-    key for an unknown (or replaced) one or a malformed number."""
+    ``remote_storage_plugin.<name>.<setting>``, ``name`` the plugin's name in
+    ``remote_storage_plugins``), with their defaults. Raises ValueError naming the key for an
+    unknown (or replaced) one or a malformed number."""
     extra = getattr(config, "extra_config", None) or {}
+    prefix = "remote_storage_plugin.%s." % name
     s: Dict[str, Any] = {
         "unix_path": None,
         "tcp": None,
@@ -99,16 +127,57 @@ def settings(config: Any) -> Dict[str, Any]:
         "probe_ms": PROBE_MS,
         "warn_interval_s": WARN_INTERVAL_S,
     }
-    where = "kvtier.lmcache: extra_config " + _PREFIX + "*"
-    check_keys([k[len(_PREFIX):] for k in extra if str(k).startswith(_PREFIX)],
+    where = "kvtier.lmcache: extra_config " + prefix + "*"
+    check_keys([k[len(prefix):] for k in extra if str(k).startswith(prefix)],
                list(s) + ["module_path", "class_name"], where, _REPLACED)
-    for name in list(s):
-        v = extra.get(_PREFIX + name)
+    for key in list(s):
+        v = extra.get(prefix + key)
         if v is None:
             continue
-        s[name] = number(extra, _PREFIX + name, s[name], where, minimum=_NUMBERS[name],
-                         integer=name != "warn_interval_s") if name in _NUMBERS else str(v)
+        s[key] = number(extra, prefix + key, s[key], where, minimum=_NUMBERS[key],
+                        integer=key != "warn_interval_s") if key in _NUMBERS else str(v)
     return s
+
+
+def find_plugin_name(config: Any, cls: type, given: Optional[str] = None) -> str:
+    """The name LMCache knows this plugin by, whose ``remote_storage_plugin.<name>.*`` keys hold
+    its settings. LMCache 0.5.6 builds a plugin as ``cls(loop=, local_cpu_backend=, config=)``,
+    without the name, so: ``given`` where a caller passes it; else the one name in
+    ``remote_storage_plugins`` whose module_path and class_name load ``cls``; with several
+    (one plugin configured twice, say ``kvtier.a`` and ``kvtier.b``) the one LMCache is
+    building now, read from the ConnectorContext of its plugin loader up the stack (it holds
+    the name, which LMCache does not pass on), else ValueError; with none, "kvtier".
+    Any name LMCache accepts works: ``kvt``, LMCache's ``type.instance`` form, and so on."""
+    if given:
+        return str(given)
+    extra = getattr(config, "extra_config", None) or {}
+    names = []
+    for n in list(getattr(config, "remote_storage_plugins", None) or []):
+        mp = extra.get("remote_storage_plugin.%s.module_path" % n)
+        cn = extra.get("remote_storage_plugin.%s.class_name" % n)
+        if not mp or not cn:
+            continue
+        try:
+            loaded = getattr(importlib.import_module(str(mp)), str(cn), None)
+        except Exception:  # noqa: BLE001 - another plugin's module: not this one
+            continue
+        if loaded is cls and n not in names:
+            names.append(str(n))
+    if len(names) == 1:
+        return names[0]
+    if not names:
+        return PLUGIN
+    f = sys._getframe(1)
+    for _ in range(16):  # DynamicConnectorAdapter.create_connector(context) and its callers
+        if f is None:
+            break
+        ctx = f.f_locals.get("context")
+        n = getattr(ctx, "plugin_name", None)
+        if isinstance(n, str) and n in names:
+            return n
+        f = f.f_back
+    raise ValueError("kvtier.lmcache: plugins %s all load this class and LMCache did not say "
+                     "which one it is building" % ", ".join(names))
 
 
 def key_string(key: Any) -> str:
@@ -150,9 +219,11 @@ def _make_class() -> type:
 
     class KvtierConnector(RemoteConnector):  # type: ignore[misc, valid-type]
         """LMCache remote storage plugin over kvtierd (see the module's docstring). Built by
-        LMCache as ``KvtierConnector(loop=, local_cpu_backend=, config=)``."""
+        LMCache as ``KvtierConnector(loop=, local_cpu_backend=, config=)``; ``plugin_name``,
+        which LMCache 0.5.6 does not pass, is found from the config (find_plugin_name)."""
 
-        def __init__(self, loop: Any, local_cpu_backend: Any, config: Any) -> None:
+        def __init__(self, loop: Any, local_cpu_backend: Any, config: Any,
+                     plugin_name: Optional[str] = None) -> None:
             metadata = getattr(local_cpu_backend, "metadata", None)
             if metadata is None:
                 # LMCache's base needs the chunk shape, which comes from the worker's metadata;
@@ -160,10 +231,23 @@ def _make_class() -> type:
                 raise ValueError("kvtier.lmcache: needs a worker-role LocalCPUBackend "
                                  "(one with LMCacheMetadata) to know the chunk shape")
             super().__init__(config, metadata)
+            # A full chunk is what LMCache hands put: config.chunk_size tokens (its token
+            # database cuts prompts by it), each MemoryObj allocated by the engine as
+            # metadata.get_shapes(tokens). The base's shapes take metadata.chunk_size instead,
+            # which an engine adapter may leave at its default (LMCache's SGLang adapter: 256
+            # whatever chunk_size says): a get allocates, and a put accepts, the real one.
+            self.chunk_tokens = int(getattr(config, "chunk_size", 0) or metadata.chunk_size)
+            self.meta_shapes = list(metadata.get_shapes(self.chunk_tokens))
+            self.full_chunk_size_bytes = sum(
+                math.prod(sh) * dt.itemsize for sh, dt in zip(self.meta_shapes,
+                                                              self.meta_dtypes))
+            self.single_token_size = self.full_chunk_size_bytes // self.chunk_tokens
             self.loop = loop
             self.local_cpu_backend = local_cpu_backend
-            self.settings = settings(config)
+            self.plugin_name = find_plugin_name(config, type(self), plugin_name)
+            self.settings = settings(config, self.plugin_name)
             self.block_bytes = int(self.full_chunk_size_bytes)
+            self.failed_puts = 0  # chunks given to put/batched_put and not stored
             ns = "%s/%s/%s/%d" % (self.settings["namespace"], metadata.model_name,
                                   self.meta_fmt.name, self.block_bytes)
             if len(ns.encode()) > 255:  # a kvtier model name is 1..255 bytes
@@ -178,7 +262,6 @@ def _make_class() -> type:
             self._connected = False  # the first connection was tried (on a calling thread)
             self._closed = False
             self._closing = False
-            self._warned_partial = False
             # Calls block on the daemon: they run here, never on LMCache's event loop.
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lmcache")
             self._hook_allocator_close()
@@ -347,28 +430,52 @@ def _make_class() -> type:
             return await self._run([None] * len(keys), self._get_sync, list(keys))
 
         def _put_sync(self, keys: List[Any], objs: List[Any]) -> None:
-            names, bufs = [], []
+            names, bufs, sizes = [], [], []
             for k, o in zip(keys, objs):
                 if o.get_size() != self.block_bytes:
-                    if not self._warned_partial:
-                        log.info("kvtier.lmcache: a partial chunk (%d of %d bytes) is not "
-                                 "stored; LMCache recomputes it", o.get_size(), self.block_bytes)
-                        self._warned_partial = True
+                    sizes.append(o.get_size())  # a partial chunk, or one layer of a chunk
                     continue
                 names.append(key_string(k))
                 bufs.append(o.byte_array)
+            errs: List[BaseException] = []
+
+            def put(s: _Store) -> List[bool]:
+                try:
+                    return s.put(names, bufs)
+                except BaseException as e:
+                    errs.append(e)
+                    raise
+
+            lost = 0
             if names:
-                self._call("put", lambda s: s.put(names, bufs), [False] * len(names))
+                lost = len(names) - sum(self._call("put", put, [False] * len(names)))
             # No ref_count_down here: LMCache's wrapper releases each MemoryObj after put.
+            if not sizes and not lost:
+                return
+            self.failed_puts += len(sizes) + lost
+            why = []
+            if sizes:
+                why.append("%d not a full chunk of %d bytes (%d tokens): %s bytes" % (
+                    len(sizes), self.block_bytes, self.chunk_tokens,
+                    ", ".join(str(n) for n in sorted(set(sizes)))))
+            if lost:
+                why.append("%d not stored by kvtierd (%s)" % (
+                    lost, errs[-1] if errs else "unreachable"))
+            code = EINVAL if not lost else getattr(errs[-1] if errs else None, "code", ECLOSED)
+            raise PutFailed(code, len(sizes) + lost, "kvtier.lmcache: %d of %d chunks not "
+                            "stored: %s" % (len(sizes) + lost, len(keys), "; ".join(why)))
 
         async def put(self, key: Any, memory_obj: Any) -> None:
-            """Stores a full chunk (read in place); partial chunks are skipped."""
+            """Stores a full chunk (read in place). A chunk not stored (not a full chunk, the
+            daemon's refusal, the daemon unreachable) raises PutFailed: LMCache counts it."""
             await self._run(None, self._put_sync, [key], [memory_obj])
 
         def support_batched_put(self) -> bool:
             return True
 
         async def batched_put(self, keys: List[Any], memory_objs: List[Any]) -> None:
+            """Stores each full chunk (one pipelined round trip); raises PutFailed, after
+            storing the rest, when any chunk of the batch was not stored."""
             await self._run(None, self._put_sync, list(keys), list(memory_objs))
 
         def remove_sync(self, key: Any) -> bool:

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+import time
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 __all__ = ["KvtierStorage"]
 
@@ -63,6 +65,10 @@ _WHERE = "kvtier.sglang: hicache-storage-backend-extra-config"
 
 _built: Dict[str, Any] = {}
 
+# Batches remembered for get_stats between two calls (SGLang calls it every scheduler step when
+# --enable-metrics is on; the cap bounds the memory should nothing call it).
+_OPS_KEPT = 4096
+
 
 def __getattr__(name: str) -> Any:
     if name == "KvtierStorage":
@@ -82,6 +88,20 @@ def _shard(cfg: Any) -> str:
     if getattr(cfg, "dcp_size", 1) > 1:
         s += "-dcp%d-%d" % (cfg.dcp_rank, cfg.dcp_size)
     return s
+
+
+def _storage_metrics_class() -> Any:
+    """SGLang's StorageMetrics (its module moved between releases), or None."""
+    if "StorageMetrics" not in _built:
+        cls = None
+        for mod in ("sglang.srt.observability.metrics_collector", "sglang.srt.metrics.collector"):
+            try:
+                cls = getattr(__import__(mod, fromlist=["StorageMetrics"]), "StorageMetrics")
+                break
+            except Exception:  # noqa: BLE001 - not this release's module, or it fails to import
+                continue
+        _built["StorageMetrics"] = cls
+    return _built["StorageMetrics"]
 
 
 def _build() -> Any:
@@ -122,9 +142,16 @@ def _build() -> Any:
             self._clients: Dict[Tuple[str, int], kvtier.Client] = {}
             self._lock = threading.Lock()
             self.flat_bytes = 0  # bytes of one flat data page (get/set), once known
+            self._v1_page_bytes = 0  # bytes of one page's buffer segments (the v1 calls)
             self.layout = "flat"
             self.mem_pool_host = None
             self.stats = {"errors": 0, "get_hits": 0, "get_misses": 0, "set_pages": 0}
+            # Per batch, for get_stats (SGLang's StorageMetrics): (pages moved, GiB/s), reads
+            # (prefetch) and writes (backup); kept only with SGLang's enable_storage_metrics.
+            self._metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+            self._ops: Dict[str, Deque[Tuple[int, float]]] = {
+                "prefetch": deque(maxlen=_OPS_KEPT), "backup": deque(maxlen=_OPS_KEPT)}
+            self._ops_lock = threading.Lock()
 
         # -- host pool --------------------------------------------------------------------
 
@@ -205,6 +232,13 @@ def _build() -> Any:
                     self._failed(e)
                 return miss
 
+        def _note(self, kind: str, pages: int, nbytes: int, t0: float) -> None:
+            """One batch for get_stats: pages moved and their rate in GiB/s over the call."""
+            if self._metrics:
+                dt = time.perf_counter() - t0
+                with self._ops_lock:
+                    self._ops[kind].append((pages, nbytes / (1 << 30) / dt if dt > 0 else 0.0))
+
         def _flat(self, nbytes: int) -> Any:
             if not self.flat_bytes:
                 self.flat_bytes = nbytes
@@ -267,7 +301,9 @@ def _build() -> Any:
                 c = self._flat(nbytes)
                 if c is None:
                     return [None] * len(keys)
+                t0 = time.perf_counter()
                 ok = c.get_keys_each_into(keys, targets)
+                self._note("prefetch", sum(ok), nbytes * sum(ok), t0)
                 self.stats["get_hits"] += sum(ok)
                 self.stats["get_misses"] += len(ok) - sum(ok)
                 return [t if hit else None for t, hit in zip(targets, ok)]
@@ -295,7 +331,9 @@ def _build() -> Any:
                 c = self._flat(nbytes)
                 if c is None:
                     return False
+                t0 = time.perf_counter()
                 ok = c.put_keys_each(keys, vals)
+                self._note("backup", sum(ok), nbytes * sum(ok), t0)
                 self.stats["set_pages"] += sum(ok)
                 return all(ok)
 
@@ -323,6 +361,7 @@ def _build() -> Any:
             if n == 0 or nseg * n != len(ptrs):
                 raise RuntimeError("kvtier: %d buffer segments for %d keys" % (len(ptrs), n))
             ok = [True] * n
+            self._v1_page_bytes = sum(int(sizes[s]) for s in range(nseg))
             for s in range(nseg):
                 size = int(sizes[s])
                 c = self._client("v1-%s-%d" % (self.layout, s), size)
@@ -343,7 +382,9 @@ def _build() -> Any:
                 return []
 
             def run() -> List[bool]:
+                t0 = time.perf_counter()
                 ok = self._v1(keys, host_indices, False)
+                self._note("prefetch", sum(ok), sum(ok) * self._v1_page_bytes, t0)
                 self.stats["get_hits"] += sum(ok)
                 self.stats["get_misses"] += len(ok) - sum(ok)
                 return ok
@@ -360,7 +401,9 @@ def _build() -> Any:
                 return [True] * len(keys)
 
             def run() -> List[bool]:
+                t0 = time.perf_counter()
                 ok = self._v1(keys, host_indices, True)
+                self._note("backup", sum(ok), sum(ok) * self._v1_page_bytes, t0)
                 self.stats["set_pages"] += sum(ok)
                 return ok
 
@@ -373,7 +416,26 @@ def _build() -> Any:
             (pages leave by the daemon's own eviction)."""
 
         def get_stats(self) -> Any:
-            return dict(self.stats)
+            """SGLang's own ``StorageMetrics`` (what its scheduler loop logs with
+            --enable-metrics), holding each batch since the last call: pages read and their
+            GiB/s (``prefetch_pgs``, ``prefetch_bandwidth``: batch_get, get, batch_get_v1),
+            pages written and their GiB/s (``backup_pgs``, ``backup_bandwidth``: batch_set,
+            set, batch_set_v1). Batches are kept only with SGLang's enable_storage_metrics.
+            None (the base class's answer) where that class does not import. The running
+            counters (errors, hits, misses, pages set) are the ``stats`` dict."""
+            cls = _storage_metrics_class()
+            if cls is None:
+                return None
+            with self._ops_lock:
+                ops = {k: list(d) for k, d in self._ops.items()}
+                for d in self._ops.values():
+                    d.clear()
+            m = cls()
+            m.prefetch_pgs.extend(p for p, _ in ops["prefetch"])
+            m.prefetch_bandwidth.extend(bw for _, bw in ops["prefetch"])
+            m.backup_pgs.extend(p for p, _ in ops["backup"])
+            m.backup_bandwidth.extend(bw for _, bw in ops["backup"])
+            return m
 
         def kvtier_stats(self) -> Dict[str, int]:
             """The backend's guard counters (kvtier/guard.py COUNTERS)."""

@@ -465,6 +465,41 @@ def rank_salt(tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> str:
     return "vllm tp%d/%d pp%d/%d" % (tp_rank, tp_size, pp_rank, pp_size)
 
 
+def worker_ranks(extra: Dict[str, Any], tp_size: int, pp_size: int) -> Tuple[int, int]:
+    """This worker's (tensor-parallel rank, pipeline stage): ``tp_rank`` / ``pp_rank`` from the
+    extra config where set, else vLLM's own, from its parallel state (the groups vLLM's worker
+    initialises before it builds the connector: ``get_tp_group().rank_in_group`` and
+    ``get_pp_group().rank_in_group``). Without that state (a connector built outside vLLM's
+    worker) a size of 1 means rank 0; a larger size raises ValueError: guessing 0 would
+    store and load another rank's shard under this one's name."""
+    ps: Any = None
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            ps = None
+    except Exception:  # noqa: BLE001 - no parallel state in this process
+        ps = None
+    out = []
+    for key, size, group in (("tp_rank", tp_size, "get_tp_group"),
+                             ("pp_rank", pp_size, "get_pp_group")):
+        v = extra.get(key)
+        if v is None and ps is not None:
+            v = getattr(ps, group)().rank_in_group
+        if v is None:
+            if size > 1:
+                raise ValueError(
+                    "kvtier.vllm: %s size %d, and no %s in kv_connector_extra_config nor vLLM's "
+                    "parallel state initialised to take it from" % (
+                        "tensor-parallel" if key == "tp_rank" else "pipeline", size, key))
+            v = 0
+        v = int(v)
+        if not 0 <= v < size:
+            raise ValueError("kvtier.vllm: %s %d outside 0..%d" % (key, v, size - 1))
+        out.append(v)
+    return out[0], out[1]
+
+
 def key_chain(request: "Request", block_size: int, root: bytes, have: List[bytes],
               pages: int) -> List[bytes]:
     """Extends ``have`` (the request's keys so far) to ``pages`` keys: vLLM's block hash of each
@@ -725,7 +760,8 @@ class KvtierConnector(KVConnectorBase_V1):
     thread tries to reach the daemon, default 200), ``warn_interval_s`` (at most one warning
     line this often, default 10), ``block_size`` (must equal vLLM's), ``lease_ms`` (the
     scheduler's lease, 0: the
-    daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks, default: vLLM's),
+    daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks; default: vLLM's
+    parallel state, see worker_ranks),
     ``put_bytes`` (payload bytes per PUT, default 16 MiB), ``load_async`` (load between steps,
     reported by get_finished, instead of inside the step; default False; such a load goes
     through a staging buffer even when mapped), ``api`` ("keys" or "tokens": how chains reach
@@ -946,17 +982,9 @@ class KvtierConnector(KVConnectorBase_V1):
         self.shutdown()  # registered again (a restored cache): start afresh
         self._kv = dict(kv_caches)
         self._layout = _Layout(self._kv, self._num_blocks)
-        tp_rank = self._extra.get("tp_rank")
-        if tp_rank is None:
-            try:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-                tp_rank = get_tensor_model_parallel_rank()
-            except Exception:  # noqa: BLE001 - no distributed state: one rank
-                tp_rank = 0
-        pp_rank = int(self._extra.get("pp_rank", 0))
+        tp_rank, pp_rank = worker_ranks(self._extra, self._tp_size, self._pp_size)
         self._store = _PageStore(self._extra, self._model,
-                                 rank_salt(int(tp_rank), self._tp_size, pp_rank, self._pp_size),
+                                 rank_salt(tp_rank, self._tp_size, pp_rank, self._pp_size),
                                  self._layout.page_bytes, **self._worker_store())
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm")
         if self._async:

@@ -12,7 +12,10 @@
 # torchvision. PyPI's torchvision for torch 2.13 is a CUDA build that does not load here, so the
 # zero-copy tests against a real host pool skip in build/pyenv; with $hostpool=1 (scripts/pyenv.sh
 # --sglang: torch 2.14.1 + torchvision 0.29.1, which load here) this script also installs what the
-# host pool imports, at the versions sglang 0.5.23 pins, and checks that it imports.
+# host pool imports, at the versions sglang 0.5.23 pins, and checks that it imports; and what its
+# scheduler's cache (mem_cache.unified_radix_cache, whose per-step check_hicache_events logs the
+# backend's get_stats with --enable-metrics) and its metrics collector import: openai,
+# partial_json_parser, prometheus_client.
 # Run by scripts/pyenv.sh with $venv and $pip set (and $torch, $torchvision, $hostpool).
 set -euo pipefail
 : "${venv:?}" "${pip:?}"
@@ -26,6 +29,8 @@ $pip install -q -c "$cons" numpy orjson psutil pybase64 requests triton packagin
 "$venv/bin/python" -c 'import sglang.srt.mem_cache.hicache_storage, sglang.srt.mem_cache.storage.backend_factory'
 if [ "${hostpool:-0}" = 1 ]; then
     $pip install -q -c "$cons" transformers==5.19.0 tokenizers==0.23.2 dill \
-        apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf
+        apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf \
+        openai==2.8.0 partial_json_parser==0.2.1.1.post7 prometheus_client==0.26.0
     "$venv/bin/python" -c 'import sglang.srt.mem_cache.memory_pool, sglang.srt.mem_cache.pool_host.mha'
+    "$venv/bin/python" -c 'import sglang.srt.mem_cache.unified_radix_cache, sglang.srt.observability.metrics_collector'
 fi

@@ -71,6 +71,23 @@ def test_index_only_put_and_probe_match(client):
     assert m.pages == 3 and list(m.tiers) == [kvtier.Tier.NONE] * 3
 
 
+def test_match_names_each_pages_tier(client):
+    tok = tokens(4)
+    client.put(tok[:2 * PAGE], payload(2, 7))
+    client.put(tok, first_page=2)  # pages 2 and 3 indexed with no bytes
+    m = client.match(tok, probe=True)
+    D, N = kvtier.Tier.DRAM, kvtier.Tier.NONE
+    assert m.tiers == (D, D, N, N) and all(type(t) is kvtier.Tier for t in m.tiers)
+    assert "Tier.DRAM" in repr(m) and "Tier.NONE" in repr(m), "a person reads names"
+    assert [t.name for t in m.tiers] == ["DRAM", "DRAM", "NONE", "NONE"]
+    assert m.tiers_raw == bytes([2, 2, 0, 0]), "the wire's numbers, one byte a page"
+    assert [i for i, t in enumerate(m.tiers) if t] == [0, 1], "IntEnum: NONE is falsy"
+    with client.batch() as b:
+        p = b.match(tok, probe=True)
+        b.run()
+    assert p.result().tiers == m.tiers
+
+
 def test_prefetch_waited_for_and_started(client):
     tok = tokens(3)
     client.put(tok, payload(3, 4))

@@ -12,11 +12,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import pytest
 
-from conftest import BUILD_ROOT, SOURCE_ROOT, Daemon
+from conftest import BUILD_ROOT, SOURCE_ROOT, Daemon, STALL_SLACK
 
 try:
     import torch
@@ -55,14 +55,20 @@ def run(loop: asyncio.AbstractEventLoop, coro: Any, timeout: float = 20) -> Any:
     return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
 
-def lmc_config(daemon: Daemon, **extra: Any) -> Any:
-    ec = {"remote_storage_plugin.kvtier.module_path": "kvtier.lmcache",
-          "remote_storage_plugin.kvtier.class_name": "KvtierConnector",
-          "remote_storage_plugin.kvtier.unix_path": daemon.unix}
-    ec.update({"remote_storage_plugin.kvtier." + k: v for k, v in extra.items()})
-    return LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.02,
-        remote_storage_plugins=["kvtier"], extra_config=ec)
+def lmc_config(daemon: Daemon, names: Tuple[str, ...] = ("kvtier",), lmc: Any = None,
+               **extra: Any) -> Any:
+    """LMCache's config with the plugin under each of `names` (its settings `extra` under each),
+    and LMCacheEngineConfig's own settings `lmc`."""
+    ec: Dict[str, Any] = {}
+    for name in names:
+        p = "remote_storage_plugin.%s." % name
+        ec.update({p + "module_path": "kvtier.lmcache", p + "class_name": "KvtierConnector",
+                   p + "unix_path": daemon.unix})
+        ec.update({p + k: v for k, v in extra.items()})
+    kw = dict(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.02)
+    kw.update(lmc or {})
+    return LMCacheEngineConfig.from_defaults(remote_storage_plugins=list(names), extra_config=ec,
+                                             **kw)
 
 
 def lmc_metadata(model: str = MODEL, worker: int = 0) -> Any:
@@ -196,12 +202,16 @@ def test_batched(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
     run(loop, conn.close())
 
 
-def test_partial_chunk_is_not_stored(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+def test_partial_chunk_is_a_failed_put(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+    """A partial chunk is not stored, and says so: put raises PutFailed (LMCache's failure
+    path), the connector counts it; the wrapper still drops the put's reference."""
     conn, be = connector(daemon, loop)
     o = be.allocate([torch.Size([2, SHAPE[0], CHUNK // 2, SHAPE[3] * SHAPE[4]])],
                     [torch.bfloat16], MemoryFormat.KV_2LTD)
     k = key()
-    put(loop, conn, k, o)
+    with pytest.raises(klm.PutFailed, match="not a full chunk") as ei:
+        put(loop, conn, k, o)
+    assert ei.value.chunks == 1 and conn._connector.failed_puts == 1
     assert o.get_ref_count() == 1
     assert not run(loop, conn.exists(k))
     o.ref_count_down()
@@ -235,7 +245,8 @@ def test_daemon_dies_mid_get(loop: asyncio.AbstractEventLoop) -> None:
         assert conn._connector.batched_contains(ks) == 0
         assert run(loop, conn.ping()) != 0
         o, _ = chunk(be)
-        put(loop, conn, ks[0], o)  # dropped, not raised
+        with pytest.raises(klm.PutFailed):  # not stored: LMCache counts a failed put
+            put(loop, conn, ks[0], o)
         assert o.get_ref_count() == 1
         o.ref_count_down()
         assert conn._connector.remove_sync(ks[0]) is False
@@ -342,21 +353,32 @@ def _gpu_connector(shape: Tuple[int, ...] = SHAPE) -> Any:
 _engines = [0]
 
 
-def lmcache_engine(daemon: Daemon, shape: Tuple[int, ...] = SHAPE) -> Tuple[str, Any]:
+def lmcache_engine(daemon: Daemon, shape: Tuple[int, ...] = SHAPE,
+                   names: Tuple[str, ...] = ("kvtier",), md_chunk: Any = CHUNK,
+                   lmc: Any = None, **extra: Any) -> Tuple[str, Any]:
     """A fresh LMCacheEngine (its own StorageManager and LocalCPUBackend) whose remote backend
-    is the kvtier plugin, named in the config only."""
+    is the kvtier plugin, named in the config only (under each of `names`). `md_chunk` is the
+    metadata's chunk_size; None leaves LMCacheMetadata's default, as LMCache's SGLang adapter
+    does."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     _engines[0] += 1
     iid = "pytest-kvtier-%d-%d" % (os.getpid(), _engines[0])
+    kw = {} if md_chunk is None else {"chunk_size": md_chunk}
     md = LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
-                         local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=shape,
-                         chunk_size=CHUNK)
-    e = LMCacheEngineBuilder.get_or_create(iid, lmc_config(daemon), md, _gpu_connector(shape),
-                                           lambda t, r: None, lambda o, r: o)
+                         local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=shape, **kw)
+    e = LMCacheEngineBuilder.get_or_create(iid, lmc_config(daemon, names, lmc, **extra), md,
+                                           _gpu_connector(shape), lambda t, r: None,
+                                           lambda o, r: o)
     e.post_init()
-    assert "RemoteBackend-kvtier" in e.storage_manager.storage_backends
+    for name in names:
+        assert "RemoteBackend-" + name in e.storage_manager.storage_backends
     return iid, e
+
+
+def remote(e: Any, name: str = "kvtier") -> Any:
+    """The engine's RemoteBackend of plugin `name`."""
+    return e.storage_manager.storage_backends["RemoteBackend-" + name]
 
 
 def destroy(iid: str) -> None:
@@ -365,12 +387,12 @@ def destroy(iid: str) -> None:
     LMCacheEngineBuilder.destroy(iid)
 
 
-def wait_remote(e: Any, tokens: Any, want: int) -> int:
+def wait_remote(e: Any, tokens: Any, want: int, name: str = "kvtier") -> int:
     """Waits (2 s at most) until the engine's remote backend holds `want` tokens of the prompt:
     LMCache's puts to remote storage are asynchronous."""
     n = 0
     for _ in range(40):
-        n = e.lookup(tokens, search_range=["RemoteBackend-kvtier"])
+        n = e.lookup(tokens, search_range=["RemoteBackend-" + name])
         if n >= want:
             break
         threading.Event().wait(0.05)
@@ -541,7 +563,10 @@ def _calls(loop: asyncio.AbstractEventLoop, conn: Any, be: Any, ks: list) -> Tup
     n = conn._connector.batched_contains(ks)
     got = run(loop, conn.batched_get(ks))
     o.ref_count_up()
-    run(loop, conn.put(key(), o))
+    try:
+        run(loop, conn.put(key(), o))
+    except klm.PutFailed:
+        pass  # a chunk not stored is a failed put: LMCache's own failure path
     took = time.perf_counter() - t0
     o.ref_count_down()
     for g in got:
@@ -576,7 +601,7 @@ def test_calls_bounded_when_daemon_hangs(loop: asyncio.AbstractEventLoop, tmp_pa
             for _ in range(3):
                 took, answers = _calls(loop, conn, be, ks)
                 assert answers == (False, 0, 0)
-                assert took <= base + 0.100 + 0.020, (took, base)
+                assert took <= base + 0.100 + STALL_SLACK, (took, base)
             st = conn._connector.kvtier_stats()
             assert st["trips"] == 1 and st["short_circuited"] >= 3
         finally:
@@ -600,7 +625,8 @@ def test_daemon_not_up_at_start(loop: asyncio.AbstractEventLoop, tmp_path: Any,
         k = key()
         for _ in range(10):
             o, _ = chunk(be)
-            put(loop, conn, k, o)
+            with pytest.raises(klm.PutFailed):  # not stored: a failed put, no stall
+                put(loop, conn, k, o)
             o.ref_count_down()
             assert not conn._connector.exists_sync(k)
     lines = [r for r in caplog.records if r.name == "kvtier.lmcache"]
@@ -635,3 +661,100 @@ def test_wrong_settings_refused_at_start(loop: asyncio.AbstractEventLoop, tmp_pa
         unix = str(tmp_path / "no-such.sock")
     with pytest.raises(ValueError, match=names):
         connector(Nowhere(), loop, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["kvt", "kvtier.a"])
+def test_plugin_under_another_name(daemon: Daemon, name: str) -> None:
+    """The plugin named anything LMCache accepts (`kvt`; LMCache's `type.instance` form
+    `kvtier.a`) reads its settings under that name: an engine's prompt reaches kvtierd (its
+    pages there, no failed put) and another engine retrieves it byte-exact."""
+    T = 3 * CHUNK
+    tokens = torch.arange(90_000 + len(name) * 1000, 90_000 + len(name) * 1000 + T)
+    kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+    a, ea = lmcache_engine(daemon, names=(name,), namespace="ns-" + name)
+    try:
+        with daemon.client() as c:
+            before = c.stats()["put_pages_stored"]
+        ea.store(tokens, kvcaches=kv)
+        assert wait_remote(ea, tokens, T, name) == T
+        inner = remote(ea, name).connection.getWrappedConnector()
+        assert inner.plugin_name == name and inner.settings["unix_path"] == daemon.unix
+        assert inner.kvtier_model.startswith("ns-%s/" % name)
+        with daemon.client() as c:
+            assert c.stats()["put_pages_stored"] >= before + 3
+        assert remote(ea, name).put_failed_count == 0 and inner.failed_puts == 0
+    finally:
+        destroy(a)
+    b, eb = lmcache_engine(daemon, names=(name,), namespace="ns-" + name)
+    try:
+        kv2 = torch.zeros_like(kv)
+        assert int(eb.retrieve(tokens, kvcaches=kv2).sum()) == T
+        assert torch.equal(kv2, kv)
+    finally:
+        destroy(b)
+
+
+def test_two_instances_of_the_plugin(daemon: Daemon) -> None:
+    """One config, the plugin twice (`kvtier.a`, `kvtier.b`, other namespaces): LMCache passes
+    neither name to the connector, and each connector still takes its own settings."""
+    a, ea = lmcache_engine(daemon, names=("kvtier.a", "kvtier.b"))
+    try:
+        for name in ("kvtier.a", "kvtier.b"):
+            inner = remote(ea, name).connection.getWrappedConnector()
+            assert inner.plugin_name == name
+    finally:
+        destroy(a)
+    cfg = lmc_config(daemon, ("kvtier.a", "kvtier.b"))
+    with pytest.raises(ValueError, match="kvtier.a, kvtier.b"):
+        klm.find_plugin_name(cfg, klm.KvtierConnector)  # from outside LMCache's loader
+    assert klm.find_plugin_name(cfg, klm.KvtierConnector, "kvtier.b") == "kvtier.b"
+
+
+def test_chunk_size_from_what_lmcache_hands(daemon: Daemon) -> None:
+    """The metadata's chunk_size left at LMCacheMetadata's default (256), as LMCache's SGLang
+    adapter builds it, while the config's (and the KV's) is CHUNK: full chunks are stored (pages
+    in kvtierd, no failed put) and another engine loads them back byte-exact. With
+    save_unfull_chunk, the prompt's partial tail chunk, which the connector cannot store, is a
+    failed put: counted by the connector, and by LMCache's RemoteBackend for a single put."""
+    T = 3 * CHUNK + 5  # 3 whole chunks and a partial one
+    tokens = torch.arange(95_000, 95_000 + T)
+    kv = torch.randn(L, 2, T, KVH, HD).to(torch.bfloat16)
+    a, ea = lmcache_engine(daemon, md_chunk=None, lmc={"save_unfull_chunk": True})
+    try:
+        assert ea.metadata.chunk_size == 256 and ea.config.chunk_size == CHUNK
+        with daemon.client() as c:
+            before = c.stats()["put_pages_stored"]
+        ea.store(tokens, kvcaches=kv)
+        assert wait_remote(ea, tokens, 3 * CHUNK) == 3 * CHUNK
+        with daemon.client() as c:
+            assert c.stats()["put_pages_stored"] >= before + 3
+        inner = remote(ea).connection.getWrappedConnector()
+        assert inner.block_bytes == 2 * L * CHUNK * KVH * HD * 2
+        for _ in range(40):  # the partial chunk's put: asynchronous
+            if inner.failed_puts:
+                break
+            threading.Event().wait(0.05)
+        assert inner.failed_puts == 1
+        # A single put of a chunk it cannot store: LMCache's own count of failed puts.
+        rb = remote(ea)
+        o = ea.storage_manager.allocate(ea.metadata.get_shapes(5), ea.metadata.get_dtypes(),
+                                        fmt=MemoryFormat.KV_2LTD)
+        assert rb.put_failed_count == 0
+        with pytest.raises(klm.PutFailed, match="not a full chunk"):
+            rb.submit_put_task(key(), o).result(10)
+        for _ in range(40):  # the callback that counts runs after the future completes
+            if rb.put_failed_count:
+                break
+            threading.Event().wait(0.05)
+        assert rb.put_failed_count == 1 and inner.failed_puts == 2
+        o.ref_count_down()
+    finally:
+        destroy(a)
+    b, eb = lmcache_engine(daemon, md_chunk=None)
+    try:
+        assert eb.lookup(tokens) == 3 * CHUNK
+        kv2 = torch.zeros(L, 2, 3 * CHUNK, KVH, HD, dtype=torch.bfloat16)
+        assert int(eb.retrieve(tokens[:3 * CHUNK], kvcaches=kv2).sum()) == 3 * CHUNK
+        assert torch.equal(kv2, kv[:, :, :3 * CHUNK])
+    finally:
+        destroy(b)

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from conftest import BUILD_ROOT, Daemon
+from conftest import BUILD_ROOT, Daemon, STALL_SLACK
 
 try:
     from vllm.config import (
@@ -342,6 +342,119 @@ def test_tensor_parallel_ranks_keep_their_shards(vd: Daemon) -> None:
     assert leases(vd) == 0
     for c in (sched, sched2, *workers, *workers2):
         c.shutdown()
+
+
+def _pp_stage(stage: int, port: int, unix: str, toks: List[int], q: Any) -> None:
+    """One stage of a 2-stage pipeline, in a process of its own (spawned): vLLM's own parallel
+    state (init_distributed_environment and initialize_model_parallel over gloo, as vLLM's
+    worker makes it before building the connector), and connectors whose extra config names no
+    rank. Saves the prompt's 2 pages from this stage's layers (page j filled with
+    10 * (stage + 1) + j), then a fresh worker of the same stage loads them into zeroed KV.
+    Puts (stage, None) or (stage, the failure) on q."""
+    import traceback
+
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+
+        cfg = VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+                kv_role="kv_both", kv_connector_extra_config={
+                    "unix_path": unix, "model": "tiny-pp", "worker_deadline_ms": 2000}),
+            device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS),
+            parallel_config=ParallelConfig(pipeline_parallel_size=2))
+        with set_current_vllm_config(cfg):
+            ps.init_distributed_environment(
+                world_size=2, rank=stage, local_rank=stage, backend="gloo",
+                distributed_init_method="tcp://127.0.0.1:%d" % port)
+            ps.initialize_model_parallel(1, 2, backend="gloo")
+        assert ps.get_pp_group().rank_in_group == stage
+
+        def stage_kv(fill: bool) -> Dict[str, torch.Tensor]:
+            kvc = {"model.layers.%d.self_attn.attn" % (2 * stage + i):
+                   torch.zeros(2, NBLOCKS, BS, HEADS, HEAD, dtype=DTYPE) for i in range(2)}
+            if fill:
+                for t in kvc.values():
+                    for j, b in enumerate([1, 2]):
+                        t[:, b] = 10 * (stage + 1) + j
+            return kvc
+
+        sched = connector(cfg, KVConnectorRole.SCHEDULER)
+        w = connector(cfg, KVConnectorRole.WORKER)
+        kvc = stage_kv(True)
+        w.register_kv_caches(kvc)
+        r = request(toks)
+        n, meta = schedule(sched, r, [1, 2, 3])
+        assert n == 0
+        torch.distributed.barrier()  # both stages looked up before either saved
+        assert run_step(w, kvc, meta) == set()
+        sched.request_finished(r, [1, 2, 3])
+        torch.distributed.barrier()  # both stages saved
+        w.shutdown()
+        fresh = connector(cfg, KVConnectorRole.WORKER)
+        kv2 = stage_kv(False)
+        fresh.register_kv_caches(kv2)
+        r = request(toks)
+        n, meta = schedule(sched, r, [5, 6, 7])
+        assert n == 2 * BS
+        assert run_step(fresh, kv2, meta) == set()
+        sched.request_finished(r, [])
+        for name, t in kv2.items():
+            for j, b in enumerate([5, 6]):
+                got = sorted(set(t[:, b].float().flatten().tolist()))
+                assert got == [10.0 * (stage + 1) + j], (stage, name, j, got)
+        fresh.shutdown()
+        sched.shutdown()
+        torch.distributed.barrier()
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+        q.put((stage, None))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put((stage, traceback.format_exc()))
+
+
+def test_pipeline_stages_default_to_vllms_rank(vd: Daemon) -> None:
+    """Pipeline parallelism 2, no pp_rank in the extra config: each stage takes its rank from
+    vLLM's own parallel state (initialised for real, two processes over gloo), so a fresh
+    stage-1 worker loads stage 1's layers (20, 21), not stage 0's (10, 11); stage 0 its own."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    toks = prompt(2)
+    procs = [ctx.Process(target=_pp_stage, args=(stage, port, vd.unix, toks, q))
+             for stage in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(q.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert results == {0: None, 1: None}, "\n".join(v for v in results.values() if v)
+
+
+def test_pipeline_stage_without_a_rank_refuses(vd: Daemon) -> None:
+    """Pipeline parallelism 2 outside vLLM's worker (no parallel state) and no pp_rank: the
+    worker refuses to guess stage 0 (it would mix the stages' pages); pp_rank set, it runs."""
+    cfg = config(vd)
+    cfg.parallel_config.pipeline_parallel_size = 2
+    w = connector(cfg, KVConnectorRole.WORKER)
+    with pytest.raises(ValueError, match="pp_rank"):
+        w.register_kv_caches(paged(None))
+    w.shutdown()
+    cfg.kv_transfer_config.kv_connector_extra_config["pp_rank"] = 1
+    w = connector(cfg, KVConnectorRole.WORKER)
+    w.register_kv_caches(paged(None))
+    assert w._store._salt == kv.rank_salt(0, 1, 1, 2)
+    w.shutdown()
 
 
 def test_identity_salt_lora_multimodal(vd: Daemon) -> None:
@@ -835,7 +948,7 @@ def test_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any) -> 
         for _ in range(5):
             took, hits = scheduler_step(s, toks)
             assert hits == [0, 0, 0, 0]
-            assert took <= base + 0.020 + 0.020, (took, base)
+            assert took <= base + 0.020 + STALL_SLACK, (took, base)
         st = s.kvtier_stats()
         assert st["trips"] == 1 and st["short_circuited"] > 0
     finally:
@@ -918,7 +1031,7 @@ def test_worker_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any,
         for i in range(3):
             took, err = step(worker, meta)
             assert err == {5, 6, 7}, i
-            assert took <= base + 0.100 + 0.020, (i, took, base)
+            assert took <= base + 0.100 + STALL_SLACK, (i, took, base)
         st = worker.kvtier_stats()
         assert st["trips"] == 1 and st["saves_dropped"] >= 1 and st["short_circuited"] >= 1
     finally:
@@ -1019,7 +1132,7 @@ def test_daemon_stopped_mid_save(vd: Daemon) -> None:
         took = time.perf_counter() - t0
         assert w.get_block_ids_with_load_errors() == set()
         w.clear_connector_metadata()
-        assert took <= 0.100 + 0.020, took
+        assert took <= 0.100 + STALL_SLACK, took
         # Stopped past the commit's own deadline: it fails on the I/O thread (a commit
         # answered in time would have stored the pages, as a slow save does).
         assert wait_until(lambda: w.kvtier_stats()["trips"] == 1)
@@ -1052,7 +1165,7 @@ def test_daemon_restarted_mid_load(tmp_path: Any) -> None:
         d = Daemon("--unix", sock)
         t0 = time.perf_counter()
         assert run_step(b.worker, b.kv, meta) == {4, 5}
-        assert time.perf_counter() - t0 <= 0.100 + 0.020
+        assert time.perf_counter() - t0 <= 0.100 + STALL_SLACK
         b.sched.request_finished(r, [])
         st = b.worker.kvtier_stats()
         assert st["trips"] == 1 and st["failures"] == 1

@@ -137,7 +137,7 @@ def test_reserve_gives_writable_views_numpy_and_torch_write_in_place(zd):
         torch = pytest.importorskip("torch", reason="torch is not installed")
         t = torch.frombuffer(r.views[2], dtype=torch.uint8)
         t.copy_(torch.frombuffer(bytearray(raw[2 * BLOCK:]), dtype=torch.uint8))
-        assert reader.match(tok).tiers == bytes([kvtier.Tier.NONE] * 3), "invisible until commit"
+        assert reader.match(tok).tiers == (kvtier.Tier.NONE,) * 3, "invisible until commit"
         del t
         res = c.commit(r)
         assert res.stored == 3
@@ -160,7 +160,7 @@ def test_abort_leaves_nothing_visible(zd):
         assert r.nreserved == 2
         r.views[0][:10] = b"x" * 10
         c.abort(r)
-        assert c.match(tok).tiers == bytes([kvtier.Tier.NONE] * 2)
+        assert c.match(tok).tiers == (kvtier.Tier.NONE,) * 2
         assert c.stats()["dram_used_bytes"] == used
         with pytest.raises(kvtier.NotFound):
             c.abort(r.id)

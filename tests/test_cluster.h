@@ -1,0 +1,307 @@
+/*
+ * test_cluster.h: a real Redis Cluster on loopback for the remote tier's cluster tests.
+ *
+ * cl_start runs NODES redis-server processes in cluster mode (cluster-node-timeout 1000 ms,
+ * persistence off, files under a fresh directory in $TMPDIR) on free ports whose bus ports
+ * (port + 10000) are free too, joins them with `redis-cli --cluster create --cluster-replicas 1
+ * --cluster-yes` (3 primaries, 3 replicas), and waits until every node says cluster_state:ok and
+ * every replica has synced. cl_stop kills them by PID. The binaries are KVT_REDIS_SERVER (else
+ * redis-server on PATH) and the redis-cli beside it (else on PATH); without them the tests skip.
+ * A cluster takes about 2 s to form, so one is shared by the tests that leave it whole (started
+ * by the runner, see test_remote_cluster.c) and the failover test forms its own.
+ */
+#ifndef KVT_TEST_CLUSTER_H
+#define KVT_TEST_CLUSTER_H
+
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <hiredis/hiredis.h>
+
+#define CL_NODES 6
+
+typedef struct cl {
+    int n;
+    pid_t pid[CL_NODES];
+    uint16_t port[CL_NODES];
+    char dir[256];
+    char seeds[256]; /* "127.0.0.1:P1,...": every node */
+} cl_t;
+
+static int cl_find(const char *name, const char *beside, char *out, size_t cap)
+{
+    if (beside && *beside) {
+        snprintf(out, cap, "%s", beside);
+        char *slash = strrchr(out, '/');
+        if (slash) {
+            snprintf(slash + 1, cap - (size_t)(slash + 1 - out), "%s", name);
+            if (access(out, X_OK) == 0)
+                return 1;
+        }
+    }
+    const char *path = getenv("PATH");
+    char buf[4096];
+    snprintf(buf, sizeof(buf), "%s", path ? path : "/usr/bin");
+    for (char *save = NULL, *d = strtok_r(buf, ":", &save); d; d = strtok_r(NULL, ":", &save)) {
+        snprintf(out, cap, "%s/%s", d, name);
+        if (access(out, X_OK) == 0)
+            return 1;
+    }
+    return 0;
+}
+
+static int cl_binaries(char *server, char *cli, size_t cap)
+{
+    const char *env = getenv("KVT_REDIS_SERVER");
+    if (env && *env && access(env, X_OK) == 0)
+        snprintf(server, cap, "%s", env);
+    else if (!cl_find("redis-server", NULL, server, cap))
+        return 0;
+    return cl_find("redis-cli", server, cli, cap);
+}
+
+static int cl_bindable(uint16_t port)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0)
+        return 0;
+    struct sockaddr_in a = {
+        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int ok = bind(s, (struct sockaddr *)&a, sizeof(a)) == 0;
+    close(s);
+    return ok;
+}
+
+/* A port that is free, and whose cluster bus port (+10000) is free too. */
+static uint16_t cl_free_port(void)
+{
+    static unsigned seed;
+    if (!seed)
+        seed = (unsigned)getpid() ^ (unsigned)time(NULL);
+    for (int i = 0; i < 1000; i++) {
+        uint16_t p = (uint16_t)(20000 + rand_r(&seed) % 25000);
+        if (cl_bindable(p) && cl_bindable((uint16_t)(p + 10000)))
+            return p;
+    }
+    return 0;
+}
+
+static redisContext *cl_conn(uint16_t port)
+{
+    struct timeval tv = {1, 0};
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    if (c && c->err) {
+        redisFree(c);
+        return NULL;
+    }
+    if (c)
+        redisSetTimeout(c, tv);
+    return c;
+}
+
+/* A command's reply on a fresh connection to port; NULL when the node does not answer. */
+static redisReply *cl_cmd(uint16_t port, const char *fmt, ...)
+{
+    redisContext *c = cl_conn(port);
+    if (!c)
+        return NULL;
+    va_list ap;
+    va_start(ap, fmt);
+    redisReply *r = redisvCommand(c, fmt, ap);
+    va_end(ap);
+    redisFree(c);
+    return r;
+}
+
+static int cl_info_has(uint16_t port, const char *section, const char *needle)
+{
+    redisReply *r = section ? cl_cmd(port, "INFO %s", section) : cl_cmd(port, "CLUSTER INFO");
+    int ok = r && r->type == REDIS_REPLY_STRING && strstr(r->str, needle);
+    if (r)
+        freeReplyObject(r);
+    return ok;
+}
+
+static pid_t cl_spawn(const cl_t *c, const char *server, uint16_t port)
+{
+    char ports[16], conf[64], log[64];
+    snprintf(ports, sizeof(ports), "%u", port);
+    snprintf(conf, sizeof(conf), "nodes-%u.conf", port);
+    snprintf(log, sizeof(log), "redis-%u.log", port);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        execl(server, server, "--port", ports, "--bind", "127.0.0.1", "--save", "", "--appendonly",
+              "no", "--dir", c->dir, "--logfile", log, "--cluster-enabled", "yes",
+              "--cluster-config-file", conf, "--cluster-node-timeout", "1000", "--daemonize", "no",
+              (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static void cl_sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Kills every node (by PID) and removes the directory. */
+static void cl_stop(cl_t *c)
+{
+    for (int i = 0; i < c->n; i++) {
+        if (c->pid[i] > 0) {
+            kill(c->pid[i], SIGKILL);
+            waitpid(c->pid[i], NULL, 0);
+            c->pid[i] = -1;
+        }
+    }
+    if (c->dir[0]) {
+        char cmd[300];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", c->dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "cluster: could not remove %s\n", c->dir);
+        c->dir[0] = 0;
+    }
+    c->n = 0;
+}
+
+/* Starts and joins the cluster. Returns 0, or -1 when the binaries are missing (the caller
+ * skips); any other failure is written to err and returns -2 (the caller fails). */
+static int cl_start(cl_t *c, char *err, size_t errcap)
+{
+    char server[512], cli[512];
+    memset(c, 0, sizeof(*c));
+    if (!cl_binaries(server, cli, sizeof(server)))
+        return -1;
+    const char *tmp = getenv("TMPDIR");
+    snprintf(c->dir, sizeof(c->dir), "%s/kvt-cluster.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(c->dir)) {
+        snprintf(err, errcap, "mkdtemp: %s", strerror(errno));
+        c->dir[0] = 0;
+        return -2;
+    }
+    size_t off = 0;
+    for (int i = 0; i < CL_NODES; i++) {
+        c->port[i] = cl_free_port();
+        c->pid[i] = c->port[i] ? cl_spawn(c, server, c->port[i]) : -1;
+        c->n = i + 1;
+        if (c->pid[i] <= 0) {
+            snprintf(err, errcap, "could not start node %d", i);
+            cl_stop(c);
+            return -2;
+        }
+        off += (size_t)snprintf(c->seeds + off, sizeof(c->seeds) - off, "%s127.0.0.1:%u",
+                                i ? "," : "", c->port[i]);
+    }
+    for (int i = 0; i < CL_NODES; i++) {
+        int up = 0;
+        for (int t = 0; t < 200 && !(up = cl_info_has(c->port[i], "server", "redis_version")); t++)
+            cl_sleep_ms(25);
+        if (!up) {
+            snprintf(err, errcap, "node on port %u never answered", c->port[i]);
+            cl_stop(c);
+            return -2;
+        }
+    }
+    char addr[CL_NODES][32], logp[300];
+    const char *argv[CL_NODES + 8];
+    int a = 0;
+    argv[a++] = cli;
+    argv[a++] = "--cluster";
+    argv[a++] = "create";
+    for (int i = 0; i < CL_NODES; i++) {
+        snprintf(addr[i], sizeof(addr[i]), "127.0.0.1:%u", c->port[i]);
+        argv[a++] = addr[i];
+    }
+    argv[a++] = "--cluster-replicas";
+    argv[a++] = "1";
+    argv[a++] = "--cluster-yes";
+    argv[a] = NULL;
+    snprintf(logp, sizeof(logp), "%s/create.log", c->dir);
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE *f = freopen(logp, "w", stdout);
+        (void)f;
+        dup2(1, 2);
+        execv(cli, (char *const *)argv);
+        _exit(127);
+    }
+    int st = 0;
+    if (pid < 0 || waitpid(pid, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        snprintf(err, errcap, "redis-cli --cluster create failed (status %d; see %s)", st, logp);
+        cl_stop(c);
+        return -2;
+    }
+    /* Every node agrees the cluster is whole, and every replica has its primary's data. */
+    for (int t = 0; t < 400; t++) {
+        int ok = 1;
+        for (int i = 0; i < CL_NODES && ok; i++) {
+            ok = cl_info_has(c->port[i], NULL, "cluster_state:ok") &&
+                 (cl_info_has(c->port[i], "replication", "role:master") ||
+                  cl_info_has(c->port[i], "replication", "master_link_status:up"));
+        }
+        if (ok)
+            return 0;
+        cl_sleep_ms(25);
+    }
+    snprintf(err, errcap, "the cluster never reached cluster_state:ok");
+    cl_stop(c);
+    return -2;
+}
+
+/* The node id of the node on port (41 bytes with the NUL). */
+static void cl_myid(uint16_t port, char *id)
+{
+    redisReply *r = cl_cmd(port, "CLUSTER MYID");
+    cr_assert(r && r->type == REDIS_REPLY_STRING && r->len == 40, "CLUSTER MYID on %u", port);
+    memcpy(id, r->str, 41);
+    freeReplyObject(r);
+}
+
+/* The port of the primary serving slot, as the node on port asked sees it; 0 when none. */
+static uint16_t cl_owner(uint16_t port, int slot)
+{
+    redisReply *r = cl_cmd(port, "CLUSTER SLOTS");
+    uint16_t owner = 0;
+    for (size_t i = 0; r && r->type == REDIS_REPLY_ARRAY && i < r->elements; i++) {
+        redisReply *e = r->element[i];
+        if (slot >= e->element[0]->integer && slot <= e->element[1]->integer)
+            owner = (uint16_t)e->element[2]->element[1]->integer;
+    }
+    if (r)
+        freeReplyObject(r);
+    return owner;
+}
+
+/* The ports of the current primaries (that own slots), as the node on port sees them. */
+static int cl_primaries(uint16_t port, uint16_t *out, int cap)
+{
+    redisReply *r = cl_cmd(port, "CLUSTER SLOTS");
+    int n = 0;
+    for (size_t i = 0; r && r->type == REDIS_REPLY_ARRAY && i < r->elements; i++) {
+        uint16_t p = (uint16_t)r->element[i]->element[2]->element[1]->integer;
+        int seen = 0;
+        for (int k = 0; k < n; k++)
+            seen |= out[k] == p;
+        if (!seen && n < cap)
+            out[n++] = p;
+    }
+    if (r)
+        freeReplyObject(r);
+    return n;
+}
+
+#endif
