@@ -187,25 +187,25 @@ static uint32_t put_singles(kvt_client_t *c, uint32_t base, uint32_t n, uint32_t
 }
 
 /* The policy's demotions: past a tenant's NVMe share its DRAM blocks are dropped instead of
- * demoted, and the room its PUTs need comes from its own blocks, not from the other tenant's
- * newer ones, every one of which stays stored. (The LRU policy's clock is tick-ms, 50 ms: the
- * sleeps put each tenant's PUTs on later ticks.) */
+ * demoted there. DRAM's watermarks at a half and a quarter: a's ninth page takes it over the high
+ * one, and the maintenance moves five of a's blocks out, four to NVMe (its share, 72 KiB each),
+ * the fifth dropped. b's blocks, written after, all stay. */
 Test(server_tenants, demotions_stop_at_the_nvme_share, .fini = teardown)
 {
-    kvd_start(&d, "--dram-bytes", "1M", "--policy", "lru", "--tenant-nvme-bytes", "288K", NULL);
+    kvd_start(&d, "--dram-bytes", "1M", "--policy", "lru", "--policy-high", "0.5", "--policy-low",
+              "0.25", "--tenant-nvme-bytes", "288K", NULL);
     kvt_client_t *a = tenant("tenant-a", 0), *b = tenant("tenant-b", 0);
     cr_assert_eq(put_singles(a, 10000, 12, 1), 12);
-    usleep(200000);
-    cr_assert_eq(put_singles(b, 20000, 4, 50), 4); /* DRAM 16 of 16: above high */
-    usleep(200000);
-    put_singles(a, 30000, 12, 100);
     for (int i = 0; i < 100 && kvd_stat(a, "leases") > 0; i++)
         usleep(10000); /* moves in flight */
-    cr_expect_leq(held(a, "nvme"), 288 * 1024);
-    cr_expect_gt(held(a, "nvme"), 0, "nothing of a was demoted");
+    cr_expect_eq(held(a, "nvme"), 288 * 1024, "a's NVMe share is not what it holds");
     cr_expect_gt(metric("kvtier_blocks_dropped_total{tier=\"dram\"}"), 0,
                  "a's blocks past its NVMe share were not dropped");
     cr_expect_gt(metric("kvtier_tenant_quota_refusals_total{tier=\"nvme\"}"), 0);
+    cr_assert_eq(put_singles(b, 20000, 4, 50), 4);
+    for (int i = 0; i < 100 && kvd_stat(a, "leases") > 0; i++)
+        usleep(10000);
+    cr_expect_eq(held(a, "nvme"), 288 * 1024);
     for (uint32_t i = 0; i < 4; i++) {
         uint32_t t[PAGE];
         kvd_tokens(t, PAGE, 20000 + 100 * i);
