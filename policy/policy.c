@@ -767,6 +767,8 @@ static int pend_reserve(kvt_policy_t *p)
 static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
                    kvt_tier_id_t from, kvt_tier_id_t to, int depth)
 {
+    if (p->c.ops->fits && !p->c.ops->fits(p->c.ops_arg, n, kvt_radix_node_depth(n) + i0, cnt, to))
+        return KVT_ENOSPC;
     uint64_t bytes = run_bytes(n, i0, cnt);
     uint64_t cto = run_charge(p, n, i0, cnt, to), cfrom = run_charge(p, n, i0, cnt, from);
     int rc = make_room(p, to, cto, depth + 1);

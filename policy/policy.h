@@ -172,6 +172,14 @@ typedef struct kvt_policy_ops {
      */
     void (*set_tier)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                      kvt_tier_id_t tier);
+    /*
+     * Whether the blocks [depth, depth + npages) of the path ending at n may go into `to` at
+     * all (kvtierd: their tenant's quota there). Zero refuses the move before any room is made
+     * for it (KVT_ENOSPC: a demotion's run is then dropped where that is the only way to free
+     * its tier, a promotion stays where it is), so that no other block goes for a move that
+     * cannot happen. NULL: they may.
+     */
+    int (*fits)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages, kvt_tier_id_t to);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1

@@ -100,6 +100,21 @@ static const kvt_opt_t kvt_opts[] = {
     {"max-reserved-bytes", KVT_OPT_BYTES, KVT_O(max_resv_bytes), "1G",
      "bytes of pages one connection's reservations may hold, expired ones included, until "
      "COMMIT, ABORT or close (at least 4K); a RESERVE past it gets room for the pages that fit"},
+    {"zero-copy-checksum", KVT_OPT_BOOL, KVT_O(zc_checksum), "yes",
+     "a zero-copy COMMIT takes a checksum of its pages, checked when they leave DRAM (a "
+     "demotion, a socket GET): a page a client wrote over after its COMMIT is dropped, never "
+     "demoted or served"},
+    {"tenant-hbm-bytes", KVT_OPT_BYTES, KVT_O(tenant_bytes[KVT_TIER_HBM]), "0",
+     "bytes one namespace (tenant) may hold in the HBM tier; 0 for no quota"},
+    {"tenant-dram-bytes", KVT_OPT_BYTES, KVT_O(tenant_bytes[KVT_TIER_DRAM]), "0",
+     "bytes one namespace (tenant) may hold in the DRAM tier, its arena and reservations "
+     "included: past it its PUT pages go to the next tier down, its RESERVE pages get no room, "
+     "its promotions stop; 0 for no quota"},
+    {"tenant-nvme-bytes", KVT_OPT_BYTES, KVT_O(tenant_bytes[KVT_TIER_NVME]), "0",
+     "bytes one namespace (tenant) may hold in the NVMe tier: past it its pages are dropped "
+     "instead of demoted there; 0 for no quota"},
+    {"tenant-remote-bytes", KVT_OPT_BYTES, KVT_O(tenant_bytes[KVT_TIER_REMOTE]), "0",
+     "bytes one namespace (tenant) may hold in the remote tier; 0 for no quota"},
     {"max-namespaces", KVT_OPT_U32, KVT_O(max_namespaces), "65536",
      "namespaces open at once (1..65536); when full, a HELLO of a new one closes the empty "
      "namespaces no client uses"},
@@ -567,15 +582,21 @@ void kvt__conf_apply_log(const kvt_srv_conf_t *conf)
  * sizes or opens something at start (tiers, sockets, the index, the arenas) and needs a restart.
  */
 static const char *const kvt_reloadable[] = {
-    "log-level",        "log-rate",         "lease-ms",
-    "lease-ms-max",     "reserve-ms",       "max-reservations",
-    "max-leases",       "max-inflight",     "max-output",
-    "max-conns",        "max-client-bytes", "reply-timeout-ms",
-    "hello-timeout-ms", "frame-timeout-ms", "frame-min-rate",
-    "evict-idle-ms",    "tick-ms",          "prefill-tokens-per-s",
-    "policy-high",      "policy-low",       "nvme-min-hits",
-    "secret",           "secret-file",      "auth-failures-per-s",
-    "auth-wait-ms",     "drain-ms",
+    "log-level",         "log-rate",
+    "lease-ms",          "lease-ms-max",
+    "reserve-ms",        "max-reservations",
+    "max-leases",        "max-inflight",
+    "max-output",        "max-conns",
+    "max-client-bytes",  "reply-timeout-ms",
+    "hello-timeout-ms",  "frame-timeout-ms",
+    "frame-min-rate",    "evict-idle-ms",
+    "tick-ms",           "prefill-tokens-per-s",
+    "policy-high",       "policy-low",
+    "nvme-min-hits",     "secret",
+    "secret-file",       "auth-failures-per-s",
+    "auth-wait-ms",      "drain-ms",
+    "tenant-hbm-bytes",  "tenant-dram-bytes",
+    "tenant-nvme-bytes", "tenant-remote-bytes",
 };
 
 int kvt__conf_reloadable(const char *name)

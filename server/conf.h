@@ -47,6 +47,10 @@ typedef struct kvt_srv_conf {
     uint32_t reserve_ms;       /* a reservation not committed this long is given back */
     uint32_t max_reservations; /* reservations one connection may hold at once */
     uint64_t max_resv_bytes;   /* room one connection's reservations hold (max-reserved-bytes) */
+    int zc_checksum;           /* COMMIT seals its pages, checked as they leave DRAM */
+    /* Bytes one namespace (tenant) may hold per tier, by kvt_tier_id_t ([NONE] unused); 0: no
+     * quota (tenant-hbm-bytes, tenant-dram-bytes, tenant-nvme-bytes, tenant-remote-bytes). */
+    uint64_t tenant_bytes[KVT_TIER_COUNT];
     uint32_t max_inflight;     /* tier I/Os in flight per connection before reads pause */
     uint32_t max_leases;       /* leases one connection may hold at once */
     uint32_t max_namespaces;   /* namespaces open at once */

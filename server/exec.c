@@ -383,6 +383,28 @@ static void move_copied(kvt_tier_copy_t *c)
         move_finish(s, m);
 }
 
+static void settle_later(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t ns);
+
+/*
+ * Whether the run's DRAM pages still hold the bytes their zero-copy COMMIT sealed
+ * (zero-copy-checksum): a page a client wrote over since is not copied anywhere (its NVMe or
+ * remote copy would carry a valid checksum of the scribbled bytes). The move is refused and the
+ * page, with the rest of its node, made index-only by the next step, as a lost block is.
+ */
+static int move_source_intact(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth, uint32_t npages)
+{
+    if (!s->conf->zc_checksum)
+        return 1;
+    for (uint32_t i = 0; i < npages; i++) {
+        kvt_block_t *b = kvt_radix_block_at(n, depth + i);
+        if (kvt_tier_dram_check(s->tiers[KVT_TIER_DRAM], b->loc) == KVT_ECORRUPT) {
+            settle_later(s, n, depth + i, kvt_radix_node_ns(n));
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /*
  * The policy's move: copy pages [depth, depth + npages) of node n from `from` to `to`. Every
  * copy is asynchronous (a tier never completes inside the submitting call), so a move that
@@ -401,6 +423,8 @@ static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
         if (!b || b->tier != from || (b->flags & KVT_BLOCK_BUSY) || !b->size)
             return KVT_EBUSY;
     }
+    if (from == KVT_TIER_DRAM && !move_source_intact(s, n, depth, npages))
+        return KVT_ECORRUPT;
     uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
     size_t sz = sizeof(kvt__move_t) + npages * (sizeof(kvt__mpage_t) + page * sizeof(uint32_t));
     kvt__move_t *m = calloc(1, sz);
@@ -483,8 +507,21 @@ static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32
         kvt__block_tier(kvt_radix_block_at(n, depth + i), tier);
 }
 
+/* The run's tenant may take it in `to` (tenant-<tier>-bytes; store.c kvt__store_quotas). */
+static int exec_fits(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t to)
+{
+    kvt_srv_t *s = arg;
+    const kvt_block_t *b = kvt_radix_block_at(n, depth);
+    if (!s->tiers[to] || !b)
+        return 1;
+    uint64_t seed = kvt_radix_ns_seed(s->radix, kvt_radix_node_ns(n));
+    return kvt_tier_ns_fits(s->tiers[to], seed, b->size, npages);
+}
+
 const kvt_policy_ops_t kvt__exec_ops = {
     .set_tier = exec_set_tier,
+    .fits = exec_fits,
     .move = exec_move,
     .footprint = exec_footprint,
     .index_room = exec_index_room,

@@ -30,6 +30,9 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+/* Bytes of zero-copy seals hashed per loop iteration: 3-8 us (tiers/dram.c, docs/tiers.md). */
+#define KVT_SEAL_SLICE (256u << 10)
+
 #define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
 /* Evicted blocks remembered for the "evicted" miss reason: 2^16 slots, or the cost policy's
  * 2^22 when it shares the table (its reuse signal reads the same one). */
@@ -133,6 +136,7 @@ static void reload(kvt_srv_t *s)
         if (s->policy)
             kvt_policy_tune(s->policy, (float)s->conf->policy_high, (float)s->conf->policy_low,
                             s->conf->nvme_min_hits);
+        kvt__store_quotas(s);
         kvt_log(KVT_LOG_INFO, "kvtierd: reload: %d setting%s changed", rc, rc == 1 ? "" : "s");
         kvt__metric_add(s->metrics, KVT_M_CONFIG_RELOADS, 0, 1);
     }
@@ -409,6 +413,7 @@ int kvt__srv_run(kvt_srv_t *s)
 {
     struct epoll_event evs[256];
     uint64_t next_tick = kvt_now_ns(), stop_at = 0;
+    int sealing = 0;
     for (;;) {
         uint64_t now = kvt_now_ns();
         if (s->stopping) {
@@ -449,7 +454,8 @@ int kvt__srv_run(kvt_srv_t *s)
             kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
             next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;
         }
-        int timeout = (int)((next_tick - now) / 1000000) + 1;
+        /* Seals of committed zero-copy pages still queued: no sleep until they are done. */
+        int timeout = sealing ? 0 : (int)((next_tick - now) / 1000000) + 1;
         int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         if (n < 0) {
             if (errno == EINTR)
@@ -472,6 +478,9 @@ int kvt__srv_run(kvt_srv_t *s)
         if (s->clients.mem_waiting)
             kvt__conns_mem_retry(s);
         kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
+        /* A slice of the zero-copy seals (op_put.c resv_seal): a few microseconds between
+         * events, so that no request waits for a whole block's hash. */
+        sealing = kvt_tier_dram_seal_step(s->tiers[KVT_TIER_DRAM], KVT_SEAL_SLICE) > 0;
         kvt__conns_reap(s); /* no event or walk holds a connection here */
     }
 }

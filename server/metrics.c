@@ -78,8 +78,18 @@ struct kvt_metrics {
     kvt_hist_t hists[KVT_M_COUNT][KVT_MAX_SERIES];
     kvt_ns_series_t *ns; /* [0] is model="_other" */
     unsigned nns, ns_limit;
-    unsigned tier_mask; /* kvt__metrics_tiers */
+    unsigned tier_mask;                           /* kvt__metrics_tiers */
+    kvt_metric_tenant_t tenants[KVT_TENANT_ROWS]; /* KVT_TENANT_NAME's rows */
+    size_t ntenants;
 };
+
+void kvt__metrics_tenants(kvt_metrics_t *m, const kvt_metric_tenant_t *rows, size_t n)
+{
+    kvt_assert(n <= KVT_TENANT_ROWS);
+    if (n)
+        memcpy(m->tenants, rows, n * sizeof(*rows));
+    m->ntenants = n;
+}
 
 /* Appends a label value to dst (room for 2 x len + 1 bytes): a backslash or a quote escaped, as
  * the text format wants, and a byte outside printable ASCII shown as '?' (a label value must be
@@ -438,6 +448,15 @@ int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *n
                 return rc;
         }
     }
+    for (size_t i = 0; i < m->ntenants; i++) {
+        const kvt_metric_tenant_t *t = &m->tenants[i];
+        char name[128];
+        snprintf(name, sizeof name, "tenant_%016llx_%s_used_bytes", (unsigned long long)t->ns_seed,
+                 kvt_tier_name((kvt_tier_id_t)t->tier));
+        int rc = cb(arg, name, t->bytes);
+        if (rc)
+            return rc;
+    }
     return 0;
 }
 
@@ -491,6 +510,13 @@ int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
                         (unsigned long long)h->count);
         }
     }
+    kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s gauge\n", KVT_TENANT_NAME, KVT_TENANT_HELP,
+                KVT_TENANT_NAME);
+    for (size_t i = 0; i < m->ntenants; i++)
+        kvt_bprintf(&b, "%s{tenant=\"%016llx\",tier=\"%s\"} %llu\n", KVT_TENANT_NAME,
+                    (unsigned long long)m->tenants[i].ns_seed,
+                    kvt_tier_name((kvt_tier_id_t)m->tenants[i].tier),
+                    (unsigned long long)m->tenants[i].bytes);
     if (b.oom) {
         free(b.p);
         return KVT_ENOMEM;

@@ -259,6 +259,17 @@ typedef enum {
       "Bytes of the DRAM arenas' memfds that clients made resident outside any live block, "       \
       "punched out by the daemon.",                                                                \
       NONE)                                                                                        \
+    X(ZC_SCRIBBLES, COUNTER, "kvtier_zero_copy_scribbles_total",                                   \
+      "Committed zero-copy pages found changed as they left DRAM (a client wrote over them "       \
+      "through its mapping; zero-copy-checksum): dropped, never demoted or served.",               \
+      NONE)                                                                                        \
+    X(TENANT_QUOTA, GAUGE, "kvtier_tenant_quota_bytes",                                            \
+      "Bytes one namespace (tenant) may hold in each tier (tenant-<tier>-bytes); 0 for none.",     \
+      TIER)                                                                                        \
+    X(TENANT_REFUSALS, COUNTER, "kvtier_tenant_quota_refusals_total",                              \
+      "Writes, copies and adoptions a tier refused because their namespace was at its quota "      \
+      "there (tenant-<tier>-bytes).",                                                              \
+      TIER)                                                                                        \
     X(ZC_PAGES, COUNTER, "kvtier_zero_copy_pages_total",                                           \
       "Pages a local client read (GET with LOCATE) or wrote (RESERVE) through its mapping.", OP)   \
     X(RESERVATIONS, COUNTER, "kvtier_reservations_total",                                          \
@@ -328,6 +339,26 @@ typedef struct kvt_hist {
 } kvt_hist_t;
 
 typedef struct kvt_metrics kvt_metrics_t;
+
+/*
+ * Bytes per tenant and tier, the one family whose label values are not a fixed list: tenant is
+ * the namespace's seed in hex (as in the daemon's log lines and its memfds' names,
+ * kvtier-ns-<seed>). Its cardinality is bounded: the KVT_TENANT_TOP namespaces holding the most in
+ * each tier, refreshed with the other gauges (store.c); the rest are left out.
+ */
+#define KVT_TENANT_TOP  16
+#define KVT_TENANT_ROWS (KVT_TENANT_TOP * KVT_TIER_COUNT)
+#define KVT_TENANT_NAME "kvtier_tenant_used_bytes"
+#define KVT_TENANT_HELP                                                                            \
+    "Bytes a namespace (tenant, by its seed) holds in a tier: the 16 holding the most in each "    \
+    "tier (tenant-<tier>-bytes caps it)."
+typedef struct kvt_metric_tenant {
+    uint64_t ns_seed;
+    uint64_t bytes;
+    uint8_t tier;
+} kvt_metric_tenant_t;
+/* Replaces the per-tenant rows with rows[0 .. n) (n at most KVT_TENANT_ROWS). */
+void kvt__metrics_tenants(kvt_metrics_t *m, const kvt_metric_tenant_t *rows, size_t n);
 
 int kvt__metrics_create(kvt_metrics_t **out);
 void kvt__metrics_destroy(kvt_metrics_t *m);

@@ -214,6 +214,16 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                             (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
             kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier);
             r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = hdr};
+            if (b->tier == KVT_TIER_DRAM && s->conf->zc_checksum &&
+                kvt_tier_dram_check(s->tiers[KVT_TIER_DRAM], b->loc) == KVT_ECORRUPT) {
+                /* Written over since its zero-copy COMMIT: lost, as a corrupt read is. */
+                kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM,
+                                x->io.key.ntokens);
+                kvt__store_lost(s, r->node, r->get.cur);
+                free(x);
+                r->status = KVT_ECORRUPT;
+                break;
+            }
             int rc = kvt__busy_inc(s, x->io.key.hash);
             const uint8_t *ptr = rc == 0 ? kvt_tier_ptr(s->tiers[b->tier], b->loc) : NULL;
             if (ptr) {

@@ -572,6 +572,8 @@ int kvt__store_open(kvt_srv_t *s);
  * inserted so far) or KVT_EBUSY (called twice). out (may be NULL) gets the tier's counts. */
 int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_recovery_t *out);
 void kvt__store_close(kvt_srv_t *s);
+/* Hands tenant-<tier>-bytes to the tiers (at start and on reload). */
+void kvt__store_quotas(kvt_srv_t *s);
 void kvt__tier_metrics(kvt_srv_t *s);
 
 /* exec.c: the policy's executor: moves, adopt, frees, the busy table, lost blocks. */

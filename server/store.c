@@ -153,6 +153,23 @@ static void recovered_sizes(kvt_srv_t *s)
     }
 }
 
+/*
+ * Quotas per tenant: the namespace (model, adapter, salt, page size), the unit the daemon already
+ * isolates (its own radix root, its own DRAM arena, its own memfd). Each tier counts what every
+ * namespace holds there and refuses a write, copy or adoption past the namespace's quota as if
+ * the tier were full (tiers/tier.c), which every path into a tier goes through: PUT and RESERVE
+ * (op_put.c), promotions and demotions (the policy's moves, exec.c). Those paths also ask before
+ * making room for a write the quota would refuse (kvt_tier_ns_fits), so that a tenant at its
+ * quota never has another's blocks demoted or dropped on its behalf. Recovered NVMe blocks are
+ * adopted before the quotas are set: what is on disk comes back whatever it holds.
+ */
+void kvt__store_quotas(kvt_srv_t *s)
+{
+    for (int i = 1; i < KVT_TIER_COUNT; i++)
+        if (s->tiers[i])
+            (void)kvt_tier_set_ns_quota(s->tiers[i], s->conf->tenant_bytes[i]);
+}
+
 int kvt__store_open(kvt_srv_t *s)
 {
     kvt_srv_conf_t *c = s->conf;
@@ -259,6 +276,7 @@ int kvt__store_open(kvt_srv_t *s)
             return rc;
         }
     }
+    kvt__store_quotas(s);
     int any = 0;
     for (int i = 1; i < KVT_TIER_COUNT; i++) {
         if (!s->tiers[i])
@@ -291,6 +309,8 @@ void kvt__store_close(kvt_srv_t *s)
 
 void kvt__tier_metrics(kvt_srv_t *s)
 {
+    kvt_metric_tenant_t rows[KVT_TENANT_ROWS];
+    size_t nrows = 0;
     for (int i = 1; i < KVT_TIER_COUNT; i++) {
         if (!s->tiers[i])
             continue;
@@ -300,7 +320,16 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_TIER_CAPACITY, (unsigned)i, (double)u.capacity_bytes);
         kvt__metric_set(s->metrics, KVT_M_TIER_BLOCKS, (unsigned)i, (double)u.blocks);
         kvt__metric_set(s->metrics, KVT_M_TIER_LOST, (unsigned)i, (double)u.reclaimed);
+        kvt__metric_set(s->metrics, KVT_M_TENANT_QUOTA, (unsigned)i,
+                        (double)s->conf->tenant_bytes[i]);
+        kvt__metric_set(s->metrics, KVT_M_TENANT_REFUSALS, (unsigned)i, (double)u.quota_refused);
+        kvt_tier_ns_usage_t top[KVT_TENANT_TOP];
+        size_t n = kvt_tier_ns_top(s->tiers[i], top, KVT_TENANT_TOP);
+        for (size_t k = 0; k < n; k++)
+            rows[nrows++] = (kvt_metric_tenant_t){
+                .ns_seed = top[k].ns_seed, .bytes = top[k].bytes, .tier = (uint8_t)i};
     }
+    kvt__metrics_tenants(s->metrics, rows, nrows);
     kvt_tier_dram_shared_stats_t ds;
     if (s->tiers[KVT_TIER_DRAM] && kvt_tier_dram_shared_stats(s->tiers[KVT_TIER_DRAM], &ds) == 0) {
         /* Read here, not kept up to date by MAP and close: an arena also goes with its last
@@ -308,6 +337,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0, (double)ds.arenas);
         kvt__metric_set(s->metrics, KVT_M_ZC_RESIDENT, 0, (double)ds.resident_bytes);
         kvt__metric_set(s->metrics, KVT_M_ZC_PUNCHED, 0, (double)ds.punched_bytes);
+        kvt__metric_set(s->metrics, KVT_M_ZC_SCRIBBLES, 0, (double)ds.scribbles);
     }
     kvt_tier_hbm_stats_t hs;
     if (s->tiers[KVT_TIER_HBM] && kvt_tier_hbm_stats(s->tiers[KVT_TIER_HBM], &hs) == 0) {

@@ -1031,3 +1031,133 @@ Test(server_zc, arenas_gauge_counts_the_memfds, .fini = teardown)
     close(fd);
     kvt_client_close(c);
 }
+
+/* Reserves, writes and commits pages [0, n) of t (pattern seed + i); their offsets in off. */
+static void zstore(int fd, zmap_t *z, const uint32_t *t, uint32_t n, uint32_t seed, uint64_t *off)
+{
+    kvt_proto_reserve_reply_t rr;
+    uint32_t page[8];
+    zreply_t r;
+    cr_assert_leq(n, 8);
+    cr_assert_eq(zreserve(fd, t, n * PAGE, 0, n, &rr, page, off, &r), 0, "RESERVE: %s", r.body);
+    cr_assert_eq(rr.nlocs, n);
+    for (uint32_t i = 0; i < n; i++)
+        pattern(z_late(z, off[i]), seed + i);
+    kvt_proto_put_reply_t p;
+    cr_assert_eq(zcommit(fd, rr.resv, 0, &p), 0);
+    cr_assert_eq(p.stored, n);
+}
+
+/* A socket GET of pages [0, n) of t by c: its status, the pages that came (*got) and, for each
+ * that came, whether it holds pattern seed + i. */
+static int sget(kvt_client_t *c, const uint32_t *t, uint32_t n, uint32_t *got, uint32_t seed,
+                int *exact)
+{
+    uint8_t tiers[8];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 8};
+    cr_assert_leq(n, 8);
+    cr_assert_eq(kvt_client_match(c, t, n * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    uint32_t held = 0; /* the pages that hold bytes, up to the first index-only one */
+    while (held < m.pages && tiers[held] != KVT_CLIENT_TIER_NONE)
+        held++;
+    uint8_t *buf = calloc(n, BB), *want = malloc(BB);
+    *got = 0;
+    int rc = held ? kvt_client_get(c, m.lease, 0, held, buf, (size_t)held * BB, got, NULL)
+                  : KVT_CLIENT_ENOENT;
+    for (uint32_t i = 0; i < *got; i++) {
+        pattern(want, seed + i);
+        exact[i] = memcmp(buf + (size_t)i * BB, want, BB) == 0;
+    }
+    if (m.lease)
+        kvt_client_release(c, m.lease, NULL);
+    free(buf);
+    free(want);
+    return rc;
+}
+
+/* Scribbles (issue 36): a client writes over a page it committed. A socket GET never carries
+ * the scribbled bytes (the page is lost, as a corrupt read is: the GET stops before it), a
+ * demotion never writes them to NVMe (the page is dropped instead), and the counter says so.
+ * Each scribble comes after a later request's reply: the daemon seals a COMMIT's pages in the
+ * loop iteration after its reply, a slice of 256 KiB, more than the test's pages. */
+Test(server_zc, scribbled_pages_are_never_served_nor_demoted, .fini = teardown)
+{
+    kvd_start(&d, "--dram-bytes", "1M", "--policy", "lru", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t a[2 * PAGE], b[PAGE];
+    kvd_tokens(a, 2 * PAGE, 40000);
+    kvd_tokens(b, PAGE, 41000);
+    uint64_t offa[2], offb[1];
+    zstore(fd, &z, a, 2, 70, offa);
+    zstore(fd, &z, b, 1, 80, offb);
+
+    /* One byte of page 1 of a changes after its COMMIT: the GET sends page 0 and stops. */
+    z.base[offa[1] + 1000] ^= 0x5a;
+    uint32_t got;
+    int exact[2] = {0, 0};
+    int rc = sget(c, a, 2, &got, 70, exact);
+    cr_expect_neq(rc, 0, "the GET of a scribbled page succeeded");
+    cr_expect_leq(got, 1, "the scribbled page was served");
+    for (uint32_t i = 0; i < got; i++)
+        cr_expect(exact[i], "page %u came back wrong", i);
+    cr_expect_eq(kvd_stat(c, "zero_copy_scribbles"), 1);
+    cr_expect_eq(sget(c, a, 2, &got, 70, exact), 0);
+    cr_expect_eq(got, 1, "the scribbled page is still stored");
+    cr_expect(exact[0]);
+
+    /* b is scribbled, then pushed out of DRAM by 32 pages of another tenant's: its demotion
+     * finds the change, and b is dropped, not written to NVMe. */
+    z.base[offb[0]] ^= 1;
+    kvt_client_t *o = zclient(&d, "pressure");
+    uint32_t u[32 * PAGE];
+    kvd_tokens(u, 32 * PAGE, 42000);
+    uint8_t *pay = malloc(32 * BB);
+    kvd_fill(pay, 32 * BB, 9);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(o, u, 32 * PAGE, 0, 32, pay, NULL, &pr), 0);
+    cr_expect_eq(wait_stat(c, "zero_copy_scribbles", 2), 2, "the demotion did not check b");
+    uint8_t tier = KVT_CLIENT_TIER_DRAM;
+    kvt_client_match_t m = {.tiers = &tier, .tiers_cap = 1};
+    for (int i = 0; i < 500; i++) {
+        cr_assert_eq(kvt_client_match(c, b, PAGE, 0, 0, NULL, &m), 0);
+        if (m.pages == 0 || tier == KVT_CLIENT_TIER_NONE)
+            break;
+        usleep(10000);
+    }
+    cr_expect(m.pages == 0 || tier == KVT_CLIENT_TIER_NONE,
+              "the scribbled page is still stored, in tier %u", tier);
+    cr_expect_gt(wait_stat(c, "blocks_moved_dram_nvme", 1), 0, "nothing was demoted at all");
+    free(pay);
+    kvt_client_close(o);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* zero-copy-checksum no: no checksum is taken, and a scribbled page is served as it is now (the
+ * behaviour before issue 36, for a deployment that trusts its clients' own mappings). */
+Test(server_zc, scribble_check_can_be_turned_off, .fini = teardown)
+{
+    kvd_start(&d, "--zero-copy-checksum", "no", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t a[2 * PAGE];
+    kvd_tokens(a, 2 * PAGE, 43000);
+    uint64_t off[2];
+    zstore(fd, &z, a, 2, 90, off);
+    z.base[off[1] + 7] ^= 0x5a;
+    uint32_t got;
+    int exact[2] = {0, 0};
+    cr_expect_eq(sget(c, a, 2, &got, 90, exact), 0);
+    cr_expect_eq(got, 2);
+    cr_expect(exact[0] && !exact[1], "page 1 should carry the scribbled byte");
+    cr_expect_eq(kvd_stat(c, "zero_copy_scribbles"), 0);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}

@@ -954,3 +954,141 @@ Test(tier_dram, an_unshared_arena_s_blocks_move_out)
     cr_assert_eq(kvt_tier_dram_move_out(t, &l0), KVT_ENOENT);
     kvt_tier_destroy(t);
 }
+
+/* Seals (issue 36): a sealed block checks out until its bytes change, then fails the check and
+ * the read, counted; a seal taken a step at a time covers the bytes as they were at its last
+ * step, is finished by a departure that comes first, skips a block freed meanwhile, and
+ * follows a block that moves out of its arena. */
+Test(tier_dram, seals_find_bytes_changed_after_them)
+{
+    const uint32_t len = 600000; /* three slices of 256 KiB */
+    kvt_tier_t *t = mk_shared(8u << 20, 1);
+    int fd;
+    uint64_t mb, off, loc[4];
+    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
+    uint8_t *c = client_map(fd, mb);
+    uint8_t *buf = malloc(len);
+    uint32_t tok[16];
+    for (int i = 0; i < 4; i++) {
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        tu_fill(buf, len, 60 + (uint32_t)i);
+        cr_assert_eq(tu_write(t, &k, buf, len, &loc[i]), 0);
+    }
+    kvt_tier_dram_shared_stats_t st;
+    /* Unsealed: anything goes. */
+    cr_assert_eq(kvt_tier_dram_offset(t, NS_A, loc[0], &off), 0);
+    c[off] ^= 1;
+    cr_expect_eq(kvt_tier_dram_check(t, loc[0]), 0);
+    c[off] ^= 1;
+    /* Sealed now. */
+    cr_assert_eq(kvt_tier_dram_seal(t, loc[0]), 0);
+    cr_expect_eq(kvt_tier_dram_check(t, loc[0]), 0);
+    c[off + len - 1] ^= 0x80;
+    cr_expect_eq(kvt_tier_dram_check(t, loc[0]), KVT_ECORRUPT);
+    kvt_block_key_t k0 = ns_key(NS_A, 0, tok);
+    cr_expect_eq(tu_read(t, &k0, loc[0], buf, len), KVT_ECORRUPT);
+    cr_assert_eq(kvt_tier_dram_shared_stats(t, &st), 0);
+    cr_expect_eq(st.scribbles, 2);
+    /* Sealed a slice at a time: a change made after the last slice is found. */
+    cr_assert_eq(kvt_tier_dram_seal_later(t, loc[1]), 0);
+    cr_assert_eq(kvt_tier_dram_seal_later(t, loc[2]), 0);
+    cr_assert_eq(kvt_tier_dram_seal_later(t, loc[3]), 0);
+    cr_expect_eq(kvt_tier_dram_seal_step(t, 256u << 10), 3, "one slice seals no block");
+    cr_expect_eq(kvt_tier_dram_seal_step(t, len), 2, "the first block is sealed");
+    cr_assert_eq(kvt_tier_dram_offset(t, NS_A, loc[1], &off), 0);
+    c[off + 12345] ^= 1;
+    cr_expect_eq(kvt_tier_dram_check(t, loc[1]), KVT_ECORRUPT);
+    /* A departure before its seal's turn finishes it: the bytes leave as they are. */
+    cr_assert_eq(kvt_tier_dram_offset(t, NS_A, loc[2], &off), 0);
+    c[off] ^= 1;
+    cr_expect_eq(kvt_tier_dram_check(t, loc[2]), 0);
+    c[off + 1] ^= 1;
+    cr_expect_eq(kvt_tier_dram_check(t, loc[2]), KVT_ECORRUPT);
+    /* A block freed while queued is passed over. */
+    kvt_tier_free(t, loc[3], len);
+    cr_expect_eq(kvt_tier_dram_seal_step(t, len), 0);
+    cr_assert_eq(kvt_tier_dram_shared_stats(t, &st), 0);
+    cr_expect_eq(st.scribbles, 4);
+    /* The seal moves with its block. */
+    kvt_block_key_t k = ns_key(NS_A, 9, tok);
+    uint64_t l = 0;
+    tu_fill(buf, len, 70);
+    cr_assert_eq(tu_write(t, &k, buf, len, &l), 0);
+    cr_assert_eq(kvt_tier_dram_seal_later(t, l), 0);
+    for (int i = 0; i < 3; i++)
+        kvt_tier_free(t, loc[i], len);
+    kvt_tier_dram_unshare(t, NS_A);
+    cr_assert_eq(kvt_tier_dram_move_out(t, &l), 0);
+    cr_expect_eq(kvt_tier_dram_seal_step(t, len), 0, "the queued seal named the old address");
+    cr_expect_eq(kvt_tier_dram_check(t, l), 0);
+    ((uint8_t *)kvt_tier_ptr(t, l))[100] ^= 1;
+    cr_expect_eq(kvt_tier_dram_check(t, l), KVT_ECORRUPT, "the seal did not follow the block");
+    /* Bad input. */
+    cr_expect_eq(kvt_tier_dram_seal(t, 12345), KVT_ENOENT);
+    cr_expect_eq(kvt_tier_dram_check(t, 12345), KVT_ENOENT);
+    cr_expect_eq(kvt_tier_dram_seal_later(NULL, l), KVT_EINVAL);
+    kvt_tier_free(t, l, len);
+    munmap(c, mb);
+    free(buf);
+    kvt_tier_destroy(t);
+}
+
+/* Quotas per namespace (issue 36): a namespace stops at its quota whatever room the tier has,
+ * writes and copies alike, while another still writes; frees give its room back; the counts
+ * per namespace are exact and ns_top lists the largest first. */
+Test(tier_dram, a_namespace_stops_at_its_quota)
+{
+    const uint32_t len = 65536;
+    kvt_tier_t *t = mk(8u << 20), *t2 = mk(8u << 20);
+    cr_assert_eq(kvt_tier_set_ns_quota(t, 4 * (uint64_t)len), 0);
+    cr_assert_eq(kvt_tier_set_ns_quota(NULL, 1), KVT_EINVAL);
+    uint8_t *buf = malloc(len);
+    tu_fill(buf, len, 3);
+    uint32_t tok[16];
+    uint64_t loc[8] = {0};
+    for (int i = 0; i < 4; i++) {
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        cr_assert_eq(tu_write(t, &k, buf, len, &loc[i]), 0);
+    }
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 4 * (uint64_t)len);
+    cr_expect_eq(kvt_tier_ns_fits(t, NS_A, len, 1), 0);
+    cr_expect_eq(kvt_tier_ns_fits(t, NS_B, len, 4), 1);
+    cr_expect_eq(kvt_tier_ns_fits(t, NS_B, len, 5), 0);
+    kvt_block_key_t k4 = ns_key(NS_A, 4, tok);
+    cr_expect_eq(tu_write(t, &k4, buf, len, &loc[4]), KVT_ENOSPC, "past the quota");
+    /* A copy into t is held to it too. */
+    kvt_block_key_t k5 = ns_key(NS_A, 5, tok);
+    uint64_t src = 0;
+    cr_assert_eq(tu_write(t2, &k5, buf, len, &src), 0);
+    kvt_tier_copy_t c = {.src = t2, .dst = t, .src_loc = src, .key = k5, .len = len};
+    cr_expect_eq(kvt_tier_copy(&c), KVT_ENOSPC);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_expect_eq(u.quota_refused, 4, "a write, a copy and two ns_fits refused");
+    cr_expect_eq(u.used_bytes, 4 * (uint64_t)len, "nothing charged for the refusals");
+    /* Another namespace still writes. */
+    kvt_block_key_t kb = ns_key(NS_B, 6, tok);
+    cr_assert_eq(tu_write(t, &kb, buf, len, &loc[5]), 0);
+    kvt_tier_ns_usage_t top[4];
+    cr_assert_eq(kvt_tier_ns_top(t, top, 4), 2);
+    cr_expect(top[0].ns_seed == NS_A && top[0].bytes == 4 * (uint64_t)len);
+    cr_expect(top[1].ns_seed == NS_B && top[1].bytes == len);
+    cr_assert_eq(kvt_tier_ns_top(t, top, 1), 1);
+    cr_expect_eq(top[0].ns_seed, NS_A);
+    /* A free gives room back. */
+    kvt_tier_free(t, loc[0], len);
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 3 * (uint64_t)len);
+    cr_expect_eq(tu_write(t, &k4, buf, len, &loc[4]), 0);
+    /* No quota: anything the capacity takes. */
+    cr_assert_eq(kvt_tier_set_ns_quota(t, 0), 0);
+    kvt_block_key_t k7 = ns_key(NS_A, 7, tok);
+    cr_expect_eq(tu_write(t, &k7, buf, len, &loc[6]), 0);
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 5 * (uint64_t)len);
+    for (int i = 1; i < 7; i++)
+        kvt_tier_free(t, loc[i], len);
+    cr_expect_eq(kvt_tier_ns_used(t, NS_A), 0);
+    cr_expect_eq(kvt_tier_ns_top(t, top, 4), 0, "a namespace holding nothing is not listed");
+    free(buf);
+    kvt_tier_destroy(t2);
+    kvt_tier_destroy(t);
+}

@@ -127,6 +127,95 @@ const kvt__tier_ent_t *kvt__tier_lookup(const kvt_tier_t *t, uint64_t loc)
     return tier_find(t, loc);
 }
 
+kvt__tier_ent_t *kvt__tier_entry(kvt_tier_t *t, uint64_t loc)
+{
+    return tier_find(t, loc);
+}
+
+/* ---- bytes per namespace (quotas) ---- */
+
+static struct kvt__tier_ns *ns_find(const kvt_tier_t *t, uint64_t seed)
+{
+    if (!t->nss_cap)
+        return NULL;
+    size_t mask = t->nss_cap - 1;
+    for (size_t i = tier_mix(seed) & mask;; i = (i + 1) & mask) {
+        if (!t->nss[i].bytes)
+            return NULL;
+        if (t->nss[i].seed == seed)
+            return &t->nss[i];
+    }
+}
+
+static uint64_t ns_bytes(const kvt_tier_t *t, uint64_t seed)
+{
+    const struct kvt__tier_ns *n = ns_find(t, seed);
+    return n ? n->bytes : 0;
+}
+
+/* Counts bytes more for seed. Returns 0 or KVT_ENOMEM (the table could not grow). */
+static int ns_charge(kvt_tier_t *t, uint64_t seed, uint64_t bytes)
+{
+    struct kvt__tier_ns *n = ns_find(t, seed);
+    if (n) {
+        n->bytes += bytes;
+        return 0;
+    }
+    if ((t->nss_n + 1) * 4 > t->nss_cap * 3) {
+        size_t cap = t->nss_cap ? t->nss_cap * 2 : 16;
+        struct kvt__tier_ns *v = calloc(cap, sizeof(*v));
+        if (!v)
+            return KVT_ENOMEM;
+        for (size_t i = 0; i < t->nss_cap; i++) {
+            if (!t->nss[i].bytes)
+                continue;
+            size_t j = tier_mix(t->nss[i].seed) & (cap - 1);
+            while (v[j].bytes)
+                j = (j + 1) & (cap - 1);
+            v[j] = t->nss[i];
+        }
+        free(t->nss);
+        t->nss = v;
+        t->nss_cap = cap;
+    }
+    size_t mask = t->nss_cap - 1, i = tier_mix(seed) & mask;
+    while (t->nss[i].bytes)
+        i = (i + 1) & mask;
+    t->nss[i] = (struct kvt__tier_ns){.seed = seed, .bytes = bytes};
+    t->nss_n++;
+    return 0;
+}
+
+static void ns_uncharge(kvt_tier_t *t, uint64_t seed, uint64_t bytes)
+{
+    struct kvt__tier_ns *n = ns_find(t, seed);
+    kvt_assert(n && n->bytes >= bytes);
+    if ((n->bytes -= bytes) > 0)
+        return;
+    size_t mask = t->nss_cap - 1, hole = (size_t)(n - t->nss), i = hole;
+    t->nss_n--;
+    for (;;) {
+        i = (i + 1) & mask;
+        if (!t->nss[i].bytes)
+            break;
+        size_t home = tier_mix(t->nss[i].seed) & mask;
+        int stays = hole <= i ? (home > hole && home <= i) : (home > hole || home <= i);
+        if (!stays) {
+            t->nss[hole] = t->nss[i];
+            t->nss[i].bytes = 0;
+            hole = i;
+        }
+    }
+}
+
+/* Gives back a charge taken by tier_reserve. */
+static void tier_uncharge(kvt_tier_t *t, uint64_t seed, uint64_t charge)
+{
+    kvt_assert(t->usage.used_bytes >= charge);
+    t->usage.used_bytes -= charge;
+    ns_uncharge(t, seed, charge);
+}
+
 void kvt__tier_foreach(const kvt_tier_t *t, void (*fn)(void *arg, const kvt__tier_ent_t *e),
                        void *arg)
 {
@@ -231,8 +320,7 @@ void kvt__tier_complete(kvt_tier_t *t, kvt_tier_io_t *io, int status)
         if (status == 0) {
             tier_index_add(t, io->loc, &io->key, io->len, io->charge);
         } else {
-            kvt_assert(t->usage.used_bytes >= io->charge);
-            t->usage.used_bytes -= io->charge;
+            tier_uncharge(t, io->key.ns_seed, io->charge);
             io->loc = 0;
         }
     }
@@ -356,17 +444,25 @@ static int tier_write_charged(kvt_tier_t *t, kvt_tier_io_t *io, uint64_t charge)
         }
     }
     if (rc < 0)
-        t->usage.used_bytes -= charge;
+        tier_uncharge(t, io->key.ns_seed, charge);
     return rc;
 }
 
-static int tier_reserve(kvt_tier_t *t, uint32_t len, uint64_t *charge)
+/* Charges a payload of len bytes of namespace seed: within the capacity and the namespace's
+ * quota (KVT_ENOSPC otherwise, a quota's refusal counted). */
+static int tier_reserve(kvt_tier_t *t, uint64_t seed, uint32_t len, uint64_t *charge)
 {
     uint64_t fp = kvt_tier_footprint(t, len);
     if (fp == 0)
         return KVT_EINVAL;
     if (fp > t->usage.capacity_bytes - t->usage.used_bytes)
         return KVT_ENOSPC;
+    if (t->ns_quota && ns_bytes(t, seed) + fp > t->ns_quota) {
+        t->usage.quota_refused++;
+        return KVT_ENOSPC;
+    }
+    if (ns_charge(t, seed, fp) < 0)
+        return KVT_ENOMEM;
     t->usage.used_bytes += fp;
     *charge = fp;
     return 0;
@@ -378,7 +474,7 @@ int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io)
     if (!t || !io || (!io->buf && t->kind != KVT_TIER_DRAM) || !tier_key_ok(&io->key))
         return KVT_EINVAL;
     uint64_t charge;
-    int rc = tier_reserve(t, io->len, &charge);
+    int rc = tier_reserve(t, io->key.ns_seed, io->len, &charge);
     if (rc < 0)
         return rc;
     return tier_write_charged(t, io, charge);
@@ -420,8 +516,7 @@ static void tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len, int discard)
     if (!e || (len && e->len != len))
         return;
     uint32_t elen = e->len;
-    kvt_assert(t->usage.used_bytes >= e->charge);
-    t->usage.used_bytes -= e->charge;
+    tier_uncharge(t, e->ns_seed, e->charge);
     tier_index_del(t, e);
     if (discard && t->ops->discard)
         t->ops->discard(t, loc, elen);
@@ -446,11 +541,11 @@ int kvt__tier_adopt(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key, uin
     if (tier_find(t, loc))
         return KVT_EEXIST;
     uint64_t charge;
-    int rc = tier_reserve(t, len, &charge);
+    int rc = tier_reserve(t, key->ns_seed, len, &charge);
     if (rc < 0)
         return rc;
     if ((rc = tier_index_reserve(t, 1)) < 0) {
-        t->usage.used_bytes -= charge;
+        tier_uncharge(t, key->ns_seed, charge);
         return rc;
     }
     tier_index_add(t, loc, key, len, charge);
@@ -462,8 +557,7 @@ void kvt__tier_drop(kvt_tier_t *t, uint64_t loc)
     kvt__tier_ent_t *e = tier_find(t, loc);
     if (!e)
         return;
-    kvt_assert(t->usage.used_bytes >= e->charge);
-    t->usage.used_bytes -= e->charge;
+    tier_uncharge(t, e->ns_seed, e->charge);
     tier_index_del(t, e);
     t->usage.reclaimed++;
 }
@@ -473,8 +567,7 @@ void kvt__tier_forget(kvt_tier_t *t, uint64_t loc)
     kvt__tier_ent_t *e = tier_find(t, loc);
     if (!e)
         return;
-    kvt_assert(t->usage.used_bytes >= e->charge);
-    t->usage.used_bytes -= e->charge;
+    tier_uncharge(t, e->ns_seed, e->charge);
     tier_index_del(t, e);
 }
 
@@ -515,6 +608,49 @@ void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc)
     return t->ops->ptr(t, loc);
 }
 
+int kvt_tier_set_ns_quota(kvt_tier_t *t, uint64_t bytes)
+{
+    if (!t)
+        return KVT_EINVAL;
+    t->ns_quota = bytes;
+    return 0;
+}
+
+uint64_t kvt_tier_ns_used(const kvt_tier_t *t, uint64_t ns_seed)
+{
+    return t ? ns_bytes(t, ns_seed) : 0;
+}
+
+int kvt_tier_ns_fits(kvt_tier_t *t, uint64_t ns_seed, uint32_t len, uint32_t n)
+{
+    if (!t)
+        return 0;
+    if (!t->ns_quota ||
+        ns_bytes(t, ns_seed) + (uint64_t)n * kvt_tier_footprint(t, len) <= t->ns_quota)
+        return 1;
+    t->usage.quota_refused++;
+    return 0;
+}
+
+size_t kvt_tier_ns_top(const kvt_tier_t *t, kvt_tier_ns_usage_t *out, size_t max)
+{
+    size_t n = 0;
+    for (size_t i = 0; t && max && i < t->nss_cap; i++) {
+        if (!t->nss[i].bytes)
+            continue;
+        kvt_tier_ns_usage_t u = {.ns_seed = t->nss[i].seed, .bytes = t->nss[i].bytes};
+        if (n == max && u.bytes <= out[n - 1].bytes)
+            continue;
+        size_t j = n < max ? n++ : n - 1; /* insertion into the sorted list, largest first */
+        while (j > 0 && out[j - 1].bytes < u.bytes) {
+            out[j] = out[j - 1];
+            j--;
+        }
+        out[j] = u;
+    }
+    return n;
+}
+
 void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u)
 {
     if (t && u)
@@ -550,6 +686,7 @@ void kvt_tier_destroy(kvt_tier_t *t)
     close(t->efd);
     close(t->pfd);
     free(t->ents);
+    free(t->nss);
     free(t);
 }
 
@@ -703,7 +840,7 @@ static void copy_read_done(kvt_tier_io_t *io)
     kvt_tier_copy_t *c = io->data;
     uint64_t charge = io->charge;
     if (io->status < 0) {
-        c->dst->usage.used_bytes -= charge;
+        tier_uncharge(c->dst, c->key.ns_seed, charge);
         copy_finish(c, io->status);
         return;
     }
@@ -723,7 +860,7 @@ int kvt_tier_copy(kvt_tier_copy_t *c)
         (!e || e->hash != c->key.hash || e->ns_seed != c->key.ns_seed || e->len != c->len))
         return KVT_ENOENT;
     uint64_t charge;
-    int rc = tier_reserve(c->dst, c->len, &charge);
+    int rc = tier_reserve(c->dst, c->key.ns_seed, c->len, &charge);
     if (rc < 0)
         return rc;
     c->status = 0;
@@ -741,7 +878,7 @@ int kvt_tier_copy(kvt_tier_copy_t *c)
         return tier_write_charged(c->dst, &c->io, charge);
     }
     if ((rc = copy_stage(c)) < 0) {
-        c->dst->usage.used_bytes -= charge;
+        tier_uncharge(c->dst, c->key.ns_seed, charge);
         return rc;
     }
     c->io.buf = c->staging;
@@ -751,7 +888,7 @@ int kvt_tier_copy(kvt_tier_copy_t *c)
     rc = kvt_tier_read(c->src, &c->io);
     if (rc < 0) {
         copy_unstage(c);
-        c->dst->usage.used_bytes -= charge;
+        tier_uncharge(c->dst, c->key.ns_seed, charge);
     }
     return rc;
 }
@@ -763,7 +900,7 @@ static void copy_abandon(kvt_tier_io_t *io)
 {
     kvt_tier_copy_t *c = io->data;
     if (io->cb == copy_read_done)
-        c->dst->usage.used_bytes -= io->charge;
+        tier_uncharge(c->dst, c->key.ns_seed, io->charge);
     copy_unstage(c);
     c->status = io->status < 0 ? io->status : KVT_ECLOSED;
     c->dst_loc = 0;

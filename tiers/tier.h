@@ -104,6 +104,8 @@ typedef struct kvt_tier_usage {
     uint64_t misses, corrupt, errors, timeouts;
     uint64_t reclaimed; /* live blocks dropped by the tier itself (NVMe segment reclaim) */
     uint64_t inflight;
+    uint64_t quota_refused; /* writes, copies, adoptions and kvt_tier_ns_fits refused by a
+                               namespace's quota */
 } kvt_tier_usage_t;
 
 /* Which tier kind this is, and its name in logs and metrics ("dram", "nvme", ...). */
@@ -140,6 +142,30 @@ void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc);
  * same for every page size (a tier that stores the tokens charges room for the largest page). */
 uint64_t kvt_tier_footprint(const kvt_tier_t *t, uint32_t len);
 void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u);
+
+/*
+ * Quotas per namespace. Every charge (a block's footprint, a write or copy in flight) counts
+ * against the namespace of its key (key.ns_seed) as well as the capacity; with a quota set, a
+ * write, copy or adoption that would take a namespace past it fails with KVT_ENOSPC like one
+ * over capacity (usage.quota_refused counts them), so no namespace ever holds more than the
+ * quota in this tier, whatever the others hold. Lowering the quota drops nothing: a namespace
+ * over it takes no more until its own blocks go.
+ *   set_ns_quota  the bytes each namespace may hold; 0 for no quota. 0 or KVT_EINVAL.
+ *   ns_used       what ns_seed holds now (footprints, writes in flight included).
+ *   ns_fits       1 when ns_seed may take n more payloads of len bytes under its quota (the
+ *                 capacity is not asked), 0 when not (counted as a refusal): for a caller that
+ *                 would otherwise make room for a write the quota refuses.
+ *   ns_top        up to max namespaces holding the most, largest first; returns how many.
+ * Costs: a hash lookup per charge; memory: 16 bytes per namespace holding bytes.
+ */
+typedef struct kvt_tier_ns_usage {
+    uint64_t ns_seed;
+    uint64_t bytes;
+} kvt_tier_ns_usage_t;
+int kvt_tier_set_ns_quota(kvt_tier_t *t, uint64_t bytes);
+uint64_t kvt_tier_ns_used(const kvt_tier_t *t, uint64_t ns_seed);
+int kvt_tier_ns_fits(kvt_tier_t *t, uint64_t ns_seed, uint32_t len, uint32_t n);
+size_t kvt_tier_ns_top(const kvt_tier_t *t, kvt_tier_ns_usage_t *out, size_t max);
 
 int kvt_tier_fd(kvt_tier_t *t);
 /* Runs the callbacks of ready completions; returns how many ran, or a negative error. */
@@ -256,6 +282,7 @@ int kvt_tier_dram_scan(kvt_tier_t *t);
 
 typedef struct kvt_tier_dram_shared_stats {
     uint32_t arenas;         /* shared arenas that exist now (kvt_tier_dram_shared) */
+    uint64_t scribbles;      /* kvt_tier_dram_check calls that found a sealed block changed */
     uint64_t resident_bytes; /* bytes their memfds hold in memory now (st_blocks) */
     uint64_t punched_bytes;  /* bytes the checks punched: resident, held by no live block */
     uint64_t scans;          /* arenas the checks scanned (resident beyond what jemalloc holds) */
@@ -263,6 +290,30 @@ typedef struct kvt_tier_dram_shared_stats {
 } kvt_tier_dram_shared_stats_t;
 /* Returns 0 with *st filled, or KVT_EINVAL (not a DRAM tier). */
 int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t *st);
+
+/*
+ * Scribbles. A client that maps its namespace's arena can still write over blocks it committed
+ * (the namespace is the trust boundary for what it reads by location), which would change what
+ * every later reader gets and what a demotion writes to NVMe or the remote tier, whose own
+ * checksum would then cover the scribbled bytes. kvt_tier_dram_seal takes the XXH3-64 of a
+ * block's payload as it is now (a zero-copy COMMIT); kvt_tier_dram_check compares the payload
+ * with it when the block is about to leave (a demotion's copy, a GET through the socket). The
+ * checksum follows the block when kvt_tier_dram_move_out moves it. Both return 0, KVT_ENOENT (no
+ * block at loc) or KVT_EINVAL (not a DRAM tier); check also KVT_ECORRUPT when a sealed block's
+ * bytes changed since (counted in kvt_tier_dram_shared_stats' scribbles and usage.corrupt). An
+ * unsealed block always checks out. A read (kvt_tier_read) of a sealed block checks it too and
+ * completes with KVT_ECORRUPT. Cost: one pass over the payload each (about 24 us per 2 MiB with
+ * AVX-512, docs/tiers.md). */
+int kvt_tier_dram_seal(kvt_tier_t *t, uint64_t loc);
+int kvt_tier_dram_check(kvt_tier_t *t, uint64_t loc);
+/* A seal taken a step at a time, so that the caller's loop never stalls for a whole block:
+ * seal_later queues the block (0, KVT_ENOENT, KVT_EINVAL or KVT_ENOMEM) and marks it sealing;
+ * seal_step hashes up to budget bytes of the queued blocks, oldest first, and returns how many
+ * are still queued. A block that leaves while its seal is under way (check, read, move_out)
+ * has it finished first, so its bytes leave as sealed; what a client writes between
+ * seal_later and the seal's last step is sealed in, not detected. */
+int kvt_tier_dram_seal_later(kvt_tier_t *t, uint64_t loc);
+size_t kvt_tier_dram_seal_step(kvt_tier_t *t, size_t budget);
 
 /* An expired zero-copy reservation's block (loc, len in a shared arena) stops being a stored
  * block: unindexed and uncharged (others may use the capacity), its pages punched now and by

@@ -67,6 +67,9 @@ typedef struct kvt__tier_ent {
     uint64_t charge;
     uint32_t len;
     uint32_t used; /* 0: empty slot */
+    /* DRAM: XXH3-64 of the payload when sealed (kvt_tier_dram_seal), checked as it leaves. */
+    uint64_t sum;
+    uint32_t sealed;
 } kvt__tier_ent_t;
 
 struct kvt_tier {
@@ -83,6 +86,14 @@ struct kvt_tier {
     kvt__tier_ent_t *ents;
     size_t ents_cap; /* power of two */
     uint64_t pending_writes;
+    /* Bytes charged per namespace (blocks and writes in flight), open addressing by seed with
+     * backward-shift deletion (an entry whose bytes fall to 0 goes), and the quota each may
+     * hold (0: none). */
+    struct kvt__tier_ns {
+        uint64_t seed, bytes; /* bytes 0: empty slot */
+    } * nss;
+    size_t nss_cap, nss_n;
+    uint64_t ns_quota;
 };
 
 #if KVT_HAVE_CUDA
@@ -187,6 +198,8 @@ void kvt__tier_forget(kvt_tier_t *t, uint64_t loc);
 void kvt__tier_relocate(kvt_tier_t *t, uint64_t loc, uint64_t to);
 /* The index entry of loc, or NULL. Valid until the next index change. */
 const kvt__tier_ent_t *kvt__tier_lookup(const kvt_tier_t *t, uint64_t loc);
+/* The same, for the backend to write its own fields (sum, sealed). */
+kvt__tier_ent_t *kvt__tier_entry(kvt_tier_t *t, uint64_t loc);
 /* Calls fn for every indexed location (the callback must not change the index). */
 void kvt__tier_foreach(const kvt_tier_t *t, void (*fn)(void *arg, const kvt__tier_ent_t *e),
                        void *arg);
