@@ -46,6 +46,9 @@ FAMILIES = ("chat", "agent", "sysprompt", "docs", "burst", "mix")
 # Tuning set of issue 40: seeds 0-1 of four families; the other seeds of those, and every seed of
 # the two families below, are held out.
 HELD_OUT_FAMILIES = ("docs", "mix")
+# The families whose records carry hint events (an engine knows them there): the runner also
+# replays these with the cost policy reading them (kvtier-replay --trace-hints).
+HINTED_FAMILIES = ("agent", "mix")
 TUNING_SEEDS = (0, 1)
 SEEDS = (0, 1, 2, 3, 4)
 POLICIES = ("cost", "lru", "lfu", "oracle")
@@ -328,10 +331,15 @@ def replay(binary: str, trace: str, config: Sequence[str], extra: Sequence[str] 
 def row(family: str, seed: int, config: str, results: Sequence[Dict[str, Any]]
         ) -> Dict[str, Any]:
     """One family x seed x configuration: prefill seconds per policy, the gap the cost policy
-    closes from LRU to the oracle, and whether it is never worse than min(LRU, LFU)."""
+    closes from LRU to the oracle, and whether it is never worse than min(LRU, LFU); where the
+    trace carries hint events, the same for the cost policy reading them ("cost+hints") and
+    the share of prefill time they save."""
     s = {}
+    hinted = None
     for r in results:
-        if "hint_accuracy" not in r and "hint_source" not in r:
+        if r.get("hint_source") == "trace":
+            hinted = r["prefill_seconds_total"]
+        elif "hint_accuracy" not in r:
             s[r["policy"]] = r["prefill_seconds_total"]
     missing = [p for p in POLICIES if p not in s]
     if missing:
@@ -349,6 +357,10 @@ def row(family: str, seed: int, config: str, results: Sequence[Dict[str, Any]]
         "never_worse": s["cost"] <= best * (1 + 1e-9),
         "oracle_ok": s["oracle"] <= best * (1 + 1e-9),
     }
+    if hinted is not None:
+        out["prefill_s"]["cost+hints"] = round(hinted, 3)
+        out["gap_closed_hints"] = round((s["lru"] - hinted) / gap, 4) if gap > 1e-9 else None
+        out["hint_gain"] = round((s["cost"] - hinted) / s["cost"], 4)
     return out
 
 
@@ -361,13 +373,19 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for (fam, cfg, st), rs in groups.items():
         gaps = [r["gap_closed"] for r in rs if r["gap_closed"] is not None]
-        out.append({
+        pols = list(rs[0]["prefill_s"])
+        g = {
             "family": fam, "config": cfg, "set": st, "seeds": [r["seed"] for r in rs],
-            "prefill_s": {p: round(sum(r["prefill_s"][p] for r in rs), 3) for p in POLICIES},
+            "prefill_s": {p: round(sum(r["prefill_s"][p] for r in rs), 3) for p in pols},
             "gap_closed_mean": round(sum(gaps) / len(gaps), 4) if gaps else None,
             "never_worse": all(r["never_worse"] for r in rs),
             "oracle_ok": all(r["oracle_ok"] for r in rs),
-        })
+        }
+        if "cost+hints" in pols:
+            hg = [r["gap_closed_hints"] for r in rs if r["gap_closed_hints"] is not None]
+            g["gap_closed_hints_mean"] = round(sum(hg) / len(hg), 4) if hg else None
+            g["hint_gain"] = round(1 - g["prefill_s"]["cost+hints"] / g["prefill_s"]["cost"], 4)
+        out.append(g)
     order = {f: i for i, f in enumerate(FAMILIES)}
     corder = {c: i for i, (c, _) in enumerate(CONFIGS)}
     out.sort(key=lambda g: (g["set"] != "tuning", order[g["family"]], corder[g["config"]]))
@@ -375,23 +393,37 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def table(groups: Sequence[Dict[str, Any]]) -> str:
+    def f3(x: Optional[float]) -> str:
+        return "n/a" if x is None else "%.3f" % x
+
     lines = ["| set | family | config | seeds | cost s | LRU s | LFU s | oracle s | gap closed "
-             "| cost <= min(LRU, LFU) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| cost <= min(LRU, LFU) | cost+hints s | gap closed, hints | hint gain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in groups:
         p = g["prefill_s"]
-        gap = "n/a" if g["gap_closed_mean"] is None else "%.3f" % g["gap_closed_mean"]
-        lines.append("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s |" % (
+        hints = ["-", "-", "-"]
+        if "cost+hints" in p:
+            hints = ["%.1f" % p["cost+hints"], f3(g["gap_closed_hints_mean"]),
+                     "%.1f%%" % (100 * g["hint_gain"])]
+        lines.append("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s | %s |" % (
             g["set"], g["family"], g["config"], ",".join(str(s) for s in g["seeds"]), p["cost"],
-            p["lru"], p["lfu"], p["oracle"], gap, "pass" if g["never_worse"] else "FAIL"))
+            p["lru"], p["lfu"], p["oracle"], f3(g["gap_closed_mean"]),
+            "pass" if g["never_worse"] else "FAIL", " | ".join(hints)))
     for st in ("tuning", "held-out"):
         gs = [g["gap_closed_mean"] for g in groups if g["set"] == st and
               g["gap_closed_mean"] is not None]
         nw = sum(1 for g in groups if g["set"] == st and g["never_worse"])
         n = sum(1 for g in groups if g["set"] == st)
+        hs = [g for g in groups if g["set"] == st and g.get("gap_closed_hints_mean") is not None]
         if n:
             lines.append("\n%s: mean gap closed %s over %d rows; never worse in %d of %d" % (
                 st, "%.3f" % (sum(gs) / len(gs)) if gs else "n/a", len(gs), nw, n))
+        if hs:
+            lines.append("%s, hinted families (%s): mean gap closed %.3f without hints, %.3f "
+                         "with them, over %d rows" % (
+                             st, ", ".join(HINTED_FAMILIES),
+                             sum(g["gap_closed_mean"] for g in hs) / len(hs),
+                             sum(g["gap_closed_hints_mean"] for g in hs) / len(hs), len(hs)))
     return "\n".join(lines)
 
 
@@ -425,8 +457,9 @@ def run(args: argparse.Namespace) -> int:
                 path = os.path.join(tmp, "%s-%d.jsonl" % (fam, seed))
                 with open(path, "w") as f:
                     write(generate(fam, seed, args.requests), f)
+                extra = ["--trace-hints"] if fam in HINTED_FAMILIES else []
                 for cname, cargs in CONFIGS:
-                    r = row(fam, seed, cname, replay(args.replay, path, cargs))
+                    r = row(fam, seed, cname, replay(args.replay, path, cargs, extra))
                     rows.append(r)
                     print(json.dumps(r), flush=True)
     groups = summarize(rows)

@@ -8,7 +8,8 @@
   prompt shared by most questions, agents' hints on every step and only there, bursts);
 - runner: `workloads.py run` over a few hundred requests of every family through the real
   kvtier-replay (argv[1]) prints a row per family and configuration with all four policies,
-  the oracle never worse than LRU or LFU, and the summary table;
+  the oracle never worse than LRU or LFU, the hinted families also with the cost policy
+  reading their hint events, and the summary table;
 - bad input: an unknown family, a request count of 0, a missing replay: a clear error, exit 2.
 
 Prints "N passed, N failed"; exits 1 on a failure."""
@@ -116,10 +117,16 @@ def test_runner():
     assert {(r["family"], r["config"]) for r in per} == want and len(per) == len(want)
     for r in per:
         s = r["prefill_s"]
-        assert set(s) == set(workloads.POLICIES) and all(v > 0 for v in s.values()), r
+        assert set(s) - {"cost+hints"} == set(workloads.POLICIES), r
+        assert all(v > 0 for v in s.values()), r
         # the yardstick: the oracle is never worse than LRU or LFU on these families
         assert r["oracle_ok"], "oracle worse than min(LRU, LFU): %s" % r
         assert r["set"] == ("held-out" if r["family"] in ("docs", "mix") else "tuning"), r
+        # the families that carry hint events are also replayed reading them
+        hinted = r["family"] in workloads.HINTED_FAMILIES
+        assert ("cost+hints" in s) == hinted and ("hint_gain" in r) == hinted, r
+        if hinted:
+            assert abs(r["hint_gain"] - (s["cost"] - s["cost+hints"]) / s["cost"]) < 1e-3, r
         if r["gap_closed"] is not None:
             gap = (s["lru"] - s["cost"]) / (s["lru"] - s["oracle"])
             assert abs(gap - r["gap_closed"]) < 1e-3 * max(1, abs(gap)), r
