@@ -11,6 +11,7 @@ prefix (one system prompt, many questions), scans (bursts of users who never ret
 
     workloads.py gen FAMILY SEED [-n REQUESTS] [-o FILE]    one trace (stdout without -o)
     workloads.py run --replay PATH [-n REQUESTS] [--families A,B] [--seeds 0-4] [--table]
+    workloads.py table ROWS.jsonl                          the table again from run's output
 
 A trace depends only on (family, seed, requests) and is the same bytes on every run (Python's
 random.Random seeded by a string, no hash randomisation, no clock). Standard library only.
@@ -397,18 +398,20 @@ def table(groups: Sequence[Dict[str, Any]]) -> str:
         return "n/a" if x is None else "%.3f" % x
 
     lines = ["| set | family | config | seeds | cost s | LRU s | LFU s | oracle s | gap closed "
-             "| cost <= min(LRU, LFU) | cost+hints s | gap closed, hints | hint gain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cost <= min(LRU, LFU) | oracle <= min(LRU, LFU) | cost+hints s "
+             "| gap closed, hints | hint gain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in groups:
         p = g["prefill_s"]
         hints = ["-", "-", "-"]
         if "cost+hints" in p:
             hints = ["%.1f" % p["cost+hints"], f3(g["gap_closed_hints_mean"]),
                      "%.1f%%" % (100 * g["hint_gain"])]
-        lines.append("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %s | %s | %s | %s |" % (
             g["set"], g["family"], g["config"], ",".join(str(s) for s in g["seeds"]), p["cost"],
             p["lru"], p["lfu"], p["oracle"], f3(g["gap_closed_mean"]),
-            "pass" if g["never_worse"] else "FAIL", " | ".join(hints)))
+            "pass" if g["never_worse"] else "FAIL", "yes" if g["oracle_ok"] else "NO",
+            " | ".join(hints)))
     for st in ("tuning", "held-out"):
         gs = [g["gap_closed_mean"] for g in groups if g["set"] == st and
               g["gap_closed_mean"] is not None]
@@ -484,7 +487,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--families", type=parse_families, default=list(FAMILIES))
     r.add_argument("--seeds", type=parse_seeds, default=list(SEEDS))
     r.add_argument("--table", action="store_true", help="also print a Markdown table")
+    t = sub.add_parser("table", help="the Markdown table of a run's saved output")
+    t.add_argument("rows", help="what `run` printed (its per-row JSON lines are read)")
     a = ap.parse_args(argv)
+    if a.cmd == "table":
+        try:
+            with open(a.rows) as f:
+                rows = [json.loads(l) for l in f if l.startswith("{")]
+        except (OSError, ValueError) as e:
+            print("workloads: %s: %s" % (a.rows, e), file=sys.stderr)
+            return 2
+        rows = [r for r in rows if not r.get("summary")]
+        if not rows:
+            print("workloads: %s: no rows of `workloads.py run`" % a.rows, file=sys.stderr)
+            return 2
+        print(table(summarize(rows)))
+        return 0
     if a.requests < 1:
         ap.error("--requests must be >= 1")
     if a.cmd == "gen":

@@ -8,9 +8,11 @@
   prompt shared by most questions, agents' hints on every step and only there, bursts);
 - runner: `workloads.py run` over a few hundred requests of every family through the real
   kvtier-replay (argv[1]) prints a row per family and configuration with all four policies,
-  the oracle never worse than LRU or LFU, the hinted families also with the cost policy
-  reading their hint events, and the summary table;
-- bad input: an unknown family, a request count of 0, a missing replay: a clear error, exit 2.
+  the oracle never worse than LRU, the hinted families also with the cost policy
+  reading their hint events, and the summary table, which `table` renders again from the
+  saved output;
+- bad input: an unknown family, a request count of 0, a missing replay, a table of a file that
+  is not a run's output: a clear error, exit 2.
 
 Prints "N passed, N failed"; exits 1 on a failure."""
 
@@ -119,8 +121,10 @@ def test_runner():
         s = r["prefill_s"]
         assert set(s) - {"cost+hints"} == set(workloads.POLICIES), r
         assert all(v > 0 for v in s.values()), r
-        # the yardstick: the oracle is never worse than LRU or LFU on these families
-        assert r["oracle_ok"], "oracle worse than min(LRU, LFU): %s" % r
+        # the yardstick: the oracle is never worse than LRU (it can lose to LFU where a hot
+        # prefix is worth more than its next use says: sysprompt at 5 %, docs/policy.md)
+        assert s["oracle"] <= s["lru"] * (1 + 1e-9), "oracle worse than LRU: %s" % r
+        assert r["oracle_ok"] == (s["oracle"] <= min(s["lru"], s["lfu"]) * (1 + 1e-9)), r
         assert r["set"] == ("held-out" if r["family"] in ("docs", "mix") else "tuning"), r
         # the families that carry hint events are also replayed reading them
         hinted = r["family"] in workloads.HINTED_FAMILIES
@@ -132,6 +136,16 @@ def test_runner():
             assert abs(gap - r["gap_closed"]) < 1e-3 * max(1, abs(gap)), r
     assert len([r for r in rows if r.get("summary")]) == len(want)
     assert "| set | family | config |" in p.stdout and "mean gap closed" in p.stdout
+    # `table` renders the same table again from the saved output
+    saved = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvt-workloads-%d.out" % os.getpid())
+    with open(saved, "w") as f:
+        f.write(p.stdout)
+    try:
+        t = subprocess.run([sys.executable, os.path.join(SOURCE, "replay", "workloads.py"),
+                            "table", saved], stdout=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.unlink(saved)
+    assert t.returncode == 0 and t.stdout.strip() and t.stdout.strip() in p.stdout
 
 
 def test_bad_input():
@@ -141,7 +155,9 @@ def test_bad_input():
                        (["gen", "chat", "-1"], "seed"),
                        (["run", "--replay", "/nonexistent/kvtier-replay"], "no kvtier-replay"),
                        (["run", "--replay", REPLAY, "--families", "chat,nosuch"],
-                        "unknown family")):
+                        "unknown family"),
+                       (["table", "/nonexistent/rows.jsonl"], "No such file"),
+                       (["table", os.path.join(SOURCE, "README.md")], "no rows")):
         p = subprocess.run([sys.executable, script] + args, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, timeout=60)
         assert p.returncode == 2 and says in p.stderr and not p.stdout, (args, p.returncode,
