@@ -40,7 +40,7 @@ import random
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 BLOCK = 512
 FAMILIES = ("chat", "agent", "sysprompt", "docs", "burst", "mix")
