@@ -32,6 +32,10 @@
 #define OWNER      1
 #define REMOTE_PCT 30.0
 #define NWIN       48 /* windows of the timeline (--plot, --timeline) */
+/* A run's hint_acc: < 0 no hints, 0..1 simulated hints of that accuracy, HINTS_TRACE the hint
+ * events the trace's records carry (--trace-hints). */
+#define HINTS_NONE  (-1.0)
+#define HINTS_TRACE (-2.0)
 
 typedef struct opts {
     kvt_policy_kind_t kinds[KVT_POLICY_KIND_COUNT];
@@ -45,6 +49,7 @@ typedef struct opts {
     int configs; /* 1 = as given, 2 = also with a remote tier added */
     double hint_acc[MAX_HINTS];
     int nhints;
+    int trace_hints; /* also run the cost policy with the trace's own hint events */
     uint32_t max_prompt;
     size_t max_requests;
     uint32_t nvme_min_hits;
@@ -80,7 +85,7 @@ typedef struct result {
     char trace[128];
     const char *config;
     kvt_policy_kind_t kind;
-    double hint_acc; /* < 0: no hints */
+    double hint_acc; /* HINTS_NONE, HINTS_TRACE or a simulated accuracy */
     uint64_t requests;
     uint64_t working_set; /* tokens of the distinct whole pages: what percentages are shares of */
     uint64_t cap_tokens[KVT_TIER_COUNT];
@@ -368,6 +373,35 @@ static void make_hint(const kvt_trace_t *tr, const future_t *f, size_t i, uint32
     }
 }
 
+/*
+ * The hint event of request r (traces/README.md, "Engine hints"): what the engine knows when the
+ * request's generation ends, sent as the connectors send it (kvtier.hints): a MATCH of the
+ * prompt that counts as a use and carries the hint, applied to the deepest matched node's pages
+ * (the request's own part, as kvtierd's kvt__policy_match does), under a lease released at once.
+ * The replay simulates no decode time, so the event comes at the request's own timestamp,
+ * before any later request: it says nothing the engine could not know then.
+ */
+static int trace_hint(kvt_radix_t *t, uint32_t ns, kvt_policy_t *pol, const uint32_t *tokens,
+                      uint32_t n, const kvt_trace_req_t *r)
+{
+    kvt_match_t m;
+    int err = kvt_radix_match(t, ns, tokens, n, 0, &m);
+    if (err < 0 || m.pages == 0)
+        return err;
+    kvt_policy_hint_t h = {
+        .finished = r->hint_finished,
+        .paused_ms = r->hint_pause_ms,
+        .from_page = kvt_radix_node_depth(m.node),
+    };
+    uint64_t lease = 0;
+    if ((err = kvt_radix_lease(t, &m, OWNER, &lease)) < 0)
+        return err;
+    kvt_policy_on_match(pol, &m, &h);
+    err = kvt_policy_step(pol, 0);
+    kvt_radix_release(t, lease);
+    return err;
+}
+
 static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const future_t *f,
                    const double pct[KVT_TIER_COUNT], kvt_policy_kind_t kind, double hint_acc,
                    result_t *res)
@@ -501,7 +535,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
             hint.next_use = next_clock;
             hint.nnext = f->npages[i];
             hp = &hint;
-        } else if (hint_acc >= 0) {
+        } else if (hint_acc >= 0) { /* simulated from the future; HINTS_TRACE: below */
             make_hint(tr, f, i, m.pages, hint_acc, &rng, &hint);
             hp = &hint;
         }
@@ -525,6 +559,9 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
             goto out;
         if (lease)
             kvt_radix_release(t, lease);
+        if (hint_acc == HINTS_TRACE && (r->hint_pause_ms || r->hint_finished) &&
+            (err = trace_hint(t, ns, pol, tokens, n, r)) < 0)
+            goto out;
         if (o->verify && (i % 64 == 0 || i + 1 == nreq)) {
             err = kvt_policy_verify(pol);
             if (err == 0 && kvt_radix_verify(t) != 0)
@@ -571,6 +608,8 @@ static void print_result(FILE *f, const result_t *r, const result_t *lru, const 
             kvt_policy_kind_name(r->kind));
     if (r->hint_acc >= 0)
         fprintf(f, ",\"hint_accuracy\":%.2f", r->hint_acc);
+    if (r->hint_acc == HINTS_TRACE)
+        fprintf(f, ",\"hint_source\":\"trace\"");
     fprintf(f, ",\"model\":\"%s\",\"hw\":\"%s\",\"page_size\":%u,\"requests\":%llu", o->model.name,
             o->hw.name, o->page_size, (unsigned long long)r->requests);
     fprintf(f, ",\"working_set_tokens\":%llu,\"capacity_tokens\":{",
@@ -667,6 +706,8 @@ static void usage(FILE *f, const char *prog)
             "                       with remote %.0f unless any tier flag is given)\n"
             "  --hints LIST         also run the cost policy with simulated engine hints of\n"
             "                       these accuracies, e.g. 0.5,0.8,1\n"
+            "  --trace-hints        also run the cost policy with the hint events the\n"
+            "                       trace's records carry (hint_pause_ms, hint_finished)\n"
             "  --max-prompt N       cut every prompt to at most N tokens\n"
             "  --requests N         replay only the first N requests\n"
             "  --nvme-min-hits N    admission to NVMe needs N hits\n"
@@ -894,6 +935,8 @@ int kvt_replay_main(int argc, char **argv)
             o.no_cost_drop = 1;
         } else if (strcmp(a, "--timeline") == 0) {
             o.timeline = 1;
+        } else if (strcmp(a, "--trace-hints") == 0) {
+            o.trace_hints = 1;
         } else if (a[0] == '-' && a[1] == '-' && !v) {
             fprintf(stderr, "%s: %s needs a value\n", prog, a);
             return 2;
@@ -1060,13 +1103,15 @@ int kvt_replay_main(int argc, char **argv)
             }
             result_t runs[MAX_RUNS];
             int nruns = 0, lru = -1, oracle = -1;
-            for (int k = 0; k < o.nkinds + o.nhints; k++) {
+            for (int k = 0; k < o.nkinds + o.nhints + o.trace_hints; k++) {
                 result_t *r = &runs[nruns];
                 memset(r, 0, sizeof(*r));
                 kvt_trace_name(tr, r->trace, sizeof(r->trace));
                 r->config = cname;
                 kvt_policy_kind_t kind = k < o.nkinds ? o.kinds[k] : KVT_POLICY_COST;
-                double acc = k < o.nkinds ? -1 : o.hint_acc[k - o.nkinds];
+                double acc = k < o.nkinds              ? HINTS_NONE
+                             : k < o.nkinds + o.nhints ? o.hint_acc[k - o.nkinds]
+                                                       : HINTS_TRACE;
                 rc = run_one(&oc, tr, nreq, &fut, pct, kind, acc, r);
                 if (rc < 0) {
                     fprintf(stderr, "%s: %s %s: %s\n", prog, r->trace, kvt_policy_kind_name(kind),

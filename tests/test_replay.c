@@ -5,7 +5,8 @@
  * exact prefill seconds. Also the replay's invariant checks over a small-tier run, and its usage
  * errors. On generated traces where documents sit behind different prefixes (written here, in
  * the Mooncake format): the oracle's notion of a page, the working set that percentages are
- * shares of, and ids that start at 10,000,000.
+ * shares of, and ids that start at 10,000,000. On an agent trace: the hint events its records
+ * carry reach the cost policy (--trace-hints).
  */
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -604,4 +605,136 @@ Test(replay_prefix, sparse_ids_cost_what_dense_ones_do)
     free(outs[1]);
     unlink(dense);
     unlink(sparse);
+}
+
+/* ---- hint events in the trace ------------------------------------------------------------ */
+
+/*
+ * Writes an agent trace (static path): 40 sessions of 8 blocks start a second apart, each
+ * pauses for a 60-second tool call and comes back with one block more, while one-shot requests
+ * of 4 fresh blocks arrive every 200 ms. With hints, a session's first request says
+ * hint_pause_ms (the tool's expected duration, as an engine knows it) and its second
+ * hint_finished; bad_hint writes a pause of 0 into one record instead.
+ */
+static const char *agent_trace(int hints, int bad_hint)
+{
+    static char path[4096];
+    const char *tmp = getenv("TMPDIR");
+    snprintf(path, sizeof(path), "%s/kvt-agent-trace-XXXXXX.jsonl", tmp && *tmp ? tmp : "/tmp");
+    int fd = mkstemps(path, 6);
+    cr_assert_geq(fd, 0);
+    FILE *f = fdopen(fd, "w");
+    cr_assert_not_null(f);
+    enum { NSESS = 40, NONESHOT = 500 };
+    uint64_t next = 0, sess_first[NSESS];
+    for (int s = 0; s < NSESS; s++) {
+        sess_first[s] = next;
+        next += 9;
+    }
+    /* Merged in time order: session s at s*1000 and s*1000 + 60000, one-shots every 200 ms. */
+    int s0 = 0, s1 = 0, k = 0;
+    while (s0 < NSESS || s1 < NSESS || k < NONESHOT) {
+        uint64_t t0 = s0 < NSESS ? (uint64_t)s0 * 1000 : UINT64_MAX;
+        uint64_t t1 = s1 < NSESS ? (uint64_t)s1 * 1000 + 60000 : UINT64_MAX;
+        uint64_t tk = k < NONESHOT ? (uint64_t)k * 200 : UINT64_MAX;
+        if (t0 <= t1 && t0 <= tk) {
+            fprintf(f, "{\"timestamp\": %llu, \"input_length\": 4096, \"hash_ids\": [",
+                    (unsigned long long)t0);
+            for (int b = 0; b < 8; b++)
+                fprintf(f, "%s%llu", b ? ", " : "", (unsigned long long)(sess_first[s0] + b));
+            fprintf(f, "]%s}\n",
+                    bad_hint && s0 == 7 ? ", \"hint_pause_ms\": 0"
+                    : hints             ? ", \"hint_pause_ms\": 60000"
+                                        : "");
+            s0++;
+        } else if (t1 <= tk) {
+            fprintf(f, "{\"timestamp\": %llu, \"input_length\": 4608, \"hash_ids\": [",
+                    (unsigned long long)t1);
+            for (int b = 0; b < 9; b++)
+                fprintf(f, "%s%llu", b ? ", " : "", (unsigned long long)(sess_first[s1] + b));
+            fprintf(f, "]%s}\n", hints ? ", \"hint_finished\": true" : "");
+            s1++;
+        } else {
+            fprintf(f,
+                    "{\"timestamp\": %llu, \"input_length\": 2048, \"hash_ids\": [%llu, %llu, "
+                    "%llu, %llu]}\n",
+                    (unsigned long long)tk, (unsigned long long)next, (unsigned long long)next + 1,
+                    (unsigned long long)next + 2, (unsigned long long)next + 3);
+            next += 4;
+            k++;
+        }
+    }
+    cr_assert_eq(fclose(f), 0);
+    return path;
+}
+
+/* The line carrying pat in out (a copy to free), or NULL. */
+static char *line_with(const char *out, const char *pat)
+{
+    const char *p = strstr(out, pat);
+    if (!p)
+        return NULL;
+    const char *s = p;
+    while (s > out && s[-1] != '\n')
+        s--;
+    const char *e = strchr(p, '\n');
+    size_t n = e ? (size_t)(e - s) : strlen(s);
+    char *l = malloc(n + 1);
+    memcpy(l, s, n);
+    l[n] = '\0';
+    return l;
+}
+
+static double trace_hint_total(const char *out)
+{
+    char *l = line_with(out, "\"hint_source\":\"trace\"");
+    cr_assert_not_null(l, "no trace-hint line in %s", out);
+    cr_assert_not_null(strstr(l, "\"policy\":\"cost\""), "%s", l);
+    double v = num(l, "prefill_seconds_total");
+    free(l);
+    return v;
+}
+
+/* --trace-hints runs the cost policy with the hint events the records carry: paused agents
+ * keep their pages under a stream of one-shot requests and come back to hits (less prefill
+ * than the same policy without them); a trace without hint fields gives exactly the run
+ * without hints; a malformed hint refuses the trace and prints nothing. */
+Test(replay_hints, trace_hint_events_reach_the_policy)
+{
+    char hinted[4096], plain[4096];
+    snprintf(hinted, sizeof hinted, "%s", agent_trace(1, 0));
+    snprintf(plain, sizeof plain, "%s", agent_trace(0, 0));
+    const char *paths[] = {hinted, plain};
+    double cost[2], with[2];
+    for (int k = 0; k < 2; k++) {
+        char *argv[] = {"kvtier-replay",  "--no-progress",
+                        "--verify",       "--trace-hints",
+                        "--policy",       "cost,lru",
+                        "--hbm",          "1",
+                        "--dram",         "4",
+                        "--nvme",         "15",
+                        (char *)paths[k], NULL};
+        int rc;
+        char *out = run_replay(13, argv, &rc);
+        cr_assert_eq(rc, 0, "%s", out);
+        cost[k] = total_of(out, "cost");
+        with[k] = trace_hint_total(out);
+        free(out);
+    }
+    cr_log_info("hinted trace: cost %.3f s, with its hints %.3f s; plain: %.3f s, %.3f s", cost[0],
+                with[0], cost[1], with[1]);
+    cr_assert_eq(cost[0], cost[1], "the hint fields changed the run without hints");
+    cr_assert_lt(with[0], 0.97 * cost[0], "hints: %.3f s, without %.3f s", with[0], cost[0]);
+    cr_assert_eq(with[1], cost[1], "no hint events, yet the hint run differs");
+
+    const char *bad = agent_trace(1, 1);
+    char *argv[] = {"kvtier-replay", "--no-progress", "--trace-hints", (char *)bad, NULL};
+    int rc;
+    char *out = run_replay(4, argv, &rc);
+    cr_assert_eq(rc, 1);
+    cr_assert_eq(out[0], '\0', "%s", out);
+    free(out);
+    unlink(bad);
+    unlink(hinted);
+    unlink(plain);
 }

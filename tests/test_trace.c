@@ -141,6 +141,59 @@ Test(trace, unknown_keys_are_skipped_and_timestamps_may_be_fractional)
     unlink(p);
 }
 
+/* Engine hints in a record (traces/README.md, "Engine hints"): a tool-call pause in ms, or the
+ * session's end; a record without them has neither. */
+Test(trace, hint_fields_are_read)
+{
+    char *p = write_tmp("{\"timestamp\": 1, \"input_length\": 1, \"output_length\": 1, "
+                        "\"hash_ids\": [1], \"hint_pause_ms\": 45000}\n"
+                        "{\"hint_finished\": true, \"timestamp\": 2, \"input_length\": 1, "
+                        "\"output_length\": 1, \"hash_ids\": [1]}\n"
+                        "{\"timestamp\": 3, \"input_length\": 1, \"output_length\": 1, "
+                        "\"hash_ids\": [1], \"hint_finished\": 0}\n"
+                        "{\"timestamp\": 4, \"input_length\": 1, \"output_length\": 1, "
+                        "\"hash_ids\": [1], \"hint_finished\": 1}\n"
+                        "{\"timestamp\": 5, \"input_length\": 1, \"output_length\": 1, "
+                        "\"hash_ids\": [1]}\n");
+    kvt_trace_t *tr;
+    cr_assert_eq(kvt_trace_load(&tr, p), 0);
+    cr_assert_eq(tr->nreqs, 5);
+    uint32_t pause[] = {45000, 0, 0, 0, 0};
+    uint8_t fin[] = {0, 1, 0, 1, 0};
+    for (int i = 0; i < 5; i++) {
+        cr_expect_eq(tr->reqs[i].hint_pause_ms, pause[i], "record %d", i);
+        cr_expect_eq(tr->reqs[i].hint_finished, fin[i], "record %d", i);
+    }
+    kvt_trace_free(tr);
+    unlink(p);
+}
+
+Test(trace, bad_hint_fields_are_refused)
+{
+    const char *bad[] = {
+        "\"hint_pause_ms\": 0",                           /* a pause of nothing */
+        "\"hint_pause_ms\": -5",                          /* negative */
+        "\"hint_pause_ms\": 4294967295",                  /* past u32 - 1 */
+        "\"hint_pause_ms\": 1.5",                         /* not an integer */
+        "\"hint_pause_ms\": \"10\"",                      /* a string */
+        "\"hint_finished\": 2",                           /* not a flag */
+        "\"hint_finished\": truex",                       /* not a literal */
+        "\"hint_finished\": null",                        /* not a flag */
+        "\"hint_finished\": 10",                          /* not a flag */
+        "\"hint_pause_ms\": 10, \"hint_finished\": true", /* paused and finished */
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char line[256];
+        snprintf(line, sizeof line,
+                 "{\"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1], %s}\n", bad[i]);
+        char *p = write_tmp(line);
+        kvt_trace_t *tr = (kvt_trace_t *)1;
+        cr_expect_eq(kvt_trace_load(&tr, p), KVT_EPROTO, "case %zu: %s", i, bad[i]);
+        cr_expect_null(tr);
+        unlink(p);
+    }
+}
+
 /* The README's table (request and block counts), and the index at 512-token pages (a page is
  * then one of the trace's own blocks) against the trace's hash ids: a request's leading full
  * blocks whose ids were seen as full blocks before are exactly what the index must match. */

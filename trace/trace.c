@@ -7,6 +7,11 @@
  * reader that refuses them makes people edit gigabytes of JSON), and the timestamp may have a
  * fraction (tools that write float milliseconds), which is dropped. It is not a general JSON
  * parser: a malformed record, or a known field of the wrong shape, is KVT_EPROTO.
+ *
+ * Two optional fields carry engine hints (traces/README.md): hint_pause_ms, an integer in
+ * 1..4294967294 (the session paused for a tool call, expected back in that many ms), and
+ * hint_finished, true or false (or 1 or 0). A record that says both, paused and finished, is
+ * malformed.
  */
 #include "trace.h"
 
@@ -98,6 +103,29 @@ static int parse_ms(cursor_t *c, uint64_t *v)
         return KVT_EPROTO;
     while (c->p < c->end && isdigit((unsigned char)*c->p))
         c->p++;
+    return 0;
+}
+
+/* A flag: true, false, 1 or 0. */
+static int parse_flag(cursor_t *c, uint8_t *v)
+{
+    skip_ws(c);
+    size_t left = (size_t)(c->end - c->p);
+    if (left >= 4 && memcmp(c->p, "true", 4) == 0) {
+        *v = 1;
+        c->p += 4;
+    } else if (left >= 5 && memcmp(c->p, "false", 5) == 0) {
+        *v = 0;
+        c->p += 5;
+    } else if (left >= 1 && (*c->p == '0' || *c->p == '1')) {
+        *v = (uint8_t)(*c->p - '0');
+        c->p++;
+    } else {
+        return KVT_EPROTO;
+    }
+    /* "truex", "10": not a flag */
+    if (c->p < c->end && (isalnum((unsigned char)*c->p) || *c->p == '.'))
+        return KVT_EPROTO;
     return 0;
 }
 
@@ -242,6 +270,13 @@ static int parse_line(const char *line, size_t len, kvt_trace_req_t *r, idvec_t 
                 }
             }
             seen |= 8;
+        } else if (klen == 13 && memcmp(key, "hint_pause_ms", 13) == 0) {
+            if ((rc = parse_u64(&c, &v)) != 0 || v == 0 || v >= UINT32_MAX)
+                return KVT_EPROTO;
+            r->hint_pause_ms = (uint32_t)v;
+        } else if (klen == 13 && memcmp(key, "hint_finished", 13) == 0) {
+            if ((rc = parse_flag(&c, &r->hint_finished)) != 0)
+                return rc;
         } else if ((rc = skip_value(&c, 0)) != 0) {
             return rc;
         }
@@ -254,7 +289,7 @@ static int parse_line(const char *line, size_t len, kvt_trace_req_t *r, idvec_t 
             return rc;
         break;
     }
-    if ((seen & 0xb) != 0xb)
+    if ((seen & 0xb) != 0xb || (r->hint_pause_ms && r->hint_finished))
         return KVT_EPROTO;
     /* The trace's promise: one id per 512-token block of the prompt. */
     if (r->nhash != (r->input_length + KVT_TRACE_BLOCK_TOKENS - 1) / KVT_TRACE_BLOCK_TOKENS)

@@ -20,6 +20,12 @@ typedef struct kvt_trace_req {
     uint32_t output_length;
     uint32_t nhash;
     const uint64_t *hash_ids; /* nhash ids, owned by the trace */
+    /* Engine hints the record carries (traces/README.md, "Engine hints"): what an engine knows
+     * when this request's generation ends. hint_pause_ms: the reply was a tool call and the
+     * session is expected back in this many ms (0: no pause); hint_finished: the session
+     * ended. At most one of them is set. */
+    uint32_t hint_pause_ms;
+    uint8_t hint_finished;
 } kvt_trace_req_t;
 
 typedef struct kvt_trace {

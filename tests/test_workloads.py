@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""test_workloads.py: the workload families of replay/workloads.py (issue 40) and their runner.
+
+- deterministic: a family's trace for a seed is the same bytes twice, another seed differs;
+- format: every record is a Mooncake record (traces/README.md): timestamps from 0 that never
+  decrease, one hash id per 512-token block, the last one partial at most;
+- families: each has the shape it stands for (documents behind different prefixes, a system
+  prompt shared by most questions, agents' hints on every step and only there, bursts);
+- runner: `workloads.py run` over a few hundred requests of every family through the real
+  kvtier-replay (argv[1]) prints a row per family and configuration with all four policies,
+  the oracle never worse than LRU, the hinted families also with the cost policy
+  reading their hint events, and the summary table, which `table` renders again from the
+  saved output;
+- bad input: an unknown family, a request count of 0, a missing replay, a table of a file that
+  is not a run's output: a clear error, exit 2.
+
+Prints "N passed, N failed"; exits 1 on a failure."""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+SOURCE = os.environ.get("KVT_SOURCE_ROOT", os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(SOURCE, "replay"))
+import workloads  # noqa: E402
+
+REPLAY = sys.argv[1] if len(sys.argv) > 1 else os.path.join(
+    os.environ.get("KVT_BUILD_ROOT", "build"), "replay", "kvtier-replay")
+N = 300
+results = {"passed": 0, "failed": 0}
+
+
+def check(name, fn):
+    try:
+        fn()
+    except Exception as e:  # an assertion, a failed command
+        results["failed"] += 1
+        print("FAIL %s: %s: %s" % (name, type(e).__name__, e))
+        return
+    results["passed"] += 1
+    print("ok   %s" % name)
+
+
+def text(family, seed, n=N):
+    f = io.StringIO()
+    workloads.write(workloads.generate(family, seed, n), f)
+    return f.getvalue()
+
+
+def test_deterministic():
+    for fam in workloads.FAMILIES:
+        a, b = text(fam, 3), text(fam, 3)
+        assert a == b, "%s: seed 3 gave two different traces" % fam
+        assert a != text(fam, 4), "%s: seeds 3 and 4 gave the same trace" % fam
+        assert len(a.splitlines()) == N, "%s: %d requests, not %d" % (fam, len(a.splitlines()), N)
+    # The first n requests of a longer trace are the trace of n: no request is cut off early.
+    assert text("agent", 0, 500).splitlines()[:N] == text("agent", 0).splitlines()
+
+
+def test_format():
+    for fam in workloads.FAMILIES:
+        last = 0
+        for i, line in enumerate(text(fam, 0).splitlines()):
+            r = json.loads(line)
+            assert isinstance(r["timestamp"], int) and r["timestamp"] >= last, (fam, i)
+            assert i > 0 or r["timestamp"] == 0, (fam, "the first request is not at 0")
+            last = r["timestamp"]
+            n = len(r["hash_ids"])
+            assert n == math.ceil(r["input_length"] / 512), (fam, i, n, r["input_length"])
+            assert r["output_length"] > 0, (fam, i)
+
+
+def test_families():
+    reqs = {f: workloads.generate(f, 1, 2000) for f in workloads.FAMILIES}
+    # docs: some block id sits behind two different prefixes
+    behind = {}
+    moved = 0
+    for r in reqs["docs"]:
+        ids = r["hash_ids"]
+        for j, h in enumerate(ids):
+            key = tuple(ids[:j])
+            if behind.setdefault(h, key) != key:
+                moved += 1
+    assert moved > 1000, "docs: only %d block uses behind a new prefix" % moved
+    # sysprompt: most requests open with a block an earlier request opened with
+    seen, shared = set(), 0
+    for r in reqs["sysprompt"]:
+        shared += r["hash_ids"][0] in seen
+        seen.add(r["hash_ids"][0])
+    assert shared > 0.9 * len(reqs["sysprompt"]), "sysprompt: %d shared openings" % shared
+    # agent: every step says what the engine knows, a pause or the end, and a pause is a typical
+    # tool duration (never the gap the trace drew)
+    typical = {ms for ms, _ in workloads.Agent.TOOLS}
+    pauses = [r["hint_pause_ms"] for r in reqs["agent"] if "hint_pause_ms" in r]
+    done = sum(1 for r in reqs["agent"] if r.get("hint_finished") == 1)
+    assert len(pauses) + done == len(reqs["agent"]), "agent: a step without a hint"
+    assert done > 20 and set(pauses) <= typical and len(set(pauses)) == len(typical), \
+        (done, set(pauses))
+    # only agents hint: the mix carries some, the others none
+    for f in ("chat", "sysprompt", "docs", "burst"):
+        assert not any(k.startswith("hint_") for r in reqs[f] for k in r), f
+    assert 0 < sum(1 for r in reqs["mix"] if "hint_pause_ms" in r) < len(reqs["mix"]) / 2
+    # burst: some 5-second window holds 20 or more new requests
+    ts = [r["timestamp"] for r in reqs["burst"]]
+    assert max(sum(1 for u in ts[i:i + 200] if u - t < 5000) for i, t in enumerate(ts)) >= 20
+
+
+def test_runner():
+    p = subprocess.run([sys.executable, os.path.join(SOURCE, "replay", "workloads.py"), "run",
+                        "--replay", REPLAY, "-n", str(N), "--seeds", "0", "--table"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    per = [r for r in rows if not r.get("summary")]
+    want = {(f, c) for f in workloads.FAMILIES for c, _ in workloads.CONFIGS}
+    assert {(r["family"], r["config"]) for r in per} == want and len(per) == len(want)
+    for r in per:
+        s = r["prefill_s"]
+        assert set(s) - {"cost+hints"} == set(workloads.POLICIES), r
+        assert all(v > 0 for v in s.values()), r
+        # the yardstick: the oracle is never worse than LRU (it can lose to LFU where a hot
+        # prefix is worth more than its next use says: sysprompt at 5 %, docs/policy.md)
+        assert s["oracle"] <= s["lru"] * (1 + 1e-9), "oracle worse than LRU: %s" % r
+        assert r["oracle_ok"] == (s["oracle"] <= min(s["lru"], s["lfu"]) * (1 + 1e-9)), r
+        assert r["set"] == ("held-out" if r["family"] in ("docs", "mix") else "tuning"), r
+        # the families that carry hint events are also replayed reading them
+        hinted = r["family"] in workloads.HINTED_FAMILIES
+        assert ("cost+hints" in s) == hinted and ("hint_gain" in r) == hinted, r
+        if hinted:
+            assert abs(r["hint_gain"] - (s["cost"] - s["cost+hints"]) / s["cost"]) < 1e-3, r
+        if r["gap_closed"] is not None:
+            gap = (s["lru"] - s["cost"]) / (s["lru"] - s["oracle"])
+            assert abs(gap - r["gap_closed"]) < 1e-3 * max(1, abs(gap)), r
+    assert len([r for r in rows if r.get("summary")]) == len(want)
+    assert "| set | family | config |" in p.stdout and "mean gap closed" in p.stdout
+    # `table` renders the same table again from the saved output
+    saved = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvt-workloads-%d.out" % os.getpid())
+    with open(saved, "w") as f:
+        f.write(p.stdout)
+    try:
+        t = subprocess.run([sys.executable, os.path.join(SOURCE, "replay", "workloads.py"),
+                            "table", saved], stdout=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.unlink(saved)
+    assert t.returncode == 0 and t.stdout.strip() and t.stdout.strip() in p.stdout
+
+
+def test_bad_input():
+    script = os.path.join(SOURCE, "replay", "workloads.py")
+    for args, says in ((["gen", "nosuch", "0"], "invalid choice"),
+                       (["gen", "chat", "0", "-n", "0"], "--requests"),
+                       (["gen", "chat", "-1"], "seed"),
+                       (["run", "--replay", "/nonexistent/kvtier-replay"], "no kvtier-replay"),
+                       (["run", "--replay", REPLAY, "--families", "chat,nosuch"],
+                        "unknown family"),
+                       (["table", "/nonexistent/rows.jsonl"], "No such file"),
+                       (["table", os.path.join(SOURCE, "README.md")], "no rows")):
+        p = subprocess.run([sys.executable, script] + args, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+        assert p.returncode == 2 and says in p.stderr and not p.stdout, (args, p.returncode,
+                                                                       p.stderr)
+
+
+if __name__ == "__main__":
+    if not os.access(REPLAY, os.X_OK):
+        print("FAIL: no kvtier-replay at %s" % REPLAY)
+        sys.exit(1)
+    for name, fn in list(globals().items()):
+        if name.startswith("test_") and callable(fn):
+            check(name[5:], fn)
+    print("%d passed, %d failed" % (results["passed"], results["failed"]))
+    sys.exit(1 if results["failed"] else 0)
