@@ -386,6 +386,7 @@ static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
         pg->copy.dst = s->tiers[to];
         pg->copy.src_loc = b->loc;
         pg->copy.len = b->size;
+        pg->copy.dst_device = s->exec.move_device;
         pg->copy.cb = move_copied;
         pg->copy.data = pg;
         pg->start_ns = kvt_now_ns();

@@ -255,6 +255,10 @@ struct kvt__conn {
      * requests whose writes landed in room the client fills, waiting for COMMIT). */
     uint64_t zc_seed;
     uint8_t zc_dram, zc_hbm;
+    int zc_hbm_device; /* with zc_hbm: the device of the HBM pool it mapped */
+    /* The CUDA device its engine runs on (HELLO): its PUTs go to that device's HBM pool, and so
+     * do the promotions its PREFETCHes ask for (hbm-devices). */
+    int device;
     uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     kvt__req_t **resv;
     size_t nresv, cap_resv;
@@ -292,6 +296,7 @@ typedef struct kvt__clients {
 typedef struct kvt__exec {
     kvt__move_t *moves;
     kvt__req_t *move_req;
+    int move_device;  /* the device a move into HBM goes to (a PREFETCH's connection's); -1: any */
     int moves_landed; /* a move finished since the loop last looked */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
