@@ -446,17 +446,15 @@ static void hbm_dealloc(hbm_t *h)
         free(h->sizes);
         for (uint32_t k = 0; k < h->npools; k++) {
             hbm_pool_t *p = &h->pools[k];
-            if (!p->base && !p->nstreams && !p->nevents)
-                continue; /* never opened */
-            if (cudaSetDevice(p->device) != cudaSuccess)
-                continue; /* the device went away: the process's exit frees what is left */
-            for (size_t i = 0; i < p->nevents; i++)
-                cudaEventDestroy(p->events[i]);
+            if ((p->base || p->nstreams || p->nevents) && cudaSetDevice(p->device) == cudaSuccess) {
+                for (size_t i = 0; i < p->nevents; i++)
+                    cudaEventDestroy(p->events[i]);
+                for (uint32_t i = 0; i < p->nstreams; i++)
+                    cudaStreamDestroy(p->streams[i]);
+                if (p->base)
+                    cudaFree(p->base);
+            } /* else never opened, or the device went away: the process's exit frees it */
             free(p->events);
-            for (uint32_t i = 0; i < p->nstreams; i++)
-                cudaStreamDestroy(p->streams[i]);
-            if (p->base)
-                cudaFree(p->base);
         }
         if (h->tfd >= 0)
             close(h->tfd);
@@ -972,14 +970,20 @@ int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf)
     int one = conf->device;
     const int *devs = conf->ndevices ? conf->devices : &one;
     uint32_t ndev = conf->ndevices ? conf->ndevices : 1;
-    if (!devs || ndev > KVT_HBM_MAX_DEVICES)
+    if (!devs || ndev > KVT_HBM_MAX_DEVICES) {
+        kvt_log(KVT_LOG_ERROR, "hbm tier: a device list names 1 to %d devices (%u given%s)",
+                KVT_HBM_MAX_DEVICES, ndev, devs ? "" : ", but no list");
         return KVT_EINVAL;
+    }
     for (uint32_t i = 0; i < ndev; i++) {
-        if (devs[i] < 0)
-            return KVT_EINVAL;
+        int twice = 0;
         for (uint32_t j = 0; j < i; j++)
-            if (devs[j] == devs[i])
-                return KVT_EINVAL;
+            twice |= devs[j] == devs[i];
+        if (devs[i] < 0 || twice) {
+            kvt_log(KVT_LOG_ERROR, "hbm tier: device %d %s", devs[i],
+                    twice ? "listed twice" : "is no CUDA device ordinal");
+            return KVT_EINVAL;
+        }
     }
     hbm_t *h = calloc(1, sizeof(*h));
     if (!h)
