@@ -446,7 +446,15 @@ static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32
         kvt__block_tier(kvt_radix_block_at(n, depth + i), tier);
 }
 
+/* A MATCH's promotions are about to run: into the HBM pool of its client's device (-1: none). */
+static void exec_place(void *arg, int tag)
+{
+    kvt_srv_t *s = arg;
+    s->exec.move_device = tag;
+}
+
 const kvt_policy_ops_t kvt__exec_ops = {
+    .place = exec_place,
     .set_tier = exec_set_tier,
     .move = exec_move,
     .footprint = exec_footprint,
@@ -473,7 +481,7 @@ void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy
     };
 }
 
-void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w)
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w, int device)
 {
     if (!s->policy || !m->pages)
         return;
@@ -483,7 +491,9 @@ void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints
     int any = w && (w->priority || (w->flags & (KVT_HINT_PAUSED | KVT_HINT_FINISHED)));
     if (any)
         kvt__policy_hint(w, kvt_radix_node_depth(m->node), &h);
+    kvt_policy_set_place(s->policy, device); /* the promotions it queues: to its device */
     kvt_policy_on_match(s->policy, m, any ? &h : NULL);
+    kvt_policy_set_place(s->policy, -1);
 }
 
 uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,

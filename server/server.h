@@ -296,7 +296,8 @@ typedef struct kvt__clients {
 typedef struct kvt__exec {
     kvt__move_t *moves;
     kvt__req_t *move_req;
-    int move_device;  /* the device a move into HBM goes to (a PREFETCH's connection's); -1: any */
+    int move_device;  /* the device a move into HBM goes to (the client that asked: PREFETCH, or
+                       * the MATCH that queued it); -1: any */
     int moves_landed; /* a move finished since the loop last looked */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
@@ -639,7 +640,9 @@ void kvt__count_hints(kvt_srv_t *s, const kvt_proto_hints_t *w);
 /* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
 void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
 /* A MATCH's use of its path, for the policy's reuse counters and promotions. */
-void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
+/* device: the CUDA device of the client that matched (-1: none), whose HBM pool the promotions
+ * this MATCH queues go to. */
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w, int device);
 /* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
  * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
  * (no room in its accounting, order) are freed in the tier and left index-only. Returns the

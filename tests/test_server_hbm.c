@@ -396,6 +396,41 @@ Test(server_hbm, host_prefetch_promotes_to_the_client_s_device)
     kvd_cleanup(&d);
 }
 
+/* The promotions a MATCH makes the policy queue (pages below HBM, room in it) go to the pool of
+ * the device of the client that matched, even where another pool has as much room. */
+Test(server_hbm, host_match_promotes_to_the_client_s_device)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-devices", "0,1", "--hbm-bytes", "1M",
+              "--dram-bytes", "8M", "--nvme-bytes", "0", "--policy-high", "1", "--policy-low", "1",
+              NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BLK);
+    kvt_client_t *c1 = client_on(&d, 1);
+    uint32_t a[16 * PAGE], b[16 * PAGE], e[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 71);
+    kvd_tokens(b, 16 * PAGE, 72000);
+    kvd_tokens(e, 4 * PAGE, 73000);
+    uint8_t tiers[16], from[16];
+    put_prompt(c0, a, 16, 100);
+    put_prompt(c0, b, 16, 200);
+    put_prompt(c0, e, 4, 300); /* HBM is full: DRAM */
+    pools_hold(&d, c0, 16, 16);
+    cr_assert_eq(kvt_client_remove(c0, a, PAGE), 0);
+    cr_assert_eq(kvt_client_remove(c0, b, PAGE), 0);
+    pools_hold(&d, c0, 0, 0);
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c1, e, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "in DRAM when matched");
+    pools_hold(&d, c0, 0, 4); /* the policy's next step promotes them */
+    get_prompt(c0, e, 4, 300, tiers, from);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_HBM, "e's page %d in %u", i, tiers[i]);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    kvd_cleanup(&d);
+}
+
 /* hbm-devices that are no list of distinct device numbers stop the daemon at start-up (exit
  * 64), with the setting named on stderr. */
 Test(server_hbm, bad_hbm_devices_are_refused)
