@@ -481,7 +481,8 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
         strlen(conf->model) > KVT_PROTO_NAME_MAX || conf->page_size == 0 ||
         conf->page_size > 1024 || (conf->adapter && strlen(conf->adapter) > KVT_PROTO_NAME_MAX) ||
         (conf->salt && strlen(conf->salt) > KVT_PROTO_NAME_MAX) ||
-        (conf->secret && strlen(conf->secret) > KVT_PROTO_SECRET_MAX) || conf->timeout_ms < 0)
+        (conf->secret && strlen(conf->secret) > KVT_PROTO_SECRET_MAX) || conf->timeout_ms < 0 ||
+        conf->device < 0 || conf->device > 65535)
         return KVT_EINVAL;
     kvt_client_t *c = calloc(1, sizeof *c);
     if (!c)
@@ -517,6 +518,7 @@ int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf)
         .model_len = (uint16_t)ml,
         .adapter_len = (uint16_t)al,
         .salt_len = (uint16_t)sl,
+        .device = (uint16_t)conf->device,
     };
     uint8_t w[sizeof(kvt_wire_hello_t)];
     kvt_proto_hello_encode(w, &hm);

@@ -75,6 +75,11 @@ typedef struct kvt_client_conf {
     uint32_t block_bytes;  /* KV bytes of one page; 0 for index-only use */
     int timeout_ms;        /* per call; 0: 10000 */
     int zero_copy;         /* 1: map the namespace's DRAM arena when possible (below); 0: never */
+    /* The CUDA device (ordinal, 0..65535) the engine's KV cache is on. A daemon with an HBM
+     * pool per device (hbm-devices) puts this connection's blocks, and the promotions its
+     * PREFETCHes ask for, in that device's pool, and kvt_client_map_hbm gets that pool. 0 (a
+     * zeroed conf): the first GPU. */
+    int device;
 } kvt_client_conf_t;
 
 /* Connects, authenticates and declares the namespace. Returns 0, a negated errno (no daemon

@@ -111,6 +111,7 @@ typedef struct promo {
     uint32_t node_pages;
     uint64_t seq;
     uint64_t foreign; /* p->foreign when queued: a foreign free since may have taken n */
+    int place;        /* kvt_policy_set_place's tag when queued */
 } promo_t;
 
 struct kvt_policy {
@@ -148,6 +149,7 @@ struct kvt_policy {
 
     promo_t promo[PROMO_QUEUE];
     uint32_t npromo;
+    int place; /* kvt_policy_set_place */
 
     /* cost model state */
     double page_load_s[KVT_TIER_COUNT]; /* per page of the most common page size, no latency */
@@ -1050,6 +1052,7 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
         return KVT_ENOMEM;
     p->t = t;
     p->c = *conf;
+    p->place = -1;
     if (!p->c.sweep_above)
         p->c.sweep_above = SWEEP_ABOVE;
     if (!p->c.sweep_slice)
@@ -1183,7 +1186,13 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
     if (run > 0)
         p->class_hits[run_class] += run;
     if (promote && p->npromo < PROMO_QUEUE)
-        p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq, p->foreign};
+        p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq, p->foreign, p->place};
+}
+
+void kvt_policy_set_place(kvt_policy_t *p, int tag)
+{
+    if (p)
+        p->place = tag;
 }
 
 int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_policy_hint_t *hint)
@@ -1497,11 +1506,18 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
         if (p->dead_lost || dead_after(p, q->n, q->seq) ||
             (!p->c.reports_node_frees && p->foreign != q->foreign))
             continue;
+        if (p->c.ops->place)
+            p->c.ops->place(p->c.ops_arg, q->place);
         int stop, rc = promote_path(p, q->n, q->node_pages, p->top, &stop);
-        if (rc < 0)
+        if (rc < 0) {
+            if (p->c.ops->place)
+                p->c.ops->place(p->c.ops_arg, -1);
             return rc;
+        }
         total += rc;
     }
+    if (p->npromo && p->c.ops->place)
+        p->c.ops->place(p->c.ops_arg, -1);
     p->npromo = 0;
     /* A tier's level net of what its moves in flight take out: those bytes are leaving already
      * (counting them, every step until they land would move out as much again). */

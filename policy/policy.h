@@ -180,6 +180,13 @@ typedef struct kvt_policy_ops {
      * cannot happen. NULL: they may.
      */
     int (*fits)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages, kvt_tier_id_t to);
+    /*
+     * The promotions kvt_policy_step is about to start were queued by a MATCH while
+     * kvt_policy_set_place() said `tag` (kvtierd: the CUDA device of the client that matched,
+     * whose HBM pool the pages should go to); called once more with -1 after them. The engine
+     * gives the tag no meaning. NULL: not told.
+     */
+    void (*place)(void *arg, int tag);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1
@@ -267,6 +274,9 @@ int kvt_policy_tune(kvt_policy_t *p, float high, float low, uint32_t nvme_min_hi
  * m->node alive until that step (a lease does). O(path); never moves anything.
  */
 void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy_hint_t *hint);
+/* The tag the promotions kvt_policy_on_match queues from now on carry to ops->place (-1, the
+ * initial value: none). kvtierd sets it around each MATCH to the client's device. */
+void kvt_policy_set_place(kvt_policy_t *p, int tag);
 
 /*
  * The new blocks of an insert (res from kvt_radix_insert) are admitted: to the admission tier

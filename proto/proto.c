@@ -138,7 +138,8 @@ int kvt_proto_hello_decode(const uint8_t *body, size_t len, kvt_proto_hello_t *o
     out->model_len = le16toh(w.model_len);
     out->adapter_len = le16toh(w.adapter_len);
     out->salt_len = le16toh(w.salt_len);
-    if (w.reserved != 0 || out->min_version > out->max_version)
+    out->device = le16toh(w.device);
+    if (out->min_version > out->max_version)
         return KVT_EPROTO;
     if (out->model_len == 0 || out->model_len > KVT_PROTO_NAME_MAX ||
         out->adapter_len > KVT_PROTO_NAME_MAX || out->salt_len > KVT_PROTO_NAME_MAX)
@@ -310,6 +311,7 @@ void kvt_proto_hello_encode(uint8_t out[sizeof(kvt_wire_hello_t)], const kvt_pro
         .model_len = htole16(m->model_len),
         .adapter_len = htole16(m->adapter_len),
         .salt_len = htole16(m->salt_len),
+        .device = htole16(m->device),
     };
     memcpy(out, &w, sizeof w);
 }

@@ -139,7 +139,7 @@ typedef struct KVT_WIRE kvt_wire_hello { /* then model, adapter, salt bytes */
     uint32_t page_size;
     uint32_t block_bytes;
     uint16_t model_len, adapter_len, salt_len;
-    uint16_t reserved;
+    uint16_t device; /* the CUDA device the client's engine runs on (0 before it was added) */
 } kvt_wire_hello_t;
 
 typedef struct KVT_WIRE kvt_wire_hello_reply {
@@ -298,6 +298,9 @@ typedef struct kvt_proto_hello {
     uint32_t block_bytes;               /* KV bytes of one page; 0 for an index-only client */
     const char *model, *adapter, *salt; /* not NUL-terminated: borrowed from the frame */
     uint16_t model_len, adapter_len, salt_len;
+    /* The CUDA device (ordinal) of the engine rank behind the connection: its PUTs go to that
+     * device's HBM pool where the daemon has one per device (hbm-devices). 0 for old clients. */
+    uint16_t device;
 } kvt_proto_hello_t;
 
 typedef struct kvt_proto_hello_reply {

@@ -49,7 +49,7 @@ static const kvt_opt_t kvt_opts[] = {
     {"dram-bytes", KVT_OPT_BYTES, KVT_O(dram_bytes), "1G", "DRAM tier capacity; 0 disables"},
     {"nvme-bytes", KVT_OPT_BYTES, KVT_O(nvme_bytes), "4G", "NVMe tier capacity; 0 disables"},
     {"hbm-bytes", KVT_OPT_BYTES, KVT_O(hbm_bytes), "1G",
-     "HBM tier capacity when a GPU is usable; 0 disables"},
+     "HBM pool of each device (hbm-devices) when a GPU is usable; 0 disables"},
     {"hbm-backend", KVT_OPT_STR, KVT_O(hbm_backend), "auto",
      "auto (the GPU when one is usable, else no HBM tier), cuda (must work), or host (ordinary "
      "memory standing in for HBM, for testing)"},
@@ -58,6 +58,9 @@ static const kvt_opt_t kvt_opts[] = {
     {"nvme-sparse", KVT_OPT_BOOL, KVT_O(nvme_sparse), "no",
      "do not preallocate the NVMe data file"},
     {"hbm-device", KVT_OPT_INT, KVT_O(hbm_device), "0", "CUDA device of the HBM tier"},
+    {"hbm-devices", KVT_OPT_STR, KVT_O(hbm_devices), "",
+     "CUDA devices with an HBM pool each, e.g. 0,1 (hbm-bytes each); a block goes to the pool of "
+     "the device its client declared; \"\": the one hbm-device"},
     {"hbm-batch", KVT_OPT_U32, KVT_O(hbm_batch), "16",
      "most HBM copies submitted as one batch (1 .. 256; 1 submits each copy at once)"},
     {"remote", KVT_OPT_STR, KVT_O(remote), "",
@@ -439,6 +442,48 @@ int kvt__conf_args(kvt_srv_conf_t *conf, int argc, char **argv, char *err, size_
     return 0;
 }
 
+/* hbm-devices: distinct ordinals 0 .. 65535 separated by commas, at most KVT_HBM_MAX_DEVICES;
+ * empty: the one hbm-device. */
+static int parse_devices(kvt_srv_conf_t *conf, char *err, size_t errlen)
+{
+    conf->hbm_ndevs = 0;
+    const char *p = conf->hbm_devices;
+    if (!*p) {
+        if (conf->hbm_device < 0 || conf->hbm_device > 65535) {
+            snprintf(err, errlen, "hbm-device must be between 0 and 65535");
+            return KVT_EINVAL;
+        }
+        conf->hbm_devs[conf->hbm_ndevs++] = conf->hbm_device;
+        return 0;
+    }
+    for (;;) {
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || *p < '0' || *p > '9' || errno || v > 65535 || (*end && *end != ',')) {
+            snprintf(err, errlen,
+                     "hbm-devices \"%s\": a list of CUDA device numbers (0..65535) separated by "
+                     "commas, such as 0,1",
+                     conf->hbm_devices);
+            return KVT_EINVAL;
+        }
+        for (uint32_t i = 0; i < conf->hbm_ndevs; i++)
+            if (conf->hbm_devs[i] == (int)v) {
+                snprintf(err, errlen, "hbm-devices \"%s\" names device %ld twice",
+                         conf->hbm_devices, v);
+                return KVT_EINVAL;
+            }
+        if (conf->hbm_ndevs == KVT_HBM_MAX_DEVICES) {
+            snprintf(err, errlen, "hbm-devices names more than %d devices", KVT_HBM_MAX_DEVICES);
+            return KVT_EINVAL;
+        }
+        conf->hbm_devs[conf->hbm_ndevs++] = (int)v;
+        if (!*end)
+            return 0;
+        p = end + 1;
+    }
+}
+
 int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
 {
     kvt_log_level_t lvl;
@@ -489,6 +534,8 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
                  "lease-ms-max");
         return KVT_EINVAL;
     }
+    if (parse_devices(conf, err, errlen) < 0)
+        return KVT_EINVAL;
     if (conf->zero_copy_arenas == 0 || conf->zero_copy_arenas > 4096 || conf->reserve_ms == 0 ||
         conf->reserve_ms > 600000 || conf->max_reservations == 0 ||
         conf->max_reservations > 65536 || conf->max_resv_bytes < 4096) {

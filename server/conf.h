@@ -12,6 +12,7 @@
 #include <stdio.h>
 
 #include "common.h"
+#include "tier.h"
 
 typedef struct kvt_srv_conf {
     char *unix_path;    /* "" disables the Unix socket */
@@ -24,6 +25,9 @@ typedef struct kvt_srv_conf {
     uint64_t hbm_bytes;
     char *hbm_backend; /* "auto" (a GPU if usable, else none), "cuda", "host" */
     int hbm_device;
+    char *hbm_devices; /* "0,1,...": an HBM pool per device (hbm-bytes each); "": hbm-device */
+    int hbm_devs[KVT_HBM_MAX_DEVICES]; /* hbm-devices parsed (or hbm-device alone) */
+    uint32_t hbm_ndevs;
     uint32_t hbm_batch; /* copies per batch, at most */
     uint64_t nvme_segment_bytes;
     int nvme_sparse;

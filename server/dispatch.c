@@ -137,6 +137,7 @@ static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
     /* What this client declared, not the namespace's: a payload on a connection that said 0 is
      * malformed whichever HELLO came first (docs/protocol.md). */
     c->block_bytes = m.block_bytes;
+    c->device = m.device;
     kvt_proto_hello_reply_t r = {
         .version = KVT_PROTO_VERSION,
         .tiers = tier_mask(s),

@@ -448,6 +448,7 @@ static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
         pg->copy.dst = s->tiers[to];
         pg->copy.src_loc = b->loc;
         pg->copy.len = b->size;
+        pg->copy.dst_device = s->exec.move_device;
         pg->copy.cb = move_copied;
         pg->copy.data = pg;
         pg->start_ns = kvt_now_ns();
@@ -519,7 +520,15 @@ static int exec_fits(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
     return kvt_tier_ns_fits(s->tiers[to], seed, b->size, npages);
 }
 
+/* A MATCH's promotions are about to run: into the HBM pool of its client's device (-1: none). */
+static void exec_place(void *arg, int tag)
+{
+    kvt_srv_t *s = arg;
+    s->exec.move_device = tag;
+}
+
 const kvt_policy_ops_t kvt__exec_ops = {
+    .place = exec_place,
     .set_tier = exec_set_tier,
     .fits = exec_fits,
     .move = exec_move,
@@ -547,7 +556,7 @@ void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy
     };
 }
 
-void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w)
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w, int device)
 {
     if (!s->policy || !m->pages)
         return;
@@ -557,7 +566,9 @@ void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints
     int any = w && (w->priority || (w->flags & (KVT_HINT_PAUSED | KVT_HINT_FINISHED)));
     if (any)
         kvt__policy_hint(w, kvt_radix_node_depth(m->node), &h);
+    kvt_policy_set_place(s->policy, device); /* the promotions it queues: to its device */
     kvt_policy_on_match(s->policy, m, any ? &h : NULL);
+    kvt_policy_set_place(s->policy, -1);
 }
 
 uint32_t kvt__policy_adopt(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t from, uint32_t to,

@@ -297,6 +297,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         s->tier_ev[i].fd = -1;
     s->clients.next_id = 1;
     s->internal_owner = 1ull << 63;
+    s->exec.move_device = -1;
     s->started_ns = kvt_now_ns();
     int rc = KVT_ENOMEM;
     kvt_policy_kind_t kind;

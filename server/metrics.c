@@ -81,6 +81,7 @@ struct kvt_metrics {
     unsigned tier_mask;                           /* kvt__metrics_tiers */
     kvt_metric_tenant_t tenants[KVT_TENANT_ROWS]; /* KVT_TENANT_NAME's rows */
     size_t ntenants;
+    unsigned device_mask; /* kvt__metrics_devices */
 };
 
 void kvt__metrics_tenants(kvt_metrics_t *m, const kvt_metric_tenant_t *rows, size_t n)
@@ -199,9 +200,17 @@ void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask)
     m->tier_mask = mask;
 }
 
-/* A TIER_SCALE series of a tier not configured is not shown. */
+void kvt__metrics_devices(kvt_metrics_t *m, unsigned mask)
+{
+    m->device_mask = mask;
+}
+
+/* A TIER_SCALE series of a tier not configured, a DEVICE series of a device with no HBM pool,
+ * is not shown. */
 static int shown(const kvt_metrics_t *m, const struct kvt_metric_def *d, unsigned s)
 {
+    if (d->lbl == KVT_LBL_DEVICE)
+        return s < 16 && (m->device_mask >> s & 1);
     return d->lbl != KVT_LBL_TIER_SCALE || (m->tier_mask >> (s / KVT_MRC_SCALES) & 1);
 }
 
@@ -360,6 +369,15 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
             return -1;
         kv[0] = e->key;
         kv[1] = e->names[s];
+        return 1;
+    }
+    case KVT_LBL_DEVICE: {
+        static const char *const devs[16] = {"0", "1", "2",  "3",  "4",  "5",  "6",  "7",
+                                             "8", "9", "10", "11", "12", "13", "14", "15"};
+        if (s >= 16)
+            return -1;
+        kv[0] = "device";
+        kv[1] = devs[s];
         return 1;
     }
     case KVT_LBL_BUILD:

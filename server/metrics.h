@@ -33,6 +33,7 @@ typedef enum {
     KVT_LBL_BUILD,    /* version="...",commit="...",cuda="yes|no": one series */
     /* tier="...",scale="0.25|0.5|1|2|4" over the configured real tiers (kvt__metrics_tiers) */
     KVT_LBL_TIER_SCALE,
+    KVT_LBL_DEVICE, /* device="0".."15": the HBM pools' devices (kvt__metrics_devices) */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -113,6 +114,12 @@ typedef enum {
       "Batches the HBM tier's copies went out in (one cudaMemcpyBatchAsync each).", NONE)          \
     X(HBM_COPIES, COUNTER, "kvtier_hbm_copies_total",                                              \
       "HBM copies in those batches, both ways: copies per batch = this / the batches.", NONE)      \
+    X(HBM_POOL_USED, GAUGE, "kvtier_hbm_pool_used_bytes",                                          \
+      "Bytes the HBM pool of each device holds (hbm-devices); their sum is the tier's.", DEVICE)   \
+    X(HBM_POOL_CAPACITY, GAUGE, "kvtier_hbm_pool_capacity_bytes",                                  \
+      "Size of the HBM pool of each device.", DEVICE)                                              \
+    X(HBM_POOL_BLOCKS, GAUGE, "kvtier_hbm_pool_blocks", "Blocks in the HBM pool of each device.",  \
+      DEVICE)                                                                                      \
     X(BLOCKS_MOVED, COUNTER, "kvtier_blocks_moved_total",                                          \
       "Blocks copied from one tier to another.", PAIR)                                             \
     X(BLOCKS_DROPPED, COUNTER, "kvtier_blocks_dropped_total",                                      \
@@ -381,6 +388,8 @@ static inline unsigned kvt__tier_scale(unsigned tier, unsigned scale)
 /* The tiers (bit i: tier i) whose TIER_SCALE series are shown; none until set. */
 void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask);
 
+/* The devices (bit i: device i, i < 16) with an HBM pool, whose DEVICE series are shown. */
+void kvt__metrics_devices(kvt_metrics_t *m, unsigned mask);
 void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_observe(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, uint64_t ns);

@@ -128,7 +128,8 @@ static int get_locate(kvt_srv_t *s, kvt__req_t *r, const kvt_block_t *b, uint64_
     if (b->tier == KVT_TIER_DRAM && c->zc_dram && c->zc_seed == kvt_radix_ns_seed(s->radix, r->ns))
         return kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], c->zc_seed, b->loc, off) == 0;
     if (b->tier == KVT_TIER_HBM && c->zc_hbm)
-        return kvt_tier_hbm_offset(s->tiers[KVT_TIER_HBM], b->loc, off) == 0;
+        return kvt_tier_hbm_device(s->tiers[KVT_TIER_HBM], b->loc) == c->zc_hbm_device &&
+               kvt_tier_hbm_offset(s->tiers[KVT_TIER_HBM], b->loc, off) == 0;
     return 0;
 }
 

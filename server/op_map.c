@@ -131,7 +131,7 @@ static int map_hbm(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
                                 "tenant, exported only when all local clients are one");
     uint8_t b[sizeof(kvt_wire_map_reply_t) + KVT_HBM_IPC_HANDLE];
     uint64_t bytes;
-    int rc = kvt_tier_hbm_ipc(t, b + sizeof(kvt_wire_map_reply_t), &bytes);
+    int rc = kvt_tier_hbm_ipc(t, c->device, b + sizeof(kvt_wire_map_reply_t), &bytes);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
                                 rc == KVT_EUNAVAIL ? "the HBM tier has no CUDA device memory to "
@@ -139,6 +139,7 @@ static int map_hbm(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
                                                    : "the HBM pool could not be exported: %s",
                                 kvt_strerror(rc));
     c->zc_hbm = 1;
+    c->zc_hbm_device = rc; /* the pool of its device (or the first): only its blocks LOCATE */
     kvt_proto_map_reply_t m = {
         .map_bytes = bytes, .tier = KVT_TIER_HBM, .handle_len = KVT_HBM_IPC_HANDLE};
     kvt_proto_map_reply_encode(b, &m);

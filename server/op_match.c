@@ -239,6 +239,6 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
         kvt__probe_start(c, h, t0, &mq, &m, &q.hints, kvt__match_answer, &down))
         return 0; /* the probe's answer tells the policy */
     if (!(h->flags & KVT_MATCH_F_PROBE))
-        kvt__policy_match(s, &m, &q.hints);
+        kvt__policy_match(s, &m, &q.hints, c->device);
     return kvt__match_answer(c, NULL, h, t0, &mq, &m, 0, down);
 }

@@ -55,8 +55,10 @@ static int prefetch_round(kvt_srv_t *s, kvt__req_t *r)
     r->prefetch.progress = 0;
     r->prefetch.rounds++;
     s->exec.move_req = r;
+    s->exec.move_device = r->conn ? r->conn->device : -1;
     int rc = kvt_policy_promote(s->policy, r->node, node_pages, (kvt_tier_id_t)r->prefetch.target);
     s->exec.move_req = NULL;
+    s->exec.move_device = -1;
     if (rc < 0 && rc != KVT_ENOSPC && rc != KVT_EAGAIN)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: PREFETCH promotion: %s", kvt_strerror(rc));
     return rc;

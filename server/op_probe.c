@@ -97,7 +97,7 @@ static void probe_done(kvt_tier_probe_t *p)
     /* The policy hears of this use once, for the whole path: the local pages and the blocks
      * found remote (a hit too: promote them). */
     if (!(x->q.flags & KVT_MATCH_F_PROBE))
-        kvt__policy_match(s, &m, &x->hints);
+        kvt__policy_match(s, &m, &x->hints, r->conn ? r->conn->device : -1);
     uint32_t remote = m.pages > x->local_pages ? m.pages - x->local_pages : 0;
     x->answer(c, r, &x->hdr, r->t0, &x->q, &m, remote, down); /* kicks c */
 }
@@ -151,7 +151,7 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
         /* Not started: answer from the local match in this request's slot. */
         *down = rc == KVT_EUNAVAIL || rc == KVT_ETIMEDOUT;
         if (!(q->flags & KVT_MATCH_F_PROBE))
-            kvt__policy_match(s, m, hints);
+            kvt__policy_match(s, m, hints, c->device);
         kvt_match_t lm = *m;
         answer(c, r, h, t0, &x->q, &lm, 0, *down);
         return 1;

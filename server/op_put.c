@@ -230,6 +230,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
             r->put.reserve ? NULL : r->payload + (size_t)(p - r->put.first) * r->block_bytes;
         x->io.len = r->block_bytes;
         x->io.cb = put_done;
+        x->io.device = r->conn ? r->conn->device : -1; /* its engine's HBM pool */
         int rc = put_write(s, x, 0);
         if (rc < 0) {
             free(x);

@@ -255,6 +255,10 @@ struct kvt__conn {
      * requests whose writes landed in room the client fills, waiting for COMMIT). */
     uint64_t zc_seed;
     uint8_t zc_dram, zc_hbm;
+    int zc_hbm_device; /* with zc_hbm: the device of the HBM pool it mapped */
+    /* The CUDA device its engine runs on (HELLO): its PUTs go to that device's HBM pool, and so
+     * do the promotions its PREFETCHes ask for (hbm-devices). */
+    int device;
     uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     kvt__req_t **resv;
     size_t nresv, cap_resv;
@@ -292,6 +296,8 @@ typedef struct kvt__clients {
 typedef struct kvt__exec {
     kvt__move_t *moves;
     kvt__req_t *move_req;
+    int move_device;  /* the device a move into HBM goes to (the client that asked: PREFETCH, or
+                       * the MATCH that queued it); -1: any */
     int moves_landed; /* a move finished since the loop last looked */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
@@ -640,7 +646,9 @@ void kvt__count_hints(kvt_srv_t *s, const kvt_proto_hints_t *w);
 /* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
 void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
 /* A MATCH's use of its path, for the policy's reuse counters and promotions. */
-void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w);
+/* device: the CUDA device of the client that matched (-1: none), whose HBM pool the promotions
+ * this MATCH queues go to. */
+void kvt__policy_match(kvt_srv_t *s, const kvt_match_t *m, const kvt_proto_hints_t *w, int device);
 /* Hands blocks the daemon holds in a tier to the policy: pages [from, to) of the path ending at
  * node, index-only until now, with loc and size set; tier as given. Pages the policy refuses
  * (no room in its accounting, order) are freed in the tier and left index-only. Returns the

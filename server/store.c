@@ -178,7 +178,9 @@ int kvt__store_open(kvt_srv_t *s)
         kvt_tier_hbm_conf_t hc = {.backend = c->hbm_backend,
                                   .capacity_bytes = c->hbm_bytes,
                                   .device = c->hbm_device,
-                                  .batch = c->hbm_batch};
+                                  .batch = c->hbm_batch,
+                                  .devices = c->hbm_devs,
+                                  .ndevices = c->hbm_ndevs};
         rc = kvt_tier_hbm_create(&s->tiers[KVT_TIER_HBM], &hc);
         if (rc == KVT_EUNAVAIL && !strcmp(c->hbm_backend, "auto")) {
             kvt_log(KVT_LOG_INFO, "kvtierd: HBM tier unavailable (no usable GPU): continuing "
@@ -343,6 +345,20 @@ void kvt__tier_metrics(kvt_srv_t *s)
     if (s->tiers[KVT_TIER_HBM] && kvt_tier_hbm_stats(s->tiers[KVT_TIER_HBM], &hs) == 0) {
         kvt__metric_set(s->metrics, KVT_M_HBM_BATCHES, 0, (double)hs.batches);
         kvt__metric_set(s->metrics, KVT_M_HBM_COPIES, 0, (double)hs.copies);
+        kvt_tier_hbm_pool_t pools[KVT_HBM_MAX_DEVICES];
+        int np = kvt_tier_hbm_pools(s->tiers[KVT_TIER_HBM], pools, KVT_HBM_MAX_DEVICES);
+        unsigned mask = 0;
+        for (int i = 0; i < np; i++) {
+            unsigned d = (unsigned)pools[i].device;
+            if (d >= 16)
+                continue; /* no series: device numbers past 15 are shown by STATS only as sums */
+            mask |= 1u << d;
+            kvt__metric_set(s->metrics, KVT_M_HBM_POOL_USED, d, (double)pools[i].used_bytes);
+            kvt__metric_set(s->metrics, KVT_M_HBM_POOL_CAPACITY, d,
+                            (double)pools[i].capacity_bytes);
+            kvt__metric_set(s->metrics, KVT_M_HBM_POOL_BLOCKS, d, (double)pools[i].blocks);
+        }
+        kvt__metrics_devices(s->metrics, mask);
     }
     kvt_radix_stats_t rs;
     kvt_radix_stats(s->radix, &rs);

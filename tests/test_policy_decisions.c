@@ -294,6 +294,55 @@ Test(policy_decisions, promote_a_hit_in_a_lower_tier)
     stop();
 }
 
+/* The tag kvt_policy_set_place gave when a MATCH queued a promotion reaches the executor's
+ * place op before that promotion's moves, and -1 after them (kvtierd: the HBM pool of the
+ * device of the client that matched). */
+static int place_now = -2, promo_tags[8], npromo_tags;
+
+static void ex_place(void *arg, int tag)
+{
+    (void)arg;
+    place_now = tag;
+}
+
+static int ex_move_tagged(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                          kvt_tier_id_t from, kvt_tier_id_t to)
+{
+    if (to < from && npromo_tags < 8)
+        promo_tags[npromo_tags++] = place_now;
+    return ex_move(arg, n, depth, npages, from, to);
+}
+
+static const kvt_policy_ops_t placed_ops = {
+    .move = ex_move_tagged, .admit = ex_admit, .place = ex_place};
+
+Test(policy_decisions, a_match_s_place_tag_reaches_its_promotions)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    c.ops = &placed_ops;
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);
+    all_in(a, 4, KVT_TIER_DRAM);
+    cr_assert_eq(npromo_tags, 0);
+    kvt_policy_set_place(pol, 5);
+    cr_assert_eq(request(a, 16, NULL), 4);
+    kvt_policy_set_place(pol, -1);
+    all_in(a, 4, KVT_TIER_HBM);
+    cr_assert_eq(npromo_tags, 1);
+    cr_assert_eq(promo_tags[0], 5, "the promotion ran under the MATCH's tag");
+    cr_assert_eq(place_now, -1, "and the tag is cleared after it");
+    cr_assert_eq(request(b, 16, NULL), 4); /* queued with no tag set */
+    all_in(b, 4, KVT_TIER_HBM);
+    cr_assert_eq(npromo_tags, 2);
+    cr_assert_eq(promo_tags[1], -1);
+    kvt_policy_set_place(NULL, 1); /* harmless */
+    free(a);
+    free(b);
+    stop();
+}
+
 Test(policy_decisions, prefetch_promotes_ahead_of_a_request)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);

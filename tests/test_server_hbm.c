@@ -266,3 +266,195 @@ Test(server_hbm, cuda_map_hbm_answers_pool_offsets)
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
+
+/* ---- a pool per device: the host backend standing in for two GPUs (hbm-devices 0,1) ---- */
+
+static kvt_client_t *client_on(const kvd_t *d, int device)
+{
+    kvt_client_conf_t conf = {.unix_path = d->sock,
+                              .model = "m",
+                              .page_size = PAGE,
+                              .block_bytes = BLK,
+                              .timeout_ms = 10000,
+                              .device = device};
+    kvt_client_t *c = NULL;
+    int rc = kvt_client_connect(&c, &conf);
+    cr_assert_eq(rc, 0, "connect: %s", kvt_client_strerror(rc));
+    return c;
+}
+
+/* Waits up to 5 s for the gauges of both pools (refreshed every tick) to read b0 and b1 blocks,
+ * and checks that each pool holds no more than its capacity and that they sum to the tier. */
+static void pools_hold(const kvd_t *d, kvt_client_t *c, double b0, double b1)
+{
+    uint64_t deadline = kvt_now_ns() + 5000000000ull;
+    while ((metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}") != b0 ||
+            metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}") != b1) &&
+           kvt_now_ns() < deadline)
+        usleep(10000);
+    cr_expect_eq(metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}"), b0, "device 0 pool: %g want %g",
+                 metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}"), b0);
+    cr_expect_eq(metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}"), b1, "device 1 pool: %g want %g",
+                 metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}"), b1);
+    double u0 = metric(d, "kvtier_hbm_pool_used_bytes{device=\"0\"}");
+    double u1 = metric(d, "kvtier_hbm_pool_used_bytes{device=\"1\"}");
+    cr_expect_eq(u0, b0 * BLK);
+    cr_expect_eq(u1, b1 * BLK);
+    cr_expect_leq(u0, metric(d, "kvtier_hbm_pool_capacity_bytes{device=\"0\"}"));
+    cr_expect_leq(u1, metric(d, "kvtier_hbm_pool_capacity_bytes{device=\"1\"}"));
+    cr_expect_eq((uint64_t)(u0 + u1), kvd_stat(c, "hbm_used_bytes"));
+}
+
+/* Pages PUT by a client on device 1 land in device 1's pool, an old-style client's (device 0)
+ * in device 0's; either client MATCHes and GETs the other's pages; a full pool spills to the
+ * other before anything goes to DRAM, and no pool ever holds more than its own 1 MiB. */
+Test(server_hbm, host_pool_per_device_puts_on_the_client_s_device)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-devices", "0,1", "--hbm-bytes", "1M",
+              "--dram-bytes", "8M", "--nvme-bytes", "0", "--policy-high", "1", "--policy-low", "1",
+              NULL);
+    kvt_client_t *c1 = client_on(&d, 1);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BLK); /* a zeroed conf: device 0 */
+    cr_expect_eq(kvd_stat(c0, "hbm_capacity_bytes"), 2u << 20, "hbm-bytes per device");
+    cr_expect_eq(metric(&d, "kvtier_hbm_pool_capacity_bytes{device=\"0\"}"), 1 << 20);
+    cr_expect_eq(metric(&d, "kvtier_hbm_pool_capacity_bytes{device=\"1\"}"), 1 << 20);
+    cr_expect_eq(metric(&d, "kvtier_hbm_pool_blocks{device=\"2\"}"), -1, "no pool, no series");
+
+    uint32_t a[8 * PAGE], b[4 * PAGE], e[12 * PAGE], f[8 * PAGE];
+    kvd_tokens(a, 8 * PAGE, 11);
+    kvd_tokens(b, 4 * PAGE, 22000);
+    kvd_tokens(e, 12 * PAGE, 33000);
+    kvd_tokens(f, 8 * PAGE, 44000);
+    uint8_t tiers[16], from[16];
+    put_prompt(c1, a, 8, 100);
+    pools_hold(&d, c0, 0, 8);
+    put_prompt(c0, b, 4, 200);
+    pools_hold(&d, c0, 4, 8);
+    /* Across devices: each reads the other's pages, from HBM. */
+    get_prompt(c0, a, 8, 100, tiers, from);
+    for (int i = 0; i < 8; i++)
+        cr_expect_eq(from[i], KVT_CLIENT_TIER_HBM, "a's page %d read from %u", i, from[i]);
+    get_prompt(c1, b, 4, 200, tiers, from);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(from[i], KVT_CLIENT_TIER_HBM, "b's page %d read from %u", i, from[i]);
+    /* 12 more from device 1: 8 fill its pool, 4 spill to device 0's, all still HBM. */
+    put_prompt(c1, e, 12, 300);
+    pools_hold(&d, c0, 8, 16);
+    cr_expect_eq(kvd_stat(c0, "dram_blocks"), 0);
+    /* 8 more from device 1: device 0's pool takes them; then HBM is full, and the next go to
+     * DRAM. */
+    put_prompt(c1, f, 8, 400);
+    pools_hold(&d, c0, 16, 16);
+    uint32_t g[2 * PAGE];
+    kvd_tokens(g, 2 * PAGE, 55000);
+    put_prompt(c1, g, 2, 500);
+    pools_hold(&d, c0, 16, 16);
+    cr_expect_eq(kvd_stat(c0, "dram_blocks"), 2);
+    get_prompt(c0, e, 12, 300, tiers, from);
+    get_prompt(c1, f, 8, 400, tiers, from);
+    get_prompt(c1, g, 2, 500, tiers, from);
+    for (int i = 0; i < 2; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    kvd_cleanup(&d);
+}
+
+/* A PREFETCH up to HBM puts the pages in the pool of the device of the client that asked, even
+ * where another pool has as much room (where nobody names a device, the first would). */
+Test(server_hbm, host_prefetch_promotes_to_the_client_s_device)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-devices", "0,1", "--hbm-bytes", "1M",
+              "--dram-bytes", "8M", "--nvme-bytes", "0", "--policy-high", "1", "--policy-low", "1",
+              NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BLK);
+    kvt_client_t *c1 = client_on(&d, 1);
+    uint32_t a[16 * PAGE], b[16 * PAGE], e[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 61);
+    kvd_tokens(b, 16 * PAGE, 62000);
+    kvd_tokens(e, 4 * PAGE, 63000);
+    uint8_t tiers[16], from[16];
+    put_prompt(c0, a, 16, 100);
+    put_prompt(c0, b, 16, 200); /* device 0's pool is full: device 1's takes b */
+    put_prompt(c0, e, 4, 300);  /* HBM is full: DRAM */
+    pools_hold(&d, c0, 16, 16);
+    cr_expect_eq(kvd_stat(c0, "dram_blocks"), 4);
+    cr_assert_eq(kvt_client_remove(c0, a, PAGE), 0); /* the first page and all beneath */
+    cr_assert_eq(kvt_client_remove(c0, b, PAGE), 0);
+    pools_hold(&d, c0, 0, 0);
+    kvt_client_prefetch_t pf;
+    cr_assert_eq(kvt_client_prefetch(c1, e, 4 * PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
+    cr_expect_eq(pf.moved, 4, "moved %u resident %u failed %u", pf.moved, pf.resident, pf.failed);
+    pools_hold(&d, c0, 0, 4);
+    get_prompt(c0, e, 4, 300, tiers, from);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(from[i], KVT_CLIENT_TIER_HBM, "e's page %d read from %u", i, from[i]);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    kvd_cleanup(&d);
+}
+
+/* The promotions a MATCH makes the policy queue (pages below HBM, room in it) go to the pool of
+ * the device of the client that matched, even where another pool has as much room. */
+Test(server_hbm, host_match_promotes_to_the_client_s_device)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-devices", "0,1", "--hbm-bytes", "1M",
+              "--dram-bytes", "8M", "--nvme-bytes", "0", "--policy-high", "1", "--policy-low", "1",
+              NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BLK);
+    kvt_client_t *c1 = client_on(&d, 1);
+    uint32_t a[16 * PAGE], b[16 * PAGE], e[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 71);
+    kvd_tokens(b, 16 * PAGE, 72000);
+    kvd_tokens(e, 4 * PAGE, 73000);
+    uint8_t tiers[16], from[16];
+    put_prompt(c0, a, 16, 100);
+    put_prompt(c0, b, 16, 200);
+    put_prompt(c0, e, 4, 300); /* HBM is full: DRAM */
+    pools_hold(&d, c0, 16, 16);
+    cr_assert_eq(kvt_client_remove(c0, a, PAGE), 0);
+    cr_assert_eq(kvt_client_remove(c0, b, PAGE), 0);
+    pools_hold(&d, c0, 0, 0);
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c1, e, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "in DRAM when matched");
+    pools_hold(&d, c0, 0, 4); /* the policy's next step promotes them */
+    get_prompt(c0, e, 4, 300, tiers, from);
+    for (int i = 0; i < 4; i++)
+        cr_expect_eq(tiers[i], KVT_CLIENT_TIER_HBM, "e's page %d in %u", i, tiers[i]);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    kvd_cleanup(&d);
+}
+
+/* hbm-devices that are no list of distinct device numbers stop the daemon at start-up (exit
+ * 64), with the setting named on stderr. */
+Test(server_hbm, bad_hbm_devices_are_refused)
+{
+    static const char *const bad[] = {"0,0", "1,", "x", "-1", "0;1", "70000", ",1", " 1"};
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    for (size_t i = 0; i < KVT_ARRAY_LEN(bad); i++) {
+        char cmd[2048], path[700], err[1024] = "";
+        snprintf(cmd, sizeof cmd,
+                 "cd '%s' && '%s' --unix x.sock --tcp 127.0.0.1:0 --metrics '' --nvme-bytes 0 "
+                 "--hbm-backend host --hbm-devices '%s' >/dev/null 2>err.txt",
+                 d.dir, kvd_binary(), bad[i]);
+        int st = system(cmd);
+        snprintf(path, sizeof path, "%s/err.txt", d.dir);
+        FILE *f = fopen(path, "r");
+        if (f) {
+            err[fread(err, 1, sizeof err - 1, f)] = 0;
+            fclose(f);
+        }
+        cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 64, "hbm-devices \"%s\": status %d", bad[i],
+                  st);
+        cr_expect(strstr(err, "hbm-devices") != NULL, "hbm-devices \"%s\": stderr '%s'", bad[i],
+                  err);
+    }
+    kvd_cleanup(&d);
+}

@@ -200,6 +200,13 @@ Test(server_proto, encoders_round_trip)
     cr_assert_eq(kvt_proto_hello_decode(body, sizeof(kvt_wire_hello_t) + 3, &hd), 0);
     cr_expect(hd.page_size == 16 && hd.block_bytes == 4096 && hd.model_len == 2 &&
               hd.adapter_len == 0 && hd.salt_len == 1 && hd.salt[0] == 's');
+    cr_expect_eq(hd.device, 0, "no device: 0, what an old client sends");
+    /* The device is the u16 at offset 18 (once reserved, 0 from old clients), little-endian. */
+    hq.device = 0x0102;
+    kvt_proto_hello_encode(body, &hq);
+    cr_expect(body[18] == 0x02 && body[19] == 0x01);
+    cr_assert_eq(kvt_proto_hello_decode(body, sizeof(kvt_wire_hello_t) + 3, &hd), 0);
+    cr_expect_eq(hd.device, 0x0102);
 
     kvt_proto_hello_reply_t hr = {.version = 1,
                                   .tiers = 0x1e,

@@ -645,14 +645,14 @@ Test(tier_hbm, host_pool_has_no_ipc_handle)
     kvt_tier_t *t = mk_host(1u << 20, 0);
     uint8_t hd[KVT_HBM_IPC_HANDLE];
     uint64_t pool = 0;
-    cr_assert_eq(kvt_tier_hbm_ipc(t, hd, &pool), KVT_EUNAVAIL, "host memory has no CUDA handle");
-    cr_assert_eq(kvt_tier_hbm_ipc(t, hd, NULL), KVT_EINVAL);
-    cr_assert_eq(kvt_tier_hbm_ipc(t, NULL, &pool), KVT_EINVAL);
-    cr_assert_eq(kvt_tier_hbm_ipc(NULL, hd, &pool), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc(t, 0, hd, &pool), KVT_EUNAVAIL, "host memory has no CUDA handle");
+    cr_assert_eq(kvt_tier_hbm_ipc(t, 0, hd, NULL), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc(t, 0, NULL, &pool), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_ipc(NULL, 0, hd, &pool), KVT_EINVAL);
     kvt_tier_t *d = NULL;
     kvt_tier_dram_conf_t dc = {.capacity_bytes = 1u << 20, .pin = 2};
     cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
-    cr_assert_eq(kvt_tier_hbm_ipc(d, hd, &pool), KVT_EINVAL, "a DRAM tier");
+    cr_assert_eq(kvt_tier_hbm_ipc(d, 0, hd, &pool), KVT_EINVAL, "a DRAM tier");
     kvt_tier_destroy(d);
     void *base = &pool;
     memset(hd, 0, sizeof hd);
@@ -776,10 +776,10 @@ Test(tier_hbm, cuda_pool_read_through_its_ipc_handle_in_another_process)
                  "device address - offset is the pool's base for every block");
     uint8_t hd[KVT_HBM_IPC_HANDLE], again[KVT_HBM_IPC_HANDLE];
     uint64_t pool = 0, pool2 = 0;
-    cr_assert_eq(kvt_tier_hbm_ipc(h, hd, &pool), 0);
+    cr_assert_eq(kvt_tier_hbm_ipc(h, 0, hd, &pool), 0);
     cr_assert_eq(pool, POOL);
     cr_assert_leq(offs[1] + LEN, pool);
-    cr_assert_eq(kvt_tier_hbm_ipc(h, again, &pool2), 0);
+    cr_assert_eq(kvt_tier_hbm_ipc(h, 0, again, &pool2), 0);
     cr_assert(!memcmp(hd, again, sizeof hd) && pool2 == pool, "the same handle each time");
     char arg[2 * KVT_HBM_IPC_HANDLE + 96];
     for (size_t i = 0; i < sizeof hd; i++)
@@ -793,4 +793,235 @@ Test(tier_hbm, cuda_pool_read_through_its_ipc_handle_in_another_process)
                  ipc_child_says(code));
     /* The child has closed its mapping (and exited): the pool may go. */
     kvt_tier_destroy(h);
+}
+
+/* ---- one pool per device (host backend standing in for two GPUs) ---- */
+
+#define MP_SLOT (64u << 10)
+#define MP_POOL (1u << 20) /* 16 slots per device */
+
+static kvt_tier_t *mk_pools(const int *devs, uint32_t n)
+{
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "host",
+                             .capacity_bytes = MP_POOL,
+                             .slot_bytes = MP_SLOT,
+                             .devices = devs,
+                             .ndevices = n};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    return t;
+}
+
+/* A synchronous write that names a device. */
+static int mp_write(kvt_tier_t *t, int device, uint64_t i, uint32_t *tok, const void *buf,
+                    uint32_t len, uint64_t *loc)
+{
+    int done = 0;
+    kvt_tier_io_t io = {.key = tu_key(i, tok, 16),
+                        .buf = (void *)buf,
+                        .len = len,
+                        .cb = tu_count_cb,
+                        .data = &done,
+                        .device = device};
+    int rc = kvt_tier_write(t, &io);
+    if (rc < 0)
+        return rc;
+    cr_assert(tu_drive(t, &done, 1));
+    *loc = io.loc;
+    return io.status;
+}
+
+static void mp_pools_hold(kvt_tier_t *t, kvt_tier_hbm_pool_t p[2])
+{
+    cr_assert_eq(kvt_tier_hbm_pools(t, p, 2), 2);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    for (int i = 0; i < 2; i++)
+        cr_assert_leq(p[i].used_bytes, p[i].capacity_bytes, "pool %d over its capacity", i);
+    cr_assert_eq(p[0].used_bytes + p[1].used_bytes, u.used_bytes, "the pools sum to the tier");
+    cr_assert_eq(p[0].blocks + p[1].blocks, u.blocks);
+}
+
+Test(tier_hbm, host_pool_per_device_places_blocks_on_their_device)
+{
+    static const int devs[] = {3, 5};
+    kvt_tier_t *t = mk_pools(devs, 2);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.capacity_bytes, 2 * MP_POOL, "the tier's capacity is the pools' sum");
+    kvt_tier_hbm_pool_t p[2];
+    cr_assert_eq(kvt_tier_hbm_pools(t, NULL, 0), 2);
+    mp_pools_hold(t, p);
+    cr_assert_eq(p[0].device, 3);
+    cr_assert_eq(p[1].device, 5);
+    cr_assert_eq(p[1].capacity_bytes, MP_POOL);
+
+    uint32_t tok[64][16];
+    uint8_t *buf = malloc(MP_SLOT);
+    uint64_t locs[64], off;
+    /* Device 5's blocks in pool 5, device 3's in pool 3, each readable at its own address. */
+    for (int i = 0; i < 4; i++) {
+        tu_fill(buf, MP_SLOT, (uint64_t)i);
+        int dev = i % 2 ? 5 : 3;
+        cr_assert_eq(mp_write(t, dev, (uint64_t)i, tok[i], buf, MP_SLOT, &locs[i]), 0);
+        cr_assert_eq(kvt_tier_hbm_device(t, locs[i]), dev, "block %d on its device", i);
+        cr_assert_eq(kvt_tier_hbm_offset(t, locs[i], &off), 0);
+        cr_assert_lt(off, MP_POOL, "an offset inside its own pool");
+    }
+    mp_pools_hold(t, p);
+    cr_assert_eq(p[0].blocks, 2);
+    cr_assert_eq(p[1].blocks, 2);
+    cr_assert_eq(p[1].used_bytes, 2 * MP_SLOT);
+    for (int i = 0; i < 4; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok[i], 16);
+        memset(buf, 0, MP_SLOT);
+        cr_assert_eq(tu_read(t, &k, locs[i], buf, MP_SLOT), 0);
+        cr_assert(tu_same(buf, MP_SLOT, (uint64_t)i), "block %d read back", i);
+    }
+    /* The pools are apart: the same offset in each is another address. */
+    uint64_t o1, o3;
+    cr_assert_eq(kvt_tier_hbm_offset(t, locs[1], &o1), 0);
+    cr_assert_eq(kvt_tier_hbm_offset(t, locs[0], &o3), 0);
+    cr_assert_eq(o1, o3, "first block of each pool at offset 0");
+    cr_assert_neq(kvt_tier_hbm_devptr(t, locs[1]), kvt_tier_hbm_devptr(t, locs[0]));
+
+    /* No device wanted (-1): the pool with the most room (5 here, after one more block on 3).
+     * A device without a pool (7: an old client names device 0 whatever it runs on): the first
+     * pool, though it has less room. */
+    tu_fill(buf, MP_SLOT, 4);
+    cr_assert_eq(mp_write(t, 3, 4, tok[4], buf, MP_SLOT, &locs[4]), 0);
+    cr_assert_eq(mp_write(t, -1, 5, tok[5], buf, MP_SLOT, &locs[5]), 0);
+    cr_assert_eq(kvt_tier_hbm_device(t, locs[5]), 5);
+    cr_assert_eq(mp_write(t, 7, 6, tok[6], buf, MP_SLOT, &locs[6]), 0);
+    cr_assert_eq(kvt_tier_hbm_device(t, locs[6]), 3);
+
+    /* Fill pool 5: its device's next blocks spill to pool 3, and each pool stops at its own
+     * capacity; with both full a write fails and changes nothing. */
+    int n = 7;
+    mp_pools_hold(t, p);
+    while (p[1].used_bytes < p[1].capacity_bytes) {
+        cr_assert_eq(mp_write(t, 5, (uint64_t)n, tok[n], buf, MP_SLOT, &locs[n]), 0);
+        cr_assert_eq(kvt_tier_hbm_device(t, locs[n]), 5);
+        n++;
+        mp_pools_hold(t, p);
+    }
+    cr_assert_eq(mp_write(t, 5, (uint64_t)n, tok[n], buf, MP_SLOT, &locs[n]), 0);
+    cr_assert_eq(kvt_tier_hbm_device(t, locs[n]), 3, "a full pool's device spills over");
+    n++;
+    for (mp_pools_hold(t, p); p[0].used_bytes < p[0].capacity_bytes; mp_pools_hold(t, p), n++)
+        cr_assert_eq(mp_write(t, 5, (uint64_t)n, tok[n], buf, MP_SLOT, &locs[n]), 0);
+    cr_assert_eq(n, 32, "both pools full: 32 slots");
+    kvt_tier_usage_t before, after;
+    kvt_tier_usage(t, &before);
+    cr_assert_eq(mp_write(t, 3, 40, tok[40], buf, MP_SLOT, &locs[40]), KVT_ENOSPC);
+    kvt_tier_usage(t, &after);
+    cr_assert_eq(after.used_bytes, before.used_bytes);
+    cr_assert_eq(after.blocks, before.blocks);
+
+    /* A freed slot of pool 5 goes to device 5's next block. */
+    kvt_tier_free(t, locs[1], MP_SLOT);
+    cr_assert_eq(kvt_tier_hbm_device(t, locs[1]), KVT_ENOENT, "a freed location");
+    cr_assert_eq(mp_write(t, 5, 41, tok[41], buf, MP_SLOT, &locs[41]), 0);
+    cr_assert_eq(kvt_tier_hbm_device(t, locs[41]), 5);
+    mp_pools_hold(t, p);
+    cr_assert_eq(p[1].used_bytes, MP_POOL);
+    cr_assert_eq(kvt_tier_hbm_device(NULL, locs[0]), KVT_EINVAL);
+    cr_assert_eq(kvt_tier_hbm_pools(t, NULL, 2), KVT_EINVAL);
+    free(buf);
+    kvt_tier_destroy(t);
+}
+
+/* Requests to two pools queued in one turn go out as one batch per pool (a stream and an event
+ * belong to one device), all in the one flush. */
+Test(tier_hbm, host_pools_batch_apart)
+{
+    static const int devs[] = {0, 1};
+    kvt_tier_t *t = mk_pools(devs, 2);
+    kvt_tier_io_t ios[8];
+    uint32_t toks[8][16];
+    uint8_t *bufs = malloc(8 * 4096);
+    kvt_tier_hbm_stats_t st0 = stats(t);
+    int done = 0;
+    for (int i = 0; i < 8; i++) {
+        tu_fill(bufs + (size_t)i * 4096, 4096, 200 + (uint64_t)i);
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = bufs + (size_t)i * 4096,
+                                 .len = 4096,
+                                 .cb = tu_count_cb,
+                                 .data = &done,
+                                 .device = i % 2};
+        cr_assert_eq(kvt_tier_write(t, &ios[i]), 0);
+    }
+    cr_assert(tu_drive(t, &done, 8));
+    kvt_tier_hbm_stats_t st = stats(t);
+    cr_assert_eq(st.batches - st0.batches, 2, "one batch per pool");
+    cr_assert_eq(st.copies - st0.copies, 8);
+    for (int i = 0; i < 8; i++) {
+        cr_assert_eq(kvt_tier_hbm_device(t, ios[i].loc), i % 2);
+        cr_assert(tu_same(kvt_tier_ptr(t, ios[i].loc), 4096, 200 + (uint64_t)i));
+    }
+    free(bufs);
+    kvt_tier_destroy(t);
+}
+
+/* A copy into a tier of several pools lands on the device it names (a promotion asked for by
+ * a client on that device). */
+Test(tier_hbm, copy_lands_on_the_device_it_names)
+{
+    static const int devs[] = {0, 1};
+    kvt_tier_t *h = mk_pools(devs, 2);
+    kvt_tier_t *d = NULL;
+    kvt_tier_dram_conf_t dc = {.capacity_bytes = 4u << 20, .pin = 2};
+    cr_assert_eq(kvt_tier_dram_create(&d, &dc), 0);
+    uint32_t tok[16];
+    kvt_block_key_t k = tu_key(1, tok, 16);
+    uint8_t *buf = malloc(100000);
+    tu_fill(buf, 100000, 77);
+    uint64_t dloc = 0;
+    cr_assert_eq(tu_write(d, &k, buf, 100000, &dloc), 0);
+    for (int dev = 1; dev >= 0; dev--) {
+        kvt_tier_copy_t cp = {
+            .src = d, .dst = h, .src_loc = dloc, .key = k, .len = 100000, .dst_device = dev};
+        cr_assert_eq(kvt_tier_copy(&cp), 0);
+        while (!cp.dst_loc && cp.status == 0 && kvt_tier_wait(h, 1000) > 0)
+            ;
+        cr_assert_eq(cp.status, 0);
+        cr_assert_eq(kvt_tier_hbm_device(h, cp.dst_loc), dev);
+        cr_assert(tu_same(kvt_tier_ptr(h, cp.dst_loc), 100000, 77));
+    }
+    free(buf);
+    kvt_tier_destroy(h);
+    kvt_tier_destroy(d);
+}
+
+Test(tier_hbm, bad_device_lists_are_refused)
+{
+    kvt_tier_t *t = NULL;
+    static const int twice[] = {1, 1}, neg[] = {0, -1};
+    int many[KVT_HBM_MAX_DEVICES + 1];
+    for (int i = 0; i <= KVT_HBM_MAX_DEVICES; i++)
+        many[i] = i;
+    kvt_tier_hbm_conf_t c = {.backend = "host", .capacity_bytes = MP_POOL};
+    c.devices = twice, c.ndevices = 2;
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "a device twice");
+    c.devices = neg;
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "a negative device");
+    c.devices = many, c.ndevices = KVT_HBM_MAX_DEVICES + 1;
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "too many devices");
+    c.devices = NULL, c.ndevices = 2;
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "no list");
+    cr_assert_null(t);
+    c.devices = many, c.ndevices = KVT_HBM_MAX_DEVICES;
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0, "the most devices");
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.capacity_bytes, (uint64_t)KVT_HBM_MAX_DEVICES * MP_POOL);
+    kvt_tier_destroy(t);
+    /* The cuda backend with a list: without a GPU, unavailable as for one device. */
+    if (!kvt_tier_cuda_usable()) {
+        static const int two[] = {0, 1};
+        c = (kvt_tier_hbm_conf_t){
+            .backend = "cuda", .capacity_bytes = MP_POOL, .devices = two, .ndevices = 2};
+        cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EUNAVAIL);
+    }
 }

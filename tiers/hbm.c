@@ -32,6 +32,14 @@
  * the daemon's side is tested without a GPU). The handle is taken once and kept: CUDA gives the
  * same handle for the same allocation every time.
  *
+ * Several devices. The tier may hold one pool per device (conf->devices): one bitmap numbers
+ * the slots of all of them, pool after pool, so a location (global slot + 1) names its pool too
+ * and every pool keeps the one-pool logic (its own hint, queues, streams, events, fence and IPC
+ * handle). A write goes to the pool of the device it names (the first pool for a device it has
+ * none on), else (full, or -1: none named) to the pool with the most free slots: the owner's
+ * accounting sees one capacity, the sum, and a write fails only when no pool can take it. A batch
+ * never mixes pools: a stream and an event belong to one device.
+ *
  * Only the CUDA runtime API is used (never libcuda); in a build without CUDA the cuda backend
  * reports KVT_EUNAVAIL.
  */
@@ -39,6 +47,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -68,50 +77,64 @@ typedef struct hbm_queue {
     uint64_t bytes;
 } hbm_queue_t;
 
+typedef struct hbm_pool hbm_pool_t;
+
 #if KVT_HAVE_CUDA
 /* A batch submitted to a stream: its requests (linked through priv[1]) and the event after it. */
 typedef struct hbm_batch {
     struct hbm_batch *next;
     kvt_tier_io_t *head;
     cudaEvent_t ev;
+    hbm_pool_t *pool;
     int to_device;
 } hbm_batch_t;
 #endif
 
-typedef struct hbm {
-    int cuda;
-    uint32_t batch_max;
-    hbm_queue_t q[2];      /* [0]: reads (to the host), [1]: writes (to the device) */
-    int kicked;            /* the tier's fd was made readable for the queues */
-    kvt_tier_io_t **batch; /* batch_max entries: the batch going out */
-    kvt_tier_hbm_stats_t st;
-    uint8_t *base; /* device memory (cuda) or host memory (host) */
-    uint64_t pool_bytes;
-    uint64_t nslots;
-    uint32_t slot_bytes;
-    uint32_t slot_shift;
-    uint64_t *bitmap; /* 1 = slot in use */
-    uint64_t hint;    /* where the next search starts */
-#if KVT_HAVE_CUDA
+/* One device's pool: slots [first, first + nslots) of the tier's bitmap. */
+struct hbm_pool {
     int device;
+    uint8_t *base; /* device memory (cuda) or host memory (host) */
+    uint64_t first, nslots;
+    uint64_t hint;       /* where the next search starts (a global slot) */
+    uint64_t used_slots; /* slots its blocks hold */
+    uint64_t blocks;
+    hbm_queue_t q[2]; /* [0]: reads (to the host), [1]: writes (to the device) */
+#if KVT_HAVE_CUDA
     cudaStream_t streams[HBM_MAX_STREAMS];
     uint32_t nstreams;
     uint32_t next_stream[2];
-    int tfd;
-    int armed;
-    int pinned;            /* counted by kvt__pinned_open */
-    int batch_api;         /* cudaMemcpyBatchAsync not refused so far */
     uint32_t read_batches; /* batches of reads submitted and not yet done */
     int fence; /* slots were freed while reads were out: the next writes wait for those reads */
+    cudaEvent_t *events; /* free events (an event belongs to its device) */
+    size_t nevents, events_cap;
+    int ipc_ok; /* ipc holds the pool's handle (taken on the first export) */
+    cudaIpcMemHandle_t ipc;
+#endif
+};
+
+typedef struct hbm {
+    int cuda;
+    uint32_t batch_max;
+    int kicked;            /* the tier's fd was made readable for the queues */
+    kvt_tier_io_t **batch; /* batch_max entries: the batch going out */
+    kvt_tier_hbm_stats_t st;
+    uint64_t pool_bytes; /* each pool's */
+    uint64_t nslots;     /* all pools' */
+    uint32_t slot_bytes;
+    uint32_t slot_shift;
+    uint64_t *bitmap; /* 1 = slot in use */
+    uint32_t npools;
+    hbm_pool_t pools[KVT_HBM_MAX_DEVICES];
+#if KVT_HAVE_CUDA
+    int tfd;
+    int armed;
+    int pinned;                         /* counted by kvt__pinned_open */
+    int batch_api;                      /* cudaMemcpyBatchAsync not refused so far */
     hbm_batch_t *pend_head, *pend_tail; /* submitted, in order */
     hbm_batch_t *spare;                 /* free batch records */
     void **dsts;                        /* batch_max entries each: the arguments of a batch */
     const void **srcs;
     size_t *sizes;
-    cudaEvent_t *events; /* free events */
-    size_t nevents, events_cap;
-    int ipc_ok; /* ipc holds the pool's handle (taken on the first export) */
-    cudaIpcMemHandle_t ipc;
 #endif
 } hbm_t;
 
@@ -165,19 +188,71 @@ static uint64_t hbm_search(const hbm_t *h, uint64_t lo, uint64_t hi, uint64_t n)
     return hi;
 }
 
-static int hbm_alloc(hbm_t *h, uint64_t n, uint64_t *slot)
+/* A run of n slots in pool p: first fit from its hint, then from its start. */
+static int pool_alloc(hbm_t *h, hbm_pool_t *p, uint64_t n, uint64_t *slot)
 {
-    uint64_t s = hbm_search(h, h->hint, h->nslots, n);
-    if (s >= h->nslots) {
-        uint64_t lim = KVT_MIN(h->nslots, h->hint + n);
-        s = hbm_search(h, 0, lim, n);
+    uint64_t end = p->first + p->nslots;
+    uint64_t s = hbm_search(h, p->hint, end, n);
+    if (s >= end) {
+        uint64_t lim = KVT_MIN(end, p->hint + n);
+        s = hbm_search(h, p->first, lim, n);
         if (s >= lim)
             return KVT_ENOSPC;
     }
     bits_set(h->bitmap, s, n, 1);
-    h->hint = s + n < h->nslots ? s + n : 0;
+    p->hint = s + n < end ? s + n : p->first;
+    p->used_slots += n;
+    p->blocks++;
     *slot = s;
     return 0;
+}
+
+static hbm_pool_t *pool_of_device(hbm_t *h, int device)
+{
+    for (uint32_t i = 0; i < h->npools; i++)
+        if (h->pools[i].device == device)
+            return &h->pools[i];
+    return NULL;
+}
+
+/* The pool holding global slot s (s < nslots). */
+static hbm_pool_t *pool_of_slot(const hbm_t *h, uint64_t s)
+{
+    for (uint32_t i = 1; i < h->npools; i++)
+        if (s < h->pools[i].first)
+            return (hbm_pool_t *)&h->pools[i - 1];
+    return (hbm_pool_t *)&h->pools[h->npools - 1];
+}
+
+static hbm_pool_t *pool_of_loc(const hbm_t *h, uint64_t loc)
+{
+    return pool_of_slot(h, loc - 1);
+}
+
+/* n slots in the pool of `device` (the first pool for a device without one: an old client's,
+ * which names none), else in the others, most free slots first; device -1 wants none. */
+static int hbm_alloc(hbm_t *h, int device, uint64_t n, uint64_t *slot)
+{
+    hbm_pool_t *want = device < 0 ? NULL : pool_of_device(h, device);
+    if (device >= 0 && !want)
+        want = &h->pools[0];
+    if (want && pool_alloc(h, want, n, slot) == 0)
+        return 0;
+    uint32_t tried = want ? 1u << (want - h->pools) : 0;
+    for (;;) {
+        hbm_pool_t *best = NULL;
+        for (uint32_t i = 0; i < h->npools; i++) {
+            hbm_pool_t *p = &h->pools[i];
+            if (!(tried & (1u << i)) && p->nslots - p->used_slots >= n &&
+                (!best || p->nslots - p->used_slots > best->nslots - best->used_slots))
+                best = p;
+        }
+        if (!best)
+            return KVT_ENOSPC;
+        if (pool_alloc(h, best, n, slot) == 0)
+            return 0;
+        tried |= 1u << (best - h->pools); /* free slots, but no run of n: fragmentation */
+    }
 }
 
 static uint64_t hbm_slots(const hbm_t *h, uint32_t len)
@@ -188,8 +263,11 @@ static uint64_t hbm_slots(const hbm_t *h, uint32_t len)
 static void hbm_release(hbm_t *h, uint64_t loc, uint32_t len)
 {
     uint64_t s = loc - 1, n = hbm_slots(h, len);
-    kvt_assert(s + n <= h->nslots && bit_get(h->bitmap, s));
+    hbm_pool_t *p = pool_of_loc(h, loc);
+    kvt_assert(s >= p->first && s + n <= p->first + p->nslots && bit_get(h->bitmap, s));
     bits_set(h->bitmap, s, n, 0);
+    p->used_slots -= n;
+    p->blocks--;
 }
 
 static uint64_t hbm_footprint(const kvt_tier_t *t, uint32_t len)
@@ -198,9 +276,15 @@ static uint64_t hbm_footprint(const kvt_tier_t *t, uint32_t len)
     return hbm_slots(h, len) << h->slot_shift;
 }
 
+/* loc's byte offset in its pool. */
+static uint64_t hbm_off(const hbm_t *h, uint64_t loc)
+{
+    return (loc - 1 - pool_of_loc(h, loc)->first) << h->slot_shift;
+}
+
 static uint8_t *hbm_addr(const hbm_t *h, uint64_t loc)
 {
-    return h->base + ((loc - 1) << h->slot_shift);
+    return pool_of_loc(h, loc)->base + hbm_off(h, loc);
 }
 
 static void hbm_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
@@ -209,9 +293,11 @@ static void hbm_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
 #if KVT_HAVE_CUDA
     /* A read of these slots may still be queued or on its way, and a write may be given them
      * next: queued reads go out before writes (hbm_enqueue), but on the device the two
-     * directions run on different streams, so that write must also wait for the reads. */
-    if (h->cuda && (h->q[0].head || h->read_batches))
-        h->fence = 1;
+     * directions run on different streams, so that write must also wait for the reads. Only
+     * this pool's: the slots can go only to a write to it. */
+    hbm_pool_t *p = pool_of_loc(h, loc);
+    if (h->cuda && (p->q[0].head || p->read_batches))
+        p->fence = 1;
 #endif
     hbm_release(h, loc, len);
 }
@@ -219,7 +305,8 @@ static void hbm_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
 /* ---- batches (both backends) ---- */
 
 #if KVT_HAVE_CUDA
-static void cuda_batch(kvt_tier_t *t, kvt_tier_io_t **ios, uint32_t n, int to_device);
+static void cuda_batch(kvt_tier_t *t, hbm_pool_t *p, kvt_tier_io_t **ios, uint32_t n,
+                       int to_device);
 #endif
 
 static void host_batch(kvt_tier_t *t, kvt_tier_io_t **ios, uint32_t n, int to_device)
@@ -235,12 +322,12 @@ static void host_batch(kvt_tier_t *t, kvt_tier_io_t **ios, uint32_t n, int to_de
     }
 }
 
-/* Sends out everything queued in one direction, as batches of at most batch_max copies and
- * about HBM_BATCH_BYTES, in the order they were submitted. */
-static void hbm_flush(kvt_tier_t *t, int to_device)
+/* Sends out everything queued for pool p in one direction, as batches of at most batch_max
+ * copies and about HBM_BATCH_BYTES, in the order they were submitted. */
+static void pool_flush(kvt_tier_t *t, hbm_pool_t *p, int to_device)
 {
     hbm_t *h = t->impl;
-    hbm_queue_t *q = &h->q[to_device];
+    hbm_queue_t *q = &p->q[to_device];
     if (!q->head)
         return; /* (and a fence stays for the writes still to come) */
     while (q->head) {
@@ -258,7 +345,7 @@ static void hbm_flush(kvt_tier_t *t, int to_device)
             h->st.largest = n;
 #if KVT_HAVE_CUDA
         if (h->cuda) {
-            cuda_batch(t, h->batch, n, to_device);
+            cuda_batch(t, p, h->batch, n, to_device);
             continue;
         }
 #endif
@@ -267,15 +354,23 @@ static void hbm_flush(kvt_tier_t *t, int to_device)
     *q = (hbm_queue_t){0};
 #if KVT_HAVE_CUDA
     if (to_device)
-        h->fence = 0; /* every write that may have been given freed slots went out behind it */
+        p->fence = 0; /* every write that may have been given freed slots went out behind it */
 #endif
+}
+
+static void hbm_flush(kvt_tier_t *t, int to_device)
+{
+    hbm_t *h = t->impl;
+    for (uint32_t i = 0; i < h->npools; i++)
+        pool_flush(t, &h->pools[i], to_device);
 }
 
 /* Queues a request; a full queue goes out now, anything else on the next kvt_tier_process. */
 static void hbm_enqueue(kvt_tier_t *t, kvt_tier_io_t *io, int to_device)
 {
     hbm_t *h = t->impl;
-    hbm_queue_t *q = &h->q[to_device];
+    hbm_pool_t *p = pool_of_loc(h, io->loc);
+    hbm_queue_t *q = &p->q[to_device];
     io->priv[1] = 0;
     if (q->tail)
         q->tail->priv[1] = (uint64_t)(uintptr_t)io;
@@ -286,8 +381,8 @@ static void hbm_enqueue(kvt_tier_t *t, kvt_tier_io_t *io, int to_device)
     q->bytes += io->len;
     if (q->n >= h->batch_max || q->bytes >= HBM_BATCH_BYTES) {
         if (to_device)
-            hbm_flush(t, 0); /* the reads queued before these writes (see the top) */
-        hbm_flush(t, to_device);
+            pool_flush(t, p, 0); /* the reads queued before these writes (see the top) */
+        pool_flush(t, p, to_device);
     } else if (!h->kicked) {
         h->kicked = 1;
         kvt__tier_kick(t);
@@ -298,7 +393,7 @@ static int hbm_write(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     hbm_t *h = t->impl;
     uint64_t slot;
-    int rc = hbm_alloc(h, hbm_slots(h, io->len), &slot);
+    int rc = hbm_alloc(h, io->device, hbm_slots(h, io->len), &slot);
     if (rc < 0)
         return rc;
     io->loc = slot + 1;
@@ -349,21 +444,27 @@ static void hbm_dealloc(hbm_t *h)
         free(h->dsts);
         free(h->srcs);
         free(h->sizes);
-        for (size_t i = 0; i < h->nevents; i++)
-            cudaEventDestroy(h->events[i]);
-        free(h->events);
-        for (uint32_t i = 0; i < h->nstreams; i++)
-            cudaStreamDestroy(h->streams[i]);
-        if (h->base)
-            cudaFree(h->base);
+        for (uint32_t k = 0; k < h->npools; k++) {
+            hbm_pool_t *p = &h->pools[k];
+            if ((p->base || p->nstreams || p->nevents) && cudaSetDevice(p->device) == cudaSuccess) {
+                for (size_t i = 0; i < p->nevents; i++)
+                    cudaEventDestroy(p->events[i]);
+                for (uint32_t i = 0; i < p->nstreams; i++)
+                    cudaStreamDestroy(p->streams[i]);
+                if (p->base)
+                    cudaFree(p->base);
+            } /* else never opened, or the device went away: the process's exit frees it */
+            free(p->events);
+        }
         if (h->tfd >= 0)
             close(h->tfd);
         if (h->pinned)
             kvt__pinned_close();
     }
 #endif
-    if (!h->cuda && h->base)
-        munmap(h->base, h->pool_bytes);
+    for (uint32_t k = 0; k < h->npools && !h->cuda; k++)
+        if (h->pools[k].base)
+            munmap(h->pools[k].base, h->pool_bytes);
     free(h->batch);
     free(h->bitmap);
     free(h);
@@ -418,28 +519,28 @@ static void cuda_arm(hbm_t *h, int on)
         h->armed = on;
 }
 
-static int cuda_event_get(hbm_t *h, cudaEvent_t *ev)
+static int cuda_event_get(hbm_pool_t *p, cudaEvent_t *ev)
 {
-    if (h->nevents > 0) {
-        *ev = h->events[--h->nevents];
+    if (p->nevents > 0) {
+        *ev = p->events[--p->nevents];
         return 0;
     }
     return cudaEventCreateWithFlags(ev, cudaEventDisableTiming) == cudaSuccess ? 0 : KVT_ENOMEM;
 }
 
-static void cuda_event_put(hbm_t *h, cudaEvent_t ev)
+static void cuda_event_put(hbm_pool_t *p, cudaEvent_t ev)
 {
-    if (h->nevents == h->events_cap) {
-        size_t cap = h->events_cap ? h->events_cap * 2 : 16;
-        cudaEvent_t *ne = realloc(h->events, cap * sizeof(*ne));
+    if (p->nevents == p->events_cap) {
+        size_t cap = p->events_cap ? p->events_cap * 2 : 16;
+        cudaEvent_t *ne = realloc(p->events, cap * sizeof(*ne));
         if (!ne) {
             cudaEventDestroy(ev);
             return;
         }
-        h->events = ne;
-        h->events_cap = cap;
+        p->events = ne;
+        p->events_cap = cap;
     }
-    h->events[h->nevents++] = ev;
+    p->events[p->nevents++] = ev;
 }
 
 static hbm_batch_t *cuda_batch_get(hbm_t *h)
@@ -458,9 +559,9 @@ static void cuda_batch_put(hbm_t *h, hbm_batch_t *b)
     h->spare = b;
 }
 
-/* Enqueues the copies of one batch on stream s. */
-static cudaError_t cuda_copies(hbm_t *h, kvt_tier_io_t **ios, uint32_t n, int to_device,
-                               cudaStream_t s)
+/* Enqueues the copies of one batch on stream s of pool p. */
+static cudaError_t cuda_copies(hbm_t *h, hbm_pool_t *p, kvt_tier_io_t **ios, uint32_t n,
+                               int to_device, cudaStream_t s)
 {
     for (uint32_t i = 0; i < n; i++) {
         uint8_t *dev = hbm_addr(h, ios[i]->loc);
@@ -477,9 +578,9 @@ static cudaError_t cuda_copies(hbm_t *h, kvt_tier_io_t **ios, uint32_t n, int to
         memset(&attr, 0, sizeof(attr));
         attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
         attr.srcLocHint.type = to_device ? cudaMemLocationTypeHost : cudaMemLocationTypeDevice;
-        attr.srcLocHint.id = to_device ? 0 : h->device;
+        attr.srcLocHint.id = to_device ? 0 : p->device;
         attr.dstLocHint.type = to_device ? cudaMemLocationTypeDevice : cudaMemLocationTypeHost;
-        attr.dstLocHint.id = to_device ? h->device : 0;
+        attr.dstLocHint.id = to_device ? p->device : 0;
         size_t first = 0;
 #if CUDART_VERSION >= 13000
         cudaError_t ce = cudaMemcpyBatchAsync(h->dsts, h->srcs, h->sizes, n, &attr, &first, 1, s);
@@ -519,37 +620,37 @@ static void cuda_fail(kvt_tier_t *t, kvt_tier_io_t *io, int status)
     kvt__tier_complete(t, io, status);
 }
 
-static void cuda_batch(kvt_tier_t *t, kvt_tier_io_t **ios, uint32_t n, int to_device)
+static void cuda_batch(kvt_tier_t *t, hbm_pool_t *p, kvt_tier_io_t **ios, uint32_t n, int to_device)
 {
     hbm_t *h = t->impl;
     /* Half the streams carry copies to the device and half copies back, so that the two
      * directions' copy engines overlap; round robin within a direction. */
-    uint32_t down = h->nstreams > 1 ? h->nstreams / 2 : 1;
-    uint32_t first = to_device || h->nstreams == 1 ? 0 : down;
-    uint32_t count = h->nstreams == 1 ? 1 : to_device ? down : h->nstreams - down;
-    cudaStream_t s = h->streams[first + h->next_stream[to_device]++ % count];
+    uint32_t down = p->nstreams > 1 ? p->nstreams / 2 : 1;
+    uint32_t first = to_device || p->nstreams == 1 ? 0 : down;
+    uint32_t count = p->nstreams == 1 ? 1 : to_device ? down : p->nstreams - down;
+    cudaStream_t s = p->streams[first + p->next_stream[to_device]++ % count];
     cudaEvent_t ev = NULL;
     hbm_batch_t *b = cuda_batch_get(h);
-    cudaError_t ce = b ? cudaSetDevice(h->device) : cudaErrorMemoryAllocation;
-    if (ce == cudaSuccess && cuda_event_get(h, &ev) < 0)
+    cudaError_t ce = b ? cudaSetDevice(p->device) : cudaErrorMemoryAllocation;
+    if (ce == cudaSuccess && cuda_event_get(p, &ev) < 0)
         ce = cudaErrorMemoryAllocation;
-    if (ce == cudaSuccess && to_device && h->fence) {
+    if (ce == cudaSuccess && to_device && p->fence) {
         /* After a free while reads were out (hbm_free): the writes of this flush start once
-         * every read batch submitted so far is done. Rare: the daemon frees a block only when no
-         * read of it is in flight, unless a client removes it. */
+         * every read batch of this pool submitted so far is done. Rare: the daemon frees a block
+         * only when no read of it is in flight, unless a client removes it. */
         for (hbm_batch_t *r = h->pend_head; r && ce == cudaSuccess; r = r->next)
-            if (!r->to_device)
+            if (!r->to_device && r->pool == p)
                 ce = cudaStreamWaitEvent(s, r->ev, 0);
     }
     if (ce == cudaSuccess)
-        ce = cuda_copies(h, ios, n, to_device, s);
+        ce = cuda_copies(h, p, ios, n, to_device, s);
     if (ce == cudaSuccess)
         ce = cudaEventRecord(ev, s);
     if (ce != cudaSuccess) {
         kvt_log(KVT_LOG_ERROR, "hbm tier: submitting %u copies failed: %s", n,
                 cudaGetErrorString(ce));
         if (ev)
-            cuda_event_put(h, ev);
+            cuda_event_put(p, ev);
         if (b)
             cuda_batch_put(h, b);
         for (uint32_t i = 0; i < n; i++)
@@ -560,9 +661,10 @@ static void cuda_batch(kvt_tier_t *t, kvt_tier_io_t **ios, uint32_t n, int to_de
         ios[i]->priv[1] = i + 1 < n ? (uint64_t)(uintptr_t)ios[i + 1] : 0;
     b->head = ios[0];
     b->ev = ev;
+    b->pool = p;
     b->to_device = to_device;
     b->next = NULL;
-    h->read_batches += !to_device;
+    p->read_batches += !to_device;
     if (h->pend_tail)
         h->pend_tail->next = b;
     else
@@ -599,8 +701,8 @@ static int cuda_harvest(kvt_tier_t *t)
             h->pend_head = next;
         if (h->pend_tail == b)
             h->pend_tail = prev;
-        h->read_batches -= !b->to_device;
-        cuda_event_put(h, b->ev);
+        b->pool->read_batches -= !b->to_device;
+        cuda_event_put(b->pool, b->ev);
         if (ce != cudaSuccess)
             kvt_log(KVT_LOG_ERROR, "hbm tier: copy failed: %s", cudaGetErrorString(ce));
         for (kvt_tier_io_t *io = b->head, *inext; io; io = inext) {
@@ -642,27 +744,29 @@ static int cuda_open(hbm_t *h, const kvt_tier_hbm_conf_t *conf)
                 cuda_probe_err == cudaSuccess ? "0 devices" : cudaGetErrorString(cuda_probe_err));
         return KVT_EUNAVAIL;
     }
-    if (conf->device < 0 || conf->device >= cuda_ndev) {
-        kvt_log(KVT_LOG_ERROR, "hbm tier: CUDA device %d does not exist (%d found)", conf->device,
-                cuda_ndev);
-        return KVT_EINVAL;
-    }
-    h->device = conf->device;
-    cudaError_t ce = cudaSetDevice(h->device);
-    void *base = NULL;
-    if (ce == cudaSuccess)
-        ce = cudaMalloc(&base, h->pool_bytes);
-    if (ce != cudaSuccess) {
-        kvt_log(KVT_LOG_ERROR, "hbm tier: cudaMalloc of %llu bytes on device %d failed: %s",
-                (unsigned long long)h->pool_bytes, h->device, cudaGetErrorString(ce));
-        return ce == cudaErrorMemoryAllocation ? KVT_ENOMEM : KVT_EUNAVAIL;
-    }
-    h->base = base;
-    h->nstreams = conf->streams ? conf->streams : 4;
-    for (uint32_t i = 0; i < h->nstreams; i++) {
-        if (cudaStreamCreateWithFlags(&h->streams[i], cudaStreamNonBlocking) != cudaSuccess) {
-            h->nstreams = i;
-            return KVT_EUNAVAIL;
+    for (uint32_t k = 0; k < h->npools; k++) {
+        hbm_pool_t *p = &h->pools[k];
+        if (p->device >= cuda_ndev) {
+            kvt_log(KVT_LOG_ERROR, "hbm tier: CUDA device %d does not exist (%d found)", p->device,
+                    cuda_ndev);
+            return KVT_EINVAL;
+        }
+        cudaError_t ce = cudaSetDevice(p->device);
+        void *base = NULL;
+        if (ce == cudaSuccess)
+            ce = cudaMalloc(&base, h->pool_bytes);
+        if (ce != cudaSuccess) {
+            (void)cudaGetLastError();
+            kvt_log(KVT_LOG_ERROR, "hbm tier: cudaMalloc of %llu bytes on device %d failed: %s",
+                    (unsigned long long)h->pool_bytes, p->device, cudaGetErrorString(ce));
+            return ce == cudaErrorMemoryAllocation ? KVT_ENOMEM : KVT_EUNAVAIL;
+        }
+        p->base = base;
+        uint32_t want = conf->streams ? conf->streams : 4;
+        for (uint32_t i = 0; i < want; i++) {
+            if (cudaStreamCreateWithFlags(&p->streams[i], cudaStreamNonBlocking) != cudaSuccess)
+                return KVT_EUNAVAIL;
+            p->nstreams = i + 1;
         }
     }
     h->tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
@@ -709,7 +813,7 @@ static const char *hbm_api(const hbm_t *h)
 static uint32_t hbm_nstreams(const hbm_t *h)
 {
 #if KVT_HAVE_CUDA
-    return h->nstreams;
+    return h->pools[0].nstreams;
 #else
     (void)h;
     return 0;
@@ -722,12 +826,36 @@ int kvt_tier_hbm_offset(const kvt_tier_t *t, uint64_t loc, uint64_t *off)
         return KVT_EINVAL;
     if (!kvt__tier_lookup(t, loc))
         return KVT_ENOENT;
-    const hbm_t *h = t->impl;
-    *off = (loc - 1) << h->slot_shift;
+    *off = hbm_off(t->impl, loc);
     return 0;
 }
 
-int kvt_tier_hbm_ipc(kvt_tier_t *t, uint8_t handle[KVT_HBM_IPC_HANDLE], uint64_t *pool_bytes)
+int kvt_tier_hbm_device(const kvt_tier_t *t, uint64_t loc)
+{
+    if (!t || t->kind != KVT_TIER_HBM)
+        return KVT_EINVAL;
+    if (!kvt__tier_lookup(t, loc))
+        return KVT_ENOENT;
+    return pool_of_loc(t->impl, loc)->device;
+}
+
+int kvt_tier_hbm_pools(const kvt_tier_t *t, kvt_tier_hbm_pool_t *out, uint32_t n)
+{
+    if (!t || t->kind != KVT_TIER_HBM || (n && !out))
+        return KVT_EINVAL;
+    const hbm_t *h = t->impl;
+    for (uint32_t i = 0; i < h->npools && i < n; i++) {
+        const hbm_pool_t *p = &h->pools[i];
+        out[i] = (kvt_tier_hbm_pool_t){.device = p->device,
+                                       .capacity_bytes = h->pool_bytes,
+                                       .used_bytes = p->used_slots << h->slot_shift,
+                                       .blocks = p->blocks};
+    }
+    return (int)h->npools;
+}
+
+int kvt_tier_hbm_ipc(kvt_tier_t *t, int device, uint8_t handle[KVT_HBM_IPC_HANDLE],
+                     uint64_t *pool_bytes)
 {
     if (!t || !handle || !pool_bytes || t->kind != KVT_TIER_HBM)
         return KVT_EINVAL;
@@ -735,23 +863,26 @@ int kvt_tier_hbm_ipc(kvt_tier_t *t, uint8_t handle[KVT_HBM_IPC_HANDLE], uint64_t
         return KVT_EUNAVAIL; /* host memory: nothing another process could open */
 #if KVT_HAVE_CUDA
     hbm_t *h = t->impl;
-    if (!h->ipc_ok) {
-        cudaError_t ce = cudaSetDevice(h->device);
+    hbm_pool_t *p = pool_of_device(h, device);
+    if (!p)
+        p = &h->pools[0];
+    if (!p->ipc_ok) {
+        cudaError_t ce = cudaSetDevice(p->device);
         if (ce == cudaSuccess)
-            ce = cudaIpcGetMemHandle(&h->ipc, h->base);
+            ce = cudaIpcGetMemHandle(&p->ipc, p->base);
         if (ce != cudaSuccess) {
             (void)cudaGetLastError(); /* not sticky: the tier's copies go on */
             kvt_log(KVT_LOG_ERROR,
                     "hbm tier: cudaIpcGetMemHandle of the pool (%llu bytes on device %d) failed: "
                     "%s",
-                    (unsigned long long)h->pool_bytes, h->device, cudaGetErrorString(ce));
+                    (unsigned long long)h->pool_bytes, p->device, cudaGetErrorString(ce));
             return KVT_EIO;
         }
-        h->ipc_ok = 1;
+        p->ipc_ok = 1;
     }
-    memcpy(handle, &h->ipc, KVT_HBM_IPC_HANDLE);
+    memcpy(handle, &p->ipc, KVT_HBM_IPC_HANDLE);
     *pool_bytes = h->pool_bytes;
-    return 0;
+    return p->device;
 #else
     return KVT_EUNAVAIL;
 #endif
@@ -835,16 +966,42 @@ int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf)
     uint64_t nslots = conf->capacity_bytes / slot;
     if (nslots == 0 || conf->capacity_bytes > (1ull << 46))
         return KVT_EINVAL;
+    /* The devices: distinct ordinals, or the one `device`. */
+    int one = conf->device;
+    const int *devs = conf->ndevices ? conf->devices : &one;
+    uint32_t ndev = conf->ndevices ? conf->ndevices : 1;
+    if (!devs || ndev > KVT_HBM_MAX_DEVICES) {
+        kvt_log(KVT_LOG_ERROR, "hbm tier: a device list names 1 to %d devices (%u given%s)",
+                KVT_HBM_MAX_DEVICES, ndev, devs ? "" : ", but no list");
+        return KVT_EINVAL;
+    }
+    for (uint32_t i = 0; i < ndev; i++) {
+        int twice = 0;
+        for (uint32_t j = 0; j < i; j++)
+            twice |= devs[j] == devs[i];
+        if (devs[i] < 0 || twice) {
+            kvt_log(KVT_LOG_ERROR, "hbm tier: device %d %s", devs[i],
+                    twice ? "listed twice" : "is no CUDA device ordinal");
+            return KVT_EINVAL;
+        }
+    }
     hbm_t *h = calloc(1, sizeof(*h));
     if (!h)
         return KVT_ENOMEM;
     h->slot_bytes = slot;
     h->slot_shift = (uint32_t)__builtin_ctz(slot);
-    h->nslots = nslots;
+    h->npools = ndev;
+    for (uint32_t i = 0; i < ndev; i++) {
+        hbm_pool_t *p = &h->pools[i];
+        p->device = devs[i];
+        p->first = p->hint = (uint64_t)i * nslots;
+        p->nslots = nslots;
+    }
+    h->nslots = nslots * ndev;
     h->pool_bytes = nslots * slot;
     h->batch_max = conf->batch ? conf->batch : HBM_BATCH_DEFAULT;
     h->st.batch_max = h->batch_max;
-    h->bitmap = calloc((nslots + 63) / 64, sizeof(uint64_t));
+    h->bitmap = calloc((h->nslots + 63) / 64, sizeof(uint64_t));
     h->batch = calloc(h->batch_max, sizeof(*h->batch));
     if (!h->bitmap || !h->batch) {
         hbm_dealloc(h);
@@ -853,13 +1010,15 @@ int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf)
     const kvt_tier_ops_t *ops = &host_ops;
     int rc = 0;
     if (host) {
-        void *p = mmap(NULL, h->pool_bytes, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) {
-            hbm_dealloc(h);
-            return KVT_ENOMEM;
+        for (uint32_t i = 0; i < ndev; i++) {
+            void *p = mmap(NULL, h->pool_bytes, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (p == MAP_FAILED) {
+                hbm_dealloc(h);
+                return KVT_ENOMEM;
+            }
+            h->pools[i].base = p;
         }
-        h->base = p;
     } else {
 #if KVT_HAVE_CUDA
         ops = &cuda_ops;
@@ -870,22 +1029,24 @@ int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf)
 #endif
     }
     if (rc == 0)
-        rc = kvt__tier_init(out, KVT_TIER_HBM, ops, h, h->pool_bytes);
+        rc = kvt__tier_init(out, KVT_TIER_HBM, ops, h, h->pool_bytes * ndev);
     if (rc < 0) {
         hbm_dealloc(h);
         return rc;
     }
+    char list[KVT_HBM_MAX_DEVICES * 12] = "";
+    for (uint32_t i = 0, o = 0; i < ndev && o < sizeof(list); i++)
+        o += (uint32_t)snprintf(list + o, sizeof(list) - o, "%s%d", i ? "," : "", devs[i]);
     if (host)
         kvt_log(KVT_LOG_WARN,
-                "hbm tier: backend \"host\": %llu bytes of ordinary memory stand in for HBM "
-                "(testing only, no GPU involved); copies in batches of up to %u",
-                (unsigned long long)h->pool_bytes, h->batch_max);
+                "hbm tier: backend \"host\": %llu bytes of ordinary memory per device (%s) stand "
+                "in for HBM (testing only, no GPU involved); copies in batches of up to %u",
+                (unsigned long long)h->pool_bytes, list, h->batch_max);
     else
         kvt_log(KVT_LOG_INFO,
-                "hbm tier: backend \"cuda\": %llu bytes on device %d, copies in batches of up to "
-                "%u (%s) on %u streams",
-                (unsigned long long)h->pool_bytes, conf->device, h->batch_max, hbm_api(h),
-                hbm_nstreams(h));
+                "hbm tier: backend \"cuda\": %llu bytes on each device (%s), copies in batches of "
+                "up to %u (%s) on %u streams each",
+                (unsigned long long)h->pool_bytes, list, h->batch_max, hbm_api(h), hbm_nstreams(h));
     return 0;
 }
 

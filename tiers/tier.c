@@ -870,6 +870,7 @@ int kvt_tier_copy(kvt_tier_copy_t *c)
     c->io.key = c->key;
     c->io.len = c->len;
     c->io.data = c;
+    c->io.device = c->dst_device;
 
     void *src_mem = kvt_tier_ptr(c->src, c->src_loc);
     if (src_mem) {

@@ -82,6 +82,11 @@ struct kvt_tier_io {
      * (the policy's moves), behind only other urgent ones. Reads only: writes keep their order
      * (the remote tier's undo of a failed SET must not be overtaken). */
     int urgent;
+    /* An HBM write with a pool on several devices: the CUDA device (ordinal) whose pool should
+     * take the block (the engine's that stored it); the first pool for a device the tier has no
+     * pool on. Where that pool has no room, or for -1 (none wanted), the pool with the most room
+     * takes it. Other tiers, reads and one-pool HBM tiers ignore it. */
+    int device;
 
     /* Private to tiers/. */
     kvt_io_op_t op;
@@ -205,6 +210,7 @@ struct kvt_tier_copy {
     void *data;
     int status;
     uint64_t dst_loc;
+    int dst_device; /* an HBM dst with several pools: the device wanted (kvt_tier_io_t.device) */
 
     /* Private to tiers/. */
     kvt_tier_io_t io;
@@ -483,11 +489,17 @@ long kvt_tier_nvme_drop_recovered(kvt_tier_t *t);
  * the caller's loop thus complete together, one batch per direction (tiers/hbm.c). */
 typedef struct kvt_tier_hbm_conf {
     const char *backend;     /* "cuda", "host" or "auto"; NULL: "auto" */
-    uint64_t capacity_bytes; /* pool size, rounded down to whole slots */
+    uint64_t capacity_bytes; /* each pool's size, rounded down to whole slots */
     uint32_t slot_bytes;     /* 0: 64 KiB; a power of two, 4 KiB .. 16 MiB */
-    int device;              /* CUDA device ordinal */
-    uint32_t streams;        /* 0: 4 (half each way); 1 .. 16 */
+    int device;              /* CUDA device ordinal of the one pool (ndevices 0) */
+    uint32_t streams;        /* 0: 4 (half each way); 1 .. 16, per pool */
     uint32_t batch;          /* most copies in one batch; 0: 16; 1: each copy at once; .. 256 */
+    /* One pool per device listed (distinct ordinals >= 0, at most KVT_HBM_MAX_DEVICES), each of
+     * capacity_bytes; the tier's capacity is their sum. ndevices 0: one pool on `device`. The
+     * host backend takes the list too: ordinary memory per "device", for testing. Borrowed for
+     * the call. */
+    const int *devices;
+    uint32_t ndevices;
 } kvt_tier_hbm_conf_t;
 
 /* How the tier's copies went out: batches (one call each) and the copies in them. */
@@ -502,6 +514,29 @@ typedef struct kvt_tier_hbm_stats {
 
 /* Returns 0, or KVT_EINVAL when t is not an HBM tier. */
 int kvt_tier_hbm_stats(const kvt_tier_t *t, kvt_tier_hbm_stats_t *out);
+
+/*
+ * Several devices. An HBM tier may hold one pool per CUDA device of the node (conf->devices).
+ * To its owner it is still one tier whose capacity is the sum: a write goes to the pool of the
+ * device it names (kvt_tier_io_t.device) and, where that pool is full, to the pool with the most
+ * room, so a write fails with KVT_ENOSPC only when no pool has room, as for one pool, and the
+ * policy's accounting of one capacity stays exact. A device the tier has no pool on wants the
+ * first pool. Each pool never holds more than its own
+ * capacity. A location names its pool: kvt_tier_hbm_device() says which.
+ */
+#define KVT_HBM_MAX_DEVICES 16
+typedef struct kvt_tier_hbm_pool {
+    int device;              /* its CUDA device ordinal (the host backend's stand-in number) */
+    uint64_t capacity_bytes; /* the pool's size */
+    uint64_t used_bytes;     /* whole slots held by its blocks (writes in flight included) */
+    uint64_t blocks;         /* blocks in it (writes in flight included) */
+} kvt_tier_hbm_pool_t;
+/* Fills out[0 .. min(n, pools) - 1] in the order the devices were configured and returns the
+ * number of pools, or KVT_EINVAL when t is not an HBM tier (out may be NULL when n is 0). */
+int kvt_tier_hbm_pools(const kvt_tier_t *t, kvt_tier_hbm_pool_t *out, uint32_t n);
+/* The device of the pool holding loc, or KVT_ENOENT when loc is no live location of this tier
+ * (KVT_EINVAL when t is not an HBM tier). */
+int kvt_tier_hbm_device(const kvt_tier_t *t, uint64_t loc);
 
 /* Returns 0, KVT_EINVAL, KVT_ENOMEM, or KVT_EUNAVAIL (no usable GPU, or no CUDA in this build). */
 int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf);
@@ -519,11 +554,15 @@ int kvt_tier_cuda_usable(void);
  * reads a block at its offset while its lease holds.
  */
 #define KVT_HBM_IPC_HANDLE 64 /* sizeof(cudaIpcMemHandle_t) */
-/* Fills handle and *pool_bytes. KVT_EUNAVAIL with the host backend or a build without CUDA,
- * KVT_EIO when cudaIpcGetMemHandle fails (logged), KVT_EINVAL when t is not an HBM tier. */
-int kvt_tier_hbm_ipc(kvt_tier_t *t, uint8_t handle[KVT_HBM_IPC_HANDLE], uint64_t *pool_bytes);
-/* 0 with *off the payload's byte offset in the pool when loc is a live location of this HBM
- * tier; KVT_ENOENT otherwise (KVT_EINVAL when t is not an HBM tier). Works for both backends. */
+/* Fills handle and *pool_bytes for the pool on `device`, or the first pool where the tier has
+ * none on it, and returns the device of the pool exported (>= 0). KVT_EUNAVAIL with the host
+ * backend or a build without CUDA, KVT_EIO when cudaIpcGetMemHandle fails (logged), KVT_EINVAL
+ * when t is not an HBM tier. */
+int kvt_tier_hbm_ipc(kvt_tier_t *t, int device, uint8_t handle[KVT_HBM_IPC_HANDLE],
+                     uint64_t *pool_bytes);
+/* 0 with *off the payload's byte offset in its pool (kvt_tier_hbm_device names it) when loc is
+ * a live location of this HBM tier; KVT_ENOENT otherwise (KVT_EINVAL when t is not an HBM
+ * tier). Works for both backends. */
 int kvt_tier_hbm_offset(const kvt_tier_t *t, uint64_t loc, uint64_t *off);
 /* The client's side, in the client's process: maps a handle received from kvtierd (made by
  * kvt_tier_hbm_ipc) on CUDA device `device` (the pool's, or one with peer access to it, enabled

@@ -57,6 +57,7 @@ typedef struct kvt_client_conf {
     uint32_t block_bytes;
     int timeout_ms;
     int zero_copy;
+    int device;
 } kvt_client_conf_t;
 
 int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);

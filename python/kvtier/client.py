@@ -299,7 +299,9 @@ class Client(KeysMixin, HintsMixin):
     tenants), ``page_size`` (tokens per page, 1..1024), ``block_bytes`` (KV bytes of one page; 0
     for index-only use), ``timeout_ms`` (per call, milliseconds), ``zero_copy`` (default True:
     on the Unix socket, map the namespace's DRAM arena and move block bytes through it; a
-    refusal is not an error, see ``zero_copy`` and ``zero_copy_reason``).
+    refusal is not an error, see ``zero_copy`` and ``zero_copy_reason``), ``device`` (the CUDA
+    device ordinal, 0..65535, the engine's KV cache is on: a daemon with an HBM pool per device,
+    ``hbm-devices``, stores this connection's pages in that device's pool; default 0).
 
     Raises ConnectError (no daemon there: errno ENOENT or ECONNREFUSED), AuthError,
     InvalidArgument, ProtocolError, NoSpace (no room for a new namespace).
@@ -321,6 +323,7 @@ class Client(KeysMixin, HintsMixin):
         salt: Optional[str] = None,
         timeout_ms: int = 10000,
         zero_copy: bool = True,
+        device: int = 0,
     ) -> None:
         self._c = ffi.NULL
         self._lock = threading.Lock()
@@ -334,6 +337,11 @@ class Client(KeysMixin, HintsMixin):
         conf.block_bytes = block_bytes
         conf.timeout_ms = timeout_ms
         conf.zero_copy = 1 if zero_copy else 0
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device <= 65535:
+            raise InvalidArgument(EINVAL, "device must be a CUDA device ordinal in 0..65535, "
+                                  "not %r" % (device,))
+        conf.device = device
+        self.device = device
         out = ffi.new("kvt_client_t **")
         rc = lib.kvt_client_connect(out, conf)
         if rc < 0:
