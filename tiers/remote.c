@@ -560,11 +560,34 @@ static remote_reply_t *reply_reset(remote_t *rm, int type)
     return o;
 }
 
+/*
+ * A reply when no request waits for one (a server out of step, or not a Redis server): hiredis
+ * takes a reply it has no callback for as a server's spontaneous error, and drops the connection,
+ * but asserts (aborting the daemon) on any other kind. Every such reply is made an error here, so
+ * that the connection goes and its requests are retried on the next one.
+ */
+static remote_reply_t *unasked(remote_t *rm)
+{
+    remote_reply_t *o = reply_reset(rm, REDIS_REPLY_ERROR);
+    snprintf(o->msg, sizeof(o->msg), "kvtier: a reply to no request");
+    o->r.str = o->msg;
+    o->r.len = strlen(o->msg);
+    o->status = KVT_EPROTO;
+    static kvt_log_limit_t lim;
+    kvt_log_limited(&lim, KVT_LOG_WARN,
+                    "remote: %s:%d sent a reply to no request: reconnecting (is it a Redis or "
+                    "Valkey server?)",
+                    rm->host, rm->port);
+    return o;
+}
+
 static void *reply_string(const redisReadTask *task, char *str, size_t len)
 {
     remote_t *rm = task->privdata;
     if (task->parent)
         return &rm->reply; /* an element of an array we never asked for */
+    if (!rm->sentq.head && task->type != REDIS_REPLY_ERROR)
+        return unasked(rm);
     remote_reply_t *o = reply_reset(rm, task->type);
     o->r.len = len;
     if (task->type != REDIS_REPLY_STRING) {
@@ -602,6 +625,8 @@ static void *reply_array(const redisReadTask *task, int elements)
     remote_t *rm = task->privdata;
     if (task->parent)
         return &rm->reply;
+    if (!rm->sentq.head)
+        return unasked(rm);
     remote_reply_t *o = reply_reset(rm, REDIS_REPLY_ARRAY);
     o->r.elements = elements > 0 ? (size_t)elements : 0;
     return o;
@@ -612,6 +637,8 @@ static void *reply_integer(const redisReadTask *task, long long value)
     remote_t *rm = task->privdata;
     if (task->parent)
         return &rm->reply;
+    if (!rm->sentq.head)
+        return unasked(rm);
     remote_reply_t *o = reply_reset(rm, REDIS_REPLY_INTEGER);
     o->r.integer = value;
     return o;
@@ -622,6 +649,8 @@ static void *reply_nil(const redisReadTask *task)
     remote_t *rm = task->privdata;
     if (task->parent)
         return &rm->reply;
+    if (!rm->sentq.head)
+        return unasked(rm);
     return reply_reset(rm, REDIS_REPLY_NIL);
 }
 
