@@ -24,9 +24,17 @@ fi
 
 # The fuzz build needs clang and its libFuzzer runtime (setup.sh installs both); without them the
 # short fuzz runs are reported as skipped.
-fuzz_build=1
+fuzz_build=1 fuzz_why=""
+fuzz_probe='int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return d && n; }'
 if ! command -v clang >/dev/null 2>&1; then
-    echo "test: clang not found: the fuzz stage is skipped" >&2
+    fuzz_why="clang is not installed (apt package clang)"
+elif ! echo "$fuzz_probe" | clang -x c -fsanitize=fuzzer,address,undefined - \
+        -o "${TMPDIR:-/tmp}/kvt-fuzz-probe.$$" >/dev/null 2>&1; then
+    fuzz_why="clang cannot link libFuzzer with ASan and UBSan (apt package libclang-rt-dev)"
+fi
+rm -f "${TMPDIR:-/tmp}/kvt-fuzz-probe.$$"
+if [ -n "$fuzz_why" ]; then
+    echo "test: $fuzz_why: the fuzz stage is skipped" >&2
     fuzz_build=0
 elif ! CC=clang bash scripts/setup.sh build-fuzz -Dfuzz=enabled -Dtests=disabled \
         -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized; then
@@ -98,7 +106,7 @@ echo "== fuzz (build-fuzz: libFuzzer, ${KVT_FUZZ_SECONDS:-8} s per harness)"
 if [ $fuzz_build -eq 1 ]; then
     meson test -C build-fuzz --suite fuzz -v --print-errorlogs || { rc=1; failed="$failed build-fuzz"; }
 else
-    echo "SKIP: clang is not installed (apt package clang, libclang-rt-dev)"
+    echo "SKIP: $fuzz_why"
 fi
 if [ $rc -ne 0 ]; then
     echo "== FAILED in:$failed"
