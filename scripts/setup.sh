@@ -11,8 +11,9 @@ run_pkgs=(gcc pkg-config meson ninja-build
           libjemalloc-dev liburing-dev libhiredis-dev libxxhash-dev)
 # What only the tests and benchmarks use: Criterion, the format check, a redis-server for the
 # remote tier's tests, fio (bench_tiers' NVMe ceiling) and promtool (from prometheus, which
-# checks the /metrics text).
-test_pkgs=(libcriterion-dev clang-format redis-server redis-tools fio prometheus)
+# checks the /metrics text), clang with its sanitizer and libFuzzer runtimes (the fuzz build).
+test_pkgs=(libcriterion-dev clang-format redis-server redis-tools fio prometheus clang
+           libclang-rt-dev)
 
 pkgs=("${run_pkgs[@]}")
 if [ "${1:-}" = "--run-only" ]; then

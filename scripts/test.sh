@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: format check, the release build that `make run` starts (so that what it
 # builds is what CI builds) and an ASan+UBSan build, both run against a throwaway redis-server on
-# a free loopback port that this script starts and stops by its PID.
+# a free loopback port that this script starts and stops by its PID; then a short run of each
+# libFuzzer harness (fuzz/, built with clang in build-fuzz; KVT_FUZZ_SECONDS each, 8 by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,26 @@ if bash scripts/pyenv.sh --sglang build >build/pyenv-sglang.log 2>&1; then
 else
     echo "test: build/pyenv-sglang not made (build/pyenv-sglang.log); python_sglang_hostpool" \
         "will skip" >&2
+fi
+
+# The fuzz build needs clang and its libFuzzer runtime (setup.sh installs both); without them the
+# short fuzz runs are reported as skipped.
+fuzz_build=1 fuzz_why=""
+fuzz_probe='int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return d && n; }'
+if ! command -v clang >/dev/null 2>&1; then
+    fuzz_why="clang is not installed (apt package clang)"
+elif ! echo "$fuzz_probe" | clang -x c -fsanitize=fuzzer,address,undefined - \
+        -o "${TMPDIR:-/tmp}/kvt-fuzz-probe.$$" >/dev/null 2>&1; then
+    fuzz_why="clang cannot link libFuzzer with ASan and UBSan (apt package libclang-rt-dev)"
+fi
+rm -f "${TMPDIR:-/tmp}/kvt-fuzz-probe.$$"
+if [ -n "$fuzz_why" ]; then
+    echo "test: $fuzz_why: the fuzz stage is skipped" >&2
+    fuzz_build=0
+elif ! CC=clang bash scripts/setup.sh build-fuzz -Dfuzz=enabled -Dtests=disabled \
+        -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized; then
+    echo "test: the fuzz build (build-fuzz) failed" >&2
+    exit 1
 fi
 
 echo "== format check (clang-format, .clang-format)"
@@ -81,6 +102,12 @@ meson test -C build -v --num-processes 2 --print-errorlogs || { rc=1; failed="$f
 echo "== tests (build-asan: AddressSanitizer + UndefinedBehaviorSanitizer)"
 meson test -C build-asan -v --num-processes 2 --print-errorlogs --timeout-multiplier 3 ||
     { rc=1; failed="$failed build-asan"; }
+echo "== fuzz (build-fuzz: libFuzzer, ${KVT_FUZZ_SECONDS:-8} s per harness)"
+if [ $fuzz_build -eq 1 ]; then
+    meson test -C build-fuzz --suite fuzz -v --print-errorlogs || { rc=1; failed="$failed build-fuzz"; }
+else
+    echo "SKIP: $fuzz_why"
+fi
 if [ $rc -ne 0 ]; then
     echo "== FAILED in:$failed"
     for d in $failed; do
@@ -88,6 +115,6 @@ if [ $rc -ne 0 ]; then
         summary "$d"
     done
 else
-    echo "== all tests passed in build and build-asan"
+    echo "== all tests passed in build, build-asan and build-fuzz"
 fi
 exit $rc

@@ -88,41 +88,6 @@ static void http_respond(kvt_http_conn_t *h, const char *status, const char *typ
     h->out_len = (size_t)n + len;
 }
 
-static void http_route(kvt_srv_t *s, kvt_http_conn_t *h)
-{
-    char method[16], path[256];
-    if (sscanf(h->head, "%15s %255s", method, path) != 2) {
-        http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
-        return;
-    }
-    char *q = strchr(path, '?');
-    if (q)
-        *q = 0;
-    int get = !strcmp(method, "GET"), head = !strcmp(method, "HEAD");
-    if (!strcmp(path, "/metrics") && (get || head)) {
-        kvt__tier_metrics(s);
-        kvt__metrics_process(s->metrics);
-        char *body;
-        size_t len;
-        if (kvt__metrics_render(s->metrics, &body, &len) < 0) {
-            http_respond(h, "500 Internal Server Error", "text/plain", "out of memory\n", 14);
-            return;
-        }
-        http_respond(h, "200 OK", "text/plain; version=0.0.4; charset=utf-8", body, head ? 0 : len);
-        free(body);
-    } else if (!strcmp(path, "/healthz") && (get || head)) {
-        /* A load balancer or an engine's health check stops sending here while it drains. */
-        const char *msg = s->stopping ? "stopping\n" : s->draining ? "draining\n" : "ok\n";
-        int down = s->stopping || s->draining;
-        http_respond(h, down ? "503 Service Unavailable" : "200 OK", "text/plain", msg,
-                     head ? 0 : strlen(msg));
-    } else if (!strcmp(path, "/metrics") || !strcmp(path, "/healthz")) {
-        http_respond(h, "405 Method Not Allowed", "text/plain", "GET only\n", 9);
-    } else {
-        http_respond(h, "404 Not Found", "text/plain", "not found\n", 10);
-    }
-}
-
 /* Whether the first len bytes of a request can begin an HTTP/1 request line: a method of capital
  * letters, a target, "HTTP/" and a version, then the line's end. Another protocol's bytes (TLS, a
  * kvtier frame, text) fail as soon as they show, and get their 400 without a wait for a blank line
@@ -153,6 +118,59 @@ static int http_line_ok(const char *p, size_t len)
     return i == len || p[i] == '\n';
 }
 
+static void http_route(kvt_srv_t *s, kvt_http_conn_t *h, kvt__http_req_t req, int head)
+{
+    if (req == KVT__HTTP_BAD) {
+        http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
+    } else if (req == KVT__HTTP_TOO_LARGE) {
+        http_respond(h, "431 Request Header Fields Too Large", "text/plain", "too large\n", 10);
+    } else if (req == KVT__HTTP_METRICS) {
+        kvt__tier_metrics(s);
+        kvt__metrics_process(s->metrics);
+        char *body;
+        size_t len;
+        if (kvt__metrics_render(s->metrics, &body, &len) < 0) {
+            http_respond(h, "500 Internal Server Error", "text/plain", "out of memory\n", 14);
+            return;
+        }
+        http_respond(h, "200 OK", "text/plain; version=0.0.4; charset=utf-8", body, head ? 0 : len);
+        free(body);
+    } else if (req == KVT__HTTP_HEALTHZ) {
+        /* A load balancer or an engine's health check stops sending here while it drains. */
+        const char *msg = s->stopping ? "stopping\n" : s->draining ? "draining\n" : "ok\n";
+        int down = s->stopping || s->draining;
+        http_respond(h, down ? "503 Service Unavailable" : "200 OK", "text/plain", msg,
+                     head ? 0 : strlen(msg));
+    } else if (req == KVT__HTTP_NOT_ALLOWED) {
+        http_respond(h, "405 Method Not Allowed", "text/plain", "GET only\n", 9);
+    } else {
+        http_respond(h, "404 Not Found", "text/plain", "not found\n", 10);
+    }
+}
+
+kvt__http_req_t kvt__http_parse(const char *head, size_t len, int full, int *head_only)
+{
+    *head_only = 0;
+    if (!http_line_ok(head, len))
+        return KVT__HTTP_BAD;
+    if (!strstr(head, "\r\n\r\n") && !strstr(head, "\n\n"))
+        return full ? KVT__HTTP_TOO_LARGE : KVT__HTTP_MORE;
+    char method[16], path[256];
+    if (sscanf(head, "%15s %255s", method, path) != 2)
+        return KVT__HTTP_BAD;
+    char *q = strchr(path, '?');
+    if (q)
+        *q = 0;
+    int get = !strcmp(method, "GET");
+    *head_only = !strcmp(method, "HEAD");
+    int known = !strcmp(path, "/metrics") || !strcmp(path, "/healthz");
+    if (known && !get && !*head_only)
+        return KVT__HTTP_NOT_ALLOWED;
+    if (!known)
+        return KVT__HTTP_NOT_FOUND;
+    return path[1] == 'm' ? KVT__HTTP_METRICS : KVT__HTTP_HEALTHZ;
+}
+
 static void http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     kvt_http_conn_t *h = (kvt_http_conn_t *)ev;
@@ -165,18 +183,12 @@ static void http_on_conn(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         }
         h->head_len += (size_t)n;
         h->head[h->head_len] = 0;
-        if (!http_line_ok(h->head, h->head_len)) {
-            http_respond(h, "400 Bad Request", "text/plain", "bad request\n", 12);
-        } else if (!strstr(h->head, "\r\n\r\n") && !strstr(h->head, "\n\n")) {
-            if (h->head_len == sizeof h->head - 1) {
-                http_respond(h, "431 Request Header Fields Too Large", "text/plain", "too large\n",
-                             10);
-            } else {
-                return;
-            }
-        } else {
-            http_route(s, h);
-        }
+        int head = 0;
+        kvt__http_req_t req =
+            kvt__http_parse(h->head, h->head_len, h->head_len == sizeof h->head - 1, &head);
+        if (req == KVT__HTTP_MORE)
+            return;
+        http_route(s, h, req, head);
         if (!h->out) {
             http_free(s, h);
             return;

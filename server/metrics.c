@@ -306,25 +306,44 @@ __attribute__((format(printf, 2, 3))) static void kvt_bprintf(kvt_buf_t *b, cons
     }
 }
 
+/* The tiers each tier-labelled metric has a series for, one bit per tier id: only those whose
+ * series can be other than zero (a tier="none" row of used bytes, a MAP of NVMe, a reclaim in
+ * DRAM would be always 0, and a scraper would store and graph them all). */
+#define TIER_BIT(t) (1u << (t))
+static const unsigned kvt_tier_sets[] = {
+    [KVT_LBL_TIER] = (1u << KVT_TIER_COUNT) - 1,
+    [KVT_LBL_STORE] = TIER_BIT(KVT_TIER_HBM) | TIER_BIT(KVT_TIER_DRAM) | TIER_BIT(KVT_TIER_NVME) |
+                      TIER_BIT(KVT_TIER_REMOTE),
+    [KVT_LBL_LOSS] = TIER_BIT(KVT_TIER_NVME) | TIER_BIT(KVT_TIER_REMOTE),
+    [KVT_LBL_MAP] = TIER_BIT(KVT_TIER_HBM) | TIER_BIT(KVT_TIER_DRAM),
+};
+
+static int lbl_is_tier(kvt_label_kind_t lbl)
+{
+    return lbl == KVT_LBL_TIER || lbl == KVT_LBL_STORE || lbl == KVT_LBL_LOSS || lbl == KVT_LBL_MAP;
+}
+
 /* The labels of one series as key/value pairs (at most two), their count, or -1 when the series
- * index is not rendered (a tier pair of one tier with itself). */
+ * index is not rendered (a tier pair of one tier with itself, a tier or an operation that the
+ * metric cannot count). */
 static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
 {
     switch (lbl) {
     case KVT_LBL_NONE:
         return s == 0 ? 0 : -1;
-    case KVT_LBL_STORE:
-        if (s == KVT_TIER_NONE)
-            return -1;
-        /* fall through */
     case KVT_LBL_TIER:
-        if (s >= KVT_TIER_COUNT)
+    case KVT_LBL_STORE:
+    case KVT_LBL_LOSS:
+    case KVT_LBL_MAP:
+        if (s >= KVT_TIER_COUNT || !(kvt_tier_sets[lbl] & TIER_BIT(s)))
             return -1;
         kv[0] = "tier";
         kv[1] = kvt_tier_name((kvt_tier_id_t)s);
         return 1;
     case KVT_LBL_OP:
-        if (s == 0 || s >= KVT_OP_COUNT)
+    case KVT_LBL_ZC_OP:
+        if (s == 0 || s >= KVT_OP_COUNT ||
+            (lbl == KVT_LBL_ZC_OP && s != KVT_OP_GET && s != KVT_OP_RESERVE))
             return -1;
         kv[0] = "op";
         kv[1] = kvt_proto_op_name(s);
@@ -434,7 +453,7 @@ static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, 
         sl -= 6;
     if (d->lbl == KVT_LBL_BUILD)
         snprintf(buf, len, "%.*s", (int)sl, stem);
-    else if (d->lbl == KVT_LBL_TIER && !strncmp(stem, "tier_", 5))
+    else if (lbl_is_tier(d->lbl) && !strncmp(stem, "tier_", 5))
         snprintf(buf, len, "%s_%.*s", kv[1], (int)(sl - 5), stem + 5);
     else if (n == 0)
         snprintf(buf, len, "%.*s", (int)sl, stem);

@@ -19,8 +19,12 @@
 typedef enum {
     KVT_LBL_NONE,
     KVT_LBL_TIER,     /* tier="hbm|dram|nvme|remote|none" */
+    KVT_LBL_STORE,    /* tier="hbm|dram|nvme|remote": the tiers that hold bytes */
+    KVT_LBL_LOSS,     /* tier="nvme|remote": the tiers that drop blocks by themselves */
+    KVT_LBL_MAP,      /* tier="hbm|dram": the tiers a MAP hands out */
     KVT_LBL_REASON,   /* reason="never_seen|evicted|short_page|remote_unreachable|checksum" */
     KVT_LBL_OP,       /* op="hello|auth|match|..." */
+    KVT_LBL_ZC_OP,    /* op="get|reserve": the operations that move pages through a mapping */
     KVT_LBL_PAIR,     /* from="...",to="..." over real tiers */
     KVT_LBL_TIER_IO,  /* tier="...",dir="read|write" */
     KVT_LBL_ERR,      /* kind="..." protocol error kinds */
@@ -28,7 +32,6 @@ typedef enum {
     KVT_LBL_PUT,      /* outcome="stored|cached|no_room|failed" */
     KVT_LBL_HINT,     /* kind="paused|finished|priority" */
     KVT_LBL_RESV,     /* outcome="committed|aborted|expired|closed" */
-    KVT_LBL_STORE,    /* tier="hbm|dram|nvme|remote": the tiers that hold bytes */
     KVT_LBL_NS,       /* model="...",adapter="...": metrics-namespaces of them, then "_other" */
     KVT_LBL_BUILD,    /* version="...",commit="...",cuda="yes|no": one series */
     /* tier="...",scale="0.25|0.5|1|2|4" over the configured real tiers (kvt__metrics_tiers) */
@@ -104,12 +107,12 @@ typedef enum {
       "Matched tokens, by the tier holding their block at the time of the match.", TIER)           \
     X(MISS_TOKENS, COUNTER, "kvtier_miss_tokens_total",                                            \
       "Looked-up tokens not matched, by reason.", REASON)                                          \
-    X(TIER_USED, GAUGE, "kvtier_tier_used_bytes", "Bytes stored in each tier.", TIER)              \
+    X(TIER_USED, GAUGE, "kvtier_tier_used_bytes", "Bytes stored in each tier.", STORE)             \
     X(TIER_CAPACITY, GAUGE, "kvtier_tier_capacity_bytes", "Configured capacity of each tier.",     \
-      TIER)                                                                                        \
-    X(TIER_BLOCKS, GAUGE, "kvtier_tier_blocks", "Blocks stored in each tier.", TIER)               \
+      STORE)                                                                                       \
+    X(TIER_BLOCKS, GAUGE, "kvtier_tier_blocks", "Blocks stored in each tier.", STORE)              \
     X(TIER_LOST, COUNTER, "kvtier_tier_lost_blocks_total",                                         \
-      "Blocks a tier dropped by itself (NVMe segment reclaim, remote server eviction).", TIER)     \
+      "Blocks a tier dropped by itself (NVMe segment reclaim, remote server eviction).", LOSS)     \
     X(HBM_BATCHES, COUNTER, "kvtier_hbm_copy_batches_total",                                       \
       "Batches the HBM tier's copies went out in (one cudaMemcpyBatchAsync each).", NONE)          \
     X(HBM_COPIES, COUNTER, "kvtier_hbm_copies_total",                                              \
@@ -255,7 +258,7 @@ typedef enum {
       NONE)                                                                                        \
     X(ZC_MAPS, COUNTER, "kvtier_zero_copy_maps_total",                                             \
       "MAP requests granted to local clients, by tier (a memfd for DRAM, an IPC handle for HBM).", \
-      TIER)                                                                                        \
+      MAP)                                                                                         \
     X(ZC_ARENAS, GAUGE, "kvtier_zero_copy_arenas",                                                 \
       "Namespaces with a DRAM arena of their own (zero-copy-arenas).", NONE)                       \
     X(ZC_RESIDENT, GAUGE, "kvtier_zero_copy_resident_bytes",                                       \
@@ -278,7 +281,8 @@ typedef enum {
       "there (tenant-<tier>-bytes).",                                                              \
       TIER)                                                                                        \
     X(ZC_PAGES, COUNTER, "kvtier_zero_copy_pages_total",                                           \
-      "Pages a local client read (GET with LOCATE) or wrote (RESERVE) through its mapping.", OP)   \
+      "Pages a local client read (GET with LOCATE) or wrote (RESERVE) through its mapping.",       \
+      ZC_OP)                                                                                       \
     X(RESERVATIONS, COUNTER, "kvtier_reservations_total",                                          \
       "Zero-copy reservations ended, by outcome: committed, aborted, expired (reserve-ms), "       \
       "closed (the connection went).",                                                             \

@@ -686,6 +686,20 @@ int kvt__http_listen(kvt_srv_t *s, const char *addr);
 void kvt__http_close(kvt_srv_t *s);
 /* Every tick: scrape connections past their time (5 s) are closed. */
 void kvt__http_tick(kvt_srv_t *s, uint64_t now);
+/* What a request head read so far asks for: the whole of the endpoint's parsing, apart from its
+ * socket (fuzz/fuzz_http.c drives it directly). */
+typedef enum {
+    KVT__HTTP_MORE,        /* no blank line yet, and room for more: read on */
+    KVT__HTTP_BAD,         /* 400: not an HTTP request line */
+    KVT__HTTP_TOO_LARGE,   /* 431: the buffer is full and the head is not whole */
+    KVT__HTTP_METRICS,     /* GET or HEAD /metrics */
+    KVT__HTTP_HEALTHZ,     /* GET or HEAD /healthz */
+    KVT__HTTP_NOT_ALLOWED, /* 405: another method on those two */
+    KVT__HTTP_NOT_FOUND,   /* 404 */
+} kvt__http_req_t;
+/* head: len bytes and a NUL after them; full: no more room in the buffer. *head_only is set for
+ * HEAD (the reply carries no body). */
+kvt__http_req_t kvt__http_parse(const char *head, size_t len, int full, int *head_only);
 
 /* net.c: host:port parsing and listening TCP sockets. */
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);

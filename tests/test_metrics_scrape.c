@@ -3,10 +3,11 @@
  * passes `promtool check metrics` with no warnings (skipped when promtool is absent), the counters
  * move with the requests (lookups, looked-up tokens, hits per tier, miss reasons, request
  * histograms, protocol errors, engine hints by kind), STATS lists the same series as /metrics
- * (every counter and gauge of the one metric table), /healthz answers, and other paths get
- * 404/405. The operator's series: prefill seconds saved per tier and per namespace as the cost
- * model prices them, the per-namespace label set capped at metrics-namespaces, kvtier_build_info
- * and the process_* gauges against what /proc says of the daemon.
+ * (every counter and gauge of the one metric table), only series that can be other than zero
+ * are exported, /healthz answers, and other paths get 404/405. The operator's series: prefill
+ * seconds saved per tier and per namespace as the cost model prices them, the per-namespace label
+ * set capped at metrics-namespaces, kvtier_build_info and the process_* gauges against what /proc
+ * says of the daemon.
  */
 #include <math.h>
 #include <time.h>
@@ -250,6 +251,84 @@ Test(metrics_scrape, stats_has_every_series_of_the_metrics)
     cr_expect_gt(stats_value(&l, "process_open_fds"), 0);
     kvt_client_close(c);
     kvd_stop(&d);
+}
+
+static int stats_has(const stats_list_t *l, const char *name)
+{
+    for (unsigned i = 0; i < l->n; i++)
+        if (!strcmp(l->names[i], name))
+            return 1;
+    return 0;
+}
+
+/* Whether the scrape has a sample line of exactly this series. */
+static int has_series(const char *text, const char *series)
+{
+    size_t n = strlen(series);
+    for (const char *p = text; (p = strstr(p, series)); p += n)
+        if ((p == text || p[-1] == '\n') && p[n] == ' ')
+            return 1;
+    return 0;
+}
+
+/* Only series that can be other than zero are exported: no used bytes or reclaims of tier
+ * "none", no reclaims in the tiers that never drop a block by themselves (HBM, DRAM), MAP only
+ * of the tiers it hands out (DRAM, HBM), zero-copy pages only of GET and RESERVE. They used to
+ * be there, always 0, in STATS and on /metrics alike. The series that can count stay. */
+Test(metrics_scrape, only_series_that_can_count_are_exported)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    traffic(&d);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 4096);
+    static stats_list_t l;
+    cr_assert_eq(kvt_client_stats(c, stats_take, &l), 0);
+    cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+    static const struct {
+        const char *stat, *series;
+        int present;
+    } rows[] = {
+        {"none_used_bytes", "kvtier_tier_used_bytes{tier=\"none\"}", 0},
+        {"none_capacity_bytes", "kvtier_tier_capacity_bytes{tier=\"none\"}", 0},
+        {"none_blocks", "kvtier_tier_blocks{tier=\"none\"}", 0},
+        {"none_lost_blocks", "kvtier_tier_lost_blocks_total{tier=\"none\"}", 0},
+        {"hbm_lost_blocks", "kvtier_tier_lost_blocks_total{tier=\"hbm\"}", 0},
+        {"dram_lost_blocks", "kvtier_tier_lost_blocks_total{tier=\"dram\"}", 0},
+        {"zero_copy_maps_none", "kvtier_zero_copy_maps_total{tier=\"none\"}", 0},
+        {"zero_copy_maps_nvme", "kvtier_zero_copy_maps_total{tier=\"nvme\"}", 0},
+        {"zero_copy_maps_remote", "kvtier_zero_copy_maps_total{tier=\"remote\"}", 0},
+        /* What can count. */
+        {"hit_tokens_none", "kvtier_hit_tokens_total{tier=\"none\"}", 1},
+        {"blocks_dropped_none", "kvtier_blocks_dropped_total{tier=\"none\"}", 1},
+        {"hbm_used_bytes", "kvtier_tier_used_bytes{tier=\"hbm\"}", 1},
+        {"dram_used_bytes", "kvtier_tier_used_bytes{tier=\"dram\"}", 1},
+        {"nvme_blocks", "kvtier_tier_blocks{tier=\"nvme\"}", 1},
+        {"remote_capacity_bytes", "kvtier_tier_capacity_bytes{tier=\"remote\"}", 1},
+        {"nvme_lost_blocks", "kvtier_tier_lost_blocks_total{tier=\"nvme\"}", 1},
+        {"remote_lost_blocks", "kvtier_tier_lost_blocks_total{tier=\"remote\"}", 1},
+        {"zero_copy_maps_dram", "kvtier_zero_copy_maps_total{tier=\"dram\"}", 1},
+        {"zero_copy_maps_hbm", "kvtier_zero_copy_maps_total{tier=\"hbm\"}", 1},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; i++) {
+        cr_expect_eq(stats_has(&l, rows[i].stat), rows[i].present, "STATS %s: %s", rows[i].stat,
+                     rows[i].present ? "missing" : "exported");
+        cr_expect_eq(has_series(body, rows[i].series), rows[i].present, "/metrics %s: %s",
+                     rows[i].series, rows[i].present ? "missing" : "exported");
+    }
+    for (unsigned op = 1; op < KVT_OP_COUNT; op++) {
+        const char *name = kvt_proto_op_name(op);
+        int zc = op == KVT_OP_GET || op == KVT_OP_RESERVE;
+        char stat[128], series[160];
+        snprintf(stat, sizeof stat, "zero_copy_pages_%s", name);
+        snprintf(series, sizeof series, "kvtier_zero_copy_pages_total{op=\"%s\"}", name);
+        cr_expect_eq(stats_has(&l, stat), zc, "STATS %s", stat);
+        cr_expect_eq(has_series(body, series), zc, "/metrics %s", series);
+        /* Every operation keeps its request counter. */
+        snprintf(stat, sizeof stat, "requests_%s", name);
+        cr_expect(stats_has(&l, stat), "STATS %s", stat);
+    }
+    kvt_client_close(c);
+    kvd_cleanup(&d);
 }
 
 /* The engine hints MATCH and PUT carry are counted by kind, as STATS and /metrics show: an

@@ -721,6 +721,99 @@ Test(server_e2e, a_start_without_recovery_drops_what_nvme_holds)
     kvd_cleanup(&d);
 }
 
+/* The first line of the daemon's log holding every one of the given strings (NULL-terminated),
+ * copied into line; 0 when none does. */
+static int log_line_with(const kvd_t *d, char *line, size_t cap, ...)
+{
+    static char log[1 << 16];
+    kvd_slurp(d, "kvtierd.log", log, sizeof log);
+    for (char *p = log; *p;) {
+        char *end = strchr(p, '\n');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        snprintf(line, cap, "%.*s", (int)n, p);
+        int all = 1;
+        va_list ap;
+        va_start(ap, cap);
+        for (const char *want; all && (want = va_arg(ap, const char *));)
+            all = strstr(line, want) != NULL;
+        va_end(ap);
+        if (all)
+            return 1;
+        p += n + (end != NULL);
+    }
+    return 0;
+}
+
+/* kvtier.data removed while kvtier.meta and kvtier.live remain: the daemon starts empty, as it
+ * did, but says so in a warning that names the file and how many blocks were lost (it used to
+ * say only, at info level, that it recovered 0 blocks). */
+Test(server_e2e, a_missing_data_file_is_a_warning_that_counts_the_lost_blocks)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t tok[5 * PAGE];
+    kvd_tokens(tok, 5 * PAGE, 45);
+    kvt_client_put_t r;
+    put_pages(c, tok, 5 * PAGE, 0, 5, BB, 80, &r);
+    cr_assert_eq(r.stored, 5);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtier-data/kvtier.data", d.dir);
+    cr_assert_eq(unlink(path), 0, "%s: %s", path, strerror(errno));
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 0);
+    char line[1024];
+    int found =
+        log_line_with(&d, line, sizeof line, " warn ", "kvtier-data/kvtier.data", "is missing",
+                      "the 5 blocks kvtier.live lists as live are lost", NULL);
+    if (!found)
+        kvd_log_tail(&d, 4096);
+    cr_expect(found, "no warning naming the lost data file and its 5 blocks");
+    /* The tier made a new data file and works: a restart now is a plain one. */
+    put_pages(c, tok, 5 * PAGE, 0, 5, BB, 80, &r);
+    cr_expect_eq(r.stored, 5);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    c = kvd_client(&d, "llama", PAGE, BB);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 5);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/* A kvtier.data that is not a regular file (here a directory): the daemon refuses to start with
+ * a message that names it, where it used to say only "Is a directory", and leaves it alone. */
+Test(server_e2e, a_data_file_that_is_a_directory_stops_the_start_naming_it)
+{
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtier-data", d.dir);
+    cr_assert_eq(mkdir(path, 0700), 0);
+    snprintf(path, sizeof path, "%s/kvtier-data/kvtier.data", d.dir);
+    cr_assert_eq(mkdir(path, 0700), 0);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && '%s' --unix x.sock --tcp '' --metrics '' --hbm-bytes 0 --dram-bytes 16M "
+             "--nvme-bytes 8M --nvme-segment-bytes 1M >/dev/null 2>kvtierd.log",
+             d.dir, kvd_binary());
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "kvtierd started: exit %d", WEXITSTATUS(st));
+    char line[1024];
+    int found = log_line_with(&d, line, sizeof line, " error ", "kvtier-data/kvtier.data",
+                              "is not a regular file (a directory)", NULL);
+    if (!found)
+        kvd_log_tail(&d, 4096);
+    cr_expect(found, "no error naming the data file that is a directory");
+    struct stat sb;
+    cr_expect(stat(path, &sb) == 0 && S_ISDIR(sb.st_mode), "the directory was left alone");
+    kvd_cleanup(&d);
+}
+
 /* Clients that PUT while the daemon is killed (SIGKILL): every page a PUT reply said was stored
  * comes back after the restart, byte-exact, from the NVMe tier. The writers keep several PUTs'
  * writes in flight at the kill, completing out of order. */

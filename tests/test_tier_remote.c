@@ -4,12 +4,16 @@
  * Tests that only read and write use the server scripts/test.sh starts (KVT_TEST_REDIS); tests
  * that stop, restart, pause or limit a server spawn their own (KVT_REDIS_SERVER, else
  * redis-server on PATH) on a free loopback port with persistence off and its files under
- * $TMPDIR, and kill it by PID. Without a server the tests are skipped, not passed.
+ * $TMPDIR, and kill it by PID. Without a server the tests are skipped, not passed. One test plays
+ * a server out of step on a socket of its own: a real one cannot be made to misbehave so.
  */
 #include <criterion/criterion.h>
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1299,6 +1303,105 @@ Test(tier_remote, probe_fails_cleanly_when_the_server_is_gone)
         blk_fini(&b[i]);
     kvt_tier_destroy(t);
     server_cleanup();
+}
+
+/* --- a server out of step: it answers one command twice --- */
+
+typedef struct rogue {
+    int lfd;
+    int ok; /* every command came and was answered */
+} rogue_t;
+
+/* Reads one whole command (an array of bulk strings) off fd; 0, or -1 on EOF, error or 5 s. */
+static int rogue_cmd(int fd)
+{
+    static char buf[1 << 16];
+    size_t len = 0;
+    for (;;) {
+        const char *p = buf, *end = buf + len;
+        long argc = -1;
+        if (len && (p = memchr(buf, '\n', len)) != NULL) {
+            argc = strtol(buf + 1, NULL, 10);
+            p++;
+            for (long i = 0; i < argc && p; i++) {
+                const char *nl = p < end ? memchr(p, '\n', (size_t)(end - p)) : NULL;
+                long n = nl ? strtol(p + 1, NULL, 10) : 0;
+                p = nl && end - (nl + 1) >= n + 2 ? nl + 1 + n + 2 : NULL;
+            }
+            if (p)
+                return 0; /* whole: the tier sends one command before it wants its reply */
+        }
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        ssize_t n = poll(&pf, 1, 5000) == 1 ? read(fd, buf + len, sizeof(buf) - len) : -1;
+        if (n <= 0)
+            return -1;
+        len += (size_t)n;
+    }
+}
+
+static int rogue_say(int fd, const char *s)
+{
+    return write(fd, s, strlen(s)) == (ssize_t)strlen(s) ? 0 : -1;
+}
+
+/* First connection: PING answered, then SET answered with "+OK" and an extra ":1" that no
+ * request asked for; the second connection is answered as a server would. */
+static void *rogue_main(void *arg)
+{
+    rogue_t *r = arg;
+    int ok = 1;
+    for (int conn = 0; conn < 2 && ok; conn++) {
+        struct pollfd pf = {.fd = r->lfd, .events = POLLIN};
+        int fd = poll(&pf, 1, 5000) == 1 ? accept(r->lfd, NULL, NULL) : -1;
+        ok = fd >= 0 && rogue_cmd(fd) == 0 && rogue_say(fd, "+PONG\r\n") == 0 &&
+             rogue_cmd(fd) == 0 && rogue_say(fd, conn == 0 ? "+OK\r\n:1\r\n" : "+OK\r\n") == 0;
+        if (fd >= 0) {
+            char c;
+            struct pollfd rf = {.fd = fd, .events = POLLIN};
+            while (poll(&rf, 1, 5000) == 1 && read(fd, &c, 1) > 0)
+                ; /* until the tier closes it */
+            close(fd);
+        }
+    }
+    r->ok = ok;
+    return NULL;
+}
+
+/* A reply that no request waits for (found by fuzz/fuzz_remote_reply.c): hiredis asserts on one
+ * that is not an error, which aborted the daemon. The connection is dropped instead, and the
+ * next one serves the next write. */
+Test(tier_remote, a_reply_to_no_request_drops_the_connection_not_the_daemon)
+{
+    rogue_t r = {.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof(a);
+    cr_assert(r.lfd >= 0 && bind(r.lfd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+              listen(r.lfd, 4) == 0 && getsockname(r.lfd, (struct sockaddr *)&a, &al) == 0);
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, rogue_main, &r), 0);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", ntohs(a.sin_port));
+    kvt_tier_t *t = open_tier(&conf);
+    blk_t b[2];
+    blk_init(&b[0], 0, 300);
+    blk_init(&b[1], 1, 300);
+    cr_assert_eq(write_blk(t, &b[0], 1), 0, "the write answered +OK");
+    kvt_tier_remote_stats_t st = {0};
+    for (int i = 0; i < 200 && st.disconnects == 0; i++) {
+        kvt_tier_wait(t, 10);
+        kvt_tier_remote_stats(t, &st);
+    }
+    cr_expect_eq(st.disconnects, 1, "the connection that sent a reply to nothing was dropped");
+    cr_assert(wait_connected(t, 3000), "the tier connects again");
+    int rc = write_blk(t, &b[1], 2);
+    cr_expect_eq(rc, 0, "a write on the next connection: %s", kvt_strerror(rc));
+    kvt_tier_remote_stats(t, &st);
+    cr_expect_eq(st.connects, 2);
+    kvt_tier_destroy(t);
+    pthread_join(th, NULL);
+    cr_expect(r.ok, "the server saw the commands it expected");
+    close(r.lfd);
+    blk_fini(&b[0]);
+    blk_fini(&b[1]);
 }
 
 /* Random writes, reads, frees, probes and deletes behind the tier's back, checked after every

@@ -253,3 +253,46 @@ Test(trace, conversation_trace_matches_its_readme, .timeout = 120)
     kvt_radix_destroy(t);
     kvt_trace_free(tr);
 }
+
+/* A field named twice is refused (found by fuzz/fuzz_trace.c): a second "hash_ids" used to add
+ * its ids to the trace's store after the first's while the request pointed at the first's, so
+ * every later request read another's ids. */
+Test(trace, a_field_named_twice_is_refused)
+{
+    const char *bad[] = {
+        "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 10, \"hash_ids\": [0, 1], "
+        "\"input_length\": 512, \"hash_ids\": [7]}\n",
+        "{\"timestamp\": 0, \"timestamp\": 1, \"input_length\": 1, \"hash_ids\": [1]}\n",
+        "{\"output_length\": 1, \"timestamp\": 0, \"output_length\": 2, \"input_length\": 1, "
+        "\"hash_ids\": [1]}\n",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char *p = write_tmp(bad[i]);
+        kvt_trace_t *tr = (kvt_trace_t *)1;
+        cr_expect_eq(kvt_trace_load(&tr, p), KVT_EPROTO, "case %zu", i);
+        cr_expect_null(tr);
+        unlink(p);
+    }
+}
+
+/* A trace whose prompts are all empty has no hash id at all (found by fuzz/fuzz_trace.c under
+ * UBSan: each request's ids were set to NULL + 0, undefined behaviour); its requests have none. */
+Test(trace, a_trace_of_empty_prompts_has_no_ids)
+{
+    char *p = write_tmp("{\"timestamp\": 1, \"input_length\": 0, \"output_length\": 3, "
+                        "\"hash_ids\": []}\n"
+                        "{\"timestamp\": 2, \"input_length\": 0, \"output_length\": 4, "
+                        "\"hash_ids\": []}\n");
+    kvt_trace_t *tr;
+    cr_assert_eq(kvt_trace_load(&tr, p), 0);
+    cr_assert_eq(tr->nreqs, 2);
+    cr_expect_eq(tr->nids, 0);
+    for (size_t i = 0; i < tr->nreqs; i++) {
+        cr_expect_eq(tr->reqs[i].nhash, 0);
+        cr_expect_null(tr->reqs[i].hash_ids);
+        kvt_trace_tokens(&tr->reqs[i], NULL); /* no token to write */
+    }
+    cr_expect_eq(tr->total_tokens, 0);
+    kvt_trace_free(tr);
+    unlink(p);
+}

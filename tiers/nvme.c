@@ -1087,10 +1087,107 @@ static int lock_dir(nvme_t *n)
     return 0;
 }
 
-static int open_data(nvme_t *n, int direct_mode, int *fresh)
+/*
+ * How many live blocks kvtier.live lists, read by its own header (the geometry asked for now may
+ * differ): for the warning of a data file gone while its side files remain. -1 when the map is
+ * missing or not one (a v1 directory has none), so the count is unknown.
+ */
+static long long live_count(const nvme_t *n)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/kvtier.live", n->dir);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    uint8_t h[32], buf[64 << 10];
+    struct stat st;
+    long long count = -1;
+    if (fstat(fd, &st) != 0 || pread(fd, h, sizeof(h), 0) != sizeof(h) ||
+        memcmp(h, LIVE_MAGIC, 8) != 0 || kvt_get_u32(h + 8) != 1 ||
+        kvt_get_u64(h + 24) != XXH3_64bits(h, 24))
+        goto out;
+    uint32_t segb = kvt_get_u32(h + 12), nsegs = kvt_get_u32(h + 16), entry = kvt_get_u32(h + 20);
+    if (segb < SECTOR || entry != 8 + segb / SECTOR / 8 || entry > sizeof(buf) ||
+        (uint64_t)st.st_size < LIVE_HDR + (uint64_t)nsegs * entry)
+        goto out;
+    count = 0;
+    uint32_t per = (uint32_t)(sizeof(buf) / entry);
+    for (uint32_t s = 0; s < nsegs; s += per) {
+        uint32_t k = KVT_MIN(per, nsegs - s);
+        off_t off = (off_t)LIVE_HDR + (off_t)s * entry;
+        if (pread(fd, buf, (size_t)k * entry, off) != (ssize_t)((size_t)k * entry)) {
+            count = -1;
+            break;
+        }
+        for (uint32_t i = 0; i < k; i++) {
+            const uint8_t *e = buf + (size_t)i * entry;
+            if (kvt_get_u64(e) == 0)
+                continue; /* the segment is not in use: its bits mean nothing */
+            for (uint32_t b = 8; b < entry; b++)
+                count += __builtin_popcount(e[b]);
+        }
+    }
+out:
+    close(fd);
+    return count;
+}
+
+/*
+ * The data file is made when it is missing. When its side files remain, it was removed (or
+ * never copied) on its own: what kvtier.live lists as live is lost, said loudly since the tier
+ * then starts empty. A data file that is not a regular file (a directory, a device) stops the
+ * tier, named: the layout is that of a preallocated file.
+ */
+static int check_data(const nvme_t *n, int *fresh)
 {
     struct stat st;
-    *fresh = stat(n->path, &st) != 0;
+    if (stat(n->path, &st) == 0) {
+        *fresh = 0;
+        if (S_ISREG(st.st_mode))
+            return 0;
+        kvt_log(KVT_LOG_ERROR,
+                "nvme tier: %s is not a regular file (%s): the NVMe tier keeps its blocks in one "
+                "preallocated file there; move it away, or give another data-dir",
+                n->path,
+                S_ISDIR(st.st_mode)    ? "a directory"
+                : S_ISBLK(st.st_mode)  ? "a block device"
+                : S_ISCHR(st.st_mode)  ? "a character device"
+                : S_ISFIFO(st.st_mode) ? "a FIFO"
+                : S_ISSOCK(st.st_mode) ? "a socket"
+                                       : "of another kind");
+        return KVT_EINVAL;
+    }
+    *fresh = 1;
+    if (errno != ENOENT)
+        return 0; /* opening it says what is wrong */
+    char meta[4096], live[4096];
+    snprintf(meta, sizeof(meta), "%s/kvtier.meta", n->dir);
+    snprintf(live, sizeof(live), "%s/kvtier.live", n->dir);
+    int has_meta = access(meta, F_OK) == 0, has_live = access(live, F_OK) == 0;
+    if (!has_meta && !has_live)
+        return 0;
+    const char *left = has_meta && has_live ? "kvtier.meta and kvtier.live remain"
+                       : has_meta           ? "kvtier.meta remains"
+                                            : "kvtier.live remains";
+    long long lost = live_count(n);
+    if (lost >= 0)
+        kvt_log(KVT_LOG_WARN,
+                "nvme tier: %s is missing while %s: the %lld blocks kvtier.live lists as live "
+                "are lost; the tier starts empty with a new data file",
+                n->path, left, lost);
+    else
+        kvt_log(KVT_LOG_WARN,
+                "nvme tier: %s is missing while %s: the blocks it held are lost (how many is "
+                "unknown: no readable kvtier.live); the tier starts empty with a new data file",
+                n->path, left);
+    return 0;
+}
+
+static int open_data(nvme_t *n, int direct_mode, int *fresh)
+{
+    int rc = check_data(n, fresh);
+    if (rc < 0)
+        return rc;
     int flags = O_RDWR | O_CREAT | O_CLOEXEC;
     n->fd = -1;
     if (direct_mode != 2) {

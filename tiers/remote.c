@@ -740,6 +740,27 @@ static void *tree_root(node_t *n, const redisReadTask *task, void *obj)
     return obj;
 }
 
+/*
+ * A reply when no request waits for one (a server out of step, or not a Redis server): hiredis
+ * takes a reply it has no callback for as a server's spontaneous error, and drops the connection,
+ * but asserts (aborting the daemon) on any other kind. Every such reply is made an error here, so
+ * that the connection goes and its requests are retried on the next one.
+ */
+static remote_reply_t *unasked(node_t *n)
+{
+    remote_reply_t *o = reply_reset(n, REDIS_REPLY_ERROR);
+    snprintf(o->msg, sizeof(o->msg), "kvtier: a reply to no request");
+    o->r.str = o->msg;
+    o->r.len = strlen(o->msg);
+    o->status = KVT_EPROTO;
+    static kvt_log_limit_t lim;
+    kvt_log_limited(&lim, KVT_LOG_WARN,
+                    "remote: %s:%d sent a reply to no request: reconnecting (is it a Redis or "
+                    "Valkey server?)",
+                    n->host, n->port);
+    return o;
+}
+
 static void *reply_string(const redisReadTask *task, char *str, size_t len)
 {
     node_t *n = task->privdata;
@@ -747,6 +768,8 @@ static void *reply_string(const redisReadTask *task, char *str, size_t len)
         return tree_root(n, task, n->rm->tree_fns.createString(task, str, len));
     if (task->parent)
         return &n->reply; /* an element of an array we never asked for */
+    if (!n->sentq.head && task->type != REDIS_REPLY_ERROR)
+        return unasked(n);
     remote_reply_t *o = reply_reset(n, task->type);
     o->r.len = len;
     if (task->type != REDIS_REPLY_STRING) {
@@ -786,6 +809,8 @@ static void *reply_array(const redisReadTask *task, int elements)
         return tree_root(n, task, n->rm->tree_fns.createArray(task, elements));
     if (task->parent)
         return &n->reply;
+    if (!n->sentq.head)
+        return unasked(n);
     remote_reply_t *o = reply_reset(n, REDIS_REPLY_ARRAY);
     o->r.elements = elements > 0 ? (size_t)elements : 0;
     return o;
@@ -798,6 +823,8 @@ static void *reply_integer(const redisReadTask *task, long long value)
         return tree_root(n, task, n->rm->tree_fns.createInteger(task, value));
     if (task->parent)
         return &n->reply;
+    if (!n->sentq.head)
+        return unasked(n);
     remote_reply_t *o = reply_reset(n, REDIS_REPLY_INTEGER);
     o->r.integer = value;
     return o;
@@ -810,6 +837,8 @@ static void *reply_nil(const redisReadTask *task)
         return tree_root(n, task, n->rm->tree_fns.createNil(task));
     if (task->parent)
         return &n->reply;
+    if (!n->sentq.head)
+        return unasked(n);
     return reply_reset(n, REDIS_REPLY_NIL);
 }
 

@@ -232,22 +232,31 @@ static int parse_line(const char *line, size_t len, kvt_trace_req_t *r, idvec_t 
         if ((rc = expect(&c, ':')) != 0)
             return rc;
         uint64_t v;
-        if (klen == 9 && memcmp(key, "timestamp", 9) == 0) {
+        /* A field named twice is refused: the second "hash_ids" would have added its ids to the
+         * trace's store after the first's, and the request pointed at the first's. */
+        int field = klen == 9 && memcmp(key, "timestamp", 9) == 0         ? 1
+                    : klen == 12 && memcmp(key, "input_length", 12) == 0  ? 2
+                    : klen == 13 && memcmp(key, "output_length", 13) == 0 ? 4
+                    : klen == 8 && memcmp(key, "hash_ids", 8) == 0        ? 8
+                                                                          : 0;
+        if (seen & field)
+            return KVT_EPROTO;
+        if (field == 1) {
             if ((rc = parse_ms(&c, &v)) != 0)
                 return rc;
             r->timestamp_ms = v;
             seen |= 1;
-        } else if (klen == 12 && memcmp(key, "input_length", 12) == 0) {
+        } else if (field == 2) {
             if ((rc = parse_u64(&c, &v)) != 0 || v > UINT32_MAX)
                 return KVT_EPROTO;
             r->input_length = (uint32_t)v;
             seen |= 2;
-        } else if (klen == 13 && memcmp(key, "output_length", 13) == 0) {
+        } else if (field == 4) {
             if ((rc = parse_u64(&c, &v)) != 0 || v > UINT32_MAX)
                 return KVT_EPROTO;
             r->output_length = (uint32_t)v;
             seen |= 4;
-        } else if (klen == 8 && memcmp(key, "hash_ids", 8) == 0) {
+        } else if (field == 8) {
             if ((rc = expect(&c, '[')) != 0)
                 return rc;
             skip_ws(&c);
@@ -355,11 +364,12 @@ int kvt_trace_load(kvt_trace_t **out, const char *path)
         rc = KVT_EIO;
         goto fail;
     }
-    /* Pointers into ids only now that it has stopped moving. */
+    /* Pointers into ids only now that it has stopped moving; none where no request had an id
+     * (an empty prompt): no store was ever allocated, and NULL + 0 is undefined in C. */
     tr->ids = ids.ids;
     tr->nids = ids.n;
     for (size_t i = 0; i < tr->nreqs; i++)
-        tr->reqs[i].hash_ids = tr->ids + first[i];
+        tr->reqs[i].hash_ids = tr->ids ? tr->ids + first[i] : NULL;
     free(first);
     free(line);
     fclose(f);
