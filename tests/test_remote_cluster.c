@@ -700,6 +700,121 @@ Test(remote_cluster, a_full_cluster_refuses_writes_with_enospc)
     kvt_tier_destroy(t);
 }
 
+/* The policy a node evicts by, copied into out (CONFIG GET). */
+static void policy_of(uint16_t port, char *out, size_t cap)
+{
+    redisReply *r = cl_cmd(port, "CONFIG GET maxmemory-policy");
+    cr_assert(r && r->type == REDIS_REPLY_ARRAY && r->elements == 2);
+    snprintf(out, cap, "%s", r->element[1]->str);
+    freeReplyObject(r);
+}
+
+/* Every primary at a small maxmemory under allkeys-lru while the tier writes 3 times that: the
+ * cluster evicts the oldest blocks, the tier goes on writing (no OOM, no error), and reads of the
+ * evicted blocks are KVT_ENOENT misses, counted (misses, reclaimed, evicted: their charge given
+ * back), never errors, while the newest blocks read back byte-exact. */
+Test(remote_cluster, an_evicting_cluster_turns_evicted_blocks_into_counted_misses)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    cr_assert_eq(np, 3);
+    char policy[3][64];
+    for (int i = 0; i < np; i++) {
+        policy_of(prim[i], policy[i], sizeof(policy[i]));
+        redisReply *r = cl_cmd(prim[i], "INFO memory");
+        cr_assert(r && r->type == REDIS_REPLY_STRING);
+        const char *u = strstr(r->str, "used_memory:");
+        cr_assert(u);
+        long long used = atoll(u + strlen("used_memory:"));
+        freeReplyObject(r);
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory-policy allkeys-lru"), "policy");
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory %lld", used + (2ll << 20)), "maxmemory");
+    }
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    enum { N = 144, LEN = 128 << 10 }; /* 18 MiB against 6 MiB */
+    blk_t *b = calloc(N, sizeof(*b));
+    cr_assert(b);
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, LEN);
+        int rc = write_blk(t, &b[i], (uint64_t)i);
+        cr_assert_eq(rc, 0, "write %d: %s", i, kvt_strerror(rc));
+    }
+    int hits = 0, misses = 0;
+    for (int i = N - 1; i >= 0; i--) { /* newest first, as LRU would keep them */
+        int rc = read_check(t, &b[i], (uint64_t)i);
+        cr_assert(rc == 0 || rc == KVT_ENOENT, "read %d: %s", i, kvt_strerror(rc));
+        if (i >= N - 3)
+            cr_expect_eq(rc, 0, "block %d, among the newest, was evicted", i);
+        hits += rc == 0;
+        misses += rc == KVT_ENOENT;
+    }
+    for (int i = 0; i < np; i++) {
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory 0"), "maxmemory 0");
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory-policy %s", policy[i]), "policy back");
+    }
+    cr_expect_gt(misses, N / 3, "only %d of %d evicted", misses, N);
+    cr_expect_gt(hits, 0);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_expect_eq(u.errors, 0, "eviction is not an error");
+    cr_expect_eq(u.misses, (uint64_t)misses);
+    cr_expect_eq(u.reclaimed, (uint64_t)misses);
+    cr_expect_eq(u.blocks, (uint64_t)hits);
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_eq(s.evicted, (uint64_t)misses);
+    cr_expect_eq(s.disconnects, 0);
+    cr_expect_eq(s.timeouts, 0);
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    free(b);
+    kvt_tier_destroy(t);
+}
+
+/* ttl_s holds in cluster mode: every key, on whichever primary, carries the expiry (each SET
+ * renews it), and a block read after its key expired is a counted miss. */
+Test(remote_cluster, ttl_holds_on_every_primary)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    cr_assert_eq(np, 3);
+    kvt_tier_remote_conf_t c = cluster_conf(getenv("KVT_TEST_CLUSTER"));
+    c.ttl_s = 1;
+    kvt_tier_t *t = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    cr_assert(wait_connected(t, 5000));
+    enum { N = 24 };
+    blk_t b[N];
+    int on[3] = {0};
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 2048);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+        char key[KVT_TIER_REMOTE_KEY_MAX];
+        int slot = key_slot_of(t, &b[i], key);
+        uint16_t owner = cl_owner(ports[0], slot);
+        redisReply *r = cl_cmd(owner, "PTTL %s", key);
+        cr_assert(r && r->type == REDIS_REPLY_INTEGER);
+        cr_expect(r->integer > 0 && r->integer <= 1000, "key %d: pttl %lld", i, r->integer);
+        freeReplyObject(r);
+        for (int k = 0; k < np; k++)
+            on[k] += prim[k] == owner;
+    }
+    for (int k = 0; k < np; k++)
+        cr_expect_gt(on[k], 0, "no key on the primary on port %u", prim[k]);
+    cl_sleep_ms(1300);
+    for (int i = 0; i < N; i++)
+        cr_expect_eq(read_check(t, &b[i], (uint64_t)i), KVT_ENOENT, "block %d outlived its ttl", i);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_expect_eq(u.misses, N);
+    cr_expect_eq(u.errors, 0);
+    cr_expect_eq(u.blocks, 0, "the expired blocks' charge was given back");
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    kvt_tier_destroy(t);
+}
+
 /* redis-cli --cluster reshard moves 1000 slots from one primary to another while the tier reads
  * and writes: every request completes, no wrong byte is served, and afterwards every block
  * reads back (the tier followed MOVED and ASK). */
