@@ -29,7 +29,8 @@ Prints one JSON object per run, then one per (trace, N) with each configuration'
 tokens, the spread (min and max over --repeat runs) and the ratio shared / local.
 
   bench_fleet.py --build-root BUILD [--trace FILE ...] [--requests R] [--daemons 2,4]
-                 [--repeat K] [--dram-frac F] [--block-bytes B]
+                 [--repeat K] [--dram-frac F] [--block-bytes B] [--configs one,local,shared]
+                 [--no-zero-copy]
 
 Runs under BUILD/pyenv's Python (re-executing itself there); exits 77 (skipped) without
 redis-server and redis-cli, 1 on an error.
@@ -61,11 +62,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--trace", nargs="+",
                     default=[os.path.join(traces, "mooncake-conversation.jsonl"),
                              os.path.join(traces, "mooncake-synthetic.jsonl")])
-    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--daemons", default="2,4")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dram-frac", type=float, default=0.05)
     ap.add_argument("--block-bytes", type=int, default=4096)
+    ap.add_argument("--configs", default="one,local,shared",
+                    help="which of one, local and shared to run (the summary needs all three)")
     ap.add_argument("--no-zero-copy", action="store_true",
                     help="move page bytes over the socket, not through the mapped arena")
     return ap.parse_args()
@@ -225,6 +228,7 @@ def main() -> int:
         return 77
     try:
         ns = [int(x) for x in args.daemons.split(",") if x]
+        confs = set(args.configs.split(","))
         for path in args.trace:
             reqs = load(path, args.requests)
             distinct = len({h for r in reqs for h in r["hash_ids"][: r["input_length"] // PAGE]})
@@ -234,7 +238,7 @@ def main() -> int:
             for n in ns:
                 runs: Dict[str, List[dict]] = {"one": [], "local": [], "shared": []}
                 for k in range(args.repeat):
-                    for conf in ("one", "local", "shared"):
+                    for conf in [c for c in ("one", "local", "shared") if c in confs]:
                         for p in cluster.primaries():
                             cluster.cmd(p, "FLUSHALL")
                         nd, dr = (1, n * dram) if conf == "one" else (n, dram)
@@ -249,6 +253,8 @@ def main() -> int:
                                "dram_bytes_per_daemon": dr, "distinct_pages": distinct, **r}
                         print(json.dumps(rec), flush=True)
                         runs[conf].append(r)
+                if not all(runs.values()):
+                    continue
                 summ = {"bench": "fleet", "summary": True, "trace": name, "requests": len(reqs),
                         "daemons": n, "repeat": args.repeat,
                         "prompt_tokens": runs["local"][0]["prompt_tokens"]}
