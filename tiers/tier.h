@@ -575,7 +575,7 @@ typedef struct kvt_tier_remote_stats {
     uint64_t timeouts;     /* requests and probes failed with KVT_ETIMEDOUT */
     uint64_t late_replies; /* replies that came after their request timed out */
     uint64_t undone;       /* DELs sent for writes that may have landed after failing */
-    uint64_t undo_kept;    /* such writes left in place: keep_on_free (shared keys) */
+    uint64_t undo_kept;    /* such writes left in place instead: keep_on_free (shared keys) */
     uint64_t evicted;      /* our blocks the server no longer had (or held corrupt) */
     uint64_t probes;
     uint64_t oversized;     /* GET values longer than the block asked for, refused unbuffered */
