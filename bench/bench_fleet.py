@@ -16,8 +16,8 @@ on its daemon:
   PUT the pages it did not get (the engine's prefill of the rest).
 
 Saved tokens are the pages GET returned x 512: prefill the request did not recompute. Every
-daemon has the same DRAM tier (--dram-frac of the slice's distinct pages, split over nothing:
-each daemon gets that much), no NVMe, no HBM, the LRU policy (a DRAM victim is demoted to the
+daemon has the same DRAM tier (--dram-frac, default 5%, of the slice's distinct pages, at least
+4 MiB: each daemon gets that much, however many there are), no NVMe, no HBM, the LRU policy (a DRAM victim is demoted to the
 next tier when there is one, else dropped). The two configurations of each N differ only in
 the remote tier: "local" has none; "shared" has the cluster (3 primaries, 3 replicas on
 loopback, started here) with remote-bytes large enough for the whole slice, so that what it
