@@ -29,7 +29,9 @@
  *           a cudaMemcpyAsync per copy, larger ones a cudaMemcpyBatchAsync per batch), so that
  *           one run says which comes nearest the ceiling.
  *   remote  bench_remote_run() (bench/bench_remote.c) against --redis HOST:PORT, or a throwaway
- *           redis-server, vs redis-benchmark
+ *           redis-server, vs redis-benchmark; then bench_remote_cluster_run() against a
+ *           throwaway Redis Cluster (3 primaries, 3 replicas), the tier in cluster mode vs
+ *           redis-benchmark --cluster (--no-cluster: not; --only cluster: this alone)
  *
  * Each case runs --reps times interleaved with its baseline (taking turns at going first), and
  * the median of each side is reported, which keeps a noisy disk's drift from landing on one side
@@ -63,7 +65,7 @@ typedef struct opts {
     uint32_t qd;
     uint64_t ceiling; /* bytes of the hbm ceiling's one large copy */
     int reps;
-    int only_dram, only_nvme, no_remote;
+    int only_dram, only_nvme, no_remote, no_cluster;
 } opts_t;
 
 static double now_s(void)
@@ -724,8 +726,8 @@ static void usage(void)
 {
     fprintf(stderr,
             "usage: bench_tiers [--dir DIR] [--redis HOST:PORT] [--mib-per-case N] [--qd N]\n"
-            "                   [--reps N] [--only dram|nvme|hbm|remote] [--no-remote]\n"
-            "                   [--ceiling-mib N]\n");
+            "                   [--reps N] [--only dram|nvme|hbm|remote|cluster] [--no-remote]\n"
+            "                   [--no-cluster] [--ceiling-mib N]\n");
     exit(2);
 }
 
@@ -752,6 +754,8 @@ int main(int argc, char **argv)
             only = v, i++;
         else if (!strcmp(a, "--no-remote"))
             o.no_remote = 1;
+        else if (!strcmp(a, "--no-cluster"))
+            o.no_cluster = 1;
         else
             usage();
     }
@@ -783,5 +787,8 @@ int main(int argc, char **argv)
 #endif
     if ((!only || !strcmp(only, "remote")) && !o.no_remote)
         rc |= bench_remote_run(o.redis, sizes, (int)KVT_ARRAY_LEN(sizes)) < 0;
+    if ((!only || !strcmp(only, "remote") || !strcmp(only, "cluster")) && !o.no_remote &&
+        !o.no_cluster)
+        rc |= bench_remote_cluster_run(sizes, (int)KVT_ARRAY_LEN(sizes)) < 0;
     return rc ? 1 : 0;
 }

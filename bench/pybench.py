@@ -1,14 +1,20 @@
 """pybench.py: what the Python benchmarks (bench_client.py, bench_vllm.py) share: running under
 the test venv that scripts/pyenv.sh makes (BUILD/pyenv, with numpy, cffi, torch and the engines),
-and a kvtierd of their own, started fresh in a temporary directory with only a DRAM tier."""
+a kvtierd of their own, started fresh in a temporary directory with only a DRAM tier (and any
+further settings), and for bench_fleet.py a loopback Redis Cluster (Cluster: the same recipe as
+the tests' tests/test_cluster.h)."""
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+from typing import List, Sequence
 
 
 def run_in_venv(build: str, name: str, missing_rc: int, venv: str = "pyenv") -> None:
@@ -33,13 +39,14 @@ class Daemon:
     not "0"), on a Unix socket only (unix is its path); stop() ends it by its PID and removes
     its directory."""
 
-    def __init__(self, build: str, prefix: str, dram_bytes: str, nvme_bytes: str = "0") -> None:
+    def __init__(self, build: str, prefix: str, dram_bytes: str, nvme_bytes: str = "0",
+                 extra: Sequence[str] = ()) -> None:
         self.dir = tempfile.mkdtemp(prefix=prefix)
         self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
         self.proc = subprocess.Popen(
             [os.path.join(build, "server", "kvtierd"), "--tcp", "", "--metrics", "",
              "--dram-bytes", dram_bytes, "--nvme-bytes", nvme_bytes, "--nvme-sparse", "yes",
-             "--hbm-bytes", "0", "--log-level", "warn"],
+             "--hbm-bytes", "0", "--log-level", "warn", *extra],
             cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.unix = ""
         assert self.proc.stdout is not None
@@ -55,4 +62,89 @@ class Daemon:
         self.proc.terminate()
         self.proc.wait(timeout=60)
         self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    """A loopback port that is free, whose cluster bus port (+10000) is free too."""
+    for _ in range(1000):
+        port = random.randint(20000, 45000)
+        ok = True
+        for p in (port, port + 10000):
+            with socket.socket() as sk:
+                try:
+                    sk.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            return port
+    raise RuntimeError("no free port pair")
+
+
+class Cluster:
+    """A Redis Cluster on loopback: 3 primaries and 3 replicas (cluster-node-timeout 1000 ms,
+    no persistence) in a temporary directory, joined with redis-cli --cluster create; stop()
+    kills the nodes by PID. seeds is "127.0.0.1:P,..." (every node). Raises FileNotFoundError
+    without redis-server and redis-cli on PATH, RuntimeError when the cluster does not form."""
+
+    NODES = 6
+
+    def __init__(self) -> None:
+        server, self.cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if not server or not self.cli:
+            raise FileNotFoundError("redis-server and redis-cli are needed")
+        self.dir = tempfile.mkdtemp(prefix="kvt-fleet-cluster.")
+        self.ports: List[int] = []
+        self.procs: List[subprocess.Popen] = []
+        try:
+            for _ in range(self.NODES):
+                port = _free_port()
+                self.ports.append(port)
+                self.procs.append(subprocess.Popen(
+                    [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", self.dir, "--logfile", "redis-%d.log" % port,
+                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes-%d.conf" % port,
+                     "--cluster-node-timeout", "1000"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            for port in self.ports:
+                self._wait(lambda: "redis_version" in self.cmd(port, "INFO", "server"), 5)
+            subprocess.run([self.cli, "--cluster", "create",
+                            *["127.0.0.1:%d" % p for p in self.ports],
+                            "--cluster-replicas", "1", "--cluster-yes"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._wait(self._whole, 10)
+        except BaseException:
+            self.stop()
+            raise
+        self.seeds = ",".join("127.0.0.1:%d" % p for p in self.ports)
+
+    def cmd(self, port: int, *words: str) -> str:
+        """A command's reply on the node at port, as redis-cli prints it ("" if it fails)."""
+        r = subprocess.run([self.cli, "-p", str(port), *words], capture_output=True, text=True)
+        return r.stdout if r.returncode == 0 else ""
+
+    def primaries(self) -> List[int]:
+        return [p for p in self.ports if "role:master" in self.cmd(p, "INFO", "replication")]
+
+    def _whole(self) -> bool:
+        for p in self.ports:
+            info = self.cmd(p, "CLUSTER", "INFO") + self.cmd(p, "INFO", "replication")
+            if "cluster_state:ok" not in info or not (
+                    "role:master" in info or "master_link_status:up" in info):
+                return False
+        return True
+
+    @staticmethod
+    def _wait(cond, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not cond():
+            if time.monotonic() > end:
+                raise RuntimeError("the cluster did not form in %g s" % seconds)
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        self.procs = []
         shutil.rmtree(self.dir, ignore_errors=True)

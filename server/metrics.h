@@ -213,6 +213,8 @@ typedef enum {
       "Lost remote primaries whose slots a refreshed map gave to another node.", NONE)             \
     X(REMOTE_NODES, GAUGE, "kvtier_remote_nodes",                                                  \
       "Remote cluster primaries the slot map names (1 for a single server).", NONE)                \
+    X(REMOTE_LATE_KEPT, COUNTER, "kvtier_remote_late_writes_kept_total",                           \
+      "Remote writes failed that may have landed (late, or lost with a connection): kept.", NONE)  \
     X(PREFETCH_WAITS, COUNTER, "kvtier_prefetch_waits_total",                                      \
       "PREFETCH requests that waited for room on its way or for others' moves.", NONE)             \
     X(PUT_PAGES, COUNTER, "kvtier_put_pages_total",                                                \

@@ -386,6 +386,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_REMOTE_MAP_ERRORS, 0, (double)st.map_errors);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_FAILOVERS, 0, (double)st.failovers);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_NODES, 0, (double)st.nodes);
+        kvt__metric_set(s->metrics, KVT_M_REMOTE_LATE_KEPT, 0, (double)st.undo_kept);
     }
     if (s->policy) {
         kvt_policy_stats_t ps;

@@ -6,8 +6,9 @@
  * its own, forked from the runner, and finds the cluster's ports in KVT_TEST_CLUSTER) and kills
  * it after them; the tests that use it leave it whole (a slot they migrate stays served). The
  * failover test forms a cluster of its own, since it kills a primary. Without redis-server and
- * redis-cli the tests skip; a cluster that fails to form fails them. The last test runs two real
- * kvtierd (test_server_harness.h) over the cluster.
+ * redis-cli the tests skip; a cluster that fails to form fails them. The last tests run two real
+ * kvtierd (test_server_harness.h) over the cluster: one finds the other's prefix, and one's late
+ * writes delete no key the other stored.
  */
 #include "test_cluster.h"
 
@@ -699,6 +700,121 @@ Test(remote_cluster, a_full_cluster_refuses_writes_with_enospc)
     kvt_tier_destroy(t);
 }
 
+/* The policy a node evicts by, copied into out (CONFIG GET). */
+static void policy_of(uint16_t port, char *out, size_t cap)
+{
+    redisReply *r = cl_cmd(port, "CONFIG GET maxmemory-policy");
+    cr_assert(r && r->type == REDIS_REPLY_ARRAY && r->elements == 2);
+    snprintf(out, cap, "%s", r->element[1]->str);
+    freeReplyObject(r);
+}
+
+/* Every primary at a small maxmemory under allkeys-lru while the tier writes 3 times that: the
+ * cluster evicts the oldest blocks, the tier goes on writing (no OOM, no error), and reads of the
+ * evicted blocks are KVT_ENOENT misses, counted (misses, reclaimed, evicted: their charge given
+ * back), never errors, while the newest blocks read back byte-exact. */
+Test(remote_cluster, an_evicting_cluster_turns_evicted_blocks_into_counted_misses)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    cr_assert_eq(np, 3);
+    char policy[3][64];
+    for (int i = 0; i < np; i++) {
+        policy_of(prim[i], policy[i], sizeof(policy[i]));
+        redisReply *r = cl_cmd(prim[i], "INFO memory");
+        cr_assert(r && r->type == REDIS_REPLY_STRING);
+        const char *u = strstr(r->str, "used_memory:");
+        cr_assert(u);
+        long long used = atoll(u + strlen("used_memory:"));
+        freeReplyObject(r);
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory-policy allkeys-lru"), "policy");
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory %lld", used + (2ll << 20)), "maxmemory");
+    }
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    enum { N = 144, LEN = 128 << 10 }; /* 18 MiB against 6 MiB */
+    blk_t *b = calloc(N, sizeof(*b));
+    cr_assert(b);
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, LEN);
+        int rc = write_blk(t, &b[i], (uint64_t)i);
+        cr_assert_eq(rc, 0, "write %d: %s", i, kvt_strerror(rc));
+    }
+    int hits = 0, misses = 0;
+    for (int i = N - 1; i >= 0; i--) { /* newest first, as LRU would keep them */
+        int rc = read_check(t, &b[i], (uint64_t)i);
+        cr_assert(rc == 0 || rc == KVT_ENOENT, "read %d: %s", i, kvt_strerror(rc));
+        if (i >= N - 3)
+            cr_expect_eq(rc, 0, "block %d, among the newest, was evicted", i);
+        hits += rc == 0;
+        misses += rc == KVT_ENOENT;
+    }
+    for (int i = 0; i < np; i++) {
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory 0"), "maxmemory 0");
+        ok_reply(cl_cmd(prim[i], "CONFIG SET maxmemory-policy %s", policy[i]), "policy back");
+    }
+    cr_expect_gt(misses, N / 3, "only %d of %d evicted", misses, N);
+    cr_expect_gt(hits, 0);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_expect_eq(u.errors, 0, "eviction is not an error");
+    cr_expect_eq(u.misses, (uint64_t)misses);
+    cr_expect_eq(u.reclaimed, (uint64_t)misses);
+    cr_expect_eq(u.blocks, (uint64_t)hits);
+    kvt_tier_remote_stats_t s = stats(t);
+    cr_expect_eq(s.evicted, (uint64_t)misses);
+    cr_expect_eq(s.disconnects, 0);
+    cr_expect_eq(s.timeouts, 0);
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    free(b);
+    kvt_tier_destroy(t);
+}
+
+/* ttl_s holds in cluster mode: every key, on whichever primary, carries the expiry (each SET
+ * renews it), and a block read after its key expired is a counted miss. */
+Test(remote_cluster, ttl_holds_on_every_primary)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    cr_assert_eq(np, 3);
+    kvt_tier_remote_conf_t c = cluster_conf(getenv("KVT_TEST_CLUSTER"));
+    c.ttl_s = 1;
+    kvt_tier_t *t = NULL;
+    cr_assert_eq(kvt_tier_remote_create(&t, &c), 0);
+    cr_assert(wait_connected(t, 5000));
+    enum { N = 24 };
+    blk_t b[N];
+    int on[3] = {0};
+    for (int i = 0; i < N; i++) {
+        blk_init(&b[i], (uint32_t)i, 2048);
+        cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+        char key[KVT_TIER_REMOTE_KEY_MAX];
+        int slot = key_slot_of(t, &b[i], key);
+        uint16_t owner = cl_owner(ports[0], slot);
+        redisReply *r = cl_cmd(owner, "PTTL %s", key);
+        cr_assert(r && r->type == REDIS_REPLY_INTEGER);
+        cr_expect(r->integer > 0 && r->integer <= 1000, "key %d: pttl %lld", i, r->integer);
+        freeReplyObject(r);
+        for (int k = 0; k < np; k++)
+            on[k] += prim[k] == owner;
+    }
+    for (int k = 0; k < np; k++)
+        cr_expect_gt(on[k], 0, "no key on the primary on port %u", prim[k]);
+    cl_sleep_ms(1300);
+    for (int i = 0; i < N; i++)
+        cr_expect_eq(read_check(t, &b[i], (uint64_t)i), KVT_ENOENT, "block %d outlived its ttl", i);
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_expect_eq(u.misses, N);
+    cr_expect_eq(u.errors, 0);
+    cr_expect_eq(u.blocks, 0, "the expired blocks' charge was given back");
+    for (int i = 0; i < N; i++)
+        blk_fini(&b[i]);
+    kvt_tier_destroy(t);
+}
+
 /* redis-cli --cluster reshard moves 1000 slots from one primary to another while the tier reads
  * and writes: every request completes, no wrong byte is served, and afterwards every block
  * reads back (the tier followed MOVED and ASK). */
@@ -1006,6 +1122,107 @@ Test(remote_cluster, second_daemon_finds_the_first_ones_prefix_through_the_clust
     cr_assert_eq(kvd_http_get(&b, "/metrics", body, sizeof(body)), 200);
     cr_expect(strstr(body, "\nkvtier_remote_nodes 3\n"), "b follows 3 primaries");
     cr_expect(strstr(body, "\nkvtier_remote_redirect_errors_total 0\n"));
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
+}
+
+static double scraped(const kvd_t *d, const char *series)
+{
+    static char text[1 << 18];
+    cr_assert_eq(kvd_http_get(d, "/metrics", text, sizeof(text)), 200);
+    char key[128];
+    snprintf(key, sizeof(key), "\n%s ", series);
+    const char *p = strstr(text, key);
+    return p ? strtod(p + strlen(key), NULL) : -1;
+}
+
+/* The PID of the redis-server on port (INFO server). */
+static pid_t node_pid(uint16_t port)
+{
+    redisReply *r = cl_cmd(port, "INFO server");
+    cr_assert(r && r->type == REDIS_REPLY_STRING);
+    const char *p = strstr(r->str, "process_id:");
+    cr_assert(p);
+    pid_t pid = (pid_t)atoi(p + strlen("process_id:"));
+    freeReplyObject(r);
+    return pid;
+}
+
+static long long keys_on_primaries(const uint16_t *prim, int np)
+{
+    long long n = 0;
+    for (int i = 0; i < np; i++)
+        n += keys_on(prim[i]);
+    return n;
+}
+
+/*
+ * Shared keys stay shared, over the cluster: daemon a stores 6 pages (spread over the primaries);
+ * with every primary paused for a moment (well under the cluster's node timeout), daemon b's
+ * writes of the same pages time out, then land once the primaries go on. Before, b's undo DELs
+ * removed a's keys; now every key stays, b counts the writes it left, and a reads its pages back.
+ */
+Test(remote_cluster, a_late_write_by_one_daemon_deletes_no_key_another_stored)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    int np = cl_primaries(ports[0], prim, CL_NODES);
+    cr_assert_eq(np, 3);
+    kvd_t a = {0}, b = {0};
+    const char *seeds = getenv("KVT_TEST_CLUSTER");
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", seeds, "--remote-cluster",
+              "yes", "--remote-prefix", g_prefix, NULL);
+    kvd_start(&b, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", seeds, "--remote-cluster",
+              "yes", "--remote-prefix", g_prefix, "--remote-timeout-ms", "300", NULL);
+    for (int i = 0; i < 500; i++) {
+        if (scraped(&a, "kvtier_remote_nodes") == 3 && scraped(&b, "kvtier_remote_nodes") == 3 &&
+            scraped(&a, "kvtier_remote_up") == 1 && scraped(&b, "kvtier_remote_up") == 1)
+            break;
+        usleep(10000);
+    }
+    cr_assert_eq(scraped(&b, "kvtier_remote_up"), 1, "b never saw the cluster");
+    kvt_client_t *ca = kvd_client(&a, "shared-model", PAGE, BB);
+    kvt_client_t *cb = kvd_client(&b, "shared-model", PAGE, BB);
+    enum { P = 6 };
+    uint32_t tok[P * PAGE];
+    kvd_tokens(tok, P * PAGE, 11);
+    put_pages(ca, tok, P, 70);
+    cr_assert_eq(keys_on_primaries(prim, np), P);
+
+    pid_t pids[CL_NODES];
+    for (int i = 0; i < np; i++)
+        pids[i] = node_pid(prim[i]);
+    for (int i = 0; i < np; i++)
+        kill(pids[i], SIGSTOP);
+    uint8_t *payload = malloc((size_t)P * BB);
+    cr_assert(payload);
+    for (uint32_t p = 0; p < P; p++)
+        kvd_fill(payload + (size_t)p * BB, BB, 70 + p);
+    kvt_client_put_t r;
+    int rc = kvt_client_put(cb, tok, P * PAGE, 0, P, payload, NULL, &r); /* times out */
+    free(payload);
+    for (int i = 0; i < np; i++)
+        kill(pids[i], SIGCONT);
+    cr_assert(rc == 0 || rc == KVT_CLIENT_ETIMEDOUT, "put: %s", kvt_client_strerror(rc));
+    cr_assert_geq(scraped(&b, "kvtier_remote_timeouts_total"), 1, "b's writes timed out");
+    double kept = 0;
+    for (int i = 0; i < 150 && keys_on_primaries(prim, np) == P; i++) {
+        if ((kept = scraped(&b, "kvtier_remote_late_writes_kept_total")) >= P)
+            break;
+        usleep(20000);
+    }
+    usleep(100000);
+    cr_expect_eq(keys_on_primaries(prim, np), P, "b's late writes deleted a's keys");
+    cr_expect_geq(kept, 1, "b counts the late writes it left in place");
+
+    uint8_t from[P];
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(ca, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    get_pages(ca, m.lease, P, 70, from);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_REMOTE);
     kvt_client_close(ca);
     kvt_client_close(cb);
     kvd_cleanup(&a);

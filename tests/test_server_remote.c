@@ -5,8 +5,9 @@
  * stored through MATCH's remote probe and reads its bytes; a remote that is down is a counted
  * miss reason, not an error; values overwritten with far more than a block are refused unbuffered
  * and counted (kvtier_remote_oversized_values_total) while the connection stays up; a PUT's
- * pages that NVMe cannot place (its segments all pinned) go on to Redis. One test stands up a
- * fake server of its own whose GET answers have the wrong type.
+ * pages that NVMe cannot place (its segments all pinned) go on to Redis; a daemon whose writes
+ * time out and land late deletes no key another daemon stored. One test stands up a fake server
+ * of its own whose GET answers have the wrong type.
  */
 #include <strings.h>
 #include <time.h>
@@ -860,5 +861,94 @@ Test(server_remote, remote_up_follows_the_server)
     cr_expect_eq(up, 0, "the remote server is gone");
     kvd_cleanup(&d);
     kvd_cleanup(&none);
+    kvd_rmrf(dir);
+}
+
+/* The integer reply of a one-word command (DBSIZE) from the redis-server on port, over a plain
+ * socket: this file links no hiredis. */
+static long long redis_int(uint16_t port, const char *cmd)
+{
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {
+        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert(s >= 0 && connect(s, (struct sockaddr *)&a, sizeof a) == 0);
+    char req[64], rep[64] = "";
+    int n = snprintf(req, sizeof req, "%s\r\n", cmd);
+    cr_assert_eq(write(s, req, (size_t)n), n);
+    ssize_t got = 0;
+    while (got < (ssize_t)sizeof rep - 1 && !strstr(rep, "\r\n")) {
+        ssize_t k = read(s, rep + got, sizeof rep - 1 - (size_t)got);
+        cr_assert_gt(k, 0, "%s: no reply", cmd);
+        got += k;
+        rep[got] = 0;
+    }
+    close(s);
+    cr_assert_eq(rep[0], ':', "%s: %s", cmd, rep);
+    return atoll(rep + 1);
+}
+
+/*
+ * Shared keys stay shared. Daemon a stores 4 pages on the server (its only tier); then, with the
+ * server paused, daemon b stores the same 4 pages (the same keys: a key names the block by its
+ * prefix) and its writes time out; the server goes on and b's SETs land late. Before, b then
+ * DELed the keys "to undo its failed writes", deleting the blocks a had stored and relies on: a's
+ * next read missed. Now a daemon (keep_on_free, the keys shared) deletes no key: every key stays,
+ * b counts the writes it left in place, and a reads its 4 pages back byte-exact.
+ */
+Test(server_remote, a_late_write_by_one_daemon_deletes_no_key_another_stored)
+{
+    enum { N = 4 };
+    char dir[512], addr[64], pfx[64];
+    uint16_t port;
+    pid_t redis = own_redis(dir, sizeof dir, &port);
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    prefix(pfx, sizeof pfx);
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&b, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, "--remote-timeout-ms", "300", NULL);
+    kvt_client_t *ca = kvd_client(&a, "m", PAGE, BB), *cb = kvd_client(&b, "m", PAGE, BB);
+    uint32_t tok[N * PAGE];
+    kvd_tokens(tok, N * PAGE, 77);
+    kvt_client_put_t r;
+    put_all(ca, tok, N, 90, &r);
+    cr_assert_eq(r.stored, N);
+    cr_assert_eq(redis_int(port, "DBSIZE"), N);
+    for (int i = 0; i < 100 && scraped(&b, "kvtier_remote_up") != 1; i++)
+        usleep(20000);
+
+    kill(redis, SIGSTOP);
+    uint8_t *payload = malloc((size_t)N * BB);
+    for (uint32_t p = 0; p < N; p++)
+        kvd_fill(payload + (size_t)p * BB, BB, 90 + p);
+    int rc = kvt_client_put(cb, tok, N * PAGE, 0, N, payload, NULL, &r); /* times out */
+    free(payload);
+    kill(redis, SIGCONT);
+    cr_assert(rc == 0 || rc == KVT_CLIENT_ETIMEDOUT, "put: %s", kvt_client_strerror(rc));
+    cr_assert_geq(scraped(&b, "kvtier_remote_timeouts_total"), 1, "b's writes timed out");
+    /* b's SETs land now, then (before) its DELs: wait for the late replies, or for a key to go. */
+    double kept = 0;
+    for (int i = 0; i < 150 && redis_int(port, "DBSIZE") == N; i++) {
+        if ((kept = scraped(&b, "kvtier_remote_late_writes_kept_total")) >= N)
+            break;
+        usleep(20000);
+    }
+    usleep(100000);
+    cr_expect_eq(redis_int(port, "DBSIZE"), N, "b's late writes deleted a's keys");
+    cr_expect_geq(kept, 1, "b counts the late writes it left in place");
+
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(ca, tok, N * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, N);
+    uint8_t from[N];
+    get_all(ca, m.lease, N, 90, from);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_REMOTE);
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
     kvd_rmrf(dir);
 }

@@ -1265,6 +1265,55 @@ Test(tier_remote, write_answered_after_its_timeout_is_undone)
     server_cleanup();
 }
 
+/* With keep_on_free the keys are shared with other processes: a write that timed out and then
+ * landed is left in place (counted), not DELed, since another writer's block under the same key
+ * would go with it (docs/remote.md, "Who deletes a shared key"). */
+Test(tier_remote, keep_on_free_leaves_a_late_write_in_place)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    conf.timeout_ms = 300;
+    conf.keep_on_free = 1;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t w;
+    blk_init(&w, 8, 50000);
+    fill(w.buf, 50000, 8);
+    kill(g_srv.pid, SIGSTOP);
+    cr_assert_eq(kvt_tier_write(t, &w.io), 0);
+    blk_t *pw = &w;
+    wait_done(t, &pw, 1, 5000);
+    cr_assert_eq(w.io.status, KVT_ETIMEDOUT);
+    kill(g_srv.pid, SIGCONT);
+    cr_assert(wait_connected(t, 5000));
+    kvt_tier_remote_stats_t st;
+    for (int i = 0; i < 300; i++) {
+        kvt_tier_wait(t, 10);
+        kvt_tier_remote_stats(t, &st);
+        if (st.undo_kept)
+            break;
+    }
+    for (int i = 0; i < 20; i++) /* a DEL, had one been queued, would be sent by now */
+        kvt_tier_wait(t, 10);
+    kvt_tier_remote_stats(t, &st);
+    cr_expect_eq(st.undo_kept, 1);
+    cr_expect_eq(st.undone, 0);
+    redisContext *c = sync_connect(g_srv.port, NULL);
+    cr_assert(c);
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, &w, key);
+    cr_expect_eq(sync_int(c, "EXISTS %s", key), 1, "the late write was deleted");
+    redisFree(c);
+    w.io.loc = 0;
+    cr_expect_eq(read_check(t, &w, 8), 0, "the block is there for any reader");
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_expect_eq(u.timeouts, 1);
+    blk_fini(&w);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
 Test(tier_remote, probe_fails_cleanly_when_the_server_is_gone)
 {
     server_start(&g_srv, NULL, NULL);

@@ -39,8 +39,9 @@
  * read buffer, with no reply object allocated. A request that timed out stays in sentq, detached
  * from its caller (io = NULL), until its late reply arrives and is dropped; a SET that succeeds
  * after its caller was told it failed is undone with a DEL, so that a failed write stores
- * nothing. When the oldest request has waited twice its timeout the connection is declared
- * stalled and closed: everything in flight then fails with KVT_EUNAVAIL.
+ * nothing, unless the keys are shared (keep_on_free: the tier never deletes one). When the oldest
+ * request has waited twice its timeout the connection is declared stalled and closed: everything in
+ * flight then fails with KVT_EUNAVAIL.
  *
  * Bytes on the wire: hiredis would copy each command into its output buffer, and after a partial
  * write move the unsent rest to the front, which for megabyte values costs more than the network.
@@ -587,9 +588,17 @@ static void rq_fail(remote_t *rm, rq_t *r, int status)
 }
 
 /* A SET whose outcome the caller was told was a failure may still have stored its value: queue
- * a DEL for it unless a newer SET of the same key is queued (its outcome governs then). */
+ * a DEL for it unless a newer SET of the same key is queued (its outcome governs then). A tier
+ * whose keys are shared (keep_on_free) deletes nothing: another daemon may have stored the same
+ * key (the value is the same block, keyed by its prefix) and be relying on it, and no value tag
+ * tells the two writes apart once the late SET overwrote it; the ttl or the server's eviction
+ * clears such a key instead. */
 static void undo_set(remote_t *rm, rq_t *r, int sent_now)
 {
+    if (rm->keep_on_free) {
+        rm->stats.undo_kept++;
+        return;
+    }
     node_t *n = sent_now ? route(rm, r) : r->on; /* else held until r's node is back */
     if (!n)
         n = r->on;

@@ -585,8 +585,10 @@ int kvt_tier_hbm_ipc_close(void *base);
  * Reads go by key: a read with loc 0 (or any location this tier did not hand out) asks the
  * server for io->key all the same, which is how a block stored by another process is found.
  * Locations handed out by writes name the key for kvt_tier_free, which DELs it (unless
- * keep_on_free). A block the server dropped by itself (maxmemory eviction, ttl) reads as
- * KVT_ENOENT and its charge is given back (usage.reclaimed).
+ * keep_on_free: then the tier deletes no key at all, neither on a free nor after a write that
+ * timed out and landed late, since other processes may rely on a shared key). A block the server
+ * dropped by itself (maxmemory eviction, ttl) reads as KVT_ENOENT and its charge is given back
+ * (usage.reclaimed).
  *
  * Charge: a block costs len + kvt__blockhdr_size(KVT_PAGE_MAX) bytes (the payload plus the
  * largest stored header, which also covers the server's per-key overhead): usage never passes
@@ -597,13 +599,13 @@ int kvt_tier_hbm_ipc_close(void *base);
  * the tier's fd; connecting, the handshake and reconnecting never block the caller (a host name
  * is resolved with getaddrinfo at each connect: give an address literal to keep that off the
  * loop). A request not answered within timeout_ms completes with KVT_ETIMEDOUT (a write that
- * lands after its timeout is deleted again). When the server goes away, every request in flight
- * and every request submitted before the next connection is up fails with KVT_EUNAVAIL (submit
- * returns it while the tier waits out its backoff); the tier reconnects by itself with
- * exponential backoff, from backoff_min_ms doubling up to backoff_max_ms (each wait +-25% at
- * random). A connection that has answered nothing for twice timeout_ms is closed and retried.
- * The timers run from kvt_tier_process, so the caller's loop keeps polling the fd while the
- * server is down. kvt_tier_destroy leaves stored blocks on the server (they serve the fleet, or
+ * lands after its timeout is deleted again, unless keep_on_free). When the server goes away, every
+ * request in flight and every request submitted before the next connection is up fails with
+ * KVT_EUNAVAIL (submit returns it while the tier waits out its backoff); the tier reconnects by
+ * itself with exponential backoff, from backoff_min_ms doubling up to backoff_max_ms (each wait
+ * +-25% at random). A connection that has answered nothing for twice timeout_ms is closed and
+ * retried. The timers run from kvt_tier_process, so the caller's loop keeps polling the fd while
+ * the server is down. kvt_tier_destroy leaves stored blocks on the server (they serve the fleet, or
  * the next run); DELs still queued get up to 200 ms to go out.
  *
  * Cluster mode (cluster = 1): a Redis or Valkey Cluster, reached through seeds, a list of any
@@ -663,6 +665,7 @@ typedef struct kvt_tier_remote_stats {
     uint64_t timeouts;     /* requests and probes failed with KVT_ETIMEDOUT */
     uint64_t late_replies; /* replies that came after their request timed out */
     uint64_t undone;       /* DELs sent for writes that may have landed after failing */
+    uint64_t undo_kept;    /* such writes left in place instead: keep_on_free (shared keys) */
     uint64_t evicted;      /* our blocks the server no longer had (or held corrupt) */
     uint64_t probes;
     uint64_t oversized;     /* GET values longer than the block asked for, refused unbuffered */
