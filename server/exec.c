@@ -308,11 +308,19 @@ static void move_finish(kvt_srv_t *s, kvt__move_t *m)
     int status = m->status;
     if (status == 0 && m->started < m->npages)
         status = KVT_EIO; /* a copy did not start: the run stays where it was */
-    /* A demotion into NVMe whose node was leased while it ran: the lease pinned the blocks'
-     * NVMe locations it saw (none of these), so the log's reclaim could drop them under a GET
-     * the MATCH promised. The run stays where the lease found it; the policy may move it once
-     * the lease is gone. */
-    if (status == 0 && m->to == KVT_TIER_NVME && leased_by_others(s, m->node))
+    /* A move whose node was leased while it ran stays where the lease found it (the policy may
+     * move it once the lease is gone):
+     * - into NVMe: the lease pinned the blocks' NVMe locations it saw (none of these), so the
+     *   log's reclaim could drop them under a GET the MATCH promised;
+     * - a demotion out of DRAM or HBM: a client may read the leased pages in place, through its
+     *   zero-copy mapping of the arena (GET with LOCATE) or the HBM pool's IPC handle, with
+     *   nothing the daemon can see; freeing the old copy at the switch let another block land
+     *   there under that read, and the client served that block's bytes (bench_fleet caught it:
+     *   5 of 12 shared-tier replays, 0 of 12 with this). A promotion out of DRAM into HBM has
+     *   the same hazard for such a reader, not closed here: it would need the old copy kept
+     *   until the leases taken before the switch are released. */
+    int demotes_mapped = m->to > m->from && (m->from == KVT_TIER_DRAM || m->from == KVT_TIER_HBM);
+    if (status == 0 && (m->to == KVT_TIER_NVME || demotes_mapped) && leased_by_others(s, m->node))
         status = KVT_EBUSY;
     int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
                                   (kvt_tier_id_t)m->to, status);
