@@ -84,14 +84,16 @@ static int cl_bindable(uint16_t port)
     return ok;
 }
 
-/* A port that is free, and whose cluster bus port (+10000) is free too. */
+/* A port that is free, and whose cluster bus port (+10000) is free too. Both stay below the
+ * kernel's ephemeral range (32768 and up by default), where any outgoing connection of the tests
+ * running beside this one could take a port between this probe and the node's bind. */
 static uint16_t cl_free_port(void)
 {
     static unsigned seed;
     if (!seed)
         seed = (unsigned)getpid() ^ (unsigned)time(NULL);
     for (int i = 0; i < 1000; i++) {
-        uint16_t p = (uint16_t)(20000 + rand_r(&seed) % 25000);
+        uint16_t p = (uint16_t)(20000 + rand_r(&seed) % 2760);
         if (cl_bindable(p) && cl_bindable((uint16_t)(p + 10000)))
             return p;
     }
@@ -208,14 +210,38 @@ static int cl_start(cl_t *c, char *err, size_t errcap)
     }
     for (int i = 0; i < CL_NODES; i++) {
         int up = 0;
-        for (int t = 0; t < 200 && !(up = cl_info_has(c->port[i], "server", "redis_version")); t++)
-            cl_sleep_ms(25);
+        /* A node that exits (its port taken after all) starts again on another, 5 times. */
+        for (int again = 0; !up && again < 5; again++) {
+            for (int t = 0; t < 400 && !up; t++) {
+                up = cl_info_has(c->port[i], "server", "redis_version");
+                if (!up && waitpid(c->pid[i], NULL, WNOHANG) == c->pid[i]) {
+                    c->pid[i] = -1;
+                    break;
+                }
+                if (!up)
+                    cl_sleep_ms(25);
+            }
+            if (up)
+                break;
+            if (c->pid[i] > 0) {
+                kill(c->pid[i], SIGKILL);
+                waitpid(c->pid[i], NULL, 0);
+            }
+            c->port[i] = cl_free_port();
+            c->pid[i] = c->port[i] ? cl_spawn(c, server, c->port[i]) : -1;
+            if (c->pid[i] <= 0)
+                break;
+        }
         if (!up) {
-            snprintf(err, errcap, "node on port %u never answered", c->port[i]);
+            snprintf(err, errcap, "node %d never answered (last on port %u)", i, c->port[i]);
             cl_stop(c);
             return -2;
         }
     }
+    off = 0; /* the seeds, with the ports the nodes did start on */
+    for (int i = 0; i < CL_NODES; i++)
+        off += (size_t)snprintf(c->seeds + off, sizeof(c->seeds) - off, "%s127.0.0.1:%u",
+                                i ? "," : "", c->port[i]);
     char addr[CL_NODES][32], logp[300];
     const char *argv[CL_NODES + 8];
     int a = 0;
