@@ -654,26 +654,6 @@ int kvt__conf_reloadable(const char *name)
     return 0;
 }
 
-static int opt_equal(const kvt_opt_t *o, const kvt_srv_conf_t *a, const kvt_srv_conf_t *b)
-{
-    const void *x = (const char *)a + o->off, *y = (const char *)b + o->off;
-    switch (o->type) {
-    case KVT_OPT_STR:
-        return !strcmp(*(char *const *)x, *(char *const *)y);
-    case KVT_OPT_BYTES:
-        return *(const uint64_t *)x == *(const uint64_t *)y;
-    case KVT_OPT_U32:
-    case KVT_OPT_MODE:
-        return *(const uint32_t *)x == *(const uint32_t *)y;
-    case KVT_OPT_INT:
-    case KVT_OPT_BOOL:
-        return *(const int *)x == *(const int *)y;
-    case KVT_OPT_DBL:
-        return *(const double *)x == *(const double *)y;
-    }
-    return 1;
-}
-
 static size_t opt_size(const kvt_opt_t *o)
 {
     switch (o->type) {
@@ -691,6 +671,16 @@ static size_t opt_size(const kvt_opt_t *o)
         return sizeof(double);
     }
     return 0;
+}
+
+/* A string by its text; every other type by its bytes (a double here is never -0 nor NaN: the
+ * parser takes only values > 0). */
+static int opt_equal(const kvt_opt_t *o, const kvt_srv_conf_t *a, const kvt_srv_conf_t *b)
+{
+    const void *x = (const char *)a + o->off, *y = (const char *)b + o->off;
+    if (o->type == KVT_OPT_STR)
+        return !strcmp(*(char *const *)x, *(char *const *)y);
+    return !memcmp(x, y, opt_size(o));
 }
 
 /* The value as a person wrote it, for the log: strings as they are (the secret hidden). */
