@@ -361,29 +361,43 @@ Test(server_hbm, host_pool_per_device_puts_on_the_client_s_device)
     kvd_cleanup(&d);
 }
 
+/*
+ * Both prefetch tests start alike: two 1M host pools, a and b fill them (b on device 1, where
+ * device 0's pool has no room left), e goes to DRAM, then a and b are removed: both pools are
+ * empty, with the same room, and e's 4 pages wait in DRAM. c1 names device 1. k keeps each test's
+ * tokens apart.
+ */
+static void two_empty_pools_e_in_dram(kvd_t *d, kvt_client_t **c0, kvt_client_t **c1,
+                                      uint32_t e[4 * PAGE], uint32_t k)
+{
+    kvd_start(d, "--hbm-backend", "host", "--hbm-devices", "0,1", "--hbm-bytes", "1M",
+              "--dram-bytes", "8M", "--nvme-bytes", "0", "--policy-high", "1", "--policy-low", "1",
+              NULL);
+    *c0 = kvd_client(d, "m", PAGE, BLK);
+    *c1 = client_on(d, 1);
+    uint32_t a[16 * PAGE], b[16 * PAGE];
+    kvd_tokens(a, 16 * PAGE, k * 10 + 1);
+    kvd_tokens(b, 16 * PAGE, k * 10000 + 2000);
+    kvd_tokens(e, 4 * PAGE, k * 10000 + 3000);
+    put_prompt(*c0, a, 16, 100);
+    put_prompt(*c0, b, 16, 200); /* device 0's pool is full: device 1's takes b */
+    put_prompt(*c0, e, 4, 300);  /* HBM is full: DRAM */
+    pools_hold(d, *c0, 16, 16);
+    cr_expect_eq(kvd_stat(*c0, "dram_blocks"), 4);
+    cr_assert_eq(kvt_client_remove(*c0, a, PAGE), 0); /* the first page and all beneath */
+    cr_assert_eq(kvt_client_remove(*c0, b, PAGE), 0);
+    pools_hold(d, *c0, 0, 0);
+}
+
 /* A PREFETCH up to HBM puts the pages in the pool of the device of the client that asked, even
  * where another pool has as much room (where nobody names a device, the first would). */
 Test(server_hbm, host_prefetch_promotes_to_the_client_s_device)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-devices", "0,1", "--hbm-bytes", "1M",
-              "--dram-bytes", "8M", "--nvme-bytes", "0", "--policy-high", "1", "--policy-low", "1",
-              NULL);
-    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BLK);
-    kvt_client_t *c1 = client_on(&d, 1);
-    uint32_t a[16 * PAGE], b[16 * PAGE], e[4 * PAGE];
-    kvd_tokens(a, 16 * PAGE, 61);
-    kvd_tokens(b, 16 * PAGE, 62000);
-    kvd_tokens(e, 4 * PAGE, 63000);
+    kvt_client_t *c0, *c1;
+    uint32_t e[4 * PAGE];
     uint8_t tiers[16], from[16];
-    put_prompt(c0, a, 16, 100);
-    put_prompt(c0, b, 16, 200); /* device 0's pool is full: device 1's takes b */
-    put_prompt(c0, e, 4, 300);  /* HBM is full: DRAM */
-    pools_hold(&d, c0, 16, 16);
-    cr_expect_eq(kvd_stat(c0, "dram_blocks"), 4);
-    cr_assert_eq(kvt_client_remove(c0, a, PAGE), 0); /* the first page and all beneath */
-    cr_assert_eq(kvt_client_remove(c0, b, PAGE), 0);
-    pools_hold(&d, c0, 0, 0);
+    two_empty_pools_e_in_dram(&d, &c0, &c1, e, 6);
     kvt_client_prefetch_t pf;
     cr_assert_eq(kvt_client_prefetch(c1, e, 4 * PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
     cr_expect_eq(pf.moved, 4, "moved %u resident %u failed %u", pf.moved, pf.resident, pf.failed);
@@ -401,23 +415,10 @@ Test(server_hbm, host_prefetch_promotes_to_the_client_s_device)
 Test(server_hbm, host_match_promotes_to_the_client_s_device)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-devices", "0,1", "--hbm-bytes", "1M",
-              "--dram-bytes", "8M", "--nvme-bytes", "0", "--policy-high", "1", "--policy-low", "1",
-              NULL);
-    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BLK);
-    kvt_client_t *c1 = client_on(&d, 1);
-    uint32_t a[16 * PAGE], b[16 * PAGE], e[4 * PAGE];
-    kvd_tokens(a, 16 * PAGE, 71);
-    kvd_tokens(b, 16 * PAGE, 72000);
-    kvd_tokens(e, 4 * PAGE, 73000);
+    kvt_client_t *c0, *c1;
+    uint32_t e[4 * PAGE];
     uint8_t tiers[16], from[16];
-    put_prompt(c0, a, 16, 100);
-    put_prompt(c0, b, 16, 200);
-    put_prompt(c0, e, 4, 300); /* HBM is full: DRAM */
-    pools_hold(&d, c0, 16, 16);
-    cr_assert_eq(kvt_client_remove(c0, a, PAGE), 0);
-    cr_assert_eq(kvt_client_remove(c0, b, PAGE), 0);
-    pools_hold(&d, c0, 0, 0);
+    two_empty_pools_e_in_dram(&d, &c0, &c1, e, 7);
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
     cr_assert_eq(kvt_client_match(c1, e, 4 * PAGE, 0, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, 4);
