@@ -143,7 +143,7 @@ lib = load()
 
 
 def codes() -> Dict[str, int]:
-    """The status codes client/kvtier.h declares, by their short name: {"EINVAL": -30800, ...}
-    (``KVT_CLIENT_EINVAL`` and the others of its enum)."""
+    """The status codes client/kvtier.h declares (``KVT_CLIENT_EINVAL`` and the others of its
+    enum), by their short name: {"EINVAL": the value of KVT_CLIENT_EINVAL, ...}."""
     return {n[len("KVT_CLIENT_"):]: getattr(lib, n) for n in dir(lib)
             if n.startswith("KVT_CLIENT_E")}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
+from ._base import PutResult, _rbuf, _wbuf
 from ._lib import STRINGS, ffi, lib
 from .errors import EINVAL, InvalidArgument, error_for
 
@@ -89,8 +90,6 @@ def key_tokens(key: Key) -> Tuple[int, int, int, int]:
 def _blocks(data: Any, n: int, bb: int, writable: bool) -> Tuple[Any, List[Any]]:
     """A void*[n] over n blocks of bb bytes: ``data`` is one buffer of n x bb bytes or a sequence
     of n buffers of bb bytes each. Raises InvalidArgument (wrong sizes), TypeError."""
-    from .client import _rbuf, _wbuf
-
     conv = _wbuf if writable else _rbuf
     ptrs = ffi.new("void *[]", max(n, 1))
     keep: List[Any] = [ptrs]
@@ -171,8 +170,6 @@ class KeysMixin:
 
         Raises InvalidArgument (a bad key, sizes not whole blocks, blocks beyond the keys),
         TypeError (not a buffer), NoSpace, Error for transport failures."""
-        from .client import PutResult, _rbuf
-
         arr, n, keep = _keys(keys)
         bb = self.block_bytes  # type: ignore[attr-defined]
         res = ffi.new("kvt_client_put_t *")
@@ -205,8 +202,6 @@ class KeysMixin:
 
         Raises InvalidArgument (a bad key), TypeError (not writable), Error for transport
         failures."""
-        from .client import _wbuf
-
         arr, n, keep = _keys(keys)
         p, cap = _wbuf(buffer)
         got = ffi.new("uint32_t *")
