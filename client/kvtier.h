@@ -27,6 +27,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* KVT_API marks what libkvtier exports: it is built with -fvisibility=hidden (and its static
+ * parts, proto/ and common/, kept local), so that a function declared here without it is not
+ * in the library, and nothing else (the wire codec, logging) is: scripts/check_exports.py holds
+ * the two to each other. Defining KVT_API before including this header overrides it. */
+#ifndef KVT_API
+#if defined(__GNUC__) || defined(__clang__)
+#define KVT_API __attribute__((visibility("default")))
+#else
+#define KVT_API
+#endif
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -51,7 +63,7 @@ enum {
 };
 
 /* The name of a status code or a negated errno; the string is static. */
-const char *kvt_client_strerror(int err);
+KVT_API const char *kvt_client_strerror(int err);
 
 /* Tiers, as MATCH reports them per block and PREFETCH takes them. */
 enum {
@@ -87,18 +99,18 @@ typedef struct kvt_client_conf {
  * AUTHs is full: connect again later), KVT_CLIENT_EINVAL, KVT_CLIENT_EPROTO, or
  * KVT_CLIENT_ENOSPC (a new namespace the daemon has no room for). An AUTH may take a while to be
  * answered while someone guesses the secret (docs/protocol.md, AUTH). */
-int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
+KVT_API int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
 /* Closes the connection (the daemon releases every lease and reservation it held) and unmaps
  * the zero-copy mapping: every pointer into it (kvt_client_get_cb's, kvt_client_reserve's) dies
  * here. NULL is a no-op. */
-void kvt_client_close(kvt_client_t *c);
+KVT_API void kvt_client_close(kvt_client_t *c);
 /* The daemon's message for the last error reply ("" if none); valid until the next call. A GET
  * whose stream stopped (its end frame carries a status, no message) says after how many pages. */
-const char *kvt_client_errmsg(const kvt_client_t *c);
+KVT_API const char *kvt_client_errmsg(const kvt_client_t *c);
 /* What HELLO answered: the namespace's seed (its hash chain's start) and the server's tiers
  * (bit 1 << tier per tier it has). */
-uint64_t kvt_client_ns_seed(const kvt_client_t *c);
-unsigned kvt_client_tiers(const kvt_client_t *c);
+KVT_API uint64_t kvt_client_ns_seed(const kvt_client_t *c);
+KVT_API unsigned kvt_client_tiers(const kvt_client_t *c);
 
 /*
  * Zero-copy (docs/protocol.md, "Zero-copy for local clients"). With conf->zero_copy set, a client
@@ -125,13 +137,13 @@ unsigned kvt_client_tiers(const kvt_client_t *c);
  */
 
 /* 1 when the client mapped its namespace's DRAM arena (zero-copy in use), else 0. */
-int kvt_client_zero_copy(const kvt_client_t *c);
+KVT_API int kvt_client_zero_copy(const kvt_client_t *c);
 /* Why zero-copy is not in use: "" when it is, else a message (conf->zero_copy 0, TCP, no block
  * size, or the daemon's refusal with its code and message). Static until kvt_client_close. */
-const char *kvt_client_zero_copy_reason(const kvt_client_t *c);
+KVT_API const char *kvt_client_zero_copy_reason(const kvt_client_t *c);
 /* The mapping's address and length (*bytes, if not NULL); NULL (and 0) when not mapped. Valid
  * until kvt_client_close. Read-only for callers, except through kvt_client_reserve's pointers. */
-const void *kvt_client_mapping(const kvt_client_t *c, uint64_t *bytes);
+KVT_API const void *kvt_client_mapping(const kvt_client_t *c, uint64_t *bytes);
 
 /* Hints to the daemon's policy, on MATCH and PUT. All optional: pass NULL for none. */
 enum {
@@ -173,12 +185,13 @@ typedef struct kvt_client_prefetch {
 } kvt_client_prefetch_t;
 
 /* PING with an echoed payload; *rtt_ns (if not NULL) gets the round trip. */
-int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns);
+KVT_API int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns);
 
 /* The longest cached prefix of tokens[0, ntokens). lease_ms: the lease's time limit (0: the
  * daemon's default; capped by its maximum). */
-int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
-                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res);
+KVT_API int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                             unsigned flags, uint32_t lease_ms, const kvt_client_hints_t *hints,
+                             kvt_client_match_t *res);
 
 /*
  * Caches every whole page of tokens and stores the KV bytes of pages [first_page, first_page +
@@ -188,14 +201,14 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
  * pages that got no room and hold no bytes go by a socket PUT. The results are a socket PUT's;
  * a PUT of pages already held costs one round trip and sends no payload.
  */
-int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
-                   kvt_client_put_t *res);
+KVT_API int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                           uint32_t first_page, uint32_t npages, const void *payload,
+                           const kvt_client_hints_t *hints, kvt_client_put_t *res);
 /* The same with one buffer of block_bytes per page (blocks[0 .. npages)). A mapped client copies
  * each straight into its reserved room; on the socket they are gathered into one PUT first. */
-int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                    uint32_t npages, const void *const *blocks, const kvt_client_hints_t *hints,
-                    kvt_client_put_t *res);
+KVT_API int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                            uint32_t first_page, uint32_t npages, const void *const *blocks,
+                            const kvt_client_hints_t *hints, kvt_client_put_t *res);
 
 /*
  * The KV bytes of pages [first_page, first_page + npages) of a leased path (npages 0: to its
@@ -205,8 +218,8 @@ int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, u
  * from it into buf; KVT_CLIENT_ETIMEDOUT when the lease may have expired before they were (buf's
  * bytes are then not to be trusted; the call can be repeated under a new lease).
  */
-int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages, void *buf,
-                   size_t cap, uint32_t *got, uint8_t *tiers);
+KVT_API int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                           void *buf, size_t cap, uint32_t *got, uint8_t *tiers);
 
 /* The same, handing each block to cb as it arrives (data valid during the call). A non-zero
  * return from cb stops delivery (the rest of the reply is read and dropped) and is returned.
@@ -215,8 +228,8 @@ int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_
  * reused and must be discarded. */
 typedef int (*kvt_client_block_cb)(void *arg, uint32_t page, unsigned tier, const void *data,
                                    uint32_t len);
-int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
-                      kvt_client_block_cb cb, void *arg, uint32_t *got);
+KVT_API int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
+                              kvt_client_block_cb cb, void *arg, uint32_t *got);
 
 /*
  * Zero-copy PUT in two steps, for a caller that produces a page's bytes straight into the
@@ -245,11 +258,11 @@ typedef struct kvt_client_resv {
     uint32_t nreserved; /* pages that got room (non-NULL entries of ptrs) */
     void **ptrs;        /* in: caller's array of npages; out: page first_page + i's room or NULL */
 } kvt_client_resv_t;
-int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
-                       uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
-                       kvt_client_resv_t *res);
-int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res);
-int kvt_client_abort(kvt_client_t *c, uint64_t id);
+KVT_API int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                               uint32_t first_page, uint32_t npages,
+                               const kvt_client_hints_t *hints, kvt_client_resv_t *res);
+KVT_API int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res);
+KVT_API int kvt_client_abort(kvt_client_t *c, uint64_t id);
 
 /*
  * HBM blocks for a CUDA client in the same host: sends MAP for the HBM tier and returns the
@@ -261,7 +274,7 @@ int kvt_client_abort(kvt_client_t *c, uint64_t id);
  * kvt_client_get_cb (which deliver host bytes) stop asking for locations at all; read through
  * kvt_client_get_loc.
  */
-int kvt_client_map_hbm(kvt_client_t *c, uint8_t handle[64], uint64_t *pool_bytes);
+KVT_API int kvt_client_map_hbm(kvt_client_t *c, uint8_t handle[64], uint64_t *pool_bytes);
 
 /*
  * The raw form of a zero-copy GET, for callers that copy with their own engine (cudaMemcpy from
@@ -280,35 +293,36 @@ int kvt_client_map_hbm(kvt_client_t *c, uint8_t handle[64], uint64_t *pool_bytes
  */
 typedef int (*kvt_client_loc_cb)(void *arg, uint32_t page, unsigned tier, const void *host_ptr,
                                  uint64_t offset, uint32_t len, const void *data);
-int kvt_client_get_loc(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
-                       kvt_client_loc_cb cb, void *arg);
+KVT_API int kvt_client_get_loc(kvt_client_t *c, uint64_t lease, uint32_t first_page,
+                               uint32_t npages, kvt_client_loc_cb cb, void *arg);
 
 /* Moves the cached prefix of tokens up to tier (HBM, DRAM or NVMe) within deadline_ms (0: the
  * daemon's lease time); replies at completion or at the deadline. */
-int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
-                        uint32_t deadline_ms, kvt_client_prefetch_t *res);
+KVT_API int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                                unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res);
 /* The same, answered as soon as the moves have started, so that it holds up no reply behind it
  * on the connection: res->moved counts the pages on their way up (or arrived since the request
  * came), res->failed those not started when it answered. More start as the first land, until
  * the deadline, with no further reply; a MATCH shows where the pages are. */
-int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
-                              unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res);
+KVT_API int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                                      unsigned tier, uint32_t deadline_ms,
+                                      kvt_client_prefetch_t *res);
 
 /* Releases a lease; *released (if not NULL) is 1 if it was held, 0 if not (already released,
  * expired): releasing twice is not an error. */
-int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
+KVT_API int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
 
 /* Drops the last whole page of tokens and everything cached beneath it. KVT_CLIENT_ENOENT when
  * not cached, KVT_CLIENT_EBUSY when a connection's lease holds it. Blocks the daemon itself is
  * moving or reading are waited for (up to a second, then KVT_CLIENT_EBUSY), not refused. */
-int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
+KVT_API int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 /* The same, but blocks busy with the daemon's own I/O are KVT_CLIENT_EBUSY at once (nothing
  * removed), so that the REMOVE holds up no reply behind it on the connection. */
-int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
+KVT_API int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 
 /* The daemon's counters, one cb call per (name, value); cb's non-zero return stops. */
 typedef int (*kvt_client_stat_cb)(void *arg, const char *name, uint64_t value);
-int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg);
+KVT_API int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg);
 
 /*
  * Batches: requests queued with kvt_batch_* go out together in kvt_batch_run(), pipelined, and
@@ -319,38 +333,40 @@ int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg);
  */
 typedef struct kvt_batch kvt_batch_t;
 
-int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c);
-void kvt_batch_destroy(kvt_batch_t *b);
-void kvt_batch_reset(kvt_batch_t *b);
-size_t kvt_batch_size(const kvt_batch_t *b);
-int kvt_batch_ping(kvt_batch_t *b, int *status);
-int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
-                    uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
-                    int *status);
-int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                  uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
-                  kvt_client_put_t *res, int *status);
+KVT_API int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c);
+KVT_API void kvt_batch_destroy(kvt_batch_t *b);
+KVT_API void kvt_batch_reset(kvt_batch_t *b);
+KVT_API size_t kvt_batch_size(const kvt_batch_t *b);
+KVT_API int kvt_batch_ping(kvt_batch_t *b, int *status);
+KVT_API int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                            unsigned flags, uint32_t lease_ms, const kvt_client_hints_t *hints,
+                            kvt_client_match_t *res, int *status);
+KVT_API int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                          uint32_t first_page, uint32_t npages, const void *payload,
+                          const kvt_client_hints_t *hints, kvt_client_put_t *res, int *status);
 /* kvt_batch_put with the payload lent, not copied: it is sent from where it lies and must stay
  * valid and unchanged until kvt_batch_run() returns (or the batch is reset). For big pages the
  * copy into the batch costs as much as sending them. */
-int kvt_batch_put_ref(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                      uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
-                      kvt_client_put_t *res, int *status);
+KVT_API int kvt_batch_put_ref(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                              uint32_t first_page, uint32_t npages, const void *payload,
+                              const kvt_client_hints_t *hints, kvt_client_put_t *res, int *status);
 /* kvt_client_prefetch's request, queued: res is filled when its reply comes, which is when the
  * moves are done or the deadline passes (the batch's run waits for that). */
-int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
-                       uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status);
+KVT_API int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                               unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res,
+                               int *status);
 /* kvt_client_prefetch_start's request, queued. */
-int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
-                             unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res,
-                             int *status);
+KVT_API int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                                     unsigned tier, uint32_t deadline_ms,
+                                     kvt_client_prefetch_t *res, int *status);
 /* kvt_client_remove's request, queued; and kvt_client_remove_nowait's. */
-int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
-int kvt_batch_remove_nowait(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
-int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);
+KVT_API int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
+KVT_API int kvt_batch_remove_nowait(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                                    int *status);
+KVT_API int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);
 /* Sends everything queued and waits for every reply. Returns 0 when all replies came (each
  * request's own outcome is in its status), or a transport error. The batch is empty after. */
-int kvt_batch_run(kvt_batch_t *b);
+KVT_API int kvt_batch_run(kvt_batch_t *b);
 
 /*
  * Block keys: engines that name their own pages (SGLang HiCache, LMCache, vLLM's block hashes)
@@ -384,40 +400,40 @@ typedef struct kvt_key {
 
 /* The synthetic tokens of one key: XXH3-128 of its bytes, high 64 bits first, each half high 32
  * bits first (docs/protocol.md, "Keyed blocks"). KVT_CLIENT_EINVAL for len 0 or > KVT_KEY_MAX. */
-int kvt_key_tokens(const void *key, size_t len, uint32_t out[KVT_KEY_TOKENS]);
+KVT_API int kvt_key_tokens(const void *key, size_t len, uint32_t out[KVT_KEY_TOKENS]);
 
 /* Connects as kvt_client_connect() does, declaring conf's namespace made keyed (above):
  * conf->page_size is ignored (KVT_KEY_TOKENS), conf->adapter must leave room for the tag (at most
  * 255 - 12 bytes). Returns what kvt_client_connect() returns. */
-int kvt_keys_connect(kvt_keys_t **out, const kvt_client_conf_t *conf);
+KVT_API int kvt_keys_connect(kvt_keys_t **out, const kvt_client_conf_t *conf);
 /* Closes the connection (releasing its leases). NULL is a no-op. */
-void kvt_keys_close(kvt_keys_t *k);
+KVT_API void kvt_keys_close(kvt_keys_t *k);
 /* The connection underneath, for kvt_client_ping/stats; owned by k, valid until its close. */
-kvt_client_t *kvt_keys_client(kvt_keys_t *k);
+KVT_API kvt_client_t *kvt_keys_client(kvt_keys_t *k);
 /* The message for the last error: a key-side one (a key too long) or the daemon's; "" if none.
  * Valid until the next call on k. */
-const char *kvt_keys_errmsg(const kvt_keys_t *k);
+KVT_API const char *kvt_keys_errmsg(const kvt_keys_t *k);
 
 /* Chains. keys[0, n) is one chain. Too long a key anywhere: KVT_CLIENT_EINVAL, nothing sent. */
 
 /* *hits = how many leading keys of the chain are cached (a MATCH, counted as a lookup). */
-int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits);
+KVT_API int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits);
 /* Caches the chain and stores the blocks of keys [first, first + npages) from payload (npages x
  * block_bytes bytes; NULL with npages 0: index only). res may be NULL. As kvt_client_put. */
-int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                       uint32_t npages, const void *payload, kvt_client_put_t *res);
+KVT_API int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                               uint32_t npages, const void *payload, kvt_client_put_t *res);
 /* The same with one pointer per block (blocks[i] holds key first + i's block_bytes bytes), as
  * kvt_client_putv: copied each straight into the daemon's memory by a mapped client, gathered
  * into one PUT (one copy) on the socket. */
-int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                        uint32_t npages, const void *const *blocks, kvt_client_put_t *res);
+KVT_API int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                                uint32_t npages, const void *const *blocks, kvt_client_put_t *res);
 /* Reads the blocks of keys [first, first + cap / block_bytes) of the chain into buf, as far as
  * the chain is cached: MATCH with a lease, GET, RELEASE. *got = blocks written (0 when key first
  * or one before it is missing: not an error). */
-int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first, void *buf,
-                       size_t cap, uint32_t *got);
+KVT_API int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                               void *buf, size_t cap, uint32_t *got);
 /* Drops the chain's last key and everything cached beneath it (as kvt_client_remove). */
-int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n);
+KVT_API int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n);
 
 /*
  * Independent keys: each key is a chain of one, and each gets its own answer. Pipelined (one
@@ -426,16 +442,17 @@ int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n);
  * NULL: n entries) gets each key's outcome: 0, KVT_CLIENT_ENOENT (missing), or its error.
  */
 /* found[i] = 1 when key i is cached, else 0. */
-int kvt_keys_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint8_t *found);
+KVT_API int kvt_keys_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint8_t *found);
 /* Stores blocks[i] (block_bytes bytes) under key i; the batch copies each block when queued. A
  * block the daemon skipped for want of room (checked with a PROBE) is KVT_CLIENT_ENOSPC. */
-int kvt_keys_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, const void *const *blocks,
-                 int *status);
+KVT_API int kvt_keys_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n,
+                         const void *const *blocks, int *status);
 /* Reads key i's block into bufs[i] (block_bytes bytes each): one pipelined MATCH with a lease per
  * key, a GET per hit, one pipelined RELEASE of the leases. */
-int kvt_keys_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, void *const *bufs, int *status);
+KVT_API int kvt_keys_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, void *const *bufs,
+                         int *status);
 /* Drops each key (and what a chain stored beneath it). Busy/missing keys: their status. */
-int kvt_keys_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, int *status);
+KVT_API int kvt_keys_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, int *status);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,5 @@
 /*
- * conf.h: kvtierd's settings. One table (config.c) names every setting once, with its type,
+ * conf.h: kvtierd's settings. One table (conf.c) names every setting once, with its type,
  * default and description; the configuration file ("name = value" lines) and the command line
  * ("--name=value" or "--name value") both set entries of that table, flags last, so that a flag
  * overrides the file and the file overrides the embedded default. docs/server.md documents the

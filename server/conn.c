@@ -1,6 +1,6 @@
 /*
  * conn.c: client connections. It owns the socket, the input buffer and the frame boundaries (a
- * frame is handed to handlers.c only when whole), the reply queue of server.h and its writing,
+ * frame is handed to dispatch.c only when whole), the reply queue of server.h and its writing,
  * back-pressure (a connection with too much output queued or too many tier I/Os in flight stops
  * being read until it drains), and the framing errors that end a connection: wrong magic or
  * version, a body over max-frame, a peer that closes in the middle of a frame. Each of those
@@ -112,7 +112,7 @@ static int mem_full(const kvt__conn_t *c)
 
 /* Back-pressure: c takes no new request while it has max-inflight tier I/Os in flight, max-output
  * reply bytes queued, or work out with the clients' memory full; nor while its AUTH waits its
- * turn (handlers.c: reading on would tell a guesser how its guess went). */
+ * turn (auth.c: reading on would tell a guesser how its guess went). */
 static int conn_held(const kvt__conn_t *c)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;

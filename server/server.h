@@ -245,7 +245,7 @@ struct kvt__conn {
     uint64_t born_ns, rx_ns;
     uint64_t rx_bytes, frames;
     uint64_t mark_ns, mark_rx, mark_frames;
-    /* An AUTH waiting for its turn (handlers.c, auth-failures-per-s): nothing more is read
+    /* An AUTH waiting for its turn (auth.c, auth-failures-per-s): nothing more is read
      * until it is answered, in the order of auth_seq. */
     int auth_wait;
     uint64_t auth_seq;
@@ -266,7 +266,7 @@ struct kvt__conn {
      * for: at most max-reserved-bytes. */
     uint64_t resv_bytes;
     uint32_t *tokens;    /* scratch for decoded tokens */
-    const uint32_t *tok; /* the current frame's tokens (handlers.c kvt_tokens) */
+    const uint32_t *tok; /* the current frame's tokens (op.c kvt__tokens) */
     size_t tokens_cap;
 };
 

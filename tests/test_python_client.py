@@ -1,6 +1,7 @@
-"""test_python_client.py: client/python/kvtier.py, written from docs/protocol.md alone, against
-the real kvtierd ($KVT_BUILD_ROOT/server/kvtierd) on a temporary directory: that the document is
-enough to write a working client in another language, and that the Python client works.
+"""test_python_client.py: client/python/wire_client.py, written from docs/protocol.md alone,
+against the real kvtierd ($KVT_BUILD_ROOT/server/kvtierd) on a temporary directory: that the
+document is enough to write a working client in another language, and that the Python client
+works.
 
 Every operation round-trips byte-exact (HELLO, PUT with payload, MATCH with a lease, GET streamed
 whole and in part, PREFETCH with and without START, RELEASE, REMOVE, STATS, PING), replies to
@@ -21,7 +22,7 @@ import unittest
 
 sys.dont_write_bytecode = True  # no __pycache__ left in the source tree
 sys.path.insert(0, os.path.join(os.environ.get("KVT_SOURCE_ROOT", "."), "client", "python"))
-import kvtier  # noqa: E402
+import wire_client as wire  # noqa: E402
 
 PAGE = 16
 BLOCK = 512
@@ -58,7 +59,7 @@ class Daemon:
             raise RuntimeError("kvtierd did not start (see %s/kvtierd.log)" % self.dir)
 
     def client(self, model="py", block_bytes=BLOCK):
-        c = kvtier.Client(unix=self.unix)
+        c = wire.Client(unix=self.unix)
         if model:
             c.hello(model, PAGE, block_bytes)
         return c
@@ -81,11 +82,11 @@ class PythonClient(unittest.TestCase):
         assert cls.d.stop() == 0, "kvtierd's clean shutdown exits 0"
 
     def test_hello_says_what_the_daemon_has(self):
-        with kvtier.Client(unix=self.d.unix) as c:
+        with wire.Client(unix=self.d.unix) as c:
             h = c.hello("py-hello", PAGE, BLOCK)
             self.assertEqual(h.version, 1)
-            self.assertIn(kvtier.TIER_DRAM, h.tiers)
-            self.assertIn(kvtier.TIER_NVME, h.tiers)
+            self.assertIn(wire.TIER_DRAM, h.tiers)
+            self.assertIn(wire.TIER_NVME, h.tiers)
             self.assertGreater(h.max_frame, 0)
             self.assertGreater(h.lease_ms_max, 0)
             self.assertNotEqual(h.ns_seed, 0)
@@ -100,11 +101,11 @@ class PythonClient(unittest.TestCase):
             self.assertEqual((r.pages, r.new_pages, r.stored, r.skipped), (8, 8, 8, 0))
             m = c.match(tok, lease=True)
             self.assertEqual((m.pages, m.tokens), (8, 8 * PAGE))
-            self.assertEqual(m.tiers, [kvtier.TIER_DRAM] * 8)
+            self.assertEqual(m.tiers, [wire.TIER_DRAM] * 8)
             self.assertNotEqual(m.lease, 0)
             got = list(c.get(m.lease))
             self.assertEqual([p for p, _, _ in got], list(range(8)))
-            self.assertEqual({t for _, t, _ in got}, {kvtier.TIER_DRAM})
+            self.assertEqual({t for _, t, _ in got}, {wire.TIER_DRAM})
             for p, _, data in got:
                 self.assertEqual(data, block(p, 1), "page %d" % p)
             part = list(c.get(m.lease, first_page=3, npages=2))
@@ -123,10 +124,10 @@ class PythonClient(unittest.TestCase):
             tok = tokens(4 * PAGE, 20000)
             c.put(tok, 0, b"".join(block(p, 2) for p in range(4)))
             for start in (False, True):
-                r = c.prefetch(tok, kvtier.TIER_DRAM, 1000, start=start)
+                r = c.prefetch(tok, wire.TIER_DRAM, 1000, start=start)
                 self.assertEqual((r.pages, r.resident, r.moved, r.failed), (4, 4, 0, 0))
-            with self.assertRaises(kvtier.KvtierError) as e:
-                c.prefetch(tok, kvtier.TIER_HBM, 1000)
+            with self.assertRaises(wire.KvtierError) as e:
+                c.prefetch(tok, wire.TIER_HBM, 1000)
             self.assertEqual(e.exception.name, "EUNAVAIL", "no GPU here, or none configured")
 
     def test_remove_drops_a_page_and_what_follows(self):
@@ -137,7 +138,7 @@ class PythonClient(unittest.TestCase):
             self.assertEqual(c.match(tok).pages, 2)
             c.remove(tok[:PAGE])  # the first page: all of it
             self.assertEqual(c.match(tok).pages, 0)
-            with self.assertRaises(kvtier.KvtierError) as e:
+            with self.assertRaises(wire.KvtierError) as e:
                 c.remove(tok)
             self.assertEqual(e.exception.name, "ENOENT")
 
@@ -154,12 +155,12 @@ class PythonClient(unittest.TestCase):
     def test_hints_are_accepted_and_checked(self):
         with self.d.client() as c:
             tok = tokens(2 * PAGE, 50000)
-            r = c.put(tok, 0, b"", hint=kvtier.hints(engine_request_id=7, priority=3,
+            r = c.put(tok, 0, b"", hint=wire.hints(engine_request_id=7, priority=3,
                                                       paused_ms=1500))
             self.assertEqual(r.pages, 2)
-            self.assertEqual(c.match(tok, hint=kvtier.hints(finished=True)).pages, 2)
-            bad = struct.pack("<QIHH", 0, 0, 0, kvtier.HINT_PAUSED | kvtier.HINT_FINISHED)
-            with self.assertRaises(kvtier.KvtierError) as e:
+            self.assertEqual(c.match(tok, hint=wire.hints(finished=True)).pages, 2)
+            bad = struct.pack("<QIHH", 0, 0, 0, wire.HINT_PAUSED | wire.HINT_FINISHED)
+            with self.assertRaises(wire.KvtierError) as e:
                 c.match(tok, hint=bad)
             self.assertEqual(e.exception.name, "EPROTO")
             self.assertEqual(c.ping(b"x"), b"x", "the connection goes on")
@@ -168,37 +169,37 @@ class PythonClient(unittest.TestCase):
         with self.d.client() as c:
             tok = tokens(4 * PAGE, 60000)
             c.put(tok, 0, b"".join(block(p, 6) for p in range(4)))
-            body = kvtier.NO_HINTS + struct.pack("<II", 0, len(tok)) + \
+            body = wire.NO_HINTS + struct.pack("<II", 0, len(tok)) + \
                 struct.pack("<%dI" % len(tok), *tok)
-            ids = [c.send(kvtier.OP_MATCH, body) for _ in range(200)]
-            ids.append(c.send(kvtier.OP_PING, b"last"))
+            ids = [c.send(wire.OP_MATCH, body) for _ in range(200)]
+            ids.append(c.send(wire.OP_PING, b"last"))
             for rid in ids[:-1]:
                 f = c.receive()
-                self.assertEqual((f.opcode, f.request_id, f.status), (kvtier.OP_MATCH, rid, 0))
+                self.assertEqual((f.opcode, f.request_id, f.status), (wire.OP_MATCH, rid, 0))
                 self.assertEqual(struct.unpack_from("<I", f.body, 4)[0], 4)
             f = c.receive()
-            self.assertEqual((f.opcode, f.request_id, f.body), (kvtier.OP_PING, ids[-1], b"last"))
+            self.assertEqual((f.opcode, f.request_id, f.body), (wire.OP_PING, ids[-1], b"last"))
 
     def test_malformed_requests_get_the_documented_answers(self):
-        with kvtier.Client(unix=self.d.unix) as c:
-            with self.assertRaises(kvtier.KvtierError) as e:
+        with wire.Client(unix=self.d.unix) as c:
+            with self.assertRaises(wire.KvtierError) as e:
                 c.match(tokens(PAGE, 1))
             self.assertEqual(e.exception.name, "EPROTO", "a request before HELLO")
             self.assertTrue(e.exception.message, "with a message")
             c.hello("py", PAGE, BLOCK)
-            body = kvtier.NO_HINTS + struct.pack("<IIII", PAGE, 0, 0, 0) + \
+            body = wire.NO_HINTS + struct.pack("<IIII", PAGE, 0, 0, 0) + \
                 struct.pack("<%dI" % PAGE, *tokens(PAGE, 1))
-            with self.assertRaises(kvtier.KvtierError) as e:
-                c.call(kvtier.OP_PUT, body, flags=0x8)
+            with self.assertRaises(wire.KvtierError) as e:
+                c.call(wire.OP_PUT, body, flags=0x8)
             self.assertEqual(e.exception.name, "EPROTO", "an unknown flag bit")
-            with self.assertRaises(kvtier.KvtierError) as e:
+            with self.assertRaises(wire.KvtierError) as e:
                 list(c.get(123456789))
             self.assertEqual(e.exception.name, "ENOENT", "a lease this connection does not hold")
             self.assertEqual(c.ping(b"still"), b"still")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(10)
         s.connect(self.d.unix)
-        s.sendall(struct.pack("<IBBHQIi", 0x12345678, 1, kvtier.OP_PING, 0, 5, 0, 0))
+        s.sendall(struct.pack("<IBBHQIi", 0x12345678, 1, wire.OP_PING, 0, 5, 0, 0))
         data = b""
         while True:
             chunk = s.recv(4096)
@@ -206,9 +207,9 @@ class PythonClient(unittest.TestCase):
                 break
             data += chunk
         s.close()
-        magic, version, opcode, _, rid, blen, status = kvtier.HEADER.unpack_from(data)
-        self.assertEqual((magic, opcode, rid), (kvtier.MAGIC, 0x80, 5))
-        self.assertEqual(kvtier.STATUS_NAMES[status], "EPROTO")
+        magic, version, opcode, _, rid, blen, status = wire.HEADER.unpack_from(data)
+        self.assertEqual((magic, opcode, rid), (wire.MAGIC, 0x80, 5))
+        self.assertEqual(wire.STATUS_NAMES[status], "EPROTO")
         self.assertEqual(len(data), 24 + blen, "one error reply, then the connection closed")
 
 

@@ -42,6 +42,7 @@ from .errors import (
     ProtocolError,
     Timeout,
     TooBig,
+    TryAgain,
     Unavailable,
     code_name,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "Tier",
     "Timeout",
     "TooBig",
+    "TryAgain",
     "Unavailable",
     "code_name",
     "key_tokens",

@@ -1,5 +1,11 @@
 """_lib.py: loads libkvtier with cffi in ABI mode (no compiler needed when installing) and
-declares the part of client/kvtier.h that the package calls.
+declares client/kvtier.h to cffi: the header itself, read when the package is imported, so
+that no declaration, code or constant is copied here by hand (issue 38: a hand copy had drifted
+and lacked EAGAIN). The wheel carries the header beside its libkvtier (client/meson.build); a
+source checkout reads client/kvtier.h. Read at import rather than turned into a module at build
+time, because the package is also imported straight from ``python/`` (the tests, a checkout),
+where no build step would refresh a generated file: one path for both, never stale; parsing
+it costs a few tens of milliseconds, once.
 
 Where libkvtier comes from, first match wins:
 
@@ -22,142 +28,76 @@ writable buffers; and cffi releases the GIL around every C call, so that other P
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Dict, List, Tuple
 
 import cffi  # type: ignore[import-untyped]
 
-CDEF = """
-enum {
-    KVT_CLIENT_EINVAL = -30800,
-    KVT_CLIENT_ENOMEM = -30801,
-    KVT_CLIENT_ENOENT = -30802,
-    KVT_CLIENT_EBUSY = -30803,
-    KVT_CLIENT_ENOSPC = -30804,
-    KVT_CLIENT_ECORRUPT = -30805,
-    KVT_CLIENT_EIO = -30806,
-    KVT_CLIENT_EPROTO = -30807,
-    KVT_CLIENT_EUNAVAIL = -30808,
-    KVT_CLIENT_ETIMEDOUT = -30809,
-    KVT_CLIENT_EAUTH = -30813,
-    KVT_CLIENT_ETOOBIG = -30814,
-    KVT_CLIENT_ECLOSED = -30812,
-};
-const char *kvt_client_strerror(int err);
+HEADER = "kvtier.h"
 
-typedef struct kvt_client kvt_client_t;
-typedef struct kvt_client_conf {
-    const char *unix_path;
-    const char *tcp;
-    const char *secret;
-    const char *model;
-    const char *adapter;
-    const char *salt;
-    uint32_t page_size;
-    uint32_t block_bytes;
-    int timeout_ms;
-    int zero_copy;
-    int device;
-} kvt_client_conf_t;
 
-int kvt_client_connect(kvt_client_t **out, const kvt_client_conf_t *conf);
-void kvt_client_close(kvt_client_t *c);
-const char *kvt_client_errmsg(const kvt_client_t *c);
-uint64_t kvt_client_ns_seed(const kvt_client_t *c);
-unsigned kvt_client_tiers(const kvt_client_t *c);
+def header_candidates() -> List[Path]:
+    """Where client/kvtier.h is looked for, in order: beside the modules (the wheel's copy,
+    which client/meson.build installs with its libkvtier), then the source checkout's
+    ``client/kvtier.h`` (the package imported from ``python/``)."""
+    here = Path(__file__).resolve().parent
+    return [here / HEADER, here.parent.parent / "client" / HEADER]
 
-typedef struct kvt_client_hints {
-    uint64_t engine_request_id;
-    uint32_t resume_ms;
-    uint16_t priority;
-    uint16_t flags;
-} kvt_client_hints_t;
 
-typedef struct kvt_client_match {
-    uint32_t tokens;
-    uint32_t pages;
-    uint32_t remote_pages;
-    uint64_t lease;
-    uint8_t *tiers;
-    uint32_t tiers_cap;
-} kvt_client_match_t;
+def find_header() -> Path:
+    for p in header_candidates():
+        if p.is_file():
+            return p
+    raise ImportError(
+        "kvtier: client/kvtier.h, which declares libkvtier's API to this package, is not "
+        "beside the package nor in a source checkout around it; install the package with "
+        "`pip install .` from the kvtier repository's root (that puts the header in it). "
+        "Tried: " + "; ".join(str(p) for p in header_candidates()))
 
-typedef struct kvt_client_put {
-    uint32_t pages;
-    uint32_t new_pages;
-    uint32_t stored;
-    uint32_t skipped;
-} kvt_client_put_t;
 
-typedef struct kvt_client_prefetch {
-    uint32_t pages, moved, resident, failed;
-} kvt_client_prefetch_t;
+def cdef_of(text: str) -> Tuple[str, Dict[str, int], Dict[str, str]]:
+    """cffi's declarations of a C header (kvtier.h), and its integer and string macros.
 
-int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns);
-int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
-                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res);
-int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
-                   kvt_client_put_t *res);
-int kvt_client_get(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages, void *buf,
-                   size_t cap, uint32_t *got, uint8_t *tiers);
-typedef int (*kvt_client_block_cb)(void *arg, uint32_t page, unsigned tier, const void *data,
-                                   uint32_t len);
-int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
-                      kvt_client_block_cb cb, void *arg, uint32_t *got);
-int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
-                        uint32_t deadline_ms, kvt_client_prefetch_t *res);
-int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
-                              unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res);
-int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
-int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
-int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
-typedef int (*kvt_client_stat_cb)(void *arg, const char *name, uint64_t value);
-int kvt_client_stats(kvt_client_t *c, kvt_client_stat_cb cb, void *arg);
+    The header is prepared as a small preprocessor would, for cffi's parser: comments out,
+    ``#ifdef __cplusplus`` blocks out, other directives dropped, the KVT_API marker (visibility,
+    nothing cffi needs) removed, and each integer macro (``#define KVT_KEY_TOKENS 4``) both
+    declared to cffi (``lib.KVT_KEY_TOKENS``) and put in place of its name where declarations
+    use it (an array's length). String macros (``KVT_KEYS_TAG``) come back in the third value.
+    """
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", lambda m: "\n" * m.group(0).count("\n"), text,
+                  flags=re.S)
+    ints: Dict[str, int] = {}
+    strs: Dict[str, str] = {}
+    body = []
+    skip = 0
+    for line in text.split("\n"):
+        d = line.strip()[1:].split() if line.strip().startswith("#") else None
+        if d is None:
+            body.append("" if skip else line)
+            continue
+        body.append("")
+        if not d:
+            continue
+        if skip:
+            skip += {"if": 1, "ifdef": 1, "ifndef": 1, "endif": -1}.get(d[0], 0)
+        elif d[:2] == ["ifdef", "__cplusplus"]:
+            skip = 1
+        elif d[0] == "define" and len(d) >= 3:
+            value = " ".join(d[2:])
+            if re.fullmatch(r"-?(0[xX][0-9a-fA-F]+|\d+)[uUlL]*", value):
+                ints[d[1]] = int(value.rstrip("uUlL"), 0)
+            elif re.fullmatch(r'"[^"\\]*"', value):
+                strs[d[1]] = value[1:-1]
+    src = re.sub(r"\bKVT_API\b", "", "\n".join(body))
+    for name, value in ints.items():
+        src = re.sub(r"\b%s\b" % name, str(value), src)
+    defines = "".join("#define %s %d\n" % kv for kv in ints.items())
+    return defines + src, ints, strs
 
-int kvt_client_zero_copy(const kvt_client_t *c);
-const char *kvt_client_zero_copy_reason(const kvt_client_t *c);
-const void *kvt_client_mapping(const kvt_client_t *c, uint64_t *bytes);
-typedef struct kvt_client_resv {
-    uint64_t id;
-    uint32_t pages, new_pages;
-    uint32_t nreserved;
-    void **ptrs;
-} kvt_client_resv_t;
-int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
-                       uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
-                       kvt_client_resv_t *res);
-int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res);
-int kvt_client_abort(kvt_client_t *c, uint64_t id);
-int kvt_client_map_hbm(kvt_client_t *c, uint8_t handle[64], uint64_t *pool_bytes);
-typedef int (*kvt_client_loc_cb)(void *arg, uint32_t page, unsigned tier, const void *host_ptr,
-                                 uint64_t offset, uint32_t len, const void *data);
-int kvt_client_get_loc(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_t npages,
-                       kvt_client_loc_cb cb, void *arg);
 
-typedef struct kvt_batch kvt_batch_t;
-int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c);
-void kvt_batch_destroy(kvt_batch_t *b);
-void kvt_batch_reset(kvt_batch_t *b);
-size_t kvt_batch_size(const kvt_batch_t *b);
-int kvt_batch_ping(kvt_batch_t *b, int *status);
-int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
-                    uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
-                    int *status);
-int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
-                  uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
-                  kvt_client_put_t *res, int *status);
-int kvt_batch_prefetch(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned tier,
-                       uint32_t deadline_ms, kvt_client_prefetch_t *res, int *status);
-int kvt_batch_prefetch_start(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
-                             unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res,
-                             int *status);
-int kvt_batch_remove(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
-int kvt_batch_remove_nowait(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, int *status);
-int kvt_batch_release(kvt_batch_t *b, uint64_t lease, int *status);
-int kvt_batch_run(kvt_batch_t *b);
-"""
-
+header = find_header()
+CDEF, INTS, STRINGS = cdef_of(header.read_text(encoding="utf-8"))
 ffi = cffi.FFI()
 ffi.cdef(CDEF)
 
@@ -200,3 +140,10 @@ def load() -> Any:
 
 path = ""
 lib = load()
+
+
+def codes() -> Dict[str, int]:
+    """The status codes client/kvtier.h declares (``KVT_CLIENT_EINVAL`` and the others of its
+    enum), by their short name: {"EINVAL": the value of KVT_CLIENT_EINVAL, ...}."""
+    return {n[len("KVT_CLIENT_"):]: getattr(lib, n) for n in dir(lib)
+            if n.startswith("KVT_CLIENT_E")}

@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
+from ._base import Buffer, Hints, PutResult, _check_tensor, _rbuf, _wbuf
 from ._lib import ffi, lib
 from .errors import ECLOSED, EINVAL, EPROTO, Error, InvalidArgument, error_for
 from .hints import HintsMixin
@@ -45,48 +46,20 @@ __all__ = [
 ]
 
 Tokens = Union[Iterable[int], "array.array[int]", memoryview, Any]
-Buffer = Any  # anything with the buffer protocol, or a contiguous CPU torch tensor
 
-_LEASE = 1 << 0
-_REMOTE = 1 << 1
-_PROBE = 1 << 2
-_HINT_PAUSED = 1 << 0
-_HINT_FINISHED = 1 << 1
+_LEASE: int = lib.KVT_CLIENT_LEASE
+_REMOTE: int = lib.KVT_CLIENT_REMOTE
+_PROBE: int = lib.KVT_CLIENT_PROBE
 
 
 class Tier(enum.IntEnum):
     """Where a page's bytes are, as MATCH reports them and PREFETCH takes them."""
 
-    NONE = 0  # index only: no bytes stored
-    HBM = 1
-    DRAM = 2
-    NVME = 3
-    REMOTE = 4
-
-
-@dataclass(frozen=True)
-class Hints:
-    """Hints to the daemon's retention policy (all optional).
-
-    ``engine_request_id``: the engine's request id, for the daemon's logs. ``resume_ms``: with
-    ``paused``, when the session is expected back (milliseconds). ``priority``: retention
-    priority, 0 = none (0..65535). ``paused`` / ``finished``: the session paused or ended (not
-    both: the daemon answers EPROTO).
-    """
-
-    engine_request_id: int = 0
-    resume_ms: int = 0
-    priority: int = 0
-    paused: bool = False
-    finished: bool = False
-
-    def _c(self) -> Any:
-        h = ffi.new("kvt_client_hints_t *")
-        h.engine_request_id = self.engine_request_id
-        h.resume_ms = self.resume_ms
-        h.priority = self.priority
-        h.flags = (_HINT_PAUSED if self.paused else 0) | (_HINT_FINISHED if self.finished else 0)
-        return h
+    NONE = lib.KVT_CLIENT_TIER_NONE  # index only: no bytes stored
+    HBM = lib.KVT_CLIENT_TIER_HBM
+    DRAM = lib.KVT_CLIENT_TIER_DRAM
+    NVME = lib.KVT_CLIENT_TIER_NVME
+    REMOTE = lib.KVT_CLIENT_TIER_REMOTE
 
 
 # Tier by its wire number, for Match.tiers: indexing a tuple is cheaper than Tier(n) per page.
@@ -117,18 +90,6 @@ class Match:
     def tiers_raw(self) -> bytes:
         """``tiers`` as the wire has them: one byte per page, the tier's number."""
         return bytes(self.tiers)
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What PUT did, in pages: ``pages`` of the request now in the index, ``new_pages`` added by
-    it, ``stored`` payload pages stored, ``skipped`` payload pages not stored (held already, or
-    no room anywhere)."""
-
-    pages: int
-    new_pages: int
-    stored: int
-    skipped: int
 
 
 @dataclass(frozen=True)
@@ -207,25 +168,6 @@ def _tokens(tokens: Any) -> Tuple[Any, int]:
     return ffi.from_buffer("uint32_t[]", a), len(a)
 
 
-def _check_tensor(t: Any) -> None:
-    if t.device.type != "cpu":
-        raise InvalidArgument(EINVAL, "a %s tensor: only CPU tensors (pinned or not)" % t.device)
-    if not t.is_contiguous():
-        raise InvalidArgument(EINVAL, "a non-contiguous tensor")
-
-
-def _rbuf(obj: Buffer) -> Tuple[Any, int]:
-    """A pointer to a readable buffer's bytes and its size in bytes, without a copy."""
-    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
-        _check_tensor(obj)
-        return ffi.cast("void *", obj.data_ptr()), obj.numel() * obj.element_size()
-    try:
-        p = ffi.from_buffer(obj)
-    except TypeError as e:
-        raise TypeError("kvtier: a payload must support the buffer protocol: %s" % e) from None
-    return p, len(p)
-
-
 def _payload(payload: Optional[Buffer], bb: int) -> Tuple[Any, int]:
     """A PUT's payload as (pointer, pages): NULL and 0 for None or an empty buffer. Raises
     InvalidArgument for bytes that are not whole blocks of bb."""
@@ -236,18 +178,6 @@ def _payload(payload: Optional[Buffer], bb: int) -> Tuple[Any, int]:
         raise InvalidArgument(
             EINVAL, "payload of %d bytes is not whole blocks of %d bytes" % (size, bb))
     return (pp if size else ffi.NULL), size // bb
-
-
-def _wbuf(obj: Buffer) -> Tuple[Any, int]:
-    """A pointer to a writable buffer's bytes and its size in bytes, without a copy."""
-    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
-        _check_tensor(obj)
-        return ffi.cast("void *", obj.data_ptr()), obj.numel() * obj.element_size()
-    try:
-        p = ffi.from_buffer(obj, require_writable=True)
-    except (TypeError, BufferError) as e:  # not a buffer, or a read-only one
-        raise TypeError("kvtier: get_into needs a writable buffer: %s" % e) from None
-    return p, len(p)
 
 
 def _collect_block_py(arg: Any, page: int, tier: int, data: Any, length: int) -> int:

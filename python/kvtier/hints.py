@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from ._base import Hints
 from ._lib import ffi, lib
-from .errors import EINVAL, InvalidArgument
+from .errors import EINVAL, InvalidArgument, error_for
+from .keys import KEY_TOKENS, _keys
 
 __all__ = ["AsyncHintsMixin", "HintsMixin"]
 
@@ -37,8 +39,6 @@ _PRIORITY_MAX = 0xFFFF  # priority is a u16 on the wire (the policy caps it at 1
 
 def _hints(paused_s: Optional[float], finished: bool, priority: int, engine_request_id: int
            ) -> Any:
-    from .client import Hints
-
     if priority < 0 or priority > _PRIORITY_MAX:
         raise InvalidArgument(EINVAL, "priority %d is outside 0..65535" % priority)
     if engine_request_id < 0 or engine_request_id >= 1 << 64:
@@ -95,15 +95,11 @@ class HintsMixin:
         return self._hint_keys(keys, independent, h)
 
     def _hint_keys(self, keys: Sequence[Any], independent: bool, h: Any) -> int:
-        from .keys import KEY_TOKENS, _keys
-
         arr, n, keep = _keys(keys)
         toks = ffi.new("uint32_t[]", max(n, 1) * KEY_TOKENS)
         for i in range(n):  # each key's synthetic tokens, as libkvtier sends them
             rc = lib.kvt_key_tokens(arr[i].data, arr[i].len, toks + i * KEY_TOKENS)
             if rc < 0:
-                from .errors import error_for
-
                 raise error_for(rc, "key %d" % i)
         hc = h._c()
         with self._lock:  # type: ignore[attr-defined]
@@ -117,8 +113,6 @@ class HintsMixin:
             return self._hint_each(c, toks, n, hc)
 
     def _hint_each(self, c: Any, toks: Any, n: int, hc: Any) -> int:
-        from .keys import KEY_TOKENS
-
         out = ffi.new("kvt_batch_t **")
         rc = lib.kvt_batch_create(out, c)
         if rc < 0:
@@ -141,8 +135,6 @@ class HintsMixin:
 
     @staticmethod
     def _raise_on(c: Any, rc: int) -> None:
-        from .errors import error_for
-
         raise error_for(rc, ffi.string(lib.kvt_client_errmsg(c)).decode("utf-8", "replace"))
 
 

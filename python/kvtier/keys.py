@@ -34,46 +34,20 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from ._lib import ffi, lib
+from ._base import PutResult, _rbuf, _wbuf
+from ._lib import STRINGS, ffi, lib
 from .errors import EINVAL, InvalidArgument, error_for
 
 __all__ = ["KEY_MAX", "KEY_TOKENS", "KEYS_TAG", "AsyncKeysMixin", "Key", "KeysMixin", "key_tokens"]
 
-KEY_MAX = 1024  # bytes in one key (KVT_KEY_MAX)
-KEY_TOKENS = 4  # synthetic token ids per key (KVT_KEY_TOKENS): a keyed page's page_size
-KEYS_TAG = "kvt:keys:v1"  # put before the adapter name of a keyed namespace
+# From client/kvtier.h, as libkvtier has them (kvtier/_lib.py reads the header).
+KEY_MAX: int = lib.KVT_KEY_MAX  # bytes in one key
+KEY_TOKENS: int = lib.KVT_KEY_TOKENS  # synthetic token ids per key: a keyed page's page_size
+KEYS_TAG: str = STRINGS["KVT_KEYS_TAG"]  # put before the adapter name of a keyed namespace
 
 Key = Union[bytes, bytearray, memoryview, str]
 Buffer = Any
 
-ffi.cdef("""
-#define KVT_KEY_MAX 1024
-#define KVT_KEY_TOKENS 4
-typedef struct kvt_keys kvt_keys_t;
-typedef struct kvt_key {
-    const void *data;
-    size_t len;
-} kvt_key_t;
-int kvt_key_tokens(const void *key, size_t len, uint32_t out[4]);
-int kvt_keys_connect(kvt_keys_t **out, const kvt_client_conf_t *conf);
-void kvt_keys_close(kvt_keys_t *k);
-kvt_client_t *kvt_keys_client(kvt_keys_t *k);
-const char *kvt_keys_errmsg(const kvt_keys_t *k);
-int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits);
-int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                       uint32_t npages, const void *payload, kvt_client_put_t *res);
-int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                        uint32_t npages, const void *const *blocks, kvt_client_put_t *res);
-int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                       void *buf, size_t cap, uint32_t *got);
-int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n);
-int kvt_keys_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint8_t *found);
-int kvt_keys_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, const void *const *blocks,
-                 int *status);
-int kvt_keys_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, void *const *bufs,
-                 int *status);
-int kvt_keys_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, int *status);
-""")
 
 
 def _keys(keys: Sequence[Key]) -> Tuple[Any, int, List[Any]]:
@@ -116,8 +90,6 @@ def key_tokens(key: Key) -> Tuple[int, int, int, int]:
 def _blocks(data: Any, n: int, bb: int, writable: bool) -> Tuple[Any, List[Any]]:
     """A void*[n] over n blocks of bb bytes: ``data`` is one buffer of n x bb bytes or a sequence
     of n buffers of bb bytes each. Raises InvalidArgument (wrong sizes), TypeError."""
-    from .client import _rbuf, _wbuf
-
     conv = _wbuf if writable else _rbuf
     ptrs = ffi.new("void *[]", max(n, 1))
     keep: List[Any] = [ptrs]
@@ -198,8 +170,6 @@ class KeysMixin:
 
         Raises InvalidArgument (a bad key, sizes not whole blocks, blocks beyond the keys),
         TypeError (not a buffer), NoSpace, Error for transport failures."""
-        from .client import PutResult, _rbuf
-
         arr, n, keep = _keys(keys)
         bb = self.block_bytes  # type: ignore[attr-defined]
         res = ffi.new("kvt_client_put_t *")
@@ -232,8 +202,6 @@ class KeysMixin:
 
         Raises InvalidArgument (a bad key), TypeError (not writable), Error for transport
         failures."""
-        from .client import _wbuf
-
         arr, n, keep = _keys(keys)
         p, cap = _wbuf(buffer)
         got = ffi.new("uint32_t *")

@@ -489,14 +489,14 @@ def _make_class() -> type:
             def once() -> int:
                 store = self._connect()
                 if store is None:
-                    return -30812  # ECLOSED
+                    return ECLOSED
                 try:
                     store.client.ping()
                     return 0
                 except Error as e:
                     self._failed(store, "ping", e)
                     return e.code
-            return await self._run(-30812, once)
+            return await self._run(ECLOSED, once)
 
         async def list(self) -> List[str]:
             """Always []: kvtierd keeps keys as hashes and cannot list them."""

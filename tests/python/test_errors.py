@@ -3,10 +3,12 @@ and name: a bad lease, malformed arguments, a refused secret, no daemon at the a
 that dies under a connected client, a closed client."""
 
 import errno
+import os
+import re
 import signal
 
 import pytest
-from conftest import BLOCK, PAGE, Daemon, payload, tokens
+from conftest import BLOCK, PAGE, SOURCE_ROOT, Daemon, payload, tokens
 
 import kvtier
 
@@ -92,6 +94,30 @@ def test_error_names_for_every_code():
     assert kvtier.code_name(-errno.ECONNREFUSED) == "ECONNREFUSED"
     e = kvtier.errors.error_for(-30804, "full")
     assert isinstance(e, kvtier.NoSpace) and "ENOSPC" in str(e) and e.message == "full"
+
+
+def header_codes():
+    """KVT_CLIENT_E* of client/kvtier.h, read here on its own (not through kvtier/_lib.py)."""
+    text = open(os.path.join(SOURCE_ROOT, "client", "kvtier.h")).read()
+    found = dict(re.findall(r"\bKVT_CLIENT_(E[A-Z]+)\s*=\s*(-\d+)", text))
+    assert len(found) >= 14, "client/kvtier.h's status codes were not found"
+    return {name: int(code) for name, code in found.items()}
+
+
+def test_every_status_code_of_the_header_maps_to_a_named_exception():
+    """Each KVT_CLIENT_E* of client/kvtier.h comes back as its own kvtier.Error subclass, named
+    as the header names it, and exported by the package: none as a bare Error with a made-up
+    name (issue 38: EAGAIN -30811 came back as a generic "E?-30811")."""
+    for name, code in header_codes().items():
+        e = kvtier.errors.error_for(code, "m")
+        assert type(e) not in (kvtier.Error, kvtier.ConnectError), (name, code, type(e))
+        assert isinstance(e, kvtier.Error), name
+        assert (e.code, e.name, e.message) == (code, name, "m")
+        assert kvtier.code_name(code) == name
+        assert getattr(kvtier, type(e).__name__) is type(e), "kvtier exports " + name + "'s class"
+        assert getattr(kvtier.errors, name) == code
+        assert e.description and "unknown" not in e.description.lower(), (name, e.description)
+    assert isinstance(kvtier.errors.error_for(-30811), kvtier.TryAgain)
 
 
 def test_a_daemon_that_stops_answering_times_out():

@@ -6,7 +6,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..client import Client, Hints, Reservation
-from ..errors import ECLOSED, Error, error_for
+from ..errors import ECLOSED, EINVAL, EPROTO, ETIMEDOUT, Error, error_for
 from ..guard import Guard
 from .common import PROBE_MS, log
 
@@ -30,7 +30,7 @@ try:  # the package's block keys (docs/protocol.md, "Keyed blocks"), where this 
 except ImportError:  # an older package: the same chain through the token calls, below
     _HAVE_KEYS = False
 
-_TRANSPORT = (-30812, -30809, -30807)  # ECLOSED, ETIMEDOUT, EPROTO: the connection is gone
+_TRANSPORT = (ECLOSED, ETIMEDOUT, EPROTO)  # the connection is gone
 
 class _PageStore:
     """Pages named by a key chain (one 32-byte key per page, each covering its prefix).
@@ -153,7 +153,7 @@ class _PageStore:
         c = self._client
         if c is None:
             return
-        if not c.closed and (e.code in _TRANSPORT or e.code > -30800):  # > -30800: -errno
+        if not c.closed and (e.code in _TRANSPORT or e.code > EINVAL):  # above the codes: -errno
             if self._holds:
                 self._doomed = c  # closing would unmap views still in use: at _unhold
             else:

@@ -1,4 +1,4 @@
-"""kvtier.py: a client for kvtierd in Python, written from docs/protocol.md alone.
+"""wire_client.py: a client for kvtierd in Python, written from docs/protocol.md alone.
 
 The standard library only (socket, struct), so that a serving engine written in Python can use
 the daemon without building anything: copy this file next to it. Synchronous calls, one request
