@@ -30,12 +30,7 @@
 
 #include "common.h"
 #include "proto.h"
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
-#include <xxhash.h>
-#if defined(__x86_64__)
-/* The widest vector unit the CPU has: the plain entry points are built for the baseline. */
-#include <xxh_x86dispatch.h>
-#endif
+#include "seal.h"
 
 #define KVT_SAME(a, b) ((int)(a) == (int)(b))
 _Static_assert(KVT_SAME(KVT_CLIENT_LEASE, KVT_MATCH_F_LEASE) &&
@@ -857,27 +852,6 @@ static int put_socket_run(kvt_client_t *c, const uint32_t *tokens, uint32_t ntok
     return rc;
 }
 
-/*
- * A page copied into its reserved room and hashed as it goes (the daemon's zero-copy-checksum
- * seal, sent with COMMIT): a chunk at a time, hashed from the mapping right after its memcpy
- * while it is still in this core's cache, so the hash costs compute, not another pass over
- * memory. Hashing what was written (not the source) seals what the daemon holds even if the
- * source changes under the copy. The daemon's own pass, taken after COMMIT's reply, cost a
- * third of the PUT on a 2-core host (docs/benchmarks.md).
- */
-#define KVT_SEAL_CHUNK (16u << 10)
-static uint64_t copy_sealed(void *dst, const void *src, size_t len)
-{
-    XXH3_state_t st;
-    (void)XXH3_64bits_reset(&st);
-    for (size_t o = 0; o < len; o += KVT_SEAL_CHUNK) {
-        size_t n = KVT_MIN(len - o, (size_t)KVT_SEAL_CHUNK);
-        memcpy((uint8_t *)dst + o, (const uint8_t *)src + o, n);
-        (void)XXH3_64bits_update(&st, (const uint8_t *)dst + o, n);
-    }
-    return XXH3_64bits_digest(&st);
-}
-
 static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                       uint32_t first_page, uint32_t npages, const uint8_t *payload,
                       const void *const *blocks, const kvt_client_hints_t *hints,
@@ -931,7 +905,8 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     kvt_client_put_t sum = {.pages = rv.pages, .new_pages = rv.new_pages};
     rc = 0;
     if (rv.id) {
-        /* The daemon seals these pages: the sums go with COMMIT, in location (page) order. */
+        /* The daemon seals these pages: each is hashed in the pass that copies it in (seal.c),
+         * and the sums go with COMMIT, in location (page) order. */
         uint8_t sums_small[16 * 8], *sums = NULL;
         if (rflags & KVT_RESV_F_SEAL)
             sums = rv.nreserved <= 16 ? sums_small : malloc((size_t)rv.nreserved * 8);
@@ -940,8 +915,9 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
             if (!ptrs[i])
                 continue;
             if (sums)
-                kvt_put_u64(sums + (size_t)8 * k++,
-                            copy_sealed(ptrs[i], page_at(c, payload, blocks, i), c->block_bytes));
+                kvt_put_u64(
+                    sums + (size_t)8 * k++,
+                    kvt__copy_xxh3(ptrs[i], page_at(c, payload, blocks, i), c->block_bytes));
             else
                 memcpy(ptrs[i], page_at(c, payload, blocks, i), c->block_bytes);
         }
