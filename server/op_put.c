@@ -530,13 +530,13 @@ int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
  * (exec.c's moves, op_get.c's socket GET) and the page is dropped instead of demoted or served.
  *
  * With sums (COMMIT's SUMS flag, one per reserved page in location order: libkvtier hashes each
- * page as it copies it in, while the bytes are in its cache) the daemon records them and reads
- * nothing. A wrong sum only makes the client's own page fail its first check: dropped, counted,
- * never served (docs/server.md, the trust model). Without sums the seal is queued and hashed
- * by the loop a slice at a time right after the reply (loop.c); a page that leaves before its
- * seal is done has it finished then, so every copy that leaves carries the sealed bytes; what
- * the client writes over a page between this reply and the seal's last slice is sealed in, not
- * detected. That deferred pass does not hide behind the client's next copy on a small host
+ * page in the pass that copies it in, client/seal.c) the daemon records them and reads nothing.
+ * A wrong sum only makes the client's own page fail its first check: dropped, counted, never
+ * served (docs/server.md, the trust model). Without sums the seal is queued and hashed by the
+ * loop a slice at a time right after the reply (loop.c); a page that leaves before its seal is
+ * done has it finished then, so every copy that leaves carries the sealed bytes; what the client
+ * writes over a page between this reply and the seal's last slice is sealed in, not detected.
+ * That deferred pass does not hide behind the client's next copy on a small host
  * (docs/benchmarks.md): the daemon's reply wakes the client on the daemon's own CPU, where it
  * waits for the slices, which is why libkvtier sends sums.
  */
