@@ -99,7 +99,7 @@ static copy_xxh3_fn way_fn(int way)
     return way == KVT_COPY_XXH3_PLAIN ? copy_then_xxh3 : NULL;
 }
 
-/* Picked on the first call; a race between two threads' first calls stores the same value. */
+/* Picked once; two threads' first calls may both pick, and store the same value. */
 static copy_xxh3_fn pick(void)
 {
     copy_xxh3_fn fn = way_fn(KVT_COPY_XXH3_AVX512);
@@ -119,10 +119,13 @@ int kvt__copy_xxh3_by(int way, void *dst, const void *src, size_t len, uint64_t 
 
 uint64_t kvt__copy_xxh3(void *dst, const void *src, size_t len)
 {
-    static copy_xxh3_fn fn;
+    static copy_xxh3_fn picked;
     if (len <= XXH3_MIDSIZE_MAX)
         return copy_then_xxh3(dst, src, len);
-    if (!fn)
+    copy_xxh3_fn fn = __atomic_load_n(&picked, __ATOMIC_RELAXED);
+    if (!fn) {
         fn = pick();
+        __atomic_store_n(&picked, fn, __ATOMIC_RELAXED);
+    }
     return fn(dst, src, len);
 }
