@@ -17,11 +17,12 @@
 
 #include <string.h>
 
+/* xxhash.h inline in this file: its steps and constants are not exported by the library. On
+ * x86-64 its AVX-512 and AVX2 steps are compiled for those units, as libxxhash's own
+ * xxh_x86dispatch.c does. */
+#define XXH_INLINE_ALL
 #if defined(__x86_64__)
 #include <immintrin.h>
-/* xxhash.h inline in this file, with its AVX-512 and AVX2 steps compiled for those units (as
- * libxxhash's own xxh_x86dispatch.c does): the steps are not exported by the library. */
-#define XXH_INLINE_ALL
 #define XXH_X86DISPATCH
 #define XXH_DISPATCH_AVX512 1
 #define XXH_DISPATCH_AVX2   1
