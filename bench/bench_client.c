@@ -29,18 +29,34 @@
  * put_socket_arena: socket PUTs into the same namespace by a connection without a mapping (the
  * daemon writes them into the namespace's arena: the zero-copy PUT's fair baseline).
  *
+ * seal: the scribble check's cost (issue 36, docs/benchmarks.md). Each round starts two fresh
+ * daemons (kvtierd --zero-copy-checksum yes, and no), in alternating order, and times the
+ * zero-copy PUT of N pages on each: put (kvt_client_put, which hashes each page as it copies it
+ * in and sends the sums with COMMIT) and put_reserve (kvt_client_reserve, memcpy,
+ * kvt_client_commit: no sums, the daemon hashes the pages itself after its reply). Each prints
+ * one line per round and configuration (the median of the warm passes), then one summary line
+ * per op: the medians over the rounds, the median of the rounds' on/off ratios (each round's
+ * two daemons run back to back, so the pair shares the host's load of the moment) and whether it
+ * meets the issue's bar (the check costs at most 5 %: ratio >= 0.95), and the ratio of the
+ * medians beside it.
+ *
  *   bench_client client --unix PATH --block-bytes B --pages N --passes R
  *   bench_client zc --unix PATH --block-bytes B --pages N --passes R
  *   bench_client memcpy --block-bytes B --pages N --passes R
+ *   bench_client seal --kvtierd PATH --block-bytes B --pages N --passes R --rounds K
  */
 #include "kvtier.h"
 
+#include <dirent.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #define PAGE_TOKENS 16
 
@@ -294,12 +310,217 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
     return 0;
 }
 
+/* ---- seal: the scribble check on and off, each round against two fresh daemons ---- */
+
+typedef struct seal_daemon {
+    pid_t pid;
+    char dir[64], sock[96];
+} seal_daemon_t;
+
+/* Starts kvtierd in a new directory of its own, zero-copy-checksum on or off, and waits (10 s
+ * at most) until its Unix socket takes a connection. */
+static int seal_start(seal_daemon_t *d, const char *kvtierd, int on, const kvt_client_conf_t *c)
+{
+    snprintf(d->dir, sizeof d->dir, "/tmp/bench-seal-XXXXXX");
+    if (!mkdtemp(d->dir)) {
+        perror("bench_client: mkdtemp");
+        return -1;
+    }
+    snprintf(d->sock, sizeof d->sock, "%s/kvtierd.sock", d->dir);
+    d->pid = fork();
+    if (d->pid < 0)
+        return -1;
+    if (d->pid == 0) {
+        if (chdir(d->dir) != 0 || !freopen("/dev/null", "w", stdout)) /* its "ready" lines */
+            _exit(127);
+        execl(kvtierd, kvtierd, "--tcp", "", "--metrics", "", "--dram-bytes", "512M",
+              "--nvme-bytes", "0", "--hbm-bytes", "0", "--zero-copy-checksum", on ? "yes" : "no",
+              "--log-level", "warn", (char *)NULL);
+        perror("bench_client: exec kvtierd");
+        _exit(127);
+    }
+    kvt_client_conf_t conf = *c;
+    conf.unix_path = d->sock;
+    for (int i = 0; i < 1000; i++) {
+        kvt_client_t *k;
+        if (kvt_client_connect(&k, &conf) == 0) {
+            kvt_client_close(k);
+            return 0;
+        }
+        if (waitpid(d->pid, NULL, WNOHANG) == d->pid) {
+            fprintf(stderr, "bench_client: kvtierd exited at start\n");
+            return -1;
+        }
+        usleep(10000);
+    }
+    fprintf(stderr, "bench_client: kvtierd did not listen on %s\n", d->sock);
+    return -1;
+}
+
+static void seal_stop(seal_daemon_t *d)
+{
+    if (d->pid > 0) {
+        kill(d->pid, SIGTERM);
+        waitpid(d->pid, NULL, 0);
+    }
+    DIR *dir = opendir(d->dir);
+    struct dirent *e;
+    char path[400];
+    while (dir && (e = readdir(dir)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            snprintf(path, sizeof path, "%s/%s", d->dir, e->d_name);
+            unlink(path);
+        }
+    if (dir)
+        closedir(dir);
+    rmdir(d->dir);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+enum { SEAL_PUT, SEAL_RESERVE, SEAL_OPS };
+static const char *const seal_op[SEAL_OPS] = {"put", "put_reserve"};
+
+/* The warm passes' median GiB/s of each op against one daemon (the first pass faults the
+ * arena in and is left out). */
+static int seal_run(const kvt_client_conf_t *conf, size_t block, uint32_t pages, int passes,
+                    const uint8_t *src, uint32_t *tok, double out[SEAL_OPS])
+{
+    kvt_client_t *c;
+    int rc = kvt_client_connect(&c, conf);
+    if (rc < 0)
+        return fail("connect", rc, NULL);
+    if (!kvt_client_zero_copy(c)) {
+        fprintf(stderr, "bench_client: no zero-copy mapping: %s\n", kvt_client_zero_copy_reason(c));
+        return 1;
+    }
+    uint32_t ntok = pages * PAGE_TOKENS;
+    double rate[SEAL_OPS][64];
+    int warm = 0;
+    for (int pass = 1; pass <= passes; pass++) {
+        for (int op = 0; op < SEAL_OPS; op++) {
+            for (uint32_t i = 0; i < ntok; i++)
+                tok[i] = 7000000u + (uint32_t)(pass * SEAL_OPS + op) * 1000000u + i;
+            double t0 = now_s();
+            for (uint32_t i = 0; i < pages; i++) {
+                const uint8_t *p = src + (size_t)i * block;
+                kvt_client_put_t pr;
+                if (op == SEAL_PUT) {
+                    rc = kvt_client_put(c, tok, (i + 1) * PAGE_TOKENS, i, 1, p, NULL, &pr);
+                } else {
+                    void *room = NULL;
+                    kvt_client_resv_t rv = {.ptrs = &room};
+                    rc = kvt_client_reserve(c, tok, (i + 1) * PAGE_TOKENS, i, 1, NULL, &rv);
+                    if (rc == 0 && !room)
+                        rc = KVT_CLIENT_ENOSPC;
+                    if (rc == 0) {
+                        memcpy(room, p, block);
+                        rc = kvt_client_commit(c, rv.id, &pr);
+                    }
+                }
+                if (rc < 0 || pr.stored != 1)
+                    return fail(seal_op[op], rc, c);
+            }
+            double secs = now_s() - t0;
+            if (pass > 1 && warm < 64)
+                rate[op][warm] = (double)block * pages / secs / (1u << 30);
+            if ((rc = kvt_client_remove(c, tok, PAGE_TOKENS)) < 0)
+                return fail("remove", rc, c);
+        }
+        warm += pass > 1;
+    }
+    for (int op = 0; op < SEAL_OPS; op++)
+        out[op] = median(rate[op], warm < 64 ? warm : 64);
+    kvt_client_close(c);
+    return 0;
+}
+
+static int bench_seal(const char *kvtierd, size_t block, uint32_t pages, int passes, int rounds)
+{
+    kvt_client_conf_t conf = {.model = "bench-seal",
+                              .page_size = PAGE_TOKENS,
+                              .block_bytes = (uint32_t)block,
+                              .timeout_ms = 60000,
+                              .zero_copy = 1};
+    size_t n = block * pages;
+    uint8_t *src = fresh(n);
+    for (size_t i = 0; i < n; i++)
+        src[i] = (uint8_t)(i * 131 + i / 4096);
+    uint32_t *tok = malloc((size_t)pages * PAGE_TOKENS * sizeof *tok);
+    double *rate[2][SEAL_OPS], *ratio[SEAL_OPS];
+    for (int op = 0; op < SEAL_OPS; op++) {
+        rate[0][op] = calloc((size_t)rounds, sizeof(double));
+        rate[1][op] = calloc((size_t)rounds, sizeof(double));
+        ratio[op] = calloc((size_t)rounds, sizeof(double));
+        if (!rate[0][op] || !rate[1][op] || !ratio[op])
+            return 1;
+    }
+    if (!tok)
+        return 1;
+    for (int r = 0; r < rounds; r++) {
+        for (int k = 0; k < 2; k++) {
+            int on = (r + k) % 2 == 0; /* on first in even rounds, off first in odd ones */
+            seal_daemon_t d = {0};
+            double got[SEAL_OPS];
+            if (seal_start(&d, kvtierd, on, &conf) < 0) {
+                seal_stop(&d);
+                return 1;
+            }
+            kvt_client_conf_t c = conf;
+            c.unix_path = d.sock;
+            int rc = seal_run(&c, block, pages, passes, src, tok, got);
+            seal_stop(&d);
+            if (rc)
+                return rc;
+            for (int op = 0; op < SEAL_OPS; op++) {
+                rate[on][op][r] = got[op];
+                printf("{\"bench\":\"seal\",\"round\":%d,\"checksum\":\"%s\",\"op\":\"%s\","
+                       "\"block_bytes\":%zu,\"pages\":%u,\"gib_s\":%.3f}\n",
+                       r + 1, on ? "on" : "off", seal_op[op], block, pages, got[op]);
+            }
+            fflush(stdout);
+        }
+        for (int op = 0; op < SEAL_OPS; op++)
+            ratio[op][r] = rate[1][op][r] / rate[0][op][r];
+    }
+    for (int op = 0; op < SEAL_OPS; op++) {
+        double on = median(rate[1][op], rounds), off = median(rate[0][op], rounds);
+        double rt = median(ratio[op], rounds);
+        printf("{\"bench\":\"seal\",\"op\":\"%s\",\"block_bytes\":%zu,\"pages\":%u,\"rounds\":%d,"
+               "\"on_gib_s\":%.3f,\"on_min\":%.3f,\"on_max\":%.3f,\"off_gib_s\":%.3f,"
+               "\"off_min\":%.3f,\"off_max\":%.3f,\"ratio\":%.3f,\"ratio_min\":%.3f,"
+               "\"ratio_max\":%.3f,\"ratio_of_medians\":%.3f,\"bar\":0.95,\"pass\":%s}\n",
+               seal_op[op], block, pages, rounds, on, rate[1][op][0], rate[1][op][rounds - 1], off,
+               rate[0][op][0], rate[0][op][rounds - 1], rt, ratio[op][0], ratio[op][rounds - 1],
+               on / off, rt >= 0.95 ? "true" : "false");
+    }
+    for (int op = 0; op < SEAL_OPS; op++) {
+        free(rate[0][op]);
+        free(rate[1][op]);
+        free(ratio[op]);
+    }
+    free(tok);
+    munmap(src, n);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "", *unix_path = NULL;
     size_t block = 2u << 20;
     uint32_t pages = 64;
-    int passes = 4;
+    int passes = 4, rounds = 6;
+    const char *kvtierd = NULL;
     for (int i = 2; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--unix"))
             unix_path = argv[i + 1];
@@ -309,6 +530,10 @@ int main(int argc, char **argv)
             pages = (uint32_t)strtoul(argv[i + 1], NULL, 0);
         else if (!strcmp(argv[i], "--passes"))
             passes = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--rounds"))
+            rounds = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--kvtierd"))
+            kvtierd = argv[i + 1];
         else
             goto usage;
     }
@@ -320,9 +545,20 @@ int main(int argc, char **argv)
         return bench_client(unix_path, block, pages, passes, 0);
     if (!strcmp(mode, "zc") && unix_path)
         return bench_client(unix_path, block, pages, passes, 1);
+    if (!strcmp(mode, "seal") && kvtierd && passes >= 2 && rounds >= 1) {
+        char *abs = realpath(kvtierd, NULL); /* the daemons run in directories of their own */
+        if (!abs) {
+            perror("bench_client: kvtierd");
+            return 1;
+        }
+        int rc = bench_seal(abs, block, pages, passes, rounds);
+        free(abs);
+        return rc;
+    }
 usage:
     fprintf(stderr, "usage: bench_client client|zc --unix PATH [--block-bytes B] [--pages N] "
                     "[--passes R]\n       bench_client memcpy [--block-bytes B] [--pages N] "
-                    "[--passes R]\n");
+                    "[--passes R]\n       bench_client seal --kvtierd PATH [--block-bytes B] "
+                    "[--pages N] [--passes R >= 2] [--rounds K]\n");
     return 2;
 }

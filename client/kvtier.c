@@ -30,6 +30,7 @@
 
 #include "common.h"
 #include "proto.h"
+#include "seal.h"
 
 #define KVT_SAME(a, b) ((int)(a) == (int)(b))
 _Static_assert(KVT_SAME(KVT_CLIENT_LEASE, KVT_MATCH_F_LEASE) &&
@@ -730,7 +731,7 @@ static int reserve_send(kvt_client_t *c, const uint32_t *tokens, uint32_t ntoken
 /* Reads RESERVE's reply into res, each location checked against the mapping and the pages
  * asked for. */
 static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint32_t npages,
-                        kvt_client_resv_t *res, uint64_t deadline)
+                        kvt_client_resv_t *res, uint32_t *flags, uint64_t deadline)
 {
     const uint8_t *body;
     uint32_t len;
@@ -756,6 +757,8 @@ static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint3
     res->pages = r.pages;
     res->new_pages = r.new_pages;
     res->nreserved = r.nlocs;
+    if (flags)
+        *flags = r.flags;
     return 0;
 }
 
@@ -775,10 +778,13 @@ int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens
     int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 0, &id, &unused, deadline);
     if (rc < 0)
         return rc;
-    return reserve_read(c, id, first_page, npages, res, deadline);
+    return reserve_read(c, id, first_page, npages, res, NULL, deadline);
 }
 
-static int commit_call(kvt_client_t *c, uint64_t id, uint16_t flags, kvt_client_put_t *res)
+/* COMMIT (or ABORT) of reservation id; with sums (nsums of them, little-endian u64 each, one
+ * per reserved page in location order) the SUMS flag goes with them. */
+static int commit_call(kvt_client_t *c, uint64_t id, uint16_t flags, const uint8_t *sums,
+                       uint32_t nsums, kvt_client_put_t *res)
 {
     if (!c)
         return KVT_EINVAL;
@@ -791,7 +797,10 @@ static int commit_call(kvt_client_t *c, uint64_t id, uint16_t flags, kvt_client_
     kvt_proto_commit_encode(w, id);
     const uint8_t *body;
     uint32_t len;
-    int rc = call(c, KVT_OP_COMMIT, flags, w, sizeof w, NULL, 0, NULL, 0, &body, &len);
+    if (sums && nsums)
+        flags |= KVT_COMMIT_F_SUMS;
+    int rc = call(c, KVT_OP_COMMIT, flags, w, sizeof w, sums, sums ? (size_t)nsums * 8 : 0, NULL, 0,
+                  &body, &len);
     if (rc < 0)
         return rc;
     if (put_parse(body, len, res) < 0)
@@ -801,12 +810,12 @@ static int commit_call(kvt_client_t *c, uint64_t id, uint16_t flags, kvt_client_
 
 int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res)
 {
-    return commit_call(c, id, 0, res);
+    return commit_call(c, id, 0, NULL, 0, res);
 }
 
 int kvt_client_abort(kvt_client_t *c, uint64_t id)
 {
-    return commit_call(c, id, KVT_COMMIT_F_ABORT, NULL);
+    return commit_call(c, id, KVT_COMMIT_F_ABORT, NULL, 0, NULL);
 }
 
 /*
@@ -856,7 +865,8 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     c->errmsg[0] = 0;
     uint64_t id, pid, deadline = deadline_from_now(c);
     int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 1, &id, &pid, deadline);
-    int rrc = rc < 0 ? rc : reserve_read(c, id, first_page, npages, &rv, deadline);
+    uint32_t rflags = 0;
+    int rrc = rc < 0 ? rc : reserve_read(c, id, first_page, npages, &rv, &rflags, deadline);
     char msg[sizeof c->errmsg];
     memcpy(msg, c->errmsg, sizeof msg);
     /* The probe's reply is read whatever RESERVE answered: replies come in order. */
@@ -895,11 +905,27 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     kvt_client_put_t sum = {.pages = rv.pages, .new_pages = rv.new_pages};
     rc = 0;
     if (rv.id) {
-        for (uint32_t i = 0; i < npages; i++)
-            if (ptrs[i])
+        /* The daemon seals these pages: each is hashed in the pass that copies it in (seal.c),
+         * and the sums go with COMMIT, in location (page) order. */
+        uint8_t sums_small[16 * 8], *sums = NULL;
+        if (rflags & KVT_RESV_F_SEAL)
+            sums = rv.nreserved <= 16 ? sums_small : malloc((size_t)rv.nreserved * 8);
+        uint32_t k = 0;
+        for (uint32_t i = 0; i < npages; i++) {
+            if (!ptrs[i])
+                continue;
+            if (sums)
+                kvt_put_u64(
+                    sums + (size_t)8 * k++,
+                    kvt__copy_xxh3(ptrs[i], page_at(c, payload, blocks, i), c->block_bytes));
+            else
                 memcpy(ptrs[i], page_at(c, payload, blocks, i), c->block_bytes);
+        }
         kvt_client_put_t cr;
-        rc = kvt_client_commit(c, rv.id, &cr);
+        /* Without room for the sums (malloc failed) the daemon seals the pages itself. */
+        rc = commit_call(c, rv.id, 0, sums, k, &cr);
+        if (sums != sums_small)
+            free(sums);
         if (rc == KVT_ENOENT) {
             /* The reservation expired (reserve-ms) before the commit: send those pages too. */
             for (uint32_t i = 0; i < npages; i++)

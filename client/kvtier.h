@@ -122,7 +122,9 @@ KVT_API unsigned kvt_client_tiers(const kvt_client_t *c);
  *                      one copy; no bytes cross the socket); other pages come as before.
  *   kvt_client_get_cb  the same, but cb gets a pointer INTO the mapping: no copy at all.
  *   kvt_client_put     RESERVE, one memcpy per page into the reserved room, COMMIT; pages that
- *                      got no room go by an ordinary PUT. Same results as a socket PUT.
+ *                      got no room go by an ordinary PUT. Same results as a socket PUT. Where
+ *                      the daemon seals committed pages (zero-copy-checksum), each page is
+ *                      hashed (XXH3-64) as it is copied and the sums go with COMMIT.
  *
  * A refused MAP (no DRAM tier, zero-copy off in the daemon, no arena left, TCP) is not an error:
  * the client stays on the socket path, and kvt_client_zero_copy_reason() says why. Batches
@@ -246,6 +248,8 @@ KVT_API int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_pa
  * commit answers KVT_CLIENT_ENOENT (its room, kept until then, goes back).
  *
  * The pointers are valid until the commit or abort (the memory is the daemon's after that).
+ * kvt_client_commit sends no checksums: a daemon with zero-copy-checksum on hashes the pages
+ * itself after its reply (one more pass over them, docs/benchmarks.md).
  * Errors: KVT_CLIENT_EINVAL (not mapped; npages 0; pages past the tokens' whole pages),
  * KVT_CLIENT_ENOSPC (the index is full, or this connection holds the daemon's
  * max-reservations), KVT_CLIENT_ENOENT from commit/abort (an id this connection does not hold:

@@ -77,6 +77,8 @@ static void requests(const uint8_t *b, size_t len, uint32_t block_bytes)
     if (kvt_proto_reserve_decode(b, len, &resv) == 0)
         tokens(b, len, resv.tokens, resv.ntokens);
     (void)kvt_proto_commit_decode(b, len, &u64);
+    if (kvt_proto_commit_sums_decode(b, len, &u64, &n, &t) == 0)
+        inside(b, len, t, (uint64_t)n * 8);
     if (len >= sizeof(kvt_wire_hints_t)) {
         kvt_wire_hints_t w;
         kvt_proto_hints_t h;

@@ -237,6 +237,18 @@ int kvt_proto_commit_decode(const uint8_t *body, size_t len, uint64_t *resv)
     return 0;
 }
 
+int kvt_proto_commit_sums_decode(const uint8_t *body, size_t len, uint64_t *resv, uint32_t *nsums,
+                                 const uint8_t **sums)
+{
+    size_t n = len < sizeof(kvt_wire_commit_t) ? 0 : (len - sizeof(kvt_wire_commit_t)) / 8;
+    if (n == 0 || n > UINT32_MAX || len != sizeof(kvt_wire_commit_t) + n * 8)
+        return KVT_EPROTO;
+    *resv = kvt_get_u64(body);
+    *nsums = (uint32_t)n;
+    *sums = body + sizeof(kvt_wire_commit_t);
+    return 0;
+}
+
 int kvt_proto_get_decode(const uint8_t *body, size_t len, kvt_proto_get_t *out)
 {
     kvt_wire_get_t w;
@@ -621,6 +633,7 @@ void kvt_proto_reserve_reply_encode(uint8_t out[sizeof(kvt_wire_reserve_reply_t)
         .pages = htole32(r->pages),
         .new_pages = htole32(r->new_pages),
         .nlocs = htole32(r->nlocs),
+        .flags = htole32(r->flags),
     };
     memcpy(out, &w, sizeof w);
 }
@@ -642,7 +655,8 @@ int kvt_proto_reserve_reply_decode(const uint8_t *body, size_t len, kvt_proto_re
     r->pages = le32toh(w.pages);
     r->new_pages = le32toh(w.new_pages);
     r->nlocs = le32toh(w.nlocs);
-    if (w.reserved != 0 ||
+    r->flags = le32toh(w.flags);
+    if ((r->flags & ~(uint32_t)KVT_RESV_F_ALL) ||
         (uint64_t)(len - sizeof w) != (uint64_t)r->nlocs * sizeof(kvt_wire_resv_loc_t))
         return KVT_EPROTO;
     r->locs = body + sizeof w;

@@ -79,7 +79,10 @@ enum {
     KVT_GET_F_LOCATE = 1u << 0, /* pages in the connection's mapping answered by location */
     KVT_GET_F_ALL = 0x1,
     KVT_COMMIT_F_ABORT = 1u << 0, /* give the reservation back: nothing becomes visible */
-    KVT_COMMIT_F_ALL = 0x1,
+    KVT_COMMIT_F_SUMS = 1u << 1,  /* the body carries the XXH3-64 of each reserved page */
+    KVT_COMMIT_F_ALL = 0x3,
+    KVT_RESV_F_SEAL = 1u << 0, /* RESERVE reply: COMMIT seals these pages (may send SUMS) */
+    KVT_RESV_F_ALL = 0x1,
     KVT_RF_MORE = 1u << 0, /* reply: more frames for this request follow (GET data) */
 };
 
@@ -231,7 +234,7 @@ typedef struct KVT_WIRE kvt_wire_reserve_reply { /* then nlocs x kvt_wire_resv_l
     uint32_t pages;
     uint32_t new_pages;
     uint32_t nlocs;
-    uint32_t reserved;
+    uint32_t flags; /* KVT_RESV_F_* */
 } kvt_wire_reserve_reply_t;
 
 typedef struct KVT_WIRE kvt_wire_resv_loc {
@@ -240,7 +243,7 @@ typedef struct KVT_WIRE kvt_wire_resv_loc {
     uint64_t offset;
 } kvt_wire_resv_loc_t;
 
-typedef struct KVT_WIRE kvt_wire_commit {
+typedef struct KVT_WIRE kvt_wire_commit { /* then, with KVT_COMMIT_F_SUMS, nlocs x u64 */
     uint64_t resv;
 } kvt_wire_commit_t;
 
@@ -362,6 +365,7 @@ typedef struct kvt_proto_reserve_reply {
     uint32_t pages;     /* whole pages of the request, all in the index now */
     uint32_t new_pages; /* pages this RESERVE added to the index */
     uint32_t nlocs;     /* pages that got room: as many locations follow */
+    uint32_t flags;     /* KVT_RESV_F_* */
     const uint8_t *locs;
 } kvt_proto_reserve_reply_t;
 
@@ -414,6 +418,10 @@ int kvt_proto_remove_decode(const uint8_t *body, size_t len, uint32_t *ntokens,
 int kvt_proto_map_decode(const uint8_t *body, size_t len, uint32_t *tier);
 int kvt_proto_reserve_decode(const uint8_t *body, size_t len, kvt_proto_reserve_t *out);
 int kvt_proto_commit_decode(const uint8_t *body, size_t len, uint64_t *resv);
+/* COMMIT with KVT_COMMIT_F_SUMS: the reservation, then *nsums (at least 1) checksums, each a
+ * little-endian u64 (kvt_get_u64 of sums + 8 * i), borrowed from the frame. */
+int kvt_proto_commit_sums_decode(const uint8_t *body, size_t len, uint64_t *resv, uint32_t *nsums,
+                                 const uint8_t **sums);
 
 /* Copies n little-endian u32 tokens out of a frame into host order. */
 void kvt_proto_tokens(const uint8_t *src, uint32_t n, uint32_t *dst);

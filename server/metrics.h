@@ -275,6 +275,14 @@ typedef enum {
       "Committed zero-copy pages found changed as they left DRAM (a client wrote over them "       \
       "through its mapping; zero-copy-checksum): dropped, never demoted or served.",               \
       NONE)                                                                                        \
+    X(ZC_SEALS, COUNTER, "kvtier_zero_copy_seals_total",                                           \
+      "Committed zero-copy pages whose checksum the daemon took by reading them (a COMMIT "        \
+      "without sums: the two-step API, raw clients; zero-copy-checksum).",                         \
+      NONE)                                                                                        \
+    X(ZC_CLIENT_SUMS, COUNTER, "kvtier_zero_copy_client_sums_total",                               \
+      "Committed zero-copy pages sealed with the checksum their client sent with COMMIT "          \
+      "(libkvtier's PUT hashes as it copies): the daemon did not read them.",                      \
+      NONE)                                                                                        \
     X(TENANT_QUOTA, GAUGE, "kvtier_tenant_quota_bytes",                                            \
       "Bytes one namespace (tenant) may hold in each tier (tenant-<tier>-bytes); 0 for none.",     \
       TIER)                                                                                        \

@@ -462,8 +462,10 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
         p += sizeof(kvt_wire_resv_loc_t);
         nlocs++;
     }
-    kvt_proto_reserve_reply_t rr = {
-        .pages = r->pages, .new_pages = r->put.new_pages, .nlocs = nlocs};
+    kvt_proto_reserve_reply_t rr = {.pages = r->pages,
+                                    .new_pages = r->put.new_pages,
+                                    .nlocs = nlocs,
+                                    .flags = s->conf->zc_checksum ? KVT_RESV_F_SEAL : 0};
     if (nlocs == 0) {
         resv_release(s, r, 1); /* nothing to write: no reservation */
         free(v);
@@ -526,29 +528,54 @@ int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
  * The checksum of each page of v as the client committed it (zero-copy-checksum): from then on,
  * bytes the client writes over them through its mapping are found when the page leaves DRAM
  * (exec.c's moves, op_get.c's socket GET) and the page is dropped instead of demoted or served.
- * Queued, and hashed by the loop a slice at a time right after (loop.c), while the client copies
- * its next page: taken before the reply, the pass over 2 MiB halved bench_client's zero-copy PUT
- * rate (docs/benchmarks.md). A page that leaves before its seal is done has it finished then, so
- * every copy that leaves carries the sealed bytes; what the client writes over a page between
- * this reply and the seal's last slice (microseconds) is sealed in, not detected.
+ *
+ * With sums (COMMIT's SUMS flag, one per reserved page in location order: libkvtier hashes each
+ * page in the pass that copies it in, client/seal.c) the daemon records them and reads nothing.
+ * A wrong sum only makes the client's own page fail its first check: dropped, counted, never
+ * served (docs/server.md, the trust model). Without sums the seal is queued and hashed by the
+ * loop a slice at a time right after the reply (loop.c); a page that leaves before its seal is
+ * done has it finished then, so every copy that leaves carries the sealed bytes; what the client
+ * writes over a page between this reply and the seal's last slice is sealed in, not detected.
+ * That deferred pass does not hide behind the client's next copy on a small host
+ * (docs/benchmarks.md): the daemon's reply wakes the client on the daemon's own CPU, where it
+ * waits for the slices, which is why libkvtier sends sums.
  */
-static void resv_seal(kvt_srv_t *s, kvt__req_t *v)
+static void resv_seal(kvt_srv_t *s, kvt__req_t *v, const uint8_t *sums)
 {
     kvt__landed_t *l = v->extra;
     if (!s->conf->zc_checksum || !l)
         return;
-    for (uint32_t i = 0; i < v->put.end - v->put.first; i++)
-        if (l[i].tier == KVT_TIER_DRAM &&
-            kvt_tier_dram_seal_later(s->tiers[KVT_TIER_DRAM], l[i].loc) == KVT_ENOMEM)
-            (void)kvt_tier_dram_seal(s->tiers[KVT_TIER_DRAM], l[i].loc);
+    kvt_tier_t *t = s->tiers[KVT_TIER_DRAM];
+    for (uint32_t i = 0, k = 0; i < v->put.end - v->put.first; i++) {
+        if (l[i].tier != KVT_TIER_DRAM)
+            continue;
+        if (sums)
+            (void)kvt_tier_dram_seal_as(t, l[i].loc, kvt_get_u64(sums + (size_t)8 * k++));
+        else if (kvt_tier_dram_seal_later(t, l[i].loc) == KVT_ENOMEM)
+            (void)kvt_tier_dram_seal(t, l[i].loc);
+    }
+}
+
+/* The reservation's pages that got room: as many locations as RESERVE's reply gave. */
+static uint32_t resv_pages(const kvt__req_t *v)
+{
+    const kvt__landed_t *l = v->extra;
+    uint32_t n = 0;
+    for (uint32_t i = 0; l && i < v->put.end - v->put.first; i++)
+        n += l[i].tier == KVT_TIER_DRAM;
+    return n;
 }
 
 int kvt__h_commit(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
     uint64_t id;
+    uint32_t nsums = 0;
+    const uint8_t *sums = NULL;
     if ((h->flags & ~(unsigned)KVT_COMMIT_F_ALL) ||
-        kvt_proto_commit_decode(body, h->body_len, &id) < 0)
+        ((h->flags & KVT_COMMIT_F_SUMS)
+             ? kvt_proto_commit_sums_decode(body, h->body_len, &id, &nsums, &sums)
+             : kvt_proto_commit_decode(body, h->body_len, &id)) < 0)
         return kvt__bad_body(c, h, t0, "COMMIT");
     size_t at;
     kvt__req_t *v = resv_find(c, id, &at);
@@ -564,6 +591,11 @@ int kvt__h_commit(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
                                 "reservation %llu is not held by this connection (never made, "
                                 "committed or given back)",
                                 (unsigned long long)id);
+    if (sums && !(h->flags & KVT_COMMIT_F_ABORT) && nsums != resv_pages(v))
+        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                                "COMMIT of reservation %llu carries %u checksums for its %u "
+                                "reserved pages: nothing was committed",
+                                (unsigned long long)id, nsums, resv_pages(v));
     uint32_t reserved = 0;
     for (uint32_t i = 0; i < v->put.end - v->put.first; i++)
         reserved += ((kvt__landed_t *)v->extra)[i].tier != KVT_TIER_NONE;
@@ -572,7 +604,7 @@ int kvt__h_commit(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
         p.skipped = reserved;
         resv_end(c, at, KVT_RESV_ABORTED);
     } else {
-        resv_seal(s, v);
+        resv_seal(s, v, sums);
         put_adopt(s, v); /* the blocks join the policy as a PUT's landing does */
         kvt__unpin(s, v);
         p.stored = v->put.stored;

@@ -340,6 +340,8 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_ZC_RESIDENT, 0, (double)ds.resident_bytes);
         kvt__metric_set(s->metrics, KVT_M_ZC_PUNCHED, 0, (double)ds.punched_bytes);
         kvt__metric_set(s->metrics, KVT_M_ZC_SCRIBBLES, 0, (double)ds.scribbles);
+        kvt__metric_set(s->metrics, KVT_M_ZC_SEALS, 0, (double)ds.sealed);
+        kvt__metric_set(s->metrics, KVT_M_ZC_CLIENT_SUMS, 0, (double)ds.sealed_as);
     }
     kvt_tier_hbm_stats_t hs;
     if (s->tiers[KVT_TIER_HBM] && kvt_tier_hbm_stats(s->tiers[KVT_TIER_HBM], &hs) == 0) {

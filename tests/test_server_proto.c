@@ -318,13 +318,15 @@ Test(server_proto, zero_copy_codec_round_trips)
     cr_expect(ro.ntokens == 3 && ro.first_page == 1 && ro.npages == 2 && ro.hints.priority == 5);
     cr_expect_eq(kvt_proto_reserve_decode(b, sizeof(kvt_wire_reserve_t) + 8, &ro), KVT_EPROTO);
 
-    kvt_proto_reserve_reply_t rr = {.resv = 77, .pages = 4, .new_pages = 2, .nlocs = 2};
+    kvt_proto_reserve_reply_t rr = {
+        .resv = 77, .pages = 4, .new_pages = 2, .nlocs = 2, .flags = KVT_RESV_F_SEAL};
     kvt_proto_reserve_reply_encode(b, &rr);
     kvt_proto_resv_loc_encode(b + sizeof(kvt_wire_reserve_reply_t), 1, 4096);
     kvt_proto_resv_loc_encode(b + sizeof(kvt_wire_reserve_reply_t) + 16, 3, 1ull << 36);
     kvt_proto_reserve_reply_t rd;
     cr_assert_eq(kvt_proto_reserve_reply_decode(b, sizeof(kvt_wire_reserve_reply_t) + 32, &rd), 0);
-    cr_expect(rd.resv == 77 && rd.pages == 4 && rd.new_pages == 2 && rd.nlocs == 2);
+    cr_expect(rd.resv == 77 && rd.pages == 4 && rd.new_pages == 2 && rd.nlocs == 2 &&
+              rd.flags == KVT_RESV_F_SEAL);
     uint32_t page;
     uint64_t off;
     kvt_proto_resv_loc(&rd, 1, &page, &off);
@@ -337,8 +339,24 @@ Test(server_proto, zero_copy_codec_round_trips)
     cr_assert_eq(kvt_proto_commit_decode(b, 8, &resv), 0);
     cr_expect_eq(resv, 99);
     cr_expect_eq(kvt_proto_commit_decode(b, 9, &resv), KVT_EPROTO);
+    /* With sums: one little-endian u64 per reserved page after the reservation. */
+    kvt_put_u64(b + 8, 0x1122334455667788ull);
+    kvt_put_u64(b + 16, 42);
+    uint32_t nsums = 0;
+    const uint8_t *sums = NULL;
+    cr_assert_eq(kvt_proto_commit_sums_decode(b, 24, &resv, &nsums, &sums), 0);
+    cr_expect(resv == 99 && nsums == 2 && sums == b + 8);
+    cr_expect(kvt_get_u64(sums) == 0x1122334455667788ull && kvt_get_u64(sums + 8) == 42);
+    cr_expect_eq(kvt_proto_commit_sums_decode(b, 8, &resv, &nsums, &sums), KVT_EPROTO);
+    cr_expect_eq(kvt_proto_commit_sums_decode(b, 20, &resv, &nsums, &sums), KVT_EPROTO);
+    cr_expect_eq(kvt_proto_commit_sums_decode(b, 4, &resv, &nsums, &sums), KVT_EPROTO);
+    /* A reply flag this side does not know is a protocol error, as a wrong length is. */
+    rr.flags = 0x2;
+    kvt_proto_reserve_reply_encode(b, &rr);
+    cr_expect_eq(kvt_proto_reserve_reply_decode(b, sizeof(kvt_wire_reserve_reply_t) + 32, &rd),
+                 KVT_EPROTO);
     cr_expect_eq(kvt_proto_req_flags(KVT_OP_GET), KVT_GET_F_LOCATE);
-    cr_expect_eq(kvt_proto_req_flags(KVT_OP_COMMIT), KVT_COMMIT_F_ABORT);
+    cr_expect_eq(kvt_proto_req_flags(KVT_OP_COMMIT), KVT_COMMIT_F_ABORT | KVT_COMMIT_F_SUMS);
     cr_expect_str_eq(kvt_proto_op_name(KVT_OP_RESERVE | KVT_OP_REPLY), "reserve");
 }
 

@@ -23,7 +23,9 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <xxhash.h>
 
+#include "common.h" /* kvt_put_u64 */
 #include "proto.h"
 #include "test_raw_frames.h"
 #include "test_server_harness.h"
@@ -607,11 +609,15 @@ Test(server_zc, refusals_are_clear_errors, .fini = teardown)
     cr_expect(strstr((char *)r.body, "past"), "%s", r.body);
     zcall(fd, KVT_OP_MAP, 0, mb, 7, &r);
     cr_expect_eq(r.h.status, KVT_EPROTO);
-    uint8_t cb[9] = {0};
-    zcall(fd, KVT_OP_COMMIT, 0x2, cb, 8, &r);
+    uint8_t cb[20] = {0};
+    zcall(fd, KVT_OP_COMMIT, 0x4, cb, 8, &r);
     cr_expect_eq(r.h.status, KVT_EPROTO);
     cr_expect(strstr((char *)r.body, "flag"), "%s", r.body);
     zcall(fd, KVT_OP_COMMIT, 0, cb, 9, &r);
+    cr_expect_eq(r.h.status, KVT_EPROTO);
+    zcall(fd, KVT_OP_COMMIT, KVT_COMMIT_F_SUMS, cb, 8, &r); /* the flag without a sum */
+    cr_expect_eq(r.h.status, KVT_EPROTO);
+    zcall(fd, KVT_OP_COMMIT, KVT_COMMIT_F_SUMS, cb, 20, &r); /* half a sum */
     cr_expect_eq(r.h.status, KVT_EPROTO);
     uint8_t gb[sizeof(kvt_wire_get_t)] = {0};
     zcall(fd, KVT_OP_GET, 0x2, gb, sizeof gb, &r);
@@ -1160,4 +1166,242 @@ Test(server_zc, scribble_check_can_be_turned_off, .fini = teardown)
     kvt_client_close(c);
     zunmap(&z);
     close(fd);
+}
+
+/* COMMIT with the SUMS flag: the reservation, then n checksums (little-endian u64 each). */
+static int zcommit_sums(int fd, uint64_t resv, const uint64_t *sums, uint32_t n,
+                        kvt_proto_put_reply_t *p, zreply_t *r)
+{
+    uint8_t b[8 + 8 * 8];
+    cr_assert_leq(n, 8);
+    kvt_proto_commit_encode(b, resv);
+    for (uint32_t i = 0; i < n; i++)
+        kvt_put_u64(b + 8 + 8 * i, sums[i]);
+    zcall(fd, KVT_OP_COMMIT, KVT_COMMIT_F_SUMS, b, 8 + 8 * n, r);
+    if (r->h.status == 0)
+        cr_assert_eq(kvt_proto_put_reply_decode(r->body, r->h.body_len, p), 0);
+    return r->h.status;
+}
+
+/* Reserves pages [0, n) of t and writes pattern seed + i in each; the reply in *rr, offsets in
+ * off, and each page's XXH3-64 in sum. */
+static void zwrite(int fd, zmap_t *z, const uint32_t *t, uint32_t n, uint32_t seed,
+                   kvt_proto_reserve_reply_t *rr, uint64_t *off, uint64_t *sum)
+{
+    uint32_t page[8];
+    zreply_t r;
+    cr_assert_leq(n, 8);
+    cr_assert_eq(zreserve(fd, t, n * PAGE, 0, n, rr, page, off, &r), 0, "RESERVE: %s", r.body);
+    cr_assert_eq(rr->nlocs, n);
+    for (uint32_t i = 0; i < n; i++) {
+        pattern(z_late(z, off[i]), seed + i);
+        sum[i] = XXH3_64bits(z_late(z, off[i]), BB);
+    }
+}
+
+/* Sums a client sent with COMMIT (libkvtier hashes each page as it copies it in) are the seal:
+ * the daemon reads nothing, and a scribble after COMMIT is still found as the page leaves. */
+Test(server_zc, client_sums_seal_the_pages, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t a[2 * PAGE];
+    kvd_tokens(a, 2 * PAGE, 44000);
+    kvt_proto_reserve_reply_t rr;
+    uint64_t off[2], sum[2];
+    zwrite(fd, &z, a, 2, 100, &rr, off, sum);
+    cr_expect(rr.flags & KVT_RESV_F_SEAL, "RESERVE's reply should say COMMIT seals (flags %u)",
+              rr.flags);
+    kvt_proto_put_reply_t p;
+    zreply_t r;
+    cr_assert_eq(zcommit_sums(fd, rr.resv, sum, 2, &p, &r), 0, "COMMIT: %s", r.body);
+    cr_expect_eq(p.stored, 2);
+    cr_expect_eq(kvd_stat(c, "zero_copy_client_sums"), 2);
+    cr_expect_eq(kvd_stat(c, "zero_copy_seals"), 0, "the daemon hashed pages it had sums of");
+    /* Right after the reply: nothing is left for the daemon to seal, so nothing is sealed in. */
+    z.base[off[1] + 4095] ^= 0x11;
+    uint32_t got;
+    int exact[2] = {0, 0};
+    cr_expect_neq(sget(c, a, 2, &got, 100, exact), 0, "the GET of a scribbled page succeeded");
+    cr_expect_eq(got, 1, "page 0 should come, page 1 not");
+    cr_expect(exact[0], "page 0 came back wrong");
+    cr_expect_eq(kvd_stat(c, "zero_copy_scribbles"), 1);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* A wrong sum is the client's word against its own page: the page fails its first check, as a
+ * scribbled one does, and is dropped (counted), never served through the socket or demoted. */
+Test(server_zc, wrong_client_sums_drop_the_page, .fini = teardown)
+{
+    kvd_start(&d, "--dram-bytes", "1M", "--policy", "lru", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t a[2 * PAGE], b[PAGE];
+    kvd_tokens(a, 2 * PAGE, 45000);
+    kvd_tokens(b, PAGE, 46000);
+    kvt_proto_reserve_reply_t rr;
+    uint64_t off[2], sum[2];
+    kvt_proto_put_reply_t p;
+    zreply_t r;
+    zwrite(fd, &z, a, 2, 110, &rr, off, sum);
+    sum[1] ^= 1;
+    cr_assert_eq(zcommit_sums(fd, rr.resv, sum, 2, &p, &r), 0, "COMMIT: %s", r.body);
+    cr_expect_eq(p.stored, 2);
+    uint32_t got;
+    int exact[2] = {0, 0};
+    cr_expect_neq(sget(c, a, 2, &got, 110, exact), 0, "a page with a wrong sum was served");
+    cr_expect_eq(got, 1);
+    cr_expect(exact[0]);
+    cr_expect_eq(kvd_stat(c, "zero_copy_scribbles"), 1);
+
+    /* b's sum is wrong too; 32 pages of another tenant push it out of DRAM: not demoted. */
+    zwrite(fd, &z, b, 1, 120, &rr, off, sum);
+    sum[0] = ~sum[0];
+    cr_assert_eq(zcommit_sums(fd, rr.resv, sum, 1, &p, &r), 0, "COMMIT: %s", r.body);
+    kvt_client_t *o = zclient(&d, "pressure");
+    uint32_t u[32 * PAGE];
+    kvd_tokens(u, 32 * PAGE, 47000);
+    uint8_t *pay = malloc(32 * BB);
+    kvd_fill(pay, 32 * BB, 9);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(o, u, 32 * PAGE, 0, 32, pay, NULL, &pr), 0);
+    cr_expect_eq(wait_stat(c, "zero_copy_scribbles", 2), 2, "the demotion did not check b");
+    uint8_t tier = KVT_CLIENT_TIER_DRAM;
+    kvt_client_match_t m = {.tiers = &tier, .tiers_cap = 1};
+    for (int i = 0; i < 500; i++) {
+        cr_assert_eq(kvt_client_match(c, b, PAGE, 0, 0, NULL, &m), 0);
+        if (m.pages == 0 || tier == KVT_CLIENT_TIER_NONE)
+            break;
+        usleep(10000);
+    }
+    cr_expect(m.pages == 0 || tier == KVT_CLIENT_TIER_NONE,
+              "the page with a wrong sum is still stored, in tier %u", tier);
+    cr_expect_gt(wait_stat(c, "blocks_moved_dram_nvme", 1), 0, "nothing was demoted at all");
+    free(pay);
+    kvt_client_close(o);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* A COMMIT whose sums do not match its reservation's pages is refused and changes nothing: the
+ * reservation is still held, its pages still invisible, and a right COMMIT then stores them. */
+Test(server_zc, commit_sums_must_match_the_reservation, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t a[2 * PAGE];
+    kvd_tokens(a, 2 * PAGE, 48000);
+    kvt_proto_reserve_reply_t rr;
+    uint64_t off[2], sum[3];
+    kvt_proto_put_reply_t p;
+    zreply_t r;
+    zwrite(fd, &z, a, 2, 130, &rr, off, sum);
+    sum[2] = 0;
+    cr_expect_eq(zcommit_sums(fd, rr.resv, sum, 1, &p, &r), KVT_EINVAL);
+    cr_expect(strstr((const char *)r.body, "checksums"), "unclear error: %s", r.body);
+    cr_expect_eq(zcommit_sums(fd, rr.resv, sum, 3, &p, &r), KVT_EINVAL);
+    uint32_t pages;
+    uint8_t tiers[2];
+    uint64_t lease = zmatch(fd, a, 2 * PAGE, &pages, tiers);
+    cr_expect_eq(pages, 2);
+    cr_expect(tiers[0] == KVT_TIER_NONE && tiers[1] == KVT_TIER_NONE,
+              "a refused COMMIT made pages visible (tiers %u %u)", tiers[0], tiers[1]);
+    (void)lease;
+    cr_expect_eq(zcommit_sums(fd, rr.resv, sum, 2, &p, &r), 0, "COMMIT: %s", r.body);
+    cr_expect_eq(p.stored, 2);
+    zunmap(&z);
+    close(fd);
+}
+
+/* zero-copy-checksum no: RESERVE's reply does not ask for sums, and sums sent anyway (wrong
+ * ones here) are ignored: the pages are served as they are, nothing is counted. */
+Test(server_zc, scribble_check_off_ignores_client_sums, .fini = teardown)
+{
+    kvd_start(&d, "--zero-copy-checksum", "no", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t a[2 * PAGE];
+    kvd_tokens(a, 2 * PAGE, 49000);
+    kvt_proto_reserve_reply_t rr;
+    uint64_t off[2], sum[2];
+    kvt_proto_put_reply_t p;
+    zreply_t r;
+    zwrite(fd, &z, a, 2, 140, &rr, off, sum);
+    cr_expect_eq(rr.flags & KVT_RESV_F_SEAL, 0);
+    sum[0] ^= 1;
+    cr_assert_eq(zcommit_sums(fd, rr.resv, sum, 2, &p, &r), 0, "COMMIT: %s", r.body);
+    uint32_t got;
+    int exact[2] = {0, 0};
+    cr_expect_eq(sget(c, a, 2, &got, 140, exact), 0);
+    cr_expect_eq(got, 2);
+    cr_expect(exact[0] && exact[1]);
+    cr_expect_eq(kvd_stat(c, "zero_copy_scribbles"), 0);
+    cr_expect_eq(kvd_stat(c, "zero_copy_client_sums"), 0);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* Scribble the page that lies at data (a zero-copy GET's pointer into this client's mapping). */
+static int scribble_block(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    (void)tier, (void)len;
+    if (page == *(uint32_t *)arg)
+        ((uint8_t *)(uintptr_t)data)[17] ^= 0x80;
+    return 0;
+}
+
+/* libkvtier's zero-copy PUT hashes each page as it copies it in and sends the sums: the daemon
+ * takes them (it hashes nothing), they are right (the unscribbled page is served), and a page
+ * the client writes over after the PUT is caught as it leaves through the socket. */
+Test(server_zc, libkvtier_put_sends_sums_that_catch_scribbles, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    kvt_client_conf_t conf = {.unix_path = d.sock,
+                              .model = "zc",
+                              .page_size = PAGE,
+                              .block_bytes = BB,
+                              .timeout_ms = 10000,
+                              .zero_copy = 1};
+    kvt_client_t *w = NULL, *c = zclient(&d, NULL);
+    cr_assert_eq(kvt_client_connect(&w, &conf), 0);
+    cr_assert(kvt_client_zero_copy(w), "no mapping: %s", kvt_client_zero_copy_reason(w));
+    uint32_t a[2 * PAGE];
+    kvd_tokens(a, 2 * PAGE, 50000);
+    uint8_t *pay = malloc(2 * BB);
+    pattern(pay, 150);
+    pattern(pay + BB, 151);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(w, a, 2 * PAGE, 0, 2, pay, NULL, &pr), 0, "%s",
+                 kvt_client_errmsg(w));
+    cr_expect_eq(pr.stored, 2);
+    cr_expect_eq(kvd_stat(c, "zero_copy_client_sums"), 2);
+    cr_expect_eq(kvd_stat(c, "zero_copy_seals"), 0);
+    uint32_t got;
+    int exact[2] = {0, 0};
+    cr_expect_eq(sget(c, a, 2, &got, 150, exact), 0, "libkvtier's sums are wrong");
+    cr_expect(got == 2 && exact[0] && exact[1]);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(w, a, 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    uint32_t which = 1;
+    cr_assert_eq(kvt_client_get_cb(w, m.lease, 0, 2, scribble_block, &which, &got), 0);
+    cr_assert_eq(kvt_client_release(w, m.lease, NULL), 0);
+    cr_expect_neq(sget(c, a, 2, &got, 150, exact), 0, "a scribbled page was served");
+    cr_expect_eq(got, 1);
+    cr_expect_eq(kvd_stat(c, "zero_copy_scribbles"), 1);
+    free(pay);
+    kvt_client_close(w);
+    kvt_client_close(c);
 }

@@ -10,6 +10,7 @@
 #include <jemalloc/jemalloc.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <xxhash.h>
 
 #include "test_tier_util.h"
 #include "test_thp.h"
@@ -1028,6 +1029,57 @@ Test(tier_dram, seals_find_bytes_changed_after_them)
     cr_expect_eq(kvt_tier_dram_check(t, 12345), KVT_ENOENT);
     cr_expect_eq(kvt_tier_dram_seal_later(NULL, l), KVT_EINVAL);
     kvt_tier_free(t, l, len);
+    munmap(c, mb);
+    free(buf);
+    kvt_tier_destroy(t);
+}
+
+/* Seals given by the caller (a client's sums with COMMIT): recorded without reading the block,
+ * checked as the tier's own; a wrong one fails the first check and the read, counted as a
+ * scribble; one given while the tier's own seal of the block is queued replaces it. */
+Test(tier_dram, seals_given_by_the_caller)
+{
+    const uint32_t len = 300000;
+    kvt_tier_t *t = mk_shared(8u << 20, 1);
+    int fd;
+    uint64_t mb, off, loc[3];
+    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
+    uint8_t *c = client_map(fd, mb);
+    uint8_t *buf = malloc(len);
+    uint32_t tok[16];
+    uint64_t sum[3];
+    for (int i = 0; i < 3; i++) {
+        kvt_block_key_t k = ns_key(NS_A, 20 + (uint64_t)i, tok);
+        tu_fill(buf, len, 80 + (uint32_t)i);
+        sum[i] = XXH3_64bits(buf, len);
+        cr_assert_eq(tu_write(t, &k, buf, len, &loc[i]), 0);
+    }
+    /* A right sum: checks out until the bytes change. */
+    cr_assert_eq(kvt_tier_dram_seal_as(t, loc[0], sum[0]), 0);
+    cr_expect_eq(kvt_tier_dram_check(t, loc[0]), 0);
+    cr_assert_eq(kvt_tier_dram_offset(t, NS_A, loc[0], &off), 0);
+    c[off + 777] ^= 4;
+    cr_expect_eq(kvt_tier_dram_check(t, loc[0]), KVT_ECORRUPT);
+    /* A wrong sum: the unchanged block fails, its read too. */
+    cr_assert_eq(kvt_tier_dram_seal_as(t, loc[1], sum[1] ^ 1), 0);
+    cr_expect_eq(kvt_tier_dram_check(t, loc[1]), KVT_ECORRUPT);
+    kvt_block_key_t k1 = ns_key(NS_A, 21, tok);
+    cr_expect_eq(tu_read(t, &k1, loc[1], buf, len), KVT_ECORRUPT);
+    /* Given while the tier's own seal is queued: the queued one is passed over. */
+    cr_assert_eq(kvt_tier_dram_seal_later(t, loc[2]), 0);
+    cr_assert_eq(kvt_tier_dram_seal_as(t, loc[2], sum[2]), 0);
+    cr_expect_eq(kvt_tier_dram_seal_step(t, len), 0);
+    cr_expect_eq(kvt_tier_dram_check(t, loc[2]), 0);
+    kvt_tier_dram_shared_stats_t st;
+    cr_assert_eq(kvt_tier_dram_shared_stats(t, &st), 0);
+    cr_expect_eq(st.scribbles, 3);
+    cr_expect_eq(st.sealed_as, 3);
+    cr_expect_eq(st.sealed, 0, "the tier hashed a block it was given the sum of");
+    /* Bad input. */
+    cr_expect_eq(kvt_tier_dram_seal_as(t, 12345, 1), KVT_ENOENT);
+    cr_expect_eq(kvt_tier_dram_seal_as(NULL, loc[2], 1), KVT_EINVAL);
+    for (int i = 0; i < 3; i++)
+        kvt_tier_free(t, loc[i], len);
     munmap(c, mb);
     free(buf);
     kvt_tier_destroy(t);

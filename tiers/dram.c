@@ -91,6 +91,7 @@ typedef struct dram {
     uint64_t scans;     /* arenas scanned (their resident bytes exceeded what jemalloc holds) */
     uint64_t scan_ns;   /* time those scans took */
     uint64_t scribbles; /* sealed blocks found changed (kvt_tier_dram_check) */
+    uint64_t sealed, sealed_as; /* seals hashed here; seals given by the caller (seal_as) */
     /* Seals under way (kvt_tier_dram_seal_later), oldest first from seal_head; the first one's
      * hash state, seal_done bytes into it. Each names its block by location and by the ticket
      * its index entry holds in sum while sealed is 2, so that a block freed (and its address
@@ -364,8 +365,9 @@ static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
 enum { DRAM_UNSEALED = 0, DRAM_SEALED = 1, DRAM_SEALING = 2 };
 
 /* A seal under way finished now, in one pass (the block is about to leave). */
-static void dram_seal_now(kvt__tier_ent_t *e)
+static void dram_seal_now(dram_t *d, kvt__tier_ent_t *e)
 {
+    d->sealed++;
     e->sum = XXH3_64bits((const void *)(uintptr_t)e->loc, e->len);
     e->sealed = DRAM_SEALED;
 }
@@ -375,7 +377,7 @@ static void dram_seal_now(kvt__tier_ent_t *e)
 static int dram_scribbled(dram_t *d, kvt__tier_ent_t *e)
 {
     if (e->sealed == DRAM_SEALING) {
-        dram_seal_now(e);
+        dram_seal_now(d, e);
         return 0;
     }
     if (!e->sealed || XXH3_64bits((const void *)(uintptr_t)e->loc, e->len) == e->sum)
@@ -862,7 +864,22 @@ int kvt_tier_dram_seal(kvt_tier_t *t, uint64_t loc)
     kvt__tier_ent_t *e = kvt__tier_entry(t, loc);
     if (!e)
         return KVT_ENOENT;
-    dram_seal_now(e);
+    dram_seal_now(t->impl, e);
+    return 0;
+}
+
+int kvt_tier_dram_seal_as(kvt_tier_t *t, uint64_t loc, uint64_t sum)
+{
+    if (!t || t->ops != &dram_ops)
+        return KVT_EINVAL;
+    kvt__tier_ent_t *e = kvt__tier_entry(t, loc);
+    if (!e)
+        return KVT_ENOENT;
+    /* A seal still queued for this block names it by the ticket in sum: overwritten here, so
+     * that seal_step skips it. */
+    e->sum = sum;
+    e->sealed = DRAM_SEALED;
+    ((dram_t *)t->impl)->sealed_as++;
     return 0;
 }
 
@@ -908,6 +925,7 @@ size_t kvt_tier_dram_seal_step(kvt_tier_t *t, size_t budget)
         if (d->seal_done == e->len) {
             e->sum = XXH3_64bits_digest(d->seal_st);
             e->sealed = DRAM_SEALED;
+            d->sealed++;
             d->seal_head++;
             d->seal_done = 0;
         }
@@ -937,6 +955,8 @@ int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t
     const dram_t *d = t->impl;
     *st = (kvt_tier_dram_shared_stats_t){.arenas = d->nshared,
                                          .scribbles = d->scribbles,
+                                         .sealed = d->sealed,
+                                         .sealed_as = d->sealed_as,
                                          .punched_bytes = d->punched,
                                          .scans = d->scans,
                                          .scan_ns = d->scan_ns};
@@ -1022,7 +1042,7 @@ int kvt_tier_dram_move_out(kvt_tier_t *t, uint64_t *loc)
     if (s->refs)
         return KVT_EBUSY;          /* mapped: a client may read it where it lies */
     if (e->sealed == DRAM_SEALING) /* its queued seal names the old address */
-        dram_seal_now(kvt__tier_entry(t, *loc));
+        dram_seal_now(d, kvt__tier_entry(t, *loc));
     uint32_t len = e->len;
     void *p = mallocx(len, dram_flags(d->sp.arena, len));
     if (!p)

@@ -289,6 +289,8 @@ int kvt_tier_dram_scan(kvt_tier_t *t);
 typedef struct kvt_tier_dram_shared_stats {
     uint32_t arenas;         /* shared arenas that exist now (kvt_tier_dram_shared) */
     uint64_t scribbles;      /* kvt_tier_dram_check calls that found a sealed block changed */
+    uint64_t sealed;         /* blocks sealed by hashing them here (seal, seal_later) */
+    uint64_t sealed_as;      /* blocks sealed with a checksum the caller gave (seal_as) */
     uint64_t resident_bytes; /* bytes their memfds hold in memory now (st_blocks) */
     uint64_t punched_bytes;  /* bytes the checks punched: resident, held by no live block */
     uint64_t scans;          /* arenas the checks scanned (resident beyond what jemalloc holds) */
@@ -320,6 +322,11 @@ int kvt_tier_dram_check(kvt_tier_t *t, uint64_t loc);
  * seal_later and the seal's last step is sealed in, not detected. */
 int kvt_tier_dram_seal_later(kvt_tier_t *t, uint64_t loc);
 size_t kvt_tier_dram_seal_step(kvt_tier_t *t, size_t budget);
+/* A seal whose checksum the caller has (XXH3-64 of the payload, seed 0): a client that hashed
+ * each page as it copied it in and sent the sums with COMMIT. Nothing is read; a sum that is not
+ * the payload's makes the block fail its first check, as a scribble does. Returns as
+ * kvt_tier_dram_seal. */
+int kvt_tier_dram_seal_as(kvt_tier_t *t, uint64_t loc, uint64_t sum);
 
 /* An expired zero-copy reservation's block (loc, len in a shared arena) stops being a stored
  * block: unindexed and uncharged (others may use the capacity), its pages punched now and by

@@ -1,0 +1,132 @@
+/*
+ * seal.c: a page copied into the zero-copy mapping and hashed in the same pass, for the checksum
+ * libkvtier sends with COMMIT (zero-copy-checksum, docs/server.md). The copy from the caller's
+ * buffer runs at memory speed, its loads waiting on DRAM; XXH3's arithmetic on each 64-byte
+ * stripe, done on the register the stripe was just loaded into, fits in those waits, so the
+ * checksum costs next to nothing (docs/benchmarks.md: the same CPU time as memcpy, where a
+ * memcpy followed by a hash of each 16 KiB chunk still costs 17 % more, and the daemon's own
+ * pass after COMMIT's reply a third of the PUT).
+ *
+ * The loop is XXH3's long-input loop (xxhash.h's XXH3_hashLong_internal_loop with the default
+ * secret) with a store of each stripe added, built from xxhash.h's own accumulate and scramble
+ * steps for AVX-512 and AVX2, so the value is XXH3_64bits' to the bit (tests compare them). The
+ * widest unit the CPU has is picked once at run time; without either, and for pages of 240 bytes
+ * or less (XXH3's short-input paths), a plain memcpy and then XXH3_64bits.
+ */
+#include "seal.h"
+
+#include <string.h>
+
+/* xxhash.h inline in this file: its steps and constants are not exported by the library. On
+ * x86-64 its AVX-512 and AVX2 steps are compiled for those units, as libxxhash's own
+ * xxh_x86dispatch.c does. */
+#define XXH_INLINE_ALL
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define XXH_X86DISPATCH
+#define XXH_DISPATCH_AVX512 1
+#define XXH_DISPATCH_AVX2   1
+#define XXH_TARGET_AVX512   __attribute__((__target__("avx512f")))
+#define XXH_TARGET_AVX2     __attribute__((__target__("avx2")))
+#endif
+#include <xxhash.h>
+
+#if defined(__x86_64__)
+/* The long-input loop with a copy: acc512/scramble are one unit's steps, COPY64 moves one
+ * 64-byte stripe with that unit's registers, each stripe hashed from where it was just stored
+ * (what the daemon holds, even if the source changes meanwhile; the load hits L1). */
+#define KVT_COPY_XXH3(name, target, acc512, scramble, COPY64)                                      \
+    target static uint64_t name(uint8_t *dst, const uint8_t *src, size_t len)                      \
+    {                                                                                              \
+        XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;                                     \
+        const xxh_u8 *secret = XXH3_kSecret;                                                       \
+        size_t const ssize = sizeof(XXH3_kSecret);                                                 \
+        size_t const per_block = (ssize - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;               \
+        size_t const block_len = XXH_STRIPE_LEN * per_block;                                       \
+        size_t const nb_blocks = (len - 1) / block_len;                                            \
+        size_t off = 0;                                                                            \
+        for (size_t n = 0; n < nb_blocks; n++) {                                                   \
+            for (size_t s = 0; s < per_block; s++, off += XXH_STRIPE_LEN) {                        \
+                COPY64(dst + off, src + off);                                                      \
+                acc512(acc, dst + off, secret + s * XXH_SECRET_CONSUME_RATE);                      \
+            }                                                                                      \
+            scramble(acc, secret + ssize - XXH_STRIPE_LEN);                                        \
+        }                                                                                          \
+        size_t const nb_stripes = ((len - 1) - block_len * nb_blocks) / XXH_STRIPE_LEN;            \
+        for (size_t s = 0; s < nb_stripes; s++, off += XXH_STRIPE_LEN) {                           \
+            COPY64(dst + off, src + off);                                                          \
+            acc512(acc, dst + off, secret + s * XXH_SECRET_CONSUME_RATE);                          \
+        }                                                                                          \
+        memcpy(dst + off, src + off, len - off);                                                   \
+        acc512(acc, dst + len - XXH_STRIPE_LEN,                                                    \
+               secret + ssize - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);                        \
+        return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START,                            \
+                              (xxh_u64)len * XXH_PRIME64_1);                                       \
+    }
+
+#define COPY64_AVX512(d, s) _mm512_storeu_si512((d), _mm512_loadu_si512((s)))
+#define COPY64_AVX2(d, s)                                                                          \
+    do {                                                                                           \
+        __m256i lo_ = _mm256_loadu_si256((const __m256i *)(s));                                    \
+        __m256i hi_ = _mm256_loadu_si256((const __m256i *)((s) + 32));                             \
+        _mm256_storeu_si256((__m256i *)(d), lo_);                                                  \
+        _mm256_storeu_si256((__m256i *)((d) + 32), hi_);                                           \
+    } while (0)
+
+KVT_COPY_XXH3(copy_xxh3_avx512, XXH_TARGET_AVX512, XXH3_accumulate_512_avx512,
+              XXH3_scrambleAcc_avx512, COPY64_AVX512)
+KVT_COPY_XXH3(copy_xxh3_avx2, XXH_TARGET_AVX2, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2,
+              COPY64_AVX2)
+#endif
+
+static uint64_t copy_then_xxh3(uint8_t *dst, const uint8_t *src, size_t len)
+{
+    memcpy(dst, src, len);
+    return XXH3_64bits(dst, len);
+}
+
+typedef uint64_t (*copy_xxh3_fn)(uint8_t *, const uint8_t *, size_t);
+
+/* The way for this CPU, or NULL when it lacks the unit. */
+static copy_xxh3_fn way_fn(int way)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (way == KVT_COPY_XXH3_AVX512)
+        return __builtin_cpu_supports("avx512f") ? copy_xxh3_avx512 : NULL;
+    if (way == KVT_COPY_XXH3_AVX2)
+        return __builtin_cpu_supports("avx2") ? copy_xxh3_avx2 : NULL;
+#endif
+    return way == KVT_COPY_XXH3_PLAIN ? copy_then_xxh3 : NULL;
+}
+
+/* Picked once; two threads' first calls may both pick, and store the same value. */
+static copy_xxh3_fn pick(void)
+{
+    copy_xxh3_fn fn = way_fn(KVT_COPY_XXH3_AVX512);
+    if (!fn)
+        fn = way_fn(KVT_COPY_XXH3_AVX2);
+    return fn ? fn : copy_then_xxh3;
+}
+
+int kvt__copy_xxh3_by(int way, void *dst, const void *src, size_t len, uint64_t *sum)
+{
+    copy_xxh3_fn fn = way_fn(way);
+    if (!fn || (way != KVT_COPY_XXH3_PLAIN && len <= XXH3_MIDSIZE_MAX))
+        return -1;
+    *sum = fn(dst, src, len);
+    return 0;
+}
+
+uint64_t kvt__copy_xxh3(void *dst, const void *src, size_t len)
+{
+    static copy_xxh3_fn picked;
+    if (len <= XXH3_MIDSIZE_MAX)
+        return copy_then_xxh3(dst, src, len);
+    copy_xxh3_fn fn = __atomic_load_n(&picked, __ATOMIC_RELAXED);
+    if (!fn) {
+        fn = pick();
+        __atomic_store_n(&picked, fn, __ATOMIC_RELAXED);
+    }
+    return fn(dst, src, len);
+}

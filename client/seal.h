@@ -1,0 +1,21 @@
+/*
+ * seal.h: libkvtier's copy of a page into the zero-copy mapping that also takes its checksum
+ * (internal to client/).
+ */
+#ifndef KVT_CLIENT_SEAL_H
+#define KVT_CLIENT_SEAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Copies len bytes from src to dst (not overlapping) and returns XXH3-64 (seed 0) of them, the
+ * value XXH3_64bits(dst, len) gives: what the daemon checks a zero-copy page against. */
+uint64_t kvt__copy_xxh3(void *dst, const void *src, size_t len);
+
+/* The same through one way for tests: KVT_COPY_XXH3_PLAIN (memcpy, then XXH3_64bits), _AVX2 or
+ * _AVX512 (pages over 240 bytes only). Returns 0 with *sum, or -1 where the CPU lacks that unit
+ * (or len is 240 or less for the vector ways). */
+enum { KVT_COPY_XXH3_PLAIN, KVT_COPY_XXH3_AVX2, KVT_COPY_XXH3_AVX512 };
+int kvt__copy_xxh3_by(int way, void *dst, const void *src, size_t len, uint64_t *sum);
+
+#endif
