@@ -631,7 +631,40 @@ static int match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *re
 int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
                      uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res)
 {
-    if (!c || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
+    return kvt_client_match_step(c, tokens, ntokens, flags, lease_ms, hints, res, NULL);
+}
+
+static int check_loc(const kvt_client_t *c, uint8_t tier, uint64_t off, uint32_t len,
+                     const void **host);
+
+/* LOCATE's part of a MATCH reply into step: each offset checked against the mapping. */
+static int step_locs(kvt_client_t *c, const kvt_proto_match_reply_t *r, const uint8_t *tiers,
+                     const kvt_proto_match_locs_t *l, uint64_t sent_ns, kvt_client_step_t *step)
+{
+    for (uint32_t i = 0; i < r->pages; i++) {
+        uint64_t off = kvt_proto_match_loc(l, i);
+        kvt_client_loc_t loc = {.tier = KVT_TIER_NONE};
+        if (off != KVT_MATCH_NO_LOC) {
+            if (check_loc(c, tiers[i], off, c->block_bytes, &loc.host_ptr) < 0)
+                return KVT_EPROTO;
+            loc.tier = tiers[i];
+            loc.offset = off;
+        }
+        if (step->locs && i < step->locs_cap)
+            step->locs[i] = loc;
+    }
+    step->located = l->located;
+    step->valid_until_ns = sent_ns + (uint64_t)l->lease_ms * 1000000;
+    return 0;
+}
+
+int kvt_client_match_step(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                          uint32_t lease_ms, const kvt_client_hints_t *hints,
+                          kvt_client_match_t *res, kvt_client_step_t *step)
+{
+    unsigned locate = flags & KVT_MATCH_F_LOCATE, keep = flags & KVT_MATCH_F_KEEP;
+    if (!c || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL) ||
+        ((locate || keep) && !step) || (locate && !(flags & KVT_MATCH_F_LEASE)))
         return KVT_EINVAL;
     kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
     uint8_t w[sizeof(kvt_wire_match_t)];
@@ -642,14 +675,32 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
         return own;
     const uint8_t *body;
     uint32_t len;
+    uint64_t sent_ns = kvt_now_ns();
     int rc = call(c, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
                   &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
         return rc;
-    if (match_parse(body, len, res) < 0)
+    kvt_proto_match_reply_t r;
+    kvt_proto_match_locs_t l;
+    const uint8_t *tiers;
+    if ((locate ? kvt_proto_match_reply_locs_decode(body, len, &r, &tiers, &l)
+                : kvt_proto_match_reply_decode(body, len, &r, &tiers)) < 0 ||
+        (r.handle && !keep))
         return broken_with(c, KVT_EPROTO);
+    res->tokens = r.tokens;
+    res->pages = r.pages;
+    res->remote_pages = r.remote_pages;
+    res->lease = r.lease;
+    if (res->tiers)
+        memcpy(res->tiers, tiers, KVT_MIN(r.pages, res->tiers_cap));
+    if (locate && step_locs(c, &r, tiers, &l, sent_ns, step) < 0)
+        return broken_with(c, KVT_EPROTO);
+    if (keep) {
+        step->handle = r.handle;
+        step->kept = r.handle ? ntokens : 0;
+    }
     return 0;
 }
 
@@ -668,14 +719,15 @@ static int put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
 }
 
 /* PUT through the socket: the payload goes out from the caller's memory. */
-static int put_socket(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
                       uint32_t first_page, uint32_t npages, const void *payload,
                       const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
     kvt_proto_put_t m = {.hints = proto_hints(hints),
                          .ntokens = ntokens,
                          .first_page = first_page,
-                         .npayload = npages};
+                         .npayload = npages,
+                         .handle = handle};
     uint8_t w[sizeof(kvt_wire_put_t)];
     kvt_proto_put_encode(w, &m);
     uint8_t *tw;
@@ -684,8 +736,8 @@ static int put_socket(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = call(c, KVT_OP_PUT, 0, w, sizeof w, tw, (size_t)ntokens * 4, payload,
-                  (size_t)npages * c->block_bytes, &body, &len);
+    int rc = call(c, KVT_OP_PUT, handle ? KVT_PUT_F_HANDLE : 0, w, sizeof w, tw,
+                  (size_t)ntokens * 4, payload, (size_t)npages * c->block_bytes, &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
@@ -697,22 +749,23 @@ static int put_socket(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
 
 /* Sends RESERVE (and, with probe, a MATCH PROBE of the same tokens right behind it, pipelined:
  * one round trip) without reading the replies; *id and *probe_id get their request ids. */
-static int reserve_send(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+static int reserve_send(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
                         uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
                         int probe, uint64_t *id, uint64_t *probe_id, uint64_t deadline)
 {
     kvt_proto_reserve_t m = {.hints = proto_hints(hints),
                              .ntokens = ntokens,
                              .first_page = first_page,
-                             .npages = npages};
+                             .npages = npages,
+                             .handle = handle};
     uint8_t w[sizeof(kvt_wire_reserve_t)];
     kvt_proto_reserve_encode(w, &m);
     uint8_t *tw;
     int own = tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
-    int rc =
-        send_req(c, KVT_OP_RESERVE, 0, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, id, deadline);
+    int rc = send_req(c, KVT_OP_RESERVE, handle ? KVT_PUT_F_HANDLE : 0, w, sizeof w, NULL, 0, tw,
+                      (size_t)ntokens * 4, id, deadline);
     if (rc == 0 && probe) {
         kvt_proto_match_t mm = {.ntokens = ntokens};
         uint8_t mw[sizeof(kvt_wire_match_t)];
@@ -772,7 +825,8 @@ int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens
     }
     c->errmsg[0] = 0;
     uint64_t id, unused, deadline = deadline_from_now(c);
-    int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 0, &id, &unused, deadline);
+    int rc =
+        reserve_send(c, 0, tokens, ntokens, first_page, npages, hints, 0, &id, &unused, deadline);
     if (rc < 0)
         return rc;
     return reserve_read(c, id, first_page, npages, res, deadline);
@@ -825,25 +879,25 @@ static const uint8_t *page_at(const kvt_client_t *c, const uint8_t *payload,
 }
 
 /* put_socket of pages [i, j) of payload or blocks; blocks are gathered into one buffer first. */
-static int put_socket_run(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
-                          uint32_t first_page, uint32_t i, uint32_t j, const uint8_t *payload,
-                          const void *const *blocks, const kvt_client_hints_t *hints,
-                          kvt_client_put_t *res)
+static int put_socket_run(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                          uint32_t ntokens, uint32_t first_page, uint32_t i, uint32_t j,
+                          const uint8_t *payload, const void *const *blocks,
+                          const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
     if (payload)
-        return put_socket(c, tokens, ntokens, first_page + i, j - i,
+        return put_socket(c, handle, tokens, ntokens, first_page + i, j - i,
                           payload + (size_t)i * c->block_bytes, hints, res);
     uint8_t *g = malloc((size_t)(j - i) * c->block_bytes);
     if (!g)
         return KVT_ENOMEM;
     for (uint32_t k = i; k < j; k++)
         memcpy(g + (size_t)(k - i) * c->block_bytes, blocks[k], c->block_bytes);
-    int rc = put_socket(c, tokens, ntokens, first_page + i, j - i, g, hints, res);
+    int rc = put_socket(c, handle, tokens, ntokens, first_page + i, j - i, g, hints, res);
     free(g);
     return rc;
 }
 
-static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+static int put_mapped(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
                       uint32_t first_page, uint32_t npages, const uint8_t *payload,
                       const void *const *blocks, const kvt_client_hints_t *hints,
                       kvt_client_put_t *res)
@@ -855,18 +909,23 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     kvt_client_resv_t rv = {.ptrs = ptrs};
     c->errmsg[0] = 0;
     uint64_t id, pid, deadline = deadline_from_now(c);
-    int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 1, &id, &pid, deadline);
+    /* With a handle the probe is left out (it would send the tokens the handle saves): pages
+     * RESERVE gave no room go by a socket PUT, which skips those held already. */
+    int probe = !handle;
+    int rc = reserve_send(c, handle, tokens, ntokens, first_page, npages, hints, probe, &id, &pid,
+                          deadline);
     int rrc = rc < 0 ? rc : reserve_read(c, id, first_page, npages, &rv, deadline);
     char msg[sizeof c->errmsg];
     memcpy(msg, c->errmsg, sizeof msg);
     /* The probe's reply is read whatever RESERVE answered: replies come in order. */
     const uint8_t *body = NULL;
     uint32_t len = 0;
-    int prc =
-        rc < 0 || c->broken ? KVT_ECLOSED : read_reply(c, KVT_OP_MATCH, pid, &body, &len, deadline);
+    int prc = rc < 0 || c->broken ? KVT_ECLOSED
+              : probe             ? read_reply(c, KVT_OP_MATCH, pid, &body, &len, deadline)
+                                  : 0;
     kvt_proto_match_reply_t mr = {0};
     const uint8_t *tiers = NULL;
-    if (prc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
+    if (prc == 0 && probe && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
         prc = broken_with(c, KVT_EPROTO);
     if (c->broken) {
         rc = rrc < 0 ? rrc : prc < 0 ? prc : KVT_ECLOSED;
@@ -876,7 +935,8 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     if (rrc < 0) {
         /* No reservation (ENOSPC: this connection holds max-reservations, or the index is full;
          * or RESERVE's own EINVAL): a socket PUT answers as it would have. */
-        rc = put_socket_run(c, tokens, ntokens, first_page, 0, npages, payload, blocks, hints, res);
+        rc = put_socket_run(c, handle, tokens, ntokens, first_page, 0, npages, payload, blocks,
+                            hints, res);
         goto out;
     }
     /* Which unreserved pages must still be sent: those without bytes now. tiers[] is read
@@ -890,7 +950,7 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     }
     for (uint32_t i = 0; i < npages; i++) {
         uint32_t p = first_page + i;
-        need[i] = !ptrs[i] && (p >= mr.pages || tiers[p] == KVT_TIER_NONE);
+        need[i] = !ptrs[i] && (!probe || p >= mr.pages || tiers[p] == KVT_TIER_NONE);
     }
     kvt_client_put_t sum = {.pages = rv.pages, .new_pages = rv.new_pages};
     rc = 0;
@@ -918,7 +978,8 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         while (j < npages && need[j])
             j++;
         kvt_client_put_t pr;
-        rc = put_socket_run(c, tokens, ntokens, first_page, i, j, payload, blocks, hints, &pr);
+        rc = put_socket_run(c, handle, tokens, ntokens, first_page, i, j, payload, blocks, hints,
+                            &pr);
         if (rc == 0) {
             sum.new_pages += pr.new_pages;
             sum.stored += pr.stored;
@@ -945,8 +1006,8 @@ int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, ui
     if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
         return KVT_EINVAL;
     if (c->map && npages)
-        return put_mapped(c, tokens, ntokens, first_page, npages, payload, NULL, hints, res);
-    return put_socket(c, tokens, ntokens, first_page, npages, payload, hints, res);
+        return put_mapped(c, 0, tokens, ntokens, first_page, npages, payload, NULL, hints, res);
+    return put_socket(c, 0, tokens, ntokens, first_page, npages, payload, hints, res);
 }
 
 int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -959,8 +1020,27 @@ int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, u
         if (!blocks[i])
             return KVT_EINVAL;
     if (c->map && npages)
-        return put_mapped(c, tokens, ntokens, first_page, npages, NULL, blocks, hints, res);
-    return put_socket_run(c, tokens, ntokens, first_page, 0, npages, NULL, blocks, hints, res);
+        return put_mapped(c, 0, tokens, ntokens, first_page, npages, NULL, blocks, hints, res);
+    return put_socket_run(c, 0, tokens, ntokens, first_page, 0, npages, NULL, blocks, hints, res);
+}
+
+int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                        uint32_t kept, uint32_t first_page, uint32_t npages, const void *payload,
+                        const kvt_client_hints_t *hints, kvt_client_put_t *res)
+{
+    if (!c || (ntokens && !tokens) || kept > ntokens || (npages && (!payload || !c->block_bytes)))
+        return KVT_EINVAL;
+    if (!handle)
+        return kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
+    int rc = c->map && npages ? put_mapped(c, handle, tokens + kept, ntokens - kept, first_page,
+                                           npages, payload, NULL, hints, res)
+                              : put_socket(c, handle, tokens + kept, ntokens - kept, first_page,
+                                           npages, payload, hints, res);
+    /* ENOENT only names the handle (a PUT has no other): gone, so the tokens go in full. A
+     * mapped PUT's reservation failing so fell back to a socket PUT, answered the same. */
+    if (rc == KVT_ENOENT)
+        rc = kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
+    return rc;
 }
 
 /* Where a located page lies: a pointer into the DRAM mapping, or an offset into the HBM pool.
@@ -1387,7 +1467,9 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
                     int *status)
 {
-    if (!b || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
+    /* LOCATE's reply is longer and KEEP's handle has no place in a batch's result: neither. */
+    if (!b || !res || (ntokens && !tokens) ||
+        (flags & ~(unsigned)(KVT_MATCH_F_LEASE | KVT_MATCH_F_REMOTE | KVT_MATCH_F_PROBE)))
         return KVT_EINVAL;
     kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
     uint8_t w[sizeof(kvt_wire_match_t)];
