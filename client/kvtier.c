@@ -67,6 +67,13 @@ struct kvt_client {
     uint8_t *map;
     uint64_t map_bytes, hbm_bytes;
     char zc_reason[KVT_PROTO_ERRMSG_MAX + 64];
+    /* RELEASEs sent without waiting (kvt_client_release_later), ids from later_id: their
+     * frames go out in front of the next request's (later_out, later_len bytes not sent yet),
+     * and their replies, which come before that request's, are read and dropped first. */
+    uint32_t later;
+    uint64_t later_id;
+    size_t later_len;
+    uint8_t later_out[64 * (KVT_PROTO_HDR + sizeof(kvt_wire_release_t))];
 };
 
 const char *kvt_client_strerror(int err)
@@ -247,8 +254,44 @@ static int check_reply(kvt_client_t *c, const kvt_proto_hdr_t *h, unsigned op, u
     return 0;
 }
 
+static int read_frame_raw(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body,
+                          uint64_t deadline);
+
+/* The replies to the RELEASEs sent without waiting: read and dropped (a lease already gone
+ * answers 0, which is no error either). */
+static int flush_later(kvt_client_t *c, uint64_t deadline)
+{
+    size_t n = c->later_len;
+    c->later_len = 0;
+    return n ? send_all(c, c->later_out, n, deadline) : 0;
+}
+
+static int drain_later(kvt_client_t *c, uint64_t deadline)
+{
+    int frc = flush_later(c, deadline);
+    if (frc < 0)
+        return frc;
+    while (c->later) {
+        kvt_proto_hdr_t h;
+        const uint8_t *body;
+        int rc = read_frame_raw(c, &h, &body, deadline);
+        if (rc < 0 || (rc = check_reply(c, &h, KVT_OP_RELEASE, c->later_id)) < 0)
+            return rc;
+        c->later--;
+        c->later_id++;
+    }
+    return 0;
+}
+
 /* Reads one whole frame; *body points into the input buffer until the next read. */
 static int read_frame(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body, uint64_t deadline)
+{
+    int rc = drain_later(c, deadline);
+    return rc < 0 ? rc : read_frame_raw(c, h, body, deadline);
+}
+
+static int read_frame_raw(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body,
+                          uint64_t deadline)
 {
     int rc = need(c, KVT_PROTO_HDR, deadline);
     if (rc < 0)
@@ -283,15 +326,19 @@ static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1
     *id = c->next_id++;
     uint8_t hdr[KVT_PROTO_HDR];
     kvt_proto_frame(hdr, op, flags, *id, 0, (uint32_t)blen);
-    /* Small requests go out in one send; a big payload is sent from the caller's memory. */
-    if (kvt_reserve(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
+    /* Small requests go out in one send, behind the RELEASEs waiting to go; a big payload is
+     * sent from the caller's memory. */
+    size_t pre = c->later_len;
+    if (kvt_reserve(&c->out, &c->out_cap, pre + KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
         return KVT_ENOMEM;
-    memcpy(c->out, hdr, KVT_PROTO_HDR);
+    memcpy(c->out, c->later_out, pre);
+    memcpy(c->out + pre, hdr, KVT_PROTO_HDR);
     if (l1)
-        memcpy(c->out + KVT_PROTO_HDR, b1, l1);
+        memcpy(c->out + pre + KVT_PROTO_HDR, b1, l1);
     if (l2)
-        memcpy(c->out + KVT_PROTO_HDR + l1, b2, l2);
-    int rc = send_all(c, c->out, KVT_PROTO_HDR + l1 + l2, deadline);
+        memcpy(c->out + pre + KVT_PROTO_HDR + l1, b2, l2);
+    c->later_len = 0;
+    int rc = send_all(c, c->out, pre + KVT_PROTO_HDR + l1 + l2, deadline);
     if (rc == 0 && l3)
         rc = send_all(c, b3, l3, deadline);
     return rc;
@@ -1080,7 +1127,9 @@ static int get_run(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_
                     sizeof(kvt_wire_get_t));
     kvt_proto_get_encode(frame + KVT_PROTO_HDR, &m);
     uint64_t sent_ns = kvt_now_ns();
-    int rc = send_all(c, frame, sizeof frame, deadline);
+    int rc = flush_later(c, deadline);
+    if (rc == 0)
+        rc = send_all(c, frame, sizeof frame, deadline);
     if (rc < 0)
         return rc;
     int stop = 0, located = 0;
@@ -1278,6 +1327,32 @@ int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released)
         return broken_with(c, KVT_EPROTO);
     if (released)
         *released = n != 0;
+    return 0;
+}
+
+int kvt_client_release_later(kvt_client_t *c, uint64_t lease)
+{
+    if (!c)
+        return KVT_EINVAL;
+    uint64_t id, deadline = deadline_from_now(c);
+    int rc;
+    /* The replies waiting must have ids that run on to this one (a batch queued meanwhile took
+     * ids): otherwise they are read first. */
+    if (c->later && c->next_id != c->later_id + c->later && (rc = drain_later(c, deadline)) < 0)
+        return rc;
+    if (c->broken)
+        return KVT_ECLOSED;
+    size_t f = KVT_PROTO_HDR + sizeof(kvt_wire_release_t);
+    if (c->later_len + f > sizeof c->later_out && (rc = flush_later(c, deadline)) < 0)
+        return rc;
+    id = c->next_id++;
+    kvt_proto_frame(c->later_out + c->later_len, KVT_OP_RELEASE, 0, id, 0,
+                    sizeof(kvt_wire_release_t));
+    kvt_proto_release_encode(c->later_out + c->later_len + KVT_PROTO_HDR, lease);
+    c->later_len += f;
+    if (!c->later)
+        c->later_id = id;
+    c->later++;
     return 0;
 }
 
@@ -1613,7 +1688,9 @@ int kvt_batch_run(kvt_batch_t *b)
         return KVT_ECLOSED;
     size_t seg = 0, seg_off = 0, done = 0;
     uint64_t deadline = deadline_from_now(c);
-    int rc = batch_cut(b); /* out's last piece */
+    int rc = drain_later(c, deadline); /* their replies come before the batch's */
+    if (rc == 0)
+        rc = batch_cut(b); /* out's last piece */
     if (rc < 0) {
         kvt_batch_reset(b);
         return rc;

@@ -346,6 +346,12 @@ int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t 
 /* Releases a lease; *released (if not NULL) is 1 if it was held, 0 if not (already released,
  * expired): releasing twice is not an error. */
 int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
+/* Releases lease without a round trip: the RELEASE goes out in front of the next request on the
+ * connection (in the same write; at once when 64 wait), and its reply, which comes before that
+ * request's, is read and dropped then. So the lease holds until the client's next call (or its
+ * expiry, or kvt_client_close): a step releases the last step's lease with its own MATCH.
+ * Returns 0 or a transport error (ECLOSED). */
+int kvt_client_release_later(kvt_client_t *c, uint64_t lease);
 
 /* Drops the last whole page of tokens and everything cached beneath it. KVT_CLIENT_ENOENT when
  * not cached, KVT_CLIENT_EBUSY when a connection's lease holds it. Blocks the daemon itself is

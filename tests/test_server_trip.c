@@ -541,3 +541,48 @@ Test(server_trip, client_step_calls, .fini = teardown)
     free(pay);
     kvt_client_close(c);
 }
+
+/* kvt_client_release_later: the RELEASE rides in front of the next request, whatever it is (a
+ * call, a GET's stream, a batch), and its reply is read before that request's. */
+Test(server_trip, release_later_rides_with_the_next_request, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "trip", PAGE, BB);
+    uint32_t t[2 * PAGE];
+    kvd_tokens(t, 2 * PAGE, 1100);
+    uint8_t *pay = malloc(2 * (size_t)BB), *buf = malloc(2 * (size_t)BB);
+    kvd_fill(pay, 2 * (size_t)BB, 3);
+    cr_assert_eq(kvt_client_put(c, t, 2 * PAGE, 0, 2, pay, NULL, NULL), 0);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(kvt_client_release_later(c, m.lease), 0);
+    cr_expect_eq(kvd_stat(c, "leases"), 0, "the RELEASE did not go out with the STATS");
+    /* More than fit in the queue (64): the first ones go out alone. */
+    for (int i = 0; i < 70; i++) {
+        cr_assert_eq(kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+        cr_assert_eq(kvt_client_release_later(c, m.lease), 0);
+    }
+    /* A GET's stream after one, under a lease taken before it. */
+    kvt_client_match_t keep = {0};
+    cr_assert_eq(kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &keep), 0);
+    cr_assert_eq(kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(kvt_client_release_later(c, m.lease), 0);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c, keep.lease, 0, 2, buf, 2 * (size_t)BB, &got, NULL), 0, "%s",
+                 kvt_client_errmsg(c));
+    cr_expect(got == 2 && memcmp(buf, pay, 2 * (size_t)BB) == 0);
+    /* A batch queued before one, run after it. */
+    kvt_batch_t *b;
+    cr_assert_eq(kvt_batch_create(&b, c), 0);
+    int st1 = 1, st2 = 1;
+    cr_assert_eq(kvt_batch_ping(b, &st1), 0);
+    cr_assert_eq(kvt_client_release_later(c, keep.lease), 0);
+    cr_assert_eq(kvt_batch_ping(b, &st2), 0);
+    cr_assert_eq(kvt_batch_run(b), 0);
+    cr_expect(st1 == 0 && st2 == 0);
+    kvt_batch_destroy(b);
+    cr_expect_eq(kvd_stat(c, "leases"), 0, "leases left held");
+    free(pay);
+    free(buf);
+    kvt_client_close(c);
+}
