@@ -110,6 +110,26 @@ int kvt_client_prefetch(kvt_client_t *c, const uint32_t *tokens, uint32_t ntoken
 int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                               unsigned tier, uint32_t deadline_ms, kvt_client_prefetch_t *res);
 int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
+int kvt_client_release_later(kvt_client_t *c, uint64_t lease);
+typedef struct kvt_client_loc {
+    unsigned tier;
+    const void *host_ptr;
+    uint64_t offset;
+} kvt_client_loc_t;
+typedef struct kvt_client_step {
+    kvt_client_loc_t *locs;
+    uint32_t locs_cap;
+    uint32_t located;
+    uint64_t valid_until_ns;
+    uint32_t handle;
+    uint32_t kept;
+} kvt_client_step_t;
+int kvt_client_match_step(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                          unsigned flags, uint32_t lease_ms, const kvt_client_hints_t *hints,
+                          kvt_client_match_t *res, kvt_client_step_t *step);
+int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                        uint32_t kept, uint32_t first_page, uint32_t npages, const void *payload,
+                        const kvt_client_hints_t *hints, kvt_client_put_t *res);
 int kvt_client_remove(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 int kvt_client_remove_nowait(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens);
 typedef int (*kvt_client_stat_cb)(void *arg, const char *name, uint64_t value);
