@@ -660,21 +660,6 @@ static int tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, uint
 #endif
 }
 
-static int match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *res)
-{
-    kvt_proto_match_reply_t r;
-    const uint8_t *tiers;
-    if (kvt_proto_match_reply_decode(body, len, &r, &tiers) < 0)
-        return KVT_EPROTO;
-    res->tokens = r.tokens;
-    res->pages = r.pages;
-    res->remote_pages = r.remote_pages;
-    res->lease = r.lease;
-    if (res->tiers)
-        memcpy(res->tiers, tiers, KVT_MIN(r.pages, res->tiers_cap));
-    return 0;
-}
-
 int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
                      uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res)
 {
@@ -705,6 +690,35 @@ static int step_locs(kvt_client_t *c, const kvt_proto_match_reply_t *r, const ui
     return 0;
 }
 
+/* A MATCH reply for the flags it was asked with into res and step (KVT_EPROTO when malformed):
+ * the step's calls and batches. sent_ns: when the request went out (LOCATE's time limit). */
+static int match_step_parse(kvt_client_t *c, const uint8_t *body, uint32_t len, unsigned flags,
+                            uint32_t ntokens, uint64_t sent_ns, kvt_client_match_t *res,
+                            kvt_client_step_t *step)
+{
+    unsigned locate = flags & KVT_MATCH_F_LOCATE, keep = flags & KVT_MATCH_F_KEEP;
+    kvt_proto_match_reply_t r;
+    kvt_proto_match_locs_t l;
+    const uint8_t *tiers;
+    if ((locate ? kvt_proto_match_reply_locs_decode(body, len, &r, &tiers, &l)
+                : kvt_proto_match_reply_decode(body, len, &r, &tiers)) < 0 ||
+        (r.handle && !keep))
+        return KVT_EPROTO;
+    res->tokens = r.tokens;
+    res->pages = r.pages;
+    res->remote_pages = r.remote_pages;
+    res->lease = r.lease;
+    if (res->tiers)
+        memcpy(res->tiers, tiers, KVT_MIN(r.pages, res->tiers_cap));
+    if (locate && step_locs(c, &r, tiers, &l, sent_ns, step) < 0)
+        return KVT_EPROTO;
+    if (keep) {
+        step->handle = r.handle;
+        step->kept = r.handle ? ntokens : 0;
+    }
+    return 0;
+}
+
 int kvt_client_match_step(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
                           uint32_t lease_ms, const kvt_client_hints_t *hints,
                           kvt_client_match_t *res, kvt_client_step_t *step)
@@ -729,25 +743,8 @@ int kvt_client_match_step(kvt_client_t *c, const uint32_t *tokens, uint32_t ntok
         free(tw);
     if (rc < 0)
         return rc;
-    kvt_proto_match_reply_t r;
-    kvt_proto_match_locs_t l;
-    const uint8_t *tiers;
-    if ((locate ? kvt_proto_match_reply_locs_decode(body, len, &r, &tiers, &l)
-                : kvt_proto_match_reply_decode(body, len, &r, &tiers)) < 0 ||
-        (r.handle && !keep))
+    if (match_step_parse(c, body, len, flags, ntokens, sent_ns, res, step) < 0)
         return broken_with(c, KVT_EPROTO);
-    res->tokens = r.tokens;
-    res->pages = r.pages;
-    res->remote_pages = r.remote_pages;
-    res->lease = r.lease;
-    if (res->tiers)
-        memcpy(res->tiers, tiers, KVT_MIN(r.pages, res->tiers_cap));
-    if (locate && step_locs(c, &r, tiers, &l, sent_ns, step) < 0)
-        return broken_with(c, KVT_EPROTO);
-    if (keep) {
-        step->handle = r.handle;
-        step->kept = r.handle ? ntokens : 0;
-    }
     return 0;
 }
 
@@ -1412,6 +1409,9 @@ typedef struct kvt_batch_ent {
     uint64_t id;
     int *status;
     void *res;
+    kvt_client_step_t *step; /* kvt_batch_match_step's */
+    uint16_t flags;
+    uint32_t ntokens;
 } kvt_batch_ent_t;
 
 /* A piece of a batch's output: bytes of out ([off, off + len)), or, with ptr set, a payload the
@@ -1431,6 +1431,7 @@ struct kvt_batch {
      * nothing lent, one piece (out) at run time. */
     kvt_batch_seg_t *segs;
     size_t nsegs, cap_segs, out_cut;
+    uint64_t sent_ns; /* when the run began to send: LOCATE's time limits count from there */
 };
 
 int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c)
@@ -1542,15 +1543,28 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
                     int *status)
 {
-    /* LOCATE's reply is longer and KEEP's handle has no place in a batch's result: neither. */
-    if (!b || !res || (ntokens && !tokens) ||
-        (flags & ~(unsigned)(KVT_MATCH_F_LEASE | KVT_MATCH_F_REMOTE | KVT_MATCH_F_PROBE)))
+    return kvt_batch_match_step(b, tokens, ntokens, flags, lease_ms, hints, res, NULL, status);
+}
+
+int kvt_batch_match_step(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                         uint32_t lease_ms, const kvt_client_hints_t *hints,
+                         kvt_client_match_t *res, kvt_client_step_t *step, int *status)
+{
+    unsigned locate = flags & KVT_MATCH_F_LOCATE, keep = flags & KVT_MATCH_F_KEEP;
+    if (!b || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL) ||
+        ((locate || keep) && !step) || (locate && !(flags & KVT_MATCH_F_LEASE)))
         return KVT_EINVAL;
     kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
     uint8_t w[sizeof(kvt_wire_match_t)];
     kvt_proto_match_encode(w, &m);
-    return batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0, 0,
-                        res, status);
+    int rc = batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0,
+                          0, res, status);
+    if (rc == 0) {
+        b->ents[b->n - 1].step = step;
+        b->ents[b->n - 1].flags = (uint16_t)flags;
+        b->ents[b->n - 1].ntokens = ntokens;
+    }
+    return rc;
 }
 
 static int batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -1650,7 +1664,8 @@ static int batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto
     if (st < 0) {
         set_errmsg(c, h, body);
     } else if (e->op == KVT_OP_MATCH) {
-        if (match_parse(body, h->body_len, e->res) < 0)
+        if (match_step_parse(c, body, h->body_len, e->flags, e->ntokens, b->sent_ns, e->res,
+                             e->step) < 0)
             return broken_with(c, KVT_EPROTO);
     } else if (e->op == KVT_OP_PUT) {
         if (put_parse(body, h->body_len, e->res) < 0)
@@ -1689,6 +1704,7 @@ int kvt_batch_run(kvt_batch_t *b)
     size_t seg = 0, seg_off = 0, done = 0;
     uint64_t deadline = deadline_from_now(c);
     int rc = drain_later(c, deadline); /* their replies come before the batch's */
+    b->sent_ns = kvt_now_ns();
     if (rc == 0)
         rc = batch_cut(b); /* out's last piece */
     if (rc < 0) {

@@ -382,6 +382,11 @@ int kvt_batch_ping(kvt_batch_t *b, int *status);
 int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
                     int *status);
+/* kvt_client_match_step's request, queued: step (borrowed as res is) is filled when its reply
+ * comes; LOCATE's time limit counts from when kvt_batch_run began to send. */
+int kvt_batch_match_step(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                         uint32_t lease_ms, const kvt_client_hints_t *hints,
+                         kvt_client_match_t *res, kvt_client_step_t *step, int *status);
 int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
                   uint32_t npages, const void *payload, const kvt_client_hints_t *hints,
                   kvt_client_put_t *res, int *status);

@@ -586,3 +586,55 @@ Test(server_trip, release_later_rides_with_the_next_request, .fini = teardown)
     free(buf);
     kvt_client_close(c);
 }
+
+/* Keyed gets on a mapped client (SGLang's and LMCache's independent keys, vLLM's chains) read
+ * their hits by location: the MATCH that leases them says where, and no GET goes out. */
+Test(server_trip, keyed_gets_read_by_location, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    kvt_client_conf_t conf = {.unix_path = d.sock,
+                              .model = "trip",
+                              .block_bytes = BB,
+                              .timeout_ms = 10000,
+                              .zero_copy = 1};
+    kvt_keys_t *k = NULL;
+    cr_assert_eq(kvt_keys_connect(&k, &conf), 0);
+    cr_assert(kvt_client_zero_copy(kvt_keys_client(k)));
+    kvt_client_t *c = kvd_client(&d, "trip", PAGE, BB);
+    enum { N = 5 };
+    kvt_key_t keys[N];
+    char names[N][8];
+    uint8_t *blocks = malloc(N * (size_t)BB), *out = malloc(N * (size_t)BB);
+    const void *bp[N];
+    void *op[N];
+    for (int i = 0; i < N; i++) {
+        snprintf(names[i], sizeof names[i], "key%d", i);
+        keys[i] = (kvt_key_t){names[i], strlen(names[i])};
+        kvd_fill(blocks + (size_t)i * BB, BB, 200 + (uint32_t)i);
+        bp[i] = blocks + (size_t)i * BB;
+        op[i] = out + (size_t)i * BB;
+    }
+    int st[N + 1];
+    cr_assert_eq(kvt_keys_put(k, keys, N - 1, bp, st), N - 1); /* the last key stays missing */
+    cr_assert_eq(kvt_keys_chain_put(k, keys, N, 0, N, blocks, NULL), 0);
+    uint64_t gets = kvd_stat(c, "requests_get");
+
+    memset(out, 0, N * (size_t)BB);
+    cr_assert_eq(kvt_keys_get(k, keys, N, op, st), N - 1);
+    for (int i = 0; i < N - 1; i++) {
+        cr_expect_eq(st[i], 0, "key %d: %d", i, st[i]);
+        cr_expect(memcmp(op[i], bp[i], BB) == 0, "key %d's bytes", i);
+    }
+    cr_expect_eq(st[N - 1], KVT_CLIENT_ENOENT);
+    uint32_t got = 0;
+    memset(out, 0, N * (size_t)BB);
+    cr_assert_eq(kvt_keys_chain_get(k, keys, N, 1, out, (N - 1) * (size_t)BB, &got), 0);
+    cr_expect_eq(got, N - 1);
+    cr_expect(memcmp(out, blocks + BB, (N - 1) * (size_t)BB) == 0, "the chain's bytes");
+    cr_expect_eq(kvd_stat(c, "requests_get"), gets, "a keyed get sent a GET for a mapped page");
+    cr_expect_eq(kvd_stat(c, "leases"), 0, "a keyed get left a lease");
+    free(blocks);
+    free(out);
+    kvt_client_close(c);
+    kvt_keys_close(k);
+}
