@@ -106,3 +106,33 @@ def test_async_client_takes_the_same_step(sd):
             await c.release_later(m.lease)
             assert (await c.stats())["leases"] == 0
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_vllm_load_views_takes_no_get(sd):
+    """The vLLM worker's zero-copy load: its MATCH locates the pages, no GET goes out."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    np = pytest.importorskip("numpy", reason="numpy is not installed")
+    import hashlib
+    import logging
+
+    from kvtier.guard import Guard
+    from kvtier.vllm.store import _PageStore
+
+    store = _PageStore({"unix_path": sd.unix}, "pytest-vllm", "", BLOCK,
+                       guard=Guard(logging.getLogger("test_step")), deadline_ms=5000,
+                       what="worker")
+    try:
+        keys = [hashlib.sha256(b"step%d" % i).digest() for i in range(3)]
+        pages = np.frombuffer(payload(3, 11), np.uint8).reshape(3, BLOCK)
+        assert store.save(keys, 0, pages) == 3
+        assert store.mapped, "the worker's store did not map the arena"
+        with sd.client() as c:
+            gets = c.stats()["requests_get"]
+            lease, items = store.load_views(keys, 1)
+            assert lease and len(items) == 2
+            assert all(isinstance(v, memoryview) for v in items)
+            assert b"".join(bytes(v) for v in items) == payload(3, 11)[BLOCK:]
+            assert c.stats()["requests_get"] == gets, "the load sent a GET"
+            store.release_views(lease)
+    finally:
+        store.close()
