@@ -178,7 +178,8 @@ typedef struct kvt_client_prefetch {
 int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns);
 
 /* The longest cached prefix of tokens[0, ntokens). lease_ms: the lease's time limit (0: the
- * daemon's default; capped by its maximum). */
+ * daemon's default; capped by its maximum). KVT_CLIENT_LOCATE and KVT_CLIENT_KEEP need
+ * kvt_client_match_step (here: KVT_CLIENT_EINVAL); so do they in kvt_batch_match. */
 int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
                      uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res);
 
