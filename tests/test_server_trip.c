@@ -503,6 +503,10 @@ Test(server_trip, client_step_calls, .fini = teardown)
     kvt_client_step_t st = {0};
     cr_expect_eq(kvt_client_match_step(c, t, 2 * PAGE, KVT_CLIENT_LOCATE, 0, NULL, &m, &st),
                  KVT_CLIENT_EINVAL, "LOCATE without LEASE");
+    cr_expect_eq(
+        kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE, 0, NULL, &m),
+        KVT_CLIENT_EINVAL, "LOCATE has no place in kvt_client_match's result");
+    cr_expect_eq(kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_KEEP, 0, NULL, &m), KVT_CLIENT_EINVAL);
     cr_assert_eq(kvt_client_match_step(c, t, 2 * PAGE, KVT_CLIENT_KEEP, 0, NULL, &m, &st), 0);
     cr_assert_neq(st.handle, 0);
     cr_expect_eq(st.kept, 2 * PAGE);
