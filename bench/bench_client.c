@@ -22,6 +22,15 @@
  * tokens. The first pass of a fresh daemon also pays this process's page faults on the mapping.
  * get_batch8: kvt_client_get of 8 pages a request, each into its place (one round trip per 8
  * memcpys out of the mapping, as an engine's load of a prompt's pages).
+ * One round trip per step (issue 38), one page a request, request i asking for page i of the
+ * tokens of pages 0..i: step_get is the step before it (MATCH with a lease, GET with LOCATE of
+ * the page into its place, RELEASE: three round trips); step_locate the step with it
+ * (kvt_client_match_step with LEASE | LOCATE, a memcpy from the location the MATCH answered,
+ * kvt_client_release_later: one round trip). get_located is the GET's part of step_locate, timed
+ * from the MATCH's reply to the page copied and its lease sent back: what loading a hit costs
+ * once the lookup the step does anyway answers where it lies (the bar's figure; the MATCH's own
+ * round trip is step_locate's). step_match is the lookup alone (MATCH without a lease, nothing
+ * loaded): step_locate - step_match is all that loading adds to a step.
  * And memcpy: the same bytes copied page by page right after the GETs, in this process (the
  * baseline beside them, under the same load); get_reader: kvt_client_get of the same pages by a
  * second connection with a mapping of its own (another process's reader: its first touch of
@@ -130,6 +139,77 @@ static int touch_block(void *arg, uint32_t page, unsigned tier, const void *data
         t->sum += w;
     }
     t->n++;
+    return 0;
+}
+
+/* The steps of one page a request (the header's step_get, step_locate, get_located,
+ * step_match), over pages already stored under tok; each checks the bytes it loaded. */
+static int bench_steps(kvt_client_t *c, const char *impl, const uint32_t *tok, const uint8_t *src,
+                       uint8_t *dst, size_t block, uint32_t pages, int pass)
+{
+    size_t n = block * pages;
+    int rc;
+    memset(dst, 0, n);
+    double t0 = now_s();
+    for (uint32_t i = 0; i < pages; i++) {
+        kvt_client_match_t m = {0};
+        uint32_t got;
+        if ((rc = kvt_client_match(c, tok, (i + 1) * PAGE_TOKENS, KVT_CLIENT_LEASE, 60000, NULL,
+                                   &m)) < 0 ||
+            m.pages != i + 1)
+            return fail("step_get match", rc, c);
+        rc = kvt_client_get(c, m.lease, i, 1, dst + (size_t)i * block, block, &got, NULL);
+        if (rc < 0 || got != 1)
+            return fail("step_get get", rc, c);
+        if ((rc = kvt_client_release(c, m.lease, NULL)) < 0)
+            return fail("step_get release", rc, c);
+    }
+    emit(impl, "step_get", block, pages, pass, now_s() - t0);
+    if (memcmp(src, dst, n) != 0) {
+        fprintf(stderr, "bench_client: step_get loaded other bytes than PUT stored\n");
+        return 1;
+    }
+    memset(dst, 0, n);
+    kvt_client_loc_t *locs = malloc(pages * sizeof *locs);
+    if (!locs)
+        return 1;
+    double load = 0;
+    t0 = now_s();
+    for (uint32_t i = 0; i < pages; i++) {
+        kvt_client_match_t m = {0};
+        kvt_client_step_t st = {.locs = locs, .locs_cap = pages};
+        if ((rc = kvt_client_match_step(c, tok, (i + 1) * PAGE_TOKENS,
+                                        KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE, 60000, NULL, &m,
+                                        &st)) < 0 ||
+            m.pages != i + 1 || !locs[i].host_ptr)
+            return fail("step_locate match", rc < 0 ? rc : -1, c);
+        double t1 = now_s();
+        memcpy(dst + (size_t)i * block, locs[i].host_ptr, block);
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts); /* valid_until_ns's clock */
+        if ((uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec >= st.valid_until_ns) {
+            fprintf(stderr, "bench_client: the lease ran out before the page was read\n");
+            return 1;
+        }
+        if ((rc = kvt_client_release_later(c, m.lease)) < 0)
+            return fail("step_locate release", rc, c);
+        load += now_s() - t1;
+    }
+    emit(impl, "step_locate", block, pages, pass, now_s() - t0);
+    emit(impl, "get_located", block, pages, pass, load);
+    free(locs);
+    if (memcmp(src, dst, n) != 0) {
+        fprintf(stderr, "bench_client: step_locate loaded other bytes than PUT stored\n");
+        return 1;
+    }
+    t0 = now_s();
+    for (uint32_t i = 0; i < pages; i++) {
+        kvt_client_match_t m = {0};
+        if ((rc = kvt_client_match(c, tok, (i + 1) * PAGE_TOKENS, 0, 0, NULL, &m)) < 0 ||
+            m.pages != i + 1)
+            return fail("step_match", rc, c);
+    }
+    emit(impl, "step_match", block, pages, pass, now_s() - t0);
     return 0;
 }
 
@@ -251,6 +331,8 @@ static int bench_client(const char *unix_path, size_t block, uint32_t pages, int
                 fprintf(stderr, "bench_client: get_cb saw other bytes than PUT stored\n");
                 return 1;
             }
+            if ((rc = bench_steps(c, impl, tok, src, dst, block, pages, pass)) != 0)
+                return rc;
         }
         if ((rc = kvt_client_release(c, m.lease, NULL)) < 0)
             return fail("release", rc, c);

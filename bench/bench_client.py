@@ -6,7 +6,7 @@ memory faulted in, and on the zero-copy path this process's mapping too), passes
 reruns. Prints each pass, then one summary line per (path, op, page size, first|warm) with the
 ratios python/libkvtier, libkvtier/memcpy and python/memcpy (warm: the median of the reruns), one
 for PING round trips (the per-call cost alone; the ratio is libkvtier's time over the
-package's), and one line per bar of issue 22 (met or not). One JSON object per line.
+package's), and one line per bar of issues 22 and 38 (met or not). One JSON object per line.
 
 Zero-copy ops (impl libkvtier_zc, python_zc): put (kvt_client_put / Client.put: RESERVE + probe,
 a memcpy into the mapping, COMMIT), get (kvt_client_get / Client.get_into: one memcpy from the
@@ -16,7 +16,12 @@ second connection's GET of the same pages through a mapping of its own (another 
 first touch of each page faults), memcpy beside it the same bytes copied in that process right
 after its GETs (the baseline under the same load), and put_socket_arena socket PUTs into the same
 namespace by a connection without a mapping (the daemon writes them into the namespace's arena:
-the zero-copy PUT's like-for-like baseline).
+the zero-copy PUT's like-for-like baseline). One round trip per step (issue 38, libkvtier only;
+bench_client.c says what each times): step_get (MATCH, GET, RELEASE per one-page request),
+step_locate (MATCH with LOCATE, a memcpy from the location, RELEASE sent without waiting),
+get_located (step_locate's load: the memcpy and the RELEASE's send, from the MATCH's reply on;
+the bars of issue 38 are its ratios to memcpy), step_match (the lookup alone); vs_step_get is
+each step's rate over step_get's.
 
   bench_client.py --build-root BUILD [--passes R] [--quick]
 
@@ -181,6 +186,10 @@ def main() -> int:
             ("zero_copy", "get", "get", "get"), ("zero_copy", "get_reader", None, "get_reader"),
             ("zero_copy", "get_nocopy", "get_views", "get_cb"),
             ("zero_copy", "get_batch8", None, "get_batch8"),
+            ("zero_copy", "get_located", None, "get_located"),
+            ("zero_copy", "step_get", None, "step_get"),
+            ("zero_copy", "step_locate", None, "step_locate"),
+            ("zero_copy", "step_match", None, "step_match"),
             ("zero_copy", "put", "put", "put"), ("zero_copy", "put_reserve", "put_reserve",
                                                  "put_reserve"),
             ("zero_copy", "put_socket_arena", None, "put_socket_arena")]
@@ -207,7 +216,10 @@ def main() -> int:
                 if path == "zero_copy" and op in ("get", "put"):  # ops the socket path has
                     sock = rate("libkvtier", libop, block, warm)
                     rec["libkvtier_zc_vs_socket"] = round(lib / sock, 3)
-                if path == "zero_copy" and op in ("get", "put", "get_batch8"):
+                if path == "zero_copy" and op in ("step_locate", "step_match"):
+                    # the step with LOCATE against the step before it (MATCH, GET, RELEASE)
+                    rec["vs_step_get"] = round(lib / rate("libkvtier_zc", "step_get", block, warm), 3)
+                if path == "zero_copy" and op in ("get", "put", "get_batch8", "get_located"):
                     # memcpy in the zero-copy helper's own process right after its GETs
                     beside = rate("libkvtier_zc", "memcpy", block, warm)
                     rec["memcpy_beside_gib_s"] = beside
@@ -225,6 +237,15 @@ def main() -> int:
                                  warm, rec["libkvtier_vs_memcpy"], 0.8))
                     bars.append(("zero-copy 2 MiB DRAM GET, 8 pages a request, >= 0.8x memcpy "
                                  "beside it", warm, rec["libkvtier_vs_memcpy_beside"], 0.8))
+                if path == "zero_copy" and op == "get_located":
+                    # issue 38: a one-page zero-copy GET once the step's MATCH locates it
+                    want = 0.9 if block == 2 << 20 else 0.8
+                    size = "2 MiB" if block == 2 << 20 else "256 KiB"
+                    bars.append((f"one-page zero-copy GET after MATCH with LOCATE, {size}, "
+                                 f">= {want}x memcpy", warm, rec["libkvtier_vs_memcpy"], want))
+                    bars.append((f"one-page zero-copy GET after MATCH with LOCATE, {size}, "
+                                 f">= {want}x memcpy beside it", warm,
+                                 rec["libkvtier_vs_memcpy_beside"], want))
     for name, warm, ratio, bar in bars:
         print(json.dumps({"bench": "client", "bar": name, "pass": "warm" if warm else "first",
                           "ratio": ratio, "met": ratio >= bar}), flush=True)

@@ -9,6 +9,10 @@
  *
  *   chain  k0 k1 k2    tokens  [h(k0)0..3][h(k1)0..3][h(k2)0..3]   3 pages, k2 under k0 k1
  *   independent k2     tokens  [h(k2)0..3]                         1 page at the root
+ *
+ * A client with the zero-copy mapping reads its hits by location: the MATCH that leases them
+ * (LOCATE) says where they lie, and only pages it did not locate need a GET (issue 38: one round
+ * trip where a GET per key was).
  */
 #include "kvtier.h"
 
@@ -16,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <xxhash.h>
 
 /* Independent keys go out in batches of at most this many requests: a get holds one lease per
@@ -50,6 +55,14 @@ __attribute__((format(printf, 3, 4))) static int keys_fail(kvt_keys_t *k, int rc
     vsnprintf(k->errmsg, sizeof k->errmsg, fmt, ap);
     va_end(ap);
     return rc;
+}
+
+/* kvt_client_step_t's clock (CLOCK_MONOTONIC), for its valid_until_ns. */
+static uint64_t keys_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 /* The tokens of keys[0, n) in order, into a fresh array (the caller frees it). */
@@ -234,13 +247,36 @@ int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_
         free(t);
         return KVT_CLIENT_ENOMEM;
     }
+    /* Mapped: the MATCH also says where each page lies, and those are copied from there. */
+    int mapped = kvt_client_zero_copy(k->c);
+    kvt_client_loc_t *locs = mapped ? malloc(end * sizeof *locs) : NULL;
+    if (mapped && !locs) {
+        free(t);
+        free(tiers);
+        return KVT_CLIENT_ENOMEM;
+    }
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = (uint32_t)end};
-    rc = kvt_client_match(k->c, t, (uint32_t)end * KVT_KEY_TOKENS, KVT_CLIENT_LEASE, 0, NULL, &m);
+    kvt_client_step_t st = {.locs = locs, .locs_cap = (uint32_t)end};
+    rc = kvt_client_match_step(k->c, t, (uint32_t)end * KVT_KEY_TOKENS,
+                               KVT_CLIENT_LEASE | (mapped ? KVT_CLIENT_LOCATE : 0), 0, NULL, &m,
+                               mapped ? &st : NULL);
     free(t);
-    uint32_t have = rc == 0 ? keys_with_bytes(tiers, m.pages) : 0;
+    uint32_t have = rc == 0 ? keys_with_bytes(tiers, m.pages) : 0, i = first;
     free(tiers);
-    if (rc == 0 && have > first)
-        rc = kvt_client_get(k->c, m.lease, first, have - first, buf, cap, got, NULL);
+    for (; rc == 0 && mapped && i < have && locs[i].host_ptr; i++)
+        memcpy((uint8_t *)buf + (size_t)(i - first) * k->block_bytes, locs[i].host_ptr,
+               k->block_bytes);
+    free(locs);
+    *got = i > first ? i - first : 0;
+    if (*got && keys_now_ns() >= st.valid_until_ns)
+        rc = KVT_CLIENT_ETIMEDOUT; /* the lease may have ended before the copies did */
+    if (rc == 0 && have > i) {
+        uint32_t more = 0;
+        rc = kvt_client_get(k->c, m.lease, i, have - i,
+                            (uint8_t *)buf + (size_t)(i - first) * k->block_bytes,
+                            cap - (size_t)(i - first) * k->block_bytes, &more, NULL);
+        *got += more;
+    }
     if (rc < 0 && !keys_transport(rc))
         rc = 0; /* the stream stopped at a page whose bytes went (ECORRUPT, EIO): *got says where */
     if (rc == 0 && m.lease)
@@ -302,6 +338,9 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
 {
     uint32_t t[KVT_KEYS_CHUNK][KVT_KEY_TOKENS];
     kvt_client_match_t m[KVT_KEYS_CHUNK];
+    kvt_client_step_t sp[KVT_KEYS_CHUNK]; /* get, mapped: where each hit lies */
+    kvt_client_loc_t loc[KVT_KEYS_CHUNK];
+    int mapped = op == KEYS_GET && kvt_client_zero_copy(k->c);
     uint8_t tier[KVT_KEYS_CHUNK];
     kvt_client_put_t pr[KVT_KEYS_CHUNK];
     int st[KVT_KEYS_CHUNK];
@@ -317,7 +356,11 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
             rc = kvt_batch_match(b, t[i], KVT_KEY_TOKENS, 0, 0, NULL, &m[i], &st[i]);
             break;
         case KEYS_GET:
-            rc = kvt_batch_match(b, t[i], KVT_KEY_TOKENS, KVT_CLIENT_LEASE, 0, NULL, &m[i], &st[i]);
+            loc[i] = (kvt_client_loc_t){.tier = KVT_CLIENT_TIER_NONE};
+            sp[i] = (kvt_client_step_t){.locs = &loc[i], .locs_cap = 1};
+            rc = kvt_batch_match_step(b, t[i], KVT_KEY_TOKENS,
+                                      KVT_CLIENT_LEASE | (mapped ? KVT_CLIENT_LOCATE : 0), 0, NULL,
+                                      &m[i], mapped ? &sp[i] : NULL, &st[i]);
             break;
         case KEYS_PUT:
             if (kvt_client_zero_copy(k->c)) {
@@ -349,7 +392,12 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
         if (s == 0 && (op == KEYS_EXISTS || op == KEYS_GET) &&
             keys_with_bytes(&tier[i], m[i].pages) == 0)
             s = KVT_CLIENT_ENOENT;
-        if (s == 0 && op == KEYS_GET) {
+        if (s == 0 && op == KEYS_GET && mapped && loc[i].host_ptr) {
+            /* Located: copied from the mapping, no GET. */
+            memcpy(bufs[i], loc[i].host_ptr, k->block_bytes);
+            if (keys_now_ns() >= sp[i].valid_until_ns)
+                s = KVT_CLIENT_ETIMEDOUT; /* the lease may have ended before the copy did */
+        } else if (s == 0 && op == KEYS_GET) {
             uint32_t got = 0;
             s = kvt_client_get(k->c, m[i].lease, 0, 1, bufs[i], k->block_bytes, &got, NULL);
             if (s == 0 && got != 1)

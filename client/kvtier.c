@@ -68,6 +68,13 @@ struct kvt_client {
     uint8_t *map;
     uint64_t map_bytes, hbm_bytes;
     char zc_reason[KVT_PROTO_ERRMSG_MAX + 64];
+    /* RELEASEs sent without waiting (kvt_client_release_later), ids from later_id: their
+     * frames go out in front of the next request's (later_out, later_len bytes not sent yet),
+     * and their replies, which come before that request's, are read and dropped first. */
+    uint32_t later;
+    uint64_t later_id;
+    size_t later_len;
+    uint8_t later_out[64 * (KVT_PROTO_HDR + sizeof(kvt_wire_release_t))];
 };
 
 const char *kvt_client_strerror(int err)
@@ -248,8 +255,44 @@ static int check_reply(kvt_client_t *c, const kvt_proto_hdr_t *h, unsigned op, u
     return 0;
 }
 
+static int read_frame_raw(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body,
+                          uint64_t deadline);
+
+/* The replies to the RELEASEs sent without waiting: read and dropped (a lease already gone
+ * answers 0, which is no error either). */
+static int flush_later(kvt_client_t *c, uint64_t deadline)
+{
+    size_t n = c->later_len;
+    c->later_len = 0;
+    return n ? send_all(c, c->later_out, n, deadline) : 0;
+}
+
+static int drain_later(kvt_client_t *c, uint64_t deadline)
+{
+    int frc = flush_later(c, deadline);
+    if (frc < 0)
+        return frc;
+    while (c->later) {
+        kvt_proto_hdr_t h;
+        const uint8_t *body;
+        int rc = read_frame_raw(c, &h, &body, deadline);
+        if (rc < 0 || (rc = check_reply(c, &h, KVT_OP_RELEASE, c->later_id)) < 0)
+            return rc;
+        c->later--;
+        c->later_id++;
+    }
+    return 0;
+}
+
 /* Reads one whole frame; *body points into the input buffer until the next read. */
 static int read_frame(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body, uint64_t deadline)
+{
+    int rc = drain_later(c, deadline);
+    return rc < 0 ? rc : read_frame_raw(c, h, body, deadline);
+}
+
+static int read_frame_raw(kvt_client_t *c, kvt_proto_hdr_t *h, const uint8_t **body,
+                          uint64_t deadline)
 {
     int rc = need(c, KVT_PROTO_HDR, deadline);
     if (rc < 0)
@@ -284,15 +327,19 @@ static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1
     *id = c->next_id++;
     uint8_t hdr[KVT_PROTO_HDR];
     kvt_proto_frame(hdr, op, flags, *id, 0, (uint32_t)blen);
-    /* Small requests go out in one send; a big payload is sent from the caller's memory. */
-    if (kvt_reserve(&c->out, &c->out_cap, KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
+    /* Small requests go out in one send, behind the RELEASEs waiting to go; a big payload is
+     * sent from the caller's memory. */
+    size_t pre = c->later_len;
+    if (kvt_reserve(&c->out, &c->out_cap, pre + KVT_PROTO_HDR + l1 + l2, 1, 4096) < 0)
         return KVT_ENOMEM;
-    memcpy(c->out, hdr, KVT_PROTO_HDR);
+    memcpy(c->out, c->later_out, pre);
+    memcpy(c->out + pre, hdr, KVT_PROTO_HDR);
     if (l1)
-        memcpy(c->out + KVT_PROTO_HDR, b1, l1);
+        memcpy(c->out + pre + KVT_PROTO_HDR, b1, l1);
     if (l2)
-        memcpy(c->out + KVT_PROTO_HDR + l1, b2, l2);
-    int rc = send_all(c, c->out, KVT_PROTO_HDR + l1 + l2, deadline);
+        memcpy(c->out + pre + KVT_PROTO_HDR + l1, b2, l2);
+    c->later_len = 0;
+    int rc = send_all(c, c->out, pre + KVT_PROTO_HDR + l1 + l2, deadline);
     if (rc == 0 && l3)
         rc = send_all(c, b3, l3, deadline);
     return rc;
@@ -614,11 +661,49 @@ static int tokens_wire(kvt_client_t *c, const uint32_t *tokens, uint32_t n, uint
 #endif
 }
 
-static int match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *res)
+int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res)
 {
+    return kvt_client_match_step(c, tokens, ntokens, flags, lease_ms, hints, res, NULL);
+}
+
+static int check_loc(const kvt_client_t *c, uint8_t tier, uint64_t off, uint32_t len,
+                     const void **host);
+
+/* LOCATE's part of a MATCH reply into step: each offset checked against the mapping. */
+static int step_locs(kvt_client_t *c, const kvt_proto_match_reply_t *r, const uint8_t *tiers,
+                     const kvt_proto_match_locs_t *l, uint64_t sent_ns, kvt_client_step_t *step)
+{
+    for (uint32_t i = 0; i < r->pages; i++) {
+        uint64_t off = kvt_proto_match_loc(l, i);
+        kvt_client_loc_t loc = {.tier = KVT_TIER_NONE};
+        if (off != KVT_MATCH_NO_LOC) {
+            if (check_loc(c, tiers[i], off, c->block_bytes, &loc.host_ptr) < 0)
+                return KVT_EPROTO;
+            loc.tier = tiers[i];
+            loc.offset = off;
+        }
+        if (step->locs && i < step->locs_cap)
+            step->locs[i] = loc;
+    }
+    step->located = l->located;
+    step->valid_until_ns = sent_ns + (uint64_t)l->lease_ms * 1000000;
+    return 0;
+}
+
+/* A MATCH reply for the flags it was asked with into res and step (KVT_EPROTO when malformed):
+ * the step's calls and batches. sent_ns: when the request went out (LOCATE's time limit). */
+static int match_step_parse(kvt_client_t *c, const uint8_t *body, uint32_t len, unsigned flags,
+                            uint32_t ntokens, uint64_t sent_ns, kvt_client_match_t *res,
+                            kvt_client_step_t *step)
+{
+    unsigned locate = flags & KVT_MATCH_F_LOCATE, keep = flags & KVT_MATCH_F_KEEP;
     kvt_proto_match_reply_t r;
+    kvt_proto_match_locs_t l;
     const uint8_t *tiers;
-    if (kvt_proto_match_reply_decode(body, len, &r, &tiers) < 0)
+    if ((locate ? kvt_proto_match_reply_locs_decode(body, len, &r, &tiers, &l)
+                : kvt_proto_match_reply_decode(body, len, &r, &tiers)) < 0 ||
+        (r.handle && !keep))
         return KVT_EPROTO;
     res->tokens = r.tokens;
     res->pages = r.pages;
@@ -626,13 +711,22 @@ static int match_parse(const uint8_t *body, uint32_t len, kvt_client_match_t *re
     res->lease = r.lease;
     if (res->tiers)
         memcpy(res->tiers, tiers, KVT_MIN(r.pages, res->tiers_cap));
+    if (locate && step_locs(c, &r, tiers, &l, sent_ns, step) < 0)
+        return KVT_EPROTO;
+    if (keep) {
+        step->handle = r.handle;
+        step->kept = r.handle ? ntokens : 0;
+    }
     return 0;
 }
 
-int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
-                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res)
+int kvt_client_match_step(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                          uint32_t lease_ms, const kvt_client_hints_t *hints,
+                          kvt_client_match_t *res, kvt_client_step_t *step)
 {
-    if (!c || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
+    unsigned locate = flags & KVT_MATCH_F_LOCATE, keep = flags & KVT_MATCH_F_KEEP;
+    if (!c || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL) ||
+        ((locate || keep) && !step) || (locate && !(flags & KVT_MATCH_F_LEASE)))
         return KVT_EINVAL;
     kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
     uint8_t w[sizeof(kvt_wire_match_t)];
@@ -643,13 +737,14 @@ int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, 
         return own;
     const uint8_t *body;
     uint32_t len;
+    uint64_t sent_ns = kvt_now_ns();
     int rc = call(c, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4,
                   &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
         return rc;
-    if (match_parse(body, len, res) < 0)
+    if (match_step_parse(c, body, len, flags, ntokens, sent_ns, res, step) < 0)
         return broken_with(c, KVT_EPROTO);
     return 0;
 }
@@ -669,14 +764,15 @@ static int put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
 }
 
 /* PUT through the socket: the payload goes out from the caller's memory. */
-static int put_socket(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
                       uint32_t first_page, uint32_t npages, const void *payload,
                       const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
     kvt_proto_put_t m = {.hints = proto_hints(hints),
                          .ntokens = ntokens,
                          .first_page = first_page,
-                         .npayload = npages};
+                         .npayload = npages,
+                         .handle = handle};
     uint8_t w[sizeof(kvt_wire_put_t)];
     kvt_proto_put_encode(w, &m);
     uint8_t *tw;
@@ -685,8 +781,8 @@ static int put_socket(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = call(c, KVT_OP_PUT, 0, w, sizeof w, tw, (size_t)ntokens * 4, payload,
-                  (size_t)npages * c->block_bytes, &body, &len);
+    int rc = call(c, KVT_OP_PUT, handle ? KVT_PUT_F_HANDLE : 0, w, sizeof w, tw,
+                  (size_t)ntokens * 4, payload, (size_t)npages * c->block_bytes, &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
@@ -698,22 +794,23 @@ static int put_socket(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
 
 /* Sends RESERVE (and, with probe, a MATCH PROBE of the same tokens right behind it, pipelined:
  * one round trip) without reading the replies; *id and *probe_id get their request ids. */
-static int reserve_send(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+static int reserve_send(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
                         uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
                         int probe, uint64_t *id, uint64_t *probe_id, uint64_t deadline)
 {
     kvt_proto_reserve_t m = {.hints = proto_hints(hints),
                              .ntokens = ntokens,
                              .first_page = first_page,
-                             .npages = npages};
+                             .npages = npages,
+                             .handle = handle};
     uint8_t w[sizeof(kvt_wire_reserve_t)];
     kvt_proto_reserve_encode(w, &m);
     uint8_t *tw;
     int own = tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
-    int rc =
-        send_req(c, KVT_OP_RESERVE, 0, w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, id, deadline);
+    int rc = send_req(c, KVT_OP_RESERVE, handle ? KVT_PUT_F_HANDLE : 0, w, sizeof w, NULL, 0, tw,
+                      (size_t)ntokens * 4, id, deadline);
     if (rc == 0 && probe) {
         kvt_proto_match_t mm = {.ntokens = ntokens};
         uint8_t mw[sizeof(kvt_wire_match_t)];
@@ -775,7 +872,8 @@ int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens
     }
     c->errmsg[0] = 0;
     uint64_t id, unused, deadline = deadline_from_now(c);
-    int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 0, &id, &unused, deadline);
+    int rc =
+        reserve_send(c, 0, tokens, ntokens, first_page, npages, hints, 0, &id, &unused, deadline);
     if (rc < 0)
         return rc;
     return reserve_read(c, id, first_page, npages, res, NULL, deadline);
@@ -834,25 +932,25 @@ static const uint8_t *page_at(const kvt_client_t *c, const uint8_t *payload,
 }
 
 /* put_socket of pages [i, j) of payload or blocks; blocks are gathered into one buffer first. */
-static int put_socket_run(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
-                          uint32_t first_page, uint32_t i, uint32_t j, const uint8_t *payload,
-                          const void *const *blocks, const kvt_client_hints_t *hints,
-                          kvt_client_put_t *res)
+static int put_socket_run(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                          uint32_t ntokens, uint32_t first_page, uint32_t i, uint32_t j,
+                          const uint8_t *payload, const void *const *blocks,
+                          const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
     if (payload)
-        return put_socket(c, tokens, ntokens, first_page + i, j - i,
+        return put_socket(c, handle, tokens, ntokens, first_page + i, j - i,
                           payload + (size_t)i * c->block_bytes, hints, res);
     uint8_t *g = malloc((size_t)(j - i) * c->block_bytes);
     if (!g)
         return KVT_ENOMEM;
     for (uint32_t k = i; k < j; k++)
         memcpy(g + (size_t)(k - i) * c->block_bytes, blocks[k], c->block_bytes);
-    int rc = put_socket(c, tokens, ntokens, first_page + i, j - i, g, hints, res);
+    int rc = put_socket(c, handle, tokens, ntokens, first_page + i, j - i, g, hints, res);
     free(g);
     return rc;
 }
 
-static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+static int put_mapped(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
                       uint32_t first_page, uint32_t npages, const uint8_t *payload,
                       const void *const *blocks, const kvt_client_hints_t *hints,
                       kvt_client_put_t *res)
@@ -864,7 +962,11 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     kvt_client_resv_t rv = {.ptrs = ptrs};
     c->errmsg[0] = 0;
     uint64_t id, pid, deadline = deadline_from_now(c);
-    int rc = reserve_send(c, tokens, ntokens, first_page, npages, hints, 1, &id, &pid, deadline);
+    /* With a handle the probe is left out (it would send the tokens the handle saves): pages
+     * RESERVE gave no room go by a socket PUT, which skips those held already. */
+    int probe = !handle;
+    int rc = reserve_send(c, handle, tokens, ntokens, first_page, npages, hints, probe, &id, &pid,
+                          deadline);
     uint32_t rflags = 0;
     int rrc = rc < 0 ? rc : reserve_read(c, id, first_page, npages, &rv, &rflags, deadline);
     char msg[sizeof c->errmsg];
@@ -872,11 +974,12 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     /* The probe's reply is read whatever RESERVE answered: replies come in order. */
     const uint8_t *body = NULL;
     uint32_t len = 0;
-    int prc =
-        rc < 0 || c->broken ? KVT_ECLOSED : read_reply(c, KVT_OP_MATCH, pid, &body, &len, deadline);
+    int prc = rc < 0 || c->broken ? KVT_ECLOSED
+              : probe             ? read_reply(c, KVT_OP_MATCH, pid, &body, &len, deadline)
+                                  : 0;
     kvt_proto_match_reply_t mr = {0};
     const uint8_t *tiers = NULL;
-    if (prc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
+    if (prc == 0 && probe && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
         prc = broken_with(c, KVT_EPROTO);
     if (c->broken) {
         rc = rrc < 0 ? rrc : prc < 0 ? prc : KVT_ECLOSED;
@@ -886,7 +989,8 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     if (rrc < 0) {
         /* No reservation (ENOSPC: this connection holds max-reservations, or the index is full;
          * or RESERVE's own EINVAL): a socket PUT answers as it would have. */
-        rc = put_socket_run(c, tokens, ntokens, first_page, 0, npages, payload, blocks, hints, res);
+        rc = put_socket_run(c, handle, tokens, ntokens, first_page, 0, npages, payload, blocks,
+                            hints, res);
         goto out;
     }
     /* Which unreserved pages must still be sent: those without bytes now. tiers[] is read
@@ -900,7 +1004,7 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     }
     for (uint32_t i = 0; i < npages; i++) {
         uint32_t p = first_page + i;
-        need[i] = !ptrs[i] && (p >= mr.pages || tiers[p] == KVT_TIER_NONE);
+        need[i] = !ptrs[i] && (!probe || p >= mr.pages || tiers[p] == KVT_TIER_NONE);
     }
     kvt_client_put_t sum = {.pages = rv.pages, .new_pages = rv.new_pages};
     rc = 0;
@@ -944,7 +1048,8 @@ static int put_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         while (j < npages && need[j])
             j++;
         kvt_client_put_t pr;
-        rc = put_socket_run(c, tokens, ntokens, first_page, i, j, payload, blocks, hints, &pr);
+        rc = put_socket_run(c, handle, tokens, ntokens, first_page, i, j, payload, blocks, hints,
+                            &pr);
         if (rc == 0) {
             sum.new_pages += pr.new_pages;
             sum.stored += pr.stored;
@@ -971,8 +1076,8 @@ int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, ui
     if (!c || (ntokens && !tokens) || (npages && (!payload || !c->block_bytes)))
         return KVT_EINVAL;
     if (c->map && npages)
-        return put_mapped(c, tokens, ntokens, first_page, npages, payload, NULL, hints, res);
-    return put_socket(c, tokens, ntokens, first_page, npages, payload, hints, res);
+        return put_mapped(c, 0, tokens, ntokens, first_page, npages, payload, NULL, hints, res);
+    return put_socket(c, 0, tokens, ntokens, first_page, npages, payload, hints, res);
 }
 
 int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -985,8 +1090,27 @@ int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, u
         if (!blocks[i])
             return KVT_EINVAL;
     if (c->map && npages)
-        return put_mapped(c, tokens, ntokens, first_page, npages, NULL, blocks, hints, res);
-    return put_socket_run(c, tokens, ntokens, first_page, 0, npages, NULL, blocks, hints, res);
+        return put_mapped(c, 0, tokens, ntokens, first_page, npages, NULL, blocks, hints, res);
+    return put_socket_run(c, 0, tokens, ntokens, first_page, 0, npages, NULL, blocks, hints, res);
+}
+
+int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                        uint32_t kept, uint32_t first_page, uint32_t npages, const void *payload,
+                        const kvt_client_hints_t *hints, kvt_client_put_t *res)
+{
+    if (!c || (ntokens && !tokens) || kept > ntokens || (npages && (!payload || !c->block_bytes)))
+        return KVT_EINVAL;
+    if (!handle)
+        return kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
+    int rc = c->map && npages ? put_mapped(c, handle, tokens + kept, ntokens - kept, first_page,
+                                           npages, payload, NULL, hints, res)
+                              : put_socket(c, handle, tokens + kept, ntokens - kept, first_page,
+                                           npages, payload, hints, res);
+    /* ENOENT only names the handle (a PUT has no other): gone, so the tokens go in full. A
+     * mapped PUT's reservation failing so fell back to a socket PUT, answered the same. */
+    if (rc == KVT_ENOENT)
+        rc = kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
+    return rc;
 }
 
 /* Where a located page lies: a pointer into the DRAM mapping, or an offset into the HBM pool.
@@ -1026,7 +1150,9 @@ static int get_run(kvt_client_t *c, uint64_t lease, uint32_t first_page, uint32_
                     sizeof(kvt_wire_get_t));
     kvt_proto_get_encode(frame + KVT_PROTO_HDR, &m);
     uint64_t sent_ns = kvt_now_ns();
-    int rc = send_all(c, frame, sizeof frame, deadline);
+    int rc = flush_later(c, deadline);
+    if (rc == 0)
+        rc = send_all(c, frame, sizeof frame, deadline);
     if (rc < 0)
         return rc;
     int stop = 0, located = 0;
@@ -1227,6 +1353,32 @@ int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released)
     return 0;
 }
 
+int kvt_client_release_later(kvt_client_t *c, uint64_t lease)
+{
+    if (!c)
+        return KVT_EINVAL;
+    uint64_t id, deadline = deadline_from_now(c);
+    int rc;
+    /* The replies waiting must have ids that run on to this one (a batch queued meanwhile took
+     * ids): otherwise they are read first. */
+    if (c->later && c->next_id != c->later_id + c->later && (rc = drain_later(c, deadline)) < 0)
+        return rc;
+    if (c->broken)
+        return KVT_ECLOSED;
+    size_t f = KVT_PROTO_HDR + sizeof(kvt_wire_release_t);
+    if (c->later_len + f > sizeof c->later_out && (rc = flush_later(c, deadline)) < 0)
+        return rc;
+    id = c->next_id++;
+    kvt_proto_frame(c->later_out + c->later_len, KVT_OP_RELEASE, 0, id, 0,
+                    sizeof(kvt_wire_release_t));
+    kvt_proto_release_encode(c->later_out + c->later_len + KVT_PROTO_HDR, lease);
+    c->later_len += f;
+    if (!c->later)
+        c->later_id = id;
+    c->later++;
+    return 0;
+}
+
 static int remove_call(kvt_client_t *c, unsigned flags, const uint32_t *tokens, uint32_t ntokens)
 {
     if (!c || (ntokens && !tokens))
@@ -1283,6 +1435,9 @@ typedef struct kvt_batch_ent {
     uint64_t id;
     int *status;
     void *res;
+    kvt_client_step_t *step; /* kvt_batch_match_step's */
+    uint16_t flags;
+    uint32_t ntokens;
 } kvt_batch_ent_t;
 
 /* A piece of a batch's output: bytes of out ([off, off + len)), or, with ptr set, a payload the
@@ -1302,6 +1457,7 @@ struct kvt_batch {
      * nothing lent, one piece (out) at run time. */
     kvt_batch_seg_t *segs;
     size_t nsegs, cap_segs, out_cut;
+    uint64_t sent_ns; /* when the run began to send: LOCATE's time limits count from there */
 };
 
 int kvt_batch_create(kvt_batch_t **out, kvt_client_t *c)
@@ -1413,13 +1569,28 @@ int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, un
                     uint32_t lease_ms, const kvt_client_hints_t *hints, kvt_client_match_t *res,
                     int *status)
 {
-    if (!b || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL))
+    return kvt_batch_match_step(b, tokens, ntokens, flags, lease_ms, hints, res, NULL, status);
+}
+
+int kvt_batch_match_step(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, unsigned flags,
+                         uint32_t lease_ms, const kvt_client_hints_t *hints,
+                         kvt_client_match_t *res, kvt_client_step_t *step, int *status)
+{
+    unsigned locate = flags & KVT_MATCH_F_LOCATE, keep = flags & KVT_MATCH_F_KEEP;
+    if (!b || !res || (ntokens && !tokens) || (flags & ~(unsigned)KVT_MATCH_F_ALL) ||
+        ((locate || keep) && !step) || (locate && !(flags & KVT_MATCH_F_LEASE)))
         return KVT_EINVAL;
     kvt_proto_match_t m = {.hints = proto_hints(hints), .lease_ms = lease_ms, .ntokens = ntokens};
     uint8_t w[sizeof(kvt_wire_match_t)];
     kvt_proto_match_encode(w, &m);
-    return batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0, 0,
-                        res, status);
+    int rc = batch_tokens(b, KVT_OP_MATCH, (uint16_t)flags, w, sizeof w, tokens, ntokens, NULL, 0,
+                          0, res, status);
+    if (rc == 0) {
+        b->ents[b->n - 1].step = step;
+        b->ents[b->n - 1].flags = (uint16_t)flags;
+        b->ents[b->n - 1].ntokens = ntokens;
+    }
+    return rc;
 }
 
 static int batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -1519,7 +1690,8 @@ static int batch_reply(kvt_batch_t *b, const kvt_batch_ent_t *e, const kvt_proto
     if (st < 0) {
         set_errmsg(c, h, body);
     } else if (e->op == KVT_OP_MATCH) {
-        if (match_parse(body, h->body_len, e->res) < 0)
+        if (match_step_parse(c, body, h->body_len, e->flags, e->ntokens, b->sent_ns, e->res,
+                             e->step) < 0)
             return broken_with(c, KVT_EPROTO);
     } else if (e->op == KVT_OP_PUT) {
         if (put_parse(body, h->body_len, e->res) < 0)
@@ -1557,7 +1729,10 @@ int kvt_batch_run(kvt_batch_t *b)
         return KVT_ECLOSED;
     size_t seg = 0, seg_off = 0, done = 0;
     uint64_t deadline = deadline_from_now(c);
-    int rc = batch_cut(b); /* out's last piece */
+    int rc = drain_later(c, deadline); /* their replies come before the batch's */
+    b->sent_ns = kvt_now_ns();
+    if (rc == 0)
+        rc = batch_cut(b); /* out's last piece */
     if (rc < 0) {
         kvt_batch_reset(b);
         return rc;

@@ -164,6 +164,8 @@ enum {
     KVT_CLIENT_LEASE = 1u << 0,  /* pin the matched path; res->lease names the lease */
     KVT_CLIENT_REMOTE = 1u << 1, /* also look in the remote tier beyond the local match */
     KVT_CLIENT_PROBE = 1u << 2,  /* only look: not counted as a use or in the hit metrics */
+    KVT_CLIENT_LOCATE = 1u << 3, /* with LEASE: where each page lies (kvt_client_match_step) */
+    KVT_CLIENT_KEEP = 1u << 4,   /* keep the tokens under a handle (kvt_client_match_step) */
 };
 
 typedef struct kvt_client_match {
@@ -190,10 +192,60 @@ typedef struct kvt_client_prefetch {
 KVT_API int kvt_client_ping(kvt_client_t *c, uint64_t *rtt_ns);
 
 /* The longest cached prefix of tokens[0, ntokens). lease_ms: the lease's time limit (0: the
- * daemon's default; capped by its maximum). */
+ * daemon's default; capped by its maximum). KVT_CLIENT_LOCATE and KVT_CLIENT_KEEP need
+ * kvt_client_match_step (here: KVT_CLIENT_EINVAL); so do they in kvt_batch_match. */
 KVT_API int kvt_client_match(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                              unsigned flags, uint32_t lease_ms, const kvt_client_hints_t *hints,
                              kvt_client_match_t *res);
+
+/*
+ * One round trip per step (docs/protocol.md, MATCH's LOCATE and KEEP, PUT's HANDLE). An engine's
+ * step MATCHes a prompt, loads the pages that hit, and PUTs the pages it computed. With
+ * kvt_client_match_step the MATCH also answers where each leased page lies in the mapping
+ * (KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE: no GET to send) and keeps its tokens on the daemon
+ * (KVT_CLIENT_KEEP: the PUT after it sends only the tokens past them, kvt_client_put_kept).
+ *
+ * A location: a page in the DRAM mapping has host_ptr (mapping + offset); a page in the HBM pool
+ * (kvt_client_map_hbm) its offset and host_ptr NULL; any other page tier NONE here (not located:
+ * read it with kvt_client_get under step->lease). Located bytes hold while the lease does:
+ * finish reading them before valid_until_ns (CLOCK_MONOTONIC: the lease's limit counted from
+ * before the MATCH was sent) and before kvt_client_release, and discard what was read after.
+ */
+typedef struct kvt_client_loc {
+    unsigned tier;        /* KVT_CLIENT_TIER_DRAM or _HBM; _NONE: not located */
+    const void *host_ptr; /* DRAM: the page's bytes in the mapping (read-only); else NULL */
+    uint64_t offset;      /* located: its offset in the tier's mapping (HBM: in the pool) */
+} kvt_client_loc_t;
+
+typedef struct kvt_client_step {
+    kvt_client_loc_t *locs;  /* in: caller's array for LOCATE (may be NULL); out: per page */
+    uint32_t locs_cap;       /* in: entries locs holds; pages beyond it are not reported */
+    uint32_t located;        /* out, LOCATE: pages with a location */
+    uint64_t valid_until_ns; /* out, LOCATE: reads of located bytes must end before this */
+    uint32_t handle;         /* out, KEEP: for kvt_client_put_kept; 0: the daemon kept none */
+    uint32_t kept;           /* out, KEEP: the tokens kept (ntokens; 0 when handle is 0) */
+} kvt_client_step_t;
+
+/* kvt_client_match with the step's flags: KVT_CLIENT_LOCATE (needs KVT_CLIENT_LEASE, and a
+ * zero-copy mapping to locate anything) and KVT_CLIENT_KEEP. res as kvt_client_match's; step
+ * may be NULL without LOCATE and KEEP. KVT_CLIENT_EINVAL for LOCATE without LEASE. */
+KVT_API int kvt_client_match_step(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                                  unsigned flags, uint32_t lease_ms,
+                                  const kvt_client_hints_t *hints, kvt_client_match_t *res,
+                                  kvt_client_step_t *step);
+
+/*
+ * kvt_client_put of tokens[0, ntokens) after a MATCH that kept tokens[0, kept) under handle
+ * (kvt_client_match_step with KVT_CLIENT_KEEP; the caller vouches that they are the same): only
+ * tokens[kept, ntokens) are sent. With handle 0, or when the daemon no longer holds the handle
+ * (expired with the MATCH's lease time, replaced by newer ones, the connection's namespace
+ * switched), the whole sequence is sent instead: the same result, one more round trip at most.
+ * A handle may be named by any number of PUTs until then. KVT_CLIENT_EINVAL for kept > ntokens.
+ */
+KVT_API int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                                uint32_t ntokens, uint32_t kept, uint32_t first_page,
+                                uint32_t npages, const void *payload,
+                                const kvt_client_hints_t *hints, kvt_client_put_t *res);
 
 /*
  * Caches every whole page of tokens and stores the KV bytes of pages [first_page, first_page +
@@ -315,6 +367,12 @@ KVT_API int kvt_client_prefetch_start(kvt_client_t *c, const uint32_t *tokens, u
 /* Releases a lease; *released (if not NULL) is 1 if it was held, 0 if not (already released,
  * expired): releasing twice is not an error. */
 KVT_API int kvt_client_release(kvt_client_t *c, uint64_t lease, int *released);
+/* Releases lease without a round trip: the RELEASE goes out in front of the next request on the
+ * connection (in the same write; at once when 64 wait), and its reply, which comes before that
+ * request's, is read and dropped then. So the lease holds until the client's next call (or its
+ * expiry, or kvt_client_close): a step releases the last step's lease with its own MATCH.
+ * Returns 0 or a transport error (ECLOSED). */
+KVT_API int kvt_client_release_later(kvt_client_t *c, uint64_t lease);
 
 /* Drops the last whole page of tokens and everything cached beneath it. KVT_CLIENT_ENOENT when
  * not cached, KVT_CLIENT_EBUSY when a connection's lease holds it. Blocks the daemon itself is
@@ -345,6 +403,11 @@ KVT_API int kvt_batch_ping(kvt_batch_t *b, int *status);
 KVT_API int kvt_batch_match(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
                             unsigned flags, uint32_t lease_ms, const kvt_client_hints_t *hints,
                             kvt_client_match_t *res, int *status);
+/* kvt_client_match_step's request, queued: step (borrowed as res is) is filled when its reply
+ * comes; LOCATE's time limit counts from when kvt_batch_run began to send. */
+KVT_API int kvt_batch_match_step(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
+                                 unsigned flags, uint32_t lease_ms, const kvt_client_hints_t *hints,
+                                 kvt_client_match_t *res, kvt_client_step_t *step, int *status);
 KVT_API int kvt_batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens,
                           uint32_t first_page, uint32_t npages, const void *payload,
                           const kvt_client_hints_t *hints, kvt_client_put_t *res, int *status);

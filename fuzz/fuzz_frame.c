@@ -1,11 +1,12 @@
 /*
  * fuzz_frame.c: libFuzzer harness for the wire protocol's codec (proto/): the frame header and
  * every body decoder, requests and replies, the zero-copy ones (MAP, RESERVE, COMMIT, GET by
- * location) included, and the STATS iterator. The input's first two bytes are the connection's
- * block size for PUT (as HELLO would have set it), the rest is the body handed to every decoder;
- * its first 24 bytes are also decoded as a header. What a decoder accepts is then checked against
- * the body it came from: every pointer it hands out lies inside the body with all the bytes its
- * counts promise (read here, so that AddressSanitizer sees a pointer that does not).
+ * location) and the one-round-trip ones (MATCH with LOCATE's reply, PUT naming a handle)
+ * included, and the STATS iterator. The input's first two bytes are the connection's block size
+ * for PUT (as HELLO would have set it), the rest is the body handed to every decoder; its first
+ * 24 bytes are also decoded as a header. What a decoder accepts is then checked against the body
+ * it came from: every pointer it hands out lies inside the body with all the bytes its counts
+ * promise (read here, so that AddressSanitizer sees a pointer that does not).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -95,6 +96,13 @@ static void replies(const uint8_t *b, size_t len)
     const uint8_t *tiers;
     if (kvt_proto_match_reply_decode(b, len, &mr, &tiers) == 0)
         inside(b, len, tiers, mr.pages);
+    kvt_proto_match_locs_t ml; /* a MATCH with LOCATE's reply: tiers, then the offsets */
+    if (kvt_proto_match_reply_locs_decode(b, len, &mr, &tiers, &ml) == 0) {
+        inside(b, len, tiers, mr.pages);
+        inside(b, len, ml.offs, (uint64_t)mr.pages * 8);
+        for (uint32_t i = 0; i < mr.pages; i++)
+            (void)kvt_proto_match_loc(&ml, i);
+    }
     kvt_proto_put_reply_t pr;
     (void)kvt_proto_put_reply_decode(b, len, &pr);
     kvt_proto_prefetch_reply_t fr;

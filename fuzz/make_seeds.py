@@ -56,6 +56,12 @@ def frame_seeds():
         "commit": struct.pack("<Q", 5),
         "hello-reply": struct.pack("<HHIQII", 1, 6, 3, 0x1234, 64 << 20, 60000),
         "match-reply": struct.pack("<IIQII", 48, 3, 9, 0, 0) + bytes([2, 2, 3]),
+        # One round trip per step: a PUT naming a MATCH's handle (its tokens after the kept
+        # ones), a MATCH with KEEP's reply (the handle) and one with LOCATE's (the offsets).
+        "put-handle": hints() + struct.pack("<IIII", 4, 1, 1, 7) + toks(4) + bytes(bb),
+        "match-reply-keep": struct.pack("<IIQII", 32, 2, 0, 0, 7) + bytes([2, 2]),
+        "match-reply-locs": struct.pack("<IIQII", 48, 3, 9, 0, 0) + bytes([2, 1, 3])
+        + struct.pack("<II", 30000, 2) + struct.pack("<QQQ", 4096, 0, (1 << 64) - 1),
         "put-reply": struct.pack("<IIII", 2, 2, 2, 0),
         "get-data": struct.pack("<IB3x", 0, 2) + bytes(bb),
         "get-loc": struct.pack("<IBBHQII", 0, 2, 1, 0, 4096, bb, 0),

@@ -27,7 +27,8 @@ const char *kvt_proto_op_name(unsigned op)
 static const uint16_t kvt_op_flags[KVT_OP_COUNT] = {
     [KVT_OP_MATCH] = KVT_MATCH_F_ALL,   [KVT_OP_PREFETCH] = KVT_PREFETCH_F_ALL,
     [KVT_OP_REMOVE] = KVT_REMOVE_F_ALL, [KVT_OP_GET] = KVT_GET_F_ALL,
-    [KVT_OP_COMMIT] = KVT_COMMIT_F_ALL,
+    [KVT_OP_COMMIT] = KVT_COMMIT_F_ALL, [KVT_OP_PUT] = KVT_PUT_F_ALL,
+    [KVT_OP_RESERVE] = KVT_PUT_F_ALL,
 };
 
 unsigned kvt_proto_req_flags(unsigned op)
@@ -174,26 +175,30 @@ int kvt_proto_match_decode(const uint8_t *body, size_t len, kvt_proto_match_t *o
 /* PUT's and RESERVE's fixed parts are the same 32 bytes: hints, tokens, first page, pages. */
 _Static_assert(sizeof(kvt_wire_reserve_t) == sizeof(kvt_wire_put_t), "RESERVE is PUT's layout");
 
+/* The handle is read as it is: whether the header's flag and it agree is the handler's check
+ * (the flags are the header's, not the body's). */
 static int pages_fixed_decode(const uint8_t *body, size_t len, kvt_proto_hints_t *hints,
-                              uint32_t *ntokens, uint32_t *first_page, uint32_t *npages)
+                              uint32_t *ntokens, uint32_t *first_page, uint32_t *npages,
+                              uint32_t *handle)
 {
     kvt_wire_put_t w;
     if (len < sizeof w)
         return KVT_EPROTO;
     memcpy(&w, body, sizeof w);
-    if (kvt_proto_hints_from_wire(&w.hints, hints) < 0 || w.reserved != 0)
+    if (kvt_proto_hints_from_wire(&w.hints, hints) < 0)
         return KVT_EPROTO;
     *ntokens = le32toh(w.ntokens);
     *first_page = le32toh(w.first_page);
     *npages = le32toh(w.npayload);
+    *handle = le32toh(w.handle);
     return 0;
 }
 
 int kvt_proto_put_decode(const uint8_t *body, size_t len, uint32_t block_bytes,
                          kvt_proto_put_t *out)
 {
-    if (pages_fixed_decode(body, len, &out->hints, &out->ntokens, &out->first_page,
-                           &out->npayload) < 0)
+    if (pages_fixed_decode(body, len, &out->hints, &out->ntokens, &out->first_page, &out->npayload,
+                           &out->handle) < 0)
         return KVT_EPROTO;
     if (out->npayload > 0 && block_bytes == 0)
         return KVT_EPROTO;
@@ -221,8 +226,8 @@ int kvt_proto_map_decode(const uint8_t *body, size_t len, uint32_t *tier)
 
 int kvt_proto_reserve_decode(const uint8_t *body, size_t len, kvt_proto_reserve_t *out)
 {
-    if (pages_fixed_decode(body, len, &out->hints, &out->ntokens, &out->first_page, &out->npages) <
-            0 ||
+    if (pages_fixed_decode(body, len, &out->hints, &out->ntokens, &out->first_page, &out->npages,
+                           &out->handle) < 0 ||
         !tokens_fit(len, sizeof(kvt_wire_reserve_t), out->ntokens, 0))
         return KVT_EPROTO;
     out->tokens = body + sizeof(kvt_wire_reserve_t);
@@ -341,6 +346,7 @@ void kvt_proto_put_encode(uint8_t out[sizeof(kvt_wire_put_t)], const kvt_proto_p
         .ntokens = htole32(m->ntokens),
         .first_page = htole32(m->first_page),
         .npayload = htole32(m->npayload),
+        .handle = htole32(m->handle),
     };
     kvt_proto_hints_to_wire(&m->hints, &w.hints);
     memcpy(out, &w, sizeof w);
@@ -389,7 +395,8 @@ void kvt_proto_reserve_encode(uint8_t out[sizeof(kvt_wire_reserve_t)], const kvt
     kvt_proto_put_t p = {.hints = m->hints,
                          .ntokens = m->ntokens,
                          .first_page = m->first_page,
-                         .npayload = m->npages};
+                         .npayload = m->npages,
+                         .handle = m->handle};
     kvt_proto_put_encode(out, &p);
 }
 
@@ -437,25 +444,70 @@ void kvt_proto_match_reply_encode(uint8_t out[sizeof(kvt_wire_match_reply_t)],
         .pages = htole32(r->pages),
         .lease = htole64(r->lease),
         .remote_pages = htole32(r->remote_pages),
+        .handle = htole32(r->handle),
     };
     memcpy(out, &w, sizeof w);
 }
 
-int kvt_proto_match_reply_decode(const uint8_t *body, size_t len, kvt_proto_match_reply_t *r,
-                                 const uint8_t **tiers)
+/* The fixed part and the tier bytes, whose count the fixed part gives; extra is what must
+ * follow them per page (0, or LOCATE's offsets) after a head of extra_head bytes. */
+static int match_reply_fixed(const uint8_t *body, size_t len, kvt_proto_match_reply_t *r,
+                             const uint8_t **tiers, size_t extra_head, size_t extra)
 {
     kvt_wire_match_reply_t w;
     if (len < sizeof w)
         return KVT_EPROTO;
     memcpy(&w, body, sizeof w);
     r->pages = le32toh(w.pages);
-    if (len != sizeof w + (size_t)r->pages)
+    if (len != sizeof w + extra_head + (size_t)r->pages * (1 + extra))
         return KVT_EPROTO;
     r->tokens = le32toh(w.tokens);
     r->lease = le64toh(w.lease);
     r->remote_pages = le32toh(w.remote_pages);
+    r->handle = le32toh(w.handle);
     *tiers = body + sizeof w;
     return 0;
+}
+
+int kvt_proto_match_reply_decode(const uint8_t *body, size_t len, kvt_proto_match_reply_t *r,
+                                 const uint8_t **tiers)
+{
+    return match_reply_fixed(body, len, r, tiers, 0, 0);
+}
+
+void kvt_proto_match_locs_encode(uint8_t out[sizeof(kvt_wire_match_locs_t)], uint32_t lease_ms,
+                                 uint32_t located)
+{
+    kvt_put_u32(out, lease_ms);
+    kvt_put_u32(out + 4, located);
+}
+
+void kvt_proto_match_loc_encode(uint8_t out[8], uint64_t offset)
+{
+    kvt_put_u64(out, offset);
+}
+
+int kvt_proto_match_reply_locs_decode(const uint8_t *body, size_t len, kvt_proto_match_reply_t *r,
+                                      const uint8_t **tiers, kvt_proto_match_locs_t *locs)
+{
+    if (match_reply_fixed(body, len, r, tiers, sizeof(kvt_wire_match_locs_t), 8) < 0)
+        return KVT_EPROTO;
+    const uint8_t *p = *tiers + r->pages;
+    locs->lease_ms = kvt_get_u32(p);
+    locs->located = kvt_get_u32(p + 4);
+    locs->offs = p + sizeof(kvt_wire_match_locs_t);
+    /* A count the offsets contradict would mislead a client that trusts it: counted here. */
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < r->pages; i++)
+        n += kvt_proto_match_loc(locs, i) != KVT_MATCH_NO_LOC;
+    if (n != locs->located || (r->pages && !r->lease))
+        return KVT_EPROTO;
+    return 0;
+}
+
+uint64_t kvt_proto_match_loc(const kvt_proto_match_locs_t *locs, uint32_t i)
+{
+    return kvt_get_u64(locs->offs + (size_t)i * 8);
 }
 
 void kvt_proto_put_reply_encode(uint8_t out[sizeof(kvt_wire_put_reply_t)],

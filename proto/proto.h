@@ -71,7 +71,11 @@ enum {
     KVT_MATCH_F_LEASE = 1u << 0,  /* pin the matched path and return a lease id */
     KVT_MATCH_F_REMOTE = 1u << 1, /* probe the remote tier for pages beyond the local match */
     KVT_MATCH_F_PROBE = 1u << 2,  /* a probe: do not count as a use of the blocks */
-    KVT_MATCH_F_ALL = 0x7,
+    KVT_MATCH_F_LOCATE = 1u << 3, /* with LEASE: the reply says where mapped pages lie */
+    KVT_MATCH_F_KEEP = 1u << 4,   /* keep the tokens under a handle a later PUT names */
+    KVT_MATCH_F_ALL = 0x1f,
+    KVT_PUT_F_HANDLE = 1u << 0, /* PUT and RESERVE: the tokens extend a MATCH's kept ones */
+    KVT_PUT_F_ALL = 0x1,
     KVT_PREFETCH_F_START = 1u << 0, /* reply once the moves have started, not when they land */
     KVT_PREFETCH_F_ALL = 0x1,
     KVT_REMOVE_F_NOWAIT = 1u << 0, /* EBUSY at once for blocks busy with I/O, instead of waiting */
@@ -165,15 +169,23 @@ typedef struct KVT_WIRE kvt_wire_match_reply { /* then pages x u8 tier */
     uint32_t pages;
     uint64_t lease;
     uint32_t remote_pages;
-    uint32_t reserved;
+    uint32_t handle; /* KEEP: the handle a PUT may name; 0 otherwise */
 } kvt_wire_match_reply_t;
+
+/* A MATCH reply with LOCATE: after the tier bytes, this head, then pages x u64 offsets. */
+typedef struct KVT_WIRE kvt_wire_match_locs {
+    uint32_t lease_ms; /* the lease's time limit as granted (0: no lease, nothing matched) */
+    uint32_t located;  /* pages whose offset is not KVT_MATCH_NO_LOC */
+} kvt_wire_match_locs_t;
+
+#define KVT_MATCH_NO_LOC UINT64_MAX /* an offset: the page is not in the connection's mapping */
 
 typedef struct KVT_WIRE kvt_wire_put { /* then ntokens x u32, then npayload x block_bytes */
     kvt_wire_hints_t hints;
     uint32_t ntokens;
     uint32_t first_page;
     uint32_t npayload;
-    uint32_t reserved;
+    uint32_t handle; /* with KVT_PUT_F_HANDLE: a MATCH's handle; 0 otherwise */
 } kvt_wire_put_t;
 
 typedef struct KVT_WIRE kvt_wire_put_reply {
@@ -226,7 +238,7 @@ typedef struct KVT_WIRE kvt_wire_reserve { /* then ntokens x u32 */
     uint32_t ntokens;
     uint32_t first_page;
     uint32_t npages;
-    uint32_t reserved;
+    uint32_t handle; /* as PUT's */
 } kvt_wire_reserve_t;
 
 typedef struct KVT_WIRE kvt_wire_reserve_reply { /* then nlocs x kvt_wire_resv_loc */
@@ -277,6 +289,7 @@ _Static_assert(sizeof(kvt_wire_hello_t) == 20, "HELLO fixed part is 20 bytes");
 _Static_assert(sizeof(kvt_wire_hello_reply_t) == 24, "HELLO reply is 24 bytes");
 _Static_assert(sizeof(kvt_wire_match_t) == 24, "MATCH fixed part is 24 bytes");
 _Static_assert(sizeof(kvt_wire_match_reply_t) == 24, "MATCH reply fixed part is 24 bytes");
+_Static_assert(sizeof(kvt_wire_match_locs_t) == 8, "MATCH reply's LOCATE head is 8 bytes");
 _Static_assert(sizeof(kvt_wire_put_t) == 32, "PUT fixed part is 32 bytes");
 _Static_assert(sizeof(kvt_wire_put_reply_t) == 16, "PUT reply is 16 bytes");
 _Static_assert(sizeof(kvt_wire_get_t) == 16, "GET is 16 bytes");
@@ -327,13 +340,23 @@ typedef struct kvt_proto_match_reply {
     uint32_t pages;        /* matched pages; as many tier bytes follow */
     uint64_t lease;        /* 0 when none was asked for or nothing matched */
     uint32_t remote_pages; /* of pages, how many were found only by the remote probe */
+    uint32_t handle;       /* KEEP: the kept tokens' handle, 0 when none was kept */
 } kvt_proto_match_reply_t;
+
+/* A LOCATE reply's locations: offs holds pages little-endian u64 offsets (kvt_proto_match_loc
+ * reads the i-th), borrowed from the body. */
+typedef struct kvt_proto_match_locs {
+    uint32_t lease_ms;
+    uint32_t located;
+    const uint8_t *offs;
+} kvt_proto_match_locs_t;
 
 typedef struct kvt_proto_put {
     kvt_proto_hints_t hints;
     uint32_t ntokens;
     uint32_t first_page; /* page index of the first payload page */
     uint32_t npayload;   /* pages whose KV bytes follow the tokens (block_bytes each) */
+    uint32_t handle;     /* KVT_PUT_F_HANDLE: the MATCH handle whose tokens come first */
     const uint8_t *tokens;
     const uint8_t *payload;
 } kvt_proto_put_t;
@@ -357,6 +380,7 @@ typedef struct kvt_proto_reserve {
     uint32_t ntokens;
     uint32_t first_page;
     uint32_t npages;
+    uint32_t handle; /* as PUT's */
     const uint8_t *tokens;
 } kvt_proto_reserve_t;
 
@@ -461,6 +485,15 @@ void kvt_proto_match_reply_encode(uint8_t out[sizeof(kvt_wire_match_reply_t)],
                                   const kvt_proto_match_reply_t *r);
 int kvt_proto_match_reply_decode(const uint8_t *body, size_t len, kvt_proto_match_reply_t *r,
                                  const uint8_t **tiers);
+/* A reply to a MATCH with LOCATE: the fixed part, r->pages tier bytes, the locations' head and
+ * r->pages offsets (kvt_proto_match_locs_encode writes the head, kvt_proto_match_loc_encode each
+ * offset). The decoder checks that exactly these are there. */
+void kvt_proto_match_locs_encode(uint8_t out[sizeof(kvt_wire_match_locs_t)], uint32_t lease_ms,
+                                 uint32_t located);
+void kvt_proto_match_loc_encode(uint8_t out[8], uint64_t offset);
+int kvt_proto_match_reply_locs_decode(const uint8_t *body, size_t len, kvt_proto_match_reply_t *r,
+                                      const uint8_t **tiers, kvt_proto_match_locs_t *locs);
+uint64_t kvt_proto_match_loc(const kvt_proto_match_locs_t *locs, uint32_t i);
 void kvt_proto_put_reply_encode(uint8_t out[sizeof(kvt_wire_put_reply_t)],
                                 const kvt_proto_put_reply_t *r);
 int kvt_proto_put_reply_decode(const uint8_t *body, size_t len, kvt_proto_put_reply_t *r);

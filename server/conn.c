@@ -304,6 +304,12 @@ void kvt__conn_close(kvt__conn_t *c)
     if (c->hello)
         kvt__ns_unuse(s, c->ns);
     mem_wait_end(c);
+    /* MATCHes' kept tokens (op_match.c) go with the connection: freed here, below op_match.c. */
+    for (int i = 0; i < KVT_MATCH_HANDLES; i++)
+        free(c->handles[i].tokens);
+    s->clients.bytes -= c->handle_bytes;
+    memset(c->handles, 0, sizeof c->handles);
+    c->handle_bytes = 0;
     s->clients.bytes -= in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_del(s, &c->ev);
     close(c->ev.fd);

@@ -118,14 +118,15 @@ static const kvt__reply_src_t kvt_get_src = {
     .abort = get_abort,
 };
 
-/* Whether page b can go as a location to r's connection: it lies in the DRAM arena the
- * connection mapped (its namespace's: r's lease is in it), or in the HBM pool it mapped. */
-static int get_locate(kvt_srv_t *s, kvt__req_t *r, const kvt_block_t *b, uint64_t *off)
+/* Whether page b can go as a location to connection c: it lies in the DRAM arena c mapped (that
+ * of ns, the namespace of the lease it is read under), or in the HBM pool c mapped. GET with
+ * LOCATE and MATCH with LOCATE (op_match.c) both ask here. */
+int kvt__store_locate(kvt_srv_t *s, const kvt__conn_t *c, uint32_t ns, const kvt_block_t *b,
+                      uint64_t *off)
 {
-    const kvt__conn_t *c = r->conn;
     if (!c)
         return 0;
-    if (b->tier == KVT_TIER_DRAM && c->zc_dram && c->zc_seed == kvt_radix_ns_seed(s->radix, r->ns))
+    if (b->tier == KVT_TIER_DRAM && c->zc_dram && c->zc_seed == kvt_radix_ns_seed(s->radix, ns))
         return kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], c->zc_seed, b->loc, off) == 0;
     if (b->tier == KVT_TIER_HBM && c->zc_hbm)
         return kvt_tier_hbm_device(s->tiers[KVT_TIER_HBM], b->loc) == c->zc_hbm_device &&
@@ -200,7 +201,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
             uint8_t *f = r->out + (size_t)i * stride;
             x->tier = b->tier;
             uint64_t off;
-            if (r->get.locate && get_locate(s, r, b, &off)) {
+            if (r->get.locate && kvt__store_locate(s, r->conn, r->ns, b, &off)) {
                 /* The client reads it where it lies, under its lease: no I/O, no bytes. */
                 kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
                                 sizeof(kvt_wire_get_loc_t));

@@ -7,6 +7,12 @@
  * the matched pages held there spare (recompute seconds at their depth) minus loading them from
  * that tier (bandwidth and the tier's fixed latency, once per MATCH), never below 0. Pages in no
  * tier (index-only, or lost) are left out: nothing of kvtier's loads them.
+ *
+ * Two flags save an engine's step a round trip each (docs/protocol.md, MATCH). LOCATE answers,
+ * with the lease, where each matched page lies in the connection's mapping, as a GET with LOCATE
+ * would: the GET's round trip is gone. KEEP keeps the MATCH's tokens under a handle (a small
+ * per-connection table owned here), which the PUT after it names instead of sending the whole
+ * prompt again.
  */
 #include "server.h"
 
@@ -106,6 +112,110 @@ static void mrc_match(kvt_srv_t *s, const kvt_match_t *m, const kvt__match_q_t *
     kvt__mrc_lookup(s->mrc, keys, whole, q->page, q->block_bytes, q->ntokens);
 }
 
+/* ---- Handles (KEEP) ---- */
+
+static void handle_drop(kvt__conn_t *c, kvt__handle_t *k)
+{
+    c->srv->clients.bytes -= (uint64_t)k->ntokens * 4;
+    c->handle_bytes -= (uint64_t)k->ntokens * 4;
+    free(k->tokens);
+    memset(k, 0, sizeof *k);
+}
+
+static kvt__handle_t *handle_at(kvt__conn_t *c, uint32_t id)
+{
+    for (int i = 0; id && i < KVT_MATCH_HANDLES; i++) {
+        kvt__handle_t *k = &c->handles[i];
+        if (k->id != id)
+            continue;
+        if (k->expires_ns <= kvt_now_ns()) {
+            handle_drop(c, k); /* the same answer as a handle never made: ENOENT */
+            return NULL;
+        }
+        return k;
+    }
+    return NULL;
+}
+
+const kvt__handle_t *kvt__handle_find(kvt__conn_t *c, uint32_t id)
+{
+    return handle_at(c, id);
+}
+
+/*
+ * Keeps tokens under a new handle of c and returns its id, or 0 when none is kept: more tokens
+ * than a connection may keep, or max-client-bytes reached (the client then sends the tokens
+ * with its PUT, as before). Room is made by dropping expired handles, then the oldest: a MATCH
+ * that needs no PUT after it (a whole hit) leaves its handle to be replaced.
+ */
+static uint32_t handle_keep(kvt__conn_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t ms)
+{
+    kvt_srv_t *s = c->srv;
+    uint64_t bytes = (uint64_t)ntokens * 4, now = kvt_now_ns();
+    if (bytes > KVT_MATCH_HANDLE_BYTES)
+        return 0;
+    kvt__handle_t *slot = NULL;
+    for (;;) {
+        kvt__handle_t *oldest = NULL;
+        for (int i = 0; i < KVT_MATCH_HANDLES; i++) {
+            kvt__handle_t *k = &c->handles[i];
+            if (k->id && k->expires_ns <= now)
+                handle_drop(c, k);
+            if (!k->id)
+                slot = slot ? slot : k;
+            else if (!oldest || k->made_ns < oldest->made_ns)
+                oldest = k;
+        }
+        if (slot && c->handle_bytes + bytes <= KVT_MATCH_HANDLE_BYTES)
+            break;
+        handle_drop(c, oldest); /* one is there: a full table, or the bytes over the bound */
+        slot = NULL;
+    }
+    if (s->clients.bytes + bytes > s->conf->max_client_bytes)
+        return 0;
+    uint32_t *copy = malloc(bytes ? bytes : 1);
+    if (!copy)
+        return 0;
+    memcpy(copy, tokens, bytes);
+    if (++c->handle_next == 0) /* 0 means none on the wire */
+        c->handle_next = 1;
+    *slot = (kvt__handle_t){.id = c->handle_next,
+                            .ns = c->ns,
+                            .page = c->page_size,
+                            .ntokens = ntokens,
+                            .made_ns = now,
+                            .expires_ns = now + (uint64_t)ms * 1000000,
+                            .tokens = copy};
+    c->handle_bytes += bytes;
+    s->clients.bytes += bytes;
+    return slot->id;
+}
+
+/* LOCATE's part of the reply at out: the head, then an offset per page (under the lease just
+ * taken, so that they stay valid as GET's locations do). Returns the pages located. */
+static uint32_t match_locate(kvt__conn_t *c, const kvt_match_t *m, const uint8_t *tiers,
+                             uint32_t lease_ms, uint8_t *out)
+{
+    kvt_srv_t *s = c->srv;
+    uint8_t *offs = out + sizeof(kvt_wire_match_locs_t);
+    uint32_t located = 0;
+    for (kvt_path_run_t pr = kvt_path_run_first(m->pages ? m->node : NULL, m->node_pages); pr.node;
+         kvt_path_run_next(&pr))
+        for (uint32_t i = 0; i < pr.n; i++) {
+            uint32_t p = pr.depth + i;
+            uint64_t off = KVT_MATCH_NO_LOC;
+            /* A page reported index-only (lost) is not offered: its bytes are not the block's. */
+            if (tiers[p] != KVT_TIER_NONE && !kvt__store_locate(s, c, m->ns, &pr.blocks[i], &off))
+                off = KVT_MATCH_NO_LOC;
+            located += off != KVT_MATCH_NO_LOC;
+            kvt_proto_match_loc_encode(offs + (size_t)p * 8, off);
+        }
+    kvt_proto_match_locs_encode(out, m->pages ? lease_ms : 0, located);
+    if (located)
+        kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, located);
+    return located;
+}
+
 /*
  * Answers a MATCH for m: tiers per page, counters, the lease if asked for. r is NULL for an
  * answer given at once (appended to the connection's queue) or the request that waited for the
@@ -117,7 +227,10 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
 {
     kvt_srv_t *s = c->srv;
     uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
+    int locate = (q->flags & KVT_MATCH_F_LOCATE) != 0;
     size_t len = sizeof(kvt_wire_match_reply_t) + m->pages;
+    if (locate)
+        len += sizeof(kvt_wire_match_locs_t) + (size_t)m->pages * 8;
     uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
     int rc = 0;
     if (!out)
@@ -141,6 +254,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
             mrc_match(s, m, q);
     }
     uint64_t lease = 0;
+    uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
         rc = KVT_ENOSPC; /* refused below, saying why */
@@ -149,7 +263,6 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
         full = 1;
     } else if (leasing) {
         rc = kvt_radix_lease(s->radix, m, c->id, &lease);
-        uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
         kvt__lease_t l = {
             .id = lease,
             .node = m->node,
@@ -172,9 +285,15 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
         .pages = m->pages,
         .lease = lease,
         .remote_pages = remote_pages,
+        .handle = q->handle,
     };
     kvt_proto_match_reply_encode(out, &w);
+    if (rc == 0 && locate)
+        match_locate(c, m, tiers, ms, tiers + m->pages);
     if (rc < 0) {
+        kvt__handle_t *k = handle_at(c, q->handle);
+        if (k) /* the client never hears of it */
+            handle_drop(c, k);
         if (!r && full)
             rc = kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
                                   "no room for one more lease in the index: it is at index-bytes "
@@ -210,6 +329,10 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
         return kvt__bad_body(c, h, t0, "MATCH");
     if (kvt__need_hello(c, h, t0) < 0)
         return 0;
+    if ((h->flags & KVT_MATCH_F_LOCATE) && !(h->flags & KVT_MATCH_F_LEASE))
+        return kvt__reply_error(
+            c, h->opcode, h->request_id, t0, KVT_EINVAL,
+            "MATCH with LOCATE needs LEASE: a location holds only under a lease");
     kvt__count_hints(s, &q.hints);
     if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
@@ -233,6 +356,10 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
                          .page = c->page_size,
                          .block_bytes = block,
                          .tokens = c->tok};
+    if (h->flags & KVT_MATCH_F_KEEP)
+        mq.handle = handle_keep(c, c->tok, q.ntokens,
+                                q.lease_ms ? KVT_MIN(q.lease_ms, s->conf->lease_ms_max)
+                                           : s->conf->lease_ms);
     kvt__store_check_path(s, &m, &mq.lost); /* blocks NVMe dropped are not reported stored */
     int down = 0;
     if ((h->flags & KVT_MATCH_F_REMOTE) &&

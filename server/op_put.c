@@ -256,6 +256,57 @@ static int resv_reply_empty(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
 }
 
+/*
+ * The request's tokens in c->tok: the frame's, or (KVT_PUT_F_HANDLE) the tokens a MATCH kept
+ * under the handle followed by the frame's, in c's scratch (the handle stays as it was: it may
+ * be named again until it expires). *ntokens gets their count. 0, or an error already answered
+ * (1): a handle c does not hold, or one kept in another namespace, changes nothing.
+ */
+static int put_tokens(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
+                      const kvt_proto_put_t *q, uint32_t *ntokens)
+{
+    *ntokens = q->ntokens;
+    if (!q->handle) {
+        if (kvt__tokens(c, q->tokens, q->ntokens) < 0)
+            goto nomem;
+        return 0;
+    }
+    const kvt__handle_t *k = kvt__handle_find(c, q->handle);
+    if (!k) {
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOENT,
+                         "no MATCH handle %u on this connection: never kept, expired (a handle "
+                         "lives as long as its MATCH's lease would), replaced by newer ones (%u "
+                         "at most), or another connection's",
+                         q->handle, KVT_MATCH_HANDLES);
+        return 1;
+    }
+    if (k->ns != c->ns || k->page != c->page_size) {
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                         "MATCH handle %u was kept in another namespace: a HELLO switched this "
+                         "connection since",
+                         q->handle);
+        return 1;
+    }
+    size_t n = (size_t)k->ntokens + q->ntokens, had = c->tokens_cap;
+    if (n > UINT32_MAX) {
+        kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
+                         "MATCH handle %u's %u tokens and %u more are too many", q->handle,
+                         k->ntokens, q->ntokens);
+        return 1;
+    }
+    if (kvt_reserve(&c->tokens, &c->tokens_cap, n, sizeof *c->tokens, 4096) < 0)
+        goto nomem;
+    c->srv->clients.bytes += (c->tokens_cap - had) * sizeof *c->tokens;
+    memcpy(c->tokens, k->tokens, (size_t)k->ntokens * 4);
+    kvt_proto_tokens(q->tokens, q->ntokens, c->tokens + k->ntokens);
+    c->tok = c->tokens;
+    *ntokens = (uint32_t)n;
+    return 0;
+nomem:
+    kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    return 1;
+}
+
 /* PUT and RESERVE from their decoded bodies: q->payload is NULL for RESERVE, whose room
  * max-reserved-bytes bounds (the pages past it get none, as if DRAM were full). */
 static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0,
@@ -265,6 +316,8 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     const kvt_proto_put_t *q = &cq;
     kvt_srv_t *s = c->srv;
     int reserve = h->opcode == KVT_OP_RESERVE;
+    if (put_tokens(c, h, t0, q_in, &cq.ntokens))
+        return 0;
     kvt__count_hints(s, &q->hints);
     uint32_t whole = q->ntokens / c->page_size;
     if (q->npayload && ((uint64_t)q->first_page + q->npayload > whole))
@@ -279,8 +332,6 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
         kvt__metric_add(s->metrics, KVT_M_PUT_PAGES, KVT_PUT_NO_ROOM, cq.npayload - fit);
         cq.npayload = fit;
     }
-    if (kvt__tokens(c, q->tokens, q->ntokens) < 0)
-        return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt_match_t at;
     if (kvt__index_room(s, c->ns, c->tok, q->ntokens, q->npayload > 0, &at) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOSPC,
@@ -339,8 +390,11 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
 int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_proto_put_t q;
-    if (h->flags || !c->hello || kvt_proto_put_decode(body, h->body_len, c->block_bytes, &q) < 0) {
-        if (!h->flags && kvt__need_hello(c, h, t0) < 0)
+    /* The handle field is the handle with KVT_PUT_F_HANDLE, else (reserved) 0. */
+    if ((h->flags & ~(unsigned)KVT_PUT_F_ALL) || !c->hello ||
+        kvt_proto_put_decode(body, h->body_len, c->block_bytes, &q) < 0 ||
+        !(h->flags & KVT_PUT_F_HANDLE) != !q.handle) {
+        if (!(h->flags & ~(unsigned)KVT_PUT_F_ALL) && kvt__need_hello(c, h, t0) < 0)
             return 0;
         return kvt__bad_body(c, h, t0, "PUT");
     }
@@ -500,7 +554,9 @@ int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
 {
     kvt_srv_t *s = c->srv;
     kvt_proto_reserve_t q;
-    if (h->flags || kvt_proto_reserve_decode(body, h->body_len, &q) < 0)
+    if ((h->flags & ~(unsigned)KVT_PUT_F_ALL) ||
+        kvt_proto_reserve_decode(body, h->body_len, &q) < 0 ||
+        !(h->flags & KVT_PUT_F_HANDLE) != !q.handle)
         return kvt__bad_body(c, h, t0, "RESERVE");
     if (kvt__need_hello(c, h, t0) < 0)
         return 0;
@@ -519,6 +575,7 @@ int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
         .ntokens = q.ntokens,
         .first_page = q.first_page,
         .npayload = q.npages,
+        .handle = q.handle,
         .tokens = q.tokens,
     };
     return put_begin(c, h, body, t0, &p);

@@ -36,6 +36,19 @@
 
 typedef struct kvt_srv kvt_srv_t;
 typedef struct kvt__conn kvt__conn_t;
+
+/* A MATCH's tokens kept under a handle (KEEP, op_match.c) so that the PUT after it need not send
+ * them again: per connection, at most KVT_MATCH_HANDLES (a new one replaces the oldest) and
+ * KVT_MATCH_HANDLE_BYTES of tokens; each lives as long as the MATCH's lease would have. */
+#define KVT_MATCH_HANDLES      16
+#define KVT_MATCH_HANDLE_BYTES (4u << 20)
+typedef struct kvt__handle {
+    uint32_t id; /* 0: a free slot */
+    uint32_t ns, page;
+    uint32_t ntokens;
+    uint64_t made_ns, expires_ns;
+    uint32_t *tokens; /* host order */
+} kvt__handle_t;
 typedef struct kvt__req kvt__req_t;
 typedef struct kvt__ev kvt__ev_t;
 typedef struct kvt_http_conn kvt_http_conn_t;
@@ -268,6 +281,10 @@ struct kvt__conn {
     uint32_t *tokens;    /* scratch for decoded tokens */
     const uint32_t *tok; /* the current frame's tokens (op.c kvt__tokens) */
     size_t tokens_cap;
+    /* MATCHes' kept tokens (op_match.c, KEEP), named by later PUTs and RESERVEs. */
+    kvt__handle_t handles[KVT_MATCH_HANDLES];
+    uint32_t handle_next;
+    uint64_t handle_bytes; /* the kept tokens' bytes: at most KVT_MATCH_HANDLE_BYTES */
 };
 
 /* The connections' part (conn.c): the open ones, the closed ones not yet freed, and the memory
@@ -522,6 +539,7 @@ typedef struct kvt__match_q {
     /* and its block size (0: not declared), for the miss-ratio curve */
     uint32_t block_bytes;
     const uint32_t *tokens;
+    uint32_t handle;  /* KEEP: the handle its tokens were kept under (0: none) */
     kvt__lost_t lost; /* kvt__store_check_path: pages reported index-only */
 } kvt__match_q_t;
 /* Answers a MATCH for m: tiers per page, counters, the lease if asked for; r is NULL for an answer
@@ -539,6 +557,15 @@ typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_pro
 int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, const kvt__match_q_t *q,
                      const kvt_match_t *m, const kvt_proto_hints_t *hints,
                      kvt__match_answer_fn answer, int *down);
+
+/* The handle id of c (KEEP), or NULL when c has none such: never made, replaced, expired (it is
+ * dropped then). conn.c frees c's handles at its close. */
+const kvt__handle_t *kvt__handle_find(kvt__conn_t *c, uint32_t id);
+
+/* op_get.c: whether block b (of namespace ns, under a lease) can be answered to c by location:
+ * 1 and its offset in c's mapping of b's tier, or 0. */
+int kvt__store_locate(kvt_srv_t *s, const kvt__conn_t *c, uint32_t ns, const kvt_block_t *b,
+                      uint64_t *off);
 
 /* op_remove.c */
 /* A REMOVE waiting for moves and requests on its prefix: tries again. Returns 1 when it was

@@ -89,14 +89,14 @@ class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
         return await self._run(self.client.ping)
 
     async def match(self, tokens: Tokens, **kwargs: Any) -> Match:
-        """Client.match (lease, lease_ms, remote, probe, hints)."""
+        """Client.match (lease, lease_ms, remote, probe, hints, keep, locate)."""
         return await self._run(self.client.match, tokens, **kwargs)
 
     async def put(self, tokens: Tokens, payload: Optional[Buffer] = None, *, first_page: int = 0,
-                  hints: Optional[Hints] = None) -> PutResult:
+                  hints: Optional[Hints] = None, after: Optional[Match] = None) -> PutResult:
         """Client.put: payload is read in place by the worker thread while this awaits."""
         return await self._run(self.client.put, tokens, payload, first_page=first_page,
-                               hints=hints)
+                               hints=hints, after=after)
 
     async def get_into(self, lease: int, buf: Buffer, **kwargs: Any) -> int:
         """Client.get_into: the pages received, written into buf in place."""
@@ -140,6 +140,10 @@ class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
     async def release(self, lease: int) -> bool:
         """Client.release: True if the lease was held."""
         return await self._run(self.client.release, lease)
+
+    async def release_later(self, lease: int) -> None:
+        """Client.release_later: the RELEASE goes out with the next call."""
+        await self._run(self.client.release_later, lease)
 
     async def remove(self, tokens: Tokens, *, wait: bool = True) -> None:
         """Client.remove."""

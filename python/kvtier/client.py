@@ -50,6 +50,8 @@ Tokens = Union[Iterable[int], "array.array[int]", memoryview, Any]
 _LEASE: int = lib.KVT_CLIENT_LEASE
 _REMOTE: int = lib.KVT_CLIENT_REMOTE
 _PROBE: int = lib.KVT_CLIENT_PROBE
+_LOCATE: int = lib.KVT_CLIENT_LOCATE
+_KEEP: int = lib.KVT_CLIENT_KEEP
 
 
 class Tier(enum.IntEnum):
@@ -85,6 +87,15 @@ class Match:
     remote_pages: int
     lease: int
     tiers: Tuple[Union[Tier, int], ...]
+    # match(keep=True): the daemon's handle for the matched tokens (0: none kept) and how many
+    # tokens it holds; put(after=this Match) then sends only the tokens past them.
+    handle: int = 0
+    kept: int = 0
+    # match(locate=True): per page, a read-only memoryview of its bytes where they lie in the
+    # zero-copy mapping, or None (not located: read it with get_into under ``lease``). Valid
+    # while the lease holds, and only until ``valid_until_ns`` (time.monotonic_ns()).
+    views: Optional[Tuple[Optional[memoryview], ...]] = None
+    valid_until_ns: int = 0
 
     @property
     def tiers_raw(self) -> bytes:
@@ -365,14 +376,24 @@ class Client(KeysMixin, HintsMixin):
         remote: bool = False,
         probe: bool = False,
         hints: Optional[Hints] = None,
+        keep: bool = False,
+        locate: bool = False,
     ) -> Match:
         """The longest cached prefix of ``tokens`` (token ids), in whole pages.
 
         ``lease``: pin the matched pages until release() (or ``lease_ms`` milliseconds, 0: the
         daemon's default, capped by its maximum), so that get_into() can read them.
         ``remote``: also probe the remote tier. ``probe``: only look (not counted as a use).
-        Raises ProtocolError (contradictory hints), Error for transport failures.
+        One round trip per step (docs/protocol.md): ``locate`` (with ``lease``) answers in
+        ``Match.views`` where each page lies in the zero-copy mapping, so that a hit is read with
+        no GET (LIFETIME as get_views(): while the lease holds, and before
+        ``Match.valid_until_ns``); ``keep`` keeps the tokens on the daemon for the PUT after it
+        (``put(..., after=match)`` sends only the tokens past them).
+        Raises InvalidArgument (``locate`` without ``lease``), ProtocolError (contradictory
+        hints), Error for transport failures.
         """
+        if locate and not lease:
+            raise InvalidArgument(EINVAL, "locate needs lease: a location holds only under one")
         tp, n = _tokens(tokens)
         cap = n // self.page_size if self.page_size else 0
         tiers = ffi.new("uint8_t[]", max(cap, 1))
@@ -380,14 +401,30 @@ class Client(KeysMixin, HintsMixin):
         res.tiers = tiers
         res.tiers_cap = cap
         flags = (_LEASE if lease else 0) | (_REMOTE if remote else 0) | (_PROBE if probe else 0)
+        flags |= (_LOCATE if locate else 0) | (_KEEP if keep else 0)
         h = hints._c() if hints is not None else ffi.NULL
+        step = ffi.NULL
+        if locate or keep:
+            step = ffi.new("kvt_client_step_t *")
+            if locate:
+                locs = ffi.new("kvt_client_loc_t[]", max(cap, 1))
+                step.locs = locs
+                step.locs_cap = cap
         with self._lock:
-            rc = lib.kvt_client_match(self._live(), tp, n, flags, lease_ms, h, res)
+            rc = lib.kvt_client_match_step(self._live(), tp, n, flags, lease_ms, h, res, step)
             if rc < 0:
                 self._raise(rc)
         pages = res.pages
+        views = None
+        if locate:
+            bb = self.block_bytes
+            views = tuple(
+                memoryview(ffi.buffer(locs[i].host_ptr, bb)).toreadonly()
+                if locs[i].host_ptr != ffi.NULL else None for i in range(min(pages, cap)))
         return Match(res.tokens, pages, res.remote_pages, res.lease,
-                     _tiers(ffi.buffer(tiers, min(pages, cap))))
+                     _tiers(ffi.buffer(tiers, min(pages, cap))),
+                     handle=int(step.handle) if keep else 0, kept=int(step.kept) if keep else 0,
+                     views=views, valid_until_ns=int(step.valid_until_ns) if locate else 0)
 
     def put(
         self,
@@ -396,6 +433,7 @@ class Client(KeysMixin, HintsMixin):
         *,
         first_page: int = 0,
         hints: Optional[Hints] = None,
+        after: Optional[Match] = None,
     ) -> PutResult:
         """Caches every whole page of ``tokens`` and stores the KV bytes of pages
         ``[first_page, first_page + npages)`` from ``payload``, a buffer of npages x block_bytes
@@ -404,15 +442,28 @@ class Client(KeysMixin, HintsMixin):
         room reserved in the mapping instead of sending it. Pages already stored keep their
         bytes. Returns when the bytes are in their tier.
 
+        ``after``: the Match of a ``match(..., keep=True)`` on this client whose tokens are the
+        first ``after.kept`` of ``tokens`` (the caller vouches for that): only the rest are sent.
+        When the daemon kept none or no longer holds them, all are sent (the same result).
+
         Raises InvalidArgument (payload not a whole number of blocks, or beyond the tokens'
-        pages), TypeError (not a buffer), NoSpace, Error for transport failures.
+        pages, or ``after`` kept more tokens than given), TypeError (not a buffer), NoSpace,
+        Error for transport failures.
         """
         tp, n = _tokens(tokens)
         pp, npages = _payload(payload, self.block_bytes)
         res = ffi.new("kvt_client_put_t *")
         h = hints._c() if hints is not None else ffi.NULL
+        handle, kept = (after.handle, after.kept) if after is not None else (0, 0)
+        if kept > n:
+            raise InvalidArgument(EINVAL, "the match kept %d tokens, more than the %d given" % (
+                kept, n))
         with self._lock:
-            rc = lib.kvt_client_put(self._live(), tp, n, first_page, npages, pp, h, res)
+            if handle:
+                rc = lib.kvt_client_put_kept(self._live(), handle, tp, n, kept, first_page, npages,
+                                             pp, h, res)
+            else:
+                rc = lib.kvt_client_put(self._live(), tp, n, first_page, npages, pp, h, res)
             if rc < 0:
                 self._raise(rc)
         return PutResult(res.pages, res.new_pages, res.stored, res.skipped)
@@ -588,6 +639,15 @@ class Client(KeysMixin, HintsMixin):
             if rc < 0:
                 self._raise(rc)
         return bool(released[0])
+
+    def release_later(self, lease: int) -> None:
+        """Releases a lease without a round trip: the RELEASE goes out in front of this
+        client's next request (its reply is read then), so the lease holds until that call, its
+        expiry or close(). Raises Error for transport failures."""
+        with self._lock:
+            rc = lib.kvt_client_release_later(self._live(), lease)
+            if rc < 0:
+                self._raise(rc)
 
     def remove(self, tokens: Tokens, *, wait: bool = True) -> None:
         """Drops the last whole page of ``tokens`` and everything cached beneath it. ``wait``

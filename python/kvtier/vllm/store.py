@@ -307,14 +307,18 @@ class _PageStore:
                 c = self._c()
                 if not self.mapped:
                     return None
-                m = c.match(self.tokens(keys), lease=True)
+                # The MATCH also says where each page lies (one round trip): a GET only when
+                # one of them is not in the mapping.
+                m = c.match(self.tokens(keys), lease=True, locate=True)
                 n = _stored(m.tiers) - first
                 if n <= 0 or not m.lease:
                     if m.lease:
                         c.release(m.lease)
                     return 0, []
                 try:
-                    items = c.get_views(m.lease, first_page=first, npages=n)
+                    items = list(m.views[first:first + n]) if m.views else []
+                    if len(items) != n or any(v is None for v in items):
+                        items = c.get_views(m.lease, first_page=first, npages=n)
                 except Error:
                     if not c.closed:
                         try:
