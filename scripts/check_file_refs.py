@@ -30,6 +30,8 @@ KNOWN = {
     "kvtier-plot.py": "replay/plot.py's installed name (replay/meson.build)",
     "libexecdir/kvtier/kvtier-plot.py": "replay/plot.py's installed path",
     "srt/arg_groups/hicache_hook.py": "SGLang's file",
+    "xxhash.h": "libxxhash's header (Debian's libxxhash-dev)",
+    "xxh_x86dispatch.c": "libxxhash's runtime dispatch (its source)",
 }
 C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 
