@@ -338,13 +338,16 @@ class _PageStore:
             finally:
                 self._unhold()
 
-    def finished(self, keys: Sequence[bytes]) -> None:
-        """The policy's hint that the request using this chain finished."""
+    def hint(self, keys: Sequence[bytes], hints: Hints) -> int:
+        """Sends the policy a hint about the request whose chain this is (finished, paused): a
+        MATCH that counts as a use, the only kind the daemon applies hints on (a probe MATCH's
+        are counted but ignored); it reaches the deepest node of the held path, the request's
+        own pages. No lease. Returns the pages the daemon's index holds."""
         if not keys:
-            return
+            return 0
         with self._lock:
             try:
-                self._c().match(self.tokens(keys), probe=True, hints=Hints(finished=True))
+                return int(self._c().match(self.tokens(keys), hints=hints).pages)
             except Error as e:
                 self._failed(e)
                 raise
