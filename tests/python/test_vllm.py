@@ -977,9 +977,10 @@ def scheduler_step(sched: Any, toks: List[int], n: int = 4) -> Tuple[float, List
 
 
 def test_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any) -> None:
-    """The stall test (issue 35): vLLM's scheduler-side connector, built by KVConnectorFactory
-    with its default deadline (scheduler_deadline_ms 20), its scheduler-role methods called as
-    vLLM's Scheduler calls them (a real Scheduler needs a model config this CPU cannot build).
+    """The stall test at the connector's level: vLLM's scheduler-side connector, built by
+    KVConnectorFactory with its default deadline (scheduler_deadline_ms 20), its
+    scheduler-role methods called in the order vLLM's Scheduler calls them (the same through
+    vLLM's own Scheduler: test_real_scheduler_step_bounded_when_daemon_hangs, below).
     With the daemon SIGSTOPped, no step takes longer than the same step with no daemon at all,
     plus the deadline, plus 20 ms; the lookups are misses; once the daemon runs again, the
     background probe reconnects, hits come back and no lease is left."""
@@ -1006,6 +1007,115 @@ def test_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any) -> 
         os.kill(vd.proc.pid, signal.SIGCONT)
     assert wait_until(lambda: scheduler_step(s, toks)[1] == [3 * BS] * 4)
     assert s.kvtier_stats()["recoveries"] == 1
+    assert wait_until(lambda: leases(vd) == 0)
+    s.shutdown()
+    a.close()
+
+
+# A tiny Llama's configuration: vLLM's ModelConfig reads it (and inspects the architecture,
+# which imports vLLM's Llama code) without weights, a tokenizer or a network; enough for its
+# Scheduler, which never runs the model.
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+              "head_dim": HEAD, "num_hidden_layers": 3, "vocab_size": 1000,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_config(tmp_path_factory: Any) -> Any:
+    """vLLM's own ModelConfig of TINY_LLAMA, or a skip naming what failed."""
+    import json
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    try:
+        from vllm.config import ModelConfig
+
+        return ModelConfig(model=str(d), skip_tokenizer_init=True, dtype="bfloat16",
+                           max_model_len=1024)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip("vLLM's ModelConfig for a tiny local Llama config cannot be built here, so "
+                    "neither can its Scheduler (%s: %s); vLLM inspects the architecture by "
+                    "importing its model code, which needs einops (scripts/engines/vllm.sh "
+                    "installs it)" % (type(e).__name__, str(e).splitlines()[0][:300]))
+
+
+def real_scheduler(model_config: Any, unix: str) -> Any:
+    """vLLM's own v1 Scheduler (vllm.v1.core.sched.scheduler.Scheduler) with a
+    KVTransferConfig naming kvtier, as `vllm serve --kv-transfer-config` builds it: it makes
+    the scheduler-side connector through KVConnectorFactory and calls it from schedule() and
+    finish_requests(). The connector's own defaults (deadlines, probe, warnings); vLLM's
+    prefix cache off, so that every request asks the connector."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg = VllmConfig(
+        model_config=model_config, device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"unix_path": unix, "model": "tiny-test"}))
+    blocks_n = 4096  # requests whose saves vLLM holds (no worker here reports them) keep theirs
+    cfg.cache_config.num_gpu_blocks = blocks_n
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kcc = KVCacheConfig(num_blocks=blocks_n, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1", "l2"], spec)])
+    s = Scheduler(vllm_config=cfg, kv_cache_config=kcc,
+                  structured_output_manager=StructuredOutputManager(cfg), block_size=BS)
+    assert isinstance(s.connector, kv.KvtierConnector)
+    return s
+
+
+def real_step(s: Any, toks: List[int], n: int = 4) -> Tuple[float, List[int]]:
+    """One step of vLLM's Scheduler: n new requests of the same prompt added, schedule()
+    (the connector's lookups, allocations, the step's metadata), then the requests finished
+    (finish_requests: the connector's request_finished). Returns the step's wall time and
+    each request's tokens loaded from kvtierd (its prompt less what it scheduled)."""
+    from vllm.v1.request import RequestStatus
+
+    rs = [request(toks) for _ in range(n)]
+    for r in rs:
+        s.add_request(r)
+    t0 = time.perf_counter()
+    out = s.schedule()
+    s.finish_requests([r.request_id for r in rs], RequestStatus.FINISHED_ABORTED)
+    took = time.perf_counter() - t0
+    return took, [len(toks) - out.num_scheduled_tokens[r.request_id] for r in rs]
+
+
+def test_real_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any,
+                                                       tiny_model_config: Any) -> None:
+    """The stall test of issue 35 through vLLM's real Scheduler: with the daemon SIGSTOPped,
+    no schedule() step (4 new requests looked up, allocated, planned, then finished) takes
+    longer than the same step of a Scheduler whose connector has no daemon at all, plus the
+    scheduler deadline (20 ms), plus 20 ms. The lookups are misses meanwhile; after SIGCONT
+    the background probe reconnects, the hits come back and no lease is left."""
+    a = Engine(vd, seed=26)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [1, 2, 3, 4])
+    none = real_scheduler(tiny_model_config, str(tmp_path / "none.sock"))
+    for _ in range(2):  # warm: vLLM's first steps pay for imports and caches
+        real_step(none, toks)
+    base = max(real_step(none, toks)[0] for _ in range(3))
+    assert none.connector.kvtier_stats()["trips"] == 1
+    none.shutdown()
+    s = real_scheduler(tiny_model_config, vd.unix)
+    assert s.connector._index.deadline_ms == kv.SCHEDULER_DEADLINE_MS == 20
+    assert wait_until(lambda: real_step(s, toks)[1] == [3 * BS] * 4)
+    os.kill(vd.proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(5):
+            took, hits = real_step(s, toks)
+            assert hits == [0, 0, 0, 0], i
+            assert took <= base + 0.020 + STALL_SLACK, (i, took, base)
+        st = s.connector.kvtier_stats()
+        assert st["trips"] == 1 and st["short_circuited"] > 0
+    finally:
+        os.kill(vd.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: real_step(s, toks)[1] == [3 * BS] * 4)
+    assert s.connector.kvtier_stats()["recoveries"] == 1
     assert wait_until(lambda: leases(vd) == 0)
     s.shutdown()
     a.close()
