@@ -1256,6 +1256,8 @@ def test_daemon_not_up_at_start(tmp_path: Any, caplog: Any) -> None:
     ({"scheduler_deadline_ms": "fast"}, "'scheduler_deadline_ms'"),
     ({"worker_deadline_ms": 0}, "'worker_deadline_ms'"),
     ({"block_size": 2 * BS}, "'block_size'"),
+    ({"preempt_pause_ms": "soon"}, "'preempt_pause_ms'"),
+    ({"preempt_pause_ms": -1}, "'preempt_pause_ms'"),
 ])
 def test_wrong_settings_refused_at_start(tmp_path: Any, bad: Dict[str, Any], names: str) -> None:
     """A key the connector does not know (a typo, or one it replaced), a malformed deadline,

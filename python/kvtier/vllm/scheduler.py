@@ -171,7 +171,8 @@ class SchedulerSide:
         if self._index is None or not st.keys or not self._index.up:
             return
         try:
-            self._index.hint(st.keys, Hints(paused=True, resume_ms=int(self._pause_ms)))
+            self._index.hint(st.keys, Hints(paused=True,  # resume_ms is a u32 on the wire
+                                            resume_ms=min(int(self._pause_ms), 0xFFFFFFFF)))
         except Exception as e:  # noqa: BLE001 - a lost hint costs retention quality only
             self._guard.count("failures")
             self._guard.warn("kvtier: paused hint for %s not sent: %s",
