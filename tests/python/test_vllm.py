@@ -898,7 +898,7 @@ def generate(model: TinyModel, e: Optional["Engine"], toks: List[int], steps: in
         logits = model.forward([t], p, kvc, table, worker, meta)
         r.num_computed_tokens += 1
     if e is not None:
-        e.sched.request_finished(r, table)
+        finish(e, r, table)  # its saves stored (get_finished hands its blocks back)
     return out, hit, seen
 
 
