@@ -1040,7 +1040,7 @@ def tiny_model_config(tmp_path_factory: Any) -> Any:
                     "installs it)" % (type(e).__name__, str(e).splitlines()[0][:300]))
 
 
-def real_scheduler(model_config: Any, unix: str) -> Any:
+def real_scheduler(model_config: Any, unix: str, blocks_n: int = 4096) -> Any:
     """vLLM's own v1 Scheduler (vllm.v1.core.sched.scheduler.Scheduler) with a
     KVTransferConfig naming kvtier, as `vllm serve --kv-transfer-config` builds it: it makes
     the scheduler-side connector through KVConnectorFactory and calls it from schedule() and
@@ -1057,7 +1057,8 @@ def real_scheduler(model_config: Any, unix: str) -> Any:
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"unix_path": unix, "model": "tiny-test"}))
-    blocks_n = 4096  # requests whose saves vLLM holds (no worker here reports them) keep theirs
+    # Without a worker to report them, requests whose saves vLLM holds keep their blocks: the
+    # stall test needs thousands.
     cfg.cache_config.num_gpu_blocks = blocks_n
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     kcc = KVCacheConfig(num_blocks=blocks_n, kv_cache_tensors=[],
@@ -1119,6 +1120,75 @@ def test_real_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any
     assert wait_until(lambda: leases(vd) == 0)
     s.shutdown()
     a.close()
+
+
+def test_real_scheduler_holds_blocks_until_saved(vd: Daemon, tiny_model_config: Any) -> None:
+    """Asynchronous saves as vLLM's own Scheduler sees them, stepped as its engine steps it
+    (schedule(), the worker's forward with the step's metadata, get_finished with the step's
+    finished_req_ids, update_from_output with the worker's KVConnectorOutput): a request whose
+    save is still out when it is aborted keeps its blocks (vLLM's delayed free, its request
+    kept), step after step, until the worker reports it in finished_sending once its pages
+    are stored; then vLLM frees them, and another engine loads the pages byte for byte."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    s = real_scheduler(tiny_model_config, vd.unix, blocks_n=NBLOCKS)
+    worker = connector(config(vd), KVConnectorRole.WORKER)
+    kvc = paged(61)
+    worker.register_kv_caches(kvc)
+    pool = s.kv_cache_manager.block_pool
+    free0 = pool.get_num_free_blocks()
+    gate = threading.Event()
+    worker._pool.submit(gate.wait, 5)  # the I/O thread busy: the save stays out
+
+    def step(abort: Optional[str] = None) -> Any:
+        out = s.schedule()
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for name, t in kvc.items():
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, t, None)
+        worker.wait_for_save()
+        if abort is not None:  # aborted while the model runs its step (vLLM skips its output)
+            s.finish_requests([abort], RequestStatus.FINISHED_ABORTED)
+        sending, recving = worker.get_finished(out.finished_req_ids)
+        worker.clear_connector_metadata()
+        s.update_from_output(out, ModelRunnerOutput(
+            req_ids=[], kv_connector_output=KVConnectorOutput(finished_sending=sending,
+                                                              finished_recving=recving)))
+        return out
+
+    toks = prompt(3)
+    r = request(toks)
+    s.add_request(r)
+    out = step(abort=r.request_id)
+    assert out.num_scheduled_tokens[r.request_id] == len(toks)
+    (ids,) = s.kv_cache_manager.get_block_ids(r.request_id)
+    ids = list(ids)
+    assert [t.block_ids for t in out.kv_connector_metadata.saves] == [ids[:3]]
+    assert r.request_id in s.requests and pool.get_num_free_blocks() == free0 - len(ids)
+    for _ in range(3):  # held: the save is out
+        step()
+        assert r.request_id in s.requests
+        assert pool.get_num_free_blocks() == free0 - len(ids)
+    gate.set()
+    deadline = time.monotonic() + 5
+    while r.request_id in s.requests:
+        assert time.monotonic() < deadline, "vLLM never freed the blocks"
+        step()
+        time.sleep(0.002)
+    assert pool.get_num_free_blocks() == free0
+    b = Engine(vd, seed=None)
+    r2 = request(toks)
+    n, meta = schedule(b.sched, r2, [20, 21, 22, 23])
+    assert n == 3 * BS and run_step(b.worker, b.kv, meta) == set()
+    for x, y in zip(pages_of(kvc, ids[:3]), pages_of(b.kv, [20, 21, 22])):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    b.sched.request_finished(r2, [])
+    assert wait_until(lambda: leases(vd) == 0)
+    b.close()
+    worker.shutdown()
+    s.shutdown()
 
 
 def resv_open(d: Daemon) -> int:
