@@ -13,9 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -30,13 +29,25 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Load:
+    """A step's load. Its job (_load_job, on the I/O thread) reads the pages (GET), sets
+    ``fetched``, then copies them into vLLM's blocks one layer after another, setting each
+    layer's event, so that the forward computes a layer while the next ones are copied; then
+    it releases the lease. The forward waits for ``fetched`` within the step's deadline (the
+    daemon), then for each layer's event (memory only). ``lock`` is held while a layer is
+    copied: a load the forward gives up on (its deadline) is cancelled under it, and copies
+    nothing more into blocks that vLLM will recompute."""
+
     t: _Transfer
-    future: "Future[Any]"  # pages read (staging), or _Views (mapped)
-    staging: torch.Tensor
+    future: "Future[Any]"
+    staging: Optional[torch.Tensor]
     blocks: List[int]
-    got: int = -1  # pages read, once the future is done
-    layers_done: Set[int] = field(default_factory=set)
-    views: Optional[_Views] = None
+    layers: List[threading.Event]
+    fetched: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    pages: int = 0  # pages read by the job (set before ``fetched``)
+    error: Optional[BaseException] = None  # the GET's, or a copy's
+    got: int = -1  # pages the forward takes, once resolved
 
 
 @dataclass
@@ -117,39 +128,6 @@ class WorkerSide:
         return dict(guard=self._guard, deadline_ms=self._worker_deadline_ms,
                     what="vllm worker" + what)
 
-    def _wait(self, fut: "Future[Any]") -> bool:
-        """Waits for an I/O job within what is left of this step's worker_deadline_ms. False
-        (counted) when it is not done by then: the forward goes on without it."""
-        if fut.done():
-            return True
-        left = self._worker_deadline_ms / 1000.0 - self._waited
-        t0 = time.monotonic()
-        if left > 0:
-            wait_futures([fut], timeout=left)
-        self._waited += time.monotonic() - t0
-        if fut.done():
-            return True
-        self._guard.count("deadline_misses")
-        return False
-
-    def _later(self, fut: "Future[Any]", fn: Callable[[Any], None]) -> None:
-        """Runs fn(result) on the I/O thread once an abandoned job is done (a lease or a
-        reservation given back), never on the forward's thread."""
-        pool = self._pool
-
-        def done(f: "Future[Any]") -> None:
-            try:
-                r = f.result()
-            except Exception:  # noqa: BLE001 - failed: nothing of it is held
-                return
-            try:
-                if pool is not None:
-                    pool.submit(fn, r)
-            except RuntimeError:  # shut down: the closed connection gave it back
-                pass
-
-        fut.add_done_callback(done)
-
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Starts reading this step's pages (whole pages, all layers) from kvtierd: with the
         zero-copy mapping, a MATCH with a lease and a GET by location (the pages stay where
@@ -186,7 +164,8 @@ class WorkerSide:
         for t in sync:
             n = len(t.keys) - t.first
             ld = _Load(t, None, None if arena is None else arena[at:at + n],  # type: ignore
-                       list(t.block_ids))
+                       list(t.block_ids),
+                       [threading.Event() for _ in self._layout.names])
             at += n
             ld.future = self._pool.submit(self._load_job, ld)
             self._loads.append(ld)
@@ -197,11 +176,42 @@ class WorkerSide:
         return st is not None and st.keyed and bool(self._extra.get("zero_copy", True)) and \
             (st.mapped or st._client is None)
 
-    def _load_job(self, ld: _Load) -> Any:
-        """A step's load, on the I/O thread: the pages' views (mapped: _Views), or the pages
-        read into staging (their count)."""
-        with self._tally.timer("load_seconds"):
-            return self._load(ld)
+    def _load_job(self, ld: _Load) -> None:
+        """A step's load, on the I/O thread: the pages read (GET by location into the mapping,
+        or into staging), then copied into vLLM's blocks layer by layer (see _Load), then the
+        lease released. Never raises: a failure is ld.error."""
+        assert self._store is not None and self._layout is not None
+        views = None
+        try:
+            try:
+                with self._tally.timer("load_seconds"):
+                    r = self._load(ld)
+                if isinstance(r, _Views):
+                    views, ld.pages = r, r.pages
+                else:
+                    ld.pages = int(r)
+            except Exception as e:  # noqa: BLE001 - the forward recomputes
+                ld.error = e
+            finally:
+                ld.fetched.set()
+            n = ld.pages if ld.error is None else 0
+            for li, name in enumerate(self._layout.names):
+                try:
+                    with ld.lock:
+                        if n > 0 and not ld.cancelled and ld.error is None:
+                            if views is not None:  # straight from the mapping
+                                self._layout.scatter_runs(views.runs, li, self._kv[name])
+                            else:
+                                self._layout.scatter(ld.staging[:n], li,  # type: ignore
+                                                     self._kv[name], ld.blocks[:n])
+                except Exception as e:  # noqa: BLE001 - the forward reports load errors
+                    ld.error = e
+                finally:
+                    ld.layers[li].set()
+        finally:
+            if views is not None and views.lease:  # its views not touched after this
+                views.runs.clear()
+                self._store.release_views(views.lease)
 
     def _load(self, ld: _Load) -> Any:
         assert self._store is not None and self._layout is not None
@@ -274,30 +284,44 @@ class WorkerSide:
                                                   dtype=torch.uint8)
         return a
 
+    def _wait_event(self, ev: threading.Event) -> bool:
+        """Waits for an I/O job's event within what is left of this step's
+        worker_deadline_ms. False (counted) when it is not set by then: the forward goes on
+        without it."""
+        if ev.is_set():
+            return True
+        left = self._worker_deadline_ms / 1000.0 - self._waited
+        t0 = time.monotonic()
+        if left > 0:
+            ev.wait(left)
+        self._waited += time.monotonic() - t0
+        if ev.is_set():
+            return True
+        self._guard.count("deadline_misses")
+        return False
+
     def _resolve(self, ld: _Load) -> None:
+        """Waits for the load's GET within the step's deadline: its pages, or none (cancelled:
+        its job copies nothing into the blocks, which vLLM recomputes)."""
         if ld.got >= 0:
             return
-        if not self._wait(ld.future):
+        if not self._wait_event(ld.fetched):
             # Not here by the deadline: recomputed. Its staging stays the job's (the next step
-            # takes fresh memory), and a lease it gets is given back when it comes.
+            # takes fresh memory); its job gives the lease back when it comes.
+            with ld.lock:
+                ld.cancelled = True
             self._guard.warn("kvtier: load of %s not done within worker_deadline_ms (%d ms), "
                              "recomputing it", ld.t.req_id, self._worker_deadline_ms)
             if ld.staging is not None:
                 self._arenas[0] = torch.empty(0, dtype=torch.uint8)
-            self._later(ld.future, self._release_late)
+            ld.got = 0
+        elif ld.error is not None:
+            self._guard.count("failures")
+            self._guard.warn("kvtier: load of %s failed, recomputing: %s", ld.t.req_id,
+                             ld.error)
             ld.got = 0
         else:
-            try:
-                r = ld.future.result()
-                if isinstance(r, _Views):
-                    ld.views = r
-                    ld.got = r.pages
-                else:
-                    ld.got = int(r)
-            except Exception as e:  # noqa: BLE001
-                self._guard.count("failures")
-                self._guard.warn("kvtier: load of %s failed, recomputing: %s", ld.t.req_id, e)
-                ld.got = 0
+            ld.got = ld.pages
         self._count_load(ld.got, len(ld.t.block_ids))
         if ld.got < len(ld.t.block_ids):
             self._load_errors.update(ld.t.block_ids[ld.got:])
@@ -308,14 +332,9 @@ class WorkerSide:
         self._tally.add("load_bytes", got * self._layout.page_bytes)
         self._tally.add("load_errors", blocks - got)
 
-    def _release_late(self, r: Any) -> None:
-        """A load that came after its deadline: its lease given back (its views unused)."""
-        if isinstance(r, _Views) and r.lease and self._store is not None:
-            r.runs.clear()
-            self._store.release_views(r.lease)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Scatters this layer of every page loaded this step into vLLM's blocks."""
+        """Waits until this layer of every page loaded this step is in vLLM's blocks (the I/O
+        thread copies the layers in order while the forward computes the earlier ones)."""
         if not self._loads or self._layout is None:
             return
         li = self._layout.index.get(layer_name)
@@ -323,33 +342,21 @@ class WorkerSide:
             return
         for ld in self._loads:
             self._resolve(ld)
-            if ld.got > 0 and li not in ld.layers_done:
-                if ld.views is not None:  # straight from the mapping
-                    self._layout.scatter_runs(ld.views.runs, li, self._kv[layer_name])
-                else:
-                    self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
-                                         ld.blocks[:ld.got])
-            ld.layers_done.add(li)
-            if ld.views is not None and len(ld.layers_done) == len(self._layout.names):
-                self._give_back(ld)
-
-    def _give_back(self, ld: _Load) -> None:
-        """The load's pages all scattered: its lease released (on the I/O thread; the step's
-        wait_for_save waits for it). Its views are not touched after this."""
-        v, ld.views = ld.views, None
-        if v is not None and v.lease:
-            v.runs.clear()
-            assert self._pool is not None and self._store is not None
-            self._io_futures.append((ld.t.req_id, self._pool.submit(self._store.release_views,
-                                                                     v.lease)))
+            if ld.got > 0:
+                ld.layers[li].wait()  # a copy in memory: the GET is done
+                if ld.error is not None:  # a copy failed: the whole load is recomputed
+                    self._load_errors.update(ld.t.block_ids)
 
     def _finish_loads(self) -> None:
+        """The step's loads all in (or given up): every layer copied, before the step ends.
+        The jobs release their leases on the I/O thread (not waited for)."""
         try:
             for name in self._layout.names if self._layout else ():
                 self.wait_for_layer_load(name)
         finally:
-            for ld in self._loads:  # a scatter that raised: the lease given back all the same
-                self._give_back(ld)
+            for ld in self._loads:
+                if ld.future is not None:
+                    self._io_futures.append((ld.t.req_id, ld.future))
             self._loads.clear()
 
     # == saves: asynchronous, off the forward's thread ============================================
