@@ -305,6 +305,43 @@ def test_async_load(vd: Daemon) -> None:
     b.close()
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_load_overlaps_the_forward_layer_by_layer(vd: Daemon, zero_copy: bool) -> None:
+    """Loads overlap compute as far as vLLM's per-layer wait allows: once the step's first
+    wait_for_layer_load has returned (its layer in the blocks), the later layers arrive in
+    vLLM's blocks while the forward computes, before it waits for them; then the step ends
+    with no load error and every layer byte for byte."""
+    a, b = Engine(vd, seed=62), Engine(vd, seed=None, zero_copy=zero_copy)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [11, 3, 30, 5])
+    assert n == 3 * BS
+    names = list(b.kv)
+
+    def layer_in(name: str) -> bool:
+        return torch.equal(a.kv[name][:, [4, 9, 2]].view(torch.int16),
+                           b.kv[name][:, [11, 3, 30]].view(torch.int16))
+
+    w = b.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.wait_for_layer_load(names[0])
+    assert layer_in(names[0])
+    assert wait_until(lambda: all(layer_in(x) for x in names[1:])), \
+        "the later layers came only when waited for"
+    for name in names[1:]:
+        w.wait_for_layer_load(name)
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == set()
+    w.clear_connector_metadata()
+    assert w._store.mapped is zero_copy
+    b.sched.request_finished(r, [])
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
 @pytest.mark.skipif(not kv._HAVE_KEYS, reason="the package has no keyed calls (api tokens)")
 def test_pages_are_a_keyed_chain(vd: Daemon) -> None:
     """The connector's pages are the package's keyed chain of vLLM block hashes: a plain
