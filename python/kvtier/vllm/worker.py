@@ -1,6 +1,6 @@
 """kvtier.vllm.worker: the connector's worker side. It runs in each of vLLM's workers, in the
-forward pass: reads the step's pages from kvtierd and scatters them layer by layer into vLLM's
-paged tensors. Saves are asynchronous: once a step's last layer is computed, a job per request
+forward pass: reads the step's pages from kvtierd, and its I/O thread copies them layer by layer
+into vLLM's paged tensors while the forward computes the earlier layers. Saves are asynchronous: once a step's last layer is computed, a job per request
 on the I/O thread reserves room in kvtierd's mapping, copies the request's blocks out of vLLM's
 tensors and commits (or PUTs staged pages); the forward never waits for it. The blocks a job
 still has to read are held: a finished request's by vLLM until get_finished reports it, a
@@ -87,7 +87,7 @@ class WorkerSide:
         self._jobs: Dict[str, List[_SaveJob]] = {}
         self._saving_reqs: Set[str] = set()
         self._finishing: Set[str] = set()
-        self._io_futures: List[Tuple[str, "Future[Any]"]] = []  # lease releases
+        self._io_futures: List[Tuple[str, "Future[Any]"]] = []  # load jobs (their releases)
         # Loads between steps (load_async): their own connection and thread, so that a step's
         # saves never queue behind them; reported by get_finished once done.
         self._async_store: Optional[_PageStore] = None
@@ -204,6 +204,9 @@ class WorkerSide:
                             else:
                                 self._layout.scatter(ld.staging[:n], li,  # type: ignore
                                                      self._kv[name], ld.blocks[:n])
+                            kv = self._kv[name]
+                            if kv.is_cuda:  # in the blocks before the forward reads them
+                                torch.cuda.current_stream(kv.device).synchronize()
                 except Exception as e:  # noqa: BLE001 - the forward reports load errors
                     ld.error = e
                 finally:
