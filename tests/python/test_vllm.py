@@ -1792,9 +1792,10 @@ def hint_counts(d: Daemon) -> Tuple[int, int]:
 
 def test_scheduler_hints_reach_the_daemon(vd: Daemon) -> None:
     """A preempted request's chain gets the "paused" hint (expected back in preempt_pause_ms),
-    a finished one's the "finished" hint: each one MATCH the daemon counts under its kind
-    (STATS hints_paused / hints_finished, the metric kvtier_hints_total), naming the
-    request's own chain (the pages it matched or saved)."""
+    a finished one's the "finished" hint, a waiting one's (asked again) "paused" on its
+    lookup: each one MATCH the daemon counts under its kind (STATS hints_paused /
+    hints_finished, the metric kvtier_hints_total), naming the request's own chain (the
+    pages it matched or saved)."""
     a = Engine(vd, seed=53, preempt_pause_ms=3000)
     r = request(prompt(2))
     _, meta = schedule(a.sched, r, [1, 2, 3])
@@ -1806,6 +1807,17 @@ def test_scheduler_hints_reach_the_daemon(vd: Daemon) -> None:
     assert hint_counts(vd) == (was[0] + 1, was[1])
     assert finish(a, r, [])
     assert hint_counts(vd) == (was[0] + 1, was[1] + 1)
+    # A request that waits (looked up, then not scheduled: no blocks for it) is asked again
+    # by vLLM's scheduler: that lookup carries "paused", and still finds and leases the pages.
+    w = request(list(r.all_token_ids))
+    assert a.sched.get_num_new_matched_tokens(w, 0) == (2 * BS, False)
+    a.sched.build_connector_meta(sched_output())  # a step without it
+    assert hint_counts(vd) == (was[0] + 1, was[1] + 1)
+    assert a.sched.get_num_new_matched_tokens(w, 0) == (2 * BS, False)
+    assert hint_counts(vd) == (was[0] + 2, was[1] + 1)
+    assert leases(vd) == 1
+    a.sched.request_finished(w, [])
+    assert wait_until(lambda: leases(vd) == 0)
     a.close()
 
 

@@ -59,11 +59,17 @@ class SchedulerSide:
     def _match(self, request: "Request", num_computed_tokens: int) -> int:
         assert self._index is not None
         st = self._reqs.get(request.request_id)
+        hints = None
         if st is None:
             st = self._reqs[request.request_id] = _ReqState(request)
-        elif st.lease:  # asked again (not scheduled last time): a fresh answer, a fresh lease
-            self._index.release(st.lease)
-            st.lease = 0
+        else:
+            # Asked again: vLLM asks only for waiting requests, so this one was not scheduled
+            # last time (no blocks for it) or was preempted. It waits: its lookup carries the
+            # "paused" hint (expected back in preempt_pause_ms), no extra round trip.
+            hints = self._paused_hints()
+            if st.lease:  # a fresh answer, a fresh lease
+                self._index.release(st.lease)
+                st.lease = 0
         st.hit_pages = 0
         bs = self._block_size
         max_pages = max(request.num_tokens - 1, 0) // bs
@@ -74,7 +80,7 @@ class SchedulerSide:
         keys = key_chain(request, bs, self._root, st.keys, max_pages)
         self._tally.add("lookups")
         try:
-            hit, lease = self._index.lookup(keys[:max_pages], lease=True)
+            hit, lease = self._index.lookup(keys[:max_pages], lease=True, hints=hints)
         except Exception:
             self._tally.add("miss_pages", max_pages - computed)  # answered 0: all missed
             raise
@@ -164,6 +170,10 @@ class SchedulerSide:
             st.saved_pages = pages
             st.saving = True
 
+    def _paused_hints(self) -> Hints:
+        return Hints(paused=True,  # resume_ms is a u32 on the wire
+                     resume_ms=min(int(self._pause_ms), 0xFFFFFFFF))
+
     def _paused(self, st: _ReqState) -> None:
         """A preempted request waits for blocks: its chain gets the policy's "paused" hint,
         expected back in preempt_pause_ms (vLLM gives no figure), so that its pages outlive
@@ -171,8 +181,7 @@ class SchedulerSide:
         if self._index is None or not st.keys or not self._index.up:
             return
         try:
-            self._index.hint(st.keys, Hints(paused=True,  # resume_ms is a u32 on the wire
-                                            resume_ms=min(int(self._pause_ms), 0xFFFFFFFF)))
+            self._index.hint(st.keys, self._paused_hints())
         except Exception as e:  # noqa: BLE001 - a lost hint costs retention quality only
             self._guard.count("failures")
             self._guard.warn("kvtier: paused hint for %s not sent: %s",

@@ -168,15 +168,17 @@ class _PageStore:
             return [t for k in keys for t in key_tokens(k)]
         return memoryview(b"".join(keys)).cast("I")
 
-    def lookup(self, keys: Sequence[bytes], *, lease: bool) -> Tuple[int, int]:
+    def lookup(self, keys: Sequence[bytes], *, lease: bool, hints: Optional[Hints] = None
+               ) -> Tuple[int, int]:
         """How many pages of the chain, from its start, kvtierd holds with their bytes; with
-        ``lease``, pinned until release(). Returns (pages, lease handle or 0)."""
+        ``lease``, pinned until release(); ``hints`` ride on the MATCH. Returns (pages, lease
+        handle or 0)."""
         if not keys:
             return 0, 0
         with self._lock:
             try:
                 m = self._c().match(self.tokens(keys), lease=lease,
-                                    lease_ms=int(self._conf.get("lease_ms", 0)))
+                                    lease_ms=int(self._conf.get("lease_ms", 0)), hints=hints)
             except Error as e:
                 self._failed(e)
                 raise
