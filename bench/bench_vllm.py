@@ -4,8 +4,10 @@ package's raw PUT and GET of the same bytes, in one run, over kvtierd's Unix soc
 A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads of 128 (bf16):
 32 x 64 KiB = 2 MiB. A request of 32 pages (64 MiB) per pass:
 
-- connector save: the worker's save_kv_layer for each layer (staging that layer of every page)
-  and wait_for_save (the pages' PUTs), timed from the first layer to the end;
+- connector save: the worker's save_kv_layer for each layer and wait_for_save (the forward's
+  part, which waits for nothing: the saves are asynchronous), then the request finished and
+  the worker's get_finished until it hands the request back (its pages stored: the save job's
+  RESERVE, copies and COMMIT on the connector's I/O thread), timed from the first layer to then;
 - connector load: start_load_kv and wait_for_layer_load for each layer (the pages' GET, then
   the scatter of each layer into vLLM's paged tensors);
 - raw put / raw get: the package's Client.put of the same 32 pages from one buffer (16 MiB per
@@ -162,9 +164,14 @@ def run(d: Daemon) -> None:
         for name, t in kv_a.items():
             worker_a.save_kv_layer(name, t, None)
         worker_a.wait_for_save()
-        t_save = time.perf_counter() - t0
         worker_a.clear_connector_metadata()
-        sched_a.request_finished(ra, ids)
+        held, _ = sched_a.request_finished(ra, ids)
+        assert held, "a request with a save is held until it is stored"
+        finished = {ra.request_id}
+        while not worker_a.get_finished(finished)[0]:  # stored: handed back
+            finished = set()
+            time.sleep(0.0002)  # as vLLM's steps would: not a spin holding the GIL
+        t_save = time.perf_counter() - t0
         rb = Request("b%d" % p, toks, SamplingParams(max_tokens=1), None)
         n, meta = step_meta(sched_b, rb, ids)
         assert n == PAGES * BS, n

@@ -29,11 +29,16 @@ SCHEDULER_DEADLINE_MS = 20
 WORKER_DEADLINE_MS = 100
 PROBE_MS = 200  # while the breaker is open: a background connection attempt this often
 WARN_INTERVAL_S = 10.0  # at most one warning line this often (all counted)
+# The pause a preempted request's "paused" hint announces: vLLM does not say when it resumes
+# one (when blocks free up: a few steps, typically well under a second to a few seconds).
+# The cost policy's raise lasts twice the pause and falls with the time left (docs/policy.md).
+PREEMPT_PAUSE_MS = 1000
 
 # kv_connector_extra_config keys this connector reads; any other is refused at start.
 EXTRA_KEYS = ("unix_path", "tcp", "secret", "model", "lease_ms", "tp_rank", "pp_rank",
               "put_bytes", "load_async", "api", "zero_copy", "block_size",
-              "scheduler_deadline_ms", "worker_deadline_ms", "probe_ms", "warn_interval_s")
+              "scheduler_deadline_ms", "worker_deadline_ms", "probe_ms", "warn_interval_s",
+              "preempt_pause_ms")
 REPLACED_KEYS = {"timeout_ms": "scheduler_deadline_ms and worker_deadline_ms",
                  "retry_ms": "probe_ms (a background probe instead of a retry on the engine's "
                              "thread)"}
@@ -154,6 +159,9 @@ class _Transfer:
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: List[_Transfer] = field(default_factory=list)
     saves: List[_Transfer] = field(default_factory=list)
+    # Requests vLLM preempted since the last step: their blocks are freed (and may be handed
+    # to another request this very step), so their saves not yet copied out are cancelled.
+    preempted: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -166,3 +174,6 @@ class _ReqState:
     block_ids: List[int] = field(default_factory=list)
     saved_pages: int = 0  # pages [0, saved_pages) stored or known to be there
     no_save: bool = False
+    # A save was planned for it: request_finished holds its blocks until the workers report
+    # the request in get_finished's finished_sending (asynchronous saves, worker.py).
+    saving: bool = False

@@ -38,8 +38,10 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     reported by get_finished, instead of inside the step; default False; such a load goes
     through a staging buffer even when mapped), ``api`` ("keys" or "tokens": how chains reach
     the daemon, see _PageStore), ``zero_copy`` (default True: on the Unix socket, map the
-    arena and copy each layer once each way; False: the staging path). Any other key (and the
-    replaced ``timeout_ms`` / ``retry_ms``) is refused at start: ValueError naming it.
+    arena and copy each layer once each way; False: the staging path), ``preempt_pause_ms``
+    (the pause the "paused" hint of a preempted request announces, default 1000). Any other
+    key (and the replaced ``timeout_ms`` / ``retry_ms``) is refused at start: ValueError
+    naming it.
     """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
@@ -72,9 +74,9 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         """False: a best-effort cache (vLLM's own word for it). vLLM's base says True for a
         KV producer (kv_role kv_both included), and its scheduler then drops, and samples
         again, the in-flight output of every request it preempts, in case a hand-off of
-        blocks the preemption freed were pending. This connector holds no blocks past a step
-        (request_finished returns False; saves copy them out within their step): a save cut
-        short by a preemption is a later miss, nothing to deliver."""
+        blocks the preemption freed were pending. This connector delivers nothing: a save still
+        out when its request is preempted is cancelled before it reads the freed blocks (a
+        later miss; worker.py), and only finished requests' blocks are held, until stored."""
         return False
 
     def _check_settings(self, cc: Any, kv_cache_config: Any) -> None:
@@ -83,7 +85,7 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         check_keys(self._extra, EXTRA_KEYS, _WHERE, REPLACED_KEYS)
         for k in ("scheduler_deadline_ms", "worker_deadline_ms", "probe_ms"):
             number(self._extra, k, 1, _WHERE, minimum=1)
-        for k in ("lease_ms", "put_bytes", "tp_rank", "pp_rank"):
+        for k in ("lease_ms", "put_bytes", "tp_rank", "pp_rank", "preempt_pause_ms"):
             number(self._extra, k, 0, _WHERE)
         sizes = {int(cc.block_size)}
         for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():

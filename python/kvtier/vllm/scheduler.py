@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from ..client import Hints
 from ..guard import number
-from .common import (SCHEDULER_DEADLINE_MS, _WHERE, KvtierConnectorMetadata, _ReqState,
-                     _Transfer, key_chain, log, rank_salt)
+from .common import (PREEMPT_PAUSE_MS, SCHEDULER_DEADLINE_MS, _WHERE, KvtierConnectorMetadata,
+                     _ReqState, _Transfer, key_chain, log, rank_salt)
 from .store import _PageStore
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class SchedulerSide:
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, _Transfer] = {}
         self._index: Optional[_PageStore] = None
+        self._pause_ms = number(self._extra, "preempt_pause_ms", PREEMPT_PAUSE_MS, _WHERE)
         if not scheduler:
             return
         # Index-only (block_bytes 0) in rank 0's namespace: all ranks store the same pages.
@@ -57,11 +59,17 @@ class SchedulerSide:
     def _match(self, request: "Request", num_computed_tokens: int) -> int:
         assert self._index is not None
         st = self._reqs.get(request.request_id)
+        hints = None
         if st is None:
             st = self._reqs[request.request_id] = _ReqState(request)
-        elif st.lease:  # asked again (not scheduled last time): a fresh answer, a fresh lease
-            self._index.release(st.lease)
-            st.lease = 0
+        else:
+            # Asked again: vLLM asks only for waiting requests, so this one was not scheduled
+            # last time (no blocks for it) or was preempted. It waits: its lookup carries the
+            # "paused" hint (expected back in preempt_pause_ms), no extra round trip.
+            hints = self._paused_hints()
+            if st.lease:  # a fresh answer, a fresh lease
+                self._index.release(st.lease)
+                st.lease = 0
         st.hit_pages = 0
         bs = self._block_size
         max_pages = max(request.num_tokens - 1, 0) // bs
@@ -72,7 +80,7 @@ class SchedulerSide:
         keys = key_chain(request, bs, self._root, st.keys, max_pages)
         self._tally.add("lookups")
         try:
-            hit, lease = self._index.lookup(keys[:max_pages], lease=True)
+            hit, lease = self._index.lookup(keys[:max_pages], lease=True, hints=hints)
         except Exception:
             self._tally.add("miss_pages", max_pages - computed)  # answered 0: all missed
             raise
@@ -125,10 +133,12 @@ class SchedulerSide:
         # after the new ones, a resumed request was marked preempted for good: never saved
         # again.
         for rid in so.preempted_req_ids or ():
+            meta.preempted.append(rid)  # the workers cancel its saves not yet copied out
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone: nothing saved until it is listed afresh
                 st.no_save = True
                 st.block_ids = []
+                self._paused(st)
         for nr in so.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is not None:
@@ -158,23 +168,46 @@ class SchedulerSide:
             meta.saves.append(_Transfer(rid, list(keys[:pages]), st.saved_pages,
                                         st.block_ids[st.saved_pages:pages]))
             st.saved_pages = pages
+            st.saving = True
+
+    def _paused_hints(self) -> Hints:
+        return Hints(paused=True,  # resume_ms is a u32 on the wire
+                     resume_ms=min(int(self._pause_ms), 0xFFFFFFFF))
+
+    def _paused(self, st: _ReqState) -> None:
+        """A preempted request waits for blocks: its chain gets the policy's "paused" hint,
+        expected back in preempt_pause_ms (vLLM gives no figure), so that its pages outlive
+        colder ones until it resumes and loads them. Bounded by scheduler_deadline_ms."""
+        if self._index is None or not st.keys or not self._index.up:
+            return
+        try:
+            self._index.hint(st.keys, self._paused_hints())
+        except Exception as e:  # noqa: BLE001 - a lost hint costs retention quality only
+            self._guard.count("failures")
+            self._guard.warn("kvtier: paused hint for %s not sent: %s",
+                             st.request.request_id, e)
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        """Finished or aborted: releases the request's lease and sends the policy's finished
-        hint. Blocks are freed at once (saves copy them out within the step)."""
+        """Finished or aborted: releases the request's lease and sends the policy's "finished"
+        hint for its own chain (a MATCH that counts as a use: the daemon ignores a probe's
+        hints). Returns True (vLLM holds the blocks) when a save was planned for the request:
+        the workers copy saved blocks out after the step (asynchronous saves, worker.py) and
+        report the request in get_finished's finished_sending once its saves are stored, or
+        dropped at their deadline; else False (freed at once)."""
         st = self._reqs.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        if st is None or self._index is None:
+        if st is None:
             return False, None
-        try:
-            if st.lease:
-                self._index.release(st.lease)
-            if st.keys:
-                self._index.finished(st.keys)
-        except Exception as e:  # noqa: BLE001
-            log.debug("kvtier: finish of %s: %s", request.request_id, e)
-        return False, None
+        if self._index is not None:
+            try:
+                if st.lease:
+                    self._index.release(st.lease)
+                if st.keys and self._index.up:
+                    self._index.hint(st.keys, Hints(finished=True))
+            except Exception as e:  # noqa: BLE001
+                log.debug("kvtier: finish of %s: %s", request.request_id, e)
+        return st.saving, None
 
     def _close_scheduler_side(self) -> None:
         """Closes the index's connection (the daemon drops its leases)."""

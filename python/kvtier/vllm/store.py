@@ -168,15 +168,17 @@ class _PageStore:
             return [t for k in keys for t in key_tokens(k)]
         return memoryview(b"".join(keys)).cast("I")
 
-    def lookup(self, keys: Sequence[bytes], *, lease: bool) -> Tuple[int, int]:
+    def lookup(self, keys: Sequence[bytes], *, lease: bool, hints: Optional[Hints] = None
+               ) -> Tuple[int, int]:
         """How many pages of the chain, from its start, kvtierd holds with their bytes; with
-        ``lease``, pinned until release(). Returns (pages, lease handle or 0)."""
+        ``lease``, pinned until release(); ``hints`` ride on the MATCH. Returns (pages, lease
+        handle or 0)."""
         if not keys:
             return 0, 0
         with self._lock:
             try:
                 m = self._c().match(self.tokens(keys), lease=lease,
-                                    lease_ms=int(self._conf.get("lease_ms", 0)))
+                                    lease_ms=int(self._conf.get("lease_ms", 0)), hints=hints)
             except Error as e:
                 self._failed(e)
                 raise
@@ -342,13 +344,16 @@ class _PageStore:
             finally:
                 self._unhold()
 
-    def finished(self, keys: Sequence[bytes]) -> None:
-        """The policy's hint that the request using this chain finished."""
+    def hint(self, keys: Sequence[bytes], hints: Hints) -> int:
+        """Sends the policy a hint about the request whose chain this is (finished, paused): a
+        MATCH that counts as a use, the only kind the daemon applies hints on (a probe MATCH's
+        are counted but ignored); it reaches the deepest node of the held path, the request's
+        own pages. No lease. Returns the pages the daemon's index holds."""
         if not keys:
-            return
+            return 0
         with self._lock:
             try:
-                self._c().match(self.tokens(keys), probe=True, hints=Hints(finished=True))
+                return int(self._c().match(self.tokens(keys), hints=hints).pages)
             except Error as e:
                 self._failed(e)
                 raise

@@ -1,21 +1,26 @@
 """kvtier.vllm.worker: the connector's worker side. It runs in each of vLLM's workers, in the
-forward pass: reads the step's pages from kvtierd and scatters them layer by layer into vLLM's
-paged tensors, and copies the step's saved blocks layer by layer into pages that its I/O thread
-stores. No wait on the daemon exceeds what is left of the step's worker_deadline_ms."""
+forward pass: reads the step's pages from kvtierd, and its I/O thread copies them layer by layer
+into vLLM's paged tensors while the forward computes the earlier layers. Saves are asynchronous: once a step's last layer is computed, a job per request
+on the I/O thread reserves room in kvtierd's mapping, copies the request's blocks out of vLLM's
+tensors and commits (or PUTs staged pages); the forward never waits for it. The blocks a job
+still has to read are held: a finished request's by vLLM until get_finished reports it, a
+preempted request's saves are cancelled before vLLM can hand its blocks on. A load waits at
+most what is left of the step's worker_deadline_ms; a save not stored within that long after
+its step is dropped and its blocks handed back."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..client import Reservation
 from .common import KvtierConnectorMetadata, _Transfer, log, rank_salt, worker_ranks
-from .layout import _Layout, _Run, _Views
+from .layout import _Layout, _Views
 from .store import _PageStore
 
 if TYPE_CHECKING:
@@ -24,24 +29,40 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Load:
+    """A step's load. Its job (_load_job, on the I/O thread) reads the pages (GET), sets
+    ``fetched``, then copies them into vLLM's blocks one layer after another, setting each
+    layer's event, so that the forward computes a layer while the next ones are copied; then
+    it releases the lease. The forward waits for ``fetched`` within the step's deadline (the
+    daemon), then for each layer's event (memory only). ``lock`` is held while a layer is
+    copied: a load the forward gives up on (its deadline) is cancelled under it, and copies
+    nothing more into blocks that vLLM will recompute."""
+
     t: _Transfer
-    future: "Future[Any]"  # pages read (staging), or _Views (mapped)
-    staging: torch.Tensor
+    future: "Future[Any]"
+    staging: Optional[torch.Tensor]
     blocks: List[int]
-    got: int = -1  # pages read, once the future is done
-    layers_done: Set[int] = field(default_factory=set)
-    views: Optional[_Views] = None
+    layers: List[threading.Event]
+    fetched: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    pages: int = 0  # pages read by the job (set before ``fetched``)
+    error: Optional[BaseException] = None  # the GET's, or a copy's
+    got: int = -1  # pages the forward takes, once resolved
 
 
 @dataclass
-class _Save:
+class _SaveJob:
+    """One request's saves of one step, on the I/O thread (_save_job). ``lock`` is held while
+    the job copies vLLM's blocks out (memory only, never across a call to kvtierd): taking it
+    is how the forward's thread cancels a job before vLLM reuses the blocks."""
+
     t: _Transfer
-    staging: torch.Tensor  # the pages saved through the socket, one row each
-    blocks: List[int]  # the block of each staging row
-    layers_done: Set[int] = field(default_factory=set)
-    rows: Optional[List[int]] = None  # each staging row's page (from t.first); None: all
-    resv: Optional[Reservation] = None  # the mapped path: the pages reserved in the arena
-    runs: List[_Run] = field(default_factory=list)  # the reserved pages, in the mapping
+    deadline: float  # time.monotonic() by which it is stored, or dropped
+    event: Any = None  # a CUDA event after the step's last layer: the blocks are written
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False  # not to read the blocks (preempted, or past its deadline)
+    copied: bool = False  # the blocks are read: vLLM may reuse them
+    future: Optional["Future[int]"] = None
 
 
 class WorkerSide:
@@ -56,15 +77,17 @@ class WorkerSide:
         self._store: Optional[_PageStore] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._loads: List[_Load] = []
-        self._saves: Dict[str, _Save] = {}
-        self._save_futures: List[Tuple[_Transfer, "Future[int]"]] = []
         self._load_errors: Set[int] = set()
-        # The zero-copy path: the step's reservations (made on the I/O thread from
-        # start_load_kv, taken by the first save_kv_layer), whether this step's saves are laid
-        # out, and the I/O the step still waits for (lease releases, aborts).
-        self._resv_future: Optional["Future[Dict[str, Any]]"] = None
-        self._saves_ready = False
-        self._io_futures: List[Tuple[str, "Future[Any]"]] = []
+        # Asynchronous saves: the step's layers computed so far (the jobs go once all are),
+        # each request's jobs not yet stored (nor dropped), the requests the scheduler planned
+        # saves for (it holds their blocks when they finish: request_finished), and those
+        # finished whose jobs are still out (reported by get_finished once they are not).
+        self._layers_in: Set[int] = set()
+        self._submitted = False
+        self._jobs: Dict[str, List[_SaveJob]] = {}
+        self._saving_reqs: Set[str] = set()
+        self._finishing: Set[str] = set()
+        self._io_futures: List[Tuple[str, "Future[Any]"]] = []  # load jobs (their releases)
         # Loads between steps (load_async): their own connection and thread, so that a step's
         # saves never queue behind them; reported by get_finished once done.
         self._async_store: Optional[_PageStore] = None
@@ -72,8 +95,13 @@ class WorkerSide:
         self._async_loads: Dict[str, "Future[int]"] = {}
         self._async_errors: Dict[str, List[int]] = {}
         # Staging memory kept from step to step (a fresh 64 MiB tensor each step costs its page
-        # faults on every load and save): [0] loads, [1] saves; each step slices its pages off.
-        self._arenas: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        # faults on every load and save): [0] the step's loads; the save jobs take theirs from
+        # a free list (_staging_free), as they outlive their step. _staged counts the rows of
+        # staging the saves ever made (0: every save went through the mapping).
+        self._arenas: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)]
+        self._staging_free: List[torch.Tensor] = []
+        self._staging_lock = threading.Lock()
+        self._staged = 0
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         """Learns the paged layout; the worker's namespace is its shard's: its TP rank's, or
@@ -100,51 +128,24 @@ class WorkerSide:
         return dict(guard=self._guard, deadline_ms=self._worker_deadline_ms,
                     what="vllm worker" + what)
 
-    def _wait(self, fut: "Future[Any]") -> bool:
-        """Waits for an I/O job within what is left of this step's worker_deadline_ms. False
-        (counted) when it is not done by then: the forward goes on without it."""
-        if fut.done():
-            return True
-        left = self._worker_deadline_ms / 1000.0 - self._waited
-        t0 = time.monotonic()
-        if left > 0:
-            wait_futures([fut], timeout=left)
-        self._waited += time.monotonic() - t0
-        if fut.done():
-            return True
-        self._guard.count("deadline_misses")
-        return False
-
-    def _later(self, fut: "Future[Any]", fn: Callable[[Any], None]) -> None:
-        """Runs fn(result) on the I/O thread once an abandoned job is done (a lease or a
-        reservation given back), never on the forward's thread."""
-        pool = self._pool
-
-        def done(f: "Future[Any]") -> None:
-            try:
-                r = f.result()
-            except Exception:  # noqa: BLE001 - failed: nothing of it is held
-                return
-            try:
-                if pool is not None:
-                    pool.submit(fn, r)
-            except RuntimeError:  # shut down: the closed connection gave it back
-                pass
-
-        fut.add_done_callback(done)
-
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Starts reading this step's pages (whole pages, all layers) from kvtierd: with the
         zero-copy mapping, a MATCH with a lease and a GET by location (the pages stay where
         they lie in the mapping); else into staging buffers. wait_for_layer_load scatters each
-        layer. Then, mapped, starts reserving room in the mapping for this step's saves.
-        The step's waits for all of it share worker_deadline_ms; with the circuit breaker open,
-        the loads are load errors at once and nothing is sent."""
+        layer. The step's waits for them share worker_deadline_ms; with the circuit breaker
+        open, the loads are load errors at once and nothing is sent. First, before the step
+        writes any block: the saves of requests vLLM preempted (their blocks freed) that have
+        not read their blocks yet are cancelled."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
             return
         self._waited = 0.0  # a new step: its own wait budget
         self._finish_loads()  # anything a previous step left
+        for rid in meta.preempted:
+            for job in self._jobs.pop(rid, ()):
+                self._cancel(job, "its request was preempted")
+        self._saving_reqs.update(t.req_id for t in meta.saves)
+        self._sweep_saves()
         sync = [t for t in meta.loads if not t.async_load]
         for t in meta.loads:
             if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
@@ -163,13 +164,11 @@ class WorkerSide:
         for t in sync:
             n = len(t.keys) - t.first
             ld = _Load(t, None, None if arena is None else arena[at:at + n],  # type: ignore
-                       list(t.block_ids))
+                       list(t.block_ids),
+                       [threading.Event() for _ in self._layout.names])
             at += n
             ld.future = self._pool.submit(self._load_job, ld)
             self._loads.append(ld)
-        if meta.saves and self._saves_here and self._resv_future is None and \
-                self._zero_copy():
-            self._resv_future = self._pool.submit(self._reserve_job, list(meta.saves))
 
     def _zero_copy(self) -> bool:
         """Whether to try the mapped path (not known before the first connection)."""
@@ -177,11 +176,45 @@ class WorkerSide:
         return st is not None and st.keyed and bool(self._extra.get("zero_copy", True)) and \
             (st.mapped or st._client is None)
 
-    def _load_job(self, ld: _Load) -> Any:
-        """A step's load, on the I/O thread: the pages' views (mapped: _Views), or the pages
-        read into staging (their count)."""
-        with self._tally.timer("load_seconds"):
-            return self._load(ld)
+    def _load_job(self, ld: _Load) -> None:
+        """A step's load, on the I/O thread: the pages read (GET by location into the mapping,
+        or into staging), then copied into vLLM's blocks layer by layer (see _Load), then the
+        lease released. Never raises: a failure is ld.error."""
+        assert self._store is not None and self._layout is not None
+        views = None
+        try:
+            try:
+                with self._tally.timer("load_seconds"):
+                    r = self._load(ld)
+                if isinstance(r, _Views):
+                    views, ld.pages = r, r.pages
+                else:
+                    ld.pages = int(r)
+            except Exception as e:  # noqa: BLE001 - the forward recomputes
+                ld.error = e
+            finally:
+                ld.fetched.set()
+            n = ld.pages if ld.error is None else 0
+            for li, name in enumerate(self._layout.names):
+                try:
+                    with ld.lock:
+                        if n > 0 and not ld.cancelled and ld.error is None:
+                            if views is not None:  # straight from the mapping
+                                self._layout.scatter_runs(views.runs, li, self._kv[name])
+                            else:
+                                self._layout.scatter(ld.staging[:n], li,  # type: ignore
+                                                     self._kv[name], ld.blocks[:n])
+                            kv = self._kv[name]
+                            if kv.is_cuda:  # in the blocks before the forward reads them
+                                torch.cuda.current_stream(kv.device).synchronize()
+                except Exception as e:  # noqa: BLE001 - the forward reports load errors
+                    ld.error = e
+                finally:
+                    ld.layers[li].set()
+        finally:
+            if views is not None and views.lease:  # its views not touched after this
+                views.runs.clear()
+                self._store.release_views(views.lease)
 
     def _load(self, ld: _Load) -> Any:
         assert self._store is not None and self._layout is not None
@@ -201,70 +234,44 @@ class WorkerSide:
             raise
         return _Views(lease, len(items), runs, items)
 
-    def _reserve_job(self, saves: List[_Transfer]) -> Dict[str, Any]:
-        with self._tally.timer("save_seconds"):
-            return self._reserve(saves)
-
-    def _reserve(self, saves: List[_Transfer]) -> Dict[str, Any]:
-        """Reserves room in the mapping for this step's saves, on the I/O thread. Returns, per
-        request, (Reservation, runs of the reserved pages, the pages to stage):
-        a page without room is staged and PUT through the socket; one held already, or reserved
-        by an earlier request of this step (a shared prefix), is left alone. A request missing
-        from the answer is staged whole (no mapping, or its reservation failed)."""
-        assert self._store is not None and self._layout is not None
-        out: Dict[str, Any] = {}
-        mine: Set[bytes] = set()
-        for t in saves:
-            try:
-                got = self._store.reserve(t.keys, t.first)
-            except Exception as e:  # noqa: BLE001 - staged instead
-                log.info("kvtier: no reservation for %s, staging it: %s", t.req_id, e)
-                continue
-            if got is None:
-                return out
-            r, held = got
-            try:
-                views, vblocks, rows = [], [], []
-                for j, v in enumerate(r.views):
-                    p = t.first + j
-                    if v is not None:
-                        views.append(v)
-                        vblocks.append(t.block_ids[j])
-                        mine.add(t.keys[p])
-                    elif t.keys[p] in mine or (held is not None and p < len(held) and held[p]):
-                        pass
-                    else:
-                        rows.append(j)
-                runs = self._layout.runs(views, vblocks)
-            except Exception as e:  # noqa: BLE001
-                self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
-                                 t.req_id, e)
-                try:
-                    self._store.abort(r)
-                except Exception:  # noqa: BLE001
-                    pass
-                continue
-            out[t.req_id] = (r, runs, rows)
-        return out
-
     def _load_between(self, t: _Transfer) -> int:
-        """An asynchronous load, on its own thread: whole pages into a staging buffer of its
-        own, then every layer into the blocks (which vLLM does not touch until get_finished
-        reports the request). Never raises: pages that did not come are load errors."""
+        """An asynchronous load, on its own thread: every layer into the blocks (which vLLM
+        does not touch until get_finished reports the request), straight from the pages where
+        they lie in the mapping (a MATCH with a lease, a GET by location, the lease released
+        once all layers are in), or without the mapping through a staging buffer of its own.
+        Never raises: pages that did not come are load errors."""
         assert self._layout is not None and self._async_store is not None
         got = 0
         try:
-            staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
-                                  dtype=torch.uint8)
             with self._tally.timer("load_seconds"):
-                got = int(self._async_store.load(t.keys, t.first, staging))
-            if got > 0:
-                for li, name in enumerate(self._layout.names):
-                    self._layout.scatter(staging[:got], li, self._kv[name], t.block_ids[:got])
-                kv = self._kv[self._layout.names[0]]
-                if kv.is_cuda:
-                    torch.cuda.current_stream(kv.device).synchronize()
+                views = self._async_store.load_views(t.keys, t.first) \
+                    if self._async_store.keyed and self._extra.get("zero_copy", True) else None
+            if views is not None:
+                lease, items = views
+                try:
+                    if items:
+                        runs = self._layout.runs(items, t.block_ids[:len(items)])
+                        for li, name in enumerate(self._layout.names):
+                            self._layout.scatter_runs(runs, li, self._kv[name])
+                        runs.clear()
+                        got = len(items)
+                finally:
+                    if lease:
+                        self._async_store.release_views(lease)
+            else:
+                staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
+                                      dtype=torch.uint8)
+                with self._tally.timer("load_seconds"):
+                    got = int(self._async_store.load(t.keys, t.first, staging))
+                if got > 0:
+                    for li, name in enumerate(self._layout.names):
+                        self._layout.scatter(staging[:got], li, self._kv[name],
+                                             t.block_ids[:got])
+            kv = self._kv[self._layout.names[0]]
+            if got > 0 and kv.is_cuda:
+                torch.cuda.current_stream(kv.device).synchronize()
         except Exception as e:  # noqa: BLE001
+            got = 0
             self._guard.count("failures")
             self._guard.warn("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
         self._count_load(got, len(t.block_ids))
@@ -280,30 +287,44 @@ class WorkerSide:
                                                   dtype=torch.uint8)
         return a
 
+    def _wait_event(self, ev: threading.Event) -> bool:
+        """Waits for an I/O job's event within what is left of this step's
+        worker_deadline_ms. False (counted) when it is not set by then: the forward goes on
+        without it."""
+        if ev.is_set():
+            return True
+        left = self._worker_deadline_ms / 1000.0 - self._waited
+        t0 = time.monotonic()
+        if left > 0:
+            ev.wait(left)
+        self._waited += time.monotonic() - t0
+        if ev.is_set():
+            return True
+        self._guard.count("deadline_misses")
+        return False
+
     def _resolve(self, ld: _Load) -> None:
+        """Waits for the load's GET within the step's deadline: its pages, or none (cancelled:
+        its job copies nothing into the blocks, which vLLM recomputes)."""
         if ld.got >= 0:
             return
-        if not self._wait(ld.future):
+        if not self._wait_event(ld.fetched):
             # Not here by the deadline: recomputed. Its staging stays the job's (the next step
-            # takes fresh memory), and a lease it gets is given back when it comes.
+            # takes fresh memory); its job gives the lease back when it comes.
+            with ld.lock:
+                ld.cancelled = True
             self._guard.warn("kvtier: load of %s not done within worker_deadline_ms (%d ms), "
                              "recomputing it", ld.t.req_id, self._worker_deadline_ms)
             if ld.staging is not None:
                 self._arenas[0] = torch.empty(0, dtype=torch.uint8)
-            self._later(ld.future, self._release_late)
+            ld.got = 0
+        elif ld.error is not None:
+            self._guard.count("failures")
+            self._guard.warn("kvtier: load of %s failed, recomputing: %s", ld.t.req_id,
+                             ld.error)
             ld.got = 0
         else:
-            try:
-                r = ld.future.result()
-                if isinstance(r, _Views):
-                    ld.views = r
-                    ld.got = r.pages
-                else:
-                    ld.got = int(r)
-            except Exception as e:  # noqa: BLE001
-                self._guard.count("failures")
-                self._guard.warn("kvtier: load of %s failed, recomputing: %s", ld.t.req_id, e)
-                ld.got = 0
+            ld.got = ld.pages
         self._count_load(ld.got, len(ld.t.block_ids))
         if ld.got < len(ld.t.block_ids):
             self._load_errors.update(ld.t.block_ids[ld.got:])
@@ -314,20 +335,9 @@ class WorkerSide:
         self._tally.add("load_bytes", got * self._layout.page_bytes)
         self._tally.add("load_errors", blocks - got)
 
-    def _release_late(self, r: Any) -> None:
-        """A load that came after its deadline: its lease given back (its views unused)."""
-        if isinstance(r, _Views) and r.lease and self._store is not None:
-            r.runs.clear()
-            self._store.release_views(r.lease)
-
-    def _abort_late(self, resv: Dict[str, Any]) -> None:
-        """Reservations that came after their deadline: given back, nothing visible."""
-        for x in resv.values():
-            if x[0].id:
-                self._abort(x[0])
-
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Scatters this layer of every page loaded this step into vLLM's blocks."""
+        """Waits until this layer of every page loaded this step is in vLLM's blocks (the I/O
+        thread copies the layers in order while the forward computes the earlier ones)."""
         if not self._loads or self._layout is None:
             return
         li = self._layout.index.get(layer_name)
@@ -335,149 +345,171 @@ class WorkerSide:
             return
         for ld in self._loads:
             self._resolve(ld)
-            if ld.got > 0 and li not in ld.layers_done:
-                if ld.views is not None:  # straight from the mapping
-                    self._layout.scatter_runs(ld.views.runs, li, self._kv[layer_name])
-                else:
-                    self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
-                                         ld.blocks[:ld.got])
-            ld.layers_done.add(li)
-            if ld.views is not None and len(ld.layers_done) == len(self._layout.names):
-                self._give_back(ld)
-
-    def _give_back(self, ld: _Load) -> None:
-        """The load's pages all scattered: its lease released (on the I/O thread; the step's
-        wait_for_save waits for it). Its views are not touched after this."""
-        v, ld.views = ld.views, None
-        if v is not None and v.lease:
-            v.runs.clear()
-            assert self._pool is not None and self._store is not None
-            self._io_futures.append((ld.t.req_id, self._pool.submit(self._store.release_views,
-                                                                     v.lease)))
+            if ld.got > 0:
+                ld.layers[li].wait()  # a copy in memory: the GET is done
+                if ld.error is not None:  # a copy failed: the whole load is recomputed
+                    self._load_errors.update(ld.t.block_ids)
 
     def _finish_loads(self) -> None:
+        """The step's loads all in (or given up): every layer copied, before the step ends.
+        The jobs release their leases on the I/O thread (not waited for)."""
         try:
             for name in self._layout.names if self._layout else ():
                 self.wait_for_layer_load(name)
         finally:
-            for ld in self._loads:  # a scatter that raised: the lease given back all the same
-                self._give_back(ld)
+            for ld in self._loads:
+                if ld.future is not None:
+                    self._io_futures.append((ld.t.req_id, ld.future))
             self._loads.clear()
+
+    # == saves: asynchronous, off the forward's thread ============================================
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Copies this layer of each page saved this step straight into the room reserved for
-        it in kvtierd's mapping (the zero-copy path), or into a staging buffer (no mapping, or
-        a page the reservation gave no room); a request's last layer in, its pages are
-        committed (and the staged ones PUT) on the I/O thread."""
+        """Notes that this layer of the step is computed; after the step's last layer, one save
+        job per request goes to the I/O thread (_save_job), which copies the blocks out and
+        stores them. Nothing here waits for kvtierd, nor copies."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None or \
-                not self._saves_here:  # another TP rank saves the KV this one holds too
+                not meta.saves:
+            return
+        self._saving_reqs.update(t.req_id for t in meta.saves)
+        if not self._saves_here:  # another TP rank saves the KV this one holds too (MLA)
             return
         li = self._layout.index.get(layer_name)
         if li is None:
             return
-        if meta.saves and not self._saves_ready:
-            self._lay_out_saves(meta.saves)
-        for t in meta.saves:
-            sv = self._saves.get(t.req_id)
-            if sv is None:  # stored already this step
-                continue
-            if li in sv.layers_done:
-                continue
-            if sv.runs:
-                self._layout.gather_runs(sv.runs, li, kv_layer)
-            if sv.blocks:
-                self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
-            sv.layers_done.add(li)
-            if len(sv.layers_done) == len(self._layout.names):
-                assert self._pool is not None
-                self._save_futures.append((t, self._pool.submit(self._store_save, sv)))
-                del self._saves[t.req_id]
+        self._layers_in.add(li)
+        if len(self._layers_in) == len(self._layout.names) and not self._submitted:
+            self._submitted = True
+            self._submit_saves(meta.saves)
 
-    def _lay_out_saves(self, saves: List[_Transfer]) -> None:
-        """The step's first layer: where each page saved this step goes (its reserved room,
-        else a row of the staging buffer)."""
-        self._saves_ready = True
-        resv: Dict[str, Any] = {}
-        if self._store is not None and not self._store.up:
+    def _submit_saves(self, saves: List[_Transfer]) -> None:
+        assert self._store is not None and self._pool is not None and self._layout is not None
+        if not self._store.up:
             # kvtierd unreachable: the step's saves are dropped at once (no copy, no I/O).
             self._guard.count("short_circuited")
             self._guard.count("saves_dropped", len(saves))
-            self._abort_incomplete()
-            self._saves_ready = True
             return
-        if self._resv_future is None and self._zero_copy():  # start_load_kv did not run
-            assert self._pool is not None
-            self._resv_future = self._pool.submit(self._reserve_job, list(saves))
-        if self._resv_future is not None:
-            f, self._resv_future = self._resv_future, None
-            if not self._wait(f):  # staged instead; the reservations given back when they come
-                self._guard.warn("kvtier: reservations not made within worker_deadline_ms "
-                                 "(%d ms), staging the step's saves", self._worker_deadline_ms)
-                self._later(f, self._abort_late)
-            else:
-                try:
-                    resv = f.result()
-                except Exception as e:  # noqa: BLE001
-                    self._guard.count("failures")
-                    self._guard.warn("kvtier: reservations failed, staging the step's saves: "
-                                     "%s", e)
-        plan = []
+        event = None
+        if self._kv[self._layout.names[0]].is_cuda:  # the job reads the blocks once written
+            event = torch.cuda.Event()
+            event.record()
+        deadline = time.monotonic() + self._worker_deadline_ms / 1000.0
         for t in saves:
-            x = resv.get(t.req_id)
-            if x is None:
-                plan.append((t, None, [], list(range(len(t.keys) - t.first)), False))
-            else:
-                plan.append((t, *x, True))
-        rows = sum(len(p[3]) for p in plan)
-        arena = self._arena(1, rows) if rows else None
-        at = 0
-        for t, r, runs, prow, mapped in plan:
-            n = len(prow)
-            staging = arena[at:at + n] if arena is not None else None
-            at += n
-            self._saves[t.req_id] = _Save(
-                t, staging, [t.block_ids[j] for j in prow],  # type: ignore[arg-type]
-                rows=prow if mapped else None, resv=r if r is not None and r.id else None,
-                runs=runs)
+            job = _SaveJob(t, deadline, event)
+            job.future = self._pool.submit(self._save_job, job)
+            self._jobs.setdefault(t.req_id, []).append(job)
 
-    def _store_save(self, sv: _Save) -> int:
-        """A request's pages all in, on the I/O thread: commits its reservation and PUTs its
-        staged pages (runs of consecutive pages). Returns the pages stored."""
+    def _save_job(self, job: _SaveJob) -> int:
+        """A request's saves of one step, on the I/O thread: mapped, RESERVE of its pages, the
+        blocks copied straight into the reserved room and COMMIT; pages without room (or not
+        mapped) copied into staging and PUT. A page held already is left alone. Returns the
+        pages stored (0: cancelled before it read the blocks)."""
         assert self._store is not None and self._layout is not None
         stored = [0]
         try:
             with self._tally.timer("save_seconds"):
-                return self._store_pages(sv, stored)
+                return self._save(job, stored)
         finally:  # what did go, even when a part failed
             self._tally.add("save_pages", stored[0])
             self._tally.add("save_bytes", stored[0] * self._layout.page_bytes)
 
-    def _store_pages(self, sv: _Save, stored: List[int]) -> int:
-        """_store_save's work; ``stored[0]`` counts the pages stored as they go."""
-        assert self._store is not None
-        t, err = sv.t, None
-        sv.runs = []  # the views are not touched after the commit
-        if sv.resv is not None:
+    def _save(self, job: _SaveJob, stored: List[int]) -> int:
+        assert self._store is not None and self._layout is not None
+        t = job.t
+        if job.cancelled:
+            return 0
+        if job.event is not None:
+            job.event.synchronize()
+        resv: Optional[Reservation] = None
+        runs: List[Any] = []
+        rows = list(range(len(t.keys) - t.first))  # the pages to stage (from t.first)
+        got = None
+        if self._zero_copy():
             try:
-                stored[0] += self._store.commit(sv.resv)
+                got = self._store.reserve(t.keys, t.first)
+            except Exception as e:  # noqa: BLE001 - staged instead
+                if not self._store.up:
+                    raise
+                log.info("kvtier: no reservation for %s, staging it: %s", t.req_id, e)
+        if got is not None:
+            resv, held = got
+            try:
+                views, vblocks, rows = [], [], []
+                for j, v in enumerate(resv.views):
+                    p = t.first + j
+                    if v is not None:
+                        views.append(v)
+                        vblocks.append(t.block_ids[j])
+                    elif not (held is not None and p < len(held) and held[p]):
+                        rows.append(j)
+                runs = self._layout.runs(views, vblocks)
+            except Exception as e:  # noqa: BLE001
+                self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
+                                 t.req_id, e)
+                self._abort(resv)
+                resv, runs, rows = None, [], list(range(len(t.keys) - t.first))
+        staging = self._take_staging(len(rows)) if rows else None
+        try:
+            with job.lock:  # the forward's thread cancels under it: the blocks are not read
+                if not job.cancelled:
+                    blocks = [t.block_ids[j] for j in rows]
+                    for li, name in enumerate(self._layout.names):
+                        kv = self._kv[name]
+                        if runs:
+                            self._layout.gather_runs(runs, li, kv)
+                        if blocks:
+                            self._layout.gather(staging, li, kv, blocks)  # type: ignore
+                    job.copied = True
+            runs = []  # the views are not touched after this
+            if not job.copied:
+                if resv is not None and resv.id:
+                    self._abort(resv)
+                return 0
+            return self._store_pages(t, resv, rows, staging, stored)
+        finally:
+            if staging is not None:
+                self._give_staging(staging)
+
+    def _store_pages(self, t: _Transfer, resv: Optional[Reservation], rows: List[int],
+                     staging: Optional[torch.Tensor], stored: List[int]) -> int:
+        """Commits the reservation and PUTs the staged rows (runs of consecutive pages).
+        ``stored[0]`` counts the pages stored as they go."""
+        assert self._store is not None
+        err = None
+        if resv is not None and resv.id:
+            try:
+                stored[0] += self._store.commit(resv)
             except Exception as e:  # noqa: BLE001 - the staged pages may still go
                 err = e
-        if sv.rows is None:
-            stored[0] += self._store.save(t.keys, t.first, sv.staging)
-        else:
-            i = 0
-            while i < len(sv.rows):
-                k = i + 1
-                while k < len(sv.rows) and sv.rows[k] == sv.rows[k - 1] + 1:
-                    k += 1
-                a, b = t.first + sv.rows[i], t.first + sv.rows[k - 1] + 1
-                stored[0] += self._store.save(t.keys[:b], a, sv.staging[i:k])
-                i = k
+        i = 0
+        while i < len(rows):
+            k = i + 1
+            while k < len(rows) and rows[k] == rows[k - 1] + 1:
+                k += 1
+            a, b = t.first + rows[i], t.first + rows[k - 1] + 1
+            stored[0] += self._store.save(t.keys[:b], a, staging[i:k])  # type: ignore
+            i = k
         if err is not None:
             raise err
         return stored[0]
+
+    def _take_staging(self, rows: int) -> torch.Tensor:
+        """Staging rows for a save job: a buffer a finished job gave back, else a new one."""
+        assert self._layout is not None
+        with self._staging_lock:
+            for i, a in enumerate(self._staging_free):
+                if a.shape[0] >= rows:
+                    return self._staging_free.pop(i)[:rows]
+            self._staged += rows
+        return torch.empty((rows, self._layout.page_bytes), dtype=torch.uint8)
+
+    def _give_staging(self, a: torch.Tensor) -> None:
+        base = a._base if a._base is not None else a  # the whole buffer, not the job's rows
+        with self._staging_lock:
+            if len(self._staging_free) < 4:
+                self._staging_free.append(base)
 
     def _abort(self, r: Reservation) -> None:
         assert self._store is not None
@@ -486,72 +518,91 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - expires in the daemon's reserve-ms, or gone
             log.info("kvtier: abort of reservation %d: %s", r.id, e)
 
+    def _cancel(self, job: _SaveJob, why: str, late: bool = False) -> None:
+        """On the forward's thread: the job is not to read vLLM's blocks any more (they are
+        freed, or handed back). Waits only for a copy in progress (memory, never kvtierd). A
+        job that has read them goes on alone: its pages are stored if it ends well (``late``:
+        counted as dropped all the same, it is no longer waited for)."""
+        with job.lock:
+            if job.copied and not late:
+                return
+            job.cancelled = not job.copied
+        self._guard.count("saves_dropped")
+        self._guard.warn("kvtier: save of %s dropped: %s", job.t.req_id, why)
+
+    def _sweep_saves(self) -> None:
+        """Settles the save jobs that are done (a failure counted and logged: a later miss),
+        and drops those past their deadline (worker_deadline_ms after their step): their
+        blocks are handed back, whatever the daemon does."""
+        now = time.monotonic()
+        for rid in list(self._jobs):
+            keep = []
+            for job in self._jobs[rid]:
+                f = job.future
+                if f is not None and f.done():
+                    try:
+                        f.result()
+                    except Exception as e:  # noqa: BLE001
+                        self._guard.count("failures")
+                        self._guard.count("saves_dropped")
+                        self._guard.warn("kvtier: save of %s failed: %s", rid, e)
+                elif now >= job.deadline:
+                    self._guard.count("deadline_misses")
+                    self._cancel(job, "not stored within worker_deadline_ms (%d ms)"
+                                 % self._worker_deadline_ms, late=True)
+                else:
+                    keep.append(job)
+            if keep:
+                self._jobs[rid] = keep
+            else:
+                del self._jobs[rid]
+
+    def saves_in_flight(self) -> int:
+        """Save jobs neither stored nor dropped yet (settling those that are)."""
+        self._sweep_saves()
+        return sum(len(j) for j in self._jobs.values())
+
     def wait_for_save(self) -> None:
-        """Waits for this step's stores (a failed one is logged: a later miss, no error).
-        Reservations of pages whose layers did not all come (another pipeline stage) are
-        aborted: nothing of them becomes visible."""
+        """Ends the step without waiting for kvtierd: the step's save jobs are on the I/O
+        thread (a step whose layers did not all come to this worker, as with another pipeline
+        stage holding the rest, saves nothing), and the loads' leases are released there."""
         try:
             self._finish_loads()
         finally:
-            self._abort_incomplete()
-        for t, fut in self._save_futures:
-            if not self._wait(fut):
-                # Dropped: the job goes on alone (its pages stored if it ends well, else a
-                # later miss) with its staging, which the next step does not reuse. vLLM's
-                # blocks were copied out in save_kv_layer: none is held.
-                self._guard.count("saves_dropped")
-                self._guard.warn("kvtier: save of %s not done within worker_deadline_ms "
-                                 "(%d ms), dropped", t.req_id, self._worker_deadline_ms)
-                self._arenas[1] = torch.empty(0, dtype=torch.uint8)
-                continue
-            try:
-                fut.result()
-            except Exception as e:  # noqa: BLE001
-                self._guard.count("failures")
-                self._guard.count("saves_dropped")
-                self._guard.warn("kvtier: save of %s failed: %s", t.req_id, e)
-        self._save_futures.clear()
+            self._layers_in.clear()
+            self._submitted = False
+        self._sweep_saves()
+        pending = []
         for rid, fut in self._io_futures:
-            if not self._wait(fut):  # a release or an abort: it runs on alone
+            if not fut.done():
+                pending.append((rid, fut))
                 continue
             try:
                 fut.result()
             except Exception as e:  # noqa: BLE001
                 log.info("kvtier: %s: %s", rid, e)
-        self._io_futures.clear()
-
-    def _abort_incomplete(self) -> None:
-        resv: List[Reservation] = []
-        if self._resv_future is not None:  # reserved, and no layer of this step saved here
-            f, self._resv_future = self._resv_future, None
-            if not self._wait(f):
-                self._later(f, self._abort_late)
-            else:
-                try:
-                    resv = [x[0] for x in f.result().values()]
-                except Exception:  # noqa: BLE001 - nothing reserved
-                    pass
-        for sv in self._saves.values():
-            sv.runs = []
-            if sv.resv is not None:
-                resv.append(sv.resv)
-        self._saves.clear()
-        self._saves_ready = False
-        for r in resv:
-            if r.id:
-                assert self._pool is not None
-                self._io_futures.append(("abort", self._pool.submit(self._abort, r)))
+        self._io_futures = pending
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """(None, the requests whose asynchronous load is done). Their blocks that did not
-        arrive are reported by the get_block_ids_with_load_errors call that follows. Saves and
-        synchronous loads complete within their step: blocks are never held past it."""
+        """(Finished requests whose blocks vLLM may free now: their saves stored, failed or
+        dropped at their deadline; the requests whose asynchronous load is done). A finished
+        request is held (request_finished returned True) exactly when the scheduler planned
+        a save for it, which is when this worker saw it among a step's saves. The blocks of
+        asynchronous loads that did not arrive are reported by the
+        get_block_ids_with_load_errors call that follows."""
+        self._sweep_saves()
+        for rid in finished_req_ids or ():
+            if rid in self._saving_reqs:
+                self._saving_reqs.discard(rid)
+                self._finishing.add(rid)
+        sending = {rid for rid in self._finishing if rid not in self._jobs}
+        self._finishing -= sending
         done = {rid for rid, f in self._async_loads.items() if f.done()}
         for rid in done:
             del self._async_loads[rid]
             self._load_errors.update(self._async_errors.pop(rid, ()))
-        return None, (done or None)
+        return (sending or None), (done or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose pages did not arrive this step (daemon gone, page evicted): vLLM
@@ -561,8 +612,9 @@ class WorkerSide:
         return out
 
     def _close_worker_side(self) -> None:
-        """Finishes the step's saves, stops the I/O threads, closes the connections (the
-        daemon drops their leases)."""
+        """Ends the step, lets the save jobs out finish (each call to kvtierd is bounded by
+        worker_deadline_ms), stops the I/O threads, closes the connections (the daemon drops
+        their leases)."""
         try:
             self.wait_for_save()
         except Exception:  # noqa: BLE001
@@ -571,6 +623,9 @@ class WorkerSide:
             if pool is not None:
                 pool.shutdown(wait=True)
         self._pool = self._async_pool = None
+        self._sweep_saves()
+        self._jobs.clear()
+        self._io_futures.clear()
         self._async_loads.clear()
         self._async_errors.clear()
         for s in (self._store, self._async_store):
