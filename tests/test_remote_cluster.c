@@ -107,6 +107,23 @@ static kvt_tier_remote_stats_t stats(const kvt_tier_t *t)
     return s;
 }
 
+/* The counters of the node on 127.0.0.1:port; fails the test when the tier does not know it. */
+static kvt_tier_remote_node_stats_t node_stats(const kvt_tier_t *t, uint16_t port)
+{
+    char addr[32];
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", port);
+    kvt_tier_remote_node_stats_t ns;
+    int n = kvt_tier_remote_node_stats(t, 0, &ns);
+    cr_assert_gt(n, 0);
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(kvt_tier_remote_node_stats(t, (uint32_t)i, &ns), n);
+        if (!strcmp(ns.addr, addr))
+            return ns;
+    }
+    cr_assert_fail("the tier knows no node %s", addr);
+    return ns;
+}
+
 typedef struct blk {
     kvt_tier_io_t io;
     uint32_t tokens[PAGE];
@@ -344,6 +361,62 @@ Test(remote_cluster, keys_spread_over_every_primary_and_read_back)
     kvt_tier_destroy(t);
 }
 
+/* Per node: where each read went (hits and misses on the primary owning the key), the slots each
+ * serves, and nothing counted on a node no request went to. */
+Test(remote_cluster, per_node_counters_say_where_each_request_went)
+{
+    uint16_t ports[CL_NODES], prim[CL_NODES];
+    shared(ports);
+    cr_assert_eq(cl_primaries(ports[0], prim, CL_NODES), 3);
+    kvt_tier_t *t = open_cluster(getenv("KVT_TEST_CLUSTER"));
+    enum { N = 48 };
+    blk_t b[N + 1];
+    int on[CL_NODES] = {0}; /* blocks per primary (index in prim) */
+    for (int i = 0; i <= N; i++) {
+        blk_init(&b[i], (uint32_t)i, 1024);
+        char key[KVT_TIER_REMOTE_KEY_MAX];
+        uint16_t owner = cl_owner(ports[0], key_slot_of(t, &b[i], key));
+        for (int k = 0; k < 3; k++)
+            on[k] += i < N && owner == prim[k];
+        if (i < N)
+            cr_assert_eq(write_blk(t, &b[i], (uint64_t)i), 0);
+    }
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(read_check(t, &b[i], (uint64_t)i), 0);
+    cr_assert_eq(read_check(t, &b[N], (uint64_t)N), KVT_ENOENT); /* never written */
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    uint16_t miss_on = cl_owner(ports[0], key_slot_of(t, &b[N], key));
+
+    kvt_tier_remote_node_stats_t ns;
+    int n = kvt_tier_remote_node_stats(t, 0, &ns);
+    cr_assert_geq(n, 3, "the seeds and the primaries");
+    uint64_t hits = 0, misses = 0, slots = 0, refreshes = 0;
+    for (int i = 0; i < n; i++) {
+        kvt_tier_remote_node_stats(t, (uint32_t)i, &ns);
+        hits += ns.hits, misses += ns.misses, slots += ns.slots, refreshes += ns.map_refreshes;
+        cr_expect_eq(ns.errors + ns.moved + ns.asks + ns.failovers, 0, "%s", ns.addr);
+        if (!ns.slots)
+            cr_expect_eq(ns.hits + ns.misses, 0, "%s: a node with no slot got no read", ns.addr);
+    }
+    cr_expect_eq(hits, N);
+    cr_expect_eq(misses, 1);
+    cr_expect_eq(slots, 16384);
+    cr_expect_eq(refreshes, stats(t).map_refreshes);
+    for (int k = 0; k < 3; k++) {
+        ns = node_stats(t, prim[k]);
+        cr_expect(ns.up && ns.slots > 0, "%s: up, serving slots", ns.addr);
+        cr_expect_eq(ns.hits, (uint64_t)on[k], "%s: the reads of the blocks it owns", ns.addr);
+        cr_expect_eq(ns.misses, prim[k] == miss_on, "%s: the miss on the key's owner", ns.addr);
+    }
+    /* Bad input changes nothing. */
+    cr_expect_eq(kvt_tier_remote_node_stats(NULL, 0, &ns), KVT_EINVAL);
+    cr_expect_eq(kvt_tier_remote_node_stats(t, 0, NULL), KVT_EINVAL);
+    cr_expect_eq(kvt_tier_remote_node_stats(t, (uint32_t)n, &ns), n, "past the end: the count");
+    for (int i = 0; i <= N; i++)
+        blk_fini(&b[i]);
+    kvt_tier_destroy(t);
+}
+
 Test(remote_cluster, moved_after_a_slot_migration_is_followed)
 {
     uint16_t ports[CL_NODES];
@@ -365,6 +438,8 @@ Test(remote_cluster, moved_after_a_slot_migration_is_followed)
     cr_assert_eq(read_check(t, &b, 7), 0);
     kvt_tier_remote_stats_t after = stats(t);
     cr_expect_eq(after.moved, before.moved + 1);
+    cr_expect_eq(node_stats(t, src).moved, 1, "counted on the node that answered MOVED");
+    cr_expect_eq(node_stats(t, dst).hits, 1, "and the read on the node that served it");
     /* The next read goes straight to dst. */
     cr_assert_eq(read_check(t, &b, 7), 0);
     cr_expect_eq(stats(t).moved, after.moved, "the map learnt the slot from the MOVED");
@@ -677,6 +752,10 @@ Test(remote_cluster, primary_killed_under_load_fails_over_to_its_replica, .timeo
     cr_expect_geq(s.disconnects, 1);
     cr_expect_geq(s.map_refreshes, 2);
     cr_expect(kvt_tier_remote_connected(t), "whole again: every primary up");
+    kvt_tier_remote_node_stats_t gone = node_stats(t, victim);
+    cr_expect_eq(gone.failovers, 1, "the failover counted on the lost primary");
+    cr_expect_gt(gone.errors, 0, "the reads it failed counted on it");
+    cr_expect(!gone.up && gone.slots == 0);
     fprintf(stderr,
             "failover: every block served again %.2f s after the SIGKILL (%d rounds, %d "
             "misses while failing over)\n",
@@ -1207,6 +1286,24 @@ Test(remote_cluster, second_daemon_finds_the_first_ones_prefix_through_the_clust
     cr_assert_eq(kvd_http_get(&b, "/metrics", body, sizeof(body)), 200);
     cr_expect(strstr(body, "\nkvtier_remote_nodes 3\n"), "b follows 3 primaries");
     cr_expect(strstr(body, "\nkvtier_remote_redirect_errors_total 0\n"));
+    /* Per node: each primary up, serving slots, and b's reads on them. */
+    uint16_t prim[CL_NODES];
+    cr_assert_eq(cl_primaries(ports[0], prim, CL_NODES), 3);
+    double hits = 0;
+    for (int k = 0; k < 3; k++) {
+        char line[128];
+        snprintf(line, sizeof(line), "\nkvtier_remote_node_up{node=\"127.0.0.1:%u\"} 1\n", prim[k]);
+        cr_expect(strstr(body, line), "%s", line + 1);
+        snprintf(line, sizeof(line), "\nkvtier_remote_node_slots{node=\"127.0.0.1:%u\"} ", prim[k]);
+        const char *v = strstr(body, line);
+        cr_expect(v && atoi(v + strlen(line)) > 0, "%s", line + 1);
+        snprintf(line, sizeof(line), "\nkvtier_remote_node_hits_total{node=\"127.0.0.1:%u\"} ",
+                 prim[k]);
+        v = strstr(body, line);
+        cr_expect(v, "%s", line + 1);
+        hits += v ? strtod(v + strlen(line), NULL) : 0;
+    }
+    cr_expect_geq(hits, P, "b's GETs of a's pages, counted on the primaries");
     kvt_client_close(ca);
     kvt_client_close(cb);
     kvd_cleanup(&a);
