@@ -6,12 +6,14 @@
  * covers a DRAM hit and a remote round trip alike. Two dimensions are not fixed lists: the
  * per-namespace series, a table of label strings that grows to metrics-namespaces entries and no
  * further, and the one build_info series. The process_* gauges are read from /proc/self when a
- * scrape asks, as every Prometheus client library does.
+ * scrape asks, as every Prometheus client library does. The remote tier's per-node families
+ * (label node) are rows copied from the tier with the other gauges, like the per-tenant bytes.
  */
 #include "metrics.h"
 
 #include <dirent.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -81,7 +83,50 @@ struct kvt_metrics {
     unsigned tier_mask;                           /* kvt__metrics_tiers */
     kvt_metric_tenant_t tenants[KVT_TENANT_ROWS]; /* KVT_TENANT_NAME's rows */
     size_t ntenants;
-    unsigned device_mask; /* kvt__metrics_devices */
+    unsigned device_mask;                                     /* kvt__metrics_devices */
+    kvt_tier_remote_node_stats_t nodes[KVT_REMOTE_NODE_ROWS]; /* kvt__metrics_remote_nodes */
+    size_t nnodes;
+};
+
+void kvt__metrics_remote_nodes(kvt_metrics_t *m, const kvt_tier_t *remote)
+{
+    m->nnodes = 0;
+    int n = remote ? kvt_tier_remote_node_stats(remote, 0, &m->nodes[0]) : 0;
+    for (int i = 0; i < n && i < KVT_REMOTE_NODE_ROWS; i++)
+        if (kvt_tier_remote_node_stats(remote, (uint32_t)i, &m->nodes[m->nnodes]) > i)
+            m->nnodes++;
+}
+
+/* The per-node families, each rendered from one field of kvt_tier_remote_node_stats_t. */
+static const struct kvt_node_family {
+    const char *name, *help;
+    int gauge;
+    size_t off; /* a uint64_t, or for the gauges the uint32_t slots / int up */
+} kvt_node_families[] = {
+    {"kvtier_remote_node_hits_total",
+     "GETs this remote node answered with a block that checked out.", 0,
+     offsetof(kvt_tier_remote_node_stats_t, hits)},
+    {"kvtier_remote_node_misses_total",
+     "GETs this remote node answered with nil (never stored, evicted, expired, lost).", 0,
+     offsetof(kvt_tier_remote_node_stats_t, misses)},
+    {"kvtier_remote_node_errors_total",
+     "Remote requests that failed on this node: an error reply, a timeout, a lost connection, a "
+     "corrupt value, or refused at once while it was down.",
+     0, offsetof(kvt_tier_remote_node_stats_t, errors)},
+    {"kvtier_remote_node_moved_total", "MOVED replies this cluster node sent (followed).", 0,
+     offsetof(kvt_tier_remote_node_stats_t, moved)},
+    {"kvtier_remote_node_asks_total", "ASK replies this cluster node sent (followed).", 0,
+     offsetof(kvt_tier_remote_node_stats_t, asks)},
+    {"kvtier_remote_node_slot_map_refreshes_total",
+     "Slot maps this cluster node sent that were applied.", 0,
+     offsetof(kvt_tier_remote_node_stats_t, map_refreshes)},
+    {"kvtier_remote_node_failovers_total",
+     "Times this cluster node was lost and a refreshed map gave its slots to another.", 0,
+     offsetof(kvt_tier_remote_node_stats_t, failovers)},
+    {"kvtier_remote_node_slots", "Hash slots the map gives this node (16384 for a single server).",
+     1, offsetof(kvt_tier_remote_node_stats_t, slots)},
+    {"kvtier_remote_node_up", "1 while the connection to this node is up (handshake answered).", 2,
+     offsetof(kvt_tier_remote_node_stats_t, up)},
 };
 
 void kvt__metrics_tenants(kvt_metrics_t *m, const kvt_metric_tenant_t *rows, size_t n)
@@ -545,6 +590,24 @@ int kvt__metrics_render(const kvt_metrics_t *m, char **out, size_t *len)
                         h->sum);
             kvt_bprintf(&b, "%s_count%s%s%s %llu\n", d->name, *l ? "{" : "", l, *l ? "}" : "",
                         (unsigned long long)h->count);
+        }
+    }
+    for (size_t f = 0; f < KVT_ARRAY_LEN(kvt_node_families); f++) {
+        const struct kvt_node_family *nf = &kvt_node_families[f];
+        kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", nf->name, nf->help, nf->name,
+                    nf->gauge ? "gauge" : "counter");
+        for (size_t i = 0; i < m->nnodes; i++) {
+            const char *p = (const char *)&m->nodes[i] + nf->off;
+            uint64_t v;
+            if (nf->gauge == 1)
+                v = *(const uint32_t *)(const void *)p;
+            else if (nf->gauge == 2)
+                v = (uint64_t)(*(const int *)(const void *)p != 0);
+            else
+                v = *(const uint64_t *)(const void *)p;
+            char addr[2 * KVT_TIER_REMOTE_ADDR_MAX + 1];
+            label_value(addr, m->nodes[i].addr);
+            kvt_bprintf(&b, "%s{node=\"%s\"} %llu\n", nf->name, addr, (unsigned long long)v);
         }
     }
     kvt_bprintf(&b, "# HELP %s %s\n# TYPE %s gauge\n", KVT_TENANT_NAME, KVT_TENANT_HELP,

@@ -15,6 +15,7 @@
 
 #include "radix.h"
 #include "proto.h"
+#include "tier.h"
 
 typedef enum {
     KVT_LBL_NONE,
@@ -380,6 +381,14 @@ typedef struct kvt_metric_tenant {
 } kvt_metric_tenant_t;
 /* Replaces the per-tenant rows with rows[0 .. n) (n at most KVT_TENANT_ROWS). */
 void kvt__metrics_tenants(kvt_metrics_t *m, const kvt_metric_tenant_t *rows, size_t n);
+
+/*
+ * The remote tier's counters per server node, label node="host:port" (the single server, or each
+ * cluster node the tier knows: at most KVT_REMOTE_NODE_ROWS, never forgotten, so the series are
+ * bounded): /metrics only. Read from the tier (NULL: none) with the other gauges.
+ */
+#define KVT_REMOTE_NODE_ROWS 64
+void kvt__metrics_remote_nodes(kvt_metrics_t *m, const kvt_tier_t *remote);
 
 int kvt__metrics_create(kvt_metrics_t **out);
 void kvt__metrics_destroy(kvt_metrics_t *m);

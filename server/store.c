@@ -390,6 +390,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_REMOTE_NODES, 0, (double)st.nodes);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_LATE_KEPT, 0, (double)st.undo_kept);
     }
+    kvt__metrics_remote_nodes(s->metrics, s->tiers[KVT_TIER_REMOTE]);
     if (s->policy) {
         kvt_policy_stats_t ps;
         kvt_policy_stats(s->policy, &ps);

@@ -9,6 +9,13 @@
  * redis-server on PATH) and the redis-cli beside it (else on PATH); without them the tests skip.
  * A cluster takes about 2 s to form, so one is shared by the tests that leave it whole (started
  * by the runner, see test_remote_cluster.c) and the failover test forms its own.
+ *
+ * cl_replicated says when a primary's replicas have applied every write it took so far. A test
+ * that kills a primary must wait for that: replication is asynchronous, and a write the replica
+ * never got is lost with the primary. `WAIT 1 ms` cannot tell, when sent on a connection of its
+ * own: it waits for the replication offset of that connection's last write, which is 0 for a
+ * connection that wrote nothing, so any replica the primary calls online counts, at once, with
+ * nothing applied.
  */
 #ifndef KVT_TEST_CLUSTER_H
 #define KVT_TEST_CLUSTER_H
@@ -148,7 +155,9 @@ static pid_t cl_spawn(const cl_t *c, const char *server, uint16_t port)
         execl(server, server, "--port", ports, "--bind", "127.0.0.1", "--save", "", "--appendonly",
               "no", "--dir", c->dir, "--logfile", log, "--cluster-enabled", "yes",
               "--cluster-config-file", conf, "--cluster-node-timeout", "1000", "--daemonize", "no",
-              (char *)NULL);
+              /* A replica's first sync starts at once, not after the default 5 s wait for more
+               * replicas to share one diskless transfer. */
+              "--repl-diskless-sync-delay", "0", (char *)NULL);
         _exit(127);
     }
     return pid;
@@ -178,6 +187,67 @@ static void cl_stop(cl_t *c)
         c->dir[0] = 0;
     }
     c->n = 0;
+}
+
+/*
+ * A node redis-cli meant as a replica that is still a primary owning no slot (seen once on a
+ * loaded machine: its CLUSTER REPLICATE never took) is made the replica of a primary that has
+ * none, from what the node on port[0] says (CLUSTER NODES: "id addr flags primary-id ... slots").
+ */
+static void cl_fix_replicas(const cl_t *c)
+{
+    redisReply *r = cl_cmd(c->port[0], "CLUSTER NODES");
+    if (!r || r->type != REDIS_REPLY_STRING) {
+        if (r)
+            freeReplyObject(r);
+        return;
+    }
+    char lone[CL_NODES][41];
+    uint16_t bare_port[CL_NODES];
+    int nbare = 0, nlone = 0;
+    char *save = NULL;
+    for (char *line = strtok_r(r->str, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        char id[41], addr[64], flags[64], of[41];
+        int fields = 0; /* the spaces before a field: one less than the fields */
+        for (const char *q = line; *q; q++)
+            fields += *q == ' ' && q[1] && q[1] != ' ';
+        if (sscanf(line, "%40s %63s %63s %40s", id, addr, flags, of) != 4 || strstr(flags, "fail"))
+            continue;
+        int has_slots = fields >= 8; /* a slot range after the 8 fixed fields */
+        if (strstr(flags, "master") && !has_slots && nbare < CL_NODES) {
+            const char *colon = strchr(addr, ':');
+            bare_port[nbare++] = colon ? (uint16_t)atoi(colon + 1) : 0;
+        } else if (strstr(flags, "master") && has_slots && nlone < CL_NODES) {
+            memcpy(lone[nlone++], id, 41); /* those with a replica are dropped below */
+        }
+    }
+    /* Drop the primaries that have a replica already. */
+    for (int i = 0; i < CL_NODES; i++) {
+        char *info = NULL;
+        redisReply *x = cl_cmd(c->port[i], "INFO replication");
+        if (x && x->type == REDIS_REPLY_STRING && strstr(x->str, "role:slave"))
+            info = strstr(x->str, "master_port:");
+        uint16_t mp = info ? (uint16_t)atoi(info + strlen("master_port:")) : 0;
+        if (x)
+            freeReplyObject(x);
+        if (!mp)
+            continue;
+        char mid[41] = "";
+        redisReply *y = cl_cmd(mp, "CLUSTER MYID");
+        if (y && y->type == REDIS_REPLY_STRING && y->len == 40)
+            memcpy(mid, y->str, 41);
+        if (y)
+            freeReplyObject(y);
+        for (int k = 0; k < nlone; k++)
+            if (!strcmp(lone[k], mid))
+                memmove(lone[k--], lone[--nlone], 41);
+    }
+    for (int i = 0; i < nbare && i < nlone; i++) {
+        redisReply *x = cl_cmd(bare_port[i], "CLUSTER REPLICATE %s", lone[i]);
+        if (x)
+            freeReplyObject(x);
+    }
+    freeReplyObject(r);
 }
 
 /* Starts and joins the cluster. Returns 0, or -1 when the binaries are missing (the caller
@@ -271,19 +341,29 @@ static int cl_start(cl_t *c, char *err, size_t errcap)
         cl_stop(c);
         return -2;
     }
-    /* Every node agrees the cluster is whole, and every replica has its primary's data. */
-    for (int t = 0; t < 400; t++) {
-        int ok = 1;
+    /* Every node agrees the cluster is whole, and every replica has its primary's data. Half the
+     * nodes must say so as replicas: a node that redis-cli made a replica can still answer
+     * role:master for a moment, before it has turned into one. */
+    int ok = 0, synced = 0, bad = -1;
+    for (int t = 0; t < 800; t++) {
+        if (t % 40 == 39)
+            cl_fix_replicas(c);
+        ok = 1, synced = 0, bad = -1;
         for (int i = 0; i < CL_NODES && ok; i++) {
+            int replica = cl_info_has(c->port[i], "replication", "role:slave");
             ok = cl_info_has(c->port[i], NULL, "cluster_state:ok") &&
-                 (cl_info_has(c->port[i], "replication", "role:master") ||
-                  cl_info_has(c->port[i], "replication", "master_link_status:up"));
+                 (!replica || cl_info_has(c->port[i], "replication", "master_link_status:up"));
+            synced += replica;
+            bad = ok ? bad : i;
         }
-        if (ok)
+        if (ok && synced == CL_NODES / 2)
             return 0;
         cl_sleep_ms(25);
     }
-    snprintf(err, errcap, "the cluster never reached cluster_state:ok");
+    snprintf(err, errcap,
+             "the cluster never reached cluster_state:ok with %d synced replicas (node on %u not "
+             "ready; %d replicas)",
+             CL_NODES / 2, bad >= 0 ? c->port[bad] : 0, synced);
     cl_stop(c);
     return -2;
 }
@@ -328,6 +408,71 @@ static int cl_primaries(uint16_t port, uint16_t *out, int cap)
     if (r)
         freeReplyObject(r);
     return n;
+}
+
+/* A number after "name" in an INFO text (name includes its ':' or '='); -1 when absent. */
+static long long cl_info_num(const char *text, const char *name)
+{
+    const char *p = strstr(text, name);
+    return p ? atoll(p + strlen(name)) : -1;
+}
+
+/*
+ * 1 once every replica of the primary on port has applied each write the primary took before
+ * this call (its slave_repl_offset reached the primary's master_repl_offset), 0 when one has not
+ * within ms, or the primary has no replica. The replicas are asked themselves: the offset a
+ * primary lists for a replica is what the replica last acknowledged, once a second.
+ */
+static int cl_replicated(uint16_t port, int ms)
+{
+    redisReply *r = cl_cmd(port, "INFO replication");
+    if (!r || r->type != REDIS_REPLY_STRING) {
+        if (r)
+            freeReplyObject(r);
+        return 0;
+    }
+    long long want = cl_info_num(r->str, "master_repl_offset:");
+    uint16_t rep[CL_NODES];
+    int nrep = 0;
+    for (const char *p = r->str; nrep < CL_NODES && (p = strstr(p, "\nslave")); p++) {
+        if (p[6] < '0' || p[6] > '9')
+            continue; /* "slave0:ip=...,port=...,state=...,offset=...": one line a replica */
+        long long rp = cl_info_num(p, ",port=");
+        if (rp > 0 && rp < 65536)
+            rep[nrep++] = (uint16_t)rp;
+    }
+    freeReplyObject(r);
+    if (want < 0 || nrep == 0)
+        return 0;
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < nrep; i++) {
+        long long have = -1;
+        for (;;) {
+            /* Short timeouts: a replica that does not answer is not waited for past ms. */
+            struct timeval tv = {0, 100000};
+            redisContext *x = redisConnectWithTimeout("127.0.0.1", rep[i], tv);
+            if (x && !x->err) {
+                redisSetTimeout(x, tv);
+                redisReply *y = redisCommand(x, "INFO replication");
+                if (y && y->type == REDIS_REPLY_STRING)
+                    have = cl_info_num(y->str, "slave_repl_offset:");
+                if (y)
+                    freeReplyObject(y);
+            }
+            if (x)
+                redisFree(x);
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            long long gone =
+                (now.tv_sec - t0.tv_sec) * 1000ll + (now.tv_nsec - t0.tv_nsec) / 1000000;
+            if (have >= want || gone >= ms)
+                break;
+            cl_sleep_ms(10);
+        }
+        if (have < want)
+            return 0;
+    }
+    return 1;
 }
 
 #endif

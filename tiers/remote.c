@@ -168,6 +168,7 @@ struct node {
     remote_reply_t reply;
     redisReply *tree; /* a CLUSTER SLOTS reply being read or handled (reply_tree) */
     uint64_t skip;    /* bytes of an oversized GET value still to read off the socket and drop */
+    kvt_tier_remote_node_stats_t st; /* its own counters (addr, slots and up filled when read) */
 };
 
 struct remote {
@@ -559,6 +560,8 @@ static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
 /* Completes whatever r carries (an io or a probe key) with status; r itself is not freed. */
 static void rq_fail(remote_t *rm, rq_t *r, int status)
 {
+    if ((r->io || r->probe) && r->on && status != KVT_ENOENT)
+        r->on->st.errors++;
     if (r->io && r->in_outq && r->pay && !r->own) {
         /* Its bytes are still being written from the caller's buffer, which goes back to the
          * caller now: keep a copy, or give up on the connection. */
@@ -1216,6 +1219,7 @@ static int map_apply(node_t *from, const redisReply *rep)
          * promoted (or its slots were moved while it was away). */
         if (n->owned && !owned[i] && n->state != ST_READY) {
             rm->stats.failovers++;
+            n->st.failovers++;
             kvt_log(KVT_LOG_WARN, "remote: %s:%d is gone from the slot map: failed over", n->host,
                     n->port);
         }
@@ -1225,6 +1229,7 @@ static int map_apply(node_t *from, const redisReply *rep)
     rm->map_known = 1;
     rm->map_stale = 0;
     rm->stats.map_refreshes++;
+    from->st.map_refreshes++;
     /* DELs held for a node that no longer owns anything go where their keys live now. */
     for (uint32_t i = 0; i < rm->nnodes; i++) {
         node_t *n = rm->nodes[i];
@@ -1314,9 +1319,9 @@ static int redirect(node_t *from, rq_t *r, const char *msg)
     unsigned long slot = strtoul(p, &end, 10);
     int ok = end != p && *end == ' ' && slot < 16384 && split_addr(end + 1, host, &port) == 0;
     if (ask)
-        rm->stats.asks++;
+        rm->stats.asks++, from->st.asks++;
     else
-        rm->stats.moved++;
+        rm->stats.moved++, from->st.moved++;
     map_stale(rm);
     node_t *to = NULL;
     const char *why = !rm->cluster                       ? "a cluster node: set remote-cluster"
@@ -1461,6 +1466,12 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
                 rm->stats.evicted++;
             }
         }
+        if (st == 0)
+            n->st.hits++;
+        else if (st == KVT_ENOENT)
+            n->st.misses++;
+        else
+            n->st.errors++;
         kvt__tier_complete(rm->tier, r->io, st);
         r->io = NULL;
         break;
@@ -1470,6 +1481,7 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
         if (!p)
             break;
         if (err || type != REDIS_REPLY_INTEGER) {
+            n->st.errors++;
             probe_finish(rm, p, err ? err : KVT_EPROTO);
             break;
         }
@@ -1622,6 +1634,8 @@ static int submit(remote_t *rm, rq_t *r)
     node_t *n = route_up(rm, r, now);
     if (!n) {
         rm->stats.unavailable++;
+        if ((n = route(rm, r)))
+            n->st.errors++; /* refused at once: its node is down */
         return KVT_EUNAVAIL;
     }
     uint64_t deadline = now + rm->timeout_ns;
@@ -2214,6 +2228,21 @@ void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out)
     out->nodes = rm->cluster ? 0 : 1;
     for (uint32_t i = 0; rm->cluster && i < rm->nnodes; i++)
         out->nodes += rm->nodes[i]->owned > 0;
+}
+
+int kvt_tier_remote_node_stats(const kvt_tier_t *t, uint32_t i, kvt_tier_remote_node_stats_t *out)
+{
+    if (!is_remote(t) || !out)
+        return KVT_EINVAL;
+    const remote_t *rm = remote_of(t);
+    if (i < rm->nnodes) {
+        const node_t *n = rm->nodes[i];
+        *out = n->st;
+        snprintf(out->addr, sizeof(out->addr), "%s:%d", n->host, n->port);
+        out->slots = rm->cluster ? n->owned : 16384;
+        out->up = n->state == ST_READY;
+    }
+    return (int)rm->nnodes;
 }
 
 int kvt_tier_remote_parse_addr(const char *s, char *host, size_t cap, uint16_t *port)

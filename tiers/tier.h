@@ -689,6 +689,30 @@ typedef struct kvt_tier_remote_stats {
 void kvt_tier_remote_stats(const kvt_tier_t *t, kvt_tier_remote_stats_t *out);
 
 /*
+ * One server's counters: the single server, or each cluster node the tier knows (its seeds,
+ * the primaries its maps named, the nodes redirects named; a node is never forgotten, so an
+ * index names the same node for the tier's life). Requests are counted on the node that answered
+ * them or that they failed on (after a redirect, on the node that took them).
+ */
+#define KVT_TIER_REMOTE_ADDR_MAX 264 /* "host:port": host up to 255 bytes */
+typedef struct kvt_tier_remote_node_stats {
+    char addr[KVT_TIER_REMOTE_ADDR_MAX];
+    uint32_t slots;  /* hash slots the map gives it now (0: no primary now; 16384 for one server) */
+    int up;          /* its connection is up (handshake answered) */
+    uint64_t hits;   /* GETs it answered with a block that checked out */
+    uint64_t misses; /* GETs it answered with nil (never stored, evicted, expired, lost) */
+    uint64_t errors; /* requests that failed there: an error reply, a timeout, a lost connection,
+                        a value refused as corrupt */
+    uint64_t moved, asks;   /* redirects it answered */
+    uint64_t map_refreshes; /* slot maps it sent that were applied */
+    uint64_t failovers;     /* times it was lost and a refreshed map gave its slots to another */
+} kvt_tier_remote_node_stats_t;
+
+/* Fills *out with node i's counters when i is below the number of nodes known; returns that
+ * number (1 for a single server), or KVT_EINVAL (not a remote tier, out NULL). */
+int kvt_tier_remote_node_stats(const kvt_tier_t *t, uint32_t i, kvt_tier_remote_node_stats_t *out);
+
+/*
  * The longest-prefix probe: given the keys of the next n blocks of a prefix, asks the server
  * whether each exists, all in one pipelined round trip (one EXISTS per key), and reports how many
  * consecutive ones from keys[0] exist. Only ns_seed and hash of each key are used. The caller
