@@ -51,12 +51,14 @@ class WorkerSide:
     def _init_worker_side(self) -> None:
         self._waited = 0.0  # seconds this step's forward has waited for the worker's I/O
         self._saves_here = True  # False on a TP rank whose KV another rank saves (MLA)
-        self._layout: Optional[_Layout] = None
+        self._layout: Optional[_Layout] = None  # group 0's (the only one without the HMA)
+        self._layouts: Dict[int, _Layout] = {}  # per KV cache group (vLLM's gid)
+        self._layer_at: Dict[str, Tuple[int, int]] = {}  # layer -> (group, index in its page)
         self._kv: Dict[str, torch.Tensor] = {}
         self._store: Optional[_PageStore] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._loads: List[_Load] = []
-        self._saves: Dict[str, _Save] = {}
+        self._saves: Dict[Tuple[str, int], _Save] = {}  # per (request, group)
         self._save_futures: List[Tuple[_Transfer, "Future[int]"]] = []
         self._load_errors: Set[int] = set()
         # The zero-copy path: the step's reservations (made on the I/O thread from
@@ -81,7 +83,17 @@ class WorkerSide:
         first of them saves and all load."""
         self._close_worker_side()  # registered again (a restored cache): start afresh
         self._kv = dict(kv_caches)
-        self._layout = _Layout(self._kv, self._num_blocks)
+        self._layouts, self._layer_at = {}, {}
+        for g in self._groups:
+            names = [n for n in self._kv if g.layers is None or n in g.layers]
+            self._layouts[g.gid] = _Layout({n: self._kv[n] for n in names}, self._num_blocks)
+            for i, n in enumerate(names):
+                self._layer_at.setdefault(n, (g.gid, i))
+        # One namespace, one page size: a group with a smaller page pads it to the largest.
+        page = max(lay.page_bytes for lay in self._layouts.values())
+        for lay in self._layouts.values():
+            lay.page_bytes = page
+        self._layout = self._layouts[self._groups[0].gid]
         tp_rank, pp_rank = worker_ranks(self._extra, self._tp_size, self._pp_size)
         rep = self._tp_replicas
         self._saves_here = tp_rank % rep == 0
@@ -145,10 +157,16 @@ class WorkerSide:
             return
         self._waited = 0.0  # a new step: its own wait budget
         self._finish_loads()  # anything a previous step left
-        sync = [t for t in meta.loads if not t.async_load]
-        for t in meta.loads:
+        # A group with no layer in this worker (another pipeline stage's) has nothing to load.
+        loads = [t for t in meta.loads if self._layouts.get(t.group) is not None and
+                 self._layouts[t.group].names]
+        sync = [t for t in loads if not t.async_load]
+        between: Dict[str, List[_Transfer]] = {}
+        for t in loads:
             if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
-                self._async_loads[t.req_id] = self._async_pool.submit(self._load_between, t)
+                between.setdefault(t.req_id, []).append(t)
+        for rid, ts in between.items():  # one job per request: all its groups
+            self._async_loads[rid] = self._async_pool.submit(self._load_between, ts)
         assert self._pool is not None and self._store is not None
         if sync and not self._store.up:  # kvtierd unreachable: recompute, ask nothing
             self._guard.count("short_circuited")
@@ -169,7 +187,13 @@ class WorkerSide:
             self._loads.append(ld)
         if meta.saves and self._saves_here and self._resv_future is None and \
                 self._zero_copy():
-            self._resv_future = self._pool.submit(self._reserve_job, list(meta.saves))
+            self._resv_future = self._pool.submit(self._reserve_job, self._my_saves(meta))
+
+    def _my_saves(self, meta: KvtierConnectorMetadata) -> List[_Transfer]:
+        """The step's saves of groups with layers in this worker (another pipeline stage
+        saves the rest)."""
+        return [t for t in meta.saves if self._layouts.get(t.group) is not None and
+                self._layouts[t.group].names]
 
     def _zero_copy(self) -> bool:
         """Whether to try the mapped path (not known before the first connection)."""
@@ -194,7 +218,7 @@ class WorkerSide:
             return self._store.load(t.keys, t.first, ld.staging)
         lease, items = got
         try:
-            runs = self._layout.runs(items, ld.blocks[:len(items)])
+            runs = self._layouts[t.group].runs(items, ld.blocks[:len(items)])
         except Exception:
             if lease:
                 self._store.release_views(lease)
@@ -235,7 +259,7 @@ class WorkerSide:
                         pass
                     else:
                         rows.append(j)
-                runs = self._layout.runs(views, vblocks)
+                runs = self._layouts[t.group].runs(views, vblocks)
             except Exception as e:  # noqa: BLE001
                 self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
                                  t.req_id, e)
@@ -244,33 +268,37 @@ class WorkerSide:
                 except Exception:  # noqa: BLE001
                     pass
                 continue
-            out[t.req_id] = (r, runs, rows)
+            out[(t.req_id, t.group)] = (r, runs, rows)
         return out
 
-    def _load_between(self, t: _Transfer) -> int:
-        """An asynchronous load, on its own thread: whole pages into a staging buffer of its
-        own, then every layer into the blocks (which vLLM does not touch until get_finished
-        reports the request). Never raises: pages that did not come are load errors."""
+    def _load_between(self, ts: List[_Transfer]) -> int:
+        """An asynchronous load of one request (each of its groups), on its own thread: whole
+        pages into a staging buffer of its own, then every layer into the blocks (which vLLM
+        does not touch until get_finished reports the request). Never raises: pages that did
+        not come are load errors."""
         assert self._layout is not None and self._async_store is not None
-        got = 0
-        try:
-            staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
-                                  dtype=torch.uint8)
-            with self._tally.timer("load_seconds"):
-                got = int(self._async_store.load(t.keys, t.first, staging))
-            if got > 0:
-                for li, name in enumerate(self._layout.names):
-                    self._layout.scatter(staging[:got], li, self._kv[name], t.block_ids[:got])
-                kv = self._kv[self._layout.names[0]]
-                if kv.is_cuda:
-                    torch.cuda.current_stream(kv.device).synchronize()
-        except Exception as e:  # noqa: BLE001
-            self._guard.count("failures")
-            self._guard.warn("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
-        self._count_load(got, len(t.block_ids))
-        if got < len(t.block_ids):
-            self._async_errors[t.req_id] = t.block_ids[got:]
-        return got
+        total = 0
+        for t in ts:
+            lay, got = self._layouts[t.group], 0
+            try:
+                staging = torch.empty((len(t.keys) - t.first, lay.page_bytes),
+                                      dtype=torch.uint8)
+                with self._tally.timer("load_seconds"):
+                    got = int(self._async_store.load(t.keys, t.first, staging))
+                if got > 0:
+                    for li, name in enumerate(lay.names):
+                        lay.scatter(staging[:got], li, self._kv[name], t.block_ids[:got])
+                    kv = self._kv[lay.names[0]]
+                    if kv.is_cuda:
+                        torch.cuda.current_stream(kv.device).synchronize()
+            except Exception as e:  # noqa: BLE001
+                self._guard.count("failures")
+                self._guard.warn("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
+            self._count_load(got, len(t.block_ids))
+            if got < len(t.block_ids):
+                self._async_errors.setdefault(t.req_id, []).extend(t.block_ids[got:])
+            total += got
+        return total
 
     def _arena(self, which: int, pages: int) -> torch.Tensor:
         assert self._layout is not None
@@ -330,19 +358,23 @@ class WorkerSide:
         """Scatters this layer of every page loaded this step into vLLM's blocks."""
         if not self._loads or self._layout is None:
             return
-        li = self._layout.index.get(layer_name)
-        if li is None:
+        at = self._layer_at.get(layer_name)
+        if at is None:
             return
+        gid, li = at
+        lay = self._layouts[gid]
         for ld in self._loads:
+            if ld.t.group != gid:
+                continue
             self._resolve(ld)
             if ld.got > 0 and li not in ld.layers_done:
                 if ld.views is not None:  # straight from the mapping
-                    self._layout.scatter_runs(ld.views.runs, li, self._kv[layer_name])
+                    lay.scatter_runs(ld.views.runs, li, self._kv[layer_name])
                 else:
-                    self._layout.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
-                                         ld.blocks[:ld.got])
+                    lay.scatter(ld.staging[:ld.got], li, self._kv[layer_name],
+                                ld.blocks[:ld.got])
             ld.layers_done.add(li)
-            if ld.views is not None and len(ld.layers_done) == len(self._layout.names):
+            if ld.views is not None and len(ld.layers_done) == len(lay.names):
                 self._give_back(ld)
 
     def _give_back(self, ld: _Load) -> None:
@@ -357,7 +389,7 @@ class WorkerSide:
 
     def _finish_loads(self) -> None:
         try:
-            for name in self._layout.names if self._layout else ():
+            for name in list(self._layer_at):
                 self.wait_for_layer_load(name)
         finally:
             for ld in self._loads:  # a scatter that raised: the lease given back all the same
@@ -374,26 +406,30 @@ class WorkerSide:
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None or \
                 not self._saves_here:  # another TP rank saves the KV this one holds too
             return
-        li = self._layout.index.get(layer_name)
-        if li is None:
+        at = self._layer_at.get(layer_name)
+        if at is None:
             return
+        gid, li = at
+        lay = self._layouts[gid]
         if meta.saves and not self._saves_ready:
-            self._lay_out_saves(meta.saves)
+            self._lay_out_saves(self._my_saves(meta))
         for t in meta.saves:
-            sv = self._saves.get(t.req_id)
+            if t.group != gid:
+                continue
+            sv = self._saves.get((t.req_id, gid))
             if sv is None:  # stored already this step
                 continue
             if li in sv.layers_done:
                 continue
             if sv.runs:
-                self._layout.gather_runs(sv.runs, li, kv_layer)
+                lay.gather_runs(sv.runs, li, kv_layer)
             if sv.blocks:
-                self._layout.gather(sv.staging, li, kv_layer, sv.blocks)
+                lay.gather(sv.staging, li, kv_layer, sv.blocks)
             sv.layers_done.add(li)
-            if len(sv.layers_done) == len(self._layout.names):
+            if len(sv.layers_done) == len(lay.names):
                 assert self._pool is not None
                 self._save_futures.append((t, self._pool.submit(self._store_save, sv)))
-                del self._saves[t.req_id]
+                del self._saves[(t.req_id, gid)]
 
     def _lay_out_saves(self, saves: List[_Transfer]) -> None:
         """The step's first layer: where each page saved this step goes (its reserved room,
@@ -425,7 +461,7 @@ class WorkerSide:
                                      "%s", e)
         plan = []
         for t in saves:
-            x = resv.get(t.req_id)
+            x = resv.get((t.req_id, t.group))
             if x is None:
                 plan.append((t, None, [], list(range(len(t.keys) - t.first)), False))
             else:
@@ -437,7 +473,7 @@ class WorkerSide:
             n = len(prow)
             staging = arena[at:at + n] if arena is not None else None
             at += n
-            self._saves[t.req_id] = _Save(
+            self._saves[(t.req_id, t.group)] = _Save(
                 t, staging, [t.block_ids[j] for j in prow],  # type: ignore[arg-type]
                 rows=prow if mapped else None, resv=r if r is not None and r.id else None,
                 runs=runs)

@@ -1,0 +1,295 @@
+"""test_vllm_hma.py: kvtier.vllm.KvtierConnector with vLLM's hybrid KV cache manager (SupportsHMA).
+
+A hybrid configuration built offline: vLLM's own KVCacheConfig with two KV cache groups (full
+attention and a sliding window of 32 tokens, two layers each, block size 16), vLLM's own
+KVCacheManager (its HybridKVCacheCoordinator) allocating each request's blocks per group, with
+vLLM's null block where a sliding window no longer reaches; the connector built by vLLM's
+KVConnectorFactory with that config, its scheduler side and worker side driven as vLLM's
+scheduler and model runner drive them, a real kvtierd behind it. Serving a hybrid model is not
+possible on this CPU (no vllm._C); the groups, blocks and calls are vLLM's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from conftest import BUILD_ROOT, Daemon
+
+try:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorRole, supports_hma)
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            MambaSpec, SlidingWindowSpec)
+    from vllm.v1.request import Request
+except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLLM here
+    pytest.skip("vllm is not importable (%s: %s); scripts/engines/vllm.sh installs it, its log "
+                "is %s" % (type(e).__name__, e,
+                           os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
+                allow_module_level=True)
+
+import kvtier.vllm as kv  # noqa: E402
+from kvtier.keys import KEY_TOKENS, KEYS_TAG, key_tokens  # noqa: E402
+
+BS, HEADS, HEAD, NBLOCKS, WINDOW = 16, 2, 8, 40, 32
+DTYPE = torch.bfloat16
+NAMES = ["model.layers.%d.self_attn.attn" % i for i in range(4)]
+FULL, SWA = NAMES[0::2], NAMES[1::2]  # group 0: layers 0 and 2; group 1: layers 1 and 3
+_ids = itertools.count(1)
+_tok = itertools.count(0)
+
+
+def hybrid_config(*extra_groups: Any) -> "KVCacheConfig":
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE,
+                            sliding_window=WINDOW)
+    return KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(FULL, full),
+                                          KVCacheGroupSpec(SWA, swa), *extra_groups])
+
+
+def transfer_config(d: Daemon) -> "KVTransferConfig":
+    return KVTransferConfig(
+        kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"unix_path": d.unix, "model": "tiny-hybrid",
+                                   "scheduler_deadline_ms": 2000, "worker_deadline_ms": 2000,
+                                   "probe_ms": 20})
+
+
+def vllm_config(d: Daemon) -> "VllmConfig":
+    return VllmConfig(kv_transfer_config=transfer_config(d),
+                      device_config=DeviceConfig(device="cpu"),
+                      cache_config=CacheConfig(block_size=BS))
+
+
+def paged(seed: Any) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (2, NBLOCKS, BS, HEADS, HEAD)
+    return {n: (torch.randn(*shape, generator=g) if g is not None else torch.zeros(*shape)
+                ).to(DTYPE) for n in NAMES}
+
+
+class Engine:
+    """vLLM's KV cache manager for the hybrid config, the connector's two roles, and the
+    worker's paged tensors."""
+
+    def __init__(self, d: Daemon, seed: Any) -> None:
+        self.kvc = hybrid_config()
+        self.manager = KVCacheManager(self.kvc, max_model_len=1024, scheduler_block_size=BS,
+                                      hash_block_size=BS, enable_caching=False)
+        cfg = vllm_config(d)
+        self.sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER,
+                                                         self.kvc)
+        self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kvc)
+        self.kv = paged(seed)
+        self.worker.register_kv_caches(self.kv)
+
+    def admit(self, r: "Request") -> Tuple[int, Any]:
+        """vLLM's scheduler admitting a new request: the connector's hit, the manager's
+        blocks for all of it (the hit as external computed tokens), update_state_after_alloc,
+        then the step's metadata with the rest of the prompt scheduled."""
+        n, load_async = self.sched.get_num_new_matched_tokens(r, 0)
+        assert load_async is False
+        got = self.manager.allocate_slots(r, r.num_tokens - n, num_external_computed_tokens=n)
+        assert got is not None
+        self.sched.update_state_after_alloc(r, self.manager.get_blocks(r.request_id), n)
+        r.num_computed_tokens = n
+        ids = self.manager.get_block_ids(r.request_id)
+        nr = NewRequestData.from_request(r, ids, list(r.all_token_ids))
+        so = SchedulerOutput(scheduled_new_reqs=[nr],
+                             scheduled_cached_reqs=CachedRequestData.make_empty(),
+                             num_scheduled_tokens={r.request_id: r.num_tokens - n},
+                             total_num_scheduled_tokens=r.num_tokens - n,
+                             scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                             finished_req_ids=set(), free_encoder_mm_hashes=[])
+        return n, self.sched.build_connector_meta(so)
+
+    def step(self, meta: Any) -> set:
+        """The worker's calls of one forward (model runner and attention layers)."""
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        for name, t in self.kv.items():
+            w.wait_for_layer_load(name)
+            w.save_kv_layer(name, t, None)
+        w.wait_for_save()
+        assert w.get_finished(set()) == (None, None)
+        errors = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        return errors
+
+    def finish(self, r: "Request") -> None:
+        ids = self.manager.get_block_ids(r.request_id)
+        assert self.sched.request_finished_all_groups(r, ids) == (False, None)
+        self.manager.free(r)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+class NotHybrid(KVConnectorBase_V1):
+    """A connector class without SupportsHMA (only its class is looked at)."""
+
+
+@pytest.fixture
+def vd() -> Any:
+    d = Daemon()
+    yield d
+    d.stop(signal.SIGKILL)
+
+
+def request(tokens: List[int]) -> "Request":
+    return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None)
+
+
+def prompt(pages: int, extra: int) -> List[int]:
+    base = next(_tok) * 100_000 + 7
+    return list(range(base, base + pages * BS + extra))
+
+
+def stored_tiers(d: Daemon, e: Engine, r: "Request", gid: int, pages: int) -> List[int]:
+    """Where kvtierd holds each page of group ``gid``'s chain of ``r`` (0: index only)."""
+    from kvtier.vllm.common import group_chain
+
+    model = "tiny-hybrid|groups=2"  # a hybrid config's own namespace
+    base = kv.key_chain(r, BS, kv.chain_root(model), [], pages)
+    keys = group_chain(base, gid, [], pages)
+    with d.client(model=model, salt=kv.rank_salt(0, 1, 0, 1),
+                  page_size=KEY_TOKENS, adapter=KEYS_TAG,
+                  block_bytes=e.worker._layout.page_bytes) as c:
+        m = c.match([t for k in keys for t in key_tokens(k)], probe=True)
+        return list(m.tiers) + [0] * (pages - len(m.tiers))
+
+
+def window_start(pages: int) -> int:
+    return max(0, pages * BS - (WINDOW - 1)) // BS
+
+
+def test_vllm_keeps_its_hybrid_manager_on(vd: Daemon, monkeypatch: Any, caplog: Any) -> None:
+    """The connector class is a SupportsHMA: vLLM's own check on the configured connector
+    (KVConnectorFactory.supports_hma_config) passes, and VllmConfig leaves the hybrid KV cache
+    manager on without the "Turning off hybrid kv cache manager" warning. This CPU's platform
+    (no vllm._C: vLLM's UnspecifiedPlatform) turns the manager off for every config, so the
+    platform's answer is set to a GPU platform's; a connector class that is not a SupportsHMA
+    (NotHybrid, loaded by module path the same way) still turns it off: the rule decides."""
+    from vllm.platforms import current_platform
+
+    assert supports_hma(kv.KvtierConnector)
+    assert KVConnectorFactory.supports_hma_config(transfer_config(vd))
+    monkeypatch.setattr(type(current_platform), "support_hybrid_kv_cache",
+                        classmethod(lambda cls: True))
+    with caplog.at_level(logging.WARNING):
+        assert vllm_config(vd).scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert "Turning off hybrid kv cache manager" not in caplog.text
+    other = KVTransferConfig(kv_connector="NotHybrid", kv_connector_module_path=__name__,
+                             kv_role="kv_both")
+    cfg = VllmConfig(kv_transfer_config=other, device_config=DeviceConfig(device="cpu"),
+                     cache_config=CacheConfig(block_size=BS))
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+@pytest.mark.parametrize("extra", [5, 0])
+def test_two_groups_round_trip_each_its_window(vd: Daemon, extra: int) -> None:
+    """Engine A saves a prompt of 8 full pages (+ extra tokens): each group stores its 8 pages
+    under its own chain (the group id in the keys; a window group's chain is stored whole,
+    kvtierd keeping no chain past a gap). Engine B, fresh zeroed tensors, the same prompt: a
+    hit of every page vLLM can take (8, or 7 when the prompt ends on a page boundary); the full
+    group loads them all, the window group only the pages of its window (vLLM gave the pages
+    before it its null block), each byte-exact in its own layers; the null block stays zero
+    and no lease is left."""
+    a, b = Engine(vd, seed=11), Engine(vd, seed=None)
+    toks = prompt(8, extra)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and not meta.loads
+    saves = {t.group: (t.first, len(t.keys), t.block_ids) for t in meta.saves}
+    ids_a = a.manager.get_block_ids(r.request_id)
+    assert saves[0] == (0, 8, ids_a[0][:8])
+    assert saves[1] == (0, 8, ids_a[1][:8])
+    assert a.step(meta) == set()
+    a.finish(r)
+    assert all(stored_tiers(vd, a, r, 0, 8)) and all(stored_tiers(vd, a, r, 1, 8))
+
+    r2 = request(toks)
+    hit = (len(toks) - 1) // BS
+    n, meta = b.admit(r2)
+    assert n == hit * BS
+    ids_b = b.manager.get_block_ids(r2.request_id)
+    ws = window_start(hit)
+    assert ids_b[1][:ws] == [0] * ws  # vLLM's null block outside the window
+    loads = {t.group: (t.first, t.block_ids) for t in meta.loads}
+    assert loads == {0: (0, ids_b[0][:hit]), 1: (ws, ids_b[1][ws:hit])}
+    assert b.step(meta) == set()
+    for name in FULL:
+        assert torch.equal(a.kv[name][:, ids_a[0][:hit]].view(torch.int16),
+                           b.kv[name][:, ids_b[0][:hit]].view(torch.int16)), name
+    for name in SWA:
+        assert torch.equal(a.kv[name][:, ids_a[1][ws:hit]].view(torch.int16),
+                           b.kv[name][:, ids_b[1][ws:hit]].view(torch.int16)), name
+        assert not b.kv[name][:, 0].any()  # the null block untouched
+    st = b.worker.get_kv_connector_stats().data
+    assert st["load_pages"] == hit + (hit - ws) and st.get("load_errors", 0) == 0
+    b.finish(r2)
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    a.close()
+    b.close()
+
+
+def test_a_hit_needs_every_group(vd: Daemon) -> None:
+    """A step whose window-group layers never came (as on another pipeline stage): the full
+    group's pages are stored, the window group's reservation is given back, and a lookup of
+    the prompt is 0 tokens, not a hit whose window-group KV would be missing. Computed and
+    saved whole afterwards, it hits."""
+    a, b = Engine(vd, seed=12), Engine(vd, seed=None)
+    toks = prompt(6, 3)
+    r = request(toks)
+    n, meta = a.admit(r)
+    w = a.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name in FULL:
+        w.save_kv_layer(name, a.kv[name], None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    a.finish(r)
+    assert all(stored_tiers(vd, a, r, 0, 6)) and not any(stored_tiers(vd, a, r, 1, 6))
+    r2 = request(toks)
+    n, meta = b.admit(r2)
+    assert n == 0 and not meta.loads
+    assert b.step(meta) == set()  # b computes it, and saves both groups
+    b.finish(r2)
+    assert all(stored_tiers(vd, a, r, 1, 6))
+    r3 = request(toks)
+    n, meta = a.admit(r3)
+    assert n == 6 * BS and {t.group for t in meta.loads} == {0, 1}
+    assert a.step(meta) == set()
+    a.finish(r3)
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    a.close()
+    b.close()
+
+
+def test_unsupported_group_refused_at_start(vd: Daemon) -> None:
+    """A group the connector cannot store as pages of tokens (a Mamba layer's recurrent state)
+    is refused when vLLM builds the connector, with a message naming the group and its spec,
+    in both roles: not silently turned into wrong loads or misses."""
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(DTYPE,))
+    kvc = hybrid_config(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="KV cache group 2 \\(MambaSpec"):
+            KVConnectorFactory.create_connector(vllm_config(vd), role, kvc)
