@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import signal
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -85,15 +85,16 @@ class Engine:
     """vLLM's KV cache manager for the hybrid config, the connector's two roles, and the
     worker's paged tensors."""
 
-    def __init__(self, d: Daemon, seed: Any) -> None:
-        self.kvc = hybrid_config()
+    def __init__(self, d: Daemon, seed: Any, kvc: Any = None,
+                 kv: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        self.kvc = kvc or hybrid_config()
         self.manager = KVCacheManager(self.kvc, max_model_len=1024, scheduler_block_size=BS,
                                       hash_block_size=BS, enable_caching=False)
         cfg = vllm_config(d)
         self.sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER,
                                                          self.kvc)
         self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kvc)
-        self.kv = paged(seed)
+        self.kv = kv if kv is not None else paged(seed)
         self.worker.register_kv_caches(self.kv)
 
     def admit(self, r: "Request") -> Tuple[int, Any]:
@@ -293,3 +294,43 @@ def test_unsupported_group_refused_at_start(vd: Daemon) -> None:
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ValueError, match="KV cache group 2 \\(MambaSpec"):
             KVConnectorFactory.create_connector(vllm_config(vd), role, kvc)
+
+
+def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
+    """One group whose layers differ (bf16 K/V, float32 K/V with other heads, an MLA-style
+    latent with its block dimension first): pages laid out layer by layer at their own offsets,
+    saved through the zero-copy mapping and loaded into another engine's tensors byte-exact
+    (the numpy copies of a page whose layers are not alike)."""
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES[:3], spec)])
+
+    def tensors(seed: Any) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed or 0)
+        made = {NAMES[0]: torch.randn(2, NBLOCKS, BS, HEADS, HEAD, generator=g).to(DTYPE),
+                NAMES[1]: torch.randn(2, NBLOCKS, BS, 1, 4, generator=g),
+                NAMES[2]: torch.randn(NBLOCKS, BS, 24, generator=g).to(DTYPE)}
+        return made if seed is not None else {n: torch.zeros_like(t) for n, t in made.items()}
+
+    a = Engine(vd, None, kvc, tensors(31))
+    b = Engine(vd, None, kvc, tensors(None))
+    assert a.worker._layout.dims == [1, 1, 0]
+    toks = prompt(5, 2)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    ia = a.manager.get_block_ids(r.request_id)[0][:5]
+    a.finish(r)
+    r2 = request(toks)
+    n, meta = b.admit(r2)
+    assert n == 5 * BS and b.step(meta) == set()
+    assert b.worker._store.mapped
+    ib = b.manager.get_block_ids(r2.request_id)[0][:5]
+    for name in NAMES[:3]:
+        dim = 1 if name != NAMES[2] else 0
+        x, y = a.kv[name].index_select(dim, torch.tensor(ia)), \
+            b.kv[name].index_select(dim, torch.tensor(ib))
+        assert x.any() and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    b.finish(r2)
+    a.close()
+    b.close()
