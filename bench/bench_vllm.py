@@ -18,9 +18,14 @@ Each figure is the median of --passes passes after two warm-up passes: a fresh d
 DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after, the
 connector's pages included), so from the third pass on its memory is warm. On the Unix socket
 the connector's worker takes the zero-copy path (docs/engines.md). One JSON object per line (warm-up passes included, as
-pass -1 and 0), then the summary lines with the ratios.
+pass -1 and 0), then the summary lines with the ratios: first (pass -1, the daemon's first: the
+connector stores first and faults the tier's memory in, the raw PUT follows on the same
+daemon) and warm (the medians), each with the bar of issue 35 (connector / raw >= 0.85, pass
+or fail; the bar is on warm), and a last line listing the bars and the verdict.
 
-  bench_vllm.py --build-root BUILD [--passes R]
+  bench_vllm.py --build-root BUILD [--passes R] [--busy N]
+
+--busy N runs N CPU-bound processes beside the passes (pybench.Busy).
 
 Runs under BUILD/pyenv's Python (re-executing itself there). Exits 77 (skipped) when vLLM is
 not installed there (scripts/engines/vllm.sh).
@@ -35,13 +40,15 @@ import statistics
 import sys
 import time
 
-from pybench import Daemon, run_in_venv
+from pybench import CONNECTOR_BAR, Busy, Daemon, run_in_venv, verdict
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
+                    "the passes (the keyed PUT's bar is also set with 2)")
     return ap.parse_args()
 
 
@@ -122,9 +129,11 @@ def gib_s(nbytes: int, secs: float) -> float:
 
 def main() -> None:
     d = Daemon(build, "kvt-bench-vllm-", "384M")
+    load = Busy(args.busy)
     try:
         run(d)
     finally:
+        load.stop()
         d.stop()
 
 
@@ -133,6 +142,7 @@ def run(d: Daemon) -> None:
     ids = list(range(4, 4 + PAGES + 1))
     res: dict = {k: [] for k in ("connector_save", "connector_load", "raw_put", "raw_get",
                                  "aggregate_put", "layer_put", "aggregate_get", "layer_get")}
+    first: dict = {}  # pass -1, the daemon's first: the connector's stores fault its memory in
     sched_a, worker_a = connectors(d.unix)
     sched_b, worker_b = connectors(d.unix)
     kv_a, kv_b = paged(), paged()
@@ -236,6 +246,8 @@ def run(d: Daemon) -> None:
                   "gib_s": gib_s(total, v)})
             if p > 0:
                 res[k].append(v)
+            elif p == -1:
+                first[k] = v
         # Free the daemon's memory for the next pass.
         for c, t in ((raw, rt), (raw, at)):
             c.remove(t[:BS])
@@ -249,17 +261,26 @@ def run(d: Daemon) -> None:
     keyed.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     g = {k: gib_s(total, v) for k, v in med.items()}
-    emit({"bench": "vllm", "summary": "save", "page_bytes": PAGE_BYTES, "layers": LAYERS,
-          "pages": PAGES, "connector_gib_s": g["connector_save"], "raw_put_gib_s": g["raw_put"],
-          "connector_over_raw": round(med["raw_put"] / med["connector_save"], 3)})
-    emit({"bench": "vllm", "summary": "load", "page_bytes": PAGE_BYTES, "layers": LAYERS,
-          "pages": PAGES, "connector_gib_s": g["connector_load"], "raw_get_gib_s": g["raw_get"],
-          "connector_over_raw": round(med["raw_get"] / med["connector_load"], 3)})
+    bars = {}
+    for op, conn, base in (("save", "connector_save", "raw_put"),
+                           ("load", "connector_load", "raw_get")):
+        for phase, t in (("first", first), ("warm", med)):
+            ratio = round(t[base] / t[conn], 3)
+            ok = verdict(ratio, CONNECTOR_BAR)
+            emit({"bench": "vllm", "summary": op, "pass": phase, "page_bytes": PAGE_BYTES,
+                  "layers": LAYERS, "pages": PAGES, "connector_gib_s": gib_s(total, t[conn]),
+                  "%s_gib_s" % base: gib_s(total, t[base]), "connector_over_raw": ratio,
+                  "connector_bar": ok, "busy": args.busy})
+            bars["connector_%s_%s" % (op, phase)] = "%s %.3f (bar %.2f)" % (ok, ratio,
+                                                                            CONNECTOR_BAR)
     emit({"bench": "vllm", "summary": "layers_per_put", "layer_bytes": LAYER_BYTES,
           "aggregate_put_gib_s": g["aggregate_put"], "layer_put_gib_s": g["layer_put"],
           "layer_over_aggregate": round(med["aggregate_put"] / med["layer_put"], 3),
           "aggregate_get_gib_s": g["aggregate_get"], "layer_get_gib_s": g["layer_get"],
           "layer_get_over_aggregate": round(med["aggregate_get"] / med["layer_get"], 3)})
+    emit({"bench": "vllm", "bars": bars, "busy": args.busy,
+          "verdict": "pass" if all(v.startswith("pass") for k, v in bars.items()
+                                   if k.endswith("_warm")) else "fail"})
 
 
 main()
