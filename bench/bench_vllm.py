@@ -14,7 +14,9 @@ A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads
   chain, against aggregate-per-put: one PUT of 32 layers (2 MiB) per page. This is the number
   behind the connector's choice to aggregate a page's layers (docs/engines.md).
 
-Each figure is the median of --passes passes after two warm-up passes: a fresh daemon faults its
+The connector and the raw calls take turns going first from pass to pass (the connector in
+the warm-up passes -1 and 0). Each figure is the median of --passes passes after two warm-up
+passes: a fresh daemon faults its
 DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after, the
 connector's pages included), so from the third pass on its memory is warm. On the Unix socket
 the connector's worker takes the zero-copy path (docs/engines.md). One JSON object per line (warm-up passes included, as
@@ -163,45 +165,59 @@ def run(d: Daemon) -> None:
     for p in range(-1, args.passes + 1):  # passes -1 and 0: warm-up
         base = 10_000_000 * (p + 2)
         toks = list(range(base, base + PAGES * BS + 1))
-        # The connector: A saves, B loads into its own paged tensors.
-        ra = Request("a%d" % p, toks, SamplingParams(max_tokens=1), None)
-        _, meta = step_meta(sched_a, ra, ids)
-        worker_a.bind_connector_metadata(meta)
-        worker_a.start_load_kv(None)
-        t0 = time.perf_counter()
-        for name, t in kv_a.items():
-            worker_a.save_kv_layer(name, t, None)
-        worker_a.wait_for_save()
-        t_save = time.perf_counter() - t0
-        worker_a.clear_connector_metadata()
-        sched_a.request_finished(ra, ids)
-        rb = Request("b%d" % p, toks, SamplingParams(max_tokens=1), None)
-        n, meta = step_meta(sched_b, rb, ids)
-        assert n == PAGES * BS, n
-        worker_b.bind_connector_metadata(meta)
-        t0 = time.perf_counter()
-        worker_b.start_load_kv(None)
-        for name in kv_b:
-            worker_b.wait_for_layer_load(name)
-        t_load = time.perf_counter() - t0
-        assert not worker_b.get_block_ids_with_load_errors()
-        worker_b.wait_for_save()
-        worker_b.clear_connector_metadata()
-        sched_b.request_finished(rb, ids)
-        assert torch.equal(kv_b["model.layers.31.self_attn.attn"][:, ids[:PAGES]],
-                           kv_a["model.layers.31.self_attn.attn"][:, ids[:PAGES]])
-        # The package, raw: the same pages from one buffer, 8 pages (16 MiB) per PUT.
-        rt = torch.arange(base + 5_000_000, base + 5_000_000 + PAGES * BS, dtype=torch.int32)
-        t0 = time.perf_counter()
-        for a in range(0, PAGES, 8):
-            raw.put(rt[:(a + 8) * BS], buf[a:a + 8], first_page=a)
-        t_put = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        m = raw.match(rt, lease=True)
-        got = raw.get_into(m.lease, out, npages=PAGES)
-        raw.release(m.lease)
-        t_get = time.perf_counter() - t0
-        assert got == PAGES
+
+        def connector_pass() -> tuple:
+            # The connector: A saves, B loads into its own paged tensors.
+            ra = Request("a%d" % p, toks, SamplingParams(max_tokens=1), None)
+            _, meta = step_meta(sched_a, ra, ids)
+            worker_a.bind_connector_metadata(meta)
+            worker_a.start_load_kv(None)
+            t0 = time.perf_counter()
+            for name, t in kv_a.items():
+                worker_a.save_kv_layer(name, t, None)
+            worker_a.wait_for_save()
+            t_save = time.perf_counter() - t0
+            worker_a.clear_connector_metadata()
+            sched_a.request_finished(ra, ids)
+            rb = Request("b%d" % p, toks, SamplingParams(max_tokens=1), None)
+            n, meta = step_meta(sched_b, rb, ids)
+            assert n == PAGES * BS, n
+            worker_b.bind_connector_metadata(meta)
+            t0 = time.perf_counter()
+            worker_b.start_load_kv(None)
+            for name in kv_b:
+                worker_b.wait_for_layer_load(name)
+            t_load = time.perf_counter() - t0
+            assert not worker_b.get_block_ids_with_load_errors()
+            worker_b.wait_for_save()
+            worker_b.clear_connector_metadata()
+            sched_b.request_finished(rb, ids)
+            assert torch.equal(kv_b["model.layers.31.self_attn.attn"][:, ids[:PAGES]],
+                               kv_a["model.layers.31.self_attn.attn"][:, ids[:PAGES]])
+            return ra, t_save, t_load
+
+        def raw_pass() -> tuple:
+            # The package, raw: the same pages from one buffer, 8 pages (16 MiB) per PUT.
+            rt = torch.arange(base + 5_000_000, base + 5_000_000 + PAGES * BS, dtype=torch.int32)
+            t0 = time.perf_counter()
+            for a in range(0, PAGES, 8):
+                raw.put(rt[:(a + 8) * BS], buf[a:a + 8], first_page=a)
+            t_put = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            m = raw.match(rt, lease=True)
+            got = raw.get_into(m.lease, out, npages=PAGES)
+            raw.release(m.lease)
+            t_get = time.perf_counter() - t0
+            assert got == PAGES
+            return rt, t_put, t_get
+
+        # Which goes first alternates from pass to pass (the warm-up passes: the connector).
+        if p > 0 and p % 2:
+            rt, t_put, t_get = raw_pass()
+            ra, t_save, t_load = connector_pass()
+        else:
+            ra, t_save, t_load = connector_pass()
+            rt, t_put, t_get = raw_pass()
         # One PUT of 32 layers per page against 32 PUTs of one layer per page.
         at = torch.arange(base + 6_000_000, base + 6_000_000 + PAGES * BS, dtype=torch.int32)
         lt = [torch.arange(base + 7_000_000 + 100_000 * li,
