@@ -50,13 +50,14 @@ _ids = itertools.count(1)
 _tok = itertools.count(0)
 
 
-def hybrid_config(*extra_groups: Any) -> "KVCacheConfig":
+def hybrid_config(*extra_groups: Any, full_layers: List[str] = FULL,
+                  swa_layers: List[str] = SWA) -> "KVCacheConfig":
     full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE,
                             sliding_window=WINDOW)
     return KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(FULL, full),
-                                          KVCacheGroupSpec(SWA, swa), *extra_groups])
+                         kv_cache_groups=[KVCacheGroupSpec(full_layers, full),
+                                          KVCacheGroupSpec(swa_layers, swa), *extra_groups])
 
 
 def transfer_config(d: Daemon) -> "KVTransferConfig":
@@ -331,6 +332,34 @@ def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
         x, y = a.kv[name].index_select(dim, torch.tensor(ia)), \
             b.kv[name].index_select(dim, torch.tensor(ib))
         assert x.any() and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    b.finish(r2)
+    a.close()
+    b.close()
+
+
+def test_groups_of_other_page_sizes(vd: Daemon) -> None:
+    """Three full-attention layers and one sliding-window layer: the window group's pages are
+    a third of the full group's, padded to them (one page size per namespace); both round-trip
+    byte-exact, the window group into its window's blocks only."""
+    kvc = hybrid_config(full_layers=NAMES[:3], swa_layers=NAMES[3:])
+    a, b = Engine(vd, 41, kvc), Engine(vd, None, kvc)
+    assert [len(b.worker._layouts[g].names) for g in (0, 1)] == [3, 1]
+    assert b.worker._layouts[1].page_bytes == b.worker._layouts[0].page_bytes
+    toks = prompt(6, 1)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert a.step(meta) == set()
+    ia = a.manager.get_block_ids(r.request_id)
+    a.finish(r)
+    r2 = request(toks)
+    n, meta = b.admit(r2)
+    assert n == 6 * BS and b.step(meta) == set()
+    ib = b.manager.get_block_ids(r2.request_id)
+    ws = window_start(6)
+    for name in NAMES:
+        g, first = (0, 0) if name in NAMES[:3] else (1, ws)
+        x, y = a.kv[name][:, ia[g][first:6]], b.kv[name][:, ib[g][first:6]]
+        assert x.any() and torch.equal(x.view(torch.int16), y.view(torch.int16)), name
     b.finish(r2)
     a.close()
     b.close()
