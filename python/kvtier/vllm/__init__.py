@@ -19,6 +19,11 @@ The namespace is (model + KV dtype, tensor-parallel and pipeline rank): each ran
 shard of a page under the same chain (ranks holding the same KV, as with MLA, share one, which
 the first of them saves); the scheduler asks rank 0's namespace.
 
+Hybrid models (vLLM's hybrid KV cache manager: the connector is a ``SupportsHMA``): each of
+vLLM's KV cache groups (full attention, sliding window) has its own chain, derived from the
+request's with the group's id, and its pages hold that group's layers only; a sliding-window
+group loads only its window. A group of another kind (Mamba state) is refused at start.
+
 A page's bytes are every layer (K and V) of one block of this rank, layer after layer: the worker
 writes each layer as vLLM saves it and stores the page when its last layer is in; a load reads
 whole pages and scatters them layer by layer into vLLM's paged tensors. docs/engines.md says why
