@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import signal
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -60,17 +61,17 @@ def hybrid_config(*extra_groups: Any, full_layers: List[str] = FULL,
                                           KVCacheGroupSpec(swa_layers, swa), *extra_groups])
 
 
-def transfer_config(d: Daemon) -> "KVTransferConfig":
+def transfer_config(d: Daemon, **extra: Any) -> "KVTransferConfig":
     return KVTransferConfig(
         kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
         kv_role="kv_both",
         kv_connector_extra_config={"unix_path": d.unix, "model": "tiny-hybrid",
                                    "scheduler_deadline_ms": 2000, "worker_deadline_ms": 2000,
-                                   "probe_ms": 20})
+                                   "probe_ms": 20, **extra})
 
 
-def vllm_config(d: Daemon) -> "VllmConfig":
-    return VllmConfig(kv_transfer_config=transfer_config(d),
+def vllm_config(d: Daemon, **extra: Any) -> "VllmConfig":
+    return VllmConfig(kv_transfer_config=transfer_config(d, **extra),
                       device_config=DeviceConfig(device="cpu"),
                       cache_config=CacheConfig(block_size=BS))
 
@@ -87,11 +88,11 @@ class Engine:
     worker's paged tensors."""
 
     def __init__(self, d: Daemon, seed: Any, kvc: Any = None,
-                 kv: Optional[Dict[str, torch.Tensor]] = None) -> None:
+                 kv: Optional[Dict[str, torch.Tensor]] = None, **extra: Any) -> None:
         self.kvc = kvc or hybrid_config()
         self.manager = KVCacheManager(self.kvc, max_model_len=1024, scheduler_block_size=BS,
                                       hash_block_size=BS, enable_caching=False)
-        cfg = vllm_config(d)
+        cfg = vllm_config(d, **extra)
         self.sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER,
                                                          self.kvc)
         self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kvc)
@@ -359,6 +360,58 @@ def test_groups_of_other_page_sizes(vd: Daemon) -> None:
     for name in NAMES:
         g, first = (0, 0) if name in NAMES[:3] else (1, ws)
         x, y = a.kv[name][:, ia[g][first:6]], b.kv[name][:, ib[g][first:6]]
+        assert x.any() and torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+    b.finish(r2)
+    a.close()
+    b.close()
+
+
+def test_asynchronous_load_of_both_groups(vd: Daemon) -> None:
+    """load_async: the hit is answered as a load between steps; vLLM allocates the blocks
+    (the window group's outside its window null), the step in which the request waits carries
+    both groups' loads, and get_finished reports the request once both are in, byte-exact,
+    with no load error."""
+    a, b = Engine(vd, seed=51), Engine(vd, None, load_async=True)
+    toks = prompt(7, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    ia = a.manager.get_block_ids(r.request_id)
+    a.finish(r)
+    r2 = request(toks)
+    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, load_async) == (7 * BS, True)
+    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
+                                    delay_cache_blocks=True) is not None
+    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    ib = b.manager.get_block_ids(r2.request_id)
+    waiting = SchedulerOutput(scheduled_new_reqs=[],
+                              scheduled_cached_reqs=CachedRequestData.make_empty(),
+                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                              scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                              finished_req_ids=set(), free_encoder_mm_hashes=[])
+    meta = b.sched.build_connector_meta(waiting)
+    ws = window_start(7)
+    assert {t.group: (t.first, t.async_load) for t in meta.loads} == {0: (0, True),
+                                                                       1: (ws, True)}
+    w = b.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    errors: set = set()
+    for _ in range(500):
+        w.wait_for_save()
+        _, recving = w.get_finished(set())
+        errors |= w.get_block_ids_with_load_errors()
+        if recving:
+            assert recving == {r2.request_id}
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the load was never reported")
+    w.clear_connector_metadata()
+    assert errors == set()
+    for name in NAMES:
+        g, first = (0, 0) if name in FULL else (1, ws)
+        x, y = a.kv[name][:, ia[g][first:7]], b.kv[name][:, ib[g][first:7]]
         assert x.any() and torch.equal(x.view(torch.int16), y.view(torch.int16)), name
     b.finish(r2)
     a.close()
