@@ -416,3 +416,53 @@ def test_asynchronous_load_of_both_groups(vd: Daemon) -> None:
     b.finish(r2)
     a.close()
     b.close()
+
+
+def test_decode_saves_each_group_as_pages_complete(vd: Daemon) -> None:
+    """Decode steps (vLLM's CachedRequestData, new blocks per group from the manager's
+    allocate_slots): the page a step completes is saved in both groups; by then vLLM has
+    freed the window group's blocks that left its window, which are never read. Another
+    engine then hits the prompt and the decoded tokens, byte-exact in each group's blocks."""
+    a, b = Engine(vd, seed=61), Engine(vd, None)
+    toks = prompt(4, 14)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert a.step(meta) == set()
+    r.num_computed_tokens = r.num_tokens
+    saved = []
+    for t in (901, 902, 903):  # 78 -> 81 tokens: the step computing token 80 fills page 5
+        r.append_output_token_ids(t)
+        new = a.manager.allocate_slots(r, 1)
+        assert new is not None
+        ids = new.get_block_ids()
+        crd = CachedRequestData.make_empty()
+        crd.req_ids.append(r.request_id)
+        crd.new_token_ids.append([])
+        crd.new_block_ids.append(ids if any(ids) else None)
+        crd.num_computed_tokens.append(r.num_computed_tokens)
+        crd.num_output_tokens.append(len(r.output_token_ids))
+        so = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=crd,
+                             num_scheduled_tokens={r.request_id: 1},
+                             total_num_scheduled_tokens=1, scheduled_spec_decode_tokens={},
+                             scheduled_encoder_inputs={}, finished_req_ids=set(),
+                             free_encoder_mm_hashes=[])
+        meta = a.sched.build_connector_meta(so)
+        saved.append(sorted((x.group, x.first, len(x.keys)) for x in meta.saves))
+        assert a.step(meta) == set()
+        r.num_computed_tokens += 1
+    assert saved == [[], [(0, 4, 5), (1, 4, 5)], []]
+    ia = a.manager.get_block_ids(r.request_id)
+    assert ia[1][0] == 0  # the window group's first block freed by now (vLLM's null block)
+    a.finish(r)
+    r2 = request(list(r.all_token_ids))  # 81 tokens: a hit of 5 pages
+    n, meta = b.admit(r2)
+    assert n == 5 * BS and b.step(meta) == set()
+    ib = b.manager.get_block_ids(r2.request_id)
+    ws = window_start(5)
+    for name in NAMES:
+        g, first = (0, 0) if name in FULL else (1, ws)
+        x, y = a.kv[name][:, ia[g][first:5]], b.kv[name][:, ib[g][first:5]]
+        assert x.any() and torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+    b.finish(r2)
+    a.close()
+    b.close()
