@@ -136,21 +136,23 @@ class _Layout:
         """A run's slots as numpy arrays over the same memory (for the CPU copies), or []
         where a layer's element size has no numpy integer. Made straight from the address:
         a torch tensor per slot costs several microseconds each, 32 per run."""
-        span = (n - 1) * stride + self.page_bytes
-        mem = np.frombuffer((ctypes.c_ubyte * span).from_address(addr), dtype=np.uint8)
+        mem = (ctypes.c_ubyte * ((n - 1) * stride + self.page_bytes)).from_address(addr)
         ints = [_NP_INT_OF_SIZE.get(d.itemsize) for d in self.dtypes]
         if any(i is None for i in ints):
             return []
         if not uniform:  # one page (n 1): each layer's slice by its own offset, dtype, shape
-            return [mem[o:o + sz].view(i).reshape(1, *shape) for o, sz, i, shape in
+            page = np.frombuffer(mem, dtype=np.uint8)
+            return [page[o:o + sz].view(i).reshape(1, *shape) for o, sz, i, shape in
                     zip(self.offsets, self.sizes, ints, self.shapes)]
         shape, es = self.shapes[0], self.dtypes[0].itemsize
         inner = [es] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             inner[i] = inner[i + 1] * shape[i + 1]
-        t = np.lib.stride_tricks.as_strided(mem.view(ints[0]), (n, len(self.names), *shape),
-                                            (stride, self.sizes[0], *inner))
-        return [t[:, i] for i in range(len(self.names))]
+        # (layers, n, *shape) over the memory; its rows are the layers' slots (half the time
+        # of as_strided and a slice per layer: 12 runs of 32 layers a step in bench_vllm).
+        t = np.ndarray((len(self.names), n, *shape), dtype=ints[0], buffer=mem,
+                       strides=(self.sizes[0], stride, *inner))
+        return list(t)
 
     def _run_slots(self, addr: int, n: int, stride: int, uniform: bool) -> List[torch.Tensor]:
         span = (n - 1) * stride + self.page_bytes
