@@ -34,6 +34,8 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
     ap.add_argument("--passes", type=int, default=5, help="warm passes after the first (>= 1)")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
+                    "the passes (the keyed PUT's bar is also set with 2)")
     return ap.parse_args()
 
 
@@ -154,7 +156,7 @@ def main() -> None:
         "connector": Connector,
         "keyed": lambda unix: cb.Keyed(unix, key_names),
         "raw": cb.Raw,
-    }, max(1, args.passes))
+    }, max(1, args.passes), busy=args.busy)
 
 
 main()

@@ -45,6 +45,8 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
     ap.add_argument("--passes", type=int, default=5, help="warm passes after the first (>= 1)")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
+                    "the passes (the keyed PUT's bar is also set with 2)")
     ap.add_argument("--pyenv", default="", help="the venv in BUILD to run in (default: "
                     "pyenv-sglang when complete, else pyenv)")
     return ap.parse_args()
@@ -248,7 +250,7 @@ def main() -> None:
                      sys.prefix, err)})
     else:
         forms["connector_v1"] = ConnectorV1
-    cb.run("sglang", build, forms, max(1, args.passes))
+    cb.run("sglang", build, forms, max(1, args.passes), busy=args.busy)
 
 
 main()

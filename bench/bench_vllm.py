@@ -16,13 +16,20 @@ A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads
   chain, against aggregate-per-put: one PUT of 32 layers (2 MiB) per page. This is the number
   behind the connector's choice to aggregate a page's layers (docs/engines.md).
 
-Each figure is the median of --passes passes after two warm-up passes: a fresh daemon faults its
+The connector and the raw calls take turns going first from pass to pass (the connector in
+the warm-up passes -1 and 0). Each figure is the median of --passes passes after two warm-up
+passes: a fresh daemon faults its
 DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after, the
 connector's pages included), so from the third pass on its memory is warm. On the Unix socket
 the connector's worker takes the zero-copy path (docs/engines.md). One JSON object per line (warm-up passes included, as
-pass -1 and 0), then the summary lines with the ratios.
+pass -1 and 0), then the summary lines with the ratios: first (pass -1, the daemon's first: the
+connector stores first and faults the tier's memory in, the raw PUT follows on the same
+daemon) and warm (the medians), each with the bar of issue 35 (connector / raw >= 0.85, pass
+or fail; the bar is on warm), and a last line listing the bars and the verdict.
 
-  bench_vllm.py --build-root BUILD [--passes R]
+  bench_vllm.py --build-root BUILD [--passes R] [--busy N]
+
+--busy N runs N CPU-bound processes beside the passes (pybench.Busy).
 
 Runs under BUILD/pyenv's Python (re-executing itself there). Exits 77 (skipped) when vLLM is
 not installed there (scripts/engines/vllm.sh).
@@ -37,13 +44,15 @@ import statistics
 import sys
 import time
 
-from pybench import Daemon, run_in_venv
+from pybench import CONNECTOR_BAR, Busy, Daemon, run_in_venv, verdict
 
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
+                    "the passes (the keyed PUT's bar is also set with 2)")
     return ap.parse_args()
 
 
@@ -124,9 +133,11 @@ def gib_s(nbytes: int, secs: float) -> float:
 
 def main() -> None:
     d = Daemon(build, "kvt-bench-vllm-", "384M")
+    load = Busy(args.busy)
     try:
         run(d)
     finally:
+        load.stop()
         d.stop()
 
 
@@ -135,6 +146,7 @@ def run(d: Daemon) -> None:
     ids = list(range(4, 4 + PAGES + 1))
     res: dict = {k: [] for k in ("connector_save", "connector_load", "raw_put", "raw_get",
                                  "aggregate_put", "layer_put", "aggregate_get", "layer_get")}
+    first: dict = {}  # pass -1, the daemon's first: the connector's stores fault its memory in
     sched_a, worker_a = connectors(d.unix)
     sched_b, worker_b = connectors(d.unix)
     kv_a, kv_b = paged(), paged()
@@ -155,50 +167,64 @@ def run(d: Daemon) -> None:
     for p in range(-1, args.passes + 1):  # passes -1 and 0: warm-up
         base = 10_000_000 * (p + 2)
         toks = list(range(base, base + PAGES * BS + 1))
-        # The connector: A saves, B loads into its own paged tensors.
-        ra = Request("a%d" % p, toks, SamplingParams(max_tokens=1), None)
-        _, meta = step_meta(sched_a, ra, ids)
-        worker_a.bind_connector_metadata(meta)
-        worker_a.start_load_kv(None)
-        t0 = time.perf_counter()
-        for name, t in kv_a.items():
-            worker_a.save_kv_layer(name, t, None)
-        worker_a.wait_for_save()
-        worker_a.clear_connector_metadata()
-        held, _ = sched_a.request_finished(ra, ids)
-        assert held, "a request with a save is held until it is stored"
-        finished = {ra.request_id}
-        while not worker_a.get_finished(finished)[0]:  # stored: handed back
-            finished = set()
-            time.sleep(0.0002)  # as vLLM's steps would: not a spin holding the GIL
-        t_save = time.perf_counter() - t0
-        rb = Request("b%d" % p, toks, SamplingParams(max_tokens=1), None)
-        n, meta = step_meta(sched_b, rb, ids)
-        assert n == PAGES * BS, n
-        worker_b.bind_connector_metadata(meta)
-        t0 = time.perf_counter()
-        worker_b.start_load_kv(None)
-        for name in kv_b:
-            worker_b.wait_for_layer_load(name)
-        t_load = time.perf_counter() - t0
-        assert not worker_b.get_block_ids_with_load_errors()
-        worker_b.wait_for_save()
-        worker_b.clear_connector_metadata()
-        sched_b.request_finished(rb, ids)
-        assert torch.equal(kv_b["model.layers.31.self_attn.attn"][:, ids[:PAGES]],
-                           kv_a["model.layers.31.self_attn.attn"][:, ids[:PAGES]])
-        # The package, raw: the same pages from one buffer, 8 pages (16 MiB) per PUT.
-        rt = torch.arange(base + 5_000_000, base + 5_000_000 + PAGES * BS, dtype=torch.int32)
-        t0 = time.perf_counter()
-        for a in range(0, PAGES, 8):
-            raw.put(rt[:(a + 8) * BS], buf[a:a + 8], first_page=a)
-        t_put = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        m = raw.match(rt, lease=True)
-        got = raw.get_into(m.lease, out, npages=PAGES)
-        raw.release(m.lease)
-        t_get = time.perf_counter() - t0
-        assert got == PAGES
+
+        def connector_pass() -> tuple:
+            # The connector: A saves, B loads into its own paged tensors.
+            ra = Request("a%d" % p, toks, SamplingParams(max_tokens=1), None)
+            _, meta = step_meta(sched_a, ra, ids)
+            worker_a.bind_connector_metadata(meta)
+            worker_a.start_load_kv(None)
+            t0 = time.perf_counter()
+            for name, t in kv_a.items():
+                worker_a.save_kv_layer(name, t, None)
+            worker_a.wait_for_save()
+            worker_a.clear_connector_metadata()
+            held, _ = sched_a.request_finished(ra, ids)
+            assert held, "a request with a save is held until it is stored"
+            finished = {ra.request_id}
+            while not worker_a.get_finished(finished)[0]:  # stored: handed back
+                finished = set()
+                time.sleep(0.0002)  # as vLLM's steps would: not a spin holding the GIL
+            t_save = time.perf_counter() - t0
+            rb = Request("b%d" % p, toks, SamplingParams(max_tokens=1), None)
+            n, meta = step_meta(sched_b, rb, ids)
+            assert n == PAGES * BS, n
+            worker_b.bind_connector_metadata(meta)
+            t0 = time.perf_counter()
+            worker_b.start_load_kv(None)
+            for name in kv_b:
+                worker_b.wait_for_layer_load(name)
+            t_load = time.perf_counter() - t0
+            assert not worker_b.get_block_ids_with_load_errors()
+            worker_b.wait_for_save()
+            worker_b.clear_connector_metadata()
+            sched_b.request_finished(rb, ids)
+            assert torch.equal(kv_b["model.layers.31.self_attn.attn"][:, ids[:PAGES]],
+                               kv_a["model.layers.31.self_attn.attn"][:, ids[:PAGES]])
+            return ra, t_save, t_load
+
+        def raw_pass() -> tuple:
+            # The package, raw: the same pages from one buffer, 8 pages (16 MiB) per PUT.
+            rt = torch.arange(base + 5_000_000, base + 5_000_000 + PAGES * BS, dtype=torch.int32)
+            t0 = time.perf_counter()
+            for a in range(0, PAGES, 8):
+                raw.put(rt[:(a + 8) * BS], buf[a:a + 8], first_page=a)
+            t_put = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            m = raw.match(rt, lease=True)
+            got = raw.get_into(m.lease, out, npages=PAGES)
+            raw.release(m.lease)
+            t_get = time.perf_counter() - t0
+            assert got == PAGES
+            return rt, t_put, t_get
+
+        # Which goes first alternates from pass to pass (the warm-up passes: the connector).
+        if p > 0 and p % 2:
+            rt, t_put, t_get = raw_pass()
+            ra, t_save, t_load = connector_pass()
+        else:
+            ra, t_save, t_load = connector_pass()
+            rt, t_put, t_get = raw_pass()
         # One PUT of 32 layers per page against 32 PUTs of one layer per page.
         at = torch.arange(base + 6_000_000, base + 6_000_000 + PAGES * BS, dtype=torch.int32)
         lt = [torch.arange(base + 7_000_000 + 100_000 * li,
@@ -243,6 +269,8 @@ def run(d: Daemon) -> None:
                   "gib_s": gib_s(total, v)})
             if p > 0:
                 res[k].append(v)
+            elif p == -1:
+                first[k] = v
         # Free the daemon's memory for the next pass.
         for c, t in ((raw, rt), (raw, at)):
             c.remove(t[:BS])
@@ -256,17 +284,26 @@ def run(d: Daemon) -> None:
     keyed.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     g = {k: gib_s(total, v) for k, v in med.items()}
-    emit({"bench": "vllm", "summary": "save", "page_bytes": PAGE_BYTES, "layers": LAYERS,
-          "pages": PAGES, "connector_gib_s": g["connector_save"], "raw_put_gib_s": g["raw_put"],
-          "connector_over_raw": round(med["raw_put"] / med["connector_save"], 3)})
-    emit({"bench": "vllm", "summary": "load", "page_bytes": PAGE_BYTES, "layers": LAYERS,
-          "pages": PAGES, "connector_gib_s": g["connector_load"], "raw_get_gib_s": g["raw_get"],
-          "connector_over_raw": round(med["raw_get"] / med["connector_load"], 3)})
+    bars = {}
+    for op, conn, base in (("save", "connector_save", "raw_put"),
+                           ("load", "connector_load", "raw_get")):
+        for phase, t in (("first", first), ("warm", med)):
+            ratio = round(t[base] / t[conn], 3)
+            ok = verdict(ratio, CONNECTOR_BAR)
+            emit({"bench": "vllm", "summary": op, "pass": phase, "page_bytes": PAGE_BYTES,
+                  "layers": LAYERS, "pages": PAGES, "connector_gib_s": gib_s(total, t[conn]),
+                  "%s_gib_s" % base: gib_s(total, t[base]), "connector_over_raw": ratio,
+                  "connector_bar": ok, "busy": args.busy})
+            bars["connector_%s_%s" % (op, phase)] = "%s %.3f (bar %.2f)" % (ok, ratio,
+                                                                            CONNECTOR_BAR)
     emit({"bench": "vllm", "summary": "layers_per_put", "layer_bytes": LAYER_BYTES,
           "aggregate_put_gib_s": g["aggregate_put"], "layer_put_gib_s": g["layer_put"],
           "layer_over_aggregate": round(med["aggregate_put"] / med["layer_put"], 3),
           "aggregate_get_gib_s": g["aggregate_get"], "layer_get_gib_s": g["layer_get"],
           "layer_get_over_aggregate": round(med["aggregate_get"] / med["layer_get"], 3)})
+    emit({"bench": "vllm", "bars": bars, "busy": args.busy,
+          "verdict": "pass" if all(v.startswith("pass") for k, v in bars.items()
+                                   if k.endswith("_warm")) else "fail"})
 
 
 main()

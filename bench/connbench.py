@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List
 import torch
 
 import kvtier
-from pybench import Daemon
+from pybench import CONNECTOR_BAR, KEYED_PUT_BAR, Busy, Daemon, verdict
 
 LAYERS, BS, HEADS, HEAD = 32, 16, 8, 128
 PAGES = 32
@@ -154,17 +154,21 @@ class Raw(Form):
 
 
 def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes: int,
-        dram: str = "256M") -> None:
+        dram: str = "256M", busy: int = 0) -> None:
     """Runs pass 1 (first) and passes 2..passes+1 (warm) of each form against its own fresh
     kvtierd, printing one line per form, operation and pass, then the summary lines: for save
     and load, first and warm (the median of the warm passes), the connector's GiB/s beside the
     keyed and raw forms' and the ratios. forms: name -> constructor taking the daemon's Unix
     socket path; "connector", "keyed" and "raw" are expected. Any other form (bench_sglang's
-    "connector_v1") adds NAME_gib_s and its ratios over the three to the summary lines."""
+    "connector_v1") adds NAME_gib_s and its ratios over the three to the summary lines.
+    Each summary line carries the bars (pybench.CONNECTOR_BAR, KEYED_PUT_BAR) with pass or
+    fail, and a last line lists them all. busy: CPU-bound processes running beside the passes
+    (pybench.Busy)."""
     total = PAGES * PAGE_BYTES
     daemons: Dict[str, Daemon] = {}
     made: Dict[str, Form] = {}
     secs: Dict[str, Dict[str, List[float]]] = {n: {"save": [], "load": []} for n in forms}
+    load = Busy(busy)
     try:
         for name, make in forms.items():
             daemons[name] = Daemon(build, "kvt-bench-%s-%s-" % (bench, name), dram)
@@ -187,10 +191,12 @@ def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes:
                     emit({"bench": bench, "form": name, "op": op, "pass": p, "bytes": total,
                           "gib_s": gib_s(total, s)})
     finally:
+        load.stop()
         for f in made.values():
             f.close()
         for d in daemons.values():
             d.stop()
+    bars: Dict[str, str] = {}
     for op, base in (("save", "put"), ("load", "get")):
         for phase in ("first", "warm"):
             t = {n: (v[op][0] if phase == "first" else statistics.median(v[op][1:]))
@@ -201,10 +207,21 @@ def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes:
                    "keyed_%s_gib_s" % base: gib_s(total, t["keyed"]),
                    "raw_%s_gib_s" % base: gib_s(total, t["raw"]),
                    "connector_over_keyed": round(t["keyed"] / t["connector"], 3),
-                   "connector_over_raw": round(t["raw"] / t["connector"], 3)}
+                   "connector_over_raw": round(t["raw"] / t["connector"], 3), "busy": busy}
+            rec["connector_bar"] = verdict(rec["connector_over_raw"], CONNECTOR_BAR)
+            bars["connector_%s_%s" % (op, phase)] = "%s %.3f (bar %.2f)" % (
+                rec["connector_bar"], rec["connector_over_raw"], CONNECTOR_BAR)
+            if op == "save":
+                rec["keyed_over_raw"] = round(t["raw"] / t["keyed"], 3)
+                rec["keyed_put_bar"] = verdict(rec["keyed_over_raw"], KEYED_PUT_BAR)
+                bars["keyed_put_%s" % phase] = "%s %.3f (bar %.2f)" % (
+                    rec["keyed_put_bar"], rec["keyed_over_raw"], KEYED_PUT_BAR)
             for n in forms:
                 if n not in ("connector", "keyed", "raw"):
                     rec["%s_gib_s" % n] = gib_s(total, t[n])
                     for other in ("connector", "keyed", "raw"):
                         rec["%s_over_%s" % (n, other)] = round(t[other] / t[n], 3)
             emit(rec)
+    emit({"bench": bench, "bars": bars, "busy": busy,
+          "verdict": "pass" if all(v.startswith("pass") for k, v in bars.items()
+                                   if k.endswith("_warm")) else "fail"})

@@ -148,3 +148,31 @@ class Cluster:
             proc.wait()
         self.procs = []
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# The speed bars of issue 35, printed with pass or fail by bench_vllm, bench_sglang and
+# bench_lmcache: each connector's save and load against the package's raw calls of the same
+# bytes in the same run (the bar is on the warm median; the first pass is reported beside it),
+# and the package's keyed PUT against its raw PUT (also with CPU-bound processes beside it:
+# --busy 2).
+CONNECTOR_BAR = 0.85
+KEYED_PUT_BAR = 0.95
+
+
+def verdict(ratio: float, bar: float) -> str:
+    return "pass" if ratio >= bar else "fail"
+
+
+class Busy:
+    """n CPU-bound processes (a Python loop each) running beside a benchmark until stop():
+    the "two CPU-bound processes running beside it" of the keyed PUT's bar."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                      for _ in range(n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.procs = []

@@ -19,22 +19,32 @@ The namespace is (model + KV dtype, tensor-parallel and pipeline rank): each ran
 shard of a page under the same chain (ranks holding the same KV, as with MLA, share one, which
 the first of them saves); the scheduler asks rank 0's namespace.
 
-A page's bytes are every layer (K and V) of one block of this rank, layer after layer: the worker
-writes each layer as vLLM saves it and stores the page when its last layer is in; a load reads
-whole pages and scatters them layer by layer into vLLM's paged tensors. docs/engines.md says why
-(measured) rather than one PUT per layer. On the daemon's Unix socket the worker maps its
-namespace's DRAM arena (zero-copy): each layer is copied once, straight into room reserved in
-the mapping (committed when the request's last layer is in) and, on load, straight from the
-pages where they lie in the mapping into vLLM's blocks. Without the mapping (TCP, refused) each
-layer goes through a staging buffer and the socket.
+Hybrid models (vLLM's hybrid KV cache manager: the connector is a ``SupportsHMA``): each of
+vLLM's KV cache groups (full attention, sliding window) has its own chain, derived from the
+request's with the group's id, and its pages hold that group's layers only; a sliding-window
+group loads only its window. A group of another kind (Mamba state) is refused at start.
 
-Failures never reach the engine: a daemon that is down makes the scheduler see 0 hits; a load
-that fails or comes back short (daemon killed, page evicted) reports its blocks through
+A page's bytes are every layer (K and V) of one block of this rank (of its group's layers),
+layer after layer. Saves are asynchronous: once a step's last layer of a group is computed, a
+job on the worker's I/O thread copies the request's blocks out and stores them, while the
+forward goes on; vLLM holds a finished request's blocks until get_finished reports its saves
+done, and a preempted request's saves are cancelled before they read its freed blocks. A load
+reads whole pages and the I/O thread copies them layer by layer into vLLM's paged tensors while
+the forward computes the earlier layers. docs/engines.md says why (measured) rather than one PUT
+per layer. On the daemon's Unix socket the worker maps its namespace's DRAM arena (zero-copy):
+each layer is copied once, straight into room reserved in the mapping (then committed) and, on
+load, straight from the pages where they lie in the mapping (a MATCH with LOCATE says where) into
+vLLM's blocks. Without the mapping (TCP, refused) each layer goes through a staging buffer and the
+socket.
+
+Failures never reach the engine: a daemon that is down makes the scheduler see 0 hits; a load that
+fails or comes back short (daemon killed, page evicted) reports its blocks through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them; a failed save is logged and dropped.
-Nothing waits long on the daemon: the scheduler's calls have a deadline of
-``scheduler_deadline_ms`` (20), a forward step waits ``worker_deadline_ms`` (100) in all for its
-I/O, and after a failure a circuit breaker answers misses at once while a background thread
-reconnects (kvtier/guard.py; docs/engines.md, "Deadlines and the circuit breaker").
+Nothing waits long on the daemon: the scheduler's calls have a deadline of ``scheduler_deadline_ms``
+(20), a forward step waits ``worker_deadline_ms`` (100) in all for its loads (a save not stored that
+long after its step is dropped and its blocks handed back), and after a failure a circuit breaker
+answers misses at once while a background thread reconnects (kvtier/guard.py; docs/engines.md,
+"Deadlines and the circuit breaker").
 
 One file per role: ``scheduler.py`` (the scheduler's lookups and each step's plan), ``worker.py``
 (the forward pass's loads and saves), ``layout.py`` (vLLM's paged tensors and pages of all layers,

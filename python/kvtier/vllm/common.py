@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.utils.hashing import sha256_cbor
@@ -142,6 +142,87 @@ def chain_root(model: str) -> bytes:
     return hashlib.sha256(b"kvtier vllm v1\0" + model.encode()).digest()
 
 
+# -- KV cache groups (vLLM's hybrid KV cache manager, SupportsHMA) ----------------------------
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One of vLLM's KV cache groups whose pages the connector stores.
+
+    ``gid`` is vLLM's index of the group (the index into a request's per-group block ids);
+    ``layers`` its layer names (None: every layer the worker registers, for a configuration
+    with one group or none); ``retained``, for a sliding-window group, how many tokens below
+    the next position its attention still reads (vLLM's ``num_retained_tokens``: window - 1,
+    plus any extra retained tokens), 0 for full attention."""
+
+    gid: int
+    layers: Optional[Tuple[str, ...]] = None
+    retained: int = 0
+
+    def window_start(self, pages: int, block_size: int) -> int:
+        """The first page a prefix of ``pages`` pages needs in this group: 0 for full
+        attention; for a sliding window, the page holding the oldest token the next position
+        still attends (pages before it are vLLM's null blocks: neither loaded nor stored)."""
+        if not self.retained:
+            return 0
+        return max(0, pages * block_size - self.retained) // block_size
+
+
+def kv_groups(kv_cache_config: Any, block_size: int) -> List[KvGroup]:
+    """The groups of vLLM's KV cache config that the connector stores, in vLLM's order.
+
+    One group or none (the hybrid manager off, or a model with one kind of attention): one
+    group of every registered layer, whatever its spec (today's pages). Several (the hybrid
+    manager on): full attention (FullAttentionSpec, MLAAttentionSpec) and sliding-window
+    (SlidingWindowSpec, SlidingWindowMLASpec) groups, each with its own key chain; a group
+    vLLM marks as not transferred (``enable_kv_transfer`` False) is left to vLLM, which
+    rebuilds it. Any other spec (MambaSpec's recurrent state, chunked local attention, cross
+    attention, ...) raises ValueError naming the group: its state is not a page per block of
+    tokens, and storing it as one would load wrong KV. A group whose block size is not
+    ``block_size`` raises ValueError too."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec,
+                                            SlidingWindowMLASpec, SlidingWindowSpec)
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) <= 1:
+        return [KvGroup(0)]
+    out = []
+    for gid, g in enumerate(groups):
+        if not getattr(g, "enable_kv_transfer", True):
+            continue
+        spec = g.kv_cache_spec
+        kind = type(spec)
+        if kind in (SlidingWindowSpec, SlidingWindowMLASpec):
+            retained = int(spec.num_retained_tokens)
+        elif kind in (FullAttentionSpec, MLAAttentionSpec):
+            retained = 0
+        else:
+            raise ValueError(
+                "kvtier.vllm: KV cache group %d (%s, layers %s) is not supported: kvtier stores "
+                "full-attention and sliding-window groups only (start vLLM with "
+                "--disable-hybrid-kv-cache-manager for a model whose other layers it can merge, "
+                "or serve this model without the kvtier connector)"
+                % (gid, kind.__name__, ", ".join(list(g.layer_names)[:4])))
+        if int(spec.block_size) != block_size:
+            raise ValueError("%s: setting 'block_size': %d tokens, but KV cache group %d has "
+                             "blocks of %d tokens" % (_WHERE, block_size, gid, spec.block_size))
+        out.append(KvGroup(gid, tuple(g.layer_names), retained))
+    return out
+
+
+def group_chain(base: List[bytes], gid: int, have: List[bytes], pages: int) -> List[bytes]:
+    """Extends ``have`` (group ``gid``'s keys so far) to ``pages`` keys. Group 0's chain is
+    the base chain itself (the pages of a model with one group keep their names); another
+    group's key of a page is sha256 of the group and the base key, so that each still covers
+    its whole prefix and the groups' pages never share a name."""
+    if gid == 0:
+        return base
+    tag = b"kvtier vllm group\0%d\0" % gid
+    while len(have) < pages:
+        have.append(hashlib.sha256(tag + base[len(have)]).digest())
+    return have
+
+
 # -- metadata: what the scheduler tells the workers each step ---------------------------------
 
 
@@ -152,6 +233,7 @@ class _Transfer:
     first: int  # the first page moved (pages before it are not)
     block_ids: List[int]  # the engine's block of each page moved
     async_load: bool = False  # a load between steps, reported by get_finished
+    group: int = 0  # vLLM's KV cache group (keys are that group's chain)
 
 
 
@@ -167,11 +249,12 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _ReqState:
     request: "Request"
-    keys: List[bytes] = field(default_factory=list)
-    lease: int = 0
-    hit_pages: int = 0  # pages kvtierd held at lookup (stored already)
+    keys: List[bytes] = field(default_factory=list)  # the base chain (group 0's)
+    group_keys: Dict[int, List[bytes]] = field(default_factory=dict)  # other groups' chains
+    leases: List[int] = field(default_factory=list)  # one per group looked up
+    hit_pages: int = 0  # pages kvtierd held at lookup, in every group (stored already)
     computed_pages: int = 0  # pages vLLM had itself at lookup
-    block_ids: List[int] = field(default_factory=list)
+    block_ids: Dict[int, List[int]] = field(default_factory=dict)  # per group, vLLM's gid
     saved_pages: int = 0  # pages [0, saved_pages) stored or known to be there
     no_save: bool = False
     # A save was planned for it: request_finished holds its blocks until the workers report

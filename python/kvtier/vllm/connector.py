@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorRole, SupportsHMA)
 
 from ..guard import Guard, check_keys, number
 from .common import (EXTRA_KEYS, REPLACED_KEYS, WARN_INTERVAL_S, WORKER_DEADLINE_MS, _WHERE,
-                     chain_root, log, model_name, tp_replicas)
+                     chain_root, kv_groups, log, model_name, tp_replicas)
 from .metrics import KvtierConnectorStats, KvtierPromMetrics, Tally
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
+class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector (v1) storing pages in kvtierd and loading them back.
 
     ``kv_connector_extra_config`` keys: ``unix_path`` (the daemon's Unix socket) or ``tcp``
@@ -52,11 +53,18 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         cc = vllm_config.cache_config
         self._block_size = int(self._extra.get("block_size") or cc.block_size)
         self._check_settings(cc, kv_cache_config)
+        # vLLM's KV cache groups (SupportsHMA: several with the hybrid manager), each with its
+        # own key chain; refuses a group it cannot store (common.kv_groups).
+        self._groups = kv_groups(kv_cache_config, self._block_size)
         self._guard = Guard(log, number(self._extra, "warn_interval_s", WARN_INTERVAL_S, _WHERE,
                                         integer=False))
         self._worker_deadline_ms = number(self._extra, "worker_deadline_ms", WORKER_DEADLINE_MS,
                                           _WHERE, minimum=1)
         self._model = model_name(vllm_config, self._extra)
+        if len(self._groups) > 1:
+            # A page of one group holds other layers than a page of the same model served
+            # with the hybrid manager off (one group of every layer): another namespace.
+            self._model = (self._model + "|groups=%d" % len(self._groups))[-255:]
         self._root = chain_root(self._model)
         pc = vllm_config.parallel_config
         self._tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)

@@ -4,12 +4,31 @@ copies between them (through a staging tensor, or straight into and out of kvtie
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .._lib import ffi
+
+# A CPU tensor's bytes as numpy sees them: an integer type of the element's size (numpy has no
+# bfloat16; the copies move bytes, never values).
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _np(t: torch.Tensor) -> Optional[np.ndarray]:
+    """``t``'s memory as a numpy array of the same shape and strides, or None (a CUDA tensor,
+    an element size numpy has no integer for). numpy copies a strided block in one call, on
+    the calling thread, without torch's per-call overhead or its OpenMP parallel region (see
+    _Layout._chunk), and releases the GIL while it copies."""
+    it = _INT_OF_SIZE.get(t.element_size())
+    if it is None or t.device.type != "cpu":
+        return None
+    return t.view(it).numpy()
+
 
 class _Layout:
     """Where each layer's slice of a block lies inside a page of all layers.
@@ -45,6 +64,7 @@ class _Layout:
             self.sizes.append(size)
             off += size
         self.page_bytes = off
+        self._np_kv: Dict[int, Tuple[Any, Optional[np.ndarray]]] = {}  # _blocks_np's
         self.signature = ";".join("%s%s@%d" % (str(kv_caches[n].dtype).replace("torch.", ""),
                                                "x".join(map(str, s)), d)
                                   for n, s, d in zip(self.names, self.shapes, self.dims))
@@ -60,6 +80,12 @@ class _Layout:
                blocks: List[int]) -> None:
         """Copies this layer's slice of each block in ``blocks`` into the staging pages."""
         dst, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
+        a, d = _np(kv), _np(dst)
+        if a is not None and d is not None:
+            a = np.moveaxis(a, dim, 0)
+            for j, b in enumerate(blocks):
+                np.copyto(d[j], a[b])
+            return
         for j, b in enumerate(blocks):
             dst[j].copy_(kv.select(dim, b))
 
@@ -67,6 +93,12 @@ class _Layout:
                 blocks: List[int]) -> None:
         """Copies this layer's slice of the staging pages into the blocks of ``kv``."""
         src, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
+        a, d = _np(kv), _np(src)
+        if a is not None and d is not None:
+            a = np.moveaxis(a, dim, 0)
+            for j, b in enumerate(blocks):
+                np.copyto(a[b], d[j])
+            return
         for j, b in enumerate(blocks):
             kv.select(dim, b).copy_(src[j])
 
@@ -95,9 +127,32 @@ class _Layout:
                         break
                     d = step
                     k += 1
-            out.append(_Run(blocks[j], k - j, self._run_slots(addrs[j], k - j, d, uniform)))
+            out.append(_Run(blocks[j], k - j, self._run_arrays(addrs[j], k - j, d, uniform),
+                            functools.partial(self._run_slots, addrs[j], k - j, d, uniform)))
             j = k
         return out
+
+    def _run_arrays(self, addr: int, n: int, stride: int, uniform: bool) -> List[np.ndarray]:
+        """A run's slots as numpy arrays over the same memory (for the CPU copies), or []
+        where a layer's element size has no numpy integer. Made straight from the address:
+        a torch tensor per slot costs several microseconds each, 32 per run."""
+        mem = (ctypes.c_ubyte * ((n - 1) * stride + self.page_bytes)).from_address(addr)
+        ints = [_NP_INT_OF_SIZE.get(d.itemsize) for d in self.dtypes]
+        if any(i is None for i in ints):
+            return []
+        if not uniform:  # one page (n 1): each layer's slice by its own offset, dtype, shape
+            page = np.frombuffer(mem, dtype=np.uint8)
+            return [page[o:o + sz].view(i).reshape(1, *shape) for o, sz, i, shape in
+                    zip(self.offsets, self.sizes, ints, self.shapes)]
+        shape, es = self.shapes[0], self.dtypes[0].itemsize
+        inner = [es] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        # (layers, n, *shape) over the memory; its rows are the layers' slots (half the time
+        # of as_strided and a slice per layer: 12 runs of 32 layers a step in bench_vllm).
+        t = np.ndarray((len(self.names), n, *shape), dtype=ints[0], buffer=mem,
+                       strides=(self.sizes[0], stride, *inner))
+        return list(t)
 
     def _run_slots(self, addr: int, n: int, stride: int, uniform: bool) -> List[torch.Tensor]:
         span = (n - 1) * stride + self.page_bytes
@@ -125,8 +180,28 @@ class _Layout:
             return 1 << 30
         return max(1, 32768 // max(1, self.sizes[layer] // self.dtypes[layer].itemsize))
 
+    def _blocks_np(self, layer: int, kv: torch.Tensor) -> Optional[np.ndarray]:
+        """``kv`` as numpy with its block dimension first (None: not on the CPU), kept per
+        layer while vLLM passes the same tensor (it does, step after step)."""
+        key = (kv.data_ptr(), kv.shape, kv.stride(), kv.dtype)
+        got = self._np_kv.get(layer)
+        if got is not None and got[0] == key:
+            return got[1]
+        a = _np(kv)
+        if a is not None:
+            a = np.moveaxis(a, self.dims[layer], 0)
+        self._np_kv[layer] = (key, a)
+        return a
+
     def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
-        """Copies this layer of each run's blocks straight into its pages' slots."""
+        """Copies this layer of each run's blocks straight into its pages' slots: on the CPU
+        one numpy copy per run (bench_vllm: about twice torch's copy_ of one block at a time,
+        docs/benchmarks.md)."""
+        a = self._blocks_np(layer, kv)
+        if a is not None and all(r.arrays for r in runs):
+            for r in runs:
+                np.copyto(r.arrays[layer], a[r.block:r.block + r.n])
+            return
         dim, step = self.dims[layer], self._chunk(layer, kv)
         for r in runs:
             src, dst = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
@@ -137,7 +212,13 @@ class _Layout:
                 dst[a:a + step].copy_(src[a:a + step])
 
     def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
-        """Copies this layer of each run's pages straight into its blocks of ``kv``."""
+        """Copies this layer of each run's pages straight into its blocks of ``kv`` (on the
+        CPU one numpy copy per run, as gather_runs)."""
+        a = self._blocks_np(layer, kv)
+        if a is not None and all(r.arrays for r in runs):
+            for r in runs:
+                np.copyto(a[r.block:r.block + r.n], r.arrays[layer])
+            return
         dim, step = self.dims[layer], self._chunk(layer, kv)
         for r in runs:
             dst, src = kv.narrow(dim, r.block, r.n).movedim(dim, 0), r.slots[layer]
@@ -159,11 +240,23 @@ def _addr(buf: Any) -> int:
 
 @dataclass
 class _Run:
-    """Pages of consecutive blocks from ``block`` on, equally spaced in memory."""
+    """Pages of consecutive blocks from ``block`` on, equally spaced in memory.
+
+    ``arrays``: each layer's slice of the pages, (n, *that layer's block shape), as numpy
+    arrays (the CPU copies; empty where numpy has no integer of an element's size); ``slots``
+    the same as torch tensors, made on first use (the CUDA copies)."""
 
     block: int
     n: int
-    slots: List[torch.Tensor]  # each layer's slice of the pages: (n, *that layer's block shape)
+    arrays: List[np.ndarray]
+    make_slots: Callable[[], List[torch.Tensor]]
+    _slots: Optional[List[torch.Tensor]] = None
+
+    @property
+    def slots(self) -> List[torch.Tensor]:
+        if self._slots is None:
+            self._slots = self.make_slots()
+        return self._slots
 
 
 @dataclass

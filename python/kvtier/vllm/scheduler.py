@@ -11,8 +11,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from ..client import Hints
 from ..guard import number
 from .common import (PREEMPT_PAUSE_MS, SCHEDULER_DEADLINE_MS, _WHERE, KvtierConnectorMetadata,
-                     _ReqState, _Transfer, key_chain, log, rank_salt)
-from .store import _PageStore
+                     _ReqState, _Transfer, group_chain, key_chain, log, rank_salt)
+from .store import _PageStore, _stored
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -26,7 +26,7 @@ class SchedulerSide:
 
     def _init_scheduler_side(self, scheduler: bool) -> None:
         self._reqs: Dict[str, _ReqState] = {}
-        self._pending_loads: Dict[str, _Transfer] = {}
+        self._pending_loads: Dict[str, List[_Transfer]] = {}  # one per group
         self._index: Optional[_PageStore] = None
         self._pause_ms = number(self._extra, "preempt_pause_ms", PREEMPT_PAUSE_MS, _WHERE)
         if not scheduler:
@@ -64,12 +64,11 @@ class SchedulerSide:
             st = self._reqs[request.request_id] = _ReqState(request)
         else:
             # Asked again: vLLM asks only for waiting requests, so this one was not scheduled
-            # last time (no blocks for it) or was preempted. It waits: its lookup carries the
+            # last time (no blocks for it) or was preempted. It waits: its lookups carry the
             # "paused" hint (expected back in preempt_pause_ms), no extra round trip.
             hints = self._paused_hints()
-            if st.lease:  # a fresh answer, a fresh lease
-                self._index.release(st.lease)
-                st.lease = 0
+            if st.leases:  # a fresh answer, fresh leases
+                self._release_leases(st)
         st.hit_pages = 0
         bs = self._block_size
         max_pages = max(request.num_tokens - 1, 0) // bs
@@ -80,18 +79,62 @@ class SchedulerSide:
         keys = key_chain(request, bs, self._root, st.keys, max_pages)
         self._tally.add("lookups")
         try:
-            hit, lease = self._index.lookup(keys[:max_pages], lease=True, hints=hints)
+            hit = self._lookup_groups(st, keys, max_pages, computed, hints)
         except Exception:
+            self._release_leases(st)
             self._tally.add("miss_pages", max_pages - computed)  # answered 0: all missed
             raise
         st.hit_pages = hit
         self._tally.add("hit_pages", max(hit - computed, 0))
         self._tally.add("miss_pages", max_pages - max(hit, computed))
         if hit <= computed:
-            self._index.release(lease)
+            self._release_leases(st)
             return 0
-        st.lease = lease
         return hit * bs - num_computed_tokens
+
+    def _lookup_groups(self, st: _ReqState, keys: List[bytes], max_pages: int,
+                       computed: int, hints: Optional[Hints] = None) -> int:
+        """The longest prefix (pages) every group holds, each group's chain looked up with a lease
+        (held in ``st.leases`` until released); ``hints`` ride on each group's MATCH. kvtierd keeps
+        a chain's bytes without gaps (a PUT skips a page after one without bytes), so a
+        sliding-window group's chain is stored whole and held from its start, as a full-attention
+        group's; only its loads are cut to the window (update_state_after_alloc)."""
+        assert self._index is not None
+        hit = max_pages
+        for g in self._groups:
+            if hit <= computed:
+                break
+            if len(self._groups) == 1:
+                got, lease = self._index.lookup(keys[:hit], lease=True, hints=hints)
+            else:
+                tiers, lease = self._index.match_tiers(self._chain(st, g.gid, hit)[:hit],
+                                                       hints=hints)
+                got = _stored(tiers)
+            if lease:
+                st.leases.append(lease)
+            hit = min(hit, got)
+        return hit
+
+    def _chain(self, st: _ReqState, gid: int, pages: int) -> List[bytes]:
+        """Group ``gid``'s keys of the request's first ``pages`` pages (the base chain
+        extended first)."""
+        base = key_chain(st.request, self._block_size, self._root, st.keys, pages)
+        return group_chain(base, gid, st.group_keys.setdefault(gid, []), pages)
+
+    def _own_chains(self, st: _ReqState) -> List[List[bytes]]:
+        """The request's own chain in each group that has keys so far (group 0's is the base
+        chain): the hints go to every one, so that no group's pages go first."""
+        out = [st.keys] if st.keys else []
+        for g in self._groups:
+            if g.gid != 0 and st.group_keys.get(g.gid):
+                out.append(st.group_keys[g.gid])
+        return out
+
+    def _release_leases(self, st: _ReqState) -> None:
+        leases, st.leases = st.leases, []
+        assert self._index is not None
+        for lease in leases:
+            self._index.release(lease)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -103,20 +146,30 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         try:
-            ids = list(blocks.get_block_ids()[0])
-            first = st.computed_pages
-            last = min(st.hit_pages, len(ids))
-            if last > first:
-                self._pending_loads[request.request_id] = _Transfer(
-                    request.request_id, list(st.keys[:last]), first, ids[first:last],
-                    self._async)
+            ids = blocks.get_block_ids()
+            first, hit = st.computed_pages, st.hit_pages
+            loads = []
+            for g in self._groups:
+                gids = list(ids[g.gid]) if g.gid < len(ids) else []
+                a = max(first, g.window_start(hit, self._block_size))
+                last = min(hit, len(gids))
+                if g.retained:  # never into vLLM's null block (pages outside the window)
+                    while a < last and gids[a] == 0:
+                        a += 1
+                if last > a:
+                    loads.append(_Transfer(request.request_id,
+                                           list(self._chain(st, g.gid, last)[:last]), a,
+                                           gids[a:last], self._async, g.gid))
+            if loads:
+                self._pending_loads[request.request_id] = loads
         except Exception as e:  # noqa: BLE001
             self._guard.warn("kvtier: no load planned for %s: %s", request.request_id, e)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """This step's loads (planned by update_state_after_alloc) and saves (each request's
         full pages whose KV this step completes and kvtierd did not hold)."""
-        meta = KvtierConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = KvtierConnectorMetadata(loads=[t for ts in self._pending_loads.values()
+                                              for t in ts])
         self._pending_loads.clear()
         try:
             self._plan_saves(scheduler_output, meta)
@@ -126,7 +179,7 @@ class SchedulerSide:
 
     def _plan_saves(self, so: "SchedulerOutput", meta: KvtierConnectorMetadata) -> None:
         bs = self._block_size
-        steps: List[Tuple[str, Optional[List[int]], int]] = []
+        steps: List[Tuple[str, Optional[Tuple[List[int], ...]], int]] = []
         # Preempted first: vLLM lists a request preempted since the last step here, and a
         # request it resumes among the new ones, both in the same output when it resumes at
         # once (reset_prefix_cache preempts between steps and the next step resumes). Taken
@@ -137,7 +190,7 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone: nothing saved until it is listed afresh
                 st.no_save = True
-                st.block_ids = []
+                st.block_ids = {}
                 self._paused(st)
         for nr in so.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -145,30 +198,42 @@ class SchedulerSide:
                 # New, or resumed after a preemption (vLLM sends it in full again, with the
                 # blocks it now has, after asking get_num_new_matched_tokens afresh): saved
                 # from the pages kvtierd held at that lookup on.
-                st.block_ids = list(nr.block_ids[0]) if nr.block_ids else []
+                st.block_ids = {}
                 st.saved_pages = max(st.hit_pages, 0)
                 st.no_save = False
-            steps.append((nr.req_id, None, nr.num_computed_tokens))
+            steps.append((nr.req_id, tuple(nr.block_ids or ()), nr.num_computed_tokens))
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
-            nb = cr.new_block_ids[i]
-            steps.append((rid, list(nb[0]) if nb else [], cr.num_computed_tokens[i]))
+            steps.append((rid, tuple(cr.new_block_ids[i] or ()), cr.num_computed_tokens[i]))
         for rid, new_ids, computed in steps:
             st = self._reqs.get(rid)
             if st is None or st.no_save:
                 continue
-            if new_ids:
-                st.block_ids.extend(new_ids)
+            for g in self._groups:
+                if g.gid < len(new_ids) and new_ids[g.gid]:
+                    st.block_ids.setdefault(g.gid, []).extend(new_ids[g.gid])
             done = computed + so.num_scheduled_tokens.get(rid, 0)
             pages = min(done, st.request.num_tokens) // bs
-            pages = min(pages, len(st.block_ids))
+            for g in self._groups:
+                pages = min(pages, len(st.block_ids.get(g.gid, ())))
             if pages <= st.saved_pages:
                 continue
-            keys = key_chain(st.request, bs, self._root, st.keys, pages)
-            meta.saves.append(_Transfer(rid, list(keys[:pages]), st.saved_pages,
-                                        st.block_ids[st.saved_pages:pages]))
+            for g in self._groups:
+                # Every page, a sliding-window group's too: a gap in a chain would end what
+                # kvtierd keeps of it (see _lookup_groups). Pages saved complete within this
+                # step, and vLLM frees a window's blocks only in a later step; a null block
+                # (none expected) ends the group's save.
+                ids = st.block_ids[g.gid][st.saved_pages:pages]
+                if g.retained and 0 in ids:
+                    ids = ids[:ids.index(0)]
+                if ids:
+                    end = st.saved_pages + len(ids)
+                    meta.saves.append(_Transfer(rid, list(self._chain(st, g.gid, end)[:end]),
+                                                st.saved_pages, ids, group=g.gid))
+                    # request_finished holds its blocks until the workers report it (they
+                    # track every request among a step's saves, whichever group).
+                    st.saving = True
             st.saved_pages = pages
-            st.saving = True
 
     def _paused_hints(self) -> Hints:
         return Hints(paused=True,  # resume_ms is a u32 on the wire
@@ -181,7 +246,8 @@ class SchedulerSide:
         if self._index is None or not st.keys or not self._index.up:
             return
         try:
-            self._index.hint(st.keys, self._paused_hints())
+            for chain in self._own_chains(st):
+                self._index.hint(chain, self._paused_hints())
         except Exception as e:  # noqa: BLE001 - a lost hint costs retention quality only
             self._guard.count("failures")
             self._guard.warn("kvtier: paused hint for %s not sent: %s",
@@ -189,30 +255,36 @@ class SchedulerSide:
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        """Finished or aborted: releases the request's lease and sends the policy's "finished"
-        hint for its own chain (a MATCH that counts as a use: the daemon ignores a probe's
-        hints). Returns True (vLLM holds the blocks) when a save was planned for the request:
-        the workers copy saved blocks out after the step (asynchronous saves, worker.py) and
-        report the request in get_finished's finished_sending once its saves are stored, or
-        dropped at their deadline; else False (freed at once)."""
+        """Finished or aborted: releases the request's leases and sends the policy's "finished" hint
+        for its own chain in each group (a MATCH that counts as a use: the daemon ignores a probe's
+        hints). Returns True (vLLM holds the blocks) when a save was planned for the request: the
+        workers copy saved blocks out after the step (asynchronous saves, worker.py) and report the
+        request in get_finished's finished_sending once its saves are stored, or dropped at their
+        deadline; else False (freed at once)."""
         st = self._reqs.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         if st is None:
             return False, None
         if self._index is not None:
             try:
-                if st.lease:
-                    self._index.release(st.lease)
-                if st.keys and self._index.up:
-                    self._index.hint(st.keys, Hints(finished=True))
+                self._release_leases(st)
+                if self._index.up:
+                    for chain in self._own_chains(st):
+                        self._index.hint(chain, Hints(finished=True))
             except Exception as e:  # noqa: BLE001
                 log.debug("kvtier: finish of %s: %s", request.request_id, e)
         return st.saving, None
+
+    def request_finished_all_groups(self, request: "Request", block_ids: Tuple[List[int], ...]
+                                    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's SupportsHMA call (the hybrid KV cache manager on): request_finished, with
+        every group's blocks; the same answer for all of them."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def _close_scheduler_side(self) -> None:
         """Closes the index's connection (the daemon drops its leases)."""
         if self._index is not None:
             self._index.close()
             for st in self._reqs.values():
-                st.lease = 0
+                st.leases = []
             self._reqs.clear()

@@ -13,10 +13,12 @@ from .common import PROBE_MS, log
 KEY_BYTES = 32  # sha256
 
 
-def _stored(tiers: bytes) -> int:
-    """Pages from the start whose bytes are stored (an index-only page cannot be loaded)."""
+def _stored(tiers: bytes, first: int = 0) -> int:
+    """Pages from ``first`` on whose bytes are stored (an index-only page cannot be loaded).
+    A sliding-window group's chain holds bytes only for its windows: index-only pages before
+    ``first`` do not matter to a load from ``first``."""
     n = 0
-    for t in tiers:
+    for t in tiers[first:]:
         if t == 0:
             break
         n += 1
@@ -188,6 +190,22 @@ class _PageStore:
             return 0, 0
         return pages, m.lease
 
+    def match_tiers(self, keys: Sequence[bytes], *, hints: Optional[Hints] = None
+                    ) -> Tuple[bytes, int]:
+        """Where each page of the chain held in kvtierd's index lies (0: index only, no
+        bytes), with a lease pinning them until release(); ``hints`` ride on the MATCH.
+        Returns (tiers, lease or 0)."""
+        if not keys:
+            return b"", 0
+        with self._lock:
+            try:
+                m = self._c().match(self.tokens(keys), lease=True,
+                                    lease_ms=int(self._conf.get("lease_ms", 0)), hints=hints)
+            except Error as e:
+                self._failed(e)
+                raise
+        return bytes(m.tiers), m.lease
+
     def release(self, handle: int) -> None:
         if not handle:
             return
@@ -207,7 +225,7 @@ class _PageStore:
                     return int(c.get_keys_into(keys, buf, first))
                 m = c.match(self.tokens(keys), lease=True)
                 try:
-                    n = _stored(m.tiers) - first
+                    n = _stored(m.tiers, first)
                     if n <= 0:
                         return 0
                     return c.get_into(m.lease, buf, first_page=first, npages=n)
@@ -312,7 +330,7 @@ class _PageStore:
                 # The MATCH also says where each page lies (one round trip): a GET only when
                 # one of them is not in the mapping.
                 m = c.match(self.tokens(keys), lease=True, locate=True)
-                n = _stored(m.tiers) - first
+                n = _stored(m.tiers, first)
                 if n <= 0 or not m.lease:
                     if m.lease:
                         c.release(m.lease)

@@ -1,12 +1,15 @@
 """kvtier.vllm.worker: the connector's worker side. It runs in each of vLLM's workers, in the
 forward pass: reads the step's pages from kvtierd, and its I/O thread copies them layer by layer
-into vLLM's paged tensors while the forward computes the earlier layers. Saves are asynchronous: once a step's last layer is computed, a job per request
-on the I/O thread reserves room in kvtierd's mapping, copies the request's blocks out of vLLM's
-tensors and commits (or PUTs staged pages); the forward never waits for it. The blocks a job
-still has to read are held: a finished request's by vLLM until get_finished reports it, a
-preempted request's saves are cancelled before vLLM can hand its blocks on. A load waits at
-most what is left of the step's worker_deadline_ms; a save not stored within that long after
-its step is dropped and its blocks handed back."""
+into vLLM's paged tensors while the forward computes the earlier layers. Saves are asynchronous:
+once a KV cache group's last layer of the step is computed, a job per request and group on the I/O
+thread reserves room in kvtierd's mapping, copies the request's blocks out of vLLM's tensors and
+commits (or PUTs staged pages); the forward never waits for it. Each group (SupportsHMA: full
+attention, sliding window) has its own layout and key chain. The blocks a job still has to read are
+held: a finished request's by vLLM until get_finished reports it, a preempted request's saves are
+cancelled before vLLM can hand its blocks on, and a sliding-window group's jobs have read their
+blocks before the next step writes any (vLLM frees blocks that left the window). A load waits at
+most what is left of the step's worker_deadline_ms; a save not stored within that long after its
+step is dropped and its blocks handed back."""
 
 from __future__ import annotations
 
@@ -52,9 +55,9 @@ class _Load:
 
 @dataclass
 class _SaveJob:
-    """One request's saves of one step, on the I/O thread (_save_job). ``lock`` is held while
-    the job copies vLLM's blocks out (memory only, never across a call to kvtierd): taking it
-    is how the forward's thread cancels a job before vLLM reuses the blocks."""
+    """One request's saves of one step in one KV cache group, on the I/O thread (_save_job).
+    ``lock`` is held while the job copies vLLM's blocks out (memory only, never across a call to
+    kvtierd): taking it is how the forward's thread cancels a job before vLLM reuses the blocks."""
 
     t: _Transfer
     deadline: float  # time.monotonic() by which it is stored, or dropped
@@ -63,6 +66,7 @@ class _SaveJob:
     cancelled: bool = False  # not to read the blocks (preempted, or past its deadline)
     copied: bool = False  # the blocks are read: vLLM may reuse them
     future: Optional["Future[int]"] = None
+    read: threading.Event = field(default_factory=threading.Event)  # copied, or never will
 
 
 class WorkerSide:
@@ -72,18 +76,22 @@ class WorkerSide:
     def _init_worker_side(self) -> None:
         self._waited = 0.0  # seconds this step's forward has waited for the worker's I/O
         self._saves_here = True  # False on a TP rank whose KV another rank saves (MLA)
-        self._layout: Optional[_Layout] = None
+        self._layout: Optional[_Layout] = None  # group 0's (the only one without the HMA)
+        self._layouts: Dict[int, _Layout] = {}  # per KV cache group (vLLM's gid)
+        self._layer_at: Dict[str, Tuple[int, int]] = {}  # layer -> (group, index in its page)
+        self._windows: Set[int] = set()  # the sliding-window groups
         self._kv: Dict[str, torch.Tensor] = {}
         self._store: Optional[_PageStore] = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._loads: List[_Load] = []
         self._load_errors: Set[int] = set()
-        # Asynchronous saves: the step's layers computed so far (the jobs go once all are),
-        # each request's jobs not yet stored (nor dropped), the requests the scheduler planned
-        # saves for (it holds their blocks when they finish: request_finished), and those
-        # finished whose jobs are still out (reported by get_finished once they are not).
-        self._layers_in: Set[int] = set()
-        self._submitted = False
+        # Asynchronous saves: the step's layers computed so far and the groups whose jobs went
+        # (a group's go once all its layers here are in), each request's jobs not yet stored
+        # (nor dropped), the requests the scheduler planned saves for (it holds their blocks
+        # when they finish: request_finished), and those finished whose jobs are still out
+        # (reported by get_finished once they are not).
+        self._layers_in: Dict[int, Set[int]] = {}  # per group, its layers' indices
+        self._submitted: Set[int] = set()
         self._jobs: Dict[str, List[_SaveJob]] = {}
         self._saving_reqs: Set[str] = set()
         self._finishing: Set[str] = set()
@@ -109,7 +117,18 @@ class WorkerSide:
         first of them saves and all load."""
         self._close_worker_side()  # registered again (a restored cache): start afresh
         self._kv = dict(kv_caches)
-        self._layout = _Layout(self._kv, self._num_blocks)
+        self._layouts, self._layer_at = {}, {}
+        for g in self._groups:
+            names = [n for n in self._kv if g.layers is None or n in g.layers]
+            self._layouts[g.gid] = _Layout({n: self._kv[n] for n in names}, self._num_blocks)
+            for i, n in enumerate(names):
+                self._layer_at.setdefault(n, (g.gid, i))
+        # One namespace, one page size: a group with a smaller page pads it to the largest.
+        page = max(lay.page_bytes for lay in self._layouts.values())
+        for lay in self._layouts.values():
+            lay.page_bytes = page
+        self._layout = self._layouts[self._groups[0].gid]
+        self._windows = {g.gid for g in self._groups if g.retained}
         tp_rank, pp_rank = worker_ranks(self._extra, self._tp_size, self._pp_size)
         rep = self._tp_replicas
         self._saves_here = tp_rank % rep == 0
@@ -144,12 +163,21 @@ class WorkerSide:
         for rid in meta.preempted:
             for job in self._jobs.pop(rid, ()):
                 self._cancel(job, "its request was preempted")
+        self._window_saves_read()
+        # Every request among the saves, whichever group: vLLM frees a held request's blocks
+        # once every worker reported it in finished_sending, this one even with none of its
+        # groups' layers (another pipeline stage's).
         self._saving_reqs.update(t.req_id for t in meta.saves)
         self._sweep_saves()
-        sync = [t for t in meta.loads if not t.async_load]
-        for t in meta.loads:
+        # A group with no layer in this worker (another pipeline stage's) has nothing to load.
+        loads = [t for t in meta.loads if self._here(t)]
+        sync = [t for t in loads if not t.async_load]
+        between: Dict[str, List[_Transfer]] = {}
+        for t in loads:
             if t.async_load and self._async_pool is not None and t.req_id not in self._async_loads:
-                self._async_loads[t.req_id] = self._async_pool.submit(self._load_between, t)
+                between.setdefault(t.req_id, []).append(t)
+        for rid, ts in between.items():  # one job per request: all its groups
+            self._async_loads[rid] = self._async_pool.submit(self._load_between, ts)
         assert self._pool is not None and self._store is not None
         if sync and not self._store.up:  # kvtierd unreachable: recompute, ask nothing
             self._guard.count("short_circuited")
@@ -165,10 +193,36 @@ class WorkerSide:
             n = len(t.keys) - t.first
             ld = _Load(t, None, None if arena is None else arena[at:at + n],  # type: ignore
                        list(t.block_ids),
-                       [threading.Event() for _ in self._layout.names])
+                       [threading.Event() for _ in self._layouts[t.group].names])
             at += n
             ld.future = self._pool.submit(self._load_job, ld)
             self._loads.append(ld)
+
+    def _window_saves_read(self) -> None:
+        """Before this step writes any block: the save jobs of sliding-window groups have read
+        their blocks, or never will. vLLM frees a running request's blocks that left its
+        window when it schedules the next step (the request is not finished: nothing holds
+        them) and may hand them to another request this very step; a job that has not read
+        them by the step's deadline is cancelled (a later miss, never wrong KV). Full-attention
+        blocks need no wait: vLLM frees them only when the request finishes (held until its
+        saves are done) or is preempted (its saves cancelled above)."""
+        if not self._windows:
+            return
+        for jobs in self._jobs.values():
+            for job in jobs:
+                if job.t.group in self._windows and not job.read.is_set() and \
+                        not self._wait_event(job.read):
+                    self._cancel(job, "its window's blocks not read before the next step")
+
+    def _here(self, t: _Transfer) -> bool:
+        """Whether ``t``'s group has layers in this worker (another pipeline stage moves the
+        rest)."""
+        lay = self._layouts.get(t.group)
+        return lay is not None and bool(lay.names)
+
+    def _my_saves(self, meta: KvtierConnectorMetadata) -> List[_Transfer]:
+        """The step's saves of groups with layers in this worker."""
+        return [t for t in meta.saves if self._here(t)]
 
     def _zero_copy(self) -> bool:
         """Whether to try the mapped path (not known before the first connection)."""
@@ -180,8 +234,8 @@ class WorkerSide:
         """A step's load, on the I/O thread: the pages read (GET by location into the mapping,
         or into staging), then copied into vLLM's blocks layer by layer (see _Load), then the
         lease released. Never raises: a failure is ld.error."""
-        assert self._store is not None and self._layout is not None
-        views = None
+        assert self._store is not None
+        lay, views = self._layouts[ld.t.group], None
         try:
             try:
                 with self._tally.timer("load_seconds"):
@@ -195,15 +249,15 @@ class WorkerSide:
             finally:
                 ld.fetched.set()
             n = ld.pages if ld.error is None else 0
-            for li, name in enumerate(self._layout.names):
+            for li, name in enumerate(lay.names):
                 try:
                     with ld.lock:
                         if n > 0 and not ld.cancelled and ld.error is None:
                             if views is not None:  # straight from the mapping
-                                self._layout.scatter_runs(views.runs, li, self._kv[name])
+                                lay.scatter_runs(views.runs, li, self._kv[name])
                             else:
-                                self._layout.scatter(ld.staging[:n], li,  # type: ignore
-                                                     self._kv[name], ld.blocks[:n])
+                                lay.scatter(ld.staging[:n], li,  # type: ignore
+                                            self._kv[name], ld.blocks[:n])
                             kv = self._kv[name]
                             if kv.is_cuda:  # in the blocks before the forward reads them
                                 torch.cuda.current_stream(kv.device).synchronize()
@@ -227,21 +281,33 @@ class WorkerSide:
             return self._store.load(t.keys, t.first, ld.staging)
         lease, items = got
         try:
-            runs = self._layout.runs(items, ld.blocks[:len(items)])
+            runs = self._layouts[t.group].runs(items, ld.blocks[:len(items)])
         except Exception:
             if lease:
                 self._store.release_views(lease)
             raise
         return _Views(lease, len(items), runs, items)
 
-    def _load_between(self, t: _Transfer) -> int:
-        """An asynchronous load, on its own thread: every layer into the blocks (which vLLM
-        does not touch until get_finished reports the request), straight from the pages where
-        they lie in the mapping (a MATCH with a lease, a GET by location, the lease released
-        once all layers are in), or without the mapping through a staging buffer of its own.
-        Never raises: pages that did not come are load errors."""
-        assert self._layout is not None and self._async_store is not None
-        got = 0
+    def _load_between(self, ts: List[_Transfer]) -> int:
+        """An asynchronous load of one request (each of its groups), on its own thread: every
+        layer into the blocks (which vLLM does not touch until get_finished reports the
+        request), straight from the pages where they lie in the mapping (a MATCH with a lease
+        and locations, the lease released once all layers are in), or without the mapping
+        through a staging buffer of its own. Never raises: pages that did not come are load
+        errors."""
+        total = 0
+        for t in ts:
+            got = self._load_group_between(t)
+            self._count_load(got, len(t.block_ids))
+            if got < len(t.block_ids):
+                self._async_errors.setdefault(t.req_id, []).extend(t.block_ids[got:])
+            total += got
+        return total
+
+    def _load_group_between(self, t: _Transfer) -> int:
+        """_load_between's work for one group: the pages copied in (0 on a failure)."""
+        assert self._async_store is not None
+        lay, got = self._layouts[t.group], 0
         try:
             with self._tally.timer("load_seconds"):
                 views = self._async_store.load_views(t.keys, t.first) \
@@ -250,33 +316,29 @@ class WorkerSide:
                 lease, items = views
                 try:
                     if items:
-                        runs = self._layout.runs(items, t.block_ids[:len(items)])
-                        for li, name in enumerate(self._layout.names):
-                            self._layout.scatter_runs(runs, li, self._kv[name])
+                        runs = lay.runs(items, t.block_ids[:len(items)])
+                        for li, name in enumerate(lay.names):
+                            lay.scatter_runs(runs, li, self._kv[name])
                         runs.clear()
                         got = len(items)
                 finally:
                     if lease:
                         self._async_store.release_views(lease)
             else:
-                staging = torch.empty((len(t.keys) - t.first, self._layout.page_bytes),
+                staging = torch.empty((len(t.keys) - t.first, lay.page_bytes),
                                       dtype=torch.uint8)
                 with self._tally.timer("load_seconds"):
                     got = int(self._async_store.load(t.keys, t.first, staging))
                 if got > 0:
-                    for li, name in enumerate(self._layout.names):
-                        self._layout.scatter(staging[:got], li, self._kv[name],
-                                             t.block_ids[:got])
-            kv = self._kv[self._layout.names[0]]
+                    for li, name in enumerate(lay.names):
+                        lay.scatter(staging[:got], li, self._kv[name], t.block_ids[:got])
+            kv = self._kv[lay.names[0]]
             if got > 0 and kv.is_cuda:
                 torch.cuda.current_stream(kv.device).synchronize()
         except Exception as e:  # noqa: BLE001
             got = 0
             self._guard.count("failures")
             self._guard.warn("kvtier: load of %s failed, recomputing: %s", t.req_id, e)
-        self._count_load(got, len(t.block_ids))
-        if got < len(t.block_ids):
-            self._async_errors[t.req_id] = t.block_ids[got:]
         return got
 
     def _arena(self, which: int, pages: int) -> torch.Tensor:
@@ -340,10 +402,13 @@ class WorkerSide:
         thread copies the layers in order while the forward computes the earlier ones)."""
         if not self._loads or self._layout is None:
             return
-        li = self._layout.index.get(layer_name)
-        if li is None:
+        at = self._layer_at.get(layer_name)
+        if at is None:
             return
+        gid, li = at
         for ld in self._loads:
+            if ld.t.group != gid:  # another group's layers: waited for at its own
+                continue
             self._resolve(ld)
             if ld.got > 0:
                 ld.layers[li].wait()  # a copy in memory: the GET is done
@@ -354,7 +419,7 @@ class WorkerSide:
         """The step's loads all in (or given up): every layer copied, before the step ends.
         The jobs release their leases on the I/O thread (not waited for)."""
         try:
-            for name in self._layout.names if self._layout else ():
+            for name in list(self._layer_at):
                 self.wait_for_layer_load(name)
         finally:
             for ld in self._loads:
@@ -366,9 +431,10 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Notes that this layer of the step is computed; after the step's last layer, one save
-        job per request goes to the I/O thread (_save_job), which copies the blocks out and
-        stores them. Nothing here waits for kvtierd, nor copies."""
+        """Notes that this layer of the step is computed; after the step's last layer of a KV
+        cache group, one save job per request of that group goes to the I/O thread
+        (_save_job), which copies the blocks out and stores them. Nothing here waits for
+        kvtierd, nor copies."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None or \
                 not meta.saves:
@@ -376,23 +442,28 @@ class WorkerSide:
         self._saving_reqs.update(t.req_id for t in meta.saves)
         if not self._saves_here:  # another TP rank saves the KV this one holds too (MLA)
             return
-        li = self._layout.index.get(layer_name)
-        if li is None:
+        at = self._layer_at.get(layer_name)
+        if at is None:
             return
-        self._layers_in.add(li)
-        if len(self._layers_in) == len(self._layout.names) and not self._submitted:
-            self._submitted = True
-            self._submit_saves(meta.saves)
+        gid, li = at
+        done = self._layers_in.setdefault(gid, set())
+        done.add(li)
+        if len(done) == len(self._layouts[gid].names) and gid not in self._submitted:
+            self._submitted.add(gid)
+            self._submit_saves([t for t in self._my_saves(meta) if t.group == gid])
 
     def _submit_saves(self, saves: List[_Transfer]) -> None:
-        assert self._store is not None and self._pool is not None and self._layout is not None
+        assert self._store is not None and self._pool is not None
+        if not saves:
+            return
         if not self._store.up:
             # kvtierd unreachable: the step's saves are dropped at once (no copy, no I/O).
             self._guard.count("short_circuited")
             self._guard.count("saves_dropped", len(saves))
             return
         event = None
-        if self._kv[self._layout.names[0]].is_cuda:  # the job reads the blocks once written
+        lay = self._layouts[saves[0].group]
+        if self._kv[lay.names[0]].is_cuda:  # the job reads the blocks once written
             event = torch.cuda.Event()
             event.record()
         deadline = time.monotonic() + self._worker_deadline_ms / 1000.0
@@ -402,9 +473,10 @@ class WorkerSide:
             self._jobs.setdefault(t.req_id, []).append(job)
 
     def _save_job(self, job: _SaveJob) -> int:
-        """A request's saves of one step, on the I/O thread: mapped, RESERVE of its pages, the
-        blocks copied straight into the reserved room and COMMIT; pages without room (or not
-        mapped) copied into staging and PUT. A page held already is left alone. Returns the
+        """A request's saves of one step in one group, on the I/O thread: mapped, RESERVE of
+        its pages (the group's chain), the blocks copied straight into the reserved room (on
+        the CPU one numpy copy per run of blocks and layer) and COMMIT; pages without room (or
+        not mapped) copied into staging and PUT. A page held already is left alone. Returns the
         pages stored (0: cancelled before it read the blocks)."""
         assert self._store is not None and self._layout is not None
         stored = [0]
@@ -412,12 +484,14 @@ class WorkerSide:
             with self._tally.timer("save_seconds"):
                 return self._save(job, stored)
         finally:  # what did go, even when a part failed
+            job.read.set()
             self._tally.add("save_pages", stored[0])
             self._tally.add("save_bytes", stored[0] * self._layout.page_bytes)
 
     def _save(self, job: _SaveJob, stored: List[int]) -> int:
-        assert self._store is not None and self._layout is not None
+        assert self._store is not None
         t = job.t
+        lay = self._layouts[t.group]
         if job.cancelled:
             return 0
         if job.event is not None:
@@ -444,7 +518,7 @@ class WorkerSide:
                         vblocks.append(t.block_ids[j])
                     elif not (held is not None and p < len(held) and held[p]):
                         rows.append(j)
-                runs = self._layout.runs(views, vblocks)
+                runs = lay.runs(views, vblocks)
             except Exception as e:  # noqa: BLE001
                 self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
                                  t.req_id, e)
@@ -455,13 +529,14 @@ class WorkerSide:
             with job.lock:  # the forward's thread cancels under it: the blocks are not read
                 if not job.cancelled:
                     blocks = [t.block_ids[j] for j in rows]
-                    for li, name in enumerate(self._layout.names):
+                    for li, name in enumerate(lay.names):
                         kv = self._kv[name]
                         if runs:
-                            self._layout.gather_runs(runs, li, kv)
+                            lay.gather_runs(runs, li, kv)
                         if blocks:
-                            self._layout.gather(staging, li, kv, blocks)  # type: ignore
+                            lay.gather(staging, li, kv, blocks)  # type: ignore
                     job.copied = True
+            job.read.set()
             runs = []  # the views are not touched after this
             if not job.copied:
                 if resv is not None and resv.id:
@@ -570,7 +645,7 @@ class WorkerSide:
             self._finish_loads()
         finally:
             self._layers_in.clear()
-            self._submitted = False
+            self._submitted.clear()
         self._sweep_saves()
         pending = []
         for rid, fut in self._io_futures:

@@ -1,0 +1,545 @@
+"""test_vllm_hma.py: kvtier.vllm.KvtierConnector with vLLM's hybrid KV cache manager (SupportsHMA).
+
+A hybrid configuration built offline: vLLM's own KVCacheConfig with two KV cache groups (full
+attention and a sliding window of 32 tokens, two layers each, block size 16), vLLM's own
+KVCacheManager (its HybridKVCacheCoordinator) allocating each request's blocks per group, with
+vLLM's null block where a sliding window no longer reaches; the connector built by vLLM's
+KVConnectorFactory with that config, its scheduler side and worker side driven as vLLM's
+scheduler and model runner drive them, a real kvtierd behind it. Serving a hybrid model is not
+possible on this CPU (no vllm._C); the groups, blocks and calls are vLLM's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+
+from conftest import BUILD_ROOT, Daemon
+
+try:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                                   KVConnectorRole, supports_hma)
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            MambaSpec, SlidingWindowSpec)
+    from vllm.v1.request import Request
+except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLLM here
+    pytest.skip("vllm is not importable (%s: %s); scripts/engines/vllm.sh installs it, its log "
+                "is %s" % (type(e).__name__, e,
+                           os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
+                allow_module_level=True)
+
+import kvtier.vllm as kv  # noqa: E402
+from kvtier.keys import KEY_TOKENS, KEYS_TAG, key_tokens  # noqa: E402
+
+BS, HEADS, HEAD, NBLOCKS, WINDOW = 16, 2, 8, 40, 32
+DTYPE = torch.bfloat16
+NAMES = ["model.layers.%d.self_attn.attn" % i for i in range(4)]
+FULL, SWA = NAMES[0::2], NAMES[1::2]  # group 0: layers 0 and 2; group 1: layers 1 and 3
+_ids = itertools.count(1)
+_tok = itertools.count(0)
+
+
+def hybrid_config(*extra_groups: Any, full_layers: List[str] = FULL,
+                  swa_layers: List[str] = SWA) -> "KVCacheConfig":
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE,
+                            sliding_window=WINDOW)
+    return KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(full_layers, full),
+                                          KVCacheGroupSpec(swa_layers, swa), *extra_groups])
+
+
+def transfer_config(d: Daemon, **extra: Any) -> "KVTransferConfig":
+    return KVTransferConfig(
+        kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"unix_path": d.unix, "model": "tiny-hybrid",
+                                   "scheduler_deadline_ms": 2000, "worker_deadline_ms": 2000,
+                                   "probe_ms": 20, **extra})
+
+
+def vllm_config(d: Daemon, **extra: Any) -> "VllmConfig":
+    return VllmConfig(kv_transfer_config=transfer_config(d, **extra),
+                      device_config=DeviceConfig(device="cpu"),
+                      cache_config=CacheConfig(block_size=BS))
+
+
+def paged(seed: Any) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (2, NBLOCKS, BS, HEADS, HEAD)
+    return {n: (torch.randn(*shape, generator=g) if g is not None else torch.zeros(*shape)
+                ).to(DTYPE) for n in NAMES}
+
+
+class Engine:
+    """vLLM's KV cache manager for the hybrid config, the connector's two roles, and the
+    worker's paged tensors."""
+
+    def __init__(self, d: Daemon, seed: Any, kvc: Any = None,
+                 kv: Optional[Dict[str, torch.Tensor]] = None, **extra: Any) -> None:
+        self.kvc = kvc or hybrid_config()
+        self.manager = KVCacheManager(self.kvc, max_model_len=1024, scheduler_block_size=BS,
+                                      hash_block_size=BS, enable_caching=False)
+        cfg = vllm_config(d, **extra)
+        self.sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER,
+                                                         self.kvc)
+        self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kvc)
+        self.kv = kv if kv is not None else paged(seed)
+        self.worker.register_kv_caches(self.kv)
+
+    def admit(self, r: "Request") -> Tuple[int, Any]:
+        """vLLM's scheduler admitting a new request: the connector's hit, the manager's
+        blocks for all of it (the hit as external computed tokens), update_state_after_alloc,
+        then the step's metadata with the rest of the prompt scheduled."""
+        n, load_async = self.sched.get_num_new_matched_tokens(r, 0)
+        assert load_async is False
+        got = self.manager.allocate_slots(r, r.num_tokens - n, num_external_computed_tokens=n)
+        assert got is not None
+        self.sched.update_state_after_alloc(r, self.manager.get_blocks(r.request_id), n)
+        r.num_computed_tokens = n
+        ids = self.manager.get_block_ids(r.request_id)
+        nr = NewRequestData.from_request(r, ids, list(r.all_token_ids))
+        so = SchedulerOutput(scheduled_new_reqs=[nr],
+                             scheduled_cached_reqs=CachedRequestData.make_empty(),
+                             num_scheduled_tokens={r.request_id: r.num_tokens - n},
+                             total_num_scheduled_tokens=r.num_tokens - n,
+                             scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                             finished_req_ids=set(), free_encoder_mm_hashes=[])
+        return n, self.sched.build_connector_meta(so)
+
+    def step(self, meta: Any) -> set:
+        """The worker's calls of one forward (model runner and attention layers). Saves are
+        asynchronous: then waits (as a test, outside the step) until the step's save jobs are
+        stored, so that another engine's lookup finds them."""
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        for name, t in self.kv.items():
+            w.wait_for_layer_load(name)
+            w.save_kv_layer(name, t, None)
+        w.wait_for_save()
+        assert w.get_finished(set()) == (None, None)
+        errors = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        settle(w)
+        return errors
+
+    def finish(self, r: "Request") -> bool:
+        """request_finished_all_groups, then, when the scheduler holds the blocks (a save was
+        planned, in any group), get_finished until the worker hands them back, then vLLM frees
+        them. Returns whether they were held."""
+        ids = self.manager.get_block_ids(r.request_id)
+        held, params = self.sched.request_finished_all_groups(r, ids)
+        assert params is None
+        if held:
+            finished = {r.request_id}
+            deadline = time.monotonic() + 5
+            while True:
+                sending, _ = self.worker.get_finished(finished)
+                finished = set()
+                if sending:
+                    assert sending == {r.request_id}
+                    break
+                assert time.monotonic() < deadline, "the blocks were never handed back"
+                time.sleep(0.002)
+        self.manager.free(r)
+        return held
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def settle(w: Any) -> None:
+    """Waits until the worker's save jobs are stored (or dropped) and its loads' leases are
+    released."""
+    deadline = time.monotonic() + 5
+    while not (w.saves_in_flight() == 0 and all(f.done() for _, f in w._io_futures)):
+        assert time.monotonic() < deadline, "saves never settled"
+        time.sleep(0.005)
+
+
+class NotHybrid(KVConnectorBase_V1):
+    """A connector class without SupportsHMA (only its class is looked at)."""
+
+
+@pytest.fixture
+def vd() -> Any:
+    d = Daemon()
+    yield d
+    d.stop(signal.SIGKILL)
+
+
+def request(tokens: List[int]) -> "Request":
+    return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None)
+
+
+def prompt(pages: int, extra: int) -> List[int]:
+    base = next(_tok) * 100_000 + 7
+    return list(range(base, base + pages * BS + extra))
+
+
+def stored_tiers(d: Daemon, e: Engine, r: "Request", gid: int, pages: int) -> List[int]:
+    """Where kvtierd holds each page of group ``gid``'s chain of ``r`` (0: index only)."""
+    from kvtier.vllm.common import group_chain
+
+    model = "tiny-hybrid|groups=2"  # a hybrid config's own namespace
+    base = kv.key_chain(r, BS, kv.chain_root(model), [], pages)
+    keys = group_chain(base, gid, [], pages)
+    with d.client(model=model, salt=kv.rank_salt(0, 1, 0, 1),
+                  page_size=KEY_TOKENS, adapter=KEYS_TAG,
+                  block_bytes=e.worker._layout.page_bytes) as c:
+        m = c.match([t for k in keys for t in key_tokens(k)], probe=True)
+        return list(m.tiers) + [0] * (pages - len(m.tiers))
+
+
+def window_start(pages: int) -> int:
+    return max(0, pages * BS - (WINDOW - 1)) // BS
+
+
+def test_vllm_keeps_its_hybrid_manager_on(vd: Daemon, monkeypatch: Any, caplog: Any) -> None:
+    """The connector class is a SupportsHMA: vLLM's own check on the configured connector
+    (KVConnectorFactory.supports_hma_config) passes, and VllmConfig leaves the hybrid KV cache
+    manager on without the "Turning off hybrid kv cache manager" warning. This CPU's platform
+    (no vllm._C: vLLM's UnspecifiedPlatform) turns the manager off for every config, so the
+    platform's answer is set to a GPU platform's; a connector class that is not a SupportsHMA
+    (NotHybrid, loaded by module path the same way) still turns it off: the rule decides."""
+    from vllm.platforms import current_platform
+
+    assert supports_hma(kv.KvtierConnector)
+    assert KVConnectorFactory.supports_hma_config(transfer_config(vd))
+    monkeypatch.setattr(type(current_platform), "support_hybrid_kv_cache",
+                        classmethod(lambda cls: True))
+    with caplog.at_level(logging.WARNING):
+        assert vllm_config(vd).scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert "Turning off hybrid kv cache manager" not in caplog.text
+    other = KVTransferConfig(kv_connector="NotHybrid", kv_connector_module_path=__name__,
+                             kv_role="kv_both")
+    cfg = VllmConfig(kv_transfer_config=other, device_config=DeviceConfig(device="cpu"),
+                     cache_config=CacheConfig(block_size=BS))
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+@pytest.mark.parametrize("extra", [5, 0])
+def test_two_groups_round_trip_each_its_window(vd: Daemon, extra: int) -> None:
+    """Engine A saves a prompt of 8 full pages (+ extra tokens): each group stores its 8 pages
+    under its own chain (the group id in the keys; a window group's chain is stored whole,
+    kvtierd keeping no chain past a gap). Engine B, fresh zeroed tensors, the same prompt: a
+    hit of every page vLLM can take (8, or 7 when the prompt ends on a page boundary); the full
+    group loads them all, the window group only the pages of its window (vLLM gave the pages
+    before it its null block), each byte-exact in its own layers; the null block stays zero
+    and no lease is left."""
+    a, b = Engine(vd, seed=11), Engine(vd, seed=None)
+    toks = prompt(8, extra)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and not meta.loads
+    saves = {t.group: (t.first, len(t.keys), t.block_ids) for t in meta.saves}
+    ids_a = a.manager.get_block_ids(r.request_id)
+    assert saves[0] == (0, 8, ids_a[0][:8])
+    assert saves[1] == (0, 8, ids_a[1][:8])
+    assert a.step(meta) == set()
+    a.finish(r)
+    assert all(stored_tiers(vd, a, r, 0, 8)) and all(stored_tiers(vd, a, r, 1, 8))
+
+    r2 = request(toks)
+    hit = (len(toks) - 1) // BS
+    n, meta = b.admit(r2)
+    assert n == hit * BS
+    ids_b = b.manager.get_block_ids(r2.request_id)
+    ws = window_start(hit)
+    assert ids_b[1][:ws] == [0] * ws  # vLLM's null block outside the window
+    loads = {t.group: (t.first, t.block_ids) for t in meta.loads}
+    assert loads == {0: (0, ids_b[0][:hit]), 1: (ws, ids_b[1][ws:hit])}
+    assert b.step(meta) == set()
+    for name in FULL:
+        assert torch.equal(a.kv[name][:, ids_a[0][:hit]].view(torch.int16),
+                           b.kv[name][:, ids_b[0][:hit]].view(torch.int16)), name
+    for name in SWA:
+        assert torch.equal(a.kv[name][:, ids_a[1][ws:hit]].view(torch.int16),
+                           b.kv[name][:, ids_b[1][ws:hit]].view(torch.int16)), name
+        assert not b.kv[name][:, 0].any()  # the null block untouched
+    st = b.worker.get_kv_connector_stats().data
+    assert st["load_pages"] == hit + (hit - ws) and st.get("load_errors", 0) == 0
+    b.finish(r2)
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    a.close()
+    b.close()
+
+
+def test_a_hit_needs_every_group(vd: Daemon) -> None:
+    """A step whose window-group layers never came (as on another pipeline stage): the full
+    group's save jobs go once its layers are in and store its pages, the window group's never
+    go (nothing reserved), and a lookup of the prompt is 0 tokens, not a hit whose window-group
+    KV would be missing. Computed and saved whole afterwards, it hits."""
+    a, b = Engine(vd, seed=12), Engine(vd, seed=None)
+    toks = prompt(6, 3)
+    r = request(toks)
+    n, meta = a.admit(r)
+    w = a.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name in FULL:
+        w.save_kv_layer(name, a.kv[name], None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    settle(w)
+    assert a.finish(r)  # held until its saves were done
+    assert all(stored_tiers(vd, a, r, 0, 6)) and not any(stored_tiers(vd, a, r, 1, 6))
+    r2 = request(toks)
+    n, meta = b.admit(r2)
+    assert n == 0 and not meta.loads
+    assert b.step(meta) == set()  # b computes it, and saves both groups
+    b.finish(r2)
+    assert all(stored_tiers(vd, a, r, 1, 6))
+    r3 = request(toks)
+    n, meta = a.admit(r3)
+    assert n == 6 * BS and {t.group for t in meta.loads} == {0, 1}
+    assert a.step(meta) == set()
+    a.finish(r3)
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    a.close()
+    b.close()
+
+
+def test_unsupported_group_refused_at_start(vd: Daemon) -> None:
+    """A group the connector cannot store as pages of tokens (a Mamba layer's recurrent state)
+    is refused when vLLM builds the connector, with a message naming the group and its spec,
+    in both roles: not silently turned into wrong loads or misses."""
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(DTYPE,))
+    kvc = hybrid_config(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="KV cache group 2 \\(MambaSpec"):
+            KVConnectorFactory.create_connector(vllm_config(vd), role, kvc)
+
+
+def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
+    """One group whose layers differ (bf16 K/V, float32 K/V with other heads, an MLA-style
+    latent with its block dimension first): pages laid out layer by layer at their own offsets,
+    saved through the zero-copy mapping and loaded into another engine's tensors byte-exact
+    (the numpy copies of a page whose layers are not alike)."""
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES[:3], spec)])
+
+    def tensors(seed: Any) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed or 0)
+        made = {NAMES[0]: torch.randn(2, NBLOCKS, BS, HEADS, HEAD, generator=g).to(DTYPE),
+                NAMES[1]: torch.randn(2, NBLOCKS, BS, 1, 4, generator=g),
+                NAMES[2]: torch.randn(NBLOCKS, BS, 24, generator=g).to(DTYPE)}
+        return made if seed is not None else {n: torch.zeros_like(t) for n, t in made.items()}
+
+    a = Engine(vd, None, kvc, tensors(31))
+    b = Engine(vd, None, kvc, tensors(None))
+    assert a.worker._layout.dims == [1, 1, 0]
+    toks = prompt(5, 2)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    ia = a.manager.get_block_ids(r.request_id)[0][:5]
+    a.finish(r)
+    r2 = request(toks)
+    n, meta = b.admit(r2)
+    assert n == 5 * BS and b.step(meta) == set()
+    assert b.worker._store.mapped
+    ib = b.manager.get_block_ids(r2.request_id)[0][:5]
+    for name in NAMES[:3]:
+        dim = 1 if name != NAMES[2] else 0
+        x, y = a.kv[name].index_select(dim, torch.tensor(ia)), \
+            b.kv[name].index_select(dim, torch.tensor(ib))
+        assert x.any() and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    b.finish(r2)
+    a.close()
+    b.close()
+
+
+def test_groups_of_other_page_sizes(vd: Daemon) -> None:
+    """Three full-attention layers and one sliding-window layer: the window group's pages are
+    a third of the full group's, padded to them (one page size per namespace); both round-trip
+    byte-exact, the window group into its window's blocks only."""
+    kvc = hybrid_config(full_layers=NAMES[:3], swa_layers=NAMES[3:])
+    a, b = Engine(vd, 41, kvc), Engine(vd, None, kvc)
+    assert [len(b.worker._layouts[g].names) for g in (0, 1)] == [3, 1]
+    assert b.worker._layouts[1].page_bytes == b.worker._layouts[0].page_bytes
+    toks = prompt(6, 1)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert a.step(meta) == set()
+    ia = a.manager.get_block_ids(r.request_id)
+    a.finish(r)
+    r2 = request(toks)
+    n, meta = b.admit(r2)
+    assert n == 6 * BS and b.step(meta) == set()
+    ib = b.manager.get_block_ids(r2.request_id)
+    ws = window_start(6)
+    for name in NAMES:
+        g, first = (0, 0) if name in NAMES[:3] else (1, ws)
+        x, y = a.kv[name][:, ia[g][first:6]], b.kv[name][:, ib[g][first:6]]
+        assert x.any() and torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+    b.finish(r2)
+    a.close()
+    b.close()
+
+
+def test_asynchronous_load_of_both_groups(vd: Daemon) -> None:
+    """load_async: the hit is answered as a load between steps; vLLM allocates the blocks
+    (the window group's outside its window null), the step in which the request waits carries
+    both groups' loads, and get_finished reports the request once both are in, byte-exact,
+    with no load error."""
+    a, b = Engine(vd, seed=51), Engine(vd, None, load_async=True)
+    toks = prompt(7, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    ia = a.manager.get_block_ids(r.request_id)
+    a.finish(r)
+    r2 = request(toks)
+    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, load_async) == (7 * BS, True)
+    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
+                                    delay_cache_blocks=True) is not None
+    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    ib = b.manager.get_block_ids(r2.request_id)
+    waiting = SchedulerOutput(scheduled_new_reqs=[],
+                              scheduled_cached_reqs=CachedRequestData.make_empty(),
+                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                              scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                              finished_req_ids=set(), free_encoder_mm_hashes=[])
+    meta = b.sched.build_connector_meta(waiting)
+    ws = window_start(7)
+    assert {t.group: (t.first, t.async_load) for t in meta.loads} == {0: (0, True),
+                                                                       1: (ws, True)}
+    w = b.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    errors: set = set()
+    for _ in range(500):
+        w.wait_for_save()
+        _, recving = w.get_finished(set())
+        errors |= w.get_block_ids_with_load_errors()
+        if recving:
+            assert recving == {r2.request_id}
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the load was never reported")
+    w.clear_connector_metadata()
+    assert errors == set()
+    for name in NAMES:
+        g, first = (0, 0) if name in FULL else (1, ws)
+        x, y = a.kv[name][:, ia[g][first:7]], b.kv[name][:, ib[g][first:7]]
+        assert x.any() and torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+    b.finish(r2)
+    a.close()
+    b.close()
+
+
+def test_decode_saves_each_group_as_pages_complete(vd: Daemon) -> None:
+    """Decode steps (vLLM's CachedRequestData, new blocks per group from the manager's
+    allocate_slots): the page a step completes is saved in both groups; by then vLLM has
+    freed the window group's blocks that left its window, which are never read. Another
+    engine then hits the prompt and the decoded tokens, byte-exact in each group's blocks."""
+    a, b = Engine(vd, seed=61), Engine(vd, None)
+    toks = prompt(4, 14)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert a.step(meta) == set()
+    r.num_computed_tokens = r.num_tokens
+    saved = []
+    for t in (901, 902, 903):  # 78 -> 81 tokens: the step computing token 80 fills page 5
+        r.append_output_token_ids(t)
+        new = a.manager.allocate_slots(r, 1)
+        assert new is not None
+        ids = new.get_block_ids()
+        crd = CachedRequestData.make_empty()
+        crd.req_ids.append(r.request_id)
+        crd.new_token_ids.append([])
+        crd.new_block_ids.append(ids if any(ids) else None)
+        crd.num_computed_tokens.append(r.num_computed_tokens)
+        crd.num_output_tokens.append(len(r.output_token_ids))
+        so = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=crd,
+                             num_scheduled_tokens={r.request_id: 1},
+                             total_num_scheduled_tokens=1, scheduled_spec_decode_tokens={},
+                             scheduled_encoder_inputs={}, finished_req_ids=set(),
+                             free_encoder_mm_hashes=[])
+        meta = a.sched.build_connector_meta(so)
+        saved.append(sorted((x.group, x.first, len(x.keys)) for x in meta.saves))
+        assert a.step(meta) == set()
+        r.num_computed_tokens += 1
+    assert saved == [[], [(0, 4, 5), (1, 4, 5)], []]
+    ia = a.manager.get_block_ids(r.request_id)
+    assert ia[1][0] == 0  # the window group's first block freed by now (vLLM's null block)
+    a.finish(r)
+    r2 = request(list(r.all_token_ids))  # 81 tokens: a hit of 5 pages
+    n, meta = b.admit(r2)
+    assert n == 5 * BS and b.step(meta) == set()
+    ib = b.manager.get_block_ids(r2.request_id)
+    ws = window_start(5)
+    for name in NAMES:
+        g, first = (0, 0) if name in FULL else (1, ws)
+        x, y = a.kv[name][:, ia[g][first:5]], b.kv[name][:, ib[g][first:5]]
+        assert x.any() and torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+    b.finish(r2)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("slow_s,deadline_ms,cancelled", [(0.05, 2000, False), (0.4, 100, True)])
+def test_window_saves_read_before_the_next_step(vd: Daemon, slow_s: float, deadline_ms: int,
+                                                cancelled: bool) -> None:
+    """Saves are asynchronous, but vLLM frees a running request's window-group blocks that
+    left the window when it schedules the next step, and may hand them on in that step: the
+    next step's start_load_kv returns only once the window group's save jobs have read their
+    blocks, or, past the step's deadline, has cancelled them (a later miss, never another
+    request's KV stored under this chain). The full-attention group's jobs are not waited for
+    (vLLM holds those blocks until the saves are done)."""
+    from kvtier.vllm.common import KvtierConnectorMetadata
+
+    a = Engine(vd, seed=71, worker_deadline_ms=deadline_ms)
+    w = a.worker
+    save = w._save
+
+    def slow(job: Any, stored: List[int]) -> int:
+        if job.t.group == 1:
+            time.sleep(slow_s)
+        return save(job, stored)
+
+    w._save = slow
+    r = request(prompt(4, 3))
+    n, meta = a.admit(r)
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name, t in a.kv.items():
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, t, None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    window = [j for js in w._jobs.values() for j in js if j.t.group == 1]
+    assert len(window) == 1 and not window[0].read.is_set()
+    w.bind_connector_metadata(KvtierConnectorMetadata())  # the next step
+    t0 = time.monotonic()
+    w.start_load_kv(None)
+    waited = time.monotonic() - t0
+    assert window[0].read.is_set() or window[0].cancelled
+    assert window[0].cancelled is cancelled and window[0].copied is not cancelled
+    assert waited < slow_s + 0.3
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    settle(w)
+    assert a.finish(r)
+    assert all(stored_tiers(vd, a, r, 0, 4))
+    assert all(stored_tiers(vd, a, r, 1, 4)) is not cancelled
+    a.close()
