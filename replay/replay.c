@@ -653,6 +653,17 @@ static void print_result(FILE *f, const result_t *r, const result_t *lru, const 
         first_t = 0;
     }
     fprintf(f, "}");
+    if (r->kind == KVT_POLICY_COST) {
+        static const char *const en[KVT_POLICY_EXPERTS] = {"cost", "recent", "frequent"};
+        fprintf(f, ",\"expert\":\"%s\",\"expert_miss_s\":{", en[r->st.expert % KVT_POLICY_EXPERTS]);
+        for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+            fprintf(f, "%s\"%s\":%.5f", e ? "," : "", en[e], r->st.expert_miss_s[e]);
+        fprintf(f, "},\"expert_choices\":{");
+        for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+            fprintf(f, "%s\"%s\":%llu", e ? "," : "", en[e],
+                    (unsigned long long)r->st.expert_choices[e]);
+        fprintf(f, "}");
+    }
     double saving = r->no_cache_s - r->total_s;
     fprintf(f,
             ",\"prefill_seconds_total\":%.3f,\"prefill_seconds_p50\":%.6f,"
