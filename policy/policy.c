@@ -599,8 +599,9 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
             break;
         }
         if (e == EXP_FREQ) {
-            /* LFU, then LRU */
-            k.a = b->hits;
+            /* LFU, then LRU; a block back after a drop counts the hit its return is (the ghosts),
+             * or a hot prefix that was once pushed out would never be kept again */
+            k.a = b->hits + ((b->flags & GHOST_FLAG) != 0);
             if (finished)
                 k.a *= FINISHED_FACTOR;
             else if (paused)
@@ -1126,14 +1127,14 @@ static int ms_init(kvt_policy_t *p, uint32_t bytes)
     return 0;
 }
 
-/* A page (prefix hash h, at depth, position class pos) is used: every expert's miniature
+/* A page (prefix hash h, at depth, with the flags of its block) is used: every expert's miniature
  * hierarchy serves it (from a tier: its load time; missed: its recompute time), then holds it
  * in its admission tier as the engine promotes hits; the expert of the lowest decayed cost (by a
  * margin over the one choosing now: switching back and forth costs more than either) chooses
  * the victims from now on. Only pages whose hash falls in 1/2^MS_SHIFT of the space are
  * simulated, in tiers of that share of the real ones (SHARDS' spatial sampling), so the cost is
  * a few table probes per 2^MS_SHIFT pages used. */
-static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint32_t pos, uint32_t ps,
+static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, uint32_t ps,
                    uint32_t bytes)
 {
     if (p->ms_state == 0)
@@ -1144,7 +1145,10 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint32_t pos, ui
     double redo = recompute_page_s(p, depth, ps);
     for (int e = 0; e < p->nexp; e++) {
         double s = redo;
-        msent_t x = {h, now, 0, depth, pos, (float)redo};
+        /* a page back after the engine dropped it starts with the hit its return is, as in
+         * block_class and the LFU expert's key */
+        msent_t x = {
+            h, now, (flags & GHOST_FLAG) != 0, depth, (flags & POS_MASK) >> POS_SHIFT, (float)redo};
         for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
             msim_t *m = &p->ms[e][t];
             if (!m->v)
@@ -1486,7 +1490,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             if (cost && tier_ok((kvt_tier_id_t)t)) {
                 per_tier[t]++;
                 if (p->nexp > 1 && ms_sampled(b->hash))
-                    ms_use(p, b->hash, r.depth + i, (b->flags & POS_MASK) >> POS_SHIFT,
+                    ms_use(p, b->hash, r.depth + i, b->flags,
                            kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(r.node)), b->size);
                 uint32_t before = b->hits ? b->hits - 1 : 0; /* the match has counted this hit */
                 unsigned k = block_class(before, b->flags);
@@ -1573,7 +1577,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
                 if (kvt_ghosts_seen(p->ghost, h))
                     b->flags |= GHOST_FLAG;
                 if (p->nexp > 1 && ms_sampled(h))
-                    ms_use(p, h, depth, (b->flags & POS_MASK) >> POS_SHIFT, ps, size);
+                    ms_use(p, h, depth, b->flags, ps, size);
             }
             if (p->c.kind == KVT_POLICY_ORACLE)
                 b->policy = hint && hint->next_use && depth < hint->nnext ? hint->next_use[depth]
