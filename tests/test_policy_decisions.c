@@ -499,6 +499,42 @@ Test(policy_decisions, cost_drops_when_recompute_beats_the_next_tier)
     }
 }
 
+/* Issue 40: a reload costs its round trip too, not only its bytes. NVMe moves a page in 0.1 us
+ * but answers each request after a second: recomputing a page (8 ms) beats loading it back,
+ * so the cost policy drops DRAM's victims where a price of bytes alone demoted them. */
+Test(policy_decisions, cost_drops_when_the_reload_round_trip_beats_the_bytes)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 4, 4, 100);
+    c.hw.latency_s[KVT_TIER_NVME] = 1.0;
+    start(&c);
+    uint32_t *r[4];
+    for (int i = 0; i < 4; i++) {
+        r[i] = seq(16, 1000 * (uint32_t)(i + 1));
+        request(r[i], 16, NULL);
+    }
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 0);
+    cr_assert_gt(st.cost_drops, 0);
+    for (int i = 0; i < 4; i++)
+        free(r[i]);
+    stop();
+
+    /* a round trip of 1 us is worth keeping the pages: they are demoted */
+    c.hw.latency_s[KVT_TIER_NVME] = 1e-6;
+    start(&c);
+    for (int i = 0; i < 4; i++) {
+        r[i] = seq(16, 1000 * (uint32_t)(i + 1));
+        request(r[i], 16, NULL);
+    }
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 8 * PAGE);
+    cr_assert_eq(st.cost_drops, 0);
+    for (int i = 0; i < 4; i++)
+        free(r[i]);
+    stop();
+}
+
 Test(policy_decisions, nvme_admission_needs_reuse)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 4, 100);
