@@ -53,12 +53,12 @@
  * cost policy keeps three experts, each an order of victims: its value above (EXP_COST), LRU's
  * (EXP_RECENT) and LFU's (EXP_FREQ); one of them orders the heaps at a time. Which one is
  * learned online by miniature simulations (Waldspurger et al., ATC'17; the sampling of SHARDS):
- * the pages whose prefix hash falls in 1/16 of the hash space go through three small copies of
- * the tier hierarchy, 1/16 of each tier's size, one per expert, each evicting by its expert's
+ * the pages whose prefix hash falls in 1/32 of the hash space go through three small copies of
+ * the tier hierarchy, 1/32 of each tier's size, one per expert, each evicting by its expert's
  * order (the best of 8 entries drawn at random) and moving victims down a tier as the engine
  * does. Each use costs each copy what it would cost the engine: the load time of the tier it
  * is found in, or the recompute time of the page at its depth. The expert whose copy cost least
- * lately (decayed sums over about 10,000 sampled uses) takes over at the next refresh of the
+ * lately (decayed sums over about 5,000 sampled uses) takes over at the next refresh of the
  * model, by a margin of 0.5 % over the one in charge, and the heaps are built again with its
  * keys (a rebuild, or a sweep in a large tree). Ghost hits per expert (LeCaR) were tried first
  * and judged the experts poorly: each judged only its own victims, and a switch to LFU for a
@@ -98,10 +98,10 @@
 #define EXP_RECENT 1          /* LRU: recency, deeper first on ties */
 #define EXP_FREQ   2          /* LFU: hit count, recency on ties */
 #define RUN_GAIN   0.05       /* smoothing of the pages a match loads from a tier */
-#define MS_SHIFT   4          /* the miniature simulations see 1 page in 2^4 */
+#define MS_SHIFT   5          /* the miniature simulations see 1 page in 2^5 */
 #define MS_MAX     (1u << 14) /* sampled pages a miniature tier holds at most (1 MiB of table) */
 #define MS_SAMPLE  8          /* entries drawn per eviction in a miniature cache */
-#define MS_DECAY   0.9999     /* each sampled use ages the simulated costs: about 10,000 uses */
+#define MS_DECAY   0.9998     /* each sampled use ages the simulated costs: about 5,000 uses */
 #define EXP_MARGIN                                                                                 \
     0.005                /* another expert takes over when its simulated cost is this much lower   \
                           */
