@@ -199,9 +199,12 @@ typedef struct kvt_policy_ops {
 
 #define KVT_POLICY_PENDING 1
 
-/* The cost policy's experts, in the order of kvt_policy_stats_t.expert_weight: the learned reuse
- * rate per class, recency, frequency. */
-#define KVT_POLICY_EXPERTS 3
+/* The cost policy's experts (docs/policy.md, "Experts"), the indices of kvt_policy_stats_t's
+ * expert arrays: its value (the learned reuse rate per class x the saving), LRU's order, LFU's. */
+#define KVT_POLICY_EXPERT_COST     0
+#define KVT_POLICY_EXPERT_RECENT   1
+#define KVT_POLICY_EXPERT_FREQUENT 2
+#define KVT_POLICY_EXPERTS         3
 
 /* The owner of the leases the engine holds on the nodes of moves in flight (so that their
  * (node, depth) names stay valid): callers must not release leases of this owner. */
@@ -225,6 +228,9 @@ typedef struct kvt_policy_conf {
     /* COST only: drop instead of demoting when loading from the next tier would cost more than
      * recomputing (default on; 0 keeps the rule off, to compare). */
     int no_cost_drop;
+    /* COST: 0 learns online which expert orders the victims (the default); 1 + an expert's index
+     * (KVT_POLICY_EXPERT_*) pins that one, to compare or to test it. */
+    int expert;
     /* The caller calls kvt_policy_on_node_free for every node the tree frees (the tree's
      * node_free_cb): frees by others (REMOVE, a tier losing blocks) then need no rebuild of the
      * engine's heaps, which costs a walk over every node. 0: every such free costs one. */
