@@ -403,10 +403,11 @@ typedef struct kvt_policy_stats {
     uint64_t rebuilds;                /* victim heaps rebuilt in one walk over every node */
     uint64_t sweeps;                  /* and renewed by a sweep (sweep_above) */
     uint64_t pin_refusals;            /* moves not started: the index had no room for their pin */
-    /* COST: its experts (0 cost = learned reuse rate per class, 1 recent = LRU, 2 frequent =
-     * LFU; docs/policy.md): the one choosing victims now, the decayed seconds of recompute each
-     * one's miniature simulation missed (the lowest chooses), and the pages each one's choices
-     * moved down or out. 0 for the other kinds. */
+    /* COST: its experts (KVT_POLICY_EXPERT_*; docs/policy.md, "Experts"): the one chosen (it
+     * orders the victims from the next rebuild or sweep of the heaps on), the seconds of loads
+     * and recomputes each one's miniature hierarchy spent on the sampled pages lately (decayed;
+     * the lowest is chosen; 0 with conf.expert set: no simulations), and the pages each one's
+     * choices moved down or out. 0 for the other kinds. */
     uint32_t expert;
     uint64_t expert_switches; /* times another expert was chosen */
     double expert_miss_s[KVT_POLICY_EXPERTS];
