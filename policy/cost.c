@@ -24,13 +24,21 @@ static const kvt_model_profile_t builtin_models[] = {
 
 /* H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e per GPU; 50% of peak reached in prefill.
  * DRAM->HBM over PCIe Gen5 x16 (~50 GB/s per GPU achieved of 64 raw), NVMe from the node's
- * eight U.2 drives (~6.5 GB/s each), remote Valkey/Redis over the storage network. */
+ * eight U.2 drives (~6.5 GB/s each), remote Valkey/Redis over the storage network. Queue depths
+ * (requests served at once): NVMe 32 per drive (kvtierd's io_uring ring per drive), remote 16
+ * round trips in flight per node (the pipelined connections of the remote tier); DRAM and HBM
+ * copies do not queue at this grain. */
 static const kvt_hw_profile_t builtin_hw[] = {
     {"h200-node",
      8 * 989e12 * 0.5,
      {0, 8 * 4.8e12, 8 * 50e9, 8 * 6.5e9, 10e9},
-     {0, 0, 10e-6, 100e-6, 500e-6}},
-    {"h200-1gpu", 989e12 * 0.5, {0, 4.8e12, 50e9, 6.5e9, 1.25e9}, {0, 0, 10e-6, 100e-6, 1e-3}},
+     {0, 0, 10e-6, 100e-6, 500e-6},
+     {0, 0, 0, 8 * 32, 16}},
+    {"h200-1gpu",
+     989e12 * 0.5,
+     {0, 4.8e12, 50e9, 6.5e9, 1.25e9},
+     {0, 0, 10e-6, 100e-6, 1e-3},
+     {0, 0, 0, 32, 4}},
 };
 
 static const char *const model_names[] = {"llama-3-8b", "llama-3-70b", "qwen2.5-7b",
@@ -96,7 +104,7 @@ int kvt_hw_profile_check(const kvt_hw_profile_t *hw)
         return KVT_EINVAL;
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
         if (!(hw->bw[t] >= 0 && hw->bw[t] <= 1e15) ||
-            !(hw->latency_s[t] >= 0 && hw->latency_s[t] <= 60))
+            !(hw->latency_s[t] >= 0 && hw->latency_s[t] <= 60) || hw->qd[t] > 1000000)
             return KVT_EINVAL;
     }
     if (hw->bw[KVT_TIER_HBM] <= 0)
@@ -131,6 +139,15 @@ double kvt_cost_load_s(const kvt_hw_profile_t *hw, kvt_tier_id_t tier, uint64_t 
     if (tier <= KVT_TIER_NONE || tier >= KVT_TIER_COUNT || hw->bw[tier] <= 0)
         return INFINITY;
     return hw->latency_s[tier] + (double)bytes / hw->bw[tier];
+}
+
+double kvt_cost_load_queued_s(const kvt_hw_profile_t *hw, kvt_tier_id_t tier, uint64_t bytes,
+                              uint32_t queued)
+{
+    double s = kvt_cost_load_s(hw, tier, bytes);
+    if (bytes == 0 || !isfinite(s) || hw->qd[tier] == 0)
+        return s;
+    return s + hw->latency_s[tier] * (double)(queued / hw->qd[tier]);
 }
 
 /* ---- key=value parsing --------------------------------------------------------------------- */
@@ -227,6 +244,8 @@ static int hw_kv(void *dst, const char *key, const char *val)
             continue;
         if (strcmp(key + n, "_bw") == 0)
             return parse_double(val, &hw->bw[t]);
+        if (strcmp(key + n, "_qd") == 0)
+            return parse_u32(val, &hw->qd[t]);
         if (strcmp(key + n, "_latency_us") == 0) {
             double us;
             if (parse_double(val, &us) < 0)

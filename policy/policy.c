@@ -45,6 +45,24 @@
  * block in its tier instead of where it would go next (the next tier down, or recomputation at
  * its depth, whichever is cheaper) x 2^(priority / 100). Hints replace the rate ("paused": a
  * hit is expected when the session is back) or scale it down ("finished").
+ *
+ * Experts
+ * -------
+ * Which signal predicts reuse differs by workload: recency for agents and chat, frequency for a
+ * few hot system prompts, the learned per-class rate for bursts of users who never return. The
+ * cost policy keeps three experts, each an order of victims: its value above (EXP_COST), LRU's
+ * (EXP_RECENT) and LFU's (EXP_FREQ); one of them orders the heaps at a time. Which one is
+ * learned online by miniature simulations (Waldspurger et al., ATC'17; the sampling of SHARDS):
+ * the pages whose prefix hash falls in 1/32 of the hash space go through three small copies of
+ * the tier hierarchy, 1/32 of each tier's size, one per expert, each evicting by its expert's
+ * order (the best of 8 entries drawn at random) and moving victims down a tier as the engine
+ * does. Each use costs each copy what it would cost the engine: the load time of the tier it
+ * is found in, or the recompute time of the page at its depth. The expert whose copy cost least
+ * lately (decayed sums over about 5,000 sampled uses) takes over at the next refresh of the
+ * model, by a margin of 0.5 % over the one in charge, and the heaps are built again with its
+ * keys (a rebuild, or a sweep in a large tree). Ghost hits per expert (LeCaR) were tried first
+ * and judged the experts poorly: each judged only its own victims, and a switch to LFU for a
+ * while left blocks entrenched by their counts for good (docs/policy.md).
  */
 #include "policy.h"
 
@@ -74,6 +92,23 @@
 #define INF_KEY         1e300
 #define FINISHED_FACTOR 0.01
 #define PAUSED_P        0.9
+/* The cost policy's experts (see "Experts" at the top): each orders victims by its own signal. */
+#define NEXP       KVT_POLICY_EXPERTS
+#define EXP_COST   0          /* learned reuse rate per class x saving */
+#define EXP_RECENT 1          /* LRU: recency, deeper first on ties */
+#define EXP_FREQ   2          /* LFU: hit count, recency on ties */
+#define RUN_GAIN   0.05       /* smoothing of the pages a match loads from a tier */
+#define MS_SHIFT   5          /* the miniature simulations see 1 page in 2^5 */
+#define MS_MAX     (1u << 14) /* sampled pages a miniature tier holds at most (1 MiB of table) */
+#define MS_SAMPLE  8          /* entries drawn per eviction in a miniature cache */
+#define MS_DECAY   0.9998     /* each sampled use ages the simulated costs: about 5,000 uses */
+#define EXP_MARGIN                                                                                 \
+    0.005                /* another expert takes over when its simulated cost is this much lower   \
+                          */
+#define PAUSED_HITS 64.0 /* EXP_FREQ: hits a paused session's pages count as until it is back */
+#define FINISHED_AGE                                                                               \
+    600000.0 /* EXP_RECENT: a finished session's pages count as this much older                    \
+              */
 
 typedef struct key {
     double a, b; /* compared lexicographically; lower is a better victim */
@@ -106,6 +141,23 @@ typedef struct pmove {
     uint64_t charge_frm; /* given back by `from` when the move lands */
 } pmove_t;
 
+/* One sampled page in an expert's miniature simulation (see "Experts" at the top). */
+typedef struct msent {
+    uint64_t hash; /* the page's prefix hash; 0 = an empty slot */
+    uint32_t last; /* clock of its last use */
+    uint32_t hits;
+    uint32_t depth;
+    uint32_t pos; /* position class */
+    float redo;   /* seconds to recompute it */
+} msent_t;
+
+/* One tier of an expert's miniature hierarchy: the sampled pages it would hold there, in open
+ * addressing (linear probing, at most half full). */
+typedef struct msim {
+    msent_t *v;
+    uint32_t mask, len, max;
+} msim_t;
+
 typedef struct promo {
     kvt_radix_node_t *n;
     uint32_t node_pages;
@@ -126,6 +178,7 @@ struct kvt_policy {
     kvt_policy_stats_t st;
 
     heap_t heap[KVT_TIER_COUNT];
+    int nexp; /* experts: NEXP for COST, 1 otherwise */
     dead_t dead;
     uint64_t seq;          /* bumped on every push and every death */
     uint64_t rebuild_seq;  /* seq at the last rebuild */
@@ -152,6 +205,8 @@ struct kvt_policy {
     int place; /* kvt_policy_set_place */
 
     /* cost model state */
+    uint32_t queued[KVT_TIER_COUNT];    /* moves in flight from or to each tier: its queue */
+    double run_pages[KVT_TIER_COUNT];   /* pages a match loads from each tier, smoothed */
     double page_load_s[KVT_TIER_COUNT]; /* per page of the most common page size, no latency */
     uint32_t model_page_size;
     double class_hits[NCLASS]; /* decayed counts of hits, and of moves out of a tier */
@@ -163,6 +218,17 @@ struct kvt_policy {
      * that a block coming back is known to have been reused before. Direct-mapped. */
     kvt_ghosts_t *ghost;
     int own_ghost; /* made here (conf.ghosts NULL): destroyed with the engine */
+
+    /* Experts (COST): the one choosing victims now, their miniature simulations, and how many
+     * sampled pages those hold (0 until the first sampled page sizes them). */
+    int xcur;  /* the expert whose keys order heap[] */
+    int xnext; /* and next[], while a sweep fills it */
+    int xwant; /* the one the simulations chose: it takes over at the next rebuild or sweep */
+    msim_t ms[NEXP][KVT_TIER_COUNT];
+    double ms_cost[NEXP]; /* decayed seconds the sampled pages cost each one's hierarchy */
+    double ms_load[KVT_TIER_COUNT]; /* seconds to load a sampled page from each tier */
+    int ms_state;                   /* 0 not sized yet, 1 running, -1 off (no memory) */
+    uint64_t ms_rng;
 
     uint32_t bb_ns[BLOCK_CACHE_NS], bb_ps[BLOCK_CACHE_NS];
     kvt_radix_node_t **path; /* scratch: nodes of a path */
@@ -441,14 +507,30 @@ static double page_load_s(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t bytes
     return (double)bytes / p->c.hw.bw[t];
 }
 
+/*
+ * Seconds to load a page of `bytes` back from tier t under the load the engine sees now: its
+ * bytes over the bandwidth, and its share of the round trips of the request that loads it (the
+ * tier's latency, longer by the queue of the moves in flight on the tier, kvt_cost_load_queued_s,
+ * over the pages a match loads from the tier at once, as matches lately did). A remote page is
+ * not worth its bytes alone when each hit on it waits a round trip behind a busy queue.
+ */
+static double reload_s(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t bytes)
+{
+    double s = page_load_s(p, t, bytes);
+    if (!isfinite(s) || p->c.hw.latency_s[t] <= 0)
+        return s;
+    double rt = kvt_cost_load_queued_s(&p->c.hw, t, 1, p->queued[t]) - page_load_s(p, t, 1);
+    return s + rt / KVT_MAX(p->run_pages[t], 1.0);
+}
+
 /* Seconds a hit on this block saves by its being in tier t rather than where it goes next. */
 static double keep_benefit(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t depth, uint32_t ps,
                            uint32_t bytes)
 {
-    double here = page_load_s(p, t, bytes);
+    double here = reload_s(p, t, bytes);
     double redo = recompute_page_s(p, depth, ps);
     kvt_tier_id_t lo = p->lower[t];
-    double next = lo ? page_load_s(p, lo, bytes) : redo;
+    double next = lo ? reload_s(p, lo, bytes) : redo;
     if (!p->c.no_cost_drop && redo < next)
         next = redo;
     double d = next - here;
@@ -468,7 +550,16 @@ static unsigned encode_pause(uint32_t ms)
 
 /* ---- keys ----------------------------------------------------------------------------------- */
 
-static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i)
+/*
+ * The key of block i of n for expert e (COST; the other kinds have one expert, their own). The
+ * cost policy's experts: its value (EXP_COST: the class's learned reuse rate over the age, times
+ * the seconds a hit saves by the block's staying in its tier), LRU's order (EXP_RECENT) and
+ * LFU's (EXP_FREQ), each reading the hints its own way. Recency and frequency are left without
+ * the saving factor: weighting LRU by the recompute cost of a page's depth made it lose to plain
+ * LRU on agent sessions (458.2 s against 452.4 on agent seed 0 at 10 %). The choice between
+ * experts is what is cost-aware: their miniature hierarchies are judged in seconds.
+ */
+static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
 {
     const kvt_block_t *b = &kvt_radix_node_blocks(n)[i];
     uint32_t depth = kvt_radix_node_depth(n) + i;
@@ -490,18 +581,52 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i)
         uint32_t age = now - b->policy;
         kvt_tier_id_t t = (kvt_tier_id_t)b->tier;
         uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
-        double dens = p->class_p[block_class(b->hits, b->flags)] / ((double)age + AGE0);
         unsigned pause = b->prio >> PAUSE_SHIFT;
-        if (pause == PAUSE_FINISHED) {
-            dens *= FINISHED_FACTOR;
-        } else if (pause) {
-            uint32_t back = decode_pause(pause);
-            if (age <= 2 * back + 1000) {
-                double left = back > age ? (double)(back - age) : 1.0;
-                double hd = PAUSED_P / (left + 1.0);
-                if (hd > dens)
-                    dens = hd;
+        int finished = pause == PAUSE_FINISHED, paused = 0;
+        uint32_t back = 0;
+        if (pause && !finished) {
+            back = decode_pause(pause);
+            paused = age <= 2 * back + 1000;
+        }
+        if (e == EXP_RECENT) {
+            /* LRU, leaves first: it bets on a next use as far ahead as the last one is behind
+             * (at now + age), so a key of last_access orders by that bet. A finished session's
+             * pages count as used long ago; a paused one's take the key of its expected return,
+             * 2 now - (last + pause), where that is sooner than LRU's bet (the key grows with
+             * now, as a heap key may: a popped entry is pushed back with its live key). Taking
+             * it also where it is later (Belady on the engine's word) did worse on agents:
+             * 627.5 and 452.6 s against 623.5 and 438.4 (seed 0 at 5% and 10%). */
+            k.a = (double)b->last_access;
+            if (finished) {
+                k.a -= FINISHED_AGE;
+            } else if (paused) {
+                double key = 2.0 * now - ((double)b->policy + back);
+                if (key > k.a)
+                    k.a = key;
             }
+            break;
+        }
+        if (e == EXP_FREQ) {
+            /* LFU, then LRU; a block back after a drop counts the hit its return is (the ghosts),
+             * or a hot prefix that was once pushed out would never be kept again */
+            k.a = b->hits + ((b->flags & GHOST_FLAG) != 0);
+            k.b = b->last_access - depth * 1e-6;
+            if (finished) {
+                k.a *= FINISHED_FACTOR;
+            } else if (paused) {
+                k.a += PAUSED_HITS;
+                k.b = -((double)b->policy + back); /* the one back sooner stays */
+            }
+            break;
+        }
+        double dens = p->class_p[block_class(b->hits, b->flags)] / ((double)age + AGE0);
+        if (finished) {
+            dens *= FINISHED_FACTOR;
+        } else if (paused) {
+            double left = back > age ? (double)(back - age) : 1.0;
+            double hd = PAUSED_P / (left + 1.0);
+            if (hd > dens)
+                dens = hd;
         }
         double v = dens * keep_benefit(p, t, depth, ps, b->size);
         unsigned prio = b->prio & PRIO_MASK;
@@ -514,15 +639,18 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i)
     return k;
 }
 
-/* Pushes n with key k into tier t's heap, and into the one a sweep is filling. */
-static void push_entry(kvt_policy_t *p, uint8_t t, kvt_radix_node_t *n, vkey_t k)
+/* Pushes n's block i, the boundary of its run in tier t, into that tier's heap with the key of
+ * the expert choosing now, and into the one a sweep is filling with its expert's key (only
+ * there with next_only). */
+static void push_entry(kvt_policy_t *p, uint8_t t, kvt_radix_node_t *n, uint32_t i, int next_only)
 {
-    heap_push(p, &p->heap[t], n, k);
+    if (!next_only)
+        heap_push(p, &p->heap[t], n, block_key(p, n, i, p->xcur));
     if (p->sweeping)
-        heap_push(p, &p->next[t], n, k);
+        heap_push(p, &p->next[t], n, block_key(p, n, i, p->xnext));
 }
 
-/* Pushes n into the heap of every tier it has a run in; with next_only, only into the heaps a
+/* Pushes n into the heaps of every tier it has a run in; with next_only, only into the heaps a
  * sweep is filling. */
 static void push_runs(kvt_policy_t *p, kvt_radix_node_t *n, int next_only)
 {
@@ -537,13 +665,8 @@ static void push_runs(kvt_policy_t *p, kvt_radix_node_t *n, int next_only)
         node_run(n, t, &a, &b);
         if (b <= i)
             break; /* out of order: verify reports it */
-        if (tier_ok((kvt_tier_id_t)t) && p->cap[t]) {
-            vkey_t k = block_key(p, n, b - 1);
-            if (next_only)
-                heap_push(p, &p->next[t], n, k);
-            else
-                push_entry(p, t, n, k);
-        }
+        if (tier_ok((kvt_tier_id_t)t) && p->cap[t])
+            push_entry(p, t, n, b - 1, next_only);
         i = b;
     }
 }
@@ -553,7 +676,7 @@ static void push_node(kvt_policy_t *p, kvt_radix_node_t *n)
     push_runs(p, n, 0);
 }
 
-/* Pushes n into the heap of tier t when it has a run there. */
+/* Pushes n into the heaps of tier t when it has a run there. */
 static void push_tier(kvt_policy_t *p, kvt_radix_node_t *n, uint8_t t)
 {
     uint32_t a, b;
@@ -561,7 +684,7 @@ static void push_tier(kvt_policy_t *p, kvt_radix_node_t *n, uint8_t t)
         return;
     node_run(n, t, &a, &b);
     if (a < b)
-        push_entry(p, t, n, block_key(p, n, b - 1));
+        push_entry(p, t, n, b - 1, 0);
 }
 
 /* After n lost its tail: the tail may now be droppable where it was not. */
@@ -583,6 +706,7 @@ static void rebuild(kvt_policy_t *p)
 {
     sweep_stop(p); /* this one is whole */
     p->st.rebuilds++;
+    p->xcur = p->xwant; /* the expert the model chose takes over here */
     for (int t = 0; t < KVT_TIER_COUNT; t++)
         p->heap[t].len = 0;
     size_t nn = kvt_radix_node_count(p->t);
@@ -620,6 +744,7 @@ static int sweep_start(kvt_policy_t *p)
         memcpy(p->sweep_nodes, kvt_radix_nodes(p->t), nn * sizeof(*p->sweep_nodes));
     sweep_stop(p);
     p->sweeping = 1;
+    p->xnext = p->xwant;
     p->sweep_n = nn;
     p->sweep_at = 0;
     p->sweep_seq = ++p->seq;
@@ -659,6 +784,7 @@ static void sweep_some(kvt_policy_t *p)
         p->next[t] = old;
         p->next[t].len = 0;
     }
+    p->xcur = p->xnext;
     p->sweeping = 0;
     p->st.sweeps++;
     /* Every entry now was pushed after the sweep began: older deaths name none of them.
@@ -817,6 +943,8 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         p->pend[p->npend++] =
             (pmove_t){n, kvt_radix_node_depth(n) + i0, cnt, from, to, lease, bytes, cto, cfrom};
         p->pending_out[from] += cfrom;
+        p->queued[from]++;
+        p->queued[to]++;
         p->st.pending_moves++;
     } else {
         set_tier(p, n, i0, cnt, to);
@@ -881,6 +1009,194 @@ static int do_drop(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t cnt, kvt_tier_
     return (int)cnt;
 }
 
+/* ---- the experts' miniature simulations (COST) ---------------------------------------------- */
+
+static int ms_sampled(uint64_t h)
+{
+    return h && ((h * 0x9E3779B97F4A7C15ull) >> (64 - MS_SHIFT)) == 0;
+}
+
+static uint32_t ms_home(const msim_t *m, uint64_t h)
+{
+    return (uint32_t)(h ^ (h >> 32)) & m->mask;
+}
+
+static uint32_t ms_find(const msim_t *m, uint64_t h)
+{
+    uint32_t i = ms_home(m, h);
+    while (m->v[i].hash && m->v[i].hash != h)
+        i = (i + 1) & m->mask;
+    return i;
+}
+
+/* Removes slot i, shifting back the entries of its probe run (no tombstones). */
+static void ms_remove(msim_t *m, uint32_t i)
+{
+    uint32_t j = i;
+    m->v[i].hash = 0;
+    for (;;) {
+        j = (j + 1) & m->mask;
+        if (!m->v[j].hash)
+            break;
+        uint32_t home = ms_home(m, m->v[j].hash);
+        /* j may move to i unless its home lies cyclically in (i, j] */
+        if (i <= j ? (home > i && home <= j) : (home > i || home <= j))
+            continue;
+        m->v[i] = m->v[j];
+        m->v[j].hash = 0;
+        i = j;
+    }
+    m->len--;
+}
+
+/* Lower = a better victim for expert e in tier t: the orders of the experts' heaps, on the
+ * sampled page alone (hints aside). */
+static double ms_key(const kvt_policy_t *p, int e, kvt_tier_id_t t, const msent_t *x, uint32_t now)
+{
+    if (e == EXP_RECENT)
+        return (double)x->last - x->depth * 1e-6;
+    if (e == EXP_FREQ)
+        return (double)x->hits * 4294967296.0 + x->last;
+    double rate = p->class_p[hit_class(x->hits) * NPOSC + x->pos] /
+                  ((double)(uint32_t)(now - x->last) + AGE0);
+    /* keep_benefit's sum, from the load times of the sampled page size ms_init kept */
+    double redo = x->redo, next = p->lower[t] ? p->ms_load[p->lower[t]] : redo;
+    if (!p->c.no_cost_drop && redo < next)
+        next = redo;
+    return rate * KVT_MAX(next - p->ms_load[t], 1e-12);
+}
+
+/* Expert e's victim in its miniature tier t: the best of MS_SAMPLE entries drawn at random, as
+ * Redis approximates LRU, so that no order is kept up per use. */
+static uint32_t ms_victim(kvt_policy_t *p, int e, kvt_tier_id_t t, uint32_t now)
+{
+    msim_t *m = &p->ms[e][t];
+    uint32_t best = UINT32_MAX;
+    double bk = 0;
+    for (int k = 0; k < MS_SAMPLE; k++) {
+        uint64_t z = (p->ms_rng += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z ^= z >> 27;
+        uint32_t i = (uint32_t)z & m->mask;
+        while (!m->v[i].hash)
+            i = (i + 1) & m->mask;
+        double key = ms_key(p, e, t, &m->v[i], now);
+        if (best == UINT32_MAX || key < bk) {
+            best = i;
+            bk = key;
+        }
+    }
+    return best;
+}
+
+/* Puts x into expert e's miniature admission tier, each full tier on the way passing its victim
+ * to the next one down and the lowest dropping it, as the engine moves blocks. */
+static void ms_admit(kvt_policy_t *p, int e, msent_t x, uint32_t now)
+{
+    for (kvt_tier_id_t t = p->top; t != KVT_TIER_NONE; t = p->lower[t]) {
+        msim_t *m = &p->ms[e][t];
+        if (!m->v)
+            continue;
+        msent_t out = {0};
+        if (m->len >= m->max) {
+            uint32_t v = ms_victim(p, e, t, now);
+            out = m->v[v];
+            ms_remove(m, v);
+        }
+        m->v[ms_find(m, x.hash)] = x;
+        m->len++;
+        if (!out.hash)
+            return;
+        x = out;
+    }
+}
+
+/* Sizes the miniature tiers by the first sampled page: 1/2^MS_SHIFT of each tier's pages. 0, or
+ * KVT_ENOMEM (the simulations are off and the cost expert chooses). */
+static int ms_init(kvt_policy_t *p, uint32_t bytes)
+{
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
+        p->ms_load[t] = page_load_s(p, (kvt_tier_id_t)t, bytes);
+    for (int e = 0; e < p->nexp; e++) {
+        for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+            if (!p->cap[t])
+                continue;
+            uint64_t pages = p->cap[t] / (bytes ? bytes : 1) >> MS_SHIFT;
+            uint32_t max = (uint32_t)KVT_MAX(2, KVT_MIN(pages, (uint64_t)MS_MAX));
+            uint32_t slots = 4;
+            while (slots < 2 * max)
+                slots *= 2;
+            msim_t *m = &p->ms[e][t];
+            m->v = calloc(slots, sizeof(*m->v));
+            if (!m->v)
+                return KVT_ENOMEM;
+            m->mask = slots - 1;
+            m->max = max;
+        }
+    }
+    return 0;
+}
+
+/* A page (prefix hash h, at depth, with the flags of its block) is used: every expert's miniature
+ * hierarchy serves it (from a tier: its load time; missed: its recompute time), then holds it
+ * in its admission tier as the engine promotes hits; the expert of the lowest decayed cost (by a
+ * margin over the one choosing now: switching back and forth costs more than either) chooses
+ * the victims from now on. Only pages whose hash falls in 1/2^MS_SHIFT of the space are
+ * simulated, in tiers of that share of the real ones (SHARDS' spatial sampling), so the cost is
+ * a few table probes per 2^MS_SHIFT pages used. */
+static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, uint32_t ps,
+                   uint32_t bytes)
+{
+    if (p->ms_state == 0)
+        p->ms_state = !p->c.expert && ms_init(p, bytes) == 0 ? 1 : -1;
+    if (p->ms_state < 0)
+        return;
+    uint32_t now = now_clock(p);
+    double redo = recompute_page_s(p, depth, ps);
+    for (int e = 0; e < p->nexp; e++) {
+        double s = redo;
+        /* a page back after the engine dropped it starts with the hit its return is, as in
+         * block_class and the LFU expert's key */
+        msent_t x = {
+            h, now, (flags & GHOST_FLAG) != 0, depth, (flags & POS_MASK) >> POS_SHIFT, (float)redo};
+        for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+            msim_t *m = &p->ms[e][t];
+            if (!m->v)
+                continue;
+            uint32_t i = ms_find(m, h);
+            if (!m->v[i].hash)
+                continue;
+            s = KVT_MIN(redo, p->ms_load[t]);
+            x = m->v[i];
+            x.hits++;
+            x.last = now;
+            ms_remove(m, i);
+            break;
+        }
+        p->ms_cost[e] = p->ms_cost[e] * MS_DECAY + s;
+        ms_admit(p, e, x, now);
+    }
+}
+
+/* Every REFRESH_EVERY inserts: the expert whose miniature hierarchy cost least lately is to
+ * order the victims (by a margin over the one ordering them now or about to: switching costs a
+ * rebuild of the heaps, and back and forth costs more than either expert). Returns whether the
+ * choice changed. */
+static int choose_expert(kvt_policy_t *p)
+{
+    if (p->nexp == 1 || p->ms_state <= 0)
+        return 0;
+    int cur = p->xwant;
+    for (int e = 0; e < p->nexp; e++)
+        if (p->ms_cost[e] < p->ms_cost[cur] * (1 - EXP_MARGIN))
+            cur = e;
+    if (cur == p->xwant)
+        return 0;
+    p->xwant = cur;
+    p->st.expert_switches++;
+    return 1;
+}
+
 /*
  * Takes the best victim of tier t and demotes or drops up to CHUNK_PAGES of it, no more than
  * the pages that free `want` bytes. Returns the pages acted on, 0 when tier t has no victim
@@ -926,9 +1242,11 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
         node_run(n, (uint8_t)t, &a, &b);
         if (a == b)
             continue;
-        vkey_t live = block_key(p, n, b - 1);
+        vkey_t live = block_key(p, n, b - 1, p->xcur);
         if (key_lt(e.k, live) && h->len > 0 && key_lt(h->v[0].k, live)) {
-            push_entry(p, (uint8_t)t, n, live);
+            heap_push(p, h, n, live);
+            if (p->sweeping)
+                heap_push(p, &p->next[t], n, block_key(p, n, b - 1, p->xnext));
             continue;
         }
         uint32_t cnt = KVT_MIN(b - a, (uint32_t)CHUNK_PAGES);
@@ -952,14 +1270,14 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
             if (p->c.kind == KVT_POLICY_COST && !p->c.no_cost_drop) {
                 uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
                 uint32_t dep = kvt_radix_node_depth(n) + b - 1;
-                if (recompute_page_s(p, dep, ps) < page_load_s(p, lo, last->size))
+                if (recompute_page_s(p, dep, ps) < reload_s(p, lo, last->size))
                     drop = cost_drop = 1;
             }
         }
+        if (drop && !droppable)
+            continue; /* a cached child depends on it: it stays until the child goes */
         int rc;
         if (drop) {
-            if (!droppable)
-                continue; /* a cached child depends on it: it stays until the child goes */
             rc = do_drop(p, n, cnt + tail, t);
         } else {
             rc = do_move(p, n, i0, cnt, t, lo, depth);
@@ -978,6 +1296,7 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
         if (rc > 0) {
             if (drop && cost_drop)
                 p->st.cost_drops += (uint64_t)rc;
+            p->st.expert_choices[p->xcur] += (uint64_t)rc;
             return rc;
         }
         if (rc == KVT_ENOMEM)
@@ -1047,6 +1366,8 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
         return KVT_EINVAL;
     if (conf->admit_tier && (!tier_ok(conf->admit_tier) || !conf->tiers[conf->admit_tier].capacity))
         return KVT_EINVAL;
+    if (conf->expert < 0 || conf->expert > KVT_POLICY_EXPERTS)
+        return KVT_EINVAL;
     kvt_policy_t *p = calloc(1, sizeof(*p));
     if (!p)
         return KVT_ENOMEM;
@@ -1073,7 +1394,13 @@ int kvt_policy_create(kvt_policy_t **out, kvt_radix_t *t, const kvt_policy_conf_
     }
     if (conf->admit_tier)
         p->top = conf->admit_tier;
+    for (int i = 0; i < KVT_TIER_COUNT; i++)
+        p->run_pages[i] = CHUNK_PAGES; /* until matches say: a victim's run */
+    p->nexp = 1;
     if (p->c.kind == KVT_POLICY_COST) {
+        p->nexp = NEXP;
+        if (conf->expert) /* pinned: no simulations, one order */
+            p->xcur = p->xnext = p->xwant = conf->expert - 1;
         p->ghost = conf->ghosts;
         if (!p->ghost) {
             if (kvt_ghosts_create(&p->ghost, GHOST_BITS) < 0) {
@@ -1096,6 +1423,9 @@ void kvt_policy_destroy(kvt_policy_t *p)
         free(p->heap[t].v);
         free(p->next[t].v);
     }
+    for (int e = 0; e < NEXP; e++)
+        for (int t = 0; t < KVT_TIER_COUNT; t++)
+            free(p->ms[e][t].v);
     free(p->sweep_nodes);
     free(p->dead.keys);
     free(p->dead.seqs);
@@ -1126,6 +1456,13 @@ static void after_insert(kvt_policy_t *p)
     p->inserts_since_refresh = 0;
     size_t nodes = kvt_radix_node_count(p->t);
     int sweep = nodes > p->c.sweep_above && p->c.reports_node_frees;
+    if (choose_expert(p)) { /* another expert orders the victims: new keys for every node */
+        if (!sweep)
+            p->stale = 1;
+        else if (!p->sweeping && sweep_start(p) < 0)
+            p->stale = 1;
+        return;
+    }
     if (p->inserts_since_rebuild < nodes / (sweep ? SWEEP_EVERY : 1024))
         return;
     if (!sweep)
@@ -1156,6 +1493,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
      * decayed doubles once per run: one += per page made every page wait for the last. */
     unsigned run_class = 0;
     uint32_t run = 0;
+    uint32_t per_tier[KVT_TIER_COUNT] = {0}; /* pages this match loads from each tier */
     /* Node by node (this runs on every MATCH; a path iterator steps block by block). */
     for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
          kvt_path_run_next(&r)) {
@@ -1164,6 +1502,10 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             uint8_t t = b->tier;
             promote |= t != KVT_TIER_NONE && tier_rank(t) > top;
             if (cost && tier_ok((kvt_tier_id_t)t)) {
+                per_tier[t]++;
+                if (p->nexp > 1 && ms_sampled(b->hash))
+                    ms_use(p, b->hash, r.depth + i, b->flags,
+                           kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(r.node)), b->size);
                 uint32_t before = b->hits ? b->hits - 1 : 0; /* the match has counted this hit */
                 unsigned k = block_class(before, b->flags);
                 if (k != run_class && run > 0) {
@@ -1185,6 +1527,9 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
     }
     if (run > 0)
         p->class_hits[run_class] += run;
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
+        if (per_tier[t])
+            p->run_pages[t] += RUN_GAIN * ((double)per_tier[t] - p->run_pages[t]);
     if (promote && p->npromo < PROMO_QUEUE)
         p->promo[p->npromo++] = (promo_t){m->node, m->node_pages, p->seq, p->foreign, p->place};
 }
@@ -1245,6 +1590,8 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
                 b = &bl[i];
                 if (kvt_ghosts_seen(p->ghost, h))
                     b->flags |= GHOST_FLAG;
+                if (p->nexp > 1 && ms_sampled(h))
+                    ms_use(p, h, depth, b->flags, ps, size);
             }
             if (p->c.kind == KVT_POLICY_ORACLE)
                 b->policy = hint && hint->next_use && depth < hint->nnext ? hint->next_use[depth]
@@ -1579,6 +1926,8 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
     }
     p->pend[k] = p->pend[--p->npend];
     p->pending_out[from] -= mv.charge_frm;
+    p->queued[from]--;
+    p->queued[to]--;
     p->st.pending_moves--;
     if (status < 0 || conflict) {
         p->used[to] -= mv.charge_to;
@@ -1603,6 +1952,9 @@ void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st)
     *st = p->st;
     for (int t = 0; t < KVT_TIER_COUNT; t++)
         st->used[t] = p->used[t];
+    st->expert = (uint32_t)p->xwant;
+    for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+        st->expert_miss_s[e] = e < p->nexp && p->nexp > 1 ? p->ms_cost[e] : 0;
 }
 
 int kvt_policy_verify(const kvt_policy_t *p)

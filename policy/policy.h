@@ -78,6 +78,9 @@ typedef struct kvt_hw_profile {
     double prefill_flops;             /* FLOP/s actually reached in prefill */
     double bw[KVT_TIER_COUNT];        /* bytes/s from the tier into HBM */
     double latency_s[KVT_TIER_COUNT]; /* seconds, paid once per request that loads from it */
+    /* Requests the tier serves at once (NVMe queue depth, remote round trips in flight): a load
+     * behind q others waits floor(q / qd) round trips of latency_s more. 0 = no queueing. */
+    uint32_t qd[KVT_TIER_COUNT];
 } kvt_hw_profile_t;
 
 /* Built-in profiles by name: models "llama-3-8b", "llama-3-70b", "qwen2.5-7b", "mixtral-8x22b";
@@ -92,9 +95,10 @@ const char *const *kvt_hw_profile_names(void);
  * Custom profiles from text: lines of key=value, '#' starts a comment, blank lines ignored.
  * Model keys: name, base (a built-in to start from), layers, kv_heads, head_dim,
  * bytes_per_elem, q_heads, hidden, params (e.g. 7.6e9). Hardware keys: name, base,
- * prefill_flops, and per tier (hbm, dram, nvme, remote) <tier>_bw (bytes/s) and
- * <tier>_latency_us. An unknown key, a malformed number or a profile left incomplete gives
- * KVT_EINVAL, logs the line, and leaves *out untouched. Returns 0 or KVT_EINVAL.
+ * prefill_flops, and per tier (hbm, dram, nvme, remote) <tier>_bw (bytes/s),
+ * <tier>_latency_us and <tier>_qd (requests served at once; 0 = no queueing). An unknown key, a
+ * malformed number or a profile left incomplete gives KVT_EINVAL, logs the line, and leaves *out
+ * untouched. Returns 0 or KVT_EINVAL.
  */
 int kvt_model_profile_parse(const char *text, kvt_model_profile_t *out);
 int kvt_hw_profile_parse(const char *text, kvt_hw_profile_t *out);
@@ -112,6 +116,10 @@ double kvt_cost_recompute_s(const kvt_model_profile_t *m, const kvt_hw_profile_t
 /* Seconds to load bytes from tier into HBM, fixed latency included (0 bytes cost 0). A tier
  * with no path (bw 0) returns INFINITY. */
 double kvt_cost_load_s(const kvt_hw_profile_t *hw, kvt_tier_id_t tier, uint64_t bytes);
+/* The same behind `queued` requests already in flight on the tier: floor(queued / qd) more round
+ * trips of its latency (none when qd is 0). */
+double kvt_cost_load_queued_s(const kvt_hw_profile_t *hw, kvt_tier_id_t tier, uint64_t bytes,
+                              uint32_t queued);
 
 /* ---------------------------------------------------------------------------------------------
  * Policy engine
@@ -191,6 +199,13 @@ typedef struct kvt_policy_ops {
 
 #define KVT_POLICY_PENDING 1
 
+/* The cost policy's experts (docs/policy.md, "Experts"), the indices of kvt_policy_stats_t's
+ * expert arrays: its value (the learned reuse rate per class x the saving), LRU's order, LFU's. */
+#define KVT_POLICY_EXPERT_COST     0
+#define KVT_POLICY_EXPERT_RECENT   1
+#define KVT_POLICY_EXPERT_FREQUENT 2
+#define KVT_POLICY_EXPERTS         3
+
 /* The owner of the leases the engine holds on the nodes of moves in flight (so that their
  * (node, depth) names stay valid): callers must not release leases of this owner. */
 #define KVT_POLICY_LEASE_OWNER 0x6b76742d706f6c69ull
@@ -213,6 +228,9 @@ typedef struct kvt_policy_conf {
     /* COST only: drop instead of demoting when loading from the next tier would cost more than
      * recomputing (default on; 0 keeps the rule off, to compare). */
     int no_cost_drop;
+    /* COST: 0 learns online which expert orders the victims (the default); 1 + an expert's index
+     * (KVT_POLICY_EXPERT_*) pins that one, to compare or to test it. */
+    int expert;
     /* The caller calls kvt_policy_on_node_free for every node the tree frees (the tree's
      * node_free_cb): frees by others (REMOVE, a tier losing blocks) then need no rebuild of the
      * engine's heaps, which costs a walk over every node. 0: every such free costs one. */
@@ -385,6 +403,15 @@ typedef struct kvt_policy_stats {
     uint64_t rebuilds;                /* victim heaps rebuilt in one walk over every node */
     uint64_t sweeps;                  /* and renewed by a sweep (sweep_above) */
     uint64_t pin_refusals;            /* moves not started: the index had no room for their pin */
+    /* COST: its experts (KVT_POLICY_EXPERT_*; docs/policy.md, "Experts"): the one chosen (it
+     * orders the victims from the next rebuild or sweep of the heaps on), the seconds of loads
+     * and recomputes each one's miniature hierarchy spent on the sampled pages lately (decayed;
+     * the lowest is chosen; 0 with conf.expert set: no simulations), and the pages each one's
+     * choices moved down or out. 0 for the other kinds. */
+    uint32_t expert;
+    uint64_t expert_switches; /* times another expert was chosen */
+    double expert_miss_s[KVT_POLICY_EXPERTS];
+    uint64_t expert_choices[KVT_POLICY_EXPERTS];
 } kvt_policy_stats_t;
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);

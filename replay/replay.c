@@ -54,6 +54,7 @@ typedef struct opts {
     size_t max_requests;
     uint32_t nvme_min_hits;
     int no_cost_drop;
+    int expert; /* kvt_policy_conf_t.expert */
     int progress;
     int verify;
     uint64_t seed;
@@ -449,6 +450,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
     }
     pc.nvme_min_hits = o->nvme_min_hits;
     pc.no_cost_drop = o->no_cost_drop;
+    pc.expert = o->expert;
     pc.reports_node_frees = 1;
     pc.ops = &sim_ops;
     pc.ops_arg = &sim;
@@ -653,6 +655,17 @@ static void print_result(FILE *f, const result_t *r, const result_t *lru, const 
         first_t = 0;
     }
     fprintf(f, "}");
+    if (r->kind == KVT_POLICY_COST) {
+        static const char *const en[KVT_POLICY_EXPERTS] = {"cost", "recent", "frequent"};
+        fprintf(f, ",\"expert\":\"%s\",\"expert_miss_s\":{", en[r->st.expert % KVT_POLICY_EXPERTS]);
+        for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+            fprintf(f, "%s\"%s\":%.5f", e ? "," : "", en[e], r->st.expert_miss_s[e]);
+        fprintf(f, "},\"expert_choices\":{");
+        for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+            fprintf(f, "%s\"%s\":%llu", e ? "," : "", en[e],
+                    (unsigned long long)r->st.expert_choices[e]);
+        fprintf(f, "}");
+    }
     double saving = r->no_cache_s - r->total_s;
     fprintf(f,
             ",\"prefill_seconds_total\":%.3f,\"prefill_seconds_p50\":%.6f,"
@@ -712,6 +725,8 @@ static void usage(FILE *f, const char *prog)
             "  --requests N         replay only the first N requests\n"
             "  --nvme-min-hits N    admission to NVMe needs N hits\n"
             "  --no-cost-drop       the cost policy demotes even when recomputing is cheaper\n"
+            "  --expert NAME        the cost policy's victims in one expert's order: cost,\n"
+            "                       recent or frequent (default: learned online)\n"
             "  --seed N             seed of the simulated hints (default 1)\n"
             "  --verify             check the policy's and the tree's invariants as it runs\n"
             "  --no-progress        no progress bar on stderr\n"
@@ -940,6 +955,17 @@ int kvt_replay_main(int argc, char **argv)
         } else if (a[0] == '-' && a[1] == '-' && !v) {
             fprintf(stderr, "%s: %s needs a value\n", prog, a);
             return 2;
+        } else if (strcmp(a, "--expert") == 0) {
+            static const char *const names[KVT_POLICY_EXPERTS] = {"cost", "recent", "frequent"};
+            o.expert = 0;
+            for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+                if (strcmp(v, names[e]) == 0)
+                    o.expert = e + 1;
+            if (!o.expert) {
+                fprintf(stderr, "%s: --expert: '%s' is not cost, recent or frequent\n", prog, v);
+                return 2;
+            }
+            i++;
         } else if (strcmp(a, "--plot") == 0) {
             plot_path = v;
             o.timeline = 1;

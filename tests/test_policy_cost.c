@@ -178,5 +178,30 @@ Test(policy_cost, parse_custom_hardware)
     cr_assert_eq(kvt_hw_profile_parse("base=h200-node\nssd_bw=1e9\n", &hw), KVT_EINVAL);
     cr_assert_eq(kvt_hw_profile_parse("base=h200-node\nnvme_bw=-1\n", &hw), KVT_EINVAL);
     cr_assert_eq(kvt_hw_profile_parse("base=h200-node\nnvme_bw=inf\n", &hw), KVT_EINVAL);
+    cr_assert_eq(kvt_hw_profile_parse("base=h200-node\nnvme_qd=-1\n", &hw), KVT_EINVAL);
+    cr_assert_eq(kvt_hw_profile_parse("base=h200-node\nnvme_qd=1.5\n", &hw), KVT_EINVAL);
+    cr_assert_eq(kvt_hw_profile_parse("base=h200-node\nremote_qd=2000000\n", &hw), KVT_EINVAL);
     cr_assert_eq(memcmp(&hw, &before, sizeof(hw)), 0);
+}
+
+/* Issue 40: a load behind a queue waits its round trips. A tier serving qd requests at once
+ * makes the load behind q others wait floor(q / qd) more latencies; qd 0 does not queue. */
+Test(policy_cost, queued_loads_wait_their_round_trips)
+{
+    kvt_hw_profile_t hw;
+    cr_assert_eq(kvt_hw_profile_parse("base=h200-node\nname=q\nremote_qd=4\nnvme_qd=0\n", &hw), 0);
+    cr_assert_eq(hw.qd[KVT_TIER_REMOTE], 4);
+    double one = kvt_cost_load_s(&hw, KVT_TIER_REMOTE, 5242880);
+    near(kvt_cost_load_queued_s(&hw, KVT_TIER_REMOTE, 5242880, 0), one, 1e-15);
+    near(kvt_cost_load_queued_s(&hw, KVT_TIER_REMOTE, 5242880, 3), one, 1e-15);
+    near(kvt_cost_load_queued_s(&hw, KVT_TIER_REMOTE, 5242880, 4), one + 500e-6, 1e-12);
+    near(kvt_cost_load_queued_s(&hw, KVT_TIER_REMOTE, 5242880, 9), one + 1e-3, 1e-12);
+    double nv = kvt_cost_load_s(&hw, KVT_TIER_NVME, 5242880);
+    near(kvt_cost_load_queued_s(&hw, KVT_TIER_NVME, 5242880, 1000), nv, 1e-15);
+    cr_assert_eq(kvt_cost_load_queued_s(&hw, KVT_TIER_REMOTE, 0, 100), 0);
+    /* the shipped profile queues NVMe and remote, not DRAM */
+    cr_assert_eq(kvt_hw_profile_get("h200-node", &hw), 0);
+    cr_assert_gt(hw.qd[KVT_TIER_NVME], 0);
+    cr_assert_gt(hw.qd[KVT_TIER_REMOTE], 0);
+    cr_assert_eq(hw.qd[KVT_TIER_DRAM], 0);
 }
