@@ -774,3 +774,29 @@ void kvt__exec_close(kvt_srv_t *s)
     s->exec.busy = NULL;
     s->exec.busy_cap = s->exec.busy_n = 0;
 }
+
+/*
+ * The door's moves and drops (store.h): the cause and the request are arguments here. The tree's
+ * free callback and the policy's move operation, which they reach, have signatures of radix.h and
+ * policy.h that carry neither, so exec.c keeps them in s->exec for the length of the one call
+ * (set and cleared here only, never by another file).
+ */
+int kvt__store_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t n,
+                      kvt__cause_t cause)
+{
+    s->exec.removing = cause == KVT__CAUSE_REMOVE;
+    int rc = kvt_radix_remove(s->radix, ns, tokens, n);
+    s->exec.removing = 0;
+    return rc;
+}
+
+int kvt__store_promote(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t pages, kvt_tier_id_t target,
+                       kvt__req_t *r, int device)
+{
+    s->exec.move_req = r;
+    s->exec.move_device = device;
+    int rc = kvt_policy_promote(s->policy, node, pages, target);
+    s->exec.move_req = NULL;
+    s->exec.move_device = -1;
+    return rc;
+}

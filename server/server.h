@@ -732,4 +732,6 @@ kvt__http_req_t kvt__http_parse(const char *head, size_t len, int full, int *hea
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);
 int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen);
 
+#include "store.h" /* the door to the tree and the tiers */
+
 #endif

@@ -95,3 +95,26 @@ int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
     };
     return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
 }
+
+/* ---- the door's tier calls (store.h) ---- */
+
+int kvt__tier_pin(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc, int delta)
+{
+    return s->tiers[tier] ? kvt_tier_pin(s->tiers[tier], loc, delta) : KVT_EINVAL;
+}
+
+void kvt__tier_usage(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_usage_t *u)
+{
+    kvt_tier_usage(s->tiers[tier], u);
+}
+
+uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes)
+{
+    return kvt_tier_footprint(s->tiers[tier], (uint32_t)block_bytes);
+}
+
+int kvt__tier_probe(kvt_srv_t *s, kvt_tier_probe_t *p)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_REMOTE];
+    return t ? kvt_tier_remote_probe(t, p) : KVT_EUNAVAIL;
+}
