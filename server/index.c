@@ -260,3 +260,20 @@ int kvt__path_insert(kvt_srv_t *s, uint32_t ns, const kvt_match_t *m, const uint
     return m ? kvt_radix_insert_matched(s->radix, m, tokens, n, res)
              : kvt_radix_insert(s->radix, ns, tokens, n, res);
 }
+
+int kvt__ns_open(kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                 uint32_t page_size, uint32_t *ns)
+{
+    return kvt_radix_ns_open(s->radix, model, adapter, salt, page_size, ns);
+}
+
+uint64_t kvt__ns_need(const kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                      uint32_t page_size)
+{
+    return kvt_radix_ns_need(s->radix, model, adapter, salt, page_size);
+}
+
+void kvt__path_warm(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n)
+{
+    kvt_radix_warm(s->radix, ns, runs, n);
+}

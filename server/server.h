@@ -562,8 +562,8 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
  * dropped then). conn.c frees c's handles at its close. */
 const kvt__handle_t *kvt__handle_find(kvt__conn_t *c, uint32_t id);
 
-/* op_get.c: whether block b (of namespace ns, under a lease) can be answered to c by location:
- * 1 and its offset in c's mapping of b's tier, or 0. */
+/* tierio.c (the door, store.h): whether block b (of namespace ns, under a lease) can be answered
+ * to c by location: 1 and its offset in c's mapping of b's tier, or 0. */
 int kvt__store_locate(kvt_srv_t *s, const kvt__conn_t *c, uint32_t ns, const kvt_block_t *b,
                       uint64_t *off);
 

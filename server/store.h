@@ -77,6 +77,14 @@ uint32_t kvt__lease_count(const kvt_srv_t *s);
 uint32_t kvt__ns_page_size(const kvt_srv_t *s, uint32_t ns);
 uint64_t kvt__ns_seed(const kvt_srv_t *s, uint32_t ns);
 int kvt__ns_close(kvt_srv_t *s, uint32_t ns);
+/* Opens (or finds) the namespace of (model, adapter, salt) with page_size tokens a page, and the
+ * index bytes that may take (kvt_radix_ns_open, kvt_radix_ns_need). */
+int kvt__ns_open(kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                 uint32_t page_size, uint32_t *ns);
+uint64_t kvt__ns_need(const kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                      uint32_t page_size);
+/* Warms the CPU cache for the n seeks of runs about to be made (kvt_radix_warm). */
+void kvt__path_warm(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n);
 
 /* Why blocks leave the tree. The free callbacks the tree calls (kvt__store_free_cb) read it from
  * the call that caused them: an eviction is a drop (ghost, counted); a REMOVE is none and its
@@ -95,6 +103,11 @@ int kvt__store_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t 
 int kvt__store_promote(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t pages, kvt_tier_id_t target,
                        kvt__req_t *r, int device);
 
+/* At zero-copy-arenas, for a MAP: moves the blocks of the DRAM arena no connection maps (the one
+ * with the fewest) into the main region, same tier and charge, and the arena goes. 0 when it
+ * went; KVT_ENOSPC when there was none or a block in use (busy, read, leased) stayed. */
+int kvt__store_free_arena(kvt_srv_t *s);
+
 /* Tiers: pin an NVMe location against reclaim (delta +1/-1), the tier's usage and the bytes it
  * holds for a block of block_bytes (0 when absent). */
 int kvt__tier_pin(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc, int delta);
@@ -102,6 +115,36 @@ void kvt__tier_usage(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_usage_t *u
 /* Starts a probe of the remote tier (tier.h's kvt_tier_remote_probe): KVT_EUNAVAIL when there
  * is no remote tier. */
 int kvt__tier_probe(kvt_srv_t *s, kvt_tier_probe_t *p);
+/* A DRAM block's seal against its bytes (KVT_ECORRUPT: written over since its COMMIT); 0 for
+ * other tiers. */
+int kvt__tier_check(kvt_srv_t *s, const kvt_block_t *b);
+/* Where a memory tier holds b's bytes (valid while b stays there, busy), or NULL: read it. */
+const uint8_t *kvt__tier_ptr(kvt_srv_t *s, const kvt_block_t *b);
+/* Starts a read from tier (tier.h's kvt_tier_read: io's callback on completion). */
+int kvt__tier_read(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io);
+/* Starts a write to tier (kvt_tier_write); whether tenant ns_seed may take len more bytes there
+ * (tenant-<tier>-bytes, kvt_tier_ns_fits). */
+int kvt__tier_write(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io);
+int kvt__tier_fits(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t ns_seed, uint32_t len);
+/* Frees a location no block names yet (a PUT's write that did not join the tree); orphan: a
+ * DRAM reservation handed to kvt__tier_orphan, freed once the client's writes stop. */
+void kvt__tier_release(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc, uint32_t len, int orphan);
+/* A zero-copy reservation in DRAM: its offset in namespace ns_seed's arena (kvt_tier_dram_offset),
+ * its seal (the client's sum when has_sum, else computed later, or now without memory), and the
+ * orphaning of one the client may still write (kvt_tier_dram_orphan). */
+int kvt__tier_offset(const kvt_srv_t *s, uint64_t ns_seed, uint64_t loc, uint64_t *off);
+void kvt__tier_seal(kvt_srv_t *s, uint64_t loc, int has_sum, uint64_t sum);
+int kvt__tier_orphan(kvt_srv_t *s, uint64_t loc, uint32_t len);
+/* The DRAM arena of namespace ns_seed, shared with a client (kvt_tier_dram_share: a memfd of
+ * its own, map_bytes), unshared, and the arenas shared now; the HBM pool's IPC handle for
+ * device (kvt_tier_hbm_ipc). */
+int kvt__tier_share(kvt_srv_t *s, uint64_t ns_seed, int *fd, uint64_t *map_bytes);
+void kvt__tier_unshare(kvt_srv_t *s, uint64_t ns_seed);
+uint32_t kvt__tier_shared(const kvt_srv_t *s);
+int kvt__tier_hbm_ipc(kvt_srv_t *s, int device, uint8_t *handle, uint64_t *bytes);
+/* Records a namespace's name in the NVMe tier, for a warm restart (kvt_tier_nvme_add_ns). */
+int kvt__tier_add_ns(kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                     uint32_t page_size);
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes);
 
 #endif
