@@ -312,6 +312,9 @@ typedef struct kvt__clients {
  * report to, tier locations whose free waits for reads, reads in flight per block, the ghosts. */
 typedef struct kvt__exec {
     kvt__move_t *moves;
+    /* move_req and removing carry a door call's request and cause (kvt__store_promote,
+     * kvt__store_remove, store.h) to the policy's and the tree's callbacks, whose signatures have
+     * no place for them: set by those two calls only, for the length of the call. */
     kvt__req_t *move_req;
     int move_device;  /* the device a move into HBM goes to (the client that asked: PREFETCH, or
                        * the MATCH that queued it); -1: any */
