@@ -295,7 +295,7 @@ void kvt__conn_close(kvt__conn_t *c)
             if (r->src && !r->done)
                 r->src->abort(r); /* a GET's batch waiting for the socket, say */
             if (r->lease)         /* a PREFETCH waiting for others' moves still pins its path */
-                kvt_radix_release(s->radix, r->lease);
+                kvt__path_unpin(s, r->lease);
             kvt__req_free(r);
         }
         r = next;

@@ -77,10 +77,10 @@ static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
     /* A new namespace needs room in the index and one of max-namespaces ids: when either is
      * short, the empty namespaces nobody uses are closed first. */
     int reclaimed = 0;
-    if (kvt__index_fit(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)) < 0) {
+    if (kvt__index_fit(s, kvt__ns_need(s, model, adapter, salt, m.page_size)) < 0) {
         reclaimed = 1;
         if (!kvt__ns_reclaim(s) ||
-            kvt__index_fit(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)) < 0)
+            kvt__index_fit(s, kvt__ns_need(s, model, adapter, salt, m.page_size)) < 0)
             return kvt__reply_error(
                 c, h->opcode, h->request_id, t0, KVT_ENOSPC,
                 "no room for a new namespace in the index: it is at index-bytes (%llu) and every "
@@ -88,14 +88,14 @@ static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
                 (unsigned long long)s->conf->index_bytes);
     }
     uint32_t ns;
-    int rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
+    int rc = kvt__ns_open(s, model, adapter, salt, m.page_size, &ns);
     if (rc == KVT_ENOSPC && !reclaimed && kvt__ns_reclaim(s) &&
-        kvt__index_fits(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)))
-        rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
+        kvt__index_fits(s, kvt__ns_need(s, model, adapter, salt, m.page_size)))
+        rc = kvt__ns_open(s, model, adapter, salt, m.page_size, &ns);
     /* None empty: the pages of one nobody uses go (kvt__ns_evict), as index-bytes evicts. */
     if (rc == KVT_ENOSPC && kvt__ns_evict(s) &&
-        kvt__index_fits(s, kvt_radix_ns_need(s->radix, model, adapter, salt, m.page_size)))
-        rc = kvt_radix_ns_open(s->radix, model, adapter, salt, m.page_size, &ns);
+        kvt__index_fits(s, kvt__ns_need(s, model, adapter, salt, m.page_size)))
+        rc = kvt__ns_open(s, model, adapter, salt, m.page_size, &ns);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "cannot open namespace%s",
                                 rc == KVT_ENOSPC
@@ -111,13 +111,13 @@ static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
                                 "namespace \"%s\" already has blocks of %u bytes, not %u", shown,
                                 n->block_bytes, m.block_bytes);
     n->page_size = m.page_size;
-    n->seed = kvt_radix_ns_seed(s->radix, ns);
+    n->seed = kvt__ns_seed(s, ns);
     if (m.block_bytes)
         n->block_bytes = m.block_bytes;
     if (s->tiers[KVT_TIER_NVME]) {
         /* The record only names the namespace after a restart: its blocks come back by seed
          * without it. Names with a tab or a line break cannot be recorded (EINVAL). */
-        rc = kvt_tier_nvme_add_ns(s->tiers[KVT_TIER_NVME], model, adapter, salt, m.page_size);
+        rc = kvt__tier_add_ns(s, model, adapter, salt, m.page_size);
         if (rc < 0) {
             static kvt_log_limit_t lim;
             kvt_log_limited(
@@ -275,7 +275,7 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
         off += KVT_PROTO_HDR + (size_t)h.body_len;
     }
     if (n > 1)
-        kvt_radix_warm(c->srv->radix, c->ns, runs, n);
+        kvt__path_warm(c->srv, c->ns, runs, n);
 #else
     (void)c;
     (void)in;

@@ -774,3 +774,75 @@ void kvt__exec_close(kvt_srv_t *s)
     s->exec.busy = NULL;
     s->exec.busy_cap = s->exec.busy_n = 0;
 }
+
+/*
+ * The door's moves and drops (store.h): the cause and the request are arguments here. The tree's
+ * free callback and the policy's move operation, which they reach, have signatures of radix.h and
+ * policy.h that carry neither, so exec.c keeps them in s->exec for the length of the one call
+ * (set and cleared here only, never by another file).
+ */
+int kvt__store_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t n,
+                      kvt__cause_t cause)
+{
+    s->exec.removing = cause == KVT__CAUSE_REMOVE;
+    int rc = kvt_radix_remove(s->radix, ns, tokens, n);
+    s->exec.removing = 0;
+    return rc;
+}
+
+int kvt__store_promote(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t pages, kvt_tier_id_t target,
+                       kvt__req_t *r, int device)
+{
+    s->exec.move_req = r;
+    s->exec.move_device = device;
+    int rc = kvt_policy_promote(s->policy, node, pages, target);
+    s->exec.move_req = NULL;
+    s->exec.move_device = -1;
+    return rc;
+}
+
+/*
+ * MAP (op_map.c) at zero-copy-arenas: empties the arena of a namespace no connection maps (the one
+ * with the fewest blocks) into the main region. A block whose bytes are in use stays: one a copy
+ * reads (BUSY), one a GET's reply is being written from (kvt__busy_reads), one under a lease (a
+ * client may hold its location). Returns 0 when the arena went, KVT_ENOSPC when there was none or
+ * something stayed.
+ */
+int kvt__store_free_arena(kvt_srv_t *s)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_DRAM];
+    if (!t)
+        return KVT_ENOSPC;
+    uint64_t seed;
+    if (kvt_tier_dram_idle(t, &seed) < 0)
+        return KVT_ENOSPC;
+    uint32_t before = kvt_tier_dram_shared(t), moved = 0, stayed = 0;
+    size_t n = kvt_radix_node_count(s->radix);
+    for (size_t i = 0; i < n && kvt_tier_dram_shared(t) == before; i++) {
+        kvt_radix_node_t *node = kvt_radix_node_at(s->radix, i);
+        if (kvt_radix_ns_seed(s->radix, kvt_radix_node_ns(node)) != seed)
+            continue;
+        kvt_block_t *b = kvt_radix_node_blocks(node);
+        uint32_t np = kvt_radix_node_pages(node), d0 = kvt_radix_node_depth(node);
+        int leased = kvt_radix_node_leased(node);
+        for (uint32_t j = 0; j < np; j++) {
+            uint64_t loc = b[j].loc;
+            if (b[j].tier != KVT_TIER_DRAM || kvt_tier_dram_offset(t, seed, loc, NULL) < 0)
+                continue;
+            if (leased || (b[j].flags & KVT_BLOCK_BUSY) ||
+                kvt__busy_reads(s, kvt_radix_block_hash(s->radix, node, d0 + j)) ||
+                kvt_tier_dram_move_out(t, &loc) < 0) {
+                stayed++;
+                continue;
+            }
+            kvt__block_relocate(&b[j], loc);
+            moved++;
+        }
+    }
+    int gone = kvt_tier_dram_shared(t) < before;
+    kvt_log(gone ? KVT_LOG_INFO : KVT_LOG_WARN,
+            "kvtierd: zero-copy-arenas full: namespace %016llx's arena, mapped by no connection, "
+            "%s (%u blocks moved to the main region, %u in use)",
+            (unsigned long long)seed, gone ? "gave way" : "could not give way yet", moved, stayed);
+    return gone ? 0 : KVT_ENOSPC;
+}

@@ -2,7 +2,9 @@
  * index.c: the index budget (index-bytes). Before an insert or a lease the index must have room;
  * when it does not, index-only pages are evicted, least recently used first (through the policy
  * when there is one); the maintenance step keeps it between its low and high marks; and at
- * max-namespaces the namespace whose loss costs least is evicted for a new one.
+ * max-namespaces the namespace whose loss costs least is evicted for a new one. It is also the
+ * door's way into the tree for the operation files (store.h): the path cursor (seek, walk, pin),
+ * the namespaces' page size, seed and close, and the lease slots.
  */
 #include "server.h"
 
@@ -160,4 +162,118 @@ void kvt__index_step(kvt_srv_t *s)
     uint64_t cap = s->conf->index_bytes;
     if (cap && !s->stopping && index_used_bytes(s) > cap / 100 * KVT_INDEX_HIGH_PCT)
         kvt__index_trim(s, cap / 100 * KVT_INDEX_LOW_PCT, KVT_TRIM_PAGES);
+}
+
+/* ---- the door: the path cursor, namespaces and leases (store.h) ---- */
+
+int kvt__path_seek(kvt_srv_t *s, kvt__path_t *p, uint32_t ns, const uint32_t *tokens, size_t n,
+                   unsigned flags)
+{
+    p->run.node = NULL;
+    return kvt_radix_match(s->radix, ns, tokens, n, flags, &p->m);
+}
+
+void kvt__path_walk(kvt__path_t *p, const kvt_match_t *m)
+{
+    if (m != &p->m)
+        p->m = *m;
+    p->run = kvt_path_run_first(p->m.pages ? p->m.node : NULL, p->m.node_pages);
+}
+
+void kvt__path_step(kvt__path_t *p)
+{
+    kvt_path_run_next(&p->run);
+}
+
+uint64_t kvt__path_tail(kvt_srv_t *s, const kvt_match_t *m)
+{
+    return m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
+                    : kvt_radix_ns_seed(s->radix, m->ns);
+}
+
+int kvt__path_keys(kvt_srv_t *s, uint32_t ns, uint64_t parent, const uint32_t *tokens, size_t n,
+                   uint64_t *out)
+{
+    return kvt_radix_hash_chain(s->radix, ns, parent, tokens, n, out);
+}
+
+kvt_block_t *kvt__path_block(kvt_radix_node_t *node, uint32_t depth)
+{
+    return kvt_radix_block_at(node, depth);
+}
+
+kvt_radix_node_t *kvt__path_holder(kvt_radix_node_t *node, uint32_t depth)
+{
+    return kvt_radix_node_holding(node, depth);
+}
+
+uint32_t kvt__node_depth(const kvt_radix_node_t *node)
+{
+    return kvt_radix_node_depth(node);
+}
+
+int kvt__path_pin(kvt_srv_t *s, const kvt_match_t *m, uint64_t owner, uint64_t *lease)
+{
+    if (!kvt__index_fits(s, kvt_radix_lease_need(s->radix)))
+        return KVT_ENOSPC;
+    return kvt_radix_lease(s->radix, m, owner, lease);
+}
+
+void kvt__path_unpin(kvt_srv_t *s, uint64_t lease)
+{
+    kvt_radix_release(s->radix, lease);
+}
+
+uint64_t kvt__pin_need(const kvt_srv_t *s)
+{
+    return kvt_radix_lease_need(s->radix);
+}
+
+uint32_t kvt__lease_slot(uint64_t lease)
+{
+    return kvt_radix_lease_slot(lease);
+}
+
+uint32_t kvt__lease_count(const kvt_srv_t *s)
+{
+    return (uint32_t)kvt_radix_lease_count(s->radix);
+}
+
+uint32_t kvt__ns_page_size(const kvt_srv_t *s, uint32_t ns)
+{
+    return kvt_radix_ns_page_size(s->radix, ns);
+}
+
+uint64_t kvt__ns_seed(const kvt_srv_t *s, uint32_t ns)
+{
+    return kvt_radix_ns_seed(s->radix, ns);
+}
+
+int kvt__ns_close(kvt_srv_t *s, uint32_t ns)
+{
+    return kvt_radix_ns_close(s->radix, ns);
+}
+
+int kvt__path_insert(kvt_srv_t *s, uint32_t ns, const kvt_match_t *m, const uint32_t *tokens,
+                     size_t n, kvt_insert_t *res)
+{
+    return m ? kvt_radix_insert_matched(s->radix, m, tokens, n, res)
+             : kvt_radix_insert(s->radix, ns, tokens, n, res);
+}
+
+int kvt__ns_open(kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                 uint32_t page_size, uint32_t *ns)
+{
+    return kvt_radix_ns_open(s->radix, model, adapter, salt, page_size, ns);
+}
+
+uint64_t kvt__ns_need(const kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                      uint32_t page_size)
+{
+    return kvt_radix_ns_need(s->radix, model, adapter, salt, page_size);
+}
+
+void kvt__path_warm(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n)
+{
+    kvt_radix_warm(s->radix, ns, runs, n);
 }

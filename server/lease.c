@@ -24,7 +24,7 @@ static void lease_ns(kvt_srv_t *s, uint32_t ns, int delta)
 int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
 {
     kvt_srv_t *s = c->srv;
-    uint32_t slot = kvt_radix_lease_slot(l->id);
+    uint32_t slot = kvt__lease_slot(l->id);
     if (kvt_reserve(&s->leases.pos, &s->leases.pos_cap, (size_t)slot + 1, sizeof *s->leases.pos,
                     64) < 0 ||
         kvt_reserve(&c->leases, &c->cap_leases, c->nleases + 1, sizeof *c->leases, 8) < 0)
@@ -34,7 +34,7 @@ int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
     lease_ns(s, l->ns, 1);
     if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
         c->lease_next_ns = l->expires_ns;
-    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt__lease_count(c->srv));
     return 0;
 }
 
@@ -46,26 +46,26 @@ int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
  */
 void kvt__lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m)
 {
-    kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
-    if (!t)
+    if (!s->tiers[KVT_TIER_NVME])
         return;
     uint32_t n = 0;
-    kvt_path_run_t r;
-    for (r = kvt_path_run_first(m->node, m->node_pages); r.node; kvt_path_run_next(&r))
-        for (uint32_t i = 0; i < r.n; i++)
-            n += r.blocks[i].tier == KVT_TIER_NVME;
+    kvt__path_t p;
+    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
+        for (uint32_t i = 0; i < p.run.n; i++)
+            n += p.run.blocks[i].tier == KVT_TIER_NVME;
     if (n == 0 || !(l->pins = malloc(n * sizeof *l->pins)))
         return;
-    for (r = kvt_path_run_first(m->node, m->node_pages); r.node; kvt_path_run_next(&r))
-        for (uint32_t i = 0; i < r.n; i++)
-            if (r.blocks[i].tier == KVT_TIER_NVME && kvt_tier_pin(t, r.blocks[i].loc, 1) == 0)
-                l->pins[l->npins++] = r.blocks[i].loc;
+    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
+        for (uint32_t i = 0; i < p.run.n; i++)
+            if (p.run.blocks[i].tier == KVT_TIER_NVME &&
+                kvt__tier_pin(s, KVT_TIER_NVME, p.run.blocks[i].loc, 1) == 0)
+                l->pins[l->npins++] = p.run.blocks[i].loc;
 }
 
 void kvt__lease_unpin(kvt_srv_t *s, kvt__lease_t *l)
 {
     for (uint32_t i = 0; i < l->npins; i++)
-        kvt_tier_pin(s->tiers[KVT_TIER_NVME], l->pins[i], -1);
+        kvt__tier_pin(s, KVT_TIER_NVME, l->pins[i], -1);
     free(l->pins);
     l->pins = NULL;
     l->npins = 0;
@@ -76,7 +76,7 @@ void kvt__lease_unpin(kvt_srv_t *s, kvt__lease_t *l)
 kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
 {
     const kvt_srv_t *s = c->srv;
-    uint32_t slot = kvt_radix_lease_slot(id);
+    uint32_t slot = kvt__lease_slot(id);
     if (slot >= s->leases.pos_cap)
         return NULL;
     uint32_t i = s->leases.pos[slot];
@@ -85,13 +85,13 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
 
 static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
 {
-    kvt_radix_release(c->srv->radix, l->id);
+    kvt__path_unpin(c->srv, l->id);
     kvt__lease_unpin(c->srv, l);
     lease_ns(c->srv, l->ns, -1);
     *l = c->leases[--c->nleases];
     if (l != c->leases + c->nleases) /* the last one moved into l's place */
-        c->srv->leases.pos[kvt_radix_lease_slot(l->id)] = (uint32_t)(l - c->leases);
-    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+        c->srv->leases.pos[kvt__lease_slot(l->id)] = (uint32_t)(l - c->leases);
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt__lease_count(c->srv));
 }
 
 void kvt__lease_drop_all(kvt__conn_t *c)
@@ -99,7 +99,7 @@ void kvt__lease_drop_all(kvt__conn_t *c)
     /* Every lease the connection owns is in its list (a MATCH releases one it cannot list). */
     size_t n = c->nleases;
     for (size_t i = 0; i < c->nleases; i++) {
-        kvt_radix_release(c->srv->radix, c->leases[i].id);
+        kvt__path_unpin(c->srv, c->leases[i].id);
         kvt__lease_unpin(c->srv, &c->leases[i]);
         lease_ns(c->srv, c->leases[i].ns, -1);
     }
@@ -107,7 +107,7 @@ void kvt__lease_drop_all(kvt__conn_t *c)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
                 (unsigned long long)c->id, n);
     c->nleases = 0;
-    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt_radix_lease_count(c->srv->radix));
+    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt__lease_count(c->srv));
 }
 
 void kvt__lease_expire(kvt__conn_t *c, uint64_t now)

@@ -319,8 +319,8 @@ void kvt__mrc_metrics(kvt_srv_t *s)
         if (!s->tiers[i])
             continue;
         kvt_tier_usage_t u;
-        kvt_tier_usage(s->tiers[i], &u);
-        uint64_t fp = bb ? kvt_tier_footprint(s->tiers[i], bb) : 0;
+        kvt__tier_usage(s, (kvt_tier_id_t)i, &u);
+        uint64_t fp = bb ? kvt__tier_footprint(s, (kvt_tier_id_t)i, bb) : 0;
         cap[i] = (double)u.capacity_bytes * fill * (fp ? (double)bb / (double)fp : 1);
         all += cap[i];
         mask |= 1u << i;

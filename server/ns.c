@@ -36,8 +36,8 @@ uint32_t kvt__ns_reclaim(kvt_srv_t *s)
 {
     uint32_t closed = 0;
     for (uint32_t id = 0; id < KVT_RADIX_NS_MAX; id++) {
-        if ((id < s->nns && s->ns[id].users) || !kvt_radix_ns_page_size(s->radix, id) ||
-            kvt_radix_ns_close(s->radix, id) < 0) /* KVT_EBUSY: it holds pages */
+        if ((id < s->nns && s->ns[id].users) || !kvt__ns_page_size(s, id) ||
+            kvt__ns_close(s, id) < 0) /* KVT_EBUSY: it holds pages */
             continue;
         kvt_policy_forget_ns(s->policy, id);
         if (id < s->nns)

@@ -118,22 +118,6 @@ static const kvt__reply_src_t kvt_get_src = {
     .abort = get_abort,
 };
 
-/* Whether page b can go as a location to connection c: it lies in the DRAM arena c mapped (that
- * of ns, the namespace of the lease it is read under), or in the HBM pool c mapped. GET with
- * LOCATE and MATCH with LOCATE (op_match.c) both ask here. */
-int kvt__store_locate(kvt_srv_t *s, const kvt__conn_t *c, uint32_t ns, const kvt_block_t *b,
-                      uint64_t *off)
-{
-    if (!c)
-        return 0;
-    if (b->tier == KVT_TIER_DRAM && c->zc_dram && c->zc_seed == kvt_radix_ns_seed(s->radix, ns))
-        return kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], c->zc_seed, b->loc, off) == 0;
-    if (b->tier == KVT_TIER_HBM && c->zc_hbm)
-        return kvt_tier_hbm_device(s->tiers[KVT_TIER_HBM], b->loc) == c->zc_hbm_device &&
-               kvt_tier_hbm_offset(s->tiers[KVT_TIER_HBM], b->loc, off) == 0;
-    return 0;
-}
-
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_assert(r->pending == 0);
@@ -188,7 +172,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
             goto end;
         }
         for (uint32_t i = 0; i < n; i++, r->get.cur++) {
-            kvt_block_t *b = kvt_radix_block_at(r->node, r->get.cur);
+            kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
             if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier] || b->size != r->block_bytes) {
                 r->status = KVT_ENOENT;
                 break;
@@ -217,7 +201,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
             kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier);
             r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = hdr};
             if (b->tier == KVT_TIER_DRAM && s->conf->zc_checksum &&
-                kvt_tier_dram_check(s->tiers[KVT_TIER_DRAM], b->loc) == KVT_ECORRUPT) {
+                kvt__tier_check(s, b) == KVT_ECORRUPT) {
                 /* Written over since its zero-copy COMMIT: lost, as a corrupt read is. */
                 kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM,
                                 x->io.key.ntokens);
@@ -227,7 +211,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 break;
             }
             int rc = kvt__busy_inc(s, x->io.key.hash);
-            const uint8_t *ptr = rc == 0 ? kvt_tier_ptr(s->tiers[b->tier], b->loc) : NULL;
+            const uint8_t *ptr = rc == 0 ? kvt__tier_ptr(s, b) : NULL;
             if (ptr) {
                 x->zero_copy = 1;
                 r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = ptr, .len = b->size};
@@ -243,7 +227,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
                 x->io.loc = b->loc;
                 x->io.cb = get_read_done;
                 x->io.urgent = 1; /* the client waits: ahead of queued moves */
-                rc = kvt_tier_read(s->tiers[b->tier], &x->io);
+                rc = kvt__tier_read(s, (kvt_tier_id_t)b->tier, &x->io);
             } else {
                 rc = KVT_ENOMEM;
             }
@@ -321,7 +305,10 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     r->get.end = q.first_page + n;
     r->get.locate = (h->flags & KVT_GET_F_LOCATE) != 0;
     r->get.lease_expires = l->expires_ns;
-    kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* the client's lease holds the path */
+    /* GET's inline trim: room for the pin's lease slot, trimming unleased index-only pages if the
+     * index is at index-bytes (docs/architecture.md, "The door to the store"); the client's lease
+     * holds the path, so the trim cannot take it. */
+    kvt__index_fit(s, kvt__pin_need(s));
     int rc = kvt__pin(s, l->node, l->ns, &r->lease);
     if (rc < 0) {
         r->status = rc;

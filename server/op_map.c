@@ -13,7 +13,8 @@
  * that no connection maps any more only drains (tiers/dram.c), and a departed client's last
  * blocks could keep it, and its slot, for as long as the policy keeps them in DRAM; so when the
  * slots are all taken, a MAP moves the blocks of such an arena into the main region (same tier,
- * same charge: the policy sees nothing change but the location) and the arena goes.
+ * same charge: the policy sees nothing change but the location) and the arena goes
+ * (kvt__store_free_arena, exec.c).
  */
 #include "server.h"
 
@@ -21,48 +22,6 @@
 #include <fcntl.h>
 #include <string.h>
 #include <unistd.h>
-
-/*
- * Empties the arena of a namespace no connection maps (the one with the fewest blocks) into the
- * main region. A block whose bytes are in use stays: one a copy reads (BUSY), one a GET's reply
- * is being written from (kvt__busy_reads), one under a lease (a client may hold its location).
- * Returns 0 when the arena went, KVT_ENOSPC when there was none or something stayed.
- */
-static int map_free_slot(kvt_srv_t *s, kvt_tier_t *t)
-{
-    uint64_t seed;
-    if (kvt_tier_dram_idle(t, &seed) < 0)
-        return KVT_ENOSPC;
-    uint32_t before = kvt_tier_dram_shared(t), moved = 0, stayed = 0;
-    size_t n = kvt_radix_node_count(s->radix);
-    for (size_t i = 0; i < n && kvt_tier_dram_shared(t) == before; i++) {
-        kvt_radix_node_t *node = kvt_radix_node_at(s->radix, i);
-        if (kvt_radix_ns_seed(s->radix, kvt_radix_node_ns(node)) != seed)
-            continue;
-        kvt_block_t *b = kvt_radix_node_blocks(node);
-        uint32_t np = kvt_radix_node_pages(node), d0 = kvt_radix_node_depth(node);
-        int leased = kvt_radix_node_leased(node);
-        for (uint32_t j = 0; j < np; j++) {
-            uint64_t loc = b[j].loc;
-            if (b[j].tier != KVT_TIER_DRAM || kvt_tier_dram_offset(t, seed, loc, NULL) < 0)
-                continue;
-            if (leased || (b[j].flags & KVT_BLOCK_BUSY) ||
-                kvt__busy_reads(s, kvt_radix_block_hash(s->radix, node, d0 + j)) ||
-                kvt_tier_dram_move_out(t, &loc) < 0) {
-                stayed++;
-                continue;
-            }
-            kvt__block_relocate(&b[j], loc);
-            moved++;
-        }
-    }
-    int gone = kvt_tier_dram_shared(t) < before;
-    kvt_log(gone ? KVT_LOG_INFO : KVT_LOG_WARN,
-            "kvtierd: zero-copy-arenas full: namespace %016llx's arena, mapped by no connection, "
-            "%s (%u blocks moved to the main region, %u in use)",
-            (unsigned long long)seed, gone ? "gave way" : "could not give way yet", moved, stayed);
-    return gone ? 0 : KVT_ENOSPC;
-}
 
 static int map_dram(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
 {
@@ -74,12 +33,12 @@ static int map_dram(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     if (c->fd_queued) /* one descriptor held per connection, whatever it pipelines */
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAGAIN,
                                 "the reply to an earlier MAP is not yet read");
-    uint64_t seed = kvt_radix_ns_seed(s->radix, c->ns);
+    uint64_t seed = kvt__ns_seed(s, c->ns);
     int fd;
     uint64_t bytes;
-    int rc = kvt_tier_dram_share(t, seed, &fd, &bytes);
-    if (rc == KVT_ENOSPC && map_free_slot(s, t) == 0)
-        rc = kvt_tier_dram_share(t, seed, &fd, &bytes);
+    int rc = kvt__tier_share(s, seed, &fd, &bytes);
+    if (rc == KVT_ENOSPC && kvt__store_free_arena(s) == 0)
+        rc = kvt__tier_share(s, seed, &fd, &bytes);
     if (rc == KVT_ENOSPC)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
                                 "zero-copy-arenas (%u) namespaces have arenas already, each "
@@ -91,10 +50,10 @@ static int map_dram(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     /* One reference per connection: a second MAP (or one after a HELLO to another namespace)
      * gives back the one it held. */
     if (c->zc_dram)
-        kvt_tier_dram_unshare(t, c->zc_seed);
+        kvt__tier_unshare(s, c->zc_seed);
     c->zc_dram = 1;
     c->zc_seed = seed;
-    kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0, kvt_tier_dram_shared(t));
+    kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0, kvt__tier_shared(s));
     /* The reply owns a descriptor of its own: the arena's may be closed before the reply is
      * written (its last reference could go first). */
     int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
@@ -131,7 +90,7 @@ static int map_hbm(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
                                 "tenant, exported only when all local clients are one");
     uint8_t b[sizeof(kvt_wire_map_reply_t) + KVT_HBM_IPC_HANDLE];
     uint64_t bytes;
-    int rc = kvt_tier_hbm_ipc(t, c->device, b + sizeof(kvt_wire_map_reply_t), &bytes);
+    int rc = kvt__tier_hbm_ipc(s, c->device, b + sizeof(kvt_wire_map_reply_t), &bytes);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc,
                                 rc == KVT_EUNAVAIL ? "the HBM tier has no CUDA device memory to "
@@ -176,9 +135,8 @@ void kvt__map_close(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
     if (c->zc_dram && s->tiers[KVT_TIER_DRAM]) {
-        kvt_tier_dram_unshare(s->tiers[KVT_TIER_DRAM], c->zc_seed);
-        kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0,
-                        kvt_tier_dram_shared(s->tiers[KVT_TIER_DRAM]));
+        kvt__tier_unshare(s, c->zc_seed);
+        kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0, kvt__tier_shared(s));
     }
     c->zc_dram = 0;
     c->zc_hbm = 0;

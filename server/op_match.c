@@ -1,5 +1,5 @@
 /*
- * op_match.c: MATCH. It reads the tree (kvt_radix_match), counts hits and misses by tier and
+ * op_match.c: MATCH. It reads the tree (kvt__path_seek), counts hits and misses by tier and
  * reason, tells the policy of the use, and answers with a tier per page and, if asked, a lease.
  * A MATCH with REMOTE may wait for the remote probe (op_probe.c) before answering.
  *
@@ -75,11 +75,9 @@ static void count_match(kvt_srv_t *s, unsigned ns_slot, kvt_match_t *m, const ui
         /* The first page not matched names the reason for the whole rest: was it ever here? */
         kvt_miss_reason_t why = KVT_MISS_REMOTE_UNREACHABLE;
         if (!remote_down) {
-            uint64_t parent = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1)
-                                       : kvt_radix_ns_seed(s->radix, m->ns);
             uint64_t next = 0;
-            kvt_radix_hash_chain(s->radix, m->ns, parent, tokens + (size_t)m->pages * page, 1,
-                                 &next);
+            kvt__path_keys(s, m->ns, kvt__path_tail(s, m), tokens + (size_t)m->pages * page, 1,
+                           &next);
             why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
         }
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
@@ -97,17 +95,13 @@ static void mrc_match(kvt_srv_t *s, const kvt_match_t *m, const kvt__match_q_t *
     uint64_t *keys = kvt__mrc_scratch(s->mrc, whole ? whole : 1);
     if (!keys)
         return;
-    uint64_t parent = kvt_radix_ns_seed(s->radix, m->ns);
-    if (m->pages) {
-        parent = kvt_radix_block_hash(s->radix, m->node, m->pages - 1);
-        for (kvt_path_run_t pr = kvt_path_run_first(m->node, m->node_pages); pr.node;
-             kvt_path_run_next(&pr))
-            for (uint32_t i = 0; i < pr.n; i++)
-                keys[pr.depth + i] = pr.blocks[i].hash;
-    }
-    if (whole > m->pages &&
-        kvt_radix_hash_chain(s->radix, m->ns, parent, q->tokens + (size_t)m->pages * q->page,
-                             whole - m->pages, keys + m->pages) < 0)
+    uint64_t parent = kvt__path_tail(s, m);
+    kvt__path_t p;
+    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
+        for (uint32_t i = 0; i < p.run.n; i++)
+            keys[p.run.depth + i] = p.run.blocks[i].hash;
+    if (whole > m->pages && kvt__path_keys(s, m->ns, parent, q->tokens + (size_t)m->pages * q->page,
+                                           whole - m->pages, keys + m->pages) < 0)
         return;
     kvt__mrc_lookup(s->mrc, keys, whole, q->page, q->block_bytes, q->ntokens);
 }
@@ -199,13 +193,14 @@ static uint32_t match_locate(kvt__conn_t *c, const kvt_match_t *m, const uint8_t
     kvt_srv_t *s = c->srv;
     uint8_t *offs = out + sizeof(kvt_wire_match_locs_t);
     uint32_t located = 0;
-    for (kvt_path_run_t pr = kvt_path_run_first(m->pages ? m->node : NULL, m->node_pages); pr.node;
-         kvt_path_run_next(&pr))
-        for (uint32_t i = 0; i < pr.n; i++) {
-            uint32_t p = pr.depth + i;
+    kvt__path_t pr;
+    for (kvt__path_walk(&pr, m); pr.run.node; kvt__path_step(&pr))
+        for (uint32_t i = 0; i < pr.run.n; i++) {
+            uint32_t p = pr.run.depth + i;
             uint64_t off = KVT_MATCH_NO_LOC;
             /* A page reported index-only (lost) is not offered: its bytes are not the block's. */
-            if (tiers[p] != KVT_TIER_NONE && !kvt__store_locate(s, c, m->ns, &pr.blocks[i], &off))
+            if (tiers[p] != KVT_TIER_NONE &&
+                !kvt__store_locate(s, c, m->ns, &pr.run.blocks[i], &off))
                 off = KVT_MATCH_NO_LOC;
             located += off != KVT_MATCH_NO_LOC;
             kvt_proto_match_loc_encode(offs + (size_t)p * 8, off);
@@ -237,10 +232,10 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
     /* Tiers per page, node by node: each node's blocks are read in place. */
-    for (kvt_path_run_t pr = kvt_path_run_first(m->pages ? m->node : NULL, m->node_pages); pr.node;
-         kvt_path_run_next(&pr))
-        for (uint32_t i = 0; i < pr.n; i++)
-            tiers[pr.depth + i] = pr.blocks[i].tier;
+    kvt__path_t p;
+    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
+        for (uint32_t i = 0; i < p.run.n; i++)
+            tiers[p.run.depth + i] = p.run.blocks[i].tier;
     /* Blocks NVMe dropped by itself are not reported stored (exec.c settles them later). */
     for (uint32_t k = 0; k < q->lost.n; k++)
         if (q->lost.from[k] < m->pages)
@@ -258,11 +253,11 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
         rc = KVT_ENOSPC; /* refused below, saying why */
-    } else if (leasing && !kvt__index_fits(s, kvt_radix_lease_need(s->radix))) {
+    } else if (leasing && !kvt__index_fits(s, kvt__pin_need(s))) {
         rc = KVT_ENOSPC; /* the lease table would grow past index-bytes */
         full = 1;
     } else if (leasing) {
-        rc = kvt_radix_lease(s->radix, m, c->id, &lease);
+        rc = kvt__path_pin(s, m, c->id, &lease);
         kvt__lease_t l = {
             .id = lease,
             .node = m->node,
@@ -275,7 +270,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
             kvt__lease_pin(s, &l, m);
         if (rc == 0 && (rc = kvt__lease_add(c, &l)) < 0) {
             kvt__lease_unpin(s, &l);
-            kvt_radix_release(s->radix, lease);
+            kvt__path_unpin(s, lease);
         }
         if (rc < 0)
             lease = 0;
@@ -339,9 +334,10 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
     /* A lookup only reads the tree and counts: no trim for the lease's room here (the
      * maintenance step keeps the index under its high mark; a lease that does not fit now is
      * refused, ENOSPC), and lost blocks are only reported, settled by the step. */
-    kvt_match_t m;
-    int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens,
-                             (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0, &m);
+    kvt__path_t p;
+    int rc = kvt__path_seek(s, &p, c->ns, c->tok, q.ntokens,
+                            (h->flags & KVT_MATCH_F_PROBE) ? KVT_MATCH_NOTOUCH : 0);
+    kvt_match_t m = p.m;
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
     /* The block size for the miss-ratio curve: c's, or the namespace's when c declared none (a

@@ -13,15 +13,20 @@ static uint32_t prefetch_count(kvt__req_t *r, uint32_t *busy)
 {
     uint32_t at = 0;
     *busy = 0;
-    kvt_path_iter_t it;
-    kvt_path_iter_init(&it, r->node, r->pages - kvt_radix_node_depth(r->node));
-    kvt_block_t *b;
-    while ((b = kvt_path_iter_next(&it, NULL))) {
-        if (b->tier != KVT_TIER_NONE && b->tier <= r->prefetch.target)
-            at++;
-        else if (b->tier != KVT_TIER_NONE && (b->flags & KVT_BLOCK_BUSY))
-            (*busy)++;
-    }
+    kvt_match_t m = {
+        .node = r->node,
+        .node_pages = r->pages - kvt__node_depth(r->node),
+        .pages = r->pages,
+    };
+    kvt__path_t p;
+    for (kvt__path_walk(&p, &m); p.run.node; kvt__path_step(&p))
+        for (uint32_t i = 0; i < p.run.n; i++) {
+            const kvt_block_t *b = &p.run.blocks[i];
+            if (b->tier != KVT_TIER_NONE && b->tier <= r->prefetch.target)
+                at++;
+            else if (b->tier != KVT_TIER_NONE && (b->flags & KVT_BLOCK_BUSY))
+                (*busy)++;
+        }
     return at;
 }
 
@@ -51,14 +56,11 @@ static void prefetch_reply(kvt_srv_t *s, kvt__req_t *r)
 
 static int prefetch_round(kvt_srv_t *s, kvt__req_t *r)
 {
-    uint32_t node_pages = r->pages - kvt_radix_node_depth(r->node);
+    uint32_t node_pages = r->pages - kvt__node_depth(r->node);
     r->prefetch.progress = 0;
     r->prefetch.rounds++;
-    s->exec.move_req = r;
-    s->exec.move_device = r->conn ? r->conn->device : -1;
-    int rc = kvt_policy_promote(s->policy, r->node, node_pages, (kvt_tier_id_t)r->prefetch.target);
-    s->exec.move_req = NULL;
-    s->exec.move_device = -1;
+    int rc = kvt__store_promote(s, r->node, node_pages, (kvt_tier_id_t)r->prefetch.target, r,
+                                r->conn ? r->conn->device : -1);
     if (rc < 0 && rc != KVT_ENOSPC && rc != KVT_EAGAIN)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: PREFETCH promotion: %s", kvt_strerror(rc));
     return rc;
@@ -164,12 +166,12 @@ int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bod
                                 "the %s tier is not configured", kvt_tier_name(q.tier));
     if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    kvt__index_fit(s, kvt_radix_lease_need(s->radix)); /* room for the pin, before the match */
-    kvt_match_t m;
-    int rc = kvt_radix_match(s->radix, c->ns, c->tok, q.ntokens, KVT_MATCH_NOTOUCH, &m);
+    kvt__index_fit(s, kvt__pin_need(s)); /* room for the pin, before the match */
+    kvt__path_t p;
+    int rc = kvt__path_seek(s, &p, c->ns, c->tok, q.ntokens, KVT_MATCH_NOTOUCH);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
-    if (m.pages == 0) {
+    if (p.m.pages == 0) {
         uint8_t w[sizeof(kvt_wire_prefetch_reply_t)];
         kvt_proto_prefetch_reply_encode(w, &(kvt_proto_prefetch_reply_t){0});
         return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
@@ -178,15 +180,15 @@ int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bod
     if (!r)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt__req_ns(r, c->ns);
-    r->node = m.node;
-    r->pages = m.pages;
+    r->node = p.m.node;
+    r->pages = p.m.pages;
     r->prefetch.target = q.tier;
     r->prefetch.start_only = (h->flags & KVT_PREFETCH_F_START) != 0;
     r->deadline_ns = t0 + (uint64_t)(q.deadline_ms ? q.deadline_ms : s->conf->lease_ms) * 1000000;
     kvt__ns_t *ns;
     kvt__ns_get(s, c->ns, &ns);
     r->block_bytes = ns->block_bytes;
-    if ((rc = kvt__pin(s, m.node, c->ns, &r->lease)) < 0)
+    if ((rc = kvt__pin(s, p.m.node, c->ns, &r->lease)) < 0)
         r->status = rc;
     kvt__store_prefetch(s, r); /* replies at once when nothing moves */
     return 0;

@@ -47,7 +47,7 @@ static void probe_done(kvt_tier_probe_t *p)
         kvt_insert_t res;
         if (kvt__index_room(s, r->ns, x->tokens, (size_t)(x->local_pages + found) * page, 0,
                             NULL) == 0 &&
-            kvt_radix_insert(s->radix, r->ns, x->tokens, (size_t)(x->local_pages + found) * page,
+            kvt__path_insert(s, r->ns, NULL, x->tokens, (size_t)(x->local_pages + found) * page,
                              &res) == 0) {
             /* Runs of index-only pages join the policy as remote blocks (location 0: read by
              * key); pages that hold bytes here already, or are being written, stay as they are.
@@ -59,14 +59,14 @@ static void probe_done(kvt_tier_probe_t *p)
             if (kvt__pin(s, res.node, r->ns, &pin) < 0)
                 pin = 0;
             for (uint32_t i = x->local_pages; i < res.pages;) {
-                kvt_block_t *b = kvt_radix_block_at(res.node, i);
+                kvt_block_t *b = kvt__path_block(res.node, i);
                 if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
                     i++;
                     continue;
                 }
                 uint32_t j = i, held = 0;
                 for (; j < res.pages; j++) {
-                    kvt_block_t *e = kvt_radix_block_at(res.node, j);
+                    kvt_block_t *e = kvt__path_block(res.node, j);
                     if (!e || e->tier != KVT_TIER_NONE || (e->flags & KVT_BLOCK_BUSY))
                         break;
                 }
@@ -77,7 +77,7 @@ static void probe_done(kvt_tier_probe_t *p)
                     kvt_policy_unhold(s->policy, KVT_TIER_REMOTE, ns->block_bytes);
                 uint32_t end = pin ? i + held : j; /* unpinned: as many as fit, as before */
                 for (uint32_t k = i; k < end; k++) {
-                    kvt_block_t *e = kvt_radix_block_at(res.node, k);
+                    kvt_block_t *e = kvt__path_block(res.node, k);
                     kvt__block_place(e, 0, ns->block_bytes); /* read by key */
                 }
                 if (end > i)
@@ -85,14 +85,15 @@ static void probe_done(kvt_tier_probe_t *p)
                 i = j;
             }
             if (pin)
-                kvt_radix_release(s->radix, pin);
+                kvt__path_unpin(s, pin);
         } else {
             found = 0;
         }
     }
-    kvt_match_t m;
-    if (kvt_radix_match(s->radix, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH, &m) < 0)
-        memset(&m, 0, sizeof m);
+    kvt__path_t at;
+    if (kvt__path_seek(s, &at, r->ns, x->tokens, x->q.ntokens, KVT_MATCH_NOTOUCH) < 0)
+        memset(&at.m, 0, sizeof at.m);
+    kvt_match_t m = at.m;
     kvt__store_check_path(s, &m, &x->q.lost); /* NVMe may have dropped blocks meanwhile */
     /* The policy hears of this use once, for the whole path: the local pages and the blocks
      * found remote (a hit too: promote them). */
@@ -131,10 +132,10 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
     x->tokens = (uint32_t *)(x + 1);
     memcpy(x->tokens, q->tokens, (size_t)q->ntokens * 4);
     x->q.tokens = x->tokens;
-    uint64_t seed = kvt_radix_ns_seed(s->radix, c->ns);
-    uint64_t prev = m->pages ? kvt_radix_block_hash(s->radix, m->node, m->pages - 1) : seed;
+    uint64_t seed = kvt__ns_seed(s, c->ns);
+    uint64_t prev = kvt__path_tail(s, m);
     uint64_t hashes[KVT_TIER_PROBE_MAX];
-    kvt_radix_hash_chain(s->radix, c->ns, prev, x->tokens + (size_t)m->pages * page, n, hashes);
+    kvt__path_keys(s, c->ns, prev, x->tokens + (size_t)m->pages * page, n, hashes);
     for (uint32_t i = 0; i < n; i++) {
         x->keys[i] = (kvt_block_key_t){.ns_seed = seed,
                                        .hash = hashes[i],
@@ -146,7 +147,7 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
     x->probe.n = n;
     x->probe.cb = probe_done;
     x->probe.data = x;
-    int rc = kvt_tier_remote_probe(remote, &x->probe);
+    int rc = kvt__tier_probe(s, &x->probe);
     if (rc < 0) {
         /* Not started: answer from the local match in this request's slot. */
         *down = rc == KVT_EUNAVAIL || rc == KVT_ETIMEDOUT;

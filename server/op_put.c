@@ -57,7 +57,7 @@ static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
         l[i].held = KVT_TIER_NONE;
         if (!l[i].started)
             continue;
-        kvt_block_t *b = kvt_radix_block_at(r->node, r->put.first + i);
+        kvt_block_t *b = kvt__path_block(r->node, r->put.first + i);
         kvt__block_busy(b, 0);
         if (l[i].tier == KVT_TIER_NONE)
             continue;
@@ -142,14 +142,14 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
                 continue;
             /* At its quota there (tenant-<tier>-bytes): the next tier down, and no room made
              * for a write the tier would refuse anyway, at other tenants' expense. */
-            if (!kvt_tier_ns_fits(s->tiers[id], x->io.key.ns_seed, x->io.len, 1)) {
+            if (!kvt__tier_fits(s, id, x->io.key.ns_seed, x->io.len)) {
                 rc = KVT_ENOSPC;
                 continue;
             }
             if ((rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
                 continue;
             x->tier = (uint8_t)id;
-            if ((rc = kvt_tier_write(s->tiers[id], &x->io)) < 0) {
+            if ((rc = kvt__tier_write(s, id, &x->io)) < 0) {
                 kvt_policy_unhold(s->policy, id, x->io.len);
                 continue;
             }
@@ -215,7 +215,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         }
     }
     for (uint32_t p = r->put.first; p < end; p++) {
-        kvt_block_t *b = kvt_radix_block_at(r->node, p);
+        kvt_block_t *b = kvt__path_block(r->node, p);
         if (!b || b->tier != KVT_TIER_NONE || (b->flags & KVT_BLOCK_BUSY)) {
             put_skip(s, r, KVT_PUT_CACHED, 1); /* held already, or another PUT writes it */
             continue;
@@ -339,8 +339,7 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
                                 "and every page it could evict is leased or busy with I/O",
                                 q->ntokens, (unsigned long long)s->conf->index_bytes);
     kvt_insert_t res; /* near the cap the room check walked the path: the insert goes on from it */
-    int rc = at.ns == c->ns ? kvt_radix_insert_matched(s->radix, &at, c->tok, q->ntokens, &res)
-                            : kvt_radix_insert(s->radix, c->ns, c->tok, q->ntokens, &res);
+    int rc = kvt__path_insert(s, c->ns, at.ns == c->ns ? &at : NULL, c->tok, q->ntokens, &res);
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "insert failed");
     if (q->npayload == 0 || res.pages == 0) {
@@ -359,7 +358,7 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     r->pages = res.pages;
     r->put.new_pages = res.new_pages;
     r->put.reserve = (uint8_t)reserve;
-    kvt__policy_hint(&q->hints, kvt_radix_node_depth(res.node), &r->put.hint);
+    kvt__policy_hint(&q->hints, kvt__node_depth(res.node), &r->put.hint);
     r->block_bytes = c->block_bytes;
     r->put.first = q->first_page;
     r->put.end = q->first_page + q->npayload;
@@ -412,13 +411,10 @@ static void resv_page_release(kvt_srv_t *s, kvt__req_t *v, uint32_t i, int free_
         kvt_policy_unhold(s->policy, (kvt_tier_id_t)l->held, v->block_bytes);
     l->held = KVT_TIER_NONE;
     if (l->started)
-        kvt__block_busy(kvt_radix_block_at(v->node, v->put.first + i), 0);
+        kvt__block_busy(kvt__path_block(v->node, v->put.first + i), 0);
     l->started = 0;
     if (free_room && l->tier != KVT_TIER_NONE) {
-        if (l->orphan)
-            kvt_tier_dram_orphan_free(s->tiers[l->tier], l->loc, l->len);
-        else
-            kvt_tier_free(s->tiers[l->tier], l->loc, l->len);
+        kvt__tier_release(s, (kvt_tier_id_t)l->tier, l->loc, l->len, l->orphan);
         l->tier = KVT_TIER_NONE;
         l->orphan = 0;
     }
@@ -470,7 +466,7 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
     kvt__conn_t *c = r->conn;
     kvt__landed_t *l = r->extra;
     uint32_t n = r->put.end - r->put.first, nlocs = 0;
-    uint64_t seed = kvt_radix_ns_seed(s->radix, r->ns);
+    uint64_t seed = kvt__ns_seed(s, r->ns);
     uint8_t *b = NULL;
     kvt__req_t *v = NULL;
     if (c) { /* the room it asked for; a reservation below counts its own */
@@ -507,8 +503,7 @@ static void resv_reply(kvt_srv_t *s, kvt__req_t *r)
         uint64_t off;
         if (l[i].tier == KVT_TIER_NONE)
             continue;
-        if (l[i].tier != KVT_TIER_DRAM ||
-            kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], seed, l[i].loc, &off) < 0) {
+        if (l[i].tier != KVT_TIER_DRAM || kvt__tier_offset(s, seed, l[i].loc, &off) < 0) {
             resv_page_release(s, r, i, 1);
             continue;
         }
@@ -560,7 +555,7 @@ int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
         return kvt__bad_body(c, h, t0, "RESERVE");
     if (kvt__need_hello(c, h, t0) < 0)
         return 0;
-    if (!c->zc_dram || c->zc_seed != kvt_radix_ns_seed(s->radix, c->ns))
+    if (!c->zc_dram || c->zc_seed != kvt__ns_seed(s, c->ns))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
                                 "MAP the namespace's DRAM arena on this connection first");
     if (q.npages == 0)
@@ -602,14 +597,10 @@ static void resv_seal(kvt_srv_t *s, kvt__req_t *v, const uint8_t *sums)
     kvt__landed_t *l = v->extra;
     if (!s->conf->zc_checksum || !l)
         return;
-    kvt_tier_t *t = s->tiers[KVT_TIER_DRAM];
     for (uint32_t i = 0, k = 0; i < v->put.end - v->put.first; i++) {
         if (l[i].tier != KVT_TIER_DRAM)
             continue;
-        if (sums)
-            (void)kvt_tier_dram_seal_as(t, l[i].loc, kvt_get_u64(sums + (size_t)8 * k++));
-        else if (kvt_tier_dram_seal_later(t, l[i].loc) == KVT_ENOMEM)
-            (void)kvt_tier_dram_seal(t, l[i].loc);
+        kvt__tier_seal(s, l[i].loc, sums != NULL, sums ? kvt_get_u64(sums + (size_t)8 * k++) : 0);
     }
 }
 
@@ -709,7 +700,7 @@ void kvt__resv_expire(kvt__conn_t *c, uint64_t now)
         kvt__landed_t *l = v->extra;
         for (uint32_t j = 0; l && j < v->put.end - v->put.first; j++)
             if (l[j].tier == KVT_TIER_DRAM && !l[j].orphan &&
-                kvt_tier_dram_orphan(c->srv->tiers[KVT_TIER_DRAM], l[j].loc, l[j].len) == 0)
+                kvt__tier_orphan(c->srv, l[j].loc, l[j].len) == 0)
                 l[j].orphan = 1;
         v->put.expired = 1;
         kvt__metric_add(c->srv->metrics, KVT_M_RESERVATIONS, KVT_RESV_EXPIRED, 1);

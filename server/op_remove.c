@@ -16,26 +16,23 @@
  */
 static int remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
 {
-    kvt_match_t m;
-    uint32_t pages = n / kvt_radix_ns_page_size(s->radix, ns);
-    if (kvt_radix_match(s->radix, ns, tokens, n, KVT_MATCH_NOTOUCH, &m) < 0 || pages == 0 ||
-        m.pages < pages)
+    kvt__path_t p;
+    uint32_t pages = n / kvt__ns_page_size(s, ns);
+    if (kvt__path_seek(s, &p, ns, tokens, n, KVT_MATCH_NOTOUCH) < 0 || pages == 0 ||
+        p.m.pages < pages)
         return 0;
-    kvt_radix_node_t *top = kvt_radix_node_holding(m.node, pages - 1);
-    uint32_t d = kvt_radix_node_depth(top);
+    kvt_radix_node_t *top = kvt__path_holder(p.m.node, pages - 1);
+    uint32_t d = kvt__node_depth(top);
     for (kvt__conn_t *c = s->clients.list; c; c = c->next)
         for (size_t i = 0; i < c->nleases; i++)
-            if (kvt_radix_node_holding(c->leases[i].node, d) == top) /* top on the lease's path */
+            if (kvt__path_holder(c->leases[i].node, d) == top) /* top on the lease's path */
                 return 1;
     return 0;
 }
 
 static int remove_path(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
 {
-    s->exec.removing = 1;
-    int rc = kvt_radix_remove(s->radix, ns, tokens, n);
-    s->exec.removing = 0;
-    return rc;
+    return kvt__store_remove(s, ns, tokens, n, KVT__CAUSE_REMOVE);
 }
 
 static void remove_reply(kvt__req_t *r, int rc)

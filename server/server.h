@@ -312,6 +312,9 @@ typedef struct kvt__clients {
  * report to, tier locations whose free waits for reads, reads in flight per block, the ghosts. */
 typedef struct kvt__exec {
     kvt__move_t *moves;
+    /* move_req and removing carry a door call's request and cause (kvt__store_promote,
+     * kvt__store_remove, store.h) to the policy's and the tree's callbacks, whose signatures have
+     * no place for them: set by those two calls only, for the length of the call. */
     kvt__req_t *move_req;
     int move_device;  /* the device a move into HBM goes to (the client that asked: PREFETCH, or
                        * the MATCH that queued it); -1: any */
@@ -562,8 +565,8 @@ int kvt__probe_start(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0, cons
  * dropped then). conn.c frees c's handles at its close. */
 const kvt__handle_t *kvt__handle_find(kvt__conn_t *c, uint32_t id);
 
-/* op_get.c: whether block b (of namespace ns, under a lease) can be answered to c by location:
- * 1 and its offset in c's mapping of b's tier, or 0. */
+/* tierio.c (the door, store.h): whether block b (of namespace ns, under a lease) can be answered
+ * to c by location: 1 and its offset in c's mapping of b's tier, or 0. */
 int kvt__store_locate(kvt_srv_t *s, const kvt__conn_t *c, uint32_t ns, const kvt_block_t *b,
                       uint64_t *off);
 
@@ -731,5 +734,7 @@ kvt__http_req_t kvt__http_parse(const char *head, size_t len, int full, int *hea
 /* net.c: host:port parsing and listening TCP sockets. */
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);
 int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen);
+
+#include "store.h" /* the door to the tree and the tiers */
 
 #endif

@@ -95,3 +95,122 @@ int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
     };
     return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
 }
+
+/* ---- the door's tier calls (store.h) ---- */
+
+int kvt__tier_pin(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc, int delta)
+{
+    return s->tiers[tier] ? kvt_tier_pin(s->tiers[tier], loc, delta) : KVT_EINVAL;
+}
+
+void kvt__tier_usage(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_usage_t *u)
+{
+    kvt_tier_usage(s->tiers[tier], u);
+}
+
+uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes)
+{
+    return kvt_tier_footprint(s->tiers[tier], (uint32_t)block_bytes);
+}
+
+int kvt__tier_probe(kvt_srv_t *s, kvt_tier_probe_t *p)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_REMOTE];
+    return t ? kvt_tier_remote_probe(t, p) : KVT_EUNAVAIL;
+}
+
+/* Whether page b can go as a location to connection c: it lies in the DRAM arena c mapped (that
+ * of ns, the namespace of the lease it is read under), or in the HBM pool c mapped. GET with
+ * LOCATE and MATCH with LOCATE (op_match.c) both ask here. */
+int kvt__store_locate(kvt_srv_t *s, const kvt__conn_t *c, uint32_t ns, const kvt_block_t *b,
+                      uint64_t *off)
+{
+    if (!c)
+        return 0;
+    if (b->tier == KVT_TIER_DRAM && c->zc_dram && c->zc_seed == kvt_radix_ns_seed(s->radix, ns))
+        return kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], c->zc_seed, b->loc, off) == 0;
+    if (b->tier == KVT_TIER_HBM && c->zc_hbm)
+        return kvt_tier_hbm_device(s->tiers[KVT_TIER_HBM], b->loc) == c->zc_hbm_device &&
+               kvt_tier_hbm_offset(s->tiers[KVT_TIER_HBM], b->loc, off) == 0;
+    return 0;
+}
+
+int kvt__tier_check(kvt_srv_t *s, const kvt_block_t *b)
+{
+    return b->tier == KVT_TIER_DRAM && s->tiers[KVT_TIER_DRAM]
+               ? kvt_tier_dram_check(s->tiers[KVT_TIER_DRAM], b->loc)
+               : 0;
+}
+
+const uint8_t *kvt__tier_ptr(kvt_srv_t *s, const kvt_block_t *b)
+{
+    return kvt_tier_ptr(s->tiers[b->tier], b->loc);
+}
+
+int kvt__tier_read(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io)
+{
+    return kvt_tier_read(s->tiers[tier], io);
+}
+
+int kvt__tier_write(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io)
+{
+    return kvt_tier_write(s->tiers[tier], io);
+}
+
+int kvt__tier_fits(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t ns_seed, uint32_t len)
+{
+    return kvt_tier_ns_fits(s->tiers[tier], ns_seed, len, 1);
+}
+
+void kvt__tier_release(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc, uint32_t len, int orphan)
+{
+    if (orphan)
+        kvt_tier_dram_orphan_free(s->tiers[tier], loc, len);
+    else
+        kvt_tier_free(s->tiers[tier], loc, len);
+}
+
+int kvt__tier_offset(const kvt_srv_t *s, uint64_t ns_seed, uint64_t loc, uint64_t *off)
+{
+    return kvt_tier_dram_offset(s->tiers[KVT_TIER_DRAM], ns_seed, loc, off);
+}
+
+void kvt__tier_seal(kvt_srv_t *s, uint64_t loc, int has_sum, uint64_t sum)
+{
+    kvt_tier_t *t = s->tiers[KVT_TIER_DRAM];
+    if (has_sum)
+        (void)kvt_tier_dram_seal_as(t, loc, sum);
+    else if (kvt_tier_dram_seal_later(t, loc) == KVT_ENOMEM)
+        (void)kvt_tier_dram_seal(t, loc);
+}
+
+int kvt__tier_orphan(kvt_srv_t *s, uint64_t loc, uint32_t len)
+{
+    return kvt_tier_dram_orphan(s->tiers[KVT_TIER_DRAM], loc, len);
+}
+
+int kvt__tier_share(kvt_srv_t *s, uint64_t ns_seed, int *fd, uint64_t *map_bytes)
+{
+    return kvt_tier_dram_share(s->tiers[KVT_TIER_DRAM], ns_seed, fd, map_bytes);
+}
+
+void kvt__tier_unshare(kvt_srv_t *s, uint64_t ns_seed)
+{
+    kvt_tier_dram_unshare(s->tiers[KVT_TIER_DRAM], ns_seed);
+}
+
+uint32_t kvt__tier_shared(const kvt_srv_t *s)
+{
+    return kvt_tier_dram_shared(s->tiers[KVT_TIER_DRAM]);
+}
+
+int kvt__tier_hbm_ipc(kvt_srv_t *s, int device, uint8_t *handle, uint64_t *bytes)
+{
+    return kvt_tier_hbm_ipc(s->tiers[KVT_TIER_HBM], device, handle, bytes);
+}
+
+int kvt__tier_add_ns(kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
+                     uint32_t page_size)
+{
+    return kvt_tier_nvme_add_ns(s->tiers[KVT_TIER_NVME], model, adapter, salt, page_size);
+}
