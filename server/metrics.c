@@ -88,13 +88,12 @@ struct kvt_metrics {
     size_t nnodes;
 };
 
-void kvt__metrics_remote_nodes(kvt_metrics_t *m, const kvt_tier_t *remote)
+void kvt__metrics_remote_nodes(kvt_metrics_t *m, const kvt_tier_remote_node_stats_t *rows, size_t n)
 {
-    m->nnodes = 0;
-    int n = remote ? kvt_tier_remote_node_stats(remote, 0, &m->nodes[0]) : 0;
-    for (int i = 0; i < n && i < KVT_REMOTE_NODE_ROWS; i++)
-        if (kvt_tier_remote_node_stats(remote, (uint32_t)i, &m->nodes[m->nnodes]) > i)
-            m->nnodes++;
+    kvt_assert(n <= KVT_REMOTE_NODE_ROWS);
+    if (n)
+        memcpy(m->nodes, rows, n * sizeof(*rows));
+    m->nnodes = n;
 }
 
 /* The per-node families, each rendered from one field of kvt_tier_remote_node_stats_t. */

@@ -385,10 +385,12 @@ void kvt__metrics_tenants(kvt_metrics_t *m, const kvt_metric_tenant_t *rows, siz
 /*
  * The remote tier's counters per server node, label node="host:port" (the single server, or each
  * cluster node the tier knows: at most KVT_REMOTE_NODE_ROWS, never forgotten, so the series are
- * bounded): /metrics only. Read from the tier (NULL: none) with the other gauges.
+ * bounded): /metrics only. The door (store.c) reads the n rows from the tier with the other
+ * gauges and hands them over here, as it does the tenants' rows.
  */
 #define KVT_REMOTE_NODE_ROWS 64
-void kvt__metrics_remote_nodes(kvt_metrics_t *m, const kvt_tier_t *remote);
+void kvt__metrics_remote_nodes(kvt_metrics_t *m, const kvt_tier_remote_node_stats_t *rows,
+                               size_t n);
 
 int kvt__metrics_create(kvt_metrics_t **out);
 void kvt__metrics_destroy(kvt_metrics_t *m);

@@ -309,6 +309,20 @@ void kvt__store_close(kvt_srv_t *s)
     s->policy = NULL;
 }
 
+/* The remote tier's rows per node (the single server, or each cluster node it knows), for
+ * /metrics: at most KVT_REMOTE_NODE_ROWS (metrics.h). */
+static void remote_nodes(kvt_srv_t *s)
+{
+    kvt_tier_remote_node_stats_t rows[KVT_REMOTE_NODE_ROWS]; /* a few KiB */
+    const kvt_tier_t *remote = s->tiers[KVT_TIER_REMOTE];
+    size_t n = 0;
+    int total = remote ? kvt_tier_remote_node_stats(remote, 0, &rows[0]) : 0;
+    for (int i = 0; i < total && n < KVT_REMOTE_NODE_ROWS; i++)
+        if (kvt_tier_remote_node_stats(remote, (uint32_t)i, &rows[n]) > i)
+            n++;
+    kvt__metrics_remote_nodes(s->metrics, rows, n);
+}
+
 void kvt__tier_metrics(kvt_srv_t *s)
 {
     kvt_metric_tenant_t rows[KVT_TENANT_ROWS];
@@ -390,7 +404,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_REMOTE_NODES, 0, (double)st.nodes);
         kvt__metric_set(s->metrics, KVT_M_REMOTE_LATE_KEPT, 0, (double)st.undo_kept);
     }
-    kvt__metrics_remote_nodes(s->metrics, s->tiers[KVT_TIER_REMOTE]);
+    remote_nodes(s);
     if (s->policy) {
         kvt_policy_stats_t ps;
         kvt_policy_stats(s->policy, &ps);
