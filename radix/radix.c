@@ -2224,9 +2224,10 @@ static int arena_verify(const kvt_radix_t *t, size_t live)
 {
     size_t free_bytes = 0;
     for (uint32_t c = 0; c < ARENA_CLASSES; c++)
-        for (void **link = t->ar_free[c]; link; link = *link) {
+        for (void **link = t->ar_free[c], **next; link; link = next) {
             ARENA_UNPOISON((uint8_t *)link - ARENA_HDR, ARENA_HDR + sizeof(void *));
             uint64_t h = *slot_hdr(link);
+            next = *link;
             ARENA_POISON((uint8_t *)link - ARENA_HDR, ARENA_HDR + sizeof(void *));
             if (h != c) {
                 kvt_log(KVT_LOG_ERROR, "radix verify: a free slot of class %u on list %u",
