@@ -175,22 +175,22 @@ static void rx_free(kvt_radix_t *t, void *p)
  *     chunk: [ next chunk, bytes | slot | slot | ... | bump region ......... ]
  *     slot:  [ 8-byte header: class | payload, 16-byte aligned ]
  *
- * Chunks grow from ARENA_FIRST to ARENA_STEP_MAX bytes, doubling, so that a small tree (a test's)
- * maps little and a big one faults in large steps (8 MiB took 1.2 ms of CPU here, 0.6 us a 4 KiB
- * page against 0.85 us a page faulted by touching it). Pre-faulting still zeroes every page, and a
- * request adds some 50 KB of tokens and blocks on the conversation trace: conf.arena_reserve
- * maps and fills a first chunk that big, on huge pages where the kernel has them (reserve_map),
- * when the tree is made, so that the first requests do not pay for it. The mapped total stays
- * within conf.arena_bytes (kvtierd passes index-bytes); past it, and for a request above the
- * largest class (a big child table), the slot comes from malloc behind the same header. The tree's
- * byte count counts slots, as it counted malloc's usable sizes; kvt_radix_stats reports the mapped
- * total beside it.
+ * Chunks are 1 MiB, then 2 MiB (ARENA_STEP_MAX): each is faulted in by one call (0.6 us of CPU a
+ * 4 KiB page here against 0.85 us a page faulted by touching it), and 2 MiB at once is 0.3 ms,
+ * short enough for the insert that pays it (bench_index_pauses counts inserts over 1 ms).
+ * Pre-faulting still zeroes every page, and a request adds some 50 KB of tokens and blocks on the
+ * conversation trace: conf.arena_reserve maps and fills a first chunk that big, on huge pages where
+ * the kernel has them (reserve_map), when the tree is made, so that the first requests do not pay
+ * for it. The mapped total stays within conf.arena_bytes (kvtierd passes index-bytes); past it, and
+ * for a request above the largest class (a big child table), the slot comes from malloc behind the
+ * same header. The tree's byte count counts slots, as it counted malloc's usable sizes;
+ * kvt_radix_stats reports the mapped total beside it.
  */
 #define ARENA_HDR       8                 /* the header before each payload */
 #define ARENA_CLASSES   59                /* 32 B .. 1 MiB slots */
 #define ARENA_MALLOC    UINT32_MAX        /* the header of a slot that malloc made */
-#define ARENA_FIRST     ((size_t)1 << 20) /* the first chunk; then doubling */
-#define ARENA_STEP_MAX  ((size_t)8 << 20)
+#define ARENA_FIRST     ((size_t)1 << 20) /* the first chunk; then ARENA_STEP_MAX */
+#define ARENA_STEP_MAX  ((size_t)2 << 20)
 #define ARENA_CHUNK_HDR 64 /* next chunk and its size, a cache line so that slots stay aligned */
 _Static_assert(KVT_ARRAY_LEN(((kvt_radix_t *)0)->ar_free) == ARENA_CLASSES, "a list per class");
 

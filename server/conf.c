@@ -87,7 +87,7 @@ static const kvt_opt_t kvt_opts[] = {
      "to stay under it; 0 for no limit"},
     {"index-prefault", KVT_OPT_BYTES, KVT_O(index_prefault), "0",
      "index memory mapped and faulted in at start, so that the first requests take no page fault "
-     "(at most index-bytes); 0: it grows with the index, in steps of up to 8 MiB"},
+     "(at most index-bytes); 0: it grows with the index, in pre-faulted steps of 2 MiB"},
     {"max-conns", KVT_OPT_U32, KVT_O(max_conns), "1024", "most client connections at once"},
     {"lease-ms", KVT_OPT_U32, KVT_O(lease_ms), "30000", "lease time limit when MATCH gives 0"},
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
