@@ -118,7 +118,7 @@ struct kvt_radix {
     /* The node arena ("the node arena" below): free slots by class, the bump region of the
      * newest chunk, the chunks (linked through their first word), bytes mapped, the next chunk's
      * size. */
-    void *ar_free[59];
+    void *ar_free[111];
     uint8_t *ar_cur, *ar_end;
     void *ar_chunks;
     size_t ar_mapped, ar_next;
@@ -166,8 +166,8 @@ static void rx_free(kvt_radix_t *t, void *p)
  * cached pages) come from the tree's own arena rather than from malloc: chunks mapped with
  * MAP_POPULATE (the kernel fills every page in one call, where a growing heap took a fault per
  * 4 KiB page, 12 a request on the conversation trace, each about 2 us with its zeroing), carved
- * by a bump pointer into slots of size classes, four to a doubling (at most a quarter more than
- * asked, as malloc's own classes), and freed slots kept on a list per class for the next
+ * by a bump pointer into slots of size classes, eight to a doubling (at most an eighth more than
+ * asked), and freed slots kept on a list per class for the next
  * allocation of that class. Nothing goes back to the kernel until the tree is destroyed: a split,
  * an eviction or a namespace's removal leaves its slots for the next insert, which then touches
  * no new page.
@@ -187,7 +187,7 @@ static void rx_free(kvt_radix_t *t, void *p)
  * kvt_radix_stats reports the mapped total beside it.
  */
 #define ARENA_HDR       8                 /* the header before each payload */
-#define ARENA_CLASSES   59                /* 32 B .. 1 MiB slots */
+#define ARENA_CLASSES   111               /* 32 B .. 1 MiB slots */
 #define ARENA_MALLOC    UINT32_MAX        /* the header of a slot that malloc made */
 #define ARENA_FIRST     ((size_t)1 << 20) /* the first chunk; then ARENA_STEP_MAX */
 #define ARENA_STEP_MAX  ((size_t)2 << 20)
@@ -203,22 +203,22 @@ _Static_assert(KVT_ARRAY_LEN(((kvt_radix_t *)0)->ar_free) == ARENA_CLASSES, "a l
 #define ARENA_UNPOISON(p, n) ((void)(p), (void)(n))
 #endif
 
-/* Slot bytes (header included) of class c: 32, 48, ..., 128, then four to a doubling. */
+/* Slot bytes (header included) of class c: 32, 48, ..., 256, then eight to a doubling. */
 static size_t class_size(uint32_t c)
 {
-    if (c < 7)
+    if (c < 15)
         return ((size_t)c + 2) * 16;
-    uint32_t lg = 7 + (c - 7) / 4, k = (c - 7) % 4;
-    return ((size_t)1 << lg) + ((size_t)k + 1) * ((size_t)1 << (lg - 2));
+    uint32_t lg = 8 + (c - 15) / 8, k = (c - 15) % 8;
+    return ((size_t)1 << lg) + ((size_t)k + 1) * ((size_t)1 << (lg - 3));
 }
 
 /* The smallest class whose slots hold s bytes (header included); ARENA_CLASSES when none does. */
 static uint32_t class_of(size_t s)
 {
-    if (s <= 128)
+    if (s <= 256)
         return s <= 32 ? 0 : (uint32_t)((s + 15) / 16 - 2);
     uint32_t lg = 63 - (uint32_t)__builtin_clzll((unsigned long long)s - 1);
-    uint32_t c = 7 + (lg - 7) * 4 + (uint32_t)((s - 1 - ((size_t)1 << lg)) >> (lg - 2));
+    uint32_t c = 15 + (lg - 8) * 8 + (uint32_t)((s - 1 - ((size_t)1 << lg)) >> (lg - 3));
     return c < ARENA_CLASSES ? c : ARENA_CLASSES;
 }
 
@@ -2254,6 +2254,13 @@ static size_t arena_slot(const void *p)
 static int arena_verify(const kvt_radix_t *t, size_t live)
 {
     size_t free_bytes = 0;
+    for (uint32_t c = 0; c < ARENA_CLASSES; c++) /* each size's class is the tightest */
+        if (class_of(class_size(c)) != c || class_size(c) % 16 ||
+            class_of(class_size(c) + 1) != c + 1) {
+            kvt_log(KVT_LOG_ERROR, "radix verify: size class %u (%zu bytes) is wrong", c,
+                    class_size(c));
+            return KVT_ECORRUPT;
+        }
     for (uint32_t c = 0; c < ARENA_CLASSES; c++)
         for (void **link = t->ar_free[c], **next; link; link = next) {
             ARENA_UNPOISON((uint8_t *)link - ARENA_HDR, ARENA_HDR + sizeof(void *));
