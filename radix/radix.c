@@ -1,9 +1,10 @@
 /*
  * radix.c: the page-granular radix tree behind radix.h.
  *
- * It owns the nodes, their page storage, the namespaces, the leases and the list of evictable
- * leaves, and counts every byte it allocates (malloc_usable_size, so the count is what the
- * allocator really handed out).
+ * It owns the nodes, their page storage, the namespaces, the leases, the list of evictable
+ * leaves and the arena the nodes live in ("the node arena" below), and counts every byte it
+ * allocates: a slot's size class for the arena's, malloc_usable_size for the rest, so the count is
+ * what an allocator really handed out.
  *
  * A node's pages live in one allocation, blocks first (8-byte aligned) then tokens, the node's
  * pages at slots [off, off + npages) of both:
