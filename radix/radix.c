@@ -1,9 +1,10 @@
 /*
  * radix.c: the page-granular radix tree behind radix.h.
  *
- * It owns the nodes, their page storage, the namespaces, the leases and the list of evictable
- * leaves, and counts every byte it allocates (malloc_usable_size, so the count is what the
- * allocator really handed out).
+ * It owns the nodes, their page storage, the namespaces, the leases, the list of evictable
+ * leaves and the arena the nodes live in ("the node arena" below), and counts every byte it
+ * allocates: a slot's size class for the arena's, malloc_usable_size for the rest, so the count is
+ * what an allocator really handed out.
  *
  * A node's pages live in one allocation, blocks first (8-byte aligned) then tokens, the node's
  * pages at slots [off, off + npages) of both:
@@ -114,6 +115,16 @@ struct kvt_radix {
     uint64_t bytes;
     uint64_t blocks;
     uint64_t cached_tokens;
+
+    /* The node arena ("the node arena" below): free slots by class, the bump region of the
+     * newest chunk, the chunks (linked through their first word), bytes mapped, the next chunk's
+     * size. */
+    void *ar_free[111];
+    uint8_t *ar_cur, *ar_end;
+    void *ar_chunks;
+    size_t ar_mapped, ar_next;
+    size_t ar_live;  /* bytes of slots in use */
+    size_t ar_waste; /* chunk headers and chunk tails too small for a slot */
 };
 
 #define NO_SLOT       UINT32_MAX
@@ -127,16 +138,6 @@ struct kvt_radix {
 static void *rx_malloc(kvt_radix_t *t, size_t n)
 {
     void *p = malloc(n);
-    if (p)
-        t->bytes += malloc_usable_size(p);
-    return p;
-}
-
-/* Zeroed; a big block comes from fresh pages the kernel zeroes when first touched, so a big
- * child table costs no memset up front. */
-static void *rx_calloc(kvt_radix_t *t, size_t n)
-{
-    void *p = calloc(1, n);
     if (p)
         t->bytes += malloc_usable_size(p);
     return p;
@@ -157,6 +158,237 @@ static void rx_free(kvt_radix_t *t, void *p)
         return;
     t->bytes -= malloc_usable_size(p);
     free(p);
+}
+
+/*
+ * ---- the node arena --------------------------------------------------------------------------
+ *
+ * Nodes, their page storage and their child arrays (everything that grows and shrinks with the
+ * cached pages) come from the tree's own arena rather than from malloc: chunks mapped with
+ * MAP_POPULATE (the kernel fills every page in one call, where a growing heap took a fault per
+ * 4 KiB page, 12 a request on the conversation trace, each about 2 us with its zeroing), carved
+ * by a bump pointer into slots of size classes, eight to a doubling (at most an eighth more than
+ * asked), and freed slots kept on a list per class for the next
+ * allocation of that class. Nothing goes back to the kernel until the tree is destroyed: a split,
+ * an eviction or a namespace's removal leaves its slots for the next insert, which then touches
+ * no new page.
+ *
+ *     chunk: [ next chunk, bytes | slot | slot | ... | bump region ......... ]
+ *     slot:  [ 8-byte header: class | payload, 16-byte aligned ]
+ *
+ * Chunks are 1 MiB, then 2 MiB (ARENA_STEP_MAX): each is faulted in by one call (0.6 us of CPU a
+ * 4 KiB page here against 0.85 us a page faulted by touching it), and 2 MiB at once is 0.3 ms,
+ * short enough for the insert that pays it (bench_index_pauses counts inserts over 1 ms).
+ * Pre-faulting still zeroes every page, and a request adds some 50 KB of tokens and blocks on the
+ * conversation trace: conf.arena_reserve maps and fills a first chunk that big, on huge pages where
+ * the kernel has them (reserve_map), when the tree is made, so that the first requests do not pay
+ * for it. The mapped total stays within conf.arena_bytes (kvtierd passes index-bytes); past it, and
+ * for a request above the largest class (a big child table), the slot comes from malloc behind the
+ * same header. The tree's byte count counts slots, as it counted malloc's usable sizes;
+ * kvt_radix_stats reports the mapped total beside it.
+ */
+#define ARENA_HDR       8                 /* the header before each payload */
+#define ARENA_CLASSES   111               /* 32 B .. 1 MiB slots */
+#define ARENA_MALLOC    UINT32_MAX        /* the header of a slot that malloc made */
+#define ARENA_FIRST     ((size_t)1 << 20) /* the first chunk; then ARENA_STEP_MAX */
+#define ARENA_STEP_MAX  ((size_t)2 << 20)
+#define ARENA_CHUNK_HDR 64 /* next chunk and its size, a cache line so that slots stay aligned */
+_Static_assert(KVT_ARRAY_LEN(((kvt_radix_t *)0)->ar_free) == ARENA_CLASSES, "a list per class");
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define ARENA_POISON(p, n)   ASAN_POISON_MEMORY_REGION(p, n)
+#define ARENA_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define ARENA_POISON(p, n)   ((void)(p), (void)(n))
+#define ARENA_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+/* Slot bytes (header included) of class c: 32, 48, ..., 256, then eight to a doubling. */
+static size_t class_size(uint32_t c)
+{
+    if (c < 15)
+        return ((size_t)c + 2) * 16;
+    uint32_t lg = 8 + (c - 15) / 8, k = (c - 15) % 8;
+    return ((size_t)1 << lg) + ((size_t)k + 1) * ((size_t)1 << (lg - 3));
+}
+
+/* The smallest class whose slots hold s bytes (header included); ARENA_CLASSES when none does. */
+static uint32_t class_of(size_t s)
+{
+    if (s <= 256)
+        return s <= 32 ? 0 : (uint32_t)((s + 15) / 16 - 2);
+    uint32_t lg = 63 - (uint32_t)__builtin_clzll((unsigned long long)s - 1);
+    uint32_t c = 15 + (lg - 8) * 8 + (uint32_t)((s - 1 - ((size_t)1 << lg)) >> (lg - 3));
+    return c < ARENA_CLASSES ? c : ARENA_CLASSES;
+}
+
+static uint64_t *slot_hdr(const void *p)
+{
+    return (uint64_t *)((uint8_t *)(uintptr_t)p - ARENA_HDR);
+}
+
+/* Bytes a slot counts for: its class, or what malloc handed out for it. */
+static size_t slot_bytes(const void *p)
+{
+    if (!p)
+        return 0;
+    uint64_t h = *slot_hdr(p);
+    return h == ARENA_MALLOC ? malloc_usable_size(slot_hdr(p) - 1) : class_size((uint32_t)h);
+}
+
+static void free_push(kvt_radix_t *t, uint8_t *slot, uint32_t c)
+{
+    void **link = (void **)(slot + ARENA_HDR);
+    ARENA_UNPOISON(slot, ARENA_HDR + sizeof(void *));
+    *(uint64_t *)slot = c;
+    *link = t->ar_free[c];
+    t->ar_free[c] = link;
+    ARENA_POISON(slot, class_size(c));
+}
+
+/*
+ * The reserve's mapping: on transparent huge pages where the kernel has them (2 MiB aligned,
+ * MADV_HUGEPAGE), filled before the tree is used. Huge pages cost more to fill (compaction:
+ * 0.55-0.6 s of CPU a GiB here against 0.14-0.15 on 4 KiB pages) but that is paid at start, not in
+ * a request, and the walk then misses the TLB far less: the conversation trace's fill took 3.8-3.9
+ * us of CPU a request against 4.9-5.0 on small pages. A chunk grown later stays on small pages:
+ * filling huge pages in a request stalled the event loop for tens of ms (bench_index_pauses).
+ */
+static uint8_t *reserve_map(size_t bytes)
+{
+    size_t huge = (size_t)2 << 20;
+    uint8_t *raw =
+        mmap(NULL, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+        return MAP_FAILED;
+    uint8_t *m = (uint8_t *)(((uintptr_t)raw + huge - 1) & ~(uintptr_t)(huge - 1));
+    if (m > raw)
+        munmap(raw, (size_t)(m - raw));
+    munmap(m + bytes, (size_t)(raw + huge - m));
+    (void)madvise(m, bytes, MADV_HUGEPAGE); /* refused: small pages, still filled below */
+#if defined(MADV_POPULATE_WRITE)
+    if (madvise(m, bytes, MADV_POPULATE_WRITE) == 0)
+        return m;
+#endif
+    for (size_t i = 0; i < bytes; i += 4096) /* kernels before 5.14 */
+        ((volatile uint8_t *)m)[i] = 0;
+    return m;
+}
+
+/* Maps a chunk with room for a slot of class c; 0, or -1 when over conf.arena_bytes or the
+ * kernel refuses (the caller goes to malloc). The old bump region's rest goes to free lists. */
+static int arena_grow(kvt_radix_t *t, uint32_t c, size_t want)
+{
+    size_t need = class_size(c) + ARENA_CHUNK_HDR + 16;
+    size_t bytes = KVT_MAX(want, t->ar_next ? t->ar_next : ARENA_FIRST);
+    while (bytes < need)
+        bytes *= 2;
+    if (t->conf.arena_bytes && t->ar_mapped + bytes > t->conf.arena_bytes) {
+        bytes = (t->conf.arena_bytes - KVT_MIN(t->ar_mapped, t->conf.arena_bytes)) & ~(size_t)4095;
+        if (bytes < need)
+            return -1;
+    }
+    uint8_t *m = want ? reserve_map(bytes)
+                      : mmap(NULL, bytes, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (m == MAP_FAILED)
+        return -1;
+    /* The rest of the old region: the largest slots that fit, most of it in one or two. */
+    while (t->ar_cur && (size_t)(t->ar_end - t->ar_cur) >= class_size(0)) {
+        uint32_t k = class_of((size_t)(t->ar_end - t->ar_cur));
+        if (k == ARENA_CLASSES || class_size(k) > (size_t)(t->ar_end - t->ar_cur))
+            k--;
+        free_push(t, t->ar_cur, k);
+        t->ar_cur += class_size(k);
+    }
+    t->ar_waste += (size_t)(t->ar_end - t->ar_cur) + ARENA_CHUNK_HDR + ARENA_HDR;
+    ((void **)m)[0] = t->ar_chunks;
+    ((size_t *)m)[1] = bytes;
+    t->ar_chunks = m;
+    t->ar_mapped += bytes;
+    t->ar_next = KVT_MIN(bytes * 2, ARENA_STEP_MAX);
+    /* Slots start 8 bytes past a 16-byte boundary: payloads are 16-byte aligned (the streaming
+     * stores of fill_blocks and copy_stream want that). */
+    t->ar_cur = m + ARENA_CHUNK_HDR + ARENA_HDR;
+    t->ar_end = m + bytes;
+    ARENA_POISON(t->ar_cur, (size_t)(t->ar_end - t->ar_cur));
+    return 0;
+}
+
+/* n bytes from the arena (or malloc, behind the same header); NULL when out of memory. */
+static void *nd_alloc(kvt_radix_t *t, size_t n, int zero)
+{
+    uint32_t c = class_of(n + ARENA_HDR);
+    uint8_t *slot = NULL;
+    if (c < ARENA_CLASSES) {
+        void **link = t->ar_free[c];
+        if (link) {
+            ARENA_UNPOISON((uint8_t *)link - ARENA_HDR, class_size(c));
+            t->ar_free[c] = *link;
+            slot = (uint8_t *)link - ARENA_HDR;
+        } else if ((size_t)(t->ar_end - t->ar_cur) >= class_size(c) || arena_grow(t, c, 0) == 0) {
+            slot = t->ar_cur;
+            t->ar_cur += class_size(c);
+            ARENA_UNPOISON(slot, class_size(c));
+        }
+    }
+    if (slot) {
+        *(uint64_t *)slot = c;
+        if (zero)
+            memset(slot + ARENA_HDR, 0, n);
+        t->bytes += class_size(c);
+        t->ar_live += class_size(c);
+        return slot + ARENA_HDR;
+    }
+    /* Two header words from malloc keep the payload 16-byte aligned. */
+    uint64_t *m = zero ? calloc(1, n + 2 * ARENA_HDR) : malloc(n + 2 * ARENA_HDR);
+    if (!m)
+        return NULL;
+    m[1] = ARENA_MALLOC;
+    t->bytes += malloc_usable_size(m);
+    return m + 2;
+}
+
+static void nd_free(kvt_radix_t *t, void *p)
+{
+    if (!p)
+        return;
+    uint64_t h = *slot_hdr(p);
+    t->bytes -= slot_bytes(p);
+    if (h == ARENA_MALLOC) {
+        free(slot_hdr(p) - 1);
+    } else {
+        t->ar_live -= class_size((uint32_t)h);
+        free_push(t, (uint8_t *)slot_hdr(p), (uint32_t)h);
+    }
+}
+
+/* Moves p's first n bytes (those it has, when it is smaller) to a slot of n bytes; p stays when
+ * its class is already right. NULL when out of memory (p as it was). */
+static void *nd_realloc(kvt_radix_t *t, void *p, size_t n)
+{
+    if (!p)
+        return nd_alloc(t, n, 0);
+    uint64_t h = *slot_hdr(p);
+    uint32_t c = class_of(n + ARENA_HDR);
+    if (h != ARENA_MALLOC && c == h)
+        return p;
+    void *q = nd_alloc(t, n, 0);
+    if (!q)
+        return NULL;
+    memcpy(q, p, KVT_MIN(n, slot_bytes(p) - (h == ARENA_MALLOC ? 2 * ARENA_HDR : ARENA_HDR)));
+    nd_free(t, p);
+    return q;
+}
+
+static void arena_destroy(kvt_radix_t *t)
+{
+    for (void *m = t->ar_chunks, *next; m; m = next) {
+        next = ((void **)m)[0];
+        munmap(m, ((size_t *)m)[1]);
+    }
+    t->ar_chunks = NULL;
 }
 
 /* malloc_usable_size rounds each allocation up to a size class: at most a quarter more. */
@@ -291,7 +523,7 @@ static int node_set_cap(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t cap)
         return 0;
     void *s = node_store(n);
     if (cap > n->cap) {
-        s = rx_realloc(t, node_store(n), storage_bytes(cap, n->page_size));
+        s = nd_realloc(t, node_store(n), storage_bytes(cap, n->page_size));
         if (!s)
             return KVT_ENOMEM;
     }
@@ -302,7 +534,7 @@ static int node_set_cap(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t cap)
     memmove(s, (kvt_block_t *)s + n->off, n->npages * sizeof(kvt_block_t));
     memmove((kvt_block_t *)s + cap, old_tok, tok_bytes);
     if (cap < n->cap) {
-        void *q = rx_realloc(t, s, storage_bytes(cap, n->page_size));
+        void *q = nd_realloc(t, s, storage_bytes(cap, n->page_size));
         if (q) /* a failed shrink keeps the old, larger allocation: still valid */
             s = q;
     }
@@ -388,7 +620,7 @@ static void registry_del(kvt_radix_t *t, kvt_radix_node_t *n)
 /* Allocates a node with room for npages pages (storage uninitialised). */
 static kvt_radix_node_t *node_new(kvt_radix_t *t, uint32_t ns, uint32_t page_size, uint32_t npages)
 {
-    kvt_radix_node_t *n = rx_malloc(t, sizeof(*n));
+    kvt_radix_node_t *n = nd_alloc(t, sizeof(*n), 0);
     if (!n)
         return NULL;
     memset(n, 0, sizeof(*n));
@@ -396,9 +628,9 @@ static kvt_radix_node_t *node_new(kvt_radix_t *t, uint32_t ns, uint32_t page_siz
     n->page_size = (uint16_t)page_size;
     n->idx = NO_SLOT;
     if (npages > 0) {
-        void *store = rx_malloc(t, storage_bytes(npages, page_size));
+        void *store = nd_alloc(t, storage_bytes(npages, page_size), 0);
         if (!store) {
-            rx_free(t, n);
+            nd_free(t, n);
             return NULL;
         }
         node_set_store(n, store, npages, 0);
@@ -409,9 +641,9 @@ static kvt_radix_node_t *node_new(kvt_radix_t *t, uint32_t ns, uint32_t page_siz
 static void node_free(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     kvt_assert(n != t->mig); /* emptied through kid_free_all or kid_densify, which end a move */
-    rx_free(t, n->keys);
-    rx_free(t, node_store(n));
-    rx_free(t, n);
+    nd_free(t, n->keys);
+    nd_free(t, node_store(n));
+    nd_free(t, n);
 }
 
 /* Index of the first key >= key in n's children (sorted array). */
@@ -496,7 +728,7 @@ static uint32_t mig_slot(const kvt_radix_t *t, uint64_t key)
 /* Frees the old table left by the last move. */
 static void old_free(kvt_radix_t *t)
 {
-    rx_free(t, t->old_tab);
+    nd_free(t, t->old_tab);
     t->old_tab = NULL;
     t->old_bytes = t->old_done = 0;
 }
@@ -614,7 +846,7 @@ static int kid_resize(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t cap, int ste
 {
     int hash = cap > KID_ARRAY_MAX;
     size_t bytes = (size_t)cap * KID_SLOT;
-    uint64_t *k = hash ? rx_calloc(t, bytes) : rx_malloc(t, bytes);
+    uint64_t *k = nd_alloc(t, bytes, hash);
     if (!k)
         return KVT_ENOMEM;
     uint64_t *okeys = n->keys;
@@ -649,7 +881,7 @@ static int kid_resize(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t cap, int ste
         p[j] = old[i];
     }
     kvt_assert(hash || d == n->nkids);
-    rx_free(t, okeys);
+    nd_free(t, okeys);
     return 0;
 }
 
@@ -694,7 +926,7 @@ static void kid_free_all(kvt_radix_t *t, kvt_radix_node_t *n)
 {
     if (n == t->mig)
         mig_finish(t); /* nothing left to move: it frees the old table */
-    rx_free(t, n->keys);
+    nd_free(t, n->keys);
     n->keys = NULL;
     n->kcap = n->nkids = 0;
     n->kid_hash = 0;
@@ -800,6 +1032,15 @@ int kvt_radix_create(kvt_radix_t **out, const kvt_radix_conf_t *conf)
     t->ns_free = NO_SLOT;
     kvt_radix_set_max_namespaces(t, t->conf.max_namespaces);
     t->rng = 0x9e3779b97f4a7c15ull;
+    if (t->conf.arena_reserve) {
+        size_t r = t->conf.arena_reserve;
+        if (t->conf.arena_bytes)
+            r = KVT_MIN(r, t->conf.arena_bytes);
+        if (arena_grow(t, 0, (r + 4095) & ~(size_t)4095) != 0) {
+            kvt_radix_destroy(t);
+            return KVT_ENOMEM;
+        }
+    }
     *out = t;
     return 0;
 }
@@ -823,6 +1064,7 @@ void kvt_radix_destroy(kvt_radix_t *t)
     else
         free(t->nodes);
     free(t->leases);
+    arena_destroy(t);
     free(t);
 }
 
@@ -1230,11 +1472,11 @@ static kvt_radix_node_t *split(kvt_radix_t *t, kvt_radix_node_t *c, uint32_t k)
         return NULL;
     void *tail_store = NULL;
     p->kcap = 2; /* room for c and the leaf the insert adds next to it */
-    p->keys = rx_malloc(t, 2 * KID_SLOT);
+    p->keys = nd_alloc(t, 2 * KID_SLOT, 0);
     if (!head_moves)
-        tail_store = rx_malloc(t, storage_bytes(rest, ps));
+        tail_store = nd_alloc(t, storage_bytes(rest, ps), 0);
     if (!p->keys || (!head_moves && !tail_store) || registry_add(t, p) != 0) {
-        rx_free(t, tail_store);
+        nd_free(t, tail_store);
         node_free(t, p);
         return NULL;
     }
@@ -1984,6 +2226,8 @@ void kvt_radix_stats(const kvt_radix_t *t, kvt_radix_stats_t *st)
     st->cached_tokens = t->cached_tokens;
     st->leases = t->nleases;
     st->namespaces = t->ns_open;
+    st->arena_bytes = t->ar_mapped;
+    st->arena_free_bytes = t->ar_mapped - t->ar_live;
 }
 
 /* ---- verification --------------------------------------------------------------------------- */
@@ -2000,6 +2244,48 @@ static size_t usable(const void *p)
     return p ? malloc_usable_size((void *)p) : 0;
 }
 
+/* The bytes of p's slot when the arena made it, 0 when malloc did. */
+static size_t arena_slot(const void *p)
+{
+    return p && *slot_hdr(p) != ARENA_MALLOC ? slot_bytes(p) : 0;
+}
+
+/* Every mapped byte of the arena is a live slot, a free one, bump room or waste; live is what
+ * the tree walk found in its nodes. A free slot is listed under its own class. */
+static int arena_verify(const kvt_radix_t *t, size_t live)
+{
+    size_t free_bytes = 0;
+    for (uint32_t c = 0; c < ARENA_CLASSES; c++) /* each size's class is the tightest */
+        if (class_of(class_size(c)) != c || class_size(c) % 16 ||
+            class_of(class_size(c) + 1) != c + 1) {
+            kvt_log(KVT_LOG_ERROR, "radix verify: size class %u (%zu bytes) is wrong", c,
+                    class_size(c));
+            return KVT_ECORRUPT;
+        }
+    for (uint32_t c = 0; c < ARENA_CLASSES; c++)
+        for (void **link = t->ar_free[c], **next; link; link = next) {
+            ARENA_UNPOISON((uint8_t *)link - ARENA_HDR, ARENA_HDR + sizeof(void *));
+            uint64_t h = *slot_hdr(link);
+            next = *link;
+            ARENA_POISON((uint8_t *)link - ARENA_HDR, ARENA_HDR + sizeof(void *));
+            if (h != c) {
+                kvt_log(KVT_LOG_ERROR, "radix verify: a free slot of class %u on list %u",
+                        (unsigned)h, c);
+                return KVT_ECORRUPT;
+            }
+            free_bytes += class_size(c);
+        }
+    size_t bump = (size_t)(t->ar_end - t->ar_cur);
+    if (live != t->ar_live || live + free_bytes + bump + t->ar_waste != t->ar_mapped) {
+        kvt_log(KVT_LOG_ERROR,
+                "radix verify: arena maps %zu bytes: %zu in nodes (counted %zu), %zu free, "
+                "%zu bump, %zu waste",
+                t->ar_mapped, live, t->ar_live, free_bytes, bump, t->ar_waste);
+        return KVT_ECORRUPT;
+    }
+    return 0;
+}
+
 int kvt_radix_verify(const kvt_radix_t *t)
 {
     if (!t)
@@ -2013,13 +2299,14 @@ int kvt_radix_verify(const kvt_radix_t *t)
         return KVT_ENOMEM;
     }
     uint64_t bytes = usable(t) + usable(t->ns) + usable(t->ns_slots) + usable(t->leases) +
-                     usable(t->mig_keys) + usable(t->old_tab) +
+                     slot_bytes(t->mig_keys) + slot_bytes(t->old_tab) +
                      (registry_mapped(t) ? t->nodes_cap * sizeof(void *) : usable(t->nodes));
     if (t->mig && (!t->mig->kid_hash || t->mig_pos >= t->mig_cap || t->mig->kcap == t->mig_cap ||
                    2 * t->mig->nkids > t->mig->kcap))
         VFAIL("a table move in a bad state: old %u slots, at %u, new %u", t->mig_cap, t->mig_pos,
               t->mig->kcap);
     uint64_t blocks = 0, tokens = 0, seen_nodes = 0, want_list = 0;
+    size_t arena_live = arena_slot(t->mig_keys) + arena_slot(t->old_tab);
 
     for (uint32_t i = 0; i < t->lease_cap; i++) {
         const kvt_lease_t *l = &t->leases[i];
@@ -2051,7 +2338,8 @@ int kvt_radix_verify(const kvt_radix_t *t)
         stack[sp++] = ns->root;
         while (sp > 0) {
             kvt_radix_node_t *n = stack[--sp];
-            bytes += usable(n) + usable(node_store(n)) + usable(n->keys);
+            bytes += slot_bytes(n) + slot_bytes(node_store(n)) + slot_bytes(n->keys);
+            arena_live += arena_slot(n) + arena_slot(node_store(n)) + arena_slot(n->keys);
             if (n->ns != s || n->page_size != ns->page_size)
                 VFAIL("node in namespace %u has ns %u page size %u", s, n->ns, n->page_size);
             if (is_root(n)) {
@@ -2153,6 +2441,7 @@ int kvt_radix_verify(const kvt_radix_t *t)
     if (bytes != t->bytes)
         VFAIL("allocated %llu bytes, tree counts %llu", (unsigned long long)bytes,
               (unsigned long long)t->bytes);
+    rc = arena_verify(t, arena_live);
 out:
     free(expect_leases);
     free(stack);

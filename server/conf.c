@@ -85,6 +85,9 @@ static const kvt_opt_t kvt_opts[] = {
     {"index-bytes", KVT_OPT_BYTES, KVT_O(index_bytes), "1G",
      "memory the prefix index may allocate; index-only pages go, least recently used first, "
      "to stay under it; 0 for no limit"},
+    {"index-prefault", KVT_OPT_BYTES, KVT_O(index_prefault), "0",
+     "index memory mapped and faulted in at start, so that the first requests take no page fault "
+     "(at most index-bytes); 0: it grows with the index, in pre-faulted steps of 2 MiB"},
     {"max-conns", KVT_OPT_U32, KVT_O(max_conns), "1024", "most client connections at once"},
     {"lease-ms", KVT_OPT_U32, KVT_O(lease_ms), "30000", "lease time limit when MATCH gives 0"},
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
@@ -489,6 +492,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     kvt_log_level_t lvl;
     if (kvt_log_parse_level(conf->log_level, &lvl) < 0) {
         snprintf(err, errlen, "bad log-level '%s'", conf->log_level);
+        return KVT_EINVAL;
+    }
+    if (conf->index_bytes && conf->index_prefault > conf->index_bytes) {
+        snprintf(err, errlen, "index-prefault must be at most index-bytes");
         return KVT_EINVAL;
     }
     if (conf->log_rate == 0 || conf->log_rate > 1000000) {

@@ -41,7 +41,8 @@ typedef struct kvt_srv_conf {
     uint32_t remote_timeout_ms;
     int nvme_recover; /* warm restart: rebuild the index from the NVMe tier */
     uint64_t max_frame;
-    uint64_t index_bytes; /* memory the prefix index may allocate; 0: no limit */
+    uint64_t index_bytes;    /* memory the prefix index may allocate; 0: no limit */
+    uint64_t index_prefault; /* of it, mapped and faulted in at start (radix arena_reserve) */
     uint32_t max_conns;
     uint32_t lease_ms;         /* default lease time limit */
     uint32_t lease_ms_max;     /* the longest a client may ask for */

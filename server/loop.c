@@ -321,8 +321,11 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         rc = -errno;
         goto fail;
     }
-    kvt_radix_conf_t rconf = {
-        .free_cb = kvt__store_free_cb, .node_free_cb = kvt__store_node_free_cb, .free_arg = s};
+    kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb,
+                              .node_free_cb = kvt__store_node_free_cb,
+                              .free_arg = s,
+                              .arena_bytes = s->conf->index_bytes,
+                              .arena_reserve = s->conf->index_prefault};
     rc = kvt_radix_create(&s->radix, &rconf);
     if (rc < 0)
         goto fail;

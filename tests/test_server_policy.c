@@ -56,6 +56,7 @@ Test(server_policy, bad_settings_refused)
         {"--max-leases", "0", "max-leases must be between 1 and 1048576"},
         {"--max-reserved-bytes", "1K", "max-reserved-bytes at least 4K"},
         {"--metrics-namespaces", "1025", "metrics-namespaces must be between 0 and 1024"},
+        {"--index-prefault", "2G", "index-prefault must be at most index-bytes"}, /* 1G */
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char err[1024];
@@ -85,6 +86,39 @@ Test(server_policy, good_settings_start)
         kvt_client_close(c);
         kvd_cleanup(&d);
     }
+}
+
+/* Resident kB of a process (VmRSS), 0 when unreadable. */
+static long rss_kb(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    long kb = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %ld", &kb) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kb;
+}
+
+/* index-prefault maps and faults in the index's first memory at start: the daemon is resident
+ * by that much more before its first request than one started without it. */
+Test(server_policy, index_prefault_is_resident_at_start)
+{
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--index-bytes", "256M", NULL);
+    kvd_start(&b, "--index-bytes", "256M", "--index-prefault", "96M", NULL);
+    kvt_client_t *c = kvd_client(&b, "m", 16, 64);
+    cr_assert(c, "the daemon with index-prefault serves");
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
+    kvt_client_close(c);
+    long ra = rss_kb(a.pid), rb = rss_kb(b.pid);
+    cr_expect_geq(rb - ra, 90 * 1024, "resident %ld kB with index-prefault 96M, %ld kB without", rb,
+                  ra);
+    kvd_cleanup(&b);
+    kvd_cleanup(&a);
 }
 
 #define PAGE 16
