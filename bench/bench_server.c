@@ -502,13 +502,17 @@ static uint64_t proc_cpu_ns(pid_t pid)
 #define RAW_IN     (64u << 10)
 #define RAW_BLOCKS 32
 
+/* KVT_RAW_ZEROCOPY=1: the raw server sends over TCP with MSG_ZEROCOPY (a measurement of whether
+ * it pays at this size over loopback; see docs/benchmarks.md). */
+static int g_raw_zerocopy;
+
 typedef struct rslot {
     uint8_t head[RAW_HEAD], end[RAW_END];
     const uint8_t *payload;
 } rslot_t;
 
 typedef struct rconn {
-    int fd, want_out;
+    int fd, want_out, zc;
     uint8_t in[RAW_IN];
     size_t in_len;
     rslot_t slot[RAW_SLOTS];
@@ -537,7 +541,8 @@ static int raw_write(rconn_t *c, size_t block)
                 skip = 0;
             }
         }
-        ssize_t w = writev(c->fd, iov, n);
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t w = sendmsg(c->fd, &m, c->zc ? MSG_ZEROCOPY : 0);
         if (w < 0)
             return errno == EAGAIN || errno == EINTR ? 0 : -1;
         size_t left = (size_t)w + c->first_off, one = RAW_HEAD + block + RAW_END;
@@ -607,12 +612,23 @@ static void raw_serve(int ufd, int tfd, size_t block)
                 if (evs[k].data.u64 == 2)
                     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
                 c->fd = fd;
+                c->zc = evs[k].data.u64 == 2 && g_raw_zerocopy &&
+                        setsockopt(fd, SOL_SOCKET, SO_ZEROCOPY, &one, sizeof one) == 0;
                 struct epoll_event ce = {.events = EPOLLIN, .data.ptr = c};
                 epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ce);
                 continue;
             }
             rconn_t *c = evs[k].data.ptr;
             int dead = 0;
+            if (c->zc && (evs[k].events & EPOLLERR)) {
+                /* MSG_ZEROCOPY's completions: the blocks never change, so they only need
+                 * taking off the error queue. */
+                char ctl[256];
+                struct msghdr m = {.msg_control = ctl, .msg_controllen = sizeof ctl};
+                while (recvmsg(c->fd, &m, MSG_ERRQUEUE | MSG_DONTWAIT) >= 0)
+                    m.msg_controllen = sizeof ctl;
+                evs[k].events &= ~(uint32_t)EPOLLERR;
+            }
             if ((evs[k].events & EPOLLIN) && c->in_len < RAW_IN) {
                 ssize_t r = read(c->fd, c->in + c->in_len, RAW_IN - c->in_len);
                 if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR))
@@ -641,6 +657,8 @@ static void raw_serve(int ufd, int tfd, size_t block)
 /* Starts the raw server on a Unix socket at path and on TCP port; returns its pid or -1. */
 static pid_t raw_start(const char *path, int port, size_t block)
 {
+    const char *zc = getenv("KVT_RAW_ZEROCOPY");
+    g_raw_zerocopy = zc && !strcmp(zc, "1");
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
     struct sockaddr_in sin = {.sin_family = AF_INET,
                               .sin_port = htons((uint16_t)port),
