@@ -24,6 +24,8 @@
  *          kvtierd is cold_ratio_raw). cpu_ratio_raw is the raw server's CPU per GET over
  *          kvtierd's: the rate ratio a server bound by its one core would see, and far steadier
  *          than requests/s on a shared machine (cpu_pass holds it to the same bar).
+ *          --sealed stores the blocks by zero-copy PUT instead, so that each GET checks its
+ *          page's checksum (zero-copy-checksum, on by default) as an engine's would.
  *   conns  CPU per GET at 8 and at 64 connections, kvtierd and the raw server alternating: the
  *          ratio says what more connections cost each request (run with get, which sets up).
  *   lease  An engine's connection with --held leases out (requests in flight): batches of MATCH
@@ -42,7 +44,8 @@
  *
  * usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] [--redis-benchmark PATH]
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
- *        [--ops match|get|lease|conns|all] [--transport unix|tcp|all] [--prompts N] [--held N]
+ *        [--ops match|get|lease|conns|all] [--transport unix|tcp|all] [--prompts N]
+ *        [--held N] [--sealed]
  */
 #define _GNU_SOURCE /* accept4 */
 #include <dirent.h>
@@ -100,6 +103,7 @@ typedef struct opts {
     int rounds;            /* alternating rounds per side; the median is reported */
     int held;              /* lease: leases the connection holds throughout */
     long prompts;          /* MATCH over the first N prompts only (the index holds all); 0: all */
+    int sealed;            /* GET: blocks stored by zero-copy PUT (checksummed), not the socket */
 } opts_t;
 
 static char g_dir[512];
@@ -1062,14 +1066,17 @@ static int populate(const opts_t *o, const char *sock, kvt_trace_t *tr, load_t *
     return 0;
 }
 
-/* Stores nblocks blocks of block_bytes in DRAM; each GET connection leases them itself. */
-static int store_blocks(const char *sock, uint32_t block_bytes, uint32_t nblocks)
+/* Stores nblocks blocks of block_bytes in DRAM; each GET connection leases them itself. sealed:
+ * through the zero-copy PUT, whose COMMIT seals each page with a checksum that every GET through
+ * the socket then checks (zero-copy-checksum, on by default); else through the socket. */
+static int store_blocks(const char *sock, uint32_t block_bytes, uint32_t nblocks, int sealed)
 {
     kvt_client_conf_t conf = {.unix_path = sock,
                               .model = "bench",
                               .page_size = PAGE,
                               .block_bytes = block_bytes,
-                              .timeout_ms = 60000};
+                              .timeout_ms = 60000,
+                              .zero_copy = sealed};
     kvt_client_t *c;
     if (kvt_client_connect(&c, &conf) < 0)
         return -1;
@@ -1147,13 +1154,15 @@ int main(int argc, char **argv)
             o.prompts = atol(argv[++i]);
         else if (!strcmp(argv[i], "--held") && i + 1 < argc)
             o.held = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--sealed"))
+            o.sealed = 1;
         else if (argv[i][0] != '-' && !o.trace)
             o.trace = argv[i];
         else {
             fprintf(stderr, "usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] "
                             "[--redis-benchmark PATH] [--conns N] [--pipeline N] [--requests N] "
                             "[--block-bytes N] [--rounds N] [--ops match|get|lease|conns|all] "
-                            "[--transport unix|tcp|all] [--prompts N] [--held N]\n");
+                            "[--transport unix|tcp|all] [--prompts N] [--held N] [--sealed]\n");
             return 2;
         }
     }
@@ -1296,7 +1305,7 @@ int main(int argc, char **argv)
         status = 1;
     if (!want_get)
         goto out;
-    if (store_blocks(ksock, o.block_bytes, nblocks) < 0)
+    if (store_blocks(ksock, o.block_bytes, nblocks, o.sealed) < 0)
         return 1;
     char setcmd[1200];
     snprintf(setcmd, sizeof setcmd, "'%s' -s '%s' -t set -d %u -n 1 -c 1 >/dev/null 2>&1",
@@ -1340,7 +1349,8 @@ int main(int argc, char **argv)
             status = 1;
             continue;
         }
-        printf("{\"op\":\"get\",\"transport\":\"%s\",\"block_bytes\":%u,\"requests\":%ld,"
+        printf("{\"op\":\"get\",\"transport\":\"%s\",\"sealed\":%d,\"block_bytes\":%u,"
+               "\"requests\":%ld,"
                "\"conns\":%d,\"pipeline\":%d,\"requests_per_s\":%.0f,\"gbps\":%.3f,"
                "\"p50_us\":%.1f,\"p99_us\":%.1f,\"baseline\":\"redis-benchmark GET\","
                "\"baseline_requests_per_s\":%.0f,\"baseline_gbps\":%.3f,"
@@ -1355,11 +1365,12 @@ int main(int argc, char **argv)
                "\"cpu_ratio_raw\":%.3f,\"cpu_pass\":%s,"
                "\"cold_gbps\":%.3f,\"cold_raw_gbps\":%.3f,\"cold_ratio_raw\":%.3f,"
                "\"bar\":\"ratio_raw >= %.2f\",\"pass\":%s,\"cold_pass\":%s}\n",
-               transports[t], o.block_bytes, (long)go.conns * (get_requests / go.conns), go.conns,
-               go.pipeline, k.rps, k.gbps, k.p50_us, k.p99_us, r.rps, r.gbps, nblocks, r.p50_us,
-               r.p99_us, k.gbps / r.gbps, h.gbps, k.gbps / h.gbps, k.cpu_us, r.cpu_us, h.cpu_us,
-               k.client_cpu_us, r.client_cpu_us, h.client_cpu_us, w.gbps, w.cpu_us, k.rps / w.rps,
-               w.cpu_us / k.cpu_us, w.cpu_us / k.cpu_us >= KVT_BAR_GET_RAW ? "true" : "false",
+               transports[t], o.sealed, o.block_bytes, (long)go.conns * (get_requests / go.conns),
+               go.conns, go.pipeline, k.rps, k.gbps, k.p50_us, k.p99_us, r.rps, r.gbps, nblocks,
+               r.p50_us, r.p99_us, k.gbps / r.gbps, h.gbps, k.gbps / h.gbps, k.cpu_us, r.cpu_us,
+               h.cpu_us, k.client_cpu_us, r.client_cpu_us, h.client_cpu_us, w.gbps, w.cpu_us,
+               k.rps / w.rps, w.cpu_us / k.cpu_us,
+               w.cpu_us / k.cpu_us >= KVT_BAR_GET_RAW ? "true" : "false",
                cold[0].rps * o.block_bytes / 1e9, cold[1].rps * o.block_bytes / 1e9,
                cold[0].rps / cold[1].rps, KVT_BAR_GET_RAW,
                k.rps / w.rps >= KVT_BAR_GET_RAW ? "true" : "false",
