@@ -59,6 +59,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -685,7 +686,8 @@ static pid_t raw_start(const char *path, int port, size_t block)
     }
     pid_t pid = fork();
     if (pid == 0) {
-        g_kvd = g_redis = g_raw = -1; /* the parent's to stop, not this child's */
+        prctl(PR_SET_PDEATHSIG, SIGTERM); /* a bench that dies leaves no server behind */
+        g_kvd = g_redis = g_raw = -1;     /* the parent's to stop, not this child's */
         g_dir[0] = 0;
         raw_serve(ufd, tfd, block);
     }
