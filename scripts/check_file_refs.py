@@ -32,6 +32,8 @@ KNOWN = {
     "srt/arg_groups/hicache_hook.py": "SGLang's file",
     "xxhash.h": "libxxhash's header (Debian's libxxhash-dev)",
     "xxh_x86dispatch.c": "libxxhash's runtime dispatch (its source)",
+    "storage.c": "memcached's (docs/architecture.md compares the door with it)",
+    "extstore.h": "memcached's",
 }
 C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 

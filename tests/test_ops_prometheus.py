@@ -35,7 +35,8 @@ sys.dont_write_bytecode = True  # no __pycache__ left in the source tree
 SRC = os.environ.get("KVT_SOURCE_ROOT", ".")
 BUILD = os.environ.get("KVT_BUILD_ROOT", "build")
 sys.path.insert(0, os.path.join(SRC, "client", "python"))
-import kvtier  # noqa: E402
+# The protocol's conformance client (client/python/wire_client.py).
+import wire_client as kvtier  # noqa: E402
 
 RULES = os.path.join(SRC, "ops", "prometheus", "kvtier-alerts.yml")
 PROM_CONFIG = os.path.join(SRC, "ops", "prometheus", "prometheus.yml")
