@@ -828,6 +828,57 @@ Test(tier_remote, big_values_read_in_place_refuse_every_tampered_one)
     kvt_tier_destroy(t);
 }
 
+/* A read timing out while its value is being read into the caller's buffer gives the buffer
+ * back at once: nothing is written to it after the ETIMEDOUT completion, the rest of the value is
+ * dropped as it arrives, and the connection stays in step (no reconnect; the next reads are
+ * exact). The server is stopped once the value has begun to arrive: a 60 MiB value is more than
+ * the socket buffers hold, so the tier has part of it when it stops coming. */
+Test(tier_remote, read_timing_out_mid_value_writes_no_byte_after)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    conf.timeout_ms = 500;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    const uint32_t len = 60u << 20;
+    blk_t b, small;
+    blk_init(&b, 1, len);
+    cr_assert_eq(write_blk(t, &b, 1), 0);
+    blk_init(&small, 2, 20000);
+    cr_assert_eq(write_blk(t, &small, 2), 0);
+    kvt_tier_remote_stats_t st0, st;
+    kvt_tier_remote_stats(t, &st0);
+    b.done = 0;
+    cr_assert_eq(kvt_tier_read(t, &b.io), 0);
+    uint64_t end = kvt_now_ns() + 3000000000ull;
+    do {
+        kvt_tier_wait(t, 1);
+        kvt_tier_remote_stats(t, &st);
+    } while (st.direct_reads == st0.direct_reads && !b.done && kvt_now_ns() < end);
+    kill(g_srv.pid, SIGSTOP);
+    cr_assert_eq(st.direct_reads, st0.direct_reads + 1, "the value began to arrive");
+    blk_t *pb = &b;
+    wait_done(t, &pb, 1, 3000);
+    cr_assert_eq(b.io.status, KVT_ETIMEDOUT, "%s", kvt_strerror(b.io.status));
+    memset(b.buf, 0x3c, len);
+    kill(g_srv.pid, SIGCONT);
+    for (int i = 0; i < 30; i++)
+        kvt_tier_wait(t, 10);
+    uint32_t at = 0;
+    while (at < len && b.buf[at] == 0x3c)
+        at++;
+    cr_assert_eq(at, len, "byte %u of the caller's buffer written after the timeout", at);
+    cr_assert_eq(read_check(t, &small, 2), 0);
+    cr_assert_eq(read_check(t, &b, 1), 0);
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_eq(st.disconnects, st0.disconnects, "the connection stayed in step");
+    cr_assert_eq(st.timeouts, st0.timeouts + 1);
+    blk_fini(&b);
+    blk_fini(&small);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
 /* The process's peak resident memory in KiB, after clearing it to the current figure. */
 static long peak_rss_kib(int reset)
 {
