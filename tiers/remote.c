@@ -2004,7 +2004,7 @@ static ssize_t read_more(node_t *n)
     size_t into = KVT_MIN((size_t)got, want);
     sdsIncrLen(buf, (ssize_t)into);
     rd->len = sdslen(buf);
-    if ((size_t)got > into)
+    if (k == 2) /* the value's head may be whole now even with nothing in io->buf */
         direct_begin(n, (size_t)got - into);
     return got;
 }
