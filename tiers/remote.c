@@ -48,11 +48,12 @@
  * So hiredis only registers each command's reply callback (it is handed the command with length
  * 0: it parses the name and appends nothing) and this file writes the bytes itself, with
  * sendmsg over an iovec per request: the RESP head and stored block header from the request,
- * the payload straight from the caller's buffer, no copy. Reads go into hiredis's reader buffer
- * directly, sized to the GET value being received, so that hiredis's 16 KiB reads do not set the
- * pace; the value is then checked and copied out in one pass. hiredis's own output buffer stays
- * empty: it only connects, parses replies and runs callbacks. Sends use MSG_NOSIGNAL, so a
- * server that goes away never raises SIGPIPE.
+ * the payload straight from the caller's buffer, no copy. A big GET value is read from the socket
+ * into the caller's buffer itself and checked there (direct_begin); other reads go into hiredis's
+ * reader buffer directly, sized to the GET value being received, so that hiredis's 16 KiB reads
+ * do not set the pace, and the value is then checked and copied out in one pass. hiredis's own
+ * output buffer stays empty: it only connects, parses replies and runs callbacks. Sends use
+ * MSG_NOSIGNAL, so a server that goes away never raises SIGPIPE.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -1820,7 +1821,7 @@ static ssize_t skip_more(node_t *n)
  * reply began and given the stand-in head "$0\r\n" (or "0\r\n" when hiredis has consumed the
  * '$'). hiredis is not called while the value comes in (its own reads would take the value's
  * bytes); once the header and payload are whole, the check's outcome is left in r->dstatus, the
- * value's "\r\n" and the replies after it are read in behind the stand-in head, and hiredis
+ * value's "\r\n" is read in behind the stand-in head, and hiredis
  * decodes an empty string for the GET, which reply_string answers with r->dstatus. A caller that
  * gives up meanwhile (a timeout) gets its buffer back at once: the rest of the value is dropped
  * as n->skip drops an oversized one.
@@ -1916,7 +1917,7 @@ back:
     return 0;
 }
 
-/* Reads more of the value being taken (n->dr): the header, the payload, then what follows into
+/* Reads more of the value being taken (n->dr): the header, the payload, then its "\r\n" into
  * the reader behind the stand-in head. Returns the bytes read; 0 when the socket had none. */
 static ssize_t direct_more(node_t *n)
 {
@@ -1948,7 +1949,7 @@ static ssize_t direct_more(node_t *n)
         return 0;
     }
     rd->buf = buf;
-    iov[k++] = (struct iovec){buf + sdslen(buf), KVT__READ_MIN};
+    iov[k++] = (struct iovec){buf + sdslen(buf), 2}; /* the value's "\r\n" (see read_more) */
     ssize_t got = readv(n->sock, iov, k);
     if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
         n->drop = 1; /* closed or failed mid-value */
@@ -1992,6 +1993,10 @@ static ssize_t read_more(node_t *n)
             iov[1] = (struct iovec){h->io->buf, h->io->len};
             k = 2;
         }
+    } else if (h && h->direct) {
+        /* Its value is in: only its "\r\n" is left. hiredis's own read (16 KiB) brings the next
+         * reply's head, and the next value is taken over with that little to copy out. */
+        want = 2;
     }
     sds buf = sdsMakeRoomFor(rd->buf, want);
     if (!buf)
