@@ -756,6 +756,129 @@ Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
     kvt_tier_destroy(t);
 }
 
+/* Big values are read from the socket straight into the caller's buffer and checked there
+ * (remote.c, direct_begin): pipelined, the tampered ones among them (a byte of the header, the
+ * tokens, the payload's first and last) are refused, the clean ones beside them read back
+ * byte-exact, and no refused value counts as a read. */
+Test(tier_remote, big_values_read_in_place_refuse_every_tampered_one)
+{
+    kvt_tier_t *t = open_shared(0);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    enum { N = 8 };
+    const uint32_t lens[2] = {256u << 10, (2u << 20) + 3};
+    /* Offsets into the stored value of the byte flipped, for the odd blocks. */
+    const size_t hdr = 64 + 4 * PAGE;
+    blk_t b[N];
+    blk_t *pb[N];
+    for (uint32_t i = 0; i < N; i++) {
+        blk_init(&b[i], 40 + i, lens[i % 2]);
+        cr_assert_eq(write_blk(t, &b[i], 40 + i), 0);
+        pb[i] = &b[i];
+    }
+    for (uint32_t i = 1; i < N; i += 2) {
+        const size_t at[4] = {41, hdr - 3, hdr, hdr + lens[i % 2] - 1};
+        char key[KVT_TIER_REMOTE_KEY_MAX];
+        key_of(t, &b[i], key);
+        redisReply *r = redisCommand(c, "GET %s", key);
+        cr_assert(r && r->type == REDIS_REPLY_STRING && r->len == hdr + lens[i % 2]);
+        r->str[at[i / 2]] ^= 0x01;
+        redisReply *s = redisCommand(c, "SET %s %b", key, r->str, r->len);
+        cr_assert(s && s->type == REDIS_REPLY_STATUS);
+        freeReplyObject(s);
+        freeReplyObject(r);
+    }
+    kvt_tier_remote_stats_t st0, st;
+    kvt_tier_remote_stats(t, &st0);
+    for (uint32_t i = 0; i < N; i++) {
+        memset(b[i].buf, 0xa5, b[i].io.len);
+        b[i].done = 0;
+        cr_assert_eq(kvt_tier_read(t, &b[i].io), 0);
+    }
+    wait_done(t, pb, N, 20000);
+    uint8_t *want = malloc(lens[1]);
+    cr_assert(want);
+    for (uint32_t i = 0; i < N; i++) {
+        if (i % 2) {
+            cr_assert_eq(b[i].io.status, KVT_ECORRUPT, "tampered block %u: %s", i,
+                         kvt_strerror(b[i].io.status));
+            continue;
+        }
+        cr_assert_eq(b[i].io.status, 0, "block %u: %s", i, kvt_strerror(b[i].io.status));
+        fill(want, b[i].io.len, 40 + i);
+        cr_assert(!memcmp(want, b[i].buf, b[i].io.len), "block %u differs", i);
+    }
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_eq(st.direct_reads - st0.direct_reads, N, "every value read in place");
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.corrupt, N / 2);
+    cr_assert_eq(u.reads, N / 2, "no refused value counts as read");
+    /* The connection is still in step: the clean blocks read again, one at a time. */
+    for (uint32_t i = 0; i < N; i += 2)
+        cr_assert_eq(read_check(t, &b[i], 40 + i), 0);
+    free(want);
+    for (uint32_t i = 0; i < N; i++) {
+        char key[KVT_TIER_REMOTE_KEY_MAX];
+        key_of(t, &b[i], key);
+        sync_cmd_ok(c, "DEL %s", key);
+        blk_fini(&b[i]);
+    }
+    redisFree(c);
+    kvt_tier_destroy(t);
+}
+
+/* A read timing out while its value is being read into the caller's buffer gives the buffer
+ * back at once: nothing is written to it after the ETIMEDOUT completion, the rest of the value is
+ * dropped as it arrives, and the connection stays in step (no reconnect; the next reads are
+ * exact). The server is stopped once the value has begun to arrive: a 60 MiB value is more than
+ * the socket buffers hold, so the tier has part of it when it stops coming. */
+Test(tier_remote, read_timing_out_mid_value_writes_no_byte_after)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", g_srv.port);
+    conf.timeout_ms = 500;
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    const uint32_t len = 60u << 20;
+    blk_t b, small;
+    blk_init(&b, 1, len);
+    cr_assert_eq(write_blk(t, &b, 1), 0);
+    blk_init(&small, 2, 20000);
+    cr_assert_eq(write_blk(t, &small, 2), 0);
+    kvt_tier_remote_stats_t st0, st;
+    kvt_tier_remote_stats(t, &st0);
+    b.done = 0;
+    cr_assert_eq(kvt_tier_read(t, &b.io), 0);
+    uint64_t end = kvt_now_ns() + 3000000000ull;
+    do {
+        kvt_tier_wait(t, 1);
+        kvt_tier_remote_stats(t, &st);
+    } while (st.direct_reads == st0.direct_reads && !b.done && kvt_now_ns() < end);
+    kill(g_srv.pid, SIGSTOP);
+    cr_assert_eq(st.direct_reads, st0.direct_reads + 1, "the value began to arrive");
+    blk_t *pb = &b;
+    wait_done(t, &pb, 1, 3000);
+    cr_assert_eq(b.io.status, KVT_ETIMEDOUT, "%s", kvt_strerror(b.io.status));
+    memset(b.buf, 0x3c, len);
+    kill(g_srv.pid, SIGCONT);
+    for (int i = 0; i < 30; i++)
+        kvt_tier_wait(t, 10);
+    uint32_t at = 0;
+    while (at < len && b.buf[at] == 0x3c)
+        at++;
+    cr_assert_eq(at, len, "byte %u of the caller's buffer written after the timeout", at);
+    cr_assert_eq(read_check(t, &small, 2), 0);
+    cr_assert_eq(read_check(t, &b, 1), 0);
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_eq(st.disconnects, st0.disconnects, "the connection stayed in step");
+    cr_assert_eq(st.timeouts, st0.timeouts + 1);
+    blk_fini(&b);
+    blk_fini(&small);
+    kvt_tier_destroy(t);
+    server_cleanup();
+}
+
 /* The process's peak resident memory in KiB, after clearing it to the current figure. */
 static long peak_rss_kib(int reset)
 {

@@ -48,11 +48,12 @@
  * So hiredis only registers each command's reply callback (it is handed the command with length
  * 0: it parses the name and appends nothing) and this file writes the bytes itself, with
  * sendmsg over an iovec per request: the RESP head and stored block header from the request,
- * the payload straight from the caller's buffer, no copy. Reads go into hiredis's reader buffer
- * directly, sized to the GET value being received, so that hiredis's 16 KiB reads do not set the
- * pace; the value is then checked and copied out in one pass. hiredis's own output buffer stays
- * empty: it only connects, parses replies and runs callbacks. Sends use MSG_NOSIGNAL, so a
- * server that goes away never raises SIGPIPE.
+ * the payload straight from the caller's buffer, no copy. A big GET value is read from the socket
+ * into the caller's buffer itself and checked there (direct_begin); other reads go into hiredis's
+ * reader buffer directly, sized to the GET value being received, so that hiredis's 16 KiB reads
+ * do not set the pace, and the value is then checked and copied out in one pass. hiredis's own
+ * output buffer stays empty: it only connects, parses replies and runs callbacks. Sends use
+ * MSG_NOSIGNAL, so a server that goes away never raises SIGPIPE.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -117,6 +118,8 @@ struct rq {
     uint64_t off;    /* bytes written */
     uint64_t expect; /* GET: bytes of the reply if the value is the one asked for */
     uint64_t vlen;   /* GET: the value's length in that case */
+    uint8_t direct;  /* GET: its value was read straight into io->buf (direct_begin) */
+    int dstatus;     /* ... and what the check of it found: 0 or KVT_ECORRUPT */
     char inl[320];   /* hb when it fits */
 };
 
@@ -168,6 +171,9 @@ struct node {
     remote_reply_t reply;
     redisReply *tree; /* a CLUSTER SLOTS reply being read or handled (reply_tree) */
     uint64_t skip;    /* bytes of an oversized GET value still to read off the socket and drop */
+    rq_t *dr;         /* the GET whose value is being read straight into its buffer, or NULL */
+    uint64_t dr_off;  /* bytes of that value (block header, then payload) read so far */
+    uint8_t *dhdr;    /* its block header and tokens land here (kvt__blockhdr_size(PAGE_MAX)) */
     kvt_tier_remote_node_stats_t st; /* its own counters (addr, slots and up filled when read) */
 };
 
@@ -797,7 +803,11 @@ static void *reply_string(const redisReadTask *task, char *str, size_t len)
         return o;
     }
     if (!r->io)
-        return o; /* a late reply: nobody waits for it */
+        return o;    /* a late reply: nobody waits for it */
+    if (r->direct) { /* read and checked in place: hiredis saw an empty stand-in */
+        o->status = r->dstatus;
+        return o;
+    }
     kvt_tier_io_t *io = r->io;
     uint32_t plen = 0;
     const void *payload = NULL;
@@ -968,6 +978,7 @@ static void after_hiredis(node_t *n, uint64_t now)
     n->sock = -1;
     n->drop = 0;
     n->skip = 0;
+    n->dr = NULL;
     n->hello_left = 0;
     tree_free(n);
     kvt_assert(n->sentq.n == 0);
@@ -1798,28 +1809,208 @@ static ssize_t skip_more(node_t *n)
     return got;
 }
 
+/*
+ * A big GET value is read from the socket straight into the caller's buffer (io->buf), not into
+ * hiredis's reader buffer first: the kernel's copy lands in place, the check (XXH3 over the block
+ * header, the tokens and the payload) runs over io->buf, and no copy out follows. Three passes
+ * over each value become two (bench_tiers' cluster reads, docs/remote.md).
+ *
+ * It starts where the reply at the head of sentq, the GET's, begins in the reader's unparsed
+ * bytes with "$<the length asked for>\r\n" and the value has not all arrived: the block header
+ * and tokens go to n->dhdr, the payload to io->buf, the reader's buffer is cut back to where the
+ * reply began and given the stand-in head "$0\r\n" (or "0\r\n" when hiredis has consumed the
+ * '$'). hiredis is not called while the value comes in (its own reads would take the value's
+ * bytes); once the header and payload are whole, the check's outcome is left in r->dstatus, the
+ * value's "\r\n" is read in behind the stand-in head, and hiredis
+ * decodes an empty string for the GET, which reply_string answers with r->dstatus. A caller that
+ * gives up meanwhile (a timeout) gets its buffer back at once: the rest of the value is dropped
+ * as n->skip drops an oversized one.
+ *
+ * io->buf holds the value's bytes before the check has passed, and refused ones after it failed.
+ * No caller reads them before the completion says 0 (docs/remote.md, "no refused byte is ever
+ * served or published": a client's GET frames a batch only once its reads are done and only up
+ * to the first failure, a move reads into a staging buffer written to its destination tier only
+ * on success).
+ */
+#define KVT__DIRECT_MIN (16u << 10) /* smaller values: one read takes many, copied out */
+
+/* What hiredis has consumed of the head reply when it may be taken over: 0 (nothing: its cursor
+ * is at the '$') or 1 (the '$'); -1 when it may not (not a big GET, already taken, further
+ * along). */
+static int direct_ok(node_t *n, const rq_t *h)
+{
+    redisReader *rd = n->ac->c.reader;
+    if (n->skip || n->dr || !h || h->kind != RQ_GET || !h->io || h->direct ||
+        h->io->len < KVT__DIRECT_MIN || h->in_outq)
+        return -1;
+    if (rd->ridx == -1 || (rd->ridx == 0 && rd->rstack[0].type == -1))
+        return 0;
+    if (rd->ridx == 0 && rd->rstack[0].type == REDIS_REPLY_STRING)
+        return 1;
+    return -1;
+}
+
+/* The value is whole: checked where it lies, the outcome kept for reply_string. */
+static void direct_done(node_t *n)
+{
+    rq_t *r = n->dr;
+    kvt_tier_io_t *io = r->io;
+    uint32_t hb = (uint32_t)(r->vlen - io->len), plen = 0;
+    kvt__blockhdr_info_t in;
+    int rc = kvt__blockhdr_peek(n->dhdr, hb, &in);
+    if (rc == 0 && in.hdr_bytes != hb)
+        rc = KVT_ECORRUPT; /* a header naming another page size: not this block's layout */
+    if (rc == 0)
+        rc = kvt__blockhdr_verify(n->dhdr, hb, io->buf, io->len, &io->key, &plen);
+    r->dstatus = rc == 0 && plen == io->len ? 0 : KVT_ECORRUPT;
+    n->dr = NULL;
+}
+
+/*
+ * Takes the head reply over when it may be (see above). inbuf: bytes a read_more put in io->buf
+ * after the reader's (the value's first payload bytes if the head is what it should be); handed
+ * back to the reader when it is not. Returns 1 when taken over.
+ */
+static int direct_begin(node_t *n, size_t inbuf)
+{
+    redisReader *rd = n->ac->c.reader;
+    rq_t *h = rq_of(n->sentq.head);
+    int c = direct_ok(n, h);
+    char pre[32];
+    int plen = c < 0 ? 0 : snprintf(pre, sizeof(pre), "$%llu\r\n", (unsigned long long)h->vlen);
+    size_t have = rd->len - rd->pos;
+    const char *p = rd->buf + rd->pos;
+    if (c < 0 || have + (size_t)c < (size_t)plen || memcmp(p, pre + c, (size_t)plen - c) != 0)
+        goto back;
+    size_t inrd = have - ((size_t)plen - c); /* value bytes in the reader */
+    uint64_t hb = h->vlen - h->io->len;
+    if (!inbuf && inrd >= h->vlen)
+        goto back; /* all here already: hiredis decodes it, checked and copied in one pass */
+    if (!n->dhdr && !(n->dhdr = malloc(kvt__blockhdr_size(KVT_PAGE_MAX))))
+        goto back;
+    const char *v = p + (plen - c);
+    memcpy(n->dhdr, v, (size_t)KVT_MIN((uint64_t)inrd, hb));
+    if (inrd > hb)
+        memcpy(h->io->buf, v + hb, inrd - hb); /* only with inbuf 0: read_more stops at hb */
+    /* The stand-in head where the reply began; the value's bytes there need at least its room. */
+    memcpy(rd->buf + rd->pos, &"$0\r\n"[c], 4 - (size_t)c);
+    sdssetlen(rd->buf, rd->pos + 4 - c);
+    rd->len = sdslen(rd->buf);
+    h->direct = 1;
+    n->dr = h;
+    n->dr_off = inrd + inbuf;
+    n->rm->stats.direct_reads++;
+    if (n->dr_off == h->vlen)
+        direct_done(n);
+    return 1;
+back:
+    if (inbuf) {
+        sds b = sdscatlen(rd->buf, h->io->buf, inbuf);
+        if (!b) {
+            n->drop = 1; /* the stream lost bytes: the connection goes, its requests fail */
+            n->drop_status = KVT_EUNAVAIL;
+            return 0;
+        }
+        rd->buf = b;
+        rd->len = sdslen(b);
+    }
+    return 0;
+}
+
+/* Reads more of the value being taken (n->dr): the header, the payload, then its "\r\n" into
+ * the reader behind the stand-in head. Returns the bytes read; 0 when the socket had none. */
+static ssize_t direct_more(node_t *n)
+{
+    remote_t *rm = n->rm;
+    redisReader *rd = n->ac->c.reader;
+    rq_t *r = n->dr;
+    if (!r->io) { /* timed out: io->buf is its caller's again; the rest is dropped */
+        if (!rm->scratch && !(rm->scratch = malloc(KVT__READ_MIN))) {
+            n->drop = 1;
+            n->drop_status = KVT_EUNAVAIL;
+            return 0;
+        }
+        n->skip = r->vlen - n->dr_off;
+        n->dr = NULL;
+        return 1;
+    }
+    kvt_tier_io_t *io = r->io;
+    uint64_t hb = r->vlen - io->len;
+    struct iovec iov[3];
+    int k = 0;
+    if (n->dr_off < hb)
+        iov[k++] = (struct iovec){n->dhdr + n->dr_off, (size_t)(hb - n->dr_off)};
+    uint64_t po = n->dr_off > hb ? n->dr_off - hb : 0;
+    iov[k++] = (struct iovec){(uint8_t *)io->buf + po, (size_t)(io->len - po)};
+    sds buf = sdsMakeRoomFor(rd->buf, KVT__READ_MIN);
+    if (!buf) {
+        n->drop = 1;
+        n->drop_status = KVT_EUNAVAIL;
+        return 0;
+    }
+    rd->buf = buf;
+    iov[k++] = (struct iovec){buf + sdslen(buf), 2}; /* the value's "\r\n" (see read_more) */
+    ssize_t got = readv(n->sock, iov, k);
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        n->drop = 1; /* closed or failed mid-value */
+        n->drop_status = KVT_EUNAVAIL;
+        return 0;
+    }
+    if (got < 0)
+        return 0;
+    uint64_t need = r->vlen - n->dr_off;
+    if ((uint64_t)got < need) {
+        n->dr_off += (uint64_t)got;
+        return got;
+    }
+    sdsIncrLen(buf, (ssize_t)((uint64_t)got - need));
+    rd->len = sdslen(buf);
+    n->dr_off = r->vlen;
+    direct_done(n);
+    return got;
+}
+
 /* Reads into hiredis's reader buffer directly: as much as the GET value at the head of sentq
- * still needs (so that one read takes a whole value), at least KVT__READ_MIN. Returns the bytes
- * read; 0 when the socket had nothing (EOF and errors are left for hiredis to find). */
+ * still needs (so that one read takes a whole value), at least KVT__READ_MIN. When the head is
+ * a big GET not yet begun, only up to its block header, and the rest into io->buf (direct_begin
+ * decides whether it stays there). Returns the bytes read; 0 when the socket had nothing (EOF
+ * and errors are left for hiredis to find). */
 static ssize_t read_more(node_t *n)
 {
     redisReader *rd = n->ac->c.reader;
     size_t want = KVT__READ_MIN;
     rq_t *h = rq_of(n->sentq.head);
-    if (h && h->kind == RQ_GET && h->io) {
+    struct iovec iov[2];
+    int k = 1;
+    if (h && h->kind == RQ_GET && h->io && !h->direct) {
         size_t have = rd->len - rd->pos;
         if (h->expect > have)
             want = KVT_MAX(want, (size_t)KVT_MIN(h->expect - have, (uint64_t)KVT__READ_MAX));
+        int c = direct_ok(n, h);
+        uint64_t upto = h->expect - 2 - h->io->len; /* "$<len>\r\n", header and tokens */
+        if (c >= 0 && have + (size_t)c < upto) {
+            want = (size_t)(upto - have - (size_t)c);
+            iov[1] = (struct iovec){h->io->buf, h->io->len};
+            k = 2;
+        }
+    } else if (h && h->direct) {
+        /* Its value is in: only its "\r\n" is left. hiredis's own read (16 KiB) brings the next
+         * reply's head, and the next value is taken over with that little to copy out. */
+        want = 2;
     }
     sds buf = sdsMakeRoomFor(rd->buf, want);
     if (!buf)
         return 0;
     rd->buf = buf;
-    ssize_t got = read(n->sock, buf + sdslen(buf), want);
+    iov[0] = (struct iovec){buf + sdslen(buf), want};
+    ssize_t got = readv(n->sock, iov, k);
     if (got <= 0)
         return 0;
-    sdsIncrLen(buf, got);
+    size_t into = KVT_MIN((size_t)got, want);
+    sdsIncrLen(buf, (ssize_t)into);
     rd->len = sdslen(buf);
+    if (k == 2) /* the value's head may be whole now even with nothing in io->buf */
+        direct_begin(n, (size_t)got - into);
     return got;
 }
 
@@ -1850,7 +2041,24 @@ static void handle_sock(node_t *n, uint32_t events)
              * come from the server to wake this up again (it was the last reply), so this must
              * not wait for another turn, which the budget could end first. */
         }
+        if (up && !n->skip && !n->dr)
+            direct_begin(n, 0); /* a big value's start already in hiredis's buffer */
+        if (up && n->dr) {
+            ssize_t got = direct_more(n);
+            if (n->drop) {
+                after_hiredis(n, now);
+                return;
+            }
+            if (n->dr || n->skip) {
+                if (got <= 0)
+                    break;
+                continue;
+            }
+            /* Whole: the stand-in is decoded now, below, as after a skip. */
+        }
         ssize_t got = up ? read_more(n) : 0;
+        if (n->dr)
+            continue; /* taken over: hiredis must not read the value's bytes */
         redisAsyncHandleRead(n->ac);
         if (n->ac && !n->ac_gone && (n->ac->c.flags & REDIS_CONNECTED))
             cut_oversized(n);
@@ -1965,6 +2173,7 @@ static void remote_destroy(kvt_tier_t *t)
         free(r);
     for (uint32_t i = 0; i < rm->nnodes; i++) {
         free(rm->nodes[i]->host);
+        free(rm->nodes[i]->dhdr);
         free(rm->nodes[i]);
     }
     close(rm->epfd);
@@ -2008,6 +2217,7 @@ static void free_nodes(remote_t *rm)
 {
     for (uint32_t i = 0; i < rm->nnodes; i++) {
         free(rm->nodes[i]->host);
+        free(rm->nodes[i]->dhdr);
         free(rm->nodes[i]);
     }
     rm->nnodes = 0;
