@@ -294,6 +294,7 @@ static int arena_grow(kvt_radix_t *t, uint32_t c, size_t want)
                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (m == MAP_FAILED)
         return -1;
+    ARENA_UNPOISON(m, bytes); /* as arena_destroy: an earlier mapping's poison may linger */
     /* The rest of the old region: the largest slots that fit, most of it in one or two. */
     while (t->ar_cur && (size_t)(t->ar_end - t->ar_cur) >= class_size(0)) {
         uint32_t k = class_of((size_t)(t->ar_end - t->ar_cur));
@@ -386,7 +387,11 @@ static void arena_destroy(kvt_radix_t *t)
 {
     for (void *m = t->ar_chunks, *next; m; m = next) {
         next = ((void **)m)[0];
-        munmap(m, ((size_t *)m)[1]);
+        size_t bytes = ((size_t *)m)[1];
+        /* ASan keeps a region's poison past munmap: the next mapping at this address (another
+         * tree's chunk) would start poisoned. */
+        ARENA_UNPOISON(m, bytes);
+        munmap(m, bytes);
     }
     t->ar_chunks = NULL;
 }
