@@ -54,6 +54,10 @@ typedef struct fz_template {
 
 static char fz_dir[4096];
 
+typedef struct fz_range {
+    size_t off, n;
+} fz_range_t;
+
 /* The run directory and its data file: what of it may differ from the template. */
 typedef struct fz_run {
     char dir[4200], data[4300];
@@ -61,11 +65,9 @@ typedef struct fz_run {
     int fd;
     uint8_t *map;
     struct stat st;
-    struct {
-        size_t off, n;
-    } dirty[FZ_DIRTY_MAX];
+    fz_range_t dirty[FZ_DIRTY_MAX];
     uint32_t ndirty, runs;
-    int all; /* 1: anything may differ (a restore of the whole file, and a check) */
+    int all; /* 1: anything may differ (the next restore copies the whole file) */
 } fz_run_t;
 
 static fz_run_t fz_run;
@@ -108,10 +110,13 @@ static void fz_run_dirty(size_t off, size_t n)
     if (off >= size || n == 0)
         return;
     n = n < size - off ? n : size - off;
-    if (fz_run.ndirty == FZ_DIRTY_MAX)
+    fz_range_t *last = fz_run.ndirty ? &fz_run.dirty[fz_run.ndirty - 1] : NULL;
+    if (last && last->off + last->n == off)
+        last->n += n; /* fz_run_zero's sectors, one after another */
+    else if (fz_run.ndirty == FZ_DIRTY_MAX)
         fz_run.all = 1;
     else
-        fz_run.dirty[fz_run.ndirty++].off = off, fz_run.dirty[fz_run.ndirty - 1].n = n;
+        fz_run.dirty[fz_run.ndirty++] = (fz_range_t){.off = off, .n = n};
 }
 
 /* (Re)makes the run directory's data file from the template and maps it. */
