@@ -15,7 +15,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 
 static fz_template_t tp;
-static char run_dir[4200];
 
 static void seed(const char *dir, const char *name, uint8_t flags, size_t n)
 {
@@ -34,9 +33,9 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     (void)argv;
     kvt_log_set_level((kvt_log_level_t)(KVT_LOG_ERROR + 1));
     fz_template(&tp);
-    snprintf(run_dir, sizeof run_dir, "%s/run", fz_dir);
-    if (mkdir(run_dir, 0755) != 0)
-        fz_die(run_dir);
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/run", fz_dir);
+    fz_run_init(dir, &tp.data);
     const char *out = getenv("KVT_FUZZ_MAKE_SEEDS");
     if (out) {
         /* The whole map, and its header and entries only (the padding is the harness's). */
@@ -66,12 +65,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     if ((flags & 2) && n >= 32)
         memcpy(map, tp.live.p, 32);
-    fz_put(run_dir, "kvtier.data", tp.data.p, tp.data.n);
-    fz_put(run_dir, "kvtier.meta", tp.meta.p, tp.meta.n);
-    fz_put(run_dir, "namespaces", tp.ns.p, tp.ns.n);
-    fz_put(run_dir, "kvtier.live", map, n);
+    fz_run_reset();
+    fz_put(fz_run.dir, "kvtier.meta", tp.meta.p, tp.meta.n);
+    fz_put(fz_run.dir, "namespaces", tp.ns.p, tp.ns.n);
+    fz_put(fz_run.dir, "kvtier.live", map, n);
     kvt_tier_t *t = NULL;
-    if (fz_open(run_dir, &t) == 0) {
+    if (fz_open(fz_run.dir, &t) == 0) {
         fz_recover_and_use(t);
         kvt_tier_destroy(t);
     } else if (t) {

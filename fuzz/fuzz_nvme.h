@@ -1,11 +1,23 @@
 /*
  * fuzz_nvme.h: what the two NVMe harnesses (fuzz_nvme_recover.c, fuzz_live.c) share. A template
- * data directory is made once by the real tier: 2 segments of 1 MiB, one namespace, a chain of
- * blocks; its files are kept in memory. Each run lays a directory out from the template and the
+ * data directory is made once by the real tier: 2 segments of 64 KiB (the fuzz build allows
+ * segments that small: tiers/nvme.c's KVT_NVME_SEG_MIN; the daemon's smallest is 1 MiB, and 2 of
+ * those made every run read and scan 2 MiB), one namespace, a chain of blocks; its files are kept
+ * in memory. Each run lays a directory out from the template and the
  * input, opens the tier on it (the recovery scan), hands what it found to a stand-in index (every
  * other path taken, as an index out of room would), ends recovery, writes one new block and
  * reads it back. Directories live under $TMPDIR; the data file is buffered (direct = 2): tmpfs
  * refuses O_DIRECT, and the layout is the same.
+ *
+ * The run directory's data file is not written anew for each input: writing and truncating it
+ * was a third of each run. It is made once, mapped shared here, and kept equal to
+ * the template between runs by copying the template back over what changed: the bytes an input
+ * laid over it (fz_run_lay) and the record the run's tier wrote (fz_recover_and_use knows its
+ * location). Where that is not known (a write that failed on its way) the whole file is copied
+ * back, and a data file replaced or resized is made again. Every FZ_VERIFY_EVERY runs the whole
+ * file is compared with the template after the restore, and a difference aborts: it would be a
+ * write outside the record the tier named, or a restore that missed a byte (inputs depending on
+ * earlier ones).
  */
 #ifndef KVT_FUZZ_NVME_H
 #define KVT_FUZZ_NVME_H
@@ -16,16 +28,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "tier.h"
 
-#define FZ_SEG    (1u << 20)
-#define FZ_NSEGS  2u
-#define FZ_PAGE   16u
-#define FZ_BLOCKS 4u
-#define FZ_LEN    1000u /* payload bytes: records of 8 KiB */
+#define FZ_SEG          (64u << 10) /* the fuzz build's KVT_NVME_SEG_MIN (meson.build) */
+#define FZ_NSEGS        2u
+#define FZ_PAGE         16u
+#define FZ_BLOCKS       4u
+#define FZ_LEN          1000u /* payload bytes: records of 8 KiB */
+#define FZ_SECTOR       4096u
+#define FZ_VERIFY_EVERY 1024u
+#define FZ_DIRTY_MAX    8u
 
 typedef struct fz_file {
     uint8_t *p;
@@ -37,6 +53,24 @@ typedef struct fz_template {
 } fz_template_t;
 
 static char fz_dir[4096];
+
+typedef struct fz_range {
+    size_t off, n;
+} fz_range_t;
+
+/* The run directory and its data file: what of it may differ from the template. */
+typedef struct fz_run {
+    char dir[4200], data[4300];
+    const fz_file_t *tpl;
+    int fd;
+    uint8_t *map;
+    struct stat st;
+    fz_range_t dirty[FZ_DIRTY_MAX];
+    uint32_t ndirty, runs;
+    int all; /* 1: anything may differ (the next restore copies the whole file) */
+} fz_run_t;
+
+static fz_run_t fz_run;
 
 static void fz_die(const char *what)
 {
@@ -69,13 +103,109 @@ static void fz_get(const char *dir, const char *name, fz_file_t *f)
     close(fd);
 }
 
+/* Notes that [off, off + n) of the data file may differ from the template. */
+static void fz_run_dirty(size_t off, size_t n)
+{
+    size_t size = fz_run.tpl->n;
+    if (off >= size || n == 0)
+        return;
+    n = n < size - off ? n : size - off;
+    fz_range_t *last = fz_run.ndirty ? &fz_run.dirty[fz_run.ndirty - 1] : NULL;
+    if (last && last->off + last->n == off)
+        last->n += n; /* fz_run_zero's sectors, one after another */
+    else if (fz_run.ndirty == FZ_DIRTY_MAX)
+        fz_run.all = 1;
+    else
+        fz_run.dirty[fz_run.ndirty++] = (fz_range_t){.off = off, .n = n};
+}
+
+/* (Re)makes the run directory's data file from the template and maps it. */
+static void fz_run_map(void)
+{
+    if (fz_run.map)
+        munmap(fz_run.map, fz_run.tpl->n);
+    if (fz_run.fd >= 0)
+        close(fz_run.fd);
+    fz_put(fz_run.dir, "kvtier.data", fz_run.tpl->p, fz_run.tpl->n);
+    fz_run.fd = open(fz_run.data, O_RDWR | O_CLOEXEC);
+    if (fz_run.fd < 0 || fstat(fz_run.fd, &fz_run.st) != 0)
+        fz_die(fz_run.data);
+    fz_run.map = mmap(NULL, fz_run.tpl->n, PROT_READ | PROT_WRITE, MAP_SHARED, fz_run.fd, 0);
+    if (fz_run.map == MAP_FAILED)
+        fz_die("mmap");
+    fz_run.ndirty = 0;
+    fz_run.all = 0;
+}
+
+static void fz_run_init(const char *dir, const fz_file_t *tpl)
+{
+    snprintf(fz_run.dir, sizeof fz_run.dir, "%s", dir);
+    snprintf(fz_run.data, sizeof fz_run.data, "%s/kvtier.data", dir);
+    if (mkdir(dir, 0755) != 0)
+        fz_die(dir);
+    fz_run.tpl = tpl;
+    fz_run.fd = -1;
+    fz_run_map();
+}
+
+/*
+ * Brings the data file back to the template before a run. A data file that is no longer the one
+ * mapped (removed, replaced, resized by a tier) is made again; one where a byte differs outside
+ * what was noted dirty aborts, as that would be a harness that no longer runs what it says.
+ */
+static void fz_run_reset(void)
+{
+    struct stat st;
+    if (stat(fz_run.data, &st) != 0 || st.st_ino != fz_run.st.st_ino ||
+        st.st_dev != fz_run.st.st_dev || (size_t)st.st_size != fz_run.tpl->n) {
+        fz_run_map();
+        return;
+    }
+    const uint8_t *tp = fz_run.tpl->p;
+    if (fz_run.all) {
+        memcpy(fz_run.map, tp, fz_run.tpl->n);
+    } else {
+        for (uint32_t i = 0; i < fz_run.ndirty; i++)
+            memcpy(fz_run.map + fz_run.dirty[i].off, tp + fz_run.dirty[i].off, fz_run.dirty[i].n);
+    }
+    if (++fz_run.runs % FZ_VERIFY_EVERY == 0 && memcmp(fz_run.map, tp, fz_run.tpl->n) != 0)
+        fz_die("the data file differs from the template where no run wrote: a missed restore");
+    fz_run.ndirty = 0;
+    fz_run.all = 0;
+}
+
+/* Lays n bytes over the data file at off (the run's own changes to it), noting them. */
+static void fz_run_lay(size_t off, const void *p, size_t n)
+{
+    size_t size = fz_run.tpl->n;
+    if (off >= size)
+        return;
+    n = n < size - off ? n : size - off;
+    memcpy(fz_run.map + off, p, n);
+    fz_run_dirty(off, n);
+}
+
+/* Zeroes the data file where the template is not zero (whole sectors), noting them. */
+static inline void fz_run_zero(void) /* fuzz_nvme_recover only */
+{
+    static const uint8_t zero[FZ_SECTOR];
+    const uint8_t *tp = fz_run.tpl->p;
+    for (size_t off = 0; off + FZ_SECTOR <= fz_run.tpl->n; off += FZ_SECTOR)
+        if (memcmp(tp + off, zero, FZ_SECTOR) != 0)
+            fz_run_lay(off, zero, FZ_SECTOR);
+}
+
+/* Opens the tier on dir. Sparse: the run's data file is whole already (every byte of it the
+ * harness's), and preallocating it again walked its pages on each run (8 % of the time); the
+ * template's reads back the same either way. */
 static int fz_open(const char *dir, kvt_tier_t **t)
 {
     kvt_tier_nvme_conf_t c = {.dir = dir,
                               .capacity_bytes = (uint64_t)FZ_SEG * FZ_NSEGS,
                               .segment_bytes = FZ_SEG,
                               .queue_depth = 4,
-                              .direct = 2};
+                              .direct = 2,
+                              .sparse = 1};
     return kvt_tier_nvme_create(t, &c);
 }
 
@@ -96,7 +226,10 @@ static kvt_block_key_t fz_key(uint64_t seed, uint32_t i, uint32_t *tok)
                              .ntokens = FZ_PAGE};
 }
 
-/* Runs io (a read or a write) to its end; 0 or its status, or KVT_ETIMEDOUT. */
+/* Runs io (a read or a write) to its end; 0 or its status, or KVT_ETIMEDOUT. A write submitted
+ * to the run directory's tier notes the record it writes (tiers/nvme.c, "Segments and
+ * locations": segment, header sectors and first sector in the location; the record is the
+ * header region and the payload in whole sectors). */
 static int fz_io(kvt_tier_t *t, kvt_tier_io_t *io, int write)
 {
     int done = 0;
@@ -105,9 +238,16 @@ static int fz_io(kvt_tier_t *t, kvt_tier_io_t *io, int write)
     int rc = write ? kvt_tier_write(t, io) : kvt_tier_read(t, io);
     if (rc < 0)
         return rc;
+    if (write && fz_run.tpl) {
+        uint64_t seg = io->loc >> 20 & 0xfffff, hdr = io->loc >> 18 & 3, sector = io->loc & 0x3ffff;
+        fz_run_dirty(seg * FZ_SEG + sector * FZ_SECTOR,
+                     hdr * FZ_SECTOR + (io->len + FZ_SECTOR - 1) / FZ_SECTOR * FZ_SECTOR);
+    }
     for (int i = 0; i < 500 && !done; i++)
         if (kvt_tier_wait(t, 10) < 0)
             break;
+    if (write && fz_run.tpl && !(done && io->status == 0))
+        fz_run.all = 1; /* a write that failed on its way: check it all next time */
     return done ? io->status : KVT_ETIMEDOUT;
 }
 

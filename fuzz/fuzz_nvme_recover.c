@@ -16,8 +16,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 
 static fz_template_t tp;
-static char run_dir[4200];
-static const char meta_v1[] = "kvtier-nvme v1 segment_bytes=1048576 segments=2\n";
+static const char meta_v1[] = "kvtier-nvme v1 segment_bytes=65536 segments=2\n";
+_Static_assert(FZ_SEG == 65536 && FZ_NSEGS == 2, "meta_v1 says the geometry");
 
 static void seed(const char *dir, const char *name, uint8_t flags, size_t ns_len, size_t over)
 {
@@ -41,9 +41,9 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     (void)argv;
     kvt_log_set_level((kvt_log_level_t)(KVT_LOG_ERROR + 1)); /* damage is logged: keep runs quiet */
     fz_template(&tp);
-    snprintf(run_dir, sizeof run_dir, "%s/run", fz_dir);
-    if (mkdir(run_dir, 0755) != 0)
-        fz_die(run_dir);
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/run", fz_dir);
+    fz_run_init(dir, &tp.data);
     const char *out = getenv("KVT_FUZZ_MAKE_SEEDS");
     if (out) {
         size_t records = 4 * 8192; /* the template's records: 8 KiB each */
@@ -67,26 +67,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     data += 4;
     size -= 4;
     ns_len = ns_len < size ? ns_len : size;
-    static uint8_t file[FZ_SEG * FZ_NSEGS];
+    fz_run_reset();
     if (flags & 2)
-        memset(file, 0, sizeof file);
-    else
-        memcpy(file, tp.data.p, sizeof file);
-    memcpy(file + (size_t)seg * FZ_SEG, data + ns_len, size - ns_len);
-    fz_put(run_dir, "kvtier.data", file, sizeof file);
+        fz_run_zero();
+    fz_run_lay((size_t)seg * FZ_SEG, data + ns_len, size - ns_len);
+    const char *dir = fz_run.dir;
     if (flags & 1)
-        fz_put(run_dir, "kvtier.meta", meta_v1, sizeof meta_v1 - 1);
+        fz_put(dir, "kvtier.meta", meta_v1, sizeof meta_v1 - 1);
     else
-        fz_put(run_dir, "kvtier.meta", tp.meta.p, tp.meta.n);
-    fz_put(run_dir, "kvtier.live", tp.live.p, tp.live.n);
+        fz_put(dir, "kvtier.meta", tp.meta.p, tp.meta.n);
+    fz_put(dir, "kvtier.live", tp.live.p, tp.live.n);
     char ns[4300];
-    snprintf(ns, sizeof ns, "%s/namespaces", run_dir);
+    snprintf(ns, sizeof ns, "%s/namespaces", dir);
     if (flags & 4)
         unlink(ns);
     else
-        fz_put(run_dir, "namespaces", data, ns_len);
+        fz_put(dir, "namespaces", data, ns_len);
     kvt_tier_t *t = NULL;
-    if (fz_open(run_dir, &t) == 0) {
+    if (fz_open(dir, &t) == 0) {
         fz_recover_and_use(t);
         kvt_tier_destroy(t);
     } else if (t) {
