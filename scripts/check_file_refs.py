@@ -19,9 +19,10 @@ file's installed name. A reference into an older commit (`git show REV:path`) is
 import io
 import os
 import re
-import subprocess
 import sys
 import tokenize
+
+from check_self_contained import tracked  # the tracked files, or a walk without git
 
 NAME = re.compile(r"(?<![\w./\-:$%])((?:[\w\-]+/)*[\w\-]+\.(?:c|h|py))\b(?![\w(\-])")
 # Names that are right although no tracked file has them, each with why.
@@ -36,19 +37,6 @@ KNOWN = {
     "extstore.h": "memcached's",
 }
 C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
-
-
-def tracked(root: str) -> list:
-    try:
-        out = subprocess.run(["git", "-C", root, "ls-files", "-z"], capture_output=True,
-                             check=True).stdout
-        return [p for p in out.decode().split("\0") if p]
-    except (OSError, subprocess.CalledProcessError):
-        found = []
-        for d, dirs, files in os.walk(root):
-            dirs[:] = [x for x in dirs if not x.startswith((".git", "build", ".gpu"))]
-            found += [os.path.relpath(os.path.join(d, f), root) for f in files]
-        return found
 
 
 def c_prose(text: str) -> list:
