@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import enum
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -191,6 +192,19 @@ def _payload(payload: Optional[Buffer], bb: int) -> Tuple[Any, int]:
     return (pp if size else ffi.NULL), size // bb
 
 
+def _unpin(c: Any) -> None:
+    """Undoes kvtier.gpucopy's CUDA registration of the client's mapping, if it made one,
+    before the mapping goes (a registration must not outlive the memory it pins). Looked up
+    in sys.modules: a process that never copied engine tensors never imports it (nor torch)."""
+    g = sys.modules.get("kvtier.gpucopy")
+    if g is None or not g.registrations():
+        return
+    n = ffi.new("uint64_t *")
+    p = lib.kvt_client_mapping(c, n)
+    if n[0]:
+        g.unregister(int(ffi.cast("uintptr_t", p)), int(n[0]))
+
+
 def _collect_block_py(arg: Any, page: int, tier: int, data: Any, length: int) -> int:
     ffi.from_handle(arg).append(ffi.buffer(data, length)[:])
     return 0
@@ -297,6 +311,7 @@ class Client(KeysMixin, HintsMixin):
         with self._lock:
             self._close_keys()
             if self._c != ffi.NULL:
+                _unpin(self._c)
                 lib.kvt_client_close(self._c)
                 self._c = ffi.NULL
 
@@ -310,6 +325,7 @@ class Client(KeysMixin, HintsMixin):
         self._close_keys()
         c = getattr(self, "_c", ffi.NULL)
         if c != ffi.NULL:
+            _unpin(c)
             lib.kvt_client_close(c)
             self._c = ffi.NULL
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from .. import gpucopy
 from .._lib import ffi
 
 # A CPU tensor's bytes as numpy sees them: an integer type of the element's size (numpy has no
@@ -74,11 +75,55 @@ class _Layout:
         v = staging[:, o:o + s].view(dtype)
         return v.view(staging.shape[0], *self.shapes[layer])
 
+    # A CUDA tensor's copies go through kvtier.gpucopy (pinned memory, one transfer per run of
+    # pages per layer, on its own stream, done when the call returns); a CPU tensor's, or a
+    # CUDA one's with gpucopy's strategy "pageable", are the ones below.
+    def _gpu(self, layer: int, kv: torch.Tensor, blocks: List[int],
+             segments: List[gpucopy.Segment], out: bool) -> bool:
+        """Whether gpucopy made this layer's copy (False: not a CUDA tensor, or pageable)."""
+        c = gpucopy.copier_for(kv)
+        if c is None:
+            return False
+        kvb = kv.movedim(self.dims[layer], 0)
+        if out:
+            return c.to_host(kvb, blocks, segments, self.sizes[layer], self.dtypes[layer])
+        return c.to_device(kvb, blocks, segments, self.sizes[layer], self.dtypes[layer])
+
+    def _staged(self, staging: torch.Tensor, layer: int, rows: int) -> List[gpucopy.Segment]:
+        """This layer's slot in the first ``rows`` staging pages, as one host segment."""
+        if staging.is_cuda:
+            raise gpucopy.GpuCopyError(gpucopy.EINVAL, "a staging buffer on the device")
+        return [(staging.data_ptr() + self.offsets[layer],
+                 staging.stride(0) * staging.element_size(), rows)]
+
+    def _run_rows(self, runs: List[_Run], layer: int
+                  ) -> Tuple[List[int], List[gpucopy.Segment]]:
+        """The runs' blocks and this layer's slots in their pages, as host segments. Runs that
+        follow each other in memory at one spacing are one segment whatever their block ids
+        (a run needs consecutive blocks; the device gathers any blocks): vLLM's block ids are
+        seldom consecutive, a reservation's pages often are."""
+        blocks = [b for r in runs for b in range(r.block, r.block + r.n)]
+        off, width = self.offsets[layer], self.sizes[layer]
+        segs: List[gpucopy.Segment] = []
+        for r in runs:
+            a = r.addr + off
+            if segs:
+                pa, pd, pn = segs[-1]
+                d = pd if pn > 1 else a - pa
+                if d >= width and a == pa + pn * d and (r.n == 1 or r.stride == d):
+                    segs[-1] = (pa, d, pn + r.n)
+                    continue
+            segs.append((a, r.stride, r.n))
+        return blocks, segs
+
     # One copy per block: index_select / index_copy_ over the block dimension measured 10-25x
     # slower on CPU (bf16, 64 KiB slices: 0.1-0.4 against 1-2.8 GiB/s).
     def gather(self, staging: torch.Tensor, layer: int, kv: torch.Tensor,
                blocks: List[int]) -> None:
         """Copies this layer's slice of each block in ``blocks`` into the staging pages."""
+        if kv.is_cuda and self._gpu(layer, kv, blocks,
+                                    self._staged(staging, layer, len(blocks)), True):
+            return
         dst, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
         a, d = _np(kv), _np(dst)
         if a is not None and d is not None:
@@ -92,6 +137,9 @@ class _Layout:
     def scatter(self, staging: torch.Tensor, layer: int, kv: torch.Tensor,
                 blocks: List[int]) -> None:
         """Copies this layer's slice of the staging pages into the blocks of ``kv``."""
+        if kv.is_cuda and self._gpu(layer, kv, blocks,
+                                    self._staged(staging, layer, len(blocks)), False):
+            return
         src, dim = self._slot(staging, layer, kv.dtype), self.dims[layer]
         a, d = _np(kv), _np(src)
         if a is not None and d is not None:
@@ -128,7 +176,8 @@ class _Layout:
                     d = step
                     k += 1
             out.append(_Run(blocks[j], k - j, self._run_arrays(addrs[j], k - j, d, uniform),
-                            functools.partial(self._run_slots, addrs[j], k - j, d, uniform)))
+                            functools.partial(self._run_slots, addrs[j], k - j, d, uniform),
+                            addr=addrs[j], stride=d))
             j = k
         return out
 
@@ -196,7 +245,9 @@ class _Layout:
     def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
         """Copies this layer of each run's blocks straight into its pages' slots: on the CPU
         one numpy copy per run (bench_vllm: about twice torch's copy_ of one block at a time,
-        docs/benchmarks.md)."""
+        docs/benchmarks.md); on a GPU through kvtier.gpucopy, one transfer per run)."""
+        if kv.is_cuda and self._gpu(layer, kv, *self._run_rows(runs, layer), True):
+            return
         a = self._blocks_np(layer, kv)
         if a is not None and all(r.arrays for r in runs):
             for r in runs:
@@ -214,6 +265,8 @@ class _Layout:
     def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
         """Copies this layer of each run's pages straight into its blocks of ``kv`` (on the
         CPU one numpy copy per run, as gather_runs)."""
+        if kv.is_cuda and self._gpu(layer, kv, *self._run_rows(runs, layer), False):
+            return
         a = self._blocks_np(layer, kv)
         if a is not None and all(r.arrays for r in runs):
             for r in runs:
@@ -251,6 +304,8 @@ class _Run:
     arrays: List[np.ndarray]
     make_slots: Callable[[], List[torch.Tensor]]
     _slots: Optional[List[torch.Tensor]] = None
+    addr: int = 0  # where the first page lies, and the pages' spacing (the GPU copies)
+    stride: int = 0
 
     @property
     def slots(self) -> List[torch.Tensor]:

@@ -543,6 +543,10 @@ class WorkerSide:
                     self._abort(resv)
                 return 0
             return self._store_pages(t, resv, rows, staging, stored)
+        except Exception:
+            if not job.copied and resv is not None and resv.id:  # a copy failed part-way:
+                self._abort(resv)  # none of its pages becomes visible, half-written or not
+            raise
         finally:
             if staging is not None:
                 self._give_staging(staging)
