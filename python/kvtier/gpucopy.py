@@ -10,16 +10,21 @@ layer's blocks are gathered (``index_select``) into, or scattered (``index_copy_
 contiguous staging tensor (none when the blocks are consecutive and already contiguous), so each
 segment is one host transfer whatever the engine's block layout. Two strategies:
 
-- ``register``: the mapping is registered with CUDA (``cudaHostRegister``, portable) lazily,
-  once, at the first copy that touches it; each segment is one ``cudaMemcpy2DAsync`` straight
-  between the device and the pages. Only the daemon's arena mappings are registered (named
-  ``memfd:kvtier-ns-...`` in /proc/self/maps), never other memory: a segment elsewhere (bytes
-  that came through the socket, a staging buffer) goes through the bounce pool. The
-  registration is undone when the client that mapped the arena closes (``unregister``, called
-  by Client.close before it unmaps) and at exit.
+- ``register``: the pages' span is registered with CUDA (``cudaHostRegister``, portable) while
+  a reservation or a lease holds them (Pin: made at a job's first copy, undone when the job
+  drops its runs, before its COMMIT or RELEASE), and each segment is one ``cudaMemcpy2DAsync``
+  straight between the device and the pages. Not the whole mapping, once: see "Why a span" below.
 - ``bounce``: a pinned buffer of at most ``bounce_bytes`` (``KVTIER_GPU_BOUNCE_MB``, 64 MiB),
   made once and reused: the rows go through it in chunks (one device-to-host copy, then numpy
   copies into the pages' places; or the reverse).
+
+Why a span, not the whole mapping once: the daemon's arenas are sparse memfds whose freed pages
+it punches out (tiers/dram.c; within about a second). A registration pins the physical pages it
+found: a page punched after it leaves the file, and a later block at that place lives in a new
+page while the registration, and every copy through it, still points at the old one: the bytes
+would go nowhere. Registering the whole mapping would also make all of it resident (an arena is
+as large as the DRAM region). A span held by a reservation or a lease is live blocks, which the
+daemon never punches.
 
 The copies run on the copier's stream; an event recorded after them is synchronised before the
 call returns, so the caller commits a reservation or releases a lease only once the bytes are
@@ -29,8 +34,9 @@ caller then gives back) and raises GpuCopyError: the caller aborts the reservati
 Selection (``copier_for``): a CPU tensor, or a torch without CUDA: None, the caller's own path,
 unchanged. ``KVTIER_GPU_COPY`` (``auto``, the default, ``register``, ``bounce`` or
 ``pageable``): ``auto`` is ``register`` where the CUDA runtime library can be loaded (the one
-torch loaded) and ``bounce`` where it cannot (logged once); a registration that fails moves
-that copier to ``bounce`` (logged once); a bounce pool that cannot be allocated (out of pinned
+torch loaded) and ``bounce`` where it cannot (logged once); a registration CUDA refuses moves
+that copier to ``bounce`` (logged once; a span sharing a page with another registration goes
+through the pool alone); a bounce pool that cannot be allocated (out of pinned
 memory) moves it to ``pageable``, the caller's own path (torch's pageable copies; logged once).
 """
 
@@ -181,106 +187,93 @@ def _cuda_error(rt: Any, rc: int, what: str) -> GpuCopyError:
     return GpuCopyError(EINVAL, "%s: CUDA error %d (%s)" % (what, rc, name))
 
 
-# == registrations of the daemon's arena mappings (process-wide, as CUDA's are) ====================
+# == registrations: a span of pages, pinned while a reservation or a lease holds it ==============
 
 _reg_lock = threading.Lock()
-_registered: Dict[int, int] = {}  # start -> bytes: registered by this module, to undo
-_pinned_by_others: Dict[int, int] = {}  # start -> bytes: registered already (not ours to undo)
-# Mappings seen not to be arenas (start -> bytes), so that a staging buffer or socket bytes do
-# not read /proc/self/maps at every copy. Bounded; a stale entry only sends a copy through the
-# bounce pool.
-_not_arena: Dict[int, int] = {}
+_live: Dict[int, "Pin"] = {}  # id -> registered span, undone by close()
 
 
-def _mapping_of(addr: int) -> Optional[Tuple[int, int, bool]]:
-    """The mapping holding ``addr`` as (start, bytes, whether it is a kvtier arena), from
-    /proc/self/maps; None when none holds it."""
+class Pin:
+    """A span [addr, addr + nbytes) of host memory registered with CUDA until close(), which
+    its holder's death also calls (the layout's runs hold it: the worker drops them before its
+    COMMIT or RELEASE). Made by pin()."""
+
+    def __init__(self, rt: Any, addr: int, nbytes: int) -> None:
+        self._rt, self.addr, self.nbytes = rt, addr, nbytes
+        self.open = True
+
+    def close(self) -> None:
+        with _reg_lock:
+            if not self.open:
+                return
+            self.open = False
+            _live.pop(id(self), None)
+        rc = self._rt.cudaHostUnregister(ctypes.c_void_p(self.addr))
+        if rc != 0:
+            err = _cuda_error(self._rt, rc, "cudaHostUnregister of %d bytes" % self.nbytes)
+            log.warning("kvtier: %s", err)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit
+            pass
+
+
+def pin(rt: Any, addr: int, nbytes: int) -> Optional[Pin]:
+    """Registers [addr, addr + nbytes) with CUDA (portable: every device's context). None when
+    part of it is registered already (a span sharing a page with another: it goes through the
+    bounce pool rather than register twice). Raises GpuCopyError when CUDA refuses."""
+    rc = rt.cudaHostRegister(ctypes.c_void_p(addr), nbytes, _PORTABLE)
+    if rc == _ALREADY:
+        rt.cudaGetLastError()  # as _cuda_error: not left for torch to find
+        return None
+    if rc != 0:
+        raise _cuda_error(rt, rc, "cudaHostRegister of %d bytes" % nbytes)
+    p = Pin(rt, addr, nbytes)
+    with _reg_lock:
+        _live[id(p)] = p
+    return p
+
+
+def registrations() -> int:
+    """How many spans are registered with CUDA by this module and not yet undone."""
+    with _reg_lock:
+        return len(_live)
+
+
+def unregister(addr: int, nbytes: int) -> int:
+    """Undoes the registrations inside [addr, addr + nbytes) (a mapping about to be unmapped:
+    Client.close calls it; none should be left by then). Returns how many; never raises."""
+    with _reg_lock:
+        inside = [p for p in _live.values() if addr <= p.addr < addr + nbytes]
+    for p in inside:
+        p.close()
+    return len(inside)
+
+
+@atexit.register
+def _unregister_all() -> None:
+    with _reg_lock:
+        left = list(_live.values())
+    for p in left:
+        p.close()
+
+
+def arena_of(addr: int) -> Optional[Tuple[int, int]]:
+    """The kvtier arena mapping holding ``addr`` as (start, bytes), from /proc/self/maps, or
+    None (the heap, a staging buffer, bytes that came through the socket): for diagnostics and
+    tests."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 p = line.split(None, 5)
                 lo, hi = (int(x, 16) for x in p[0].split("-"))
                 if lo <= addr < hi:
-                    return lo, hi - lo, len(p) == 6 and _ARENA_TAG in p[5]
+                    return (lo, hi - lo) if len(p) == 6 and _ARENA_TAG in p[5] else None
     except (OSError, ValueError):
         pass
     return None
-
-
-def arena_of(addr: int) -> Optional[Tuple[int, int]]:
-    """The kvtier arena mapping holding ``addr`` as (start, bytes), or None when ``addr`` lies
-    in no such mapping (the heap, a staging buffer, bytes that came through the socket)."""
-    got = _mapping_of(addr)
-    return (got[0], got[1]) if got is not None and got[2] else None
-
-
-def registrations() -> int:
-    """How many arena mappings this module has registered with CUDA and not yet undone."""
-    with _reg_lock:
-        return len(_registered)
-
-
-def _covered(addr: int, end: int) -> bool:
-    for table in (_registered, _pinned_by_others):
-        for lo, n in table.items():
-            if lo <= addr and end <= lo + n:
-                return True
-    return False
-
-
-def _register(rt: Any, addr: int, end: int) -> bool:
-    """Whether [addr, end) lies in a registered arena mapping, registering the mapping that
-    holds it on first use (once: a mapping is never registered twice). False for memory that
-    is not an arena mapping. Raises GpuCopyError when CUDA refuses the registration."""
-    with _reg_lock:
-        if _covered(addr, end):
-            return True
-        if any(lo <= addr < lo + n for lo, n in _not_arena.items()):
-            return False
-        got = _mapping_of(addr)
-        if got is None or not got[2]:
-            if got is not None:
-                if len(_not_arena) >= 64:
-                    _not_arena.clear()
-                _not_arena[got[0]] = got[1]
-            return False
-        lo, n, _ = got
-        if end > lo + n:
-            return False
-        rc = rt.cudaHostRegister(ctypes.c_void_p(lo), n, _PORTABLE)
-        if rc == _ALREADY:
-            rt.cudaGetLastError()  # as _cuda_error: not left for torch to find
-            _pinned_by_others[lo] = n
-            return True
-        if rc != 0:
-            raise _cuda_error(rt, rc, "cudaHostRegister of the arena mapping (%d bytes)" % n)
-        _registered[lo] = n
-        return True
-
-
-def unregister(addr: int, nbytes: int) -> int:
-    """Undoes this module's registrations inside [addr, addr + nbytes) (a mapping about to be
-    unmapped: Client.close calls it). Returns how many it undid; never raises (an error is
-    logged)."""
-    with _reg_lock:
-        done = 0
-        _ = [_pinned_by_others.pop(lo) for lo in list(_pinned_by_others)
-             if addr <= lo < addr + nbytes]
-        for lo in [lo for lo in _registered if addr <= lo < addr + nbytes]:
-            n = _registered.pop(lo)
-            rt = cudart()
-            rc = rt.cudaHostUnregister(ctypes.c_void_p(lo)) if rt is not None else -1
-            if rc != 0:
-                log.warning("kvtier: cudaHostUnregister of %d bytes at %#x: %s", n, lo,
-                            rc if rt is None else rt.cudaGetErrorString(rc))
-            done += 1
-        return done
-
-
-@atexit.register
-def _unregister_all() -> None:
-    for lo, n in list(_registered.items()):
-        unregister(lo, n)
 
 
 # == the copier ==================================================================================
@@ -401,22 +394,41 @@ class Copier:
 
     # -- copies --
 
+    def pin(self, addr: int, nbytes: int) -> Optional[Pin]:
+        """A registration of [addr, addr + nbytes) for the register strategy (None with
+        another strategy, or where part of it is registered already). A registration CUDA
+        refuses moves this copier to the bounce pool (logged)."""
+        if self.strategy != "register" or nbytes <= 0:
+            return None
+        with self._lock, self._ctx():
+            try:
+                return pin(self._rt, addr, nbytes)
+            except GpuCopyError as e:
+                log.warning("kvtier: %s: engine tensors go through a pinned bounce pool", e)
+                self.strategy = "bounce"
+                return None
+
     def to_host(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
-                width: int, dtype: Optional[torch.dtype] = None) -> bool:
+                width: int, dtype: Optional[torch.dtype] = None,
+                pinned: Optional[Sequence[bool]] = None) -> bool:
         """Copies blocks ``blocks`` of ``kv`` (a layer, block dimension first, on this
         copier's device) into the host rows of ``segments`` (``width`` bytes each, in block
-        order). Returns False, having copied nothing, when the strategy is ``pageable`` (the
-        caller copies). Raises GpuCopyError (nothing it wrote to be committed)."""
-        return self._copy(kv, blocks, segments, width, dtype, True)
+        order); ``pinned[i]``: segment i lies in a live Pin (copied straight, with the register
+        strategy; the others go through the bounce pool). Returns False, having copied nothing,
+        when the strategy is (or falls back to) ``pageable``: the caller copies. Raises
+        GpuCopyError (nothing it wrote to be committed)."""
+        return self._copy(kv, blocks, segments, width, dtype, pinned, True)
 
     def to_device(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
-                  width: int, dtype: Optional[torch.dtype] = None) -> bool:
+                  width: int, dtype: Optional[torch.dtype] = None,
+                  pinned: Optional[Sequence[bool]] = None) -> bool:
         """The reverse of to_host: the host rows into the blocks of ``kv``; once it returns
         the blocks hold them."""
-        return self._copy(kv, blocks, segments, width, dtype, False)
+        return self._copy(kv, blocks, segments, width, dtype, pinned, False)
 
     def _copy(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
-              width: int, dtype: Optional[torch.dtype], out: bool) -> bool:
+              width: int, dtype: Optional[torch.dtype], pinned: Optional[Sequence[bool]],
+              out: bool) -> bool:
         self._check(kv, width, dtype)
         self._check_rows(blocks, segments, width)
         if not blocks:
@@ -424,12 +436,20 @@ class Copier:
         with self._lock:
             if self.strategy == "pageable":
                 return False
+            direct = [bool(pinned and pinned[i]) and self.strategy == "register"
+                      for i in range(len(segments))]
+            pooled = sum(r for (_, _, r), d in zip(segments, direct) if not d)
+            if pooled:
+                try:  # made (or found) before anything moves: its failure copies nothing
+                    self.pool.take(pooled * width)
+                except RuntimeError as e:  # out of pinned memory
+                    log.warning("kvtier: no pinned bounce pool of %d bytes (%s): engine tensors "
+                                "are copied pageable", min(pooled * width, self.pool.cap), e)
+                    self.strategy = "pageable"
+                    return False
             try:
                 with self._ctx():
-                    if self.strategy == "register" and self._registered(segments, width):
-                        (self._out_2d if out else self._in_2d)(kv, blocks, segments, width)
-                    elif not self._bounce(kv, blocks, segments, width, out):
-                        return False
+                    (self._out if out else self._in)(kv, blocks, segments, width, direct)
                     self._sync()
             except GpuCopyError:
                 self._drain()
@@ -440,106 +460,102 @@ class Copier:
                     "from" if out else "to", e)) from e
             return True
 
-    def _registered(self, segments: Sequence[Segment], width: int) -> bool:
-        """Whether every segment lies in a registered arena mapping (registering it on first
-        use). A registration CUDA refuses moves this copier to the bounce pool."""
-        try:
-            return all(_register(self._rt, a, a + (r - 1) * p + width) for a, p, r in segments)
-        except GpuCopyError as e:
-            log.warning("kvtier: %s: engine tensors go through a pinned bounce pool", e)
-            self.strategy = "bounce"
-            return False
-
     def _memcpy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, rows: int,
                   kind: int) -> None:
-        assert self._stream is not None
+        stream = self._stream.cuda_stream if self._stream is not None else None
         rc = self._rt.cudaMemcpy2DAsync(ctypes.c_void_p(dst), dpitch, ctypes.c_void_p(src),
-                                        spitch, width, rows, kind,
-                                        ctypes.c_void_p(self._stream.cuda_stream))
+                                        spitch, width, rows, kind, ctypes.c_void_p(stream))
         if rc != 0:
             raise _cuda_error(self._rt, rc, "cudaMemcpy2DAsync of %d rows of %d bytes" % (
                 rows, width))
         self.transfers += 1
 
-    def _out_2d(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
-                width: int) -> None:
-        src = self._consecutive(kv, blocks)
-        if src is None:
-            src = torch.index_select(kv, 0, self._index(blocks))  # contiguous, on the stream
-        base, at = src.data_ptr(), 0
-        for addr, pitch, rows in segments:
-            self._memcpy2d(addr, pitch, base + at * width, width, width, rows, _D2H)
-            at += rows
+    @staticmethod
+    def _routes(segments: Sequence[Segment], width: int, direct: List[bool]
+                ) -> Tuple[List[Tuple[int, Segment]], List[int], List[np.ndarray]]:
+        """The direct segments with their first row, and the pooled rows: their row numbers
+        and their host rows (numpy views), in block order."""
+        straight: List[Tuple[int, Segment]] = []
+        rows: List[int] = []
+        host: List[np.ndarray] = []
+        at = 0
+        for seg, d in zip(segments, direct):
+            if d:
+                straight.append((at, seg))
+            else:
+                rows.extend(range(at, at + seg[2]))
+                host.append(host_rows(seg[0], seg[1], seg[2], width))
+            at += seg[2]
+        return straight, rows, host
 
-    def _in_2d(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
-               width: int) -> None:
+    def _out(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
+             width: int, direct: List[bool]) -> None:
+        src = self._consecutive(kv, blocks)
+        if src is None:  # the blocks gathered on the device, contiguous
+            src = torch.index_select(kv, 0, self._index(blocks))
+        flat = self._bytes(src).view(len(blocks), width)
+        straight, rows, host = self._routes(segments, width, direct)
+        for at, (addr, pitch, n) in straight:
+            self._memcpy2d(addr, pitch, src.data_ptr() + at * width, width, width, n, _D2H)
+        if not rows:
+            return
+        if rows != list(range(rows[0], rows[0] + len(rows))):
+            flat = flat.index_select(0, self._index(rows))
+        else:
+            flat = flat[rows[0]:rows[0] + len(rows)]
+        buf = self.pool.take(len(rows) * width)
+        for first, n in chunks(len(rows), width, buf.numel()):
+            part = buf[:n * width]
+            part.copy_(flat[first:first + n].reshape(-1), non_blocking=self.cuda)
+            self._sync()  # the pool's bytes in before the host reads them
+            _spread(part.numpy().reshape(n, width), host, first, n, True)
+            self.transfers += 1
+
+    def _in(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
+            width: int, direct: List[bool]) -> None:
         dst = self._consecutive(kv, blocks)
         staging = None
         if dst is None:
-            staging = torch.empty((len(blocks), *kv.shape[1:]), dtype=kv.dtype,
-                                  device=self.device)
-            dst = staging
-        base, at = dst.data_ptr(), 0
-        for addr, pitch, rows in segments:
-            self._memcpy2d(base + at * width, width, addr, pitch, width, rows, _H2D)
-            at += rows
+            staging = dst = torch.empty((len(blocks), *kv.shape[1:]), dtype=kv.dtype,
+                                        device=self.device)
+        flat = self._bytes(dst).view(len(blocks), width)
+        straight, rows, host = self._routes(segments, width, direct)
+        for at, (addr, pitch, n) in straight:
+            self._memcpy2d(dst.data_ptr() + at * width, width, addr, pitch, width, n, _H2D)
+        if rows:
+            run = rows == list(range(rows[0], rows[0] + len(rows)))
+            buf = self.pool.take(len(rows) * width)
+            for first, n in chunks(len(rows), width, buf.numel()):
+                part = buf[:n * width]
+                _spread(part.numpy().reshape(n, width), host, first, n, False)
+                if run:
+                    a = rows[0] + first
+                    flat[a:a + n].copy_(part.view(n, width), non_blocking=self.cuda)
+                else:
+                    tmp = part.view(n, width).to(self.device, non_blocking=self.cuda)
+                    flat.index_copy_(0, self._index(rows[first:first + n]), tmp)
+                self._sync()  # the pool is free again before the next chunk fills it
+                self.transfers += 1
         if staging is not None:
             kv.index_copy_(0, self._index(blocks), staging)
 
-    def _bounce(self, kv: torch.Tensor, blocks: Sequence[int], segments: Sequence[Segment],
-                width: int, out: bool) -> bool:
-        """Through the pinned pool, chunk by chunk. False (nothing copied; the copier is
-        ``pageable`` from then on) when the pool cannot be allocated."""
-        try:
-            buf = self.pool.take(len(blocks) * width)
-        except RuntimeError as e:  # out of pinned memory
-            log.warning("kvtier: no pinned bounce pool of %d bytes (%s): engine tensors are "
-                        "copied pageable", min(len(blocks) * width, self.pool.cap), e)
-            self.strategy = "pageable"
-            return False
-        # Each host row's place, in block order: the chunks cut across segments.
-        rows = [host_rows(a, p, r, width) for a, p, r in segments]
-        where = [(i, k) for i, (_, _, r) in enumerate(segments) for k in range(r)]
-        for first, n in chunks(len(blocks), width, buf.numel()):
-            part = blocks[first:first + n]
-            flat = buf[:n * width]
-            host = flat.numpy().reshape(n, width)
-            if out:
-                src = self._consecutive(kv, part)
-                if src is None:
-                    src = torch.index_select(kv, 0, self._index(part))
-                flat.copy_(self._bytes(src), non_blocking=self.cuda)
-                self._sync()  # the pool's bytes in before the host reads them
-                self._spread(host, rows, where[first:first + n], out)
-            else:
-                self._spread(host, rows, where[first:first + n], out)
-                dst = self._consecutive(kv, part)
-                if dst is not None:
-                    self._bytes(dst).copy_(flat, non_blocking=self.cuda)
-                else:
-                    st = torch.empty((n, *kv.shape[1:]), dtype=kv.dtype, device=self.device)
-                    self._bytes(st).copy_(flat, non_blocking=self.cuda)
-                    kv.index_copy_(0, self._index(part), st)
-                self._sync()  # the pool is free again before the next chunk fills it
-            self.transfers += 1
-        return True
 
-    @staticmethod
-    def _spread(host: np.ndarray, rows: List[np.ndarray], where: List[Tuple[int, int]],
-                out: bool) -> None:
-        """Between the pool's rows and the segments' rows: one numpy copy per stretch of one
-        segment."""
-        j = 0
-        while j < len(where):
-            i, k = where[j]
-            n = 1
-            while j + n < len(where) and where[j + n] == (i, k + n):
-                n += 1
-            if out:
-                np.copyto(rows[i][k:k + n], host[j:j + n])
-            else:
-                np.copyto(host[j:j + n], rows[i][k:k + n])
-            j += n
+def _spread(pool: np.ndarray, host: List[np.ndarray], first: int, n: int, out: bool) -> None:
+    """Between the pool's ``n`` rows and pooled rows [first, first + n) of the segments'
+    ``host`` rows (concatenated in order): one numpy copy per stretch of one segment."""
+    i, k = 0, first
+    while k >= host[i].shape[0]:
+        k -= host[i].shape[0]
+        i += 1
+    j = 0
+    while j < n:
+        m = min(n - j, host[i].shape[0] - k)
+        if out:
+            np.copyto(host[i][k:k + m], pool[j:j + m])
+        else:
+            np.copyto(pool[j:j + m], host[i][k:k + m])
+        j += m
+        i, k = i + 1, 0
 
 
 class _Nothing:

@@ -11,8 +11,10 @@ The vLLM worker aborts a reservation whose copy failed part-way.
 On a GPU (run.sh suite): each strategy's round trip GPU tensor -> arena -> GPU tensor through the
 vLLM layout's copy code, byte for byte, with the registrations counted before and after."""
 
+import ctypes
 import logging
 import os
+import random
 from typing import Any, Dict, List
 
 import pytest
@@ -145,11 +147,13 @@ def test_runs_in_memory_order_are_one_segment() -> None:
             run(1, 1, base + 5 * PAGE),  # a gap: the spacing changes
             run(2, 1, base + 7 * PAGE),  # the new spacing (2 pages), kept
             run(5, 1, base)]  # back before: a new segment
-    blocks, segs = lay._run_rows(runs, 2)
+    blocks, segs, groups = lay._run_rows(runs, 2)
     assert blocks == [9, 3, 4, 20, 1, 2, 5]
     off = 2 * SLICE
     assert segs == [(base + off, PAGE, 4), (base + 5 * PAGE + off, 2 * PAGE, 2),
                     (base + off, PAGE, 1)]
+    assert groups == [(0, 3), (3, 5), (5, 6)]
+    assert lay._run_rows(runs, 0)[2] == groups, "the same stretches for every layer"
 
 
 # == the bounce pool ============================================================================
@@ -225,7 +229,7 @@ def test_bounce_path_round_trip_through_a_reservation(gd: Daemon, cap: int) -> N
         ref = lay.runs(list(rb.views), blocks)
         assert len(runs) >= 2
         for li, n in enumerate(lay.names):
-            b, segs = lay._run_rows(runs, li)
+            b, segs, _ = lay._run_rows(runs, li)
             assert cp.to_host(kv[n].movedim(1, 0), b, segs, SLICE, DT)
             lay.gather_runs(ref, li, kv[n])  # the connector's CPU path, for comparison
         runs.clear()
@@ -238,7 +242,7 @@ def test_bounce_path_round_trip_through_a_reservation(gd: Daemon, cap: int) -> N
         dest = [NB - 1 - i for i in range(len(blocks))]  # descending: no run
         runs = lay.runs(va, dest)
         for li, n in enumerate(lay.names):
-            b, segs = lay._run_rows(runs, li)
+            b, segs, _ = lay._run_rows(runs, li)
             assert cp.to_device(back[n].movedim(1, 0), b, segs, SLICE, DT)
         runs.clear()
         c.release(ma.lease)
@@ -262,6 +266,49 @@ def test_bounce_path_staging_rows() -> None:
                           SLICE, DT)
         lay.gather(ref, li, kv[n], blocks)
     assert torch.equal(mine, ref)
+
+
+class _RowCopies:
+    """cudaMemcpy2DAsync's contract on host memory, row by row (memmove): the stand-in for the
+    CUDA runtime in the next test, which checks how a copy splits between the straight 2D
+    copies and the bounce pool; the real runtime is test_cuda_round_trip_through_the_arena's."""
+
+    def cudaMemcpy2DAsync(self, dst: Any, dpitch: int, src: Any, spitch: int, width: int,
+                          rows: int, kind: int, stream: Any) -> int:
+        for i in range(rows):
+            ctypes.memmove(dst.value + i * dpitch, src.value + i * spitch, width)
+        return 0
+
+
+def test_straight_and_pooled_segments_mixed() -> None:
+    """Segments of random sizes and pitches, some pinned (straight 2D copies) and some not (the
+    bounce pool, in chunks that cut across segments), blocks shuffled or consecutive: every
+    row lands where it belongs, both ways, and no other block is written."""
+    rnd = random.Random(5)
+    cp = _cpu_copier(SLICE * 3)
+    cp._rt, cp.strategy = _RowCopies(), "register"
+    for _ in range(60):
+        kv = torch.randint(0, 255, (2, NB, SLICE // 2), dtype=torch.uint8)
+        kvb = kv.movedim(1, 0)
+        n = rnd.randint(1, 12)
+        blocks = rnd.sample(range(NB), n) if rnd.random() < 0.5 else list(range(3, 3 + n))
+        host = torch.zeros(64 * SLICE, dtype=torch.uint8)
+        segs, at, left = [], 0, n
+        while left:
+            r = rnd.randint(1, left)
+            pitch = SLICE * rnd.randint(1, 3)
+            segs.append((host.data_ptr() + at, pitch, r))
+            at += pitch * r + SLICE * rnd.randint(0, 2)
+            left -= r
+        pinned = [rnd.random() < 0.5 for _ in segs]
+        assert cp.to_host(kvb, blocks, segs, SLICE, None, pinned)
+        got = [gpucopy.host_rows(a, p, r, SLICE) for a, p, r in segs]
+        assert np.array_equal(np.concatenate(got), kvb[blocks].reshape(n, SLICE).numpy())
+        back = torch.zeros_like(kv)
+        assert cp.to_device(back.movedim(1, 0), blocks, segs, SLICE, None, pinned)
+        assert torch.equal(back[:, blocks], kv[:, blocks])
+        others = [i for i in range(NB) if i not in blocks]
+        assert int(back[:, others].sum()) == 0
 
 
 def test_copier_refuses_what_it_cannot_copy() -> None:
@@ -354,8 +401,9 @@ def _need_cuda() -> None:
 def test_cuda_round_trip_through_the_arena(gd: Daemon, strategy: str,
                                            monkeypatch: Any) -> None:
     """GPU tensor -> arena -> GPU tensor through the vLLM layout's copy code (its zero-copy runs
-    and its staging rows), byte for byte, with the strategy forced; the registration is made
-    once for the mapping and undone when the client closes (counted before and after)."""
+    and its staging rows), byte for byte, with the strategy forced; with register, the pages'
+    span is registered at the first layer's copy and undone when the runs are dropped (before
+    the COMMIT or the RELEASE), counted before and after."""
     _need_cuda()
     if strategy == "register" and gpucopy.cudart() is None:
         pytest.skip("no libcudart with cudaMemcpy2DAsync next to this torch")
@@ -374,11 +422,15 @@ def test_cuda_round_trip_through_the_arena(gd: Daemon, strategy: str,
         runs = lay.runs(list(r.views), blocks)
         for li, n in enumerate(lay.names):
             lay.gather_runs(runs, li, kv[n])
-        runs.clear()
-        c.commit(r)
         cp = gpucopy.copier_for(kv[lay.names[0]])
         assert cp is not None and cp.strategy == strategy
-        assert gpucopy.registrations() == regs + (1 if strategy == "register" else 0)
+        if strategy == "register":  # the pages' span, registered once for every layer
+            assert gpucopy.registrations() - regs == len(lay._run_rows(runs, 0)[2])
+        else:
+            assert gpucopy.registrations() == regs
+        runs.clear()  # as the worker does before its COMMIT: the registration undone
+        assert gpucopy.registrations() == regs
+        c.commit(r)
         m = c.match(t, lease=True)
         views = c.get_views(m.lease)
         for li, n in enumerate(lay.names):  # the pages as the CPU sees them
@@ -397,7 +449,7 @@ def test_cuda_round_trip_through_the_arena(gd: Daemon, strategy: str,
         again = paged(dev, None)
         for li, n in enumerate(lay.names):
             lay.scatter(staging, li, again[n], blocks)
-    assert gpucopy.registrations() == regs, "the registration undone at close"
+    assert gpucopy.registrations() == regs, "none left"
     for n in kv:
         assert torch.equal(kv[n][:, blocks], back[n][:, dest])
         assert torch.equal(kv[n][:, blocks], again[n][:, blocks])

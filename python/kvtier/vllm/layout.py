@@ -79,15 +79,42 @@ class _Layout:
     # pages per layer, on its own stream, done when the call returns); a CPU tensor's, or a
     # CUDA one's with gpucopy's strategy "pageable", are the ones below.
     def _gpu(self, layer: int, kv: torch.Tensor, blocks: List[int],
-             segments: List[gpucopy.Segment], out: bool) -> bool:
+             segments: List[gpucopy.Segment], out: bool,
+             pinned: Optional[List[bool]] = None) -> bool:
         """Whether gpucopy made this layer's copy (False: not a CUDA tensor, or pageable)."""
         c = gpucopy.copier_for(kv)
         if c is None:
             return False
         kvb = kv.movedim(self.dims[layer], 0)
         if out:
-            return c.to_host(kvb, blocks, segments, self.sizes[layer], self.dtypes[layer])
-        return c.to_device(kvb, blocks, segments, self.sizes[layer], self.dtypes[layer])
+            return c.to_host(kvb, blocks, segments, self.sizes[layer], self.dtypes[layer],
+                             pinned)
+        return c.to_device(kvb, blocks, segments, self.sizes[layer], self.dtypes[layer],
+                           pinned)
+
+    def _gpu_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor, out: bool) -> bool:
+        """_gpu for runs of pages in the mapping: each stretch of them registered with CUDA
+        (register strategy) at the job's first copy, for every layer after it; the Pin goes
+        with the runs, which the worker drops before its COMMIT or RELEASE."""
+        c = gpucopy.copier_for(kv)
+        if c is None:
+            return False
+        blocks, segs, groups = self._run_rows(runs, layer)
+        pinned = None
+        if c.strategy == "register":
+            pinned = [self._pinned(c, runs[a:b]) for a, b in groups]
+        return self._gpu(layer, kv, blocks, segs, out, pinned)
+
+    def _pinned(self, c: gpucopy.Copier, group: List[_Run]) -> bool:
+        """Whether a stretch of runs (one segment's) lies in a registration, made on first
+        use: from its first page to the end of its last."""
+        if group[0].pin is None:
+            last = group[-1]
+            end = last.addr + (last.n - 1) * last.stride + self.page_bytes
+            p = c.pin(group[0].addr, end - group[0].addr)
+            for r in group:
+                r.pin = p if p is not None else False
+        return bool(group[0].pin)
 
     def _staged(self, staging: torch.Tensor, layer: int, rows: int) -> List[gpucopy.Segment]:
         """This layer's slot in the first ``rows`` staging pages, as one host segment."""
@@ -97,24 +124,28 @@ class _Layout:
                  staging.stride(0) * staging.element_size(), rows)]
 
     def _run_rows(self, runs: List[_Run], layer: int
-                  ) -> Tuple[List[int], List[gpucopy.Segment]]:
-        """The runs' blocks and this layer's slots in their pages, as host segments. Runs that
-        follow each other in memory at one spacing are one segment whatever their block ids
-        (a run needs consecutive blocks; the device gathers any blocks): vLLM's block ids are
-        seldom consecutive, a reservation's pages often are."""
+                  ) -> Tuple[List[int], List[gpucopy.Segment], List[Tuple[int, int]]]:
+        """The runs' blocks, this layer's slots in their pages as host segments, and which
+        runs each segment takes ([a, b) of ``runs``). Runs that follow each other in memory
+        at one spacing are one segment whatever their block ids (a run needs consecutive
+        blocks; the device gathers any): vLLM's block ids are seldom consecutive, a
+        reservation's pages often are. Which runs merge does not depend on the layer."""
         blocks = [b for r in runs for b in range(r.block, r.block + r.n)]
-        off, width = self.offsets[layer], self.sizes[layer]
+        off = self.offsets[layer]
         segs: List[gpucopy.Segment] = []
-        for r in runs:
+        groups: List[Tuple[int, int]] = []
+        for i, r in enumerate(runs):
             a = r.addr + off
             if segs:
                 pa, pd, pn = segs[-1]
                 d = pd if pn > 1 else a - pa
-                if d >= width and a == pa + pn * d and (r.n == 1 or r.stride == d):
+                if d >= self.page_bytes and a == pa + pn * d and (r.n == 1 or r.stride == d):
                     segs[-1] = (pa, d, pn + r.n)
+                    groups[-1] = (groups[-1][0], i + 1)
                     continue
             segs.append((a, r.stride, r.n))
-        return blocks, segs
+            groups.append((i, i + 1))
+        return blocks, segs, groups
 
     # One copy per block: index_select / index_copy_ over the block dimension measured 10-25x
     # slower on CPU (bf16, 64 KiB slices: 0.1-0.4 against 1-2.8 GiB/s).
@@ -246,7 +277,7 @@ class _Layout:
         """Copies this layer of each run's blocks straight into its pages' slots: on the CPU
         one numpy copy per run (bench_vllm: about twice torch's copy_ of one block at a time,
         docs/benchmarks.md); on a GPU through kvtier.gpucopy, one transfer per run)."""
-        if kv.is_cuda and self._gpu(layer, kv, *self._run_rows(runs, layer), True):
+        if kv.is_cuda and self._gpu_runs(runs, layer, kv, True):
             return
         a = self._blocks_np(layer, kv)
         if a is not None and all(r.arrays for r in runs):
@@ -265,7 +296,7 @@ class _Layout:
     def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
         """Copies this layer of each run's pages straight into its blocks of ``kv`` (on the
         CPU one numpy copy per run, as gather_runs)."""
-        if kv.is_cuda and self._gpu(layer, kv, *self._run_rows(runs, layer), False):
+        if kv.is_cuda and self._gpu_runs(runs, layer, kv, False):
             return
         a = self._blocks_np(layer, kv)
         if a is not None and all(r.arrays for r in runs):
@@ -306,6 +337,7 @@ class _Run:
     _slots: Optional[List[torch.Tensor]] = None
     addr: int = 0  # where the first page lies, and the pages' spacing (the GPU copies)
     stride: int = 0
+    pin: Any = None  # gpucopy.Pin of the pages (False: none to be had), dropped with the run
 
     @property
     def slots(self) -> List[torch.Tensor]:
