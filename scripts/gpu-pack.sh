@@ -9,7 +9,8 @@
 # (this checkout's absolute path, which the build embeds) and run.sh, the runner:
 #
 #     bash .gpu/run.sh suite [TEST...]   every meson test of .gpu/build, or only those named
-#     bash .gpu/run.sh bench             bench_tiers --only hbm: HBM copies against the ceiling
+#     bash .gpu/run.sh bench             bench_tiers --only hbm: HBM copies against the ceiling;
+#                                        bench_gpucopy: engine tensors <-> arena against it
 #     bash .gpu/run.sh all               suite, then bench
 #     bash .gpu/run.sh -- CMD ARGS...    CMD in the packed environment (redis up, paths set)
 #

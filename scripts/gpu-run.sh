@@ -87,6 +87,11 @@ if mode in ("suite", "all"):
 if mode in ("bench", "all"):
     checks.append(("bench_tiers_hbm", [os.path.join(g, "build", "bench", "bench_tiers"), "--only",
                                        "hbm"], dict(os.environ), 300))
+    # The vLLM connector's copies of engine tensors to and from the arena (kvtier/gpucopy.py:
+    # registered arena, pinned bounce pool, pageable) against one pinned copy, bar 0.8x.
+    checks.append(("bench_gpucopy", ["python3", os.path.join(here, "bench", "bench_gpucopy.py"),
+                                     "--no-venv", "--build-root", os.path.join(g, "build")],
+                   dict(os.environ), 300))
 if mode in ("ttft", "all"):
     # TTFT recomputed against loaded through kvtier, Llama-3-8B and a quarter of 70B
     # (bench/bench_ttft.py), with the image's python3 and its CUDA torch.
