@@ -127,9 +127,9 @@ def run(strategy: str, unix: str, ceil: dict) -> bool:
             runs = lay.runs(list(r.views), src)
             for li, n in enumerate(lay.names):
                 lay.gather_runs(runs, li, kv[n])
+            runs.clear()  # as the worker before its COMMIT: a registration undone, timed
             torch.cuda.synchronize()
             times["d2h"].append(time.perf_counter() - t0)
-            runs.clear()
             c.commit(r)
             m = c.match(toks, lease=True, lease_ms=60000)
             views = c.get_views(m.lease)
@@ -138,9 +138,9 @@ def run(strategy: str, unix: str, ceil: dict) -> bool:
             runs = lay.runs(views, dst)
             for li, n in enumerate(lay.names):
                 lay.scatter_runs(runs, li, back[n])
+            runs.clear()
             torch.cuda.synchronize()
             times["h2d"].append(time.perf_counter() - t0)
-            runs.clear()
             del views
             c.release(m.lease)
             if p == 0:  # the bytes made the round trip (checked once: it costs a pass)
