@@ -352,6 +352,69 @@ def test_arena_lookup_finds_the_clients_mapping_only(gd: Daemon) -> None:
     assert gpucopy.registrations() == 0
 
 
+class _Registrar:
+    """cudaHostRegister and cudaHostUnregister's bookkeeping (nothing is pinned): the stand-in
+    for the CUDA runtime in the registration tests below; the real one is
+    test_cuda_round_trip_through_the_arena's."""
+
+    def __init__(self, rc: int = 0) -> None:
+        self.rc = rc
+        self.registered: List[int] = []
+        self.unregistered: List[int] = []
+
+    def cudaHostRegister(self, addr: Any, n: int, flags: int) -> int:
+        if self.rc == 0:
+            self.registered.append(addr.value)
+        return self.rc
+
+    def cudaHostUnregister(self, addr: Any) -> int:
+        self.unregistered.append(addr.value)
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        return 0
+
+    def cudaGetErrorString(self, rc: int) -> bytes:
+        return b"cudaErrorMemoryAllocation" if rc == 2 else b"?"
+
+
+def test_client_close_undoes_a_registration_in_its_mapping(gd: Daemon) -> None:
+    """A registration still open inside a client's mapping when the client closes is undone
+    before the mapping goes (a registration must not outlive the memory it pins); one
+    elsewhere is left to its holder."""
+    rt = _Registrar()
+    other = bytearray(PAGE)
+    before = gpucopy.registrations()
+    with client(gd) as c:
+        base, size = c._mapping()
+        inside = gpucopy.pin(rt, base + PAGE, PAGE)
+        outside = gpucopy.pin(rt, ctypes.addressof(ctypes.c_char.from_buffer(other)), PAGE)
+        assert inside is not None and outside is not None
+        assert gpucopy.registrations() == before + 2
+    assert rt.unregistered == [base + PAGE] and not inside.open
+    assert outside.open and gpucopy.registrations() == before + 1
+    outside.close()
+    outside.close()  # once only
+    assert gpucopy.registrations() == before and len(rt.unregistered) == 2
+
+
+def test_registration_refused_or_overlapping(caplog: Any) -> None:
+    """A span that overlaps another registration (cudaErrorHostMemoryAlreadyRegistered) is not
+    registered twice: None, and its segment goes through the pool; a registration CUDA refuses
+    is a GpuCopyError, and a copier meeting one moves to the bounce pool, saying so."""
+    before = gpucopy.registrations()
+    assert gpucopy.pin(_Registrar(712), 4096, 4096) is None
+    with pytest.raises(gpucopy.GpuCopyError, match="cudaErrorMemoryAllocation"):
+        gpucopy.pin(_Registrar(2), 4096, 4096)
+    assert gpucopy.registrations() == before
+    cp = _cpu_copier(1 << 20)
+    cp._rt, cp.strategy = _Registrar(2), "register"
+    with caplog.at_level(logging.WARNING, logger="kvtier.gpucopy"):
+        assert cp.pin(4096, 4096) is None
+    assert cp.strategy == "bounce"
+    assert "go through a pinned bounce pool" in caplog.text
+
+
 # == the vLLM worker: a copy that fails part-way =================================================
 
 
