@@ -323,7 +323,7 @@ def test_copier_refuses_what_it_cannot_copy() -> None:
                    SLICE, DT)
     with pytest.raises(gpucopy.GpuCopyError, match="torch.float16 tensor where the layout has"):
         cp.to_host(kv.to(torch.float16), [0, 1], seg, SLICE, DT)
-    with pytest.raises(gpucopy.GpuCopyError, match="a block of 256 bytes where the layout has 1024"):
+    with pytest.raises(gpucopy.GpuCopyError, match="block of 256 bytes where the layout has 1024"):
         cp.to_host(kv[:, :, :4], [0, 1], seg, SLICE, DT)
     with pytest.raises(gpucopy.GpuCopyError, match="3 blocks for 2 host rows"):
         cp.to_host(kv, [0, 1, 2], seg, SLICE, DT)
