@@ -14,9 +14,10 @@
  * index does in the daemon: on glibc's malloc the first large free after millions of small ones
  * consolidates them all (a 645 ms removal here), which says nothing of the index. The heap's
  * transparent huge page setting ("thp") is in the output: MALLOC_CONF=thp:always runs it as
- * kvtierd ran before that was measured here (README). One JSON object on stdout.
+ * kvtierd ran before that was measured here (README). One JSON object on stdout, then one per
+ * tree shape for the longest index trim (below; --trim-only: those alone).
  *
- * usage: bench_index_pauses [--prompts N]
+ * usage: bench_index_pauses [--prompts N] [--trim-only]
  */
 #include <jemalloc/jemalloc.h>
 #include <stdint.h>
@@ -91,6 +92,68 @@ static void run(uint32_t step_slots, uint32_t n, const uint32_t *order, double *
     kvt_radix_destroy(t);
 }
 
+/*
+ * The index trim an operation runs inline (kvtierd's kvt__index_fit, server/index.c: a PUT, or a
+ * GET or PREFETCH whose pin must grow the lease table, at index-bytes) evicts up to
+ * KVT_TRIM_INLINE index-only pages in one go, the maintenance step KVT_TRIM_PAGES at a time. Both
+ * timed on a tree of twice that many pages, least recently used first: prompts of `pages` pages
+ * of their own, under the root. Milliseconds, the median of 3.
+ */
+#define KVT_TRIM_INLINE 65536 /* server/index.c */
+#define KVT_TRIM_PAGES  4096
+
+static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
+{
+    int rc = kvt_radix_evict(arg, n, npages);
+    return rc < 0 ? rc : (int)npages;
+}
+
+static double trim_ms(uint32_t pages, uint32_t budget)
+{
+    double ms[3];
+    for (int rep = 0; rep < 3; rep++) {
+        kvt_radix_t *t;
+        uint32_t ns, *tok = malloc((size_t)pages * PAGE * sizeof(*tok));
+        if (!tok || kvt_radix_create(&t, NULL) < 0 ||
+            kvt_radix_ns_open(t, "m", NULL, NULL, PAGE, &ns) < 0) {
+            fprintf(stderr, "bench_index_pauses: no tree\n");
+            exit(1);
+        }
+        kvt_insert_t r;
+        for (uint32_t k = 0; k < 2 * KVT_TRIM_INLINE / pages; k++) {
+            for (uint32_t j = 0; j < pages * PAGE; j++)
+                tok[j] = k * pages * PAGE + j + 1;
+            kvt_radix_set_clock(t, k + 1);
+            if (kvt_radix_insert(t, ns, tok, (size_t)pages * PAGE, &r) < 0) {
+                fprintf(stderr, "bench_index_pauses: insert failed\n");
+                exit(1);
+            }
+        }
+        uint64_t t0 = kvt_now_ns();
+        uint32_t got = kvt_radix_trim(t, 0, budget, kvt_radix_index_only, trim_drop, t);
+        ms[rep] = (double)(kvt_now_ns() - t0) / 1e6;
+        if (got != budget) {
+            fprintf(stderr, "bench_index_pauses: trimmed %u of %u pages\n", got, budget);
+            exit(1);
+        }
+        kvt_radix_destroy(t);
+        free(tok);
+    }
+    double lo = ms[0] < ms[1] ? ms[0] : ms[1], hi = ms[0] < ms[1] ? ms[1] : ms[0];
+    return ms[2] < lo ? lo : ms[2] > hi ? hi : ms[2];
+}
+
+static void print_trims(void)
+{
+    static const uint32_t shapes[] = {64, 1};
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
+        printf("{\"bench\":\"index_trim\",\"prompt_pages\":%u,\"inline_pages\":%u,"
+               "\"inline_ms\":%.2f,\"baseline\":\"the step's trim\",\"step_pages\":%u,"
+               "\"step_ms\":%.2f}\n",
+               shapes[i], KVT_TRIM_INLINE, trim_ms(shapes[i], KVT_TRIM_INLINE), KVT_TRIM_PAGES,
+               trim_ms(shapes[i], KVT_TRIM_PAGES));
+}
+
 static void print_phase(const char *name, phase_t p, int comma)
 {
     printf("\"%s\":{\"longest_us\":%.1f,\"p9999_us\":%.1f,\"over_1ms\":%u,\"mean_us\":%.3f}%s",
@@ -103,8 +166,11 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--prompts") && i + 1 < argc) {
             n = (uint32_t)strtoul(argv[++i], NULL, 10);
+        } else if (!strcmp(argv[i], "--trim-only")) {
+            print_trims();
+            return 0;
         } else {
-            fprintf(stderr, "usage: bench_index_pauses [--prompts N]\n");
+            fprintf(stderr, "usage: bench_index_pauses [--prompts N] [--trim-only]\n");
             return 2;
         }
     }
@@ -144,6 +210,7 @@ int main(int argc, char **argv)
     print_phase("baseline_insert", bi, 1);
     print_phase("baseline_remove", bd, 1);
     printf("\"ratio\":%.2f}\n", worst > 0 ? bworst / worst : 0);
+    print_trims();
     free(order);
     free(ins);
     free(del);

@@ -31,10 +31,11 @@ typedef struct load {
     uint64_t page_bytes;
 } load_t;
 
-static int ex_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                   kvt_tier_id_t from, kvt_tier_id_t to)
+static int ex_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n, uint32_t depth,
+                   uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to)
 {
     load_t *l = arg;
+    (void)why;
     (void)n;
     (void)depth;
     l->used[from] -= npages * l->page_bytes;
@@ -52,16 +53,18 @@ static int ex_admit(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npa
     return 0;
 }
 
-static void ex_free(void *arg, uint32_t ns, kvt_block_t *b)
+static void ex_free(void *arg, uint32_t ns, kvt_block_t *b, kvt_radix_why_t why)
 {
+    (void)why;
     load_t *l = arg;
     if (b->tier != KVT_TIER_NONE)
         l->used[b->tier] -= b->size;
     kvt_policy_on_free(l->pol, ns, b);
 }
 
-static void ex_node_free(void *arg, kvt_radix_node_t *n)
+static void ex_node_free(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why)
 {
+    (void)why;
     kvt_policy_on_node_free(((load_t *)arg)->pol, n);
 }
 

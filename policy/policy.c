@@ -867,7 +867,11 @@ static void record_end(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32
         p->class_ends[block_class(bl[i].hits, bl[i].flags)] += 1;
 }
 
-static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth);
+/* The cause of the moves no caller asked for (the step's demotions, admissions making room). */
+static const kvt_policy_cause_t no_cause = {.req = NULL, .tag = -1};
+
+static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth,
+                     const kvt_policy_cause_t *why);
 static int protected(const kvt_policy_t *p, const kvt_radix_node_t *n)
 {
     for (size_t i = 0; i < p->protect; i++)
@@ -890,16 +894,16 @@ static int pend_reserve(kvt_policy_t *p)
     return 0;
 }
 
-/* Moves node-local [i0, i0 + cnt) of n from `from` to `to`. Returns cnt, or a negative error
- * (nothing changed). */
+/* Moves node-local [i0, i0 + cnt) of n from `from` to `to`, for why (handed to ops->move).
+ * Returns cnt, or a negative error (nothing changed). */
 static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t cnt,
-                   kvt_tier_id_t from, kvt_tier_id_t to, int depth)
+                   kvt_tier_id_t from, kvt_tier_id_t to, int depth, const kvt_policy_cause_t *why)
 {
     if (p->c.ops->fits && !p->c.ops->fits(p->c.ops_arg, n, kvt_radix_node_depth(n) + i0, cnt, to))
         return KVT_ENOSPC;
     uint64_t bytes = run_bytes(n, i0, cnt);
     uint64_t cto = run_charge(p, n, i0, cnt, to), cfrom = run_charge(p, n, i0, cnt, from);
-    int rc = make_room(p, to, cto, depth + 1);
+    int rc = make_room(p, to, cto, depth + 1, why);
     if (rc < 0)
         return rc;
     /* make_room may have dropped blocks after the run in this very node: indices before them
@@ -926,7 +930,7 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         return KVT_ENOMEM;
     uint32_t ta, tb;
     node_run(n, (uint8_t)to, &ta, &tb);
-    rc = p->c.ops->move(p->c.ops_arg, n, kvt_radix_node_depth(n) + i0, cnt, from, to);
+    rc = p->c.ops->move(p->c.ops_arg, why, n, kvt_radix_node_depth(n) + i0, cnt, from, to);
     if (rc < 0)
         return rc;
     if (to > from)
@@ -1202,7 +1206,8 @@ static int choose_expert(kvt_policy_t *p)
  * the pages that free `want` bytes. Returns the pages acted on, 0 when tier t has no victim
  * left, or a negative error.
  */
-static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
+static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
+                     const kvt_policy_cause_t *why)
 {
     heap_t *h = &p->heap[t];
     int rebuilt = 0;
@@ -1280,7 +1285,7 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
         if (drop) {
             rc = do_drop(p, n, cnt + tail, t);
         } else {
-            rc = do_move(p, n, i0, cnt, t, lo, depth);
+            rc = do_move(p, n, i0, cnt, t, lo, depth, why);
             if (rc > 0) {
                 push_tier(p, n, (uint8_t)t); /* what is left of its run */
             } else if (droppable) {
@@ -1308,8 +1313,10 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
 /* Frees room in t until need more bytes fit under its capacity. 0, KVT_ENOSPC (no victim
  * left), or KVT_EAGAIN (pending moves will free it later). Bytes already on their way out count
  * as room to come: a tier whose moves are all asynchronous (kvtierd's) would otherwise have
- * every victim it has moved out for one PUT, since no move lowers its count before it lands. */
-static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth)
+ * every victim it has moved out for one PUT, since no move lowers its count before it lands.
+ * why: the cause of the moves it starts (the promotion it makes room for, or none). */
+static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth,
+                     const kvt_policy_cause_t *why)
 {
     if (!tier_ok(t) || !p->cap[t] || need > p->cap[t])
         return KVT_ENOSPC;
@@ -1319,7 +1326,7 @@ static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth)
         uint64_t coming = p->cap[t] - p->used[t] + p->pending_out[t];
         if (coming >= need)
             return KVT_EAGAIN;
-        int rc = evict_one(p, t, depth, need - coming);
+        int rc = evict_one(p, t, depth, need - coming, why);
         if (rc < 0)
             return rc;
         if (rc == 0)
@@ -1567,7 +1574,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
             uint64_t need = (uint64_t)want * one - free_b;
             if (need > p->cap[t])
                 need = p->cap[t] - (p->cap[t] % one);
-            (void)make_room(p, t, need, 0);
+            (void)make_room(p, t, need, 0, &no_cause);
             bl = kvt_radix_node_blocks(n);
             free_b = room_left(p, t);
         }
@@ -1684,7 +1691,7 @@ int kvt_policy_hold(kvt_policy_t *p, kvt_tier_id_t tier, uint32_t size, int room
     if (need > room_left(p, tier)) {
         if (!room)
             return KVT_ENOSPC;
-        int rc = make_room(p, tier, need, 0);
+        int rc = make_room(p, tier, need, 0, &no_cause);
         if (rc < 0)
             return rc;
     }
@@ -1761,7 +1768,7 @@ uint32_t kvt_policy_trim_index_bytes(kvt_policy_t *p, uint64_t target, uint32_t 
 
 /* Promotes the path ending at node n (first node_pages pages) into tier `to`. */
 static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
-                        int *stop)
+                        const kvt_policy_cause_t *why, int *stop)
 {
     *stop = 0;
     size_t len = 0;
@@ -1799,7 +1806,7 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             if (!tier_ok(from) || run_busy(x, s, cnt))
                 break;
             cnt = KVT_MIN(cnt, 64u);
-            int rc = do_move(p, x, s, cnt, from, to, 0);
+            int rc = do_move(p, x, s, cnt, from, to, 0, why);
             if (rc < 0) {
                 *stop = rc;
                 goto done; /* no room: the rest stays where it is */
@@ -1822,15 +1829,16 @@ int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n))
         return KVT_EINVAL;
     int stop;
-    return promote_path(p, n, node_pages, p->top, &stop);
+    return promote_path(p, n, node_pages, p->top, &no_cause, &stop);
 }
 
-int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to)
+int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
+                       const kvt_policy_cause_t *why)
 {
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n) || !tier_ok(to) ||
         !p->cap[to])
         return KVT_EINVAL;
-    int stop, total = promote_path(p, n, node_pages, to, &stop);
+    int stop, total = promote_path(p, n, node_pages, to, why ? why : &no_cause, &stop);
     return total == 0 && stop == KVT_EAGAIN ? KVT_EAGAIN : total;
 }
 
@@ -1853,18 +1861,12 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
         if (p->dead_lost || dead_after(p, q->n, q->seq) ||
             (!p->c.reports_node_frees && p->foreign != q->foreign))
             continue;
-        if (p->c.ops->place)
-            p->c.ops->place(p->c.ops_arg, q->place);
-        int stop, rc = promote_path(p, q->n, q->node_pages, p->top, &stop);
-        if (rc < 0) {
-            if (p->c.ops->place)
-                p->c.ops->place(p->c.ops_arg, -1);
+        kvt_policy_cause_t why = {.req = NULL, .tag = q->place}; /* the MATCH's tag */
+        int stop, rc = promote_path(p, q->n, q->node_pages, p->top, &why, &stop);
+        if (rc < 0)
             return rc;
-        }
         total += rc;
     }
-    if (p->npromo && p->c.ops->place)
-        p->c.ops->place(p->c.ops_arg, -1);
     p->npromo = 0;
     /* A tier's level net of what its moves in flight take out: those bytes are leaving already
      * (counting them, every step until they land would move out as much again). */
@@ -1872,7 +1874,7 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
         if (!p->cap[t] || level(p, t) <= p->high[t])
             continue;
         while (level(p, t) > p->low[t] && (budget == 0 || (uint32_t)total < budget)) {
-            int rc = evict_one(p, (kvt_tier_id_t)t, 0, level(p, t) - p->low[t]);
+            int rc = evict_one(p, (kvt_tier_id_t)t, 0, level(p, t) - p->low[t], &no_cause);
             if (rc < 0)
                 return rc;
             if (rc == 0)

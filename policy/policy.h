@@ -138,6 +138,18 @@ const char *kvt_policy_kind_name(kvt_policy_kind_t k); /* "cost", "lru", "lfu", 
 int kvt_policy_kind_parse(const char *s, kvt_policy_kind_t *out); /* 0 or KVT_EINVAL */
 
 /*
+ * The cause of a move, handed by the call that caused it down to ops->move as an argument (the
+ * executor keeps no state set around the call): the request kvt_policy_promote was given (kvtierd:
+ * the PREFETCH that waits for the moves it started, those that make room for it included; NULL for
+ * the engine's own moves), and the place tag (kvt_policy_set_place's when a MATCH queued the
+ * promotion, kvt_policy_promote's own; -1: none; the engine gives it no meaning).
+ */
+typedef struct kvt_policy_cause {
+    void *req;
+    int tag;
+} kvt_policy_cause_t;
+
+/*
  * What the executor does for the engine. arg is kvt_policy_conf_t.ops_arg. The blocks named are
  * always a run inside one node: pages [depth, depth + npages) of node n, all in tier `from`.
  */
@@ -148,10 +160,11 @@ typedef struct kvt_policy_ops {
      * (the executor marks the blocks KVT_BLOCK_BUSY and calls kvt_policy_move_done() later; the
      * engine reserves the bytes in `to` meanwhile), or a negative error (nothing changed; the
      * engine tries other blocks). While a move is in flight the engine holds a lease on n
-     * (owner KVT_POLICY_LEASE_OWNER), so n and depth stay valid for the executor. Required.
+     * (owner KVT_POLICY_LEASE_OWNER), so n and depth stay valid for the executor. why: its
+     * cause, never NULL, valid for the call. Required.
      */
-    int (*move)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages, kvt_tier_id_t from,
-                kvt_tier_id_t to);
+    int (*move)(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n, uint32_t depth,
+                uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to);
     /*
      * New blocks (just inserted, tier still KVT_TIER_NONE) are to be stored in `tier`. Return 0
      * when the executor holds (or will hold) their bytes there, or a negative error (the engine
@@ -188,13 +201,6 @@ typedef struct kvt_policy_ops {
      * cannot happen. NULL: they may.
      */
     int (*fits)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages, kvt_tier_id_t to);
-    /*
-     * The promotions kvt_policy_step is about to start were queued by a MATCH while
-     * kvt_policy_set_place() said `tag` (kvtierd: the CUDA device of the client that matched,
-     * whose HBM pool the pages should go to); called once more with -1 after them. The engine
-     * gives the tag no meaning. NULL: not told.
-     */
-    void (*place)(void *arg, int tag);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1
@@ -292,8 +298,9 @@ int kvt_policy_tune(kvt_policy_t *p, float high, float low, uint32_t nvme_min_hi
  * m->node alive until that step (a lease does). O(path); never moves anything.
  */
 void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy_hint_t *hint);
-/* The tag the promotions kvt_policy_on_match queues from now on carry to ops->place (-1, the
- * initial value: none). kvtierd sets it around each MATCH to the client's device. */
+/* The tag the promotions kvt_policy_on_match queues from now on carry to their moves' cause
+ * (kvt_policy_cause_t.tag; -1, the initial value: none). kvtierd sets it around each MATCH to the
+ * client's device (whose HBM pool the pages should go to). */
 void kvt_policy_set_place(kvt_policy_t *p, int tag);
 
 /*
@@ -362,10 +369,12 @@ void kvt_policy_on_node_free(kvt_policy_t *p, kvt_radix_node_t *n);
  * pages promoted or a negative error.
  */
 int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages);
-/* The same up to tier `to` (a configured tier) instead of the admission tier: blocks already in
- * `to` or faster stay where they are. KVT_EAGAIN when nothing moved because `to` has no room
+/* The same up to tier `to` (a configured tier) instead of the admission tier, the moves it starts
+ * (those that make room included) for why (NULL: none): blocks already in `to` or faster stay
+ * where they are. KVT_EAGAIN when nothing moved because `to` has no room
  * until moves already in flight out of it land (ask again after kvt_policy_move_done). */
-int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to);
+int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
+                       const kvt_policy_cause_t *why);
 
 /*
  * Maintenance: runs queued promotions, then, for every tier above its high watermark, moves or

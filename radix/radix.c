@@ -1050,7 +1050,7 @@ int kvt_radix_create(kvt_radix_t **out, const kvt_radix_conf_t *conf)
     return 0;
 }
 
-static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb);
+static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, kvt_radix_why_t why);
 
 void kvt_radix_destroy(kvt_radix_t *t)
 {
@@ -1058,7 +1058,7 @@ void kvt_radix_destroy(kvt_radix_t *t)
         return;
     for (uint32_t i = 0; i < t->nns; i++) {
         if (t->ns[i].root)
-            subtree_free(t, t->ns[i].root, 1);
+            subtree_free(t, t->ns[i].root, KVT_RADIX_DESTROY);
         free(t->ns[i].desc);
     }
     free(t->ns);
@@ -1677,19 +1677,20 @@ int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_
 
 /* ---- removal and eviction ------------------------------------------------------------------- */
 
-static void free_blocks(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from, uint32_t to)
+static void free_blocks(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from, uint32_t to,
+                        kvt_radix_why_t why)
 {
     for (uint32_t i = to; i > from; i--) /* deepest first */
         if (t->conf.free_cb)
-            t->conf.free_cb(t->conf.free_arg, n->ns, &n->blocks[i - 1]);
+            t->conf.free_cb(t->conf.free_arg, n->ns, &n->blocks[i - 1], why);
     t->blocks -= to - from;
     t->ns[n->ns].blocks -= to - from;
     t->cached_tokens -= (uint64_t)(to - from) * n->page_size;
 }
 
-/* Frees n and everything below it, calling the free callbacks for each block and node when
- * call_cb. Iterative: a long conversation makes deep chains. */
-static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
+/* Frees n and everything below it, calling the free callbacks for each block and node with why.
+ * Iterative: a long conversation makes deep chains. */
+static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, kvt_radix_why_t why)
 {
     kvt_radix_node_t *cur = n;
     while (cur) {
@@ -1699,8 +1700,7 @@ static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
             continue;
         }
         kvt_radix_node_t *up = cur == n ? NULL : cur->parent;
-        if (call_cb)
-            free_blocks(t, cur, 0, cur->npages);
+        free_blocks(t, cur, 0, cur->npages, why);
         if (up)
             up->nkids--; /* it was the last child: its slot goes with it */
         if (cur->in_list) {
@@ -1710,8 +1710,8 @@ static void subtree_free(kvt_radix_t *t, kvt_radix_node_t *n, int call_cb)
         }
         if (!is_root(cur)) {
             registry_del(t, cur);
-            if (call_cb && t->conf.node_free_cb)
-                t->conf.node_free_cb(t->conf.free_arg, cur);
+            if (t->conf.node_free_cb)
+                t->conf.node_free_cb(t->conf.free_arg, cur, why);
         }
         node_free(t, cur);
         cur = up;
@@ -1739,11 +1739,11 @@ static int subtree_busy(const kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from
 
 /* Drops the blocks of childless node n from index `keep` on; with keep 0 the node itself goes
  * (n is then dangling) and its parent may become evictable. */
-static void drop_tail(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t keep)
+static void drop_tail(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t keep, kvt_radix_why_t why)
 {
     kvt_assert(n->nkids == 0 && keep < n->npages);
     if (keep > 0) {
-        free_blocks(t, n, keep, n->npages);
+        free_blocks(t, n, keep, n->npages, why);
         n->npages = keep;
         if (n->cap > 2 * n->npages)
             node_set_cap(t, n, n->npages);
@@ -1752,7 +1752,7 @@ static void drop_tail(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t keep)
     }
     kvt_radix_node_t *parent = n->parent;
     kid_del(t, parent, page_key(n->tokens, n->page_size));
-    subtree_free(t, n, 1);
+    subtree_free(t, n, why);
     list_update(t, parent);
 }
 
@@ -1778,11 +1778,11 @@ int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
     kid_densify(t, n);
     while (n->nkids > 0) {
         kvt_radix_node_t *c = kids_ptrs(n)[n->nkids - 1];
-        subtree_free(t, c, 1);
+        subtree_free(t, c, KVT_RADIX_REMOVE);
         if (--n->nkids == 0)
             kid_free_all(t, n);
     }
-    drop_tail(t, n, from);
+    drop_tail(t, n, from, KVT_RADIX_REMOVE);
     return 0;
 }
 
@@ -1798,7 +1798,7 @@ int kvt_radix_ns_clear(kvt_radix_t *t, uint32_t ns)
     kid_densify(t, root);
     while (root->nkids > 0) {
         kvt_radix_node_t *c = kids_ptrs(root)[root->nkids - 1];
-        subtree_free(t, c, 1);
+        subtree_free(t, c, KVT_RADIX_EVICT);
         if (--root->nkids == 0)
             kid_free_all(t, root);
     }
@@ -1821,7 +1821,7 @@ int kvt_radix_evict(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t npages)
             return KVT_EBUSY;
     t->epoch++;
     mig_tick(t);
-    drop_tail(t, n, n->npages - npages);
+    drop_tail(t, n, n->npages - npages, KVT_RADIX_EVICT);
     return 0;
 }
 

@@ -92,12 +92,20 @@ enum {
 typedef struct kvt_radix kvt_radix_t;
 typedef struct kvt_radix_node kvt_radix_node_t;
 
-/* Called for every block that leaves the tree (evict, remove, destroy), before its memory goes,
- * so that the tier holding its bytes can free them. Must not call back into the tree. */
-typedef void (*kvt_block_free_cb)(void *arg, uint32_t ns, kvt_block_t *b);
+/* Why blocks and nodes leave the tree: the call that freed them, handed to the free callbacks
+ * as an argument (a caller needs no state of its own set around the call to tell them apart). */
+typedef enum kvt_radix_why {
+    KVT_RADIX_EVICT = 0,   /* kvt_radix_evict, kvt_radix_trim, kvt_radix_ns_clear */
+    KVT_RADIX_REMOVE = 1,  /* kvt_radix_remove */
+    KVT_RADIX_DESTROY = 2, /* kvt_radix_destroy */
+} kvt_radix_why_t;
+
+/* Called for every block that leaves the tree, before its memory goes, so that the tier holding
+ * its bytes can free them; why: the call that freed it. Must not call back into the tree. */
+typedef void (*kvt_block_free_cb)(void *arg, uint32_t ns, kvt_block_t *b, kvt_radix_why_t why);
 /* Called for every node the tree frees (after its blocks' free_cb), with free_arg: whoever keeps
  * pointers to nodes learns that this one is gone. */
-typedef void (*kvt_node_free_cb)(void *arg, kvt_radix_node_t *n);
+typedef void (*kvt_node_free_cb)(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why);
 
 typedef struct kvt_radix_conf {
     float freq_half_life; /* in clock units; 0 picks 600000 (ten minutes in ms) */

@@ -113,9 +113,10 @@ static uint64_t run_size(kvt_radix_node_t *n, uint32_t depth, uint32_t npages)
     return s;
 }
 
-static int sim_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                    kvt_tier_id_t from, kvt_tier_id_t to)
+static int sim_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n, uint32_t depth,
+                    uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to)
 {
+    (void)why;
     sim_t *s = arg;
     uint64_t b = run_size(n, depth, npages);
     if (s->used[from] < b) {
@@ -137,8 +138,9 @@ static int sim_admit(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
     return 0;
 }
 
-static void sim_free(void *arg, uint32_t ns, kvt_block_t *b)
+static void sim_free(void *arg, uint32_t ns, kvt_block_t *b, kvt_radix_why_t why)
 {
+    (void)why;
     sim_t *s = arg;
     if (b->tier != KVT_TIER_NONE) {
         if (s->used[b->tier] < b->size)
@@ -150,8 +152,9 @@ static void sim_free(void *arg, uint32_t ns, kvt_block_t *b)
         kvt_policy_on_free(s->pol, ns, b);
 }
 
-static void sim_node_free(void *arg, kvt_radix_node_t *n)
+static void sim_node_free(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why)
 {
+    (void)why;
     sim_t *s = arg;
     if (s->pol)
         kvt_policy_on_node_free(s->pol, n);

@@ -7,7 +7,9 @@ file hands control back up without knowing the file above it.
 
 It also keeps the door to the store (server/store.h, docs/architecture.md): only the door's files
 (at most 5) may call a function that radix/radix.h or tiers/tier.h declares; exits 1 when another
-file does, or when the door grows past 5 files."""
+file does, when the door grows past 5 files, when a door call (below) is defined outside the
+door, or when docs/architecture.md does not name it. With --door it prints the door's calls as
+the markdown table of docs/architecture.md ("The door's calls")."""
 import glob, os, re, sys
 
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'server')
@@ -83,4 +85,34 @@ for f, t in sorted(src.items()):
         print('%-14s calls radix/ or tiers/ outside the door (server/store.h): %s'
               % (f, ' '.join(used)))
         bad = 1
+
+# The door's calls: what store.h declares (the tree and the tiers), and what the door's files
+# other than loop.c (whose own calls are the daemon's lifecycle, for main.c) define for the others
+# beside it in server.h (the executor's, the index budget's, a request's tier I/O). Each must be
+# defined in a door file and named in docs/architecture.md, so that its list is the door.
+sh = open(os.path.join(root, 'store.h')).read()
+sh = re.sub(r'/\*.*?\*/', ' ', sh, flags=re.S)
+door_calls = [(fn, 'store.h') for fn in dict.fromkeys(re.findall(r'\b(kvt__\w+)\s*\(', sh))]
+declared = set(fn for fn, _ in door_calls)
+for fn, home in sorted(defs.items(), key=lambda d: (d[1], d[0])):
+    if home in DOOR - {'loop.c'} and fn not in declared and any(
+            f not in DOOR and re.search(r'\b%s\s*\(' % fn, t) for f, t in src.items()):
+        door_calls.append((fn, 'server.h'))
+arch = open(os.path.join(root, '..', 'docs', 'architecture.md')).read()
+rows = []
+for fn, hdr in door_calls:
+    home = defs.get(fn)
+    users = sorted(f for f, t in src.items()
+                   if f != home and f not in DOOR and re.search(r'\b%s\s*\(' % fn, t))
+    rows.append((fn, hdr, home, users))
+    if home not in DOOR:
+        print('door: %s (%s) is defined in %s, not in a door file' % (fn, hdr, home)); bad = 1
+    if not re.search(r'`%s[`(]' % fn, arch):
+        print('door: %s (%s) is not named in docs/architecture.md' % (fn, hdr)); bad = 1
+if '--door' in sys.argv[1:]:
+    print('| call | declared in | defined in | called by (outside the door) |')
+    print('|---|---|---|---|')
+    for fn, hdr, home, users in rows:
+        print('| `%s` | %s | `%s` | %s |'
+              % (fn, hdr, home, ', '.join('`%s`' % u for u in users) or '-'))
 sys.exit(1 if sccs or bad else 0)

@@ -418,8 +418,8 @@ static int move_source_intact(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth,
  * copy is asynchronous (a tier never completes inside the submitting call), so a move that
  * starts is always KVT_POLICY_PENDING; the engine holds a lease on n meanwhile.
  */
-static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                     kvt_tier_id_t from, kvt_tier_id_t to)
+static int exec_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n, uint32_t depth,
+                     uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to)
 {
     kvt_srv_t *s = arg;
     if (!s->tiers[from] || !s->tiers[to] || s->stopping)
@@ -456,7 +456,7 @@ static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
         pg->copy.dst = s->tiers[to];
         pg->copy.src_loc = b->loc;
         pg->copy.len = b->size;
-        pg->copy.dst_device = s->exec.move_device;
+        pg->copy.dst_device = why->tag; /* HBM: the pool of the client's device, -1 any */
         pg->copy.cb = move_copied;
         pg->copy.data = pg;
         pg->start_ns = kvt_now_ns();
@@ -489,10 +489,10 @@ static int exec_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
     if (s->exec.moves)
         s->exec.moves->prev = m;
     s->exec.moves = m;
-    if (s->exec.move_req) {
+    if (why->req) {
         /* A PREFETCH's promotion, or a demotion that makes room for it: the PREFETCH waits for
          * it (and counts the promoted pages). */
-        m->req = s->exec.move_req;
+        m->req = why->req;
         m->req->pending++;
         if (m->req->conn)
             m->req->conn->inflight++;
@@ -528,15 +528,7 @@ static int exec_fits(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
     return kvt_tier_ns_fits(s->tiers[to], seed, b->size, npages);
 }
 
-/* A MATCH's promotions are about to run: into the HBM pool of its client's device (-1: none). */
-static void exec_place(void *arg, int tag)
-{
-    kvt_srv_t *s = arg;
-    s->exec.move_device = tag;
-}
-
 const kvt_policy_ops_t kvt__exec_ops = {
-    .place = exec_place,
     .set_tier = exec_set_tier,
     .fits = exec_fits,
     .move = exec_move,
@@ -610,14 +602,15 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash)
     return kvt_ghosts_seen(s->exec.ghosts, hash);
 }
 
-/* A block's bytes leave the policy's books and their tier; dropped: count it as a drop. */
-static void block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int dropped)
+/* A block's bytes leave the policy's books and their tier. removed: a REMOVE's, discarded for
+ * good (no warm restart brings it back) and no drop; otherwise counted as a drop. */
+static void block_gone(kvt_srv_t *s, uint32_t ns, kvt_block_t *b, int removed)
 {
     if (s->policy)
         kvt_policy_on_free(s->policy, ns, b);
     if (b->tier != KVT_TIER_NONE && s->tiers[b->tier])
-        kvt__free_loc(s, b->tier, b->loc, b->size, b->hash, s->exec.removing);
-    if (dropped)
+        kvt__free_loc(s, b->tier, b->loc, b->size, b->hash, removed);
+    if (!removed)
         kvt__metric_add(s->metrics, KVT_M_BLOCKS_DROPPED, b->tier, 1);
 }
 
@@ -639,7 +632,7 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth)
             continue;
         /* A reclaimed or evicted one is no longer in its tier (freeing it frees nothing); a
          * corrupt one and the rest are. */
-        block_gone(s, ns, b, 1);
+        block_gone(s, ns, b, 0);
         kvt__block_drop(b);
         changed++;
     }
@@ -740,22 +733,24 @@ void kvt__store_step(kvt_srv_t *s)
         kvt_log_limited(&lim, KVT_LOG_WARN, "kvtierd: policy step: %s", kvt_strerror(rc));
 }
 
-void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b)
+/* The tree's free callbacks: why is the tree's call that freed the block (kvt__store_remove's
+ * kvt_radix_remove, an eviction, or kvt__srv_close's kvt_radix_destroy). */
+void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b, kvt_radix_why_t why)
 {
     kvt_srv_t *s = arg;
     /* Tearing down, the tiers are destroyed next and free everything themselves. A REMOVE is no
      * drop: no ghost, not counted. */
-    if (s->exec.tearing_down)
+    if (why == KVT_RADIX_DESTROY)
         return;
-    if (!s->exec.removing)
+    if (why != KVT_RADIX_REMOVE)
         kvt_ghosts_add(s->exec.ghosts, b->hash);
-    block_gone(s, ns, b, !s->exec.removing);
+    block_gone(s, ns, b, why == KVT_RADIX_REMOVE);
 }
 
-void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n)
+void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why)
 {
     kvt_srv_t *s = arg;
-    if (!s->exec.tearing_down && s->policy)
+    if (why != KVT_RADIX_DESTROY && s->policy)
         kvt_policy_on_node_free(s->policy, n);
 }
 
@@ -776,29 +771,21 @@ void kvt__exec_close(kvt_srv_t *s)
 }
 
 /*
- * The door's moves and drops (store.h): the cause and the request are arguments here. The tree's
- * free callback and the policy's move operation, which they reach, have signatures of radix.h and
- * policy.h that carry neither, so exec.c keeps them in s->exec for the length of the one call
- * (set and cleared here only, never by another file).
+ * The door's removals and promotions (store.h). Their cause travels as an argument all the way
+ * down, with no state set around the call: a removal's is the tree's call itself
+ * (kvt_radix_remove hands KVT_RADIX_REMOVE to kvt__store_free_cb), a promotion's is the
+ * kvt_policy_cause_t the policy hands to exec_move (the request that waits, the device).
  */
-int kvt__store_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t n,
-                      kvt__cause_t cause)
+int kvt__store_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t n)
 {
-    s->exec.removing = cause == KVT__CAUSE_REMOVE;
-    int rc = kvt_radix_remove(s->radix, ns, tokens, n);
-    s->exec.removing = 0;
-    return rc;
+    return kvt_radix_remove(s->radix, ns, tokens, n);
 }
 
 int kvt__store_promote(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t pages, kvt_tier_id_t target,
                        kvt__req_t *r, int device)
 {
-    s->exec.move_req = r;
-    s->exec.move_device = device;
-    int rc = kvt_policy_promote(s->policy, node, pages, target);
-    s->exec.move_req = NULL;
-    s->exec.move_device = -1;
-    return rc;
+    kvt_policy_cause_t why = {.req = r, .tag = device};
+    return kvt_policy_promote(s->policy, node, pages, target, &why);
 }
 
 /*

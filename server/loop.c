@@ -298,7 +298,6 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         s->tier_ev[i].fd = -1;
     s->clients.next_id = 1;
     s->internal_owner = 1ull << 63;
-    s->exec.move_device = -1;
     s->started_ns = kvt_now_ns();
     int rc = KVT_ENOMEM;
     kvt_policy_kind_t kind;
@@ -516,7 +515,6 @@ void kvt__srv_close(kvt_srv_t *s)
         close(s->clients.spare_fd);
     /* The tree first: its free callback gives the tiers their blocks back (NVMe keeps its data
      * on disk for a warm restart regardless). */
-    s->exec.tearing_down = 1;
     kvt_radix_destroy(s->radix);
     s->radix = NULL;
     kvt__store_close(s);

@@ -118,142 +118,181 @@ static const kvt__reply_src_t kvt_get_src = {
     .abort = get_abort,
 };
 
-int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
+/*
+ * A batch is built page by page in three steps, each with one job:
+ *
+ *     get_plan   the lookup: the page's block, and how it goes out (a location, from the tier's
+ *                memory, or read first), its checks (present, sealed) and its read count taken
+ *     get_read   the I/O: a page that is not in memory is read into a buffer of the batch
+ *     get_frame  the framing: the page's frame head in r->out and its two pieces in r->get.segs
+ *
+ * and goes out by get_send once nothing is in flight; get_end encodes the final frame.
+ */
+
+/* One page of the batch, as get_plan decided. */
+typedef struct get_page {
+    kvt_block_t *b;
+    kvt__io_t *x;
+    int located;        /* the client reads it where it lies: a location frame, no bytes */
+    uint64_t off;       /* located: its offset in the client's mapping */
+    const uint8_t *ptr; /* otherwise where its bytes are: the tier's memory or the read buffer */
+} get_page_t;
+
+/* The lookup of page r->get.cur into pg: 0, or the error that ends the GET here (nothing of
+ * this page is held then). */
+static int get_plan(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
 {
-    kvt_assert(r->pending == 0);
-    if (r->get.ios && !r->get.segs_ready) {
-        /* The batch's reads are done: it may go out up to its first failure. */
-        uint32_t good = 0;
-        for (; good < r->get.batch; good++) {
-            kvt__io_t *x = r->get.ios[good];
-            if (!x->zero_copy && x->io.status < 0) {
-                r->status = x->io.status;
-                static kvt_log_limit_t lim; /* a remote tier down fails every GET */
-                kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
-                                kvt_tier_name(x->tier), kvt_strerror(x->io.status));
-                break;
-            }
-        }
-        r->get.nsegs = 2 * good;
-        r->get.segs_ready = 1;
-        size_t bytes = 0;
-        for (uint32_t i = 0; i < r->get.nsegs; i++)
-            bytes += r->get.segs[i].len;
-        r->get.sent += good;
-        if (r->conn && r->get.nsegs) {
-            kvt__out_add(r->conn, (int64_t)bytes);
-            kvt__conn_kick(r->conn);
-            return 0; /* drained calls back when the socket has taken it */
-        }
-    }
-    if (r->get.ios)
-        get_release_batch(s, r);
-    if (!r->conn) {
-        kvt__unpin(s, r);
-        kvt__req_finish(r);
+    *pg = (get_page_t){.b = kvt__path_block(r->node, r->get.cur)};
+    kvt_block_t *b = pg->b;
+    if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier] || b->size != r->block_bytes)
+        return KVT_ENOENT;
+    kvt__io_t *x = pg->x = kvt__io_new(s, r, r->get.cur);
+    if (!x)
+        return KVT_ENOMEM;
+    x->tier = b->tier;
+    if (r->get.locate && kvt__store_locate(s, r->conn, r->ns, b, &pg->off)) {
+        pg->located = 1; /* under the client's lease: no I/O, no read count */
         return 0;
     }
+    if (b->tier == KVT_TIER_DRAM && s->conf->zc_checksum && kvt__tier_check(s, b) == KVT_ECORRUPT) {
+        /* Written over since its zero-copy COMMIT: lost, as a corrupt read is. */
+        kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, x->io.key.ntokens);
+        kvt__store_lost(s, r->node, r->get.cur);
+        free(x);
+        return KVT_ECORRUPT;
+    }
+    if (kvt__busy_inc(s, x->io.key.hash) < 0) {
+        free(x);
+        return KVT_ENOMEM;
+    }
+    if ((pg->ptr = kvt__tier_ptr(s, b))) {
+        x->zero_copy = 1; /* sent from where it lies: the read count keeps moves off it */
+        kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(b->tier, 0),
+                            kvt_now_ns() - x->start_ns);
+    }
+    return 0;
+}
+
+/* Starts the read of a page get_plan found outside memory into a buffer of its own: 0, or the
+ * error that ends the GET here (the page is let go). */
+static int get_read(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
+{
+    kvt__io_t *x = pg->x;
+    const kvt_block_t *b = pg->b;
+    int rc = KVT_ENOMEM;
+    if ((x->buf = malloc(b->size))) {
+        x->io.buf = x->buf;
+        x->io.len = b->size;
+        x->io.loc = b->loc;
+        x->io.cb = get_read_done;
+        x->io.urgent = 1; /* the client waits: ahead of queued moves */
+        rc = kvt__tier_read(s, (kvt_tier_id_t)b->tier, &x->io);
+    }
+    if (rc < 0) {
+        kvt__busy_dec(s, x->io.key.hash);
+        free(x->buf);
+        free(x);
+        return rc;
+    }
+    pg->ptr = x->buf;
+    kvt__io_started(s, r);
+    return 0;
+}
+
+/* Page i of the batch's frame: its head at i * stride in r->out (a location frame, or a data
+ * frame's head whose payload is pg->ptr), and its pieces segs[2i], segs[2i + 1]. */
+static void get_frame(kvt__req_t *r, uint32_t i, size_t stride, const get_page_t *pg)
+{
+    size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
+    uint8_t *f = r->out + (size_t)i * stride;
+    const kvt_block_t *b = pg->b;
+    if (pg->located) {
+        kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0, sizeof(kvt_wire_get_loc_t));
+        kvt_proto_get_loc_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier, pg->off, b->size);
+        r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = stride};
+        r->get.segs[2 * i + 1] = (kvt__seg_t){.off = 0, .len = 0};
+        return;
+    }
+    kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
+                    (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
+    kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier);
+    r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = hdr};
+    r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = pg->ptr, .len = b->size};
+}
+
+/* Builds the next batch from page r->get.cur on, up to KVT_GET_BATCH_BYTES, stopping at the first
+ * page that cannot go (r->status says why): the pages before it go. Returns the batch's pages
+ * (0: none, the batch released). */
+static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
+{
     size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
     /* Each page's frame head lies at i * stride in out: a location frame is longer. */
     size_t stride = r->get.locate ? KVT_PROTO_HDR + sizeof(kvt_wire_get_loc_t) : hdr;
-    if (r->status == 0 && r->get.cur < r->get.end) {
-        uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
-                                       KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
-        r->out_off = r->out_len = 0;
-        if (kvt_reserve(&r->out, &r->out_cap, n * stride, 1, 4096) < 0) {
-            r->status = KVT_ENOMEM;
-            goto end;
-        }
-        r->get.ios = calloc(n, sizeof *r->get.ios);
-        r->get.segs = calloc(2 * (size_t)n, sizeof *r->get.segs);
-        r->src = &kvt_get_src;
-        if (!r->get.ios || !r->get.segs) {
-            r->status = KVT_ENOMEM;
-            goto end;
-        }
-        for (uint32_t i = 0; i < n; i++, r->get.cur++) {
-            kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
-            if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier] || b->size != r->block_bytes) {
-                r->status = KVT_ENOENT;
-                break;
-            }
-            kvt__io_t *x = kvt__io_new(s, r, r->get.cur);
-            if (!x) {
-                r->status = KVT_ENOMEM;
-                break;
-            }
-            uint8_t *f = r->out + (size_t)i * stride;
-            x->tier = b->tier;
-            uint64_t off;
-            if (r->get.locate && kvt__store_locate(s, r->conn, r->ns, b, &off)) {
-                /* The client reads it where it lies, under its lease: no I/O, no bytes. */
-                kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
-                                sizeof(kvt_wire_get_loc_t));
-                kvt_proto_get_loc_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier, off, b->size);
-                r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = stride};
-                r->get.segs[2 * i + 1] = (kvt__seg_t){.off = 0, .len = 0};
-                r->get.ios[r->get.batch++] = x;
-                r->get.located++;
-                continue;
-            }
-            kvt_proto_frame(f, r->op | KVT_OP_REPLY, KVT_RF_MORE, r->id, 0,
-                            (uint32_t)(hdr - KVT_PROTO_HDR + r->block_bytes));
-            kvt_proto_get_data_encode(f + KVT_PROTO_HDR, r->get.cur, b->tier);
-            r->get.segs[2 * i] = (kvt__seg_t){.off = (size_t)i * stride, .len = hdr};
-            if (b->tier == KVT_TIER_DRAM && s->conf->zc_checksum &&
-                kvt__tier_check(s, b) == KVT_ECORRUPT) {
-                /* Written over since its zero-copy COMMIT: lost, as a corrupt read is. */
-                kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM,
-                                x->io.key.ntokens);
-                kvt__store_lost(s, r->node, r->get.cur);
-                free(x);
-                r->status = KVT_ECORRUPT;
-                break;
-            }
-            int rc = kvt__busy_inc(s, x->io.key.hash);
-            const uint8_t *ptr = rc == 0 ? kvt__tier_ptr(s, b) : NULL;
-            if (ptr) {
-                x->zero_copy = 1;
-                r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = ptr, .len = b->size};
-                r->get.ios[r->get.batch++] = x;
-                kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(b->tier, 0),
-                                    kvt_now_ns() - x->start_ns);
-                continue;
-            }
-            x->buf = rc == 0 ? malloc(b->size) : NULL;
-            if (x->buf) {
-                x->io.buf = x->buf;
-                x->io.len = b->size;
-                x->io.loc = b->loc;
-                x->io.cb = get_read_done;
-                x->io.urgent = 1; /* the client waits: ahead of queued moves */
-                rc = kvt__tier_read(s, (kvt_tier_id_t)b->tier, &x->io);
-            } else {
-                rc = KVT_ENOMEM;
-            }
-            if (rc < 0) {
-                if (rc != KVT_ENOMEM || x->buf)
-                    kvt__busy_dec(s, x->io.key.hash);
-                free(x->buf);
-                free(x);
-                r->status = rc;
-                break;
-            }
-            r->get.segs[2 * i + 1] = (kvt__seg_t){.ptr = x->buf, .len = b->size};
-            r->get.ios[r->get.batch++] = x;
-            kvt__io_started(s, r);
-        }
-        if (r->get.batch > 0) {
-            if (r->pending == 0)
-                return kvt__store_get_batch(s, r); /* all from memory: out it goes */
-            return 0;
-        }
-        get_release_batch(s, r);
+    uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
+                                   KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
+    r->out_off = r->out_len = 0;
+    if (kvt_reserve(&r->out, &r->out_cap, n * stride, 1, 4096) < 0) {
+        r->status = KVT_ENOMEM;
+        return 0;
     }
-end:;
-    /* The final frame: status, and how many pages went out before it. */
-    if (r->get.ios)
+    r->get.ios = calloc(n, sizeof *r->get.ios);
+    r->get.segs = calloc(2 * (size_t)n, sizeof *r->get.segs);
+    r->src = &kvt_get_src;
+    if (!r->get.ios || !r->get.segs) {
+        r->status = KVT_ENOMEM;
         get_release_batch(s, r);
+        return 0;
+    }
+    for (uint32_t i = 0; i < n; i++, r->get.cur++) {
+        get_page_t pg;
+        int rc = get_plan(s, r, &pg);
+        if (rc == 0 && !pg.located && !pg.ptr)
+            rc = get_read(s, r, &pg);
+        if (rc < 0) {
+            r->status = rc;
+            break;
+        }
+        get_frame(r, i, stride, &pg);
+        r->get.ios[r->get.batch++] = pg.x;
+        r->get.located += (uint32_t)pg.located;
+    }
+    uint32_t got = r->get.batch;
+    if (got == 0)
+        get_release_batch(s, r);
+    return got;
+}
+
+/* The batch's reads are done: it goes out up to its first failed read. Returns 1 when the
+ * connection took it (its drained hook calls back once the socket has), 0 when nothing goes. */
+static int get_send(kvt__req_t *r)
+{
+    uint32_t good = 0;
+    for (; good < r->get.batch; good++) {
+        kvt__io_t *x = r->get.ios[good];
+        if (!x->zero_copy && x->io.status < 0) {
+            r->status = x->io.status;
+            static kvt_log_limit_t lim; /* a remote tier down fails every GET */
+            kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
+                            kvt_tier_name(x->tier), kvt_strerror(x->io.status));
+            break;
+        }
+    }
+    r->get.nsegs = 2 * good;
+    r->get.segs_ready = 1;
+    size_t bytes = 0;
+    for (uint32_t i = 0; i < r->get.nsegs; i++)
+        bytes += r->get.segs[i].len;
+    r->get.sent += good;
+    if (!r->conn || !r->get.nsegs)
+        return 0;
+    kvt__out_add(r->conn, (int64_t)bytes);
+    kvt__conn_kick(r->conn);
+    return 1;
+}
+
+/* The final frame: status, and how many pages went out before it. */
+static void get_end(kvt_srv_t *s, kvt__req_t *r)
+{
     uint8_t e[sizeof(kvt_wire_get_end_t)];
     uint64_t now = kvt_now_ns();
     uint32_t left = 0;
@@ -267,6 +306,23 @@ end:;
     r->out_off = r->out_len = 0;
     kvt__req_reply(r, e, sizeof e);
     kvt__req_finish(r);
+}
+
+int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt_assert(r->pending == 0);
+    if (r->get.ios && !r->get.segs_ready && get_send(r))
+        return 0; /* drained calls back when the socket has taken it */
+    if (r->get.ios)
+        get_release_batch(s, r);
+    if (!r->conn) {
+        kvt__unpin(s, r);
+        kvt__req_finish(r);
+        return 0;
+    }
+    if (r->status == 0 && r->get.cur < r->get.end && get_build(s, r) > 0)
+        return r->pending ? 0 : kvt__store_get_batch(s, r); /* all from memory: out it goes */
+    get_end(s, r);
     return 0;
 }
 

@@ -32,7 +32,7 @@ static int remove_leased(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint
 
 static int remove_path(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, uint32_t n)
 {
-    return kvt__store_remove(s, ns, tokens, n, KVT__CAUSE_REMOVE);
+    return kvt__store_remove(s, ns, tokens, n);
 }
 
 static void remove_reply(kvt__req_t *r, int rc)

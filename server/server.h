@@ -312,12 +312,6 @@ typedef struct kvt__clients {
  * report to, tier locations whose free waits for reads, reads in flight per block, the ghosts. */
 typedef struct kvt__exec {
     kvt__move_t *moves;
-    /* move_req and removing carry a door call's request and cause (kvt__store_promote,
-     * kvt__store_remove, store.h) to the policy's and the tree's callbacks, whose signatures have
-     * no place for them: set by those two calls only, for the length of the call. */
-    kvt__req_t *move_req;
-    int move_device;  /* the device a move into HBM goes to (the client that asked: PREFETCH, or
-                       * the MATCH that queued it); -1: any */
     int moves_landed; /* a move finished since the loop last looked */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
@@ -326,8 +320,6 @@ typedef struct kvt__exec {
     kvt_ghosts_t *ghosts; /* evicted blocks: the "evicted" miss reason, the cost policy's too */
     struct kvt__settle *settle; /* lost blocks MATCHes found, made index-only by the step */
     size_t nsettle, cap_settle;
-    int removing;     /* the free callback is called by REMOVE, not by an eviction */
-    int tearing_down; /* kvt__srv_close: blocks leaving the tree need no tier frees */
     /* Moves into a tier whose writes keep failing (a full file system, a dead device) pause,
      * 100 ms after the first failure, doubling to 2 s, until one lands (exec.c). */
     uint64_t write_paused_until[KVT_TIER_COUNT];
@@ -638,8 +630,8 @@ void kvt__block_recovered(kvt_block_t *b, kvt_tier_id_t tier, uint64_t loc, uint
 extern const kvt_policy_ops_t kvt__exec_ops;
 /* After the tiers are destroyed: the moves in flight, deferred frees and read counts go. */
 void kvt__exec_close(kvt_srv_t *s);
-void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b);
-void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n);
+void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b, kvt_radix_why_t why);
+void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why);
 /* A block its tier lost by itself (an NVMe segment reclaim dropped it, the remote server evicted
  * it, or its read failed the checksum) at page `depth` of the path ending in node n: that page
  * and the rest of the node

@@ -86,17 +86,10 @@ uint64_t kvt__ns_need(const kvt_srv_t *s, const char *model, const char *adapter
 /* Warms the CPU cache for the n seeks of runs about to be made (kvt_radix_warm). */
 void kvt__path_warm(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n);
 
-/* Why blocks leave the tree. The free callbacks the tree calls (kvt__store_free_cb) read it from
- * the call that caused them: an eviction is a drop (ghost, counted); a REMOVE is none and its
- * tier bytes are discarded for good. */
-typedef enum kvt__cause {
-    KVT__CAUSE_EVICT = 0,
-    KVT__CAUSE_REMOVE = 1,
-} kvt__cause_t;
-/* Removes tokens[0, n) of namespace ns and everything below it, for cause. 0, KVT_ENOENT,
- * KVT_EBUSY (a lease or work in flight holds it). */
-int kvt__store_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t n,
-                      kvt__cause_t cause);
+/* Removes tokens[0, n) of namespace ns and everything below it (a REMOVE: its tier bytes are
+ * discarded for good, no ghost, no drop counted; the tree hands the cause, KVT_RADIX_REMOVE, to
+ * kvt__store_free_cb). 0, KVT_ENOENT, KVT_EBUSY (a lease or work in flight holds it). */
+int kvt__store_remove(kvt_srv_t *s, uint32_t ns, const uint32_t *tokens, size_t n);
 /* Promotes the first pages of node (its own pages, the path above it is the policy's to
  * include) to tier target for request r (a PREFETCH: the moves started report to it and it
  * waits for them; NULL: none), into device's HBM pool (-1: any). The policy's return. */

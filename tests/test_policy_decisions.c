@@ -38,10 +38,11 @@ static uint64_t run_bytes(kvt_radix_node_t *n, uint32_t depth, uint32_t npages)
     return s;
 }
 
-static int ex_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                   kvt_tier_id_t from, kvt_tier_id_t to)
+static int ex_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n, uint32_t depth,
+                   uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to)
 {
     exec_t *e = arg;
+    cr_assert_not_null(why);
     cr_assert(!kvt_radix_node_leased(n) || to < from, "a leased node was demoted");
     if (e->fail)
         return KVT_EIO;
@@ -71,8 +72,9 @@ static int ex_admit(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npa
     return 0;
 }
 
-static void ex_free(void *arg, uint32_t nsid, kvt_block_t *b)
+static void ex_free(void *arg, uint32_t nsid, kvt_block_t *b, kvt_radix_why_t why)
 {
+    (void)why;
     exec_t *e = arg;
     if (b->tier != KVT_TIER_NONE) {
         cr_assert_geq(e->used[b->tier], b->size);
@@ -294,27 +296,26 @@ Test(policy_decisions, promote_a_hit_in_a_lower_tier)
     stop();
 }
 
-/* The tag kvt_policy_set_place gave when a MATCH queued a promotion reaches the executor's
- * place op before that promotion's moves, and -1 after them (kvtierd: the HBM pool of the
- * device of the client that matched). */
-static int place_now = -2, promo_tags[8], npromo_tags;
+/* The tag kvt_policy_set_place gave when a MATCH queued a promotion reaches the executor's move
+ * op as its cause's tag (kvtierd: the HBM pool of the device of the client that matched), and
+ * kvt_policy_promote's cause (tag and request) reaches it as given; the step's demotions carry
+ * none. */
+static int promo_tags[8], npromo_tags, demote_tags[8], ndemote_tags;
+static void *promo_reqs[8];
 
-static void ex_place(void *arg, int tag)
+static int ex_move_tagged(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n,
+                          uint32_t depth, uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to)
 {
-    (void)arg;
-    place_now = tag;
+    if (to < from && npromo_tags < 8) {
+        promo_reqs[npromo_tags] = why->req;
+        promo_tags[npromo_tags++] = why->tag;
+    } else if (to > from && ndemote_tags < 8) {
+        demote_tags[ndemote_tags++] = why->tag;
+    }
+    return ex_move(arg, why, n, depth, npages, from, to);
 }
 
-static int ex_move_tagged(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                          kvt_tier_id_t from, kvt_tier_id_t to)
-{
-    if (to < from && npromo_tags < 8)
-        promo_tags[npromo_tags++] = place_now;
-    return ex_move(arg, n, depth, npages, from, to);
-}
-
-static const kvt_policy_ops_t placed_ops = {
-    .move = ex_move_tagged, .admit = ex_admit, .place = ex_place};
+static const kvt_policy_ops_t placed_ops = {.move = ex_move_tagged, .admit = ex_admit};
 
 Test(policy_decisions, a_match_s_place_tag_reaches_its_promotions)
 {
@@ -326,17 +327,38 @@ Test(policy_decisions, a_match_s_place_tag_reaches_its_promotions)
     request(b, 16, NULL);
     all_in(a, 4, KVT_TIER_DRAM);
     cr_assert_eq(npromo_tags, 0);
+    ndemote_tags = 0;
     kvt_policy_set_place(pol, 5);
     cr_assert_eq(request(a, 16, NULL), 4);
     kvt_policy_set_place(pol, -1);
     all_in(a, 4, KVT_TIER_HBM);
     cr_assert_eq(npromo_tags, 1);
     cr_assert_eq(promo_tags[0], 5, "the promotion ran under the MATCH's tag");
-    cr_assert_eq(place_now, -1, "and the tag is cleared after it");
+    cr_assert_null(promo_reqs[0], "a MATCH's promotion has no request");
+    cr_assert_eq(ndemote_tags, 1);
+    cr_assert_eq(demote_tags[0], 5, "the demotion that made room for it too");
+    ndemote_tags = 0;
     cr_assert_eq(request(b, 16, NULL), 4); /* queued with no tag set */
     all_in(b, 4, KVT_TIER_HBM);
     cr_assert_eq(npromo_tags, 2);
     cr_assert_eq(promo_tags[1], -1);
+    cr_assert_eq(ndemote_tags, 1);
+    cr_assert_eq(demote_tags[0], -1);
+    /* A promotion asked for directly (kvtierd: a PREFETCH) carries its caller's cause, to the
+     * moves that make room for it too. */
+    all_in(a, 4, KVT_TIER_DRAM);
+    int req;
+    kvt_policy_cause_t why = {.req = &req, .tag = 3};
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    ndemote_tags = 0;
+    cr_assert_eq(kvt_policy_promote(pol, m.node, m.node_pages, KVT_TIER_HBM, &why), 4);
+    all_in(a, 4, KVT_TIER_HBM);
+    cr_assert_eq(npromo_tags, 3);
+    cr_assert_eq(promo_tags[2], 3);
+    cr_assert_eq(promo_reqs[2], &req);
+    cr_assert_eq(ndemote_tags, 1);
+    cr_assert_eq(demote_tags[0], 3);
     kvt_policy_set_place(NULL, 1); /* harmless */
     free(a);
     free(b);
@@ -704,11 +726,11 @@ Test(policy_decisions, promote_into_room_still_on_its_way_is_eagain)
     all_in(b, 4, KVT_TIER_DRAM);
     kvt_match_t mb;
     cr_assert_eq(kvt_radix_match(tree, ns, b, 16, KVT_MATCH_NOTOUCH, &mb), 0);
-    cr_assert_eq(kvt_policy_promote(pol, mb.node, mb.node_pages, KVT_TIER_HBM), KVT_EAGAIN);
+    cr_assert_eq(kvt_policy_promote(pol, mb.node, mb.node_pages, KVT_TIER_HBM, NULL), KVT_EAGAIN);
     all_in(b, 4, KVT_TIER_DRAM);
     land_demotion(a);
     cr_assert_eq(kvt_radix_match(tree, ns, b, 16, KVT_MATCH_NOTOUCH, &mb), 0);
-    cr_assert_eq(kvt_policy_promote(pol, mb.node, mb.node_pages, KVT_TIER_HBM), 4);
+    cr_assert_eq(kvt_policy_promote(pol, mb.node, mb.node_pages, KVT_TIER_HBM, NULL), 4);
     all_in(b, 4, KVT_TIER_HBM);
     free(a);
     free(b);
@@ -1060,7 +1082,7 @@ Test(policy_decisions, pending_move_with_a_lost_page_still_ends)
             bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
         /* page 2 lost: kvt__store_lost makes it and the rest of its node index-only */
         for (int i = 2; i < 4; i++) {
-            ex_free(&ex, ns, &bl[i]);
+            ex_free(&ex, ns, &bl[i], KVT_RADIX_EVICT);
             bl[i].tier = KVT_TIER_NONE;
             bl[i].size = 0;
         }

@@ -33,6 +33,7 @@ typedef struct exec {
     pend_t pend[64];
     int npend;
     int pending_mode;
+    kvt_radix_why_t call; /* the tree call running: the cause its frees must carry */
 } exec_t;
 
 static uint64_t rng = 0x1234567;
@@ -50,10 +51,11 @@ static kvt_block_t *run_at(kvt_radix_node_t *n, uint32_t depth)
     return kvt_radix_node_blocks(n) + (depth - kvt_radix_node_depth(n));
 }
 
-static int ex_move(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
-                   kvt_tier_id_t from, kvt_tier_id_t to)
+static int ex_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n, uint32_t depth,
+                   uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to)
 {
     exec_t *e = arg;
+    CHECK(why && !why->req && why->tag == -1, "a move no caller asked for has no cause");
     CHECK(!kvt_radix_node_leased(n) || to < from, "a leased node was demoted");
     kvt_block_t *b = run_at(n, depth); /* a fresh (node, depth): the run is inside n */
     uint64_t bytes = 0;
@@ -83,9 +85,10 @@ static int ex_admit(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npa
     return 0;
 }
 
-static void ex_free(void *arg, uint32_t ns, kvt_block_t *b)
+static void ex_free(void *arg, uint32_t ns, kvt_block_t *b, kvt_radix_why_t why)
 {
     exec_t *e = arg;
+    CHECK(why == e->call, "a block freed with cause %d inside a call of cause %d", why, e->call);
     CHECK(!(b->flags & KVT_BLOCK_BUSY), "a block with a copy in flight was freed");
     if (b->tier != KVT_TIER_NONE)
         e->used[b->tier] -= b->size;
@@ -93,8 +96,9 @@ static void ex_free(void *arg, uint32_t ns, kvt_block_t *b)
         kvt_policy_on_free(e->pol, ns, b);
 }
 
-static void ex_node_free(void *arg, kvt_radix_node_t *n)
+static void ex_node_free(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why)
 {
+    (void)why;
     exec_t *e = arg;
     if (e->pol)
         kvt_policy_on_node_free(e->pol, n);
@@ -352,7 +356,9 @@ static uint64_t random_run(kvt_policy_kind_t kind, int pending, int reports)
         }
         if (rnd(50) == 0) { /* a removal the engine did not ask for */
             uint32_t cut = PS * (1 + rnd(n / PS + 1));
+            e.call = KVT_RADIX_REMOVE;
             int rr = kvt_radix_remove(t, ns, tok, KVT_MIN(cut, n));
+            e.call = KVT_RADIX_EVICT;
             CHECK(rr == 0 || rr == KVT_ENOENT || rr == KVT_EBUSY || rr == KVT_EINVAL, "remove: %d",
                   rr);
             check(t, pol, &e);
@@ -377,6 +383,7 @@ static uint64_t random_run(kvt_policy_kind_t kind, int pending, int reports)
     cr_assert_eq(st.pages_dropped_for_index, dropped);
     cr_assert_gt(self_adopted, 0, "the test must adopt pages the executor wrote");
     cr_assert_gt(room_made, 0, "the test must make room for them");
+    e.call = KVT_RADIX_DESTROY;
     kvt_radix_destroy(t);
     for (int k = 0; k < KVT_TIER_COUNT; k++)
         cr_assert_eq(e.used[k], 0);
@@ -472,7 +479,9 @@ static kvt_policy_stats_t sweep_run(int reports)
         if (m.pages && rnd(4) == 0)
             CHECK(kvt_radix_lease(t, &m, 1 + (uint64_t)slot, &leases[slot]) == 0, "lease");
         if (rnd(40) == 0) { /* a removal the engine did not ask for */
+            e.call = KVT_RADIX_REMOVE;
             int rr = kvt_radix_remove(t, ns, prompts[rnd((uint32_t)i + 1)], LEN);
+            e.call = KVT_RADIX_EVICT;
             CHECK(rr == 0 || rr == KVT_ENOENT || rr == KVT_EBUSY || rr == KVT_EINVAL, "remove: %d",
                   rr);
         }
@@ -486,6 +495,7 @@ static kvt_policy_stats_t sweep_run(int reports)
     kvt_policy_stats(pol, &st);
     cr_assert_gt(st.demotions, 0, "the test must exercise eviction");
     cr_assert_gt(st.dropped_blocks, 0);
+    e.call = KVT_RADIX_DESTROY;
     kvt_radix_destroy(t);
     for (int k = 0; k < KVT_TIER_COUNT; k++)
         cr_assert_eq(e.used[k], 0);

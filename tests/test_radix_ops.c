@@ -14,13 +14,24 @@
 static kvt_radix_t *tree;
 static uint32_t ns;
 static uint64_t freed_blocks;
+static uint64_t freed_by[3], nodes_freed_by[3]; /* by kvt_radix_why_t */
 
-static void count_free(void *arg, uint32_t nsid, kvt_block_t *b)
+static void count_free(void *arg, uint32_t nsid, kvt_block_t *b, kvt_radix_why_t why)
 {
     (void)arg;
     (void)nsid;
     (void)b;
     freed_blocks++;
+    cr_assert_leq((unsigned)why, KVT_RADIX_DESTROY);
+    freed_by[why]++;
+}
+
+static void count_node_free(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why)
+{
+    (void)arg;
+    (void)n;
+    cr_assert_leq((unsigned)why, KVT_RADIX_DESTROY);
+    nodes_freed_by[why]++;
 }
 
 static void setup(void)
@@ -757,6 +768,50 @@ Test(radix_ops, destroy_frees_every_block)
     setup(); /* for the teardown */
     free(a);
     free(b);
+}
+
+/* Every free callback names the call that freed the block or node (kvt_radix_why_t), so that a
+ * caller tells a REMOVE from an eviction without state of its own set around the call. */
+Test(radix_ops, every_free_names_the_call_that_caused_it)
+{
+    kvt_radix_destroy(tree);
+    kvt_radix_conf_t conf = {.free_cb = count_free, .node_free_cb = count_node_free};
+    cr_assert_eq(kvt_radix_create(&tree, &conf), 0);
+    cr_assert_eq(kvt_radix_ns_open(tree, "llama", NULL, NULL, PS, &ns), 0);
+    uint32_t *a = seq(6 * PS, 1), *b = seq(6 * PS, 1), *c = seq(4 * PS, 900);
+    b[2 * PS] = 5; /* a and b share 2 pages, then fork: a node of 2 with two leaves of 4 */
+    insert(a, 6 * PS);
+    insert(b, 6 * PS);
+    insert(c, 4 * PS);
+    /* An eviction of a leaf's last page. */
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 6 * PS, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(kvt_radix_evict(tree, m.node, 1), 0);
+    cr_expect_eq(freed_by[KVT_RADIX_EVICT], 1);
+    cr_expect_eq(freed_by[KVT_RADIX_REMOVE] + freed_by[KVT_RADIX_DESTROY], 0);
+    /* A removal of b from its fourth page: its 3 last pages and its node. */
+    cr_assert_eq(kvt_radix_remove(tree, ns, b, 3 * PS), 0);
+    cr_expect_eq(freed_by[KVT_RADIX_REMOVE], 4);
+    cr_expect_eq(nodes_freed_by[KVT_RADIX_REMOVE], 1);
+    cr_expect_eq(freed_by[KVT_RADIX_EVICT], 1);
+    /* Dropping a namespace is evictions. */
+    uint32_t ns2;
+    cr_assert_eq(kvt_radix_ns_open(tree, "other", NULL, NULL, PS, &ns2), 0);
+    kvt_insert_t r;
+    cr_assert_eq(kvt_radix_insert(tree, ns2, c, 4 * PS, &r), 0);
+    cr_assert_eq(kvt_radix_ns_clear(tree, ns2), 0);
+    cr_expect_eq(freed_by[KVT_RADIX_EVICT], 1 + 4);
+    cr_expect_eq(nodes_freed_by[KVT_RADIX_EVICT], 1);
+    /* The rest goes with the tree: a's 2 + 3 pages, c's 4. */
+    kvt_radix_destroy(tree);
+    cr_expect_eq(freed_by[KVT_RADIX_DESTROY], 2 + 3 + 4);
+    cr_expect_eq(nodes_freed_by[KVT_RADIX_DESTROY], 3);
+    cr_expect_eq(freed_by[KVT_RADIX_REMOVE], 4, "no other cause changed");
+    cr_expect_eq(freed_by[KVT_RADIX_EVICT], 5);
+    setup(); /* for the teardown */
+    free(a);
+    free(b);
+    free(c);
 }
 
 /* The tree's own byte count against the allocators': glibc's in-use bytes (plus its per-chunk
