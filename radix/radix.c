@@ -1675,6 +1675,22 @@ int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_
     return insert_after(t, m->ns, tokens, npages, &w, res);
 }
 
+int kvt_radix_split_at(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth)
+{
+    if (!t || !n)
+        return KVT_EINVAL;
+    kvt_radix_node_t *c = kvt_radix_node_holding(n, depth);
+    if (!c)
+        return KVT_EINVAL; /* not on n's path */
+    if (depth == c->depth)
+        return 0; /* a node begins there already */
+    mig_tick(t);
+    if (!split(t, c, depth - c->depth))
+        return KVT_ENOMEM;
+    t->epoch++;
+    return 0;
+}
+
 /* ---- removal and eviction ------------------------------------------------------------------- */
 
 static void free_blocks(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from, uint32_t to)
