@@ -248,6 +248,20 @@ KVT_API int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t
                                 const kvt_client_hints_t *hints, kvt_client_put_t *res);
 
 /*
+ * Chains with gaps (docs/protocol.md): with KVT_CLIENT_PUT_GAPS, every later PUT and RESERVE of c
+ * (kvt_client_put, _putv, _put_kept, _reserve, kvt_batch_put, and the keyed puts of a
+ * kvt_keys_t through kvt_keys_client) may store pages after pages of the chain that hold no
+ * bytes, as a sliding-window attention layer needs (only its window's pages), where without it
+ * the daemon skips them (counted in the reply's skipped). flags: 0 or KVT_CLIENT_PUT_GAPS;
+ * other bits are ignored. Returns the flags set before. A MATCH reports every page of a chain
+ * the daemon knows with its tier (0 for a page without bytes) either way.
+ */
+enum {
+    KVT_CLIENT_PUT_GAPS = 1u << 0,
+};
+KVT_API unsigned kvt_client_set_put_flags(kvt_client_t *c, unsigned flags);
+
+/*
  * Caches every whole page of tokens and stores the KV bytes of pages [first_page, first_page +
  * npages): payload holds npages x block_bytes bytes (NULL with npages 0: index only). Pages
  * already stored keep their bytes. Replies when the bytes are in their tier. Zero-copy: RESERVE
