@@ -510,7 +510,8 @@ KVT_API int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n
                                 uint32_t npages, const void *const *blocks, kvt_client_put_t *res);
 /* Reads the blocks of keys [first, first + cap / block_bytes) of the chain into buf, as far as
  * the chain is cached: MATCH with a lease, GET, RELEASE. *got = blocks written (0 when key first
- * or one before it is missing: not an error). */
+ * is missing, or one before it is not in the index: not an error; keys before first that the
+ * index holds without their block, a gap of docs/protocol.md, do not stop it). */
 KVT_API int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
                                void *buf, size_t cap, uint32_t *got);
 /* Drops the chain's last key and everything cached beneath it (as kvt_client_remove). */
