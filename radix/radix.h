@@ -293,6 +293,9 @@ int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
  * already), KVT_EINVAL (depth not on n's path), or KVT_ENOMEM (the tree is then as before).
  */
 int kvt_radix_split_at(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth);
+/* At most the bytes kvt_radix_split_at(t, n, depth) adds to the tree's count (0 when it would
+ * split nothing), for a caller that bounds the tree's memory. */
+uint64_t kvt_radix_split_need(const kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth);
 
 /* Leases. owner is any non-zero value. The lease id is never 0. */
 int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64_t *lease_out);

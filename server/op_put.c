@@ -51,7 +51,8 @@ static void put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_
  * refuse the run in the same node; the node is split there instead, and the run begins a node
  * of its own below the pages without bytes (a gap node: index-only pages that only name the
  * path, evicted as any index-only pages once nothing below them is left, docs/protocol.md).
- * Out of memory, nothing is split and the run is refused as without GAPS.
+ * Without room (index-bytes, or the allocator), nothing is split and the run is refused as
+ * without GAPS.
  */
 static void put_gap(kvt_srv_t *s, kvt__req_t *r, uint32_t depth)
 {

@@ -56,7 +56,7 @@ kvt_radix_node_t *kvt__path_holder(kvt_radix_node_t *node, uint32_t depth);
 /* The page depth of node's first page. */
 uint32_t kvt__node_depth(const kvt_radix_node_t *node);
 /* Makes page depth of the path ending at node begin a node (the tree's kvt_radix_split_at):
- * 0, KVT_EINVAL or KVT_ENOMEM (nothing changed). */
+ * 0, KVT_EINVAL, KVT_ENOSPC (index-bytes has no room for it) or KVT_ENOMEM (nothing changed). */
 int kvt__path_split(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth);
 
 /* Inserts tokens[0, n) of namespace ns (whole pages; the rest is ignored): res names the path's

@@ -598,8 +598,16 @@ Test(radix_ops, split_at_a_page_changes_only_the_grouping)
     cr_expect_eq(kvt_radix_split_at(tree, r.node, 8), KVT_EINVAL, "past the path");
     cr_expect_eq(kvt_radix_split_at(NULL, r.node, 1), KVT_EINVAL);
     cr_expect_eq(kvt_radix_split_at(tree, NULL, 1), KVT_EINVAL);
+    cr_expect_eq(kvt_radix_split_need(tree, r.node, 0), 0);
+    uint64_t need = kvt_radix_split_need(tree, r.node, 5);
+    cr_expect_gt(need, 0);
+    kvt_radix_stats_t before, after;
+    kvt_radix_stats(tree, &before);
     cr_assert_eq(kvt_radix_split_at(tree, r.node, 5), 0);
     cr_assert_eq(kvt_radix_verify(tree), 0);
+    kvt_radix_stats(tree, &after);
+    cr_expect_leq(after.bytes, before.bytes + need, "the split added no more than its need");
+    cr_expect_eq(kvt_radix_split_need(tree, r.node, 5), 0, "split there already");
     cr_expect_eq(kvt_radix_node_count(tree), nodes + 1);
     cr_expect_eq(kvt_radix_node_depth(r.node), 5, "the tail keeps the node's address");
     cr_expect_eq(kvt_radix_node_pages(r.node), 3);
