@@ -4,8 +4,8 @@
  * (a sliding-window layer's window), which a PUT without it skips as before; a MATCH reports
  * every page of the chain with its tier; a window's pages read back byte-exact; REMOVE takes a
  * gapped chain whole; a full tier drops old windows to take new ones, and what is left of a
- * chain after its window went is index-only, trimmed under index-bytes; a malformed gap frame
- * is refused and changes nothing.
+ * chain after its window went is index-only, trimmed under index-bytes; a warm restart frees a
+ * window whose gap no NVMe record names; a malformed gap frame is refused and changes nothing.
  */
 #include "proto.h"
 #include "test_raw_frames.h"
@@ -212,6 +212,43 @@ Test(server_gaps, full_tiers_drop_old_windows_and_the_index_trims_their_gaps)
     /* 200 chains of 12 pages do not fit 256K of index: gap pages were trimmed. */
     cr_expect_lt(metric(&d, "kvtier_index_blocks"), CHAINS * (LEN - WIN));
     cr_expect_leq(metric(&d, "kvtier_index_bytes"), 256 << 10);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A warm restart rebuilds the index from the NVMe tier's records, each block found by its chain
+ * of parents: a window after a gap has none on disk for the gap's pages, so its blocks are
+ * orphans, freed and counted (a miss after the restart, never wrong bytes); a whole chain beside
+ * it comes back.
+ */
+Test(server_gaps, a_warm_restart_frees_a_window_whose_gap_was_never_stored)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "swa", PAGE, BB);
+    uint32_t win[6 * PAGE], whole[3 * PAGE];
+    kvd_tokens(win, 6 * PAGE, 11);
+    kvd_tokens(whole, 3 * PAGE, 77000);
+    kvt_client_set_put_flags(c, KVT_CLIENT_PUT_GAPS);
+    cr_assert_eq(put_window(c, win, 6, 4, 2, BB, 5).stored, 2);
+    cr_assert_eq(put_window(c, whole, 3, 0, 3, BB, 9).stored, 3);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(&d), 0);
+
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    c = kvd_client(&d, "swa", PAGE, BB);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 3);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_orphan"), 2);
+    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 3);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, win, 6 * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "the window is gone with its gap");
+    uint8_t tiers[3];
+    uint32_t pages;
+    uint64_t lease = match_tiers(c, whole, 3, tiers, &pages);
+    cr_expect_eq(pages, 3);
+    check_bytes(c, lease, 0, 3, BB, 9);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
