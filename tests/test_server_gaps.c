@@ -5,8 +5,11 @@
  * every page of the chain with its tier; a window's pages read back byte-exact; REMOVE takes a
  * gapped chain whole; a full tier drops old windows to take new ones, and what is left of a
  * chain after its window went is index-only, trimmed under index-bytes; a warm restart frees a
- * window whose gap no NVMe record names; a malformed gap frame is refused and changes nothing.
+ * window whose gap no NVMe record names; the remote probe finds a window behind a gap its
+ * index knows; a malformed gap frame is refused and changes nothing.
  */
+#include <time.h>
+
 #include "proto.h"
 #include "test_raw_frames.h"
 #include "test_server_harness.h"
@@ -251,6 +254,47 @@ Test(server_gaps, a_warm_restart_frees_a_window_whose_gap_was_never_stored)
     check_bytes(c, lease, 0, 3, BB, 9);
     kvt_client_close(c);
     kvd_cleanup(&d);
+}
+
+/*
+ * The remote probe asks the shared server for the pages after the local match and stops at the
+ * first it does not find. A window stored there after a gap (its daemon keeps nothing locally)
+ * is not found by a daemon that knows nothing of the chain (page 0 was never written anywhere:
+ * a miss), and is found, after the gap, by one whose index holds the gap's pages.
+ */
+Test(server_gaps, the_remote_probe_finds_a_window_after_a_gap_it_knows)
+{
+    const char *addr = getenv("KVT_TEST_REDIS");
+    if (!addr || !*addr)
+        cr_skip_test("KVT_TEST_REDIS is not set: no redis-server to test against");
+    char pfx[64];
+    snprintf(pfx, sizeof pfx, "kvgaps%d-%ld", (int)getpid(), (long)time(NULL));
+    kvd_t a = {0}, b = {0};
+    kvd_start(&a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, NULL);
+    kvd_start(&b, "--remote", addr, "--remote-prefix", pfx, NULL);
+    kvt_client_t *ca = kvd_client(&a, "swa", PAGE, BB), *cb = kvd_client(&b, "swa", PAGE, BB);
+    uint32_t tok[6 * PAGE];
+    kvd_tokens(tok, 6 * PAGE, 31);
+    kvt_client_set_put_flags(ca, KVT_CLIENT_PUT_GAPS);
+    cr_assert_eq(put_window(ca, tok, 6, 4, 2, BB, 3).stored, 2);
+    uint8_t tiers[6];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 6};
+    unsigned probe = KVT_CLIENT_LEASE | KVT_CLIENT_REMOTE | KVT_CLIENT_PROBE;
+    cr_assert_eq(kvt_client_match(cb, tok, 6 * PAGE, probe, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "page 0 is in no tier anywhere");
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(cb, tok, 4 * PAGE, 0, 0, NULL, NULL, &r), 0); /* the gap */
+    cr_assert_eq(kvt_client_match(cb, tok, 6 * PAGE, probe, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 6);
+    cr_expect_eq(m.remote_pages, 2);
+    cr_expect(all_in(tiers, 0, 4, KVT_CLIENT_TIER_NONE));
+    cr_expect(all_in(tiers, 4, 6, KVT_CLIENT_TIER_REMOTE));
+    check_bytes(cb, m.lease, 4, 2, BB, 3);
+    kvt_client_close(ca);
+    kvt_client_close(cb);
+    kvd_cleanup(&a);
+    kvd_cleanup(&b);
 }
 
 static void hello(int fd)
