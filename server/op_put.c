@@ -2,7 +2,8 @@
  * op_put.c: PUT. The handler inserts the tokens into the index and queues the request; the state
  * machine writes each new page's payload to the fastest tier that takes it (kvt_order), making
  * room through the policy when none has any, and once every write has landed hands the blocks to
- * the policy in page order and answers.
+ * the policy in page order and answers. With the GAPS flag a run of pages with bytes may follow
+ * pages without (a sliding-window layer's window: docs/protocol.md, "Chains with gaps").
  *
  * RESERVE and COMMIT are the same PUT written by a local client through its mapping (op_map.c):
  * RESERVE runs the state machine with no payload, its writes only allocating room in the
@@ -40,12 +41,6 @@ static void put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_
 }
 
 /*
- * Every write of the PUT is done: its blocks join the policy in page order, runs of one tier
- * at a time (the order of tiers inside a node must hold, so the policy may refuse a page that
- * landed in a faster tier than the one before it; its bytes are then freed and it stays
- * index-only, counted as skipped).
- */
-/*
  * PUT and COMMIT with GAPS: the run of pages with bytes that begins at depth follows a page
  * without bytes. A node's tiers never get faster with depth (policy.c), so the policy would
  * refuse the run in the same node; the node is split there instead, and the run begins a node
@@ -65,6 +60,13 @@ static void put_gap(kvt_srv_t *s, kvt__req_t *r, uint32_t depth)
         kvt__metric_add(s->metrics, KVT_M_PUT_GAPS, 0, 1);
 }
 
+/*
+ * Every write of the PUT is done: its blocks join the policy in page order, runs of one tier
+ * at a time (the order of tiers inside a node must hold, so the policy may refuse a page that
+ * landed in a faster tier than the one before it; its bytes are then freed and it stays
+ * index-only, counted as skipped). With GAPS a run after a page without bytes begins a node of
+ * its own first (put_gap).
+ */
 static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt__landed_t *l = r->extra;
