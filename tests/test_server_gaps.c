@@ -347,6 +347,13 @@ Test(server_gaps, a_malformed_gap_frame_changes_nothing)
     raw_frame(fd, KVT_OP_PUT, KVT_PUT_F_GAPS, 3, body, (uint32_t)len, KVT_PROTO_MAGIC,
               KVT_PROTO_VERSION);
     cr_expect_eq(status_of(fd, 3), KVT_EINVAL, "pages past the request's");
+    uint8_t rbody[sizeof(kvt_wire_reserve_t) + sizeof tok];
+    kvt_proto_reserve_t rq = {.ntokens = 4 * PAGE, .first_page = 2, .npages = 2};
+    kvt_proto_reserve_encode(rbody, &rq);
+    memcpy(rbody + sizeof(kvt_wire_reserve_t), body + sizeof(kvt_wire_put_t), sizeof tok);
+    raw_frame(fd, KVT_OP_RESERVE, KVT_PUT_F_GAPS | 0x8, 5, rbody, sizeof rbody, KVT_PROTO_MAGIC,
+              KVT_PROTO_VERSION);
+    cr_expect_eq(status_of(fd, 5), KVT_EPROTO, "RESERVE: an unknown flag beside GAPS");
     kvt_client_t *c = kvd_client(&d, "swa", PAGE, BB);
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
