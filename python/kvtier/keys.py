@@ -285,9 +285,11 @@ class AsyncKeysMixin:
         """Client.exists_keys."""
         return await self._run(self.client.exists_keys, keys)  # type: ignore[attr-defined]
 
-    async def put_keys(self, keys: Sequence[Key], data: Any, first: int = 0) -> Any:
+    async def put_keys(self, keys: Sequence[Key], data: Any, first: int = 0, *,
+                       gaps: bool = False) -> Any:
         """Client.put_keys."""
-        return await self._run(self.client.put_keys, keys, data, first)  # type: ignore
+        return await self._run(self.client.put_keys, keys, data, first,  # type: ignore
+                               gaps=gaps)
 
     async def get_keys_into(self, keys: Sequence[Key], buffer: Buffer, first: int = 0) -> int:
         """Client.get_keys_into."""
