@@ -261,7 +261,12 @@ int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_
                                KVT_CLIENT_LEASE | (mapped ? KVT_CLIENT_LOCATE : 0), 0, NULL, &m,
                                mapped ? &st : NULL);
     free(t);
-    uint32_t have = rc == 0 ? keys_with_bytes(tiers, m.pages) : 0, i = first;
+    /* From first on: pages before it without bytes (a sliding window's gap: docs/protocol.md,
+     * "Chains with gaps") do not stop a read that does not include them. */
+    uint32_t have = rc == 0 && m.pages > first
+                        ? first + keys_with_bytes(tiers + first, m.pages - first)
+                        : 0,
+             i = first;
     free(tiers);
     for (; rc == 0 && mapped && i < have && locs[i].host_ptr; i++)
         memcpy((uint8_t *)buf + (size_t)(i - first) * k->block_bytes, locs[i].host_ptr,

@@ -57,6 +57,7 @@ struct kvt_client {
     uint32_t max_reply;
     uint64_t seed;
     unsigned tiers;
+    uint16_t put_flags; /* wire flags every PUT and RESERVE carries (kvt_client_set_put_flags) */
     char errmsg[KVT_PROTO_ERRMSG_MAX + 1];
     uint8_t *in; /* buffered input: [in_pos, in_len) not yet consumed */
     size_t in_pos, in_len, in_cap;
@@ -781,8 +782,9 @@ static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, 
         return own;
     const uint8_t *body;
     uint32_t len;
-    int rc = call(c, KVT_OP_PUT, handle ? KVT_PUT_F_HANDLE : 0, w, sizeof w, tw,
-                  (size_t)ntokens * 4, payload, (size_t)npages * c->block_bytes, &body, &len);
+    int rc =
+        call(c, KVT_OP_PUT, (uint16_t)((handle ? KVT_PUT_F_HANDLE : 0) | c->put_flags), w, sizeof w,
+             tw, (size_t)ntokens * 4, payload, (size_t)npages * c->block_bytes, &body, &len);
     if (own)
         free(tw);
     if (rc < 0)
@@ -809,8 +811,8 @@ static int reserve_send(kvt_client_t *c, uint32_t handle, const uint32_t *tokens
     int own = tokens_wire(c, tokens, ntokens, &tw);
     if (own < 0)
         return own;
-    int rc = send_req(c, KVT_OP_RESERVE, handle ? KVT_PUT_F_HANDLE : 0, w, sizeof w, NULL, 0, tw,
-                      (size_t)ntokens * 4, id, deadline);
+    int rc = send_req(c, KVT_OP_RESERVE, (uint16_t)((handle ? KVT_PUT_F_HANDLE : 0) | c->put_flags),
+                      w, sizeof w, NULL, 0, tw, (size_t)ntokens * 4, id, deadline);
     if (rc == 0 && probe) {
         kvt_proto_match_t mm = {.ntokens = ntokens};
         uint8_t mw[sizeof(kvt_wire_match_t)];
@@ -1067,6 +1069,15 @@ out:
     if (ptrs != small)
         free(ptrs);
     return rc;
+}
+
+unsigned kvt_client_set_put_flags(kvt_client_t *c, unsigned flags)
+{
+    if (!c)
+        return 0;
+    unsigned was = c->put_flags & KVT_PUT_F_GAPS ? KVT_CLIENT_PUT_GAPS : 0;
+    c->put_flags = flags & KVT_CLIENT_PUT_GAPS ? KVT_PUT_F_GAPS : 0;
+    return was;
 }
 
 int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t first_page,
@@ -1605,7 +1616,7 @@ static int batch_put(kvt_batch_t *b, const uint32_t *tokens, uint32_t ntokens, u
                          .npayload = npages};
     uint8_t w[sizeof(kvt_wire_put_t)];
     kvt_proto_put_encode(w, &m);
-    return batch_tokens(b, KVT_OP_PUT, 0, w, sizeof w, tokens, ntokens, payload,
+    return batch_tokens(b, KVT_OP_PUT, b->c->put_flags, w, sizeof w, tokens, ntokens, payload,
                         (size_t)npages * b->c->block_bytes, lend, res, status);
 }
 

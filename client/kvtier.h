@@ -248,6 +248,20 @@ KVT_API int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t
                                 const kvt_client_hints_t *hints, kvt_client_put_t *res);
 
 /*
+ * Chains with gaps (docs/protocol.md): with KVT_CLIENT_PUT_GAPS, every later PUT and RESERVE of c
+ * (kvt_client_put, _putv, _put_kept, _reserve, kvt_batch_put, and the keyed puts of a
+ * kvt_keys_t through kvt_keys_client) may store pages after pages of the chain that hold no
+ * bytes, as a sliding-window attention layer needs (only its window's pages), where without it
+ * the daemon skips them (counted in the reply's skipped). flags: 0 or KVT_CLIENT_PUT_GAPS;
+ * other bits are ignored. Returns the flags set before. A MATCH reports every page of a chain
+ * the daemon knows with its tier (0 for a page without bytes) either way.
+ */
+enum {
+    KVT_CLIENT_PUT_GAPS = 1u << 0,
+};
+KVT_API unsigned kvt_client_set_put_flags(kvt_client_t *c, unsigned flags);
+
+/*
  * Caches every whole page of tokens and stores the KV bytes of pages [first_page, first_page +
  * npages): payload holds npages x block_bytes bytes (NULL with npages 0: index only). Pages
  * already stored keep their bytes. Replies when the bytes are in their tier. Zero-copy: RESERVE
@@ -496,7 +510,8 @@ KVT_API int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n
                                 uint32_t npages, const void *const *blocks, kvt_client_put_t *res);
 /* Reads the blocks of keys [first, first + cap / block_bytes) of the chain into buf, as far as
  * the chain is cached: MATCH with a lease, GET, RELEASE. *got = blocks written (0 when key first
- * or one before it is missing: not an error). */
+ * is missing, or one before it is not in the index: not an error; keys before first that the
+ * index holds without their block, a gap of docs/protocol.md, do not stop it). */
 KVT_API int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
                                void *buf, size_t cap, uint32_t *got);
 /* Drops the chain's last key and everything cached beneath it (as kvt_client_remove). */

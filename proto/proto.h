@@ -75,7 +75,8 @@ enum {
     KVT_MATCH_F_KEEP = 1u << 4,   /* keep the tokens under a handle a later PUT names */
     KVT_MATCH_F_ALL = 0x1f,
     KVT_PUT_F_HANDLE = 1u << 0, /* PUT and RESERVE: the tokens extend a MATCH's kept ones */
-    KVT_PUT_F_ALL = 0x1,
+    KVT_PUT_F_GAPS = 1u << 1,   /* PUT and RESERVE: pages may be stored after pages without bytes */
+    KVT_PUT_F_ALL = 0x3,
     KVT_PREFETCH_F_START = 1u << 0, /* reply once the moves have started, not when they land */
     KVT_PREFETCH_F_ALL = 0x1,
     KVT_REMOVE_F_NOWAIT = 1u << 0, /* EBUSY at once for blocks busy with I/O, instead of waiting */

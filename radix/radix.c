@@ -1675,6 +1675,38 @@ int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_
     return insert_after(t, m->ns, tokens, npages, &w, res);
 }
 
+uint64_t kvt_radix_split_need(const kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth)
+{
+    if (!t || !n)
+        return 0;
+    const kvt_radix_node_t *c = kvt_radix_node_holding(n, depth);
+    if (!c || depth == c->depth)
+        return 0;
+    /* The new node and its child array; the smaller half's copy and the compaction of the
+     * other (each at most the node's pages); the registry doubling when it is full. */
+    uint64_t b = sizeof(kvt_radix_node_t) + 2 * KID_SLOT +
+                 2 * (uint64_t)storage_bytes(c->npages, c->page_size);
+    if (t->nnodes + 1 > t->nodes_cap)
+        b += (uint64_t)KVT_MAX(t->nodes_cap, (size_t)64) * sizeof(void *);
+    return rounded(b);
+}
+
+int kvt_radix_split_at(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth)
+{
+    if (!t || !n)
+        return KVT_EINVAL;
+    kvt_radix_node_t *c = kvt_radix_node_holding(n, depth);
+    if (!c)
+        return KVT_EINVAL; /* not on n's path */
+    if (depth == c->depth)
+        return 0; /* a node begins there already */
+    mig_tick(t);
+    if (!split(t, c, depth - c->depth))
+        return KVT_ENOMEM;
+    t->epoch++;
+    return 0;
+}
+
 /* ---- removal and eviction ------------------------------------------------------------------- */
 
 static void free_blocks(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t from, uint32_t to,

@@ -291,6 +291,20 @@ int kvt_radix_insert_matched(kvt_radix_t *t, const kvt_match_t *m, const uint32_
  */
 int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens);
 
+/*
+ * Makes page `depth` of the path that ends in node n begin a node: the node holding it is split
+ * there, as an insert splits one (the drawing above: the head pages go to a new node above it,
+ * which inherits its leases; n and every node keep their addresses). A split changes no block,
+ * no match and no lease; it only lets the pages on either side of it be told apart by node, as
+ * kvtierd's PUT with gaps needs (a node's tiers never get faster with depth, so a page with
+ * bytes after one without needs a node of its own). Returns 0 (also when a node begins there
+ * already), KVT_EINVAL (depth not on n's path), or KVT_ENOMEM (the tree is then as before).
+ */
+int kvt_radix_split_at(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth);
+/* At most the bytes kvt_radix_split_at(t, n, depth) adds to the tree's count (0 when it would
+ * split nothing), for a caller that bounds the tree's memory. */
+uint64_t kvt_radix_split_need(const kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth);
+
 /* Leases. owner is any non-zero value. The lease id is never 0. */
 int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64_t *lease_out);
 /* Releases one lease. Returns 0, or KVT_ENOENT for an id that is not (any longer) held: a

@@ -207,6 +207,15 @@ kvt_radix_node_t *kvt__path_holder(kvt_radix_node_t *node, uint32_t depth)
     return kvt_radix_node_holding(node, depth);
 }
 
+int kvt__path_split(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth)
+{
+    /* The index never passes index-bytes: without room the split is refused, nothing trimmed
+     * here (it runs when a PUT's writes land; the maintenance step keeps room below the cap). */
+    if (!kvt__index_fits(s, kvt_radix_split_need(s->radix, node, depth)))
+        return KVT_ENOSPC;
+    return kvt_radix_split_at(s->radix, node, depth);
+}
+
 uint32_t kvt__node_depth(const kvt_radix_node_t *node)
 {
     return kvt_radix_node_depth(node);

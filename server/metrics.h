@@ -224,6 +224,9 @@ typedef enum {
       PUT)                                                                                         \
     X(PUT_ROOM, COUNTER, "kvtier_put_room_pages_total",                                            \
       "PUT pages written after the policy made room for them (no tier had any).", NONE)            \
+    X(PUT_GAPS, COUNTER, "kvtier_put_gap_splits_total",                                            \
+      "Nodes split so that a PUT or COMMIT with GAPS stores pages after pages without bytes.",     \
+      NONE)                                                                                        \
     X(HINTS, COUNTER, "kvtier_hints_total",                                                        \
       "Engine hints carried by MATCH and PUT requests, by kind: paused, finished, priority "       \
       "(non-zero). A request with several counts once for each.",                                  \

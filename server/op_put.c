@@ -2,7 +2,8 @@
  * op_put.c: PUT. The handler inserts the tokens into the index and queues the request; the state
  * machine writes each new page's payload to the fastest tier that takes it (kvt_order), making
  * room through the policy when none has any, and once every write has landed hands the blocks to
- * the policy in page order and answers.
+ * the policy in page order and answers. With the GAPS flag a run of pages with bytes may follow
+ * pages without (a sliding-window layer's window: docs/protocol.md, "Chains with gaps").
  *
  * RESERVE and COMMIT are the same PUT written by a local client through its mapping (op_map.c):
  * RESERVE runs the state machine with no payload, its writes only allocating room in the
@@ -40,10 +41,31 @@ static void put_skip(kvt_srv_t *s, kvt__req_t *r, kvt_put_outcome_t why, uint32_
 }
 
 /*
+ * PUT and COMMIT with GAPS: the run of pages with bytes that begins at depth follows a page
+ * without bytes. A node's tiers never get faster with depth (policy.c), so the policy would
+ * refuse the run in the same node; the node is split there instead, and the run begins a node
+ * of its own below the pages without bytes (a gap node: index-only pages that only name the
+ * path, evicted as any index-only pages once nothing below them is left, docs/protocol.md).
+ * Without room (index-bytes, or the allocator), nothing is split and the run is refused as
+ * without GAPS.
+ */
+static void put_gap(kvt_srv_t *s, kvt__req_t *r, uint32_t depth)
+{
+    if (!r->put.gaps || depth == 0)
+        return;
+    kvt_radix_node_t *x = kvt__path_holder(r->node, depth);
+    if (!x || depth == kvt__node_depth(x) || kvt__path_block(x, depth - 1)->tier != KVT_TIER_NONE)
+        return;
+    if (kvt__path_split(s, x, depth) == 0)
+        kvt__metric_add(s->metrics, KVT_M_PUT_GAPS, 0, 1);
+}
+
+/*
  * Every write of the PUT is done: its blocks join the policy in page order, runs of one tier
  * at a time (the order of tiers inside a node must hold, so the policy may refuse a page that
  * landed in a faster tier than the one before it; its bytes are then freed and it stays
- * index-only, counted as skipped).
+ * index-only, counted as skipped). With GAPS a run after a page without bytes begins a node of
+ * its own first (put_gap).
  */
 static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
 {
@@ -72,6 +94,7 @@ static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
         while (j < n && l[j].tier == l[i].tier)
             j++;
         kvt_tier_id_t t = (kvt_tier_id_t)l[i].tier;
+        put_gap(s, r, r->put.first + i);
         uint32_t got = kvt__policy_adopt(
             s, r->node, r->put.first + i, r->put.first + j, t, r->pages,
             r->put.hint.priority || r->put.hint.finished || r->put.hint.paused_ms ? &r->put.hint
@@ -358,6 +381,7 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     r->pages = res.pages;
     r->put.new_pages = res.new_pages;
     r->put.reserve = (uint8_t)reserve;
+    r->put.gaps = (h->flags & KVT_PUT_F_GAPS) != 0;
     kvt__policy_hint(&q->hints, kvt__node_depth(res.node), &r->put.hint);
     r->block_bytes = c->block_bytes;
     r->put.first = q->first_page;

@@ -176,6 +176,7 @@ struct kvt__req {
         uint32_t first, end;    /* payload pages [first, end) */
         uint32_t stored, skipped, new_pages;
         uint8_t reserve;      /* RESERVE: room in the connection's DRAM arena, no payload */
+        uint8_t gaps;         /* KVT_PUT_F_GAPS: a page may be stored after one without bytes */
         uint64_t resv;        /* its id, once replied to */
         uint64_t resv_expiry; /* when its pages are let go if not committed */
         uint8_t expired;      /* past it: only its room is still held (kvt__resv_expire) */

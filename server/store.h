@@ -55,6 +55,9 @@ kvt_block_t *kvt__path_block(kvt_radix_node_t *node, uint32_t depth);
 kvt_radix_node_t *kvt__path_holder(kvt_radix_node_t *node, uint32_t depth);
 /* The page depth of node's first page. */
 uint32_t kvt__node_depth(const kvt_radix_node_t *node);
+/* Makes page depth of the path ending at node begin a node (the tree's kvt_radix_split_at):
+ * 0, KVT_EINVAL, KVT_ENOSPC (index-bytes has no room for it) or KVT_ENOMEM (nothing changed). */
+int kvt__path_split(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth);
 
 /* Inserts tokens[0, n) of namespace ns (whole pages; the rest is ignored): res names the path's
  * deepest node and its pages. After kvt__index_room. The tree's returns (radix.h). m: the seek of

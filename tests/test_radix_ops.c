@@ -590,6 +590,56 @@ Test(radix_ops, leases_survive_splits_and_release_by_owner)
     free(c);
 }
 
+/* kvt_radix_split_at (kvtierd's PUT with gaps): the page begins a node; blocks, matches and
+ * leases are as before, the split node keeps its address, and the head goes once the tail has. */
+Test(radix_ops, split_at_a_page_changes_only_the_grouping)
+{
+    uint32_t *a = seq(8 * PS, 1);
+    kvt_insert_t r = insert(a, 8 * PS);
+    kvt_block_t *bl = kvt_radix_node_blocks(r.node);
+    for (uint32_t i = 0; i < 8; i++)
+        bl[i].loc = 100 + i;
+    kvt_match_t m;
+    uint64_t lease;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 8 * PS, 0, &m), 0);
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &lease), 0);
+    size_t nodes = kvt_radix_node_count(tree);
+    cr_expect_eq(kvt_radix_split_at(tree, r.node, 0), 0, "a node begins there already");
+    cr_expect_eq(kvt_radix_node_count(tree), nodes);
+    cr_expect_eq(kvt_radix_split_at(tree, r.node, 8), KVT_EINVAL, "past the path");
+    cr_expect_eq(kvt_radix_split_at(NULL, r.node, 1), KVT_EINVAL);
+    cr_expect_eq(kvt_radix_split_at(tree, NULL, 1), KVT_EINVAL);
+    cr_expect_eq(kvt_radix_split_need(tree, r.node, 0), 0);
+    uint64_t need = kvt_radix_split_need(tree, r.node, 5);
+    cr_expect_gt(need, 0);
+    kvt_radix_stats_t before, after;
+    kvt_radix_stats(tree, &before);
+    cr_assert_eq(kvt_radix_split_at(tree, r.node, 5), 0);
+    cr_assert_eq(kvt_radix_verify(tree), 0);
+    kvt_radix_stats(tree, &after);
+    cr_expect_leq(after.bytes, before.bytes + need, "the split added no more than its need");
+    cr_expect_eq(kvt_radix_split_need(tree, r.node, 5), 0, "split there already");
+    cr_expect_eq(kvt_radix_node_count(tree), nodes + 1);
+    cr_expect_eq(kvt_radix_node_depth(r.node), 5, "the tail keeps the node's address");
+    cr_expect_eq(kvt_radix_node_pages(r.node), 3);
+    kvt_radix_node_t *head = kvt_radix_node_parent(r.node);
+    cr_expect_eq(kvt_radix_node_pages(head), 5);
+    cr_expect(kvt_radix_node_leased(head), "the head inherits the lease");
+    for (uint32_t i = 0; i < 8; i++)
+        cr_expect_eq(kvt_radix_block_at(r.node, i)->loc, 100 + i, "page %u", i);
+    cr_expect_eq(match_pages(a, 8 * PS), 8);
+    cr_expect_eq(kvt_radix_split_at(tree, r.node, 5), 0, "split there already");
+    cr_expect_eq(kvt_radix_node_count(tree), nodes + 1);
+    cr_expect_eq(kvt_radix_evict(tree, head, 1), KVT_EBUSY, "not a leaf");
+    cr_expect_eq(kvt_radix_release(tree, lease), 0);
+    cr_assert_eq(kvt_radix_evict(tree, r.node, 3), 0);
+    cr_expect_eq(match_pages(a, 8 * PS), 5, "the head is a leaf now");
+    cr_assert_eq(kvt_radix_evict(tree, head, 5), 0);
+    cr_expect_eq(match_pages(a, 8 * PS), 0);
+    cr_expect_eq(freed_blocks, 8);
+    free(a);
+}
+
 Test(radix_ops, evictable_blocks_are_leaves_first)
 {
     uint32_t *a = seq(6 * PS, 1), *b = seq(6 * PS, 1);

@@ -27,10 +27,11 @@ writable buffers; and cffi releases the GIL around every C call, so that other P
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import cffi  # type: ignore[import-untyped]
 
@@ -147,3 +148,18 @@ def codes() -> Dict[str, int]:
     enum), by their short name: {"EINVAL": the value of KVT_CLIENT_EINVAL, ...}."""
     return {n[len("KVT_CLIENT_"):]: getattr(lib, n) for n in dir(lib)
             if n.startswith("KVT_CLIENT_E")}
+
+
+@contextlib.contextmanager
+def put_flags(c: Any, gaps: bool) -> Iterator[None]:
+    """The PUTs and RESERVEs of the libkvtier client ``c`` inside the block carry the GAPS flag
+    when ``gaps`` (kvt_client_set_put_flags; docs/protocol.md, "Chains with gaps"); the flags
+    set before come back after. The caller holds the client's lock."""
+    if not gaps:
+        yield
+        return
+    was = lib.kvt_client_set_put_flags(c, lib.KVT_CLIENT_PUT_GAPS)
+    try:
+        yield
+    finally:
+        lib.kvt_client_set_put_flags(c, was)

@@ -93,10 +93,11 @@ class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
         return await self._run(self.client.match, tokens, **kwargs)
 
     async def put(self, tokens: Tokens, payload: Optional[Buffer] = None, *, first_page: int = 0,
-                  hints: Optional[Hints] = None, after: Optional[Match] = None) -> PutResult:
+                  hints: Optional[Hints] = None, after: Optional[Match] = None,
+                  gaps: bool = False) -> PutResult:
         """Client.put: payload is read in place by the worker thread while this awaits."""
         return await self._run(self.client.put, tokens, payload, first_page=first_page,
-                               hints=hints, after=after)
+                               hints=hints, after=after, gaps=gaps)
 
     async def get_into(self, lease: int, buf: Buffer, **kwargs: Any) -> int:
         """Client.get_into: the pages received, written into buf in place."""
@@ -121,7 +122,7 @@ class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
         return await self._run(self.client.get_views, lease, **kwargs)
 
     async def reserve(self, tokens: Tokens, npages: int, **kwargs: Any) -> Reservation:
-        """Client.reserve (first_page, hints): writable views into the mapping."""
+        """Client.reserve (first_page, hints, gaps): writable views into the mapping."""
         return await self._run(self.client.reserve, tokens, npages, **kwargs)
 
     async def commit(self, reservation: Any) -> PutResult:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from ._base import Buffer, Hints, PutResult, _check_tensor, _rbuf, _wbuf
 from ._lib import ffi, lib
+from ._lib import put_flags as _put_flags
 from .errors import ECLOSED, EINVAL, EPROTO, Error, InvalidArgument, error_for
 from .hints import HintsMixin
 from .keys import KeysMixin
@@ -450,6 +451,7 @@ class Client(KeysMixin, HintsMixin):
         first_page: int = 0,
         hints: Optional[Hints] = None,
         after: Optional[Match] = None,
+        gaps: bool = False,
     ) -> PutResult:
         """Caches every whole page of ``tokens`` and stores the KV bytes of pages
         ``[first_page, first_page + npages)`` from ``payload``, a buffer of npages x block_bytes
@@ -461,6 +463,9 @@ class Client(KeysMixin, HintsMixin):
         ``after``: the Match of a ``match(..., keep=True)`` on this client whose tokens are the
         first ``after.kept`` of ``tokens`` (the caller vouches for that): only the rest are sent.
         When the daemon kept none or no longer holds them, all are sent (the same result).
+
+        ``gaps``: the pages may follow pages of the chain that hold no bytes (a sliding-window
+        layer's window; docs/protocol.md, "Chains with gaps"); without it the daemon skips them.
 
         Raises InvalidArgument (payload not a whole number of blocks, or beyond the tokens'
         pages, or ``after`` kept more tokens than given), TypeError (not a buffer), NoSpace,
@@ -475,11 +480,13 @@ class Client(KeysMixin, HintsMixin):
             raise InvalidArgument(EINVAL, "the match kept %d tokens, more than the %d given" % (
                 kept, n))
         with self._lock:
-            if handle:
-                rc = lib.kvt_client_put_kept(self._live(), handle, tp, n, kept, first_page, npages,
-                                             pp, h, res)
-            else:
-                rc = lib.kvt_client_put(self._live(), tp, n, first_page, npages, pp, h, res)
+            c = self._live()
+            with _put_flags(c, gaps):
+                if handle:
+                    rc = lib.kvt_client_put_kept(c, handle, tp, n, kept, first_page, npages, pp, h,
+                                                 res)
+                else:
+                    rc = lib.kvt_client_put(c, tp, n, first_page, npages, pp, h, res)
             if rc < 0:
                 self._raise(rc)
         return PutResult(res.pages, res.new_pages, res.stored, res.skipped)
@@ -571,13 +578,15 @@ class Client(KeysMixin, HintsMixin):
         *,
         first_page: int = 0,
         hints: Optional[Hints] = None,
+        gaps: bool = False,
     ) -> Reservation:
         """Caches every whole page of ``tokens`` (as put() does) and reserves room in the
         zero-copy mapping for the pages ``[first_page, first_page + npages)`` that hold no bytes
         yet: the Reservation's writable views are where to write them (numpy.frombuffer /
         torch.frombuffer over a view writes in place). Nothing is visible to anyone until
         commit(); a reservation not committed within the daemon's reserve-ms, or whose client
-        closes, is given back.
+        closes, is given back. ``gaps`` as put()'s: the commit stores the pages even after
+        pages of the chain that hold no bytes.
 
         Raises InvalidArgument (no zero-copy mapping: see zero_copy_reason; npages 0; pages past
         the tokens' whole pages), NoSpace (index full, or too many reservations held), Error for
@@ -591,7 +600,9 @@ class Client(KeysMixin, HintsMixin):
         res.ptrs = ptrs
         h = hints._c() if hints is not None else ffi.NULL
         with self._lock:
-            rc = lib.kvt_client_reserve(self._live(), tp, n, first_page, npages, h, res)
+            c = self._live()
+            with _put_flags(c, gaps):
+                rc = lib.kvt_client_reserve(c, tp, n, first_page, npages, h, res)
             if rc < 0:
                 self._raise(rc)
         bb = self.block_bytes

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ._base import PutResult, _rbuf, _wbuf
-from ._lib import STRINGS, ffi, lib
+from ._lib import STRINGS, ffi, lib, put_flags
 from .errors import EINVAL, InvalidArgument, error_for
 
 __all__ = ["KEY_MAX", "KEY_TOKENS", "KEYS_TAG", "AsyncKeysMixin", "Key", "KeysMixin", "key_tokens"]
@@ -160,13 +160,15 @@ class KeysMixin:
         return int(hits[0])
 
     def put_keys(self, keys: Sequence[Key], data: Optional[Union[Buffer, Sequence[Buffer]]],
-                 first: int = 0) -> Any:
+                 first: int = 0, *, gaps: bool = False) -> Any:
         """Caches the chain ``keys`` and stores the blocks of keys ``[first, first + npages)``
         from ``data``: one buffer of npages x block_bytes bytes (read in place, no copy), or a
         list of npages buffers of block_bytes each (on a zero-copy client each copied once,
         straight into the daemon's memory; on the socket gathered into one PUT first), or None
         (index only). Blocks already stored keep their bytes; a prefix shared with another
         chain is stored once. Returns a PutResult (pages, new_pages, stored, skipped).
+        ``gaps``: the blocks may follow keys of the chain whose blocks are not stored (a
+        sliding-window layer's window; docs/protocol.md, "Chains with gaps").
 
         Raises InvalidArgument (a bad key, sizes not whole blocks, blocks beyond the keys),
         TypeError (not a buffer), NoSpace, Error for transport failures."""
@@ -174,21 +176,20 @@ class KeysMixin:
         bb = self.block_bytes  # type: ignore[attr-defined]
         res = ffi.new("kvt_client_put_t *")
         with self._lock:  # type: ignore[attr-defined]
-            if data is None:
-                k = self._keyed()
-                rc = lib.kvt_keys_chain_put(k, arr, n, first, 0, ffi.NULL, res)
-            elif isinstance(data, (list, tuple)):
-                ptrs, keep2 = _blocks(data, len(data), bb, False)
-                k = self._keyed()
-                rc = lib.kvt_keys_chain_putv(k, arr, n, first, len(data), ptrs, res)
-            else:
-                p, size = _rbuf(data)
-                if not bb or size % bb:
-                    raise InvalidArgument(EINVAL, "data of %d bytes is not whole blocks of %d" % (
-                        size, bb))
-                k = self._keyed()
-                rc = lib.kvt_keys_chain_put(k, arr, n, first, size // bb, p if size else ffi.NULL,
-                                            res)
+            k = self._keyed()
+            with put_flags(lib.kvt_keys_client(k), gaps):
+                if data is None:
+                    rc = lib.kvt_keys_chain_put(k, arr, n, first, 0, ffi.NULL, res)
+                elif isinstance(data, (list, tuple)):
+                    ptrs, keep2 = _blocks(data, len(data), bb, False)
+                    rc = lib.kvt_keys_chain_putv(k, arr, n, first, len(data), ptrs, res)
+                else:
+                    p, size = _rbuf(data)
+                    if not bb or size % bb:
+                        raise InvalidArgument(EINVAL, "data of %d bytes is not whole blocks of %d"
+                                              % (size, bb))
+                    rc = lib.kvt_keys_chain_put(k, arr, n, first, size // bb,
+                                                p if size else ffi.NULL, res)
             if rc < 0:
                 self._kraise(k, rc)
         return PutResult(res.pages, res.new_pages, res.stored, res.skipped)
@@ -197,8 +198,9 @@ class KeysMixin:
         """Reads the blocks of keys ``[first, first + len(buffer) // block_bytes)`` of the chain
         ``keys`` into ``buffer`` (writable: bytearray, memoryview, numpy, CPU torch tensor), in
         place, as far as the chain is cached: MATCH with a lease, GET, RELEASE. Returns the
-        blocks written, from ``first`` on (0 when key ``first`` or one before it is missing:
-        not an error; the buffer past them is untouched).
+        blocks written, from ``first`` on (0 when key ``first`` is missing, or one before it is
+        not in the index: not an error; the buffer past them is untouched). Keys before
+        ``first`` held without their blocks (a window stored with ``gaps``) do not stop it.
 
         Raises InvalidArgument (a bad key), TypeError (not writable), Error for transport
         failures."""
@@ -283,9 +285,11 @@ class AsyncKeysMixin:
         """Client.exists_keys."""
         return await self._run(self.client.exists_keys, keys)  # type: ignore[attr-defined]
 
-    async def put_keys(self, keys: Sequence[Key], data: Any, first: int = 0) -> Any:
+    async def put_keys(self, keys: Sequence[Key], data: Any, first: int = 0, *,
+                       gaps: bool = False) -> Any:
         """Client.put_keys."""
-        return await self._run(self.client.put_keys, keys, data, first)  # type: ignore
+        return await self._run(self.client.put_keys, keys, data, first,  # type: ignore
+                               gaps=gaps)
 
     async def get_keys_into(self, keys: Sequence[Key], buffer: Buffer, first: int = 0) -> int:
         """Client.get_keys_into."""

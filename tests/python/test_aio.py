@@ -42,6 +42,10 @@ def test_every_call_awaited(daemon):
             assert res[0].pages == 3 and res[1:] == [None, None]
             with pytest.raises(kvtier.NotFound):
                 await c.remove(tok)
+            tok = tokens(4)  # a window after a gap (docs/protocol.md, "Chains with gaps")
+            assert (await c.put(tok, payload(1, 41), first_page=3, gaps=True)).stored == 1
+            ks = [b"aio-gap-%d" % i for i in range(4)]
+            assert (await c.put_keys(ks, payload(1, 42), 3, gaps=True)).stored == 1
     run(main())
 
 

@@ -154,3 +154,20 @@ def test_tcp_connection(daemon):
         c.put(tok, payload(1, 9))
         m = c.match(tok, lease=True)
         assert c.get(m.lease) == payload(1, 9)
+
+
+def test_a_window_is_stored_after_pages_without_bytes_with_gaps(client):
+    """put(gaps=True) (docs/protocol.md, "Chains with gaps"): a sliding-window layer's window
+    alone; without it the daemon skips pages after pages without bytes, as before."""
+    tok, data = tokens(6), payload(2, 4)
+    assert client.put(tok, data, first_page=4).stored == 0
+    tok = tokens(6)
+    r = client.put(tok, data, first_page=4, gaps=True)
+    assert (r.pages, r.new_pages, r.stored, r.skipped) == (6, 6, 2, 0)
+    m = client.match(tok, lease=True)
+    assert m.pages == 6
+    assert list(m.tiers) == [kvtier.Tier.NONE] * 4 + [kvtier.Tier.DRAM] * 2
+    assert client.get(m.lease, first_page=4) == data
+    client.release(m.lease)
+    r = client.put(tokens(6), data, first_page=4)
+    assert r.stored == 0, "the flag was for that call only"

@@ -234,3 +234,17 @@ def test_eviction_under_a_small_tier_keeps_within_capacity() -> None:
             assert big.exists_keys_each([b"big"]) == [False]
     finally:
         assert d.stop() == 0
+
+
+def test_chain_put_with_gaps_stores_a_window_alone(daemon: Daemon) -> None:
+    """put_keys(gaps=True): the blocks of keys [first, ...) stored though the keys before them
+    hold none (a sliding-window layer's window); without it they are skipped."""
+    with daemon.client(model()) as c:
+        ks, data = keys("w", 6), blocks(2, 3)
+        assert c.put_keys(ks, data, 4).stored == 0
+        ks = keys("g", 6)
+        assert c.put_keys(ks, data, 4, gaps=True).stored == 2
+        buf = bytearray(2 * BLOCK)
+        assert c.get_keys_into(ks, buf, 4) == 2
+        assert buf == data
+        assert c.exists_keys(ks) == 0, "a chain's exists counts its leading blocks"

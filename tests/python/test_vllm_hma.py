@@ -232,27 +232,36 @@ def test_vllm_keeps_its_hybrid_manager_on(vd: Daemon, monkeypatch: Any, caplog: 
     assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is True
 
 
-@pytest.mark.parametrize("extra", [5, 0])
-def test_two_groups_round_trip_each_its_window(vd: Daemon, extra: int) -> None:
-    """Engine A saves a prompt of 8 full pages (+ extra tokens): each group stores its 8 pages
-    under its own chain (the group id in the keys; a window group's chain is stored whole,
-    kvtierd keeping no chain past a gap). Engine B, fresh zeroed tensors, the same prompt: a
-    hit of every page vLLM can take (8, or 7 when the prompt ends on a page boundary); the full
-    group loads them all, the window group only the pages of its window (vLLM gave the pages
-    before it its null block), each byte-exact in its own layers; the null block stays zero
-    and no lease is left."""
-    a, b = Engine(vd, seed=11), Engine(vd, seed=None)
+@pytest.mark.parametrize("extra,zero_copy", [(5, True), (0, True), (5, False)])
+def test_two_groups_round_trip_each_its_window(vd: Daemon, extra: int, zero_copy: bool) -> None:
+    """Engine A saves a prompt of 8 full pages (+ extra tokens): each group stores under its
+    own chain (the group id in the keys) the pages it needs, the full group all 8, the window
+    group only its window's (pages 5..7: those a hit of 8 or of 7 pages loads), after a gap
+    of 5 pages without bytes; kvtierd holds 8 + 3 pages, no more. Engine B, fresh zeroed
+    tensors, the same prompt: a hit of every page vLLM can take (8, or 7 when the prompt ends
+    on a page boundary); the full group loads them all, the window group only the pages of
+    its window (vLLM gave the pages before it its null block), each byte-exact in its own
+    layers; the null block stays zero and no lease is left. Through the zero-copy mapping
+    (reserve and commit with gaps, loads by location) and through the socket (keyed put and
+    get with gaps)."""
+    a, b = Engine(vd, seed=11, zero_copy=zero_copy), Engine(vd, seed=None, zero_copy=zero_copy)
     toks = prompt(8, extra)
     r = request(toks)
     n, meta = a.admit(r)
     assert n == 0 and not meta.loads
     saves = {t.group: (t.first, len(t.keys), t.block_ids) for t in meta.saves}
     ids_a = a.manager.get_block_ids(r.request_id)
+    kept = window_start(7)
+    assert kept == 5
     assert saves[0] == (0, 8, ids_a[0][:8])
-    assert saves[1] == (0, 8, ids_a[1][:8])
+    assert saves[1] == (kept, 8, ids_a[1][kept:8])
     assert a.step(meta) == set()
     a.finish(r)
-    assert all(stored_tiers(vd, a, r, 0, 8)) and all(stored_tiers(vd, a, r, 1, 8))
+    assert all(stored_tiers(vd, a, r, 0, 8))
+    assert [bool(t) for t in stored_tiers(vd, a, r, 1, 8)] == [False] * kept + [True] * 3
+    with vd.client() as c:
+        st = c.stats()
+        assert st["dram_blocks"] + st["nvme_blocks"] == 8 + 3, "only the window's pages"
 
     r2 = request(toks)
     hit = (len(toks) - 1) // BS
@@ -271,6 +280,7 @@ def test_two_groups_round_trip_each_its_window(vd: Daemon, extra: int) -> None:
         assert torch.equal(a.kv[name][:, ids_a[1][ws:hit]].view(torch.int16),
                            b.kv[name][:, ids_b[1][ws:hit]].view(torch.int16)), name
         assert not b.kv[name][:, 0].any()  # the null block untouched
+    assert b.worker._store.mapped is zero_copy
     st = b.worker.get_kv_connector_stats().data
     assert st["load_pages"] == hit + (hit - ws) and st.get("load_errors", 0) == 0
     b.finish(r2)
@@ -278,6 +288,22 @@ def test_two_groups_round_trip_each_its_window(vd: Daemon, extra: int) -> None:
         assert c.stats()["leases"] == 0
     a.close()
     b.close()
+
+
+def test_window_hit_is_the_longest_prefix_whose_window_holds_bytes() -> None:
+    """The window group's hit (scheduler._window_hit): the largest h whose window pages
+    [window_start(h), h) all hold bytes, whatever the pages before them hold."""
+    from kvtier.vllm.common import KvGroup
+    from kvtier.vllm.scheduler import _window_hit
+
+    g = KvGroup(1, None, WINDOW - 1)
+    assert [window_start(h) for h in range(1, 9)] == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert _window_hit(bytes([0] * 5 + [2] * 3), g, BS) == 8
+    assert _window_hit(bytes([0] * 5 + [2] * 2), g, BS) == 7
+    assert _window_hit(bytes([0] * 5 + [2]), g, BS) == 0, "page 4 of the window of 6 missing"
+    assert _window_hit(bytes([2, 2, 0, 2]), g, BS) == 2
+    assert _window_hit(bytes([2] * 6), g, BS) == 6
+    assert _window_hit(b"", g, BS) == 0
 
 
 def test_a_hit_needs_every_group(vd: Daemon) -> None:
@@ -304,7 +330,7 @@ def test_a_hit_needs_every_group(vd: Daemon) -> None:
     assert n == 0 and not meta.loads
     assert b.step(meta) == set()  # b computes it, and saves both groups
     b.finish(r2)
-    assert all(stored_tiers(vd, a, r, 1, 6))
+    assert all(stored_tiers(vd, a, r, 1, 6)[window_start(5):])
     r3 = request(toks)
     n, meta = a.admit(r3)
     assert n == 6 * BS and {t.group for t in meta.loads} == {0, 1}
@@ -541,5 +567,5 @@ def test_window_saves_read_before_the_next_step(vd: Daemon, slow_s: float, deadl
     settle(w)
     assert a.finish(r)
     assert all(stored_tiers(vd, a, r, 0, 4))
-    assert all(stored_tiers(vd, a, r, 1, 4)) is not cancelled
+    assert all(stored_tiers(vd, a, r, 1, 4)[window_start(3):]) is not cancelled
     a.close()

@@ -152,6 +152,23 @@ def test_reserve_gives_writable_views_numpy_and_torch_write_in_place(zd):
             c.commit(r.id)  # committed already
 
 
+def test_reserve_with_gaps_commits_a_window_after_pages_without_bytes(zd):
+    """reserve(gaps=True): the committed window is stored though the pages before it hold no
+    bytes; without it the commit skips them."""
+    with zd.client() as c, zd.client(zero_copy=False) as reader:
+        for gaps, stored in ((False, 0), (True, 2)):
+            tok, raw = tokens(5), payload(2, 8)
+            r = c.reserve(tok, 2, first_page=3, gaps=gaps)
+            assert r.nreserved == 2
+            r.views[0][:] = raw[:BLOCK]
+            r.views[1][:] = raw[BLOCK:]
+            assert c.commit(r).stored == stored
+        m = reader.match(tok, lease=True)
+        assert m.tiers == (kvtier.Tier.NONE,) * 3 + (kvtier.Tier.DRAM,) * 2
+        assert reader.get(m.lease, first_page=3) == raw
+        reader.release(m.lease)
+
+
 def test_abort_leaves_nothing_visible(zd):
     with zd.client() as c:
         tok = tokens(2)

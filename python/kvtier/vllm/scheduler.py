@@ -10,14 +10,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ..client import Hints
 from ..guard import number
-from .common import (PREEMPT_PAUSE_MS, SCHEDULER_DEADLINE_MS, _WHERE, KvtierConnectorMetadata,
-                     _ReqState, _Transfer, group_chain, key_chain, log, rank_salt)
+from .common import (PREEMPT_PAUSE_MS, SCHEDULER_DEADLINE_MS, _WHERE, KvGroup,
+                     KvtierConnectorMetadata, _ReqState, _Transfer, group_chain, key_chain, log,
+                     rank_salt)
 from .store import _PageStore, _stored
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+def _window_hit(tiers: bytes, g: KvGroup, block_size: int) -> int:
+    """The longest prefix (pages) a sliding-window group can load from a chain whose pages
+    hold bytes where ``tiers`` is not 0: the largest ``h`` whose window pages
+    ``[g.window_start(h), h)`` all hold bytes (its chain has gaps: docs/protocol.md, "Chains
+    with gaps"; pages before the window are vLLM's null blocks), 0 when none."""
+    best = run = 0
+    for h in range(1, len(tiers) + 1):
+        run = run + 1 if tiers[h - 1] else 0  # pages with bytes ending at page h - 1
+        if h - run <= g.window_start(h, block_size):
+            best = h
+    return best
 
 
 class SchedulerSide:
@@ -95,12 +109,15 @@ class SchedulerSide:
     def _lookup_groups(self, st: _ReqState, keys: List[bytes], max_pages: int,
                        computed: int, hints: Optional[Hints] = None) -> int:
         """The longest prefix (pages) every group holds, each group's chain looked up with a lease
-        (held in ``st.leases`` until released); ``hints`` ride on each group's MATCH. kvtierd keeps
-        a chain's bytes without gaps (a PUT skips a page after one without bytes), so a
-        sliding-window group's chain is stored whole and held from its start, as a full-attention
-        group's; only its loads are cut to the window (update_state_after_alloc)."""
+        (held in ``st.leases`` until released); ``hints`` ride on each group's MATCH. A
+        full-attention group holds a prefix of ``h`` pages when its first ``h`` pages hold bytes;
+        a sliding-window group, which stores only its windows (_plan_saves: its chain has
+        gaps), when the pages of the window of ``h`` do (_window_hit). The window of a shorter
+        prefix than one group's answer is other pages, so the window groups are asked again
+        for the hit the others cut it to, until all agree."""
         assert self._index is not None
         hit = max_pages
+        windows: List[Tuple[KvGroup, bytes]] = []
         for g in self._groups:
             if hit <= computed:
                 break
@@ -109,10 +126,19 @@ class SchedulerSide:
             else:
                 tiers, lease = self._index.match_tiers(self._chain(st, g.gid, hit)[:hit],
                                                        hints=hints)
-                got = _stored(tiers)
+                if g.retained:
+                    got = _window_hit(tiers, g, self._block_size)
+                    windows.append((g, tiers))
+                else:
+                    got = _stored(tiers)
             if lease:
                 st.leases.append(lease)
             hit = min(hit, got)
+        while windows and hit > computed:
+            h = min(_window_hit(t[:hit], g, self._block_size) for g, t in windows)
+            if h == hit:
+                break
+            hit = h
         return hit
 
     def _chain(self, st: _ReqState, gid: int, pages: int) -> List[bytes]:
@@ -219,17 +245,22 @@ class SchedulerSide:
             if pages <= st.saved_pages:
                 continue
             for g in self._groups:
-                # Every page, a sliding-window group's too: a gap in a chain would end what
-                # kvtierd keeps of it (see _lookup_groups). Pages saved complete within this
-                # step, and vLLM frees a window's blocks only in a later step; a null block
-                # (none expected) ends the group's save.
-                ids = st.block_ids[g.gid][st.saved_pages:pages]
+                # A sliding-window group stores only the pages its window keeps: those a hit
+                # of these pages loads, or of one page less (a prompt ending on a page boundary
+                # is hit one page short, vLLM computing its last token), stored after a gap
+                # (docs/protocol.md, "Chains with gaps"). Pages saved complete within this step,
+                # and vLLM frees a window's blocks only in a later step; a null block (none
+                # expected) ends the group's save.
+                first = st.saved_pages
+                if g.retained:
+                    first = max(first, g.window_start(pages - 1, bs))
+                ids = st.block_ids[g.gid][first:pages]
                 if g.retained and 0 in ids:
                     ids = ids[:ids.index(0)]
                 if ids:
-                    end = st.saved_pages + len(ids)
+                    end = first + len(ids)
                     meta.saves.append(_Transfer(rid, list(self._chain(st, g.gid, end)[:end]),
-                                                st.saved_pages, ids, group=g.gid))
+                                                first, ids, group=g.gid))
                     # request_finished holds its blocks until the workers report it (they
                     # track every request among a step's saves, whichever group).
                     st.saving = True

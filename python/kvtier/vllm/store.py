@@ -236,8 +236,9 @@ class _PageStore:
                 self._failed(e)
                 raise
 
-    def save(self, keys: Sequence[bytes], first: int, buf: Any) -> int:
-        """Stores pages [first, len(keys)) from buf. Returns the pages stored."""
+    def save(self, keys: Sequence[bytes], first: int, buf: Any, *, gaps: bool = False) -> int:
+        """Stores pages [first, len(keys)) from buf; with ``gaps`` even after pages of the
+        chain that hold no bytes (a sliding-window group's). Returns the pages stored."""
         # One PUT per few pages: a PUT is one frame, and the daemon's max-frame (64 MiB by
         # default) bounds it; put_bytes (default 16 MiB) keeps well under it.
         step = max(1, int(self._conf.get("put_bytes", 16 << 20)) // max(self.block_bytes, 1))
@@ -248,9 +249,10 @@ class _PageStore:
                 for a in range(first, len(keys), step):
                     b = min(a + step, len(keys))
                     if self.keyed and not self.mapped:
-                        r = c.put_keys(keys[:b], buf[a - first:b - first], a)
+                        r = c.put_keys(keys[:b], buf[a - first:b - first], a, gaps=gaps)
                     else:
-                        r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a)
+                        r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a,
+                                  gaps=gaps)
                     stored += r.stored
             except Error as e:
                 self._failed(e)
@@ -265,9 +267,10 @@ class _PageStore:
             self._doomed.close()  # unmaps: no view of it is in use any more
             self._doomed = None
 
-    def reserve(self, keys: Sequence[bytes], first: int
+    def reserve(self, keys: Sequence[bytes], first: int, *, gaps: bool = False
                 ) -> Optional[Tuple[Reservation, Optional[bytes]]]:
-        """Reserves room in the mapping for pages [first, len(keys)) of the chain. Returns None
+        """Reserves room in the mapping for pages [first, len(keys)) of the chain (``gaps`` as
+        save()'s, taking effect at the commit). Returns None
         when this client does not map (the staging path), else (the Reservation, and when some
         pages got no view, the tier of every page of the chain: a page with bytes is held
         already). A Reservation with views is out until commit() or abort()."""
@@ -277,7 +280,7 @@ class _PageStore:
                 if not self.mapped:
                     return None
                 toks = self.tokens(keys)
-                r = c.reserve(toks, len(keys) - first, first_page=first)
+                r = c.reserve(toks, len(keys) - first, first_page=first, gaps=gaps)
                 if r.id:
                     self._holds += 1
             except Error as e:

@@ -502,7 +502,7 @@ class WorkerSide:
         got = None
         if self._zero_copy():
             try:
-                got = self._store.reserve(t.keys, t.first)
+                got = self._store.reserve(t.keys, t.first, gaps=t.group in self._windows)
             except Exception as e:  # noqa: BLE001 - staged instead
                 if not self._store.up:
                     raise
@@ -568,7 +568,8 @@ class WorkerSide:
             while k < len(rows) and rows[k] == rows[k - 1] + 1:
                 k += 1
             a, b = t.first + rows[i], t.first + rows[k - 1] + 1
-            stored[0] += self._store.save(t.keys[:b], a, staging[i:k])  # type: ignore
+            stored[0] += self._store.save(t.keys[:b], a, staging[i:k],  # type: ignore
+                                          gaps=t.group in self._windows)
             i = k
         if err is not None:
             raise err
