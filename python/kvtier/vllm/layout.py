@@ -64,7 +64,7 @@ class _Layout:
             self.sizes.append(size)
             off += size
         self.page_bytes = off
-        self._np_kv: Dict[int, Tuple[Any, Optional[np.ndarray]]] = {}  # _blocks_np's
+        self._np_kv: Dict[int, Tuple[Any, Optional[List[np.ndarray]]]] = {}  # _blocks_np's
         self.signature = ";".join("%s%s@%d" % (str(kv_caches[n].dtype).replace("torch.", ""),
                                                "x".join(map(str, s)), d)
                                   for n, s, d in zip(self.names, self.shapes, self.dims))
@@ -180,27 +180,50 @@ class _Layout:
             return 1 << 30
         return max(1, 32768 // max(1, self.sizes[layer] // self.dtypes[layer].itemsize))
 
-    def _blocks_np(self, layer: int, kv: torch.Tensor) -> Optional[np.ndarray]:
-        """``kv`` as numpy with its block dimension first (None: not on the CPU), kept per
-        layer while vLLM passes the same tensor (it does, step after step)."""
+    def _blocks_np(self, layer: int, kv: torch.Tensor) -> Optional[List[np.ndarray]]:
+        """``kv`` as numpy arrays with the block dimension first (None: not on the CPU), kept
+        per layer while vLLM passes the same tensor (it does, step after step): one array, or
+        with the block dimension second, one per index of the first (K and V of the
+        (2, num_blocks, ...) layout). Each of those holds a run of blocks contiguously, so a
+        run's copy writes (or reads) vLLM's side in memory order: numpy copied a run of the
+        whole (2, ...) slice in an order that crossed K and V block by block, 0.87x memcpy on
+        bench_vllm's 64 MiB, against 0.95x split so (docs/benchmarks.md)."""
         key = (kv.data_ptr(), kv.shape, kv.stride(), kv.dtype)
         got = self._np_kv.get(layer)
         if got is not None and got[0] == key:
             return got[1]
         a = _np(kv)
+        out = None
         if a is not None:
-            a = np.moveaxis(a, self.dims[layer], 0)
-        self._np_kv[layer] = (key, a)
-        return a
+            out = list(a) if self.dims[layer] == 1 else [a]
+        self._np_kv[layer] = (key, out)
+        return out
+
+    def _copy_np(self, runs: List[_Run], layer: int, kv: torch.Tensor, load: bool) -> bool:
+        """The CPU copies of gather_runs (load False) and scatter_runs (load True) in numpy:
+        one per run, or with the block dimension second one per run and index of the first.
+        False (nothing copied) where numpy cannot: a CUDA tensor, an element size without a
+        numpy integer."""
+        parts = self._blocks_np(layer, kv)
+        if parts is None or not all(r.arrays for r in runs):
+            return False
+        split = len(parts) > 1
+        for r in runs:
+            page = r.arrays[layer]  # (n, *block shape)
+            for h, a in enumerate(parts):
+                mine = a[r.block:r.block + r.n]
+                theirs = page[:, h] if split else page
+                if load:
+                    np.copyto(mine, theirs)
+                else:
+                    np.copyto(theirs, mine)
+        return True
 
     def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
         """Copies this layer of each run's blocks straight into its pages' slots: on the CPU
         one numpy copy per run (bench_vllm: about twice torch's copy_ of one block at a time,
         docs/benchmarks.md)."""
-        a = self._blocks_np(layer, kv)
-        if a is not None and all(r.arrays for r in runs):
-            for r in runs:
-                np.copyto(r.arrays[layer], a[r.block:r.block + r.n])
+        if self._copy_np(runs, layer, kv, load=False):
             return
         dim, step = self.dims[layer], self._chunk(layer, kv)
         for r in runs:
@@ -214,10 +237,7 @@ class _Layout:
     def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
         """Copies this layer of each run's pages straight into its blocks of ``kv`` (on the
         CPU one numpy copy per run, as gather_runs)."""
-        a = self._blocks_np(layer, kv)
-        if a is not None and all(r.arrays for r in runs):
-            for r in runs:
-                np.copyto(a[r.block:r.block + r.n], r.arrays[layer])
+        if self._copy_np(runs, layer, kv, load=True):
             return
         dim, step = self.dims[layer], self._chunk(layer, kv)
         for r in runs:
