@@ -64,7 +64,7 @@ class _Layout:
             self.sizes.append(size)
             off += size
         self.page_bytes = off
-        self._np_kv: Dict[int, Tuple[Any, Optional[List[np.ndarray]]]] = {}  # _blocks_np's
+        self._np_kv: Dict[int, Tuple[Any, Optional[np.ndarray]]] = {}  # _blocks_np's
         self.signature = ";".join("%s%s@%d" % (str(kv_caches[n].dtype).replace("torch.", ""),
                                                "x".join(map(str, s)), d)
                                   for n, s, d in zip(self.names, self.shapes, self.dims))
@@ -180,43 +180,40 @@ class _Layout:
             return 1 << 30
         return max(1, 32768 // max(1, self.sizes[layer] // self.dtypes[layer].itemsize))
 
-    def _blocks_np(self, layer: int, kv: torch.Tensor) -> Optional[List[np.ndarray]]:
-        """``kv`` as numpy arrays with the block dimension first (None: not on the CPU), kept
-        per layer while vLLM passes the same tensor (it does, step after step): one array, or
-        with the block dimension second, one per index of the first (K and V of the
-        (2, num_blocks, ...) layout). Each of those holds a run of blocks contiguously, so a
-        run's copy writes (or reads) vLLM's side in memory order: numpy copied a run of the
-        whole (2, ...) slice in an order that crossed K and V block by block, 0.87x memcpy on
-        bench_vllm's 64 MiB, against 0.95x split so (docs/benchmarks.md)."""
+    def _blocks_np(self, layer: int, kv: torch.Tensor) -> Optional[np.ndarray]:
+        """``kv`` as numpy, in its own axis order (None: not on the CPU), kept per layer while
+        vLLM passes the same tensor (it does, step after step)."""
         key = (kv.data_ptr(), kv.shape, kv.stride(), kv.dtype)
         got = self._np_kv.get(layer)
         if got is not None and got[0] == key:
             return got[1]
         a = _np(kv)
-        out = None
-        if a is not None:
-            out = list(a) if self.dims[layer] == 1 else [a]
-        self._np_kv[layer] = (key, out)
-        return out
+        self._np_kv[layer] = (key, a)
+        return a
 
     def _copy_np(self, runs: List[_Run], layer: int, kv: torch.Tensor, load: bool) -> bool:
-        """The CPU copies of gather_runs (load False) and scatter_runs (load True) in numpy:
-        one per run, or with the block dimension second one per run and index of the first.
-        False (nothing copied) where numpy cannot: a CUDA tensor, an element size without a
-        numpy integer."""
-        parts = self._blocks_np(layer, kv)
-        if parts is None or not all(r.arrays for r in runs):
+        """The CPU copies of gather_runs (load False) and scatter_runs (load True) in numpy,
+        one per run. The run's pages are seen with their block axis where vLLM's tensor has
+        it, and vLLM's blocks in its tensor's own axis order, so that numpy walks vLLM's side
+        in memory order: with the block dimension second ((2, num_blocks, ...)), a copy of
+        the block-major view crossed K and V block by block (3.49-3.54 ms against 3.28-3.34
+        for bench_vllm's 64 MiB from a memfd mapping into torch tensors, min of 60; memcpy
+        2.95-2.97). False (nothing copied) where numpy cannot: a CUDA tensor, an element size
+        without a numpy integer."""
+        a = self._blocks_np(layer, kv)
+        if a is None or not all(r.arrays for r in runs):
             return False
-        split = len(parts) > 1
+        d = self.dims[layer]
+        lead = (slice(None),) * d
         for r in runs:
             page = r.arrays[layer]  # (n, *block shape)
-            for h, a in enumerate(parts):
-                mine = a[r.block:r.block + r.n]
-                theirs = page[:, h] if split else page
-                if load:
-                    np.copyto(mine, theirs)
-                else:
-                    np.copyto(theirs, mine)
+            theirs = page if d == 0 else page.swapaxes(0, 1) if d == 1 else \
+                np.moveaxis(page, 0, d)
+            mine = a[lead + (slice(r.block, r.block + r.n),)]
+            if load:
+                np.copyto(mine, theirs)
+            else:
+                np.copyto(theirs, mine)
         return True
 
     def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
