@@ -19,23 +19,27 @@ import torch
 from conftest import Daemon
 
 # test_vllm skips this module too where vLLM is not importable.
-from test_vllm import (BS, Engine, finish, pages_of, prompt, request, run_step, save_prompt,
-                       schedule)
+from test_vllm import (BS, Engine, blocks, finish, load_between_steps, pages_of, prompt,
+                       request, run_step, save_prompt, schedule)
 
 HDR = 24  # docs/protocol.md: magic, version, opcode, flags, request_id, body_len, status
+OP_MATCH = 3
 OP_PUT = 4
+MATCH_F_KEEP = 1 << 4
 PUT_F_HANDLE = 1
 KEY_TOKENS = 8  # api "tokens": a page's key is sent as 8 token ids
 
 
 class Relay:
     """A loopback TCP relay to kvtierd's TCP port that records every PUT frame a client
-    sends through it: (flags, ntokens, first_page, npayload, handle)."""
+    sends through it, (flags, ntokens, first_page, npayload, handle), and every MATCH's
+    flags."""
 
     def __init__(self, upstream: str) -> None:
         host, port = upstream.rsplit(":", 1)
         self.up = (host, int(port))
         self.puts: List[Tuple[int, int, int, int, int]] = []
+        self.matches: List[int] = []
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
@@ -75,6 +79,8 @@ class Relay:
                         break
                     if op == OP_PUT:
                         self.puts.append((flags, *struct.unpack_from("<IIII", buf, HDR + 16)))
+                    elif op == OP_MATCH:
+                        self.matches.append(flags)
                     del buf[:HDR + blen]
             dst.sendall(data)
 
@@ -87,9 +93,9 @@ class Relay:
                 pass
 
 
-def through(d: Daemon, relay: Relay, seed: Any) -> Engine:
+def through(d: Daemon, relay: Relay, seed: Any, **extra: Any) -> Engine:
     """An engine on the token calls, whose connections go through the relay."""
-    return Engine(d, seed=seed, api="tokens", unix_path=None, tcp=relay.addr)
+    return Engine(d, seed=seed, api="tokens", unix_path=None, tcp=relay.addr, **extra)
 
 
 def partial_hit_step(b: Engine, toks: List[int], ids: List[int], hit: int,
@@ -140,7 +146,11 @@ def test_save_after_load_sends_only_the_new_pages_tokens() -> None:
         toks = prompt(5)  # 5 whole pages and 5 tokens
         save_prompt(a, request(toks[:3 * BS + 1]), [4, 9, 2, 7])  # its first 3 pages
         ids = [11, 3, 30, 5, 20, 21]
+        relay.matches.clear()
         partial_hit_step(b, toks, ids, hit=3)
+        # The scheduler's lookup keeps nothing (no PUT follows it on its connection); the
+        # worker's load does.
+        assert [f & MATCH_F_KEEP for f in relay.matches].count(MATCH_F_KEEP) == 1, relay.matches
         # One PUT, of pages 3 and 4: it names the load's MATCH (pages 0-2 kept) and carries
         # only the tokens of pages 3 and 4.
         assert len(relay.puts) == 1, relay.puts
@@ -173,6 +183,32 @@ def test_save_after_an_expired_keep_sends_all_tokens() -> None:
         loads_back(d, toks, b, ids)
         with d.client() as c:
             assert c.stats()["leases"] == 0
+        a.close()
+        b.close()
+    finally:
+        relay.close()
+        d.stop(signal.SIGKILL)
+
+
+def test_asynchronous_loads_keep_nothing() -> None:
+    # load_async: the loads between steps have a connection of their own, which never PUTs:
+    # their MATCH keeps no tokens (the daemon would hold them for nothing).
+    d = Daemon()
+    relay = Relay(d.tcp)
+    try:
+        a = Engine(d, seed=1, api="tokens")
+        b = through(d, relay, seed=None, load_async=True)
+        toks = prompt(3)
+        save_prompt(a, request(toks), [4, 9, 2, 7])
+        r = request(toks)
+        assert b.sched.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+        b.sched.update_state_after_alloc(r, blocks([11, 3, 30, 5]), 3 * BS)
+        relay.matches.clear()
+        assert load_between_steps(b, r) == set()
+        assert relay.matches and not any(f & MATCH_F_KEEP for f in relay.matches), relay.matches
+        for x, y in zip(pages_of(a.kv, [4, 9, 2]), pages_of(b.kv, [11, 3, 30])):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+        b.sched.request_finished(r, [11, 3, 30, 5])
         a.close()
         b.close()
     finally:

@@ -81,8 +81,11 @@ class _PageStore:
     """
 
     def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int, *,
-                 guard: Guard, deadline_ms: int, what: str) -> None:
+                 guard: Guard, deadline_ms: int, what: str, keep: bool = True) -> None:
         self._conf = conf
+        # Whether a load's MATCH keeps its tokens: not on a connection that never PUTs (the
+        # asynchronous loads'), where the daemon would hold them for nothing.
+        self._keep_loads = keep
         self.deadline_ms = deadline_ms
         self.breaker = guard.breaker(what, self._connect, self._install,
                                      int(conf.get("probe_ms", PROBE_MS)))
@@ -266,7 +269,8 @@ class _PageStore:
                 if self.keyed and not self.mapped:
                     return int(c.get_keys_into(keys, buf, first))
                 # Not mapped, the save after this load PUTs its pages: keep the tokens.
-                m = c.match(self.tokens(keys), lease=True, keep=not self.mapped)
+                m = c.match(self.tokens(keys), lease=True,
+                            keep=self._keep_loads and not self.mapped)
                 self._keep(c, keys, m)
                 try:
                     n = _stored(m.tiers, first)
