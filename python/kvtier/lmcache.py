@@ -430,7 +430,12 @@ def _make_class() -> type:
                               eviction=False, busy_loop=False)
             except Exception:  # noqa: BLE001: one by one, which reports its failure
                 return []
-            return list(got) if got is not None and len(got) == n else []
+            got = list(got) if got is not None else []
+            if len(got) != n:  # not what was asked: given back, one by one instead
+                for o in got:
+                    o.ref_count_down()
+                return []
+            return got
 
         async def get(self, key: Any) -> Optional[Any]:
             """A new MemoryObj (from LocalCPUBackend) holding the chunk, or None."""
