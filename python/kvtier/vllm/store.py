@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..client import Client, Hints, Reservation
+from ..client import Client, Hints, Match, Reservation
 from ..errors import ECLOSED, EINVAL, EPROTO, ETIMEDOUT, Error, error_for
 from ..guard import Guard
 from .common import PROBE_MS, log
@@ -33,6 +34,9 @@ except ImportError:  # an older package: the same chain through the token calls,
     _HAVE_KEYS = False
 
 _TRANSPORT = (ECLOSED, ETIMEDOUT, EPROTO)  # the connection is gone
+# The daemon keeps at most this many handles per connection (docs/protocol.md, "Handles"), a
+# new one replacing the oldest: the store remembers no more.
+KEPT_MAX = 16
 
 class _PageStore:
     """Pages named by a key chain (one 32-byte key per page, each covering its prefix).
@@ -63,11 +67,25 @@ class _PageStore:
     into the mapping are out (a reservation or a leased load not given back: ``_holds``) the
     close waits for the last of them: closing unmaps, and the worker may still be writing a
     view.
+
+    Tokens not sent twice (MATCH KEEP, docs/protocol.md "Handles"): where a PUT of the
+    chain follows a MATCH of its start on the same connection, the MATCH keeps its tokens on
+    the daemon and the PUT names them (``put(after=)``), sending only the pages' tokens past
+    them. That is the worker's load (the hit pages) and then its save of the pages computed
+    after them, and the probe MATCH of a reservation that left pages without room and the PUT
+    of those pages. Only PUTs take a handle: libkvtier has no RESERVE naming one, and the keyed
+    calls (put_keys) none either, so a mapped worker's saves through its reservations, and
+    keyed calls over TCP, send their tokens as before. A handle the daemon no longer holds
+    (expired with the MATCH's lease time, replaced by newer ones) is answered ENOENT, and
+    libkvtier sends the PUT again with all its tokens (kvt_client_put_kept): the same result.
     """
 
     def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int, *,
-                 guard: Guard, deadline_ms: int, what: str) -> None:
+                 guard: Guard, deadline_ms: int, what: str, keep: bool = True) -> None:
         self._conf = conf
+        # Whether a load's MATCH keeps its tokens: not on a connection that never PUTs (the
+        # asynchronous loads'), where the daemon would hold them for nothing.
+        self._keep_loads = keep
         self.deadline_ms = deadline_ms
         self.breaker = guard.breaker(what, self._connect, self._install,
                                      int(conf.get("probe_ms", PROBE_MS)))
@@ -88,6 +106,10 @@ class _PageStore:
         self._doomed: Optional[Client] = None
         self._client: Optional[Client] = None
         self._lock = threading.Lock()
+        # The MATCHes that kept their tokens, by the chain they name (its pages and its last
+        # page's key: a key covers its prefix), each with its client (a handle is meaningless
+        # on another connection), the newest last.
+        self._kept: "OrderedDict[Tuple[int, bytes], Tuple[Client, Match]]" = OrderedDict()
 
     @property
     def up(self) -> bool:
@@ -162,7 +184,30 @@ class _PageStore:
                 c.close()
         if c.closed or self._doomed is not None:  # a transport failure: the probe reconnects
             self._client = None
+            self._kept.clear()  # its handles went with the connection
             self.breaker.trip(e)
+
+    def _keep(self, c: Client, keys: Sequence[bytes], m: Match) -> None:
+        """Remembers a MATCH of ``keys`` that kept its tokens (under the lock)."""
+        if not m.handle or not keys:
+            return
+        for k in [k for k, (kc, _) in self._kept.items() if kc is not c]:
+            del self._kept[k]  # an earlier connection's: gone with it
+        at = (len(keys), bytes(keys[-1]))
+        self._kept[at] = (c, m)
+        self._kept.move_to_end(at)
+        while len(self._kept) > KEPT_MAX:
+            self._kept.popitem(last=False)
+
+    def _after(self, c: Client, keys: Sequence[bytes], end: int) -> Optional[Match]:
+        """The kept MATCH of the longest start of ``keys[:end]`` on client ``c``, or None
+        (under the lock)."""
+        best: Optional[Match] = None
+        most = 0
+        for (n, last), (kc, m) in self._kept.items():
+            if kc is c and most < n <= end and keys[n - 1] == last:
+                best, most = m, n
+        return best
 
     def tokens(self, keys: Sequence[bytes]) -> Any:
         """The chain as the token ids the daemon sees."""
@@ -223,7 +268,10 @@ class _PageStore:
                 c = self._c()
                 if self.keyed and not self.mapped:
                     return int(c.get_keys_into(keys, buf, first))
-                m = c.match(self.tokens(keys), lease=True)
+                # Not mapped, the save after this load PUTs its pages: keep the tokens.
+                m = c.match(self.tokens(keys), lease=True,
+                            keep=self._keep_loads and not self.mapped)
+                self._keep(c, keys, m)
                 try:
                     n = _stored(m.tiers, first)
                     if n <= 0:
@@ -252,7 +300,7 @@ class _PageStore:
                         r = c.put_keys(keys[:b], buf[a - first:b - first], a, gaps=gaps)
                     else:
                         r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a,
-                                  gaps=gaps)
+                                  gaps=gaps, after=self._after(c, keys, b))
                     stored += r.stored
             except Error as e:
                 self._failed(e)
@@ -288,8 +336,11 @@ class _PageStore:
                 raise
             held = None
             if r.nreserved < len(keys) - first:
-                try:  # which of the pages without room are held already
-                    held = c.match(toks, probe=True).tiers
+                try:  # which of the pages without room are held already; the PUT of
+                    # those that are not names this MATCH's tokens
+                    m = c.match(toks, probe=True, keep=True)
+                    self._keep(c, keys, m)
+                    held = m.tiers
                 except Error as e:  # none known held: stage them all (the commit will say)
                     self._failed(e)
             return r, held
@@ -386,4 +437,5 @@ class _PageStore:
                 if c is not None:
                     c.close()
             self._client = self._doomed = None
+            self._kept.clear()
         self.breaker.close()

@@ -139,7 +139,7 @@ class WorkerSide:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm")
         if self._async:
             self._async_store = _PageStore(self._extra, self._model, self._store._salt,
-                                           self._layout.page_bytes,
+                                           self._layout.page_bytes, keep=False,
                                            **self._worker_store(" (async loads)"))
             self._async_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
 
