@@ -73,6 +73,13 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
                               "--log-level",  "warn"};
     for (size_t i = 0; i < sizeof defaults / sizeof *defaults; i++)
         argv[n++] = defaults[i];
+    /* KVT_TEST_LOOPS=N runs every daemon with N event loops (the loops2 tests of
+     * tests/meson.build); a test's own --loops, later on the line, wins. */
+    const char *loops = getenv("KVT_TEST_LOOPS");
+    if (loops && *loops) {
+        argv[n++] = "--loops";
+        argv[n++] = loops;
+    }
     for (int i = 0; extra && extra[i]; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;
