@@ -295,9 +295,9 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
     }
 }
 
-void kvt__req_free(kvt__req_t *r)
+/* r's payload goes (r is done with it): kept for the next big frame, or freed. */
+static void held_release(kvt__req_t *r)
 {
-    kvt_assert(!r->src); /* a reply source gave back what it held (its abort, or its end) */
     if (r->held) {
         kvt__clients_t *cl = &r->srv->clients;
         cl->bytes -= r->held_bytes;
@@ -309,7 +309,15 @@ void kvt__req_free(kvt__req_t *r)
         } else {
             free(r->held);
         }
+        r->held = r->payload = NULL;
+        r->held_bytes = 0;
     }
+}
+
+void kvt__req_free(kvt__req_t *r)
+{
+    kvt_assert(!r->src); /* a reply source gave back what it held (its abort, or its end) */
+    held_release(r);
     if (r->ns_held)
         kvt__ns_unuse(r->srv, r->ns);
     if (r->has_fd)
@@ -566,7 +574,7 @@ void kvt__req_finish(kvt__req_t *r)
 static int io_unlock(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
-    if (s->nloops < 2 || c->loop->top != c)
+    if (!s->loops_running || c->loop->top != c)
         return 0;
     pthread_mutex_unlock(&s->lock);
     return 1;
@@ -644,16 +652,31 @@ static int conn_write(kvt__conn_t *c)
                 continue; /* its next part, or its final frame, is there now */
             break;
         }
+        size_t total = 0;
+        for (int i = 0; i < n; i++)
+            total += iov[i].iov_len;
         ssize_t w;
+        int unlocked = 0, early = 0;
         if (fd_req) {
             w = send_fd(c->ev.fd, iov, n, fd_req);
         } else {
-            c->writing = quiet;
-            int unlocked = quiet && io_unlock(c);
+            /* Written with the lock let go, the replies count as gone from the start: a client
+             * that has its reply may ask another loop (STATS) before this one takes the lock
+             * back, and must find neither the reply's bytes nor its request's payload held. */
+            if (quiet && c->loop->top == c && c->srv->loops_running) {
+                for (kvt__req_t *r = c->head; r && r->done && !r->pending && !r->src; r = r->next)
+                    held_release(r);
+                kvt__out_add(c, -(int64_t)total);
+                c->writing = early = 1;
+                unlocked = io_unlock(c);
+            }
             w = writev(c->ev.fd, iov, n);
             int err = errno;
-            io_relock(c, unlocked);
-            c->writing = 0;
+            if (early) {
+                io_relock(c, unlocked);
+                c->writing = 0;
+                kvt__out_add(c, (int64_t)total - (w > 0 ? w : 0)); /* what did not go */
+            }
             errno = err;
         }
         if (w < 0) {
@@ -664,10 +687,8 @@ static int conn_write(kvt__conn_t *c)
             return 0;
         }
         c->stuck_ns = 0;
-        kvt__out_add(c, -(int64_t)w);
-        size_t total = 0;
-        for (int i = 0; i < n; i++)
-            total += iov[i].iov_len;
+        if (!early)
+            kvt__out_add(c, -(int64_t)w);
         size_t left = (size_t)w;
         for (;;) {
             kvt__req_t *r = c->head;
