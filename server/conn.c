@@ -185,7 +185,7 @@ static int conn_evict(kvt_srv_t *s, uint64_t now)
         return 0;
     kvt__conn_t *victim = NULL;
     for (kvt__conn_t *c = s->clients.list; c; c = c->next) {
-        if (c->closing || c->nleases || c->head || c->inflight || c->mem_wait ||
+        if (c->closing || c->dead || c->nleases || c->head || c->inflight || c->mem_wait ||
             now - c->rx_ns < idle)
             continue;
         if (!victim || c->rx_ns < victim->rx_ns)
@@ -1052,7 +1052,8 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *next;
     for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next;
-        if (!c->gone && !conn_too_slow(c, now) && !conn_timed_out(c, now))
+        /* Dead: closed by its own loop (posted there by an earlier close) before it is again. */
+        if (!c->gone && !c->dead && !conn_too_slow(c, now) && !conn_timed_out(c, now))
             s->conn_ops->tick(c, now);
     }
     kvt__conns_deadlines(s, now);

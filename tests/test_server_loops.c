@@ -223,3 +223,50 @@ Test(server_loops, clients_that_leave_with_io_in_flight)
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
+
+/* The value of an unlabelled series on /metrics. */
+static double metric(const kvd_t *d, const char *series)
+{
+    static char body[1 << 18];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    size_t n = strlen(series);
+    for (char *l = body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+        if (strncmp(l, series, n) == 0 && l[n] == ' ')
+            return strtod(l + n + 1, NULL);
+    return -1;
+}
+
+/* At max-conns, new connections that come together each close a different idle one, though
+ * the idle ones of loop 1 are closed there, after loop 0 picked them (a victim picked twice let
+ * the daemon hold more than max-conns). */
+Test(server_loops, connections_past_max_conns_each_evict_another)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--max-conns", "6", "--evict-idle-ms", "1", NULL);
+    enum { OLD = 6, NEW = 4 };
+    int old[OLD], fresh[NEW];
+    for (int i = 0; i < OLD; i++) /* to loops 0, 1, 0, 1, ...: the fewest first */
+        old[i] = kvd_raw(&d);
+    usleep(100000);
+    cr_assert_eq(metric(&d, "kvtier_connections"), OLD);
+    for (int i = 0; i < NEW; i++)
+        fresh[i] = kvd_raw(&d);
+    double open = OLD + NEW;
+    for (int i = 0; i < 200 && open > OLD; i++) {
+        usleep(10000);
+        open = metric(&d, "kvtier_connections");
+    }
+    cr_expect_leq(open, OLD, "at most max-conns open once the evictions are done: %.0f", open);
+    cr_expect_eq(metric(&d, "kvtier_connections_evicted_total"), NEW);
+    int closed = 0;
+    for (int i = 0; i < OLD; i++) {
+        struct pollfd pf = {.fd = old[i], .events = POLLIN};
+        char b;
+        closed += poll(&pf, 1, 1000) == 1 && read(old[i], &b, 1) == 0;
+        close(old[i]);
+    }
+    cr_expect_eq(closed, NEW, "each new connection closed an idle one of its own");
+    for (int i = 0; i < NEW; i++)
+        close(fresh[i]);
+    kvd_cleanup(&d);
+}
