@@ -2,9 +2,12 @@
  * test_server_loops.c: kvtierd with several event loops (the loops setting, issue 42): clients
  * on two loops served at once, each checking its bytes; a connection owned by loop 1 whose GET
  * reads from NVMe (the completion arrives on loop 0 and is handed to loop 1) and whose lease
- * expires (loop 0's tick); clients that leave with a GET in flight; the per-loop series.
+ * expires (loop 0's tick); clients that leave with moves in flight; evictions at max-conns across
+ * loops; the setting's bounds; the per-loop series.
  */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
+#include <sched.h>
 
 #include "common.h"
 #include "test_server_harness.h"
@@ -268,5 +271,36 @@ Test(server_loops, connections_past_max_conns_each_evict_another)
     cr_expect_eq(closed, NEW, "each new connection closed an idle one of its own");
     for (int i = 0; i < NEW; i++)
         close(fresh[i]);
+    kvd_cleanup(&d);
+}
+
+/* loops past 16 is refused at start with a clear error (exit 64); loops = 0 runs one loop per CPU
+ * the daemon may run on, at most 8, each with its series. */
+Test(server_loops, the_loops_setting)
+{
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' --loops 17 2>err.txt >/dev/null", d.dir,
+             kvd_binary());
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 64, "loops 17: exit %d", WEXITSTATUS(st));
+    char err[512];
+    kvd_slurp(&d, "err.txt", err, sizeof err);
+    cr_expect(strstr(err, "loops must be between 0"), "%s", err);
+    kvd_start(&d, "--loops", "0", NULL);
+    cpu_set_t set;
+    cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
+    int want = CPU_COUNT(&set) < 8 ? CPU_COUNT(&set) : 8;
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    char key[32];
+    snprintf(key, sizeof key, "loop_connections_%d", want - 1);
+    cr_expect_eq(kvd_stat(c, key), 0);
+    char buf[1 << 16];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", buf, sizeof buf), 200);
+    snprintf(key, sizeof key, "{loop=\"%d\"}", want);
+    cr_expect(!strstr(buf, key), "no loop %d", want);
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
