@@ -485,6 +485,7 @@ static int run0(kvt_srv_t *s)
             kvt__http_tick(s, now);
             kvt__auth_tick(s, now);
             kvt__tier_metrics(s);
+            kvt__loops_cpu(s);
             kvt_tier_dram_decay(s->tiers[KVT_TIER_DRAM]); /* shared arenas' freed pages go back */
             kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
             next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;

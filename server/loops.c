@@ -26,6 +26,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 /* loops = 0: one loop per CPU the process may run on, at most this many. */
@@ -122,6 +123,8 @@ int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l))
 {
     s->loop_after = after;
     kvt__loop_set_self(&s->loops[0]);
+    s->loops[0].thread = pthread_self();
+    s->loops[0].started = 1;
     if (s->nloops < 2)
         return 0;
     s->loops_running = 1;
@@ -152,6 +155,7 @@ void kvt__loops_stop(kvt_srv_t *s)
             /* EAGAIN only: woken already */
         }
     pthread_mutex_unlock(&s->lock);
+    s->loops[0].started = 0;
     for (unsigned i = 1; i < s->nloops; i++)
         if (s->loops[i].started) {
             pthread_join(s->loops[i].thread, NULL);
@@ -159,6 +163,17 @@ void kvt__loops_stop(kvt_srv_t *s)
         }
     pthread_mutex_lock(&s->lock);
     s->loops_running = 0;
+}
+
+void kvt__loops_cpu(kvt_srv_t *s)
+{
+    for (unsigned i = 0; i < s->nloops; i++) {
+        clockid_t id;
+        struct timespec ts;
+        if (s->loops[i].started && pthread_getcpuclockid(s->loops[i].thread, &id) == 0 &&
+            clock_gettime(id, &ts) == 0)
+            kvt__metric_set(s->metrics, KVT_M_LOOP_CPU, i, (double)ts.tv_sec + ts.tv_nsec / 1e9);
+    }
 }
 
 void kvt__loops_close(kvt_srv_t *s)

@@ -148,6 +148,9 @@ typedef enum {
       "Client connections open now, by the event loop that serves them (loops).", LOOP)            \
     X(LOOP_REQUESTS, COUNTER, "kvtier_loop_requests_total",                                        \
       "Requests answered, by the event loop of their connection.", LOOP)                           \
+    X(LOOP_CPU, COUNTER, "kvtier_loop_cpu_seconds_total",                                          \
+      "CPU time each event loop's thread has used (loop 0: the main thread), read every tick.",    \
+      LOOP)                                                                                        \
     X(LOOP_KICKS_POSTED, COUNTER, "kvtier_loop_kicks_posted_total",                                \
       "Times another loop handed a loop one of its connections to serve (a tier completion, a "    \
       "deadline, a close), through its eventfd.",                                                  \

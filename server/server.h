@@ -382,9 +382,9 @@ struct kvt__loop {
     kvt_srv_t *srv;
     unsigned id;
     int epfd;
-    kvt__ev_t wake; /* an eventfd: a posted kick, or the daemon stopping */
-    pthread_t thread;
-    int started;
+    kvt__ev_t wake;      /* an eventfd: a posted kick, or the daemon stopping */
+    pthread_t thread;    /* loop 0: the main thread's, set when it runs */
+    int started;         /* thread is set (loop 0: running) */
     kvt__conn_t *posted; /* kicked by other loops; under s->lock */
     kvt__conn_t *gone;   /* closed, freed by kvt__conns_reap */
     /* The connection whose own event (or posted kick) is being handled at the top of the loop:
@@ -459,6 +459,8 @@ int kvt__loops_open(kvt_srv_t *s);
 int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l));
 void kvt__loops_stop(kvt_srv_t *s);
 void kvt__loops_close(kvt_srv_t *s);
+/* kvtier_loop_cpu_seconds_total: each running loop's thread's CPU time (every tick). */
+void kvt__loops_cpu(kvt_srv_t *s);
 /* The number of loops for loops = 0: the CPUs this process may run on, at most 8. */
 unsigned kvt__loops_auto(void);
 /* ev.c: the epoll sets' registrations. */

@@ -93,6 +93,11 @@ Test(server_loops, two_loops_serve_clients_at_once)
     cr_expect(strstr(buf, "kvtier_loop_connections{loop=\"1\"} 1"), "per-loop series: %s",
               strstr(buf, "kvtier_loop") ? strstr(buf, "kvtier_loop") : "(none)");
     cr_expect(strstr(buf, "kvtier_loop_requests_total{loop=\"0\"}"));
+    usleep(120000); /* a tick reads the loops' CPU time */
+    cr_assert_eq(kvd_http_get(&d, "/metrics", buf, sizeof buf), 200);
+    const char *cpu = strstr(buf, "kvtier_loop_cpu_seconds_total{loop=\"1\"} ");
+    cr_expect(cpu && strtod(cpu + strlen("kvtier_loop_cpu_seconds_total{loop=\"1\"} "), NULL) > 0,
+              "loop 1's thread used CPU");
     cr_expect(!strstr(buf, "{loop=\"2\"}"), "no series of a loop that does not exist");
     kvt_client_close(c0);
     kvt_client_close(c1);
