@@ -1,7 +1,9 @@
 /*
- * loops.c: the event loops beyond loop 0 (the loops setting) and what ties them together: the
- * hand-off of an accepted connection to the loop with the fewest, the posted kicks by which one
- * loop has another's connection kicked or closed, and the work any loop does after a batch.
+ * loops.c: the event loops beyond loop 0 (the loops setting): their threads, epoll sets and
+ * eventfds, their start and stop, their CPU time. What moves connections between loops lives
+ * with the connections in conn.c (the hand-off at accept, kvt__loop_pick; the posted kicks,
+ * kvt__loop_post); the work after each batch is loop.c's, which each thread calls through
+ * s->loop_after.
  *
  * Step 1 of issue 42 (docs/architecture.md, "Event loops"): the store and everything above the
  * sockets stay behind one lock, s->lock; what runs in parallel is each connection's socket reads
@@ -9,8 +11,8 @@
  * I/O threads. The accept is a hand-off from loop 0, not SO_REUSEPORT or EPOLLEXCLUSIVE: both of
  * those leave the choice to the kernel (a hash of the peer's address, the first loop idle in
  * epoll_wait), which on the few long-lived connections of a serving node's engines can put them
- * all on one loop; one accept4 per connection on loop 0 costs nothing that matters, and the Unix
- * socket and TCP are handed off the same way.
+ * all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per connection, and an
+ * engine connects once. The Unix socket and TCP are handed off the same way.
  *
  *     loop 0 (main thread)              loop i (thread)
  *     listeners, signals, tiers,        [epoll: its connections, its eventfd]
