@@ -4,8 +4,8 @@
  *
  * Each metric has a label dimension: none, tier, miss reason, operation, tier pair (from, to),
  * tier x I/O direction, or protocol error kind. Storage is a flat array of series per metric;
- * the event loop is the only writer, the HTTP handler (same loop) the only reader, so nothing
- * is atomic.
+ * the event loops write them and the HTTP handler (loop 0) reads them, all under the daemon's
+ * lock (server.h, struct kvt__loop), so nothing is atomic.
  */
 #ifndef KVT_SERVER_METRICS_H
 #define KVT_SERVER_METRICS_H

@@ -1,6 +1,6 @@
 /*
  * server.h: kvtierd's internals, shared by the files of server/ (kvt__ names; nothing here is
- * public). One kvt_srv_t is the daemon: it owns the event loop, the listening sockets, the index,
+ * public). One kvt_srv_t is the daemon: it owns the event loops, the listening sockets, the index,
  * the tiers, the metrics and every connection. It is passed by pointer, never reached through a
  * global (the signal handler included: signals arrive through a signalfd).
  *
