@@ -150,6 +150,9 @@ static const kvt_opt_t kvt_opts[] = {
     {"drain-ms", KVT_OPT_U32, KVT_O(drain_ms), "30000",
      "on SIGUSR1 (drain), the longest the daemon waits for its connections to give back their "
      "leases and reservations before it shuts down as on SIGTERM (1..3600000)"},
+    {"loops", KVT_OPT_U32, KVT_O(loops), "1",
+     "event loops serving client connections (1..16; 0: one per CPU the daemon may run on, at "
+     "most 8); the store stays behind one lock (docs/architecture.md, \"Event loops\")"},
     {"tick-ms", KVT_OPT_U32, KVT_O(tick_ms), "50",
      "housekeeping interval, ms: lease and request deadlines, gauges, the index clock"},
     {"prefill-tokens-per-s", KVT_OPT_DBL, KVT_O(prefill_tokens_per_s), "20000",
@@ -578,6 +581,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     }
     if (conf->drain_ms == 0 || conf->drain_ms > 3600000) {
         snprintf(err, errlen, "drain-ms must be between 1 and 3600000");
+        return KVT_EINVAL;
+    }
+    if (conf->loops > 16) {
+        snprintf(err, errlen, "loops must be between 0 (one per CPU) and 16");
         return KVT_EINVAL;
     }
     if (conf->tick_ms == 0 || conf->tick_ms > 10000) {

@@ -67,6 +67,7 @@ typedef struct kvt_srv_conf {
     uint64_t frame_min_rate;   /* ... this many bytes per second */
     uint32_t evict_idle_ms;    /* at max-conns, a connection idle this long may make room */
     uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
+    uint32_t loops;            /* event loops; 0: one per CPU, at most 8 (loops.c) */
     uint32_t drain_ms;         /* SIGUSR1: the longest a drain waits before shutting down */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     uint32_t metrics_namespaces; /* (model, adapter) pairs with series of their own */

@@ -6,6 +6,13 @@
  * version, a body over max-frame, a peer that closes in the middle of a frame. Each of those
  * gets an error reply when the socket still takes one, a log line and a counter, and touches no
  * other connection.
+ *
+ * With several loops (loops.c) a connection belongs to the loop that accepted it: only that loop
+ * parses its frames, writes its replies and frees it; any other kicks or closes it by posting it
+ * there. Its loop lets s->lock go for the socket's read and for a write of finished replies, and
+ * only at the top of the loop (the connection's own event): there nothing is half done, the
+ * input buffer is touched by no one else, and the bytes written belong to requests that no other
+ * loop changes any more (done, no I/O in flight, no reply source, no descriptor to pass).
  */
 #define _GNU_SOURCE /* accept4 */
 #include "server.h"
@@ -178,7 +185,7 @@ static int conn_evict(kvt_srv_t *s, uint64_t now)
         return 0;
     kvt__conn_t *victim = NULL;
     for (kvt__conn_t *c = s->clients.list; c; c = c->next) {
-        if (c->closing || c->nleases || c->head || c->inflight || c->mem_wait ||
+        if (c->closing || c->dead || c->nleases || c->head || c->inflight || c->mem_wait ||
             now - c->rx_ns < idle)
             continue;
         if (!victim || c->rx_ns < victim->rx_ns)
@@ -195,6 +202,44 @@ static int conn_evict(kvt_srv_t *s, uint64_t now)
     kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_EVICTED, 0, 1);
     kvt__conn_close(victim);
     return 1;
+}
+
+static __thread kvt__loop_t *loop_self;
+
+kvt__loop_t *kvt__loop_self(void)
+{
+    return loop_self;
+}
+
+void kvt__loop_set_self(kvt__loop_t *l)
+{
+    loop_self = l;
+}
+
+kvt__loop_t *kvt__loop_pick(kvt_srv_t *s)
+{
+    kvt__loop_t *best = &s->loops[0];
+    unsigned n = s->loops_running ? s->nloops : 1;
+    for (unsigned i = 1; i < n; i++)
+        if (s->loops[i].conns < best->conns)
+            best = &s->loops[i];
+    return best;
+}
+
+void kvt__loop_post(kvt__conn_t *c)
+{
+    kvt__loop_t *l = c->loop;
+    if (c->posted)
+        return;
+    c->posted = 1;
+    c->posted_next = l->posted;
+    l->posted = c;
+    l->kicks_posted++;
+    kvt__metric_add(c->srv->metrics, KVT_M_LOOP_KICKS_POSTED, l->id, 1);
+    uint64_t one = 1;
+    if (write(l->wake.fd, &one, sizeof one) < 0) {
+        /* EAGAIN only: the count is at its maximum, and the loop is woken already. */
+    }
 }
 
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
@@ -217,6 +262,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
             close(fd);
             continue;
         }
+        kvt__loop_t *l = kvt__loop_pick(s);
         if (tcp) {
             int one = 1;
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -224,12 +270,13 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         c->ev.fd = fd;
         c->ev.cb = conn_on_event;
         c->srv = s;
+        c->loop = l;
         c->id = s->clients.next_id++;
         c->tcp = tcp;
         c->authed = !*s->conf->secret;
         c->events = EPOLLIN;
         c->born_ns = c->rx_ns = c->mark_ns = now;
-        if (kvt__ev_add(s, &c->ev, c->events) < 0) {
+        if (kvt__ev_ctl(l->epfd, EPOLL_CTL_ADD, &c->ev, c->events) < 0) {
             close(fd);
             free(c);
             continue;
@@ -239,16 +286,18 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
             s->clients.list->prev = c;
         s->clients.list = c;
         s->clients.n++;
+        l->conns++;
         kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_ACCEPTED, 0, 1);
         kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->clients.n);
+        kvt__metric_set(s->metrics, KVT_M_LOOP_CONNECTIONS, l->id, l->conns);
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu (%s)", (unsigned long long)c->id,
                 tcp ? "tcp" : "unix");
     }
 }
 
-void kvt__req_free(kvt__req_t *r)
+/* r's payload goes (r is done with it): kept for the next big frame, or freed. */
+static void held_release(kvt__req_t *r)
 {
-    kvt_assert(!r->src); /* a reply source gave back what it held (its abort, or its end) */
     if (r->held) {
         kvt__clients_t *cl = &r->srv->clients;
         cl->bytes -= r->held_bytes;
@@ -260,7 +309,15 @@ void kvt__req_free(kvt__req_t *r)
         } else {
             free(r->held);
         }
+        r->held = r->payload = NULL;
+        r->held_bytes = 0;
     }
+}
+
+void kvt__req_free(kvt__req_t *r)
+{
+    kvt_assert(!r->src); /* a reply source gave back what it held (its abort, or its end) */
+    held_release(r);
     if (r->ns_held)
         kvt__ns_unuse(r->srv, r->ns);
     if (r->has_fd)
@@ -284,6 +341,11 @@ void kvt__conn_close(kvt__conn_t *c)
     kvt_srv_t *s = c->srv;
     if (c->gone)
         return;
+    if (s->loops_running && kvt__loop_self() != c->loop) {
+        c->dead = 1; /* its loop may be in its socket's read or write: it closes it */
+        kvt__loop_post(c);
+        return;
+    }
     s->conn_ops->closing(c);
     kvt__req_t *r = c->head;
     while (r) {
@@ -311,7 +373,7 @@ void kvt__conn_close(kvt__conn_t *c)
     memset(c->handles, 0, sizeof c->handles);
     c->handle_bytes = 0;
     s->clients.bytes -= in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
-    kvt__ev_del(s, &c->ev);
+    kvt__ev_ctl(c->loop->epfd, EPOLL_CTL_DEL, &c->ev, 0);
     close(c->ev.fd);
     if (c->prev)
         c->prev->next = c->next;
@@ -320,6 +382,8 @@ void kvt__conn_close(kvt__conn_t *c)
     if (c->next)
         c->next->prev = c->prev;
     s->clients.n--;
+    c->loop->conns--;
+    kvt__metric_set(s->metrics, KVT_M_LOOP_CONNECTIONS, c->loop->id, c->loop->conns);
     if (s->clients.n == 0)
         spare_drop(s); /* nobody left to send a big frame; and none leaks at shutdown */
     kvt__metric_set(s->metrics, KVT_M_CONNECTIONS, 0, s->clients.n);
@@ -332,16 +396,31 @@ void kvt__conn_close(kvt__conn_t *c)
     c->tokens = NULL;
     c->in_len = c->in_cap = c->nleases = c->cap_leases = c->tokens_cap = 0;
     c->gone = 1;
-    c->gone_next = s->clients.gone;
-    s->clients.gone = c;
+    c->gone_next = c->loop->gone;
+    c->loop->gone = c;
 }
 
-void kvt__conns_reap(kvt_srv_t *s)
+void kvt__conns_reap(kvt__loop_t *l)
 {
-    while (s->clients.gone) {
-        kvt__conn_t *c = s->clients.gone;
-        s->clients.gone = c->gone_next;
-        free(c);
+    /* A closed connection may still be on the posted list: the list is emptied first (a gone
+     * one's kick does nothing), with no let-go of the lock between it and the frees. */
+    for (;;) {
+        while (l->posted) {
+            kvt__conn_t *c = l->posted;
+            l->posted = c->posted_next;
+            c->posted_next = NULL;
+            c->posted = 0;
+            l->top = c;
+            kvt__conn_kick(c);
+            l->top = NULL;
+        }
+        if (!l->gone)
+            return;
+        while (l->gone && !l->posted) {
+            kvt__conn_t *c = l->gone;
+            l->gone = c->gone_next;
+            free(c);
+        }
     }
 }
 
@@ -417,10 +496,13 @@ kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint6
     return r;
 }
 
-static void count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
+static void count_reply(kvt__conn_t *c, uint8_t op, uint64_t t0, int status)
 {
+    kvt_srv_t *s = c->srv;
     if (op == 0 || op >= KVT_OP_COUNT)
         return;
+    c->loop->requests++;
+    kvt__metric_add(s->metrics, KVT_M_LOOP_REQUESTS, c->loop->id, 1);
     kvt__metric_add(s->metrics, KVT_M_REQUESTS, op, 1);
     if (status < 0)
         kvt__metric_add(s->metrics, KVT_M_REQUEST_ERRORS, op, 1);
@@ -430,11 +512,11 @@ static void count_reply(kvt_srv_t *s, uint8_t op, uint64_t t0, int status)
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
                uint32_t len)
 {
-    count_reply(c->srv, op, t0, status);
+    count_reply(c, op, t0, status);
     /* Replies answered at once share the tail's buffer when it is complete, so that a pipeline
-     * of small requests leaves in one write. */
+     * of small requests leaves in one write; not while that buffer may be in a write. */
     kvt__req_t *r = c->tail;
-    if (!r || !r->done || r->kind != KVT_REQ_PLAIN) {
+    if (!r || !r->done || r->kind != KVT_REQ_PLAIN || c->writing) {
         r = kvt__req_new(c, KVT_REQ_PLAIN, op, id, t0);
         if (!r)
             return KVT_ENOMEM;
@@ -481,9 +563,27 @@ void kvt__req_finish(kvt__req_t *r)
         return;
     }
     if (!r->done)
-        count_reply(r->conn->srv, r->op, r->t0, r->status);
+        count_reply(r->conn, r->op, r->t0, r->status);
     r->done = 1;
     kvt__conn_kick(r->conn);
+}
+
+/* Lets s->lock go for c's socket I/O where that is safe (the file's opening paragraph): c's own
+ * event or posted kick at the top of its loop, with other loops to run meanwhile. Returns whether
+ * it did; io_relock takes the lock back then. */
+static int io_unlock(kvt__conn_t *c)
+{
+    kvt_srv_t *s = c->srv;
+    if (!s->loops_running || c->loop->top != c)
+        return 0;
+    pthread_mutex_unlock(&s->lock);
+    return 1;
+}
+
+static void io_relock(kvt__conn_t *c, int unlocked)
+{
+    if (unlocked)
+        pthread_mutex_lock(&c->srv->lock);
 }
 
 /* writev with r's descriptor attached (SCM_RIGHTS), given up once a byte has gone with it. */
@@ -522,7 +622,11 @@ static int conn_write(kvt__conn_t *c)
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
         kvt__req_t *fd_req = NULL;
+        /* Every byte offered is a finished reply's that no other loop touches any more. */
+        int quiet = 1;
         for (kvt__req_t *r = c->head; r && n < KVT_IOV_MAX; r = r->next) {
+            if (!r->done || r->pending || r->src || r->has_fd)
+                quiet = 0;
             if (r->has_fd) {
                 /* A descriptor goes with its reply's first byte, in a write of its own that
                  * starts there: the client reads that reply with recvmsg. */
@@ -548,7 +652,33 @@ static int conn_write(kvt__conn_t *c)
                 continue; /* its next part, or its final frame, is there now */
             break;
         }
-        ssize_t w = fd_req ? send_fd(c->ev.fd, iov, n, fd_req) : writev(c->ev.fd, iov, n);
+        size_t total = 0;
+        for (int i = 0; i < n; i++)
+            total += iov[i].iov_len;
+        ssize_t w;
+        int unlocked = 0, early = 0;
+        if (fd_req) {
+            w = send_fd(c->ev.fd, iov, n, fd_req);
+        } else {
+            /* Written with the lock let go, the replies count as gone from the start: a client
+             * that has its reply may ask another loop (STATS) before this one takes the lock
+             * back, and must find neither the reply's bytes nor its request's payload held. */
+            if (quiet && c->loop->top == c && c->srv->loops_running) {
+                for (kvt__req_t *r = c->head; r && r->done && !r->pending && !r->src; r = r->next)
+                    held_release(r);
+                kvt__out_add(c, -(int64_t)total);
+                c->writing = early = 1;
+                unlocked = io_unlock(c);
+            }
+            w = writev(c->ev.fd, iov, n);
+            int err = errno;
+            if (early) {
+                io_relock(c, unlocked);
+                c->writing = 0;
+                kvt__out_add(c, (int64_t)total - (w > 0 ? w : 0)); /* what did not go */
+            }
+            errno = err;
+        }
         if (w < 0) {
             if (errno != EAGAIN && errno != EINTR)
                 return -1;
@@ -557,10 +687,8 @@ static int conn_write(kvt__conn_t *c)
             return 0;
         }
         c->stuck_ns = 0;
-        kvt__out_add(c, -(int64_t)w);
-        size_t total = 0;
-        for (int i = 0; i < n; i++)
-            total += iov[i].iov_len;
+        if (!early)
+            kvt__out_add(c, -(int64_t)w);
         size_t left = (size_t)w;
         for (;;) {
             kvt__req_t *r = c->head;
@@ -722,7 +850,11 @@ static void conn_read(kvt__conn_t *c)
         size_t room = c->in_cap - c->in_len;
         if (room == 0)
             return; /* parse grows it for a bigger frame, or back-pressure holds it */
+        int unlocked = io_unlock(c);
         ssize_t n = read(c->ev.fd, c->in + c->in_len, room);
+        int err = errno;
+        io_relock(c, unlocked);
+        errno = err;
         if (n == 0) {
             if (c->in_len > 0) {
                 kvt__proto_error(c->srv, KVT_PERR_TRUNCATED);
@@ -756,7 +888,13 @@ static void conn_read(kvt__conn_t *c)
 void kvt__conn_kick(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
-    if (c->gone || c->in_handler)
+    if (c->gone)
+        return;
+    if (s->loops_running && kvt__loop_self() != c->loop) {
+        kvt__loop_post(c); /* another loop's: it may be in its socket's read or write */
+        return;
+    }
+    if (c->in_handler)
         return; /* the frame loop that is running kicks when it is done */
     c->in_handler = 1;
     if (!c->dead && conn_write(c) < 0)
@@ -794,7 +932,7 @@ void kvt__conn_kick(kvt__conn_t *c)
         want |= EPOLLOUT;
     if (want != c->events) {
         c->events = want;
-        kvt__ev_mod(s, &c->ev, want);
+        kvt__ev_ctl(c->loop->epfd, EPOLL_CTL_MOD, &c->ev, want);
     }
 }
 
@@ -807,10 +945,12 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
         c->dead = 1;
     c->in_handler = 1;
+    c->loop->top = c;
     if (!c->dead && (events & EPOLLIN))
         conn_read(c);
     c->in_handler = 0;
     kvt__conn_kick(c);
+    c->loop->top = NULL;
 }
 
 void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)
@@ -912,7 +1052,8 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *next;
     for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next;
-        if (!c->gone && !conn_too_slow(c, now) && !conn_timed_out(c, now))
+        /* Dead: closed by its own loop (posted there by an earlier close) before it is again. */
+        if (!c->gone && !c->dead && !conn_too_slow(c, now) && !conn_timed_out(c, now))
             s->conn_ops->tick(c, now);
     }
     kvt__conns_deadlines(s, now);

@@ -1,5 +1,6 @@
 /*
- * loop.c: the daemon's skeleton and its one event loop. It owns the epoll set, the listening
+ * loop.c: the daemon's skeleton and its loop 0 (the other loops, when loops > 1, are loops.c's).
+ * It owns loop 0's epoll set, the listening
  * sockets (Unix and TCP), the signalfd for SIGTERM/SIGINT/SIGHUP/SIGUSR1 (blocked from the
  * start of main: kvt__srv_block_signals), the tier descriptors, the periodic tick (lease expiry,
  * gauges), the reload of the settings on SIGHUP, and the two ways out: the orderly shutdown
@@ -30,9 +31,6 @@
 #include <sys/un.h>
 #include <sys/types.h>
 #include <unistd.h>
-
-/* Bytes of zero-copy seals hashed per loop iteration: 3-8 us (tiers/dram.c, docs/tiers.md). */
-#define KVT_SEAL_SLICE (256u << 10)
 
 #define KVT_GRACE_NS (5ull * 1000 * 1000 * 1000)
 /* Evicted blocks remembered for the "evicted" miss reason: 2^16 slots, or the cost policy's
@@ -320,6 +318,9 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         rc = -errno;
         goto fail;
     }
+    if ((rc = kvt__loops_open(s)) < 0)
+        goto fail;
+    kvt__metrics_loops(s->metrics, s->nloops);
     kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb,
                               .node_free_cb = kvt__store_node_free_cb,
                               .free_arg = s,
@@ -413,11 +414,40 @@ static int busy(const kvt_srv_t *s)
     return s->inflight > 0;
 }
 
-int kvt__srv_run(kvt_srv_t *s)
+/* Bytes of zero-copy seals hashed per loop iteration: 3-8 us (tiers/dram.c, docs/tiers.md). */
+#define KVT_SEAL_SLICE (256u << 10)
+
+/* The work after each batch of events, on any loop (loops.c calls it on loops 1..): requests
+ * waiting for moves, connections waiting for memory, the policy's step, a slice of the seals. */
+static void loop_after(kvt__loop_t *l)
+{
+    kvt_srv_t *s = l->srv;
+    /* Requests waiting for moves go first, before the policy's step can start new moves on
+     * what they wait for: a REMOVE behind a demotion that fails every time (a remote tier
+     * that is down) would otherwise never find its prefix free. */
+    if (s->exec.moves_landed) {
+        s->exec.moves_landed = 0;
+        if (s->reqs_waiting)
+            kvt__conns_deadlines(s, kvt_now_ns());
+    }
+    if (s->clients.mem_waiting)
+        kvt__conns_mem_retry(s);
+    kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
+    /* A slice of the zero-copy seals (op_put.c resv_seal): a few microseconds between
+     * events, so that no request waits for a whole block's hash. With more to hash, the CPU
+     * goes first to whoever waits for it (the loop yields once the lock is let go): the client
+     * that COMMIT's reply just woke runs on this CPU (a Unix socket's sync wakeup), and would
+     * otherwise wait, runnable, until the whole block is hashed (COMMIT's round trip 41 us
+     * instead of 6 for 2 MiB, docs/benchmarks.md). */
+    l->sealing = kvt_tier_dram_seal_step(s->tiers[KVT_TIER_DRAM], KVT_SEAL_SLICE) > 0;
+}
+
+/* Loop 0, with s->lock held (let go in epoll_wait and its connections' socket I/O). */
+static int run0(kvt_srv_t *s)
 {
     struct epoll_event evs[256];
     uint64_t next_tick = kvt_now_ns(), stop_at = 0;
-    int sealing = 0;
+    kvt__loop_t *l = &s->loops[0];
     for (;;) {
         uint64_t now = kvt_now_ns();
         if (s->stopping) {
@@ -454,45 +484,44 @@ int kvt__srv_run(kvt_srv_t *s)
             kvt__http_tick(s, now);
             kvt__auth_tick(s, now);
             kvt__tier_metrics(s);
+            kvt__loops_cpu(s);
             kvt_tier_dram_decay(s->tiers[KVT_TIER_DRAM]); /* shared arenas' freed pages go back */
             kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
             next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;
         }
         /* Seals of committed zero-copy pages still queued: no sleep until they are done. */
-        int timeout = sealing ? 0 : (int)((next_tick - now) / 1000000) + 1;
+        int timeout = l->sealing ? 0 : (int)((next_tick - now) / 1000000) + 1;
+        if (s->nloops > 1)
+            pthread_mutex_unlock(&s->lock);
+        if (l->sealing)
+            sched_yield(); /* loop_after: the CPU to whoever waits for the seals */
         int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
+        int err = errno;
+        if (s->nloops > 1)
+            pthread_mutex_lock(&s->lock);
         if (n < 0) {
-            if (errno == EINTR)
+            if (err == EINTR)
                 continue;
-            kvt_log(KVT_LOG_ERROR, "kvtierd: epoll_wait: %s", strerror(errno));
-            return -errno;
+            kvt_log(KVT_LOG_ERROR, "kvtierd: epoll_wait: %s", strerror(err));
+            return -err;
         }
         for (int i = 0; i < n; i++) {
             kvt__ev_t *ev = evs[i].data.ptr;
             ev->cb(s, ev, evs[i].events);
         }
-        /* Requests waiting for moves go first, before the policy's step can start new moves on
-         * what they wait for: a REMOVE behind a demotion that fails every time (a remote tier
-         * that is down) would otherwise never find its prefix free. */
-        if (s->exec.moves_landed) {
-            s->exec.moves_landed = 0;
-            if (s->reqs_waiting)
-                kvt__conns_deadlines(s, kvt_now_ns());
-        }
-        if (s->clients.mem_waiting)
-            kvt__conns_mem_retry(s);
-        kvt__store_step(s); /* the policy's bounded maintenance, after what came in */
-        /* A slice of the zero-copy seals (op_put.c resv_seal): a few microseconds between
-         * events, so that no request waits for a whole block's hash. With more to hash, the CPU
-         * goes first to whoever waits for it: the client that COMMIT's reply just woke runs on
-         * this CPU (a Unix socket's sync wakeup), and would otherwise wait, runnable, until the
-         * whole block is hashed (COMMIT's round trip 41 us instead of 6 for 2 MiB,
-         * docs/benchmarks.md). Nothing waiting: the yield returns at once. */
-        sealing = kvt_tier_dram_seal_step(s->tiers[KVT_TIER_DRAM], KVT_SEAL_SLICE) > 0;
-        if (sealing)
-            sched_yield();
-        kvt__conns_reap(s); /* no event or walk holds a connection here */
+        loop_after(l);
+        kvt__conns_reap(l); /* no event or walk holds one of its connections here */
     }
+}
+
+int kvt__srv_run(kvt_srv_t *s)
+{
+    pthread_mutex_lock(&s->lock);
+    kvt__loops_start(s, loop_after);
+    int rc = run0(s);
+    kvt__loops_stop(s);
+    pthread_mutex_unlock(&s->lock);
+    return rc;
 }
 
 void kvt__srv_close(kvt_srv_t *s)
@@ -501,7 +530,7 @@ void kvt__srv_close(kvt_srv_t *s)
         return;
     while (s->clients.list)
         kvt__conn_close(s->clients.list);
-    kvt__conns_reap(s);
+    kvt__loops_close(s);
     kvt__http_close(s);
     if (s->unix_ev.fd >= 0)
         close(s->unix_ev.fd);

@@ -84,6 +84,7 @@ struct kvt_metrics {
     kvt_metric_tenant_t tenants[KVT_TENANT_ROWS]; /* KVT_TENANT_NAME's rows */
     size_t ntenants;
     unsigned device_mask;                                     /* kvt__metrics_devices */
+    unsigned nloops;                                          /* kvt__metrics_loops */
     kvt_tier_remote_node_stats_t nodes[KVT_REMOTE_NODE_ROWS]; /* kvt__metrics_remote_nodes */
     size_t nnodes;
 };
@@ -249,12 +250,19 @@ void kvt__metrics_devices(kvt_metrics_t *m, unsigned mask)
     m->device_mask = mask;
 }
 
+void kvt__metrics_loops(kvt_metrics_t *m, unsigned n)
+{
+    m->nloops = n;
+}
+
 /* A TIER_SCALE series of a tier not configured, a DEVICE series of a device with no HBM pool,
  * is not shown. */
 static int shown(const kvt_metrics_t *m, const struct kvt_metric_def *d, unsigned s)
 {
     if (d->lbl == KVT_LBL_DEVICE)
         return s < 16 && (m->device_mask >> s & 1);
+    if (d->lbl == KVT_LBL_LOOP)
+        return s < m->nloops;
     return d->lbl != KVT_LBL_TIER_SCALE || (m->tier_mask >> (s / KVT_MRC_SCALES) & 1);
 }
 
@@ -434,12 +442,13 @@ static int series_kv(kvt_label_kind_t lbl, unsigned s, const char *kv[4])
         kv[1] = e->names[s];
         return 1;
     }
-    case KVT_LBL_DEVICE: {
+    case KVT_LBL_DEVICE:
+    case KVT_LBL_LOOP: {
         static const char *const devs[16] = {"0", "1", "2",  "3",  "4",  "5",  "6",  "7",
                                              "8", "9", "10", "11", "12", "13", "14", "15"};
         if (s >= 16)
             return -1;
-        kv[0] = "device";
+        kv[0] = lbl == KVT_LBL_LOOP ? "loop" : "device";
         kv[1] = devs[s];
         return 1;
     }

@@ -4,8 +4,8 @@
  *
  * Each metric has a label dimension: none, tier, miss reason, operation, tier pair (from, to),
  * tier x I/O direction, or protocol error kind. Storage is a flat array of series per metric;
- * the event loop is the only writer, the HTTP handler (same loop) the only reader, so nothing
- * is atomic.
+ * the event loops write them and the HTTP handler (loop 0) reads them, all under the daemon's
+ * lock (server.h, struct kvt__loop), so nothing is atomic.
  */
 #ifndef KVT_SERVER_METRICS_H
 #define KVT_SERVER_METRICS_H
@@ -38,6 +38,7 @@ typedef enum {
     /* tier="...",scale="0.25|0.5|1|2|4" over the configured real tiers (kvt__metrics_tiers) */
     KVT_LBL_TIER_SCALE,
     KVT_LBL_DEVICE, /* device="0".."15": the HBM pools' devices (kvt__metrics_devices) */
+    KVT_LBL_LOOP,   /* loop="0".."15": the event loops (kvt__metrics_loops) */
 } kvt_label_kind_t;
 
 typedef enum { KVT_MT_COUNTER, KVT_MT_GAUGE, KVT_MT_HISTOGRAM } kvt_metric_type_t;
@@ -143,6 +144,17 @@ typedef enum {
     X(TIER_IO_ERRORS, COUNTER, "kvtier_tier_io_errors_total",                                      \
       "Tier reads and writes that completed with an error (misses included).", TIER_IO)            \
     X(CONNECTIONS, GAUGE, "kvtier_connections", "Client connections open now.", NONE)              \
+    X(LOOP_CONNECTIONS, GAUGE, "kvtier_loop_connections",                                          \
+      "Client connections open now, by the event loop that serves them (loops).", LOOP)            \
+    X(LOOP_REQUESTS, COUNTER, "kvtier_loop_requests_total",                                        \
+      "Requests answered, by the event loop of their connection.", LOOP)                           \
+    X(LOOP_CPU, COUNTER, "kvtier_loop_cpu_seconds_total",                                          \
+      "CPU time each event loop's thread has used (loop 0: the main thread), read every tick.",    \
+      LOOP)                                                                                        \
+    X(LOOP_KICKS_POSTED, COUNTER, "kvtier_loop_kicks_posted_total",                                \
+      "Times another loop handed a loop one of its connections to serve (a tier completion, a "    \
+      "deadline, a close), through its eventfd.",                                                  \
+      LOOP)                                                                                        \
     X(CONNECTIONS_REFUSED, COUNTER, "kvtier_connections_refused_total",                            \
       "Connections closed as soon as accepted: max-conns, shutting down, no descriptor left.",     \
       NONE)                                                                                        \
@@ -418,6 +430,8 @@ void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask);
 
 /* The devices (bit i: device i, i < 16) with an HBM pool, whose DEVICE series are shown. */
 void kvt__metrics_devices(kvt_metrics_t *m, unsigned mask);
+/* The event loops (at most 16), whose LOOP series are shown. */
+void kvt__metrics_loops(kvt_metrics_t *m, unsigned n);
 void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_observe(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, uint64_t ns);

@@ -1,6 +1,6 @@
 /*
  * server.h: kvtierd's internals, shared by the files of server/ (kvt__ names; nothing here is
- * public). One kvt_srv_t is the daemon: it owns the event loop, the listening sockets, the index,
+ * public). One kvt_srv_t is the daemon: it owns the event loops, the listening sockets, the index,
  * the tiers, the metrics and every connection. It is passed by pointer, never reached through a
  * global (the signal handler included: signals arrive through a signalfd).
  *
@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <endian.h>
+#include <pthread.h>
 #include <sys/types.h>
 
 #include "common.h"
@@ -36,6 +37,7 @@
 
 typedef struct kvt_srv kvt_srv_t;
 typedef struct kvt__conn kvt__conn_t;
+typedef struct kvt__loop kvt__loop_t;
 
 /* A MATCH's tokens kept under a handle (KEEP, op_match.c) so that the PUT after it need not send
  * them again: per connection, at most KVT_MATCH_HANDLES (a new one replaces the oldest) and
@@ -226,6 +228,13 @@ typedef struct kvt__conn_ops {
 struct kvt__conn {
     kvt__ev_t ev;
     kvt_srv_t *srv;
+    kvt__loop_t *loop; /* the loop that owns it: the only one that reads, writes or frees it */
+    /* Kicked by another loop: on its loop's posted list until that loop kicks it (loops.c). */
+    int posted;
+    kvt__conn_t *posted_next;
+    /* Its loop writes finished replies with the lock let go: kvt__reply starts a new request
+     * rather than append to a tail whose bytes the socket may be reading. */
+    int writing;
     kvt__conn_t *prev, *next;
     uint64_t id; /* also the owner of its leases in the tree */
     int tcp;
@@ -242,7 +251,7 @@ struct kvt__conn {
     int closing;    /* no more requests: close once the queue drains */
     int dead;       /* the peer is gone or broke the framing: close now */
     int in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
-    /* Closed, and off the list, but its memory is kept until kvt__conns_reap: an event for it
+    /* Closed, and off the list, but its memory is kept until its loop's reap: an event for it
      * may still be in the batch epoll_wait returned, and a walk over the list may stand on it. */
     int gone;
     kvt__conn_t *gone_next;
@@ -292,7 +301,6 @@ struct kvt__conn {
  * held for clients. */
 typedef struct kvt__clients {
     kvt__conn_t *list;
-    kvt__conn_t *gone; /* closed, freed by kvt__conns_reap */
     uint32_t n;
     uint64_t next_id;
     /* Memory held for clients beyond their base input buffers: input buffers grown for big
@@ -349,10 +357,49 @@ typedef struct kvt__lease_index {
     size_t pos_cap;
 } kvt__lease_index_t;
 
+/*
+ * One event loop (loops.c, docs/architecture.md "Event loops"). Loop 0 is the daemon's main
+ * thread: it alone has the listeners, the signals, the tiers' completion descriptors, the
+ * metrics port and the tick. Loops 1..loops-1 are threads that serve the connections handed to
+ * them at accept. Everything a loop does holds s->lock except waiting in epoll and a
+ * connection's socket reads and its writes of finished replies (conn.c):
+ *
+ *     loop 1:  [wait] -lock- parse, MATCH, reply framing -unlock- [read|writev] -lock- ...
+ *     loop 0:  [wait] -lock- tier completions, tick, policy step -unlock- [wait]
+ *
+ * A connection belongs to one loop. Another loop that must kick it (a completion, a deadline,
+ * a drain) puts it on the owner's posted list and wakes the owner through its eventfd; one that
+ * must close it marks it dead and does the same: only the owner frees it, after its own batch.
+ */
+struct kvt__loop {
+    kvt_srv_t *srv;
+    unsigned id;
+    int epfd;
+    kvt__ev_t wake;      /* an eventfd: a posted kick, or the daemon stopping */
+    pthread_t thread;    /* loop 0: the main thread's, set when it runs */
+    int started;         /* thread is set (loop 0: running) */
+    kvt__conn_t *posted; /* kicked by other loops; under s->lock */
+    kvt__conn_t *gone;   /* closed, freed by kvt__conns_reap */
+    /* The connection whose own event (or posted kick) is being handled at the top of the loop:
+     * the one place where its socket I/O may let the lock go (nothing else is half done). */
+    kvt__conn_t *top;
+    int sealing;
+    uint32_t conns;
+    uint64_t requests, kicks_posted;
+};
+
 struct kvt_srv {
     kvt_srv_conf_t *conf;
     const kvt__conn_ops_t *conn_ops; /* the operations above the connections */
-    int epfd;
+    int epfd;                        /* loop 0's */
+    /* Step 1 of issue 42: the store (index, tiers, policy, executor, leases), the connections'
+     * list and the metrics are behind this one lock; see struct kvt__loop. */
+    pthread_mutex_t lock;
+    kvt__loop_t *loops;
+    unsigned nloops;
+    int loops_running; /* loops 1.. run: a connection of another loop is not closed directly */
+    int loops_exit;    /* loop 0 returned: the others stop */
+    void (*loop_after)(kvt__loop_t *l); /* loop.c's work after a batch, on every loop */
     kvt__ev_t sig_ev, unix_ev, tcp_ev, http_ev;
     kvt__ev_t tier_ev[KVT_TIER_COUNT];
     char unix_path[4096]; /* absolute, for unlink at exit */
@@ -398,7 +445,19 @@ int kvt__srv_run(kvt_srv_t *s);
  * "READY=1", "RELOADING=1", "STOPPING=1". Does nothing otherwise; failures are ignored. */
 void kvt__srv_notify(const char *state);
 void kvt__srv_close(kvt_srv_t *s);
-/* ev.c: the epoll set's registrations. */
+/* loops.c: loops 1..loops-1 (their threads, epoll sets and eventfds). kvt__loops_start runs
+ * them, each calling after(l) after each batch of its events; kvt__loops_stop (s->lock held,
+ * held again on return) ends them. */
+int kvt__loops_open(kvt_srv_t *s);
+int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l));
+void kvt__loops_stop(kvt_srv_t *s);
+void kvt__loops_close(kvt_srv_t *s);
+/* kvtier_loop_cpu_seconds_total: each running loop's thread's CPU time (every tick). */
+void kvt__loops_cpu(kvt_srv_t *s);
+/* The number of loops for loops = 0: the CPUs this process may run on, at most 8. */
+unsigned kvt__loops_auto(void);
+/* ev.c: the epoll sets' registrations. */
+int kvt__ev_ctl(int epfd, int op, kvt__ev_t *ev, uint32_t events);
 int kvt__ev_add(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 int kvt__ev_mod(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 void kvt__ev_del(kvt_srv_t *s, kvt__ev_t *ev);
@@ -417,12 +476,21 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp);
  * the open-file limit the waiting connection is refused (closed at once, through the spare
  * descriptor) instead of being left to wake the loop again and again. */
 int kvt__accept(kvt_srv_t *s, int lfd, const char *what);
-/* Closes c: its leases, requests and socket go now; the struct itself at kvt__conns_reap, so
- * that whatever still points at it (an epoll event of the same batch, a walk over the list that
- * stands on it) finds it marked gone. */
+/* Closes c: its leases, requests and socket go now; the struct itself at its loop's reap
+ * (kvt__conns_reap), so that whatever still points at it (an epoll event of the same batch, a
+ * walk over the list that stands on it) finds it marked gone. Called by a loop that does not own
+ * c, while the loops run, it marks c dead and posts it to its owner, which closes it. */
 void kvt__conn_close(kvt__conn_t *c);
-/* Frees the connections closed since the last call; only where no pointer to one is held. */
-void kvt__conns_reap(kvt_srv_t *s);
+/* Kicks what other loops posted to l, then frees l's connections closed since the last call;
+ * only where no pointer to one is held (after its batch). */
+void kvt__conns_reap(kvt__loop_t *l);
+/* The loop the calling thread runs (NULL outside the loops). */
+kvt__loop_t *kvt__loop_self(void);
+void kvt__loop_set_self(kvt__loop_t *l);
+/* The loop that gets the next accepted connection: the one with the fewest, lowest id first. */
+kvt__loop_t *kvt__loop_pick(kvt_srv_t *s);
+/* c belongs to another loop: it is kicked there (a posted kick, under s->lock). */
+void kvt__loop_post(kvt__conn_t *c);
 /* Appends a complete reply frame (header + body) for request (op, id) to the queue. */
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
                uint32_t len);

@@ -249,8 +249,10 @@ class Daemon:
         self.logf = open(self.log_path, "a")
         self.logf.write("---- start %s\n" % " ".join(extra))
         self.logf.flush()
+        # KVT_TEST_LOOPS=N: every daemon with N event loops (tests/meson.build, faults_loops2).
+        loops = ["--loops", os.environ["KVT_TEST_LOOPS"]] if os.environ.get("KVT_TEST_LOOPS") else []
         args = [KVTIERD, "--tcp", "127.0.0.1:0", "--metrics", "", "--hbm-bytes", "0",
-                "--log-level", "warn", *extra]
+                "--log-level", "warn", *loops, *extra]
         self.proc = subprocess.Popen(args, cwd=home, stdout=subprocess.PIPE, stderr=self.logf,
                                      text=True, env=child_env(True),
                                      preexec_fn=_die_with_parent)

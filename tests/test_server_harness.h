@@ -42,6 +42,12 @@ typedef struct kvd {
 static inline const char *kvd_binary(void)
 {
     static char path[1024];
+    /* KVT_TEST_KVTIERD: another build's daemon (scripts/test.sh runs these tests, built without
+     * a sanitizer, against build-tsan's ThreadSanitizer kvtierd: Criterion's runner does not
+     * start under ThreadSanitizer). */
+    const char *bin = getenv("KVT_TEST_KVTIERD");
+    if (bin && *bin)
+        return bin;
     const char *root = getenv("KVT_BUILD_ROOT");
     snprintf(path, sizeof path, "%s/server/kvtierd", root ? root : ".");
     return path;
@@ -73,6 +79,13 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
                               "--log-level",  "warn"};
     for (size_t i = 0; i < sizeof defaults / sizeof *defaults; i++)
         argv[n++] = defaults[i];
+    /* KVT_TEST_LOOPS=N runs every daemon with N event loops (the loops2 tests of
+     * tests/meson.build); a test's own --loops, later on the line, wins. */
+    const char *loops = getenv("KVT_TEST_LOOPS");
+    if (loops && *loops) {
+        argv[n++] = "--loops";
+        argv[n++] = loops;
+    }
     for (int i = 0; extra && extra[i]; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;

@@ -59,7 +59,10 @@ class Daemon:
         self.proc = subprocess.Popen(
             [exe, "--tcp", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--dram-bytes", "16M",
              "--nvme-bytes", "8M", "--nvme-segment-bytes", "1M", "--hbm-bytes", "0",
-             "--log-level", "warn", *extra],
+             "--log-level", "warn",
+             # KVT_TEST_LOOPS=N: N event loops (as test_server_harness.h and faults.py read it)
+             *(["--loops", os.environ["KVT_TEST_LOOPS"]] if os.environ.get("KVT_TEST_LOOPS") else []),
+             *extra],
             cwd=self.dir, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True,
             preexec_fn=_die_with_parent)
         self.unix: Optional[str] = None

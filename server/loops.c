@@ -1,0 +1,196 @@
+/*
+ * loops.c: the event loops beyond loop 0 (the loops setting): their threads, epoll sets and
+ * eventfds, their start and stop, their CPU time. What moves connections between loops lives
+ * with the connections in conn.c (the hand-off at accept, kvt__loop_pick; the posted kicks,
+ * kvt__loop_post); the work after each batch is loop.c's, which each thread calls through
+ * s->loop_after.
+ *
+ * Step 1 of issue 42 (docs/architecture.md, "Event loops"): the store and everything above the
+ * sockets stay behind one lock, s->lock; what runs in parallel is each connection's socket reads
+ * and its writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's
+ * I/O threads. The accept is a hand-off from loop 0, not SO_REUSEPORT or EPOLLEXCLUSIVE: both of
+ * those leave the choice to the kernel (a hash of the peer's address, the first loop idle in
+ * epoll_wait), which on the few long-lived connections of a serving node's engines can put them
+ * all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per connection, and an
+ * engine connects once. The Unix socket and TCP are handed off the same way.
+ *
+ *     loop 0 (main thread)              loop i (thread)
+ *     listeners, signals, tiers,        [epoll: its connections, its eventfd]
+ *     metrics port, tick                     ^ posted kick: c on loop i's list, eventfd += 1
+ *     accept -> kvt__loop_pick -> epoll_ctl(loop i's set, c)
+ */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+#include "server.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+/* loops = 0: one loop per CPU the process may run on, at most this many. */
+#define KVT_LOOPS_AUTO_MAX 8
+
+unsigned kvt__loops_auto(void)
+{
+    cpu_set_t set;
+    long n = 0;
+    if (sched_getaffinity(0, sizeof set, &set) == 0)
+        n = CPU_COUNT(&set);
+    if (n <= 0)
+        n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n <= 1 ? 1u : (unsigned)KVT_MIN(n, KVT_LOOPS_AUTO_MAX);
+}
+
+/* The eventfd's count only wakes the loop: the posted list is emptied at its reap. */
+static void on_wake(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
+{
+    (void)s;
+    (void)events;
+    uint64_t v;
+    while (read(ev->fd, &v, sizeof v) == sizeof v)
+        ;
+}
+
+int kvt__loops_open(kvt_srv_t *s)
+{
+    unsigned n = s->conf->loops ? s->conf->loops : kvt__loops_auto();
+    s->loops = calloc(n, sizeof *s->loops);
+    if (!s->loops)
+        return KVT_ENOMEM;
+    int rc = pthread_mutex_init(&s->lock, NULL);
+    if (rc) {
+        free(s->loops);
+        s->loops = NULL;
+        return -rc;
+    }
+    s->nloops = n;
+    for (unsigned i = 0; i < n; i++) {
+        s->loops[i].srv = s;
+        s->loops[i].id = i;
+        s->loops[i].wake.fd = s->loops[i].epfd = -1;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        kvt__loop_t *l = &s->loops[i];
+        l->epfd = i == 0 ? s->epfd : epoll_create1(EPOLL_CLOEXEC);
+        if (l->epfd < 0)
+            return -errno;
+        l->wake.fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        l->wake.cb = on_wake;
+        if (l->wake.fd < 0)
+            return -errno;
+        if ((rc = kvt__ev_ctl(l->epfd, EPOLL_CTL_ADD, &l->wake, EPOLLIN)) < 0)
+            return rc;
+    }
+    return 0;
+}
+
+/* Loop i > 0: its connections' events, and the kicks other loops post to it. Holds s->lock
+ * except in epoll_wait and its connections' socket I/O. */
+static void *loop_main(void *arg)
+{
+    kvt__loop_t *l = arg;
+    kvt_srv_t *s = l->srv;
+    kvt__loop_set_self(l);
+    struct epoll_event evs[256];
+    pthread_mutex_lock(&s->lock);
+    while (!s->loops_exit) {
+        int timeout = l->sealing ? 0 : -1;
+        pthread_mutex_unlock(&s->lock);
+        if (l->sealing)
+            sched_yield();
+        int n = epoll_wait(l->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
+        int err = errno;
+        pthread_mutex_lock(&s->lock);
+        if (n < 0) {
+            if (err != EINTR)
+                kvt_log(KVT_LOG_ERROR, "kvtierd: loop %u: epoll_wait: %s", l->id, strerror(err));
+            continue;
+        }
+        for (int i = 0; i < n; i++) {
+            kvt__ev_t *ev = evs[i].data.ptr;
+            ev->cb(s, ev, evs[i].events);
+        }
+        s->loop_after(l);
+        kvt__conns_reap(l); /* no event or walk holds one of its connections here */
+    }
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
+int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l))
+{
+    s->loop_after = after;
+    kvt__loop_set_self(&s->loops[0]);
+    s->loops[0].thread = pthread_self();
+    s->loops[0].started = 1;
+    if (s->nloops < 2)
+        return 0;
+    s->loops_running = 1;
+    for (unsigned i = 1; i < s->nloops; i++) {
+        int rc = pthread_create(&s->loops[i].thread, NULL, loop_main, &s->loops[i]);
+        if (rc) {
+            /* Connections go only to the loops that run (kvt__loop_pick). */
+            kvt_log(KVT_LOG_WARN, "kvtierd: loop %u not started (%s): serving with %u loop%s", i,
+                    strerror(rc), i, i == 1 ? "" : "s");
+            s->nloops = i;
+            break;
+        }
+        s->loops[i].started = 1;
+    }
+    if (s->nloops < 2)
+        s->loops_running = 0;
+    return 0;
+}
+
+void kvt__loops_stop(kvt_srv_t *s)
+{
+    if (!s->loops_running)
+        return;
+    s->loops_exit = 1;
+    uint64_t one = 1;
+    for (unsigned i = 1; i < s->nloops; i++)
+        if (write(s->loops[i].wake.fd, &one, sizeof one) < 0) {
+            /* EAGAIN only: woken already */
+        }
+    pthread_mutex_unlock(&s->lock);
+    s->loops[0].started = 0;
+    for (unsigned i = 1; i < s->nloops; i++)
+        if (s->loops[i].started) {
+            pthread_join(s->loops[i].thread, NULL);
+            s->loops[i].started = 0;
+        }
+    pthread_mutex_lock(&s->lock);
+    s->loops_running = 0;
+}
+
+void kvt__loops_cpu(kvt_srv_t *s)
+{
+    for (unsigned i = 0; i < s->nloops; i++) {
+        clockid_t id;
+        struct timespec ts;
+        if (s->loops[i].started && pthread_getcpuclockid(s->loops[i].thread, &id) == 0 &&
+            clock_gettime(id, &ts) == 0)
+            kvt__metric_set(s->metrics, KVT_M_LOOP_CPU, i, (double)ts.tv_sec + ts.tv_nsec / 1e9);
+    }
+}
+
+void kvt__loops_close(kvt_srv_t *s)
+{
+    if (!s->loops)
+        return;
+    for (unsigned i = 0; i < s->nloops; i++) {
+        kvt__loop_t *l = &s->loops[i];
+        kvt__conns_reap(l);
+        if (l->wake.fd >= 0)
+            close(l->wake.fd);
+        if (i > 0 && l->epfd >= 0)
+            close(l->epfd);
+    }
+    pthread_mutex_destroy(&s->lock);
+    free(s->loops);
+    s->loops = NULL;
+}

@@ -1,0 +1,311 @@
+/*
+ * test_server_loops.c: kvtierd with several event loops (the loops setting, issue 42): clients
+ * on two loops served at once, each checking its bytes; a connection owned by loop 1 whose GET
+ * reads from NVMe (the completion arrives on loop 0 and is handed to loop 1) and whose lease
+ * expires (loop 0's tick); clients that leave with moves in flight; evictions at max-conns across
+ * loops; the setting's bounds; the per-loop series.
+ */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
+#include <pthread.h>
+#include <sched.h>
+
+#include "common.h"
+#include "test_server_harness.h"
+
+#define PAGE 16
+#define BB   4096
+#define BIG  65536
+
+typedef struct worker {
+    const kvd_t *d;
+    int id;
+    int errors;
+} worker_t;
+
+/* PUT, MATCH with a lease, GET and RELEASE on its own prefixes, every byte checked; the odd
+ * workers over TCP. */
+static void *worker_main(void *arg)
+{
+    worker_t *w = arg;
+    kvt_client_conf_t conf = {
+        .unix_path = w->d->sock, .model = "m", .page_size = PAGE, .block_bytes = BB};
+    if (w->id % 2)
+        conf.unix_path = NULL, conf.tcp = w->d->tcp;
+    kvt_client_t *c;
+    if (kvt_client_connect(&c, &conf) < 0) {
+        w->errors++;
+        return NULL;
+    }
+    enum { P = 4 };
+    uint32_t tok[P * PAGE];
+    static __thread uint8_t payload[P * BB], back[P * BB];
+    for (int k = 0; k < 60; k++) {
+        kvd_tokens(tok, P * PAGE, (uint32_t)(w->id * 1000000 + k * 1000));
+        for (int p = 0; p < P; p++)
+            kvd_fill(payload + p * BB, BB, (uint32_t)(w->id * 10000 + k * 10 + p));
+        kvt_client_put_t r;
+        kvt_client_match_t m = {0};
+        uint32_t got = 0;
+        if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0 ||
+            kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m) < 0 || m.pages != P ||
+            kvt_client_get(c, m.lease, 0, P, back, sizeof back, &got, NULL) < 0 || got != P ||
+            memcmp(back, payload, sizeof back) != 0 || kvt_client_release(c, m.lease, NULL) < 0)
+            w->errors++;
+        /* MATCHes of another worker's prefix: the index read while other loops write it. */
+        kvd_tokens(tok, P * PAGE, (uint32_t)(((w->id + 1) % 8) * 1000000 + k * 1000));
+        if (kvt_client_match(c, tok, P * PAGE, 0, 0, NULL, &m) < 0)
+            w->errors++;
+    }
+    kvt_client_close(c);
+    return NULL;
+}
+
+Test(server_loops, two_loops_serve_clients_at_once)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", NULL);
+    enum { N = 8 };
+    pthread_t th[N];
+    worker_t w[N];
+    /* Connected before the workers start: each loop has one, whatever the workers' timing. */
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_0"), 1);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1);
+    for (int i = 0; i < N; i++) {
+        w[i] = (worker_t){.d = &d, .id = i};
+        pthread_create(&th[i], NULL, worker_main, &w[i]);
+    }
+    int errors = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        errors += w[i].errors;
+    }
+    cr_expect_eq(errors, 0, "%d failed round trips", errors);
+    cr_expect_eq(kvd_stat(c0, "index_blocks"), N * 60 * 4);
+    cr_expect_eq(kvd_stat(c0, "leases"), 0);
+    /* The workers went half to each loop (the fewest first), and both served requests. */
+    uint64_t r0 = kvd_stat(c0, "loop_requests_0"), r1 = kvd_stat(c0, "loop_requests_1");
+    cr_expect_gt(r0, 4 * 60 * 5, "loop 0 answered %llu requests", (unsigned long long)r0);
+    cr_expect_gt(r1, 4 * 60 * 5, "loop 1 answered %llu requests", (unsigned long long)r1);
+    cr_expect_eq(kvd_stat(c0, "loop_connections_0") + kvd_stat(c0, "loop_connections_1"), 2);
+    char buf[1 << 16];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", buf, sizeof buf), 200);
+    cr_expect(strstr(buf, "kvtier_loop_connections{loop=\"1\"} 1"), "per-loop series: %s",
+              strstr(buf, "kvtier_loop") ? strstr(buf, "kvtier_loop") : "(none)");
+    cr_expect(strstr(buf, "kvtier_loop_requests_total{loop=\"0\"}"));
+    usleep(120000); /* a tick reads the loops' CPU time */
+    cr_assert_eq(kvd_http_get(&d, "/metrics", buf, sizeof buf), 200);
+    const char *cpu = strstr(buf, "kvtier_loop_cpu_seconds_total{loop=\"1\"} ");
+    cr_expect(cpu && strtod(cpu + strlen("kvtier_loop_cpu_seconds_total{loop=\"1\"} "), NULL) > 0,
+              "loop 1's thread used CPU");
+    cr_expect(!strstr(buf, "{loop=\"2\"}"), "no series of a loop that does not exist");
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0, "clean shutdown with two loops");
+    kvd_cleanup(&d);
+}
+
+/* A client of loop 1 (the second to connect) reads pages from NVMe: their reads complete on loop
+ * 0, which hands them to loop 1; its lease expires in loop 0's tick. */
+Test(server_loops, completions_on_loop_0_reach_a_loop_1_connection)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1",
+              NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BIG), *c1 = kvd_client(&d, "m", PAGE, BIG);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    uint32_t a[16 * PAGE], b[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 4 * PAGE, 700000);
+    static uint8_t payload[16 * BIG], back[16 * BIG];
+    for (int p = 0; p < 16; p++)
+        kvd_fill(payload + (size_t)p * BIG, BIG, 100 + p);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c1, a, 16 * PAGE, 0, 16, payload, NULL, &r), 0);
+    for (int p = 0; p < 4; p++)
+        kvd_fill(payload + (size_t)p * BIG, BIG, 500 + p);
+    cr_assert_eq(kvt_client_put(c1, b, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+    uint64_t posted = kvd_stat(c0, "loop_kicks_posted_1");
+    uint8_t tiers[4];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c1, b, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_NVME, "b's pages are in NVMe");
+    uint32_t got = 0;
+    uint8_t from[4];
+    cr_assert_eq(kvt_client_get(c1, m.lease, 0, 4, back, 4 * (size_t)BIG, &got, from), 0);
+    cr_assert_eq(got, 4);
+    cr_expect_eq(from[0], KVT_CLIENT_TIER_NVME);
+    cr_expect(memcmp(back, payload, 4 * (size_t)BIG) == 0, "the NVMe pages' bytes");
+    cr_expect_gt(kvd_stat(c0, "loop_kicks_posted_1"), posted,
+                 "the reads' completions came to loop 1 from loop 0");
+    cr_assert_eq(kvt_client_release(c1, m.lease, NULL), 0);
+
+    /* A lease of c1's that expires: loop 0's tick ends it, c1's GET then finds it gone. */
+    cr_assert_eq(kvt_client_match(c1, b, 4 * PAGE, KVT_CLIENT_LEASE, 100, NULL, &m), 0);
+    uint64_t t0 = kvt_now_ns();
+    while (kvd_stat(c0, "leases") && kvt_now_ns() - t0 < 3000000000ull)
+        usleep(20 * 1000);
+    cr_expect_eq(kvd_stat(c0, "leases"), 0, "the lease expired");
+    cr_expect_eq(kvt_client_get(c1, m.lease, 0, 1, back, BIG, NULL, NULL), KVT_CLIENT_ENOENT);
+    cr_expect_eq(kvt_client_ping(c1, NULL), 0);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+typedef struct leaver {
+    const kvd_t *d;
+    const uint32_t *tok;
+    int errors;
+} leaver_t;
+
+/* Connects, takes a lease on NVMe pages, asks for their promotion and goes while it runs: the
+ * connection closes with its lease held and moves in flight, whose completions (on loop 0) then
+ * find it gone. */
+static void *leaver_main(void *arg)
+{
+    leaver_t *l = arg;
+    for (int k = 0; k < 20; k++) {
+        kvt_client_conf_t conf = {
+            .unix_path = l->d->sock, .model = "m", .page_size = PAGE, .block_bytes = BIG};
+        kvt_client_t *c;
+        if (kvt_client_connect(&c, &conf) < 0) {
+            l->errors++;
+            continue;
+        }
+        kvt_client_match_t m = {0};
+        if (kvt_client_match(c, l->tok, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m) < 0 ||
+            m.pages != 4)
+            l->errors++;
+        kvt_client_prefetch_t pf;
+        if (kvt_client_prefetch_start(c, l->tok, 4 * PAGE, KVT_CLIENT_TIER_DRAM, 1000, &pf) < 0)
+            l->errors++;
+        kvt_client_close(c);
+    }
+    return NULL;
+}
+
+Test(server_loops, clients_that_leave_with_io_in_flight)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "1M", "--policy-high", "1", "--policy-low", "1",
+              NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BIG);
+    uint32_t a[16 * PAGE], b[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 4 * PAGE, 700000);
+    static uint8_t payload[16 * BIG];
+    for (int p = 0; p < 16; p++)
+        kvd_fill(payload + (size_t)p * BIG, BIG, 100 + p);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c0, a, 16 * PAGE, 0, 16, payload, NULL, &r), 0);
+    cr_assert_eq(kvt_client_put(c0, b, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+    enum { N = 4 };
+    pthread_t th[N];
+    leaver_t l[N];
+    for (int i = 0; i < N; i++) {
+        l[i] = (leaver_t){.d = &d, .tok = b};
+        pthread_create(&th[i], NULL, leaver_main, &l[i]);
+    }
+    int errors = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        errors += l[i].errors;
+    }
+    cr_expect_eq(errors, 0);
+    /* The daemon is whole: its leases given back, b's bytes still right. */
+    uint64_t t0 = kvt_now_ns();
+    while (kvd_stat(c0, "leases") && kvt_now_ns() - t0 < 3000000000ull)
+        usleep(20 * 1000);
+    cr_expect_eq(kvd_stat(c0, "leases"), 0);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c0, b, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    static uint8_t back[4 * BIG];
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c0, m.lease, 0, 4, back, sizeof back, &got, NULL), 0);
+    cr_expect_eq(got, 4);
+    cr_expect(memcmp(back, payload, sizeof back) == 0);
+    kvt_client_close(c0);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/* The value of an unlabelled series on /metrics. */
+static double metric(const kvd_t *d, const char *series)
+{
+    static char body[1 << 18];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    size_t n = strlen(series);
+    for (char *l = body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+        if (strncmp(l, series, n) == 0 && l[n] == ' ')
+            return strtod(l + n + 1, NULL);
+    return -1;
+}
+
+/* At max-conns, new connections that come together each close a different idle one, though
+ * the idle ones of loop 1 are closed there, after loop 0 picked them (a victim picked twice let
+ * the daemon hold more than max-conns). */
+Test(server_loops, connections_past_max_conns_each_evict_another)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--max-conns", "6", "--evict-idle-ms", "1", NULL);
+    enum { OLD = 6, NEW = 4 };
+    int old[OLD], fresh[NEW];
+    for (int i = 0; i < OLD; i++) /* to loops 0, 1, 0, 1, ...: the fewest first */
+        old[i] = kvd_raw(&d);
+    usleep(100000);
+    cr_assert_eq(metric(&d, "kvtier_connections"), OLD);
+    for (int i = 0; i < NEW; i++)
+        fresh[i] = kvd_raw(&d);
+    double open = OLD + NEW;
+    for (int i = 0; i < 200 && open > OLD; i++) {
+        usleep(10000);
+        open = metric(&d, "kvtier_connections");
+    }
+    cr_expect_leq(open, OLD, "at most max-conns open once the evictions are done: %.0f", open);
+    cr_expect_eq(metric(&d, "kvtier_connections_evicted_total"), NEW);
+    int closed = 0;
+    for (int i = 0; i < OLD; i++) {
+        struct pollfd pf = {.fd = old[i], .events = POLLIN};
+        char b;
+        closed += poll(&pf, 1, 1000) == 1 && read(old[i], &b, 1) == 0;
+        close(old[i]);
+    }
+    cr_expect_eq(closed, NEW, "each new connection closed an idle one of its own");
+    for (int i = 0; i < NEW; i++)
+        close(fresh[i]);
+    kvd_cleanup(&d);
+}
+
+/* loops past 16 is refused at start with a clear error (exit 64); loops = 0 runs one loop per CPU
+ * the daemon may run on, at most 8, each with its series. */
+Test(server_loops, the_loops_setting)
+{
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "cd '%s' && '%s' --loops 17 2>err.txt >/dev/null", d.dir,
+             kvd_binary());
+    int st = system(cmd);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 64, "loops 17: exit %d", WEXITSTATUS(st));
+    char err[512];
+    kvd_slurp(&d, "err.txt", err, sizeof err);
+    cr_expect(strstr(err, "loops must be between 0"), "%s", err);
+    kvd_start(&d, "--loops", "0", NULL);
+    cpu_set_t set;
+    cr_assert_eq(sched_getaffinity(0, sizeof set, &set), 0);
+    int want = CPU_COUNT(&set) < 8 ? CPU_COUNT(&set) : 8;
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    char key[32];
+    snprintf(key, sizeof key, "loop_connections_%d", want - 1);
+    cr_expect_eq(kvd_stat(c, key), 0);
+    char buf[1 << 16];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", buf, sizeof buf), 200);
+    snprintf(key, sizeof key, "{loop=\"%d\"}", want);
+    cr_expect(!strstr(buf, key), "no loop %d", want);
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
