@@ -231,6 +231,11 @@ typedef struct kvt_policy_conf {
     /* COST: 0 learns online which expert orders the victims (the default); 1 + an expert's index
      * (KVT_POLICY_EXPERT_*) pins that one, to compare or to test it. */
     int expert;
+    /* ORACLE: 0 places a page only past victims used later than it (Belady with bypass: a page
+     * not worth the admission tier goes to a lower one or nowhere, a hit is promoted to the
+     * fastest tier it beats); 1 admits and promotes to the fastest tier as the other kinds do
+     * (per-tier Belady on demand). The replay runs both and keeps the better. */
+    int oracle_demand;
     /* The caller calls kvt_policy_on_node_free for every node the tree frees (the tree's
      * node_free_cb): frees by others (REMOVE, a tier losing blocks) then need no rebuild of the
      * engine's heaps, which costs a walk over every node. 0: every such free costs one. */
