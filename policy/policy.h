@@ -263,6 +263,10 @@ typedef struct kvt_policy_hint {
     uint8_t finished;   /* the session ended: these pages will not be needed by it again */
     uint32_t paused_ms; /* the session pauses (tool call) and is expected back in this many
                            clock units; 0 = not paused */
+    /* The first page of the path the hint covers. A MATCH's hint whose from_page is the depth
+     * of the deepest matched node (kvtierd's) covers the session's own part: it is lowered to
+     * the top of the chain of ancestors that have that one child (nothing else branches from
+     * them: the session's earlier turns). Any other from_page is taken as given. */
     uint32_t from_page;
     /* ORACLE only: next_use[i] = the clock at which page i of the request is next used,
      * UINT32_MAX for never; nnext entries, borrowed for the call. */
