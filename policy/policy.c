@@ -1236,8 +1236,6 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want)
              * O(tree) per step; this costs 64 node visits an event at most. */
             uint64_t events =
                 p->seq - p->rebuild_seq + kvt_radix_lease_releases(p->t) - p->releases;
-            /* a placement (the oracle's) does without: a walk from within a move's search for
-             * room refills the heaps of the tiers above, whose searches then never end */
             if (rebuilt || events == 0 || events < nodes / 64)
                 return 0;
             rebuild(p);

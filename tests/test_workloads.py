@@ -173,6 +173,8 @@ def test_oracle_bound():
         assert o["prefill_seconds_total"] <= best, "seed %d: oracle %.3f s, min(LRU, LFU) %.3f" % (
             seed, o["prefill_seconds_total"], best)
         assert o["oracle_schedule"] in ("bypass", "demand"), o
+        # each line gives the replay's speed (issue 40's bar is on the cost policy's)
+        assert all(r["requests_per_second"] > 0 for r in s.values()), s
         # and it misses no more tokens than either: the bound is not bought with recomputation
         assert o["miss_tokens"] <= min(s["lru"]["miss_tokens"], s["lfu"]["miss_tokens"]), s
 
