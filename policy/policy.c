@@ -31,6 +31,12 @@
  * death reported (reports_node_frees); without, the walk stays whole (after_insert says when a
  * sweep begins).
  *
+ * The oracle (the replay's, with the trace's next uses as keys) places with bypass unless
+ * conf.oracle_demand: a page enters a tier only past victims used later than it (p->bar), so a
+ * new page may go straight to a lower tier or nowhere, a hit is promoted to the fastest tier it
+ * beats, and a victim goes to the fastest tier below that it beats, else it is dropped. Without
+ * it, every hit on a page used far ahead pushed pages used sooner down a tier (docs/policy.md).
+ *
  * The cost policy's reuse model
  * -----------------------------
  * Blocks fall into classes: how often they were hit (log-bucketed; a block that comes back
