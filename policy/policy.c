@@ -31,6 +31,12 @@
  * death reported (reports_node_frees); without, the walk stays whole (after_insert says when a
  * sweep begins).
  *
+ * The oracle (the replay's, with the trace's next uses as keys) places with bypass unless
+ * conf.oracle_demand: a page enters a tier only past victims used later than it (p->bar), so a
+ * new page may go straight to a lower tier or nowhere, a hit is promoted to the fastest tier it
+ * beats, and a victim goes to the fastest tier below that it beats, else it is dropped. Without
+ * it, every hit on a page used far ahead pushed pages used sooner down a tier (docs/policy.md).
+ *
  * The cost policy's reuse model
  * -----------------------------
  * Blocks fall into classes: how often they were hit (log-bucketed; a block that comes back
@@ -91,6 +97,7 @@
 #define BLOCK_CACHE_NS  16
 #define INF_KEY         1e300
 #define FINISHED_FACTOR 0.01
+#define BYPASS_TRIES    8 /* ORACLE: victims that could not go tried per placement in a tier */
 #define PAUSED_P        0.9
 /* The cost policy's experts (see "Experts" at the top): each orders victims by its own signal. */
 #define NEXP       KVT_POLICY_EXPERTS
@@ -234,6 +241,10 @@ struct kvt_policy {
     kvt_radix_node_t **path; /* scratch: nodes of a path */
     size_t path_cap;
     size_t protect; /* while promoting: path[0, protect) are no victims */
+    /* ORACLE: the key of the page being placed (admitted, promoted or demoted into a tier);
+     * only victims strictly worse than it may make room for it (bar_on). */
+    vkey_t bar;
+    int bar_on;
 };
 
 static const char *const kind_names[KVT_POLICY_KIND_COUNT] = {"cost", "lru", "lfu", "oracle"};
@@ -872,6 +883,13 @@ static const kvt_policy_cause_t no_cause = {.req = NULL, .tag = -1};
 
 static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth,
                      const kvt_policy_cause_t *why);
+
+/* The oracle's schedule with bypass (kvt_policy_conf_t.oracle_demand off). */
+static int bypass(const kvt_policy_t *p)
+{
+    return p->c.kind == KVT_POLICY_ORACLE && !p->c.oracle_demand;
+}
+
 static int protected(const kvt_policy_t *p, const kvt_radix_node_t *n)
 {
     for (size_t i = 0; i < p->protect; i++)
@@ -1210,7 +1228,7 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
                      const kvt_policy_cause_t *why)
 {
     heap_t *h = &p->heap[t];
-    int rebuilt = 0;
+    int rebuilt = 0, fails = 0;
     for (size_t guard = 0; guard < 1000000; guard++) {
         /* Entries may name freed nodes after others' frees, unless their deaths are reported;
          * the dead set and stale entries are bounded by the tree's size. */
@@ -1254,6 +1272,12 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
                 heap_push(p, &p->next[t], n, block_key(p, n, b - 1, p->xnext));
             continue;
         }
+        if (p->bar_on && !key_lt(live, p->bar)) {
+            /* ORACLE: every victim left is used sooner than the page to be placed: it does not
+             * come in (Belady with bypass; see "The oracle" in docs/policy.md) */
+            heap_push(p, h, n, live);
+            return 0;
+        }
         uint32_t cnt = KVT_MIN(b - a, (uint32_t)CHUNK_PAGES);
         uint64_t sz = charge(p, t, kvt_radix_node_blocks(n)[b - 1].size);
         if (sz && want / sz + (want % sz != 0) < cnt)
@@ -1284,6 +1308,29 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
         int rc;
         if (drop) {
             rc = do_drop(p, n, cnt + tail, t);
+        } else if (bypass(p)) {
+            /* The victim goes to the fastest tier below with a page used later than it (or
+             * free room); below all of them, it is dropped where it can be. */
+            vkey_t bar = p->bar;
+            int bar_on = p->bar_on;
+            p->bar = live;
+            p->bar_on = 1;
+            rc = KVT_ENOSPC;
+            for (kvt_tier_id_t to = lo; to != KVT_TIER_NONE && rc == KVT_ENOSPC; to = p->lower[to])
+                rc = do_move(p, n, i0, cnt, t, to, depth, why);
+            p->bar = bar;
+            p->bar_on = bar_on;
+            if (rc > 0) {
+                push_tier(p, n, (uint8_t)t);
+            } else if (droppable && rc == KVT_ENOSPC) {
+                node_run(n, (uint8_t)t, &a, &b);
+                np = kvt_radix_node_pages(n);
+                if (b > a && kvt_radix_node_children(n) == 0 &&
+                    (b == np || kvt_radix_node_blocks(n)[b].tier == KVT_TIER_NONE))
+                    rc = do_drop(p, n, KVT_MIN(b - a, cnt) + (np - b), t);
+            }
+            if (rc <= 0 && rc != KVT_ENOMEM && ++fails >= BYPASS_TRIES)
+                return 0; /* a bounded search: they nest per tier, and each may walk the tree */
         } else {
             rc = do_move(p, n, i0, cnt, t, lo, depth, why);
             if (rc > 0) {
@@ -1491,6 +1538,25 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
 {
     if (!p || !m || !m->node || m->pages == 0)
         return;
+    kvt_policy_hint_t own;
+    if (hint && (hint->finished || hint->paused_ms) && !hint->next_use &&
+        hint->from_page == kvt_radix_node_depth(m->node)) {
+        /* A hint from the deepest matched node on (kvtierd's, the replay's trace events) covers
+         * the session's own part, which reaches up through the ancestors nothing else branches
+         * from: its earlier turns, each a node its next turn added below. On the deepest node
+         * alone, "finished" left every earlier turn of the session as recent as it was and
+         * "paused" protected the last turn only (agent, 5 %: 623.5 s against 516.2). */
+        const kvt_radix_node_t *x = m->node;
+        for (const kvt_radix_node_t *up; (up = kvt_radix_node_parent(x)) &&
+                                         kvt_radix_node_children(up) == 1 &&
+                                         kvt_radix_node_depth(x) > 0;)
+            x = up;
+        if (kvt_radix_node_depth(x) < hint->from_page) {
+            own = *hint;
+            own.from_page = kvt_radix_node_depth(x);
+            hint = &own;
+        }
+    }
     uint32_t now = now_clock(p);
     int promote = 0, repush = p->c.kind == KVT_POLICY_ORACLE || (hint && hint->finished);
     int cost = p->c.kind == KVT_POLICY_COST;
@@ -1570,7 +1636,30 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
         uint32_t want = res->new_pages - done;
         uint64_t one = charge(p, t, size);
         uint64_t free_b = room_left(p, t);
-        if (free_b < (uint64_t)want * one) {
+        if (bypass(p) && free_b < (uint64_t)want * one) {
+            /* Page by page (their next uses grow with depth): room is made for a page only by
+             * victims used later than it; the rest go to a tier below, or nowhere. */
+            uint32_t k = 0;
+            while (k < want) {
+                uint64_t need = (uint64_t)(k + 1) * one;
+                if (room_left(p, t) < need) {
+                    uint32_t depth = kvt_radix_node_depth(n) + i0 + done + k;
+                    uint32_t nu = hint && hint->next_use && depth < hint->nnext
+                                      ? hint->next_use[depth]
+                                      : UINT32_MAX;
+                    p->bar = (vkey_t){nu == UINT32_MAX ? -INF_KEY : -(double)nu, 0};
+                    p->bar_on = 1;
+                    (void)make_room(p, t, need, 0, &no_cause);
+                    p->bar_on = 0;
+                    if (room_left(p, t) < need)
+                        break;
+                }
+                k++;
+            }
+            bl = kvt_radix_node_blocks(n);
+            free_b = room_left(p, t);
+            want = k;
+        } else if (free_b < (uint64_t)want * one) {
             uint64_t need = (uint64_t)want * one - free_b;
             if (need > p->cap[t])
                 need = p->cap[t] - (p->cap[t] % one);
@@ -1806,7 +1895,22 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             if (!tier_ok(from) || run_busy(x, s, cnt))
                 break;
             cnt = KVT_MIN(cnt, 64u);
+            if (bypass(p)) {
+                /* the pages used next as soon as the first, and only past victims used later */
+                uint32_t same = 1;
+                while (same < cnt && bl[s + same].policy == bl[s].policy)
+                    same++;
+                cnt = same;
+                p->bar = block_key(p, x, s, 0);
+                p->bar_on = 1;
+            }
             int rc = do_move(p, x, s, cnt, from, to, 0, why);
+            p->bar_on = 0;
+            if (rc == KVT_ENOSPC && bypass(p) && p->lower[to] != KVT_TIER_NONE &&
+                tier_rank(p->lower[to]) < tier_rank(from)) {
+                to = p->lower[to]; /* used later than all there: the fastest tier it beats */
+                continue;
+            }
             if (rc < 0) {
                 *stop = rc;
                 goto done; /* no room: the rest stays where it is */

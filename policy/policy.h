@@ -237,6 +237,11 @@ typedef struct kvt_policy_conf {
     /* COST: 0 learns online which expert orders the victims (the default); 1 + an expert's index
      * (KVT_POLICY_EXPERT_*) pins that one, to compare or to test it. */
     int expert;
+    /* ORACLE: 0 places a page only past victims used later than it (Belady with bypass: a page
+     * not worth the admission tier goes to a lower one or nowhere, a hit is promoted to the
+     * fastest tier it beats); 1 admits and promotes to the fastest tier as the other kinds do
+     * (per-tier Belady on demand). The replay runs both and keeps the better. */
+    int oracle_demand;
     /* The caller calls kvt_policy_on_node_free for every node the tree frees (the tree's
      * node_free_cb): frees by others (REMOVE, a tier losing blocks) then need no rebuild of the
      * engine's heaps, which costs a walk over every node. 0: every such free costs one. */
@@ -264,6 +269,10 @@ typedef struct kvt_policy_hint {
     uint8_t finished;   /* the session ended: these pages will not be needed by it again */
     uint32_t paused_ms; /* the session pauses (tool call) and is expected back in this many
                            clock units; 0 = not paused */
+    /* The first page of the path the hint covers. A MATCH's hint whose from_page is the depth
+     * of the deepest matched node (kvtierd's) covers the session's own part: it is lowered to
+     * the top of the chain of ancestors that have that one child (nothing else branches from
+     * them: the session's earlier turns). Any other from_page is taken as given. */
     uint32_t from_page;
     /* ORACLE only: next_use[i] = the clock at which page i of the request is next used,
      * UINT32_MAX for never; nnext entries, borrowed for the call. */

@@ -598,6 +598,47 @@ Test(policy_decisions, finished_hint_goes_first)
     stop();
 }
 
+/* A session's end, sent as kvtierd sends it: a MATCH of the whole prompt whose hint starts at the
+ * deepest matched node. That node holds the last turn only; the session's earlier turns are the
+ * ancestors nothing else branches from, and "finished" covers them too, not the system prompt
+ * another session shares. On the deepest node alone the earlier turn stayed (as recent as the
+ * MATCH made it) and the other session's turn, idle since, went instead. */
+Test(policy_decisions, a_finished_hint_covers_the_session_s_earlier_turns)
+{
+    /* the value and recency experts (LFU's order keeps a block never hit below any other) */
+    static const int experts[] = {KVT_POLICY_EXPERT_COST, KVT_POLICY_EXPERT_RECENT};
+    for (int e = 0; e < 2; e++) {
+        kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 8, 0, 0);
+        c.expert = 1 + experts[e];
+        start(&c);
+        /* S: a shared system prompt (2 pages); A1, A2: session A's turns; B1: session B's */
+        uint32_t a[24], b[16];
+        for (uint32_t i = 0; i < 24; i++)
+            a[i] = i < 8 ? 100 + i : 1000 + i;
+        for (uint32_t i = 0; i < 16; i++)
+            b[i] = i < 8 ? 100 + i : 2000 + i;
+        request(a, 16, NULL); /* S A1 */
+        request(b, 16, NULL); /* S B1: S now has two children */
+        request(a, 24, NULL); /* S A1 A2: A2 a child of A1; the tier is full */
+        kvt_radix_set_clock(tree, ++clk);
+        kvt_match_t m;
+        cr_assert_eq(kvt_radix_match(tree, ns, a, 24, 0, &m), 0);
+        cr_assert_eq(m.pages, 6);
+        cr_assert_eq(kvt_radix_node_depth(m.node), 4, "A2 is a node of its own");
+        kvt_policy_hint_t fin = {.finished = 1, .from_page = kvt_radix_node_depth(m.node)};
+        kvt_policy_on_match(pol, &m, &fin);
+        cr_assert_geq(kvt_policy_step(pol, 0), 0);
+        uint32_t *d = seq(16, 5000); /* 4 new pages: 4 must go */
+        request(d, 16, NULL);
+        all_in(d, 4, KVT_TIER_HBM);
+        all_in(b, 4, KVT_TIER_HBM); /* S and B1 */
+        cr_assert_eq(tier_of(a, 2), -1, "expert %d: session A's first turn outlived its end", e);
+        cr_assert_eq(tier_of(a, 4), -1);
+        free(d);
+        stop();
+    }
+}
+
 Test(policy_decisions, priority_hint_keeps_a_prefix)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 8, 0, 0);

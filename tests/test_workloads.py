@@ -8,9 +8,11 @@
   prompt shared by most questions, agents' hints on every step and only there, bursts);
 - runner: `workloads.py run` over a few hundred requests of every family through the real
   kvtier-replay (argv[1]) prints a row per family and configuration with all four policies,
-  the oracle never worse than LRU, the hinted families also with the cost policy
+  the oracle never worse than LRU or LFU, the hinted families also with the cost policy
   reading their hint events, and the summary table, which `table` renders again from the
   saved output;
+- oracle bound: on sysprompt at 5 % (seeds 1 and 4, where per-tier Belady on demand lost to LFU
+  by a fifth) the oracle is never worse than LRU or LFU, in time and in misses;
 - bad input: an unknown family, a request count of 0, a missing replay, a table of a file that
   is not a run's output: a clear error, exit 2.
 
@@ -121,10 +123,9 @@ def test_runner():
         s = r["prefill_s"]
         assert set(s) - {"cost+hints"} == set(workloads.POLICIES), r
         assert all(v > 0 for v in s.values()), r
-        # the yardstick: the oracle is never worse than LRU (it can lose to LFU where a hot
-        # prefix is worth more than its next use says: sysprompt at 5 %, docs/policy.md)
-        assert s["oracle"] <= s["lru"] * (1 + 1e-9), "oracle worse than LRU: %s" % r
-        assert r["oracle_ok"] == (s["oracle"] <= min(s["lru"], s["lfu"]) * (1 + 1e-9)), r
+        # the yardstick: the oracle is never worse than LRU or LFU
+        assert s["oracle"] <= min(s["lru"], s["lfu"]) * (1 + 1e-9), "oracle not a bound: %s" % r
+        assert r["oracle_ok"], r
         assert r["set"] == ("held-out" if r["family"] in ("docs", "mix") else "tuning"), r
         # the families that carry hint events are also replayed reading them
         hinted = r["family"] in workloads.HINTED_FAMILIES
@@ -146,6 +147,36 @@ def test_runner():
     finally:
         os.unlink(saved)
     assert t.returncode == 0 and t.stdout.strip() and t.stdout.strip() in p.stdout
+
+
+def test_oracle_bound():
+    # sysprompt at 5 %: a few hot system prompts larger than HBM. Per-tier Belady that admits
+    # every page into HBM and promotes every hit there pushed prompts used sooner down to NVMe,
+    # and LFU beat it by a fifth on seeds 1 and 4 (docs/policy.md, "The oracle"). The oracle is
+    # now the better of that schedule and Belady with bypass: never worse than LRU or LFU.
+    cfg = dict(workloads.CONFIGS)["5%"]
+    tmp = os.environ.get("TMPDIR", "/tmp")
+    for seed in (1, 4):
+        path = os.path.join(tmp, "kvt-oracle-%d-%d.jsonl" % (os.getpid(), seed))
+        with open(path, "w") as f:
+            workloads.write(workloads.generate("sysprompt", seed, 4000), f)
+        try:
+            p = subprocess.run([REPLAY, "--no-progress", "--policy", "lru,lfu,oracle"] + cfg +
+                               [path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               timeout=120)
+        finally:
+            os.unlink(path)
+        assert p.returncode == 0, p.stderr
+        s = {r["policy"]: r for r in map(json.loads, p.stdout.splitlines())}
+        o = s["oracle"]
+        best = min(s["lru"]["prefill_seconds_total"], s["lfu"]["prefill_seconds_total"])
+        assert o["prefill_seconds_total"] <= best, "seed %d: oracle %.3f s, min(LRU, LFU) %.3f" % (
+            seed, o["prefill_seconds_total"], best)
+        assert o["oracle_schedule"] in ("bypass", "demand"), o
+        # each line gives the replay's speed (issue 40's bar is on the cost policy's)
+        assert all(r["requests_per_second"] > 0 for r in s.values()), s
+        # and it misses no more tokens than either: the bound is not bought with recomputation
+        assert o["miss_tokens"] <= min(s["lru"]["miss_tokens"], s["lfu"]["miss_tokens"]), s
 
 
 def test_bad_input():
