@@ -1253,11 +1253,14 @@ static int bench_loops(const opts_t *o, kvt_trace_t *tr)
     o64.requests = KVT_MAX(o->requests / 4, 64L * 200);
     load_t match[2], get[2], m64[2];
     for (int i = 0; i < 2; i++) {
-        char name[32], log[32], n[8], sock[700];
+        char name[32], log[32], n[8], sock[sizeof match[0].sock];
         snprintf(n, sizeof n, "%d", i + 1);
         snprintf(name, sizeof name, "loops%d.sock", i + 1);
         snprintf(log, sizeof log, "loops%d.log", i + 1);
-        snprintf(sock, sizeof sock, "%s/%s", g_dir, name);
+        if (snprintf(sock, sizeof sock, "%s/%s", g_dir, name) >= (int)sizeof sock) {
+            fprintf(stderr, "bench_server: the socket path under %s is too long\n", g_dir);
+            return -1;
+        }
         char *argv[] = {(char *)o->kvtierd,
                         "--unix",
                         name,
@@ -1285,14 +1288,14 @@ static int bench_loops(const opts_t *o, kvt_trace_t *tr)
                     i + 1, g_dir, log);
             return -1;
         }
-        snprintf(match[i].sock, sizeof match[i].sock, "%s", sock);
+        memcpy(match[i].sock, sock, sizeof sock);
         m64[i] = match[i];
         m64[i].o = &o64;
         get[i] = (load_t){.o = &go,
                           .hello_block = o->block_bytes,
                           .get_blocks = BLOCKS,
                           .server = g_loops_kvd[i]};
-        snprintf(get[i].sock, sizeof get[i].sock, "%s", sock);
+        memcpy(get[i].sock, sock, sizeof sock);
     }
     result_t mr[2][9], gr[2][9], lr[2][9], m[2], g[2], l[2];
     for (int r = 0; r < o->rounds; r++)
