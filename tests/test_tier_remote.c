@@ -828,6 +828,69 @@ Test(tier_remote, big_values_read_in_place_refuse_every_tampered_one)
     kvt_tier_destroy(t);
 }
 
+/* Values of every size back to back in one pipeline: small ones (copied out of hiredis's buffer)
+ * between big ones (read in place), sizes on both sides of 16 KiB (the in-place threshold, and
+ * hiredis 0.14's read size) and of 64 KiB (the tier's smallest read), in two orders. Each comes
+ * back byte-exact, each big one is read in place, and no byte of a value read in place came in
+ * an earlier read: hiredis's own 16 KiB read after each reply used to pull the next value's start
+ * into its buffer, copied out from there (direct_copied 16 KiB a value, 0 now). */
+Test(tier_remote, values_back_to_back_round_trip_with_no_read_ahead)
+{
+    kvt_tier_t *t = open_shared(0);
+    const uint32_t hb = 64 + 4 * PAGE; /* stored header and tokens */
+    const uint32_t sizes[] = {256u << 10,     16385,           600,        16384, 1,     20000,
+                              16383,          300001,          3000,       100,   17000, 65536,
+                              (2u << 20) + 3, 65536 - hb - 11, 16384 - hb, 70000};
+    enum { S = KVT_ARRAY_LEN(sizes), N = 2 * S };
+    blk_t b[N];
+    blk_t *pb[N];
+    uint64_t big = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        uint32_t len = i < S ? sizes[i] : sizes[N - 1 - i]; /* then the reverse order */
+        blk_init(&b[i], 300 + i, len);
+        cr_assert_eq(write_blk(t, &b[i], 300 + i), 0, "write %u bytes", len);
+        pb[i] = &b[i];
+        big += len >= 16384;
+    }
+    kvt_tier_remote_stats_t st0, st;
+    kvt_tier_usage_t u0, u;
+    kvt_tier_remote_stats(t, &st0);
+    kvt_tier_usage(t, &u0);
+    for (int round = 0; round < 2; round++) {
+        for (uint32_t i = 0; i < N; i++) {
+            memset(b[i].buf, 0xa5, b[i].io.len);
+            b[i].done = 0;
+            cr_assert_eq(kvt_tier_read(t, &b[i].io), 0);
+        }
+        wait_done(t, pb, N, 20000);
+        uint8_t *want = malloc((2u << 20) + 3);
+        cr_assert(want);
+        for (uint32_t i = 0; i < N; i++) {
+            cr_assert_eq(b[i].io.status, 0, "block %u (%u bytes): %s", i, b[i].io.len,
+                         kvt_strerror(b[i].io.status));
+            fill(want, b[i].io.len, 300 + i);
+            cr_assert(!memcmp(want, b[i].buf, b[i].io.len), "block %u (%u bytes) differs", i,
+                      b[i].io.len);
+        }
+        free(want);
+    }
+    kvt_tier_remote_stats(t, &st);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads - u0.reads, 2 * N);
+    cr_assert_eq(u.errors + u.misses + u.corrupt + u.timeouts,
+                 u0.errors + u0.misses + u0.corrupt + u0.timeouts);
+    cr_assert_eq(st.direct_reads - st0.direct_reads, 2 * big, "every big value read in place");
+    cr_assert_eq(st.direct_copied - st0.direct_copied, 0,
+                 "%llu bytes of values read in place came in an earlier read",
+                 (unsigned long long)(st.direct_copied - st0.direct_copied));
+    cr_assert_eq(st.disconnects, st0.disconnects);
+    for (uint32_t i = 0; i < N; i++) {
+        kvt_tier_free(t, b[i].io.loc, b[i].io.len);
+        blk_fini(&b[i]);
+    }
+    kvt_tier_destroy(t);
+}
+
 /* A read timing out while its value is being read into the caller's buffer gives the buffer
  * back at once: nothing is written to it after the ETIMEDOUT completion, the rest of the value is
  * dropped as it arrives, and the connection stays in step (no reconnect; the next reads are
