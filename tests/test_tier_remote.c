@@ -1639,6 +1639,66 @@ Test(tier_remote, a_reply_to_no_request_drops_the_connection_not_the_daemon)
     blk_fini(&b[1]);
 }
 
+/* One connection: PING answered, then the GET answered with the head of a value longer than the
+ * block asked for and a few of its bytes, and the connection closed. */
+static void *rogue_cut_main(void *arg)
+{
+    rogue_t *r = arg;
+    struct pollfd pf = {.fd = r->lfd, .events = POLLIN};
+    int fd = poll(&pf, 1, 5000) == 1 ? accept(r->lfd, NULL, NULL) : -1;
+    char part[2048];
+    memset(part, 'x', sizeof(part) - 1);
+    part[sizeof(part) - 1] = 0;
+    r->ok = fd >= 0 && rogue_cmd(fd) == 0 && rogue_say(fd, "+PONG\r\n") == 0 &&
+            rogue_cmd(fd) == 0 && rogue_say(fd, "$1000000\r\n") == 0 && rogue_say(fd, part) == 0;
+    if (fd >= 0)
+        close(fd);
+    return NULL;
+}
+
+/* A value refused as oversized is dropped as it arrives (n->skip); when the server closes the
+ * connection before its end (found by fuzz/fuzz_remote_reply.c's big mode) the read fails at once
+ * with KVT_EUNAVAIL and the connection counts as lost. It used to stay unanswered until its
+ * timeout, the tier's fd readable all along (the EOF, never read), the caller's loop spinning. */
+Test(tier_remote, server_closing_inside_a_skipped_value_fails_the_read_at_once)
+{
+    rogue_t r = {.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof(a);
+    cr_assert(r.lfd >= 0 && bind(r.lfd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+              listen(r.lfd, 4) == 0 && getsockname(r.lfd, (struct sockaddr *)&a, &al) == 0);
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, rogue_cut_main, &r), 0);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", ntohs(a.sin_port));
+    conf.timeout_ms = 3000;
+    conf.backoff_min_ms = conf.backoff_max_ms = 5000; /* no reconnect within the test */
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b;
+    blk_init(&b, 0, 4096);
+    uint64_t t0 = kvt_now_ns();
+    cr_assert_eq(kvt_tier_read(t, &b.io), 0);
+    int waits = 0;
+    while (!b.done && kvt_now_ns() - t0 < 6000000000ull) {
+        kvt_tier_wait(t, 100);
+        waits++;
+    }
+    double ms = (double)(kvt_now_ns() - t0) / 1e6;
+    cr_assert(b.done, "the read never completed");
+    cr_expect_eq(b.io.status, KVT_EUNAVAIL, "status %s after %.0f ms", kvt_strerror(b.io.status),
+                 ms);
+    cr_expect_lt(ms, 1000, "the read took %.0f ms (%d waits), its timeout is 3000", ms, waits);
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_expect_eq(st.oversized, 1);
+    cr_expect_eq(st.disconnects, 1, "the connection that ended inside a value is lost");
+    kvt_tier_destroy(t);
+    pthread_join(th, NULL);
+    cr_expect(r.ok, "the server saw the commands it expected");
+    close(r.lfd);
+    blk_fini(&b);
+}
+
 /* Random writes, reads, frees, probes and deletes behind the tier's back, checked after every
  * step against a model of what the server holds and what the tier charges. */
 Test(tier_remote, randomized_against_a_model)

@@ -1803,12 +1803,20 @@ static void cut_oversized(node_t *n)
     rd->len = rd->pos + 5;
 }
 
-/* Drops up to n->skip bytes from the socket. Returns the bytes dropped; 0 when it had none. */
+/* Drops up to n->skip bytes from the socket. Returns the bytes dropped; 0 when it had none. At
+ * EOF or on an error the connection is dropped: the value can never end, and hiredis, which would
+ * find the EOF, is not called while bytes are skipped (the socket stayed readable, the loop spun
+ * on it until the request timed out). */
 static ssize_t skip_more(node_t *n)
 {
     remote_t *rm = n->rm;
     ssize_t got = read(n->sock, rm->scratch, (size_t)KVT_MIN(n->skip, (uint64_t)KVT__READ_MIN));
-    if (got <= 0)
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        n->drop = 1;
+        n->drop_status = KVT_EUNAVAIL;
+        return 0;
+    }
+    if (got < 0)
         return 0;
     n->skip -= (uint64_t)got;
     return got;
@@ -2091,8 +2099,13 @@ static void handle_sock(node_t *n, uint32_t events)
     for (int budget = 64; budget > 0; budget--) {
         int up = n->ac->c.flags & REDIS_CONNECTED;
         if (up && n->skip) {
-            if (skip_more(n) <= 0)
+            if (skip_more(n) <= 0) {
+                if (n->drop) {
+                    after_hiredis(n, now);
+                    return;
+                }
                 break; /* the rest has not arrived: epoll says when it has */
+            }
             if (n->skip)
                 continue;
             /* All of it dropped: the reply it was cut to is decoded now, below. Nothing more may
