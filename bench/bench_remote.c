@@ -13,8 +13,10 @@
  * bench_remote_cluster_run does the same against a Redis Cluster it forms itself (3 primaries and
  * 3 replicas on loopback, as the tests' tests/test_cluster.h does), the tier in cluster mode, the
  * baseline redis-benchmark --cluster: one connection per primary on both sides (-c 3: the
- * benchmark gives each client a node), BENCH_DEPTH requests in flight per primary on both sides
- * (the tier BENCH_DEPTH x 3 in all). redis-benchmark --cluster's keys carry a hash tag per node
+ * benchmark gives each client a node), at most BENCH_DEPTH requests in flight per primary on both
+ * sides, each side's depth picked untimed as its better (the tier's BENCH_DEPTH, about 4 MiB or 4
+ * per primary, all spread over the three). redis-benchmark --cluster's keys carry a hash tag per
+ * node
  * (-r n/3 keys each, n in all), so they cannot be stored beforehand by name: an untimed SET run of
  * 4 x n requests stores about 98% of them first. --cluster alone runs a client thread per node
  * (4 threads in all): --threads 1 gives it one I/O thread for the three connections, as the tier
