@@ -2055,12 +2055,12 @@ static ssize_t read_more(node_t *n)
         }
     } else if (h && h->direct) {
         /* Its value is in: the reader holds the stand-in head ("$0\r\n", or "0\r\n" once
-         * hiredis took the '$') and what arrived of the value's "\r\n" behind it. */
+         * hiredis took the '$') and what arrived of the two bytes ending the value behind it. */
         size_t have = rd->len - rd->pos;
-        const char *e = rd->buf + rd->len;
-        if (have >= 5 && !memcmp(e - 5, "0\r\n\r\n", 5))
+        size_t whole = (have && rd->buf[rd->pos] == '$' ? 4 : 3) + 2;
+        if (have >= whole)
             return 1;
-        want = have >= 1 && e[-1] == '\r' ? 1 : 2;
+        want = whole - have;
     }
     sds buf = sdsMakeRoomFor(rd->buf, want);
     if (!buf)
