@@ -73,7 +73,7 @@
 
 /* Decodes the replies in the reader and runs their callbacks: what redisAsyncHandleRead does
  * after its own read, which the tier does instead (read_more). hiredis 0.14 (and 1.x) export it
- * without declaring it in async.h. */
+ * without declaring it in their headers. */
 void redisProcessCallbacks(redisAsyncContext *ac);
 
 #include "tier_impl.h"
