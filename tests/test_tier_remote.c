@@ -828,6 +828,69 @@ Test(tier_remote, big_values_read_in_place_refuse_every_tampered_one)
     kvt_tier_destroy(t);
 }
 
+/* Values of every size back to back in one pipeline: small ones (copied out of hiredis's buffer)
+ * between big ones (read in place), sizes on both sides of 16 KiB (the in-place threshold, and
+ * hiredis 0.14's read size) and of 64 KiB (the tier's smallest read), in two orders. Each comes
+ * back byte-exact, each big one is read in place, and no byte of a value read in place came in
+ * an earlier read: hiredis's own 16 KiB read after each reply used to pull the next value's start
+ * into its buffer, copied out from there (direct_copied 16 KiB a value, 0 now). */
+Test(tier_remote, values_back_to_back_round_trip_with_no_read_ahead)
+{
+    kvt_tier_t *t = open_shared(0);
+    const uint32_t hb = 64 + 4 * PAGE; /* stored header and tokens */
+    const uint32_t sizes[] = {256u << 10,     16385,           600,        16384, 1,     20000,
+                              16383,          300001,          3000,       100,   17000, 65536,
+                              (2u << 20) + 3, 65536 - hb - 11, 16384 - hb, 70000};
+    enum { S = KVT_ARRAY_LEN(sizes), N = 2 * S };
+    blk_t b[N];
+    blk_t *pb[N];
+    uint64_t big = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        uint32_t len = i < S ? sizes[i] : sizes[N - 1 - i]; /* then the reverse order */
+        blk_init(&b[i], 300 + i, len);
+        cr_assert_eq(write_blk(t, &b[i], 300 + i), 0, "write %u bytes", len);
+        pb[i] = &b[i];
+        big += len >= 16384;
+    }
+    kvt_tier_remote_stats_t st0, st;
+    kvt_tier_usage_t u0, u;
+    kvt_tier_remote_stats(t, &st0);
+    kvt_tier_usage(t, &u0);
+    for (int round = 0; round < 2; round++) {
+        for (uint32_t i = 0; i < N; i++) {
+            memset(b[i].buf, 0xa5, b[i].io.len);
+            b[i].done = 0;
+            cr_assert_eq(kvt_tier_read(t, &b[i].io), 0);
+        }
+        wait_done(t, pb, N, 20000);
+        uint8_t *want = malloc((2u << 20) + 3);
+        cr_assert(want);
+        for (uint32_t i = 0; i < N; i++) {
+            cr_assert_eq(b[i].io.status, 0, "block %u (%u bytes): %s", i, b[i].io.len,
+                         kvt_strerror(b[i].io.status));
+            fill(want, b[i].io.len, 300 + i);
+            cr_assert(!memcmp(want, b[i].buf, b[i].io.len), "block %u (%u bytes) differs", i,
+                      b[i].io.len);
+        }
+        free(want);
+    }
+    kvt_tier_remote_stats(t, &st);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads - u0.reads, 2 * N);
+    cr_assert_eq(u.errors + u.misses + u.corrupt + u.timeouts,
+                 u0.errors + u0.misses + u0.corrupt + u0.timeouts);
+    cr_assert_eq(st.direct_reads - st0.direct_reads, 2 * big, "every big value read in place");
+    cr_assert_eq(st.direct_copied - st0.direct_copied, 0,
+                 "%llu bytes of values read in place came in an earlier read",
+                 (unsigned long long)(st.direct_copied - st0.direct_copied));
+    cr_assert_eq(st.disconnects, st0.disconnects);
+    for (uint32_t i = 0; i < N; i++) {
+        kvt_tier_free(t, b[i].io.loc, b[i].io.len);
+        blk_fini(&b[i]);
+    }
+    kvt_tier_destroy(t);
+}
+
 /* A read timing out while its value is being read into the caller's buffer gives the buffer
  * back at once: nothing is written to it after the ETIMEDOUT completion, the rest of the value is
  * dropped as it arrives, and the connection stays in step (no reconnect; the next reads are
@@ -1574,6 +1637,66 @@ Test(tier_remote, a_reply_to_no_request_drops_the_connection_not_the_daemon)
     close(r.lfd);
     blk_fini(&b[0]);
     blk_fini(&b[1]);
+}
+
+/* One connection: PING answered, then the GET answered with the head of a value longer than the
+ * block asked for and a few of its bytes, and the connection closed. */
+static void *rogue_cut_main(void *arg)
+{
+    rogue_t *r = arg;
+    struct pollfd pf = {.fd = r->lfd, .events = POLLIN};
+    int fd = poll(&pf, 1, 5000) == 1 ? accept(r->lfd, NULL, NULL) : -1;
+    char part[2048];
+    memset(part, 'x', sizeof(part) - 1);
+    part[sizeof(part) - 1] = 0;
+    r->ok = fd >= 0 && rogue_cmd(fd) == 0 && rogue_say(fd, "+PONG\r\n") == 0 &&
+            rogue_cmd(fd) == 0 && rogue_say(fd, "$1000000\r\n") == 0 && rogue_say(fd, part) == 0;
+    if (fd >= 0)
+        close(fd);
+    return NULL;
+}
+
+/* A value refused as oversized is dropped as it arrives (n->skip); when the server closes the
+ * connection before its end (found by fuzz/fuzz_remote_reply.c's big mode) the read fails at once
+ * with KVT_EUNAVAIL and the connection counts as lost. It used to stay unanswered until its
+ * timeout, the tier's fd readable all along (the EOF, never read), the caller's loop spinning. */
+Test(tier_remote, server_closing_inside_a_skipped_value_fails_the_read_at_once)
+{
+    rogue_t r = {.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof(a);
+    cr_assert(r.lfd >= 0 && bind(r.lfd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+              listen(r.lfd, 4) == 0 && getsockname(r.lfd, (struct sockaddr *)&a, &al) == 0);
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, rogue_cut_main, &r), 0);
+    kvt_tier_remote_conf_t conf = base_conf("127.0.0.1", ntohs(a.sin_port));
+    conf.timeout_ms = 3000;
+    conf.backoff_min_ms = conf.backoff_max_ms = 5000; /* no reconnect within the test */
+    kvt_tier_t *t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    blk_t b;
+    blk_init(&b, 0, 4096);
+    uint64_t t0 = kvt_now_ns();
+    cr_assert_eq(kvt_tier_read(t, &b.io), 0);
+    int waits = 0;
+    while (!b.done && kvt_now_ns() - t0 < 6000000000ull) {
+        kvt_tier_wait(t, 100);
+        waits++;
+    }
+    double ms = (double)(kvt_now_ns() - t0) / 1e6;
+    cr_assert(b.done, "the read never completed");
+    cr_expect_eq(b.io.status, KVT_EUNAVAIL, "status %s after %.0f ms", kvt_strerror(b.io.status),
+                 ms);
+    cr_expect_lt(ms, 1000, "the read took %.0f ms (%d waits), its timeout is 3000", ms, waits);
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_expect_eq(st.oversized, 1);
+    cr_expect_eq(st.disconnects, 1, "the connection that ended inside a value is lost");
+    kvt_tier_destroy(t);
+    pthread_join(th, NULL);
+    cr_expect(r.ok, "the server saw the commands it expected");
+    close(r.lfd);
+    blk_fini(&b);
 }
 
 /* Random writes, reads, frees, probes and deletes behind the tier's back, checked after every

@@ -71,6 +71,11 @@
 #include <hiredis/hiredis.h>
 #include <hiredis/sds.h>
 
+/* Decodes the replies in the reader and runs their callbacks: what redisAsyncHandleRead does
+ * after its own read, which the tier does instead (read_more). hiredis 0.14 (and 1.x) export it
+ * without declaring it in their headers. */
+void redisProcessCallbacks(redisAsyncContext *ac);
+
 #include "tier_impl.h"
 
 #define KVT__READ_MIN   (64u << 10)
@@ -1798,12 +1803,20 @@ static void cut_oversized(node_t *n)
     rd->len = rd->pos + 5;
 }
 
-/* Drops up to n->skip bytes from the socket. Returns the bytes dropped; 0 when it had none. */
+/* Drops up to n->skip bytes from the socket. Returns the bytes dropped; 0 when it had none. At
+ * EOF or on an error the connection is dropped: the value can never end, and hiredis, which would
+ * find the EOF, is not called while bytes are skipped (the socket stayed readable, the loop spun
+ * on it until the request timed out). */
 static ssize_t skip_more(node_t *n)
 {
     remote_t *rm = n->rm;
     ssize_t got = read(n->sock, rm->scratch, (size_t)KVT_MIN(n->skip, (uint64_t)KVT__READ_MIN));
-    if (got <= 0)
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        n->drop = 1;
+        n->drop_status = KVT_EUNAVAIL;
+        return 0;
+    }
+    if (got < 0)
         return 0;
     n->skip -= (uint64_t)got;
     return got;
@@ -1890,8 +1903,10 @@ static int direct_begin(node_t *n, size_t inbuf)
         goto back;
     const char *v = p + (plen - c);
     memcpy(n->dhdr, v, (size_t)KVT_MIN((uint64_t)inrd, hb));
-    if (inrd > hb)
+    if (inrd > hb) {
         memcpy(h->io->buf, v + hb, inrd - hb); /* only with inbuf 0: read_more stops at hb */
+        n->rm->stats.direct_copied += inrd - hb;
+    }
     /* The stand-in head where the reply began; the value's bytes there need at least its room. */
     memcpy(rd->buf + rd->pos, &"$0\r\n"[c], 4 - (size_t)c);
     sdssetlen(rd->buf, rd->pos + 4 - c);
@@ -1970,11 +1985,52 @@ static ssize_t direct_more(node_t *n)
     return got;
 }
 
-/* Reads into hiredis's reader buffer directly: as much as the GET value at the head of sentq
- * still needs (so that one read takes a whole value), at least KVT__READ_MIN. When the head is
- * a big GET not yet begun, only up to its block header, and the rest into io->buf (direct_begin
- * decides whether it stays there). Returns the bytes read; 0 when the socket had nothing (EOF
- * and errors are left for hiredis to find). */
+/* Whether r is a GET whose value direct_begin may read in place (big enough, still wanted). */
+static int direct_candidate(const rq_t *r)
+{
+    return r && r->kind == RQ_GET && r->io && !r->direct && r->io->len >= KVT__DIRECT_MIN;
+}
+
+/* The reply bytes, as expected, of the GETs queued behind h before the next one direct_begin may
+ * read in place; UINT64_MAX when no such GET follows with only GETs between (another reply's
+ * length is not known ahead). */
+static uint64_t bytes_before_direct(const rq_t *h)
+{
+    uint64_t sum = 0;
+    int i = 0;
+    for (const rq_t *r = rq_next(h); r && i < 64; r = rq_next(r), i++) {
+        if (direct_candidate(r))
+            return sum;
+        if (r->kind != RQ_GET)
+            break;
+        sum += r->expect;
+    }
+    return UINT64_MAX;
+}
+
+/*
+ * Reads into hiredis's reader buffer directly; hiredis itself reads nothing while the connection
+ * is up (handle_sock hands it the bytes through redisProcessCallbacks), so every byte read is
+ * sized here, and a read never runs into a value that is to be read in place:
+ *
+ *   - the head of sentq a big GET not yet begun: its reply head, block header and tokens into
+ *     the reader, the payload into io->buf in the same readv (direct_begin decides whether it
+ *     stays there);
+ *   - the head a big GET whose value is in: only the bytes of its "\r\n" still missing, none
+ *     when it is whole (the next reply is read once this one is decoded, by the case above);
+ *   - the head another GET: what its reply still needs, at least KVT__READ_MIN (one read takes
+ *     many small values), but not past the start of a big GET's reply queued behind it
+ *     (bytes_before_direct);
+ *   - anything else: KVT__READ_MIN.
+ *
+ * hiredis 0.14's own read (16 KiB after every reply, from redisAsyncHandleRead) used to pull the
+ * next value's first 16 KiB into its buffer, from where direct_begin copied them out: two more
+ * copies of 6% of each 256 KiB value (`direct_copied`, docs/remote.md).
+ *
+ * Returns the bytes read, 1 when the reply at the head is whole with nothing read (decode it),
+ * 0 when the socket had nothing, -1 at EOF or on an error (handle_sock lets hiredis read then,
+ * which finds the same and drops the connection as it always does).
+ */
 static ssize_t read_more(node_t *n)
 {
     redisReader *rd = n->ac->c.reader;
@@ -1984,8 +2040,12 @@ static ssize_t read_more(node_t *n)
     int k = 1;
     if (h && h->kind == RQ_GET && h->io && !h->direct) {
         size_t have = rd->len - rd->pos;
-        if (h->expect > have)
+        if (h->expect > have) {
             want = KVT_MAX(want, (size_t)KVT_MIN(h->expect - have, (uint64_t)KVT__READ_MAX));
+            uint64_t ahead = bytes_before_direct(h);
+            if (ahead != UINT64_MAX)
+                want = (size_t)KVT_MIN((uint64_t)want, h->expect - have + ahead);
+        }
         int c = direct_ok(n, h);
         uint64_t upto = h->expect - 2 - h->io->len; /* "$<len>\r\n", header and tokens */
         if (c >= 0 && have + (size_t)c < upto) {
@@ -1994,18 +2054,24 @@ static ssize_t read_more(node_t *n)
             k = 2;
         }
     } else if (h && h->direct) {
-        /* Its value is in: only its "\r\n" is left. hiredis's own read (16 KiB) brings the next
-         * reply's head, and the next value is taken over with that little to copy out. */
-        want = 2;
+        /* Its value is in: the reader holds the stand-in head ("$0\r\n", or "0\r\n" once
+         * hiredis took the '$') and what arrived of the two bytes ending the value behind it. */
+        size_t have = rd->len - rd->pos;
+        size_t whole = (have && rd->buf[rd->pos] == '$' ? 4 : 3) + 2;
+        if (have >= whole)
+            return 1;
+        want = whole - have;
     }
     sds buf = sdsMakeRoomFor(rd->buf, want);
     if (!buf)
-        return 0;
+        return -1;
     rd->buf = buf;
     iov[0] = (struct iovec){buf + sdslen(buf), want};
     ssize_t got = readv(n->sock, iov, k);
-    if (got <= 0)
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return 0;
+    if (got <= 0)
+        return -1;
     size_t into = KVT_MIN((size_t)got, want);
     sdsIncrLen(buf, (ssize_t)into);
     rd->len = sdslen(buf);
@@ -2033,8 +2099,13 @@ static void handle_sock(node_t *n, uint32_t events)
     for (int budget = 64; budget > 0; budget--) {
         int up = n->ac->c.flags & REDIS_CONNECTED;
         if (up && n->skip) {
-            if (skip_more(n) <= 0)
+            if (skip_more(n) <= 0) {
+                if (n->drop) {
+                    after_hiredis(n, now);
+                    return;
+                }
                 break; /* the rest has not arrived: epoll says when it has */
+            }
             if (n->skip)
                 continue;
             /* All of it dropped: the reply it was cut to is decoded now, below. Nothing more may
@@ -2056,10 +2127,13 @@ static void handle_sock(node_t *n, uint32_t events)
             }
             /* Whole: the stand-in is decoded now, below, as after a skip. */
         }
-        ssize_t got = up ? read_more(n) : 0;
+        ssize_t got = up ? read_more(n) : -1;
         if (n->dr)
             continue; /* taken over: hiredis must not read the value's bytes */
-        redisAsyncHandleRead(n->ac);
+        if (got >= 0)
+            redisProcessCallbacks(n->ac); /* what read_more read: hiredis reads nothing */
+        else
+            redisAsyncHandleRead(n->ac); /* the connect's completion, EOF, errors: its own */
         if (n->ac && !n->ac_gone && (n->ac->c.flags & REDIS_CONNECTED))
             cut_oversized(n);
         after_hiredis(n, now);

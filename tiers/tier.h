@@ -678,6 +678,7 @@ typedef struct kvt_tier_remote_stats {
     uint64_t oversized;     /* GET values longer than the block asked for, refused unbuffered */
     uint64_t skipped_bytes; /* their bytes, read off the socket and dropped */
     uint64_t direct_reads;  /* GET values read from the socket straight into the caller's buffer */
+    uint64_t direct_copied; /* their payload bytes that came in another read, copied from there */
     /* Cluster mode. */
     uint64_t moved, asks;     /* MOVED and ASK replies */
     uint64_t redirect_errors; /* redirects not followed (bad address, too many): KVT_EIO */
