@@ -861,12 +861,11 @@ static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint3
     return 0;
 }
 
-int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
-                       uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
-                       kvt_client_resv_t *res)
+/* One RESERVE (its tokens after handle's, when handle is not 0) and its reply. */
+static int reserve_call(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                        uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
+                        kvt_client_resv_t *res)
 {
-    if (!c || !res || (ntokens && !tokens) || (npages && !res->ptrs))
-        return KVT_EINVAL;
     if (!c->map) {
         snprintf(c->errmsg, sizeof c->errmsg, "RESERVE needs the zero-copy mapping (%.400s)",
                  c->zc_reason);
@@ -874,11 +873,36 @@ int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens
     }
     c->errmsg[0] = 0;
     uint64_t id, unused, deadline = deadline_from_now(c);
-    int rc =
-        reserve_send(c, 0, tokens, ntokens, first_page, npages, hints, 0, &id, &unused, deadline);
+    int rc = reserve_send(c, handle, tokens, ntokens, first_page, npages, hints, 0, &id, &unused,
+                          deadline);
     if (rc < 0)
         return rc;
     return reserve_read(c, id, first_page, npages, res, NULL, deadline);
+}
+
+int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
+                       uint32_t first_page, uint32_t npages, const kvt_client_hints_t *hints,
+                       kvt_client_resv_t *res)
+{
+    if (!c || !res || (ntokens && !tokens) || (npages && !res->ptrs))
+        return KVT_EINVAL;
+    return reserve_call(c, 0, tokens, ntokens, first_page, npages, hints, res);
+}
+
+int kvt_client_reserve_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                            uint32_t ntokens, uint32_t kept, uint32_t first_page, uint32_t npages,
+                            const kvt_client_hints_t *hints, kvt_client_resv_t *res)
+{
+    if (!c || !res || (ntokens && !tokens) || kept > ntokens || (npages && !res->ptrs))
+        return KVT_EINVAL;
+    if (!handle)
+        return reserve_call(c, 0, tokens, ntokens, first_page, npages, hints, res);
+    int rc = reserve_call(c, handle, tokens + kept, ntokens - kept, first_page, npages, hints, res);
+    /* As kvt_client_put_kept's: a RESERVE's ENOENT only names the handle (gone), and changed
+     * nothing, so the tokens go in full. */
+    if (rc == KVT_ENOENT)
+        rc = reserve_call(c, 0, tokens, ntokens, first_page, npages, hints, res);
+    return rc;
 }
 
 /* COMMIT (or ABORT) of reservation id; with sums (nsums of them, little-endian u64 each, one

@@ -331,6 +331,18 @@ typedef struct kvt_client_resv {
 KVT_API int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                                uint32_t first_page, uint32_t npages,
                                const kvt_client_hints_t *hints, kvt_client_resv_t *res);
+/*
+ * kvt_client_reserve of tokens[0, ntokens) after a MATCH that kept tokens[0, kept) under handle,
+ * as kvt_client_put_kept is kvt_client_put's: only tokens[kept, ntokens) are sent, and with
+ * handle 0, or when the daemon no longer holds the handle (its ENOENT), the RESERVE goes again
+ * with all of them (the same result, one more round trip at most). first_page and npages count
+ * over the whole sequence. Errors as kvt_client_reserve's, and KVT_CLIENT_EINVAL for kept >
+ * ntokens, or a handle kept in another namespace than the connection's now (a HELLO since).
+ */
+KVT_API int kvt_client_reserve_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                                    uint32_t ntokens, uint32_t kept, uint32_t first_page,
+                                    uint32_t npages, const kvt_client_hints_t *hints,
+                                    kvt_client_resv_t *res);
 KVT_API int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res);
 KVT_API int kvt_client_abort(kvt_client_t *c, uint64_t id);
 

@@ -1,9 +1,9 @@
 /*
  * test_server_trip.c: one round trip per engine step (docs/protocol.md: MATCH's LOCATE and KEEP,
  * PUT's and RESERVE's HANDLE), frame by frame over a raw Unix socket against a real kvtierd, and
- * then through libkvtier (kvt_client_match_step, kvt_client_put_kept). A MATCH with LOCATE must
- * answer the very offsets a GET with LOCATE answers, under its lease; a PUT that names a MATCH's
- * handle must store what a PUT of the whole tokens stores; a handle that is bad, expired,
+ * then through libkvtier (kvt_client_match_step, kvt_client_put_kept, _reserve_kept). A MATCH with
+ * LOCATE must answer the very offsets a GET with LOCATE answers, under its lease; a PUT that names
+ * a MATCH's handle must store what a PUT of the whole tokens stores; a handle that is bad, expired,
  * replaced, of another namespace or of another connection must be refused with a clear error
  * and change nothing.
  */
@@ -542,6 +542,117 @@ Test(server_trip, client_step_calls, .fini = teardown)
         cr_expect(memcmp(locs[i].host_ptr, pay + (size_t)i * BB, BB) == 0, "page %u", i);
     }
     cr_expect_eq(kvt_client_release(c, m.lease, NULL), 0);
+    free(pay);
+    kvt_client_close(c);
+}
+
+/* A reservation's pages written, committed and read back by location: the bytes of seed. */
+static void reserve_fill_commit(kvt_client_t *c, kvt_client_resv_t *rv, uint32_t npages,
+                                uint32_t seed)
+{
+    cr_assert_eq(rv->nreserved, npages);
+    for (uint32_t i = 0; i < npages; i++)
+        kvd_fill(rv->ptrs[i], BB, seed + i);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_commit(c, rv->id, &pr), 0, "%s", kvt_client_errmsg(c));
+    cr_expect_eq(pr.stored, npages);
+}
+
+static void expect_pages(kvt_client_t *c, const uint32_t *t, uint32_t pages, uint32_t from,
+                         uint32_t seed)
+{
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, t, pages * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, pages);
+    uint8_t *buf = malloc((size_t)(pages - from) * BB), *want = malloc(BB);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c, m.lease, from, pages - from, buf, (size_t)(pages - from) * BB,
+                                &got, NULL),
+                 0, "%s", kvt_client_errmsg(c));
+    cr_assert_eq(got, pages - from);
+    for (uint32_t i = 0; i < got; i++) {
+        kvd_fill(want, BB, seed + i);
+        cr_expect(memcmp(buf + (size_t)i * BB, want, BB) == 0, "page %u", from + i);
+    }
+    cr_expect_eq(kvt_client_release(c, m.lease, NULL), 0);
+    free(buf);
+    free(want);
+}
+
+/* libkvtier's RESERVE naming a kept MATCH (kvt_client_reserve_kept): only the tokens past the
+ * kept ones go out, and the reservation is the one of the whole sequence. The kept tokens the
+ * caller passes are scrambled here: a RESERVE that sent them would cache another chain. A handle
+ * the daemon does not hold (never made, expired) falls back to all the tokens; kept past the
+ * tokens is refused and changes nothing. */
+Test(server_trip, client_reserve_kept, .fini = teardown)
+{
+    kvd_start(&d, NULL);
+    kvt_client_conf_t conf = {.unix_path = d.sock,
+                              .model = "trip",
+                              .page_size = PAGE,
+                              .block_bytes = BB,
+                              .timeout_ms = 10000,
+                              .zero_copy = 1};
+    kvt_client_t *c = NULL;
+    cr_assert_eq(kvt_client_connect(&c, &conf), 0);
+    cr_assert(kvt_client_zero_copy(c), "no mapping: %s", kvt_client_zero_copy_reason(c));
+    uint32_t t[8 * PAGE], scrambled[8 * PAGE];
+    kvd_tokens(t, 8 * PAGE, 1300);
+    uint8_t *pay = malloc(2 * (size_t)BB);
+    for (uint32_t i = 0; i < 2; i++)
+        kvd_fill(pay + (size_t)i * BB, BB, 70 + i);
+    cr_assert_eq(kvt_client_put(c, t, 2 * PAGE, 0, 2, pay, NULL, NULL), 0);
+
+    kvt_client_match_t m = {0};
+    kvt_client_step_t st = {0};
+    cr_assert_eq(kvt_client_match_step(c, t, 2 * PAGE, KVT_CLIENT_KEEP, 0, NULL, &m, &st), 0);
+    cr_assert_neq(st.handle, 0);
+    cr_assert_eq(st.kept, 2 * PAGE);
+    void *ptrs[4];
+    kvt_client_resv_t rv = {.ptrs = ptrs};
+    uint64_t blocks = kvd_stat(c, "index_blocks");
+    cr_expect_eq(kvt_client_reserve_kept(c, st.handle, t, 2 * PAGE - 1, st.kept, 2, 2, NULL, &rv),
+                 KVT_CLIENT_EINVAL, "kept past the tokens");
+    kvt_client_resv_t noptrs = {0};
+    cr_expect_eq(kvt_client_reserve_kept(c, st.handle, t, 4 * PAGE, st.kept, 2, 2, NULL, &noptrs),
+                 KVT_CLIENT_EINVAL, "no pointer array");
+    cr_expect_eq(kvd_stat(c, "index_blocks"), blocks, "a refused RESERVE changed the index");
+
+    memcpy(scrambled, t, sizeof t);
+    for (uint32_t i = 0; i < st.kept; i++)
+        scrambled[i] = 7;
+    cr_assert_eq(
+        kvt_client_reserve_kept(c, st.handle, scrambled, 4 * PAGE, st.kept, 2, 2, NULL, &rv), 0,
+        "%s", kvt_client_errmsg(c));
+    cr_expect(rv.pages == 4 && rv.new_pages == 2, "pages %u new %u: the kept tokens were sent",
+              rv.pages, rv.new_pages);
+    reserve_fill_commit(c, &rv, 2, 80);
+    expect_pages(c, t, 4, 2, 80);
+    /* The handle may be named again (by the next save of the same request). */
+    cr_assert_eq(
+        kvt_client_reserve_kept(c, st.handle, scrambled, 5 * PAGE, st.kept, 4, 1, NULL, &rv), 0,
+        "%s", kvt_client_errmsg(c));
+    cr_expect(rv.pages == 5 && rv.new_pages == 1, "pages %u new %u", rv.pages, rv.new_pages);
+    reserve_fill_commit(c, &rv, 1, 90);
+    expect_pages(c, t, 5, 4, 90);
+
+    /* A handle never made: the whole tokens go instead, the same reservation. */
+    cr_assert_eq(kvt_client_reserve_kept(c, 999, t, 6 * PAGE, 5 * PAGE, 5, 1, NULL, &rv), 0, "%s",
+                 kvt_client_errmsg(c));
+    cr_expect(rv.pages == 6 && rv.new_pages == 1, "pages %u new %u", rv.pages, rv.new_pages);
+    reserve_fill_commit(c, &rv, 1, 100);
+    expect_pages(c, t, 6, 5, 100);
+
+    /* A handle expired with its MATCH's lease time: the same. */
+    cr_assert_eq(kvt_client_match_step(c, t, 6 * PAGE, KVT_CLIENT_KEEP, 50, NULL, &m, &st), 0);
+    cr_assert_neq(st.handle, 0);
+    usleep(150 * 1000);
+    cr_assert_eq(kvt_client_reserve_kept(c, st.handle, t, 8 * PAGE, st.kept, 6, 2, NULL, &rv), 0,
+                 "%s", kvt_client_errmsg(c));
+    cr_expect(rv.pages == 8 && rv.new_pages == 2, "pages %u new %u", rv.pages, rv.new_pages);
+    reserve_fill_commit(c, &rv, 2, 110);
+    expect_pages(c, t, 8, 6, 110);
+    cr_expect_eq(kvd_stat(c, "leases"), 0, "leases left held");
     free(pay);
     kvt_client_close(c);
 }
