@@ -122,7 +122,7 @@ class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
         return await self._run(self.client.get_views, lease, **kwargs)
 
     async def reserve(self, tokens: Tokens, npages: int, **kwargs: Any) -> Reservation:
-        """Client.reserve (first_page, hints, gaps): writable views into the mapping."""
+        """Client.reserve (first_page, hints, after, gaps): writable views into the mapping."""
         return await self._run(self.client.reserve, tokens, npages, **kwargs)
 
     async def commit(self, reservation: Any) -> PutResult:

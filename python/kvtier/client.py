@@ -578,6 +578,7 @@ class Client(KeysMixin, HintsMixin):
         *,
         first_page: int = 0,
         hints: Optional[Hints] = None,
+        after: Optional[Match] = None,
         gaps: bool = False,
     ) -> Reservation:
         """Caches every whole page of ``tokens`` (as put() does) and reserves room in the
@@ -585,16 +586,22 @@ class Client(KeysMixin, HintsMixin):
         yet: the Reservation's writable views are where to write them (numpy.frombuffer /
         torch.frombuffer over a view writes in place). Nothing is visible to anyone until
         commit(); a reservation not committed within the daemon's reserve-ms, or whose client
-        closes, is given back. ``gaps`` as put()'s: the commit stores the pages even after
-        pages of the chain that hold no bytes.
+        closes, is given back. ``after`` as put()'s: only the tokens past those a
+        ``match(..., keep=True)`` kept are sent (all of them when the daemon kept none or no
+        longer holds them). ``gaps`` as put()'s: the commit stores the pages even after pages
+        of the chain that hold no bytes.
 
         Raises InvalidArgument (no zero-copy mapping: see zero_copy_reason; npages 0; pages past
-        the tokens' whole pages), NoSpace (index full, or too many reservations held), Error for
-        transport failures.
+        the tokens' whole pages; ``after`` kept more tokens than given), NoSpace (index full, or
+        too many reservations held), Error for transport failures.
         """
         tp, n = _tokens(tokens)
         if npages <= 0:
             raise InvalidArgument(EINVAL, "reserve: npages must be at least 1")
+        handle, kept = (after.handle, after.kept) if after is not None else (0, 0)
+        if kept > n:
+            raise InvalidArgument(EINVAL, "the match kept %d tokens, more than the %d given" % (
+                kept, n))
         ptrs = ffi.new("void *[]", npages)
         res = ffi.new("kvt_client_resv_t *")
         res.ptrs = ptrs
@@ -602,7 +609,11 @@ class Client(KeysMixin, HintsMixin):
         with self._lock:
             c = self._live()
             with _put_flags(c, gaps):
-                rc = lib.kvt_client_reserve(c, tp, n, first_page, npages, h, res)
+                if handle:
+                    rc = lib.kvt_client_reserve_kept(c, handle, tp, n, kept, first_page, npages,
+                                                     h, res)
+                else:
+                    rc = lib.kvt_client_reserve(c, tp, n, first_page, npages, h, res)
             if rc < 0:
                 self._raise(rc)
         bb = self.block_bytes

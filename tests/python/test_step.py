@@ -2,7 +2,7 @@
 trip per step"; docs/python.md) against a real kvtierd: match(lease=True, locate=True) hands out
 read-only views of the hit pages where they lie, the same bytes get_into() reads; match(keep=True)
 then put(..., after=match) stores what a put of all the tokens stores, sending only the tokens
-past the kept ones; a Match whose handle the daemon no longer holds (expired) still stores, by
+past the kept ones, and reserve(..., after=match) likewise; a Match whose handle the daemon no longer holds (expired) still stores, by
 the whole tokens; release_later() gives the lease back with the next call."""
 
 import asyncio
@@ -93,6 +93,49 @@ def test_put_after_a_match_without_keep(sd):
         assert c.put(t, payload(1, 2), after=m).stored == 1
 
 
+def write_commit(c, r, data):
+    """Writes data (whole blocks, one per view) into a Reservation's views and commits it."""
+    assert r.nreserved == len(r.views) == len(data) // BLOCK
+    for i, v in enumerate(r.views):
+        v[:] = data[i * BLOCK:(i + 1) * BLOCK]
+    return c.commit(r)
+
+
+def test_reserve_after_keep_sends_the_rest(sd):
+    with sd.client() as c, sd.client() as other:
+        assert c.zero_copy, c.zero_copy_reason
+        t = tokens(4, extra=1)
+        c.put(t[:2 * PAGE], payload(2, 21))
+        m = c.match(t[:2 * PAGE + 1], keep=True)
+        assert m.handle and m.kept == 2 * PAGE + 1
+        # The kept tokens the caller passes are not sent: scrambled here, a RESERVE that sent
+        # them would cache another chain (4 new pages, and none of t's).
+        sent = [7] * m.kept + t[m.kept:]
+        r = c.reserve(sent, 2, first_page=2, after=m)
+        assert (r.pages, r.new_pages, r.nreserved) == (4, 2, 2)
+        assert write_commit(c, r, payload(2, 22)).stored == 2
+        got = other.match(t, lease=True)
+        assert got.pages == 4
+        assert other.get(got.lease, first_page=2, npages=2) == payload(2, 22)
+        other.release(got.lease)
+        blocks = c.stats()["index_blocks"]
+        with pytest.raises(kvtier.InvalidArgument):
+            c.reserve(t[:PAGE], 1, after=m)  # fewer tokens than the match kept
+        assert c.stats()["index_blocks"] == blocks
+
+
+def test_reserve_after_an_expired_keep_sends_all(sd):
+    with sd.client() as c:
+        t = tokens(2)
+        m = c.match(t, keep=True, lease_ms=20)
+        assert m.handle
+        time.sleep(0.1)
+        r = c.reserve(t, 2, after=m)
+        assert (r.pages, r.new_pages, r.nreserved) == (2, 2, 2)
+        assert write_commit(c, r, payload(2, 23)).stored == 2
+        assert c.match(t).pages == 2
+
+
 def test_async_client_takes_the_same_step(sd):
     async def main():
         async with kvtier.AsyncClient("pytest", page_size=PAGE, block_bytes=BLOCK,
@@ -101,6 +144,13 @@ def test_async_client_takes_the_same_step(sd):
             m = await c.match(t, keep=True)
             assert m.handle
             assert (await c.put(t, payload(2, 6), after=m)).stored == 2
+            t2 = t + tokens(1)
+            r = await c.reserve([7] * m.kept + t2[m.kept:], 1, first_page=2, after=m)
+            assert (r.pages, r.new_pages) == (3, 1)
+            for v in r.views:
+                v[:] = payload(1, 7)
+            assert (await c.commit(r)).stored == 1
+            assert (await c.match(t2)).pages == 3
             m = await c.match(t, lease=True, locate=True)
             assert [bytes(v) for v in m.views] == [payload(2, 6)[:BLOCK], payload(2, 6)[BLOCK:]]
             await c.release_later(m.lease)
