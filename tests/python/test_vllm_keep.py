@@ -1,15 +1,19 @@
 """test_vllm_keep.py: kvtier.vllm's worker names the tokens its load's MATCH kept (MATCH KEEP,
 docs/protocol.md "Handles") in the PUT of the pages it computed after them, so that the PUT
 sends only the new pages' tokens; and when the daemon no longer holds the handle, the PUT goes
-again with all of them. Through vLLM's own connector classes, a real kvtierd, and a loopback
-TCP relay that reads the frames the worker sends (the only place a PUT's token count shows).
+again with all of them. The same for the mapped set-up (the Unix socket, vLLM's default), whose
+saves are RESERVEs. Through vLLM's own connector classes, a real kvtierd, and a relay (loopback
+TCP, or a Unix socket that passes the mapping's descriptor on) that reads the frames the worker
+sends (the only place a PUT's or RESERVE's token count shows).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import struct
+import tempfile
 import threading
 import time
 from typing import Any, List, Tuple
@@ -25,6 +29,7 @@ from test_vllm import (BS, Engine, blocks, finish, load_between_steps, pages_of,
 HDR = 24  # docs/protocol.md: magic, version, opcode, flags, request_id, body_len, status
 OP_MATCH = 3
 OP_PUT = 4
+OP_RESERVE = 12
 MATCH_F_KEEP = 1 << 4
 PUT_F_HANDLE = 1
 KEY_TOKENS = 8  # api "tokens": a page's key is sent as 8 token ids
@@ -32,20 +37,27 @@ KEY_TOKENS = 8  # api "tokens": a page's key is sent as 8 token ids
 
 class Relay:
     """A loopback TCP relay to kvtierd's TCP port that records every PUT frame a client
-    sends through it, (flags, ntokens, first_page, npayload, handle), and every MATCH's
-    flags."""
+    sends through it, (flags, ntokens, first_page, npayload, handle), every RESERVE's
+    (flags, ntokens, first_page, npages, handle), and every MATCH's flags."""
 
     def __init__(self, upstream: str) -> None:
         host, port = upstream.rsplit(":", 1)
-        self.up = (host, int(port))
-        self.puts: List[Tuple[int, int, int, int, int]] = []
-        self.matches: List[int] = []
+        self.up: Any = (host, int(port))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
         self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self._start()
+
+    def _start(self) -> None:
+        self.puts: List[Tuple[int, int, int, int, int]] = []
+        self.reserves: List[Tuple[int, int, int, int, int]] = []
+        self.matches: List[int] = []
+        self.sock.listen(8)
         self.conns: List[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def _dial(self) -> socket.socket:
+        return socket.create_connection(self.up)
 
     def _accept(self) -> None:
         while True:
@@ -53,18 +65,21 @@ class Relay:
                 a, _ = self.sock.accept()
             except OSError:
                 return
-            b = socket.create_connection(self.up)
+            b = self._dial()
             self.conns += [a, b]
             threading.Thread(target=self._pipe, args=(a, b, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(b, a, False), daemon=True).start()
+
+    def _recv(self, src: socket.socket) -> Tuple[bytes, List[int]]:
+        return src.recv(1 << 20), []
 
     def _pipe(self, src: socket.socket, dst: socket.socket, parse: bool) -> None:
         buf = bytearray()
         while True:
             try:
-                data = src.recv(1 << 20)
+                data, fds = self._recv(src)
             except OSError:
-                data = b""
+                data, fds = b"", []
             if not data:
                 try:
                     dst.shutdown(socket.SHUT_WR)
@@ -79,10 +94,18 @@ class Relay:
                         break
                     if op == OP_PUT:
                         self.puts.append((flags, *struct.unpack_from("<IIII", buf, HDR + 16)))
+                    elif op == OP_RESERVE:
+                        self.reserves.append(
+                            (flags, *struct.unpack_from("<IIII", buf, HDR + 16)))
                     elif op == OP_MATCH:
                         self.matches.append(flags)
                     del buf[:HDR + blen]
-            dst.sendall(data)
+            if fds:  # a MAP reply's descriptor, on its first byte: passed on with it
+                socket.send_fds(dst, [data], fds)
+                for fd in fds:
+                    os.close(fd)
+            else:
+                dst.sendall(data)
 
     def close(self) -> None:
         self.sock.close()
@@ -91,6 +114,36 @@ class Relay:
                 s.close()
             except OSError:
                 pass
+
+
+class UnixRelay(Relay):
+    """The same relay on a Unix socket of its own to kvtierd's, so that the client maps the
+    daemon's arena (the mapped set-up): the descriptor of a MAP reply goes on to the client."""
+
+    def __init__(self, upstream: str) -> None:
+        self.up = upstream
+        self.dir = tempfile.mkdtemp(prefix="kvt-relay-")
+        self.addr = os.path.join(self.dir, "relay.sock")
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(self.addr)
+        self._start()
+
+    def _dial(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(self.up)
+        return s
+
+    def _recv(self, src: socket.socket) -> Tuple[bytes, List[int]]:
+        data, fds, _, _ = socket.recv_fds(src, 1 << 20, 4)
+        return data, list(fds)
+
+    def close(self) -> None:
+        super().close()
+        try:
+            os.unlink(self.addr)
+            os.rmdir(self.dir)
+        except OSError:
+            pass
 
 
 def through(d: Daemon, relay: Relay, seed: Any, **extra: Any) -> Engine:
@@ -121,10 +174,11 @@ def partial_hit_step(b: Engine, toks: List[int], ids: List[int], hit: int,
     return r
 
 
-def loads_back(d: Daemon, toks: List[int], b: Engine, ids: List[int]) -> None:
+def loads_back(d: Daemon, toks: List[int], b: Engine, ids: List[int], api: str = "tokens"
+               ) -> None:
     """A fresh engine (on the Unix socket) loads every page of ``toks`` byte for byte as
     ``b`` holds them in blocks ``ids``."""
-    c = Engine(d, seed=None, api="tokens")
+    c = Engine(d, seed=None, api=api)
     try:
         r = request(toks)
         mine = [24 + i for i in range(len(ids))]  # of NBLOCKS (32)
@@ -209,6 +263,67 @@ def test_asynchronous_loads_keep_nothing() -> None:
         for x, y in zip(pages_of(a.kv, [4, 9, 2]), pages_of(b.kv, [11, 3, 30])):
             assert torch.equal(x.view(torch.int16), y.view(torch.int16))
         b.sched.request_finished(r, [11, 3, 30, 5])
+        a.close()
+        b.close()
+    finally:
+        relay.close()
+        d.stop(signal.SIGKILL)
+
+
+# The mapped set-up is the keyed calls' (api "keys", the default) on the Unix socket: its
+# client is a token client of the keyed namespace, a page's key sent as 4 synthetic token ids
+# (kvt_key_tokens). With api "tokens" the worker maps nothing (its saves are PUTs, above).
+MAPPED_PAGE_TOKENS = 4
+
+
+def test_mapped_save_after_load_reserves_only_the_new_pages_tokens() -> None:
+    # vLLM's default set-up: the Unix socket and the daemon's arena mapped, where a save is a
+    # RESERVE, the pages written in the mapping, and a COMMIT.
+    d = Daemon()
+    relay = UnixRelay(d.unix)
+    try:
+        a = Engine(d, seed=1)
+        b = Engine(d, seed=2, unix_path=relay.addr)
+        toks = prompt(5)
+        save_prompt(a, request(toks[:3 * BS + 1]), [4, 9, 2, 7])
+        ids = [11, 3, 30, 5, 20, 21]
+        relay.matches.clear()
+        partial_hit_step(b, toks, ids, hit=3)
+        assert b.worker._store.mapped, "the worker did not map the arena"
+        # The load's MATCH keeps its tokens; the save's RESERVE (of pages 3 and 4) names them
+        # and carries only the tokens of pages 3 and 4; nothing goes by a PUT.
+        assert any(f & MATCH_F_KEEP for f in relay.matches), relay.matches
+        assert len(relay.reserves) == 1 and not relay.puts, (relay.reserves, relay.puts)
+        flags, ntokens, first, npages, handle = relay.reserves[0]
+        assert flags & PUT_F_HANDLE and handle != 0
+        assert (ntokens, first, npages) == (2 * MAPPED_PAGE_TOKENS, 3, 2)
+        loads_back(d, toks, b, ids, api="keys")
+        a.close()
+        b.close()
+    finally:
+        relay.close()
+        d.stop(signal.SIGKILL)
+
+
+def test_mapped_save_after_an_expired_keep_reserves_all_tokens() -> None:
+    d = Daemon("--lease-ms", "150")
+    relay = UnixRelay(d.unix)
+    try:
+        a = Engine(d, seed=1)
+        b = Engine(d, seed=2, unix_path=relay.addr)
+        toks = prompt(5)
+        save_prompt(a, request(toks[:3 * BS + 1]), [4, 9, 2, 7])
+        ids = [11, 3, 30, 5, 20, 21]
+        partial_hit_step(b, toks, ids, hit=3, before_save=lambda: time.sleep(0.4))
+        assert b.worker._store.mapped, "the worker did not map the arena"
+        # The RESERVE naming the handle is answered ENOENT and changes nothing; libkvtier sends
+        # it again with the tokens of all 5 pages, which reserves pages 3 and 4.
+        per = MAPPED_PAGE_TOKENS
+        assert [(f & PUT_F_HANDLE, n, first, np) for f, n, first, np, _ in relay.reserves] == [
+            (PUT_F_HANDLE, 2 * per, 3, 2), (0, 5 * per, 3, 2)], relay.reserves
+        loads_back(d, toks, b, ids, api="keys")
+        with d.client() as c:
+            assert c.stats()["leases"] == 0
         a.close()
         b.close()
     finally:

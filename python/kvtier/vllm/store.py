@@ -73,11 +73,12 @@ class _PageStore:
     the daemon and the PUT names them (``put(after=)``), sending only the pages' tokens past
     them. That is the worker's load (the hit pages) and then its save of the pages computed
     after them, and the probe MATCH of a reservation that left pages without room and the PUT
-    of those pages. Only PUTs take a handle: libkvtier has no RESERVE naming one, and the keyed
-    calls (put_keys) none either, so a mapped worker's saves through its reservations, and
-    keyed calls over TCP, send their tokens as before. A handle the daemon no longer holds
-    (expired with the MATCH's lease time, replaced by newer ones) is answered ENOENT, and
-    libkvtier sends the PUT again with all its tokens (kvt_client_put_kept): the same result.
+    of those pages. Mapped, the load's MATCH (load_views) keeps them too, and the save's
+    RESERVE names them (``reserve(after=)``, kvt_client_reserve_kept). The keyed calls
+    (put_keys) take no handle, so keyed calls over TCP send their tokens as before. A handle
+    the daemon no longer holds (expired with the MATCH's lease time, replaced by newer ones)
+    is answered ENOENT, and libkvtier sends the PUT or RESERVE again with all its tokens
+    (kvt_client_put_kept, kvt_client_reserve_kept): the same result.
     """
 
     def __init__(self, conf: Dict[str, Any], model: str, salt: str, block_bytes: int, *,
@@ -268,9 +269,8 @@ class _PageStore:
                 c = self._c()
                 if self.keyed and not self.mapped:
                     return int(c.get_keys_into(keys, buf, first))
-                # Not mapped, the save after this load PUTs its pages: keep the tokens.
-                m = c.match(self.tokens(keys), lease=True,
-                            keep=self._keep_loads and not self.mapped)
+                # The save after this load (a PUT, or mapped a RESERVE) names the tokens kept.
+                m = c.match(self.tokens(keys), lease=True, keep=self._keep_loads)
                 self._keep(c, keys, m)
                 try:
                     n = _stored(m.tiers, first)
@@ -328,7 +328,8 @@ class _PageStore:
                 if not self.mapped:
                     return None
                 toks = self.tokens(keys)
-                r = c.reserve(toks, len(keys) - first, first_page=first, gaps=gaps)
+                r = c.reserve(toks, len(keys) - first, first_page=first, gaps=gaps,
+                              after=self._after(c, keys, len(keys)))
                 if r.id:
                     self._holds += 1
             except Error as e:
@@ -382,8 +383,10 @@ class _PageStore:
                 if not self.mapped:
                     return None
                 # The MATCH also says where each page lies (one round trip): a GET only when
-                # one of them is not in the mapping.
-                m = c.match(self.tokens(keys), lease=True, locate=True)
+                # one of them is not in the mapping. It keeps its tokens for the save's
+                # RESERVE after it (reserve()).
+                m = c.match(self.tokens(keys), lease=True, locate=True, keep=self._keep_loads)
+                self._keep(c, keys, m)
                 n = _stored(m.tiers, first)
                 if n <= 0 or not m.lease:
                     if m.lease:
