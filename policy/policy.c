@@ -1660,7 +1660,10 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
             free_b = room_left(p, t);
             want = k;
         } else if (free_b < (uint64_t)want * one) {
-            uint64_t need = (uint64_t)want * one - free_b;
+            /* make_room's need is the free room wanted, not what is missing beyond it: the
+             * shortfall alone freed too little whenever some room was left (none at all with
+             * half of it free), and the rest of the prompt went one tier down. */
+            uint64_t need = (uint64_t)want * one;
             if (need > p->cap[t])
                 need = p->cap[t] - (p->cap[t] % one);
             (void)make_room(p, t, need, 0, &no_cause);

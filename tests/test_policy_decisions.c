@@ -213,6 +213,55 @@ Test(policy_decisions, demote_the_least_recent_when_full)
     stop();
 }
 
+/* An insert that finds some room left in the top tier makes room there for all of its pages,
+ * not for the shortfall alone: make_room's need is the free bytes wanted, and passing it what
+ * was missing beyond the free room freed too little (with 2 pages free for 4, nothing at all),
+ * so part of the newest prompt landed one tier down while colder pages kept the top tier. Every
+ * kind, and the oracle on both of its schedules (b is used sooner than a). */
+static void insert_fills_the_top_tier(kvt_policy_kind_t kind, int oracle_demand)
+{
+    kvt_policy_conf_t c = base_conf(kind, 6, 100, 0);
+    c.oracle_demand = oracle_demand;
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    uint32_t na[4] = {100, 100, 100, 100}, nb[4] = {10, 10, 10, 10};
+    kvt_policy_hint_t ha = {.next_use = na, .nnext = 4}, hb = {.next_use = nb, .nnext = 4};
+    int oracle = kind == KVT_POLICY_ORACLE;
+    request(a, 16, oracle ? &ha : NULL);
+    all_in(a, 4, KVT_TIER_HBM); /* 2 pages of HBM left */
+    request(b, 16, oracle ? &hb : NULL);
+    all_in(b, 4, KVT_TIER_HBM);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.blocks[KVT_TIER_HBM], 6);
+    cr_assert_eq(st.blocks[KVT_TIER_DRAM], 2, "a's 2 pages that left HBM went to DRAM");
+    cr_assert_eq(st.rejected, 0);
+    free(a);
+    free(b);
+    stop();
+}
+
+Test(policy_decisions, insert_makes_room_for_all_its_pages_lru)
+{
+    insert_fills_the_top_tier(KVT_POLICY_LRU, 0);
+}
+
+Test(policy_decisions, insert_makes_room_for_all_its_pages_lfu)
+{
+    insert_fills_the_top_tier(KVT_POLICY_LFU, 0);
+}
+
+Test(policy_decisions, insert_makes_room_for_all_its_pages_cost)
+{
+    insert_fills_the_top_tier(KVT_POLICY_COST, 0);
+}
+
+Test(policy_decisions, insert_makes_room_for_all_its_pages_oracle)
+{
+    insert_fills_the_top_tier(KVT_POLICY_ORACLE, 1);
+    insert_fills_the_top_tier(KVT_POLICY_ORACLE, 0);
+}
+
 Test(policy_decisions, drop_when_no_lower_tier)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 0, 0);
