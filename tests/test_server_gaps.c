@@ -17,18 +17,6 @@
 #define PAGE 16
 #define BB   8192
 
-/* The value of one series on the daemon's /metrics page, or -1 when it is not there. */
-static double metric(const kvd_t *d, const char *series)
-{
-    static char body[1 << 18];
-    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
-    size_t n = strlen(series);
-    for (char *l = body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
-        if (strncmp(l, series, n) == 0 && l[n] == ' ')
-            return strtod(l + n + 1, NULL);
-    return -1;
-}
-
 /* PUT of pages [first, first + n) of tok's whole pages, page p's bytes filled from seed + p. */
 static kvt_client_put_t put_window(kvt_client_t *c, const uint32_t *tok, uint32_t pages,
                                    uint32_t first, uint32_t n, uint32_t bb, uint32_t seed)
@@ -132,9 +120,9 @@ static void window_after_a_gap(int zero_copy)
     cr_expect_eq(kvt_client_release(c, lease, NULL), 0);
 
     /* The daemon counts what it holds: 7 pages in DRAM, stored by PUTs, 2 nodes split. */
-    cr_expect_eq(metric(&d, "kvtier_tier_blocks{tier=\"dram\"}"), 7);
-    cr_expect_eq(metric(&d, "kvtier_put_pages_total{outcome=\"stored\"}"), 7);
-    cr_expect_eq(metric(&d, "kvtier_put_gap_splits_total"), 2);
+    cr_expect_eq(kvd_metric(&d, "kvtier_tier_blocks{tier=\"dram\"}"), 7);
+    cr_expect_eq(kvd_metric(&d, "kvtier_put_pages_total{outcome=\"stored\"}"), 7);
+    cr_expect_eq(kvd_metric(&d, "kvtier_put_gap_splits_total"), 2);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
@@ -159,7 +147,7 @@ Test(server_gaps, remove_takes_a_gapped_chain)
     kvd_tokens(tok, 8 * PAGE, 7);
     kvt_client_set_put_flags(c, KVT_CLIENT_PUT_GAPS);
     cr_assert_eq(put_window(c, tok, 8, 4, 4, BB, 1).stored, 4);
-    cr_expect_eq(metric(&d, "kvtier_tier_blocks{tier=\"dram\"}"), 4);
+    cr_expect_eq(kvd_metric(&d, "kvtier_tier_blocks{tier=\"dram\"}"), 4);
     /* Leased, it stays. */
     uint8_t tiers[8];
     uint32_t pages;
@@ -171,9 +159,9 @@ Test(server_gaps, remove_takes_a_gapped_chain)
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(c, tok, 8 * PAGE, 0, 0, NULL, &m), 0);
     cr_expect_eq(m.pages, 1);
-    cr_expect_eq(metric(&d, "kvtier_tier_blocks{tier=\"dram\"}"), 0);
-    cr_expect_eq(metric(&d, "kvtier_tier_used_bytes{tier=\"dram\"}"), 0);
-    cr_expect_eq(metric(&d, "kvtier_index_blocks"), 1);
+    cr_expect_eq(kvd_metric(&d, "kvtier_tier_blocks{tier=\"dram\"}"), 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_tier_used_bytes{tier=\"dram\"}"), 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_index_blocks"), 1);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
@@ -197,7 +185,7 @@ Test(server_gaps, full_tiers_drop_old_windows_and_the_index_trims_their_gaps)
         cr_assert_eq(r.stored, WIN, "chain %u: stored %u (room is made for new windows)", k,
                      r.stored);
     }
-    cr_expect_leq(metric(&d, "kvtier_tier_used_bytes{tier=\"dram\"}"), 1 << 20);
+    cr_expect_leq(kvd_metric(&d, "kvtier_tier_used_bytes{tier=\"dram\"}"), 1 << 20);
     /* The newest window is whole and byte-exact. */
     uint8_t tiers[LEN];
     uint32_t pages;
@@ -213,8 +201,8 @@ Test(server_gaps, full_tiers_drop_old_windows_and_the_index_trims_their_gaps)
     cr_expect_lt(m.pages, LEN, "the window's pages left the index with their bytes");
     cr_expect(all_in(tiers, 0, m.pages, KVT_CLIENT_TIER_NONE));
     /* 200 chains of 12 pages do not fit 256K of index: gap pages were trimmed. */
-    cr_expect_lt(metric(&d, "kvtier_index_blocks"), CHAINS * (LEN - WIN));
-    cr_expect_leq(metric(&d, "kvtier_index_bytes"), 256 << 10);
+    cr_expect_lt(kvd_metric(&d, "kvtier_index_blocks"), CHAINS * (LEN - WIN));
+    cr_expect_leq(kvd_metric(&d, "kvtier_index_bytes"), 256 << 10);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
@@ -358,7 +346,7 @@ Test(server_gaps, a_malformed_gap_frame_changes_nothing)
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, 0, 0, NULL, &m), 0);
     cr_expect_eq(m.pages, 0, "nothing was added");
-    cr_expect_eq(metric(&d, "kvtier_index_blocks"), 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_index_blocks"), 0);
     q.first_page = 2;
     kvt_proto_put_encode(body, &q);
     raw_frame(fd, KVT_OP_PUT, KVT_PUT_F_GAPS, 4, body, (uint32_t)len, KVT_PROTO_MAGIC,

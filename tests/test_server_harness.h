@@ -327,4 +327,17 @@ static inline int kvd_http_get(const kvd_t *d, const char *path, char *buf, size
     return status;
 }
 
+/* The value of one series on d's /metrics page (its name with labels, exactly as exposed), or -1
+ * when the page has no such line. */
+static inline double kvd_metric(const kvd_t *d, const char *series)
+{
+    static char body[1 << 20];
+    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
+    size_t n = strlen(series);
+    for (const char *p = body; (p = strstr(p, series)); p += n)
+        if ((p == body || p[-1] == '\n') && p[n] == ' ')
+            return strtod(p + n + 1, NULL);
+    return -1;
+}
+
 #endif

@@ -66,24 +66,12 @@ static void get_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t n, uint32_
     free(want);
 }
 
-/* The value of one series from /metrics (-1 when absent). */
-static double metric(const kvd_t *d, const char *series)
-{
-    static char body[1 << 20];
-    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
-    size_t len = strlen(series);
-    for (const char *p = body; (p = strstr(p, series)); p += len)
-        if ((p == body || p[-1] == '\n') && p[len] == ' ')
-            return strtod(p + len + 1, NULL);
-    return -1;
-}
-
 /* Waits up to 5 s for the gauges (refreshed every tick) to show what STATS shows now (a MATCH
  * that hit DRAM may have started promotions, which the policy may then undo). */
 static void wait_gauges(const kvd_t *d, kvt_client_t *c)
 {
     uint64_t deadline = kvt_now_ns() + 5000000000ull;
-    while (metric(d, "kvtier_tier_blocks{tier=\"hbm\"}") != (double)kvd_stat(c, "hbm_blocks") &&
+    while (kvd_metric(d, "kvtier_tier_blocks{tier=\"hbm\"}") != (double)kvd_stat(c, "hbm_blocks") &&
            kvt_now_ns() < deadline)
         usleep(10000);
 }
@@ -141,15 +129,15 @@ static void spill_and_prefetch(const char *backend)
 
     /* The metrics: the moves both ways, the tier's gauges, the hits, the copies' batches. */
     wait_gauges(&d, c);
-    cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 8);
-    cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"hbm\"}"), 8);
-    double hbm_blocks = metric(&d, "kvtier_tier_blocks{tier=\"hbm\"}");
+    cr_expect_geq(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 8);
+    cr_expect_geq(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"hbm\"}"), 8);
+    double hbm_blocks = kvd_metric(&d, "kvtier_tier_blocks{tier=\"hbm\"}");
     cr_expect(hbm_blocks >= 8 && hbm_blocks <= 16, "kvtier_tier_blocks{tier=\"hbm\"} %g",
               hbm_blocks);
-    cr_expect_eq(metric(&d, "kvtier_tier_capacity_bytes{tier=\"hbm\"}"), 1 << 20);
-    cr_expect_gt(metric(&d, "kvtier_hit_tokens_total{tier=\"hbm\"}"), 0);
-    double copies = metric(&d, "kvtier_hbm_copies_total");
-    double batches = metric(&d, "kvtier_hbm_copy_batches_total");
+    cr_expect_eq(kvd_metric(&d, "kvtier_tier_capacity_bytes{tier=\"hbm\"}"), 1 << 20);
+    cr_expect_gt(kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"hbm\"}"), 0);
+    double copies = kvd_metric(&d, "kvtier_hbm_copies_total");
+    double batches = kvd_metric(&d, "kvtier_hbm_copy_batches_total");
     /* a's 16 writes and b's 8 promotions at least (the host backend's GETs and demotions read
      * its memory directly; the cuda backend's copy it out too): a PUT's pages, and a PREFETCH's,
      * are queued in one turn and go out together. */
@@ -185,7 +173,7 @@ static void fill_and_demote(const char *backend)
     for (int i = 1; i < 16; i++)
         cr_expect_geq(tiers[i], tiers[i - 1], "faster tiers first along the path");
     wait_gauges(&d, c);
-    cr_expect_geq(metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 4);
+    cr_expect_geq(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"hbm\",to=\"dram\"}"), 4);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
@@ -288,20 +276,22 @@ static kvt_client_t *client_on(const kvd_t *d, int device)
 static void pools_hold(const kvd_t *d, kvt_client_t *c, double b0, double b1)
 {
     uint64_t deadline = kvt_now_ns() + 5000000000ull;
-    while ((metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}") != b0 ||
-            metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}") != b1) &&
+    while ((kvd_metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}") != b0 ||
+            kvd_metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}") != b1) &&
            kvt_now_ns() < deadline)
         usleep(10000);
-    cr_expect_eq(metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}"), b0, "device 0 pool: %g want %g",
-                 metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}"), b0);
-    cr_expect_eq(metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}"), b1, "device 1 pool: %g want %g",
-                 metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}"), b1);
-    double u0 = metric(d, "kvtier_hbm_pool_used_bytes{device=\"0\"}");
-    double u1 = metric(d, "kvtier_hbm_pool_used_bytes{device=\"1\"}");
+    cr_expect_eq(kvd_metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}"), b0,
+                 "device 0 pool: %g want %g", kvd_metric(d, "kvtier_hbm_pool_blocks{device=\"0\"}"),
+                 b0);
+    cr_expect_eq(kvd_metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}"), b1,
+                 "device 1 pool: %g want %g", kvd_metric(d, "kvtier_hbm_pool_blocks{device=\"1\"}"),
+                 b1);
+    double u0 = kvd_metric(d, "kvtier_hbm_pool_used_bytes{device=\"0\"}");
+    double u1 = kvd_metric(d, "kvtier_hbm_pool_used_bytes{device=\"1\"}");
     cr_expect_eq(u0, b0 * BLK);
     cr_expect_eq(u1, b1 * BLK);
-    cr_expect_leq(u0, metric(d, "kvtier_hbm_pool_capacity_bytes{device=\"0\"}"));
-    cr_expect_leq(u1, metric(d, "kvtier_hbm_pool_capacity_bytes{device=\"1\"}"));
+    cr_expect_leq(u0, kvd_metric(d, "kvtier_hbm_pool_capacity_bytes{device=\"0\"}"));
+    cr_expect_leq(u1, kvd_metric(d, "kvtier_hbm_pool_capacity_bytes{device=\"1\"}"));
     cr_expect_eq((uint64_t)(u0 + u1), kvd_stat(c, "hbm_used_bytes"));
 }
 
@@ -317,9 +307,9 @@ Test(server_hbm, host_pool_per_device_puts_on_the_client_s_device)
     kvt_client_t *c1 = client_on(&d, 1);
     kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BLK); /* a zeroed conf: device 0 */
     cr_expect_eq(kvd_stat(c0, "hbm_capacity_bytes"), 2u << 20, "hbm-bytes per device");
-    cr_expect_eq(metric(&d, "kvtier_hbm_pool_capacity_bytes{device=\"0\"}"), 1 << 20);
-    cr_expect_eq(metric(&d, "kvtier_hbm_pool_capacity_bytes{device=\"1\"}"), 1 << 20);
-    cr_expect_eq(metric(&d, "kvtier_hbm_pool_blocks{device=\"2\"}"), -1, "no pool, no series");
+    cr_expect_eq(kvd_metric(&d, "kvtier_hbm_pool_capacity_bytes{device=\"0\"}"), 1 << 20);
+    cr_expect_eq(kvd_metric(&d, "kvtier_hbm_pool_capacity_bytes{device=\"1\"}"), 1 << 20);
+    cr_expect_eq(kvd_metric(&d, "kvtier_hbm_pool_blocks{device=\"2\"}"), -1, "no pool, no series");
 
     uint32_t a[8 * PAGE], b[4 * PAGE], e[12 * PAGE], f[8 * PAGE];
     kvd_tokens(a, 8 * PAGE, 11);

@@ -232,18 +232,6 @@ Test(server_loops, clients_that_leave_with_io_in_flight)
     kvd_cleanup(&d);
 }
 
-/* The value of an unlabelled series on /metrics. */
-static double metric(const kvd_t *d, const char *series)
-{
-    static char body[1 << 18];
-    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
-    size_t n = strlen(series);
-    for (char *l = body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
-        if (strncmp(l, series, n) == 0 && l[n] == ' ')
-            return strtod(l + n + 1, NULL);
-    return -1;
-}
-
 /* At max-conns, new connections that come together each close a different idle one, though
  * the idle ones of loop 1 are closed there, after loop 0 picked them (a victim picked twice let
  * the daemon hold more than max-conns). */
@@ -256,16 +244,16 @@ Test(server_loops, connections_past_max_conns_each_evict_another)
     for (int i = 0; i < OLD; i++) /* to loops 0, 1, 0, 1, ...: the fewest first */
         old[i] = kvd_raw(&d);
     usleep(100000);
-    cr_assert_eq(metric(&d, "kvtier_connections"), OLD);
+    cr_assert_eq(kvd_metric(&d, "kvtier_connections"), OLD);
     for (int i = 0; i < NEW; i++)
         fresh[i] = kvd_raw(&d);
     double open = OLD + NEW;
     for (int i = 0; i < 200 && open > OLD; i++) {
         usleep(10000);
-        open = metric(&d, "kvtier_connections");
+        open = kvd_metric(&d, "kvtier_connections");
     }
     cr_expect_leq(open, OLD, "at most max-conns open once the evictions are done: %.0f", open);
-    cr_expect_eq(metric(&d, "kvtier_connections_evicted_total"), NEW);
+    cr_expect_eq(kvd_metric(&d, "kvtier_connections_evicted_total"), NEW);
     int closed = 0;
     for (int i = 0; i < OLD; i++) {
         struct pollfd pf = {.fd = old[i], .events = POLLIN};

@@ -142,18 +142,6 @@ static uint32_t put_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages,
     return r.stored;
 }
 
-/* The value of one metric line (name with labels, exactly as exposed), or -1 when absent. */
-static double metric(const kvd_t *d, const char *series)
-{
-    static char body[1 << 18];
-    cr_assert_eq(kvd_http_get(d, "/metrics", body, sizeof body), 200);
-    size_t n = strlen(series);
-    for (char *l = body; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
-        if (strncmp(l, series, n) == 0 && l[n] == ' ')
-            return strtod(l + n + 1, NULL);
-    return -1;
-}
-
 /* Reads the whole prompt back under a lease; every page must be byte-exact. */
 static void get_prompt(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed,
                        uint8_t *from)
@@ -200,7 +188,7 @@ static uint32_t expect_reads_back(kvt_client_t *c, uint64_t lease, uint32_t n, u
 static double settle(const kvd_t *d, const char *series, double above)
 {
     double v = -1;
-    for (int i = 0; i < 1000 && (v = metric(d, series)) <= above; i++)
+    for (int i = 0; i < 1000 && (v = kvd_metric(d, series)) <= above; i++)
         usleep(5000);
     return v;
 }
@@ -277,10 +265,10 @@ Test(server_policy, leased_path_never_moves_and_no_lower_tier_drops)
         cr_expect_eq(from[i], KVT_CLIENT_TIER_DRAM, "leased page %d stayed in DRAM", i);
     cr_assert_eq(kvt_client_release(c, lease, NULL), 0);
     /* y went first (oldest unleased): a lookup of it now misses some pages as evicted. */
-    double before = metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}");
+    double before = kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}");
     cr_assert_eq(kvt_client_match(c, y, 12 * PAGE, 0, 0, NULL, &m), 0);
     cr_expect_lt(m.pages, 12, "y lost pages to the drops");
-    cr_expect_gt(metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}"), before,
+    cr_expect_gt(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}"), before,
                  "the miss is counted as evicted");
     kvt_client_close(c);
     kvd_cleanup(&d);
@@ -345,7 +333,7 @@ Test(server_policy, waiting_prefetch_goes_on_when_moves_land)
     cr_expect_eq(pb.moved, 4, "b: moved %u resident %u failed %u", pb.moved, pb.resident,
                  pb.failed);
     cr_expect_eq(pb.failed, 0);
-    double waits = metric(&d, "kvtier_prefetch_waits_total");
+    double waits = kvd_metric(&d, "kvtier_prefetch_waits_total");
     cr_expect_eq(waits, 1, "b's PREFETCH waited for the room: %g", waits);
     uint8_t tiers[4];
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
@@ -431,7 +419,7 @@ static void put_past_capacity(const char *tier, const char *dram, const char *nv
         cr_assert_leq(kvd_stat(c, used), kvd_stat(c, cap));
     }
     cr_expect_gt(kvd_stat(c, "put_room_pages"), 0, "room was made for PUT pages");
-    cr_expect_gt(metric(&d, "kvtier_put_room_pages_total"), 0);
+    cr_expect_gt(kvd_metric(&d, "kvtier_put_room_pages_total"), 0);
     uint8_t from[P];
     get_prompt(c, tok[N - 1], P, 500 * N, from);
     uint8_t tiers[P];
@@ -448,11 +436,11 @@ static void put_past_capacity(const char *tier, const char *dram, const char *nv
     static uint32_t huge[BIGP * PAGE];
     kvd_tokens(huge, BIGP * PAGE, 90000000u);
     uint32_t stored = put_prompt(c, huge, BIGP, 7000);
-    double no_room = metric(&d, "kvtier_put_pages_total{outcome=\"no_room\"}");
+    double no_room = kvd_metric(&d, "kvtier_put_pages_total{outcome=\"no_room\"}");
     cr_expect(stored > 0 && stored < BIGP, "%u of %u pages of a prompt larger than the tier",
               stored, BIGP);
     cr_expect_eq(no_room, BIGP - stored, "the others counted as no_room (%.0f)", no_room);
-    cr_expect_eq(metric(&d, "kvtier_put_pages_total{outcome=\"failed\"}"), 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_put_pages_total{outcome=\"failed\"}"), 0);
     cr_assert_leq(kvd_stat(c, used), kvd_stat(c, cap));
     kvt_client_close(c);
     kvd_cleanup(&d);
@@ -505,7 +493,7 @@ Test(server_policy, corrupt_nvme_block_becomes_index_only)
     fill_pages(want, P, 77);
     cr_expect(memcmp(buf, want, (size_t)got * BIG) == 0, "and byte-exact");
     cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
-    cr_expect_geq(metric(&d, "kvtier_miss_tokens_total{reason=\"checksum\"}"), PAGE);
+    cr_expect_geq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"checksum\"}"), PAGE);
 
     cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, P, "the index still knows the tokens");
@@ -552,13 +540,13 @@ Test(server_policy, leased_nvme_path_survives_segment_reclaim)
     while (stored < m.pages && tiers[stored] != KVT_CLIENT_TIER_NONE)
         in_nvme += tiers[stored++] == KVT_CLIENT_TIER_NVME;
     cr_assert_gt(in_nvme, 0, "some of the leased path is in NVMe (%u stored)", stored);
-    double lost = metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}");
+    double lost = kvd_metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}");
     for (int k = 0; k < CHURN; k++) {
         kvd_tokens(churn, C * PAGE, 9500000u + 10000u * k);
         put_prompt(c, churn, C, 950 + 10 * k);
     }
     quiet(c, 1); /* the test's lease on tok */
-    cr_expect_gt(metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), lost,
+    cr_expect_gt(kvd_metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), lost,
                  "the churn made the log reclaim segments");
     expect_reads_back(c, m.lease, stored, 900, "the leased path");
     cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
@@ -643,8 +631,8 @@ Test(server_policy, index_stays_under_index_bytes)
         cr_expect(strstr(kvt_client_errmsg(c), "no room"), "%s", kvt_client_errmsg(c));
         cr_expect_leq(index_bytes(c), (uint64_t)CAP);
         cr_expect_gt(most, (uint64_t)CAP / 2, "setup %d: the test filled the index", v);
-        cr_expect_eq(metric(&d, "kvtier_index_capacity_bytes"), (double)CAP);
-        cr_expect_gt(metric(&d, "kvtier_blocks_dropped_total{tier=\"none\"}"), 0);
+        cr_expect_eq(kvd_metric(&d, "kvtier_index_capacity_bytes"), (double)CAP);
+        cr_expect_gt(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"none\"}"), 0);
 
         kvt_client_match_t q = {0};
         index_prompt(tok, PAGES, 0);
@@ -653,11 +641,11 @@ Test(server_policy, index_stays_under_index_bytes)
         index_prompt(tok, PAGES, PROMPTS);
         cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
         cr_expect_eq(q.pages, PAGES, "setup %d: the newest prompt is there", v);
-        double before = metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}");
+        double before = kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}");
         index_prompt(tok, PAGES, 1);
         cr_assert_eq(kvt_client_match(c, tok, PAGES * PAGE, 0, 0, NULL, &q), 0);
         cr_expect_eq(q.pages, 0, "setup %d: the oldest unleased prompt went", v);
-        cr_expect_eq(metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}"),
+        cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"evicted\"}"),
                      before + PAGES * PAGE, "setup %d: its miss is counted as evicted", v);
         kvt_client_close(c);
         kvd_cleanup(&d);
@@ -780,7 +768,7 @@ Test(server_policy, full_index_refuses_leases_and_namespaces_it_cannot_hold)
     char model[32];
     kvt_client_conf_t conf = {.unix_path = d.sock, .model = model, .page_size = PAGE};
     kvt_client_t *n = NULL;
-    double conns = metric(&d, "kvtier_connections");
+    double conns = kvd_metric(&d, "kvtier_connections");
     uint32_t opened = 0;
     for (; opened < TENANTS; opened++) {
         snprintf(model, sizeof model, "tenant-%u", opened);
@@ -801,7 +789,7 @@ Test(server_policy, full_index_refuses_leases_and_namespaces_it_cannot_hold)
         kvt_client_close(tenant[i]);
     /* The daemon has seen every close (with several loops, another loop may see them after the
      * next HELLO, which would then close only the namespaces already let go). */
-    for (int i = 0; i < 500 && metric(&d, "kvtier_connections") > conns; i++)
+    for (int i = 0; i < 500 && kvd_metric(&d, "kvtier_connections") > conns; i++)
         usleep(10000);
     snprintf(model, sizeof model, "tenant-%u", opened);
     rc = -1;
@@ -811,7 +799,7 @@ Test(server_policy, full_index_refuses_leases_and_namespaces_it_cannot_hold)
             usleep(10000); /* the daemon sees the closes */
     }
     cr_expect_eq(rc, 0, "HELLO once the idle namespaces can go: %s", kvt_client_strerror(rc));
-    cr_expect_geq(metric(&d, "kvtier_namespaces_closed_total"), (double)opened);
+    cr_expect_geq(kvd_metric(&d, "kvtier_namespaces_closed_total"), (double)opened);
     kvt_client_close(n);
     kvt_client_close(c);
     cr_expect_leq(index_bytes(other), (uint64_t)CAP);
@@ -894,7 +882,7 @@ Test(server_policy, a_move_pins_its_blocks_only_within_index_bytes)
         cr_assert_leq(index_bytes(other), (uint64_t)CAP, "after hit %d", i);
     }
     cr_expect_gt(kvd_stat(other, "policy_pin_refusals"), refused);
-    cr_expect_geq(metric(&d, "kvtier_policy_pin_refusals_total"), 1.0);
+    cr_expect_geq(kvd_metric(&d, "kvtier_policy_pin_refusals_total"), 1.0);
     cr_assert(wait_tiers(other, a, A, KVT_CLIENT_TIER_NVME, 500), "a stays in NVMe, whole");
     /* Slots given back: the next hit promotes a, and it reads back byte-exact (the GET's pin
      * takes a slot too). */
@@ -1097,9 +1085,9 @@ Test(server_policy, random_mix_keeps_every_promise, .timeout = 120)
     }
     kvt_client_t *c = kvd_client(&d, "m", PAGE, MIX_BB);
     cr_expect_gt(read, 1000, "the mix read pages back (%llu)", (unsigned long long)read);
-    cr_expect_gt(metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
-    cr_expect_gt(metric(&d, "kvtier_blocks_moved_total{from=\"nvme\",to=\"remote\"}"), 0);
-    cr_expect_gt(metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), 0,
+    cr_expect_gt(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
+    cr_expect_gt(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"nvme\",to=\"remote\"}"), 0);
+    cr_expect_gt(kvd_metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), 0,
                  "NVMe reclaimed blocks under the mix");
     /* Each REMOVE waits up to a second for moves on its prefix, mix_remove up to 5 s more; a
      * second pass after moves in flight have landed. */
