@@ -118,6 +118,7 @@ Test(server_policy, index_prefault_is_resident_at_start)
     long ra = rss_kb(a.pid), rb = rss_kb(b.pid);
     cr_expect_geq(rb - ra, 90 * 1024, "resident %ld kB with index-prefault 96M, %ld kB without", rb,
                   ra);
+    cr_expect_eq(kvd_metric(&b, "kvtier_index_prefaulted_bytes"), 96.0 * 1024 * 1024);
     kvd_cleanup(&b);
     kvd_cleanup(&a);
 }
@@ -140,6 +141,11 @@ Test(server_policy, index_prefault_defaults_to_index_bytes)
     cr_expect_geq(rb - ra, 90 * 1024, "resident %ld kB with the default, %ld kB with 0", rb, ra);
     cr_expect_lt(ru - ra, 32 * 1024, "index-bytes 0: resident %ld kB, %ld kB with index-prefault 0",
                  ru, ra);
+    /* The gauge says the same, exactly: the arena mapped and filled all of index-bytes at start,
+     * nothing without a prefault until a PUT needs it. */
+    cr_expect_eq(kvd_metric(&b, "kvtier_index_prefaulted_bytes"), 96.0 * 1024 * 1024);
+    cr_expect_eq(kvd_metric(&a, "kvtier_index_prefaulted_bytes"), 0);
+    cr_expect_eq(kvd_metric(&u, "kvtier_index_prefaulted_bytes"), 0);
     kvd_cleanup(&u);
     kvd_cleanup(&b);
     kvd_cleanup(&a);
