@@ -10,7 +10,8 @@
  * Each trace is replayed into a fresh index first (the cold pass: a new process's first fill, which
  * pays the kernel for every page the growing index touches for the first time), then into a
  * fresh index made with a reserve of --reserve bytes (1G) mapped and filled when it is made
- * (*_cold_reserved, kvtierd's index-prefault; reserve_cpu_ms is what making it cost), then
+ * (*_cold_reserved, as kvtierd at its default index-prefault, all of its 1G index-bytes;
+ * reserve_cpu_ms is what making it cost), then
  * --passes times (5 by default) into that same index after the previous pass's namespace was
  * removed (the warm passes: kvtierd refilling after a removal, or once evictions recycle memory;
  * into the first index with --reserve 0). The us_per_request_* figures are those of the warm

@@ -85,9 +85,10 @@ static const kvt_opt_t kvt_opts[] = {
     {"index-bytes", KVT_OPT_BYTES, KVT_O(index_bytes), "1G",
      "memory the prefix index may allocate; index-only pages go, least recently used first, "
      "to stay under it; 0 for no limit"},
-    {"index-prefault", KVT_OPT_BYTES, KVT_O(index_prefault), "0",
+    {"index-prefault", KVT_OPT_BYTES, KVT_O(index_prefault), "index-bytes",
      "index memory mapped and faulted in at start, so that the first requests take no page fault "
-     "(at most index-bytes); 0: it grows with the index, in pre-faulted steps of 2 MiB"},
+     "(at most index-bytes; the default: all of it); 0: it grows with the index, in pre-faulted "
+     "steps of 2 MiB"},
     {"max-conns", KVT_OPT_U32, KVT_O(max_conns), "1024", "most client connections at once"},
     {"lease-ms", KVT_OPT_U32, KVT_O(lease_ms), "30000", "lease time limit when MATCH gives 0"},
     {"lease-ms-max", KVT_OPT_U32, KVT_O(lease_ms_max), "600000", "longest lease a client gets"},
@@ -219,6 +220,12 @@ int kvt__conf_set(kvt_srv_conf_t *conf, const char *name, const char *value, cha
     }
     void *f = (char *)conf + o->off;
     uint64_t v;
+    /* index-prefault's default follows index-bytes, whichever order the two are given in: the
+     * word stands for it until kvt__conf_finish knows index-bytes. */
+    if (o->off == KVT_O(index_prefault) && !strcmp(value, "index-bytes")) {
+        conf->index_prefault = KVT_PREFAULT_INDEX_BYTES;
+        return 0;
+    }
     switch (o->type) {
     case KVT_OPT_STR: {
         char *s = strdup(value);
@@ -497,6 +504,8 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen, "bad log-level '%s'", conf->log_level);
         return KVT_EINVAL;
     }
+    if (conf->index_prefault == KVT_PREFAULT_INDEX_BYTES)
+        conf->index_prefault = conf->index_bytes; /* 0, no limit: nothing to fill at start */
     if (conf->index_bytes && conf->index_prefault > conf->index_bytes) {
         snprintf(err, errlen, "index-prefault must be at most index-bytes");
         return KVT_EINVAL;

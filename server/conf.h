@@ -14,6 +14,10 @@
 #include "common.h"
 #include "tier.h"
 
+/* index-prefault's value until kvt__conf_finish: the word "index-bytes" (its default), all of
+ * index-bytes, whatever was set first. */
+#define KVT_PREFAULT_INDEX_BYTES UINT64_MAX
+
 typedef struct kvt_srv_conf {
     char *unix_path;    /* "" disables the Unix socket */
     uint32_t unix_mode; /* octal permission bits of the socket */

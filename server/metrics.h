@@ -183,6 +183,10 @@ typedef enum {
     X(INDEX_BYTES, GAUGE, "kvtier_index_bytes", "Memory allocated by the prefix index.", NONE)     \
     X(INDEX_CAPACITY, GAUGE, "kvtier_index_capacity_bytes",                                        \
       "The prefix index's memory limit (index-bytes); 0 for none.", NONE)                          \
+    X(INDEX_PREFAULTED, GAUGE, "kvtier_index_prefaulted_bytes",                                    \
+      "Memory the prefix index's arena has mapped and faulted in (index-prefault at start, then "  \
+      "2 MiB steps); resident, kept until exit.",                                                  \
+      NONE)                                                                                        \
     X(INDEX_NODES, GAUGE, "kvtier_index_nodes", "Nodes of the prefix index.", NONE)                \
     X(INDEX_CACHED_TOKENS, GAUGE, "kvtier_index_cached_tokens",                                    \
       "Tokens of the pages cached in the prefix index.", NONE)                                     \

@@ -251,8 +251,10 @@ class Daemon:
         self.logf.flush()
         # KVT_TEST_LOOPS=N: every daemon with N event loops (tests/meson.build, faults_loops2).
         loops = ["--loops", os.environ["KVT_TEST_LOOPS"]] if os.environ.get("KVT_TEST_LOOPS") else []
+        # index-prefault 0: the default fills all of index-bytes (1G) at start, which the soak's
+        # RSS bound would count and every start would pay (test_server_harness.h does the same)
         args = [KVTIERD, "--tcp", "127.0.0.1:0", "--metrics", "", "--hbm-bytes", "0",
-                "--log-level", "warn", *loops, *extra]
+                "--log-level", "warn", "--index-prefault", "0", *loops, *extra]
         self.proc = subprocess.Popen(args, cwd=home, stdout=subprocess.PIPE, stderr=self.logf,
                                      text=True, env=child_env(True),
                                      preexec_fn=_die_with_parent)

@@ -75,7 +75,8 @@ class Daemon:
         self.log = open(os.path.join(self.dir, "kvtierd.log"), "w")
         self.proc = subprocess.Popen(
             [os.path.join(BUILD, "server", "kvtierd"), "--tcp", "127.0.0.1:0", "--metrics",
-             "127.0.0.1:0", "--hbm-bytes", "0", "--nvme-bytes", "0", "--log-level", "warn"]
+             "127.0.0.1:0", "--hbm-bytes", "0", "--nvme-bytes", "0", "--log-level", "warn",
+             "--index-prefault", "0"]  # not 1 GiB filled at start: as test_server_harness.h
             + list(flags), cwd=self.dir, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.unix = self.metrics = None
         for line in self.proc.stdout:

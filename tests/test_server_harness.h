@@ -37,6 +37,10 @@ typedef struct kvd {
     FILE *out;
     /* When nofile_soft is set, the daemon starts with this open-file limit (soft, hard). */
     unsigned long nofile_soft, nofile_hard;
+    /* Set: the daemon keeps its default index-prefault (all of index-bytes, filled at start);
+     * otherwise the test defaults turn it off, as hundreds of daemons filling 1 GiB each would
+     * cost the suite minutes and gigabytes where a test is not about it. */
+    int index_prefault_default;
 } kvd_t;
 
 static inline const char *kvd_binary(void)
@@ -79,6 +83,10 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
                               "--log-level",  "warn"};
     for (size_t i = 0; i < sizeof defaults / sizeof *defaults; i++)
         argv[n++] = defaults[i];
+    if (!d->index_prefault_default) {
+        argv[n++] = "--index-prefault";
+        argv[n++] = "0";
+    }
     /* KVT_TEST_LOOPS=N runs every daemon with N event loops (the loops2 tests of
      * tests/meson.build); a test's own --loops, later on the line, wins. */
     const char *loops = getenv("KVT_TEST_LOOPS");

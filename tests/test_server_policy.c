@@ -57,6 +57,7 @@ Test(server_policy, bad_settings_refused)
         {"--max-reserved-bytes", "1K", "max-reserved-bytes at least 4K"},
         {"--metrics-namespaces", "1025", "metrics-namespaces must be between 0 and 1024"},
         {"--index-prefault", "2G", "index-prefault must be at most index-bytes"}, /* 1G */
+        {"--index-prefault", "lots", "bad value 'lots' for index-prefault"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char err[1024];
@@ -117,6 +118,35 @@ Test(server_policy, index_prefault_is_resident_at_start)
     long ra = rss_kb(a.pid), rb = rss_kb(b.pid);
     cr_expect_geq(rb - ra, 90 * 1024, "resident %ld kB with index-prefault 96M, %ld kB without", rb,
                   ra);
+    cr_expect_eq(kvd_metric(&b, "kvtier_index_prefaulted_bytes"), 96.0 * 1024 * 1024);
+    kvd_cleanup(&b);
+    kvd_cleanup(&a);
+}
+
+/* By default index-prefault is all of index-bytes, filled before the daemon accepts: resident
+ * by about index-bytes more than with 0, whatever index-bytes is (a fixed default would be
+ * refused under a smaller one); with index-bytes 0 (no limit) nothing is filled. */
+Test(server_policy, index_prefault_defaults_to_index_bytes)
+{
+    kvd_t a = {0}, b = {0}, u = {.index_prefault_default = 1};
+    b.index_prefault_default = 1;
+    kvd_start(&a, "--index-bytes", "96M", "--index-prefault", "0", NULL);
+    kvd_start(&b, "--index-bytes", "96M", NULL);
+    kvd_start(&u, "--index-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&b, "m", 16, 64);
+    cr_assert(c, "the daemon with the default index-prefault serves");
+    cr_expect_eq(kvt_client_ping(c, NULL), 0);
+    kvt_client_close(c);
+    long ra = rss_kb(a.pid), rb = rss_kb(b.pid), ru = rss_kb(u.pid);
+    cr_expect_geq(rb - ra, 90 * 1024, "resident %ld kB with the default, %ld kB with 0", rb, ra);
+    cr_expect_lt(ru - ra, 32 * 1024, "index-bytes 0: resident %ld kB, %ld kB with index-prefault 0",
+                 ru, ra);
+    /* The gauge says the same, exactly: the arena mapped and filled all of index-bytes at start,
+     * nothing without a prefault until a PUT needs it. */
+    cr_expect_eq(kvd_metric(&b, "kvtier_index_prefaulted_bytes"), 96.0 * 1024 * 1024);
+    cr_expect_eq(kvd_metric(&a, "kvtier_index_prefaulted_bytes"), 0);
+    cr_expect_eq(kvd_metric(&u, "kvtier_index_prefaulted_bytes"), 0);
+    kvd_cleanup(&u);
     kvd_cleanup(&b);
     kvd_cleanup(&a);
 }

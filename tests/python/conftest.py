@@ -60,6 +60,9 @@ class Daemon:
             [exe, "--tcp", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--dram-bytes", "16M",
              "--nvme-bytes", "8M", "--nvme-segment-bytes", "1M", "--hbm-bytes", "0",
              "--log-level", "warn",
+             # index-prefault 0: the default fills all of index-bytes (1G) at start, too dear for
+             # every test's daemon (test_server_harness.h does the same)
+             "--index-prefault", "0",
              # KVT_TEST_LOOPS=N: N event loops (as test_server_harness.h and faults.py read it)
              *(["--loops", os.environ["KVT_TEST_LOOPS"]] if os.environ.get("KVT_TEST_LOOPS") else []),
              *extra],
