@@ -133,16 +133,16 @@ int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_re
             r->indexed = 1;
         }
         /* A window after a gap's index-only pages begins a node of its own, as a GAPS PUT made
-         * it (op_put.c, put_gap): a node's tiers never get faster with depth. */
+         * it (op_put.c, put_gap): a node's tiers never get faster with depth. A split refused
+         * (no memory) leaves the window to the policy's adoption, which frees what it cannot
+         * account (adopt_recovered logs how many). */
         for (uint32_t d = 1; d < p.npages; d++) {
             kvt_radix_node_t *x = !p.blocks[d - 1] && p.blocks[d] && p.blocks[d]->indexed
                                       ? kvt_radix_node_holding(res.node, d)
                                       : NULL;
-            if (x && d != kvt_radix_node_depth(x) && (rc = kvt_radix_split_at(tree, x, d)) < 0)
-                break;
+            if (x && d != kvt_radix_node_depth(x))
+                (void)kvt_radix_split_at(tree, x, d);
         }
-        if (rc < 0)
-            break;
     }
 out:
     kvt_tier_nvme_recover_end(nvme, rc < 0, out);
