@@ -152,11 +152,15 @@ static int keys_transport(int rc)
 
 /* -- chains ------------------------------------------------------------------------------- */
 
-int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits)
+/* A chain's lookup; with kept, a MATCH with KEEP whose handle goes there. */
+static int keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits,
+                             kvt_keys_kept_t *kept)
 {
     if (!k || !hits)
         return KVT_CLIENT_EINVAL;
     *hits = 0;
+    if (kept)
+        *kept = (kvt_keys_kept_t){0};
     if (n == 0)
         return 0;
     uint32_t *t = NULL;
@@ -169,18 +173,36 @@ int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint
         return KVT_CLIENT_ENOMEM;
     }
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = n};
-    rc = kvt_client_match(k->c, t, n * KVT_KEY_TOKENS, 0, 0, NULL, &m);
+    kvt_client_step_t st = {0};
+    rc = kvt_client_match_step(k->c, t, n * KVT_KEY_TOKENS, kept ? KVT_CLIENT_KEEP : 0, 0, NULL, &m,
+                               kept ? &st : NULL);
     free(t);
     if (rc == 0)
         *hits = keys_with_bytes(tiers, m.pages);
+    if (rc == 0 && kept && st.handle)
+        *kept = (kvt_keys_kept_t){.handle = st.handle, .keys = n};
     free(tiers);
     return rc;
 }
 
-/* A chain's PUT of payload (one buffer) or blocks (one per page). */
-static int keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                          uint32_t npages, const void *payload, const void *const *blocks,
-                          kvt_client_put_t *res)
+int kvt_keys_chain_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits)
+{
+    return keys_chain_exists(k, keys, n, hits, NULL);
+}
+
+int kvt_keys_chain_exists_kept(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t *hits,
+                               kvt_keys_kept_t *kept)
+{
+    if (!kept)
+        return KVT_CLIENT_EINVAL;
+    return keys_chain_exists(k, keys, n, hits, kept);
+}
+
+/* A chain's PUT of payload (one buffer) or blocks (one per page), after a kept chain (after:
+ * NULL or its handle 0 for none). */
+static int keys_chain_put(kvt_keys_t *k, const kvt_keys_kept_t *after, const kvt_key_t *keys,
+                          uint32_t n, uint32_t first, uint32_t npages, const void *payload,
+                          const void *const *blocks, kvt_client_put_t *res)
 {
     if (!k)
         return KVT_CLIENT_EINVAL;
@@ -193,13 +215,20 @@ static int keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint
         return keys_fail(k, KVT_CLIENT_EINVAL, "blocks [%u, +%u) beyond the chain's %u keys", first,
                          npages, n);
     }
+    uint32_t handle = after ? after->handle : 0, kept = handle ? after->keys : 0;
+    if (kept > n) {
+        free(t);
+        return keys_fail(k, KVT_CLIENT_EINVAL, "the lookup kept %u keys, more than the %u given",
+                         kept, n);
+    }
     kvt_client_put_t r = {0};
     /* One PUT for the chain rather than one per block: a PUT carries the whole prefix's tokens,
-     * so a PUT per block would send the chain's tokens npages times. */
-    rc = blocks ? kvt_client_putv(k->c, t, n * KVT_KEY_TOKENS, first, npages, blocks, NULL,
-                                  res ? res : &r)
-                : kvt_client_put(k->c, t, n * KVT_KEY_TOKENS, first, npages, payload, NULL,
-                                 res ? res : &r);
+     * so a PUT per block would send the chain's tokens npages times. With a kept chain, only the
+     * tokens past it (kvt_client_put_kept sends them all if the daemon no longer holds it). */
+    rc = blocks ? kvt_client_putv_kept(k->c, handle, t, n * KVT_KEY_TOKENS, kept * KVT_KEY_TOKENS,
+                                       first, npages, blocks, NULL, res ? res : &r)
+                : kvt_client_put_kept(k->c, handle, t, n * KVT_KEY_TOKENS, kept * KVT_KEY_TOKENS,
+                                      first, npages, payload, NULL, res ? res : &r);
     free(t);
     return rc;
 }
@@ -207,26 +236,50 @@ static int keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint
 int kvt_keys_chain_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
                        uint32_t npages, const void *payload, kvt_client_put_t *res)
 {
-    return keys_chain_put(k, keys, n, first, npages, payload, NULL, res);
+    return keys_chain_put(k, NULL, keys, n, first, npages, payload, NULL, res);
 }
 
-int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
-                        uint32_t npages, const void *const *blocks, kvt_client_put_t *res)
+int kvt_keys_chain_put_kept(kvt_keys_t *k, const kvt_keys_kept_t *after, const kvt_key_t *keys,
+                            uint32_t n, uint32_t first, uint32_t npages, const void *payload,
+                            kvt_client_put_t *res)
+{
+    return keys_chain_put(k, after, keys, n, first, npages, payload, NULL, res);
+}
+
+static int keys_chain_putv(kvt_keys_t *k, const kvt_keys_kept_t *after, const kvt_key_t *keys,
+                           uint32_t n, uint32_t first, uint32_t npages, const void *const *blocks,
+                           kvt_client_put_t *res)
 {
     if (!k || (npages && !blocks))
         return KVT_CLIENT_EINVAL;
     if (npages && k->block_bytes == 0)
         return keys_fail(k, KVT_CLIENT_EINVAL,
                          "blocks (%u) on an index-only client (block_bytes 0)", npages);
-    return keys_chain_put(k, keys, n, first, npages, NULL, npages ? blocks : NULL, res);
+    return keys_chain_put(k, after, keys, n, first, npages, NULL, npages ? blocks : NULL, res);
 }
 
-int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first, void *buf,
-                       size_t cap, uint32_t *got)
+int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                        uint32_t npages, const void *const *blocks, kvt_client_put_t *res)
+{
+    return keys_chain_putv(k, NULL, keys, n, first, npages, blocks, res);
+}
+
+int kvt_keys_chain_putv_kept(kvt_keys_t *k, const kvt_keys_kept_t *after, const kvt_key_t *keys,
+                             uint32_t n, uint32_t first, uint32_t npages, const void *const *blocks,
+                             kvt_client_put_t *res)
+{
+    return keys_chain_putv(k, after, keys, n, first, npages, blocks, res);
+}
+
+/* A chain's read; with kept, its MATCH keeps the tokens it sends and the handle goes there. */
+static int keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                          void *buf, size_t cap, uint32_t *got, kvt_keys_kept_t *kept)
 {
     if (!k || !got || (cap && !buf))
         return KVT_CLIENT_EINVAL;
     *got = 0;
+    if (kept)
+        *kept = (kvt_keys_kept_t){0};
     if (k->block_bytes == 0)
         return keys_fail(k, KVT_CLIENT_EINVAL, "get on an index-only client (block_bytes 0)");
     if (n == 0)
@@ -258,9 +311,12 @@ int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = (uint32_t)end};
     kvt_client_step_t st = {.locs = locs, .locs_cap = (uint32_t)end};
     rc = kvt_client_match_step(k->c, t, (uint32_t)end * KVT_KEY_TOKENS,
-                               KVT_CLIENT_LEASE | (mapped ? KVT_CLIENT_LOCATE : 0), 0, NULL, &m,
-                               mapped ? &st : NULL);
+                               KVT_CLIENT_LEASE | (mapped ? KVT_CLIENT_LOCATE : 0) |
+                                   (kept ? KVT_CLIENT_KEEP : 0),
+                               0, NULL, &m, mapped || kept ? &st : NULL);
     free(t);
+    if (rc == 0 && kept && st.handle)
+        *kept = (kvt_keys_kept_t){.handle = st.handle, .keys = (uint32_t)end};
     /* From first on: pages before it without bytes (a sliding window's gap: docs/protocol.md,
      * "Chains with gaps") do not stop a read that does not include them. */
     uint32_t have = rc == 0 && m.pages > first
@@ -287,6 +343,20 @@ int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_
     if (rc == 0 && m.lease)
         rc = kvt_client_release(k->c, m.lease, NULL);
     return rc;
+}
+
+int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first, void *buf,
+                       size_t cap, uint32_t *got)
+{
+    return keys_chain_get(k, keys, n, first, buf, cap, got, NULL);
+}
+
+int kvt_keys_chain_get_kept(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
+                            void *buf, size_t cap, uint32_t *got, kvt_keys_kept_t *kept)
+{
+    if (!kept)
+        return KVT_CLIENT_EINVAL;
+    return keys_chain_get(k, keys, n, first, buf, cap, got, kept);
 }
 
 int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n)

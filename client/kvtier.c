@@ -1129,23 +1129,51 @@ int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, u
     return put_socket_run(c, 0, tokens, ntokens, first_page, 0, npages, NULL, blocks, hints, res);
 }
 
+/* kvt_client_put_kept and _putv_kept: payload (one buffer) or blocks (one per page). */
+static int put_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                    uint32_t kept, uint32_t first_page, uint32_t npages, const uint8_t *payload,
+                    const void *const *blocks, const kvt_client_hints_t *hints,
+                    kvt_client_put_t *res)
+{
+    if (!handle)
+        return blocks ? kvt_client_putv(c, tokens, ntokens, first_page, npages, blocks, hints, res)
+                      : kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
+    int rc = c->map && npages ? put_mapped(c, handle, tokens + kept, ntokens - kept, first_page,
+                                           npages, payload, blocks, hints, res)
+             : blocks ? put_socket_run(c, handle, tokens + kept, ntokens - kept, first_page, 0,
+                                       npages, NULL, blocks, hints, res)
+                      : put_socket(c, handle, tokens + kept, ntokens - kept, first_page, npages,
+                                   payload, hints, res);
+    /* ENOENT only names the handle (a PUT has no other): gone, so the tokens go in full. A
+     * mapped PUT's reservation failing so fell back to a socket PUT, answered the same. */
+    if (rc == KVT_ENOENT)
+        rc = blocks ? kvt_client_putv(c, tokens, ntokens, first_page, npages, blocks, hints, res)
+                    : kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
+    return rc;
+}
+
 int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
                         uint32_t kept, uint32_t first_page, uint32_t npages, const void *payload,
                         const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
     if (!c || (ntokens && !tokens) || kept > ntokens || (npages && (!payload || !c->block_bytes)))
         return KVT_EINVAL;
-    if (!handle)
-        return kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
-    int rc = c->map && npages ? put_mapped(c, handle, tokens + kept, ntokens - kept, first_page,
-                                           npages, payload, NULL, hints, res)
-                              : put_socket(c, handle, tokens + kept, ntokens - kept, first_page,
-                                           npages, payload, hints, res);
-    /* ENOENT only names the handle (a PUT has no other): gone, so the tokens go in full. A
-     * mapped PUT's reservation failing so fell back to a socket PUT, answered the same. */
-    if (rc == KVT_ENOENT)
-        rc = kvt_client_put(c, tokens, ntokens, first_page, npages, payload, hints, res);
-    return rc;
+    return put_kept(c, handle, tokens, ntokens, kept, first_page, npages, payload, NULL, hints,
+                    res);
+}
+
+int kvt_client_putv_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                         uint32_t kept, uint32_t first_page, uint32_t npages,
+                         const void *const *blocks, const kvt_client_hints_t *hints,
+                         kvt_client_put_t *res)
+{
+    if (!c || (ntokens && !tokens) || kept > ntokens || (npages && (!blocks || !c->block_bytes)))
+        return KVT_EINVAL;
+    for (uint32_t i = 0; i < npages; i++)
+        if (!blocks[i])
+            return KVT_EINVAL;
+    return put_kept(c, handle, tokens, ntokens, kept, first_page, npages, NULL,
+                    npages ? blocks : NULL, hints, res);
 }
 
 /* Where a located page lies: a pointer into the DRAM mapping, or an offset into the HBM pool.

@@ -246,6 +246,11 @@ KVT_API int kvt_client_put_kept(kvt_client_t *c, uint32_t handle, const uint32_t
                                 uint32_t ntokens, uint32_t kept, uint32_t first_page,
                                 uint32_t npages, const void *payload,
                                 const kvt_client_hints_t *hints, kvt_client_put_t *res);
+/* The same with one buffer of block_bytes per page, as kvt_client_putv is kvt_client_put's. */
+KVT_API int kvt_client_putv_kept(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                                 uint32_t ntokens, uint32_t kept, uint32_t first_page,
+                                 uint32_t npages, const void *const *blocks,
+                                 const kvt_client_hints_t *hints, kvt_client_put_t *res);
 
 /*
  * Chains with gaps (docs/protocol.md): with KVT_CLIENT_PUT_GAPS, every later PUT and RESERVE of c
@@ -526,6 +531,42 @@ KVT_API int kvt_keys_chain_putv(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n
  * index holds without their block, a gap of docs/protocol.md, do not stop it). */
 KVT_API int kvt_keys_chain_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint32_t first,
                                void *buf, size_t cap, uint32_t *got);
+
+/*
+ * Tokens sent once (docs/protocol.md, "Handles"; "Keyed blocks"): a chain's lookup or read that
+ * keeps its keys' tokens on the daemon (MATCH with KEEP), and a chain PUT that names them, so
+ * that it sends only the tokens of the keys past them. An engine's step reads the keys that hit
+ * (kvt_keys_chain_get_kept) and then stores the keys it computed after them
+ * (kvt_keys_chain_put_kept): the chain's tokens go over the wire once, not twice.
+ *
+ * A kept chain is valid on its kvt_keys_t only, for as long as the daemon holds the handle (the
+ * daemon's lease-ms; a connection keeps at most 16). keys[0, after->keys) of the PUT must be the
+ * keys the lookup named (the caller vouches for it: the daemon sees only tokens). With
+ * after->handle 0 (the daemon kept none), or a handle the daemon no longer holds (its ENOENT),
+ * the PUT sends every key's tokens: the same result, one more round trip at most, as
+ * kvt_client_put_kept. KVT_CLIENT_EINVAL (nothing sent) when after->keys > n.
+ */
+typedef struct kvt_keys_kept {
+    uint32_t handle; /* the daemon's handle; 0 when it kept none */
+    uint32_t keys;   /* the leading keys kept (0 when handle is 0) */
+} kvt_keys_kept_t;
+/* kvt_keys_chain_exists, keeping the chain's tokens: *kept gets the handle (all n keys). */
+KVT_API int kvt_keys_chain_exists_kept(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n,
+                                       uint32_t *hits, kvt_keys_kept_t *kept);
+/* kvt_keys_chain_get, keeping the tokens its MATCH sent: keys [0, min(n, first + cap /
+ * block_bytes)), the keys up to the last one read (kept->keys says how many). */
+KVT_API int kvt_keys_chain_get_kept(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n,
+                                    uint32_t first, void *buf, size_t cap, uint32_t *got,
+                                    kvt_keys_kept_t *kept);
+/* kvt_keys_chain_put and _putv after a kept chain (after may be NULL: as without it). */
+KVT_API int kvt_keys_chain_put_kept(kvt_keys_t *k, const kvt_keys_kept_t *after,
+                                    const kvt_key_t *keys, uint32_t n, uint32_t first,
+                                    uint32_t npages, const void *payload, kvt_client_put_t *res);
+KVT_API int kvt_keys_chain_putv_kept(kvt_keys_t *k, const kvt_keys_kept_t *after,
+                                     const kvt_key_t *keys, uint32_t n, uint32_t first,
+                                     uint32_t npages, const void *const *blocks,
+                                     kvt_client_put_t *res);
+
 /* Drops the chain's last key and everything cached beneath it (as kvt_client_remove). */
 KVT_API int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n);
 

@@ -305,7 +305,8 @@ static void fz_recover_and_use(kvt_tier_t *t)
             sink ^= p.tokens[k];
         (void)sink;
         for (uint32_t k = 0; take && k < p.npages; k++)
-            p.blocks[k]->indexed = 1;
+            if (p.blocks[k]) /* NULL: a gap's page, no block */
+                p.blocks[k]->indexed = 1;
         take = !take;
     }
     kvt_tier_nvme_recovery_t r;

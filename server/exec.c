@@ -468,6 +468,8 @@ static int exec_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t 
             kvt_tier_pin(s->tiers[from], b->loc, -1);
             break;
         }
+        if (i == 0 && to == KVT_TIER_NVME) /* a window behind a gap going down */
+            kvt__nvme_gap_path(s, n, depth, &pg->copy.key);
         kvt__block_busy(b, 1);
         m->started++;
         s->inflight++;

@@ -652,6 +652,10 @@ int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
 void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
                     kvt_block_key_t *key);
 kvt__io_t *kvt__io_new(kvt_srv_t *s, kvt__req_t *r, uint32_t depth);
+/* The block at (node, depth) goes to NVMe: when the page before it holds no bytes (a window
+ * behind a gap), the tokens in front of it are recorded for a restart (kvt_tier_nvme_add_path). */
+void kvt__nvme_gap_path(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth,
+                        const kvt_block_key_t *key);
 void kvt__io_started(kvt_srv_t *s, kvt__req_t *r);
 /* One I/O of r done: counted; returns 1 when it was r's last in flight. */
 int kvt__io_finished(kvt_srv_t *s, kvt__io_t *x, int status, int write);

@@ -82,8 +82,9 @@ static int policy_open(kvt_srv_t *s)
  * The NVMe tier's warm restart, fed into the index: the tier yields token paths (tier.h,
  * "Recovery into an index"); each namespace found on disk is opened by the description the tier
  * recorded, else by its seed, each path inserted, and every block on it whose page the tree now
- * holds with the same hash and no bytes elsewhere gets tier, loc and size. The tier frees what
- * nothing indexed (orphans). On KVT_ENOMEM the tree keeps what was inserted so far.
+ * holds with the same hash and no bytes elsewhere gets tier, loc and size; a path's pages without
+ * a block (a gap in front of a window, tier.h) stay index-only. The tier frees what nothing
+ * indexed (orphans). On KVT_ENOMEM the tree keeps what was inserted so far.
  */
 int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_recovery_t *out)
 {
@@ -123,11 +124,24 @@ int kvt_store_nvme_recover(kvt_radix_t *tree, kvt_tier_t *nvme, kvt_tier_nvme_re
         for (uint32_t d = 0; d < p.npages; d++) {
             kvt_tier_nvme_block_t *r = p.blocks[d];
             kvt_block_t *b = kvt_radix_block_at(res.node, d);
+            if (!r) /* a gap's page in front of a window: index-only */
+                continue;
             if (r->indexed || !b || kvt_radix_block_hash(tree, res.node, d) != r->hash ||
                 b->tier != KVT_TIER_NONE)
                 continue;
             kvt__block_recovered(b, KVT_TIER_NVME, r->loc, r->len);
             r->indexed = 1;
+        }
+        /* A window after a gap's index-only pages begins a node of its own, as a GAPS PUT made
+         * it (op_put.c, put_gap): a node's tiers never get faster with depth. A split refused
+         * (no memory) leaves the window to the policy's adoption, which frees what it cannot
+         * account (adopt_recovered logs how many). */
+        for (uint32_t d = 1; d < p.npages; d++) {
+            kvt_radix_node_t *x = !p.blocks[d - 1] && p.blocks[d] && p.blocks[d]->indexed
+                                      ? kvt_radix_node_holding(res.node, d)
+                                      : NULL;
+            if (x && d != kvt_radix_node_depth(x))
+                (void)kvt_radix_split_at(tree, x, d);
         }
     }
 out:

@@ -118,8 +118,9 @@ int kvt__tier_check(kvt_srv_t *s, const kvt_block_t *b);
 const uint8_t *kvt__tier_ptr(kvt_srv_t *s, const kvt_block_t *b);
 /* Starts a read from tier (tier.h's kvt_tier_read: io's callback on completion). */
 int kvt__tier_read(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io);
-/* Starts a write to tier (kvt_tier_write); whether tenant ns_seed may take len more bytes there
- * (tenant-<tier>-bytes, kvt_tier_ns_fits). */
+/* Starts a write to tier (kvt_tier_write; io is a kvt__io_t's, a GAPS PUT's window on NVMe has
+ * its gap's path recorded: kvt__nvme_gap_path); whether tenant ns_seed may take len more bytes
+ * there (tenant-<tier>-bytes, kvt_tier_ns_fits). */
 int kvt__tier_write(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io);
 int kvt__tier_fits(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t ns_seed, uint32_t len);
 /* Frees a location no block names yet (a PUT's write that did not join the tree); orphan: a

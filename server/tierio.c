@@ -6,6 +6,7 @@
 #include "server.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -152,9 +153,59 @@ int kvt__tier_read(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io)
     return kvt_tier_read(s->tiers[tier], io);
 }
 
+/*
+ * A window behind a gap on NVMe (docs/protocol.md, "Chains with gaps"): the block at depth, about
+ * to be written there, follows a page that holds no bytes (index-only, no write of it under
+ * way), so no NVMe record names the pages in front of it and a restart could not rebuild its
+ * path. Their tokens, from the root, go to the tier's path log (kvt_tier_nvme_add_path) so that
+ * a restart gives them back as index-only pages before the window. Once per window start: the
+ * window's later pages follow pages with bytes (or being written).
+ */
+void kvt__nvme_gap_path(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth,
+                        const kvt_block_key_t *key)
+{
+    static kvt_log_limit_t lim;
+    kvt_tier_t *t = s->tiers[KVT_TIER_NVME];
+    if (!t || depth == 0)
+        return;
+    const kvt_block_t *pb = kvt_radix_block_at(node, depth - 1);
+    if (!pb || pb->tier != KVT_TIER_NONE || (pb->flags & KVT_BLOCK_BUSY))
+        return;
+    uint32_t page = key->ntokens;
+    int rc = KVT_EINVAL;
+    uint32_t *tok = (uint64_t)depth * page <= KVT_NVME_PATH_MAX_TOKENS
+                        ? malloc((size_t)depth * page * sizeof *tok)
+                        : NULL;
+    if (tok) {
+        kvt_radix_node_t *n = node;
+        for (uint32_t p = depth; p-- > 0;) {
+            while (p < kvt_radix_node_depth(n))
+                n = kvt_radix_node_parent(n);
+            memcpy(tok + (size_t)p * page, kvt_radix_node_tokens(n, p - kvt_radix_node_depth(n)),
+                   page * sizeof *tok);
+        }
+        rc = kvt_tier_nvme_add_path(t, key, tok, depth);
+        free(tok);
+    } else if ((uint64_t)depth * page <= KVT_NVME_PATH_MAX_TOKENS) {
+        rc = KVT_ENOMEM;
+    }
+    if (rc < 0)
+        kvt_log_limited(&lim, KVT_LOG_WARN,
+                        "kvtierd: the path in front of a window at page %u (%u tokens) was not "
+                        "recorded (%s): a restart will not find the window",
+                        depth, depth * page, kvt_strerror(rc));
+}
+
 int kvt__tier_write(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io)
 {
-    return kvt_tier_write(s->tiers[tier], io);
+    int rc = kvt_tier_write(s->tiers[tier], io);
+    if (rc == 0 && tier == KVT_TIER_NVME) {
+        /* Every write here is a PUT's, its io inside a kvt__io_t (kvt__io_new). */
+        kvt__io_t *x = (kvt__io_t *)(void *)((char *)io - offsetof(kvt__io_t, io));
+        if (x->req && x->req->put.gaps)
+            kvt__nvme_gap_path(s, x->node, x->depth, &io->key);
+    }
+    return rc;
 }
 
 int kvt__tier_fits(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t ns_seed, uint32_t len)

@@ -230,3 +230,50 @@ Test(client_keys, a_small_tier_stays_within_capacity)
     kvt_keys_close(k);
     kvd_cleanup(&d);
 }
+
+/* A chain's lookup keeps its keys' tokens and the PUT after it names them: the PUT stores what a
+ * PUT of every key stores, also when the daemon no longer holds the handle (replaced by 16
+ * newer ones: the PUT goes again in full), and refuses a kept chain longer than its keys. The
+ * bytes on the wire are counted in tests/python/test_keys_keep.py. */
+Test(client_keys, a_put_after_a_kept_lookup_stores_the_whole_chain)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_keys_t *k = keyed(&d, "m", BB);
+    char an[5][32], xn[16][32];
+    kvt_key_t a[5], x[16];
+    mkkeys(a, an, 5, "kept");
+    mkkeys(x, xn, 16, "other");
+    static uint8_t pa[5 * BB], back[5 * BB];
+    kvd_fill(pa, sizeof pa, 7);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_keys_chain_put(k, a, 1, 0, 1, pa, &r), 0);
+    uint32_t hits = 9;
+    kvt_keys_kept_t kept;
+    cr_assert_eq(kvt_keys_chain_exists_kept(k, a, 3, &hits, &kept), 0);
+    cr_expect_eq(hits, 1);
+    cr_assert_neq(kept.handle, 0);
+    cr_expect_eq(kept.keys, 3);
+    cr_expect_eq(kvt_keys_chain_put_kept(k, &kept, a, 2, 1, 1, pa + BB, &r), KVT_CLIENT_EINVAL);
+    cr_expect(strstr(kvt_keys_errmsg(k), "kept 3 keys"), "%s", kvt_keys_errmsg(k));
+    cr_assert_eq(kvt_keys_chain_put_kept(k, &kept, a, 4, 1, 3, pa + BB, &r), 0);
+    cr_expect(r.pages == 4 && r.new_pages == 3 && r.stored == 3, "%u %u %u", r.pages, r.new_pages,
+              r.stored);
+    /* Replaced: 16 newer handles on the connection. */
+    for (int i = 0; i < 16; i++) {
+        kvt_keys_kept_t o;
+        cr_assert_eq(kvt_keys_chain_exists_kept(k, &x[i], 1, &hits, &o), 0);
+        cr_assert_neq(o.handle, 0);
+    }
+    const void *blk[1] = {pa + 4 * BB};
+    cr_assert_eq(kvt_keys_chain_putv_kept(k, &kept, a, 5, 4, 1, blk, &r), 0);
+    cr_expect(r.pages == 5 && r.new_pages == 1 && r.stored == 1, "%u %u %u", r.pages, r.new_pages,
+              r.stored);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_keys_chain_get_kept(k, a, 5, 0, back, sizeof back, &got, &kept), 0);
+    cr_expect_eq(got, 5);
+    cr_expect_eq(kept.keys, 5);
+    cr_expect(memcmp(back, pa, sizeof pa) == 0, "the chain's bytes");
+    kvt_keys_close(k);
+    kvd_stop(&d);
+}

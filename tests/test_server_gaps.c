@@ -4,9 +4,11 @@
  * (a sliding-window layer's window), which a PUT without it skips as before; a MATCH reports
  * every page of the chain with its tier; a window's pages read back byte-exact; REMOVE takes a
  * gapped chain whole; a full tier drops old windows to take new ones, and what is left of a
- * chain after its window went is index-only, trimmed under index-bytes; a warm restart frees a
- * window whose gap no NVMe record names; the remote probe finds a window behind a gap its
- * index knows; a malformed gap frame is refused and changes nothing.
+ * chain after its window went is index-only, trimmed under index-bytes; the remote probe finds a
+ * window behind a gap its index knows; a malformed gap frame is refused and changes nothing. A warm
+ * restart gives back a window behind a gap, written by a PUT or moved down to NVMe, from the path
+ * log the daemon keeps beside the data log (DIR/kvtier.paths); without that log (a directory from
+ * before it) the window is an orphan as it was, and a damaged record is skipped and counted.
  */
 #include <time.h>
 
@@ -209,37 +211,175 @@ Test(server_gaps, full_tiers_drop_old_windows_and_the_index_trims_their_gaps)
 
 /*
  * A warm restart rebuilds the index from the NVMe tier's records, each block found by its chain
- * of parents: a window after a gap has none on disk for the gap's pages, so its blocks are
- * orphans, freed and counted (a miss after the restart, never wrong bytes); a whole chain beside
- * it comes back.
+ * of parents. A window after a gap has no record for the gap's pages: the daemon wrote the
+ * gap's path (its tokens from the root) to DIR/kvtier.paths with the window's first page, and
+ * the restart gives the gap back as index-only pages with the window's blocks after them,
+ * byte-exact. Three chains: a window after a gap from the root, one after a gap in the middle
+ * (pages before it stored), and a whole chain.
  */
-Test(server_gaps, a_warm_restart_frees_a_window_whose_gap_was_never_stored)
+static void gapped_chains(kvd_t *d, uint32_t *win, uint32_t *mid, uint32_t *whole, const char *dram)
 {
-    kvd_t d = {0};
-    kvd_start(&d, "--dram-bytes", "0", NULL);
-    kvt_client_t *c = kvd_client(&d, "swa", PAGE, BB);
-    uint32_t win[6 * PAGE], whole[3 * PAGE];
+    kvd_start(d, "--dram-bytes", dram, NULL);
+    kvt_client_t *c = kvd_client(d, "swa", PAGE, BB);
     kvd_tokens(win, 6 * PAGE, 11);
+    kvd_tokens(mid, 6 * PAGE, 33000);
     kvd_tokens(whole, 3 * PAGE, 77000);
     kvt_client_set_put_flags(c, KVT_CLIENT_PUT_GAPS);
     cr_assert_eq(put_window(c, win, 6, 4, 2, BB, 5).stored, 2);
+    cr_assert_eq(put_window(c, mid, 2, 0, 2, BB, 6).stored, 2);
+    cr_assert_eq(put_window(c, mid, 6, 4, 2, BB, 6).stored, 2);
     cr_assert_eq(put_window(c, whole, 3, 0, 3, BB, 9).stored, 3);
+    kvt_client_close(c);
+    cr_assert_eq(kvd_stop(d), 0);
+}
+
+/* After the restart: which pages of each chain hold bytes, and the bytes. */
+static void check_gapped(kvt_client_t *c, const uint32_t *win, const uint32_t *mid,
+                         const uint32_t *whole, int windows_back)
+{
+    uint8_t tiers[6];
+    uint32_t pages = 0;
+    uint64_t lease = match_tiers(c, win, 6, tiers, &pages);
+    if (windows_back) {
+        cr_assert_eq(pages, 6, "the gap's pages are known again");
+        cr_expect(all_in(tiers, 0, 4, KVT_CLIENT_TIER_NONE));
+        cr_expect(all_in(tiers, 4, 6, KVT_CLIENT_TIER_NVME));
+        check_bytes(c, lease, 4, 2, BB, 5);
+    } else {
+        cr_expect_eq(pages, 0, "the window is gone with its gap");
+    }
+    if (lease)
+        cr_expect_eq(kvt_client_release(c, lease, NULL), 0);
+    lease = match_tiers(c, mid, 6, tiers, &pages);
+    cr_assert_eq(pages, windows_back ? 6 : 2);
+    cr_expect(all_in(tiers, 0, 2, KVT_CLIENT_TIER_NVME));
+    check_bytes(c, lease, 0, 2, BB, 6);
+    if (windows_back) {
+        cr_expect(all_in(tiers, 2, 4, KVT_CLIENT_TIER_NONE));
+        cr_expect(all_in(tiers, 4, 6, KVT_CLIENT_TIER_NVME));
+        check_bytes(c, lease, 4, 2, BB, 6);
+    }
+    cr_expect_eq(kvt_client_release(c, lease, NULL), 0);
+    lease = match_tiers(c, whole, 3, tiers, &pages);
+    cr_expect_eq(pages, 3);
+    check_bytes(c, lease, 0, 3, BB, 9);
+    cr_expect_eq(kvt_client_release(c, lease, NULL), 0);
+}
+
+Test(server_gaps, a_warm_restart_gives_back_a_window_behind_a_gap)
+{
+    kvd_t d = {0};
+    uint32_t win[6 * PAGE], mid[6 * PAGE], whole[3 * PAGE];
+    gapped_chains(&d, win, mid, whole, "0");
+    for (int round = 0; round < 2; round++) {
+        /* The second restart reads the path log as the first one's recovery rewrote it. */
+        kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+        kvt_client_t *c = kvd_client(&d, "swa", PAGE, BB);
+        cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 9, "round %d", round);
+        cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_orphan"), 0, "round %d", round);
+        cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_torn"), 0);
+        cr_expect_eq(kvd_stat(c, "nvme_blocks"), 9);
+        check_gapped(c, win, mid, whole, 1);
+        kvt_client_close(c);
+        cr_assert_eq(kvd_stop(&d), 0);
+    }
+    kvd_cleanup(&d);
+}
+
+/* A window moved down from DRAM to NVMe (the policy's demotion, not a PUT) records its path
+ * too: a one-page window, which a demotion moves alone. */
+Test(server_gaps, a_window_moved_down_to_nvme_comes_back_after_a_restart)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "64K", NULL);
+    kvt_client_t *c = kvd_client(&d, "swa", PAGE, BB);
+    uint32_t win[6 * PAGE], fill[8 * PAGE];
+    kvd_tokens(win, 6 * PAGE, 11);
+    kvt_client_set_put_flags(c, KVT_CLIENT_PUT_GAPS);
+    cr_assert_eq(put_window(c, win, 6, 5, 1, BB, 5).stored, 1);
+    /* Newer pages fill DRAM (8 blocks) over and over: the window goes down to NVMe. */
+    uint8_t tiers[6];
+    uint32_t pages = 0;
+    for (uint32_t k = 0; k < 8; k++) {
+        kvd_tokens(fill, 8 * PAGE, 50000 + 1000 * k);
+        put_window(c, fill, 8, 0, 8, BB, 40);
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 6};
+        cr_assert_eq(kvt_client_match(c, win, 6 * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+        if (m.pages == 6 && tiers[5] == KVT_CLIENT_TIER_NVME)
+            break;
+    }
+    /* Looked at without a use (PROBE): a use would bring it back up to DRAM. */
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 6};
+    cr_assert_eq(kvt_client_match(c, win, 6 * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 6);
+    cr_assert_eq(tiers[5], KVT_CLIENT_TIER_NVME, "the window went down: %u", tiers[5]);
     kvt_client_close(c);
     cr_assert_eq(kvd_stop(&d), 0);
 
-    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "64K", NULL});
     c = kvd_client(&d, "swa", PAGE, BB);
-    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 3);
+    uint64_t lease = match_tiers(c, win, 6, tiers, &pages);
+    cr_assert_eq(pages, 6, "the window is back behind its gap");
+    cr_expect(all_in(tiers, 0, 5, KVT_CLIENT_TIER_NONE));
+    check_bytes(c, lease, 5, 1, BB, 5);
+    kvt_client_release(c, lease, NULL);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A directory written before the path log (or whose log was lost) recovers as it did: the data
+ * log's format is unchanged, the window is an orphan (a miss, never wrong bytes), the rest comes
+ * back.
+ */
+Test(server_gaps, a_warm_restart_without_the_path_log_frees_the_window_as_before)
+{
+    kvd_t d = {0};
+    uint32_t win[6 * PAGE], mid[6 * PAGE], whole[3 * PAGE];
+    gapped_chains(&d, win, mid, whole, "0");
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtier-data/kvtier.paths", d.dir);
+    cr_assert_eq(unlink(path), 0, "the path log was written: %s", strerror(errno));
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    kvt_client_t *c = kvd_client(&d, "swa", PAGE, BB);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 5);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_orphan"), 4);
+    check_gapped(c, win, mid, whole, 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/* A damaged record of the path log is skipped and counted as torn: its window is an orphan, the
+ * window whose record is intact comes back. */
+Test(server_gaps, a_damaged_path_record_is_skipped_and_counted)
+{
+    kvd_t d = {0};
+    uint32_t win[6 * PAGE], mid[6 * PAGE], whole[3 * PAGE];
+    gapped_chains(&d, win, mid, whole, "0");
+    char path[700];
+    snprintf(path, sizeof path, "%s/kvtier-data/kvtier.paths", d.dir);
+    FILE *f = fopen(path, "r+");
+    cr_assert(f);
+    /* The first record (win's): a token byte after the 8-byte magic and its 56-byte header. */
+    cr_assert_eq(fseek(f, 8 + 56 + 5, SEEK_SET), 0);
+    int ch = fgetc(f);
+    cr_assert_eq(fseek(f, 8 + 56 + 5, SEEK_SET), 0);
+    fputc(ch ^ 0x40, f);
+    fclose(f);
+    kvd_startv(&d, (const char *const[]){"--dram-bytes", "0", NULL});
+    kvt_client_t *c = kvd_client(&d, "swa", PAGE, BB);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_torn"), 1);
     cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_orphan"), 2);
-    cr_expect_eq(kvd_stat(c, "nvme_blocks"), 3);
+    cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 7);
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(c, win, 6 * PAGE, 0, 0, NULL, &m), 0);
-    cr_expect_eq(m.pages, 0, "the window is gone with its gap");
-    uint8_t tiers[3];
-    uint32_t pages;
-    uint64_t lease = match_tiers(c, whole, 3, tiers, &pages);
-    cr_expect_eq(pages, 3);
-    check_bytes(c, lease, 0, 3, BB, 9);
+    cr_expect_eq(m.pages, 0, "win's record was damaged: its window is gone");
+    uint8_t tiers[6];
+    uint32_t pages = 0;
+    uint64_t lease = match_tiers(c, mid, 6, tiers, &pages);
+    cr_assert_eq(pages, 6);
+    check_bytes(c, lease, 4, 2, BB, 6);
+    kvt_client_release(c, lease, NULL);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }

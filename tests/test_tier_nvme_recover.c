@@ -4,7 +4,8 @@
  * finds every block the child saw completed; a torn last write and an overwritten prefix are
  * skipped; the newest copy of a block wins; and kvt_store_nvme_recover() rebuilds the radix
  * entries of recovered prefixes by following parent hashes, freeing blocks whose ancestors are
- * gone.
+ * gone; a block behind a gap comes back after the path recorded for it (DIR/kvtier.paths), whose
+ * damaged records are skipped and which is compacted as it grows.
  */
 #include "test_tier_util.h"
 
@@ -996,5 +997,83 @@ Test(tier_nvme_recover, the_namespace_list_is_compacted_as_tenants_come_and_go)
     cr_assert_eq(id, 0, "opened by recovery");
     kvt_tier_destroy(t);
     kvt_radix_destroy(tree);
+    tu_rmrf(dir);
+}
+
+/* The path in front of a window behind a gap (kvt_tier_nvme_add_path, DIR/kvtier.paths): the
+ * block comes back at the end of a path whose first pages have no block (NULL) and carry the
+ * recorded tokens; a record cut short is skipped and counted as torn, its block an orphan; the
+ * log is compacted, as it grows, to the records of blocks the tier holds. */
+Test(tier_nvme_recover, a_window_behind_a_gap_comes_back_after_its_path)
+{
+    char dir[4096], paths[4200];
+    tu_tmpdir(dir, sizeof(dir), "nvpath");
+    snprintf(paths, sizeof paths, "%s/kvtier.paths", dir);
+    kvt_tier_t *t = open_tier(dir);
+    uint32_t tok[2][16], gap[3 * 16];
+    for (uint32_t i = 0; i < 3 * 16; i++)
+        gap[i] = 1000 + i;
+    uint8_t *buf = tu_aligned(8192);
+    kvt_block_key_t k[2];
+    for (int i = 0; i < 2; i++) {
+        k[i] = tu_key((uint64_t)i + 1, tok[i], 16); /* parents no record names */
+        tu_fill(buf, 8192, (uint64_t)i);
+        cr_assert_eq(tu_write(t, &k[i], buf, 8192, NULL), 0);
+        cr_assert_eq(kvt_tier_nvme_add_path(t, &k[i], gap, 3), 0);
+    }
+    cr_expect_eq(kvt_tier_nvme_add_path(t, &k[0], gap, 0), KVT_EINVAL);
+    /* Records of a block the tier does not hold, until the log passes 1 MiB: the next record
+     * compacts it to the two above (and that one). */
+    kvt_block_key_t stray = k[0];
+    stray.hash ^= 0x5555;
+    static uint32_t big[64 * 16];
+    struct stat sb;
+    int compacted = 0;
+    for (int i = 0; i < 400 && !compacted; i++) {
+        off_t before = stat(paths, &sb) == 0 ? sb.st_size : 0;
+        cr_assert_eq(kvt_tier_nvme_add_path(t, &stray, big, 64), 0);
+        cr_assert_eq(stat(paths, &sb), 0);
+        compacted = sb.st_size < before;
+    }
+    cr_assert(compacted, "the log was compacted");
+    cr_expect_lt(sb.st_size, 3 * (56 + 64 * 16 * 4) + 8 + 1, "%ld bytes left", (long)sb.st_size);
+    kvt_tier_destroy(t);
+    /* k[1]'s record, the last but the stray one, cut short: the stray one's cut off whole. */
+    FILE *f = fopen(paths, "r+");
+    cr_assert(f);
+    long keep = 8 + 2 * (56 + 3 * 16 * 4) - 10;
+    cr_assert_eq(ftruncate(fileno(f), keep), 0);
+    fclose(f);
+
+    kvt_tier_nvme_recovery_t r;
+    t = reopen(dir, &r);
+    kvt_tier_nvme_ns_t *ns;
+    size_t nns;
+    cr_assert_eq(kvt_tier_nvme_recover_begin(t, &ns, &nns), 0);
+    cr_assert_eq(nns, 1);
+    ns[0].page_size = 16;
+    kvt_tier_nvme_path_t p;
+    int found = 0;
+    while (kvt_tier_nvme_recover_next(t, &p) == 1) {
+        cr_assert_eq(p.npages, 4, "the gap's 3 pages, then the block");
+        for (int d = 0; d < 3; d++)
+            cr_expect_null(p.blocks[d]);
+        cr_expect(memcmp(p.tokens, gap, sizeof gap) == 0, "the gap's tokens");
+        cr_expect(memcmp(p.tokens + 48, tok[0], sizeof tok[0]) == 0, "the block's tokens");
+        cr_assert_not_null(p.blocks[3]);
+        cr_expect_eq(p.blocks[3]->hash, k[0].hash);
+        p.blocks[3]->indexed = 1;
+        found++;
+    }
+    cr_expect_eq(found, 1, "k[1]'s path was cut short: an orphan");
+    cr_assert_eq(kvt_tier_nvme_recover_end(t, 0, &r), 0);
+    cr_expect_eq(r.inserted, 1);
+    cr_expect_eq(r.orphans, 1);
+    cr_expect_eq(r.torn, 1);
+    /* Rewritten to the one path that came back. */
+    cr_assert_eq(stat(paths, &sb), 0);
+    cr_expect_eq(sb.st_size, 8 + 56 + 3 * 16 * 4);
+    kvt_tier_destroy(t);
+    free(buf);
     tu_rmrf(dir);
 }

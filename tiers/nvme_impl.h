@@ -86,9 +86,27 @@ typedef struct nvme {
     int livefd;
     uint8_t *live;
     size_t live_size;
-    uint32_t live_entry;   /* bytes per segment: 8 + one bit per sector */
-    uint32_t meta_version; /* of the directory opened: 1 was written before kvtier.live */
+    uint32_t live_entry;       /* bytes per segment: 8 + one bit per sector */
+    uint32_t meta_version;     /* of the directory opened: 1 was written before kvtier.live */
+    uint64_t paths_compact_at; /* DIR/kvtier.paths' size that makes the next record compact it */
 } nvme_t;
+
+/* A record of DIR/kvtier.paths (nvme_paths.c): the npages pages of tokens from the namespace's
+ * root in front of the block (ns_seed, hash) whose parent's hash is parent. */
+typedef struct nvme_path_rec {
+    uint64_t ns_seed, hash, parent;
+    uint32_t page_size, npages;
+    const uint32_t *tokens; /* npages x page_size */
+} nvme_path_rec_t;
+/* Called per intact record; for a read, 0 goes on and an error stops it; for a rewrite, non-zero
+ * keeps the record. */
+typedef int (*kvt__nvme_path_fn)(void *arg, const nvme_path_rec_t *p);
+/* Reads DIR/kvtier.paths (none: nothing), counting damaged records in *torn (may be NULL). */
+int kvt__nvme_paths_load(const nvme_t *n, kvt__nvme_path_fn fn, void *arg, uint64_t *torn);
+/* Rewrites it to the records keep accepts, each block's once; synced when sync is set. */
+int kvt__nvme_paths_rewrite(nvme_t *n, kvt__nvme_path_fn keep, void *arg, int sync);
+/* Removes it (the blocks it leads to dropped for good). */
+void kvt__nvme_paths_drop(nvme_t *n);
 
 extern const kvt_tier_ops_t kvt__nvme_ops;
 

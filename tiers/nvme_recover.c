@@ -6,7 +6,9 @@
  * hashes up to the namespace seed (each hop is one page of tokens), and only the deepest blocks
  * (those no other block names as parent) start a path: their paths cover their ancestors. Blocks
  * name their namespace by seed only: DIR/namespaces keeps descriptions (kvt_tier_nvme_add_ns) so
- * that the namespaces come back with their names too.
+ * that the namespaces come back with their names too. A window stored behind a gap has a first
+ * block whose parent no record names: DIR/kvtier.paths (nvme_paths.c) holds the tokens in front
+ * of it, which start its path as pages without blocks.
  */
 #include "nvme_impl.h"
 
@@ -334,6 +336,12 @@ struct nvme_replay {
     long *parent;               /* per block: its parent block, or -1 under the seed */
     uint32_t *nsidx;            /* per block: its namespace */
     uint8_t *has_child;
+    uint32_t *pre; /* per block: 1 + its path's index in pres (kvtier.paths), 0 for none */
+    struct nvme_pre {
+        uint32_t npages;
+        uint32_t *tokens;
+    } * pres;
+    size_t npres, pres_cap;
     size_t next;    /* the next block kvt_tier_nvme_recover_next looks at */
     uint32_t *path; /* the path handed out last */
     kvt_tier_nvme_block_t **path_blocks;
@@ -361,6 +369,10 @@ void kvt__nvme_replay_free(nvme_t *n)
     free(r->parent);
     free(r->nsidx);
     free(r->has_child);
+    free(r->pre);
+    for (size_t i = 0; i < r->npres; i++)
+        free(r->pres[i].tokens);
+    free(r->pres);
     free(r->path);
     free(r->path_blocks);
     free(r);
@@ -468,6 +480,50 @@ static long rec_find(const nvme_t *n, uint64_t hash, uint64_t ns_seed)
     return -1;
 }
 
+/* A record of DIR/kvtier.paths: kept for the recovered block it leads to when that block's parent
+ * has no record of its own (the case it was written for), with the block's page size. */
+typedef struct pre_ctx {
+    const nvme_t *n;
+    nvme_replay_t *r;
+} pre_ctx_t;
+
+static int pre_one(void *arg, const nvme_path_rec_t *p)
+{
+    pre_ctx_t *c = arg;
+    nvme_replay_t *r = c->r;
+    long i = rec_find(c->n, p->hash, p->ns_seed);
+    if (i < 0 || r->pre[i])
+        return 0;
+    const nvme_recovered_t *b = &c->n->recovered[i];
+    if (b->parent != p->parent || b->ntokens != p->page_size || b->parent == b->ns_seed ||
+        rec_find(c->n, b->parent, b->ns_seed) >= 0)
+        return 0;
+    if (r->npres == r->pres_cap) {
+        size_t cap = r->pres_cap ? 2 * r->pres_cap : 16;
+        struct nvme_pre *v = realloc(r->pres, cap * sizeof *v);
+        if (!v)
+            return KVT_ENOMEM;
+        r->pres = v;
+        r->pres_cap = cap;
+    }
+    size_t nt = (size_t)p->npages * p->page_size;
+    uint32_t *t = malloc(nt * sizeof *t);
+    if (!t)
+        return KVT_ENOMEM;
+    memcpy(t, p->tokens, nt * sizeof *t);
+    r->pres[r->npres++] = (struct nvme_pre){.npages = p->npages, .tokens = t};
+    r->pre[i] = (uint32_t)r->npres;
+    return 0;
+}
+
+/* Keeps the records whose block the index took back. */
+static int pre_indexed(void *arg, const nvme_path_rec_t *p)
+{
+    const pre_ctx_t *c = arg;
+    long i = rec_find(c->n, p->hash, p->ns_seed);
+    return i >= 0 && c->r->pre[i] && c->r->pub[i].indexed;
+}
+
 enum { D_UNKNOWN = 0, D_ORPHAN = -1, D_VISITING = -2 };
 
 /* Each block's namespace, parent and depth in pages; marks the blocks others name as parent. */
@@ -489,7 +545,7 @@ static int chains_build(const nvme_t *n, nvme_replay_t *rp)
         }
         rp->nsidx[i] = (uint32_t)(d - rp->ns);
         rp->parent[i] = r->parent == r->ns_seed ? -1 : rec_find(n, r->parent, r->ns_seed);
-        if (r->parent != r->ns_seed && rp->parent[i] < 0)
+        if (r->parent != r->ns_seed && rp->parent[i] < 0 && !rp->pre[i])
             rp->depth[i] = D_ORPHAN;
     }
     /* Depths in pages, by walking up to a block of known depth or to the namespace seed. */
@@ -505,7 +561,7 @@ static int chains_build(const nvme_t *n, nvme_replay_t *rp)
             rp->depth[j] = D_VISITING;
             stack[sp++] = j;
             if (rp->parent[j] < 0) {
-                base = 0;
+                base = rp->pre[j] ? (int32_t)rp->pres[rp->pre[j] - 1].npages : 0;
                 break;
             }
             j = rp->parent[j];
@@ -541,9 +597,15 @@ int kvt_tier_nvme_recover_begin(kvt_tier_t *t, kvt_tier_nvme_ns_t **ns, size_t *
     r->parent = calloc(nr ? nr : 1, sizeof(*r->parent));
     r->nsidx = calloc(nr ? nr : 1, sizeof(*r->nsidx));
     r->has_child = calloc(nr ? nr : 1, 1);
+    r->pre = calloc(nr ? nr : 1, sizeof(*r->pre));
     int rc = KVT_ENOMEM;
-    if (!r->pub || !r->depth || !r->parent || !r->nsidx || !r->has_child ||
+    if (!r->pub || !r->depth || !r->parent || !r->nsidx || !r->has_child || !r->pre ||
         (rc = ns_collect(n, r)) < 0)
+        goto fail;
+    /* The paths in front of windows behind gaps (a file that cannot be read: none, and those
+     * windows are orphans, as before it existed). */
+    pre_ctx_t pc = {.n = n, .r = r};
+    if (nr && (rc = kvt__nvme_paths_load(n, pre_one, &pc, &n->rec.torn)) == KVT_ENOMEM)
         goto fail;
     /* The namespaces by name where DIR/namespaces has them (a file that cannot be read: by
      * seed, as with no file). */
@@ -591,6 +653,12 @@ int kvt_tier_nvme_recover_next(kvt_tier_t *t, kvt_tier_nvme_path_t *p)
             memcpy(r->path + page * ns->page_size, n->recovered[j].tokens,
                    (size_t)ns->page_size * sizeof(*r->path));
             r->path_blocks[page] = &r->pub[j];
+            if (r->parent[j] < 0 && r->pre[j]) { /* a gap's pages in front: no blocks */
+                const struct nvme_pre *g = &r->pres[r->pre[j] - 1];
+                memcpy(r->path, g->tokens, (size_t)g->npages * ns->page_size * sizeof(*r->path));
+                for (uint32_t k = 0; k < g->npages; k++)
+                    r->path_blocks[k] = NULL;
+            }
         }
         r->next++;
         *p = (kvt_tier_nvme_path_t){
@@ -628,6 +696,12 @@ int kvt_tier_nvme_recover_end(kvt_tier_t *t, int failed, kvt_tier_nvme_recovery_
     }
     for (size_t i = 0; i < n->nrecovered; i++)
         n->rec.inserted += r->pub[i].indexed != 0;
+    /* DIR/kvtier.paths keeps the paths of the windows that came back (synced, as the list). */
+    pre_ctx_t pc = {.n = n, .r = r};
+    int prc = failed ? 0 : kvt__nvme_paths_rewrite(n, pre_indexed, &pc, 1);
+    if (prc < 0)
+        kvt_log(KVT_LOG_WARN, "nvme tier: could not rewrite %s/kvtier.paths (%s): left as it was",
+                n->dir, kvt_strerror(prc));
     if (!failed) {
         for (size_t i = 0; i < n->nrecovered; i++) {
             if (!r->pub[i].indexed) {
@@ -657,6 +731,7 @@ long kvt_tier_nvme_drop_recovered(kvt_tier_t *t)
     long dropped = (long)n->nrecovered;
     for (size_t i = 0; i < n->nrecovered; i++)
         kvt_tier_free(t, n->recovered[i].loc, n->recovered[i].len);
+    kvt__nvme_paths_drop(n); /* the blocks its paths lead to are gone */
     kvt__nvme_recovered_free(n);
     return dropped;
 }

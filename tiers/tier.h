@@ -450,6 +450,23 @@ typedef struct kvt_tier_nvme_ns {
     int named; /* set by the caller: opened by this description, whose line is kept */
 } kvt_tier_nvme_ns_t;
 
+/*
+ * Window blocks behind a gap (docs/protocol.md, "Chains with gaps"). Recovery finds a block by
+ * its chain of parents' records; a block whose parent page holds no bytes (a sliding window's
+ * first page after pages stored index-only) has none. Its owner, writing such a block to this
+ * tier, records the path in front of it: tokens holds the npages x key->ntokens tokens of pages
+ * [0, npages) from the namespace's root, the block being page npages (key as the block's write
+ * has it: ns_seed, hash, parent, ntokens the page size). A recovery that finds the block gives
+ * its path back with those pages index-only (kvt_tier_nvme_path_t: blocks[i] NULL). Kept in
+ * DIR/kvtier.paths (an append, not synced; compacted to the blocks the tier holds when it has
+ * doubled since the last compaction, from 1 MiB; a directory without it recovers as before).
+ * Returns 0, KVT_EINVAL (not NVMe, npages 0, a path over KVT_NVME_PATH_MAX_TOKENS tokens: not
+ * recorded, the window is an orphan after a restart), KVT_ENOMEM or a negated errno.
+ */
+#define KVT_NVME_PATH_MAX_TOKENS (1u << 20)
+int kvt_tier_nvme_add_path(kvt_tier_t *t, const kvt_block_key_t *key, const uint32_t *tokens,
+                           uint32_t npages);
+
 typedef struct kvt_tier_nvme_block {
     uint64_t loc;
     uint64_t hash; /* its prefix hash: the index's block at this page must have it */
@@ -461,7 +478,9 @@ typedef struct kvt_tier_nvme_path {
     size_t ns;              /* index in the array kvt_tier_nvme_recover_begin gave */
     uint32_t npages;        /* pages on the path, >= 1 */
     const uint32_t *tokens; /* npages * page_size tokens, from the namespace's root */
-    /* blocks[i]: the block of page i. A block shared by several paths comes in each of them. */
+    /* blocks[i]: the block of page i. A block shared by several paths comes in each of them.
+     * NULL: page i has no block here, only its tokens (a gap kvt_tier_nvme_add_path recorded):
+     * index it without bytes. */
     kvt_tier_nvme_block_t *const *blocks;
 } kvt_tier_nvme_path_t;
 

@@ -26,7 +26,7 @@ from .client import (
     Reservation,
     Tier,
 )
-from .keys import KEY_MAX, KEY_TOKENS, KEYS_TAG, key_tokens
+from .keys import KEY_MAX, KEY_TOKENS, KEYS_TAG, KeptKeys, key_tokens
 from .errors import (
     AuthError,
     Busy,
@@ -67,6 +67,7 @@ __all__ = [
     "KEY_MAX",
     "KEY_TOKENS",
     "KEYS_TAG",
+    "KeptKeys",
     "Match",
     "NoSpace",
     "NotFound",

@@ -32,13 +32,15 @@ transport failures (the daemon gone, a timeout) raise as every Client call does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from ._base import PutResult, _rbuf, _wbuf
 from ._lib import STRINGS, ffi, lib, put_flags
 from .errors import EINVAL, InvalidArgument, error_for
 
-__all__ = ["KEY_MAX", "KEY_TOKENS", "KEYS_TAG", "AsyncKeysMixin", "Key", "KeysMixin", "key_tokens"]
+__all__ = ["KEY_MAX", "KEY_TOKENS", "KEYS_TAG", "AsyncKeysMixin", "Key", "KeptKeys", "KeysMixin",
+           "key_tokens"]
 
 # From client/kvtier.h, as libkvtier has them (kvtier/_lib.py reads the header).
 KEY_MAX: int = lib.KVT_KEY_MAX  # bytes in one key
@@ -47,6 +49,21 @@ KEYS_TAG: str = STRINGS["KVT_KEYS_TAG"]  # put before the adapter name of a keye
 
 Key = Union[bytes, bytearray, memoryview, str]
 Buffer = Any
+
+
+@dataclass(frozen=True)
+class KeptKeys:
+    """A chain lookup or read that kept its keys' tokens on the daemon (MATCH KEEP,
+    docs/protocol.md "Handles"), for ``put_keys(..., after=this)``: the PUT then sends only the
+    tokens of the keys past the first ``keys``. ``hits``: exists_keys_kept's answer (leading
+    keys cached) or get_keys_kept_into's (blocks written). ``handle`` 0: the daemon kept none
+    (the PUT sends every key's tokens). Valid on its Client only, while the daemon holds the
+    handle (its lease time; 16 per connection, the oldest replaced): after that the PUT sends
+    every key's tokens again, with the same result."""
+
+    hits: int
+    handle: int = 0
+    keys: int = 0
 
 
 
@@ -159,8 +176,39 @@ class KeysMixin:
                 self._kraise(k, rc)
         return int(hits[0])
 
+    def exists_keys_kept(self, keys: Sequence[Key]) -> KeptKeys:
+        """exists_keys, keeping the chain's tokens on the daemon (MATCH KEEP): the answer is
+        ``KeptKeys.hits``, and a ``put_keys`` of a chain that begins with these keys names it
+        (``after=``) to send only the tokens of the keys past them. Raises as exists_keys."""
+        arr, n, keep = _keys(keys)
+        hits = ffi.new("uint32_t *")
+        kept = ffi.new("kvt_keys_kept_t *")
+        with self._lock:  # type: ignore[attr-defined]
+            k = self._keyed()
+            rc = lib.kvt_keys_chain_exists_kept(k, arr, n, hits, kept)
+            if rc < 0:
+                self._kraise(k, rc)
+        return KeptKeys(int(hits[0]), int(kept.handle), int(kept.keys))
+
+    def get_keys_kept_into(self, keys: Sequence[Key], buffer: Buffer, first: int = 0
+                           ) -> KeptKeys:
+        """get_keys_into, keeping the tokens its MATCH sends (the keys up to the last one read:
+        ``KeptKeys.keys``) for the ``put_keys(..., after=)`` of the keys computed after them: an
+        engine's load then save, the chain's tokens sent once. ``KeptKeys.hits``: the blocks
+        written. Raises as get_keys_into."""
+        arr, n, keep = _keys(keys)
+        p, cap = _wbuf(buffer)
+        got = ffi.new("uint32_t *")
+        kept = ffi.new("kvt_keys_kept_t *")
+        with self._lock:  # type: ignore[attr-defined]
+            k = self._keyed()
+            rc = lib.kvt_keys_chain_get_kept(k, arr, n, first, p, cap, got, kept)
+            if rc < 0:
+                self._kraise(k, rc)
+        return KeptKeys(int(got[0]), int(kept.handle), int(kept.keys))
+
     def put_keys(self, keys: Sequence[Key], data: Optional[Union[Buffer, Sequence[Buffer]]],
-                 first: int = 0, *, gaps: bool = False) -> Any:
+                 first: int = 0, *, gaps: bool = False, after: Optional[KeptKeys] = None) -> Any:
         """Caches the chain ``keys`` and stores the blocks of keys ``[first, first + npages)``
         from ``data``: one buffer of npages x block_bytes bytes (read in place, no copy), or a
         list of npages buffers of block_bytes each (on a zero-copy client each copied once,
@@ -169,27 +217,36 @@ class KeysMixin:
         chain is stored once. Returns a PutResult (pages, new_pages, stored, skipped).
         ``gaps``: the blocks may follow keys of the chain whose blocks are not stored (a
         sliding-window layer's window; docs/protocol.md, "Chains with gaps").
+        ``after``: the KeptKeys of an ``exists_keys_kept`` or ``get_keys_kept_into`` on this
+        Client whose keys are the first ``after.keys`` of ``keys`` (the caller vouches for
+        that): only the tokens of the keys past them are sent. When the daemon kept none or no
+        longer holds them, every key's tokens are sent (the same result).
 
-        Raises InvalidArgument (a bad key, sizes not whole blocks, blocks beyond the keys),
-        TypeError (not a buffer), NoSpace, Error for transport failures."""
+        Raises InvalidArgument (a bad key, sizes not whole blocks, blocks beyond the keys,
+        ``after`` kept more keys than given), TypeError (not a buffer), NoSpace, Error for
+        transport failures."""
         arr, n, keep = _keys(keys)
         bb = self.block_bytes  # type: ignore[attr-defined]
         res = ffi.new("kvt_client_put_t *")
+        kept = ffi.NULL
+        if after is not None:
+            kept = ffi.new("kvt_keys_kept_t *", {"handle": after.handle, "keys": after.keys})
         with self._lock:  # type: ignore[attr-defined]
             k = self._keyed()
             with put_flags(lib.kvt_keys_client(k), gaps):
                 if data is None:
-                    rc = lib.kvt_keys_chain_put(k, arr, n, first, 0, ffi.NULL, res)
+                    rc = lib.kvt_keys_chain_put_kept(k, kept, arr, n, first, 0, ffi.NULL, res)
                 elif isinstance(data, (list, tuple)):
                     ptrs, keep2 = _blocks(data, len(data), bb, False)
-                    rc = lib.kvt_keys_chain_putv(k, arr, n, first, len(data), ptrs, res)
+                    rc = lib.kvt_keys_chain_putv_kept(k, kept, arr, n, first, len(data), ptrs,
+                                                      res)
                 else:
                     p, size = _rbuf(data)
                     if not bb or size % bb:
                         raise InvalidArgument(EINVAL, "data of %d bytes is not whole blocks of %d"
                                               % (size, bb))
-                    rc = lib.kvt_keys_chain_put(k, arr, n, first, size // bb,
-                                                p if size else ffi.NULL, res)
+                    rc = lib.kvt_keys_chain_put_kept(k, kept, arr, n, first, size // bb,
+                                                     p if size else ffi.NULL, res)
             if rc < 0:
                 self._kraise(k, rc)
         return PutResult(res.pages, res.new_pages, res.stored, res.skipped)
@@ -285,11 +342,21 @@ class AsyncKeysMixin:
         """Client.exists_keys."""
         return await self._run(self.client.exists_keys, keys)  # type: ignore[attr-defined]
 
+    async def exists_keys_kept(self, keys: Sequence[Key]) -> KeptKeys:
+        """Client.exists_keys_kept."""
+        return await self._run(self.client.exists_keys_kept, keys)  # type: ignore
+
+    async def get_keys_kept_into(self, keys: Sequence[Key], buffer: Buffer, first: int = 0
+                                 ) -> KeptKeys:
+        """Client.get_keys_kept_into."""
+        return await self._run(self.client.get_keys_kept_into, keys, buffer,  # type: ignore
+                               first)
+
     async def put_keys(self, keys: Sequence[Key], data: Any, first: int = 0, *,
-                       gaps: bool = False) -> Any:
+                       gaps: bool = False, after: Optional[KeptKeys] = None) -> Any:
         """Client.put_keys."""
         return await self._run(self.client.put_keys, keys, data, first,  # type: ignore
-                               gaps=gaps)
+                               gaps=gaps, after=after)
 
     async def get_keys_into(self, keys: Sequence[Key], buffer: Buffer, first: int = 0) -> int:
         """Client.get_keys_into."""
