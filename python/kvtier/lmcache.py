@@ -60,8 +60,9 @@ itself after put / batched_put, raised or not).
 Threads: the coroutines (``get``, ``batched_get``, ``put``, ``batched_put``,
 ``batched_async_contains``, ``exists``, ``ping``) call kvtierd on the thread that awaits them,
 LMCache's event loop, which runs its remote calls one at a time and whose caller waits for a
-get's answer; the connector starts no thread of its own but the breaker's probe. The loop is
-held at most ``deadline_ms`` per call, then the breaker answers at once. LocalCPUBackend's
+get's answer; the connector starts no thread of its own but the breaker's probe. Each wait
+for kvtierd on the loop is bounded by ``deadline_ms``; after a missed one the breaker answers at
+once. LocalCPUBackend's
 allocator close (LMCache's shutdown) waits for the call in progress.
 
 ``list()`` returns []: kvtierd indexes keys by hash (their synthetic tokens), it keeps no key
@@ -364,8 +365,8 @@ def _make_class() -> type:
             remote calls one at a time and whose caller waits for a get's answer (its
             future.result()). A hop to a thread of the connector's own and back cost two
             wake-ups a call, the save's and load's loss against the raw calls under load
-            (docs/benchmarks.md, "LMCache's thread hops"); the deadline (deadline_ms) and the
-            circuit breaker bound how long the loop is held."""
+            (docs/benchmarks.md, "LMCache's thread hops"); the deadline (deadline_ms, each wait
+            for kvtierd) and the circuit breaker bound how long the loop is held."""
             with self._work:
                 if self._closing:  # LMCache is freeing its memory: touch no MemoryObj
                     return miss
