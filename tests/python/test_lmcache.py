@@ -244,12 +244,12 @@ def test_allocator_close_waits_for_the_call_in_progress(loop: asyncio.AbstractEv
         os.kill(d.proc.pid, signal.SIGSTOP)
         try:
             fut = asyncio.run_coroutine_threadsafe(conn.batched_get(ks), loop)
-            threading.Event().wait(0.1)  # the get is waiting for the daemon
-            assert not fut.done()
+            # Until the get holds the connector's work lock: it is waiting for the daemon.
+            assert _wait_until(conn._connector._work.locked, 5)
             t0 = time.perf_counter()
             be.memory_allocator.close()
             waited = time.perf_counter() - t0
-            # The get held the daemon call until its deadline, 0.4 s from its start, 0.1 s
+            # The get waits for the daemon until its deadline, 0.4 s from its start, just
             # before the close: the close waited for it.
             assert waited >= 0.2, "the allocator closed while a get was using its memory"
             assert fut.result(5) == [None, None]
