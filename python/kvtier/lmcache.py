@@ -57,6 +57,14 @@ thread connects again every ``probe_ms`` and hands the connection over. A Memory
 for a GET that fails is released here; a MemoryObj given to ``put`` is not (LMCache releases it
 itself after put / batched_put, raised or not).
 
+Threads: the coroutines (``get``, ``batched_get``, ``put``, ``batched_put``,
+``batched_async_contains``, ``exists``, ``ping``) call kvtierd on the thread that awaits them,
+LMCache's event loop, which runs its remote calls one at a time and whose caller waits for a
+get's answer; the connector starts no thread of its own but the breaker's probe. Each wait
+for kvtierd on the loop is bounded by ``deadline_ms``; after a missed one the breaker answers at
+once. LocalCPUBackend's
+allocator close (LMCache's shutdown) waits for the call in progress.
+
 ``list()`` returns []: kvtierd indexes keys by hash (their synthetic tokens), it keeps no key
 strings, so it cannot enumerate them.
 
@@ -66,14 +74,12 @@ strings, so it cannot enumerate them.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib
 import logging
 import math
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 from .client import Client
@@ -262,8 +268,9 @@ def _make_class() -> type:
             self._connected = False  # the first connection was tried (on a calling thread)
             self._closed = False
             self._closing = False
-            # Calls block on the daemon: they run here, never on LMCache's event loop.
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lmcache")
+            # Held by the coroutine calls while they touch MemoryObjs (see _run), so that the
+            # allocator's close waits for the one in progress.
+            self._work = threading.Lock()
             self._hook_allocator_close()
 
         def _hook_allocator_close(self) -> None:
@@ -283,10 +290,11 @@ def _make_class() -> type:
             alloc.close = close_after_kvtier
 
         def _quiesce(self) -> None:
-            """Runs the calls already queued (their MemoryObjs are still valid), then stops
-            taking work: later calls answer misses."""
-            self._pool.shutdown(wait=True)
+            """Stops taking work (later calls answer misses, touching no MemoryObj) and waits
+            for the call in progress, whose MemoryObjs are still valid until this returns."""
             self._closing = True
+            with self._work:
+                pass
 
         # -- the connection and its failures ------------------------------------------------
 
@@ -353,14 +361,16 @@ def _make_class() -> type:
                 return miss
 
         async def _run(self, miss: T, fn: Callable[..., T], *args: Any) -> T:
-            def guarded() -> T:
+            """Runs fn on the calling thread: LMCache's own event loop thread, which runs its
+            remote calls one at a time and whose caller waits for a get's answer (its
+            future.result()). A hop to a thread of the connector's own and back cost two
+            wake-ups a call, the save's and load's loss against the raw calls under load
+            (docs/benchmarks.md, "LMCache's thread hops"); the deadline (deadline_ms, each wait
+            for kvtierd) and the circuit breaker bound how long the loop is held."""
+            with self._work:
                 if self._closing:  # LMCache is freeing its memory: touch no MemoryObj
                     return miss
                 return fn(*args)
-            try:
-                return await asyncio.get_running_loop().run_in_executor(self._pool, guarded)
-            except RuntimeError:  # the pool was shut down (closing)
-                return miss
 
         # -- RemoteConnector ----------------------------------------------------------------
 

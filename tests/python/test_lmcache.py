@@ -202,6 +202,65 @@ def test_batched(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
     run(loop, conn.close())
 
 
+def test_calls_run_on_lmcaches_loop(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+    """The connector's coroutines (put, get, contains, ping) do their work on the thread that
+    awaits them, LMCache's event loop, starting no thread of their own: a hop to an executor
+    and back cost two wake-ups a call (docs/benchmarks.md, "LMCache's thread hops")."""
+    conn, be = connector(daemon, loop)
+    ks = [key(), key()]
+    objs = [chunk(be) for _ in ks]
+    before = set(threading.enumerate())
+    for o, _ in objs:
+        o.ref_count_up()
+    run(loop, conn.batched_put(ks, [o for o, _ in objs]))
+    put(loop, conn, ks[0], objs[0][0])
+    assert run(loop, conn.batched_async_contains("lookup-t", ks)) == 2
+    assert run(loop, conn.exists(ks[1]))
+    assert run(loop, conn.ping()) == 0
+    got = run(loop, conn.batched_get(ks))
+    assert [bytes(g.byte_array) for g in got] == [want for _, want in objs]
+    started = [t.name for t in set(threading.enumerate()) - before]
+    assert started == [], "the connector's calls started threads: %s" % started
+    for g in got:
+        g.ref_count_down()
+    for o, _ in objs:
+        o.ref_count_down()
+    run(loop, conn.close())
+
+
+def test_allocator_close_waits_for_the_call_in_progress(loop: asyncio.AbstractEventLoop) -> None:
+    """LMCache closes LocalCPUBackend's allocator (freeing every MemoryObj's memory) from its
+    own thread while a get may be running on its event loop: the close waits for that call
+    (here held by a SIGSTOPped daemon until its deadline), which gives back its MemoryObjs
+    first; later calls answer misses without touching the freed memory."""
+    d = Daemon()
+    try:
+        conn, be = connector(d, loop, deadline_ms=400, probe_ms=50)
+        ks = [key(), key()]
+        for k in ks:
+            o, _ = chunk(be)
+            put(loop, conn, k, o)
+            o.ref_count_down()
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(conn.batched_get(ks), loop)
+            # Until the get holds the connector's work lock: it is waiting for the daemon.
+            assert _wait_until(conn._connector._work.locked, 5)
+            t0 = time.perf_counter()
+            be.memory_allocator.close()
+            waited = time.perf_counter() - t0
+            # The get waits for the daemon until its deadline, 0.4 s from its start, just
+            # before the close: the close waited for it.
+            assert waited >= 0.2, "the allocator closed while a get was using its memory"
+            assert fut.result(5) == [None, None]
+            assert run(loop, conn.batched_get(ks)) == [None, None]
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        run(loop, conn.close())
+    finally:
+        d.stop(signal.SIGKILL)
+
+
 def test_partial_chunk_is_a_failed_put(daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
     """A partial chunk is not stored, and says so: put raises PutFailed (LMCache's failure
     path), the connector counts it; the wrapper still drops the put's reference."""
