@@ -722,11 +722,6 @@ Test(policy_decisions, paused_hint_keeps_a_session)
     stop();
 }
 
-/*
- * Two prompts come back every fourth request, between one-off prompts, in a cache of three
- * prompts: LRU has always just dropped the one that comes back. The cost policy remembers what
- * it dropped (ghosts), learns that such blocks come back and one-offs do not, and keeps them.
- */
 /* Issue 40 (COST under LFU's order): a hit on a path larger than the room the top tier can make
  * moves it as far up as it fits instead of leaving it where it was. A hot prefix larger than HBM
  * that fell to NVMe while another expert's order chose stayed there for good after LFU's took
@@ -764,6 +759,12 @@ Test(policy_decisions, a_hit_path_larger_than_the_top_tier_rises_as_far_as_it_fi
         stop();
     }
 }
+
+/*
+ * Two prompts come back every fourth request, between one-off prompts, in a cache of three
+ * prompts: LRU has always just dropped the one that comes back. The cost policy remembers what
+ * it dropped (ghosts), learns that such blocks come back and one-offs do not, and keeps them.
+ */
 /* Each expert reads a paused session's hint: of two paused sessions, the one back sooner stays.
  * The LRU expert once keyed paused pages by their expected return (last use + pause), which
  * kept the session back in ten minutes over the one back in ten seconds: with the trace's hints
