@@ -722,6 +722,44 @@ Test(policy_decisions, paused_hint_keeps_a_session)
     stop();
 }
 
+/* Issue 40 (COST under LFU's order): a hit on a path larger than the room the top tier can make
+ * moves it as far up as it fits instead of leaving it where it was. A hot prefix larger than HBM
+ * that fell to NVMe while another expert's order chose stayed there for good after LFU's took
+ * over (sysprompt at 5 %, seed 1: 225.1 s against LFU's 182.6). Under LRU's order (the cost
+ * policy's recency expert, and the LRU kind) the rest stays where it was, as before. */
+Test(policy_decisions, a_hit_path_larger_than_the_top_tier_rises_as_far_as_it_fits)
+{
+    static const struct {
+        kvt_policy_kind_t kind;
+        int expert, rises;
+    } cases[] = {
+        {KVT_POLICY_COST, 1 + KVT_POLICY_EXPERT_FREQUENT, 1},
+        {KVT_POLICY_COST, 1 + KVT_POLICY_EXPERT_RECENT, 0},
+        {KVT_POLICY_LRU, 0, 0},
+        {KVT_POLICY_LFU, 0, 0},
+    };
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        kvt_policy_conf_t c = base_conf(cases[k].kind, 4, 16, 100);
+        c.expert = cases[k].expert;
+        start(&c);
+        uint32_t *a = seq(32, 1000);
+        request(a, 32, NULL);
+        for (uint32_t r = 0; r < 4; r++) { /* four more 8-page prompts push a to NVMe */
+            uint32_t *f = seq(32, 5000 + 100 * r);
+            request(f, 32, NULL);
+            free(f);
+        }
+        all_in(a, 8, KVT_TIER_NVME);
+        cr_assert_eq(request(a, 32, NULL), 8);
+        /* its node's 8 pages are one run, larger than HBM: DRAM takes it, making room there */
+        for (uint32_t i = 0; i < 8; i++)
+            cr_assert_eq(tier_of(a, i), cases[k].rises ? KVT_TIER_DRAM : KVT_TIER_NVME,
+                         "case %zu: page %u in tier %d", k, i, tier_of(a, i));
+        free(a);
+        stop();
+    }
+}
+
 /*
  * Two prompts come back every fourth request, between one-off prompts, in a cache of three
  * prompts: LRU has always just dropped the one that comes back. The cost policy remembers what
