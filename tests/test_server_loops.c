@@ -428,3 +428,45 @@ Test(server_loops, matches_share_the_lock_while_others_write)
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
+
+/* The use a MATCH made under the shared lock tells the policy counts (applied at the next write
+ * lock): its hit in NVMe promotes the path to DRAM (lru: a hit from a lower tier goes to the top),
+ * as with one loop. */
+Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "1M", "--policy", "lru", NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BIG), *c1 = kvd_client(&d, "m", PAGE, BIG);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    uint32_t a[16 * PAGE], b[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 4 * PAGE, 700000);
+    static uint8_t payload[16 * BIG];
+    kvd_fill(payload, sizeof payload, 7);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c0, a, 16 * PAGE, 0, 16, payload, NULL, &r), 0);
+    cr_assert_eq(kvt_client_put(c0, b, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+    uint8_t tiers[4] = {0};
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c0, b, 4 * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_assert_eq(tiers[0], KVT_CLIENT_TIER_NVME, "b's pages went to NVMe (DRAM is full)");
+    cr_assert_eq(kvt_client_remove(c0, a, PAGE), 0); /* room in DRAM for the promotion */
+    double shared = kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}");
+    cr_assert_eq(kvt_client_match(c1, b, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_assert_eq(kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}"), shared + 1,
+                 "c1's MATCH (loop 1) walked under the shared lock");
+    /* The promotion the hit asked for runs in a step; PROBEs look without counting a use. */
+    uint64_t t0 = kvt_now_ns();
+    do {
+        usleep(10 * 1000);
+        m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = 4};
+        cr_assert_eq(kvt_client_match(c0, b, 4 * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    } while (tiers[0] != KVT_CLIENT_TIER_DRAM && kvt_now_ns() - t0 < 3000000000ull);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "the hit promoted b's path to DRAM");
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
