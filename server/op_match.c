@@ -352,6 +352,51 @@ static int nvme_dropped(kvt_srv_t *s)
 /* Page keys kept on the stack; a longer lookup's are allocated. */
 #define KVT_SHARED_KEYS 64
 
+/* Under the shared lock: the miss reason of a lookup m is shorter than (whole pages), from the
+ * cached last hash or hashed from the namespace's seed (then cache_tail: cache it later). */
+static kvt_miss_reason_t shared_why(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tok,
+                                    uint32_t page, int *cache_tail)
+{
+    uint64_t stackkeys[KVT_SHARED_KEYS], *keys = stackkeys, next = 0;
+    const kvt_block_t *tail = m->pages ? kvt__path_block(m->node, m->pages - 1) : NULL;
+    *cache_tail = 0;
+    if (tail && tail->hash) {
+        kvt__path_keys(s, m->ns, tail->hash, tok + (size_t)m->pages * page, 1, &next);
+    } else {
+        if (m->pages + 1 > KVT_SHARED_KEYS && !(keys = malloc((m->pages + 1) * sizeof *keys)))
+            return KVT_MISS_NEVER_SEEN; /* out of memory: as the shared MATCH's own */
+        kvt__path_keys(s, m->ns, kvt__ns_seed(s, m->ns), tok, m->pages + 1, keys);
+        next = keys[m->pages];
+        *cache_tail = tail != NULL;
+        if (keys != stackkeys)
+            free(keys);
+    }
+    return kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+}
+
+/* Under the shared lock: the keys of a lookup's whole pages for the curve, those of m's pages
+ * read from its blocks when the tree has them all (it caches them as a prefix of the path: the
+ * last one cached means all are), the rest hashed on from there; else all hashed from the
+ * namespace's seed (then cache_tail: cache them later). */
+static void shared_keys(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tok, uint32_t page,
+                        uint32_t whole, uint64_t *keys, int *cache_tail)
+{
+    const kvt_block_t *tail = m->pages ? kvt__path_block(m->node, m->pages - 1) : NULL;
+    *cache_tail = 0;
+    if (tail && tail->hash) {
+        kvt__path_t p;
+        for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
+            for (uint32_t i = 0; i < p.run.n; i++)
+                keys[p.run.depth + i] = p.run.blocks[i].hash;
+        if (whole > m->pages)
+            kvt__path_keys(s, m->ns, tail->hash, tok + (size_t)m->pages * page, whole - m->pages,
+                           keys + m->pages);
+    } else {
+        kvt__path_keys(s, m->ns, kvt__ns_seed(s, m->ns), tok, whole, keys);
+        *cache_tail = tail != NULL;
+    }
+}
+
 /*
  * A MATCH without LEASE, KEEP or REMOTE, on c's own event at the top of its loop while several
  * loops run (where conn.c lets the lock go for c's socket I/O: nothing is half done). Its walk
@@ -387,23 +432,19 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
     uint32_t block = c->block_bytes   ? c->block_bytes
                      : c->ns < s->nns ? s->ns[c->ns].block_bytes
                                       : 0;
-    /* Keys: the curve's for every whole page; else the page after the match's, for its reason. */
+    /* Keys: the curve's for every whole page; else only the reason's (shared_why). */
     uint64_t stackkeys[KVT_SHARED_KEYS], *keys = stackkeys;
-    uint32_t nkeys = probe ? 0 : s->mrc ? whole : whole > m.pages ? m.pages + 1 : 0;
+    uint32_t nkeys = probe || !s->mrc ? 0 : whole;
     kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
     int cache_tail = 0;
     if (nkeys > KVT_SHARED_KEYS && !(keys = malloc((size_t)nkeys * sizeof *keys)))
         nkeys = 0; /* out of memory: no reason (never seen) and no sample, as the curve's own */
     if (nkeys) {
-        const kvt_block_t *tail = m.pages ? kvt__path_block(m.node, m.pages - 1) : NULL;
-        if (!s->mrc && tail && tail->hash) {
-            kvt__path_keys(s, m.ns, tail->hash, c->tok + (size_t)m.pages * page, 1, keys + m.pages);
-        } else {
-            kvt__path_keys(s, m.ns, kvt__ns_seed(s, m.ns), c->tok, nkeys, keys);
-            cache_tail = tail && !tail->hash;
-        }
+        shared_keys(s, &m, c->tok, page, whole, keys, &cache_tail);
         if (whole > m.pages)
             why = kvt__ghost_seen(s, keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+    } else if (!probe && !s->mrc && whole > m.pages) {
+        why = shared_why(s, &m, c->tok, page, &cache_tail);
     }
     uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
     size_t len = sizeof(kvt_wire_match_reply_t) + m.pages;
