@@ -373,7 +373,7 @@ typedef struct kvt__lease_index {
  *
  * s->lock is a reader-writer lock: all of the above takes it for writing (kvt__srv_lock). A
  * MATCH without a lease at the top of its loop lets it go and walks the tree under it shared
- * (op_match.c, kvt__match_shared): what such a MATCH would write (the blocks' hit counters, the
+ * (op_match.c, match_shared): what such a MATCH would write (the blocks' hit counters, the
  * policy's use, a path's cached hash) waits in its loop's hit until the next kvt__srv_lock,
  * which applies every loop's before anything changes the tree.
  */
