@@ -473,7 +473,8 @@ Test(server_loops, matches_share_the_lock_while_others_write)
 Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--loops", "2", "--dram-bytes", "1M", "--policy", "lru", NULL);
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "1M", "--policy", "lru", "--policy-high", "1",
+              "--policy-low", "1", NULL); /* no demotion of a's blocks: b goes to NVMe */
     kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BIG), *c1 = kvd_client(&d, "m", PAGE, BIG);
     cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
     uint32_t a[16 * PAGE], b[4 * PAGE];
