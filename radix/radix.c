@@ -1385,6 +1385,16 @@ int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t 
     return 0;
 }
 
+void kvt_radix_touch(kvt_radix_t *t, const kvt_match_t *m)
+{
+    if (!t || !m || !m->pages)
+        return;
+    kvt_assert(m->epoch == t->epoch);
+    for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
+         kvt_path_run_next(&r))
+        touch_blocks(t, r.blocks, r.n);
+}
+
 /*
  * Asks for the cache lines of [p, p + len) without waiting for them. Into the L2 cache only
  * (locality 1, PREFETCHT2): on the AMD EPYC this was measured on, a T0 prefetch holds one of the

@@ -216,6 +216,11 @@ enum {
  */
 int kvt_radix_match(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t ntokens,
                     unsigned flags, kvt_match_t *m);
+/* Bumps the counters of m's matched blocks as kvt_radix_match without KVT_MATCH_NOTOUCH would
+ * have: for a match made with it whose use is counted later (several threads match at once,
+ * none writes the tree; the counting comes under the caller's exclusive lock). m must be
+ * current (no insert, remove or evict since it was made). */
+void kvt_radix_touch(kvt_radix_t *t, const kvt_match_t *m);
 
 /*
  * Warms the CPU cache for matches about to be made: n token runs (at most KVT_WARM_MAX are

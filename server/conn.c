@@ -576,14 +576,14 @@ static int io_unlock(kvt__conn_t *c)
     kvt_srv_t *s = c->srv;
     if (!s->loops_running || c->loop->top != c)
         return 0;
-    pthread_mutex_unlock(&s->lock);
+    kvt__srv_unlock(s);
     return 1;
 }
 
 static void io_relock(kvt__conn_t *c, int unlocked)
 {
     if (unlocked)
-        pthread_mutex_lock(&c->srv->lock);
+        kvt__srv_lock(c->srv);
 }
 
 /* writev with r's descriptor attached (SCM_RIGHTS), given up once a byte has gone with it. */

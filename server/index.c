@@ -173,6 +173,11 @@ int kvt__path_seek(kvt_srv_t *s, kvt__path_t *p, uint32_t ns, const uint32_t *to
     return kvt_radix_match(s->radix, ns, tokens, n, flags, &p->m);
 }
 
+void kvt__path_touch(kvt_srv_t *s, const kvt_match_t *m)
+{
+    kvt_radix_touch(s->radix, m);
+}
+
 void kvt__path_walk(kvt__path_t *p, const kvt_match_t *m)
 {
     if (m != &p->m)

@@ -320,6 +320,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     }
     if ((rc = kvt__loops_open(s)) < 0)
         goto fail;
+    s->lock_settle = kvt__match_settle;
     kvt__metrics_loops(s->metrics, s->nloops);
     kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb,
                               .node_free_cb = kvt__store_node_free_cb,
@@ -499,13 +500,13 @@ static int run0(kvt_srv_t *s)
         /* Seals of committed zero-copy pages still queued: no sleep until they are done. */
         int timeout = l->sealing ? 0 : (int)((next_tick - now) / 1000000) + 1;
         if (s->nloops > 1)
-            pthread_mutex_unlock(&s->lock);
+            kvt__srv_unlock(s);
         if (l->sealing)
             sched_yield(); /* loop_after: the CPU to whoever waits for the seals */
         int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         int err = errno;
         if (s->nloops > 1)
-            pthread_mutex_lock(&s->lock);
+            kvt__srv_lock(s);
         if (n < 0) {
             if (err == EINTR)
                 continue;
@@ -523,11 +524,11 @@ static int run0(kvt_srv_t *s)
 
 int kvt__srv_run(kvt_srv_t *s)
 {
-    pthread_mutex_lock(&s->lock);
+    kvt__srv_lock(s);
     kvt__loops_start(s, loop_after);
     int rc = run0(s);
     kvt__loops_stop(s);
-    pthread_mutex_unlock(&s->lock);
+    kvt__srv_unlock(s);
     return rc;
 }
 

@@ -5,14 +5,15 @@
  * kvt__loop_post); the work after each batch is loop.c's, which each thread calls through
  * s->loop_after.
  *
- * Step 1 of issue 42 (docs/architecture.md, "Event loops"): the store and everything above the
- * sockets stay behind one lock, s->lock; what runs in parallel is each connection's socket reads
- * and its writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's
- * I/O threads. The accept is a hand-off from loop 0, not SO_REUSEPORT or EPOLLEXCLUSIVE: both of
- * those leave the choice to the kernel (a hash of the peer's address, the first loop idle in
- * epoll_wait), which on the few long-lived connections of a serving node's engines can put them
- * all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per connection, and an
- * engine connects once. The Unix socket and TCP are handed off the same way.
+ * Issue 42 (docs/architecture.md, "Event loops"): the store and everything above the sockets
+ * stay behind one lock, s->lock; what runs in parallel is each connection's socket reads and its
+ * writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's I/O
+ * threads, and (step 2) the tree walks of MATCHes without a lease, which take the lock shared
+ * (a reader-writer lock, op_match.c). The accept is a hand-off from loop 0, not SO_REUSEPORT or
+ * EPOLLEXCLUSIVE: both of those leave the choice to the kernel (a hash of the peer's address, the
+ * first loop idle in epoll_wait), which on the few long-lived connections of a serving node's
+ * engines can put them all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per
+ * connection, and an engine connects once. The Unix socket and TCP are handed off the same way.
  *
  *     loop 0 (main thread)              loop i (thread)
  *     listeners, signals, tiers,        [epoll: its connections, its eventfd]
@@ -61,7 +62,13 @@ int kvt__loops_open(kvt_srv_t *s)
     s->loops = calloc(n, sizeof *s->loops);
     if (!s->loops)
         return KVT_ENOMEM;
-    int rc = pthread_mutex_init(&s->lock, NULL);
+    /* Writers first: with readers preferred (glibc's default), loops that MATCH all the time
+     * would keep loop 0's tier completions and tick, and every PUT, waiting for good. */
+    pthread_rwlockattr_t attr;
+    pthread_rwlockattr_init(&attr);
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    int rc = pthread_rwlock_init(&s->lock, &attr);
+    pthread_rwlockattr_destroy(&attr);
     if (rc) {
         free(s->loops);
         s->loops = NULL;
@@ -96,15 +103,15 @@ static void *loop_main(void *arg)
     kvt_srv_t *s = l->srv;
     kvt__loop_set_self(l);
     struct epoll_event evs[256];
-    pthread_mutex_lock(&s->lock);
+    kvt__srv_lock(s);
     while (!s->loops_exit) {
         int timeout = l->sealing ? 0 : -1;
-        pthread_mutex_unlock(&s->lock);
+        kvt__srv_unlock(s);
         if (l->sealing)
             sched_yield();
         int n = epoll_wait(l->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         int err = errno;
-        pthread_mutex_lock(&s->lock);
+        kvt__srv_lock(s);
         if (n < 0) {
             if (err != EINTR)
                 kvt_log(KVT_LOG_ERROR, "kvtierd: loop %u: epoll_wait: %s", l->id, strerror(err));
@@ -117,7 +124,7 @@ static void *loop_main(void *arg)
         s->loop_after(l);
         kvt__conns_reap(l); /* no event or walk holds one of its connections here */
     }
-    pthread_mutex_unlock(&s->lock);
+    kvt__srv_unlock(s);
     return NULL;
 }
 
@@ -156,14 +163,14 @@ void kvt__loops_stop(kvt_srv_t *s)
         if (write(s->loops[i].wake.fd, &one, sizeof one) < 0) {
             /* EAGAIN only: woken already */
         }
-    pthread_mutex_unlock(&s->lock);
+    kvt__srv_unlock(s);
     s->loops[0].started = 0;
     for (unsigned i = 1; i < s->nloops; i++)
         if (s->loops[i].started) {
             pthread_join(s->loops[i].thread, NULL);
             s->loops[i].started = 0;
         }
-    pthread_mutex_lock(&s->lock);
+    kvt__srv_lock(s);
     s->loops_running = 0;
 }
 
@@ -190,7 +197,7 @@ void kvt__loops_close(kvt_srv_t *s)
         if (i > 0 && l->epfd >= 0)
             close(l->epfd);
     }
-    pthread_mutex_destroy(&s->lock);
+    pthread_rwlock_destroy(&s->lock);
     free(s->loops);
     s->loops = NULL;
 }

@@ -151,6 +151,10 @@ typedef enum {
     X(LOOP_CPU, COUNTER, "kvtier_loop_cpu_seconds_total",                                          \
       "CPU time each event loop's thread has used (loop 0: the main thread), read every tick.",    \
       LOOP)                                                                                        \
+    X(LOOP_SHARED_MATCHES, COUNTER, "kvtier_loop_shared_matches_total",                            \
+      "MATCHes whose tree walk ran under the store's lock shared with other loops (several "       \
+      "loops; no lease, KEEP or REMOTE), by loop.",                                                \
+      LOOP)                                                                                        \
     X(LOOP_KICKS_POSTED, COUNTER, "kvtier_loop_kicks_posted_total",                                \
       "Times another loop handed a loop one of its connections to serve (a tier completion, a "    \
       "deadline, a close), through its eventfd.",                                                  \

@@ -38,8 +38,22 @@ static void count_saved(kvt_srv_t *s, unsigned ns_slot, const double *recompute,
         kvt__metric_ns_add(s->metrics, KVT_M_NS_SECONDS_SAVED, ns_slot, all);
 }
 
-static void count_match(kvt_srv_t *s, unsigned ns_slot, kvt_match_t *m, const uint32_t *tokens,
-                        uint32_t ntokens, uint32_t page, const uint8_t *tiers, int remote_down)
+/* Why the pages after m were not found: the first one not matched names the reason for the
+ * whole rest (was it ever here?). Only meaningful when m is shorter than the lookup. */
+static kvt_miss_reason_t match_why(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tokens,
+                                   uint32_t page, int remote_down)
+{
+    if (remote_down)
+        return KVT_MISS_REMOTE_UNREACHABLE;
+    uint64_t next = 0;
+    kvt__path_keys(s, m->ns, kvt__path_tail(s, m), tokens + (size_t)m->pages * page, 1, &next);
+    return kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+}
+
+/* The counters of one lookup of ntokens tokens of which pages whole pages matched, in tiers[]:
+ * reads neither the tree nor the tiers (why: match_why's, when pages < the lookup's whole). */
+static void count_match(kvt_srv_t *s, unsigned ns_slot, uint32_t pages, uint32_t ntokens,
+                        uint32_t page, const uint8_t *tiers, kvt_miss_reason_t why)
 {
     kvt_metrics_t *mt = s->metrics;
     double recompute[KVT_TIER_COUNT] = {0};
@@ -48,14 +62,14 @@ static void count_match(kvt_srv_t *s, unsigned ns_slot, kvt_match_t *m, const ui
     kvt__metric_add(mt, KVT_M_LOOKUP_TOKENS, 0, ntokens);
     /* Runs of one tier (a path is mostly one or two runs): no per-page counter updates. A run
      * is followed eight pages at a time. */
-    for (uint32_t i = 0, run; i < m->pages; i += run) {
+    for (uint32_t i = 0, run; i < pages; i += run) {
         uint64_t all = 0x0101010101010101ull * tiers[i], w;
-        for (run = 1; i + run + 8 <= m->pages; run += 8) {
+        for (run = 1; i + run + 8 <= pages; run += 8) {
             memcpy(&w, tiers + i + run, 8);
             if (w != all)
                 break;
         }
-        for (; i + run < m->pages && tiers[i + run] == tiers[i]; run++)
+        for (; i + run < pages && tiers[i + run] == tiers[i]; run++)
             ;
         kvt__metric_add(mt, KVT_M_HIT_TOKENS, tiers[i] < KVT_TIER_COUNT ? tiers[i] : 0,
                         (double)run * page);
@@ -67,21 +81,12 @@ static void count_match(kvt_srv_t *s, unsigned ns_slot, kvt_match_t *m, const ui
     }
     count_saved(s, ns_slot, recompute, bytes);
     kvt__metric_add(mt, KVT_M_PREFILL_SAVED, 0,
-                    (double)m->pages * page / s->conf->prefill_tokens_per_s);
+                    (double)pages * page / s->conf->prefill_tokens_per_s);
     uint32_t whole = ntokens / page;
     if (ntokens % page)
         kvt__metric_add(mt, KVT_M_MISS_TOKENS, KVT_MISS_SHORT_PAGE, ntokens % page);
-    if (whole > m->pages) {
-        /* The first page not matched names the reason for the whole rest: was it ever here? */
-        kvt_miss_reason_t why = KVT_MISS_REMOTE_UNREACHABLE;
-        if (!remote_down) {
-            uint64_t next = 0;
-            kvt__path_keys(s, m->ns, kvt__path_tail(s, m), tokens + (size_t)m->pages * page, 1,
-                           &next);
-            why = kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
-        }
-        kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - m->pages) * page);
-    }
+    if (whole > pages)
+        kvt__metric_add(mt, KVT_M_MISS_TOKENS, why, (double)(whole - pages) * page);
 }
 
 /*
@@ -244,7 +249,10 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
     if (q->lost.gone < m->pages)
         memset(tiers + q->lost.gone, KVT_TIER_NONE, m->pages - q->lost.gone);
     if (!(q->flags & KVT_MATCH_F_PROBE)) {
-        count_match(s, c->metric_ns, m, q->tokens, q->ntokens, q->page, tiers, remote_down);
+        kvt_miss_reason_t why = q->ntokens / q->page > m->pages
+                                    ? match_why(s, m, q->tokens, q->page, remote_down)
+                                    : KVT_MISS_NEVER_SEEN;
+        count_match(s, c->metric_ns, m->pages, q->ntokens, q->page, tiers, why);
         if (s->mrc)
             mrc_match(s, m, q);
     }
@@ -315,6 +323,168 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
     return rc;
 }
 
+/* ---- MATCH under the shared lock (several loops) ---- */
+
+void kvt__match_settle(kvt_srv_t *s)
+{
+    for (unsigned i = 0; s->loops && i < s->nloops; i++) {
+        kvt__hit_t *hit = &s->loops[i].hit;
+        if (!hit->pending)
+            continue;
+        hit->pending = 0;
+        /* What the seek, match_why and the policy call of a MATCH under the write lock do. */
+        kvt__path_touch(s, &hit->m);
+        if (hit->cache_tail)
+            kvt__path_tail(s, &hit->m);
+        kvt__policy_match(s, &hit->m, &hit->hints, hit->device);
+    }
+}
+
+/* Whether the NVMe tier has ever dropped a block by itself (reclaimed, corrupt): a path may then
+ * hold lost blocks, which kvt__store_check_path queues for the step (a write). Never again 0. */
+static int nvme_dropped(kvt_srv_t *s)
+{
+    kvt_tier_usage_t u = {0};
+    kvt__tier_usage(s, KVT_TIER_NVME, &u);
+    return u.reclaimed || u.corrupt;
+}
+
+/* Page keys kept on the stack; a longer lookup's are allocated. */
+#define KVT_SHARED_KEYS 64
+
+/* Under the shared lock: the miss reason of a lookup m is shorter than (whole pages), from the
+ * cached last hash or hashed from the namespace's seed (then cache_tail: cache it later). */
+static kvt_miss_reason_t shared_why(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tok,
+                                    uint32_t page, int *cache_tail)
+{
+    uint64_t stackkeys[KVT_SHARED_KEYS], *keys = stackkeys, next = 0;
+    const kvt_block_t *tail = m->pages ? kvt__path_block(m->node, m->pages - 1) : NULL;
+    *cache_tail = 0;
+    if (tail && tail->hash) {
+        kvt__path_keys(s, m->ns, tail->hash, tok + (size_t)m->pages * page, 1, &next);
+    } else {
+        if (m->pages + 1 > KVT_SHARED_KEYS && !(keys = malloc((m->pages + 1) * sizeof *keys)))
+            return KVT_MISS_NEVER_SEEN; /* out of memory: as the shared MATCH's own */
+        kvt__path_keys(s, m->ns, kvt__ns_seed(s, m->ns), tok, m->pages + 1, keys);
+        next = keys[m->pages];
+        *cache_tail = tail != NULL;
+        if (keys != stackkeys)
+            free(keys);
+    }
+    return kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+}
+
+/* Under the shared lock: the keys of a lookup's whole pages for the curve, those of m's pages
+ * read from its blocks when the tree has them all (it caches them as a prefix of the path: the
+ * last one cached means all are), the rest hashed on from there; else all hashed from the
+ * namespace's seed (then cache_tail: cache them later). */
+static void shared_keys(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tok, uint32_t page,
+                        uint32_t whole, uint64_t *keys, int *cache_tail)
+{
+    const kvt_block_t *tail = m->pages ? kvt__path_block(m->node, m->pages - 1) : NULL;
+    *cache_tail = 0;
+    if (tail && tail->hash) {
+        kvt__path_t p;
+        for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
+            for (uint32_t i = 0; i < p.run.n; i++)
+                keys[p.run.depth + i] = p.run.blocks[i].hash;
+        if (whole > m->pages)
+            kvt__path_keys(s, m->ns, tail->hash, tok + (size_t)m->pages * page, whole - m->pages,
+                           keys + m->pages);
+    } else {
+        kvt__path_keys(s, m->ns, kvt__ns_seed(s, m->ns), tok, whole, keys);
+        *cache_tail = tail != NULL;
+    }
+}
+
+/*
+ * A MATCH without LEASE, KEEP or REMOTE, on c's own event at the top of its loop while several
+ * loops run (where conn.c lets the lock go for c's socket I/O: nothing is half done). Its walk
+ * only reads the tree, so the lock is let go and taken shared, and other loops' MATCHes walk at
+ * the same time. Nothing is written under the shared lock but c's loop's hit: the blocks' hit
+ * counters, the policy's use and the path's last hash wait there for the next write lock, which
+ * applies them before the tree can change (kvt__match_settle); the counters, the miss-ratio
+ * curve's sample and the reply come once this one has the write lock back. The keys of the
+ * pages (the miss reason, the curve) are hashed from the tokens when the tree has not cached
+ * them: caching is a write.
+ *
+ * Returns 1 when answered, 0 when the caller answers instead under the write lock (the NVMe tier
+ * has dropped blocks: checking a path for them may queue work, kvt__store_check_path; or the
+ * seek failed, which it reports). The write lock is held on return either way.
+ */
+static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
+                        const kvt_proto_match_t *q)
+{
+    kvt_srv_t *s = c->srv;
+    kvt__loop_t *l = c->loop;
+    int probe = (h->flags & KVT_MATCH_F_PROBE) != 0;
+    uint32_t page = c->page_size, whole = page ? q->ntokens / page : 0;
+    kvt__srv_unlock(s);
+    kvt__srv_lock_shared(s);
+    kvt__path_t p;
+    if (!page || nvme_dropped(s) ||
+        kvt__path_seek(s, &p, c->ns, c->tok, q->ntokens, KVT_MATCH_NOTOUCH) < 0) {
+        kvt__srv_unlock(s);
+        kvt__srv_lock(s);
+        return 0;
+    }
+    kvt_match_t m = p.m;
+    uint32_t block = c->block_bytes   ? c->block_bytes
+                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
+                                      : 0;
+    /* Keys: the curve's for every whole page; else only the reason's (shared_why). */
+    uint64_t stackkeys[KVT_SHARED_KEYS], *keys = stackkeys;
+    uint32_t nkeys = probe || !s->mrc ? 0 : whole;
+    kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
+    int cache_tail = 0;
+    if (nkeys > KVT_SHARED_KEYS && !(keys = malloc((size_t)nkeys * sizeof *keys)))
+        nkeys = 0; /* out of memory: no reason (never seen) and no sample, as the curve's own */
+    if (nkeys) {
+        shared_keys(s, &m, c->tok, page, whole, keys, &cache_tail);
+        if (whole > m.pages)
+            why = kvt__ghost_seen(s, keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+    } else if (!probe && !s->mrc && whole > m.pages) {
+        why = shared_why(s, &m, c->tok, page, &cache_tail);
+    }
+    uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
+    size_t len = sizeof(kvt_wire_match_reply_t) + m.pages;
+    uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
+    if (out) {
+        uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
+        for (kvt__path_walk(&p, &m); p.run.node; kvt__path_step(&p))
+            for (uint32_t i = 0; i < p.run.n; i++)
+                tiers[p.run.depth + i] = p.run.blocks[i].tier;
+        if (!probe && m.pages)
+            l->hit = (kvt__hit_t){.pending = 1,
+                                  .cache_tail = cache_tail,
+                                  .device = c->device,
+                                  .m = m,
+                                  .hints = q->hints};
+    }
+    kvt__srv_unlock(s);
+    kvt__srv_lock(s); /* applies l->hit, if another writer did not first */
+    int rc;
+    if (!out) {
+        rc = kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    } else {
+        if (!probe) {
+            count_match(s, c->metric_ns, m.pages, q->ntokens, page,
+                        out + sizeof(kvt_wire_match_reply_t), why);
+            if (s->mrc && (nkeys || !whole))
+                kvt__mrc_lookup(s->mrc, keys, whole, page, block, q->ntokens);
+        }
+        kvt__metric_add(s->metrics, KVT_M_LOOP_SHARED_MATCHES, l->id, 1);
+        kvt_proto_match_reply_t w = {.tokens = m.pages * page, .pages = m.pages};
+        kvt_proto_match_reply_encode(out, &w);
+        rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len);
+    }
+    if (out != stackbuf)
+        free(out);
+    if (keys != stackkeys)
+        free(keys);
+    return rc < 0 ? rc : 1;
+}
+
 int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
@@ -331,6 +501,13 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
     kvt__count_hints(s, &q.hints);
     if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    if (s->loops_running && c->loop->top == c &&
+        !(h->flags & (KVT_MATCH_F_LEASE | KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE)) &&
+        !nvme_dropped(s)) {
+        int rc = match_shared(c, h, t0, &q);
+        if (rc != 0)
+            return rc < 0 ? rc : 0;
+    }
     /* A lookup only reads the tree and counts: no trim for the lease's room here (the
      * maintenance step keeps the index under its high mark; a lease that does not fit now is
      * refused, ENOSPC), and lost blocks are only reported, settled by the step. */

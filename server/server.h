@@ -370,7 +370,22 @@ typedef struct kvt__lease_index {
  * A connection belongs to one loop. Another loop that must kick it (a completion, a deadline,
  * a drain) puts it on the owner's posted list and wakes the owner through its eventfd; one that
  * must close it marks it dead and does the same: only the owner frees it, after its own batch.
+ *
+ * s->lock is a reader-writer lock: all of the above takes it for writing (kvt__srv_lock). A
+ * MATCH without a lease at the top of its loop lets it go and walks the tree under it shared
+ * (op_match.c, match_shared): what such a MATCH would write (the blocks' hit counters, the
+ * policy's use, a path's cached hash) waits in its loop's hit until the next kvt__srv_lock,
+ * which applies every loop's before anything changes the tree.
  */
+/* A MATCH's use of its path, applied under the write lock (kvt__match_settle). */
+typedef struct kvt__hit {
+    int pending;
+    int cache_tail; /* its path's last hash was not cached: cache it (kvt__path_tail) */
+    int device;
+    kvt_match_t m;
+    kvt_proto_hints_t hints;
+} kvt__hit_t;
+
 struct kvt__loop {
     kvt_srv_t *srv;
     unsigned id;
@@ -386,20 +401,23 @@ struct kvt__loop {
     int sealing;
     uint32_t conns;
     uint64_t requests, kicks_posted;
+    kvt__hit_t hit; /* written under the shared lock by this loop's thread only */
 };
 
 struct kvt_srv {
     kvt_srv_conf_t *conf;
     const kvt__conn_ops_t *conn_ops; /* the operations above the connections */
     int epfd;                        /* loop 0's */
-    /* Step 1 of issue 42: the store (index, tiers, policy, executor, leases), the connections'
-     * list and the metrics are behind this one lock; see struct kvt__loop. */
-    pthread_mutex_t lock;
+    /* Issue 42: the store (index, tiers, policy, executor, leases), the connections' list and
+     * the metrics are behind this one lock, taken for writing except by a MATCH's walk (shared);
+     * see struct kvt__loop. */
+    pthread_rwlock_t lock;
     kvt__loop_t *loops;
     unsigned nloops;
     int loops_running; /* loops 1.. run: a connection of another loop is not closed directly */
     int loops_exit;    /* loop 0 returned: the others stop */
     void (*loop_after)(kvt__loop_t *l); /* loop.c's work after a batch, on every loop */
+    void (*lock_settle)(kvt_srv_t *s);  /* kvt__srv_lock's, first: kvt__match_settle (loop.c) */
     kvt__ev_t sig_ev, unix_ev, tcp_ev, http_ev;
     kvt__ev_t tier_ev[KVT_TIER_COUNT];
     char unix_path[4096]; /* absolute, for unlink at exit */
@@ -454,6 +472,11 @@ void kvt__loops_stop(kvt_srv_t *s);
 void kvt__loops_close(kvt_srv_t *s);
 /* kvtier_loop_cpu_seconds_total: each running loop's thread's CPU time (every tick). */
 void kvt__loops_cpu(kvt_srv_t *s);
+/* lock.c: s->lock for writing (every loop's pending hits applied first, s->lock_settle), shared
+ * (a MATCH's walk, op_match.c), and let go (either). */
+void kvt__srv_lock(kvt_srv_t *s);
+void kvt__srv_lock_shared(kvt_srv_t *s);
+void kvt__srv_unlock(kvt_srv_t *s);
 /* The number of loops for loops = 0: the CPUs this process may run on, at most 8. */
 unsigned kvt__loops_auto(void);
 /* ev.c: the epoll sets' registrations. */
@@ -611,6 +634,8 @@ typedef struct kvt__match_q {
 int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, uint64_t t0,
                       const kvt__match_q_t *q, kvt_match_t *m, uint32_t remote_pages,
                       int remote_down);
+/* Applies every loop's pending hit (struct kvt__loop): kvt__srv_lock's, under the write lock. */
+void kvt__match_settle(kvt_srv_t *s);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,

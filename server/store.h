@@ -40,6 +40,9 @@ typedef struct kvt__path {
  * flags: KVT_MATCH_NOTOUCH (no hit counted). 0 or KVT_EINVAL. */
 int kvt__path_seek(kvt_srv_t *s, kvt__path_t *p, uint32_t ns, const uint32_t *tokens, size_t n,
                    unsigned flags);
+/* Counts the hits of a seek made with KVT_MATCH_NOTOUCH (kvt_radix_touch): one made under the
+ * shared lock, counted under the write lock before the tree changes. */
+void kvt__path_touch(kvt_srv_t *s, const kvt_match_t *m);
 /* Starts a walk of the path m names (p->m may be m); p->run.node is NULL for an empty one. */
 void kvt__path_walk(kvt__path_t *p, const kvt_match_t *m);
 void kvt__path_step(kvt__path_t *p);

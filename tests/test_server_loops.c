@@ -3,7 +3,8 @@
  * on two loops served at once, each checking its bytes; a connection owned by loop 1 whose GET
  * reads from NVMe (the completion arrives on loop 0 and is handed to loop 1) and whose lease
  * expires (loop 0's tick); clients that leave with moves in flight; evictions at max-conns across
- * loops; the setting's bounds; the per-loop series.
+ * loops; the setting's bounds; the per-loop series; MATCHes on both loops under the store's lock
+ * shared while other clients write, their replies and counters checked.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -294,6 +295,217 @@ Test(server_loops, the_loops_setting)
     snprintf(key, sizeof key, "{loop=\"%d\"}", want);
     cr_expect(!strstr(buf, key), "no loop %d", want);
     kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * MATCHes without a lease take the store's lock shared (op_match.c, match_shared) while other
+ * clients PUT, REMOVE and push blocks out of a small DRAM tier (evicted: out of the index). Each
+ * reader MATCHes its prefixes and the next reader's, which they hold leases on (so that nothing
+ * evicts them): every page stored is matched, in DRAM; a longer lookup matches the same pages; a
+ * prefix it removed (from its first page) matches nothing. The lookups counted are the MATCHes sent
+ * (none lost to a race), and both loops answered some with the lock shared.
+ */
+typedef struct churner {
+    const kvd_t *d;
+    pthread_barrier_t *start; /* the readers' leases are taken before the writers start */
+    int id, reader;
+    int errors, line;         /* and the first one's line */
+    uint64_t matches, probes; /* MATCHes sent that count as lookups; PROBEs */
+} churner_t;
+
+/* One more wrong reply; the first one's line is kept for the message. */
+#define CHURN_WRONG(w) ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+
+static void *churner_main(void *arg)
+{
+    churner_t *w = arg;
+    kvt_client_conf_t conf = {
+        .unix_path = w->d->sock, .model = "m", .page_size = PAGE, .block_bytes = BB};
+    kvt_client_t *c;
+    if (kvt_client_connect(&c, &conf) < 0) {
+        CHURN_WRONG(w);
+        pthread_barrier_wait(w->start);
+        return NULL;
+    }
+    enum { P = 4, K = 6 };
+    uint32_t tok[(P + 1) * PAGE];
+    uint8_t tiers[P + 1];
+    static __thread uint8_t payload[P * BB];
+    kvt_client_put_t r;
+    kvt_client_match_t m;
+    uint32_t base = (uint32_t)(w->id + 1) * 10000000u;
+    /* A reader's K prefixes (P pages each, tokens apart) and a spare one, K, that it removes. */
+    for (int k = 0; w->reader && k < K; k++) {
+        kvd_tokens(tok, P * PAGE, base + (uint32_t)k * 1000);
+        kvd_fill(payload, sizeof payload, base + (uint32_t)k);
+        m = (kvt_client_match_t){0};
+        if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0 || r.stored != P ||
+            kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m) < 0 ||
+            m.pages != P)
+            CHURN_WRONG(w);
+        w->matches++;
+    }
+    pthread_barrier_wait(w->start);
+    kvt_batch_t *batch = NULL;
+    if (kvt_batch_create(&batch, c) < 0)
+        CHURN_WRONG(w);
+    for (int round = 0; round < 400 && batch; round++) {
+        int k = round % K;
+        if (!w->reader) { /* a new prefix each time: DRAM fills, the step evicts; half removed */
+            kvd_tokens(tok, P * PAGE, base + (uint32_t)round * 1000);
+            kvd_fill(payload, sizeof payload, base + (uint32_t)round);
+            if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0)
+                CHURN_WRONG(w);
+            int rc = round % 2 ? kvt_client_remove(c, tok, P * PAGE) : 0;
+            if (rc < 0 && rc != KVT_CLIENT_ENOENT) /* ENOENT: evicted first */
+                CHURN_WRONG(w);
+            continue;
+        }
+        /* Its prefix and the next reader's (leased too: the same blocks read on both loops at
+         * once), each also with a lookup one page longer (never stored): P pages each time. */
+        for (int j = 0; j < 4; j++) {
+            uint32_t owner = j < 2 ? (uint32_t)w->id : (uint32_t)(w->id + 1) % 4;
+            kvd_tokens(tok, (P + 1) * PAGE, (owner + 1) * 10000000u + (uint32_t)k * 1000);
+            uint32_t n = (j % 2 ? P + 1 : P) * PAGE;
+            memset(tiers, 0xff, sizeof tiers);
+            m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = P + 1};
+            if (kvt_client_match(c, tok, n, 0, 0, NULL, &m) < 0 || m.pages != P ||
+                m.tokens != P * PAGE || m.lease != 0)
+                CHURN_WRONG(w);
+            for (int p = 0; p < P; p++)
+                if (tiers[p] != KVT_TIER_DRAM)
+                    CHURN_WRONG(w);
+            w->matches++;
+        }
+        /* The same pipelined (a batch: the daemon walks a run of them in one shared section),
+         * a PROBE and a MATCH with a lease (the write path) among them. */
+        enum { B = 12 };
+        static __thread uint32_t btok[B][(P + 1) * PAGE];
+        kvt_client_match_t bm[B];
+        uint8_t bt[B][P + 1];
+        int st[B];
+        for (int i = 0; i < B; i++) {
+            uint32_t owner = i % 2 ? (uint32_t)w->id : (uint32_t)(w->id + 1) % 4;
+            kvd_tokens(btok[i], (P + 1) * PAGE,
+                       (owner + 1) * 10000000u + (uint32_t)((k + i) % K) * 1000);
+            memset(bt[i], 0xff, sizeof bt[i]);
+            bm[i] = (kvt_client_match_t){.tiers = bt[i], .tiers_cap = P + 1};
+            unsigned flags = i == 5 ? KVT_CLIENT_LEASE : i == 8 ? KVT_CLIENT_PROBE : 0;
+            if (kvt_batch_match(batch, btok[i], (i % 3 == 2 ? P + 1 : P) * PAGE, flags, 0, NULL,
+                                &bm[i], &st[i]) < 0)
+                CHURN_WRONG(w);
+        }
+        if (kvt_batch_run(batch) < 0)
+            CHURN_WRONG(w);
+        for (int i = 0; i < B; i++) {
+            if (st[i] != 0 || bm[i].pages != P || (bm[i].lease != 0) != (i == 5))
+                CHURN_WRONG(w);
+            for (int p = 0; p < P; p++)
+                if (bt[i][p] != KVT_TIER_DRAM)
+                    CHURN_WRONG(w);
+            if (i == 8)
+                w->probes++;
+            else
+                w->matches++;
+        }
+        if (bm[5].lease && kvt_client_release(c, bm[5].lease, NULL) < 0)
+            CHURN_WRONG(w);
+        if (round % 10 == 9) { /* the spare: stored, then removed, it matches nothing */
+            kvd_tokens(tok, P * PAGE, base + (uint32_t)K * 1000);
+            kvd_fill(payload, sizeof payload, base + (uint32_t)K);
+            m = (kvt_client_match_t){0};
+            if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0)
+                CHURN_WRONG(w);
+            /* Its first page, and everything below it (ENOENT: evicted first). */
+            int rc = kvt_client_remove(c, tok, PAGE);
+            if ((rc < 0 && rc != KVT_CLIENT_ENOENT) ||
+                kvt_client_match(c, tok, P * PAGE, 0, 0, NULL, &m) < 0 || m.pages != 0)
+                CHURN_WRONG(w);
+            w->matches++;
+        }
+    }
+    kvt_batch_destroy(batch);
+    kvt_client_close(c);
+    return NULL;
+}
+
+Test(server_loops, matches_share_the_lock_while_others_write)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "1M", "--nvme-bytes", "0", NULL);
+    enum { N = 6 };
+    pthread_t th[N];
+    churner_t w[N];
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, N);
+    for (int i = 0; i < N; i++) {
+        w[i] = (churner_t){.d = &d, .start = &start, .id = i, .reader = i < 4};
+        pthread_create(&th[i], NULL, churner_main, &w[i]);
+    }
+    int errors = 0, line = 0;
+    uint64_t matches = 0, probes = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        errors += w[i].errors;
+        line = line ? line : w[i].line;
+        matches += w[i].matches;
+        probes += w[i].probes;
+    }
+    pthread_barrier_destroy(&start);
+    cr_expect_eq(errors, 0, "%d wrong replies, the first at line %d", errors, line);
+    cr_expect_eq(kvd_metric(&d, "kvtier_lookups_total"), (double)matches);
+    cr_expect_gt(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), 0,
+                 "the writers pushed blocks out of DRAM");
+    double s0 = kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"0\"}"),
+           s1 = kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}");
+    cr_expect_gt(s0, 0, "loop 0 answered MATCHes under the shared lock (%g)", s0);
+    cr_expect_gt(s1, 0, "loop 1 answered MATCHes under the shared lock (%g)", s1);
+    cr_expect_leq(s0 + s1, (double)(matches + probes));
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/* The use a MATCH made under the shared lock tells the policy counts (applied at the next write
+ * lock): its hit in NVMe promotes the path to DRAM (lru: a hit from a lower tier goes to the top),
+ * as with one loop. */
+Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "1M", "--policy", "lru", "--policy-high", "1",
+              "--policy-low", "1", NULL); /* no demotion of a's blocks: b goes to NVMe */
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BIG), *c1 = kvd_client(&d, "m", PAGE, BIG);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    uint32_t a[16 * PAGE], b[4 * PAGE];
+    kvd_tokens(a, 16 * PAGE, 1);
+    kvd_tokens(b, 4 * PAGE, 700000);
+    static uint8_t payload[16 * BIG];
+    kvd_fill(payload, sizeof payload, 7);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c0, a, 16 * PAGE, 0, 16, payload, NULL, &r), 0);
+    cr_assert_eq(kvt_client_put(c0, b, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+    uint8_t tiers[4] = {0};
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c0, b, 4 * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_assert_eq(tiers[0], KVT_CLIENT_TIER_NVME, "b's pages went to NVMe (DRAM is full)");
+    cr_assert_eq(kvt_client_remove(c0, a, PAGE), 0); /* room in DRAM for the promotion */
+    double shared = kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}");
+    cr_assert_eq(kvt_client_match(c1, b, 4 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    cr_assert_eq(kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}"), shared + 1,
+                 "c1's MATCH (loop 1) walked under the shared lock");
+    /* The promotion the hit asked for runs in a step; PROBEs look without counting a use. */
+    uint64_t t0 = kvt_now_ns();
+    do {
+        usleep(10 * 1000);
+        m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = 4};
+        cr_assert_eq(kvt_client_match(c0, b, 4 * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    } while (tiers[0] != KVT_CLIENT_TIER_DRAM && kvt_now_ns() - t0 < 3000000000ull);
+    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "the hit promoted b's path to DRAM");
+    kvt_client_close(c0);
+    kvt_client_close(c1);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
