@@ -1852,6 +1852,87 @@ Test(server_e2e, a_pipeline_of_gets_leaves_in_a_few_writes)
     kvd_cleanup(&d);
 }
 
+/* A GET of more than one 8 MiB batch with a PING and a one-page GET behind it in the same write:
+ * a batch that is not the last stops the write (its next one is built when the socket has taken
+ * it), and the replies after the last one follow whole and in order. */
+Test(server_e2e, a_multi_batch_get_then_more_requests_in_one_write)
+{
+    enum { N = 40, B = 256 << 10 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "64M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, B);
+    static uint32_t tok[N * PAGE];
+    kvd_tokens(tok, N * PAGE, 55);
+    kvt_client_put_t pr;
+    put_pages(c, tok, N * PAGE, 0, N, B, 4, &pr);
+    cr_assert_eq(pr.stored, N);
+
+    int fd = kvd_raw(&d);
+    static uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + N * PAGE * 4];
+    kvt_wire_hello_t hw = {
+        .min_version = 1, .max_version = 1, .page_size = PAGE, .block_bytes = B, .model_len = 1};
+    kvt_proto_frame(f, KVT_OP_HELLO, 0, 1, 0, sizeof hw + 1);
+    memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
+    f[KVT_PROTO_HDR + sizeof hw] = 'm';
+    cr_assert(write(fd, f, KVT_PROTO_HDR + sizeof hw + 1) > 0);
+    kvt_wire_match_t mw = {.ntokens = N * PAGE};
+    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, sizeof mw + N * PAGE * 4);
+    memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
+    memcpy(f + KVT_PROTO_HDR + sizeof mw, tok, sizeof tok);
+    cr_assert(write(fd, f, sizeof f) == (ssize_t)sizeof f);
+    static uint8_t body[B + 4096];
+    kvt_proto_hdr_t h;
+    read_frame(fd, &h, body, sizeof body);
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.status, 0);
+    uint64_t lease = kvt_get_u64(body + 8);
+    cr_assert_neq(lease, 0);
+
+    /* All N pages (two batches), a PING, then page 3 alone. */
+    uint8_t frames[3 * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
+    size_t len = 0;
+    kvt_wire_get_t all = {.lease = lease}, one = {.lease = lease, .first_page = 3, .npages = 1};
+    kvt_proto_frame(frames, KVT_OP_GET, 0, 10, 0, sizeof all);
+    memcpy(frames + KVT_PROTO_HDR, &all, sizeof all);
+    len += KVT_PROTO_HDR + sizeof all;
+    kvt_proto_frame(frames + len, KVT_OP_PING, 0, 11, 0, 0);
+    len += KVT_PROTO_HDR;
+    kvt_proto_frame(frames + len, KVT_OP_GET, 0, 12, 0, sizeof one);
+    memcpy(frames + len + KVT_PROTO_HDR, &one, sizeof one);
+    len += KVT_PROTO_HDR + sizeof one;
+    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+
+    uint8_t *want = malloc(B);
+    for (uint32_t p = 0; p < N; p++) {
+        read_frame(fd, &h, body, sizeof body);
+        cr_assert_eq(h.request_id, 10);
+        cr_assert_eq(h.status, 0);
+        cr_assert(h.flags & KVT_RF_MORE);
+        cr_assert_eq(kvt_get_u32(body), p, "pages in order");
+        kvd_fill(want, B, 4 + p);
+        cr_assert(memcmp(body + sizeof(kvt_wire_get_data_t), want, B) == 0, "page %u differs", p);
+    }
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 10);
+    cr_assert_eq(h.flags & KVT_RF_MORE, 0, "the final frame after the last page");
+    cr_assert_eq(kvt_get_u32(body), N);
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 11, "then the PING's reply");
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 12);
+    cr_assert_eq(kvt_get_u32(body), 3);
+    kvd_fill(want, B, 4 + 3);
+    cr_assert(memcmp(body + sizeof(kvt_wire_get_data_t), want, B) == 0);
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 12);
+    cr_assert_eq(h.flags & KVT_RF_MORE, 0);
+    cr_assert_eq(kvt_get_u32(body), 1);
+    free(want);
+    close(fd);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 /* Anonymous huge pages kvtierd holds (AnonHugePages of its smaps_rollup), in kB. */
 static long kvd_huge_kb(const kvd_t *d)
 {
