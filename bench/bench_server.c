@@ -60,7 +60,8 @@
  *
  * usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] [--redis-benchmark PATH]
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
- *        [--ops match|get|lease|conns|fill|loops|all] [--transport unix|tcp|all] [--prompts N]
+ *        [--ops match|get|lease|conns|fill|all[,...]|loops] [--transport unix|tcp|all] [--prompts
+ * N]
  *        [--held N] [--sealed] [--index-prefault BYTES]
  */
 #define _GNU_SOURCE /* accept4 */
@@ -1346,6 +1347,39 @@ static int bench_loops(const opts_t *o, kvt_trace_t *tr)
     return 0;
 }
 
+/* --ops is one load or several separated by commas ("get,conns,match"); loops runs alone. */
+static const char *const g_ops[] = {"match", "get", "lease", "conns", "fill", "all"};
+
+/* Whether the list names op (or "all", which names every load but loops). */
+static int ops_has(const char *list, const char *op)
+{
+    size_t n = strlen(op);
+    for (const char *p = list; *p;) {
+        size_t k = strcspn(p, ",");
+        if ((k == n && !strncmp(p, op, n)) || (k == 3 && !strncmp(p, "all", 3)))
+            return 1;
+        p += k + (p[k] == ',');
+    }
+    return 0;
+}
+
+static int ops_valid(const char *list)
+{
+    if (!strcmp(list, "loops"))
+        return 1;
+    if (!*list)
+        return 0;
+    for (const char *p = list; *p;) {
+        size_t k = strcspn(p, ","), i = 0;
+        while (i < KVT_ARRAY_LEN(g_ops) && !(strlen(g_ops[i]) == k && !strncmp(p, g_ops[i], k)))
+            i++;
+        if (i == KVT_ARRAY_LEN(g_ops) || (p[k] == ',' && !p[k + 1]))
+            return 0; /* an unknown name, or a trailing comma */
+        p += k + (p[k] == ',');
+    }
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     opts_t o = {.conns = 8,
@@ -1410,7 +1444,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] "
                             "[--redis-benchmark PATH] [--conns N] [--pipeline N] [--requests N] "
                             "[--block-bytes N] [--rounds N] "
-                            "[--ops match|get|lease|conns|fill|loops|all] "
+                            "[--ops match|get|lease|conns|fill|all[,...]|loops] "
                             "[--transport unix|tcp|all] [--prompts N] [--held N] [--sealed] "
                             "[--index-prefault BYTES]\n");
             return 2;
@@ -1421,21 +1455,19 @@ int main(int argc, char **argv)
         o.block_bytes < 4096 || o.block_bytes > (16u << 20) || o.held < 0 ||
         o.held > LEASE_HELD_MAX ||
         (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all")) ||
-        (strcmp(o.ops, "match") && strcmp(o.ops, "get") && strcmp(o.ops, "lease") &&
-         strcmp(o.ops, "conns") && strcmp(o.ops, "fill") && strcmp(o.ops, "loops") &&
-         strcmp(o.ops, "all"))) {
+        !ops_valid(o.ops)) {
         fprintf(stderr,
                 "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
-                "held 0..%d; ops match, get, lease, conns, fill, loops or all; transport unix, tcp "
-                "or all\n",
+                "held 0..%d; ops match, get, lease, conns, fill or all, several with commas "
+                "(get,conns,match), or loops alone; transport unix, tcp or all\n",
                 LEASE_HELD_MAX);
         return 2;
     }
-    int want_match = !strcmp(o.ops, "match") || !strcmp(o.ops, "all");
-    int want_get = !strcmp(o.ops, "get") || !strcmp(o.ops, "all");
-    int want_lease = !strcmp(o.ops, "lease") || !strcmp(o.ops, "all");
-    int want_fill = !strcmp(o.ops, "fill") || !strcmp(o.ops, "all");
-    int want_conns = !strcmp(o.ops, "conns") || !strcmp(o.ops, "all");
+    int want_match = ops_has(o.ops, "match");
+    int want_get = ops_has(o.ops, "get");
+    int want_lease = ops_has(o.ops, "lease");
+    int want_fill = ops_has(o.ops, "fill");
+    int want_conns = ops_has(o.ops, "conns");
     want_get |= want_conns; /* the same set-up and servers */
     signal(SIGPIPE, SIG_IGN);
     kvt_trace_t *tr;

@@ -257,6 +257,10 @@ typedef enum {
       "Times a connection stopped reading until max-client-bytes had room for its frame.", NONE)   \
     X(FRAME_BUFFERS_REUSED, COUNTER, "kvtier_frame_buffers_reused_total",                          \
       "Big frames read into the kept buffer of an earlier one instead of a fresh buffer.", NONE)   \
+    X(SOCKET_WRITES, COUNTER, "kvtier_socket_writes_total",                                        \
+      "Writes of replies to client sockets (writev, sendmsg; EAGAIN included): requests over "     \
+      "writes is how many replies one write carries.",                                             \
+      NONE)                                                                                        \
     X(LEASES, GAUGE, "kvtier_leases", "Leases held now.", NONE)                                    \
     X(LEASES_EXPIRED, COUNTER, "kvtier_leases_expired_total",                                      \
       "Leases released because their time limit passed.", NONE)                                    \

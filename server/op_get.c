@@ -81,7 +81,14 @@ static int get_iov(kvt__req_t *r, struct iovec *iov, int max)
     return n;
 }
 
-static void get_wrote(kvt__req_t *r, size_t left)
+/* Everything left of the reply is in what iov offered: the last batch with its final frame. */
+static int get_ends(const kvt__req_t *r, int offered)
+{
+    return r->get.end_queued && r->get.segs_ready &&
+           r->get.seg_i + (uint32_t)offered == r->get.nsegs;
+}
+
+static size_t get_wrote(kvt__req_t *r, size_t left)
 {
     /* Empty pieces (a location frame's payload) are passed over as soon as they are reached. */
     while (r->get.seg_i < r->get.nsegs &&
@@ -94,6 +101,7 @@ static void get_wrote(kvt__req_t *r, size_t left)
             r->get.seg_off = 0;
         }
     }
+    return left;
 }
 
 static int get_drained(kvt__req_t *r)
@@ -113,6 +121,7 @@ static void get_abort(kvt__req_t *r)
 
 static const kvt__reply_src_t kvt_get_src = {
     .iov = get_iov,
+    .ends = get_ends,
     .wrote = get_wrote,
     .drained = get_drained,
     .abort = get_abort,
@@ -199,6 +208,27 @@ static int get_read(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
     return 0;
 }
 
+#define KVT_GET_END_FRAME (KVT_PROTO_HDR + sizeof(kvt_wire_get_end_t))
+
+/* Each page's frame head lies at i * stride in r->out: a location frame is longer. */
+static size_t get_stride(const kvt__req_t *r)
+{
+    return r->get.locate ? KVT_PROTO_HDR + sizeof(kvt_wire_get_loc_t)
+                         : KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
+}
+
+/* The final frame at f: the status, made final here, and how many pages went out before it. */
+static void get_end_frame(kvt__req_t *r, uint8_t f[KVT_GET_END_FRAME])
+{
+    uint64_t now = kvt_now_ns();
+    uint32_t left = 0;
+    if (r->get.locate && r->get.lease_expires > now)
+        left = (uint32_t)KVT_MIN((r->get.lease_expires - now) / 1000000u, UINT32_MAX);
+    r->status = kvt__tier_failure(r->status);
+    kvt_proto_frame(f, r->op | KVT_OP_REPLY, 0, r->id, r->status, sizeof(kvt_wire_get_end_t));
+    kvt_proto_get_end_encode(f + KVT_PROTO_HDR, r->get.sent, left);
+}
+
 /* Page i of the batch's frame: its head at i * stride in r->out (a location frame, or a data
  * frame's head whose payload is pg->ptr), and its pieces segs[2i], segs[2i + 1]. */
 static void get_frame(kvt__req_t *r, uint32_t i, size_t stride, const get_page_t *pg)
@@ -226,17 +256,17 @@ static void get_frame(kvt__req_t *r, uint32_t i, size_t stride, const get_page_t
 static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
 {
     size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
-    /* Each page's frame head lies at i * stride in out: a location frame is longer. */
-    size_t stride = r->get.locate ? KVT_PROTO_HDR + sizeof(kvt_wire_get_loc_t) : hdr;
+    size_t stride = get_stride(r);
     uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
                                    KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
     r->out_off = r->out_len = 0;
-    if (kvt_reserve(&r->out, &r->out_cap, n * stride, 1, 4096) < 0) {
+    /* The heads, then room for the final frame should this batch be the last (get_send). */
+    if (kvt_reserve(&r->out, &r->out_cap, n * stride + KVT_GET_END_FRAME, 1, 4096) < 0) {
         r->status = KVT_ENOMEM;
         return 0;
     }
     r->get.ios = calloc(n, sizeof *r->get.ios);
-    r->get.segs = calloc(2 * (size_t)n, sizeof *r->get.segs);
+    r->get.segs = calloc(2 * (size_t)n + 1, sizeof *r->get.segs);
     r->src = &kvt_get_src;
     if (!r->get.ios || !r->get.segs) {
         r->status = KVT_ENOMEM;
@@ -279,32 +309,40 @@ static int get_send(kvt__req_t *r)
     }
     r->get.nsegs = 2 * good;
     r->get.segs_ready = 1;
+    r->get.sent += good;
+    if (!r->conn || !good)
+        return 0;
+    if (good < r->get.batch || r->status < 0 || r->get.cur >= r->get.end) {
+        /* The last batch: its final frame goes with it, so that the connection can write the
+         * next requests' replies in the same writev (server.h, ends) instead of one write per
+         * GET. Nothing after this can change the frame: no read is in flight, and the pins
+         * (kvt__unpin, in get_end) only go once the bytes are out. */
+        size_t off = (size_t)r->get.batch * get_stride(r);
+        get_end_frame(r, r->out + off);
+        r->get.segs[r->get.nsegs++] = (kvt__seg_t){.off = off, .len = KVT_GET_END_FRAME};
+        r->get.end_queued = 1;
+    }
     size_t bytes = 0;
     for (uint32_t i = 0; i < r->get.nsegs; i++)
         bytes += r->get.segs[i].len;
-    r->get.sent += good;
-    if (!r->conn || !r->get.nsegs)
-        return 0;
     kvt__out_add(r->conn, (int64_t)bytes);
     kvt__conn_kick(r->conn);
     return 1;
 }
 
-/* The final frame: status, and how many pages went out before it. */
+/* The GET ends: its final frame went with its last batch (end_queued), or goes now. */
 static void get_end(kvt_srv_t *s, kvt__req_t *r)
 {
-    uint8_t e[sizeof(kvt_wire_get_end_t)];
-    uint64_t now = kvt_now_ns();
-    uint32_t left = 0;
-    if (r->get.locate && r->get.lease_expires > now)
-        left = (uint32_t)KVT_MIN((r->get.lease_expires - now) / 1000000u, UINT32_MAX);
     if (r->get.located)
         kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
-    kvt_proto_get_end_encode(e, r->get.sent, left);
-    r->status = kvt__tier_failure(r->status);
     kvt__unpin(s, r);
     r->out_off = r->out_len = 0;
-    kvt__req_reply(r, e, sizeof e);
+    if (!r->get.end_queued) {
+        uint8_t f[KVT_GET_END_FRAME];
+        get_end_frame(r, f);
+        if (r->conn && kvt__req_append(r, f, sizeof f) < 0)
+            r->conn->dead = 1; /* a reply lost would break the order of the rest */
+    }
     kvt__req_finish(r);
 }
 

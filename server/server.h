@@ -128,7 +128,12 @@ struct iovec;
  * buffer, or, while the request has a source, what the source offers, and tells it what went.
  *
  *   iov      up to max pieces ready to be written now, in order; 0 when none is (yet)
- *   wrote    n bytes of what iov offered were written
+ *   ends     1 when the `offered` pieces iov just gave are the whole rest of the reply, its
+ *            final frame included: the writer may then put the next requests' replies in the
+ *            same write (a pipeline of GETs leaves in one writev, as the raw ceiling's does)
+ *   wrote    n bytes were written from the first piece iov offered on; returns the part of n
+ *            past the source's offer (more than 0 only after ends said 1), which belongs to the
+ *            requests after it; the writer then calls drained at once
  *   drained  called when the request is at the head and iov offers nothing: the source moves on
  *            (its next part, or its final frame into out with the source cleared) and returns 1,
  *            or returns 0 while it waits for I/O (whose completion kicks the connection)
@@ -137,7 +142,8 @@ struct iovec;
  */
 typedef struct kvt__reply_src {
     int (*iov)(kvt__req_t *r, struct iovec *iov, int max);
-    void (*wrote)(kvt__req_t *r, size_t n);
+    int (*ends)(const kvt__req_t *r, int offered);
+    size_t (*wrote)(kvt__req_t *r, size_t n);
     int (*drained)(kvt__req_t *r);
     void (*abort)(kvt__req_t *r);
 } kvt__reply_src_t;
@@ -192,6 +198,7 @@ struct kvt__req {
         uint32_t nsegs, seg_i;
         size_t seg_off;
         int segs_ready;         /* the batch's reads are done: segs may be written */
+        uint8_t end_queued;     /* the final frame is the batch's last piece (op_get.c) */
         uint8_t locate;         /* LOCATE: mapped pages go as locations */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */

@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "proto.h"
+#include "test_raw_frames.h"
 #include "test_server_harness.h"
 #include "test_thp.h"
 
@@ -1749,6 +1750,185 @@ Test(server_e2e, large_get_in_batches_and_disconnect_mid_get)
     }
     cr_expect_eq(leases, 0, "no lease left behind by the abandoned GETs");
     cr_expect_eq(kvt_client_remove(c, tok, PAGE), 0, "nothing pins the blocks any more");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/* Reads one frame's header and body (up to cap bytes of it) from fd. */
+static void read_frame(int fd, kvt_proto_hdr_t *h, uint8_t *body, size_t cap)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    cr_assert_eq(read_full(fd, hdr, sizeof hdr), 0, "the reply ended early");
+    kvt_proto_hdr_decode(hdr, h);
+    cr_assert_leq(h->body_len, cap);
+    cr_assert_eq(read_full(fd, body, h->body_len), 0, "the reply ended early");
+}
+
+/* A pipeline of GETs whose pages are in memory leaves in a few writev calls, not one or two per
+ * GET (conn.c: a GET's last batch goes with its final frame, and the replies after it join the
+ * same write), with every reply whole and in order, an error reply and a PING's among them. */
+Test(server_e2e, a_pipeline_of_gets_leaves_in_a_few_writes)
+{
+    enum { N = 16, BAD = 8 };
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    uint32_t tok[N * PAGE];
+    kvd_tokens(tok, N * PAGE, 91);
+    kvt_client_put_t pr;
+    put_pages(c, tok, N * PAGE, 0, N, BB, 9, &pr);
+    cr_assert_eq(pr.stored, N);
+
+    int fd = kvd_raw(&d);
+    uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + N * PAGE * 4];
+    kvt_wire_hello_t hw = {
+        .min_version = 1, .max_version = 1, .page_size = PAGE, .block_bytes = BB, .model_len = 1};
+    kvt_proto_frame(f, KVT_OP_HELLO, 0, 1, 0, sizeof hw + 1);
+    memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
+    f[KVT_PROTO_HDR + sizeof hw] = 'm';
+    cr_assert(write(fd, f, KVT_PROTO_HDR + sizeof hw + 1) > 0);
+    kvt_wire_match_t mw = {.ntokens = N * PAGE};
+    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, sizeof mw + N * PAGE * 4);
+    memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
+    memcpy(f + KVT_PROTO_HDR + sizeof mw, tok, sizeof tok);
+    cr_assert(write(fd, f, sizeof f) == (ssize_t)sizeof f);
+    static uint8_t body[BB + 4096];
+    kvt_proto_hdr_t h;
+    read_frame(fd, &h, body, sizeof body); /* HELLO's */
+    read_frame(fd, &h, body, sizeof body); /* MATCH's, with the lease */
+    cr_assert_eq(h.status, 0);
+    uint64_t lease = kvt_get_u64(body + 8);
+    cr_assert_neq(lease, 0);
+
+    /* N GETs of one page each (one with a lease this connection does not hold), then a PING,
+     * in one write. */
+    uint8_t frames[(N + 1) * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
+    size_t len = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        kvt_wire_get_t gw = {
+            .lease = i == BAD ? lease + 1000 : lease, .first_page = i, .npages = 1};
+        kvt_proto_frame(frames + len, KVT_OP_GET, 0, 100 + i, 0, sizeof gw);
+        memcpy(frames + len + KVT_PROTO_HDR, &gw, sizeof gw);
+        len += KVT_PROTO_HDR + sizeof gw;
+    }
+    kvt_proto_frame(frames + len, KVT_OP_PING, 0, 200, 0, 0);
+    len += KVT_PROTO_HDR;
+    double before = kvd_metric(&d, "kvtier_socket_writes_total");
+    cr_assert_geq(before, 1, "kvtier_socket_writes_total is served");
+    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+
+    uint8_t *want = malloc(BB);
+    for (uint32_t i = 0; i < N; i++) {
+        read_frame(fd, &h, body, sizeof body);
+        cr_assert_eq(h.request_id, 100 + i, "replies in request order");
+        if (i == BAD) {
+            cr_assert_eq(h.status, KVT_ENOENT, "GET %u: the lease is not held", i);
+            continue;
+        }
+        cr_assert_eq(h.status, 0);
+        cr_assert(h.flags & KVT_RF_MORE, "GET %u: a data frame first", i);
+        cr_assert_eq(h.body_len, sizeof(kvt_wire_get_data_t) + BB);
+        cr_assert_eq(kvt_get_u32(body), i, "GET %u: its page", i);
+        kvd_fill(want, BB, 9 + i);
+        cr_assert(memcmp(body + sizeof(kvt_wire_get_data_t), want, BB) == 0, "page %u differs", i);
+        read_frame(fd, &h, body, sizeof body);
+        cr_assert_eq(h.request_id, 100 + i);
+        cr_assert_eq(h.status, 0);
+        cr_assert_eq(h.flags & KVT_RF_MORE, 0, "GET %u: then its final frame", i);
+        cr_assert_eq(h.body_len, sizeof(kvt_wire_get_end_t));
+        cr_assert_eq(kvt_get_u32(body), 1, "GET %u: one page sent", i);
+    }
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 200, "the PING's reply last");
+    cr_assert_eq(h.opcode, KVT_OP_PING | KVT_OP_REPLY);
+    free(want);
+    /* 15 GETs of 8 KiB, an error and a PING: 47 pieces, 124 KiB, one writev when the socket
+     * takes it all (its buffer is 208 KiB); a few when the reader lags. One per GET before. */
+    double writes = kvd_metric(&d, "kvtier_socket_writes_total") - before;
+    cr_expect_leq(writes, 4, "%g writes for %d GETs", writes, N);
+    cr_expect_geq(writes, 1);
+    close(fd);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/* A GET of more than one 8 MiB batch with a PING and a one-page GET behind it in the same write:
+ * a batch that is not the last stops the write (its next one is built when the socket has taken
+ * it), and the replies after the last one follow whole and in order. */
+Test(server_e2e, a_multi_batch_get_then_more_requests_in_one_write)
+{
+    enum { N = 40, B = 256 << 10 };
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "64M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, B);
+    static uint32_t tok[N * PAGE];
+    kvd_tokens(tok, N * PAGE, 55);
+    kvt_client_put_t pr;
+    put_pages(c, tok, N * PAGE, 0, N, B, 4, &pr);
+    cr_assert_eq(pr.stored, N);
+
+    int fd = kvd_raw(&d);
+    static uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + N * PAGE * 4];
+    kvt_wire_hello_t hw = {
+        .min_version = 1, .max_version = 1, .page_size = PAGE, .block_bytes = B, .model_len = 1};
+    kvt_proto_frame(f, KVT_OP_HELLO, 0, 1, 0, sizeof hw + 1);
+    memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
+    f[KVT_PROTO_HDR + sizeof hw] = 'm';
+    cr_assert(write(fd, f, KVT_PROTO_HDR + sizeof hw + 1) > 0);
+    kvt_wire_match_t mw = {.ntokens = N * PAGE};
+    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, sizeof mw + N * PAGE * 4);
+    memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
+    memcpy(f + KVT_PROTO_HDR + sizeof mw, tok, sizeof tok);
+    cr_assert(write(fd, f, sizeof f) == (ssize_t)sizeof f);
+    static uint8_t body[B + 4096];
+    kvt_proto_hdr_t h;
+    read_frame(fd, &h, body, sizeof body);
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.status, 0);
+    uint64_t lease = kvt_get_u64(body + 8);
+    cr_assert_neq(lease, 0);
+
+    /* All N pages (two batches), a PING, then page 3 alone. */
+    uint8_t frames[3 * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
+    size_t len = 0;
+    kvt_wire_get_t all = {.lease = lease}, one = {.lease = lease, .first_page = 3, .npages = 1};
+    kvt_proto_frame(frames, KVT_OP_GET, 0, 10, 0, sizeof all);
+    memcpy(frames + KVT_PROTO_HDR, &all, sizeof all);
+    len += KVT_PROTO_HDR + sizeof all;
+    kvt_proto_frame(frames + len, KVT_OP_PING, 0, 11, 0, 0);
+    len += KVT_PROTO_HDR;
+    kvt_proto_frame(frames + len, KVT_OP_GET, 0, 12, 0, sizeof one);
+    memcpy(frames + len + KVT_PROTO_HDR, &one, sizeof one);
+    len += KVT_PROTO_HDR + sizeof one;
+    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+
+    uint8_t *want = malloc(B);
+    for (uint32_t p = 0; p < N; p++) {
+        read_frame(fd, &h, body, sizeof body);
+        cr_assert_eq(h.request_id, 10);
+        cr_assert_eq(h.status, 0);
+        cr_assert(h.flags & KVT_RF_MORE);
+        cr_assert_eq(kvt_get_u32(body), p, "pages in order");
+        kvd_fill(want, B, 4 + p);
+        cr_assert(memcmp(body + sizeof(kvt_wire_get_data_t), want, B) == 0, "page %u differs", p);
+    }
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 10);
+    cr_assert_eq(h.flags & KVT_RF_MORE, 0, "the final frame after the last page");
+    cr_assert_eq(kvt_get_u32(body), N);
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 11, "then the PING's reply");
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 12);
+    cr_assert_eq(kvt_get_u32(body), 3);
+    kvd_fill(want, B, 4 + 3);
+    cr_assert(memcmp(body + sizeof(kvt_wire_get_data_t), want, B) == 0);
+    read_frame(fd, &h, body, sizeof body);
+    cr_assert_eq(h.request_id, 12);
+    cr_assert_eq(h.flags & KVT_RF_MORE, 0);
+    cr_assert_eq(kvt_get_u32(body), 1);
+    free(want);
+    close(fd);
     kvt_client_close(c);
     kvd_cleanup(&d);
 }
