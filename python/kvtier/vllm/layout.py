@@ -355,8 +355,9 @@ class _Run:
     addr: int = 0  # where the first page lies, and the pages' spacing (the GPU copies)
     stride: int = 0
     pin: Any = None  # gpucopy.Pin of the pages (False: none to be had), dropped with the run
-    _moved: Any = None  # (block dim, arrays with their block axis there), made at first use
-    _mine: Any = None  # the index of vLLM's blocks of the run in a tensor with that dim
+    # (block dim, the arrays with their block axis there, the index of the run's blocks in a
+    # tensor with that dim), made at the first copy
+    _moved: Any = None
 
     def views(self, d: int, layer: int, a: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(This layer's slots of the run's pages with their block axis at ``d``, where
@@ -369,11 +370,11 @@ class _Run:
         if not isinstance(arr, np.ndarray):  # one page, each layer its own shape and dim
             return np.moveaxis(arr[layer], 0, d), \
                 a[(slice(None),) * d + (slice(self.block, self.block + self.n),)]
-        m = self._moved
+        m = self._moved  # one tuple, set at once: the forward and the I/O thread both copy
         if m is None or m[0] != d:  # (layers, n, ...): the block axis to d + 1
-            m = self._moved = (d, arr if d == 0 else np.moveaxis(arr, 1, d + 1))
-            self._mine = (slice(None),) * d + (slice(self.block, self.block + self.n),)
-        return m[1][layer], a[self._mine]
+            m = self._moved = (d, arr if d == 0 else np.moveaxis(arr, 1, d + 1),
+                               (slice(None),) * d + (slice(self.block, self.block + self.n),))
+        return m[1][layer], a[m[2]]
 
     @property
     def slots(self) -> List[torch.Tensor]:
