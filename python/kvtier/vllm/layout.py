@@ -294,15 +294,23 @@ class _Layout:
         2.95-2.97). False (nothing copied) where numpy cannot: a CUDA tensor, an element size
         without a numpy integer."""
         a = self._blocks_np(layer, kv)
-        if a is None or any(r.arrays is None for r in runs):
+        if a is None or self._ints is None:  # then no run has arrays
             return False
         d = self.dims[layer]
-        for r in runs:
-            theirs, mine = r.views(d, layer, a)
+        copyto = np.copyto
+        for r in runs:  # 12 runs a layer in bench_vllm: no call here but the copy's
+            m = r._moved
+            if m is None or m[0] != d:
+                if not isinstance(r.arrays, np.ndarray):  # one page, layers of other shapes
+                    theirs = np.moveaxis(r.arrays[layer], 0, d)
+                    mine = a[(slice(None),) * d + (slice(r.block, r.block + r.n),)]
+                    copyto(mine, theirs) if load else copyto(theirs, mine)
+                    continue
+                m = r.moved(d)
             if load:
-                np.copyto(mine, theirs)
+                copyto(a[m[2]], m[1][layer])
             else:
-                np.copyto(theirs, mine)
+                copyto(m[1][layer], a[m[2]])
         return True
 
     def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
@@ -359,29 +367,20 @@ class _Run:
     # tensor with that dim), made at the first copy
     _moved: Any = None
 
-    def views(self, d: int, layer: int, a: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """(This layer's slots of the run's pages with their block axis at ``d``, where
-        vLLM's tensor has it; the run's blocks in vLLM's layer ``a``): numpy then walks
-        vLLM's side in memory order (with the block dimension second, (2, num_blocks, ...),
-        the block-major view crossed K and V block by block: 3.49-3.54 ms against 3.28-3.34
-        for bench_vllm's 64 MiB, min of 60). The moved arrays and the index are made once a
-        run, not once a layer (12 runs of 32 layers a step in bench_vllm)."""
-        arr = self.arrays
-        if not isinstance(arr, np.ndarray):  # one page, each layer its own shape and dim
-            return np.moveaxis(arr[layer], 0, d), \
-                a[(slice(None),) * d + (slice(self.block, self.block + self.n),)]
-        m = self._moved  # one tuple, set at once: the forward and the I/O thread both copy
-        if m is None or m[0] != d:  # (layers, n, ...): the block axis to d + 1
-            m = self._moved = (d, arr if d == 0 else np.moveaxis(arr, 1, d + 1),
-                               (slice(None),) * d + (slice(self.block, self.block + self.n),))
-        return m[1][layer], a[m[2]]
-
-    @property
-    def slots(self) -> List[torch.Tensor]:
-        if self._slots is None:
-            self._slots = self.make_slots()
-        return self._slots
-
+    def moved(self, d: int) -> Tuple[int, Any, Tuple[slice, ...]]:
+        """(``d``, each layer's slots of the run's pages with their block axis at ``d``, where
+        vLLM's tensor has it, the index of the run's blocks in a tensor with that block dim):
+        numpy then walks vLLM's side in memory order (with the block dimension second,
+        (2, num_blocks, ...), the block-major view crossed K and V block by block: 3.49-3.54 ms
+        against 3.28-3.34 for bench_vllm's 64 MiB, min of 60). Made once a run, not once a
+        layer (12 runs of 32 layers a step in bench_vllm), and kept as one tuple set at once:
+        the forward and the I/O thread both copy a load's layers."""
+        arr = self.arrays  # (layers, n, ...) (a run of pages whose layers are alike)
+        mine = (slice(None),) * d + (slice(self.block, self.block + self.n),)
+        # The block axis to d + 1, then a list of the layers' views made in one call (half
+        # the cost of indexing one at each copy).
+        m = self._moved = (d, list(arr if d == 0 else np.moveaxis(arr, 1, d + 1)), mine)
+        return m
 
 @dataclass
 class _Views:
