@@ -581,6 +581,51 @@ def test_daemon_killed_mid_load(vd: Daemon) -> None:
     b.close()
 
 
+def test_forward_copies_the_layers_the_io_thread_has_not_taken(vd: Daemon) -> None:
+    """A layer not yet copied when the forward asks for it: the forward copies the layers no
+    one has taken rather than sleeping until the I/O thread reaches each (a wake-up per layer
+    and the GIL handed back and forth, docs/benchmarks.md). With the I/O thread's copies
+    slowed to 0.3 s a layer, the step takes about one of them, not one per layer; the bytes
+    are the saved ones and the lease goes back once every layer is in."""
+    a, b = Engine(vd, seed=41), Engine(vd, seed=None)
+    toks = prompt(2)
+    save_prompt(a, request(toks), [1, 2, 3])
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [4, 5, 6])
+    assert n == 2 * BS
+    lay = b.worker._layout
+    slow = 0.3
+    by: Dict[str, List[int]] = {"io": [], "forward": []}
+    real = lay.scatter_runs
+
+    def scatter_runs(runs: Any, layer: int, kvl: torch.Tensor) -> None:
+        io = threading.current_thread().name.startswith("kvtier-vllm")
+        by["io" if io else "forward"].append(layer)
+        if io:
+            time.sleep(slow)
+        real(runs, layer, kvl)
+
+    lay.scatter_runs = scatter_runs
+    b.worker.bind_connector_metadata(meta)
+    t0 = time.monotonic()
+    b.worker.start_load_kv(None)
+    for name in b.kv:
+        b.worker.wait_for_layer_load(name)
+    took = time.monotonic() - t0
+    b.worker.wait_for_save()
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    b.worker.clear_connector_metadata()
+    assert by["forward"], by
+    assert sorted(by["io"] + by["forward"]) == list(range(len(b.kv))), by
+    assert took < 2 * slow, (took, by)
+    for name in b.kv:
+        assert torch.equal(b.kv[name][:, [4, 5]], a.kv[name][:, [1, 2]]), name
+    b.sched.request_finished(r, [4, 5, 6])
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
 def test_daemon_hung_mid_load(vd: Daemon) -> None:
     """The daemon stops answering (SIGSTOP) between the lookup and the load: the load times
     out into load errors; once it answers again, no lease is left."""

@@ -65,6 +65,17 @@ class _Layout:
             self.sizes.append(size)
             off += size
         self.page_bytes = off
+        # Every layer's slot alike, back to back (runs() then sees a run as one array).
+        self._uniform = len(set(self.dtypes)) == 1 and len(set(self.shapes)) == 1 and \
+            all(o == i * self.sizes[0] for i, o in enumerate(self.offsets))
+        ints = [_NP_INT_OF_SIZE.get(d.itemsize) for d in self.dtypes]
+        self._ints: Optional[List[Any]] = None if any(i is None for i in ints) else ints
+        self._inner: List[int] = []  # a uniform slot's strides in bytes
+        if self.shapes:
+            shape, es = self.shapes[0], self.dtypes[0].itemsize
+            self._inner = [es] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                self._inner[i] = self._inner[i + 1] * shape[i + 1]
         self._np_kv: Dict[int, Tuple[Any, Optional[np.ndarray]]] = {}  # _blocks_np's
         self.signature = ";".join("%s%s@%d" % (str(kv_caches[n].dtype).replace("torch.", ""),
                                                "x".join(map(str, s)), d)
@@ -189,20 +200,27 @@ class _Layout:
     # overhead as in bytes moved). The tensors are made once, on the I/O thread.
     def runs(self, items: List[Any], blocks: List[int]) -> List[_Run]:
         """``items[j]`` (a memoryview into the mapping, or bytes) holds the page of block
-        ``blocks[j]``: returns them as runs, each with every layer's slot of its pages."""
+        ``blocks[j]``: returns them as runs, each with every layer's slot of its pages. Made
+        on every load and save before the first copy (0.15 ms for bench_vllm's 32 pages in
+        12 runs when each run made a numpy array per layer; now one per run, and the
+        addresses without a Python call each): the layers' views are taken at the copy.
+        The arrays are made over the addresses through ctypes: they borrow no buffer export
+        (the cdata of ffi.from_buffer is dropped at once), so that commit() can release a
+        reservation's views, and a load's read-only views are read without torch's warning
+        about writes (the connector only reads those)."""
         out: List[_Run] = []
         es = self.dtypes[0].itemsize if self.dtypes else 1
-        uniform = len(set(self.dtypes)) == 1 and len(set(self.shapes)) == 1 and \
-            all(o == i * self.sizes[0] for i, o in enumerate(self.offsets))
-        addrs = [_addr(x) for x in items]
-        j = 0
-        while j < len(items):
-            k, d = j + 1, self.page_bytes
-            if uniform and isinstance(items[j], memoryview):
-                while k < len(items) and isinstance(items[k], memoryview) and \
-                        blocks[k] == blocks[k - 1] + 1:
+        uniform, pb = self._uniform, self.page_bytes
+        cast, frombuf = ffi.cast, ffi.from_buffer
+        addrs = [int(cast("uintptr_t", frombuf(x))) for x in items]
+        mapped = [isinstance(x, memoryview) for x in items]
+        j, n_items = 0, len(items)
+        while j < n_items:
+            k, d = j + 1, pb
+            if uniform and mapped[j]:
+                while k < n_items and mapped[k] and blocks[k] == blocks[k - 1] + 1:
                     step = addrs[k] - addrs[k - 1]
-                    if (k > j + 1 and step != d) or step < self.page_bytes or step % es:
+                    if (k > j + 1 and step != d) or step < pb or step % es:
                         break
                     d = step
                     k += 1
@@ -212,27 +230,22 @@ class _Layout:
             j = k
         return out
 
-    def _run_arrays(self, addr: int, n: int, stride: int, uniform: bool) -> List[np.ndarray]:
-        """A run's slots as numpy arrays over the same memory (for the CPU copies), or []
-        where a layer's element size has no numpy integer. Made straight from the address:
-        a torch tensor per slot costs several microseconds each, 32 per run."""
+    def _run_arrays(self, addr: int, n: int, stride: int, uniform: bool) -> Optional[Any]:
+        """A run's slots as numpy over the same memory (for the CPU copies), indexed by layer
+        (each (n, *that layer's block shape)), or None where a layer's element size has no
+        numpy integer. Made straight from the address: a torch tensor per slot costs several
+        microseconds each, 32 per run."""
+        if self._ints is None:
+            return None
         mem = (ctypes.c_ubyte * ((n - 1) * stride + self.page_bytes)).from_address(addr)
-        ints = [_NP_INT_OF_SIZE.get(d.itemsize) for d in self.dtypes]
-        if any(i is None for i in ints):
-            return []
         if not uniform:  # one page (n 1): each layer's slice by its own offset, dtype, shape
             page = np.frombuffer(mem, dtype=np.uint8)
             return [page[o:o + sz].view(i).reshape(1, *shape) for o, sz, i, shape in
-                    zip(self.offsets, self.sizes, ints, self.shapes)]
-        shape, es = self.shapes[0], self.dtypes[0].itemsize
-        inner = [es] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            inner[i] = inner[i + 1] * shape[i + 1]
-        # (layers, n, *shape) over the memory; its rows are the layers' slots (half the time
-        # of as_strided and a slice per layer: 12 runs of 32 layers a step in bench_vllm).
-        t = np.ndarray((len(self.names), n, *shape), dtype=ints[0], buffer=mem,
-                       strides=(self.sizes[0], stride, *inner))
-        return list(t)
+                    zip(self.offsets, self.sizes, self._ints, self.shapes)]
+        # (layers, n, *shape) over the memory; its rows are the layers' slots (one array per
+        # run: a view per layer is taken by the copy that uses it).
+        return np.ndarray((len(self.names), n, *self.shapes[0]), dtype=self._ints[0],
+                          buffer=mem, strides=(self.sizes[0], stride, *self._inner))
 
     def _run_slots(self, addr: int, n: int, stride: int, uniform: bool) -> List[torch.Tensor]:
         span = (n - 1) * stride + self.page_bytes
@@ -281,19 +294,23 @@ class _Layout:
         2.95-2.97). False (nothing copied) where numpy cannot: a CUDA tensor, an element size
         without a numpy integer."""
         a = self._blocks_np(layer, kv)
-        if a is None or not all(r.arrays for r in runs):
+        if a is None or self._ints is None:  # then no run has arrays
             return False
         d = self.dims[layer]
-        lead = (slice(None),) * d
-        for r in runs:
-            page = r.arrays[layer]  # (n, *block shape)
-            theirs = page if d == 0 else page.swapaxes(0, 1) if d == 1 else \
-                np.moveaxis(page, 0, d)
-            mine = a[lead + (slice(r.block, r.block + r.n),)]
+        copyto = np.copyto
+        for r in runs:  # 12 runs a layer in bench_vllm: no call here but the copy's
+            m = r._moved
+            if m is None or m[0] != d:
+                if not isinstance(r.arrays, np.ndarray):  # one page, layers of other shapes
+                    theirs = np.moveaxis(r.arrays[layer], 0, d)
+                    mine = a[(slice(None),) * d + (slice(r.block, r.block + r.n),)]
+                    copyto(mine, theirs) if load else copyto(theirs, mine)
+                    continue
+                m = r.moved(d)
             if load:
-                np.copyto(mine, theirs)
+                copyto(a[m[2]], m[1][layer])
             else:
-                np.copyto(theirs, mine)
+                copyto(m[1][layer], a[m[2]])
         return True
 
     def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
@@ -330,15 +347,6 @@ class _Layout:
                 dst[a:a + step].copy_(src[a:a + step])
 
 
-def _addr(buf: Any) -> int:
-    """Where a buffer's bytes lie (the caller keeps it alive while they are used). A tensor
-    made over them through ctypes (_run_slots) borrows no buffer export, so that commit() can
-    release a reservation's views, and a read-only view of a load is taken without
-    torch.frombuffer's warning about writes (the connector only reads those). copy_ between
-    such a CPU tensor and a CUDA tensor is a pageable copy."""
-    return int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
-
-
 @dataclass
 class _Run:
     """Pages of consecutive blocks from ``block`` on, equally spaced in memory.
@@ -349,19 +357,30 @@ class _Run:
 
     block: int
     n: int
-    arrays: List[np.ndarray]
+    arrays: Optional[Any]  # indexed by layer; None: no numpy integer of an element's size
     make_slots: Callable[[], List[torch.Tensor]]
     _slots: Optional[List[torch.Tensor]] = None
     addr: int = 0  # where the first page lies, and the pages' spacing (the GPU copies)
     stride: int = 0
     pin: Any = None  # gpucopy.Pin of the pages (False: none to be had), dropped with the run
+    # (block dim, the arrays with their block axis there, the index of the run's blocks in a
+    # tensor with that dim), made at the first copy
+    _moved: Any = None
 
-    @property
-    def slots(self) -> List[torch.Tensor]:
-        if self._slots is None:
-            self._slots = self.make_slots()
-        return self._slots
-
+    def moved(self, d: int) -> Tuple[int, Any, Tuple[slice, ...]]:
+        """(``d``, each layer's slots of the run's pages with their block axis at ``d``, where
+        vLLM's tensor has it, the index of the run's blocks in a tensor with that block dim):
+        numpy then walks vLLM's side in memory order (with the block dimension second,
+        (2, num_blocks, ...), the block-major view crossed K and V block by block: 3.49-3.54 ms
+        against 3.28-3.34 for bench_vllm's 64 MiB, min of 60). Made once a run, not once a
+        layer (12 runs of 32 layers a step in bench_vllm), and kept as one tuple set at once:
+        the forward and the I/O thread both copy a load's layers."""
+        arr = self.arrays  # (layers, n, ...) (a run of pages whose layers are alike)
+        mine = (slice(None),) * d + (slice(self.block, self.block + self.n),)
+        # The block axis to d + 1, then a list of the layers' views made in one call (half
+        # the cost of indexing one at each copy).
+        m = self._moved = (d, list(arr if d == 0 else np.moveaxis(arr, 1, d + 1)), mine)
+        return m
 
 @dataclass
 class _Views:

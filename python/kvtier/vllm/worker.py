@@ -13,11 +13,12 @@ step is dropped and its blocks handed back."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -33,24 +34,54 @@ if TYPE_CHECKING:
 @dataclass
 class _Load:
     """A step's load. Its job (_load_job, on the I/O thread) reads the pages (GET), sets
-    ``fetched``, then copies them into vLLM's blocks one layer after another, setting each
-    layer's event, so that the forward computes a layer while the next ones are copied; then
-    it releases the lease. The forward waits for ``fetched`` within the step's deadline (the
-    daemon), then for each layer's event (memory only). ``lock`` is held while a layer is
-    copied: a load the forward gives up on (its deadline) is cancelled under it, and copies
-    nothing more into blocks that vLLM will recompute."""
+    ``fetched``, then copies them into vLLM's blocks one layer after another, marking each
+    layer done, so that the forward computes a layer while the next ones are copied; then it
+    releases the lease. The forward waits for ``fetched`` within the step's deadline (the
+    daemon), then for its layer (memory only): a layer done costs it no lock; one not done
+    yet, where the copies are CPU ones (``help``), it helps with, copying the next layer no
+    one has taken (``claim``) until its own is done, and sleeps only when every layer is
+    taken. ``lock`` is held while the I/O thread copies a layer: a load the forward gives up
+    on (its deadline, before ``fetched``, so before any copy) is cancelled under it, and
+    copies nothing more into blocks that vLLM will recompute."""
 
     t: _Transfer
     future: "Future[Any]"
     staging: Optional[torch.Tensor]
     blocks: List[int]
-    layers: List[threading.Event]
+    nlayers: int
+    help: bool = False  # the forward may copy layers itself (CPU copies)
     fetched: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    cv: threading.Condition = field(default_factory=threading.Condition)  # a layer done
+    done: List[bool] = field(default_factory=list)  # per layer: copied, or never will be
+    waiters: int = 0  # threads waiting on cv (none: a layer done notifies no one)
+    claim: Iterator[int] = field(default_factory=itertools.count)  # the next layer to take
+    views: Optional[_Views] = None  # what the GET got (set before ``fetched``)
+    n: int = 0  # pages to copy (set before ``fetched``; 0: none)
     cancelled: bool = False
     pages: int = 0  # pages read by the job (set before ``fetched``)
     error: Optional[BaseException] = None  # the GET's, or a copy's
     got: int = -1  # pages the forward takes, once resolved
+
+    def __post_init__(self) -> None:
+        self.done = [False] * self.nlayers
+
+    def mark(self, li: int) -> None:
+        """Layer ``li`` is done: the threads waiting are told (none: no lock taken)."""
+        self.done[li] = True  # one store: both threads mark (a counter would lose updates)
+        if self.waiters:
+            with self.cv:
+                self.cv.notify_all()
+
+    def wait(self, li: int) -> None:
+        """Until layer ``li`` is done (li -1: every layer)."""
+        with self.cv:
+            self.waiters += 1
+            try:
+                while not (self.done[li] if li >= 0 else all(self.done)):
+                    self.cv.wait()
+            finally:
+                self.waiters -= 1
 
 
 @dataclass
@@ -191,9 +222,10 @@ class WorkerSide:
         at = 0
         for t in sync:
             n = len(t.keys) - t.first
+            lay = self._layouts[t.group]
             ld = _Load(t, None, None if arena is None else arena[at:at + n],  # type: ignore
-                       list(t.block_ids),
-                       [threading.Event() for _ in self._layouts[t.group].names])
+                       list(t.block_ids), len(lay.names),
+                       help=not self._kv[lay.names[0]].is_cuda)
             at += n
             ld.future = self._pool.submit(self._load_job, ld)
             self._loads.append(ld)
@@ -232,43 +264,75 @@ class WorkerSide:
 
     def _load_job(self, ld: _Load) -> None:
         """A step's load, on the I/O thread: the pages read (GET by location into the mapping,
-        or into staging), then copied into vLLM's blocks layer by layer (see _Load), then the
-        lease released. Never raises: a failure is ld.error."""
+        or into staging), then copied into vLLM's blocks layer by layer (see _Load), the
+        forward taking some where it helps, then the lease released once every layer is in.
+        Never raises: a failure is ld.error."""
         assert self._store is not None
-        lay, views = self._layouts[ld.t.group], None
         try:
             try:
                 with self._tally.timer("load_seconds"):
                     r = self._load(ld)
                 if isinstance(r, _Views):
-                    views, ld.pages = r, r.pages
+                    ld.views, ld.pages = r, r.pages
                 else:
                     ld.pages = int(r)
             except Exception as e:  # noqa: BLE001 - the forward recomputes
                 ld.error = e
             finally:
+                ld.n = ld.pages if ld.error is None else 0
                 ld.fetched.set()
-            n = ld.pages if ld.error is None else 0
-            for li, name in enumerate(lay.names):
+            for li in ld.claim:
+                if li >= ld.nlayers:
+                    break
                 try:
                     with ld.lock:
-                        if n > 0 and not ld.cancelled and ld.error is None:
-                            if views is not None:  # straight from the mapping
-                                lay.scatter_runs(views.runs, li, self._kv[name])
-                            else:
-                                lay.scatter(ld.staging[:n], li,  # type: ignore
-                                            self._kv[name], ld.blocks[:n])
-                            kv = self._kv[name]
-                            if kv.is_cuda:  # in the blocks before the forward reads them
-                                torch.cuda.current_stream(kv.device).synchronize()
+                        if ld.n > 0 and not ld.cancelled and ld.error is None:
+                            self._copy_layer(ld, li)
                 except Exception as e:  # noqa: BLE001 - the forward reports load errors
                     ld.error = e
                 finally:
-                    ld.layers[li].set()
+                    ld.mark(li)
+            if not all(ld.done):  # the forward still copies a layer it took from the views
+                ld.wait(-1)
         finally:
+            views = ld.views
             if views is not None and views.lease:  # its views not touched after this
                 views.runs.clear()
                 self._store.release_views(views.lease)
+
+    def _copy_layer(self, ld: _Load, li: int) -> None:
+        """Layer ``li`` of the load's pages into vLLM's blocks (the I/O thread's, or the
+        forward's where it helps)."""
+        lay = self._layouts[ld.t.group]
+        kv = self._kv[lay.names[li]]
+        if ld.views is not None:  # straight from the mapping
+            lay.scatter_runs(ld.views.runs, li, kv)
+        else:
+            lay.scatter(ld.staging[:ld.n], li, kv, ld.blocks[:ld.n])  # type: ignore
+        if kv.is_cuda:  # in the blocks before the forward reads them
+            torch.cuda.current_stream(kv.device).synchronize()
+
+    def _help(self, ld: _Load, li: int) -> None:
+        """The forward's wait for layer ``li`` of a load that has its pages: rather than
+        sleeping until the I/O thread has copied it (a wake-up per layer, and the GIL handed
+        back and forth with the copying thread), it copies the next layers no one has taken
+        until ``li`` is done (at most one layer past the I/O thread's), then sleeps only if
+        the I/O thread still copies ``li``. The forward only reaches here before any layer is
+        cancelled (it cancels before ``fetched``), so its copies need not take ``lock``."""
+        if ld.help:
+            while not ld.done[li]:
+                k = next(ld.claim)
+                if k >= ld.nlayers:
+                    break
+                try:
+                    if ld.n > 0 and ld.error is None:
+                        self._copy_layer(ld, k)
+                except Exception as e:  # noqa: BLE001 - the whole load is recomputed
+                    ld.error = e
+                finally:
+                    ld.mark(k)
+        if not ld.done[li]:
+            ld.wait(li)
 
     def _load(self, ld: _Load) -> Any:
         assert self._store is not None and self._layout is not None
@@ -411,7 +475,8 @@ class WorkerSide:
                 continue
             self._resolve(ld)
             if ld.got > 0:
-                ld.layers[li].wait()  # a copy in memory: the GET is done
+                if not ld.done[li]:  # a copy in memory: the GET is done
+                    self._help(ld, li)
                 if ld.error is not None:  # a copy failed: the whole load is recomputed
                     self._load_errors.update(ld.t.block_ids)
 
