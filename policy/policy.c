@@ -341,6 +341,15 @@ static int key_lt(vkey_t x, vkey_t y)
 
 /* ---- heaps and the dead set ----------------------------------------------------------------- */
 
+/* Heap order: the key, then the older push. Keys tie often (the cost policy's are computed when
+ * pushed, so the leaves of one class pushed at age 0 all weigh the same until a rebuild): in
+ * push order they go oldest first, where the heap's own order among equals put the newest
+ * first as soon as one pop moved the last entry up. */
+static int ent_lt(const hent_t *x, const hent_t *y)
+{
+    return key_lt(x->k, y->k) || (!key_lt(y->k, x->k) && x->seq < y->seq);
+}
+
 static int heap_push(kvt_policy_t *p, heap_t *h, kvt_radix_node_t *n, vkey_t k)
 {
     if (h->len == h->cap) {
@@ -355,7 +364,7 @@ static int heap_push(kvt_policy_t *p, heap_t *h, kvt_radix_node_t *n, vkey_t k)
     hent_t e = {n, k, ++p->seq};
     while (i > 0) {
         size_t up = (i - 1) / 2;
-        if (!key_lt(e.k, h->v[up].k))
+        if (!ent_lt(&e, &h->v[up]))
             break;
         h->v[i] = h->v[up];
         i = up;
@@ -371,12 +380,12 @@ static hent_t heap_pop(heap_t *h)
     size_t i = 0, n = h->len;
     for (;;) {
         size_t l = 2 * i + 1, r = l + 1, m = i;
-        vkey_t mk = last.k;
-        if (l < n && key_lt(h->v[l].k, mk)) {
+        const hent_t *mk = &last;
+        if (l < n && ent_lt(&h->v[l], mk)) {
             m = l;
-            mk = h->v[l].k;
+            mk = &h->v[l];
         }
-        if (r < n && key_lt(h->v[r].k, mk))
+        if (r < n && ent_lt(&h->v[r], mk))
             m = r;
         if (m == i)
             break;
@@ -1622,6 +1631,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
     kvt_radix_node_t *n = res->node;
     if (kvt_radix_node_depth(n) != res->first_page || kvt_radix_node_pages(n) < res->new_pages)
         return KVT_EINVAL;
+    kvt_policy_on_split(p, res->split);
     kvt_block_t *bl = kvt_radix_node_blocks(n);
     uint32_t i0 = kvt_radix_node_pages(n) - res->new_pages; /* the new pages end the leaf */
     for (uint32_t i = i0; i < i0 + res->new_pages; i++)
@@ -1723,6 +1733,15 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
         push_node(p, n);
     after_insert(p);
     return (int)done;
+}
+
+void kvt_policy_on_split(kvt_policy_t *p, kvt_radix_node_t *head)
+{
+    /* The head took the old node's first pages, which left the old node's heap entries (their
+     * runs are read live) and are in no entry of their own until the next rebuild, nor in the
+     * registry's copy a sweep walks: without this push they were no victim meanwhile. */
+    if (p && head)
+        push_node(p, head);
 }
 
 int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,

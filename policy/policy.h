@@ -320,6 +320,10 @@ void kvt_policy_set_place(kvt_policy_t *p, int tag);
  * number of pages admitted (>= 0) or KVT_EINVAL.
  */
 int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_policy_hint_t *hint);
+/* A split outside an insert (kvt_radix_split_at) made node head above an old node: its pages
+ * become victims as the old node's were (an insert's split, res->split, on_insert sees itself).
+ * NULL is a no-op. */
+void kvt_policy_on_split(kvt_policy_t *p, kvt_radix_node_t *head);
 
 /*
  * Blocks the executor stored by itself are handed to the engine: pages [depth, depth + npages)

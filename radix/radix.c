@@ -1562,6 +1562,7 @@ static int insert_after(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, uin
             node_free(t, leaf);
             return KVT_ENOMEM;
         }
+        res->split = under;
         t->epoch++;
     }
     if (kid_reserve(t, under) != 0) {

@@ -266,6 +266,9 @@ typedef struct kvt_insert {
     uint32_t first_page; /* page depth of the first new block */
     uint32_t new_pages;
     uint32_t pages; /* whole pages of the request, all cached now */
+    /* The node a split made for the insert (node's parent: the head pages of the node the new
+     * pages branch off inside), or NULL: a node no one has seen yet, with cached pages. */
+    kvt_radix_node_t *split;
 } kvt_insert_t;
 
 /*
@@ -302,8 +305,10 @@ int kvt_radix_remove(kvt_radix_t *t, uint32_t ns, const uint32_t *tokens, size_t
  * which inherits its leases; n and every node keep their addresses). A split changes no block,
  * no match and no lease; it only lets the pages on either side of it be told apart by node, as
  * kvtierd's PUT with gaps needs (a node's tiers never get faster with depth, so a page with
- * bytes after one without needs a node of its own). Returns 0 (also when a node begins there
- * already), KVT_EINVAL (depth not on n's path), or KVT_ENOMEM (the tree is then as before).
+ * bytes after one without needs a node of its own). The new node is the parent of
+ * kvt_radix_node_holding(n, depth) afterwards; whoever queues nodes (policy/) is to be told of it.
+ * Returns 0 (also when a node begins there already), KVT_EINVAL (depth not on n's path), or
+ * KVT_ENOMEM (the tree is then as before).
  */
 int kvt_radix_split_at(kvt_radix_t *t, kvt_radix_node_t *n, uint32_t depth);
 /* At most the bytes kvt_radix_split_at(t, n, depth) adds to the tree's count (0 when it would

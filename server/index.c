@@ -218,7 +218,10 @@ int kvt__path_split(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth)
      * here (it runs when a PUT's writes land; the maintenance step keeps room below the cap). */
     if (!kvt__index_fits(s, kvt_radix_split_need(s->radix, node, depth)))
         return KVT_ENOSPC;
-    return kvt_radix_split_at(s->radix, node, depth);
+    int rc = kvt_radix_split_at(s->radix, node, depth);
+    if (rc == 0) /* the new head node's cached pages are victims as they were before the split */
+        kvt_policy_on_split(s->policy, kvt_radix_node_parent(kvt_radix_node_holding(node, depth)));
+    return rc;
 }
 
 uint32_t kvt__node_depth(const kvt_radix_node_t *node)
@@ -271,8 +274,13 @@ int kvt__ns_close(kvt_srv_t *s, uint32_t ns)
 int kvt__path_insert(kvt_srv_t *s, uint32_t ns, const kvt_match_t *m, const uint32_t *tokens,
                      size_t n, kvt_insert_t *res)
 {
-    return m ? kvt_radix_insert_matched(s->radix, m, tokens, n, res)
-             : kvt_radix_insert(s->radix, ns, tokens, n, res);
+    res->split = NULL; /* a refused insert leaves res as it was */
+    int rc = m ? kvt_radix_insert_matched(s->radix, m, tokens, n, res)
+               : kvt_radix_insert(s->radix, ns, tokens, n, res);
+    /* The pages a split moved to a new node stay victims (the new pages join the policy when
+     * their writes land, kvt_policy_adopt; a split's node has none but the old node's). */
+    kvt_policy_on_split(s->policy, res->split);
+    return rc;
 }
 
 int kvt__ns_open(kvt_srv_t *s, const char *model, const char *adapter, const char *salt,

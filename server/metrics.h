@@ -286,6 +286,10 @@ typedef enum {
       "Stretches with no record before intact ones that the NVMe recovery passed at start-up "     \
       "(writes a crash cancelled).",                                                               \
       NONE)                                                                                        \
+    X(DRAM_MAPPED, GAUGE, "kvtier_dram_arena_mapped_bytes",                                        \
+      "Bytes of the DRAM tier's main region its arena has taken so far, kept in memory for reuse " \
+      "and never given back (the arenas' memfds: kvtier_zero_copy_resident_bytes).",               \
+      NONE)                                                                                        \
     X(ZC_MAPS, COUNTER, "kvtier_zero_copy_maps_total",                                             \
       "MAP requests granted to local clients, by tier (a memfd for DRAM, an IPC handle for HBM).", \
       MAP)                                                                                         \

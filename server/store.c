@@ -360,6 +360,8 @@ void kvt__tier_metrics(kvt_srv_t *s)
                 .ns_seed = top[k].ns_seed, .bytes = top[k].bytes, .tier = (uint8_t)i};
     }
     kvt__metrics_tenants(s->metrics, rows, nrows);
+    kvt__metric_set(s->metrics, KVT_M_DRAM_MAPPED, 0,
+                    (double)kvt_tier_dram_mapped(s->tiers[KVT_TIER_DRAM]));
     kvt_tier_dram_shared_stats_t ds;
     if (s->tiers[KVT_TIER_DRAM] && kvt_tier_dram_shared_stats(s->tiers[KVT_TIER_DRAM], &ds) == 0) {
         /* Read here, not kept up to date by MAP and close: an arena also goes with its last

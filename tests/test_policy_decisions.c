@@ -213,6 +213,91 @@ Test(policy_decisions, demote_the_least_recent_when_full)
     stop();
 }
 
+/* A split makes a new node above the old one, holding the old node's head pages (radix.h). That
+ * node is a victim as any other from then on: it joins the heaps at once rather than at their
+ * next rebuild. Here LRU must demote a's head (used at clock 2) before e (clock 3): the split
+ * head was left out of the heap, and e's tail went first. */
+Test(policy_decisions, a_split_head_is_a_victim_at_once)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 8, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *e = seq(16, 2000), *f = seq(16, 3000);
+    uint32_t *a2 = seq(16, 5000);
+    memcpy(a2, a, 8 * sizeof(uint32_t)); /* a's first 2 pages, then 2 of its own */
+    request(a, 16, NULL);                /* clock 1: [A B C D] */
+    request(a2, 16, NULL);               /* clock 2: [A B] -> [C D], [A B] -> [X Y] */
+    all_in(a2, 4, KVT_TIER_HBM);
+    request(e, 16, NULL); /* clock 3: room for 4 by demoting C D, the oldest */
+    cr_assert_eq(tier_of(a, 2), KVT_TIER_DRAM);
+    all_in(a2, 4, KVT_TIER_HBM);
+    request(f, 16, NULL); /* clock 4: room for 4: X Y (clock 2, deeper), then A B (clock 2) */
+    all_in(a, 4, KVT_TIER_DRAM);
+    all_in(a2, 4, KVT_TIER_DRAM);
+    all_in(e, 4, KVT_TIER_HBM);
+    all_in(f, 4, KVT_TIER_HBM);
+    free(a);
+    free(a2);
+    free(e);
+    free(f);
+    stop();
+}
+
+/* The same for a split outside an insert (kvtierd's PUT with gaps): its caller hands the new
+ * node to the engine. a's head (clock 1) goes before e (clock 2). */
+Test(policy_decisions, a_split_at_head_is_a_victim_once_handed_over)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 6, 100, 0);
+    start(&c);
+    uint32_t *a = seq(16, 1000), *e = seq(16, 2000), *f = seq(16, 3000);
+    request(a, 16, NULL); /* clock 1: [A B C D] */
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 16, KVT_MATCH_NOTOUCH, &m), 0);
+    cr_assert_eq(kvt_radix_split_at(tree, m.node, 2), 0); /* [A B] -> [C D] */
+    kvt_radix_node_t *head = kvt_radix_node_parent(m.node);
+    cr_assert_eq(kvt_radix_node_pages(head), 2);
+    kvt_policy_on_split(pol, head);
+    kvt_policy_on_split(pol, NULL); /* a no-op */
+    request(e, 16, NULL); /* clock 2: room for 4 by demoting C D (clock 1, deeper than A B) */
+    cr_assert_eq(tier_of(a, 2), KVT_TIER_DRAM);
+    cr_assert_eq(tier_of(a, 0), KVT_TIER_HBM);
+    request(f, 16, NULL); /* clock 3: room for 4: A B (clock 1), then e's tail */
+    all_in(a, 4, KVT_TIER_DRAM);
+    all_in(e, 2, KVT_TIER_HBM);
+    cr_assert_eq(tier_of(e, 3), KVT_TIER_DRAM);
+    all_in(f, 4, KVT_TIER_HBM);
+    free(a);
+    free(e);
+    free(f);
+    stop();
+}
+
+/* Victims of equal keys go oldest first. The cost policy computes a key when it pushes it, so
+ * the leaves of one class pushed at age 0 weigh the same until the heaps are rebuilt; the heap
+ * took the newest of them first as soon as a pop had moved its last entry up (kvtierd dropped
+ * the chains just stored and kept the oldest). Chains share a prefix, each adds 2 pages of its
+ * own, and the tier holds 20 pages: the 3 oldest chains' pages go. */
+Test(policy_decisions, equal_victims_go_oldest_first)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 0, 20, 0);
+    start(&c);
+    enum { N = 12 };
+    uint32_t *tok[N];
+    for (uint32_t i = 0; i < N; i++) {
+        tok[i] = seq(16, 1000 * (i + 2));
+        for (uint32_t k = 0; k < 8; k++)
+            tok[i][k] = 100 + k; /* the shared 2 pages */
+        request(tok[i], 16, NULL);
+    }
+    for (uint32_t i = 0; i < N; i++) {
+        int want = i < 3 ? -1 : KVT_TIER_DRAM;
+        cr_expect_eq(tier_of(tok[i], 3), want, "chain %u: tier %d, want %d", i, tier_of(tok[i], 3),
+                     want);
+    }
+    for (uint32_t i = 0; i < N; i++)
+        free(tok[i]);
+    stop();
+}
+
 /* An insert that finds some room left in the top tier makes room there for all of its pages,
  * not for the shortfall alone: make_room's need is the free bytes wanted, and passing it what
  * was missing beyond the free room freed too little (with 2 pages free for 4, nothing at all),

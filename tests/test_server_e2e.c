@@ -123,6 +123,33 @@ Test(server_e2e, put_get_byte_exact)
     kvd_cleanup(&d);
 }
 
+/* kvtier_dram_arena_mapped_bytes: the DRAM region's memory, which holds what the tier stores
+ * (its used bytes, in jemalloc's size classes) and keeps it when the pages go. */
+Test(server_e2e, dram_arena_mapped_bytes_hold_the_stored_pages)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    double m0 = kvd_metric(&d, "kvtier_dram_arena_mapped_bytes");
+    cr_assert_gt(m0, 0, "the series is there: %f", m0);
+    uint32_t tok[256 * PAGE];
+    kvd_tokens(tok, 256 * PAGE, 300);
+    kvt_client_put_t r;
+    put_pages(c, tok, 256 * PAGE, 0, 256, BB, 1, &r);
+    cr_assert_eq(r.stored, 256);
+    double used = kvd_metric(&d, "kvtier_tier_used_bytes{tier=\"dram\"}");
+    double m1 = kvd_metric(&d, "kvtier_dram_arena_mapped_bytes");
+    cr_assert_geq(used, 256.0 * BB);
+    cr_assert_geq(m1, used, "mapped %f, used %f", m1, used);
+    cr_assert_geq(m1, m0);
+    cr_expect_eq(kvd_stat(c, "dram_arena_mapped_bytes"), (uint64_t)m1, "STATS says the same");
+    cr_assert_eq(kvt_client_remove(c, tok, PAGE), 0); /* the first page and all beneath it */
+    cr_assert_eq(kvd_metric(&d, "kvtier_dram_arena_mapped_bytes"), m1,
+                 "the region keeps its pages for reuse");
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 /* A GET whose stream stops at a page with no bytes: the pages before it arrive whole, the
  * status says why it stopped, and the message says where (the end frame's body is the count
  * of pages sent, which the client once took for the message: 65 pages read as "A"). */

@@ -479,9 +479,9 @@ Test(server_trip, handles_are_bounded_and_freed, .fini = teardown)
     kvt_client_close(c);
 }
 
-/* libkvtier: one MATCH that locates and keeps, a PUT that names it; the located bytes are the
- * stored ones; a handle the daemon no longer has falls back to the whole tokens. */
-Test(server_trip, client_step_calls, .fini = teardown)
+/* The steps the kept-handle tests share (client_step_calls' PUT, client_reserve_kept's RESERVE).
+ * A fresh kvtierd and a libkvtier client of it that maps its arena, in namespace "trip": */
+static kvt_client_t *mapped_client(void)
 {
     kvd_start(&d, NULL);
     kvt_client_conf_t conf = {.unix_path = d.sock,
@@ -493,6 +493,28 @@ Test(server_trip, client_step_calls, .fini = teardown)
     kvt_client_t *c = NULL;
     cr_assert_eq(kvt_client_connect(&c, &conf), 0);
     cr_assert(kvt_client_zero_copy(c), "no mapping: %s", kvt_client_zero_copy_reason(c));
+    return c;
+}
+
+/* And a MATCH of t's first `pages` pages that keeps their tokens for the save after it (for
+ * lease_ms; 0: the daemon's default): the step, with its handle. */
+static kvt_client_step_t keep_match(kvt_client_t *c, const uint32_t *t, uint32_t pages,
+                                    uint32_t lease_ms)
+{
+    kvt_client_match_t m = {0};
+    kvt_client_step_t st = {0};
+    cr_assert_eq(
+        kvt_client_match_step(c, t, pages * PAGE, KVT_CLIENT_KEEP, lease_ms, NULL, &m, &st), 0);
+    cr_assert_neq(st.handle, 0);
+    cr_assert_eq(st.kept, pages * PAGE);
+    return st;
+}
+
+/* libkvtier: one MATCH that locates and keeps, a PUT that names it; the located bytes are the
+ * stored ones; a handle the daemon no longer has falls back to the whole tokens. */
+Test(server_trip, client_step_calls, .fini = teardown)
+{
+    kvt_client_t *c = mapped_client();
     uint32_t t[4 * PAGE];
     kvd_tokens(t, 4 * PAGE, 1000);
     uint8_t *pay = malloc(4 * (size_t)BB);
@@ -507,9 +529,7 @@ Test(server_trip, client_step_calls, .fini = teardown)
         kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE, 0, NULL, &m),
         KVT_CLIENT_EINVAL, "LOCATE has no place in kvt_client_match's result");
     cr_expect_eq(kvt_client_match(c, t, 2 * PAGE, KVT_CLIENT_KEEP, 0, NULL, &m), KVT_CLIENT_EINVAL);
-    cr_assert_eq(kvt_client_match_step(c, t, 2 * PAGE, KVT_CLIENT_KEEP, 0, NULL, &m, &st), 0);
-    cr_assert_neq(st.handle, 0);
-    cr_expect_eq(st.kept, 2 * PAGE);
+    st = keep_match(c, t, 2, 0);
     kvt_client_put_t pr;
     cr_assert_eq(kvt_client_put_kept(c, st.handle, t, 2 * PAGE, st.kept, 0, 2, pay, NULL, &pr), 0,
                  "%s", kvt_client_errmsg(c));
@@ -586,16 +606,7 @@ static void expect_pages(kvt_client_t *c, const uint32_t *t, uint32_t pages, uin
  * tokens is refused and changes nothing. */
 Test(server_trip, client_reserve_kept, .fini = teardown)
 {
-    kvd_start(&d, NULL);
-    kvt_client_conf_t conf = {.unix_path = d.sock,
-                              .model = "trip",
-                              .page_size = PAGE,
-                              .block_bytes = BB,
-                              .timeout_ms = 10000,
-                              .zero_copy = 1};
-    kvt_client_t *c = NULL;
-    cr_assert_eq(kvt_client_connect(&c, &conf), 0);
-    cr_assert(kvt_client_zero_copy(c), "no mapping: %s", kvt_client_zero_copy_reason(c));
+    kvt_client_t *c = mapped_client();
     uint32_t t[8 * PAGE], scrambled[8 * PAGE];
     kvd_tokens(t, 8 * PAGE, 1300);
     uint8_t *pay = malloc(2 * (size_t)BB);
@@ -603,11 +614,7 @@ Test(server_trip, client_reserve_kept, .fini = teardown)
         kvd_fill(pay + (size_t)i * BB, BB, 70 + i);
     cr_assert_eq(kvt_client_put(c, t, 2 * PAGE, 0, 2, pay, NULL, NULL), 0);
 
-    kvt_client_match_t m = {0};
-    kvt_client_step_t st = {0};
-    cr_assert_eq(kvt_client_match_step(c, t, 2 * PAGE, KVT_CLIENT_KEEP, 0, NULL, &m, &st), 0);
-    cr_assert_neq(st.handle, 0);
-    cr_assert_eq(st.kept, 2 * PAGE);
+    kvt_client_step_t st = keep_match(c, t, 2, 0);
     void *ptrs[4];
     kvt_client_resv_t rv = {.ptrs = ptrs};
     uint64_t blocks = kvd_stat(c, "index_blocks");
@@ -644,8 +651,7 @@ Test(server_trip, client_reserve_kept, .fini = teardown)
     expect_pages(c, t, 6, 5, 100);
 
     /* A handle expired with its MATCH's lease time: the same. */
-    cr_assert_eq(kvt_client_match_step(c, t, 6 * PAGE, KVT_CLIENT_KEEP, 50, NULL, &m, &st), 0);
-    cr_assert_neq(st.handle, 0);
+    st = keep_match(c, t, 6, 50);
     usleep(150 * 1000);
     cr_assert_eq(kvt_client_reserve_kept(c, st.handle, t, 8 * PAGE, st.kept, 6, 2, NULL, &rv), 0,
                  "%s", kvt_client_errmsg(c));

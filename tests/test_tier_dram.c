@@ -145,6 +145,55 @@ Test(tier_dram, bytes_counted_exactly_as_jemalloc_counts_them)
     kvt_tier_destroy(t);
 }
 
+static uint64_t arena_mapped(unsigned arena)
+{
+    uint64_t epoch = 1;
+    size_t sz = sizeof(epoch), mapped = 0;
+    cr_assert_eq(mallctl("epoch", &epoch, &sz, &epoch, sz), 0);
+    char name[96];
+    snprintf(name, sizeof(name), "stats.arenas.%u.mapped", arena);
+    sz = sizeof(mapped);
+    cr_assert_eq(mallctl(name, &mapped, &sz, NULL, 0), 0);
+    return mapped;
+}
+
+/* The main region's mapped bytes (kvtier_dram_arena_mapped_bytes): what its arena took, the
+ * blocks at least and within the region, and kept once they are freed (reused, never given
+ * back). */
+Test(tier_dram, mapped_bytes_hold_the_blocks_and_stay_after_them)
+{
+    kvt_tier_t *t = mk(64u << 20);
+    unsigned arena = kvt_tier_dram_arena(t);
+    uint64_t m0 = kvt_tier_dram_mapped(t);
+    cr_assert_leq(arena_mapped(arena), m0);
+    uint32_t tok[16];
+    uint64_t locs[8];
+    uint8_t *buf = malloc(1u << 20);
+    tu_fill(buf, 1u << 20, 3);
+    for (int i = 0; i < 8; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        cr_assert_eq(tu_write(t, &k, buf, 1u << 20, &locs[i]), 0);
+    }
+    uint64_t m1 = kvt_tier_dram_mapped(t);
+    cr_assert_geq(m1, m0 + (8u << 20), "8 MiB of blocks in %llu bytes", (unsigned long long)m1);
+    cr_assert_leq(m1, (64u << 20) + (16u << 20) + (64u << 20), "beyond the region");
+    /* jemalloc has mapped no more than the region's hooks handed it */
+    cr_assert_leq(arena_mapped(arena), m1);
+    for (int i = 0; i < 8; i++)
+        kvt_tier_free(t, locs[i], 1u << 20);
+    cr_assert_eq(kvt_tier_dram_mapped(t), m1, "the region gives nothing back");
+    for (int i = 0; i < 8; i++) {
+        kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
+        cr_assert_eq(tu_write(t, &k, buf, 1u << 20, &locs[i]), 0);
+    }
+    cr_assert_eq(kvt_tier_dram_mapped(t), m1, "the same blocks again reuse what was taken");
+    for (int i = 0; i < 8; i++)
+        kvt_tier_free(t, locs[i], 1u << 20);
+    cr_assert_eq(kvt_tier_dram_mapped(NULL), 0);
+    free(buf);
+    kvt_tier_destroy(t);
+}
+
 Test(tier_dram, free_and_reuse)
 {
     kvt_tier_t *t = mk(16u << 20);

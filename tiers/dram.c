@@ -527,6 +527,17 @@ unsigned kvt_tier_dram_arena(const kvt_tier_t *t)
     return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->sp.arena : 0;
 }
 
+uint64_t kvt_tier_dram_mapped(const kvt_tier_t *t)
+{
+    if (!t || t->ops != &dram_ops)
+        return 0;
+    dram_space_t *sp = &((dram_t *)t->impl)->sp;
+    pthread_mutex_lock(&sp->mu); /* the extent hooks move it from any thread jemalloc runs in */
+    size_t bump = sp->bump;
+    pthread_mutex_unlock(&sp->mu);
+    return bump;
+}
+
 int kvt_tier_dram_pinned(const kvt_tier_t *t)
 {
     return t && t->ops == &dram_ops ? ((const dram_t *)t->impl)->pinned : 0;

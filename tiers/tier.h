@@ -243,6 +243,11 @@ unsigned kvt_tier_dram_arena(const kvt_tier_t *t);
  * are never pinned: registering would touch every page of their sparse memfds. A copy between
  * one and an HBM tier is still correct, only a synchronous copy from pageable memory. */
 int kvt_tier_dram_pinned(const kvt_tier_t *t);
+/* Bytes of the main region its arena has taken so far (blocks' extents and jemalloc's own
+ * metadata): they stay mapped, never given back (fault-free reuse; a pinned region cannot
+ * shrink), so this bounds what the region holds in memory. The shared arenas' memfds are
+ * kvt_tier_dram_shared_stats' resident_bytes. 0 for another tier. */
+uint64_t kvt_tier_dram_mapped(const kvt_tier_t *t);
 
 /*
  * Shared arenas, for zero-copy local clients. A namespace (by its seed) may get an arena of its

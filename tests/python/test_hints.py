@@ -21,8 +21,12 @@ N = 8  # pages per session
 @pytest.fixture
 def small() -> Iterator[Daemon]:
     """A daemon whose DRAM holds 256 blocks and that has no NVMe tier: pages it evicts are
-    gone (their tier 0), which a probe MATCH shows without counting as a use."""
-    d = Daemon("--dram-bytes", "1M", "--nvme-bytes", "0", "--policy", "cost")
+    gone (their tier 0), which a probe MATCH shows without counting as a use. Its watermarks
+    at 1: a page goes only when a store needs its room, so the first session to lose one is the
+    policy's first victim (at the default marks a round frees the tier down to 90 %, more than
+    both sessions hold: unhinted the two oldest, they went in one round)."""
+    d = Daemon("--dram-bytes", "1M", "--nvme-bytes", "0", "--policy", "cost", "--policy-high", "1",
+               "--policy-low", "1")
     yield d
     assert d.stop() == 0
 
