@@ -219,6 +219,33 @@ def test_save_after_load_sends_only_the_new_pages_tokens() -> None:
         d.stop(signal.SIGKILL)
 
 
+def test_keyed_save_after_load_over_tcp_sends_only_the_new_pages_tokens() -> None:
+    # api "keys" without the mapping (TCP): the load's get_keys_kept_into keeps the keys it
+    # read, and the save's put_keys names them (kvt_keys_chain_put_kept).
+    d = Daemon()
+    relay = Relay(d.tcp)
+    try:
+        a = Engine(d, seed=1, api="keys")
+        b = Engine(d, seed=2, api="keys", unix_path=None, tcp=relay.addr)
+        toks = prompt(5)
+        save_prompt(a, request(toks[:3 * BS + 1]), [4, 9, 2, 7])
+        ids = [11, 3, 30, 5, 20, 21]
+        relay.matches.clear()
+        partial_hit_step(b, toks, ids, hit=3)
+        assert [f & MATCH_F_KEEP for f in relay.matches].count(MATCH_F_KEEP) == 1, relay.matches
+        # One PUT, of pages 3 and 4, naming the load's handle: 4 synthetic tokens a key.
+        assert len(relay.puts) == 1, relay.puts
+        flags, ntokens, first, npayload, handle = relay.puts[0]
+        assert flags & PUT_F_HANDLE and handle != 0
+        assert (ntokens, first, npayload) == (2 * 4, 3, 2)
+        loads_back(d, toks, b, ids, api="keys")
+        a.close()
+        b.close()
+    finally:
+        relay.close()
+        d.stop(signal.SIGKILL)
+
+
 def test_save_after_an_expired_keep_sends_all_tokens() -> None:
     # The daemon's default lease time (the load's MATCH asks for no other) is 150 ms: the
     # handle is gone when the save comes 400 ms later.

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .._lib import ffi, lib
-from ..client import Client, Hints, Match, Reservation
+from ..client import Client, Hints, Reservation
 from ..errors import ECLOSED, EINVAL, EPROTO, ETIMEDOUT, Error, error_for
 from ..guard import Guard
 from .common import PROBE_MS, log
@@ -34,6 +34,10 @@ try:  # the package's block keys (docs/protocol.md, "Keyed blocks"), where this 
     _HAVE_KEYS = hasattr(Client, "put_keys")
 except ImportError:  # an older package: the same chain through the token calls, below
     _HAVE_KEYS = False
+
+# A MATCH that kept its tokens: a client.Match, or keyed a keys.KeptKeys (get_keys_kept_into).
+Kept = Any
+
 
 def _chain_tokens(keys: Sequence[bytes]) -> "array.array[int]":
     """The keyed chain's synthetic tokens (keys.key_tokens of each key, in order), written by
@@ -93,8 +97,9 @@ class _PageStore:
     them. That is the worker's load (the hit pages) and then its save of the pages computed
     after them, and the probe MATCH of a reservation that left pages without room and the PUT
     of those pages. Mapped, the load's MATCH (load_views) keeps them too, and the save's
-    RESERVE names them (``reserve(after=)``, kvt_client_reserve_kept). The keyed calls
-    (put_keys) take no handle, so keyed calls over TCP send their tokens as before. A handle
+    RESERVE names them (``reserve(after=)``, kvt_client_reserve_kept). Keyed and not mapped
+    (TCP), the load's get_keys_kept_into keeps the keys it read and the save's
+    ``put_keys(after=)`` names them (kvt_keys_chain_put_kept). A handle
     the daemon no longer holds (expired with the MATCH's lease time, replaced by newer ones)
     is answered ENOENT, and libkvtier sends the PUT or RESERVE again with all its tokens
     (kvt_client_put_kept, kvt_client_reserve_kept): the same result.
@@ -129,7 +134,7 @@ class _PageStore:
         # The MATCHes that kept their tokens, by the chain they name (its pages and its last
         # page's key: a key covers its prefix), each with its client (a handle is meaningless
         # on another connection), the newest last.
-        self._kept: "OrderedDict[Tuple[int, bytes], Tuple[Client, Match]]" = OrderedDict()
+        self._kept: "OrderedDict[Tuple[int, bytes], Tuple[Client, Kept]]" = OrderedDict()
 
     @property
     def up(self) -> bool:
@@ -207,8 +212,9 @@ class _PageStore:
             self._kept.clear()  # its handles went with the connection
             self.breaker.trip(e)
 
-    def _keep(self, c: Client, keys: Sequence[bytes], m: Match) -> None:
-        """Remembers a MATCH of ``keys`` that kept its tokens (under the lock)."""
+    def _keep(self, c: Client, keys: Sequence[bytes], m: Kept) -> None:
+        """Remembers a MATCH of ``keys`` that kept its tokens (under the lock): a Match, or
+        keyed a get_keys_kept_into's KeptKeys."""
         if not m.handle or not keys:
             return
         for k in [k for k, (kc, _) in self._kept.items() if kc is not c]:
@@ -219,10 +225,10 @@ class _PageStore:
         while len(self._kept) > KEPT_MAX:
             self._kept.popitem(last=False)
 
-    def _after(self, c: Client, keys: Sequence[bytes], end: int) -> Optional[Match]:
+    def _after(self, c: Client, keys: Sequence[bytes], end: int) -> Optional[Kept]:
         """The kept MATCH of the longest start of ``keys[:end]`` on client ``c``, or None
         (under the lock)."""
-        best: Optional[Match] = None
+        best: Optional[Kept] = None
         most = 0
         for (n, last), (kc, m) in self._kept.items():
             if kc is c and most < n <= end and keys[n - 1] == last:
@@ -287,7 +293,12 @@ class _PageStore:
             try:
                 c = self._c()
                 if self.keyed and not self.mapped:
-                    return int(c.get_keys_into(keys, buf, first))
+                    if not self._keep_loads:
+                        return int(c.get_keys_into(keys, buf, first))
+                    # The save's put_keys after this load names the keys it kept.
+                    kk = c.get_keys_kept_into(keys, buf, first)
+                    self._keep(c, keys[:kk.keys], kk)
+                    return int(kk.hits)
                 # The save after this load (a PUT, or mapped a RESERVE) names the tokens kept.
                 m = c.match(self.tokens(keys), lease=True, keep=self._keep_loads)
                 self._keep(c, keys, m)
@@ -316,7 +327,8 @@ class _PageStore:
                 for a in range(first, len(keys), step):
                     b = min(a + step, len(keys))
                     if self.keyed and not self.mapped:
-                        r = c.put_keys(keys[:b], buf[a - first:b - first], a, gaps=gaps)
+                        r = c.put_keys(keys[:b], buf[a - first:b - first], a, gaps=gaps,
+                                       after=self._after(c, keys, b))
                     else:
                         r = c.put(self.tokens(keys[:b]), buf[a - first:b - first], first_page=a,
                                   gaps=gaps, after=self._after(c, keys, b))
