@@ -19,6 +19,7 @@
 
 typedef struct worker {
     const kvd_t *d;
+    pthread_barrier_t *connected; /* every worker connected before any works */
     int id;
     int errors;
 } worker_t;
@@ -33,7 +34,11 @@ static void *worker_main(void *arg)
     if (w->id % 2)
         conf.unix_path = NULL, conf.tcp = w->d->tcp;
     kvt_client_t *c;
-    if (kvt_client_connect(&c, &conf) < 0) {
+    int rc = kvt_client_connect(&c, &conf);
+    /* A worker that connected after another had finished and left would go to the loop that
+     * one left, and the loops' shares of the work would depend on the scheduler. */
+    pthread_barrier_wait(w->connected);
+    if (rc < 0) {
         w->errors++;
         return NULL;
     }
@@ -68,12 +73,14 @@ Test(server_loops, two_loops_serve_clients_at_once)
     enum { N = 8 };
     pthread_t th[N];
     worker_t w[N];
+    pthread_barrier_t connected;
+    pthread_barrier_init(&connected, NULL, N);
     /* Connected before the workers start: each loop has one, whatever the workers' timing. */
     kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "m", PAGE, BB);
     cr_assert_eq(kvd_stat(c0, "loop_connections_0"), 1);
     cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1);
     for (int i = 0; i < N; i++) {
-        w[i] = (worker_t){.d = &d, .id = i};
+        w[i] = (worker_t){.d = &d, .connected = &connected, .id = i};
         pthread_create(&th[i], NULL, worker_main, &w[i]);
     }
     int errors = 0;
@@ -81,6 +88,7 @@ Test(server_loops, two_loops_serve_clients_at_once)
         pthread_join(th[i], NULL);
         errors += w[i].errors;
     }
+    pthread_barrier_destroy(&connected);
     cr_expect_eq(errors, 0, "%d failed round trips", errors);
     cr_expect_eq(kvd_stat(c0, "index_blocks"), N * 60 * 4);
     cr_expect_eq(kvd_stat(c0, "leases"), 0);
