@@ -4,7 +4,8 @@
  * reads from NVMe (the completion arrives on loop 0 and is handed to loop 1) and whose lease
  * expires (loop 0's tick); clients that leave with moves in flight; evictions at max-conns across
  * loops; the setting's bounds; the per-loop series; MATCHes on both loops under the store's lock
- * shared while other clients write, their replies and counters checked.
+ * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
+ * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -506,6 +507,209 @@ Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
     cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "the hit promoted b's path to DRAM");
     kvt_client_close(c0);
     kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * GETs of 256 KiB DRAM blocks on both loops, their batches written with the store's lock let go
+ * (op_get.c, get_apart), while other clients PUT over the readers' prefixes (other bytes: skipped,
+ * the pages hold theirs), PUT new prefixes that push blocks out of DRAM (demotions to NVMe,
+ * drops), and REMOVE the prefixes the readers lease and let go in turn. Each reader GETs its
+ * leased prefixes (always in DRAM: a lease keeps them there) and, every round, a prefix it leases
+ * only for that GET, which the writers' REMOVEs and the step's moves reach between its rounds:
+ * whatever part of it is found, from whichever tier, must have its own bytes. Every page's
+ * checksum is compared with its pattern's.
+ */
+#define GBB (256u << 10)
+
+typedef struct getter {
+    kvt_client_t *c; /* connected by the test, so that each loop has two readers */
+    const kvd_t *d;
+    pthread_barrier_t *start;
+    int id, reader;
+    int errors, line;
+    uint64_t pages, dram_pages; /* the churn prefixes' pages received, and how many from DRAM */
+} getter_t;
+
+#define GET_WRONG(w) ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+
+static uint64_t page_sum(const uint8_t *p, size_t len)
+{
+    uint64_t h = 0xcbf29ce484222325ull, x;
+    for (size_t i = 0; i + 8 <= len; i += 8) {
+        memcpy(&x, p + i, 8);
+        h = (h ^ x) * 0x100000001b3ull;
+        h ^= h >> 29;
+    }
+    return h;
+}
+
+/* The pattern seed of page p of prefix k of reader id (its churn prefix: k = 100 + round). */
+static uint32_t get_seed(int id, int k, int p)
+{
+    return (uint32_t)(id * 100000 + k * 10 + p);
+}
+
+typedef struct get_check {
+    getter_t *w;
+    const uint64_t *sums; /* expected, per page */
+    uint32_t first, n, seen;
+    int want_dram;
+} get_check_t;
+
+static int get_check_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    get_check_t *k = arg;
+    if (page < k->first || page >= k->first + k->n || len != GBB ||
+        page_sum(data, len) != k->sums[page]) {
+        GET_WRONG(k->w);
+        return 0;
+    }
+    if (k->want_dram && tier != KVT_CLIENT_TIER_DRAM)
+        GET_WRONG(k->w);
+    k->w->dram_pages += tier == KVT_CLIENT_TIER_DRAM;
+    k->seen++;
+    return 0;
+}
+
+static void *getter_main(void *arg)
+{
+    getter_t *w = arg;
+    enum { P = 4, K = 2, ROUNDS = 40 };
+    uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * GBB);
+    uint64_t sums[K + 1][P];
+    uint64_t lease[K] = {0};
+    kvt_client_put_t r;
+    kvt_client_match_t m;
+    kvt_client_t *c = w->c;
+    if (!c) {
+        kvt_client_conf_t conf = {
+            .unix_path = w->d->sock, .model = "g", .page_size = PAGE, .block_bytes = GBB};
+        if (kvt_client_connect(&c, &conf) < 0)
+            GET_WRONG(w);
+    }
+    for (int k = 0; c && payload && w->reader && k < K; k++) { /* its leased prefixes */
+        kvd_tokens(tok, P * PAGE, (uint32_t)(w->id + 1) * 10000000u + (uint32_t)k * 1000);
+        for (int p = 0; p < P; p++) {
+            kvd_fill(payload + (size_t)p * GBB, GBB, get_seed(w->id, k, p));
+            sums[k][p] = page_sum(payload + (size_t)p * GBB, GBB);
+        }
+        m = (kvt_client_match_t){0};
+        if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0 || r.stored != P ||
+            kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m) < 0 ||
+            m.pages != P)
+            GET_WRONG(w);
+        lease[k] = m.lease;
+    }
+    pthread_barrier_wait(w->start);
+    for (int round = 0; c && payload && round < ROUNDS; round++) {
+        if (!w->reader) {
+            /* A new prefix (DRAM fills: the step demotes and drops), one of a reader's churn
+             * prefixes removed (EBUSY while it is leased, ENOENT once gone), and a reader's
+             * leased prefix PUT over with other bytes (skipped: its pages have theirs). */
+            kvd_tokens(tok, P * PAGE, (uint32_t)(w->id + 1) * 10000000u + (uint32_t)round * 1000);
+            kvd_fill(payload, (size_t)P * GBB, (uint32_t)(w->id * 7777 + round));
+            if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0)
+                GET_WRONG(w);
+            int victim = round % 4;
+            kvd_tokens(tok, P * PAGE,
+                       (uint32_t)(victim + 1) * 10000000u + (uint32_t)(100 + round) * 1000);
+            int rc = kvt_client_remove(c, tok, PAGE);
+            if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
+                GET_WRONG(w);
+            kvd_tokens(tok, P * PAGE,
+                       (uint32_t)(victim + 1) * 10000000u + (uint32_t)(round % K) * 1000);
+            if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0 || r.stored != 0)
+                GET_WRONG(w);
+            continue;
+        }
+        /* Its leased prefixes, whole and from page 1 on: every page from DRAM. */
+        for (int k = 0; k < K; k++) {
+            for (uint32_t first = 0; first < 2; first++) {
+                get_check_t ck = {
+                    .w = w, .sums = sums[k], .first = first, .n = P - first, .want_dram = 1};
+                uint32_t got = 0;
+                if (kvt_client_get_cb(c, lease[k], first, 0, get_check_page, &ck, &got) < 0 ||
+                    got != P - first || ck.seen != P - first)
+                    GET_WRONG(w);
+            }
+        }
+        /* A churn prefix: stored, leased for one GET, let go; the writers remove it meanwhile.
+         * Those of earlier rounds are read again: whatever of them is left, from any tier. */
+        for (int back = 0; back < 2 && back <= round; back++) {
+            int k = 100 + round - back;
+            kvd_tokens(tok, P * PAGE, (uint32_t)(w->id + 1) * 10000000u + (uint32_t)k * 1000);
+            for (int p = 0; p < P; p++) {
+                kvd_fill(payload + (size_t)p * GBB, GBB, get_seed(w->id, k, p));
+                sums[K][p] = page_sum(payload + (size_t)p * GBB, GBB);
+            }
+            if (back == 0 && kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0)
+                GET_WRONG(w);
+            m = (kvt_client_match_t){0};
+            if (kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 10000, NULL, &m) < 0)
+                GET_WRONG(w);
+            if (m.pages == 0)
+                continue; /* removed or evicted whole */
+            get_check_t ck = {.w = w, .sums = sums[K], .first = 0, .n = m.pages};
+            uint32_t got = 0;
+            int rc = kvt_client_get_cb(c, m.lease, 0, m.pages, get_check_page, &ck, &got);
+            /* A page lost on the way ends the GET early (an error with the pages before it). */
+            if ((rc < 0 && rc != KVT_CLIENT_ENOENT) || got != ck.seen ||
+                (rc == 0 && got != m.pages))
+                GET_WRONG(w);
+            w->pages += got;
+            if (kvt_client_release(c, m.lease, NULL) < 0)
+                GET_WRONG(w);
+        }
+    }
+    for (int k = 0; k < K; k++)
+        if (lease[k] && kvt_client_release(c, lease[k], NULL) < 0)
+            GET_WRONG(w);
+    if (c)
+        kvt_client_close(c);
+    free(payload);
+    return NULL;
+}
+
+Test(server_loops, gets_from_dram_leave_the_lock_while_others_write)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "16M", "--nvme-bytes", "16M", NULL);
+    enum { R = 4, N = 6 };
+    pthread_t th[N];
+    getter_t w[N];
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, N);
+    /* The readers connect first, one at a time: two on each loop (the fewest first). */
+    for (int i = 0; i < N; i++) {
+        w[i] = (getter_t){.d = &d, .start = &start, .id = i, .reader = i < R};
+        if (i < R)
+            w[i].c = kvd_client(&d, "g", PAGE, GBB);
+    }
+    cr_assert_eq(kvd_stat(w[0].c, "loop_connections_0"), 2);
+    cr_assert_eq(kvd_stat(w[0].c, "loop_connections_1"), 2);
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, getter_main, &w[i]);
+    int errors = 0, line = 0;
+    uint64_t pages = 0, dram = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        errors += w[i].errors;
+        line = line ? line : w[i].line;
+        pages += w[i].pages;
+        dram += w[i].dram_pages;
+    }
+    pthread_barrier_destroy(&start);
+    cr_expect_eq(errors, 0, "%d wrong replies or pages, the first at line %d", errors, line);
+    cr_expect_gt(pages, 0, "the churn prefixes were read back");
+    cr_expect_gt(dram, (uint64_t)R * 40 * 2 * 7, "the GETs were of DRAM blocks (%llu pages)",
+                 (unsigned long long)dram);
+    double dropped = kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"),
+           demoted = kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}");
+    cr_expect(dropped > 0 || demoted > 0, "the writers pushed blocks out of DRAM (%g, %g)", dropped,
+              demoted);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
