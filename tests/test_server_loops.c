@@ -517,9 +517,11 @@ Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
  * the pages hold theirs), PUT new prefixes that push blocks out of DRAM (demotions to NVMe,
  * drops), and REMOVE the prefixes the readers lease and let go in turn. Each reader GETs its
  * leased prefixes (always in DRAM: a lease keeps them there) and, every round, a prefix it leases
- * only for that GET, which the writers' REMOVEs and the step's moves reach between its rounds:
- * whatever part of it is found, from whichever tier, must have its own bytes. Every page's
- * checksum is compared with its pattern's.
+ * only for that GET, which the writers' REMOVEs and the step's moves reach between its rounds, and
+ * the previous round's again under a lease of 2 ms, some of them read slowly so that a REMOVE
+ * meets the GET's writes: whatever part of it is found, from whichever tier, must have its own
+ * bytes. Every page's checksum is compared with its pattern's. (With the GET's pin and the
+ * deferred free of busy blocks both taken out, this fails every run.)
  */
 #define GBB (256u << 10)
 
@@ -529,7 +531,7 @@ typedef struct getter {
     pthread_barrier_t *start;
     struct getter *all; /* every reader's and writer's, for the writers to aim at */
     int id, reader;
-    int round; /* a reader's, read by the writers (atomic) */
+    int round, finished; /* a reader's, read by the writers (atomic) */
     int errors, line;
     uint64_t pages, dram_pages; /* the churn prefixes' pages received, and how many from DRAM */
     uint64_t removed;           /* a writer's REMOVEs that took a reader's churn prefix */
@@ -559,6 +561,7 @@ typedef struct get_check {
     const uint64_t *sums; /* expected, per page */
     uint32_t first, n, seen;
     int want_dram;
+    int slow_ms; /* a slow reader: waits this long after its first page */
 } get_check_t;
 
 static int get_check_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
@@ -572,7 +575,8 @@ static int get_check_page(void *arg, uint32_t page, unsigned tier, const void *d
     if (k->want_dram && tier != KVT_CLIENT_TIER_DRAM)
         GET_WRONG(k->w);
     k->w->dram_pages += tier == KVT_CLIENT_TIER_DRAM;
-    k->seen++;
+    if (k->seen++ == 0 && k->slow_ms)
+        usleep((useconds_t)k->slow_ms * 1000);
     return 0;
 }
 
@@ -607,8 +611,16 @@ static void *getter_main(void *arg)
         lease[k] = m.lease;
     }
     pthread_barrier_wait(w->start);
-    for (int round = 0; c && payload && round < ROUNDS; round++) {
+    for (int round = 0; c && payload && (round < ROUNDS || !w->reader); round++) {
         if (!w->reader) {
+            /* On until the readers are done, so that their slow GETs meet REMOVEs. */
+            int left = 0;
+            for (int i = 0; i < 4; i++)
+                left += !__atomic_load_n(&w->all[i].finished, __ATOMIC_RELAXED);
+            if (round >= ROUNDS && (!left || round >= 50 * ROUNDS))
+                break;
+            if (round >= ROUNDS)
+                usleep(2000);
             /* A new prefix (DRAM fills: the step demotes and drops), one of a reader's churn
              * prefixes removed (EBUSY while it is leased, ENOENT once gone), and a reader's
              * leased prefix PUT over with other bytes (skipped: its pages have theirs). */
@@ -663,7 +675,15 @@ static void *getter_main(void *arg)
                 GET_WRONG(w);
             if (m.pages == 0)
                 continue; /* removed or evicted whole */
-            get_check_t ck = {.w = w, .sums = sums[K], .first = 0, .n = m.pages};
+            /* Every fourth such GET is read slowly: the daemon's writes of it wait for the socket
+             * (EAGAIN, then EPOLLOUT) past the lease's end and loop 0's tick drops the lease, so a
+             * writer's REMOVE finds the GET's pin alone and waits for it: the batch's pages must
+             * stay put through the writes that follow. */
+            get_check_t ck = {.w = w,
+                              .sums = sums[K],
+                              .first = 0,
+                              .n = m.pages,
+                              .slow_ms = back && round % 4 == 1 ? 80 : 0};
             uint32_t got = 0;
             int rc = kvt_client_get_cb(c, m.lease, 0, m.pages, get_check_page, &ck, &got);
             /* A page lost on the way ends the GET early (an error with the pages before it). */
@@ -678,6 +698,7 @@ static void *getter_main(void *arg)
     }
     /* The leases last until the writers are done: they PUT over the leased prefixes, which must
      * still hold their bytes (once let go, the step may push them out). */
+    __atomic_store_n(&w->finished, 1, __ATOMIC_RELAXED);
     pthread_barrier_wait(w->start);
     for (int k = 0; k < K; k++)
         if (lease[k] && kvt_client_release(c, lease[k], NULL) < 0)
