@@ -126,10 +126,10 @@ static void get_abort(kvt__req_t *r)
  * are done) or DRAM tier memory, and only this connection's loop frees or changes them: the
  * batch goes (get_release_batch) only from drained or abort, which the writer calls under the
  * lock after the write. A DRAM page's bytes stay where they are and as they are meanwhile: its
- * read count (kvt__busy_inc in get_plan) keeps the policy's moves and the arena's move-out off
- * it and defers its free (kvt__free_loc) past the write, whoever frees it (REMOVE, eviction, a
- * move's switch, a loss); the shared arena's scans punch only pages no live block holds, and a
- * block not yet freed is live; PUT skips pages that have bytes and writes only fresh locations.
+ * read count (kvt__busy_inc in get_plan) keeps the arena's move-out off it and defers its free
+ * (kvt__free_loc) past the write, whoever frees it (REMOVE, eviction, a loss, the switch of a
+ * move, which only reads it); the shared arena's scans punch only pages no live block holds, and
+ * a block not yet freed is live; PUT skips pages that have bytes and writes only fresh locations.
  * The HBM tier's memory (its host backend) is kept under the lock: nothing has checked it with
  * several loops.
  */
