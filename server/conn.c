@@ -12,7 +12,8 @@
  * there. Its loop lets s->lock go for the socket's read and for a write of finished replies, and
  * only at the top of the loop (the connection's own event): there nothing is half done, the
  * input buffer is touched by no one else, and the bytes written belong to requests that no other
- * loop changes any more (done, no I/O in flight, no reply source, no descriptor to pass).
+ * loop changes any more (done, or a reply source that says its bytes may go apart: a GET's batch
+ * of DRAM pages and read buffers; no I/O in flight, no descriptor to pass).
  */
 #define _GNU_SOURCE /* accept4 */
 #include "server.h"
@@ -621,11 +622,13 @@ static int conn_write(kvt__conn_t *c)
     while (c->head) {
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
-        kvt__req_t *fd_req = NULL;
-        /* Every byte offered is a finished reply's that no other loop touches any more. */
+        kvt__req_t *fd_req = NULL, *last = NULL;
+        /* Every byte offered is a finished reply's, or a source's that its owner alone changes
+         * (apart), and no other loop touches any of it any more. */
         int quiet = 1;
         for (kvt__req_t *r = c->head; r && n < KVT_IOV_MAX; r = r->next) {
-            if (!r->done || r->pending || r->src || r->has_fd)
+            last = r;
+            if (r->pending || r->has_fd || (r->src ? !r->src->apart(r) : !r->done))
                 quiet = 0;
             if (r->has_fd) {
                 /* A descriptor goes with its reply's first byte, in a write of its own that
@@ -671,8 +674,9 @@ static int conn_write(kvt__conn_t *c)
              * that has its reply may ask another loop (STATS) before this one takes the lock
              * back, and must find neither the reply's bytes nor its request's payload held. */
             if (quiet && c->loop->top == c && c->srv->loops_running) {
-                for (kvt__req_t *r = c->head; r && r->done && !r->pending && !r->src; r = r->next)
-                    held_release(r);
+                for (kvt__req_t *r = c->head; r; r = r == last ? NULL : r->next)
+                    if (r->done)
+                        held_release(r);
                 kvt__out_add(c, -(int64_t)total);
                 c->writing = early = 1;
                 unlocked = io_unlock(c);

@@ -62,6 +62,7 @@ static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
     r->get.segs = NULL;
     r->get.nsegs = r->get.seg_i = r->get.seg_off = 0;
     r->get.segs_ready = 0;
+    r->get.hbm_mem = 0;
     r->src = NULL;
 }
 
@@ -119,12 +120,31 @@ static void get_abort(kvt__req_t *r)
     kvt__unpin(r->srv, r);
 }
 
+/*
+ * Whether the batch may be written with the store's lock let go (conn.c, and docs/architecture.md,
+ * "Event loops"). Its pieces are the request's own (frame heads in r->out, read buffers whose reads
+ * are done) or DRAM tier memory, and only this connection's loop frees or changes them: the
+ * batch goes (get_release_batch) only from drained or abort, which the writer calls under the
+ * lock after the write. A DRAM page's bytes stay where they are and as they are meanwhile: its
+ * read count (kvt__busy_inc in get_plan) keeps the arena's move-out off it and defers its free
+ * (kvt__free_loc) past the write, whoever frees it (REMOVE, eviction, a loss, the switch of a
+ * move, which only reads it); the shared arena's scans punch only pages no live block holds, and
+ * a block not yet freed is live; PUT skips pages that have bytes and writes only fresh locations.
+ * The HBM tier's memory (its host backend) is kept under the lock: nothing has checked it with
+ * several loops.
+ */
+static int get_apart(const kvt__req_t *r)
+{
+    return r->get.segs_ready && !r->get.hbm_mem;
+}
+
 static const kvt__reply_src_t kvt_get_src = {
     .iov = get_iov,
     .ends = get_ends,
     .wrote = get_wrote,
     .drained = get_drained,
     .abort = get_abort,
+    .apart = get_apart,
 };
 
 /*
@@ -176,6 +196,7 @@ static int get_plan(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
     }
     if ((pg->ptr = kvt__tier_ptr(s, b))) {
         x->zero_copy = 1; /* sent from where it lies: the read count keeps moves off it */
+        r->get.hbm_mem |= b->tier != KVT_TIER_DRAM;
         kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(b->tier, 0),
                             kvt_now_ns() - x->start_ns);
     }

@@ -139,6 +139,9 @@ struct iovec;
  *            or returns 0 while it waits for I/O (whose completion kicks the connection)
  *   abort    the connection closes with the reply unfinished and no I/O in flight: give back
  *            what the source holds (its buffers, the pins on the blocks it sends from)
+ *   apart    1 when what iov offers may be written with s->lock let go (docs/architecture.md,
+ *            "Event loops"): no other thread writes or frees those bytes, nor the source's
+ *            state, until wrote and drained have run under the lock again
  */
 typedef struct kvt__reply_src {
     int (*iov)(kvt__req_t *r, struct iovec *iov, int max);
@@ -146,6 +149,7 @@ typedef struct kvt__reply_src {
     size_t (*wrote)(kvt__req_t *r, size_t n);
     int (*drained)(kvt__req_t *r);
     void (*abort)(kvt__req_t *r);
+    int (*apart)(const kvt__req_t *r);
 } kvt__reply_src_t;
 
 struct kvt__req {
@@ -200,6 +204,7 @@ struct kvt__req {
         int segs_ready;         /* the batch's reads are done: segs may be written */
         uint8_t end_queued;     /* the final frame is the batch's last piece (op_get.c) */
         uint8_t locate;         /* LOCATE: mapped pages go as locations */
+        uint8_t hbm_mem;        /* a page of the batch is sent from the HBM tier's memory */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;

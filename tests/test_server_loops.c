@@ -4,7 +4,8 @@
  * reads from NVMe (the completion arrives on loop 0 and is handed to loop 1) and whose lease
  * expires (loop 0's tick); clients that leave with moves in flight; evictions at max-conns across
  * loops; the setting's bounds; the per-loop series; MATCHes on both loops under the store's lock
- * shared while other clients write, their replies and counters checked.
+ * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
+ * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -514,6 +515,247 @@ Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
     cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "the hit promoted b's path to DRAM");
     kvt_client_close(c0);
     kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * GETs of 256 KiB DRAM blocks on both loops, their batches written with the store's lock let go
+ * (op_get.c, get_apart), while other clients PUT over the readers' prefixes (other bytes: skipped,
+ * the pages hold theirs), PUT new prefixes that push blocks out of DRAM (demotions to NVMe,
+ * drops), and REMOVE the prefixes the readers lease and let go in turn. Each reader GETs its
+ * leased prefixes (always in DRAM: a lease keeps them there) and, every round, a prefix it leases
+ * only for that GET, which the writers' REMOVEs and the step's moves reach between its rounds, and
+ * the previous round's again under a lease of 2 ms, some of them read slowly so that a REMOVE
+ * meets the GET's writes: whatever part of it is found, from whichever tier, must have its own
+ * bytes. Every page's checksum is compared with its pattern's. (With the GET's pin and the
+ * deferred free of busy blocks both taken out, this fails every run.)
+ */
+#define GBB (256u << 10)
+
+typedef struct getter {
+    kvt_client_t *c; /* connected by the test, so that each loop has two readers */
+    const kvd_t *d;
+    pthread_barrier_t *start;
+    struct getter *all; /* every reader's and writer's, for the writers to aim at */
+    int id, reader;
+    int round, finished; /* a reader's, read by the writers (atomic) */
+    int errors, line;
+    uint64_t pages, dram_pages; /* the churn prefixes' pages received, and how many from DRAM */
+    uint64_t removed;           /* a writer's REMOVEs that took a reader's churn prefix */
+} getter_t;
+
+#define GET_WRONG(w) ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+
+static uint64_t page_sum(const uint8_t *p, size_t len)
+{
+    uint64_t h = 0xcbf29ce484222325ull, x;
+    for (size_t i = 0; i + 8 <= len; i += 8) {
+        memcpy(&x, p + i, 8);
+        h = (h ^ x) * 0x100000001b3ull;
+        h ^= h >> 29;
+    }
+    return h;
+}
+
+/* The pattern seed of page p of prefix k of reader id (its churn prefix: k = 100 + round). */
+static uint32_t get_seed(int id, int k, int p)
+{
+    return (uint32_t)(id * 100000 + k * 10 + p);
+}
+
+typedef struct get_check {
+    getter_t *w;
+    const uint64_t *sums; /* expected, per page */
+    uint32_t first, n, seen;
+    int want_dram;
+    int slow_ms; /* a slow reader: waits this long after its first page */
+} get_check_t;
+
+static int get_check_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    get_check_t *k = arg;
+    if (page < k->first || page >= k->first + k->n || len != GBB ||
+        page_sum(data, len) != k->sums[page]) {
+        GET_WRONG(k->w);
+        return 0;
+    }
+    if (k->want_dram && tier != KVT_CLIENT_TIER_DRAM)
+        GET_WRONG(k->w);
+    k->w->dram_pages += tier == KVT_CLIENT_TIER_DRAM;
+    if (k->seen++ == 0 && k->slow_ms)
+        usleep((useconds_t)k->slow_ms * 1000);
+    return 0;
+}
+
+static void *getter_main(void *arg)
+{
+    getter_t *w = arg;
+    enum { P = 4, K = 2, ROUNDS = 40 };
+    uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * GBB);
+    uint64_t sums[K + 1][P];
+    uint64_t lease[K] = {0};
+    kvt_client_put_t r;
+    kvt_client_match_t m;
+    kvt_client_t *c = w->c;
+    if (!c) {
+        kvt_client_conf_t conf = {
+            .unix_path = w->d->sock, .model = "g", .page_size = PAGE, .block_bytes = GBB};
+        if (kvt_client_connect(&c, &conf) < 0)
+            GET_WRONG(w);
+    }
+    for (int k = 0; c && payload && w->reader && k < K; k++) { /* its leased prefixes */
+        kvd_tokens(tok, P * PAGE, (uint32_t)(w->id + 1) * 10000000u + (uint32_t)k * 1000);
+        for (int p = 0; p < P; p++) {
+            kvd_fill(payload + (size_t)p * GBB, GBB, get_seed(w->id, k, p));
+            sums[k][p] = page_sum(payload + (size_t)p * GBB, GBB);
+        }
+        m = (kvt_client_match_t){0};
+        if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0 || r.stored != P ||
+            kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m) < 0 ||
+            m.pages != P)
+            GET_WRONG(w);
+        lease[k] = m.lease;
+    }
+    pthread_barrier_wait(w->start);
+    for (int round = 0; c && payload && (round < ROUNDS || !w->reader); round++) {
+        if (!w->reader) {
+            /* On until the readers are done, so that their slow GETs meet REMOVEs. */
+            int left = 0;
+            for (int i = 0; i < 4; i++)
+                left += !__atomic_load_n(&w->all[i].finished, __ATOMIC_RELAXED);
+            if (round >= ROUNDS && (!left || round >= 50 * ROUNDS))
+                break;
+            if (round >= ROUNDS)
+                usleep(2000);
+            /* A new prefix (DRAM fills: the step demotes and drops), one of a reader's churn
+             * prefixes removed (EBUSY while it is leased, ENOENT once gone), and a reader's
+             * leased prefix PUT over with other bytes (skipped: its pages have theirs). */
+            kvd_tokens(tok, P * PAGE, (uint32_t)(w->id + 1) * 10000000u + (uint32_t)round * 1000);
+            kvd_fill(payload, (size_t)P * GBB, (uint32_t)(w->id * 7777 + round));
+            if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0)
+                GET_WRONG(w);
+            /* The churn prefix the victim is reading again now, or about to. */
+            int victim = round % 4;
+            int vr = __atomic_load_n(&w->all[victim].round, __ATOMIC_RELAXED);
+            kvd_tokens(tok, P * PAGE,
+                       (uint32_t)(victim + 1) * 10000000u + (uint32_t)(100 + vr - 1) * 1000);
+            int rc = kvt_client_remove(c, tok, PAGE);
+            if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
+                GET_WRONG(w);
+            w->removed += rc == 0;
+            kvd_tokens(tok, P * PAGE,
+                       (uint32_t)(victim + 1) * 10000000u + (uint32_t)(round % K) * 1000);
+            if (kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0 || r.stored != 0)
+                GET_WRONG(w);
+            continue;
+        }
+        __atomic_store_n(&w->round, round, __ATOMIC_RELAXED);
+        /* Its leased prefixes, whole and from page 1 on: every page from DRAM. */
+        for (int k = 0; k < K; k++) {
+            for (uint32_t first = 0; first < 2; first++) {
+                get_check_t ck = {
+                    .w = w, .sums = sums[k], .first = first, .n = P - first, .want_dram = 1};
+                uint32_t got = 0;
+                if (kvt_client_get_cb(c, lease[k], first, 0, get_check_page, &ck, &got) < 0 ||
+                    got != P - first || ck.seen != P - first)
+                    GET_WRONG(w);
+            }
+        }
+        /* A churn prefix: stored, leased for one GET, let go; the writers remove it meanwhile.
+         * Those of earlier rounds are read again: whatever of them is left, from any tier. */
+        for (int back = 0; back < 2 && back <= round; back++) {
+            int k = 100 + round - back;
+            kvd_tokens(tok, P * PAGE, (uint32_t)(w->id + 1) * 10000000u + (uint32_t)k * 1000);
+            for (int p = 0; p < P; p++) {
+                kvd_fill(payload + (size_t)p * GBB, GBB, get_seed(w->id, k, p));
+                sums[K][p] = page_sum(payload + (size_t)p * GBB, GBB);
+            }
+            if (back == 0 && kvt_client_put(c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0)
+                GET_WRONG(w);
+            /* The earlier round's under a lease of 2 ms, which may run out before or during the
+             * GET: a writer's REMOVE then waits for the GET's own pin (retried on loop 0's tick
+             * while this loop writes the batch), or the GET finds no lease (ENOENT). */
+            m = (kvt_client_match_t){0};
+            if (kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, back ? 2 : 10000, NULL, &m) <
+                0)
+                GET_WRONG(w);
+            if (m.pages == 0)
+                continue; /* removed or evicted whole */
+            /* Every fourth such GET is read slowly: the daemon's writes of it wait for the socket
+             * (EAGAIN, then EPOLLOUT) past the lease's end and loop 0's tick drops the lease, so a
+             * writer's REMOVE finds the GET's pin alone and waits for it: the batch's pages must
+             * stay put through the writes that follow. */
+            get_check_t ck = {.w = w,
+                              .sums = sums[K],
+                              .first = 0,
+                              .n = m.pages,
+                              .slow_ms = back && round % 4 == 1 ? 80 : 0};
+            uint32_t got = 0;
+            int rc = kvt_client_get_cb(c, m.lease, 0, m.pages, get_check_page, &ck, &got);
+            /* A page lost on the way ends the GET early (an error with the pages before it). */
+            if ((rc < 0 && rc != KVT_CLIENT_ENOENT) || got != ck.seen ||
+                (rc == 0 && got != m.pages))
+                GET_WRONG(w);
+            w->pages += got;
+            rc = kvt_client_release(c, m.lease, NULL);
+            if (rc < 0 && !(back && rc == KVT_CLIENT_ENOENT))
+                GET_WRONG(w);
+        }
+    }
+    /* The leases last until the writers are done: they PUT over the leased prefixes, which must
+     * still hold their bytes (once let go, the step may push them out). */
+    __atomic_store_n(&w->finished, 1, __ATOMIC_RELAXED);
+    pthread_barrier_wait(w->start);
+    for (int k = 0; k < K; k++)
+        if (lease[k] && kvt_client_release(c, lease[k], NULL) < 0)
+            GET_WRONG(w);
+    if (c)
+        kvt_client_close(c);
+    free(payload);
+    return NULL;
+}
+
+Test(server_loops, gets_from_dram_leave_the_lock_while_others_write)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "16M", "--nvme-bytes", "16M", NULL);
+    enum { R = 4, N = 6 };
+    pthread_t th[N];
+    getter_t w[N];
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, N);
+    /* The readers connect first, one at a time: two on each loop (the fewest first). */
+    for (int i = 0; i < N; i++) {
+        w[i] = (getter_t){.d = &d, .start = &start, .all = w, .id = i, .reader = i < R};
+        if (i < R)
+            w[i].c = kvd_client(&d, "g", PAGE, GBB);
+    }
+    cr_assert_eq(kvd_stat(w[0].c, "loop_connections_0"), 2);
+    cr_assert_eq(kvd_stat(w[0].c, "loop_connections_1"), 2);
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, getter_main, &w[i]);
+    int errors = 0, line = 0;
+    uint64_t pages = 0, dram = 0, removed = 0;
+    for (int i = 0; i < N; i++) {
+        pthread_join(th[i], NULL);
+        errors += w[i].errors;
+        line = line ? line : w[i].line;
+        pages += w[i].pages;
+        dram += w[i].dram_pages;
+        removed += w[i].removed;
+    }
+    pthread_barrier_destroy(&start);
+    cr_expect_eq(errors, 0, "%d wrong replies or pages, the first at line %d", errors, line);
+    cr_expect_gt(pages, 0, "the churn prefixes were read back");
+    cr_expect_gt(removed, 0, "the writers removed churn prefixes the readers had read");
+    cr_expect_geq(dram, (uint64_t)R * 40 * 2 * 7, "the GETs were of DRAM blocks (%llu pages)",
+                  (unsigned long long)dram);
+    double dropped = kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"),
+           demoted = kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}");
+    cr_expect(dropped > 0 || demoted > 0, "the writers pushed blocks out of DRAM (%g, %g)", dropped,
+              demoted);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
