@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "each.h"
 #include "proto.h"
 #include "seal.h"
 
@@ -827,6 +828,9 @@ static int reserve_send(kvt_client_t *c, uint32_t handle, const uint32_t *tokens
     return rc;
 }
 
+static int reserve_parse(kvt_client_t *c, const uint8_t *body, uint32_t len, uint32_t first_page,
+                         uint32_t npages, kvt_client_resv_t *res, uint32_t *flags);
+
 /* Reads RESERVE's reply into res, each location checked against the mapping and the pages
  * asked for. */
 static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint32_t npages,
@@ -837,6 +841,13 @@ static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint3
     int rc = read_reply(c, KVT_OP_RESERVE, id, &body, &len, deadline);
     if (rc < 0)
         return rc;
+    return reserve_parse(c, body, len, first_page, npages, res, flags);
+}
+
+/* RESERVE's reply body into res (reserve_read's, and kvt__put_each_mapped's). */
+static int reserve_parse(kvt_client_t *c, const uint8_t *body, uint32_t len, uint32_t first_page,
+                         uint32_t npages, kvt_client_resv_t *res, uint32_t *flags)
+{
     kvt_proto_reserve_reply_t r;
     if (kvt_proto_reserve_reply_decode(body, len, &r) < 0 || r.nlocs > npages ||
         (r.nlocs && !r.resv))
@@ -1092,6 +1103,184 @@ static int put_mapped(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, 
 out:
     if (ptrs != small)
         free(ptrs);
+    return rc;
+}
+
+/* One key of kvt__put_each_mapped's group: its requests' ids and what their replies said. */
+typedef struct each_ent {
+    uint64_t resv_req, probe_req, commit_req;
+    uint64_t resv;      /* the reservation's id, 0 for none */
+    void *room;         /* where its block goes in the mapping, or NULL */
+    kvt_client_put_t r; /* its result so far */
+    int st;             /* RESERVE's status, then the key's */
+    int need;           /* to go by a socket PUT: no room and no bytes held */
+} each_ent_t;
+
+/* Appends one request frame (fixed part, then tokens) to out at *at; *id gets its request id. */
+static void each_frame(kvt_client_t *c, uint8_t *out, size_t *at, unsigned op, uint16_t flags,
+                       const void *fixed, size_t flen, const void *tail, size_t tlen, uint64_t *id)
+{
+    *id = c->next_id++;
+    kvt_proto_frame(out + *at, op, flags, *id, 0, (uint32_t)(flen + tlen));
+    memcpy(out + *at + KVT_PROTO_HDR, fixed, flen);
+    if (tlen)
+        memcpy(out + *at + KVT_PROTO_HDR + flen, tail, tlen);
+    *at += KVT_PROTO_HDR + flen + tlen;
+}
+
+/* A transport failure in the middle of a group: the statuses not yet set say so too. */
+static int each_broken(int rc, int *status, uint32_t from, uint32_t n)
+{
+    for (uint32_t i = from; i < n; i++)
+        status[i] = KVT_ECLOSED;
+    return rc < 0 ? rc : KVT_ECLOSED;
+}
+
+/* One group (n <= KVT_EACH_GROUP) of kvt__put_each_mapped, its frames built in out. */
+static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t n,
+                      const void *const *blocks, kvt_client_put_t *res, int *status, uint8_t *out)
+{
+    each_ent_t e[KVT_EACH_GROUP];
+    size_t tlen = (size_t)ntokens * 4, at = 0;
+    uint64_t deadline = deadline_from_now(c);
+    c->errmsg[0] = 0;
+    /* RELEASEs waiting to go are sent and answered first: their ids come before the group's. */
+    int rc = drain_later(c, deadline);
+    if (rc < 0)
+        return each_broken(rc, status, 0, n);
+    kvt_proto_reserve_t rm = {.ntokens = ntokens, .npages = 1};
+    uint8_t rw[sizeof(kvt_wire_reserve_t)];
+    kvt_proto_reserve_encode(rw, &rm);
+    kvt_proto_match_t mm = {.ntokens = ntokens};
+    uint8_t mw[sizeof(kvt_wire_match_t)];
+    kvt_proto_match_encode(mw, &mm);
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t *tw;
+        int own = tokens_wire(c, tokens + (size_t)i * ntokens, ntokens, &tw);
+        if (own < 0)
+            return own; /* nothing sent yet */
+        each_frame(c, out, &at, KVT_OP_RESERVE, c->put_flags, rw, sizeof rw, tw, tlen,
+                   &e[i].resv_req);
+        each_frame(c, out, &at, KVT_OP_MATCH, KVT_MATCH_F_PROBE, mw, sizeof mw, tw, tlen,
+                   &e[i].probe_req);
+        if (own)
+            free(tw);
+    }
+    if ((rc = send_all(c, out, at, deadline)) < 0)
+        return each_broken(rc, status, 0, n);
+    int seal = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *body;
+        uint32_t len, fl = 0;
+        e[i].room = NULL;
+        kvt_client_resv_t rv = {.ptrs = &e[i].room};
+        rc = read_reply(c, KVT_OP_RESERVE, e[i].resv_req, &body, &len, deadline);
+        if (rc == 0)
+            rc = reserve_parse(c, body, len, 0, 1, &rv, &fl);
+        if (c->broken)
+            return each_broken(rc, status, i, n);
+        e[i].st = rc;
+        e[i].resv = rc == 0 ? rv.id : 0;
+        e[i].r = (kvt_client_put_t){.pages = rv.pages, .new_pages = rv.new_pages};
+        seal |= rc == 0 && rv.id && (fl & KVT_RESV_F_SEAL);
+        /* The probe's reply is read whatever RESERVE answered: replies come in order. */
+        int held = 0;
+        kvt_proto_match_reply_t mr;
+        const uint8_t *tiers;
+        rc = read_reply(c, KVT_OP_MATCH, e[i].probe_req, &body, &len, deadline);
+        if (rc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
+            rc = broken_with(c, KVT_EPROTO);
+        if (c->broken)
+            return each_broken(rc, status, i, n);
+        if (rc == 0)
+            held = mr.pages >= 1 && tiers[0] != KVT_TIER_NONE;
+        /* No reservation at all (its error): a socket PUT answers as it would have. */
+        e[i].need = e[i].st < 0 || (!e[i].room && !held);
+    }
+    /* The copies, then the COMMITs in one go; with the daemon sealing, each page is hashed in
+     * the pass that copies it and its sum goes with its COMMIT. */
+    at = 0;
+    uint8_t cw[sizeof(kvt_wire_commit_t)], sum[8];
+    for (uint32_t i = 0; i < n; i++) {
+        if (!e[i].resv)
+            continue;
+        if (e[i].room && seal)
+            kvt_put_u64(sum, kvt__copy_xxh3(e[i].room, blocks[i], c->block_bytes));
+        else if (e[i].room)
+            memcpy(e[i].room, blocks[i], c->block_bytes);
+        kvt_proto_commit_encode(cw, e[i].resv);
+        int sums = seal && e[i].room;
+        each_frame(c, out, &at, KVT_OP_COMMIT, sums ? KVT_COMMIT_F_SUMS : 0, cw, sizeof cw, sum,
+                   sums ? sizeof sum : 0, &e[i].commit_req);
+    }
+    if (at && (rc = send_all(c, out, at, deadline)) < 0)
+        return each_broken(rc, status, 0, n);
+    for (uint32_t i = 0; i < n; i++) {
+        if (!e[i].resv)
+            continue;
+        const uint8_t *body;
+        uint32_t len;
+        kvt_client_put_t cr = {0};
+        rc = read_reply(c, KVT_OP_COMMIT, e[i].commit_req, &body, &len, deadline);
+        if (rc == 0 && put_parse(body, len, &cr) < 0)
+            rc = broken_with(c, KVT_EPROTO);
+        if (c->broken)
+            return each_broken(rc, status, i, n);
+        if (rc == KVT_ENOENT)
+            e[i].need = 1; /* the reservation expired (reserve-ms) before the commit: send it */
+        else if (rc < 0)
+            e[i].st = rc;
+        else
+            e[i].r.stored += cr.stored;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (e[i].need) {
+            kvt_client_put_t pr = {0};
+            int was = e[i].st;
+            rc =
+                put_socket(c, 0, tokens + (size_t)i * ntokens, ntokens, 0, 1, blocks[i], NULL, &pr);
+            if (c->broken)
+                return each_broken(rc, status, i, n);
+            e[i].st = rc;
+            if (rc == 0 && was < 0) {
+                e[i].r = pr; /* no reservation: the socket PUT's answer is the whole answer */
+            } else if (rc == 0) {
+                e[i].r.new_pages += pr.new_pages;
+                e[i].r.stored += pr.stored;
+            }
+        }
+        if (e[i].st == 0) {
+            e[i].r.skipped = 1 - e[i].r.stored;
+            res[i] = e[i].r;
+        }
+        status[i] = e[i].st;
+    }
+    return 0;
+}
+
+int kvt__put_each_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t n,
+                         const void *const *blocks, kvt_client_put_t *res, int *status)
+{
+    if (!c || !c->map || !c->block_bytes || (n && (!tokens || !blocks || !res || !status)) ||
+        ntokens != c->page_size)
+        return KVT_EINVAL;
+    if (c->broken)
+        return each_broken(KVT_ECLOSED, status, 0, n);
+    /* The biggest group's frames: a RESERVE and a PROBE each, or a COMMIT with its sum. */
+    size_t per = 2 * KVT_PROTO_HDR + sizeof(kvt_wire_reserve_t) + sizeof(kvt_wire_match_t) +
+                 (size_t)ntokens * 8;
+    uint8_t *out = malloc(per * KVT_EACH_GROUP);
+    if (!out)
+        return KVT_ENOMEM;
+    int rc = 0;
+    for (uint32_t at = 0; at < n && rc == 0; at += KVT_EACH_GROUP) {
+        uint32_t g = n - at < KVT_EACH_GROUP ? n - at : KVT_EACH_GROUP;
+        rc = each_group(c, tokens + (size_t)at * ntokens, ntokens, g, blocks + at, res + at,
+                        status + at, out);
+        if (rc < 0)
+            (void)each_broken(rc, status, at + g, n);
+    }
+    free(out);
     return rc;
 }
 
