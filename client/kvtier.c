@@ -1151,9 +1151,6 @@ static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
     kvt_proto_reserve_t rm = {.ntokens = ntokens, .npages = 1};
     uint8_t rw[sizeof(kvt_wire_reserve_t)];
     kvt_proto_reserve_encode(rw, &rm);
-    kvt_proto_match_t mm = {.ntokens = ntokens};
-    uint8_t mw[sizeof(kvt_wire_match_t)];
-    kvt_proto_match_encode(mw, &mm);
     for (uint32_t i = 0; i < n; i++) {
         uint8_t *tw;
         int own = tokens_wire(c, tokens + (size_t)i * ntokens, ntokens, &tw);
@@ -1161,14 +1158,13 @@ static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
             return own; /* nothing sent yet */
         each_frame(c, out, &at, KVT_OP_RESERVE, c->put_flags, rw, sizeof rw, tw, tlen,
                    &e[i].resv_req);
-        each_frame(c, out, &at, KVT_OP_MATCH, KVT_MATCH_F_PROBE, mw, sizeof mw, tw, tlen,
-                   &e[i].probe_req);
         if (own)
             free(tw);
     }
     if ((rc = send_all(c, out, at, deadline)) < 0)
         return each_broken(rc, status, 0, n);
     int seal = 0;
+    uint32_t probes = 0;
     for (uint32_t i = 0; i < n; i++) {
         const uint8_t *body;
         uint32_t len, fl = 0;
@@ -1183,19 +1179,49 @@ static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         e[i].resv = rc == 0 ? rv.id : 0;
         e[i].r = (kvt_client_put_t){.pages = rv.pages, .new_pages = rv.new_pages};
         seal |= rc == 0 && rv.id && (fl & KVT_RESV_F_SEAL);
-        /* The probe's reply is read whatever RESERVE answered: replies come in order. */
-        int held = 0;
-        kvt_proto_match_reply_t mr;
-        const uint8_t *tiers;
-        rc = read_reply(c, KVT_OP_MATCH, e[i].probe_req, &body, &len, deadline);
-        if (rc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
-            rc = broken_with(c, KVT_EPROTO);
-        if (c->broken)
-            return each_broken(rc, status, i, n);
-        if (rc == 0)
-            held = mr.pages >= 1 && tiers[0] != KVT_TIER_NONE;
-        /* No reservation at all (its error): a socket PUT answers as it would have. */
-        e[i].need = e[i].st < 0 || (!e[i].room && !held);
+        /* No reservation at all (its error): a socket PUT answers as it would have. No room:
+         * held already, or to be sent (the probe below says which). */
+        e[i].need = e[i].st < 0;
+        e[i].probe_req = 0;
+        probes += e[i].st == 0 && !e[i].room;
+    }
+    /* Only keys RESERVE gave no room are probed, in one more round trip (put_mapped pipelines a
+     * probe behind every RESERVE: here that would be a request more per key on the common path,
+     * where every key gets room). */
+    if (probes) {
+        kvt_proto_match_t mm = {.ntokens = ntokens};
+        uint8_t mw[sizeof(kvt_wire_match_t)];
+        kvt_proto_match_encode(mw, &mm);
+        at = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            if (e[i].st < 0 || e[i].room)
+                continue;
+            uint8_t *tw;
+            int own = tokens_wire(c, tokens + (size_t)i * ntokens, ntokens, &tw);
+            if (own < 0) {
+                e[i].need = 1; /* no way to look: sent, as a socket PUT skips it if held */
+                continue;
+            }
+            each_frame(c, out, &at, KVT_OP_MATCH, KVT_MATCH_F_PROBE, mw, sizeof mw, tw, tlen,
+                       &e[i].probe_req);
+            if (own)
+                free(tw);
+        }
+        if (at && (rc = send_all(c, out, at, deadline)) < 0)
+            return each_broken(rc, status, 0, n);
+        for (uint32_t i = 0; i < n; i++) {
+            if (!e[i].probe_req)
+                continue;
+            const uint8_t *body, *tiers;
+            uint32_t len;
+            kvt_proto_match_reply_t mr;
+            rc = read_reply(c, KVT_OP_MATCH, e[i].probe_req, &body, &len, deadline);
+            if (rc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
+                rc = broken_with(c, KVT_EPROTO);
+            if (c->broken)
+                return each_broken(rc, status, i, n);
+            e[i].need = rc < 0 || mr.pages < 1 || tiers[0] == KVT_TIER_NONE;
+        }
     }
     /* The copies, then the COMMITs in one go; with the daemon sealing, each page is hashed in
      * the pass that copies it and its sum goes with its COMMIT. */
