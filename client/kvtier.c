@@ -1174,7 +1174,7 @@ static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         if (rc == 0)
             rc = reserve_parse(c, body, len, 0, 1, &rv, &fl);
         if (c->broken)
-            return each_broken(rc, status, i, n);
+            return each_broken(rc, status, 0, n);
         e[i].st = rc;
         e[i].resv = rc == 0 ? rv.id : 0;
         e[i].r = (kvt_client_put_t){.pages = rv.pages, .new_pages = rv.new_pages};
@@ -1219,7 +1219,7 @@ static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
             if (rc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
                 rc = broken_with(c, KVT_EPROTO);
             if (c->broken)
-                return each_broken(rc, status, i, n);
+                return each_broken(rc, status, 0, n);
             e[i].need = rc < 0 || mr.pages < 1 || tiers[0] == KVT_TIER_NONE;
         }
     }
@@ -1251,7 +1251,7 @@ static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
         if (rc == 0 && put_parse(body, len, &cr) < 0)
             rc = broken_with(c, KVT_EPROTO);
         if (c->broken)
-            return each_broken(rc, status, i, n);
+            return each_broken(rc, status, 0, n);
         if (rc == KVT_ENOENT)
             e[i].need = 1; /* the reservation expired (reserve-ms) before the commit: send it */
         else if (rc < 0)
@@ -1266,7 +1266,7 @@ static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
             rc =
                 put_socket(c, 0, tokens + (size_t)i * ntokens, ntokens, 0, 1, blocks[i], NULL, &pr);
             if (c->broken)
-                return each_broken(rc, status, i, n);
+                return each_broken(rc, status, 0, n);
             e[i].st = rc;
             if (rc == 0 && was < 0) {
                 e[i].r = pr; /* no reservation: the socket PUT's answer is the whole answer */
@@ -1292,7 +1292,7 @@ int kvt__put_each_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntoke
         return KVT_EINVAL;
     if (c->broken)
         return each_broken(KVT_ECLOSED, status, 0, n);
-    /* The biggest group's frames: a RESERVE and a PROBE each, or a COMMIT with its sum. */
+    /* Room for a group's biggest write: a RESERVE, a PROBE or a COMMIT with its sum per key. */
     size_t per = 2 * KVT_PROTO_HDR + sizeof(kvt_wire_reserve_t) + sizeof(kvt_wire_match_t) +
                  (size_t)ntokens * 8;
     uint8_t *out = malloc(per * KVT_EACH_GROUP);

@@ -366,3 +366,28 @@ Test(client_keys, independent_puts_past_max_reservations_go_by_the_socket)
     kvt_keys_close(k);
     kvd_stop(&d);
 }
+
+/* The daemon gone before a mapped client's keyed PUTs: a transport error (the call's statuses
+ * are not set, as on the socket), and the connection broken for the next call. */
+Test(client_keys, independent_puts_through_the_mapping_when_the_daemon_is_gone)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_keys_t *k = keyed_mapped(&d, BB);
+    enum { N = 40 };
+    char names[N][32];
+    kvt_key_t keys[N];
+    static uint8_t p[N * BB];
+    const void *blk[N];
+    int st[N];
+    mkkeys(keys, names, N, "gone");
+    for (uint32_t i = 0; i < N; i++)
+        blk[i] = p + (size_t)i * BB;
+    cr_assert_eq(kvt_keys_put(k, keys, 2, blk, st), 2);
+    cr_assert_eq(kvd_stop(&d), 0);
+    int rc = kvt_keys_put(k, keys + 2, N - 2, blk + 2, st + 2);
+    cr_expect(rc < 0 && (rc > -30000 || rc == KVT_CLIENT_ECLOSED), "a transport error, not %d", rc);
+    cr_expect_eq(kvt_keys_put(k, keys, 2, blk, st), KVT_CLIENT_ECLOSED, "the connection is broken");
+    kvt_keys_close(k);
+    kvd_cleanup(&d);
+}
