@@ -14,7 +14,7 @@ import socket
 import tempfile
 import threading
 import uuid
-from typing import Any, List
+from typing import List
 
 import numpy as np
 
