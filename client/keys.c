@@ -12,7 +12,9 @@
  *
  * A client with the zero-copy mapping reads its hits by location: the MATCH that leases them
  * (LOCATE) says where they lie, and only pages it did not locate need a GET (issue 38: one round
- * trip where a GET per key was).
+ * trip where a GET per key was). It writes independent keys' blocks in place, the RESERVEs of 32
+ * keys at a time pipelined, then their COMMITs (each.h; issue 35: two round trips where a PUT per
+ * key took two each).
  */
 #include "kvtier.h"
 
