@@ -316,15 +316,17 @@ static void set_errmsg(kvt_client_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     c->errmsg[n] = 0;
 }
 
-/* Sends one request (its body is b1, b2, b3 in that order); *id gets its request id. */
-static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
-                    const void *b2, size_t l2, const void *b3, size_t l3, uint64_t *id,
-                    uint64_t deadline)
+/* Sends one request whose body is b1, b2, then nparts parts of part_len bytes each, sent from
+ * the caller's memory (the pages of a PUT, one buffer each: no gather copy); *id gets its request
+ * id. */
+static int send_req_parts(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                          const void *b2, size_t l2, const void *const *parts, uint32_t nparts,
+                          size_t part_len, uint64_t *id, uint64_t deadline)
 {
     if (c->broken)
         return KVT_ECLOSED;
-    size_t blen = l1 + l2 + l3;
-    if (blen > UINT32_MAX || blen > c->max_frame)
+    size_t l3 = (size_t)nparts * part_len, blen = l1 + l2 + l3;
+    if ((part_len && l3 / part_len != nparts) || blen > UINT32_MAX || blen > c->max_frame)
         return KVT_ETOOBIG;
     *id = c->next_id++;
     uint8_t hdr[KVT_PROTO_HDR];
@@ -342,9 +344,17 @@ static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1
         memcpy(c->out + pre + KVT_PROTO_HDR + l1, b2, l2);
     c->later_len = 0;
     int rc = send_all(c, c->out, pre + KVT_PROTO_HDR + l1 + l2, deadline);
-    if (rc == 0 && l3)
-        rc = send_all(c, b3, l3, deadline);
+    for (uint32_t i = 0; rc == 0 && part_len && i < nparts; i++)
+        rc = send_all(c, parts[i], part_len, deadline);
     return rc;
+}
+
+/* Sends one request (its body is b1, b2, b3 in that order); *id gets its request id. */
+static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                    const void *b2, size_t l2, const void *b3, size_t l3, uint64_t *id,
+                    uint64_t deadline)
+{
+    return send_req_parts(c, op, flags, b1, l1, b2, l2, &b3, l3 ? 1 : 0, l3, id, deadline);
 }
 
 /* Reads the reply to request id: returns its status, its body in *body (len *len), valid until
@@ -765,10 +775,12 @@ static int put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
     return 0;
 }
 
-/* PUT through the socket: the payload goes out from the caller's memory. */
-static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
-                      uint32_t first_page, uint32_t npages, const void *payload,
-                      const kvt_client_hints_t *hints, kvt_client_put_t *res)
+/* PUT through the socket: the payload goes out from the caller's memory, as nparts parts of
+ * part_len bytes (one buffer of the pages, or one buffer per page). */
+static int put_socket_parts(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                            uint32_t ntokens, uint32_t first_page, uint32_t npages,
+                            const void *const *parts, uint32_t nparts, size_t part_len,
+                            const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
     kvt_proto_put_t m = {.hints = proto_hints(hints),
                          .ntokens = ntokens,
@@ -783,16 +795,28 @@ static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, 
         return own;
     const uint8_t *body;
     uint32_t len;
+    c->errmsg[0] = 0;
+    uint64_t id, deadline = deadline_from_now(c);
     int rc =
-        call(c, KVT_OP_PUT, (uint16_t)((handle ? KVT_PUT_F_HANDLE : 0) | c->put_flags), w, sizeof w,
-             tw, (size_t)ntokens * 4, payload, (size_t)npages * c->block_bytes, &body, &len);
+        send_req_parts(c, KVT_OP_PUT, (uint16_t)((handle ? KVT_PUT_F_HANDLE : 0) | c->put_flags), w,
+                       sizeof w, tw, (size_t)ntokens * 4, parts, nparts, part_len, &id, deadline);
     if (own)
         free(tw);
+    if (rc == 0)
+        rc = read_reply(c, KVT_OP_PUT, id, &body, &len, deadline);
     if (rc < 0)
         return rc;
     if (put_parse(body, len, res) < 0)
         return broken_with(c, KVT_EPROTO);
     return 0;
+}
+
+static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                      uint32_t first_page, uint32_t npages, const void *payload,
+                      const kvt_client_hints_t *hints, kvt_client_put_t *res)
+{
+    return put_socket_parts(c, handle, tokens, ntokens, first_page, npages, &payload,
+                            npages ? 1 : 0, (size_t)npages * c->block_bytes, hints, res);
 }
 
 /* Sends RESERVE (and, with probe, a MATCH PROBE of the same tokens right behind it, pipelined:
@@ -968,7 +992,7 @@ static const uint8_t *page_at(const kvt_client_t *c, const uint8_t *payload,
     return payload ? payload + (size_t)i * c->block_bytes : (const uint8_t *)blocks[i];
 }
 
-/* put_socket of pages [i, j) of payload or blocks; blocks are gathered into one buffer first. */
+/* put_socket of pages [i, j) of payload or blocks; blocks are sent each from where it lies. */
 static int put_socket_run(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
                           uint32_t ntokens, uint32_t first_page, uint32_t i, uint32_t j,
                           const uint8_t *payload, const void *const *blocks,
@@ -977,14 +1001,8 @@ static int put_socket_run(kvt_client_t *c, uint32_t handle, const uint32_t *toke
     if (payload)
         return put_socket(c, handle, tokens, ntokens, first_page + i, j - i,
                           payload + (size_t)i * c->block_bytes, hints, res);
-    uint8_t *g = malloc((size_t)(j - i) * c->block_bytes);
-    if (!g)
-        return KVT_ENOMEM;
-    for (uint32_t k = i; k < j; k++)
-        memcpy(g + (size_t)(k - i) * c->block_bytes, blocks[k], c->block_bytes);
-    int rc = put_socket(c, handle, tokens, ntokens, first_page + i, j - i, g, hints, res);
-    free(g);
-    return rc;
+    return put_socket_parts(c, handle, tokens, ntokens, first_page + i, j - i, blocks + i, j - i,
+                            c->block_bytes, hints, res);
 }
 
 static int put_mapped(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,

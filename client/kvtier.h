@@ -278,7 +278,7 @@ KVT_API int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t nto
                            uint32_t first_page, uint32_t npages, const void *payload,
                            const kvt_client_hints_t *hints, kvt_client_put_t *res);
 /* The same with one buffer of block_bytes per page (blocks[0 .. npages)). A mapped client copies
- * each straight into its reserved room; on the socket they are gathered into one PUT first. */
+ * each straight into its reserved room; on the socket one PUT sends each from where it lies. */
 KVT_API int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                             uint32_t first_page, uint32_t npages, const void *const *blocks,
                             const kvt_client_hints_t *hints, kvt_client_put_t *res);

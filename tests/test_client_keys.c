@@ -391,3 +391,33 @@ Test(client_keys, independent_puts_through_the_mapping_when_the_daemon_is_gone)
     kvt_keys_close(k);
     kvd_cleanup(&d);
 }
+
+/* A chain's blocks in buffers of their own, on the socket: each sent from where it lies (no
+ * gather copy), in one PUT, and read back in order. */
+Test(client_keys, a_chain_of_separate_blocks_on_the_socket_round_trips)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_keys_t *k = keyed(&d, "m", BB);
+    cr_assert_not(kvt_client_zero_copy(kvt_keys_client(k)), "the socket path");
+    char names[3][32];
+    kvt_key_t keys[3];
+    mkkeys(keys, names, 3, "sep");
+    static uint8_t a[BB], b[BB], c[BB], back[3 * BB];
+    kvd_fill(a, BB, 51);
+    kvd_fill(b, BB, 52);
+    kvd_fill(c, BB, 53);
+    const void *blk[3] = {c, a, b};
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_keys_chain_putv(k, keys, 3, 0, 3, blk, &r), 0);
+    cr_expect(r.pages == 3 && r.new_pages == 3 && r.stored == 3, "%u %u %u", r.pages, r.new_pages,
+              r.stored);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_keys_chain_get(k, keys, 3, 0, back, sizeof back, &got), 0);
+    cr_expect_eq(got, 3);
+    cr_expect(memcmp(back, c, BB) == 0 && memcmp(back + BB, a, BB) == 0 &&
+                  memcmp(back + 2 * BB, b, BB) == 0,
+              "each block where its key is");
+    kvt_keys_close(k);
+    kvd_stop(&d);
+}

@@ -212,7 +212,7 @@ class KeysMixin:
         """Caches the chain ``keys`` and stores the blocks of keys ``[first, first + npages)``
         from ``data``: one buffer of npages x block_bytes bytes (read in place, no copy), or a
         list of npages buffers of block_bytes each (on a zero-copy client each copied once,
-        straight into the daemon's memory; on the socket gathered into one PUT first), or None
+        straight into the daemon's memory; on the socket one PUT sends each in place), or None
         (index only). Blocks already stored keep their bytes; a prefix shared with another
         chain is stored once. Returns a PutResult (pages, new_pages, stored, skipped).
         ``gaps``: the blocks may follow keys of the chain whose blocks are not stored (a
