@@ -12,7 +12,9 @@
  *
  * A client with the zero-copy mapping reads its hits by location: the MATCH that leases them
  * (LOCATE) says where they lie, and only pages it did not locate need a GET (issue 38: one round
- * trip where a GET per key was).
+ * trip where a GET per key was). It writes independent keys' blocks in place, the RESERVEs of 32
+ * keys at a time pipelined, then their COMMITs (each.h; issue 35: two round trips where a PUT per
+ * key took two each).
  */
 #include "kvtier.h"
 
@@ -22,6 +24,8 @@
 #include <string.h>
 #include <time.h>
 #include <xxhash.h>
+
+#include "each.h"
 
 /* Independent keys go out in batches of at most this many requests: a get holds one lease per
  * key until its GET, and the daemon grants a connection max-leases (4,096 by default). */
@@ -416,6 +420,10 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
     kvt_client_step_t sp[KVT_KEYS_CHUNK]; /* get, mapped: where each hit lies */
     kvt_client_loc_t loc[KVT_KEYS_CHUNK];
     int mapped = op == KEYS_GET && kvt_client_zero_copy(k->c);
+    /* Through the mapping: written in place, no socket bytes (bench_client: twice a socket PUT's
+     * speed for 2 MiB pages), the chunk's RESERVEs and COMMITs pipelined (each.h): two round
+     * trips per KVT_EACH_GROUP keys, where a kvt_client_put per key took two each. */
+    int put_mapped = op == KEYS_PUT && kvt_client_zero_copy(k->c);
     uint8_t tier[KVT_KEYS_CHUNK];
     kvt_client_put_t pr[KVT_KEYS_CHUNK];
     int st[KVT_KEYS_CHUNK];
@@ -438,14 +446,8 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
                                       &m[i], mapped ? &sp[i] : NULL, &st[i]);
             break;
         case KEYS_PUT:
-            if (kvt_client_zero_copy(k->c)) {
-                /* Through the mapping, one key at a time: written in place, no socket bytes
-                 * (bench_client: twice a socket PUT's speed for 2 MiB pages). */
-                st[i] = kvt_client_put(k->c, t[i], KVT_KEY_TOKENS, 0, 1, blocks[i], NULL, &pr[i]);
-                if (keys_transport(st[i]))
-                    rc = st[i];
-                break;
-            }
+            if (put_mapped)
+                break; /* all at once below */
             /* Lent, not copied into the batch: the batch runs before this returns. */
             rc = kvt_batch_put_ref(b, t[i], KVT_KEY_TOKENS, 0, 1, blocks[i], NULL, &pr[i], &st[i]);
             break;
@@ -453,6 +455,8 @@ static int keys_chunk(kvt_keys_t *k, kvt_batch_t *b, int op, const kvt_key_t *ke
             rc = kvt_batch_remove(b, t[i], KVT_KEY_TOKENS, &st[i]);
         }
     }
+    if (rc == 0 && put_mapped)
+        rc = kvt__put_each_mapped(k->c, &t[0][0], KVT_KEY_TOKENS, n, blocks, pr, st);
     if (rc == 0)
         rc = kvt_batch_run(b);
     if (rc < 0) {

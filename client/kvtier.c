@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "each.h"
 #include "proto.h"
 #include "seal.h"
 
@@ -315,15 +316,17 @@ static void set_errmsg(kvt_client_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     c->errmsg[n] = 0;
 }
 
-/* Sends one request (its body is b1, b2, b3 in that order); *id gets its request id. */
-static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
-                    const void *b2, size_t l2, const void *b3, size_t l3, uint64_t *id,
-                    uint64_t deadline)
+/* Sends one request whose body is b1, b2, then nparts parts of part_len bytes each, sent from
+ * the caller's memory (the pages of a PUT, one buffer each: no gather copy); *id gets its request
+ * id. */
+static int send_req_parts(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                          const void *b2, size_t l2, const void *const *parts, uint32_t nparts,
+                          size_t part_len, uint64_t *id, uint64_t deadline)
 {
     if (c->broken)
         return KVT_ECLOSED;
-    size_t blen = l1 + l2 + l3;
-    if (blen > UINT32_MAX || blen > c->max_frame)
+    size_t l3 = (size_t)nparts * part_len, blen = l1 + l2 + l3;
+    if ((part_len && l3 / part_len != nparts) || blen > UINT32_MAX || blen > c->max_frame)
         return KVT_ETOOBIG;
     *id = c->next_id++;
     uint8_t hdr[KVT_PROTO_HDR];
@@ -341,9 +344,17 @@ static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1
         memcpy(c->out + pre + KVT_PROTO_HDR + l1, b2, l2);
     c->later_len = 0;
     int rc = send_all(c, c->out, pre + KVT_PROTO_HDR + l1 + l2, deadline);
-    if (rc == 0 && l3)
-        rc = send_all(c, b3, l3, deadline);
+    for (uint32_t i = 0; rc == 0 && part_len && i < nparts; i++)
+        rc = send_all(c, parts[i], part_len, deadline);
     return rc;
+}
+
+/* Sends one request (its body is b1, b2, b3 in that order); *id gets its request id. */
+static int send_req(kvt_client_t *c, unsigned op, uint16_t flags, const void *b1, size_t l1,
+                    const void *b2, size_t l2, const void *b3, size_t l3, uint64_t *id,
+                    uint64_t deadline)
+{
+    return send_req_parts(c, op, flags, b1, l1, b2, l2, &b3, l3 ? 1 : 0, l3, id, deadline);
 }
 
 /* Reads the reply to request id: returns its status, its body in *body (len *len), valid until
@@ -764,10 +775,12 @@ static int put_parse(const uint8_t *body, uint32_t len, kvt_client_put_t *res)
     return 0;
 }
 
-/* PUT through the socket: the payload goes out from the caller's memory. */
-static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
-                      uint32_t first_page, uint32_t npages, const void *payload,
-                      const kvt_client_hints_t *hints, kvt_client_put_t *res)
+/* PUT through the socket: the payload goes out from the caller's memory, as nparts parts of
+ * part_len bytes (one buffer of the pages, or one buffer per page). */
+static int put_socket_parts(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
+                            uint32_t ntokens, uint32_t first_page, uint32_t npages,
+                            const void *const *parts, uint32_t nparts, size_t part_len,
+                            const kvt_client_hints_t *hints, kvt_client_put_t *res)
 {
     kvt_proto_put_t m = {.hints = proto_hints(hints),
                          .ntokens = ntokens,
@@ -782,16 +795,28 @@ static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, 
         return own;
     const uint8_t *body;
     uint32_t len;
+    c->errmsg[0] = 0;
+    uint64_t id, deadline = deadline_from_now(c);
     int rc =
-        call(c, KVT_OP_PUT, (uint16_t)((handle ? KVT_PUT_F_HANDLE : 0) | c->put_flags), w, sizeof w,
-             tw, (size_t)ntokens * 4, payload, (size_t)npages * c->block_bytes, &body, &len);
+        send_req_parts(c, KVT_OP_PUT, (uint16_t)((handle ? KVT_PUT_F_HANDLE : 0) | c->put_flags), w,
+                       sizeof w, tw, (size_t)ntokens * 4, parts, nparts, part_len, &id, deadline);
     if (own)
         free(tw);
+    if (rc == 0)
+        rc = read_reply(c, KVT_OP_PUT, id, &body, &len, deadline);
     if (rc < 0)
         return rc;
     if (put_parse(body, len, res) < 0)
         return broken_with(c, KVT_EPROTO);
     return 0;
+}
+
+static int put_socket(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
+                      uint32_t first_page, uint32_t npages, const void *payload,
+                      const kvt_client_hints_t *hints, kvt_client_put_t *res)
+{
+    return put_socket_parts(c, handle, tokens, ntokens, first_page, npages, &payload,
+                            npages ? 1 : 0, (size_t)npages * c->block_bytes, hints, res);
 }
 
 /* Sends RESERVE (and, with probe, a MATCH PROBE of the same tokens right behind it, pipelined:
@@ -827,6 +852,9 @@ static int reserve_send(kvt_client_t *c, uint32_t handle, const uint32_t *tokens
     return rc;
 }
 
+static int reserve_parse(kvt_client_t *c, const uint8_t *body, uint32_t len, uint32_t first_page,
+                         uint32_t npages, kvt_client_resv_t *res, uint32_t *flags);
+
 /* Reads RESERVE's reply into res, each location checked against the mapping and the pages
  * asked for. */
 static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint32_t npages,
@@ -837,6 +865,13 @@ static int reserve_read(kvt_client_t *c, uint64_t id, uint32_t first_page, uint3
     int rc = read_reply(c, KVT_OP_RESERVE, id, &body, &len, deadline);
     if (rc < 0)
         return rc;
+    return reserve_parse(c, body, len, first_page, npages, res, flags);
+}
+
+/* RESERVE's reply body into res (reserve_read's, and kvt__put_each_mapped's). */
+static int reserve_parse(kvt_client_t *c, const uint8_t *body, uint32_t len, uint32_t first_page,
+                         uint32_t npages, kvt_client_resv_t *res, uint32_t *flags)
+{
     kvt_proto_reserve_reply_t r;
     if (kvt_proto_reserve_reply_decode(body, len, &r) < 0 || r.nlocs > npages ||
         (r.nlocs && !r.resv))
@@ -957,7 +992,7 @@ static const uint8_t *page_at(const kvt_client_t *c, const uint8_t *payload,
     return payload ? payload + (size_t)i * c->block_bytes : (const uint8_t *)blocks[i];
 }
 
-/* put_socket of pages [i, j) of payload or blocks; blocks are gathered into one buffer first. */
+/* put_socket of pages [i, j) of payload or blocks; blocks are sent each from where it lies. */
 static int put_socket_run(kvt_client_t *c, uint32_t handle, const uint32_t *tokens,
                           uint32_t ntokens, uint32_t first_page, uint32_t i, uint32_t j,
                           const uint8_t *payload, const void *const *blocks,
@@ -966,14 +1001,8 @@ static int put_socket_run(kvt_client_t *c, uint32_t handle, const uint32_t *toke
     if (payload)
         return put_socket(c, handle, tokens, ntokens, first_page + i, j - i,
                           payload + (size_t)i * c->block_bytes, hints, res);
-    uint8_t *g = malloc((size_t)(j - i) * c->block_bytes);
-    if (!g)
-        return KVT_ENOMEM;
-    for (uint32_t k = i; k < j; k++)
-        memcpy(g + (size_t)(k - i) * c->block_bytes, blocks[k], c->block_bytes);
-    int rc = put_socket(c, handle, tokens, ntokens, first_page + i, j - i, g, hints, res);
-    free(g);
-    return rc;
+    return put_socket_parts(c, handle, tokens, ntokens, first_page + i, j - i, blocks + i, j - i,
+                            c->block_bytes, hints, res);
 }
 
 static int put_mapped(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, uint32_t ntokens,
@@ -1092,6 +1121,210 @@ static int put_mapped(kvt_client_t *c, uint32_t handle, const uint32_t *tokens, 
 out:
     if (ptrs != small)
         free(ptrs);
+    return rc;
+}
+
+/* One key of kvt__put_each_mapped's group: its requests' ids and what their replies said. */
+typedef struct each_ent {
+    uint64_t resv_req, probe_req, commit_req;
+    uint64_t resv;      /* the reservation's id, 0 for none */
+    void *room;         /* where its block goes in the mapping, or NULL */
+    kvt_client_put_t r; /* its result so far */
+    int st;             /* RESERVE's status, then the key's */
+    int need;           /* to go by a socket PUT: no room and no bytes held */
+} each_ent_t;
+
+/* Appends one request frame (fixed part, then tokens) to out at *at; *id gets its request id. */
+static void each_frame(kvt_client_t *c, uint8_t *out, size_t *at, unsigned op, uint16_t flags,
+                       const void *fixed, size_t flen, const void *tail, size_t tlen, uint64_t *id)
+{
+    *id = c->next_id++;
+    kvt_proto_frame(out + *at, op, flags, *id, 0, (uint32_t)(flen + tlen));
+    memcpy(out + *at + KVT_PROTO_HDR, fixed, flen);
+    if (tlen)
+        memcpy(out + *at + KVT_PROTO_HDR + flen, tail, tlen);
+    *at += KVT_PROTO_HDR + flen + tlen;
+}
+
+/* A transport failure in the middle of a group: the statuses not yet set say so too. */
+static int each_broken(int rc, int *status, uint32_t from, uint32_t n)
+{
+    for (uint32_t i = from; i < n; i++)
+        status[i] = KVT_ECLOSED;
+    return rc < 0 ? rc : KVT_ECLOSED;
+}
+
+/* One group (n <= KVT_EACH_GROUP) of kvt__put_each_mapped, its frames built in out. */
+static int each_group(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t n,
+                      const void *const *blocks, kvt_client_put_t *res, int *status, uint8_t *out)
+{
+    each_ent_t e[KVT_EACH_GROUP];
+    size_t tlen = (size_t)ntokens * 4, at = 0;
+    uint64_t deadline = deadline_from_now(c);
+    c->errmsg[0] = 0;
+    /* RELEASEs waiting to go are sent and answered first: their ids come before the group's. */
+    int rc = drain_later(c, deadline);
+    if (rc < 0)
+        return each_broken(rc, status, 0, n);
+    kvt_proto_reserve_t rm = {.ntokens = ntokens, .npages = 1};
+    uint8_t rw[sizeof(kvt_wire_reserve_t)];
+    kvt_proto_reserve_encode(rw, &rm);
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t *tw;
+        int own = tokens_wire(c, tokens + (size_t)i * ntokens, ntokens, &tw);
+        if (own < 0)
+            return own; /* nothing sent yet */
+        each_frame(c, out, &at, KVT_OP_RESERVE, c->put_flags, rw, sizeof rw, tw, tlen,
+                   &e[i].resv_req);
+        if (own)
+            free(tw);
+    }
+    if ((rc = send_all(c, out, at, deadline)) < 0)
+        return each_broken(rc, status, 0, n);
+    int seal = 0;
+    uint32_t probes = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *body;
+        uint32_t len, fl = 0;
+        e[i].room = NULL;
+        kvt_client_resv_t rv = {.ptrs = &e[i].room};
+        rc = read_reply(c, KVT_OP_RESERVE, e[i].resv_req, &body, &len, deadline);
+        if (rc == 0)
+            rc = reserve_parse(c, body, len, 0, 1, &rv, &fl);
+        if (c->broken)
+            return each_broken(rc, status, 0, n);
+        e[i].st = rc;
+        e[i].resv = rc == 0 ? rv.id : 0;
+        e[i].r = (kvt_client_put_t){.pages = rv.pages, .new_pages = rv.new_pages};
+        seal |= rc == 0 && rv.id && (fl & KVT_RESV_F_SEAL);
+        /* No reservation at all (its error): a socket PUT answers as it would have. No room:
+         * held already, or to be sent (the probe below says which). */
+        e[i].need = e[i].st < 0;
+        e[i].probe_req = 0;
+        probes += e[i].st == 0 && !e[i].room;
+    }
+    /* Only keys RESERVE gave no room are probed, in one more round trip (put_mapped pipelines a
+     * probe behind every RESERVE: here that would be a request more per key on the common path,
+     * where every key gets room). */
+    if (probes) {
+        kvt_proto_match_t mm = {.ntokens = ntokens};
+        uint8_t mw[sizeof(kvt_wire_match_t)];
+        kvt_proto_match_encode(mw, &mm);
+        at = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            if (e[i].st < 0 || e[i].room)
+                continue;
+            uint8_t *tw;
+            int own = tokens_wire(c, tokens + (size_t)i * ntokens, ntokens, &tw);
+            if (own < 0) {
+                e[i].need = 1; /* no way to look: sent, as a socket PUT skips it if held */
+                continue;
+            }
+            each_frame(c, out, &at, KVT_OP_MATCH, KVT_MATCH_F_PROBE, mw, sizeof mw, tw, tlen,
+                       &e[i].probe_req);
+            if (own)
+                free(tw);
+        }
+        if (at && (rc = send_all(c, out, at, deadline)) < 0)
+            return each_broken(rc, status, 0, n);
+        for (uint32_t i = 0; i < n; i++) {
+            if (!e[i].probe_req)
+                continue;
+            const uint8_t *body, *tiers;
+            uint32_t len;
+            kvt_proto_match_reply_t mr;
+            rc = read_reply(c, KVT_OP_MATCH, e[i].probe_req, &body, &len, deadline);
+            if (rc == 0 && kvt_proto_match_reply_decode(body, len, &mr, &tiers) < 0)
+                rc = broken_with(c, KVT_EPROTO);
+            if (c->broken)
+                return each_broken(rc, status, 0, n);
+            e[i].need = rc < 0 || mr.pages < 1 || tiers[0] == KVT_TIER_NONE;
+        }
+    }
+    /* The copies, then the COMMITs in one go; with the daemon sealing, each page is hashed in
+     * the pass that copies it and its sum goes with its COMMIT. */
+    at = 0;
+    uint8_t cw[sizeof(kvt_wire_commit_t)], sum[8];
+    for (uint32_t i = 0; i < n; i++) {
+        if (!e[i].resv)
+            continue;
+        if (e[i].room && seal)
+            kvt_put_u64(sum, kvt__copy_xxh3(e[i].room, blocks[i], c->block_bytes));
+        else if (e[i].room)
+            memcpy(e[i].room, blocks[i], c->block_bytes);
+        kvt_proto_commit_encode(cw, e[i].resv);
+        int sums = seal && e[i].room;
+        each_frame(c, out, &at, KVT_OP_COMMIT, sums ? KVT_COMMIT_F_SUMS : 0, cw, sizeof cw, sum,
+                   sums ? sizeof sum : 0, &e[i].commit_req);
+    }
+    if (at && (rc = send_all(c, out, at, deadline)) < 0)
+        return each_broken(rc, status, 0, n);
+    for (uint32_t i = 0; i < n; i++) {
+        if (!e[i].resv)
+            continue;
+        const uint8_t *body;
+        uint32_t len;
+        kvt_client_put_t cr = {0};
+        rc = read_reply(c, KVT_OP_COMMIT, e[i].commit_req, &body, &len, deadline);
+        if (rc == 0 && put_parse(body, len, &cr) < 0)
+            rc = broken_with(c, KVT_EPROTO);
+        if (c->broken)
+            return each_broken(rc, status, 0, n);
+        if (rc == KVT_ENOENT)
+            e[i].need = 1; /* the reservation expired (reserve-ms) before the commit: send it */
+        else if (rc < 0)
+            e[i].st = rc;
+        else
+            e[i].r.stored += cr.stored;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        if (e[i].need) {
+            kvt_client_put_t pr = {0};
+            int was = e[i].st;
+            rc =
+                put_socket(c, 0, tokens + (size_t)i * ntokens, ntokens, 0, 1, blocks[i], NULL, &pr);
+            if (c->broken)
+                return each_broken(rc, status, 0, n);
+            e[i].st = rc;
+            if (rc == 0 && was < 0) {
+                e[i].r = pr; /* no reservation: the socket PUT's answer is the whole answer */
+            } else if (rc == 0) {
+                e[i].r.new_pages += pr.new_pages;
+                e[i].r.stored += pr.stored;
+            }
+        }
+        if (e[i].st == 0) {
+            e[i].r.skipped = 1 - e[i].r.stored;
+            res[i] = e[i].r;
+        }
+        status[i] = e[i].st;
+    }
+    return 0;
+}
+
+int kvt__put_each_mapped(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t n,
+                         const void *const *blocks, kvt_client_put_t *res, int *status)
+{
+    if (!c || !c->map || !c->block_bytes || (n && (!tokens || !blocks || !res || !status)) ||
+        ntokens != c->page_size)
+        return KVT_EINVAL;
+    if (c->broken)
+        return each_broken(KVT_ECLOSED, status, 0, n);
+    /* Room for a group's biggest write: a RESERVE, a PROBE or a COMMIT with its sum per key. */
+    size_t per = 2 * KVT_PROTO_HDR + sizeof(kvt_wire_reserve_t) + sizeof(kvt_wire_match_t) +
+                 (size_t)ntokens * 8;
+    uint8_t *out = malloc(per * KVT_EACH_GROUP);
+    if (!out)
+        return KVT_ENOMEM;
+    int rc = 0;
+    for (uint32_t at = 0; at < n && rc == 0; at += KVT_EACH_GROUP) {
+        uint32_t g = n - at < KVT_EACH_GROUP ? n - at : KVT_EACH_GROUP;
+        rc = each_group(c, tokens + (size_t)at * ntokens, ntokens, g, blocks + at, res + at,
+                        status + at, out);
+        if (rc < 0)
+            (void)each_broken(rc, status, at + g, n);
+    }
+    free(out);
     return rc;
 }
 

@@ -278,7 +278,7 @@ KVT_API int kvt_client_put(kvt_client_t *c, const uint32_t *tokens, uint32_t nto
                            uint32_t first_page, uint32_t npages, const void *payload,
                            const kvt_client_hints_t *hints, kvt_client_put_t *res);
 /* The same with one buffer of block_bytes per page (blocks[0 .. npages)). A mapped client copies
- * each straight into its reserved room; on the socket they are gathered into one PUT first. */
+ * each straight into its reserved room; on the socket one PUT sends each from where it lies. */
 KVT_API int kvt_client_putv(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
                             uint32_t first_page, uint32_t npages, const void *const *blocks,
                             const kvt_client_hints_t *hints, kvt_client_put_t *res);
@@ -578,8 +578,11 @@ KVT_API int kvt_keys_chain_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t
  */
 /* found[i] = 1 when key i is cached, else 0. */
 KVT_API int kvt_keys_exists(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, uint8_t *found);
-/* Stores blocks[i] (block_bytes bytes) under key i; the batch copies each block when queued. A
- * block the daemon skipped for want of room (checked with a PROBE) is KVT_CLIENT_ENOSPC. */
+/* Stores blocks[i] (block_bytes bytes) under key i, each sent from where it lies: on the socket
+ * one pipelined PUT per key; on a mapped client copied once into the daemon's memory, the RESERVEs
+ * of 32 keys at a time pipelined, then their COMMITs (two round trips per 32 keys; a probe round
+ * trip more where a key got no room). A block the daemon skipped for want of room (checked with a
+ * PROBE) is KVT_CLIENT_ENOSPC. */
 KVT_API int kvt_keys_put(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n,
                          const void *const *blocks, int *status);
 /* Reads key i's block into bufs[i] (block_bytes bytes each): one pipelined MATCH with a lease per

@@ -277,3 +277,147 @@ Test(client_keys, a_put_after_a_kept_lookup_stores_the_whole_chain)
     kvt_keys_close(k);
     kvd_stop(&d);
 }
+
+/* A mapped keyed client on d (the zero-copy path of kvt_keys_put). */
+static kvt_keys_t *keyed_mapped(const kvd_t *d, uint32_t block_bytes)
+{
+    kvt_client_conf_t conf = {.unix_path = d->sock,
+                              .model = "m",
+                              .block_bytes = block_bytes,
+                              .timeout_ms = 10000,
+                              .zero_copy = 1};
+    kvt_keys_t *k = NULL;
+    cr_assert_eq(kvt_keys_connect(&k, &conf), 0);
+    cr_assert(kvt_client_zero_copy(kvt_keys_client(k)), "%s",
+              kvt_client_zero_copy_reason(kvt_keys_client(k)));
+    return k;
+}
+
+/* 300 independent keys through the mapping: more than a chunk (256) and than a group of
+ * pipelined reservations (each.h, 32), so every group boundary is crossed; each key gets its own
+ * bytes back, the pages are sealed with the client's sums, every reservation is committed; a
+ * second PUT of the same keys (held already, one new among them) stores only the new one and
+ * says true for all. */
+Test(client_keys, independent_puts_through_the_mapping_in_groups)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_keys_t *k = keyed_mapped(&d, BB);
+    enum { N = 300 };
+    static char names[N][32];
+    static kvt_key_t keys[N];
+    static uint8_t p[N * BB], back[N * BB];
+    static const void *blk[N];
+    static void *out[N];
+    static int st[N];
+    mkkeys(keys, names, N, "grp");
+    kvd_fill(p, sizeof p, 41);
+    for (uint32_t i = 0; i < N; i++) {
+        blk[i] = p + (size_t)i * BB;
+        out[i] = back + (size_t)i * BB;
+    }
+    cr_assert_eq(kvt_keys_put(k, keys, N - 1, blk, st), N - 1);
+    for (uint32_t i = 0; i < N - 1; i++)
+        cr_assert_eq(st[i], 0, "key %u: %d", i, st[i]);
+    cr_expect_eq(kvd_metric(&d, "kvtier_reservations_total{outcome=\"committed\"}"), N - 1);
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_client_sums_total"), N - 1);
+    cr_expect_eq(kvd_metric(&d, "kvtier_put_pages_total{outcome=\"stored\"}"), N - 1);
+    cr_assert_eq(kvt_keys_put(k, keys, N, blk, st), N, "held keys count as cached");
+    for (uint32_t i = 0; i < N; i++)
+        cr_assert_eq(st[i], 0, "key %u: %d", i, st[i]);
+    cr_expect_eq(kvd_metric(&d, "kvtier_put_pages_total{outcome=\"stored\"}"), N,
+                 "only the new key was stored again");
+    cr_assert_eq(kvt_keys_get(k, keys, N, out, st), N);
+    cr_expect(memcmp(back, p, sizeof p) == 0, "each key's own bytes");
+    kvt_keys_close(k);
+    kvd_stop(&d);
+}
+
+/* Where the daemon holds one reservation per connection, the pipelined RESERVEs past the first
+ * of a group are refused (ENOSPC): those keys go by a socket PUT each, and every key is stored
+ * with its own bytes all the same. With no checksums (zero-copy-checksum no) the copies go
+ * without hashing. */
+Test(client_keys, independent_puts_past_max_reservations_go_by_the_socket)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--max-reservations", "1", "--zero-copy-checksum", "no", NULL);
+    kvt_keys_t *k = keyed_mapped(&d, BB);
+    enum { N = 40 };
+    char names[N][32];
+    kvt_key_t keys[N];
+    static uint8_t p[N * BB], back[N * BB];
+    const void *blk[N];
+    void *out[N];
+    int st[N];
+    mkkeys(keys, names, N, "one-resv");
+    kvd_fill(p, sizeof p, 43);
+    for (uint32_t i = 0; i < N; i++) {
+        blk[i] = p + (size_t)i * BB;
+        out[i] = back + (size_t)i * BB;
+    }
+    cr_assert_eq(kvt_keys_put(k, keys, N, blk, st), N);
+    for (uint32_t i = 0; i < N; i++)
+        cr_assert_eq(st[i], 0, "key %u: %d", i, st[i]);
+    /* One reservation in each group of 32 (two groups), the rest by the socket. */
+    cr_expect_eq(kvd_metric(&d, "kvtier_reservations_total{outcome=\"committed\"}"), 2);
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_client_sums_total"), 0);
+    cr_assert_eq(kvt_keys_get(k, keys, N, out, st), N);
+    cr_expect(memcmp(back, p, sizeof p) == 0, "each key's own bytes");
+    kvt_keys_close(k);
+    kvd_stop(&d);
+}
+
+/* The daemon gone before a mapped client's keyed PUTs: a transport error (the call's statuses
+ * are not set, as on the socket), and the connection broken for the next call. */
+Test(client_keys, independent_puts_through_the_mapping_when_the_daemon_is_gone)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_keys_t *k = keyed_mapped(&d, BB);
+    enum { N = 40 };
+    char names[N][32];
+    kvt_key_t keys[N];
+    static uint8_t p[N * BB];
+    const void *blk[N];
+    int st[N];
+    mkkeys(keys, names, N, "gone");
+    for (uint32_t i = 0; i < N; i++)
+        blk[i] = p + (size_t)i * BB;
+    cr_assert_eq(kvt_keys_put(k, keys, 2, blk, st), 2);
+    cr_assert_eq(kvd_stop(&d), 0);
+    int rc = kvt_keys_put(k, keys + 2, N - 2, blk + 2, st + 2);
+    cr_expect(rc < 0 && (rc > -30000 || rc == KVT_CLIENT_ECLOSED), "a transport error, not %d", rc);
+    cr_expect_eq(kvt_keys_put(k, keys, 2, blk, st), KVT_CLIENT_ECLOSED, "the connection is broken");
+    kvt_keys_close(k);
+    kvd_cleanup(&d);
+}
+
+/* A chain's blocks in buffers of their own, on the socket: each sent from where it lies (no
+ * gather copy), in one PUT, and read back in order. */
+Test(client_keys, a_chain_of_separate_blocks_on_the_socket_round_trips)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_keys_t *k = keyed(&d, "m", BB);
+    cr_assert_not(kvt_client_zero_copy(kvt_keys_client(k)), "the socket path");
+    char names[3][32];
+    kvt_key_t keys[3];
+    mkkeys(keys, names, 3, "sep");
+    static uint8_t a[BB], b[BB], c[BB], back[3 * BB];
+    kvd_fill(a, BB, 51);
+    kvd_fill(b, BB, 52);
+    kvd_fill(c, BB, 53);
+    const void *blk[3] = {c, a, b};
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_keys_chain_putv(k, keys, 3, 0, 3, blk, &r), 0);
+    cr_expect(r.pages == 3 && r.new_pages == 3 && r.stored == 3, "%u %u %u", r.pages, r.new_pages,
+              r.stored);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_keys_chain_get(k, keys, 3, 0, back, sizeof back, &got), 0);
+    cr_expect_eq(got, 3);
+    cr_expect(memcmp(back, c, BB) == 0 && memcmp(back + BB, a, BB) == 0 &&
+                  memcmp(back + 2 * BB, b, BB) == 0,
+              "each block where its key is");
+    kvt_keys_close(k);
+    kvd_stop(&d);
+}

@@ -212,7 +212,7 @@ class KeysMixin:
         """Caches the chain ``keys`` and stores the blocks of keys ``[first, first + npages)``
         from ``data``: one buffer of npages x block_bytes bytes (read in place, no copy), or a
         list of npages buffers of block_bytes each (on a zero-copy client each copied once,
-        straight into the daemon's memory; on the socket gathered into one PUT first), or None
+        straight into the daemon's memory; on the socket one PUT sends each in place), or None
         (index only). Blocks already stored keep their bytes; a prefix shared with another
         chain is stored once. Returns a PutResult (pages, new_pages, stored, skipped).
         ``gaps``: the blocks may follow keys of the chain whose blocks are not stored (a
@@ -307,8 +307,10 @@ class KeysMixin:
     def put_keys_each(self, keys: Sequence[Key], data: Union[Buffer, Sequence[Buffer]]
                       ) -> List[bool]:
         """Stores one block per independent key: ``data`` is one buffer of len(keys) x
-        block_bytes bytes, or a list of len(keys) buffers of block_bytes each. Pipelined (one
-        round trip; the batch copies each block). Returns, per key, True when it is cached
+        block_bytes bytes, or a list of len(keys) buffers of block_bytes each, each read in
+        place. Pipelined: on the socket one round trip; with the zero-copy mapping each block is
+        copied once into the daemon's memory, two round trips per 32 keys (their RESERVEs, then
+        their COMMITs). Returns, per key, True when it is cached
         (stored now or held already), False when the daemon refused it (its error).
         Raises InvalidArgument (a bad key, wrong sizes), Error for transport failures."""
         arr, n, keep = _keys(keys)

@@ -1,0 +1,119 @@
+"""test_keys_pipeline.py: put_keys_each through the zero-copy mapping pipelines its keys
+(client/each.h): a group of keys' RESERVEs go out together and are answered together, then
+their COMMITs, so that 32 keys cost a few round trips where a PUT per key cost two each (the
+keyed PUT of bench_sglang/bench_lmcache, issue 35). Against a real kvtierd, through a relay on
+a Unix socket that forwards the descriptors the daemon passes (its MAP reply's memfd), so the
+client maps its arena as it does on the daemon's own socket, and that counts the turns of the
+conversation: each time the client sends after the daemon has answered, the client waited for
+that answer (a round trip)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import uuid
+from typing import List
+
+import numpy as np
+
+import kvtier
+from conftest import BLOCK, Daemon
+from kvtier._lib import lib
+
+
+class UnixRelay:
+    """A Unix socket in front of kvtierd's, forwarding bytes and SCM_RIGHTS descriptors both
+    ways; turns counts the client's sends that follow a daemon's send."""
+
+    def __init__(self, upstream: str) -> None:
+        self.up = upstream
+        self.dir = tempfile.mkdtemp(prefix="kvt-relay-", dir=os.environ.get("TMPDIR"))
+        self.path = os.path.join(self.dir, "relay.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(8)
+        self.lock = threading.Lock()
+        self.turns = 0
+        self.last_up = True
+        self.conns: List[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.sock.accept()
+            except OSError:
+                return
+            b = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            b.connect(self.up)
+            self.conns += [a, b]
+            threading.Thread(target=self._pipe, args=(a, b, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(b, a, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(src, 1 << 20, 4)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                return
+            with self.lock:
+                if up and not self.last_up:
+                    self.turns += 1
+                self.last_up = up
+            try:
+                n = socket.send_fds(dst, [data], fds) if fds else dst.send(data)
+                dst.sendall(data[n:])
+            except OSError:
+                return
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self.conns:
+            s.close()
+        os.unlink(self.path)
+        os.rmdir(self.dir)
+
+
+def keyed_mapped(c: kvtier.Client) -> bool:
+    """Whether c's keyed connection maps its arena (opened by then)."""
+    return bool(lib.kvt_client_zero_copy(lib.kvt_keys_client(c._kh)))
+
+
+def test_put_keys_each_through_the_mapping_takes_a_few_round_trips(daemon: Daemon) -> None:
+    assert daemon.unix
+    relay = UnixRelay(daemon.unix)
+    n = 32
+    rng = np.random.default_rng(35)
+    src = rng.integers(0, 256, (n, BLOCK), dtype=np.uint8)
+    out = np.zeros_like(src)
+    names = [b"pipe-%s-%d" % (uuid.uuid4().hex[:8].encode(), i) for i in range(n)]
+    try:
+        with kvtier.Client("keys-pipe-" + uuid.uuid4().hex[:8], page_size=16, block_bytes=BLOCK,
+                           unix_path=relay.path, timeout_ms=10000) as c:
+            assert c.exists_keys_each(names[:1]) == [False]  # opens the keyed connection
+            assert keyed_mapped(c), "the keyed connection maps through the relay"
+            relay.turns = 0
+            assert c.put_keys_each(names, list(src)) == [True] * n
+            turns = relay.turns
+            assert c.get_keys_each_into(names, list(out)) == [True] * n
+            assert np.array_equal(src, out), "each key's own bytes"
+            # Held already: RESERVE gives no room, the probe shows the bytes, nothing is sent.
+            relay.turns = 0
+            assert c.put_keys_each(names, list(src)) == [True] * n
+            again = relay.turns
+    finally:
+        relay.close()
+    # A PUT per key (RESERVE with its probe, then COMMIT) was 2 round trips a key: 64 here.
+    assert turns <= 4, "%d round trips for %d keys" % (turns, n)
+    assert again <= 4, "%d round trips for %d held keys" % (again, n)
