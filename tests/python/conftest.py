@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Iterator, List, Optional
 
 import pytest
@@ -86,6 +87,27 @@ class Daemon:
         kw.setdefault("page_size", PAGE)
         kw.setdefault("block_bytes", BLOCK)
         return kvtier.Client(model, unix_path=self.unix, **kw)
+
+    def freeze(self, timeout: float = 5.0) -> None:
+        """SIGSTOPs the daemon and returns once every one of its threads is stopped: kill()
+        returns before the kernel has stopped threads running on other CPUs, and with several
+        event loops one of them could still answer a request sent right after."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        tasks = "/proc/%d/task" % self.proc.pid
+        end = time.monotonic() + timeout
+        while True:
+            states = []
+            for t in os.listdir(tasks):
+                try:
+                    with open("%s/%s/stat" % (tasks, t)) as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except OSError:  # a thread that exited meanwhile
+                    continue
+            if all(st in ("T", "t") for st in states):
+                return
+            if time.monotonic() > end:
+                raise TimeoutError("kvtierd %d: threads not stopped: %s" % (self.proc.pid, states))
+            time.sleep(0.001)
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:

@@ -125,7 +125,7 @@ def test_a_daemon_that_stops_answering_times_out():
     try:
         c = d.client(timeout_ms=300)
         assert c.ping() > 0
-        d.proc.send_signal(signal.SIGSTOP)
+        d.freeze()
         try:
             with pytest.raises(kvtier.Timeout) as e:
                 c.ping()

@@ -241,7 +241,7 @@ def test_allocator_close_waits_for_the_call_in_progress(loop: asyncio.AbstractEv
             o, _ = chunk(be)
             put(loop, conn, k, o)
             o.ref_count_down()
-        os.kill(d.proc.pid, signal.SIGSTOP)
+        d.freeze()
         try:
             fut = asyncio.run_coroutine_threadsafe(conn.batched_get(ks), loop)
             # Until the get holds the connector's work lock: it is waiting for the daemon.
@@ -290,7 +290,7 @@ def test_daemon_dies_mid_get(loop: asyncio.AbstractEventLoop) -> None:
             o.ref_count_down()
         assert conn._connector.batched_contains(ks) == 2
         before = active(be)
-        os.kill(d.proc.pid, signal.SIGSTOP)  # mid-get: the daemon takes the request, never answers
+        d.freeze()  # mid-get: the daemon takes the request, never answers
         try:
             assert run(loop, conn.get(ks[0])) is None
             assert run(loop, conn.batched_get(ks)) == [None, None]
@@ -659,7 +659,7 @@ def test_calls_bounded_when_daemon_hangs(loop: asyncio.AbstractEventLoop, tmp_pa
             o.ref_count_down()
         assert conn._connector.batched_contains(ks) == 2
         before = active(be)
-        os.kill(d.proc.pid, signal.SIGSTOP)
+        d.freeze()
         try:
             for _ in range(3):
                 took, answers = _calls(loop, conn, be, ks)

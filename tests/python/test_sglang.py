@@ -791,7 +791,7 @@ def test_calls_bounded_when_daemon_hangs(tmp_path: Any) -> None:
         b = backend(d, deadline_ms=None, probe_ms=20)
         assert b.deadline_ms == 100
         assert b.batch_set(ks, vals) is True and b.batch_exists(ks) == 4
-        os.kill(d.proc.pid, signal.SIGSTOP)
+        d.freeze()
         try:
             for _ in range(3):
                 took, n, hits, ok = _calls(b, ks, vals)

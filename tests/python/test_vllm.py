@@ -635,7 +635,7 @@ def test_daemon_hung_mid_load(vd: Daemon) -> None:
     r = request(toks)
     n, meta = schedule(b.sched, r, [4, 5, 6])
     assert n == 2 * BS
-    os.kill(vd.proc.pid, signal.SIGSTOP)
+    vd.freeze()
     try:
         assert run_step(b.worker, b.kv, meta) == {4, 5}
     finally:
@@ -1077,7 +1077,7 @@ def test_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any) -> 
     s = connector(stall_config(vd.unix), KVConnectorRole.SCHEDULER)
     assert s._index.deadline_ms == kv.SCHEDULER_DEADLINE_MS == 20
     assert wait_until(lambda: scheduler_step(s, toks)[1][0] == 3 * BS)
-    os.kill(vd.proc.pid, signal.SIGSTOP)
+    vd.freeze()
     try:
         for _ in range(5):
             took, hits = scheduler_step(s, toks)
@@ -1187,7 +1187,7 @@ def test_real_scheduler_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any
     s = real_scheduler(tiny_model_config, vd.unix)
     assert s.connector._index.deadline_ms == kv.SCHEDULER_DEADLINE_MS == 20
     assert wait_until(lambda: real_step(s, toks)[1] == [3 * BS] * 4)
-    os.kill(vd.proc.pid, signal.SIGSTOP)
+    vd.freeze()
     try:
         for i in range(5):
             took, hits = real_step(s, toks)
@@ -1339,7 +1339,7 @@ def test_worker_step_bounded_when_daemon_hangs(vd: Daemon, tmp_path: Any,
         b_sched.request_finished(x, [])
     assert wait_until(hits)
     r, r2, meta = plan()
-    os.kill(vd.proc.pid, signal.SIGSTOP)
+    vd.freeze()
     try:
         for i in range(3):
             took, err = step(worker, meta)
@@ -1448,7 +1448,7 @@ def test_daemon_stopped_mid_save(vd: Daemon, zero_copy: bool) -> None:
     base = max(step(none, none._kv)[1] for _ in range(3))
     none.shutdown()
     w = e.worker
-    os.kill(vd.proc.pid, signal.SIGSTOP)
+    vd.freeze()
     try:
         r, took = step(w, e.kv)
         assert took <= base + STALL_SLACK, (took, base)
