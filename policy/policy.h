@@ -28,9 +28,11 @@
  *  - a block is dropped only as the tail of a leaf node (kvt_radix_evict), so no cached block
  *    ever loses an ancestor. Demotion may run in any order across nodes.
  *
- * Ownership: the policy borrows the tree (which must outlive it) and copies the configuration.
- * The tree's free callback must call kvt_policy_on_free() for every block while the policy
- * exists (so destroy the policy after the tree, or stop forwarding first).
+ * Ownership: the policy borrows the tree and copies the configuration. No call but
+ * kvt_policy_destroy() may come after the tree is destroyed, and destroy reads nothing of the
+ * tree, so either may go first. While both exist, the tree's free callback must call
+ * kvt_policy_on_free() for every block it frees, except in kvt_radix_destroy (KVT_RADIX_DESTROY),
+ * where nothing is left to keep order for; a policy destroyed first must no longer be called.
  *
  * Threads: one thread at a time, the same one that uses the tree. No call blocks.
  */
