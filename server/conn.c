@@ -564,9 +564,17 @@ void kvt__req_finish(kvt__req_t *r)
         return;
     }
     if (!r->done)
-        count_reply(r->conn, r->op, r->t0, r->status);
+        kvt__req_count(r);
     r->done = 1;
     kvt__conn_kick(r->conn);
+}
+
+void kvt__req_count(kvt__req_t *r)
+{
+    if (r->counted || !r->conn)
+        return;
+    r->counted = 1;
+    count_reply(r->conn, r->op, r->t0, r->status);
 }
 
 /* Lets s->lock go for c's socket I/O where that is safe (the file's opening paragraph): c's own

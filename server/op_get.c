@@ -342,6 +342,12 @@ static int get_send(kvt__req_t *r)
         get_end_frame(r, r->out + off);
         r->get.segs[r->get.nsegs++] = (kvt__seg_t){.off = off, .len = KVT_GET_END_FRAME};
         r->get.end_queued = 1;
+        /* Counted now, not in get_end: written with the lock let go (several loops), the end
+         * frame may reach the client, and its STATS on another connection another loop, before
+         * the drained hook runs. */
+        if (r->get.located)
+            kvt__metric_add(r->conn->srv->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
+        kvt__req_count(r);
     }
     size_t bytes = 0;
     for (uint32_t i = 0; i < r->get.nsegs; i++)
@@ -354,7 +360,7 @@ static int get_send(kvt__req_t *r)
 /* The GET ends: its final frame went with its last batch (end_queued), or goes now. */
 static void get_end(kvt_srv_t *s, kvt__req_t *r)
 {
-    if (r->get.located)
+    if (r->get.located && !r->get.end_queued)
         kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
     kvt__unpin(s, r);
     r->out_off = r->out_len = 0;

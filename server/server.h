@@ -158,10 +158,11 @@ struct kvt__req {
     kvt__conn_t *conn; /* NULL once the connection has gone */
     kvt__req_kind_t kind;
     uint8_t op;
-    uint8_t done; /* the whole reply is in out (or, GET, the final frame is) */
-    uint64_t id;  /* the client's request id */
-    uint64_t t0;  /* arrival, for the latency histogram */
-    uint8_t *out; /* reply bytes not yet written: [out_off, out_len) */
+    uint8_t done;    /* the whole reply is in out (or, GET, the final frame is) */
+    uint8_t counted; /* in the request counters already (kvt__req_count) */
+    uint64_t id;     /* the client's request id */
+    uint64_t t0;     /* arrival, for the latency histogram */
+    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
     size_t out_len, out_cap, out_off;
     const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
     int pass_fd; /* with has_fd: a descriptor sent with the reply's first byte (MAP), then closed */
@@ -543,6 +544,8 @@ int kvt__req_append(kvt__req_t *r, const void *p, size_t len);
 int kvt__req_reply(kvt__req_t *r, const void *body, uint32_t len);
 /* The request has all its reply: write what can be written, free what an orphan held. */
 void kvt__req_finish(kvt__req_t *r);
+/* Counts r's reply now, before its last bytes are written (kvt__req_finish then does not). */
+void kvt__req_count(kvt__req_t *r);
 void kvt__req_free(kvt__req_t *r);
 /* r->payload: a copy of bytes at src, r's own, counted in the clients' memory. 0 or KVT_ENOMEM. */
 int kvt__req_hold(kvt__req_t *r, const void *src, size_t bytes);

@@ -759,3 +759,41 @@ Test(server_loops, gets_from_dram_leave_the_lock_while_others_write)
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
+
+/* A GET's reply leaves with the lock let go, so the client may have its last byte, and ask
+ * STATS on a connection of the other loop, before the loop that wrote it takes the lock back:
+ * the GET must be counted before its final frame is written, as a plain reply is before it is
+ * queued. */
+Test(server_loops, a_get_is_counted_before_its_last_byte_is_out)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", NULL);
+    /* The fewest first: a on loop 0, b on loop 1. */
+    kvt_client_t *a = kvd_client(&d, "m", PAGE, 256 << 10),
+                 *b = kvd_client(&d, "m", PAGE, 256 << 10);
+    cr_assert(a && b);
+    cr_assert_eq(kvd_stat(b, "loop_connections_1"), 1);
+    enum { P = 4 };
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P << 18], back[P << 18];
+    kvd_tokens(tok, P * PAGE, 4242);
+    kvd_fill(payload, sizeof payload, 7);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(a, tok, P * PAGE, 0, P, payload, NULL, &pr), 0);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(a, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    int stale = 0;
+    for (int i = 0; i < 300; i++) {
+        uint64_t before = kvd_stat(b, "requests_get");
+        uint32_t got = 0;
+        cr_assert_eq(kvt_client_get(a, m.lease, 0, P, back, sizeof back, &got, NULL), 0);
+        cr_assert_eq(got, P);
+        stale += kvd_stat(b, "requests_get") != before + 1;
+    }
+    cr_expect_eq(stale, 0, "%d of 300 GETs not yet counted when their reply was in", stale);
+    cr_expect(memcmp(back, payload, sizeof back) == 0);
+    kvt_client_close(a);
+    kvt_client_close(b);
+    kvd_cleanup(&d);
+}
