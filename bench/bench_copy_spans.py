@@ -6,7 +6,9 @@ _Layout.scatter_runs) against kvt_copy_spans (one C call per layer, _Plan.copy, 
 built once per load: _Layout.plan), taking turns, and one contiguous 64 MiB copy for scale.
 Prints min and median in ms of --reps loads each, one JSON line.
 
-    KVT_BUILD_ROOT=build python bench/bench_copy_spans.py [--reps 60] [--save]
+    bench_copy_spans.py --build-root BUILD [--reps 60] [--save]
+
+Runs under BUILD/pyenv (torch), else is skipped (77).
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ import json
 import mmap
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from pybench import run_in_venv
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
+ap.add_argument("--reps", type=int, default=60)
+ap.add_argument("--save", action="store_true", help="the save's direction (tensor to pages)")
+args = ap.parse_args()
+run_in_venv(os.path.abspath(args.build_root), "bench_copy_spans", 77)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -31,10 +39,7 @@ RUNS = [3, 3, 2, 3, 2, 3, 3, 2, 3, 3, 2, 3]  # 12 runs, 32 pages
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--save", action="store_true", help="the save's direction (tensor to pages)")
-    a = ap.parse_args()
+    a = args
     kv = {"l%d" % i: torch.randn((2, NBLOCKS, BS, HEADS, HEAD)).to(torch.bfloat16)
           for i in range(LAYERS)}
     kvs = list(kv.values())
