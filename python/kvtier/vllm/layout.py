@@ -287,10 +287,11 @@ class _Layout:
         go through scatter_runs / gather_runs): no kvt_copy_spans in libkvtier, a CUDA tensor,
         layers not alike, a tensor whose block slice is not contiguous rows, a block outside
         a tensor. ``kvs[i]`` is layer i's tensor. bench_vllm's 32 pages lie in 12 runs: 384
-        numpy copies a load, each with its call's overhead (about 1 us) and the GIL handed
-        over, against 32 C calls here, made with the GIL released. Each span is one page's
+        numpy copies a load, each with its call's overhead and the GIL handed over, against
+        32 C calls here, made with the GIL released (docs/benchmarks.md: 0.13-0.23 ms less
+        a load, plan included). Each span is one page's
         contiguous piece of a layer's slot (the slot's rows before the block dimension: K and
-        V for (2, num_blocks, ...)), built with numpy for all layers at once (0.05 ms for
+        V for (2, num_blocks, ...)), built with numpy for all layers at once (0.05-0.1 ms for
         bench_vllm's 2048 spans)."""
         fn = _COPY_SPANS
         if fn is None or not runs or not self._uniform or len(kvs) != len(self.names):
