@@ -592,6 +592,23 @@ KVT_API int kvt_keys_get(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, void 
 /* Drops each key (and what a chain stored beneath it). Busy/missing keys: their status. */
 KVT_API int kvt_keys_remove(kvt_keys_t *k, const kvt_key_t *keys, uint32_t n, int *status);
 
+/*
+ * Copies: a list of memcpys in one call, for bindings that move a layer of pages between the
+ * mapping and an engine's tensors wherever the pages lie (one call instead of one per run of
+ * pages; a binding such as cffi releases its interpreter lock around it). No connection needed.
+ */
+typedef struct kvt_copy_span {
+    void *dst;
+    const void *src;
+    size_t len; /* 0: skipped (dst and src may then be anything) */
+} kvt_copy_span_t;
+
+/* Copies spans[i].len bytes from spans[i].src to spans[i].dst for i in [0, n), in order. 0, or
+ * KVT_CLIENT_EINVAL with nothing copied: spans NULL with n > 0, a span with len > 0 and a NULL
+ * dst or src, a span whose end wraps the address space, or a span whose dst and src overlap.
+ * Spans may not write where a later span reads or writes (not checked: the caller's layout). */
+KVT_API int kvt_copy_spans(const kvt_copy_span_t *spans, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -598,12 +598,12 @@ def test_forward_copies_the_layers_the_io_thread_has_not_taken(vd: Daemon) -> No
     by: Dict[str, List[int]] = {"io": [], "forward": []}
     real = lay.scatter_runs
 
-    def scatter_runs(runs: Any, layer: int, kvl: torch.Tensor) -> None:
+    def scatter_runs(runs: Any, layer: int, kvl: torch.Tensor, *plan: Any) -> None:
         io = threading.current_thread().name.startswith("kvtier-vllm")
         by["io" if io else "forward"].append(layer)
         if io:
             time.sleep(slow)
-        real(runs, layer, kvl)
+        real(runs, layer, kvl, *plan)
 
     lay.scatter_runs = scatter_runs
     b.worker.bind_connector_metadata(meta)
@@ -1942,3 +1942,109 @@ def test_hinted_session_kept_under_pressure(hint: str) -> None:
         e.close()
     finally:
         d.stop(signal.SIGKILL)
+
+
+def _runs_spy(lay: Any, made: List[Tuple[bool, int, Any]]) -> None:
+    """Records each plan the layout makes: (load, runs, the plan or None)."""
+    real = lay.plan
+
+    def plan(runs: Any, kvs: Any, load: bool) -> Any:
+        p = real(runs, kvs, load)
+        made.append((load, len(runs), p))
+        return p
+
+    lay.plan = plan
+
+
+@pytest.mark.parametrize("spans", [True, False], ids=["kvt_copy_spans", "numpy"])
+def test_zero_copy_pages_in_several_runs(vd: Daemon, spans: bool, monkeypatch: Any) -> None:
+    """A save and a load whose blocks make several runs (consecutive blocks equally spaced in
+    the mapping; here split by the block ids on both sides) copy every layer with one
+    kvt_copy_spans call (the plan made once per job), byte for byte, leaving the other blocks
+    alone; with a libkvtier without it (_COPY_SPANS None) the numpy copies do the same."""
+    from kvtier.vllm import layout
+
+    if spans:
+        assert layout._COPY_SPANS is not None, "this build's libkvtier has kvt_copy_spans"
+    else:
+        monkeypatch.setattr(layout, "_COPY_SPANS", None)
+    a, b = Engine(vd, seed=15), Engine(vd, seed=None)
+    made: List[Tuple[bool, int, Any]] = []
+    _runs_spy(a.worker._layout, made)
+    _runs_spy(b.worker._layout, made)
+    toks = prompt(7)
+    saved = [1, 2, 3, 9, 10, 5, 7, 8]
+    save_prompt(a, request(toks), saved)
+    r = request(toks)
+    into = [20, 21, 4, 30, 31, 12, 13, 0]
+    n, meta = schedule(b.sched, r, into)
+    assert n == 7 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    assert same_pages(a, saved[:7], b, into[:7])
+    rest = [i for i in range(NBLOCKS) if i not in into[:7]]
+    assert all(int(t[:, rest].abs().sum()) == 0 for t in b.kv.values())
+    saves = [m for m in made if not m[0]]
+    loads = [m for m in made if m[0]]
+    assert len(saves) == 1 and saves[0][1] >= 4, made  # 1-3, 9-10, 5, 7 at least
+    assert len(loads) == 1 and loads[0][1] >= 4, made  # 20-21, 4, 30-31, 12-13
+    assert all((p is not None) == spans for _, _, p in made), made
+    assert no_staging(a.worker) and no_staging(b.worker)
+    b.sched.request_finished(r, into)
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_copy_plan_matches_the_numpy_copies(dim: int) -> None:
+    """_Layout.plan's spans against the numpy copies, for both block dimensions vLLM uses
+    ((num_blocks, ...) and (2, num_blocks, ...)), over pages in runs of uneven spacing in
+    one buffer: a load gives vLLM's tensors the same bytes, a save the pages the same bytes;
+    a block outside the tensors, a tensor of another dtype, or one whose rows are not
+    contiguous gets no plan (the numpy copies, which check, do it)."""
+    from kvtier.vllm import layout
+
+    if layout._COPY_SPANS is None:
+        pytest.skip("libkvtier without kvt_copy_spans")
+    nb = 16
+    shape = (nb, 2, BS, HEADS, HEAD) if dim == 0 else (2, nb, BS, HEADS, HEAD)
+    g = torch.Generator().manual_seed(3)
+    kvs = {"l%d" % i: torch.randn(*shape, generator=g).to(DTYPE) for i in range(3)}
+    lay = layout._Layout(kvs, nb)
+    assert lay.dims == [dim] * 3
+    pb = lay.page_bytes
+    mem = bytearray(os.urandom(20 * pb))
+    mv = memoryview(mem)
+    at = [0, 1, 2, 4, 5, 9, 13, 14, 15]  # places: runs of 3, 2, 1, 3 pages
+    blocks = [3, 4, 5, 6, 7, 0, 10, 11, 12]  # 3-5 and 6-7 split by their places
+    items = [mv[p * pb:(p + 1) * pb] for p in at]
+    runs = lay.runs(items, blocks)
+    assert len(runs) == 4
+    names = list(kvs)
+
+    def copies(load: bool, use_plan: bool, tensors: List[torch.Tensor]) -> None:
+        p = lay.plan(runs, tensors, load) if use_plan else None
+        assert (p is not None) == use_plan
+        for li, t in enumerate(tensors):
+            (lay.scatter_runs if load else lay.gather_runs)(runs, li, t, p)
+
+    want = [t.clone() for t in kvs.values()]
+    got = [t.clone() for t in kvs.values()]
+    copies(True, False, want)
+    copies(True, True, got)
+    assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(want, got))
+    assert not torch.equal(want[0].view(torch.int16), kvs[names[0]].view(torch.int16))
+    for t in got:  # new contents to save
+        t.view(torch.int16).random_(-30000, 30000, generator=g)
+    before = bytes(mem)
+    copies(False, True, got)
+    by_plan = bytes(mem)
+    mem[:] = before
+    copies(False, False, got)
+    assert by_plan == bytes(mem) and by_plan != before
+    # Refused: a block past the tensors, another dtype, rows not contiguous.
+    far = lay.runs(items[:1], [nb])
+    assert lay.plan(far, got, True) is None
+    assert lay.plan(runs, [t.to(torch.float16) for t in got], True) is None
+    odd = [torch.empty(shape[::-1], dtype=DTYPE).permute(4, 3, 2, 1, 0) for _ in got]
+    assert lay.plan(runs, odd, True) is None

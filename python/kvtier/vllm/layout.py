@@ -12,12 +12,28 @@ import numpy as np
 import torch
 
 from .. import gpucopy
-from .._lib import ffi
+from .._lib import ffi, lib
 
 # A CPU tensor's bytes as numpy sees them: an integer type of the element's size (numpy has no
 # bfloat16; the copies move bytes, never values).
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _copy_spans() -> Optional[Any]:
+    """libkvtier's kvt_copy_spans (one call for a list of memcpys, the GIL released by cffi
+    around it), or None: a libkvtier from before it (the copies then go through numpy), or a
+    platform where its span is not three 64-bit words (the plans below build them as such)."""
+    try:
+        fn = lib.kvt_copy_spans
+    except AttributeError:  # the header declares it, the library lacks the symbol
+        return None
+    if ffi.sizeof("kvt_copy_span_t") != 24 or ffi.sizeof("void *") != 8:
+        return None
+    return fn
+
+
+_COPY_SPANS = _copy_spans()
 
 
 def _np(t: torch.Tensor) -> Optional[np.ndarray]:
@@ -77,6 +93,8 @@ class _Layout:
             for i in range(len(shape) - 2, -1, -1):
                 self._inner[i] = self._inner[i + 1] * shape[i + 1]
         self._np_kv: Dict[int, Tuple[Any, Optional[np.ndarray]]] = {}  # _blocks_np's
+        self._tensor_spans: Optional[Tuple[Any, Any]] = None  # plan's (_tensor_rows)
+        self._offsets_np = np.array(self.offsets, dtype=np.uint64)
         self.signature = ";".join("%s%s@%d" % (str(kv_caches[n].dtype).replace("torch.", ""),
                                                "x".join(map(str, s)), d)
                                   for n, s, d in zip(self.names, self.shapes, self.dims))
@@ -263,6 +281,83 @@ class _Layout:
             (n, len(self.names), *shape), (stride // es, self.sizes[0] // es, *inner))
         return list(t.unbind(1))
 
+    def plan(self, runs: List[_Run], kvs: List[torch.Tensor], load: bool) -> Optional[_Plan]:
+        """A load's (``load``) or a save's copies of every layer of ``runs`` as memcpy spans,
+        one kvt_copy_spans call a layer (_Plan), or None where they cannot be (the copies then
+        go through scatter_runs / gather_runs): no kvt_copy_spans in libkvtier, a CUDA tensor,
+        layers not alike, a tensor whose block slice is not contiguous rows, a block outside
+        a tensor. ``kvs[i]`` is layer i's tensor. bench_vllm's 32 pages lie in 12 runs: 384
+        numpy copies a load, each with its call's overhead and the GIL handed over, against
+        32 C calls here, made with the GIL released (docs/benchmarks.md: 0.13-0.23 ms less
+        a load, plan included). Each span is one page's
+        contiguous piece of a layer's slot (the slot's rows before the block dimension: K and
+        V for (2, num_blocks, ...)), built with numpy for all layers at once (0.05-0.1 ms for
+        bench_vllm's 2048 spans)."""
+        fn = _COPY_SPANS
+        if fn is None or not runs or not self._uniform or len(kvs) != len(self.names):
+            return None
+        key = tuple(kv.data_ptr() for kv in kvs)
+        got = self._tensor_spans
+        if got is None or got[0] != key:
+            got = self._tensor_spans = (key, self._tensor_rows(kvs))
+        if got[1] is None:
+            return None
+        bases, sd, outer, inner, nb = got[1]
+        bl = [b for r in runs for b in range(r.block, r.block + r.n)]
+        if min(bl) < 0 or max(bl) >= nb:  # numpy's copies raise IndexError for these
+            return None
+        blocks = np.array(bl, dtype=np.uint64)
+        pages = np.array([r.addr + i * r.stride for r in runs for i in range(r.n)],
+                         dtype=np.uint64)
+        nl, no, npg = len(kvs), len(outer), len(pages)
+        tens = (bases[:, None, None] + outer[None, :, None]
+                + (blocks * np.uint64(sd))[None, None, :])
+        mine = (pages[None, None, :] + self._offsets_np[:, None, None]
+                + (np.arange(no, dtype=np.uint64) * np.uint64(inner))[None, :, None])
+        spans = np.empty((nl, no, npg, 3), dtype=np.uint64)
+        # a layer's spans in the tensor's row order (K's blocks, then V's): numpy's walk of
+        # vLLM's side in memory order was the faster one (docs/benchmarks.md)
+        spans[..., 0], spans[..., 1] = (tens, mine) if load else (mine, tens)
+        spans[..., 2] = inner
+        return _Plan(fn, spans.reshape(nl, no * npg, 3))
+
+    def _tensor_rows(self, kvs: List[torch.Tensor]) -> Optional[Tuple[Any, int, Any, int, int]]:
+        """plan's view of vLLM's tensors, kept while they stay (vLLM passes the same ones step
+        after step): each layer's address, the block dimension's stride, the offsets of a
+        block's rows (the dims before the block one) and a row's bytes, all in bytes, and the
+        blocks a tensor has; None where the spans cannot describe them (see plan)."""
+        d = self.dims[0]
+        if any(x != d for x in self.dims):
+            return None
+        es, shape = self.dtypes[0].itemsize, self.shapes[0]
+        bases, common = [], None
+        for kv in kvs:
+            if kv.device.type != "cpu" or kv.dtype != self.dtypes[0] or \
+                    kv.dim() != len(shape) + 1 or \
+                    tuple(kv.shape[:d]) + tuple(kv.shape[d + 1:]) != shape:
+                return None
+            st = kv.stride()
+            want, acc = [], 1  # the dims after the block dim contiguous
+            for i in range(kv.dim() - 1, d, -1):
+                want.append(acc)
+                acc *= kv.shape[i]
+            if list(st[d + 1:]) != want[::-1]:
+                return None
+            o = [0]  # the rows before it, each row's offset in row order
+            for i in range(d - 1, -1, -1):
+                o = [k * st[i] * es + b for k in range(kv.shape[i]) for b in o]
+            this = (st[d] * es, tuple(o), acc * es, kv.shape[d])
+            if common is None:
+                common = this
+            elif this != common:
+                return None
+            bases.append(kv.data_ptr())
+        if common is None:
+            return None
+        sd, outer, inner, nb = common
+        return (np.array(bases, dtype=np.uint64), sd, np.array(outer, dtype=np.uint64), inner,
+                nb)
+
     def _chunk(self, layer: int, kv: torch.Tensor) -> int:
         """Blocks per copy_. A CUDA copy: the whole run (one transfer instead of one per
         block). A CPU copy: as many as stay under torch's parallel grain (32768 elements),
@@ -313,10 +408,15 @@ class _Layout:
                 copyto(m[1][layer], a[m[2]])
         return True
 
-    def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
-        """Copies this layer of each run's blocks straight into its pages' slots: on the CPU
+    def gather_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor,
+                    plan: Optional[_Plan] = None) -> None:
+        """Copies this layer of each run's blocks straight into its pages' slots: with a
+        save's ``plan`` (plan(runs, ..., load=False)) one kvt_copy_spans call; else on the CPU
         one numpy copy per run (bench_vllm: about twice torch's copy_ of one block at a time,
         docs/benchmarks.md); on a GPU through kvtier.gpucopy, one transfer per run)."""
+        if plan is not None:
+            plan.copy(layer)
+            return
         if kv.is_cuda and self._gpu_runs(runs, layer, kv, True):
             return
         if self._copy_np(runs, layer, kv, load=False):
@@ -330,9 +430,14 @@ class _Layout:
             for a in range(0, r.n, step):
                 dst[a:a + step].copy_(src[a:a + step])
 
-    def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor) -> None:
-        """Copies this layer of each run's pages straight into its blocks of ``kv`` (on the
-        CPU one numpy copy per run, as gather_runs)."""
+    def scatter_runs(self, runs: List[_Run], layer: int, kv: torch.Tensor,
+                     plan: Optional[_Plan] = None) -> None:
+        """Copies this layer of each run's pages straight into its blocks of ``kv`` (with a
+        load's ``plan`` one kvt_copy_spans call; else on the CPU one numpy copy per run, as
+        gather_runs)."""
+        if plan is not None:
+            plan.copy(layer)
+            return
         if kv.is_cuda and self._gpu_runs(runs, layer, kv, False):
             return
         if self._copy_np(runs, layer, kv, load=True):
@@ -382,6 +487,23 @@ class _Run:
         m = self._moved = (d, list(arr if d == 0 else np.moveaxis(arr, 1, d + 1)), mine)
         return m
 
+class _Plan:
+    """A load's or a save's copies as kvt_copy_spans spans, (layers, spans, 3) words of (dst,
+    src, len): copy(layer) is one C call, cffi releasing the GIL around it. Valid while the
+    runs' memory and the tensors are (the views' lease or reservation, vLLM's caches)."""
+
+    def __init__(self, fn: Any, spans: np.ndarray) -> None:
+        self.fn = fn
+        self.spans = spans  # kept alive: ptr points into it
+        self.n = spans.shape[1]
+        self.ptr = ffi.cast("kvt_copy_span_t *", spans.ctypes.data)
+
+    def copy(self, layer: int) -> None:
+        rc = self.fn(self.ptr + layer * self.n, self.n)
+        if rc != 0:
+            raise OSError("kvt_copy_spans: %d" % rc)
+
+
 @dataclass
 class _Views:
     """What a load through the mapping got: the pages' slots (each layer's slice of each page,
@@ -391,3 +513,4 @@ class _Views:
     pages: int
     runs: List[_Run]
     items: List[Any]  # the views and bytes the runs lie in, kept alive with them
+    plan: Optional[_Plan] = None  # the runs' copies into vLLM's blocks in C (None: numpy's)

@@ -24,7 +24,7 @@ import torch
 
 from ..client import Reservation
 from .common import KvtierConnectorMetadata, _Transfer, log, rank_salt, worker_ranks
-from .layout import _Layout, _Views
+from .layout import _Layout, _Plan, _Views
 from .store import _PageStore
 
 if TYPE_CHECKING:
@@ -298,6 +298,7 @@ class WorkerSide:
             views = ld.views
             if views is not None and views.lease:  # its views not touched after this
                 views.runs.clear()
+                views.plan = None
                 self._store.release_views(views.lease)
 
     def _copy_layer(self, ld: _Load, li: int) -> None:
@@ -305,8 +306,8 @@ class WorkerSide:
         forward's where it helps)."""
         lay = self._layouts[ld.t.group]
         kv = self._kv[lay.names[li]]
-        if ld.views is not None:  # straight from the mapping
-            lay.scatter_runs(ld.views.runs, li, kv)
+        if ld.views is not None:  # straight from the mapping (one C call with a plan)
+            lay.scatter_runs(ld.views.runs, li, kv, ld.views.plan)
         else:
             lay.scatter(ld.staging[:ld.n], li, kv, ld.blocks[:ld.n])  # type: ignore
         if kv.is_cuda:  # in the blocks before the forward reads them
@@ -345,12 +346,18 @@ class WorkerSide:
             return self._store.load(t.keys, t.first, ld.staging)
         lease, items = got
         try:
-            runs = self._layouts[t.group].runs(items, ld.blocks[:len(items)])
+            lay = self._layouts[t.group]
+            runs = lay.runs(items, ld.blocks[:len(items)])
+            plan = lay.plan(runs, self._kvs(lay), True)
         except Exception:
             if lease:
                 self._store.release_views(lease)
             raise
-        return _Views(lease, len(items), runs, items)
+        return _Views(lease, len(items), runs, items, plan)
+
+    def _kvs(self, lay: _Layout) -> List[torch.Tensor]:
+        """The registered tensors of ``lay``'s layers, in its layer order (_Layout.plan's)."""
+        return [self._kv[n] for n in lay.names]
 
     def _load_between(self, ts: List[_Transfer]) -> int:
         """An asynchronous load of one request (each of its groups), on its own thread: every
@@ -381,9 +388,11 @@ class WorkerSide:
                 try:
                     if items:
                         runs = lay.runs(items, t.block_ids[:len(items)])
+                        plan = lay.plan(runs, self._kvs(lay), True)
                         for li, name in enumerate(lay.names):
-                            lay.scatter_runs(runs, li, self._kv[name])
+                            lay.scatter_runs(runs, li, self._kv[name], plan)
                         runs.clear()
+                        plan = None
                         got = len(items)
                 finally:
                     if lease:
@@ -563,6 +572,7 @@ class WorkerSide:
             job.event.synchronize()
         resv: Optional[Reservation] = None
         runs: List[Any] = []
+        plan: Optional[_Plan] = None  # the runs' copies in C (None: numpy's)
         rows = list(range(len(t.keys) - t.first))  # the pages to stage (from t.first)
         got = None
         if self._zero_copy():
@@ -584,11 +594,13 @@ class WorkerSide:
                     elif not (held is not None and p < len(held) and held[p]):
                         rows.append(j)
                 runs = lay.runs(views, vblocks)
+                plan = lay.plan(runs, self._kvs(lay), False) if runs else None
             except Exception as e:  # noqa: BLE001
                 self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
                                  t.req_id, e)
                 self._abort(resv)
                 resv, runs, rows = None, [], list(range(len(t.keys) - t.first))
+                plan = None
         staging = self._take_staging(len(rows)) if rows else None
         try:
             with job.lock:  # the forward's thread cancels under it: the blocks are not read
@@ -597,12 +609,12 @@ class WorkerSide:
                     for li, name in enumerate(lay.names):
                         kv = self._kv[name]
                         if runs:
-                            lay.gather_runs(runs, li, kv)
+                            lay.gather_runs(runs, li, kv, plan)
                         if blocks:
                             lay.gather(staging, li, kv, blocks)  # type: ignore
                     job.copied = True
             job.read.set()
-            runs = []  # the views are not touched after this
+            runs, plan = [], None  # the views are not touched after this
             if not job.copied:
                 if resv is not None and resv.id:
                     self._abort(resv)
