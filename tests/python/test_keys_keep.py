@@ -9,19 +9,14 @@ mapping (where the PUT is a RESERVE and COMMIT)."""
 
 from __future__ import annotations
 
-import socket
-import struct
-import threading
-from typing import Any, List, Tuple
+from typing import List
 
 import pytest
 from conftest import BLOCK, PAGE, Daemon, payload
+from relay import Relay
 
 import kvtier
 
-HDR = 24  # docs/protocol.md: magic, version, opcode, flags, request_id, body_len, status
-OP_MATCH = 3
-OP_PUT = 4
 MATCH_F_KEEP = 1 << 4
 PUT_F_HANDLE = 1
 KT = kvtier.KEY_TOKENS
@@ -33,68 +28,6 @@ def chain(n: int) -> List[bytes]:
     """n keys of a chain no other test uses."""
     _n[0] += 1
     return [b"keep-%d-%d" % (_n[0], i) for i in range(n)]
-
-
-class Relay:
-    """Loopback TCP to kvtierd's TCP port, recording each PUT frame the client sends as
-    (flags, ntokens, first_page, npayload, handle) and each MATCH's flags."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self.up: Any = (host, int(port))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.puts: List[Tuple[int, int, int, int, int]] = []
-        self.matches: List[int] = []
-        self.conns: List[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.sock.accept()
-            except OSError:
-                return
-            b = socket.create_connection(self.up)
-            self.conns += [a, b]
-            threading.Thread(target=self._pipe, args=(a, b, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(b, a, False), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, parse: bool) -> None:
-        buf = bytearray()
-        while True:
-            try:
-                data = src.recv(1 << 20)
-            except OSError:
-                data = b""
-            if not data:
-                try:
-                    dst.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-                return
-            if parse:
-                buf += data
-                while len(buf) >= HDR:
-                    _, _, op, flags, _, blen, _ = struct.unpack_from("<IBBHQIi", buf, 0)
-                    if len(buf) < HDR + blen:
-                        break
-                    if op == OP_PUT:
-                        self.puts.append((flags, *struct.unpack_from("<IIII", buf, HDR + 16)))
-                    elif op == OP_MATCH:
-                        self.matches.append(flags)
-                    del buf[:HDR + blen]
-            dst.sendall(data)
-
-    def close(self) -> None:
-        self.sock.close()
-        for s in self.conns:
-            try:
-                s.close()
-            except OSError:
-                pass
 
 
 @pytest.fixture(scope="module")

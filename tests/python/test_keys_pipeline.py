@@ -9,80 +9,14 @@ that answer (a round trip)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-import threading
 import uuid
-from typing import List
 
 import numpy as np
 
 import kvtier
 from conftest import BLOCK, Daemon
+from relay import UnixRelay
 from kvtier._lib import lib
-
-
-class UnixRelay:
-    """A Unix socket in front of kvtierd's, forwarding bytes and SCM_RIGHTS descriptors both
-    ways; turns counts the client's sends that follow a daemon's send."""
-
-    def __init__(self, upstream: str) -> None:
-        self.up = upstream
-        self.dir = tempfile.mkdtemp(prefix="kvt-relay-", dir=os.environ.get("TMPDIR"))
-        self.path = os.path.join(self.dir, "relay.sock")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(self.path)
-        self.sock.listen(8)
-        self.lock = threading.Lock()
-        self.turns = 0
-        self.last_up = True
-        self.conns: List[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.sock.accept()
-            except OSError:
-                return
-            b = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            b.connect(self.up)
-            self.conns += [a, b]
-            threading.Thread(target=self._pipe, args=(a, b, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(b, a, False), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(src, 1 << 20, 4)
-            except OSError:
-                data, fds = b"", []
-            if not data:
-                try:
-                    dst.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-                return
-            with self.lock:
-                if up and not self.last_up:
-                    self.turns += 1
-                self.last_up = up
-            try:
-                n = socket.send_fds(dst, [data], fds) if fds else dst.send(data)
-                dst.sendall(data[n:])
-            except OSError:
-                return
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-    def close(self) -> None:
-        self.sock.close()
-        for s in self.conns:
-            s.close()
-        os.unlink(self.path)
-        os.rmdir(self.dir)
 
 
 def keyed_mapped(c: kvtier.Client) -> bool:
@@ -100,7 +34,7 @@ def test_put_keys_each_through_the_mapping_takes_a_few_round_trips(daemon: Daemo
     names = [b"pipe-%s-%d" % (uuid.uuid4().hex[:8].encode(), i) for i in range(n)]
     try:
         with kvtier.Client("keys-pipe-" + uuid.uuid4().hex[:8], page_size=16, block_bytes=BLOCK,
-                           unix_path=relay.path, timeout_ms=10000) as c:
+                           unix_path=relay.addr, timeout_ms=10000) as c:
             assert c.exists_keys_each(names[:1]) == [False]  # opens the keyed connection
             assert keyed_mapped(c), "the keyed connection maps through the relay"
             relay.turns = 0

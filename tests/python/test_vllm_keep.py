@@ -9,141 +9,22 @@ sends (the only place a PUT's or RESERVE's token count shows).
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import struct
-import tempfile
-import threading
 import time
-from typing import Any, List, Tuple
+from typing import Any, List
 
 import torch
 
 from conftest import Daemon
+from relay import Relay, UnixRelay
 
 # test_vllm skips this module too where vLLM is not importable.
 from test_vllm import (BS, Engine, blocks, finish, load_between_steps, pages_of, prompt,
                        request, run_step, save_prompt, schedule)
 
-HDR = 24  # docs/protocol.md: magic, version, opcode, flags, request_id, body_len, status
-OP_MATCH = 3
-OP_PUT = 4
-OP_RESERVE = 12
 MATCH_F_KEEP = 1 << 4
 PUT_F_HANDLE = 1
 KEY_TOKENS = 8  # api "tokens": a page's key is sent as 8 token ids
-
-
-class Relay:
-    """A loopback TCP relay to kvtierd's TCP port that records every PUT frame a client
-    sends through it, (flags, ntokens, first_page, npayload, handle), every RESERVE's
-    (flags, ntokens, first_page, npages, handle), and every MATCH's flags."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self.up: Any = (host, int(port))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.addr = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        self._start()
-
-    def _start(self) -> None:
-        self.puts: List[Tuple[int, int, int, int, int]] = []
-        self.reserves: List[Tuple[int, int, int, int, int]] = []
-        self.matches: List[int] = []
-        self.sock.listen(8)
-        self.conns: List[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _dial(self) -> socket.socket:
-        return socket.create_connection(self.up)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                a, _ = self.sock.accept()
-            except OSError:
-                return
-            b = self._dial()
-            self.conns += [a, b]
-            threading.Thread(target=self._pipe, args=(a, b, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(b, a, False), daemon=True).start()
-
-    def _recv(self, src: socket.socket) -> Tuple[bytes, List[int]]:
-        return src.recv(1 << 20), []
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, parse: bool) -> None:
-        buf = bytearray()
-        while True:
-            try:
-                data, fds = self._recv(src)
-            except OSError:
-                data, fds = b"", []
-            if not data:
-                try:
-                    dst.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
-                return
-            if parse:
-                buf += data
-                while len(buf) >= HDR:
-                    _, _, op, flags, _, blen, _ = struct.unpack_from("<IBBHQIi", buf, 0)
-                    if len(buf) < HDR + blen:
-                        break
-                    if op == OP_PUT:
-                        self.puts.append((flags, *struct.unpack_from("<IIII", buf, HDR + 16)))
-                    elif op == OP_RESERVE:
-                        self.reserves.append(
-                            (flags, *struct.unpack_from("<IIII", buf, HDR + 16)))
-                    elif op == OP_MATCH:
-                        self.matches.append(flags)
-                    del buf[:HDR + blen]
-            if fds:  # a MAP reply's descriptor, on its first byte: passed on with it
-                socket.send_fds(dst, [data], fds)
-                for fd in fds:
-                    os.close(fd)
-            else:
-                dst.sendall(data)
-
-    def close(self) -> None:
-        self.sock.close()
-        for s in self.conns:
-            try:
-                s.close()
-            except OSError:
-                pass
-
-
-class UnixRelay(Relay):
-    """The same relay on a Unix socket of its own to kvtierd's, so that the client maps the
-    daemon's arena (the mapped set-up): the descriptor of a MAP reply goes on to the client."""
-
-    def __init__(self, upstream: str) -> None:
-        self.up = upstream
-        self.dir = tempfile.mkdtemp(prefix="kvt-relay-")
-        self.addr = os.path.join(self.dir, "relay.sock")
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.bind(self.addr)
-        self._start()
-
-    def _dial(self) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(self.up)
-        return s
-
-    def _recv(self, src: socket.socket) -> Tuple[bytes, List[int]]:
-        data, fds, _, _ = socket.recv_fds(src, 1 << 20, 4)
-        return data, list(fds)
-
-    def close(self) -> None:
-        super().close()
-        try:
-            os.unlink(self.addr)
-            os.rmdir(self.dir)
-        except OSError:
-            pass
 
 
 def through(d: Daemon, relay: Relay, seed: Any, **extra: Any) -> Engine:
