@@ -13,6 +13,7 @@ import signal
 import time
 from typing import Any, List
 
+import pytest
 import torch
 
 from conftest import Daemon
@@ -73,11 +74,16 @@ def loads_back(d: Daemon, toks: List[int], b: Engine, ids: List[int], api: str =
         c.close()
 
 
-def test_save_after_load_sends_only_the_new_pages_tokens() -> None:
+# api "tokens" (a page's key sent as 8 token ids): the PUT names the load's MATCH. api "keys"
+# without the mapping (TCP, 4 synthetic tokens a key): the load's get_keys_kept_into keeps the
+# keys it read, and the save's put_keys names them (kvt_keys_chain_put_kept).
+@pytest.mark.parametrize("api,key_tokens", [("tokens", KEY_TOKENS), ("keys", 4)])
+def test_save_after_load_sends_only_the_new_pages_tokens(api: str, key_tokens: int) -> None:
     d = Daemon()
     relay = Relay(d.tcp)
     try:
-        a, b = Engine(d, seed=1, api="tokens"), through(d, relay, seed=2)
+        a = Engine(d, seed=1, api=api)
+        b = Engine(d, seed=2, api=api, unix_path=None, tcp=relay.addr)
         toks = prompt(5)  # 5 whole pages and 5 tokens
         save_prompt(a, request(toks[:3 * BS + 1]), [4, 9, 2, 7])  # its first 3 pages
         ids = [11, 3, 30, 5, 20, 21]
@@ -91,35 +97,8 @@ def test_save_after_load_sends_only_the_new_pages_tokens() -> None:
         assert len(relay.puts) == 1, relay.puts
         flags, ntokens, first, npayload, handle = relay.puts[0]
         assert flags & PUT_F_HANDLE and handle != 0
-        assert (ntokens, first, npayload) == (2 * KEY_TOKENS, 3, 2)
-        loads_back(d, toks, b, ids)
-        a.close()
-        b.close()
-    finally:
-        relay.close()
-        d.stop(signal.SIGKILL)
-
-
-def test_keyed_save_after_load_over_tcp_sends_only_the_new_pages_tokens() -> None:
-    # api "keys" without the mapping (TCP): the load's get_keys_kept_into keeps the keys it
-    # read, and the save's put_keys names them (kvt_keys_chain_put_kept).
-    d = Daemon()
-    relay = Relay(d.tcp)
-    try:
-        a = Engine(d, seed=1, api="keys")
-        b = Engine(d, seed=2, api="keys", unix_path=None, tcp=relay.addr)
-        toks = prompt(5)
-        save_prompt(a, request(toks[:3 * BS + 1]), [4, 9, 2, 7])
-        ids = [11, 3, 30, 5, 20, 21]
-        relay.matches.clear()
-        partial_hit_step(b, toks, ids, hit=3)
-        assert [f & MATCH_F_KEEP for f in relay.matches].count(MATCH_F_KEEP) == 1, relay.matches
-        # One PUT, of pages 3 and 4, naming the load's handle: 4 synthetic tokens a key.
-        assert len(relay.puts) == 1, relay.puts
-        flags, ntokens, first, npayload, handle = relay.puts[0]
-        assert flags & PUT_F_HANDLE and handle != 0
-        assert (ntokens, first, npayload) == (2 * 4, 3, 2)
-        loads_back(d, toks, b, ids, api="keys")
+        assert (ntokens, first, npayload) == (2 * key_tokens, 3, 2)
+        loads_back(d, toks, b, ids, api=api)
         a.close()
         b.close()
     finally:
