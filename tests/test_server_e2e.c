@@ -29,22 +29,6 @@ static void put_pages(kvt_client_t *c, const uint32_t *tok, uint32_t ntok, uint3
     free(payload);
 }
 
-static void check_get(kvt_client_t *c, uint64_t lease, uint32_t first, uint32_t n, uint32_t bb,
-                      uint32_t seed, uint8_t *tiers)
-{
-    uint8_t *buf = malloc((size_t)n * bb), *want = malloc(bb);
-    uint32_t got = 0;
-    int rc = kvt_client_get(c, lease, first, n, buf, (size_t)n * bb, &got, tiers);
-    cr_assert_eq(rc, 0, "get: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
-    cr_assert_eq(got, n);
-    for (uint32_t p = 0; p < n; p++) {
-        kvd_fill(want, bb, seed + first + p);
-        cr_assert(memcmp(buf + (size_t)p * bb, want, bb) == 0, "page %u differs", first + p);
-    }
-    free(buf);
-    free(want);
-}
-
 /* REMOVE waits up to a second for the policy's moves on its prefix, then answers EBUSY (a busy
  * machine can take longer): retry for up to 5 s. */
 static int remove_retry(kvt_client_t *c, const uint32_t *tok, uint32_t n)
@@ -97,15 +81,15 @@ Test(server_e2e, put_get_byte_exact)
     cr_assert_neq(m.lease, 0);
     for (int i = 0; i < 8; i++)
         cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "page %d in tier %u", i, tiers[i]);
-    check_get(c, m.lease, 0, 8, BB, 1, NULL);
-    check_get(c, m.lease, 3, 2, BB, 1, NULL); /* a middle range */
+    kvd_check_get(c, m.lease, 0, 8, BB, 1, NULL);
+    kvd_check_get(c, m.lease, 3, 2, BB, 1, NULL); /* a middle range */
 
     /* PUT again: everything is held, nothing is rewritten, the bytes stay the first ones. */
     put_pages(c, tok, 8 * PAGE, 0, 8, BB, 99, &r);
     cr_expect_eq(r.new_pages, 0);
     cr_expect_eq(r.stored, 0);
     cr_expect_eq(r.skipped, 8);
-    check_get(c, m.lease, 0, 8, BB, 1, NULL);
+    kvd_check_get(c, m.lease, 0, 8, BB, 1, NULL);
 
     /* Out of the leased range, unknown lease: errors, and the connection goes on. */
     uint8_t one[BB];
@@ -210,12 +194,12 @@ Test(server_e2e, put_in_two_steps_and_prefix_sharing)
     cr_expect_eq(r.new_pages, 4);
     cr_assert_eq(kvt_client_match(c, tok, 8 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, 8);
-    check_get(c, m.lease, 0, 8, BB, 10, NULL);
+    kvd_check_get(c, m.lease, 0, 8, BB, 10, NULL);
     kvt_client_match_t m2 = {0};
     cr_assert_eq(kvt_client_match(c, tok2, 6 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m2), 0);
     cr_assert_eq(m2.pages, 6);
-    check_get(c, m2.lease, 0, 2, BB, 10, NULL);
-    check_get(c, m2.lease, 2, 4, BB, 20, NULL);
+    kvd_check_get(c, m2.lease, 0, 2, BB, 10, NULL);
+    kvd_check_get(c, m2.lease, 2, 4, BB, 20, NULL);
     /* Another namespace sees nothing of it. */
     kvt_client_t *o = kvd_client(&d, "other-model", PAGE, BB);
     kvt_client_match_t mo = {0};
@@ -518,7 +502,7 @@ Test(server_e2e, dram_full_spills_to_nvme_and_prefetch_promotes)
     cr_assert_eq(m.pages, 8);
     for (int i = 0; i < 8; i++)
         cr_expect_eq(tiers[i], KVT_CLIENT_TIER_NVME, "b's page %d in %u", i, tiers[i]);
-    check_get(c, m.lease, 0, 8, BIG, 200, NULL); /* from NVMe (or DRAM, promoted meanwhile) */
+    kvd_check_get(c, m.lease, 0, 8, BIG, 200, NULL); /* from NVMe (or DRAM, promoted meanwhile) */
     cr_expect_eq(kvt_client_release(c, m.lease, NULL), 0);
 
     /* PREFETCH b up to DRAM: the policy demotes a's blocks to make room, then promotes b. */
@@ -533,7 +517,7 @@ Test(server_e2e, dram_full_spills_to_nvme_and_prefetch_promotes)
         cr_expect_eq(tiers[i], KVT_CLIENT_TIER_DRAM, "b's page %d in %u after prefetch", i,
                      tiers[i]);
     uint8_t from[8];
-    check_get(c, m.lease, 0, 8, BIG, 200, from);
+    kvd_check_get(c, m.lease, 0, 8, BIG, 200, from);
     for (int i = 0; i < 8; i++)
         cr_expect_eq(from[i], KVT_CLIENT_TIER_DRAM);
     cr_expect_eq(kvd_stat(c, "nvme_blocks"), 0, "moved blocks left NVMe");
@@ -582,7 +566,7 @@ Test(server_e2e, reads_done_leave_nothing_busy)
             kvt_client_match_t m = {0};
             cr_assert_eq(kvt_client_match(c, tok[k], P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
             cr_assert_eq(m.pages, P);
-            check_get(c, m.lease, 0, P, BB, 10 * k, NULL);
+            kvd_check_get(c, m.lease, 0, P, BB, 10 * k, NULL);
             cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
         }
     for (int k = 0; k < N; k++)
@@ -640,11 +624,11 @@ Test(server_e2e, get_promotes_from_nvme)
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
     cr_assert_eq(kvt_client_match(c, b, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_expect_eq(tiers[0], KVT_CLIENT_TIER_NVME);
-    check_get(c, m.lease, 0, 4, BIG, 2, from); /* wherever the promotion has got to */
+    kvd_check_get(c, m.lease, 0, 4, BIG, 2, from); /* wherever the promotion has got to */
     cr_expect(match_until(c, b, 4 * PAGE, tiers, 4, KVT_CLIENT_TIER_DRAM),
               "the hit in NVMe promoted the path to DRAM");
     cr_assert_eq(kvt_client_match(c, b, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
-    check_get(c, m.lease, 0, 4, BIG, 2, from);
+    kvd_check_get(c, m.lease, 0, 4, BIG, 2, from);
     cr_expect_eq(from[0], KVT_CLIENT_TIER_DRAM);
     kvt_client_close(c);
     kvd_cleanup(&d);
@@ -676,7 +660,7 @@ Test(server_e2e, restart_recovers_nvme)
     cr_assert_eq(kvt_client_match(c, tok, 6 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, 6, "the index was rebuilt from the NVMe tier");
     cr_expect_eq(tiers[5], KVT_CLIENT_TIER_NVME);
-    check_get(c, m.lease, 0, 6, BB, 77, NULL);
+    kvd_check_get(c, m.lease, 0, 6, BB, 77, NULL);
     /* What the recovery did, in STATS and on /metrics. */
     cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 6);
     cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_torn") +
@@ -713,7 +697,7 @@ Test(server_e2e, removed_pages_stay_removed_after_a_restart)
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(c, tok, 6 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, 4, "the removed pages came back: %u pages", m.pages);
-    check_get(c, m.lease, 0, 4, BB, 78, NULL);
+    kvd_check_get(c, m.lease, 0, 4, BB, 78, NULL);
     cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_inserted"), 4);
     cr_expect_eq(kvd_stat(c, "nvme_recovery_blocks_removed"), 2);
     kvt_client_close(c);
@@ -1072,7 +1056,7 @@ static void lw_compare(kvt_client_t *c, uint32_t n, const uint8_t *before, const
         cr_assert_eq(kvt_client_match(c, tok, LW_PAGES * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE,
                                       0, NULL, &m),
                      0);
-        check_get(c, m.lease, 0, after[i], LW_BB, 16 * i, NULL);
+        kvd_check_get(c, m.lease, 0, after[i], LW_BB, 16 * i, NULL);
         cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
     }
 }
@@ -1160,7 +1144,7 @@ Test(server_e2e, a_lowered_namespace_limit_keeps_what_nvme_recovers)
         kvt_client_match_t m = {0};
         cr_assert_eq(kvt_client_match(c, tok[i], 2 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
         cr_assert_eq(m.pages, 2, "tenant %d's pages came back", i + 1);
-        check_get(c, m.lease, 0, 2, BB, 30 + (uint32_t)i, NULL);
+        kvd_check_get(c, m.lease, 0, 2, BB, 30 + (uint32_t)i, NULL);
         kvt_client_close(c);
     }
     kvt_client_t *n = NULL;
@@ -1216,7 +1200,7 @@ Test(server_e2e, a_lowered_index_limit_drops_what_nvme_recovers_past_it)
         while (k < m.pages && tiers[k] == KVT_CLIENT_TIER_NVME)
             k++;
         if (k > 0)
-            check_get(c, m.lease, 0, k, BB, 1000u * (uint32_t)i, NULL);
+            kvd_check_get(c, m.lease, 0, k, BB, 1000u * (uint32_t)i, NULL);
         stored += k;
         if (m.lease)
             cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
@@ -1710,7 +1694,7 @@ Test(server_e2e, four_tiers_with_host_hbm)
         cr_expect_geq(tiers[i], tiers[i - 1], "faster tiers first along the path");
     cr_expect_leq(kvd_stat(c, "hbm_used_bytes"), kvd_stat(c, "hbm_capacity_bytes"));
     cr_expect_leq(kvd_stat(c, "dram_used_bytes"), kvd_stat(c, "dram_capacity_bytes"));
-    check_get(c, m.lease, 0, N, BIG, 9, from);
+    kvd_check_get(c, m.lease, 0, N, BIG, 9, from);
     cr_expect_eq(from[0], KVT_CLIENT_TIER_HBM);
     kvt_client_close(c);
     kvd_cleanup(&d);
@@ -1730,8 +1714,8 @@ Test(server_e2e, large_get_in_batches_and_disconnect_mid_get)
     cr_assert_eq(r.stored, N);
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(c, tok, N * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
-    check_get(c, m.lease, 0, N, B, 3, NULL);
-    check_get(c, m.lease, 0, N, B, 3, NULL);
+    kvd_check_get(c, m.lease, 0, N, B, 3, NULL);
+    kvd_check_get(c, m.lease, 0, N, B, 3, NULL);
 
     /* A client that asks for all of it and goes away without reading: the daemon drops the
      * GET, its lease and its read counts, and the blocks can be removed afterwards. */

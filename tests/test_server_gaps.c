@@ -43,23 +43,6 @@ static uint64_t match_tiers(kvt_client_t *c, const uint32_t *tok, uint32_t pages
     return m.lease;
 }
 
-/* Pages [first, first + n) under lease read back as seed filled them. */
-static void check_bytes(kvt_client_t *c, uint64_t lease, uint32_t first, uint32_t n, uint32_t bb,
-                        uint32_t seed)
-{
-    uint8_t *buf = malloc((size_t)n * bb), *want = malloc(bb);
-    uint32_t got = 0;
-    int rc = kvt_client_get(c, lease, first, n, buf, (size_t)n * bb, &got, NULL);
-    cr_assert_eq(rc, 0, "get: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
-    cr_assert_eq(got, n);
-    for (uint32_t p = 0; p < n; p++) {
-        kvd_fill(want, bb, seed + first + p);
-        cr_assert(memcmp(buf + (size_t)p * bb, want, bb) == 0, "page %u differs", first + p);
-    }
-    free(buf);
-    free(want);
-}
-
 /* Every page of tiers[0, n) equal to t. */
 static int all_in(const uint8_t *tiers, uint32_t from, uint32_t to, uint8_t t)
 {
@@ -114,8 +97,8 @@ static void window_after_a_gap(int zero_copy)
     cr_expect(all_in(tiers, 5, 10, KVT_CLIENT_TIER_DRAM));
     cr_expect(all_in(tiers, 10, 12, KVT_CLIENT_TIER_NONE));
     cr_expect(all_in(tiers, 12, 14, KVT_CLIENT_TIER_DRAM));
-    check_bytes(c, lease, 5, 5, BB, 100);
-    check_bytes(c, lease, 12, 2, BB, 100);
+    kvd_check_get(c, lease, 5, 5, BB, 100, NULL);
+    kvd_check_get(c, lease, 12, 2, BB, 100, NULL);
     uint8_t one[BB];
     cr_expect_eq(kvt_client_get(c, lease, 0, 1, one, sizeof one, NULL, NULL), KVT_CLIENT_ENOENT,
                  "a page without bytes");
@@ -195,7 +178,7 @@ Test(server_gaps, full_tiers_drop_old_windows_and_the_index_trims_their_gaps)
     cr_assert_eq(pages, LEN);
     cr_expect(all_in(tiers, 0, LEN - WIN, KVT_CLIENT_TIER_NONE));
     cr_expect(all_in(tiers, LEN - WIN, LEN, KVT_CLIENT_TIER_DRAM));
-    check_bytes(c, lease, LEN - WIN, WIN, BIG, CHAINS - 1);
+    kvd_check_get(c, lease, LEN - WIN, WIN, BIG, CHAINS - 1, NULL);
     kvt_client_release(c, lease, NULL);
     /* The oldest lost its window: what the index still holds of it has no bytes. */
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = LEN};
@@ -244,7 +227,7 @@ static void check_gapped(kvt_client_t *c, const uint32_t *win, const uint32_t *m
         cr_assert_eq(pages, 6, "the gap's pages are known again");
         cr_expect(all_in(tiers, 0, 4, KVT_CLIENT_TIER_NONE));
         cr_expect(all_in(tiers, 4, 6, KVT_CLIENT_TIER_NVME));
-        check_bytes(c, lease, 4, 2, BB, 5);
+        kvd_check_get(c, lease, 4, 2, BB, 5, NULL);
     } else {
         cr_expect_eq(pages, 0, "the window is gone with its gap");
     }
@@ -253,16 +236,16 @@ static void check_gapped(kvt_client_t *c, const uint32_t *win, const uint32_t *m
     lease = match_tiers(c, mid, 6, tiers, &pages);
     cr_assert_eq(pages, windows_back ? 6 : 2);
     cr_expect(all_in(tiers, 0, 2, KVT_CLIENT_TIER_NVME));
-    check_bytes(c, lease, 0, 2, BB, 6);
+    kvd_check_get(c, lease, 0, 2, BB, 6, NULL);
     if (windows_back) {
         cr_expect(all_in(tiers, 2, 4, KVT_CLIENT_TIER_NONE));
         cr_expect(all_in(tiers, 4, 6, KVT_CLIENT_TIER_NVME));
-        check_bytes(c, lease, 4, 2, BB, 6);
+        kvd_check_get(c, lease, 4, 2, BB, 6, NULL);
     }
     cr_expect_eq(kvt_client_release(c, lease, NULL), 0);
     lease = match_tiers(c, whole, 3, tiers, &pages);
     cr_expect_eq(pages, 3);
-    check_bytes(c, lease, 0, 3, BB, 9);
+    kvd_check_get(c, lease, 0, 3, BB, 9, NULL);
     cr_expect_eq(kvt_client_release(c, lease, NULL), 0);
 }
 
@@ -321,7 +304,7 @@ Test(server_gaps, a_window_moved_down_to_nvme_comes_back_after_a_restart)
     uint64_t lease = match_tiers(c, win, 6, tiers, &pages);
     cr_assert_eq(pages, 6, "the window is back behind its gap");
     cr_expect(all_in(tiers, 0, 5, KVT_CLIENT_TIER_NONE));
-    check_bytes(c, lease, 5, 1, BB, 5);
+    kvd_check_get(c, lease, 5, 1, BB, 5, NULL);
     kvt_client_release(c, lease, NULL);
     kvt_client_close(c);
     kvd_cleanup(&d);
@@ -378,7 +361,7 @@ Test(server_gaps, a_damaged_path_record_is_skipped_and_counted)
     uint32_t pages = 0;
     uint64_t lease = match_tiers(c, mid, 6, tiers, &pages);
     cr_assert_eq(pages, 6);
-    check_bytes(c, lease, 4, 2, BB, 6);
+    kvd_check_get(c, lease, 4, 2, BB, 6, NULL);
     kvt_client_release(c, lease, NULL);
     kvt_client_close(c);
     kvd_cleanup(&d);
@@ -418,7 +401,7 @@ Test(server_gaps, the_remote_probe_finds_a_window_after_a_gap_it_knows)
     cr_expect_eq(m.remote_pages, 2);
     cr_expect(all_in(tiers, 0, 4, KVT_CLIENT_TIER_NONE));
     cr_expect(all_in(tiers, 4, 6, KVT_CLIENT_TIER_REMOTE));
-    check_bytes(cb, m.lease, 4, 2, BB, 3);
+    kvd_check_get(cb, m.lease, 4, 2, BB, 3, NULL);
     kvt_client_close(ca);
     kvt_client_close(cb);
     kvd_cleanup(&a);

@@ -275,6 +275,24 @@ static inline void kvd_fill(uint8_t *buf, size_t len, uint32_t seed)
     }
 }
 
+/* GETs pages [first, first + n) of a lease (their tiers in tiers[] when not NULL): all must come
+ * back, page p as kvd_fill(seed + p) made it. */
+static inline void kvd_check_get(kvt_client_t *c, uint64_t lease, uint32_t first, uint32_t n,
+                                 uint32_t bb, uint32_t seed, uint8_t *tiers)
+{
+    uint8_t *buf = malloc((size_t)n * bb), *want = malloc(bb);
+    uint32_t got = 0;
+    int rc = kvt_client_get(c, lease, first, n, buf, (size_t)n * bb, &got, tiers);
+    cr_assert_eq(rc, 0, "get: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_assert_eq(got, n);
+    for (uint32_t p = 0; p < n; p++) {
+        kvd_fill(want, bb, seed + first + p);
+        cr_assert(memcmp(buf + (size_t)p * bb, want, bb) == 0, "page %u differs", first + p);
+    }
+    free(buf);
+    free(want);
+}
+
 static inline void kvd_tokens(uint32_t *t, uint32_t n, uint32_t base)
 {
     for (uint32_t i = 0; i < n; i++)
