@@ -42,19 +42,10 @@ ap.add_argument("--strategies", default="register,bounce,pageable")
 ap.add_argument("--no-venv", action="store_true",
                 help="run with this python (the GPU pack's runner does), not build/pyenv's")
 args = ap.parse_args()
-if not args.no_venv:
-    import pybench  # noqa: E402
+import pybench  # noqa: E402
 
-    pybench.run_in_venv(args.build_root, "bench_gpucopy", 77)
-else:
-    sys.path.insert(0, os.path.join(here, "..", "python"))
-    os.environ.setdefault("KVT_BUILD_ROOT", args.build_root)
-
-try:
-    import torch  # noqa: E402
-except ImportError as e:
-    print("SKIP: bench_gpucopy needs torch (%s)" % e)
-    sys.exit(77)
+pybench.run_here_or_in_venv(args.build_root, "bench_gpucopy", args.no_venv)
+torch = pybench.torch_or_skip("bench_gpucopy")
 if not torch.cuda.is_available():
     print("SKIP: bench_gpucopy: torch %s sees no usable GPU: the figures come from a GPU machine "
           "(docs/gpu.md)" % torch.__version__)

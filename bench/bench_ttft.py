@@ -38,19 +38,10 @@ ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--no-venv", action="store_true",
                 help="run with this python (the GPU pack's runner does), not build/pyenv's")
 args = ap.parse_args()
-if not args.no_venv:
-    import pybench  # noqa: E402
+import pybench  # noqa: E402
 
-    pybench.run_in_venv(args.build_root, "bench_ttft", 77)
-else:
-    sys.path.insert(0, os.path.join(here, "..", "python"))
-    os.environ.setdefault("KVT_BUILD_ROOT", args.build_root)
-
-try:
-    import torch  # noqa: E402
-except ImportError as e:
-    print("SKIP: bench_ttft needs torch (%s)" % e)
-    sys.exit(77)
+pybench.run_here_or_in_venv(args.build_root, "bench_ttft", args.no_venv)
+torch = pybench.torch_or_skip("bench_ttft")
 
 import kvtier  # noqa: E402
 import ttft  # noqa: E402

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 
 def run_in_venv(build: str, name: str, missing_rc: int, venv: str = "pyenv") -> None:
@@ -33,6 +33,28 @@ def run_in_venv(build: str, name: str, missing_rc: int, venv: str = "pyenv") -> 
     sys.path.insert(0, os.path.join(source, "python"))
     os.environ.setdefault("KVT_BUILD_ROOT", build)
 
+
+
+def run_here_or_in_venv(build: str, name: str, no_venv: bool) -> None:
+    """run_in_venv(build, name, 77), or with ``no_venv`` (the GPU pack's runner, whose python
+    is the GPU host's) this python, with the source tree's package importable and
+    KVT_BUILD_ROOT set as run_in_venv leaves them."""
+    if not no_venv:
+        run_in_venv(build, name, 77)
+        return
+    source = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    sys.path.insert(0, os.path.join(source, "python"))
+    os.environ.setdefault("KVT_BUILD_ROOT", build)
+
+
+def torch_or_skip(name: str) -> Any:
+    """torch, imported; without it the benchmark exits 77 (skipped), saying so."""
+    try:
+        import torch
+    except ImportError as e:
+        print("SKIP: %s needs torch (%s)" % (name, e))
+        sys.exit(77)
+    return torch
 
 class Daemon:
     """A kvtierd with a DRAM tier of dram_bytes (and an NVMe tier of nvme_bytes, sparse, when
