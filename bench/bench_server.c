@@ -190,6 +190,22 @@ static pid_t spawn(char *const argv[], const char *log)
     return pid;
 }
 
+/* A kvtierd with the bench's settings (DRAM 1G, no NVMe or HBM tier, no metrics port) and the
+ * flags in extra (NULL-terminated), its output in log. */
+static pid_t spawn_kvtierd(const opts_t *o, const char *log, const char *const *extra)
+{
+    const char *base[] = {o->kvtierd, "--metrics",    "",   "--nvme-bytes", "0",   "--hbm-bytes",
+                          "0",        "--dram-bytes", "1G", "--log-level",  "warn"};
+    char *argv[KVT_ARRAY_LEN(base) + 16];
+    size_t n = 0;
+    for (size_t i = 0; i < KVT_ARRAY_LEN(base); i++)
+        argv[n++] = (char *)base[i];
+    for (size_t i = 0; extra[i] && n + 1 < KVT_ARRAY_LEN(argv); i++)
+        argv[n++] = (char *)extra[i];
+    argv[n] = NULL;
+    return spawn(argv, log);
+}
+
 static int connect_unix(const char *path)
 {
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
@@ -1286,25 +1302,8 @@ static int bench_loops(const opts_t *o, kvt_trace_t *tr)
             fprintf(stderr, "bench_server: the socket path under %s is too long\n", g_dir);
             return -1;
         }
-        char *argv[] = {(char *)o->kvtierd,
-                        "--unix",
-                        name,
-                        "--tcp",
-                        "",
-                        "--metrics",
-                        "",
-                        "--nvme-bytes",
-                        "0",
-                        "--hbm-bytes",
-                        "0",
-                        "--dram-bytes",
-                        "1G",
-                        "--log-level",
-                        "warn",
-                        "--loops",
-                        n,
-                        NULL};
-        g_loops_kvd[i] = spawn(argv, log);
+        const char *extra[] = {"--unix", name, "--tcp", "", "--loops", n, NULL};
+        g_loops_kvd[i] = spawn_kvtierd(o, log, extra);
         double avg;
         match[i] = (load_t){.o = o, .server = g_loops_kvd[i]};
         if (wait_for(sock, 0) < 0 || populate(o, sock, tr, &match[i], &avg) < 0 ||
@@ -1491,26 +1490,11 @@ int main(int argc, char **argv)
     snprintf(rport_s, sizeof rport_s, "%d", rport);
     snprintf(ksock, sizeof ksock, "%s/kvtierd.sock", g_dir);
     snprintf(rsock, sizeof rsock, "%s/redis.sock", g_dir);
-    char *kargv[] = {(char *)o.kvtierd,
-                     "--tcp",
-                     ktcp,
-                     "--metrics",
-                     "",
-                     "--nvme-bytes",
-                     "0",
-                     "--hbm-bytes",
-                     "0",
-                     "--dram-bytes",
-                     "1G",
-                     "--log-level",
-                     "warn",
-                     "--index-prefault",
-                     (char *)o.index_prefault,
-                     NULL};
+    const char *kextra[] = {"--tcp", ktcp, "--index-prefault", o.index_prefault, NULL};
     if (!strcmp(o.index_prefault, "default")) /* an older kvtierd without the setting runs too */
-        kargv[KVT_ARRAY_LEN(kargv) - 3] = NULL;
+        kextra[2] = NULL;
     uint64_t t_spawn = kvt_now_ns();
-    g_kvd = spawn(kargv, "kvtierd.log");
+    g_kvd = spawn_kvtierd(&o, "kvtierd.log", kextra);
     char *rargv[] = {(char *)o.redis_server,
                      "--port",
                      rport_s,
