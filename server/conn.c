@@ -675,6 +675,9 @@ static int conn_write(kvt__conn_t *c)
             total += iov[i].iov_len;
         ssize_t w;
         int unlocked = 0, early = 0;
+        /* Counted before the call, under the lock: a write made with the lock let go may reach
+         * the client, and its scrape another loop, before this loop takes the lock back. */
+        kvt__metric_add(c->srv->metrics, KVT_M_SOCKET_WRITES, 0, 1);
         if (fd_req) {
             w = send_fd(c->ev.fd, iov, n, fd_req);
         } else {
@@ -698,7 +701,6 @@ static int conn_write(kvt__conn_t *c)
             }
             errno = err;
         }
-        kvt__metric_add(c->srv->metrics, KVT_M_SOCKET_WRITES, 0, 1);
         if (w < 0) {
             if (errno != EAGAIN && errno != EINTR)
                 return -1;
