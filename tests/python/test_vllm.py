@@ -1518,8 +1518,6 @@ def test_metrics_through_vllms_own_aggregation(vd: Daemon, caplog: Any) -> None:
     SchedulerStats, then vLLM's KVConnectorLogging (its log line) and KVConnectorProm (the
     Prometheus counters) through the connector class's build_kv_connector_stats and
     build_prom_metrics. Hits, misses, bytes, load and save time, failures."""
-    import logging
-
     from prometheus_client import REGISTRY
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
