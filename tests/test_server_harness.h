@@ -2,7 +2,8 @@
  * test_server_harness.h: starts the real kvtierd binary for the server, client and metrics
  * tests. Each daemon runs in a fresh directory under $TMPDIR (its socket, data directory and log
  * live there and are removed at the end), on ephemeral TCP ports whose numbers it prints at
- * start-up. The binary is $KVT_BUILD_ROOT/server/kvtierd, which meson sets for every test.
+ * start-up. The binary is $KVT_BUILD_ROOT/server/kvtierd, which meson sets for every test (run by
+ * hand, this build's).
  */
 #ifndef KVT_TEST_SERVER_HARNESS_H
 #define KVT_TEST_SERVER_HARNESS_H
@@ -52,8 +53,10 @@ static inline const char *kvd_binary(void)
     const char *bin = getenv("KVT_TEST_KVTIERD");
     if (bin && *bin)
         return bin;
+    /* meson test sets $KVT_BUILD_ROOT; run by hand, a test starts the daemon of the build it
+     * belongs to (tests/meson.build defines KVT_TEST_BUILD_ROOT). */
     const char *root = getenv("KVT_BUILD_ROOT");
-    snprintf(path, sizeof path, "%s/server/kvtierd", root ? root : ".");
+    snprintf(path, sizeof path, "%s/server/kvtierd", root && *root ? root : KVT_TEST_BUILD_ROOT);
     return path;
 }
 
