@@ -44,6 +44,14 @@ typedef struct kvd {
     int index_prefault_default;
 } kvd_t;
 
+/* The build directory: $KVT_BUILD_ROOT, which meson test sets; run by hand, the build the test
+ * belongs to (tests/meson.build defines KVT_TEST_BUILD_ROOT). */
+static inline const char *kvd_build_root(void)
+{
+    const char *root = getenv("KVT_BUILD_ROOT");
+    return root && *root ? root : KVT_TEST_BUILD_ROOT;
+}
+
 static inline const char *kvd_binary(void)
 {
     static char path[1024];
@@ -53,10 +61,7 @@ static inline const char *kvd_binary(void)
     const char *bin = getenv("KVT_TEST_KVTIERD");
     if (bin && *bin)
         return bin;
-    /* meson test sets $KVT_BUILD_ROOT; run by hand, a test starts the daemon of the build it
-     * belongs to (tests/meson.build defines KVT_TEST_BUILD_ROOT). */
-    const char *root = getenv("KVT_BUILD_ROOT");
-    snprintf(path, sizeof path, "%s/server/kvtierd", root && *root ? root : KVT_TEST_BUILD_ROOT);
+    snprintf(path, sizeof path, "%s/server/kvtierd", kvd_build_root());
     return path;
 }
 
