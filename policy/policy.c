@@ -71,6 +71,7 @@
  * while left blocks entrenched by their counts for good (docs/policy.md).
  */
 #include "policy.h"
+#include "policy_test.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -1766,6 +1767,13 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
         return KVT_EAGAIN;
     if (need > room_left(p, tier))
         return KVT_ENOSPC;
+    /* The run in tier the pages join, if n has one: the heap entry pushed when it began reads
+     * the run live, so it is pushed again only for a new boundary whose key is lower in its
+     * value, not just in the depth that breaks ties (a higher one the pop pushes back itself).
+     * A push per adoption grew the heap by an entry per PUT's pages of a node until a rebuild. */
+    uint32_t ra, rb;
+    node_run(n, (uint8_t)tier, &ra, &rb);
+    vkey_t was = ra < rb ? block_key(p, n, rb - 1, p->xcur) : (vkey_t){0, 0};
     uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
     uint32_t now = now_clock(p);
     ghost_warm(p, n, i0, npages);
@@ -1789,7 +1797,8 @@ int kvt_policy_adopt(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, uint3
     p->used[tier] += need;
     p->st.blocks[tier] += npages;
     p->st.admitted_bytes[tier] += run_bytes(n, i0, npages);
-    push_tier(p, n, (uint8_t)tier); /* leased now, it is skipped until the next rebuild */
+    if (ra == rb || (i0 >= rb && block_key(p, n, i0 + npages - 1, p->xcur).a < was.a))
+        push_tier(p, n, (uint8_t)tier); /* leased now, it is skipped until the next rebuild */
     after_insert(p);
     return (int)npages;
 }
@@ -2082,6 +2091,11 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
         if (!kvt_radix_node_leased(x))
             push_node(p, x);
     return changed ? KVT_EINVAL : conflict ? KVT_EAGAIN : 0;
+}
+
+size_t kvt__policy_heap_len(const kvt_policy_t *p, kvt_tier_id_t t)
+{
+    return p && tier_ok(t) ? p->heap[t].len : 0;
 }
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st)

@@ -415,11 +415,11 @@ Test(mrc_daemon, curve_matches_the_lru_replay, .timeout = 300)
         w += snprintf(want + w, sizeof want - (size_t)w, " %7.1f%%",
                       (double)kvd_stat(c, name) / 1e4);
     }
-    const char *root = getenv("KVT_BUILD_ROOT");
+    const char *root = kvd_build_root();
     snprintf(cmd, sizeof cmd,
              "'%s/client/kvtier' --unix '%s' stats >'%s/out.txt' 2>&1 && '%s/client/kvtier' "
              "--unix '%s' stats --json >>'%s/out.txt' 2>&1",
-             root ? root : ".", d.sock, d.dir, root ? root : ".", d.sock, d.dir);
+             root, d.sock, d.dir, root, d.sock, d.dir);
     cr_assert_eq(system(cmd), 0, "%s", cmd);
     static char text[65536];
     kvd_slurp(&d, "out.txt", text, sizeof text);

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "policy.h"
+#include "policy_test.h"
 
 #define PS   4
 #define PAGE 1024u
@@ -1496,4 +1497,45 @@ Test(policy_decisions, experts_follow_recency_where_hit_counts_mislead)
 Test(policy_decisions, experts_follow_frequency_where_scans_flush_recency)
 {
     signal_case(1);
+}
+
+/* A PUT's pages join a node's run a few at a time as their writes land (kvtierd adopts each
+ * completed stretch): the run's one heap entry reads it live, so the heap does not take an
+ * entry per adoption (it took one each, up to a rebuild: 64 here). The node is still a victim:
+ * room asked for in the full tier is made from its pages. Under LRU, LFU and the cost policy. */
+Test(policy_decisions, pages_joining_a_run_do_not_grow_the_heap)
+{
+    const kvt_policy_kind_t kinds[] = {KVT_POLICY_LRU, KVT_POLICY_LFU, KVT_POLICY_COST};
+    for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+        enum { NP = 64 };
+        kvt_policy_conf_t c = base_conf(kinds[k], 0, NP, 0);
+        start(&c);
+        uint32_t *tok = seq(NP * PS, 5000);
+        kvt_radix_set_clock(tree, ++clk);
+        kvt_insert_t ins;
+        cr_assert_eq(kvt_radix_insert(tree, ns, tok, NP * PS, &ins), 0);
+        cr_assert_eq(ins.new_pages, NP);
+        kvt_radix_node_t *n = ins.node;
+        size_t before = kvt__policy_heap_len(pol, KVT_TIER_DRAM);
+        for (uint32_t i = 0; i < NP; i++) {
+            kvt_block_t *b = &kvt_radix_node_blocks(n)[i];
+            b->size = PAGE;
+            b->loc = 1 + i;
+            ex.used[KVT_TIER_DRAM] += PAGE;
+            cr_assert_eq(kvt_policy_adopt(pol, n, i, 1, KVT_TIER_DRAM, NP, NULL), 1, "page %u", i);
+        }
+        check();
+        size_t grew = kvt__policy_heap_len(pol, KVT_TIER_DRAM) - before;
+        cr_assert_leq(grew, 2, "kind %d: %zu heap entries for one node's run", kinds[k], grew);
+        all_in(tok, NP, KVT_TIER_DRAM);
+        /* The tier is full: room for 8 more pages comes from the node's tail. */
+        cr_assert_eq(hold(KVT_TIER_DRAM, 8, 1), 0, "kind %d", kinds[k]);
+        cr_assert_eq(tier_of(tok, NP - 1), -1, "kind %d: the run's tail made the room", kinds[k]);
+        for (int i = 0; i < 8; i++) {
+            kvt_policy_unhold(pol, KVT_TIER_DRAM, PAGE);
+            ex.used[KVT_TIER_DRAM] -= PAGE;
+        }
+        free(tok);
+        stop();
+    }
 }

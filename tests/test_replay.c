@@ -488,7 +488,8 @@ Test(replay_prefix, oracle_beats_lru_and_lfu_on_documents_behind_prefixes)
 /* "--hbm 10" is 10 % of the pages the radix tree holds, counted by prefix: on the document
  * trace that is about twice what counting hash ids gives (each document is held once per
  * prefix it appears behind), and on the conversation trace partial pages, which the tree never
- * holds, no longer count. */
+ * holds, no longer count. With --requests N they are shares of what those N requests touch,
+ * not of the whole trace (docs/policy.md, "The replay"): the conversation case replays 200. */
 Test(replay_prefix, percentages_are_shares_of_the_pages_the_tree_holds)
 {
     find_trace();

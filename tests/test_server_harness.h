@@ -2,7 +2,8 @@
  * test_server_harness.h: starts the real kvtierd binary for the server, client and metrics
  * tests. Each daemon runs in a fresh directory under $TMPDIR (its socket, data directory and log
  * live there and are removed at the end), on ephemeral TCP ports whose numbers it prints at
- * start-up. The binary is $KVT_BUILD_ROOT/server/kvtierd, which meson sets for every test.
+ * start-up. The binary is $KVT_BUILD_ROOT/server/kvtierd, which meson sets for every test (run by
+ * hand, this build's).
  */
 #ifndef KVT_TEST_SERVER_HARNESS_H
 #define KVT_TEST_SERVER_HARNESS_H
@@ -43,6 +44,14 @@ typedef struct kvd {
     int index_prefault_default;
 } kvd_t;
 
+/* The build directory: $KVT_BUILD_ROOT, which meson test sets; run by hand, the build the test
+ * belongs to (tests/meson.build defines KVT_TEST_BUILD_ROOT). */
+static inline const char *kvd_build_root(void)
+{
+    const char *root = getenv("KVT_BUILD_ROOT");
+    return root && *root ? root : KVT_TEST_BUILD_ROOT;
+}
+
 static inline const char *kvd_binary(void)
 {
     static char path[1024];
@@ -52,8 +61,7 @@ static inline const char *kvd_binary(void)
     const char *bin = getenv("KVT_TEST_KVTIERD");
     if (bin && *bin)
         return bin;
-    const char *root = getenv("KVT_BUILD_ROOT");
-    snprintf(path, sizeof path, "%s/server/kvtierd", root ? root : ".");
+    snprintf(path, sizeof path, "%s/server/kvtierd", kvd_build_root());
     return path;
 }
 

@@ -108,6 +108,40 @@ int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
     return 0;
 }
 
+int kvt__blockhdr_verify_pieces(const void *hdr, size_t hdr_avail,
+                                int (*next)(void *arg, const uint8_t **piece, size_t *n), void *arg,
+                                uint32_t *len_out)
+{
+    if (!hdr || !next)
+        return KVT_EINVAL;
+    kvt__blockhdr_info_t in;
+    if (kvt__blockhdr_peek(hdr, hdr_avail, &in) < 0 || hdr_avail < in.hdr_bytes)
+        return KVT_ECORRUPT;
+    /* blockhdr_sum's stream, its payload fed as it comes */
+    const uint8_t *p = hdr;
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, p, BLOCKHDR_SUMOFF);
+    XXH3_64bits_update(&st, p + KVT_BLOCKHDR_BYTES, (size_t)4 * in.ntokens);
+    for (uint32_t got = 0; got < in.len;) {
+        const uint8_t *piece = NULL;
+        size_t n = 0;
+        int rc = next(arg, &piece, &n);
+        if (rc < 0)
+            return rc;
+        if (n == 0 || !piece)
+            return KVT_EINVAL;
+        n = KVT_MIN(n, (size_t)(in.len - got));
+        XXH3_64bits_update(&st, piece, n);
+        got += (uint32_t)n;
+    }
+    if (kvt_get_u64(p + BLOCKHDR_SUMOFF) != XXH3_64bits_digest(&st))
+        return KVT_ECORRUPT;
+    if (len_out)
+        *len_out = in.len;
+    return 0;
+}
+
 int kvt__blockhdr_check(const void *src, size_t avail, const kvt_block_key_t *key,
                         uint32_t *len_out, const void **payload_out)
 {

@@ -104,6 +104,11 @@
 #define META_VERSION  2u /* kvtier.meta's: 2 since kvtier.live */
 #define LIVE_MAGIC    "KVTLIVE1"
 #define LIVE_HDR      SECTOR
+/* The recovery scan reads a segment through one buffer of HDR_MAX_BYTES + SCAN_CHUNK bytes,
+ * whatever the segment size (up to 1 GiB): a longer record's payload, or a longer stretch
+ * searched for the next record, is read a chunk at a time, so that recovery's memory stays
+ * about 1 MiB. */
+#define SCAN_CHUNK (1u << 20)
 
 /* The smallest segment, and what segment sizes are multiples of. The fuzz build (meson.build)
  * lowers it to 64 KiB so that the NVMe harnesses' data file is small enough to be laid out and
@@ -1405,46 +1410,89 @@ static int rec_push(nvme_t *n, const nvme_recovered_t *r)
 
 /* The offset of the first sector after off, in segment s at base, that starts an intact prefix
  * of the segment's current use: 0 when there is none, or a negated errno. Reads the rest of the
- * segment into buf at once (buf holds a segment). */
+ * segment SCAN_CHUNK bytes at a time into buf. */
 static int64_t next_record(nvme_t *n, const nvme_seg_t *s, uint64_t base, uint32_t off,
                            uint8_t *buf)
 {
-    uint32_t from = off + SECTOR;
-    if (from >= n->seg_bytes)
-        return 0;
-    int rc = pread_all(n->fd, buf, n->seg_bytes - from, base + from);
-    if (rc < 0)
-        return rc;
-    for (uint32_t p = from; p + SECTOR <= n->seg_bytes; p += SECTOR) {
-        uint32_t rec, hdr;
-        uint64_t stamp;
-        if (prefix_decode(buf + (p - from), &rec, &hdr, &stamp) >= 0 && stamp == s->stamp &&
-            rec <= n->seg_bytes - p)
-            return p;
+    for (uint32_t from = off + SECTOR; from < n->seg_bytes;) {
+        uint32_t len = KVT_MIN(SCAN_CHUNK, n->seg_bytes - from);
+        int rc = pread_all(n->fd, buf, len, base + from);
+        if (rc < 0)
+            return rc;
+        for (uint32_t p = from; p < from + len; p += SECTOR) {
+            uint32_t rec, hdr;
+            uint64_t stamp;
+            if (prefix_decode(buf + (p - from), &rec, &hdr, &stamp) >= 0 && stamp == s->stamp &&
+                rec <= n->seg_bytes - p)
+                return p;
+        }
+        from += len;
     }
     return 0;
 }
 
+/* A record's payload handed to kvt__blockhdr_verify_pieces: first the bytes the scan read with
+ * the header, then the rest SCAN_CHUNK bytes at a time, read into the buffer after the header. */
+typedef struct scan_payload {
+    int fd;
+    uint8_t *chunk;      /* SCAN_CHUNK bytes, sector-aligned */
+    const uint8_t *held; /* payload bytes already read, nheld of them */
+    uint32_t nheld;
+    uint64_t at, end; /* file offsets: the next byte not handed out, the record's end */
+} scan_payload_t;
+
+static int scan_payload_next(void *arg, const uint8_t **piece, size_t *n)
+{
+    scan_payload_t *sp = arg;
+    if (sp->nheld) {
+        *piece = sp->held;
+        *n = sp->nheld;
+        sp->nheld = 0;
+        return 0;
+    }
+    if (sp->at >= sp->end)
+        return KVT_ECORRUPT; /* not reached: the record's size was checked against the header */
+    size_t len = (size_t)KVT_MIN((uint64_t)SCAN_CHUNK, sp->end - sp->at);
+    int rc = pread_all(sp->fd, sp->chunk, len, sp->at);
+    if (rc < 0)
+        return rc;
+    sp->at += len;
+    *piece = sp->chunk;
+    *n = len;
+    return 0;
+}
+
 /* Reads the rest of the record at off in segment seg (its first `first` bytes are in buf, its
- * prefix intact) and appends its block to n->recovered, or counts it torn. Returns 0 or an
- * error. */
+ * prefix intact; HDR_MAX_BYTES + SCAN_CHUNK bytes of room) and appends its block to
+ * n->recovered, or counts it torn. Returns 0 or an error. */
 static int scan_record(nvme_t *n, uint32_t seg, uint32_t off, uint32_t rec, uint32_t hdr,
                        uint8_t *buf, uint32_t first)
 {
     const nvme_seg_t *s = &n->segs[seg];
     uint64_t base = (uint64_t)seg * n->seg_bytes;
     int rc;
-    if (rec > first && (rc = pread_all(n->fd, buf + first, rec - first, base + off + first)) < 0)
-        return rc;
     kvt__blockhdr_info_t in;
     uint32_t len;
     if (kvt__blockhdr_peek(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, &in) < 0 ||
-        rec_bytes(hdr, in.len) != rec || hdr_region(in.ntokens) != hdr ||
-        kvt__blockhdr_verify(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, buf + hdr, rec - hdr, NULL,
-                             &len) < 0) {
+        rec_bytes(hdr, in.len) != rec || hdr_region(in.ntokens) != hdr) {
         n->rec.torn++;
         return 0;
     }
+    /* hdr <= first: hdr is at most HDR_MAX_BYTES and lies within rec, inside the segment */
+    scan_payload_t sp = {.fd = n->fd,
+                         .chunk = buf + HDR_MAX_BYTES,
+                         .held = buf + hdr,
+                         .nheld = KVT_MIN(first, rec) - hdr,
+                         .at = base + off + KVT_MIN(first, rec),
+                         .end = base + off + rec};
+    rc = kvt__blockhdr_verify_pieces(buf + PREFIX_BYTES, hdr - PREFIX_BYTES, scan_payload_next, &sp,
+                                     &len);
+    if (rc == KVT_ECORRUPT) {
+        n->rec.torn++;
+        return 0;
+    }
+    if (rc < 0)
+        return rc;
     nvme_recovered_t r = {
         .loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR),
         .ns_seed = in.ns_seed,
@@ -1613,7 +1661,7 @@ static int live_rebuild(nvme_t *n)
 int kvt__nvme_scan(nvme_t *n)
 {
     uint8_t *buf;
-    if (posix_memalign((void **)&buf, SECTOR, n->seg_bytes) != 0)
+    if (posix_memalign((void **)&buf, SECTOR, HDR_MAX_BYTES + SCAN_CHUNK) != 0)
         return KVT_ENOMEM;
     int rc = 0;
     for (uint32_t i = 0; i < n->nsegs && rc == 0; i++)

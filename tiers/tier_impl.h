@@ -243,6 +243,15 @@ int kvt__blockhdr_check(const void *src, size_t avail, const kvt_block_key_t *ke
 int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
                          size_t payload_avail, const kvt_block_key_t *key, uint32_t *len_out);
 
+/* The same check, keyless (as in recovery), for a payload too large to hold at once: next(arg,
+ * &piece, &n) hands out the payload's next n > 0 bytes (n may run past its end: the rest is not
+ * looked at), valid until the next call, or fails with a negative code, which is returned as it
+ * is; it is called until the header's payload length has come. KVT_ECORRUPT: the header or the
+ * checksum does not hold. */
+int kvt__blockhdr_verify_pieces(const void *hdr, size_t hdr_avail,
+                                int (*next)(void *arg, const uint8_t **piece, size_t *n), void *arg,
+                                uint32_t *len_out);
+
 /* A stored header's fields, parsed without verifying the checksum (recovery reads the header
  * first to learn how much follows). */
 typedef struct kvt__blockhdr_info {

@@ -140,6 +140,15 @@ def client(daemon: Daemon) -> Iterator[kvtier.Client]:
         yield c
 
 
+@pytest.fixture
+def vd() -> Iterator[Daemon]:
+    """A daemon of the test's own (the engine connectors' tests: test_vllm, test_vllm_hma), which
+    a test may stop, freeze or kill; killed at the end, whatever state it is in."""
+    d = Daemon()
+    yield d
+    d.stop(signal.SIGKILL)
+
+
 _base = [1_000_000]
 
 

@@ -20,7 +20,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from conftest import BUILD_ROOT, Daemon, STALL_SLACK
+from conftest import Daemon, STALL_SLACK
+from vllm_harness import forward, handed_back, skip_without_vllm, vllm_config
+from vllm_harness import settle as settle_saves
 
 try:
     from vllm.config import (
@@ -41,10 +43,7 @@ try:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLLM here
-    pytest.skip("vllm is not importable (%s: %s); scripts/engines/vllm.sh installs it, its log "
-                "is %s" % (type(e).__name__, e,
-                           os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
-                allow_module_level=True)
+    skip_without_vllm(e)
 
 import kvtier.vllm as kv  # noqa: E402
 
@@ -57,15 +56,7 @@ _tok = itertools.count(0)
 
 
 def config(d: Daemon, tp: int = 1, **extra: Any) -> "VllmConfig":
-    ec = {"unix_path": d.unix, "model": "tiny-test", "scheduler_deadline_ms": 2000,
-          "worker_deadline_ms": 2000, "probe_ms": 20}
-    ec.update(extra)
-    return VllmConfig(
-        kv_transfer_config=KVTransferConfig(kv_connector="KvtierConnector",
-                                            kv_connector_module_path="kvtier.vllm",
-                                            kv_role="kv_both", kv_connector_extra_config=ec),
-        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    return vllm_config(d, "tiny-test", BS, tp, **extra)
 
 
 def connector(cfg: "VllmConfig", role: "KVConnectorRole") -> Any:
@@ -148,18 +139,9 @@ def run_step(worker: Any, kvc: Dict[str, torch.Tensor], meta: Any, settle: bool 
     them. Returns the blocks reported as failed to load. Saves are asynchronous: with
     ``settle``, waits (as a test, outside the step) until the step's saves are stored, so
     that another engine's lookup finds them."""
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
-    for name, t in kvc.items():
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name, t, None)
-    worker.wait_for_save()
-    assert worker.get_finished(set()) == (None, None)
-    errors = worker.get_block_ids_with_load_errors()
-    worker.clear_connector_metadata()
+    errors = forward(worker, kvc, meta)
     if settle:
-        assert wait_until(lambda: worker.saves_in_flight() == 0 and  # and the leases released
-                          all(f.done() for _, f in worker._io_futures)), "saves never settled"
+        settle_saves(worker, 3.0)
     return errors
 
 
@@ -170,16 +152,7 @@ def finish(e: "Engine", r: "Request", ids: List[int]) -> bool:
     held, params = e.sched.request_finished(r, ids)
     assert params is None
     if held:
-        finished = {r.request_id}
-        deadline = time.monotonic() + 5
-        while True:
-            sending, _ = e.worker.get_finished(finished)
-            finished = set()
-            if sending:
-                assert sending == {r.request_id}
-                break
-            assert time.monotonic() < deadline, "the blocks were never handed back"
-            time.sleep(0.002)
+        handed_back(e.worker, r.request_id)
     return held
 
 
@@ -201,13 +174,6 @@ class Engine:
     def close(self) -> None:
         self.worker.shutdown()
         self.sched.shutdown()
-
-
-@pytest.fixture
-def vd() -> Any:
-    d = Daemon()
-    yield d
-    d.stop(signal.SIGKILL)
 
 
 def pages_of(kvc: Dict[str, torch.Tensor], ids: List[int]) -> List[torch.Tensor]:
@@ -1518,8 +1484,6 @@ def test_metrics_through_vllms_own_aggregation(vd: Daemon, caplog: Any) -> None:
     SchedulerStats, then vLLM's KVConnectorLogging (its log line) and KVConnectorProm (the
     Prometheus counters) through the connector class's build_kv_connector_stats and
     build_prom_metrics. Hits, misses, bytes, load and save time, failures."""
-    import logging
-
     from prometheus_client import REGISTRY
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (

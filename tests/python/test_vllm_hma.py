@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import signal
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
 
-from conftest import BUILD_ROOT, Daemon
+from conftest import Daemon
+from vllm_harness import forward, handed_back, settle, skip_without_vllm, transfer_config
+from vllm_harness import vllm_config as harness_vllm_config
 
 try:
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
@@ -35,10 +35,7 @@ try:
                                             MambaSpec, SlidingWindowSpec)
     from vllm.v1.request import Request
 except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLLM here
-    pytest.skip("vllm is not importable (%s: %s); scripts/engines/vllm.sh installs it, its log "
-                "is %s" % (type(e).__name__, e,
-                           os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
-                allow_module_level=True)
+    skip_without_vllm(e)
 
 import kvtier.vllm as kv  # noqa: E402
 from kvtier.keys import KEY_TOKENS, KEYS_TAG, key_tokens  # noqa: E402
@@ -47,6 +44,7 @@ BS, HEADS, HEAD, NBLOCKS, WINDOW = 16, 2, 8, 40, 32
 DTYPE = torch.bfloat16
 NAMES = ["model.layers.%d.self_attn.attn" % i for i in range(4)]
 FULL, SWA = NAMES[0::2], NAMES[1::2]  # group 0: layers 0 and 2; group 1: layers 1 and 3
+SETTLE_S = 5.0  # seconds a step's saves may take to be stored
 _ids = itertools.count(1)
 _tok = itertools.count(0)
 
@@ -61,19 +59,11 @@ def hybrid_config(*extra_groups: Any, full_layers: List[str] = FULL,
                                           KVCacheGroupSpec(swa_layers, swa), *extra_groups])
 
 
-def transfer_config(d: Daemon, **extra: Any) -> "KVTransferConfig":
-    return KVTransferConfig(
-        kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"unix_path": d.unix, "model": "tiny-hybrid",
-                                   "scheduler_deadline_ms": 2000, "worker_deadline_ms": 2000,
-                                   "probe_ms": 20, **extra})
+MODEL = "tiny-hybrid"
 
 
 def vllm_config(d: Daemon, **extra: Any) -> "VllmConfig":
-    return VllmConfig(kv_transfer_config=transfer_config(d, **extra),
-                      device_config=DeviceConfig(device="cpu"),
-                      cache_config=CacheConfig(block_size=BS))
+    return harness_vllm_config(d, MODEL, BS, **extra)
 
 
 def paged(seed: Any) -> Dict[str, torch.Tensor]:
@@ -123,17 +113,8 @@ class Engine:
         """The worker's calls of one forward (model runner and attention layers). Saves are
         asynchronous: then waits (as a test, outside the step) until the step's save jobs are
         stored, so that another engine's lookup finds them."""
-        w = self.worker
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-        for name, t in self.kv.items():
-            w.wait_for_layer_load(name)
-            w.save_kv_layer(name, t, None)
-        w.wait_for_save()
-        assert w.get_finished(set()) == (None, None)
-        errors = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
-        settle(w)
+        errors = forward(self.worker, self.kv, meta)
+        settle(self.worker, SETTLE_S)
         return errors
 
     def finish(self, r: "Request") -> bool:
@@ -144,16 +125,7 @@ class Engine:
         held, params = self.sched.request_finished_all_groups(r, ids)
         assert params is None
         if held:
-            finished = {r.request_id}
-            deadline = time.monotonic() + 5
-            while True:
-                sending, _ = self.worker.get_finished(finished)
-                finished = set()
-                if sending:
-                    assert sending == {r.request_id}
-                    break
-                assert time.monotonic() < deadline, "the blocks were never handed back"
-                time.sleep(0.002)
+            handed_back(self.worker, r.request_id)
         self.manager.free(r)
         return held
 
@@ -162,24 +134,8 @@ class Engine:
         self.sched.shutdown()
 
 
-def settle(w: Any) -> None:
-    """Waits until the worker's save jobs are stored (or dropped) and its loads' leases are
-    released."""
-    deadline = time.monotonic() + 5
-    while not (w.saves_in_flight() == 0 and all(f.done() for _, f in w._io_futures)):
-        assert time.monotonic() < deadline, "saves never settled"
-        time.sleep(0.005)
-
-
 class NotHybrid(KVConnectorBase_V1):
     """A connector class without SupportsHMA (only its class is looked at)."""
-
-
-@pytest.fixture
-def vd() -> Any:
-    d = Daemon()
-    yield d
-    d.stop(signal.SIGKILL)
 
 
 def request(tokens: List[int]) -> "Request":
@@ -195,7 +151,7 @@ def stored_tiers(d: Daemon, e: Engine, r: "Request", gid: int, pages: int) -> Li
     """Where kvtierd holds each page of group ``gid``'s chain of ``r`` (0: index only)."""
     from kvtier.vllm.common import group_chain
 
-    model = "tiny-hybrid|groups=2"  # a hybrid config's own namespace
+    model = MODEL + "|groups=2"  # a hybrid config's own namespace
     base = kv.key_chain(r, BS, kv.chain_root(model), [], pages)
     keys = group_chain(base, gid, [], pages)
     with d.client(model=model, salt=kv.rank_salt(0, 1, 0, 1),
@@ -219,7 +175,7 @@ def test_vllm_keeps_its_hybrid_manager_on(vd: Daemon, monkeypatch: Any, caplog: 
     from vllm.platforms import current_platform
 
     assert supports_hma(kv.KvtierConnector)
-    assert KVConnectorFactory.supports_hma_config(transfer_config(vd))
+    assert KVConnectorFactory.supports_hma_config(transfer_config(vd, MODEL))
     monkeypatch.setattr(type(current_platform), "support_hybrid_kv_cache",
                         classmethod(lambda cls: True))
     with caplog.at_level(logging.WARNING):
@@ -322,7 +278,7 @@ def test_a_hit_needs_every_group(vd: Daemon) -> None:
         w.save_kv_layer(name, a.kv[name], None)
     w.wait_for_save()
     w.clear_connector_metadata()
-    settle(w)
+    settle(w, SETTLE_S)
     assert a.finish(r)  # held until its saves were done
     assert all(stored_tiers(vd, a, r, 0, 6)) and not any(stored_tiers(vd, a, r, 1, 6))
     r2 = request(toks)
@@ -564,7 +520,7 @@ def test_window_saves_read_before_the_next_step(vd: Daemon, slow_s: float, deadl
     assert waited < slow_s + 0.3
     w.wait_for_save()
     w.clear_connector_metadata()
-    settle(w)
+    settle(w, SETTLE_S)
     assert a.finish(r)
     assert all(stored_tiers(vd, a, r, 0, 4))
     assert all(stored_tiers(vd, a, r, 1, 4)[window_start(3):]) is not cancelled

@@ -1,0 +1,96 @@
+"""vllm_harness.py: the set-up test_vllm.py and test_vllm_hma.py share: the module-level skip
+where vLLM is not importable, the connector's settings for a test daemon, vLLM's config built from
+them, and the worker's calls of one forward with the waits a test makes around them (saves
+settled, blocks handed back). The per-test daemon, ``vd``, is conftest.py's. Imported by the test
+modules after their own vLLM imports succeeded, so vLLM is imported here inside the functions."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, NoReturn
+
+import pytest
+
+from conftest import BUILD_ROOT, Daemon
+
+
+def skip_without_vllm(e: BaseException) -> NoReturn:
+    """Skips the calling test module, saying why vLLM did not import and where its install
+    log is."""
+    pytest.skip("vllm is not importable (%s: %s); scripts/engines/vllm.sh installs it, its log "
+                "is %s" % (type(e).__name__, e,
+                           os.path.join(BUILD_ROOT, "pyenv", "engine-vllm.log")),
+                allow_module_level=True)
+
+
+def extra_config(d: Daemon, model: str, /, **extra: Any) -> Dict[str, Any]:
+    """The connector's kv_connector_extra_config for daemon ``d``: long deadlines (a test's
+    daemon is not the thing timed) and a fast reconnect probe; ``extra`` adds or overrides
+    (``model`` too)."""
+    ec: Dict[str, Any] = {"unix_path": d.unix, "model": model, "scheduler_deadline_ms": 2000,
+                          "worker_deadline_ms": 2000, "probe_ms": 20}
+    ec.update(extra)
+    return ec
+
+
+def transfer_config(d: Daemon, model: str, /, **extra: Any) -> Any:
+    """vLLM's KVTransferConfig naming the connector by module path, as `--kv-transfer-config`
+    does, with extra_config's settings."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
+                            kv_role="kv_both",
+                            kv_connector_extra_config=extra_config(d, model, **extra))
+
+
+def vllm_config(d: Daemon, model: str, block_size: int, /, tp: int = 1, **extra: Any) -> Any:
+    """vLLM's config with the connector on daemon ``d`` (transfer_config), on the CPU, pages of
+    ``block_size`` tokens, ``tp`` tensor-parallel ranks."""
+    from vllm.config import CacheConfig, DeviceConfig, ParallelConfig, VllmConfig
+
+    return VllmConfig(kv_transfer_config=transfer_config(d, model, **extra),
+                      device_config=DeviceConfig(device="cpu"),
+                      cache_config=CacheConfig(block_size=block_size),
+                      parallel_config=ParallelConfig(tensor_parallel_size=tp))
+
+
+def settle(worker: Any, timeout: float) -> None:
+    """Waits until the worker's save jobs are stored (or dropped) and its loads' leases are
+    released, so that another engine's lookup finds the saves."""
+    deadline = time.monotonic() + timeout
+    while not (worker.saves_in_flight() == 0 and all(f.done() for _, f in worker._io_futures)):
+        assert time.monotonic() < deadline, "saves never settled"
+        time.sleep(0.005)
+
+
+def forward(worker: Any, kvc: Dict[str, Any], meta: Any) -> set:
+    """The worker's calls in one forward, as vLLM's model runner and attention layers make
+    them (every layer of ``kvc`` loaded, then saved). Returns the blocks reported as failed to
+    load."""
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name, t in kvc.items():
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, t, None)
+    worker.wait_for_save()
+    assert worker.get_finished(set()) == (None, None)
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return errors
+
+
+def handed_back(worker: Any, request_id: str) -> None:
+    """The worker's get_finished calls of the steps after a request finished with its blocks
+    held (a save was planned), until it hands them back: the request is reported once, as done
+    sending."""
+    finished = {request_id}
+    deadline = time.monotonic() + 5
+    while True:
+        sending, _ = worker.get_finished(finished)
+        finished = set()
+        if sending:
+            assert sending == {request_id}
+            return
+        assert time.monotonic() < deadline, "the blocks were never handed back"
+        time.sleep(0.002)
