@@ -8,8 +8,9 @@
  * Issue 42 (docs/architecture.md, "Event loops"): the store and everything above the sockets
  * stay behind one lock, s->lock; what runs in parallel is each connection's socket reads and its
  * writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's I/O
- * threads, and (step 2) the tree walks of MATCHes without a lease, which take the lock shared
- * (a reader-writer lock, op_match.c). The accept is a hand-off from loop 0, not SO_REUSEPORT or
+ * threads, and (steps 2, 3) the MATCHes without a lease, which walk, count (each loop in its own
+ * metric table, merged on scrape) and answer under the lock taken shared (a reader-writer lock,
+ * op_match.c). The accept is a hand-off from loop 0, not SO_REUSEPORT or
  * EPOLLEXCLUSIVE: both of those leave the choice to the kernel (a hash of the peer's address, the
  * first loop idle in epoll_wait), which on the few long-lived connections of a serving node's
  * engines can put them all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per
@@ -131,6 +132,8 @@ static void *loop_main(void *arg)
 int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l))
 {
     s->loop_after = after;
+    for (unsigned i = 0; i < s->nloops; i++) /* NULL (no memory for them): the main table */
+        s->loops[i].metrics = kvt__metrics_loop(s->metrics, i);
     kvt__loop_set_self(&s->loops[0]);
     s->loops[0].thread = pthread_self();
     s->loops[0].started = 1;
@@ -192,6 +195,7 @@ void kvt__loops_close(kvt_srv_t *s)
     for (unsigned i = 0; i < s->nloops; i++) {
         kvt__loop_t *l = &s->loops[i];
         kvt__conns_reap(l);
+        free(l->hit.keys);
         if (l->wake.fd >= 0)
             close(l->wake.fd);
         if (i > 0 && l->epfd >= 0)
