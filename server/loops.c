@@ -137,6 +137,7 @@ int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l))
     kvt__loop_set_self(&s->loops[0]);
     s->loops[0].thread = pthread_self();
     s->loops[0].started = 1;
+    kvt__metric_set(s->metrics, KVT_M_LOOPS, 0, s->nloops);
     if (s->nloops < 2)
         return 0;
     s->loops_running = 1;
@@ -153,6 +154,7 @@ int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l))
     }
     if (s->nloops < 2)
         s->loops_running = 0;
+    kvt__metric_set(s->metrics, KVT_M_LOOPS, 0, s->nloops);
     return 0;
 }
 

@@ -144,6 +144,10 @@ typedef enum {
     X(TIER_IO_ERRORS, COUNTER, "kvtier_tier_io_errors_total",                                      \
       "Tier reads and writes that completed with an error (misses included).", TIER_IO)            \
     X(CONNECTIONS, GAUGE, "kvtier_connections", "Client connections open now.", NONE)              \
+    X(LOOPS, GAUGE, "kvtier_loops",                                                                \
+      "Event loops serving the clients: the loops setting, 0 resolved to the CPUs the daemon may " \
+      "run on (at most 8).",                                                                       \
+      NONE)                                                                                        \
     X(LOOP_CONNECTIONS, GAUGE, "kvtier_loop_connections",                                          \
       "Client connections open now, by the event loop that serves them (loops).", LOOP)            \
     X(LOOP_REQUESTS, COUNTER, "kvtier_loop_requests_total",                                        \

@@ -303,6 +303,27 @@ Test(server_loops, the_loops_setting)
     cr_assert_eq(kvd_http_get(&d, "/metrics", buf, sizeof buf), 200);
     snprintf(key, sizeof key, "{loop=\"%d\"}", want);
     cr_expect(!strstr(buf, key), "no loop %d", want);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loops"), want, "loops 0 resolved to %d", want);
+    cr_expect_eq(kvd_stat(c, "loops"), (uint64_t)want);
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/* With no loops setting the daemon runs the documented default (docs/server.md: 1), shown as
+ * kvtier_loops and STATS' loops; KVT_TEST_LOOPS (the loops2 runs) is not this test's. */
+Test(server_loops, the_loops_default_is_one)
+{
+    unsetenv("KVT_TEST_LOOPS");
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loops"), 1);
+    cr_expect_eq(kvd_stat(c, "loops"), 1);
+    char buf[1 << 16];
+    cr_assert_eq(kvd_http_get(&d, "/metrics", buf, sizeof buf), 200);
+    cr_expect(strstr(buf, "kvtier_loop_connections{loop=\"0\"} 1"), "loop 0 serves c");
+    cr_expect(!strstr(buf, "{loop=\"1\"}"), "no loop 1");
     kvt_client_close(c);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
