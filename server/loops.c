@@ -14,7 +14,9 @@
  * EPOLLEXCLUSIVE: both of those leave the choice to the kernel (a hash of the peer's address, the
  * first loop idle in epoll_wait), which on the few long-lived connections of a serving node's
  * engines can put them all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per
- * connection, and an engine connects once. The Unix socket and TCP are handed off the same way.
+ * connection, and an engine connects once (bench_accept: the same CPU per accept as
+ * SO_REUSEPORT, and the only one of the three that always spreads a handful of connections
+ * evenly). The Unix socket and TCP are handed off the same way.
  *
  *     loop 0 (main thread)              loop i (thread)
  *     listeners, signals, tiers,        [epoll: its connections, its eventfd]
