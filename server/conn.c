@@ -499,15 +499,17 @@ kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint6
 
 static void count_reply(kvt__conn_t *c, uint8_t op, uint64_t t0, int status)
 {
-    kvt_srv_t *s = c->srv;
     if (op == 0 || op >= KVT_OP_COUNT)
         return;
+    /* The loop's own table (merged on scrape): a MATCH answered under the lock shared counts
+     * while other loops count theirs. */
+    kvt_metrics_t *mt = c->loop->metrics ? c->loop->metrics : c->srv->metrics;
     c->loop->requests++;
-    kvt__metric_add(s->metrics, KVT_M_LOOP_REQUESTS, c->loop->id, 1);
-    kvt__metric_add(s->metrics, KVT_M_REQUESTS, op, 1);
+    kvt__metric_add(mt, KVT_M_LOOP_REQUESTS, c->loop->id, 1);
+    kvt__metric_add(mt, KVT_M_REQUESTS, op, 1);
     if (status < 0)
-        kvt__metric_add(s->metrics, KVT_M_REQUEST_ERRORS, op, 1);
-    kvt__metric_observe(s->metrics, KVT_M_REQUEST_SECONDS, op, kvt_now_ns() - t0);
+        kvt__metric_add(mt, KVT_M_REQUEST_ERRORS, op, 1);
+    kvt__metric_observe(mt, KVT_M_REQUEST_SECONDS, op, kvt_now_ns() - t0);
 }
 
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,

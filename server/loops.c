@@ -8,12 +8,15 @@
  * Issue 42 (docs/architecture.md, "Event loops"): the store and everything above the sockets
  * stay behind one lock, s->lock; what runs in parallel is each connection's socket reads and its
  * writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's I/O
- * threads, and (step 2) the tree walks of MATCHes without a lease, which take the lock shared
- * (a reader-writer lock, op_match.c). The accept is a hand-off from loop 0, not SO_REUSEPORT or
+ * threads, and (steps 2, 3) the MATCHes without a lease, which walk, count (each loop in its own
+ * metric table, merged on scrape) and answer under the lock taken shared (a reader-writer lock,
+ * op_match.c). The accept is a hand-off from loop 0, not SO_REUSEPORT or
  * EPOLLEXCLUSIVE: both of those leave the choice to the kernel (a hash of the peer's address, the
  * first loop idle in epoll_wait), which on the few long-lived connections of a serving node's
  * engines can put them all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per
- * connection, and an engine connects once. The Unix socket and TCP are handed off the same way.
+ * connection, and an engine connects once (bench_accept: the same CPU per accept as
+ * SO_REUSEPORT, and the only one of the three that always spreads a handful of connections
+ * evenly). The Unix socket and TCP are handed off the same way.
  *
  *     loop 0 (main thread)              loop i (thread)
  *     listeners, signals, tiers,        [epoll: its connections, its eventfd]
@@ -131,9 +134,12 @@ static void *loop_main(void *arg)
 int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l))
 {
     s->loop_after = after;
+    for (unsigned i = 0; i < s->nloops; i++) /* NULL (no memory for them): the main table */
+        s->loops[i].metrics = kvt__metrics_loop(s->metrics, i);
     kvt__loop_set_self(&s->loops[0]);
     s->loops[0].thread = pthread_self();
     s->loops[0].started = 1;
+    kvt__metric_set(s->metrics, KVT_M_LOOPS, 0, s->nloops);
     if (s->nloops < 2)
         return 0;
     s->loops_running = 1;
@@ -150,6 +156,7 @@ int kvt__loops_start(kvt_srv_t *s, void (*after)(kvt__loop_t *l))
     }
     if (s->nloops < 2)
         s->loops_running = 0;
+    kvt__metric_set(s->metrics, KVT_M_LOOPS, 0, s->nloops);
     return 0;
 }
 
@@ -192,6 +199,7 @@ void kvt__loops_close(kvt_srv_t *s)
     for (unsigned i = 0; i < s->nloops; i++) {
         kvt__loop_t *l = &s->loops[i];
         kvt__conns_reap(l);
+        free(l->hit.keys);
         if (l->wake.fd >= 0)
             close(l->wake.fd);
         if (i > 0 && l->epfd >= 0)

@@ -8,6 +8,12 @@
  * further, and the one build_info series. The process_* gauges are read from /proc/self when a
  * scrape asks, as every Prometheus client library does. The remote tier's per-node families
  * (label node) are rows copied from the tier with the other gauges, like the per-tenant bytes.
+ *
+ * Each event loop also has a table of its own (kvt__metrics_loop, issue 42): a MATCH answered
+ * under the store's lock shared counts there, and so do the replies' request metrics, each loop
+ * writing only its own while other loops write theirs. A scrape holds the lock for writing, so no
+ * loop writes then: kvt__metrics_process adds every loop's counts into the main table and clears
+ * them, and what is rendered is the sums (the same names and values as one table's).
  */
 #include "metrics.h"
 
@@ -87,6 +93,14 @@ struct kvt_metrics {
     unsigned nloops;                                          /* kvt__metrics_loops */
     kvt_tier_remote_node_stats_t nodes[KVT_REMOTE_NODE_ROWS]; /* kvt__metrics_remote_nodes */
     size_t nnodes;
+    /* The main table: the loops' own tables (kvt__metrics_loops), merged at each scrape. */
+    struct kvt_metrics **loop_tables;
+    unsigned nloop_tables;
+    /* A loop's table: the metrics added since the last merge (only those are merged), and its
+     * per-namespace adds by slot (the main table's labels; room for every slot it can give). */
+    uint8_t dirty[KVT_M_COUNT];
+    double *ns_adds;
+    unsigned ns_cap;
 };
 
 void kvt__metrics_remote_nodes(kvt_metrics_t *m, const kvt_tier_remote_node_stats_t *rows, size_t n)
@@ -182,6 +196,11 @@ unsigned kvt__metrics_ns_slot(kvt_metrics_t *m, const char *model, const char *a
 
 void kvt__metric_ns_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned slot, double v)
 {
+    if (m->ns_adds) { /* a loop's table */
+        kvt_assert(id < KVT_M_COUNT && kvt_defs[id].lbl == KVT_LBL_NS && slot < m->ns_cap);
+        m->ns_adds[slot] += v;
+        return;
+    }
     kvt_assert(id < KVT_M_COUNT && kvt_defs[id].lbl == KVT_LBL_NS && slot < m->nns);
     m->ns[slot].v += v;
 }
@@ -200,8 +219,37 @@ static double boot_time(void)
     return bt;
 }
 
+/* Adds a loop's counts into the main table m and clears them. Only counters and histograms are
+ * added in a loop's table (kvt__metric_set is the main table's). */
+static void merge_loop(kvt_metrics_t *m, kvt_metrics_t *l)
+{
+    for (unsigned id = 0; id < KVT_M_COUNT; id++) {
+        if (!l->dirty[id])
+            continue;
+        l->dirty[id] = 0;
+        for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
+            m->values[id][s] += l->values[id][s];
+            l->values[id][s] = 0;
+            kvt_hist_t *to = &m->hists[id][s], *from = &l->hists[id][s];
+            if (!from->count)
+                continue;
+            for (unsigned b = 0; b < KVT_HIST_BUCKETS; b++)
+                to->buckets[b] += from->buckets[b];
+            to->count += from->count;
+            to->sum += from->sum;
+            memset(from, 0, sizeof *from);
+        }
+    }
+    for (unsigned i = 0; i < l->ns_cap && i < m->nns; i++) {
+        m->ns[i].v += l->ns_adds[i];
+        l->ns_adds[i] = 0;
+    }
+}
+
 void kvt__metrics_process(kvt_metrics_t *m)
 {
+    for (unsigned i = 0; i < m->nloop_tables; i++)
+        merge_loop(m, m->loop_tables[i]);
     /* /proc/self/stat: the name in parentheses may hold spaces; the fields counted from the
      * last ')' are 3 (state) onwards: utime 14, stime 15, starttime 22, vsize 23, rss 24. */
     char buf[1024];
@@ -250,9 +298,33 @@ void kvt__metrics_devices(kvt_metrics_t *m, unsigned mask)
     m->device_mask = mask;
 }
 
-void kvt__metrics_loops(kvt_metrics_t *m, unsigned n)
+int kvt__metrics_loops(kvt_metrics_t *m, unsigned n)
 {
     m->nloops = n;
+    if (m->loop_tables)
+        return 0; /* made once, at start */
+    kvt_metrics_t **t = calloc(n ? n : 1, sizeof *t);
+    if (!t)
+        return KVT_ENOMEM;
+    for (unsigned i = 0; i < n; i++) {
+        /* Slots 0 .. ns_limit: every one kvt__metrics_ns_slot can hand out. */
+        if (!(t[i] = calloc(1, sizeof *t[i])) ||
+            !(t[i]->ns_adds = calloc(m->ns_limit + 1, sizeof *t[i]->ns_adds))) {
+            for (unsigned j = 0; j <= i; j++)
+                kvt__metrics_destroy(t[j]);
+            free(t);
+            return KVT_ENOMEM;
+        }
+        t[i]->ns_cap = m->ns_limit + 1;
+    }
+    m->loop_tables = t;
+    m->nloop_tables = n;
+    return 0;
+}
+
+kvt_metrics_t *kvt__metrics_loop(kvt_metrics_t *m, unsigned i)
+{
+    return i < m->nloop_tables ? m->loop_tables[i] : NULL;
 }
 
 /* A TIER_SCALE series of a tier not configured, a DEVICE series of a device with no HBM pool,
@@ -288,6 +360,10 @@ void kvt__metrics_destroy(kvt_metrics_t *m)
     for (unsigned i = 0; m->ns && i < m->nns; i++)
         free(m->ns[i].labels);
     free(m->ns);
+    for (unsigned i = 0; i < m->nloop_tables; i++)
+        kvt__metrics_destroy(m->loop_tables[i]);
+    free(m->loop_tables);
+    free(m->ns_adds);
     free(m);
 }
 
@@ -295,6 +371,7 @@ void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, doub
 {
     kvt_assert(id < KVT_M_COUNT && series < KVT_MAX_SERIES);
     m->values[id][series] += v;
+    m->dirty[id] = 1;
 }
 
 void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v)
@@ -320,6 +397,7 @@ void kvt__metric_observe(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, 
     h->buckets[b]++;
     h->count++;
     h->sum += s;
+    m->dirty[id] = 1;
 }
 
 const kvt_hist_t *kvt__metric_hist(const kvt_metrics_t *m, kvt_metric_id_t id, unsigned series)

@@ -144,6 +144,10 @@ typedef enum {
     X(TIER_IO_ERRORS, COUNTER, "kvtier_tier_io_errors_total",                                      \
       "Tier reads and writes that completed with an error (misses included).", TIER_IO)            \
     X(CONNECTIONS, GAUGE, "kvtier_connections", "Client connections open now.", NONE)              \
+    X(LOOPS, GAUGE, "kvtier_loops",                                                                \
+      "Event loops serving the clients: the loops setting, 0 resolved to the CPUs the daemon may " \
+      "run on (at most 8).",                                                                       \
+      NONE)                                                                                        \
     X(LOOP_CONNECTIONS, GAUGE, "kvtier_loop_connections",                                          \
       "Client connections open now, by the event loop that serves them (loops).", LOOP)            \
     X(LOOP_REQUESTS, COUNTER, "kvtier_loop_requests_total",                                        \
@@ -446,8 +450,13 @@ void kvt__metrics_tiers(kvt_metrics_t *m, unsigned mask);
 
 /* The devices (bit i: device i, i < 16) with an HBM pool, whose DEVICE series are shown. */
 void kvt__metrics_devices(kvt_metrics_t *m, unsigned mask);
-/* The event loops (at most 16), whose LOOP series are shown. */
-void kvt__metrics_loops(kvt_metrics_t *m, unsigned n);
+/* The event loops (at most 16), whose LOOP series are shown; and a table of counters for each
+ * (made once: a later call only sets n). Returns 0 or KVT_ENOMEM (no loop tables then). */
+int kvt__metrics_loops(kvt_metrics_t *m, unsigned n);
+/* Loop i's own table (NULL: none): counters and histograms only (add, observe, ns_add), written by
+ * loop i's thread under s->lock shared or by any thread under it for writing, and merged into m by
+ * kvt__metrics_process under it for writing (a scrape: /metrics and STATS). Freed with m. */
+kvt_metrics_t *kvt__metrics_loop(kvt_metrics_t *m, unsigned i);
 void kvt__metric_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_set(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, double v);
 void kvt__metric_observe(kvt_metrics_t *m, kvt_metric_id_t id, unsigned series, uint64_t ns);
@@ -477,8 +486,8 @@ void kvt__metrics_ns_limit(kvt_metrics_t *m, unsigned limit);
 unsigned kvt__metrics_ns_slot(kvt_metrics_t *m, const char *model, const char *adapter);
 void kvt__metric_ns_add(kvt_metrics_t *m, kvt_metric_id_t id, unsigned slot, double v);
 
-/* Reads the process_* gauges from /proc/self (at scrape time: a scrape shows them fresh). A value
- * it cannot read keeps its last one. */
+/* At scrape time: merges the loops' tables into m (kvt__metrics_loop), then reads the process_*
+ * gauges from /proc/self (a scrape shows them fresh). A value it cannot read keeps its last one. */
 void kvt__metrics_process(kvt_metrics_t *m);
 
 /* Renders every metric in the Prometheus text exposition format (0.0.4). The string is

@@ -21,7 +21,7 @@
 
 /* The seconds saved by the hits of one MATCH: recompute[t] and bytes[t] summed over its runs in
  * tier t, then each tier's load subtracted once. */
-static void count_saved(kvt_srv_t *s, unsigned ns_slot, const double *recompute,
+static void count_saved(kvt_srv_t *s, kvt_metrics_t *mt, unsigned ns_slot, const double *recompute,
                         const uint64_t *bytes)
 {
     double all = 0;
@@ -31,11 +31,11 @@ static void count_saved(kvt_srv_t *s, unsigned ns_slot, const double *recompute,
         double saved = recompute[t] - kvt_cost_load_s(&s->cost_hw, (kvt_tier_id_t)t, bytes[t]);
         if (!(saved > 0)) /* no path from that tier (INFINITY), or loading costs more */
             continue;
-        kvt__metric_add(s->metrics, KVT_M_SECONDS_SAVED, (unsigned)t, saved);
+        kvt__metric_add(mt, KVT_M_SECONDS_SAVED, (unsigned)t, saved);
         all += saved;
     }
     if (all > 0)
-        kvt__metric_ns_add(s->metrics, KVT_M_NS_SECONDS_SAVED, ns_slot, all);
+        kvt__metric_ns_add(mt, KVT_M_NS_SECONDS_SAVED, ns_slot, all);
 }
 
 /* Why the pages after m were not found: the first one not matched names the reason for the
@@ -50,12 +50,13 @@ static kvt_miss_reason_t match_why(kvt_srv_t *s, const kvt_match_t *m, const uin
     return kvt__ghost_seen(s, next) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
 }
 
-/* The counters of one lookup of ntokens tokens of which pages whole pages matched, in tiers[]:
- * reads neither the tree nor the tiers (why: match_why's, when pages < the lookup's whole). */
-static void count_match(kvt_srv_t *s, unsigned ns_slot, uint32_t pages, uint32_t ntokens,
-                        uint32_t page, const uint8_t *tiers, kvt_miss_reason_t why)
+/* The counters of one lookup of ntokens tokens of which pages whole pages matched, in tiers[],
+ * added to mt (s->metrics, or under the shared lock the loop's own): reads neither the tree nor
+ * the tiers (why: match_why's, when pages < the lookup's whole). */
+static void count_match(kvt_srv_t *s, kvt_metrics_t *mt, unsigned ns_slot, uint32_t pages,
+                        uint32_t ntokens, uint32_t page, const uint8_t *tiers,
+                        kvt_miss_reason_t why)
 {
-    kvt_metrics_t *mt = s->metrics;
     double recompute[KVT_TIER_COUNT] = {0};
     uint64_t bytes[KVT_TIER_COUNT] = {0};
     kvt__metric_add(mt, KVT_M_LOOKUPS, 0, 1);
@@ -79,7 +80,7 @@ static void count_match(kvt_srv_t *s, unsigned ns_slot, uint32_t pages, uint32_t
             bytes[tiers[i]] += kvt_cost_kv_bytes(&s->cost_model, (uint64_t)run * page);
         }
     }
-    count_saved(s, ns_slot, recompute, bytes);
+    count_saved(s, mt, ns_slot, recompute, bytes);
     kvt__metric_add(mt, KVT_M_PREFILL_SAVED, 0,
                     (double)pages * page / s->conf->prefill_tokens_per_s);
     uint32_t whole = ntokens / page;
@@ -252,7 +253,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
         kvt_miss_reason_t why = q->ntokens / q->page > m->pages
                                     ? match_why(s, m, q->tokens, q->page, remote_down)
                                     : KVT_MISS_NEVER_SEEN;
-        count_match(s, c->metric_ns, m->pages, q->ntokens, q->page, tiers, why);
+        count_match(s, s->metrics, c->metric_ns, m->pages, q->ntokens, q->page, tiers, why);
         if (s->mrc)
             mrc_match(s, m, q);
     }
@@ -329,6 +330,14 @@ void kvt__match_settle(kvt_srv_t *s)
 {
     for (unsigned i = 0; s->loops && i < s->nloops; i++) {
         kvt__hit_t *hit = &s->loops[i].hit;
+        if (hit->clients_bytes) { /* its replies' bytes, queued with the lock shared */
+            s->clients.bytes += (uint64_t)hit->clients_bytes;
+            hit->clients_bytes = 0;
+        }
+        if (hit->sample) {
+            hit->sample = 0;
+            kvt__mrc_lookup(s->mrc, hit->keys, hit->whole, hit->page, hit->block, hit->ntokens);
+        }
         if (!hit->pending)
             continue;
         hit->pending = 0;
@@ -400,17 +409,23 @@ static void shared_keys(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tok,
 /*
  * A MATCH without LEASE, KEEP or REMOTE, on c's own event at the top of its loop while several
  * loops run (where conn.c lets the lock go for c's socket I/O: nothing is half done). Its walk
- * only reads the tree, so the lock is let go and taken shared, and other loops' MATCHes walk at
- * the same time. Nothing is written under the shared lock but c's loop's hit: the blocks' hit
- * counters, the policy's use and the path's last hash wait there for the next write lock, which
- * applies them before the tree can change (kvt__match_settle); the counters, the miss-ratio
- * curve's sample and the reply come once this one has the write lock back. The keys of the
- * pages (the miss reason, the curve) are hashed from the tokens when the tree has not cached
- * them: caching is a write.
+ * only reads the tree, so the lock is let go and taken shared, and other loops' MATCHes run at
+ * the same time: the whole MATCH does, not only its walk. What it writes is its loop's alone:
+ *
+ *   its counters and the reply's request metrics   the loop's table (l->metrics), merged on scrape
+ *   the blocks' hits, the policy's use, a path's   l->hit, applied by the next write lock before
+ *   last hash; the miss-ratio curve's sample       the tree can change (kvt__match_settle)
+ *   the reply (c's queue: c is this loop's)        c's requests; the clients' memory it adds waits
+ *                                                  in l->hit too (kvt__out_add, l->shared)
+ *
+ * The keys of the pages (the miss reason, the curve) are hashed from the tokens when the tree has
+ * not cached them: caching is a write. The write lock is taken back only because the caller's
+ * framing runs under it (conn.c); it applies l->hit first.
  *
  * Returns 1 when answered, 0 when the caller answers instead under the write lock (the NVMe tier
  * has dropped blocks: checking a path for them may queue work, kvt__store_check_path; or the
- * seek failed, which it reports). The write lock is held on return either way.
+ * seek failed, which it reports; or the loop has no table of its own). The write lock is held on
+ * return either way.
  */
 static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
                         const kvt_proto_match_t *q)
@@ -419,6 +434,8 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
     kvt__loop_t *l = c->loop;
     int probe = (h->flags & KVT_MATCH_F_PROBE) != 0;
     uint32_t page = c->page_size, whole = page ? q->ntokens / page : 0;
+    if (!l->metrics)
+        return 0;
     kvt__srv_unlock(s);
     kvt__srv_lock_shared(s);
     kvt__path_t p;
@@ -428,60 +445,70 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
         kvt__srv_lock(s);
         return 0;
     }
+    l->shared = 1;
+    kvt__hit_t *hit = &l->hit;
     kvt_match_t m = p.m;
-    uint32_t block = c->block_bytes   ? c->block_bytes
-                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
-                                      : 0;
-    /* Keys: the curve's for every whole page; else only the reason's (shared_why). */
-    uint64_t stackkeys[KVT_SHARED_KEYS], *keys = stackkeys;
+    /* Keys: the curve's for every whole page, in the loop's buffer (the sample waits there for
+     * the write lock); else only the reason's (shared_why). */
     uint32_t nkeys = probe || !s->mrc ? 0 : whole;
     kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
     int cache_tail = 0;
-    if (nkeys > KVT_SHARED_KEYS && !(keys = malloc((size_t)nkeys * sizeof *keys)))
-        nkeys = 0; /* out of memory: no reason (never seen) and no sample, as the curve's own */
+    if (nkeys > hit->keys_cap) {
+        uint64_t *k = realloc(hit->keys, (size_t)nkeys * sizeof *k);
+        if (k) {
+            hit->keys = k;
+            hit->keys_cap = nkeys;
+        } else {
+            nkeys = 0; /* out of memory: no reason (never seen) and no sample, as the curve's */
+        }
+    }
     if (nkeys) {
-        shared_keys(s, &m, c->tok, page, whole, keys, &cache_tail);
+        shared_keys(s, &m, c->tok, page, whole, hit->keys, &cache_tail);
         if (whole > m.pages)
-            why = kvt__ghost_seen(s, keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+            why = kvt__ghost_seen(s, hit->keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
     } else if (!probe && !s->mrc && whole > m.pages) {
         why = shared_why(s, &m, c->tok, page, &cache_tail);
     }
     uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
     size_t len = sizeof(kvt_wire_match_reply_t) + m.pages;
     uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
+    int rc = 0;
     if (out) {
         uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
         for (kvt__path_walk(&p, &m); p.run.node; kvt__path_step(&p))
             for (uint32_t i = 0; i < p.run.n; i++)
                 tiers[p.run.depth + i] = p.run.blocks[i].tier;
-        if (!probe && m.pages)
-            l->hit = (kvt__hit_t){.pending = 1,
-                                  .cache_tail = cache_tail,
-                                  .device = c->device,
-                                  .m = m,
-                                  .hints = q->hints};
-    }
-    kvt__srv_unlock(s);
-    kvt__srv_lock(s); /* applies l->hit, if another writer did not first */
-    int rc;
-    if (!out) {
-        rc = kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    } else {
         if (!probe) {
-            count_match(s, c->metric_ns, m.pages, q->ntokens, page,
-                        out + sizeof(kvt_wire_match_reply_t), why);
-            if (s->mrc && (nkeys || !whole))
-                kvt__mrc_lookup(s->mrc, keys, whole, page, block, q->ntokens);
+            count_match(s, l->metrics, c->metric_ns, m.pages, q->ntokens, page, tiers, why);
+            if (s->mrc && (nkeys || !whole)) {
+                hit->sample = 1;
+                hit->whole = whole;
+                hit->page = page;
+                hit->block = c->block_bytes   ? c->block_bytes
+                             : c->ns < s->nns ? s->ns[c->ns].block_bytes
+                                              : 0;
+                hit->ntokens = q->ntokens;
+            }
         }
-        kvt__metric_add(s->metrics, KVT_M_LOOP_SHARED_MATCHES, l->id, 1);
+        if (!probe && m.pages) {
+            hit->pending = 1;
+            hit->cache_tail = cache_tail;
+            hit->device = c->device;
+            hit->m = m;
+            hit->hints = q->hints;
+        }
+        kvt__metric_add(l->metrics, KVT_M_LOOP_SHARED_MATCHES, l->id, 1);
         kvt_proto_match_reply_t w = {.tokens = m.pages * page, .pages = m.pages};
         kvt_proto_match_reply_encode(out, &w);
         rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len);
     }
+    l->shared = 0;
+    kvt__srv_unlock(s);
+    kvt__srv_lock(s); /* applies l->hit, if another writer did not first */
+    if (!out)         /* its log line's limiter is shared by the loops: under the write lock */
+        rc = kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     if (out != stackbuf)
         free(out);
-    if (keys != stackkeys)
-        free(keys);
     return rc < 0 ? rc : 1;
 }
 

@@ -397,6 +397,14 @@ typedef struct kvt__hit {
     int device;
     kvt_match_t m;
     kvt_proto_hints_t hints;
+    /* The miss-ratio curve's sample (kvt__mrc_lookup's arguments), in keys, the loop's own
+     * buffer (keys_cap page keys, kept between MATCHes, freed with the loop). */
+    int sample;
+    uint32_t whole, page, block, ntokens;
+    uint64_t *keys;
+    uint32_t keys_cap;
+    /* The clients' memory its reply queued (kvt__out_add while shared): s->clients.bytes's. */
+    int64_t clients_bytes;
 } kvt__hit_t;
 
 struct kvt__loop {
@@ -415,6 +423,9 @@ struct kvt__loop {
     uint32_t conns;
     uint64_t requests, kicks_posted;
     kvt__hit_t hit; /* written under the shared lock by this loop's thread only */
+    int shared;     /* this loop's thread holds s->lock shared (a MATCH answered there) */
+    /* Its own counters (kvt__metrics_loop), merged on scrape; NULL: s->metrics (loops.c). */
+    kvt_metrics_t *metrics;
 };
 
 struct kvt_srv {
@@ -559,7 +570,10 @@ void kvt__conns_mem_retry(kvt_srv_t *s);
 static inline void kvt__out_add(kvt__conn_t *c, int64_t delta)
 {
     c->out_bytes += (size_t)delta;
-    c->srv->clients.bytes += (uint64_t)delta;
+    if (c->loop->shared) /* other loops may count too: this loop's, added at the next write lock */
+        c->loop->hit.clients_bytes += delta;
+    else
+        c->srv->clients.bytes += (uint64_t)delta;
 }
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
