@@ -13,7 +13,7 @@ reads into them; the calls run on an event loop in a thread of their own, as in 
 backend's memory is written once before pass 1 (no page faults of this process are timed).
 
   bench_lmcache.py --build-root BUILD [--passes R]
-  bench_lmcache.py --build-root BUILD --phases R
+  bench_lmcache.py --build-root BUILD --phases R [--pause-ms MS]
 
 --phases R times the steps of R connector saves and loads instead (issue 35: where a call's
 time goes), on one kvtierd, each pass's chunks removed just before the next pass stores (so the
@@ -21,6 +21,7 @@ DRAM tier's freed pages are reused: a save after a longer pause pays page faults
 the daemon gave back meanwhile, docs/engines.md "Where the warm save and load go"); beside each
 connector call, the package's keyed call of the same chunks (the same MemoryObjs' memory, the
 same key strings, the LMCache wrapper and event loop left out). Per step, min and median ms.
+--pause-ms MS pauses that long between a pass's removal and the next pass's save.
 
 Runs under BUILD/pyenv's Python (re-executing itself there). Exits 77 (skipped), saying why,
 when LMCache does not import there (scripts/engines/lmcache.sh).
@@ -46,6 +47,8 @@ def parse() -> argparse.Namespace:
                     "the passes (the keyed PUT's bar is also set with 2)")
     ap.add_argument("--phases", type=int, default=0, help="time the steps of this many "
                     "connector saves and loads instead (min and median per step)")
+    ap.add_argument("--pause-ms", type=float, default=0, help="with --phases: the pause between "
+                    "a pass's removal and the next pass's save (the faults it costs)")
     return ap.parse_args()
 
 
@@ -233,6 +236,7 @@ def phases(rounds: int) -> None:
             assert all(inner._store.client.remove_keys_each(names))
             record("save", "keyed_same_memory", (t1 - t0) * 1e3)
             record("load", "keyed_same_memory", (t3 - t2) * 1e3)
+            time.sleep(args.pause_ms / 1e3)
     finally:
         f.close()
         d.stop()
