@@ -13,6 +13,15 @@ reads into them; the calls run on an event loop in a thread of their own, as in 
 backend's memory is written once before pass 1 (no page faults of this process are timed).
 
   bench_lmcache.py --build-root BUILD [--passes R]
+  bench_lmcache.py --build-root BUILD --phases R [--pause-ms MS]
+
+--phases R times the steps of R connector saves and loads instead (issue 35: where a call's
+time goes), on one kvtierd, each pass's chunks removed just before the next pass stores (so the
+DRAM tier's freed pages are reused: a save after a longer pause pays page faults for the pages
+the daemon gave back meanwhile, docs/engines.md "Where the warm save and load go"); beside each
+connector call, the package's keyed call of the same chunks (the same MemoryObjs' memory, the
+same key strings, the LMCache wrapper and event loop left out). Per step, min and median ms.
+--pause-ms MS pauses that long between a pass's removal and the next pass's save.
 
 Runs under BUILD/pyenv's Python (re-executing itself there). Exits 77 (skipped), saying why,
 when LMCache does not import there (scripts/engines/lmcache.sh).
@@ -36,6 +45,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--passes", type=int, default=5, help="warm passes after the first (>= 1)")
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
                     "the passes (the keyed PUT's bar is also set with 2)")
+    ap.add_argument("--phases", type=int, default=0, help="time the steps of this many "
+                    "connector saves and loads instead (min and median per step)")
+    ap.add_argument("--pause-ms", type=float, default=0, help="with --phases: the pause between "
+                    "a pass's removal and the next pass's save (the faults it costs)")
     return ap.parse_args()
 
 
@@ -151,7 +164,91 @@ class Connector(cb.Form):
         self.loop.close()
 
 
+def phases(rounds: int) -> None:
+    """The --phases mode (see the module's docstring)."""
+    import resource
+    import statistics
+    import time
+
+    from pybench import Daemon
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    d = Daemon(build, "kvt-bench-lmcache-phases-", "256M")
+    f = Connector(d.unix)
+    inner = f.conn.getWrappedConnector()
+    marks: dict = {}
+    steps: dict = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def w(*a: Any) -> Any:
+            marks[name + "0"] = (time.perf_counter(), faults())
+            try:
+                return fn(*a)
+            finally:
+                marks[name + "1"] = (time.perf_counter(), faults())
+        return w
+
+    # Instance attributes over the connector's own steps: its work on LMCache's loop (_put_sync,
+    # _get_sync) and, inside it, the kvtier call (_call).
+    inner._put_sync = timed("work", inner._put_sync)
+    inner._get_sync = timed("work", inner._get_sync)
+    inner._call = timed("kvtier", inner._call)
+
+    def record(op: str, step: str, ms: float) -> None:
+        steps.setdefault((op, step), []).append(ms)
+
+    try:
+        for p in range(1, rounds + 2):
+            f.prepare(p)
+            for op, call in (("save", f.save), ("load", f.load)):
+                marks.clear()
+                t0 = time.perf_counter()
+                call()
+                t1 = time.perf_counter()
+                if p == 1:
+                    continue  # the daemon's first pass faults its memory in
+                w0, w1 = marks["work0"][0], marks["work1"][0]
+                (k0, f0), (k1, f1) = marks["kvtier0"], marks["kvtier1"]
+                for step, ms in (("to_loop", w0 - t0), ("connector_before", k0 - w0),
+                                 ("kvtier_call", k1 - k0), ("connector_after", w1 - k1),
+                                 ("from_loop", t1 - w1), ("whole", t1 - t0)):
+                    record(op, step, ms * 1e3)
+                record(op, "kvtier_call_faults", f1 - f0)
+            f.check()
+            names = key_names(p)
+            f.drop()
+            if p == 1:
+                continue
+            # The keyed calls of the same bytes (the MemoryObjs' memory) and key strings.
+            bufs = [o.byte_array for o in f.objs]
+            t0 = time.perf_counter()
+            ok = inner._store.client.put_keys_each(names, bufs)
+            t1 = time.perf_counter()
+            outs = [f.alloc() for _ in f.objs]
+            t2 = time.perf_counter()
+            got = inner._store.client.get_keys_each_into(names, [o.byte_array for o in outs])
+            t3 = time.perf_counter()
+            assert all(ok) and all(got), "keyed: chunks not stored or not found"
+            for o in outs:
+                o.ref_count_down()
+            assert all(inner._store.client.remove_keys_each(names))
+            record("save", "keyed_same_memory", (t1 - t0) * 1e3)
+            record("load", "keyed_same_memory", (t3 - t2) * 1e3)
+            time.sleep(args.pause_ms / 1e3)
+    finally:
+        f.close()
+        d.stop()
+    for (op, step), v in steps.items():
+        cb.emit({"bench": "lmcache_phases", "op": op, "step": step, "rounds": len(v),
+                 "min": round(min(v), 3), "median": round(statistics.median(v), 3)})
+
+
 def main() -> None:
+    if args.phases > 0:
+        phases(args.phases)
+        return
     cb.run("lmcache", build, {
         "connector": Connector,
         "keyed": lambda unix: cb.Keyed(unix, key_names),

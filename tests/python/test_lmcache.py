@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, Tuple
 import pytest
 
 from conftest import BUILD_ROOT, SOURCE_ROOT, Daemon, STALL_SLACK
+from relay import UnixRelay
 
 try:
     import torch
@@ -32,6 +33,7 @@ except Exception as e:  # noqa: BLE001: any import failure means "not installed 
                                                               "engine-lmcache.log")),
                 allow_module_level=True)
 
+import kvtier  # noqa: E402
 import kvtier.lmcache as klm  # noqa: E402
 
 CHUNK = 16  # tokens per LMCache chunk
@@ -104,6 +106,19 @@ def chunk(be: Any) -> Tuple[Any, bytes]:
     assert o is not None
     o.tensor.copy_(torch.randn(o.tensor.shape, dtype=torch.float32).to(torch.bfloat16))
     return o, bytes(o.byte_array)
+
+
+def step_once(loop: asyncio.AbstractEventLoop, coro: Any) -> Tuple[bool, Any]:
+    """Steps a coroutine once on the loop: (True, its result) when it ran to its end, else
+    (False, None) (it awaited something: closed)."""
+    async def once() -> Tuple[bool, Any]:
+        try:
+            coro.send(None)
+        except StopIteration as e:
+            return True, e.value
+        coro.close()
+        return False, None
+    return run(loop, once())
 
 
 def put(loop: asyncio.AbstractEventLoop, conn: Any, k: Any, o: Any) -> None:
@@ -226,6 +241,68 @@ def test_calls_run_on_lmcaches_loop(daemon: Daemon, loop: asyncio.AbstractEventL
     for o, _ in objs:
         o.ref_count_down()
     run(loop, conn.close())
+
+
+def test_batched_calls_cost_what_the_keyed_calls_cost(daemon: Daemon,
+                                                      loop: asyncio.AbstractEventLoop) -> None:
+    """Issue 35: the connector's batched_put and batched_get of 8 chunks, through a relay that
+    counts the round trips, take the same round trips as the package's keyed calls of the same
+    bytes under the same key strings (Client.put_keys_each, get_keys_each_into): no lookup
+    (MATCH) before the put, nothing per chunk. And each coroutine finishes without suspending
+    (stepped once, it returns): no hop to a thread of the connector's own on LMCache's loop."""
+    assert daemon.unix
+    relay = UnixRelay(daemon.unix)
+    try:
+        conn, be = connector(daemon, loop, unix_path=relay.addr)
+        inner = conn._connector
+        n = 8
+        ks = [key() for _ in range(n)]
+        objs = [chunk(be) for _ in range(n)]
+        assert not run(loop, conn.exists(ks[0]))  # connects (and maps the arena) first
+        for o, _ in objs:
+            o.ref_count_up()
+        relay.turns, relay.matches = 0, []
+        run(loop, conn.batched_put(ks, [o for o, _ in objs]))
+        put_turns, put_matches = relay.turns, list(relay.matches)
+        relay.turns = 0
+        got = run(loop, conn.batched_get(ks))
+        get_turns = relay.turns
+        assert [bytes(g.byte_array) for g in got] == [want for _, want in objs]
+        for g in got:
+            g.ref_count_down()
+
+        # The same calls of the package, their bytes and key strings, in a namespace of its
+        # own on the same relay.
+        names = [klm.key_string(k) for k in ks]
+        with kvtier.Client("pytest/lmcache-keyed", page_size=kvtier.KEY_TOKENS,
+                           block_bytes=inner.block_bytes, unix_path=relay.addr,
+                           timeout_ms=10000) as c:
+            assert c.exists_keys_each(names[:1]) == [False]
+            relay.turns, relay.matches = 0, []
+            assert c.put_keys_each(names, [want for _, want in objs]) == [True] * n
+            keyed_put_turns, keyed_put_matches = relay.turns, list(relay.matches)
+            out = [bytearray(inner.block_bytes) for _ in range(n)]
+            relay.turns = 0
+            assert c.get_keys_each_into(names, out) == [True] * n
+            keyed_get_turns = relay.turns
+        assert put_turns == keyed_put_turns, (put_turns, keyed_put_turns)
+        assert put_matches == keyed_put_matches == [], "a lookup before the put"
+        assert get_turns == keyed_get_turns, (get_turns, keyed_get_turns)
+
+        # Stepped once on LMCache's loop, each coroutine runs to its end (inner's, without
+        # LMCache's wrapper, which would drop the put's references).
+        done, _ = step_once(loop, inner.batched_put(ks, [o for o, _ in objs]))
+        assert done, "batched_put suspended: it waits for another thread"
+        done, got = step_once(loop, inner.batched_get(ks))
+        assert done, "batched_get suspended: it waits for another thread"
+        assert [bytes(g.byte_array) for g in got] == [want for _, want in objs]
+        for g in got:
+            g.ref_count_down()
+        for o, _ in objs:
+            o.ref_count_down()
+        run(loop, conn.close())
+    finally:
+        relay.close()
 
 
 def test_allocator_close_waits_for_the_call_in_progress(loop: asyncio.AbstractEventLoop) -> None:
