@@ -761,9 +761,9 @@ def test_zero_copy_path_is_used(vd: Daemon) -> None:
 
 
 def test_worker_connects_and_maps_at_registration(vd: Daemon) -> None:
-    """register_kv_caches makes the worker's connection and maps its namespace's arena, and
-    takes plan's view of vLLM's tensors: the first step's load and save make no connection,
-    HELLO or MAP of their own (bench_vllm's first pass paid them inside the step,
+    """register_kv_caches makes the worker's connection and maps its namespace's arena, starts
+    its I/O threads and takes plan's view of vLLM's tensors: the first step's load and save
+    make no connection, HELLO or MAP of their own (bench_vllm's first pass paid them inside the step,
     docs/benchmarks.md)."""
     def stats() -> Dict[str, int]:  # one HELLO, no MAP
         with vd.client(zero_copy=False) as c:
@@ -777,6 +777,8 @@ def test_worker_connects_and_maps_at_registration(vd: Daemon) -> None:
     assert mid["zero_copy_maps_dram"] - before["zero_copy_maps_dram"] == len(stores)
     lay = a.worker._layout
     assert lay._tensor_spans is not None and lay._tensor_spans[1] is not None
+    pools = [p for p in (a.worker._pool, a.worker._async_pool) if p is not None]
+    assert all(len(p._threads) == 1 for p in pools), "the I/O threads are started"
     b = Engine(vd, seed=None)
     toks = prompt(3)
     held = stats()
