@@ -11,21 +11,27 @@ A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads
 - connector load: start_load_kv and wait_for_layer_load for each layer (the pages' GET, then
   the scatter of each layer into vLLM's paged tensors);
 - raw put / raw get: the package's Client.put of the same 32 pages from one buffer (16 MiB per
-  PUT, as the connector sends them) and a leased Client.get_into of all of them;
+  PUT, as the connector sends them) and a leased Client.get_into of all of them, by a second
+  client of the raw namespace, as the connector's pages are read by a second worker (B, below):
+  each client maps the daemon's arena on its own, and a page read through a mapping that has
+  not touched it yet faults in that mapping (a fault per 64 KiB: 1024 for 64 MiB), which a
+  read by the client that wrote it does not. The GET by the writing client is reported beside
+  it (raw_get_writer);
 - layer-per-put: the same bytes as 32 PUTs of one layer (64 KiB) per page, each layer its own
   chain, against aggregate-per-put: one PUT of 32 layers (2 MiB) per page. This is the number
   behind the connector's choice to aggregate a page's layers (docs/engines.md).
 
 The connector and the raw calls take turns going first from pass to pass (the connector in
 the warm-up passes -1 and 0). Each figure is the median of --passes passes after two warm-up
-passes: a fresh daemon faults its
-DRAM tier in, and each pass stores 256 MiB into a 384 MiB tier (and removes it after, the
-connector's pages included), so from the third pass on its memory is warm. On the Unix socket
-the connector's worker takes the zero-copy path (docs/engines.md). One JSON object per line (warm-up passes included, as
-pass -1 and 0), then the summary lines with the ratios: first (pass -1, the daemon's first: the
-connector stores first and faults the tier's memory in, the raw PUT follows on the same
-daemon) and warm (the medians), each with the bar of issue 35 (connector / raw >= 0.85, pass
-or fail; the bar is on warm), and a last line listing the bars and the verdict.
+passes: a fresh daemon faults its DRAM tier in, and each pass stores 256 MiB into a 384 MiB
+tier (and removes it after, the connector's pages included), so from the third pass on its
+memory is warm. On the Unix socket the connector's worker takes the zero-copy path
+(docs/engines.md). One JSON object per line (warm-up passes included, as pass -1 and 0), then
+the summary lines with the ratios: first (pass -1, the daemon's first: the connector stores
+first, into fresh memory of its namespace's arena; the raw PUT follows on the same daemon,
+into fresh memory of its own namespace's) and warm (the medians), each with the bar of issue
+35 (connector / raw >= 0.85, pass or fail; the bar is on warm), and a last line listing the
+bars and the verdict. docs/benchmarks.md, "The first pass", says where a first pass goes.
 
   bench_vllm.py --build-root BUILD [--passes R] [--busy N]
 
@@ -145,7 +151,8 @@ def run(d: Daemon) -> None:
     total = PAGES * PAGE_BYTES
     ids = list(range(4, 4 + PAGES + 1))
     res: dict = {k: [] for k in ("connector_save", "connector_load", "raw_put", "raw_get",
-                                 "aggregate_put", "layer_put", "aggregate_get", "layer_get")}
+                                 "raw_get_writer", "aggregate_put", "layer_put",
+                                 "aggregate_get", "layer_get")}
     first: dict = {}  # pass -1, the daemon's first: the connector's stores fault its memory in
     sched_a, worker_a = connectors(d.unix)
     sched_b, worker_b = connectors(d.unix)
@@ -158,6 +165,9 @@ def run(d: Daemon) -> None:
     lout = torch.ones((LAYERS, PAGES, LAYER_BYTES), dtype=torch.uint8)
     raw = kvtier.Client("bench-raw", page_size=BS, block_bytes=PAGE_BYTES, unix_path=d.unix,
                         timeout_ms=60000)
+    # The raw GET's reader: its own mapping, as worker B's (see the docstring).
+    reader = kvtier.Client("bench-raw", page_size=BS, block_bytes=PAGE_BYTES, unix_path=d.unix,
+                           timeout_ms=60000)
     lay = kvtier.Client("bench-layer", page_size=BS, block_bytes=LAYER_BYTES, unix_path=d.unix,
                         timeout_ms=60000)
     # The connector's pages, as its worker names them (the keyed chain in its rank's namespace):
@@ -210,21 +220,23 @@ def run(d: Daemon) -> None:
             for a in range(0, PAGES, 8):
                 raw.put(rt[:(a + 8) * BS], buf[a:a + 8], first_page=a)
             t_put = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            m = raw.match(rt, lease=True)
-            got = raw.get_into(m.lease, out, npages=PAGES)
-            raw.release(m.lease)
-            t_get = time.perf_counter() - t0
-            assert got == PAGES
+            t_get = []
+            for c in (reader, raw):  # B's kind of GET, then the writer's own
+                t0 = time.perf_counter()
+                m = c.match(rt, lease=True)
+                got = c.get_into(m.lease, out, npages=PAGES)
+                c.release(m.lease)
+                t_get.append(time.perf_counter() - t0)
+                assert got == PAGES
             return rt, t_put, t_get
 
         # Which goes first alternates from pass to pass (the warm-up passes: the connector).
         if p > 0 and p % 2:
-            rt, t_put, t_get = raw_pass()
+            rt, t_put, (t_get, t_get_w) = raw_pass()
             ra, t_save, t_load = connector_pass()
         else:
             ra, t_save, t_load = connector_pass()
-            rt, t_put, t_get = raw_pass()
+            rt, t_put, (t_get, t_get_w) = raw_pass()
         # One PUT of 32 layers per page against 32 PUTs of one layer per page.
         at = torch.arange(base + 6_000_000, base + 6_000_000 + PAGES * BS, dtype=torch.int32)
         lt = [torch.arange(base + 7_000_000 + 100_000 * li,
@@ -263,8 +275,9 @@ def run(d: Daemon) -> None:
             lay.release(m.lease)
         t_lay_get = time.perf_counter() - t0
         for k, v in (("connector_save", t_save), ("connector_load", t_load), ("raw_put", t_put),
-                     ("raw_get", t_get), ("aggregate_put", t_agg), ("layer_put", t_lay),
-                     ("aggregate_get", t_agg_get), ("layer_get", t_lay_get)):
+                     ("raw_get", t_get), ("raw_get_writer", t_get_w), ("aggregate_put", t_agg),
+                     ("layer_put", t_lay), ("aggregate_get", t_agg_get),
+                     ("layer_get", t_lay_get)):
             emit({"bench": "vllm", "op": k, "pass": p, "bytes": total,
                   "gib_s": gib_s(total, v)})
             if p > 0:
@@ -280,6 +293,7 @@ def run(d: Daemon) -> None:
     for s in (worker_a, worker_b, sched_a, sched_b):
         s.shutdown()
     raw.close()
+    reader.close()
     lay.close()
     keyed.close()
     med = {k: statistics.median(v) for k, v in res.items()}
@@ -290,10 +304,14 @@ def run(d: Daemon) -> None:
         for phase, t in (("first", first), ("warm", med)):
             ratio = round(t[base] / t[conn], 3)
             ok = verdict(ratio, CONNECTOR_BAR)
-            emit({"bench": "vllm", "summary": op, "pass": phase, "page_bytes": PAGE_BYTES,
-                  "layers": LAYERS, "pages": PAGES, "connector_gib_s": gib_s(total, t[conn]),
-                  "%s_gib_s" % base: gib_s(total, t[base]), "connector_over_raw": ratio,
-                  "connector_bar": ok, "busy": args.busy})
+            rec = {"bench": "vllm", "summary": op, "pass": phase, "page_bytes": PAGE_BYTES,
+                   "layers": LAYERS, "pages": PAGES, "connector_gib_s": gib_s(total, t[conn]),
+                   "%s_gib_s" % base: gib_s(total, t[base]), "connector_over_raw": ratio,
+                   "connector_bar": ok, "busy": args.busy}
+            if op == "load":  # the writing client's GET, for reference (no bar)
+                rec["raw_get_writer_gib_s"] = gib_s(total, t["raw_get_writer"])
+                rec["connector_over_raw_writer"] = round(t["raw_get_writer"] / t[conn], 3)
+            emit(rec)
             bars["connector_%s_%s" % (op, phase)] = "%s %.3f (bar %.2f)" % (ok, ratio,
                                                                             CONNECTOR_BAR)
     emit({"bench": "vllm", "summary": "layers_per_put", "layer_bytes": LAYER_BYTES,

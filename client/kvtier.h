@@ -319,6 +319,9 @@ KVT_API int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_pa
  * commit answers KVT_CLIENT_ENOENT (its room, kept until then, goes back).
  *
  * The pointers are valid until the commit or abort (the memory is the daemon's after that).
+ * Before the call returns, the room is made present in this client's mapping (one
+ * madvise(MADV_POPULATE_WRITE) per run of 64 KiB granules wholly inside it, once per mapping,
+ * where the kernel has it), so that writing it takes no page fault per 4 KiB.
  * kvt_client_commit sends no checksums: a daemon with zero-copy-checksum on hashes the pages
  * itself after its reply (one more pass over them, docs/benchmarks.md).
  * Errors: KVT_CLIENT_EINVAL (not mapped; npages 0; pages past the tokens' whole pages),

@@ -726,6 +726,44 @@ def test_zero_copy_path_is_used(vd: Daemon) -> None:
     b.close()
 
 
+def test_worker_connects_and_maps_at_registration(vd: Daemon) -> None:
+    """register_kv_caches makes the worker's connection and maps its namespace's arena, starts
+    its I/O threads and takes plan's view of vLLM's tensors: the first step's load and save
+    make no connection, HELLO or MAP of their own (bench_vllm's first pass paid them inside the step,
+    docs/benchmarks.md)."""
+    def stats() -> Dict[str, int]:  # one HELLO, no MAP
+        with vd.client(zero_copy=False) as c:
+            return c.stats()
+
+    before = stats()
+    a = Engine(vd, seed=11)
+    mid = stats()
+    stores = [s for s in (a.worker._store, a.worker._async_store) if s is not None]
+    assert all(s._client is not None and s.mapped for s in stores)
+    assert mid["zero_copy_maps_dram"] - before["zero_copy_maps_dram"] == len(stores)
+    lay = a.worker._layout
+    assert lay._tensor_spans is not None and lay._tensor_spans[1] is not None
+    pools = [p for p in (a.worker._pool, a.worker._async_pool) if p is not None]
+    assert all(len(p._threads) == 1 for p in pools), "the I/O threads are started"
+    b = Engine(vd, seed=None)
+    toks = prompt(3)
+    held = stats()
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [11, 3, 30, 5])
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    after = stats()
+    # The only HELLOs: the two schedulers' (each connects at its first lookup) and stats()'s.
+    assert after["zero_copy_maps_dram"] == held["zero_copy_maps_dram"]
+    assert after["requests_hello"] - held["requests_hello"] == 3, \
+        after["requests_hello"] - held["requests_hello"]
+    assert same_pages(a, [4, 9, 2], b, [11, 3, 30])
+    b.sched.request_finished(r, [11, 3, 30, 5])
+    a.close()
+    b.close()
+
+
 def test_zero_copy_and_socket_connectors_share_pages(vd: Daemon) -> None:
     """A page saved through the mapping (reserve, commit in the keyed namespace as synthetic
     tokens) is the page put_keys names: a connector over TCP (staging, keyed calls) loads it,

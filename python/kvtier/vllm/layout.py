@@ -296,13 +296,10 @@ class _Layout:
         fn = _COPY_SPANS
         if fn is None or not runs or not self._uniform or len(kvs) != len(self.names):
             return None
-        key = tuple(kv.data_ptr() for kv in kvs)
-        got = self._tensor_spans
-        if got is None or got[0] != key:
-            got = self._tensor_spans = (key, self._tensor_rows(kvs))
-        if got[1] is None:
+        got = self.prepare(kvs)
+        if got is None:
             return None
-        bases, sd, outer, inner, nb = got[1]
+        bases, sd, outer, inner, nb = got
         bl = [b for r in runs for b in range(r.block, r.block + r.n)]
         if min(bl) < 0 or max(bl) >= nb:  # numpy's copies raise IndexError for these
             return None
@@ -320,6 +317,15 @@ class _Layout:
         spans[..., 0], spans[..., 1] = (tens, mine) if load else (mine, tens)
         spans[..., 2] = inner
         return _Plan(fn, spans.reshape(nl, no * npg, 3))
+
+    def prepare(self, kvs: List[torch.Tensor]) -> Optional[Tuple[Any, int, Any, int, int]]:
+        """plan's view of vLLM's tensors ``kvs`` (_tensor_rows), made now and kept while they
+        stay: the worker makes it when vLLM registers them, not in the first step."""
+        key = tuple(kv.data_ptr() for kv in kvs)
+        got = self._tensor_spans
+        if got is None or got[0] != key:
+            got = self._tensor_spans = (key, self._tensor_rows(kvs))
+        return got[1]
 
     def _tensor_rows(self, kvs: List[torch.Tensor]) -> Optional[Tuple[Any, int, Any, int, int]]:
         """plan's view of vLLM's tensors, kept while they stay (vLLM passes the same ones step

@@ -176,6 +176,20 @@ class _PageStore:
             self._client, self.mapped = got
             return True
 
+    def connect(self) -> bool:
+        """Makes the store's first connection now, on the caller's thread: the worker's set-up
+        (register_kv_caches) calls it, so that the first step's load or save does not pay for
+        the connection, the HELLO and the arena's MAP (0.2-8 ms on bench_vllm's first pass,
+        docs/benchmarks.md). Returns whether it is connected; a daemon not reachable opens the
+        breaker as the first call would have (its probe connects in the background), and
+        nothing is raised."""
+        with self._lock:
+            try:
+                self._c()
+                return True
+            except Error:
+                return False
+
     def _c(self) -> Client:
         c = self._client
         if self._doomed is not None:
