@@ -99,7 +99,6 @@ typedef struct kvt__io {
     uint8_t is_copy; /* through kvt_tier_copy */
     uint64_t start_ns;
     uint64_t src_loc;
-    uint8_t zero_copy; /* GET: sent from the tier's memory, read count held until written */
     uint8_t *buf;      /* GET: the read buffer of a block from a non-memory tier */
     uint32_t tokens[]; /* the page's tokens: key.tokens points here */
 } kvt__io_t;
@@ -152,6 +151,23 @@ typedef struct kvt__reply_src {
     int (*apart)(const kvt__req_t *r);
 } kvt__reply_src_t;
 
+/* A reply's bytes up to this many stay inside its kvt__req_t (out_inline): a GET's frame heads
+ * and final frame for up to KVT_GET_INLINE pages (32 bytes each, the final frame 32), a short
+ * answer (PING, an error, a MATCH of a few pages).
+ * A bigger reply moves to the heap (kvt__req_out_reserve). */
+#define KVT_REQ_OUT_INLINE 96
+/* A GET batch of up to this many pages keeps its page records and reply pieces inside its
+ * request (op_get.c): no allocation per batch for the common one- or two-page GET. */
+#define KVT_GET_INLINE 2
+
+/* One page of a GET batch (op_get.c): the record of its read when it is read from a tier that is
+ * not memory (x), or, sent from the tier's memory, the block hash whose read count it holds
+ * until written (hash, 0 for none: a location frame holds none). */
+typedef struct kvt__get_slot {
+    kvt__io_t *x;
+    uint64_t hash;
+} kvt__get_slot_t;
+
 struct kvt__req {
     kvt__req_t *next;
     kvt_srv_t *srv;
@@ -162,7 +178,7 @@ struct kvt__req {
     uint8_t counted; /* in the request counters already (kvt__req_count) */
     uint64_t id;     /* the client's request id */
     uint64_t t0;     /* arrival, for the latency histogram */
-    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
+    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len); out_inline or heap */
     size_t out_len, out_cap, out_off;
     const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
     int pass_fd; /* with has_fd: a descriptor sent with the reply's first byte (MAP), then closed */
@@ -198,8 +214,8 @@ struct kvt__req {
     struct {
         uint32_t cur, end; /* pages [cur, end) left */
         uint32_t sent, batch;
-        kvt__io_t **ios;  /* the batch's reads */
-        kvt__seg_t *segs; /* the batch's output, while it is the reply source */
+        kvt__get_slot_t *slots; /* the batch's pages: slot_inline or heap */
+        kvt__seg_t *segs;       /* the batch's output, while it is the reply source */
         uint32_t nsegs, seg_i;
         size_t seg_off;
         int segs_ready;         /* the batch's reads are done: segs may be written */
@@ -219,6 +235,13 @@ struct kvt__req {
         int start_only;  /* KVT_PREFETCH_F_START, replied once its moves began */
     } prefetch;
     void *extra; /* op-specific state (a MATCH's remote probe), freed with the request */
+
+    /* The request's own room for a small reply; from here on kvt__req_new does not zero it
+     * (each byte is written before it is read): out_inline, and a small GET batch's slots and
+     * pieces (get.slots, get.segs point here then). */
+    kvt__get_slot_t get_slot_inline[KVT_GET_INLINE];
+    kvt__seg_t get_seg_inline[2 * KVT_GET_INLINE + 1];
+    uint8_t out_inline[KVT_REQ_OUT_INLINE];
 };
 
 /*
@@ -539,6 +562,8 @@ kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint6
 void kvt__req_ns(kvt__req_t *r, uint32_t ns);
 /* Adds bytes to a request's output (GET frames, final replies). Returns 0 or KVT_ENOMEM. */
 int kvt__req_append(kvt__req_t *r, const void *p, size_t len);
+/* Room for need bytes in r->out (its content kept): 0, or KVT_ENOMEM with r unchanged. */
+int kvt__req_out_reserve(kvt__req_t *r, size_t need);
 /* Appends r's reply frame: status r->status, then len bytes of body. Out of memory closes the
  * connection (the replies after it would otherwise answer the wrong requests). */
 int kvt__req_reply(kvt__req_t *r, const void *body, uint32_t len);
@@ -691,6 +716,9 @@ int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
 /* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
 void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
                     kvt_block_key_t *key);
+/* The key (hash) alone of the block at (node, depth): what a GET sent from memory needs, without
+ * the block key's copy of the page's tokens. */
+uint64_t kvt__block_hash(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth);
 kvt__io_t *kvt__io_new(kvt_srv_t *s, kvt__req_t *r, uint32_t depth);
 /* The block at (node, depth) goes to NVMe: when the page before it holds no bytes (a window
  * behind a gap), the tokens in front of it are recorded for a restart (kvt_tier_nvme_add_path). */
