@@ -329,6 +329,13 @@ void kvt__req_free(kvt__req_t *r)
     free(r);
 }
 
+kvt__handle_t *kvt__conn_handles(kvt__conn_t *c)
+{
+    if (!c->handles)
+        c->handles = calloc(KVT_MATCH_HANDLES, sizeof *c->handles);
+    return c->handles;
+}
+
 void kvt__req_ns(kvt__req_t *r, uint32_t ns)
 {
     if (r->ns_held)
@@ -369,10 +376,13 @@ void kvt__conn_close(kvt__conn_t *c)
         kvt__ns_unuse(s, c->ns);
     mem_wait_end(c);
     /* MATCHes' kept tokens (op_match.c) go with the connection: freed here, below op_match.c. */
-    for (int i = 0; i < KVT_MATCH_HANDLES; i++)
-        free(c->handles[i].tokens);
+    if (c->handles) {
+        for (int i = 0; i < KVT_MATCH_HANDLES; i++)
+            free(c->handles[i].tokens);
+        free(c->handles);
+        c->handles = NULL;
+    }
     s->clients.bytes -= c->handle_bytes;
-    memset(c->handles, 0, sizeof c->handles);
     c->handle_bytes = 0;
     s->clients.bytes -= in_counted(c->in_cap) + c->out_bytes + c->tokens_cap * sizeof(uint32_t);
     kvt__ev_ctl(c->loop->epfd, EPOLL_CTL_DEL, &c->ev, 0);

@@ -261,52 +261,67 @@ typedef struct kvt__conn_ops {
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
 } kvt__conn_ops_t;
 
+/*
+ * A client connection. Its fields are laid out by how often they are touched: a request's read,
+ * parse, handling and reply write (a GET's whole path) touch only the hot part, the first
+ * KVT_CONN_HOT bytes (three cache lines, asserted below); what only some connections or only the
+ * tick use comes after, and what only a KEEPing MATCH uses (its handles, 640 bytes) is allocated
+ * on the first KEEP. docs/architecture.md, "Connections", has the layout.
+ */
 struct kvt__conn {
+    /* ---- hot: every request ---- */
     kvt__ev_t ev;
     kvt_srv_t *srv;
     kvt__loop_t *loop; /* the loop that owns it: the only one that reads, writes or frees it */
-    /* Kicked by another loop: on its loop's posted list until that loop kicks it (loops.c). */
-    int posted;
-    kvt__conn_t *posted_next;
-    /* Its loop writes finished replies with the lock let go: kvt__reply starts a new request
-     * rather than append to a tail whose bytes the socket may be reading. */
-    int writing;
-    kvt__conn_t *prev, *next;
-    uint64_t id; /* also the owner of its leases in the tree */
-    int tcp;
     uint8_t *in;
     size_t in_len, in_cap;
     kvt__req_t *head, *tail;
     size_t out_bytes; /* bytes queued in out buffers */
+    kvt__lease_t *leases;
+    size_t nleases;
+    /* Slow and idle clients (conn.c): when its last bytes came, how many bytes and whole frames
+     * it has sent (and, in the cold part, where the progress of the frame being received was
+     * last measured: frame-timeout-ms). */
+    uint64_t rx_ns, rx_bytes, frames;
+    uint64_t stuck_ns; /* since when its socket has taken none of its queued replies; 0: not */
     uint32_t inflight;
-    int authed;
-    int hello;
+    uint32_t events;
     uint32_t ns, page_size, block_bytes;
     /* Its namespace's slot in the per-namespace series (kvt__metrics_ns_slot, at HELLO). */
     unsigned metric_ns;
-    int closing;    /* no more requests: close once the queue drains */
-    int dead;       /* the peer is gone or broke the framing: close now */
-    int in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
+    /* Kicked by another loop: on its loop's posted list until that loop kicks it (loops.c). */
+    uint8_t posted;
+    /* Its loop writes finished replies with the lock let go: kvt__reply starts a new request
+     * rather than append to a tail whose bytes the socket may be reading. */
+    uint8_t writing;
+    uint8_t tcp;
+    uint8_t authed;
+    uint8_t hello;
+    uint8_t closing;    /* no more requests: close once the queue drains */
+    uint8_t dead;       /* the peer is gone or broke the framing: close now */
+    uint8_t in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
     /* Closed, and off the list, but its memory is kept until its loop's reap: an event for it
      * may still be in the batch epoll_wait returned, and a walk over the list may stand on it. */
-    int gone;
-    kvt__conn_t *gone_next;
-    uint32_t events;
-    kvt__lease_t *leases;
-    size_t nleases, cap_leases;
+    uint8_t gone;
+    uint8_t mem_wait;  /* waits for max-client-bytes to have mem_need more bytes */
+    uint8_t auth_wait; /* an AUTH waits for its turn (auth.c): nothing more is read until then */
+    uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
+    uint32_t *tokens;  /* scratch for decoded tokens */
+    size_t tokens_cap;
+    uint64_t id; /* also the owner of its leases in the tree */
+
+    /* ---- cold: the tick, closing, and what only some connections use ---- */
+    const uint32_t *tok;    /* the current frame's tokens (op.c kvt__tokens): MATCH, PUT */
     uint64_t lease_next_ns; /* no lease expires before this: the tick skips the list until then */
-    uint64_t stuck_ns;      /* since when its socket has taken none of its queued replies; 0: not */
-    int mem_wait;           /* waits for max-client-bytes to have mem_need more bytes */
+    kvt__conn_t *posted_next;
+    kvt__conn_t *prev, *next;
+    kvt__conn_t *gone_next;
+    size_t cap_leases;
     size_t mem_need;
-    /* Slow and idle clients (conn.c): when it connected, when its last bytes came, how many
-     * bytes and whole frames it has sent, and where the progress of the frame being received
-     * was last measured (frame-timeout-ms). */
-    uint64_t born_ns, rx_ns;
-    uint64_t rx_bytes, frames;
+    uint64_t born_ns;
     uint64_t mark_ns, mark_rx, mark_frames;
-    /* An AUTH waiting for its turn (auth.c, auth-failures-per-s): nothing more is read
-     * until it is answered, in the order of auth_seq. */
-    int auth_wait;
+    /* An AUTH waiting for its turn (auth.c, auth-failures-per-s), answered in the order of
+     * auth_seq (reading on would tell a guesser how its guess went). */
     uint64_t auth_seq;
     kvt__req_t *auth_req;
     /* Zero-copy (op_map.c, op_put.c): the namespace whose DRAM arena it mapped (a reference on
@@ -318,20 +333,24 @@ struct kvt__conn {
     /* The CUDA device its engine runs on (HELLO): its PUTs go to that device's HBM pool, and so
      * do the promotions its PREFETCHes ask for (hbm-devices). */
     int device;
-    uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     kvt__req_t **resv;
     size_t nresv, cap_resv;
     /* Bytes of pages its reservations hold (expired ones too) and its RESERVEs in flight ask
      * for: at most max-reserved-bytes. */
     uint64_t resv_bytes;
-    uint32_t *tokens;    /* scratch for decoded tokens */
-    const uint32_t *tok; /* the current frame's tokens (op.c kvt__tokens) */
-    size_t tokens_cap;
-    /* MATCHes' kept tokens (op_match.c, KEEP), named by later PUTs and RESERVEs. */
-    kvt__handle_t handles[KVT_MATCH_HANDLES];
+    /* MATCHes' kept tokens (op_match.c, KEEP), named by later PUTs and RESERVEs: NULL until the
+     * first KEEP, then KVT_MATCH_HANDLES of them (kvt__conn_handles). */
+    kvt__handle_t *handles;
     uint32_t handle_next;
     uint64_t handle_bytes; /* the kept tokens' bytes: at most KVT_MATCH_HANDLE_BYTES */
 };
+/* The hot part's end (the first cold field), and the whole struct's size: a field added to the
+ * hot part, or 640 bytes of handles back inline, fails the build (tests/test_server_conns.c
+ * prints the sizes). */
+#define KVT_CONN_HOT 192
+_Static_assert(offsetof(kvt__conn_t, tok) <= KVT_CONN_HOT,
+               "kvt__conn_t's hot part is at most three cache lines");
+_Static_assert(sizeof(kvt__conn_t) <= 384, "kvt__conn_t stays small: cold state goes aside");
 
 /* The connections' part (conn.c): the open ones, the closed ones not yet freed, and the memory
  * held for clients. */
@@ -558,6 +577,9 @@ int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int s
 /* A request that will finish later: its place in the queue. */
 kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint64_t id,
                          uint64_t t0);
+/* c's table of KVT_MATCH_HANDLES kept-token handles (op_match.c), made on its first KEEP: NULL
+ * when there is no memory for it (nothing is kept then). Freed when c closes. */
+kvt__handle_t *kvt__conn_handles(kvt__conn_t *c);
 /* The namespace r works in, held open until r is freed. */
 void kvt__req_ns(kvt__req_t *r, uint32_t ns);
 /* Adds bytes to a request's output (GET frames, final replies). Returns 0 or KVT_ENOMEM. */
