@@ -243,6 +243,11 @@ struct kvt__req {
     kvt__seg_t get_seg_inline[2 * KVT_GET_INLINE + 1];
     uint8_t out_inline[KVT_REQ_OUT_INLINE];
 };
+_Static_assert(KVT_REQ_OUT_INLINE >=
+                   KVT_GET_INLINE * (KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t)) + KVT_PROTO_HDR +
+                       sizeof(kvt_wire_get_end_t),
+               "a KVT_GET_INLINE-page GET's frames fit in its request");
+_Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-byte class");
 
 /*
  * What a connection hands up to the operations above it (dispatch.c's kvt__dispatch_ops, set by
