@@ -49,16 +49,18 @@ static void get_read_done(kvt_tier_io_t *io)
 static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     for (uint32_t i = 0; i < r->get.batch; i++) {
-        kvt__io_t *x = r->get.ios[i];
-        if (x->zero_copy)
-            kvt__busy_dec(s, x->io.key.hash);
-        free(x->buf);
-        free(x);
+        kvt__get_slot_t *g = &r->get.slots[i];
+        if (g->hash)
+            kvt__busy_dec(s, g->hash);
+        if (g->x) {
+            free(g->x->buf);
+            free(g->x);
+        }
     }
-    free(r->get.ios);
-    r->get.ios = NULL;
+    if (r->get.slots != r->get_slot_inline)
+        free(r->get.slots); /* the segs share its allocation (get_build) */
+    r->get.slots = NULL;
     r->get.batch = 0;
-    free(r->get.segs);
     r->get.segs = NULL;
     r->get.nsegs = r->get.seg_i = r->get.seg_off = 0;
     r->get.segs_ready = 0;
@@ -115,7 +117,7 @@ static int get_drained(kvt__req_t *r)
 
 static void get_abort(kvt__req_t *r)
 {
-    if (r->get.ios)
+    if (r->get.slots)
         get_release_batch(r->srv, r);
     kvt__unpin(r->srv, r);
 }
@@ -161,45 +163,50 @@ static const kvt__reply_src_t kvt_get_src = {
 /* One page of the batch, as get_plan decided. */
 typedef struct get_page {
     kvt_block_t *b;
-    kvt__io_t *x;
+    kvt__io_t *x;       /* read first: the read's record */
+    uint64_t hash;      /* sent from the tier's memory: the block whose read count it holds */
     int located;        /* the client reads it where it lies: a location frame, no bytes */
     uint64_t off;       /* located: its offset in the client's mapping */
     const uint8_t *ptr; /* otherwise where its bytes are: the tier's memory or the read buffer */
 } get_page_t;
 
 /* The lookup of page r->get.cur into pg: 0, or the error that ends the GET here (nothing of
- * this page is held then). */
+ * this page is held then). A page sent from memory or as a location needs no I/O record (nor its
+ * block key's copy of the page's tokens): its hash is all it keeps. */
 static int get_plan(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
 {
+    uint64_t t0 = kvt_now_ns();
     *pg = (get_page_t){.b = kvt__path_block(r->node, r->get.cur)};
     kvt_block_t *b = pg->b;
     if (!b || b->tier == KVT_TIER_NONE || !s->tiers[b->tier] || b->size != r->block_bytes)
         return KVT_ENOENT;
-    kvt__io_t *x = pg->x = kvt__io_new(s, r, r->get.cur);
-    if (!x)
-        return KVT_ENOMEM;
-    x->tier = b->tier;
     if (r->get.locate && kvt__store_locate(s, r->conn, r->ns, b, &pg->off)) {
         pg->located = 1; /* under the client's lease: no I/O, no read count */
         return 0;
     }
     if (b->tier == KVT_TIER_DRAM && s->conf->zc_checksum && kvt__tier_check(s, b) == KVT_ECORRUPT) {
         /* Written over since its zero-copy COMMIT: lost, as a corrupt read is. */
-        kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, x->io.key.ntokens);
+        kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM,
+                        kvt__ns_page_size(s, r->ns));
         kvt__store_lost(s, r->node, r->get.cur);
-        free(x);
         return KVT_ECORRUPT;
     }
-    if (kvt__busy_inc(s, x->io.key.hash) < 0) {
-        free(x);
+    uint64_t hash = kvt__block_hash(s, r->node, r->get.cur);
+    if (kvt__busy_inc(s, hash) < 0)
         return KVT_ENOMEM;
-    }
     if ((pg->ptr = kvt__tier_ptr(s, b))) {
-        x->zero_copy = 1; /* sent from where it lies: the read count keeps moves off it */
+        pg->hash = hash; /* sent from where it lies: the read count keeps moves off it */
         r->get.hbm_mem |= b->tier != KVT_TIER_DRAM;
         kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(b->tier, 0),
-                            kvt_now_ns() - x->start_ns);
+                            kvt_now_ns() - t0);
+        return 0;
     }
+    kvt__io_t *x = pg->x = kvt__io_new(s, r, r->get.cur);
+    if (!x) {
+        kvt__busy_dec(s, hash);
+        return KVT_ENOMEM;
+    }
+    x->tier = b->tier;
     return 0;
 }
 
@@ -281,19 +288,26 @@ static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
     uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
                                    KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
     r->out_off = r->out_len = 0;
-    /* The heads, then room for the final frame should this batch be the last (get_send). */
-    if (kvt_reserve(&r->out, &r->out_cap, n * stride + KVT_GET_END_FRAME, 1, 4096) < 0) {
+    /* The heads, then room for the final frame should this batch be the last (get_send): inside
+     * the request for a batch of up to KVT_GET_INLINE pages. */
+    if (kvt__req_out_reserve(r, n * stride + KVT_GET_END_FRAME) < 0) {
         r->status = KVT_ENOMEM;
         return 0;
     }
-    r->get.ios = calloc(n, sizeof *r->get.ios);
-    r->get.segs = calloc(2 * (size_t)n + 1, sizeof *r->get.segs);
+    /* The pages' slots and the pieces: the request's own for a small batch, else one allocation
+     * for both. Each is written before it is read (get_build's loop, get_frame, get_send). */
+    if (n <= KVT_GET_INLINE) {
+        r->get.slots = r->get_slot_inline;
+        r->get.segs = r->get_seg_inline;
+    } else {
+        r->get.slots = malloc(n * sizeof *r->get.slots + (2 * (size_t)n + 1) * sizeof *r->get.segs);
+        if (!r->get.slots) {
+            r->status = KVT_ENOMEM;
+            return 0;
+        }
+        r->get.segs = (kvt__seg_t *)(r->get.slots + n);
+    }
     r->src = &kvt_get_src;
-    if (!r->get.ios || !r->get.segs) {
-        r->status = KVT_ENOMEM;
-        get_release_batch(s, r);
-        return 0;
-    }
     for (uint32_t i = 0; i < n; i++, r->get.cur++) {
         get_page_t pg;
         int rc = get_plan(s, r, &pg);
@@ -304,7 +318,7 @@ static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
             break;
         }
         get_frame(r, i, stride, &pg);
-        r->get.ios[r->get.batch++] = pg.x;
+        r->get.slots[r->get.batch++] = (kvt__get_slot_t){.x = pg.x, .hash = pg.hash};
         r->get.located += (uint32_t)pg.located;
     }
     uint32_t got = r->get.batch;
@@ -319,8 +333,8 @@ static int get_send(kvt__req_t *r)
 {
     uint32_t good = 0;
     for (; good < r->get.batch; good++) {
-        kvt__io_t *x = r->get.ios[good];
-        if (!x->zero_copy && x->io.status < 0) {
+        kvt__io_t *x = r->get.slots[good].x;
+        if (x && x->io.status < 0) {
             r->status = x->io.status;
             static kvt_log_limit_t lim; /* a remote tier down fails every GET */
             kvt_log_limited(&lim, KVT_LOG_INFO, "kvtierd: GET page %u from %s: %s", x->depth,
@@ -376,9 +390,9 @@ static void get_end(kvt_srv_t *s, kvt__req_t *r)
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_assert(r->pending == 0);
-    if (r->get.ios && !r->get.segs_ready && get_send(r))
+    if (r->get.slots && !r->get.segs_ready && get_send(r))
         return 0; /* drained calls back when the socket has taken it */
-    if (r->get.ios)
+    if (r->get.slots)
         get_release_batch(s, r);
     if (!r->conn) {
         kvt__unpin(s, r);

@@ -124,7 +124,7 @@ static void handle_drop(kvt__conn_t *c, kvt__handle_t *k)
 
 static kvt__handle_t *handle_at(kvt__conn_t *c, uint32_t id)
 {
-    for (int i = 0; id && i < KVT_MATCH_HANDLES; i++) {
+    for (int i = 0; id && c->handles && i < KVT_MATCH_HANDLES; i++) {
         kvt__handle_t *k = &c->handles[i];
         if (k->id != id)
             continue;
@@ -152,8 +152,8 @@ static uint32_t handle_keep(kvt__conn_t *c, const uint32_t *tokens, uint32_t nto
 {
     kvt_srv_t *s = c->srv;
     uint64_t bytes = (uint64_t)ntokens * 4, now = kvt_now_ns();
-    if (bytes > KVT_MATCH_HANDLE_BYTES)
-        return 0;
+    if (bytes > KVT_MATCH_HANDLE_BYTES || !kvt__conn_handles(c))
+        return 0; /* the table is made on the first KEEP (conn.c) */
     kvt__handle_t *slot = NULL;
     for (;;) {
         kvt__handle_t *oldest = NULL;

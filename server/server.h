@@ -99,7 +99,6 @@ typedef struct kvt__io {
     uint8_t is_copy; /* through kvt_tier_copy */
     uint64_t start_ns;
     uint64_t src_loc;
-    uint8_t zero_copy; /* GET: sent from the tier's memory, read count held until written */
     uint8_t *buf;      /* GET: the read buffer of a block from a non-memory tier */
     uint32_t tokens[]; /* the page's tokens: key.tokens points here */
 } kvt__io_t;
@@ -152,6 +151,23 @@ typedef struct kvt__reply_src {
     int (*apart)(const kvt__req_t *r);
 } kvt__reply_src_t;
 
+/* A reply's bytes up to this many stay inside its kvt__req_t (out_inline): a GET's frame heads
+ * and final frame for up to KVT_GET_INLINE pages (32 bytes each, the final frame 32), a short
+ * answer (PING, an error, a MATCH of a few pages).
+ * A bigger reply moves to the heap (kvt__req_out_reserve). */
+#define KVT_REQ_OUT_INLINE 96
+/* A GET batch of up to this many pages keeps its page records and reply pieces inside its
+ * request (op_get.c): no allocation per batch for the common one- or two-page GET. */
+#define KVT_GET_INLINE 2
+
+/* One page of a GET batch (op_get.c): the record of its read when it is read from a tier that is
+ * not memory (x), or, sent from the tier's memory, the block hash whose read count it holds
+ * until written (hash, 0 for none: a location frame holds none). */
+typedef struct kvt__get_slot {
+    kvt__io_t *x;
+    uint64_t hash;
+} kvt__get_slot_t;
+
 struct kvt__req {
     kvt__req_t *next;
     kvt_srv_t *srv;
@@ -162,7 +178,7 @@ struct kvt__req {
     uint8_t counted; /* in the request counters already (kvt__req_count) */
     uint64_t id;     /* the client's request id */
     uint64_t t0;     /* arrival, for the latency histogram */
-    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len) */
+    uint8_t *out;    /* reply bytes not yet written: [out_off, out_len); out_inline or heap */
     size_t out_len, out_cap, out_off;
     const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
     int pass_fd; /* with has_fd: a descriptor sent with the reply's first byte (MAP), then closed */
@@ -198,8 +214,8 @@ struct kvt__req {
     struct {
         uint32_t cur, end; /* pages [cur, end) left */
         uint32_t sent, batch;
-        kvt__io_t **ios;  /* the batch's reads */
-        kvt__seg_t *segs; /* the batch's output, while it is the reply source */
+        kvt__get_slot_t *slots; /* the batch's pages: slot_inline or heap */
+        kvt__seg_t *segs;       /* the batch's output, while it is the reply source */
         uint32_t nsegs, seg_i;
         size_t seg_off;
         int segs_ready;         /* the batch's reads are done: segs may be written */
@@ -219,7 +235,19 @@ struct kvt__req {
         int start_only;  /* KVT_PREFETCH_F_START, replied once its moves began */
     } prefetch;
     void *extra; /* op-specific state (a MATCH's remote probe), freed with the request */
+
+    /* The request's own room for a small reply; from here on kvt__req_new does not zero it
+     * (each byte is written before it is read): out_inline, and a small GET batch's slots and
+     * pieces (get.slots, get.segs point here then). */
+    kvt__get_slot_t get_slot_inline[KVT_GET_INLINE];
+    kvt__seg_t get_seg_inline[2 * KVT_GET_INLINE + 1];
+    uint8_t out_inline[KVT_REQ_OUT_INLINE];
 };
+_Static_assert(KVT_REQ_OUT_INLINE >=
+                   KVT_GET_INLINE * (KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t)) + KVT_PROTO_HDR +
+                       sizeof(kvt_wire_get_end_t),
+               "a KVT_GET_INLINE-page GET's frames fit in its request");
+_Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-byte class");
 
 /*
  * What a connection hands up to the operations above it (dispatch.c's kvt__dispatch_ops, set by
@@ -238,52 +266,67 @@ typedef struct kvt__conn_ops {
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
 } kvt__conn_ops_t;
 
+/*
+ * A client connection. Its fields are laid out by how often they are touched: a request's read,
+ * parse, handling and reply write (a GET's whole path) touch only the hot part, the first
+ * KVT_CONN_HOT bytes (three cache lines, asserted below); what only some connections or only the
+ * tick use comes after, and what only a KEEPing MATCH uses (its handles, 640 bytes) is allocated
+ * on the first KEEP. docs/architecture.md, "Connections", has the layout.
+ */
 struct kvt__conn {
+    /* ---- hot: every request ---- */
     kvt__ev_t ev;
     kvt_srv_t *srv;
     kvt__loop_t *loop; /* the loop that owns it: the only one that reads, writes or frees it */
-    /* Kicked by another loop: on its loop's posted list until that loop kicks it (loops.c). */
-    int posted;
-    kvt__conn_t *posted_next;
-    /* Its loop writes finished replies with the lock let go: kvt__reply starts a new request
-     * rather than append to a tail whose bytes the socket may be reading. */
-    int writing;
-    kvt__conn_t *prev, *next;
-    uint64_t id; /* also the owner of its leases in the tree */
-    int tcp;
     uint8_t *in;
     size_t in_len, in_cap;
     kvt__req_t *head, *tail;
     size_t out_bytes; /* bytes queued in out buffers */
+    kvt__lease_t *leases;
+    size_t nleases;
+    /* Slow and idle clients (conn.c): when its last bytes came, how many bytes and whole frames
+     * it has sent (and, in the cold part, where the progress of the frame being received was
+     * last measured: frame-timeout-ms). */
+    uint64_t rx_ns, rx_bytes, frames;
+    uint64_t stuck_ns; /* since when its socket has taken none of its queued replies; 0: not */
     uint32_t inflight;
-    int authed;
-    int hello;
+    uint32_t events;
     uint32_t ns, page_size, block_bytes;
     /* Its namespace's slot in the per-namespace series (kvt__metrics_ns_slot, at HELLO). */
     unsigned metric_ns;
-    int closing;    /* no more requests: close once the queue drains */
-    int dead;       /* the peer is gone or broke the framing: close now */
-    int in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
+    /* Kicked by another loop: on its loop's posted list until that loop kicks it (loops.c). */
+    uint8_t posted;
+    /* Its loop writes finished replies with the lock let go: kvt__reply starts a new request
+     * rather than append to a tail whose bytes the socket may be reading. */
+    uint8_t writing;
+    uint8_t tcp;
+    uint8_t authed;
+    uint8_t hello;
+    uint8_t closing;    /* no more requests: close once the queue drains */
+    uint8_t dead;       /* the peer is gone or broke the framing: close now */
+    uint8_t in_handler; /* inside kvt__conn_kick: nested kicks only mark work */
     /* Closed, and off the list, but its memory is kept until its loop's reap: an event for it
      * may still be in the batch epoll_wait returned, and a walk over the list may stand on it. */
-    int gone;
-    kvt__conn_t *gone_next;
-    uint32_t events;
-    kvt__lease_t *leases;
-    size_t nleases, cap_leases;
+    uint8_t gone;
+    uint8_t mem_wait;  /* waits for max-client-bytes to have mem_need more bytes */
+    uint8_t auth_wait; /* an AUTH waits for its turn (auth.c): nothing more is read until then */
+    uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
+    uint32_t *tokens;  /* scratch for decoded tokens */
+    size_t tokens_cap;
+    uint64_t id; /* also the owner of its leases in the tree */
+
+    /* ---- cold: the tick, closing, and what only some connections use ---- */
+    const uint32_t *tok;    /* the current frame's tokens (op.c kvt__tokens): MATCH, PUT */
     uint64_t lease_next_ns; /* no lease expires before this: the tick skips the list until then */
-    uint64_t stuck_ns;      /* since when its socket has taken none of its queued replies; 0: not */
-    int mem_wait;           /* waits for max-client-bytes to have mem_need more bytes */
+    kvt__conn_t *posted_next;
+    kvt__conn_t *prev, *next;
+    kvt__conn_t *gone_next;
+    size_t cap_leases;
     size_t mem_need;
-    /* Slow and idle clients (conn.c): when it connected, when its last bytes came, how many
-     * bytes and whole frames it has sent, and where the progress of the frame being received
-     * was last measured (frame-timeout-ms). */
-    uint64_t born_ns, rx_ns;
-    uint64_t rx_bytes, frames;
+    uint64_t born_ns;
     uint64_t mark_ns, mark_rx, mark_frames;
-    /* An AUTH waiting for its turn (auth.c, auth-failures-per-s): nothing more is read
-     * until it is answered, in the order of auth_seq. */
-    int auth_wait;
+    /* An AUTH waiting for its turn (auth.c, auth-failures-per-s), answered in the order of
+     * auth_seq (reading on would tell a guesser how its guess went). */
     uint64_t auth_seq;
     kvt__req_t *auth_req;
     /* Zero-copy (op_map.c, op_put.c): the namespace whose DRAM arena it mapped (a reference on
@@ -295,20 +338,24 @@ struct kvt__conn {
     /* The CUDA device its engine runs on (HELLO): its PUTs go to that device's HBM pool, and so
      * do the promotions its PREFETCHes ask for (hbm-devices). */
     int device;
-    uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     kvt__req_t **resv;
     size_t nresv, cap_resv;
     /* Bytes of pages its reservations hold (expired ones too) and its RESERVEs in flight ask
      * for: at most max-reserved-bytes. */
     uint64_t resv_bytes;
-    uint32_t *tokens;    /* scratch for decoded tokens */
-    const uint32_t *tok; /* the current frame's tokens (op.c kvt__tokens) */
-    size_t tokens_cap;
-    /* MATCHes' kept tokens (op_match.c, KEEP), named by later PUTs and RESERVEs. */
-    kvt__handle_t handles[KVT_MATCH_HANDLES];
+    /* MATCHes' kept tokens (op_match.c, KEEP), named by later PUTs and RESERVEs: NULL until the
+     * first KEEP, then KVT_MATCH_HANDLES of them (kvt__conn_handles). */
+    kvt__handle_t *handles;
     uint32_t handle_next;
     uint64_t handle_bytes; /* the kept tokens' bytes: at most KVT_MATCH_HANDLE_BYTES */
 };
+/* The hot part's end (the first cold field), and the whole struct's size: a field added to the
+ * hot part, or 640 bytes of handles back inline, fails the build (tests/test_server_conns.c
+ * prints the sizes). */
+#define KVT_CONN_HOT 192
+_Static_assert(offsetof(kvt__conn_t, tok) <= KVT_CONN_HOT,
+               "kvt__conn_t's hot part is at most three cache lines");
+_Static_assert(sizeof(kvt__conn_t) <= 384, "kvt__conn_t stays small: cold state goes aside");
 
 /* The connections' part (conn.c): the open ones, the closed ones not yet freed, and the memory
  * held for clients. */
@@ -546,10 +593,15 @@ int kvt__reply_error(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int s
 /* A request that will finish later: its place in the queue. */
 kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint64_t id,
                          uint64_t t0);
+/* c's table of KVT_MATCH_HANDLES kept-token handles (op_match.c), made on its first KEEP: NULL
+ * when there is no memory for it (nothing is kept then). Freed when c closes. */
+kvt__handle_t *kvt__conn_handles(kvt__conn_t *c);
 /* The namespace r works in, held open until r is freed. */
 void kvt__req_ns(kvt__req_t *r, uint32_t ns);
 /* Adds bytes to a request's output (GET frames, final replies). Returns 0 or KVT_ENOMEM. */
 int kvt__req_append(kvt__req_t *r, const void *p, size_t len);
+/* Room for need bytes in r->out (its content kept): 0, or KVT_ENOMEM with r unchanged. */
+int kvt__req_out_reserve(kvt__req_t *r, size_t need);
 /* Appends r's reply frame: status r->status, then len bytes of body. Out of memory closes the
  * connection (the replies after it would otherwise answer the wrong requests). */
 int kvt__req_reply(kvt__req_t *r, const void *body, uint32_t len);
@@ -705,6 +757,9 @@ int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
 /* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
 void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
                     kvt_block_key_t *key);
+/* The key (hash) alone of the block at (node, depth): what a GET sent from memory needs, without
+ * the block key's copy of the page's tokens. */
+uint64_t kvt__block_hash(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth);
 kvt__io_t *kvt__io_new(kvt_srv_t *s, kvt__req_t *r, uint32_t depth);
 /* The block at (node, depth) goes to NVMe: when the page before it holds no bytes (a window
  * behind a gap), the tokens in front of it are recorded for a restart (kvt_tier_nvme_add_path). */

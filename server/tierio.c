@@ -27,6 +27,13 @@ void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32
     key->ntokens = page;
 }
 
+uint64_t kvt__block_hash(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth)
+{
+    uint64_t h = kvt_radix_block_hash(s->radix, node, depth); /* computed here if not yet */
+    kvt_assert(h);
+    return h;
+}
+
 kvt__io_t *kvt__io_new(kvt_srv_t *s, kvt__req_t *r, uint32_t depth)
 {
     uint32_t page = kvt_radix_ns_page_size(s->radix, r->ns);

@@ -1,0 +1,168 @@
+/*
+ * test_server_conns.c: what each connection and each request holds (issue 38, CPU per GET from 8
+ * to 64 connections). The structures a GET touches keep their sizes (docs/architecture.md,
+ * "Connections": the figures printed here are the ones it quotes): kvt__conn_t's hot part and
+ * its whole, kvt__req_t with its inline reply room, a one-page GET's frames inside it. A reply
+ * that outgrows the request's inline room moves to the heap intact. And a real kvtierd serves
+ * GETs of every batch shape (the inline one- and two-page batches, the heap ones past them, and
+ * location frames that outgrow the inline room) on 64 connections at once, byte-exact.
+ */
+#include <pthread.h>
+#include <stddef.h>
+
+#include "server.h"
+#include "test_server_harness.h"
+
+#define PAGE  16
+#define BB    8192
+#define NPAGE 6
+#define CONNS 64
+
+Test(server_conns, hot_structs_keep_their_size)
+{
+    size_t hot = offsetof(kvt__conn_t, tok);
+    size_t one_get =
+        KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t) + KVT_PROTO_HDR + sizeof(kvt_wire_get_end_t);
+    fprintf(stderr,
+            "kvt__conn_t %zu bytes (hot part %zu), kvt__req_t %zu (inline reply %d, GET slots "
+            "%d), kvt__io_t %zu (+ 4 bytes a token), a one-page GET's frames %zu\n",
+            sizeof(kvt__conn_t), hot, sizeof(kvt__req_t), KVT_REQ_OUT_INLINE, KVT_GET_INLINE,
+            sizeof(kvt__io_t), one_get);
+    cr_expect_leq(hot, KVT_CONN_HOT, "the hot part grew to %zu bytes", hot);
+    cr_expect_leq(sizeof(kvt__conn_t), 384);
+    cr_expect_leq(sizeof(kvt__req_t), 640);
+    cr_expect_geq((size_t)KVT_REQ_OUT_INLINE,
+                  KVT_GET_INLINE * (KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t)) + KVT_PROTO_HDR +
+                      sizeof(kvt_wire_get_end_t),
+                  "a %d-page GET's frames no longer fit in its request", KVT_GET_INLINE);
+}
+
+/* The reply's bytes and the connection's and clients' byte counts, across the move from
+ * out_inline to the heap and after a write took it all. */
+Test(server_conns, a_reply_outgrows_its_request_intact)
+{
+    kvt_srv_t *s = calloc(1, sizeof *s);
+    kvt__conn_t *c = calloc(1, sizeof *c);
+    cr_assert(s && c);
+    c->srv = s;
+    uint8_t want[1000];
+    for (size_t i = 0; i < sizeof want; i++)
+        want[i] = (uint8_t)(i * 31 + 7);
+    kvt__req_t *r = kvt__req_new(c, KVT_REQ_PLAIN, KVT_OP_PING, 7, 0);
+    cr_assert(r);
+    cr_expect_eq(c->head, r);
+    cr_assert_eq(kvt__req_append(r, want, 64), 0);
+    cr_expect(r->out == r->out_inline, "64 bytes left the request");
+    cr_assert_eq(kvt__req_append(r, want + 64, KVT_REQ_OUT_INLINE - 64), 0);
+    cr_expect(r->out == r->out_inline, "a full inline buffer moved");
+    cr_assert_eq(kvt__req_append(r, want + KVT_REQ_OUT_INLINE, 900 - KVT_REQ_OUT_INLINE), 0);
+    cr_expect(r->out != r->out_inline);
+    cr_expect_geq(r->out_cap, 900);
+    cr_expect_eq(r->out_len, 900);
+    cr_expect(memcmp(r->out, want, 900) == 0, "the bytes changed as they moved");
+    cr_expect_eq(c->out_bytes, 900);
+    cr_expect_eq(s->clients.bytes, 900);
+    /* All written: the next append starts the buffer over, in the heap it has now. */
+    r->out_off = r->out_len;
+    cr_assert_eq(kvt__req_append(r, want + 900, 100), 0);
+    cr_expect_eq(r->out_len, 100);
+    cr_expect(memcmp(r->out, want + 900, 100) == 0);
+    /* A request whose reply never left its inline room frees nothing else. */
+    kvt__req_t *q = kvt__req_new(c, KVT_REQ_PLAIN, KVT_OP_PING, 8, 0);
+    cr_assert(q);
+    cr_assert_eq(kvt__req_append(q, want, 32), 0);
+    cr_expect(q->out == q->out_inline);
+    cr_expect_eq(r->next, q);
+    kvt__req_free(r);
+    kvt__req_free(q);
+    free(c);
+    free(s);
+}
+
+/* ---- a real kvtierd: every batch shape on 64 connections at once ---- */
+
+static kvd_t d;
+static uint32_t tok[NPAGE * PAGE];
+
+static void teardown(void)
+{
+    kvd_cleanup(&d);
+}
+
+/* Pages [first, first + n) under a fresh lease of c, against what the PUT stored. */
+static void get_shape(kvt_client_t *c, uint32_t first, uint32_t n)
+{
+    uint8_t tiers[NPAGE];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = NPAGE};
+    cr_assert_eq(kvt_client_match(c, tok, NPAGE * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, NPAGE);
+    kvd_check_get(c, m.lease, first, n, BB, 1, NULL);
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+}
+
+/* One page, two (the inline batches), three, all six (a batch of its own allocation). */
+static const uint32_t shapes[][2] = {{0, 1}, {5, 1}, {0, 2}, {3, 2}, {1, 3}, {0, NPAGE}};
+
+typedef struct worker {
+    kvt_client_t *c[CONNS / 8];
+} worker_t;
+
+static void *work(void *arg)
+{
+    worker_t *w = arg;
+    for (int round = 0; round < 4; round++)
+        for (size_t k = 0; k < KVT_ARRAY_LEN(w->c); k++)
+            for (size_t s = 0; s < KVT_ARRAY_LEN(shapes); s++)
+                get_shape(w->c[k], shapes[s][0], shapes[s][1]);
+    return NULL;
+}
+
+Test(server_conns, gets_of_every_batch_shape_on_64_connections, .fini = teardown, .timeout = 120)
+{
+    kvd_start(&d, NULL);
+    kvd_tokens(tok, NPAGE * PAGE, 500);
+    /* A client that maps the namespace's DRAM arena first, so that the pages stored after it lie
+     * in it: its GETs are answered by location (LOCATE) below. */
+    kvt_client_conf_t conf = {.unix_path = d.sock,
+                              .model = "conns",
+                              .page_size = PAGE,
+                              .block_bytes = BB,
+                              .timeout_ms = 10000,
+                              .zero_copy = 1};
+    kvt_client_t *z = NULL;
+    cr_assert_eq(kvt_client_connect(&z, &conf), 0);
+    cr_assert(kvt_client_zero_copy(z), "no mapping: %s", kvt_client_zero_copy_reason(z));
+    kvt_client_t *p = kvd_client(&d, "conns", PAGE, BB);
+    uint8_t *payload = malloc((size_t)NPAGE * BB);
+    for (uint32_t i = 0; i < NPAGE; i++)
+        kvd_fill(payload + (size_t)i * BB, BB, 1 + i);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(p, tok, NPAGE * PAGE, 0, NPAGE, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, NPAGE);
+    free(payload);
+
+    worker_t w[8];
+    pthread_t th[8];
+    for (int i = 0; i < 8; i++)
+        for (size_t k = 0; k < KVT_ARRAY_LEN(w[i].c); k++)
+            w[i].c[k] = kvd_client(&d, "conns", PAGE, BB);
+    cr_expect_geq(kvd_metric(&d, "kvtier_connections"), CONNS + 1);
+    for (int i = 0; i < 8; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, work, &w[i]), 0);
+    for (int i = 0; i < 8; i++)
+        pthread_join(th[i], NULL);
+
+    /* LOCATE: a location frame is 48 bytes, so two pages' frames and the final one (128) outgrow
+     * the request's inline room; one page's do not. The bytes come through the mapping. */
+    double before = kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}");
+    for (size_t s = 0; s < KVT_ARRAY_LEN(shapes); s++)
+        get_shape(z, shapes[s][0], shapes[s][1]);
+    double located = kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}") - before;
+    cr_expect_eq(located, 1 + 1 + 2 + 2 + 3 + NPAGE, "%.0f pages went as locations", located);
+
+    for (int i = 0; i < 8; i++)
+        for (size_t k = 0; k < KVT_ARRAY_LEN(w[i].c); k++)
+            kvt_client_close(w[i].c[k]);
+    kvt_client_close(z);
+    kvt_client_close(p);
+}
