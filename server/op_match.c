@@ -253,7 +253,9 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
                                     ? match_why(s, m, q->tokens, q->page, remote_down)
                                     : KVT_MISS_NEVER_SEEN;
         count_match(s, c->metric_ns, m->pages, q->ntokens, q->page, tiers, why);
-        if (s->mrc)
+        /* No block size, no page of the curve (kvt__mrc_lookup counts nothing): the keys of
+         * every page would be gathered and hashed for nothing. */
+        if (s->mrc && q->block_bytes)
             mrc_match(s, m, q);
     }
     uint64_t lease = 0;
@@ -432,9 +434,11 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
     uint32_t block = c->block_bytes   ? c->block_bytes
                      : c->ns < s->nns ? s->ns[c->ns].block_bytes
                                       : 0;
-    /* Keys: the curve's for every whole page; else only the reason's (shared_why). */
+    /* Keys: the curve's for every whole page (when it counts this lookup: a block size is
+     * known, as in mrc_match); else only the reason's (shared_why). */
     uint64_t stackkeys[KVT_SHARED_KEYS], *keys = stackkeys;
-    uint32_t nkeys = probe || !s->mrc ? 0 : whole;
+    int curve = !probe && s->mrc && block;
+    uint32_t nkeys = curve ? whole : 0;
     kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
     int cache_tail = 0;
     if (nkeys > KVT_SHARED_KEYS && !(keys = malloc((size_t)nkeys * sizeof *keys)))
@@ -443,7 +447,7 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
         shared_keys(s, &m, c->tok, page, whole, keys, &cache_tail);
         if (whole > m.pages)
             why = kvt__ghost_seen(s, keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
-    } else if (!probe && !s->mrc && whole > m.pages) {
+    } else if (!probe && !curve && whole > m.pages) {
         why = shared_why(s, &m, c->tok, page, &cache_tail);
     }
     uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
