@@ -112,6 +112,26 @@ static void mrc_match(kvt_srv_t *s, const kvt_match_t *m, const kvt__match_q_t *
     kvt__mrc_lookup(s->mrc, keys, whole, q->page, q->block_bytes, q->ntokens);
 }
 
+/* The tiers of a path's pages into out, node by node (each node's blocks read in place). Four
+ * pages a step: this runs over every page of every MATCH, and the plain loop's index
+ * arithmetic was 7 instructions a page. */
+static void path_tiers(const kvt_match_t *m, uint8_t *out)
+{
+    kvt__path_t p;
+    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p)) {
+        const kvt_block_t *b = p.run.blocks, *e = b + p.run.n;
+        uint8_t *o = out + p.run.depth;
+        for (; e - b >= 4; b += 4, o += 4) {
+            o[0] = b[0].tier;
+            o[1] = b[1].tier;
+            o[2] = b[2].tier;
+            o[3] = b[3].tier;
+        }
+        for (; b < e; b++)
+            *o++ = b->tier;
+    }
+}
+
 /* ---- Handles (KEEP) ---- */
 
 static void handle_drop(kvt__conn_t *c, kvt__handle_t *k)
@@ -237,11 +257,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
     if (!out)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
-    /* Tiers per page, node by node: each node's blocks are read in place. */
-    kvt__path_t p;
-    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
-        for (uint32_t i = 0; i < p.run.n; i++)
-            tiers[p.run.depth + i] = p.run.blocks[i].tier;
+    path_tiers(m, tiers);
     /* Blocks NVMe dropped by itself are not reported stored (exec.c settles them later). */
     for (uint32_t k = 0; k < q->lost.n; k++)
         if (q->lost.from[k] < m->pages)
@@ -254,7 +270,9 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
                                     ? match_why(s, m, q->tokens, q->page, remote_down)
                                     : KVT_MISS_NEVER_SEEN;
         count_match(s, s->metrics, c->metric_ns, m->pages, q->ntokens, q->page, tiers, why);
-        if (s->mrc)
+        /* No block size, no page of the curve (kvt__mrc_lookup counts nothing): the keys of
+         * every page would be gathered and hashed for nothing. */
+        if (s->mrc && q->block_bytes)
             mrc_match(s, m, q);
     }
     uint64_t lease = 0;
@@ -450,7 +468,11 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
     kvt_match_t m = p.m;
     /* Keys: the curve's for every whole page, in the loop's buffer (the sample waits there for
      * the write lock); else only the reason's (shared_why). */
-    uint32_t nkeys = probe || !s->mrc ? 0 : whole;
+    uint32_t block = c->block_bytes   ? c->block_bytes
+                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
+                                      : 0;
+    int curve = !probe && s->mrc && block;
+    uint32_t nkeys = curve ? whole : 0;
     kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
     int cache_tail = 0;
     if (nkeys > hit->keys_cap) {
@@ -466,7 +488,7 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
         shared_keys(s, &m, c->tok, page, whole, hit->keys, &cache_tail);
         if (whole > m.pages)
             why = kvt__ghost_seen(s, hit->keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
-    } else if (!probe && !s->mrc && whole > m.pages) {
+    } else if (!probe && !curve && whole > m.pages) {
         why = shared_why(s, &m, c->tok, page, &cache_tail);
     }
     uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
@@ -475,18 +497,14 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
     int rc = 0;
     if (out) {
         uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
-        for (kvt__path_walk(&p, &m); p.run.node; kvt__path_step(&p))
-            for (uint32_t i = 0; i < p.run.n; i++)
-                tiers[p.run.depth + i] = p.run.blocks[i].tier;
+        path_tiers(&m, tiers);
         if (!probe) {
             count_match(s, l->metrics, c->metric_ns, m.pages, q->ntokens, page, tiers, why);
             if (s->mrc && (nkeys || !whole)) {
                 hit->sample = 1;
                 hit->whole = whole;
                 hit->page = page;
-                hit->block = c->block_bytes   ? c->block_bytes
-                             : c->ns < s->nns ? s->ns[c->ns].block_bytes
-                                              : 0;
+                hit->block = block;
                 hit->ntokens = q->ntokens;
             }
         }

@@ -4,6 +4,7 @@
  */
 #include <criterion/criterion.h>
 #include <malloc.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -315,6 +316,41 @@ Test(radix_ops, match_bumps_counters_only)
     cr_expect_eq(b[2].last_access, 1000);
     cr_assert_eq(kvt_radix_match(tree, ns, s, 2 * PS, KVT_MATCH_NOTOUCH, &m), 0);
     cr_expect_eq(b[0].hits, 1);
+    free(s);
+}
+
+/* A match's path whose blocks were last used at different times (runs of one age, ages that
+ * alternate, one used this very tick, a hit count at its ceiling): each block decays by its own
+ * age, once, and counts its hit. The touch works a run of equal ages at a time. */
+Test(radix_ops, match_decays_each_block_by_its_own_age)
+{
+    enum { N = 9 };
+    uint32_t *s = seq(N * PS, 1);
+    kvt_radix_set_clock(tree, 1000);
+    kvt_insert_t r = insert(s, N * PS);
+    cr_assert_eq(r.new_pages, N);
+    kvt_block_t *b = kvt_radix_node_blocks(r.node);
+    const uint32_t now = 1000 + 600000;
+    /* One default half-life (600,000 ticks) old, two, none, ... */
+    const uint32_t age[N] = {600000, 600000, 1200000, 600000, 1200000, 0, 0, 300000, 600000};
+    const float freq[N] = {1, 2, 4, 8, 3, 5, 7, 1, 2};
+    for (int i = 0; i < N; i++) {
+        b[i].last_access = now - age[i];
+        b[i].freq = freq[i];
+        b[i].hits = i == 4 ? UINT32_MAX : (uint32_t)i;
+    }
+    kvt_radix_set_clock(tree, now);
+    kvt_match_t m;
+    cr_assert_eq(kvt_radix_match(tree, ns, s, N * PS, 0, &m), 0);
+    cr_assert_eq(m.pages, N);
+    b = kvt_radix_node_blocks(r.node);
+    for (int i = 0; i < N; i++) {
+        float want = freq[i] * exp2f(-(float)age[i] / 600000.0f) + 1.0f;
+        cr_expect_float_eq(b[i].freq, want, 1e-4, "block %d: freq %f, want %f", i, b[i].freq, want);
+        cr_expect_eq(b[i].last_access, now, "block %d", i);
+        cr_expect_eq(b[i].hits, i == 4 ? UINT32_MAX : (uint32_t)i + 1, "block %d: %u hits", i,
+                     b[i].hits);
+    }
     free(s);
 }
 

@@ -59,6 +59,40 @@ static int match_until(kvt_client_t *c, const uint32_t *tok, uint32_t ntok, uint
     return 0;
 }
 
+/* A MATCH's tier per page over a path of four nodes (3, 5, 1 and 4 pages: a PUT that extended
+ * it and splits made by two other prompts) whose pages lie in two tiers: MATCH reads the tiers
+ * node by node, four pages a step and the rest one by one, and must leave none out or shifted
+ * at a node's edge. */
+Test(server_e2e, a_match_reports_each_pages_tier_across_nodes)
+{
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    kvt_client_t *c = kvd_client(&d, "llama", PAGE, BB);
+    uint32_t x[13 * PAGE], y[13 * PAGE];
+    kvd_tokens(x, 13 * PAGE, 100);
+    kvt_client_put_t r;
+    put_pages(c, x, 8 * PAGE, 0, 8, BB, 1, &r); /* pages 0-7 stored */
+    cr_assert_eq(r.stored, 8);
+    put_pages(c, x, 13 * PAGE, 0, 0, BB, 0, &r); /* pages 8-12 index-only */
+    cr_assert_eq(r.new_pages, 5);
+    for (uint32_t cut = 3; cut <= 9; cut += 6) { /* splits after pages 3 and 9 */
+        memcpy(y, x, sizeof y);
+        kvd_tokens(y + cut * PAGE, (13 - cut) * PAGE, 900000 + cut);
+        put_pages(c, y, 13 * PAGE, 0, 0, BB, 0, &r);
+        cr_assert_eq(r.new_pages, 13 - cut);
+    }
+    uint8_t tiers[16];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 16};
+    cr_assert_eq(kvt_client_match(c, x, 13 * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 13);
+    for (int i = 0; i < 13; i++) {
+        uint8_t want = i < 8 ? KVT_CLIENT_TIER_DRAM : KVT_CLIENT_TIER_NONE;
+        cr_expect_eq(tiers[i], want, "page %d in tier %u, not %u", i, tiers[i], want);
+    }
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, put_get_byte_exact)
 {
     kvd_t d = {0};

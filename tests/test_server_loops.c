@@ -588,6 +588,51 @@ Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
 }
 
 /*
+ * A namespace nobody declared a block size for (index-only prompts, lookup-only clients): its
+ * lookups are no pages of the miss-ratio curve, so MATCH gathers no page keys for it, on the
+ * shared walk (loop 1) and under the write lock (LEASE) alike, and still counts its hits and
+ * its misses' reason.
+ */
+Test(server_loops, a_match_without_a_block_size_counts_no_curve_but_its_misses)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", NULL); /* mrc on, as by default */
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, 0), *c1 = kvd_client(&d, "m", PAGE, 0);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    uint32_t x[12 * PAGE];
+    kvd_tokens(x, 12 * PAGE, 1);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c0, x, 8 * PAGE, 0, 0, NULL, NULL, &r), 0);
+    for (int lease = 0; lease < 2; lease++) {
+        double shared = kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}");
+        double hit = kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"none\"}");
+        double never = kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"never_seen\"}");
+        double short_page = kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"short_page\"}");
+        kvt_client_match_t m = {0};
+        /* 8 pages stored, 3 never seen, and 3 tokens of a page short */
+        cr_assert_eq(kvt_client_match(c1, x, 12 * PAGE + 3 - PAGE, lease ? KVT_CLIENT_LEASE : 0, 0,
+                                      NULL, &m),
+                     0);
+        cr_assert_eq(m.pages, 8);
+        cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}"),
+                     shared + !lease, "lease %d: shared walk %d", lease, !lease);
+        cr_expect_eq(kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"none\"}"), hit + 8 * PAGE,
+                     "lease %d", lease);
+        cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"never_seen\"}"),
+                     never + 3 * PAGE, "lease %d", lease);
+        cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"short_page\"}"),
+                     short_page + 3, "lease %d", lease);
+        if (lease)
+            cr_assert_eq(kvt_client_release(c1, m.lease, NULL), 0);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_mrc_tracked_pages"), 0, "no page of the curve");
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
  * GETs of 256 KiB DRAM blocks on both loops, their batches written with the store's lock let go
  * (op_get.c, get_apart), while other clients PUT over the readers' prefixes (other bytes: skipped,
  * the pages hold theirs), PUT new prefixes that push blocks out of DRAM (demotions to NVMe,
