@@ -739,7 +739,7 @@ static void usage(FILE *f, const char *prog)
             "  --nvme-min-hits N    admission to NVMe needs N hits\n"
             "  --no-cost-drop       the cost policy demotes even when recomputing is cheaper\n"
             "  --expert NAME        the cost policy's victims in one expert's order: cost,\n"
-            "                       recent or frequent (default: learned online)\n"
+            "                       recent, frequent or cost-recent (default: learned online)\n"
             "  --seed N             seed of the simulated hints (default 1)\n"
             "  --verify             check the policy's and the tree's invariants as it runs\n"
             "  --no-progress        no progress bar on stderr\n"
