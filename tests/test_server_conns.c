@@ -43,8 +43,11 @@ Test(server_conns, a_reply_outgrows_its_request_intact)
 {
     kvt_srv_t *s = calloc(1, sizeof *s);
     kvt__conn_t *c = calloc(1, sizeof *c);
-    cr_assert(s && c);
+    kvt__loop_t *l = calloc(1, sizeof *l); /* not shared: the bytes count in s->clients */
+    cr_assert(s && c && l);
     c->srv = s;
+    c->loop = l;
+    l->srv = s;
     uint8_t want[1000];
     for (size_t i = 0; i < sizeof want; i++)
         want[i] = (uint8_t)(i * 31 + 7);
@@ -76,6 +79,7 @@ Test(server_conns, a_reply_outgrows_its_request_intact)
     kvt__req_free(r);
     kvt__req_free(q);
     free(c);
+    free(l);
     free(s);
 }
 
