@@ -13,7 +13,8 @@
  *
  * Shared arenas (zero-copy local clients, tier.h): a namespace may get an arena of its own over
  * a memfd instead of the anonymous region, same hooks and flags, except that freed extents are
- * purged by punching holes in the memfd. Per namespace so that a client mapping it sees only its
+ * purged by punching holes in the memfd, once the tier's footprint passes its capacity
+ * (dram_trim). Per namespace so that a client mapping it sees only its
  * own tenant's blocks. Which arena a block lies in is an address-range check, which is how a free
  * finds the arena whose live-block count it lowers.
  *
@@ -50,8 +51,6 @@
 
 /* A mapped region and the bump pointer its arena's extent hooks hand it out with: the main
  * region, or a shared arena's memfd mapping. */
-/* How long a shared arena keeps freed pages for reuse before punching them out (space_arena). */
-#define KVT_DRAM_SHARED_DECAY_MS 1000
 /* How often kvt_tier_dram_decay checks each arena's memfd for pages no live block holds (a
  * client's writes or fallocate outside its blocks) and punches them (dram_shared_scan). */
 #define KVT_DRAM_SCAN_NS (1000ull * 1000 * 1000)
@@ -75,6 +74,9 @@ typedef struct dram_shared {
     uint32_t refs;         /* kvt_tier_dram_share calls not yet unshared */
     uint64_t blocks;       /* allocations in it, orphans too: destroyed only once both are 0 */
     uint64_t orphan_bytes; /* charge of its orphans (kvt_tier_dram_orphan): allocated, not live */
+    uint64_t used_seq;     /* dram_t.seq at its last write or free: the trim's oldest first */
+    uint64_t purged_seq;   /* used_seq when dram_trim last purged it */
+    uint64_t dirty;        /* its freed pages' bytes, as dram_trim last read them */
 } dram_shared_t;
 
 typedef struct dram {
@@ -90,6 +92,7 @@ typedef struct dram {
     uint64_t punched;   /* bytes the scans punched: touched by a client, held by no block */
     uint64_t scans;     /* arenas scanned (their resident bytes exceeded what jemalloc holds) */
     uint64_t scan_ns;   /* time those scans took */
+    uint64_t seq;       /* bumped by each write and free in a shared arena (used_seq) */
     uint64_t scribbles; /* sealed blocks found changed (kvt_tier_dram_check) */
     uint64_t sealed, sealed_as; /* seals hashed here; seals given by the caller (seal_as) */
     /* Seals under way (kvt_tier_dram_seal_later), oldest first from seal_head; the first one's
@@ -323,6 +326,14 @@ static dram_shared_t *dram_shared_at(const dram_t *d, uint64_t loc)
     return NULL;
 }
 
+/* Gives every freed page of sp's arena back (jemalloc's dirty pages: our hooks punch them). */
+static void space_purge(dram_space_t *sp)
+{
+    char name[64];
+    snprintf(name, sizeof(name), "arena.%u.purge", sp->arena);
+    (void)mallctl(name, NULL, NULL, NULL, 0);
+}
+
 static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     dram_t *d = t->impl;
@@ -333,6 +344,12 @@ static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
         s = NULL;
     dram_space_t *sp = s ? &s->sp : &d->sp;
     void *p = mallocx(io->len, dram_flags(sp->arena, io->len));
+    if (!p && s) {
+        /* Its freed pages stay dirty until dram_trim, and dirty extents under 16 KiB coalesce
+         * only once purged: purging them now may make the room this block needs. */
+        space_purge(sp);
+        p = mallocx(io->len, dram_flags(sp->arena, io->len));
+    }
     if (!p) {
         if (!sp->warned_full) {
             if (s)
@@ -353,8 +370,10 @@ static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
     /* No buf: a zero-copy PUT's reservation, filled by the client through its mapping. */
     if (io->buf)
         memcpy(p, io->buf, io->len);
-    if (s)
+    if (s) {
         s->blocks++;
+        s->used_seq = ++d->seq;
+    }
     io->loc = (uint64_t)(uintptr_t)p;
     kvt__tier_complete(t, io, 0);
     return 0;
@@ -470,6 +489,7 @@ static void dram_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     if (s) {
         kvt_assert(s->blocks > 0);
         s->blocks--;
+        s->used_seq = ++d->seq;
         dram_shared_maybe_drop(d, s);
     }
 }
@@ -582,14 +602,15 @@ static int space_arena(dram_space_t *sp)
     /* Freed extents leave the dirty set at once: with purging refused (the main region) they
      * land in the retained set, which jemalloc coalesces eagerly (dirty extents coalesce only
      * when they decay), so a mix of block sizes does not fragment the region.
-     * A shared arena keeps its freed pages dirty for KVT_DRAM_SHARED_DECAY_MS instead, for its
-     * next blocks to reuse: a hole punched at every free made every new block fresh pages,
-     * faulted and zeroed by the kernel in the daemon and again in each client that touches it
-     * (bench_client: a zero-copy PUT of 2 MiB ran at a third of a socket PUT into the main
-     * region). What the namespace stops reusing is punched out as it decays
-     * (kvt_tier_dram_decay, every tick of the daemon), so memory still goes back within
-     * about that long. */
-    ssize_t now = 0, shared_decay = KVT_DRAM_SHARED_DECAY_MS;
+     * A shared arena keeps its freed pages dirty instead (no decay: -1), for its next blocks to
+     * reuse: a hole punched at every free made every new block fresh pages, faulted and zeroed
+     * by the kernel in the daemon and again in each client that touches it (bench_client: a
+     * zero-copy PUT of 2 MiB ran at a third of a socket PUT into the main region), and a decay
+     * of a second did the same to an engine whose stores came a second after its removals
+     * (bench_lmcache --pause-ms 1200: 16,384 faults a 64 MiB save). They go back only when
+     * the tier's footprint passes its capacity (dram_trim, every tick of the daemon) or the
+     * arena's namespace stops using it. */
+    ssize_t now = 0, shared_decay = -1;
     char name[64];
     snprintf(name, sizeof(name), "arena.%u.dirty_decay_ms", sp->arena);
     (void)mallctl(name, NULL, NULL, sp->fd >= 0 ? &shared_decay : &now, sizeof(now));
@@ -841,16 +862,85 @@ static void dram_scan_all(dram_t *d)
     d->scan_ns += kvt_now_ns() - t0;
 }
 
+/* Bytes of freed pages s's arena keeps (jemalloc's dirty pages), from the stats of the last
+ * epoch; UINT64_MAX when jemalloc has no stats (then every arena is purged, as if over). */
+static uint64_t dram_shared_dirty(const dram_shared_t *s, uint64_t page)
+{
+    size_t dirty = 0, sz = sizeof(size_t);
+    char name[64];
+    snprintf(name, sizeof(name), "stats.arenas.%u.pdirty", s->sp.arena);
+    if (mallctl(name, &dirty, &sz, NULL, 0) != 0)
+        return UINT64_MAX;
+    return (uint64_t)dirty * page;
+}
+
+static void dram_trim_one(dram_shared_t *s)
+{
+    space_purge(&s->sp);
+    s->purged_seq = s->used_seq;
+    s->dirty = 0;
+}
+
+/*
+ * The tier's footprint is its live blocks (usage.used_bytes, every arena's and the main
+ * region's, never above the capacity) plus the freed pages the shared arenas keep for reuse.
+ * While that is within the capacity they stay, however long, so that a namespace whose stores
+ * come long after its removals reuses them without a page fault; past it, whole arenas give
+ * theirs back, the least recently written or freed first, until it is within again. Whole
+ * arenas: jemalloc purges an arena's dirty pages all at once or by its decay clock, not by a
+ * byte count. Oldest first rather than a share of each: an arena nobody wrote or freed in for
+ * longest is the least likely to reuse its pages soon, and the busy namespaces keep theirs.
+ * An arena nobody references any more takes no new blocks (dram_write), so its freed pages
+ * can never be reused: they go at once, over capacity or not. Called every tick, so the
+ * footprint passes the capacity for a tick at most (blocks written into fresh pages meanwhile).
+ *
+ * Cost: an fstat per arena; jemalloc's stats (an epoch refresh, 37 us with a dozen arenas here)
+ * only when the memfds' resident bytes and the live blocks together pass the capacity, an upper
+ * bound of the footprint (an arena's resident bytes hold its dirty pages and its live blocks).
+ */
+static void dram_trim(dram_t *d)
+{
+    const kvt_tier_usage_t *u = &d->tier->usage;
+    uint64_t upper = u->used_bytes, cap = u->capacity_bytes;
+    for (uint32_t i = 0; i < d->nshared; i++) {
+        dram_shared_t *s = d->shared[i];
+        if (s->refs == 0 && s->used_seq != s->purged_seq)
+            dram_trim_one(s); /* something was freed in it since its last purge */
+        upper += dram_shared_resident(s);
+    }
+    if (upper <= cap)
+        return;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), epoch = 1;
+    size_t esz = sizeof(epoch);
+    (void)mallctl("epoch", &epoch, &esz, &epoch, esz); /* refresh the arenas' stats */
+    uint64_t foot = u->used_bytes;
+    for (uint32_t i = 0; i < d->nshared; i++) {
+        dram_shared_t *s = d->shared[i];
+        s->dirty = dram_shared_dirty(s, page);
+        foot = s->dirty > UINT64_MAX - foot ? UINT64_MAX : foot + s->dirty;
+    }
+    /* Without stats foot stays UINT64_MAX and every arena is purged. */
+    while (foot > cap) {
+        dram_shared_t *best = NULL;
+        for (uint32_t i = 0; i < d->nshared; i++) {
+            dram_shared_t *s = d->shared[i];
+            if (s->dirty && (!best || s->used_seq < best->used_seq))
+                best = s;
+        }
+        if (!best)
+            break; /* nothing left to give back: the rest is live blocks */
+        if (foot != UINT64_MAX)
+            foot -= best->dirty;
+        dram_trim_one(best);
+    }
+}
+
 void kvt_tier_dram_decay(kvt_tier_t *t)
 {
     if (!t || t->ops != &dram_ops)
         return;
     dram_t *d = t->impl;
-    for (uint32_t i = 0; i < d->nshared; i++) {
-        char name[64];
-        snprintf(name, sizeof(name), "arena.%u.decay", d->shared[i]->sp.arena);
-        (void)mallctl(name, NULL, NULL, NULL, 0);
-    }
+    dram_trim(d);
     uint64_t now = kvt_now_ns();
     if (d->nshared && now >= d->scan_at) {
         d->scan_at = now + KVT_DRAM_SCAN_NS;
@@ -1015,6 +1105,7 @@ void kvt_tier_dram_orphan_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     dallocx((void *)(uintptr_t)loc, dram_flags(s->sp.arena, len));
     s->orphan_bytes -= charge;
     s->blocks--;
+    s->used_seq = ++d->seq;
     dram_shared_maybe_drop(d, s);
 }
 
@@ -1064,6 +1155,7 @@ int kvt_tier_dram_move_out(kvt_tier_t *t, uint64_t *loc)
     *loc = (uint64_t)(uintptr_t)p;
     kvt_assert(s->blocks > 0);
     s->blocks--;
+    s->used_seq = ++d->seq;
     dram_shared_maybe_drop(d, s);
     return 0;
 }

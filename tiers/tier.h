@@ -283,8 +283,9 @@ int kvt_tier_dram_offset(const kvt_tier_t *t, uint64_t ns_seed, uint64_t loc, ui
 /* Shared arenas that exist now. */
 uint32_t kvt_tier_dram_shared(const kvt_tier_t *t);
 /* A shared arena keeps freed pages for its namespace's next blocks (no page faults, no zeroing)
- * and gives them back to the kernel (holes punched in the memfd) over about a second after they
- * stop being reused, as far as it is called: call it every tick. Once a second it also checks
+ * while the tier's live blocks and every arena's kept pages fit in its capacity; this gives back
+ * (holes punched in the memfd) what is over, the least recently written or freed arena's first,
+ * and at once an unreferenced arena's: call it every tick. Once a second it also checks
  * each arena's memfd for pages a client made resident where no live block is (a write through
  * its mapping, an fallocate of the fd) and punches them. No-op for other tiers. */
 void kvt_tier_dram_decay(kvt_tier_t *t);
