@@ -321,5 +321,16 @@ def test_async_client_views_and_reservations(zd):
             await ac.release(m.lease)
             r = await ac.reserve(tokens(1), 1)
             await ac.abort(r)
+            # commit with sums, as Client.commit(r, sums)
+            from kvtier._lib import lib
+
+            r = await ac.reserve(tokens(1), 1)
+            src, sums = np.frombuffer(raw[:BLOCK], np.uint8), np.zeros(1, np.uint64)
+            span = np.array([[_addr(r.views[0]), src.ctypes.data, BLOCK]], dtype=np.uint64)
+            assert lib.kvt_copy_pages_xxh3(ffi.cast("kvt_copy_span_t *", span.ctypes.data), 1,
+                                           1, ffi.cast("uint64_t *", sums.ctypes.data)) == 0
+            before = (await ac.stats())["zero_copy_client_sums"]
+            assert (await ac.commit(r, sums)).stored == 1
+            assert (await ac.stats())["zero_copy_client_sums"] == before + 1
 
     asyncio.run(main())
