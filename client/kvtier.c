@@ -948,6 +948,7 @@ static int reserve_parse(kvt_client_t *c, const uint8_t *body, uint32_t len, uin
     res->pages = r.pages;
     res->new_pages = r.new_pages;
     res->nreserved = r.nlocs;
+    res->sealed = (r.flags & KVT_RESV_F_SEAL) != 0;
     if (flags)
         *flags = r.flags;
     return 0;
@@ -1027,6 +1028,23 @@ static int commit_call(kvt_client_t *c, uint64_t id, uint16_t flags, const uint8
 int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res)
 {
     return commit_call(c, id, 0, NULL, 0, res);
+}
+
+int kvt_client_commit_sums(kvt_client_t *c, uint64_t id, const uint64_t *sums, uint32_t nsums,
+                           kvt_client_put_t *res)
+{
+    if (!c || !sums || !nsums)
+        return KVT_EINVAL;
+    /* The wire's little-endian words (the caller's are native). */
+    uint8_t small[64 * 8], *w = nsums <= 64 ? small : malloc((size_t)nsums * 8);
+    if (!w)
+        return KVT_ENOMEM;
+    for (uint32_t i = 0; i < nsums; i++)
+        kvt_put_u64(w + (size_t)8 * i, sums[i]);
+    int rc = commit_call(c, id, 0, w, nsums, res);
+    if (w != small)
+        free(w);
+    return rc;
 }
 
 int kvt_client_abort(kvt_client_t *c, uint64_t id)

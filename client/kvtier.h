@@ -323,7 +323,8 @@ KVT_API int kvt_client_get_cb(kvt_client_t *c, uint64_t lease, uint32_t first_pa
  * madvise(MADV_POPULATE_WRITE) per run of 64 KiB granules wholly inside it, once per mapping,
  * where the kernel has it), so that writing it takes no page fault per 4 KiB.
  * kvt_client_commit sends no checksums: a daemon with zero-copy-checksum on hashes the pages
- * itself after its reply (one more pass over them, docs/benchmarks.md).
+ * itself after its reply (one more pass over them, docs/benchmarks.md); res->sealed says so, and
+ * kvt_client_commit_sums sends them.
  * Errors: KVT_CLIENT_EINVAL (not mapped; npages 0; pages past the tokens' whole pages),
  * KVT_CLIENT_ENOSPC (the index is full, or this connection holds the daemon's
  * max-reservations), KVT_CLIENT_ENOENT from commit/abort (an id this connection does not hold:
@@ -334,6 +335,8 @@ typedef struct kvt_client_resv {
     uint32_t pages;     /* whole pages of the request, all in the index now */
     uint32_t new_pages; /* pages this request added to the index */
     uint32_t nreserved; /* pages that got room (non-NULL entries of ptrs) */
+    uint32_t sealed;    /* 1 when the daemon seals these pages (RESERVE's SEAL, zero-copy-checksum):
+                         * their sums are worth sending (kvt_client_commit_sums) */
     void **ptrs;        /* in: caller's array of npages; out: page first_page + i's room or NULL */
 } kvt_client_resv_t;
 KVT_API int kvt_client_reserve(kvt_client_t *c, const uint32_t *tokens, uint32_t ntokens,
@@ -352,6 +355,15 @@ KVT_API int kvt_client_reserve_kept(kvt_client_t *c, uint32_t handle, const uint
                                     uint32_t npages, const kvt_client_hints_t *hints,
                                     kvt_client_resv_t *res);
 KVT_API int kvt_client_commit(kvt_client_t *c, uint64_t id, kvt_client_put_t *res);
+/* kvt_client_commit with the pages' checksums (COMMIT's SUMS): sums[i] the XXH3-64 (seed 0) of
+ * the i-th reserved page (non-NULL ptrs in page order) as written, nsums the reservation's
+ * nreserved (kvt_copy_pages_xxh3 computes them in the copy). Where the reservation is sealed the
+ * daemon records them instead of reading the pages after its reply; a wrong sum only gets that
+ * page dropped at its first check (docs/protocol.md, COMMIT). Errors as kvt_client_commit's, and
+ * KVT_CLIENT_EINVAL for sums NULL or nsums 0 (nothing sent), or nsums other than the pages
+ * reserved (the daemon's; the reservation is still held). */
+KVT_API int kvt_client_commit_sums(kvt_client_t *c, uint64_t id, const uint64_t *sums,
+                                   uint32_t nsums, kvt_client_put_t *res);
 KVT_API int kvt_client_abort(kvt_client_t *c, uint64_t id);
 
 /*
@@ -611,6 +623,18 @@ typedef struct kvt_copy_span {
  * dst or src, a span whose end wraps the address space, or a span whose dst and src overlap.
  * Spans may not write where a later span reads or writes (not checked: the caller's layout). */
 KVT_API int kvt_copy_spans(const kvt_copy_span_t *spans, size_t n);
+
+/* kvt_copy_spans for spans that fill whole pages, each page hashed as it is copied: page i is
+ * spans [i * per_page, (i + 1) * per_page), whose dsts lie back to back (the page's bytes in
+ * order; spans of len 0 are skipped), and sums[i] (the caller's n / per_page words) gets the
+ * XXH3-64 (seed 0) of the page's bytes as written, what XXH3_64bits(its first dst, the sum of
+ * its lens) gives: the checksum COMMIT's SUMS carries (kvt_client_commit_sums). The copy and the
+ * hash are one pass where each span begins on one of the page's 64-byte stripes (engines'
+ * layers are multiples of 64 bytes); other spans are copied and then hashed from dst. 0, or
+ * KVT_CLIENT_EINVAL with nothing copied: as kvt_copy_spans, and sums NULL, per_page 0, n not a
+ * multiple of per_page (n 0 is nothing to do), a page whose spans are not back to back. */
+KVT_API int kvt_copy_pages_xxh3(const kvt_copy_span_t *spans, size_t n, size_t per_page,
+                                uint64_t *sums);
 
 #ifdef __cplusplus
 }

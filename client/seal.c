@@ -77,7 +77,76 @@ KVT_COPY_XXH3(copy_xxh3_avx512, XXH_TARGET_AVX512, XXH3_accumulate_512_avx512,
               XXH3_scrambleAcc_avx512, COPY64_AVX512)
 KVT_COPY_XXH3(copy_xxh3_avx2, XXH_TARGET_AVX2, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2,
               COPY64_AVX2)
+
+/* The same loop over a page gathered from several spans (its dsts back to back), the
+ * accumulators carried from one span to the next: the stripe counter, not the span, says where
+ * in its 1 KiB block a stripe falls (which secret bytes, when to scramble). A span that begins on
+ * a stripe boundary of the page is copied and hashed stripe by stripe; the stripes a span leaves
+ * whole only after a plain copy (one that began or ended mid-stripe) are hashed from dst once
+ * written, so any layout gives XXH3_64bits' value and the usual one (whole stripes) is fused. */
+#define KVT_COPY_XXH3_SPANS(name, target, acc512, scramble, COPY64)                                \
+    target static uint64_t name(const kvt_copy_span_t *sp, size_t n, uint8_t *dst, size_t len)     \
+    {                                                                                              \
+        XXH_ALIGN(64) xxh_u64 acc[XXH_ACC_NB] = XXH3_INIT_ACC;                                     \
+        const xxh_u8 *secret = XXH3_kSecret;                                                       \
+        size_t const ssize = sizeof(XXH3_kSecret);                                                 \
+        size_t const per_block = (ssize - XXH_STRIPE_LEN) / XXH_SECRET_CONSUME_RATE;               \
+        size_t const nstripes = (len - 1) / XXH_STRIPE_LEN; /* the loop's; then the last */        \
+        size_t stripe = 0, off = 0;                                                                \
+        for (size_t i = 0; i < n; i++) {                                                           \
+            const uint8_t *src = sp[i].src;                                                        \
+            size_t l = sp[i].len, k = 0;                                                           \
+            if (off % XXH_STRIPE_LEN == 0)                                                         \
+                for (; k + XXH_STRIPE_LEN <= l && stripe < nstripes; k += XXH_STRIPE_LEN) {        \
+                    COPY64(dst + off + k, src + k);                                                \
+                    acc512(acc, dst + off + k,                                                     \
+                           secret + (stripe % per_block) * XXH_SECRET_CONSUME_RATE);               \
+                    if (++stripe % per_block == 0)                                                 \
+                        scramble(acc, secret + ssize - XXH_STRIPE_LEN);                            \
+                }                                                                                  \
+            if (l > k)                                                                             \
+                memcpy(dst + off + k, src + k, l - k);                                             \
+            off += l;                                                                              \
+            for (; stripe < nstripes && (stripe + 1) * XXH_STRIPE_LEN <= off;) {                   \
+                acc512(acc, dst + stripe * XXH_STRIPE_LEN,                                         \
+                       secret + (stripe % per_block) * XXH_SECRET_CONSUME_RATE);                   \
+                if (++stripe % per_block == 0)                                                     \
+                    scramble(acc, secret + ssize - XXH_STRIPE_LEN);                                \
+            }                                                                                      \
+        }                                                                                          \
+        acc512(acc, dst + len - XXH_STRIPE_LEN,                                                    \
+               secret + ssize - XXH_STRIPE_LEN - XXH_SECRET_LASTACC_START);                        \
+        return XXH3_mergeAccs(acc, secret + XXH_SECRET_MERGEACCS_START,                            \
+                              (xxh_u64)len * XXH_PRIME64_1);                                       \
+    }
+
+KVT_COPY_XXH3_SPANS(spans_xxh3_avx512, XXH_TARGET_AVX512, XXH3_accumulate_512_avx512,
+                    XXH3_scrambleAcc_avx512, COPY64_AVX512)
+KVT_COPY_XXH3_SPANS(spans_xxh3_avx2, XXH_TARGET_AVX2, XXH3_accumulate_512_avx2,
+                    XXH3_scrambleAcc_avx2, COPY64_AVX2)
 #endif
+
+static uint64_t spans_then_xxh3(const kvt_copy_span_t *sp, size_t n, uint8_t *dst, size_t len)
+{
+    for (size_t i = 0, off = 0; i < n; off += sp[i].len, i++)
+        if (sp[i].len)
+            memcpy(dst + off, sp[i].src, sp[i].len);
+    return XXH3_64bits(dst, len);
+}
+
+typedef uint64_t (*spans_xxh3_fn)(const kvt_copy_span_t *, size_t, uint8_t *, size_t);
+
+static spans_xxh3_fn spans_way_fn(int way)
+{
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (way == KVT_COPY_XXH3_AVX512)
+        return __builtin_cpu_supports("avx512f") ? spans_xxh3_avx512 : NULL;
+    if (way == KVT_COPY_XXH3_AVX2)
+        return __builtin_cpu_supports("avx2") ? spans_xxh3_avx2 : NULL;
+#endif
+    return way == KVT_COPY_XXH3_PLAIN ? spans_then_xxh3 : NULL;
+}
 
 static uint64_t copy_then_xxh3(uint8_t *dst, const uint8_t *src, size_t len)
 {
@@ -129,4 +198,31 @@ uint64_t kvt__copy_xxh3(void *dst, const void *src, size_t len)
         __atomic_store_n(&picked, fn, __ATOMIC_RELAXED);
     }
     return fn(dst, src, len);
+}
+
+int kvt__copy_spans_xxh3_by(int way, const kvt_copy_span_t *spans, size_t n, void *dst, size_t len,
+                            uint64_t *sum)
+{
+    spans_xxh3_fn fn = spans_way_fn(way);
+    if (!fn || (way != KVT_COPY_XXH3_PLAIN && len <= XXH3_MIDSIZE_MAX))
+        return -1;
+    *sum = fn(spans, n, dst, len);
+    return 0;
+}
+
+uint64_t kvt__copy_spans_xxh3(const kvt_copy_span_t *spans, size_t n, void *dst, size_t len)
+{
+    static spans_xxh3_fn picked;
+    if (len <= XXH3_MIDSIZE_MAX)
+        return spans_then_xxh3(spans, n, dst, len);
+    spans_xxh3_fn fn = __atomic_load_n(&picked, __ATOMIC_RELAXED);
+    if (!fn) {
+        fn = spans_way_fn(KVT_COPY_XXH3_AVX512);
+        if (!fn)
+            fn = spans_way_fn(KVT_COPY_XXH3_AVX2);
+        if (!fn)
+            fn = spans_then_xxh3;
+        __atomic_store_n(&picked, fn, __ATOMIC_RELAXED);
+    }
+    return fn(spans, n, dst, len);
 }

@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvtier.h"
+
 /* Copies len bytes from src to dst (not overlapping) and returns XXH3-64 (seed 0) of them, the
  * value XXH3_64bits(dst, len) gives: what the daemon checks a zero-copy page against. */
 uint64_t kvt__copy_xxh3(void *dst, const void *src, size_t len);
@@ -17,5 +19,13 @@ uint64_t kvt__copy_xxh3(void *dst, const void *src, size_t len);
  * (or len is 240 or less for the vector ways). */
 enum { KVT_COPY_XXH3_PLAIN, KVT_COPY_XXH3_AVX2, KVT_COPY_XXH3_AVX512 };
 int kvt__copy_xxh3_by(int way, void *dst, const void *src, size_t len, uint64_t *sum);
+
+/* One page gathered from spans[0, n) (their src, their len; nothing else of them is read) into
+ * dst, back to back, len bytes in all (the sum of the spans' lens), and its XXH3-64 (seed 0), the
+ * value XXH3_64bits(dst, len) gives: hashed as it is copied wherever a span begins on one of the
+ * page's 64-byte stripes (kvt_copy_pages_xxh3). _by as kvt__copy_xxh3_by. */
+uint64_t kvt__copy_spans_xxh3(const kvt_copy_span_t *spans, size_t n, void *dst, size_t len);
+int kvt__copy_spans_xxh3_by(int way, const kvt_copy_span_t *spans, size_t n, void *dst, size_t len,
+                            uint64_t *sum);
 
 #endif

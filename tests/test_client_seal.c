@@ -76,3 +76,71 @@ Test(client_seal, the_picked_way_is_xxh3)
 {
     cr_assert(check_way(-1));
 }
+
+/* A page gathered from spans through way: span lengths cut at, around and between XXH3's
+ * stripes and blocks, and page lengths around its short-input limit; returns 0 when the CPU
+ * lacks the way. */
+static int check_spans_way(int way)
+{
+    static const size_t cuts[][5] = {
+        {64, 64, 64, 64, 64}, {1024, 1024, 1024, 0, 64}, {100, 28, 1000, 3, 2048},
+        {1, 2, 3, 4, 300},    {4096, 63, 65, 1024, 1},   {241, 0, 0, 0, 0},
+        {240, 1, 0, 0, 0},    {960, 64, 1, 0, 0},        {32768, 32768, 32768, 32768, 64},
+        {0, 0, 0, 0, 0},      {17, 0, 0, 0, 0},          {1088, 1088, 1087, 1, 64},
+    };
+    uint8_t *src = malloc(1 << 18), *dst = malloc(1 << 18);
+    cr_assert(src && dst);
+    for (size_t i = 0; i < 1u << 18; i++)
+        src[i] = (uint8_t)((i * 2654435761u) >> 13);
+    for (size_t c = 0; c < sizeof cuts / sizeof *cuts; c++) {
+        kvt_copy_span_t sp[5];
+        size_t len = 0;
+        for (size_t k = 0; k < 5; k++) {
+            sp[k] = (kvt_copy_span_t){NULL, src + 1000 * (4 - k) + 7 * k, cuts[c][k]};
+            len += cuts[c][k];
+        }
+        memset(dst, 0xee, 1 << 18);
+        uint64_t sum = 0;
+        if (way < 0) {
+            sum = kvt__copy_spans_xxh3(sp, 5, dst, len);
+        } else if (kvt__copy_spans_xxh3_by(way, sp, 5, dst, len, &sum) < 0) {
+            if (way != KVT_COPY_XXH3_PLAIN && len > 240) {
+                free(src);
+                free(dst);
+                return 0;
+            }
+            continue;
+        }
+        cr_assert_eq(sum, XXH3_64bits(dst, len), "way %d, cut %zu", way, c);
+        for (size_t k = 0, off = 0; k < 5; off += cuts[c][k], k++)
+            cr_assert_eq(memcmp(dst + off, sp[k].src, cuts[c][k]), 0, "way %d, cut %zu, span %zu",
+                         way, c, k);
+        for (size_t i = len; i < len + 64; i++)
+            cr_assert_eq(dst[i], 0xee, "way %d wrote past the page (cut %zu)", way, c);
+    }
+    free(src);
+    free(dst);
+    return 1;
+}
+
+Test(client_seal, spans_plain_way_is_xxh3)
+{
+    cr_assert(check_spans_way(KVT_COPY_XXH3_PLAIN));
+}
+
+Test(client_seal, spans_avx2_way_is_xxh3)
+{
+    if (!check_spans_way(KVT_COPY_XXH3_AVX2))
+        cr_skip_test("this CPU has no AVX2");
+}
+
+Test(client_seal, spans_avx512_way_is_xxh3)
+{
+    if (!check_spans_way(KVT_COPY_XXH3_AVX512))
+        cr_skip_test("this CPU has no AVX-512");
+}
+
+Test(client_seal, spans_picked_way_is_xxh3)
+{
+    cr_assert(check_spans_way(-1));
+}

@@ -125,9 +125,9 @@ class AsyncClient(AsyncKeysMixin, AsyncHintsMixin):
         """Client.reserve (first_page, hints, after, gaps): writable views into the mapping."""
         return await self._run(self.client.reserve, tokens, npages, **kwargs)
 
-    async def commit(self, reservation: Any) -> PutResult:
-        """Client.commit."""
-        return await self._run(self.client.commit, reservation)
+    async def commit(self, reservation: Any, sums: Any = None) -> PutResult:
+        """Client.commit (with the pages' ``sums`` when given)."""
+        return await self._run(self.client.commit, reservation, sums)
 
     async def abort(self, reservation: Any) -> None:
         """Client.abort."""

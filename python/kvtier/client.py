@@ -122,22 +122,24 @@ class Reservation:
     goes, or None when that page got no room (held already, being written by another request,
     or no room in DRAM: put() those if they matter). ``id`` names it for commit()/abort() (0:
     nothing was reserved); ``pages`` and ``new_pages`` as PutResult's; ``nreserved`` the views
-    that are not None.
+    that are not None. ``sealed``: the daemon seals these pages (zero-copy-checksum), so their
+    XXH3-64 sums are worth sending with commit() (the daemon then does not read them again).
 
     Write each view completely, then commit(): the pages become visible to every client. The
     views point into the daemon's memory: after commit() or abort() (which release them, unless
     something still holds a buffer taken from them) they must not be touched."""
 
-    __slots__ = ("id", "pages", "new_pages", "nreserved", "first_page", "views")
+    __slots__ = ("id", "pages", "new_pages", "nreserved", "first_page", "views", "sealed")
 
     def __init__(self, id: int, pages: int, new_pages: int, nreserved: int, first_page: int,
-                 views: List[Optional[memoryview]]) -> None:
+                 views: List[Optional[memoryview]], sealed: bool = False) -> None:
         self.id = id
         self.pages = pages
         self.new_pages = new_pages
         self.nreserved = nreserved
         self.first_page = first_page
         self.views = views
+        self.sealed = sealed
 
     def _release(self) -> None:
         for v in self.views:
@@ -620,21 +622,43 @@ class Client(KeysMixin, HintsMixin):
         views: List[Optional[memoryview]] = [
             memoryview(ffi.buffer(p, bb)) if p != ffi.NULL else None for p in ptrs]
         return Reservation(int(res.id), res.pages, res.new_pages, res.nreserved, first_page,
-                           views)
+                           views, bool(res.sealed))
 
-    def commit(self, reservation: Union[Reservation, int]) -> PutResult:
+    def commit(self, reservation: Union[Reservation, int],
+               sums: Optional[Any] = None) -> PutResult:
         """Makes a reservation's pages visible, as a PUT of the bytes written would: ``stored``
         counts them. A Reservation with id 0 (nothing reserved) commits nothing and sends
-        nothing. Raises NotFound (not this connection's: never made, committed or aborted
-        already, expired), Error for transport failures."""
+        nothing. ``sums``: the pages' checksums (COMMIT's SUMS, kvt_client_commit_sums), one
+        XXH3-64 (seed 0) per reserved page in page order as written, a buffer of native uint64
+        (numpy uint64, array('Q')) or a sequence of ints; where the reservation is ``sealed``
+        the daemon keeps them instead of hashing the pages itself (a wrong one gets its page
+        dropped at its first check). Raises InvalidArgument (sums empty, or not one per reserved
+        page: the reservation is still held), NotFound (not this connection's: never made,
+        committed or aborted already, expired), Error for transport failures."""
         rid = reservation.id if isinstance(reservation, Reservation) else int(reservation)
+        sp, ns = ffi.NULL, 0
+        if sums is not None:
+            try:
+                sp = ffi.from_buffer("uint64_t[]", sums)
+            except TypeError:
+                sp = ffi.new("uint64_t[]", [int(x) for x in sums])
+            ns = len(sp)
+            if ns == 0:
+                raise InvalidArgument(EINVAL, "commit: sums given but empty")
         if isinstance(reservation, Reservation):
-            reservation._release()
             if rid == 0:
+                reservation._release()
                 return PutResult(reservation.pages, reservation.new_pages, 0, 0)
+            if sums is not None and ns != reservation.nreserved:
+                raise InvalidArgument(EINVAL, "commit: %d sums for %d reserved pages" % (
+                    ns, reservation.nreserved))
+            reservation._release()
         res = ffi.new("kvt_client_put_t *")
         with self._lock:
-            rc = lib.kvt_client_commit(self._live(), rid, res)
+            if sums is not None:
+                rc = lib.kvt_client_commit_sums(self._live(), rid, sp, ns, res)
+            else:
+                rc = lib.kvt_client_commit(self._live(), rid, res)
             if rc < 0:
                 self._raise(rc)
         return PutResult(res.pages, res.new_pages, res.stored, res.skipped)

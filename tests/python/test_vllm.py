@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -2050,3 +2051,49 @@ def test_copy_plan_matches_the_numpy_copies(dim: int) -> None:
     assert lay.plan(runs, [t.to(torch.float16) for t in got], True) is None
     odd = [torch.empty(shape[::-1], dtype=DTYPE).permute(4, 3, 2, 1, 0) for _ in got]
     assert lay.plan(runs, odd, True) is None
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["sums", "wrong_sums"])
+def test_zero_copy_save_sends_its_pages_sums(vd: Daemon, wrong: bool, monkeypatch: Any) -> None:
+    """A save into the mapping, where RESERVE's reply asks for sums (zero-copy-checksum, the
+    default), copies each page's layers and takes its XXH3-64 in the same pass, and COMMIT
+    carries them: the daemon records them (zero_copy_client_sums) and hashes none itself
+    (zero_copy_seals stays), so the next lookup does not wait behind that pass (issue 35). The
+    sums are right: a connector over TCP loads the pages through the socket, where the daemon
+    checks each page against its sum, byte for byte. With one bit of each sum
+    flipped (``wrong``) that socket load fails, every page a scribble: the check is real."""
+    from kvtier.vllm import layout
+
+    assert layout._COPY_PAGES_XXH3 is not None, "this build's libkvtier has kvt_copy_pages_xxh3"
+    if wrong:
+        real = layout._Plan.copy_sums
+        monkeypatch.setattr(layout._Plan, "copy_sums", lambda self: real(self) ^ np.uint64(1))
+    a = Engine(vd, seed=17)
+    toks = prompt(7)
+    saved = [1, 2, 3, 9, 10, 5, 7, 8]  # several runs in the mapping
+    before = zc_stats(vd)
+    save_prompt(a, request(toks), saved)
+    mid = zc_stats(vd)
+    assert a.worker._store.mapped
+    assert mid["zero_copy_pages_reserve"] - before["zero_copy_pages_reserve"] == 7
+    assert mid["zero_copy_client_sums"] - before["zero_copy_client_sums"] == 7, mid
+    assert mid["zero_copy_seals"] == before["zero_copy_seals"], "the daemon hashed the pages"
+    b = Engine(vd, seed=None, unix_path=None, tcp=vd.tcp)  # no mapping can be had over TCP
+    assert not b.worker._store.mapped
+    r = request(toks)
+    into = [20, 21, 4, 30, 31, 12, 13, 0]
+    n, meta = schedule(b.sched, r, into)
+    assert n == 7 * BS
+    failed = run_step(b.worker, b.kv, meta)
+    after = zc_stats(vd)
+    if wrong:
+        assert failed, "pages with wrong sums were served through the socket"
+        assert after["zero_copy_scribbles"] > mid["zero_copy_scribbles"], after
+    else:
+        assert failed == set()
+        assert same_pages(a, saved[:7], b, into[:7])
+        assert after["zero_copy_scribbles"] == mid["zero_copy_scribbles"]
+    b.sched.request_finished(r, into)
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()

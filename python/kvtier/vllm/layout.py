@@ -36,6 +36,21 @@ def _copy_spans() -> Optional[Any]:
 _COPY_SPANS = _copy_spans()
 
 
+def _copy_pages_xxh3() -> Optional[Any]:
+    """libkvtier's kvt_copy_pages_xxh3 (a save's spans page by page, each page's XXH3-64 taken
+    in the copy: the sums COMMIT carries), or None: a libkvtier from before it (the save then
+    commits without sums and the daemon hashes the pages itself)."""
+    if _COPY_SPANS is None:
+        return None
+    try:
+        return lib.kvt_copy_pages_xxh3
+    except AttributeError:
+        return None
+
+
+_COPY_PAGES_XXH3 = _copy_pages_xxh3()
+
+
 def _np(t: torch.Tensor) -> Optional[np.ndarray]:
     """``t``'s memory as a numpy array of the same shape and strides, or None (a CUDA tensor,
     an element size numpy has no integer for). numpy copies a strided block in one call, on
@@ -316,7 +331,7 @@ class _Layout:
         # vLLM's side in memory order was the faster one (docs/benchmarks.md)
         spans[..., 0], spans[..., 1] = (tens, mine) if load else (mine, tens)
         spans[..., 2] = inner
-        return _Plan(fn, spans.reshape(nl, no * npg, 3))
+        return _Plan(fn, spans.reshape(nl, no * npg, 3), npg)
 
     def prepare(self, kvs: List[torch.Tensor]) -> Optional[Tuple[Any, int, Any, int, int]]:
         """plan's view of vLLM's tensors ``kvs`` (_tensor_rows), made now and kept while they
@@ -498,16 +513,40 @@ class _Plan:
     src, len): copy(layer) is one C call, cffi releasing the GIL around it. Valid while the
     runs' memory and the tensors are (the views' lease or reservation, vLLM's caches)."""
 
-    def __init__(self, fn: Any, spans: np.ndarray) -> None:
+    def __init__(self, fn: Any, spans: np.ndarray, pages: int = 0) -> None:
         self.fn = fn
         self.spans = spans  # kept alive: ptr points into it
         self.n = spans.shape[1]
+        self.pages = pages  # the runs' pages, in the runs' order
         self.ptr = ffi.cast("kvt_copy_span_t *", spans.ctypes.data)
 
     def copy(self, layer: int) -> None:
         rc = self.fn(self.ptr + layer * self.n, self.n)
         if rc != 0:
             raise OSError("kvt_copy_spans: %d" % rc)
+
+    @property
+    def sums(self) -> bool:
+        """Whether copy_sums() can be had: a save's plan (the pages its spans' dsts) and a
+        libkvtier with kvt_copy_pages_xxh3."""
+        return _COPY_PAGES_XXH3 is not None and self.pages > 0
+
+    def copy_sums(self) -> np.ndarray:
+        """A save's copies of every layer at once, page by page (each page's layers and their
+        rows in order, back to back in the mapping), each page's XXH3-64 (seed 0) taken in the
+        same pass (kvt_copy_pages_xxh3): returns them, one uint64 per page in the runs' order,
+        the sums COMMIT carries for a sealed reservation. The same bytes land as with copy()
+        of each layer; the daemon then does not hash the pages after COMMIT's reply."""
+        nl, npg = self.spans.shape[0], self.pages
+        # (layers, rows x pages) in (layer, row, page) order to (page, layer, row)
+        per = np.ascontiguousarray(
+            self.spans.reshape(nl, -1, npg, 3).transpose(2, 0, 1, 3)).reshape(-1, 3)
+        sums = np.empty(npg, dtype=np.uint64)
+        rc = _COPY_PAGES_XXH3(ffi.cast("kvt_copy_span_t *", per.ctypes.data), per.shape[0],
+                              per.shape[0] // npg, ffi.cast("uint64_t *", sums.ctypes.data))
+        if rc != 0:
+            raise OSError("kvt_copy_pages_xxh3: %d" % rc)
+        return sums
 
 
 @dataclass

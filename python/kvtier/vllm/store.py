@@ -391,11 +391,12 @@ class _PageStore:
                     self._failed(e)
             return r, held
 
-    def commit(self, r: Reservation) -> int:
-        """Makes a reservation's pages visible. Returns the pages stored."""
+    def commit(self, r: Reservation, sums: Optional[Any] = None) -> int:
+        """Makes a reservation's pages visible, with their XXH3-64 ``sums`` (one per reserved
+        page in page order; Client.commit's) when given. Returns the pages stored."""
         with self._lock:
             try:
-                return int(self._c().commit(r).stored)
+                return int(self._c().commit(r, sums).stored)
             except Error as e:
                 self._failed(e)
                 raise

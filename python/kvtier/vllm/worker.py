@@ -614,13 +614,22 @@ class WorkerSide:
                 resv, runs, rows = None, [], list(range(len(t.keys) - t.first))
                 plan = None
         staging = self._take_staging(len(rows)) if rows else None
+        # Where the daemon seals committed pages, the copies into its room take each page's
+        # checksum in the same pass (all layers of a page, then the next) and COMMIT carries
+        # them: else the daemon hashes the pages itself right after COMMIT's reply, on its loop
+        # thread, and the next lookup waits behind it (docs/engines.md).
+        seal = resv is not None and resv.sealed and plan is not None and plan.sums and \
+            plan.pages == resv.nreserved  # one sum per reserved page, in page order
+        sums = None
         try:
             with job.lock:  # the forward's thread cancels under it: the blocks are not read
                 if not job.cancelled:
                     blocks = [t.block_ids[j] for j in rows]
+                    if seal:
+                        sums = plan.copy_sums()  # type: ignore[union-attr]
                     for li, name in enumerate(lay.names):
                         kv = self._kv[name]
-                        if runs:
+                        if runs and not seal:
                             lay.gather_runs(runs, li, kv, plan)
                         if blocks:
                             lay.gather(staging, li, kv, blocks)  # type: ignore
@@ -631,7 +640,7 @@ class WorkerSide:
                 if resv is not None and resv.id:
                     self._abort(resv)
                 return 0
-            return self._store_pages(t, resv, rows, staging, stored)
+            return self._store_pages(t, resv, rows, staging, stored, sums)
         except Exception:
             if not job.copied and resv is not None and resv.id:  # a copy failed part-way:
                 self._abort(resv)  # none of its pages becomes visible, half-written or not
@@ -641,14 +650,16 @@ class WorkerSide:
                 self._give_staging(staging)
 
     def _store_pages(self, t: _Transfer, resv: Optional[Reservation], rows: List[int],
-                     staging: Optional[torch.Tensor], stored: List[int]) -> int:
-        """Commits the reservation and PUTs the staged rows (runs of consecutive pages).
-        ``stored[0]`` counts the pages stored as they go."""
+                     staging: Optional[torch.Tensor], stored: List[int],
+                     sums: Optional[Any] = None) -> int:
+        """Commits the reservation (with its pages' ``sums`` when the copies took them) and
+        PUTs the staged rows (runs of consecutive pages). ``stored[0]`` counts the pages
+        stored as they go."""
         assert self._store is not None
         err = None
         if resv is not None and resv.id:
             try:
-                stored[0] += self._store.commit(resv)
+                stored[0] += self._store.commit(resv, sums)
             except Exception as e:  # noqa: BLE001 - the staged pages may still go
                 err = e
         i = 0
