@@ -44,7 +44,8 @@ from pybench import run_in_venv
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
-    ap.add_argument("--passes", type=int, default=5, help="warm passes after the first (>= 1)")
+    ap.add_argument("--passes", type=int, default=12, help="warm passes after the first "
+                    "(>= 1; 12: each of 3 or 4 forms in each place of the rotation alike)")
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
                     "the passes (the keyed PUT's bar is also set with 2)")
     ap.add_argument("--pyenv", default="", help="the venv in BUILD to run in (default: "

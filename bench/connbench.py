@@ -14,15 +14,31 @@ A page is 16 tokens of all 32 layers of a model with 8 KV heads of 128 (bf16): 3
 
 Each form has a kvtierd of its own, started fresh (pybench.Daemon, DRAM tier only): pass 1 is
 its first pass (the DRAM tier faults its memory in as it fills), passes 2.. are warm reruns
-(a pass's pages are removed after it, so the next pass reuses that memory). The forms run
+(WARM: a pass's pages are removed just before the form's next pass, untimed, so that pass
+reuses that memory, as a full tier's evictions hand theirs on). They used to be removed right
+after the pass; the other forms' passes then ran in between, and a round took over a second on
+a loaded machine: long enough for the DRAM tier's shared arenas to give the freed pages back
+to the kernel (their decay, about a second, tiers/dram.c), so that most "warm" passes wrote
+into fresh pages, a zero-filling page fault each 4 KiB (16,384 a pass), and measured the
+kernel's page faults under load rather than the forms (their ratios swung 0.1-12 pass to
+pass). The forms run
 interleaved pass by pass, their order rotating, so that a change in the machine's load reaches
-all three alike. The client-side buffers are written before pass 1 (no page faults of this
-process are timed).
+all three alike. The client-side buffers are written before pass 1.
+
+The warm ratios are the median of paired ratios: form A's time over form B's within each warm
+pass (the two ran back to back, under the same load), the median over the passes, printed with
+the spread (the lowest and highest pass). A ratio of two medians taken apart lets a stray slow
+pass of one form move it; with a few seconds' benchmark and the machine shared, the ratio swung
+0.4-2.0 between runs. Each pass's line also says how many page faults the process took in the
+operation (minflt): a zero-copy save writes into the daemon's memfd, and pages the DRAM tier
+gave back to the kernel come back as fresh zeroed pages, a fault each 4 KiB, in whichever form
+meets them (see WARM): a warm pass with thousands is one that did not reuse its memory.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import time
 from typing import Any, Callable, Dict, List
@@ -48,6 +64,22 @@ def gib_s(nbytes: int, secs: float) -> float:
     return round(nbytes / secs / (1 << 30), 3)
 
 
+def minflt() -> int:
+    """The page faults this process has taken so far (all its threads: LMCache's calls run in
+    one of their own)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def paired(a: List[float], b: List[float]) -> List[float]:
+    """b[i] / a[i] for each pass i: a's speed over b's in the passes they ran side by side."""
+    assert len(a) == len(b) and a, (len(a), len(b))
+    return [y / x for x, y in zip(a, b)]
+
+
+def spread(r: List[float]) -> str:
+    return "[%.3f..%.3f]" % (r[0], r[1])
+
+
 def mark(t: torch.Tensor, p: int) -> None:
     """Makes a pass's bytes differ from the last pass's (one byte in each 4 KiB), so that a
     load that returned stale bytes fails the check."""
@@ -57,7 +89,8 @@ def mark(t: torch.Tensor, p: int) -> None:
 class Form:
     """One way of moving a pass's pages into kvtierd and back. The runner times save() and
     load() only; prepare() (keys, references), check() (the bytes came back) and drop()
-    (removes the pass's pages) are untimed."""
+    (removes the pass's pages: called before the next prepare(), and after the last pass)
+    are untimed."""
 
     def prepare(self, p: int) -> None:
         pass
@@ -157,8 +190,10 @@ def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes:
         dram: str = "256M", busy: int = 0) -> None:
     """Runs pass 1 (first) and passes 2..passes+1 (warm) of each form against its own fresh
     kvtierd, printing one line per form, operation and pass, then the summary lines: for save
-    and load, first and warm (the median of the warm passes), the connector's GiB/s beside the
-    keyed and raw forms' and the ratios. forms: name -> constructor taking the daemon's Unix
+    and load, first and warm, the connector's GiB/s beside the keyed and raw forms' (the median
+    of the phase's passes) and the ratios (the median of the paired ratios of the phase's
+    passes, with their spread). passes: a multiple of the number of forms gives each form each
+    place in the rotation equally often. forms: name -> constructor taking the daemon's Unix
     socket path; "connector", "keyed" and "raw" are expected. Any other form (bench_sglang's
     "connector_v1") adds NAME_gib_s and its ratios over the three to the summary lines.
     Each summary line carries the bars (pybench.CONNECTOR_BAR, KEYED_PUT_BAR) with pass or
@@ -178,18 +213,24 @@ def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes:
             k = (p - 1) % len(names)
             for name in names[k:] + names[:k]:
                 f = made[name]
+                if p > 1:
+                    f.drop()  # the last pass's pages, just now: see WARM
                 f.prepare(p)
+                f0 = minflt()
                 t0 = time.perf_counter()
                 f.save()
                 t1 = time.perf_counter()
+                f1 = minflt()
                 f.load()
                 t2 = time.perf_counter()
+                f2 = minflt()
                 f.check()
-                f.drop()
-                for op, s in (("save", t1 - t0), ("load", t2 - t1)):
+                for op, s, flt in (("save", t1 - t0, f1 - f0), ("load", t2 - t1, f2 - f1)):
                     secs[name][op].append(s)
                     emit({"bench": bench, "form": name, "op": op, "pass": p, "bytes": total,
-                          "gib_s": gib_s(total, s)})
+                          "gib_s": gib_s(total, s), "minflt": flt})
+        for f in made.values():
+            f.drop()
     finally:
         load.stop()
         for f in made.values():
@@ -199,28 +240,40 @@ def run(bench: str, build: str, forms: Dict[str, Callable[[str], Form]], passes:
     bars: Dict[str, str] = {}
     for op, base in (("save", "put"), ("load", "get")):
         for phase in ("first", "warm"):
-            t = {n: (v[op][0] if phase == "first" else statistics.median(v[op][1:]))
-                 for n, v in secs.items()}
+            # The passes of the phase: pass 1, or passes 2..; a form's speed is its median time.
+            sel = {n: (v[op][:1] if phase == "first" else v[op][1:]) for n, v in secs.items()}
+            t = {n: statistics.median(v) for n, v in sel.items()}
             rec = {"bench": bench, "summary": op, "pass": phase, "page_bytes": PAGE_BYTES,
-                   "layers": LAYERS, "pages": PAGES,
+                   "layers": LAYERS, "pages": PAGES, "passes": len(sel["raw"]),
                    "connector_gib_s": gib_s(total, t["connector"]),
                    "keyed_%s_gib_s" % base: gib_s(total, t["keyed"]),
-                   "raw_%s_gib_s" % base: gib_s(total, t["raw"]),
-                   "connector_over_keyed": round(t["keyed"] / t["connector"], 3),
-                   "connector_over_raw": round(t["raw"] / t["connector"], 3), "busy": busy}
+                   "raw_%s_gib_s" % base: gib_s(total, t["raw"]), "busy": busy}
+
+            def ratio(name: str, a: str, b: str) -> float:
+                """b's time over a's pass by pass (a's speed over b's): median into rec[name],
+                the lowest and highest pass into rec[name + "_spread"]."""
+                r = paired(sel[a], sel[b])
+                rec[name] = round(statistics.median(r), 3)
+                rec[name + "_spread"] = [round(min(r), 3), round(max(r), 3)]
+                return rec[name]
+
+            ratio("connector_over_keyed", "connector", "keyed")
+            ratio("connector_over_raw", "connector", "raw")
             rec["connector_bar"] = verdict(rec["connector_over_raw"], CONNECTOR_BAR)
-            bars["connector_%s_%s" % (op, phase)] = "%s %.3f (bar %.2f)" % (
-                rec["connector_bar"], rec["connector_over_raw"], CONNECTOR_BAR)
+            bars["connector_%s_%s" % (op, phase)] = "%s %.3f (bar %.2f) %s" % (
+                rec["connector_bar"], rec["connector_over_raw"], CONNECTOR_BAR,
+                spread(rec["connector_over_raw_spread"]))
             if op == "save":
-                rec["keyed_over_raw"] = round(t["raw"] / t["keyed"], 3)
+                ratio("keyed_over_raw", "keyed", "raw")
                 rec["keyed_put_bar"] = verdict(rec["keyed_over_raw"], KEYED_PUT_BAR)
-                bars["keyed_put_%s" % phase] = "%s %.3f (bar %.2f)" % (
-                    rec["keyed_put_bar"], rec["keyed_over_raw"], KEYED_PUT_BAR)
+                bars["keyed_put_%s" % phase] = "%s %.3f (bar %.2f) %s" % (
+                    rec["keyed_put_bar"], rec["keyed_over_raw"], KEYED_PUT_BAR,
+                    spread(rec["keyed_over_raw_spread"]))
             for n in forms:
                 if n not in ("connector", "keyed", "raw"):
                     rec["%s_gib_s" % n] = gib_s(total, t[n])
                     for other in ("connector", "keyed", "raw"):
-                        rec["%s_over_%s" % (n, other)] = round(t[other] / t[n], 3)
+                        ratio("%s_over_%s" % (n, other), n, other)
             emit(rec)
     emit({"bench": bench, "bars": bars, "busy": busy,
           "verdict": "pass" if all(v.startswith("pass") for k, v in bars.items()
