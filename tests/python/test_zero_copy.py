@@ -166,6 +166,20 @@ def _populate_write_works() -> bool:
     finally:
         m.close()
 
+def _extra_faults_writing_fresh_memory(n, bb):
+    """The page faults beyond one per 4 KiB taken by writing n fresh rows of bb bytes (a private
+    mapping, no huge pages) the way the test below writes its reservation."""
+    ctl = mmap.mmap(-1, n * bb)
+    ctl.madvise(mmap.MADV_NOHUGEPAGE)
+    view = np.frombuffer(ctl, np.uint8).reshape(n, bb)
+    src = np.arange(n * bb, dtype=np.uint64).astype(np.uint8).reshape(n, bb)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(n):
+        view[i] = src[i]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del view
+    ctl.close()
+    return faults - n * bb // 4096
 
 def test_reserved_room_is_populated_before_the_caller_writes_it(zd):
     """A RESERVE's room is made present in the client's mapping before the caller writes it
@@ -176,6 +190,10 @@ def test_reserved_room_is_populated_before_the_caller_writes_it(zd):
     if not _populate_write_works():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
     bb, n = 1 << 20, 8
+    # What writing fresh memory costs this process beyond one fault per 4 KiB page: nothing in
+    # a plain build; under AddressSanitizer (preloaded: make test's sanitizer pass) the shadow
+    # memory its checked copies touch faults too, about 560 more for these 8 MiB.
+    extra = max(_extra_faults_writing_fresh_memory(n, bb), 0)
     with kvtier.Client("zc-warm", page_size=PAGE, block_bytes=bb, unix_path=zd.unix) as c, \
             kvtier.Client("zc-warm", page_size=PAGE, block_bytes=bb, unix_path=zd.unix,
                           zero_copy=False) as reader:
@@ -195,7 +213,7 @@ def test_reserved_room_is_populated_before_the_caller_writes_it(zd):
             assert c.commit(r).stored == n
             # The 64 KiB granules wholly inside each page are populated; a page not 64 KiB
             # aligned faults on its two edges, 15 pages of 4 KiB at most each.
-            assert faults <= n * 2 * 15 + 16, (round_, faults)
+            assert faults <= n * 2 * 15 + 16 + extra, (round_, faults, extra)
             m = reader.match(tok, lease=True)
             assert reader.get(m.lease) == src.tobytes()
             reader.release(m.lease)
