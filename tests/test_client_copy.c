@@ -265,7 +265,8 @@ Test(client_copy, more_pages_than_a_group_hash_each_as_xxh3)
      * group short), layer-major sources as vLLM's tensors lie (span k of page p at block p of
      * layer k), one page of odd spans in the middle so its stripes are hashed after the copy. */
     size_t per_page = 6, row = 1024, npages = 37, page = per_page * row;
-    uint8_t *src = malloc(page * npages), *dst = malloc(page * npages + 64);
+    /* dst 64-byte aligned: pages 0-20 take the streaming stores, the others (9 bytes on) not */
+    uint8_t *src = malloc(page * npages), *dst = aligned_alloc(64, page * npages + 64);
     kvt_copy_span_t *sp = calloc(per_page * npages, sizeof *sp);
     uint64_t *sums = calloc(npages, sizeof *sums);
     cr_assert(src && dst && sp && sums);
