@@ -11,7 +11,10 @@
  * secret) with a store of each stripe added, built from xxhash.h's own accumulate and scramble
  * steps for AVX-512 and AVX2, so the value is XXH3_64bits' to the bit (tests compare them). The
  * widest unit the CPU has is picked once at run time; without either, and for pages of 240 bytes
- * or less (XXH3's short-input paths), a plain memcpy and then XXH3_64bits.
+ * or less (XXH3's short-input paths), a plain memcpy and then XXH3_64bits. A page gathered from
+ * spans (the vLLM save: 64 rows of 32 layer tensors) carries the loop's state from span to span,
+ * several pages' spans interleaved so that the tensors are read in runs, with streaming stores
+ * on AVX-512 (docs/benchmarks.md, "The vLLM save's checksums").
  */
 #include "seal.h"
 
