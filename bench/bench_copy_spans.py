@@ -6,7 +6,13 @@ _Layout.scatter_runs) against kvt_copy_spans (one C call per layer, _Plan.copy, 
 built once per load: _Layout.plan), taking turns, and one contiguous 64 MiB copy for scale.
 Prints min and median in ms of --reps loads each, one JSON line.
 
-    bench_copy_spans.py --build-root BUILD [--reps 60] [--save]
+--seal measures the save into a sealed reservation (issue 35) like with like, GiB/s medians:
+kvt_copy_pages_xxh3 over the plan's spans (the connector's copy+hash: 64 spans of 32 KiB a page
+from 32 layer tensors, _Plan.copy_sums), the same call over contiguous 2 MiB pages from one
+buffer into the same pages (one span a page: the fused loop of the raw PUT's copy+hash), and
+plain memcpy of both (the plan's spans layer by layer, kvt_copy_spans; one np.copyto of 64 MiB).
+
+    bench_copy_spans.py --build-root BUILD [--reps 60] [--save | --seal]
 
 Runs under BUILD/pyenv (torch), else is skipped (77).
 """
@@ -26,12 +32,16 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--build-root", default=os.environ.get("KVT_BUILD_ROOT", "build"))
 ap.add_argument("--reps", type=int, default=60)
 ap.add_argument("--save", action="store_true", help="the save's direction (tensor to pages)")
+ap.add_argument("--seal", action="store_true",
+                help="the save's copy+hash, spans against contiguous pages (GiB/s)")
 args = ap.parse_args()
 run_in_venv(os.path.abspath(args.build_root), "bench_copy_spans", 77)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvtier._lib import ffi  # noqa: E402
+from kvtier.vllm import layout as _layout_mod  # noqa: E402
 from kvtier.vllm.layout import _Layout  # noqa: E402
 
 LAYERS, PAGES, NBLOCKS, BS, HEADS, HEAD = 32, 32, 64, 16, 8, 128
@@ -58,6 +68,9 @@ def main() -> None:
         at, b = at + g, b + 2  # the next run elsewhere, on other blocks
     runs = lay.runs(items, blocks)
     assert len(runs) == len(RUNS), len(runs)
+    if a.seal:
+        seal(lay, runs, kvs, pb)
+        return
     load = not a.save
 
     def numpy_way() -> None:
@@ -98,6 +111,57 @@ def main() -> None:
     for k, v in t.items():
         out[k + "_min_ms"] = round(min(v), 3)
         out[k + "_median_ms"] = round(statistics.median(v), 3)
+    print(json.dumps(out))
+
+
+def seal(lay: _Layout, runs, kvs, pb: int) -> None:
+    """--seal: the four ways into the same 32 pages, taking turns, GiB/s of their medians."""
+    fn = _layout_mod._COPY_PAGES_XXH3
+    if fn is None:
+        raise SystemExit("bench_copy_spans: no kvt_copy_pages_xxh3 in this libkvtier")
+    plan = lay.plan(runs, kvs, False)
+    assert plan is not None and plan.sums
+    src = np.frombuffer(os.urandom(PAGES * pb), dtype=np.uint8).copy()
+    flat = np.empty_like(src)
+    addrs = np.array([r.addr + i * r.stride for r in runs for i in range(r.n)], dtype=np.uint64)
+    whole = np.empty((PAGES, 3), dtype=np.uint64)  # one span a page: contiguous 2 MiB
+    whole[:, 0] = addrs
+    whole[:, 1] = src.ctypes.data + np.arange(PAGES, dtype=np.uint64) * np.uint64(pb)
+    whole[:, 2] = pb
+    wptr = ffi.cast("kvt_copy_span_t *", whole.ctypes.data)
+    sums = np.empty(PAGES, dtype=np.uint64)
+    sptr = ffi.cast("uint64_t *", sums.ctypes.data)
+
+    def pages_hash() -> None:
+        assert fn(wptr, PAGES, 1, sptr) == 0
+
+    def spans_hash() -> None:
+        plan.copy_sums()
+
+    def pages_memcpy() -> None:
+        np.copyto(flat, src)
+
+    def spans_memcpy() -> None:
+        for li in range(LAYERS):
+            plan.copy(li)
+
+    ways = {"seal_pages": pages_hash, "seal_spans": spans_hash, "memcpy_flat": pages_memcpy,
+            "memcpy_spans": spans_memcpy}
+    for f in ways.values():
+        f()
+    t = {k: [] for k in ways}
+    for _ in range(args.reps):
+        for k, f in ways.items():
+            s = time.perf_counter()
+            f()
+            t[k].append(time.perf_counter() - s)
+    gib = PAGES * pb / 2**30
+    out = {"bench": "copy_spans", "direction": "seal", "runs": len(runs), "layers": LAYERS,
+           "pages": PAGES, "mib": PAGES * pb / 2**20, "reps": args.reps,
+           "loadavg": os.getloadavg()[0]}
+    for k, v in t.items():
+        out[k + "_gib_s"] = round(gib / statistics.median(v), 2)
+    out["spans_over_pages"] = round(out["seal_spans_gib_s"] / out["seal_pages_gib_s"], 3)
     print(json.dumps(out))
 
 

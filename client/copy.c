@@ -10,7 +10,9 @@
  * kvt_copy_pages_xxh3 is the same list ordered page by page, for a save into the daemon's room
  * when the daemon seals committed pages (zero-copy-checksum): each page's spans, its layers in
  * order, are copied and hashed in one pass (seal.c), so that the sums go with COMMIT and the
- * daemon does not read the pages again on its loop thread right after the reply.
+ * daemon does not read the pages again on its loop thread right after the reply. Pages go a group
+ * at a time, span j of each before span j + 1: the engine's tensors are then read in long runs
+ * (one layer's consecutive blocks) rather than a jump to another layer's tensor every span.
  */
 #include "kvtier.h"
 #include "seal.h"
@@ -90,11 +92,18 @@ int kvt_copy_pages_xxh3(const kvt_copy_span_t *spans, size_t n, size_t per_page,
     }
     if (rc < 0)
         return rc;
-    for (size_t p = 0; p < n; p += per_page) {
-        uint8_t *dst = NULL;
-        size_t len = 0;
-        (void)page_of(spans + p, per_page, &dst, &len); /* checked above */
-        sums[p / per_page] = kvt__copy_spans_xxh3(spans + p, per_page, dst, len);
+    /* KVT_SEAL_GROUP pages at a time, their spans interleaved (seal.c) */
+    uint8_t *dsts[KVT_SEAL_GROUP];
+    size_t lens[KVT_SEAL_GROUP];
+    size_t const npages = n / per_page;
+    for (size_t g = 0; g < npages; g += KVT_SEAL_GROUP) {
+        size_t const m = npages - g < KVT_SEAL_GROUP ? npages - g : KVT_SEAL_GROUP;
+        for (size_t p = 0; p < m; p++) {
+            dsts[p] = NULL;
+            lens[p] = 0;
+            (void)page_of(spans + (g + p) * per_page, per_page, &dsts[p], &lens[p]); /* checked */
+        }
+        kvt__copy_pages_xxh3(spans + g * per_page, per_page, m, dsts, lens, sums + g);
     }
     return 0;
 }

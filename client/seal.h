@@ -28,4 +28,13 @@ uint64_t kvt__copy_spans_xxh3(const kvt_copy_span_t *spans, size_t n, void *dst,
 int kvt__copy_spans_xxh3_by(int way, const kvt_copy_span_t *spans, size_t n, void *dst, size_t len,
                             uint64_t *sum);
 
+/* npages pages (spans[p * per_page, (p + 1) * per_page) into dsts[p], lens[p] bytes each), copied
+ * and hashed as kvt__copy_spans_xxh3 does each into sums[p], but KVT_SEAL_GROUP pages at a time,
+ * span j of each of them before span j + 1 (the source read in its own order). */
+#ifndef KVT_SEAL_GROUP
+#define KVT_SEAL_GROUP 16
+#endif
+void kvt__copy_pages_xxh3(const kvt_copy_span_t *spans, size_t per_page, size_t npages,
+                          uint8_t *const *dsts, const size_t *lens, uint64_t *sums);
+
 #endif

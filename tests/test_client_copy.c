@@ -258,3 +258,40 @@ Test(client_copy, bad_page_lists_are_refused_and_copy_nothing)
     free(dst);
     free(want);
 }
+
+Test(client_copy, more_pages_than_a_group_hash_each_as_xxh3)
+{
+    /* 37 pages: groups of pages whose spans are interleaved (KVT_SEAL_GROUP at a time, the last
+     * group short), layer-major sources as vLLM's tensors lie (span k of page p at block p of
+     * layer k), one page of odd spans in the middle so its stripes are hashed after the copy. */
+    size_t per_page = 6, row = 1024, npages = 37, page = per_page * row;
+    /* dst 64-byte aligned: pages 0-20 take the streaming stores, the others (9 bytes on) not */
+    uint8_t *src = malloc(page * npages), *dst = aligned_alloc(64, page * npages + 64);
+    kvt_copy_span_t *sp = calloc(per_page * npages, sizeof *sp);
+    uint64_t *sums = calloc(npages, sizeof *sums);
+    cr_assert(src && dst && sp && sums);
+    for (size_t i = 0; i < page * npages; i++)
+        src[i] = (uint8_t)(i * 2654435761u >> 13);
+    for (size_t p = 0; p < npages; p++)
+        for (size_t k = 0; k < per_page; k++) {
+            size_t len = p == 20 ? row - 3 + k : row; /* 1021 to 1026 bytes: stripes cut */
+            size_t off = p * page + (p > 20 ? 9 : 0) +
+                         (p == 20 ? k * row - 3 * k + k * (k - 1) / 2 : k * row);
+            sp[p * per_page + k] =
+                (kvt_copy_span_t){dst + off, src + (k * npages + p) * row + (p == 20), len};
+        }
+    cr_assert_eq(kvt_copy_pages_xxh3(sp, per_page * npages, per_page, sums), 0);
+    for (size_t p = 0; p < npages; p++) {
+        size_t len = 0;
+        for (size_t k = 0; k < per_page; k++) {
+            const kvt_copy_span_t *s = &sp[p * per_page + k];
+            cr_assert_eq(memcmp(s->dst, s->src, s->len), 0, "page %zu span %zu", p, k);
+            len += s->len;
+        }
+        cr_assert_eq(sums[p], XXH3_64bits(sp[p * per_page].dst, len), "page %zu", p);
+    }
+    free(src);
+    free(dst);
+    free(sp);
+    free(sums);
+}
