@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "policy.h"
+#include "test_rss.h"
 #include "replay.h"
 #include "trace.h"
 
@@ -537,28 +538,6 @@ Test(replay_prefix, percentages_are_shares_of_the_pages_the_tree_holds)
         free(out);
     }
     unlink(docpath);
-}
-
-/* The peak resident set of this process since the last reset, in KiB (Linux). */
-static long peak_kib(int reset)
-{
-    if (reset) {
-        FILE *f = fopen("/proc/self/clear_refs", "w");
-        if (!f)
-            cr_skip_test("no /proc/self/clear_refs to reset the peak RSS");
-        fputs("5", f);
-        fclose(f);
-    }
-    FILE *f = fopen("/proc/self/status", "r");
-    cr_assert_not_null(f);
-    char line[256];
-    long kib = -1;
-    while (fgets(line, sizeof(line), f))
-        if (sscanf(line, "VmHWM: %ld kB", &kib) == 1)
-            break;
-    fclose(f);
-    cr_assert_geq(kib, 0);
-    return kib;
 }
 
 /* A trace whose ids start at 10,000,000 replays like the same trace with ids from 0: the same

@@ -9,6 +9,7 @@
  * a few MiB of memory.
  */
 #include "test_tier_util.h"
+#include "test_rss.h"
 
 #include "radix.h"
 #include "server.h" /* kvt_store_nvme_recover: the daemon feeds what the tier yields to the tree */
@@ -1077,28 +1078,6 @@ Test(tier_nvme_recover, a_window_behind_a_gap_comes_back_after_its_path)
     kvt_tier_destroy(t);
     free(buf);
     tu_rmrf(dir);
-}
-
-/* The peak resident set of this process since the last reset, in KiB (Linux). */
-static long peak_kib(int reset)
-{
-    if (reset) {
-        FILE *f = fopen("/proc/self/clear_refs", "w");
-        if (!f)
-            cr_skip_test("no /proc/self/clear_refs to reset the peak RSS");
-        fputs("5", f);
-        fclose(f);
-    }
-    FILE *f = fopen("/proc/self/status", "r");
-    cr_assert_not_null(f);
-    char line[256];
-    long kib = -1;
-    while (fgets(line, sizeof(line), f))
-        if (sscanf(line, "VmHWM: %ld kB", &kib) == 1)
-            break;
-    fclose(f);
-    cr_assert_geq(kib, 0);
-    return kib;
 }
 
 /* Recovery reads a segment through a buffer of about 1 MiB whatever the segment size (it read
