@@ -250,9 +250,8 @@ static void cl_fix_replicas(const cl_t *c)
     freeReplyObject(r);
 }
 
-/* Starts and joins the cluster. Returns 0, or -1 when the binaries are missing (the caller
- * skips); any other failure is written to err and returns -2 (the caller fails). */
-static int cl_start(cl_t *c, char *err, size_t errcap)
+/* One try at starting and joining the cluster (cl_start). */
+static int cl_start_once(cl_t *c, char *err, size_t errcap)
 {
     char server[512], cli[512];
     memset(c, 0, sizeof(*c));
@@ -366,6 +365,21 @@ static int cl_start(cl_t *c, char *err, size_t errcap)
              CL_NODES / 2, bad >= 0 ? c->port[bad] : 0, synced);
     cl_stop(c);
     return -2;
+}
+
+/* Starts and joins the cluster. Returns 0, or -1 when the binaries are missing (the caller
+ * skips); any other failure is written to err and returns -2 (the caller fails). A cluster that
+ * did not form is started again once, from new processes on new ports: redis-cli's create on a
+ * loaded machine has left a node meant as a replica a primary without slots for the whole wait
+ * (CI, once in the ASan pass: 2 synced replicas of 3 after 20 s), which is redis's start-up, not
+ * what the tests are about; the first try's reason goes to stderr. */
+static int cl_start(cl_t *c, char *err, size_t errcap)
+{
+    int rc = cl_start_once(c, err, errcap);
+    if (rc != -2)
+        return rc;
+    fprintf(stderr, "test_cluster: starting the cluster again: %s\n", err);
+    return cl_start_once(c, err, errcap);
 }
 
 /* The node id of the node on port (41 bytes with the NUL). */
