@@ -8,8 +8,8 @@ file hands control back up without knowing the file above it.
 It also keeps the door to the store (server/store.h, docs/architecture.md): only the door's files
 (at most 5) may call a function that radix/radix.h or tiers/tier.h declares; exits 1 when another
 file does, when the door grows past 5 files, when a door call (below) is defined outside the
-door, or when docs/architecture.md does not name it. With --door it prints the door's calls as
-the markdown table of docs/architecture.md ("The door's calls")."""
+door, or when docs/architecture.md does not name it or its table of the door's calls differs from
+the code's. With --door it prints that table as docs/architecture.md should have it."""
 import glob, os, re, sys
 
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'server')
@@ -109,10 +109,13 @@ for fn, hdr in door_calls:
         print('door: %s (%s) is defined in %s, not in a door file' % (fn, hdr, home)); bad = 1
     if not re.search(r'`%s[`(]' % fn, arch):
         print('door: %s (%s) is not named in docs/architecture.md' % (fn, hdr)); bad = 1
+table = ['| call | declared in | defined in | called by (outside the door) |', '|---|---|---|---|']
+table += ['| `%s` | %s | `%s` | %s |' % (fn, hdr, home, ', '.join('`%s`' % u for u in users) or '-')
+          for fn, hdr, home, users in rows]
+# The page's table is this one, row for row: a caller added or gone shows here first.
+if '\n'.join(table) not in arch:
+    print('door: the table of the door\'s calls in docs/architecture.md is not what the code says '
+          '(scripts/server_calls.py --door prints it)'); bad = 1
 if '--door' in sys.argv[1:]:
-    print('| call | declared in | defined in | called by (outside the door) |')
-    print('|---|---|---|---|')
-    for fn, hdr, home, users in rows:
-        print('| `%s` | %s | `%s` | %s |'
-              % (fn, hdr, home, ', '.join('`%s`' % u for u in users) or '-'))
+    print('\n'.join(table))
 sys.exit(1 if sccs or bad else 0)
