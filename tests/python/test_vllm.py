@@ -765,6 +765,82 @@ def test_worker_connects_and_maps_at_registration(vd: Daemon) -> None:
     b.close()
 
 
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("load_async", [False, True])
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_zero_copy_false_never_maps(vd: Daemon, api: str, load_async: bool,
+                                    zero_copy: bool) -> None:
+    """``zero_copy`` False on the Unix socket: neither engine's connections MAP the arena (no
+    MAP granted, no page read or reserved through a mapping), so every load is a socket GET,
+    which checks the page's checksum (a page changed in DRAM is answered ECORRUPT, never
+    served). The keyed worker's fallback client once took the package's default (map) and
+    read its loads by location. The default maps and loads by location."""
+    def stats() -> Dict[str, int]:  # this observer maps nothing itself
+        with vd.client(zero_copy=False) as c:
+            return c.stats()
+
+    before = stats()
+    a = Engine(vd, seed=13, api=api, zero_copy=zero_copy)
+    b = Engine(vd, seed=None, api=api, zero_copy=zero_copy, load_async=load_async)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    r = request(toks)
+    if load_async:
+        assert b.sched.get_num_new_matched_tokens(r, 0) == (3 * BS, True)
+        b.sched.update_state_after_alloc(r, blocks([11, 3, 30, 5]), 3 * BS)
+        assert load_between_steps(b, r) == set()
+    else:
+        n, meta = schedule(b.sched, r, [11, 3, 30, 5])
+        assert n == 3 * BS
+        assert run_step(b.worker, b.kv, meta) == set()
+    after = stats()
+    assert same_pages(a, [4, 9, 2], b, [11, 3, 30])
+    d = {k: after[k] - before.get(k, 0) for k in
+         ("zero_copy_maps_dram", "zero_copy_pages_get", "zero_copy_pages_reserve",
+          "requests_get")}
+    stores = [s for e in (a, b) for s in (e.worker._store, e.worker._async_store) if s]
+    if zero_copy:
+        assert d["zero_copy_maps_dram"] > 0 and d["zero_copy_pages_get"] == 3, d
+    else:
+        assert d == {"zero_copy_maps_dram": 0, "zero_copy_pages_get": 0,
+                     "zero_copy_pages_reserve": 0, "requests_get": d["requests_get"]}, d
+        assert d["requests_get"] > 0, "the load went over the socket"
+        assert not any(s.mapped or s._client.zero_copy for s in stores if s._client)
+    b.sched.request_finished(r, [11, 3, 30, 5])
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
+def test_zero_copy_false_loads_are_checked(vd: Daemon, monkeypatch: Any) -> None:
+    """What zero_copy False buys: its loads are socket GETs, and the daemon checks each page
+    against its checksum there. Pages saved through the mapping with a bit of each sum flipped
+    (as a client writing over them would leave them): an engine with zero_copy False on the
+    same Unix socket gets load errors and the daemon counts the scribbles, where reading them
+    by location from a mapping would have served them without a check."""
+    from kvtier.vllm import layout
+
+    real = layout._Plan.copy_sums
+    monkeypatch.setattr(layout._Plan, "copy_sums", lambda self: real(self) ^ np.uint64(1))
+    a = Engine(vd, seed=19)
+    toks = prompt(3)
+    save_prompt(a, request(toks), [4, 9, 2, 7])
+    assert a.worker._store.mapped
+    mid = zc_stats(vd)
+    b = Engine(vd, seed=None, zero_copy=False)
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [11, 3, 30, 5])
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta), "pages with wrong sums were served"
+    after = zc_stats(vd)
+    assert after["zero_copy_scribbles"] > mid["zero_copy_scribbles"], after
+    assert after["zero_copy_pages_get"] == mid["zero_copy_pages_get"], "read by location"
+    b.sched.request_finished(r, [11, 3, 30, 5])
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
 def test_zero_copy_and_socket_connectors_share_pages(vd: Daemon) -> None:
     """A page saved through the mapping (reserve, commit in the keyed namespace as synthetic
     tokens) is the page put_keys names: a connector over TCP (staging, keyed calls) loads it,

@@ -15,7 +15,7 @@ import pytest
 from conftest import BLOCK, PAGE, Daemon, payload, tokens
 
 import kvtier
-from kvtier._lib import ffi
+from kvtier._lib import ffi, lib
 
 np = pytest.importorskip("numpy", reason="numpy is not installed")
 
@@ -321,6 +321,76 @@ def test_keyed_calls_take_the_same_path(zd):
             out = bytearray(3 * BLOCK)
             assert cl.get_keys_into(keys, out) == 3
             assert bytes(out) == raw
+
+
+def test_zero_copy_false_never_maps_in_any_call_form(zd):
+    """A Client made with zero_copy=False never maps its arena, in any call form: its token
+    calls (put, get, get_into, get_views), its keyed chain calls (put_keys, get_keys_into,
+    get_keys_kept_into), its independent keys (put_keys_each, get_keys_each_into) and
+    AsyncClient's keyed calls take no MAP and read no page by location, even pages a mapped
+    client stored in the arena: every read is a socket GET, which checks the page's checksum.
+    The same calls on a default client are the mapped path (the keyed calls' connection is
+    libkvtier's kvt_keys_connect, which takes conf.zero_copy from the Client's conf)."""
+    def stats():  # an observer that maps nothing itself
+        with zd.client(zero_copy=False) as c:
+            return c.stats()
+
+    def delta(before):
+        now = stats()
+        return {k: now.get(k, 0) - before.get(k, 0) for k in
+                ("zero_copy_maps_dram", "zero_copy_pages_get", "zero_copy_pages_reserve",
+                 "requests_get")}
+
+    def chunks(raw):
+        return [raw[i:i + BLOCK] for i in range(0, len(raw), BLOCK)]
+
+    def store(c, tag, raw):
+        tok, keys = tokens(3), [b"%s/%d" % (tag, i) for i in range(3)]
+        each = [b"%s/each/%d" % (tag, i) for i in range(3)]
+        assert c.put(tok, raw).stored == 3
+        assert c.put_keys(keys, raw).stored == 3
+        assert c.put_keys_each(each, chunks(raw)) == [True] * 3
+        return tok, keys, each, raw
+
+    def read(c, tok, keys, each, raw):
+        m = c.match(tok, lease=True)
+        assert c.get(m.lease) == raw
+        buf = bytearray(len(raw))
+        assert c.get_into(m.lease, buf) == 3 and bytes(buf) == raw
+        assert [bytes(v) for v in c.get_views(m.lease)] == chunks(raw)
+        c.release(m.lease)
+        for get in (c.get_keys_into, lambda k, b: c.get_keys_kept_into(k, b).hits):
+            buf = bytearray(len(raw))
+            assert get(keys, buf) == 3 and bytes(buf) == raw
+        buf = bytearray(len(raw))
+        assert c.get_keys_each_into(each, buf) == [True] * 3 and bytes(buf) == raw
+
+    async def read_async(keys, raw):
+        async with kvtier.AsyncClient("zc-never", unix_path=zd.unix, page_size=PAGE,
+                                      block_bytes=BLOCK, zero_copy=False) as ac:
+            assert not ac.zero_copy
+            buf = bytearray(len(raw))
+            assert await ac.get_keys_into(keys, buf) == 3 and bytes(buf) == raw
+
+    with zd.client("zc-never") as on:  # the arenas exist, the mapped client's pages in them
+        mapped = store(on, b"zc-never/on", payload(3, 61))
+        before = stats()
+        with zd.client("zc-never", zero_copy=False) as off:
+            assert not off.zero_copy and "off" in off.zero_copy_reason
+            plain = store(off, b"zc-never/off", payload(3, 62))
+            for stored in (mapped, plain):
+                read(off, *stored)
+            assert off._kh is not None and not lib.kvt_client_zero_copy(
+                lib.kvt_keys_client(off._kh)), "the keyed connection did not map"
+        asyncio.run(read_async(mapped[1], mapped[3]))
+        d = delta(before)
+        assert d["zero_copy_maps_dram"] == 0 and d["zero_copy_pages_get"] == 0 and \
+            d["zero_copy_pages_reserve"] == 0, d
+        assert d["requests_get"] >= 2 * 6 + 1, d  # every read a socket GET
+        before = stats()
+        read(on, *mapped)
+        d = delta(before)
+        assert d["zero_copy_pages_get"] >= 3 * 6, d  # the default: read where the pages lie
 
 
 def test_async_client_views_and_reservations(zd):

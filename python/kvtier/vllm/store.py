@@ -81,6 +81,8 @@ class _PageStore:
     lie (load_views), so that the connector copies each layer once each way. Its other calls
     (save, load) then take the token forms on that client, which name exactly the pages the
     keyed calls name. Not mapped (TCP, refused), the client is the keyed one, as before.
+    With ``zero_copy`` False none of the store's clients maps (every page goes by the socket,
+    where each GET checks its checksum).
 
     Every method raises kvtier.Error on failure. Each call to kvtierd is bounded by
     ``deadline_ms`` (libkvtier's per-call timeout). A transport failure (a missed deadline
@@ -147,12 +149,16 @@ class _PageStore:
             block_bytes=self.block_bytes, unix_path=self._conf.get("unix_path"),
             tcp=self._conf.get("tcp"), secret=self._conf.get("secret"), salt=self._salt,
             timeout_ms=self.deadline_ms)
+        # Every client of the store, not only the mapped path's: the package's own default maps
+        # the arena, and its keyed and token calls then read and write through the mapping,
+        # where a socket GET would check each page's checksum (zero_copy False means none).
+        zero_copy = bool(self._conf.get("zero_copy", True))
+        kw["zero_copy"] = zero_copy
         mapped = False
         if self.keyed and not self.block_bytes:
             # The scheduler: token calls on the keyed namespace itself (index only).
             c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
-        elif self.keyed and (kw["unix_path"] or not kw["tcp"]) and \
-                self._conf.get("zero_copy", True):
+        elif self.keyed and (kw["unix_path"] or not kw["tcp"]) and zero_copy:
             # The worker, local: the keyed namespace's token client, which maps its arena.
             c = Client(self._model, page_size=KEY_TOKENS, adapter=KEYS_TAG, **kw)
             mapped = c.zero_copy
