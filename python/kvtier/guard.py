@@ -180,6 +180,26 @@ def check_keys(given: Iterable[str], known: Iterable[str], where: str,
                                                                  ", ".join(sorted(ok))))
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def flag(conf: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    """conf[key] as a bool, default when absent: True/False, 0/1, or the strings true/false,
+    yes/no, on/off, 1/0 (any case: a launch line's JSON or an environment gives strings, and
+    bool("false") is True); ValueError naming the key for anything else."""
+    v = conf.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError("%s: setting %r: %r is not true or false" % (where, key, v))
+
+
 def number(conf: Mapping[str, Any], key: str, default: float, where: str, *,
            minimum: float = 0, integer: bool = True) -> Any:
     """conf[key] as an int (or float), default when absent; ValueError naming the key for

@@ -765,6 +765,16 @@ def test_worker_connects_and_maps_at_registration(vd: Daemon) -> None:
     b.close()
 
 
+@pytest.mark.parametrize("given, mapped", [("false", False), ("0", False), ("True", True)])
+def test_switches_given_as_strings_mean_what_they_say(vd: Daemon, given: str, mapped: bool) -> None:
+    """A switch given as a string (an environment or a launch line that quotes it) is read as
+    what it says: ``zero_copy`` "false" does not map (bool("false") is True, which mapped)."""
+    e = Engine(vd, seed=31, zero_copy=given)
+    save_prompt(e, request(prompt(1)), [5, 6])
+    assert e.worker._store.mapped is mapped
+    e.close()
+
+
 @pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("load_async", [False, True])
 @pytest.mark.parametrize("zero_copy", [False, True])
@@ -1491,6 +1501,8 @@ def test_daemon_not_up_at_start(tmp_path: Any, caplog: Any) -> None:
     ({"block_size": 2 * BS}, "'block_size'"),
     ({"preempt_pause_ms": "soon"}, "'preempt_pause_ms'"),
     ({"preempt_pause_ms": -1}, "'preempt_pause_ms'"),
+    ({"zero_copy": "maybe"}, "'zero_copy'"),
+    ({"load_async": 2}, "'load_async'"),
 ])
 def test_wrong_settings_refused_at_start(tmp_path: Any, bad: Dict[str, Any], names: str) -> None:
     """A key the connector does not know (a typo, or one it replaced), a malformed deadline,

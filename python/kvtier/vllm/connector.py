@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorRole, SupportsHMA)
 
-from ..guard import Guard, check_keys, number
+from ..guard import Guard, check_keys, flag, number
 from .common import (EXTRA_KEYS, REPLACED_KEYS, WARN_INTERVAL_S, WORKER_DEADLINE_MS, _WHERE,
                      chain_root, kv_groups, log, model_name, tp_replicas)
 from .metrics import KvtierConnectorStats, KvtierPromMetrics, Tally
@@ -89,12 +89,16 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
 
     def _check_settings(self, cc: Any, kv_cache_config: Any) -> None:
         """Refuses (ValueError naming the key) a setting this connector does not know, a
-        malformed number, or a block size other than the engine's."""
+        malformed number or switch, or a block size other than the engine's."""
         check_keys(self._extra, EXTRA_KEYS, _WHERE, REPLACED_KEYS)
         for k in ("scheduler_deadline_ms", "worker_deadline_ms", "probe_ms"):
             number(self._extra, k, 1, _WHERE, minimum=1)
         for k in ("lease_ms", "put_bytes", "tp_rank", "pp_rank", "preempt_pause_ms"):
             number(self._extra, k, 0, _WHERE)
+        # The switches as bools from here on (the store and the worker read them with bool()).
+        for k, default in (("zero_copy", True), ("load_async", False)):
+            if k in self._extra:
+                self._extra[k] = flag(self._extra, k, default, _WHERE)
         sizes = {int(cc.block_size)}
         for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
             bs = getattr(getattr(g, "kv_cache_spec", None), "block_size", None)
