@@ -931,6 +931,45 @@ Test(tier_dram, trims_and_kept_bytes_are_counted)
     kvt_tier_destroy(t);
 }
 
+/* A write that finds no room in its shared arena purges it and tries again. Small blocks (4 KiB,
+ * on slabs under 16 KiB, whose freed extents jemalloc coalesces only once purged) filled the
+ * capacity and were freed; then 1 MiB blocks take the rest of the arena's memfd (a quarter of
+ * the capacity and 64 MiB), and the next ones fit only in the small blocks' room, coalesced by
+ * the purge (jemalloc 5.3 merges no further than each 8 MiB it took from the hooks, which is why
+ * the blocks are not larger). Reservations (no buf): nothing touches the memfd. */
+Test(tier_dram, a_write_into_a_fragmented_shared_arena_purges_it_and_retries)
+{
+    const uint64_t cap = 128u << 20;
+    const uint32_t small = 4096, mid = 1u << 20;
+    enum { MID = 120 };
+    const int n = (int)(cap / small);
+    kvt_tier_t *t = mk_shared(cap, 1);
+    int fd;
+    uint64_t mb, mids[MID];
+    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
+    cr_assert_lt(mb - cap, (uint64_t)MID * mid, "the 1 MiB blocks fit in the untouched rest");
+    uint64_t *locs = malloc((size_t)n * sizeof(*locs));
+    cr_assert_not_null(locs);
+    uint32_t tok[16];
+    for (int i = 0; i < n; i++) {
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)i, tok);
+        cr_assert_eq(tu_write(t, &k, NULL, small, &locs[i]), 0, "small block %d", i);
+    }
+    for (int i = 0; i < n; i++)
+        kvt_tier_free(t, locs[i], small);
+    for (int i = 0; i < MID; i++) {
+        kvt_block_key_t k = ns_key(NS_A, (uint64_t)(n + i), tok);
+        mids[i] = 0;
+        int rc = tu_write(t, &k, NULL, mid, &mids[i]);
+        cr_assert_eq(rc, 0, "1 MiB block %d: %d", i, rc);
+        cr_expect_eq(kvt_tier_dram_offset(t, NS_A, mids[i], NULL), 0, "it lies in the arena");
+    }
+    for (int i = 0; i < MID; i++)
+        kvt_tier_free(t, mids[i], mid);
+    free(locs);
+    kvt_tier_destroy(t);
+}
+
 /* Namespaces taking turns, each filling most of the capacity then freeing it: the arenas'
  * memory comes within the capacity after each step (at the next tick here; within a second of
  * decay before). */
