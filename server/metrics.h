@@ -294,6 +294,17 @@ typedef enum {
       "Bytes of the DRAM tier's main region its arena has taken so far, kept in memory for reuse " \
       "and never given back (the arenas' memfds: kvtier_zero_copy_resident_bytes).",               \
       NONE)                                                                                        \
+    X(DRAM_TRIMS, COUNTER, "kvtier_dram_trims_total",                                              \
+      "Times a DRAM arena gave its freed pages back because the tier's footprint passed "          \
+      "dram-bytes or no client maps it any more.",                                                 \
+      NONE)                                                                                        \
+    X(DRAM_TRIMMED, COUNTER, "kvtier_dram_trimmed_bytes_total",                                    \
+      "Bytes of freed pages the DRAM arenas gave back to the kernel (kvtier_dram_trims_total).",   \
+      NONE)                                                                                        \
+    X(DRAM_KEPT, GAUGE, "kvtier_dram_kept_bytes",                                                  \
+      "Bytes of freed DRAM blocks kept in memory for reuse: the arenas' (given back past "         \
+      "dram-bytes) and the main region's (never given back).",                                     \
+      NONE)                                                                                        \
     X(ZC_MAPS, COUNTER, "kvtier_zero_copy_maps_total",                                             \
       "MAP requests granted to local clients, by tier (a memfd for DRAM, an IPC handle for HBM).", \
       MAP)                                                                                         \

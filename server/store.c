@@ -369,6 +369,9 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_ZC_ARENAS, 0, (double)ds.arenas);
         kvt__metric_set(s->metrics, KVT_M_ZC_RESIDENT, 0, (double)ds.resident_bytes);
         kvt__metric_set(s->metrics, KVT_M_ZC_PUNCHED, 0, (double)ds.punched_bytes);
+        kvt__metric_set(s->metrics, KVT_M_DRAM_TRIMS, 0, (double)ds.trims);
+        kvt__metric_set(s->metrics, KVT_M_DRAM_TRIMMED, 0, (double)ds.trimmed_bytes);
+        kvt__metric_set(s->metrics, KVT_M_DRAM_KEPT, 0, (double)ds.kept_bytes);
         kvt__metric_set(s->metrics, KVT_M_ZC_SCRIBBLES, 0, (double)ds.scribbles);
         kvt__metric_set(s->metrics, KVT_M_ZC_SEALS, 0, (double)ds.sealed);
         kvt__metric_set(s->metrics, KVT_M_ZC_CLIENT_SUMS, 0, (double)ds.sealed_as);

@@ -88,12 +88,18 @@ typedef struct dram {
      * costs a memcpy of kilobytes to megabytes beside which the scan is noise. */
     dram_shared_t **shared;
     uint32_t nshared, max_shared;
-    uint64_t scan_at;   /* when kvt_tier_dram_decay scans the arenas' memfds next */
-    uint64_t punched;   /* bytes the scans punched: touched by a client, held by no block */
-    uint64_t scans;     /* arenas scanned (their resident bytes exceeded what jemalloc holds) */
-    uint64_t scan_ns;   /* time those scans took */
-    uint64_t seq;       /* bumped by each write and free in a shared arena (used_seq) */
-    uint64_t scribbles; /* sealed blocks found changed (kvt_tier_dram_check) */
+    uint64_t scan_at; /* when kvt_tier_dram_decay scans the arenas' memfds next */
+    uint64_t punched; /* bytes the scans punched: touched by a client, held by no block */
+    uint64_t scans;   /* arenas scanned (their resident bytes exceeded what jemalloc holds) */
+    uint64_t scan_ns; /* time those scans took */
+    uint64_t seq;     /* bumped by each write and free in a shared arena (used_seq) */
+    /* The main region's live blocks' charges, and the end (offset) of the highest block it ever
+     * held: the pages below it are the ones its blocks touched, resident for good (its purges
+     * are refused), so hw - main_live bounds its freed-but-kept bytes (dram_trim). */
+    uint64_t main_live, main_hw;
+    uint64_t trims;             /* arenas dram_trim purged */
+    uint64_t trimmed_bytes;     /* bytes those purges gave back (the memfds' resident bytes) */
+    uint64_t scribbles;         /* sealed blocks found changed (kvt_tier_dram_check) */
     uint64_t sealed, sealed_as; /* seals hashed here; seals given by the caller (seal_as) */
     /* Seals under way (kvt_tier_dram_seal_later), oldest first from seal_head; the first one's
      * hash state, seal_done bytes into it. Each names its block by location and by the ticket
@@ -334,6 +340,15 @@ static void space_purge(dram_space_t *sp)
     (void)mallctl(name, NULL, NULL, NULL, 0);
 }
 
+/* A block of charge bytes at p placed in the main region (dram_t.main_live, main_hw). */
+static void dram_main_add(dram_t *d, const void *p, uint64_t charge)
+{
+    uint64_t end = (uint64_t)((const uint8_t *)p - d->sp.base) + charge;
+    d->main_live += charge;
+    if (end > d->main_hw)
+        d->main_hw = end;
+}
+
 static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     dram_t *d = t->impl;
@@ -373,6 +388,8 @@ static int dram_write(kvt_tier_t *t, kvt_tier_io_t *io)
     if (s) {
         s->blocks++;
         s->used_seq = ++d->seq;
+    } else {
+        dram_main_add(d, p, io->charge);
     }
     io->loc = (uint64_t)(uintptr_t)p;
     kvt__tier_complete(t, io, 0);
@@ -491,6 +508,10 @@ static void dram_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
         s->blocks--;
         s->used_seq = ++d->seq;
         dram_shared_maybe_drop(d, s);
+    } else {
+        uint64_t charge = dram_footprint(t, len);
+        kvt_assert(d->main_live >= charge);
+        d->main_live -= charge;
     }
 }
 
@@ -874,46 +895,67 @@ static uint64_t dram_shared_dirty(const dram_shared_t *s, uint64_t page)
     return (uint64_t)dirty * page;
 }
 
-static void dram_trim_one(dram_shared_t *s)
+/* Purges s (counted in d->trims, trimmed_bytes: what its memfd held before and holds after). */
+static void dram_trim_one(dram_t *d, dram_shared_t *s)
 {
+    uint64_t before = dram_shared_resident(s);
     space_purge(&s->sp);
+    uint64_t after = dram_shared_resident(s);
     s->purged_seq = s->used_seq;
     s->dirty = 0;
+    d->trims++;
+    d->trimmed_bytes += before > after ? before - after : 0;
+}
+
+/* The main region's freed-but-kept bytes: the pages its blocks ever touched (below main_hw; the
+ * region is handed out front to back and jemalloc reuses the lowest free extents first, so few
+ * pages below it were never touched) less its live blocks. Resident for good: see dram_trim. */
+static uint64_t dram_main_kept(const dram_t *d)
+{
+    return d->main_hw > d->main_live ? d->main_hw - d->main_live : 0;
 }
 
 /*
  * The tier's footprint is its live blocks (usage.used_bytes, every arena's and the main
- * region's, never above the capacity) plus the freed pages the shared arenas keep for reuse.
- * While that is within the capacity they stay, however long, so that a namespace whose stores
- * come long after its removals reuses them without a page fault; past it, whole arenas give
- * theirs back, the least recently written or freed first, until it is within again. Whole
- * arenas: jemalloc purges an arena's dirty pages all at once or by its decay clock, not by a
- * byte count. Oldest first rather than a share of each: an arena nobody wrote or freed in for
- * longest is the least likely to reuse its pages soon, and the busy namespaces keep theirs.
- * An arena nobody references any more takes no new blocks (dram_write), so its freed pages
- * can never be reused: they go at once, over capacity or not. Called every tick, so the
- * footprint passes the capacity for a tick at most (blocks written into fresh pages meanwhile).
+ * region's, never above the capacity) plus the freed pages kept for reuse: the main region's
+ * (dram_main_kept) and the shared arenas' (their dirty pages). While that is within the
+ * capacity the shared arenas keep theirs, however long, so that a namespace whose stores come
+ * long after its removals reuses them without a page fault; past it, whole arenas give theirs
+ * back, the least recently written or freed first, until it is within again or none has any
+ * left. The main region's kept pages count but are never given back: its purges are refused
+ * (reuse without a fault, and eager coalescing in jemalloc's retained set, dram_ext_purge), and
+ * a pinned region's pages stay registered with CUDA, which a MADV_DONTNEED would break. So
+ * after the main region peaked the shared arenas keep that much less; the footprint exceeds the
+ * capacity only by what the main region alone keeps beyond it (bounded by its size, 1.25 x
+ * capacity + 64 MiB). Whole arenas: jemalloc purges an arena's dirty pages all at once or by
+ * its decay clock, not by a byte count. Oldest first rather than a share of each: an arena
+ * nobody wrote or freed in for longest is the least likely to reuse its pages soon, and the busy
+ * namespaces keep theirs. An arena nobody references any more takes no new blocks (dram_write),
+ * so its freed pages can never be reused: they go at once, over capacity or not. Called every
+ * tick, so the footprint passes the capacity for a tick at most (blocks written into fresh
+ * pages meanwhile).
  *
  * Cost: an fstat per arena; jemalloc's stats (an epoch refresh, 37 us with a dozen arenas here)
- * only when the memfds' resident bytes and the live blocks together pass the capacity, an upper
- * bound of the footprint (an arena's resident bytes hold its dirty pages and its live blocks).
+ * only when the live blocks, the main region's kept pages and the memfds' resident bytes
+ * together pass the capacity, an upper bound of the footprint (an arena's resident bytes hold
+ * its dirty pages and its live blocks).
  */
 static void dram_trim(dram_t *d)
 {
     const kvt_tier_usage_t *u = &d->tier->usage;
-    uint64_t upper = u->used_bytes, cap = u->capacity_bytes;
+    uint64_t upper = u->used_bytes + dram_main_kept(d), cap = u->capacity_bytes;
     for (uint32_t i = 0; i < d->nshared; i++) {
         dram_shared_t *s = d->shared[i];
         if (s->refs == 0 && s->used_seq != s->purged_seq)
-            dram_trim_one(s); /* something was freed in it since its last purge */
+            dram_trim_one(d, s); /* something was freed in it since its last purge */
         upper += dram_shared_resident(s);
     }
-    if (upper <= cap)
+    if (upper <= cap || d->nshared == 0)
         return;
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), epoch = 1;
     size_t esz = sizeof(epoch);
     (void)mallctl("epoch", &epoch, &esz, &epoch, esz); /* refresh the arenas' stats */
-    uint64_t foot = u->used_bytes;
+    uint64_t foot = u->used_bytes + dram_main_kept(d);
     for (uint32_t i = 0; i < d->nshared; i++) {
         dram_shared_t *s = d->shared[i];
         s->dirty = dram_shared_dirty(s, page);
@@ -928,10 +970,10 @@ static void dram_trim(dram_t *d)
                 best = s;
         }
         if (!best)
-            break; /* nothing left to give back: the rest is live blocks */
+            break; /* nothing left to give back: the rest is live blocks and the main region's */
         if (foot != UINT64_MAX)
             foot -= best->dirty;
-        dram_trim_one(best);
+        dram_trim_one(d, best);
     }
 }
 
@@ -1061,8 +1103,18 @@ int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t
                                          .punched_bytes = d->punched,
                                          .scans = d->scans,
                                          .scan_ns = d->scan_ns};
-    for (uint32_t i = 0; i < d->nshared; i++)
+    st->trims = d->trims;
+    st->trimmed_bytes = d->trimmed_bytes;
+    st->kept_bytes = dram_main_kept(d);
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), epoch = 1;
+    size_t esz = sizeof(epoch);
+    if (d->nshared)
+        (void)mallctl("epoch", &epoch, &esz, &epoch, esz); /* the arenas' dirty pages, now */
+    for (uint32_t i = 0; i < d->nshared; i++) {
+        uint64_t dirty = dram_shared_dirty(d->shared[i], page);
         st->resident_bytes += dram_shared_resident(d->shared[i]);
+        st->kept_bytes += dirty == UINT64_MAX ? 0 : dirty;
+    }
     return 0;
 }
 
@@ -1150,6 +1202,7 @@ int kvt_tier_dram_move_out(kvt_tier_t *t, uint64_t *loc)
     if (!p)
         return KVT_ENOSPC;
     memcpy(p, (const void *)(uintptr_t)*loc, len);
+    dram_main_add(d, p, e->charge);
     kvt__tier_relocate(t, *loc, (uint64_t)(uintptr_t)p);
     dallocx((void *)(uintptr_t)*loc, dram_flags(s->sp.arena, len));
     *loc = (uint64_t)(uintptr_t)p;

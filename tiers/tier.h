@@ -283,7 +283,8 @@ int kvt_tier_dram_offset(const kvt_tier_t *t, uint64_t ns_seed, uint64_t loc, ui
 /* Shared arenas that exist now. */
 uint32_t kvt_tier_dram_shared(const kvt_tier_t *t);
 /* A shared arena keeps freed pages for its namespace's next blocks (no page faults, no zeroing)
- * while the tier's live blocks and every arena's kept pages fit in its capacity; this gives back
+ * while the tier's live blocks and every arena's kept pages, the main region's included, fit in
+ * its capacity; this gives back
  * (holes punched in the memfd) what is over, the least recently written or freed arena's first,
  * and at once an unreferenced arena's: call it every tick. Once a second it also checks
  * each arena's memfd for pages a client made resident where no live block is (a write through
@@ -301,6 +302,13 @@ typedef struct kvt_tier_dram_shared_stats {
     uint64_t punched_bytes;  /* bytes the checks punched: resident, held by no live block */
     uint64_t scans;          /* arenas the checks scanned (resident beyond what jemalloc holds) */
     uint64_t scan_ns;        /* time the checks took, scans included */
+    uint64_t trims;         /* arenas kvt_tier_dram_decay purged (over capacity, or unreferenced) */
+    uint64_t trimmed_bytes; /* bytes those purges gave back (their memfds' resident bytes) */
+    /* Freed pages the tier keeps for reuse now: the shared arenas' (jemalloc's dirty pages) and
+     * the main region's (touched by blocks since freed; never given back), not counted in
+     * usage.used_bytes. kvt_tier_dram_decay keeps used_bytes plus this within the capacity while
+     * the shared arenas have some to give back. */
+    uint64_t kept_bytes;
 } kvt_tier_dram_shared_stats_t;
 /* Returns 0 with *st filled, or KVT_EINVAL (not a DRAM tier). */
 int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t *st);
