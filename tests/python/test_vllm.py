@@ -1948,23 +1948,31 @@ def test_hinted_session_kept_under_pressure(hint: str) -> None:
 
 
 def _runs_spy(lay: Any, made: List[Tuple[bool, int, Any]]) -> None:
-    """Records each plan the layout makes: (load, runs, the plan or None)."""
-    real = lay.plan
+    """Records each plan the layout makes: (load, runs, the plan or None); a sealed save's
+    page-ordered plan (save_plan, made without runs) as (False, 0, the plan)."""
+    real, real_save = lay.plan, lay.save_plan
 
     def plan(runs: Any, kvs: Any, load: bool) -> Any:
         p = real(runs, kvs, load)
         made.append((load, len(runs), p))
         return p
 
-    lay.plan = plan
+    def save_plan(addrs: Any, blocks: Any, kvs: Any) -> Any:
+        p = real_save(addrs, blocks, kvs)
+        if p is not None:
+            made.append((False, 0, p))
+        return p
+
+    lay.plan, lay.save_plan = plan, save_plan
 
 
 @pytest.mark.parametrize("spans", [True, False], ids=["kvt_copy_spans", "numpy"])
 def test_zero_copy_pages_in_several_runs(vd: Daemon, spans: bool, monkeypatch: Any) -> None:
     """A save and a load whose blocks make several runs (consecutive blocks equally spaced in
     the mapping; here split by the block ids on both sides) copy every layer with one
-    kvt_copy_spans call (the plan made once per job), byte for byte, leaving the other blocks
-    alone; with a libkvtier without it (_COPY_SPANS None) the numpy copies do the same."""
+    kvt_copy_spans call (the plan made once per job; the sealed save's one page-ordered
+    plan, save_plan), byte for byte, leaving the other blocks alone; with a libkvtier
+    without it (_COPY_SPANS None) the numpy copies do the same."""
     from kvtier.vllm import layout
 
     if spans:
@@ -1988,7 +1996,10 @@ def test_zero_copy_pages_in_several_runs(vd: Daemon, spans: bool, monkeypatch: A
     assert all(int(t[:, rest].abs().sum()) == 0 for t in b.kv.values())
     saves = [m for m in made if not m[0]]
     loads = [m for m in made if m[0]]
-    assert len(saves) == 1 and saves[0][1] >= 4, made  # 1-3, 9-10, 5, 7 at least
+    # Sealed (the daemon's default): one page-ordered plan, no runs; without kvt_copy_spans
+    # the runs' numpy copies: 1-3, 9-10, 5, 7 at least.
+    assert len(saves) == 1, made
+    assert (saves[0][2].paged and saves[0][2].pages == 7) if spans else saves[0][1] >= 4, made
     assert len(loads) == 1 and loads[0][1] >= 4, made  # 20-21, 4, 30-31, 12-13
     assert all((p is not None) == spans for _, _, p in made), made
     assert no_staging(a.worker) and no_staging(b.worker)
@@ -2051,6 +2062,47 @@ def test_copy_plan_matches_the_numpy_copies(dim: int) -> None:
     assert lay.plan(runs, [t.to(torch.float16) for t in got], True) is None
     odd = [torch.empty(shape[::-1], dtype=DTYPE).permute(4, 3, 2, 1, 0) for _ in got]
     assert lay.plan(runs, odd, True) is None
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_save_plan_matches_the_runs_plan(dim: int) -> None:
+    """_Layout.save_plan (a sealed save's copies planned straight from the room's addresses,
+    page by page) writes the same bytes into the pages as plan() over runs() does, with the
+    same XXH3-64 sums, for both block dimensions, over pages spaced unevenly in one buffer;
+    it refuses what plan() refuses (a block past the tensors, another dtype) and a plan of it
+    copies only through copy_sums."""
+    from kvtier.vllm import layout
+
+    if layout._COPY_PAGES_XXH3 is None:
+        pytest.skip("libkvtier without kvt_copy_pages_xxh3")
+    nb = 16
+    shape = (nb, 2, BS, HEADS, HEAD) if dim == 0 else (2, nb, BS, HEADS, HEAD)
+    g = torch.Generator().manual_seed(5)
+    kvs = [torch.randn(*shape, generator=g).to(DTYPE) for _ in range(3)]
+    lay = layout._Layout({"l%d" % i: t for i, t in enumerate(kvs)}, nb)
+    pb = lay.page_bytes
+    mem = bytearray(os.urandom(20 * pb))
+    mv = memoryview(mem)
+    at = [0, 1, 2, 4, 5, 9, 13, 14, 15]
+    blocks = [3, 4, 5, 6, 7, 0, 10, 11, 12]
+    items = [mv[p * pb:(p + 1) * pb] for p in at]
+    base = int(layout.ffi.cast("uintptr_t", layout.ffi.from_buffer(mem)))
+    addrs = [base + p * pb for p in at]
+    before = bytes(mem)
+    old = lay.plan(lay.runs(items, blocks), kvs, False)
+    assert old is not None and not old.paged
+    want_sums = old.copy_sums()
+    want = bytes(mem)
+    mem[:] = before
+    new = lay.save_plan(addrs, blocks, kvs)
+    assert new is not None and new.paged and new.pages == len(blocks)
+    got_sums = new.copy_sums()
+    assert bytes(mem) == want and want != before
+    assert list(got_sums) == list(want_sums)
+    with pytest.raises(ValueError):
+        new.copy(0)
+    assert lay.save_plan(addrs[:1], [nb], kvs) is None
+    assert lay.save_plan(addrs, blocks, [t.to(torch.float16) for t in kvs]) is None
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["sums", "wrong_sums"])

@@ -597,16 +597,24 @@ class WorkerSide:
         if got is not None:
             resv, held = got
             try:
-                views, vblocks, rows = [], [], []
+                views, vblocks, addrs, rows = [], [], [], []
                 for j, v in enumerate(resv.views):
                     p = t.first + j
                     if v is not None:
                         views.append(v)
                         vblocks.append(t.block_ids[j])
+                        addrs.append(resv.addrs[j])
                     elif not (held is not None and p < len(held) and held[p]):
                         rows.append(j)
-                runs = lay.runs(views, vblocks)
-                plan = lay.plan(runs, self._kvs(lay), False) if runs else None
+                # Sealed: the copies go page by page (copy_sums), planned straight from the
+                # room's addresses, without runs (save_plan); else, or where it gives no plan,
+                # by runs. A page-ordered plan copies only through copy_sums: it is taken only
+                # where seal (below) will hold.
+                if resv.sealed and vblocks and len(vblocks) == resv.nreserved:
+                    plan = lay.save_plan(addrs, vblocks, self._kvs(lay))
+                if plan is None:
+                    runs = lay.runs(views, vblocks)
+                    plan = lay.plan(runs, self._kvs(lay), False) if runs else None
             except Exception as e:  # noqa: BLE001
                 self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
                                  t.req_id, e)
@@ -627,12 +635,13 @@ class WorkerSide:
                     blocks = [t.block_ids[j] for j in rows]
                     if seal:
                         sums = plan.copy_sums()  # type: ignore[union-attr]
-                    for li, name in enumerate(lay.names):
-                        kv = self._kv[name]
-                        if runs and not seal:
-                            lay.gather_runs(runs, li, kv, plan)
-                        if blocks:
-                            lay.gather(staging, li, kv, blocks)  # type: ignore
+                    if blocks or not seal:
+                        for li, name in enumerate(lay.names):
+                            kv = self._kv[name]
+                            if runs and not seal:
+                                lay.gather_runs(runs, li, kv, plan)
+                            if blocks:
+                                lay.gather(staging, li, kv, blocks)  # type: ignore
                     job.copied = True
             job.read.set()
             runs, plan = [], None  # the views are not touched after this
