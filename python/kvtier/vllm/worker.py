@@ -1,9 +1,10 @@
 """kvtier.vllm.worker: the connector's worker side. It runs in each of vLLM's workers, in the
 forward pass: reads the step's pages from kvtierd, and its I/O thread copies them layer by layer
 into vLLM's paged tensors while the forward computes the earlier layers. Saves are asynchronous:
-once a KV cache group's last layer of the step is computed, a job per request and group on the I/O
-thread reserves room in kvtierd's mapping, copies the request's blocks out of vLLM's tensors and
-commits (or PUTs staged pages); the forward never waits for it. Each group (SupportsHMA: full
+a job per request and group goes to the I/O thread at the group's first layer of the step and
+reserves room in kvtierd's mapping while the forward computes the rest; once the group's last layer
+is in, it copies the request's blocks out of vLLM's tensors and commits (or PUTs staged pages); the
+forward never waits for it. Each group (SupportsHMA: full
 attention, sliding window) has its own layout and key chain. The blocks a job still has to read are
 held: a finished request's by vLLM until get_finished reports it, a preempted request's saves are
 cancelled before vLLM can hand its blocks on, and a sliding-window group's jobs have read their
@@ -522,10 +523,10 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Notes that this layer of the step is computed; after the step's last layer of a KV
-        cache group, one save job per request of that group goes to the I/O thread
-        (_save_job), which copies the blocks out and stores them. Nothing here waits for
-        kvtierd, nor copies."""
+        """Notes that this layer of the step is computed. At a KV cache group's first layer of
+        the step, one save job per request of that group goes to the I/O thread (_save_job),
+        which reserves the room; after its last layer (_go) the jobs copy the blocks out and
+        store them. Nothing here waits for kvtierd, nor copies."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None or \
                 not meta.saves:
