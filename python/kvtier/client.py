@@ -124,15 +124,19 @@ class Reservation:
     nothing was reserved); ``pages`` and ``new_pages`` as PutResult's; ``nreserved`` the views
     that are not None. ``sealed``: the daemon seals these pages (zero-copy-checksum), so their
     XXH3-64 sums are worth sending with commit() (the daemon then does not read them again).
+    ``addrs``: each view's address in the mapping as an int (0: no view), for copies made
+    by address (one call's unpacking, not one buffer export per view).
 
     Write each view completely, then commit(): the pages become visible to every client. The
     views point into the daemon's memory: after commit() or abort() (which release them, unless
     something still holds a buffer taken from them) they must not be touched."""
 
-    __slots__ = ("id", "pages", "new_pages", "nreserved", "first_page", "views", "sealed")
+    __slots__ = ("id", "pages", "new_pages", "nreserved", "first_page", "views", "sealed",
+                 "addrs")
 
     def __init__(self, id: int, pages: int, new_pages: int, nreserved: int, first_page: int,
-                 views: List[Optional[memoryview]], sealed: bool = False) -> None:
+                 views: List[Optional[memoryview]], sealed: bool = False,
+                 addrs: Optional[List[int]] = None) -> None:
         self.id = id
         self.pages = pages
         self.new_pages = new_pages
@@ -140,6 +144,7 @@ class Reservation:
         self.first_page = first_page
         self.views = views
         self.sealed = sealed
+        self.addrs = addrs if addrs is not None else [0] * len(views)
 
     def _release(self) -> None:
         for v in self.views:
@@ -149,6 +154,7 @@ class Reservation:
                 except BufferError:  # a numpy array or torch tensor still uses it
                     pass
         self.views = [None] * len(self.views)
+        self.addrs = [0] * len(self.addrs)
 
     def __repr__(self) -> str:
         return "Reservation(id=%d, pages=%d, new_pages=%d, nreserved=%d)" % (
@@ -619,10 +625,13 @@ class Client(KeysMixin, HintsMixin):
             if rc < 0:
                 self._raise(rc)
         bb = self.block_bytes
+        # The addresses in one call; a view only where there is room (0: none).
+        addrs: List[int] = ffi.unpack(ffi.cast("uintptr_t *", ptrs), npages)
+        buf = ffi.buffer
         views: List[Optional[memoryview]] = [
-            memoryview(ffi.buffer(p, bb)) if p != ffi.NULL else None for p in ptrs]
+            memoryview(buf(p, bb)) if a else None for p, a in zip(ptrs, addrs)]
         return Reservation(int(res.id), res.pages, res.new_pages, res.nreserved, first_page,
-                           views, bool(res.sealed))
+                           views, bool(res.sealed), addrs)
 
     def commit(self, reservation: Union[Reservation, int],
                sums: Optional[Any] = None) -> PutResult:

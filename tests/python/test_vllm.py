@@ -727,6 +727,81 @@ def test_zero_copy_path_is_used(vd: Daemon) -> None:
     b.close()
 
 
+def _jobs_of(w: Any) -> List[Any]:
+    return [j for jobs in w._jobs.values() for j in jobs]
+
+
+def test_save_reserves_at_the_groups_first_layer(vd: Daemon) -> None:
+    """A step's save job goes to the I/O thread at its group's first layer and makes its
+    RESERVE while the forward computes the other layers (issue 35: RESERVE and the hand-off to
+    the I/O thread were after the last layer); it reads the blocks only once the last layer is
+    in, so the pages hold what the blocks hold then, byte for byte."""
+    a, b = Engine(vd, seed=23), Engine(vd, seed=None)
+    toks = prompt(3)
+    r = request(toks)
+    ids = [6, 1, 8, 3]
+    n, meta = schedule(a.sched, r, ids)
+    assert n == 0
+    before = zc_stats(vd)
+    names = list(a.kv)
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.wait_for_layer_load(names[0])
+    a.worker.save_kv_layer(names[0], a.kv[names[0]], None)
+    assert wait_until(lambda: zc_stats(vd)["zero_copy_pages_reserve"]
+                      - before["zero_copy_pages_reserve"] == 3), "no RESERVE at the first layer"
+    time.sleep(0.05)  # the job would have read the blocks by now if it did not wait
+    assert [j.copied for j in _jobs_of(a.worker)] == [False]
+    for t in a.kv.values():  # the other layers' KV, computed after the first layer's save
+        t[:, ids].view(torch.int16).random_(-30000, 30000)
+    for name in names[1:]:
+        a.worker.wait_for_layer_load(name)
+        a.worker.save_kv_layer(name, a.kv[name], None)
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    assert finish(a, r, ids)
+    mid = zc_stats(vd)
+    assert mid["reservations_committed"] - before["reservations_committed"] == 1
+    rb = request(toks)
+    into = [10, 2, 30, 5]
+    n, meta = schedule(b.sched, rb, into)
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    assert same_pages(a, ids[:3], b, into[:3])
+    b.sched.request_finished(rb, into)
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
+def test_save_of_a_group_whose_last_layer_never_came(vd: Daemon) -> None:
+    """A step that ends (wait_for_save) before its group's last layer came to this worker
+    saves nothing, as before the jobs went at the first layer: the early job's reservation is
+    given back unread, nothing is committed or counted dropped, and the request is handed back
+    once the job is done."""
+    a = Engine(vd, seed=29)
+    toks = prompt(3)
+    r = request(toks)
+    ids = [6, 1, 8, 3]
+    n, meta = schedule(a.sched, r, ids)
+    before = zc_stats(vd)
+    names = list(a.kv)
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.save_kv_layer(names[0], a.kv[names[0]], None)
+    assert wait_until(lambda: zc_stats(vd)["zero_copy_pages_reserve"]
+                      - before["zero_copy_pages_reserve"] == 3)
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    assert finish(a, r, ids)
+    after = zc_stats(vd)
+    assert after["reservations_committed"] == before["reservations_committed"]
+    assert after["reservations_aborted"] - before["reservations_aborted"] == 1, after
+    assert a.worker.kvtier_stats()["saves_dropped"] == 0
+    assert not a.worker._jobs and a.worker._store._holds == 0
+    a.close()
+
+
 def test_worker_connects_and_maps_at_registration(vd: Daemon) -> None:
     """register_kv_caches makes the worker's connection and maps its namespace's arena, starts
     its I/O threads and takes plan's view of vLLM's tensors: the first step's load and save
@@ -879,10 +954,10 @@ def test_zero_copy_and_socket_connectors_share_pages(vd: Daemon) -> None:
 
 
 def test_zero_copy_step_with_missing_layers_leaves_nothing(vd: Daemon) -> None:
-    """A step whose layers do not all come to this worker (another pipeline stage holds the
-    rest), or that saves none at all: its saves go to the I/O thread only after the step's
-    last layer, so nothing is reserved nor becomes visible, and the next save of the same
-    pages goes through whole."""
+    """A step whose layers do not all come to this worker, or that saves none at all:
+    nothing becomes visible (the save job that went at the group's first layer reserved, then
+    gave its room back unread at the step's end: reads blocks only after the last layer), and
+    the next save of the same pages goes through whole."""
     a = Engine(vd, seed=14)
     names = list(a.kv)
     toks = prompt(2)
@@ -898,10 +973,14 @@ def test_zero_copy_step_with_missing_layers_leaves_nothing(vd: Daemon) -> None:
     a.worker.start_load_kv(None)
     a.worker.wait_for_save()
     a.worker.clear_connector_metadata()
-    assert a.worker.saves_in_flight() == 0
+    assert wait_until(lambda: a.worker.saves_in_flight() == 0)  # the abort, on the I/O thread
     finish(a, r, [1, 2, 3])
     after = zc_stats(vd)
-    assert after["requests_reserve"] == before["requests_reserve"]
+    # The first step's early RESERVE, given back unread (none where the step ended before
+    # the I/O thread took the job).
+    resv = (after["zero_copy_pages_reserve"] - before["zero_copy_pages_reserve"]) // 2
+    assert resv in (0, 1)
+    assert after["reservations_aborted"] - before["reservations_aborted"] == resv
     assert after["reservations_committed"] == before["reservations_committed"]
     assert a.worker._store._holds == 0
     b = Engine(vd, seed=None)
@@ -2036,23 +2115,31 @@ def test_hinted_session_kept_under_pressure(hint: str) -> None:
 
 
 def _runs_spy(lay: Any, made: List[Tuple[bool, int, Any]]) -> None:
-    """Records each plan the layout makes: (load, runs, the plan or None)."""
-    real = lay.plan
+    """Records each plan the layout makes: (load, runs, the plan or None); a sealed save's
+    page-ordered plan (save_plan, made without runs) as (False, 0, the plan)."""
+    real, real_save = lay.plan, lay.save_plan
 
     def plan(runs: Any, kvs: Any, load: bool) -> Any:
         p = real(runs, kvs, load)
         made.append((load, len(runs), p))
         return p
 
-    lay.plan = plan
+    def save_plan(addrs: Any, blocks: Any, kvs: Any) -> Any:
+        p = real_save(addrs, blocks, kvs)
+        if p is not None:
+            made.append((False, 0, p))
+        return p
+
+    lay.plan, lay.save_plan = plan, save_plan
 
 
 @pytest.mark.parametrize("spans", [True, False], ids=["kvt_copy_spans", "numpy"])
 def test_zero_copy_pages_in_several_runs(vd: Daemon, spans: bool, monkeypatch: Any) -> None:
     """A save and a load whose blocks make several runs (consecutive blocks equally spaced in
     the mapping; here split by the block ids on both sides) copy every layer with one
-    kvt_copy_spans call (the plan made once per job), byte for byte, leaving the other blocks
-    alone; with a libkvtier without it (_COPY_SPANS None) the numpy copies do the same."""
+    kvt_copy_spans call (the plan made once per job; the sealed save's one page-ordered
+    plan, save_plan), byte for byte, leaving the other blocks alone; with a libkvtier
+    without it (_COPY_SPANS None) the numpy copies do the same."""
     from kvtier.vllm import layout
 
     if spans:
@@ -2076,7 +2163,10 @@ def test_zero_copy_pages_in_several_runs(vd: Daemon, spans: bool, monkeypatch: A
     assert all(int(t[:, rest].abs().sum()) == 0 for t in b.kv.values())
     saves = [m for m in made if not m[0]]
     loads = [m for m in made if m[0]]
-    assert len(saves) == 1 and saves[0][1] >= 4, made  # 1-3, 9-10, 5, 7 at least
+    # Sealed (the daemon's default): one page-ordered plan, no runs; without kvt_copy_spans
+    # the runs' numpy copies: 1-3, 9-10, 5, 7 at least.
+    assert len(saves) == 1, made
+    assert (saves[0][2].paged and saves[0][2].pages == 7) if spans else saves[0][1] >= 4, made
     assert len(loads) == 1 and loads[0][1] >= 4, made  # 20-21, 4, 30-31, 12-13
     assert all((p is not None) == spans for _, _, p in made), made
     assert no_staging(a.worker) and no_staging(b.worker)
@@ -2139,6 +2229,47 @@ def test_copy_plan_matches_the_numpy_copies(dim: int) -> None:
     assert lay.plan(runs, [t.to(torch.float16) for t in got], True) is None
     odd = [torch.empty(shape[::-1], dtype=DTYPE).permute(4, 3, 2, 1, 0) for _ in got]
     assert lay.plan(runs, odd, True) is None
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_save_plan_matches_the_runs_plan(dim: int) -> None:
+    """_Layout.save_plan (a sealed save's copies planned straight from the room's addresses,
+    page by page) writes the same bytes into the pages as plan() over runs() does, with the
+    same XXH3-64 sums, for both block dimensions, over pages spaced unevenly in one buffer;
+    it refuses what plan() refuses (a block past the tensors, another dtype) and a plan of it
+    copies only through copy_sums."""
+    from kvtier.vllm import layout
+
+    if layout._COPY_PAGES_XXH3 is None:
+        pytest.skip("libkvtier without kvt_copy_pages_xxh3")
+    nb = 16
+    shape = (nb, 2, BS, HEADS, HEAD) if dim == 0 else (2, nb, BS, HEADS, HEAD)
+    g = torch.Generator().manual_seed(5)
+    kvs = [torch.randn(*shape, generator=g).to(DTYPE) for _ in range(3)]
+    lay = layout._Layout({"l%d" % i: t for i, t in enumerate(kvs)}, nb)
+    pb = lay.page_bytes
+    mem = bytearray(os.urandom(20 * pb))
+    mv = memoryview(mem)
+    at = [0, 1, 2, 4, 5, 9, 13, 14, 15]
+    blocks = [3, 4, 5, 6, 7, 0, 10, 11, 12]
+    items = [mv[p * pb:(p + 1) * pb] for p in at]
+    base = int(layout.ffi.cast("uintptr_t", layout.ffi.from_buffer(mem)))
+    addrs = [base + p * pb for p in at]
+    before = bytes(mem)
+    old = lay.plan(lay.runs(items, blocks), kvs, False)
+    assert old is not None and not old.paged
+    want_sums = old.copy_sums()
+    want = bytes(mem)
+    mem[:] = before
+    new = lay.save_plan(addrs, blocks, kvs)
+    assert new is not None and new.paged and new.pages == len(blocks)
+    got_sums = new.copy_sums()
+    assert bytes(mem) == want and want != before
+    assert list(got_sums) == list(want_sums)
+    with pytest.raises(ValueError):
+        new.copy(0)
+    assert lay.save_plan(addrs[:1], [nb], kvs) is None
+    assert lay.save_plan(addrs, blocks, [t.to(torch.float16) for t in kvs]) is None
 
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["sums", "wrong_sums"])

@@ -25,9 +25,9 @@ request's with the group's id, and its pages hold that group's layers only; a sl
 group loads only its window. A group of another kind (Mamba state) is refused at start.
 
 A page's bytes are every layer (K and V) of one block of this rank (of its group's layers),
-layer after layer. Saves are asynchronous: once a step's last layer of a group is computed, a
-job on the worker's I/O thread copies the request's blocks out and stores them, while the
-forward goes on; vLLM holds a finished request's blocks until get_finished reports its saves
+layer after layer. Saves are asynchronous: a job on the worker's I/O thread reserves the room
+from a group's first layer of the step, and once its last layer is computed copies the
+request's blocks out and stores them, while the forward goes on; vLLM holds a finished request's blocks until get_finished reports its saves
 done, and a preempted request's saves are cancelled before they read its freed blocks. A load
 reads whole pages and the I/O thread copies them layer by layer into vLLM's paged tensors while
 the forward computes the earlier layers. docs/engines.md says why (measured) rather than one PUT

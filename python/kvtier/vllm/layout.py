@@ -109,6 +109,7 @@ class _Layout:
                 self._inner[i] = self._inner[i + 1] * shape[i + 1]
         self._np_kv: Dict[int, Tuple[Any, Optional[np.ndarray]]] = {}  # _blocks_np's
         self._tensor_spans: Optional[Tuple[Any, Any]] = None  # plan's (_tensor_rows)
+        self._save_offsets: Optional[Tuple[Any, Any]] = None  # save_plan's (_save_rows)
         self._offsets_np = np.array(self.offsets, dtype=np.uint64)
         self.signature = ";".join("%s%s@%d" % (str(kv_caches[n].dtype).replace("torch.", ""),
                                                "x".join(map(str, s)), d)
@@ -333,6 +334,54 @@ class _Layout:
         spans[..., 2] = inner
         return _Plan(fn, spans.reshape(nl, no * npg, 3), npg)
 
+    def save_plan(self, addrs: Any, blocks: List[int], kvs: List[torch.Tensor]
+                  ) -> Optional[_Plan]:
+        """A sealed save's copies straight from vLLM's blocks ``blocks`` into the pages at
+        ``addrs`` (a reservation's room, a page each, in page order), built in
+        kvt_copy_pages_xxh3's order (each page's layers and their rows back to back) for
+        copy_sums, or None where plan() would give none (the save then takes runs() and
+        plan()). No runs and no numpy arrays over the mapping are made, nor spans reordered
+        at the copy: per save two broadcasts over the tensors' (layer, row) offsets, kept from
+        save to save with the tensors' view (_save_rows). bench_vllm's warm save spent about
+        0.25 ms building its 12 runs and their plan (docs/benchmarks.md)."""
+        if _COPY_SPANS is None or _COPY_PAGES_XXH3 is None or not blocks or \
+                not self._uniform or len(kvs) != len(self.names) or len(addrs) != len(blocks):
+            return None
+        got = self._save_rows(kvs)
+        if got is None:
+            return None
+        theirs, mine, sd, inner, nb = got
+        b = np.array(blocks, dtype=np.int64)
+        if int(b.min()) < 0 or int(b.max()) >= nb:  # numpy's copies raise IndexError
+            return None
+        npg = len(blocks)
+        spans = np.empty((npg, len(mine), 3), dtype=np.uint64)
+        np.add(np.array(addrs, dtype=np.uint64)[:, None], mine[None, :], out=spans[..., 0])
+        np.add((b.astype(np.uint64) * np.uint64(sd))[:, None], theirs[None, :],
+               out=spans[..., 1])
+        spans[..., 2] = inner
+        return _Plan(_COPY_SPANS, spans, npg, paged=True)
+
+    def _save_rows(self, kvs: List[torch.Tensor]) -> Optional[Tuple[Any, Any, int, int, int]]:
+        """save_plan's offsets, made once per view of the tensors (prepare's): each (layer,
+        row) of a page in page order, its address in the tensors less the block's offset
+        (theirs) and its offset in the page (mine), with the block stride, a row's bytes and
+        the blocks a tensor has."""
+        got = self.prepare(kvs)
+        if got is None:
+            return None
+        cached = self._save_offsets
+        if cached is not None and cached[0] is got:
+            return cached[1]
+        bases, sd, outer, inner, nb = got
+        no = len(outer)
+        theirs = (bases[:, None] + outer[None, :]).reshape(-1)
+        mine = (self._offsets_np[:, None]
+                + np.arange(no, dtype=np.uint64)[None, :] * np.uint64(inner)).reshape(-1)
+        rows = (theirs, mine, sd, inner, nb)
+        self._save_offsets = (got, rows)
+        return rows
+
     def prepare(self, kvs: List[torch.Tensor]) -> Optional[Tuple[Any, int, Any, int, int]]:
         """plan's view of vLLM's tensors ``kvs`` (_tensor_rows), made now and kept while they
         stay: the worker makes it when vLLM registers them, not in the first step."""
@@ -513,14 +562,18 @@ class _Plan:
     src, len): copy(layer) is one C call, cffi releasing the GIL around it. Valid while the
     runs' memory and the tensors are (the views' lease or reservation, vLLM's caches)."""
 
-    def __init__(self, fn: Any, spans: np.ndarray, pages: int = 0) -> None:
+    def __init__(self, fn: Any, spans: np.ndarray, pages: int = 0, paged: bool = False) -> None:
         self.fn = fn
         self.spans = spans  # kept alive: ptr points into it
         self.n = spans.shape[1]
         self.pages = pages  # the runs' pages, in the runs' order
+        # (pages, spans of a page, 3) in copy_sums' order (save_plan's): copy_sums only
+        self.paged = paged
         self.ptr = ffi.cast("kvt_copy_span_t *", spans.ctypes.data)
 
     def copy(self, layer: int) -> None:
+        if self.paged:
+            raise ValueError("a page-ordered plan copies through copy_sums")
         rc = self.fn(self.ptr + layer * self.n, self.n)
         if rc != 0:
             raise OSError("kvt_copy_spans: %d" % rc)
@@ -538,9 +591,11 @@ class _Plan:
         the sums COMMIT carries for a sealed reservation. The same bytes land as with copy()
         of each layer; the daemon then does not hash the pages after COMMIT's reply."""
         nl, npg = self.spans.shape[0], self.pages
-        # (layers, rows x pages) in (layer, row, page) order to (page, layer, row)
-        per = np.ascontiguousarray(
-            self.spans.reshape(nl, -1, npg, 3).transpose(2, 0, 1, 3)).reshape(-1, 3)
+        if self.paged:  # save_plan's: in that order already
+            per = self.spans.reshape(-1, 3)
+        else:  # (layers, rows x pages) in (layer, row, page) order to (page, layer, row)
+            per = np.ascontiguousarray(
+                self.spans.reshape(nl, -1, npg, 3).transpose(2, 0, 1, 3)).reshape(-1, 3)
         sums = np.empty(npg, dtype=np.uint64)
         rc = _COPY_PAGES_XXH3(ffi.cast("kvt_copy_span_t *", per.ctypes.data), per.shape[0],
                               per.shape[0] // npg, ffi.cast("uint64_t *", sums.ctypes.data))

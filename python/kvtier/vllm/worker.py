@@ -1,9 +1,10 @@
 """kvtier.vllm.worker: the connector's worker side. It runs in each of vLLM's workers, in the
 forward pass: reads the step's pages from kvtierd, and its I/O thread copies them layer by layer
 into vLLM's paged tensors while the forward computes the earlier layers. Saves are asynchronous:
-once a KV cache group's last layer of the step is computed, a job per request and group on the I/O
-thread reserves room in kvtierd's mapping, copies the request's blocks out of vLLM's tensors and
-commits (or PUTs staged pages); the forward never waits for it. Each group (SupportsHMA: full
+a job per request and group goes to the I/O thread at the group's first layer of the step and
+reserves room in kvtierd's mapping while the forward computes the rest; once the group's last layer
+is in, it copies the request's blocks out of vLLM's tensors and commits (or PUTs staged pages); the
+forward never waits for it. Each group (SupportsHMA: full
 attention, sliding window) has its own layout and key chain. The blocks a job still has to read are
 held: a finished request's by vLLM until get_finished reports it, a preempted request's saves are
 cancelled before vLLM can hand its blocks on, and a sliding-window group's jobs have read their
@@ -98,6 +99,10 @@ class _SaveJob:
     copied: bool = False  # the blocks are read: vLLM may reuse them
     future: Optional["Future[int]"] = None
     read: threading.Event = field(default_factory=threading.Event)  # copied, or never will
+    # Submitted at the group's first layer (its RESERVE made while the forward computes the
+    # rest): set once the group's last layer is in (``event`` then recorded), or the job is
+    # dropped. None: submitted at the last layer.
+    go: Optional[threading.Event] = None
 
 
 class WorkerSide:
@@ -123,6 +128,7 @@ class WorkerSide:
         # (reported by get_finished once they are not).
         self._layers_in: Dict[int, Set[int]] = {}  # per group, its layers' indices
         self._submitted: Set[int] = set()
+        self._early: Dict[int, List[_SaveJob]] = {}  # per group, jobs waiting for its last layer
         self._jobs: Dict[str, List[_SaveJob]] = {}
         self._saving_reqs: Set[str] = set()
         self._finishing: Set[str] = set()
@@ -517,10 +523,10 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Notes that this layer of the step is computed; after the step's last layer of a KV
-        cache group, one save job per request of that group goes to the I/O thread
-        (_save_job), which copies the blocks out and stores them. Nothing here waits for
-        kvtierd, nor copies."""
+        """Notes that this layer of the step is computed. At a KV cache group's first layer of
+        the step, one save job per request of that group goes to the I/O thread (_save_job),
+        which reserves the room; after its last layer (_go) the jobs copy the blocks out and
+        store them. Nothing here waits for kvtierd, nor copies."""
         meta = self._connector_metadata
         if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None or \
                 not meta.saves:
@@ -534,29 +540,64 @@ class WorkerSide:
         gid, li = at
         done = self._layers_in.setdefault(gid, set())
         done.add(li)
-        if len(done) == len(self._layouts[gid].names) and gid not in self._submitted:
+        if gid in self._submitted:
+            return
+        last = len(done) == len(self._layouts[gid].names)
+        if last:
             self._submitted.add(gid)
-            self._submit_saves([t for t in self._my_saves(meta) if t.group == gid])
+            early = self._early.pop(gid, None)
+            if early is not None:
+                self._go(early)
+            else:
+                self._submit_saves([t for t in self._my_saves(meta) if t.group == gid])
+        elif len(done) == 1 and gid not in self._early:
+            # The group's first layer: its jobs go to the I/O thread now and make their
+            # RESERVE while the forward computes the other layers; each copies once the last
+            # is in (_go). bench_vllm's warm save: RESERVE 0.12-0.15 ms and the hand-off to the
+            # I/O thread no longer after the last layer (docs/benchmarks.md).
+            self._early[gid] = self._submit_saves(
+                [t for t in self._my_saves(meta) if t.group == gid], early=True)
 
-    def _submit_saves(self, saves: List[_Transfer]) -> None:
+    def _go(self, jobs: List[_SaveJob]) -> None:
+        """The group's last layer is in: its early jobs may read the blocks once written (the
+        CUDA event recorded now) and have worker_deadline_ms from now to be stored."""
+        if not jobs:
+            return
+        event = None
+        if self._kv[self._layouts[jobs[0].t.group].names[0]].is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        deadline = time.monotonic() + self._worker_deadline_ms / 1000.0
+        for job in jobs:
+            job.event, job.deadline = event, deadline
+            assert job.go is not None
+            job.go.set()
+
+    def _submit_saves(self, saves: List[_Transfer], early: bool = False) -> List[_SaveJob]:
+        """The save jobs of ``saves`` (one group's) to the I/O thread; ``early`` (the group's
+        first layer): each waits for _go before it reads the blocks. Returns the jobs."""
         assert self._store is not None and self._pool is not None
         if not saves:
-            return
+            return []
         if not self._store.up:
             # kvtierd unreachable: the step's saves are dropped at once (no copy, no I/O).
             self._guard.count("short_circuited")
             self._guard.count("saves_dropped", len(saves))
-            return
+            return []
         event = None
         lay = self._layouts[saves[0].group]
-        if self._kv[lay.names[0]].is_cuda:  # the job reads the blocks once written
+        if not early and self._kv[lay.names[0]].is_cuda:  # read the blocks once written
             event = torch.cuda.Event()
             event.record()
         deadline = time.monotonic() + self._worker_deadline_ms / 1000.0
+        go = threading.Event() if early else None  # one for the group's jobs
+        jobs = []
         for t in saves:
-            job = _SaveJob(t, deadline, event)
+            job = _SaveJob(t, deadline, event, go=go)
             job.future = self._pool.submit(self._save_job, job)
             self._jobs.setdefault(t.req_id, []).append(job)
+            jobs.append(job)
+        return jobs
 
     def _save_job(self, job: _SaveJob) -> int:
         """A request's saves of one step in one group, on the I/O thread: mapped, RESERVE of
@@ -580,8 +621,6 @@ class WorkerSide:
         lay = self._layouts[t.group]
         if job.cancelled:
             return 0
-        if job.event is not None:
-            job.event.synchronize()
         resv: Optional[Reservation] = None
         runs: List[Any] = []
         plan: Optional[_Plan] = None  # the runs' copies in C (None: numpy's)
@@ -597,22 +636,37 @@ class WorkerSide:
         if got is not None:
             resv, held = got
             try:
-                views, vblocks, rows = [], [], []
+                views, vblocks, addrs, rows = [], [], [], []
                 for j, v in enumerate(resv.views):
                     p = t.first + j
                     if v is not None:
                         views.append(v)
                         vblocks.append(t.block_ids[j])
+                        addrs.append(resv.addrs[j])
                     elif not (held is not None and p < len(held) and held[p]):
                         rows.append(j)
-                runs = lay.runs(views, vblocks)
-                plan = lay.plan(runs, self._kvs(lay), False) if runs else None
+                # Sealed: the copies go page by page (copy_sums), planned straight from the
+                # room's addresses, without runs (save_plan); else, or where it gives no plan,
+                # by runs. A page-ordered plan copies only through copy_sums: it is taken only
+                # where seal (below) will hold.
+                if resv.sealed and vblocks and len(vblocks) == resv.nreserved:
+                    plan = lay.save_plan(addrs, vblocks, self._kvs(lay))
+                if plan is None:
+                    runs = lay.runs(views, vblocks)
+                    plan = lay.plan(runs, self._kvs(lay), False) if runs else None
             except Exception as e:  # noqa: BLE001
                 self._guard.warn("kvtier: reservation for %s unusable, staging it: %s",
                                  t.req_id, e)
                 self._abort(resv)
                 resv, runs, rows = None, [], list(range(len(t.keys) - t.first))
                 plan = None
+        # An early job (submitted at the group's first layer) reads the blocks once the last
+        # layer is in; RESERVE and the plan went before. Not let go by its deadline: dropped.
+        if job.go is not None and not job.go.wait(max(0.0, job.deadline - time.monotonic())):
+            with job.lock:
+                job.cancelled = job.cancelled or not job.copied
+        if job.event is not None and not job.cancelled:  # the blocks written (CUDA)
+            job.event.synchronize()
         staging = self._take_staging(len(rows)) if rows else None
         # Where the daemon seals committed pages, the copies into its room take each page's
         # checksum in the same pass (all layers of a page, then the next) and COMMIT carries
@@ -627,12 +681,13 @@ class WorkerSide:
                     blocks = [t.block_ids[j] for j in rows]
                     if seal:
                         sums = plan.copy_sums()  # type: ignore[union-attr]
-                    for li, name in enumerate(lay.names):
-                        kv = self._kv[name]
-                        if runs and not seal:
-                            lay.gather_runs(runs, li, kv, plan)
-                        if blocks:
-                            lay.gather(staging, li, kv, blocks)  # type: ignore
+                    if blocks or not seal:
+                        for li, name in enumerate(lay.names):
+                            kv = self._kv[name]
+                            if runs and not seal:
+                                lay.gather_runs(runs, li, kv, plan)
+                            if blocks:
+                                lay.gather(staging, li, kv, blocks)  # type: ignore
                     job.copied = True
             job.read.set()
             runs, plan = [], None  # the views are not touched after this
@@ -751,6 +806,16 @@ class WorkerSide:
         finally:
             self._layers_in.clear()
             self._submitted.clear()
+            # Groups whose last layer did not come to this worker: their early jobs read
+            # nothing and give their reservations back (as before they were early, such a
+            # step saves nothing, and counts nothing dropped).
+            for jobs in self._early.values():
+                for job in jobs:
+                    with job.lock:
+                        job.cancelled = True
+                    assert job.go is not None
+                    job.go.set()
+            self._early.clear()
         self._sweep_saves()
         pending = []
         for rid, fut in self._io_futures:
