@@ -446,14 +446,9 @@ int kvt__req_out_reserve(kvt__req_t *r, size_t need)
         return 0;
     if (r->out != r->out_inline)
         return kvt_reserve(&r->out, &r->out_cap, need, 1, 4096);
-    size_t cap = 4096;
-    while (cap < need) {
-        if (cap > SIZE_MAX / 2)
-            return KVT_ENOMEM;
-        cap *= 2;
-    }
-    uint8_t *p = malloc(cap);
-    if (!p)
+    uint8_t *p = NULL; /* the first heap buffer: sized as kvt_reserve grows any, then filled */
+    size_t cap = 0;
+    if (kvt_reserve(&p, &cap, need, 1, 4096) < 0)
         return KVT_ENOMEM;
     memcpy(p, r->out, r->out_len);
     r->out = p;
