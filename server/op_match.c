@@ -112,6 +112,15 @@ static void mrc_match(kvt_srv_t *s, const kvt_match_t *m, const kvt__match_q_t *
     kvt__mrc_lookup(s->mrc, keys, whole, q->page, q->block_bytes, q->ntokens);
 }
 
+/* The block size for the miss-ratio curve: c's, or the namespace's when c declared none (a
+ * lookup-only client of a namespace that others fill); 0 when neither is known (the curve then
+ * counts nothing for the lookup). */
+static uint32_t curve_block(const kvt__conn_t *c)
+{
+    const kvt_srv_t *s = c->srv;
+    return c->block_bytes ? c->block_bytes : c->ns < s->nns ? s->ns[c->ns].block_bytes : 0;
+}
+
 /* The tiers of a path's pages into out, node by node (each node's blocks read in place). Four
  * pages a step: this runs over every page of every MATCH, and the plain loop's index
  * arithmetic was 7 instructions a page. */
@@ -468,9 +477,7 @@ static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
     kvt_match_t m = p.m;
     /* Keys: the curve's for every whole page, in the loop's buffer (the sample waits there for
      * the write lock); else only the reason's (shared_why). */
-    uint32_t block = c->block_bytes   ? c->block_bytes
-                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
-                                      : 0;
+    uint32_t block = curve_block(c);
     int curve = !probe && s->mrc && block;
     uint32_t nkeys = curve ? whole : 0;
     kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
@@ -562,11 +569,7 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
     kvt_match_t m = p.m;
     if (rc < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, rc, "match failed");
-    /* The block size for the miss-ratio curve: c's, or the namespace's when c declared none (a
-     * lookup-only client of a namespace that others fill). */
-    uint32_t block = c->block_bytes   ? c->block_bytes
-                     : c->ns < s->nns ? s->ns[c->ns].block_bytes
-                                      : 0;
+    uint32_t block = curve_block(c);
     kvt__match_q_t mq = {.flags = h->flags,
                          .lease_ms = q.lease_ms,
                          .engine_id = q.hints.engine_request_id,
