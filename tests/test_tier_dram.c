@@ -742,6 +742,18 @@ static void ns_fill(kvt_tier_t *t, uint64_t ns, uint64_t first, int n, uint32_t 
     free(buf);
 }
 
+/* Shares ns's arena and returns a second descriptor of its memfd: what a client that kept the
+ * fd sees after the namespace is unshared (fd_bytes on it). */
+static int share_kept(kvt_tier_t *t, uint64_t ns)
+{
+    int fd;
+    uint64_t mb;
+    cr_assert_eq(kvt_tier_dram_share(t, ns, &fd, &mb), 0);
+    int keep = dup(fd);
+    cr_assert_geq(keep, 0);
+    return keep;
+}
+
 static void ns_drop(kvt_tier_t *t, int n, uint32_t len, const uint64_t *locs)
 {
     for (int i = 0; i < n; i++)
@@ -902,11 +914,8 @@ Test(tier_dram, trims_and_kept_bytes_are_counted)
     const uint32_t len = 1u << 20;
     enum { N = 8 };
     kvt_tier_t *t = mk_shared(64u << 20, 1);
-    int fd;
-    uint64_t mb, locs[N];
-    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
-    int keep = dup(fd);
-    cr_assert_geq(keep, 0);
+    uint64_t locs[N];
+    int keep = share_kept(t, NS_A);
     ns_fill(t, NS_A, 0, N, len, locs);
     ns_drop(t, N - 1, len, locs);
     kvt_tier_dram_decay(t);
@@ -1048,11 +1057,8 @@ Test(tier_dram, an_unreferenced_arena_gives_freed_pages_back_at_once)
     const uint32_t len = 1u << 20;
     enum { N = 8 };
     kvt_tier_t *t = mk_shared(64u << 20, 1);
-    int fd;
-    uint64_t mb, locs[N];
-    cr_assert_eq(kvt_tier_dram_share(t, NS_A, &fd, &mb), 0);
-    int keep = dup(fd); /* what a client that kept the fd sees */
-    cr_assert_geq(keep, 0);
+    uint64_t locs[N];
+    int keep = share_kept(t, NS_A);
     ns_fill(t, NS_A, 0, N, len, locs);
     kvt_tier_dram_unshare(t, NS_A);
     cr_assert_eq(kvt_tier_dram_shared(t), 1, "blocks still live in it");
