@@ -199,6 +199,10 @@ struct kvt_policy {
     int in_drop;
     int stale;     /* rebuild before the next victim: the cost model changed a while ago */
     int dead_lost; /* a node death could not be recorded: only a rebuild is safe */
+    /* Nodes left out of the heaps while leased or protected (see orphan_add), and whether one
+     * could not be recorded (then every node ending a lease or a promotion is pushed). */
+    dead_t orph;
+    int orph_lost;
     uint64_t inserts_since_rebuild;
     /* The sweep (see the top): heaps being filled, the copy of the registry and how far into it,
      * and the seq it began at (deaths before it concern no entry of the new heaps). */
@@ -471,6 +475,51 @@ static int dead_after(const kvt_policy_t *p, const kvt_radix_node_t *n, uint64_t
     return 0;
 }
 
+/*
+ * The nodes left out of the heaps: a popped entry of a leased or protected node is not pushed
+ * back, and a rebuild or a sweep passes leased nodes by. The end of a move's lease
+ * (kvt_policy_move_done) and of a promotion's protection push such a node again, and only
+ * such a node: pushing every node of the path there grew the heaps by the path's length per
+ * move until a rebuild. A record whose node died names at worst a new node at the same
+ * address, which is then pushed once more than needed. A seq of 0 marks a record taken.
+ */
+static void orphan_add(kvt_policy_t *p, kvt_radix_node_t *n)
+{
+    dead_t *d = &p->orph;
+    if (2 * (d->len + 1) > d->cap && dead_rehash(d, d->cap ? 2 * d->cap : 256, 1) < 0) {
+        p->orph_lost = 1; /* until the next rebuild, every such node is pushed */
+        return;
+    }
+    size_t s = ptr_slot(d, n);
+    while (d->keys[s] && d->keys[s] != n)
+        s = (s + 1) & (d->cap - 1);
+    if (!d->keys[s])
+        d->len++;
+    d->keys[s] = n;
+    d->seqs[s] = p->seq + 1; /* after every entry pushed so far, at or after a sweep's start */
+}
+
+/* Whether n was left out of the heaps since it was last pushed; forgets the record (the caller
+ * pushes n). */
+static int orphan_take(kvt_policy_t *p, const kvt_radix_node_t *n)
+{
+    dead_t *d = &p->orph;
+    if (p->orph_lost)
+        return 1;
+    if (d->len == 0)
+        return 0;
+    size_t s = ptr_slot(d, n);
+    while (d->keys[s]) {
+        if (d->keys[s] == n) {
+            int was = d->seqs[s] != 0;
+            d->seqs[s] = 0;
+            return was;
+        }
+        s = (s + 1) & (d->cap - 1);
+    }
+    return 0;
+}
+
 /* ---- the cost model's reuse estimate ------------------------------------------------------- */
 
 static unsigned hit_class(uint32_t hits)
@@ -734,6 +783,35 @@ static void push_tail(kvt_policy_t *p, kvt_radix_node_t *n)
         push_tier(p, n, kvt_radix_node_blocks(n)[np - 1].tier);
 }
 
+/* A node's run in one tier before a change: whether it had one, and its boundary's key. */
+typedef struct runkey {
+    int had;
+    vkey_t k;
+} runkey_t;
+
+static runkey_t run_key(kvt_policy_t *p, kvt_radix_node_t *n, kvt_tier_id_t t)
+{
+    uint32_t a, b;
+    if (!tier_ok(t) || !p->cap[t])
+        return (runkey_t){0, {0, 0}};
+    node_run(n, (uint8_t)t, &a, &b);
+    return a < b ? (runkey_t){1, block_key(p, n, b - 1, p->xcur)} : (runkey_t){0, {0, 0}};
+}
+
+/* After pages joined or left n's run in tier t: pushes n into t's heap when its entry there no
+ * longer serves, that is when the run is new, or its boundary's key fell below the one before in
+ * value (not just in the depth that breaks ties). A key that grew the pop corrects itself, by
+ * pushing the entry back; one that fell would leave the run a victim later than it should be. */
+static void push_changed(kvt_policy_t *p, kvt_radix_node_t *n, kvt_tier_id_t t, runkey_t was)
+{
+    uint32_t a, b;
+    if (!tier_ok(t) || !p->cap[t])
+        return;
+    node_run(n, (uint8_t)t, &a, &b);
+    if (a < b && (!was.had || block_key(p, n, b - 1, p->xcur).a < was.k.a))
+        push_entry(p, (uint8_t)t, n, b - 1, 0);
+}
+
 static void sweep_stop(kvt_policy_t *p)
 {
     p->sweeping = 0;
@@ -748,11 +826,17 @@ static void rebuild(kvt_policy_t *p)
     p->xcur = p->xwant; /* the expert the model chose takes over here */
     for (int t = 0; t < KVT_TIER_COUNT; t++)
         p->heap[t].len = 0;
+    if (p->orph.cap)
+        memset(p->orph.keys, 0, p->orph.cap * sizeof(*p->orph.keys));
+    p->orph.len = 0;
+    p->orph_lost = 0;
     size_t nn = kvt_radix_node_count(p->t);
     for (size_t i = 0; i < nn; i++) {
         kvt_radix_node_t *n = kvt_radix_node_at(p->t, i);
         if (!kvt_radix_node_leased(n))
             push_node(p, n);
+        else
+            orphan_add(p, n);
     }
     /* Queued promotions may name nodes that died before this rebuild: keep the record until
      * they have run. */
@@ -812,8 +896,12 @@ static void sweep_some(kvt_policy_t *p)
     }
     for (uint32_t k = 0; k < p->c.sweep_slice && p->sweep_at < p->sweep_n; k++) {
         kvt_radix_node_t *n = p->sweep_nodes[p->sweep_at++];
-        if (!dead_after(p, n, p->sweep_seq) && !kvt_radix_node_leased(n))
+        if (dead_after(p, n, p->sweep_seq))
+            continue;
+        if (!kvt_radix_node_leased(n))
             push_runs(p, n, 1);
+        else
+            orphan_add(p, n);
     }
     if (p->sweep_at < p->sweep_n)
         return;
@@ -830,6 +918,10 @@ static void sweep_some(kvt_policy_t *p)
      * Queued promotions may still name nodes that died before: keep the record until they ran. */
     if (p->npromo == 0)
         dead_forget_before(p, p->sweep_seq);
+    /* The nodes left out of the old heaps were walked into the new ones, unless left out of
+     * those too (recorded again since). */
+    if (p->orph.len && dead_rehash(&p->orph, p->orph.cap, p->sweep_seq) < 0)
+        p->orph_lost = 1;
 }
 
 /* ---- acting --------------------------------------------------------------------------------- */
@@ -1264,7 +1356,8 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
          * the dead set and stale entries are bounded by the tree's size. */
         size_t nodes = kvt_radix_node_count(p->t);
         if ((p->foreign != p->foreign_seen && !p->c.reports_node_frees) || p->stale ||
-            p->dead_lost || h->len > 4 * nodes + 4096 || p->dead.len > nodes + 4096) {
+            p->dead_lost || h->len > 4 * nodes + 4096 || p->dead.len > nodes + 4096 ||
+            p->orph.len > nodes + 4096) {
             rebuild(p);
             rebuilt = 1;
         }
@@ -1287,10 +1380,10 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
         kvt_radix_node_t *n = e.n;
         if (dead_after(p, n, e.seq))
             continue;
-        if (kvt_radix_node_leased(n))
+        if (kvt_radix_node_leased(n) || protected(p, n)) {
+            orphan_add(p, n); /* the end of its move's lease or of promote_path pushes it */
             continue;
-        if (protected(p, n))
-            continue; /* promote_path pushes it back */
+        }
         uint32_t a, b;
         node_run(n, (uint8_t)t, &a, &b);
         if (a == b)
@@ -1313,8 +1406,10 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
         if (sz && want / sz + (want % sz != 0) < cnt)
             cnt = (uint32_t)KVT_MAX(1, want / sz + (want % sz != 0));
         uint32_t i0 = b - cnt;
-        if (run_busy(n, i0, cnt))
+        if (run_busy(n, i0, cnt)) {
+            orphan_add(p, n);
             continue;
+        }
         const kvt_block_t *last = &kvt_radix_node_blocks(n)[b - 1];
         uint32_t np = kvt_radix_node_pages(n);
         /* The run ends the leaf, or only index-only pages follow it (they go with it). */
@@ -1513,6 +1608,8 @@ void kvt_policy_destroy(kvt_policy_t *p)
     free(p->sweep_nodes);
     free(p->dead.keys);
     free(p->dead.seqs);
+    free(p->orph.keys);
+    free(p->orph.seqs);
     free(p->path);
     free(p->pend);
     if (p->own_ghost)
@@ -1955,6 +2052,7 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
                 p->bar = block_key(p, x, s, 0);
                 p->bar_on = 1;
             }
+            runkey_t was = run_key(p, x, to);
             int rc = do_move(p, x, s, cnt, from, to, 0, why);
             p->bar_on = 0;
             if (rc == KVT_ENOSPC && bypass(p) && p->lower[to] != KVT_TIER_NONE &&
@@ -1980,12 +2078,18 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             total += rc;
             if (kvt_radix_node_blocks(x)[s].tier != to)
                 break; /* pending: the executor finishes it */
+            /* The run in `to` grew at its end (do_move pushed a new one); the run the pages
+             * left lost its head, which leaves its boundary where it was. */
+            if (was.had)
+                push_changed(p, x, to, was);
         }
     }
 done:
     p->protect = 0;
+    /* Only the path's nodes a victim search left out while protected go back into the heaps;
+     * the others kept their entries. */
     for (size_t k = 0; k < len; k++)
-        if (!kvt_radix_node_leased(p->path[k]))
+        if (!kvt_radix_node_leased(p->path[k]) && orphan_take(p, p->path[k]))
             push_node(p, p->path[k]);
     return total;
 }
@@ -2097,19 +2201,41 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
     p->queued[from]--;
     p->queued[to]--;
     p->st.pending_moves--;
-    if (status < 0 || conflict) {
+    int lands = status >= 0 && !conflict;
+    if (!lands) {
         p->used[to] -= mv.charge_to;
     } else {
-        tier_run(p, n, depth, npages, to);
         p->used[from] -= mv.charge_frm;
         p->st.blocks[from] -= npages;
         p->st.blocks[to] += npages;
         p->st.moved_bytes[from][to] += mv.bytes;
     }
     kvt_radix_release(p->t, mv.lease);
-    for (kvt_radix_node_t *x = n; x; x = kvt_radix_node_parent(x))
-        if (!kvt_radix_node_leased(x))
+    /* Node by node up the path the lease held: the pages land in n and in the ancestors a split
+     * carved out of it, each part's runs in `from` and `to` pushed where they changed (see
+     * push_changed). A node goes back into the heaps whole only where a victim search left it
+     * out while leased (orphan_take): the others kept their entries. Pushing every node of the
+     * path at every landed move grew the heaps by the path's length a move until a rebuild. */
+    uint32_t end = depth + npages;
+    for (kvt_radix_node_t *x = n; x; x = kvt_radix_node_parent(x)) {
+        uint32_t lo = KVT_MAX(kvt_radix_node_depth(x), depth);
+        int part = lands && lo < end; /* x holds pages [lo, end) of the run */
+        runkey_t was_from = {0, {0, 0}}, was_to = {0, {0, 0}};
+        if (part) {
+            was_from = run_key(p, x, from);
+            was_to = run_key(p, x, to);
+            tier_run(p, x, lo, end - lo, to);
+            end = lo;
+        }
+        if (kvt_radix_node_leased(x))
+            continue;
+        if (orphan_take(p, x)) {
             push_node(p, x);
+        } else if (part) {
+            push_changed(p, x, from, was_from);
+            push_changed(p, x, to, was_to);
+        }
+    }
     return changed ? KVT_EINVAL : conflict ? KVT_EAGAIN : 0;
 }
 

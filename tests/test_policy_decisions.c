@@ -22,6 +22,10 @@ typedef struct exec {
     int pending;            /* answer moves with KVT_POLICY_PENDING */
     int fail;               /* answer moves with KVT_EIO */
     kvt_policy_t *pol;
+    /* the last move answered KVT_POLICY_PENDING, for land_last() */
+    kvt_radix_node_t *last_n;
+    uint32_t last_depth, last_npages;
+    kvt_tier_id_t last_from, last_to;
 } exec_t;
 
 static kvt_radix_t *tree;
@@ -55,6 +59,11 @@ static int ex_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n
         for (uint32_t i = 0; i < npages; i++)
             bl[i].flags |= KVT_BLOCK_BUSY;
         e->pending_pages += npages;
+        e->last_n = n;
+        e->last_depth = depth;
+        e->last_npages = npages;
+        e->last_from = from;
+        e->last_to = to;
         return KVT_POLICY_PENDING;
     }
     e->used[from] -= b;
@@ -1590,6 +1599,145 @@ Test(policy_decisions, pages_joining_a_run_do_not_grow_the_heap)
             ex.used[KVT_TIER_DRAM] -= PAGE;
         }
         free(tok);
+        stop();
+    }
+}
+
+/* Lands the executor's last pending move, as kvtierd's I/O completion does. */
+static void land_last(void)
+{
+    for (uint32_t i = 0; i < ex.last_npages; i++)
+        kvt_radix_block_at(ex.last_n, ex.last_depth + i)->flags &= (uint8_t)~KVT_BLOCK_BUSY;
+    uint64_t b = run_bytes(ex.last_n, ex.last_depth, ex.last_npages);
+    cr_assert_eq(kvt_policy_move_done(pol, ex.last_n, ex.last_depth, ex.last_npages, ex.last_from,
+                                      ex.last_to, 0),
+                 0);
+    ex.used[ex.last_from] -= b;
+    ex.used[ex.last_to] += b;
+}
+
+/* A path of 8 nodes of 2 pages each: the prompts of 2, 4, ... 16 pages of tok one after the
+ * other, each adding a node below the last. */
+static void chain(const uint32_t *tok)
+{
+    for (uint32_t k = 1; k <= 8; k++)
+        request(tok, 2 * k * PS, NULL);
+}
+
+static size_t heap_entries(void)
+{
+    size_t n = 0;
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
+        n += kvt__policy_heap_len(pol, (kvt_tier_id_t)t);
+    return n;
+}
+
+/* Prompt j of a family: the 14 pages of the shared prefix, then one page of its own. */
+static uint32_t *branch(uint32_t j)
+{
+    uint32_t *t = seq(15 * PS, 7000);
+    for (uint32_t i = 0; i < PS; i++)
+        t[14 * PS + i] = 500000 + PS * j + i;
+    return t;
+}
+
+/* A landed move (kvt_policy_move_done) pushes into the heaps only a run it made or whose
+ * boundary's key fell, not every node of the path its lease held: those kept their entries, as
+ * no victim search met them leased. A shared prefix of 7 nodes stays hot in HBM while the 16
+ * one-page leaves below it leave the full HBM one at a time through moves in flight; the heaps
+ * grow by about an entry a move (they took the path's 8 nodes a move, up to a rebuild: 119
+ * entries here). The nodes are still victims: no rebuild was needed to find them, and the full
+ * DRAM makes room from a leaf. Under LRU, LFU and the cost policy. */
+Test(policy_decisions, landed_moves_push_only_what_changed)
+{
+    const kvt_policy_kind_t kinds[] = {KVT_POLICY_LRU, KVT_POLICY_LFU, KVT_POLICY_COST};
+    for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+        kvt_policy_conf_t c = base_conf(kinds[k], 30, 16, 0);
+        start(&c);
+        uint32_t *leaf[16];
+        for (uint32_t j = 0; j < 16; j++)
+            leaf[j] = branch(j);
+        chain(leaf[0]); /* the prefix's 7 nodes, and leaf 0 */
+        for (uint32_t j = 1; j < 16; j++)
+            request(leaf[j], 15 * PS, NULL);
+        all_in(leaf[15], 15, KVT_TIER_HBM);
+        kvt_policy_stats_t st0, st;
+        kvt_policy_stats(pol, &st0);
+        size_t before = heap_entries();
+        for (int r = 0; r < 16; r++) {
+            ex.pending = 1;
+            /* one page of room: its move starts, and the room is on its way */
+            cr_assert_eq(kvt_policy_hold(pol, KVT_TIER_HBM, PAGE, 1), KVT_EAGAIN, "kind %d, %d",
+                         kinds[k], r);
+            ex.pending = 0;
+            land_last();
+            cr_assert_eq(hold(KVT_TIER_HBM, 1, 0), 0); /* the landed room, kept held */
+            check();
+        }
+        all_in(leaf[15], 14, KVT_TIER_HBM);
+        for (uint32_t j = 0; j < 16; j++)
+            cr_assert_eq(tier_of(leaf[j], 14), KVT_TIER_DRAM, "kind %d, leaf %u", kinds[k], j);
+        size_t grew = heap_entries() - before;
+        cr_assert_leq(grew, 32, "kind %d: the heaps grew by %zu entries in 16 moves", kinds[k],
+                      grew);
+        kvt_policy_stats(pol, &st);
+        cr_assert_eq(st.rebuilds, st0.rebuilds, "kind %d: a victim was lost", kinds[k]);
+        cr_assert_eq(hold(KVT_TIER_DRAM, 1, 1), 0, "kind %d", kinds[k]);
+        uint32_t gone = 0;
+        for (uint32_t j = 0; j < 16; j++)
+            gone += tier_of(leaf[j], 14) == -1;
+        cr_assert_eq(gone, 1, "kind %d: a leaf made the room", kinds[k]);
+        for (int i = 0; i < 16; i++)
+            kvt_policy_unhold(pol, KVT_TIER_HBM, PAGE);
+        kvt_policy_unhold(pol, KVT_TIER_DRAM, PAGE);
+        ex.used[KVT_TIER_HBM] -= 16 * PAGE;
+        ex.used[KVT_TIER_DRAM] -= PAGE;
+        for (uint32_t j = 0; j < 16; j++)
+            free(leaf[j]);
+        stop();
+    }
+}
+
+/* A promotion pushes into the heaps the runs it made or whose boundary's key fell, and the
+ * nodes of its path a victim search met while they were protected, not the whole path at
+ * every call: a path of 8 nodes promoted a node a call, then prefetched whole 8 times where
+ * nothing is left to move (the old way pushed its 8 nodes at each of those calls: 100 entries
+ * under LRU). The path's nodes are still victims in HBM. Under LRU, LFU and the cost policy. */
+Test(policy_decisions, promotions_push_only_what_changed)
+{
+    const kvt_policy_kind_t kinds[] = {KVT_POLICY_LRU, KVT_POLICY_LFU, KVT_POLICY_COST};
+    for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+        kvt_policy_conf_t c = base_conf(kinds[k], 16, 32, 0);
+        start(&c);
+        uint32_t *tok = seq(16 * PS, 7000), *other = seq(16 * PS, 90000);
+        chain(tok);
+        request(other, 16 * PS, NULL); /* takes HBM: the path goes to DRAM */
+        all_in(tok, 16, KVT_TIER_DRAM);
+        kvt_policy_stats_t st0, st;
+        kvt_policy_stats(pol, &st0);
+        size_t before = heap_entries();
+        kvt_match_t m;
+        for (uint32_t n = 1; n <= 8; n++) {
+            cr_assert_eq(kvt_radix_match(tree, ns, tok, 2 * n * PS, KVT_MATCH_NOTOUCH, &m), 0);
+            cr_assert_eq(kvt_policy_promote(pol, m.node, m.node_pages, KVT_TIER_HBM, NULL), 2,
+                         "kind %d, node %u", kinds[k], n);
+            check();
+        }
+        all_in(tok, 16, KVT_TIER_HBM);
+        for (int r = 0; r < 8; r++)
+            cr_assert_eq(kvt_policy_prefetch(pol, m.node, m.node_pages), 0);
+        size_t grew = heap_entries() - before;
+        cr_assert_leq(grew, 2400, "kind %d: the heaps grew by %zu entries", kinds[k], grew);
+        kvt_policy_stats(pol, &st);
+        cr_assert_eq(st.rebuilds, st0.rebuilds, "kind %d: a victim was lost", kinds[k]);
+        /* the path is a victim still: its pages make room in HBM */
+        cr_assert_eq(hold(KVT_TIER_HBM, 2, 1), 0, "kind %d", kinds[k]);
+        cr_assert_neq(tier_of(tok, 15), KVT_TIER_HBM, "kind %d", kinds[k]);
+        for (int i = 0; i < 2; i++)
+            kvt_policy_unhold(pol, KVT_TIER_HBM, PAGE);
+        ex.used[KVT_TIER_HBM] -= 2 * PAGE;
+        free(tok);
+        free(other);
         stop();
     }
 }
