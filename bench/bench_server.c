@@ -176,6 +176,18 @@ static int free_port(void)
     return ntohs(sin.sin_port);
 }
 
+/* A program path with a slash, made absolute: the servers run in the scratch directory (spawn's
+ * chdir), where a relative one named nothing and they did not start. A bare name is left to
+ * execvp's PATH search, and one that does not resolve as it is, to fail with its log. Kept for
+ * the run. */
+static const char *abs_prog(const char *path)
+{
+    if (!strchr(path, '/') || path[0] == '/')
+        return path;
+    char *r = realpath(path, NULL);
+    return r ? r : path;
+}
+
 static pid_t spawn(char *const argv[], const char *log)
 {
     pid_t pid = fork();
@@ -1510,6 +1522,8 @@ int main(int argc, char **argv)
                 LEASE_HELD_MAX);
         return 2;
     }
+    o.kvtierd = abs_prog(o.kvtierd);
+    o.redis_server = abs_prog(o.redis_server);
     int want_match = ops_has(o.ops, "match");
     int want_get = ops_has(o.ops, "get");
     int want_lease = ops_has(o.ops, "lease");
