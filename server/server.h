@@ -93,7 +93,6 @@ typedef struct kvt__io {
     kvt__req_t *req;
     kvt_radix_node_t *node;
     uint32_t depth;
-    uint32_t slot;   /* GET: index in the current batch; PUT: index in the payload */
     uint8_t tier;    /* where the I/O goes (write, copy destination) or comes from (read) */
     uint8_t from;    /* copy source tier */
     uint8_t is_copy; /* through kvt_tier_copy */
