@@ -53,6 +53,11 @@
  *   bench_client zc --unix PATH --block-bytes B --pages N --passes R
  *   bench_client memcpy --block-bytes B --pages N --passes R
  *   bench_client seal --kvtierd PATH --block-bytes B --pages N --passes R --rounds K
+ *   bench_client connect [--tcp HOST:PORT] [--unix PATH] --seconds S --rounds K
+ *
+ * connect: connections a second of one client connecting and closing in a loop through
+ * libkvtier (kvt_client_connect: the HELLO's round trip; libkvtier_zc also maps the arena) and,
+ * the baseline, a plain socket's connect and close to the same daemon (bench_connect says more).
  */
 #include "kvtier.h"
 
@@ -62,7 +67,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -596,9 +605,150 @@ static int bench_seal(const char *kvtierd, size_t block, uint32_t pages, int pas
     return 0;
 }
 
+/* ---- connect: connections a second, libkvtier's against a plain socket's ---- */
+
+static int plain_connect(const char *unix_path, const char *tcp)
+{
+    int fd;
+    if (tcp) {
+        char host[64];
+        const char *colon = strrchr(tcp, ':');
+        if (!colon || (size_t)(colon - tcp) >= sizeof host)
+            return -1;
+        memcpy(host, tcp, (size_t)(colon - tcp));
+        host[colon - tcp] = 0;
+        struct sockaddr_in sin = {.sin_family = AF_INET,
+                                  .sin_port = htons((uint16_t)atoi(colon + 1))};
+        if (inet_pton(AF_INET, host, &sin.sin_addr) != 1)
+            return -1;
+        fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || connect(fd, (struct sockaddr *)&sin, sizeof sin) < 0)
+            goto fail;
+    } else {
+        struct sockaddr_un sun = {.sun_family = AF_UNIX};
+        if (strlen(unix_path) >= sizeof sun.sun_path)
+            return -1;
+        memcpy(sun.sun_path, unix_path, strlen(unix_path) + 1);
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || connect(fd, (struct sockaddr *)&sun, sizeof sun) < 0)
+            goto fail;
+    }
+    /* RST on close, as bench_accept's storm: no TIME_WAIT left behind for the next connects
+     * (this one's and the other implementations') to search their ports around. */
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+    close(fd);
+    return 0;
+fail:
+    if (fd >= 0)
+        close(fd);
+    return -1;
+}
+
+#define CONNECT_IMPLS 3
+static const char *const connect_impl[CONNECT_IMPLS] = {"plain", "libkvtier", "libkvtier_zc"};
+
+/* Connections a second for secs (at least one connection) through impl i: 0 a plain socket's
+ * connect and close, 1 kvt_client_connect (the HELLO's round trip) and kvt_client_close, 2 the same
+ * with zero_copy on the Unix socket (the MAP of the namespace's DRAM arena, its fd passed, the
+ * mmap). < 0: an error. */
+static double connect_rate(const char *unix_path, const char *tcp, int impl, double secs)
+{
+    kvt_client_conf_t conf = {.unix_path = tcp ? NULL : unix_path,
+                              .tcp = tcp,
+                              .model = "bench-connect",
+                              .page_size = PAGE_TOKENS,
+                              .block_bytes = impl == 2 ? 256u << 10 : 0,
+                              .zero_copy = impl == 2};
+    long n = 0;
+    double t0 = now_s(), t;
+    while ((t = now_s()) - t0 < secs || n == 0) {
+        if (impl == 0) {
+            if (plain_connect(unix_path, tcp) < 0) {
+                perror("bench_client: connect");
+                return -1;
+            }
+        } else {
+            kvt_client_t *c;
+            int rc = kvt_client_connect(&c, &conf);
+            if (rc < 0) {
+                fprintf(stderr, "bench_client: kvt_client_connect: %s\n", kvt_client_strerror(rc));
+                return -1;
+            }
+            if (impl == 2 && !kvt_client_zero_copy(c)) {
+                fprintf(stderr, "bench_client: no mapping: %s\n", kvt_client_zero_copy_reason(c));
+                kvt_client_close(c);
+                return -1;
+            }
+            kvt_client_close(c);
+        }
+        n++;
+    }
+    return (double)n / (t - t0);
+}
+
+/*
+ * connect: one client connecting and closing in a loop, each connection waiting for the last:
+ * libkvtier's connect (libkvtier; libkvtier_zc on the Unix socket, with its arena's MAP)
+ * against a plain socket's connect and close to the same daemon (plain, the baseline: what the
+ * kernel's part costs). The implementations alternate within each round so that a change in
+ * the host's load hits them alike; one line per round and implementation, then one per
+ * implementation with the median over the rounds, its range and its ratio to plain's median.
+ * Plain connects do not wait for the daemon to accept them: at a rate the daemon's loop does not
+ * keep up with, they wait in its listener's queue, and past the queue's depth their SYN is
+ * dropped (a second's retry): that rate is as much the daemon's accept as the client's connect.
+ */
+static int bench_connect(const char *unix_path, const char *tcp, double secs, int rounds)
+{
+    const char *transport = tcp ? "tcp" : "unix";
+    int nimpl = tcp ? 2 : CONNECT_IMPLS;
+    double *rate = calloc((size_t)rounds * CONNECT_IMPLS, sizeof *rate);
+    if (!rate)
+        return 1;
+    for (int r = 0; r < rounds; r++) {
+        for (int i = 0; i < nimpl; i++) {
+            double x = connect_rate(unix_path, tcp, i, secs);
+            if (x < 0) {
+                free(rate);
+                return 1;
+            }
+            rate[i * rounds + r] = x;
+            /* Plain connects do not wait for the daemon's accept: those still queued would be
+             * taken in the next implementation's time, ahead of its connects. A HELLO answered
+             * says the daemon took every one queued before it (untimed). */
+            if (i == 0 && connect_rate(unix_path, tcp, 1, 0) < 0) {
+                free(rate);
+                return 1;
+            }
+            printf("{\"op\":\"connect\",\"transport\":\"%s\",\"impl\":\"%s\",\"round\":%d,"
+                   "\"seconds\":%.2f,\"connects_per_s\":%.0f}\n",
+                   transport, connect_impl[i], r + 1, secs, x);
+            fflush(stdout);
+        }
+    }
+    double base = median(rate, rounds);
+    for (int i = 0; i < nimpl; i++) {
+        double *v = rate + i * rounds, lo = v[0], hi = v[0];
+        for (int r = 1; r < rounds; r++) {
+            lo = v[r] < lo ? v[r] : lo;
+            hi = v[r] > hi ? v[r] : hi;
+        }
+        double med = median(v, rounds);
+        printf("{\"op\":\"connect\",\"transport\":\"%s\",\"impl\":\"%s\",\"rounds\":%d,"
+               "\"connects_per_s\":%.0f,\"min\":%.0f,\"max\":%.0f,\"baseline\":\"plain\","
+               "\"baseline_connects_per_s\":%.0f,\"ratio\":%.3f,\"us_per_connect\":%.1f,"
+               "\"baseline_us_per_connect\":%.1f}\n",
+               transport, connect_impl[i], rounds, med, lo, hi, base, base > 0 ? med / base : 0,
+               med > 0 ? 1e6 / med : 0, base > 0 ? 1e6 / base : 0);
+    }
+    free(rate);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    const char *mode = argc > 1 ? argv[1] : "", *unix_path = NULL;
+    const char *mode = argc > 1 ? argv[1] : "", *unix_path = NULL, *tcp = NULL;
+    double secs = 1;
     size_t block = 2u << 20;
     uint32_t pages = 64;
     int passes = 4, rounds = 6;
@@ -616,6 +766,10 @@ int main(int argc, char **argv)
             rounds = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--kvtierd"))
             kvtierd = argv[i + 1];
+        else if (!strcmp(argv[i], "--tcp"))
+            tcp = argv[i + 1];
+        else if (!strcmp(argv[i], "--seconds"))
+            secs = atof(argv[i + 1]);
         else
             goto usage;
     }
@@ -623,6 +777,14 @@ int main(int argc, char **argv)
         goto usage;
     if (!strcmp(mode, "memcpy"))
         return bench_memcpy(block, pages, passes);
+    if (!strcmp(mode, "connect") && (unix_path || tcp) && secs > 0 && rounds >= 1) {
+        int rc = 0;
+        if (tcp)
+            rc |= bench_connect(NULL, tcp, secs, rounds);
+        if (unix_path)
+            rc |= bench_connect(unix_path, NULL, secs, rounds);
+        return rc;
+    }
     if (!strcmp(mode, "client") && unix_path)
         return bench_client(unix_path, block, pages, passes, 0);
     if (!strcmp(mode, "zc") && unix_path)
@@ -641,6 +803,7 @@ usage:
     fprintf(stderr, "usage: bench_client client|zc --unix PATH [--block-bytes B] [--pages N] "
                     "[--passes R]\n       bench_client memcpy [--block-bytes B] [--pages N] "
                     "[--passes R]\n       bench_client seal --kvtierd PATH [--block-bytes B] "
-                    "[--pages N] [--passes R >= 2] [--rounds K]\n");
+                    "[--pages N] [--passes R >= 2] [--rounds K]\n       bench_client connect "
+                    "[--tcp HOST:PORT] [--unix PATH] [--seconds S] [--rounds K]\n");
     return 2;
 }

@@ -82,7 +82,8 @@ static int listen_unix(kvt_srv_t *s)
     mode_t old = umask(0777 & ~s->conf->unix_mode);
     int rc = bind(fd, (struct sockaddr *)&sun, sizeof sun);
     umask(old);
-    if (rc < 0 || chmod(path, s->conf->unix_mode) < 0 || listen(fd, 512) < 0) {
+    /* As deep as the TCP listener's (net.c): past a full queue a connect here fails (EAGAIN). */
+    if (rc < 0 || chmod(path, s->conf->unix_mode) < 0 || listen(fd, SOMAXCONN) < 0) {
         rc = -errno;
         close(fd);
         return rc;

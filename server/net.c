@@ -48,7 +48,11 @@ int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen)
     }
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, 512) < 0) {
+    /* The kernel's most (net.core.somaxconn caps it): a burst of connects while the loop is off
+     * the CPU queues here. With 512, a client past it had its SYN dropped and retried a second
+     * later, which held a connect storm to a tenth of the rate the loop keeps up with
+     * (docs/benchmarks.md, "How the loops take connections"). */
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0 || listen(fd, SOMAXCONN) < 0) {
         int e = -errno;
         freeaddrinfo(ai);
         close(fd);
