@@ -534,3 +534,28 @@ Test(metrics_scrape, build_info_and_process_metrics)
     expect_near(metric(body, "process_start_time_seconds"), start, "a steady start time");
     kvd_cleanup(&d);
 }
+
+/* Which of the cost policy's experts orders the victims (docs/policy.md, "Experts"), as a gauge
+ * of 1 + its index and the same STATS entry: on a fresh daemon the value's own order (1), as
+ * kvt_policy_stats says until the miniature simulations choose another; under lru, which has no
+ * experts, 0. */
+Test(metrics_scrape, the_policy_expert_is_a_gauge)
+{
+    const char *kinds[] = {"cost", "lru"};
+    for (int k = 0; k < 2; k++) {
+        kvd_t d = {0};
+        kvd_start(&d, "--policy", kinds[k], NULL);
+        kvt_client_t *c = kvd_client(&d, "m", PAGE, 4096);
+        usleep(200000); /* a tick or more: the gauges are set there */
+        static stats_list_t l;
+        l.n = 0;
+        cr_assert_eq(kvt_client_stats(c, stats_take, &l), 0);
+        cr_assert_eq(kvd_http_get(&d, "/metrics", body, sizeof body), 200);
+        double want = k == 0 ? 1 + KVT_POLICY_EXPERT_COST : 0;
+        cr_expect_eq(metric(body, "kvtier_policy_expert"), want, "%s", kinds[k]);
+        cr_expect_eq(stats_value(&l, "policy_expert"), (uint64_t)want, "%s", kinds[k]);
+        cr_expect(strstr(body, "# TYPE kvtier_policy_expert gauge"), "a gauge");
+        kvt_client_close(c);
+        kvd_cleanup(&d);
+    }
+}
