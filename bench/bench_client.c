@@ -720,6 +720,8 @@ static int bench_connect(const char *unix_path, const char *tcp, double secs, in
                 free(rate);
                 return 1;
             }
+            if (i == 0)
+                usleep(300000);
             printf("{\"op\":\"connect\",\"transport\":\"%s\",\"impl\":\"%s\",\"round\":%d,"
                    "\"seconds\":%.2f,\"connects_per_s\":%.0f}\n",
                    transport, connect_impl[i], r + 1, secs, x);
