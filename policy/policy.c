@@ -2227,8 +2227,11 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
             tier_run(p, x, lo, end - lo, to);
             end = lo;
         }
-        if (kvt_radix_node_leased(x))
+        if (kvt_radix_node_leased(x)) {
+            if (part) /* another move's lease: its landing pushes x whole */
+                orphan_add(p, x);
             continue;
+        }
         if (orphan_take(p, x)) {
             push_node(p, x);
         } else if (part) {
