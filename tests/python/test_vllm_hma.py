@@ -299,9 +299,10 @@ def test_a_hit_needs_every_group(vd: Daemon) -> None:
 
 
 def test_unsupported_group_refused_at_start(vd: Daemon) -> None:
-    """A group the connector cannot store as pages of tokens (a Mamba layer's recurrent state)
-    is refused when vLLM builds the connector, with a message naming the group and its spec,
-    in both roles: not silently turned into wrong loads or misses."""
+    """A group the connector cannot store (a Mamba layer's recurrent state in vLLM's default
+    mamba_cache_mode, which keeps no state at page boundaries: test_vllm_mamba.py has those
+    it stores) is refused when vLLM builds the connector, with a message naming the group and
+    its spec, in both roles: not silently turned into wrong loads or misses."""
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(DTYPE,))
     kvc = hybrid_config(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
