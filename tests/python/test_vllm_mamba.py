@@ -5,11 +5,12 @@ KVCacheConfig with a full-attention group and a Mamba group (MambaSpec, mamba_ca
 "align": the state after p pages in the request's Mamba block p - 1), two layers each, block
 size 16; the Mamba layers' caches are vLLM's own views of a raw buffer (create_kv_cache_views:
 int8 pages, the states padded to the attention page); vLLM's own KVCacheManager (its
-MambaManager) allocating each request's blocks; prefill chunks ending where vLLM's align mode
-ends them (get_mamba_prefill_checkpoint_position). The connector is built by vLLM's
-KVConnectorFactory; its scheduler and worker sides are driven as vLLM drives them (Mamba layers
-call neither wait_for_layer_load nor save_kv_layer), a real kvtierd behind it. Serving a real
-hybrid model is not possible on this CPU (no vllm._C).
+MambaManager, prefix caching on as align mode is in vLLM) allocating each request's blocks;
+prefill chunks ending where vLLM's align mode ends them (get_mamba_prefill_checkpoint_position);
+each step's state saves checked against the boundary states vLLM's manager offers. The
+connector is built by vLLM's KVConnectorFactory; its scheduler and worker sides are driven as
+vLLM drives them (Mamba layers call neither wait_for_layer_load nor save_kv_layer), a real
+kvtierd behind it. Serving a real hybrid model is not possible on this CPU (no vllm._C).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                             KVCacheTensor, MambaSpec,
@@ -106,7 +109,7 @@ class Engine:
     def __init__(self, d: Daemon, seed: Any, full: bool = True, **extra: Any) -> None:
         self.kvc = ssm_config(full=full)
         self.manager = KVCacheManager(self.kvc, max_model_len=1024, scheduler_block_size=BS,
-                                      hash_block_size=BS, enable_caching=False)
+                                      hash_block_size=BS, enable_caching=True)
         cfg = harness_vllm_config(d, MODEL, BS, **extra)
         self.sched = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER,
                                                          self.kvc)
@@ -167,10 +170,17 @@ class Engine:
 
     def note(self, meta: Any) -> List[Tuple[int, int, int]]:
         """The step's saves as (group, first page, pages); the block each Mamba state was
-        saved from kept in ``states`` by page (vLLM frees it a step or two later)."""
+        saved from kept in ``states`` by page (vLLM frees it a step or two later). The
+        states saved are the ones vLLM's own manager offers a connector this step
+        (take_boundary_state_offloads: group, block, boundary in tokens)."""
+        mine = []
         for t in meta.saves:
             if t.group == len(self.kvc.kv_cache_groups) - 1:
                 self.states[t.first] = t.block_ids[0]
+                mine.append((t.group, t.block_ids[0], (t.first + 1) * BS))
+        offers = [o for os_ in self.manager.take_boundary_state_offloads().values()
+                  for o in os_]
+        assert sorted(mine) == sorted(offers)
         return sorted((t.group, t.first, len(t.keys)) for t in meta.saves)
 
     @staticmethod
@@ -231,7 +241,11 @@ class Engine:
 
 
 def request(tokens: List[int]) -> "Request":
-    return Request("sreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None)
+    """A request with vLLM's own block hashes (its prefix cache, on: Mamba's align mode is
+    vLLM's prefix caching of such a model)."""
+    init_none_hash(sha256_cbor)
+    return Request("sreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
+                   block_hasher=get_request_block_hasher(BS, sha256_cbor))
 
 
 def prompt(pages: int, extra: int) -> List[int]:
