@@ -16,6 +16,7 @@ kvtierd behind it. Serving a real hybrid model is not possible on this CPU (no v
 from __future__ import annotations
 
 import itertools
+import signal
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
@@ -450,4 +451,43 @@ def test_second_process_reads_what_the_first_saved(vd: Daemon) -> None:
     assert b.load(r) == 5 * BS
     same(Theirs, theirs[0], theirs[1], b, b.manager.get_block_ids(r.request_id), 5)
     b.finish(r)
+    b.close()
+
+
+def test_failed_load_is_reported_as_its_request(vd: Daemon) -> None:
+    """The daemon killed between the lookup and the load: the load between steps fails, and the
+    request is reported as a whole (get_transfer_results: failed_recving, and finished_recving
+    so that vLLM stops waiting), no block among the load errors: vLLM raises at failed blocks
+    with several KV cache groups, and would recompute from a block whose state before it no
+    block holds. Nothing raises, no thread is left waiting."""
+    a, b = Engine(vd, 61), Engine(vd, None)
+    r = request(prompt(4, 3))
+    a.prefill(r)
+    assert a.finish(r)
+    a.close()
+    r2 = request(list(r.all_token_ids))
+    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, load_async) == (4 * BS, True)
+    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
+                                    delay_cache_blocks=True) is not None
+    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    meta = b.sched.build_connector_meta(empty_output([], CachedRequestData.make_empty(), {}))
+    assert {t.group for t in meta.loads} == {0, 1}
+    vd.stop(signal.SIGKILL)
+    w = b.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        w.wait_for_save()
+        res = w.get_transfer_results(set())
+        assert w.get_block_ids_with_load_errors() == set()
+        if res.finished_recving:
+            break
+        assert time.monotonic() < deadline, "the load was never reported"
+        time.sleep(0.005)
+    w.clear_connector_metadata()
+    assert res.finished_recving == {r2.request_id} and res.failed_recving == {r2.request_id}
+    assert b.worker.get_transfer_results(set()).failed_recving == set()  # reported once
+    b.finish(r2)
     b.close()

@@ -99,3 +99,13 @@ def load_between_steps(groups: List[KvGroup], extra: Dict[str, Any]) -> bool:
                              "loaded between steps only" % _WHERE)
         return True
     return asked
+
+
+def failures_per_request(groups: List[KvGroup]) -> bool:
+    """Whether a failed asynchronous load is reported as its request (get_transfer_results's
+    failed_recving: vLLM recomputes the request from its first token) instead of as its blocks
+    (get_block_ids_with_load_errors). vLLM 0.34 raises RuntimeError at blocks reported with
+    several KV cache groups (a block id names a block of one group only), and with a Mamba
+    group it would recompute from the first failed block, whose state before it no block
+    holds (vLLM's null blocks): both need the request."""
+    return len(groups) > 1 or any(g.state for g in groups)

@@ -26,6 +26,7 @@ import torch
 from ..client import Reservation
 from .common import KvtierConnectorMetadata, _Transfer, log, rank_salt, worker_ranks
 from .layout import _Layout, _Plan, _Views
+from .mamba import failures_per_request
 from .store import _PageStore
 
 if TYPE_CHECKING:
@@ -141,6 +142,9 @@ class WorkerSide:
         self._async_pool: Optional[ThreadPoolExecutor] = None
         self._async_loads: Dict[str, "Future[int]"] = {}
         self._async_errors: Dict[str, List[int]] = {}
+        # Requests whose asynchronous load failed, reported as a whole (failed_recving):
+        # where vLLM cannot take failed blocks (mamba.failures_per_request).
+        self._failed_recving: Set[str] = set()
         # Staging memory kept from step to step (a fresh 64 MiB tensor each step costs its page
         # faults on every load and save): [0] the step's loads; the save jobs take theirs from
         # a free list (_staging_free), as they outlive their step. _staged counts the rows of
@@ -865,8 +869,26 @@ class WorkerSide:
         done = {rid for rid, f in self._async_loads.items() if f.done()}
         for rid in done:
             del self._async_loads[rid]
-            self._load_errors.update(self._async_errors.pop(rid, ()))
+            errors = self._async_errors.pop(rid, ())
+            if errors and failures_per_request(self._groups):
+                self._failed_recving.add(rid)
+            else:
+                self._load_errors.update(errors)
         return (sending or None), (done or None)
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
+        """vLLM's KVConnectorTransferResults: get_finished's, with the requests whose
+        asynchronous load failed as a whole (failed_recving, among finished_recving too) where
+        blocks cannot be reported (mamba.failures_per_request): vLLM recomputes them from
+        their first token."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+            KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose pages did not arrive this step (daemon gone, page evicted): vLLM
