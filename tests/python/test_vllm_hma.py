@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -299,9 +300,10 @@ def test_a_hit_needs_every_group(vd: Daemon) -> None:
 
 
 def test_unsupported_group_refused_at_start(vd: Daemon) -> None:
-    """A group the connector cannot store as pages of tokens (a Mamba layer's recurrent state)
-    is refused when vLLM builds the connector, with a message naming the group and its spec,
-    in both roles: not silently turned into wrong loads or misses."""
+    """A group the connector cannot store (a Mamba layer's recurrent state in vLLM's default
+    mamba_cache_mode, which keeps no state at page boundaries: test_vllm_mamba.py has those
+    it stores) is refused when vLLM builds the connector, with a message naming the group and
+    its spec, in both roles: not silently turned into wrong loads or misses."""
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(DTYPE,))
     kvc = hybrid_config(KVCacheGroupSpec(["model.layers.4.mixer"], mamba))
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
@@ -525,3 +527,46 @@ def test_window_saves_read_before_the_next_step(vd: Daemon, slow_s: float, deadl
     assert all(stored_tiers(vd, a, r, 0, 4))
     assert all(stored_tiers(vd, a, r, 1, 4)[window_start(3):]) is not cancelled
     a.close()
+
+
+def test_failed_asynchronous_load_is_reported_as_its_request(vd: Daemon) -> None:
+    """load_async, the daemon killed between the lookup and the load: the request is reported
+    as a whole (get_transfer_results: failed_recving, and finished_recving), no block among the
+    load errors: vLLM 0.34 raises RuntimeError at failed blocks with several KV cache groups (a
+    block id names a block of one group only) and recomputes a failed request from its start."""
+    a, b = Engine(vd, seed=81), Engine(vd, None, load_async=True)
+    toks = prompt(5, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    r2 = request(toks)
+    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, load_async) == (5 * BS, True)
+    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
+                                    delay_cache_blocks=True) is not None
+    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    waiting = SchedulerOutput(scheduled_new_reqs=[],
+                              scheduled_cached_reqs=CachedRequestData.make_empty(),
+                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                              scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                              finished_req_ids=set(), free_encoder_mm_hashes=[])
+    meta = b.sched.build_connector_meta(waiting)
+    assert {t.group for t in meta.loads} == {0, 1}
+    vd.stop(signal.SIGKILL)
+    w = b.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        w.wait_for_save()
+        res = w.get_transfer_results(set())
+        assert w.get_block_ids_with_load_errors() == set()
+        if res.finished_recving:
+            break
+        assert time.monotonic() < deadline, "the load was never reported"
+        time.sleep(0.005)
+    w.clear_connector_metadata()
+    assert res.finished_recving == {r2.request_id} and res.failed_recving == {r2.request_id}
+    b.finish(r2)
+    b.close()

@@ -153,11 +153,20 @@ class KvGroup:
     ``layers`` its layer names (None: every layer the worker registers, for a configuration
     with one group or none); ``retained``, for a sliding-window group, how many tokens below
     the next position its attention still reads (vLLM's ``num_retained_tokens``: window - 1,
-    plus any extra retained tokens), 0 for full attention."""
+    plus any extra retained tokens), 0 for full attention; ``state`` True for a Mamba group,
+    whose block holds a request's recurrent state at a page boundary (mamba.py)."""
 
     gid: int
     layers: Optional[Tuple[str, ...]] = None
     retained: int = 0
+    state: bool = False
+
+    @property
+    def gaps(self) -> bool:
+        """Whether the group stores only some pages of its chain (a window, or the states at
+        the boundaries steps ended on): its saves go as chains with gaps, and vLLM frees its
+        blocks while the request runs, so its save jobs read them before the next step."""
+        return bool(self.retained) or self.state
 
     def window_start(self, pages: int, block_size: int) -> int:
         """The first page a prefix of ``pages`` pages needs in this group: 0 for full
@@ -172,19 +181,23 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> List[KvGroup]:
     """The groups of vLLM's KV cache config that the connector stores, in vLLM's order.
 
     One group or none (the hybrid manager off, or a model with one kind of attention): one
-    group of every registered layer, whatever its spec (today's pages). Several (the hybrid
+    group of every registered layer, whatever its spec (today's pages), but for a model of
+    Mamba layers only: its one group is a state group (mamba.py). Several (the hybrid
     manager on): full attention (FullAttentionSpec, MLAAttentionSpec) and sliding-window
     (SlidingWindowSpec, SlidingWindowMLASpec) groups, each with its own key chain; a group
     vLLM marks as not transferred (``enable_kv_transfer`` False) is left to vLLM, which
-    rebuilds it. Any other spec (MambaSpec's recurrent state, chunked local attention, cross
-    attention, ...) raises ValueError naming the group: its state is not a page per block of
-    tokens, and storing it as one would load wrong KV. A group whose block size is not
-    ``block_size`` raises ValueError too."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MLAAttentionSpec,
+    rebuilds it. A Mamba group (MambaSpec) stores its state at page boundaries (mamba.py,
+    whose refuse_unstorable refuses the configurations it cannot store). Any other spec
+    (chunked local attention, cross attention, ...) raises ValueError naming the group: its
+    state is not a page per block of tokens, and storing it as one would load wrong KV. A
+    group whose block size is not ``block_size`` raises ValueError too."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
                                             SlidingWindowMLASpec, SlidingWindowSpec)
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) <= 1:
+        if groups and type(groups[0].kv_cache_spec) is MambaSpec:  # a model of SSM layers only
+            return [KvGroup(0, tuple(groups[0].layer_names), state=True)]
         return [KvGroup(0)]
     out = []
     for gid, g in enumerate(groups):
@@ -192,21 +205,24 @@ def kv_groups(kv_cache_config: Any, block_size: int) -> List[KvGroup]:
             continue
         spec = g.kv_cache_spec
         kind = type(spec)
-        if kind in (SlidingWindowSpec, SlidingWindowMLASpec):
+        state = kind is MambaSpec
+        if state:
+            retained = 0
+        elif kind in (SlidingWindowSpec, SlidingWindowMLASpec):
             retained = int(spec.num_retained_tokens)
         elif kind in (FullAttentionSpec, MLAAttentionSpec):
             retained = 0
         else:
             raise ValueError(
                 "kvtier.vllm: KV cache group %d (%s, layers %s) is not supported: kvtier stores "
-                "full-attention and sliding-window groups only (start vLLM with "
+                "full-attention, sliding-window and Mamba groups only (start vLLM with "
                 "--disable-hybrid-kv-cache-manager for a model whose other layers it can merge, "
                 "or serve this model without the kvtier connector)"
                 % (gid, kind.__name__, ", ".join(list(g.layer_names)[:4])))
         if int(spec.block_size) != block_size:
             raise ValueError("%s: setting 'block_size': %d tokens, but KV cache group %d has "
                              "blocks of %d tokens" % (_WHERE, block_size, gid, spec.block_size))
-        out.append(KvGroup(gid, tuple(g.layer_names), retained))
+        out.append(KvGroup(gid, tuple(g.layer_names), retained, state))
     return out
 
 

@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from ..guard import Guard, check_keys, flag, number
 from .common import (EXTRA_KEYS, REPLACED_KEYS, WARN_INTERVAL_S, WORKER_DEADLINE_MS, _WHERE,
                      chain_root, kv_groups, log, model_name, tp_replicas)
+from .mamba import load_between_steps, refuse_unstorable
 from .metrics import KvtierConnectorStats, KvtierPromMetrics, Tally
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -56,14 +57,16 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         # vLLM's KV cache groups (SupportsHMA: several with the hybrid manager), each with its
         # own key chain; refuses a group it cannot store (common.kv_groups).
         self._groups = kv_groups(kv_cache_config, self._block_size)
+        refuse_unstorable(kv_cache_config, self._groups, self._block_size)
         self._guard = Guard(log, number(self._extra, "warn_interval_s", WARN_INTERVAL_S, _WHERE,
                                         integer=False))
         self._worker_deadline_ms = number(self._extra, "worker_deadline_ms", WORKER_DEADLINE_MS,
                                           _WHERE, minimum=1)
         self._model = model_name(vllm_config, self._extra)
-        if len(self._groups) > 1:
+        if len(self._groups) > 1 or self._groups[0].state:
             # A page of one group holds other layers than a page of the same model served
-            # with the hybrid manager off (one group of every layer): another namespace.
+            # with the hybrid manager off (one group of every layer), a Mamba group's page a
+            # state, not a block of tokens: another namespace.
             self._model = (self._model + "|groups=%d" % len(self._groups))[-255:]
         self._root = chain_root(self._model)
         pc = vllm_config.parallel_config
@@ -73,7 +76,7 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         self._tp_replicas = tp_replicas(vllm_config, kv_cache_config, self._tp_size)
         self._tally = Tally(self._guard)  # this role's figures for vLLM's metrics (metrics.py)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
-        self._async = bool(self._extra.get("load_async", False))
+        self._async = load_between_steps(self._groups, self._extra)
         self._init_scheduler_side(role == KVConnectorRole.SCHEDULER)
         self._init_worker_side()
 

@@ -13,6 +13,7 @@ from ..guard import number
 from .common import (PREEMPT_PAUSE_MS, SCHEDULER_DEADLINE_MS, _WHERE, KvGroup,
                      KvtierConnectorMetadata, _ReqState, _Transfer, group_chain, key_chain, log,
                      rank_salt)
+from .mamba import state_hit, state_load, state_save
 from .store import _PageStore, _stored
 
 if TYPE_CHECKING:
@@ -114,14 +115,17 @@ class SchedulerSide:
         a sliding-window group, which stores only its windows (_plan_saves: its chain has
         gaps), when the pages of the window of ``h`` do (_window_hit). The window of a shorter
         prefix than one group's answer is other pages, so the window groups are asked again
-        for the hit the others cut it to, until all agree."""
+        for the hit the others cut it to, until all agree. A Mamba group holds a prefix of
+        ``h`` pages when it holds the state at exactly ``h`` (its page ``h - 1``: state_hit),
+        so it too is asked again for a shorter hit."""
         assert self._index is not None
         hit = max_pages
         windows: List[Tuple[KvGroup, bytes]] = []
+        states: List[bytes] = []
         for g in self._groups:
             if hit <= computed:
                 break
-            if len(self._groups) == 1:
+            if len(self._groups) == 1 and not g.gaps:
                 got, lease = self._index.lookup(keys[:hit], lease=True, hints=hints)
             else:
                 tiers, lease = self._index.match_tiers(self._chain(st, g.gid, hit)[:hit],
@@ -129,13 +133,20 @@ class SchedulerSide:
                 if g.retained:
                     got = _window_hit(tiers, g, self._block_size)
                     windows.append((g, tiers))
+                elif g.state:
+                    got = state_hit(tiers, hit)
+                    states.append(tiers)
                 else:
                     got = _stored(tiers)
             if lease:
                 st.leases.append(lease)
             hit = min(hit, got)
-        while windows and hit > computed:
-            h = min(_window_hit(t[:hit], g, self._block_size) for g, t in windows)
+        while (windows or states) and hit > computed:
+            h = hit
+            for g, t in windows:
+                h = min(h, _window_hit(t[:h], g, self._block_size))
+            for t in states:
+                h = state_hit(t, h)
             if h == hit:
                 break
             hit = h
@@ -177,6 +188,12 @@ class SchedulerSide:
             loads = []
             for g in self._groups:
                 gids = list(ids[g.gid]) if g.gid < len(ids) else []
+                if g.state:  # the state at the hit's boundary, one page
+                    t = state_load(request.request_id, self._chain(st, g.gid, hit), gids, hit,
+                                   self._async, g.gid)
+                    if t is not None:
+                        loads.append(t)
+                    continue
                 a = max(first, g.window_start(hit, self._block_size))
                 last = min(hit, len(gids))
                 if g.retained:  # never into vLLM's null block (pages outside the window)
@@ -245,6 +262,14 @@ class SchedulerSide:
             if pages <= st.saved_pages:
                 continue
             for g in self._groups:
+                if g.state:  # the state where the step ends, if that is a page boundary
+                    t = state_save(rid, self._chain(st, g.gid, pages),
+                                   st.block_ids.get(g.gid, []), min(done, st.request.num_tokens),
+                                   bs, st.saved_pages, g.gid)
+                    if t is not None:
+                        meta.saves.append(t)
+                        st.saving = True
+                    continue
                 # A sliding-window group stores only the pages its window keeps: those a hit
                 # of these pages loads, or of one page less (a prompt ending on a page boundary
                 # is hit one page short, vLLM computing its last token), stored after a gap

@@ -26,6 +26,7 @@ import torch
 from ..client import Reservation
 from .common import KvtierConnectorMetadata, _Transfer, log, rank_salt, worker_ranks
 from .layout import _Layout, _Plan, _Views
+from .mamba import failures_per_request
 from .store import _PageStore
 
 if TYPE_CHECKING:
@@ -115,7 +116,9 @@ class WorkerSide:
         self._layout: Optional[_Layout] = None  # group 0's (the only one without the HMA)
         self._layouts: Dict[int, _Layout] = {}  # per KV cache group (vLLM's gid)
         self._layer_at: Dict[str, Tuple[int, int]] = {}  # layer -> (group, index in its page)
-        self._windows: Set[int] = set()  # the sliding-window groups
+        self._windows: Set[int] = set()  # the sliding-window and Mamba groups
+        self._states: Set[int] = set()  # the Mamba groups (saved at wait_for_save)
+        self._states_saved: Any = None  # the step's metadata whose Mamba saves went
         self._kv: Dict[str, torch.Tensor] = {}
         self._store: Optional[_PageStore] = None
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -139,6 +142,9 @@ class WorkerSide:
         self._async_pool: Optional[ThreadPoolExecutor] = None
         self._async_loads: Dict[str, "Future[int]"] = {}
         self._async_errors: Dict[str, List[int]] = {}
+        # Requests whose asynchronous load failed, reported as a whole (failed_recving):
+        # where vLLM cannot take failed blocks (mamba.failures_per_request).
+        self._failed_recving: Set[str] = set()
         # Staging memory kept from step to step (a fresh 64 MiB tensor each step costs its page
         # faults on every load and save): [0] the step's loads; the save jobs take theirs from
         # a free list (_staging_free), as they outlive their step. _staged counts the rows of
@@ -165,7 +171,10 @@ class WorkerSide:
         for lay in self._layouts.values():
             lay.page_bytes = page
         self._layout = self._layouts[self._groups[0].gid]
-        self._windows = {g.gid for g in self._groups if g.retained}
+        # Groups storing some pages of their chain: sliding windows and Mamba states (saved
+        # as chains with gaps, read before the next step: _window_saves_read).
+        self._windows = {g.gid for g in self._groups if g.gaps}
+        self._states = {g.gid for g in self._groups if g.state}
         tp_rank, pp_rank = worker_ranks(self._extra, self._tp_size, self._pp_size)
         rep = self._tp_replicas
         self._saves_here = tp_rank % rep == 0
@@ -538,6 +547,8 @@ class WorkerSide:
         if at is None:
             return
         gid, li = at
+        if gid in self._states:  # saved at wait_for_save (vLLM's Mamba layers do not call)
+            return
         done = self._layers_in.setdefault(gid, set())
         done.add(li)
         if gid in self._submitted:
@@ -816,6 +827,7 @@ class WorkerSide:
                     assert job.go is not None
                     job.go.set()
             self._early.clear()
+            self._save_states()
         self._sweep_saves()
         pending = []
         for rid, fut in self._io_futures:
@@ -827,6 +839,17 @@ class WorkerSide:
             except Exception as e:  # noqa: BLE001
                 log.info("kvtier: %s: %s", rid, e)
         self._io_futures = pending
+
+    def _save_states(self) -> None:
+        """The step's saves of Mamba groups, once its forward is done: vLLM's Mamba layers
+        call neither save_kv_layer nor wait_for_layer_load (mamba.py)."""
+        meta = self._connector_metadata
+        if not self._states or not self._saves_here or meta is self._states_saved or \
+                not isinstance(meta, KvtierConnectorMetadata):
+            return
+        self._states_saved = meta  # once a step, however often wait_for_save is called
+        for gid in self._states:
+            self._submit_saves([t for t in self._my_saves(meta) if t.group == gid])
 
     def get_finished(self, finished_req_ids: Set[str]
                      ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
@@ -846,8 +869,26 @@ class WorkerSide:
         done = {rid for rid, f in self._async_loads.items() if f.done()}
         for rid in done:
             del self._async_loads[rid]
-            self._load_errors.update(self._async_errors.pop(rid, ()))
+            errors = self._async_errors.pop(rid, ())
+            if errors and failures_per_request(self._groups):
+                self._failed_recving.add(rid)
+            else:
+                self._load_errors.update(errors)
         return (sending or None), (done or None)
+
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
+        """vLLM's KVConnectorTransferResults: get_finished's, with the requests whose
+        asynchronous load failed as a whole (failed_recving, among finished_recving too) where
+        blocks cannot be reported (mamba.failures_per_request): vLLM recomputes them from
+        their first token."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+            KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         """Blocks whose pages did not arrive this step (daemon gone, page evicted): vLLM
