@@ -13,7 +13,11 @@
  * only at the top of the loop (the connection's own event): there nothing is half done, the
  * input buffer is touched by no one else, and the bytes written belong to requests that no other
  * loop changes any more (done, or a reply source that says its bytes may go apart: a GET's batch
- * of DRAM pages and read buffers; no I/O in flight, no descriptor to pass).
+ * of DRAM pages and read buffers; no I/O in flight, no descriptor to pass). There too it frames
+ * the input with the lock held shared, answers the run of MATCHes without a lease at its front in
+ * that one hold (kvt__conn_ops_t.shared), and writes and frees their replies, taking the lock for
+ * writing only for what is left (conn_frames): every other thread that reads the connection's
+ * fields (loop 0's tick and completions) holds it for writing.
  */
 #define _GNU_SOURCE /* accept4 */
 #include "server.h"
@@ -988,6 +992,27 @@ static void conn_frames(kvt__conn_t *c)
     conn_parse(c);
 }
 
+/* How a loop takes the lock back after a read of n bytes into c's input (c's own, read here with
+ * no lock held): shared when the frame at the front may be answered so (a MATCH without a lease;
+ * conn_frames takes it for writing if not) or is not whole yet; for writing when that frame needs
+ * it anyway (a GET, a PUT: taken shared first, it would cost a let-go more each) or the peer
+ * closed (its close). */
+static int read_held(const kvt__conn_t *c, ssize_t n)
+{
+    const kvt__conn_ops_t *ops = c->srv->conn_ops;
+    if (n == 0)
+        return KVT_HELD_WRITE;
+    size_t len = c->in_len + (n > 0 ? (size_t)n : 0);
+    if (len < KVT_PROTO_HDR)
+        return KVT_HELD_SHARED;
+    kvt_proto_hdr_t h;
+    kvt_proto_hdr_decode(c->in, &h);
+    if (kvt_proto_hdr_check(&h, (uint32_t)c->srv->conf->max_frame) < 0 || !ops->shares ||
+        (len - KVT_PROTO_HDR >= h.body_len && !ops->shares(&h)))
+        return KVT_HELD_WRITE;
+    return KVT_HELD_SHARED;
+}
+
 static void conn_read(kvt__conn_t *c)
 {
     for (int k = 0; k < 16 && !c->dead && !c->closing && !c->mem_wait; k++) {
@@ -998,17 +1023,14 @@ static void conn_read(kvt__conn_t *c)
         size_t room = c->in_cap - c->in_len;
         if (room == 0)
             return; /* parse grows it for a bigger frame, or back-pressure holds it */
-        /* Back shared, whichever way it was held: the framing and a run of MATCHes need no more
-         * (conn_frames takes it for writing when a frame does). */
         int unlocked = io_unlock(c) != KVT_HELD_NONE;
         ssize_t n = read(c->ev.fd, c->in + c->in_len, room);
         int err = errno;
-        io_relock(c, unlocked ? KVT_HELD_SHARED : KVT_HELD_NONE);
+        if (unlocked)
+            io_relock(c, read_held(c, n));
         errno = err;
         if (n == 0) {
             if (c->in_len > 0) {
-                if (c->loop->held == KVT_HELD_SHARED) /* the counter and the log's limiter */
-                    kvt__loop_hold(c->loop, KVT_HELD_WRITE);
                 kvt__proto_error(c->srv, KVT_PERR_TRUNCATED);
                 static kvt_log_limit_t lim; /* a client can do it per connection */
                 kvt_log_limited(&lim, KVT_LOG_INFO,

@@ -292,6 +292,11 @@ static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8
     return kvt__h_match_shared(c, h, body, kvt_now_ns());
 }
 
+static int dispatch_shares(const kvt_proto_hdr_t *h)
+{
+    return h->opcode == KVT_OP_MATCH && kvt__match_shares(h);
+}
+
 /* A closing connection's leases, reservations and mappings go; reservations before the mapping,
  * so that an arena emptied by them can go with its last reference. */
 static void dispatch_closing(kvt__conn_t *c)
@@ -312,6 +317,7 @@ const kvt__conn_ops_t kvt__dispatch_ops = {
     .batch = dispatch_batch,
     .frame = kvt__handle,
     .shared = dispatch_shared,
+    .shares = dispatch_shares,
     .closing = dispatch_closing,
     .tick = dispatch_tick,
     .deadlines = kvt__ops_deadlines,

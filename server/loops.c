@@ -8,9 +8,10 @@
  * Issue 42 (docs/architecture.md, "Event loops"): the store and everything above the sockets
  * stay behind one lock, s->lock; what runs in parallel is each connection's socket reads and its
  * writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's I/O
- * threads, and (steps 2, 3) the MATCHes without a lease, which walk, count (each loop in its own
- * metric table, merged on scrape) and answer under the lock taken shared (a reader-writer lock,
- * op_match.c). The accept is a hand-off from loop 0, not SO_REUSEPORT or
+ * threads, and (steps 2-4) the framing and the MATCHes without a lease, which walk, count (each
+ * loop in its own metric table, merged on scrape) and answer under the lock taken shared (a
+ * reader-writer lock, op_match.c): such a loop holds it shared from each wake, and for writing
+ * only from the first event that writes. The accept is a hand-off from loop 0, not SO_REUSEPORT or
  * EPOLLEXCLUSIVE: both of those leave the choice to the kernel (a hash of the peer's address, the
  * first loop idle in epoll_wait), which on the few long-lived connections of a serving node's
  * engines can put them all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per

@@ -475,17 +475,21 @@ static int keys_room(kvt__loop_t *l, size_t n)
  * write lock applies them), the seek failed (the write path reports it), no memory for the reply,
  * or the loop has no table of its own.
  */
+int kvt__match_shares(const kvt_proto_hdr_t *h)
+{
+    return !(h->flags & ~(unsigned)KVT_MATCH_F_ALL) &&
+           !(h->flags &
+             (KVT_MATCH_F_LEASE | KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE | KVT_MATCH_F_LOCATE));
+}
+
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
     kvt__loop_t *l = c->loop;
     kvt_proto_match_t q;
     uint32_t page = c->page_size;
-    if ((h->flags & ~(unsigned)KVT_MATCH_F_ALL) ||
-        (h->flags &
-         (KVT_MATCH_F_LEASE | KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE | KVT_MATCH_F_LOCATE)) ||
-        !c->hello || !page || !l->metrics || l->nhits >= KVT_LOOP_HITS || nvme_dropped(s) ||
-        kvt_proto_match_decode(body, h->body_len, &q) < 0 ||
+    if (!kvt__match_shares(h) || !c->hello || !page || !l->metrics || l->nhits >= KVT_LOOP_HITS ||
+        nvme_dropped(s) || kvt_proto_match_decode(body, h->body_len, &q) < 0 ||
         kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return 0;
     kvt__path_t p;

@@ -256,6 +256,8 @@ _Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-by
  *   frame      one whole frame; 0, or a negative code when the connection must close
  *   shared     one whole frame, under s->lock shared (several loops, c's own event): 1 when it
  *              answered it there, 0 when it did nothing and the frame needs the write lock
+ *   shares     whether a frame with header h may be answered so (shared may still refuse): the
+ *              lock is taken back shared after a read only for such a frame
  *   closing    c closes: what it holds beyond its requests (its leases) goes
  *   tick       every tick, per connection (lease expiry)
  *   deadlines  its requests' deadlines and waits, every tick and as soon as moves land
@@ -264,6 +266,7 @@ typedef struct kvt__conn_ops {
     void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
     int (*frame)(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
     int (*shared)(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
+    int (*shares)(const kvt_proto_hdr_t *h);
     void (*closing)(kvt__conn_t *c);
     void (*tick)(kvt__conn_t *c, uint64_t now);
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
@@ -749,6 +752,8 @@ void kvt__match_settle(kvt_srv_t *s);
 /* A MATCH without LEASE, KEEP, REMOTE or LOCATE, under the shared lock (conn.c's framing, through
  * kvt__conn_ops_t.shared): 1 when answered, 0 when it did nothing (the write path answers it). */
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+/* Whether a MATCH with header h is one kvt__h_match_shared may answer (its flags allow it). */
+int kvt__match_shares(const kvt_proto_hdr_t *h);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,

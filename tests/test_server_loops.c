@@ -5,7 +5,8 @@
  * expires (loop 0's tick); clients that leave with moves in flight; evictions at max-conns across
  * loops; the setting's bounds; the per-loop series; MATCHes on both loops under the store's lock
  * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
- * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out.
+ * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out;
+ * runs of pipelined MATCHes that take no write lock on 2 and 4 loops.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -330,12 +331,12 @@ Test(server_loops, the_loops_default_is_one)
 }
 
 /*
- * MATCHes without a lease take the store's lock shared (op_match.c, match_shared) while other
- * clients PUT, REMOVE and push blocks out of a small DRAM tier (evicted: out of the index). Each
- * reader MATCHes its prefixes and the next reader's, which they hold leases on (so that nothing
- * evicts them): every page stored is matched, in DRAM; a longer lookup matches the same pages; a
- * prefix it removed (from its first page) matches nothing. The lookups counted are the MATCHes sent
- * (none lost to a race), and both loops answered some with the lock shared.
+ * MATCHes without a lease take the store's lock shared (op_match.c, kvt__h_match_shared) while
+ * other clients PUT, REMOVE and push blocks out of a small DRAM tier (evicted: out of the index).
+ * Each reader MATCHes its prefixes and the next reader's, which they hold leases on (so that
+ * nothing evicts them): every page stored is matched, in DRAM; a longer lookup matches the same
+ * pages; a prefix it removed (from its first page) matches nothing. The lookups counted are the
+ * MATCHes sent (none lost to a race), and both loops answered some with the lock shared.
  */
 typedef struct churner {
     const kvd_t *d;
