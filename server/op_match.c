@@ -438,8 +438,8 @@ static void shared_keys(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tok,
     }
 }
 
-/* Room for n more page keys in l's deferred keys; 0 when there is none (then no sample: the
- * curve's own answer to a lookup it has no memory for). */
+/* Room for n more page keys in l's deferred keys (at most KVT_LOOP_KEYS, grown as needed); 0 when
+ * there is none. */
 static int keys_room(kvt__loop_t *l, size_t n)
 {
     if (l->nkeys + n <= l->keys_cap)
@@ -492,6 +492,13 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
         nvme_dropped(s) || kvt_proto_match_decode(body, h->body_len, &q) < 0 ||
         kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return 0;
+    int probe = (h->flags & KVT_MATCH_F_PROBE) != 0;
+    uint32_t whole = q.ntokens / page, block = curve_block(c);
+    /* The curve's keys for every whole page wait in the loop's keys with the sample: with no room
+     * there, the write path counts the lookup (it applies the waiting samples first). */
+    int curve = !probe && s->mrc && block;
+    if (curve && !keys_room(l, whole))
+        return 0;
     kvt__path_t p;
     if (kvt__path_seek(s, &p, c->ns, c->tok, q.ntokens, KVT_MATCH_NOTOUCH) < 0)
         return 0;
@@ -501,15 +508,10 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
     if (!out)
         return 0;
-    int probe = (h->flags & KVT_MATCH_F_PROBE) != 0;
-    uint32_t whole = q.ntokens / page;
     kvt__hit_t *hit = &l->hits[l->nhits];
     kvt__count_hints(l->metrics, &q.hints);
-    /* Keys: the curve's for every whole page, in the loop's keys (the sample waits there for the
-     * write lock); else only the reason's (shared_why). */
-    uint32_t block = curve_block(c);
-    int curve = !probe && s->mrc && block;
-    uint32_t nkeys = curve && keys_room(l, whole) ? whole : 0;
+    /* Keys: the curve's for every whole page (above); else only the reason's (shared_why). */
+    uint32_t nkeys = curve ? whole : 0;
     kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
     int cache_tail = 0;
     if (nkeys) {
