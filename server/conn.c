@@ -13,7 +13,11 @@
  * only at the top of the loop (the connection's own event): there nothing is half done, the
  * input buffer is touched by no one else, and the bytes written belong to requests that no other
  * loop changes any more (done, or a reply source that says its bytes may go apart: a GET's batch
- * of DRAM pages and read buffers; no I/O in flight, no descriptor to pass).
+ * of DRAM pages and read buffers; no I/O in flight, no descriptor to pass). There too it frames
+ * the input with the lock held shared, answers the run of MATCHes without a lease at its front in
+ * that one hold (kvt__conn_ops_t.shared), and writes and frees their replies, taking the lock for
+ * writing only for what is left (conn_frames): every other thread that reads the connection's
+ * fields (loop 0's tick and completions) holds it for writing.
  */
 #define _GNU_SOURCE /* accept4 */
 #include "server.h"
@@ -53,8 +57,10 @@ static int in_resize(kvt__conn_t *c, size_t cap)
     uint8_t *p = realloc(c->in, cap);
     if (!p)
         return KVT_ENOMEM;
-    c->srv->clients.bytes += in_counted(cap);
-    c->srv->clients.bytes -= in_counted(c->in_cap);
+    /* Only a frame's own buffer counts: the base one, made with the lock shared, changes nothing */
+    int64_t d = (int64_t)in_counted(cap) - (int64_t)in_counted(c->in_cap);
+    if (d)
+        kvt__clients_add(c, d);
     c->in = p;
     c->in_cap = cap;
     return 0;
@@ -113,8 +119,11 @@ static void mem_wait_end(kvt__conn_t *c)
 static int mem_full(const kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
-    if (s->clients.bytes + s->clients.kept_bytes >= s->conf->max_client_bytes)
-        spare_drop(s); /* a buffer kept for speed never holds a client back */
+    /* A buffer kept for speed never holds a client back; with the lock shared it is another
+     * loop's too, and goes at the next check under the write lock (it is not in the count). */
+    if (s->clients.bytes + s->clients.kept_bytes >= s->conf->max_client_bytes &&
+        c->loop->held != KVT_HELD_SHARED)
+        spare_drop(s);
     return s->clients.bytes >= s->conf->max_client_bytes && (c->out_bytes > 0 || c->inflight > 0);
 }
 
@@ -614,21 +623,33 @@ void kvt__req_count(kvt__req_t *r)
 }
 
 /* Lets s->lock go for c's socket I/O where that is safe (the file's opening paragraph): c's own
- * event or posted kick at the top of its loop, with other loops to run meanwhile. Returns whether
- * it did; io_relock takes the lock back then. */
+ * event or posted kick at the top of its loop, with other loops to run meanwhile. Returns how the
+ * loop held it (KVT_HELD_NONE: it was not let go); io_relock takes it back so. */
 static int io_unlock(kvt__conn_t *c)
 {
-    kvt_srv_t *s = c->srv;
-    if (!s->loops_running || c->loop->top != c)
-        return 0;
-    kvt__srv_unlock(s);
-    return 1;
+    kvt__loop_t *l = c->loop;
+    int held = l->held;
+    if (!c->srv->loops_running || l->top != c)
+        return KVT_HELD_NONE;
+    kvt__loop_hold(l, KVT_HELD_NONE);
+    return held;
 }
 
-static void io_relock(kvt__conn_t *c, int unlocked)
+static void io_relock(kvt__conn_t *c, int held)
 {
-    if (unlocked)
-        kvt__srv_lock(c->srv);
+    if (held != KVT_HELD_NONE)
+        kvt__loop_hold(c->loop, held);
+}
+
+/* Whether every request in c's queue is a finished plain reply (MATCH's, PING's, an error's):
+ * nothing in it then is anyone's but c's, and it may be written, and freed, with s->lock shared. */
+static int queue_plain(const kvt__conn_t *c)
+{
+    for (const kvt__req_t *r = c->head; r; r = r->next)
+        if (r->kind != KVT_REQ_PLAIN || !r->done || r->src || r->has_fd || r->pending || r->held ||
+            r->ns_held)
+            return 0;
+    return 1;
 }
 
 /* writev with r's descriptor attached (SCM_RIGHTS), given up once a byte has gone with it. */
@@ -663,6 +684,10 @@ static ssize_t send_fd(int sock, struct iovec *iov, int n, kvt__req_t *r)
  * connection is broken. */
 static int conn_write(kvt__conn_t *c)
 {
+    /* With the lock shared only finished plain replies are written (a source's hooks, a payload
+     * given back, a descriptor: the write lock's). */
+    if (c->loop->held == KVT_HELD_SHARED && !queue_plain(c))
+        kvt__loop_hold(c->loop, KVT_HELD_WRITE);
     while (c->head) {
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
@@ -713,7 +738,8 @@ static int conn_write(kvt__conn_t *c)
         int unlocked = 0, early = 0;
         /* Counted before the call, under the lock: a write made with the lock let go may reach
          * the client, and its scrape another loop, before this loop takes the lock back. */
-        kvt__metric_add(c->srv->metrics, KVT_M_SOCKET_WRITES, 0, 1);
+        kvt__metric_add(c->loop->metrics ? c->loop->metrics : c->srv->metrics, KVT_M_SOCKET_WRITES,
+                        0, 1);
         if (fd_req) {
             w = send_fd(c->ev.fd, iov, n, fd_req);
         } else {
@@ -903,6 +929,90 @@ static void conn_parse(kvt__conn_t *c)
     }
 }
 
+/* Under s->lock shared: the run of whole frames at the front of c's input that the operations
+ * answer there (kvt__conn_ops_t.shared: a MATCH without a lease), all in this one hold. It stops
+ * at the first frame that needs the write lock, one not whole or with a bad header (conn_parse's
+ * business), and at back-pressure. What it writes is c's (its input, its frame count, its queue),
+ * its loop's (the metric table, the deferred hits and clients' memory) or nobody's: the only
+ * others who read c's fields (loop 0's tick and completions) hold the lock for writing. */
+static void conn_parse_shared(kvt__conn_t *c)
+{
+    kvt_srv_t *s = c->srv;
+    size_t off = 0;
+    if (!s->conn_ops->shared)
+        return;
+    s->conn_ops->batch(c, c->in, c->in_len);
+    while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR && !conn_held(c)) {
+        kvt_proto_hdr_t h;
+        if (frame_at(c, off, &h) <= 0 || !s->conn_ops->shared(c, &h, c->in + off + KVT_PROTO_HDR))
+            break;
+        c->frames++;
+        off += KVT_PROTO_HDR + (size_t)h.body_len;
+        if (c->tokens_cap > KVT_TOKENS_KEEP) {
+            kvt__clients_add(c, -(int64_t)(c->tokens_cap * sizeof(uint32_t)));
+            free(c->tokens);
+            c->tokens = NULL;
+            c->tokens_cap = 0;
+        }
+    }
+    if (off > 0) {
+        memmove(c->in, c->in + off, c->in_len - off);
+        c->in_len -= off;
+    }
+}
+
+/* Whether conn_parse would do nothing with c's input now: no whole frame at the front (a part of
+ * one that fits the buffer), and no buffer to grow or give back. */
+static int parse_idle(const kvt__conn_t *c)
+{
+    if (c->closing || c->dead)
+        return 1;
+    size_t want = 0;
+    if (c->in_len >= KVT_PROTO_HDR) {
+        kvt_proto_hdr_t h;
+        if (frame_at(c, 0, &h) != 0)
+            return 0; /* a whole frame, or a header to answer and close on */
+        want = KVT_PROTO_HDR + (size_t)h.body_len;
+    }
+    if (want > c->in_cap)
+        return 0;
+    return !(c->in_cap > KVT_IN_BASE && want <= KVT_IN_BASE && c->in_len <= KVT_IN_BASE);
+}
+
+/* c's whole frames to their handlers: with the lock shared (c's own event on a loop that holds it
+ * so), the run that needs no more first; the write lock only for what is left, if anything. */
+static void conn_frames(kvt__conn_t *c)
+{
+    if (c->loop->held == KVT_HELD_SHARED) {
+        conn_parse_shared(c);
+        if (parse_idle(c))
+            return;
+        kvt__loop_hold(c->loop, KVT_HELD_WRITE);
+    }
+    conn_parse(c);
+}
+
+/* How a loop takes the lock back after a read of n bytes into c's input (c's own, read here with
+ * no lock held): shared when the frame at the front may be answered so (a MATCH without a lease;
+ * conn_frames takes it for writing if not) or is not whole yet; for writing when that frame needs
+ * it anyway (a GET, a PUT: taken shared first, it would cost a let-go more each) or the peer
+ * closed (its close). */
+static int read_held(const kvt__conn_t *c, ssize_t n)
+{
+    const kvt__conn_ops_t *ops = c->srv->conn_ops;
+    if (n == 0)
+        return KVT_HELD_WRITE;
+    size_t len = c->in_len + (n > 0 ? (size_t)n : 0);
+    if (len < KVT_PROTO_HDR)
+        return KVT_HELD_SHARED;
+    kvt_proto_hdr_t h;
+    kvt_proto_hdr_decode(c->in, &h);
+    if (kvt_proto_hdr_check(&h, (uint32_t)c->srv->conf->max_frame) < 0 || !ops->shares ||
+        (len - KVT_PROTO_HDR >= h.body_len && !ops->shares(&h)))
+        return KVT_HELD_WRITE;
+    return KVT_HELD_SHARED;
+}
+
 static void conn_read(kvt__conn_t *c)
 {
     for (int k = 0; k < 16 && !c->dead && !c->closing && !c->mem_wait; k++) {
@@ -913,10 +1023,11 @@ static void conn_read(kvt__conn_t *c)
         size_t room = c->in_cap - c->in_len;
         if (room == 0)
             return; /* parse grows it for a bigger frame, or back-pressure holds it */
-        int unlocked = io_unlock(c);
+        int unlocked = io_unlock(c) != KVT_HELD_NONE;
         ssize_t n = read(c->ev.fd, c->in + c->in_len, room);
         int err = errno;
-        io_relock(c, unlocked);
+        if (unlocked)
+            io_relock(c, read_held(c, n));
         errno = err;
         if (n == 0) {
             if (c->in_len > 0) {
@@ -938,7 +1049,7 @@ static void conn_read(kvt__conn_t *c)
         c->in_len += (size_t)n;
         c->rx_bytes += (uint64_t)n;
         c->rx_ns = kvt_now_ns();
-        conn_parse(c);
+        conn_frames(c);
         if (conn_held(c))
             return;
         /* A short read took all the socket had: the next read would only say EAGAIN. Bytes
@@ -964,13 +1075,15 @@ void kvt__conn_kick(kvt__conn_t *c)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
     if (!c->dead && !c->closing && c->in_len >= KVT_PROTO_HDR && !conn_held(c)) {
-        conn_parse(c);
+        conn_frames(c);
         if (conn_write(c) < 0)
             c->dead = 1;
     }
     c->in_handler = 0;
     int idle = c->head == NULL;
     if (c->dead || (c->closing && idle)) {
+        if (c->loop->held == KVT_HELD_SHARED)
+            kvt__loop_hold(c->loop, KVT_HELD_WRITE);
         kvt__conn_close(c);
         return;
     }
@@ -1003,17 +1116,23 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)s;
     kvt__conn_t *c = (kvt__conn_t *)ev;
+    kvt__loop_t *l = c->loop;
     if (c->gone)
         return; /* closed by an earlier event of the same batch */
+    /* Loop 0 comes here holding the lock for writing and goes on so (its tier completions, its
+     * tick); the other loops come holding it shared, and go on as the event left it. */
+    int held = l->held;
     if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
         c->dead = 1;
     c->in_handler = 1;
-    c->loop->top = c;
+    l->top = c;
     if (!c->dead && (events & EPOLLIN))
         conn_read(c);
     c->in_handler = 0;
     kvt__conn_kick(c);
-    c->loop->top = NULL;
+    l->top = NULL;
+    if (held == KVT_HELD_WRITE)
+        kvt__loop_hold(l, KVT_HELD_WRITE);
 }
 
 void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)

@@ -283,6 +283,20 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 #endif
 }
 
+/* A frame under the lock shared (conn.c's framing, several loops): only a MATCH without a lease
+ * is answered there, and only once AUTH has passed. */
+static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
+{
+    if (!c->authed || h->opcode != KVT_OP_MATCH)
+        return 0;
+    return kvt__h_match_shared(c, h, body, kvt_now_ns());
+}
+
+static int dispatch_shares(const kvt_proto_hdr_t *h)
+{
+    return h->opcode == KVT_OP_MATCH && kvt__match_shares(h);
+}
+
 /* A closing connection's leases, reservations and mappings go; reservations before the mapping,
  * so that an arena emptied by them can go with its last reference. */
 static void dispatch_closing(kvt__conn_t *c)
@@ -302,6 +316,8 @@ static void dispatch_tick(kvt__conn_t *c, uint64_t now)
 const kvt__conn_ops_t kvt__dispatch_ops = {
     .batch = dispatch_batch,
     .frame = kvt__handle,
+    .shared = dispatch_shared,
+    .shares = dispatch_shares,
     .closing = dispatch_closing,
     .tick = dispatch_tick,
     .deadlines = kvt__ops_deadlines,

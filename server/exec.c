@@ -539,14 +539,14 @@ const kvt_policy_ops_t kvt__exec_ops = {
     .index_room = exec_index_room,
 };
 
-void kvt__count_hints(kvt_srv_t *s, const kvt_proto_hints_t *w)
+void kvt__count_hints(kvt_metrics_t *mt, const kvt_proto_hints_t *w)
 {
     if (w->flags & KVT_HINT_PAUSED)
-        kvt__metric_add(s->metrics, KVT_M_HINTS, KVT_HINTK_PAUSED, 1);
+        kvt__metric_add(mt, KVT_M_HINTS, KVT_HINTK_PAUSED, 1);
     if (w->flags & KVT_HINT_FINISHED)
-        kvt__metric_add(s->metrics, KVT_M_HINTS, KVT_HINTK_FINISHED, 1);
+        kvt__metric_add(mt, KVT_M_HINTS, KVT_HINTK_FINISHED, 1);
     if (w->priority)
-        kvt__metric_add(s->metrics, KVT_M_HINTS, KVT_HINTK_PRIORITY, 1);
+        kvt__metric_add(mt, KVT_M_HINTS, KVT_HINTK_PRIORITY, 1);
 }
 
 void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out)

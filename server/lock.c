@@ -1,13 +1,12 @@
 /*
  * lock.c: the store's lock, s->lock (issue 42, docs/architecture.md "Event loops"), a
- * reader-writer lock. Everything above the sockets takes it for writing; a MATCH without a lease
- * takes it shared (op_match.c) for its walk, its counters (its loop's own table) and its reply.
- * What such a MATCH would have written to the store (the hit, the curve's sample, the clients'
- * memory) waits in its loop's hit (struct kvt__loop) and is applied by the next writer as soon as
- * it has the lock, before it can change the tree: the hook s->lock_settle (loop.c sets it to
- * op_match.c's kvt__match_settle),
- * called through a pointer so that the lock, used by conn.c and the operations alike, calls up
- * into none of them.
+ * reader-writer lock. Everything above the sockets takes it for writing; a loop's framing and a
+ * run of MATCHes without a lease take it shared (conn.c, op_match.c): their walks, their counters
+ * (the loop's own table) and their replies. What such a MATCH would have written to the store (the
+ * hit, the curve's sample, the clients' memory) waits in its loop's hits (struct kvt__loop) and is
+ * applied by the next writer as soon as it has the lock, before it can change the tree: the hook
+ * s->lock_settle (loop.c sets it to op_match.c's kvt__match_settle), called through a pointer so
+ * that the lock, used by conn.c and the operations alike, calls up into none of them.
  */
 #include "server.h"
 
@@ -26,4 +25,25 @@ void kvt__srv_lock_shared(kvt_srv_t *s)
 void kvt__srv_unlock(kvt_srv_t *s)
 {
     pthread_rwlock_unlock(&s->lock);
+}
+
+void kvt__loop_hold(kvt__loop_t *l, int held)
+{
+    kvt_srv_t *s = l->srv;
+    if (l->held == held)
+        return;
+    /* l->held changes only while the lock is held, so that a writer reads every loop's as it is
+     * (kvt__clients_add of another loop's connection). */
+    if (l->held != KVT_HELD_NONE) {
+        l->held = KVT_HELD_NONE;
+        kvt__srv_unlock(s);
+    }
+    if (held == KVT_HELD_SHARED) {
+        kvt__srv_lock_shared(s);
+        l->held = KVT_HELD_SHARED;
+    } else if (held == KVT_HELD_WRITE) {
+        kvt__srv_lock(s);
+        l->held = KVT_HELD_WRITE;
+        kvt__metric_add(l->metrics ? l->metrics : s->metrics, KVT_M_LOOP_WRITE_LOCKS, l->id, 1);
+    }
 }

@@ -501,13 +501,13 @@ static int run0(kvt_srv_t *s)
         /* Seals of committed zero-copy pages still queued: no sleep until they are done. */
         int timeout = l->sealing ? 0 : (int)((next_tick - now) / 1000000) + 1;
         if (s->nloops > 1)
-            kvt__srv_unlock(s);
+            kvt__loop_hold(l, KVT_HELD_NONE);
         if (l->sealing)
             sched_yield(); /* loop_after: the CPU to whoever waits for the seals */
         int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         int err = errno;
         if (s->nloops > 1)
-            kvt__srv_lock(s);
+            kvt__loop_hold(l, KVT_HELD_WRITE);
         if (n < 0) {
             if (err == EINTR)
                 continue;
@@ -525,11 +525,11 @@ static int run0(kvt_srv_t *s)
 
 int kvt__srv_run(kvt_srv_t *s)
 {
-    kvt__srv_lock(s);
+    kvt__loop_hold(&s->loops[0], KVT_HELD_WRITE);
     kvt__loops_start(s, loop_after);
     int rc = run0(s);
     kvt__loops_stop(s);
-    kvt__srv_unlock(s);
+    kvt__loop_hold(&s->loops[0], KVT_HELD_NONE);
     return rc;
 }
 

@@ -8,9 +8,10 @@
  * Issue 42 (docs/architecture.md, "Event loops"): the store and everything above the sockets
  * stay behind one lock, s->lock; what runs in parallel is each connection's socket reads and its
  * writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's I/O
- * threads, and (steps 2, 3) the MATCHes without a lease, which walk, count (each loop in its own
- * metric table, merged on scrape) and answer under the lock taken shared (a reader-writer lock,
- * op_match.c). The accept is a hand-off from loop 0, not SO_REUSEPORT or
+ * threads, and (steps 2-4) the framing and the MATCHes without a lease, which walk, count (each
+ * loop in its own metric table, merged on scrape) and answer under the lock taken shared (a
+ * reader-writer lock, op_match.c): such a loop holds it shared from each wake, and for writing
+ * only from the first event that writes. The accept is a hand-off from loop 0, not SO_REUSEPORT or
  * EPOLLEXCLUSIVE: both of those leave the choice to the kernel (a hash of the peer's address, the
  * first loop idle in epoll_wait), which on the few long-lived connections of a serving node's
  * engines can put them all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per
@@ -83,6 +84,9 @@ int kvt__loops_open(kvt_srv_t *s)
         s->loops[i].id = i;
         s->loops[i].wake.fd = s->loops[i].epfd = -1;
     }
+    for (unsigned i = 0; i < n; i++)
+        if (!(s->loops[i].hits = calloc(KVT_LOOP_HITS, sizeof *s->loops[i].hits)))
+            return KVT_ENOMEM;
     for (unsigned i = 0; i < n; i++) {
         kvt__loop_t *l = &s->loops[i];
         l->epfd = i == 0 ? s->epfd : epoll_create1(EPOLL_CLOEXEC);
@@ -98,23 +102,34 @@ int kvt__loops_open(kvt_srv_t *s)
     return 0;
 }
 
-/* Loop i > 0: its connections' events, and the kicks other loops post to it. Holds s->lock
- * except in epoll_wait and its connections' socket I/O. */
+/* Whether a batch of events that held s->lock shared only leaves work that needs it for writing:
+ * kicks posted, connections to free, moves landed, connections waiting for memory, seals. The
+ * policy's step is left to the next batch that writes (loop 0's tick at the latest): a run of
+ * MATCHes changed nothing for it to do but their deferred hits, which that writer applies. */
+static int after_work(const kvt__loop_t *l)
+{
+    const kvt_srv_t *s = l->srv;
+    return l->posted || l->gone || l->sealing || s->exec.moves_landed || s->clients.mem_waiting;
+}
+
+/* Loop i > 0: its connections' events, and the kicks other loops post to it. Holds s->lock shared
+ * from each wake, for writing from the first event that writes (conn.c), and not at all in
+ * epoll_wait and its connections' socket I/O. */
 static void *loop_main(void *arg)
 {
     kvt__loop_t *l = arg;
     kvt_srv_t *s = l->srv;
     kvt__loop_set_self(l);
     struct epoll_event evs[256];
-    kvt__srv_lock(s);
+    kvt__loop_hold(l, KVT_HELD_SHARED);
     while (!s->loops_exit) {
         int timeout = l->sealing ? 0 : -1;
-        kvt__srv_unlock(s);
+        kvt__loop_hold(l, KVT_HELD_NONE);
         if (l->sealing)
             sched_yield();
         int n = epoll_wait(l->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         int err = errno;
-        kvt__srv_lock(s);
+        kvt__loop_hold(l, KVT_HELD_SHARED);
         if (n < 0) {
             if (err != EINTR)
                 kvt_log(KVT_LOG_ERROR, "kvtierd: loop %u: epoll_wait: %s", l->id, strerror(err));
@@ -124,10 +139,13 @@ static void *loop_main(void *arg)
             kvt__ev_t *ev = evs[i].data.ptr;
             ev->cb(s, ev, evs[i].events);
         }
-        s->loop_after(l);
-        kvt__conns_reap(l); /* no event or walk holds one of its connections here */
+        if (l->held == KVT_HELD_WRITE || after_work(l)) {
+            kvt__loop_hold(l, KVT_HELD_WRITE);
+            s->loop_after(l);
+            kvt__conns_reap(l); /* no event or walk holds one of its connections here */
+        }
     }
-    kvt__srv_unlock(s);
+    kvt__loop_hold(l, KVT_HELD_NONE);
     return NULL;
 }
 
@@ -199,7 +217,8 @@ void kvt__loops_close(kvt_srv_t *s)
     for (unsigned i = 0; i < s->nloops; i++) {
         kvt__loop_t *l = &s->loops[i];
         kvt__conns_reap(l);
-        free(l->hit.keys);
+        free(l->hits);
+        free(l->keys);
         if (l->wake.fd >= 0)
             close(l->wake.fd);
         if (i > 0 && l->epfd >= 0)

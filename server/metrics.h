@@ -159,6 +159,11 @@ typedef enum {
       "MATCHes whose tree walk ran under the store's lock shared with other loops (several "       \
       "loops; no lease, KEEP or REMOTE), by loop.",                                                \
       LOOP)                                                                                        \
+    X(LOOP_WRITE_LOCKS, COUNTER, "kvtier_loop_write_locks_total",                                  \
+      "Times each event loop's thread took the store's lock for writing (a write op, a close, a "  \
+      "posted kick, the step after a batch that wrote): a run of MATCHes without a lease takes "   \
+      "none.",                                                                                     \
+      LOOP)                                                                                        \
     X(LOOP_KICKS_POSTED, COUNTER, "kvtier_loop_kicks_posted_total",                                \
       "Times another loop handed a loop one of its connections to serve (a tier completion, a "    \
       "deadline, a close), through its eventfd.",                                                  \

@@ -18,7 +18,7 @@ int kvt__tokens(kvt__conn_t *c, const uint8_t *src, uint32_t n)
     size_t had = c->tokens_cap;
     if (kvt_reserve(&c->tokens, &c->tokens_cap, n, sizeof *c->tokens, 4096) < 0)
         return KVT_ENOMEM;
-    c->srv->clients.bytes += (c->tokens_cap - had) * sizeof *c->tokens;
+    kvt__clients_add(c, (int64_t)((c->tokens_cap - had) * sizeof *c->tokens));
     kvt_proto_tokens(src, n, c->tokens);
     c->tok = c->tokens;
     return 0;

@@ -356,23 +356,28 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
 void kvt__match_settle(kvt_srv_t *s)
 {
     for (unsigned i = 0; s->loops && i < s->nloops; i++) {
-        kvt__hit_t *hit = &s->loops[i].hit;
-        if (hit->clients_bytes) { /* its replies' bytes, queued with the lock shared */
-            s->clients.bytes += (uint64_t)hit->clients_bytes;
-            hit->clients_bytes = 0;
+        kvt__loop_t *l = &s->loops[i];
+        if (l->clients_bytes) { /* its replies' bytes, queued with the lock shared */
+            s->clients.bytes += (uint64_t)l->clients_bytes;
+            l->clients_bytes = 0;
         }
-        if (hit->sample) {
-            hit->sample = 0;
-            kvt__mrc_lookup(s->mrc, hit->keys, hit->whole, hit->page, hit->block, hit->ntokens);
+        /* In the order they were answered: nothing changed the tree since (this is the first
+         * thing a writer does), so each hit's match is still current. */
+        for (uint32_t k = 0; k < l->nhits; k++) {
+            kvt__hit_t *hit = &l->hits[k];
+            if (hit->sample)
+                kvt__mrc_lookup(s->mrc, l->keys + hit->keys_at, hit->whole, hit->page, hit->block,
+                                hit->ntokens);
+            if (!hit->pending)
+                continue;
+            /* What the seek, match_why and the policy call of a MATCH under the write lock do. */
+            kvt__path_touch(s, &hit->m);
+            if (hit->cache_tail)
+                kvt__path_tail(s, &hit->m);
+            kvt__policy_match(s, &hit->m, &hit->hints, hit->device);
         }
-        if (!hit->pending)
-            continue;
-        hit->pending = 0;
-        /* What the seek, match_why and the policy call of a MATCH under the write lock do. */
-        kvt__path_touch(s, &hit->m);
-        if (hit->cache_tail)
-            kvt__path_tail(s, &hit->m);
-        kvt__policy_match(s, &hit->m, &hit->hints, hit->device);
+        l->nhits = 0;
+        l->nkeys = 0;
     }
 }
 
@@ -433,108 +438,124 @@ static void shared_keys(kvt_srv_t *s, const kvt_match_t *m, const uint32_t *tok,
     }
 }
 
+/* Room for n more page keys in l's deferred keys (at most KVT_LOOP_KEYS, grown as needed); 0 when
+ * there is none. */
+static int keys_room(kvt__loop_t *l, size_t n)
+{
+    if (l->nkeys + n <= l->keys_cap)
+        return 1;
+    if (l->nkeys + n > KVT_LOOP_KEYS)
+        return 0;
+    size_t cap = KVT_MAX(l->keys_cap * 2, KVT_MAX(l->nkeys + n, (size_t)1024));
+    uint64_t *k = realloc(l->keys, KVT_MIN(cap, (size_t)KVT_LOOP_KEYS) * sizeof *k);
+    if (!k)
+        return 0;
+    l->keys = k;
+    l->keys_cap = KVT_MIN(cap, (size_t)KVT_LOOP_KEYS);
+    return 1;
+}
+
 /*
- * A MATCH without LEASE, KEEP or REMOTE, on c's own event at the top of its loop while several
- * loops run (where conn.c lets the lock go for c's socket I/O: nothing is half done). Its walk
- * only reads the tree, so the lock is let go and taken shared, and other loops' MATCHes run at
- * the same time: the whole MATCH does, not only its walk. What it writes is its loop's alone:
+ * A MATCH without LEASE, KEEP, REMOTE or LOCATE, under the lock shared: conn.c's framing hands
+ * it a run of them on c's own event (several loops), all in one hold, and other loops' MATCHes
+ * run at the same time. Its walk only reads the tree; what it writes is its loop's alone:
  *
  *   its counters and the reply's request metrics   the loop's table (l->metrics), merged on scrape
- *   the blocks' hits, the policy's use, a path's   l->hit, applied by the next write lock before
+ *   the blocks' hits, the policy's use, a path's   l->hits, applied by the next write lock before
  *   last hash; the miss-ratio curve's sample       the tree can change (kvt__match_settle)
  *   the reply (c's queue: c is this loop's)        c's requests; the clients' memory it adds waits
- *                                                  in l->hit too (kvt__out_add, l->shared)
+ *                                                  in l->clients_bytes (kvt__out_add while shared)
  *
  * The keys of the pages (the miss reason, the curve) are hashed from the tokens when the tree has
- * not cached them: caching is a write. The write lock is taken back only because the caller's
- * framing runs under it (conn.c); it applies l->hit first.
+ * not cached them: caching is a write.
  *
- * Returns 1 when answered, 0 when the caller answers instead under the write lock (the NVMe tier
- * has dropped blocks: checking a path for them may queue work, kvt__store_check_path; or the
- * seek failed, which it reports; or the loop has no table of its own). The write lock is held on
- * return either way.
+ * Returns 1 when answered, 0 when it did nothing and the write path answers instead: a flag that
+ * needs it, no HELLO (the error reply's log limiter is shared), the NVMe tier has dropped blocks
+ * (checking a path for them may queue work, kvt__store_check_path), the loop's hits are full (the
+ * write lock applies them), the seek failed (the write path reports it), no memory for the reply,
+ * or the loop has no table of its own.
  */
-static int match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
-                        const kvt_proto_match_t *q)
+int kvt__match_shares(const kvt_proto_hdr_t *h)
+{
+    return !(h->flags & ~(unsigned)KVT_MATCH_F_ALL) &&
+           !(h->flags &
+             (KVT_MATCH_F_LEASE | KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE | KVT_MATCH_F_LOCATE));
+}
+
+int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
     kvt__loop_t *l = c->loop;
+    kvt_proto_match_t q;
+    uint32_t page = c->page_size;
+    if (!kvt__match_shares(h) || !c->hello || !page || !l->metrics || l->nhits >= KVT_LOOP_HITS ||
+        nvme_dropped(s) || kvt_proto_match_decode(body, h->body_len, &q) < 0 ||
+        kvt__tokens(c, q.tokens, q.ntokens) < 0)
+        return 0;
     int probe = (h->flags & KVT_MATCH_F_PROBE) != 0;
-    uint32_t page = c->page_size, whole = page ? q->ntokens / page : 0;
-    if (!l->metrics)
-        return 0;
-    kvt__srv_unlock(s);
-    kvt__srv_lock_shared(s);
-    kvt__path_t p;
-    if (!page || nvme_dropped(s) ||
-        kvt__path_seek(s, &p, c->ns, c->tok, q->ntokens, KVT_MATCH_NOTOUCH) < 0) {
-        kvt__srv_unlock(s);
-        kvt__srv_lock(s);
-        return 0;
-    }
-    l->shared = 1;
-    kvt__hit_t *hit = &l->hit;
-    kvt_match_t m = p.m;
-    /* Keys: the curve's for every whole page, in the loop's buffer (the sample waits there for
-     * the write lock); else only the reason's (shared_why). */
-    uint32_t block = curve_block(c);
+    uint32_t whole = q.ntokens / page, block = curve_block(c);
+    /* The curve's keys for every whole page wait in the loop's keys with the sample: with no room
+     * there, the write path counts the lookup (it applies the waiting samples first). */
     int curve = !probe && s->mrc && block;
-    uint32_t nkeys = curve ? whole : 0;
-    kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
-    int cache_tail = 0;
-    if (nkeys > hit->keys_cap) {
-        uint64_t *k = realloc(hit->keys, (size_t)nkeys * sizeof *k);
-        if (k) {
-            hit->keys = k;
-            hit->keys_cap = nkeys;
-        } else {
-            nkeys = 0; /* out of memory: no reason (never seen) and no sample, as the curve's */
-        }
-    }
-    if (nkeys) {
-        shared_keys(s, &m, c->tok, page, whole, hit->keys, &cache_tail);
-        if (whole > m.pages)
-            why = kvt__ghost_seen(s, hit->keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
-    } else if (!probe && !curve && whole > m.pages) {
-        why = shared_why(s, &m, c->tok, page, &cache_tail);
-    }
+    if (curve && !keys_room(l, whole))
+        return 0;
+    kvt__path_t p;
+    if (kvt__path_seek(s, &p, c->ns, c->tok, q.ntokens, KVT_MATCH_NOTOUCH) < 0)
+        return 0;
+    kvt_match_t m = p.m;
     uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
     size_t len = sizeof(kvt_wire_match_reply_t) + m.pages;
     uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
-    int rc = 0;
-    if (out) {
-        uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
-        path_tiers(&m, tiers);
-        if (!probe) {
-            count_match(s, l->metrics, c->metric_ns, m.pages, q->ntokens, page, tiers, why);
-            if (s->mrc && (nkeys || !whole)) {
-                hit->sample = 1;
-                hit->whole = whole;
-                hit->page = page;
-                hit->block = block;
-                hit->ntokens = q->ntokens;
-            }
-        }
-        if (!probe && m.pages) {
-            hit->pending = 1;
-            hit->cache_tail = cache_tail;
-            hit->device = c->device;
-            hit->m = m;
-            hit->hints = q->hints;
-        }
-        kvt__metric_add(l->metrics, KVT_M_LOOP_SHARED_MATCHES, l->id, 1);
-        kvt_proto_match_reply_t w = {.tokens = m.pages * page, .pages = m.pages};
-        kvt_proto_match_reply_encode(out, &w);
-        rc = kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len);
+    if (!out)
+        return 0;
+    kvt__hit_t *hit = &l->hits[l->nhits];
+    kvt__count_hints(l->metrics, &q.hints);
+    /* Keys: the curve's for every whole page (above); else only the reason's (shared_why). */
+    uint32_t nkeys = curve ? whole : 0;
+    kvt_miss_reason_t why = KVT_MISS_NEVER_SEEN;
+    int cache_tail = 0;
+    if (nkeys) {
+        uint64_t *keys = l->keys + l->nkeys;
+        shared_keys(s, &m, c->tok, page, whole, keys, &cache_tail);
+        if (whole > m.pages)
+            why = kvt__ghost_seen(s, keys[m.pages]) ? KVT_MISS_EVICTED : KVT_MISS_NEVER_SEEN;
+    } else if (!probe && !curve && whole > m.pages) {
+        why = shared_why(s, &m, c->tok, page, &cache_tail);
     }
-    l->shared = 0;
-    kvt__srv_unlock(s);
-    kvt__srv_lock(s); /* applies l->hit, if another writer did not first */
-    if (!out)         /* its log line's limiter is shared by the loops: under the write lock */
-        rc = kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
+    uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
+    path_tiers(&m, tiers);
+    *hit = (kvt__hit_t){0};
+    if (!probe) {
+        count_match(s, l->metrics, c->metric_ns, m.pages, q.ntokens, page, tiers, why);
+        if (s->mrc && (nkeys || !whole)) {
+            hit->sample = 1;
+            hit->whole = whole;
+            hit->page = page;
+            hit->block = block;
+            hit->ntokens = q.ntokens;
+            hit->keys_at = l->nkeys;
+            l->nkeys += nkeys;
+        }
+    }
+    if (!probe && m.pages) {
+        hit->pending = 1;
+        hit->cache_tail = cache_tail;
+        hit->device = c->device;
+        hit->m = m;
+        hit->hints = q.hints;
+    }
+    if (hit->sample || hit->pending)
+        l->nhits++;
+    kvt__metric_add(l->metrics, KVT_M_LOOP_SHARED_MATCHES, l->id, 1);
+    kvt_proto_match_reply_t w = {.tokens = m.pages * page, .pages = m.pages};
+    kvt_proto_match_reply_encode(out, &w);
+    /* Out of memory for the reply closes the connection, as a handler's error does under the
+     * write lock: the replies after it would answer the wrong requests. */
+    if (kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len) < 0)
+        c->closing = 1;
     if (out != stackbuf)
         free(out);
-    return rc < 0 ? rc : 1;
+    return 1;
 }
 
 int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
@@ -550,16 +571,9 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
         return kvt__reply_error(
             c, h->opcode, h->request_id, t0, KVT_EINVAL,
             "MATCH with LOCATE needs LEASE: a location holds only under a lease");
-    kvt__count_hints(s, &q.hints);
+    kvt__count_hints(s->metrics, &q.hints);
     if (kvt__tokens(c, q.tokens, q.ntokens) < 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
-    if (s->loops_running && c->loop->top == c &&
-        !(h->flags & (KVT_MATCH_F_LEASE | KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE)) &&
-        !nvme_dropped(s)) {
-        int rc = match_shared(c, h, t0, &q);
-        if (rc != 0)
-            return rc < 0 ? rc : 0;
-    }
     /* A lookup only reads the tree and counts: no trim for the lease's room here (the
      * maintenance step keeps the index under its high mark; a lease that does not fit now is
      * refused, ENOSPC), and lost blocks are only reported, settled by the step. */

@@ -341,7 +341,7 @@ static int put_begin(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *bo
     int reserve = h->opcode == KVT_OP_RESERVE;
     if (put_tokens(c, h, t0, q_in, &cq.ntokens))
         return 0;
-    kvt__count_hints(s, &q->hints);
+    kvt__count_hints(s->metrics, &q->hints);
     uint32_t whole = q->ntokens / c->page_size;
     if (q->npayload && ((uint64_t)q->first_page + q->npayload > whole))
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,

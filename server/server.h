@@ -253,6 +253,10 @@ _Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-by
  * loop.c), so that framing calls no operation by name:
  *   batch      the input buffer before its whole frames are handled one by one (len bytes at in)
  *   frame      one whole frame; 0, or a negative code when the connection must close
+ *   shared     one whole frame, under s->lock shared (several loops, c's own event): 1 when it
+ *              answered it there, 0 when it did nothing and the frame needs the write lock
+ *   shares     whether a frame with header h may be answered so (shared may still refuse): the
+ *              lock is taken back shared after a read only for such a frame
  *   closing    c closes: what it holds beyond its requests (its leases) goes
  *   tick       every tick, per connection (lease expiry)
  *   deadlines  its requests' deadlines and waits, every tick and as soon as moves land
@@ -260,6 +264,8 @@ _Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-by
 typedef struct kvt__conn_ops {
     void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
     int (*frame)(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
+    int (*shared)(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body);
+    int (*shares)(const kvt_proto_hdr_t *h);
     void (*closing)(kvt__conn_t *c);
     void (*tick)(kvt__conn_t *c, uint64_t now);
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
@@ -420,38 +426,44 @@ typedef struct kvt__lease_index {
  * One event loop (loops.c, docs/architecture.md "Event loops"). Loop 0 is the daemon's main
  * thread: it alone has the listeners, the signals, the tiers' completion descriptors, the
  * metrics port and the tick. Loops 1..loops-1 are threads that serve the connections handed to
- * them at accept. Everything a loop does holds s->lock except waiting in epoll and a
- * connection's socket reads and its writes of finished replies (conn.c):
+ * them at accept. A loop holds s->lock for writing for everything above the sockets, but for
+ * the framing of its connections' input and a run of MATCHes without a lease, which hold it
+ * shared, and for waiting in epoll and a connection's socket I/O, which hold nothing (conn.c):
  *
- *     loop 1:  [wait] -lock- parse, MATCH, reply framing -unlock- [read|writev] -lock- ...
- *     loop 0:  [wait] -lock- tier completions, tick, policy step -unlock- [wait]
+ *     loop 1:  [wait] -shared- framing, MATCHes, replies -none- [read|writev] -shared- ...
+ *                     -write- a PUT, a GET's pins, a close, posted kicks, the step -shared- ...
+ *     loop 0:  [wait] -write- tier completions, tick, policy step -none- [wait]
  *
  * A connection belongs to one loop. Another loop that must kick it (a completion, a deadline,
  * a drain) puts it on the owner's posted list and wakes the owner through its eventfd; one that
  * must close it marks it dead and does the same: only the owner frees it, after its own batch.
  *
- * s->lock is a reader-writer lock: all of the above takes it for writing (kvt__srv_lock). A
- * MATCH without a lease at the top of its loop lets it go and walks the tree under it shared
- * (op_match.c, match_shared): what such a MATCH would write (the blocks' hit counters, the
- * policy's use, a path's cached hash) waits in its loop's hit until the next kvt__srv_lock,
- * which applies every loop's before anything changes the tree.
+ * Under the shared lock a loop writes only what is its own (its connection's input, queue and
+ * fields, its metric table) and defers what a MATCH would write to the store (the blocks' hit
+ * counters, the policy's use, a path's cached hash, the curve's sample, the clients' memory) in
+ * its hits, which the next kvt__srv_lock applies, every loop's, before anything changes the tree.
  */
-/* A MATCH's use of its path, applied under the write lock (kvt__match_settle). */
+/* One MATCH's use of its path, applied under the write lock (kvt__match_settle). */
 typedef struct kvt__hit {
-    int pending;
+    int pending;    /* m's blocks were hit: touch them, tell the policy */
     int cache_tail; /* its path's last hash was not cached: cache it (kvt__path_tail) */
     int device;
     kvt_match_t m;
     kvt_proto_hints_t hints;
-    /* The miss-ratio curve's sample (kvt__mrc_lookup's arguments), in keys, the loop's own
-     * buffer (keys_cap page keys, kept between MATCHes, freed with the loop). */
+    /* The miss-ratio curve's sample (kvt__mrc_lookup's arguments), its keys at keys_at in the
+     * loop's keys. */
     int sample;
     uint32_t whole, page, block, ntokens;
-    uint64_t *keys;
-    uint32_t keys_cap;
-    /* The clients' memory its reply queued (kvt__out_add while shared): s->clients.bytes's. */
-    int64_t clients_bytes;
+    size_t keys_at;
 } kvt__hit_t;
+
+/* The hits a loop may defer before it must take the write lock (kvt__match_settle) to defer
+ * more, and the page keys of their samples. */
+#define KVT_LOOP_HITS 256
+#define KVT_LOOP_KEYS (1u << 20)
+
+/* How a loop's thread holds s->lock (kvt__loop_hold). */
+enum { KVT_HELD_NONE, KVT_HELD_SHARED, KVT_HELD_WRITE };
 
 struct kvt__loop {
     kvt_srv_t *srv;
@@ -468,8 +480,18 @@ struct kvt__loop {
     int sealing;
     uint32_t conns;
     uint64_t requests, kicks_posted;
-    kvt__hit_t hit; /* written under the shared lock by this loop's thread only */
-    int shared;     /* this loop's thread holds s->lock shared (a MATCH answered there) */
+    /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
+     * threads read a loop's under the write lock: kvt__out_add of its connection). */
+    int held;
+    /* MATCHes answered under the shared lock, deferred (written by this loop's thread under
+     * the shared lock only; applied and emptied under the write lock): hits[0 .. nhits), their
+     * samples' page keys keys[0 .. nkeys), and the clients' memory their replies queued
+     * (kvt__out_add while shared: s->clients.bytes's). */
+    kvt__hit_t *hits;
+    uint32_t nhits;
+    uint64_t *keys;
+    size_t nkeys, keys_cap;
+    int64_t clients_bytes;
     /* Its own counters (kvt__metrics_loop), merged on scrape; NULL: s->metrics (loops.c). */
     kvt_metrics_t *metrics;
 };
@@ -542,11 +564,15 @@ void kvt__loops_stop(kvt_srv_t *s);
 void kvt__loops_close(kvt_srv_t *s);
 /* kvtier_loop_cpu_seconds_total: each running loop's thread's CPU time (every tick). */
 void kvt__loops_cpu(kvt_srv_t *s);
-/* lock.c: s->lock for writing (every loop's pending hits applied first, s->lock_settle), shared
- * (a MATCH's walk, op_match.c), and let go (either). */
+/* lock.c: s->lock for writing (every loop's pending hits applied first, s->lock_settle), shared,
+ * and let go (either). */
 void kvt__srv_lock(kvt_srv_t *s);
 void kvt__srv_lock_shared(kvt_srv_t *s);
 void kvt__srv_unlock(kvt_srv_t *s);
+/* Loop l's thread holds s->lock as held says (KVT_HELD_*) from now on, letting go of how it held
+ * it first: from shared to write is not atomic (a writer may come between: nothing may be half
+ * done). Each write lock taken counts in kvtier_loop_write_locks_total. */
+void kvt__loop_hold(kvt__loop_t *l, int held);
 /* The number of loops for loops = 0: the CPUs this process may run on, at most 8. */
 unsigned kvt__loops_auto(void);
 /* ev.c: the epoll sets' registrations. */
@@ -617,14 +643,20 @@ int kvt__req_hold(kvt__req_t *r, const void *src, size_t bytes);
 void *kvt__conn_take_frame(kvt__conn_t *c, const uint8_t *body, uint32_t body_len, size_t *bytes);
 /* Connections waiting for max-client-bytes to have room try again where it now has. */
 void kvt__conns_mem_retry(kvt_srv_t *s);
+/* The clients' memory changes by delta for c: with the lock shared (other loops may count too),
+ * in c's loop's own sum, added at the next write lock (kvt__match_settle). */
+static inline void kvt__clients_add(kvt__conn_t *c, int64_t delta)
+{
+    if (c->loop->held == KVT_HELD_SHARED)
+        c->loop->clients_bytes += delta;
+    else
+        c->srv->clients.bytes += (uint64_t)delta;
+}
 /* Queued reply bytes of c change by delta. */
 static inline void kvt__out_add(kvt__conn_t *c, int64_t delta)
 {
     c->out_bytes += (size_t)delta;
-    if (c->loop->shared) /* other loops may count too: this loop's, added at the next write lock */
-        c->loop->hit.clients_bytes += delta;
-    else
-        c->srv->clients.bytes += (uint64_t)delta;
+    kvt__clients_add(c, delta);
 }
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
@@ -714,8 +746,13 @@ typedef struct kvt__match_q {
 int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, uint64_t t0,
                       const kvt__match_q_t *q, kvt_match_t *m, uint32_t remote_pages,
                       int remote_down);
-/* Applies every loop's pending hit (struct kvt__loop): kvt__srv_lock's, under the write lock. */
+/* Applies every loop's pending hits (struct kvt__loop): kvt__srv_lock's, under the write lock. */
 void kvt__match_settle(kvt_srv_t *s);
+/* A MATCH without LEASE, KEEP, REMOTE or LOCATE, under the shared lock (conn.c's framing, through
+ * kvt__conn_ops_t.shared): 1 when answered, 0 when it did nothing (the write path answers it). */
+int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+/* Whether a MATCH with header h is one kvt__h_match_shared may answer (its flags allow it). */
+int kvt__match_shares(const kvt_proto_hdr_t *h);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,
@@ -844,8 +881,9 @@ int kvt__ghost_seen(const kvt_srv_t *s, uint64_t hash);
  * loop calls it after every batch of events. */
 void kvt__store_step(kvt_srv_t *s);
 /* Counts a MATCH's or PUT's engine hints by kind (kvtier_hints_total), as they arrive, so that
- * an operator sees whether the engines' connectors send them at all. */
-void kvt__count_hints(kvt_srv_t *s, const kvt_proto_hints_t *w);
+ * an operator sees whether the engines' connectors send them at all; in mt (s->metrics, or under
+ * the shared lock the loop's own table). */
+void kvt__count_hints(kvt_metrics_t *mt, const kvt_proto_hints_t *w);
 /* Engine hints from the wire, for the pages of the path below its shared part (from_page). */
 void kvt__policy_hint(const kvt_proto_hints_t *w, uint32_t from_page, kvt_policy_hint_t *out);
 /* A MATCH's use of its path, for the policy's reuse counters and promotions. */

@@ -5,7 +5,8 @@
  * expires (loop 0's tick); clients that leave with moves in flight; evictions at max-conns across
  * loops; the setting's bounds; the per-loop series; MATCHes on both loops under the store's lock
  * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
- * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out.
+ * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out;
+ * runs of pipelined MATCHes that take no write lock on 2 and 4 loops.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -330,12 +331,12 @@ Test(server_loops, the_loops_default_is_one)
 }
 
 /*
- * MATCHes without a lease take the store's lock shared (op_match.c, match_shared) while other
- * clients PUT, REMOVE and push blocks out of a small DRAM tier (evicted: out of the index). Each
- * reader MATCHes its prefixes and the next reader's, which they hold leases on (so that nothing
- * evicts them): every page stored is matched, in DRAM; a longer lookup matches the same pages; a
- * prefix it removed (from its first page) matches nothing. The lookups counted are the MATCHes sent
- * (none lost to a race), and both loops answered some with the lock shared.
+ * MATCHes without a lease take the store's lock shared (op_match.c, kvt__h_match_shared) while
+ * other clients PUT, REMOVE and push blocks out of a small DRAM tier (evicted: out of the index).
+ * Each reader MATCHes its prefixes and the next reader's, which they hold leases on (so that
+ * nothing evicts them): every page stored is matched, in DRAM; a longer lookup matches the same
+ * pages; a prefix it removed (from its first page) matches nothing. The lookups counted are the
+ * MATCHes sent (none lost to a race), and both loops answered some with the lock shared.
  */
 typedef struct churner {
     const kvd_t *d;
@@ -909,4 +910,106 @@ Test(server_loops, a_get_is_counted_before_its_last_byte_is_out)
     kvt_client_close(a);
     kvt_client_close(b);
     kvd_cleanup(&d);
+}
+
+/* Loop i's write-lock takes so far (kvtier_loop_write_locks_total), read through the metrics port
+ * (loop 0's), so that the reading itself takes none on loop i. */
+static double write_locks(const kvd_t *d, int i)
+{
+    char key[64];
+    snprintf(key, sizeof key, "kvtier_loop_write_locks_total{loop=\"%d\"}", i);
+    double v = kvd_metric(d, key);
+    cr_assert_geq(v, 0, "no series %s", key);
+    return v;
+}
+
+/*
+ * A run of pipelined MATCHes without a lease (hits, misses a page longer, PROBEs) is framed and
+ * answered under the store's lock shared, in one hold: the loop that serves it takes no write
+ * lock (issue 42), while a PUT on the same connection takes one. Each loop past 0 is checked (one
+ * client each; loop 0 takes the lock for writing for its own work). The metrics scrape between
+ * rounds, on loop 0, applies the hits the rounds deferred. The counters still come out as sent.
+ */
+static void runs_take_no_write_lock(const char *loops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, NULL);
+    int n = atoi(loops);
+    kvt_client_t *c[4];
+    cr_assert_leq(n, 4);
+    for (int i = 0; i < n; i++)
+        c[i] = kvd_client(&d, "m", PAGE, BB);
+    char key[64];
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(c[0], key), 1, "c[%d] is loop %d's", i, i);
+    }
+    enum { P = 4, B = 32, R = 8 };
+    static uint32_t tok[(P + 1) * PAGE];
+    static uint8_t payload[P * BB];
+    uint64_t lookups = 0, missed = 0;
+    for (int i = 1; i < n; i++) {
+        kvd_tokens(tok, (P + 1) * PAGE, (uint32_t)i * 1000000u);
+        kvd_fill(payload, sizeof payload, (uint32_t)i);
+        double w0 = write_locks(&d, i);
+        kvt_client_put_t r;
+        cr_assert_eq(kvt_client_put(c[i], tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+        cr_assert_eq(r.stored, P);
+        /* The PUT's loop takes the lock back after writing its reply, which the client may have
+         * first: a MATCH's round trip after it waits for that. */
+        kvt_client_match_t one = {0};
+        cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, 0, 0, NULL, &one), 0);
+        lookups++;
+        double w1 = write_locks(&d, i);
+        cr_expect_geq(w1 - w0, 1, "loop %d: a PUT takes the write lock (%g)", i, w1 - w0);
+        kvt_batch_t *b;
+        cr_assert_eq(kvt_batch_create(&b, c[i]), 0);
+        for (int round = 0; round < R; round++) {
+            kvt_client_match_t m[B];
+            uint8_t tiers[B][P + 1];
+            int st[B];
+            for (int k = 0; k < B; k++) {
+                m[k] = (kvt_client_match_t){.tiers = tiers[k], .tiers_cap = P + 1};
+                unsigned flags = k % 8 == 3 ? KVT_CLIENT_PROBE : 0;
+                lookups += !flags;
+                missed += !flags && k % 2;
+                cr_assert_eq(kvt_batch_match(b, tok, (k % 2 ? P + 1 : P) * PAGE, flags, 0, NULL,
+                                             &m[k], &st[k]),
+                             0);
+            }
+            double before = write_locks(&d, i);
+            cr_assert_eq(kvt_batch_run(b), 0);
+            double after = write_locks(&d, i);
+            for (int k = 0; k < B; k++) {
+                cr_expect_eq(st[k], 0, "loop %d, MATCH %d", i, k);
+                cr_expect_eq(m[k].pages, P, "loop %d, MATCH %d", i, k);
+                cr_expect_eq(tiers[k][0], KVT_TIER_DRAM);
+            }
+            cr_expect_eq(after - before, 0,
+                         "loop %d, round %d: %g write locks for %d pipelined MATCHes", i, round,
+                         after - before, B);
+        }
+        kvt_batch_destroy(b);
+        snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
+        cr_expect_eq(kvd_metric(&d, key), R * B + 1, "loop %d: every MATCH answered shared", i);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_lookups_total"), (double)lookups);
+    cr_expect_eq(kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"dram\"}"),
+                 (double)lookups * P * PAGE);
+    cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"never_seen\"}"),
+                 (double)missed * PAGE);
+    for (int i = 0; i < n; i++)
+        kvt_client_close(c[i]);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, a_run_of_matches_takes_no_write_lock)
+{
+    runs_take_no_write_lock("2");
+}
+
+Test(server_loops, a_run_of_matches_on_four_loops_takes_no_write_lock)
+{
+    runs_take_no_write_lock("4");
 }
