@@ -40,8 +40,8 @@ involuntary context switches (nivcsw), and preempted when the waits came to 10% 
 time or more. They are read around the timed window, outside it.
 
 The keyed PUT's bar is also set with two CPU-bound processes beside (--busy 2). There the
-passes' paired ratios swung 0.1-4.8 and their median of 12 read 0.89-1.37 from run to run of
-the same code, and the rotation put the keyed save before the raw one in two passes of three.
+passes' paired ratios swung 0.01-9 and their median of 12 read 0.56-1.66 from run to run of
+the same code, and the rotation put the keyed save before the raw one in most passes.
 So with busy the bar is judged on BUSY_PAIRS paired saves of the keyed and raw forms alone,
 after the passes (keyed_pairs): per pair the two saves back to back, in an order shuffled
 half each way (pair_orders), then both loaded and checked, untimed. The summary gives their
@@ -76,9 +76,8 @@ PAGES = 32
 LAYER_BYTES = 2 * BS * HEADS * HEAD * 2  # K and V of 16 tokens, bf16: 64 KiB
 PAGE_BYTES = LAYERS * LAYER_BYTES  # 2 MiB
 RAW_PAGES_PER_PUT = 8  # 16 MiB per PUT, as bench_vllm.py's raw and the vLLM connector send
-# Paired saves of the keyed and the raw form run with --busy (keyed_pairs): at 60-150 ms a pair
-# with two CPU-bound processes beside them on 2 cores, about 10 s, and a 95% interval of the
-# median about 20 pairs wide in rank.
+# Paired saves of the keyed and the raw form run with --busy (keyed_pairs): with 100 the 95%
+# interval of their median runs from the 40th to the 61st ratio.
 BUSY_PAIRS = 100
 
 
