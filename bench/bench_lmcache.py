@@ -46,6 +46,9 @@ def parse() -> argparse.Namespace:
                     "(>= 1; 12: each of 3 or 4 forms in each place of the rotation alike)")
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
                     "the passes (the keyed PUT's bar is also set with 2)")
+    ap.add_argument("--pairs", type=int, default=None, help="paired keyed and raw saves after "
+                    "the passes, on which the keyed PUT's warm bar is judged (default: "
+                    "connbench.BUSY_PAIRS with --busy, else none)")
     ap.add_argument("--phases", type=int, default=0, help="time the steps of this many "
                     "connector saves and loads instead (min and median per step)")
     ap.add_argument("--pause-ms", type=float, default=0, help="with --phases: the pause between "
@@ -149,7 +152,7 @@ class Connector(cb.Form):
     def check(self) -> None:
         assert all(g is not None for g in self.got), "batched_get missed chunks"
         for g, o in zip(self.got, self.objs):
-            assert torch.equal(g.tensor.view(torch.int16), o.tensor.view(torch.int16))
+            assert cb.same(g.tensor, o.tensor), "batched_get: other bytes came back"
             g.ref_count_down()
         self.got = []
 
@@ -254,7 +257,7 @@ def main() -> None:
         "connector": Connector,
         "keyed": lambda unix: cb.Keyed(unix, key_names),
         "raw": cb.Raw,
-    }, max(1, args.passes), busy=args.busy)
+    }, max(1, args.passes), busy=args.busy, pairs=args.pairs)
 
 
 main()

@@ -48,6 +48,9 @@ def parse() -> argparse.Namespace:
                     "(>= 1; 12: each of 3 or 4 forms in each place of the rotation alike)")
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside "
                     "the passes (the keyed PUT's bar is also set with 2)")
+    ap.add_argument("--pairs", type=int, default=None, help="paired keyed and raw saves after "
+                    "the passes, on which the keyed PUT's warm bar is judged (default: "
+                    "connbench.BUSY_PAIRS with --busy, else none)")
     ap.add_argument("--pyenv", default="", help="the venv in BUILD to run in (default: "
                     "pyenv-sglang when complete, else pyenv)")
     return ap.parse_args()
@@ -122,7 +125,7 @@ class Connector(cb.Form):
     def check(self) -> None:
         assert self.ok is True, "batch_set did not store every page"
         assert all(g is t for g, t in zip(self.got, self.targets)), "batch_get missed pages"
-        assert torch.equal(self.src.view(torch.int16), self.out.view(torch.int16))
+        assert cb.same(self.src, self.out), "batch_get: other bytes came back"
 
     def drop(self) -> None:
         assert all(self.rm.remove_keys_each(self.keys)), "the pages are not in the namespace"
@@ -210,10 +213,9 @@ class ConnectorV1(cb.Form):
         assert self.ok == [True] * cb.PAGES, "batch_set_v1 did not store every page"
         assert self.got == [True] * cb.PAGES, "batch_get_v1 missed pages"
         for s, d in zip(self.src_pages, self.dst_pages):
-            a = self.host.get_data_page(s * cb.BS, flat=True)
-            b = self.host.get_data_page(d * cb.BS, flat=True)
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
-                "batch_get_v1: other bytes in pool page %d" % d
+            for kv in self.host.kv_buffer:  # a page's K, then its V: its tokens' rows
+                assert cb.same(kv[s * cb.BS:(s + 1) * cb.BS], kv[d * cb.BS:(d + 1) * cb.BS]), \
+                    "batch_get_v1: other bytes in pool page %d" % d
 
     def drop(self) -> None:
         for c in self.rm:
@@ -251,7 +253,7 @@ def main() -> None:
                      sys.prefix, err)})
     else:
         forms["connector_v1"] = ConnectorV1
-    cb.run("sglang", build, forms, max(1, args.passes), busy=args.busy)
+    cb.run("sglang", build, forms, max(1, args.passes), busy=args.busy, pairs=args.pairs)
 
 
 main()
