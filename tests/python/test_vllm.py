@@ -1959,6 +1959,45 @@ def test_finished_request_held_until_stored(vd: Daemon) -> None:
     b.close()
 
 
+def test_wait_saves_blocks_until_stored(vd: Daemon) -> None:
+    """wait_saves (bench_vllm's wait for a save, issue 35) returns once the request's save job
+    is done, woken by the job's end rather than a poll: with the I/O thread held it times out
+    (False), another request's wait returns at once, and once the thread is let go it returns
+    True no earlier than that; get_finished then hands the request back on its first call and
+    another engine finds the pages."""
+    a, b = Engine(vd, seed=53), Engine(vd, seed=None)
+    toks = prompt(3)
+    r = request(toks)
+    gate = threading.Event()
+    a.worker._pool.submit(gate.wait, 5)  # the I/O thread busy: the step's save stays out
+    n, meta = schedule(a.sched, r, [1, 2, 3, 4])
+    assert n == 0 and len(meta.saves) == 1
+    assert run_step(a.worker, a.kv, meta, settle=False) == set()
+    assert a.sched.request_finished(r, [1, 2, 3, 4]) == (True, None)
+    t0 = time.monotonic()
+    assert a.worker.wait_saves({r.request_id}, 0.05) is False
+    assert time.monotonic() - t0 >= 0.05
+    assert a.worker.wait_saves({"another-request"}, 5) is True
+    assert a.worker.saves_in_flight() == 1
+    let_go = threading.Timer(0.2, gate.set)
+    t0 = time.monotonic()
+    let_go.start()
+    assert a.worker.wait_saves({r.request_id}, 5) is True
+    assert 0.2 <= time.monotonic() - t0 < 4
+    assert a.worker.saves_in_flight() == 0
+    assert a.worker.get_finished({r.request_id}) == ({r.request_id}, None)
+    assert a.worker.wait_saves(None, 0) is True  # nothing out: at once
+    r2 = request(toks)
+    n, meta = schedule(b.sched, r2, [20, 21, 22, 23])
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    assert same_pages(a, [1, 2, 3], b, [20, 21, 22])
+    b.sched.request_finished(r2, [20, 21, 22, 23])
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
 def test_preempted_request_saves_cancelled(vd: Daemon) -> None:
     """vLLM frees a preempted request's blocks at once (no connector call) and lists it in the
     next step, whose forward may write them for another request: that step's start_load_kv,

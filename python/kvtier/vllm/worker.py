@@ -18,6 +18,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -796,6 +797,26 @@ class WorkerSide:
         """Save jobs neither stored nor dropped yet (settling those that are)."""
         self._sweep_saves()
         return sum(len(j) for j in self._jobs.values())
+
+    def wait_saves(self, req_ids: Optional[Set[str]] = None,
+                   timeout: Optional[float] = None) -> bool:
+        """Blocks until the save jobs of ``req_ids`` (every request's when None) are done:
+        stored, failed or cancelled, each woken by its job's end, not polled. Returns whether
+        they all are, ``timeout`` seconds at most (None: no limit; a job past its
+        worker_deadline_ms is not waited for: get_finished drops it). vLLM never calls it (its
+        steps call get_finished); a benchmark or a shutdown that needs the pages stored before
+        a lookup does, then get_finished hands the finished requests back at once. On the
+        forward's thread, as get_finished."""
+        futs = [j.future for rid, jobs in self._jobs.items()
+                if req_ids is None or rid in req_ids for j in jobs if j.future is not None]
+        if futs:
+            # The deadline bounds the wait as it bounds the job (a job past it is dropped).
+            limit = max(j.deadline for jobs in self._jobs.values() for j in jobs) - \
+                time.monotonic()
+            limit = max(0.0, limit if timeout is None else min(timeout, limit))
+            wait_futures(futs, timeout=limit)
+        self._sweep_saves()
+        return not any(req_ids is None or rid in req_ids for rid in self._jobs)
 
     def wait_for_save(self) -> None:
         """Ends the step without waiting for kvtierd: the step's save jobs are on the I/O
