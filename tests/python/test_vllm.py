@@ -774,6 +774,58 @@ def test_save_reserves_at_the_groups_first_layer(vd: Daemon) -> None:
     b.close()
 
 
+def test_save_reserves_every_request_at_the_groups_first_layer(vd: Daemon) -> None:
+    """A step that saves several requests makes every request's RESERVE at the group's first
+    layer, not only the first request's (issue 35: each job waited for the last layer before
+    the next one reserved, so every request after the first reserved after it); each job
+    reads its blocks only once the last layer is in, and every request's pages are stored
+    byte for byte."""
+    a, b = Engine(vd, seed=31), Engine(vd, seed=None)
+    reqs = [(request(prompt(2)), [6, 1, 9]), (request(prompt(3)), [2, 8, 3, 12]),
+            (request(prompt(1)), [14, 15])]
+    for r, ids in reqs:
+        n, _ = a.sched.get_num_new_matched_tokens(r, 0)
+        assert n == 0
+        a.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = a.sched.build_connector_meta(sched_output(new=[(r, ids, r.num_tokens)
+                                                           for r, ids in reqs]))
+    assert len(meta.saves) == 3
+    before = zc_stats(vd)
+    names = list(a.kv)
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.save_kv_layer(names[0], a.kv[names[0]], None)
+    # Well within worker_deadline_ms (2 s): past it, the first job gives its room back and
+    # the next ones reserve in turn, each after the last.
+    assert wait_until(lambda: zc_stats(vd)["zero_copy_pages_reserve"]
+                      - before["zero_copy_pages_reserve"] == 6, timeout=1.0), \
+        "not every request reserved at the first layer"
+    time.sleep(0.05)  # a job would have read the blocks by now if it did not wait
+    assert [(j.copied, j.cancelled) for j in _jobs_of(a.worker)] == [(False, False)] * 3
+    for t in a.kv.values():  # the other layers' KV, computed after the first layer's save
+        t[:, list(range(1, 16))].view(torch.int16).random_(-30000, 30000)
+    for name in names[1:]:
+        a.worker.save_kv_layer(name, a.kv[name], None)
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    assert a.worker.wait_saves(None, 5)
+    for r, ids in reqs:
+        assert a.sched.request_finished(r, ids) == (True, None)
+    sending, _ = a.worker.get_finished({r.request_id for r, _ in reqs})
+    assert sending == {r.request_id for r, _ in reqs}
+    assert zc_stats(vd)["reservations_committed"] - before["reservations_committed"] == 3
+    for (r, ids), into in zip(reqs, ([20, 21, 22], [23, 24, 25, 26], [27, 28])):
+        rb = request(list(r.all_token_ids))
+        n, m = schedule(b.sched, rb, into)
+        assert n == (len(ids) - 1) * BS
+        assert run_step(b.worker, b.kv, m) == set()
+        assert same_pages(a, ids[:-1], b, into[:-1])
+        b.sched.request_finished(rb, into)
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
 def test_save_of_a_group_whose_last_layer_never_came(vd: Daemon) -> None:
     """A step that ends (wait_for_save) before its group's last layer came to this worker
     saves nothing, as before the jobs went at the first layer: the early job's reservation is
