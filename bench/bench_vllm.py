@@ -9,8 +9,8 @@ A page is one vLLM block (16 tokens) of all 32 layers of a model with 8 KV heads
   the worker's get_finished hands the request back (its pages stored: the save job's RESERVE,
   copies and COMMIT on the connector's I/O thread), timed from the first layer to then. The
   bench waits for the save with the worker's wait_saves (woken by the job's end) and then
-  calls get_finished once; it used to poll get_finished every 0.2 ms, which added 0.2 ms (the
-  median) to a 3.3 ms warm save and competed for the GIL with the I/O thread
+  calls get_finished once; it used to poll get_finished every 0.2 ms, which added 0.12-0.25 ms
+  to a 3.3 ms warm save and competed for the GIL with the I/O thread
   (docs/benchmarks.md, "The vLLM save's checksums");
 - connector load: start_load_kv and wait_for_layer_load for each layer (the pages' GET, then
   the scatter of each layer into vLLM's paged tensors);
