@@ -826,6 +826,46 @@ def test_save_reserves_every_request_at_the_groups_first_layer(vd: Daemon) -> No
     b.close()
 
 
+def test_save_reserves_ahead_within_its_cap(vd: Daemon, monkeypatch: Any) -> None:
+    """The requests that reserve at the group's first layer are capped (_AHEAD_JOBS: the
+    daemon bounds one connection's reservations): past the cap a request reserves in its turn,
+    after the last layer, and is stored all the same."""
+    import kvtier.vllm.worker as vw
+
+    monkeypatch.setattr(vw, "_AHEAD_JOBS", 2)
+    a = Engine(vd, seed=37)
+    reqs = [(request(prompt(1)), [6, 1]), (request(prompt(2)), [2, 8, 3]),
+            (request(prompt(3)), [12, 13, 14, 15])]
+    for r, ids in reqs:
+        a.sched.get_num_new_matched_tokens(r, 0)
+        a.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = a.sched.build_connector_meta(sched_output(new=[(r, ids, r.num_tokens)
+                                                           for r, ids in reqs]))
+    before = zc_stats(vd)
+    names = list(a.kv)
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.save_kv_layer(names[0], a.kv[names[0]], None)
+
+    def reserved() -> int:
+        return zc_stats(vd)["zero_copy_pages_reserve"] - before["zero_copy_pages_reserve"]
+
+    assert wait_until(lambda: reserved() == 3, timeout=1.0)  # the first two requests' pages
+    time.sleep(0.1)
+    assert reserved() == 3, "the third request reserved ahead, past the cap"
+    for name in names[1:]:
+        a.worker.save_kv_layer(name, a.kv[name], None)
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    assert a.worker.wait_saves(None, 5)
+    assert reserved() == 6
+    assert zc_stats(vd)["reservations_committed"] - before["reservations_committed"] == 3
+    assert a.worker.kvtier_stats()["saves_dropped"] == 0
+    for r, ids in reqs:
+        assert finish(a, r, ids)
+    a.close()
+
+
 def test_save_of_a_group_whose_last_layer_never_came(vd: Daemon) -> None:
     """A step that ends (wait_for_save) before its group's last layer came to this worker
     saves nothing, as before the jobs went at the first layer: the early job's reservation is
