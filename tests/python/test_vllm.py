@@ -774,6 +774,98 @@ def test_save_reserves_at_the_groups_first_layer(vd: Daemon) -> None:
     b.close()
 
 
+def test_save_reserves_every_request_at_the_groups_first_layer(vd: Daemon) -> None:
+    """A step that saves several requests makes every request's RESERVE at the group's first
+    layer, not only the first request's (issue 35: each job waited for the last layer before
+    the next one reserved, so every request after the first reserved after it); each job
+    reads its blocks only once the last layer is in, and every request's pages are stored
+    byte for byte."""
+    a, b = Engine(vd, seed=31), Engine(vd, seed=None)
+    reqs = [(request(prompt(2)), [6, 1, 9]), (request(prompt(3)), [2, 8, 3, 12]),
+            (request(prompt(1)), [14, 15])]
+    for r, ids in reqs:
+        n, _ = a.sched.get_num_new_matched_tokens(r, 0)
+        assert n == 0
+        a.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = a.sched.build_connector_meta(sched_output(new=[(r, ids, r.num_tokens)
+                                                           for r, ids in reqs]))
+    assert len(meta.saves) == 3
+    before = zc_stats(vd)
+    names = list(a.kv)
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.save_kv_layer(names[0], a.kv[names[0]], None)
+    # Well within worker_deadline_ms (2 s): past it, the first job gives its room back and
+    # the next ones reserve in turn, each after the last.
+    assert wait_until(lambda: zc_stats(vd)["zero_copy_pages_reserve"]
+                      - before["zero_copy_pages_reserve"] == 6, timeout=1.0), \
+        "not every request reserved at the first layer"
+    time.sleep(0.05)  # a job would have read the blocks by now if it did not wait
+    assert [(j.copied, j.cancelled) for j in _jobs_of(a.worker)] == [(False, False)] * 3
+    for t in a.kv.values():  # the other layers' KV, computed after the first layer's save
+        t[:, list(range(1, 16))].view(torch.int16).random_(-30000, 30000)
+    for name in names[1:]:
+        a.worker.save_kv_layer(name, a.kv[name], None)
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    assert a.worker.wait_saves(None, 5)
+    for r, ids in reqs:
+        assert a.sched.request_finished(r, ids) == (True, None)
+    sending, _ = a.worker.get_finished({r.request_id for r, _ in reqs})
+    assert sending == {r.request_id for r, _ in reqs}
+    assert zc_stats(vd)["reservations_committed"] - before["reservations_committed"] == 3
+    for (r, ids), into in zip(reqs, ([20, 21, 22], [23, 24, 25, 26], [27, 28])):
+        rb = request(list(r.all_token_ids))
+        n, m = schedule(b.sched, rb, into)
+        assert n == (len(ids) - 1) * BS
+        assert run_step(b.worker, b.kv, m) == set()
+        assert same_pages(a, ids[:-1], b, into[:-1])
+        b.sched.request_finished(rb, into)
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
+def test_save_reserves_ahead_within_its_cap(vd: Daemon, monkeypatch: Any) -> None:
+    """The requests that reserve at the group's first layer are capped (_AHEAD_JOBS: the
+    daemon bounds one connection's reservations): past the cap a request reserves in its turn,
+    after the last layer, and is stored all the same."""
+    import kvtier.vllm.worker as vw
+
+    monkeypatch.setattr(vw, "_AHEAD_JOBS", 2)
+    a = Engine(vd, seed=37)
+    reqs = [(request(prompt(1)), [6, 1]), (request(prompt(2)), [2, 8, 3]),
+            (request(prompt(3)), [12, 13, 14, 15])]
+    for r, ids in reqs:
+        a.sched.get_num_new_matched_tokens(r, 0)
+        a.sched.update_state_after_alloc(r, blocks(ids), 0)
+    meta = a.sched.build_connector_meta(sched_output(new=[(r, ids, r.num_tokens)
+                                                           for r, ids in reqs]))
+    before = zc_stats(vd)
+    names = list(a.kv)
+    a.worker.bind_connector_metadata(meta)
+    a.worker.start_load_kv(None)
+    a.worker.save_kv_layer(names[0], a.kv[names[0]], None)
+
+    def reserved() -> int:
+        return zc_stats(vd)["zero_copy_pages_reserve"] - before["zero_copy_pages_reserve"]
+
+    assert wait_until(lambda: reserved() == 3, timeout=1.0)  # the first two requests' pages
+    time.sleep(0.1)
+    assert reserved() == 3, "the third request reserved ahead, past the cap"
+    for name in names[1:]:
+        a.worker.save_kv_layer(name, a.kv[name], None)
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    assert a.worker.wait_saves(None, 5)
+    assert reserved() == 6
+    assert zc_stats(vd)["reservations_committed"] - before["reservations_committed"] == 3
+    assert a.worker.kvtier_stats()["saves_dropped"] == 0
+    for r, ids in reqs:
+        assert finish(a, r, ids)
+    a.close()
+
+
 def test_save_of_a_group_whose_last_layer_never_came(vd: Daemon) -> None:
     """A step that ends (wait_for_save) before its group's last layer came to this worker
     saves nothing, as before the jobs went at the first layer: the early job's reservation is
@@ -1954,6 +2046,45 @@ def test_finished_request_held_until_stored(vd: Daemon) -> None:
     assert same_pages(a, [1, 2, 3], b, [20, 21, 22])
     assert b.sched.request_finished(r2, [20, 21, 22, 23]) == (False, None)  # nothing saved
     assert b.worker.get_finished({r2.request_id}) == (None, None)
+    assert wait_until(lambda: leases(vd) == 0)
+    a.close()
+    b.close()
+
+
+def test_wait_saves_blocks_until_stored(vd: Daemon) -> None:
+    """wait_saves (bench_vllm's wait for a save, issue 35) returns once the request's save job
+    is done, woken by the job's end rather than a poll: with the I/O thread held it times out
+    (False), another request's wait returns at once, and once the thread is let go it returns
+    True no earlier than that; get_finished then hands the request back on its first call and
+    another engine finds the pages."""
+    a, b = Engine(vd, seed=53), Engine(vd, seed=None)
+    toks = prompt(3)
+    r = request(toks)
+    gate = threading.Event()
+    a.worker._pool.submit(gate.wait, 5)  # the I/O thread busy: the step's save stays out
+    n, meta = schedule(a.sched, r, [1, 2, 3, 4])
+    assert n == 0 and len(meta.saves) == 1
+    assert run_step(a.worker, a.kv, meta, settle=False) == set()
+    assert a.sched.request_finished(r, [1, 2, 3, 4]) == (True, None)
+    t0 = time.monotonic()
+    assert a.worker.wait_saves({r.request_id}, 0.05) is False
+    assert time.monotonic() - t0 >= 0.05
+    assert a.worker.wait_saves({"another-request"}, 5) is True
+    assert a.worker.saves_in_flight() == 1
+    let_go = threading.Timer(0.2, gate.set)
+    t0 = time.monotonic()
+    let_go.start()
+    assert a.worker.wait_saves({r.request_id}, 5) is True
+    assert 0.2 <= time.monotonic() - t0 < 4
+    assert a.worker.saves_in_flight() == 0
+    assert a.worker.get_finished({r.request_id}) == ({r.request_id}, None)
+    assert a.worker.wait_saves(None, 0) is True  # nothing out: at once
+    r2 = request(toks)
+    n, meta = schedule(b.sched, r2, [20, 21, 22, 23])
+    assert n == 3 * BS
+    assert run_step(b.worker, b.kv, meta) == set()
+    assert same_pages(a, [1, 2, 3], b, [20, 21, 22])
+    b.sched.request_finished(r2, [20, 21, 22, 23])
     assert wait_until(lambda: leases(vd) == 0)
     a.close()
     b.close()

@@ -18,6 +18,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -86,6 +87,12 @@ class _Load:
                 self.waiters -= 1
 
 
+# How many of a step's save jobs in a group, and how many bytes of their pages, reserve before
+# the group's last layer (_save_group).
+_AHEAD_JOBS = 16
+_AHEAD_BYTES = 256 << 20
+
+
 @dataclass
 class _SaveJob:
     """One request's saves of one step in one KV cache group, on the I/O thread (_save_job).
@@ -104,6 +111,8 @@ class _SaveJob:
     # rest): set once the group's last layer is in (``event`` then recorded), or the job is
     # dropped. None: submitted at the last layer.
     go: Optional[threading.Event] = None
+    # _save_prep's result when _save_group made it ahead (taken by _save); False: not made.
+    prep: Any = False
 
 
 class WorkerSide:
@@ -605,10 +614,52 @@ class WorkerSide:
         jobs = []
         for t in saves:
             job = _SaveJob(t, deadline, event, go=go)
-            job.future = self._pool.submit(self._save_job, job)
+            if early:  # set by _save_group
+                job.future = Future()
+            else:
+                job.future = self._pool.submit(self._save_job, job)
             self._jobs.setdefault(t.req_id, []).append(job)
             jobs.append(job)
+        if early:
+            self._pool.submit(self._save_group, jobs)
         return jobs
+
+    def _save_group(self, jobs: List[_SaveJob]) -> None:
+        """An early group's jobs (one per request) on the I/O thread: every job's RESERVE and
+        plan first, while the forward computes the group's other layers, then each one's copies
+        and COMMIT once the last layer is in (_save_job). As one executor job each, the first
+        waited for the last layer before the second made its RESERVE: every request after the
+        first reserved and planned after the last layer (0.15-0.25 ms each, bench_vllm's
+        geometry). Up to _AHEAD_JOBS jobs and _AHEAD_BYTES of pages reserve ahead: the daemon
+        bounds what one connection's reservations hold (max-reservations 64, max-reserved-bytes
+        1 GiB by default), and room held ahead would leave the next jobs less; the others
+        reserve in their turn. Sets each job's future as the executor would."""
+        assert self._layout is not None
+        errs: List[Optional[BaseException]] = []  # each job's failure before its turn
+        ahead = held = 0
+        for job in jobs:
+            n = (len(job.t.keys) - job.t.first) * self._layout.page_bytes
+            if ahead >= _AHEAD_JOBS or (ahead and held + n > _AHEAD_BYTES):
+                errs.append(None)  # _save_job reserves it in its turn
+                continue
+            ahead, held = ahead + 1, held + n
+            try:
+                with self._tally.timer("save_seconds"):
+                    job.prep = self._save_prep(job)
+            except BaseException as e:  # noqa: BLE001 - the job's future carries it
+                job.read.set()
+                errs.append(e)
+                continue
+            errs.append(None)
+        for job, err in zip(jobs, errs):
+            assert job.future is not None
+            if err is not None:
+                job.future.set_exception(err)
+                continue
+            try:
+                job.future.set_result(self._save_job(job))
+            except BaseException as e:  # noqa: BLE001
+                job.future.set_exception(e)
 
     def _save_job(self, job: _SaveJob) -> int:
         """A request's saves of one step in one group, on the I/O thread: mapped, RESERVE of
@@ -626,12 +677,16 @@ class WorkerSide:
             self._tally.add("save_pages", stored[0])
             self._tally.add("save_bytes", stored[0] * self._layout.page_bytes)
 
-    def _save(self, job: _SaveJob, stored: List[int]) -> int:
+    def _save_prep(self, job: _SaveJob) -> Optional[Tuple[Optional[Reservation], List[Any],
+                                                           Optional[_Plan], List[int]]]:
+        """A save job's part before it reads the blocks: mapped, the RESERVE of its pages and
+        the plan of its copies. Returns (the reservation or None, runs, plan, the rows to
+        stage), or None: cancelled already."""
         assert self._store is not None
         t = job.t
         lay = self._layouts[t.group]
         if job.cancelled:
-            return 0
+            return None
         resv: Optional[Reservation] = None
         runs: List[Any] = []
         plan: Optional[_Plan] = None  # the runs' copies in C (None: numpy's)
@@ -671,6 +726,16 @@ class WorkerSide:
                 self._abort(resv)
                 resv, runs, rows = None, [], list(range(len(t.keys) - t.first))
                 plan = None
+        return resv, runs, plan, rows
+
+    def _save(self, job: _SaveJob, stored: List[int]) -> int:
+        assert self._store is not None
+        t = job.t
+        lay = self._layouts[t.group]
+        got, job.prep = (self._save_prep(job) if job.prep is False else job.prep), False
+        if got is None:
+            return 0
+        resv, runs, plan, rows = got
         # An early job (submitted at the group's first layer) reads the blocks once the last
         # layer is in; RESERVE and the plan went before. Not let go by its deadline: dropped.
         if job.go is not None and not job.go.wait(max(0.0, job.deadline - time.monotonic())):
@@ -807,6 +872,26 @@ class WorkerSide:
         """Save jobs neither stored nor dropped yet (settling those that are)."""
         self._sweep_saves()
         return sum(len(j) for j in self._jobs.values())
+
+    def wait_saves(self, req_ids: Optional[Set[str]] = None,
+                   timeout: Optional[float] = None) -> bool:
+        """Blocks until the save jobs of ``req_ids`` (every request's when None) are done:
+        stored, failed or cancelled, each woken by its job's end, not polled. Returns whether
+        they all are, ``timeout`` seconds at most (None: no limit; a job past its
+        worker_deadline_ms is not waited for: get_finished drops it). vLLM never calls it (its
+        steps call get_finished); a benchmark or a shutdown that needs the pages stored before
+        a lookup does, then get_finished hands the finished requests back at once. On the
+        forward's thread, as get_finished."""
+        futs = [j.future for rid, jobs in self._jobs.items()
+                if req_ids is None or rid in req_ids for j in jobs if j.future is not None]
+        if futs:
+            # The deadline bounds the wait as it bounds the job (a job past it is dropped).
+            limit = max(j.deadline for jobs in self._jobs.values() for j in jobs) - \
+                time.monotonic()
+            limit = max(0.0, limit if timeout is None else min(timeout, limit))
+            wait_futures(futs, timeout=limit)
+        self._sweep_saves()
+        return not any(req_ids is None or rid in req_ids for rid in self._jobs)
 
     def wait_for_save(self) -> None:
         """Ends the step without waiting for kvtierd: the step's save jobs are on the I/O
