@@ -197,7 +197,10 @@ static int h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
 
 int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 {
-    uint64_t t0 = kvt_now_ns();
+    /* A request arrives when its bytes are read: the read's stamp (conn.c), one clock read for
+     * the whole pipeline it brought instead of one per request (clock reads were 3.4 % of
+     * kvtierd's samples under pipelined MATCHes, two a request; 2.2 % with this one gone). */
+    uint64_t t0 = c->rx_ns;
     if (!c->authed && h->opcode != KVT_OP_AUTH) {
         kvt__proto_error(c->srv, KVT_PERR_AUTH);
         kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAUTH,
