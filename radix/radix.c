@@ -1320,9 +1320,13 @@ static void touch_blocks(kvt_radix_t *t, kvt_block_t *b, uint32_t n)
         uint32_t last = b->last_access;
         float factor = last == now ? 1.0f : exp2f(-(float)(now - last) * t->decay_per_tick);
         do {
+            uint32_t hits;
             b->freq = b->freq * factor + 1.0f;
             b->last_access = now;
-            b->hits += b->hits != UINT32_MAX;
+            /* Saturating: an add and a rarely taken branch (the compare and set it was cost
+             * three instructions a page more). */
+            if (!__builtin_add_overflow(b->hits, 1u, &hits))
+                b->hits = hits;
         } while (++b < e && b->last_access == last);
     }
 }
@@ -1404,25 +1408,36 @@ void kvt_radix_touch(kvt_radix_t *t, const kvt_match_t *m)
 static inline void prefetch_range(const void *p, size_t len)
 {
     const char *b = (const char *)((uintptr_t)p & ~(uintptr_t)63), *e = (const char *)p + len;
+    /* Four lines a step: a batch's warming asks for every line of its paths (some 190 a MATCH),
+     * and the loop's own count and compare were three of the four instructions a line. */
+    for (; e - b > 192; b += 256) {
+        __builtin_prefetch(b, 0, 1);
+        __builtin_prefetch(b + 64, 0, 1);
+        __builtin_prefetch(b + 128, 0, 1);
+        __builtin_prefetch(b + 192, 0, 1);
+    }
     for (; b < e; b += 64)
         __builtin_prefetch(b, 0, 1);
 }
 
-void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n)
+/* kvt_radix_warm and kvt_radix_warm_plan: with a plan, each node's tokens and blocks are noted
+ * in it (while it has room for the run) instead of asked for. */
+static void warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n,
+                 kvt_warm_plan_t *plan)
 {
-    if (!t || !runs || !ns_live(t, ns))
-        return;
     uint32_t ps = t->ns[ns].page_size;
     size_t page_bytes = (size_t)ps * sizeof(uint32_t);
     struct {
         const kvt_radix_node_t *node; /* the parent on the first pass, then the child */
         const uint8_t *tokens;
         uint32_t pos, end; /* pages */
+        uint32_t run;      /* its index in runs */
     } st[KVT_WARM_MAX];
     size_t live = 0;
     for (size_t i = 0; i < n && live < KVT_WARM_MAX; i++) {
         if (runs[i].ntokens / ps == 0 || !runs[i].tokens)
             continue;
+        st[live].run = (uint32_t)i;
         st[live].node = t->ns[ns].root;
         st[live].tokens = runs[i].tokens;
         st[live].pos = 0;
@@ -1448,8 +1463,18 @@ void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *ru
         for (size_t i = 0; i < live;) {
             const kvt_radix_node_t *c = st[i].node;
             uint32_t avail = KVT_MIN(c->npages, st[i].end - st[i].pos);
-            prefetch_range(c->tokens, avail * page_bytes);
-            prefetch_range(c->blocks, avail * sizeof(kvt_block_t));
+            uint8_t *k = plan ? &plan->nspans[st[i].run] : NULL;
+            if (k && *k < KVT_WARM_SPANS) {
+                plan->span[st[i].run][(*k)++] = (kvt_warm_span_t){
+                    .tokens = c->tokens,
+                    .blocks = c->blocks,
+                    .token_bytes = (uint32_t)(avail * page_bytes),
+                    .block_bytes = (uint32_t)(avail * sizeof(kvt_block_t)),
+                };
+            } else {
+                prefetch_range(c->tokens, avail * page_bytes);
+                prefetch_range(c->blocks, avail * sizeof(kvt_block_t));
+            }
             st[i].pos += avail;
             if (avail < c->npages || st[i].pos >= st[i].end || c->nkids == 0) {
                 st[i] = st[--live];
@@ -1461,6 +1486,35 @@ void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *ru
             }
             i++;
         }
+    }
+}
+
+void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n)
+{
+    if (t && runs && ns_live(t, ns))
+        warm(t, ns, runs, n, NULL);
+}
+
+void kvt_radix_warm_plan(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n,
+                         kvt_warm_plan_t *plan)
+{
+    if (!plan)
+        return;
+    plan->n = 0;
+    if (!t || !runs || !ns_live(t, ns))
+        return;
+    plan->n = KVT_MIN(n, (size_t)KVT_WARM_MAX); /* run indexes stay below KVT_WARM_MAX */
+    memset(plan->nspans, 0, plan->n);
+    warm(t, ns, runs, plan->n, plan);
+}
+
+void kvt_radix_warm_run(const kvt_warm_plan_t *plan, size_t i)
+{
+    if (!plan || i >= plan->n)
+        return;
+    for (uint32_t k = 0; k < plan->nspans[i]; k++) {
+        prefetch_range(plan->span[i][k].tokens, plan->span[i][k].token_bytes);
+        prefetch_range(plan->span[i][k].blocks, plan->span[i][k].block_bytes);
     }
 }
 

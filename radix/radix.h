@@ -242,6 +242,34 @@ typedef struct kvt_token_run {
 void kvt_radix_warm(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n);
 
 /*
+ * The same in two steps, so that a batch's transfers overlap the work on its matches instead of
+ * all waiting before the first: kvt_radix_warm_plan follows every run's path in step as
+ * kvt_radix_warm does (the node headers and child keys, whose misses depend on each other, asked
+ * for at once) but only notes where each run's pages' tokens and blocks lie; kvt_radix_warm_run
+ * asks for run i's, a few matches before run i's match. A plan holds addresses only: it reads
+ * nothing of the tree, so a plan gone stale (the tree changed) only asks for useless lines.
+ * Spans past KVT_WARM_SPANS nodes of a run are asked for at once by the plan. Caller-allocated
+ * (some 19 KB); n and the runs as for kvt_radix_warm, run i the i-th of runs (0 spans for a run
+ * not followed). i >= plan->n is ignored.
+ */
+#define KVT_WARM_SPANS 12
+
+typedef struct kvt_warm_span {
+    const void *tokens, *blocks;
+    uint32_t token_bytes, block_bytes;
+} kvt_warm_span_t;
+
+typedef struct kvt_warm_plan {
+    size_t n;
+    uint8_t nspans[KVT_WARM_MAX];
+    kvt_warm_span_t span[KVT_WARM_MAX][KVT_WARM_SPANS];
+} kvt_warm_plan_t;
+
+void kvt_radix_warm_plan(const kvt_radix_t *t, uint32_t ns, const kvt_token_run_t *runs, size_t n,
+                         kvt_warm_plan_t *plan);
+void kvt_radix_warm_run(const kvt_warm_plan_t *plan, size_t i);
+
+/*
  * A ghost table: the chain hashes of blocks recently evicted from the tree, in a direct-mapped
  * array of 2^bits slots (a newer hash takes an older one's slot). One is shared by whoever asks
  * "was this block here before?": kvtierd's miss reasons and the cost policy's reuse signal.

@@ -195,9 +195,36 @@ static int h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
     return rc;
 }
 
+/*
+ * The warming of a batch of MATCH frames (dispatch_batch, below): their paths are followed all
+ * together when the batch is read, and each one's tokens and blocks asked for KVT_WARM_AHEAD
+ * MATCHes before its own, so that they arrive while the MATCHes before it are handled. Asking
+ * for all of them at once made the first MATCH wait for every line of the batch. One per loop
+ * thread: only the connection being parsed (c) uses it, frame by frame (body: each MATCH's).
+ */
+#define KVT_WARM_AHEAD 6
+
+static _Thread_local struct {
+    const kvt__conn_t *c;
+    const uint8_t *body[KVT_WARM_MAX];
+    size_t next;
+    kvt_warm_plan_t plan;
+} warm;
+
+static void warm_next(const kvt__conn_t *c, const uint8_t *body)
+{
+    if (warm.c != c || warm.next >= warm.plan.n || warm.body[warm.next] != body)
+        return;
+    kvt__path_warm_run(&warm.plan, warm.next + KVT_WARM_AHEAD);
+    warm.next++;
+}
+
 int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 {
-    uint64_t t0 = kvt_now_ns();
+    /* A request arrives when its bytes are read: the read's stamp (conn.c), one clock read for
+     * the whole pipeline it brought instead of one per request (clock reads were 3.4 % of
+     * kvtierd's samples under pipelined MATCHes, two a request; 2.2 % with this one gone). */
+    uint64_t t0 = c->rx_ns;
     if (!c->authed && h->opcode != KVT_OP_AUTH) {
         kvt__proto_error(c->srv, KVT_PERR_AUTH);
         kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EAUTH,
@@ -210,6 +237,7 @@ int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
     case KVT_OP_AUTH:
         return kvt__h_auth(c, h, body, t0);
     case KVT_OP_MATCH:
+        warm_next(c, body);
         return kvt__h_match(c, h, body, t0);
     case KVT_OP_PUT:
         return kvt__h_put(c, h, body, t0);
@@ -243,17 +271,21 @@ int kvt__handle(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 
 /*
  * Before the whole MATCH frames in the input buffer go to their handler one by one, their paths
- * through the index are asked of the memory all together (kvt_radix_warm): a match alone
- * waits for the index's cache misses one after the other, a pipelined batch can have them in
- * flight at once while the frames before are handled. bench_server, twelve alternating runs with
- * and without: kvtierd CPU per MATCH lower in ten, by about 10% (README, "Benchmarks"). The wire's
- * tokens are little-endian, the tree's host-order: only done where those are the same bytes.
+ * through the index are followed all together (kvt_radix_warm_plan): a match alone waits for the
+ * index's cache misses one after the other, a pipelined batch can have them in flight at once
+ * while the frames before are handled. bench_server, twelve alternating runs with and without:
+ * kvtierd CPU per MATCH lower in ten, by about 10% (README, "Benchmarks"). Each path's pages are
+ * then asked for KVT_WARM_AHEAD MATCHes ahead (warm_next, above): ten alternating runs against
+ * asking for all at once, lower in eight, by about 3 % (docs/benchmarks.md, "MATCH's CPU, session
+ * 23"). The wire's tokens are little-endian, the tree's host-order: only done where those are the
+ * same bytes.
  */
 static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     kvt_token_run_t runs[KVT_WARM_MAX];
     size_t n = 0, off = 0;
+    warm.c = NULL;
     if (!c->hello)
         return;
     /* At most 2 x KVT_WARM_MAX frames looked at: a buffer of many small other frames (which the
@@ -270,12 +302,18 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
             kvt_proto_match_decode(in + off + KVT_PROTO_HDR, h.body_len, &q) == 0) {
             runs[n].tokens = q.tokens;
             runs[n].ntokens = q.ntokens;
+            warm.body[n] = in + off + KVT_PROTO_HDR;
             n++;
         }
         off += KVT_PROTO_HDR + (size_t)h.body_len;
     }
-    if (n > 1)
-        kvt__path_warm(c->srv, c->ns, runs, n);
+    if (n > 1) {
+        kvt__path_warm_plan(c->srv, c->ns, runs, n, &warm.plan);
+        warm.c = c;
+        warm.next = 0;
+        for (size_t i = 0; i < KVT_WARM_AHEAD; i++)
+            kvt__path_warm_run(&warm.plan, i);
+    }
 #else
     (void)c;
     (void)in;

@@ -295,7 +295,13 @@ uint64_t kvt__ns_need(const kvt_srv_t *s, const char *model, const char *adapter
     return kvt_radix_ns_need(s->radix, model, adapter, salt, page_size);
 }
 
-void kvt__path_warm(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n)
+void kvt__path_warm_plan(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n,
+                         kvt_warm_plan_t *plan)
 {
-    kvt_radix_warm(s->radix, ns, runs, n);
+    kvt_radix_warm_plan(s->radix, ns, runs, n, plan);
+}
+
+void kvt__path_warm_run(const kvt_warm_plan_t *plan, size_t i)
+{
+    kvt_radix_warm_run(plan, i);
 }

@@ -89,8 +89,11 @@ int kvt__ns_open(kvt_srv_t *s, const char *model, const char *adapter, const cha
                  uint32_t page_size, uint32_t *ns);
 uint64_t kvt__ns_need(const kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
                       uint32_t page_size);
-/* Warms the CPU cache for the n seeks of runs about to be made (kvt_radix_warm). */
-void kvt__path_warm(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n);
+/* Warms the CPU cache for the n seeks of runs about to be made, in two steps: the paths followed
+ * and their pages noted, then asked for run by run (kvt_radix_warm_plan, kvt_radix_warm_run). */
+void kvt__path_warm_plan(const kvt_srv_t *s, uint32_t ns, const kvt_token_run_t *runs, size_t n,
+                         kvt_warm_plan_t *plan);
+void kvt__path_warm_run(const kvt_warm_plan_t *plan, size_t i);
 
 /* Removes tokens[0, n) of namespace ns and everything below it (a REMOVE: its tier bytes are
  * discarded for good, no ghost, no drop counted; the tree hands the cause, KVT_RADIX_REMOVE, to

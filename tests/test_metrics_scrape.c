@@ -15,6 +15,7 @@
 #include "config.h"
 #include "policy.h"
 #include "proto.h"
+#include "test_raw_frames.h"
 #include "test_server_harness.h"
 
 #define PAGE 16
@@ -61,6 +62,78 @@ static void traffic(const kvd_t *d)
     cr_assert_eq(write(fd, hdr, sizeof hdr), (ssize_t)sizeof hdr);
     cr_assert_eq(read(fd, body, KVT_PROTO_HDR), KVT_PROTO_HDR);
     close(fd);
+}
+
+/* Reads one reply frame from fd into buf (its body); returns its header. */
+static kvt_proto_hdr_t read_reply(int fd, uint8_t *buf, size_t cap)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    kvt_proto_hdr_t h;
+    cr_assert_eq(read_full(fd, hdr, sizeof hdr), 0);
+    kvt_proto_hdr_decode(hdr, &h);
+    cr_assert_leq(h.body_len, cap);
+    cr_assert_eq(read_full(fd, buf, h.body_len), 0);
+    return h;
+}
+
+/*
+ * A request's duration runs from the read that brought it ("arrival"), not from when its handler
+ * began: a PING pipelined in one write behind a MATCH of 2,048 cached pages is read with it, so
+ * its duration includes the MATCH's handling and is at least the MATCH's (the same read, the
+ * PING's reply queued after). When each request took its own clock reading as it was handled,
+ * the PING's was a microsecond or two, far below the MATCH's.
+ */
+Test(metrics_scrape, a_requests_duration_runs_from_the_read_that_brought_it)
+{
+    enum { N = 2048 * PAGE };
+    kvd_t d = {0};
+    kvd_start(&d, NULL);
+    static uint32_t tok[N];
+    kvd_tokens(tok, N, 7);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, 4096);
+    kvt_client_put_t pr;
+    cr_assert_eq(kvt_client_put(c, tok, N, 0, 0, NULL, NULL, &pr), 0); /* index only */
+
+    int fd = kvd_raw(&d);
+    static uint8_t
+        frames[2 * KVT_PROTO_HDR + sizeof(kvt_wire_hello_t) + 1 + sizeof(kvt_wire_match_t) + 4 * N];
+    kvt_proto_hello_t hq = {
+        .min_version = 1, .max_version = 1, .page_size = PAGE, .block_bytes = 4096, .model_len = 1};
+    kvt_proto_hello_encode(frames, &hq);
+    frames[sizeof(kvt_wire_hello_t)] = 'm';
+    raw_frame(fd, KVT_OP_HELLO, 0, 1, frames, sizeof(kvt_wire_hello_t) + 1, KVT_PROTO_MAGIC,
+              KVT_PROTO_VERSION);
+    static uint8_t reply[1 << 16];
+    cr_assert_eq(read_reply(fd, reply, sizeof reply).status, 0);
+
+    /* MATCH then PING, in one write. */
+    uint32_t mlen = (uint32_t)(sizeof(kvt_wire_match_t) + 4 * N);
+    kvt_proto_match_t mq = {.ntokens = N};
+    kvt_proto_frame(frames, KVT_OP_MATCH, 0, 2, 0, mlen);
+    kvt_proto_match_encode(frames + KVT_PROTO_HDR, &mq);
+    kvt_proto_tokens_encode(frames + KVT_PROTO_HDR + sizeof(kvt_wire_match_t), tok, N);
+    kvt_proto_frame(frames + KVT_PROTO_HDR + mlen, KVT_OP_PING, 0, 3, 0, 0);
+    size_t len = 2 * KVT_PROTO_HDR + mlen;
+    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+    kvt_proto_hdr_t h = read_reply(fd, reply, sizeof reply);
+    cr_assert(h.opcode == (KVT_OP_MATCH | KVT_OP_REPLY) && h.status == 0, "MATCH: op %u status %d",
+              h.opcode, h.status);
+    kvt_proto_match_reply_t mr;
+    const uint8_t *tiers;
+    cr_assert_eq(kvt_proto_match_reply_decode(reply, h.body_len, &mr, &tiers), 0);
+    cr_assert_eq(mr.pages, 2048, "the MATCH walked the whole cached path");
+    h = read_reply(fd, reply, sizeof reply);
+    cr_assert_eq(h.opcode, KVT_OP_PING | KVT_OP_REPLY);
+    close(fd);
+    kvt_client_close(c);
+
+    double match_s = kvd_metric(&d, "kvtier_request_duration_seconds_sum{op=\"match\"}");
+    double ping_s = kvd_metric(&d, "kvtier_request_duration_seconds_sum{op=\"ping\"}");
+    cr_assert_gt(match_s, 0);
+    cr_expect_geq(ping_s, match_s, "PING %.9f s, MATCH %.9f s: the PING arrived with the MATCH",
+                  ping_s, match_s);
+    kvd_stop(&d);
+    kvd_cleanup(&d);
 }
 
 Test(metrics_scrape, counters_follow_traffic)

@@ -461,6 +461,68 @@ Test(radix_ops, warming_changes_nothing)
     free(t);
 }
 
+/* A warming plan notes, for each run, the tokens and blocks of each node on its path, as far as
+ * the run goes in it (run by run, in the runs' order; none for a run that leaves the tree at once
+ * or is shorter than a page), asks for none of them until kvt_radix_warm_run, and changes nothing;
+ * a plan gone stale (its nodes freed) is still safe to run: it holds addresses only. */
+Test(radix_ops, a_warming_plan_notes_each_runs_pages_along_its_path)
+{
+    uint32_t *a = seq(20 * PS, 1), *b = seq(20 * PS, 1), *miss = seq(4 * PS, 777777);
+    insert(a, 20 * PS);
+    b[12 * PS] = 5; /* a's first 12 pages, then 3 of its own: a split at 12 */
+    insert(b, 15 * PS);
+    kvt_match_t ma, mb;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 20 * PS, KVT_MATCH_NOTOUCH, &ma), 0);
+    cr_assert_eq(kvt_radix_match(tree, ns, b, 15 * PS, KVT_MATCH_NOTOUCH, &mb), 0);
+    kvt_radix_node_t *head = kvt_radix_node_parent(ma.node);
+    cr_assert(head && head == kvt_radix_node_parent(mb.node));
+    kvt_radix_stats_t before, after;
+    kvt_radix_stats(tree, &before);
+
+    static kvt_warm_plan_t plan;
+    kvt_token_run_t runs[] = {
+        {.tokens = a, .ntokens = 18 * PS + 3}, /* 12 pages in head, 6 of a's 8 */
+        {.tokens = miss, .ntokens = 4 * PS},   /* not in the tree */
+        {.tokens = b, .ntokens = PS - 1},      /* shorter than a page */
+        {.tokens = b, .ntokens = 15 * PS},     /* head, then b's 3 */
+    };
+    kvt_radix_warm_plan(tree, ns, runs, KVT_ARRAY_LEN(runs), &plan);
+    cr_assert_eq(plan.n, 4);
+    cr_assert_eq(plan.nspans[0], 2);
+    cr_expect_eq(plan.nspans[1], 0);
+    cr_expect_eq(plan.nspans[2], 0);
+    cr_assert_eq(plan.nspans[3], 2);
+    const size_t pb = PS * sizeof(uint32_t);
+    cr_expect(plan.span[0][0].tokens == kvt_radix_node_tokens(head, 0) &&
+              plan.span[0][0].blocks == kvt_radix_node_blocks(head) &&
+              plan.span[0][0].token_bytes == 12 * pb &&
+              plan.span[0][0].block_bytes == 12 * sizeof(kvt_block_t));
+    cr_expect(plan.span[0][1].tokens == kvt_radix_node_tokens(ma.node, 0) &&
+              plan.span[0][1].blocks == kvt_radix_node_blocks(ma.node) &&
+              plan.span[0][1].token_bytes == 6 * pb);
+    cr_expect(plan.span[3][1].tokens == kvt_radix_node_tokens(mb.node, 0) &&
+              plan.span[3][1].token_bytes == 3 * pb &&
+              plan.span[3][1].block_bytes == 3 * sizeof(kvt_block_t));
+    for (size_t i = 0; i < KVT_WARM_MAX + 2; i++)
+        kvt_radix_warm_run(&plan, i);
+    kvt_radix_warm_run(NULL, 0);
+    kvt_radix_stats(tree, &after);
+    cr_expect_eq(memcmp(&before, &after, sizeof before), 0);
+
+    /* No namespace, no runs: an empty plan. */
+    kvt_radix_warm_plan(tree, ns + 1, runs, KVT_ARRAY_LEN(runs), &plan);
+    cr_expect_eq(plan.n, 0);
+    kvt_radix_warm_plan(tree, ns, runs, KVT_ARRAY_LEN(runs), &plan);
+    cr_assert_eq(kvt_radix_remove(tree, ns, a, PS), 0); /* every node of the plan goes */
+    for (size_t i = 0; i < plan.n; i++)
+        kvt_radix_warm_run(&plan, i);
+    cr_expect_eq(match_pages(a, 20 * PS), 0);
+    cr_expect_eq(match_pages(b, 15 * PS), 0);
+    free(a);
+    free(b);
+    free(miss);
+}
+
 static uint64_t trim_hashed; /* dropped blocks whose chain hash was known when they went */
 
 static int trim_drop(void *arg, kvt_radix_node_t *n, uint32_t npages)
