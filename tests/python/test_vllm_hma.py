@@ -40,6 +40,11 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLL
 
 import kvtier.vllm as kv  # noqa: E402
 from kvtier.keys import KEY_TOKENS, KEYS_TAG, key_tokens  # noqa: E402
+import test_vllm  # noqa: E402
+
+# vLLM's ModelConfig of a tiny Llama, which its Scheduler needs (test_vllm.py's fixture, this
+# module's own instance).
+tiny_model_config = test_vllm.tiny_model_config
 
 BS, HEADS, HEAD, NBLOCKS, WINDOW = 16, 2, 8, 40, 32
 DTYPE = torch.bfloat16
@@ -89,16 +94,21 @@ class Engine:
         self.worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kvc)
         self.kv = kv if kv is not None else paged(seed)
         self.worker.register_kv_caches(self.kv)
+        self.loaded: Any = None  # the metadata of admit's load between steps, if any
 
     def admit(self, r: "Request") -> Tuple[int, Any]:
         """vLLM's scheduler admitting a new request: the connector's hit, the manager's
-        blocks for all of it (the hit as external computed tokens), update_state_after_alloc,
-        then the step's metadata with the rest of the prompt scheduled."""
+        blocks for all of it (the hit as external computed tokens), update_state_after_alloc;
+        with several groups a hit is loaded between steps (load_between), as vLLM 0.34 has
+        it with load_async; then the step's metadata with the rest of the prompt scheduled
+        (with one group, the hit's loads in it)."""
         n, load_async = self.sched.get_num_new_matched_tokens(r, 0)
-        assert load_async is False
-        got = self.manager.allocate_slots(r, r.num_tokens - n, num_external_computed_tokens=n)
+        assert load_async is (bool(n) and len(self.kvc.kv_cache_groups) > 1)
+        got = self.manager.allocate_slots(r, r.num_tokens - n, num_external_computed_tokens=n,
+                                          delay_cache_blocks=load_async)
         assert got is not None
         self.sched.update_state_after_alloc(r, self.manager.get_blocks(r.request_id), n)
+        self.loaded = self.load_between(r) if load_async else None
         r.num_computed_tokens = n
         ids = self.manager.get_block_ids(r.request_id)
         nr = NewRequestData.from_request(r, ids, list(r.all_token_ids))
@@ -109,6 +119,28 @@ class Engine:
                              scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
                              finished_req_ids=set(), free_encoder_mm_hashes=[])
         return n, self.sched.build_connector_meta(so)
+
+    def load_between(self, r: "Request") -> Any:
+        """The steps in which ``r`` waits for its load (vLLM schedules none of its tokens):
+        the worker's calls until get_transfer_results reports the load done, with no block
+        among the load errors and the request not failed. Returns the metadata that carried
+        the loads."""
+        meta = self.sched.build_connector_meta(waiting_output())
+        w = self.worker
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            w.wait_for_save()
+            res = w.get_transfer_results(set())
+            assert w.get_block_ids_with_load_errors() == set() and not res.failed_recving
+            if res.finished_recving:
+                assert res.finished_recving == {r.request_id}
+                break
+            assert time.monotonic() < deadline, "the load was never reported"
+            time.sleep(0.005)
+        w.clear_connector_metadata()
+        return meta
 
     def step(self, meta: Any) -> set:
         """The worker's calls of one forward (model runner and attention layers). Saves are
@@ -146,6 +178,16 @@ def request(tokens: List[int]) -> "Request":
 def prompt(pages: int, extra: int) -> List[int]:
     base = next(_tok) * 100_000 + 7
     return list(range(base, base + pages * BS + extra))
+
+
+def waiting_output() -> "SchedulerOutput":
+    """A step of vLLM's scheduler that schedules no token (the requests wait for their
+    loads)."""
+    return SchedulerOutput(scheduled_new_reqs=[],
+                           scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                           finished_req_ids=set(), free_encoder_mm_hashes=[])
 
 
 def stored_tiers(d: Daemon, e: Engine, r: "Request", gid: int, pages: int) -> List[int]:
@@ -227,7 +269,8 @@ def test_two_groups_round_trip_each_its_window(vd: Daemon, extra: int, zero_copy
     ids_b = b.manager.get_block_ids(r2.request_id)
     ws = window_start(hit)
     assert ids_b[1][:ws] == [0] * ws  # vLLM's null block outside the window
-    loads = {t.group: (t.first, t.block_ids) for t in meta.loads}
+    assert not meta.loads  # loaded between steps (several groups)
+    loads = {t.group: (t.first, t.block_ids) for t in b.loaded.loads}
     assert loads == {0: (0, ids_b[0][:hit]), 1: (ws, ids_b[1][ws:hit])}
     assert b.step(meta) == set()
     for name in FULL:
@@ -290,7 +333,7 @@ def test_a_hit_needs_every_group(vd: Daemon) -> None:
     assert all(stored_tiers(vd, a, r, 1, 6)[window_start(5):])
     r3 = request(toks)
     n, meta = a.admit(r3)
-    assert n == 6 * BS and {t.group for t in meta.loads} == {0, 1}
+    assert n == 6 * BS and {t.group for t in a.loaded.loads} == {0, 1}
     assert a.step(meta) == set()
     a.finish(r3)
     with vd.client() as c:
@@ -570,3 +613,126 @@ def test_failed_asynchronous_load_is_reported_as_its_request(vd: Daemon) -> None
     assert res.finished_recving == {r2.request_id} and res.failed_recving == {r2.request_id}
     b.finish(r2)
     b.close()
+
+
+def test_several_groups_load_between_steps(vd: Daemon) -> None:
+    """With several KV cache groups a hit is always a load between steps (load_async on: a load
+    that fails there is reported as its request, which vLLM 0.34 takes; one that fails inside
+    a step only as its blocks, at which it raises RuntimeError); load_async set false is
+    refused when vLLM builds the connector, in both roles, naming why. One group keeps the
+    load in the step by default, and load_async false is its own choice."""
+    kvc = hybrid_config()
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="'load_async': false, but with 2 KV cache groups"):
+            KVConnectorFactory.create_connector(vllm_config(vd, load_async=False), role, kvc)
+    e = Engine(vd, None)
+    assert e.sched._async and e.worker._async
+    e.close()
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    one = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    for extra in ({}, {"load_async": False}):
+        c = KVConnectorFactory.create_connector(vllm_config(vd, **extra),
+                                                KVConnectorRole.SCHEDULER, one)
+        assert c._async is False
+        c.shutdown()
+
+
+def hybrid_scheduler(model_config: Any, d: Daemon, kvc: Any, policy: str) -> Any:
+    """vLLM's own v1 Scheduler for the hybrid config ``kvc`` (its KV cache manager the hybrid
+    coordinator), with the connector named by its module path on daemon ``d``, in MODEL's
+    namespace (the one Engine stores in), and vLLM's ``kv_load_failure_policy`` ``policy``;
+    vLLM's prefix cache off, so that every request asks the connector. Returns it and its
+    config."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    ktc = transfer_config(d, MODEL)
+    ktc.kv_load_failure_policy = policy
+    cfg = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
+                     cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+                     kv_transfer_config=ktc)
+    cfg.cache_config.num_gpu_blocks = NBLOCKS
+    s = Scheduler(vllm_config=cfg, kv_cache_config=kvc,
+                  structured_output_manager=StructuredOutputManager(cfg), block_size=BS)
+    assert isinstance(s.connector, kv.KvtierConnector)
+    assert len(s.kv_cache_config.kv_cache_groups) == 2
+    return s, cfg
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_daemon_killed_mid_load_through_vllms_scheduler(vd: Daemon, tiny_model_config: Any,
+                                                        policy: str) -> None:
+    """Issue 35 with several KV cache groups, through vLLM's real Scheduler stepped as its
+    engine steps it (schedule(), the worker's forward with the step's metadata, the worker's
+    KVConnectorOutput as vLLM's model runner builds it: get_transfer_results, then
+    get_block_ids_with_load_errors, then update_from_output): the daemon killed between the
+    lookup and the load. The request waits for its load (vLLM schedules none of its tokens),
+    the failed load is reported as the request (failed_recving), no block among the load
+    errors, and no step raises. With vLLM's kv_load_failure_policy "recompute", vLLM then
+    schedules the whole prompt: recomputed; with its default, "fail", vLLM ends that request
+    with an error (its choice; the engine goes on). Before, the load went in the step and its
+    blocks were reported: vLLM 0.34's update_from_output raised RuntimeError (block-level load
+    failures with several groups), whatever the policy."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    a = Engine(vd, seed=91)
+    toks = prompt(5, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    kvc = hybrid_config()
+    s, cfg = hybrid_scheduler(tiny_model_config, vd, kvc, policy)
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {"failed": set(), "invalid": set()}
+
+    def run(out: Any) -> Any:
+        """The worker's forward of vLLM's step ``out`` and its output back to the Scheduler."""
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for name, t in kvs.items():
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, t, None)
+        worker.wait_for_save()
+        res = worker.get_transfer_results(out.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        reported["failed"] |= res.failed_recving
+        reported["invalid"] |= invalid
+        s.update_from_output(out, ModelRunnerOutput(
+            req_ids=[], kv_connector_output=KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving, invalid_block_ids=invalid)))
+        return out
+
+    r2 = request(toks)
+    s.add_request(r2)
+    out = s.schedule()  # the lookup: a hit of 5 pages
+    assert out.kv_connector_metadata.loads
+    vd.stop(signal.SIGKILL)  # between the lookup and the load
+    run(out)
+    assert r2.request_id not in out.num_scheduled_tokens, "it waited for its load"
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        out = s.schedule()
+        if r2.request_id in out.num_scheduled_tokens:
+            break
+        run(out)
+        if r2.is_finished():
+            break
+        assert time.monotonic() < deadline, "the request never ran again"
+        time.sleep(0.005)
+    assert reported == {"failed": {r2.request_id}, "invalid": set()}
+    if policy == "fail":
+        assert r2.status == RequestStatus.FINISHED_ERROR
+    else:
+        assert out.num_scheduled_tokens[r2.request_id] == len(toks), "recomputed from its start"
+        assert r2.status == RequestStatus.RUNNING
+        s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()

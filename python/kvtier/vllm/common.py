@@ -239,6 +239,50 @@ def group_chain(base: List[bytes], gid: int, have: List[bytes], pages: int) -> L
     return have
 
 
+
+def vllm_group_count(kv_cache_config: Any) -> int:
+    """How many KV cache groups vLLM's ``kv_cache_config`` has, those the connector leaves to
+    vLLM (``enable_kv_transfer`` False) included: vLLM's scheduler counts them all when it
+    decides whether failed blocks can be reported (failures_per_request)."""
+    return len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+
+
+def failures_per_request(groups: List[KvGroup], vllm_groups: int) -> bool:
+    """Whether a failed load is reported as its request (get_transfer_results's
+    failed_recving: vLLM recomputes the request from its first token) instead of as its blocks
+    (get_block_ids_with_load_errors). vLLM 0.34's scheduler raises RuntimeError at blocks
+    reported with several KV cache groups (``vllm_groups``, vLLM's count: a block id names a
+    block of one group only), and with a Mamba group it would recompute from the first failed
+    block, whose state before it no block holds (vLLM's null blocks): both need the request.
+    vLLM takes failed_recving only for a request waiting for an asynchronous load
+    (WAITING_FOR_REMOTE_KVS), so such a connector loads between steps (load_between_steps)."""
+    return vllm_groups > 1 or any(g.state for g in groups)
+
+
+def load_between_steps(groups: List[KvGroup], vllm_groups: int, extra: Dict[str, Any]) -> bool:
+    """Whether loads go between steps (``load_async``). Always where a failed load must be
+    reported as its request (failures_per_request): vLLM 0.34 ignores a running request in
+    failed_recving (it would run on blocks that never arrived), and raises RuntimeError at
+    failed blocks with several groups, so a load in the step has no way to fail that vLLM
+    accepts (a daemon killed mid-load would crash the engine). With a Mamba group also because
+    vLLM copies a request's state from its hit's block into the block the step computes in
+    before the forward (before start_load_kv), and its Mamba layers never call
+    wait_for_layer_load, so the state must be in before the request's first step.
+    ``load_async`` set false there raises ValueError naming why."""
+    asked = bool(extra.get("load_async", False))
+    if not failures_per_request(groups, vllm_groups):
+        return asked
+    if "load_async" in extra and not asked:
+        if any(g.state for g in groups):
+            why = "a Mamba group's state is loaded between steps only"
+        else:
+            why = ("with %d KV cache groups a load goes between steps only: vLLM 0.34 takes a "
+                   "load that fails inside a step only as its failed blocks, and raises "
+                   "RuntimeError at failed blocks with several groups" % vllm_groups)
+        raise ValueError("%s: setting 'load_async': false, but %s" % (_WHERE, why))
+    return True
+
+
 # -- metadata: what the scheduler tells the workers each step ---------------------------------
 
 

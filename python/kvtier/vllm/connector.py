@@ -12,8 +12,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from ..guard import Guard, check_keys, flag, number
 from .common import (EXTRA_KEYS, REPLACED_KEYS, WARN_INTERVAL_S, WORKER_DEADLINE_MS, _WHERE,
-                     chain_root, kv_groups, log, model_name, tp_replicas)
-from .mamba import load_between_steps, refuse_unstorable
+                     chain_root, kv_groups, load_between_steps, log, model_name, tp_replicas,
+                     vllm_group_count)
+from .mamba import refuse_unstorable
 from .metrics import KvtierConnectorStats, KvtierPromMetrics, Tally
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -37,8 +38,9 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
     daemon's default), ``tp_rank`` / ``pp_rank`` (this worker's ranks; default: vLLM's
     parallel state, see worker_ranks),
     ``put_bytes`` (payload bytes per PUT, default 16 MiB), ``load_async`` (load between steps,
-    reported by get_finished, instead of inside the step; default False; such a load goes
-    through a staging buffer even when mapped), ``api`` ("keys" or "tokens": how chains reach
+    reported by get_finished, instead of inside the step; default False, but always on with
+    several KV cache groups or a Mamba group, where false is refused: common.load_between_steps
+    says why), ``api`` ("keys" or "tokens": how chains reach
     the daemon, see _PageStore), ``zero_copy`` (default True: on the Unix socket, map the
     arena and copy each layer once each way; False: the staging path), ``preempt_pause_ms``
     (the pause the "paused" hint of a preempted request announces, default 1000). Any other
@@ -76,7 +78,10 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         self._tp_replicas = tp_replicas(vllm_config, kv_cache_config, self._tp_size)
         self._tally = Tally(self._guard)  # this role's figures for vLLM's metrics (metrics.py)
         self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
-        self._async = load_between_steps(self._groups, self._extra)
+        self._vllm_groups = vllm_group_count(kv_cache_config)
+        # Between steps with several groups or a Mamba group: a failed load is then reported
+        # as its request, which vLLM accepts (common.load_between_steps).
+        self._async = load_between_steps(self._groups, self._vllm_groups, self._extra)
         self._init_scheduler_side(role == KVConnectorRole.SCHEDULER)
         self._init_worker_side()
 

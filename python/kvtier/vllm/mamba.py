@@ -12,7 +12,7 @@ but saves it at wait_for_save. common.py, which this module imports, marks the g
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from .common import KvGroup, _Transfer, _WHERE
 
@@ -84,28 +84,3 @@ def state_save(rid: str, chain: List[bytes], block_ids: List[int], done: int,
     if p <= saved or p > min(len(block_ids), len(chain)) or block_ids[p - 1] == 0:
         return None
     return _Transfer(rid, list(chain[:p]), p - 1, [block_ids[p - 1]], group=gid)
-
-
-def load_between_steps(groups: List[KvGroup], extra: Dict[str, Any]) -> bool:
-    """Whether loads go between steps (``load_async``). Always with a Mamba group: vLLM
-    copies a request's state from its hit's block into the block the step computes in before
-    the forward (before start_load_kv), and its Mamba layers never call wait_for_layer_load,
-    so the state must be in before the request's first step. ``load_async`` set false with a
-    Mamba group raises ValueError."""
-    asked = bool(extra.get("load_async", False))
-    if any(g.state for g in groups):
-        if "load_async" in extra and not asked:
-            raise ValueError("%s: setting 'load_async': false, but a Mamba group's state is "
-                             "loaded between steps only" % _WHERE)
-        return True
-    return asked
-
-
-def failures_per_request(groups: List[KvGroup]) -> bool:
-    """Whether a failed asynchronous load is reported as its request (get_transfer_results's
-    failed_recving: vLLM recomputes the request from its first token) instead of as its blocks
-    (get_block_ids_with_load_errors). vLLM 0.34 raises RuntimeError at blocks reported with
-    several KV cache groups (a block id names a block of one group only), and with a Mamba
-    group it would recompute from the first failed block, whose state before it no block
-    holds (vLLM's null blocks): both need the request."""
-    return len(groups) > 1 or any(g.state for g in groups)

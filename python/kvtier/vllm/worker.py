@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tupl
 import torch
 
 from ..client import Reservation
-from .common import KvtierConnectorMetadata, _Transfer, log, rank_salt, worker_ranks
+from .common import (KvtierConnectorMetadata, _Transfer, failures_per_request, log, rank_salt,
+                     worker_ranks)
 from .layout import _Layout, _Plan, _Views
-from .mamba import failures_per_request
 from .store import _PageStore
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class WorkerSide:
         self._async_loads: Dict[str, "Future[int]"] = {}
         self._async_errors: Dict[str, List[int]] = {}
         # Requests whose asynchronous load failed, reported as a whole (failed_recving):
-        # where vLLM cannot take failed blocks (mamba.failures_per_request).
+        # where vLLM cannot take failed blocks (common.failures_per_request).
         self._failed_recving: Set[str] = set()
         # Staging memory kept from step to step (a fresh 64 MiB tensor each step costs its page
         # faults on every load and save): [0] the step's loads; the save jobs take theirs from
@@ -955,7 +955,7 @@ class WorkerSide:
         for rid in done:
             del self._async_loads[rid]
             errors = self._async_errors.pop(rid, ())
-            if errors and failures_per_request(self._groups):
+            if errors and failures_per_request(self._groups, self._vllm_groups):
                 self._failed_recving.add(rid)
             else:
                 self._load_errors.update(errors)
@@ -964,7 +964,7 @@ class WorkerSide:
     def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
         """vLLM's KVConnectorTransferResults: get_finished's, with the requests whose
         asynchronous load failed as a whole (failed_recving, among finished_recving too) where
-        blocks cannot be reported (mamba.failures_per_request): vLLM recomputes them from
+        blocks cannot be reported (common.failures_per_request): vLLM recomputes them from
         their first token."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import \
             KVConnectorTransferResults
