@@ -354,22 +354,30 @@ def test_unsupported_group_refused_at_start(vd: Daemon) -> None:
             KVConnectorFactory.create_connector(vllm_config(vd), role, kvc)
 
 
-def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
-    """One group whose layers differ (bf16 K/V, float32 K/V with other heads, an MLA-style
-    latent with its block dimension first): pages laid out layer by layer at their own offsets,
-    saved through the zero-copy mapping and loaded into another engine's tensors byte-exact
-    (the numpy copies of a page whose layers are not alike)."""
+def unlike_config() -> "KVCacheConfig":
+    """One group of three layers (unlike_layers'), as vLLM builds it for them."""
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
-    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(NAMES[:3], spec)])
+    return KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(NAMES[:3], spec)])
 
-    def tensors(seed: Any) -> Dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed or 0)
-        made = {NAMES[0]: torch.randn(2, NBLOCKS, BS, HEADS, HEAD, generator=g).to(DTYPE),
-                NAMES[1]: torch.randn(2, NBLOCKS, BS, 1, 4, generator=g),
-                NAMES[2]: torch.randn(NBLOCKS, BS, 24, generator=g).to(DTYPE)}
-        return made if seed is not None else {n: torch.zeros_like(t) for n, t in made.items()}
 
+def unlike_layers(seed: Any) -> Dict[str, torch.Tensor]:
+    """Three layers not alike (bf16 K/V, float32 K/V with other heads, an MLA-style latent with
+    its block dimension first): no span plan covers them, so their pages are copied by numpy
+    (seed None: zeros)."""
+    g = torch.Generator().manual_seed(seed or 0)
+    made = {NAMES[0]: torch.randn(2, NBLOCKS, BS, HEADS, HEAD, generator=g).to(DTYPE),
+            NAMES[1]: torch.randn(2, NBLOCKS, BS, 1, 4, generator=g),
+            NAMES[2]: torch.randn(NBLOCKS, BS, 24, generator=g).to(DTYPE)}
+    return made if seed is not None else {n: torch.zeros_like(t) for n, t in made.items()}
+
+
+def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
+    """One group whose layers differ (unlike_layers): pages laid out layer by layer at their
+    own offsets, saved through the zero-copy mapping and loaded into another engine's tensors
+    byte-exact (the numpy copies of a page whose layers are not alike)."""
+    kvc = unlike_config()
+    tensors = unlike_layers
     a = Engine(vd, None, kvc, tensors(31))
     b = Engine(vd, None, kvc, tensors(None))
     assert a.worker._layout.dims == [1, 1, 0]
@@ -383,6 +391,50 @@ def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
     n, meta = b.admit(r2)
     assert n == 5 * BS and b.step(meta) == set()
     assert b.worker._store.mapped
+    ib = b.manager.get_block_ids(r2.request_id)[0][:5]
+    for name in NAMES[:3]:
+        dim = 1 if name != NAMES[2] else 0
+        x, y = a.kv[name].index_select(dim, torch.tensor(ia)), \
+            b.kv[name].index_select(dim, torch.tensor(ib))
+        assert x.any() and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    b.finish(r2)
+    a.close()
+    b.close()
+
+
+def test_numpy_copied_save_sends_its_pages_sums(vd: Daemon) -> None:
+    """A save into the mapping copied by numpy (layers not alike: no span plan, so no sums
+    taken in the copy), where RESERVE's reply asks for sums (zero-copy-checksum, the default):
+    the worker hashes the pages it copied and COMMIT carries the sums, so the daemon records
+    them (zero_copy_client_sums) and hashes none itself on its loop (zero_copy_seals stays).
+    Before, it committed without sums and the daemon hashed every page. The sums are right: a
+    connector over TCP, where the daemon checks each page against its sum, loads them byte
+    for byte."""
+    def stats() -> Dict[str, int]:
+        with vd.client() as c:
+            return c.stats()
+
+    kvc = unlike_config()
+    a = Engine(vd, None, kvc, unlike_layers(33))
+    assert a.worker._store.mapped
+    toks = prompt(5, 2)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0
+    before = stats()
+    assert a.step(meta) == set()
+    mid = stats()
+    assert mid["zero_copy_pages_reserve"] - before["zero_copy_pages_reserve"] == 5
+    assert mid["zero_copy_client_sums"] - before["zero_copy_client_sums"] == 5, mid
+    assert mid["zero_copy_seals"] == before["zero_copy_seals"], "the daemon hashed the pages"
+    ia = a.manager.get_block_ids(r.request_id)[0][:5]
+    a.finish(r)
+    b = Engine(vd, None, kvc, unlike_layers(None), unix_path=None, tcp=vd.tcp)
+    assert not b.worker._store.mapped
+    r2 = request(toks)
+    n, meta = b.admit(r2)
+    assert n == 5 * BS and b.step(meta) == set()
+    assert stats()["zero_copy_scribbles"] == mid["zero_copy_scribbles"]
     ib = b.manager.get_block_ids(r2.request_id)[0][:5]
     for name in NAMES[:3]:
         dim = 1 if name != NAMES[2] else 0

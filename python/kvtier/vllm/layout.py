@@ -51,6 +51,28 @@ def _copy_pages_xxh3() -> Optional[Any]:
 _COPY_PAGES_XXH3 = _copy_pages_xxh3()
 
 
+def page_sums(addrs: List[int], page_bytes: int) -> Optional[np.ndarray]:
+    """The XXH3-64 (seed 0) of each page of ``page_bytes`` bytes at ``addrs`` (in order): the
+    sums COMMIT carries for pages a save copied without taking them (numpy's copies, a CUDA
+    tensor's), so that the daemon does not hash the pages on its loop after COMMIT's reply.
+    Taken by kvt_copy_pages_xxh3 copying each page into one scratch page (a page at a time:
+    it hashes as it writes, and pages of one call would be written over each other), or None
+    without it in libkvtier (the daemon then hashes them, as before)."""
+    if _COPY_PAGES_XXH3 is None or not addrs or page_bytes <= 0:
+        return None
+    scratch = np.empty(page_bytes, dtype=np.uint8)
+    span = np.array([[scratch.ctypes.data, 0, page_bytes]], dtype=np.uint64)
+    sp = ffi.cast("kvt_copy_span_t *", span.ctypes.data)
+    sums = np.empty(len(addrs), dtype=np.uint64)
+    out = ffi.cast("uint64_t *", sums.ctypes.data)
+    for i, a in enumerate(addrs):
+        span[0, 1] = a
+        rc = _COPY_PAGES_XXH3(sp, 1, 1, out + i)
+        if rc != 0:
+            raise OSError("kvt_copy_pages_xxh3: %d" % rc)
+    return sums
+
+
 def _np(t: torch.Tensor) -> Optional[np.ndarray]:
     """``t``'s memory as a numpy array of the same shape and strides, or None (a CUDA tensor,
     an element size numpy has no integer for). numpy copies a strided block in one call, on

@@ -27,7 +27,7 @@ import torch
 from ..client import Reservation
 from .common import (KvtierConnectorMetadata, _Transfer, failures_per_request, log, rank_salt,
                      worker_ranks)
-from .layout import _Layout, _Plan, _Views
+from .layout import _Layout, _Plan, _Views, page_sums
 from .store import _PageStore
 
 if TYPE_CHECKING:
@@ -766,11 +766,14 @@ class WorkerSide:
                                 lay.gather(staging, li, kv, blocks)  # type: ignore
                     job.copied = True
             job.read.set()
+            copied_runs = bool(runs) and not seal
             runs, plan = [], None  # the views are not touched after this
             if not job.copied:
                 if resv is not None and resv.id:
                     self._abort(resv)
                 return 0
+            if copied_runs and resv is not None and resv.id and resv.sealed:
+                sums = self._sums_of(resv)
             return self._store_pages(t, resv, rows, staging, stored, sums)
         except Exception:
             if not job.copied and resv is not None and resv.id:  # a copy failed part-way:
@@ -779,6 +782,18 @@ class WorkerSide:
         finally:
             if staging is not None:
                 self._give_staging(staging)
+
+    def _sums_of(self, resv: Reservation) -> Optional[Any]:
+        """The sums of a sealed reservation's pages copied without them (numpy's copies, a
+        CUDA tensor's: no page-ordered span plan): hashed here, on the I/O thread, rather than
+        by the daemon on its loop after COMMIT's reply, where the next lookup would wait
+        behind it. None (the daemon hashes them) where a page of it got no copy or libkvtier
+        cannot hash."""
+        assert self._store is not None
+        addrs = [a for a, v in zip(resv.addrs, resv.views) if v is not None]
+        if len(addrs) != resv.nreserved:
+            return None
+        return page_sums(addrs, self._store.block_bytes)
 
     def _store_pages(self, t: _Transfer, resv: Optional[Reservation], rows: List[int],
                      staging: Optional[torch.Tensor], stored: List[int],
