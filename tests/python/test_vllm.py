@@ -1128,6 +1128,40 @@ def test_zero_copy_no_reservation_falls_back_to_the_socket() -> None:
         d.stop(signal.SIGKILL)
 
 
+def test_staged_pages_of_a_mapped_worker_go_with_their_sums(vd: Daemon,
+                                                            monkeypatch: Any) -> None:
+    """Pages a mapped worker stages (here its reservation is unusable: the copy plan raises)
+    go through Client.put, whose libkvtier put_mapped reserves room for them again, copies
+    them in hashing each page and commits with the sums: the daemon records them
+    (zero_copy_client_sums up by the pages) and hashes none itself (zero_copy_seals
+    unchanged); another engine loads them byte for byte."""
+    from kvtier.vllm import layout
+
+    def unusable(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("no plan (test)")
+
+    a, b = Engine(vd, seed=18), Engine(vd, seed=None)
+    assert a.worker._store.mapped
+    monkeypatch.setattr(layout._Layout, "save_plan", unusable)
+    monkeypatch.setattr(layout._Layout, "runs", unusable)
+    toks = prompt(3)
+    before = zc_stats(vd)
+    save_prompt(a, request(toks), [1, 2, 3, 4])
+    monkeypatch.undo()  # B's load plans its copies
+    after = zc_stats(vd)
+    assert a.worker._staged >= 3, "the pages were staged"
+    assert after["reservations_aborted"] - before["reservations_aborted"] == 1
+    assert after["zero_copy_client_sums"] - before["zero_copy_client_sums"] == 3, after
+    assert after["zero_copy_seals"] == before["zero_copy_seals"], "the daemon hashed the pages"
+    r = request(toks)
+    n, meta = schedule(b.sched, r, [20, 21, 22, 23])
+    assert n == 3 * BS and run_step(b.worker, b.kv, meta) == set()
+    assert same_pages(a, [1, 2, 3], b, [20, 21, 22])
+    b.sched.request_finished(r, [])
+    a.close()
+    b.close()
+
+
 def test_zero_copy_daemon_killed_between_reserve_and_commit(vd: Daemon, caplog: Any) -> None:
     """The daemon dies after a save job reserved its pages and before it copied the blocks
     into them: the copy still goes into the mapping (kept until the job is over: closing would
