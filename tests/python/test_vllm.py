@@ -2481,3 +2481,20 @@ def test_zero_copy_save_sends_its_pages_sums(vd: Daemon, wrong: bool, monkeypatc
     assert wait_until(lambda: leases(vd) == 0)
     a.close()
     b.close()
+
+
+def test_readme_launch_line_recomputes_a_failed_load() -> None:
+    """The README's `vllm serve --kv-transfer-config` builds vLLM's own KVTransferConfig naming
+    this connector, with kv_load_failure_policy "recompute": vLLM's default ("fail") ends a
+    request whose load failed with an error instead of recomputing it (docs/engines.md)."""
+    import json
+    import re
+
+    from conftest import SOURCE_ROOT
+
+    with open(os.path.join(SOURCE_ROOT, "README.md")) as f:
+        m = re.search(r"vllm serve MODEL --kv-transfer-config '(\{.*?\})'", f.read(), re.S)
+    assert m, "the README has a vLLM launch line"
+    ktc = KVTransferConfig(**json.loads(m.group(1)))
+    assert (ktc.kv_connector, ktc.kv_connector_module_path) == ("KvtierConnector", "kvtier.vllm")
+    assert ktc.kv_load_failure_policy == "recompute"
