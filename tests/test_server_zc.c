@@ -1421,10 +1421,10 @@ static void zsend_pipelined(int fd, unsigned op, uint64_t id0, uint32_t n, uint8
     cr_assert_eq(write(fd, buf, len), (ssize_t)len);
 }
 
-/* A keyed save's two pipelines (libkvtier's client/each.c, the Python package's keyed PUT) on
- * fd, mapped at z: 32 RESERVEs of one page each (tokens from base) in one write, then their 32
- * COMMITs in one. Checks every reply, whole and in order, and the pages stored as written;
- * returns the daemon's socket writes for each pipeline in *reserves and *commits. */
+/* A keyed save's two pipelines (libkvtier's kvt__put_each_mapped in client/kvtier.c, the Python
+ * package's keyed PUT) on fd, mapped at z: 32 RESERVEs of one page each (tokens from base) in one
+ * write, then their 32 COMMITs in one. Checks every reply, whole and in order, and the pages stored
+ * as written; returns the daemon's socket writes for each pipeline in *reserves and *commits. */
 static void pipelined_save(int fd, zmap_t *z, uint32_t base, double *reserves, double *commits)
 {
     enum { N = 32 };
