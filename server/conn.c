@@ -252,6 +252,28 @@ void kvt__loop_post(kvt__conn_t *c)
     }
 }
 
+void kvt__kicks_defer(kvt__loop_t *l)
+{
+    l->deferring = 1;
+}
+
+void kvt__kicks_flush(kvt__loop_t *l)
+{
+    /* Kicked as the completions' kicks were, with the lock held throughout (l->top is not
+     * set), and before the reap: a connection closed meanwhile is still there, marked gone, and
+     * its kick does nothing. Another loop's posts on the list get their kick here instead.
+     * Kicks these kicks make (a request one finishes at once on another connection) are not
+     * deferred. */
+    l->deferring = 0;
+    while (l->posted) {
+        kvt__conn_t *c = l->posted;
+        l->posted = c->posted_next;
+        c->posted_next = NULL;
+        c->posted = 0;
+        kvt__conn_kick(c);
+    }
+}
+
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 {
     for (int k = 0; k < 64; k++) {
@@ -1070,6 +1092,17 @@ void kvt__conn_kick(kvt__conn_t *c)
     }
     if (c->in_handler)
         return; /* the frame loop that is running kicks when it is done */
+    if (c->loop->deferring) {
+        /* Its loop delivers a batch of completions: the replies the rest of the batch finishes
+         * go in the same write (32 pipelined RESERVEs' DRAM writes: one writev, not 32). The
+         * posted list serves, without the eventfd: kvt__kicks_flush empties it. */
+        if (!c->posted) {
+            c->posted = 1;
+            c->posted_next = c->loop->posted;
+            c->loop->posted = c;
+        }
+        return;
+    }
     c->in_handler = 1;
     if (!c->dead && conn_write(c) < 0)
         c->dead = 1;

@@ -241,7 +241,12 @@ static void on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
 {
     (void)events;
     kvt_tier_t *t = s->tiers[ev - s->tier_ev];
+    /* The completions' kicks of loop 0's connections wait for the batch's end, so that the
+     * replies it finishes on a connection leave in one writev (the others' go posted to their
+     * loops, once each already). */
+    kvt__kicks_defer(&s->loops[0]);
     int rc = kvt_tier_process(t);
+    kvt__kicks_flush(&s->loops[0]);
     if (rc < 0)
         kvt_log(KVT_LOG_WARN, "kvtierd: %s tier: processing completions: %s",
                 kvt_tier_name(kvt_tier_kind(t)), kvt_strerror(rc));

@@ -478,6 +478,9 @@ struct kvt__loop {
      * the one place where its socket I/O may let the lock go (nothing else is half done). */
     kvt__conn_t *top;
     int sealing;
+    /* Between kvt__kicks_defer and kvt__kicks_flush: its own connections' kicks only put them
+     * on its posted list. Its own thread's only. */
+    int deferring;
     uint32_t conns;
     uint64_t requests, kicks_posted;
     /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
@@ -610,6 +613,13 @@ void kvt__loop_set_self(kvt__loop_t *l);
 kvt__loop_t *kvt__loop_pick(kvt_srv_t *s);
 /* c belongs to another loop: it is kicked there (a posted kick, under s->lock). */
 void kvt__loop_post(kvt__conn_t *c);
+/* Between the two, a kick of one of l's own connections (l the calling thread's loop, holding
+ * s->lock for writing) only puts it on l's posted list, and kvt__kicks_flush kicks what is there
+ * once each. For a batch of completions (a tier's, loop.c on_tier), each of which finishes a
+ * request and kicks its connection: the replies the batch finishes on one connection then leave
+ * in one write, not one each. */
+void kvt__kicks_defer(kvt__loop_t *l);
+void kvt__kicks_flush(kvt__loop_t *l);
 /* Appends a complete reply frame (header + body) for request (op, id) to the queue. */
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
                uint32_t len);
