@@ -1761,9 +1761,10 @@ static void apply_hint(kvt_block_t *b, const kvt_policy_hint_t *h, uint32_t dept
 }
 
 /*
- * block_class as a table, indexed by the hits before this match (9 and more alike: hit_class
- * gives them all its top class, with the ghost's hit or without) and the flags' top four bits
- * (the ghost bit and the position class): the chain of compares in hit_class was a third of a
+ * block_class as a table for a block the match has counted a hit of, indexed by its hit count
+ * with that hit (0 and 1 alike: none before it; 10 and more alike: hit_class gives 9 hits before
+ * and more its top class, with the ghost's hit or without) and the flags' top four bits (the
+ * ghost bit and the position class): the chain of compares in hit_class was a third of a
  * MATCH's work per page in kvt_policy_on_match.
  */
 #define HC(h)    ((h) == 0 ? 0 : (h) == 1 ? 1 : (h) == 2 ? 2 : (h) < 5 ? 3 : (h) < 9 ? 4 : 5)
@@ -1773,16 +1774,16 @@ static void apply_hint(kvt_block_t *b, const kvt_policy_hint_t *h, uint32_t dept
         CL(h, 0), CL(h, 1), CL(h, 2), CL(h, 3), CL(h, 4), CL(h, 5), CL(h, 6), CL(h, 7), CL(h, 8),  \
             CL(h, 9), CL(h, 10), CL(h, 11), CL(h, 12), CL(h, 13), CL(h, 14), CL(h, 15)             \
     }
-#define CLASS_HITS 10
-static const uint8_t class_of[CLASS_HITS][16] = {CLROW(0), CLROW(1), CLROW(2), CLROW(3), CLROW(4),
-                                                 CLROW(5), CLROW(6), CLROW(7), CLROW(8), CLROW(9)};
+#define CLASS_HITS 11
+static const uint8_t class_of[CLASS_HITS][16] = {CLROW(0), CLROW(0), CLROW(1), CLROW(2),
+                                                 CLROW(3), CLROW(4), CLROW(5), CLROW(6),
+                                                 CLROW(7), CLROW(8), CLROW(9)};
 _Static_assert(GHOST_FLAG == 1u << 7 && POS_SHIFT == 4, "class_of reads the flags' top nibble");
 
-/* The class of a block the match has counted a hit of. */
 static unsigned matched_class(const kvt_block_t *b)
 {
-    uint32_t before = b->hits ? b->hits - 1 : 0;
-    return class_of[before < CLASS_HITS - 1 ? before : CLASS_HITS - 1][b->flags >> 4];
+    uint32_t h = b->hits < CLASS_HITS - 1 ? b->hits : CLASS_HITS - 1;
+    return class_of[h][(unsigned)b->flags >> 4];
 }
 
 /* The first block of [b, e) that is in a tier, or e. A path's pages are mostly all index-only
@@ -1835,6 +1836,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
     unsigned run_class = 0;
     uint32_t run = 0;
     uint32_t per_tier[KVT_TIER_COUNT] = {0}; /* pages this match loads from each tier */
+    uint8_t maxt = KVT_TIER_NONE;            /* the slowest tier a stored page is in */
     /* Node by node (this runs on every MATCH; a path iterator steps block by block). */
     for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;
          kvt_path_run_next(&r)) {
@@ -1852,7 +1854,8 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             if (b->tier == KVT_TIER_NONE && (b = skip_index_only(b, e)) == e)
                 break;
             uint8_t t = b->tier;
-            promote |= t > top; /* tier_rank(t) is t for every tier but NONE */
+            if (t > maxt) /* the promotion's test once a MATCH (tier_rank(t) is t here) */
+                maxt = t;
             if (!cost || t >= KVT_TIER_COUNT)
                 continue;
             per_tier[t]++;
@@ -1877,6 +1880,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
     }
     if (run > 0)
         p->class_hits[run_class] += run;
+    promote |= maxt > top;
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
         if (per_tier[t])
             p->run_pages[t] += RUN_GAIN * ((double)per_tier[t] - p->run_pages[t]);
