@@ -534,19 +534,12 @@ static int orphan_take(kvt_policy_t *p, const kvt_radix_node_t *n)
 
 /* ---- the cost model's reuse estimate ------------------------------------------------------- */
 
+/* A constant expression, so that on_match's table of classes (class_of) is made from it too. */
+#define HIT_CLASS(h) ((h) == 0 ? 0 : (h) == 1 ? 1 : (h) == 2 ? 2 : (h) < 5 ? 3 : (h) < 9 ? 4 : 5)
+
 static unsigned hit_class(uint32_t hits)
 {
-    if (hits == 0)
-        return 0;
-    if (hits == 1)
-        return 1;
-    if (hits == 2)
-        return 2;
-    if (hits < 5)
-        return 3;
-    if (hits < 9)
-        return 4;
-    return 5;
+    return HIT_CLASS(hits);
 }
 
 /* The block's class: hit count x where it sat in the prompt that added it. */
@@ -1767,8 +1760,7 @@ static void apply_hint(kvt_block_t *b, const kvt_policy_hint_t *h, uint32_t dept
  * ghost bit and the position class): the chain of compares in hit_class was a third of a
  * MATCH's work per page in kvt_policy_on_match.
  */
-#define HC(h)    ((h) == 0 ? 0 : (h) == 1 ? 1 : (h) == 2 ? 2 : (h) < 5 ? 3 : (h) < 9 ? 4 : 5)
-#define CL(h, f) (HC((h) + ((f) >> 3)) * NPOSC + ((f)&7))
+#define CL(h, f) (HIT_CLASS((h) + ((f) >> 3)) * NPOSC + ((f)&7))
 #define CLROW(h)                                                                                   \
     {                                                                                              \
         CL(h, 0), CL(h, 1), CL(h, 2), CL(h, 3), CL(h, 4), CL(h, 5), CL(h, 6), CL(h, 7), CL(h, 8),  \
