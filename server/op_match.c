@@ -121,23 +121,29 @@ static uint32_t curve_block(const kvt__conn_t *c)
     return c->block_bytes ? c->block_bytes : c->ns < s->nns ? s->ns[c->ns].block_bytes : 0;
 }
 
-/* The tiers of a path's pages into out, node by node (each node's blocks read in place). Four
- * pages a step: this runs over every page of every MATCH, and the plain loop's index
- * arithmetic was 7 instructions a page. */
+/* The tiers of a path's pages into out, node by node (each node's blocks read in place). Eight
+ * pages a step, counted down from the run's length: this runs over every page of every MATCH;
+ * the plain loop's index arithmetic was 7 instructions a page, four a step with the pointers'
+ * distance recomputed 3.5, this 2.5. */
 static void path_tiers(const kvt_match_t *m, uint8_t *out)
 {
     kvt__path_t p;
     for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p)) {
-        const kvt_block_t *b = p.run.blocks, *e = b + p.run.n;
+        const kvt_block_t *b = p.run.blocks;
         uint8_t *o = out + p.run.depth;
-        for (; e - b >= 4; b += 4, o += 4) {
+        uint32_t n = p.run.n;
+        for (; n >= 8; n -= 8, b += 8, o += 8) {
             o[0] = b[0].tier;
             o[1] = b[1].tier;
             o[2] = b[2].tier;
             o[3] = b[3].tier;
+            o[4] = b[4].tier;
+            o[5] = b[5].tier;
+            o[6] = b[6].tier;
+            o[7] = b[7].tier;
         }
-        for (; b < e; b++)
-            *o++ = b->tier;
+        for (; n > 0; n--)
+            *o++ = (b++)->tier;
     }
 }
 
