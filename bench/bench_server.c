@@ -71,6 +71,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <arpa/inet.h>
@@ -178,14 +179,13 @@ static int free_port(void)
 
 /* A program path with a slash, made absolute: the servers run in the scratch directory (spawn's
  * chdir), where a relative one named nothing and they did not start. A bare name is left to
- * execvp's PATH search, and one that does not resolve as it is, to fail with its log. Kept for
- * the run. */
-static const char *abs_prog(const char *path)
+ * execvp's PATH search, and one that does not resolve as it is, to fail with its log. Into buf,
+ * which the caller keeps for the run. */
+static const char *abs_prog(const char *path, char buf[PATH_MAX])
 {
     if (!strchr(path, '/') || path[0] == '/')
         return path;
-    char *r = realpath(path, NULL);
-    return r ? r : path;
+    return realpath(path, buf) ? buf : path;
 }
 
 static pid_t spawn(char *const argv[], const char *log)
@@ -1522,8 +1522,9 @@ int main(int argc, char **argv)
                 LEASE_HELD_MAX);
         return 2;
     }
-    o.kvtierd = abs_prog(o.kvtierd);
-    o.redis_server = abs_prog(o.redis_server);
+    static char kvtierd_path[PATH_MAX], redis_path[PATH_MAX];
+    o.kvtierd = abs_prog(o.kvtierd, kvtierd_path);
+    o.redis_server = abs_prog(o.redis_server, redis_path);
     int want_match = ops_has(o.ops, "match");
     int want_get = ops_has(o.ops, "get");
     int want_lease = ops_has(o.ops, "lease");
