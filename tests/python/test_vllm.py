@@ -1314,11 +1314,12 @@ def test_end_to_end_tiny_model(vd: Daemon, load_async: bool) -> None:
 
 
 def stall_config(unix: str, **extra: Any) -> "VllmConfig":
-    """The connector's own defaults for deadlines, probe and warnings (none set here)."""
+    """The connector's own defaults for deadlines, probe and warnings (none set here), vLLM's
+    kv_load_failure_policy as the README sets it."""
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm",
-            kv_role="kv_both",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"unix_path": unix, "model": "tiny-test", **extra}),
         device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(block_size=BS))
 
@@ -2498,3 +2499,20 @@ def test_readme_launch_line_recomputes_a_failed_load() -> None:
     ktc = KVTransferConfig(**json.loads(m.group(1)))
     assert (ktc.kv_connector, ktc.kv_connector_module_path) == ("KvtierConnector", "kvtier.vllm")
     assert ktc.kv_load_failure_policy == "recompute"
+
+
+@pytest.mark.parametrize("policy, warned", [("fail", True), ("recompute", False)])
+def test_a_failing_load_policy_is_said_at_start(vd: Daemon, caplog: Any, policy: str,
+                                                warned: bool) -> None:
+    """vLLM's kv_load_failure_policy "fail" (its default) ends a request whose load failed
+    instead of recomputing it: the scheduler's connector says so once at start, naming the
+    setting; the worker's says nothing (vLLM's scheduler applies the policy)."""
+    cfg = vllm_config(vd, "warn-test", BS)
+    cfg.kv_transfer_config.kv_load_failure_policy = policy
+    with caplog.at_level("WARNING", logger="kvtier.vllm"):
+        sched = connector(cfg, KVConnectorRole.SCHEDULER)
+        worker = connector(cfg, KVConnectorRole.WORKER)
+    said = [m for m in caplog.messages if "kv_load_failure_policy" in m]
+    assert len(said) == (1 if warned else 0), said
+    worker.shutdown()
+    sched.shutdown()

@@ -56,6 +56,15 @@ class KvtierConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1, SupportsHMA
         cc = vllm_config.cache_config
         self._block_size = int(self._extra.get("block_size") or cc.block_size)
         self._check_settings(cc, kv_cache_config)
+        if (role == KVConnectorRole.SCHEDULER and
+                getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail"):
+            # vLLM's default: a failed load (the daemon gone between a lookup and its load)
+            # then ends its request with an error instead of recomputing it. Said once, at
+            # start: the connector cannot tell the default from a deliberate choice.
+            log.warning("kvtier: vLLM's kv_load_failure_policy is \"fail\": a request whose "
+                        "load from kvtierd fails ends with an error instead of being "
+                        "recomputed; set \"kv_load_failure_policy\": \"recompute\" in "
+                        "--kv-transfer-config (docs/engines.md)")
         # vLLM's KV cache groups (SupportsHMA: several with the hybrid manager), each with its
         # own key chain; refuses a group it cannot store (common.kv_groups).
         self._groups = kv_groups(kv_cache_config, self._block_size)
