@@ -455,6 +455,18 @@ static int dead_rehash(dead_t *d, size_t cap, uint64_t from)
     return 0;
 }
 
+/* n's record in d (added if new) set to seq; d has room. */
+static void dead_put(dead_t *d, kvt_radix_node_t *n, uint64_t seq)
+{
+    size_t s = ptr_slot(d, n);
+    while (d->keys[s] && d->keys[s] != n)
+        s = (s + 1) & (d->cap - 1);
+    if (!d->keys[s])
+        d->len++;
+    d->keys[s] = n;
+    d->seqs[s] = seq;
+}
+
 static int dead_add(kvt_policy_t *p, kvt_radix_node_t *n)
 {
     dead_t *d = &p->dead;
@@ -462,13 +474,7 @@ static int dead_add(kvt_policy_t *p, kvt_radix_node_t *n)
         p->dead_lost = 1; /* only a whole rebuild is safe now */
         return KVT_ENOMEM;
     }
-    size_t s = ptr_slot(d, n);
-    while (d->keys[s] && d->keys[s] != n)
-        s = (s + 1) & (d->cap - 1);
-    if (!d->keys[s])
-        d->len++;
-    d->keys[s] = n;
-    d->seqs[s] = ++p->seq;
+    dead_put(d, n, ++p->seq);
     return 0;
 }
 
@@ -502,13 +508,7 @@ static void orphan_add(kvt_policy_t *p, kvt_radix_node_t *n)
         p->orph_lost = 1; /* until the next rebuild, every such node is pushed */
         return;
     }
-    size_t s = ptr_slot(d, n);
-    while (d->keys[s] && d->keys[s] != n)
-        s = (s + 1) & (d->cap - 1);
-    if (!d->keys[s])
-        d->len++;
-    d->keys[s] = n;
-    d->seqs[s] = p->seq + 1; /* after every entry pushed so far, at or after a sweep's start */
+    dead_put(d, n, p->seq + 1); /* after every entry pushed so far, at or after a sweep's start */
 }
 
 /* Whether n was left out of the heaps since it was last pushed; forgets the record (the caller

@@ -847,6 +847,18 @@ static int frame_at(const kvt__conn_t *c, size_t off, kvt_proto_hdr_t *h)
     return c->in_len - off - KVT_PROTO_HDR >= h->body_len;
 }
 
+/* After a frame: a token scratch grown past KVT_TOKENS_KEEP by a long prompt goes back (counted
+ * as the lock held allows: kvt__clients_add). */
+static void tokens_trim(kvt__conn_t *c)
+{
+    if (c->tokens_cap <= KVT_TOKENS_KEEP)
+        return;
+    kvt__clients_add(c, -(int64_t)(c->tokens_cap * sizeof(uint32_t)));
+    free(c->tokens);
+    c->tokens = NULL;
+    c->tokens_cap = 0;
+}
+
 /* Hands every whole frame in the input buffer to the handlers, while the connection is allowed
  * more work. */
 static void conn_parse(kvt__conn_t *c)
@@ -902,12 +914,7 @@ static void conn_parse(kvt__conn_t *c)
             break;
         }
         off += frame;
-        if (c->tokens_cap > KVT_TOKENS_KEEP) {
-            s->clients.bytes -= c->tokens_cap * sizeof(uint32_t);
-            free(c->tokens);
-            c->tokens = NULL;
-            c->tokens_cap = 0;
-        }
+        tokens_trim(c);
     }
     if (off > 0) {
         memmove(c->in, c->in + off, c->in_len - off);
@@ -970,12 +977,7 @@ static void conn_parse_shared(kvt__conn_t *c)
             break;
         c->frames++;
         off += KVT_PROTO_HDR + (size_t)h.body_len;
-        if (c->tokens_cap > KVT_TOKENS_KEEP) {
-            kvt__clients_add(c, -(int64_t)(c->tokens_cap * sizeof(uint32_t)));
-            free(c->tokens);
-            c->tokens = NULL;
-            c->tokens_cap = 0;
-        }
+        tokens_trim(c);
     }
     if (off > 0) {
         memmove(c->in, c->in + off, c->in_len - off);
