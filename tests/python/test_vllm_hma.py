@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from conftest import Daemon
-from vllm_harness import forward, handed_back, settle, skip_without_vllm, transfer_config
+from vllm_harness import forward, handed_back, load_with_daemon_killed, settle, skip_without_vllm
+from vllm_harness import transfer_config
 from vllm_harness import vllm_config as harness_vllm_config
 
 try:
@@ -492,12 +493,7 @@ def test_asynchronous_load_of_both_groups(vd: Daemon) -> None:
                                     delay_cache_blocks=True) is not None
     b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
     ib = b.manager.get_block_ids(r2.request_id)
-    waiting = SchedulerOutput(scheduled_new_reqs=[],
-                              scheduled_cached_reqs=CachedRequestData.make_empty(),
-                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                              scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                              finished_req_ids=set(), free_encoder_mm_hashes=[])
-    meta = b.sched.build_connector_meta(waiting)
+    meta = b.sched.build_connector_meta(waiting_output())
     ws = window_start(7)
     assert {t.group: (t.first, t.async_load) for t in meta.loads} == {0: (0, True),
                                                                        1: (ws, True)}
@@ -641,27 +637,9 @@ def test_failed_asynchronous_load_is_reported_as_its_request(vd: Daemon) -> None
     assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
                                     delay_cache_blocks=True) is not None
     b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
-    waiting = SchedulerOutput(scheduled_new_reqs=[],
-                              scheduled_cached_reqs=CachedRequestData.make_empty(),
-                              num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                              scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                              finished_req_ids=set(), free_encoder_mm_hashes=[])
-    meta = b.sched.build_connector_meta(waiting)
+    meta = b.sched.build_connector_meta(waiting_output())
     assert {t.group for t in meta.loads} == {0, 1}
-    vd.stop(signal.SIGKILL)
-    w = b.worker
-    w.bind_connector_metadata(meta)
-    w.start_load_kv(None)
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        w.wait_for_save()
-        res = w.get_transfer_results(set())
-        assert w.get_block_ids_with_load_errors() == set()
-        if res.finished_recving:
-            break
-        assert time.monotonic() < deadline, "the load was never reported"
-        time.sleep(0.005)
-    w.clear_connector_metadata()
+    res = load_with_daemon_killed(vd, b.worker, meta, SETTLE_S)
     assert res.finished_recving == {r2.request_id} and res.failed_recving == {r2.request_id}
     b.finish(r2)
     b.close()

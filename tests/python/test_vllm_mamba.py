@@ -16,7 +16,6 @@ kvtierd behind it. Serving a real hybrid model is not possible on this CPU (no v
 from __future__ import annotations
 
 import itertools
-import signal
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from conftest import Daemon
-from vllm_harness import handed_back, settle, skip_without_vllm
+from vllm_harness import handed_back, load_with_daemon_killed, settle, skip_without_vllm
 from vllm_harness import vllm_config as harness_vllm_config
 
 try:
@@ -473,20 +472,7 @@ def test_failed_load_is_reported_as_its_request(vd: Daemon) -> None:
     b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
     meta = b.sched.build_connector_meta(empty_output([], CachedRequestData.make_empty(), {}))
     assert {t.group for t in meta.loads} == {0, 1}
-    vd.stop(signal.SIGKILL)
-    w = b.worker
-    w.bind_connector_metadata(meta)
-    w.start_load_kv(None)
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        w.wait_for_save()
-        res = w.get_transfer_results(set())
-        assert w.get_block_ids_with_load_errors() == set()
-        if res.finished_recving:
-            break
-        assert time.monotonic() < deadline, "the load was never reported"
-        time.sleep(0.005)
-    w.clear_connector_metadata()
+    res = load_with_daemon_killed(vd, b.worker, meta, SETTLE_S)
     assert res.finished_recving == {r2.request_id} and res.failed_recving == {r2.request_id}
     assert b.worker.get_transfer_results(set()).failed_recving == set()  # reported once
     b.finish(r2)

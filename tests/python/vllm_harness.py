@@ -1,12 +1,14 @@
-"""vllm_harness.py: the set-up test_vllm.py and test_vllm_hma.py share: the module-level skip
-where vLLM is not importable, the connector's settings for a test daemon, vLLM's config built from
-them, and the worker's calls of one forward with the waits a test makes around them (saves
-settled, blocks handed back). The per-test daemon, ``vd``, is conftest.py's. Imported by the test
-modules after their own vLLM imports succeeded, so vLLM is imported here inside the functions."""
+"""vllm_harness.py: the set-up test_vllm.py, test_vllm_hma.py and test_vllm_mamba.py share: the
+module-level skip where vLLM is not importable, the connector's settings for a test daemon, vLLM's
+config built from them, and the worker's calls of one forward with the waits a test makes around
+them (saves settled, blocks handed back, a load with the daemon killed). The per-test daemon,
+``vd``, is conftest.py's. Imported by the test modules after their own vLLM imports succeeded,
+so vLLM is imported here inside the functions."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any, Dict, NoReturn
 
@@ -94,3 +96,23 @@ def handed_back(worker: Any, request_id: str) -> None:
             return
         assert time.monotonic() < deadline, "the blocks were never handed back"
         time.sleep(0.002)
+
+
+def load_with_daemon_killed(d: Daemon, worker: Any, meta: Any, timeout: float) -> Any:
+    """A step's loads between steps (``meta``, planned after a hit) with the daemon SIGKILLed
+    first: the worker's calls until it reports the load, never a block among its load errors.
+    Returns that get_transfer_results."""
+    d.stop(signal.SIGKILL)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    deadline = time.monotonic() + timeout
+    while True:
+        worker.wait_for_save()
+        res = worker.get_transfer_results(set())
+        assert worker.get_block_ids_with_load_errors() == set()
+        if res.finished_recving:
+            break
+        assert time.monotonic() < deadline, "the load was never reported"
+        time.sleep(0.005)
+    worker.clear_connector_metadata()
+    return res
