@@ -373,6 +373,16 @@ def unlike_layers(seed: Any) -> Dict[str, torch.Tensor]:
     return made if seed is not None else {n: torch.zeros_like(t) for n, t in made.items()}
 
 
+def same_unlike_blocks(a: "Engine", ia: List[int], b: "Engine", ib: List[int]) -> None:
+    """unlike_layers' blocks ia of engine a hold bytes, and the same bytes as blocks ib of b (the
+    latent's block dimension is its first, the others' their second)."""
+    for name in NAMES[:3]:
+        dim = 1 if name != NAMES[2] else 0
+        x, y = a.kv[name].index_select(dim, torch.tensor(ia)), \
+            b.kv[name].index_select(dim, torch.tensor(ib))
+        assert x.any() and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+
+
 def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
     """One group whose layers differ (unlike_layers): pages laid out layer by layer at their
     own offsets, saved through the zero-copy mapping and loaded into another engine's tensors
@@ -393,11 +403,7 @@ def test_layers_of_other_shapes_and_dtypes_round_trip(vd: Daemon) -> None:
     assert n == 5 * BS and b.step(meta) == set()
     assert b.worker._store.mapped
     ib = b.manager.get_block_ids(r2.request_id)[0][:5]
-    for name in NAMES[:3]:
-        dim = 1 if name != NAMES[2] else 0
-        x, y = a.kv[name].index_select(dim, torch.tensor(ia)), \
-            b.kv[name].index_select(dim, torch.tensor(ib))
-        assert x.any() and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    same_unlike_blocks(a, ia, b, ib)
     b.finish(r2)
     a.close()
     b.close()
@@ -437,11 +443,7 @@ def test_numpy_copied_save_sends_its_pages_sums(vd: Daemon) -> None:
     assert n == 5 * BS and b.step(meta) == set()
     assert stats()["zero_copy_scribbles"] == mid["zero_copy_scribbles"]
     ib = b.manager.get_block_ids(r2.request_id)[0][:5]
-    for name in NAMES[:3]:
-        dim = 1 if name != NAMES[2] else 0
-        x, y = a.kv[name].index_select(dim, torch.tensor(ia)), \
-            b.kv[name].index_select(dim, torch.tensor(ib))
-        assert x.any() and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+    same_unlike_blocks(a, ia, b, ib)
     b.finish(r2)
     a.close()
     b.close()
