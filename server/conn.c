@@ -236,14 +236,22 @@ kvt__loop_t *kvt__loop_pick(kvt_srv_t *s)
     return best;
 }
 
+/* c on its loop's posted list, once: 1 when it was not there yet. */
+static int posted_push(kvt__conn_t *c)
+{
+    if (c->posted)
+        return 0;
+    c->posted = 1;
+    c->posted_next = c->loop->posted;
+    c->loop->posted = c;
+    return 1;
+}
+
 void kvt__loop_post(kvt__conn_t *c)
 {
     kvt__loop_t *l = c->loop;
-    if (c->posted)
+    if (!posted_push(c))
         return;
-    c->posted = 1;
-    c->posted_next = l->posted;
-    l->posted = c;
     l->kicks_posted++;
     kvt__metric_add(c->srv->metrics, KVT_M_LOOP_KICKS_POSTED, l->id, 1);
     uint64_t one = 1;
@@ -1098,11 +1106,7 @@ void kvt__conn_kick(kvt__conn_t *c)
         /* Its loop delivers a batch of completions: the replies the rest of the batch finishes
          * go in the same write (32 pipelined RESERVEs' DRAM writes: one writev, not 32). The
          * posted list serves, without the eventfd: kvt__kicks_flush empties it. */
-        if (!c->posted) {
-            c->posted = 1;
-            c->posted_next = c->loop->posted;
-            c->loop->posted = c;
-        }
+        posted_push(c);
         return;
     }
     c->in_handler = 1;
