@@ -322,12 +322,14 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 }
 
 /* A frame under the lock shared (conn.c's framing, several loops): only a MATCH without a lease
- * is answered there, and only once AUTH has passed. */
+ * is answered there, and only once AUTH has passed; it arrived with its read and its pages are
+ * asked for ahead, as in kvt__handle. */
 static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 {
     if (!c->authed || h->opcode != KVT_OP_MATCH)
         return 0;
-    return kvt__h_match_shared(c, h, body, kvt_now_ns());
+    warm_next(c, body);
+    return kvt__h_match_shared(c, h, body, c->rx_ns);
 }
 
 static int dispatch_shares(const kvt_proto_hdr_t *h)
