@@ -799,3 +799,44 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     worker.shutdown()
     s.shutdown()
 
+
+def test_request_finished_before_its_load_went_is_reported(vd: Daemon) -> None:
+    """A request that finishes (aborted) between the plan of its load between steps
+    (update_state_after_alloc) and the metadata that would carry it, as vLLM's deferred loads
+    allow (update_state_after_alloc in update_from_output, the metadata at the next
+    schedule()): vLLM holds the blocks of a request aborted while it waits for its load until
+    a worker reports it. The load is not sent (nothing loaded into blocks about to be freed),
+    but the request still goes out, unplanned: the worker reports it at once, failed, and
+    vLLM frees its blocks. On the old code request_finished dropped the planned load, and no
+    one ever reported the request: vLLM held its blocks for ever."""
+    a, b = Engine(vd, seed=97), Engine(vd, None)
+    toks = prompt(4, 2)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    r2 = request(toks)
+    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, load_async) == (4 * BS, True)
+    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
+                                    delay_cache_blocks=True) is not None
+    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    held, _ = b.sched.request_finished_all_groups(r2, b.manager.get_block_ids(r2.request_id))
+    assert held is False  # no save planned (vLLM holds the blocks for the load it waits for)
+    meta = b.sched.build_connector_meta(waiting_output())
+    assert meta.loads == []
+    w = b.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.wait_for_save()
+    res = w.get_transfer_results({r2.request_id})
+    assert w.get_block_ids_with_load_errors() == set()
+    w.clear_connector_metadata()
+    assert res.finished_recving == {r2.request_id} and res.failed_recving == {r2.request_id}
+    res = w.get_transfer_results(set())
+    assert not res.finished_recving and not res.failed_recving  # reported once
+    b.manager.free(r2)
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    b.close()
+

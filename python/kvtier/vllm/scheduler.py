@@ -356,7 +356,11 @@ class SchedulerSide:
         request in get_finished's finished_sending once its saves are stored, or dropped at their
         deadline; else False (freed at once)."""
         st = self._reqs.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
+        # A load planned but not sent yet (vLLM's deferred loads start it a step late): vLLM
+        # holds the blocks of a request finished while it waits for its load until a worker
+        # reports it, so it goes out unplanned (reported at once, nothing loaded), not dropped.
+        if self._pending_loads.pop(request.request_id, None) and self._async:
+            self._unplanned_reqs.append(request.request_id)
         if st is None:
             return False, None
         if self._index is not None:
