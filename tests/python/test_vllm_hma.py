@@ -840,3 +840,47 @@ def test_request_finished_before_its_load_went_is_reported(vd: Daemon) -> None:
         assert c.stats()["leases"] == 0
     b.close()
 
+
+def test_hit_vllm_takes_none_of_is_not_reported(vd: Daemon, tiny_model_config: Any) -> None:
+    """Through vLLM's real Scheduler: a request that skips cache reads (SamplingParams'
+    skip_reading_prefix_cache). vLLM still asks the connector, which answers its hit of 5
+    pages, asynchronously, then takes none of it (0 tokens, load_kv_async cleared) and calls
+    update_state_after_alloc with 0 external tokens: the request never waits, nothing is
+    loaded nor reported (vLLM asserts that a request reported loaded waits for its load or
+    is finished: reporting a running one would stop the engine), vLLM schedules its whole
+    prompt, and the lookup's leases are released at once (on the old code they were held
+    until the request finished)."""
+    from vllm.v1.request import RequestStatus
+
+    a = Engine(vd, seed=99)
+    toks = prompt(5, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    kvc = hybrid_config()
+    s, cfg = hybrid_scheduler(tiny_model_config, vd, kvc, "recompute")
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    r2 = Request("hreq-%d" % next(_ids), toks,
+                 SamplingParams(max_tokens=4, skip_reading_prefix_cache=True), None)
+    assert r2.skip_reading_external_kv
+    s.add_request(r2)
+    out = s.schedule()
+    assert s.connector._reqs[r2.request_id].hit_pages == 5  # answered, then not taken
+    assert out.num_scheduled_tokens[r2.request_id] == len(toks)
+    assert r2.status == RequestStatus.RUNNING
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    meta = out.kv_connector_metadata
+    assert not meta.loads and not meta.unplanned
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    for _ in range(3):  # the steps go on: nothing of it reported
+        run_step(s, worker, kvs, list(kvs), s.schedule(), reported)
+    assert r2.status == RequestStatus.RUNNING
+    assert not reported["recving"] and not reported["failed"] and not reported["invalid"]
+    s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()

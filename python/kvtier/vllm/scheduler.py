@@ -188,11 +188,19 @@ class SchedulerSide:
         start) rather than never; its next lookup answers 0 (the same plan would fail again).
         With no external tokens (vLLM took none of the hit: a request that skips cache reads,
         or a hit within its own local one) vLLM loads nothing and clears its
-        ``load_kv_async``: the request does not wait, and nothing is reported (vLLM asserts
-        that a request reported loaded waits for its load or is finished)."""
+        ``load_kv_async``: the request does not wait, nothing is reported (vLLM asserts that a
+        request reported loaded waits for its load or is finished), and the lookup's leases
+        are released now rather than when the request finishes."""
         rid = request.request_id
         st = self._reqs.get(rid)
-        if st is None or num_external_tokens <= 0:
+        if st is None:
+            return
+        if num_external_tokens <= 0:
+            if st.leases:
+                try:
+                    self._release_leases(st)
+                except Exception as e:  # noqa: BLE001 - the daemon drops them with the link
+                    log.debug("kvtier: leases of %s: %s", rid, e)
             return
         try:
             loads = self._plan_loads(st, blocks, num_external_tokens)
