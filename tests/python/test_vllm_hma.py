@@ -884,3 +884,60 @@ def test_hit_vllm_takes_none_of_is_not_reported(vd: Daemon, tiny_model_config: A
     s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()
+
+
+def test_lease_lapsed_before_the_load(vd: Daemon, tiny_model_config: Any) -> None:
+    """Through vLLM's real Scheduler (policy "recompute"): the lookup's lease (lease_ms 50)
+    lapses while the request waits for its load between steps, and the hit's pages go
+    meanwhile (REMOVE, which the daemon refuses while a lease holds them). The workers' load
+    asks for the pages afresh (its own MATCH with a lease), finds none, and reports the
+    request failed (failed_recving, within finished_recving), no block among the load errors:
+    vLLM recomputes its whole prompt; no step raises. The lapse costs a miss, never a load of
+    pages that are not there."""
+    from kvtier.errors import Busy
+    from kvtier.vllm.common import group_chain
+    from vllm.v1.request import RequestStatus
+
+    a = Engine(vd, seed=93)
+    toks = prompt(5, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    kvc = hybrid_config()
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute", {"lease_ms": 50})
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    r2 = request(toks)
+    s.add_request(r2)
+    out = s.schedule()  # the lookup, its leases for 50 ms
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and out.kv_connector_metadata.loads
+    model = MODEL + "|groups=2"
+    first = group_chain(kv.key_chain(r2, BS, kv.chain_root(model), [], 1), 0, [], 1)[0]
+    with vd.client(model=model, salt=kv.rank_salt(0, 1, 0, 1), page_size=KEY_TOKENS,
+                   adapter=KEYS_TAG, block_bytes=worker._layout.page_bytes) as c:
+        deadline = time.monotonic() + SETTLE_S
+        while True:  # the group's whole chain, once no lease holds it
+            try:
+                c.remove(key_tokens(first))
+                break
+            except Busy:
+                assert time.monotonic() < deadline, "the lease never lapsed"
+                time.sleep(0.02)
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    scheduled = None
+    for _ in range(100):
+        out = s.schedule()
+        if r2.request_id in out.num_scheduled_tokens:
+            scheduled = out.num_scheduled_tokens[r2.request_id]
+            break
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        time.sleep(0.01)
+    assert scheduled == len(toks), "recomputed from its start"
+    assert reported == {"failed": {r2.request_id}, "recving": {r2.request_id},
+                        "invalid": set()}
+    s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
