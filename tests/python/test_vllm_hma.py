@@ -22,7 +22,7 @@ import torch
 
 from conftest import Daemon
 from vllm_harness import forward, handed_back, load_with_daemon_killed, settle, skip_without_vllm
-from vllm_harness import transfer_config
+from vllm_harness import real_scheduler, run_step, transfer_config
 from vllm_harness import vllm_config as harness_vllm_config
 
 try:
@@ -671,23 +671,9 @@ def test_several_groups_load_between_steps(vd: Daemon) -> None:
 
 
 def hybrid_scheduler(model_config: Any, d: Daemon, kvc: Any, policy: str) -> Any:
-    """vLLM's own v1 Scheduler for the hybrid config ``kvc`` (its KV cache manager the hybrid
-    coordinator), with the connector named by its module path on daemon ``d``, in MODEL's
-    namespace (the one Engine stores in), and vLLM's ``kv_load_failure_policy`` ``policy``;
-    vLLM's prefix cache off, so that every request asks the connector. Returns it and its
-    config."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    ktc = transfer_config(d, MODEL)
-    ktc.kv_load_failure_policy = policy
-    cfg = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
-                     cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
-                     kv_transfer_config=ktc)
-    cfg.cache_config.num_gpu_blocks = NBLOCKS
-    s = Scheduler(vllm_config=cfg, kv_cache_config=kvc,
-                  structured_output_manager=StructuredOutputManager(cfg), block_size=BS)
-    assert isinstance(s.connector, kv.KvtierConnector)
+    """vLLM's own v1 Scheduler for the hybrid config ``kvc`` in MODEL's namespace (the one
+    Engine stores in), vLLM's prefix cache off (vllm_harness.real_scheduler)."""
+    s, cfg = real_scheduler(model_config, d, MODEL, kvc, policy)
     assert len(s.kv_cache_config.kv_cache_groups) == 2
     return s, cfg
 
@@ -706,7 +692,6 @@ def test_daemon_killed_mid_load_through_vllms_scheduler(vd: Daemon, tiny_model_c
     with an error (its choice; the engine goes on). Before, the load went in the step and its
     blocks were reported: vLLM 0.34's update_from_output raised RuntimeError (block-level load
     failures with several groups), whatever the policy."""
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     a = Engine(vd, seed=91)
@@ -720,27 +705,10 @@ def test_daemon_killed_mid_load_through_vllms_scheduler(vd: Daemon, tiny_model_c
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
     kvs = paged(None)
     worker.register_kv_caches(kvs)
-    reported: Dict[str, set] = {"failed": set(), "invalid": set()}
+    reported: Dict[str, set] = {}
 
-    def run(out: Any) -> Any:
-        """The worker's forward of vLLM's step ``out`` and its output back to the Scheduler."""
-        worker.bind_connector_metadata(out.kv_connector_metadata)
-        worker.start_load_kv(None)
-        for name, t in kvs.items():
-            worker.wait_for_layer_load(name)
-            worker.save_kv_layer(name, t, None)
-        worker.wait_for_save()
-        res = worker.get_transfer_results(out.finished_req_ids)
-        invalid = worker.get_block_ids_with_load_errors()
-        worker.clear_connector_metadata()
-        reported["failed"] |= res.failed_recving
-        reported["invalid"] |= invalid
-        s.update_from_output(out, ModelRunnerOutput(
-            req_ids=[], kv_connector_output=KVConnectorOutput(
-                finished_sending=res.finished_sending or None,
-                finished_recving=res.finished_recving or None,
-                failed_recving=res.failed_recving, invalid_block_ids=invalid)))
-        return out
+    def run(out: Any) -> None:
+        run_step(s, worker, kvs, list(kvs), out, reported)
 
     r2 = request(toks)
     s.add_request(r2)
@@ -759,12 +727,217 @@ def test_daemon_killed_mid_load_through_vllms_scheduler(vd: Daemon, tiny_model_c
             break
         assert time.monotonic() < deadline, "the request never ran again"
         time.sleep(0.005)
-    assert reported == {"failed": {r2.request_id}, "invalid": set()}
+    assert reported == {"failed": {r2.request_id}, "recving": {r2.request_id},
+                        "invalid": set()}
     if policy == "fail":
         assert r2.status == RequestStatus.FINISHED_ERROR
     else:
         assert out.num_scheduled_tokens[r2.request_id] == len(toks), "recomputed from its start"
         assert r2.status == RequestStatus.RUNNING
         s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: Any,
+                                                 monkeypatch: Any, groups: int) -> None:
+    """Through vLLM's real Scheduler (policy "recompute"), stepped as its engine steps it: a
+    hit loaded between steps (several groups; one group with load_async) whose planning
+    raises in update_state_after_alloc (no transfer can be built), after vLLM made the request
+    wait for its load (WAITING_FOR_REMOTE_KVS). The request is reported once, as a failed
+    load (failed_recving, within finished_recving; with one group too, where a load's
+    missing pages go as blocks: none of this one was planned), no block among the load
+    errors, in the step it began waiting: the step after, vLLM schedules its whole prompt
+    (its next lookup answers 0). On the old code the scheduler only logged the failure: no
+    load went to the workers, no one reported the request, and it waited for ever."""
+    import kvtier.vllm.scheduler as vsched
+    from vllm.v1.request import RequestStatus
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = hybrid_config() if groups == 2 else KVCacheConfig(
+        num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    extra = {"load_async": True}
+    a = Engine(vd, 95, kvc=kvc, **extra)
+    toks = prompt(5, 4)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    a.finish(r)
+    a.close()
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute", extra)
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+
+    def unbuildable(*args: Any, **kw: Any) -> Any:
+        raise ValueError("no transfer")
+
+    r2 = request(toks)
+    s.add_request(r2)
+    with monkeypatch.context() as m:
+        m.setattr(vsched, "_Transfer", unbuildable)
+        out = s.schedule()  # the lookup: a hit of 5 pages, to load between steps
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not out.kv_connector_metadata.loads
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    scheduled = waited = None
+    for step in range(100):  # 100 steps, a second: on the old code it waited for ever
+        out = s.schedule()
+        if r2.request_id in out.num_scheduled_tokens:
+            scheduled, waited = out.num_scheduled_tokens[r2.request_id], step
+            break
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        time.sleep(0.01)
+    assert r2.status == RequestStatus.RUNNING, "it waited for ever"
+    assert scheduled == len(toks), "recomputed from its start"
+    assert waited == 0, "scheduled the step after the one it began waiting in"
+    assert reported == {"failed": {r2.request_id}, "recving": {r2.request_id},
+                        "invalid": set()}
+    s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+def test_request_finished_before_its_load_went_is_reported(vd: Daemon) -> None:
+    """A request that finishes (aborted) between the plan of its load between steps
+    (update_state_after_alloc) and the metadata that would carry it, as vLLM's deferred loads
+    allow (update_state_after_alloc in update_from_output, the metadata at the next
+    schedule()): vLLM holds the blocks of a request aborted while it waits for its load until
+    a worker reports it. The load is not sent (nothing loaded into blocks about to be freed),
+    but the request still goes out, unplanned: the worker reports it at once, failed, and
+    vLLM frees its blocks. On the old code request_finished dropped the planned load, and no
+    one ever reported the request: vLLM held its blocks for ever."""
+    a, b = Engine(vd, seed=97), Engine(vd, None)
+    toks = prompt(4, 2)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    r2 = request(toks)
+    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, load_async) == (4 * BS, True)
+    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
+                                    delay_cache_blocks=True) is not None
+    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    held, _ = b.sched.request_finished_all_groups(r2, b.manager.get_block_ids(r2.request_id))
+    assert held is False  # no save planned (vLLM holds the blocks for the load it waits for)
+    meta = b.sched.build_connector_meta(waiting_output())
+    assert meta.loads == []
+    w = b.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.wait_for_save()
+    res = w.get_transfer_results({r2.request_id})
+    assert w.get_block_ids_with_load_errors() == set()
+    w.clear_connector_metadata()
+    assert res.finished_recving == {r2.request_id} and res.failed_recving == {r2.request_id}
+    res = w.get_transfer_results(set())
+    assert not res.finished_recving and not res.failed_recving  # reported once
+    b.manager.free(r2)
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    b.close()
+
+
+def test_hit_vllm_takes_none_of_is_not_reported(vd: Daemon, tiny_model_config: Any) -> None:
+    """Through vLLM's real Scheduler: a request that skips cache reads (SamplingParams'
+    skip_reading_prefix_cache). vLLM still asks the connector, which answers its hit of 5
+    pages, asynchronously, then takes none of it (0 tokens, load_kv_async cleared) and calls
+    update_state_after_alloc with 0 external tokens: the request never waits, nothing is
+    loaded nor reported (vLLM asserts that a request reported loaded waits for its load or
+    is finished: reporting a running one would stop the engine), vLLM schedules its whole
+    prompt, and the lookup's leases are released at once (on the old code they were held
+    until the request finished)."""
+    from vllm.v1.request import RequestStatus
+
+    a = Engine(vd, seed=99)
+    toks = prompt(5, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    kvc = hybrid_config()
+    s, cfg = hybrid_scheduler(tiny_model_config, vd, kvc, "recompute")
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    r2 = Request("hreq-%d" % next(_ids), toks,
+                 SamplingParams(max_tokens=4, skip_reading_prefix_cache=True), None)
+    assert r2.skip_reading_external_kv
+    s.add_request(r2)
+    out = s.schedule()
+    assert s.connector._reqs[r2.request_id].hit_pages == 5  # answered, then not taken
+    assert out.num_scheduled_tokens[r2.request_id] == len(toks)
+    assert r2.status == RequestStatus.RUNNING
+    with vd.client() as c:
+        assert c.stats()["leases"] == 0
+    meta = out.kv_connector_metadata
+    assert not meta.loads and not meta.unplanned
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    for _ in range(3):  # the steps go on: nothing of it reported
+        run_step(s, worker, kvs, list(kvs), s.schedule(), reported)
+    assert r2.status == RequestStatus.RUNNING
+    assert not reported["recving"] and not reported["failed"] and not reported["invalid"]
+    s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+def test_lease_lapsed_before_the_load(vd: Daemon, tiny_model_config: Any) -> None:
+    """Through vLLM's real Scheduler (policy "recompute"): the lookup's lease (lease_ms 50)
+    lapses while the request waits for its load between steps, and the hit's pages go
+    meanwhile (REMOVE, which the daemon refuses while a lease holds them). The workers' load
+    asks for the pages afresh (its own MATCH with a lease), finds none, and reports the
+    request failed (failed_recving, within finished_recving), no block among the load errors:
+    vLLM recomputes its whole prompt; no step raises. The lapse costs a miss, never a load of
+    pages that are not there."""
+    from kvtier.errors import Busy
+    from kvtier.vllm.common import group_chain
+    from vllm.v1.request import RequestStatus
+
+    a = Engine(vd, seed=93)
+    toks = prompt(5, 4)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
+    kvc = hybrid_config()
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute", {"lease_ms": 50})
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    r2 = request(toks)
+    s.add_request(r2)
+    out = s.schedule()  # the lookup, its leases for 50 ms
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS and out.kv_connector_metadata.loads
+    model = MODEL + "|groups=2"
+    first = group_chain(kv.key_chain(r2, BS, kv.chain_root(model), [], 1), 0, [], 1)[0]
+    with vd.client(model=model, salt=kv.rank_salt(0, 1, 0, 1), page_size=KEY_TOKENS,
+                   adapter=KEYS_TAG, block_bytes=worker._layout.page_bytes) as c:
+        deadline = time.monotonic() + SETTLE_S
+        while True:  # the group's whole chain, once no lease holds it
+            try:
+                c.remove(key_tokens(first))
+                break
+            except Busy:
+                assert time.monotonic() < deadline, "the lease never lapsed"
+                time.sleep(0.02)
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    scheduled = None
+    for _ in range(100):
+        out = s.schedule()
+        if r2.request_id in out.num_scheduled_tokens:
+            scheduled = out.num_scheduled_tokens[r2.request_id]
+            break
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        time.sleep(0.01)
+    assert scheduled == len(toks), "recomputed from its start"
+    assert reported == {"failed": {r2.request_id}, "recving": {r2.request_id},
+                        "invalid": set()}
+    s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()

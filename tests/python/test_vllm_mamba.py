@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from conftest import Daemon
-from vllm_harness import handed_back, load_with_daemon_killed, settle, skip_without_vllm
+from vllm_harness import handed_back, load_with_daemon_killed, real_scheduler, run_step, settle
+from vllm_harness import skip_without_vllm
 from vllm_harness import vllm_config as harness_vllm_config
 
 try:
@@ -46,6 +47,11 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no usable vLL
 
 import kvtier.vllm as kv  # noqa: E402
 from kvtier.keys import KEY_TOKENS, KEYS_TAG, key_tokens  # noqa: E402
+import test_vllm  # noqa: E402
+
+# vLLM's ModelConfig of a tiny Llama, which its Scheduler needs (test_vllm.py's fixture, this
+# module's own instance).
+tiny_model_config = test_vllm.tiny_model_config
 
 BS, HEADS, HEAD, NBLOCKS = 16, 2, 8, 40
 DTYPE = torch.bfloat16
@@ -477,3 +483,71 @@ def test_failed_load_is_reported_as_its_request(vd: Daemon) -> None:
     assert b.worker.get_transfer_results(set()).failed_recving == set()  # reported once
     b.finish(r2)
     b.close()
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["hybrid", "mamba_only"])
+@pytest.mark.parametrize("how", ["no_state", "raises"])
+def test_unplanned_load_reported_through_vllms_scheduler(vd: Daemon, tiny_model_config: Any,
+                                                         monkeypatch: Any, full: bool,
+                                                         how: str) -> None:
+    """A hit whose load the scheduler side cannot plan, through vLLM's real Scheduler (the
+    Mamba config, prefix caching on as align mode has it; policy "recompute") stepped as its
+    engine steps it: the lookup answers 4 pages, asynchronously, and vLLM makes the request
+    wait for its load (WAITING_FOR_REMOTE_KVS); then planning finds no Mamba state to load
+    (state_load None, as if vLLM gave no block for it) or raises. The request is reported
+    once, as a failed load (failed_recving, within finished_recving), no block among the load
+    errors, in the very step it began waiting: it leaves WAITING_FOR_REMOTE_KVS the step
+    after and is computed from its first token (its next lookup answers 0), the steps going
+    on. On the old code no load was sent and no one reported the request: it waited for
+    ever (the Mamba-only model, or any model where planning raised), or, with a full group
+    beside, that group's load went alone and vLLM resumed the request on a Mamba state never
+    loaded (its block untouched)."""
+    import kvtier.vllm.scheduler as vsched
+    from vllm.v1.request import RequestStatus
+
+    a = Engine(vd, 71, full=full)
+    r = request(prompt(4, 3))
+    a.prefill(r)
+    assert a.finish(r)
+    a.close()
+    kvc = ssm_config(full=full)
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute",
+                            enable_prefix_caching=True, mamba_cache_mode="align")
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = caches(None, full)
+    worker.register_kv_caches(kvs)
+    layers = FULL if full else []
+
+    def unplannable(*args: Any) -> Any:
+        if how == "raises":
+            raise ValueError("no block for the Mamba state")
+        return None
+
+    monkeypatch.setattr(vsched, "state_load", unplannable)
+    reported: Dict[str, set] = {}
+    r2 = request(list(r.all_token_ids))
+    s.add_request(r2)
+    out = s.schedule()  # the lookup: a hit of 4 pages, loaded between steps
+    assert r2.request_id not in out.num_scheduled_tokens
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not [t for t in out.kv_connector_metadata.loads if t.group == len(kvc.kv_cache_groups)
+                - 1], "no Mamba state load planned"
+    run_step(s, worker, kvs, layers, out, reported)
+    started = waited = None
+    for step in range(100):  # 100 steps, a second: on the old code it waited for ever
+        out = s.schedule()
+        new = [nr for nr in out.scheduled_new_reqs if nr.req_id == r2.request_id]
+        if new:  # scheduled to compute: where it starts is what counts
+            started, waited = new[0].num_computed_tokens, step
+            break
+        run_step(s, worker, kvs, layers, out, reported)
+        time.sleep(0.01)  # time for a load between steps, had one gone (the old code's)
+    assert r2.status != RequestStatus.WAITING_FOR_REMOTE_KVS, "it waited for ever"
+    assert started == 0, "computed from its first token, not resumed on a state never loaded"
+    assert reported == {"failed": {r2.request_id}, "recving": {r2.request_id},
+                        "invalid": set()}
+    assert waited == 0, "scheduled the step after the one it began waiting in"
+    assert r2.num_computed_tokens > 0 and r2.status == RequestStatus.RUNNING
+    s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()

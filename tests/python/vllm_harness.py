@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Dict, NoReturn
+from typing import Any, Dict, NoReturn, Optional
 
 import pytest
 
@@ -116,3 +116,64 @@ def load_with_daemon_killed(d: Daemon, worker: Any, meta: Any, timeout: float) -
         time.sleep(0.005)
     worker.clear_connector_metadata()
     return res
+
+
+def real_scheduler(model_config: Any, d: Daemon, model: str, kvc: Any, policy: str,
+                   /, extra: Optional[Dict[str, Any]] = None, **cache: Any) -> Any:
+    """vLLM's own v1 Scheduler for the KV cache config ``kvc`` (its KV cache manager that
+    config's coordinator), with the connector named by its module path on daemon ``d``, in
+    ``model``'s namespace, its settings ``extra`` added (transfer_config), and vLLM's
+    ``kv_load_failure_policy`` ``policy``; ``cache`` sets CacheConfig's fields (by default
+    vLLM's prefix cache off, so that every request asks the connector). Returns it and its
+    config."""
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    import kvtier.vllm as kv
+
+    ktc = transfer_config(d, model, **(extra or {}))
+    ktc.kv_load_failure_policy = policy
+    block_size = kvc.kv_cache_groups[0].kv_cache_spec.block_size
+    cache = {"enable_prefix_caching": False, **cache}
+    cfg = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
+                     cache_config=CacheConfig(block_size=block_size, **cache),
+                     kv_transfer_config=ktc)
+    cfg.cache_config.num_gpu_blocks = kvc.num_blocks
+    s = Scheduler(vllm_config=cfg, kv_cache_config=kvc,
+                  structured_output_manager=StructuredOutputManager(cfg), block_size=block_size)
+    assert isinstance(s.connector, kv.KvtierConnector)
+    return s, cfg
+
+
+def run_step(s: Any, worker: Any, kvs: Dict[str, Any], layers: Any, out: Any,
+             reported: Dict[str, set]) -> None:
+    """vLLM's model runner's part of step ``out`` of vLLM's Scheduler ``s``: the worker's
+    forward with the step's metadata (the ``layers`` of ``kvs`` whose attention calls the
+    per-layer hooks waiting for their load and saving; Mamba layers call none), its
+    KVConnectorOutput as the model runner builds it (get_transfer_results, then
+    get_block_ids_with_load_errors), handed to update_from_output with the step's requests
+    (their tokens computed, none sampled). ``reported`` collects the
+    requests reported failed ("failed") and loaded ("recving"), and the failed blocks
+    ("invalid"), step after step."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    worker.bind_connector_metadata(out.kv_connector_metadata)
+    worker.start_load_kv(None)
+    for name in layers:
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, kvs[name], None)
+    worker.wait_for_save()
+    res = worker.get_transfer_results(out.finished_req_ids)
+    invalid = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    for what, got in (("failed", res.failed_recving), ("recving", res.finished_recving),
+                      ("invalid", invalid)):
+        assert not reported.setdefault(what, set()) & set(got), "reported twice: %s" % what
+        reported[what] |= set(got)
+    ids = list(out.num_scheduled_tokens)  # the step's requests, none sampling a token
+    s.update_from_output(out, ModelRunnerOutput(
+        req_ids=ids, sampled_token_ids=[[] for _ in ids], kv_connector_output=KVConnectorOutput(
+            finished_sending=res.finished_sending or None,
+            finished_recving=res.finished_recving or None,
+            failed_recving=res.failed_recving, invalid_block_ids=invalid)))

@@ -304,6 +304,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # Requests vLLM preempted since the last step: their blocks are freed (and may be handed
     # to another request this very step), so their saves not yet copied out are cancelled.
     preempted: List[str] = field(default_factory=list)
+    # Requests vLLM waits for (an asynchronous load) whose load the scheduler could not plan:
+    # each worker reports them as failed loads (get_transfer_results) in this step.
+    unplanned: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -320,3 +323,5 @@ class _ReqState:
     # A save was planned for it: request_finished holds its blocks until the workers report
     # the request in get_finished's finished_sending (asynchronous saves, worker.py).
     saving: bool = False
+    # Its asynchronous load could not be planned (reported failed): its lookups answer 0.
+    recompute: bool = False

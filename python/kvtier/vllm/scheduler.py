@@ -42,6 +42,9 @@ class SchedulerSide:
     def _init_scheduler_side(self, scheduler: bool) -> None:
         self._reqs: Dict[str, _ReqState] = {}
         self._pending_loads: Dict[str, List[_Transfer]] = {}  # one per group
+        # Requests vLLM waits for (an asynchronous load) whose load was not planned: the next
+        # step's metadata lists them, and each worker reports them as failed loads.
+        self._unplanned_reqs: List[str] = []
         self._index: Optional[_PageStore] = None
         self._pause_ms = number(self._extra, "preempt_pause_ms", PREEMPT_PAUSE_MS, _WHERE)
         if not scheduler:
@@ -89,7 +92,7 @@ class SchedulerSide:
         max_pages = max(request.num_tokens - 1, 0) // bs
         computed = num_computed_tokens // bs
         st.computed_pages = computed
-        if max_pages <= computed:
+        if max_pages <= computed or st.recompute:
             return 0
         keys = key_chain(request, bs, self._root, st.keys, max_pages)
         self._tally.add("lookups")
@@ -175,45 +178,88 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
-        """Records the blocks the worker loads the matched pages into (the blocks of pages
-        [computed, computed + hits) among the request's blocks)."""
-        st = self._reqs.get(request.request_id)
+        """Records the loads of the request's hit (_plan_loads) for the step's metadata.
+
+        An asynchronous answer makes vLLM wait for the request (WAITING_FOR_REMOTE_KVS) until
+        a worker reports it in ``finished_recving``: where its load cannot be planned (planning
+        raises, or leaves a page vLLM counts as loaded unloaded: no block for a Mamba state,
+        nothing in a window), it goes in the step's metadata as unplanned, and each worker
+        reports it at once as a failed load (``failed_recving``: vLLM recomputes it, from its
+        start) rather than never; its next lookup answers 0 (the same plan would fail again).
+        With no external tokens (vLLM took none of the hit: a request that skips cache reads,
+        or a hit within its own local one) vLLM loads nothing and clears its
+        ``load_kv_async``: the request does not wait, nothing is reported (vLLM asserts that a
+        request reported loaded waits for its load or is finished), and the lookup's leases
+        are released now rather than when the request finishes."""
+        rid = request.request_id
+        st = self._reqs.get(rid)
         if st is None:
             return
         if num_external_tokens <= 0:
+            if st.leases:
+                try:
+                    self._release_leases(st)
+                except Exception as e:  # noqa: BLE001 - the daemon drops them with the link
+                    log.debug("kvtier: leases of %s: %s", rid, e)
             return
         try:
-            ids = blocks.get_block_ids()
-            first, hit = st.computed_pages, st.hit_pages
+            loads = self._plan_loads(st, blocks, num_external_tokens)
+        except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
+            self._guard.count("failures")
+            self._guard.warn("kvtier: no load planned for %s, recomputing it: %s", rid, e)
             loads = []
-            for g in self._groups:
-                gids = list(ids[g.gid]) if g.gid < len(ids) else []
-                if g.state:  # the state at the hit's boundary, one page
-                    t = state_load(request.request_id, self._chain(st, g.gid, hit), gids, hit,
-                                   self._async, g.gid)
-                    if t is not None:
-                        loads.append(t)
-                    continue
-                a = max(first, g.window_start(hit, self._block_size))
-                last = min(hit, len(gids))
-                if g.retained:  # never into vLLM's null block (pages outside the window)
-                    while a < last and gids[a] == 0:
-                        a += 1
-                if last > a:
-                    loads.append(_Transfer(request.request_id,
-                                           list(self._chain(st, g.gid, last)[:last]), a,
-                                           gids[a:last], self._async, g.gid))
-            if loads:
-                self._pending_loads[request.request_id] = loads
-        except Exception as e:  # noqa: BLE001
-            self._guard.warn("kvtier: no load planned for %s: %s", request.request_id, e)
+        if loads:
+            self._pending_loads[rid] = loads
+        elif self._async:
+            self._unplanned_reqs.append(rid)
+            st.recompute = True
+
+    def _plan_loads(self, st: _ReqState, blocks: "KVCacheBlocks",
+                    num_external_tokens: int) -> List[_Transfer]:
+        """The loads of a hit of ``st.hit_pages`` pages: in each group, pages [computed, hit)
+        into the request's blocks at those positions (a sliding window's from its window's
+        first block on, never into vLLM's null block; a Mamba group's state at the hit: one
+        page). ValueError where a page vLLM counts as loaded (its computed tokens and
+        ``num_external_tokens``) gets no load: no block for it, no Mamba state at the hit
+        (vLLM took fewer tokens than the answer, or gave no block), nothing to load at all."""
+        ids = blocks.get_block_ids()
+        bs = self._block_size
+        first, hit = st.computed_pages, st.hit_pages
+        end = first * bs + num_external_tokens  # the tokens vLLM counts as computed
+        need = min(hit, -(-end // bs))  # the pages holding them
+        loads = []
+        for g in self._groups:
+            gids = list(ids[g.gid]) if g.gid < len(ids) else []
+            if g.state:  # the state at the hit's boundary, one page
+                t = state_load(st.request.request_id, self._chain(st, g.gid, hit), gids, hit,
+                               self._async, g.gid)
+                if t is None or end != hit * bs:
+                    raise ValueError("no Mamba state for %d tokens (group %d)" % (end, g.gid))
+                loads.append(t)
+                continue
+            a = max(first, g.window_start(hit, bs))
+            last = min(hit, len(gids))
+            if last < need:
+                raise ValueError("%d blocks for the %d pages loaded (group %d)"
+                                 % (len(gids), need, g.gid))
+            if g.retained:  # never into vLLM's null block (pages outside the window)
+                while a < last and gids[a] == 0:
+                    a += 1
+            if last > a:
+                loads.append(_Transfer(st.request.request_id,
+                                       list(self._chain(st, g.gid, last)[:last]), a,
+                                       gids[a:last], self._async, g.gid))
+        if not loads:
+            raise ValueError("nothing to load")
+        return loads
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """This step's loads (planned by update_state_after_alloc) and saves (each request's
         full pages whose KV this step completes and kvtierd did not hold)."""
         meta = KvtierConnectorMetadata(loads=[t for ts in self._pending_loads.values()
-                                              for t in ts])
+                                              for t in ts], unplanned=self._unplanned_reqs)
         self._pending_loads.clear()
+        self._unplanned_reqs = []
         try:
             self._plan_saves(scheduler_output, meta)
         except Exception as e:  # noqa: BLE001
@@ -318,7 +364,11 @@ class SchedulerSide:
         request in get_finished's finished_sending once its saves are stored, or dropped at their
         deadline; else False (freed at once)."""
         st = self._reqs.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
+        # A load planned but not sent yet (vLLM's deferred loads start it a step late): vLLM
+        # holds the blocks of a request finished while it waits for its load until a worker
+        # reports it, so it goes out unplanned (reported at once, nothing loaded), not dropped.
+        if self._pending_loads.pop(request.request_id, None) and self._async:
+            self._unplanned_reqs.append(request.request_id)
         if st is None:
             return False, None
         if self._index is not None:

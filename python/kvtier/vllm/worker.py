@@ -154,6 +154,9 @@ class WorkerSide:
         # Requests whose asynchronous load failed, reported as a whole (failed_recving):
         # where vLLM cannot take failed blocks (common.failures_per_request).
         self._failed_recving: Set[str] = set()
+        # Requests the scheduler could not plan a load for (the metadata's ``unplanned``): vLLM
+        # waits for them, so get_finished reports them loaded, and failed (failed_recving).
+        self._unplanned_recving: Set[str] = set()
         # Staging memory kept from step to step (a fresh 64 MiB tensor each step costs its page
         # faults on every load and save): [0] the step's loads; the save jobs take theirs from
         # a free list (_staging_free), as they outlive their step. _staged counts the rows of
@@ -223,7 +226,10 @@ class WorkerSide:
         writes any block: the saves of requests vLLM preempted (their blocks freed) that have
         not read their blocks yet are cancelled."""
         meta = self._connector_metadata
-        if not isinstance(meta, KvtierConnectorMetadata) or self._layout is None:
+        if not isinstance(meta, KvtierConnectorMetadata):
+            return
+        self._unplanned_recving.update(meta.unplanned)
+        if self._layout is None:
             return
         self._waited = 0.0  # a new step: its own wait budget
         self._finish_loads()  # anything a previous step left
@@ -974,6 +980,11 @@ class WorkerSide:
                 self._failed_recving.add(rid)
             else:
                 self._load_errors.update(errors)
+        # An unplanned load is its request's failure whatever the groups: no block of it was
+        # planned, and vLLM 0.34 takes failed_recving for any request that waits for its load.
+        unplanned, self._unplanned_recving = self._unplanned_recving, set()
+        done |= unplanned
+        self._failed_recving |= unplanned
         return (sending or None), (done or None)
 
     def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
