@@ -59,6 +59,10 @@ typedef struct kvt__move kvt__move_t;
 /* A file descriptor in the loop and what to call when it is ready. */
 struct kvt__ev {
     int fd;
+    /* With several loops, cb may run with s->lock held shared and takes the write lock itself
+     * for what writes (a connection's event, a loop's eventfd); 0: the loop takes the write lock
+     * before calling it (listeners, signals, tiers, the metrics port). Beside fd: no room more. */
+    int shared;
     void (*cb)(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 };
 
@@ -486,6 +490,9 @@ struct kvt__loop {
     /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
      * threads read a loop's under the write lock: kvt__out_add of its connection). */
     int held;
+    /* It took the write lock since its last wake: the work after the batch (the policy's step)
+     * runs, whichever way the batch ended holding the lock. Its own thread's only. */
+    int wrote;
     /* MATCHes answered under the shared lock, deferred (written by this loop's thread under
      * the shared lock only; applied and emptied under the write lock): hits[0 .. nhits), their
      * samples' page keys keys[0 .. nkeys), and the clients' memory their replies queued
@@ -573,9 +580,13 @@ void kvt__srv_lock(kvt_srv_t *s);
 void kvt__srv_lock_shared(kvt_srv_t *s);
 void kvt__srv_unlock(kvt_srv_t *s);
 /* Loop l's thread holds s->lock as held says (KVT_HELD_*) from now on, letting go of how it held
- * it first: from shared to write is not atomic (a writer may come between: nothing may be half
- * done). Each write lock taken counts in kvtier_loop_write_locks_total. */
+ * it first: from shared to write is not atomic, nor from write to shared (a pthread rwlock has no
+ * downgrade): a writer may come between, so nothing may be half done. Each write lock taken
+ * counts in kvtier_loop_write_locks_total and sets l->wrote. */
 void kvt__loop_hold(kvt__loop_t *l, int held);
+/* Whether loop l, at the end of a batch that did not take the write lock, still has work after it
+ * that needs it: kicks posted, connections to free, moves landed, memory waits, seals. */
+int kvt__loop_busy(const kvt__loop_t *l);
 /* The number of loops for loops = 0: the CPUs this process may run on, at most 8. */
 unsigned kvt__loops_auto(void);
 /* ev.c: the epoll sets' registrations. */
