@@ -1052,20 +1052,22 @@ static int parse_idle(const kvt__conn_t *c)
  * tick or completions). The frames after see the store as that writer left it, as if they had
  * come in the next read: the frame before is whole and answered or waiting on its I/O, c's queue
  * keeps their replies in order, and a writer that closes or kicks c meanwhile only marks it and
- * posts it to c's loop. A run that the shared path refuses at once (AUTH first, the NVMe tier
- * lost blocks, the loop's deferred hits full) goes to the write path to the end, so that no frame
- * costs a let-go each.
+ * posts it to c's loop. A frame the shared path refuses (the loop's deferred hits full, which the
+ * write lock applies; the NVMe tier lost blocks) is handled under the write lock, and the frames
+ * after it go back to shared; when that happens twice with no frame answered shared between
+ * (the refusal lasts), the rest goes to the write path, so that no frame costs a let-go each.
  */
 static void conn_frames(kvt__conn_t *c)
 {
-    int share = 1;
+    int share = 1, refused = 0;
     for (;;) {
         if (c->loop->held == KVT_HELD_SHARED) {
             size_t n = conn_parse_shared(c);
             if (parse_idle(c))
                 return;
             kvt__loop_hold(c->loop, KVT_HELD_WRITE);
-            share = n > 0;
+            refused += n == 0;
+            share = refused < 2;
         }
         if (!conn_parse(c, share))
             return;
