@@ -225,6 +225,7 @@ struct kvt__req {
         uint8_t end_queued;     /* the final frame is the batch's last piece (op_get.c) */
         uint8_t locate;         /* LOCATE: mapped pages go as locations */
         uint8_t hbm_mem;        /* a page of the batch is sent from the HBM tier's memory */
+        uint8_t pin_gone;       /* its pin counts in s->pins_ending (op_get.c get_unpin) */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;
@@ -538,6 +539,9 @@ struct kvt_srv {
     uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
     uint64_t resv_next;      /* the next zero-copy reservation's id */
     uint64_t inflight;       /* tier I/Os in flight, all connections */
+    /* GETs' pins still held whose final frame is on its way: not counted in the leases shown
+     * (kvt__lease_count), as their requests count as answered (op_get.c, get_send). */
+    uint32_t pins_ending;
     int stopping;
     int reload;              /* SIGHUP came: the loop reads the settings again */
     int draining;            /* SIGUSR1 came: no new connections, quiet ones closed (loop.c) */

@@ -1144,3 +1144,42 @@ Test(server_loops, a_put_then_matches_go_back_to_the_shared_lock)
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
+
+/*
+ * A GET's pin (the lease it holds while its pages go out) counts as gone once its reply is whole
+ * on its way, as its request counts as answered: with several loops the reply is written with the
+ * lock let go, and the pin went only when the loop took the lock back, so a STATS on another
+ * loop's connection sent as soon as the reply was in could still count it (one lease more). 200
+ * GETs of DRAM pages on loop 1, each followed at once by STATS on loop 0 (no round trip on a's
+ * connection between): the client's own lease only, every time.
+ */
+Test(server_loops, stats_after_a_gets_reply_never_counts_its_pin)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", NULL);
+    kvt_client_t *b = kvd_client(&d, "m", PAGE, BB), *a = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(b, "loop_connections_1"), 1, "a is loop 1's");
+    enum { P = 4, N = 200 };
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * BB], back[P * BB];
+    kvd_tokens(tok, P * PAGE, 9100000u);
+    kvd_fill(payload, sizeof payload, 91);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(a, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(a, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    int more = 0;
+    for (int i = 0; i < N; i++) {
+        uint32_t got = 0;
+        cr_assert_eq(kvt_client_get(a, m.lease, 0, P, back, sizeof back, &got, NULL), 0);
+        cr_assert_eq(got, P);
+        more += kvd_stat(b, "leases") != 1;
+    }
+    cr_expect_eq(more, 0, "%d of %d STATS after a GET's reply counted its pin", more, N);
+    cr_expect(memcmp(back, payload, sizeof back) == 0);
+    kvt_client_close(a);
+    kvt_client_close(b);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
