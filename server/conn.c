@@ -1054,8 +1054,8 @@ static int parse_idle(const kvt__conn_t *c)
  * keeps their replies in order, and a writer that closes or kicks c meanwhile only marks it and
  * posts it to c's loop. A frame the shared path refuses (the loop's deferred hits full, which the
  * write lock applies; the NVMe tier lost blocks) is handled under the write lock, and the frames
- * after it go back to shared; when that happens twice with no frame answered shared between
- * (the refusal lasts), the rest goes to the write path, so that no frame costs a let-go each.
+ * after it go back to shared; when the shared path answers nothing twice in a row (the refusal
+ * lasts), the rest goes to the write path, so that no frame costs a let-go each.
  */
 static void conn_frames(kvt__conn_t *c)
 {
@@ -1066,7 +1066,7 @@ static void conn_frames(kvt__conn_t *c)
             if (parse_idle(c))
                 return;
             kvt__loop_hold(c->loop, KVT_HELD_WRITE);
-            refused += n == 0;
+            refused = n ? 0 : refused + 1;
             share = refused < 2;
         }
         if (!conn_parse(c, share))
