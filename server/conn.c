@@ -16,8 +16,9 @@
  * of DRAM pages and read buffers; no I/O in flight, no descriptor to pass). There too it frames
  * the input with the lock held shared, answers the run of MATCHes without a lease at its front in
  * that one hold (kvt__conn_ops_t.shared), and writes and frees their replies, taking the lock for
- * writing only for what is left (conn_frames): every other thread that reads the connection's
- * fields (loop 0's tick and completions) holds it for writing.
+ * writing only for the frames that need it and going back to shared after them (conn_frames):
+ * every other thread that reads the connection's fields (loop 0's tick and completions) holds it
+ * for writing.
  */
 #define _GNU_SOURCE /* accept4 */
 #include "server.h"
@@ -309,6 +310,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         }
         c->ev.fd = fd;
         c->ev.cb = conn_on_event;
+        c->ev.shared = 1;
         c->srv = s;
         c->loop = l;
         c->id = s->clients.next_id++;
@@ -464,6 +466,9 @@ void kvt__conns_reap(kvt__loop_t *l)
             l->top = c;
             kvt__conn_kick(c);
             l->top = NULL;
+            /* The kick may have gone back to shared (conn_frames): the list is other loops' to
+             * write under the write lock. */
+            kvt__loop_hold(l, KVT_HELD_WRITE);
         }
         if (!l->gone)
             return;
@@ -716,8 +721,14 @@ static int conn_write(kvt__conn_t *c)
 {
     /* With the lock shared only finished plain replies are written (a source's hooks, a payload
      * given back, a descriptor: the write lock's). */
-    if (c->loop->held == KVT_HELD_SHARED && !queue_plain(c))
+    if (c->loop->held == KVT_HELD_SHARED && !queue_plain(c)) {
+        /* A head waiting on its I/O, with nothing out yet (a PUT before a run of MATCHes): none
+         * of the queue can go, and its completion kicks c. */
+        const kvt__req_t *r = c->head;
+        if (!r->done && !r->src && !r->has_fd && r->out_off == r->out_len)
+            return 0;
         kvt__loop_hold(c->loop, KVT_HELD_WRITE);
+    }
     while (c->head) {
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
@@ -867,12 +878,25 @@ static void tokens_trim(kvt__conn_t *c)
     c->tokens_cap = 0;
 }
 
+/* Whether the loop, holding the lock for writing in c's framing, may let it go and take it back
+ * shared for the frame at the front (h, whole): c's own event or kick at the top of its loop
+ * (nothing half done, as for its socket I/O), and a frame the shared path answers. */
+static int may_share(const kvt__conn_t *c, const kvt_proto_hdr_t *h)
+{
+    const kvt__conn_ops_t *ops = c->srv->conn_ops;
+    return c->srv->loops_running && c->loop->top == c && c->loop->held == KVT_HELD_WRITE &&
+           c->authed && ops->shared && ops->shares && ops->shares(h);
+}
+
 /* Hands every whole frame in the input buffer to the handlers, while the connection is allowed
- * more work. */
-static void conn_parse(kvt__conn_t *c)
+ * more work. With share, it stops after a frame it handled when the next one may be answered
+ * under the lock shared (may_share), and returns 1: conn_frames goes back to shared for it.
+ * Returns 0 otherwise. */
+static int conn_parse(kvt__conn_t *c, int share)
 {
     kvt_srv_t *s = c->srv;
     size_t off = 0;
+    int handled = 0, stop = 0;
     s->conn_ops->batch(c, c->in, c->in_len);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR) {
         if (conn_held(c)) {
@@ -914,7 +938,12 @@ static void conn_parse(kvt__conn_t *c)
         size_t frame = KVT_PROTO_HDR + (size_t)h.body_len;
         if (rc == 0)
             break; /* the rest of it is still to come */
+        if (share && handled && may_share(c, &h)) {
+            stop = 1;
+            break;
+        }
         c->frames++;
+        handled = 1;
         if (s->conn_ops->frame(c, &h, c->in + off + KVT_PROTO_HDR) < 0)
             c->closing = 1;
         if (!c->in) { /* a PUT took the buffer with its frame (kvt__conn_take_frame) */
@@ -929,7 +958,7 @@ static void conn_parse(kvt__conn_t *c)
         c->in_len -= off;
     }
     if (c->dead || c->closing)
-        return;
+        return 0;
     /* The frame at the front, whole or not, handled later. */
     kvt_proto_hdr_t h;
     size_t want = c->in_len >= KVT_PROTO_HDR && frame_at(c, 0, &h) >= 0
@@ -964,6 +993,7 @@ static void conn_parse(kvt__conn_t *c)
         if (in_resize(c, KVT_IN_BASE) < 0)
             c->dead = 1;
     }
+    return stop && !c->dead;
 }
 
 /* Under s->lock shared: the run of whole frames at the front of c's input that the operations
@@ -971,19 +1001,21 @@ static void conn_parse(kvt__conn_t *c)
  * at the first frame that needs the write lock, one not whole or with a bad header (conn_parse's
  * business), and at back-pressure. What it writes is c's (its input, its frame count, its queue),
  * its loop's (the metric table, the deferred hits and clients' memory) or nobody's: the only
- * others who read c's fields (loop 0's tick and completions) hold the lock for writing. */
-static void conn_parse_shared(kvt__conn_t *c)
+ * others who read c's fields (loop 0's tick and completions) hold the lock for writing. Returns
+ * how many frames it answered. */
+static size_t conn_parse_shared(kvt__conn_t *c)
 {
     kvt_srv_t *s = c->srv;
-    size_t off = 0;
+    size_t off = 0, n = 0;
     if (!s->conn_ops->shared)
-        return;
+        return 0;
     s->conn_ops->batch(c, c->in, c->in_len);
     while (!c->closing && !c->dead && c->in_len - off >= KVT_PROTO_HDR && !conn_held(c)) {
         kvt_proto_hdr_t h;
         if (frame_at(c, off, &h) <= 0 || !s->conn_ops->shared(c, &h, c->in + off + KVT_PROTO_HDR))
             break;
         c->frames++;
+        n++;
         off += KVT_PROTO_HDR + (size_t)h.body_len;
         tokens_trim(c);
     }
@@ -991,6 +1023,7 @@ static void conn_parse_shared(kvt__conn_t *c)
         memmove(c->in, c->in + off, c->in_len - off);
         c->in_len -= off;
     }
+    return n;
 }
 
 /* Whether conn_parse would do nothing with c's input now: no whole frame at the front (a part of
@@ -1011,17 +1044,35 @@ static int parse_idle(const kvt__conn_t *c)
     return !(c->in_cap > KVT_IN_BASE && want <= KVT_IN_BASE && c->in_len <= KVT_IN_BASE);
 }
 
-/* c's whole frames to their handlers: with the lock shared (c's own event on a loop that holds it
- * so), the run that needs no more first; the write lock only for what is left, if anything. */
+/*
+ * c's whole frames to their handlers: with the lock shared, the run that needs no more; the write
+ * lock only for the frames that need it, and back to shared after them for the next such run
+ * (conn_parse stops there). A pthread rwlock has no downgrade: the loop lets the lock go and takes
+ * it shared, and a writer may come between (another loop's PUT, REMOVE or eviction, loop 0's
+ * tick or completions). The frames after see the store as that writer left it, as if they had
+ * come in the next read: the frame before is whole and answered or waiting on its I/O, c's queue
+ * keeps their replies in order, and a writer that closes or kicks c meanwhile only marks it and
+ * posts it to c's loop. A frame the shared path refuses (the loop's deferred hits full, which the
+ * write lock applies; the NVMe tier lost blocks) is handled under the write lock, and the frames
+ * after it go back to shared; when the shared path answers nothing twice in a row (the refusal
+ * lasts), the rest goes to the write path, so that no frame costs a let-go each.
+ */
 static void conn_frames(kvt__conn_t *c)
 {
-    if (c->loop->held == KVT_HELD_SHARED) {
-        conn_parse_shared(c);
-        if (parse_idle(c))
+    int share = 1, refused = 0;
+    for (;;) {
+        if (c->loop->held == KVT_HELD_SHARED) {
+            size_t n = conn_parse_shared(c);
+            if (parse_idle(c))
+                return;
+            kvt__loop_hold(c->loop, KVT_HELD_WRITE);
+            refused = n ? 0 : refused + 1;
+            share = refused < 2;
+        }
+        if (!conn_parse(c, share))
             return;
-        kvt__loop_hold(c->loop, KVT_HELD_WRITE);
+        kvt__loop_hold(c->loop, KVT_HELD_SHARED);
     }
-    conn_parse(c);
 }
 
 /* How a loop takes the lock back after a read of n bytes into c's input (c's own, read here with
@@ -1158,9 +1209,9 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     kvt__loop_t *l = c->loop;
     if (c->gone)
         return; /* closed by an earlier event of the same batch */
-    /* Loop 0 comes here holding the lock for writing and goes on so (its tier completions, its
-     * tick); the other loops come holding it shared, and go on as the event left it. */
-    int held = l->held;
+    /* Any loop comes here holding the lock shared (or for writing, after an event that wrote);
+     * the socket I/O lets it go and takes it back as what follows needs (read_held, conn_frames),
+     * and the loop goes on as the event left it. */
     if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
         c->dead = 1;
     c->in_handler = 1;
@@ -1170,8 +1221,6 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     c->in_handler = 0;
     kvt__conn_kick(c);
     l->top = NULL;
-    if (held == KVT_HELD_WRITE)
-        kvt__loop_hold(l, KVT_HELD_WRITE);
 }
 
 void kvt__conns_deadlines(kvt_srv_t *s, uint64_t now)

@@ -1,7 +1,8 @@
 /*
  * lock.c: the store's lock, s->lock (issue 42, docs/architecture.md "Event loops"), a
  * reader-writer lock. Everything above the sockets takes it for writing; a loop's framing and a
- * run of MATCHes without a lease take it shared (conn.c, op_match.c): their walks, their counters
+ * run of MATCHes without a lease take it shared, on every loop, 0 included, and after a frame that
+ * wrote too (conn.c, op_match.c): their walks, their counters
  * (the loop's own table) and their replies. What such a MATCH would have written to the store (the
  * hit, the curve's sample, the clients' memory) waits in its loop's hits (struct kvt__loop) and is
  * applied by the next writer as soon as it has the lock, before it can change the tree: the hook
@@ -44,6 +45,7 @@ void kvt__loop_hold(kvt__loop_t *l, int held)
     } else if (held == KVT_HELD_WRITE) {
         kvt__srv_lock(s);
         l->held = KVT_HELD_WRITE;
+        l->wrote = 1;
         kvt__metric_add(l->metrics ? l->metrics : s->metrics, KVT_M_LOOP_WRITE_LOCKS, l->id, 1);
     }
 }

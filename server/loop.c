@@ -456,7 +456,33 @@ static void loop_after(kvt__loop_t *l)
     l->sealing = kvt_tier_dram_seal_step(s->tiers[KVT_TIER_DRAM], KVT_SEAL_SLICE) > 0;
 }
 
-/* Loop 0, with s->lock held (let go in epoll_wait and its connections' socket I/O). */
+/* Loop 0's tick: deadlines, slow clients, gauges, the drain. Under the write lock. Returns 1 when
+ * the drain is over and the daemon may exit. */
+static int tick(kvt_srv_t *s, uint64_t now)
+{
+    if (s->draining && !s->stopping && drain_step(s, now))
+        return 1;
+    kvt__conns_tick(s, now);
+    kvt__http_tick(s, now);
+    kvt__auth_tick(s, now);
+    kvt__tier_metrics(s);
+    kvt__loops_cpu(s);
+    kvt_tier_dram_decay(s->tiers[KVT_TIER_DRAM]); /* shared arenas' freed pages go back */
+    kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
+    return 0;
+}
+
+/* While stopping, loop 0 looks this often at whether what was in flight has finished (the other
+ * loops close their connections with no event on loop 0 to say so). */
+#define KVT_STOP_POLL_MS 10
+
+/*
+ * Loop 0. With several loops it holds s->lock as the others do (loops.c, loop_main): shared from
+ * each wake, for writing only for what writes: its own events (listeners, signals, tier
+ * completions, the metrics port: kvt__ev_t.shared 0), the frames of its connections that write
+ * (conn.c), the tick, the shutdown, a reload, and the step after a batch that wrote; not at all in
+ * epoll_wait and its connections' socket I/O. With one loop it holds it for writing throughout.
+ */
 static int run0(kvt_srv_t *s)
 {
     struct epoll_event evs[256];
@@ -464,6 +490,8 @@ static int run0(kvt_srv_t *s)
     kvt__loop_t *l = &s->loops[0];
     for (;;) {
         uint64_t now = kvt_now_ns();
+        if (s->stopping || s->reload)
+            kvt__loop_hold(l, KVT_HELD_WRITE);
         if (s->stopping) {
             if (!stop_at) {
                 stop_at = now + KVT_GRACE_NS;
@@ -491,28 +519,19 @@ static int run0(kvt_srv_t *s)
             s->reload = 0;
             reload(s);
         }
-        if (now >= next_tick) {
-            if (s->draining && !s->stopping && drain_step(s, now))
-                return 0;
-            kvt__conns_tick(s, now);
-            kvt__http_tick(s, now);
-            kvt__auth_tick(s, now);
-            kvt__tier_metrics(s);
-            kvt__loops_cpu(s);
-            kvt_tier_dram_decay(s->tiers[KVT_TIER_DRAM]); /* shared arenas' freed pages go back */
-            kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
-            next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;
-        }
         /* Seals of committed zero-copy pages still queued: no sleep until they are done. */
-        int timeout = l->sealing ? 0 : (int)((next_tick - now) / 1000000) + 1;
+        int timeout = l->sealing || now >= next_tick ? 0 : (int)((next_tick - now) / 1000000) + 1;
+        if (s->stopping && timeout > KVT_STOP_POLL_MS)
+            timeout = KVT_STOP_POLL_MS;
         if (s->nloops > 1)
             kvt__loop_hold(l, KVT_HELD_NONE);
         if (l->sealing)
             sched_yield(); /* loop_after: the CPU to whoever waits for the seals */
         int n = epoll_wait(s->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         int err = errno;
+        l->wrote = 0;
         if (s->nloops > 1)
-            kvt__loop_hold(l, KVT_HELD_WRITE);
+            kvt__loop_hold(l, KVT_HELD_SHARED);
         if (n < 0) {
             if (err == EINTR)
                 continue;
@@ -521,10 +540,24 @@ static int run0(kvt_srv_t *s)
         }
         for (int i = 0; i < n; i++) {
             kvt__ev_t *ev = evs[i].data.ptr;
+            if (!ev->shared)
+                kvt__loop_hold(l, KVT_HELD_WRITE);
             ev->cb(s, ev, evs[i].events);
         }
-        loop_after(l);
-        kvt__conns_reap(l); /* no event or walk holds one of its connections here */
+        now = kvt_now_ns();
+        if (now >= next_tick) {
+            kvt__loop_hold(l, KVT_HELD_WRITE);
+            if (tick(s, now))
+                return 0;
+            next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;
+        }
+        /* The step after a batch that wrote, the tick's included (at least every tick-ms); with
+         * one loop, which holds the lock for writing throughout, after every batch. */
+        if (l->held == KVT_HELD_WRITE || l->wrote || kvt__loop_busy(l)) {
+            kvt__loop_hold(l, KVT_HELD_WRITE);
+            loop_after(l);
+            kvt__conns_reap(l); /* no event or walk holds one of its connections here */
+        }
     }
 }
 
@@ -533,6 +566,7 @@ int kvt__srv_run(kvt_srv_t *s)
     kvt__loop_hold(&s->loops[0], KVT_HELD_WRITE);
     kvt__loops_start(s, loop_after);
     int rc = run0(s);
+    kvt__loop_hold(&s->loops[0], KVT_HELD_WRITE); /* kvt__loops_stop's */
     kvt__loops_stop(s);
     kvt__loop_hold(&s->loops[0], KVT_HELD_NONE);
     return rc;

@@ -10,8 +10,9 @@
  * writes of finished replies (conn.c), the kernel's part of a request, as in Redis 6's I/O
  * threads, and (steps 2-4) the framing and the MATCHes without a lease, which walk, count (each
  * loop in its own metric table, merged on scrape) and answer under the lock taken shared (a
- * reader-writer lock, op_match.c): such a loop holds it shared from each wake, and for writing
- * only from the first event that writes. The accept is a hand-off from loop 0, not SO_REUSEPORT or
+ * reader-writer lock, op_match.c): every loop, 0 included, holds it shared from each wake, and
+ * for writing only for what writes (a frame, an event of loop 0's own), going back to shared after
+ * it. The accept is a hand-off from loop 0, not SO_REUSEPORT or
  * EPOLLEXCLUSIVE: both of those leave the choice to the kernel (a hash of the peer's address, the
  * first loop idle in epoll_wait), which on the few long-lived connections of a serving node's
  * engines can put them all on one loop; the hand-off costs loop 0 an accept4 and an epoll_ctl per
@@ -94,6 +95,7 @@ int kvt__loops_open(kvt_srv_t *s)
             return -errno;
         l->wake.fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         l->wake.cb = on_wake;
+        l->wake.shared = 1; /* it only wakes the loop: the posted kicks are the reap's */
         if (l->wake.fd < 0)
             return -errno;
         if ((rc = kvt__ev_ctl(l->epfd, EPOLL_CTL_ADD, &l->wake, EPOLLIN)) < 0)
@@ -102,19 +104,20 @@ int kvt__loops_open(kvt_srv_t *s)
     return 0;
 }
 
-/* Whether a batch of events that held s->lock shared only leaves work that needs it for writing:
- * kicks posted, connections to free, moves landed, connections waiting for memory, seals. The
- * policy's step is left to the next batch that writes (loop 0's tick at the latest): a run of
- * MATCHes changed nothing for it to do but their deferred hits, which that writer applies. */
-static int after_work(const kvt__loop_t *l)
+/* A batch of events that did not take s->lock for writing leaves work that needs it only when
+ * there are kicks posted, connections to free, moves landed, connections waiting for memory or
+ * seals. The policy's step is left to the next batch that writes (loop 0's tick at the latest): a
+ * run of MATCHes changed nothing for it to do but their deferred hits, which that writer
+ * applies. */
+int kvt__loop_busy(const kvt__loop_t *l)
 {
     const kvt_srv_t *s = l->srv;
     return l->posted || l->gone || l->sealing || s->exec.moves_landed || s->clients.mem_waiting;
 }
 
 /* Loop i > 0: its connections' events, and the kicks other loops post to it. Holds s->lock shared
- * from each wake, for writing from the first event that writes (conn.c), and not at all in
- * epoll_wait and its connections' socket I/O. */
+ * from each wake, for writing only for the frames and events that write (conn.c goes back to
+ * shared after them), and not at all in epoll_wait and its connections' socket I/O. */
 static void *loop_main(void *arg)
 {
     kvt__loop_t *l = arg;
@@ -129,6 +132,7 @@ static void *loop_main(void *arg)
             sched_yield();
         int n = epoll_wait(l->epfd, evs, (int)KVT_ARRAY_LEN(evs), timeout);
         int err = errno;
+        l->wrote = 0;
         kvt__loop_hold(l, KVT_HELD_SHARED);
         if (n < 0) {
             if (err != EINTR)
@@ -137,9 +141,11 @@ static void *loop_main(void *arg)
         }
         for (int i = 0; i < n; i++) {
             kvt__ev_t *ev = evs[i].data.ptr;
+            if (!ev->shared)
+                kvt__loop_hold(l, KVT_HELD_WRITE);
             ev->cb(s, ev, evs[i].events);
         }
-        if (l->held == KVT_HELD_WRITE || after_work(l)) {
+        if (l->wrote || kvt__loop_busy(l)) {
             kvt__loop_hold(l, KVT_HELD_WRITE);
             s->loop_after(l);
             kvt__conns_reap(l); /* no event or walk holds one of its connections here */

@@ -115,11 +115,21 @@ static int get_drained(kvt__req_t *r)
     return 1;
 }
 
+/* The GET's pin goes; if it was shown gone already (get_send), it leaves s->pins_ending too. */
+static void get_unpin(kvt_srv_t *s, kvt__req_t *r)
+{
+    if (r->get.pin_gone) {
+        r->get.pin_gone = 0;
+        s->pins_ending--;
+    }
+    kvt__unpin(s, r);
+}
+
 static void get_abort(kvt__req_t *r)
 {
     if (r->get.slots)
         get_release_batch(r->srv, r);
-    kvt__unpin(r->srv, r);
+    get_unpin(r->srv, r);
 }
 
 /*
@@ -362,6 +372,12 @@ static int get_send(kvt__req_t *r)
         if (r->get.located)
             kvt__metric_add(r->conn->srv->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
         kvt__req_count(r);
+        /* Its pin too: it goes in get_end, after the write, which a client that has the reply
+         * may beat with a STATS on another loop; it counts as gone from here (kvt__lease_count). */
+        if (r->lease && !r->get.pin_gone) {
+            r->get.pin_gone = 1;
+            r->conn->srv->pins_ending++;
+        }
     }
     size_t bytes = 0;
     for (uint32_t i = 0; i < r->get.nsegs; i++)
@@ -376,7 +392,7 @@ static void get_end(kvt_srv_t *s, kvt__req_t *r)
 {
     if (r->get.located && !r->get.end_queued)
         kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
-    kvt__unpin(s, r);
+    get_unpin(s, r);
     r->out_off = r->out_len = 0;
     if (!r->get.end_queued) {
         uint8_t f[KVT_GET_END_FRAME];
@@ -395,7 +411,7 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
     if (r->get.slots)
         get_release_batch(s, r);
     if (!r->conn) {
-        kvt__unpin(s, r);
+        get_unpin(s, r);
         kvt__req_finish(r);
         return 0;
     }

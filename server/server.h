@@ -59,6 +59,10 @@ typedef struct kvt__move kvt__move_t;
 /* A file descriptor in the loop and what to call when it is ready. */
 struct kvt__ev {
     int fd;
+    /* With several loops, cb may run with s->lock held shared and takes the write lock itself
+     * for what writes (a connection's event, a loop's eventfd); 0: the loop takes the write lock
+     * before calling it (listeners, signals, tiers, the metrics port). Beside fd: no room more. */
+    int shared;
     void (*cb)(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events);
 };
 
@@ -221,6 +225,7 @@ struct kvt__req {
         uint8_t end_queued;     /* the final frame is the batch's last piece (op_get.c) */
         uint8_t locate;         /* LOCATE: mapped pages go as locations */
         uint8_t hbm_mem;        /* a page of the batch is sent from the HBM tier's memory */
+        uint8_t pin_gone;       /* its pin counts in s->pins_ending (op_get.c get_unpin) */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;
@@ -486,6 +491,9 @@ struct kvt__loop {
     /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
      * threads read a loop's under the write lock: kvt__out_add of its connection). */
     int held;
+    /* It took the write lock since its last wake: the work after the batch (the policy's step)
+     * runs, whichever way the batch ended holding the lock. Its own thread's only. */
+    int wrote;
     /* MATCHes answered under the shared lock, deferred (written by this loop's thread under
      * the shared lock only; applied and emptied under the write lock): hits[0 .. nhits), their
      * samples' page keys keys[0 .. nkeys), and the clients' memory their replies queued
@@ -531,6 +539,9 @@ struct kvt_srv {
     uint64_t internal_owner; /* owner of the leases requests take while their I/O runs */
     uint64_t resv_next;      /* the next zero-copy reservation's id */
     uint64_t inflight;       /* tier I/Os in flight, all connections */
+    /* GETs' pins still held whose final frame is on its way: not counted in the leases shown
+     * (kvt__lease_count), as their requests count as answered (op_get.c, get_send). */
+    uint32_t pins_ending;
     int stopping;
     int reload;              /* SIGHUP came: the loop reads the settings again */
     int draining;            /* SIGUSR1 came: no new connections, quiet ones closed (loop.c) */
@@ -573,9 +584,13 @@ void kvt__srv_lock(kvt_srv_t *s);
 void kvt__srv_lock_shared(kvt_srv_t *s);
 void kvt__srv_unlock(kvt_srv_t *s);
 /* Loop l's thread holds s->lock as held says (KVT_HELD_*) from now on, letting go of how it held
- * it first: from shared to write is not atomic (a writer may come between: nothing may be half
- * done). Each write lock taken counts in kvtier_loop_write_locks_total. */
+ * it first: from shared to write is not atomic, nor from write to shared (a pthread rwlock has no
+ * downgrade): a writer may come between, so nothing may be half done. Each write lock taken
+ * counts in kvtier_loop_write_locks_total and sets l->wrote. */
 void kvt__loop_hold(kvt__loop_t *l, int held);
+/* Whether loop l, at the end of a batch that did not take the write lock, still has work after it
+ * that needs it: kicks posted, connections to free, moves landed, memory waits, seals. */
+int kvt__loop_busy(const kvt__loop_t *l);
 /* The number of loops for loops = 0: the CPUs this process may run on, at most 8. */
 unsigned kvt__loops_auto(void);
 /* ev.c: the epoll sets' registrations. */

@@ -438,7 +438,7 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_POLICY_INDEX_DROPS, 0,
                         (double)ps.pages_dropped_for_index);
     }
-    kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)rs.leases);
+    kvt__metric_set(s->metrics, KVT_M_LEASES, 0, (double)kvt__lease_count(s));
     kvt__metric_set(s->metrics, KVT_M_NAMESPACES, 0, (double)rs.namespaces);
     kvt__metric_set(s->metrics, KVT_M_CLIENT_BYTES, 0, (double)s->clients.bytes);
 }

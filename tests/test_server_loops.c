@@ -6,7 +6,8 @@
  * loops; the setting's bounds; the per-loop series; MATCHes on both loops under the store's lock
  * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
  * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out;
- * runs of pipelined MATCHes that take no write lock on 2 and 4 loops.
+ * runs of pipelined MATCHes that take no write lock on 2 and 4 loops, and on loop 0; the MATCHes
+ * pipelined after a PUT answered under the lock shared again.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -1020,4 +1021,165 @@ Test(server_loops, a_run_of_matches_takes_no_write_lock)
 Test(server_loops, a_run_of_matches_on_four_loops_takes_no_write_lock)
 {
     runs_take_no_write_lock("4");
+}
+
+/*
+ * Loop 0's own connections frame and answer a run of MATCHes under the lock shared as the other
+ * loops' do: loop 0 takes the write lock only for its own work (tier completions, the tick,
+ * listeners, signals, the metrics port), not on every wake. The tick is set to 10 s so that none
+ * falls in the rounds, and the counter is read through STATS on loop 1's connection (the
+ * metrics port is loop 0's and takes its write lock); that STATS also applies the hits the round
+ * deferred.
+ */
+Test(server_loops, loop_zeros_run_of_matches_takes_no_write_lock)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--tick-ms", "10000", NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_0"), 1);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    enum { P = 4, B = 32, R = 8 };
+    static uint32_t tok[(P + 1) * PAGE];
+    static uint8_t payload[P * BB];
+    kvd_tokens(tok, (P + 1) * PAGE, 7000000u);
+    kvd_fill(payload, sizeof payload, 70);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c0, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, P);
+    kvt_client_match_t one = {0};
+    cr_assert_eq(kvt_client_match(c0, tok, P * PAGE, 0, 0, NULL, &one), 0);
+    uint64_t shared0 = kvd_stat(c1, "loop_shared_matches_0");
+    kvt_batch_t *b;
+    cr_assert_eq(kvt_batch_create(&b, c0), 0);
+    for (int round = 0; round < R; round++) {
+        kvt_client_match_t m[B];
+        int st[B];
+        for (int k = 0; k < B; k++) {
+            m[k] = (kvt_client_match_t){0};
+            cr_assert_eq(
+                kvt_batch_match(b, tok, (k % 2 ? P + 1 : P) * PAGE, 0, 0, NULL, &m[k], &st[k]), 0);
+        }
+        uint64_t before = kvd_stat(c1, "loop_write_locks_0");
+        cr_assert_eq(kvt_batch_run(b), 0);
+        uint64_t after = kvd_stat(c1, "loop_write_locks_0");
+        for (int k = 0; k < B; k++) {
+            cr_expect_eq(st[k], 0, "round %d, MATCH %d", round, k);
+            cr_expect_eq(m[k].pages, P, "round %d, MATCH %d", round, k);
+        }
+        cr_expect_eq(after - before, 0,
+                     "round %d: loop 0 took %llu write locks for %d pipelined MATCHes", round,
+                     (unsigned long long)(after - before), B);
+    }
+    kvt_batch_destroy(b);
+    cr_expect_eq(kvd_stat(c1, "loop_shared_matches_0") - shared0, (uint64_t)R * B,
+                 "every MATCH of loop 0's connection answered shared");
+    cr_expect_eq(kvd_stat(c1, "lookups"), (uint64_t)R * B + 1);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A PUT at the front of a pipelined batch takes the write lock for itself; the 31 MATCHes behind
+ * it in the same read go back to the shared lock (answered shared, counted in
+ * kvtier_loop_shared_matches_total) instead of holding the write lock to the batch's end, which
+ * kept every other loop out for the whole batch. The write locks the batch takes are counted
+ * too: a handful for the PUT (below), none for the MATCHes.
+ */
+Test(server_loops, a_put_then_matches_go_back_to_the_shared_lock)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    enum { P = 4, B = 32, R = 8 };
+    static uint32_t tok[P * PAGE], fresh[PAGE];
+    static uint8_t payload[P * BB];
+    kvd_tokens(tok, P * PAGE, 8000000u);
+    kvd_fill(payload, sizeof payload, 80);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c1, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    kvt_client_match_t one = {0};
+    cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, 0, 0, NULL, &one), 0);
+    cr_assert_eq(one.pages, P);
+    kvt_batch_t *b;
+    cr_assert_eq(kvt_batch_create(&b, c1), 0);
+    for (int round = 0; round < R; round++) {
+        kvd_tokens(fresh, PAGE, 8100000u + (uint32_t)round * 1000u);
+        kvt_client_put_t pr;
+        kvt_client_match_t m[B - 1];
+        int st[B];
+        cr_assert_eq(kvt_batch_put(b, fresh, PAGE, 0, 1, payload, NULL, &pr, &st[0]), 0);
+        for (int k = 1; k < B; k++) {
+            m[k - 1] = (kvt_client_match_t){0};
+            cr_assert_eq(kvt_batch_match(b, tok, P * PAGE, 0, 0, NULL, &m[k - 1], &st[k]), 0);
+        }
+        uint64_t w0 = kvd_stat(c0, "loop_write_locks_1");
+        uint64_t s0 = kvd_stat(c0, "loop_shared_matches_1");
+        cr_assert_eq(kvt_batch_run(b), 0);
+        /* The step after the batch may still be on its way when the last reply is in: a PING's
+         * round trip on the same connection waits for it. */
+        cr_assert_eq(kvt_client_ping(c1, NULL), 0);
+        uint64_t w1 = kvd_stat(c0, "loop_write_locks_1");
+        uint64_t s1 = kvd_stat(c0, "loop_shared_matches_1");
+        cr_expect_eq(st[0], 0, "round %d: the PUT", round);
+        cr_expect_eq(pr.stored, 1, "round %d: the PUT", round);
+        for (int k = 1; k < B; k++) {
+            cr_expect_eq(st[k], 0, "round %d, MATCH %d", round, k);
+            cr_expect_eq(m[k - 1].pages, P, "round %d, MATCH %d", round, k);
+        }
+        cr_expect_eq(s1 - s0, (uint64_t)B - 1,
+                     "round %d: %llu of the %d MATCHes after the PUT answered shared", round,
+                     (unsigned long long)(s1 - s0), B - 1);
+        /* The PUT's frame, the step after the batch, the kick its completion posts and the
+         * write of the replies, the PING's frame and its reply's write: 5 (main's build takes 5
+         * too, holding the PUT's to the batch's end), never one per MATCH. */
+        cr_expect_leq(w1 - w0, 6, "round %d: %llu write locks for a PUT and %d MATCHes", round,
+                      (unsigned long long)(w1 - w0), B - 1);
+    }
+    kvt_batch_destroy(b);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A GET's pin (the lease it holds while its pages go out) counts as gone once its reply is whole
+ * on its way, as its request counts as answered: with several loops the reply is written with the
+ * lock let go, and the pin went only when the loop took the lock back, so a STATS on another
+ * loop's connection sent as soon as the reply was in could still count it (one lease more). 200
+ * GETs of DRAM pages on loop 1, each followed at once by STATS on loop 0 (no round trip on a's
+ * connection between): the client's own lease only, every time.
+ */
+Test(server_loops, stats_after_a_gets_reply_never_counts_its_pin)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", NULL);
+    kvt_client_t *b = kvd_client(&d, "m", PAGE, BB), *a = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(b, "loop_connections_1"), 1, "a is loop 1's");
+    enum { P = 4, N = 200 };
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * BB], back[P * BB];
+    kvd_tokens(tok, P * PAGE, 9100000u);
+    kvd_fill(payload, sizeof payload, 91);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(a, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(a, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    int more = 0;
+    for (int i = 0; i < N; i++) {
+        uint32_t got = 0;
+        cr_assert_eq(kvt_client_get(a, m.lease, 0, P, back, sizeof back, &got, NULL), 0);
+        cr_assert_eq(got, P);
+        more += kvd_stat(b, "leases") != 1;
+    }
+    cr_expect_eq(more, 0, "%d of %d STATS after a GET's reply counted its pin", more, N);
+    cr_expect(memcmp(back, payload, sizeof back) == 0);
+    kvt_client_close(a);
+    kvt_client_close(b);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
 }
