@@ -800,6 +800,93 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     s.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("local", [0, 2])
+def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
+        vd: Daemon, tiny_model_config: Any, monkeypatch: Any, local: int, policy: str) -> None:
+    """Through vLLM's real Scheduler, stepped as its engine steps it: one KV cache group, the
+    load in the step (load_async off), ``local`` pages of the prompt in vLLM's own prefix
+    cache (a request of those pages run and finished before), the rest of the hit answered
+    by kvtierd, synchronously: vLLM counts the hit's tokens as computed and schedules only
+    the prompt's last 4 tokens in that very step. Planning the load then raises in
+    update_state_after_alloc (no transfer can be built). The hit's blocks go in the step's
+    metadata and the worker reports them as load errors (get_block_ids_with_load_errors),
+    nothing else: with "recompute" vLLM rewinds the request to before the hit (its local
+    pages, none of the hit's counted computed) and the next step computes the rest of its
+    prompt, never using KV nothing loaded (the connector asked nothing again: its next lookup
+    answers 0); with "fail" vLLM ends it with an error. On the old code the scheduler only
+    logged the failure: no block was reported and vLLM went on from the hit's tokens as
+    computed on blocks never written (garbage KV)."""
+    import kvtier.vllm.scheduler as vsched
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import RequestStatus
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    a = Engine(vd, 96, kvc=kvc)
+    toks = prompt(5, 4)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    a.finish(r)
+    a.close()
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, policy,
+                            enable_prefix_caching=bool(local))
+    assert s.connector._async is False, "the load goes in the step"
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    init_none_hash(sha256_cbor)
+
+    def hashed(tokens: List[int]) -> "Request":  # vLLM's block hashes: its prefix cache
+        return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
+                       block_hasher=get_request_block_hasher(BS, sha256_cbor))
+
+    if local:  # its pages in vLLM's prefix cache (loaded from kvtierd, in the step)
+        r0 = hashed(toks[:local * BS + 1])
+        s.add_request(r0)
+        out = s.schedule()
+        assert out.kv_connector_metadata.loads
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        assert r0.num_computed_tokens == r0.num_tokens and not reported["invalid"]
+        s.finish_requests([r0.request_id], RequestStatus.FINISHED_ABORTED)
+
+    def unbuildable(*args: Any, **kw: Any) -> Any:
+        raise ValueError("no transfer")
+
+    r2 = hashed(toks)
+    s.add_request(r2)
+    with monkeypatch.context() as m:
+        m.setattr(vsched, "_Transfer", unbuildable)
+        out = s.schedule()  # local pages, then kvtierd's hit of the rest: 5 pages in all
+    meta = out.kv_connector_metadata
+    assert r2.status == RequestStatus.RUNNING and not meta.loads and not meta.unplanned
+    assert out.num_scheduled_tokens[r2.request_id] == 4, "the hit counted computed"
+    hit_blocks = set(s.kv_cache_manager.get_block_ids(r2.request_id)[0][local:5])
+    assert len(hit_blocks) == 5 - local
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == hit_blocks, "the hit's blocks reported as load errors"
+    assert not reported["failed"] and not reported["recving"]
+    assert set(meta.load_errors) == hit_blocks  # through the step's metadata
+    if policy == "fail":
+        assert r2.status == RequestStatus.FINISHED_ERROR
+    else:
+        assert r2.num_computed_tokens == local * BS, "rewound to before the hit"
+        out = s.schedule()
+        assert out.num_scheduled_tokens[r2.request_id] == len(toks) - local * BS, \
+            "the hit's tokens recomputed"
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        assert r2.num_computed_tokens == len(toks) and r2.status == RequestStatus.RUNNING
+        assert reported["invalid"] == hit_blocks, "reported once"
+        assert s.connector.get_num_new_matched_tokens(r2, local * BS) == (0, False)
+        s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
 def test_request_finished_before_its_load_went_is_reported(vd: Daemon) -> None:
     """A request that finishes (aborted) between the plan of its load between steps
     (update_state_after_alloc) and the metadata that would carry it, as vLLM's deferred loads
