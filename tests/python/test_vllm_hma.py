@@ -739,13 +739,16 @@ def test_daemon_killed_mid_load_through_vllms_scheduler(vd: Daemon, tiny_model_c
     s.shutdown()
 
 
-@pytest.mark.parametrize("groups", [2, 1])
+@pytest.mark.parametrize("groups,partial", [(2, False), (2, True), (1, False)],
+                         ids=["two", "two_second_only", "one"])
 def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: Any,
-                                                 monkeypatch: Any, groups: int) -> None:
+                                                 monkeypatch: Any, groups: int,
+                                                 partial: bool) -> None:
     """Through vLLM's real Scheduler (policy "recompute"), stepped as its engine steps it: a
     hit loaded between steps (several groups; one group with load_async) whose planning
-    raises in update_state_after_alloc (no transfer can be built), after vLLM made the request
-    wait for its load (WAITING_FOR_REMOTE_KVS). The request is reported once, as a failed
+    raises in update_state_after_alloc (no transfer can be built; ``partial``: the first
+    group's is, the second group's not: a partial plan, of which no load goes out), after vLLM
+    made the request wait for its load (WAITING_FOR_REMOTE_KVS). The request is reported once, as a failed
     load (failed_recving, within finished_recving; with one group too, where a load's
     missing pages go as blocks: none of this one was planned), no block among the load
     errors, in the step it began waiting: the step after, vLLM schedules its whole prompt
@@ -771,7 +774,12 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     worker.register_kv_caches(kvs)
     reported: Dict[str, set] = {}
 
+    built: List[int] = []
+
     def unbuildable(*args: Any, **kw: Any) -> Any:
+        if partial and (args[5] if len(args) > 5 else kw.get("group")) == 0:  # group 0's
+            built.append(0)
+            return kv.common._Transfer(*args, **kw)
         raise ValueError("no transfer")
 
     r2 = request(toks)
@@ -779,6 +787,7 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     with monkeypatch.context() as m:
         m.setattr(vsched, "_Transfer", unbuildable)
         out = s.schedule()  # the lookup: a hit of 5 pages, to load between steps
+    assert built == ([0] if partial else [])
     assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert not out.kv_connector_metadata.loads
     run_step(s, worker, kvs, list(kvs), out, reported)
