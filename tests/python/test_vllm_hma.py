@@ -739,13 +739,16 @@ def test_daemon_killed_mid_load_through_vllms_scheduler(vd: Daemon, tiny_model_c
     s.shutdown()
 
 
-@pytest.mark.parametrize("groups", [2, 1])
+@pytest.mark.parametrize("groups,partial", [(2, False), (2, True), (1, False)],
+                         ids=["two", "two_second_only", "one"])
 def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: Any,
-                                                 monkeypatch: Any, groups: int) -> None:
+                                                 monkeypatch: Any, groups: int,
+                                                 partial: bool) -> None:
     """Through vLLM's real Scheduler (policy "recompute"), stepped as its engine steps it: a
     hit loaded between steps (several groups; one group with load_async) whose planning
-    raises in update_state_after_alloc (no transfer can be built), after vLLM made the request
-    wait for its load (WAITING_FOR_REMOTE_KVS). The request is reported once, as a failed
+    raises in update_state_after_alloc (no transfer can be built; ``partial``: the first
+    group's is, the second group's not: a partial plan, of which no load goes out), after vLLM
+    made the request wait for its load (WAITING_FOR_REMOTE_KVS). The request is reported once, as a failed
     load (failed_recving, within finished_recving; with one group too, where a load's
     missing pages go as blocks: none of this one was planned), no block among the load
     errors, in the step it began waiting: the step after, vLLM schedules its whole prompt
@@ -771,7 +774,12 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     worker.register_kv_caches(kvs)
     reported: Dict[str, set] = {}
 
+    built: List[int] = []
+
     def unbuildable(*args: Any, **kw: Any) -> Any:
+        if partial and (args[5] if len(args) > 5 else kw.get("group")) == 0:  # group 0's
+            built.append(0)
+            return kv.common._Transfer(*args, **kw)
         raise ValueError("no transfer")
 
     r2 = request(toks)
@@ -779,6 +787,7 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     with monkeypatch.context() as m:
         m.setattr(vsched, "_Transfer", unbuildable)
         out = s.schedule()  # the lookup: a hit of 5 pages, to load between steps
+    assert built == ([0] if partial else [])
     assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert not out.kv_connector_metadata.loads
     run_step(s, worker, kvs, list(kvs), out, reported)
@@ -796,6 +805,93 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     assert reported == {"failed": {r2.request_id}, "recving": {r2.request_id},
                         "invalid": set()}
     s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("local", [0, 2])
+def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
+        vd: Daemon, tiny_model_config: Any, monkeypatch: Any, local: int, policy: str) -> None:
+    """Through vLLM's real Scheduler, stepped as its engine steps it: one KV cache group, the
+    load in the step (load_async off), ``local`` pages of the prompt in vLLM's own prefix
+    cache (a request of those pages run and finished before), the rest of the hit answered
+    by kvtierd, synchronously: vLLM counts the hit's tokens as computed and schedules only
+    the prompt's last 4 tokens in that very step. Planning the load then raises in
+    update_state_after_alloc (no transfer can be built). The hit's blocks go in the step's
+    metadata and the worker reports them as load errors (get_block_ids_with_load_errors),
+    nothing else: with "recompute" vLLM rewinds the request to before the hit (its local
+    pages, none of the hit's counted computed) and the next step computes the rest of its
+    prompt, never using KV nothing loaded (the connector asked nothing again: its next lookup
+    answers 0); with "fail" vLLM ends it with an error. On the old code the scheduler only
+    logged the failure: no block was reported and vLLM went on from the hit's tokens as
+    computed on blocks never written (garbage KV)."""
+    import kvtier.vllm.scheduler as vsched
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import RequestStatus
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    a = Engine(vd, 96, kvc=kvc)
+    toks = prompt(5, 4)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    a.finish(r)
+    a.close()
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, policy,
+                            enable_prefix_caching=bool(local))
+    assert s.connector._async is False, "the load goes in the step"
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    init_none_hash(sha256_cbor)
+
+    def hashed(tokens: List[int]) -> "Request":  # vLLM's block hashes: its prefix cache
+        return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
+                       block_hasher=get_request_block_hasher(BS, sha256_cbor))
+
+    if local:  # its pages in vLLM's prefix cache (loaded from kvtierd, in the step)
+        r0 = hashed(toks[:local * BS + 1])
+        s.add_request(r0)
+        out = s.schedule()
+        assert out.kv_connector_metadata.loads
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        assert r0.num_computed_tokens == r0.num_tokens and not reported["invalid"]
+        s.finish_requests([r0.request_id], RequestStatus.FINISHED_ABORTED)
+
+    def unbuildable(*args: Any, **kw: Any) -> Any:
+        raise ValueError("no transfer")
+
+    r2 = hashed(toks)
+    s.add_request(r2)
+    with monkeypatch.context() as m:
+        m.setattr(vsched, "_Transfer", unbuildable)
+        out = s.schedule()  # local pages, then kvtierd's hit of the rest: 5 pages in all
+    meta = out.kv_connector_metadata
+    assert r2.status == RequestStatus.RUNNING and not meta.loads and not meta.unplanned
+    assert out.num_scheduled_tokens[r2.request_id] == 4, "the hit counted computed"
+    hit_blocks = set(s.kv_cache_manager.get_block_ids(r2.request_id)[0][local:5])
+    assert len(hit_blocks) == 5 - local
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == hit_blocks, "the hit's blocks reported as load errors"
+    assert not reported["failed"] and not reported["recving"]
+    assert set(meta.load_errors) == hit_blocks  # through the step's metadata
+    if policy == "fail":
+        assert r2.status == RequestStatus.FINISHED_ERROR
+    else:
+        assert r2.num_computed_tokens == local * BS, "rewound to before the hit"
+        out = s.schedule()
+        assert out.num_scheduled_tokens[r2.request_id] == len(toks) - local * BS, \
+            "the hit's tokens recomputed"
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        assert r2.num_computed_tokens == len(toks) and r2.status == RequestStatus.RUNNING
+        assert reported["invalid"] == hit_blocks, "reported once"
+        assert s.connector.get_num_new_matched_tokens(r2, local * BS) == (0, False)
+        s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()
 

@@ -307,6 +307,10 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # Requests vLLM waits for (an asynchronous load) whose load the scheduler could not plan:
     # each worker reports them as failed loads (get_transfer_results) in this step.
     unplanned: List[str] = field(default_factory=list)
+    # The blocks of this step's loads in the step (one KV cache group) that the scheduler could
+    # not plan: vLLM counts their tokens as computed, so each worker reports them as load
+    # errors (get_block_ids_with_load_errors) and vLLM recomputes from the first of them.
+    load_errors: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -323,5 +327,6 @@ class _ReqState:
     # A save was planned for it: request_finished holds its blocks until the workers report
     # the request in get_finished's finished_sending (asynchronous saves, worker.py).
     saving: bool = False
-    # Its asynchronous load could not be planned (reported failed): its lookups answer 0.
+    # Its load could not be planned (reported failed, or its blocks as load errors): its
+    # lookups answer 0.
     recompute: bool = False

@@ -45,6 +45,9 @@ class SchedulerSide:
         # Requests vLLM waits for (an asynchronous load) whose load was not planned: the next
         # step's metadata lists them, and each worker reports them as failed loads.
         self._unplanned_reqs: List[str] = []
+        # The blocks of loads in the step that were not planned: the step's metadata lists
+        # them, and each worker reports them as load errors.
+        self._unplanned_blocks: List[int] = []
         self._index: Optional[_PageStore] = None
         self._pause_ms = number(self._extra, "preempt_pause_ms", PREEMPT_PAUSE_MS, _WHERE)
         if not scheduler:
@@ -186,6 +189,11 @@ class SchedulerSide:
         nothing in a window), it goes in the step's metadata as unplanned, and each worker
         reports it at once as a failed load (``failed_recving``: vLLM recomputes it, from its
         start) rather than never; its next lookup answers 0 (the same plan would fail again).
+        A load in the step (one group, ``load_async`` off) that cannot be planned: vLLM counts
+        the hit's tokens as computed and runs the request in this very step, so the hit's
+        blocks go in the step's metadata as load errors (_unplanned_blocks): each worker
+        reports them (get_block_ids_with_load_errors) and vLLM rewinds the request to the
+        first of them and recomputes from there, never using KV nothing wrote.
         With no external tokens (vLLM took none of the hit: a request that skips cache reads,
         or a hit within its own local one) vLLM loads nothing and clears its
         ``load_kv_async``: the request does not wait, nothing is reported (vLLM asserts that a
@@ -210,9 +218,30 @@ class SchedulerSide:
             loads = []
         if loads:
             self._pending_loads[rid] = loads
-        elif self._async:
+            return
+        st.recompute = True
+        if self._async:
             self._unplanned_reqs.append(rid)
-            st.recompute = True
+            return
+        try:
+            self._unplanned_blocks.extend(self._hit_blocks(st, blocks, num_external_tokens))
+        except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
+            self._guard.warn("kvtier: blocks of %s not reported, it runs on KV not loaded: %s",
+                             rid, e)
+
+    def _hit_blocks(self, st: _ReqState, blocks: "KVCacheBlocks",
+                    num_external_tokens: int) -> List[int]:
+        """The blocks of the pages vLLM counts as loaded for the request (its computed tokens
+        and ``num_external_tokens``, beyond the pages it had itself), in every group, never
+        vLLM's null block (block 0: pages a sliding window no longer holds, shared by every
+        request). Loads in the step come with one group only (common.load_between_steps)."""
+        ids = blocks.get_block_ids()
+        first = st.computed_pages
+        need = -(-(first * self._block_size + num_external_tokens) // self._block_size)
+        out = [b for gids in ids for b in list(gids)[first:need] if b != 0]
+        if not out:
+            raise ValueError("no block for pages [%d, %d)" % (first, need))
+        return out
 
     def _plan_loads(self, st: _ReqState, blocks: "KVCacheBlocks",
                     num_external_tokens: int) -> List[_Transfer]:
@@ -257,9 +286,11 @@ class SchedulerSide:
         """This step's loads (planned by update_state_after_alloc) and saves (each request's
         full pages whose KV this step completes and kvtierd did not hold)."""
         meta = KvtierConnectorMetadata(loads=[t for ts in self._pending_loads.values()
-                                              for t in ts], unplanned=self._unplanned_reqs)
+                                              for t in ts], unplanned=self._unplanned_reqs,
+                                       load_errors=self._unplanned_blocks)
         self._pending_loads.clear()
         self._unplanned_reqs = []
+        self._unplanned_blocks = []
         try:
             self._plan_saves(scheduler_output, meta)
         except Exception as e:  # noqa: BLE001

@@ -229,6 +229,10 @@ class WorkerSide:
         if not isinstance(meta, KvtierConnectorMetadata):
             return
         self._unplanned_recving.update(meta.unplanned)
+        # Loads in the step the scheduler could not plan: vLLM counts their tokens computed,
+        # so their blocks are this step's load errors on every worker (vLLM recomputes them).
+        self._load_errors.update(meta.load_errors)
+        self._tally.add("load_errors", len(meta.load_errors))
         if self._layout is None:
             return
         self._waited = 0.0  # a new step: its own wait budget
@@ -1002,8 +1006,8 @@ class WorkerSide:
                                           failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        """Blocks whose pages did not arrive this step (daemon gone, page evicted): vLLM
-        recomputes them."""
+        """Blocks whose pages did not arrive this step (daemon gone, page evicted, a load the
+        scheduler could not plan): vLLM recomputes them."""
         self._finish_loads()
         out, self._load_errors = self._load_errors, set()
         return out
