@@ -30,6 +30,9 @@
  *          ratio says what more connections cost each request (run with get, which sets up);
  *          rise_over_raw is kvtierd's ratio over the raw server's, own_us_8/_64 its CPU per GET
  *          beyond the raw server's, raw_within_bar whether the raw server itself stays in the bar.
+ *          The raw server keeps the kernel's default send buffers (208 KiB on Unix), as kvtierd
+ *          did before socket-send-budget; KVT_RAW_SNDBUF=N gives each of its connections
+ *          SO_SNDBUF N (the kernel holds 2N) to measure what that budget does for it.
  *   fill   The cold path (issue 38): a fresh kvtierd's CPU time per prompt over its first pass of
  *          the trace, MATCH then index-only PUT of each whole prompt (pipelined through
  *          libkvtier, one connection), against its second pass of the same requests after the
@@ -572,6 +575,10 @@ static uint64_t proc_cpu_ns(pid_t pid)
 /* KVT_RAW_ZEROCOPY=1: the raw server sends over TCP with MSG_ZEROCOPY (a measurement of whether
  * it pays at this size over loopback; see docs/benchmarks.md). */
 static int g_raw_zerocopy;
+/* KVT_RAW_SNDBUF=N: the raw server's SO_SNDBUF per connection, N as setsockopt takes it (0 or
+ * unset: the kernel's default): how the bytes the kernel holds for its sockets weigh on its CPU
+ * per GET at 8 and 64 connections (docs/benchmarks.md, "8 -> 64 connections: the send buffers"). */
+static int g_raw_sndbuf;
 
 typedef struct rslot {
     uint8_t head[RAW_HEAD], end[RAW_END];
@@ -678,6 +685,8 @@ static void raw_serve(int ufd, int tfd, size_t block)
                 int one = 1;
                 if (evs[k].data.u64 == 2)
                     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+                if (g_raw_sndbuf > 0)
+                    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &g_raw_sndbuf, sizeof g_raw_sndbuf);
                 c->fd = fd;
                 c->zc = evs[k].data.u64 == 2 && g_raw_zerocopy &&
                         setsockopt(fd, SOL_SOCKET, SO_ZEROCOPY, &one, sizeof one) == 0;
@@ -726,6 +735,8 @@ static pid_t raw_start(const char *path, int port, size_t block)
 {
     const char *zc = getenv("KVT_RAW_ZEROCOPY");
     g_raw_zerocopy = zc && !strcmp(zc, "1");
+    const char *sb = getenv("KVT_RAW_SNDBUF");
+    g_raw_sndbuf = sb ? atoi(sb) : 0;
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
     struct sockaddr_in sin = {.sin_family = AF_INET,
                               .sin_port = htons((uint16_t)port),
