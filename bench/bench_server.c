@@ -30,6 +30,11 @@
  *          ratio says what more connections cost each request (run with get, which sets up);
  *          rise_over_raw is kvtierd's ratio over the raw server's, own_us_8/_64 its CPU per GET
  *          beyond the raw server's, raw_within_bar whether the raw server itself stays in the bar.
+ *          client_cpu_us_8/_64 (raw_client_*) are the load generator's CPU per GET against each:
+ *          it shares the cores, and what the kernel's buffers cost its reads shows there.
+ *          The raw server keeps the kernel's default send buffers (208 KiB on Unix), as kvtierd
+ *          did before socket-send-budget; KVT_RAW_SNDBUF=N gives each of its connections
+ *          SO_SNDBUF N (the kernel holds 2N) to measure what that budget does for it.
  *   fill   The cold path (issue 38): a fresh kvtierd's CPU time per prompt over its first pass of
  *          the trace, MATCH then index-only PUT of each whole prompt (pipelined through
  *          libkvtier, one connection), against its second pass of the same requests after the
@@ -399,6 +404,8 @@ typedef struct bconn {
     uint64_t *t_sent, *lat;
     uint8_t *in;
     size_t in_len, in_off, cap;
+    uint8_t part[KVT_PROTO_HDR]; /* KVT_BENCH_SHARED_READ: a header's start left from a read */
+    size_t part_len;
     struct iovec iov[KVT_PIPE_MAX]; /* the batch being written, straight from the frames */
     int iov_n, iov_i;
     uint8_t *gets; /* GET load: one pre-encoded frame per stored page */
@@ -454,7 +461,7 @@ static int flush_out(bconn_t *c)
  * the one a reply answers; a reply is complete when the body of its last frame is in. Only
  * headers are looked at: bodies are counted and dropped as they arrive, so the buffer the
  * socket is read into stays small and in the cache, as redis-benchmark's does. */
-static int drain_in(bconn_t *c)
+static int drain_bite(bconn_t *c)
 {
     for (;;) {
         if (c->in_off > 0) { /* at most part of a header is left */
@@ -500,6 +507,28 @@ static int drain_in(bconn_t *c)
         if ((size_t)r < room)
             return 0; /* a short read emptied the socket */
     }
+}
+
+/* KVT_BENCH_SHARED_READ=1: every connection reads into one buffer of KVT_READ_BITE, as one
+ * thread reading many sockets may, instead of one of its own each (64 of them at 64 connections:
+ * 4 MiB the load generator's copies cycle through, against 512 KiB at 8). A measurement of how
+ * much of the 8 -> 64 rise is the load generator's own (docs/benchmarks.md). */
+static uint8_t *g_shared_in;
+
+static int drain_in(bconn_t *c)
+{
+    if (!g_shared_in)
+        return drain_bite(c);
+    memcpy(g_shared_in, c->part, c->part_len);
+    c->in = g_shared_in;
+    c->in_len = c->part_len;
+    c->in_off = 0;
+    int rc = drain_bite(c);
+    c->part_len = c->in_len - c->in_off; /* less than a header: drain_bite took the rest */
+    memcpy(c->part, c->in + c->in_off, c->part_len);
+    c->in = NULL;
+    c->in_len = c->in_off = 0;
+    return rc;
 }
 
 static int cmp_u64(const void *a, const void *b)
@@ -572,6 +601,10 @@ static uint64_t proc_cpu_ns(pid_t pid)
 /* KVT_RAW_ZEROCOPY=1: the raw server sends over TCP with MSG_ZEROCOPY (a measurement of whether
  * it pays at this size over loopback; see docs/benchmarks.md). */
 static int g_raw_zerocopy;
+/* KVT_RAW_SNDBUF=N: the raw server's SO_SNDBUF per connection, N as setsockopt takes it (0 or
+ * unset: the kernel's default): how the bytes the kernel holds for its sockets weigh on its CPU
+ * per GET at 8 and 64 connections (docs/benchmarks.md, "8 -> 64 connections: the send buffers"). */
+static int g_raw_sndbuf;
 
 typedef struct rslot {
     uint8_t head[RAW_HEAD], end[RAW_END];
@@ -678,6 +711,8 @@ static void raw_serve(int ufd, int tfd, size_t block)
                 int one = 1;
                 if (evs[k].data.u64 == 2)
                     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+                if (g_raw_sndbuf > 0)
+                    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &g_raw_sndbuf, sizeof g_raw_sndbuf);
                 c->fd = fd;
                 c->zc = evs[k].data.u64 == 2 && g_raw_zerocopy &&
                         setsockopt(fd, SOL_SOCKET, SO_ZEROCOPY, &one, sizeof one) == 0;
@@ -726,6 +761,8 @@ static pid_t raw_start(const char *path, int port, size_t block)
 {
     const char *zc = getenv("KVT_RAW_ZEROCOPY");
     g_raw_zerocopy = zc && !strcmp(zc, "1");
+    const char *sb = getenv("KVT_RAW_SNDBUF");
+    g_raw_sndbuf = sb ? atoi(sb) : 0;
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
     struct sockaddr_in sin = {.sin_family = AF_INET,
                               .sin_port = htons((uint16_t)port),
@@ -889,7 +926,10 @@ static int run_load(load_t *l, result_t *res)
         c->t_sent = calloc((size_t)l->per_conn, sizeof *c->t_sent);
         c->lat = lat + (size_t)i * (size_t)l->per_conn;
         c->cap = KVT_READ_BITE;
-        c->in = malloc(c->cap);
+        const char *shared = getenv("KVT_BENCH_SHARED_READ");
+        if (shared && !strcmp(shared, "1") && !g_shared_in)
+            g_shared_in = malloc(KVT_READ_BITE);
+        c->in = g_shared_in ? NULL : malloc(c->cap);
         if (l->get_blocks) {
             c->gets = malloc((size_t)l->get_blocks * GET_FRAME);
             for (uint32_t b = 0; b < l->get_blocks; b++) {
@@ -1228,11 +1268,14 @@ static int bench_conns(const opts_t *go, const load_t *get, const load_t *raw, c
            "\"raw_cpu_us_per_request_64\":%.3f,\"raw_requests_per_s_8\":%.0f,"
            "\"raw_requests_per_s_64\":%.0f,\"raw_cpu_ratio\":%.3f,\"raw_within_bar\":%s,"
            "\"rise_over_raw\":%.3f,\"own_us_8\":%.3f,\"own_us_64\":%.3f,"
+           "\"client_cpu_us_8\":%.3f,\"client_cpu_us_64\":%.3f,\"raw_client_cpu_us_8\":%.3f,"
+           "\"raw_client_cpu_us_64\":%.3f,"
            "\"bar\":\"cpu_ratio <= %.2f\",\"pass\":%s,\"cold_pass\":%s}\n",
            tr, go->block_bytes, go->pipeline, go->rounds, m[0].cpu_us, m[1].cpu_us, m[0].rps,
            m[1].rps, ratio, cold_ratio, m[2].cpu_us, m[3].cpu_us, m[2].rps, m[3].rps, raw_ratio,
            raw_ratio <= KVT_BAR_CONNS ? "true" : "false", ratio / raw_ratio,
-           m[0].cpu_us - m[2].cpu_us, m[1].cpu_us - m[3].cpu_us, KVT_BAR_CONNS,
+           m[0].cpu_us - m[2].cpu_us, m[1].cpu_us - m[3].cpu_us, m[0].client_cpu_us,
+           m[1].client_cpu_us, m[2].client_cpu_us, m[3].client_cpu_us, KVT_BAR_CONNS,
            ratio <= KVT_BAR_CONNS ? "true" : "false",
            cold_ratio <= KVT_BAR_CONNS ? "true" : "false");
     fflush(stdout);

@@ -131,6 +131,11 @@ static const kvt_opt_t kvt_opts[] = {
      "tier I/Os in flight per connection before it stops reading requests"},
     {"max-output", KVT_OPT_BYTES, KVT_O(max_output), "16M",
      "reply bytes queued per connection before it stops reading requests (64K..1G)"},
+    {"socket-send-budget", KVT_OPT_BYTES, KVT_O(sock_send_budget), "8M",
+     "reply bytes the kernel may hold in the send buffers of all Unix-socket connections "
+     "together: past budget / connections, each one's buffer (SO_SNDBUF) is cut to the largest "
+     "power of two under that share, at least 64K, up to the kernel's default; 0: the kernel's "
+     "default for each (0 or 64K..1G)"},
     {"max-client-bytes", KVT_OPT_BYTES, KVT_O(max_client_bytes), "1G",
      "memory all connections together may hold beyond their 512 KiB input buffers: frames over "
      "that, queued replies, PUT payloads waiting for their writes (at least max-frame + 1M)"},
@@ -573,6 +578,11 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     }
     if (conf->max_leases == 0 || conf->max_leases > (1u << 20)) {
         snprintf(err, errlen, "max-leases must be between 1 and 1048576");
+        return KVT_EINVAL;
+    }
+    if (conf->sock_send_budget != 0 &&
+        (conf->sock_send_budget < (64u << 10) || conf->sock_send_budget > (1ull << 30))) {
+        snprintf(err, errlen, "socket-send-budget must be 0 or between 64K and 1G");
         return KVT_EINVAL;
     }
     if (conf->max_output < (64u << 10) || conf->max_output > (1ull << 30)) {

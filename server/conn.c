@@ -307,6 +307,13 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         if (tcp) {
             int one = 1;
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        } else if (s->clients.sndbuf_default == 0) {
+            /* The size socket-send-budget gives back to a connection once its share is over it
+             * (net.core.wmem_default). */
+            int v = 0;
+            socklen_t len = sizeof v;
+            if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &len) == 0)
+                s->clients.sndbuf_default = v;
         }
         c->ev.fd = fd;
         c->ev.cb = conn_on_event;
@@ -717,8 +724,45 @@ static ssize_t send_fd(int sock, struct iovec *iov, int n, kvt__req_t *r)
 
 /* Writes from the head of the queue as far as the socket takes it. Returns 0 or -1 when the
  * connection is broken. */
+/*
+ * socket-send-budget: a Unix socket's send buffer is cut to its share of the budget once there
+ * are so many connections that their default buffers would hold more. With 64 connections each
+ * pipelining 256 KiB GETs, the replies the kernel held (64 x 208 KiB) were past the CPU caches,
+ * and every copy into and out of them cost the server, the raw one-thread server as much, 10-15 %
+ * more per GET than at 8 connections (docs/benchmarks.md, "8 -> 64 connections"). A power of
+ * two, so that a connection count that moves by a few does not reset every socket; applied at
+ * the connection's next write (one compare when nothing changes), never over TCP, whose buffers
+ * the kernel tunes itself.
+ */
+#define KVT_SNDBUF_MIN_LOG 16 /* 64 KiB: smaller writes cost more calls than the cache saves */
+
+static void sndbuf_fit(kvt__conn_t *c)
+{
+    const kvt_srv_t *s = c->srv;
+    uint64_t budget = s->conf->sock_send_budget, def = (uint64_t)s->clients.sndbuf_default;
+    if (c->tcp || budget == 0 || def == 0)
+        return;
+    uint64_t share = budget / KVT_MAX(s->clients.n, 1u);
+    uint8_t want = 0; /* the kernel's default */
+    if (share < def) {
+        want = KVT_SNDBUF_MIN_LOG;
+        while (want < 30 && (2ull << want) <= share)
+            want++;
+        if ((1ull << want) >= def)
+            want = 0;
+    }
+    if (want == c->sndbuf_log)
+        return;
+    /* The kernel doubles what it is given (its own bookkeeping): half, so that it holds this. */
+    int v = (int)((want ? 1ull << want : def) / 2);
+    if (setsockopt(c->ev.fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v) == 0)
+        c->sndbuf_log = want;
+}
+
 static int conn_write(kvt__conn_t *c)
 {
+    if (c->head)
+        sndbuf_fit(c);
     /* With the lock shared only finished plain replies are written (a source's hooks, a payload
      * given back, a descriptor: the write lock's). */
     if (c->loop->held == KVT_HELD_SHARED && !queue_plain(c)) {

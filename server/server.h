@@ -321,7 +321,9 @@ struct kvt__conn {
     uint8_t mem_wait;  /* waits for max-client-bytes to have mem_need more bytes */
     uint8_t auth_wait; /* an AUTH waits for its turn (auth.c): nothing more is read until then */
     uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
-    uint32_t *tokens;  /* scratch for decoded tokens */
+    /* log2 of the send buffer socket-send-budget gave its socket; 0: the kernel's default. */
+    uint8_t sndbuf_log;
+    uint32_t *tokens; /* scratch for decoded tokens */
     size_t tokens_cap;
     uint64_t id; /* also the owner of its leases in the tree */
 
@@ -378,6 +380,7 @@ typedef struct kvt__clients {
     uint64_t bytes;
     uint32_t mem_waiting; /* connections with mem_wait set */
     int spare_fd;         /* /dev/null, given up to refuse a connection at the open-file limit */
+    int sndbuf_default;   /* a Unix socket's SO_SNDBUF as the kernel makes it; 0: not yet seen */
     /* The buffer of the last big frame a request freed, kept for the next big frame: a fresh one
      * per frame came from jemalloc purged (madvise) at every free, its pages faulted and zeroed
      * again (conn.c spare_take). Not in bytes (held for no client), but kept only while bytes

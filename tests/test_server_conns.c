@@ -9,9 +9,11 @@
  */
 #include <pthread.h>
 #include <stddef.h>
+#include <sys/ioctl.h>
 
 #include "server.h"
 #include "test_server_harness.h"
+#include "test_raw_frames.h"
 
 #define PAGE  16
 #define BB    8192
@@ -169,4 +171,162 @@ Test(server_conns, gets_of_every_batch_shape_on_64_connections, .fini = teardown
             kvt_client_close(w[i].c[k]);
     kvt_client_close(z);
     kvt_client_close(p);
+}
+
+/* ---- socket-send-budget (conn.c sndbuf_fit) ---- */
+
+#define BIG_BB   (256u << 10)
+#define MANY     128 /* connections: 8M / 128 = 64K each, the least a socket is cut to */
+#define GETS     4
+#define SHARE_64 (64u << 10)
+
+static void read_reply_frame(int fd, kvt_proto_hdr_t *h, uint8_t *body, size_t cap)
+{
+    uint8_t hdr[KVT_PROTO_HDR];
+    cr_assert_eq(read_full(fd, hdr, sizeof hdr), 0, "the reply ended early");
+    kvt_proto_hdr_decode(hdr, h);
+    cr_assert_leq(h->body_len, cap);
+    cr_assert_eq(read_full(fd, body, h->body_len), 0, "the reply ended early");
+}
+
+/* HELLO and a MATCH with a lease on a raw socket: the lease. */
+static uint64_t raw_lease(int fd, const uint32_t *t, uint32_t ntok, uint8_t *body, size_t cap)
+{
+    uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + PAGE * 4];
+    cr_assert_leq(ntok, PAGE);
+    kvt_wire_hello_t hw = {.min_version = 1,
+                           .max_version = 1,
+                           .page_size = PAGE,
+                           .block_bytes = BIG_BB,
+                           .model_len = 6};
+    kvt_proto_frame(f, KVT_OP_HELLO, 0, 1, 0, sizeof hw + 6);
+    memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
+    memcpy(f + KVT_PROTO_HDR + sizeof hw, "budget", 6);
+    cr_assert_eq(write(fd, f, KVT_PROTO_HDR + sizeof hw + 6),
+                 (ssize_t)(KVT_PROTO_HDR + sizeof hw + 6));
+    kvt_wire_match_t mw = {.ntokens = ntok};
+    size_t len = KVT_PROTO_HDR + sizeof mw + ntok * 4;
+    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, (uint32_t)(sizeof mw + ntok * 4));
+    memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
+    memcpy(f + KVT_PROTO_HDR + sizeof mw, t, ntok * 4);
+    cr_assert_eq(write(fd, f, len), (ssize_t)len);
+    kvt_proto_hdr_t h;
+    read_reply_frame(fd, &h, body, cap); /* HELLO's */
+    read_reply_frame(fd, &h, body, cap); /* MATCH's */
+    cr_assert_eq(h.status, 0);
+    uint64_t lease = kvt_get_u64(body + 8);
+    cr_assert_neq(lease, 0);
+    return lease;
+}
+
+/* GETS pipelined GETs of page 0, left unread until the daemon's writes stop: the bytes it queued
+ * in the kernel for this socket. Then their replies, read whole. */
+static int queued_by_gets(int fd, uint64_t lease, uint8_t *body, size_t cap)
+{
+    uint8_t frames[GETS * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
+    size_t len = 0;
+    for (uint32_t i = 0; i < GETS; i++) {
+        kvt_wire_get_t gw = {.lease = lease, .first_page = 0, .npages = 1};
+        kvt_proto_frame(frames + len, KVT_OP_GET, 0, 100 + i, 0, sizeof gw);
+        memcpy(frames + len + KVT_PROTO_HDR, &gw, sizeof gw);
+        len += KVT_PROTO_HDR + sizeof gw;
+    }
+    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+    int q = -1;
+    for (int same = 0, i = 0; same < 5 && i < 500; i++) {
+        usleep(20000);
+        int now = 0;
+        cr_assert_eq(ioctl(fd, FIONREAD, &now), 0);
+        same = now == q ? same + 1 : 0;
+        q = now;
+    }
+    for (uint32_t i = 0; i < GETS; i++) {
+        kvt_proto_hdr_t h;
+        read_reply_frame(fd, &h, body, cap);
+        cr_assert_eq(h.status, 0);
+        cr_assert_eq(h.body_len, sizeof(kvt_wire_get_data_t) + BIG_BB);
+        read_reply_frame(fd, &h, body, cap); /* the end frame */
+        cr_assert_eq(h.request_id, 100 + i);
+    }
+    return q;
+}
+
+/* The bytes kvtierd has the kernel hold for one Unix socket (measured where they wait, in the
+ * client's receive queue: FIONREAD) after GETS pipelined 256 KiB GETs, with 2 connections, with
+ * MANY, and with 2 again; budget: its socket-send-budget, NULL for the default. 0 when the
+ * kernel's default send buffer is too small to tell a cut one from it (the test is skipped). */
+static int queued_with_conns(const char *budget, int q[3])
+{
+    int sp[2], def = 0;
+    socklen_t dl = sizeof def;
+    cr_assert_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sp), 0);
+    cr_assert_eq(getsockopt(sp[0], SOL_SOCKET, SO_SNDBUF, &def, &dl), 0);
+    close(sp[0]);
+    close(sp[1]);
+    if (def < 2 * (int)SHARE_64)
+        return 0;
+
+    if (budget)
+        kvd_start(&d, "--socket-send-budget", budget, NULL);
+    else
+        kvd_start(&d, NULL);
+    kvd_tokens(tok, PAGE, 700);
+    kvt_client_t *p = kvd_client(&d, "budget", PAGE, BIG_BB);
+    uint8_t *payload = malloc(BIG_BB);
+    kvd_fill(payload, BIG_BB, 7);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(p, tok, PAGE, 0, 1, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, 1);
+    size_t cap = BIG_BB + 4096;
+    uint8_t *body = malloc(cap);
+    int fd = kvd_raw(&d);
+    uint64_t lease = raw_lease(fd, tok, PAGE, body, cap);
+
+    q[0] = queued_by_gets(fd, lease, body, cap);
+    int idle[MANY - 2];
+    for (int i = 0; i < MANY - 2; i++)
+        idle[i] = kvd_raw(&d);
+    for (int i = 0; i < 500 && kvd_metric(&d, "kvtier_connections") < MANY; i++)
+        usleep(10000);
+    cr_assert_geq(kvd_metric(&d, "kvtier_connections"), MANY);
+    q[1] = queued_by_gets(fd, lease, body, cap);
+    for (int i = 0; i < MANY - 2; i++)
+        close(idle[i]);
+    for (int i = 0; i < 500 && kvd_metric(&d, "kvtier_connections") > 2; i++)
+        usleep(10000);
+    q[2] = queued_by_gets(fd, lease, body, cap);
+    fprintf(stderr,
+            "socket-send-budget %s: bytes queued for one socket: %d with 2 connections, %d with "
+            "%d, %d with 2 again (the kernel's default buffer %d)\n",
+            budget ? budget : "(default)", q[0], q[1], MANY, q[2], def);
+    close(fd);
+    kvt_client_close(p);
+    free(payload);
+    free(body);
+    return def;
+}
+
+/* With many connections the daemon keeps the reply bytes it has the kernel hold for each Unix
+ * socket to its share of socket-send-budget (8M by default): 128 connections, 64K each, where
+ * the kernel's default is 208K; back to the default when they are few again. */
+Test(server_conns, the_kernel_holds_a_share_of_the_send_budget, .fini = teardown, .timeout = 60)
+{
+    int q[3];
+    if (!queued_with_conns(NULL, q))
+        cr_skip_test("the kernel's default send buffer is at most the share");
+    cr_expect_gt(q[0], (int)(2 * SHARE_64), "2 connections: %d bytes queued", q[0]);
+    /* Its 64K, and at most the last piece of the write that reached it (half of it). */
+    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
+                  q[1]);
+    cr_expect_gt(q[2], (int)(2 * SHARE_64), "few again: %d bytes queued", q[2]);
+}
+
+/* socket-send-budget 0: every socket keeps the kernel's default, however many there are. */
+Test(server_conns, a_send_budget_of_0_leaves_the_kernel_default, .fini = teardown, .timeout = 60)
+{
+    int q[3];
+    if (!queued_with_conns("0", q))
+        cr_skip_test("the kernel's default send buffer is at most the share");
+    for (int i = 0; i < 3; i++)
+        cr_expect_gt(q[i], (int)(2 * SHARE_64), "step %d: %d bytes queued", i, q[i]);
 }
