@@ -934,7 +934,9 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     B's 2 follow them); ``removed`` and ``killed`` pass there, kvtierd refusing pages after a
     page without bytes (protocol.md, "Chains with gaps") or being dead. Now a save carries the
     blocks of the step's loads it was computed on (``reads``) and a worker whose load of one
-    of them failed stores none of its pages (a later miss). Not covered, vLLM's: with
+    of them failed stores none of its pages, and the scheduler, seeing vLLM rewind a request
+    (its computed tokens before the pages it had saved), saves them again from there once
+    computed anew: after the next step kvtierd holds B's 7 pages. Not covered, vLLM's: with
     "recompute" vLLM keeps the failed blocks in its prefix cache, counting on A to recompute
     them the next step; A and B aborted before it leaves them there as computed for a later
     request (with "fail" vLLM evicts them; loads between steps never cache them:
@@ -1021,6 +1023,9 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     assert reported["invalid"] == hit, "reported once"
     for x, n in ((ra, len(toks)), (rb, 7 * BS + 4), (rc, 6 * BS + 4)):
         assert x.num_computed_tokens == n and x.status == RequestStatus.RUNNING
+    settle(worker, SETTLE_S)
+    if how != "killed":  # the pages computed again are saved again (A's 5 where they went)
+        assert all(_held(vd, s, worker, rb, 7)), "the recomputed pages not stored"
     s.finish_requests([x.request_id for x in (ra, rb, rc)], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()

@@ -344,7 +344,14 @@ class SchedulerSide:
             steps.append((nr.req_id, tuple(nr.block_ids or ()), nr.num_computed_tokens))
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
-            steps.append((rid, tuple(cr.new_block_ids[i] or ()), cr.num_computed_tokens[i]))
+            computed = cr.num_computed_tokens[i]
+            st = self._reqs.get(rid)
+            if st is not None and computed // bs < st.saved_pages:
+                # vLLM rewound it (load errors: _handle_invalid_blocks), its pages from there
+                # computed again: saved again, those a failed step computed having been
+                # dropped (a page kvtierd holds already is left alone).
+                st.saved_pages = computed // bs
+            steps.append((rid, tuple(cr.new_block_ids[i] or ()), computed))
         for rid, new_ids, computed in steps:
             st = self._reqs.get(rid)
             if st is None or st.no_save:
