@@ -896,6 +896,217 @@ def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
     s.shutdown()
 
 
+def _held(d: Daemon, s: Any, worker: Any, r: "Request", pages: int) -> List[int]:
+    """Where kvtierd holds each of the first ``pages`` pages of ``r``'s chain in the
+    namespace of vLLM's Scheduler ``s`` (one group; 0: not held)."""
+    c0 = s.connector
+    keys = kv.key_chain(r, BS, c0._root, [], pages)
+    with d.client(model=c0._model, salt=kv.rank_salt(0, 1, 0, 1), page_size=KEY_TOKENS,
+                  adapter=KEYS_TAG, block_bytes=worker._layout.page_bytes) as c:
+        m = c.match([t for k in keys for t in key_tokens(k)], probe=True)
+        return list(m.tiers) + [0] * (pages - len(m.tiers))
+
+
+@pytest.mark.parametrize("how", ["unplanned", "killed", "removed", "copy_failed"])
+def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config: Any,
+                                                  monkeypatch: Any, how: str) -> None:
+    """Through vLLM's real Scheduler with its prefix cache on (policy "recompute"), one KV
+    cache group, the load in the step: request A hits kvtierd for 5 pages; request B, of the
+    same 5 pages then 2 pages and 4 tokens of its own, is scheduled in the same step and takes
+    A's 5 blocks from vLLM's prefix cache (vLLM caches a hit's blocks when it allocates them,
+    before anything is loaded into them). A's load then fails: ``unplanned``, its planning
+    raising (h7's load errors through the metadata); ``killed``, kvtierd SIGKILLed between the
+    lookup and the load; ``removed``, the pages removed meanwhile (the lookup's lease, 50 ms,
+    lapsed); ``copy_failed``, the pages read but their copy into vLLM's blocks raising (the
+    worker's own failure: the whole load recomputed). The worker reports A's 5 blocks as load errors, and vLLM's
+    _handle_invalid_blocks, which walks every running request, rewinds both: A to its first
+    token, B to before the step (its 2 pages computed on those blocks are computed again; it
+    keeps the 5 shared blocks as computed because A recomputes them, marked_invalid_block_ids).
+    The next step schedules A's whole prompt and B's 2 pages again, and a request C arriving
+    then with the same 5 pages takes the 5 blocks from vLLM's prefix cache only in that step,
+    the one in which A writes them again (vLLM writes each layer's KV of the whole batch before
+    that layer's attention reads it, as with any blocks shared within a step).
+    This part held on s24-int's code already: the connector reports the failed blocks, vLLM
+    finds every request holding them. What did not: B's 2 pages, computed in the failed step
+    on A's unloaded blocks, were saved to kvtierd (B's own load was none, so nothing marked
+    its save): a later request with B's prompt would have loaded them from kvtierd as good KV.
+    ``unplanned`` and ``copy_failed`` fail so on s24-int's code (kvtierd keeps A's 5 pages,
+    B's 2 follow them); ``removed`` and ``killed`` pass there, kvtierd refusing pages after a
+    page without bytes (protocol.md, "Chains with gaps") or being dead. Now a save carries the
+    blocks of the step's loads it was computed on (``reads``) and a worker whose load of one
+    of them failed stores none of its pages, and the scheduler, seeing vLLM rewind a request
+    (its computed tokens before the pages it had saved), saves them again from there once
+    computed anew: after the next step kvtierd holds B's 7 pages. Not covered, vLLM's: with
+    "recompute" vLLM keeps the failed blocks in its prefix cache, counting on A to recompute
+    them the next step; A and B aborted before it leaves them there as computed for a later
+    request (with "fail" vLLM evicts them; loads between steps never cache them:
+    test_blocks_of_a_load_between_steps_not_shared_before_it_lands)."""
+    from kvtier.errors import Busy
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import RequestStatus
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    a = Engine(vd, 97, kvc=kvc)
+    toks = prompt(5, 4)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    a.finish(r)
+    a.close()
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute",
+                            {"lease_ms": 50} if how == "removed" else None,
+                            enable_prefix_caching=True)
+    assert s.connector._async is False, "the load goes in the step"
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    init_none_hash(sha256_cbor)
+
+    def hashed(tokens: List[int]) -> "Request":  # vLLM's block hashes: its prefix cache
+        return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
+                       block_hasher=get_request_block_hasher(BS, sha256_cbor))
+
+    def unbuildable(*args: Any, **kw: Any) -> Any:
+        raise ValueError("no transfer")
+
+    ra, rb = hashed(toks), hashed(toks[:5 * BS] + prompt(2, 4))
+    s.add_request(ra)
+    s.add_request(rb)
+    with monkeypatch.context() as m:
+        if how == "unplanned":
+            m.setattr(s.connector, "_plan_loads", unbuildable)
+        out = s.schedule()
+    assert out.num_scheduled_tokens == {ra.request_id: 4, rb.request_id: 2 * BS + 4}
+    (a_ids,), (b_ids,) = (s.kv_cache_manager.get_block_ids(x.request_id) for x in (ra, rb))
+    assert b_ids[:5] == a_ids[:5], "B took A's blocks from vLLM's prefix cache"
+    hit = set(a_ids[:5])
+    assert bool(out.kv_connector_metadata.loads) == (how != "unplanned")
+    if how == "killed":
+        vd.stop(signal.SIGKILL)
+    elif how == "removed":
+        first = kv.key_chain(ra, BS, s.connector._root, [], 1)[0]
+        with vd.client(model=s.connector._model, salt=kv.rank_salt(0, 1, 0, 1),
+                       page_size=KEY_TOKENS, adapter=KEYS_TAG,
+                       block_bytes=worker._layout.page_bytes) as c:
+            deadline = time.monotonic() + SETTLE_S
+            while True:  # the whole chain, once no lease holds it
+                try:
+                    c.remove(key_tokens(first))
+                    break
+                except Busy:
+                    assert time.monotonic() < deadline, "the lease never lapsed"
+                    time.sleep(0.02)
+    with monkeypatch.context() as m:
+        if how == "copy_failed":
+            m.setattr(worker, "_copy_layer", unbuildable)
+        run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported == {"invalid": hit, "failed": set(), "recving": set()}
+    assert ra.num_computed_tokens == 0, "A rewound to before its hit"
+    assert rb.num_computed_tokens == 5 * BS, "B's step computed on the failed blocks: again"
+    assert ra.status == rb.status == RequestStatus.RUNNING
+    settle(worker, SETTLE_S)
+    if how != "killed":  # nothing computed on the failed blocks is stored
+        assert _held(vd, s, worker, rb, 7)[5:] == [0, 0], "B's pages of the failed step stored"
+    rc = hashed(toks[:5 * BS] + prompt(1, 4))
+    s.add_request(rc)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {ra.request_id: len(toks), rb.request_id: 2 * BS + 4,
+                                        rc.request_id: BS + 4}, \
+        "A writes the 5 blocks again in the step C takes them in"
+    (c_ids,) = s.kv_cache_manager.get_block_ids(rc.request_id)
+    assert c_ids[:5] == a_ids[:5]
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == hit, "reported once"
+    for x, n in ((ra, len(toks)), (rb, 7 * BS + 4), (rc, 6 * BS + 4)):
+        assert x.num_computed_tokens == n and x.status == RequestStatus.RUNNING
+    settle(worker, SETTLE_S)
+    if how != "killed":  # the pages computed again are saved again (A's 5 where they went)
+        assert all(_held(vd, s, worker, rb, 7)), "the recomputed pages not stored"
+    s.finish_requests([x.request_id for x in (ra, rb, rc)], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["loaded", "killed"])
+def test_blocks_of_a_load_between_steps_not_shared_before_it_lands(
+        vd: Daemon, tiny_model_config: Any, killed: bool) -> None:
+    """Through vLLM's real Scheduler with its prefix cache on, one KV cache group, the load
+    between steps (``load_async``): request A hits kvtierd for 5 pages and waits for its load
+    (WAITING_FOR_REMOTE_KVS). vLLM allocates its blocks with ``delay_cache_blocks`` and puts
+    them in its prefix cache only once the load is reported (_update_waiting_for_remote_kv;
+    with a failed load only the pages before the first failed block): request B, of the same 5
+    pages then 2 of its own, scheduled in the same step, takes none of A's blocks (it hits
+    kvtierd itself, into blocks of its own, and waits too), and neither does a request D
+    arriving while they wait, nor one asking between the step that reports the load and the
+    next; a request C arriving once A runs takes 5 blocks from vLLM's prefix cache. ``killed``:
+    kvtierd SIGKILLed between the lookup and the load, the failed load reported as blocks (one
+    group), vLLM caches none of them and recomputes A from its first token. So no request
+    reads blocks of a load between steps before it lands, nor a failed one's (unlike a load in
+    the step with vLLM's "recompute": test_failed_load_of_blocks_shared_in_the_step). This held
+    on s24-int's code already (vLLM's own rule); the test pins it down."""
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import RequestStatus
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    a = Engine(vd, 98, kvc=kvc)
+    toks = prompt(5, 4)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    a.finish(r)
+    a.close()
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute",
+                            {"load_async": True}, enable_prefix_caching=True)
+    assert s.connector._async is True, "the load goes between steps"
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    init_none_hash(sha256_cbor)
+
+    def hashed(tokens: List[int]) -> "Request":  # vLLM's block hashes: its prefix cache
+        return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
+                       block_hasher=get_request_block_hasher(BS, sha256_cbor))
+
+    ra, rb = hashed(toks), hashed(toks[:5 * BS] + prompt(2, 4))
+    s.add_request(ra)
+    s.add_request(rb)
+    out = s.schedule()
+    assert ra.status == rb.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not out.num_scheduled_tokens
+    (a_ids,), (b_ids,) = (s.kv_cache_manager.get_block_ids(x.request_id) for x in (ra, rb))
+    assert not set(a_ids[:5]) & set(b_ids[:5]), "B took blocks of A's load not landed"
+    rd = hashed(toks[:5 * BS] + prompt(1, 4))
+    if killed:
+        vd.stop(signal.SIGKILL)
+    deadline = time.monotonic() + SETTLE_S
+    while ra.request_id not in out.num_scheduled_tokens:
+        assert s.kv_cache_manager.get_computed_blocks(rd)[1] == 0, "A's blocks cached too soon"
+        run_step(s, worker, kvs, list(kvs), out, reported)
+        assert s.kv_cache_manager.get_computed_blocks(rd)[1] == 0, "A's blocks cached too soon"
+        assert time.monotonic() < deadline, "the load never landed"
+        time.sleep(0.005)
+        out = s.schedule()
+    assert out.num_scheduled_tokens[ra.request_id] == (len(toks) if killed else 4), \
+        "A recomputed from its first token" if killed else "A's 5 pages loaded"
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert not reported["failed"]
+    assert bool(reported["invalid"] & set(a_ids[:5])) == killed
+    rc = hashed(toks[:5 * BS] + prompt(1, 4))
+    assert s.kv_cache_manager.get_computed_blocks(rc)[1] == 5 * BS, "cached once loaded"
+    live = [x.request_id for x in (ra, rb) if not x.is_finished()]
+    s.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
 def test_request_finished_before_its_load_went_is_reported(vd: Daemon) -> None:
     """A request that finishes (aborted) between the plan of its load between steps
     (update_state_after_alloc) and the metadata that would carry it, as vLLM's deferred loads

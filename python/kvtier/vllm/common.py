@@ -294,6 +294,9 @@ class _Transfer:
     block_ids: List[int]  # the engine's block of each page moved
     async_load: bool = False  # a load between steps, reported by get_finished
     group: int = 0  # vLLM's KV cache group (keys are that group's chain)
+    # A save's: the blocks up to its last page that this step loads (in the step), which its
+    # pages were computed on: where one of them fails to load, the pages are not stored.
+    reads: List[int] = field(default_factory=list)
 
 
 

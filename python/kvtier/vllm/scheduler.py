@@ -293,9 +293,29 @@ class SchedulerSide:
         self._unplanned_blocks = []
         try:
             self._plan_saves(scheduler_output, meta)
+            self._mark_reads(meta)
         except Exception as e:  # noqa: BLE001
             self._guard.warn("kvtier: saves of this step not planned: %s", e)
         return meta
+
+    def _mark_reads(self, meta: KvtierConnectorMetadata) -> None:
+        """Each save's ``reads``: the blocks this step loads in the step (or reports as
+        load errors) among the request's blocks up to its last page. Its pages are computed
+        on them in this very step (or are them: a request whose own lookup found less than
+        the blocks it took), its own hit's or another request's that it took from vLLM's
+        prefix cache (vLLM caches a hit's blocks when it allocates them, before the load): a
+        worker whose load of one of them fails stores none of those pages (garbage KV), and
+        vLLM recomputes them (_handle_invalid_blocks rewinds every running request holding a
+        failed block)."""
+        loaded = {b for t in meta.loads if not t.async_load for b in t.block_ids}
+        loaded.update(meta.load_errors)
+        if not loaded:
+            return
+        for t in meta.saves:
+            st = self._reqs.get(t.req_id)
+            if st is not None:
+                ids = st.block_ids.get(t.group, ())[:t.first + len(t.block_ids)]
+                t.reads = [b for b in ids if b in loaded]
 
     def _plan_saves(self, so: "SchedulerOutput", meta: KvtierConnectorMetadata) -> None:
         bs = self._block_size
@@ -324,7 +344,14 @@ class SchedulerSide:
             steps.append((nr.req_id, tuple(nr.block_ids or ()), nr.num_computed_tokens))
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
-            steps.append((rid, tuple(cr.new_block_ids[i] or ()), cr.num_computed_tokens[i]))
+            computed = cr.num_computed_tokens[i]
+            st = self._reqs.get(rid)
+            if st is not None and computed // bs < st.saved_pages:
+                # vLLM rewound it (load errors: _handle_invalid_blocks), its pages from there
+                # computed again: saved again, those a failed step computed having been
+                # dropped (a page kvtierd holds already is left alone).
+                st.saved_pages = computed // bs
+            steps.append((rid, tuple(cr.new_block_ids[i] or ()), computed))
         for rid, new_ids, computed in steps:
             st = self._reqs.get(rid)
             if st is None or st.no_save:

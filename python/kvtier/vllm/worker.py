@@ -579,7 +579,13 @@ class WorkerSide:
             if early is not None:
                 self._go(early)
             else:
-                self._submit_saves([t for t in self._my_saves(meta) if t.group == gid])
+                saves = [t for t in self._my_saves(meta) if t.group == gid]
+                bad = [t for t in saves if self._on_failed_load(t)]
+                if bad:
+                    self._guard.count("saves_dropped", len(bad))
+                    self._guard.warn("kvtier: %d saves dropped: their pages were computed on "
+                                     "blocks whose load failed", len(bad))
+                self._submit_saves([t for t in saves if t not in bad])
         elif len(done) == 1 and gid not in self._early:
             # The group's first layer: its jobs go to the I/O thread now and make their
             # RESERVE while the forward computes the other layers; each copies once the last
@@ -599,9 +605,17 @@ class WorkerSide:
             event.record()
         deadline = time.monotonic() + self._worker_deadline_ms / 1000.0
         for job in jobs:
+            if self._on_failed_load(job.t):
+                self._cancel(job, "its pages were computed on blocks whose load failed")
             job.event, job.deadline = event, deadline
             assert job.go is not None
             job.go.set()
+
+    def _on_failed_load(self, t: _Transfer) -> bool:
+        """Whether save ``t``'s pages were computed on a block whose load failed this step
+        (its ``reads``; the group's last layer is in, so every load error of its layers is
+        known): such pages hold KV computed on garbage, never to be stored."""
+        return bool(t.reads) and not self._load_errors.isdisjoint(t.reads)
 
     def _submit_saves(self, saves: List[_Transfer], early: bool = False) -> List[_SaveJob]:
         """The save jobs of ``saves`` (one group's) to the I/O thread; ``early`` (the group's
