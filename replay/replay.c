@@ -37,8 +37,28 @@
 #define HINTS_NONE  (-1.0)
 #define HINTS_TRACE (-2.0)
 
+/*
+ * Reference policies of the replay alone (docs/policy.md, section 4, "What each part of the gap
+ * is"): each reads part of the trace's future, so no engine can run one; they say how much of
+ * the LRU-to-oracle gap a given piece of knowledge is worth. One runs in the engine as the
+ * ORACLE kind with next uses the replay makes up, on both of the oracle's schedules, the better
+ * one reported.
+ *
+ * REF_LRU_DEAD_FIRST ("lru-dead-first"): LRU's order, except that a page no later request uses
+ * goes first. Its key is NEVER for a dead page and NEVER - 1 - i for a page request i used
+ * (the later the use, the smaller the key: used "sooner", evicted later), so the oracle's rule
+ * "furthest next use first, deeper first on ties" is LRU's "least recent first, deeper first on
+ * ties" with the dead pages ahead. It is what knowing which sessions have ended (and which
+ * pages nothing comes back to) is worth, and no more: among live pages it knows nothing.
+ */
+#define REF_NONE           0
+#define REF_LRU_DEAD_FIRST 1
+#define MAX_POLICIES       (KVT_POLICY_KIND_COUNT + 1)
+static const char *const ref_names[] = {NULL, "lru-dead-first"};
+
 typedef struct opts {
-    kvt_policy_kind_t kinds[KVT_POLICY_KIND_COUNT];
+    kvt_policy_kind_t kinds[MAX_POLICIES];
+    int refs[MAX_POLICIES]; /* REF_*: the run of kinds[k] is that reference (kind ORACLE) */
     int nkinds;
     kvt_model_profile_t model;
     kvt_hw_profile_t hw;
@@ -87,6 +107,7 @@ typedef struct result {
     char trace[128];
     const char *config;
     kvt_policy_kind_t kind;
+    int ref;           /* REF_*: a reference policy run as kind ORACLE */
     double hint_acc;   /* HINTS_NONE, HINTS_TRACE or a simulated accuracy */
     int oracle_demand; /* ORACLE: the schedule kept (the better of the two) */
     uint64_t requests;
@@ -409,8 +430,8 @@ static int trace_hint(kvt_radix_t *t, uint32_t ns, kvt_policy_t *pol, const uint
 }
 
 static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const future_t *f,
-                   const double pct[KVT_TIER_COUNT], kvt_policy_kind_t kind, double hint_acc,
-                   result_t *res)
+                   const double pct[KVT_TIER_COUNT], kvt_policy_kind_t kind, int ref,
+                   double hint_acc, result_t *res)
 {
     memset(res->hit_tokens, 0, sizeof(res->hit_tokens));
     memset(res->win_in, 0, sizeof(res->win_in));
@@ -419,6 +440,7 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
     uint64_t span = nreq ? tr->reqs[nreq - 1].timestamp_ms - ts0 + 1 : 1;
     res->win_s = (double)span / 1000.0 / NWIN;
     res->kind = kind;
+    res->ref = ref;
     res->hint_acc = hint_acc;
     res->requests = nreq;
     res->working_set = f->unique_tokens;
@@ -478,7 +500,8 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
 
     uint64_t rng = o->seed ^ (uint64_t)kind * 0x51ED27u;
     char label[192];
-    snprintf(label, sizeof(label), "%s %s %s", res->trace, res->config, kvt_policy_kind_name(kind));
+    snprintf(label, sizeof(label), "%s %s %s", res->trace, res->config,
+             ref ? ref_names[ref] : kvt_policy_kind_name(kind));
     size_t shown = (size_t)-1;
     double no_cache = 0, total = 0;
     uint32_t ps = o->page_size;
@@ -539,7 +562,9 @@ static int run_one(const opts_t *o, const kvt_trace_t *tr, size_t nreq, const fu
         if (kind == KVT_POLICY_ORACLE) {
             const uint32_t *nx = f->next + f->off[i];
             for (uint32_t k = 0; k < f->npages[i]; k++)
-                next_clock[k] = nx[k];
+                next_clock[k] = ref != REF_LRU_DEAD_FIRST || nx[k] == NEVER
+                                    ? nx[k]
+                                    : NEVER - 1 - (uint32_t)i; /* LRU's order, dead first */
             memset(&hint, 0, sizeof(hint));
             hint.next_use = next_clock;
             hint.nnext = f->npages[i];
@@ -614,7 +639,9 @@ static void print_result(FILE *f, const result_t *r, const result_t *lru, const 
 {
     static const char *const tn[KVT_TIER_COUNT] = {"none", "hbm", "dram", "nvme", "remote"};
     fprintf(f, "{\"trace\":\"%s\",\"config\":\"%s\",\"policy\":\"%s\"", r->trace, r->config,
-            kvt_policy_kind_name(r->kind));
+            r->ref ? ref_names[r->ref] : kvt_policy_kind_name(r->kind));
+    if (r->ref)
+        fprintf(f, ",\"reference\":true");
     if (r->hint_acc >= 0)
         fprintf(f, ",\"hint_accuracy\":%.2f", r->hint_acc);
     if (r->hint_acc == HINTS_TRACE)
@@ -720,7 +747,10 @@ static void usage(FILE *f, const char *prog)
             "usage: %s [options] TRACE.jsonl...\n"
             "Replays Mooncake traces through the radix index and the tier policy in simulated\n"
             "time; prints one JSON object per policy per trace and tier configuration.\n"
-            "  --policy LIST        cost,lru,lfu,oracle (default: all four)\n"
+            "  --policy LIST        cost,lru,lfu,oracle (default: all four); also the\n"
+            "                       reference lru-dead-first (LRU, but pages no later request\n"
+            "                       uses go first: it reads the trace's future, as the\n"
+            "                       oracle does)\n"
             "  --model NAME|FILE    built-in model or a key=value file (default llama-3-70b)\n"
             "  --hw NAME|FILE       built-in hardware or a key=value file (default h200-node)\n"
             "  --page-size N        tokens per page (default 16)\n"
@@ -834,8 +864,15 @@ static int parse_list(const char *s, opts_t *o, int policies)
     int n = 0;
     for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         if (policies) {
-            if (n >= KVT_POLICY_KIND_COUNT || kvt_policy_kind_parse(tok, &o->kinds[n]) < 0)
+            if (n >= MAX_POLICIES)
                 return KVT_EINVAL;
+            o->refs[n] = REF_NONE;
+            if (strcmp(tok, ref_names[REF_LRU_DEAD_FIRST]) == 0) {
+                o->kinds[n] = KVT_POLICY_ORACLE;
+                o->refs[n] = REF_LRU_DEAD_FIRST;
+            } else if (kvt_policy_kind_parse(tok, &o->kinds[n]) < 0) {
+                return KVT_EINVAL;
+            }
         } else {
             if (n >= MAX_HINTS || parse_num(tok, 0, 1, &o->hint_acc[n]) < 0)
                 return KVT_EINVAL;
@@ -998,7 +1035,8 @@ int kvt_replay_main(int argc, char **argv)
             i++;
         } else if (strcmp(a, "--policy") == 0) {
             if (parse_list(v, &o, 1) < 0) {
-                fprintf(stderr, "%s: bad --policy '%s' (cost,lru,lfu,oracle)\n", prog, v);
+                fprintf(stderr, "%s: bad --policy '%s' (cost,lru,lfu,oracle,lru-dead-first)\n",
+                        prog, v);
                 return 2;
             }
             i++;
@@ -1152,21 +1190,23 @@ int kvt_replay_main(int argc, char **argv)
                 kvt_trace_name(tr, r->trace, sizeof(r->trace));
                 r->config = cname;
                 kvt_policy_kind_t kind = k < o.nkinds ? o.kinds[k] : KVT_POLICY_COST;
+                int ref = k < o.nkinds ? o.refs[k] : REF_NONE;
                 double acc = k < o.nkinds              ? HINTS_NONE
                              : k < o.nkinds + o.nhints ? o.hint_acc[k - o.nkinds]
                                                        : HINTS_TRACE;
                 oc.oracle_demand = 0;
-                rc = run_one(&oc, tr, nreq, &fut, pct, kind, acc, r);
+                rc = run_one(&oc, tr, nreq, &fut, pct, kind, ref, acc, r);
                 if (rc >= 0 && kind == KVT_POLICY_ORACLE) {
                     /* The oracle is the better of two schedules with the same future knowledge,
                      * Belady with bypass and Belady on demand (docs/policy.md, "The oracle"):
-                     * neither is optimal for prefill time, and each wins somewhere. */
+                     * neither is optimal for prefill time, and each wins somewhere. A reference
+                     * run as the oracle (REF_*) takes the better of its two likewise. */
                     result_t *alt = malloc(sizeof(*alt));
                     rc = alt ? 0 : KVT_ENOMEM;
                     if (alt) {
                         *alt = *r;
                         oc.oracle_demand = 1;
-                        rc = run_one(&oc, tr, nreq, &fut, pct, kind, acc, alt);
+                        rc = run_one(&oc, tr, nreq, &fut, pct, kind, ref, acc, alt);
                         if (rc >= 0 && alt->total_s < r->total_s) {
                             double wall = r->wall_s;
                             *r = *alt;
@@ -1178,14 +1218,14 @@ int kvt_replay_main(int argc, char **argv)
                     }
                 }
                 if (rc < 0) {
-                    fprintf(stderr, "%s: %s %s: %s\n", prog, r->trace, kvt_policy_kind_name(kind),
-                            kvt_strerror(rc));
+                    fprintf(stderr, "%s: %s %s: %s\n", prog, r->trace,
+                            ref ? ref_names[ref] : kvt_policy_kind_name(kind), kvt_strerror(rc));
                     failed = 1;
                     continue;
                 }
                 if (kind == KVT_POLICY_LRU && acc < 0)
                     lru = nruns;
-                if (kind == KVT_POLICY_ORACLE)
+                if (kind == KVT_POLICY_ORACLE && !ref)
                     oracle = nruns;
                 nruns++;
             }

@@ -13,6 +13,10 @@ prefix (one system prompt, many questions), scans (bursts of users who never ret
     workloads.py run --replay PATH [-n REQUESTS] [--families A,B] [--seeds 0-4] [--table]
     workloads.py table ROWS.jsonl                          the table again from run's output
 
+`run --references lru-dead-first` also replays the replay's reference policies, which read the
+trace's future as the oracle does (docs/policy.md, section 4, "What each part of the gap is"),
+and reports the share of the LRU-to-oracle gap each closes; without it the output is unchanged.
+
 A trace depends only on (family, seed, requests) and is the same bytes on every run (Python's
 random.Random seeded by a string, no hash randomisation, no clock). Standard library only.
 
@@ -53,6 +57,8 @@ HINTED_FAMILIES = ("agent", "mix")
 TUNING_SEEDS = (0, 1)
 SEEDS = (0, 1, 2, 3, 4)
 POLICIES = ("cost", "lru", "lfu", "oracle")
+# kvtier-replay's reference policies (not policies an engine can run: they read the future).
+REFERENCES = ("lru-dead-first",)
 # The tier configurations: percentages of the working set split 1:4:15 over HBM/DRAM/NVMe, and
 # the replay's default (1/4/15) with the remote tier (30), as kvtier-replay names it.
 CONFIGS = (
@@ -319,22 +325,23 @@ def held_out(family: str, seed: int) -> bool:
     return family in HELD_OUT_FAMILIES or seed not in TUNING_SEEDS
 
 
-def replay(binary: str, trace: str, config: Sequence[str], extra: Sequence[str] = ()
-           ) -> List[Dict[str, Any]]:
-    cmd = [binary, "--no-progress", "--policy", ",".join(POLICIES)] + list(config) + \
-        list(extra) + [trace]
+def replay(binary: str, trace: str, config: Sequence[str], extra: Sequence[str] = (),
+           refs: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    cmd = [binary, "--no-progress", "--policy", ",".join(list(POLICIES) + list(refs))] + \
+        list(config) + list(extra) + [trace]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if p.returncode != 0:
         raise RuntimeError("%s failed (%d): %s" % (" ".join(cmd), p.returncode, p.stderr))
     return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
 
 
-def row(family: str, seed: int, config: str, results: Sequence[Dict[str, Any]]
-        ) -> Dict[str, Any]:
+def row(family: str, seed: int, config: str, results: Sequence[Dict[str, Any]],
+        refs: Sequence[str] = ()) -> Dict[str, Any]:
     """One family x seed x configuration: prefill seconds per policy, the gap the cost policy
     closes from LRU to the oracle, and whether it is never worse than min(LRU, LFU); where the
     trace carries hint events, the same for the cost policy reading them ("cost+hints") and
-    the share of prefill time they save."""
+    the share of prefill time they save; for each reference policy asked for, its prefill
+    seconds and the share of the gap it closes (gap_closed_ref)."""
     s = {}
     hinted = None
     for r in results:
@@ -342,7 +349,7 @@ def row(family: str, seed: int, config: str, results: Sequence[Dict[str, Any]]
             hinted = r["prefill_seconds_total"]
         elif "hint_accuracy" not in r:
             s[r["policy"]] = r["prefill_seconds_total"]
-    missing = [p for p in POLICIES if p not in s]
+    missing = [p for p in list(POLICIES) + list(refs) if p not in s]
     if missing:
         raise RuntimeError("%s seed %d %s: no result for %s" % (family, seed, config, missing))
     gap = s["lru"] - s["oracle"]
@@ -362,6 +369,11 @@ def row(family: str, seed: int, config: str, results: Sequence[Dict[str, Any]]
         out["prefill_s"]["cost+hints"] = round(hinted, 3)
         out["gap_closed_hints"] = round((s["lru"] - hinted) / gap, 4) if gap > 1e-9 else None
         out["hint_gain"] = round((s["cost"] - hinted) / s["cost"], 4)
+    if refs:
+        for p in refs:
+            out["prefill_s"][p] = round(s[p], 3)
+        out["gap_closed_ref"] = {p: round((s["lru"] - s[p]) / gap, 4) if gap > 1e-9 else None
+                                 for p in refs}
     return out
 
 
@@ -386,6 +398,11 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             hg = [r["gap_closed_hints"] for r in rs if r["gap_closed_hints"] is not None]
             g["gap_closed_hints_mean"] = round(sum(hg) / len(hg), 4) if hg else None
             g["hint_gain"] = round(1 - g["prefill_s"]["cost+hints"] / g["prefill_s"]["cost"], 4)
+        if "gap_closed_ref" in rs[0]:
+            g["gap_closed_ref_mean"] = {}
+            for p in rs[0]["gap_closed_ref"]:
+                rg = [r["gap_closed_ref"][p] for r in rs if r["gap_closed_ref"][p] is not None]
+                g["gap_closed_ref_mean"][p] = round(sum(rg) / len(rg), 4) if rg else None
         out.append(g)
     order = {f: i for i, f in enumerate(FAMILIES)}
     corder = {c: i for i, (c, _) in enumerate(CONFIGS)}
@@ -430,6 +447,51 @@ def table(groups: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ref_table(groups: Sequence[Dict[str, Any]]) -> str:
+    """Per family and configuration (tuning and held-out seeds together): the mean share of the
+    LRU-to-oracle gap that the cost policy and each reference close; then the means the bar of
+    issue 40 takes (over the tuning groups and over the held-out groups)."""
+    refs = [p for p in REFERENCES if any(p in g.get("gap_closed_ref_mean", {}) for g in groups)]
+    if not refs:
+        return ""
+
+    def mean(xs: Sequence[Optional[float]]) -> Optional[float]:
+        v = [x for x in xs if x is not None]
+        return sum(v) / len(v) if v else None
+
+    def f3(x: Optional[float]) -> str:
+        return "n/a" if x is None else "%.3f" % x
+
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    corder = {c: i for i, (c, _) in enumerate(CONFIGS)}
+    keys = sorted({(g["family"], g["config"]) for g in groups},
+                  key=lambda k: (order[k[0]], corder[k[1]]))
+    lines = ["| family | config | seeds | LRU s | oracle s | %s | gap closed: cost | %s |" % (
+        " | ".join("%s s" % p for p in refs), " | ".join(refs)),
+        "|---|---|---|---|---|%s---|%s" % ("---|" * len(refs), "---|" * len(refs))]
+    for fam, cfg in keys:
+        gs = [g for g in groups if g["family"] == fam and g["config"] == cfg]
+        # each group's mean weighted by its seeds: the mean over this family's rows
+        def wmean(get: Any) -> Optional[float]:
+            v = [(get(g), len(g["seeds"])) for g in gs if get(g) is not None]
+            return sum(x * n for x, n in v) / sum(n for _, n in v) if v else None
+        seeds = sorted(s for g in gs for s in g["seeds"])
+        lines.append("| %s | %s | %s | %.1f | %.1f | %s | %s | %s |" % (
+            fam, cfg, ",".join(str(x) for x in seeds),
+            sum(g["prefill_s"]["lru"] for g in gs), sum(g["prefill_s"]["oracle"] for g in gs),
+            " | ".join("%.1f" % sum(g["prefill_s"][p] for g in gs) for p in refs),
+            f3(wmean(lambda g: g["gap_closed_mean"])),
+            " | ".join(f3(wmean(lambda g, p=p: g["gap_closed_ref_mean"][p])) for p in refs)))
+    for st in ("tuning", "held-out"):
+        gs = [g for g in groups if g["set"] == st]
+        if gs:
+            lines.append("\n%s: mean gap closed over %d groups: cost %s; %s" % (
+                st, len(gs), f3(mean([g["gap_closed_mean"] for g in gs])),
+                "; ".join("%s %s" % (p, f3(mean([g["gap_closed_ref_mean"][p] for g in gs])))
+                          for p in refs)))
+    return "\n".join(lines)
+
+
 def parse_seeds(s: str) -> List[int]:
     out: List[int] = []
     for part in s.split(","):
@@ -449,6 +511,15 @@ def parse_families(s: str) -> List[str]:
     return fams
 
 
+def parse_references(s: str) -> List[str]:
+    refs = [p for p in s.split(",") if p]
+    for p in refs:
+        if p not in REFERENCES:
+            raise argparse.ArgumentTypeError("unknown reference %r (one of %s)" %
+                                             (p, ",".join(REFERENCES)))
+    return refs
+
+
 def run(args: argparse.Namespace) -> int:
     if not os.access(args.replay, os.X_OK):
         print("workloads: no kvtier-replay at %s" % args.replay, file=sys.stderr)
@@ -462,7 +533,9 @@ def run(args: argparse.Namespace) -> int:
                     write(generate(fam, seed, args.requests), f)
                 extra = ["--trace-hints"] if fam in HINTED_FAMILIES else []
                 for cname, cargs in CONFIGS:
-                    r = row(fam, seed, cname, replay(args.replay, path, cargs, extra))
+                    r = row(fam, seed, cname,
+                            replay(args.replay, path, cargs, extra, args.references),
+                            args.references)
                     rows.append(r)
                     print(json.dumps(r), flush=True)
     groups = summarize(rows)
@@ -470,6 +543,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(dict(g, summary=True)))
     if args.table:
         print(table(groups))
+        if args.references:
+            print("\n" + ref_table(groups))
     return 0
 
 
@@ -487,6 +562,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--families", type=parse_families, default=list(FAMILIES))
     r.add_argument("--seeds", type=parse_seeds, default=list(SEEDS))
     r.add_argument("--table", action="store_true", help="also print a Markdown table")
+    r.add_argument("--references", type=parse_references, default=[],
+                   help="also replay these reference policies (%s), which read the trace's "
+                   "future: the share of the gap each closes" % ",".join(REFERENCES))
     t = sub.add_parser("table", help="the Markdown table of a run's saved output")
     t.add_argument("rows", help="what `run` printed (its per-row JSON lines are read)")
     a = ap.parse_args(argv)
@@ -501,7 +579,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not rows:
             print("workloads: %s: no rows of `workloads.py run`" % a.rows, file=sys.stderr)
             return 2
-        print(table(summarize(rows)))
+        groups = summarize(rows)
+        print(table(groups))
+        if any("gap_closed_ref_mean" in g for g in groups):
+            print("\n" + ref_table(groups))
         return 0
     if a.requests < 1:
         ap.error("--requests must be >= 1")

@@ -718,3 +718,75 @@ Test(replay_hints, trace_hint_events_reach_the_policy)
     unlink(hinted);
     unlink(plain);
 }
+
+/*
+ * The reference lru-dead-first (docs/policy.md, section 4, "What each part of the gap is"): LRU's
+ * order with the pages no later request uses first. On the agent trace without hints, 40
+ * sessions pause for 60 s while 300 one-shot requests of 2,048 tokens each arrive per session's
+ * pause: LRU, which sees only recency, has pushed every paused session out of a cache of a fifth
+ * of the working set when it comes back (the one-shots are more recent). The one-shots' pages and
+ * the sessions' pages after their second request are dead, and going first they leave the
+ * paused sessions in place: all 40 returns hit their whole first request (8 blocks of 512
+ * tokens), and nothing else can hit. On the document traces and on the agent trace at other
+ * sizes, it is never worse than LRU.
+ */
+Test(replay_reference, lru_dead_first_drops_dead_pages_first_and_never_loses_to_lru)
+{
+    char agent[4096];
+    snprintf(agent, sizeof agent, "%s", agent_trace(0, 0));
+    char *argv[] = {"kvtier-replay",
+                    "--no-progress",
+                    "--verify",
+                    "--policy",
+                    "lru,lru-dead-first",
+                    "--hbm",
+                    "20",
+                    "--dram",
+                    "0",
+                    "--nvme",
+                    "0",
+                    agent,
+                    NULL};
+    int rc;
+    char *out = run_replay(12, argv, &rc);
+    cr_assert_eq(rc, 0, "%s", out);
+    char *ref = line_of(out, "lru-dead-first"), *lru = line_of(out, "lru");
+    cr_assert_not_null(ref, "%s", out);
+    cr_assert_not_null(strstr(ref, "\"reference\":true"), "%s", ref);
+    unsigned long long h[4], hl[4];
+    hits(ref, h);
+    hits(lru, hl);
+    cr_log_info("agent, HBM 20%%: LRU %llu hit tokens, lru-dead-first %llu", hl[0], h[0]);
+    cr_assert_eq(h[0], 40ull * 4096, "dead-first hits %llu tokens: %s", h[0], ref);
+    cr_assert_lt(hl[0], h[0] / 2, "LRU hits %llu tokens", hl[0]);
+    cr_assert_lt(num(ref, "prefill_seconds_total"), num(lru, "prefill_seconds_total"));
+    free(ref);
+    free(lru);
+    free(out);
+
+    static char *const caps[][6] = {
+        {"--hbm", "2G", "--dram", "8G", "--nvme", "16G"},
+        {"--hbm", "0.5", "--dram", "2", "--nvme", "7.5"},
+        {"--hbm", "1", "--dram", "4", "--nvme", "15"},
+    };
+    for (int t = 0; t < 3; t++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s", t < 2 ? doc_trace(0, (uint64_t)t, 1500) : agent);
+        for (size_t c = 0; c < sizeof(caps) / sizeof(caps[0]); c++) {
+            char *av[] = {"kvtier-replay", "--no-progress", "--policy", "lru,lru-dead-first",
+                          caps[c][0],      caps[c][1],      caps[c][2], caps[c][3],
+                          caps[c][4],      caps[c][5],      path,       NULL};
+            out = run_replay(11, av, &rc);
+            cr_assert_eq(rc, 0, "%s", out);
+            double l = total_of(out, "lru"), d = total_of(out, "lru-dead-first");
+            cr_log_info("trace %d %s %s: LRU %.3f s, lru-dead-first %.3f s", t, caps[c][0],
+                        caps[c][1], l, d);
+            cr_assert_leq(d, l, "trace %d %s %s: lru-dead-first %.3f s, LRU %.3f s", t, caps[c][0],
+                          caps[c][1], d, l);
+            free(out);
+        }
+        if (t < 2)
+            unlink(path);
+    }
+    unlink(agent);
+}

@@ -11,6 +11,8 @@
   the oracle never worse than LRU or LFU, the hinted families also with the cost policy
   reading their hint events, and the summary table, which `table` renders again from the
   saved output;
+- references: `run --references lru-dead-first` adds the replay's reference to each row, with
+  the share of the gap it closes, never worse than LRU, and a table of the shares;
 - oracle bound: on sysprompt at 5 % (seeds 1 and 4, where per-tier Belady on demand lost to LFU
   by a fifth) the oracle is never worse than LRU or LFU, in time and in misses;
 - bad input: an unknown family, a request count of 0, a missing replay, a table of a file that
@@ -147,6 +149,47 @@ def test_runner():
     finally:
         os.unlink(saved)
     assert t.returncode == 0 and t.stdout.strip() and t.stdout.strip() in p.stdout
+
+
+def test_references():
+    # `run --references lru-dead-first` adds the replay's reference (LRU with the pages no later
+    # request uses first: docs/policy.md, section 4, "What each part of the gap is") to each
+    # row, with the share of the LRU-to-oracle gap it closes, and a table of those shares
+    # (which `table` renders again); the rows of test_runner, without the option, have none.
+    script = os.path.join(SOURCE, "replay", "workloads.py")
+    p = subprocess.run([sys.executable, script, "run", "--replay", REPLAY, "-n", str(N),
+                        "--seeds", "0", "--families", "chat,agent", "--references",
+                        "lru-dead-first", "--table"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
+    per = [r for r in rows if not r.get("summary")]
+    assert len(per) == 2 * len(workloads.CONFIGS), per
+    for r in per:
+        s = r["prefill_s"]
+        assert set(s) - {"cost+hints"} == set(workloads.POLICIES) | {"lru-dead-first"}, r
+        # knowing which pages are dead is part of what the oracle knows: never worse than LRU
+        assert s["lru-dead-first"] <= s["lru"] * (1 + 1e-9), r
+        g = r["gap_closed_ref"]["lru-dead-first"]
+        if g is not None:
+            want = (s["lru"] - s["lru-dead-first"]) / (s["lru"] - s["oracle"])
+            assert abs(want - g) < 1e-3 * max(1, abs(want)), r
+    sums = [r for r in rows if r.get("summary")]
+    assert all("lru-dead-first" in g["gap_closed_ref_mean"] for g in sums), sums
+    assert "| family | config | seeds | LRU s | oracle s | lru-dead-first s |" in p.stdout
+    saved = os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvt-workloads-r%d.out" % os.getpid())
+    with open(saved, "w") as f:
+        f.write(p.stdout)
+    try:
+        t = subprocess.run([sys.executable, script, "table", saved], stdout=subprocess.PIPE,
+                           text=True, timeout=60)
+    finally:
+        os.unlink(saved)
+    assert t.returncode == 0 and t.stdout.strip() and t.stdout.strip() in p.stdout
+    b = subprocess.run([sys.executable, script, "run", "--replay", REPLAY, "--references",
+                        "belady"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=60)
+    assert b.returncode == 2 and "unknown reference" in b.stderr and not b.stdout, b.stderr
 
 
 def test_oracle_bound():
