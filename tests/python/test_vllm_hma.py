@@ -896,6 +896,40 @@ def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
     s.shutdown()
 
 
+def _prefix_cached_scheduler(vd: Daemon, model_config: Any, seed: int,
+                             extra: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:
+    """The set-up of the tests of blocks shared through vLLM's prefix cache: 5 pages and 4
+    tokens stored in kvtierd by another engine (``seed``), then vLLM's real Scheduler with its
+    prefix cache on (policy "recompute", one KV cache group, ``extra`` connector settings) and
+    a worker over paged caches. Returns (scheduler, worker, caches, the stored prompt's tokens,
+    a maker of requests that carry vLLM's block hashes)."""
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    a = Engine(vd, seed, kvc=kvc)
+    toks = prompt(5, 4)
+    r = request(toks)
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
+    a.finish(r)
+    a.close()
+    s, cfg = real_scheduler(model_config, vd, MODEL, kvc, "recompute", extra,
+                            enable_prefix_caching=True)
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(None)
+    worker.register_kv_caches(kvs)
+    init_none_hash(sha256_cbor)
+
+    def hashed(tokens: List[int]) -> "Request":  # vLLM's block hashes: its prefix cache
+        return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
+                       block_hasher=get_request_block_hasher(BS, sha256_cbor))
+
+    return s, worker, kvs, toks, hashed
+
+
 def _held(d: Daemon, s: Any, worker: Any, r: "Request", pages: int) -> List[int]:
     """Where kvtierd holds each of the first ``pages`` pages of ``r``'s chain in the
     namespace of vLLM's Scheduler ``s`` (one group; 0: not held)."""
@@ -942,33 +976,12 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     request (with "fail" vLLM evicts them; loads between steps never cache them:
     test_blocks_of_a_load_between_steps_not_shared_before_it_lands)."""
     from kvtier.errors import Busy
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import RequestStatus
 
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
-    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
-    a = Engine(vd, 97, kvc=kvc)
-    toks = prompt(5, 4)
-    r = request(toks)
-    n, meta = a.admit(r)
-    assert n == 0 and a.step(meta) == set()
-    a.finish(r)
-    a.close()
-    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute",
-                            {"lease_ms": 50} if how == "removed" else None,
-                            enable_prefix_caching=True)
+    s, worker, kvs, toks, hashed = _prefix_cached_scheduler(
+        vd, tiny_model_config, 97, {"lease_ms": 50} if how == "removed" else None)
     assert s.connector._async is False, "the load goes in the step"
-    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
-    kvs = paged(None)
-    worker.register_kv_caches(kvs)
     reported: Dict[str, set] = {}
-    init_none_hash(sha256_cbor)
-
-    def hashed(tokens: List[int]) -> "Request":  # vLLM's block hashes: its prefix cache
-        return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
-                       block_hasher=get_request_block_hasher(BS, sha256_cbor))
 
     def unbuildable(*args: Any, **kw: Any) -> Any:
         raise ValueError("no transfer")
@@ -1048,32 +1061,12 @@ def test_blocks_of_a_load_between_steps_not_shared_before_it_lands(
     reads blocks of a load between steps before it lands, nor a failed one's (unlike a load in
     the step with vLLM's "recompute": test_failed_load_of_blocks_shared_in_the_step). This held
     on s24-int's code already (vLLM's own rule); the test pins it down."""
-    from vllm.utils.hashing import sha256_cbor
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import RequestStatus
 
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
-    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
-    a = Engine(vd, 98, kvc=kvc)
-    toks = prompt(5, 4)
-    r = request(toks)
-    n, meta = a.admit(r)
-    assert n == 0 and a.step(meta) == set()
-    a.finish(r)
-    a.close()
-    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute",
-                            {"load_async": True}, enable_prefix_caching=True)
+    s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 98,
+                                                             {"load_async": True})
     assert s.connector._async is True, "the load goes between steps"
-    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
-    kvs = paged(None)
-    worker.register_kv_caches(kvs)
     reported: Dict[str, set] = {}
-    init_none_hash(sha256_cbor)
-
-    def hashed(tokens: List[int]) -> "Request":  # vLLM's block hashes: its prefix cache
-        return Request("hreq-%d" % next(_ids), tokens, SamplingParams(max_tokens=4), None,
-                       block_hasher=get_request_block_hasher(BS, sha256_cbor))
 
     ra, rb = hashed(toks), hashed(toks[:5 * BS] + prompt(2, 4))
     s.add_request(ra)
