@@ -162,10 +162,14 @@ typedef struct msent {
     uint64_t hash; /* the page's prefix hash; 0 = an empty slot */
     uint32_t last; /* clock of its last use */
     uint32_t hits;
-    uint32_t depth;
-    uint32_t pos; /* position class */
-    float redo;   /* seconds to recompute it */
+    /* 24 bytes, not 32: the tables are most of the simulations' cache misses. The depth only
+     * breaks LRU's ties (a deeper page is capped at MS_DEPTH_MAX); redo is from the real one. */
+    uint32_t depth : 24;
+    uint32_t pos : 8; /* position class */
+    float redo;       /* seconds to recompute it */
 } msent_t;
+#define MS_DEPTH_MAX ((1u << 24) - 1)
+_Static_assert(sizeof(msent_t) == 24, "a miniature tier's slot is 24 bytes");
 
 /* An entry of a miniature tier's recency heap: the page (by hash) and the use it was pushed for,
  * a stale entry (the page gone, or used again since) being skipped when it comes up. */
@@ -743,7 +747,6 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
         uint32_t now = now_clock(p);
         uint32_t age = now - b->policy;
         kvt_tier_id_t t = (kvt_tier_id_t)b->tier;
-        uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
         unsigned pause = b->prio >> PAUSE_SHIFT;
         int finished = pause == PAUSE_FINISHED, paused = 0;
         uint32_t back = 0;
@@ -795,7 +798,11 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
         }
         /* EXP_HD without the saving: with it, agent and chat (seeds 0-1) lost 0.017 of the gap
          * to LRU pinned, without it they gained 0.008 */
-        double v = e == EXP_HD ? dens : dens * keep_benefit(p, t, depth, ps, b->size);
+        double v =
+            e == EXP_HD
+                ? dens
+                : dens * keep_benefit(p, t, depth,
+                                      kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n)), b->size);
         unsigned prio = b->prio & PRIO_MASK;
         if (prio)
             v *= exp2(prio / 100.0);
@@ -1375,11 +1382,18 @@ static uint32_t ms_victim(kvt_policy_t *p, int e, kvt_tier_id_t t, uint32_t now)
     /* EXP_HD's keys rise and fall with age, and 8 drawn made its copy cost 1.8 % more than
      * LRU's on agent seed 0 at 10 % where it is really 0.13 % cheaper (pinned) */
     int draws = e == EXP_HD ? HD_SAMPLE : MS_SAMPLE;
+    /* the slots drawn first, each asked for without waiting: one miss after the other into the
+     * 1 MiB table was most of the simulations' time (a fifth of the replay's on agents) */
+    uint32_t slot[HD_SAMPLE > MS_SAMPLE ? HD_SAMPLE : MS_SAMPLE];
     for (int k = 0; k < draws; k++) {
         uint64_t z = (p->ms_rng += 0x9E3779B97F4A7C15ull);
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
         z ^= z >> 27;
-        uint32_t i = (uint32_t)z & m->mask;
+        slot[k] = (uint32_t)z & m->mask;
+        __builtin_prefetch(&m->v[slot[k]], 0, 1);
+    }
+    for (int k = 0; k < draws; k++) {
+        uint32_t i = slot[k];
         while (!m->v[i].hash)
             i = (i + 1) & m->mask;
         double key = ms_key(p, e, t, &m->v[i], now);
@@ -1464,13 +1478,22 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
     if (p->ms_state < 0)
         return;
     uint32_t now = now_clock(p);
+    /* every copy's tiers are probed for the page: their slots asked for at once */
+    for (int e = 0; e < p->nexp; e++)
+        for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
+            if (p->ms[e][t].v)
+                __builtin_prefetch(&p->ms[e][t].v[ms_home(&p->ms[e][t], h)], 0, 1);
     double redo = recompute_page_s(p, depth, ps);
     for (int e = 0; e < p->nexp; e++) {
         double s = redo;
         /* a page back after the engine dropped it starts with the hit its return is, as in
          * block_class and the LFU expert's key */
-        msent_t x = {
-            h, now, (flags & GHOST_FLAG) != 0, depth, (flags & POS_MASK) >> POS_SHIFT, (float)redo};
+        msent_t x = {h,
+                     now,
+                     (flags & GHOST_FLAG) != 0,
+                     depth < MS_DEPTH_MAX ? depth : MS_DEPTH_MAX,
+                     (flags & POS_MASK) >> POS_SHIFT,
+                     (float)redo};
         for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
             msim_t *m = &p->ms[e][t];
             if (!m->v)
