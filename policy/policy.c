@@ -105,19 +105,20 @@
 #define BYPASS_TRIES    8 /* ORACLE: victims that could not go tried per placement in a tier */
 #define PAUSED_P        0.9
 /* The cost policy's experts (see "Experts" at the top): each orders victims by its own signal. */
-#define NEXP       KVT_POLICY_EXPERTS
-#define EXP_COST   0          /* learned reuse rate per class x saving */
-#define EXP_RECENT 1          /* LRU: recency, deeper first on ties */
-#define EXP_FREQ   2          /* LFU: hit count, recency on ties */
-#define EXP_SPLIT  3          /* EXP_COST's order above the lowest tier, EXP_RECENT's in it */
-#define EXP_HD     4          /* LHD: the hit density learned per tier, hit class and age */
-#define NAGE       32         /* EXP_HD's age buckets: half octaves from 256 ms (age_bucket) */
-#define HD_SAMPLE  16         /* entries drawn per eviction in EXP_HD's miniature cache */
-#define RUN_GAIN   0.05       /* smoothing of the pages a match loads from a tier */
-#define MS_SHIFT   5          /* the miniature simulations see 1 page in 2^5 */
-#define MS_MAX     (1u << 14) /* sampled pages a miniature tier holds at most (1 MiB of table) */
-#define MS_SAMPLE  8          /* entries drawn per eviction in a miniature cache */
-#define MS_DECAY   0.9998     /* each sampled use ages the simulated costs: about 5,000 uses */
+#define NEXP         KVT_POLICY_EXPERTS
+#define EXP_COST     0          /* learned reuse rate per class x saving */
+#define EXP_RECENT   1          /* LRU: recency, deeper first on ties */
+#define EXP_FREQ     2          /* LFU: hit count, recency on ties */
+#define EXP_SPLIT    3          /* EXP_COST's order above the lowest tier, EXP_RECENT's in it */
+#define EXP_HD       4          /* LHD: the hit density learned per tier, hit class and age */
+#define NAGE         32         /* EXP_HD's age buckets: half octaves from 256 ms (age_bucket) */
+#define HD_SAMPLE    16         /* entries drawn per eviction in EXP_HD's miniature cache */
+#define RUN_GAIN     0.05       /* smoothing of the pages a match loads from a tier */
+#define MS_SHIFT     5          /* the miniature simulations see 1 page in 2^5 */
+#define MS_MAX       (1u << 14) /* sampled pages a miniature tier holds at most (1 MiB of table) */
+#define MS_SAMPLE    8          /* entries drawn per eviction in a miniature cache */
+#define MS_DRAWS_MAX (HD_SAMPLE > MS_SAMPLE ? HD_SAMPLE : MS_SAMPLE)
+#define MS_DECAY     0.9998 /* each sampled use ages the simulated costs: about 5,000 uses */
 /* Another expert takes over when its simulated cost is this much lower: 1 % since the recency
  * copies evict exactly (ms_victim); 0.5 % before, when their sampled victims made them err. */
 #define EXP_MARGIN  0.01
@@ -174,10 +175,13 @@ _Static_assert(sizeof(msent_t) == 24, "a miniature tier's slot is 24 bytes");
 /* An entry of a miniature tier's recency heap: the page (by hash) and the use it was pushed for,
  * a stale entry (the page gone, or used again since) being skipped when it comes up. */
 typedef struct msrec {
-    double key; /* last use, deeper first on ties: the real heaps' LRU key */
     uint64_t hash;
-    uint32_t last;
+    /* its key (ms_lru_key: last use, deeper first on ties, the real heaps' LRU key) is
+     * computed from these at each comparison, the same double: 16 bytes, not 24 with the key
+     * kept, the recency heaps being a third of the simulations' memory */
+    uint32_t last, depth;
 } msrec_t;
+_Static_assert(sizeof(msrec_t) == 16, "a recency heap's entry is 16 bytes");
 
 /* One tier of an expert's miniature hierarchy: the sampled pages it would hold there, in open
  * addressing (linear probing, at most half full). A tier in LRU's order also keeps its pages in
@@ -185,6 +189,10 @@ typedef struct msrec {
  * heaps take it, not the best of a few drawn at random. */
 typedef struct msim {
     msent_t *v;
+    /* bit i: slot i holds a page. A victim draw finds the first page at or after the slot drawn
+     * in it with one count of trailing zeros; scanning the slots, it mispredicted the end of the
+     * scan half the time (the table is half full at most), two to four times per eviction. */
+    uint64_t *occ;
     uint32_t mask, len, max;
     msrec_t *lru;        /* NULL in a tier not in LRU's order */
     uint32_t nlru, clru; /* entries (stale ones included) and room */
@@ -1279,6 +1287,8 @@ static void ms_remove(msim_t *m, uint32_t i)
         m->v[j].hash = 0;
         i = j;
     }
+    /* the entries shifted back each filled the hole the previous one left: the last is empty */
+    m->occ[i >> 6] &= ~(1ull << (i & 63));
     m->len--;
 }
 
@@ -1303,18 +1313,30 @@ static double ms_key(const kvt_policy_t *p, int e, kvt_tier_id_t t, const msent_
     return rate * KVT_MAX(next - p->ms_load[t], 1e-12);
 }
 
-static double ms_lru_key(const msent_t *x)
+static double ms_lru_key(const msrec_t *r)
 {
-    return (double)x->last - x->depth * 1e-6;
+    return (double)r->last - r->depth * 1e-6;
+}
+
+static msrec_t ms_rec(const msent_t *x)
+{
+    return (msrec_t){x->hash, x->last, x->depth};
 }
 
 static void ms_lru_sift(msrec_t *h, uint32_t n, uint32_t i)
 {
+    double ki = ms_lru_key(&h[i]); /* the entry sifted down keeps its key */
     for (;;) {
         uint32_t l = 2 * i + 1, b = i;
-        if (l < n && h[l].key < h[b].key)
-            b = l;
-        if (l + 1 < n && h[l + 1].key < h[b].key)
+        double kb = ki;
+        if (l < n) {
+            double k = ms_lru_key(&h[l]);
+            if (k < kb) {
+                b = l;
+                kb = k;
+            }
+        }
+        if (l + 1 < n && ms_lru_key(&h[l + 1]) < kb)
             b = l + 1;
         if (b == i)
             return;
@@ -1334,14 +1356,15 @@ static void ms_lru_push(msim_t *m, const msent_t *x)
         m->nlru = 0;
         for (uint32_t i = 0; i <= m->mask; i++)
             if (m->v[i].hash)
-                h[m->nlru++] = (msrec_t){ms_lru_key(&m->v[i]), m->v[i].hash, m->v[i].last};
+                h[m->nlru++] = ms_rec(&m->v[i]);
         for (uint32_t i = m->nlru / 2; i-- > 0;)
             ms_lru_sift(h, m->nlru, i);
         return;
     }
     uint32_t i = m->nlru++;
-    h[i] = (msrec_t){ms_lru_key(x), x->hash, x->last};
-    while (i && h[(i - 1) / 2].key > h[i].key) {
+    h[i] = ms_rec(x);
+    double k = ms_lru_key(&h[i]);
+    while (i && ms_lru_key(&h[(i - 1) / 2]) > k) {
         msrec_t tmp = h[i];
         h[i] = h[(i - 1) / 2];
         h[(i - 1) / 2] = tmp;
@@ -1363,51 +1386,110 @@ static uint32_t ms_lru_victim(msim_t *m)
     }
 }
 
+/* The first slot at or after i holding a page (in m, which holds one), as a scan finds it. */
+static uint32_t ms_next(const msim_t *m, uint32_t i)
+{
+    for (;;) {
+        uint64_t w = m->occ[i >> 6] >> (i & 63);
+        if (w) /* no bit above mask is set: a table under 64 slots has one word */
+            return i + (uint32_t)__builtin_ctzll(w);
+        i = ((i | 63) + 1) & m->mask;
+    }
+}
+
+/* The first empty slot at or after i in m (at most half full), where ms_find ends for a page m
+ * lacks: the slot a page put into m takes, without the scan's mispredicted end. */
+static uint32_t ms_hole(const msim_t *m, uint32_t i)
+{
+    for (;;) {
+        uint64_t w = ~m->occ[i >> 6] >> (i & 63);
+        if (w) {
+            uint32_t r = i + (uint32_t)__builtin_ctzll(w);
+            if (r <= m->mask)
+                return r;
+            i = 0; /* past the end of a table under 64 slots */
+            continue;
+        }
+        i = ((i | 63) + 1) & m->mask;
+    }
+}
+
+/* Entries expert e draws per eviction in its miniature tier m (see ms_victim). */
+static int ms_ndraws(const msim_t *m, int e)
+{
+    return m->lru ? 0 : e == EXP_HD ? HD_SAMPLE : MS_SAMPLE;
+}
+
 /*
  * Expert e's victim in its miniature tier t. In LRU's order, exactly the least recent page (the
- * recency heap), as the engine's heaps take it; in the others, the best of MS_SAMPLE entries
- * drawn at random, as Redis approximates LRU, so that no key is kept up per use (the value's
- * keys change with age). The best of 8 drawn for LRU's order too made its copy miss pages LRU
- * keeps, so the simulations preferred the value's order on agents and chat where LRU's is
- * really the better (issue 40, session 23: 102 of the 120 runs of docs/policy.md section 5
- * never worse than min(LRU, LFU); 108 with the exact victim and a margin of 1 %).
+ * recency heap), as the engine's heaps take it; in the others, the best of the ms_ndraws entries
+ * drawn at random (slot: the slots drawn, by ms_plan), as Redis approximates LRU, so that no key
+ * is kept up per use (the value's keys change with age). The best of 8 drawn for LRU's order
+ * too made its copy miss pages LRU keeps, so the simulations preferred the value's order on
+ * agents and chat where LRU's is really the better (issue 40, session 23: 102 of the 120 runs of
+ * docs/policy.md section 5 never worse than min(LRU, LFU); 108 with the exact victim and a
+ * margin of 1 %). EXP_HD draws 16: its keys rise and fall with age, and 8 drawn made its copy
+ * cost 1.8 % more than LRU's on agent seed 0 at 10 % where it is really 0.13 % cheaper (pinned).
  */
-static uint32_t ms_victim(kvt_policy_t *p, int e, kvt_tier_id_t t, uint32_t now)
+static uint32_t ms_victim(kvt_policy_t *p, int e, kvt_tier_id_t t, uint32_t now,
+                          const uint32_t *slot)
 {
     msim_t *m = &p->ms[e][t];
     if (m->lru)
         return ms_lru_victim(m);
-    uint32_t best = UINT32_MAX;
+    uint32_t best = 0;
     double bk = 0;
-    /* EXP_HD's keys rise and fall with age, and 8 drawn made its copy cost 1.8 % more than
-     * LRU's on agent seed 0 at 10 % where it is really 0.13 % cheaper (pinned) */
-    int draws = e == EXP_HD ? HD_SAMPLE : MS_SAMPLE;
-    /* the slots drawn first, each asked for without waiting: one miss after the other into the
-     * 1 MiB table was most of the simulations' time (a fifth of the replay's on agents) */
-    uint32_t slot[HD_SAMPLE > MS_SAMPLE ? HD_SAMPLE : MS_SAMPLE];
-    for (int k = 0; k < draws; k++) {
-        uint64_t z = (p->ms_rng += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z ^= z >> 27;
-        slot[k] = (uint32_t)z & m->mask;
-        __builtin_prefetch(&m->v[slot[k]], 0, 1);
-    }
-    for (int k = 0; k < draws; k++) {
-        uint32_t i = slot[k];
-        while (!m->v[i].hash)
-            i = (i + 1) & m->mask;
+    /* one call of ms_key: inlined, its tests of the expert and tier hoisted out of the loop */
+    for (int k = 0, draws = ms_ndraws(m, e); k < draws; k++) {
+        uint32_t i = ms_next(m, slot[k]);
         double key = ms_key(p, e, t, &m->v[i], now);
-        if (best == UINT32_MAX || key < bk) {
-            best = i;
-            bk = key;
-        }
+        /* the first of the lowest, as before, without a branch the keys would mispredict */
+        int lt = k == 0 || key < bk;
+        best = lt ? i : best;
+        bk = lt ? key : bk;
     }
     return best;
 }
 
+/*
+ * Before any copy admits the used page: the evictions each expert's admission will make (every
+ * full tier from the admission tier down to the first with room, as ms_admit goes), their
+ * entries drawn now, in the order ms_admit used to draw them (expert by expert, tier by tier:
+ * the same draws, the same victims), and every slot they name asked for at once, the recency
+ * heaps' least recent pages' homes too. Drawn eviction by eviction, one copy after the other,
+ * each eviction waited for its own misses into the tables, 10-20 times per sampled use, most of
+ * the simulations' time (session 24, issue 40: perf on agent seed 0).
+ */
+static void ms_plan(kvt_policy_t *p, uint32_t slot[][KVT_TIER_COUNT][MS_DRAWS_MAX])
+{
+    for (int e = 0; e < p->nexp; e++) {
+        for (kvt_tier_id_t t = p->top; t != KVT_TIER_NONE; t = p->lower[t]) {
+            msim_t *m = &p->ms[e][t];
+            if (!m->v)
+                continue;
+            if (m->len < m->max)
+                break;
+            if (m->lru) {
+                if (m->nlru)
+                    __builtin_prefetch(&m->v[ms_home(m, m->lru[0].hash)], 0, 3);
+                continue;
+            }
+            for (int k = 0, draws = ms_ndraws(m, e); k < draws; k++) {
+                uint64_t z = (p->ms_rng += 0x9E3779B97F4A7C15ull);
+                z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+                z ^= z >> 27;
+                slot[e][t][k] = (uint32_t)z & m->mask;
+                __builtin_prefetch(&m->v[slot[e][t][k]], 0, 3);
+            }
+        }
+    }
+}
+
 /* Puts x into expert e's miniature admission tier, each full tier on the way passing its victim
- * to the next one down and the lowest dropping it, as the engine moves blocks. */
-static void ms_admit(kvt_policy_t *p, int e, msent_t x, uint32_t now)
+ * (among the entries ms_plan drew for it, slot) to the next one down and the lowest dropping it,
+ * as the engine moves blocks. */
+static void ms_admit(kvt_policy_t *p, int e, msent_t x, uint32_t now,
+                     const uint32_t slot[][MS_DRAWS_MAX])
 {
     for (kvt_tier_id_t t = p->top; t != KVT_TIER_NONE; t = p->lower[t]) {
         msim_t *m = &p->ms[e][t];
@@ -1415,11 +1497,14 @@ static void ms_admit(kvt_policy_t *p, int e, msent_t x, uint32_t now)
             continue;
         msent_t out = {0};
         if (m->len >= m->max) {
-            uint32_t v = ms_victim(p, e, t, now);
+            uint32_t v = ms_victim(p, e, t, now, slot[t]);
             out = m->v[v];
             ms_remove(m, v);
         }
-        m->v[ms_find(m, x.hash)] = x;
+        /* x is in none of e's tiers: the lookup in ms_use took it out of the one that held it */
+        uint32_t i = ms_hole(m, ms_home(m, x.hash));
+        m->v[i] = x;
+        m->occ[i >> 6] |= 1ull << (i & 63);
         m->len++;
         if (m->lru)
             ms_lru_push(m, &x);
@@ -1446,7 +1531,8 @@ static int ms_init(kvt_policy_t *p, uint32_t bytes)
                 slots *= 2;
             msim_t *m = &p->ms[e][t];
             m->v = calloc(slots, sizeof(*m->v));
-            if (!m->v)
+            m->occ = calloc((slots + 63) / 64, sizeof(*m->occ));
+            if (!m->v || !m->occ)
                 return KVT_ENOMEM;
             m->mask = slots - 1;
             m->max = max;
@@ -1482,8 +1568,9 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
     for (int e = 0; e < p->nexp; e++)
         for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
             if (p->ms[e][t].v)
-                __builtin_prefetch(&p->ms[e][t].v[ms_home(&p->ms[e][t], h)], 0, 1);
+                __builtin_prefetch(&p->ms[e][t].v[ms_home(&p->ms[e][t], h)], 0, 3);
     double redo = recompute_page_s(p, depth, ps);
+    msent_t xs[NEXP];
     for (int e = 0; e < p->nexp; e++) {
         double s = redo;
         /* a page back after the engine dropped it starts with the hit its return is, as in
@@ -1509,8 +1596,13 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
             break;
         }
         p->ms_cost[e] = p->ms_cost[e] * MS_DECAY + s;
-        ms_admit(p, e, x, now);
+        xs[e] = x;
     }
+    /* each copy's admission only after every copy's lookup: ms_plan needs their tiers' fill */
+    uint32_t slot[NEXP][KVT_TIER_COUNT][MS_DRAWS_MAX];
+    ms_plan(p, slot);
+    for (int e = 0; e < p->nexp; e++)
+        ms_admit(p, e, xs[e], now, slot[e]);
 }
 
 /* Every REFRESH_EVERY inserts: the expert whose miniature hierarchy cost least lately is to
@@ -1796,6 +1888,7 @@ void kvt_policy_destroy(kvt_policy_t *p)
     for (int e = 0; e < NEXP; e++)
         for (int t = 0; t < KVT_TIER_COUNT; t++) {
             free(p->ms[e][t].v);
+            free(p->ms[e][t].occ);
             free(p->ms[e][t].lru);
         }
     free(p->sweep_nodes);
