@@ -1386,6 +1386,11 @@ static uint32_t ms_lru_victim(msim_t *m)
     }
 }
 
+static int ms_occupied(const msim_t *m, uint32_t i)
+{
+    return (m->occ[i >> 6] >> (i & 63)) & 1;
+}
+
 /* The first slot at or after i holding a page (in m, which holds one), as a scan finds it. */
 static uint32_t ms_next(const msim_t *m, uint32_t i)
 {
@@ -1564,11 +1569,18 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
     if (p->ms_state < 0)
         return;
     uint32_t now = now_clock(p);
-    /* every copy's tiers are probed for the page: their slots asked for at once */
+    /* every copy's tiers are probed for the page, their slots asked for at once; a tier whose
+     * home slot for it is empty lacks it, known from the occupancy bits without the slot */
+    uint32_t home[NEXP][KVT_TIER_COUNT];
     for (int e = 0; e < p->nexp; e++)
-        for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
-            if (p->ms[e][t].v)
-                __builtin_prefetch(&p->ms[e][t].v[ms_home(&p->ms[e][t], h)], 0, 3);
+        for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+            msim_t *m = &p->ms[e][t];
+            home[e][t] = m->v && ms_occupied(m, ms_home(m, h)) ? ms_home(m, h) : UINT32_MAX;
+            if (home[e][t] != UINT32_MAX)
+                __builtin_prefetch(&m->v[home[e][t]], 0, 3);
+            else if (m->v && t == (int)p->top) /* where the page is put (ms_admit) */
+                __builtin_prefetch(&m->v[ms_home(m, h)], 1, 3);
+        }
     double redo = recompute_page_s(p, depth, ps);
     msent_t xs[NEXP];
     for (int e = 0; e < p->nexp; e++) {
@@ -1583,7 +1595,7 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
                      (float)redo};
         for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
             msim_t *m = &p->ms[e][t];
-            if (!m->v)
+            if (home[e][t] == UINT32_MAX)
                 continue;
             uint32_t i = ms_find(m, h);
             if (!m->v[i].hash)
