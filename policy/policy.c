@@ -56,14 +56,16 @@
  * -------
  * Which signal predicts reuse differs by workload: recency for agents and chat, frequency for a
  * few hot system prompts, the learned per-class rate for bursts of users who never return. The
- * cost policy keeps four experts, each an order of victims: its value above (EXP_COST), LRU's
- * (EXP_RECENT), LFU's (EXP_FREQ), and the value's in the tiers above the lowest with LRU's in
- * the lowest (EXP_SPLIT: agents and chat lose less to a drop by recency than by the value);
- * one of them orders the heaps at a time. Which one is learned online by miniature simulations
- * (Waldspurger et al., ATC'17; the sampling of SHARDS): the pages whose prefix hash falls in
- * 1/32 of the hash space go through four small copies of the tier hierarchy, 1/32 of each
- * tier's size, one per expert, each evicting by its expert's order (in LRU's, exactly the least
- * recent page; in the others, the best of 8 entries drawn at random) and moving victims down a
+ * cost policy keeps five experts, each an order of victims: its value above (EXP_COST), LRU's
+ * (EXP_RECENT), LFU's (EXP_FREQ), the value's in the tiers above the lowest with LRU's in
+ * the lowest (EXP_SPLIT: agents and chat lose less to a drop by recency than by the value),
+ * and a hit density learned from the ages at which pages were used again or left (EXP_HD, as
+ * LHD: a page's chance of a use soon need not fall with its age); one of them orders the heaps
+ * at a time. Which one is learned online by miniature simulations (Waldspurger et al., ATC'17;
+ * the sampling of SHARDS): the pages whose prefix hash falls in 1/32 of the hash space go
+ * through five small copies of the tier hierarchy, 1/32 of each tier's size, one per expert,
+ * each evicting by its expert's order (in LRU's, exactly the least recent page; in the others,
+ * the best of 8 entries drawn at random, 16 for the density) and moving victims down a
  * tier as the engine does. Each use costs each copy what it would cost the engine: the load time
  * of the tier it is found in, or the recompute time of the page at its depth. The expert whose copy
  * cost least lately (decayed sums over about 5,000 sampled uses) takes over at the next refresh of
@@ -103,16 +105,20 @@
 #define BYPASS_TRIES    8 /* ORACLE: victims that could not go tried per placement in a tier */
 #define PAUSED_P        0.9
 /* The cost policy's experts (see "Experts" at the top): each orders victims by its own signal. */
-#define NEXP       KVT_POLICY_EXPERTS
-#define EXP_COST   0          /* learned reuse rate per class x saving */
-#define EXP_RECENT 1          /* LRU: recency, deeper first on ties */
-#define EXP_FREQ   2          /* LFU: hit count, recency on ties */
-#define EXP_SPLIT  3          /* EXP_COST's order above the lowest tier, EXP_RECENT's in it */
-#define RUN_GAIN   0.05       /* smoothing of the pages a match loads from a tier */
-#define MS_SHIFT   5          /* the miniature simulations see 1 page in 2^5 */
-#define MS_MAX     (1u << 14) /* sampled pages a miniature tier holds at most (1 MiB of table) */
-#define MS_SAMPLE  8          /* entries drawn per eviction in a miniature cache */
-#define MS_DECAY   0.9998     /* each sampled use ages the simulated costs: about 5,000 uses */
+#define NEXP         KVT_POLICY_EXPERTS
+#define EXP_COST     0          /* learned reuse rate per class x saving */
+#define EXP_RECENT   1          /* LRU: recency, deeper first on ties */
+#define EXP_FREQ     2          /* LFU: hit count, recency on ties */
+#define EXP_SPLIT    3          /* EXP_COST's order above the lowest tier, EXP_RECENT's in it */
+#define EXP_HD       4          /* LHD: the hit density learned per tier, hit class and age */
+#define NAGE         32         /* EXP_HD's age buckets: half octaves from 256 ms (age_bucket) */
+#define HD_SAMPLE    16         /* entries drawn per eviction in EXP_HD's miniature cache */
+#define RUN_GAIN     0.05       /* smoothing of the pages a match loads from a tier */
+#define MS_SHIFT     5          /* the miniature simulations see 1 page in 2^5 */
+#define MS_MAX       (1u << 14) /* sampled pages a miniature tier holds at most (1 MiB of table) */
+#define MS_SAMPLE    8          /* entries drawn per eviction in a miniature cache */
+#define MS_DRAWS_MAX (HD_SAMPLE > MS_SAMPLE ? HD_SAMPLE : MS_SAMPLE)
+#define MS_DECAY     0.9998 /* each sampled use ages the simulated costs: about 5,000 uses */
 /* Another expert takes over when its simulated cost is this much lower: 1 % since the recency
  * copies evict exactly (ms_victim); 0.5 % before, when their sampled victims made them err. */
 #define EXP_MARGIN  0.01
@@ -157,18 +163,25 @@ typedef struct msent {
     uint64_t hash; /* the page's prefix hash; 0 = an empty slot */
     uint32_t last; /* clock of its last use */
     uint32_t hits;
-    uint32_t depth;
-    uint32_t pos; /* position class */
-    float redo;   /* seconds to recompute it */
+    /* 24 bytes, not 32: the tables are most of the simulations' cache misses. The depth only
+     * breaks LRU's ties (a deeper page is capped at MS_DEPTH_MAX); redo is from the real one. */
+    uint32_t depth : 24;
+    uint32_t pos : 8; /* position class */
+    float redo;       /* seconds to recompute it */
 } msent_t;
+#define MS_DEPTH_MAX ((1u << 24) - 1)
+_Static_assert(sizeof(msent_t) == 24, "a miniature tier's slot is 24 bytes");
 
 /* An entry of a miniature tier's recency heap: the page (by hash) and the use it was pushed for,
  * a stale entry (the page gone, or used again since) being skipped when it comes up. */
 typedef struct msrec {
-    double key; /* last use, deeper first on ties: the real heaps' LRU key */
     uint64_t hash;
-    uint32_t last;
+    /* its key (ms_lru_key: last use, deeper first on ties, the real heaps' LRU key) is
+     * computed from these at each comparison, the same double: 16 bytes, not 24 with the key
+     * kept, the recency heaps being a third of the simulations' memory */
+    uint32_t last, depth;
 } msrec_t;
+_Static_assert(sizeof(msrec_t) == 16, "a recency heap's entry is 16 bytes");
 
 /* One tier of an expert's miniature hierarchy: the sampled pages it would hold there, in open
  * addressing (linear probing, at most half full). A tier in LRU's order also keeps its pages in
@@ -176,6 +189,10 @@ typedef struct msrec {
  * heaps take it, not the best of a few drawn at random. */
 typedef struct msim {
     msent_t *v;
+    /* bit i: slot i holds a page. A victim draw finds the first page at or after the slot drawn
+     * in it with one count of trailing zeros; scanning the slots, it mispredicted the end of the
+     * scan half the time (the table is half full at most), two to four times per eviction. */
+    uint64_t *occ;
     uint32_t mask, len, max;
     msrec_t *lru;        /* NULL in a tier not in LRU's order */
     uint32_t nlru, clru; /* entries (stale ones included) and room */
@@ -239,6 +256,13 @@ struct kvt_policy {
     double class_hits[NCLASS]; /* decayed counts of hits, and of moves out of a tier */
     double class_ends[NCLASS];
     double class_p[NCLASS]; /* P(hit before the next move), as of the last refresh */
+    /* EXP_HD (LHD): per tier and hit class, decayed counts of the ages (since the last use) at
+     * which pages in the tier were used again and at which their residency there ended without
+     * a use, in half-octave buckets, and the hit density (expected hits per ms of residency
+     * left) of a page of each age, as of the last refresh. 19 KiB, whatever the tree's size. */
+    double hd_hits[KVT_TIER_COUNT][NHITC][NAGE];
+    double hd_ends[KVT_TIER_COUNT][NHITC][NAGE];
+    float hd[KVT_TIER_COUNT][NHITC][NAGE];
     uint32_t inserts_since_refresh;
 
     /* Ghosts (as in ARC and S3-FIFO): the prefix hashes of reused blocks the engine dropped, so
@@ -562,6 +586,63 @@ static unsigned pos_class(uint64_t tokens_from_end)
     return c < NPOSC ? c : NPOSC - 1;
 }
 
+/* EXP_HD's bucket of an age in clock units (ms): 0 below 256 ms, then half octaves (256, 384,
+ * 512, 768 ms, ...), the last from 2.3 hours on. */
+static unsigned age_bucket(uint32_t age)
+{
+    uint32_t x = age >> 7;
+    if (x < 2)
+        return 0;
+    unsigned o = 31 - (unsigned)__builtin_clz(x);
+    unsigned b = 2 * o - 1 + ((x >> (o - 1)) & 1);
+    return b < NAGE ? b : NAGE - 1;
+}
+
+/* The youngest age of bucket b (age_bucket's inverse). */
+static double age_lo(unsigned b)
+{
+    if (b == 0)
+        return 0;
+    unsigned o = (b + 1) >> 1;
+    return 128.0 * (double)(1u << o) * ((b + 1) & 1 ? 1.5 : 1.0);
+}
+
+/*
+ * EXP_HD's hit densities (Beckmann et al., "LHD: maximizing cache hit rate by maximizing hit
+ * density", NSDI'18), per tier and hit class: of the residencies in the tier that reached age a
+ * (since the last use), the share that ended in a use, over the mean time they had left beyond
+ * a: the hits a page of age a is expected to bring per ms of room it holds from now on. Unlike
+ * the value's P(c) / (age + A0) it need not fall with age: an agent's page past its short tools
+ * waits for a longer one and is worth more than its age says, a page past every tool's pause
+ * belongs to a finished session. A weak prior (a tenth of a hit over the value's age + A0)
+ * stands in where a class has no data. Per hit class only: the value's position classes split
+ * the counts six ways for nothing (agent and chat, seeds 0-1: 0.008 of the gap pinned against
+ * 0.019 without them); per tier, because a tier's residencies end at its own ages (pooled over
+ * the tiers, ended by drops alone, with the saving and the position classes: -0.217).
+ */
+static void refresh_density(kvt_policy_t *p)
+{
+    for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+        if (!p->cap[t])
+            continue;
+        for (int c = 0; c < NHITC; c++) {
+            double *h = p->hd_hits[t][c], *e = p->hd_ends[t][c];
+            double hits = 0, ends = 0, end_age = 0; /* over the buckets from b up */
+            for (int b = NAGE - 1; b >= 0; b--) {
+                double lo = age_lo((unsigned)b);
+                double mid = b == NAGE - 1 ? 1.5 * lo : 0.5 * (lo + age_lo((unsigned)b + 1));
+                hits += h[b];
+                ends += h[b] + e[b];
+                end_age += (h[b] + e[b]) * mid;
+                double left = end_age - ends * lo; /* residency left beyond lo, summed */
+                p->hd[t][c][b] = (float)((hits + 0.1) / (left + lo + AGE0));
+                h[b] *= HIST_DECAY;
+                e[b] *= HIST_DECAY;
+            }
+        }
+    }
+}
+
 /* Refreshes P(c) from the counts and ages the counts. */
 static void refresh_model(kvt_policy_t *p)
 {
@@ -571,6 +652,7 @@ static void refresh_model(kvt_policy_t *p)
         p->class_hits[c] *= HIST_DECAY;
         p->class_ends[c] *= HIST_DECAY;
     }
+    refresh_density(p);
 }
 
 static double recompute_page_s(const kvt_policy_t *p, uint32_t depth, uint32_t ps)
@@ -673,7 +755,6 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
         uint32_t now = now_clock(p);
         uint32_t age = now - b->policy;
         kvt_tier_id_t t = (kvt_tier_id_t)b->tier;
-        uint32_t ps = kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n));
         unsigned pause = b->prio >> PAUSE_SHIFT;
         int finished = pause == PAUSE_FINISHED, paused = 0;
         uint32_t back = 0;
@@ -712,7 +793,9 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
             }
             break;
         }
-        double dens = p->class_p[block_class(b->hits, b->flags)] / ((double)age + AGE0);
+        unsigned c = block_class(b->hits, b->flags);
+        double dens = e == EXP_HD ? p->hd[t][c / NPOSC][age_bucket(age)]
+                                  : p->class_p[c] / ((double)age + AGE0);
         if (finished) {
             dens *= FINISHED_FACTOR;
         } else if (paused) {
@@ -721,7 +804,13 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
             if (hd > dens)
                 dens = hd;
         }
-        double v = dens * keep_benefit(p, t, depth, ps, b->size);
+        /* EXP_HD without the saving: with it, agent and chat (seeds 0-1) lost 0.017 of the gap
+         * to LRU pinned, without it they gained 0.008 */
+        double v =
+            e == EXP_HD
+                ? dens
+                : dens * keep_benefit(p, t, depth,
+                                      kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n)), b->size);
         unsigned prio = b->prio & PRIO_MASK;
         if (prio)
             v *= exp2(prio / 100.0);
@@ -999,8 +1088,13 @@ static void record_end(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32
     if (p->c.kind != KVT_POLICY_COST)
         return;
     const kvt_block_t *bl = kvt_radix_node_blocks(n);
-    for (uint32_t i = i0; i < i0 + cnt; i++)
-        p->class_ends[block_class(bl[i].hits, bl[i].flags)] += 1;
+    uint32_t now = now_clock(p);
+    for (uint32_t i = i0; i < i0 + cnt; i++) {
+        unsigned c = block_class(bl[i].hits, bl[i].flags);
+        p->class_ends[c] += 1;
+        if (bl[i].tier < KVT_TIER_COUNT)
+            p->hd_ends[bl[i].tier][c / NPOSC][age_bucket(now - bl[i].policy)] += 1;
+    }
 }
 
 /* The cause of the moves no caller asked for (the step's demotions, admissions making room). */
@@ -1193,6 +1287,8 @@ static void ms_remove(msim_t *m, uint32_t i)
         m->v[j].hash = 0;
         i = j;
     }
+    /* the entries shifted back each filled the hole the previous one left: the last is empty */
+    m->occ[i >> 6] &= ~(1ull << (i & 63));
     m->len--;
 }
 
@@ -1206,8 +1302,10 @@ static double ms_key(const kvt_policy_t *p, int e, kvt_tier_id_t t, const msent_
         return (double)x->last - x->depth * 1e-6;
     if (e == EXP_FREQ)
         return (double)x->hits * 4294967296.0 + x->last;
-    double rate = p->class_p[hit_class(x->hits) * NPOSC + x->pos] /
-                  ((double)(uint32_t)(now - x->last) + AGE0);
+    uint32_t age = now - x->last;
+    if (e == EXP_HD)
+        return p->hd[t][hit_class(x->hits)][age_bucket(age)];
+    double rate = p->class_p[hit_class(x->hits) * NPOSC + x->pos] / ((double)age + AGE0);
     /* keep_benefit's sum, from the load times of the sampled page size ms_init kept */
     double redo = x->redo, next = p->lower[t] ? p->ms_load[p->lower[t]] : redo;
     if (!p->c.no_cost_drop && redo < next)
@@ -1215,18 +1313,30 @@ static double ms_key(const kvt_policy_t *p, int e, kvt_tier_id_t t, const msent_
     return rate * KVT_MAX(next - p->ms_load[t], 1e-12);
 }
 
-static double ms_lru_key(const msent_t *x)
+static double ms_lru_key(const msrec_t *r)
 {
-    return (double)x->last - x->depth * 1e-6;
+    return (double)r->last - r->depth * 1e-6;
+}
+
+static msrec_t ms_rec(const msent_t *x)
+{
+    return (msrec_t){x->hash, x->last, x->depth};
 }
 
 static void ms_lru_sift(msrec_t *h, uint32_t n, uint32_t i)
 {
+    double ki = ms_lru_key(&h[i]); /* the entry sifted down keeps its key */
     for (;;) {
         uint32_t l = 2 * i + 1, b = i;
-        if (l < n && h[l].key < h[b].key)
-            b = l;
-        if (l + 1 < n && h[l + 1].key < h[b].key)
+        double kb = ki;
+        if (l < n) {
+            double k = ms_lru_key(&h[l]);
+            if (k < kb) {
+                b = l;
+                kb = k;
+            }
+        }
+        if (l + 1 < n && ms_lru_key(&h[l + 1]) < kb)
             b = l + 1;
         if (b == i)
             return;
@@ -1246,14 +1356,15 @@ static void ms_lru_push(msim_t *m, const msent_t *x)
         m->nlru = 0;
         for (uint32_t i = 0; i <= m->mask; i++)
             if (m->v[i].hash)
-                h[m->nlru++] = (msrec_t){ms_lru_key(&m->v[i]), m->v[i].hash, m->v[i].last};
+                h[m->nlru++] = ms_rec(&m->v[i]);
         for (uint32_t i = m->nlru / 2; i-- > 0;)
             ms_lru_sift(h, m->nlru, i);
         return;
     }
     uint32_t i = m->nlru++;
-    h[i] = (msrec_t){ms_lru_key(x), x->hash, x->last};
-    while (i && h[(i - 1) / 2].key > h[i].key) {
+    h[i] = ms_rec(x);
+    double k = ms_lru_key(&h[i]);
+    while (i && ms_lru_key(&h[(i - 1) / 2]) > k) {
         msrec_t tmp = h[i];
         h[i] = h[(i - 1) / 2];
         h[(i - 1) / 2] = tmp;
@@ -1275,41 +1386,115 @@ static uint32_t ms_lru_victim(msim_t *m)
     }
 }
 
+static int ms_occupied(const msim_t *m, uint32_t i)
+{
+    return (m->occ[i >> 6] >> (i & 63)) & 1;
+}
+
+/* The first slot at or after i holding a page (in m, which holds one), as a scan finds it. */
+static uint32_t ms_next(const msim_t *m, uint32_t i)
+{
+    for (;;) {
+        uint64_t w = m->occ[i >> 6] >> (i & 63);
+        if (w) /* no bit above mask is set: a table under 64 slots has one word */
+            return i + (uint32_t)__builtin_ctzll(w);
+        i = ((i | 63) + 1) & m->mask;
+    }
+}
+
+/* The first empty slot at or after i in m (at most half full), where ms_find ends for a page m
+ * lacks: the slot a page put into m takes, without the scan's mispredicted end. */
+static uint32_t ms_hole(const msim_t *m, uint32_t i)
+{
+    for (;;) {
+        uint64_t w = ~m->occ[i >> 6] >> (i & 63);
+        if (w) {
+            uint32_t r = i + (uint32_t)__builtin_ctzll(w);
+            if (r <= m->mask)
+                return r;
+            i = 0; /* past the end of a table under 64 slots */
+            continue;
+        }
+        i = ((i | 63) + 1) & m->mask;
+    }
+}
+
+/* Entries expert e draws per eviction in its miniature tier m (see ms_victim). */
+static int ms_ndraws(const msim_t *m, int e)
+{
+    return m->lru ? 0 : e == EXP_HD ? HD_SAMPLE : MS_SAMPLE;
+}
+
 /*
  * Expert e's victim in its miniature tier t. In LRU's order, exactly the least recent page (the
- * recency heap), as the engine's heaps take it; in the others, the best of MS_SAMPLE entries
- * drawn at random, as Redis approximates LRU, so that no key is kept up per use (the value's
- * keys change with age). The best of 8 drawn for LRU's order too made its copy miss pages LRU
- * keeps, so the simulations preferred the value's order on agents and chat where LRU's is
- * really the better (issue 40, session 23: 102 of the 120 runs of docs/policy.md section 5
- * never worse than min(LRU, LFU); 108 with the exact victim and a margin of 1 %).
+ * recency heap), as the engine's heaps take it; in the others, the best of the ms_ndraws entries
+ * drawn at random (slot: the slots drawn, by ms_plan), as Redis approximates LRU, so that no key
+ * is kept up per use (the value's keys change with age). The best of 8 drawn for LRU's order
+ * too made its copy miss pages LRU keeps, so the simulations preferred the value's order on
+ * agents and chat where LRU's is really the better (issue 40, session 23: 102 of the 120 runs of
+ * docs/policy.md section 5 never worse than min(LRU, LFU); 108 with the exact victim and a
+ * margin of 1 %). EXP_HD draws 16: its keys rise and fall with age, and 8 drawn made its copy
+ * cost 1.8 % more than LRU's on agent seed 0 at 10 % where it is really 0.13 % cheaper (pinned).
  */
-static uint32_t ms_victim(kvt_policy_t *p, int e, kvt_tier_id_t t, uint32_t now)
+static uint32_t ms_victim(kvt_policy_t *p, int e, kvt_tier_id_t t, uint32_t now,
+                          const uint32_t *slot)
 {
     msim_t *m = &p->ms[e][t];
     if (m->lru)
         return ms_lru_victim(m);
-    uint32_t best = UINT32_MAX;
+    uint32_t best = 0;
     double bk = 0;
-    for (int k = 0; k < MS_SAMPLE; k++) {
-        uint64_t z = (p->ms_rng += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z ^= z >> 27;
-        uint32_t i = (uint32_t)z & m->mask;
-        while (!m->v[i].hash)
-            i = (i + 1) & m->mask;
+    /* one call of ms_key: inlined, its tests of the expert and tier hoisted out of the loop */
+    for (int k = 0, draws = ms_ndraws(m, e); k < draws; k++) {
+        uint32_t i = ms_next(m, slot[k]);
         double key = ms_key(p, e, t, &m->v[i], now);
-        if (best == UINT32_MAX || key < bk) {
-            best = i;
-            bk = key;
-        }
+        /* the first of the lowest, as before, without a branch the keys would mispredict */
+        int lt = k == 0 || key < bk;
+        best = lt ? i : best;
+        bk = lt ? key : bk;
     }
     return best;
 }
 
+/*
+ * Before any copy admits the used page: the evictions each expert's admission will make (every
+ * full tier from the admission tier down to the first with room, as ms_admit goes), their
+ * entries drawn now, in the order ms_admit used to draw them (expert by expert, tier by tier:
+ * the same draws, the same victims), and every slot they name asked for at once, the recency
+ * heaps' least recent pages' homes too. Drawn eviction by eviction, one copy after the other,
+ * each eviction waited for its own misses into the tables, 10-20 times per sampled use, most of
+ * the simulations' time (session 24, issue 40: perf on agent seed 0).
+ */
+static void ms_plan(kvt_policy_t *p, uint32_t slot[][KVT_TIER_COUNT][MS_DRAWS_MAX])
+{
+    for (int e = 0; e < p->nexp; e++) {
+        for (kvt_tier_id_t t = p->top; t != KVT_TIER_NONE; t = p->lower[t]) {
+            msim_t *m = &p->ms[e][t];
+            if (!m->v)
+                continue;
+            if (m->len < m->max)
+                break;
+            if (m->lru) {
+                if (m->nlru)
+                    __builtin_prefetch(&m->v[ms_home(m, m->lru[0].hash)], 0, 3);
+                continue;
+            }
+            for (int k = 0, draws = ms_ndraws(m, e); k < draws; k++) {
+                uint64_t z = (p->ms_rng += 0x9E3779B97F4A7C15ull);
+                z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+                z ^= z >> 27;
+                slot[e][t][k] = (uint32_t)z & m->mask;
+                __builtin_prefetch(&m->v[slot[e][t][k]], 0, 3);
+            }
+        }
+    }
+}
+
 /* Puts x into expert e's miniature admission tier, each full tier on the way passing its victim
- * to the next one down and the lowest dropping it, as the engine moves blocks. */
-static void ms_admit(kvt_policy_t *p, int e, msent_t x, uint32_t now)
+ * (among the entries ms_plan drew for it, slot) to the next one down and the lowest dropping it,
+ * as the engine moves blocks. */
+static void ms_admit(kvt_policy_t *p, int e, msent_t x, uint32_t now,
+                     const uint32_t slot[][MS_DRAWS_MAX])
 {
     for (kvt_tier_id_t t = p->top; t != KVT_TIER_NONE; t = p->lower[t]) {
         msim_t *m = &p->ms[e][t];
@@ -1317,11 +1502,14 @@ static void ms_admit(kvt_policy_t *p, int e, msent_t x, uint32_t now)
             continue;
         msent_t out = {0};
         if (m->len >= m->max) {
-            uint32_t v = ms_victim(p, e, t, now);
+            uint32_t v = ms_victim(p, e, t, now, slot[t]);
             out = m->v[v];
             ms_remove(m, v);
         }
-        m->v[ms_find(m, x.hash)] = x;
+        /* x is in none of e's tiers: the lookup in ms_use took it out of the one that held it */
+        uint32_t i = ms_hole(m, ms_home(m, x.hash));
+        m->v[i] = x;
+        m->occ[i >> 6] |= 1ull << (i & 63);
         m->len++;
         if (m->lru)
             ms_lru_push(m, &x);
@@ -1348,7 +1536,8 @@ static int ms_init(kvt_policy_t *p, uint32_t bytes)
                 slots *= 2;
             msim_t *m = &p->ms[e][t];
             m->v = calloc(slots, sizeof(*m->v));
-            if (!m->v)
+            m->occ = calloc((slots + 63) / 64, sizeof(*m->occ));
+            if (!m->v || !m->occ)
                 return KVT_ENOMEM;
             m->mask = slots - 1;
             m->max = max;
@@ -1380,16 +1569,33 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
     if (p->ms_state < 0)
         return;
     uint32_t now = now_clock(p);
+    /* every copy's tiers are probed for the page, their slots asked for at once; a tier whose
+     * home slot for it is empty lacks it, known from the occupancy bits without the slot */
+    uint32_t home[NEXP][KVT_TIER_COUNT];
+    for (int e = 0; e < p->nexp; e++)
+        for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
+            msim_t *m = &p->ms[e][t];
+            home[e][t] = m->v && ms_occupied(m, ms_home(m, h)) ? ms_home(m, h) : UINT32_MAX;
+            if (home[e][t] != UINT32_MAX)
+                __builtin_prefetch(&m->v[home[e][t]], 0, 3);
+            else if (m->v && t == (int)p->top) /* where the page is put (ms_admit) */
+                __builtin_prefetch(&m->v[ms_home(m, h)], 1, 3);
+        }
     double redo = recompute_page_s(p, depth, ps);
+    msent_t xs[NEXP];
     for (int e = 0; e < p->nexp; e++) {
         double s = redo;
         /* a page back after the engine dropped it starts with the hit its return is, as in
          * block_class and the LFU expert's key */
-        msent_t x = {
-            h, now, (flags & GHOST_FLAG) != 0, depth, (flags & POS_MASK) >> POS_SHIFT, (float)redo};
+        msent_t x = {h,
+                     now,
+                     (flags & GHOST_FLAG) != 0,
+                     depth < MS_DEPTH_MAX ? depth : MS_DEPTH_MAX,
+                     (flags & POS_MASK) >> POS_SHIFT,
+                     (float)redo};
         for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++) {
             msim_t *m = &p->ms[e][t];
-            if (!m->v)
+            if (home[e][t] == UINT32_MAX)
                 continue;
             uint32_t i = ms_find(m, h);
             if (!m->v[i].hash)
@@ -1402,8 +1608,13 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
             break;
         }
         p->ms_cost[e] = p->ms_cost[e] * MS_DECAY + s;
-        ms_admit(p, e, x, now);
+        xs[e] = x;
     }
+    /* each copy's admission only after every copy's lookup: ms_plan needs their tiers' fill */
+    uint32_t slot[NEXP][KVT_TIER_COUNT][MS_DRAWS_MAX];
+    ms_plan(p, slot);
+    for (int e = 0; e < p->nexp; e++)
+        ms_admit(p, e, xs[e], now, slot[e]);
 }
 
 /* Every REFRESH_EVERY inserts: the expert whose miniature hierarchy cost least lately is to
@@ -1689,6 +1900,7 @@ void kvt_policy_destroy(kvt_policy_t *p)
     for (int e = 0; e < NEXP; e++)
         for (int t = 0; t < KVT_TIER_COUNT; t++) {
             free(p->ms[e][t].v);
+            free(p->ms[e][t].occ);
             free(p->ms[e][t].lru);
         }
     free(p->sweep_nodes);
@@ -1778,6 +1990,20 @@ static unsigned matched_class(const kvt_block_t *b)
     return class_of[h][(unsigned)b->flags >> 4];
 }
 
+/* on_match's run of hits: class in the low bits, then the tier, then EXP_HD's age bucket. */
+#define RUN_TIER 6
+#define RUN_AGE  9
+_Static_assert(NCLASS <= 1 << RUN_TIER && KVT_TIER_COUNT <= 1 << (RUN_AGE - RUN_TIER),
+               "on_match's run key packs class, tier and age bucket");
+
+static void count_hits(kvt_policy_t *p, unsigned run_key, uint32_t run)
+{
+    unsigned c = run_key & ((1u << RUN_TIER) - 1);
+    p->class_hits[c] += run;
+    p->hd_hits[(run_key >> RUN_TIER) & ((1u << (RUN_AGE - RUN_TIER)) - 1)][c / NPOSC]
+              [run_key >> RUN_AGE] += run;
+}
+
 /* The first block of [b, e) that is in a tier, or e. A path's pages are mostly all index-only
  * or all stored: in an index-only namespace (bench_server's MATCHes) every page is skipped, eight
  * to a test (13 instructions; four to a test took 10), instead of one loop turn each (12
@@ -1854,9 +2080,12 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             if (sim && ms_sampled(b->hash))
                 ms_use(p, b->hash, r.depth + (uint32_t)(b - r.blocks), b->flags,
                        kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(r.node)), b->size);
-            unsigned k = matched_class(b);
+            /* the run's class, tier and age bucket (EXP_HD's use ages): a path's pages mostly
+             * share all three */
+            unsigned k =
+                matched_class(b) | (unsigned)t << RUN_TIER | age_bucket(now - b->policy) << RUN_AGE;
             if (k != run_class && run > 0) {
-                p->class_hits[run_class] += run;
+                count_hits(p, run_class, run);
                 run = 0;
             }
             run_class = k;
@@ -1871,7 +2100,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             push_node(p, r.node);
     }
     if (run > 0)
-        p->class_hits[run_class] += run;
+        count_hits(p, run_class, run);
     promote |= maxt > top;
     for (int t = KVT_TIER_HBM; t < KVT_TIER_COUNT; t++)
         if (per_tier[t])

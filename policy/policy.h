@@ -209,12 +209,14 @@ typedef struct kvt_policy_ops {
 
 /* The cost policy's experts (docs/policy.md, "Experts"), the indices of kvt_policy_stats_t's
  * expert arrays: its value (the learned reuse rate per class x the saving), LRU's order, LFU's,
- * and the value's order in every tier but the lowest with LRU's in the lowest (what it drops). */
+ * the value's order in every tier but the lowest with LRU's in the lowest (what it drops), and
+ * the hit density learned per tier, class and age (LHD) x the saving. */
 #define KVT_POLICY_EXPERT_COST        0
 #define KVT_POLICY_EXPERT_RECENT      1
 #define KVT_POLICY_EXPERT_FREQUENT    2
 #define KVT_POLICY_EXPERT_COST_RECENT 3
-#define KVT_POLICY_EXPERTS            4
+#define KVT_POLICY_EXPERT_DENSITY     4
+#define KVT_POLICY_EXPERTS            5
 
 /* The owner of the leases the engine holds on the nodes of moves in flight (so that their
  * (node, depth) names stay valid): callers must not release leases of this owner. */

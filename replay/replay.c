@@ -693,7 +693,7 @@ static void print_result(FILE *f, const result_t *r, const result_t *lru, const 
         fprintf(f, ",\"oracle_schedule\":\"%s\"", r->oracle_demand ? "demand" : "bypass");
     if (r->kind == KVT_POLICY_COST) {
         static const char *const en[KVT_POLICY_EXPERTS] = {"cost", "recent", "frequent",
-                                                           "cost-recent"};
+                                                           "cost-recent", "density"};
         fprintf(f, ",\"expert\":\"%s\",\"expert_miss_s\":{", en[r->st.expert % KVT_POLICY_EXPERTS]);
         for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
             fprintf(f, "%s\"%s\":%.5f", e ? "," : "", en[e], r->st.expert_miss_s[e]);
@@ -771,7 +771,8 @@ static void usage(FILE *f, const char *prog)
             "  --nvme-min-hits N    admission to NVMe needs N hits\n"
             "  --no-cost-drop       the cost policy demotes even when recomputing is cheaper\n"
             "  --expert NAME        the cost policy's victims in one expert's order: cost,\n"
-            "                       recent, frequent or cost-recent (default: learned online)\n"
+            "                       recent, frequent, cost-recent or density (default: learned\n"
+            "                       online)\n"
             "  --seed N             seed of the simulated hints (default 1)\n"
             "  --verify             check the policy's and the tree's invariants as it runs\n"
             "  --no-progress        no progress bar on stderr\n"
@@ -1009,14 +1010,16 @@ int kvt_replay_main(int argc, char **argv)
             return 2;
         } else if (strcmp(a, "--expert") == 0) {
             static const char *const names[KVT_POLICY_EXPERTS] = {"cost", "recent", "frequent",
-                                                                  "cost-recent"};
+                                                                  "cost-recent", "density"};
             o.expert = 0;
             for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
                 if (strcmp(v, names[e]) == 0)
                     o.expert = e + 1;
             if (!o.expert) {
-                fprintf(stderr, "%s: --expert: '%s' is not cost, recent, frequent or cost-recent\n",
-                        prog, v);
+                fprintf(
+                    stderr,
+                    "%s: --expert: '%s' is not cost, recent, frequent, cost-recent or density\n",
+                    prog, v);
                 return 2;
             }
             i++;

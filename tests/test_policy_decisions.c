@@ -1607,11 +1607,71 @@ Test(policy_decisions, the_recency_experts_copy_evicts_exactly_the_least_recent)
     cr_assert_eq(s[KVT_POLICY_EXPERT_RECENT], s[KVT_POLICY_EXPERT_COST_RECENT],
                  "recency %.4f s, split %.4f", s[KVT_POLICY_EXPERT_RECENT],
                  s[KVT_POLICY_EXPERT_COST_RECENT]);
+    /* the density expert learns that the pages used once never come back (their hit class has
+     * no use at any age): its best of 16 drawn is one of them, and its copy costs what exact
+     * LRU's does (0.8491 s), not more */
+    cr_assert_leq(s[KVT_POLICY_EXPERT_RECENT], s[KVT_POLICY_EXPERT_DENSITY] * 1.001,
+                  "recency's copy simulated %.4f s, the density expert's %.4f",
+                  s[KVT_POLICY_EXPERT_RECENT], s[KVT_POLICY_EXPERT_DENSITY]);
     for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
-        if (e != KVT_POLICY_EXPERT_RECENT && e != KVT_POLICY_EXPERT_COST_RECENT)
+        if (e != KVT_POLICY_EXPERT_RECENT && e != KVT_POLICY_EXPERT_COST_RECENT &&
+            e != KVT_POLICY_EXPERT_DENSITY)
             cr_assert_lt(s[KVT_POLICY_EXPERT_RECENT], s[e] * 0.99,
                          "recency's copy simulated %.4f s, expert %d's %.4f",
                          s[KVT_POLICY_EXPERT_RECENT], e, s[e]);
+}
+
+/*
+ * Issue 40, session 24: the density expert (LHD) learns from the ages at which pages were used
+ * again and at which they left without a use, and need not rank a page lower for being older.
+ * Every second prompt comes back once, 20 s after it was sent; the tier holds 12 prompts. While
+ * prompts come every 4 s all fit, and the engine sees the returns at 20 s and the rest leave
+ * older; then they come every second. LRU's order (and the value's, which falls with age too)
+ * keeps the newest 12 s and never sees a return; the density expert keeps pages on the way to
+ * the age of their return over newer ones, and drops the ones past it first. Returns the pages
+ * hit by returns in the second phase, of the 4 x 40 it has (the density expert: 32).
+ */
+static uint32_t returns_hit(int expert)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 48, 0, 0);
+    c.expert = 1 + expert;
+    start(&c);
+    enum { N1 = 60, N2 = 100 };
+    uint32_t back_at[N1 + N2], hit = 0, t = 0, k = 0;
+    for (uint32_t i = 0; i < N1 + N2; i++)
+        back_at[i] = UINT32_MAX;
+    for (uint32_t i = 0; i < N1 + N2; i++) {
+        t += i < N1 ? 4000 : 1000;
+        /* the returns due by now, then the new prompt */
+        for (; k < i && (back_at[k] == UINT32_MAX || back_at[k] <= t); k++) {
+            if (back_at[k] == UINT32_MAX)
+                continue;
+            uint32_t *r = seq(16, 1000 + 100 * k);
+            clk = back_at[k] - 1;
+            uint32_t got = request(r, 16, NULL);
+            if (k >= N1)
+                hit += got;
+            free(r);
+        }
+        uint32_t *x = seq(16, 1000 + 100 * i);
+        clk = t - 1;
+        request(x, 16, NULL);
+        free(x);
+        if (i % 2 == 0)
+            back_at[i] = t + 20000;
+    }
+    stop();
+    return hit;
+}
+
+Test(policy_decisions, the_density_expert_keeps_a_page_until_its_likely_reuse)
+{
+    uint32_t density = returns_hit(KVT_POLICY_EXPERT_DENSITY);
+    uint32_t recent = returns_hit(KVT_POLICY_EXPERT_RECENT);
+    uint32_t value = returns_hit(KVT_POLICY_EXPERT_COST);
+    cr_assert_eq(recent, 0, "LRU's order kept a page 20 s old (%u pages hit)", recent);
+    cr_assert_eq(value, 0, "the value's order kept a page 20 s old (%u pages hit)", value);
+    cr_assert_geq(density, 16, "the density expert: %u of 160 pages hit", density);
 }
 
 /* A PUT's pages join a node's run a few at a time as their writes land (kvtierd adopts each
