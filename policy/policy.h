@@ -210,7 +210,7 @@ typedef struct kvt_policy_ops {
 /* The cost policy's experts (docs/policy.md, "Experts"), the indices of kvt_policy_stats_t's
  * expert arrays: its value (the learned reuse rate per class x the saving), LRU's order, LFU's,
  * the value's order in every tier but the lowest with LRU's in the lowest (what it drops), and
- * the hit density learned per tier, class and age (LHD) x the saving. */
+ * the hit density learned per tier, hit class and age (LHD; not times the saving). */
 #define KVT_POLICY_EXPERT_COST        0
 #define KVT_POLICY_EXPERT_RECENT      1
 #define KVT_POLICY_EXPERT_FREQUENT    2

@@ -214,7 +214,8 @@ typedef enum {
       "Times the tier policy renewed its victim heaps by a sweep (docs/policy.md).", NONE)         \
     X(POLICY_EXPERT, GAUGE, "kvtier_policy_expert",                                                \
       "The cost policy's expert that orders victims (docs/policy.md, Experts): 1 value, 2 "        \
-      "recent, 3 frequent, 4 value above the lowest tier and recent in it; 0 under lru and lfu.",  \
+      "recent, 3 frequent, 4 value above the lowest tier and recent in it, 5 hit density by "      \
+      "age; 0 under lru and lfu.",                                                                 \
       NONE)                                                                                        \
     X(POLICY_INDEX_DROPS, COUNTER, "kvtier_policy_index_drops_total",                              \
       "Pages holding bytes dropped to keep the index under index-bytes.", NONE)                    \
