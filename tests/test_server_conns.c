@@ -8,6 +8,8 @@
  * location frames that outgrow the inline room) on 64 connections at once, byte-exact.
  */
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <sys/ioctl.h>
@@ -311,11 +313,12 @@ static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t
     return q;
 }
 
-/* The bytes kvtierd has the kernel hold for one Unix socket (measured where they wait, in the
- * client's receive queue: FIONREAD) after GETS pipelined 256 KiB GETs, with 2 connections, with
- * MANY, and with 2 again; budget: its socket-send-budget, NULL for the default. 0 when the
- * kernel's default send buffer is too small to tell a cut one from it (the test is skipped). */
-static int queued_with_conns(const char *budget, int tcp, int q[3])
+/* The bytes kvtierd has the kernel hold for one socket (queued_now) after GETS pipelined 256 KiB
+ * GETs, with 2 connections, with MANY, and with 2 again; budget: its socket-send-budget, NULL for
+ * the default; tcp: the socket is a TCP one, to listen (the daemon's --tcp, NULL: loopback).
+ * 0 when the kernel's default send buffer is too small to tell a cut one from it (the test is
+ * skipped). */
+static int queued_with_conns(const char *budget, int tcp, const char *listen, int q[3])
 {
     int sp[2], def = 0;
     socklen_t dl = sizeof def;
@@ -326,10 +329,18 @@ static int queued_with_conns(const char *budget, int tcp, int q[3])
     if (def < 2 * (int)SHARE_64)
         return 0;
 
-    if (budget)
-        kvd_start(&d, "--socket-send-budget", budget, NULL);
-    else
-        kvd_start(&d, NULL);
+    /* listen: the daemon's TCP address instead of the harness's 127.0.0.1:0 (later args win). */
+    const char *extra[5] = {NULL};
+    int ne = 0;
+    if (budget) {
+        extra[ne++] = "--socket-send-budget";
+        extra[ne++] = budget;
+    }
+    if (listen) {
+        extra[ne++] = "--tcp";
+        extra[ne++] = listen;
+    }
+    kvd_startv(&d, extra);
     kvd_tokens(tok, PAGE, 700);
     kvt_client_t *p = kvd_client(&d, "budget", PAGE, BIG_BB);
     uint8_t *payload = malloc(BIG_BB);
@@ -356,10 +367,9 @@ static int queued_with_conns(const char *budget, int tcp, int q[3])
         usleep(10000);
     q[2] = queued_by_gets(fd, tcp, lease, body, cap);
     fprintf(stderr,
-            "socket-send-budget %s: bytes queued for one %s socket: %d with 2 connections, %d "
+            "socket-send-budget %s: bytes queued for one socket (%s): %d with 2 connections, %d "
             "with %d, %d with 2 again (the kernel's default buffer %d)\n",
-            budget ? budget : "(default)", tcp ? "loopback TCP" : "Unix", q[0], q[1], MANY, q[2],
-            def);
+            budget ? budget : "(default)", tcp ? d.tcp : "Unix", q[0], q[1], MANY, q[2], def);
     close(fd);
     kvt_client_close(p);
     free(payload);
@@ -373,7 +383,7 @@ static int queued_with_conns(const char *budget, int tcp, int q[3])
 Test(server_conns, the_kernel_holds_a_share_of_the_send_budget, .fini = teardown, .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns(NULL, 0, q))
+    if (!queued_with_conns(NULL, 0, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     cr_expect_gt(q[0], (int)(2 * SHARE_64), "2 connections: %d bytes queued", q[0]);
     /* Its 64K, and at most the last piece of the write that reached it (half of it). */
@@ -386,7 +396,7 @@ Test(server_conns, the_kernel_holds_a_share_of_the_send_budget, .fini = teardown
 Test(server_conns, a_send_budget_of_0_leaves_the_kernel_default, .fini = teardown, .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns("0", 0, q))
+    if (!queued_with_conns("0", 0, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     for (int i = 0; i < 3; i++)
         cr_expect_gt(q[i], (int)(2 * SHARE_64), "step %d: %d bytes queued", i, q[i]);
@@ -400,10 +410,46 @@ Test(server_conns, a_loopback_tcp_connection_holds_a_share_of_the_send_budget, .
      .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns(NULL, 1, q))
+    if (!queued_with_conns(NULL, 1, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
     cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
                   q[1]);
     cr_expect_gt(q[2], (int)(2 * SHARE_64), "few again: %d bytes queued", q[2]);
+}
+
+/* One of the host's own addresses, not a loopback one ("192.0.2.2:0"), in buf: 0, or -1 when the
+ * host has none up. */
+static int own_address(char *buf, size_t len)
+{
+    struct ifaddrs *ifs = NULL;
+    int rc = -1;
+    cr_assert_eq(getifaddrs(&ifs), 0);
+    for (struct ifaddrs *i = ifs; i && rc < 0; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP) ||
+            (i->ifa_flags & IFF_LOOPBACK))
+            continue;
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &((struct sockaddr_in *)i->ifa_addr)->sin_addr, a, sizeof a);
+        snprintf(buf, len, "%s:0", a);
+        rc = 0;
+    }
+    freeifaddrs(ifs);
+    return rc;
+}
+
+/* A client on this host that reaches kvtierd at the host's own address (not loopback: a
+ * sidecar's engine given the node's address) is cut as a loopback one. */
+Test(server_conns, a_tcp_connection_to_the_hosts_own_address_holds_a_share, .fini = teardown,
+     .timeout = 60)
+{
+    char listen[64];
+    if (own_address(listen, sizeof listen) < 0)
+        cr_skip_test("no address up other than loopback");
+    int q[3];
+    if (!queued_with_conns(NULL, 1, listen, q))
+        cr_skip_test("the kernel's default send buffer is at most the share");
+    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
+    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
+                  q[1]);
 }
