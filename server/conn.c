@@ -793,12 +793,12 @@ static ssize_t send_fd(int sock, struct iovec *iov, int n, kvt__req_t *r)
 /*
  * socket-send-budget: a Unix socket's send buffer, or a TCP one's whose peer is on this host, is
  * cut to its share of the budget once there are so many connections that their default buffers
- * would hold more. With 64 connections each
- * pipelining 256 KiB GETs, the replies the kernel held (64 x 208 KiB) were past the CPU caches,
- * and every copy into and out of them cost the server, the raw one-thread server as much, 10-15 %
- * more per GET than at 8 connections (docs/benchmarks.md, "8 -> 64 connections"). A power of
- * two, so that a connection count that moves by a few does not reset every socket; applied at
- * the connection's next write (one compare when nothing changes). A TCP socket's buffer grows
+ * would hold more. With 64 connections each pipelining 256 KiB GETs, the replies the kernel held
+ * (64 x 208 KiB) were past the CPU caches, and every copy into and out of them cost the server,
+ * the raw one-thread server as much, 10-15 % more per GET than at 8 connections
+ * (docs/benchmarks.md, "8 -> 64 connections"). A power of two, so that a connection count that
+ * moves by a few does not reset every socket; applied at the connection's next write (one
+ * compare when nothing changes). A TCP socket's buffer grows
  * with its traffic (tcp_wmem) until SO_SNDBUF is set, and the kernel keeps it fixed after: a
  * peer across a network needs its bandwidth times its round trip, so it keeps the tuning. Over
  * loopback (a sidecar's engine talking TCP to kvtierd on its node) the buffers only hold the
