@@ -296,3 +296,74 @@ Test(trace, a_trace_of_empty_prompts_has_no_ids)
     kvt_trace_free(tr);
     unlink(p);
 }
+
+/* The block cache against the plain expansion, its reference model: random prompts over a few
+ * dozen ids through a cache of 8 blocks (four sets of two), so that blocks are evicted and
+ * expanded again, with last blocks cut anywhere. Every prompt must come out the same tokens. */
+Test(trace, cached_tokens_are_the_plain_tokens)
+{
+    kvt_trace_cache_t *c;
+    cr_assert_eq(kvt_trace_cache_create(&c, 8), 0);
+    enum { MAXB = 6 };
+    uint64_t ids[MAXB];
+    static uint32_t got[MAXB * KVT_TRACE_BLOCK_TOKENS], want[MAXB * KVT_TRACE_BLOCK_TOKENS];
+    uint64_t rng = 7, blocks = 0;
+    for (int round = 0; round < 2000; round++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        uint32_t nb = 1 + (uint32_t)(rng >> 33) % MAXB;
+        for (uint32_t b = 0; b < nb; b++) {
+            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+            /* a few large ids too: the set comes from the mixed id, not its low bits */
+            ids[b] = (rng >> 40) % 40 + (b % 3 == 2 ? (1ull << 40) : 0);
+        }
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        uint32_t len = (nb - 1) * KVT_TRACE_BLOCK_TOKENS + 1 + (uint32_t)(rng >> 35) % 512;
+        kvt_trace_req_t r = {.input_length = len, .nhash = nb, .hash_ids = ids};
+        memset(got, 0xff, sizeof(got));
+        memset(want, 0xff, sizeof(want));
+        kvt_trace_tokens_cached(c, &r, got);
+        kvt_trace_tokens(&r, want);
+        cr_assert_eq(memcmp(got, want, sizeof(got)), 0, "round %d", round);
+        blocks += nb;
+    }
+    uint64_t lookups, hits;
+    kvt_trace_cache_stats(c, &lookups, &hits);
+    cr_expect_eq(lookups, blocks);
+    cr_expect_gt(hits, 0);
+    cr_expect_lt(hits, lookups); /* 80 ids do not fit in 8 blocks */
+    kvt_trace_cache_free(c);
+}
+
+/* A block used again finds its tokens in the cache, in either way of its set, and the sizes
+ * outside the documented range are refused. */
+Test(trace, a_repeated_block_is_a_hit)
+{
+    kvt_trace_cache_t *c;
+    cr_expect_eq(kvt_trace_cache_create(NULL, 8), KVT_EINVAL);
+    cr_expect_eq(kvt_trace_cache_create(&c, ((size_t)1 << 24) + 1), KVT_EINVAL);
+    cr_assert_eq(kvt_trace_cache_create(&c, 0), 0); /* one set of two ways */
+    uint64_t ids[2] = {5, 1ull << 50};
+    kvt_trace_req_t r = {.input_length = 2 * KVT_TRACE_BLOCK_TOKENS, .nhash = 2, .hash_ids = ids};
+    uint32_t tok[2 * KVT_TRACE_BLOCK_TOKENS], blk[KVT_TRACE_BLOCK_TOKENS];
+    for (int k = 0; k < 3; k++)
+        kvt_trace_tokens_cached(c, &r, tok);
+    uint64_t lookups, hits;
+    kvt_trace_cache_stats(c, &lookups, &hits);
+    cr_expect_eq(lookups, 6);
+    cr_expect_eq(hits, 4);
+    kvt_trace_block_tokens(ids[1], blk);
+    cr_expect_eq(memcmp(tok + KVT_TRACE_BLOCK_TOKENS, blk, sizeof(blk)), 0);
+    /* a third id evicts the one used least recently (5), not the one just read */
+    uint64_t third = 77;
+    kvt_trace_req_t r3 = {.input_length = 10, .nhash = 1, .hash_ids = &third};
+    kvt_trace_tokens_cached(c, &r3, tok);
+    kvt_trace_req_t r1 = {.input_length = 10, .nhash = 1, .hash_ids = &ids[1]};
+    kvt_trace_tokens_cached(c, &r1, tok);
+    kvt_trace_cache_stats(c, &lookups, &hits);
+    cr_expect_eq(lookups, 8);
+    cr_expect_eq(hits, 5);
+    kvt_trace_block_tokens(ids[1], blk);
+    cr_expect_eq(memcmp(tok, blk, 10 * sizeof(uint32_t)), 0);
+    kvt_trace_cache_free(c);
+    kvt_trace_cache_free(NULL);
+}

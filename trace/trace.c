@@ -54,6 +54,98 @@ void kvt_trace_tokens(const kvt_trace_req_t *r, uint32_t *out)
     }
 }
 
+/*
+ * The block cache: sets of two ways, a set chosen by the mixed id (the traces' ids are small
+ * consecutive integers; mixed, they spread over the sets). The ids and each set's state are
+ * small arrays apart from the tokens, so that a lookup touches a token block only on a hit.
+ * The token store is malloc'd, not zeroed: a way is read only once its valid bit says it was
+ * filled, and pages of the store that no set reaches are never touched.
+ */
+#define CACHE_MAX_BLOCKS ((size_t)1 << 24)
+
+struct kvt_trace_cache {
+    size_t mask;    /* sets - 1 */
+    uint64_t *ids;  /* 2 per set */
+    uint8_t *state; /* per set: bit 0 and 1, way 0 and 1 filled; bit 2, way 1 used last */
+    uint32_t *toks; /* 2 * 512 per set */
+    uint64_t lookups, hits;
+};
+
+int kvt_trace_cache_create(kvt_trace_cache_t **out, size_t blocks)
+{
+    if (!out || blocks > CACHE_MAX_BLOCKS)
+        return KVT_EINVAL;
+    *out = NULL;
+    size_t sets = 1;
+    while (2 * sets < blocks)
+        sets *= 2;
+    kvt_trace_cache_t *c = calloc(1, sizeof(*c));
+    if (!c)
+        return KVT_ENOMEM;
+    c->mask = sets - 1;
+    c->ids = malloc(2 * sets * sizeof(*c->ids));
+    c->state = calloc(sets, 1);
+    c->toks = malloc(2 * sets * KVT_TRACE_BLOCK_TOKENS * sizeof(*c->toks));
+    if (!c->ids || !c->state || !c->toks) {
+        kvt_trace_cache_free(c);
+        return KVT_ENOMEM;
+    }
+    *out = c;
+    return 0;
+}
+
+void kvt_trace_cache_free(kvt_trace_cache_t *c)
+{
+    if (!c)
+        return;
+    free(c->ids);
+    free(c->state);
+    free(c->toks);
+    free(c);
+}
+
+/* The 512 tokens of id, from the cache or expanded into it. */
+static const uint32_t *cache_block(kvt_trace_cache_t *c, uint64_t id)
+{
+    size_t set = (size_t)splitmix_mix(id) & c->mask;
+    uint8_t st = c->state[set];
+    uint64_t *ids = c->ids + 2 * set;
+    c->lookups++;
+    int way;
+    if ((st & 1) && ids[0] == id) {
+        way = 0;
+        c->hits++;
+    } else if ((st & 2) && ids[1] == id) {
+        way = 1;
+        c->hits++;
+    } else {
+        /* an empty way first, else the one not used last */
+        way = !(st & 1) ? 0 : !(st & 2) ? 1 : !(st & 4);
+        ids[way] = id;
+        st |= (uint8_t)(1u << way);
+        kvt_trace_block_tokens(id, c->toks + (2 * set + (size_t)way) * KVT_TRACE_BLOCK_TOKENS);
+    }
+    c->state[set] = (uint8_t)(way ? st | 4 : st & ~4);
+    return c->toks + (2 * set + (size_t)way) * KVT_TRACE_BLOCK_TOKENS;
+}
+
+void kvt_trace_tokens_cached(kvt_trace_cache_t *c, const kvt_trace_req_t *r, uint32_t *out)
+{
+    uint32_t left = r->input_length;
+    for (uint32_t b = 0; b < r->nhash && left > 0; b++) {
+        uint32_t n = left < KVT_TRACE_BLOCK_TOKENS ? left : KVT_TRACE_BLOCK_TOKENS;
+        memcpy(out, cache_block(c, r->hash_ids[b]), n * sizeof(uint32_t));
+        out += n;
+        left -= n;
+    }
+}
+
+void kvt_trace_cache_stats(const kvt_trace_cache_t *c, uint64_t *lookups, uint64_t *hits)
+{
+    *lookups = c->lookups;
+    *hits = c->hits;
+}
+
 /* A cursor over one line. */
 typedef struct {
     const char *p, *end;

@@ -48,6 +48,25 @@ void kvt_trace_tokens(const kvt_trace_req_t *r, uint32_t *out);
 /* The 512 token ids of one block hash id. */
 void kvt_trace_block_tokens(uint64_t hash_id, uint32_t out[KVT_TRACE_BLOCK_TOKENS]);
 
+/*
+ * A bounded cache of expanded blocks, for a reader that expands the same blocks again and again
+ * (a replay: every request of a session expands its whole prompt, the earlier turns included).
+ * It keeps the tokens of up to `blocks` block ids, 2 KiB each, two ways per set with the one
+ * used last kept, and changes nothing about the tokens: kvt_trace_tokens_cached() writes exactly
+ * what kvt_trace_tokens() writes. One thread at a time.
+ *
+ * kvt_trace_cache_create: `blocks` is rounded up to a power of two, at least 2, at most 2^24.
+ * Returns 0, KVT_EINVAL (out NULL or blocks over the limit) or KVT_ENOMEM. The caller frees it
+ * with kvt_trace_cache_free() (NULL is a no-op).
+ */
+typedef struct kvt_trace_cache kvt_trace_cache_t;
+int kvt_trace_cache_create(kvt_trace_cache_t **out, size_t blocks);
+void kvt_trace_cache_free(kvt_trace_cache_t *c);
+/* kvt_trace_tokens() through the cache c (not NULL). */
+void kvt_trace_tokens_cached(kvt_trace_cache_t *c, const kvt_trace_req_t *r, uint32_t *out);
+/* Lookups since the cache was made, and how many of them found the block. */
+void kvt_trace_cache_stats(const kvt_trace_cache_t *c, uint64_t *lookups, uint64_t *hits);
+
 /* The base name of the trace file without extension, e.g. "mooncake-conversation". */
 const char *kvt_trace_name(const kvt_trace_t *tr, char *buf, size_t len);
 
