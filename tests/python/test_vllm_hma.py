@@ -1241,3 +1241,53 @@ def test_lease_lapsed_before_the_load(vd: Daemon, tiny_model_config: Any) -> Non
     s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()
+
+
+
+def test_preempted_request_aborted_while_it_waits_for_its_load(vd: Daemon,
+                                                              tiny_model_config: Any) -> None:
+    """Through vLLM's real Scheduler (one group, load_async), stepped as its engine steps it: a
+    request whose first step planned saves (request_finished holds its blocks from then on),
+    preempted (reset_prefix_cache), resumed with a hit on its own saved pages loaded between
+    steps (WAITING_FOR_REMOTE_KVS), and aborted before its load is in. vLLM holds its blocks for
+    the load it waits for as well as for the saves, and frees them at the first report of
+    either: the request goes out once, with its load (finished_recving), and never in
+    finished_sending too. On the old code the worker reported it in finished_sending at the
+    abort (vLLM freed it) and its load after: vLLM 0.34's update_from_output raised
+    AssertionError (a report of a request it no longer knows), which ends the engine."""
+    from vllm.v1.request import RequestStatus
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute", {"load_async": True})
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(5)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    r = request(prompt(5, 4))
+    s.add_request(r)
+    out = s.schedule()
+    assert out.kv_connector_metadata.saves, "its pages saved in its first step"
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    settle(worker, SETTLE_S)
+    s.reset_prefix_cache(reset_running_requests=True)
+    assert r.status == RequestStatus.PREEMPTED
+    out = s.schedule()  # resumed: a hit on its own pages, loaded between steps
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [t.req_id for t in out.kv_connector_metadata.loads] == [r.request_id]
+    s.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)  # before its load is in
+    assert r.request_id in s.requests, "vLLM holds its blocks"
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    for _ in range(100):
+        if r.request_id not in s.requests:
+            break
+        run_step(s, worker, kvs, list(kvs), s.schedule(), reported)
+        time.sleep(0.01)
+    assert r.request_id not in s.requests, "its blocks were never freed"
+    for _ in range(20):  # nothing more about it: vLLM asserts that it knows a request reported
+        run_step(s, worker, kvs, list(kvs), s.schedule(), reported)
+        time.sleep(0.01)
+    assert reported == {"failed": set(), "recving": {r.request_id}, "invalid": set()}
+    worker.shutdown()
+    s.shutdown()

@@ -980,13 +980,20 @@ class WorkerSide:
         """(Finished requests whose blocks vLLM may free now: their saves stored, failed or
         dropped at their deadline; the requests whose asynchronous load is done). A finished
         request is held (request_finished returned True) exactly when the scheduler planned
-        a save for it, which is when this worker saw it among a step's saves. The blocks of
+        a save for it, which is when this worker saw it among a step's saves; one that also
+        waits for its load between steps is reported with that load only. The blocks of
         asynchronous loads that did not arrive are reported by the
         get_block_ids_with_load_errors call that follows."""
         self._sweep_saves()
         for rid in finished_req_ids or ():
             if rid in self._saving_reqs:
                 self._saving_reqs.discard(rid)
+                # Finished while it waits for its load between steps (resumed after a
+                # preemption, its saves planned before it): vLLM holds its blocks for that load
+                # too and frees them at the first report of either; reported in both, it frees
+                # them twice (an assertion). Its load's report frees them.
+                if rid in self._async_loads or rid in self._unplanned_recving:
+                    continue
                 self._finishing.add(rid)
         sending = {rid for rid in self._finishing if rid not in self._jobs}
         self._finishing -= sending
