@@ -34,7 +34,9 @@
  *          it shares the cores, and what the kernel's buffers cost its reads shows there.
  *          The raw server keeps the kernel's default send buffers (208 KiB on Unix), as kvtierd
  *          did before socket-send-budget; KVT_RAW_SNDBUF=N gives each of its connections
- *          SO_SNDBUF N (the kernel holds 2N) to measure what that budget does for it.
+ *          SO_SNDBUF N (the kernel holds 2N) to measure what that budget does for it, and
+ *          KVT_RAW_INFLIGHT=K lets only K of them write at once (a turn lasts until the
+ *          connection's queued replies are all in the kernel), the others' replies waiting.
  *   fill   The cold path (issue 38): a fresh kvtierd's CPU time per prompt over its first pass of
  *          the trace, MATCH then index-only PUT of each whole prompt (pipelined through
  *          libkvtier, one connection), against its second pass of the same requests after the
@@ -605,6 +607,11 @@ static int g_raw_zerocopy;
  * unset: the kernel's default): how the bytes the kernel holds for its sockets weigh on its CPU
  * per GET at 8 and 64 connections (docs/benchmarks.md, "8 -> 64 connections: the send buffers"). */
 static int g_raw_sndbuf;
+/* KVT_RAW_INFLIGHT=K: at most K of the raw server's connections write at once, the others' replies
+ * waiting in its memory (a connection keeps its turn until its queue is in the kernel): the
+ * bytes the kernel holds stay near K default buffers however many connections there are, with
+ * writes as big as at K connections (docs/benchmarks.md, "8 -> 64 connections"). */
+static int g_raw_inflight;
 
 typedef struct rslot {
     uint8_t head[RAW_HEAD], end[RAW_END];
@@ -613,6 +620,8 @@ typedef struct rslot {
 
 typedef struct rconn {
     int fd, want_out, zc;
+    int turn, waiting;  /* KVT_RAW_INFLIGHT: writing now; in the queue for a turn */
+    struct rconn *next; /* that queue */
     uint8_t in[RAW_IN];
     size_t in_len;
     rslot_t slot[RAW_SLOTS];
@@ -682,6 +691,82 @@ static void raw_parse(rconn_t *c, const uint8_t *blocks, size_t block)
     c->in_len -= off;
 }
 
+/* KVT_RAW_INFLIGHT's turns: the connections writing now, and the queue of those waiting. */
+static int g_raw_turns;
+static rconn_t *g_raw_wait_head, *g_raw_wait_tail;
+
+/* Whether c may write: always without KVT_RAW_INFLIGHT; else when it holds a turn or takes a free
+ * one, and with replies queued and no turn free it joins the queue. */
+static int raw_may_write(rconn_t *c)
+{
+    if (g_raw_inflight <= 0 || c->turn)
+        return 1;
+    if (c->count == 0 || c->waiting)
+        return 0;
+    if (g_raw_turns < g_raw_inflight) {
+        c->turn = 1;
+        g_raw_turns++;
+        return 1;
+    }
+    c->waiting = 1;
+    c->next = NULL;
+    if (g_raw_wait_tail)
+        g_raw_wait_tail->next = c;
+    else
+        g_raw_wait_head = c;
+    g_raw_wait_tail = c;
+    return 0;
+}
+
+static void raw_unwait(rconn_t *c)
+{
+    rconn_t **pp = &g_raw_wait_head, *prev = NULL;
+    while (*pp && *pp != c) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (*pp) {
+        *pp = c->next;
+        if (g_raw_wait_tail == c)
+            g_raw_wait_tail = prev;
+    }
+    c->waiting = 0;
+}
+
+static void raw_set_out(int ep, rconn_t *c)
+{
+    int want = c->count > 0 && (g_raw_inflight <= 0 || c->turn);
+    if (want != c->want_out) {
+        struct epoll_event ce = {.events = EPOLLIN | (want ? EPOLLOUT : 0), .data.ptr = c};
+        epoll_ctl(ep, EPOLL_CTL_MOD, c->fd, &ce);
+        c->want_out = want;
+    }
+}
+
+/* c's queue is all in the kernel (or c is gone): its turn goes to the queue's first. */
+static void raw_end_turn(int ep, rconn_t *c, size_t block)
+{
+    if (!c->turn)
+        return;
+    c->turn = 0;
+    g_raw_turns--;
+    while (g_raw_turns < g_raw_inflight && g_raw_wait_head) {
+        rconn_t *w = g_raw_wait_head;
+        g_raw_wait_head = w->next;
+        if (!g_raw_wait_head)
+            g_raw_wait_tail = NULL;
+        w->waiting = 0;
+        w->turn = 1;
+        g_raw_turns++;
+        raw_write(w, block); /* a broken one shows at its next event */
+        if (w->count == 0) {
+            w->turn = 0;
+            g_raw_turns--;
+        }
+        raw_set_out(ep, w);
+    }
+}
+
 /* The raw server's loop, in the child: never returns. */
 static void raw_serve(int ufd, int tfd, size_t block)
 {
@@ -739,19 +824,19 @@ static void raw_serve(int ufd, int tfd, size_t block)
                     c->in_len += (size_t)r;
             }
             raw_parse(c, blocks, block);
-            if (!dead && raw_write(c, block) < 0)
+            if (!dead && raw_may_write(c) && raw_write(c, block) < 0)
                 dead = 1;
             if (dead || (evs[k].events & (EPOLLHUP | EPOLLERR) && !(evs[k].events & EPOLLIN))) {
+                if (c->waiting)
+                    raw_unwait(c);
+                raw_end_turn(ep, c, block);
                 close(c->fd); /* epoll forgets it with its last descriptor */
                 free(c);
                 continue;
             }
-            int want = c->count > 0;
-            if (want != c->want_out) {
-                struct epoll_event ce = {.events = EPOLLIN | (want ? EPOLLOUT : 0), .data.ptr = c};
-                epoll_ctl(ep, EPOLL_CTL_MOD, c->fd, &ce);
-                c->want_out = want;
-            }
+            if (c->count == 0)
+                raw_end_turn(ep, c, block);
+            raw_set_out(ep, c);
         }
     }
 }
@@ -763,6 +848,8 @@ static pid_t raw_start(const char *path, int port, size_t block)
     g_raw_zerocopy = zc && !strcmp(zc, "1");
     const char *sb = getenv("KVT_RAW_SNDBUF");
     g_raw_sndbuf = sb ? atoi(sb) : 0;
+    const char *fl = getenv("KVT_RAW_INFLIGHT");
+    g_raw_inflight = fl ? atoi(fl) : 0;
     struct sockaddr_un sun = {.sun_family = AF_UNIX};
     struct sockaddr_in sin = {.sin_family = AF_INET,
                               .sin_port = htons((uint16_t)port),

@@ -132,10 +132,11 @@ static const kvt_opt_t kvt_opts[] = {
     {"max-output", KVT_OPT_BYTES, KVT_O(max_output), "16M",
      "reply bytes queued per connection before it stops reading requests (64K..1G)"},
     {"socket-send-budget", KVT_OPT_BYTES, KVT_O(sock_send_budget), "8M",
-     "reply bytes the kernel may hold in the send buffers of all Unix-socket connections "
-     "together: past budget / connections, each one's buffer (SO_SNDBUF) is cut to the largest "
-     "power of two under that share, at least 64K, up to the kernel's default; 0: the kernel's "
-     "default for each (0 or 64K..1G)"},
+     "reply bytes the kernel may hold in the send buffers of all Unix-socket and loopback TCP "
+     "connections together: past budget / connections, each one's buffer (SO_SNDBUF) is cut to "
+     "the largest power of two under that share, at least 64K, up to the kernel's default "
+     "(TCP from another host keeps the kernel's tuning); 0: the kernel's default for each (0 or "
+     "64K..1G)"},
     {"max-client-bytes", KVT_OPT_BYTES, KVT_O(max_client_bytes), "1G",
      "memory all connections together may hold beyond their 512 KiB input buffers: frames over "
      "that, queued replies, PUT payloads waiting for their writes (at least max-frame + 1M)"},

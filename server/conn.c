@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <malloc.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
@@ -283,6 +284,73 @@ void kvt__kicks_flush(kvt__loop_t *l)
     }
 }
 
+/* sndbuf_log of a TCP connection whose peer is on another host: socket-send-budget leaves it to
+ * the kernel's tuning. */
+#define KVT_SNDBUF_TUNED 0xff
+
+static int addr_is(const struct sockaddr_storage *a, const struct sockaddr *b)
+{
+    if (a->ss_family != b->sa_family)
+        return 0;
+    if (b->sa_family == AF_INET)
+        return ((const struct sockaddr_in *)a)->sin_addr.s_addr ==
+               ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+    if (b->sa_family == AF_INET6)
+        return !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
+                       &((const struct sockaddr_in6 *)b)->sin6_addr, sizeof(struct in6_addr));
+    return 0;
+}
+
+/* Whether a TCP connection's peer runs on this host: a loopback address, the address it reached
+ * (a client on the node connecting to the node's own address gets that as its source), or one
+ * of the host's interfaces' addresses (looked up only when neither, at accept). */
+static int peer_on_host(int fd)
+{
+    struct sockaddr_storage peer, self;
+    socklen_t pl = sizeof peer, sl = sizeof self;
+    if (getpeername(fd, (struct sockaddr *)&peer, &pl) < 0 ||
+        getsockname(fd, (struct sockaddr *)&self, &sl) < 0)
+        return 0;
+    if (peer.ss_family == AF_INET) {
+        const struct sockaddr_in *p = (const struct sockaddr_in *)&peer;
+        if ((ntohl(p->sin_addr.s_addr) >> 24) == 127)
+            return 1;
+    } else if (peer.ss_family == AF_INET6) {
+        const struct in6_addr *a = &((const struct sockaddr_in6 *)&peer)->sin6_addr;
+        if (IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127))
+            return 1;
+    } else {
+        return 0;
+    }
+    if (addr_is(&peer, (const struct sockaddr *)&self))
+        return 1;
+    struct ifaddrs *ifs = NULL;
+    int on = 0;
+    if (getifaddrs(&ifs) < 0)
+        return 0;
+    for (struct ifaddrs *i = ifs; i && !on; i = i->ifa_next)
+        on = i->ifa_addr && addr_is(&peer, i->ifa_addr);
+    freeifaddrs(ifs);
+    return on;
+}
+
+/* The size socket-send-budget gives back to a connection once its share is over it: a Unix
+ * socket's SO_SNDBUF as the kernel makes it (net.core.wmem_default). A TCP socket starts at
+ * tcp_wmem's default instead and grows, so for a daemon with only TCP clients it is read off a
+ * Unix socket made for the purpose. */
+static int sndbuf_default(int fd, int tcp)
+{
+    int v = 0, u = -1;
+    socklen_t len = sizeof v;
+    if (tcp && (fd = u = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0)
+        return 0;
+    if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &len) < 0)
+        v = 0;
+    if (u >= 0)
+        close(u);
+    return v;
+}
+
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 {
     for (int k = 0; k < 64; k++) {
@@ -307,14 +375,12 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
         if (tcp) {
             int one = 1;
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        } else if (s->clients.sndbuf_default == 0) {
-            /* The size socket-send-budget gives back to a connection once its share is over it
-             * (net.core.wmem_default). */
-            int v = 0;
-            socklen_t len = sizeof v;
-            if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &len) == 0)
-                s->clients.sndbuf_default = v;
+            /* A peer across a network keeps the kernel's tuning: see sndbuf_fit. */
+            if (!peer_on_host(fd))
+                c->sndbuf_log = KVT_SNDBUF_TUNED;
         }
+        if (s->clients.sndbuf_default == 0)
+            s->clients.sndbuf_default = sndbuf_default(fd, tcp);
         c->ev.fd = fd;
         c->ev.cb = conn_on_event;
         c->ev.shared = 1;
@@ -725,14 +791,19 @@ static ssize_t send_fd(int sock, struct iovec *iov, int n, kvt__req_t *r)
 /* Writes from the head of the queue as far as the socket takes it. Returns 0 or -1 when the
  * connection is broken. */
 /*
- * socket-send-budget: a Unix socket's send buffer is cut to its share of the budget once there
- * are so many connections that their default buffers would hold more. With 64 connections each
- * pipelining 256 KiB GETs, the replies the kernel held (64 x 208 KiB) were past the CPU caches,
- * and every copy into and out of them cost the server, the raw one-thread server as much, 10-15 %
- * more per GET than at 8 connections (docs/benchmarks.md, "8 -> 64 connections"). A power of
- * two, so that a connection count that moves by a few does not reset every socket; applied at
- * the connection's next write (one compare when nothing changes), never over TCP, whose buffers
- * the kernel tunes itself.
+ * socket-send-budget: a Unix socket's send buffer, or a TCP one's whose peer is on this host, is
+ * cut to its share of the budget once there are so many connections that their default buffers
+ * would hold more. With 64 connections each pipelining 256 KiB GETs, the replies the kernel held
+ * (64 x 208 KiB) were past the CPU caches, and every copy into and out of them cost the server,
+ * the raw one-thread server as much, 10-15 % more per GET than at 8 connections
+ * (docs/benchmarks.md, "8 -> 64 connections"). A power of two, so that a connection count that
+ * moves by a few does not reset every socket; applied at the connection's next write (one
+ * compare when nothing changes). A TCP socket's buffer grows
+ * with its traffic (tcp_wmem) until SO_SNDBUF is set, and the kernel keeps it fixed after: a
+ * peer across a network needs its bandwidth times its round trip, so it keeps the tuning. Over
+ * loopback (a sidecar's engine talking TCP to kvtierd on its node) the buffers only hold the
+ * copies between two processes, as a Unix socket's do; once cut, such a socket gets the Unix
+ * default back, not the tuning.
  */
 #define KVT_SNDBUF_MIN_LOG 16 /* 64 KiB: smaller writes cost more calls than the cache saves */
 
@@ -740,7 +811,7 @@ static void sndbuf_fit(kvt__conn_t *c)
 {
     const kvt_srv_t *s = c->srv;
     uint64_t budget = s->conf->sock_send_budget, def = (uint64_t)s->clients.sndbuf_default;
-    if (c->tcp || budget == 0 || def == 0)
+    if (budget == 0 || def == 0 || c->sndbuf_log == KVT_SNDBUF_TUNED)
         return;
     uint64_t share = budget / KVT_MAX(s->clients.n, 1u);
     uint8_t want = 0; /* the kernel's default */

@@ -7,6 +7,9 @@
  * GETs of every batch shape (the inline one- and two-page batches, the heap ones past them, and
  * location frames that outgrow the inline room) on 64 connections at once, byte-exact.
  */
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <sys/ioctl.h>
@@ -219,9 +222,69 @@ static uint64_t raw_lease(int fd, const uint32_t *t, uint32_t ntok, uint8_t *bod
     return lease;
 }
 
+/* A raw socket to the daemon's loopback TCP address, its receive buffer fixed at 64K: a reader
+ * that never reads grows no window, so what the window has no room for waits in the daemon's
+ * end, in the send buffer socket-send-budget sets (a reader whose buffer the kernel tunes soon
+ * takes a whole pipeline of replies into its own queue: its side, not the daemon's). */
+static int raw_tcp(const kvd_t *dm)
+{
+    char host[64];
+    unsigned port = 0;
+    const char *colon = strrchr(dm->tcp, ':');
+    cr_assert(colon && colon - dm->tcp < (long)sizeof host, "tcp address %s", dm->tcp);
+    memcpy(host, dm->tcp, (size_t)(colon - dm->tcp));
+    host[colon - dm->tcp] = 0;
+    port = (unsigned)atoi(colon + 1);
+    struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    cr_assert_eq(inet_pton(AF_INET, host, &sin.sin_addr), 1, "tcp address %s", dm->tcp);
+    int fd = socket(AF_INET, SOCK_STREAM, 0), rcv = (int)SHARE_64 / 2;
+    cr_assert(fd >= 0);
+    cr_assert_eq(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcv, sizeof rcv), 0);
+    cr_assert(connect(fd, (struct sockaddr *)&sin, sizeof sin) == 0, "connect: %s",
+              strerror(errno));
+    struct timeval tv = {.tv_sec = 10};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* The bytes the daemon's end of TCP connection fd holds unsent or unacknowledged (its tx_queue
+ * in /proc/net/tcp): over loopback what the peer's receive window has no room for waits there. */
+static int tcp_peer_queued(int fd)
+{
+    struct sockaddr_in me, peer;
+    socklen_t ml = sizeof me, pl = sizeof peer;
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&me, &ml), 0);
+    cr_assert_eq(getpeername(fd, (struct sockaddr *)&peer, &pl), 0);
+    FILE *f = fopen("/proc/net/tcp", "r");
+    cr_assert(f, "/proc/net/tcp: %s", strerror(errno));
+    char line[512];
+    int q = -1;
+    while (q < 0 && fgets(line, sizeof line, f)) {
+        unsigned la, lp, ra, rp, st, tx, rx;
+        if (sscanf(line, " %*u: %x:%x %x:%x %x %x:%x", &la, &lp, &ra, &rp, &st, &tx, &rx) == 7 &&
+            lp == ntohs(peer.sin_port) && rp == ntohs(me.sin_port))
+            q = (int)tx;
+    }
+    fclose(f);
+    cr_assert_geq(q, 0, "the daemon's end of the connection is not in /proc/net/tcp");
+    return q;
+}
+
+/* The bytes the daemon has the kernel hold for connection fd in its send buffer: a Unix socket's
+ * wait in the client's receive queue (FIONREAD), a TCP one's past the client's window in the
+ * daemon's end. */
+static int queued_now(int fd, int tcp)
+{
+    int q = 0;
+    if (tcp)
+        return tcp_peer_queued(fd);
+    cr_assert_eq(ioctl(fd, FIONREAD, &q), 0);
+    return q;
+}
+
 /* GETS pipelined GETs of page 0, left unread until the daemon's writes stop: the bytes it queued
  * in the kernel for this socket. Then their replies, read whole. */
-static int queued_by_gets(int fd, uint64_t lease, uint8_t *body, size_t cap)
+static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t cap)
 {
     uint8_t frames[GETS * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
     size_t len = 0;
@@ -235,8 +298,7 @@ static int queued_by_gets(int fd, uint64_t lease, uint8_t *body, size_t cap)
     int q = -1;
     for (int same = 0, i = 0; same < 5 && i < 500; i++) {
         usleep(20000);
-        int now = 0;
-        cr_assert_eq(ioctl(fd, FIONREAD, &now), 0);
+        int now = queued_now(fd, tcp);
         same = now == q ? same + 1 : 0;
         q = now;
     }
@@ -251,11 +313,12 @@ static int queued_by_gets(int fd, uint64_t lease, uint8_t *body, size_t cap)
     return q;
 }
 
-/* The bytes kvtierd has the kernel hold for one Unix socket (measured where they wait, in the
- * client's receive queue: FIONREAD) after GETS pipelined 256 KiB GETs, with 2 connections, with
- * MANY, and with 2 again; budget: its socket-send-budget, NULL for the default. 0 when the
- * kernel's default send buffer is too small to tell a cut one from it (the test is skipped). */
-static int queued_with_conns(const char *budget, int q[3])
+/* The bytes kvtierd has the kernel hold for one socket (queued_now) after GETS pipelined 256 KiB
+ * GETs, with 2 connections, with MANY, and with 2 again; budget: its socket-send-budget, NULL for
+ * the default; tcp: the socket is a TCP one, to listen (the daemon's --tcp, NULL: loopback).
+ * 0 when the kernel's default send buffer is too small to tell a cut one from it (the test is
+ * skipped). */
+static int queued_with_conns(const char *budget, int tcp, const char *listen, int q[3])
 {
     int sp[2], def = 0;
     socklen_t dl = sizeof def;
@@ -266,10 +329,18 @@ static int queued_with_conns(const char *budget, int q[3])
     if (def < 2 * (int)SHARE_64)
         return 0;
 
-    if (budget)
-        kvd_start(&d, "--socket-send-budget", budget, NULL);
-    else
-        kvd_start(&d, NULL);
+    /* listen: the daemon's TCP address instead of the harness's 127.0.0.1:0 (later args win). */
+    const char *extra[5] = {NULL};
+    int ne = 0;
+    if (budget) {
+        extra[ne++] = "--socket-send-budget";
+        extra[ne++] = budget;
+    }
+    if (listen) {
+        extra[ne++] = "--tcp";
+        extra[ne++] = listen;
+    }
+    kvd_startv(&d, extra);
     kvd_tokens(tok, PAGE, 700);
     kvt_client_t *p = kvd_client(&d, "budget", PAGE, BIG_BB);
     uint8_t *payload = malloc(BIG_BB);
@@ -279,26 +350,26 @@ static int queued_with_conns(const char *budget, int q[3])
     cr_assert_eq(r.stored, 1);
     size_t cap = BIG_BB + 4096;
     uint8_t *body = malloc(cap);
-    int fd = kvd_raw(&d);
+    int fd = tcp ? raw_tcp(&d) : kvd_raw(&d);
     uint64_t lease = raw_lease(fd, tok, PAGE, body, cap);
 
-    q[0] = queued_by_gets(fd, lease, body, cap);
+    q[0] = queued_by_gets(fd, tcp, lease, body, cap);
     int idle[MANY - 2];
     for (int i = 0; i < MANY - 2; i++)
         idle[i] = kvd_raw(&d);
     for (int i = 0; i < 500 && kvd_metric(&d, "kvtier_connections") < MANY; i++)
         usleep(10000);
     cr_assert_geq(kvd_metric(&d, "kvtier_connections"), MANY);
-    q[1] = queued_by_gets(fd, lease, body, cap);
+    q[1] = queued_by_gets(fd, tcp, lease, body, cap);
     for (int i = 0; i < MANY - 2; i++)
         close(idle[i]);
     for (int i = 0; i < 500 && kvd_metric(&d, "kvtier_connections") > 2; i++)
         usleep(10000);
-    q[2] = queued_by_gets(fd, lease, body, cap);
+    q[2] = queued_by_gets(fd, tcp, lease, body, cap);
     fprintf(stderr,
-            "socket-send-budget %s: bytes queued for one socket: %d with 2 connections, %d with "
-            "%d, %d with 2 again (the kernel's default buffer %d)\n",
-            budget ? budget : "(default)", q[0], q[1], MANY, q[2], def);
+            "socket-send-budget %s: bytes queued for one socket (%s): %d with 2 connections, %d "
+            "with %d, %d with 2 again (the kernel's default buffer %d)\n",
+            budget ? budget : "(default)", tcp ? d.tcp : "Unix", q[0], q[1], MANY, q[2], def);
     close(fd);
     kvt_client_close(p);
     free(payload);
@@ -312,7 +383,7 @@ static int queued_with_conns(const char *budget, int q[3])
 Test(server_conns, the_kernel_holds_a_share_of_the_send_budget, .fini = teardown, .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns(NULL, q))
+    if (!queued_with_conns(NULL, 0, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     cr_expect_gt(q[0], (int)(2 * SHARE_64), "2 connections: %d bytes queued", q[0]);
     /* Its 64K, and at most the last piece of the write that reached it (half of it). */
@@ -325,8 +396,60 @@ Test(server_conns, the_kernel_holds_a_share_of_the_send_budget, .fini = teardown
 Test(server_conns, a_send_budget_of_0_leaves_the_kernel_default, .fini = teardown, .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns("0", q))
+    if (!queued_with_conns("0", 0, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     for (int i = 0; i < 3; i++)
         cr_expect_gt(q[i], (int)(2 * SHARE_64), "step %d: %d bytes queued", i, q[i]);
+}
+
+/* A loopback TCP connection (an engine on the same node talking TCP) is cut as a Unix socket is:
+ * with 128 connections its send buffer holds 64K, where with 2 the kernel's tuning grew it to
+ * take the whole pipeline, and with 2 again it holds the Unix default (the tuning cannot be
+ * given back). */
+Test(server_conns, a_loopback_tcp_connection_holds_a_share_of_the_send_budget, .fini = teardown,
+     .timeout = 60)
+{
+    int q[3];
+    if (!queued_with_conns(NULL, 1, NULL, q))
+        cr_skip_test("the kernel's default send buffer is at most the share");
+    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
+    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
+                  q[1]);
+    cr_expect_gt(q[2], (int)(2 * SHARE_64), "few again: %d bytes queued", q[2]);
+}
+
+/* One of the host's own addresses, not a loopback one ("192.0.2.2:0"), in buf: 0, or -1 when the
+ * host has none up. */
+static int own_address(char *buf, size_t len)
+{
+    struct ifaddrs *ifs = NULL;
+    int rc = -1;
+    cr_assert_eq(getifaddrs(&ifs), 0);
+    for (struct ifaddrs *i = ifs; i && rc < 0; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP) ||
+            (i->ifa_flags & IFF_LOOPBACK))
+            continue;
+        char a[INET_ADDRSTRLEN];
+        inet_ntop(AF_INET, &((struct sockaddr_in *)i->ifa_addr)->sin_addr, a, sizeof a);
+        snprintf(buf, len, "%s:0", a);
+        rc = 0;
+    }
+    freeifaddrs(ifs);
+    return rc;
+}
+
+/* A client on this host that reaches kvtierd at the host's own address (not loopback: a
+ * sidecar's engine given the node's address) is cut as a loopback one. */
+Test(server_conns, a_tcp_connection_to_the_hosts_own_address_holds_a_share, .fini = teardown,
+     .timeout = 60)
+{
+    char listen[64];
+    if (own_address(listen, sizeof listen) < 0)
+        cr_skip_test("no address up other than loopback");
+    int q[3];
+    if (!queued_with_conns(NULL, 1, listen, q))
+        cr_skip_test("the kernel's default send buffer is at most the share");
+    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
+    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
+                  q[1]);
 }
