@@ -237,10 +237,7 @@ class WorkerSide:
             return
         self._waited = 0.0  # a new step: its own wait budget
         self._finish_loads()  # anything a previous step left
-        for rid in meta.preempted:
-            for job in self._jobs.pop(rid, ()):
-                self._cancel(job, "its request was preempted")
-        self._window_saves_read()
+        self._before_writes(meta)
         # Every request among the saves, whichever group: vLLM frees a held request's blocks
         # once every worker reported it in finished_sending, this one even with none of its
         # groups' layers (another pipeline stage's).
@@ -275,6 +272,24 @@ class WorkerSide:
             at += n
             ld.future = self._pool.submit(self._load_job, ld)
             self._loads.append(ld)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """vLLM 0.34's model runner calls this before the step's forward, and start_load_kv
+        before it only when the step loads in it (``has_sync_kv_loads``), else after it: what
+        must come before the forward writes any block is done here (_before_writes), and
+        again, at no cost, by start_load_kv for a vLLM that does not call this."""
+        if isinstance(kv_connector_metadata, KvtierConnectorMetadata) and \
+                self._layout is not None:
+            self._before_writes(kv_connector_metadata)
+
+    def _before_writes(self, meta: KvtierConnectorMetadata) -> None:
+        """Before the step writes any block: the saves of requests vLLM preempted (their
+        blocks freed, maybe handed to another request this step) that have not read their
+        blocks yet are cancelled, and the sliding-window groups' have read theirs."""
+        for rid in meta.preempted:
+            for job in self._jobs.pop(rid, ()):
+                self._cancel(job, "its request was preempted")
+        self._window_saves_read()
 
     def _window_saves_read(self) -> None:
         """Before this step writes any block: the save jobs of sliding-window groups have read
