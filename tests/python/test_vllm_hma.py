@@ -622,6 +622,45 @@ def test_window_saves_read_before_the_next_step(vd: Daemon, slow_s: float, deadl
     a.close()
 
 
+def test_window_saves_of_a_step_not_waited_for_after_its_forward(vd: Daemon) -> None:
+    """vLLM 0.34's model runner calls handle_preemptions before the step's forward and
+    start_load_kv after it when the step loads nothing in it. The window group's save jobs
+    sent during that forward are the step's own: start_load_kv then does not wait for them to
+    read their blocks (the next step's handle_preemptions does, before its forward writes), nor
+    does it cancel them past the step's deadline. On the old code start_load_kv waited after
+    the forward until the step's own window save had read its blocks (0.3 s here, up to
+    worker_deadline_ms), stalling every such step."""
+    a = Engine(vd, seed=72, worker_deadline_ms=2000)
+    w = a.worker
+    save = w._save
+
+    def slow(job: Any, stored: List[int]) -> int:
+        if job.t.group == 1:
+            time.sleep(0.3)
+        return save(job, stored)
+
+    w._save = slow
+    r = request(prompt(4, 3))
+    n, meta = a.admit(r)
+    assert n == 0 and meta.loads == [] and meta.saves
+    w.handle_preemptions(meta)  # pre_forward, as vLLM 0.34 calls it
+    w.bind_connector_metadata(meta)
+    for name, t in a.kv.items():  # the forward
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, t, None)
+    (window,) = [j for js in w._jobs.values() for j in js if j.t.group == 1]
+    t0 = time.monotonic()
+    w.start_load_kv(None)  # post_forward: no load in the step
+    waited = time.monotonic() - t0
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    assert waited < 0.15, "start_load_kv waited for the step's own window save"
+    assert not window.cancelled
+    settle(w, SETTLE_S)
+    assert a.finish(r)
+    assert all(stored_tiers(vd, a, r, 1, 4)[window_start(3):])
+    a.close()
+
 def test_failed_asynchronous_load_is_reported_as_its_request(vd: Daemon) -> None:
     """load_async, the daemon killed between the lookup and the load: the request is reported
     as a whole (get_transfer_results: failed_recving, and finished_recving), no block among the
