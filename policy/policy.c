@@ -115,7 +115,7 @@
 #define HD_SAMPLE    16         /* entries drawn per eviction in EXP_HD's miniature cache */
 #define RUN_GAIN     0.05       /* smoothing of the pages a match loads from a tier */
 #define MS_SHIFT     5          /* the miniature simulations see 1 page in 2^5 */
-#define MS_MAX       (1u << 14) /* sampled pages a miniature tier holds at most (1 MiB of table) */
+#define MS_MAX       (1u << 14) /* sampled pages a miniature tier holds at most (768 KiB table) */
 #define MS_SAMPLE    8          /* entries drawn per eviction in a miniature cache */
 #define MS_DRAWS_MAX (HD_SAMPLE > MS_SAMPLE ? HD_SAMPLE : MS_SAMPLE)
 #define MS_DECAY     0.9998 /* each sampled use ages the simulated costs: about 5,000 uses */

@@ -2162,6 +2162,44 @@ def test_preempted_request_saves_cancelled(vd: Daemon) -> None:
     a.close()
 
 
+
+def test_preempted_request_saves_cancelled_before_a_forward_without_loads(vd: Daemon) -> None:
+    """vLLM 0.34's model runner (v1/worker/gpu/kv_connector.py, the CPU one alike) calls
+    handle_preemptions and bind_connector_metadata before the step's forward, but start_load_kv
+    before it only when the step loads in it (has_sync_kv_loads); otherwise after it. A step
+    with no load in it that lists a preempted request: its save jobs that have not read the
+    freed blocks are cancelled in handle_preemptions, before the forward writes another
+    request's KV into those blocks, so that a job reading meanwhile on the I/O thread cannot
+    store that KV under the preempted request's keys. On the old code the cancel waited for
+    start_load_kv, after the forward: the job copied the overwritten blocks and stored them."""
+    a = Engine(vd, seed=54)
+    r = request(prompt(2))
+    gate = threading.Event()
+    a.worker._pool.submit(gate.wait, 5)
+    _, meta = schedule(a.sched, r, [1, 2, 3])
+    assert run_step(a.worker, a.kv, meta, settle=False) == set()
+    (job,) = a.worker._jobs[r.request_id]
+    so = sched_output()
+    so.preempted_req_ids = {r.request_id}
+    meta = a.sched.build_connector_meta(so)
+    assert meta.preempted == [r.request_id] and meta.loads == []
+    a.worker.handle_preemptions(meta)  # pre_forward, as vLLM 0.34 calls it
+    a.worker.bind_connector_metadata(meta)
+    for t in a.kv.values():  # the forward: the freed blocks now hold another request's KV
+        t[:, [1, 2]] = 0
+    gate.set()  # the I/O thread goes on meanwhile
+    assert wait_until(lambda: job.future.done())
+    a.worker.start_load_kv(None)  # post_forward: no load in the step, so after it
+    a.worker.wait_for_save()
+    a.worker.clear_connector_metadata()
+    keys = kv.key_chain(r, BS, kv.chain_root("tiny-test"), [], 2)
+    page = a.worker._layout.page_bytes
+    with vd.client(model="tiny-test", salt=kv.rank_salt(0, 1, 0, 1), block_bytes=page) as c:
+        assert c.exists_keys(keys) == 0, "the overwritten blocks were stored"
+    assert job.cancelled and not job.copied
+    assert wait_until(lambda: resv_open(vd) == 0)
+    a.close()
+
 # -- the policy's hints: the request's own chain, paused when preempted, finished -------------
 
 

@@ -622,6 +622,45 @@ def test_window_saves_read_before_the_next_step(vd: Daemon, slow_s: float, deadl
     a.close()
 
 
+def test_window_saves_of_a_step_not_waited_for_after_its_forward(vd: Daemon) -> None:
+    """vLLM 0.34's model runner calls handle_preemptions before the step's forward and
+    start_load_kv after it when the step loads nothing in it. The window group's save jobs
+    sent during that forward are the step's own: start_load_kv then does not wait for them to
+    read their blocks (the next step's handle_preemptions does, before its forward writes), nor
+    does it cancel them past the step's deadline. On the old code start_load_kv waited after
+    the forward until the step's own window save had read its blocks (0.3 s here, up to
+    worker_deadline_ms), stalling every such step."""
+    a = Engine(vd, seed=72, worker_deadline_ms=2000)
+    w = a.worker
+    save = w._save
+
+    def slow(job: Any, stored: List[int]) -> int:
+        if job.t.group == 1:
+            time.sleep(0.3)
+        return save(job, stored)
+
+    w._save = slow
+    r = request(prompt(4, 3))
+    n, meta = a.admit(r)
+    assert n == 0 and meta.loads == [] and meta.saves
+    w.handle_preemptions(meta)  # pre_forward, as vLLM 0.34 calls it
+    w.bind_connector_metadata(meta)
+    for name, t in a.kv.items():  # the forward
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, t, None)
+    (window,) = [j for js in w._jobs.values() for j in js if j.t.group == 1]
+    t0 = time.monotonic()
+    w.start_load_kv(None)  # post_forward: no load in the step
+    waited = time.monotonic() - t0
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    assert waited < 0.15, "start_load_kv waited for the step's own window save"
+    assert not window.cancelled
+    settle(w, SETTLE_S)
+    assert a.finish(r)
+    assert all(stored_tiers(vd, a, r, 1, 4)[window_start(3):])
+    a.close()
+
 def test_failed_asynchronous_load_is_reported_as_its_request(vd: Daemon) -> None:
     """load_async, the daemon killed between the lookup and the load: the request is reported
     as a whole (get_transfer_results: failed_recving, and finished_recving), no block among the
@@ -1239,5 +1278,55 @@ def test_lease_lapsed_before_the_load(vd: Daemon, tiny_model_config: Any) -> Non
     assert reported == {"failed": {r2.request_id}, "recving": {r2.request_id},
                         "invalid": set()}
     s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+
+def test_preempted_request_aborted_while_it_waits_for_its_load(vd: Daemon,
+                                                              tiny_model_config: Any) -> None:
+    """Through vLLM's real Scheduler (one group, load_async), stepped as its engine steps it: a
+    request whose first step planned saves (request_finished holds its blocks from then on),
+    preempted (reset_prefix_cache), resumed with a hit on its own saved pages loaded between
+    steps (WAITING_FOR_REMOTE_KVS), and aborted before its load is in. vLLM holds its blocks for
+    the load it waits for as well as for the saves, and frees them at the first report of
+    either: the request goes out once, with its load (finished_recving), and never in
+    finished_sending too. On the old code the worker reported it in finished_sending at the
+    abort (vLLM freed it) and its load after: vLLM 0.34's update_from_output raised
+    AssertionError (a report of a request it no longer knows), which ends the engine."""
+    from vllm.v1.request import RequestStatus
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
+    kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute", {"load_async": True})
+    worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
+    kvs = paged(5)
+    worker.register_kv_caches(kvs)
+    reported: Dict[str, set] = {}
+    r = request(prompt(5, 4))
+    s.add_request(r)
+    out = s.schedule()
+    assert out.kv_connector_metadata.saves, "its pages saved in its first step"
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    settle(worker, SETTLE_S)
+    s.reset_prefix_cache(reset_running_requests=True)
+    assert r.status == RequestStatus.PREEMPTED
+    out = s.schedule()  # resumed: a hit on its own pages, loaded between steps
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [t.req_id for t in out.kv_connector_metadata.loads] == [r.request_id]
+    s.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)  # before its load is in
+    assert r.request_id in s.requests, "vLLM holds its blocks"
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    for _ in range(100):
+        if r.request_id not in s.requests:
+            break
+        run_step(s, worker, kvs, list(kvs), s.schedule(), reported)
+        time.sleep(0.01)
+    assert r.request_id not in s.requests, "its blocks were never freed"
+    for _ in range(20):  # nothing more about it: vLLM asserts that it knows a request reported
+        run_step(s, worker, kvs, list(kvs), s.schedule(), reported)
+        time.sleep(0.01)
+    assert reported == {"failed": set(), "recving": {r.request_id}, "invalid": set()}
     worker.shutdown()
     s.shutdown()

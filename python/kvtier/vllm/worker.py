@@ -121,6 +121,7 @@ class WorkerSide:
 
     def _init_worker_side(self) -> None:
         self._waited = 0.0  # seconds this step's forward has waited for the worker's I/O
+        self._begun: Any = None  # the metadata of the step _begin_step began
         self._saves_here = True  # False on a TP rank whose KV another rank saves (MLA)
         self._layout: Optional[_Layout] = None  # group 0's (the only one without the HMA)
         self._layouts: Dict[int, _Layout] = {}  # per KV cache group (vLLM's gid)
@@ -235,12 +236,9 @@ class WorkerSide:
         self._tally.add("load_errors", len(meta.load_errors))
         if self._layout is None:
             return
-        self._waited = 0.0  # a new step: its own wait budget
+        if self._begun is not meta:  # a vLLM that does not call handle_preemptions first
+            self._begin_step(meta)
         self._finish_loads()  # anything a previous step left
-        for rid in meta.preempted:
-            for job in self._jobs.pop(rid, ()):
-                self._cancel(job, "its request was preempted")
-        self._window_saves_read()
         # Every request among the saves, whichever group: vLLM frees a held request's blocks
         # once every worker reported it in finished_sending, this one even with none of its
         # groups' layers (another pipeline stage's).
@@ -275,6 +273,28 @@ class WorkerSide:
             at += n
             ld.future = self._pool.submit(self._load_job, ld)
             self._loads.append(ld)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """vLLM 0.34's model runner calls this before the step's forward, and start_load_kv
+        before it only when the step loads in it (``has_sync_kv_loads``), else after it: what
+        must come before the forward writes any block is done here (_begin_step), or by
+        start_load_kv for a vLLM that does not call this."""
+        if isinstance(kv_connector_metadata, KvtierConnectorMetadata) and \
+                self._layout is not None:
+            self._begin_step(kv_connector_metadata)
+
+    def _begin_step(self, meta: KvtierConnectorMetadata) -> None:
+        """Before the step writes any block, once a step (handle_preemptions, else
+        start_load_kv): its wait budget starts; the saves of requests vLLM preempted (their
+        blocks freed, maybe handed to another request this step) that have not read their
+        blocks yet are cancelled, and the sliding-window groups' have read theirs (after the
+        forward, this step's own window saves would be among them)."""
+        self._begun = meta
+        self._waited = 0.0
+        for rid in meta.preempted:
+            for job in self._jobs.pop(rid, ()):
+                self._cancel(job, "its request was preempted")
+        self._window_saves_read()
 
     def _window_saves_read(self) -> None:
         """Before this step writes any block: the save jobs of sliding-window groups have read
@@ -980,13 +1000,20 @@ class WorkerSide:
         """(Finished requests whose blocks vLLM may free now: their saves stored, failed or
         dropped at their deadline; the requests whose asynchronous load is done). A finished
         request is held (request_finished returned True) exactly when the scheduler planned
-        a save for it, which is when this worker saw it among a step's saves. The blocks of
+        a save for it, which is when this worker saw it among a step's saves; one that also
+        waits for its load between steps is reported with that load only. The blocks of
         asynchronous loads that did not arrive are reported by the
         get_block_ids_with_load_errors call that follows."""
         self._sweep_saves()
         for rid in finished_req_ids or ():
             if rid in self._saving_reqs:
                 self._saving_reqs.discard(rid)
+                # Finished while it waits for its load between steps (resumed after a
+                # preemption, its saves planned before it): vLLM holds its blocks for that load
+                # too and frees them at the first report of either; reported in both, it frees
+                # them twice (an assertion). Its load's report frees them.
+                if rid in self._async_loads or rid in self._unplanned_recving:
+                    continue
                 self._finishing.add(rid)
         sending = {rid for rid in self._finishing if rid not in self._jobs}
         self._finishing -= sending
