@@ -31,6 +31,7 @@ KNOWN = {
     "kvtier-plot.py": "replay/plot.py's installed name (replay/meson.build)",
     "libexecdir/kvtier/kvtier-plot.py": "replay/plot.py's installed path",
     "srt/arg_groups/hicache_hook.py": "SGLang's file",
+    "v1/worker/gpu/kv_connector.py": "vLLM's file (its model runner's connector calls)",
     "xxhash.h": "libxxhash's header (Debian's libxxhash-dev)",
     "xxh_x86dispatch.c": "libxxhash's runtime dispatch (its source)",
     "storage.c": "memcached's (docs/architecture.md compares the door with it)",
