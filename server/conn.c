@@ -964,8 +964,12 @@ static int conn_write(kvt__conn_t *c)
                 r->conn = NULL;
             }
         }
-        if ((size_t)w < total)
+        if ((size_t)w < total) {
+            /* The socket is full: from now it takes none until its EPOLLOUT, which may never
+             * come (a client that stopped reading): reply-timeout-ms counts from here. */
+            c->stuck_ns = kvt_now_ns();
             return 0;
+        }
     }
     return 0;
 }
@@ -1329,6 +1333,8 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
      * and the loop goes on as the event left it. */
     if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
         c->dead = 1;
+    if (events & EPOLLOUT)
+        c->stuck_ns = 0; /* its socket took bytes */
     c->in_handler = 1;
     l->top = c;
     if (!c->dead && (events & EPOLLIN))

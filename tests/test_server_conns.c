@@ -453,3 +453,45 @@ Test(server_conns, a_tcp_connection_to_the_hosts_own_address_holds_a_share, .fin
     cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
                   q[1]);
 }
+
+/* A client that pipelines big GETs and stops reading: kvtierd's write that filled its socket
+ * took part of the replies, and no EPOLLOUT comes after it. reply-timeout-ms counts from that
+ * write: s24-int's kvtierd counted only from a write that took nothing (EAGAIN), which never
+ * came, and kept the connection, its replies and its lease for good. */
+Test(server_conns, a_client_that_stops_reading_mid_pipeline_is_closed_at_reply_timeout,
+     .fini = teardown, .timeout = 60)
+{
+    const char *extra[] = {"--reply-timeout-ms", "500", NULL};
+    kvd_startv(&d, extra);
+    kvd_tokens(tok, PAGE, 800);
+    kvt_client_t *p = kvd_client(&d, "budget", PAGE, BIG_BB);
+    uint8_t *payload = malloc(BIG_BB);
+    kvd_fill(payload, BIG_BB, 8);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(p, tok, PAGE, 0, 1, payload, NULL, &r), 0);
+    kvt_client_close(p);
+    free(payload);
+    size_t cap = BIG_BB + 4096;
+    uint8_t *body = malloc(cap);
+    int fd = kvd_raw(&d);
+    uint64_t lease = raw_lease(fd, tok, PAGE, body, cap);
+    uint8_t frames[GETS * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
+    size_t len = 0;
+    for (uint32_t g = 0; g < GETS; g++) {
+        kvt_wire_get_t gw = {.lease = lease, .first_page = 0, .npages = 1};
+        kvt_proto_frame(frames + len, KVT_OP_GET, 0, 100 + g, 0, sizeof gw);
+        memcpy(frames + len + KVT_PROTO_HDR, &gw, sizeof gw);
+        len += KVT_PROTO_HDR + sizeof gw;
+    }
+    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+    usleep(1500000); /* unread, past reply-timeout-ms */
+    ssize_t n;
+    size_t got = 0;
+    while ((n = read(fd, body, cap)) > 0)
+        got += (size_t)n;
+    cr_expect_eq(n, 0, "still open after %zu bytes: not closed at reply-timeout-ms", got);
+    cr_expect_lt(got, GETS * (size_t)BIG_BB);
+    cr_expect_eq(kvd_metric(&d, "kvtier_connections_timed_out_total"), 1);
+    close(fd);
+    free(body);
+}
