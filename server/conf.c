@@ -136,7 +136,13 @@ static const kvt_opt_t kvt_opts[] = {
      "connections together: past budget / connections, each one's buffer (SO_SNDBUF) is cut to "
      "the largest power of two under that share, at least 64K, up to the kernel's default "
      "(TCP from another host keeps the kernel's tuning); 0: the kernel's default for each (0 or "
-     "64K..1G)"},
+     "64K..1G); applies only when socket-turns is 0 (or reply-timeout-ms is 0)"},
+    {"socket-turns", KVT_OPT_U32, KVT_O(socket_turns), "8",
+     "per event loop, how many Unix-socket and loopback TCP connections may have a reply too big "
+     "for the socket (over 64K) in the kernel at once; the others' replies wait in kvtierd, "
+     "first come first served, until a connection's queue is all in the kernel; 0: every "
+     "connection writes at once (socket-send-budget then applies); off while reply-timeout-ms "
+     "is 0 (0..65536)"},
     {"max-client-bytes", KVT_OPT_BYTES, KVT_O(max_client_bytes), "1G",
      "memory all connections together may hold beyond their 512 KiB input buffers: frames over "
      "that, queued replies, PUT payloads waiting for their writes (at least max-frame + 1M)"},
@@ -584,6 +590,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
     if (conf->sock_send_budget != 0 &&
         (conf->sock_send_budget < (64u << 10) || conf->sock_send_budget > (1ull << 30))) {
         snprintf(err, errlen, "socket-send-budget must be 0 or between 64K and 1G");
+        return KVT_EINVAL;
+    }
+    if (conf->socket_turns > 65536) {
+        snprintf(err, errlen, "socket-turns must be between 0 and 65536");
         return KVT_EINVAL;
     }
     if (conf->max_output < (64u << 10) || conf->max_output > (1ull << 30)) {

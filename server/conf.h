@@ -66,6 +66,7 @@ typedef struct kvt_srv_conf {
     uint64_t max_output;       /* queued reply bytes per connection before reads pause */
     uint64_t max_client_bytes; /* clients' buffers beyond their base input buffers, all together */
     uint64_t sock_send_budget; /* Unix sockets' send buffers, all together (0: the kernel's) */
+    uint32_t socket_turns;     /* per loop, connections with big replies in the kernel at once */
     uint32_t reply_timeout_ms; /* a socket that takes none of its replies this long is closed */
     uint32_t hello_timeout_ms; /* a connection with no whole first frame this long is closed */
     uint32_t frame_timeout_ms; /* a frame begun must be whole within it, or keep arriving at */

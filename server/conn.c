@@ -351,6 +351,117 @@ static int sndbuf_default(int fd, int tcp)
     return v;
 }
 
+/*
+ * socket-turns: per event loop, only so many connections may have a reply too big for the
+ * socket in the kernel at once. With 64 connections each pipelining 256 KiB GETs every socket
+ * held its send buffer's worth (64 x 208 KiB), past the CPU caches, and each copy into and out
+ * of it cost the server and its clients 10-15 % more per GET than at 8 connections; cutting the
+ * buffers (socket-send-budget) took half of that and made each write smaller. With turns the
+ * writes stay full size and only a few sockets hold bytes (docs/benchmarks.md, "Turns").
+ *
+ * A connection without a turn writes at once what is at most KVT_TURN_FREE bytes (a MATCH's,
+ * a PING's, an error's reply: small replies do not wait behind big GETs); a bigger write, or a
+ * small one the socket did not take whole, needs a turn. Without one free it waits in its
+ * loop's queue, its socket without EPOLLOUT and its replies in kvtierd (max-output still
+ * pauses its reads); waiting with an empty socket does not count against reply-timeout-ms. A
+ * turn is kept until the connection's queue is all in the kernel (kvt__conn_kick), its socket
+ * stalls while others wait (turn_stalled), or it closes, and goes to the first waiter, whose
+ * EPOLLOUT is armed: its write is retried from its own event. Each loop grants its own turns (a
+ * connection's writes are its loop's only), so no lock or cross-loop kick is needed. A TCP peer
+ * on another host (KVT_SNDBUF_TUNED) is left out: its bytes leave by the network, at its pace.
+ * With reply-timeout-ms 0 (a client that stops reading is never closed) turns are off.
+ */
+#define KVT_TURN_NONE 0
+#define KVT_TURN_HELD 1
+#define KVT_TURN_WAIT 2
+#define KVT_TURN_FREE (64u << 10)
+
+static uint32_t turns_max(const kvt__conn_t *c)
+{
+    const kvt_srv_conf_t *cf = c->srv->conf;
+    return cf->reply_timeout_ms ? cf->socket_turns : 0;
+}
+
+/* A turn for c (which has none): 1 when it holds one, 0 when it waits. A waiter's
+ * reply-timeout-ms clock runs only while its socket holds bytes it does not take (it gave its
+ * turn on stalled, or a small write filled it): its EPOLLOUT, watched for then, stops it. */
+static int turn_take(kvt__conn_t *c)
+{
+    kvt__loop_t *l = c->loop;
+    if (l->turns < turns_max(c)) {
+        l->turns++;
+        c->turn = KVT_TURN_HELD;
+        return 1;
+    }
+    c->turn = KVT_TURN_WAIT;
+    c->turn_next = NULL;
+    if (l->turn_tail)
+        l->turn_tail->turn_next = c;
+    else
+        l->turn_head = c;
+    l->turn_tail = c;
+    l->turn_waiting++;
+    return 0;
+}
+
+/* c gives up its turn, or its place in the queue; a turn given up goes to the first waiter. */
+static void turn_end(kvt__conn_t *c)
+{
+    kvt__loop_t *l = c->loop;
+    if (c->turn == KVT_TURN_WAIT) {
+        /* A waiter closing: a walk of the queue (one pointer per connection, kvt__conn_t's size
+         * is bounded), rare next to the grants, which take the head. */
+        kvt__conn_t *prev = NULL, **at = &l->turn_head;
+        while (*at != c) {
+            prev = *at;
+            at = &prev->turn_next;
+        }
+        *at = c->turn_next;
+        if (l->turn_tail == c)
+            l->turn_tail = prev;
+        c->turn_next = NULL;
+        l->turn_waiting--;
+        c->turn = KVT_TURN_NONE;
+        return;
+    }
+    if (c->turn != KVT_TURN_HELD)
+        return;
+    c->turn = KVT_TURN_NONE;
+    l->turns--;
+    /* With turns turned off meanwhile (reply-timeout-ms 0 on a reload) every waiter goes. */
+    uint32_t max = turns_max(c);
+    while (l->turn_head && (l->turns < max || max == 0)) {
+        kvt__conn_t *w = l->turn_head;
+        l->turn_head = w->turn_next;
+        if (!l->turn_head)
+            l->turn_tail = NULL;
+        w->turn_next = NULL;
+        l->turn_waiting--;
+        w->turn = KVT_TURN_HELD;
+        l->turns++;
+        w->events |= EPOLLOUT;
+        kvt__ev_ctl(l->epfd, EPOLL_CTL_MOD, &w->ev, w->events);
+    }
+}
+
+/* A turn's holder whose socket has taken none of its bytes for KVT_TURN_SLICE_NS while others
+ * wait (its client stopped reading, or reads another connection first: a client reading its
+ * connections one after another would wait on itself until reply-timeout-ms) gives the turn to
+ * the first waiter and waits at the back, its reply-timeout-ms clock running on. Checked at its
+ * kicks and, for a socket that sends no events, at the tick (kvt__conns_tick). 1 when c gave up
+ * its turn. */
+#define KVT_TURN_SLICE_NS (50ull * 1000000)
+
+static int turn_stalled(kvt__conn_t *c)
+{
+    if (c->turn != KVT_TURN_HELD || c->stuck_ns == 0 || c->loop->turn_head == NULL ||
+        turns_max(c) == 0 || kvt_now_ns() - c->stuck_ns < KVT_TURN_SLICE_NS)
+        return 0;
+    turn_end(c);
+    turn_take(c);
+    return 1;
+}
+
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
 {
     for (int k = 0; k < 64; k++) {
@@ -469,6 +580,7 @@ void kvt__conn_close(kvt__conn_t *c)
         kvt__loop_post(c);
         return;
     }
+    turn_end(c);
     s->conn_ops->closing(c);
     kvt__req_t *r = c->head;
     while (r) {
@@ -811,11 +923,15 @@ static void sndbuf_fit(kvt__conn_t *c)
 {
     const kvt_srv_t *s = c->srv;
     uint64_t budget = s->conf->sock_send_budget, def = (uint64_t)s->clients.sndbuf_default;
-    if (budget == 0 || def == 0 || c->sndbuf_log == KVT_SNDBUF_TUNED)
+    if (def == 0 || c->sndbuf_log == KVT_SNDBUF_TUNED || (budget == 0 && c->sndbuf_log == 0))
         return;
+    /* With turns the sockets keep the kernel's default: the few with bytes in the kernel write
+     * full size (a socket cut before turns came on, by a reload, gets it back). */
+    if (turns_max(c))
+        budget = 0;
     uint64_t share = budget / KVT_MAX(s->clients.n, 1u);
     uint8_t want = 0; /* the kernel's default */
-    if (share < def) {
+    if (budget && share < def) {
         want = KVT_SNDBUF_MIN_LOG;
         while (want < 30 && (2ull << want) <= share)
             want++;
@@ -832,6 +948,8 @@ static void sndbuf_fit(kvt__conn_t *c)
 
 static int conn_write(kvt__conn_t *c)
 {
+    if (c->turn == KVT_TURN_WAIT)
+        return 0; /* its turn arms EPOLLOUT */
     if (c->head)
         sndbuf_fit(c);
     /* With the lock shared only finished plain replies are written (a source's hooks, a payload
@@ -890,6 +1008,9 @@ static int conn_write(kvt__conn_t *c)
         size_t total = 0;
         for (int i = 0; i < n; i++)
             total += iov[i].iov_len;
+        int turns = c->turn == KVT_TURN_NONE && c->sndbuf_log != KVT_SNDBUF_TUNED && turns_max(c);
+        if (turns && total > KVT_TURN_FREE && !turn_take(c))
+            return 0;
         ssize_t w;
         int unlocked = 0, early = 0;
         /* Counted before the call, under the lock: a write made with the lock let go may reach
@@ -924,6 +1045,8 @@ static int conn_write(kvt__conn_t *c)
                 return -1;
             if (errno == EAGAIN && c->stuck_ns == 0)
                 c->stuck_ns = kvt_now_ns(); /* the tick closes it if this lasts (reply-timeout) */
+            if (errno == EAGAIN && turns && c->turn == KVT_TURN_NONE)
+                turn_take(c); /* a small write the socket had no room for */
             return 0;
         }
         c->stuck_ns = 0;
@@ -964,8 +1087,15 @@ static int conn_write(kvt__conn_t *c)
                 r->conn = NULL;
             }
         }
-        if ((size_t)w < total)
+        if ((size_t)w < total) {
+            /* The socket is full: from now it takes none until its EPOLLOUT, which may never
+             * come (a client that stopped reading): reply-timeout-ms and turn_stalled count from
+             * here. */
+            c->stuck_ns = kvt_now_ns();
+            if (turns && c->turn == KVT_TURN_NONE)
+                turn_take(c); /* a small write the socket took part of: the rest needs a turn */
             return 0;
+        }
     }
     return 0;
 }
@@ -1276,6 +1406,7 @@ void kvt__conn_kick(kvt__conn_t *c)
         return;
     }
     c->in_handler = 1;
+    turn_stalled(c);
     if (!c->dead && conn_write(c) < 0)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
@@ -1309,8 +1440,11 @@ void kvt__conn_kick(kvt__conn_t *c)
         if (!r->done)
             break;
     }
-    if (unsent)
+    /* A waiter's socket is watched only while its clock runs: its EPOLLOUT stops the clock. */
+    if (unsent && (c->turn != KVT_TURN_WAIT || c->stuck_ns))
         want |= EPOLLOUT;
+    if (!unsent && c->turn == KVT_TURN_HELD)
+        turn_end(c); /* its queue is all in the kernel */
     if (want != c->events) {
         c->events = want;
         kvt__ev_ctl(c->loop->epfd, EPOLL_CTL_MOD, &c->ev, want);
@@ -1329,6 +1463,10 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
      * and the loop goes on as the event left it. */
     if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
         c->dead = 1;
+    /* Its socket took bytes: not stuck (a connection that gave its turn on stalled and waits, or
+     * has just got a turn back, turn_stalled, is not stalled any more). */
+    if (events & EPOLLOUT)
+        c->stuck_ns = 0;
     c->in_handler = 1;
     l->top = c;
     if (!c->dead && (events & EPOLLIN))
@@ -1438,8 +1576,14 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
     for (kvt__conn_t *c = s->clients.list; c; c = next) {
         next = c->next;
         /* Dead: closed by its own loop (posted there by an earlier close) before it is again. */
-        if (!c->gone && !c->dead && !conn_too_slow(c, now) && !conn_timed_out(c, now))
+        if (!c->gone && !c->dead && !conn_too_slow(c, now) && !conn_timed_out(c, now)) {
             s->conn_ops->tick(c, now);
+            /* A turn's holder stalled: its kick gives the turn on (turn_stalled). Read under
+             * the write lock: its loop changes c->turn only with the lock held. */
+            if (c->turn == KVT_TURN_HELD && c->loop->turn_head && c->stuck_ns &&
+                now - c->stuck_ns >= KVT_TURN_SLICE_NS)
+                kvt__conn_kick(c);
+        }
     }
     kvt__conns_deadlines(s, now);
 }

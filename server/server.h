@@ -323,6 +323,7 @@ struct kvt__conn {
     uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     /* log2 of the send buffer socket-send-budget gave its socket; 0: the kernel's default. */
     uint8_t sndbuf_log;
+    uint8_t turn;     /* socket-turns (conn.c): KVT_TURN_NONE, _HELD or _WAIT */
     uint32_t *tokens; /* scratch for decoded tokens */
     size_t tokens_cap;
     uint64_t id; /* also the owner of its leases in the tree */
@@ -332,7 +333,12 @@ struct kvt__conn {
     uint64_t lease_next_ns; /* no lease expires before this: the tick skips the list until then */
     kvt__conn_t *posted_next;
     kvt__conn_t *prev, *next;
-    kvt__conn_t *gone_next;
+    /* The next on its loop's list of closed connections, or, while it waits for a turn (never
+     * both: a close takes it off the queue first), the next in its loop's queue for one. */
+    union {
+        kvt__conn_t *gone_next;
+        kvt__conn_t *turn_next;
+    };
     size_t cap_leases;
     size_t mem_need;
     uint64_t born_ns;
@@ -491,6 +497,10 @@ struct kvt__loop {
     int deferring;
     uint32_t conns;
     uint64_t requests, kicks_posted;
+    /* socket-turns (conn.c): its connections holding a turn, and those waiting for one, first
+     * come first served. Each loop grants its own: its own thread's only, no lock. */
+    uint32_t turns, turn_waiting;
+    kvt__conn_t *turn_head, *turn_tail;
     /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
      * threads read a loop's under the write lock: kvt__out_add of its connection). */
     int held;
