@@ -283,9 +283,8 @@ static int queued_now(int fd, int tcp)
     return q;
 }
 
-/* GETS pipelined GETs of page 0, left unread until the daemon's writes stop: the bytes it queued
- * in the kernel for this socket. Then their replies, read whole. */
-static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t cap)
+/* Writes GETS pipelined GETs of page 0 under lease on fd, in one write. */
+static void send_gets(int fd, uint64_t lease)
 {
     uint8_t frames[GETS * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
     size_t len = 0;
@@ -296,6 +295,13 @@ static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t
         len += KVT_PROTO_HDR + sizeof gw;
     }
     cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+}
+
+/* GETS pipelined GETs of page 0, left unread until the daemon's writes stop: the bytes it queued
+ * in the kernel for this socket. Then their replies, read whole. */
+static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t cap)
+{
+    send_gets(fd, lease);
     int q = -1;
     for (int same = 0, i = 0; same < 5 && i < 500; i++) {
         usleep(20000);
@@ -477,15 +483,7 @@ Test(server_conns, a_client_that_stops_reading_mid_pipeline_is_closed_at_reply_t
     uint8_t *body = malloc(cap);
     int fd = kvd_raw(&d);
     uint64_t lease = raw_lease(fd, tok, PAGE, body, cap);
-    uint8_t frames[GETS * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
-    size_t len = 0;
-    for (uint32_t g = 0; g < GETS; g++) {
-        kvt_wire_get_t gw = {.lease = lease, .first_page = 0, .npages = 1};
-        kvt_proto_frame(frames + len, KVT_OP_GET, 0, 100 + g, 0, sizeof gw);
-        memcpy(frames + len + KVT_PROTO_HDR, &gw, sizeof gw);
-        len += KVT_PROTO_HDR + sizeof gw;
-    }
-    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
+    send_gets(fd, lease);
     usleep(1500000); /* unread, past reply-timeout-ms */
     ssize_t n;
     size_t got = 0;
