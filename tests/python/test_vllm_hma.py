@@ -488,12 +488,7 @@ def test_asynchronous_load_of_both_groups(vd: Daemon) -> None:
     assert a.step(a.admit(r)[1]) == set()
     ia = a.manager.get_block_ids(r.request_id)
     a.finish(r)
-    r2 = request(toks)
-    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
-    assert (n, load_async) == (7 * BS, True)
-    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
-                                    delay_cache_blocks=True) is not None
-    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    r2 = waiting_for_its_load(b, toks, 7)
     ib = b.manager.get_block_ids(r2.request_id)
     meta = b.sched.build_connector_meta(waiting_output())
     ws = window_start(7)
@@ -672,12 +667,7 @@ def test_failed_asynchronous_load_is_reported_as_its_request(vd: Daemon) -> None
     assert a.step(a.admit(r)[1]) == set()
     a.finish(r)
     a.close()
-    r2 = request(toks)
-    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
-    assert (n, load_async) == (5 * BS, True)
-    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
-                                    delay_cache_blocks=True) is not None
-    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    r2 = waiting_for_its_load(b, toks, 5)
     meta = b.sched.build_connector_meta(waiting_output())
     assert {t.group for t in meta.loads} == {0, 1}
     res = load_with_daemon_killed(vd, b.worker, meta, SETTLE_S)
@@ -935,6 +925,19 @@ def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
     s.shutdown()
 
 
+def waiting_for_its_load(b: "Engine", toks: List[int], pages: int) -> "Request":
+    """A request of ``toks`` on ``b`` (loads between steps) that hits kvtierd for ``pages``
+    pages and waits for its load: matched (asynchronously), its blocks allocated as vLLM does
+    for a load between steps (not cached until it lands) and its load planned."""
+    r2 = request(toks)
+    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
+    assert (n, load_async) == (pages * BS, True)
+    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
+                                    delay_cache_blocks=True) is not None
+    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    return r2
+
+
 def _prefix_cached_scheduler(vd: Daemon, model_config: Any, seed: int,
                              extra: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:
     """The set-up of the tests of blocks shared through vLLM's prefix cache: 5 pages and 4
@@ -1154,12 +1157,7 @@ def test_request_finished_before_its_load_went_is_reported(vd: Daemon) -> None:
     assert a.step(a.admit(r)[1]) == set()
     a.finish(r)
     a.close()
-    r2 = request(toks)
-    n, load_async = b.sched.get_num_new_matched_tokens(r2, 0)
-    assert (n, load_async) == (4 * BS, True)
-    assert b.manager.allocate_slots(r2, r2.num_tokens - n, num_external_computed_tokens=n,
-                                    delay_cache_blocks=True) is not None
-    b.sched.update_state_after_alloc(r2, b.manager.get_blocks(r2.request_id), n)
+    r2 = waiting_for_its_load(b, toks, 4)
     held, _ = b.sched.request_finished_all_groups(r2, b.manager.get_block_ids(r2.request_id))
     assert held is False  # no save planned (vLLM holds the blocks for the load it waits for)
     meta = b.sched.build_connector_meta(waiting_output())
