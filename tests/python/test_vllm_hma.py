@@ -661,12 +661,9 @@ def test_failed_asynchronous_load_is_reported_as_its_request(vd: Daemon) -> None
     as a whole (get_transfer_results: failed_recving, and finished_recving), no block among the
     load errors: vLLM 0.34 raises RuntimeError at failed blocks with several KV cache groups (a
     block id names a block of one group only) and recomputes a failed request from its start."""
-    a, b = Engine(vd, seed=81), Engine(vd, None, load_async=True)
     toks = prompt(5, 4)
-    r = request(toks)
-    assert a.step(a.admit(r)[1]) == set()
-    a.finish(r)
-    a.close()
+    store(vd, 81, toks)
+    b = Engine(vd, None, load_async=True)
     r2 = waiting_for_its_load(b, toks, 5)
     meta = b.sched.build_connector_meta(waiting_output())
     assert {t.group for t in meta.loads} == {0, 1}
@@ -723,12 +720,8 @@ def test_daemon_killed_mid_load_through_vllms_scheduler(vd: Daemon, tiny_model_c
     failures with several groups), whatever the policy."""
     from vllm.v1.request import RequestStatus
 
-    a = Engine(vd, seed=91)
     toks = prompt(5, 4)
-    r = request(toks)
-    assert a.step(a.admit(r)[1]) == set()
-    a.finish(r)
-    a.close()
+    store(vd, 91, toks)
     kvc = hybrid_config()
     s, cfg = hybrid_scheduler(tiny_model_config, vd, kvc, policy)
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
@@ -923,6 +916,16 @@ def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
         s.finish_requests([r2.request_id], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()
+
+
+def store(vd: Daemon, seed: int, toks: List[int]) -> None:
+    """The pages of ``toks`` stored in kvtierd by an engine of their own (``seed``), which
+    closes: what the tests' second engine or vLLM's Scheduler then hits."""
+    a = Engine(vd, seed=seed)
+    r = request(toks)
+    assert a.step(a.admit(r)[1]) == set()
+    a.finish(r)
+    a.close()
 
 
 def waiting_for_its_load(b: "Engine", toks: List[int], pages: int) -> "Request":
@@ -1151,12 +1154,9 @@ def test_request_finished_before_its_load_went_is_reported(vd: Daemon) -> None:
     but the request still goes out, unplanned: the worker reports it at once, failed, and
     vLLM frees its blocks. On the old code request_finished dropped the planned load, and no
     one ever reported the request: vLLM held its blocks for ever."""
-    a, b = Engine(vd, seed=97), Engine(vd, None)
     toks = prompt(4, 2)
-    r = request(toks)
-    assert a.step(a.admit(r)[1]) == set()
-    a.finish(r)
-    a.close()
+    store(vd, 97, toks)
+    b = Engine(vd, None)
     r2 = waiting_for_its_load(b, toks, 4)
     held, _ = b.sched.request_finished_all_groups(r2, b.manager.get_block_ids(r2.request_id))
     assert held is False  # no save planned (vLLM holds the blocks for the load it waits for)
@@ -1189,12 +1189,8 @@ def test_hit_vllm_takes_none_of_is_not_reported(vd: Daemon, tiny_model_config: A
     until the request finished)."""
     from vllm.v1.request import RequestStatus
 
-    a = Engine(vd, seed=99)
     toks = prompt(5, 4)
-    r = request(toks)
-    assert a.step(a.admit(r)[1]) == set()
-    a.finish(r)
-    a.close()
+    store(vd, 99, toks)
     kvc = hybrid_config()
     s, cfg = hybrid_scheduler(tiny_model_config, vd, kvc, "recompute")
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
@@ -1235,12 +1231,8 @@ def test_lease_lapsed_before_the_load(vd: Daemon, tiny_model_config: Any) -> Non
     from kvtier.vllm.common import group_chain
     from vllm.v1.request import RequestStatus
 
-    a = Engine(vd, seed=93)
     toks = prompt(5, 4)
-    r = request(toks)
-    assert a.step(a.admit(r)[1]) == set()
-    a.finish(r)
-    a.close()
+    store(vd, 93, toks)
     kvc = hybrid_config()
     s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute", {"lease_ms": 50})
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
