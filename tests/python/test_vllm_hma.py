@@ -783,13 +783,8 @@ def test_load_that_cannot_be_planned_is_reported(vd: Daemon, tiny_model_config: 
     kvc = hybrid_config() if groups == 2 else KVCacheConfig(
         num_blocks=NBLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
     extra = {"load_async": True}
-    a = Engine(vd, 95, kvc=kvc, **extra)
     toks = prompt(5, 4)
-    r = request(toks)
-    n, meta = a.admit(r)
-    assert n == 0 and a.step(meta) == set()
-    a.finish(r)
-    a.close()
+    store(vd, 95, toks, kvc=kvc, **extra)
     s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, "recompute", extra)
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
     kvs = paged(None)
@@ -856,13 +851,8 @@ def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
-    a = Engine(vd, 96, kvc=kvc)
     toks = prompt(5, 4)
-    r = request(toks)
-    n, meta = a.admit(r)
-    assert n == 0 and a.step(meta) == set()
-    a.finish(r)
-    a.close()
+    store(vd, 96, toks, kvc=kvc)
     s, cfg = real_scheduler(tiny_model_config, vd, MODEL, kvc, policy,
                             enable_prefix_caching=bool(local))
     assert s.connector._async is False, "the load goes in the step"
@@ -918,12 +908,14 @@ def test_load_in_the_step_that_cannot_be_planned_is_load_errors(
     s.shutdown()
 
 
-def store(vd: Daemon, seed: int, toks: List[int]) -> None:
-    """The pages of ``toks`` stored in kvtierd by an engine of their own (``seed``), which
-    closes: what the tests' second engine or vLLM's Scheduler then hits."""
-    a = Engine(vd, seed=seed)
+def store(vd: Daemon, seed: int, toks: List[int], **engine: Any) -> None:
+    """The pages of ``toks`` stored in kvtierd by an engine of their own (``seed``; ``engine``:
+    its other settings, e.g. ``kvc``), which kvtierd held none of and which closes: what the
+    tests' second engine or vLLM's Scheduler then hits."""
+    a = Engine(vd, seed, **engine)
     r = request(toks)
-    assert a.step(a.admit(r)[1]) == set()
+    n, meta = a.admit(r)
+    assert n == 0 and a.step(meta) == set()
     a.finish(r)
     a.close()
 
@@ -954,13 +946,8 @@ def _prefix_cached_scheduler(vd: Daemon, model_config: Any, seed: int,
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
-    a = Engine(vd, seed, kvc=kvc)
     toks = prompt(5, 4)
-    r = request(toks)
-    n, meta = a.admit(r)
-    assert n == 0 and a.step(meta) == set()
-    a.finish(r)
-    a.close()
+    store(vd, seed, toks, kvc=kvc)
     s, cfg = real_scheduler(model_config, vd, MODEL, kvc, "recompute", extra,
                             enable_prefix_caching=True)
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
