@@ -400,7 +400,6 @@ static int turn_take(kvt__conn_t *c)
     else
         l->turn_head = c;
     l->turn_tail = c;
-    l->turn_waiting++;
     return 0;
 }
 
@@ -420,7 +419,6 @@ static void turn_end(kvt__conn_t *c)
         if (l->turn_tail == c)
             l->turn_tail = prev;
         c->turn_next = NULL;
-        l->turn_waiting--;
         c->turn = KVT_TURN_NONE;
         return;
     }
@@ -436,7 +434,6 @@ static void turn_end(kvt__conn_t *c)
         if (!l->turn_head)
             l->turn_tail = NULL;
         w->turn_next = NULL;
-        l->turn_waiting--;
         w->turn = KVT_TURN_HELD;
         l->turns++;
         w->events |= EPOLLOUT;

@@ -499,7 +499,7 @@ struct kvt__loop {
     uint64_t requests, kicks_posted;
     /* socket-turns (conn.c): its connections holding a turn, and those waiting for one, first
      * come first served. Each loop grants its own: its own thread's only, no lock. */
-    uint32_t turns, turn_waiting;
+    uint32_t turns;
     kvt__conn_t *turn_head, *turn_tail;
     /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
      * threads read a loop's under the write lock: kvt__out_add of its connection). */
