@@ -934,24 +934,25 @@ def waiting_for_its_load(b: "Engine", toks: List[int], pages: int) -> "Request":
 
 
 def _prefix_cached_scheduler(vd: Daemon, model_config: Any, seed: int,
-                             extra: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:
+                             extra: Optional[Dict[str, Any]],
+                             names: List[str] = NAMES) -> Tuple[Any, ...]:
     """The set-up of the tests of blocks shared through vLLM's prefix cache: 5 pages and 4
     tokens stored in kvtierd by another engine (``seed``), then vLLM's real Scheduler with its
-    prefix cache on (policy "recompute", one KV cache group, ``extra`` connector settings) and
-    a worker over paged caches. Returns (scheduler, worker, caches, the stored prompt's tokens,
-    a maker of requests that carry vLLM's block hashes)."""
+    prefix cache on (policy "recompute", one KV cache group of the layers ``names``, ``extra``
+    connector settings) and a worker over paged caches. Returns (scheduler, worker, caches,
+    the stored prompt's tokens, a maker of requests that carry vLLM's block hashes)."""
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+                        kv_cache_groups=[KVCacheGroupSpec(names, spec)])
     toks = prompt(5, 4)
-    store(vd, seed, toks, kvc=kvc)
+    store(vd, seed, toks, kvc=kvc, kv={n: t for n, t in paged(seed).items() if n in names})
     s, cfg = real_scheduler(model_config, vd, MODEL, kvc, "recompute", extra,
                             enable_prefix_caching=True)
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
-    kvs = paged(None)
+    kvs = {n: t for n, t in paged(None).items() if n in names}
     worker.register_kv_caches(kvs)
     init_none_hash(sha256_cbor)
 
@@ -973,9 +974,14 @@ def _held(d: Daemon, s: Any, worker: Any, r: "Request", pages: int) -> List[int]
         return list(m.tiers) + [0] * (pages - len(m.tiers))
 
 
-@pytest.mark.parametrize("how", ["unplanned", "killed", "removed", "copy_failed"])
+@pytest.mark.parametrize("how, layers", [
+    ("unplanned", 4), ("killed", 4), ("removed", 4), ("copy_failed", 4),
+    # A group of one layer: its first layer is its last, so its saves go to the I/O thread
+    # there (save_kv_layer's other path, not _go's), and the same check must drop them.
+    ("unplanned", 1), ("copy_failed", 1)])
 def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config: Any,
-                                                  monkeypatch: Any, how: str) -> None:
+                                                  monkeypatch: Any, how: str,
+                                                  layers: int) -> None:
     """Through vLLM's real Scheduler with its prefix cache on (policy "recompute"), one KV
     cache group, the load in the step: request A hits kvtierd for 5 pages; request B, of the
     same 5 pages then 2 pages and 4 tokens of its own, is scheduled in the same step and takes
@@ -1002,7 +1008,10 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     blocks of the step's loads it was computed on (``reads``) and a worker whose load of one
     of them failed stores none of its pages, and the scheduler, seeing vLLM rewind a request
     (its computed tokens before the pages it had saved), saves them again from there once
-    computed anew: after the next step kvtierd holds B's 7 pages. Not covered, vLLM's: with
+    computed anew: after the next step kvtierd holds B's 7 pages. The worker submits a step's
+    saves on one of two paths, each with that check: at the group's first layer, let go at its
+    last (_go; ``layers`` 4), or, where the first layer is the last (``layers`` 1), at that
+    layer; either case fails with its path's check taken out. Not covered, vLLM's: with
     "recompute" vLLM keeps the failed blocks in its prefix cache, counting on A to recompute
     them the next step; A and B aborted before it leaves them there as computed for a later
     request (with "fail" vLLM evicts them; loads between steps never cache them:
@@ -1011,7 +1020,8 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     from vllm.v1.request import RequestStatus
 
     s, worker, kvs, toks, hashed = _prefix_cached_scheduler(
-        vd, tiny_model_config, 97, {"lease_ms": 50} if how == "removed" else None)
+        vd, tiny_model_config, 97, {"lease_ms": 50} if how == "removed" else None,
+        NAMES[:layers])
     assert s.connector._async is False, "the load goes in the step"
     reported: Dict[str, set] = {}
 
