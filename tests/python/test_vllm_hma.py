@@ -995,11 +995,12 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     token, B to before the step (its 2 pages computed on those blocks are computed again; it
     keeps the 5 shared blocks as computed because A recomputes them, marked_invalid_block_ids).
     The next step schedules A's whole prompt and B's 2 pages again, and a request C arriving
-    then with the same 5 pages takes the 5 blocks from vLLM's prefix cache only in that step,
-    the one in which A writes them again (vLLM writes each layer's KV of the whole batch before
-    that layer's attention reads it, as with any blocks shared within a step).
-    This part held on s24-int's code already: the connector reports the failed blocks, vLLM
-    finds every request holding them. What did not: B's 2 pages, computed in the failed step
+    then with the same 5 pages takes none of A's blocks: the connector took the failed blocks
+    out of vLLM's prefix cache (update_connector_output; before s25 C took them there, in the
+    step A wrote them again); C loads the 5 pages from kvtierd where it holds them
+    (``unplanned``, ``copy_failed``), else computes them. The rewinding held on s24-int's
+    code already: the connector reports the failed blocks, vLLM finds every request holding
+    them. What did not: B's 2 pages, computed in the failed step
     on A's unloaded blocks, were saved to kvtierd (B's own load was none, so nothing marked
     its save): a later request with B's prompt would have loaded them from kvtierd as good KV.
     ``unplanned`` and ``copy_failed`` fail so on s24-int's code (kvtierd keeps A's 5 pages,
@@ -1011,11 +1012,8 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     computed anew: after the next step kvtierd holds B's 7 pages. The worker submits a step's
     saves on one of two paths, each with that check: at the group's first layer, let go at its
     last (_go; ``layers`` 4), or, where the first layer is the last (``layers`` 1), at that
-    layer; either case fails with its path's check taken out. Not covered, vLLM's: with
-    "recompute" vLLM keeps the failed blocks in its prefix cache, counting on A to recompute
-    them the next step; A and B aborted before it leaves them there as computed for a later
-    request (with "fail" vLLM evicts them; loads between steps never cache them:
-    test_blocks_of_a_load_between_steps_not_shared_before_it_lands)."""
+    layer; either case fails with its path's check taken out. A and B aborted before the
+    next step: test_failed_blocks_leave_vllms_prefix_cache."""
     from kvtier.errors import Busy
     from vllm.v1.request import RequestStatus
 
@@ -1069,11 +1067,11 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     rc = hashed(toks[:5 * BS] + prompt(1, 4))
     s.add_request(rc)
     out = s.schedule()
+    c_hit = 5 * BS if how in ("unplanned", "copy_failed") else 0  # kvtierd's, not vLLM's
     assert out.num_scheduled_tokens == {ra.request_id: len(toks), rb.request_id: 2 * BS + 4,
-                                        rc.request_id: BS + 4}, \
-        "A writes the 5 blocks again in the step C takes them in"
+                                        rc.request_id: 6 * BS + 4 - c_hit}
     (c_ids,) = s.kv_cache_manager.get_block_ids(rc.request_id)
-    assert c_ids[:5] == a_ids[:5]
+    assert not set(c_ids) & hit, "C took failed blocks from vLLM's prefix cache"
     run_step(s, worker, kvs, list(kvs), out, reported)
     assert reported["invalid"] == hit, "reported once"
     for x, n in ((ra, len(toks)), (rb, 7 * BS + 4), (rc, 6 * BS + 4)):
@@ -1082,6 +1080,56 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     if how != "killed":  # the pages computed again are saved again (A's 5 where they went)
         assert all(_held(vd, s, worker, rb, 7)), "the recomputed pages not stored"
     s.finish_requests([x.request_id for x in (ra, rb, rc)], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+@pytest.mark.parametrize("how", ["unplanned", "killed"])
+def test_failed_blocks_leave_vllms_prefix_cache(vd: Daemon, tiny_model_config: Any,
+                                                monkeypatch: Any, how: str) -> None:
+    """Through vLLM's real Scheduler with its prefix cache on (policy "recompute"), one KV
+    cache group, the load in the step: request A hits kvtierd for 5 pages and B, of the same
+    5 pages then 2 of its own, takes A's 5 blocks from vLLM's prefix cache in the same step
+    (vLLM caches a hit's blocks, and the blocks of the tokens a step will compute, when it
+    allocates them). A's load fails (``unplanned``: its planning raising; ``killed``: kvtierd
+    SIGKILLed between the lookup and the load), vLLM rewinds both to recompute the next step,
+    but both are aborted before it. A later request of A's 5 pages, or of B's 7, must not
+    take any of those blocks from vLLM's prefix cache as computed: nothing wrote A's 5, and
+    B's 2 were computed on them. On s24-int's code vLLM served them (5 pages, and B's 7):
+    with "recompute" vLLM keeps failed blocks cached (_handle_invalid_blocks evicts only with
+    "fail"). Now the scheduler's connector, told of the failed blocks
+    (update_connector_output, after vLLM rewound the requests), evicts them and every block
+    after them of the requests holding them (KVCacheManager.evict_blocks, bound by vLLM's
+    bind_kv_cache_manager)."""
+    from vllm.v1.request import RequestStatus
+
+    s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 99, None)
+    reported: Dict[str, set] = {}
+
+    def unbuildable(*args: Any, **kw: Any) -> Any:
+        raise ValueError("no transfer")
+
+    b_toks = toks[:5 * BS] + prompt(2, 4)
+    ra, rb = hashed(toks), hashed(b_toks)
+    s.add_request(ra)
+    s.add_request(rb)
+    with monkeypatch.context() as m:
+        if how == "unplanned":
+            m.setattr(s.connector, "_plan_loads", unbuildable)
+        out = s.schedule()
+    (a_ids,), (b_ids,) = (s.kv_cache_manager.get_block_ids(x.request_id) for x in (ra, rb))
+    assert b_ids[:5] == a_ids[:5], "B took A's blocks from vLLM's prefix cache"
+    assert s.kv_cache_manager.get_computed_blocks(hashed(b_toks))[1] == 7 * BS, \
+        "a hit's blocks and B's are cached when allocated"
+    if how == "killed":
+        vd.stop(signal.SIGKILL)
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == set(a_ids[:5])
+    assert ra.num_computed_tokens == 0 and rb.num_computed_tokens == 5 * BS, "rewound"
+    s.finish_requests([ra.request_id, rb.request_id], RequestStatus.FINISHED_ABORTED)
+    for tokens in (toks[:5 * BS] + prompt(1, 4), b_toks):
+        assert s.kv_cache_manager.get_computed_blocks(hashed(tokens))[1] == 0, \
+            "blocks of the failed step served from vLLM's prefix cache"
     worker.shutdown()
     s.shutdown()
 

@@ -4,7 +4,7 @@ plans each step's loads and saves into the metadata the workers receive."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -412,6 +412,38 @@ class SchedulerSide:
             self._guard.count("failures")
             self._guard.warn("kvtier: paused hint for %s not sent: %s",
                              st.request.request_id, e)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' output of a step, after vLLM took it: blocks whose load in the step
+        failed (``invalid_block_ids``) leave vLLM's prefix cache (_evict_failed)."""
+        bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if bad and self._kv_cache_manager is not None:
+            try:
+                self._evict_failed(bad)
+            except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
+                self._guard.warn("kvtier: failed blocks left in vLLM's prefix cache: %s", e)
+
+    def _evict_failed(self, bad: Set[int]) -> None:
+        """Takes the blocks ``bad`` (a load in the step failed into them) out of vLLM's prefix
+        cache, and with them every block after the first of them in each request holding one
+        (computed on them, or loaded after them). vLLM caches a hit's blocks when it allocates
+        them, and with "recompute" keeps them cached after the failure (its
+        _handle_invalid_blocks evicts only with "fail"), counting on the requests it rewound to
+        write them again the next step: were they all aborted first, a later request of that
+        prefix would take them from its prefix cache as computed, KV nothing wrote. Evicted,
+        the blocks stay with the requests holding them (vLLM's KVCacheManager.evict_blocks
+        drops only their hashes); the price is that a request arriving before they are
+        written again computes that prefix itself. Loads in the step come with one KV cache
+        group only (common.load_between_steps): a block id names one block."""
+        assert self._kv_cache_manager is not None
+        drop = set(bad)
+        for rid in self._reqs:
+            for ids in self._kv_cache_manager.get_block_ids(rid):
+                at = next((i for i, b in enumerate(ids) if b in bad), None)
+                if at is not None:
+                    drop.update(ids[at:])
+        drop.discard(0)  # vLLM's null block is never cached
+        self._kv_cache_manager.evict_blocks(drop)
 
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
