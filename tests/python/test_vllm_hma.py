@@ -1100,7 +1100,7 @@ def test_failed_blocks_leave_vllms_prefix_cache(vd: Daemon, tiny_model_config: A
     "fail"). Now the scheduler's connector, told of the failed blocks
     (update_connector_output, after vLLM rewound the requests), evicts them and every block
     after them of the requests holding them (KVCacheManager.evict_blocks, bound by vLLM's
-    bind_kv_cache_manager)."""
+    bind_kv_cache_manager), B's own 2 pages with them."""
     from vllm.v1.request import RequestStatus
 
     s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 99, None)
@@ -1126,6 +1126,10 @@ def test_failed_blocks_leave_vllms_prefix_cache(vd: Daemon, tiny_model_config: A
     run_step(s, worker, kvs, list(kvs), out, reported)
     assert reported["invalid"] == set(a_ids[:5])
     assert ra.num_computed_tokens == 0 and rb.num_computed_tokens == 5 * BS, "rewound"
+    # B's own 2 pages too (a lookup through A's evicted blocks would not reach them, but a
+    # sliding window's would): no block of B's first 7 pages keeps its hash.
+    pool = s.kv_cache_manager.block_pool
+    assert [b for b in b_ids[:7] if pool.blocks[b].block_hash is not None] == []
     s.finish_requests([ra.request_id, rb.request_id], RequestStatus.FINISHED_ABORTED)
     for tokens in (toks[:5 * BS] + prompt(1, 4), b_toks):
         assert s.kv_cache_manager.get_computed_blocks(hashed(tokens))[1] == 0, \
