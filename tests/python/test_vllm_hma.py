@@ -1074,6 +1074,7 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     assert not set(c_ids) & hit, "C took failed blocks from vLLM's prefix cache"
     run_step(s, worker, kvs, list(kvs), out, reported)
     assert reported["invalid"] == hit, "reported once"
+    assert not s.connector._failed, "blocks written again are no longer followed"
     for x, n in ((ra, len(toks)), (rb, 7 * BS + 4), (rc, 6 * BS + 4)):
         assert x.num_computed_tokens == n and x.status == RequestStatus.RUNNING
     settle(worker, SETTLE_S)
@@ -1134,6 +1135,67 @@ def test_failed_blocks_leave_vllms_prefix_cache(vd: Daemon, tiny_model_config: A
     for tokens in (toks[:5 * BS] + prompt(1, 4), b_toks):
         assert s.kv_cache_manager.get_computed_blocks(hashed(tokens))[1] == 0, \
             "blocks of the failed step served from vLLM's prefix cache"
+    worker.shutdown()
+    s.shutdown()
+
+
+@pytest.mark.parametrize("how", ["unplanned", "killed"])
+def test_failed_blocks_handed_over_when_their_writer_aborts(vd: Daemon, tiny_model_config: Any,
+                                                            monkeypatch: Any, how: str) -> None:
+    """Through vLLM's real Scheduler with its prefix cache on (policy "recompute"), one KV
+    cache group, the load in the step: A hits kvtierd for 5 pages, B (the same 5 pages, then 2
+    of its own) takes A's 5 blocks from vLLM's prefix cache in that step, and A's load fails
+    (``unplanned``: planning raising; ``killed``: kvtierd SIGKILLed). vLLM rewinds A to write
+    the 5 blocks again and B to before the step, B counting them computed because A writes
+    them. A alone is aborted before the next step: no one would write them, and on s24-int's
+    code B went on computing its 2 pages on them, and stored them in kvtierd as good KV
+    (``unplanned``: kvtierd held all 7 of B's pages). Now A's finish hands its unwritten failed
+    blocks over: the next step's metadata lists those B holds as load errors, the workers
+    report them, vLLM rewinds B to its first token, the pages B computed in that step are not
+    stored (their ``reads``), and the step after computes and stores all 7."""
+    from vllm.v1.request import RequestStatus
+
+    s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 96, None)
+
+    def unbuildable(*args: Any, **kw: Any) -> Any:
+        raise ValueError("no transfer")
+
+    ra, rb = hashed(toks), hashed(toks[:5 * BS] + prompt(2, 4))
+    s.add_request(ra)
+    s.add_request(rb)
+    with monkeypatch.context() as m:
+        if how == "unplanned":
+            m.setattr(s.connector, "_plan_loads", unbuildable)
+        out = s.schedule()
+    (a_ids,) = s.kv_cache_manager.get_block_ids(ra.request_id)
+    hit = set(a_ids[:5])
+    if how == "killed":
+        vd.stop(signal.SIGKILL)
+    reported: Dict[str, set] = {}
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == hit
+    assert ra.num_computed_tokens == 0 and rb.num_computed_tokens == 5 * BS, "rewound"
+    s.finish_requests([ra.request_id], RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {rb.request_id: 2 * BS + 4}
+    assert set(out.kv_connector_metadata.load_errors) == hit, "A's blocks handed over"
+    reported = {}
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == hit
+    assert rb.num_computed_tokens == 0, "B rewound: it now writes the blocks"
+    settle(worker, SETTLE_S)
+    if how == "unplanned":
+        assert _held(vd, s, worker, rb, 7)[5:] == [0, 0], "B's pages on unwritten blocks stored"
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {rb.request_id: 7 * BS + 4}
+    reported = {}
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert not reported["invalid"] and rb.num_computed_tokens == 7 * BS + 4
+    assert not s.connector._failed, "blocks written again are no longer followed"
+    settle(worker, SETTLE_S)
+    if how == "unplanned":
+        assert all(_held(vd, s, worker, rb, 7)), "B's pages computed anew not stored"
+    s.finish_requests([rb.request_id], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()
 
