@@ -974,6 +974,26 @@ def _held(d: Daemon, s: Any, worker: Any, r: "Request", pages: int) -> List[int]
         return list(m.tiers) + [0] * (pages - len(m.tiers))
 
 
+def _no_transfer(*args: Any, **kw: Any) -> Any:
+    raise ValueError("no transfer")
+
+
+def _schedule_a_and_b(s: Any, hashed: Any, toks: List[int], b_toks: List[int], monkeypatch: Any,
+                      unplanned: bool) -> Tuple["Request", "Request", Any]:
+    """Requests A (``toks``: the 5 pages and 4 tokens kvtierd holds) and B (``b_toks``: those
+    5 pages, then its own) added to vLLM's Scheduler ``s`` and scheduled in one step: A's load
+    of its hit planned, or with ``unplanned`` its planning raising (the step's metadata then
+    lists A's blocks as load errors). Returns (A, B, the step's SchedulerOutput)."""
+    ra, rb = hashed(toks), hashed(b_toks)
+    s.add_request(ra)
+    s.add_request(rb)
+    with monkeypatch.context() as m:
+        if unplanned:
+            m.setattr(s.connector, "_plan_loads", _no_transfer)
+        out = s.schedule()
+    return ra, rb, out
+
+
 @pytest.mark.parametrize("how, layers", [
     ("unplanned", 4), ("killed", 4), ("removed", 4), ("copy_failed", 4),
     # A group of one layer: its first layer is its last, so its saves go to the I/O thread
@@ -1022,17 +1042,8 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
         NAMES[:layers])
     assert s.connector._async is False, "the load goes in the step"
     reported: Dict[str, set] = {}
-
-    def unbuildable(*args: Any, **kw: Any) -> Any:
-        raise ValueError("no transfer")
-
-    ra, rb = hashed(toks), hashed(toks[:5 * BS] + prompt(2, 4))
-    s.add_request(ra)
-    s.add_request(rb)
-    with monkeypatch.context() as m:
-        if how == "unplanned":
-            m.setattr(s.connector, "_plan_loads", unbuildable)
-        out = s.schedule()
+    ra, rb, out = _schedule_a_and_b(s, hashed, toks, toks[:5 * BS] + prompt(2, 4), monkeypatch,
+                                    how == "unplanned")
     assert out.num_scheduled_tokens == {ra.request_id: 4, rb.request_id: 2 * BS + 4}
     (a_ids,), (b_ids,) = (s.kv_cache_manager.get_block_ids(x.request_id) for x in (ra, rb))
     assert b_ids[:5] == a_ids[:5], "B took A's blocks from vLLM's prefix cache"
@@ -1055,7 +1066,7 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
                     time.sleep(0.02)
     with monkeypatch.context() as m:
         if how == "copy_failed":
-            m.setattr(worker, "_copy_layer", unbuildable)
+            m.setattr(worker, "_copy_layer", _no_transfer)
         run_step(s, worker, kvs, list(kvs), out, reported)
     assert reported == {"invalid": hit, "failed": set(), "recving": set()}
     assert ra.num_computed_tokens == 0, "A rewound to before its hit"
@@ -1106,18 +1117,8 @@ def test_failed_blocks_leave_vllms_prefix_cache(vd: Daemon, tiny_model_config: A
 
     s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 99, None)
     reported: Dict[str, set] = {}
-
-    def unbuildable(*args: Any, **kw: Any) -> Any:
-        raise ValueError("no transfer")
-
     b_toks = toks[:5 * BS] + prompt(2, 4)
-    ra, rb = hashed(toks), hashed(b_toks)
-    s.add_request(ra)
-    s.add_request(rb)
-    with monkeypatch.context() as m:
-        if how == "unplanned":
-            m.setattr(s.connector, "_plan_loads", unbuildable)
-        out = s.schedule()
+    ra, rb, out = _schedule_a_and_b(s, hashed, toks, b_toks, monkeypatch, how == "unplanned")
     (a_ids,), (b_ids,) = (s.kv_cache_manager.get_block_ids(x.request_id) for x in (ra, rb))
     assert b_ids[:5] == a_ids[:5], "B took A's blocks from vLLM's prefix cache"
     assert s.kv_cache_manager.get_computed_blocks(hashed(b_toks))[1] == 7 * BS, \
@@ -1156,17 +1157,8 @@ def test_failed_blocks_handed_over_when_their_writer_aborts(vd: Daemon, tiny_mod
     from vllm.v1.request import RequestStatus
 
     s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 96, None)
-
-    def unbuildable(*args: Any, **kw: Any) -> Any:
-        raise ValueError("no transfer")
-
-    ra, rb = hashed(toks), hashed(toks[:5 * BS] + prompt(2, 4))
-    s.add_request(ra)
-    s.add_request(rb)
-    with monkeypatch.context() as m:
-        if how == "unplanned":
-            m.setattr(s.connector, "_plan_loads", unbuildable)
-        out = s.schedule()
+    ra, rb, out = _schedule_a_and_b(s, hashed, toks, toks[:5 * BS] + prompt(2, 4), monkeypatch,
+                                    how == "unplanned")
     (a_ids,) = s.kv_cache_manager.get_block_ids(ra.request_id)
     hit = set(a_ids[:5])
     if how == "killed":
