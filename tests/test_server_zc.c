@@ -799,6 +799,56 @@ static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const
     free(want);
 }
 
+/* Whether page 0 of the lease's path is still located at off in the DRAM mapping. */
+static int located_at(int fd, uint64_t lease, uint64_t off)
+{
+    uint64_t loc[1];
+    uint32_t left;
+    return zget_locate(fd, lease, 1, loc, &left) == 0 && loc[0] == off;
+}
+
+/* A promotion into HBM leaves a page a lease holds in the DRAM mapping: neither the promotion
+ * its MATCH queued nor a PREFETCH up to HBM moves it, since the switch would free its DRAM copy
+ * under the reader, and pages reserved next land in DRAM that is free. Once the lease is
+ * released, a PREFETCH moves it. */
+Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t t[PAGE], pages;
+    kvd_tokens(t, PAGE, 7100);
+    uint64_t off = zstore_one(fd, &z, t, 78);
+    uint64_t lease = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_assert(located_at(fd, lease, off), "not located where it was written");
+
+    kvt_client_t *c = zclient(&d, NULL);
+    kvt_client_prefetch_t pf;
+    cr_assert_eq(kvt_client_prefetch(c, t, PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
+    cr_expect_eq(pf.moved + pf.resident, 0, "promoted under its reader: moved %u resident %u",
+                 pf.moved, pf.resident);
+    for (uint32_t i = 0; i < 16; i++) {
+        uint32_t u[PAGE];
+        kvd_tokens(u, PAGE, 20000 + 100 * i);
+        zstore_one(fd, &z, u, 300 + i);
+    }
+    uint8_t *want = malloc(BB);
+    pattern(want, 78);
+    cr_expect(memcmp(z.base + off, want, BB) == 0, "a leased page's bytes changed");
+    cr_expect(located_at(fd, lease, off), "a leased page moved");
+    zrelease(fd, lease);
+
+    cr_assert_eq(kvt_client_prefetch(c, t, PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
+    cr_expect_eq(pf.moved + pf.resident, 1, "not promoted once released: failed %u", pf.failed);
+    free(want);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
 /* A client makes its whole memfd resident (fallocate) and writes pages of its mapping where no
  * block is, then leaves: the daemon punches all of it within 2 s, the live block's bytes stay,
  * and the resident gauge shows what the memfd holds. */
