@@ -396,10 +396,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         }
         s->tcp_ev.fd = rc;
         s->tcp_ev.cb = on_tcp;
-        struct sockaddr_in sin;
-        socklen_t sl = sizeof sin;
-        if (!*conf->secret && getsockname(rc, (struct sockaddr *)&sin, &sl) == 0 &&
-            (ntohl(sin.sin_addr.s_addr) >> 24) != 127)
+        if (!*conf->secret && !kvt__listen_loopback(rc))
             kvt_log(KVT_LOG_WARN,
                     "kvtierd: tcp %s is reachable from other machines and no secret is set: "
                     "anyone who reaches it can read, write and remove cached KV bytes",

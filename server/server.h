@@ -983,6 +983,7 @@ kvt__http_req_t kvt__http_parse(const char *head, size_t len, int full, int *hea
 /* net.c: host:port parsing and listening TCP sockets. */
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);
 int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen);
+int kvt__listen_loopback(int fd);
 
 #include "store.h" /* the door to the tree and the tiers */
 
