@@ -587,6 +587,7 @@ void kvt__srv_close(kvt_srv_t *s)
         close(s->sig_ev.fd);
     if (s->clients.spare_fd >= 0)
         close(s->clients.spare_fd);
+    free(s->clients.host_addrs);
     /* The tree first (policy.h: the policy goes after the tree it borrows). Its free callbacks
      * give nothing back on KVT_RADIX_DESTROY (kvt__store_free_cb returns early): each tier,
      * destroyed next in kvt__store_close, frees all of its blocks at once, and NVMe keeps its
