@@ -464,6 +464,19 @@ static int own_address(char *buf, size_t len)
     return rc;
 }
 
+/* A TCP client of kvtierd listening on listen, from src (NULL: the kernel's pick), is cut as a
+ * loopback one: the tuning grows its socket's buffer past the pipeline with 2 connections, and
+ * it holds its share with MANY. */
+static void expect_tcp_share(const char *listen, const char *src)
+{
+    int q[3];
+    if (!queued_with_conns(NULL, 1, listen, src, q))
+        cr_skip_test("the kernel's default send buffer is at most the share");
+    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
+    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
+                  q[1]);
+}
+
 /* A client on this host that reaches kvtierd at the host's own address (not loopback: a
  * sidecar's engine given the node's address) is cut as a loopback one. */
 Test(server_conns, a_tcp_connection_to_the_hosts_own_address_holds_a_share, .fini = teardown,
@@ -472,12 +485,7 @@ Test(server_conns, a_tcp_connection_to_the_hosts_own_address_holds_a_share, .fin
     char listen[64];
     if (own_address(listen, sizeof listen) < 0)
         cr_skip_test("no address up other than loopback");
-    int q[3];
-    if (!queued_with_conns(NULL, 1, listen, NULL, q))
-        cr_skip_test("the kernel's default send buffer is at most the share");
-    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
-    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
-                  q[1]);
+    expect_tcp_share(listen, NULL);
 }
 
 /* A dual-stack listener ("[::]:0") sees an IPv4 peer as ::ffff:a.b.c.d. A client on this host
@@ -490,12 +498,7 @@ Test(server_conns, a_v4_mapped_peer_from_the_hosts_own_address_holds_a_share, .f
     char src[64];
     if (own_address(src, sizeof src) < 0)
         cr_skip_test("no address up other than loopback");
-    int q[3];
-    if (!queued_with_conns(NULL, 1, "[::]:0", src, q))
-        cr_skip_test("the kernel's default send buffer is at most the share");
-    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
-    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
-                  q[1]);
+    expect_tcp_share("[::]:0", src);
 }
 
 /* A client that pipelines big GETs and stops reading: kvtierd's write that filled its socket
