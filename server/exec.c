@@ -319,7 +319,7 @@ static void move_finish(kvt_srv_t *s, kvt__move_t *m)
     if (status == 0 && m->started < m->npages)
         status = KVT_EIO; /* a copy did not start: the run stays where it was */
     /* A move whose node was leased while it ran stays where the lease found it (the policy may
-     * move it once the lease is gone):
+     * move it once the lease is gone; a promotion refused so, KVT_EBUSY, it parks until then):
      * - into NVMe: the lease pinned the blocks' NVMe locations it saw (none of these), so the
      *   log's reclaim could drop them under a GET the MATCH promised;
      * - out of DRAM or HBM, down or up: a client may read the leased pages in place (tier_mapped)
@@ -448,7 +448,8 @@ static int exec_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t 
     if (from == KVT_TIER_DRAM && !move_source_intact(s, n, depth, npages))
         return KVT_ECORRUPT;
     /* A reader in place would lose its pages at the switch, which move_finish refuses then:
-     * no copy for nothing. */
+     * no copy for nothing. KVT_EBUSY: the policy parks a promotion refused so, and makes it
+     * once no lease holds n. */
     if (tier_mapped(from) && leased_by_others(s, n, NULL, why->req))
         return KVT_EBUSY;
     uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));

@@ -780,8 +780,9 @@ static uint64_t zstore_one(int fd, zmap_t *z, const uint32_t *t, uint32_t seed)
     return off[0];
 }
 
-/* Whether c (of the page's namespace) reads page 0 of t from DRAM with pattern seed. */
-static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const char *what)
+/* Whether c (of the page's namespace) reads page 0 of t from tier with pattern seed. */
+static void expect_page_in(kvt_client_t *c, const uint32_t *t, uint32_t seed, uint8_t tier,
+                           const char *what)
 {
     kvt_client_match_t m = {0};
     uint8_t tiers[1];
@@ -789,7 +790,7 @@ static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const
     m.tiers_cap = 1;
     cr_assert_eq(kvt_client_match(c, t, PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, 1, "%s: not in the index", what);
-    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "%s: in tier %u", what, tiers[0]);
+    cr_expect_eq(tiers[0], tier, "%s: in tier %u", what, tiers[0]);
     uint8_t *got = malloc(BB), *want = malloc(BB);
     cr_assert_eq(kvt_client_get(c, m.lease, 0, 1, got, BB, NULL, NULL), 0);
     pattern(want, seed);
@@ -797,6 +798,11 @@ static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const
     kvt_client_release(c, m.lease, NULL);
     free(got);
     free(want);
+}
+
+static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const char *what)
+{
+    expect_page_in(c, t, seed, KVT_CLIENT_TIER_DRAM, what);
 }
 
 /* Whether page 0 of the lease's path is still located at off in the DRAM mapping. */
@@ -847,6 +853,90 @@ Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
     kvt_client_close(c);
     zunmap(&z);
     close(fd);
+}
+
+/* An engine's MATCH, with a lease, of a page fd wrote through its mapping into DRAM: the
+ * promotion into HBM it queues is refused while the lease holds the page (a STATS after the
+ * lease's GET sees it, after the step that followed the MATCH), and the page stays where the
+ * lease's LOCATE put it. Returns the lease. */
+static uint64_t leased_in_dram(int fd, zmap_t *z, kvt_client_t *c, const uint32_t *t, uint32_t seed)
+{
+    uint64_t off = zstore_one(fd, z, t, seed);
+    uint32_t pages;
+    uint64_t lease = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_assert(located_at(fd, lease, off), "not located where it was written");
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 0, "promoted under its lease");
+    cr_expect(located_at(fd, lease, off), "a leased page moved");
+    return lease;
+}
+
+/* Once the lease has gone, the page reaches HBM with no MATCH or PREFETCH after it: the
+ * promotion refused under the lease was parked and runs again. */
+static void promoted_once_free(kvt_client_t *c, const uint32_t *t, uint32_t seed, const char *how)
+{
+    cr_expect_eq(wait_stat(c, "hbm_blocks", 1), 1, "not promoted after the lease's %s", how);
+    cr_expect_eq(kvd_stat(c, "dram_blocks"), 0);
+    expect_page_in(c, t, seed, KVT_CLIENT_TIER_HBM, how);
+}
+
+static void start_hbm_zc(const char *lease_ms)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", "--lease-ms", lease_ms, NULL);
+}
+
+/* An engine MATCHes every hit with a lease: the promotion its MATCH queues, refused while that
+ * lease holds the page, is made after its RELEASE. */
+Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_release, .fini = teardown)
+{
+    start_hbm_zc("30000");
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 7300);
+    uint64_t lease = leased_in_dram(fd, &z, c, t, 81);
+    zrelease(fd, lease);
+    promoted_once_free(c, t, 81, "RELEASE");
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* The same when the lease expires (lease-ms), and when its connection closes. */
+Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_expiry, .fini = teardown)
+{
+    start_hbm_zc("1000");
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 7400);
+    (void)leased_in_dram(fd, &z, c, t, 82);
+    cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
+    promoted_once_free(c, t, 82, "expiry");
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_connection_closed, .fini = teardown)
+{
+    start_hbm_zc("30000");
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 7500);
+    (void)leased_in_dram(fd, &z, c, t, 83);
+    zunmap(&z);
+    close(fd);
+    promoted_once_free(c, t, 83, "close");
+    kvt_client_close(c);
 }
 
 /* A client makes its whole memfd resident (fallocate) and writes pages of its mapping where no
