@@ -1223,16 +1223,25 @@ static int ex_move_read_in_place(void *arg, const kvt_policy_cause_t *why, kvt_r
 static const kvt_policy_ops_t read_in_place_ops = {.move = ex_move_read_in_place,
                                                    .admit = ex_admit};
 
-/* a's 4 pages in DRAM under an empty HBM of 4: a went down for b, then b was removed. */
-static void a_below_an_empty_hbm(const uint32_t *a, const uint32_t *b)
+/* Starts an LRU engine over an HBM of 4 pages and a DRAM of 100, with `with` (NULL: the plain
+ * executor's), and returns a, its 4 pages in DRAM under an empty HBM: a went down for b, then b
+ * was removed. */
+static uint32_t *a_below_an_empty_hbm(const kvt_policy_ops_t *with)
 {
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    if (with)
+        c.ops = with;
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
     request(a, 16, NULL);
     request(b, 16, NULL);
     cr_assert_eq(kvt_radix_remove(tree, ns, b, PS), 0); /* its first page and all beneath */
+    free(b);
     all_in(a, 4, KVT_TIER_DRAM);
     kvt_policy_stats_t st;
     kvt_policy_stats(pol, &st);
     cr_assert_eq(st.used[KVT_TIER_HBM], 0);
+    return a;
 }
 
 static void parked_and_unparked(uint64_t parked, uint64_t unparked)
@@ -1243,17 +1252,24 @@ static void parked_and_unparked(uint64_t parked, uint64_t unparked)
     cr_assert_eq(st.unparked, unparked);
 }
 
+/* a's lease ends, and the next step makes its parked promotion. */
+static void made_once_released(uint32_t *a, uint64_t lease)
+{
+    cr_assert_eq(kvt_radix_release(tree, lease), 0);
+    cr_assert_eq(kvt_policy_step(pol, 0), 4);
+    all_in(a, 4, KVT_TIER_HBM);
+    parked_and_unparked(1, 1);
+    free(a);
+    stop();
+}
+
 /* A hit's promotion refused under a lease (an engine's MATCH holds one on what it matched) is
  * parked: not tried again while a lease holds the node, though others end, and made at the
  * first step after the last one on it ended. */
 Test(policy_decisions, a_promotion_refused_for_a_lease_is_made_once_it_ends)
 {
-    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
-    c.ops = &read_in_place_ops;
-    start(&c);
     refusals = 0;
-    uint32_t *a = seq(16, 1000), *b = seq(16, 2000), *e = seq(16, 3000);
-    a_below_an_empty_hbm(a, b);
+    uint32_t *a = a_below_an_empty_hbm(&read_in_place_ops), *e = seq(16, 3000);
     uint64_t lease = lease_path(a);
     cr_assert_eq(request(a, 16, NULL), 4);
     cr_assert_eq(refusals, 1);
@@ -1261,27 +1277,18 @@ Test(policy_decisions, a_promotion_refused_for_a_lease_is_made_once_it_ends)
     parked_and_unparked(1, 0);
     request(e, 16, NULL);
     cr_assert_eq(kvt_radix_release(tree, lease_path(e)), 0); /* another path's lease ends */
+    free(e);
     cr_assert_eq(kvt_policy_step(pol, 0), 0);
     cr_assert_eq(refusals, 1, "tried again under its lease");
     all_in(a, 4, KVT_TIER_DRAM);
-    cr_assert_eq(kvt_radix_release(tree, lease), 0);
-    cr_assert_eq(kvt_policy_step(pol, 0), 4);
-    all_in(a, 4, KVT_TIER_HBM);
-    parked_and_unparked(1, 1);
-    free(a);
-    free(b);
-    free(e);
-    stop();
+    made_once_released(a, lease);
 }
 
 /* The same for a promotion the executor refused at its switch, for a lease taken while its
  * copies ran. */
 Test(policy_decisions, a_promotion_refused_at_its_switch_is_made_once_the_lease_ends)
 {
-    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
-    start(&c);
-    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
-    a_below_an_empty_hbm(a, b);
+    uint32_t *a = a_below_an_empty_hbm(NULL);
     ex.pending = 1;
     request(a, 16, NULL); /* its promotion is in flight */
     uint64_t lease = lease_path(a);
@@ -1290,13 +1297,7 @@ Test(policy_decisions, a_promotion_refused_at_its_switch_is_made_once_the_lease_
     parked_and_unparked(1, 0);
     cr_assert_eq(kvt_policy_step(pol, 0), 0); /* the move's own lease ended: a's holds it */
     all_in(a, 4, KVT_TIER_DRAM);
-    cr_assert_eq(kvt_radix_release(tree, lease), 0);
-    cr_assert_eq(kvt_policy_step(pol, 0), 4);
-    all_in(a, 4, KVT_TIER_HBM);
-    parked_and_unparked(1, 1);
-    free(a);
-    free(b);
-    stop();
+    made_once_released(a, lease);
 }
 
 Test(policy_decisions, hold_makes_room_in_the_lowest_tier)

@@ -880,63 +880,49 @@ static void promoted_once_free(kvt_client_t *c, const uint32_t *t, uint32_t seed
     expect_page_in(c, t, seed, KVT_CLIENT_TIER_HBM, how);
 }
 
-static void start_hbm_zc(const char *lease_ms)
-{
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", "--lease-ms", lease_ms, NULL);
-}
+/* How the lease of leased_in_dram ends. */
+typedef enum { BY_RELEASE, BY_EXPIRY, BY_CLOSE } lease_end_t;
 
 /* An engine MATCHes every hit with a lease: the promotion its MATCH queues, refused while that
- * lease holds the page, is made after its RELEASE. */
-Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_release, .fini = teardown)
+ * lease holds the page, is made once the lease has gone, however it went. */
+static void promoted_after_the_lease(lease_end_t how, uint32_t seed)
 {
-    start_hbm_zc("30000");
+    static const char *const name[] = {"RELEASE", "expiry", "close"};
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", "--lease-ms", how == BY_EXPIRY ? "1000" : "30000", NULL);
     int fd = zconn(&d, "zc", NULL);
     zmap_t z;
     cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
     kvt_client_t *c = zclient(&d, NULL);
     uint32_t t[PAGE];
-    kvd_tokens(t, PAGE, 7300);
-    uint64_t lease = leased_in_dram(fd, &z, c, t, 81);
-    zrelease(fd, lease);
-    promoted_once_free(c, t, 81, "RELEASE");
-    kvt_client_close(c);
+    kvd_tokens(t, PAGE, 100 * seed);
+    uint64_t lease = leased_in_dram(fd, &z, c, t, seed);
+    if (how == BY_RELEASE)
+        zrelease(fd, lease);
+    if (how == BY_EXPIRY)
+        cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
     zunmap(&z);
-    close(fd);
+    if (how == BY_CLOSE)
+        close(fd);
+    promoted_once_free(c, t, seed, name[how]);
+    if (how != BY_CLOSE)
+        close(fd);
+    kvt_client_close(c);
 }
 
-/* The same when the lease expires (lease-ms), and when its connection closes. */
+Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_release, .fini = teardown)
+{
+    promoted_after_the_lease(BY_RELEASE, 81);
+}
+
 Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_expiry, .fini = teardown)
 {
-    start_hbm_zc("1000");
-    int fd = zconn(&d, "zc", NULL);
-    zmap_t z;
-    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
-    kvt_client_t *c = zclient(&d, NULL);
-    uint32_t t[PAGE];
-    kvd_tokens(t, PAGE, 7400);
-    (void)leased_in_dram(fd, &z, c, t, 82);
-    cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
-    promoted_once_free(c, t, 82, "expiry");
-    kvt_client_close(c);
-    zunmap(&z);
-    close(fd);
+    promoted_after_the_lease(BY_EXPIRY, 82);
 }
 
 Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_connection_closed, .fini = teardown)
 {
-    start_hbm_zc("30000");
-    int fd = zconn(&d, "zc", NULL);
-    zmap_t z;
-    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
-    kvt_client_t *c = zclient(&d, NULL);
-    uint32_t t[PAGE];
-    kvd_tokens(t, PAGE, 7500);
-    (void)leased_in_dram(fd, &z, c, t, 83);
-    zunmap(&z);
-    close(fd);
-    promoted_once_free(c, t, 83, "close");
-    kvt_client_close(c);
+    promoted_after_the_lease(BY_CLOSE, 83);
 }
 
 /* A client makes its whole memfd resident (fallocate) and writes pages of its mapping where no
