@@ -17,10 +17,14 @@
  *
  * With --port P --pid PID it storms a server already listening on 127.0.0.1:P instead (kvtierd
  * with loops 1 and 2, say) and prints its CPU time per connection (PID's utime + stime, read from
- * /proc: clock ticks, so give it seconds).
+ * /proc: clock ticks, so give it seconds). --from ADDR connects from that address of this host
+ * instead of loopback (its non-loopback one, to a server listening on 0.0.0.0 or [::]): a peer
+ * kvtierd finds neither loopback nor the address it reached, and looks up among the host's own.
+ * --hold N keeps each client's last N connections open (a storm closes each at once otherwise):
+ * a connection reset before the server accepts it costs the server less than a live one.
  *
  * usage: bench_accept [--loops N] [--seconds S] [--clients N] [--handful N] [--trials N]
- *                     [--port P --pid PID]
+ *                     [--hold N] [--port P --pid PID [--from ADDR]]
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -56,6 +60,7 @@ static struct {
     loop_t loops[MAX_LOOPS];
     atomic_int stop;
     int port;
+    struct in_addr from; /* --from: the storm's source address; INADDR_ANY: the kernel's pick */
 } g;
 
 static uint64_t now_ns(void)
@@ -184,10 +189,18 @@ static void stop(void)
 
 static int dial(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET,
                             .sin_port = htons((uint16_t)g.port),
                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct sockaddr_in src = {.sin_family = AF_INET, .sin_addr = g.from};
+    /* The port is picked at connect, as without the bind: the storm's ports last as long. */
+    if (g.from.s_addr != htonl(INADDR_ANY) &&
+        (setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof one) < 0 ||
+         bind(fd, (struct sockaddr *)&src, sizeof src) < 0)) {
+        close(fd);
+        return -1;
+    }
     if (connect(fd, (struct sockaddr *)&a, sizeof a) < 0) {
         close(fd);
         return -1;
@@ -196,11 +209,16 @@ static int dial(void)
 }
 
 static double storm_secs;
+static int storm_hold; /* --hold: connections each client keeps open, closing the oldest */
 static atomic_ullong storm_fail, storm_ok;
+
+#define MAX_HOLD 256
 
 static void *storm_client(void *arg)
 {
     (void)arg;
+    int held[MAX_HOLD];
+    uint32_t next = 0, n = 0;
     uint64_t end = now_ns() + (uint64_t)(storm_secs * 1e9);
     while (now_ns() < end) {
         int fd = dial();
@@ -212,9 +230,22 @@ static void *storm_client(void *arg)
         /* RST on close: no TIME_WAIT, so that the ephemeral ports last the storm. */
         struct linger lg = {.l_onoff = 1, .l_linger = 0};
         setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
-        close(fd);
         atomic_fetch_add(&storm_ok, 1);
+        if (storm_hold == 0) {
+            close(fd);
+            continue;
+        }
+        /* Held: the server accepts it with its peer still there (one reset before its accept
+         * ends the server's work at a failed getpeername). */
+        if (n == (uint32_t)storm_hold)
+            close(held[next]);
+        else
+            n++;
+        held[next] = fd;
+        next = (next + 1) % (uint32_t)storm_hold;
     }
+    for (uint32_t i = 0; i < n; i++)
+        close(held[i]);
     return NULL;
 }
 
@@ -316,6 +347,7 @@ static spread_t spread(accept_mode_t mode, int nloops, int handful, int trials)
 int main(int argc, char **argv)
 {
     int nloops = 2, clients = 2, handful = 4, trials = 100, port = 0, pid = 0;
+    const char *from = "127.0.0.1";
     storm_secs = 2;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--loops"))
@@ -332,15 +364,20 @@ int main(int argc, char **argv)
             port = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--pid"))
             pid = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--from") && inet_pton(AF_INET, argv[i + 1], &g.from) == 1)
+            from = argv[i + 1];
+        else if (!strcmp(argv[i], "--hold"))
+            storm_hold = atoi(argv[i + 1]);
         else {
             fprintf(stderr, "bench_accept: unknown option %s\n", argv[i]);
             return 64;
         }
     }
     if (nloops < 1 || nloops > MAX_LOOPS || clients < 1 || clients > 64 || handful < 1 ||
-        handful > 64 || trials < 1 || !(storm_secs > 0)) {
+        handful > 64 || trials < 1 || !(storm_secs > 0) || storm_hold < 0 ||
+        storm_hold > MAX_HOLD) {
         fprintf(stderr, "bench_accept: loops 1..16, clients 1..64, handful 1..64, trials >= 1, "
-                        "seconds > 0\n");
+                        "seconds > 0, hold 0..256\n");
         return 64;
     }
     if (port || pid) {
@@ -350,10 +387,10 @@ int main(int argc, char **argv)
         }
         g.port = port;
         storm_t x = storm_external((pid_t)pid, clients);
-        printf("{\"op\":\"accept\",\"mode\":\"external\",\"port\":%d,\"clients\":%d,"
-               "\"seconds\":%.1f,\"connects_per_s\":%.0f,\"cpu_us_per_connect\":%.2f,"
-               "\"failed_connects\":%llu}\n",
-               port, clients, storm_secs, x.per_s, x.cpu_us,
+        printf("{\"op\":\"accept\",\"mode\":\"external\",\"port\":%d,\"from\":\"%s\","
+               "\"clients\":%d,\"hold\":%d,\"seconds\":%.1f,\"connects_per_s\":%.0f,"
+               "\"cpu_us_per_connect\":%.2f,\"failed_connects\":%llu}\n",
+               port, from, clients, storm_hold, storm_secs, x.per_s, x.cpu_us,
                (unsigned long long)atomic_load(&storm_fail));
         return 0;
     }

@@ -96,6 +96,7 @@
 #define SWEEP_EVERY     64    /* a sweep begins at most once per 1/64 of the nodes in inserts */
 #define HIST_DECAY      0.97
 #define PROMO_QUEUE     64
+#define PARK_MAX        64 /* promotions parked for readers' leases; the oldest goes first */
 #define PRIO_MASK       0x03ffu
 #define PAUSE_SHIFT     10
 #define PAUSE_FINISHED  63u
@@ -156,6 +157,7 @@ typedef struct pmove {
     uint64_t bytes;      /* payload bytes of the run */
     uint64_t charge_to;  /* reserved in `to` */
     uint64_t charge_frm; /* given back by `from` when the move lands */
+    int place;           /* its cause's tag: a promotion refused at its switch is parked with it */
 } pmove_t;
 
 /* One sampled page in an expert's miniature simulation (see "Experts" at the top). */
@@ -206,6 +208,14 @@ typedef struct promo {
     int place;        /* kvt_policy_set_place's tag when queued */
 } promo_t;
 
+/* A promotion the executor refused because a lease's holder may read the run in place
+ * (KVT_EBUSY, kvt_policy_ops_t.move): the path as it was to be promoted, and the node whose
+ * leases refused it (the path's shallowest refused node: a lease anywhere below counts on it). */
+typedef struct parked {
+    promo_t q;
+    kvt_radix_node_t *at;
+} parked_t;
+
 struct kvt_policy {
     kvt_radix_t *t;
     kvt_policy_conf_t c;
@@ -246,6 +256,11 @@ struct kvt_policy {
 
     promo_t promo[PROMO_QUEUE];
     uint32_t npromo;
+    /* Promotions parked until no lease holds their node (park_run), looked at again whenever
+     * a lease of the tree has ended since the last look (park_releases). */
+    parked_t park[PARK_MAX];
+    uint32_t npark;
+    uint64_t park_releases;
     int place; /* kvt_policy_set_place */
 
     /* cost model state */
@@ -554,6 +569,57 @@ static int orphan_take(kvt_policy_t *p, const kvt_radix_node_t *n)
         s = (s + 1) & (d->cap - 1);
     }
     return 0;
+}
+
+/*
+ * Parked promotions. The executor refuses to move a run out of a tier its readers read in place
+ * while a lease holds the node (KVT_EBUSY): the switch would free the copy under them. Nothing
+ * else would try the promotion again once they are done (an engine MATCHes each path with a
+ * lease, so the promotion its MATCH queued always found that lease), so it is parked here and run
+ * again by the first step after the last lease on its node ended. PARK_MAX entries, one per path
+ * end; when full, the oldest is forgotten (the next MATCH of its path queues it again). An entry
+ * names nodes as the queue does (seq, foreign): one that may have died since is dropped.
+ */
+static void park(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_radix_node_t *at,
+                 int place)
+{
+    uint32_t k = 0;
+    while (k < p->npark && p->park[k].q.n != n)
+        k++;
+    if (k == PARK_MAX) { /* full: the oldest goes */
+        k = 0;
+        for (uint32_t i = 1; i < p->npark; i++)
+            if (p->park[i].q.seq < p->park[k].q.seq)
+                k = i;
+    } else if (k == p->npark) {
+        p->npark++;
+    } else if (p->park[k].q.node_pages > node_pages) {
+        node_pages = p->park[k].q.node_pages; /* parked again for another run of the path */
+    }
+    p->park[k] = (parked_t){{n, node_pages, p->seq, p->foreign, place}, at};
+    p->st.parked++;
+}
+
+/* Whether e's nodes are still the ones it was parked for. */
+static int park_valid(const kvt_policy_t *p, const parked_t *e)
+{
+    return !p->dead_lost && !dead_after(p, e->q.n, e->q.seq) && !dead_after(p, e->at, e->q.seq) &&
+           (p->c.reports_node_frees || p->foreign == e->q.foreign);
+}
+
+/* Before the record of the deaths so far is forgotten (a rebuild, a sweep's end): the entries
+ * that may name a dead node go, and the others are stamped now, so that only deaths from here
+ * on concern them. */
+static void park_renew(kvt_policy_t *p)
+{
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < p->npark; i++) {
+        if (!park_valid(p, &p->park[i]))
+            continue;
+        p->park[kept] = p->park[i];
+        p->park[kept++].q.seq = p->seq;
+    }
+    p->npark = kept;
 }
 
 /* ---- the cost model's reuse estimate ------------------------------------------------------- */
@@ -933,8 +999,11 @@ static void rebuild(kvt_policy_t *p)
             orphan_add(p, n);
     }
     /* Queued promotions may name nodes that died before this rebuild: keep the record until
-     * they have run. */
+     * they have run. Parked ones are checked against it now. */
+    if (p->dead_lost)
+        p->npark = 0; /* a death went unrecorded: any of them may name a dead node */
     if (p->dead.cap && p->npromo == 0) {
+        park_renew(p);
         memset(p->dead.keys, 0, p->dead.cap * sizeof(*p->dead.keys));
         p->dead.len = 0;
     }
@@ -1010,8 +1079,10 @@ static void sweep_some(kvt_policy_t *p)
     p->st.sweeps++;
     /* Every entry now was pushed after the sweep began: older deaths name none of them.
      * Queued promotions may still name nodes that died before: keep the record until they ran. */
-    if (p->npromo == 0)
+    if (p->npromo == 0) {
+        park_renew(p);
         dead_forget_before(p, p->sweep_seq);
+    }
     /* The nodes left out of the old heaps were walked into the new ones, unless left out of
      * those too (recorded again since). */
     if (p->orph.len && dead_rehash(&p->orph, p->orph.cap, p->sweep_seq) < 0)
@@ -1181,8 +1252,8 @@ static int do_move(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i0, uint32_t c
         /* cannot fail: the slot and the entry were reserved before the move started */
         kvt_assert(kvt_radix_lease(p->t, &m, KVT_POLICY_LEASE_OWNER, &lease) == 0);
         kvt_assert(p->npend < p->pend_cap);
-        p->pend[p->npend++] =
-            (pmove_t){n, kvt_radix_node_depth(n) + i0, cnt, from, to, lease, bytes, cto, cfrom};
+        p->pend[p->npend++] = (pmove_t){
+            n, kvt_radix_node_depth(n) + i0, cnt, from, to, lease, bytes, cto, cfrom, why->tag};
         p->pending_out[from] += cfrom;
         p->queued[from]++;
         p->queued[to]++;
@@ -2446,6 +2517,8 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
                 to = p->lower[to];
                 continue;
             }
+            if (rc == KVT_EBUSY) /* read in place under a lease: again once it goes */
+                park(p, n, node_pages, x, why->tag);
             if (rc < 0) {
                 *stop = rc;
                 goto done; /* no room: the rest stays where it is */
@@ -2494,6 +2567,36 @@ static uint64_t level(const kvt_policy_t *p, int t)
     return p->used[t] > p->pending_out[t] ? p->used[t] - p->pending_out[t] : 0;
 }
 
+/* The parked promotions whose node no lease holds any more join the queue, once a lease of the
+ * tree has ended since the last look (the end of the last lease on a node is one). The leases of
+ * the engine's own moves count too: each ends as its move lands. They run from the queue, which
+ * keeps the record of deaths while it holds entries (see rebuild), since making room for one may
+ * drop another's node. */
+static void park_run(kvt_policy_t *p)
+{
+    uint64_t releases = kvt_radix_lease_releases(p->t);
+    if (p->npark == 0 || releases == p->park_releases)
+        return;
+    uint32_t kept = 0;
+    int full = 0;
+    for (uint32_t i = 0; i < p->npark; i++) {
+        const parked_t *e = &p->park[i];
+        if (!park_valid(p, e))
+            continue;
+        int unleased = !kvt_radix_node_leased(e->at);
+        if (unleased && p->npromo < PROMO_QUEUE) {
+            p->promo[p->npromo++] = e->q;
+            p->st.unparked++;
+            continue;
+        }
+        full |= unleased;
+        p->park[kept++] = *e;
+    }
+    p->npark = kept;
+    if (!full) /* else the rest are looked at again next step */
+        p->park_releases = releases;
+}
+
 int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
 {
     if (!p)
@@ -2501,6 +2604,7 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
     int total = 0;
     if (p->sweeping)
         sweep_some(p);
+    park_run(p);
     for (uint32_t i = 0; i < p->npromo; i++) {
         promo_t *q = &p->promo[i];
         if (p->dead_lost || dead_after(p, q->n, q->seq) ||
@@ -2570,6 +2674,13 @@ int kvt_policy_move_done(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t depth, u
             if (!end && i > 0 && tier_rank(bl[i - 1].tier) > tier_rank((uint8_t)to))
                 conflict = 1;
         }
+    }
+    if (status == KVT_EBUSY && tier_rank((uint8_t)to) < tier_rank((uint8_t)from)) {
+        /* a promotion refused at its switch for a lease taken while it ran (the path up to the
+         * run's end, as a split may have left it) */
+        kvt_radix_node_t *e = kvt_radix_node_holding(n, depth + npages - 1);
+        park(p, e, depth + npages - kvt_radix_node_depth(e), kvt_radix_node_holding(n, depth),
+             mv.place);
     }
     p->pend[k] = p->pend[--p->npend];
     p->pending_out[from] -= mv.charge_frm;

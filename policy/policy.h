@@ -161,9 +161,12 @@ typedef struct kvt_policy_ops {
      * then sets the blocks' tier and moves the accounting), KVT_POLICY_PENDING when started
      * (the executor marks the blocks KVT_BLOCK_BUSY and calls kvt_policy_move_done() later; the
      * engine reserves the bytes in `to` meanwhile), or a negative error (nothing changed; the
-     * engine tries other blocks). While a move is in flight the engine holds a lease on n
-     * (owner KVT_POLICY_LEASE_OWNER), so n and depth stay valid for the executor. why: its
-     * cause, never NULL, valid for the call. Required.
+     * engine tries other blocks). KVT_EBUSY refusing a promotion says the run is in use where it
+     * lies (kvtierd: a lease's holder may read it in place): the engine parks the promotion of
+     * the path (64 at most, the oldest forgotten) and queues it again at the first
+     * kvt_policy_step after no lease holds n. While a move is in flight the engine holds a lease on
+     * n (owner KVT_POLICY_LEASE_OWNER), so n and depth stay valid for the executor. why: its cause,
+     * never NULL, valid for the call. Required.
      */
     int (*move)(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n, uint32_t depth,
                 uint32_t npages, kvt_tier_id_t from, kvt_tier_id_t to);
@@ -405,7 +408,8 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget);
 /* Completes a move an executor answered with KVT_POLICY_PENDING, named by the n and depth the
  * move was given (an insert may have split the run across n and its ancestors since: the engine
  * finds every page). The executor clears KVT_BLOCK_BUSY. status 0 moves the blocks' tier and
- * accounting; an error gives the reservation in `to` back. Returns 0; KVT_EAGAIN when the engine
+ * accounting; an error gives the reservation in `to` back (KVT_EBUSY for a promotion parks it,
+ * as ops->move's refusal does). Returns 0; KVT_EAGAIN when the engine
  * kept the blocks in `from` after all (promotions meanwhile made the pages after the run faster
  * than `to`; the executor frees the copy it made in `to`); or KVT_EINVAL: no such move (nothing
  * changes), or a page of the run is no longer in `from` (lost meanwhile: the move is ended as
@@ -431,6 +435,9 @@ typedef struct kvt_policy_stats {
     uint64_t rebuilds;                /* victim heaps rebuilt in one walk over every node */
     uint64_t sweeps;                  /* and renewed by a sweep (sweep_above) */
     uint64_t pin_refusals;            /* moves not started: the index had no room for their pin */
+    /* Promotions the executor refused for a lease's readers (KVT_EBUSY), parked until no lease
+     * holds the node, and those queued again once none did. */
+    uint64_t parked, unparked;
     /* COST: its experts (KVT_POLICY_EXPERT_*; docs/policy.md, "Experts"): the one chosen (it
      * orders the victims from the next rebuild or sweep of the heaps on), the seconds of loads
      * and recomputes each one's miniature hierarchy spent on the sampled pages lately (decayed;

@@ -42,7 +42,8 @@ static const kvt_opt_t kvt_opts[] = {
      "Unix socket path, relative to the working directory; \"\" disables it"},
     {"unix-mode", KVT_OPT_MODE, KVT_O(unix_mode), "0600", "permission bits of the Unix socket"},
     {"tcp", KVT_OPT_STR, KVT_O(tcp), "127.0.0.1:7390",
-     "TCP listen address host:port; \"\" disables"},
+     "TCP listen address host:port, an IPv6 one in brackets ([::]:port: IPv4 and IPv6); \"\" "
+     "disables"},
     {"metrics", KVT_OPT_STR, KVT_O(metrics), "127.0.0.1:7391",
      "HTTP address for /metrics and /healthz; \"\" disables"},
     {"data-dir", KVT_OPT_STR, KVT_O(data_dir), "kvtier-data", "directory of the NVMe tier"},

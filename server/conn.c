@@ -288,50 +288,75 @@ void kvt__kicks_flush(kvt__loop_t *l)
  * the kernel's tuning. */
 #define KVT_SNDBUF_TUNED 0xff
 
-static int addr_is(const struct sockaddr_storage *a, const struct sockaddr *b)
+/* The address of a as IPv6, an IPv4 one v4-mapped (::ffff:a.b.c.d), so that a dual-stack
+ * listener's IPv4 peers and the interfaces' IPv4 addresses compare alike: 0 for another family. */
+static int addr_v6(const struct sockaddr *a, struct in6_addr *out)
 {
-    if (a->ss_family != b->sa_family)
+    if (a->sa_family == AF_INET6) {
+        *out = ((const struct sockaddr_in6 *)a)->sin6_addr;
+        return 1;
+    }
+    if (a->sa_family != AF_INET)
         return 0;
-    if (b->sa_family == AF_INET)
-        return ((const struct sockaddr_in *)a)->sin_addr.s_addr ==
-               ((const struct sockaddr_in *)b)->sin_addr.s_addr;
-    if (b->sa_family == AF_INET6)
-        return !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
-                       &((const struct sockaddr_in6 *)b)->sin6_addr, sizeof(struct in6_addr));
-    return 0;
+    memset(out, 0, sizeof *out);
+    out->s6_addr[10] = out->s6_addr[11] = 0xff;
+    memcpy(out->s6_addr + 12, &((const struct sockaddr_in *)a)->sin_addr, 4);
+    return 1;
+}
+
+#define KVT_HOST_ADDRS_AGE_NS 1000000000ull
+
+/* Looks up the host's addresses again when the last look is a second old: an address added
+ * since is missed for at most that long (its peers keep the kernel's tuning meanwhile). A
+ * failed look keeps the last list, and is not retried before the second is over either. */
+static void host_addrs_fresh(kvt_srv_t *s)
+{
+    kvt__clients_t *cl = &s->clients;
+    uint64_t now = kvt_now_ns();
+    if (cl->host_addrs_ns && now - cl->host_addrs_ns < KVT_HOST_ADDRS_AGE_NS)
+        return;
+    cl->host_addrs_ns = now;
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) < 0)
+        return;
+    size_t n = 0;
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+        struct in6_addr a;
+        if (!i->ifa_addr || !addr_v6(i->ifa_addr, &a))
+            continue;
+        if (kvt_reserve(&cl->host_addrs, &cl->host_addrs_cap, n + 1, sizeof a, 8) < 0)
+            break; /* out of memory: the ones so far */
+        cl->host_addrs[n++] = a;
+    }
+    cl->host_naddrs = n;
+    freeifaddrs(ifs);
+}
+
+static int addr_loopback(const struct in6_addr *a)
+{
+    return IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
 }
 
 /* Whether a TCP connection's peer runs on this host: a loopback address, the address it reached
  * (a client on the node connecting to the node's own address gets that as its source), or one
- * of the host's interfaces' addresses (looked up only when neither, at accept). */
-static int peer_on_host(int fd)
+ * of the host's interfaces' addresses (host_addrs_fresh), an IPv4 peer of a dual-stack listener
+ * (v4-mapped) included. */
+static int peer_on_host(kvt_srv_t *s, int fd)
 {
-    struct sockaddr_storage peer, self;
-    socklen_t pl = sizeof peer, sl = sizeof self;
-    if (getpeername(fd, (struct sockaddr *)&peer, &pl) < 0 ||
-        getsockname(fd, (struct sockaddr *)&self, &sl) < 0)
+    struct sockaddr_storage ps, ss;
+    socklen_t pl = sizeof ps, sl = sizeof ss;
+    struct in6_addr peer, self;
+    if (getpeername(fd, (struct sockaddr *)&ps, &pl) < 0 ||
+        getsockname(fd, (struct sockaddr *)&ss, &sl) < 0 ||
+        !addr_v6((struct sockaddr *)&ps, &peer) || !addr_v6((struct sockaddr *)&ss, &self))
         return 0;
-    if (peer.ss_family == AF_INET) {
-        const struct sockaddr_in *p = (const struct sockaddr_in *)&peer;
-        if ((ntohl(p->sin_addr.s_addr) >> 24) == 127)
-            return 1;
-    } else if (peer.ss_family == AF_INET6) {
-        const struct in6_addr *a = &((const struct sockaddr_in6 *)&peer)->sin6_addr;
-        if (IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127))
-            return 1;
-    } else {
-        return 0;
-    }
-    if (addr_is(&peer, (const struct sockaddr *)&self))
+    if (addr_loopback(&peer) || IN6_ARE_ADDR_EQUAL(&peer, &self))
         return 1;
-    struct ifaddrs *ifs = NULL;
-    int on = 0;
-    if (getifaddrs(&ifs) < 0)
-        return 0;
-    for (struct ifaddrs *i = ifs; i && !on; i = i->ifa_next)
-        on = i->ifa_addr && addr_is(&peer, i->ifa_addr);
-    freeifaddrs(ifs);
-    return on;
+    host_addrs_fresh(s);
+    for (size_t i = 0; i < s->clients.host_naddrs; i++)
+        if (IN6_ARE_ADDR_EQUAL(&peer, &s->clients.host_addrs[i]))
+            return 1;
+    return 0;
 }
 
 /* The size socket-send-budget gives back to a connection once its share is over it: a Unix
@@ -484,7 +509,7 @@ void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
             int one = 1;
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
             /* A peer across a network keeps the kernel's tuning: see sndbuf_fit. */
-            if (!peer_on_host(fd))
+            if (!peer_on_host(s, fd))
                 c->sndbuf_log = KVT_SNDBUF_TUNED;
         }
         if (s->clients.sndbuf_default == 0)

@@ -251,19 +251,28 @@ static void move_free(kvt_srv_t *s, kvt__move_t *m)
 }
 
 /*
- * Whether node n is leased by someone other than the policy's moves in flight (each holds one
- * lease on its node's path): a MATCH's lease, or a request's pin. Walks the moves only when n has
- * more leases than the one of the move asking.
+ * Whether node n is leased by someone who may be reading its pages: anyone but the policy's
+ * moves in flight (each holds one lease on its node's path; m, the move asking, if it has
+ * started) and req, the PREFETCH a move is for (its pin keeps the path, it reads nothing). So a
+ * MATCH's lease (its holder may read the pages in place, through a location LOCATE gave it) or
+ * another request's pin. Walks the moves only when n has more leases than those.
  */
-static int leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n)
+static int leased_by_others(kvt_srv_t *s, kvt_radix_node_t *n, const kvt__move_t *m,
+                            const kvt__req_t *req)
 {
-    uint32_t all = kvt_radix_node_leases(n), own = 0;
-    if (all <= 1)
-        return 0;
-    uint32_t d = kvt_radix_node_depth(n);
+    uint32_t all = kvt_radix_node_leases(n), d = kvt_radix_node_depth(n);
+    uint32_t own = m != NULL;
+    own += req && req->lease && kvt_radix_node_holding(req->node, d) == n;
     for (kvt__move_t *mm = s->exec.moves; mm && own < all; mm = mm->next)
-        own += kvt_radix_node_holding(mm->node, d) == n; /* n is on mm's path */
+        own += mm != m && kvt_radix_node_holding(mm->node, d) == n; /* n is on mm's path */
     return all > own;
+}
+
+/* A client may read a page of tier t in place, with nothing the daemon sees: DRAM through its
+ * zero-copy mapping of the arena (GET or MATCH with LOCATE), HBM through the pool's IPC handle. */
+static int tier_mapped(kvt_tier_id_t t)
+{
+    return t == KVT_TIER_DRAM || t == KVT_TIER_HBM;
 }
 
 /*
@@ -310,18 +319,22 @@ static void move_finish(kvt_srv_t *s, kvt__move_t *m)
     if (status == 0 && m->started < m->npages)
         status = KVT_EIO; /* a copy did not start: the run stays where it was */
     /* A move whose node was leased while it ran stays where the lease found it (the policy may
-     * move it once the lease is gone):
+     * move it once the lease is gone; a promotion refused so, KVT_EBUSY, it parks until then):
      * - into NVMe: the lease pinned the blocks' NVMe locations it saw (none of these), so the
      *   log's reclaim could drop them under a GET the MATCH promised;
-     * - a demotion out of DRAM or HBM: a client may read the leased pages in place, through its
-     *   zero-copy mapping of the arena (GET with LOCATE) or the HBM pool's IPC handle, with
-     *   nothing the daemon can see; freeing the old copy at the switch let another block land
-     *   there under that read, and the client served that block's bytes (bench_fleet caught it:
-     *   5 of 12 shared-tier replays, 0 of 12 with this). A promotion out of DRAM into HBM has
-     *   the same hazard for such a reader, not closed here: it would need the old copy kept
-     *   until the leases taken before the switch are released. */
-    int demotes_mapped = m->to > m->from && (m->from == KVT_TIER_DRAM || m->from == KVT_TIER_HBM);
-    if (status == 0 && (m->to == KVT_TIER_NVME || demotes_mapped) && leased_by_others(s, m->node))
+     * - out of DRAM or HBM, down or up: a client may read the leased pages in place (tier_mapped)
+     *   with nothing the daemon can see; freeing the old copy at the switch let another block
+     *   land there under that read, and the client served that block's bytes (bench_fleet
+     *   caught it for demotions: 5 of 12 shared-tier replays, 0 of 12 with this;
+     *   server_zc's promotion_waits_for_a_zero_copy_reader for a promotion into HBM).
+     * Refused rather than the old copy kept until the leases taken before the switch go: such
+     * a lease lasts an engine's step or more (seconds, not a GET's microseconds), and the kept
+     * copy would hold DRAM that the policy's accounting has already given back. The MATCH that
+     * queued a promotion counts among the others: its holder may have been given the pages'
+     * DRAM locations (LOCATE), and only its RELEASE says it read them. exec_move refuses such
+     * a move at its start already; this catches the leases taken while it ran. */
+    if (status == 0 && (m->to == KVT_TIER_NVME || tier_mapped((kvt_tier_id_t)m->from)) &&
+        leased_by_others(s, m->node, m, m->req))
         status = KVT_EBUSY;
     int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
                                   (kvt_tier_id_t)m->to, status);
@@ -434,6 +447,11 @@ static int exec_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t 
     }
     if (from == KVT_TIER_DRAM && !move_source_intact(s, n, depth, npages))
         return KVT_ECORRUPT;
+    /* A reader in place would lose its pages at the switch, which move_finish refuses then:
+     * no copy for nothing. KVT_EBUSY: the policy parks a promotion refused so, and makes it
+     * once no lease holds n. */
+    if (tier_mapped(from) && leased_by_others(s, n, NULL, why->req))
+        return KVT_EBUSY;
     uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
     size_t sz = sizeof(kvt__move_t) + npages * (sizeof(kvt__mpage_t) + page * sizeof(uint32_t));
     kvt__move_t *m = calloc(1, sz);

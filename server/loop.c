@@ -396,10 +396,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         }
         s->tcp_ev.fd = rc;
         s->tcp_ev.cb = on_tcp;
-        struct sockaddr_in sin;
-        socklen_t sl = sizeof sin;
-        if (!*conf->secret && getsockname(rc, (struct sockaddr *)&sin, &sl) == 0 &&
-            (ntohl(sin.sin_addr.s_addr) >> 24) != 127)
+        if (!*conf->secret && !kvt__listen_loopback(rc))
             kvt_log(KVT_LOG_WARN,
                     "kvtierd: tcp %s is reachable from other machines and no secret is set: "
                     "anyone who reaches it can read, write and remove cached KV bytes",
@@ -590,6 +587,7 @@ void kvt__srv_close(kvt_srv_t *s)
         close(s->sig_ev.fd);
     if (s->clients.spare_fd >= 0)
         close(s->clients.spare_fd);
+    free(s->clients.host_addrs);
     /* The tree first (policy.h: the policy goes after the tree it borrows). Its free callbacks
      * give nothing back on KVT_RADIX_DESTROY (kvt__store_free_cb returns early): each tier,
      * destroyed next in kvt__store_close, frees all of its blocks at once, and NVMe keeps its

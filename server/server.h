@@ -25,6 +25,7 @@
 #include <endian.h>
 #include <pthread.h>
 #include <sys/types.h>
+#include <netinet/in.h>
 
 #include "common.h"
 #include "policy.h"
@@ -387,6 +388,12 @@ typedef struct kvt__clients {
     uint32_t mem_waiting; /* connections with mem_wait set */
     int spare_fd;         /* /dev/null, given up to refuse a connection at the open-file limit */
     int sndbuf_default;   /* a Unix socket's SO_SNDBUF as the kernel makes it; 0: not yet seen */
+    /* The host's own addresses, IPv4 ones v4-mapped (conn.c peer_on_host), looked up again at
+     * most once a second, from the accept path: getifaddrs at every TCP accept from a peer that
+     * is neither loopback nor the address it reached cost that accept 8.5 us. */
+    struct in6_addr *host_addrs;
+    size_t host_naddrs, host_addrs_cap;
+    uint64_t host_addrs_ns; /* when they were looked up; 0: never */
     /* The buffer of the last big frame a request freed, kept for the next big frame: a fresh one
      * per frame came from jemalloc purged (madvise) at every free, its pages faulted and zeroed
      * again (conn.c spare_take). Not in bytes (held for no client), but kept only while bytes
@@ -983,6 +990,7 @@ kvt__http_req_t kvt__http_parse(const char *head, size_t len, int full, int *hea
 /* net.c: host:port parsing and listening TCP sockets. */
 int kvt__parse_hostport(const char *s, char *host, size_t hostlen, uint16_t *port);
 int kvt__listen_tcp(const char *addr, char *bound, size_t boundlen);
+int kvt__listen_loopback(int fd);
 
 #include "store.h" /* the door to the tree and the tiers */
 

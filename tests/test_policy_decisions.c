@@ -970,18 +970,26 @@ Test(policy_decisions, ghosts_learn_what_comes_back)
     cr_assert_gt(hits[0], 300, "cost: %u of 400 pages hit in the last 100 rounds", hits[0]);
 }
 
-/* Lands the pending HBM -> DRAM move of the first 4 pages of tok, as the executor would. */
-static void land_demotion(const uint32_t *tok)
+/* Ends the pending move of the first 4 pages of tok with status, as the executor would. */
+static void land_move(const uint32_t *tok, kvt_tier_id_t from, kvt_tier_id_t to, int status)
 {
     kvt_match_t m;
     cr_assert_eq(kvt_radix_match(tree, ns, tok, 16, KVT_MATCH_NOTOUCH, &m), 0);
     kvt_block_t *bl = kvt_radix_node_blocks(m.node);
     for (int i = 0; i < 4; i++)
         bl[i].flags &= (uint8_t)~KVT_BLOCK_BUSY;
-    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, KVT_TIER_HBM, KVT_TIER_DRAM, 0), 0);
-    ex.used[KVT_TIER_HBM] -= 4 * PAGE;
-    ex.used[KVT_TIER_DRAM] += 4 * PAGE;
+    cr_assert_eq(kvt_policy_move_done(pol, m.node, 0, 4, from, to, status), 0);
+    if (status == 0) {
+        ex.used[from] -= 4 * PAGE;
+        ex.used[to] += 4 * PAGE;
+    }
     ex.pending = 0;
+}
+
+/* Lands the pending HBM -> DRAM move of the first 4 pages of tok. */
+static void land_demotion(const uint32_t *tok)
+{
+    land_move(tok, KVT_TIER_HBM, KVT_TIER_DRAM, 0);
 }
 
 /* A promotion into a tier whose room is only on its way (moves out of it still in flight) moves
@@ -1197,6 +1205,101 @@ static void unhold_and_adopt(kvt_radix_node_t *n, kvt_tier_id_t tier)
  * with make_room frees it from the lowest tier by dropping the least recently used blocks, never
  * a leased path's; says so when nothing may go; finds a path again once its lease ends. Held
  * room counts as used (verify agrees) until given back for the adoption. */
+/* The executor's refusal of a promotion while a lease holds the node (kvtierd: its holder may
+ * read the run in place, and the switch would free it). */
+static int refusals;
+
+static int ex_move_read_in_place(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t *n,
+                                 uint32_t depth, uint32_t npages, kvt_tier_id_t from,
+                                 kvt_tier_id_t to)
+{
+    if (to < from && kvt_radix_node_leased(n)) {
+        refusals++;
+        return KVT_EBUSY;
+    }
+    return ex_move(arg, why, n, depth, npages, from, to);
+}
+
+static const kvt_policy_ops_t read_in_place_ops = {.move = ex_move_read_in_place,
+                                                   .admit = ex_admit};
+
+/* Starts an LRU engine over an HBM of 4 pages and a DRAM of 100, with `with` (NULL: the plain
+ * executor's), and returns a, its 4 pages in DRAM under an empty HBM: a went down for b, then b
+ * was removed. */
+static uint32_t *a_below_an_empty_hbm(const kvt_policy_ops_t *with)
+{
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 4, 100, 0);
+    if (with)
+        c.ops = with;
+    start(&c);
+    uint32_t *a = seq(16, 1000), *b = seq(16, 2000);
+    request(a, 16, NULL);
+    request(b, 16, NULL);
+    cr_assert_eq(kvt_radix_remove(tree, ns, b, PS), 0); /* its first page and all beneath */
+    free(b);
+    all_in(a, 4, KVT_TIER_DRAM);
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.used[KVT_TIER_HBM], 0);
+    return a;
+}
+
+static void parked_and_unparked(uint64_t parked, uint64_t unparked)
+{
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    cr_assert_eq(st.parked, parked);
+    cr_assert_eq(st.unparked, unparked);
+}
+
+/* a's lease ends, and the next step makes its parked promotion. */
+static void made_once_released(uint32_t *a, uint64_t lease)
+{
+    cr_assert_eq(kvt_radix_release(tree, lease), 0);
+    cr_assert_eq(kvt_policy_step(pol, 0), 4);
+    all_in(a, 4, KVT_TIER_HBM);
+    parked_and_unparked(1, 1);
+    free(a);
+    stop();
+}
+
+/* A hit's promotion refused under a lease (an engine's MATCH holds one on what it matched) is
+ * parked: not tried again while a lease holds the node, though others end, and made at the
+ * first step after the last one on it ended. */
+Test(policy_decisions, a_promotion_refused_for_a_lease_is_made_once_it_ends)
+{
+    refusals = 0;
+    uint32_t *a = a_below_an_empty_hbm(&read_in_place_ops), *e = seq(16, 3000);
+    uint64_t lease = lease_path(a);
+    cr_assert_eq(request(a, 16, NULL), 4);
+    cr_assert_eq(refusals, 1);
+    all_in(a, 4, KVT_TIER_DRAM);
+    parked_and_unparked(1, 0);
+    request(e, 16, NULL);
+    cr_assert_eq(kvt_radix_release(tree, lease_path(e)), 0); /* another path's lease ends */
+    free(e);
+    cr_assert_eq(kvt_policy_step(pol, 0), 0);
+    cr_assert_eq(refusals, 1, "tried again under its lease");
+    all_in(a, 4, KVT_TIER_DRAM);
+    made_once_released(a, lease);
+}
+
+/* The same for a promotion the executor refused at its switch, for a lease taken while its
+ * copies ran. */
+Test(policy_decisions, a_promotion_refused_at_its_switch_is_made_once_the_lease_ends)
+{
+    uint32_t *a = a_below_an_empty_hbm(NULL);
+    ex.pending = 1;
+    request(a, 16, NULL); /* its promotion is in flight */
+    uint64_t lease = lease_path(a);
+    land_move(a, KVT_TIER_DRAM, KVT_TIER_HBM, KVT_EBUSY);
+    all_in(a, 4, KVT_TIER_DRAM);
+    parked_and_unparked(1, 0);
+    cr_assert_eq(kvt_policy_step(pol, 0), 0); /* the move's own lease ended: a's holds it */
+    all_in(a, 4, KVT_TIER_DRAM);
+    made_once_released(a, lease);
+}
+
 Test(policy_decisions, hold_makes_room_in_the_lowest_tier)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 8, 0);

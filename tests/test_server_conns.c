@@ -227,7 +227,9 @@ static uint64_t raw_lease(int fd, const uint32_t *t, uint32_t ntok, uint8_t *bod
  * that never reads grows no window, so what the window has no room for waits in the daemon's
  * end, in the send buffer socket-send-budget sets (a reader whose buffer the kernel tunes soon
  * takes a whole pipeline of replies into its own queue: its side, not the daemon's). */
-static int raw_tcp(const kvd_t *dm)
+/* A TCP connection to the daemon's --tcp address, from src's address ("192.0.2.2:0") where src
+ * is not NULL. A dual-stack listener ("[::]:port") is reached over IPv4 at 127.0.0.1. */
+static int raw_tcp(const kvd_t *dm, const char *src)
 {
     char host[64];
     unsigned port = 0;
@@ -235,12 +237,22 @@ static int raw_tcp(const kvd_t *dm)
     cr_assert(colon && colon - dm->tcp < (long)sizeof host, "tcp address %s", dm->tcp);
     memcpy(host, dm->tcp, (size_t)(colon - dm->tcp));
     host[colon - dm->tcp] = 0;
+    if (!strcmp(host, "[::]"))
+        strcpy(host, "127.0.0.1");
     port = (unsigned)atoi(colon + 1);
     struct sockaddr_in sin = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     cr_assert_eq(inet_pton(AF_INET, host, &sin.sin_addr), 1, "tcp address %s", dm->tcp);
     int fd = socket(AF_INET, SOCK_STREAM, 0), rcv = (int)SHARE_64 / 2;
     cr_assert(fd >= 0);
     cr_assert_eq(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcv, sizeof rcv), 0);
+    if (src) {
+        char a[INET_ADDRSTRLEN] = {0};
+        struct sockaddr_in from = {.sin_family = AF_INET};
+        memcpy(a, src, KVT_MIN(strcspn(src, ":"), sizeof a - 1));
+        cr_assert_eq(inet_pton(AF_INET, a, &from.sin_addr), 1, "source %s", src);
+        cr_assert_eq(bind(fd, (struct sockaddr *)&from, sizeof from), 0, "bind %s: %s", src,
+                     strerror(errno));
+    }
     cr_assert(connect(fd, (struct sockaddr *)&sin, sizeof sin) == 0, "connect: %s",
               strerror(errno));
     struct timeval tv = {.tv_sec = 10};
@@ -249,25 +261,30 @@ static int raw_tcp(const kvd_t *dm)
 }
 
 /* The bytes the daemon's end of TCP connection fd holds unsent or unacknowledged (its tx_queue
- * in /proc/net/tcp): over loopback what the peer's receive window has no room for waits there. */
+ * in /proc/net/tcp, or tcp6 for a dual-stack listener's): over loopback what the peer's receive
+ * window has no room for waits there. */
 static int tcp_peer_queued(int fd)
 {
     struct sockaddr_in me, peer;
     socklen_t ml = sizeof me, pl = sizeof peer;
     cr_assert_eq(getsockname(fd, (struct sockaddr *)&me, &ml), 0);
     cr_assert_eq(getpeername(fd, (struct sockaddr *)&peer, &pl), 0);
-    FILE *f = fopen("/proc/net/tcp", "r");
-    cr_assert(f, "/proc/net/tcp: %s", strerror(errno));
-    char line[512];
     int q = -1;
-    while (q < 0 && fgets(line, sizeof line, f)) {
-        unsigned la, lp, ra, rp, st, tx, rx;
-        if (sscanf(line, " %*u: %x:%x %x:%x %x %x:%x", &la, &lp, &ra, &rp, &st, &tx, &rx) == 7 &&
-            lp == ntohs(peer.sin_port) && rp == ntohs(me.sin_port))
-            q = (int)tx;
+    for (int v6 = 0; v6 < 2 && q < 0; v6++) {
+        const char *path = v6 ? "/proc/net/tcp6" : "/proc/net/tcp";
+        FILE *f = fopen(path, "r");
+        cr_assert(f, "%s: %s", path, strerror(errno));
+        char line[512];
+        while (q < 0 && fgets(line, sizeof line, f)) {
+            unsigned lp, rp, st, tx, rx;
+            if (sscanf(line, " %*u: %*[0-9A-F]:%x %*[0-9A-F]:%x %x %x:%x", &lp, &rp, &st, &tx,
+                       &rx) == 5 &&
+                lp == ntohs(peer.sin_port) && rp == ntohs(me.sin_port))
+                q = (int)tx;
+        }
+        fclose(f);
     }
-    fclose(f);
-    cr_assert_geq(q, 0, "the daemon's end of the connection is not in /proc/net/tcp");
+    cr_assert_geq(q, 0, "the daemon's end of the connection is not in /proc/net/tcp{,6}");
     return q;
 }
 
@@ -325,7 +342,8 @@ static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t
  * the default; tcp: the socket is a TCP one, to listen (the daemon's --tcp, NULL: loopback).
  * 0 when the kernel's default send buffer is too small to tell a cut one from it (the test is
  * skipped). */
-static int queued_with_conns(const char *budget, int tcp, const char *listen, int q[3])
+static int queued_with_conns(const char *budget, int tcp, const char *listen, const char *src,
+                             int q[3])
 {
     int sp[2], def = 0;
     socklen_t dl = sizeof def;
@@ -358,7 +376,7 @@ static int queued_with_conns(const char *budget, int tcp, const char *listen, in
     cr_assert_eq(r.stored, 1);
     size_t cap = BIG_BB + 4096;
     uint8_t *body = malloc(cap);
-    int fd = tcp ? raw_tcp(&d) : kvd_raw(&d);
+    int fd = tcp ? raw_tcp(&d, src) : kvd_raw(&d);
     uint64_t lease = raw_lease(fd, tok, PAGE, body, cap);
 
     q[0] = queued_by_gets(fd, tcp, lease, body, cap);
@@ -391,7 +409,7 @@ static int queued_with_conns(const char *budget, int tcp, const char *listen, in
 Test(server_conns, the_kernel_holds_a_share_of_the_send_budget, .fini = teardown, .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns(NULL, 0, NULL, q))
+    if (!queued_with_conns(NULL, 0, NULL, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     cr_expect_gt(q[0], (int)(2 * SHARE_64), "2 connections: %d bytes queued", q[0]);
     /* Its 64K, and at most the last piece of the write that reached it (half of it). */
@@ -404,7 +422,7 @@ Test(server_conns, the_kernel_holds_a_share_of_the_send_budget, .fini = teardown
 Test(server_conns, a_send_budget_of_0_leaves_the_kernel_default, .fini = teardown, .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns("0", 0, NULL, q))
+    if (!queued_with_conns("0", 0, NULL, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     for (int i = 0; i < 3; i++)
         cr_expect_gt(q[i], (int)(2 * SHARE_64), "step %d: %d bytes queued", i, q[i]);
@@ -418,7 +436,7 @@ Test(server_conns, a_loopback_tcp_connection_holds_a_share_of_the_send_budget, .
      .timeout = 60)
 {
     int q[3];
-    if (!queued_with_conns(NULL, 1, NULL, q))
+    if (!queued_with_conns(NULL, 1, NULL, NULL, q))
         cr_skip_test("the kernel's default send buffer is at most the share");
     cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
     cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
@@ -446,6 +464,19 @@ static int own_address(char *buf, size_t len)
     return rc;
 }
 
+/* A TCP client of kvtierd listening on listen, from src (NULL: the kernel's pick), is cut as a
+ * loopback one: the tuning grows its socket's buffer past the pipeline with 2 connections, and
+ * it holds its share with MANY. */
+static void expect_tcp_share(const char *listen, const char *src)
+{
+    int q[3];
+    if (!queued_with_conns(NULL, 1, listen, src, q))
+        cr_skip_test("the kernel's default send buffer is at most the share");
+    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
+    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
+                  q[1]);
+}
+
 /* A client on this host that reaches kvtierd at the host's own address (not loopback: a
  * sidecar's engine given the node's address) is cut as a loopback one. */
 Test(server_conns, a_tcp_connection_to_the_hosts_own_address_holds_a_share, .fini = teardown,
@@ -454,12 +485,20 @@ Test(server_conns, a_tcp_connection_to_the_hosts_own_address_holds_a_share, .fin
     char listen[64];
     if (own_address(listen, sizeof listen) < 0)
         cr_skip_test("no address up other than loopback");
-    int q[3];
-    if (!queued_with_conns(NULL, 1, listen, q))
-        cr_skip_test("the kernel's default send buffer is at most the share");
-    cr_expect_gt(q[0], (int)(4 * SHARE_64), "2 connections: %d bytes queued", q[0]);
-    cr_expect_leq(q[1], (int)(SHARE_64 + SHARE_64 / 2), "%d connections: %d bytes queued", MANY,
-                  q[1]);
+    expect_tcp_share(listen, NULL);
+}
+
+/* A dual-stack listener ("[::]:0") sees an IPv4 peer as ::ffff:a.b.c.d. A client on this host
+ * whose source is the host's own address, reaching the listener at another of the host's
+ * addresses (127.0.0.1: the other one a test host is sure to have), is cut as a loopback one:
+ * its v4-mapped address is compared with the interfaces' IPv4 ones. */
+Test(server_conns, a_v4_mapped_peer_from_the_hosts_own_address_holds_a_share, .fini = teardown,
+     .timeout = 60)
+{
+    char src[64];
+    if (own_address(src, sizeof src) < 0)
+        cr_skip_test("no address up other than loopback");
+    expect_tcp_share("[::]:0", src);
 }
 
 /* A client that pipelines big GETs and stops reading: kvtierd's write that filled its socket

@@ -780,8 +780,9 @@ static uint64_t zstore_one(int fd, zmap_t *z, const uint32_t *t, uint32_t seed)
     return off[0];
 }
 
-/* Whether c (of the page's namespace) reads page 0 of t from DRAM with pattern seed. */
-static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const char *what)
+/* Whether c (of the page's namespace) reads page 0 of t from tier with pattern seed. */
+static void expect_page_in(kvt_client_t *c, const uint32_t *t, uint32_t seed, uint8_t tier,
+                           const char *what)
 {
     kvt_client_match_t m = {0};
     uint8_t tiers[1];
@@ -789,7 +790,7 @@ static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const
     m.tiers_cap = 1;
     cr_assert_eq(kvt_client_match(c, t, PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, 1, "%s: not in the index", what);
-    cr_expect_eq(tiers[0], KVT_CLIENT_TIER_DRAM, "%s: in tier %u", what, tiers[0]);
+    cr_expect_eq(tiers[0], tier, "%s: in tier %u", what, tiers[0]);
     uint8_t *got = malloc(BB), *want = malloc(BB);
     cr_assert_eq(kvt_client_get(c, m.lease, 0, 1, got, BB, NULL, NULL), 0);
     pattern(want, seed);
@@ -797,6 +798,131 @@ static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const
     kvt_client_release(c, m.lease, NULL);
     free(got);
     free(want);
+}
+
+static void expect_page(kvt_client_t *c, const uint32_t *t, uint32_t seed, const char *what)
+{
+    expect_page_in(c, t, seed, KVT_CLIENT_TIER_DRAM, what);
+}
+
+/* Whether page 0 of the lease's path is still located at off in the DRAM mapping. */
+static int located_at(int fd, uint64_t lease, uint64_t off)
+{
+    uint64_t loc[1];
+    uint32_t left;
+    return zget_locate(fd, lease, 1, loc, &left) == 0 && loc[0] == off;
+}
+
+/* A promotion into HBM leaves a page a lease holds in the DRAM mapping: neither the promotion
+ * its MATCH queued nor a PREFETCH up to HBM moves it, since the switch would free its DRAM copy
+ * under the reader, and pages reserved next land in DRAM that is free. Once the lease is
+ * released, a PREFETCH moves it. */
+Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    uint32_t t[PAGE], pages;
+    kvd_tokens(t, PAGE, 7100);
+    uint64_t off = zstore_one(fd, &z, t, 78);
+    uint64_t lease = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_assert(located_at(fd, lease, off), "not located where it was written");
+
+    kvt_client_t *c = zclient(&d, NULL);
+    kvt_client_prefetch_t pf;
+    cr_assert_eq(kvt_client_prefetch(c, t, PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
+    cr_expect_eq(pf.moved + pf.resident, 0, "promoted under its reader: moved %u resident %u",
+                 pf.moved, pf.resident);
+    for (uint32_t i = 0; i < 16; i++) {
+        uint32_t u[PAGE];
+        kvd_tokens(u, PAGE, 20000 + 100 * i);
+        zstore_one(fd, &z, u, 300 + i);
+    }
+    uint8_t *want = malloc(BB);
+    pattern(want, 78);
+    cr_expect(memcmp(z.base + off, want, BB) == 0, "a leased page's bytes changed");
+    cr_expect(located_at(fd, lease, off), "a leased page moved");
+    zrelease(fd, lease);
+
+    cr_assert_eq(kvt_client_prefetch(c, t, PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
+    cr_expect_eq(pf.moved + pf.resident, 1, "not promoted once released: failed %u", pf.failed);
+    free(want);
+    kvt_client_close(c);
+    zunmap(&z);
+    close(fd);
+}
+
+/* An engine's MATCH, with a lease, of a page fd wrote through its mapping into DRAM: the
+ * promotion into HBM it queues is refused while the lease holds the page (a STATS after the
+ * lease's GET sees it, after the step that followed the MATCH), and the page stays where the
+ * lease's LOCATE put it. Returns the lease. */
+static uint64_t leased_in_dram(int fd, zmap_t *z, kvt_client_t *c, const uint32_t *t, uint32_t seed)
+{
+    uint64_t off = zstore_one(fd, z, t, seed);
+    uint32_t pages;
+    uint64_t lease = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_assert(located_at(fd, lease, off), "not located where it was written");
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 0, "promoted under its lease");
+    cr_expect(located_at(fd, lease, off), "a leased page moved");
+    return lease;
+}
+
+/* Once the lease has gone, the page reaches HBM with no MATCH or PREFETCH after it: the
+ * promotion refused under the lease was parked and runs again. */
+static void promoted_once_free(kvt_client_t *c, const uint32_t *t, uint32_t seed, const char *how)
+{
+    cr_expect_eq(wait_stat(c, "hbm_blocks", 1), 1, "not promoted after the lease's %s", how);
+    cr_expect_eq(kvd_stat(c, "dram_blocks"), 0);
+    expect_page_in(c, t, seed, KVT_CLIENT_TIER_HBM, how);
+}
+
+/* How the lease of leased_in_dram ends. */
+typedef enum { BY_RELEASE, BY_EXPIRY, BY_CLOSE } lease_end_t;
+
+/* An engine MATCHes every hit with a lease: the promotion its MATCH queues, refused while that
+ * lease holds the page, is made once the lease has gone, however it went. */
+static void promoted_after_the_lease(lease_end_t how, uint32_t seed)
+{
+    static const char *const name[] = {"RELEASE", "expiry", "close"};
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", "--lease-ms", how == BY_EXPIRY ? "1000" : "30000", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 100 * seed);
+    uint64_t lease = leased_in_dram(fd, &z, c, t, seed);
+    if (how == BY_RELEASE)
+        zrelease(fd, lease);
+    if (how == BY_EXPIRY)
+        cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
+    zunmap(&z);
+    if (how == BY_CLOSE)
+        close(fd);
+    promoted_once_free(c, t, seed, name[how]);
+    if (how != BY_CLOSE)
+        close(fd);
+    kvt_client_close(c);
+}
+
+Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_release, .fini = teardown)
+{
+    promoted_after_the_lease(BY_RELEASE, 81);
+}
+
+Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_expiry, .fini = teardown)
+{
+    promoted_after_the_lease(BY_EXPIRY, 82);
+}
+
+Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_connection_closed, .fini = teardown)
+{
+    promoted_after_the_lease(BY_CLOSE, 83);
 }
 
 /* A client makes its whole memfd resident (fallocate) and writes pages of its mapping where no
