@@ -292,6 +292,9 @@ struct kvt_policy {
     int xwant; /* the one the simulations chose: it takes over at the next rebuild or sweep */
     msim_t ms[NEXP][KVT_TIER_COUNT];
     double ms_cost[NEXP]; /* decayed seconds the sampled pages cost each one's hierarchy */
+    /* and what they cost the real hierarchy, decayed alike: beside the copy of the expert in
+     * charge, how far that copy's figure is from what its order really did (issue 40) */
+    double ms_real;
     double ms_load[KVT_TIER_COUNT]; /* seconds to load a sampled page from each tier */
     int ms_state;                   /* 0 not sized yet, 1 running, -1 off (no memory) */
     uint64_t ms_rng;
@@ -1625,15 +1628,17 @@ static int ms_init(kvt_policy_t *p, uint32_t bytes)
     return 0;
 }
 
-/* A page (prefix hash h, at depth, with the flags of its block) is used: every expert's miniature
- * hierarchy serves it (from a tier: its load time; missed: its recompute time), then holds it
- * in its admission tier as the engine promotes hits; the expert of the lowest decayed cost (by a
- * margin over the one choosing now: switching back and forth costs more than either) chooses
- * the victims from now on. Only pages whose hash falls in 1/2^MS_SHIFT of the space are
- * simulated, in tiers of that share of the real ones (SHARDS' spatial sampling), so the cost is
- * a few table probes per 2^MS_SHIFT pages used. */
+/* A page (prefix hash h, at depth, with the flags of its block; in the real hierarchy found in
+ * tier `real`, KVT_TIER_NONE when it was not) is used: every expert's miniature hierarchy
+ * serves it (from a tier: its load time; missed: its recompute time), then holds it in its
+ * admission tier as the engine promotes hits, and the real hierarchy's figure is charged alike
+ * (expert_real_s); the expert of the lowest decayed cost (by a margin over the one choosing
+ * now: switching back and forth costs more than either) chooses the victims from now on. Only
+ * pages whose hash falls in 1/2^MS_SHIFT of the space are simulated, in tiers of that share of
+ * the real ones (SHARDS' spatial sampling), so the cost is a few table probes per 2^MS_SHIFT
+ * pages used. */
 static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, uint32_t ps,
-                   uint32_t bytes)
+                   uint32_t bytes, uint8_t real)
 {
     if (p->ms_state == 0)
         p->ms_state = !p->c.expert && ms_init(p, bytes) == 0 ? 1 : -1;
@@ -1653,6 +1658,10 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
                 __builtin_prefetch(&m->v[ms_home(m, h)], 1, 3);
         }
     double redo = recompute_page_s(p, depth, ps);
+    /* charged as the copies charge: the page's load from its tier, or its recompute */
+    int found = real != KVT_TIER_NONE && real < KVT_TIER_COUNT;
+    p->ms_real = p->ms_real * MS_DECAY + (found ? KVT_MIN(redo, p->ms_load[real]) : redo);
+    p->st.expert_uses[p->xcur]++;
     msent_t xs[NEXP];
     for (int e = 0; e < p->nexp; e++) {
         double s = redo;
@@ -2150,7 +2159,7 @@ void kvt_policy_on_match(kvt_policy_t *p, const kvt_match_t *m, const kvt_policy
             per_tier[t]++;
             if (sim && ms_sampled(b->hash))
                 ms_use(p, b->hash, r.depth + (uint32_t)(b - r.blocks), b->flags,
-                       kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(r.node)), b->size);
+                       kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(r.node)), b->size, t);
             /* the run's class, tier and age bucket (EXP_HD's use ages): a path's pages mostly
              * share all three */
             unsigned k =
@@ -2264,7 +2273,7 @@ int kvt_policy_on_insert(kvt_policy_t *p, const kvt_insert_t *res, const kvt_pol
                 if (kvt_ghosts_seen(p->ghost, h))
                     b->flags |= GHOST_FLAG;
                 if (p->nexp > 1 && ms_sampled(h))
-                    ms_use(p, h, depth, b->flags, ps, size);
+                    ms_use(p, h, depth, b->flags, ps, size, KVT_TIER_NONE);
             }
             if (p->c.kind == KVT_POLICY_ORACLE)
                 b->policy = hint && hint->next_use && depth < hint->nnext ? hint->next_use[depth]
@@ -2743,6 +2752,7 @@ void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st)
     st->expert = (uint32_t)p->xwant;
     for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
         st->expert_miss_s[e] = e < p->nexp && p->nexp > 1 ? p->ms_cost[e] : 0;
+    st->expert_real_s = p->nexp > 1 ? p->ms_real : 0;
 }
 
 int kvt_policy_verify(const kvt_policy_t *p)

@@ -447,6 +447,12 @@ typedef struct kvt_policy_stats {
     uint64_t expert_switches; /* times another expert was chosen */
     double expert_miss_s[KVT_POLICY_EXPERTS];
     uint64_t expert_choices[KVT_POLICY_EXPERTS];
+    /* What the same sampled pages cost the real hierarchy (loads from the tier each was found
+     * in, or recomputes), decayed as expert_miss_s: beside the figure of the expert in charge,
+     * how far its miniature copy is from what its order really does. And the sampled pages used
+     * while each expert ordered the victims (the time each was in charge, in sampled uses). */
+    double expert_real_s;
+    uint64_t expert_uses[KVT_POLICY_EXPERTS];
 } kvt_policy_stats_t;
 
 void kvt_policy_stats(const kvt_policy_t *p, kvt_policy_stats_t *st);

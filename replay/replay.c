@@ -705,7 +705,12 @@ static void print_result(FILE *f, const result_t *r, const result_t *lru, const 
         for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
             fprintf(f, "%s\"%s\":%llu", e ? "," : "", en[e],
                     (unsigned long long)r->st.expert_choices[e]);
-        fprintf(f, "},\"expert_switches\":%llu", (unsigned long long)r->st.expert_switches);
+        fprintf(f, "},\"expert_uses\":{");
+        for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+            fprintf(f, "%s\"%s\":%llu", e ? "," : "", en[e],
+                    (unsigned long long)r->st.expert_uses[e]);
+        fprintf(f, "},\"expert_switches\":%llu,\"expert_real_s\":%.5f",
+                (unsigned long long)r->st.expert_switches, r->st.expert_real_s);
     }
     double saving = r->no_cache_s - r->total_s;
     fprintf(f,

@@ -1725,6 +1725,51 @@ Test(policy_decisions, the_recency_experts_copy_evicts_exactly_the_least_recent)
 }
 
 /*
+ * Issue 40, session 25: the stats give what the sampled pages cost the real hierarchy
+ * (expert_real_s) beside each miniature copy's figure, and the sampled uses each expert was in
+ * charge for (expert_uses), so that a replay shows how far the copy of the expert in charge is
+ * from what its order really does (docs/policy.md, section 5: on agent seed 0 with the remote
+ * tier the density copy's figure was 4 % below the real one, the others' 1-3 %). Where nothing
+ * is ever evicted, neither from the real tiers nor from the copies, every sampled page is missed
+ * once and then found in the top tier by all of them: the real figure is each copy's, to the
+ * last bit. Pinned, the engine simulates nothing and reports nothing.
+ */
+Test(policy_decisions, the_real_hierarchy_is_judged_on_the_sampled_pages_as_the_copies)
+{
+    for (int pinned = 0; pinned < 2; pinned++) {
+        kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 1024, 4096, 0);
+        c.expert = pinned ? 1 + KVT_POLICY_EXPERT_RECENT : 0;
+        start(&c);
+        for (uint32_t r = 0; r < 400; r++) { /* 40 prompts of 16 pages, 640 pages in all */
+            uint32_t *h = seq(64, 100000 + 1000 * (r % 40));
+            request(h, 64, NULL);
+            free(h);
+        }
+        kvt_policy_stats_t st;
+        kvt_policy_stats(pol, &st);
+        cr_assert_eq(st.demotions + st.dropped_blocks + st.rejected, 0,
+                     "the test needs a cache that evicts nothing");
+        uint64_t uses = 0;
+        for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+            uses += st.expert_uses[e];
+        if (pinned) {
+            cr_assert_eq(uses, 0);
+            cr_assert_eq(st.expert_real_s, 0);
+        } else {
+            /* 1 page in 32 of 640, used 10 times each: some 200 sampled uses */
+            cr_assert_gt(uses, 50, "%llu sampled uses", (unsigned long long)uses);
+            cr_assert_eq(st.expert_uses[st.expert], uses, "no switch here: one expert in charge");
+            cr_assert_gt(st.expert_real_s, 0);
+            for (int e = 0; e < KVT_POLICY_EXPERTS; e++)
+                cr_assert_eq(st.expert_real_s, st.expert_miss_s[e],
+                             "the real hierarchy %.6f s, expert %d's copy %.6f", st.expert_real_s,
+                             e, st.expert_miss_s[e]);
+        }
+        stop();
+    }
+}
+
+/*
  * Issue 40, session 24: the density expert (LHD) learns from the ages at which pages were used
  * again and at which they left without a use, and need not rank a page lower for being older.
  * Every second prompt comes back once, 20 s after it was sent; the tier holds 12 prompts. While
