@@ -633,6 +633,15 @@ Test(server_conns, few_connections_have_big_replies_in_the_kernel_at_once, .fini
     turns_end(&t, TURN_CONNS);
 }
 
+/* The n connections read one after another, the last first, whole; returns the seconds it took. */
+static double turns_read_last_first(turns_t *t, int n)
+{
+    uint64_t t0 = kvt_now_ns();
+    for (int i = n - 1; i >= 0; i--)
+        turns_read(t, i);
+    return (double)(kvt_now_ns() - t0) / 1e9;
+}
+
 /* A client that reads its connections one after another, the last first: those holding turns
  * are not read, and give them on once their sockets took nothing for a while (kvt__turns_step),
  * so the one being read gets its turn. Without that it would wait for reply-timeout-ms. */
@@ -644,10 +653,7 @@ Test(server_conns, a_client_reading_its_connections_in_turn_gets_every_reply, .f
     turns_t t;
     if (!turns_start(&t, N, extra))
         cr_skip_test("the kernel's default send buffer holds a whole pipeline");
-    uint64_t t0 = kvt_now_ns();
-    for (int i = N - 1; i >= 0; i--)
-        turns_read(&t, i);
-    double s = (double)(kvt_now_ns() - t0) / 1e9;
+    double s = turns_read_last_first(&t, N);
     fprintf(stderr, "socket-turns 2: %d connections read last first in %.2f s\n", N, s);
     cr_expect_lt(s, 20.0);
     cr_expect_eq(kvd_metric(&d, "kvtier_connections_timed_out_total"), 0);
@@ -701,11 +707,7 @@ Test(server_conns, a_client_reading_its_connections_in_turn_does_not_wait_for_th
     turns_t t;
     if (!turns_start(&t, N, extra))
         cr_skip_test("the kernel's default send buffer holds a whole pipeline");
-    uint64_t t0 = kvt_now_ns();
-    for (int i = N - 1; i >= 0; i--)
-        turns_read(&t, i);
-    double s = (double)(kvt_now_ns() - t0) / 1e9;
-    double stalls = 0;
+    double s = turns_read_last_first(&t, N), stalls = 0;
     for (int l = 0; l < test_loops(); l++) {
         char series[96];
         snprintf(series, sizeof series, "kvtier_loop_socket_turn_stalls_total{loop=\"%d\"}", l);
@@ -805,15 +807,20 @@ Test(server_conns, the_turn_gauges_count_holders_and_waiters, .fini = teardown, 
  * the holders over the new count keep theirs until their queues are in the kernel, and only
  * then is a turn given again. On s24's kvtierd the setting needed a restart: the gauges stayed
  * at 1 held. */
+static void turns_conf(const char *path, int turns)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "%s: %s", path, strerror(errno));
+    fprintf(f, "socket-turns = %d\nsocket-turn-stall-ms = 10000\n", turns);
+    fclose(f);
+}
+
 Test(server_conns, socket_turns_changes_on_a_reload, .fini = teardown, .timeout = 60)
 {
     kvd_mkdir(&d);
     char conf[700];
     snprintf(conf, sizeof conf, "%s/kvtierd.conf", d.dir);
-    FILE *f = fopen(conf, "w");
-    cr_assert(f);
-    fputs("socket-turns = 1\nsocket-turn-stall-ms = 10000\n", f);
-    fclose(f);
+    turns_conf(conf, 1);
     const char *extra[] = {"--config", conf, "--loops", "1", NULL};
     enum { N = 6 };
     turns_t t;
@@ -823,18 +830,12 @@ Test(server_conns, socket_turns_changes_on_a_reload, .fini = teardown, .timeout 
     cr_assert(turn_gauges_reach(1, N - 1));
     cr_expect_eq(turns_holding(&t, N, at), 1);
 
-    f = fopen(conf, "w");
-    cr_assert(f);
-    fputs("socket-turns = 3\nsocket-turn-stall-ms = 10000\n", f);
-    fclose(f);
+    turns_conf(conf, 3);
     cr_assert_eq(kill(d.pid, SIGHUP), 0);
     cr_assert(turn_gauges_reach(3, N - 3), "socket-turns 3 after the reload");
     cr_expect_eq(turns_holding(&t, N, at), 3, "3 sockets have bytes");
 
-    f = fopen(conf, "w");
-    cr_assert(f);
-    fputs("socket-turns = 1\nsocket-turn-stall-ms = 10000\n", f);
-    fclose(f);
+    turns_conf(conf, 1);
     cr_assert_eq(kill(d.pid, SIGHUP), 0);
     /* Lowered: the 3 holders keep their turns; the one read whole ends its turn, and with 2
      * still held (over 1) nobody gets it. */
