@@ -1341,6 +1341,27 @@ static int bench_fill(const opts_t *o, const char *sock, const kvt_trace_t *tr)
 
 /* ---- set-up: the index, the blocks ---- */
 
+static int add_turn_stalls(void *arg, const char *name, uint64_t value)
+{
+    if (!strncmp(name, "loop_socket_turn_stalls_", 24))
+        *(uint64_t *)arg += value;
+    return 0;
+}
+
+/* The turns a kvtierd's loops passed on by stall so far (STATS loop_socket_turn_stalls_N,
+ * summed); 0 from one without them. */
+static uint64_t turn_stalls(const char *sock)
+{
+    kvt_client_conf_t conf = {.unix_path = sock, .model = "stalls", .page_size = PAGE};
+    kvt_client_t *c;
+    uint64_t n = 0;
+    if (kvt_client_connect(&c, &conf) < 0)
+        return 0;
+    kvt_client_stats(c, add_turn_stalls, &n);
+    kvt_client_close(c);
+    return n;
+}
+
 /* The medians over the rounds of each latency figure of v (before median_round sorts it). */
 static void lat_medians(const result_t *v, int rounds, double out[3])
 {
@@ -1381,12 +1402,17 @@ static int bench_conns(const opts_t *go, const load_t *get, const load_t *raw, c
         l[j].o = j % 2 ? &o64 : &o8;
     result_t v[LOADS][9], m[LOADS], cold[LOADS];
     double lat[LOADS][3];
+    uint64_t stalls = 0; /* kvtierd's at 64 connections: each turn passed on is a wait */
     for (int i = 0; i < go->rounds; i++)
-        for (int j = 0; j < LOADS; j++)
+        for (int j = 0; j < LOADS; j++) {
+            uint64_t s0 = j == 1 ? turn_stalls(get->sock) : 0;
             if (run_kvtier(&l[j], &v[j][i]) < 0) {
                 fprintf(stderr, "bench_server: the %s connection load failed\n", tr);
                 return -1;
             }
+            if (j == 1)
+                stalls += turn_stalls(get->sock) - s0;
+        }
     for (int j = 0; j < LOADS; j++) {
         cold[j] = v[j][0];
         lat_medians(v[j], go->rounds, lat[j]);
@@ -1407,13 +1433,13 @@ static int bench_conns(const opts_t *go, const load_t *get, const load_t *raw, c
            "\"client_cpu_us_8\":%.3f,\"client_cpu_us_64\":%.3f,\"raw_client_cpu_us_8\":%.3f,"
            "\"raw_client_cpu_us_64\":%.3f,\"noturns_cpu_us_per_request_8\":%.3f,"
            "\"noturns_cpu_us_per_request_64\":%.3f,\"noturns_cpu_ratio\":%.3f,"
-           "\"noturns_requests_per_s_64\":%.0f",
+           "\"noturns_requests_per_s_64\":%.0f,\"turn_stalls_per_round_64\":%.1f",
            tr, go->block_bytes, go->pipeline, go->rounds, m[0].cpu_us, m[1].cpu_us, m[0].rps,
            m[1].rps, ratio, cold_ratio, m[2].cpu_us, m[3].cpu_us, m[2].rps, m[3].rps, raw_ratio,
            raw_ratio <= KVT_BAR_CONNS ? "true" : "false", ratio / raw_ratio,
            m[0].cpu_us - m[2].cpu_us, m[1].cpu_us - m[3].cpu_us, m[0].client_cpu_us,
            m[1].client_cpu_us, m[2].client_cpu_us, m[3].client_cpu_us, m[4].cpu_us, m[5].cpu_us,
-           m[5].cpu_us / m[4].cpu_us, m[5].rps);
+           m[5].cpu_us / m[4].cpu_us, m[5].rps, (double)stalls / go->rounds);
     lat_json("latency", lat[0], lat[1]);
     lat_json("noturns_latency", lat[4], lat[5]);
     lat_json("raw_latency", lat[2], lat[3]);
