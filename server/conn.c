@@ -408,9 +408,6 @@ static void turnq_unlink(kvt__turnq_t *q, kvt__conn_t *c)
     q->n--;
 }
 
-/* A turn for c (which has none): 1 when it holds one, 0 when it waits. A waiter's
- * reply-timeout-ms clock runs only while its socket holds bytes it does not take (it gave its
- * turn on stalled, or a small write filled it): its EPOLLOUT, watched for then, stops it. */
 static void turn_hold(kvt__loop_t *l, kvt__conn_t *c)
 {
     c->turn = KVT_TURN_HELD;
@@ -418,6 +415,9 @@ static void turn_hold(kvt__loop_t *l, kvt__conn_t *c)
     turnq_push(&l->turn_held, c);
 }
 
+/* A turn for c (which has none): 1 when it holds one, 0 when it waits. A waiter's
+ * reply-timeout-ms clock runs only while its socket holds bytes it does not take (it gave its
+ * turn on stalled, or a small write filled it): its EPOLLOUT, watched for then, stops it. */
 static int turn_take(kvt__conn_t *c)
 {
     kvt__loop_t *l = c->loop;
@@ -457,19 +457,6 @@ static void turn_end(kvt__conn_t *c)
         turns_grant(l);
 }
 
-/*
- * A turn's holder whose socket has taken none of its bytes for socket-turn-stall-ms while others
- * wait (its client stopped reading, or reads another connection first: a client reading its
- * connections one after another would wait on itself until reply-timeout-ms) gives the turn to
- * the first waiter and waits at the back, its reply-timeout-ms clock running on. Such a socket
- * sends no event, and the waiter's client, blocked on a read, sends none either: each loop
- * looks at its holders after every wake (kvt__turns_step), and sleeps no longer than the first
- * of them has left. With the check at loop 0's tick instead (every tick-ms, 50 ms) and a slice of
- * 50 ms, a client reading 16 connections in turn behind 2 turns waited 0.35 s, 1.4 s with 2
- * loops, nearly all of it in handovers (docs/benchmarks.md, "Turns"). A reader that only lags
- * (its thread not yet scheduled) costs one handover: its socket keeps its bytes, and it gets
- * its turn back when it reaches the head of the queue.
- */
 /* How long c, holding a turn, has left before it passes it on: 0 when its socket has taken
  * nothing for socket-turn-stall-ms, counted from when it got the turn at the earliest (one that
  * gave it on stalled and got it back has a whole slice again); UINT64_MAX while its socket takes
@@ -478,14 +465,24 @@ static uint64_t turn_left_ns(const kvt__conn_t *c, uint64_t now)
 {
     if (c->stuck_ns == 0)
         return UINT64_MAX;
-    uint32_t slice_ms = c->srv->conf->socket_turn_stall_ms;
-    uint64_t slice = (uint64_t)slice_ms * 1000000, stuck = now - c->stuck_ns;
-    uint32_t held_ms = (uint32_t)(now / 1000000) - c->turn_ms;
-    if (held_ms < slice_ms)
-        return KVT_MAX((uint64_t)(slice_ms - held_ms) * 1000000, slice - KVT_MIN(stuck, slice));
-    return stuck < slice ? slice - stuck : 0;
+    uint64_t slice = (uint64_t)c->srv->conf->socket_turn_stall_ms * 1000000;
+    uint64_t held = (uint64_t)((uint32_t)(now / 1000000) - c->turn_ms) * 1000000;
+    uint64_t since = KVT_MIN(now - c->stuck_ns, held);
+    return since < slice ? slice - since : 0;
 }
 
+/*
+ * A turn's holder whose socket has taken none of its bytes for socket-turn-stall-ms while others
+ * wait (its client stopped reading, or reads another connection first: a client reading its
+ * connections one after another would wait on itself until reply-timeout-ms) gives the turn to
+ * the first waiter and waits at the back, its reply-timeout-ms clock running on. Such a socket
+ * sends no event, and the waiter's client, blocked on a read, sends none either: each loop
+ * looks at its holders after every wake (kvt__turns_step), and sleeps no longer than the first
+ * of them has left. The check was at loop 0's tick (every tick-ms, 50 ms) with a slice of 50 ms:
+ * a client reading its connections one after another waited up to a tick per handover
+ * (docs/benchmarks.md, "Turns"). A reader that only lags (its thread not yet scheduled) costs
+ * one handover: its socket keeps its bytes, and it gets a turn again at the head of the queue.
+ */
 int kvt__turns_step(kvt__loop_t *l)
 {
     if (!l->turn_wait.head)
