@@ -411,6 +411,7 @@ static void turnq_unlink(kvt__turnq_t *q, kvt__conn_t *c)
 static void turn_hold(kvt__loop_t *l, kvt__conn_t *c)
 {
     c->turn = KVT_TURN_HELD;
+    c->turn_read = 0;
     c->turn_ms = (uint32_t)(kvt_now_ns() / 1000000);
     turnq_push(&l->turn_held, c);
 }
@@ -458,14 +459,20 @@ static void turn_end(kvt__conn_t *c)
 }
 
 /* How long c, holding a turn, has left before it passes it on: 0 when its socket has taken
- * nothing for socket-turn-stall-ms, counted from when it got the turn at the earliest (one that
- * gave it on stalled and got it back has a whole slice again); UINT64_MAX while its socket takes
- * bytes (an event comes). */
+ * nothing for its slice, counted from when it got the turn at the earliest (one that gave it on
+ * stalled and got it back has a whole slice again); UINT64_MAX while its socket takes bytes (an
+ * event comes). The slice is socket-turn-stall-ms while its client has read none of this turn's
+ * bytes (a client reading another connection first), KVT_TURN_SLICE_NS once it has (one that
+ * reads, but lags: its thread not yet scheduled on a busy host, which a short slice would take
+ * for a stall, and pass its turn on, and leave one more socket full). */
+#define KVT_TURN_SLICE_NS (50ull * 1000000)
+
 static uint64_t turn_left_ns(const kvt__conn_t *c, uint64_t now)
 {
     if (c->stuck_ns == 0)
         return UINT64_MAX;
-    uint64_t slice = (uint64_t)c->srv->conf->socket_turn_stall_ms * 1000000;
+    uint64_t slice =
+        c->turn_read ? KVT_TURN_SLICE_NS : (uint64_t)c->srv->conf->socket_turn_stall_ms * 1000000;
     uint64_t held = (uint64_t)((uint32_t)(now / 1000000) - c->turn_ms) * 1000000;
     uint64_t since = KVT_MIN(now - c->stuck_ns, held);
     return since < slice ? slice - since : 0;
@@ -1523,8 +1530,10 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
         c->dead = 1;
     /* Its socket took bytes: not stuck (a connection that gave its turn on stalled and waits, or
      * has just got a turn back, kvt__turns_step, is not stalled any more). */
-    if (events & EPOLLOUT)
+    if (events & EPOLLOUT) {
+        c->turn_read |= c->stuck_ns != 0; /* room in a socket that was full: its client reads */
         c->stuck_ns = 0;
+    }
     c->in_handler = 1;
     l->top = c;
     if (!c->dead && (events & EPOLLIN))

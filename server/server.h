@@ -323,8 +323,9 @@ struct kvt__conn {
     uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     /* log2 of the send buffer socket-send-budget gave its socket; 0: the kernel's default. */
     uint8_t sndbuf_log;
-    uint8_t turn;     /* socket-turns (conn.c): KVT_TURN_NONE, _HELD or _WAIT */
-    uint32_t *tokens; /* scratch for decoded tokens */
+    uint8_t turn;      /* socket-turns (conn.c): KVT_TURN_NONE, _HELD or _WAIT */
+    uint8_t turn_read; /* its client read some of what its socket held since its turn began */
+    uint32_t *tokens;  /* scratch for decoded tokens */
     size_t tokens_cap;
     uint64_t id; /* also the owner of its leases in the tree */
 
