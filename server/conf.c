@@ -144,9 +144,10 @@ static const kvt_opt_t kvt_opts[] = {
      "connection writes at once (socket-send-budget then applies); off while reply-timeout-ms "
      "is 0 (0..65536)"},
     {"socket-turn-stall-ms", KVT_OPT_U32, KVT_O(socket_turn_stall_ms), "5",
-     "a connection holding a turn whose socket has taken none of its replies for this long, "
-     "while others wait, gives its turn to the first of them and waits at the back (its client "
-     "stopped reading, or reads its connections one after another) (1..10000)"},
+     "a connection holding a turn whose client has read none of what the turn put in its "
+     "socket for this long, while others wait, gives its turn to the first of them and waits at "
+     "the back (its client reads its connections one after another, or stopped reading); 50 ms "
+     "once it has read some (1..10000)"},
     {"max-client-bytes", KVT_OPT_BYTES, KVT_O(max_client_bytes), "1G",
      "memory all connections together may hold beyond their 512 KiB input buffers: frames over "
      "that, queued replies, PUT payloads waiting for their writes (at least max-frame + 1M)"},
