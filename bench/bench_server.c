@@ -37,6 +37,10 @@
  *          SO_SNDBUF N (the kernel holds 2N) to measure what that budget does for it, and
  *          KVT_RAW_INFLIGHT=K lets only K of them write at once (a turn lasts until the
  *          connection's queued replies are all in the kernel), the others' replies waiting.
+ *          A second kvtierd with socket-turns 0 runs the same loads in the same rounds
+ *          (noturns_*); latency, noturns_latency and raw_latency are a GET's p50, p99 and max
+ *          from its batch's write to its reply's last byte at 8 and 64 connections: what waiting
+ *          for a turn costs a request.
  *   fill   The cold path (issue 38): a fresh kvtierd's CPU time per prompt over its first pass of
  *          the trace, MATCH then index-only PUT of each whole prompt (pipelined through
  *          libkvtier, one connection), against its second pass of the same requests after the
@@ -72,7 +76,7 @@
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
  *        [--ops match|get|lease|conns|fill|all[,...]|loops] [--transport unix|tcp|all] [--prompts
  * N]
- *        [--held N] [--sealed] [--index-prefault BYTES]
+ *        [--held N] [--sealed] [--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...
  */
 #define _GNU_SOURCE /* accept4 */
 #include <dirent.h>
@@ -134,6 +138,10 @@ typedef struct opts {
     long prompts;          /* MATCH over the first N prompts only (the index holds all); 0: all */
     const char *index_prefault; /* kvtierd's index-prefault; "default": not passed */
     int sealed; /* GET: blocks stored by zero-copy PUT (checksummed), not the socket */
+    /* --kvtierd-opt NAME=VALUE: passed to every kvtierd started here as --NAME VALUE (a
+     * setting's candidates measured against each other, socket-turn-stall-ms say). */
+    const char *kvd_opts[8];
+    int nkvd_opts;
 } opts_t;
 
 static char g_dir[512];
@@ -142,6 +150,7 @@ static pid_t g_kvd = -1, g_redis = -1, g_raw = -1;
  * what index-prefault's fill costs before the first request (the fill line reports them). */
 static double g_kvd_start_ms, g_kvd_start_cpu_ms, g_kvd_start_rss_mib;
 static pid_t g_loops_kvd[2] = {-1, -1}; /* the loops load's daemons: loops = 1, loops = 2 */
+static pid_t g_kvd_noturns = -1;        /* the conns load's kvtierd with socket-turns 0 */
 
 static void cleanup(void)
 {
@@ -150,6 +159,10 @@ static void cleanup(void)
             kill(g_loops_kvd[i], SIGTERM);
             waitpid(g_loops_kvd[i], NULL, 0);
         }
+    if (g_kvd_noturns > 0) {
+        kill(g_kvd_noturns, SIGTERM);
+        waitpid(g_kvd_noturns, NULL, 0);
+    }
     if (g_kvd > 0) {
         kill(g_kvd, SIGTERM);
         waitpid(g_kvd, NULL, 0);
@@ -218,10 +231,18 @@ static pid_t spawn_kvtierd(const opts_t *o, const char *log, const char *const *
 {
     const char *base[] = {o->kvtierd, "--metrics",    "",   "--nvme-bytes", "0",   "--hbm-bytes",
                           "0",        "--dram-bytes", "1G", "--log-level",  "warn"};
-    char *argv[KVT_ARRAY_LEN(base) + 16];
+    char *argv[KVT_ARRAY_LEN(base) + 2 * KVT_ARRAY_LEN(o->kvd_opts) + 16];
+    static char names[KVT_ARRAY_LEN(o->kvd_opts)][128];
     size_t n = 0;
     for (size_t i = 0; i < KVT_ARRAY_LEN(base); i++)
         argv[n++] = (char *)base[i];
+    /* --kvtierd-opt's before extra: a flag the bench itself needs (socket-turns 0) wins. */
+    for (int i = 0; i < o->nkvd_opts; i++) {
+        const char *eq = strchr(o->kvd_opts[i], '=');
+        snprintf(names[i], sizeof names[i], "--%.*s", (int)(eq - o->kvd_opts[i]), o->kvd_opts[i]);
+        argv[n++] = names[i];
+        argv[n++] = (char *)eq + 1;
+    }
     for (size_t i = 0; extra[i] && n + 1 < KVT_ARRAY_LEN(argv); i++)
         argv[n++] = (char *)extra[i];
     argv[n] = NULL;
@@ -540,7 +561,7 @@ static int cmp_u64(const void *a, const void *b)
 }
 
 typedef struct result {
-    double rps, p50_us, p99_us, gbps;
+    double rps, p50_us, p99_us, max_us, gbps;
     double cpu_us;        /* the server's CPU time per request (all its threads, user + system) */
     double client_cpu_us; /* the load generator's, per request */
 } result_t;
@@ -1080,6 +1101,7 @@ static int run_load(load_t *l, result_t *res)
         res->rps = (double)total / secs;
         res->p50_us = (double)lat[total / 2] / 1e3;
         res->p99_us = (double)lat[total * 99 / 100] / 1e3;
+        res->max_us = (double)lat[total - 1] / 1e3;
         res->gbps = (double)bytes / secs / 1e9;
     }
     free(lat);
@@ -1319,28 +1341,81 @@ static int bench_fill(const opts_t *o, const char *sock, const kvt_trace_t *tr)
 
 /* ---- set-up: the index, the blocks ---- */
 
+static int add_turn_stalls(void *arg, const char *name, uint64_t value)
+{
+    if (!strncmp(name, "loop_socket_turn_stalls_", 24))
+        *(uint64_t *)arg += value;
+    return 0;
+}
+
+/* The turns a kvtierd's loops passed on by stall so far (STATS loop_socket_turn_stalls_N,
+ * summed); 0 from one without them. */
+static uint64_t turn_stalls(const char *sock)
+{
+    kvt_client_conf_t conf = {.unix_path = sock, .model = "stalls", .page_size = PAGE};
+    kvt_client_t *c;
+    uint64_t n = 0;
+    if (kvt_client_connect(&c, &conf) < 0)
+        return 0;
+    kvt_client_stats(c, add_turn_stalls, &n);
+    kvt_client_close(c);
+    return n;
+}
+
+/* The medians over the rounds of each latency figure of v (before median_round sorts it). */
+static void lat_medians(const result_t *v, int rounds, double out[3])
+{
+    double p50[9], p99[9], max[9];
+    for (int i = 0; i < rounds; i++)
+        p50[i] = v[i].p50_us, p99[i] = v[i].p99_us, max[i] = v[i].max_us;
+    out[0] = bench_median(p50, rounds);
+    out[1] = bench_median(p99, rounds);
+    out[2] = bench_median(max, rounds);
+}
+
+/* A GET's latency at 8 and 64 connections, from its batch's write to its reply's last byte, as
+ * the object name: p50, p99 and max at each, the medians over the rounds, in us. */
+static void lat_json(const char *name, const double l8[3], const double l64[3])
+{
+    printf(",\"%s\":{\"p50_us_8\":%.0f,\"p99_us_8\":%.0f,\"max_us_8\":%.0f,"
+           "\"p50_us_64\":%.0f,\"p99_us_64\":%.0f,\"max_us_64\":%.0f}",
+           name, l8[0], l8[1], l8[2], l64[0], l64[1], l64[2]);
+}
+
 /*
  * CPU per GET at 8 and at 64 connections (the same requests, spread wider), kvtierd and the raw
  * server alternating in each round; the raw server's own ratio says what the kernel and the
- * load generator add with more sockets, which kvtierd cannot avoid either.
+ * load generator add with more sockets, which kvtierd cannot avoid either. A second kvtierd with
+ * socket-turns 0 (off) runs in the same rounds: what turns cost a GET's latency, where
+ * connections wait for one, against every connection writing at once.
  */
-static int bench_conns(const opts_t *go, const load_t *get, const load_t *raw, const char *tr)
+static int bench_conns(const opts_t *go, const load_t *get, const load_t *raw, const load_t *off,
+                       const char *tr)
 {
+    enum { LOADS = 6 };
     opts_t o8 = *go, o64 = *go;
     o8.conns = 8;
     o64.conns = 64;
     o64.requests = KVT_MAX(go->requests, 64L * go->pipeline);
-    load_t l[4] = {*get, *get, *raw, *raw};
-    l[0].o = &o8, l[1].o = &o64, l[2].o = &o8, l[3].o = &o64;
-    result_t v[4][9], m[4], cold[4];
+    load_t l[LOADS] = {*get, *get, *raw, *raw, *off, *off};
+    for (int j = 0; j < LOADS; j++)
+        l[j].o = j % 2 ? &o64 : &o8;
+    result_t v[LOADS][9], m[LOADS], cold[LOADS];
+    double lat[LOADS][3];
+    uint64_t stalls = 0; /* kvtierd's at 64 connections: each turn passed on is a wait */
     for (int i = 0; i < go->rounds; i++)
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < LOADS; j++) {
+            uint64_t s0 = j == 1 ? turn_stalls(get->sock) : 0;
             if (run_kvtier(&l[j], &v[j][i]) < 0) {
                 fprintf(stderr, "bench_server: the %s connection load failed\n", tr);
                 return -1;
             }
-    for (int j = 0; j < 4; j++) {
+            if (j == 1)
+                stalls += turn_stalls(get->sock) - s0;
+        }
+    for (int j = 0; j < LOADS; j++) {
         cold[j] = v[j][0];
+        lat_medians(v[j], go->rounds, lat[j]);
         m[j] = median_round(v[j], go->rounds);
     }
     double ratio = m[1].cpu_us / m[0].cpu_us, cold_ratio = cold[1].cpu_us / cold[0].cpu_us;
@@ -1356,13 +1431,19 @@ static int bench_conns(const opts_t *go, const load_t *get, const load_t *raw, c
            "\"raw_requests_per_s_64\":%.0f,\"raw_cpu_ratio\":%.3f,\"raw_within_bar\":%s,"
            "\"rise_over_raw\":%.3f,\"own_us_8\":%.3f,\"own_us_64\":%.3f,"
            "\"client_cpu_us_8\":%.3f,\"client_cpu_us_64\":%.3f,\"raw_client_cpu_us_8\":%.3f,"
-           "\"raw_client_cpu_us_64\":%.3f,"
-           "\"bar\":\"cpu_ratio <= %.2f\",\"pass\":%s,\"cold_pass\":%s}\n",
+           "\"raw_client_cpu_us_64\":%.3f,\"noturns_cpu_us_per_request_8\":%.3f,"
+           "\"noturns_cpu_us_per_request_64\":%.3f,\"noturns_cpu_ratio\":%.3f,"
+           "\"noturns_requests_per_s_64\":%.0f,\"turn_stalls_per_round_64\":%.1f",
            tr, go->block_bytes, go->pipeline, go->rounds, m[0].cpu_us, m[1].cpu_us, m[0].rps,
            m[1].rps, ratio, cold_ratio, m[2].cpu_us, m[3].cpu_us, m[2].rps, m[3].rps, raw_ratio,
            raw_ratio <= KVT_BAR_CONNS ? "true" : "false", ratio / raw_ratio,
            m[0].cpu_us - m[2].cpu_us, m[1].cpu_us - m[3].cpu_us, m[0].client_cpu_us,
-           m[1].client_cpu_us, m[2].client_cpu_us, m[3].client_cpu_us, KVT_BAR_CONNS,
+           m[1].client_cpu_us, m[2].client_cpu_us, m[3].client_cpu_us, m[4].cpu_us, m[5].cpu_us,
+           m[5].cpu_us / m[4].cpu_us, m[5].rps, (double)stalls / go->rounds);
+    lat_json("latency", lat[0], lat[1]);
+    lat_json("noturns_latency", lat[4], lat[5]);
+    lat_json("raw_latency", lat[2], lat[3]);
+    printf(",\"bar\":\"cpu_ratio <= %.2f\",\"pass\":%s,\"cold_pass\":%s}\n", KVT_BAR_CONNS,
            ratio <= KVT_BAR_CONNS ? "true" : "false",
            cold_ratio <= KVT_BAR_CONNS ? "true" : "false");
     fflush(stdout);
@@ -1471,6 +1552,26 @@ static void loops_line(const char *load, const opts_t *o, const result_t *one, c
            "judged\"}\n",
            o->rounds);
     fflush(stdout);
+}
+
+/* The conns load's kvtierd with socket-turns 0, holding the same blocks: into *off (a copy of
+ * the GET load); returns its TCP port, or -1 when it did not start. */
+static int noturns_start(const opts_t *o, load_t *off, uint32_t nblocks)
+{
+    int port = free_port();
+    char tcp[64];
+    snprintf(tcp, sizeof tcp, "127.0.0.1:%d", port);
+    const char *extra[] = {"--unix", "noturns.sock", "--tcp", tcp, "--socket-turns", "0", NULL};
+    g_kvd_noturns = spawn_kvtierd(o, "noturns.log", extra);
+    snprintf(off->sock, sizeof off->sock, "%s/noturns.sock", g_dir);
+    off->server = g_kvd_noturns;
+    if (wait_for(off->sock, 0) < 0 || wait_for(NULL, port) < 0 ||
+        store_blocks(off->sock, o->block_bytes, nblocks, o->sealed) < 0) {
+        fprintf(stderr, "bench_server: the socket-turns 0 kvtierd did not start or fill (%s)\n",
+                g_dir);
+        return -1;
+    }
+    return port;
 }
 
 static int bench_loops(const opts_t *o, kvt_trace_t *tr)
@@ -1627,6 +1728,9 @@ int main(int argc, char **argv)
             o.index_prefault = argv[++i];
         else if (!strcmp(argv[i], "--sealed"))
             o.sealed = 1;
+        else if (!strcmp(argv[i], "--kvtierd-opt") && i + 1 < argc && strchr(argv[i + 1], '=') &&
+                 o.nkvd_opts < (int)KVT_ARRAY_LEN(o.kvd_opts))
+            o.kvd_opts[o.nkvd_opts++] = argv[++i];
         else if (argv[i][0] != '-' && !o.trace)
             o.trace = argv[i];
         else {
@@ -1635,7 +1739,7 @@ int main(int argc, char **argv)
                             "[--block-bytes N] [--rounds N] "
                             "[--ops match|get|lease|conns|fill|all[,...]|loops] "
                             "[--transport unix|tcp|all] [--prompts N] [--held N] [--sealed] "
-                            "[--index-prefault BYTES]\n");
+                            "[--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...\n");
             return 2;
         }
     }
@@ -1812,6 +1916,10 @@ int main(int argc, char **argv)
     }
     load_t rawl = {.o = &go, .get_blocks = nblocks, .server = g_raw, .raw = 1};
     snprintf(rawl.sock, sizeof rawl.sock, "%s", rawsock);
+    load_t off = get;
+    int offport = want_conns ? noturns_start(&o, &off, nblocks) : 0;
+    if (offport < 0)
+        return 1;
     for (int t = 0; t < 2 && want_get; t++) {
         if (strcmp(o.transport, "all") && strcmp(o.transport, transports[t]))
             continue;
@@ -1856,7 +1964,8 @@ int main(int argc, char **argv)
                k.rps / w.rps >= KVT_BAR_GET_RAW ? "true" : "false",
                cold[0].rps / cold[1].rps >= KVT_BAR_GET_RAW ? "true" : "false");
         fflush(stdout);
-        if (want_conns && bench_conns(&go, &get, &rawl, transports[t]) < 0)
+        off.tcp_port = t ? offport : 0;
+        if (want_conns && bench_conns(&go, &get, &rawl, &off, transports[t]) < 0)
             status = 1;
     }
 out:

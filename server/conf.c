@@ -144,6 +144,11 @@ static const kvt_opt_t kvt_opts[] = {
      "first come first served, until a connection's queue is all in the kernel; 0: every "
      "connection writes at once (socket-send-budget then applies); off while reply-timeout-ms "
      "is 0 (0..65536)"},
+    {"socket-turn-stall-ms", KVT_OPT_U32, KVT_O(socket_turn_stall_ms), "5",
+     "a connection holding a turn whose client has read none of what the turn put in its "
+     "socket for this long, while others wait, gives its turn to the first of them and waits at "
+     "the back (its client reads its connections one after another, or stopped reading); 50 ms "
+     "once it has read some (1..10000)"},
     {"max-client-bytes", KVT_OPT_BYTES, KVT_O(max_client_bytes), "1G",
      "memory all connections together may hold beyond their 512 KiB input buffers: frames over "
      "that, queued replies, PUT payloads waiting for their writes (at least max-frame + 1M)"},
@@ -597,6 +602,10 @@ int kvt__conf_finish(kvt_srv_conf_t *conf, char *err, size_t errlen)
         snprintf(err, errlen, "socket-turns must be between 0 and 65536");
         return KVT_EINVAL;
     }
+    if (conf->socket_turn_stall_ms < 1 || conf->socket_turn_stall_ms > 10000) {
+        snprintf(err, errlen, "socket-turn-stall-ms must be between 1 and 10000");
+        return KVT_EINVAL;
+    }
     if (conf->max_output < (64u << 10) || conf->max_output > (1ull << 30)) {
         snprintf(err, errlen, "max-output must be between 64K and 1G");
         return KVT_EINVAL;
@@ -689,6 +698,7 @@ static const char *const kvt_reloadable[] = {
     "auth-wait-ms",      "drain-ms",
     "tenant-hbm-bytes",  "tenant-dram-bytes",
     "tenant-nvme-bytes", "tenant-remote-bytes",
+    "socket-turns",      "socket-turn-stall-ms",
 };
 
 int kvt__conf_reloadable(const char *name)

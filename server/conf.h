@@ -67,14 +67,16 @@ typedef struct kvt_srv_conf {
     uint64_t max_client_bytes; /* clients' buffers beyond their base input buffers, all together */
     uint64_t sock_send_budget; /* Unix sockets' send buffers, all together (0: the kernel's) */
     uint32_t socket_turns;     /* per loop, connections with big replies in the kernel at once */
-    uint32_t reply_timeout_ms; /* a socket that takes none of its replies this long is closed */
-    uint32_t hello_timeout_ms; /* a connection with no whole first frame this long is closed */
-    uint32_t frame_timeout_ms; /* a frame begun must be whole within it, or keep arriving at */
-    uint64_t frame_min_rate;   /* ... this many bytes per second */
-    uint32_t evict_idle_ms;    /* at max-conns, a connection idle this long may make room */
-    uint32_t tick_ms;          /* housekeeping interval (leases, deadlines, gauges, clock) */
-    uint32_t loops;            /* event loops; 0: one per CPU, at most 8 (loops.c) */
-    uint32_t drain_ms;         /* SIGUSR1: the longest a drain waits before shutting down */
+    /* A turn's holder whose socket took nothing this long, while others wait, passes it on. */
+    uint32_t socket_turn_stall_ms;
+    uint32_t reply_timeout_ms;   /* a socket that takes none of its replies this long is closed */
+    uint32_t hello_timeout_ms;   /* a connection with no whole first frame this long is closed */
+    uint32_t frame_timeout_ms;   /* a frame begun must be whole within it, or keep arriving at */
+    uint64_t frame_min_rate;     /* ... this many bytes per second */
+    uint32_t evict_idle_ms;      /* at max-conns, a connection idle this long may make room */
+    uint32_t tick_ms;            /* housekeeping interval (leases, deadlines, gauges, clock) */
+    uint32_t loops;              /* event loops; 0: one per CPU, at most 8 (loops.c) */
+    uint32_t drain_ms;           /* SIGUSR1: the longest a drain waits before shutting down */
     double prefill_tokens_per_s; /* for the prefill-seconds-saved estimate */
     uint32_t metrics_namespaces; /* (model, adapter) pairs with series of their own */
     int mrc;                     /* the miss-ratio curve of the lookups (mrc.c) */

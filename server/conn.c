@@ -390,7 +390,7 @@ static int sndbuf_default(int fd, int tcp)
  * loop's queue, its socket without EPOLLOUT and its replies in kvtierd (max-output still
  * pauses its reads); waiting with an empty socket does not count against reply-timeout-ms. A
  * turn is kept until the connection's queue is all in the kernel (kvt__conn_kick), its socket
- * stalls while others wait (turn_stalled), or it closes, and goes to the first waiter, whose
+ * stalls while others wait (kvt__turns_step), or it closes, and goes to the first waiter, whose
  * EPOLLOUT is armed: its write is retried from its own event. Each loop grants its own turns (a
  * connection's writes are its loop's only), so no lock or cross-loop kick is needed. A TCP peer
  * on another host (KVT_SNDBUF_TUNED) is left out: its bytes leave by the network, at its pace.
@@ -401,10 +401,44 @@ static int sndbuf_default(int fd, int tcp)
 #define KVT_TURN_WAIT 2
 #define KVT_TURN_FREE (64u << 10)
 
-static uint32_t turns_max(const kvt__conn_t *c)
+static uint32_t turns_max(const kvt_srv_t *s)
 {
-    const kvt_srv_conf_t *cf = c->srv->conf;
+    const kvt_srv_conf_t *cf = s->conf;
     return cf->reply_timeout_ms ? cf->socket_turns : 0;
+}
+
+static void turnq_push(kvt__turnq_t *q, kvt__conn_t *c)
+{
+    c->turn_next = NULL;
+    c->turn_prev = q->tail;
+    if (q->tail)
+        q->tail->turn_next = c;
+    else
+        q->head = c;
+    q->tail = c;
+    q->n++;
+}
+
+static void turnq_unlink(kvt__turnq_t *q, kvt__conn_t *c)
+{
+    if (c->turn_prev)
+        c->turn_prev->turn_next = c->turn_next;
+    else
+        q->head = c->turn_next;
+    if (c->turn_next)
+        c->turn_next->turn_prev = c->turn_prev;
+    else
+        q->tail = c->turn_prev;
+    c->turn_next = c->turn_prev = NULL;
+    q->n--;
+}
+
+static void turn_hold(kvt__loop_t *l, kvt__conn_t *c)
+{
+    c->turn = KVT_TURN_HELD;
+    c->turn_read = 0;
+    c->turn_ms = (uint32_t)(kvt_now_ns() / 1000000);
+    turnq_push(&l->turn_held, c);
 }
 
 /* A turn for c (which has none): 1 when it holds one, 0 when it waits. A waiter's
@@ -413,75 +447,109 @@ static uint32_t turns_max(const kvt__conn_t *c)
 static int turn_take(kvt__conn_t *c)
 {
     kvt__loop_t *l = c->loop;
-    if (l->turns < turns_max(c)) {
-        l->turns++;
-        c->turn = KVT_TURN_HELD;
+    if (l->turn_held.n < turns_max(c->srv)) {
+        turn_hold(l, c);
         return 1;
     }
     c->turn = KVT_TURN_WAIT;
-    c->turn_next = NULL;
-    if (l->turn_tail)
-        l->turn_tail->turn_next = c;
-    else
-        l->turn_head = c;
-    l->turn_tail = c;
+    turnq_push(&l->turn_wait, c);
     return 0;
+}
+
+/* The first waiters get the turns free (every waiter, with turns turned off meanwhile by a
+ * reload); their EPOLLOUT is armed: each retries its write from its own event. */
+static void turns_grant(kvt__loop_t *l)
+{
+    uint32_t max = turns_max(l->srv);
+    while (l->turn_wait.head && (l->turn_held.n < max || max == 0)) {
+        kvt__conn_t *w = l->turn_wait.head;
+        turnq_unlink(&l->turn_wait, w);
+        turn_hold(l, w);
+        w->events |= EPOLLOUT;
+        kvt__ev_ctl(l->epfd, EPOLL_CTL_MOD, &w->ev, w->events);
+    }
 }
 
 /* c gives up its turn, or its place in the queue; a turn given up goes to the first waiter. */
 static void turn_end(kvt__conn_t *c)
 {
     kvt__loop_t *l = c->loop;
-    if (c->turn == KVT_TURN_WAIT) {
-        /* A waiter closing: a walk of the queue (one pointer per connection, kvt__conn_t's size
-         * is bounded), rare next to the grants, which take the head. */
-        kvt__conn_t *prev = NULL, **at = &l->turn_head;
-        while (*at != c) {
-            prev = *at;
-            at = &prev->turn_next;
-        }
-        *at = c->turn_next;
-        if (l->turn_tail == c)
-            l->turn_tail = prev;
-        c->turn_next = NULL;
-        c->turn = KVT_TURN_NONE;
+    if (c->turn == KVT_TURN_NONE)
         return;
-    }
-    if (c->turn != KVT_TURN_HELD)
-        return;
+    int held = c->turn == KVT_TURN_HELD;
+    turnq_unlink(held ? &l->turn_held : &l->turn_wait, c);
     c->turn = KVT_TURN_NONE;
-    l->turns--;
-    /* With turns turned off meanwhile (reply-timeout-ms 0 on a reload) every waiter goes. */
-    uint32_t max = turns_max(c);
-    while (l->turn_head && (l->turns < max || max == 0)) {
-        kvt__conn_t *w = l->turn_head;
-        l->turn_head = w->turn_next;
-        if (!l->turn_head)
-            l->turn_tail = NULL;
-        w->turn_next = NULL;
-        w->turn = KVT_TURN_HELD;
-        l->turns++;
-        w->events |= EPOLLOUT;
-        kvt__ev_ctl(l->epfd, EPOLL_CTL_MOD, &w->ev, w->events);
-    }
+    if (held)
+        turns_grant(l);
 }
 
-/* A turn's holder whose socket has taken none of its bytes for KVT_TURN_SLICE_NS while others
- * wait (its client stopped reading, or reads another connection first: a client reading its
- * connections one after another would wait on itself until reply-timeout-ms) gives the turn to
- * the first waiter and waits at the back, its reply-timeout-ms clock running on. Checked at its
- * kicks and, for a socket that sends no events, at the tick (kvt__conns_tick). 1 when c gave up
- * its turn. */
+/* How long c, holding a turn, has left before it passes it on: 0 when its socket has taken
+ * nothing for its slice, counted from when it got the turn at the earliest (one that gave it on
+ * stalled and got it back has a whole slice again); UINT64_MAX while its socket takes bytes (an
+ * event comes). The slice is socket-turn-stall-ms while its client has read none of this turn's
+ * bytes (a client reading another connection first), KVT_TURN_SLICE_NS once it has (one that
+ * reads, but lags: its thread not yet scheduled on a busy host, which a short slice would take
+ * for a stall, and pass its turn on, and leave one more socket full). */
 #define KVT_TURN_SLICE_NS (50ull * 1000000)
 
-static int turn_stalled(kvt__conn_t *c)
+static uint64_t turn_left_ns(const kvt__conn_t *c, uint64_t now)
 {
-    if (c->turn != KVT_TURN_HELD || c->stuck_ns == 0 || c->loop->turn_head == NULL ||
-        turns_max(c) == 0 || kvt_now_ns() - c->stuck_ns < KVT_TURN_SLICE_NS)
-        return 0;
-    turn_end(c);
-    turn_take(c);
-    return 1;
+    if (c->stuck_ns == 0)
+        return UINT64_MAX;
+    uint64_t slice =
+        c->turn_read ? KVT_TURN_SLICE_NS : (uint64_t)c->srv->conf->socket_turn_stall_ms * 1000000;
+    uint64_t held = (uint64_t)((uint32_t)(now / 1000000) - c->turn_ms) * 1000000;
+    uint64_t since = KVT_MIN(now - c->stuck_ns, held);
+    return since < slice ? slice - since : 0;
+}
+
+/*
+ * A turn's holder whose socket has taken none of its bytes for socket-turn-stall-ms while others
+ * wait (its client stopped reading, or reads another connection first: a client reading its
+ * connections one after another would wait on itself until reply-timeout-ms) gives the turn to
+ * the first waiter and waits at the back, its reply-timeout-ms clock running on. Such a socket
+ * sends no event, and the waiter's client, blocked on a read, sends none either: each loop
+ * looks at its holders after every wake (kvt__turns_step), and sleeps no longer than the first
+ * of them has left. The check was at loop 0's tick (every tick-ms, 50 ms) with a slice of 50 ms:
+ * a client reading its connections one after another waited up to a tick per handover
+ * (docs/benchmarks.md, "Turns"). A reader that only lags (its thread not yet scheduled) costs
+ * one handover: its socket keeps its bytes, and it gets a turn again at the head of the queue.
+ */
+int kvt__turns_step(kvt__loop_t *l)
+{
+    if (!l->turn_wait.head)
+        return -1;
+    turns_grant(l); /* turns a reload added (socket-turns raised) */
+    uint64_t now = kvt_now_ns(), next = UINT64_MAX;
+    kvt__conn_t *c = l->turn_held.head, *after;
+    for (; c && l->turn_wait.head; c = after) {
+        after = c->turn_next; /* c may go to the back of the queue */
+        uint64_t left = turn_left_ns(c, now);
+        if (left > 0) {
+            next = KVT_MIN(next, left);
+            continue;
+        }
+        turn_end(c);
+        turn_take(c);
+        kvt__metric_add(l->metrics ? l->metrics : l->srv->metrics, KVT_M_LOOP_SOCKET_TURN_STALLS,
+                        l->id, 1);
+    }
+    return next == UINT64_MAX || !l->turn_wait.head ? -1 : (int)(next / 1000000) + 1;
+}
+
+void kvt__turns_reload(kvt_srv_t *s)
+{
+    for (unsigned i = 0; i < s->nloops; i++)
+        if (s->loops[i].turn_wait.head)
+            kvt__conn_kick(s->loops[i].turn_wait.head); /* wakes its loop: its step grants */
+}
+
+void kvt__turns_gauges(kvt_srv_t *s)
+{
+    for (unsigned i = 0; i < s->nloops; i++) {
+        kvt__metric_set(s->metrics, KVT_M_LOOP_SOCKET_TURNS, i, s->loops[i].turn_held.n);
+        kvt__metric_set(s->metrics, KVT_M_LOOP_SOCKET_TURN_WAITERS, i, s->loops[i].turn_wait.n);
+    }
 }
 
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
@@ -949,7 +1017,7 @@ static void sndbuf_fit(kvt__conn_t *c)
         return;
     /* With turns the sockets keep the kernel's default: the few with bytes in the kernel write
      * full size (a socket cut before turns came on, by a reload, gets it back). */
-    if (turns_max(c))
+    if (turns_max(s))
         budget = 0;
     uint64_t share = budget / KVT_MAX(s->clients.n, 1u);
     uint8_t want = 0; /* the kernel's default */
@@ -1030,7 +1098,8 @@ static int conn_write(kvt__conn_t *c)
         size_t total = 0;
         for (int i = 0; i < n; i++)
             total += iov[i].iov_len;
-        int turns = c->turn == KVT_TURN_NONE && c->sndbuf_log != KVT_SNDBUF_TUNED && turns_max(c);
+        int turns =
+            c->turn == KVT_TURN_NONE && c->sndbuf_log != KVT_SNDBUF_TUNED && turns_max(c->srv);
         if (turns && total > KVT_TURN_FREE && !turn_take(c))
             return 0;
         ssize_t w;
@@ -1111,7 +1180,7 @@ static int conn_write(kvt__conn_t *c)
         }
         if ((size_t)w < total) {
             /* The socket is full: from now it takes none until its EPOLLOUT, which may never
-             * come (a client that stopped reading): reply-timeout-ms and turn_stalled count from
+             * come (a client that stopped reading): reply-timeout-ms and kvt__turns_step count from
              * here. */
             c->stuck_ns = kvt_now_ns();
             if (turns && c->turn == KVT_TURN_NONE)
@@ -1428,7 +1497,6 @@ void kvt__conn_kick(kvt__conn_t *c)
         return;
     }
     c->in_handler = 1;
-    turn_stalled(c);
     if (!c->dead && conn_write(c) < 0)
         c->dead = 1;
     /* Frames held back by back-pressure get their turn when it eases. */
@@ -1486,9 +1554,11 @@ static void conn_on_event(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     if (events & (EPOLLERR | EPOLLHUP) && !(events & EPOLLIN))
         c->dead = 1;
     /* Its socket took bytes: not stuck (a connection that gave its turn on stalled and waits, or
-     * has just got a turn back, turn_stalled, is not stalled any more). */
-    if (events & EPOLLOUT)
+     * has just got a turn back, kvt__turns_step, is not stalled any more). */
+    if (events & EPOLLOUT) {
+        c->turn_read |= c->stuck_ns != 0; /* room in a socket that was full: its client reads */
         c->stuck_ns = 0;
+    }
     c->in_handler = 1;
     l->top = c;
     if (!c->dead && (events & EPOLLIN))
@@ -1565,11 +1635,11 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
     if (window == 0)
         return 0;
     if (c->in_len == 0 || c->mem_wait || c->closing || !(c->events & EPOLLIN) ||
-        c->frames != c->mark_frames) {
+        (uint32_t)c->frames != c->mark_frames) {
         /* Between frames, held by the daemon, or a frame finished since: a new period. */
         c->mark_ns = now;
         c->mark_rx = c->rx_bytes;
-        c->mark_frames = c->frames;
+        c->mark_frames = (uint32_t)c->frames;
         return 0;
     }
     if (now - c->mark_ns < window)
@@ -1600,11 +1670,6 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
         /* Dead: closed by its own loop (posted there by an earlier close) before it is again. */
         if (!c->gone && !c->dead && !conn_too_slow(c, now) && !conn_timed_out(c, now)) {
             s->conn_ops->tick(c, now);
-            /* A turn's holder stalled: its kick gives the turn on (turn_stalled). Read under
-             * the write lock: its loop changes c->turn only with the lock held. */
-            if (c->turn == KVT_TURN_HELD && c->loop->turn_head && c->stuck_ns &&
-                now - c->stuck_ns >= KVT_TURN_SLICE_NS)
-                kvt__conn_kick(c);
         }
     }
     kvt__conns_deadlines(s, now);

@@ -137,6 +137,7 @@ static void reload(kvt_srv_t *s)
             kvt_policy_tune(s->policy, (float)s->conf->policy_high, (float)s->conf->policy_low,
                             s->conf->nvme_min_hits);
         kvt__store_quotas(s);
+        kvt__turns_reload(s);
         kvt_log(KVT_LOG_INFO, "kvtierd: reload: %d setting%s changed", rc, rc == 1 ? "" : "s");
         kvt__metric_add(s->metrics, KVT_M_CONFIG_RELOADS, 0, 1);
     }
@@ -463,6 +464,7 @@ static int tick(kvt_srv_t *s, uint64_t now)
     kvt__http_tick(s, now);
     kvt__auth_tick(s, now);
     kvt__tier_metrics(s);
+    kvt__turns_gauges(s);
     kvt__loops_cpu(s);
     kvt_tier_dram_decay(s->tiers[KVT_TIER_DRAM]); /* shared arenas' freed pages go back */
     kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));
@@ -516,8 +518,12 @@ static int run0(kvt_srv_t *s)
             s->reload = 0;
             reload(s);
         }
-        /* Seals of committed zero-copy pages still queued: no sleep until they are done. */
+        /* Seals of committed zero-copy pages still queued: no sleep until they are done; nor past
+         * the next stall of a turn's holder (kvt__turns_step). */
         int timeout = l->sealing || now >= next_tick ? 0 : (int)((next_tick - now) / 1000000) + 1;
+        int turns = kvt__turns_step(l);
+        if (turns >= 0 && turns < timeout)
+            timeout = turns;
         if (s->stopping && timeout > KVT_STOP_POLL_MS)
             timeout = KVT_STOP_POLL_MS;
         if (s->nloops > 1)

@@ -126,7 +126,8 @@ static void *loop_main(void *arg)
     struct epoll_event evs[256];
     kvt__loop_hold(l, KVT_HELD_SHARED);
     while (!s->loops_exit) {
-        int timeout = l->sealing ? 0 : -1;
+        int turns = kvt__turns_step(l); /* the next stall of a turn's holder */
+        int timeout = l->sealing ? 0 : turns;
         kvt__loop_hold(l, KVT_HELD_NONE);
         if (l->sealing)
             sched_yield();

@@ -168,6 +168,15 @@ typedef enum {
       "Times another loop handed a loop one of its connections to serve (a tier completion, a "    \
       "deadline, a close), through its eventfd.",                                                  \
       LOOP)                                                                                        \
+    X(LOOP_SOCKET_TURNS, GAUGE, "kvtier_loop_socket_turns",                                        \
+      "Connections holding a turn to have a big reply in the kernel (socket-turns), by loop.",     \
+      LOOP)                                                                                        \
+    X(LOOP_SOCKET_TURN_WAITERS, GAUGE, "kvtier_loop_socket_turn_waiters",                          \
+      "Connections whose big replies wait in kvtierd for a turn (socket-turns), by loop.", LOOP)   \
+    X(LOOP_SOCKET_TURN_STALLS, COUNTER, "kvtier_loop_socket_turn_stalls_total",                    \
+      "Turns passed on because the holder's socket took nothing for socket-turn-stall-ms while "   \
+      "others waited (its client stopped reading, or reads another connection first), by loop.",   \
+      LOOP)                                                                                        \
     X(CONNECTIONS_REFUSED, COUNTER, "kvtier_connections_refused_total",                            \
       "Connections closed as soon as accepted: max-conns, shutting down, no descriptor left.",     \
       NONE)                                                                                        \

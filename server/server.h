@@ -324,8 +324,9 @@ struct kvt__conn {
     uint8_t fd_queued; /* a MAP reply holding a descriptor is not yet written */
     /* log2 of the send buffer socket-send-budget gave its socket; 0: the kernel's default. */
     uint8_t sndbuf_log;
-    uint8_t turn;     /* socket-turns (conn.c): KVT_TURN_NONE, _HELD or _WAIT */
-    uint32_t *tokens; /* scratch for decoded tokens */
+    uint8_t turn;      /* socket-turns (conn.c): KVT_TURN_NONE, _HELD or _WAIT */
+    uint8_t turn_read; /* its client read some of what its socket held since its turn began */
+    uint32_t *tokens;  /* scratch for decoded tokens */
     size_t tokens_cap;
     uint64_t id; /* also the owner of its leases in the tree */
 
@@ -334,16 +335,25 @@ struct kvt__conn {
     uint64_t lease_next_ns; /* no lease expires before this: the tick skips the list until then */
     kvt__conn_t *posted_next;
     kvt__conn_t *prev, *next;
-    /* The next on its loop's list of closed connections, or, while it waits for a turn (never
-     * both: a close takes it off the queue first), the next in its loop's queue for one. */
+    /* The next on its loop's list of closed connections, or, while it holds or waits for a turn
+     * (never both: a close ends its turn first), its neighbours in its loop's list of holders or
+     * queue of waiters (conn.c, socket-turns): doubly linked, so that a waiter that closes leaves
+     * the queue without a walk. */
     union {
         kvt__conn_t *gone_next;
-        kvt__conn_t *turn_next;
+        struct {
+            kvt__conn_t *turn_next, *turn_prev;
+        };
     };
     size_t cap_leases;
     size_t mem_need;
     uint64_t born_ns;
-    uint64_t mark_ns, mark_rx, mark_frames;
+    uint64_t mark_ns, mark_rx;
+    uint32_t mark_frames; /* frames' low 32 bits: compared only for a change since the last tick */
+    /* While it holds a turn: when it got it, in ms (kvt__turns_step: a socket stalled before
+     * then is given a whole socket-turn-stall-ms from it); 32 bits of ms compare right across a
+     * wrap. */
+    uint32_t turn_ms;
     /* An AUTH waiting for its turn (auth.c, auth-failures-per-s), answered in the order of
      * auth_seq (reading on would tell a guesser how its guess went). */
     uint64_t auth_seq;
@@ -357,6 +367,7 @@ struct kvt__conn {
     /* The CUDA device its engine runs on (HELLO): its PUTs go to that device's HBM pool, and so
      * do the promotions its PREFETCHes ask for (hbm-devices). */
     int device;
+    uint32_t handle_next; /* the next of handles to fill (below; beside device: no padding) */
     kvt__req_t **resv;
     size_t nresv, cap_resv;
     /* Bytes of pages its reservations hold (expired ones too) and its RESERVEs in flight ask
@@ -365,7 +376,6 @@ struct kvt__conn {
     /* MATCHes' kept tokens (op_match.c, KEEP), named by later PUTs and RESERVEs: NULL until the
      * first KEEP, then KVT_MATCH_HANDLES of them (kvt__conn_handles). */
     kvt__handle_t *handles;
-    uint32_t handle_next;
     uint64_t handle_bytes; /* the kept tokens' bytes: at most KVT_MATCH_HANDLE_BYTES */
 };
 /* The hot part's end (the first cold field), and the whole struct's size: a field added to the
@@ -486,6 +496,13 @@ typedef struct kvt__hit {
 /* How a loop's thread holds s->lock (kvt__loop_hold). */
 enum { KVT_HELD_NONE, KVT_HELD_SHARED, KVT_HELD_WRITE };
 
+/* A loop's list of connections holding a turn, or its queue of those waiting for one (conn.c,
+ * socket-turns), linked through kvt__conn_t's turn_next and turn_prev. */
+typedef struct kvt__turnq {
+    kvt__conn_t *head, *tail;
+    uint32_t n;
+} kvt__turnq_t;
+
 struct kvt__loop {
     kvt_srv_t *srv;
     unsigned id;
@@ -505,9 +522,9 @@ struct kvt__loop {
     uint32_t conns;
     uint64_t requests, kicks_posted;
     /* socket-turns (conn.c): its connections holding a turn, and those waiting for one, first
-     * come first served. Each loop grants its own: its own thread's only, no lock. */
-    uint32_t turns;
-    kvt__conn_t *turn_head, *turn_tail;
+     * come first served. Each loop grants its own: changed by its own thread only, with the lock
+     * held (shared at least); the tick and a scrape read them under the write lock. */
+    kvt__turnq_t turn_held, turn_wait;
     /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
      * threads read a loop's under the write lock: kvt__out_add of its connection). */
     int held;
@@ -705,6 +722,15 @@ static inline void kvt__out_add(kvt__conn_t *c, int64_t delta)
 }
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
+/* socket-turns (conn.c): passes on the turns of loop l's holders whose sockets stalled while
+ * others wait, and grants the turns free; returns how long l may sleep before the next one
+ * stalls, in ms (-1: no limit). Run by l's thread after every wake, with the lock held. */
+int kvt__turns_step(kvt__loop_t *l);
+/* After a reload (write lock): wakes each loop with waiters, so that its step grants the turns
+ * a raised socket-turns added. */
+void kvt__turns_reload(kvt_srv_t *s);
+/* The loops' turn gauges (kvtier_loop_socket_turns, _waiters), under the write lock. */
+void kvt__turns_gauges(kvt_srv_t *s);
 /* Every tick: leases past their time limit go, then kvt__conns_deadlines. */
 void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
 /* Requests' deadlines, and PREFETCHes waiting for others' moves or for room try again; also

@@ -672,8 +672,17 @@ Test(server_conns, few_connections_have_big_replies_in_the_kernel_at_once, .fini
     turns_end(&t, TURN_CONNS);
 }
 
+/* The n connections read one after another, the last first, whole; returns the seconds it took. */
+static double turns_read_last_first(turns_t *t, int n)
+{
+    uint64_t t0 = kvt_now_ns();
+    for (int i = n - 1; i >= 0; i--)
+        turns_read(t, i);
+    return (double)(kvt_now_ns() - t0) / 1e9;
+}
+
 /* A client that reads its connections one after another, the last first: those holding turns
- * are not read, and give them on once their sockets took nothing for a while (turn_stalled),
+ * are not read, and give them on once their sockets took nothing for a while (kvt__turns_step),
  * so the one being read gets its turn. Without that it would wait for reply-timeout-ms. */
 Test(server_conns, a_client_reading_its_connections_in_turn_gets_every_reply, .fini = teardown,
      .timeout = 60)
@@ -683,10 +692,7 @@ Test(server_conns, a_client_reading_its_connections_in_turn_gets_every_reply, .f
     turns_t t;
     if (!turns_start(&t, N, extra))
         cr_skip_test("the kernel's default send buffer holds a whole pipeline");
-    uint64_t t0 = kvt_now_ns();
-    for (int i = N - 1; i >= 0; i--)
-        turns_read(&t, i);
-    double s = (double)(kvt_now_ns() - t0) / 1e9;
+    double s = turns_read_last_first(&t, N);
     fprintf(stderr, "socket-turns 2: %d connections read last first in %.2f s\n", N, s);
     cr_expect_lt(s, 20.0);
     cr_expect_eq(kvd_metric(&d, "kvtier_connections_timed_out_total"), 0);
@@ -694,7 +700,7 @@ Test(server_conns, a_client_reading_its_connections_in_turn_gets_every_reply, .f
 }
 
 /* A client that stops reading while it holds the only turn: the others get it on soon
- * (turn_stalled) and all their replies, none of them closed; it is closed at reply-timeout-ms as
+ * (kvt__turns_step) and all their replies, none of them closed; it is closed at reply-timeout-ms as
  * before. */
 Test(server_conns, a_client_that_stops_reading_gives_its_turn_on, .fini = teardown, .timeout = 60)
 {
@@ -724,5 +730,166 @@ Test(server_conns, a_client_that_stops_reading_gives_its_turn_on, .fini = teardo
     cr_expect_eq(r, 0, "the stopped client's connection is still open");
     cr_expect_eq(kvd_metric(&d, "kvtier_connections_timed_out_total"), 1,
                  "only the one that stopped reading is closed");
+    turns_end(&t, N);
+}
+
+/* The same client with the tick 10 s apart: each loop passes a stalled holder's turn on itself,
+ * socket-turn-stall-ms (5) after its socket filled, instead of at the tick. On s24's kvtierd
+ * (a 50 ms slice, checked at the tick) each handover waited for the next tick: 10 s each, past
+ * the test's time. The bound is loose (about 0.1 s here for 7 rounds of handovers, 10 s a round
+ * before); the handovers by stall are counted in kvtier_loop_socket_turn_stalls_total. */
+Test(server_conns, a_client_reading_its_connections_in_turn_does_not_wait_for_the_tick,
+     .fini = teardown, .timeout = 60)
+{
+    const char *extra[] = {"--socket-turns", "2", "--tick-ms", "10000", NULL};
+    enum { N = 16 };
+    turns_t t;
+    if (!turns_start(&t, N, extra))
+        cr_skip_test("the kernel's default send buffer holds a whole pipeline");
+    double s = turns_read_last_first(&t, N), stalls = 0;
+    for (int l = 0; l < test_loops(); l++) {
+        char series[96];
+        snprintf(series, sizeof series, "kvtier_loop_socket_turn_stalls_total{loop=\"%d\"}", l);
+        stalls += KVT_MAX(kvd_metric(&d, series), 0.0);
+    }
+    fprintf(stderr,
+            "socket-turns 2, tick 10 s, %d loop(s): %d connections read last first in %.2f s, %.0f "
+            "turns passed on by stall\n",
+            test_loops(), N, s, stalls);
+    cr_expect_lt(s, 5.0, "the handovers waited for the tick");
+    cr_expect_geq(stalls, 1, "the holders passed their turns on by stall");
+    cr_expect_eq(kvd_metric(&d, "kvtier_connections_timed_out_total"), 0);
+    turns_end(&t, N);
+}
+
+/* Loop 0's turn gauges, polled until they read turns and waiters (5 s at most); 1 when they do. */
+static int turn_gauges_reach(double turns, double waiters)
+{
+    double h = -1, w = -1;
+    for (int i = 0; i < 500; i++) {
+        h = kvd_metric(&d, "kvtier_loop_socket_turns{loop=\"0\"}");
+        w = kvd_metric(&d, "kvtier_loop_socket_turn_waiters{loop=\"0\"}");
+        if (h == turns && w == waiters)
+            return 1;
+        usleep(10000);
+    }
+    fprintf(stderr, "the turn gauges read %.0f held, %.0f waiting; %.0f and %.0f wanted\n", h, w,
+            turns, waiters);
+    return 0;
+}
+
+/* How many of connections [0, n) have reply bytes in their sockets now; their indexes in at. */
+static int turns_holding(turns_t *t, int n, int *at)
+{
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (t->fd[i] >= 0 && queued_now(t->fd[i], 0) > 0)
+            at[k++] = i;
+    return k;
+}
+
+/* Every open connection of [0, n) read whole, a bite from each in turn (as a client serving
+ * them all from one thread), checked byte for byte by turns_read once its bytes start. */
+static void turns_read_each(turns_t *t, int n)
+{
+    int left = 0, done[TURN_CONNS] = {0};
+    for (int i = 0; i < n; i++)
+        left += t->fd[i] >= 0;
+    for (uint64_t t0 = kvt_now_ns(); left > 0;) {
+        for (int i = 0; i < n; i++)
+            if (t->fd[i] >= 0 && !done[i] && queued_now(t->fd[i], 0) > 0) {
+                turns_read(t, i);
+                done[i] = 1;
+                left--;
+            }
+        usleep(1000);
+        cr_assert_lt(kvt_now_ns() - t0, 20000000000ull, "%d connections got nothing in 20 s", left);
+    }
+}
+
+/* The gauges say how many connections hold a turn and how many wait, per loop (STATS too); a
+ * waiter that closes leaves the queue (from its middle: the queue is doubly linked), and the
+ * others still get every reply. */
+Test(server_conns, the_turn_gauges_count_holders_and_waiters, .fini = teardown, .timeout = 60)
+{
+    const char *extra[] = {
+        "--socket-turns", "2", "--socket-turn-stall-ms", "10000", "--loops", "1", NULL};
+    enum { N = 8 };
+    turns_t t;
+    if (!turns_start(&t, N, extra))
+        cr_skip_test("the kernel's default send buffer holds a whole pipeline");
+    cr_assert(turn_gauges_reach(2, N - 2));
+    int at[N];
+    cr_expect_eq(turns_holding(&t, N, at), 2, "only the holders' sockets have bytes");
+    kvt_client_t *c = kvd_client(&d, "gauges", PAGE, BIG_BB);
+    cr_expect_eq(kvd_stat(c, "loop_socket_turns_0"), 2);
+    cr_expect_eq(kvd_stat(c, "loop_socket_turn_waiters_0"), N - 2);
+    kvt_client_close(c);
+    /* Two waiters in the queue's middle close (the first and last waiters are kept). */
+    int waiters[N], nw = 0;
+    for (int i = 0; i < N; i++)
+        if (i != at[0] && i != at[1])
+            waiters[nw++] = i;
+    for (int k = 2; k <= 3; k++) {
+        close(t.fd[waiters[k]]);
+        t.fd[waiters[k]] = -1;
+    }
+    cr_expect(turn_gauges_reach(2, N - 4), "the closed waiters left the queue");
+    turns_read_each(&t, N);
+    cr_expect(turn_gauges_reach(0, 0), "every turn ended");
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_socket_turn_stalls_total{loop=\"0\"}"), 0,
+                 "none stalled: socket-turn-stall-ms 10000");
+    turns_end(&t, N);
+}
+
+/* socket-turns on a reload (SIGHUP): raised, the waiters get the new turns at once; lowered,
+ * the holders over the new count keep theirs until their queues are in the kernel, and only
+ * then is a turn given again. On s24's kvtierd the setting needed a restart: the gauges stayed
+ * at 1 held. */
+static void turns_conf(const char *path, int turns)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "%s: %s", path, strerror(errno));
+    fprintf(f, "socket-turns = %d\nsocket-turn-stall-ms = 10000\n", turns);
+    fclose(f);
+}
+
+Test(server_conns, socket_turns_changes_on_a_reload, .fini = teardown, .timeout = 60)
+{
+    kvd_mkdir(&d);
+    char conf[700];
+    snprintf(conf, sizeof conf, "%s/kvtierd.conf", d.dir);
+    turns_conf(conf, 1);
+    const char *extra[] = {"--config", conf, "--loops", "1", NULL};
+    enum { N = 6 };
+    turns_t t;
+    if (!turns_start(&t, N, extra))
+        cr_skip_test("the kernel's default send buffer holds a whole pipeline");
+    int at[N];
+    cr_assert(turn_gauges_reach(1, N - 1));
+    cr_expect_eq(turns_holding(&t, N, at), 1);
+
+    turns_conf(conf, 3);
+    cr_assert_eq(kill(d.pid, SIGHUP), 0);
+    cr_assert(turn_gauges_reach(3, N - 3), "socket-turns 3 after the reload");
+    cr_expect_eq(turns_holding(&t, N, at), 3, "3 sockets have bytes");
+
+    turns_conf(conf, 1);
+    cr_assert_eq(kill(d.pid, SIGHUP), 0);
+    /* Lowered: the 3 holders keep their turns; the one read whole ends its turn, and with 2
+     * still held (over 1) nobody gets it. */
+    cr_assert_eq(turns_holding(&t, N, at), 3);
+    turns_read(&t, at[0]);
+    cr_expect(turn_gauges_reach(2, N - 3), "a turn ended over the new count is not given again");
+    turns_read(&t, at[1]);
+    turns_read(&t, at[2]);
+    cr_expect(turn_gauges_reach(1, N - 4), "the first waiter got the one turn left");
+    close(t.fd[at[0]]);
+    close(t.fd[at[1]]);
+    close(t.fd[at[2]]);
+    t.fd[at[0]] = t.fd[at[1]] = t.fd[at[2]] = -1;
+    turns_read_each(&t, N);
+    cr_expect(turn_gauges_reach(0, 0));
+    cr_expect_eq(kvd_metric(&d, "kvtier_config_reload_failures_total"), 0);
     turns_end(&t, N);
 }
