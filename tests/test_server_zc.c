@@ -925,6 +925,36 @@ Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_connection_closed
     promoted_after_the_lease(BY_CLOSE, 83);
 }
 
+/* An engine MATCHes a hot leased page at every step: while its parked promotion waits for the
+ * first lease, those MATCHes queue promotions that start no move for the executor to refuse (its
+ * refusals are what the policy parks: still one), and the page reaches HBM once the lease is
+ * released. */
+Test(server_zc, a_parked_promotion_is_not_started_again_while_its_lease_holds, .fini = teardown)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    zmap_t z;
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE], pages;
+    kvd_tokens(t, PAGE, 8400);
+    uint64_t lease = leased_in_dram(fd, &z, c, t, 84);
+    cr_assert_eq(kvd_stat(c, "policy_parked"), 1);
+    for (int i = 0; i < 3; i++)
+        zrelease(fd, zmatch(fd, t, PAGE, &pages, NULL));
+    uint64_t parked = kvd_stat(c, "policy_parked");
+    cr_expect_eq(parked, 1, "started again under the lease: %llu refusals parked",
+                 (unsigned long long)parked);
+    cr_expect_eq(kvd_stat(c, "policy_park_waits"), 3);
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 0);
+    zrelease(fd, lease);
+    zunmap(&z);
+    promoted_once_free(c, t, 84, "RELEASE");
+    close(fd);
+    kvt_client_close(c);
+}
+
 /* A client makes its whole memfd resident (fallocate) and writes pages of its mapping where no
  * block is, then leaves: the daemon punches all of it within 2 s, the live block's bytes stay,
  * and the resident gauge shows what the memfd holds. */
