@@ -813,17 +813,25 @@ static int located_at(int fd, uint64_t lease, uint64_t off)
     return zget_locate(fd, lease, 1, loc, &left) == 0 && loc[0] == off;
 }
 
+/* Starts kvtierd with 1 MiB of HBM (host memory) over 2 MiB of DRAM and no NVMe, leases of
+ * lease_ms, and maps the DRAM of a zero-copy connection into z; the connection. */
+static int hbm_over_dram(zmap_t *z, const char *lease_ms)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", "--lease-ms", lease_ms, NULL);
+    int fd = zconn(&d, "zc", NULL);
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, z, NULL), 0);
+    return fd;
+}
+
 /* A promotion into HBM leaves a page a lease holds in the DRAM mapping: neither the promotion
  * its MATCH queued nor a PREFETCH up to HBM moves it, since the switch would free its DRAM copy
  * under the reader, and pages reserved next land in DRAM that is free. Once the lease is
  * released, a PREFETCH moves it. */
 Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
 {
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", NULL);
-    int fd = zconn(&d, "zc", NULL);
     zmap_t z;
-    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    int fd = hbm_over_dram(&z, "30000");
     uint32_t t[PAGE], pages;
     kvd_tokens(t, PAGE, 7100);
     uint64_t off = zstore_one(fd, &z, t, 78);
@@ -888,11 +896,8 @@ typedef enum { BY_RELEASE, BY_EXPIRY, BY_CLOSE } lease_end_t;
 static void promoted_after_the_lease(lease_end_t how, uint32_t seed)
 {
     static const char *const name[] = {"RELEASE", "expiry", "close"};
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", "--lease-ms", how == BY_EXPIRY ? "1000" : "30000", NULL);
-    int fd = zconn(&d, "zc", NULL);
     zmap_t z;
-    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    int fd = hbm_over_dram(&z, how == BY_EXPIRY ? "1000" : "30000");
     kvt_client_t *c = zclient(&d, NULL);
     uint32_t t[PAGE];
     kvd_tokens(t, PAGE, 100 * seed);
@@ -931,11 +936,8 @@ Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_connection_closed
  * released. */
 Test(server_zc, a_parked_promotion_is_not_started_again_while_its_lease_holds, .fini = teardown)
 {
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", NULL);
-    int fd = zconn(&d, "zc", NULL);
     zmap_t z;
-    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    int fd = hbm_over_dram(&z, "30000");
     kvt_client_t *c = zclient(&d, NULL);
     uint32_t t[PAGE], pages;
     kvd_tokens(t, PAGE, 8400);
