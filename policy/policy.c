@@ -582,9 +582,12 @@ static int orphan_take(kvt_policy_t *p, const kvt_radix_node_t *n)
  * again by the first step after the last lease on its node ended. PARK_MAX entries, one per path
  * end; when full, the oldest is forgotten (the next MATCH of its path queues it again). An entry
  * names nodes as the queue does (seq, foreign): one that may have died since is dropped.
+ * Meanwhile a queued promotion that reaches a node where one waits joins it instead of starting
+ * (park_waits_at): an engine MATCHes a hot path at every step, and each of those promotions made
+ * room in the top tier, demoting other blocks, for a move the executor then refused.
  */
-static void park(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_radix_node_t *at,
-                 int place)
+static void park_put(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages,
+                     kvt_radix_node_t *at, int place)
 {
     uint32_t k = 0;
     while (k < p->npark && p->park[k].q.n != n)
@@ -600,6 +603,13 @@ static void park(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_
         node_pages = p->park[k].q.node_pages; /* parked again for another run of the path */
     }
     p->park[k] = (parked_t){{n, node_pages, p->seq, p->foreign, place}, at};
+}
+
+/* A promotion the executor refused at node `at` (KVT_EBUSY). */
+static void park(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_radix_node_t *at,
+                 int place)
+{
+    park_put(p, n, node_pages, at, place);
     p->st.parked++;
 }
 
@@ -608,6 +618,17 @@ static int park_valid(const kvt_policy_t *p, const parked_t *e)
 {
     return !p->dead_lost && !dead_after(p, e->q.n, e->q.seq) && !dead_after(p, e->at, e->q.seq) &&
            (p->c.reports_node_frees || p->foreign == e->q.foreign);
+}
+
+/* Whether a promotion parked at node x still waits there: a lease holds x as it did when the
+ * executor refused the move. Another promotion through x would make room for its move (moving
+ * other blocks out of the top tier) only to be refused again. */
+static int park_waits_at(const kvt_policy_t *p, const kvt_radix_node_t *x)
+{
+    for (uint32_t i = 0; i < p->npark; i++)
+        if (p->park[i].at == x && park_valid(p, &p->park[i]))
+            return kvt_radix_node_leased(x);
+    return 0;
 }
 
 /* Before the record of the deaths so far is forgotten (a rebuild, a sweep's end): the entries
@@ -2458,9 +2479,10 @@ uint32_t kvt_policy_trim_index_bytes(kvt_policy_t *p, uint64_t target, uint32_t 
     return p ? kvt_radix_trim(p->t, target, budget, trim_any, trim_drop, p) : 0;
 }
 
-/* Promotes the path ending at node n (first node_pages pages) into tier `to`. */
+/* Promotes the path ending at node n (first node_pages pages) into tier `to`. queued: a MATCH's
+ * promotion, which stops where a parked one waits (a PREFETCH's own lease does not refuse it). */
 static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
-                        const kvt_policy_cause_t *why, int *stop)
+                        int queued, const kvt_policy_cause_t *why, int *stop)
 {
     *stop = 0;
     size_t len = 0;
@@ -2497,6 +2519,12 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             uint32_t cnt = KVT_MIN(rb, end) - s;
             if (!tier_ok(from) || run_busy(x, s, cnt))
                 break;
+            if (queued && park_waits_at(p, x)) {
+                park_put(p, n, node_pages, x, why->tag); /* this path end goes up with it */
+                p->st.park_waits++;
+                *stop = KVT_EBUSY;
+                goto done;
+            }
             cnt = KVT_MIN(cnt, 64u);
             if (bypass(p)) {
                 /* the pages used next as soon as the first, and only past victims used later */
@@ -2556,7 +2584,7 @@ int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n))
         return KVT_EINVAL;
     int stop;
-    return promote_path(p, n, node_pages, p->top, &no_cause, &stop);
+    return promote_path(p, n, node_pages, p->top, 0, &no_cause, &stop);
 }
 
 int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
@@ -2565,7 +2593,7 @@ int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n) || !tier_ok(to) ||
         !p->cap[to])
         return KVT_EINVAL;
-    int stop, total = promote_path(p, n, node_pages, to, why ? why : &no_cause, &stop);
+    int stop, total = promote_path(p, n, node_pages, to, 0, why ? why : &no_cause, &stop);
     return total == 0 && stop == KVT_EAGAIN ? KVT_EAGAIN : total;
 }
 
@@ -2620,7 +2648,7 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
             (!p->c.reports_node_frees && p->foreign != q->foreign))
             continue;
         kvt_policy_cause_t why = {.req = NULL, .tag = q->place}; /* the MATCH's tag */
-        int stop, rc = promote_path(p, q->n, q->node_pages, p->top, &why, &stop);
+        int stop, rc = promote_path(p, q->n, q->node_pages, p->top, 1, &why, &stop);
         if (rc < 0)
             return rc;
         total += rc;

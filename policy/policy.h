@@ -438,6 +438,9 @@ typedef struct kvt_policy_stats {
     /* Promotions the executor refused for a lease's readers (KVT_EBUSY), parked until no lease
      * holds the node, and those queued again once none did. */
     uint64_t parked, unparked;
+    /* Queued promotions (a MATCH's) not started, since a parked one waits on their path: no
+     * room made for them, no move refused. */
+    uint64_t park_waits;
     /* COST: its experts (KVT_POLICY_EXPERT_*; docs/policy.md, "Experts"): the one chosen (it
      * orders the victims from the next rebuild or sweep of the heaps on), the seconds of loads
      * and recomputes each one's miniature hierarchy spent on the sampled pages lately (decayed;

@@ -221,6 +221,11 @@ typedef enum {
       "Times the tier policy renewed its victim heaps in one walk (docs/policy.md).", NONE)        \
     X(POLICY_SWEEPS, COUNTER, "kvtier_policy_sweeps_total",                                        \
       "Times the tier policy renewed its victim heaps by a sweep (docs/policy.md).", NONE)         \
+    X(POLICY_PARKED, COUNTER, "kvtier_policy_parked_total",                                        \
+      "Promotions refused while a lease's holder may read the run in place, parked till it ends.", \
+      NONE)                                                                                        \
+    X(POLICY_PARK_WAITS, COUNTER, "kvtier_policy_park_waits_total",                                \
+      "Promotions MATCH queued not started: a parked one waits on their path.", NONE)              \
     X(POLICY_EXPERT, GAUGE, "kvtier_policy_expert",                                                \
       "The cost policy's expert that orders victims (docs/policy.md, Experts): 1 value, 2 "        \
       "recent, 3 frequent, 4 value above the lowest tier and recent in it, 5 hit density by "      \

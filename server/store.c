@@ -431,6 +431,8 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_PIN_REFUSALS, 0, (double)ps.pin_refusals);
         kvt__metric_set(s->metrics, KVT_M_POLICY_REBUILDS, 0, (double)ps.rebuilds);
         kvt__metric_set(s->metrics, KVT_M_POLICY_SWEEPS, 0, (double)ps.sweeps);
+        kvt__metric_set(s->metrics, KVT_M_POLICY_PARKED, 0, (double)ps.parked);
+        kvt__metric_set(s->metrics, KVT_M_POLICY_PARK_WAITS, 0, (double)ps.park_waits);
         /* 1 + KVT_POLICY_EXPERT_*, so that 0 can say "no experts" (ps.expert is 0 then too). */
         kvt_policy_kind_t kind;
         int cost = kvt_policy_kind_parse(s->conf->policy, &kind) == 0 && kind == KVT_POLICY_COST;

@@ -1284,6 +1284,32 @@ Test(policy_decisions, a_promotion_refused_for_a_lease_is_made_once_it_ends)
     made_once_released(a, lease);
 }
 
+/* While a's promotion waits parked, its MATCHes start no other: none makes room in HBM (d,
+ * which filled it since, stays there) for a move the executor would refuse again. The promotion
+ * is made once the lease ends. */
+Test(policy_decisions, a_parked_promotion_is_not_started_again_while_its_lease_holds)
+{
+    refusals = 0;
+    uint32_t *a = a_below_an_empty_hbm(&read_in_place_ops), *d = seq(16, 3000);
+    uint64_t lease = lease_path(a);
+    request(a, 16, NULL);
+    request(d, 16, NULL);
+    all_in(d, 4, KVT_TIER_HBM);
+    kvt_policy_stats_t was, st;
+    kvt_policy_stats(pol, &was);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(request(a, 16, NULL), 4);
+    kvt_policy_stats(pol, &st);
+    cr_expect_eq(refusals, 1, "started again under its lease: %d refusals", refusals);
+    cr_expect_eq(st.demotions, was.demotions, "room made for a move refused: %llu demotions",
+                 (unsigned long long)(st.demotions - was.demotions));
+    cr_expect_eq(st.park_waits, 3);
+    all_in(d, 4, KVT_TIER_HBM);
+    all_in(a, 4, KVT_TIER_DRAM);
+    free(d);
+    made_once_released(a, lease);
+}
+
 /* The same for a promotion the executor refused at its switch, for a lease taken while its
  * copies ran. */
 Test(policy_decisions, a_promotion_refused_at_its_switch_is_made_once_the_lease_ends)

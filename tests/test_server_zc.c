@@ -813,17 +813,25 @@ static int located_at(int fd, uint64_t lease, uint64_t off)
     return zget_locate(fd, lease, 1, loc, &left) == 0 && loc[0] == off;
 }
 
+/* Starts kvtierd with 1 MiB of HBM (host memory) over 2 MiB of DRAM and no NVMe, leases of
+ * lease_ms, and maps the DRAM of a zero-copy connection into z; the connection. */
+static int hbm_over_dram(zmap_t *z, const char *lease_ms)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", "--lease-ms", lease_ms, NULL);
+    int fd = zconn(&d, "zc", NULL);
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, z, NULL), 0);
+    return fd;
+}
+
 /* A promotion into HBM leaves a page a lease holds in the DRAM mapping: neither the promotion
  * its MATCH queued nor a PREFETCH up to HBM moves it, since the switch would free its DRAM copy
  * under the reader, and pages reserved next land in DRAM that is free. Once the lease is
  * released, a PREFETCH moves it. */
 Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
 {
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", NULL);
-    int fd = zconn(&d, "zc", NULL);
     zmap_t z;
-    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    int fd = hbm_over_dram(&z, "30000");
     uint32_t t[PAGE], pages;
     kvd_tokens(t, PAGE, 7100);
     uint64_t off = zstore_one(fd, &z, t, 78);
@@ -888,11 +896,8 @@ typedef enum { BY_RELEASE, BY_EXPIRY, BY_CLOSE } lease_end_t;
 static void promoted_after_the_lease(lease_end_t how, uint32_t seed)
 {
     static const char *const name[] = {"RELEASE", "expiry", "close"};
-    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", "--lease-ms", how == BY_EXPIRY ? "1000" : "30000", NULL);
-    int fd = zconn(&d, "zc", NULL);
     zmap_t z;
-    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, &z, NULL), 0);
+    int fd = hbm_over_dram(&z, how == BY_EXPIRY ? "1000" : "30000");
     kvt_client_t *c = zclient(&d, NULL);
     uint32_t t[PAGE];
     kvd_tokens(t, PAGE, 100 * seed);
@@ -923,6 +928,33 @@ Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_expiry, .fini = t
 Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_connection_closed, .fini = teardown)
 {
     promoted_after_the_lease(BY_CLOSE, 83);
+}
+
+/* An engine MATCHes a hot leased page at every step: while its parked promotion waits for the
+ * first lease, those MATCHes queue promotions that start no move for the executor to refuse (its
+ * refusals are what the policy parks: still one), and the page reaches HBM once the lease is
+ * released. */
+Test(server_zc, a_parked_promotion_is_not_started_again_while_its_lease_holds, .fini = teardown)
+{
+    zmap_t z;
+    int fd = hbm_over_dram(&z, "30000");
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE], pages;
+    kvd_tokens(t, PAGE, 8400);
+    uint64_t lease = leased_in_dram(fd, &z, c, t, 84);
+    cr_assert_eq(kvd_stat(c, "policy_parked"), 1);
+    for (int i = 0; i < 3; i++)
+        zrelease(fd, zmatch(fd, t, PAGE, &pages, NULL));
+    uint64_t parked = kvd_stat(c, "policy_parked");
+    cr_expect_eq(parked, 1, "started again under the lease: %llu refusals parked",
+                 (unsigned long long)parked);
+    cr_expect_eq(kvd_stat(c, "policy_park_waits"), 3);
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 0);
+    zrelease(fd, lease);
+    zunmap(&z);
+    promoted_once_free(c, t, 84, "RELEASE");
+    close(fd);
+    kvt_client_close(c);
 }
 
 /* A client makes its whole memfd resident (fallocate) and writes pages of its mapping where no
