@@ -57,7 +57,8 @@
  *          MATCH connections (pipeline --pipeline) on loop 1 while loop 0's one connection PUTs
  *          fresh 256 KiB, then 2 MiB, pages as fast as it can, against the same MATCHes beside
  *          an idle connection, alternating round by round: the MATCHes' rate, p50, p99 and max
- *          with and without the PUTs (bench_loops_put).
+ *          with and without the PUTs, and the writer's pages per second beside them and alone
+ *          (bench_loops_put).
  *   lease  An engine's connection with --held leases out (requests in flight): batches of MATCH
  *          with a lease, then RELEASE of each, pipelined through libkvtier on the Unix socket.
  *          Baseline: the same with no other lease held, the two alternating in short loads
@@ -1602,16 +1603,51 @@ static pid_t put_writer(const char *sock, uint32_t block_bytes, int fd)
     _exit(0);
 }
 
+/* A running put_writer: its pid and the pipe it reports on. */
+typedef struct writer {
+    pid_t pid;
+    int fd[2];
+} writer_t;
+
+/* Starts a put_writer and waits until it is connected. */
+static int writer_start(writer_t *w, const char *sock, uint32_t block_bytes)
+{
+    uint8_t one;
+    w->pid = w->fd[0] = w->fd[1] = -1;
+    if (pipe(w->fd) < 0)
+        return -1;
+    w->pid = put_writer(sock, block_bytes, w->fd[1]);
+    return w->pid > 0 && read_all(w->fd[0], &one, 1) == 0 ? 0 : -1;
+}
+
+/* Stops it; the pages it stored in *pages. */
+static int writer_stop(writer_t *w, double *pages)
+{
+    uint64_t stored = 0;
+    int rc = 0;
+    if (w->pid > 0) {
+        kill(w->pid, SIGTERM);
+        rc = read_all(w->fd[0], &stored, sizeof stored);
+        waitpid(w->pid, NULL, 0);
+    }
+    close(w->fd[0]);
+    close(w->fd[1]);
+    *pages = (double)stored;
+    return w->pid > 0 ? rc : -1;
+}
+
 static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t *quiet,
                            const result_t *busy, double *max_quiet, double *max_busy,
-                           double put_pages_per_s)
+                           double put_pages_per_s, double alone_pages_per_s)
 {
     printf("{\"op\":\"loops_put\",\"transport\":\"unix\",\"loops\":2,\"conns\":%d,\"pipeline\":%d,"
-           "\"put_block_bytes\":%u,\"put_pages_per_s\":%.0f,\"requests_per_s\":%.0f,"
+           "\"put_block_bytes\":%u,\"put_pages_per_s\":%.0f,\"put_alone_pages_per_s\":%.0f,"
+           "\"requests_per_s\":%.0f,"
            "\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f,\"baseline\":\"the same MATCHes, "
            "no PUTs\",\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
            "\"baseline_p99_us\":%.1f,\"baseline_max_us\":%.1f,\"ratio\":%.3f,\"rounds\":%d}\n",
-           o->conns, o->pipeline, block_bytes, put_pages_per_s, busy->rps, busy->p50_us,
+           o->conns, o->pipeline, block_bytes, put_pages_per_s, alone_pages_per_s, busy->rps,
+           busy->p50_us,
            busy->p99_us, bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us,
            quiet->p99_us, bench_median(max_quiet, o->rounds), busy->rps / quiet->rps,
            o->rounds);
@@ -1625,7 +1661,9 @@ static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t
  * beside an idle connection on loop 0, the two alternating round by round. Each new connection
  * goes to the loop with fewer (loop 0 on a tie): the writer's first, then each MATCH connection
  * followed by an idle one (load_t.pad). Prints the MATCHes' rate, p50, p99 (the median round's)
- * and max (the rounds' median) with and without the PUTs, and the PUT pages stored per second.
+ * and max (the rounds' median) with and without the PUTs, and the PUT pages stored per second
+ * beside the MATCHes and alone (the writer again, as long, with no MATCH load: on a small machine
+ * the MATCHes' CPU slows the writer too, whatever the lock does).
  */
 static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
 {
@@ -1645,7 +1683,7 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
     usleep(200000); /* populate's connection closed: the loops' counts are back to 0 */
     for (size_t z = 0; z < KVT_ARRAY_LEN(sizes); z++) {
         result_t quiet[9], busy[9];
-        double max_quiet[9], max_busy[9], pages = 0, secs = 0;
+        double max_quiet[9], max_busy[9], pages = 0, secs = 0, alone = 0;
         for (int r = 0; r < o->rounds; r++) {
             /* The baseline: an idle connection where the writer's goes. */
             int idle = connect_unix(sock);
@@ -1653,29 +1691,28 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             if (idle >= 0)
                 close(idle);
             max_quiet[r] = quiet[r].max_us;
-            int p[2];
-            if (rc < 0 || pipe(p) < 0)
+            if (rc < 0)
                 return -1;
             usleep(50000); /* the idle connection's close reaches its loop */
-            pid_t w = put_writer(sock, sizes[z], p[1]);
-            uint8_t one;
-            uint64_t stored = 0;
-            if (w < 0 || read_all(p[0], &one, 1) < 0)
-                rc = -1;
+            writer_t w;
+            double stored = 0, alone_pages = 0;
+            rc = writer_start(&w, sock, sizes[z]);
             uint64_t t0 = kvt_now_ns();
             if (rc == 0)
                 rc = run_kvtier(&match, &busy[r]);
-            secs += (double)(kvt_now_ns() - t0) / 1e9;
-            if (w > 0) {
-                kill(w, SIGTERM);
-                if (read_all(p[0], &stored, sizeof stored) < 0)
-                    rc = -1;
-                waitpid(w, NULL, 0);
-            }
-            close(p[0]);
-            close(p[1]);
-            pages += (double)stored;
+            double busy_s = (double)(kvt_now_ns() - t0) / 1e9;
+            if (writer_stop(&w, &stored) < 0)
+                rc = -1;
+            secs += busy_s;
+            pages += stored;
             max_busy[r] = busy[r].max_us;
+            /* The writer alone for as long: what the MATCHes cost its rate (on a small machine,
+             * their CPU more than the lock). */
+            if (rc == 0 && writer_start(&w, sock, sizes[z]) == 0)
+                usleep((useconds_t)(busy_s * 1e6));
+            if (writer_stop(&w, &alone_pages) < 0)
+                rc = -1;
+            alone += alone_pages;
             if (rc < 0) {
                 fprintf(stderr, "bench_server: the loops_put load failed (%u-byte pages)\n",
                         sizes[z]);
@@ -1684,7 +1721,7 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             usleep(50000);
         }
         result_t q = median_round(quiet, o->rounds), b = median_round(busy, o->rounds);
-        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs);
+        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs, alone / secs);
     }
     for (size_t k = 0; k < match.nframes; k++)
         free(match.frames[k]);

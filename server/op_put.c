@@ -194,8 +194,10 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
                 continue;
             }
             /* DRAM answers at once (its completion is queued): the location is there. */
-            if (later)
+            if (later) {
                 l->dst = kvt_tier_ptr(s->tiers[id], x->io.loc);
+                kvt_assert(l->dst); /* else the page would be published unwritten */
+            }
             l->held = (uint8_t)id;
             if (room)
                 kvt__metric_add(s->metrics, KVT_M_PUT_ROOM, 0, 1);

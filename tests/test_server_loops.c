@@ -1212,17 +1212,34 @@ static void *putter_main(void *arg)
     return NULL;
 }
 
-/* A daemon with loops loops, the gate's path in gate ("" with one loop: no gate). */
-static void put_gate_start(kvd_t *d, const char *loops, char *gate, size_t cap)
+/* A daemon with loops loops and its gate's path ("" with one loop: no gate), and two clients of
+ * PBB pages: a first (loop 0's), b (loop 1's with two loops). */
+typedef struct put_fix {
+    kvd_t d;
+    char gate[700];
+    kvt_client_t *a, *b;
+} put_fix_t;
+
+static void put_fix_start(put_fix_t *f, const char *loops)
 {
-    kvd_mkdir(d);
-    snprintf(gate, cap, "%s/put-gate", d->dir);
+    kvd_mkdir(&f->d);
+    snprintf(f->gate, sizeof f->gate, "%s/put-gate", f->d.dir);
     if (strcmp(loops, "1"))
-        setenv("KVT_DEBUG_PUT_GATE", gate, 1);
+        setenv("KVT_DEBUG_PUT_GATE", f->gate, 1);
     else
-        gate[0] = 0;
-    kvd_start(d, "--loops", loops, NULL);
+        f->gate[0] = 0;
+    kvd_start(&f->d, "--loops", loops, NULL);
     unsetenv("KVT_DEBUG_PUT_GATE");
+    f->a = kvd_client(&f->d, "p", PAGE, PBB);
+    f->b = kvd_client(&f->d, "p", PAGE, PBB);
+}
+
+static void put_fix_end(put_fix_t *f)
+{
+    kvt_client_close(f->a);
+    kvt_client_close(f->b);
+    cr_expect_eq(kvd_stop(&f->d), 0);
+    kvd_cleanup(&f->d);
 }
 
 static void put_gate_close(const char *gate)
@@ -1245,12 +1262,11 @@ static void put_wait_index(kvt_client_t *c, uint64_t n)
 
 static void put_copy_outside(const char *loops)
 {
-    kvd_t d = {0};
-    char gate[700];
-    put_gate_start(&d, loops, gate, sizeof gate);
+    put_fix_t f = {0};
+    put_fix_start(&f, loops);
+    kvt_client_t *a = f.a, *b = f.b;
+    const char *gate = f.gate;
     enum { P = 4 };
-    /* a first: loop 0's; b: loop 1's with two loops */
-    kvt_client_t *a = kvd_client(&d, "p", PAGE, PBB), *b = kvd_client(&d, "p", PAGE, PBB);
     static uint32_t tok[P * PAGE], other[PAGE];
     static uint8_t payload[P * PBB];
     kvd_tokens(tok, P * PAGE, 9100000u);
@@ -1285,10 +1301,7 @@ static void put_copy_outside(const char *loops)
     for (int p = 0; p < P; p++)
         cr_expect_eq(tiers[p], KVT_CLIENT_TIER_DRAM, "page %d", p);
     cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
-    kvt_client_close(a);
-    kvt_client_close(b);
-    cr_expect_eq(kvd_stop(&d), 0);
-    kvd_cleanup(&d);
+    put_fix_end(&f);
 }
 
 Test(server_loops, a_put_copies_its_pages_with_the_lock_let_go)
@@ -1330,15 +1343,16 @@ static void raw_put(int fd, const uint32_t *tok, uint32_t pages, const uint8_t *
 /*
  * A REMOVE of the prefix a PUT is copying (its pages BUSY, its path pinned): refused (NOWAIT),
  * the pages being written stay; once the PUT is done, a REMOVE takes them. And a connection that
- * closes while its PUT copies: the PUT goes on as an orphan, its pages stored whole.
+ * closes while its PUT waits in its copy: the daemon reads the close before the copy (the PUT
+ * goes on as an orphan) or after it, as the reads fall; either way the pages land whole.
  */
 static void put_copy_races(const char *loops)
 {
-    kvd_t d = {0};
-    char gate[700];
-    put_gate_start(&d, loops, gate, sizeof gate);
+    put_fix_t f = {0};
+    put_fix_start(&f, loops);
+    kvt_client_t *a = f.a, *b = f.b;
+    const char *gate = f.gate;
     enum { P = 4 };
-    kvt_client_t *a = kvd_client(&d, "p", PAGE, PBB), *b = kvd_client(&d, "p", PAGE, PBB);
     static uint32_t tok[P * PAGE], left[P * PAGE];
     static uint8_t payload[P * PBB];
     kvd_tokens(tok, P * PAGE, 9300000u);
@@ -1377,7 +1391,7 @@ static void put_copy_races(const char *loops)
      * close before the copy (an orphan PUT) or after it, as the two reads fall. */
     uint64_t blocks = kvd_stat(b, "index_blocks");
     put_gate_close(gate);
-    int fd = kvd_raw(&d);
+    int fd = kvd_raw(&f.d);
     raw_put(fd, left, P, payload);
     put_wait_index(b, blocks + P);
     close(fd);
@@ -1398,10 +1412,7 @@ static void put_copy_races(const char *loops)
     kvd_check_get(b, m.lease, 0, P, PBB, 93, NULL);
     cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
     cr_expect_eq(kvd_stat(b, "leases"), 0);
-    kvt_client_close(a);
-    kvt_client_close(b);
-    cr_expect_eq(kvd_stop(&d), 0);
-    kvd_cleanup(&d);
+    put_fix_end(&f);
 }
 
 Test(server_loops, a_remove_or_a_close_meets_a_put_in_its_copy)
