@@ -1647,10 +1647,8 @@ static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t
            "no PUTs\",\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
            "\"baseline_p99_us\":%.1f,\"baseline_max_us\":%.1f,\"ratio\":%.3f,\"rounds\":%d}\n",
            o->conns, o->pipeline, block_bytes, put_pages_per_s, alone_pages_per_s, busy->rps,
-           busy->p50_us,
-           busy->p99_us, bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us,
-           quiet->p99_us, bench_median(max_quiet, o->rounds), busy->rps / quiet->rps,
-           o->rounds);
+           busy->p50_us, busy->p99_us, bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us,
+           quiet->p99_us, bench_median(max_quiet, o->rounds), busy->rps / quiet->rps, o->rounds);
     fflush(stdout);
 }
 

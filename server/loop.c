@@ -522,9 +522,8 @@ static int run0(kvt_srv_t *s)
         }
         /* Seals of committed zero-copy pages still queued, or PUTs' copies (queued by the step's
          * kicks): no sleep until they are done. */
-        int timeout = l->sealing || l->apart || now >= next_tick
-                          ? 0
-                          : (int)((next_tick - now) / 1000000) + 1;
+        int timeout =
+            l->sealing || l->apart || now >= next_tick ? 0 : (int)((next_tick - now) / 1000000) + 1;
         if (s->stopping && timeout > KVT_STOP_POLL_MS)
             timeout = KVT_STOP_POLL_MS;
         if (s->nloops > 1)

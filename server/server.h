@@ -207,12 +207,12 @@ struct kvt__req {
         kvt_policy_hint_t hint; /* the engine's hints, handed to the policy with the blocks */
         uint32_t first, end;    /* payload pages [first, end) */
         uint32_t stored, skipped, new_pages;
-        uint8_t reserve;      /* RESERVE: room in the connection's DRAM arena, no payload */
-        uint8_t gaps;         /* KVT_PUT_F_GAPS: a page may be stored after one without bytes */
-        uint64_t resv;        /* its id, once replied to */
-        uint64_t resv_expiry; /* when its pages are let go if not committed */
-        uint8_t expired;      /* past it: only its room is still held (kvt__resv_expire) */
-        uint64_t resv_bytes;  /* counted in its connection's resv_bytes (max-reserved-bytes) */
+        uint8_t reserve;        /* RESERVE: room in the connection's DRAM arena, no payload */
+        uint8_t gaps;           /* KVT_PUT_F_GAPS: a page may be stored after one without bytes */
+        uint64_t resv;          /* its id, once replied to */
+        uint64_t resv_expiry;   /* when its pages are let go if not committed */
+        uint8_t expired;        /* past it: only its room is still held (kvt__resv_expire) */
+        uint64_t resv_bytes;    /* counted in its connection's resv_bytes (max-reserved-bytes) */
         kvt__req_t *apart_next; /* on its loop's apart list (kvt__loop_t.apart) */
     } put;
     struct {

@@ -1479,8 +1479,8 @@ static void same_prefix(const char *loops)
     same_writer_t w[N];
     pthread_t th[N];
     for (int i = 0; i < N; i++) {
-        w[i] = (same_writer_t){.c = kvd_client(&d, "p", PAGE, PBB), .go = &go, .id = i,
-                               .rounds = ROUNDS};
+        w[i] = (same_writer_t){
+            .c = kvd_client(&d, "p", PAGE, PBB), .go = &go, .id = i, .rounds = ROUNDS};
         if (!strcmp(loops, "2"))
             cr_assert_eq(kvd_stat(w[i].c, i % 2 ? "loop_connections_1" : "loop_connections_0"),
                          i / 2 + 1, "writer %d's loop", i);
@@ -1497,8 +1497,8 @@ static void same_prefix(const char *loops)
     int checked = 0;
     for (int round = 0; round < ROUNDS; round++) {
         cr_expect_eq(w[0].stored[round] + w[1].stored[round], P,
-                     "round %d: each page stored by one writer (%u, %u)", round,
-                     w[0].stored[round], w[1].stored[round]);
+                     "round %d: each page stored by one writer (%u, %u)", round, w[0].stored[round],
+                     w[1].stored[round]);
         same_tokens(tok, round);
         kvt_client_match_t m = {0};
         cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
