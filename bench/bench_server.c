@@ -1560,12 +1560,19 @@ static void puts_stop(int sig)
     g_puts_stop = 1;
 }
 
+/* Tokens each put_writer has to itself: a writer that starts where an earlier one did PUTs pages
+ * the index has already, which store nothing, and its rate would count the earlier writers'
+ * pages instead of its own (docs/benchmarks.md, step 6). 2^24 tokens: 262,144 PUTs of 4 pages. */
+#define WRITER_TOKENS (1u << 24)
+
 /*
- * A child that PUTs fresh pages of block_bytes (4 a PUT, never the same tokens twice) on one
- * connection as fast as it can until SIGTERM, then writes the pages it stored to fd. It writes
- * one byte to fd once connected, so that its connection is the daemon's before the MATCH load's.
+ * A child that PUTs fresh pages of block_bytes (4 a PUT, tokens from first on, never the same
+ * twice) on one connection as fast as it can until SIGTERM or the end of its tokens, then writes
+ * to fd the pages it stored and the pages it found in the index already (0 unless a token range
+ * was reused). It writes one byte to fd once connected, so that its connection is the daemon's
+ * before the MATCH load's.
  */
-static pid_t put_writer(const char *sock, uint32_t block_bytes, int fd)
+static pid_t put_writer(const char *sock, uint32_t block_bytes, uint32_t first, int fd)
 {
     pid_t pid = fork();
     if (pid != 0)
@@ -1582,7 +1589,7 @@ static pid_t put_writer(const char *sock, uint32_t block_bytes, int fd)
     kvt_client_t *c;
     uint8_t *payload = malloc((size_t)PAGES * block_bytes);
     uint32_t tok[PAGES * PAGE];
-    uint64_t stored = 0;
+    uint64_t counts[2] = {0, 0}; /* stored, found already */
     if (!payload || kvt_client_connect(&c, &conf) < 0)
         _exit(1);
     for (size_t i = 0; i < (size_t)PAGES * block_bytes; i++)
@@ -1590,15 +1597,16 @@ static pid_t put_writer(const char *sock, uint32_t block_bytes, int fd)
     uint8_t one = 1;
     if (write(fd, &one, 1) != 1)
         _exit(1);
-    for (uint32_t n = 0; !g_puts_stop; n++) {
+    for (uint32_t n = 0; !g_puts_stop && n < WRITER_TOKENS / (PAGES * PAGE); n++) {
         for (uint32_t k = 0; k < PAGES * PAGE; k++)
-            tok[k] = 5000000u + n * PAGES * PAGE + k;
+            tok[k] = first + n * PAGES * PAGE + k;
         kvt_client_put_t r;
         if (kvt_client_put(c, tok, PAGES * PAGE, 0, PAGES, payload, NULL, &r) < 0)
             break;
-        stored += r.stored;
+        counts[0] += r.stored;
+        counts[1] += r.pages - r.new_pages;
     }
-    if (write(fd, &stored, sizeof stored) != sizeof stored)
+    if (write(fd, counts, sizeof counts) != sizeof counts)
         _exit(1);
     _exit(0);
 }
@@ -1609,46 +1617,50 @@ typedef struct writer {
     int fd[2];
 } writer_t;
 
-/* Starts a put_writer and waits until it is connected. */
-static int writer_start(writer_t *w, const char *sock, uint32_t block_bytes)
+/* Starts a put_writer on the next unused token range (*runs counts them) and waits until it is
+ * connected. */
+static int writer_start(writer_t *w, const char *sock, uint32_t block_bytes, uint32_t *runs)
 {
     uint8_t one;
     w->pid = w->fd[0] = w->fd[1] = -1;
-    if (pipe(w->fd) < 0)
+    if (*runs >= (UINT32_MAX - 5000000u) / WRITER_TOKENS || pipe(w->fd) < 0)
         return -1;
-    w->pid = put_writer(sock, block_bytes, w->fd[1]);
+    w->pid = put_writer(sock, block_bytes, 5000000u + (*runs)++ * WRITER_TOKENS, w->fd[1]);
     return w->pid > 0 && read_all(w->fd[0], &one, 1) == 0 ? 0 : -1;
 }
 
-/* Stops it; the pages it stored in *pages. */
-static int writer_stop(writer_t *w, double *pages)
+/* Stops it; the pages it stored in *pages, those it found in the index already added to *seen. */
+static int writer_stop(writer_t *w, double *pages, uint64_t *seen)
 {
-    uint64_t stored = 0;
+    uint64_t counts[2] = {0, 0};
     int rc = 0;
     if (w->pid > 0) {
         kill(w->pid, SIGTERM);
-        rc = read_all(w->fd[0], &stored, sizeof stored);
+        rc = read_all(w->fd[0], counts, sizeof counts);
         waitpid(w->pid, NULL, 0);
     }
     close(w->fd[0]);
     close(w->fd[1]);
-    *pages = (double)stored;
+    *pages = (double)counts[0];
+    *seen += counts[1];
     return w->pid > 0 ? rc : -1;
 }
 
 static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t *quiet,
                            const result_t *busy, double *max_quiet, double *max_busy,
-                           double put_pages_per_s, double alone_pages_per_s)
+                           double put_pages_per_s, double alone_pages_per_s, uint64_t seen)
 {
     printf("{\"op\":\"loops_put\",\"transport\":\"unix\",\"loops\":2,\"conns\":%d,\"pipeline\":%d,"
            "\"put_block_bytes\":%u,\"put_pages_per_s\":%.0f,\"put_alone_pages_per_s\":%.0f,"
+           "\"put_pages_indexed_before\":%llu,"
            "\"requests_per_s\":%.0f,"
            "\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f,\"baseline\":\"the same MATCHes, "
            "no PUTs\",\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
            "\"baseline_p99_us\":%.1f,\"baseline_max_us\":%.1f,\"ratio\":%.3f,\"rounds\":%d}\n",
-           o->conns, o->pipeline, block_bytes, put_pages_per_s, alone_pages_per_s, busy->rps,
-           busy->p50_us, busy->p99_us, bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us,
-           quiet->p99_us, bench_median(max_quiet, o->rounds), busy->rps / quiet->rps, o->rounds);
+           o->conns, o->pipeline, block_bytes, put_pages_per_s, alone_pages_per_s,
+           (unsigned long long)seen, busy->rps, busy->p50_us, busy->p99_us,
+           bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us, quiet->p99_us,
+           bench_median(max_quiet, o->rounds), busy->rps / quiet->rps, o->rounds);
     fflush(stdout);
 }
 
@@ -1678,10 +1690,12 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
         return -1;
     }
     memcpy(match.sock, sock, sizeof sock);
-    usleep(200000); /* populate's connection closed: the loops' counts are back to 0 */
+    usleep(200000);    /* populate's connection closed: the loops' counts are back to 0 */
+    uint32_t runs = 0; /* writers started: each PUTs its own tokens (WRITER_TOKENS) */
     for (size_t z = 0; z < KVT_ARRAY_LEN(sizes); z++) {
         result_t quiet[9], busy[9];
         double max_quiet[9], max_busy[9], pages = 0, secs = 0, alone = 0;
+        uint64_t seen = 0;
         for (int r = 0; r < o->rounds; r++) {
             /* The baseline: an idle connection where the writer's goes. */
             int idle = connect_unix(sock);
@@ -1694,21 +1708,21 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             usleep(50000); /* the idle connection's close reaches its loop */
             writer_t w;
             double stored = 0, alone_pages = 0;
-            rc = writer_start(&w, sock, sizes[z]);
+            rc = writer_start(&w, sock, sizes[z], &runs);
             uint64_t t0 = kvt_now_ns();
             if (rc == 0)
                 rc = run_kvtier(&match, &busy[r]);
             double busy_s = (double)(kvt_now_ns() - t0) / 1e9;
-            if (writer_stop(&w, &stored) < 0)
+            if (writer_stop(&w, &stored, &seen) < 0)
                 rc = -1;
             secs += busy_s;
             pages += stored;
             max_busy[r] = busy[r].max_us;
             /* The writer alone for as long: what the MATCHes cost its rate (on a small machine,
              * their CPU more than the lock). */
-            if (rc == 0 && writer_start(&w, sock, sizes[z]) == 0)
+            if (rc == 0 && writer_start(&w, sock, sizes[z], &runs) == 0)
                 usleep((useconds_t)(busy_s * 1e6));
-            if (writer_stop(&w, &alone_pages) < 0)
+            if (writer_stop(&w, &alone_pages, &seen) < 0)
                 rc = -1;
             alone += alone_pages;
             if (rc < 0) {
@@ -1719,7 +1733,7 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             usleep(50000);
         }
         result_t q = median_round(quiet, o->rounds), b = median_round(busy, o->rounds);
-        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs, alone / secs);
+        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs, alone / secs, seen);
     }
     for (size_t k = 0; k < match.nframes; k++)
         free(match.frames[k]);
