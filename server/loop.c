@@ -296,6 +296,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
         return KVT_ENOMEM;
     s->conf = conf;
     s->conn_ops = &kvt__dispatch_ops;
+    s->put_gate = getenv("KVT_DEBUG_PUT_GATE");
     s->sig_ev.fd = s->unix_ev.fd = s->tcp_ev.fd = s->http_ev.fd = -1;
     fd_limit(conf);
     s->clients.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -518,9 +519,11 @@ static int run0(kvt_srv_t *s)
             s->reload = 0;
             reload(s);
         }
-        /* Seals of committed zero-copy pages still queued: no sleep until they are done; nor past
-         * the next stall of a turn's holder (kvt__turns_step). */
-        int timeout = l->sealing || now >= next_tick ? 0 : (int)((next_tick - now) / 1000000) + 1;
+        /* Seals of committed zero-copy pages still queued, or PUTs' copies (queued by the step's
+         * kicks): no sleep until they are done; nor past the next stall of a turn's holder
+         * (kvt__turns_step). */
+        int timeout =
+            l->sealing || l->apart || now >= next_tick ? 0 : (int)((next_tick - now) / 1000000) + 1;
         int turns = kvt__turns_step(l);
         if (turns >= 0 && turns < timeout)
             timeout = turns;
@@ -547,6 +550,7 @@ static int run0(kvt_srv_t *s)
                 kvt__loop_hold(l, KVT_HELD_WRITE);
             ev->cb(s, ev, evs[i].events);
         }
+        kvt__put_apart(l);
         now = kvt_now_ns();
         if (now >= next_tick) {
             kvt__loop_hold(l, KVT_HELD_WRITE);
@@ -569,6 +573,7 @@ int kvt__srv_run(kvt_srv_t *s)
     kvt__loop_hold(&s->loops[0], KVT_HELD_WRITE);
     kvt__loops_start(s, loop_after);
     int rc = run0(s);
+    kvt__put_apart(&s->loops[0]); /* what a stop past its grace left: their requests go */
     kvt__loop_hold(&s->loops[0], KVT_HELD_WRITE); /* kvt__loops_stop's */
     kvt__loops_stop(s);
     kvt__loop_hold(&s->loops[0], KVT_HELD_NONE);

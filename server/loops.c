@@ -126,8 +126,8 @@ static void *loop_main(void *arg)
     struct epoll_event evs[256];
     kvt__loop_hold(l, KVT_HELD_SHARED);
     while (!s->loops_exit) {
-        int turns = kvt__turns_step(l); /* the next stall of a turn's holder */
-        int timeout = l->sealing ? 0 : turns;
+        int turns = kvt__turns_step(l);                   /* the next stall of a turn's holder */
+        int timeout = l->sealing || l->apart ? 0 : turns; /* or PUTs' copies the kicks queued */
         kvt__loop_hold(l, KVT_HELD_NONE);
         if (l->sealing)
             sched_yield();
@@ -146,12 +146,14 @@ static void *loop_main(void *arg)
                 kvt__loop_hold(l, KVT_HELD_WRITE);
             ev->cb(s, ev, evs[i].events);
         }
+        kvt__put_apart(l);
         if (l->wrote || kvt__loop_busy(l)) {
             kvt__loop_hold(l, KVT_HELD_WRITE);
             s->loop_after(l);
             kvt__conns_reap(l); /* no event or walk holds one of its connections here */
         }
     }
+    kvt__put_apart(l); /* queued by the last batch's step: their requests count in flight */
     kvt__loop_hold(l, KVT_HELD_NONE);
     return NULL;
 }

@@ -5,6 +5,11 @@
  * the policy in page order and answers. With the GAPS flag a run of pages with bytes may follow
  * pages without (a sliding-window layer's window: docs/protocol.md, "Chains with gaps").
  *
+ * A page that goes to DRAM is only allocated by the handler, under the write lock; its loop copies
+ * the bytes in with the lock let go after its batch of events (kvt__put_apart), and the request
+ * is answered once its copies and its other writes are done (docs/architecture.md, "Event loops":
+ * "PUT's copy outside the lock").
+ *
  * RESERVE and COMMIT are the same PUT written by a local client through its mapping (op_map.c):
  * RESERVE runs the state machine with no payload, its writes only allocating room in the
  * connection's DRAM arena, and instead of handing the blocks to the policy it parks the request
@@ -16,6 +21,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* Where a PUT's page goes: the first of these that takes it. */
 static const kvt_tier_id_t kvt_order[] = {KVT_TIER_HBM, KVT_TIER_DRAM, KVT_TIER_NVME,
@@ -31,6 +37,9 @@ typedef struct kvt__landed {
     uint8_t started; /* a write was submitted: the block is BUSY */
     uint8_t held;    /* the tier whose policy accounting holds room for the write, or NONE */
     uint8_t orphan;  /* an expired reservation's room: kvt_tier_dram_orphan, no longer stored */
+    /* A DRAM page allocated but not written yet: where kvt__put_apart copies its bytes. Written
+     * by the handler, read by the loop's copy; put_done writes the other fields meanwhile. */
+    uint8_t *dst;
 } kvt__landed_t;
 
 /* A payload page of r not stored, and why. */
@@ -112,6 +121,7 @@ static void put_adopt(kvt_srv_t *s, kvt__req_t *r)
 }
 
 static void resv_reply(kvt_srv_t *s, kvt__req_t *r);
+static void put_apart_queue(kvt_srv_t *s, kvt__req_t *r);
 
 static void put_reply(kvt_srv_t *s, kvt__req_t *r)
 {
@@ -146,10 +156,11 @@ static int put_passes_on(int rc)
  * the writes in flight (x->tier and the page's held say which). A first pass takes only room
  * there is; when no tier has any, a second makes room as the policy's own inserts do (the lowest
  * tier's least valuable pages go), so that a full cache takes new pages instead of refusing every
- * run larger than its watermarks' headroom. Returns 0, or the refusal of the last one asked
- * (x->tier then as it was).
+ * run larger than its watermarks' headroom. With apart, a DRAM write only allocates the page
+ * (as a reservation's does) and the page's dst says where kvt__put_apart copies it. Returns 0, or
+ * the refusal of the last one asked (x->tier then as it was).
  */
-static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
+static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
 {
     kvt__req_t *r = x->req;
     kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
@@ -172,9 +183,20 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from)
             if ((rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
                 continue;
             x->tier = (uint8_t)id;
-            if ((rc = kvt__tier_write(s, id, &x->io)) < 0) {
+            void *buf = x->io.buf;
+            int later = apart && id == KVT_TIER_DRAM;
+            if (later)
+                x->io.buf = NULL;
+            rc = kvt__tier_write(s, id, &x->io);
+            x->io.buf = buf;
+            if (rc < 0) {
                 kvt_policy_unhold(s->policy, id, x->io.len);
                 continue;
+            }
+            /* DRAM answers at once (its completion is queued): the location is there. */
+            if (later) {
+                l->dst = kvt_tier_ptr(s->tiers[id], x->io.loc);
+                kvt_assert(l->dst); /* else the page would be published unwritten */
             }
             l->held = (uint8_t)id;
             if (room)
@@ -202,7 +224,7 @@ static void put_done(kvt_tier_io_t *io)
         l->held = KVT_TIER_NONE;
         while (i < KVT_ARRAY_LEN(kvt_order) && kvt_order[i] != failed)
             i++;
-        if (put_write(s, x, i + 1) == 0) {
+        if (put_write(s, x, i + 1, 0) == 0) {
             unsigned series = kvt__tier_io(failed, 1);
             kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, now - x->start_ns);
             kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
@@ -254,7 +276,7 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         x->io.len = r->block_bytes;
         x->io.cb = put_done;
         x->io.device = r->conn ? r->conn->device : -1; /* its engine's HBM pool */
-        int rc = put_write(s, x, 0);
+        int rc = put_write(s, x, 0, !r->put.reserve && r->conn);
         if (rc < 0) {
             free(x);
             put_skip(s, r, put_passes_on(rc) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
@@ -264,9 +286,65 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
         ((kvt__landed_t *)r->extra)[p - r->put.first].started = 1;
         kvt__io_started(s, r);
     }
+    put_apart_queue(s, r);
     if (r->pending == 0)
         put_reply(s, r); /* nothing to write (all held already), or it failed to start */
     return 0;
+}
+
+/* The payload pages r left for its loop to copy into DRAM (kvt__landed_t.dst), if any: r goes on
+ * its loop's apart list, its copies counted as one piece in flight, so that no completion answers
+ * it, nor lets its pages be seen, before they are written. */
+static void put_apart_queue(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt__landed_t *l = r->extra;
+    for (uint32_t i = 0; l && i < r->put.end - r->put.first; i++)
+        if (l[i].dst) {
+            kvt__io_started(s, r);
+            r->put.apart_next = r->conn->loop->apart;
+            r->conn->loop->apart = r;
+            return;
+        }
+}
+
+/* r's DRAM pages written from its payload. With the lock let go: what it reads and writes is
+ * r's alone until its loop gives the piece back (the table in docs/architecture.md). */
+static void put_copy(const kvt__req_t *r)
+{
+    const kvt__landed_t *l = r->extra;
+    for (uint32_t i = 0; i < r->put.end - r->put.first; i++)
+        if (l[i].dst)
+            memcpy(l[i].dst, r->payload + (size_t)i * r->block_bytes, r->block_bytes);
+}
+
+/* KVT_DEBUG_PUT_GATE names a file; while it exists, the copies wait (tests/test_server_loops.c
+ * holds a PUT inside its copy with it). Unset: nothing. */
+static void put_gate(const kvt_srv_t *s)
+{
+    while (s->put_gate && access(s->put_gate, F_OK) == 0)
+        usleep(1000);
+}
+
+void kvt__put_apart(kvt__loop_t *l)
+{
+    kvt_srv_t *s = l->srv;
+    kvt__req_t *list = l->apart;
+    if (!list)
+        return;
+    l->apart = NULL;
+    if (s->loops_running) /* with one loop, no one else would run meanwhile */
+        kvt__loop_hold(l, KVT_HELD_NONE);
+    put_gate(s);
+    for (kvt__req_t *r = list; r; r = r->put.apart_next)
+        put_copy(r);
+    kvt__loop_hold(l, KVT_HELD_WRITE);
+    while (list) {
+        kvt__req_t *r = list;
+        list = r->put.apart_next;
+        r->put.apart_next = NULL;
+        if (kvt__io_ended(s, r))
+            put_reply(s, r);
+    }
 }
 
 /* The RESERVE reply when nothing gets room: no reservation, only the index's answer. */

@@ -208,12 +208,13 @@ struct kvt__req {
         kvt_policy_hint_t hint; /* the engine's hints, handed to the policy with the blocks */
         uint32_t first, end;    /* payload pages [first, end) */
         uint32_t stored, skipped, new_pages;
-        uint8_t reserve;      /* RESERVE: room in the connection's DRAM arena, no payload */
-        uint8_t gaps;         /* KVT_PUT_F_GAPS: a page may be stored after one without bytes */
-        uint64_t resv;        /* its id, once replied to */
-        uint64_t resv_expiry; /* when its pages are let go if not committed */
-        uint8_t expired;      /* past it: only its room is still held (kvt__resv_expire) */
-        uint64_t resv_bytes;  /* counted in its connection's resv_bytes (max-reserved-bytes) */
+        uint8_t reserve;        /* RESERVE: room in the connection's DRAM arena, no payload */
+        uint8_t gaps;           /* KVT_PUT_F_GAPS: a page may be stored after one without bytes */
+        uint64_t resv;          /* its id, once replied to */
+        uint64_t resv_expiry;   /* when its pages are let go if not committed */
+        uint8_t expired;        /* past it: only its room is still held (kvt__resv_expire) */
+        uint64_t resv_bytes;    /* counted in its connection's resv_bytes (max-reserved-bytes) */
+        kvt__req_t *apart_next; /* on its loop's apart list (kvt__loop_t.apart) */
     } put;
     struct {
         uint32_t cur, end; /* pages [cur, end) left */
@@ -542,6 +543,10 @@ struct kvt__loop {
     int64_t clients_bytes;
     /* Its own counters (kvt__metrics_loop), merged on scrape; NULL: s->metrics (loops.c). */
     kvt_metrics_t *metrics;
+    /* Its connections' PUTs whose DRAM pages are allocated but not yet written, linked by
+     * put.apart_next: kvt__put_apart copies their bytes in with the lock let go. Its own
+     * thread's only. */
+    kvt__req_t *apart;
 };
 
 struct kvt_srv {
@@ -558,6 +563,7 @@ struct kvt_srv {
     int loops_exit;    /* loop 0 returned: the others stop */
     void (*loop_after)(kvt__loop_t *l); /* loop.c's work after a batch, on every loop */
     void (*lock_settle)(kvt_srv_t *s);  /* kvt__srv_lock's, first: kvt__match_settle (loop.c) */
+    const char *put_gate; /* $KVT_DEBUG_PUT_GATE, a test's (op_put.c put_gate); NULL: none */
     kvt__ev_t sig_ev, unix_ev, tcp_ev, http_ev;
     kvt__ev_t tier_ev[KVT_TIER_COUNT];
     char unix_path[4096]; /* absolute, for unlink at exit */
@@ -851,6 +857,10 @@ int kvt__remove_retry(kvt__req_t *r, uint64_t now);
 
 /* op_put.c, op_get.c, op_prefetch.c: the state machines of the operations with tier I/O. */
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r);
+/* l's PUTs' DRAM pages copied in, with s->lock let go where several loops run, then each PUT
+ * that has nothing else in flight answered, under the write lock (l's own thread, between its
+ * batches of events: nothing is half done). */
+void kvt__put_apart(kvt__loop_t *l);
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r);
 int kvt__store_prefetch(kvt_srv_t *s, kvt__req_t *r);
 /* r's deadline and waits (kvt__ops_deadlines); 1 when it was answered (the kick may have freed
@@ -875,6 +885,9 @@ void kvt__nvme_gap_path(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth,
 void kvt__io_started(kvt_srv_t *s, kvt__req_t *r);
 /* One I/O of r done: counted; returns 1 when it was r's last in flight. */
 int kvt__io_finished(kvt_srv_t *s, kvt__io_t *x, int status, int write);
+/* The in-flight counts of one piece of r's work that is no tier I/O (a PUT's copies, op_put.c)
+ * given back; returns 1 when it was r's last in flight. */
+int kvt__io_ended(kvt_srv_t *s, kvt__req_t *r);
 /* Releases the lease r took on its path. */
 void kvt__unpin(kvt_srv_t *s, kvt__req_t *r);
 /* A tier's error as a client reads it (a remote EPROTO is a failed I/O to it). */

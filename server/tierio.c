@@ -66,6 +66,11 @@ int kvt__io_finished(kvt_srv_t *s, kvt__io_t *x, int status, int write)
     kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, kvt_now_ns() - x->start_ns);
     if (status < 0)
         kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
+    return kvt__io_ended(s, r);
+}
+
+int kvt__io_ended(kvt_srv_t *s, kvt__req_t *r)
+{
     r->pending--;
     s->inflight--;
     if (r->conn)

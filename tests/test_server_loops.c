@@ -14,6 +14,7 @@
 #include <sched.h>
 
 #include "common.h"
+#include "proto.h"
 #include "test_server_harness.h"
 
 #define PAGE 16
@@ -1182,4 +1183,365 @@ Test(server_loops, stats_after_a_gets_reply_never_counts_its_pin)
     kvt_client_close(b);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
+}
+
+/*
+ * A PUT's DRAM pages are allocated under the write lock and their bytes copied in by the PUT's
+ * loop with the lock let go (op_put.c, kvt__put_apart). KVT_DEBUG_PUT_GATE holds every copy while
+ * its file exists: with several loops, a PUT on loop 0 then waits inside its copy while loop 1's
+ * connection takes STATS (the write lock) and MATCHes; with one loop the gate is not used (the
+ * loop would wait on itself) and the same requests run one after the other. Each helper is run
+ * with 1 and with 2 loops.
+ */
+#define PBB (256u << 10)
+
+typedef struct putter {
+    kvt_client_t *c;
+    const uint32_t *tok;
+    uint32_t pages;
+    const uint8_t *payload;
+    kvt_client_put_t r;
+    int rc, done; /* done: atomic, read by the test while the PUT waits */
+} putter_t;
+
+static void *putter_main(void *arg)
+{
+    putter_t *p = arg;
+    p->rc = kvt_client_put(p->c, p->tok, p->pages * PAGE, 0, p->pages, p->payload, NULL, &p->r);
+    __atomic_store_n(&p->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* A daemon with loops loops and its gate's path ("" with one loop: no gate), and two clients of
+ * PBB pages: a first (loop 0's), b (loop 1's with two loops). */
+typedef struct put_fix {
+    kvd_t d;
+    char gate[700];
+    kvt_client_t *a, *b;
+} put_fix_t;
+
+static void put_fix_start(put_fix_t *f, const char *loops)
+{
+    kvd_mkdir(&f->d);
+    snprintf(f->gate, sizeof f->gate, "%s/put-gate", f->d.dir);
+    if (strcmp(loops, "1"))
+        setenv("KVT_DEBUG_PUT_GATE", f->gate, 1);
+    else
+        f->gate[0] = 0;
+    kvd_start(&f->d, "--loops", loops, NULL);
+    unsetenv("KVT_DEBUG_PUT_GATE");
+    f->a = kvd_client(&f->d, "p", PAGE, PBB);
+    f->b = kvd_client(&f->d, "p", PAGE, PBB);
+}
+
+static void put_fix_end(put_fix_t *f)
+{
+    kvt_client_close(f->a);
+    kvt_client_close(f->b);
+    cr_expect_eq(kvd_stop(&f->d), 0);
+    kvd_cleanup(&f->d);
+}
+
+static void put_gate_close(const char *gate)
+{
+    if (!gate[0])
+        return;
+    FILE *f = fopen(gate, "w");
+    cr_assert(f, "%s: %s", gate, strerror(errno));
+    fclose(f);
+}
+
+/* STATS on c until the index holds n blocks: a PUT's handler has run. Each STATS takes the
+ * write lock: with the PUT's copy under it, the first one waits out the client's timeout. */
+static void put_wait_index(kvt_client_t *c, uint64_t n)
+{
+    for (int i = 0; i < 5000 && kvd_stat(c, "index_blocks") < n; i++)
+        usleep(1000);
+    cr_assert_geq(kvd_stat(c, "index_blocks"), n, "the PUT's pages are in the index");
+}
+
+static void put_copy_outside(const char *loops)
+{
+    put_fix_t f = {0};
+    put_fix_start(&f, loops);
+    kvt_client_t *a = f.a, *b = f.b;
+    const char *gate = f.gate;
+    enum { P = 4 };
+    static uint32_t tok[P * PAGE], other[PAGE];
+    static uint8_t payload[P * PBB];
+    kvd_tokens(tok, P * PAGE, 9100000u);
+    kvd_tokens(other, PAGE, 9200000u);
+    for (int p = 0; p < P; p++)
+        kvd_fill(payload + (size_t)p * PBB, PBB, 91 + p);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(b, other, PAGE, 0, 1, payload, NULL, &r), 0);
+    put_gate_close(gate);
+    putter_t pt = {.c = a, .tok = tok, .pages = P, .payload = payload};
+    pthread_t th;
+    pthread_create(&th, NULL, putter_main, &pt);
+    if (gate[0]) {
+        put_wait_index(b, 1 + P);
+        uint64_t shared = kvd_stat(b, "loop_shared_matches_1");
+        kvt_client_match_t m = {0};
+        cr_expect_eq(kvt_client_match(b, other, PAGE, 0, 0, NULL, &m), 0);
+        cr_expect_eq(m.pages, 1);
+        cr_expect_eq(kvd_stat(b, "loop_shared_matches_1") - shared, 1, "answered shared");
+        cr_expect(!__atomic_load_n(&pt.done, __ATOMIC_ACQUIRE),
+                  "the PUT waits in its copy while loop 1 answers");
+        cr_assert_eq(unlink(gate), 0);
+    }
+    pthread_join(th, NULL);
+    cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
+    cr_expect_eq(pt.r.stored, P);
+    kvt_client_match_t m = {0};
+    uint8_t tiers[P];
+    cr_assert_eq(kvt_client_match(b, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    kvd_check_get(b, m.lease, 0, P, PBB, 91, tiers);
+    for (int p = 0; p < P; p++)
+        cr_expect_eq(tiers[p], KVT_CLIENT_TIER_DRAM, "page %d", p);
+    cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
+    put_fix_end(&f);
+}
+
+Test(server_loops, a_put_copies_its_pages_with_the_lock_let_go)
+{
+    put_copy_outside("2");
+}
+
+Test(server_loops, a_put_copies_its_pages_with_one_loop)
+{
+    put_copy_outside("1");
+}
+
+/* HELLO (model "p", PBB) and a PUT of pages pages on a raw socket; no reply read. */
+static void raw_put(int fd, const uint32_t *tok, uint32_t pages, const uint8_t *payload)
+{
+    uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_hello_t) + 1];
+    kvt_wire_hello_t hw = {
+        .min_version = 1, .max_version = 1, .page_size = PAGE, .block_bytes = PBB, .model_len = 1};
+    kvt_proto_frame(f, KVT_OP_HELLO, 0, 1, 0, sizeof hw + 1);
+    memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
+    f[sizeof f - 1] = 'p';
+    cr_assert_eq(write(fd, f, sizeof f), (ssize_t)sizeof f);
+    size_t ntok = (size_t)pages * PAGE, pay = (size_t)pages * PBB;
+    size_t body = sizeof(kvt_wire_put_t) + ntok * 4 + pay, len = KVT_PROTO_HDR + body;
+    uint8_t *w = malloc(len);
+    kvt_proto_put_t q = {.ntokens = (uint32_t)ntok, .npayload = pages};
+    kvt_proto_frame(w, KVT_OP_PUT, 0, 2, 0, (uint32_t)body);
+    kvt_proto_put_encode(w + KVT_PROTO_HDR, &q);
+    kvt_proto_tokens_encode(w + KVT_PROTO_HDR + sizeof(kvt_wire_put_t), tok, (uint32_t)ntok);
+    memcpy(w + len - pay, payload, pay);
+    for (size_t put = 0; put < len;) {
+        ssize_t n = write(fd, w + put, len - put);
+        cr_assert_gt(n, 0, "write: %s", strerror(errno));
+        put += (size_t)n;
+    }
+    free(w);
+}
+
+/*
+ * A REMOVE of the prefix a PUT is copying (its pages BUSY, its path pinned): refused (NOWAIT),
+ * the pages being written stay; once the PUT is done, a REMOVE takes them. And a connection that
+ * closes while its PUT waits in its copy: the daemon reads the close before the copy (the PUT
+ * goes on as an orphan) or after it, as the reads fall; either way the pages land whole.
+ */
+static void put_copy_races(const char *loops)
+{
+    put_fix_t f = {0};
+    put_fix_start(&f, loops);
+    kvt_client_t *a = f.a, *b = f.b;
+    const char *gate = f.gate;
+    enum { P = 4 };
+    static uint32_t tok[P * PAGE], left[P * PAGE];
+    static uint8_t payload[P * PBB];
+    kvd_tokens(tok, P * PAGE, 9300000u);
+    kvd_tokens(left, P * PAGE, 9400000u);
+    for (int p = 0; p < P; p++)
+        kvd_fill(payload + (size_t)p * PBB, PBB, 93 + p);
+    /* REMOVE against the copy. */
+    put_gate_close(gate);
+    putter_t pt = {.c = a, .tok = tok, .pages = P, .payload = payload};
+    pthread_t th;
+    pthread_create(&th, NULL, putter_main, &pt);
+    if (gate[0])
+        put_wait_index(b, P);
+    else
+        pthread_join(th, NULL);
+    /* Loop 1's (two loops) while the PUT waits in its copy: refused, the PUT's pin holds the
+     * path, nothing of the pages being written is freed. With one loop, after the PUT: gone. */
+    int rm = kvt_client_remove_nowait(b, tok, PAGE);
+    cr_expect_eq(rm, gate[0] ? KVT_CLIENT_EBUSY : 0, "remove: %s", kvt_client_strerror(rm));
+    if (gate[0]) {
+        cr_assert_eq(unlink(gate), 0);
+        pthread_join(th, NULL);
+    }
+    cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
+    cr_expect_eq(pt.r.stored, P);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(b, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, rm == 0 ? 0 : P, "removed: %d", rm);
+    if (m.pages == P)
+        kvd_check_get(b, m.lease, 0, P, PBB, 93, NULL);
+    if (m.lease)
+        cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
+    cr_expect_eq(kvt_client_remove(b, tok, PAGE), rm == 0 ? KVT_CLIENT_ENOENT : 0,
+                 "the PUT's pages removed once it is done");
+    /* A connection closed while its PUT copies (its reply never read): the daemon sees the
+     * close before the copy (an orphan PUT) or after it, as the two reads fall. */
+    uint64_t blocks = kvd_stat(b, "index_blocks");
+    put_gate_close(gate);
+    int fd = kvd_raw(&f.d);
+    raw_put(fd, left, P, payload);
+    put_wait_index(b, blocks + P);
+    close(fd);
+    if (gate[0])
+        cr_assert_eq(unlink(gate), 0);
+    /* Its pages land whole, in DRAM, once the copy is done. */
+    uint8_t tiers[P] = {0};
+    for (int i = 0; i < 5000; i++) {
+        m = (kvt_client_match_t){.tiers = tiers, .tiers_cap = P};
+        cr_assert_eq(kvt_client_match(b, left, P * PAGE, 0, 0, NULL, &m), 0);
+        if (m.pages == P && tiers[P - 1] == KVT_CLIENT_TIER_DRAM)
+            break;
+        usleep(1000);
+    }
+    m = (kvt_client_match_t){0};
+    cr_assert_eq(kvt_client_match(b, left, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    kvd_check_get(b, m.lease, 0, P, PBB, 93, NULL);
+    cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
+    cr_expect_eq(kvd_stat(b, "leases"), 0);
+    put_fix_end(&f);
+}
+
+Test(server_loops, a_remove_or_a_close_meets_a_put_in_its_copy)
+{
+    put_copy_races("2");
+}
+
+Test(server_loops, a_remove_or_a_close_after_a_put_with_one_loop)
+{
+    put_copy_races("1");
+}
+
+/*
+ * Two writers, one on each loop, PUT the same fresh prefix at once with their own bytes, round
+ * after round, while a third PUTs new prefixes that push blocks out of DRAM: one of them stores
+ * each page (the other finds it BUSY or held: skipped), and a GET of the prefix serves every page
+ * whole as one writer wrote it, all pages from the same writer.
+ */
+typedef struct same_writer {
+    kvt_client_t *c;
+    pthread_barrier_t *go;
+    int id, rounds;
+    uint32_t stored[64];
+    int errors;
+} same_writer_t;
+
+static void same_tokens(uint32_t *tok, int round)
+{
+    kvd_tokens(tok, 4 * PAGE, 9500000u + (uint32_t)round * 1000u);
+}
+
+static void *same_writer_main(void *arg)
+{
+    same_writer_t *w = arg;
+    enum { P = 4 };
+    static __thread uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * PBB);
+    for (int round = 0; payload && round < w->rounds; round++) {
+        kvt_client_put_t r;
+        if (w->id < 2) {
+            same_tokens(tok, round);
+            for (int p = 0; p < P; p++)
+                kvd_fill(payload + (size_t)p * PBB, PBB, (uint32_t)(w->id * 1000 + p));
+        } else { /* the pusher: fresh prefixes, DRAM (16 MiB) fills and the step pushes out */
+            kvd_tokens(tok, P * PAGE, 9800000u + (uint32_t)round * 1000u);
+        }
+        pthread_barrier_wait(w->go);
+        if (kvt_client_put(w->c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0)
+            w->errors++;
+        if (w->id < 2)
+            w->stored[round] = r.stored;
+    }
+    free(payload);
+    return NULL;
+}
+
+static void same_prefix(const char *loops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, "--dram-bytes", "16M", "--nvme-bytes", "16M", NULL);
+    enum { P = 4, ROUNDS = 48, N = 3 };
+    pthread_barrier_t go;
+    pthread_barrier_init(&go, NULL, N);
+    same_writer_t w[N];
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) {
+        w[i] = (same_writer_t){
+            .c = kvd_client(&d, "p", PAGE, PBB), .go = &go, .id = i, .rounds = ROUNDS};
+        if (!strcmp(loops, "2"))
+            cr_assert_eq(kvd_stat(w[i].c, i % 2 ? "loop_connections_1" : "loop_connections_0"),
+                         i / 2 + 1, "writer %d's loop", i);
+    }
+    for (int i = 0; i < N; i++)
+        pthread_create(&th[i], NULL, same_writer_main, &w[i]);
+    for (int i = 0; i < N; i++)
+        pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&go);
+    cr_expect_eq(w[0].errors + w[1].errors + w[2].errors, 0);
+    kvt_client_t *c = w[0].c;
+    static uint32_t tok[P * PAGE];
+    uint8_t *buf = malloc((size_t)P * PBB), *want = malloc(PBB);
+    int checked = 0;
+    for (int round = 0; round < ROUNDS; round++) {
+        cr_expect_eq(w[0].stored[round] + w[1].stored[round], P,
+                     "round %d: each page stored by one writer (%u, %u)", round, w[0].stored[round],
+                     w[1].stored[round]);
+        same_tokens(tok, round);
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+        uint32_t got = 0;
+        if (m.pages > 0 &&
+            kvt_client_get(c, m.lease, 0, m.pages, buf, (size_t)P * PBB, &got, NULL) == 0) {
+            int from = -1;
+            for (uint32_t p = 0; p < got; p++) {
+                int whose = -1;
+                for (int k = 0; k < 2 && whose < 0; k++) {
+                    kvd_fill(want, PBB, (uint32_t)(k * 1000) + p);
+                    if (!memcmp(buf + (size_t)p * PBB, want, PBB))
+                        whose = k;
+                }
+                cr_expect_geq(whose, 0, "round %d page %u: neither writer's bytes", round, p);
+                cr_expect(from < 0 || whose == from, "round %d page %u: a mix of writers", round,
+                          p);
+                from = whose;
+            }
+            checked += got > 0;
+        }
+        if (m.lease)
+            cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    }
+    cr_expect_gt(checked, 0, "some rounds' prefixes were still there to read");
+    double dropped = kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"),
+           demoted = kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}");
+    cr_expect(dropped > 0 || demoted > 0, "the pusher pushed blocks out of DRAM (%g, %g)", dropped,
+              demoted);
+    free(buf);
+    free(want);
+    for (int i = 0; i < N; i++)
+        kvt_client_close(w[i].c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, two_loops_put_the_same_prefix_with_other_bytes)
+{
+    same_prefix("2");
+}
+
+Test(server_loops, one_loop_puts_the_same_prefix_with_other_bytes)
+{
+    same_prefix("1");
 }
