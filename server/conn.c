@@ -544,12 +544,21 @@ void kvt__turns_reload(kvt_srv_t *s)
             kvt__conn_kick(s->loops[i].turn_wait.head); /* wakes its loop: its step grants */
 }
 
-void kvt__turns_gauges(kvt_srv_t *s)
+/* The queued reply bytes are summed here, at a scrape or a tick, rather than kept per loop: a
+ * reply's bytes change its connection's out_bytes several times on their way (frames appended,
+ * each write), and a loop-wide sum would add to every one of them. */
+void kvt__loops_gauges(kvt_srv_t *s)
 {
     for (unsigned i = 0; i < s->nloops; i++) {
-        kvt__metric_set(s->metrics, KVT_M_LOOP_SOCKET_TURNS, i, s->loops[i].turn_held.n);
-        kvt__metric_set(s->metrics, KVT_M_LOOP_SOCKET_TURN_WAITERS, i, s->loops[i].turn_wait.n);
+        const kvt__loop_t *l = &s->loops[i];
+        kvt__metric_set(s->metrics, KVT_M_LOOP_SOCKET_TURNS, i, l->turn_held.n);
+        kvt__metric_set(s->metrics, KVT_M_LOOP_SOCKET_TURN_WAITERS, i, l->turn_wait.n);
+        kvt__metric_set(s->metrics, KVT_M_LOOP_QUEUED_REQUESTS, i, l->queued);
+        kvt__metric_set(s->metrics, KVT_M_LOOP_QUEUED_BYTES, i, 0);
     }
+    for (const kvt__conn_t *c = s->clients.list; c; c = c->next)
+        if (c->out_bytes)
+            kvt__metric_add(s->metrics, KVT_M_LOOP_QUEUED_BYTES, c->loop->id, (double)c->out_bytes);
 }
 
 void kvt__conn_accept(kvt_srv_t *s, int lfd, int tcp)
@@ -676,6 +685,7 @@ void kvt__conn_close(kvt__conn_t *c)
     while (r) {
         kvt__req_t *next = r->next;
         r->next = NULL;
+        c->loop->queued -= r->replies;
         if (r->pending > 0) {
             r->conn = NULL; /* an orphan: frees itself when its I/O completes */
         } else {
@@ -842,6 +852,8 @@ kvt__req_t *kvt__req_new(kvt__conn_t *c, kvt__req_kind_t kind, uint8_t op, uint6
     r->op = op;
     r->id = id;
     r->t0 = t0;
+    r->replies = 1;
+    c->loop->queued++;
     if (c->tail)
         c->tail->next = r;
     else
@@ -877,6 +889,9 @@ int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status,
         if (!r)
             return KVT_ENOMEM;
         r->done = 1;
+    } else {
+        r->replies++;
+        c->loop->queued++;
     }
     uint8_t hdr[KVT_PROTO_HDR];
     kvt_proto_frame(hdr, op | KVT_OP_REPLY, 0, id, status, len);
@@ -1036,6 +1051,29 @@ static void sndbuf_fit(kvt__conn_t *c)
         c->sndbuf_log = want;
 }
 
+/*
+ * The head of c's queue, its reply all written, leaves it. One still waiting on I/O (PREFETCH
+ * answered at its deadline) goes on as an orphan and frees itself; its I/O no longer counts
+ * against the connection (which its completions, seeing no connection, would never give back: 64
+ * such PREFETCHes used to leave the connection unread for good).
+ */
+static void queue_pop(kvt__conn_t *c)
+{
+    kvt__req_t *r = c->head;
+    c->head = r->next;
+    if (!c->head)
+        c->tail = NULL;
+    r->next = NULL;
+    c->loop->queued -= r->replies;
+    if (r->pending == 0) {
+        kvt__req_free(r);
+    } else {
+        kvt_assert(c->inflight >= r->pending);
+        c->inflight -= r->pending;
+        r->conn = NULL;
+    }
+}
+
 static int conn_write(kvt__conn_t *c)
 {
     if (c->turn == KVT_TURN_WAIT)
@@ -1093,6 +1131,10 @@ static int conn_write(kvt__conn_t *c)
             kvt__req_t *r = c->head;
             if (r && r->src && r->src->drained(r))
                 continue; /* its next part, or its final frame, is there now */
+            if (r && r->done && !r->src && !r->has_fd && r->out_off == r->out_len) {
+                queue_pop(c); /* a GET whose final frame went with its last batch */
+                continue;
+            }
             break;
         }
         size_t total = 0;
@@ -1114,11 +1156,19 @@ static int conn_write(kvt__conn_t *c)
             /* Written with the lock let go, the replies count as gone from the start: a client
              * that has its reply may ask another loop (STATS) before this one takes the lock
              * back, and must find neither the reply's bytes nor its request's payload held. */
+            /* So do the answered requests among them in the loop's queue (a GET's with its final
+             * frame in this write counted as answered already: get_send); they count again
+             * once the lock is back, and leave as the bytes that went say. */
+            uint32_t answered = 0;
             if (quiet && c->loop->top == c && c->srv->loops_running) {
-                for (kvt__req_t *r = c->head; r; r = r == last ? NULL : r->next)
+                for (kvt__req_t *r = c->head; r; r = r == last ? NULL : r->next) {
                     if (r->done)
                         held_release(r);
+                    if (r->done || r->counted)
+                        answered += r->replies;
+                }
                 kvt__out_add(c, -(int64_t)total);
+                c->loop->queued -= answered;
                 c->writing = early = 1;
                 unlocked = io_unlock(c);
             }
@@ -1127,6 +1177,7 @@ static int conn_write(kvt__conn_t *c)
             if (early) {
                 io_relock(c, unlocked);
                 c->writing = 0;
+                c->loop->queued += answered;
                 kvt__out_add(c, (int64_t)total - (w > 0 ? w : 0)); /* what did not go */
             }
             errno = err;
@@ -1162,21 +1213,7 @@ static int conn_write(kvt__conn_t *c)
             left -= take;
             if (r->out_off < r->out_len || !r->done)
                 break;
-            /* Fully written. One still waiting on I/O (PREFETCH answered at its deadline) goes
-             * on as an orphan and frees itself; its I/O no longer counts against the connection
-             * (which its completions, seeing no connection, would never give back: 64 such
-             * PREFETCHes used to leave the connection unread for good). */
-            c->head = r->next;
-            if (!c->head)
-                c->tail = NULL;
-            r->next = NULL;
-            if (r->pending == 0) {
-                kvt__req_free(r);
-            } else {
-                kvt_assert(c->inflight >= r->pending);
-                c->inflight -= r->pending;
-                r->conn = NULL;
-            }
+            queue_pop(c);
         }
         if ((size_t)w < total) {
             /* The socket is full: from now it takes none until its EPOLLOUT, which may never

@@ -178,7 +178,7 @@ static int h_stats(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0)
                                 "STATS takes an empty body");
     }
     kvt__tier_metrics(s); /* the gauges a scrape refreshes first */
-    kvt__turns_gauges(s);
+    kvt__loops_gauges(s);
     kvt__metrics_process(s->metrics);
     kvt_statbuf_t b = {0};
     int rc = kvt_reserve(&b.buf, &b.cap, 8192, 1, 8192);

@@ -126,7 +126,7 @@ static void http_route(kvt_srv_t *s, kvt_http_conn_t *h, kvt__http_req_t req, in
         http_respond(h, "431 Request Header Fields Too Large", "text/plain", "too large\n", 10);
     } else if (req == KVT__HTTP_METRICS) {
         kvt__tier_metrics(s);
-        kvt__turns_gauges(s);
+        kvt__loops_gauges(s);
         kvt__metrics_process(s->metrics);
         char *body;
         size_t len;

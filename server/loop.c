@@ -465,7 +465,7 @@ static int tick(kvt_srv_t *s, uint64_t now)
     kvt__http_tick(s, now);
     kvt__auth_tick(s, now);
     kvt__tier_metrics(s);
-    kvt__turns_gauges(s);
+    kvt__loops_gauges(s);
     kvt__loops_cpu(s);
     kvt_tier_dram_decay(s->tiers[KVT_TIER_DRAM]); /* shared arenas' freed pages go back */
     kvt_radix_set_clock(s->radix, (uint32_t)((now - s->started_ns) / 1000000));

@@ -177,6 +177,14 @@ typedef enum {
       "Turns passed on because the holder's socket took nothing for socket-turn-stall-ms while "   \
       "others waited (its client stopped reading, or reads another connection first), by loop.",   \
       LOOP)                                                                                        \
+    X(LOOP_QUEUED_REQUESTS, GAUGE, "kvtier_loop_queued_requests",                                  \
+      "Requests read from each event loop's connections whose reply is not yet all in the "        \
+      "kernel: waiting for tier I/O or a turn, or answered and queued in kvtierd.",                \
+      LOOP)                                                                                        \
+    X(LOOP_QUEUED_BYTES, GAUGE, "kvtier_loop_queued_reply_bytes",                                  \
+      "Reply bytes ready in kvtierd and not yet taken by the kernel, by the event loop of their "  \
+      "connection.",                                                                               \
+      LOOP)                                                                                        \
     X(CONNECTIONS_REFUSED, COUNTER, "kvtier_connections_refused_total",                            \
       "Connections closed as soon as accepted: max-conns, shutting down, no descriptor left.",     \
       NONE)                                                                                        \

@@ -191,6 +191,9 @@ struct kvt__req {
     void (*on_move)(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted_pages);
     uint32_t pending; /* tier I/Os in flight */
     int status;
+    /* The requests whose replies are in it: 1, or more when kvt__reply added plain replies to a
+     * finished one (a pipeline's answers leave in one write). Each counts in its loop's queued. */
+    uint32_t replies;
 
     /* PUT, GET, PREFETCH and REMOVE */
     uint32_t ns; /* set by kvt__req_ns, which holds the namespace open */
@@ -521,6 +524,10 @@ struct kvt__loop {
      * on its posted list. Its own thread's only. */
     int deferring;
     uint32_t conns;
+    /* Requests in its connections' reply queues (conn.c): read, and their reply not yet all in
+     * the kernel; kvtier_loop_queued_requests. Changed with s->lock held, by its own thread
+     * (shared or write) or another holding it for writing. */
+    uint32_t queued;
     uint64_t requests, kicks_posted;
     /* socket-turns (conn.c): its connections holding a turn, and those waiting for one, first
      * come first served. Each loop grants its own: changed by its own thread only, with the lock
@@ -735,8 +742,10 @@ int kvt__turns_step(kvt__loop_t *l);
 /* After a reload (write lock): wakes each loop with waiters, so that its step grants the turns
  * a raised socket-turns added. */
 void kvt__turns_reload(kvt_srv_t *s);
-/* The loops' turn gauges (kvtier_loop_socket_turns, _waiters), under the write lock. */
-void kvt__turns_gauges(kvt_srv_t *s);
+/* The loops' gauges read off their connections (kvtier_loop_socket_turns, _waiters,
+ * kvtier_loop_queued_requests, kvtier_loop_queued_reply_bytes), under the write lock: one walk
+ * over the connections. */
+void kvt__loops_gauges(kvt_srv_t *s);
 /* Every tick: leases past their time limit go, then kvt__conns_deadlines. */
 void kvt__conns_tick(kvt_srv_t *s, uint64_t now);
 /* Requests' deadlines, and PREFETCHes waiting for others' moves or for room try again; also

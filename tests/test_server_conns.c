@@ -184,45 +184,6 @@ Test(server_conns, gets_of_every_batch_shape_on_64_connections, .fini = teardown
 #define GETS     4
 #define SHARE_64 (64u << 10)
 
-static void read_reply_frame(int fd, kvt_proto_hdr_t *h, uint8_t *body, size_t cap)
-{
-    uint8_t hdr[KVT_PROTO_HDR];
-    cr_assert_eq(read_full(fd, hdr, sizeof hdr), 0, "the reply ended early");
-    kvt_proto_hdr_decode(hdr, h);
-    cr_assert_leq(h->body_len, cap);
-    cr_assert_eq(read_full(fd, body, h->body_len), 0, "the reply ended early");
-}
-
-/* HELLO and a MATCH with a lease on a raw socket: the lease. */
-static uint64_t raw_lease(int fd, const uint32_t *t, uint32_t ntok, uint8_t *body, size_t cap)
-{
-    uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + PAGE * 4];
-    cr_assert_leq(ntok, PAGE);
-    kvt_wire_hello_t hw = {.min_version = 1,
-                           .max_version = 1,
-                           .page_size = PAGE,
-                           .block_bytes = BIG_BB,
-                           .model_len = 6};
-    kvt_proto_frame(f, KVT_OP_HELLO, 0, 1, 0, sizeof hw + 6);
-    memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
-    memcpy(f + KVT_PROTO_HDR + sizeof hw, "budget", 6);
-    cr_assert_eq(write(fd, f, KVT_PROTO_HDR + sizeof hw + 6),
-                 (ssize_t)(KVT_PROTO_HDR + sizeof hw + 6));
-    kvt_wire_match_t mw = {.ntokens = ntok};
-    size_t len = KVT_PROTO_HDR + sizeof mw + ntok * 4;
-    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, (uint32_t)(sizeof mw + ntok * 4));
-    memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
-    memcpy(f + KVT_PROTO_HDR + sizeof mw, t, ntok * 4);
-    cr_assert_eq(write(fd, f, len), (ssize_t)len);
-    kvt_proto_hdr_t h;
-    read_reply_frame(fd, &h, body, cap); /* HELLO's */
-    read_reply_frame(fd, &h, body, cap); /* MATCH's */
-    cr_assert_eq(h.status, 0);
-    uint64_t lease = kvt_get_u64(body + 8);
-    cr_assert_neq(lease, 0);
-    return lease;
-}
-
 /* A raw socket to the daemon's loopback TCP address, its receive buffer fixed at 64K: a reader
  * that never reads grows no window, so what the window has no room for waits in the daemon's
  * end, in the send buffer socket-send-budget sets (a reader whose buffer the kernel tunes soon
@@ -300,25 +261,11 @@ static int queued_now(int fd, int tcp)
     return q;
 }
 
-/* Writes GETS pipelined GETs of page 0 under lease on fd, in one write. */
-static void send_gets(int fd, uint64_t lease)
-{
-    uint8_t frames[GETS * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
-    size_t len = 0;
-    for (uint32_t i = 0; i < GETS; i++) {
-        kvt_wire_get_t gw = {.lease = lease, .first_page = 0, .npages = 1};
-        kvt_proto_frame(frames + len, KVT_OP_GET, 0, 100 + i, 0, sizeof gw);
-        memcpy(frames + len + KVT_PROTO_HDR, &gw, sizeof gw);
-        len += KVT_PROTO_HDR + sizeof gw;
-    }
-    cr_assert_eq(write(fd, frames, len), (ssize_t)len);
-}
-
 /* GETS pipelined GETs of page 0, left unread until the daemon's writes stop: the bytes it queued
  * in the kernel for this socket. Then their replies, read whole. */
 static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t cap)
 {
-    send_gets(fd, lease);
+    raw_gets(fd, lease, GETS, 100);
     int q = -1;
     for (int same = 0, i = 0; same < 5 && i < 500; i++) {
         usleep(20000);
@@ -345,12 +292,7 @@ static int queued_by_gets(int fd, int tcp, uint64_t lease, uint8_t *body, size_t
 static int queued_with_conns(const char *budget, int tcp, const char *listen, const char *src,
                              int q[3])
 {
-    int sp[2], def = 0;
-    socklen_t dl = sizeof def;
-    cr_assert_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sp), 0);
-    cr_assert_eq(getsockopt(sp[0], SOL_SOCKET, SO_SNDBUF, &def, &dl), 0);
-    close(sp[0]);
-    close(sp[1]);
+    int def = unix_sndbuf_default();
     if (def < 2 * (int)SHARE_64)
         return 0;
 
@@ -377,7 +319,7 @@ static int queued_with_conns(const char *budget, int tcp, const char *listen, co
     size_t cap = BIG_BB + 4096;
     uint8_t *body = malloc(cap);
     int fd = tcp ? raw_tcp(&d, src) : kvd_raw(&d);
-    uint64_t lease = raw_lease(fd, tok, PAGE, body, cap);
+    uint64_t lease = raw_lease(fd, "budget", PAGE, BIG_BB, tok, PAGE, body, cap);
 
     q[0] = queued_by_gets(fd, tcp, lease, body, cap);
     int idle[MANY - 2];
@@ -521,8 +463,8 @@ Test(server_conns, a_client_that_stops_reading_mid_pipeline_is_closed_at_reply_t
     size_t cap = BIG_BB + 4096;
     uint8_t *body = malloc(cap);
     int fd = kvd_raw(&d);
-    uint64_t lease = raw_lease(fd, tok, PAGE, body, cap);
-    send_gets(fd, lease);
+    uint64_t lease = raw_lease(fd, "budget", PAGE, BIG_BB, tok, PAGE, body, cap);
+    raw_gets(fd, lease, GETS, 100);
     usleep(1500000); /* unread, past reply-timeout-ms */
     ssize_t n;
     size_t got = 0;
@@ -556,12 +498,7 @@ static int test_loops(void)
  * when the kernel's default send buffer would hold it all (the test is skipped). */
 static int turns_start(turns_t *t, int n, const char *const *extra)
 {
-    int sp[2], def = 0;
-    socklen_t dl = sizeof def;
-    cr_assert_eq(socketpair(AF_UNIX, SOCK_STREAM, 0, sp), 0);
-    cr_assert_eq(getsockopt(sp[0], SOL_SOCKET, SO_SNDBUF, &def, &dl), 0);
-    close(sp[0]);
-    close(sp[1]);
+    int def = unix_sndbuf_default();
     if (def >= (int)(GETS * BIG_BB) / 2)
         return 0;
     kvd_startv(&d, extra);
@@ -578,19 +515,10 @@ static int turns_start(turns_t *t, int n, const char *const *extra)
     uint64_t lease[TURN_CONNS];
     for (int i = 0; i < n; i++) {
         t->fd[i] = kvd_raw(&d);
-        lease[i] = raw_lease(t->fd[i], tok, PAGE, t->body, t->cap);
+        lease[i] = raw_lease(t->fd[i], "budget", PAGE, BIG_BB, tok, PAGE, t->body, t->cap);
     }
-    for (int i = 0; i < n; i++) {
-        uint8_t frames[GETS * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t))];
-        size_t len = 0;
-        for (uint32_t g = 0; g < GETS; g++) {
-            kvt_wire_get_t gw = {.lease = lease[i], .first_page = 0, .npages = 1};
-            kvt_proto_frame(frames + len, KVT_OP_GET, 0, 100 + g, 0, sizeof gw);
-            memcpy(frames + len + KVT_PROTO_HDR, &gw, sizeof gw);
-            len += KVT_PROTO_HDR + sizeof gw;
-        }
-        cr_assert_eq(write(t->fd[i], frames, len), (ssize_t)len);
-    }
+    for (int i = 0; i < n; i++)
+        raw_gets(t->fd[i], lease[i], GETS, 100);
     return 1;
 }
 

@@ -7,7 +7,8 @@
  * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
  * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out;
  * runs of pipelined MATCHes that take no write lock on 2 and 4 loops, and on loop 0; the MATCHes
- * pipelined after a PUT answered under the lock shared again.
+ * pipelined after a PUT answered under the lock shared again; each loop's queue depth (requests
+ * and reply bytes waiting on a client that does not read).
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -16,6 +17,7 @@
 #include "common.h"
 #include "proto.h"
 #include "test_server_harness.h"
+#include "test_raw_frames.h"
 
 #define PAGE 16
 #define BB   4096
@@ -1146,13 +1148,31 @@ Test(server_loops, a_put_then_matches_go_back_to_the_shared_lock)
     kvd_cleanup(&d);
 }
 
+/* What one STATS says of the leases and of loop 1's queue. */
+typedef struct after_get {
+    uint64_t leases, queued, queued_bytes;
+} after_get_t;
+
+static int after_get_take(void *arg, const char *name, uint64_t v)
+{
+    after_get_t *a = arg;
+    if (!strcmp(name, "leases"))
+        a->leases = v;
+    else if (!strcmp(name, "loop_queued_requests_1"))
+        a->queued = v;
+    else if (!strcmp(name, "loop_queued_reply_bytes_1"))
+        a->queued_bytes = v;
+    return 0;
+}
+
 /*
  * A GET's pin (the lease it holds while its pages go out) counts as gone once its reply is whole
  * on its way, as its request counts as answered: with several loops the reply is written with the
  * lock let go, and the pin went only when the loop took the lock back, so a STATS on another
- * loop's connection sent as soon as the reply was in could still count it (one lease more). 200
+ * loop's connection sent as soon as the reply was in could still count it (one lease more). So
+ * do the GET and its bytes in its loop's queue (kvtier_loop_queued_requests, _reply_bytes). 200
  * GETs of DRAM pages on loop 1, each followed at once by STATS on loop 0 (no round trip on a's
- * connection between): the client's own lease only, every time.
+ * connection between): the client's own lease only, and an empty queue, every time.
  */
 Test(server_loops, stats_after_a_gets_reply_never_counts_its_pin)
 {
@@ -1170,14 +1190,19 @@ Test(server_loops, stats_after_a_gets_reply_never_counts_its_pin)
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(a, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
     cr_assert_eq(m.pages, P);
-    int more = 0;
+    int more = 0, queued = 0;
     for (int i = 0; i < N; i++) {
         uint32_t got = 0;
         cr_assert_eq(kvt_client_get(a, m.lease, 0, P, back, sizeof back, &got, NULL), 0);
         cr_assert_eq(got, P);
-        more += kvd_stat(b, "leases") != 1;
+        after_get_t st = {.queued = UINT64_MAX};
+        cr_assert_eq(kvt_client_stats(b, after_get_take, &st), 0);
+        more += st.leases != 1;
+        queued += st.queued != 0 || st.queued_bytes != 0;
     }
     cr_expect_eq(more, 0, "%d of %d STATS after a GET's reply counted its pin", more, N);
+    cr_expect_eq(queued, 0, "%d of %d STATS after a GET's reply found it in its loop's queue",
+                 queued, N);
     cr_expect(memcmp(back, payload, sizeof back) == 0);
     kvt_client_close(a);
     kvt_client_close(b);
@@ -1544,4 +1569,88 @@ Test(server_loops, two_loops_put_the_same_prefix_with_other_bytes)
 Test(server_loops, one_loop_puts_the_same_prefix_with_other_bytes)
 {
     same_prefix("1");
+}
+
+/*
+ * Each loop's queue depth (kvtier_loop_queued_requests, kvtier_loop_queued_reply_bytes): a raw
+ * connection on loop 1 pipelines N GETs of a 1 MiB page, more than its socket's send buffer
+ * holds, and reads nothing. Its loop shows the N requests and their bytes, less what the kernel
+ * took; loop 0 (the STATS client's, whose own STATS is not queued yet when the gauges are read)
+ * shows none. Once the client has read every reply the gauges are 0 at once: the last replies
+ * are written with the lock let go, and count as gone from before that write, as the requests'
+ * counters do, so the STATS sent as soon as they are in never finds them. R rounds.
+ */
+#define QBB (1u << 20)
+
+/* Loop i's queued requests and bytes through STATS on c (loop 0's connection). */
+static void queue_depth(kvt_client_t *c, int i, uint64_t *reqs, uint64_t *bytes)
+{
+    char key[64];
+    snprintf(key, sizeof key, "loop_queued_requests_%d", i);
+    *reqs = kvd_stat(c, key);
+    snprintf(key, sizeof key, "loop_queued_reply_bytes_%d", i);
+    *bytes = kvd_stat(c, key);
+}
+
+Test(server_loops, a_loops_queue_depth_shows_the_replies_its_client_has_not_read, .timeout = 60)
+{
+    if (unix_sndbuf_default() >= (int)QBB / 2)
+        cr_skip_test("the kernel's default send buffer holds a whole reply");
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "64M", NULL);
+    kvt_client_t *c = kvd_client(&d, "q", PAGE, QBB); /* loop 0 */
+    int fd = kvd_raw(&d);                             /* loop 1 */
+    static uint32_t tok[PAGE];
+    kvd_tokens(tok, PAGE, 9300000u);
+    uint8_t *page = malloc(QBB), *body = malloc(QBB + 4096);
+    cr_assert(page && body);
+    kvd_fill(page, QBB, 93);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, PAGE, 0, 1, page, NULL, &r), 0);
+    cr_assert_eq(r.stored, 1);
+    uint64_t lease = raw_lease(fd, "q", PAGE, QBB, tok, PAGE, body, QBB + 4096);
+    cr_assert_eq(kvd_stat(c, "loop_connections_1"), 1, "the raw connection is loop 1's");
+    enum { N = 8, R = 10 };
+    size_t frame =
+        2 * KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t) + QBB + sizeof(kvt_wire_get_end_t);
+    for (int round = 0; round < R; round++) {
+        raw_gets(fd, lease, N, 100);
+        /* Polled until loop 1 has read them all (5 s at most). */
+        uint64_t reqs = 0, bytes = 0, reqs0, bytes0;
+        for (int i = 0; i < 500 && reqs < N; i++) {
+            queue_depth(c, 1, &reqs, &bytes);
+            if (reqs < N)
+                usleep(10000);
+        }
+        queue_depth(c, 0, &reqs0, &bytes0);
+        cr_expect_eq(reqs, N, "round %d: loop 1 queues %llu of the %d GETs", round,
+                     (unsigned long long)reqs, N);
+        cr_expect_gt(bytes, (N - 1) * (uint64_t)QBB, "round %d: %llu bytes queued on loop 1", round,
+                     (unsigned long long)bytes);
+        cr_expect_leq(bytes, N * frame, "round %d", round);
+        cr_expect_eq(reqs0, 0, "round %d: loop 0 queues nothing", round);
+        cr_expect_eq(bytes0, 0, "round %d: loop 0 queues nothing", round);
+        for (int g = 0; g < N; g++) {
+            kvt_proto_hdr_t h;
+            read_reply_frame(fd, &h, body, QBB + 4096);
+            cr_assert_eq(h.status, 0, "round %d, GET %d", round, g);
+            cr_assert_eq(h.body_len, sizeof(kvt_wire_get_data_t) + QBB);
+            cr_assert(memcmp(body + sizeof(kvt_wire_get_data_t), page, QBB) == 0);
+            read_reply_frame(fd, &h, body, QBB + 4096); /* the end frame */
+            cr_assert_eq(h.request_id, 100u + (unsigned)g);
+        }
+        queue_depth(c, 1, &reqs, &bytes);
+        cr_expect_eq(reqs, 0, "round %d: %llu requests still queued once read", round,
+                     (unsigned long long)reqs);
+        cr_expect_eq(bytes, 0, "round %d: %llu bytes still queued once read", round,
+                     (unsigned long long)bytes);
+    }
+    double promreq = kvd_metric(&d, "kvtier_loop_queued_requests{loop=\"1\"}");
+    cr_expect_eq(promreq, 0, "/metrics has the series, at 0");
+    close(fd);
+    free(page);
+    free(body);
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
 }
