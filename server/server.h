@@ -180,20 +180,21 @@ struct kvt__req {
     uint8_t op;
     uint8_t done;    /* the whole reply is in out (or, GET, the final frame is) */
     uint8_t counted; /* in the request counters already (kvt__req_count) */
+    uint8_t has_fd;  /* pass_fd is set */
     uint64_t id;     /* the client's request id */
     uint64_t t0;     /* arrival, for the latency histogram */
     uint8_t *out;    /* reply bytes not yet written: [out_off, out_len); out_inline or heap */
     size_t out_len, out_cap, out_off;
     const kvt__reply_src_t *src; /* while set, the reply's bytes come from it, not from out */
     int pass_fd; /* with has_fd: a descriptor sent with the reply's first byte (MAP), then closed */
-    uint8_t has_fd;
+    /* The requests whose replies are in it: 1, or more when kvt__reply added plain replies to a
+     * finished one (a pipeline's answers leave in one write). Each counts in its loop's queued.
+     * (Beside pass_fd and has_fd beside counted: the struct stays in its 640-byte class.) */
+    uint32_t replies;
     /* A move this request asked for (a PREFETCH's promotion) landed: exec.c tells it so. */
     void (*on_move)(kvt_srv_t *s, kvt__req_t *r, int ok, uint32_t promoted_pages);
     uint32_t pending; /* tier I/Os in flight */
     int status;
-    /* The requests whose replies are in it: 1, or more when kvt__reply added plain replies to a
-     * finished one (a pipeline's answers leave in one write). Each counts in its loop's queued. */
-    uint32_t replies;
 
     /* PUT, GET, PREFETCH and REMOVE */
     uint32_t ns; /* set by kvt__req_ns, which holds the namespace open */
