@@ -195,7 +195,7 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
             }
             /* DRAM answers at once (its completion is queued): the location is there. */
             if (later) {
-                l->dst = kvt_tier_ptr(s->tiers[id], x->io.loc);
+                l->dst = kvt__tier_loc_ptr(s, id, x->io.loc);
                 kvt_assert(l->dst); /* else the page would be published unwritten */
             }
             l->held = (uint8_t)id;

@@ -122,6 +122,9 @@ int kvt__tier_probe(kvt_srv_t *s, kvt_tier_probe_t *p);
 int kvt__tier_check(kvt_srv_t *s, const kvt_block_t *b);
 /* Where a memory tier holds b's bytes (valid while b stays there, busy), or NULL: read it. */
 const uint8_t *kvt__tier_ptr(kvt_srv_t *s, const kvt_block_t *b);
+/* Where a memory tier's location loc lies, for a PUT that copies its bytes in after it allocated
+ * it (op_put.c, with the lock let go), or NULL. */
+void *kvt__tier_loc_ptr(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc);
 /* Starts a read from tier (tier.h's kvt_tier_read: io's callback on completion). */
 int kvt__tier_read(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io);
 /* Starts a write to tier (kvt_tier_write; io is a kvt__io_t's, a GAPS PUT's window on NVMe has

@@ -160,6 +160,11 @@ const uint8_t *kvt__tier_ptr(kvt_srv_t *s, const kvt_block_t *b)
     return kvt_tier_ptr(s->tiers[b->tier], b->loc);
 }
 
+void *kvt__tier_loc_ptr(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc)
+{
+    return kvt_tier_ptr(s->tiers[tier], loc);
+}
+
 int kvt__tier_read(kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io)
 {
     return kvt_tier_read(s->tiers[tier], io);
