@@ -196,7 +196,7 @@ def test_factory_builds_both_roles(vd: Daemon) -> None:
         c.shutdown()
 
 
-APIS = ["keys", "tokens"] if kv._HAVE_KEYS else ["tokens"]
+APIS = ["keys", "tokens"] if kv.store._HAVE_KEYS else ["tokens"]
 
 
 @pytest.mark.parametrize("api", APIS)
@@ -309,7 +309,7 @@ def test_load_overlaps_the_forward_layer_by_layer(vd: Daemon, zero_copy: bool) -
     b.close()
 
 
-@pytest.mark.skipif(not kv._HAVE_KEYS, reason="the package has no keyed calls (api tokens)")
+@pytest.mark.skipif(not kv.store._HAVE_KEYS, reason="the package has no keyed calls (api tokens)")
 def test_pages_are_a_keyed_chain(vd: Daemon) -> None:
     """The connector's pages are the package's keyed chain of vLLM block hashes: a plain
     Client finds them with exists_keys and reads them with get_keys_into."""

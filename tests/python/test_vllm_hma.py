@@ -934,24 +934,25 @@ def waiting_for_its_load(b: "Engine", toks: List[int], pages: int) -> "Request":
 
 
 def _prefix_cached_scheduler(vd: Daemon, model_config: Any, seed: int,
-                             extra: Optional[Dict[str, Any]]) -> Tuple[Any, ...]:
+                             extra: Optional[Dict[str, Any]],
+                             names: List[str] = NAMES) -> Tuple[Any, ...]:
     """The set-up of the tests of blocks shared through vLLM's prefix cache: 5 pages and 4
     tokens stored in kvtierd by another engine (``seed``), then vLLM's real Scheduler with its
-    prefix cache on (policy "recompute", one KV cache group, ``extra`` connector settings) and
-    a worker over paged caches. Returns (scheduler, worker, caches, the stored prompt's tokens,
-    a maker of requests that carry vLLM's block hashes)."""
+    prefix cache on (policy "recompute", one KV cache group of the layers ``names``, ``extra``
+    connector settings) and a worker over paged caches. Returns (scheduler, worker, caches,
+    the stored prompt's tokens, a maker of requests that carry vLLM's block hashes)."""
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=DTYPE)
     kvc = KVCacheConfig(num_blocks=NBLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+                        kv_cache_groups=[KVCacheGroupSpec(names, spec)])
     toks = prompt(5, 4)
-    store(vd, seed, toks, kvc=kvc)
+    store(vd, seed, toks, kvc=kvc, kv={n: t for n, t in paged(seed).items() if n in names})
     s, cfg = real_scheduler(model_config, vd, MODEL, kvc, "recompute", extra,
                             enable_prefix_caching=True)
     worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
-    kvs = paged(None)
+    kvs = {n: t for n, t in paged(None).items() if n in names}
     worker.register_kv_caches(kvs)
     init_none_hash(sha256_cbor)
 
@@ -973,9 +974,34 @@ def _held(d: Daemon, s: Any, worker: Any, r: "Request", pages: int) -> List[int]
         return list(m.tiers) + [0] * (pages - len(m.tiers))
 
 
-@pytest.mark.parametrize("how", ["unplanned", "killed", "removed", "copy_failed"])
+def _no_transfer(*args: Any, **kw: Any) -> Any:
+    raise ValueError("no transfer")
+
+
+def _schedule_a_and_b(s: Any, hashed: Any, toks: List[int], b_toks: List[int], monkeypatch: Any,
+                      unplanned: bool) -> Tuple["Request", "Request", Any]:
+    """Requests A (``toks``: the 5 pages and 4 tokens kvtierd holds) and B (``b_toks``: those
+    5 pages, then its own) added to vLLM's Scheduler ``s`` and scheduled in one step: A's load
+    of its hit planned, or with ``unplanned`` its planning raising (the step's metadata then
+    lists A's blocks as load errors). Returns (A, B, the step's SchedulerOutput)."""
+    ra, rb = hashed(toks), hashed(b_toks)
+    s.add_request(ra)
+    s.add_request(rb)
+    with monkeypatch.context() as m:
+        if unplanned:
+            m.setattr(s.connector, "_plan_loads", _no_transfer)
+        out = s.schedule()
+    return ra, rb, out
+
+
+@pytest.mark.parametrize("how, layers", [
+    ("unplanned", 4), ("killed", 4), ("removed", 4), ("copy_failed", 4),
+    # A group of one layer: its first layer is its last, so its saves go to the I/O thread
+    # there (save_kv_layer's other path, not _go's), and the same check must drop them.
+    ("unplanned", 1), ("copy_failed", 1)])
 def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config: Any,
-                                                  monkeypatch: Any, how: str) -> None:
+                                                  monkeypatch: Any, how: str,
+                                                  layers: int) -> None:
     """Through vLLM's real Scheduler with its prefix cache on (policy "recompute"), one KV
     cache group, the load in the step: request A hits kvtierd for 5 pages; request B, of the
     same 5 pages then 2 pages and 4 tokens of its own, is scheduled in the same step and takes
@@ -989,11 +1015,12 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     token, B to before the step (its 2 pages computed on those blocks are computed again; it
     keeps the 5 shared blocks as computed because A recomputes them, marked_invalid_block_ids).
     The next step schedules A's whole prompt and B's 2 pages again, and a request C arriving
-    then with the same 5 pages takes the 5 blocks from vLLM's prefix cache only in that step,
-    the one in which A writes them again (vLLM writes each layer's KV of the whole batch before
-    that layer's attention reads it, as with any blocks shared within a step).
-    This part held on s24-int's code already: the connector reports the failed blocks, vLLM
-    finds every request holding them. What did not: B's 2 pages, computed in the failed step
+    then with the same 5 pages takes none of A's blocks: the connector took the failed blocks
+    out of vLLM's prefix cache (update_connector_output; before s25 C took them there, in the
+    step A wrote them again); C loads the 5 pages from kvtierd where it holds them
+    (``unplanned``, ``copy_failed``), else computes them. The rewinding held on s24-int's
+    code already: the connector reports the failed blocks, vLLM finds every request holding
+    them. What did not: B's 2 pages, computed in the failed step
     on A's unloaded blocks, were saved to kvtierd (B's own load was none, so nothing marked
     its save): a later request with B's prompt would have loaded them from kvtierd as good KV.
     ``unplanned`` and ``copy_failed`` fail so on s24-int's code (kvtierd keeps A's 5 pages,
@@ -1002,29 +1029,21 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     blocks of the step's loads it was computed on (``reads``) and a worker whose load of one
     of them failed stores none of its pages, and the scheduler, seeing vLLM rewind a request
     (its computed tokens before the pages it had saved), saves them again from there once
-    computed anew: after the next step kvtierd holds B's 7 pages. Not covered, vLLM's: with
-    "recompute" vLLM keeps the failed blocks in its prefix cache, counting on A to recompute
-    them the next step; A and B aborted before it leaves them there as computed for a later
-    request (with "fail" vLLM evicts them; loads between steps never cache them:
-    test_blocks_of_a_load_between_steps_not_shared_before_it_lands)."""
+    computed anew: after the next step kvtierd holds B's 7 pages. The worker submits a step's
+    saves on one of two paths, each with that check: at the group's first layer, let go at its
+    last (_go; ``layers`` 4), or, where the first layer is the last (``layers`` 1), at that
+    layer; either case fails with its path's check taken out. A and B aborted before the
+    next step: test_failed_blocks_leave_vllms_prefix_cache."""
     from kvtier.errors import Busy
     from vllm.v1.request import RequestStatus
 
     s, worker, kvs, toks, hashed = _prefix_cached_scheduler(
-        vd, tiny_model_config, 97, {"lease_ms": 50} if how == "removed" else None)
+        vd, tiny_model_config, 97, {"lease_ms": 50} if how == "removed" else None,
+        NAMES[:layers])
     assert s.connector._async is False, "the load goes in the step"
     reported: Dict[str, set] = {}
-
-    def unbuildable(*args: Any, **kw: Any) -> Any:
-        raise ValueError("no transfer")
-
-    ra, rb = hashed(toks), hashed(toks[:5 * BS] + prompt(2, 4))
-    s.add_request(ra)
-    s.add_request(rb)
-    with monkeypatch.context() as m:
-        if how == "unplanned":
-            m.setattr(s.connector, "_plan_loads", unbuildable)
-        out = s.schedule()
+    ra, rb, out = _schedule_a_and_b(s, hashed, toks, toks[:5 * BS] + prompt(2, 4), monkeypatch,
+                                    how == "unplanned")
     assert out.num_scheduled_tokens == {ra.request_id: 4, rb.request_id: 2 * BS + 4}
     (a_ids,), (b_ids,) = (s.kv_cache_manager.get_block_ids(x.request_id) for x in (ra, rb))
     assert b_ids[:5] == a_ids[:5], "B took A's blocks from vLLM's prefix cache"
@@ -1047,7 +1066,7 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
                     time.sleep(0.02)
     with monkeypatch.context() as m:
         if how == "copy_failed":
-            m.setattr(worker, "_copy_layer", unbuildable)
+            m.setattr(worker, "_copy_layer", _no_transfer)
         run_step(s, worker, kvs, list(kvs), out, reported)
     assert reported == {"invalid": hit, "failed": set(), "recving": set()}
     assert ra.num_computed_tokens == 0, "A rewound to before its hit"
@@ -1059,19 +1078,116 @@ def test_failed_load_of_blocks_shared_in_the_step(vd: Daemon, tiny_model_config:
     rc = hashed(toks[:5 * BS] + prompt(1, 4))
     s.add_request(rc)
     out = s.schedule()
+    c_hit = 5 * BS if how in ("unplanned", "copy_failed") else 0  # kvtierd's, not vLLM's
     assert out.num_scheduled_tokens == {ra.request_id: len(toks), rb.request_id: 2 * BS + 4,
-                                        rc.request_id: BS + 4}, \
-        "A writes the 5 blocks again in the step C takes them in"
+                                        rc.request_id: 6 * BS + 4 - c_hit}
     (c_ids,) = s.kv_cache_manager.get_block_ids(rc.request_id)
-    assert c_ids[:5] == a_ids[:5]
+    assert not set(c_ids) & hit, "C took failed blocks from vLLM's prefix cache"
     run_step(s, worker, kvs, list(kvs), out, reported)
     assert reported["invalid"] == hit, "reported once"
+    assert not s.connector._failed, "blocks written again are no longer followed"
     for x, n in ((ra, len(toks)), (rb, 7 * BS + 4), (rc, 6 * BS + 4)):
         assert x.num_computed_tokens == n and x.status == RequestStatus.RUNNING
     settle(worker, SETTLE_S)
     if how != "killed":  # the pages computed again are saved again (A's 5 where they went)
         assert all(_held(vd, s, worker, rb, 7)), "the recomputed pages not stored"
     s.finish_requests([x.request_id for x in (ra, rb, rc)], RequestStatus.FINISHED_ABORTED)
+    worker.shutdown()
+    s.shutdown()
+
+
+@pytest.mark.parametrize("how", ["unplanned", "killed"])
+def test_failed_blocks_leave_vllms_prefix_cache(vd: Daemon, tiny_model_config: Any,
+                                                monkeypatch: Any, how: str) -> None:
+    """Through vLLM's real Scheduler with its prefix cache on (policy "recompute"), one KV
+    cache group, the load in the step: request A hits kvtierd for 5 pages and B, of the same
+    5 pages then 2 of its own, takes A's 5 blocks from vLLM's prefix cache in the same step
+    (vLLM caches a hit's blocks, and the blocks of the tokens a step will compute, when it
+    allocates them). A's load fails (``unplanned``: its planning raising; ``killed``: kvtierd
+    SIGKILLed between the lookup and the load), vLLM rewinds both to recompute the next step,
+    but both are aborted before it. A later request of A's 5 pages, or of B's 7, must not
+    take any of those blocks from vLLM's prefix cache as computed: nothing wrote A's 5, and
+    B's 2 were computed on them. On s24-int's code vLLM served them (5 pages, and B's 7):
+    with "recompute" vLLM keeps failed blocks cached (_handle_invalid_blocks evicts only with
+    "fail"). Now the scheduler's connector, told of the failed blocks
+    (update_connector_output, after vLLM rewound the requests), evicts them and every block
+    after them of the requests holding them (KVCacheManager.evict_blocks, bound by vLLM's
+    bind_kv_cache_manager), B's own 2 pages with them."""
+    from vllm.v1.request import RequestStatus
+
+    s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 99, None)
+    reported: Dict[str, set] = {}
+    b_toks = toks[:5 * BS] + prompt(2, 4)
+    ra, rb, out = _schedule_a_and_b(s, hashed, toks, b_toks, monkeypatch, how == "unplanned")
+    (a_ids,), (b_ids,) = (s.kv_cache_manager.get_block_ids(x.request_id) for x in (ra, rb))
+    assert b_ids[:5] == a_ids[:5], "B took A's blocks from vLLM's prefix cache"
+    assert s.kv_cache_manager.get_computed_blocks(hashed(b_toks))[1] == 7 * BS, \
+        "a hit's blocks and B's are cached when allocated"
+    if how == "killed":
+        vd.stop(signal.SIGKILL)
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == set(a_ids[:5])
+    assert ra.num_computed_tokens == 0 and rb.num_computed_tokens == 5 * BS, "rewound"
+    # B's own 2 pages too (a lookup through A's evicted blocks would not reach them, but a
+    # sliding window's would): no block of B's first 7 pages keeps its hash.
+    pool = s.kv_cache_manager.block_pool
+    assert [b for b in b_ids[:7] if pool.blocks[b].block_hash is not None] == []
+    s.finish_requests([ra.request_id, rb.request_id], RequestStatus.FINISHED_ABORTED)
+    for tokens in (toks[:5 * BS] + prompt(1, 4), b_toks):
+        assert s.kv_cache_manager.get_computed_blocks(hashed(tokens))[1] == 0, \
+            "blocks of the failed step served from vLLM's prefix cache"
+    worker.shutdown()
+    s.shutdown()
+
+
+@pytest.mark.parametrize("how", ["unplanned", "killed"])
+def test_failed_blocks_handed_over_when_their_writer_aborts(vd: Daemon, tiny_model_config: Any,
+                                                            monkeypatch: Any, how: str) -> None:
+    """Through vLLM's real Scheduler with its prefix cache on (policy "recompute"), one KV
+    cache group, the load in the step: A hits kvtierd for 5 pages, B (the same 5 pages, then 2
+    of its own) takes A's 5 blocks from vLLM's prefix cache in that step, and A's load fails
+    (``unplanned``: planning raising; ``killed``: kvtierd SIGKILLed). vLLM rewinds A to write
+    the 5 blocks again and B to before the step, B counting them computed because A writes
+    them. A alone is aborted before the next step: no one would write them, and on s24-int's
+    code B went on computing its 2 pages on them, and stored them in kvtierd as good KV
+    (``unplanned``: kvtierd held all 7 of B's pages). Now A's finish hands its unwritten failed
+    blocks over: the next step's metadata lists those B holds as load errors, the workers
+    report them, vLLM rewinds B to its first token, the pages B computed in that step are not
+    stored (their ``reads``), and the step after computes and stores all 7."""
+    from vllm.v1.request import RequestStatus
+
+    s, worker, kvs, toks, hashed = _prefix_cached_scheduler(vd, tiny_model_config, 96, None)
+    ra, rb, out = _schedule_a_and_b(s, hashed, toks, toks[:5 * BS] + prompt(2, 4), monkeypatch,
+                                    how == "unplanned")
+    (a_ids,) = s.kv_cache_manager.get_block_ids(ra.request_id)
+    hit = set(a_ids[:5])
+    if how == "killed":
+        vd.stop(signal.SIGKILL)
+    reported: Dict[str, set] = {}
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == hit
+    assert ra.num_computed_tokens == 0 and rb.num_computed_tokens == 5 * BS, "rewound"
+    s.finish_requests([ra.request_id], RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {rb.request_id: 2 * BS + 4}
+    assert set(out.kv_connector_metadata.load_errors) == hit, "A's blocks handed over"
+    reported = {}
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert reported["invalid"] == hit
+    assert rb.num_computed_tokens == 0, "B rewound: it now writes the blocks"
+    settle(worker, SETTLE_S)
+    if how == "unplanned":
+        assert _held(vd, s, worker, rb, 7)[5:] == [0, 0], "B's pages on unwritten blocks stored"
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {rb.request_id: 7 * BS + 4}
+    reported = {}
+    run_step(s, worker, kvs, list(kvs), out, reported)
+    assert not reported["invalid"] and rb.num_computed_tokens == 7 * BS + 4
+    assert not s.connector._failed, "blocks written again are no longer followed"
+    settle(worker, SETTLE_S)
+    if how == "unplanned":
+        assert all(_held(vd, s, worker, rb, 7)), "B's pages computed anew not stored"
+    s.finish_requests([rb.request_id], RequestStatus.FINISHED_ABORTED)
     worker.shutdown()
     s.shutdown()
 

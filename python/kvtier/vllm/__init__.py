@@ -22,7 +22,8 @@ the first of them saves); the scheduler asks rank 0's namespace.
 Hybrid models (vLLM's hybrid KV cache manager: the connector is a ``SupportsHMA``): each of
 vLLM's KV cache groups (full attention, sliding window) has its own chain, derived from the
 request's with the group's id, and its pages hold that group's layers only; a sliding-window
-group loads only its window. A group of another kind (Mamba state) is refused at start.
+group loads only its window. A Mamba group's page is its state at a page boundary
+(``mamba.py``); a group of another kind is refused at start.
 
 A page's bytes are every layer (K and V) of one block of this rank (of its group's layers),
 layer after layer. Saves are asynchronous: a job on the worker's I/O thread reserves the room
@@ -53,8 +54,10 @@ and the copies between them), ``store.py`` (the one place that speaks to kvtierd
 connector metrics) and ``connector.py`` (the class vLLM builds).
 """
 
-# What tests, benchmarks and callers import from kvtier.vllm, as when it was one file.
-from .common import (  # noqa: F401
+# What tests, benchmarks and callers import from kvtier.vllm, as when it was one file: the
+# settings' defaults and the pages' identity, named in __all__ so that they read as the package's
+# API rather than as unused imports.
+from .common import (
     EXTRA_KEYS,
     PROBE_MS,
     REPLACED_KEYS,
@@ -69,6 +72,21 @@ from .common import (  # noqa: F401
     worker_ranks,
 )
 from .connector import KvtierConnector
-from .store import _HAVE_KEYS, KEY_BYTES  # noqa: F401
+from .store import KEY_BYTES
 
-__all__ = ["KvtierConnector", "KvtierConnectorMetadata"]
+__all__ = [
+    "EXTRA_KEYS",
+    "KEY_BYTES",
+    "PROBE_MS",
+    "REPLACED_KEYS",
+    "SCHEDULER_DEADLINE_MS",
+    "WARN_INTERVAL_S",
+    "WORKER_DEADLINE_MS",
+    "KvtierConnector",
+    "KvtierConnectorMetadata",
+    "chain_root",
+    "key_chain",
+    "model_name",
+    "rank_salt",
+    "worker_ranks",
+]

@@ -4,7 +4,7 @@ plans each step's loads and saves into the metadata the workers receive."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -48,6 +48,12 @@ class SchedulerSide:
         # The blocks of loads in the step that were not planned: the step's metadata lists
         # them, and each worker reports them as load errors.
         self._unplanned_blocks: List[int] = []
+        # Blocks a load in the step failed into that no step has been scheduled to write again
+        # since (policy "recompute": vLLM rewound one request holding each to write it, the
+        # others holding it count it computed): _hand_over_failed.
+        self._failed: Set[int] = set()
+        self._recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy",
+                                  None) == "recompute"
         self._index: Optional[_PageStore] = None
         self._pause_ms = number(self._extra, "preempt_pause_ms", PREEMPT_PAUSE_MS, _WHERE)
         if not scheduler:
@@ -296,7 +302,29 @@ class SchedulerSide:
             self._mark_reads(meta)
         except Exception as e:  # noqa: BLE001
             self._guard.warn("kvtier: saves of this step not planned: %s", e)
+        if self._failed:
+            try:
+                self._forget_written(scheduler_output)
+            except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
+                self._guard.warn("kvtier: failed blocks not followed: %s", e)
         return meta
+
+    def _forget_written(self, so: "SchedulerOutput") -> None:
+        """Drops from ``_failed`` the blocks this step writes: those of the pages each
+        scheduled request completes in it, from its first page not computed (a request
+        rewound to a failed block starts there) to the last its step fills. (A request
+        finishing after this step was scheduled counts them computed already: vLLM advances
+        its computed tokens when it schedules it. This keeps ``_failed`` to blocks still
+        unwritten, not ids vLLM has since given to other requests.)"""
+        assert self._kv_cache_manager is not None
+        bs = self._block_size
+        cr = so.scheduled_cached_reqs
+        steps = [(nr.req_id, nr.num_computed_tokens) for nr in so.scheduled_new_reqs]
+        steps += list(zip(cr.req_ids, cr.num_computed_tokens))
+        for rid, computed in steps:
+            end = computed + so.num_scheduled_tokens.get(rid, 0)
+            for ids in self._kv_cache_manager.get_block_ids(rid):
+                self._failed.difference_update(ids[computed // bs:end // bs])
 
     def _mark_reads(self, meta: KvtierConnectorMetadata) -> None:
         """Each save's ``reads``: the blocks this step loads in the step (or reports as
@@ -413,6 +441,60 @@ class SchedulerSide:
             self._guard.warn("kvtier: paused hint for %s not sent: %s",
                              st.request.request_id, e)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' output of a step, after vLLM took it: blocks whose load in the step
+        failed (``invalid_block_ids``) leave vLLM's prefix cache (_evict_failed)."""
+        bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if bad and self._kv_cache_manager is not None:
+            if self._recompute:
+                self._failed |= bad
+            try:
+                self._evict_failed(bad)
+            except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
+                self._guard.warn("kvtier: failed blocks left in vLLM's prefix cache: %s", e)
+
+    def _evict_failed(self, bad: Set[int]) -> None:
+        """Takes the blocks ``bad`` (a load in the step failed into them) out of vLLM's prefix
+        cache, and with them every block after the first of them in each request holding one
+        (computed on them, or loaded after them). vLLM caches a hit's blocks when it allocates
+        them, and with "recompute" keeps them cached after the failure (its
+        _handle_invalid_blocks evicts only with "fail"), counting on the requests it rewound to
+        write them again the next step: were they all aborted first, a later request of that
+        prefix would take them from its prefix cache as computed, KV nothing wrote. Evicted,
+        the blocks stay with the requests holding them (vLLM's KVCacheManager.evict_blocks
+        drops only their hashes); the price is that a request arriving before they are
+        written again computes that prefix itself. Loads in the step come with one KV cache
+        group only (common.load_between_steps): a block id names one block."""
+        assert self._kv_cache_manager is not None
+        drop = set(bad)
+        for rid in self._reqs:
+            for ids in self._kv_cache_manager.get_block_ids(rid):
+                at = next((i for i, b in enumerate(ids) if b in bad), None)
+                if at is not None:
+                    drop.update(ids[at:])
+        drop.discard(0)  # vLLM's null block is never cached
+        self._kv_cache_manager.evict_blocks(drop)
+
+    def _hand_over_failed(self, request: "Request") -> None:
+        """``request`` finishes. Of the failed blocks it was rewound to write again (at or
+        after its computed tokens, not written since: ``_failed``), those another request
+        still holds go in the next step's metadata as load errors: vLLM 0.34 rewinds only the
+        first request holding a failed block to write it, the others counting it computed
+        (_update_requests_with_invalid_blocks' marked_invalid_block_ids), so that once that
+        request is gone no one would write it, and they would compute on KV nothing wrote,
+        their pages stored as good. Reported, vLLM rewinds them, and the workers drop the
+        saves of that step computed on those blocks (their ``reads``)."""
+        assert self._kv_cache_manager is not None
+        first = request.num_computed_tokens // self._block_size
+        mine = {b for ids in self._kv_cache_manager.get_block_ids(request.request_id)
+                for b in ids[first:] if b in self._failed}
+        if not mine:
+            return
+        self._failed -= mine  # its blocks go back to vLLM's pool
+        held = {b for rid in self._reqs for ids in self._kv_cache_manager.get_block_ids(rid)
+                for b in ids if b in mine}
+        self._unplanned_blocks.extend(sorted(held))
+
     def request_finished(self, request: "Request",
                          block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Finished or aborted: releases the request's leases and sends the policy's "finished" hint
@@ -422,6 +504,12 @@ class SchedulerSide:
         request in get_finished's finished_sending once its saves are stored, or dropped at their
         deadline; else False (freed at once)."""
         st = self._reqs.pop(request.request_id, None)
+        if self._failed:
+            try:
+                self._hand_over_failed(request)
+            except Exception as e:  # noqa: BLE001 - nothing may escape into the scheduler
+                self._guard.warn("kvtier: failed blocks of %s not handed over: %s",
+                                 request.request_id, e)
         # A load planned but not sent yet (vLLM's deferred loads start it a step late): vLLM
         # holds the blocks of a request finished while it waits for its load until a worker
         # reports it, so it goes out unplanned (reported at once, nothing loaded), not dropped.
