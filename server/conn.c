@@ -198,7 +198,7 @@ static int conn_evict(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *victim = NULL;
     for (kvt__conn_t *c = s->clients.list; c; c = c->next) {
         if (c->closing || c->dead || c->nleases || c->head || c->inflight || c->mem_wait ||
-            now - c->rx_ns < idle)
+            kvt_ns_since(now, c->rx_ns) < idle)
             continue;
         if (!victim || c->rx_ns < victim->rx_ns)
             victim = c;
@@ -210,7 +210,7 @@ static int conn_evict(kvt_srv_t *s, uint64_t now)
                     "kvtierd: max-conns reached: connection %llu, idle for %llu ms with no lease "
                     "and no request, closed for a new one (evict-idle-ms)",
                     (unsigned long long)victim->id,
-                    (unsigned long long)((now - victim->rx_ns) / 1000000));
+                    (unsigned long long)(kvt_ns_since(now, victim->rx_ns) / 1000000));
     kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_EVICTED, 0, 1);
     kvt__conn_close(victim);
     return 1;
@@ -452,7 +452,7 @@ static void turn_end(kvt__conn_t *c)
 static int turn_stalled(kvt__conn_t *c)
 {
     if (c->turn != KVT_TURN_HELD || c->stuck_ns == 0 || c->loop->turn_head == NULL ||
-        turns_max(c) == 0 || kvt_now_ns() - c->stuck_ns < KVT_TURN_SLICE_NS)
+        turns_max(c) == 0 || kvt_ns_since(kvt_now_ns(), c->stuck_ns) < KVT_TURN_SLICE_NS)
         return 0;
     turn_end(c);
     turn_take(c);
@@ -1500,7 +1500,7 @@ void kvt__conns_mem_retry(kvt_srv_t *s)
 static int conn_timed_out(kvt__conn_t *c, uint64_t now)
 {
     uint64_t limit = (uint64_t)c->srv->conf->reply_timeout_ms * 1000000;
-    if (limit == 0 || c->stuck_ns == 0 || now - c->stuck_ns < limit)
+    if (limit == 0 || c->stuck_ns == 0 || kvt_ns_since(now, c->stuck_ns) < limit)
         return 0;
     static kvt_log_limit_t lim; /* many clients may stop reading at once */
     kvt_log_limited(&lim, KVT_LOG_WARN,
@@ -1526,7 +1526,7 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
     uint64_t hello = (uint64_t)cf->hello_timeout_ms * 1000000;
-    if (hello && c->frames == 0 && now - c->born_ns >= hello) {
+    if (hello && c->frames == 0 && kvt_ns_since(now, c->born_ns) >= hello) {
         static kvt_log_limit_t lim;
         kvt_log_limited(&lim, KVT_LOG_INFO,
                         "kvtierd: connection %llu sent no whole frame in its first %u ms (%zu "
@@ -1547,7 +1547,7 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
         c->mark_frames = c->frames;
         return 0;
     }
-    if (now - c->mark_ns < window)
+    if (kvt_ns_since(now, c->mark_ns) < window)
         return 0;
     uint64_t need = cf->frame_min_rate * cf->frame_timeout_ms / 1000;
     uint64_t got = c->rx_bytes - c->mark_rx;
@@ -1561,7 +1561,7 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
                     "kvtierd: connection %llu sent %llu bytes of a frame in %llu ms (%zu of it "
                     "buffered, %zu reserved): closed (frame-timeout-ms, frame-min-rate)",
                     (unsigned long long)c->id, (unsigned long long)got,
-                    (unsigned long long)((now - c->mark_ns) / 1000000), c->in_len, c->in_cap);
+                    (unsigned long long)(kvt_ns_since(now, c->mark_ns) / 1000000), c->in_len, c->in_cap);
     kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_FRAME_TIMED_OUT, 0, 1);
     kvt__conn_close(c);
     return 1;
@@ -1578,7 +1578,7 @@ void kvt__conns_tick(kvt_srv_t *s, uint64_t now)
             /* A turn's holder stalled: its kick gives the turn on (turn_stalled). Read under
              * the write lock: its loop changes c->turn only with the lock held. */
             if (c->turn == KVT_TURN_HELD && c->loop->turn_head && c->stuck_ns &&
-                now - c->stuck_ns >= KVT_TURN_SLICE_NS)
+                kvt_ns_since(now, c->stuck_ns) >= KVT_TURN_SLICE_NS)
                 kvt__conn_kick(c);
         }
     }
