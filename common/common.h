@@ -98,6 +98,13 @@ static inline uint64_t kvt_now_us(void)
     return kvt_now_ns() / 1000;
 }
 
+/* How long ago then was at now, 0 when then is later: a time another thread stamped after now was
+ * read (a loop that waited for the store's lock with now in hand) is no time ago, not 584 years. */
+static inline uint64_t kvt_ns_since(uint64_t now, uint64_t then)
+{
+    return now > then ? now - then : 0;
+}
+
 /*
  * Huge pages for a glibc heap (bench_radix; kvtierd's heap is jemalloc's, set up in
  * server/main.c). The index is hundreds of MiB of node storage walked in no particular

@@ -198,7 +198,7 @@ static int conn_evict(kvt_srv_t *s, uint64_t now)
     kvt__conn_t *victim = NULL;
     for (kvt__conn_t *c = s->clients.list; c; c = c->next) {
         if (c->closing || c->dead || c->nleases || c->head || c->inflight || c->mem_wait ||
-            now - c->rx_ns < idle)
+            kvt_ns_since(now, c->rx_ns) < idle)
             continue;
         if (!victim || c->rx_ns < victim->rx_ns)
             victim = c;
@@ -210,7 +210,7 @@ static int conn_evict(kvt_srv_t *s, uint64_t now)
                     "kvtierd: max-conns reached: connection %llu, idle for %llu ms with no lease "
                     "and no request, closed for a new one (evict-idle-ms)",
                     (unsigned long long)victim->id,
-                    (unsigned long long)((now - victim->rx_ns) / 1000000));
+                    (unsigned long long)(kvt_ns_since(now, victim->rx_ns) / 1000000));
     kvt__metric_add(s->metrics, KVT_M_CONNECTIONS_EVICTED, 0, 1);
     kvt__conn_close(victim);
     return 1;
@@ -499,7 +499,7 @@ static uint64_t turn_left_ns(const kvt__conn_t *c, uint64_t now)
     uint64_t slice =
         c->turn_read ? KVT_TURN_SLICE_NS : (uint64_t)c->srv->conf->socket_turn_stall_ms * 1000000;
     uint64_t held = (uint64_t)((uint32_t)(now / 1000000) - c->turn_ms) * 1000000;
-    uint64_t since = KVT_MIN(now - c->stuck_ns, held);
+    uint64_t since = KVT_MIN(kvt_ns_since(now, c->stuck_ns), held);
     return since < slice ? slice - since : 0;
 }
 
@@ -1632,7 +1632,7 @@ void kvt__conns_mem_retry(kvt_srv_t *s)
 static int conn_timed_out(kvt__conn_t *c, uint64_t now)
 {
     uint64_t limit = (uint64_t)c->srv->conf->reply_timeout_ms * 1000000;
-    if (limit == 0 || c->stuck_ns == 0 || now - c->stuck_ns < limit)
+    if (limit == 0 || c->stuck_ns == 0 || kvt_ns_since(now, c->stuck_ns) < limit)
         return 0;
     static kvt_log_limit_t lim; /* many clients may stop reading at once */
     kvt_log_limited(&lim, KVT_LOG_WARN,
@@ -1658,7 +1658,7 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
 {
     const kvt_srv_conf_t *cf = c->srv->conf;
     uint64_t hello = (uint64_t)cf->hello_timeout_ms * 1000000;
-    if (hello && c->frames == 0 && now - c->born_ns >= hello) {
+    if (hello && c->frames == 0 && kvt_ns_since(now, c->born_ns) >= hello) {
         static kvt_log_limit_t lim;
         kvt_log_limited(&lim, KVT_LOG_INFO,
                         "kvtierd: connection %llu sent no whole frame in its first %u ms (%zu "
@@ -1679,7 +1679,7 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
         c->mark_frames = (uint32_t)c->frames;
         return 0;
     }
-    if (now - c->mark_ns < window)
+    if (kvt_ns_since(now, c->mark_ns) < window)
         return 0;
     uint64_t need = cf->frame_min_rate * cf->frame_timeout_ms / 1000;
     uint64_t got = c->rx_bytes - c->mark_rx;
@@ -1693,7 +1693,7 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
                     "kvtierd: connection %llu sent %llu bytes of a frame in %llu ms (%zu of it "
                     "buffered, %zu reserved): closed (frame-timeout-ms, frame-min-rate)",
                     (unsigned long long)c->id, (unsigned long long)got,
-                    (unsigned long long)((now - c->mark_ns) / 1000000), c->in_len, c->in_cap);
+                    (unsigned long long)(kvt_ns_since(now, c->mark_ns) / 1000000), c->in_len, c->in_cap);
     kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_FRAME_TIMED_OUT, 0, 1);
     kvt__conn_close(c);
     return 1;

@@ -554,6 +554,9 @@ static int run0(kvt_srv_t *s)
         now = kvt_now_ns();
         if (now >= next_tick) {
             kvt__loop_hold(l, KVT_HELD_WRITE);
+            /* Read again: the wait for the lock lets other loops stamp their connections
+             * (stuck_ns, rx_ns) after the read above, and the tick's ages count from them. */
+            now = kvt_now_ns();
             if (tick(s, now))
                 return 0;
             next_tick = now + (uint64_t)s->conf->tick_ms * 1000000ull;

@@ -1,7 +1,7 @@
 /*
  * test_common.c: common/'s rate-limited log line (at most one a second per limiter, the held-back
  * ones counted on the next line, nothing below the log level counted at all) and its parsing of
- * sizes.
+ * sizes, and its clock's ages.
  */
 #include <criterion/criterion.h>
 
@@ -114,4 +114,16 @@ Test(common_parse, sizes_with_and_without_units)
             cr_expect_eq(v, 12345, "'%s' leaves the output alone", cases[i].s);
         }
     }
+}
+
+/* A loop that read the clock, then waited for the store's lock while another loop stamped a
+ * connection, finds that stamp a little after its now: no time ago, not 2^64 ns (the tick closed
+ * such connections as past reply-timeout-ms, issue 42's gets_from_dram test under load). */
+Test(common_clock, a_time_after_now_is_no_time_ago)
+{
+    uint64_t now = kvt_now_ns();
+    cr_expect_eq(kvt_ns_since(now, now - 5000), 5000);
+    cr_expect_eq(kvt_ns_since(now, now), 0);
+    cr_expect_eq(kvt_ns_since(now, now + 5000), 0);
+    cr_expect_eq(kvt_ns_since(now, 0), now);
 }
