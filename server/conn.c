@@ -1693,7 +1693,8 @@ static int conn_too_slow(kvt__conn_t *c, uint64_t now)
                     "kvtierd: connection %llu sent %llu bytes of a frame in %llu ms (%zu of it "
                     "buffered, %zu reserved): closed (frame-timeout-ms, frame-min-rate)",
                     (unsigned long long)c->id, (unsigned long long)got,
-                    (unsigned long long)(kvt_ns_since(now, c->mark_ns) / 1000000), c->in_len, c->in_cap);
+                    (unsigned long long)(kvt_ns_since(now, c->mark_ns) / 1000000), c->in_len,
+                    c->in_cap);
     kvt__metric_add(c->srv->metrics, KVT_M_CONNECTIONS_FRAME_TIMED_OUT, 0, 1);
     kvt__conn_close(c);
     return 1;

@@ -665,13 +665,14 @@ typedef struct getter {
     pthread_barrier_t *start;
     struct getter *all; /* every reader's and writer's, for the writers to aim at */
     int id, reader;
-    int round, finished; /* a reader's, read by the writers (atomic) */
-    int errors, line;
+    int round, finished;        /* a reader's, read by the writers (atomic) */
+    int errors, line, rc;       /* and the first one's line and, for a request, its return */
     uint64_t pages, dram_pages; /* the churn prefixes' pages received, and how many from DRAM */
     uint64_t removed;           /* a writer's REMOVEs that took a reader's churn prefix */
 } getter_t;
 
-#define GET_WRONG(w) ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+#define GET_WRONG(w)       ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+#define GET_WRONG_RC(w, r) ((w)->rc = (w)->errors ? (w)->rc : (r), GET_WRONG(w))
 
 static uint64_t page_sum(const uint8_t *p, size_t len)
 {
@@ -784,9 +785,9 @@ static void *getter_main(void *arg)
                 get_check_t ck = {
                     .w = w, .sums = sums[k], .first = first, .n = P - first, .want_dram = 1};
                 uint32_t got = 0;
-                if (kvt_client_get_cb(c, lease[k], first, 0, get_check_page, &ck, &got) < 0 ||
-                    got != P - first || ck.seen != P - first)
-                    GET_WRONG(w);
+                int rc = kvt_client_get_cb(c, lease[k], first, 0, get_check_page, &ck, &got);
+                if (rc < 0 || got != P - first || ck.seen != P - first)
+                    GET_WRONG_RC(w, rc);
             }
         }
         /* A churn prefix: stored, leased for one GET, let go; the writers remove it meanwhile.
@@ -823,7 +824,7 @@ static void *getter_main(void *arg)
             /* A page lost on the way ends the GET early (an error with the pages before it). */
             if ((rc < 0 && rc != KVT_CLIENT_ENOENT) || got != ck.seen ||
                 (rc == 0 && got != m.pages))
-                GET_WRONG(w);
+                GET_WRONG_RC(w, rc);
             w->pages += got;
             rc = kvt_client_release(c, m.lease, NULL);
             if (rc < 0 && !(back && rc == KVT_CLIENT_ENOENT))
@@ -862,18 +863,22 @@ Test(server_loops, gets_from_dram_leave_the_lock_while_others_write)
     cr_assert_eq(kvd_stat(w[0].c, "loop_connections_1"), 2);
     for (int i = 0; i < N; i++)
         pthread_create(&th[i], NULL, getter_main, &w[i]);
-    int errors = 0, line = 0;
+    int errors = 0, line = 0, rc = 0;
     uint64_t pages = 0, dram = 0, removed = 0;
     for (int i = 0; i < N; i++) {
         pthread_join(th[i], NULL);
         errors += w[i].errors;
+        rc = line ? rc : w[i].rc;
         line = line ? line : w[i].line;
         pages += w[i].pages;
         dram += w[i].dram_pages;
         removed += w[i].removed;
     }
     pthread_barrier_destroy(&start);
-    cr_expect_eq(errors, 0, "%d wrong replies or pages, the first at line %d", errors, line);
+    if (errors)
+        kvd_log_tail(&d, 4000); /* a connection closed under the readers says why there */
+    cr_expect_eq(errors, 0, "%d wrong replies or pages, the first at line %d (rc %d)", errors, line,
+                 rc);
     cr_expect_gt(pages, 0, "the churn prefixes were read back");
     cr_expect_gt(removed, 0, "the writers removed churn prefixes the readers had read");
     cr_expect_geq(dram, (uint64_t)R * 40 * 2 * 7, "the GETs were of DRAM blocks (%llu pages)",
