@@ -109,7 +109,7 @@ struct kvt_radix {
 
     kvt_lease_t *leases;
     uint32_t lease_cap, lease_free, nleases;
-    uint64_t releases; /* leases ended, ever */
+    uint64_t releases;  /* leases ended, ever */
     uint64_t lease_seq; /* the next lease's seq */
 
     uint64_t epoch; /* bumped by every change of shape: insert, split, remove, evict */
