@@ -235,7 +235,7 @@ typedef enum {
     X(POLICY_PARK_WAITS, COUNTER, "kvtier_policy_park_waits_total",                                \
       "Promotions MATCH queued not started: a parked one waits on their path.", NONE)              \
     X(LEASED_PROMOTIONS, COUNTER, "kvtier_leased_promotions_total",                                \
-      "Promotions out of DRAM switched to their new copy while a lease held the run, the old "      \
+      "Promotions out of DRAM switched to their new copy while a lease held the run, the old "     \
       "copy kept until the leases taken before the switch end (promote-keep-share).",              \
       NONE)                                                                                        \
     X(LEASED_PROMO_COPIES, GAUGE, "kvtier_leased_promotion_copies",                                \

@@ -1053,8 +1053,7 @@ static void old_copy_kept_for_the_lease(lease_end_t how, uint32_t seed)
     kvt_client_close(c);
 }
 
-Test(server_zc, a_promotion_under_a_lease_keeps_the_old_copy_till_its_release,
-     .fini = teardown)
+Test(server_zc, a_promotion_under_a_lease_keeps_the_old_copy_till_its_release, .fini = teardown)
 {
     old_copy_kept_for_the_lease(BY_RELEASE, 86);
 }
