@@ -892,6 +892,18 @@ static void promoted_once_free(kvt_client_t *c, const uint32_t *t, uint32_t seed
 /* How the lease of leased_in_dram ends. */
 typedef enum { BY_RELEASE, BY_EXPIRY, BY_CLOSE } lease_end_t;
 
+/* Ends fd's lease how (an expiry is waited for) and unmaps z; BY_CLOSE closes fd. */
+static void end_lease(int fd, zmap_t *z, kvt_client_t *c, uint64_t lease, lease_end_t how)
+{
+    if (how == BY_RELEASE)
+        zrelease(fd, lease);
+    if (how == BY_EXPIRY)
+        cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
+    zunmap(z);
+    if (how == BY_CLOSE)
+        close(fd);
+}
+
 /* An engine MATCHes every hit with a lease: with no room to keep old copies, the promotion its
  * MATCH queues, refused while that lease holds the page, is made once the lease has gone, however
  * it went. */
@@ -904,13 +916,7 @@ static void promoted_after_the_lease(lease_end_t how, uint32_t seed)
     uint32_t t[PAGE];
     kvd_tokens(t, PAGE, 100 * seed);
     uint64_t lease = leased_in_dram(fd, &z, c, t, seed);
-    if (how == BY_RELEASE)
-        zrelease(fd, lease);
-    if (how == BY_EXPIRY)
-        cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
-    zunmap(&z);
-    if (how == BY_CLOSE)
-        close(fd);
+    end_lease(fd, &z, c, lease, how);
     promoted_once_free(c, t, seed, name[how]);
     if (how != BY_CLOSE)
         close(fd);
@@ -1033,13 +1039,7 @@ static void old_copy_kept_for_the_lease(lease_end_t how, uint32_t seed)
     }
     cr_expect(memcmp(z.base + off, want, BB) == 0, "the old copy's bytes changed");
     uint64_t used = kvd_stat(c, "dram_used_bytes"), blocks = kvd_stat(c, "dram_blocks");
-    if (how == BY_RELEASE)
-        zrelease(fd, lease);
-    if (how == BY_EXPIRY)
-        cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
-    zunmap(&z);
-    if (how == BY_CLOSE)
-        close(fd);
+    end_lease(fd, &z, c, lease, how);
     cr_expect_eq(wait_stat_down(c, "leased_promotion_copies", 0), 0, "kept after the lease's %s",
                  name[how]);
     cr_expect_eq(kvd_stat(c, "leased_promotion_copy_bytes"), 0);
