@@ -6,7 +6,8 @@
  * expiry, a client killed mid-write, a lease holding bytes in place) and every refusal are checked
  * against a real kvtierd. So is what a client cannot keep (issue 36): memory it makes resident in
  * its memfd outside its blocks, DRAM held by expired reservations, arena slots after it left,
- * and the arenas gauge against the daemon's real memfds.
+ * and the arenas gauge against the daemon's real memfds. And a page promoted into HBM under a
+ * reader's lease: its old DRAM copy kept, unreused, until the lease ends (promote-keep-share).
  */
 #define _GNU_SOURCE /* SEEK_DATA, SEEK_HOLE */
 #include <criterion/criterion.h>
@@ -989,7 +990,7 @@ Test(server_zc, a_prefix_leased_without_a_break_reaches_hbm, .fini = teardown)
     zstore_one(fd, &z, t, 85);
     uint64_t held = zmatch(fd, t, PAGE, &pages, NULL);
     cr_assert_eq(pages, 1);
-    for (int i = 0; i < 200 && kvd_stat(c, "hbm_blocks") == 0; i++) {
+    for (int i = 0; i < 1000 && kvd_stat(c, "hbm_blocks") == 0; i++) {
         uint64_t next = zmatch(fd, t, PAGE, &pages, NULL);
         zrelease(fd, held);
         held = next;
