@@ -75,6 +75,7 @@ struct kvt_radix_node {
 
 typedef struct kvt_lease {
     uint64_t owner; /* 0 when the slot is free */
+    uint64_t seq;   /* the order it was taken in (kvt_radix_node_leased_before) */
     kvt_radix_node_t *node;
     uint32_t gen;
     uint32_t next_free;
@@ -108,7 +109,8 @@ struct kvt_radix {
 
     kvt_lease_t *leases;
     uint32_t lease_cap, lease_free, nleases;
-    uint64_t releases; /* leases ended, ever */
+    uint64_t releases;  /* leases ended, ever */
+    uint64_t lease_seq; /* the next lease's seq */
 
     uint64_t epoch; /* bumped by every change of shape: insert, split, remove, evict */
     uint64_t rng;   /* xorshift64 state of kvt_radix_trim's sampling */
@@ -2046,6 +2048,7 @@ int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64
     kvt_lease_t *l = &t->leases[slot];
     t->lease_free = l->next_free;
     l->owner = owner;
+    l->seq = t->lease_seq++;
     l->node = m->node;
     t->nleases++;
     pin(t, m->node, 1);
@@ -2106,6 +2109,27 @@ size_t kvt_radix_lease_count(const kvt_radix_t *t)
 uint64_t kvt_radix_lease_releases(const kvt_radix_t *t)
 {
     return t ? t->releases : 0;
+}
+
+uint64_t kvt_radix_lease_seq(const kvt_radix_t *t)
+{
+    return t ? t->lease_seq : 0;
+}
+
+int kvt_radix_node_leased_before(const kvt_radix_t *t, const kvt_radix_node_t *n, uint64_t seq)
+{
+    if (!t || !n || n->leases == 0)
+        return 0;
+    for (uint32_t i = 0; i < t->lease_cap; i++) {
+        const kvt_lease_t *l = &t->leases[i];
+        if (l->owner == 0 || l->seq >= seq)
+            continue;
+        /* A lease runs through its deepest node and every ancestor (pin). */
+        for (const kvt_radix_node_t *x = l->node; x && !is_root(x); x = x->parent)
+            if (x == n)
+                return 1;
+    }
+    return 0;
 }
 
 /* ---- node accessors and paths --------------------------------------------------------------- */

@@ -354,6 +354,12 @@ size_t kvt_radix_lease_count(const kvt_radix_t *t);
 /* Leases ended so far (released, or dropped with their owner): a count that only grows, for
  * callers that skipped leased nodes and want to know whether to look at them again. */
 uint64_t kvt_radix_lease_releases(const kvt_radix_t *t);
+/* Leases are numbered in the order they are taken: the number the next one gets. */
+uint64_t kvt_radix_lease_seq(const kvt_radix_t *t);
+/* Whether a lease numbered below seq (taken before kvt_radix_lease_seq returned seq) still runs
+ * through node n. Walks every lease slot of the tree and each such lease's path, unless n has no
+ * lease at all. */
+int kvt_radix_node_leased_before(const kvt_radix_t *t, const kvt_radix_node_t *n, uint64_t seq);
 /* At most the bytes the next kvt_radix_lease adds to the tree's count: 0 while a lease slot is
  * free, else the growth of the lease table. */
 uint64_t kvt_radix_lease_need(const kvt_radix_t *t);

@@ -24,7 +24,8 @@ typedef enum {
     KVT_OPT_INT,
     KVT_OPT_BOOL,
     KVT_OPT_MODE,
-    KVT_OPT_DBL
+    KVT_OPT_DBL,  /* > 0 */
+    KVT_OPT_SHARE /* a double in [0, 1], 0 included */
 } kvt_opt_type_t;
 
 typedef struct kvt_opt {
@@ -196,6 +197,9 @@ static const kvt_opt_t kvt_opts[] = {
      "high watermark: maintenance starts above this fraction of a tier's capacity"},
     {"policy-low", KVT_OPT_DBL, KVT_O(policy_low), "0.90",
      "low watermark: maintenance demotes until this fraction (0 < low <= high <= 1)"},
+    {"promote-keep-share", KVT_OPT_SHARE, KVT_O(promote_keep_share), "0.25",
+     "share of dram-bytes that old DRAM copies of pages promoted into HBM under a lease may "
+     "hold until those leases end; 0 refuses such promotions until no lease holds the pages"},
     {"nvme-min-hits", KVT_OPT_U32, KVT_O(nvme_min_hits), "0",
      "hits a block needs before it is demoted into NVMe; 0 for none"},
     {"log-level", KVT_OPT_STR, KVT_O(log_level), "info", "debug, info, warn or error"},
@@ -293,6 +297,14 @@ int kvt__conf_set(kvt_srv_conf_t *conf, const char *name, const char *value, cha
         char *end;
         double d = strtod(value, &end);
         if (!*value || *end || !(d > 0) || d > 1e12)
+            break;
+        *(double *)f = d;
+        return 0;
+    }
+    case KVT_OPT_SHARE: {
+        char *end;
+        double d = strtod(value, &end);
+        if (!*value || *end || !(d >= 0 && d <= 1))
             break;
         *(double *)f = d;
         return 0;
@@ -723,6 +735,7 @@ static size_t opt_size(const kvt_opt_t *o)
     case KVT_OPT_BOOL:
         return sizeof(int);
     case KVT_OPT_DBL:
+    case KVT_OPT_SHARE:
         return sizeof(double);
     }
     return 0;
@@ -760,6 +773,7 @@ static void opt_show(const kvt_opt_t *o, const kvt_srv_conf_t *c, char *buf, siz
         snprintf(buf, len, "%d", *(const int *)x);
         return;
     case KVT_OPT_DBL:
+    case KVT_OPT_SHARE:
         snprintf(buf, len, "%g", *(const double *)x);
         return;
     }

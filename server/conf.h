@@ -90,6 +90,8 @@ typedef struct kvt_srv_conf {
     double policy_high;     /* high watermark, fraction of a tier's capacity */
     double policy_low;      /* low watermark */
     uint32_t nvme_min_hits; /* hits a block needs before it is demoted into NVMe */
+    /* Of dram_bytes: old DRAM copies kept for promotions under a lease (exec.c). */
+    double promote_keep_share;
     char *log_level;
     uint32_t log_rate; /* lines a second each rate-limited log line may write */
     char *secret;

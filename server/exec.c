@@ -307,6 +307,126 @@ static void write_outcome(kvt_srv_t *s, kvt_tier_id_t to, int status)
                 kvt_tier_name(to), kvt_strerror(status));
 }
 
+/* ---- kept copies: promotions out of DRAM switched under a lease ---- */
+
+/*
+ * A lease's holder may read its pages in place in DRAM (tier_mapped) with nothing the daemon
+ * sees until its RELEASE. A run such a lease holds is promoted into HBM all the same: the switch
+ * gives its blocks their HBM locations, which every lease taken from then on is given, and keeps
+ * the old DRAM copy allocated here until no lease taken before the switch runs through the node
+ * that held the run's first page (each lease's path includes it): released, expired, or gone
+ * with its connection. Refused instead (as moves out of HBM and demotions still are), a prefix
+ * leased all the time, a shared system prompt under overlapping engine steps, stayed in DRAM for
+ * good, though it is the hottest of all.
+ *
+ *     switch (seq = next lease number)       step after a lease ended
+ *     block: DRAM loc ─> HBM loc             no lease < seq through node?
+ *     kept:  {node, seq, old DRAM loc} ────> free the DRAM loc, give the hold back
+ *
+ * The kept bytes stay in the policy's DRAM accounting (kvt_policy_hold), so that PUTs and
+ * demotions into DRAM see the room there really is, and are capped at promote-keep-share of
+ * dram-bytes: past it, such a promotion is refused and parked as before. A node the tree frees
+ * has no lease left: its kept copies go with it.
+ */
+typedef struct kvt__kept {
+    kvt_radix_node_t *node; /* the node holding the run's first page at the switch */
+    uint64_t seq;           /* the leases numbered below it were taken before the switch */
+    uint64_t hash, loc;
+    uint32_t len; /* the block's size: what kvt_policy_hold charged */
+} kvt__kept_t;
+
+static uint64_t dram_footprint(kvt_srv_t *s, uint32_t size)
+{
+    return exec_footprint(s, KVT_TIER_DRAM, size);
+}
+
+/* Whether the run may be switched under a lease, its old copy kept: a promotion out of DRAM
+ * whose copy fits under promote-keep-share. */
+static int keep_fits(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                     kvt_tier_id_t from, kvt_tier_id_t to)
+{
+    if (from != KVT_TIER_DRAM || to != KVT_TIER_HBM || !s->policy)
+        return 0;
+    uint64_t cap = (uint64_t)(s->conf->promote_keep_share * (double)s->conf->dram_bytes);
+    uint64_t bytes = s->exec.kept_bytes;
+    for (uint32_t i = 0; i < npages; i++)
+        bytes += dram_footprint(s, kvt_radix_block_at(n, depth + i)->size);
+    return bytes <= cap;
+}
+
+static void kept_metrics(kvt_srv_t *s)
+{
+    kvt__metric_set(s->metrics, KVT_M_LEASED_PROMO_COPIES, 0, (double)s->exec.nkept);
+    kvt__metric_set(s->metrics, KVT_M_LEASED_PROMO_BYTES, 0, (double)s->exec.kept_bytes);
+}
+
+/* Block b, just switched to its new location, leaves its old DRAM copy at loc for the leases
+ * numbered below seq through node. Room in the list was reserved before the switch. */
+static void keep_old(kvt_srv_t *s, kvt_radix_node_t *node, uint64_t seq, const kvt_block_t *b,
+                     uint64_t loc)
+{
+    kvt__exec_t *e = &s->exec;
+    /* kvt_policy_move_done has just taken these bytes out of DRAM's accounting: they fit. */
+    int rc = kvt_policy_hold(s->policy, KVT_TIER_DRAM, b->size, 0);
+    kvt_assert(rc == 0);
+    e->kept[e->nkept++] =
+        (kvt__kept_t){.node = node, .seq = seq, .hash = b->hash, .loc = loc, .len = b->size};
+    e->kept_bytes += dram_footprint(s, b->size);
+}
+
+/* Frees kept copy k (after a read of its block in flight, as any old location). */
+static void kept_free(kvt_srv_t *s, size_t k)
+{
+    kvt__exec_t *e = &s->exec;
+    kvt__kept_t *x = &e->kept[k];
+    kvt__free_loc(s, KVT_TIER_DRAM, x->loc, x->len, x->hash, 0);
+    kvt_policy_unhold(s->policy, KVT_TIER_DRAM, x->len);
+    e->kept_bytes -= dram_footprint(s, x->len);
+    *x = e->kept[--e->nkept];
+}
+
+/* The step's part: the kept copies no lease taken before their switch holds any more go. Looked
+ * at only once a lease of the tree has ended since the last look (kvt_radix_node_leased_before
+ * walks the leases); the copies of one run share their node and seq, and are looked up once. */
+static void kept_settle(kvt_srv_t *s)
+{
+    kvt__exec_t *e = &s->exec;
+    uint64_t releases = kvt_radix_lease_releases(s->radix);
+    if (e->nkept == 0 || releases == e->kept_releases)
+        return;
+    e->kept_releases = releases;
+    const kvt_radix_node_t *node = NULL;
+    uint64_t seq = 0;
+    int held = 0;
+    for (size_t k = 0; k < e->nkept;) {
+        const kvt__kept_t *x = &e->kept[k];
+        if (x->node != node || x->seq != seq) {
+            node = x->node;
+            seq = x->seq;
+            held = kvt_radix_node_leased_before(s->radix, node, seq);
+        }
+        if (held)
+            k++;
+        else
+            kept_free(s, k);
+    }
+    kept_metrics(s);
+}
+
+/* Node n leaves the tree (nothing leases it): its kept copies go now, before n can be reused. */
+static void kept_node_gone(kvt_srv_t *s, const kvt_radix_node_t *n)
+{
+    size_t before = s->exec.nkept;
+    for (size_t k = 0; k < s->exec.nkept;) {
+        if (s->exec.kept[k].node == n)
+            kept_free(s, k);
+        else
+            k++;
+    }
+    if (s->exec.nkept != before)
+        kept_metrics(s);
+}
+
 /* The last copy of a move has landed (or failed): switch the blocks over, or undo. */
 static void move_finish(kvt_srv_t *s, kvt__move_t *m)
 {
@@ -326,16 +446,26 @@ static void move_finish(kvt_srv_t *s, kvt__move_t *m)
      *   with nothing the daemon can see; freeing the old copy at the switch let another block
      *   land there under that read, and the client served that block's bytes (bench_fleet
      *   caught it for demotions: 5 of 12 shared-tier replays, 0 of 12 with this;
-     *   server_zc's promotion_waits_for_a_zero_copy_reader for a promotion into HBM).
-     * Refused rather than the old copy kept until the leases taken before the switch go: such
-     * a lease lasts an engine's step or more (seconds, not a GET's microseconds), and the kept
-     * copy would hold DRAM that the policy's accounting has already given back. The MATCH that
+     *   server_zc's zero-copy reader tests for promotions into HBM).
+     * But for a promotion out of DRAM within promote-keep-share: it switches, and its old copy
+     * is kept for the leases taken before the switch ("Kept copies" above). The MATCH that
      * queued a promotion counts among the others: its holder may have been given the pages'
      * DRAM locations (LOCATE), and only its RELEASE says it read them. exec_move refuses such
      * a move at its start already; this catches the leases taken while it ran. */
+    int keep = 0;
     if (status == 0 && (m->to == KVT_TIER_NVME || tier_mapped((kvt_tier_id_t)m->from)) &&
-        leased_by_others(s, m->node, m, m->req))
-        status = KVT_EBUSY;
+        leased_by_others(s, m->node, m, m->req)) {
+        keep = keep_fits(s, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
+                         (kvt_tier_id_t)m->to) &&
+               kvt_reserve(&s->exec.kept, &s->exec.cap_kept, s->exec.nkept + m->npages,
+                           sizeof *s->exec.kept, 16) == 0;
+        if (!keep)
+            status = KVT_EBUSY;
+    }
+    /* Taken before kvt_policy_move_done, which ends the move's own lease: every lease that may
+     * have seen the old locations is numbered below seq. */
+    uint64_t seq = kvt_radix_lease_seq(s->radix);
+    kvt_radix_node_t *first = kvt_radix_node_holding(m->node, m->depth);
     int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
                                   (kvt_tier_id_t)m->to, status);
     int ok = status == 0 && rc == 0;
@@ -351,13 +481,20 @@ static void move_finish(kvt_srv_t *s, kvt__move_t *m)
             uint64_t old = b->loc;
             kvt__block_relocate(b, c->dst_loc);
             /* A read of the old copy may still be in flight (a GET): it keeps it till done. */
-            kvt__free_loc(s, m->from, old, b->size, b->hash, 0);
+            if (keep)
+                keep_old(s, first, seq, b, old);
+            else
+                kvt__free_loc(s, m->from, old, b->size, b->hash, 0);
         } else if (c->status == 0) {
             kvt_tier_free(s->tiers[m->to], c->dst_loc, c->len);
         }
     }
     if (ok) {
         kvt__metric_add(s->metrics, KVT_M_BLOCKS_MOVED, kvt__pair(m->from, m->to), m->npages);
+        if (keep) {
+            kvt__metric_add(s->metrics, KVT_M_LEASED_PROMOTIONS, 0, 1);
+            kept_metrics(s);
+        }
         if (m->to == KVT_TIER_NVME)
             kvt__metric_add(s->metrics, KVT_M_NVME_WRITTEN, 0,
                             (double)m->npages * m->pages[0].copy.len);
@@ -447,10 +584,11 @@ static int exec_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t 
     }
     if (from == KVT_TIER_DRAM && !move_source_intact(s, n, depth, npages))
         return KVT_ECORRUPT;
-    /* A reader in place would lose its pages at the switch, which move_finish refuses then:
-     * no copy for nothing. KVT_EBUSY: the policy parks a promotion refused so, and makes it
-     * once no lease holds n. */
-    if (tier_mapped(from) && leased_by_others(s, n, NULL, why->req))
+    /* A reader in place would lose its pages at the switch, which move_finish refuses then
+     * (but for a promotion out of DRAM whose old copy it may keep): no copy for nothing.
+     * KVT_EBUSY: the policy parks a promotion refused so, and makes it once no lease holds n. */
+    if (tier_mapped(from) && leased_by_others(s, n, NULL, why->req) &&
+        !keep_fits(s, n, depth, npages, from, to))
         return KVT_EBUSY;
     uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
     size_t sz = sizeof(kvt__move_t) + npages * (sizeof(kvt__mpage_t) + page * sizeof(uint32_t));
@@ -745,6 +883,7 @@ void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost
 void kvt__store_step(kvt_srv_t *s)
 {
     settle_lost(s);
+    kept_settle(s);
     kvt__index_step(s);
     if (!s->policy || s->stopping)
         return;
@@ -771,7 +910,10 @@ void kvt__store_free_cb(void *arg, uint32_t ns, kvt_block_t *b, kvt_radix_why_t 
 void kvt__store_node_free_cb(void *arg, kvt_radix_node_t *n, kvt_radix_why_t why)
 {
     kvt_srv_t *s = arg;
-    if (why != KVT_RADIX_DESTROY && s->policy)
+    if (why == KVT_RADIX_DESTROY)
+        return;
+    kept_node_gone(s, n);
+    if (s->policy)
         kvt_policy_on_node_free(s->policy, n);
 }
 
@@ -783,6 +925,10 @@ void kvt__exec_close(kvt_srv_t *s)
     free(s->exec.settle); /* their leases go with the tree */
     s->exec.settle = NULL;
     s->exec.nsettle = s->exec.cap_settle = 0;
+    free(s->exec.kept); /* their DRAM goes with the tier */
+    s->exec.kept = NULL;
+    s->exec.nkept = s->exec.cap_kept = 0;
+    s->exec.kept_bytes = 0;
     free(s->exec.dfree);
     s->exec.dfree = NULL;
     s->exec.ndfree = s->exec.cap_dfree = 0;

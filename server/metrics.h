@@ -234,6 +234,16 @@ typedef enum {
       NONE)                                                                                        \
     X(POLICY_PARK_WAITS, COUNTER, "kvtier_policy_park_waits_total",                                \
       "Promotions MATCH queued not started: a parked one waits on their path.", NONE)              \
+    X(LEASED_PROMOTIONS, COUNTER, "kvtier_leased_promotions_total",                                \
+      "Promotions out of DRAM switched to their new copy while a lease held the run, the old "     \
+      "copy kept until the leases taken before the switch end (promote-keep-share).",              \
+      NONE)                                                                                        \
+    X(LEASED_PROMO_COPIES, GAUGE, "kvtier_leased_promotion_copies",                                \
+      "Old DRAM copies of pages promoted under a lease, kept now for leases taken before the "     \
+      "switch.",                                                                                   \
+      NONE)                                                                                        \
+    X(LEASED_PROMO_BYTES, GAUGE, "kvtier_leased_promotion_copy_bytes",                             \
+      "DRAM bytes those kept copies hold (counted as used in the DRAM tier).", NONE)               \
     X(POLICY_EXPERT, GAUGE, "kvtier_policy_expert",                                                \
       "The cost policy's expert that orders victims (docs/policy.md, Experts): 1 value, 2 "        \
       "recent, 3 frequent, 4 value above the lowest tier and recent in it, 5 hit density by "      \

@@ -430,6 +430,12 @@ typedef struct kvt__exec {
     kvt_ghosts_t *ghosts; /* evicted blocks: the "evicted" miss reason, the cost policy's too */
     struct kvt__settle *settle; /* lost blocks MATCHes found, made index-only by the step */
     size_t nsettle, cap_settle;
+    /* Old DRAM copies of runs promoted under a lease, kept for the leases taken before their
+     * switch (exec.c, "Kept copies"); their footprint in DRAM, and the tree's lease releases
+     * when they were last looked at. */
+    struct kvt__kept *kept;
+    size_t nkept, cap_kept;
+    uint64_t kept_bytes, kept_releases;
     /* Moves into a tier whose writes keep failing (a full file system, a dead device) pause,
      * 100 ms after the first failure, doubling to 2 s, until one lands (exec.c). */
     uint64_t write_paused_until[KVT_TIER_COUNT];

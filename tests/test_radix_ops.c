@@ -688,6 +688,45 @@ Test(radix_ops, leases_survive_splits_and_release_by_owner)
     free(c);
 }
 
+/* kvt_radix_node_leased_before (kvtierd's kept copies): only the leases taken before a number
+ * count, on every node of their path, a split's new parent included; those taken after it, on
+ * the same node, do not. */
+Test(radix_ops, leases_taken_before_a_number_are_told_from_later_ones)
+{
+    uint32_t *a = seq(8 * PS, 1), *b = seq(8 * PS, 1), *c = seq(2 * PS, 500);
+    b[4 * PS] = 4444;
+    insert(a, 8 * PS);
+    insert(c, 2 * PS);
+    kvt_match_t m, mc;
+    uint64_t before, after, other;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 8 * PS, 0, &m), 0);
+    cr_assert_eq(kvt_radix_match(tree, ns, c, 2 * PS, 0, &mc), 0);
+    kvt_radix_node_t *n = m.node;
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &before), 0);
+    uint64_t mark = kvt_radix_lease_seq(tree);
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &after), 0);
+    cr_assert_eq(kvt_radix_lease(tree, &mc, 1, &other), 0);
+    cr_expect_eq(kvt_radix_lease_seq(tree), mark + 2);
+    cr_expect(kvt_radix_node_leased_before(tree, n, mark));
+    insert(b, 8 * PS); /* splits n: its head goes to a new parent, which the leases run through */
+    kvt_radix_node_t *head = kvt_radix_node_parent(n);
+    cr_assert_not_null(head);
+    cr_expect(kvt_radix_node_leased_before(tree, head, mark));
+    cr_expect(!kvt_radix_node_leased_before(tree, mc.node, mark), "another path's later lease");
+    cr_expect_eq(kvt_radix_release(tree, before), 0);
+    cr_expect(kvt_radix_node_leased(n));
+    cr_expect(!kvt_radix_node_leased_before(tree, n, mark), "only a later lease holds it");
+    cr_expect(!kvt_radix_node_leased_before(tree, head, mark));
+    cr_expect(kvt_radix_node_leased_before(tree, n, mark + 1));
+    cr_expect(!kvt_radix_node_leased_before(NULL, n, mark));
+    cr_expect_eq(kvt_radix_release(tree, after), 0);
+    cr_expect_eq(kvt_radix_release(tree, other), 0);
+    cr_expect(!kvt_radix_node_leased_before(tree, n, UINT64_MAX));
+    free(a);
+    free(b);
+    free(c);
+}
+
 /* kvt_radix_split_at (kvtierd's PUT with gaps): the page begins a node; blocks, matches and
  * leases are as before, the split node keeps its address, and the head goes once the tail has. */
 Test(radix_ops, split_at_a_page_changes_only_the_grouping)

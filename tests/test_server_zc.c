@@ -6,7 +6,8 @@
  * expiry, a client killed mid-write, a lease holding bytes in place) and every refusal are checked
  * against a real kvtierd. So is what a client cannot keep (issue 36): memory it makes resident in
  * its memfd outside its blocks, DRAM held by expired reservations, arena slots after it left,
- * and the arenas gauge against the daemon's real memfds.
+ * and the arenas gauge against the daemon's real memfds. And a page promoted into HBM under a
+ * reader's lease: its old DRAM copy kept, unreused, until the lease ends (promote-keep-share).
  */
 #define _GNU_SOURCE /* SEEK_DATA, SEEK_HOLE */
 #include <criterion/criterion.h>
@@ -814,24 +815,25 @@ static int located_at(int fd, uint64_t lease, uint64_t off)
 }
 
 /* Starts kvtierd with 1 MiB of HBM (host memory) over 2 MiB of DRAM and no NVMe, leases of
- * lease_ms, and maps the DRAM of a zero-copy connection into z; the connection. */
-static int hbm_over_dram(zmap_t *z, const char *lease_ms)
+ * lease_ms, promote-keep-share keep (0: a promotion out of DRAM under a lease is refused and
+ * parked), and maps the DRAM of a zero-copy connection into z; the connection. */
+static int hbm_over_dram(zmap_t *z, const char *lease_ms, const char *keep)
 {
     kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", "--lease-ms", lease_ms, NULL);
+              "--nvme-bytes", "0", "--lease-ms", lease_ms, "--promote-keep-share", keep, NULL);
     int fd = zconn(&d, "zc", NULL);
     cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, z, NULL), 0);
     return fd;
 }
 
-/* A promotion into HBM leaves a page a lease holds in the DRAM mapping: neither the promotion
- * its MATCH queued nor a PREFETCH up to HBM moves it, since the switch would free its DRAM copy
- * under the reader, and pages reserved next land in DRAM that is free. Once the lease is
- * released, a PREFETCH moves it. */
+/* With no room to keep old copies (promote-keep-share 0), a promotion into HBM leaves a page a
+ * lease holds in the DRAM mapping: neither the promotion its MATCH queued nor a PREFETCH up to
+ * HBM moves it, since the switch would free its DRAM copy under the reader, and pages reserved
+ * next land in DRAM that is free. Once the lease is released, a PREFETCH moves it. */
 Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
 {
     zmap_t z;
-    int fd = hbm_over_dram(&z, "30000");
+    int fd = hbm_over_dram(&z, "30000", "0");
     uint32_t t[PAGE], pages;
     kvd_tokens(t, PAGE, 7100);
     uint64_t off = zstore_one(fd, &z, t, 78);
@@ -891,24 +893,31 @@ static void promoted_once_free(kvt_client_t *c, const uint32_t *t, uint32_t seed
 /* How the lease of leased_in_dram ends. */
 typedef enum { BY_RELEASE, BY_EXPIRY, BY_CLOSE } lease_end_t;
 
-/* An engine MATCHes every hit with a lease: the promotion its MATCH queues, refused while that
- * lease holds the page, is made once the lease has gone, however it went. */
-static void promoted_after_the_lease(lease_end_t how, uint32_t seed)
+/* Ends fd's lease how (an expiry is waited for) and unmaps z; BY_CLOSE closes fd. */
+static void end_lease(int fd, zmap_t *z, kvt_client_t *c, uint64_t lease, lease_end_t how)
 {
-    static const char *const name[] = {"RELEASE", "expiry", "close"};
-    zmap_t z;
-    int fd = hbm_over_dram(&z, how == BY_EXPIRY ? "1000" : "30000");
-    kvt_client_t *c = zclient(&d, NULL);
-    uint32_t t[PAGE];
-    kvd_tokens(t, PAGE, 100 * seed);
-    uint64_t lease = leased_in_dram(fd, &z, c, t, seed);
     if (how == BY_RELEASE)
         zrelease(fd, lease);
     if (how == BY_EXPIRY)
         cr_assert_eq(wait_stat(c, "leases_expired", 1), 1, "the lease did not expire");
-    zunmap(&z);
+    zunmap(z);
     if (how == BY_CLOSE)
         close(fd);
+}
+
+/* An engine MATCHes every hit with a lease: with no room to keep old copies, the promotion its
+ * MATCH queues, refused while that lease holds the page, is made once the lease has gone, however
+ * it went. */
+static void promoted_after_the_lease(lease_end_t how, uint32_t seed)
+{
+    static const char *const name[] = {"RELEASE", "expiry", "close"};
+    zmap_t z;
+    int fd = hbm_over_dram(&z, how == BY_EXPIRY ? "1000" : "30000", "0");
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 100 * seed);
+    uint64_t lease = leased_in_dram(fd, &z, c, t, seed);
+    end_lease(fd, &z, c, lease, how);
     promoted_once_free(c, t, seed, name[how]);
     if (how != BY_CLOSE)
         close(fd);
@@ -930,14 +939,14 @@ Test(server_zc, a_promotion_refused_for_a_lease_runs_after_its_connection_closed
     promoted_after_the_lease(BY_CLOSE, 83);
 }
 
-/* An engine MATCHes a hot leased page at every step: while its parked promotion waits for the
- * first lease, those MATCHes queue promotions that start no move for the executor to refuse (its
- * refusals are what the policy parks: still one), and the page reaches HBM once the lease is
- * released. */
+/* An engine MATCHes a hot leased page at every step: while its parked promotion (no room to
+ * keep old copies) waits for the first lease, those MATCHes queue promotions that start no move
+ * for the executor to refuse (its refusals are what the policy parks: still one), and the page
+ * reaches HBM once the lease is released. */
 Test(server_zc, a_parked_promotion_is_not_started_again_while_its_lease_holds, .fini = teardown)
 {
     zmap_t z;
-    int fd = hbm_over_dram(&z, "30000");
+    int fd = hbm_over_dram(&z, "30000", "0");
     kvt_client_t *c = zclient(&d, NULL);
     uint32_t t[PAGE], pages;
     kvd_tokens(t, PAGE, 8400);
@@ -953,6 +962,140 @@ Test(server_zc, a_parked_promotion_is_not_started_again_while_its_lease_holds, .
     zrelease(fd, lease);
     zunmap(&z);
     promoted_once_free(c, t, 84, "RELEASE");
+    close(fd);
+    kvt_client_close(c);
+}
+
+/* ---- Promotions under a lease, their old DRAM copy kept (exec.c, "Kept copies") ---- */
+
+/* Waits (up to 10 s) for a STATS gauge to come down to want. */
+static uint64_t wait_stat_down(kvt_client_t *c, const char *name, uint64_t want)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 1000 && (v = kvd_stat(c, name)) > want; i++)
+        usleep(10000);
+    return v;
+}
+
+/* An engine's requests overlap on a shared prefix: each MATCHes it with a lease before the one
+ * before releases, so a lease holds it at every moment. It reaches HBM all the same, its old
+ * DRAM copy kept for the leases taken before the switch, and freed once the last of them went. */
+Test(server_zc, a_prefix_leased_without_a_break_reaches_hbm, .fini = teardown)
+{
+    zmap_t z;
+    int fd = hbm_over_dram(&z, "30000", "0.25");
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE], pages;
+    kvd_tokens(t, PAGE, 8500);
+    zstore_one(fd, &z, t, 85);
+    uint64_t held = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    for (int i = 0; i < 1000 && kvd_stat(c, "hbm_blocks") == 0; i++) {
+        uint64_t next = zmatch(fd, t, PAGE, &pages, NULL);
+        zrelease(fd, held);
+        held = next;
+        usleep(10000);
+    }
+    cr_assert_eq(kvd_stat(c, "hbm_blocks"), 1, "not promoted while leased without a break");
+    cr_expect_eq(kvd_stat(c, "leased_promotions"), 1);
+    cr_expect_eq(kvd_stat(c, "policy_parked"), 0);
+    zrelease(fd, held);
+    cr_expect_eq(wait_stat_down(c, "leased_promotion_copies", 0), 0, "the old copy stayed");
+    cr_expect_eq(kvd_stat(c, "leased_promotion_copy_bytes"), 0);
+    expect_page_in(c, t, 85, KVT_CLIENT_TIER_HBM, "promoted");
+    zunmap(&z);
+    close(fd);
+    kvt_client_close(c);
+}
+
+/* A zero-copy reader's lease, located in DRAM, sees its page promoted into HBM: the old copy
+ * keeps its bytes while other pages are written into DRAM (none lands on it), counts in DRAM's
+ * used bytes, and goes once the lease has, however it went. */
+static void old_copy_kept_for_the_lease(lease_end_t how, uint32_t seed)
+{
+    static const char *const name[] = {"RELEASE", "expiry", "close"};
+    zmap_t z;
+    int fd = hbm_over_dram(&z, how == BY_EXPIRY ? "3000" : "30000", "0.25");
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE], pages;
+    kvd_tokens(t, PAGE, 100 * seed);
+    uint64_t off = zstore_one(fd, &z, t, seed);
+    /* The lease's holder knows where it wrote the page; a GET with LOCATE after the switch would
+     * give it the new location. */
+    uint64_t lease = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_assert_eq(wait_stat(c, "hbm_blocks", 1), 1, "not promoted under its lease");
+    cr_expect_eq(kvd_stat(c, "dram_blocks"), 1, "the old copy is not in DRAM");
+    cr_expect_eq(kvd_stat(c, "leased_promotion_copies"), 1);
+    uint64_t kept = kvd_stat(c, "leased_promotion_copy_bytes");
+    cr_expect_geq(kept, BB);
+    uint8_t *want = malloc(BB);
+    pattern(want, seed);
+    if (how != BY_EXPIRY) { /* an expiring lease may end while they are written */
+        for (uint32_t i = 0; i < 16; i++) {
+            uint32_t u[PAGE];
+            kvd_tokens(u, PAGE, 100 * seed + 1000 * (i + 1));
+            cr_expect_neq(zstore_one(fd, &z, u, seed + 1 + i), off, "reused under its reader");
+        }
+    }
+    cr_expect(memcmp(z.base + off, want, BB) == 0, "the old copy's bytes changed");
+    uint64_t used = kvd_stat(c, "dram_used_bytes"), blocks = kvd_stat(c, "dram_blocks");
+    end_lease(fd, &z, c, lease, how);
+    cr_expect_eq(wait_stat_down(c, "leased_promotion_copies", 0), 0, "kept after the lease's %s",
+                 name[how]);
+    cr_expect_eq(kvd_stat(c, "leased_promotion_copy_bytes"), 0);
+    cr_expect_eq(kvd_stat(c, "dram_used_bytes"), used - kept, "DRAM not given back after %s",
+                 name[how]);
+    cr_expect_eq(kvd_stat(c, "dram_blocks"), blocks - 1);
+    expect_page_in(c, t, seed, KVT_CLIENT_TIER_HBM, name[how]);
+    free(want);
+    if (how != BY_CLOSE)
+        close(fd);
+    kvt_client_close(c);
+}
+
+Test(server_zc, a_promotion_under_a_lease_keeps_the_old_copy_till_its_release, .fini = teardown)
+{
+    old_copy_kept_for_the_lease(BY_RELEASE, 86);
+}
+
+Test(server_zc, a_promotion_under_a_lease_keeps_the_old_copy_till_its_expiry, .fini = teardown)
+{
+    old_copy_kept_for_the_lease(BY_EXPIRY, 87);
+}
+
+Test(server_zc, a_promotion_under_a_lease_keeps_the_old_copy_till_its_connection_closed,
+     .fini = teardown)
+{
+    old_copy_kept_for_the_lease(BY_CLOSE, 88);
+}
+
+/* promote-keep-share bounds the kept copies: with room for one page's (0.04 of 2 MiB), a second
+ * leased page's promotion is refused and parked as without any, and made once its lease went. */
+Test(server_zc, a_leased_promotion_past_the_keep_share_is_parked, .fini = teardown)
+{
+    zmap_t z;
+    int fd = hbm_over_dram(&z, "30000", "0.04");
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE], u[PAGE], pages;
+    kvd_tokens(t, PAGE, 8900);
+    kvd_tokens(u, PAGE, 9900);
+    zstore_one(fd, &z, t, 89);
+    uint64_t first = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(wait_stat(c, "hbm_blocks", 1), 1, "the first not promoted under its lease");
+    uint64_t off = zstore_one(fd, &z, u, 90);
+    uint64_t second = zmatch(fd, u, PAGE, &pages, NULL);
+    cr_assert(located_at(fd, second, off), "not located where it was written");
+    cr_expect_eq(kvd_stat(c, "policy_parked"), 1, "past the share, not parked");
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 1, "promoted under its lease past the share");
+    cr_expect_eq(kvd_stat(c, "leased_promotion_copies"), 1);
+    zrelease(fd, first);
+    cr_expect_eq(wait_stat_down(c, "leased_promotion_copies", 0), 0);
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 1, "promoted while its lease holds it, past the share");
+    zrelease(fd, second);
+    cr_expect_eq(wait_stat(c, "hbm_blocks", 2), 2, "not promoted after its lease");
+    cr_expect_eq(kvd_stat(c, "leased_promotions"), 1);
+    zunmap(&z);
     close(fd);
     kvt_client_close(c);
 }
