@@ -966,14 +966,18 @@ static void io_relock(kvt__conn_t *c, int held)
         kvt__loop_hold(c->loop, held);
 }
 
-/* Whether every request in c's queue is a finished plain reply (MATCH's, PING's, an error's):
- * nothing in it then is anyone's but c's, and it may be written, and freed, with s->lock shared. */
+/* Whether every request in c's queue is a finished plain reply (MATCH's, PING's, an error's), or a
+ * GET planned under the shared lock (its source shares, or it is done with it): nothing in it then
+ * is anyone's but c's and its loop's, and it may be written, and freed, with s->lock shared. */
 static int queue_plain(const kvt__conn_t *c)
 {
-    for (const kvt__req_t *r = c->head; r; r = r->next)
-        if (r->kind != KVT_REQ_PLAIN || !r->done || r->src || r->has_fd || r->pending || r->held ||
-            r->ns_held)
+    for (const kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->has_fd || r->pending || r->held || r->ns_held)
             return 0;
+        if (r->src ? !r->src->shares || !r->src->shares(r)
+                   : !r->done || (r->kind != KVT_REQ_PLAIN && r->kind != KVT_REQ_GET))
+            return 0;
+    }
     return 1;
 }
 

@@ -1032,6 +1032,79 @@ Test(server_loops, a_run_of_matches_on_four_loops_takes_no_write_lock)
 }
 
 /*
+ * A GET whose pages all lie in DRAM is framed, planned, written and released under the store's
+ * lock shared (op_get.c, kvt__h_get_shared): the loop that serves it takes no write lock (issue
+ * 42), on each loop past 0 (one client each; loop 0 takes the lock for writing for its own work).
+ * Each round GETs the whole leased prefix and a page of it, checking the bytes; the MATCH after
+ * the last GET (shared too) comes after the loop released the GET's batch, so that a write lock
+ * the release took would be counted. The requests still count as sent.
+ */
+static void gets_take_no_write_lock(const char *loops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, NULL);
+    int n = atoi(loops);
+    kvt_client_t *c[4];
+    cr_assert_leq(n, 4);
+    for (int i = 0; i < n; i++)
+        c[i] = kvd_client(&d, "m", PAGE, BB);
+    char key[64];
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(c[0], key), 1, "c[%d] is loop %d's", i, i);
+    }
+    enum { P = 4, R = 16 };
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * BB], back[P * BB];
+    uint64_t gets = 0;
+    for (int i = 1; i < n; i++) {
+        kvd_tokens(tok, P * PAGE, 9400000u + (uint32_t)i * 100000u);
+        kvd_fill(payload, sizeof payload, 94 + (uint32_t)i);
+        kvt_client_put_t r;
+        cr_assert_eq(kvt_client_put(c[i], tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+        cr_assert_eq(r.stored, P);
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+        cr_assert_eq(m.pages, P);
+        kvt_client_match_t one = {0};
+        cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, 0, 0, NULL, &one), 0);
+        double w0 = write_locks(&d, i);
+        for (int round = 0; round < R; round++) {
+            uint32_t got = 0, first = (uint32_t)round % P;
+            memset(back, 0, sizeof back);
+            cr_assert_eq(kvt_client_get(c[i], m.lease, 0, P, back, sizeof back, &got, NULL), 0);
+            cr_expect_eq(got, P, "loop %d, round %d", i, round);
+            cr_expect(memcmp(back, payload, sizeof back) == 0, "loop %d, round %d: the bytes", i,
+                      round);
+            cr_assert_eq(kvt_client_get(c[i], m.lease, first, 1, back, BB, &got, NULL), 0);
+            cr_expect_eq(got, 1);
+            cr_expect(memcmp(back, payload + (size_t)first * BB, BB) == 0);
+            gets += 2;
+        }
+        cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, 0, 0, NULL, &one), 0);
+        double w1 = write_locks(&d, i);
+        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of DRAM pages", i, w1 - w0,
+                     2 * R);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_requests_total{op=\"get\"}"), (double)gets);
+    cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
+    for (int i = 0; i < n; i++)
+        kvt_client_close(c[i]);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, gets_from_dram_take_no_write_lock)
+{
+    gets_take_no_write_lock("2");
+}
+
+Test(server_loops, gets_from_dram_on_four_loops_take_no_write_lock)
+{
+    gets_take_no_write_lock("4");
+}
+
+/*
  * Loop 0's own connections frame and answer a run of MATCHes under the lock shared as the other
  * loops' do: loop 0 takes the write lock only for its own work (tier completions, the tick,
  * listeners, signals, the metrics port), not on every wake. The tick is set to 10 s so that none
