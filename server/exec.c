@@ -24,8 +24,10 @@
  * A block is named by (node, page depth) while I/O runs: the request holds a lease on the node
  * (so nothing on the path is evicted) and resolves the block again with kvt_radix_block_at() on
  * completion, because a split may have moved it. Reads in flight are counted per block hash
- * (kvt_busy_*). A move may start on a block being read (it only reads the page too), but the old
- * location's free waits for those reads (kvt__dfree_t below), so no location is freed under one.
+ * (kvt__busy_*: the write path's table, and each loop's for its GETs planned under the shared
+ * lock, summed by the frees). A move may start on a block being read (it only reads the page too),
+ * but the old location's free waits for those reads (kvt__dfree_t below), so no location is freed
+ * under one.
  */
 #include "server.h"
 

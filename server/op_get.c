@@ -37,8 +37,9 @@ static void get_read_done(kvt_tier_io_t *io)
  *                 DRAM/HBM-host memory   a read buffer (NVMe, remote: read first)
  *
  * Memory tiers are sent from their own memory (kvt_tier_ptr): no copy, no I/O. The block cannot
- * go meanwhile: the request's lease pins the path against eviction and removal, and its read
- * count (kvt_busy) keeps moves off it until the batch is written. Other tiers are read into
+ * go meanwhile: its read count (kvt__busy_inc, or its loop's table for a GET planned under the
+ * shared lock) defers any free of its location until the batch is written, and the request's
+ * pin (a write-path GET's) keeps the path for the batches after. Other tiers are read into
  * buffers of the batch first. The batch is written when every read is done; when the socket has
  * taken all of it, the source's drained hook builds the next one. At most
  * KVT_GET_BATCH_BYTES are referenced at a time.
@@ -140,7 +141,8 @@ static void get_abort(kvt__req_t *r)
  * are done) or DRAM tier memory, and only this connection's loop frees or changes them: the
  * batch goes (get_release_batch) only from drained or abort, which the writer calls under the
  * lock after the write. A DRAM page's bytes stay where they are and as they are meanwhile: its
- * read count (kvt__busy_inc in get_plan) keeps the arena's move-out off it and defers its free
+ * read count (kvt__busy_inc in get_plan, kvt__busy_inc_loop in get_plan_shared) keeps the
+ * arena's move-out off it and defers its free
  * (kvt__free_loc) past the write, whoever frees it (REMOVE, eviction, a loss, the switch of a
  * move, which only reads it); the shared arena's scans punch only pages no live block holds, and
  * a block not yet freed is live; PUT skips pages that have bytes and writes only fresh locations.
@@ -588,6 +590,7 @@ int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *b
     if (!r)
         return 0;
     r->get.shared = 1;
+    kvt__metric_add(c->loop->metrics, KVT_M_LOOP_SHARED_GETS, c->loop->id, 1);
     kvt__store_get_batch(s, r);
     return 1;
 }

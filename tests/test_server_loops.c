@@ -887,6 +887,13 @@ Test(server_loops, gets_from_dram_leave_the_lock_while_others_write)
            demoted = kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}");
     cr_expect(dropped > 0 || demoted > 0, "the writers pushed blocks out of DRAM (%g, %g)", dropped,
               demoted);
+    /* Most of them planned, written and released under the shared lock (op_get.c), on both loops:
+     * their read counts in their loops' tables are what the REMOVEs and evictions meet. */
+    for (int i = 0; i < 2; i++) {
+        char key[64];
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
+        cr_expect_gt(kvd_metric(&d, key), 0, "loop %d: GETs planned shared", i);
+    }
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
@@ -1085,6 +1092,8 @@ static void gets_take_no_write_lock(const char *loops)
         double w1 = write_locks(&d, i);
         cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of DRAM pages", i, w1 - w0,
                      2 * R);
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
+        cr_expect_eq(kvd_metric(&d, key), 2 * R, "loop %d: every GET planned shared", i);
     }
     cr_expect_eq(kvd_metric(&d, "kvtier_requests_total{op=\"get\"}"), (double)gets);
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
