@@ -947,6 +947,32 @@ static double write_locks(const kvd_t *d, int i)
     return v;
 }
 
+/* Starts d with `loops` loops (at most 4) and connects one client to each, c[i] on loop i;
+ * returns the loops. */
+static int client_a_loop(kvd_t *d, const char *loops, kvt_client_t **c)
+{
+    kvd_start(d, "--loops", loops, NULL);
+    int n = atoi(loops);
+    cr_assert_leq(n, 4);
+    for (int i = 0; i < n; i++)
+        c[i] = kvd_client(d, "m", PAGE, BB);
+    char key[64];
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(c[0], key), 1, "c[%d] is loop %d's", i, i);
+    }
+    return n;
+}
+
+/* client_a_loop's clients close and its daemon stops. */
+static void client_a_loop_stop(kvd_t *d, kvt_client_t **c, int n)
+{
+    for (int i = 0; i < n; i++)
+        kvt_client_close(c[i]);
+    cr_expect_eq(kvd_stop(d), 0);
+    kvd_cleanup(d);
+}
+
 /*
  * A run of pipelined MATCHes without a lease (hits, misses a page longer, PROBEs) is framed and
  * answered under the store's lock shared, in one hold: the loop that serves it takes no write
@@ -957,17 +983,9 @@ static double write_locks(const kvd_t *d, int i)
 static void runs_take_no_write_lock(const char *loops)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--loops", loops, NULL);
-    int n = atoi(loops);
     kvt_client_t *c[4];
-    cr_assert_leq(n, 4);
-    for (int i = 0; i < n; i++)
-        c[i] = kvd_client(&d, "m", PAGE, BB);
+    int n = client_a_loop(&d, loops, c);
     char key[64];
-    for (int i = 0; i < n; i++) {
-        snprintf(key, sizeof key, "loop_connections_%d", i);
-        cr_assert_eq(kvd_stat(c[0], key), 1, "c[%d] is loop %d's", i, i);
-    }
     enum { P = 4, B = 32, R = 8 };
     static uint32_t tok[(P + 1) * PAGE];
     static uint8_t payload[P * BB];
@@ -1022,10 +1040,7 @@ static void runs_take_no_write_lock(const char *loops)
                  (double)lookups * P * PAGE);
     cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"never_seen\"}"),
                  (double)missed * PAGE);
-    for (int i = 0; i < n; i++)
-        kvt_client_close(c[i]);
-    cr_expect_eq(kvd_stop(&d), 0);
-    kvd_cleanup(&d);
+    client_a_loop_stop(&d, c, n);
 }
 
 Test(server_loops, a_run_of_matches_takes_no_write_lock)
@@ -1049,17 +1064,9 @@ Test(server_loops, a_run_of_matches_on_four_loops_takes_no_write_lock)
 static void gets_take_no_write_lock(const char *loops)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--loops", loops, NULL);
-    int n = atoi(loops);
     kvt_client_t *c[4];
-    cr_assert_leq(n, 4);
-    for (int i = 0; i < n; i++)
-        c[i] = kvd_client(&d, "m", PAGE, BB);
+    int n = client_a_loop(&d, loops, c);
     char key[64];
-    for (int i = 0; i < n; i++) {
-        snprintf(key, sizeof key, "loop_connections_%d", i);
-        cr_assert_eq(kvd_stat(c[0], key), 1, "c[%d] is loop %d's", i, i);
-    }
     enum { P = 4, R = 16 };
     static uint32_t tok[P * PAGE];
     static uint8_t payload[P * BB], back[P * BB];
@@ -1097,10 +1104,7 @@ static void gets_take_no_write_lock(const char *loops)
     }
     cr_expect_eq(kvd_metric(&d, "kvtier_requests_total{op=\"get\"}"), (double)gets);
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
-    for (int i = 0; i < n; i++)
-        kvt_client_close(c[i]);
-    cr_expect_eq(kvd_stop(&d), 0);
-    kvd_cleanup(&d);
+    client_a_loop_stop(&d, c, n);
 }
 
 Test(server_loops, gets_from_dram_take_no_write_lock)
