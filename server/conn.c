@@ -966,14 +966,18 @@ static void io_relock(kvt__conn_t *c, int held)
         kvt__loop_hold(c->loop, held);
 }
 
-/* Whether every request in c's queue is a finished plain reply (MATCH's, PING's, an error's):
- * nothing in it then is anyone's but c's, and it may be written, and freed, with s->lock shared. */
+/* Whether every request in c's queue is a finished plain reply (MATCH's, PING's, an error's), or a
+ * GET planned under the shared lock (its source shares, or it is done with it): nothing in it then
+ * is anyone's but c's and its loop's, and it may be written, and freed, with s->lock shared. */
 static int queue_plain(const kvt__conn_t *c)
 {
-    for (const kvt__req_t *r = c->head; r; r = r->next)
-        if (r->kind != KVT_REQ_PLAIN || !r->done || r->src || r->has_fd || r->pending || r->held ||
-            r->ns_held)
+    for (const kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->has_fd || r->pending || r->held || r->ns_held)
             return 0;
+        if (r->src ? !r->src->shares || !r->src->shares(r)
+                   : !r->done || (r->kind != KVT_REQ_PLAIN && r->kind != KVT_REQ_GET))
+            return 0;
+    }
     return 1;
 }
 
@@ -1449,10 +1453,10 @@ static void conn_frames(kvt__conn_t *c)
 }
 
 /* How a loop takes the lock back after a read of n bytes into c's input (c's own, read here with
- * no lock held): shared when the frame at the front may be answered so (a MATCH without a lease;
- * conn_frames takes it for writing if not) or is not whole yet; for writing when that frame needs
- * it anyway (a GET, a PUT: taken shared first, it would cost a let-go more each) or the peer
- * closed (its close). */
+ * no lock held): shared when the frame at the front may be answered so (a MATCH without a lease,
+ * a GET without LOCATE; conn_frames takes it for writing if not) or is not whole yet; for writing
+ * when that frame needs it anyway (a PUT, a REMOVE: taken shared first, it would cost a let-go
+ * more each) or the peer closed (its close). */
 static int read_held(const kvt__conn_t *c, ssize_t n)
 {
     const kvt__conn_ops_t *ops = c->srv->conn_ops;

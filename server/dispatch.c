@@ -322,12 +322,16 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 #endif
 }
 
-/* A frame under the lock shared (conn.c's framing, several loops): only a MATCH without a lease
- * is answered there, and only once AUTH has passed; it arrived with its read and its pages are
- * asked for ahead, as in kvt__handle. */
+/* A frame under the lock shared (conn.c's framing, several loops): a MATCH without a lease, or a
+ * GET of DRAM pages, and only once AUTH has passed; it arrived with its read and a MATCH's pages
+ * are asked for ahead, as in kvt__handle. */
 static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 {
-    if (!c->authed || h->opcode != KVT_OP_MATCH)
+    if (!c->authed)
+        return 0;
+    if (h->opcode == KVT_OP_GET)
+        return kvt__h_get_shared(c, h, body, c->rx_ns);
+    if (h->opcode != KVT_OP_MATCH)
         return 0;
     warm_next(c, body);
     return kvt__h_match_shared(c, h, body, c->rx_ns);
@@ -335,7 +339,8 @@ static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8
 
 static int dispatch_shares(const kvt_proto_hdr_t *h)
 {
-    return h->opcode == KVT_OP_MATCH && kvt__match_shares(h);
+    return (h->opcode == KVT_OP_MATCH && kvt__match_shares(h)) ||
+           (h->opcode == KVT_OP_GET && kvt__get_shares(h));
 }
 
 /* A closing connection's leases, reservations and mappings go; reservations before the mapping,

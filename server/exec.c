@@ -24,8 +24,10 @@
  * A block is named by (node, page depth) while I/O runs: the request holds a lease on the node
  * (so nothing on the path is evicted) and resolves the block again with kvt_radix_block_at() on
  * completion, because a split may have moved it. Reads in flight are counted per block hash
- * (kvt_busy_*). A move may start on a block being read (it only reads the page too), but the old
- * location's free waits for those reads (kvt__dfree_t below), so no location is freed under one.
+ * (kvt__busy_*: the write path's table, and each loop's for its GETs planned under the shared
+ * lock, summed by the frees). A move may start on a block being read (it only reads the page too),
+ * but the old location's free waits for those reads (kvt__dfree_t below), so no location is freed
+ * under one.
  */
 #include "server.h"
 
@@ -74,25 +76,93 @@ static void free_now(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, int
 
 /* ---- reads in flight, per block hash (open addressing, backward-shift deletion) ---- */
 
-#define kvt_busy_tab (s->exec.busy)
-#define kvt_busy_cap (s->exec.busy_cap)
-#define kvt_busy_n   (s->exec.busy_n)
-
 static size_t busy_slot(uint64_t h, size_t cap)
 {
     return (size_t)(h * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
 }
 
-static uint32_t busy_get(const kvt_srv_t *s, uint64_t h)
+static uint32_t tab_get(const kvt__busytab_t *t, uint64_t h)
 {
-    if (!kvt_busy_cap || !h)
+    if (!t->cap || !h)
         return 0;
-    for (size_t i = busy_slot(h, kvt_busy_cap);; i = (i + 1) & (kvt_busy_cap - 1)) {
-        if (kvt_busy_tab[i].hash == h)
-            return kvt_busy_tab[i].count;
-        if (!kvt_busy_tab[i].hash)
+    for (size_t i = busy_slot(h, t->cap);; i = (i + 1) & (t->cap - 1)) {
+        if (t->tab[i].hash == h)
+            return t->tab[i].count;
+        if (!t->tab[i].hash)
             return 0;
     }
+}
+
+static int tab_inc(kvt__busytab_t *t, uint64_t h)
+{
+    if ((t->n + 1) * 2 > t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 1024;
+        kvt__busy_t *g = calloc(cap, sizeof *g);
+        if (!g)
+            return KVT_ENOMEM;
+        for (size_t i = 0; i < t->cap; i++) {
+            if (!t->tab[i].hash)
+                continue;
+            size_t j = busy_slot(t->tab[i].hash, cap);
+            while (g[j].hash)
+                j = (j + 1) & (cap - 1);
+            g[j] = t->tab[i];
+        }
+        free(t->tab);
+        t->tab = g;
+        t->cap = cap;
+    }
+    size_t i = busy_slot(h, t->cap);
+    while (t->tab[i].hash && t->tab[i].hash != h)
+        i = (i + 1) & (t->cap - 1);
+    if (!t->tab[i].hash) {
+        t->tab[i] = (kvt__busy_t){.hash = h};
+        t->n++;
+    }
+    t->tab[i].count++;
+    return 0;
+}
+
+/* Drops one read of h; returns 1 when it was h's last in t. */
+static int tab_dec(kvt__busytab_t *t, uint64_t h)
+{
+    if (!t->cap || !h)
+        return 0;
+    size_t mask = t->cap - 1, i = busy_slot(h, t->cap);
+    while (t->tab[i].hash != h) {
+        if (!t->tab[i].hash)
+            return 0;
+        i = (i + 1) & mask;
+    }
+    if (--t->tab[i].count > 0)
+        return 0;
+    t->n--;
+    for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+        t->tab[i] = (kvt__busy_t){0}; /* count too: the next one placed here starts at 0 */
+        if (!t->tab[j].hash)
+            return 1;
+        size_t home = busy_slot(t->tab[j].hash, t->cap);
+        /* Move j back into the hole at i unless its home lies cyclically in (i, j]. */
+        if ((j > i && (home <= i || home > j)) || (j < i && home <= i && home > j)) {
+            t->tab[i] = t->tab[j];
+            i = j;
+        }
+    }
+}
+
+void kvt__busy_free(kvt__busytab_t *t)
+{
+    free(t->tab);
+    *t = (kvt__busytab_t){0};
+}
+
+/* Every table's reads of h: the write path's and each loop's (under the write lock). */
+static uint32_t busy_get(const kvt_srv_t *s, uint64_t h)
+{
+    uint32_t n = tab_get(&s->exec.busy, h);
+    for (unsigned i = 0; s->loops && i < s->nloops; i++)
+        n += tab_get(&s->loops[i].busy, h);
+    return n;
 }
 
 uint32_t kvt__busy_reads(const kvt_srv_t *s, uint64_t h)
@@ -102,70 +172,60 @@ uint32_t kvt__busy_reads(const kvt_srv_t *s, uint64_t h)
 
 int kvt__busy_inc(kvt_srv_t *s, uint64_t h)
 {
-    if (!h)
-        return 0;
-    if ((kvt_busy_n + 1) * 2 > kvt_busy_cap) {
-        size_t cap = kvt_busy_cap ? kvt_busy_cap * 2 : 1024;
-        kvt__busy_t *t = calloc(cap, sizeof *t);
-        if (!t)
-            return KVT_ENOMEM;
-        for (size_t i = 0; i < kvt_busy_cap; i++) {
-            if (!kvt_busy_tab[i].hash)
-                continue;
-            size_t j = busy_slot(kvt_busy_tab[i].hash, cap);
-            while (t[j].hash)
-                j = (j + 1) & (cap - 1);
-            t[j] = kvt_busy_tab[i];
-        }
-        free(kvt_busy_tab);
-        kvt_busy_tab = t;
-        kvt_busy_cap = cap;
-    }
-    size_t i = busy_slot(h, kvt_busy_cap);
-    while (kvt_busy_tab[i].hash && kvt_busy_tab[i].hash != h)
-        i = (i + 1) & (kvt_busy_cap - 1);
-    if (!kvt_busy_tab[i].hash) {
-        kvt_busy_tab[i] = (kvt__busy_t){.hash = h};
-        kvt_busy_n++;
-    }
-    kvt_busy_tab[i].count++;
-    return 0;
+    return h ? tab_inc(&s->exec.busy, h) : 0;
 }
 
-void kvt__busy_dec(kvt_srv_t *s, uint64_t h)
+int kvt__busy_inc_loop(kvt__loop_t *l, uint64_t h)
 {
-    if (!kvt_busy_cap || !h)
-        return;
-    size_t mask = kvt_busy_cap - 1, i = busy_slot(h, kvt_busy_cap);
-    while (kvt_busy_tab[i].hash != h) {
-        if (!kvt_busy_tab[i].hash)
-            return;
-        i = (i + 1) & mask;
-    }
-    if (--kvt_busy_tab[i].count > 0)
-        return;
-    kvt_busy_n--;
-    /* The block's last read is done: the old locations a move left behind can go now. */
+    return h ? tab_inc(&l->busy, h) : 0;
+}
+
+/* Under the write lock: the frees that waited for reads of h (0: of any block) and that no read
+ * holds any more. */
+static void frees_done(kvt_srv_t *s, uint64_t h)
+{
     for (size_t k = 0; k < s->exec.ndfree;) {
         kvt__dfree_t *d = &s->exec.dfree[k];
-        if (d->hash != h) {
+        if ((h && d->hash != h) || busy_get(s, d->hash)) {
             k++;
             continue;
         }
         free_now(s, d->tier, d->loc, d->len, d->discard);
         *d = s->exec.dfree[--s->exec.ndfree];
     }
-    for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
-        kvt_busy_tab[i] = (kvt__busy_t){0}; /* count too: the next one placed here starts at 0 */
-        if (!kvt_busy_tab[j].hash)
-            return;
-        size_t home = busy_slot(kvt_busy_tab[j].hash, kvt_busy_cap);
-        /* Move j back into the hole at i unless its home lies cyclically in (i, j]. */
-        if ((j > i && (home <= i || home > j)) || (j < i && home <= i && home > j)) {
-            kvt_busy_tab[i] = kvt_busy_tab[j];
-            i = j;
-        }
+}
+
+void kvt__busy_dec(kvt_srv_t *s, uint64_t h)
+{
+    /* The block's last read is done: the old locations a move left behind can go now. */
+    if (tab_dec(&s->exec.busy, h))
+        frees_done(s, h);
+}
+
+void kvt__busy_dec_loop(kvt__loop_t *l, uint64_t h)
+{
+    kvt_srv_t *s = l->srv;
+    if (!tab_dec(&l->busy, h))
+        return;
+    if (l->held != KVT_HELD_SHARED || kvt__loop_self() != l) {
+        frees_done(s, h); /* the write lock: as kvt__busy_dec */
+        return;
     }
+    /* The shared lock: s->exec.dfree changes only under the write lock, so it may be read, but a
+     * free writes the tier's allocator. */
+    for (size_t k = 0; k < s->exec.ndfree && !l->frees_due; k++)
+        l->frees_due = s->exec.dfree[k].hash == h;
+}
+
+void kvt__busy_settle(kvt_srv_t *s)
+{
+    int due = 0;
+    for (unsigned i = 0; s->loops && i < s->nloops; i++) {
+        due |= s->loops[i].frees_due;
+        s->loops[i].frees_due = 0;
+    }
+    if (due)
+        frees_done(s, 0);
 }
 
 /* Frees a tier location now, or once the reads of its block in flight are done (free_now). */
@@ -932,9 +992,7 @@ void kvt__exec_close(kvt_srv_t *s)
     free(s->exec.dfree);
     s->exec.dfree = NULL;
     s->exec.ndfree = s->exec.cap_dfree = 0;
-    free(s->exec.busy);
-    s->exec.busy = NULL;
-    s->exec.busy_cap = s->exec.busy_n = 0;
+    kvt__busy_free(&s->exec.busy);
 }
 
 /*

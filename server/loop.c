@@ -289,6 +289,14 @@ static void fd_limit(const kvt_srv_conf_t *c)
                 KVT_FD_RESERVE);
 }
 
+/* What a writer does first, before anything can change the tree (lock.c): the loops' deferred
+ * MATCH hits, then the frees that waited for reads their GETs dropped with the lock shared. */
+static void lock_settle(kvt_srv_t *s)
+{
+    kvt__match_settle(s);
+    kvt__busy_settle(s);
+}
+
 int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
 {
     kvt_srv_t *s = calloc(1, sizeof *s);
@@ -328,7 +336,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     }
     if ((rc = kvt__loops_open(s)) < 0)
         goto fail;
-    s->lock_settle = kvt__match_settle;
+    s->lock_settle = lock_settle;
     kvt__metrics_loops(s->metrics, s->nloops);
     kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb,
                               .node_free_cb = kvt__store_node_free_cb,

@@ -105,14 +105,15 @@ int kvt__loops_open(kvt_srv_t *s)
 }
 
 /* A batch of events that did not take s->lock for writing leaves work that needs it only when
- * there are kicks posted, connections to free, moves landed, connections waiting for memory or
- * seals. The policy's step is left to the next batch that writes (loop 0's tick at the latest): a
- * run of MATCHes changed nothing for it to do but their deferred hits, which that writer
- * applies. */
+ * there are kicks posted, connections to free, frees that waited for its GETs' reads, moves
+ * landed, connections waiting for memory or seals. The policy's step is left to the next batch that
+ * writes (loop 0's tick at the latest): a run of MATCHes changed nothing for it to do but their
+ * deferred hits, which that writer applies. */
 int kvt__loop_busy(const kvt__loop_t *l)
 {
     const kvt_srv_t *s = l->srv;
-    return l->posted || l->gone || l->sealing || s->exec.moves_landed || s->clients.mem_waiting;
+    return l->posted || l->gone || l->sealing || l->frees_due || s->exec.moves_landed ||
+           s->clients.mem_waiting;
 }
 
 /* Loop i > 0: its connections' events, and the kicks other loops post to it. Holds s->lock shared
@@ -228,6 +229,7 @@ void kvt__loops_close(kvt_srv_t *s)
         kvt__conns_reap(l);
         free(l->hits);
         free(l->keys);
+        kvt__busy_free(&l->busy);
         if (l->wake.fd >= 0)
             close(l->wake.fd);
         if (i > 0 && l->epfd >= 0)

@@ -37,8 +37,9 @@ static void get_read_done(kvt_tier_io_t *io)
  *                 DRAM/HBM-host memory   a read buffer (NVMe, remote: read first)
  *
  * Memory tiers are sent from their own memory (kvt_tier_ptr): no copy, no I/O. The block cannot
- * go meanwhile: the request's lease pins the path against eviction and removal, and its read
- * count (kvt_busy) keeps moves off it until the batch is written. Other tiers are read into
+ * go meanwhile: its read count (kvt__busy_inc, or its loop's table for a GET planned under the
+ * shared lock) defers any free of its location until the batch is written, and the request's
+ * pin (a write-path GET's) keeps the path for the batches after. Other tiers are read into
  * buffers of the batch first. The batch is written when every read is done; when the socket has
  * taken all of it, the source's drained hook builds the next one. At most
  * KVT_GET_BATCH_BYTES are referenced at a time.
@@ -50,7 +51,9 @@ static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     for (uint32_t i = 0; i < r->get.batch; i++) {
         kvt__get_slot_t *g = &r->get.slots[i];
-        if (g->hash)
+        if (g->hash && r->get.shared)
+            kvt__busy_dec_loop(r->conn->loop, g->hash); /* a shared GET never outlives c */
+        else if (g->hash)
             kvt__busy_dec(s, g->hash);
         if (g->x) {
             free(g->x->buf);
@@ -138,7 +141,8 @@ static void get_abort(kvt__req_t *r)
  * are done) or DRAM tier memory, and only this connection's loop frees or changes them: the
  * batch goes (get_release_batch) only from drained or abort, which the writer calls under the
  * lock after the write. A DRAM page's bytes stay where they are and as they are meanwhile: its
- * read count (kvt__busy_inc in get_plan) keeps the arena's move-out off it and defers its free
+ * read count (kvt__busy_inc in get_plan, kvt__busy_inc_loop in get_plan_shared) keeps the
+ * arena's move-out off it and defers its free
  * (kvt__free_loc) past the write, whoever frees it (REMOVE, eviction, a loss, the switch of a
  * move, which only reads it); the shared arena's scans punch only pages no live block holds, and
  * a block not yet freed is live; PUT skips pages that have bytes and writes only fresh locations.
@@ -150,6 +154,13 @@ static int get_apart(const kvt__req_t *r)
     return r->get.segs_ready && !r->get.hbm_mem;
 }
 
+/* A GET planned under the shared lock: its hooks touch the request and its loop's read counts
+ * (get_release_batch) only; it holds no pin and no namespace reference (kvt__h_get_shared). */
+static int get_shares(const kvt__req_t *r)
+{
+    return r->get.shared;
+}
+
 static const kvt__reply_src_t kvt_get_src = {
     .iov = get_iov,
     .ends = get_ends,
@@ -157,6 +168,7 @@ static const kvt__reply_src_t kvt_get_src = {
     .drained = get_drained,
     .abort = get_abort,
     .apart = get_apart,
+    .shares = get_shares,
 };
 
 /*
@@ -217,6 +229,37 @@ static int get_plan(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
         return KVT_ENOMEM;
     }
     x->tier = b->tier;
+    return 0;
+}
+
+/* Under the shared lock: the block of page `page` under node when it can go from DRAM as get_plan
+ * would send it (of the namespace's size, its hash cached: computing it is a write; with
+ * zero-copy-checksum, its seal checked out without a write: a block written over since is the
+ * write path's, which makes it lost), else NULL. */
+static kvt_block_t *get_dram_block(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t block_bytes,
+                                   uint32_t page)
+{
+    kvt_block_t *b = kvt__path_block(node, page);
+    if (!b || b->tier != KVT_TIER_DRAM || !s->tiers[KVT_TIER_DRAM] || b->size != block_bytes ||
+        !b->hash || !kvt__tier_ptr(s, b) || (s->conf->zc_checksum && !kvt__tier_intact(s, b)))
+        return NULL;
+    return b;
+}
+
+/* get_plan under the shared lock, for a page get_all_dram found in DRAM: its read count
+ * goes in the loop's own table, its time in the loop's metrics. */
+static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
+{
+    uint64_t t0 = kvt_now_ns();
+    kvt__loop_t *l = r->conn->loop;
+    kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
+    /* As get_all_dram found it: nothing changes the tree while the lock is held shared. */
+    kvt_assert(b && b->tier == KVT_TIER_DRAM && b->hash);
+    if (kvt__busy_inc_loop(l, b->hash) < 0)
+        return KVT_ENOMEM;
+    *pg = (get_page_t){.b = b, .hash = b->hash, .ptr = kvt__tier_ptr(s, b)};
+    kvt__metric_observe(l->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(KVT_TIER_DRAM, 0),
+                        kvt_now_ns() - t0);
     return 0;
 }
 
@@ -320,7 +363,7 @@ static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
     r->src = &kvt_get_src;
     for (uint32_t i = 0; i < n; i++, r->get.cur++) {
         get_page_t pg;
-        int rc = get_plan(s, r, &pg);
+        int rc = r->get.shared ? get_plan_shared(s, r, &pg) : get_plan(s, r, &pg);
         if (rc == 0 && !pg.located && !pg.ptr)
             rc = get_read(s, r, &pg);
         if (rc < 0) {
@@ -421,6 +464,35 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
     return 0;
 }
 
+/* The pages a GET q asks for under lease l: 0 when they go past it. */
+static uint32_t get_pages(const kvt_proto_get_t *q, const kvt__lease_t *l)
+{
+    uint32_t n = q->npages ? q->npages : (q->first_page < l->pages ? l->pages - q->first_page : 0);
+    if (q->first_page >= l->pages || n == 0 || (uint64_t)q->first_page + n > l->pages)
+        return 0;
+    return n;
+}
+
+/* A GET request for pages [q->first_page, + n) of l's path, queued on c (its lease and namespace
+ * reference are the caller's); NULL when out of memory. */
+static kvt__req_t *get_req(kvt__conn_t *c, const kvt_proto_hdr_t *h, uint64_t t0,
+                           const kvt_proto_get_t *q, const kvt__lease_t *l, uint32_t n,
+                           uint32_t block_bytes)
+{
+    kvt__req_t *r = kvt__req_new(c, KVT_REQ_GET, h->opcode, h->request_id, t0);
+    if (!r)
+        return NULL;
+    r->ns = l->ns;
+    r->node = l->node;
+    r->pages = l->pages;
+    r->block_bytes = block_bytes;
+    r->get.cur = q->first_page;
+    r->get.end = q->first_page + n;
+    r->get.locate = (h->flags & KVT_GET_F_LOCATE) != 0;
+    r->get.lease_expires = l->expires_ns;
+    return r;
+}
+
 int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
@@ -432,8 +504,8 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOENT,
                                 "lease %llu is not held by this connection",
                                 (unsigned long long)q.lease);
-    uint32_t n = q.npages ? q.npages : (q.first_page < l->pages ? l->pages - q.first_page : 0);
-    if (q.first_page >= l->pages || n == 0 || (uint64_t)q.first_page + n > l->pages) {
+    uint32_t n = get_pages(&q, l);
+    if (n == 0) {
         if (!q.npages)
             return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
                                     "page %u is past the leased %u pages", q.first_page, l->pages);
@@ -445,17 +517,10 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     if (kvt__ns_get(s, l->ns, &ns) < 0 || ns->block_bytes == 0)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_EINVAL,
                                 "the namespace is index-only (HELLO block size 0)");
-    kvt__req_t *r = kvt__req_new(c, KVT_REQ_GET, h->opcode, h->request_id, t0);
+    kvt__req_t *r = get_req(c, h, t0, &q, l, n, ns->block_bytes);
     if (!r)
         return kvt__reply_error(c, h->opcode, h->request_id, t0, KVT_ENOMEM, "out of memory");
     kvt__req_ns(r, l->ns);
-    r->node = l->node;
-    r->pages = l->pages;
-    r->block_bytes = ns->block_bytes;
-    r->get.cur = q.first_page;
-    r->get.end = q.first_page + n;
-    r->get.locate = (h->flags & KVT_GET_F_LOCATE) != 0;
-    r->get.lease_expires = l->expires_ns;
     /* GET's inline trim: room for the pin's lease slot, trimming unleased index-only pages if the
      * index is at index-bytes (docs/architecture.md, "The door to the store"); the client's lease
      * holds the path, so the trim cannot take it. */
@@ -467,4 +532,65 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
     }
     kvt__store_get_batch(s, r);
     return 0;
+}
+
+/* ---- GET under the shared lock (several loops) ---- */
+
+int kvt__get_shares(const kvt_proto_hdr_t *h)
+{
+    return h->flags == 0; /* LOCATE: the write path (the client's mapping, its seals) */
+}
+
+/* Whether pages [first, first + n) of lease l's path all go from DRAM in one batch (get_build's),
+ * in blocks of block_bytes. */
+static int get_all_dram(kvt_srv_t *s, const kvt__lease_t *l, uint32_t block_bytes, uint32_t first,
+                        uint32_t n)
+{
+    size_t page = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t) + block_bytes;
+    if (n > KVT_MAX(1, KVT_GET_BATCH_BYTES / page))
+        return 0;
+    for (uint32_t i = first; i < first + n; i++)
+        if (!get_dram_block(s, l->node, block_bytes, i))
+            return 0;
+    return 1;
+}
+
+/*
+ * A GET without LOCATE whose pages all lie in DRAM and fit one batch, under the lock shared
+ * (conn.c's framing, several loops), beside other loops' MATCHes and GETs. What the write path's
+ * GET writes, and what this one does instead (docs/architecture.md, "GET under the shared lock"):
+ *
+ *   the pin on the path (a lease)    none: the batch is built in this hold, while the client's
+ *                                    lease holds the path (only a writer lets it go); after it
+ *                                    nothing reads the tree, and the bytes are held by:
+ *   the pages' read counts           the loop's own table (kvt__busy_inc_loop), which the frees
+ *                                    consult under the write lock (kvt__free_loc)
+ *   the namespace reference          none: only the build reads the namespace, and the lease's
+ *                                    pages keep it open
+ *   counters, clients' memory        the loop's table; l->clients_bytes (as a shared MATCH)
+ *
+ * Its hooks (the write, drained, the release) run shared too (get_shares). Returns 1 when the GET
+ * is queued, 0 when it did nothing and the write path takes the frame: a bad body or lease (the
+ * write path says so), LOCATE, a page not in DRAM, its hash not cached or its seal to check with
+ * a write (get_dram_block), more than a batch, no memory, no loop table.
+ */
+int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    kvt_proto_get_t q;
+    if (!kvt__get_shares(h) || !c->loop->metrics || kvt_proto_get_decode(body, h->body_len, &q) < 0)
+        return 0;
+    kvt__lease_t *l = kvt__lease_find(c, q.lease);
+    uint32_t n = l && l->expires_ns > kvt_now_ns() ? get_pages(&q, l) : 0;
+    /* The namespace's entry is read, not made (kvt__ns_get may grow the table: a write). */
+    uint32_t block_bytes = n && l->ns < s->nns ? s->ns[l->ns].block_bytes : 0;
+    if (!block_bytes || !get_all_dram(s, l, block_bytes, q.first_page, n))
+        return 0;
+    kvt__req_t *r = get_req(c, h, t0, &q, l, n, block_bytes);
+    if (!r)
+        return 0;
+    r->get.shared = 1;
+    kvt__metric_add(c->loop->metrics, KVT_M_LOOP_SHARED_GETS, c->loop->id, 1);
+    kvt__store_get_batch(s, r);
+    return 1;
 }

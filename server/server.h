@@ -145,6 +145,8 @@ struct iovec;
  *   apart    1 when what iov offers may be written with s->lock let go (docs/architecture.md,
  *            "Event loops"): no other thread writes or frees those bytes, nor the source's
  *            state, until wrote and drained have run under the lock again
+ *   shares   1 when every hook may run with s->lock held shared by the connection's loop
+ *            (conn.c, queue_plain); the field NULL: never
  */
 typedef struct kvt__reply_src {
     int (*iov)(kvt__req_t *r, struct iovec *iov, int max);
@@ -153,6 +155,7 @@ typedef struct kvt__reply_src {
     int (*drained)(kvt__req_t *r);
     void (*abort)(kvt__req_t *r);
     int (*apart)(const kvt__req_t *r);
+    int (*shares)(const kvt__req_t *r);
 } kvt__reply_src_t;
 
 /* A reply's bytes up to this many stay inside its kvt__req_t (out_inline): a GET's frame heads
@@ -232,6 +235,8 @@ struct kvt__req {
         uint8_t locate;         /* LOCATE: mapped pages go as locations */
         uint8_t hbm_mem;        /* a page of the batch is sent from the HBM tier's memory */
         uint8_t pin_gone;       /* its pin counts in s->pins_ending (op_get.c get_unpin) */
+        uint8_t shared;         /* planned under the shared lock: no pin, no namespace
+                                 * reference, its read counts in its loop's table */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;
@@ -418,6 +423,16 @@ typedef struct kvt__clients {
     size_t kept_bytes;
 } kvt__clients_t;
 
+/* Reads in flight per block hash (exec.c): open addressing, backward-shift deletion. */
+typedef struct kvt__busy {
+    uint64_t hash; /* 0 = empty */
+    uint32_t count;
+} kvt__busy_t;
+typedef struct kvt__busytab {
+    kvt__busy_t *tab;
+    size_t cap, n;
+} kvt__busytab_t;
+
 /* The policy's executor's part (exec.c): moves in flight, the request a PREFETCH's promotions
  * report to, tier locations whose free waits for reads, reads in flight per block, the ghosts. */
 typedef struct kvt__exec {
@@ -425,8 +440,7 @@ typedef struct kvt__exec {
     int moves_landed; /* a move finished since the loop last looked */
     struct kvt__dfree *dfree;
     size_t ndfree, cap_dfree;
-    struct kvt__busy *busy; /* reads in flight per block hash */
-    size_t busy_cap, busy_n;
+    kvt__busytab_t busy;  /* reads in flight per block hash, the write path's */
     kvt_ghosts_t *ghosts; /* evicted blocks: the "evicted" miss reason, the cost policy's too */
     struct kvt__settle *settle; /* lost blocks MATCHes found, made index-only by the step */
     size_t nsettle, cap_settle;
@@ -557,6 +571,12 @@ struct kvt__loop {
     int64_t clients_bytes;
     /* Its own counters (kvt__metrics_loop), merged on scrape; NULL: s->metrics (loops.c). */
     kvt_metrics_t *metrics;
+    /* The read counts of its GETs planned under the shared lock (op_get.c), changed by its own
+     * thread (shared or write) or another holding the write lock, read under the write lock; and
+     * frees_due: a count it dropped to 0 with the lock shared had a free waiting for it
+     * (kvt__busy_dec_loop), which the next write lock does (kvt__busy_settle). */
+    kvt__busytab_t busy;
+    int frees_due;
     /* Its connections' PUTs whose DRAM pages are allocated but not yet written, linked by
      * put.apart_next: kvt__put_apart copies their bytes in with the lock let go. Its own
      * thread's only. */
@@ -846,6 +866,11 @@ void kvt__match_settle(kvt_srv_t *s);
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 /* Whether a MATCH with header h is one kvt__h_match_shared may answer (its flags allow it). */
 int kvt__match_shares(const kvt_proto_hdr_t *h);
+/* A GET of pages all in DRAM, in one batch, under the shared lock (op_get.c): 1 when it queued
+ * the GET, 0 when it did nothing (the write path answers it). */
+int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+/* Whether a GET with header h is one kvt__h_get_shared may take (no LOCATE). */
+int kvt__get_shares(const kvt_proto_hdr_t *h);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,
@@ -963,15 +988,23 @@ uint32_t kvt__store_lost(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth);
  * the rest of the path). The lost blocks are made index-only by the next maintenance step
  * (kvt__store_step), their nodes pinned until then; a lookup frees no tier bytes. */
 void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost);
-typedef struct kvt__busy {
-    uint64_t hash; /* 0 = empty */
-    uint32_t count;
-} kvt__busy_t;
-/* Reads in flight per block hash: a block being read is never moved. inc: 0 or KVT_ENOMEM. */
+/* Reads in flight per block hash: a block being read is never moved, and a free of its location
+ * waits for them (kvt__free_loc). The write path counts in s->exec.busy; a GET planned under the
+ * shared lock (op_get.c) in its loop's own table (kvt__loop_t.busy), which only that loop's thread
+ * changes with the lock shared. Every table is read, summed, only under the write lock.
+ * inc: 0 or KVT_ENOMEM. */
 int kvt__busy_inc(kvt_srv_t *s, uint64_t h);
 void kvt__busy_dec(kvt_srv_t *s, uint64_t h);
-/* Reads of block hash h in flight (0 when none). */
+int kvt__busy_inc_loop(kvt__loop_t *l, uint64_t h);
+/* Under the shared lock (l's own thread), a location whose free waited for the last read is not
+ * freed here: l->frees_due asks the next write lock to (kvt__busy_settle). */
+void kvt__busy_dec_loop(kvt__loop_t *l, uint64_t h);
+/* Under the write lock, first (s->lock_settle): frees the waiting locations no read holds now. */
+void kvt__busy_settle(kvt_srv_t *s);
+/* Reads of block hash h in flight, every table's (0 when none); under the write lock. */
 uint32_t kvt__busy_reads(const kvt_srv_t *s, uint64_t h);
+/* A loop's table's memory goes (loops.c, at its end). */
+void kvt__busy_free(kvt__busytab_t *t);
 /* Frees a tier location, or defers it while reads of block hash are in flight; discard: for
  * good (a REMOVE's: the block must not come back at a restart). */
 void kvt__free_loc(kvt_srv_t *s, uint8_t tier, uint64_t loc, uint32_t len, uint64_t hash,

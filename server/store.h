@@ -120,6 +120,9 @@ int kvt__tier_probe(kvt_srv_t *s, kvt_tier_probe_t *p);
 /* A DRAM block's seal against its bytes (KVT_ECORRUPT: written over since its COMMIT); 0 for
  * other tiers. */
 int kvt__tier_check(kvt_srv_t *s, const kvt_block_t *b);
+/* kvt__tier_check without a write, for a GET under the shared lock: 1 when b is not DRAM or
+ * checks out as it is, 0 when kvt__tier_check must run (under the write lock). */
+int kvt__tier_intact(const kvt_srv_t *s, const kvt_block_t *b);
 /* Where a memory tier holds b's bytes (valid while b stays there, busy), or NULL: read it. */
 const uint8_t *kvt__tier_ptr(kvt_srv_t *s, const kvt_block_t *b);
 /* Where a memory tier's location loc lies, for a PUT that copies its bytes in after it allocated

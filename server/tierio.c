@@ -155,6 +155,11 @@ int kvt__tier_check(kvt_srv_t *s, const kvt_block_t *b)
                : 0;
 }
 
+int kvt__tier_intact(const kvt_srv_t *s, const kvt_block_t *b)
+{
+    return b->tier != KVT_TIER_DRAM || kvt_tier_dram_intact(s->tiers[KVT_TIER_DRAM], b->loc);
+}
+
 const uint8_t *kvt__tier_ptr(kvt_srv_t *s, const kvt_block_t *b)
 {
     return kvt_tier_ptr(s->tiers[b->tier], b->loc);

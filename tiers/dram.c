@@ -1091,6 +1091,16 @@ int kvt_tier_dram_check(kvt_tier_t *t, uint64_t loc)
     return KVT_ECORRUPT;
 }
 
+int kvt_tier_dram_intact(const kvt_tier_t *t, uint64_t loc)
+{
+    if (!t || t->ops != &dram_ops)
+        return 0;
+    const kvt__tier_ent_t *e = kvt__tier_entry((kvt_tier_t *)t, loc);
+    if (!e || e->sealed == DRAM_SEALING)
+        return 0; /* dram_scribbled would seal it now */
+    return !e->sealed || XXH3_64bits((const void *)(uintptr_t)e->loc, e->len) == e->sum;
+}
+
 int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t *st)
 {
     if (!t || t->ops != &dram_ops || !st)

@@ -328,6 +328,10 @@ int kvt_tier_dram_shared_stats(const kvt_tier_t *t, kvt_tier_dram_shared_stats_t
  * AVX-512, docs/tiers.md). */
 int kvt_tier_dram_seal(kvt_tier_t *t, uint64_t loc);
 int kvt_tier_dram_check(kvt_tier_t *t, uint64_t loc);
+/* kvt_tier_dram_check without its writes, for a reader that may not change the tier (under a lock
+ * held shared): 1 when the check would pass now and change nothing, 0 when it must run (a seal
+ * under way, a sealed block's bytes changed, no block at loc, not a DRAM tier). */
+int kvt_tier_dram_intact(const kvt_tier_t *t, uint64_t loc);
 /* A seal taken a step at a time, so that the caller's loop never stalls for a whole block:
  * seal_later queues the block (0, KVT_ENOENT, KVT_EINVAL or KVT_ENOMEM) and marks it sealing;
  * seal_step hashes up to budget bytes of the queued blocks, oldest first, and returns how many
