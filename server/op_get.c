@@ -51,8 +51,8 @@ static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     for (uint32_t i = 0; i < r->get.batch; i++) {
         kvt__get_slot_t *g = &r->get.slots[i];
-        if (g->hash && r->get.shared)
-            kvt__busy_dec_loop(r->conn->loop, g->hash); /* a shared GET never outlives c */
+        if (g->hash && r->get.loop_reads)
+            kvt__busy_dec_loop(r->conn->loop, g->hash); /* such a batch never outlives c */
         else if (g->hash)
             kvt__busy_dec(s, g->hash);
         if (g->x) {
@@ -110,10 +110,18 @@ static size_t get_wrote(kvt__req_t *r, size_t left)
     return left;
 }
 
+static int get_next_shared(kvt_srv_t *s, const kvt__req_t *r);
+
 static int get_drained(kvt__req_t *r)
 {
     if (!r->get.segs_ready || r->get.seg_i < r->get.nsegs)
         return 0;
+    /* A GET planned shared goes on shared while its next batch can (get_next_shared); else, as
+     * conn_write does for a queue that is not plain, the loop takes the write lock, and the GET
+     * pins its path and goes on by the write path (kvt__store_get_batch). */
+    kvt__loop_t *l = r->conn->loop;
+    if (l->held != KVT_HELD_WRITE && !get_next_shared(r->srv, r))
+        kvt__loop_hold(l, KVT_HELD_WRITE);
     kvt__store_get_batch(r->srv, r); /* the batch is out: the next one, or the end frame */
     return 1;
 }
@@ -155,7 +163,8 @@ static int get_apart(const kvt__req_t *r)
 }
 
 /* A GET planned under the shared lock: its hooks touch the request and its loop's read counts
- * (get_release_batch) only; it holds no pin and no namespace reference (kvt__h_get_shared). */
+ * (get_release_batch) only; it holds no pin and no namespace reference (kvt__h_get_shared), and
+ * its drained hook takes the write lock before anything else (get_drained). */
 static int get_shares(const kvt__req_t *r)
 {
     return r->get.shared;
@@ -246,14 +255,14 @@ static kvt_block_t *get_dram_block(kvt_srv_t *s, kvt_radix_node_t *node, uint32_
     return b;
 }
 
-/* get_plan under the shared lock, for a page get_all_dram found in DRAM: its read count
+/* get_plan for a GET planned shared, for a page get_batch_dram found in DRAM: its read count
  * goes in the loop's own table, its time in the loop's metrics. */
 static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
 {
     uint64_t t0 = kvt_now_ns();
     kvt__loop_t *l = r->conn->loop;
     kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
-    /* As get_all_dram found it: nothing changes the tree while the lock is held shared. */
+    /* As get_batch_dram found it in this hold of the lock (kvt__h_get_shared, kvt__store_get_batch). */
     kvt_assert(b && b->tier == KVT_TIER_DRAM && b->hash);
     if (kvt__busy_inc_loop(l, b->hash) < 0)
         return KVT_ENOMEM;
@@ -290,6 +299,13 @@ static int get_read(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
 }
 
 #define KVT_GET_END_FRAME (KVT_PROTO_HDR + sizeof(kvt_wire_get_end_t))
+
+/* The pages of block_bytes a batch holds (get_build's): KVT_GET_BATCH_BYTES of data frames. */
+static uint32_t get_batch_pages(uint32_t block_bytes)
+{
+    size_t page = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t) + block_bytes;
+    return (uint32_t)KVT_MAX(1, KVT_GET_BATCH_BYTES / page);
+}
 
 /* Each page's frame head lies at i * stride in r->out: a location frame is longer. */
 static size_t get_stride(const kvt__req_t *r)
@@ -336,10 +352,8 @@ static void get_frame(kvt__req_t *r, uint32_t i, size_t stride, const get_page_t
  * (0: none, the batch released). */
 static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
 {
-    size_t hdr = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t);
     size_t stride = get_stride(r);
-    uint32_t n = (uint32_t)KVT_MIN((size_t)(r->get.end - r->get.cur),
-                                   KVT_MAX(1, KVT_GET_BATCH_BYTES / (hdr + r->block_bytes)));
+    uint32_t n = KVT_MIN(r->get.end - r->get.cur, get_batch_pages(r->block_bytes));
     r->out_off = r->out_len = 0;
     /* The heads, then room for the final frame should this batch be the last (get_send): inside
      * the request for a batch of up to KVT_GET_INLINE pages. */
@@ -361,6 +375,7 @@ static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
         r->get.segs = (kvt__seg_t *)(r->get.slots + n);
     }
     r->src = &kvt_get_src;
+    r->get.loop_reads = r->get.shared;
     for (uint32_t i = 0; i < n; i++, r->get.cur++) {
         get_page_t pg;
         int rc = r->get.shared ? get_plan_shared(s, r, &pg) : get_plan(s, r, &pg);
@@ -446,6 +461,24 @@ static void get_end(kvt_srv_t *s, kvt__req_t *r)
     kvt__req_finish(r);
 }
 
+/*
+ * A GET planned shared whose next batch cannot go shared (a page of it left DRAM, or its seal is
+ * to check with a write), or whose client's lease ends (kvt__get_lease_ends), under the write
+ * lock: it takes the pin the write path's GET took at its start (kvt__h_get) while the client's
+ * lease still holds the path, and goes on as that GET: its later batches planned by get_plan
+ * (the pages read from whichever tier holds them), its hooks under the write lock (get_shares).
+ * A pin refused (the index at index-bytes) ends it after the batch in flight with that error,
+ * as the write path's GET ends with nothing sent.
+ */
+static void get_pin(kvt_srv_t *s, kvt__req_t *r)
+{
+    r->get.shared = 0;
+    kvt__index_fit(s, kvt__pin_need(s));
+    int rc = kvt__pin(s, r->node, r->ns, &r->lease);
+    if (rc < 0)
+        r->status = rc;
+}
+
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_assert(r->pending == 0);
@@ -458,6 +491,8 @@ int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
         kvt__req_finish(r);
         return 0;
     }
+    if (r->get.shared && !get_next_shared(s, r))
+        get_pin(s, r); /* under the write lock (get_drained) */
     if (r->status == 0 && r->get.cur < r->get.end && get_build(s, r) > 0)
         return r->pending ? 0 : kvt__store_get_batch(s, r); /* all from memory: out it goes */
     get_end(s, r);
@@ -541,18 +576,37 @@ int kvt__get_shares(const kvt_proto_hdr_t *h)
     return h->flags == 0; /* LOCATE: the write path (the client's mapping, its seals) */
 }
 
-/* Whether pages [first, first + n) of lease l's path all go from DRAM in one batch (get_build's),
- * in blocks of block_bytes. */
-static int get_all_dram(kvt_srv_t *s, const kvt__lease_t *l, uint32_t block_bytes, uint32_t first,
-                        uint32_t n)
+/* Whether the batch of pages from first on, of [first, end) under node (get_build's), all go from
+ * DRAM, in blocks of block_bytes. */
+static int get_batch_dram(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t block_bytes,
+                          uint32_t first, uint32_t end)
 {
-    size_t page = KVT_PROTO_HDR + sizeof(kvt_wire_get_data_t) + block_bytes;
-    if (n > KVT_MAX(1, KVT_GET_BATCH_BYTES / page))
-        return 0;
+    uint32_t n = KVT_MIN(end - first, get_batch_pages(block_bytes));
     for (uint32_t i = first; i < first + n; i++)
-        if (!get_dram_block(s, l->node, block_bytes, i))
+        if (!get_dram_block(s, node, block_bytes, i))
             return 0;
     return 1;
+}
+
+/* Whether a GET planned shared goes on shared: its end (nothing of the tree read, no pin to
+ * let go), or a next batch all in DRAM, while the client's lease holds the path (its end would
+ * have pinned it: kvt__get_lease_ends). */
+static int get_next_shared(kvt_srv_t *s, const kvt__req_t *r)
+{
+    if (!r->get.shared)
+        return 0;
+    return r->status < 0 || r->get.cur >= r->get.end ||
+           get_batch_dram(s, r->node, r->block_bytes, r->get.cur, r->get.end);
+}
+
+void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node)
+{
+    /* A shared GET's path is its lease's node (get_req): one of c's other leases on the same node
+     * ending pins it too, which costs a pin and keeps it correct. */
+    for (kvt__req_t *r = c->head; r; r = r->next)
+        if (r->kind == KVT_REQ_GET && r->get.shared && r->node == node &&
+            r->status == 0 && r->get.cur < r->get.end)
+            get_pin(c->srv, r);
 }
 
 /*
@@ -584,7 +638,7 @@ int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *b
     uint32_t n = l && l->expires_ns > kvt_now_ns() ? get_pages(&q, l) : 0;
     /* The namespace's entry is read, not made (kvt__ns_get may grow the table: a write). */
     uint32_t block_bytes = n && l->ns < s->nns ? s->ns[l->ns].block_bytes : 0;
-    if (!block_bytes || !get_all_dram(s, l, block_bytes, q.first_page, n))
+    if (!block_bytes || !get_batch_dram(s, l->node, block_bytes, q.first_page, q.first_page + n))
         return 0;
     kvt__req_t *r = get_req(c, h, t0, &q, l, n, block_bytes);
     if (!r)

@@ -236,7 +236,8 @@ struct kvt__req {
         uint8_t hbm_mem;        /* a page of the batch is sent from the HBM tier's memory */
         uint8_t pin_gone;       /* its pin counts in s->pins_ending (op_get.c get_unpin) */
         uint8_t shared;         /* planned under the shared lock: no pin, no namespace
-                                 * reference, its read counts in its loop's table */
+                                 * reference, its path (node) held by the client's lease */
+        uint8_t loop_reads;     /* the batch's read counts are in its loop's table */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;
@@ -871,6 +872,10 @@ int kvt__match_shares(const kvt_proto_hdr_t *h);
 int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 /* Whether a GET with header h is one kvt__h_get_shared may take (no LOCATE). */
 int kvt__get_shares(const kvt_proto_hdr_t *h);
+/* Under the write lock, as a lease of c on node goes (RELEASE, expiry): each GET of c planned
+ * under the shared lock on node's path, with pages left, pins the path for them, as the write
+ * path's GET holds it, and goes on by the write path. */
+void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,

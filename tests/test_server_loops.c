@@ -1118,6 +1118,56 @@ Test(server_loops, gets_from_dram_on_four_loops_take_no_write_lock)
 }
 
 /*
+ * A GET of more than one batch (12 pages of 2 MiB: 4 batches of KVT_GET_BATCH_BYTES) of DRAM
+ * pages on loop 1 goes batch after batch under the shared lock too: each next batch is built
+ * while the client's lease holds the path (op_get.c, get_next_shared). Before, such a GET went to
+ * the write path (a write lock for the frame and one per batch).
+ */
+Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "64M", NULL);
+    enum { P = 12, R = 6 };
+    const size_t bb = 2u << 20;
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "big", PAGE, bb);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc(P * bb), *back = malloc(P * bb);
+    cr_assert(payload && back);
+    kvd_tokens(tok, P * PAGE, 9500000u);
+    kvd_fill(payload, P * bb, 95);
+    kvt_client_put_t r;
+    for (uint32_t p = 0; p < P; p++) {
+        cr_assert_eq(kvt_client_put(c1, tok, (p + 1) * PAGE, p, 1, payload + p * bb, NULL, &r), 0);
+        cr_assert_eq(r.stored, 1);
+    }
+    kvt_client_match_t m = {0}, one = {0};
+    cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, 0, 0, NULL, &one), 0);
+    double w0 = write_locks(&d, 1);
+    for (int round = 0; round < R; round++) {
+        uint32_t got = 0, first = (uint32_t)round % 3;
+        memset(back, 0, P * bb);
+        cr_assert_eq(kvt_client_get(c1, m.lease, first, P - first, back, P * bb, &got, NULL), 0);
+        cr_expect_eq(got, P - first, "round %d", round);
+        cr_expect(memcmp(back, payload + first * bb, (P - first) * bb) == 0, "round %d: the bytes",
+                  round);
+    }
+    cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, 0, 0, NULL, &one), 0);
+    double w1 = write_locks(&d, 1);
+    cr_expect_eq(w1 - w0, 0, "%g write locks for %d GETs of 4 batches of DRAM pages", w1 - w0, R);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), R);
+    cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
+    free(payload);
+    free(back);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
  * Loop 0's own connections frame and answer a run of MATCHes under the lock shared as the other
  * loops' do: loop 0 takes the write lock only for its own work (tier completions, the tick,
  * listeners, signals, the metrics port), not on every wake. The tick is set to 10 s so that none
