@@ -1168,6 +1168,199 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
 }
 
 /*
+ * Multi-batch GETs whose lease ends between their batches. A reader on loop 1 stores 8 pages of
+ * 2 MiB (3 batches), leases them and GETs them slowly (its batches wait for the socket), and
+ * either RELEASEs the lease in the same write as the GET (a raw socket: the RELEASE is framed
+ * while the GET's first batch goes out) or leases for 5 ms (the tick expires it mid-GET); a
+ * writer meanwhile REMOVEs the reader's prefix and PUTs fresh ones that push DRAM out to NVMe.
+ * A GET that began takes the path's pin as the lease goes (op_get.c, kvt__get_lease_ends), as
+ * the write path's GET holds it from its start: every page that comes has its own bytes, in
+ * order, and the GET ends as the write path's does (the old daemon, where such GETs took the
+ * write path, ends them alike): whole with status 0, or ENOENT after the pages before the first
+ * one the writer's PUTs pushed out once the lease no longer kept it.
+ */
+#define LB (2u << 20)
+
+typedef struct lapse {
+    const kvd_t *d;
+    int *round, *done; /* the reader's leased round (-1: none yet), read by the writer */
+    int errors, line, status; /* status: the first wrong end's */
+    uint64_t pages, released, removed;
+} lapse_t;
+
+#define LAPSE_WRONG(w) ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+enum { LP = 8, LROUNDS = 40 };
+
+static void lapse_tokens(uint32_t *tok, int round)
+{
+    kvd_tokens(tok, LP * PAGE, 9600000u + (uint32_t)round * 1000);
+}
+
+/* The GET of a whole lease and a RELEASE of it in one write on raw socket fd; its frames read
+ * slowly and checked against sums; how many pages came and the GET's status in *got, *status. */
+static void lapse_get_release(lapse_t *w, int fd, uint64_t lease, const uint64_t *sums,
+                              uint8_t *body, uint32_t *got, int *status)
+{
+    uint8_t f[2 * KVT_PROTO_HDR + sizeof(kvt_wire_get_t) + sizeof(kvt_wire_release_t)];
+    kvt_wire_get_t gw = {.lease = lease};
+    kvt_wire_release_t rw = {.lease = lease};
+    kvt_proto_frame(f, KVT_OP_GET, 0, 10, 0, sizeof gw);
+    memcpy(f + KVT_PROTO_HDR, &gw, sizeof gw);
+    uint8_t *g = f + KVT_PROTO_HDR + sizeof gw;
+    kvt_proto_frame(g, KVT_OP_RELEASE, 0, 11, 0, sizeof rw);
+    memcpy(g + KVT_PROTO_HDR, &rw, sizeof rw);
+    cr_assert_eq(write(fd, f, sizeof f), (ssize_t)sizeof f);
+    kvt_proto_hdr_t h;
+    for (*got = 0;;) {
+        read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + LB);
+        if (!(h.flags & KVT_RF_MORE))
+            break;
+        uint32_t page = kvt_get_u32(body);
+        if (h.body_len != sizeof(kvt_wire_get_data_t) + LB || page != *got ||
+            page_sum(body + sizeof(kvt_wire_get_data_t), LB) != sums[page])
+            LAPSE_WRONG(w);
+        if ((*got)++ < 4)
+            usleep(15000); /* slow: the batch after waits for the socket */
+    }
+    *status = h.status;
+    if (h.status == 0 && kvt_get_u32(body) != *got)
+        LAPSE_WRONG(w);
+    read_reply_frame(fd, &h, body, 64); /* the RELEASE's */
+    if (h.request_id != 11 || h.status != 0)
+        LAPSE_WRONG(w);
+    w->released += kvt_get_u32(body);
+}
+
+typedef struct lapse_check {
+    lapse_t *w;
+    const uint64_t *sums;
+    uint32_t seen;
+} lapse_check_t;
+
+static int lapse_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    lapse_check_t *k = arg;
+    (void)tier;
+    if (page != k->seen || len != LB || page_sum(data, len) != k->sums[page])
+        LAPSE_WRONG(k->w);
+    if (k->seen++ < 4)
+        usleep(15000); /* past the 5 ms lease: the tick expires it mid-GET */
+    return 0;
+}
+
+static void *lapse_writer_main(void *arg)
+{
+    lapse_t *w = arg;
+    kvt_client_t *c = kvd_client(w->d, "big", PAGE, LB);
+    static uint32_t tok[LP * PAGE];
+    uint8_t *payload = malloc(LB);
+    for (int i = 0; payload && !__atomic_load_n(w->done, __ATOMIC_ACQUIRE); i++) {
+        kvt_client_put_t r;
+        kvd_tokens(tok, PAGE, 9900000u + (uint32_t)i * 100);
+        kvd_fill(payload, LB, 990000u + (uint32_t)i);
+        if (kvt_client_put(c, tok, PAGE, 0, 1, payload, NULL, &r) < 0)
+            LAPSE_WRONG(w);
+        int round = __atomic_load_n(w->round, __ATOMIC_ACQUIRE);
+        if (round < 0)
+            continue;
+        lapse_tokens(tok, round);
+        int rc = kvt_client_remove(c, tok, PAGE);
+        if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
+            LAPSE_WRONG(w);
+        w->removed += rc == 0;
+        usleep(2000);
+    }
+    kvt_client_close(c);
+    free(payload);
+    return NULL;
+}
+
+Test(server_loops, gets_of_several_batches_outlive_their_lease, .timeout = 120)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "24M", "--nvme-bytes", "256M", "--tick-ms", "2",
+              NULL);
+    int leased = -1, done = 0;
+    lapse_t w = {.d = &d, .round = &leased, .done = &done}, wr = w; /* the reader's, the writer's */
+    /* The writer's connection goes to loop 0, the reader's client to loop 1, its storer to 0,
+     * and so each round's raw socket to loop 1. */
+    pthread_t th;
+    pthread_create(&th, NULL, lapse_writer_main, &wr);
+    while (kvd_metric(&d, "kvtier_loop_connections{loop=\"0\"}") < 1)
+        usleep(1000);
+    kvt_client_t *e = kvd_client(&d, "big", PAGE, LB), *st = kvd_client(&d, "big", PAGE, LB);
+    cr_assert_eq(kvd_stat(e, "loop_connections_1"), 1);
+    static uint32_t tok[LP * PAGE];
+    uint8_t *payload = malloc(LB), *body = malloc(sizeof(kvt_wire_get_data_t) + LB);
+    uint64_t sums[LP];
+    cr_assert(payload && body);
+    int ended = 0;
+    for (int round = 0; round < LROUNDS; round++) {
+        lapse_tokens(tok, round);
+        for (uint32_t p = 0; p < LP; p++) {
+            kvt_client_put_t r;
+            kvd_fill(payload, LB, (uint32_t)round * 10 + p);
+            sums[p] = page_sum(payload, LB);
+            cr_assert_eq(kvt_client_put(st, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r), 0);
+        }
+        uint32_t got = 0;
+        int status = 0;
+        if (round % 2 == 0) {
+            int fd = kvd_raw(&d);
+            uint64_t lease = raw_lease(fd, "big", PAGE, LB, tok, LP * PAGE, body, 4096);
+            if (kvt_get_u32(body + 4) == LP) { /* else pushed out first: nothing to race */
+                __atomic_store_n(&leased, round, __ATOMIC_RELEASE); /* REMOVE it from now on */
+                lapse_get_release(&w, fd, lease, sums, body, &got, &status);
+            }
+            close(fd);
+            if (got == 0 && status == 0)
+                continue;
+        } else {
+            kvt_client_match_t m = {0};
+            cr_assert_eq(kvt_client_match(e, tok, LP * PAGE, KVT_CLIENT_LEASE, 5, NULL, &m), 0);
+            if (m.pages < LP) { /* the writer's PUTs pushed some out first: nothing to race */
+                kvt_client_release(e, m.lease, NULL);
+                continue;
+            }
+            __atomic_store_n(&leased, round, __ATOMIC_RELEASE);
+            lapse_check_t ck = {.w = &w, .sums = sums};
+            status = kvt_client_get_cb(e, m.lease, 0, LP, lapse_page, &ck, &got);
+            if (got != ck.seen)
+                LAPSE_WRONG(&w);
+            kvt_client_release(e, m.lease, NULL); /* expired by now, most often */
+        }
+        /* The write path's ends: all of it, or the pages before one the writer's PUTs pushed
+         * out of DRAM and NVMe (dropped once no lease held them) and ENOENT. */
+        if (!(status == 0 && got == LP) && !(status == KVT_CLIENT_ENOENT && got < LP) &&
+            !(status == KVT_ENOENT && got < LP)) {
+            w.status = w.errors ? w.status : status;
+            LAPSE_WRONG(&w);
+        }
+        w.pages += got;
+        ended += got == LP;
+    }
+    __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
+    pthread_join(th, NULL);
+    if (w.errors || wr.errors)
+        kvd_log_tail(&d, 4000);
+    cr_expect_eq(w.errors, 0, "%d wrong pages or ends, the first at line %d (status %d)", w.errors,
+                 w.line, w.status);
+    cr_expect_eq(wr.errors, 0, "the writer: %d wrong replies, the first at line %d", wr.errors,
+                 wr.line);
+    cr_expect_gt(w.released, 0, "the RELEASEs found their leases");
+    cr_expect_gt(wr.removed, 0, "the writer removed the reader's prefixes");
+    cr_expect_gt(ended, 0, "whole GETs");
+    cr_expect_gt(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 0);
+    cr_expect_gt(kvd_metric(&d, "kvtier_leases_expired_total"), 0);
+    free(payload);
+    free(body);
+    kvt_client_close(e);
+    kvt_client_close(st);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
  * Loop 0's own connections frame and answer a run of MATCHes under the lock shared as the other
  * loops' do: loop 0 takes the write lock only for its own work (tier completions, the tick,
  * listeners, signals, the metrics port), not on every wake. The tick is set to 10 s so that none
