@@ -367,4 +367,5 @@ const kvt__conn_ops_t kvt__dispatch_ops = {
     .closing = dispatch_closing,
     .tick = dispatch_tick,
     .deadlines = kvt__ops_deadlines,
+    .lease_ends = kvt__get_lease_ends,
 };

@@ -85,7 +85,7 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
 
 static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
 {
-    kvt__get_lease_ends(c, l->node); /* before the path can go: its GETs' later batches need it */
+    c->srv->conn_ops->lease_ends(c, l->node); /* before the path goes: its GETs' later batches */
     kvt__path_unpin(c->srv, l->id);
     kvt__lease_unpin(c->srv, l);
     lease_ns(c->srv, l->ns, -1);

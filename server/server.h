@@ -277,6 +277,9 @@ _Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-by
  *   closing    c closes: what it holds beyond its requests (its leases) goes
  *   tick       every tick, per connection (lease expiry)
  *   deadlines  its requests' deadlines and waits, every tick and as soon as moves land
+ *   lease_ends a lease of c on node goes (RELEASE, expiry), under the write lock, before its path
+ *              is let go: the GETs that read the path under it pin it (kvt__get_lease_ends;
+ *              through here, lease.c calls no GET by name: op_get.c finds leases in lease.c)
  */
 typedef struct kvt__conn_ops {
     void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
@@ -286,6 +289,7 @@ typedef struct kvt__conn_ops {
     void (*closing)(kvt__conn_t *c);
     void (*tick)(kvt__conn_t *c, uint64_t now);
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
+    void (*lease_ends)(kvt__conn_t *c, kvt_radix_node_t *node);
 } kvt__conn_ops_t;
 
 /*

@@ -70,14 +70,31 @@ static inline void read_reply_frame(int fd, kvt_proto_hdr_t *h, uint8_t *body, s
     cr_assert_eq(read_full(fd, body, h->body_len), 0, "the reply ended early");
 }
 
-/* HELLO (model, page size, block size) and a MATCH with a lease of ntok tokens (at most 256) on a
- * raw socket: the lease. */
-static inline uint64_t raw_lease(int fd, const char *model, uint32_t page, uint32_t block_bytes,
-                                 const uint32_t *t, uint32_t ntok, uint8_t *body, size_t cap)
+/* A MATCH with a lease of ntok tokens (at most 256) on a raw socket after its HELLO: the lease, 0
+ * when nothing matched; the reply's body in body. */
+static inline uint64_t raw_match_lease(int fd, const uint32_t *t, uint32_t ntok, uint8_t *body,
+                                       size_t cap)
 {
     uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + 256 * 4];
-    size_t mlen = strlen(model);
     cr_assert_leq(ntok, 256);
+    kvt_wire_match_t mw = {.ntokens = ntok};
+    size_t len = KVT_PROTO_HDR + sizeof mw + ntok * 4;
+    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, (uint32_t)(sizeof mw + ntok * 4));
+    memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
+    memcpy(f + KVT_PROTO_HDR + sizeof mw, t, ntok * 4);
+    cr_assert_eq(write(fd, f, len), (ssize_t)len);
+    kvt_proto_hdr_t h;
+    read_reply_frame(fd, &h, body, cap);
+    cr_assert_eq(h.status, 0);
+    return kvt_get_u64(body + 8);
+}
+
+/* HELLO (model, page size, block size) on a raw socket, its reply read into body. */
+static inline void raw_hello_model(int fd, const char *model, uint32_t page, uint32_t block_bytes,
+                             uint8_t *body, size_t cap)
+{
+    uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_hello_t) + 256];
+    size_t mlen = strlen(model);
     cr_assert_leq(sizeof(kvt_wire_hello_t) + mlen, sizeof f - KVT_PROTO_HDR);
     kvt_wire_hello_t hw = {.min_version = 1,
                            .max_version = 1,
@@ -89,17 +106,18 @@ static inline uint64_t raw_lease(int fd, const char *model, uint32_t page, uint3
     memcpy(f + KVT_PROTO_HDR, &hw, sizeof hw);
     memcpy(f + KVT_PROTO_HDR + sizeof hw, model, mlen);
     cr_assert_eq(write(fd, f, len), (ssize_t)len);
-    kvt_wire_match_t mw = {.ntokens = ntok};
-    len = KVT_PROTO_HDR + sizeof mw + ntok * 4;
-    kvt_proto_frame(f, KVT_OP_MATCH, KVT_MATCH_F_LEASE, 2, 0, (uint32_t)(sizeof mw + ntok * 4));
-    memcpy(f + KVT_PROTO_HDR, &mw, sizeof mw);
-    memcpy(f + KVT_PROTO_HDR + sizeof mw, t, ntok * 4);
-    cr_assert_eq(write(fd, f, len), (ssize_t)len);
     kvt_proto_hdr_t h;
-    read_reply_frame(fd, &h, body, cap); /* HELLO's */
-    read_reply_frame(fd, &h, body, cap); /* MATCH's */
+    read_reply_frame(fd, &h, body, cap);
     cr_assert_eq(h.status, 0);
-    uint64_t lease = kvt_get_u64(body + 8);
+}
+
+/* HELLO (model, page size, block size) and a MATCH with a lease of ntok tokens (at most 256) on a
+ * raw socket: the lease. */
+static inline uint64_t raw_lease(int fd, const char *model, uint32_t page, uint32_t block_bytes,
+                                 const uint32_t *t, uint32_t ntok, uint8_t *body, size_t cap)
+{
+    raw_hello_model(fd, model, page, block_bytes, body, cap);
+    uint64_t lease = raw_match_lease(fd, t, ntok, body, cap);
     cr_assert_neq(lease, 0);
     return lease;
 }
