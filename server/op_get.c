@@ -262,7 +262,7 @@ static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
     uint64_t t0 = kvt_now_ns();
     kvt__loop_t *l = r->conn->loop;
     kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
-    /* As get_batch_dram found it in this hold of the lock (kvt__h_get_shared, kvt__store_get_batch). */
+    /* As get_batch_dram found it in this hold (kvt__h_get_shared, kvt__store_get_batch). */
     kvt_assert(b && b->tier == KVT_TIER_DRAM && b->hash);
     if (kvt__busy_inc_loop(l, b->hash) < 0)
         return KVT_ENOMEM;
@@ -604,8 +604,8 @@ void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node)
     /* A shared GET's path is its lease's node (get_req): one of c's other leases on the same node
      * ending pins it too, which costs a pin and keeps it correct. */
     for (kvt__req_t *r = c->head; r; r = r->next)
-        if (r->kind == KVT_REQ_GET && r->get.shared && r->node == node &&
-            r->status == 0 && r->get.cur < r->get.end)
+        if (r->kind == KVT_REQ_GET && r->get.shared && r->node == node && r->status == 0 &&
+            r->get.cur < r->get.end)
             get_pin(c->srv, r);
 }
 

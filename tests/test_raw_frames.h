@@ -91,7 +91,7 @@ static inline uint64_t raw_match_lease(int fd, const uint32_t *t, uint32_t ntok,
 
 /* HELLO (model, page size, block size) on a raw socket, its reply read into body. */
 static inline void raw_hello_model(int fd, const char *model, uint32_t page, uint32_t block_bytes,
-                             uint8_t *body, size_t cap)
+                                   uint8_t *body, size_t cap)
 {
     uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_hello_t) + 256];
     size_t mlen = strlen(model);

@@ -1183,8 +1183,8 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
 
 typedef struct lapse {
     const kvd_t *d;
-    int *round, *done; /* the reader's leased round (-1: none yet), read by the writer */
-    int *push;         /* the writer PUTs too (the second half of the rounds) */
+    int *round, *done;        /* the reader's leased round (-1: none yet), read by the writer */
+    int *push;                /* the writer PUTs too (the second half of the rounds) */
     int errors, line, status; /* status: the first wrong end's */
     uint64_t pages, released, removed;
 } lapse_t;
