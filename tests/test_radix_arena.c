@@ -46,6 +46,16 @@ static long fill(kvt_radix_t *t, uint32_t ns, uint32_t *tok)
     return f;
 }
 
+/* The faults a fill may take outside the arena: the malloc'd registry and namespace tables
+ * growing (a few pages). Under AddressSanitizer each fresh heap page of theirs faults its shadow
+ * too, and the quarantine keeps a regrown table off the pages the old one freed: 4 then read 5 in
+ * 3 of 30 runs, by where the heap's pages fell. Either way a fault per insert (400) is far past. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TABLE_FAULTS 8
+#else
+#define TABLE_FAULTS 4
+#endif
+
 static uint32_t *tokens(void)
 {
     uint32_t *tok = malloc(PAGES * PS * sizeof(uint32_t));
@@ -82,7 +92,8 @@ Test(radix_arena, refill_after_removal_takes_no_page_fault)
     cr_assert_eq(kvt_radix_verify(t), 0);
     /* The second fill reuses the first one's slots: no new page (a few for the malloc'd
      * registry and namespace tables at most). */
-    cr_expect_leq(again, 4, "refill took %ld page faults (first fill %ld)", again, first);
+    cr_expect_leq(again, TABLE_FAULTS, "refill took %ld page faults (first fill %ld)", again,
+                  first);
     kvt_radix_stats(t, &st);
     cr_expect_eq(st.arena_bytes, mapped, "the refill mapped nothing more");
     kvt_radix_destroy(t);
@@ -101,7 +112,7 @@ Test(radix_arena, a_reserve_fills_without_page_faults)
     kvt_radix_stats_t st;
     kvt_radix_stats(t, &st);
     cr_expect_eq(st.arena_bytes, (uint64_t)64 << 20, "the fill stayed in the reserve");
-    cr_expect_leq(f, 4, "a fill within the reserve took %ld page faults", f);
+    cr_expect_leq(f, TABLE_FAULTS, "a fill within the reserve took %ld page faults", f);
     kvt_radix_destroy(t);
     free(tok);
 }
