@@ -61,13 +61,15 @@ struct kvt_radix_node {
     kvt_block_t *blocks;             /* slot off of the storage: cap blocks, then cap pages */
     uint32_t *tokens;                /* of tokens; the storage starts at blocks - off */
     uint64_t *keys;                  /* kids allocation: kcap keys then kcap pointers */
+    uint64_t mark;                   /* kvt_radix_node_mark's number (0: never marked) */
     uint32_t nkids, kcap;
     uint32_t npages, cap;
     uint32_t off;   /* slot of the first live page in store */
     uint32_t depth; /* page depth of the first page */
     uint32_t ns;
     uint32_t leases;
-    uint32_t idx; /* position in the tree's node registry; UINT32_MAX for roots */
+    uint32_t early; /* of those leases, the ones numbered below mark */
+    uint32_t idx;   /* position in the tree's node registry; UINT32_MAX for roots */
     uint16_t page_size;
     uint8_t in_list;
     uint8_t kid_hash; /* kids is a hash table (past KID_ARRAY_MAX children), not a sorted array */
@@ -1999,11 +2001,18 @@ uint32_t kvt_radix_trim(kvt_radix_t *t, uint64_t target, uint32_t budget,
 
 /* ---- leases --------------------------------------------------------------------------------- */
 
-static void pin(kvt_radix_t *t, kvt_radix_node_t *n, int delta)
+/* Takes (delta 1) or ends (-1) lease number seq on n and every ancestor. A lease numbered below
+ * a node's mark was counted in its early leases when the mark was made, and only ends; one taken
+ * later is numbered at or past every mark. */
+static void pin(kvt_radix_t *t, kvt_radix_node_t *n, int delta, uint64_t seq)
 {
     for (; n && !is_root(n); n = n->parent) {
         kvt_assert(delta > 0 || n->leases > 0);
         n->leases += (uint32_t)delta;
+        if (seq < n->mark) {
+            kvt_assert(delta < 0 && n->early > 0);
+            n->early--;
+        }
         list_update(t, n);
     }
 }
@@ -2051,7 +2060,7 @@ int kvt_radix_lease(kvt_radix_t *t, const kvt_match_t *m, uint64_t owner, uint64
     l->seq = t->lease_seq++;
     l->node = m->node;
     t->nleases++;
-    pin(t, m->node, 1);
+    pin(t, m->node, 1, l->seq);
     *lease_out = (uint64_t)l->gen << 32 | slot;
     return 0;
 }
@@ -2066,7 +2075,7 @@ uint64_t kvt_radix_lease_need(const kvt_radix_t *t)
 static void lease_drop(kvt_radix_t *t, uint32_t slot)
 {
     kvt_lease_t *l = &t->leases[slot];
-    pin(t, l->node, -1);
+    pin(t, l->node, -1, l->seq);
     l->owner = 0;
     l->node = NULL;
     l->gen = l->gen == UINT32_MAX ? 1 : l->gen + 1;
@@ -2116,10 +2125,23 @@ uint64_t kvt_radix_lease_seq(const kvt_radix_t *t)
     return t ? t->lease_seq : 0;
 }
 
+uint64_t kvt_radix_node_mark(kvt_radix_t *t, kvt_radix_node_t *n)
+{
+    if (!t)
+        return 0;
+    if (n && !is_root(n)) {
+        n->mark = t->lease_seq;
+        n->early = n->leases; /* every lease held now is numbered below lease_seq */
+    }
+    return t->lease_seq;
+}
+
 int kvt_radix_node_leased_before(const kvt_radix_t *t, const kvt_radix_node_t *n, uint64_t seq)
 {
     if (!t || !n || n->leases == 0)
         return 0;
+    if (seq == n->mark)
+        return n->early > 0;
     for (uint32_t i = 0; i < t->lease_cap; i++) {
         const kvt_lease_t *l = &t->leases[i];
         if (l->owner == 0 || l->seq >= seq)
@@ -2417,7 +2439,9 @@ int kvt_radix_verify(const kvt_radix_t *t)
     if (!t)
         return KVT_EINVAL;
     int rc = 0;
-    uint32_t *expect_leases = calloc(t->nnodes + 1, sizeof(uint32_t));
+    /* By node: its leases, then those numbered below its mark. */
+    uint32_t *expect_leases = calloc(2 * (t->nnodes + 1), sizeof(uint32_t));
+    uint32_t *expect_early = expect_leases ? expect_leases + t->nnodes + 1 : NULL;
     kvt_radix_node_t **stack = malloc((t->nnodes + t->nns + 1) * sizeof(*stack));
     if (!expect_leases || !stack) {
         free(expect_leases);
@@ -2442,6 +2466,7 @@ int kvt_radix_verify(const kvt_radix_t *t)
             if (n->idx >= t->nnodes || t->nodes[n->idx] != n)
                 VFAIL("lease %u pins a node that is not in the tree", i);
             expect_leases[n->idx]++;
+            expect_early[n->idx] += l->seq < n->mark;
         }
     }
 
@@ -2485,6 +2510,9 @@ int kvt_radix_verify(const kvt_radix_t *t)
                     VFAIL("node depth %u after parent %u+%u", n->depth, p->depth, p->npages);
                 if (n->leases != expect_leases[n->idx])
                     VFAIL("node has %u leases, %u expected", n->leases, expect_leases[n->idx]);
+                if (n->early != expect_early[n->idx])
+                    VFAIL("node counts %u leases before its mark, %u run through it", n->early,
+                          expect_early[n->idx]);
                 /* Computed hashes: a prefix of the path, each the chain of the one before. */
                 uint64_t h = is_root(p) ? ns->seed : p->blocks[p->npages - 1].hash;
                 for (uint32_t i = 0; i < n->npages; i++) {

@@ -356,9 +356,13 @@ size_t kvt_radix_lease_count(const kvt_radix_t *t);
 uint64_t kvt_radix_lease_releases(const kvt_radix_t *t);
 /* Leases are numbered in the order they are taken: the number the next one gets. */
 uint64_t kvt_radix_lease_seq(const kvt_radix_t *t);
+/* Marks n: returns kvt_radix_lease_seq(t), and from now on n counts the leases through it
+ * numbered below that (those held now), so that kvt_radix_node_leased_before(t, n, that number)
+ * reads a count. A later mark of n replaces it. NULL n only returns the number. */
+uint64_t kvt_radix_node_mark(kvt_radix_t *t, kvt_radix_node_t *n);
 /* Whether a lease numbered below seq (taken before kvt_radix_lease_seq returned seq) still runs
- * through node n. Walks every lease slot of the tree and each such lease's path, unless n has no
- * lease at all. */
+ * through node n. For seq, n's mark (kvt_radix_node_mark): reads n's count. For another number:
+ * walks every lease slot of the tree and each such lease's path, unless n has no lease at all. */
 int kvt_radix_node_leased_before(const kvt_radix_t *t, const kvt_radix_node_t *n, uint64_t seq);
 /* At most the bytes the next kvt_radix_lease adds to the tree's count: 0 while a lease slot is
  * free, else the growth of the lease table. */

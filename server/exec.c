@@ -446,8 +446,10 @@ static void kept_free(kvt_srv_t *s, size_t k)
 }
 
 /* The step's part: the kept copies no lease taken before their switch holds any more go. Looked
- * at only once a lease of the tree has ended since the last look (kvt_radix_node_leased_before
- * walks the leases); the copies of one run share their node and seq, and are looked up once. */
+ * at only once a lease of the tree has ended since the last look; the copies of one run share
+ * their node and seq, and are looked up once. That look reads a count on the node (the switch
+ * marked it), but for a run whose node was marked again by a later switch: that one walks the
+ * tree's leases (kvt_radix_node_leased_before). */
 static void kept_settle(kvt_srv_t *s)
 {
     kvt__exec_t *e = &s->exec;
@@ -523,9 +525,10 @@ static void move_finish(kvt_srv_t *s, kvt__move_t *m)
             status = KVT_EBUSY;
     }
     /* Taken before kvt_policy_move_done, which ends the move's own lease: every lease that may
-     * have seen the old locations is numbered below seq. */
-    uint64_t seq = kvt_radix_lease_seq(s->radix);
+     * have seen the old locations is numbered below seq. The mark lets kept_settle read whether
+     * one still holds the run from a count on its node. */
     kvt_radix_node_t *first = kvt_radix_node_holding(m->node, m->depth);
+    uint64_t seq = kvt_radix_node_mark(s->radix, keep ? first : NULL);
     int rc = kvt_policy_move_done(s->policy, m->node, m->depth, m->npages, (kvt_tier_id_t)m->from,
                                   (kvt_tier_id_t)m->to, status);
     int ok = status == 0 && rc == 0;

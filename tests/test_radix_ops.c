@@ -727,6 +727,54 @@ Test(radix_ops, leases_taken_before_a_number_are_told_from_later_ones)
     free(c);
 }
 
+/* kvt_radix_node_mark (kvtierd's kept copies): the marked node counts the leases through it
+ * taken before the mark, and answers leased_before for the mark's number from that count, as the
+ * walk would, through releases by id and by owner and a split above it; kvt_radix_verify checks
+ * the count against the leases. A second mark leaves the first number to the walk. */
+Test(radix_ops, a_marked_node_counts_the_leases_taken_before_its_mark)
+{
+    uint32_t *a = seq(8 * PS, 1), *b = seq(8 * PS, 1);
+    b[2 * PS] = 4444;
+    insert(a, 8 * PS);
+    kvt_match_t m, head_m;
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 8 * PS, 0, &m), 0);
+    cr_assert_eq(kvt_radix_match(tree, ns, a, 2 * PS, 0, &head_m), 0);
+    kvt_radix_node_t *n = m.node;
+    uint64_t l1, l2, l3, l4;
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &l1), 0);
+    cr_assert_eq(kvt_radix_lease(tree, &head_m, 2, &l2), 0); /* two pages of n: through it */
+    uint64_t mark = kvt_radix_node_mark(tree, n);
+    cr_expect_eq(mark, kvt_radix_lease_seq(tree));
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &l3), 0);
+    cr_expect(kvt_radix_node_leased_before(tree, n, mark));
+    cr_expect_eq(kvt_radix_verify(tree), 0);
+    insert(b, 8 * PS); /* splits n after 2 pages: the head's new node is unmarked */
+    kvt_radix_node_t *head = kvt_radix_node_parent(n);
+    cr_assert_not_null(head);
+    cr_expect_eq(kvt_radix_verify(tree), 0);
+    cr_expect(kvt_radix_node_leased_before(tree, head, mark), "the walk, for the head");
+    cr_expect_eq(kvt_radix_release(tree, l1), 0);
+    cr_expect(kvt_radix_node_leased_before(tree, n, mark), "l2 still runs through n");
+    cr_expect_eq(kvt_radix_release_owner(tree, 2), 1);
+    cr_expect(!kvt_radix_node_leased_before(tree, n, mark), "only l3, taken after the mark");
+    cr_expect(!kvt_radix_node_leased_before(tree, head, mark));
+    cr_expect_eq(kvt_radix_verify(tree), 0);
+    /* Marked again while l3 holds: the new number counts it, the first is left to the walk. */
+    uint64_t again = kvt_radix_node_mark(tree, n);
+    cr_assert_eq(kvt_radix_lease(tree, &m, 1, &l4), 0);
+    cr_expect(kvt_radix_node_leased_before(tree, n, again));
+    cr_expect(!kvt_radix_node_leased_before(tree, n, mark));
+    cr_expect_eq(kvt_radix_release(tree, l3), 0);
+    cr_expect(!kvt_radix_node_leased_before(tree, n, again));
+    cr_expect(kvt_radix_node_leased(n));
+    cr_expect_eq(kvt_radix_verify(tree), 0);
+    cr_expect_eq(kvt_radix_release(tree, l4), 0);
+    cr_expect_eq(kvt_radix_node_mark(NULL, n), 0);
+    cr_expect_eq(kvt_radix_node_mark(tree, NULL), kvt_radix_lease_seq(tree));
+    free(a);
+    free(b);
+}
+
 /* kvt_radix_split_at (kvtierd's PUT with gaps): the page begins a node; blocks, matches and
  * leases are as before, the split node keeps its address, and the head goes once the tail has. */
 Test(radix_ops, split_at_a_page_changes_only_the_grouping)

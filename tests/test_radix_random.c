@@ -188,6 +188,10 @@ static void run_conf(uint64_t seed, uint32_t ps, uint32_t steps, uint32_t alphab
                 cr_assert_eq(rc, KVT_ENOENT);
             } else if (nleases < 64) {
                 cr_assert_eq(rc, 0);
+                if (step % 3 == 0) { /* as a kept copy's switch; verify checks the count */
+                    uint64_t mark = kvt_radix_node_mark(t, mt.node);
+                    cr_assert(kvt_radix_node_leased_before(t, mt.node, mark), "step %u", step);
+                }
                 leases[nleases].id = id;
                 leases[nleases].owner = 0;
                 nleases++;
