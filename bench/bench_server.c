@@ -68,6 +68,9 @@
  *          Baseline: the same with no other lease held, the two alternating in short loads
  *          paired within each round (bench_leases). The ratio is what holding them costs each
  *          request (1.0: nothing): the median of the rounds' paired ratios, with their range.
+ *   kept   Kept copies (docs/architecture.md): the lease load with --held leases beside --kept
+ *          pages promoted into HBM under their lease, on a kvtierd of its own with a host HBM
+ *          tier, against the same leases on pages promoted before their lease (bench_kept).
  *
  * Each connection pipelines as redis-benchmark -P does: it writes `pipeline` requests at once
  * (one writev over the pre-encoded frames, nothing copied) and the next batch when all of them
@@ -80,8 +83,9 @@
  *
  * usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] [--redis-benchmark PATH]
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
- *        [--ops match|get|lease|conns|fill|all[,...]|loops|loops_put] [--transport unix|tcp|all]
- *        [--prompts N] [--held N] [--sealed] [--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...
+ *        [--ops match|get|lease|conns|fill|all[,...]|loops|loops_put|kept]
+ *        [--transport unix|tcp|all] [--prompts N] [--held N] [--kept N] [--sealed]
+ *        [--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...
  */
 #define _GNU_SOURCE /* accept4 */
 #include <dirent.h>
@@ -140,6 +144,7 @@ typedef struct opts {
     const char *transport; /* "unix", "tcp" or "all" */
     int rounds;            /* alternating rounds per side; the median is reported */
     int held;              /* lease: leases the connection holds throughout */
+    uint32_t kept;         /* kept: pages promoted under their lease (kept copies) */
     long prompts;          /* MATCH over the first N prompts only (the index holds all); 0: all */
     const char *index_prefault; /* kvtierd's index-prefault; "default": not passed */
     int sealed; /* GET: blocks stored by zero-copy PUT (checksummed), not the socket */
@@ -910,19 +915,100 @@ static pid_t raw_start(const char *path, int port, size_t block)
 /*
  * The lease load: one libkvtier connection holding `held` leases (0 for the baseline), which
  * runs `cycles` batches of LEASE_BATCH MATCHes with a lease followed by LEASE_BATCH RELEASEs of
- * them, all pipelined. Returns 0 with the timed part's seconds and kvtierd's CPU ns in it (the
- * held leases' taking and their release at the close are not timed), or -1.
+ * them, all pipelined. With `pages`, the connection then also holds a lease on each of that many
+ * fresh one-page paths whose bytes reached HBM, promoted out of DRAM under that lease (`keep`:
+ * a kept copy each, the kept load) or before it (none: its baseline, the same leases). Returns 0
+ * with the timed part's seconds and kvtierd's CPU ns in it (the held leases' taking and their
+ * release at the close are not timed), or -1.
  */
 #define LEASE_BATCH    500
 #define LEASE_HELD_MAX 3500 /* with LEASE_BATCH, under max-leases (4096) */
+#define KEPT_MAX       256
+#define KEPT_BLOCK     4096 /* bytes of a kept load's page */
 
-static int lease_load(const char *sock, int held, int cycles, double *secs, uint64_t *cpu_ns)
+typedef struct lease_side {
+    const char *sock;
+    pid_t kvd; /* whose CPU is counted */
+    int held;
+    uint32_t pages; /* the kept load's leased pages in HBM; 0: none */
+    int keep;       /* whether they were promoted under their lease */
+} lease_side_t;
+
+static int stat_cb(void *arg, const char *name, uint64_t value)
 {
-    kvt_client_conf_t cf = {.unix_path = sock, .model = "bench-lease", .page_size = PAGE};
+    if (!strcmp(name, "leased_promotion_copies"))
+        *(uint64_t *)arg = value;
+    return 0;
+}
+
+/* The kept load's pages (lease_side_t), leased on b: m and st get their replies. Each load
+ * takes fresh paths, its own promotions. The pages are written through a zero-copy connection
+ * of conf's, so that they land in DRAM (a PUT on the socket lands in HBM first). */
+static int lease_hbm_pages(kvt_client_t *c, kvt_batch_t *b, const kvt_client_conf_t *conf,
+                           const lease_side_t *side, kvt_client_match_t *m, int *st)
+{
+    static uint32_t tok[KEPT_MAX][PAGE], next = 90000000;
+    static uint8_t payload[KEPT_BLOCK];
+    if (side->pages == 0)
+        return 0;
+    kvt_client_conf_t zc = *conf;
+    zc.zero_copy = 1;
+    kvt_client_t *w;
+    if (kvt_client_connect(&w, &zc) != 0)
+        return -1;
+    int rc = 0;
+    for (uint32_t i = 0; i < side->pages && rc == 0; i++) {
+        for (uint32_t j = 0; j < PAGE; j++)
+            tok[i][j] = next++;
+        kvt_client_put_t pr;
+        rc = kvt_client_put(w, tok[i], PAGE, 0, 1, payload, NULL, &pr) != 0 || pr.stored != 1;
+    }
+    kvt_client_close(w);
+    for (uint32_t i = 0; i < side->pages && rc == 0; i++) {
+        kvt_client_prefetch_t pf = {0};
+        if (!side->keep &&
+            (kvt_client_prefetch(c, tok[i], PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf) != 0 ||
+             pf.moved + pf.resident != 1))
+            return -1;
+        kvt_batch_match(b, tok[i], PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m[i], &st[i]);
+    }
+    if (rc != 0 || kvt_batch_run(b) != 0)
+        return -1;
+    for (uint32_t i = 0; i < side->pages && side->keep; i++) {
+        kvt_client_prefetch_t pf = {0};
+        if (st[i] != 0 || m[i].lease == 0 ||
+            kvt_client_prefetch(c, tok[i], PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf) != 0 ||
+            pf.moved + pf.resident != 1)
+            return -1;
+    }
+    /* The last load's copies go at the step after its close, which may come after this. */
+    uint64_t copies = 0, want = side->keep ? side->pages : 0;
+    for (int i = 0; i < 500 && (copies != want || i == 0); i++) {
+        if (i > 0)
+            usleep(10000);
+        if (kvt_client_stats(c, stat_cb, &copies) != 0)
+            return -1;
+    }
+    if (copies != want) {
+        fprintf(stderr, "bench_server: %llu kept copies, not %llu\n", (unsigned long long)copies,
+                (unsigned long long)want);
+        return -1;
+    }
+    kvt_batch_reset(b);
+    return 0;
+}
+
+static int lease_load(const lease_side_t *side, int cycles, double *secs, uint64_t *cpu_ns)
+{
+    kvt_client_conf_t cf = {.unix_path = side->sock,
+                            .model = "bench-lease",
+                            .page_size = PAGE,
+                            .block_bytes = side->pages ? KEPT_BLOCK : 0};
     kvt_client_t *c = NULL;
     kvt_batch_t *b = NULL;
-    static kvt_client_match_t m[LEASE_HELD_MAX + LEASE_BATCH];
+    static kvt_client_match_t m[LEASE_HELD_MAX + LEASE_BATCH], pm[KEPT_MAX];
     static int st[LEASE_HELD_MAX + LEASE_BATCH];
+    int held = side->held;
     uint32_t tok[4 * PAGE];
     for (uint32_t i = 0; i < 4 * PAGE; i++)
         tok[i] = 7 * i + 1;
@@ -933,9 +1019,11 @@ static int lease_load(const char *sock, int held, int cycles, double *secs, uint
         goto done;
     for (int i = 0; i < held; i++)
         kvt_batch_match(b, tok, 4 * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m[i], &st[i]);
-    if (held && kvt_batch_run(b) != 0)
+    /* The held leases are taken first: a kept copy's check looks at the leases older than its
+     * switch. */
+    if ((held && kvt_batch_run(b) != 0) || lease_hbm_pages(c, b, &cf, side, pm, st) != 0)
         goto done;
-    uint64_t t0 = kvt_now_ns(), c0 = proc_cpu_ns(g_kvd);
+    uint64_t t0 = kvt_now_ns(), c0 = proc_cpu_ns(side->kvd);
     for (int k = 0; k < cycles; k++) {
         kvt_client_match_t *x = m + held;
         for (int i = 0; i < LEASE_BATCH; i++)
@@ -954,7 +1042,7 @@ static int lease_load(const char *sock, int held, int cycles, double *secs, uint
                 goto done;
     }
     *secs = (double)(kvt_now_ns() - t0) / 1e9;
-    *cpu_ns = proc_cpu_ns(g_kvd) - c0;
+    *cpu_ns = proc_cpu_ns(side->kvd) - c0;
     rc = 0;
 done:
     kvt_batch_destroy(b);
@@ -977,35 +1065,55 @@ done:
 #define LEASE_PAIRS  8
 #define LEASE_CYCLES 200 /* per load: 200 x (500 MATCH + 500 RELEASE), some 70 ms */
 
-static int bench_leases(const opts_t *o, const char *sock)
+/* Paired rounds of two lease loads, side[0] the measured one and side[1] its baseline: per
+ * round, the baseline's time over the measured one's (ratio), the same for kvtierd's CPU
+ * (cpu_ratio), each side's requests per second and kvtierd's CPU us per request. */
+typedef struct lease_rounds {
+    double ratio[9], cpu_ratio[9], rps[2][9], cpu_us[2][9], first;
+    int slower; /* rounds whose measured side was the slower */
+} lease_rounds_t;
+
+static int lease_pairs(const opts_t *o, const lease_side_t side[2], lease_rounds_t *r)
 {
-    double ratio[9], cpu[9], rps_with[9], rps_without[9], first = 0;
-    int slower = 0;
     double reqs = 2.0 * LEASE_BATCH * LEASE_CYCLES * LEASE_PAIRS;
+    r->slower = 0;
     for (int i = 0; i < o->rounds; i++) {
-        double t[2] = {0, 0}; /* [0]: held, [1]: none */
+        double t[2] = {0, 0};
         uint64_t cpu_ns[2] = {0, 0};
         for (int p = 0; p < LEASE_PAIRS; p++)
             for (int j = 0; j < 2; j++) {
-                int side = p % 2 ? 1 - j : j;
+                int k = p % 2 ? 1 - j : j;
                 double secs;
                 uint64_t ns;
-                if (lease_load(sock, side ? 0 : o->held, LEASE_CYCLES, &secs, &ns) < 0) {
+                if (lease_load(&side[k], LEASE_CYCLES, &secs, &ns) < 0) {
                     fprintf(stderr, "bench_server: the lease load failed\n");
                     return -1;
                 }
-                t[side] += secs;
-                cpu_ns[side] += ns;
+                t[k] += secs;
+                cpu_ns[k] += ns;
             }
-        ratio[i] = t[1] / t[0];
-        cpu[i] = cpu_ns[0] ? (double)cpu_ns[1] / (double)cpu_ns[0] : 0;
-        rps_with[i] = reqs / t[0];
-        rps_without[i] = reqs / t[1];
-        slower += ratio[i] < 1.0;
+        r->ratio[i] = t[1] / t[0];
+        r->cpu_ratio[i] = cpu_ns[0] ? (double)cpu_ns[1] / (double)cpu_ns[0] : 0;
+        for (int k = 0; k < 2; k++) {
+            r->rps[k][i] = reqs / t[k];
+            r->cpu_us[k][i] = (double)cpu_ns[k] / 1e3 / reqs;
+        }
+        r->slower += r->ratio[i] < 1.0;
         if (i == 0)
-            first = ratio[0];
+            r->first = r->ratio[0];
     }
-    double r = bench_median(ratio, o->rounds), c = bench_median(cpu, o->rounds);
+    return 0;
+}
+
+static int bench_leases(const opts_t *o, const char *sock)
+{
+    lease_side_t side[2] = {{.sock = sock, .kvd = g_kvd, .held = o->held},
+                            {.sock = sock, .kvd = g_kvd}};
+    lease_rounds_t lr;
+    if (lease_pairs(o, side, &lr) < 0)
+        return -1;
+    double reqs = 2.0 * LEASE_BATCH * LEASE_CYCLES * LEASE_PAIRS;
+    double r = bench_median(lr.ratio, o->rounds), c = bench_median(lr.cpu_ratio, o->rounds);
     printf("{\"op\":\"lease\",\"transport\":\"unix\",\"held\":%d,\"batch\":%d,"
            "\"pairs\":%d,\"requests\":%.0f,\"requests_per_s\":%.0f,"
            "\"baseline\":\"no other lease held\",\"baseline_requests_per_s\":%.0f,"
@@ -1013,10 +1121,59 @@ static int bench_leases(const opts_t *o, const char *sock)
            "\"cold_ratio\":%.3f,\"cpu_ratio\":%.3f,\"cpu_ratio_min\":%.3f,"
            "\"cpu_ratio_max\":%.3f,\"held_slower_rounds\":%d,\"bar\":\"ratio >= %.2f\","
            "\"pass\":%s,\"cpu_pass\":%s}\n",
-           o->held, LEASE_BATCH, LEASE_PAIRS, reqs, bench_median(rps_with, o->rounds),
-           bench_median(rps_without, o->rounds), o->rounds, r, ratio[0], ratio[o->rounds - 1],
-           first, c, cpu[0], cpu[o->rounds - 1], slower, KVT_BAR_LEASE,
+           o->held, LEASE_BATCH, LEASE_PAIRS, reqs, bench_median(lr.rps[0], o->rounds),
+           bench_median(lr.rps[1], o->rounds), o->rounds, r, lr.ratio[0], lr.ratio[o->rounds - 1],
+           lr.first, c, lr.cpu_ratio[0], lr.cpu_ratio[o->rounds - 1], lr.slower, KVT_BAR_LEASE,
            r >= KVT_BAR_LEASE ? "true" : "false", c >= KVT_BAR_LEASE ? "true" : "false");
+    fflush(stdout);
+    return 0;
+}
+
+/*
+ * The kept load (--ops kept): what kept copies cost the step. A kvtierd of its own with an HBM
+ * tier (host backend); the lease load with --held leases, beside --kept pages each leased and
+ * promoted into HBM under its lease (a kept copy each, which every step after a RELEASE looks
+ * at: exec.c's kept_settle), against the same load with the same leases on pages promoted before
+ * their lease (no kept copy), in paired rounds as the lease bar. ratio and cpu_ratio as there
+ * (below 1: the kept copies cost), with each side's kvtierd CPU per request and the difference
+ * per cycle (500 MATCHes with a lease and their 500 RELEASEs).
+ */
+static int bench_kept(const opts_t *o)
+{
+    char sock[sizeof g_dir + 16];
+    snprintf(sock, sizeof sock, "%s/kept.sock", g_dir);
+    const char *extra[] = {"--unix", "kept.sock",   "--tcp", "",  "--hbm-backend",
+                           "host",   "--hbm-bytes", "256M",  NULL};
+    g_loops_kvd[0] = spawn_kvtierd(o, "kept.log", extra);
+    if (wait_for(sock, 0) < 0) {
+        fprintf(stderr, "bench_server: the kept load's kvtierd did not start (%s/kept.log)\n",
+                g_dir);
+        return -1;
+    }
+    lease_side_t side[2] = {
+        {.sock = sock, .kvd = g_loops_kvd[0], .held = o->held, .pages = o->kept, .keep = 1},
+        {.sock = sock, .kvd = g_loops_kvd[0], .held = o->held, .pages = o->kept}};
+    lease_rounds_t lr;
+    if (lease_pairs(o, side, &lr) < 0)
+        return -1;
+    double extra_us[9];
+    for (int i = 0; i < o->rounds; i++)
+        extra_us[i] = (lr.cpu_us[0][i] - lr.cpu_us[1][i]) * 2.0 * LEASE_BATCH;
+    double r = bench_median(lr.ratio, o->rounds), c = bench_median(lr.cpu_ratio, o->rounds);
+    double e = bench_median(extra_us, o->rounds);
+    printf("{\"op\":\"kept\",\"transport\":\"unix\",\"held\":%d,\"kept_runs\":%u,"
+           "\"batch\":%d,\"pairs\":%d,\"requests_per_s\":%.0f,\"cpu_us_per_request\":%.3f,"
+           "\"baseline\":\"the same leases, pages promoted before their lease\","
+           "\"baseline_requests_per_s\":%.0f,\"baseline_cpu_us_per_request\":%.3f,"
+           "\"rounds\":%d,\"ratio\":%.3f,\"ratio_min\":%.3f,\"ratio_max\":%.3f,"
+           "\"cpu_ratio\":%.3f,\"cpu_ratio_min\":%.3f,\"cpu_ratio_max\":%.3f,"
+           "\"extra_cpu_us_per_cycle\":%.1f,\"extra_cpu_us_per_cycle_min\":%.1f,"
+           "\"extra_cpu_us_per_cycle_max\":%.1f,\"kept_slower_rounds\":%d}\n",
+           o->held, o->kept, LEASE_BATCH, LEASE_PAIRS, bench_median(lr.rps[0], o->rounds),
+           bench_median(lr.cpu_us[0], o->rounds), bench_median(lr.rps[1], o->rounds),
+           bench_median(lr.cpu_us[1], o->rounds), o->rounds, r, lr.ratio[0],
+           lr.ratio[o->rounds - 1], c, lr.cpu_ratio[0], lr.cpu_ratio[o->rounds - 1], e, extra_us[0],
+           extra_us[o->rounds - 1], lr.slower);
     fflush(stdout);
     return 0;
 }
@@ -1847,7 +2004,8 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
     return 0;
 }
 
-/* --ops is one load or several separated by commas ("get,conns,match"); loops runs alone. */
+/* --ops is one load or several separated by commas ("get,conns,match"); loops, loops_put and
+ * kept run alone. */
 static const char *const g_ops[] = {"match", "get", "lease", "conns", "fill", "all"};
 
 /* Whether the list names op (or "all", which names every load but loops). */
@@ -1865,7 +2023,7 @@ static int ops_has(const char *list, const char *op)
 
 static int ops_valid(const char *list)
 {
-    if (!strcmp(list, "loops") || !strcmp(list, "loops_put"))
+    if (!strcmp(list, "loops") || !strcmp(list, "loops_put") || !strcmp(list, "kept"))
         return 1;
     if (!*list)
         return 0;
@@ -1890,6 +2048,7 @@ int main(int argc, char **argv)
                 .transport = "all",
                 .rounds = 3,
                 .held = 3000,
+                .kept = 64,
                 .index_prefault = "default"};
     /* kvtierd of the same build: $KVT_BUILD_ROOT (meson's), else next to this binary's bench/,
      * else the installed one. */
@@ -1934,6 +2093,8 @@ int main(int argc, char **argv)
             o.prompts = atol(argv[++i]);
         else if (!strcmp(argv[i], "--held") && i + 1 < argc)
             o.held = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--kept") && i + 1 < argc)
+            o.kept = (uint32_t)atol(argv[++i]);
         else if (!strcmp(argv[i], "--index-prefault") && i + 1 < argc)
             o.index_prefault = argv[++i];
         else if (!strcmp(argv[i], "--sealed"))
@@ -1947,8 +2108,9 @@ int main(int argc, char **argv)
             fprintf(stderr, "usage: bench_server TRACE [--kvtierd PATH] [--redis-server PATH] "
                             "[--redis-benchmark PATH] [--conns N] [--pipeline N] [--requests N] "
                             "[--block-bytes N] [--rounds N] "
-                            "[--ops match|get|lease|conns|fill|all[,...]|loops|loops_put] "
-                            "[--transport unix|tcp|all] [--prompts N] [--held N] [--sealed] "
+                            "[--ops match|get|lease|conns|fill|all[,...]|loops|loops_put|kept] "
+                            "[--transport unix|tcp|all] [--prompts N] [--held N] [--kept N] "
+                            "[--sealed] "
                             "[--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...\n");
             return 2;
         }
@@ -1956,14 +2118,15 @@ int main(int argc, char **argv)
     if (!o.trace || o.conns < 1 || o.conns > 64 || o.pipeline < 1 || o.pipeline > KVT_PIPE_MAX ||
         o.requests < o.conns || o.prompts < 0 || o.rounds < 1 || o.rounds > 9 ||
         o.block_bytes < 4096 || o.block_bytes > (16u << 20) || o.held < 0 ||
-        o.held > LEASE_HELD_MAX ||
+        o.held > LEASE_HELD_MAX || o.kept < 1 || o.kept > KEPT_MAX ||
         (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all")) ||
         !ops_valid(o.ops)) {
         fprintf(stderr,
                 "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
-                "held 0..%d; ops match, get, lease, conns, fill or all, several with commas "
-                "(get,conns,match), or loops or loops_put alone; transport unix, tcp or all\n",
-                LEASE_HELD_MAX);
+                "held 0..%d; kept 1..%d; ops match, get, lease, conns, fill or all, several "
+                "with commas (get,conns,match), or loops, loops_put or kept alone; transport "
+                "unix, tcp or all\n",
+                LEASE_HELD_MAX, KEPT_MAX);
         return 2;
     }
     static char kvtierd_path[PATH_MAX], redis_path[PATH_MAX];
@@ -2037,6 +2200,11 @@ int main(int argc, char **argv)
     }
     if (!strcmp(o.ops, "loops_put")) { /* its own daemon, as loops */
         status = bench_loops_put(&o, tr) < 0;
+        kvt_trace_free(tr);
+        return status;
+    }
+    if (!strcmp(o.ops, "kept")) { /* its own daemon, as loops */
+        status = bench_kept(&o) < 0;
         kvt_trace_free(tr);
         return status;
     }
