@@ -690,10 +690,15 @@ void kvt__conf_apply_log(const kvt_srv_conf_t *conf)
 
 /*
  * The settings a running daemon takes on a reload: each is read where it is used (a limit
- * checked per request or per tick, a log setting, the secret an AUTH is checked against) or is
- * handed to the policy by the caller (policy-high, policy-low, nvme-min-hits). Everything else
- * sizes or opens something at start (tiers, sockets, the index, the arenas) and needs a restart.
+ * checked per request, per move or per tick, a log setting, the secret an AUTH is checked
+ * against) or is handed to the policy by the caller (policy-high, policy-low, nvme-min-hits).
+ * promote-keep-share is read at each promotion's start and switch: lowered below the bytes
+ * already kept, it frees none of them (a reader may still be reading them) and refuses new ones
+ * until enough of those went with their leases. Everything else sizes or opens something at
+ * start (tiers, sockets, the index, the arenas) and needs a restart.
  */
+/* Two columns; clang-format puts an odd count one a line. */
+/* clang-format off */
 static const char *const kvt_reloadable[] = {
     "log-level",         "log-rate",
     "lease-ms",          "lease-ms-max",
@@ -705,13 +710,15 @@ static const char *const kvt_reloadable[] = {
     "frame-min-rate",    "evict-idle-ms",
     "tick-ms",           "prefill-tokens-per-s",
     "policy-high",       "policy-low",
-    "nvme-min-hits",     "secret",
+    "nvme-min-hits",     "promote-keep-share",
+    "secret",
     "secret-file",       "auth-failures-per-s",
     "auth-wait-ms",      "drain-ms",
     "tenant-hbm-bytes",  "tenant-dram-bytes",
     "tenant-nvme-bytes", "tenant-remote-bytes",
     "socket-turns",      "socket-turn-stall-ms",
 };
+/* clang-format on */
 
 int kvt__conf_reloadable(const char *name)
 {

@@ -72,6 +72,20 @@ static inline void kvd_mkdir(kvd_t *d)
     cr_assert(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
 }
 
+/* Writes text as d->dir/kvtierd.conf, whole at once (a reload never reads half a file), and its
+ * path into path, for --config. */
+static inline void kvd_write_conf(const kvd_t *d, const char *text, char *path, size_t cap)
+{
+    char tmp[720];
+    snprintf(path, cap, "%s/kvtierd.conf", d->dir);
+    snprintf(tmp, sizeof tmp, "%s.new", path);
+    FILE *f = fopen(tmp, "w");
+    cr_assert(f, "%s: %s", tmp, strerror(errno));
+    fputs(text, f);
+    fclose(f);
+    cr_assert_eq(rename(tmp, path), 0);
+}
+
 /* Starts kvtierd in d->dir (made by kvd_mkdir, or fresh when d->dir is empty) with the given
  * flags (NULL-terminated) after the test defaults: small tiers, ephemeral ports. The defaults
  * name every tier the daemon gets, so that a test runs the same on every machine: no HBM tier

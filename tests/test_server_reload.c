@@ -15,22 +15,15 @@
 
 static void write_conf(const kvd_t *d, const char *text)
 {
-    char path[700], tmp[720];
-    snprintf(path, sizeof path, "%s/kvtierd.conf", d->dir);
-    snprintf(tmp, sizeof tmp, "%s.new", path);
-    FILE *f = fopen(tmp, "w");
-    cr_assert(f, "%s: %s", tmp, strerror(errno));
-    fputs(text, f);
-    fclose(f);
-    cr_assert_eq(rename(tmp, path), 0); /* the daemon never reads half a file */
+    char path[700];
+    kvd_write_conf(d, text, path, sizeof path);
 }
 
 static void start_with_conf(kvd_t *d, const char *text, const char *flag, const char *value)
 {
     kvd_mkdir(d);
-    write_conf(d, text);
     char path[700];
-    snprintf(path, sizeof path, "%s/kvtierd.conf", d->dir);
+    kvd_write_conf(d, text, path, sizeof path);
     kvd_start(d, "--config", path, flag, value, NULL);
 }
 

@@ -819,8 +819,16 @@ static int located_at(int fd, uint64_t lease, uint64_t off)
  * parked), and maps the DRAM of a zero-copy connection into z; the connection. */
 static int hbm_over_dram(zmap_t *z, const char *lease_ms, const char *keep)
 {
+    char conf[700];
+    const char *flag = "--promote-keep-share", *value = keep;
+    if (!keep) { /* 0, from a config file that a reload reads again (a flag would win) */
+        kvd_mkdir(&d);
+        kvd_write_conf(&d, "promote-keep-share = 0\n", conf, sizeof conf);
+        flag = "--config";
+        value = conf;
+    }
     kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
-              "--nvme-bytes", "0", "--lease-ms", lease_ms, "--promote-keep-share", keep, NULL);
+              "--nvme-bytes", "0", "--lease-ms", lease_ms, flag, value, NULL);
     int fd = zconn(&d, "zc", NULL);
     cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, z, NULL), 0);
     return fd;
@@ -1095,6 +1103,52 @@ Test(server_zc, a_leased_promotion_past_the_keep_share_is_parked, .fini = teardo
     zrelease(fd, second);
     cr_expect_eq(wait_stat(c, "hbm_blocks", 2), 2, "not promoted after its lease");
     cr_expect_eq(kvd_stat(c, "leased_promotions"), 1);
+    zunmap(&z);
+    close(fd);
+    kvt_client_close(c);
+}
+
+/* The config file says promote-keep-share = share; the reload is the n-th. */
+static void reload_share(kvt_client_t *c, const char *share, uint64_t n)
+{
+    char text[64], conf[700];
+    snprintf(text, sizeof text, "promote-keep-share = %s\n", share);
+    kvd_write_conf(&d, text, conf, sizeof conf);
+    cr_assert_eq(kill(d.pid, SIGHUP), 0);
+    cr_assert_eq(wait_stat(c, "config_reloads", n), n, "reload %llu not applied",
+                 (unsigned long long)n);
+}
+
+/* promote-keep-share changes on a reload (SIGHUP). Raised from 0, a page promoted under its lease
+ * keeps its old copy; lowered back to 0, that copy stays until its lease ends (a lowered share
+ * frees nothing early), while the next leased page's promotion is refused and parked. */
+Test(server_zc, promote_keep_share_changes_on_a_reload, .fini = teardown)
+{
+    zmap_t z;
+    int fd = hbm_over_dram(&z, "30000", NULL);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE], u[PAGE], pages;
+    kvd_tokens(t, PAGE, 9100);
+    kvd_tokens(u, PAGE, 9200);
+    reload_share(c, "0.25", 1);
+    zstore_one(fd, &z, t, 91);
+    uint64_t first = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_assert_eq(wait_stat(c, "hbm_blocks", 1), 1, "not promoted under its lease: share still 0");
+    cr_expect_eq(kvd_stat(c, "leased_promotion_copies"), 1);
+    reload_share(c, "0", 2);
+    zstore_one(fd, &z, u, 92);
+    uint64_t second = zmatch(fd, u, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_expect_eq(wait_stat(c, "policy_parked", 1), 1, "share 0 again: not parked");
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 1, "promoted under its lease at share 0");
+    cr_expect_eq(kvd_stat(c, "leased_promotion_copies"), 1, "the kept copy went before its lease");
+    zrelease(fd, first);
+    cr_expect_eq(wait_stat_down(c, "leased_promotion_copies", 0), 0);
+    zrelease(fd, second);
+    cr_expect_eq(wait_stat(c, "hbm_blocks", 2), 2, "not promoted after its lease");
+    cr_expect_eq(kvd_stat(c, "leased_promotions"), 1);
+    cr_expect_eq(kvd_stat(c, "config_reload_failures"), 0);
     zunmap(&z);
     close(fd);
     kvt_client_close(c);
