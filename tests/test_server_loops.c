@@ -1393,15 +1393,17 @@ Test(server_loops, locate_gets_on_four_loops_keep_their_pages_while_others_write
  * A GET of more than one batch (12 pages of 2 MiB: 4 batches of KVT_GET_BATCH_BYTES) of DRAM
  * pages on loop 1 goes batch after batch under the shared lock too: each next batch is built
  * while the client's lease holds the path (op_get.c, get_next_shared). Before, such a GET went to
- * the write path (a write lock for the frame and one per batch).
+ * the write path (a write lock for the frame and one per batch). With zero_copy the client maps
+ * its arena and GETs with LOCATE (step 8): every page goes as a location, batch after batch.
  */
-Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
+static void several_batches_take_no_write_lock(int zero_copy)
 {
     kvd_t d = {0};
     kvd_start(&d, "--loops", "2", "--dram-bytes", "64M", NULL);
     enum { P = 12, R = 6 };
     const size_t bb = 2u << 20;
-    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "big", PAGE, bb);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB),
+                 *c1 = kvd_client_map(&d, "big", PAGE, bb, zero_copy);
     cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
     static uint32_t tok[P * PAGE];
     uint8_t *payload = malloc(P * bb), *back = malloc(P * bb);
@@ -1418,8 +1420,10 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     cr_assert_eq(m.pages, P);
     cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, 0, 0, NULL, &one), 0);
     double w0 = write_locks(&d, 1);
+    uint64_t located = 0;
     for (int round = 0; round < R; round++) {
         uint32_t got = 0, first = (uint32_t)round % 3;
+        located += zero_copy ? P - first : 0;
         memset(back, 0, P * bb);
         cr_assert_eq(kvt_client_get(c1, m.lease, first, P - first, back, P * bb, &got, NULL), 0);
         cr_expect_eq(got, P - first, "round %d", round);
@@ -1430,6 +1434,7 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     double w1 = write_locks(&d, 1);
     cr_expect_eq(w1 - w0, 0, "%g write locks for %d GETs of 4 batches of DRAM pages", w1 - w0, R);
     cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), R);
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"), (double)located);
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
     free(payload);
     free(back);
@@ -1437,6 +1442,16 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     kvt_client_close(c1);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
+}
+
+Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
+{
+    several_batches_take_no_write_lock(0);
+}
+
+Test(server_loops, locate_gets_of_several_batches_take_no_write_lock, .timeout = 60)
+{
+    several_batches_take_no_write_lock(1);
 }
 
 /*
