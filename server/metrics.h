@@ -160,8 +160,8 @@ typedef enum {
       "loops; no lease, KEEP or REMOTE), by loop.",                                                \
       LOOP)                                                                                        \
     X(LOOP_SHARED_GETS, COUNTER, "kvtier_loop_shared_gets_total",                                  \
-      "GETs of DRAM pages in one batch planned, written and released under the store's lock "      \
-      "shared with other loops (several loops; no LOCATE), by loop.",                              \
+      "GETs of DRAM pages (or LOCATE's locations in the mapped arena) planned, written and "       \
+      "released under the store's lock shared with other loops (several loops), by loop.",         \
       LOOP)                                                                                        \
     X(LOOP_WRITE_LOCKS, COUNTER, "kvtier_loop_write_locks_total",                                  \
       "Times each event loop's thread took the store's lock for writing (a write op, a close, a "  \

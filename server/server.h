@@ -871,10 +871,11 @@ void kvt__match_settle(kvt_srv_t *s);
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 /* Whether a MATCH with header h is one kvt__h_match_shared may answer (its flags allow it). */
 int kvt__match_shares(const kvt_proto_hdr_t *h);
-/* A GET of pages all in DRAM, in one batch, under the shared lock (op_get.c): 1 when it queued
- * the GET, 0 when it did nothing (the write path answers it). */
+/* A GET whose first batch's pages all lie in DRAM (with LOCATE, those in the mapped arena go as
+ * locations), under the shared lock (op_get.c): 1 when it queued the GET, 0 when it did nothing
+ * (the write path answers it). */
 int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
-/* Whether a GET with header h is one kvt__h_get_shared may take (no LOCATE). */
+/* Whether a GET with header h is one kvt__h_get_shared may take (no flag but LOCATE). */
 int kvt__get_shares(const kvt_proto_hdr_t *h);
 /* Under the write lock, as a lease of c on node goes (RELEASE, expiry): each GET of c planned
  * under the shared lock on node's path, with pages left, pins the path for them, as the write

@@ -7,8 +7,9 @@
  * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
  * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out;
  * runs of pipelined MATCHes that take no write lock on 2 and 4 loops, and on loop 0; the MATCHes
- * pipelined after a PUT answered under the lock shared again; each loop's queue depth (requests
- * and reply bytes waiting on a client that does not read).
+ * pipelined after a PUT answered under the lock shared again; GETs with LOCATE (zero-copy) that
+ * take no write lock, and whose located pages keep their bytes while another loop writes; each
+ * loop's queue depth (requests and reply bytes waiting on a client that does not read).
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -947,15 +948,15 @@ static double write_locks(const kvd_t *d, int i)
     return v;
 }
 
-/* Starts d with `loops` loops (at most 4) and connects one client to each, c[i] on loop i;
- * returns the loops. */
-static int client_a_loop(kvd_t *d, const char *loops, kvt_client_t **c)
+/* Starts d with `loops` loops (at most 4) and connects one client of model "m" to each, c[i] on
+ * loop i, zero-copy ones (kvd_client_map) if zero_copy; returns the loops. */
+static int client_a_loop(kvd_t *d, const char *loops, int zero_copy, kvt_client_t **c)
 {
     kvd_start(d, "--loops", loops, NULL);
     int n = atoi(loops);
     cr_assert_leq(n, 4);
     for (int i = 0; i < n; i++)
-        c[i] = kvd_client(d, "m", PAGE, BB);
+        c[i] = kvd_client_map(d, "m", PAGE, BB, zero_copy);
     char key[64];
     for (int i = 0; i < n; i++) {
         snprintf(key, sizeof key, "loop_connections_%d", i);
@@ -984,7 +985,7 @@ static void runs_take_no_write_lock(const char *loops)
 {
     kvd_t d = {0};
     kvt_client_t *c[4];
-    int n = client_a_loop(&d, loops, c);
+    int n = client_a_loop(&d, loops, 0, c);
     char key[64];
     enum { P = 4, B = 32, R = 8 };
     static uint32_t tok[(P + 1) * PAGE];
@@ -1053,24 +1054,56 @@ Test(server_loops, a_run_of_matches_on_four_loops_takes_no_write_lock)
     runs_take_no_write_lock("4");
 }
 
+/* A zero-copy GET's page as kvt_client_get_cb hands it: where it lies (in the client's mapping, a
+ * location, or a buffer of the reply) and whether its bytes are want's, from page first on. */
+typedef struct loc_check {
+    const uint8_t *map, *want;
+    const uint8_t **ptrs; /* if not NULL: per page, where it lies in the mapping, or NULL */
+    uint64_t map_bytes;
+    uint32_t first, n, bb, seen, located; /* pages [first, first + n) asked for */
+    int wrong;
+} loc_check_t;
+
+static int loc_check_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    loc_check_t *k = arg;
+    const uint8_t *p = data;
+    int in_map = p >= k->map && p + len <= k->map + k->map_bytes;
+    (void)tier; /* a located page lies in the mapping: DRAM's */
+    if (k->seen >= k->n || page != k->first + k->seen || len != k->bb) {
+        k->wrong++;
+        return 1;
+    }
+    if (k->ptrs)
+        k->ptrs[k->seen] = in_map ? p : NULL;
+    k->located += (uint32_t)in_map;
+    k->wrong += memcmp(p, k->want + (size_t)k->seen * k->bb, len) != 0;
+    k->seen++;
+    return 0;
+}
+
 /*
  * A GET whose pages all lie in DRAM is framed, planned, written and released under the store's
  * lock shared (op_get.c, kvt__h_get_shared): the loop that serves it takes no write lock (issue
  * 42), on each loop past 0 (one client each; loop 0 takes the lock for writing for its own work).
- * Each round GETs the whole leased prefix and a page of it, checking the bytes; the MATCH after
- * the last GET (shared too) comes after the loop released the GET's batch, so that a write lock
- * the release took would be counted. The requests still count as sent.
+ * With zero_copy the clients map their namespace's arena, store through it, and GET with LOCATE
+ * (step 8): the daemon answers where the pages lie in the mapping. Each round GETs the whole
+ * leased prefix (with LOCATE copied from the mapping, kvt_client_get) and a page of it
+ * (kvt_client_get_cb: with LOCATE a pointer into the mapping), checking the bytes; the MATCH
+ * after the last GET (shared too) comes after the loop released the GET's batch, so that a write
+ * lock the release took would be counted. The requests, and the located pages, still count as
+ * sent.
  */
-static void gets_take_no_write_lock(const char *loops)
+static void gets_take_no_write_lock(const char *loops, int zero_copy)
 {
     kvd_t d = {0};
     kvt_client_t *c[4];
-    int n = client_a_loop(&d, loops, c);
+    int n = client_a_loop(&d, loops, zero_copy, c);
     char key[64];
     enum { P = 4, R = 16 };
     static uint32_t tok[P * PAGE];
     static uint8_t payload[P * BB], back[P * BB];
-    uint64_t gets = 0;
+    uint64_t gets = 0, located = 0;
     for (int i = 1; i < n; i++) {
         kvd_tokens(tok, P * PAGE, 9400000u + (uint32_t)i * 100000u);
         kvd_fill(payload, sizeof payload, 94 + (uint32_t)i);
@@ -1090,18 +1123,25 @@ static void gets_take_no_write_lock(const char *loops)
             cr_expect_eq(got, P, "loop %d, round %d", i, round);
             cr_expect(memcmp(back, payload, sizeof back) == 0, "loop %d, round %d: the bytes", i,
                       round);
-            cr_assert_eq(kvt_client_get(c[i], m.lease, first, 1, back, BB, &got, NULL), 0);
+            loc_check_t k = {
+                .want = payload + (size_t)first * BB, .first = first, .n = 1, .bb = BB};
+            k.map = kvt_client_mapping(c[i], &k.map_bytes);
+            cr_assert_eq(kvt_client_get_cb(c[i], m.lease, first, 1, loc_check_page, &k, &got), 0);
             cr_expect_eq(got, 1);
-            cr_expect(memcmp(back, payload + (size_t)first * BB, BB) == 0);
+            cr_expect_eq(k.located, (uint32_t)zero_copy, "loop %d, round %d: where it lies", i,
+                         round);
+            cr_expect_eq(k.wrong, 0, "loop %d, round %d: the page's bytes", i, round);
             gets += 2;
+            located += zero_copy ? P + 1 : 0;
         }
         cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, 0, 0, NULL, &one), 0);
         double w1 = write_locks(&d, i);
-        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of DRAM pages", i, w1 - w0,
-                     2 * R);
+        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of DRAM pages%s", i, w1 - w0,
+                     2 * R, zero_copy ? " with LOCATE" : "");
         snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
         cr_expect_eq(kvd_metric(&d, key), 2 * R, "loop %d: every GET planned shared", i);
     }
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"), (double)located);
     cr_expect_eq(kvd_metric(&d, "kvtier_requests_total{op=\"get\"}"), (double)gets);
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
     client_a_loop_stop(&d, c, n);
@@ -1109,27 +1149,261 @@ static void gets_take_no_write_lock(const char *loops)
 
 Test(server_loops, gets_from_dram_take_no_write_lock)
 {
-    gets_take_no_write_lock("2");
+    gets_take_no_write_lock("2", 0);
 }
 
 Test(server_loops, gets_from_dram_on_four_loops_take_no_write_lock)
 {
-    gets_take_no_write_lock("4");
+    gets_take_no_write_lock("4", 0);
+}
+
+Test(server_loops, locate_gets_take_no_write_lock)
+{
+    gets_take_no_write_lock("2", 1);
+}
+
+Test(server_loops, locate_gets_on_four_loops_take_no_write_lock)
+{
+    gets_take_no_write_lock("4", 1);
+}
+
+/*
+ * LOCATE GETs under the shared lock while another loop writes. A writer on loop 0 stores a
+ * 2-page prefix S before anyone maps the namespace (its pages stay in the main DRAM region and go
+ * with their bytes), then PUTs fresh prefixes of the same namespace into its arena (64 KiB pages,
+ * 4 MiB of DRAM: the step pushes blocks out to NVMe and drops them, and the arena reuses their
+ * room) and REMOVEs the readers' churn prefixes from their second page on. A zero-copy reader on
+ * each loop past 0 leases S extended by two pages of its own in the arena, and every round GETs
+ * it with LOCATE (two pages with their bytes, two located) and then stores a churn prefix, leases
+ * it, GETs it with LOCATE, and reads its located pages where they lie three times over with the
+ * writer at work before it RELEASEs the lease. Every byte read through a location must be the
+ * page's own while the lease holds: the writer's REMOVE is refused meanwhile, and no eviction,
+ * move or PUT may have the room (docs/protocol.md, "Lifetimes"). The previous round's churn prefix,
+ * once let go, is leased and read again: whatever of it is left, from whichever tier, must be its
+ * own. (With REMOVE let through a client's lease this fails every run: the located pages read
+ * other bytes.)
+ */
+#define RBB (64u << 10)
+
+typedef struct zrace {
+    const kvd_t *d;
+    kvt_client_t *c;     /* connected by the test: the writer on loop 0, reader i on loop i */
+    struct zrace *all;   /* the readers, for the writer to aim at */
+    int id, nreaders;    /* id 0: the writer */
+    int round, finished; /* a reader's, read by the writer (atomic) */
+    int errors, line, rc;
+    uint64_t located, sent, removed; /* a reader's pages read where they lie, or with bytes */
+} zrace_t;
+
+#define ZRACE_WRONG(w)       ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+#define ZRACE_WRONG_RC(w, r) ((w)->rc = (w)->errors ? (w)->rc : (r), ZRACE_WRONG(w))
+enum { ZP = 4, ZROUNDS = 40 };
+
+/* The tokens of reader id's churn prefix of round k (ZP pages). */
+static void zrace_churn(uint32_t *tok, int id, int k)
+{
+    kvd_tokens(tok, ZP * PAGE, 9810000u + (uint32_t)id * 100000u + (uint32_t)k * 1000u);
+}
+
+/* Its bytes: page p of churn round k of reader id, as kvd_fill makes them. */
+static void zrace_fill(uint8_t *payload, int id, int k)
+{
+    for (int p = 0; p < ZP; p++)
+        kvd_fill(payload + (size_t)p * RBB, RBB, (uint32_t)(id * 100000 + k * 10 + p));
+}
+
+static void *zrace_writer_main(void *arg)
+{
+    zrace_t *w = arg;
+    static uint32_t tok[ZP * PAGE];
+    uint8_t *payload = malloc((size_t)ZP * RBB);
+    for (int i = 0; payload; i++) {
+        int left = 0;
+        for (int r = 1; r <= w->nreaders; r++)
+            left += !__atomic_load_n(&w->all[r].finished, __ATOMIC_ACQUIRE);
+        if (!left)
+            break;
+        /* A fresh prefix into the arena: DRAM fills, the step demotes and drops. */
+        kvd_tokens(tok, ZP * PAGE, 7700000u + (uint32_t)(i % 64) * 1000u);
+        kvd_fill(payload, (size_t)ZP * RBB, 990000u + (uint32_t)i);
+        kvt_client_put_t r;
+        if (kvt_client_put(w->c, tok, ZP * PAGE, 0, ZP, payload, NULL, &r) < 0)
+            ZRACE_WRONG(w);
+        /* A reader's churn prefix of now, from its second page: refused while it is leased. */
+        zrace_t *v = &w->all[1 + i % w->nreaders];
+        zrace_churn(tok, v->id, __atomic_load_n(&v->round, __ATOMIC_ACQUIRE));
+        int rc = kvt_client_remove(w->c, tok, 2 * PAGE);
+        if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
+            ZRACE_WRONG_RC(w, rc);
+        w->removed += rc == 0;
+    }
+    free(payload);
+    return NULL;
+}
+
+/* Reader w's GET with LOCATE of pages [0, n) under lease, each checked against want (page p at
+ * p x RBB): a wrong page is an error, and so is a GET that fails, but where `lost` allows it, one
+ * that ends with ENOENT after the pages before a page whose bytes went (a MATCH leases the
+ * index-only pages that eviction leaves). Returns the pages read where they lie; ptrs (if not
+ * NULL, n entries) gets their pointers into the mapping (NULL: with bytes, or not sent). */
+static uint32_t zrace_get(zrace_t *w, uint64_t lease, uint32_t n, const uint8_t *want,
+                          const uint8_t **ptrs, int lost)
+{
+    loc_check_t k = {.want = want, .n = n, .bb = RBB, .ptrs = ptrs};
+    k.map = kvt_client_mapping(w->c, &k.map_bytes);
+    for (uint32_t p = 0; ptrs && p < n; p++)
+        ptrs[p] = NULL;
+    uint32_t got = 0;
+    int rc = kvt_client_get_cb(w->c, lease, 0, n, loc_check_page, &k, &got);
+    if ((rc < 0 && !(lost && rc == KVT_CLIENT_ENOENT)) || got != k.seen || k.wrong ||
+        (rc == 0 && got != n))
+        ZRACE_WRONG_RC(w, rc);
+    w->located += k.located;
+    w->sent += k.seen - k.located;
+    return k.located;
+}
+
+/* Leases the churn prefix of round k (its tokens in tok, its bytes in churn) for one GET with
+ * LOCATE; with hold, reads the located pages again where they lie, three times, with the writer
+ * at work, before the RELEASE: they must still be the page's own. */
+static void zrace_churn_get(zrace_t *w, uint32_t *tok, uint8_t *churn, int k, int hold)
+{
+    const uint8_t *ptrs[ZP];
+    kvt_client_match_t m = {0};
+    zrace_churn(tok, w->id, k);
+    zrace_fill(churn, w->id, k);
+    if (kvt_client_match(w->c, tok, ZP * PAGE, KVT_CLIENT_LEASE, 10000, NULL, &m) < 0)
+        ZRACE_WRONG(w);
+    if (m.pages == 0)
+        return; /* removed or pushed out whole */
+    zrace_get(w, m.lease, m.pages, churn, ptrs, 1);
+    for (int again = 0; hold && again < 3; again++) {
+        usleep(1000);
+        for (uint32_t p = 0; p < m.pages; p++)
+            if (ptrs[p] && memcmp(ptrs[p], churn + (size_t)p * RBB, RBB) != 0)
+                ZRACE_WRONG(w);
+    }
+    if (kvt_client_release(w->c, m.lease, NULL) < 0)
+        ZRACE_WRONG(w);
+}
+
+static void *zrace_reader_main(void *arg)
+{
+    zrace_t *w = arg;
+    uint32_t tok[ZP * PAGE];
+    uint8_t *mine = malloc((size_t)2 * ZP * RBB), *churn = mine ? mine + (size_t)ZP * RBB : NULL;
+    kvt_client_put_t r;
+    kvt_client_match_t lm = {0};
+    /* Its leased path: S (the writer's, with its bytes) and two pages of its own, in the arena. */
+    kvd_tokens(tok, 2 * PAGE, 9800000u);
+    kvd_tokens(tok + 2 * PAGE, 2 * PAGE, 9800500u + (uint32_t)w->id * 1000u);
+    if (mine) {
+        kvd_fill(mine, 2 * RBB, 98);
+        kvd_fill(mine + 2 * RBB, 2 * RBB, 98 + (uint32_t)w->id);
+    }
+    if (!mine || kvt_client_put(w->c, tok, ZP * PAGE, 0, ZP, mine, NULL, &r) < 0 ||
+        kvt_client_match(w->c, tok, ZP * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &lm) < 0 ||
+        lm.pages != ZP)
+        ZRACE_WRONG(w);
+    for (int round = 0; lm.pages == ZP && round < ZROUNDS; round++) {
+        if (zrace_get(w, lm.lease, ZP, mine, NULL, 0) != 2)
+            ZRACE_WRONG(w); /* S's pages with their bytes, its own where they lie */
+        /* The writer REMOVEs this round's churn prefix as soon as it may. */
+        __atomic_store_n(&w->round, round, __ATOMIC_RELEASE);
+        zrace_churn(tok, w->id, round);
+        zrace_fill(churn, w->id, round);
+        if (kvt_client_put(w->c, tok, ZP * PAGE, 0, ZP, churn, NULL, &r) < 0)
+            ZRACE_WRONG(w);
+        zrace_churn_get(w, tok, churn, round, 1);
+        if (round > 0)
+            zrace_churn_get(w, tok, churn, round - 1, 0);
+    }
+    __atomic_store_n(&w->finished, 1, __ATOMIC_RELEASE);
+    if (lm.lease && kvt_client_release(w->c, lm.lease, NULL) < 0)
+        ZRACE_WRONG(w);
+    free(mine);
+    return NULL;
+}
+
+static void locate_gets_race(const char *loops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, "--dram-bytes", "4M", "--nvme-bytes", "16M", NULL);
+    int n = atoi(loops);
+    cr_assert(n >= 2 && n <= 4);
+    zrace_t w[4];
+    pthread_t th[4];
+    /* The writer first, on loop 0; it stores S before anyone maps the namespace. */
+    w[0] = (zrace_t){.d = &d, .all = w, .nreaders = n - 1, .c = kvd_client(&d, "zr", PAGE, RBB)};
+    static uint32_t tok[2 * PAGE];
+    static uint8_t s_bytes[2 * RBB];
+    kvd_tokens(tok, 2 * PAGE, 9800000u);
+    kvd_fill(s_bytes, sizeof s_bytes, 98);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(w[0].c, tok, 2 * PAGE, 0, 2, s_bytes, NULL, &r), 0);
+    cr_assert_eq(r.stored, 2);
+    for (int i = 1; i < n; i++)
+        w[i] = (zrace_t){.d = &d, .all = w, .id = i, .c = kvd_client_map(&d, "zr", PAGE, RBB, 1)};
+    char key[64];
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(w[0].c, key), 1, "w[%d] is loop %d's", i, i);
+    }
+    for (int i = 0; i < n; i++)
+        pthread_create(&th[i], NULL, i ? zrace_reader_main : zrace_writer_main, &w[i]);
+    int errors = 0, line = 0, rc = 0;
+    for (int i = 0; i < n; i++) {
+        pthread_join(th[i], NULL);
+        errors += w[i].errors;
+        rc = line ? rc : w[i].rc;
+        line = line ? line : w[i].line;
+    }
+    if (errors)
+        kvd_log_tail(&d, 4000);
+    cr_expect_eq(errors, 0, "%d wrong replies or pages, the first at line %d (rc %d)", errors, line,
+                 rc);
+    cr_expect_gt(w[0].removed, 0, "the writer removed churn prefixes the readers had read");
+    double dropped = kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"),
+           demoted = kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}");
+    cr_expect(dropped > 0 || demoted > 0, "the writer pushed blocks out of DRAM (%g, %g)", dropped,
+              demoted);
+    for (int i = 1; i < n; i++) {
+        cr_expect_geq(w[i].located, ZROUNDS * 2, "reader %d: pages read where they lie", i);
+        cr_expect_geq(w[i].sent, ZROUNDS * 2, "reader %d: S's pages with their bytes", i);
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
+        cr_expect_geq(kvd_metric(&d, key), ZROUNDS, "loop %d: GETs with LOCATE planned shared", i);
+    }
+    for (int i = 0; i < n; i++)
+        kvt_client_close(w[i].c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, locate_gets_keep_their_pages_while_others_write, .timeout = 120)
+{
+    locate_gets_race("2");
+}
+
+Test(server_loops, locate_gets_on_four_loops_keep_their_pages_while_others_write, .timeout = 120)
+{
+    locate_gets_race("4");
 }
 
 /*
  * A GET of more than one batch (12 pages of 2 MiB: 4 batches of KVT_GET_BATCH_BYTES) of DRAM
  * pages on loop 1 goes batch after batch under the shared lock too: each next batch is built
  * while the client's lease holds the path (op_get.c, get_next_shared). Before, such a GET went to
- * the write path (a write lock for the frame and one per batch).
+ * the write path (a write lock for the frame and one per batch). With zero_copy the client maps
+ * its arena and GETs with LOCATE (step 8): every page goes as a location, batch after batch.
  */
-Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
+static void several_batches_take_no_write_lock(int zero_copy)
 {
     kvd_t d = {0};
     kvd_start(&d, "--loops", "2", "--dram-bytes", "64M", NULL);
     enum { P = 12, R = 6 };
     const size_t bb = 2u << 20;
-    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "big", PAGE, bb);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB),
+                 *c1 = kvd_client_map(&d, "big", PAGE, bb, zero_copy);
     cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
     static uint32_t tok[P * PAGE];
     uint8_t *payload = malloc(P * bb), *back = malloc(P * bb);
@@ -1146,8 +1420,10 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     cr_assert_eq(m.pages, P);
     cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, 0, 0, NULL, &one), 0);
     double w0 = write_locks(&d, 1);
+    uint64_t located = 0;
     for (int round = 0; round < R; round++) {
         uint32_t got = 0, first = (uint32_t)round % 3;
+        located += zero_copy ? P - first : 0;
         memset(back, 0, P * bb);
         cr_assert_eq(kvt_client_get(c1, m.lease, first, P - first, back, P * bb, &got, NULL), 0);
         cr_expect_eq(got, P - first, "round %d", round);
@@ -1158,6 +1434,7 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     double w1 = write_locks(&d, 1);
     cr_expect_eq(w1 - w0, 0, "%g write locks for %d GETs of 4 batches of DRAM pages", w1 - w0, R);
     cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), R);
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"), (double)located);
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
     free(payload);
     free(back);
@@ -1165,6 +1442,16 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     kvt_client_close(c1);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
+}
+
+Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
+{
+    several_batches_take_no_write_lock(0);
+}
+
+Test(server_loops, locate_gets_of_several_batches_take_no_write_lock, .timeout = 60)
+{
+    several_batches_take_no_write_lock(1);
 }
 
 /*
