@@ -846,6 +846,7 @@ Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
     cr_assert_eq(kvt_client_prefetch(c, t, PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
     cr_expect_eq(pf.moved + pf.resident, 0, "promoted under its reader: moved %u resident %u",
                  pf.moved, pf.resident);
+    cr_expect_eq(pf.failed, 1, "a refused page not answered failed"); /* docs/protocol.md */
     for (uint32_t i = 0; i < 16; i++) {
         uint32_t u[PAGE];
         kvd_tokens(u, PAGE, 20000 + 100 * i);
