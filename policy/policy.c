@@ -97,7 +97,7 @@
 #define HIST_DECAY      0.97
 #define PROMO_QUEUE     64
 #define PARK_MAX        64 /* promotions parked for readers' leases; the oldest goes first */
-#define ROOM_TRIES      3  /* times a queued promotion may make room in the top tier for nothing */
+#define ROOM_TRIES      3  /* times a queued promotion makes room again, its room gone elsewhere */
 #define PRIO_MASK       0x03ffu
 #define PAUSE_SHIFT     10
 #define PAUSE_FINISHED  63u
@@ -593,8 +593,8 @@ static int orphan_take(kvt_policy_t *p, const kvt_radix_node_t *n)
  *
  * The same entries hold queued promotions that made room in the top tier and found it still on
  * its way (park_room): kvtierd's moves out land later, and nothing else would try the promotion
- * again once they have. Returns the entry (a lease's), which keeps the count of rooms made of
- * the one it replaces for the same path end.
+ * again once they have. Returns the entry, marked as a lease's; it keeps the count of rooms made
+ * (promo_t.rooms) of the entry it replaces for the same path end.
  */
 static parked_t *park_put(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages,
                           kvt_radix_node_t *at, int place)
