@@ -2512,8 +2512,11 @@ uint32_t kvt_policy_trim_index_bytes(kvt_policy_t *p, uint64_t target, uint32_t 
 static void park_room(kvt_policy_t *p, const promo_t *q, kvt_radix_node_t *at, int made)
 {
     uint32_t rooms = q->rooms + (made != 0);
-    if (rooms > ROOM_TRIES)
+    if (rooms > ROOM_TRIES) {
+        p->st.room_gaveups++;
         return;
+    }
+    p->st.room_waits++;
     parked_t *e = park_put(p, q->n, q->node_pages, at, q->place);
     e->room = 1;
     e->q.rooms = KVT_MAX(e->q.rooms, rooms);

@@ -238,6 +238,11 @@ typedef enum {
       NONE)                                                                                        \
     X(POLICY_PARK_WAITS, COUNTER, "kvtier_policy_park_waits_total",                                \
       "Promotions MATCH queued not started: a parked one waits on their path.", NONE)              \
+    X(POLICY_ROOM_WAITS, COUNTER, "kvtier_policy_room_waits_total",                                \
+      "Queued promotions parked till the room their moves out make in the top tier lands.", NONE)  \
+    X(POLICY_ROOM_GAVEUPS, COUNTER, "kvtier_policy_room_gaveups_total",                            \
+      "Queued promotions dropped after their room went elsewhere 3 times (till the next MATCH).",  \
+      NONE)                                                                                        \
     X(LEASED_PROMOTIONS, COUNTER, "kvtier_leased_promotions_total",                                \
       "Promotions out of DRAM switched to their new copy while a lease held the run, the old "     \
       "copy kept until the leases taken before the switch end (promote-keep-share).",              \

@@ -1373,6 +1373,8 @@ Test(policy_decisions, a_parked_promotion_into_a_full_tier_is_made_once_its_room
     all_in(d, 4, KVT_TIER_DRAM);
     cr_assert_eq(stats().demotions, demotions + 1);
     cr_assert_eq(refusals, 1);
+    cr_expect_eq(stats().room_waits, 1);
+    cr_expect_eq(stats().room_gaveups, 0);
     free(d);
     free(a);
     stop();
@@ -1414,6 +1416,8 @@ Test(policy_decisions, a_promotion_whose_room_never_comes_makes_room_a_bounded_n
     cr_assert_eq(stats().pending_moves, 0, "still making room");
     cr_expect_eq(stats().demotions - demotions, 4, "room made %llu times",
                  (unsigned long long)(stats().demotions - demotions));
+    cr_expect_eq(stats().room_gaveups, 1, "dropped once, at the bound");
+    cr_expect_eq(stats().room_waits, 3, "waited for each room made within the bound");
     all_in(d, 4, KVT_TIER_HBM);
     all_in(a, 4, KVT_TIER_DRAM);
     request(a, 16, NULL);
