@@ -126,12 +126,18 @@ static int get_drained(kvt__req_t *r)
     return 1;
 }
 
-/* The GET's pin goes; if it was shown gone already (get_send), it leaves s->pins_ending too. */
+/* The GET's pin goes, and its NVMe pins (r->extra) if its lease had ended (kvt__get_lease_ends);
+ * if the pin was shown gone already (get_send), it leaves s->pins_ending too. */
 static void get_unpin(kvt_srv_t *s, kvt__req_t *r)
 {
     if (r->get.pin_gone) {
         r->get.pin_gone = 0;
         s->pins_ending--;
+    }
+    if (r->extra) {
+        kvt__nvme_unpin(s, r->extra);
+        free(r->extra);
+        r->extra = NULL;
     }
     kvt__unpin(s, r);
 }
@@ -599,14 +605,35 @@ static int get_next_shared(kvt_srv_t *s, const kvt__req_t *r)
            get_batch_dram(s, r->node, r->block_bytes, r->get.cur, r->get.end);
 }
 
+/* The NVMe blocks of the path r reads under its lease (get_req: the lease's node and length), as
+ * the lease pinned them at its MATCH, into r->extra (none: out of memory, as for the lease). */
+static void get_pin_nvme(kvt_srv_t *s, kvt__req_t *r)
+{
+    if ((r->extra = calloc(1, sizeof(kvt__nvme_pins_t))))
+        kvt__nvme_pin(s, r->extra, r->node, r->pages);
+}
+
+/*
+ * Each GET of c on node with pages left keeps what the ending lease kept for it (lease.c
+ * lease_del, under the write lock, before the lease's path and NVMe pins go). One planned shared
+ * takes the write path's pin on the path (get_pin). Every one pins the path's NVMe blocks: the
+ * log's segment reclaim drops blocks without asking the index, so the path's pin alone left a
+ * later batch reading ENOENT where the MATCH had said stored. The lease's NVMe pins cover every
+ * NVMe block the GET can meet: a leased or pinned path takes no block into NVMe (exec.c,
+ * move_finish). A GET's path is its lease's node (get_req): one of c's other leases on the same
+ * node ending pins it too, which costs a pin and keeps it correct.
+ */
 void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node)
 {
-    /* A shared GET's path is its lease's node (get_req): one of c's other leases on the same node
-     * ending pins it too, which costs a pin and keeps it correct. */
-    for (kvt__req_t *r = c->head; r; r = r->next)
-        if (r->kind == KVT_REQ_GET && r->get.shared && r->node == node && r->status == 0 &&
-            r->get.cur < r->get.end)
-            get_pin(c->srv, r);
+    kvt_srv_t *s = c->srv;
+    for (kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 || r->get.cur >= r->get.end)
+            continue;
+        if (r->get.shared)
+            get_pin(s, r);
+        if (r->lease && !r->extra)
+            get_pin_nvme(s, r);
+    }
 }
 
 /*
