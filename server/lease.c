@@ -52,8 +52,9 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
 
 static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
 {
-    c->srv->conn_ops->lease_ends(c, l->node); /* before the path goes: its GETs' later batches */
-    kvt__path_unpin(c->srv, l->id);
+    /* Before the path goes: its GETs' later batches. One of them may keep the lease's pin. */
+    if (!c->srv->conn_ops->lease_ends(c, l->node, l->id))
+        kvt__path_unpin(c->srv, l->id);
     kvt__nvme_unpin(c->srv, &l->pins);
     lease_ns(c->srv, l->ns, -1);
     *l = c->leases[--c->nleases];

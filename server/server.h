@@ -285,9 +285,10 @@ _Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-by
  *   tick       every tick, per connection (lease expiry)
  *   deadlines  its requests' deadlines and waits, every tick and as soon as moves land
  *   lease_ends a lease of c on node goes (RELEASE, expiry), under the write lock, before its path
- *              is let go: the GETs that read the path under it pin it and its NVMe blocks
- *              (kvt__get_lease_ends; through here, lease.c calls no GET by name: op_get.c
- *              finds leases in lease.c)
+ *              is let go: the GETs that read the path under it pin it and its NVMe blocks; 1
+ *              when one of them took the lease's own pin on the path (pin) as its own, which
+ *              the lease then leaves held (kvt__get_lease_ends; through here, lease.c calls no
+ *              GET by name: op_get.c finds leases in lease.c)
  */
 typedef struct kvt__conn_ops {
     void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
@@ -297,7 +298,7 @@ typedef struct kvt__conn_ops {
     void (*closing)(kvt__conn_t *c);
     void (*tick)(kvt__conn_t *c, uint64_t now);
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
-    void (*lease_ends)(kvt__conn_t *c, kvt_radix_node_t *node);
+    int (*lease_ends)(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin);
 } kvt__conn_ops_t;
 
 /*
@@ -883,9 +884,10 @@ int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *b
 int kvt__get_shares(const kvt_proto_hdr_t *h);
 /* Under the write lock, as a lease of c on node goes (RELEASE, expiry): each GET of c on node's
  * path with pages left pins the path's NVMe blocks, as the lease did; one planned under the
- * shared lock also pins the path, as the write path's GET holds it, and goes on by the write
- * path. */
-void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node);
+ * shared lock also holds the path, as the write path's GET does, and goes on by the write path:
+ * the first such GET takes the lease's own pin on the path (pin) and returns 1 (the lease must
+ * not let it go then), the others pin the path anew. */
+int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,

@@ -1174,11 +1174,11 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
  * either RELEASEs the lease in the same write as the GET (a raw socket: the RELEASE is framed
  * while the GET's first batch goes out) or leases for 5 ms (the tick expires it mid-GET); a
  * writer meanwhile REMOVEs the reader's prefix and PUTs fresh ones that push DRAM out to NVMe.
- * A GET that began takes the path's pin as the lease goes (op_get.c, kvt__get_lease_ends), as
- * the write path's GET holds it from its start: every page that comes has its own bytes, in
- * order, and the GET ends as the write path's does (the old daemon, where such GETs took the
- * write path, ends them alike): whole with status 0, or ENOENT after the pages before the first
- * one the writer's PUTs pushed out once the lease no longer kept it.
+ * A GET that began holds the path as the lease goes (op_get.c, kvt__get_lease_ends: the lease's
+ * own pin, and the path's NVMe blocks), as the write path's GET holds it from its start: every
+ * page that comes has its own bytes, in order, and the GET ends whole with status 0, or with
+ * ENOENT at the first page its MATCH reported without bytes (a PUT of the reader's that found no
+ * room while the writer's pages were on their way out of DRAM), never at a page it promised.
  */
 #define LB (2u << 20)
 
@@ -1207,35 +1207,45 @@ static uint32_t lapse_stored(const uint8_t *tiers)
     return n;
 }
 
-/* The GET of a whole lease and a RELEASE of it in one write on raw socket fd; its frames read
- * slowly and checked against sums; how many pages came and the GET's status in *got, *status. */
-static void lapse_get_release(lapse_t *w, int fd, uint64_t lease, const uint64_t *sums,
+/* n GETs of a whole lease (request ids 10, 12, ...) and a RELEASE of it (11) in one write on raw
+ * socket fd; their frames read slowly and checked against sums; how many pages each GET sent and
+ * its status in got[i], status[i]. */
+static void lapse_get_release(lapse_t *w, int fd, uint64_t lease, int n, const uint64_t *sums,
                               uint8_t *body, uint32_t *got, int *status)
 {
-    uint8_t f[2 * KVT_PROTO_HDR + sizeof(kvt_wire_get_t) + sizeof(kvt_wire_release_t)];
+    enum { GETF = KVT_PROTO_HDR + sizeof(kvt_wire_get_t), MAXN = 2 };
+    uint8_t f[MAXN * GETF + KVT_PROTO_HDR + sizeof(kvt_wire_release_t)], *g = f;
     kvt_wire_get_t gw = {.lease = lease};
     kvt_wire_release_t rw = {.lease = lease};
-    kvt_proto_frame(f, KVT_OP_GET, 0, 10, 0, sizeof gw);
-    memcpy(f + KVT_PROTO_HDR, &gw, sizeof gw);
-    uint8_t *g = f + KVT_PROTO_HDR + sizeof gw;
+    cr_assert_leq(n, MAXN);
+    for (int i = 0; i < n; i++, g += GETF) {
+        kvt_proto_frame(g, KVT_OP_GET, 0, 10 + 2 * (uint64_t)i, 0, sizeof gw);
+        memcpy(g + KVT_PROTO_HDR, &gw, sizeof gw);
+    }
     kvt_proto_frame(g, KVT_OP_RELEASE, 0, 11, 0, sizeof rw);
     memcpy(g + KVT_PROTO_HDR, &rw, sizeof rw);
-    cr_assert_eq(write(fd, f, sizeof f), (ssize_t)sizeof f);
+    g += KVT_PROTO_HDR + sizeof rw;
+    cr_assert_eq(write(fd, f, (size_t)(g - f)), g - f);
     kvt_proto_hdr_t h;
-    for (*got = 0;;) {
-        read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + LB);
-        if (!(h.flags & KVT_RF_MORE))
-            break;
-        uint32_t page = kvt_get_u32(body);
-        if (h.body_len != sizeof(kvt_wire_get_data_t) + LB || page != *got ||
-            page_sum(body + sizeof(kvt_wire_get_data_t), LB) != sums[page])
+    for (int i = 0; i < n; i++) {
+        for (got[i] = 0;;) {
+            read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + LB);
+            if (h.request_id != 10 + 2 * (uint64_t)i)
+                LAPSE_WRONG(w);
+            if (!(h.flags & KVT_RF_MORE))
+                break;
+            uint32_t page = kvt_get_u32(body);
+            if (h.body_len != sizeof(kvt_wire_get_data_t) + LB || page != got[i] ||
+                page_sum(body + sizeof(kvt_wire_get_data_t), LB) != sums[page])
+                LAPSE_WRONG(w);
+            if (got[i]++ < 4 && i == 0)
+                usleep(15000); /* slow: the batch after waits for the socket */
+        }
+        status[i] = h.status;
+        /* The end frame says how many pages went (an error before any data is a message). */
+        if (h.body_len == sizeof(kvt_wire_get_end_t) && kvt_get_u32(body) != got[i])
             LAPSE_WRONG(w);
-        if ((*got)++ < 4)
-            usleep(15000); /* slow: the batch after waits for the socket */
     }
-    *status = h.status;
-    if (h.status == 0 && kvt_get_u32(body) != *got)
-        LAPSE_WRONG(w);
     read_reply_frame(fd, &h, body, 64); /* the RELEASE's */
     if (h.request_id != 11 || h.status != 0)
         LAPSE_WRONG(w);
@@ -1326,7 +1336,7 @@ Test(server_loops, gets_of_several_batches_outlive_their_lease, .timeout = 120)
             if (lease && kvt_get_u32(body + 4) == LP) { /* else pushed out first: nothing to race */
                 stored = lapse_stored(body + 24);
                 __atomic_store_n(&leased, round, __ATOMIC_RELEASE); /* REMOVE it from now on */
-                lapse_get_release(&w, fd, lease, sums, body, &got, &status);
+                lapse_get_release(&w, fd, lease, 1, sums, body, &got, &status);
             }
             close(fd);
             if (got == 0 && status == 0)
@@ -1506,6 +1516,85 @@ Test(server_loops, a_get_keeps_its_nvme_pages_once_its_lease_ends, .timeout = 60
     free(payload);
     kvt_client_close(w);
     kvt_client_close(rd);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * GETs planned shared whose lease ends between their batches, with the index at index-bytes. Such
+ * a GET holds the path from then on (kvt__get_lease_ends): the first takes the ending lease's own
+ * pin, which needs no slot in the tree's lease table; another GET of the same lease takes a pin
+ * of its own, which a full table can grow for only within index-bytes. The reader's raw socket
+ * (loop 1) leases 8 pages of 2 MiB in DRAM (3 batches); another client fills the lease table with
+ * leases of the same path until the index has no room to grow it (a MATCH's lease is refused,
+ * ENOSPC); the reader sends two GETs of the whole lease and its RELEASE in one write, reading
+ * slowly so that the RELEASE is framed while the first batch goes out. The first GET comes whole
+ * (before, it ended ENOSPC after its first batch, as its own pin was refused); the second, whose
+ * pin is refused, ends after its first batch with ENOSPC in its end frame, which counts the pages
+ * sent (docs/protocol.md, GET); the daemon serves on, the same path read whole again.
+ */
+Test(server_loops, gets_whose_lease_ends_at_index_bytes, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "24M", "--nvme-bytes", "0", "--index-bytes",
+              "256K", "--max-leases", "100000", NULL);
+    kvt_client_t *st = kvd_client(&d, "big", PAGE, LB); /* loop 0 */
+    int fd = kvd_raw(&d);                               /* loop 1 */
+    static uint32_t tok[LP * PAGE];
+    uint8_t *payload = malloc(LB), *body = malloc(sizeof(kvt_wire_get_data_t) + LB);
+    uint64_t sums[LP];
+    cr_assert(payload && body);
+    lapse_tokens(tok, 0);
+    for (uint32_t p = 0; p < LP; p++) {
+        kvt_client_put_t r;
+        kvd_fill(payload, LB, 980 + p);
+        sums[p] = page_sum(payload, LB);
+        cr_assert_eq(kvt_client_put(st, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r), 0);
+        cr_assert_eq(r.stored, 1);
+    }
+    raw_hello_model(fd, "big", PAGE, LB, body, 4096);
+    cr_assert_eq(kvd_stat(st, "loop_connections_1"), 1, "the raw connection is loop 1's");
+    uint64_t lease = raw_match_lease(fd, tok, LP * PAGE, body, 4096);
+    cr_assert_eq(kvt_get_u32(body + 4), LP);
+    uint32_t held = 0;
+    uint64_t first = 0;
+    int rc = 0;
+    for (; held < 100000; held++) {
+        kvt_client_match_t m = {0};
+        rc = kvt_client_match(st, tok, LP * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE, 600000, NULL,
+                              &m);
+        if (rc < 0)
+            break;
+        first = first ? first : m.lease;
+    }
+    cr_assert_eq(rc, KVT_CLIENT_ENOSPC, "the leases filled the index (%u held): %s", held,
+                 kvt_client_strerror(rc));
+    double shared = kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}");
+    lapse_t w = {.d = &d};
+    uint32_t got[2];
+    int status[2];
+    lapse_get_release(&w, fd, lease, 2, sums, body, got, status);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), shared + 2,
+                 "the GETs were planned shared");
+    cr_expect_eq(w.errors, 0, "%d wrong pages or replies, the first at line %d", w.errors, w.line);
+    cr_expect_eq(w.released, 1, "the RELEASE found its lease");
+    cr_expect(status[0] == 0 && got[0] == LP, "the first GET ended %d after %u of %d pages",
+              status[0], got[0], LP);
+    cr_expect(status[1] == KVT_ENOSPC && got[1] == 3, "the second GET ended %d after %u pages",
+              status[1], got[1]);
+    cr_expect_gt(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
+    /* Served on: a slot given back, the path leased and read whole again. */
+    cr_assert_eq(kvt_client_release(st, first, NULL), 0);
+    lease = raw_match_lease(fd, tok, LP * PAGE, body, 4096);
+    cr_assert_neq(lease, 0);
+    w = (lapse_t){.d = &d};
+    lapse_get_release(&w, fd, lease, 1, sums, body, got, status);
+    cr_expect(status[0] == 0 && got[0] == LP && w.errors == 0, "again: %d after %u pages",
+              status[0], got[0]);
+    close(fd);
+    free(payload);
+    free(body);
+    kvt_client_close(st);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
