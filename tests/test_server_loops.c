@@ -1414,6 +1414,18 @@ Test(server_loops, gets_of_several_batches_outlive_their_lease, .timeout = 120)
  */
 #define NBB (1u << 20)
 
+/* Stores page p of tok (block bb, filled from seed) by a PUT of its own through payload; the
+ * page's sum. */
+static uint64_t put_page(kvt_client_t *c, const uint32_t *tok, uint32_t p, uint32_t bb,
+                         uint32_t seed, uint8_t *payload)
+{
+    kvt_client_put_t r;
+    kvd_fill(payload, bb, seed);
+    cr_assert_eq(kvt_client_put(c, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, 1, "page %u", p);
+    return page_sum(payload, bb);
+}
+
 typedef struct nvme_reader {
     kvd_t *d;
     kvt_client_t *w; /* the writer's connection */
@@ -1486,11 +1498,7 @@ Test(server_loops, a_get_keeps_its_nvme_pages_once_its_lease_ends, .timeout = 60
     cr_assert(payload);
     kvd_tokens(tok, P * PAGE, 9700000u);
     for (uint32_t p = 0; p < P; p++) {
-        kvt_client_put_t r;
-        kvd_fill(payload, NBB, 970 + p);
-        sums[p] = page_sum(payload, NBB);
-        cr_assert_eq(kvt_client_put(w, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r), 0);
-        cr_assert_eq(r.stored, 1);
+        sums[p] = put_page(w, tok, p, NBB, 970 + p, payload);
         for (uint32_t f = 0; p >= SPREAD && f < 2; f++)
             nvme_filler(w, 9800000u + p * 100 + f, 0);
     }
@@ -1545,13 +1553,8 @@ Test(server_loops, gets_whose_lease_ends_at_index_bytes, .timeout = 60)
     uint64_t sums[LP];
     cr_assert(payload && body);
     lapse_tokens(tok, 0);
-    for (uint32_t p = 0; p < LP; p++) {
-        kvt_client_put_t r;
-        kvd_fill(payload, LB, 980 + p);
-        sums[p] = page_sum(payload, LB);
-        cr_assert_eq(kvt_client_put(st, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r), 0);
-        cr_assert_eq(r.stored, 1);
-    }
+    for (uint32_t p = 0; p < LP; p++)
+        sums[p] = put_page(st, tok, p, LB, 980 + p, payload);
     raw_hello_model(fd, "big", PAGE, LB, body, 4096);
     cr_assert_eq(kvd_stat(st, "loop_connections_1"), 1, "the raw connection is loop 1's");
     uint64_t lease = raw_match_lease(fd, tok, LP * PAGE, body, 4096);
