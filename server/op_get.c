@@ -126,12 +126,18 @@ static int get_drained(kvt__req_t *r)
     return 1;
 }
 
-/* The GET's pin goes; if it was shown gone already (get_send), it leaves s->pins_ending too. */
+/* The GET's pin goes, and its NVMe pins (r->extra) if its lease had ended (kvt__get_lease_ends);
+ * if the pin was shown gone already (get_send), it leaves s->pins_ending too. */
 static void get_unpin(kvt_srv_t *s, kvt__req_t *r)
 {
     if (r->get.pin_gone) {
         r->get.pin_gone = 0;
         s->pins_ending--;
+    }
+    if (r->extra) {
+        kvt__nvme_unpin(s, r->extra);
+        free(r->extra);
+        r->extra = NULL;
     }
     kvt__unpin(s, r);
 }
@@ -494,12 +500,13 @@ static void get_end(kvt_srv_t *s, kvt__req_t *r)
 
 /*
  * A GET planned shared whose next batch cannot go shared (a page of it left DRAM, or its seal is
- * to check with a write), or whose client's lease ends (kvt__get_lease_ends), under the write
- * lock: it takes the pin the write path's GET took at its start (kvt__h_get) while the client's
- * lease still holds the path, and goes on as that GET: its later batches planned by get_plan
- * (the pages read from whichever tier holds them), its hooks under the write lock (get_shares).
- * A pin refused (the index at index-bytes) ends it after the batch in flight with that error,
- * as the write path's GET ends with nothing sent.
+ * to check with a write), or whose client's lease ends while another GET takes that lease's own
+ * pin (kvt__get_lease_ends), under the write lock: it takes the pin the write path's GET took at
+ * its start (kvt__h_get) while the client's lease still holds the path, and goes on as that GET:
+ * its later batches planned by get_plan (the pages read from whichever tier holds them), its
+ * hooks under the write lock (get_shares). A pin refused (the index at index-bytes, the lease
+ * table full) ends it after the batch in flight with that error (ENOSPC), as the write path's
+ * GET ends with nothing sent.
  */
 static void get_pin(kvt_srv_t *s, kvt__req_t *r)
 {
@@ -635,14 +642,45 @@ static int get_next_shared(kvt_srv_t *s, const kvt__req_t *r)
     return r->status < 0 || r->get.cur >= r->get.end || get_batch_shares(s, &g);
 }
 
-void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node)
+/* The NVMe blocks of the path r reads under its lease (get_req: the lease's node and length), as
+ * the lease pinned them at its MATCH, into r->extra (none: out of memory, as for the lease). */
+static void get_pin_nvme(kvt_srv_t *s, kvt__req_t *r)
 {
-    /* A shared GET's path is its lease's node (get_req): one of c's other leases on the same node
-     * ending pins it too, which costs a pin and keeps it correct. */
-    for (kvt__req_t *r = c->head; r; r = r->next)
-        if (r->kind == KVT_REQ_GET && r->get.shared && r->node == node && r->status == 0 &&
-            r->get.cur < r->get.end)
-            get_pin(c->srv, r);
+    if ((r->extra = calloc(1, sizeof(kvt__nvme_pins_t))))
+        kvt__nvme_pin(s, r->extra, r->node, r->pages);
+}
+
+/*
+ * Each GET of c on node with pages left keeps what the ending lease kept for it (lease.c
+ * lease_del, under the write lock, before the lease's path and NVMe pins go). One planned shared
+ * holds the path from now on as the write path's GET does: the first takes the lease's own pin
+ * on it (pin; the lease leaves it held, and the GET lets it go as its own), which needs no slot
+ * in the tree's lease table, so that a table full at index-bytes does not end it partway; any
+ * other takes a pin of its own (get_pin, which that table may refuse). Every one pins the path's
+ * NVMe blocks: the log's segment reclaim drops blocks without asking the index, so the path's pin
+ * alone left a later batch reading ENOENT where the MATCH had said stored. The lease's NVMe pins
+ * cover every NVMe block the GET can meet: a leased or pinned path takes no block into NVMe
+ * (exec.c, move_finish). A GET's path is its lease's node (get_req): one of c's other leases on
+ * the same node ending holds it too, which costs a pin and keeps it correct.
+ */
+int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
+{
+    kvt_srv_t *s = c->srv;
+    int taken = 0;
+    for (kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 || r->get.cur >= r->get.end)
+            continue;
+        if (r->get.shared && !taken) {
+            r->get.shared = 0; /* goes on by the write path, as get_pin's */
+            r->lease = pin;
+            taken = 1;
+        } else if (r->get.shared) {
+            get_pin(s, r);
+        }
+        if (r->lease && !r->extra)
+            get_pin_nvme(s, r);
+    }
+    return taken;
 }
 
 /*
