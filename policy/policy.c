@@ -97,6 +97,7 @@
 #define HIST_DECAY      0.97
 #define PROMO_QUEUE     64
 #define PARK_MAX        64 /* promotions parked for readers' leases; the oldest goes first */
+#define ROOM_TRIES      3  /* times a queued promotion makes room again, its room gone elsewhere */
 #define PRIO_MASK       0x03ffu
 #define PAUSE_SHIFT     10
 #define PAUSE_FINISHED  63u
@@ -206,14 +207,18 @@ typedef struct promo {
     uint64_t seq;
     uint64_t foreign; /* p->foreign when queued: a foreign free since may have taken n */
     int place;        /* kvt_policy_set_place's tag when queued */
+    uint32_t rooms;   /* times it made room in the top tier that it did not get (park_room) */
 } promo_t;
 
 /* A promotion the executor refused because a lease's holder may read the run in place
  * (KVT_EBUSY, kvt_policy_ops_t.move): the path as it was to be promoted, and the node whose
- * leases refused it (the path's shallowest refused node: a lease anywhere below counts on it). */
+ * leases refused it (the path's shallowest refused node: a lease anywhere below counts on it).
+ * Or, with room set, a queued promotion that stopped at node `at` for room in the top tier still
+ * on its way (park_room): it waits for moves to land, not for a lease to end. */
 typedef struct parked {
     promo_t q;
     kvt_radix_node_t *at;
+    int room;
 } parked_t;
 
 struct kvt_policy {
@@ -585,11 +590,16 @@ static int orphan_take(kvt_policy_t *p, const kvt_radix_node_t *n)
  * Meanwhile a queued promotion that reaches a node where one waits joins it instead of starting
  * (park_waits_at): an engine MATCHes a hot path at every step, and each of those promotions made
  * room in the top tier, demoting other blocks, for a move the executor then refused.
+ *
+ * The same entries hold queued promotions that made room in the top tier and found it still on
+ * its way (park_room): kvtierd's moves out land later, and nothing else would try the promotion
+ * again once they have. Returns the entry, marked as a lease's; it keeps the count of rooms made
+ * (promo_t.rooms) of the entry it replaces for the same path end.
  */
-static void park_put(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages,
-                     kvt_radix_node_t *at, int place)
+static parked_t *park_put(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages,
+                          kvt_radix_node_t *at, int place)
 {
-    uint32_t k = 0;
+    uint32_t k = 0, rooms = 0;
     while (k < p->npark && p->park[k].q.n != n)
         k++;
     if (k == PARK_MAX) { /* full: the oldest goes */
@@ -599,10 +609,13 @@ static void park_put(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages,
                 k = i;
     } else if (k == p->npark) {
         p->npark++;
-    } else if (p->park[k].q.node_pages > node_pages) {
-        node_pages = p->park[k].q.node_pages; /* parked again for another run of the path */
+    } else {
+        rooms = p->park[k].q.rooms; /* a MATCH again does not start the count again */
+        if (p->park[k].q.node_pages > node_pages)
+            node_pages = p->park[k].q.node_pages; /* parked again for another run of the path */
     }
-    p->park[k] = (parked_t){{n, node_pages, p->seq, p->foreign, place}, at};
+    p->park[k] = (parked_t){{n, node_pages, p->seq, p->foreign, place, rooms}, at, 0};
+    return &p->park[k];
 }
 
 /* A promotion the executor refused at node `at` (KVT_EBUSY). */
@@ -622,11 +635,12 @@ static int park_valid(const kvt_policy_t *p, const parked_t *e)
 
 /* Whether a promotion parked at node x still waits there: a lease holds x as it did when the
  * executor refused the move. Another promotion through x would make room for its move (moving
- * other blocks out of the top tier) only to be refused again. */
+ * other blocks out of the top tier) only to be refused again. One waiting for room stops none:
+ * the room on its way counts for the others too (make_room). */
 static int park_waits_at(const kvt_policy_t *p, const kvt_radix_node_t *x)
 {
     for (uint32_t i = 0; i < p->npark; i++)
-        if (p->park[i].at == x && park_valid(p, &p->park[i]))
+        if (p->park[i].at == x && !p->park[i].room && park_valid(p, &p->park[i]))
             return kvt_radix_node_leased(x);
     return 0;
 }
@@ -1878,6 +1892,13 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
     return 0;
 }
 
+/* Whether t lacks room for need more bytes now, but has it once its moves out in flight land. */
+static int room_coming(const kvt_policy_t *p, kvt_tier_id_t t, uint64_t need)
+{
+    uint64_t room = p->cap[t] - p->used[t];
+    return room < need && room + p->pending_out[t] >= need;
+}
+
 /* Frees room in t until need more bytes fit under its capacity. 0, KVT_ENOSPC (no victim
  * left), or KVT_EAGAIN (pending moves will free it later). Bytes already on their way out count
  * as room to come: a tier whose moves are all asynchronous (kvtierd's) would otherwise have
@@ -1891,9 +1912,9 @@ static int make_room(kvt_policy_t *p, kvt_tier_id_t t, uint64_t need, int depth,
     if (depth > KVT_TIER_COUNT)
         return KVT_ENOSPC;
     while (p->cap[t] - p->used[t] < need) {
-        uint64_t coming = p->cap[t] - p->used[t] + p->pending_out[t];
-        if (coming >= need)
+        if (room_coming(p, t, need))
             return KVT_EAGAIN;
+        uint64_t coming = p->cap[t] - p->used[t] + p->pending_out[t];
         int rc = evict_one(p, t, depth, need - coming, why);
         if (rc < 0)
             return rc;
@@ -2479,10 +2500,33 @@ uint32_t kvt_policy_trim_index_bytes(kvt_policy_t *p, uint64_t target, uint32_t 
     return p ? kvt_radix_trim(p->t, target, budget, trim_any, trim_drop, p) : 0;
 }
 
-/* Promotes the path ending at node n (first node_pages pages) into tier `to`. queued: a MATCH's
- * promotion, which stops where a parked one waits (a PREFETCH's own lease does not refuse it). */
+/*
+ * A queued promotion q stopped at node `at` for room in the top tier still on its way (its moves
+ * out in flight, make_room's KVT_EAGAIN; made: this try started some of them). It is parked until
+ * a move lands (park_run) and goes again then, as its path's next MATCH would queue it: before, it
+ * was dropped, and a parked one queued again into a full tier only made room for others. Room
+ * made that went elsewhere (a move out failed, other pages took it first) is made again at the
+ * next try, at most ROOM_TRIES times after the first: then it is dropped, until its path's next
+ * MATCH, so that a promotion the tier never keeps room for does not move others out forever.
+ */
+static void park_room(kvt_policy_t *p, const promo_t *q, kvt_radix_node_t *at, int made)
+{
+    uint32_t rooms = q->rooms + (made != 0);
+    if (rooms > ROOM_TRIES) {
+        p->st.room_gaveups++;
+        return;
+    }
+    p->st.room_waits++;
+    parked_t *e = park_put(p, q->n, q->node_pages, at, q->place);
+    e->room = 1;
+    e->q.rooms = KVT_MAX(e->q.rooms, rooms);
+}
+
+/* Promotes the path ending at node n (first node_pages pages) into tier `to`. q: the queued
+ * promotion (a MATCH's, or a parked one's), which stops where a parked one waits and waits for
+ * room on its way; NULL for a caller's (a PREFETCH's own lease does not refuse it). */
 static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
-                        int queued, const kvt_policy_cause_t *why, int *stop)
+                        const promo_t *q, const kvt_policy_cause_t *why, int *stop)
 {
     *stop = 0;
     size_t len = 0;
@@ -2519,7 +2563,7 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             uint32_t cnt = KVT_MIN(rb, end) - s;
             if (!tier_ok(from) || run_busy(x, s, cnt))
                 break;
-            if (queued && park_waits_at(p, x)) {
+            if (q && park_waits_at(p, x)) {
                 park_put(p, n, node_pages, x, why->tag); /* this path end goes up with it */
                 p->st.park_waits++;
                 *stop = KVT_EBUSY;
@@ -2536,6 +2580,7 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
                 p->bar_on = 1;
             }
             runkey_t was = run_key(p, x, to);
+            uint64_t out = p->pending_out[to];
             int rc = do_move(p, x, s, cnt, from, to, 0, why);
             p->bar_on = 0;
             if (rc == KVT_ENOSPC && bypass(p) && p->lower[to] != KVT_TIER_NONE &&
@@ -2556,6 +2601,8 @@ static int promote_path(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
             }
             if (rc == KVT_EBUSY) /* read in place under a lease: again once it goes */
                 park(p, n, node_pages, x, why->tag);
+            if (rc == KVT_EAGAIN && q && room_coming(p, to, run_charge(p, x, s, cnt, to)))
+                park_room(p, q, x, p->pending_out[to] > out);
             if (rc < 0) {
                 *stop = rc;
                 goto done; /* no room: the rest stays where it is */
@@ -2584,7 +2631,7 @@ int kvt_policy_prefetch(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_page
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n))
         return KVT_EINVAL;
     int stop;
-    return promote_path(p, n, node_pages, p->top, 0, &no_cause, &stop);
+    return promote_path(p, n, node_pages, p->top, NULL, &no_cause, &stop);
 }
 
 int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages, kvt_tier_id_t to,
@@ -2593,7 +2640,7 @@ int kvt_policy_promote(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t node_pages
     if (!p || !n || node_pages == 0 || node_pages > kvt_radix_node_pages(n) || !tier_ok(to) ||
         !p->cap[to])
         return KVT_EINVAL;
-    int stop, total = promote_path(p, n, node_pages, to, 0, why ? why : &no_cause, &stop);
+    int stop, total = promote_path(p, n, node_pages, to, NULL, why ? why : &no_cause, &stop);
     return total == 0 && stop == KVT_EAGAIN ? KVT_EAGAIN : total;
 }
 
@@ -2606,9 +2653,10 @@ static uint64_t level(const kvt_policy_t *p, int t)
 
 /* The parked promotions whose node no lease holds any more join the queue, once a lease of the
  * tree has ended since the last look (the end of the last lease on a node is one). The leases of
- * the engine's own moves count too: each ends as its move lands. They run from the queue, which
- * keeps the record of deaths while it holds entries (see rebuild), since making room for one may
- * drop another's node. */
+ * the engine's own moves count too: each ends as its move lands, so those waiting for room join
+ * it then, leased or not (a lease that refuses the move parks them for it). They run from the
+ * queue, which keeps the record of deaths while it holds entries (see rebuild), since making room
+ * for one may drop another's node. */
 static void park_run(kvt_policy_t *p)
 {
     uint64_t releases = kvt_radix_lease_releases(p->t);
@@ -2620,13 +2668,13 @@ static void park_run(kvt_policy_t *p)
         const parked_t *e = &p->park[i];
         if (!park_valid(p, e))
             continue;
-        int unleased = !kvt_radix_node_leased(e->at);
-        if (unleased && p->npromo < PROMO_QUEUE) {
+        int ready = e->room || !kvt_radix_node_leased(e->at);
+        if (ready && p->npromo < PROMO_QUEUE) {
             p->promo[p->npromo++] = e->q;
-            p->st.unparked++;
+            p->st.unparked += !e->room;
             continue;
         }
-        full |= unleased;
+        full |= ready;
         p->park[kept++] = *e;
     }
     p->npark = kept;
@@ -2648,7 +2696,7 @@ int kvt_policy_step(kvt_policy_t *p, uint32_t budget)
             (!p->c.reports_node_frees && p->foreign != q->foreign))
             continue;
         kvt_policy_cause_t why = {.req = NULL, .tag = q->place}; /* the MATCH's tag */
-        int stop, rc = promote_path(p, q->n, q->node_pages, p->top, 1, &why, &stop);
+        int stop, rc = promote_path(p, q->n, q->node_pages, p->top, q, &why, &stop);
         if (rc < 0)
             return rc;
         total += rc;

@@ -441,6 +441,9 @@ typedef struct kvt_policy_stats {
     /* Queued promotions (a MATCH's) not started, since a parked one waits on their path: no
      * room made for them, no move refused. */
     uint64_t park_waits;
+    /* Queued promotions that found their room in the top tier still on its way and wait for it
+     * (parked till a move lands), and those dropped after ROOM_TRIES rooms went elsewhere. */
+    uint64_t room_waits, room_gaveups;
     /* COST: its experts (KVT_POLICY_EXPERT_*; docs/policy.md, "Experts"): the one chosen (it
      * orders the victims from the next rebuild or sweep of the heaps on), the seconds of loads
      * and recomputes each one's miniature hierarchy spent on the sampled pages lately (decayed;

@@ -1454,7 +1454,7 @@ static void conn_frames(kvt__conn_t *c)
 
 /* How a loop takes the lock back after a read of n bytes into c's input (c's own, read here with
  * no lock held): shared when the frame at the front may be answered so (a MATCH without a lease,
- * a GET without LOCATE; conn_frames takes it for writing if not) or is not whole yet; for writing
+ * a GET; conn_frames takes it for writing if not) or is not whole yet; for writing
  * when that frame needs it anyway (a PUT, a REMOVE: taken shared first, it would cost a let-go
  * more each) or the peer closed (its close). */
 static int read_held(const kvt__conn_t *c, ssize_t n)

@@ -1,7 +1,7 @@
 /*
  * lease.c: the leases a connection holds on matched paths (MATCH with LEASE), found by id at
- * once however many it holds, expired by the tick, pinned against NVMe segment reclaim, and all
- * released when the connection closes; RELEASE.
+ * once however many it holds, expired by the tick, pinned against NVMe segment reclaim
+ * (tierio.c kvt__nvme_pin), and all released when the connection closes; RELEASE.
  */
 #include "server.h"
 
@@ -38,39 +38,6 @@ int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
     return 0;
 }
 
-/*
- * A lease pins its path against the NVMe log's segment reclaim too, which drops blocks without
- * asking the index: every NVMe block on the path is pinned in the tier until the lease goes.
- * Out of memory for the list, the lease still holds in the index; its NVMe blocks are then only
- * as safe as any other (kvt__store_lost catches a reclaimed one).
- */
-void kvt__lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m)
-{
-    if (!s->tiers[KVT_TIER_NVME])
-        return;
-    uint32_t n = 0;
-    kvt__path_t p;
-    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
-        for (uint32_t i = 0; i < p.run.n; i++)
-            n += p.run.blocks[i].tier == KVT_TIER_NVME;
-    if (n == 0 || !(l->pins = malloc(n * sizeof *l->pins)))
-        return;
-    for (kvt__path_walk(&p, m); p.run.node; kvt__path_step(&p))
-        for (uint32_t i = 0; i < p.run.n; i++)
-            if (p.run.blocks[i].tier == KVT_TIER_NVME &&
-                kvt__tier_pin(s, KVT_TIER_NVME, p.run.blocks[i].loc, 1) == 0)
-                l->pins[l->npins++] = p.run.blocks[i].loc;
-}
-
-void kvt__lease_unpin(kvt_srv_t *s, kvt__lease_t *l)
-{
-    for (uint32_t i = 0; i < l->npins; i++)
-        kvt__tier_pin(s, KVT_TIER_NVME, l->pins[i], -1);
-    free(l->pins);
-    l->pins = NULL;
-    l->npins = 0;
-}
-
 /* c's lease id, or NULL: a stale id, or another connection's lease, is not found (the entry at
  * its slot's position, if any, has another id). */
 kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
@@ -85,9 +52,10 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
 
 static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
 {
-    c->srv->conn_ops->lease_ends(c, l->node); /* before the path goes: its GETs' later batches */
-    kvt__path_unpin(c->srv, l->id);
-    kvt__lease_unpin(c->srv, l);
+    /* Before the path goes: its GETs' later batches. One of them may keep the lease's pin. */
+    if (!c->srv->conn_ops->lease_ends(c, l->node, l->id))
+        kvt__path_unpin(c->srv, l->id);
+    kvt__nvme_unpin(c->srv, &l->pins);
     lease_ns(c->srv, l->ns, -1);
     *l = c->leases[--c->nleases];
     if (l != c->leases + c->nleases) /* the last one moved into l's place */
@@ -101,7 +69,7 @@ void kvt__lease_drop_all(kvt__conn_t *c)
     size_t n = c->nleases;
     for (size_t i = 0; i < c->nleases; i++) {
         kvt__path_unpin(c->srv, c->leases[i].id);
-        kvt__lease_unpin(c->srv, &c->leases[i]);
+        kvt__nvme_unpin(c->srv, &c->leases[i].pins);
         lease_ns(c->srv, c->leases[i].ns, -1);
     }
     if (n)

@@ -160,8 +160,8 @@ typedef enum {
       "loops; no lease, KEEP or REMOTE), by loop.",                                                \
       LOOP)                                                                                        \
     X(LOOP_SHARED_GETS, COUNTER, "kvtier_loop_shared_gets_total",                                  \
-      "GETs of DRAM pages in one batch planned, written and released under the store's lock "      \
-      "shared with other loops (several loops; no LOCATE), by loop.",                              \
+      "GETs of DRAM pages (or LOCATE's locations in the mapped arena) planned, written and "       \
+      "released under the store's lock shared with other loops (several loops), by loop.",         \
       LOOP)                                                                                        \
     X(LOOP_WRITE_LOCKS, COUNTER, "kvtier_loop_write_locks_total",                                  \
       "Times each event loop's thread took the store's lock for writing (a write op, a close, a "  \
@@ -238,6 +238,11 @@ typedef enum {
       NONE)                                                                                        \
     X(POLICY_PARK_WAITS, COUNTER, "kvtier_policy_park_waits_total",                                \
       "Promotions MATCH queued not started: a parked one waits on their path.", NONE)              \
+    X(POLICY_ROOM_WAITS, COUNTER, "kvtier_policy_room_waits_total",                                \
+      "Queued promotions parked till the room their moves out make in the top tier lands.", NONE)  \
+    X(POLICY_ROOM_GAVEUPS, COUNTER, "kvtier_policy_room_gaveups_total",                            \
+      "Queued promotions dropped after their room went elsewhere 3 times (till the next MATCH).",  \
+      NONE)                                                                                        \
     X(LEASED_PROMOTIONS, COUNTER, "kvtier_leased_promotions_total",                                \
       "Promotions out of DRAM switched to their new copy while a lease held the run, the old "     \
       "copy kept until the leases taken before the switch end (promote-keep-share).",              \

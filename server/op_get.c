@@ -126,12 +126,18 @@ static int get_drained(kvt__req_t *r)
     return 1;
 }
 
-/* The GET's pin goes; if it was shown gone already (get_send), it leaves s->pins_ending too. */
+/* The GET's pin goes, and its NVMe pins (r->extra) if its lease had ended (kvt__get_lease_ends);
+ * if the pin was shown gone already (get_send), it leaves s->pins_ending too. */
 static void get_unpin(kvt_srv_t *s, kvt__req_t *r)
 {
     if (r->get.pin_gone) {
         r->get.pin_gone = 0;
         s->pins_ending--;
+    }
+    if (r->extra) {
+        kvt__nvme_unpin(s, r->extra);
+        free(r->extra);
+        r->extra = NULL;
     }
     kvt__unpin(s, r);
 }
@@ -241,29 +247,51 @@ static int get_plan(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
     return 0;
 }
 
-/* Under the shared lock: the block of page `page` under node when it can go from DRAM as get_plan
- * would send it (of the namespace's size, its hash cached: computing it is a write; with
- * zero-copy-checksum, its seal checked out without a write: a block written over since is the
- * write path's, which makes it lost), else NULL. */
-static kvt_block_t *get_dram_block(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t block_bytes,
-                                   uint32_t page)
+/*
+ * The pages a GET reads, as the shared path checks them before anything is written: pages
+ * [first, end) of node's path in namespace ns, in blocks of block_bytes; zc is the connection
+ * whose zero-copy mapping locates them (a GET with LOCATE), NULL when every page goes with its
+ * bytes.
+ */
+typedef struct get_span {
+    kvt_radix_node_t *node;
+    const kvt__conn_t *zc;
+    uint32_t ns, block_bytes, first, end;
+} get_span_t;
+
+/* Under the shared lock: whether page `page` of g can go as get_plan would send it with nothing
+ * written: a location in the DRAM arena g->zc maps (kvt__store_locate only reads: the arena
+ * table changes under the write lock alone), or its bytes from DRAM (its hash cached: computing
+ * it is a write; with zero-copy-checksum, its seal checked out without a write: a block written
+ * over since is the write path's, which makes it lost). A located page is not checked, as on
+ * the write path: the client reads the mapping itself. A page in HBM, even one g->zc would
+ * locate, is the write path's (docs/architecture.md, "Why `loops` defaults to 1"). */
+static int get_page_shares(kvt_srv_t *s, const get_span_t *g, uint32_t page)
 {
-    kvt_block_t *b = kvt__path_block(node, page);
-    if (!b || b->tier != KVT_TIER_DRAM || !s->tiers[KVT_TIER_DRAM] || b->size != block_bytes ||
-        !b->hash || !kvt__tier_ptr(s, b) || (s->conf->zc_checksum && !kvt__tier_intact(s, b)))
-        return NULL;
-    return b;
+    const kvt_block_t *b = kvt__path_block(g->node, page);
+    if (!b || b->tier != KVT_TIER_DRAM || !s->tiers[KVT_TIER_DRAM] || b->size != g->block_bytes)
+        return 0;
+    if (g->zc && kvt__store_locate(s, g->zc, g->ns, b, NULL))
+        return 1;
+    return b->hash && kvt__tier_ptr(s, b) && (!s->conf->zc_checksum || kvt__tier_intact(s, b));
 }
 
-/* get_plan for a GET planned shared, for a page get_batch_dram found in DRAM: its read count
- * goes in the loop's own table, its time in the loop's metrics. */
+/* get_plan for a GET planned shared, for a page get_batch_shares found it may take: a location
+ * (no read count: the client's lease keeps it, as on the write path), or its bytes from DRAM,
+ * whose read count goes in the loop's own table and its time in the loop's metrics. */
 static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
 {
     uint64_t t0 = kvt_now_ns();
     kvt__loop_t *l = r->conn->loop;
     kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
-    /* As get_batch_dram found it in this hold (kvt__h_get_shared, kvt__store_get_batch). */
-    kvt_assert(b && b->tier == KVT_TIER_DRAM && b->hash);
+    /* As get_batch_shares found it in this hold (kvt__h_get_shared, kvt__store_get_batch). */
+    kvt_assert(b && b->tier == KVT_TIER_DRAM);
+    uint64_t off;
+    if (r->get.locate && kvt__store_locate(s, r->conn, r->ns, b, &off)) {
+        *pg = (get_page_t){.b = b, .located = 1, .off = off};
+        return 0;
+    }
+    kvt_assert(b->hash);
     if (kvt__busy_inc_loop(l, b->hash) < 0)
         return KVT_ENOMEM;
     *pg = (get_page_t){.b = b, .hash = b->hash, .ptr = kvt__tier_ptr(s, b)};
@@ -395,6 +423,16 @@ static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
     return got;
 }
 
+/* The pages that went as locations, counted with the final frame, in the connection's loop's
+ * table as count_reply counts the request: a GET planned shared counts there while other loops
+ * count theirs (any thread may write it under the write lock; a scrape merges it). */
+static void get_count_located(kvt__req_t *r)
+{
+    kvt_metrics_t *mt = r->conn->loop->metrics ? r->conn->loop->metrics : r->srv->metrics;
+    if (r->get.located)
+        kvt__metric_add(mt, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
+}
+
 /* The batch's reads are done: it goes out up to its first failed read. Returns 1 when the
  * connection took it (its drained hook calls back once the socket has), 0 when nothing goes. */
 static int get_send(kvt__req_t *r)
@@ -427,8 +465,7 @@ static int get_send(kvt__req_t *r)
         /* Counted now, not in get_end: written with the lock let go (several loops), the end
          * frame may reach the client, and its STATS on another connection another loop, before
          * the drained hook runs. */
-        if (r->get.located)
-            kvt__metric_add(r->conn->srv->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
+        get_count_located(r);
         kvt__req_count(r);
         /* Its pin too: it goes in get_end, after the write, which a client that has the reply
          * may beat with a STATS on another loop; it counts as gone from here (kvt__lease_count). */
@@ -448,8 +485,8 @@ static int get_send(kvt__req_t *r)
 /* The GET ends: its final frame went with its last batch (end_queued), or goes now. */
 static void get_end(kvt_srv_t *s, kvt__req_t *r)
 {
-    if (r->get.located && !r->get.end_queued)
-        kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, r->get.located);
+    if (!r->get.end_queued)
+        get_count_located(r);
     get_unpin(s, r);
     r->out_off = r->out_len = 0;
     if (!r->get.end_queued) {
@@ -463,12 +500,13 @@ static void get_end(kvt_srv_t *s, kvt__req_t *r)
 
 /*
  * A GET planned shared whose next batch cannot go shared (a page of it left DRAM, or its seal is
- * to check with a write), or whose client's lease ends (kvt__get_lease_ends), under the write
- * lock: it takes the pin the write path's GET took at its start (kvt__h_get) while the client's
- * lease still holds the path, and goes on as that GET: its later batches planned by get_plan
- * (the pages read from whichever tier holds them), its hooks under the write lock (get_shares).
- * A pin refused (the index at index-bytes) ends it after the batch in flight with that error,
- * as the write path's GET ends with nothing sent.
+ * to check with a write), or whose client's lease ends while another GET takes that lease's own
+ * pin (kvt__get_lease_ends), under the write lock: it takes the pin the write path's GET took at
+ * its start (kvt__h_get) while the client's lease still holds the path, and goes on as that GET:
+ * its later batches planned by get_plan (the pages read from whichever tier holds them), its
+ * hooks under the write lock (get_shares). A pin refused (the index at index-bytes, the lease
+ * table full) ends it after the batch in flight with that error (ENOSPC), as the write path's
+ * GET ends with nothing sent.
  */
 static void get_pin(kvt_srv_t *s, kvt__req_t *r)
 {
@@ -573,60 +611,103 @@ int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
 
 int kvt__get_shares(const kvt_proto_hdr_t *h)
 {
-    return h->flags == 0; /* LOCATE: the write path (the client's mapping, its seals) */
+    /* LOCATE too (its pages in DRAM); an unknown flag is the write path's, which refuses it. */
+    return (h->flags & ~(unsigned)KVT_GET_F_LOCATE) == 0;
 }
 
-/* Whether the batch of pages from first on, of [first, end) under node (get_build's), all go from
- * DRAM, in blocks of block_bytes. */
-static int get_batch_dram(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t block_bytes,
-                          uint32_t first, uint32_t end)
+/* Whether the batch of g's pages from g->first on (get_build's) may all be planned shared
+ * (get_page_shares). */
+static int get_batch_shares(kvt_srv_t *s, const get_span_t *g)
 {
-    uint32_t n = KVT_MIN(end - first, get_batch_pages(block_bytes));
-    for (uint32_t i = first; i < first + n; i++)
-        if (!get_dram_block(s, node, block_bytes, i))
+    uint32_t n = KVT_MIN(g->end - g->first, get_batch_pages(g->block_bytes));
+    for (uint32_t i = g->first; i < g->first + n; i++)
+        if (!get_page_shares(s, g, i))
             return 0;
     return 1;
 }
 
 /* Whether a GET planned shared goes on shared: its end (nothing of the tree read, no pin to
- * let go), or a next batch all in DRAM, while the client's lease holds the path (its end would
+ * let go), or a next batch that shares, while the client's lease holds the path (its end would
  * have pinned it: kvt__get_lease_ends). */
 static int get_next_shared(kvt_srv_t *s, const kvt__req_t *r)
 {
     if (!r->get.shared)
         return 0;
-    return r->status < 0 || r->get.cur >= r->get.end ||
-           get_batch_dram(s, r->node, r->block_bytes, r->get.cur, r->get.end);
+    get_span_t g = {.node = r->node,
+                    .zc = r->get.locate ? r->conn : NULL,
+                    .ns = r->ns,
+                    .block_bytes = r->block_bytes,
+                    .first = r->get.cur,
+                    .end = r->get.end};
+    return r->status < 0 || r->get.cur >= r->get.end || get_batch_shares(s, &g);
 }
 
-void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node)
+/* The NVMe blocks of the path r reads under its lease (get_req: the lease's node and length), as
+ * the lease pinned them at its MATCH, into r->extra (none: out of memory, as for the lease). */
+static void get_pin_nvme(kvt_srv_t *s, kvt__req_t *r)
 {
-    /* A shared GET's path is its lease's node (get_req): one of c's other leases on the same node
-     * ending pins it too, which costs a pin and keeps it correct. */
-    for (kvt__req_t *r = c->head; r; r = r->next)
-        if (r->kind == KVT_REQ_GET && r->get.shared && r->node == node && r->status == 0 &&
-            r->get.cur < r->get.end)
-            get_pin(c->srv, r);
+    if ((r->extra = calloc(1, sizeof(kvt__nvme_pins_t))))
+        kvt__nvme_pin(s, r->extra, r->node, r->pages);
 }
 
 /*
- * A GET without LOCATE whose pages all lie in DRAM and fit one batch, under the lock shared
- * (conn.c's framing, several loops), beside other loops' MATCHes and GETs. What the write path's
- * GET writes, and what this one does instead (docs/architecture.md, "GET under the shared lock"):
+ * Each GET of c on node with pages left keeps what the ending lease kept for it (lease.c
+ * lease_del, under the write lock, before the lease's path and NVMe pins go). One planned shared
+ * holds the path from now on as the write path's GET does: the first takes the lease's own pin
+ * on it (pin; the lease leaves it held, and the GET lets it go as its own), which needs no slot
+ * in the tree's lease table, so that a table full at index-bytes does not end it partway; any
+ * other takes a pin of its own (get_pin, which that table may refuse). Every one pins the path's
+ * NVMe blocks: the log's segment reclaim drops blocks without asking the index, so the path's pin
+ * alone left a later batch reading ENOENT where the MATCH had said stored. The lease's NVMe pins
+ * cover every NVMe block the GET can meet: a leased or pinned path takes no block into NVMe
+ * (exec.c, move_finish). A GET's path is its lease's node (get_req): one of c's other leases on
+ * the same node ending holds it too, which costs a pin and keeps it correct.
+ */
+int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
+{
+    kvt_srv_t *s = c->srv;
+    int taken = 0;
+    for (kvt__req_t *r = c->head; r; r = r->next) {
+        if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 || r->get.cur >= r->get.end)
+            continue;
+        if (r->get.shared && !taken) {
+            r->get.shared = 0; /* goes on by the write path, as get_pin's */
+            r->lease = pin;
+            taken = 1;
+        } else if (r->get.shared) {
+            get_pin(s, r);
+        }
+        if (r->lease && !r->extra)
+            get_pin_nvme(s, r);
+    }
+    return taken;
+}
+
+/*
+ * A GET whose first batch's pages all lie in DRAM, with or without LOCATE, under the lock shared
+ * (conn.c's framing, several loops), beside other loops' MATCHes and GETs; its later batches go
+ * on shared while they can (get_next_shared). What the write path's GET writes, and what this
+ * one does instead (docs/architecture.md, "GET under the shared lock"):
  *
- *   the pin on the path (a lease)    none: the batch is built in this hold, while the client's
- *                                    lease holds the path (only a writer lets it go); after it
+ *   the pin on the path (a lease)    none: each batch is built in one shared hold, while the
+ *                                    client's lease holds the path (only a writer lets it go, and
+ *                                    then pins it for this GET: kvt__get_lease_ends); after it
  *                                    nothing reads the tree, and the bytes are held by:
  *   the pages' read counts           the loop's own table (kvt__busy_inc_loop), which the frees
  *                                    consult under the write lock (kvt__free_loc)
+ *   a located page (LOCATE)          nothing of the GET's: as on the write path, the client's
+ *                                    lease keeps its location (no move, REMOVE or eviction of a
+ *                                    leased path) until its RELEASE or expiry, when the client
+ *                                    has read it; the arena table is only read (kvt__store_locate)
  *   the namespace reference          none: only the build reads the namespace, and the lease's
  *                                    pages keep it open
- *   counters, clients' memory        the loop's table; l->clients_bytes (as a shared MATCH)
+ *   counters, clients' memory        the loop's table (located pages: get_count_located);
+ *                                    l->clients_bytes (as a shared MATCH)
  *
  * Its hooks (the write, drained, the release) run shared too (get_shares). Returns 1 when the GET
  * is queued, 0 when it did nothing and the write path takes the frame: a bad body or lease (the
- * write path says so), LOCATE, a page not in DRAM, its hash not cached or its seal to check with
- * a write (get_dram_block), more than a batch, no memory, no loop table.
+ * write path says so), a page not in DRAM (HBM included), its hash not cached or its seal to
+ * check with a write (get_page_shares), no memory, no loop table.
  */
 int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
@@ -638,7 +719,15 @@ int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *b
     uint32_t n = l && l->expires_ns > kvt_now_ns() ? get_pages(&q, l) : 0;
     /* The namespace's entry is read, not made (kvt__ns_get may grow the table: a write). */
     uint32_t block_bytes = n && l->ns < s->nns ? s->ns[l->ns].block_bytes : 0;
-    if (!block_bytes || !get_batch_dram(s, l->node, block_bytes, q.first_page, q.first_page + n))
+    if (!block_bytes)
+        return 0;
+    get_span_t g = {.node = l->node,
+                    .zc = (h->flags & KVT_GET_F_LOCATE) ? c : NULL,
+                    .ns = l->ns,
+                    .block_bytes = block_bytes,
+                    .first = q.first_page,
+                    .end = q.first_page + n};
+    if (!get_batch_shares(s, &g))
         return 0;
     kvt__req_t *r = get_req(c, h, t0, &q, l, n, block_bytes);
     if (!r)

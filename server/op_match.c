@@ -309,9 +309,9 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
             .engine_id = q->engine_id,
         };
         if (rc == 0)
-            kvt__lease_pin(s, &l, m);
+            kvt__nvme_pin(s, &l.pins, m->node, m->pages);
         if (rc == 0 && (rc = kvt__lease_add(c, &l)) < 0) {
-            kvt__lease_unpin(s, &l);
+            kvt__nvme_unpin(s, &l.pins);
             kvt__path_unpin(s, lease);
         }
         if (rc < 0)

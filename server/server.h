@@ -79,6 +79,12 @@ typedef struct kvt__ns {
     uint64_t idle_ns; /* when users last fell to 0 */
 } kvt__ns_t;
 
+/* NVMe locations pinned in the tier against the log's segment reclaim (tierio.c kvt__nvme_pin). */
+typedef struct kvt__nvme_pins {
+    uint64_t *locs;
+    uint32_t n;
+} kvt__nvme_pins_t;
+
 /* A lease held by a connection: the pinned path's deepest node and its length in pages. */
 typedef struct kvt__lease {
     uint64_t id;
@@ -86,9 +92,8 @@ typedef struct kvt__lease {
     uint32_t pages;
     uint32_t ns;
     uint64_t expires_ns;
-    uint64_t engine_id; /* the engine's request id from the hints, for logs */
-    uint64_t *pins;     /* NVMe locations pinned against segment reclaim while leased */
-    uint32_t npins;
+    uint64_t engine_id;    /* the engine's request id from the hints, for logs */
+    kvt__nvme_pins_t pins; /* its path's NVMe blocks, while leased */
 } kvt__lease_t;
 
 /* One tier I/O of a request: a read, a write or a copy, for the block at (node, depth). */
@@ -250,7 +255,9 @@ struct kvt__req {
         int waited;      /* has waited at least once (counted in the metrics) */
         int start_only;  /* KVT_PREFETCH_F_START, replied once its moves began */
     } prefetch;
-    void *extra; /* op-specific state (a MATCH's remote probe), freed with the request */
+    /* op-specific state, freed with the request: a MATCH's remote probe, a PUT's landed pages, a
+     * GET's pins of its path's NVMe blocks once the client's lease has ended (op_get.c) */
+    void *extra;
 
     /* The request's own room for a small reply; from here on kvt__req_new does not zero it
      * (each byte is written before it is read): out_inline, and a small GET batch's slots and
@@ -278,8 +285,10 @@ _Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-by
  *   tick       every tick, per connection (lease expiry)
  *   deadlines  its requests' deadlines and waits, every tick and as soon as moves land
  *   lease_ends a lease of c on node goes (RELEASE, expiry), under the write lock, before its path
- *              is let go: the GETs that read the path under it pin it (kvt__get_lease_ends;
- *              through here, lease.c calls no GET by name: op_get.c finds leases in lease.c)
+ *              is let go: the GETs that read the path under it pin it and its NVMe blocks; 1
+ *              when one of them took the lease's own pin on the path (pin) as its own, which
+ *              the lease then leaves held (kvt__get_lease_ends; through here, lease.c calls no
+ *              GET by name: op_get.c finds leases in lease.c)
  */
 typedef struct kvt__conn_ops {
     void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
@@ -289,7 +298,7 @@ typedef struct kvt__conn_ops {
     void (*closing)(kvt__conn_t *c);
     void (*tick)(kvt__conn_t *c, uint64_t now);
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
-    void (*lease_ends)(kvt__conn_t *c, kvt_radix_node_t *node);
+    int (*lease_ends)(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin);
 } kvt__conn_ops_t;
 
 /*
@@ -827,9 +836,6 @@ void kvt__auth_tick(kvt_srv_t *s, uint64_t now);
 
 /* lease.c: the leases connections hold on matched paths. */
 int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l);
-/* Pins the lease's NVMe blocks against segment reclaim (best effort), and lets them go. */
-void kvt__lease_pin(kvt_srv_t *s, kvt__lease_t *l, const kvt_match_t *m);
-void kvt__lease_unpin(kvt_srv_t *s, kvt__lease_t *l);
 /* c's lease id, or NULL (a stale id, or another connection's lease). */
 kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id);
 void kvt__lease_drop_all(kvt__conn_t *c);
@@ -871,15 +877,18 @@ void kvt__match_settle(kvt_srv_t *s);
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 /* Whether a MATCH with header h is one kvt__h_match_shared may answer (its flags allow it). */
 int kvt__match_shares(const kvt_proto_hdr_t *h);
-/* A GET of pages all in DRAM, in one batch, under the shared lock (op_get.c): 1 when it queued
- * the GET, 0 when it did nothing (the write path answers it). */
+/* A GET whose first batch's pages all lie in DRAM (with LOCATE, those in the mapped arena go as
+ * locations), under the shared lock (op_get.c): 1 when it queued the GET, 0 when it did nothing
+ * (the write path answers it). */
 int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
-/* Whether a GET with header h is one kvt__h_get_shared may take (no LOCATE). */
+/* Whether a GET with header h is one kvt__h_get_shared may take (no flag but LOCATE). */
 int kvt__get_shares(const kvt_proto_hdr_t *h);
-/* Under the write lock, as a lease of c on node goes (RELEASE, expiry): each GET of c planned
- * under the shared lock on node's path, with pages left, pins the path for them, as the write
- * path's GET holds it, and goes on by the write path. */
-void kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node);
+/* Under the write lock, as a lease of c on node goes (RELEASE, expiry): each GET of c on node's
+ * path with pages left pins the path's NVMe blocks, as the lease did; one planned under the
+ * shared lock also holds the path, as the write path's GET does, and goes on by the write path:
+ * the first such GET takes the lease's own pin on the path (pin) and returns 1 (the lease must
+ * not let it go then), the others pin the path anew. */
+int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,
@@ -921,6 +930,12 @@ int kvt__prefetch_deadline(kvt__req_t *r, uint64_t now);
 /* A lease over node and everything above it, for I/O that must not see the path go. KVT_ENOSPC
  * when the lease table would grow past index-bytes. */
 int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease);
+/* Pins the NVMe blocks of the path's first pages pages that ends in node in the tier against the
+ * log's segment reclaim, into p (best effort: out of memory, none), and lets them go (p emptied).
+ * A lease holds them (lease.c), and so does a GET once the lease it reads under has ended
+ * (op_get.c). Under the write lock. */
+void kvt__nvme_pin(kvt_srv_t *s, kvt__nvme_pins_t *p, kvt_radix_node_t *node, uint32_t pages);
+void kvt__nvme_unpin(kvt_srv_t *s, kvt__nvme_pins_t *p);
 /* Fills a block key for the block at (node, depth) of namespace ns, tokens copied to tok. */
 void kvt__block_key(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t depth, uint32_t *tok,
                     kvt_block_key_t *key);

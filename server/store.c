@@ -433,6 +433,8 @@ void kvt__tier_metrics(kvt_srv_t *s)
         kvt__metric_set(s->metrics, KVT_M_POLICY_SWEEPS, 0, (double)ps.sweeps);
         kvt__metric_set(s->metrics, KVT_M_POLICY_PARKED, 0, (double)ps.parked);
         kvt__metric_set(s->metrics, KVT_M_POLICY_PARK_WAITS, 0, (double)ps.park_waits);
+        kvt__metric_set(s->metrics, KVT_M_POLICY_ROOM_WAITS, 0, (double)ps.room_waits);
+        kvt__metric_set(s->metrics, KVT_M_POLICY_ROOM_GAVEUPS, 0, (double)ps.room_gaveups);
         /* 1 + KVT_POLICY_EXPERT_*, so that 0 can say "no experts" (ps.expert is 0 then too). */
         kvt_policy_kind_t kind;
         int cost = kvt_policy_kind_parse(s->conf->policy, &kind) == 0 && kind == KVT_POLICY_COST;

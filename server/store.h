@@ -110,9 +110,8 @@ int kvt__store_promote(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t pages, kvt
  * went; KVT_ENOSPC when there was none or a block in use (busy, read, leased) stayed. */
 int kvt__store_free_arena(kvt_srv_t *s);
 
-/* Tiers: pin an NVMe location against reclaim (delta +1/-1), the tier's usage and the bytes it
- * holds for a block of block_bytes (0 when absent). */
-int kvt__tier_pin(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc, int delta);
+/* Tiers: the tier's usage and the bytes it holds for a block of block_bytes (0 when absent). NVMe
+ * pins against reclaim: kvt__nvme_pin (server.h). */
 void kvt__tier_usage(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_usage_t *u);
 /* Starts a probe of the remote tier (tier.h's kvt_tier_remote_probe): KVT_EUNAVAIL when there
  * is no remote tier. */

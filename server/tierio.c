@@ -109,12 +109,43 @@ int kvt__pin(kvt_srv_t *s, kvt_radix_node_t *node, uint32_t ns, uint64_t *lease)
     return kvt_radix_lease(s->radix, &m, s->internal_owner, lease);
 }
 
-/* ---- the door's tier calls (store.h) ---- */
-
-int kvt__tier_pin(kvt_srv_t *s, kvt_tier_id_t tier, uint64_t loc, int delta)
+/*
+ * The NVMe log's segment reclaim drops blocks without asking the index, so a path whose pages
+ * must stay readable pins their NVMe blocks in the tier as well as the path in the index: a
+ * client's lease from its MATCH (lease.c) and, once that lease has ended, a GET still reading
+ * under it (op_get.c, kvt__get_lease_ends). Out of memory for the list, the path still holds in
+ * the index; its NVMe blocks are then only as safe as any other (kvt__store_lost catches a
+ * reclaimed one).
+ */
+void kvt__nvme_pin(kvt_srv_t *s, kvt__nvme_pins_t *p, kvt_radix_node_t *node, uint32_t pages)
 {
-    return s->tiers[tier] ? kvt_tier_pin(s->tiers[tier], loc, delta) : KVT_EINVAL;
+    if (!s->tiers[KVT_TIER_NVME])
+        return;
+    const kvt_match_t m = {
+        .node = node, .node_pages = pages - kvt_radix_node_depth(node), .pages = pages};
+    uint32_t n = 0;
+    kvt__path_t w;
+    for (kvt__path_walk(&w, &m); w.run.node; kvt__path_step(&w))
+        for (uint32_t i = 0; i < w.run.n; i++)
+            n += w.run.blocks[i].tier == KVT_TIER_NVME;
+    if (n == 0 || !(p->locs = malloc(n * sizeof *p->locs)))
+        return;
+    for (kvt__path_walk(&w, &m); w.run.node; kvt__path_step(&w))
+        for (uint32_t i = 0; i < w.run.n; i++)
+            if (w.run.blocks[i].tier == KVT_TIER_NVME &&
+                kvt_tier_pin(s->tiers[KVT_TIER_NVME], w.run.blocks[i].loc, 1) == 0)
+                p->locs[p->n++] = w.run.blocks[i].loc;
 }
+
+void kvt__nvme_unpin(kvt_srv_t *s, kvt__nvme_pins_t *p)
+{
+    for (uint32_t i = 0; i < p->n; i++)
+        kvt_tier_pin(s->tiers[KVT_TIER_NVME], p->locs[i], -1);
+    free(p->locs);
+    *p = (kvt__nvme_pins_t){0};
+}
+
+/* ---- the door's tier calls (store.h) ---- */
 
 void kvt__tier_usage(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_usage_t *u)
 {

@@ -17,18 +17,7 @@
 
 static kvt_client_t *zc_client(const kvd_t *d, const char *model, int zero_copy)
 {
-    kvt_client_conf_t conf = {.unix_path = d->sock,
-                              .model = model,
-                              .page_size = PAGE,
-                              .block_bytes = BB,
-                              .timeout_ms = 10000,
-                              .zero_copy = zero_copy};
-    kvt_client_t *c = NULL;
-    int rc = kvt_client_connect(&c, &conf);
-    cr_assert_eq(rc, 0, "connect: %s", kvt_client_strerror(rc));
-    if (zero_copy)
-        cr_assert_eq(kvt_client_zero_copy(c), 1, "not mapped: %s", kvt_client_zero_copy_reason(c));
-    return c;
+    return kvd_client_map(d, model, PAGE, BB, zero_copy);
 }
 
 static void zc_start(kvd_t *d)

@@ -1326,6 +1326,110 @@ Test(policy_decisions, a_promotion_refused_at_its_switch_is_made_once_the_lease_
     made_once_released(a, lease);
 }
 
+/* Moves out of HBM land later (kvtierd's): for a, in DRAM below an HBM that d filled, a queued
+ * promotion makes room by moving d out, and finds that room still on its way. */
+static uint32_t *a_below_a_full_hbm(uint32_t **d)
+{
+    uint32_t *a = a_below_an_empty_hbm(&read_in_place_ops);
+    *d = seq(16, 3000);
+    request(*d, 16, NULL);
+    all_in(*d, 4, KVT_TIER_HBM);
+    ex.pending = 1;
+    return a;
+}
+
+static kvt_policy_stats_t stats(void)
+{
+    kvt_policy_stats_t st;
+    kvt_policy_stats(pol, &st);
+    return st;
+}
+
+/* a's promotion, refused under its lease and parked, is queued again once the lease ends into an
+ * HBM that d filled meanwhile: it moves d out, and is made at the first step after d landed, with
+ * no MATCH of a after. While d is on its way it moves nothing else out. Before, it was dropped
+ * once it had made the room, until a's next MATCH. */
+Test(policy_decisions, a_parked_promotion_into_a_full_tier_is_made_once_its_room_lands)
+{
+    refusals = 0;
+    uint32_t *a = a_below_an_empty_hbm(&read_in_place_ops), *d = seq(16, 3000);
+    uint64_t lease = lease_path(a);
+    request(a, 16, NULL);
+    parked_and_unparked(1, 0);
+    request(d, 16, NULL);
+    all_in(d, 4, KVT_TIER_HBM);
+    ex.pending = 1;
+    cr_assert_eq(kvt_radix_release(tree, lease), 0);
+    uint64_t demotions = stats().demotions;
+    cr_assert_eq(kvt_policy_step(pol, 0), 0); /* the room is on its way */
+    parked_and_unparked(1, 1);
+    cr_assert_eq(stats().demotions, demotions + 1);
+    cr_assert_eq(stats().pending_moves, 1);
+    cr_assert_eq(kvt_policy_step(pol, 0), 0);
+    cr_assert_eq(stats().demotions, demotions + 1, "more room made while it is on its way");
+    land_demotion(d);
+    cr_assert_eq(kvt_policy_step(pol, 0), 4, "not made once its room landed");
+    all_in(a, 4, KVT_TIER_HBM);
+    all_in(d, 4, KVT_TIER_DRAM);
+    cr_assert_eq(stats().demotions, demotions + 1);
+    cr_assert_eq(refusals, 1);
+    cr_expect_eq(stats().room_waits, 1);
+    cr_expect_eq(stats().room_gaveups, 0);
+    free(d);
+    free(a);
+    stop();
+}
+
+/* The same for the promotion a leased MATCH queues into a full HBM: it is not even refused, only
+ * makes room; once the room landed it is refused under the lease and parked, and made once the
+ * lease ends. Before, nothing was left to make it. */
+Test(policy_decisions, a_leased_match_into_a_full_tier_is_promoted_once_room_and_lease_allow)
+{
+    refusals = 0;
+    uint32_t *d, *a = a_below_a_full_hbm(&d);
+    uint64_t lease = lease_path(a);
+    request(a, 16, NULL);
+    cr_assert_eq(refusals, 0);
+    cr_assert_eq(stats().pending_moves, 1, "no room made");
+    land_demotion(d);
+    cr_assert_eq(kvt_policy_step(pol, 0), 0);
+    cr_assert_eq(refusals, 1, "not tried once its room landed");
+    parked_and_unparked(1, 0);
+    all_in(a, 4, KVT_TIER_DRAM);
+    free(d);
+    made_once_released(a, lease);
+}
+
+/* A queued promotion whose room never comes (every move out of HBM fails: d stays) makes it at
+ * its first try and at ROOM_TRIES (3) more, then is dropped: it does not move others out forever.
+ * Its path's next MATCH queues it again. */
+Test(policy_decisions, a_promotion_whose_room_never_comes_makes_room_a_bounded_number_of_times)
+{
+    uint32_t *d, *a = a_below_a_full_hbm(&d);
+    uint64_t demotions = stats().demotions;
+    request(a, 16, NULL);
+    for (int i = 0; i < 8 && stats().pending_moves == 1; i++) {
+        land_move(d, KVT_TIER_HBM, KVT_TIER_DRAM, KVT_EIO);
+        ex.pending = 1;
+        cr_assert_geq(kvt_policy_step(pol, 0), 0);
+    }
+    cr_assert_eq(stats().pending_moves, 0, "still making room");
+    cr_expect_eq(stats().demotions - demotions, 4, "room made %llu times",
+                 (unsigned long long)(stats().demotions - demotions));
+    cr_expect_eq(stats().room_gaveups, 1, "dropped once, at the bound");
+    cr_expect_eq(stats().room_waits, 3, "waited for each room made within the bound");
+    all_in(d, 4, KVT_TIER_HBM);
+    all_in(a, 4, KVT_TIER_DRAM);
+    request(a, 16, NULL);
+    cr_expect_eq(stats().demotions - demotions, 5, "its next MATCH made no room");
+    land_move(d, KVT_TIER_HBM, KVT_TIER_DRAM, 0);
+    cr_assert_eq(kvt_policy_step(pol, 0), 4, "not made once its room landed");
+    all_in(a, 4, KVT_TIER_HBM);
+    free(d);
+    free(a);
+    stop();
+}
+
 Test(policy_decisions, hold_makes_room_in_the_lowest_tier)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_LRU, 0, 8, 0);

@@ -256,18 +256,29 @@ static inline void kvd_cleanup(kvd_t *d)
     d->dir[0] = 0;
 }
 
-static inline kvt_client_t *kvd_client(const kvd_t *d, const char *model, uint32_t page,
-                                       uint32_t block_bytes)
+/* A client of d's Unix socket; with zero_copy, one that has mapped its namespace's DRAM arena
+ * (its GETs ask for LOCATE, its PUTs go through RESERVE and COMMIT). */
+static inline kvt_client_t *kvd_client_map(const kvd_t *d, const char *model, uint32_t page,
+                                           uint32_t block_bytes, int zero_copy)
 {
     kvt_client_conf_t conf = {.unix_path = d->sock,
                               .model = model,
                               .page_size = page,
                               .block_bytes = block_bytes,
-                              .timeout_ms = 10000};
+                              .timeout_ms = 10000,
+                              .zero_copy = zero_copy};
     kvt_client_t *c = NULL;
     int rc = kvt_client_connect(&c, &conf);
     cr_assert_eq(rc, 0, "connect: %s", kvt_client_strerror(rc));
+    if (zero_copy)
+        cr_assert_eq(kvt_client_zero_copy(c), 1, "not mapped: %s", kvt_client_zero_copy_reason(c));
     return c;
+}
+
+static inline kvt_client_t *kvd_client(const kvd_t *d, const char *model, uint32_t page,
+                                       uint32_t block_bytes)
+{
+    return kvd_client_map(d, model, page, block_bytes, 0);
 }
 
 /* A raw socket to the daemon's Unix socket, for bytes no client library would send. */

@@ -7,8 +7,11 @@
  * shared while other clients write, their replies and counters checked; GETs of DRAM blocks on
  * both loops, written with the lock let go, while other clients PUT, REMOVE and push blocks out;
  * runs of pipelined MATCHes that take no write lock on 2 and 4 loops, and on loop 0; the MATCHes
- * pipelined after a PUT answered under the lock shared again; each loop's queue depth (requests
- * and reply bytes waiting on a client that does not read).
+ * pipelined after a PUT answered under the lock shared again; GETs with LOCATE (zero-copy) that
+ * take no write lock, and whose located pages keep their bytes while another loop writes; each
+ * loop's queue depth (requests and reply bytes waiting on a client that does not read); GETs
+ * that outlive their lease, every page their MATCH reported stored delivered (NVMe pages a
+ * reclaim would take included).
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -947,15 +950,15 @@ static double write_locks(const kvd_t *d, int i)
     return v;
 }
 
-/* Starts d with `loops` loops (at most 4) and connects one client to each, c[i] on loop i;
- * returns the loops. */
-static int client_a_loop(kvd_t *d, const char *loops, kvt_client_t **c)
+/* Starts d with `loops` loops (at most 4) and connects one client of model "m" to each, c[i] on
+ * loop i, zero-copy ones (kvd_client_map) if zero_copy; returns the loops. */
+static int client_a_loop(kvd_t *d, const char *loops, int zero_copy, kvt_client_t **c)
 {
     kvd_start(d, "--loops", loops, NULL);
     int n = atoi(loops);
     cr_assert_leq(n, 4);
     for (int i = 0; i < n; i++)
-        c[i] = kvd_client(d, "m", PAGE, BB);
+        c[i] = kvd_client_map(d, "m", PAGE, BB, zero_copy);
     char key[64];
     for (int i = 0; i < n; i++) {
         snprintf(key, sizeof key, "loop_connections_%d", i);
@@ -984,7 +987,7 @@ static void runs_take_no_write_lock(const char *loops)
 {
     kvd_t d = {0};
     kvt_client_t *c[4];
-    int n = client_a_loop(&d, loops, c);
+    int n = client_a_loop(&d, loops, 0, c);
     char key[64];
     enum { P = 4, B = 32, R = 8 };
     static uint32_t tok[(P + 1) * PAGE];
@@ -1053,24 +1056,56 @@ Test(server_loops, a_run_of_matches_on_four_loops_takes_no_write_lock)
     runs_take_no_write_lock("4");
 }
 
+/* A zero-copy GET's page as kvt_client_get_cb hands it: where it lies (in the client's mapping, a
+ * location, or a buffer of the reply) and whether its bytes are want's, from page first on. */
+typedef struct loc_check {
+    const uint8_t *map, *want;
+    const uint8_t **ptrs; /* if not NULL: per page, where it lies in the mapping, or NULL */
+    uint64_t map_bytes;
+    uint32_t first, n, bb, seen, located; /* pages [first, first + n) asked for */
+    int wrong;
+} loc_check_t;
+
+static int loc_check_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    loc_check_t *k = arg;
+    const uint8_t *p = data;
+    int in_map = p >= k->map && p + len <= k->map + k->map_bytes;
+    (void)tier; /* a located page lies in the mapping: DRAM's */
+    if (k->seen >= k->n || page != k->first + k->seen || len != k->bb) {
+        k->wrong++;
+        return 1;
+    }
+    if (k->ptrs)
+        k->ptrs[k->seen] = in_map ? p : NULL;
+    k->located += (uint32_t)in_map;
+    k->wrong += memcmp(p, k->want + (size_t)k->seen * k->bb, len) != 0;
+    k->seen++;
+    return 0;
+}
+
 /*
  * A GET whose pages all lie in DRAM is framed, planned, written and released under the store's
  * lock shared (op_get.c, kvt__h_get_shared): the loop that serves it takes no write lock (issue
  * 42), on each loop past 0 (one client each; loop 0 takes the lock for writing for its own work).
- * Each round GETs the whole leased prefix and a page of it, checking the bytes; the MATCH after
- * the last GET (shared too) comes after the loop released the GET's batch, so that a write lock
- * the release took would be counted. The requests still count as sent.
+ * With zero_copy the clients map their namespace's arena, store through it, and GET with LOCATE
+ * (step 8): the daemon answers where the pages lie in the mapping. Each round GETs the whole
+ * leased prefix (with LOCATE copied from the mapping, kvt_client_get) and a page of it
+ * (kvt_client_get_cb: with LOCATE a pointer into the mapping), checking the bytes; the MATCH
+ * after the last GET (shared too) comes after the loop released the GET's batch, so that a write
+ * lock the release took would be counted. The requests, and the located pages, still count as
+ * sent.
  */
-static void gets_take_no_write_lock(const char *loops)
+static void gets_take_no_write_lock(const char *loops, int zero_copy)
 {
     kvd_t d = {0};
     kvt_client_t *c[4];
-    int n = client_a_loop(&d, loops, c);
+    int n = client_a_loop(&d, loops, zero_copy, c);
     char key[64];
     enum { P = 4, R = 16 };
     static uint32_t tok[P * PAGE];
     static uint8_t payload[P * BB], back[P * BB];
-    uint64_t gets = 0;
+    uint64_t gets = 0, located = 0;
     for (int i = 1; i < n; i++) {
         kvd_tokens(tok, P * PAGE, 9400000u + (uint32_t)i * 100000u);
         kvd_fill(payload, sizeof payload, 94 + (uint32_t)i);
@@ -1090,18 +1125,25 @@ static void gets_take_no_write_lock(const char *loops)
             cr_expect_eq(got, P, "loop %d, round %d", i, round);
             cr_expect(memcmp(back, payload, sizeof back) == 0, "loop %d, round %d: the bytes", i,
                       round);
-            cr_assert_eq(kvt_client_get(c[i], m.lease, first, 1, back, BB, &got, NULL), 0);
+            loc_check_t k = {
+                .want = payload + (size_t)first * BB, .first = first, .n = 1, .bb = BB};
+            k.map = kvt_client_mapping(c[i], &k.map_bytes);
+            cr_assert_eq(kvt_client_get_cb(c[i], m.lease, first, 1, loc_check_page, &k, &got), 0);
             cr_expect_eq(got, 1);
-            cr_expect(memcmp(back, payload + (size_t)first * BB, BB) == 0);
+            cr_expect_eq(k.located, (uint32_t)zero_copy, "loop %d, round %d: where it lies", i,
+                         round);
+            cr_expect_eq(k.wrong, 0, "loop %d, round %d: the page's bytes", i, round);
             gets += 2;
+            located += zero_copy ? P + 1 : 0;
         }
         cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, 0, 0, NULL, &one), 0);
         double w1 = write_locks(&d, i);
-        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of DRAM pages", i, w1 - w0,
-                     2 * R);
+        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of DRAM pages%s", i, w1 - w0,
+                     2 * R, zero_copy ? " with LOCATE" : "");
         snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
         cr_expect_eq(kvd_metric(&d, key), 2 * R, "loop %d: every GET planned shared", i);
     }
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"), (double)located);
     cr_expect_eq(kvd_metric(&d, "kvtier_requests_total{op=\"get\"}"), (double)gets);
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
     client_a_loop_stop(&d, c, n);
@@ -1109,27 +1151,261 @@ static void gets_take_no_write_lock(const char *loops)
 
 Test(server_loops, gets_from_dram_take_no_write_lock)
 {
-    gets_take_no_write_lock("2");
+    gets_take_no_write_lock("2", 0);
 }
 
 Test(server_loops, gets_from_dram_on_four_loops_take_no_write_lock)
 {
-    gets_take_no_write_lock("4");
+    gets_take_no_write_lock("4", 0);
+}
+
+Test(server_loops, locate_gets_take_no_write_lock)
+{
+    gets_take_no_write_lock("2", 1);
+}
+
+Test(server_loops, locate_gets_on_four_loops_take_no_write_lock)
+{
+    gets_take_no_write_lock("4", 1);
+}
+
+/*
+ * LOCATE GETs under the shared lock while another loop writes. A writer on loop 0 stores a
+ * 2-page prefix S before anyone maps the namespace (its pages stay in the main DRAM region and go
+ * with their bytes), then PUTs fresh prefixes of the same namespace into its arena (64 KiB pages,
+ * 4 MiB of DRAM: the step pushes blocks out to NVMe and drops them, and the arena reuses their
+ * room) and REMOVEs the readers' churn prefixes from their second page on. A zero-copy reader on
+ * each loop past 0 leases S extended by two pages of its own in the arena, and every round GETs
+ * it with LOCATE (two pages with their bytes, two located) and then stores a churn prefix, leases
+ * it, GETs it with LOCATE, and reads its located pages where they lie three times over with the
+ * writer at work before it RELEASEs the lease. Every byte read through a location must be the
+ * page's own while the lease holds: the writer's REMOVE is refused meanwhile, and no eviction,
+ * move or PUT may have the room (docs/protocol.md, "Lifetimes"). The previous round's churn prefix,
+ * once let go, is leased and read again: whatever of it is left, from whichever tier, must be its
+ * own. (With REMOVE let through a client's lease this fails every run: the located pages read
+ * other bytes.)
+ */
+#define RBB (64u << 10)
+
+typedef struct zrace {
+    const kvd_t *d;
+    kvt_client_t *c;     /* connected by the test: the writer on loop 0, reader i on loop i */
+    struct zrace *all;   /* the readers, for the writer to aim at */
+    int id, nreaders;    /* id 0: the writer */
+    int round, finished; /* a reader's, read by the writer (atomic) */
+    int errors, line, rc;
+    uint64_t located, sent, removed; /* a reader's pages read where they lie, or with bytes */
+} zrace_t;
+
+#define ZRACE_WRONG(w)       ((w)->line = (w)->line ? (w)->line : __LINE__, (w)->errors++)
+#define ZRACE_WRONG_RC(w, r) ((w)->rc = (w)->errors ? (w)->rc : (r), ZRACE_WRONG(w))
+enum { ZP = 4, ZROUNDS = 40 };
+
+/* The tokens of reader id's churn prefix of round k (ZP pages). */
+static void zrace_churn(uint32_t *tok, int id, int k)
+{
+    kvd_tokens(tok, ZP * PAGE, 9810000u + (uint32_t)id * 100000u + (uint32_t)k * 1000u);
+}
+
+/* Its bytes: page p of churn round k of reader id, as kvd_fill makes them. */
+static void zrace_fill(uint8_t *payload, int id, int k)
+{
+    for (int p = 0; p < ZP; p++)
+        kvd_fill(payload + (size_t)p * RBB, RBB, (uint32_t)(id * 100000 + k * 10 + p));
+}
+
+static void *zrace_writer_main(void *arg)
+{
+    zrace_t *w = arg;
+    static uint32_t tok[ZP * PAGE];
+    uint8_t *payload = malloc((size_t)ZP * RBB);
+    for (int i = 0; payload; i++) {
+        int left = 0;
+        for (int r = 1; r <= w->nreaders; r++)
+            left += !__atomic_load_n(&w->all[r].finished, __ATOMIC_ACQUIRE);
+        if (!left)
+            break;
+        /* A fresh prefix into the arena: DRAM fills, the step demotes and drops. */
+        kvd_tokens(tok, ZP * PAGE, 7700000u + (uint32_t)(i % 64) * 1000u);
+        kvd_fill(payload, (size_t)ZP * RBB, 990000u + (uint32_t)i);
+        kvt_client_put_t r;
+        if (kvt_client_put(w->c, tok, ZP * PAGE, 0, ZP, payload, NULL, &r) < 0)
+            ZRACE_WRONG(w);
+        /* A reader's churn prefix of now, from its second page: refused while it is leased. */
+        zrace_t *v = &w->all[1 + i % w->nreaders];
+        zrace_churn(tok, v->id, __atomic_load_n(&v->round, __ATOMIC_ACQUIRE));
+        int rc = kvt_client_remove(w->c, tok, 2 * PAGE);
+        if (rc < 0 && rc != KVT_CLIENT_ENOENT && rc != KVT_CLIENT_EBUSY)
+            ZRACE_WRONG_RC(w, rc);
+        w->removed += rc == 0;
+    }
+    free(payload);
+    return NULL;
+}
+
+/* Reader w's GET with LOCATE of pages [0, n) under lease, each checked against want (page p at
+ * p x RBB): a wrong page is an error, and so is a GET that fails, but where `lost` allows it, one
+ * that ends with ENOENT after the pages before a page whose bytes went (a MATCH leases the
+ * index-only pages that eviction leaves). Returns the pages read where they lie; ptrs (if not
+ * NULL, n entries) gets their pointers into the mapping (NULL: with bytes, or not sent). */
+static uint32_t zrace_get(zrace_t *w, uint64_t lease, uint32_t n, const uint8_t *want,
+                          const uint8_t **ptrs, int lost)
+{
+    loc_check_t k = {.want = want, .n = n, .bb = RBB, .ptrs = ptrs};
+    k.map = kvt_client_mapping(w->c, &k.map_bytes);
+    for (uint32_t p = 0; ptrs && p < n; p++)
+        ptrs[p] = NULL;
+    uint32_t got = 0;
+    int rc = kvt_client_get_cb(w->c, lease, 0, n, loc_check_page, &k, &got);
+    if ((rc < 0 && !(lost && rc == KVT_CLIENT_ENOENT)) || got != k.seen || k.wrong ||
+        (rc == 0 && got != n))
+        ZRACE_WRONG_RC(w, rc);
+    w->located += k.located;
+    w->sent += k.seen - k.located;
+    return k.located;
+}
+
+/* Leases the churn prefix of round k (its tokens in tok, its bytes in churn) for one GET with
+ * LOCATE; with hold, reads the located pages again where they lie, three times, with the writer
+ * at work, before the RELEASE: they must still be the page's own. */
+static void zrace_churn_get(zrace_t *w, uint32_t *tok, uint8_t *churn, int k, int hold)
+{
+    const uint8_t *ptrs[ZP];
+    kvt_client_match_t m = {0};
+    zrace_churn(tok, w->id, k);
+    zrace_fill(churn, w->id, k);
+    if (kvt_client_match(w->c, tok, ZP * PAGE, KVT_CLIENT_LEASE, 10000, NULL, &m) < 0)
+        ZRACE_WRONG(w);
+    if (m.pages == 0)
+        return; /* removed or pushed out whole */
+    zrace_get(w, m.lease, m.pages, churn, ptrs, 1);
+    for (int again = 0; hold && again < 3; again++) {
+        usleep(1000);
+        for (uint32_t p = 0; p < m.pages; p++)
+            if (ptrs[p] && memcmp(ptrs[p], churn + (size_t)p * RBB, RBB) != 0)
+                ZRACE_WRONG(w);
+    }
+    if (kvt_client_release(w->c, m.lease, NULL) < 0)
+        ZRACE_WRONG(w);
+}
+
+static void *zrace_reader_main(void *arg)
+{
+    zrace_t *w = arg;
+    uint32_t tok[ZP * PAGE];
+    uint8_t *mine = malloc((size_t)2 * ZP * RBB), *churn = mine ? mine + (size_t)ZP * RBB : NULL;
+    kvt_client_put_t r;
+    kvt_client_match_t lm = {0};
+    /* Its leased path: S (the writer's, with its bytes) and two pages of its own, in the arena. */
+    kvd_tokens(tok, 2 * PAGE, 9800000u);
+    kvd_tokens(tok + 2 * PAGE, 2 * PAGE, 9800500u + (uint32_t)w->id * 1000u);
+    if (mine) {
+        kvd_fill(mine, 2 * RBB, 98);
+        kvd_fill(mine + 2 * RBB, 2 * RBB, 98 + (uint32_t)w->id);
+    }
+    if (!mine || kvt_client_put(w->c, tok, ZP * PAGE, 0, ZP, mine, NULL, &r) < 0 ||
+        kvt_client_match(w->c, tok, ZP * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &lm) < 0 ||
+        lm.pages != ZP)
+        ZRACE_WRONG(w);
+    for (int round = 0; lm.pages == ZP && round < ZROUNDS; round++) {
+        if (zrace_get(w, lm.lease, ZP, mine, NULL, 0) != 2)
+            ZRACE_WRONG(w); /* S's pages with their bytes, its own where they lie */
+        /* The writer REMOVEs this round's churn prefix as soon as it may. */
+        __atomic_store_n(&w->round, round, __ATOMIC_RELEASE);
+        zrace_churn(tok, w->id, round);
+        zrace_fill(churn, w->id, round);
+        if (kvt_client_put(w->c, tok, ZP * PAGE, 0, ZP, churn, NULL, &r) < 0)
+            ZRACE_WRONG(w);
+        zrace_churn_get(w, tok, churn, round, 1);
+        if (round > 0)
+            zrace_churn_get(w, tok, churn, round - 1, 0);
+    }
+    __atomic_store_n(&w->finished, 1, __ATOMIC_RELEASE);
+    if (lm.lease && kvt_client_release(w->c, lm.lease, NULL) < 0)
+        ZRACE_WRONG(w);
+    free(mine);
+    return NULL;
+}
+
+static void locate_gets_race(const char *loops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, "--dram-bytes", "4M", "--nvme-bytes", "16M", NULL);
+    int n = atoi(loops);
+    cr_assert(n >= 2 && n <= 4);
+    zrace_t w[4];
+    pthread_t th[4];
+    /* The writer first, on loop 0; it stores S before anyone maps the namespace. */
+    w[0] = (zrace_t){.d = &d, .all = w, .nreaders = n - 1, .c = kvd_client(&d, "zr", PAGE, RBB)};
+    static uint32_t tok[2 * PAGE];
+    static uint8_t s_bytes[2 * RBB];
+    kvd_tokens(tok, 2 * PAGE, 9800000u);
+    kvd_fill(s_bytes, sizeof s_bytes, 98);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(w[0].c, tok, 2 * PAGE, 0, 2, s_bytes, NULL, &r), 0);
+    cr_assert_eq(r.stored, 2);
+    for (int i = 1; i < n; i++)
+        w[i] = (zrace_t){.d = &d, .all = w, .id = i, .c = kvd_client_map(&d, "zr", PAGE, RBB, 1)};
+    char key[64];
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(w[0].c, key), 1, "w[%d] is loop %d's", i, i);
+    }
+    for (int i = 0; i < n; i++)
+        pthread_create(&th[i], NULL, i ? zrace_reader_main : zrace_writer_main, &w[i]);
+    int errors = 0, line = 0, rc = 0;
+    for (int i = 0; i < n; i++) {
+        pthread_join(th[i], NULL);
+        errors += w[i].errors;
+        rc = line ? rc : w[i].rc;
+        line = line ? line : w[i].line;
+    }
+    if (errors)
+        kvd_log_tail(&d, 4000);
+    cr_expect_eq(errors, 0, "%d wrong replies or pages, the first at line %d (rc %d)", errors, line,
+                 rc);
+    cr_expect_gt(w[0].removed, 0, "the writer removed churn prefixes the readers had read");
+    double dropped = kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"),
+           demoted = kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}");
+    cr_expect(dropped > 0 || demoted > 0, "the writer pushed blocks out of DRAM (%g, %g)", dropped,
+              demoted);
+    for (int i = 1; i < n; i++) {
+        cr_expect_geq(w[i].located, ZROUNDS * 2, "reader %d: pages read where they lie", i);
+        cr_expect_geq(w[i].sent, ZROUNDS * 2, "reader %d: S's pages with their bytes", i);
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
+        cr_expect_geq(kvd_metric(&d, key), ZROUNDS, "loop %d: GETs with LOCATE planned shared", i);
+    }
+    for (int i = 0; i < n; i++)
+        kvt_client_close(w[i].c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, locate_gets_keep_their_pages_while_others_write, .timeout = 120)
+{
+    locate_gets_race("2");
+}
+
+Test(server_loops, locate_gets_on_four_loops_keep_their_pages_while_others_write, .timeout = 120)
+{
+    locate_gets_race("4");
 }
 
 /*
  * A GET of more than one batch (12 pages of 2 MiB: 4 batches of KVT_GET_BATCH_BYTES) of DRAM
  * pages on loop 1 goes batch after batch under the shared lock too: each next batch is built
  * while the client's lease holds the path (op_get.c, get_next_shared). Before, such a GET went to
- * the write path (a write lock for the frame and one per batch).
+ * the write path (a write lock for the frame and one per batch). With zero_copy the client maps
+ * its arena and GETs with LOCATE (step 8): every page goes as a location, batch after batch.
  */
-Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
+static void several_batches_take_no_write_lock(int zero_copy)
 {
     kvd_t d = {0};
     kvd_start(&d, "--loops", "2", "--dram-bytes", "64M", NULL);
     enum { P = 12, R = 6 };
     const size_t bb = 2u << 20;
-    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "big", PAGE, bb);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB),
+                 *c1 = kvd_client_map(&d, "big", PAGE, bb, zero_copy);
     cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
     static uint32_t tok[P * PAGE];
     uint8_t *payload = malloc(P * bb), *back = malloc(P * bb);
@@ -1146,8 +1422,10 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     cr_assert_eq(m.pages, P);
     cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, 0, 0, NULL, &one), 0);
     double w0 = write_locks(&d, 1);
+    uint64_t located = 0;
     for (int round = 0; round < R; round++) {
         uint32_t got = 0, first = (uint32_t)round % 3;
+        located += zero_copy ? P - first : 0;
         memset(back, 0, P * bb);
         cr_assert_eq(kvt_client_get(c1, m.lease, first, P - first, back, P * bb, &got, NULL), 0);
         cr_expect_eq(got, P - first, "round %d", round);
@@ -1158,6 +1436,7 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     double w1 = write_locks(&d, 1);
     cr_expect_eq(w1 - w0, 0, "%g write locks for %d GETs of 4 batches of DRAM pages", w1 - w0, R);
     cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), R);
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"), (double)located);
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
     free(payload);
     free(back);
@@ -1167,17 +1446,27 @@ Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
     kvd_cleanup(&d);
 }
 
+Test(server_loops, gets_of_several_batches_take_no_write_lock, .timeout = 60)
+{
+    several_batches_take_no_write_lock(0);
+}
+
+Test(server_loops, locate_gets_of_several_batches_take_no_write_lock, .timeout = 60)
+{
+    several_batches_take_no_write_lock(1);
+}
+
 /*
  * Multi-batch GETs whose lease ends between their batches. A reader on loop 1 stores 8 pages of
  * 2 MiB (3 batches), leases them and GETs them slowly (its batches wait for the socket), and
  * either RELEASEs the lease in the same write as the GET (a raw socket: the RELEASE is framed
  * while the GET's first batch goes out) or leases for 5 ms (the tick expires it mid-GET); a
  * writer meanwhile REMOVEs the reader's prefix and PUTs fresh ones that push DRAM out to NVMe.
- * A GET that began takes the path's pin as the lease goes (op_get.c, kvt__get_lease_ends), as
- * the write path's GET holds it from its start: every page that comes has its own bytes, in
- * order, and the GET ends as the write path's does (the old daemon, where such GETs took the
- * write path, ends them alike): whole with status 0, or ENOENT after the pages before the first
- * one the writer's PUTs pushed out once the lease no longer kept it.
+ * A GET that began holds the path as the lease goes (op_get.c, kvt__get_lease_ends: the lease's
+ * own pin, and the path's NVMe blocks), as the write path's GET holds it from its start: every
+ * page that comes has its own bytes, in order, and the GET ends whole with status 0, or with
+ * ENOENT at the first page its MATCH reported without bytes (a PUT of the reader's that found no
+ * room while the writer's pages were on their way out of DRAM), never at a page it promised.
  */
 #define LB (2u << 20)
 
@@ -1197,35 +1486,54 @@ static void lapse_tokens(uint32_t *tok, int round)
     kvd_tokens(tok, LP * PAGE, 9600000u + (uint32_t)round * 1000);
 }
 
-/* The GET of a whole lease and a RELEASE of it in one write on raw socket fd; its frames read
- * slowly and checked against sums; how many pages came and the GET's status in *got, *status. */
-static void lapse_get_release(lapse_t *w, int fd, uint64_t lease, const uint64_t *sums,
+/* The leading pages of a MATCH's reply of LP pages that it gave a tier: those it promised. */
+static uint32_t lapse_stored(const uint8_t *tiers)
+{
+    uint32_t n = 0;
+    while (n < LP && tiers[n] != KVT_CLIENT_TIER_NONE)
+        n++;
+    return n;
+}
+
+/* n GETs of a whole lease (request ids 10, 12, ...) and a RELEASE of it (11) in one write on raw
+ * socket fd; their frames read slowly and checked against sums; how many pages each GET sent and
+ * its status in got[i], status[i]. */
+static void lapse_get_release(lapse_t *w, int fd, uint64_t lease, int n, const uint64_t *sums,
                               uint8_t *body, uint32_t *got, int *status)
 {
-    uint8_t f[2 * KVT_PROTO_HDR + sizeof(kvt_wire_get_t) + sizeof(kvt_wire_release_t)];
+    enum { GETF = KVT_PROTO_HDR + sizeof(kvt_wire_get_t), MAXN = 2 };
+    uint8_t f[MAXN * GETF + KVT_PROTO_HDR + sizeof(kvt_wire_release_t)], *g = f;
     kvt_wire_get_t gw = {.lease = lease};
     kvt_wire_release_t rw = {.lease = lease};
-    kvt_proto_frame(f, KVT_OP_GET, 0, 10, 0, sizeof gw);
-    memcpy(f + KVT_PROTO_HDR, &gw, sizeof gw);
-    uint8_t *g = f + KVT_PROTO_HDR + sizeof gw;
+    cr_assert_leq(n, MAXN);
+    for (int i = 0; i < n; i++, g += GETF) {
+        kvt_proto_frame(g, KVT_OP_GET, 0, 10 + 2 * (uint64_t)i, 0, sizeof gw);
+        memcpy(g + KVT_PROTO_HDR, &gw, sizeof gw);
+    }
     kvt_proto_frame(g, KVT_OP_RELEASE, 0, 11, 0, sizeof rw);
     memcpy(g + KVT_PROTO_HDR, &rw, sizeof rw);
-    cr_assert_eq(write(fd, f, sizeof f), (ssize_t)sizeof f);
+    g += KVT_PROTO_HDR + sizeof rw;
+    cr_assert_eq(write(fd, f, (size_t)(g - f)), g - f);
     kvt_proto_hdr_t h;
-    for (*got = 0;;) {
-        read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + LB);
-        if (!(h.flags & KVT_RF_MORE))
-            break;
-        uint32_t page = kvt_get_u32(body);
-        if (h.body_len != sizeof(kvt_wire_get_data_t) + LB || page != *got ||
-            page_sum(body + sizeof(kvt_wire_get_data_t), LB) != sums[page])
+    for (int i = 0; i < n; i++) {
+        for (got[i] = 0;;) {
+            read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + LB);
+            if (h.request_id != 10 + 2 * (uint64_t)i)
+                LAPSE_WRONG(w);
+            if (!(h.flags & KVT_RF_MORE))
+                break;
+            uint32_t page = kvt_get_u32(body);
+            if (h.body_len != sizeof(kvt_wire_get_data_t) + LB || page != got[i] ||
+                page_sum(body + sizeof(kvt_wire_get_data_t), LB) != sums[page])
+                LAPSE_WRONG(w);
+            if (got[i]++ < 4 && i == 0)
+                usleep(15000); /* slow: the batch after waits for the socket */
+        }
+        status[i] = h.status;
+        /* The end frame says how many pages went (an error before any data is a message). */
+        if (h.body_len == sizeof(kvt_wire_get_end_t) && kvt_get_u32(body) != got[i])
             LAPSE_WRONG(w);
-        if ((*got)++ < 4)
-            usleep(15000); /* slow: the batch after waits for the socket */
     }
-    *status = h.status;
-    if (h.status == 0 && kvt_get_u32(body) != *got)
-        LAPSE_WRONG(w);
     read_reply_frame(fd, &h, body, 64); /* the RELEASE's */
     if (h.request_id != 11 || h.status != 0)
         LAPSE_WRONG(w);
@@ -1307,26 +1615,29 @@ Test(server_loops, gets_of_several_batches_outlive_their_lease, .timeout = 120)
             sums[p] = page_sum(payload, LB);
             cr_assert_eq(kvt_client_put(st, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r), 0);
         }
-        uint32_t got = 0;
+        uint32_t got = 0, stored = 0; /* stored: the leading pages the MATCH gave a tier */
         int status = 0;
         if (round % 2 == 0) {
             int fd = kvd_raw(&d);
             raw_hello_model(fd, "big", PAGE, LB, body, 4096);
             uint64_t lease = raw_match_lease(fd, tok, LP * PAGE, body, 4096);
             if (lease && kvt_get_u32(body + 4) == LP) { /* else pushed out first: nothing to race */
+                stored = lapse_stored(body + 24);
                 __atomic_store_n(&leased, round, __ATOMIC_RELEASE); /* REMOVE it from now on */
-                lapse_get_release(&w, fd, lease, sums, body, &got, &status);
+                lapse_get_release(&w, fd, lease, 1, sums, body, &got, &status);
             }
             close(fd);
             if (got == 0 && status == 0)
                 continue;
         } else {
-            kvt_client_match_t m = {0};
+            uint8_t tiers[LP];
+            kvt_client_match_t m = {.tiers = tiers, .tiers_cap = LP};
             cr_assert_eq(kvt_client_match(e, tok, LP * PAGE, KVT_CLIENT_LEASE, 5, NULL, &m), 0);
             if (m.pages < LP) { /* the writer's PUTs pushed some out first: nothing to race */
                 kvt_client_release(e, m.lease, NULL);
                 continue;
             }
+            stored = lapse_stored(tiers);
             __atomic_store_n(&leased, round, __ATOMIC_RELEASE);
             lapse_check_t ck = {.w = &w, .sums = sums};
             status = kvt_client_get_cb(e, m.lease, 0, LP, lapse_page, &ck, &got);
@@ -1335,10 +1646,11 @@ Test(server_loops, gets_of_several_batches_outlive_their_lease, .timeout = 120)
             kvt_client_release(e, m.lease, NULL); /* expired by now, most often */
         }
         /* The write path's ends: all of it (the pin keeps the path from the REMOVEs), nothing
-         * when the lease ran out before the GET, or, once the writer PUTs too, the pages before
-         * one that its PUTs pushed out and ENOENT. */
+         * when the lease ran out before the GET, or every page the MATCH gave a tier and ENOENT
+         * at the first it did not (a PUT that found no room for it while the writer's pages
+         * were on their way out of DRAM). Nothing the MATCH promised goes under the GET. */
         int enoent = status == KVT_CLIENT_ENOENT || status == KVT_ENOENT;
-        if (!(status == 0 && got == LP) && !(enoent && (push || got == 0))) {
+        if (!(status == 0 && got == LP) && !(enoent && (got == stored || got == 0))) {
             w.status = w.errors ? w.status : status;
             LAPSE_WRONG(&w);
         }
@@ -1368,6 +1680,211 @@ Test(server_loops, gets_of_several_batches_outlive_their_lease, .timeout = 120)
     free(payload);
     free(body);
     kvt_client_close(e);
+    kvt_client_close(st);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A GET's NVMe pages once its client's lease has ended. The lease pinned the path's NVMe blocks
+ * against the log's segment reclaim (lease.c); the GET's own pin keeps the path in the index, and
+ * must keep those blocks too: a GET that outlives its lease (a slow reader, an engine that lets
+ * the lease run out) otherwise reads ENOENT from the first page of a later batch whose segment a
+ * writer's PUTs made the log reclaim, though the MATCH had reported it stored.
+ *
+ * No DRAM, so every PUT lands in the NVMe log in order: segments of 4 MiB hold 3 pages of 1 MiB,
+ * and 8 of them fill the log. The reader's 10 pages go to segments 0 and 1 (pages 0-5, 3 each)
+ * and 2-5 (pages 6-9, one each, behind two fillers that are then REMOVEd), so that segments 2-5
+ * hold the fewest live bytes: those a reclaim picks first. The GET goes in two batches (7 pages,
+ * then 3). While the reader holds its first page, its 50 ms lease expires and a writer PUTs 12
+ * fresh pages: 6 fill segments 6 and 7, and the next 6 need two segments reclaimed. Unpinned,
+ * those were segments 2 and 3, with pages 6 (already read) and 7 (the second batch's first).
+ */
+#define NBB (1u << 20)
+
+/* Stores page p of tok (block bb, filled from seed) by a PUT of its own through payload; the
+ * page's sum. */
+static uint64_t put_page(kvt_client_t *c, const uint32_t *tok, uint32_t p, uint32_t bb,
+                         uint32_t seed, uint8_t *payload)
+{
+    kvt_client_put_t r;
+    kvd_fill(payload, bb, seed);
+    cr_assert_eq(kvt_client_put(c, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, 1, "page %u", p);
+    return page_sum(payload, bb);
+}
+
+typedef struct nvme_reader {
+    kvd_t *d;
+    kvt_client_t *w; /* the writer's connection */
+    const uint64_t *sums;
+    uint32_t seen;
+    int errors, line;
+    double lost; /* the log's dropped blocks before the writer's PUTs */
+} nvme_reader_t;
+
+#define NVME_WRONG(k) ((k)->line = (k)->line ? (k)->line : __LINE__, (k)->errors++)
+
+/* The writer's pushes, once the reader's lease has expired: fresh one-page prompts. */
+static void nvme_push(nvme_reader_t *k)
+{
+    while (kvd_metric(k->d, "kvtier_leases_expired_total") < 1)
+        usleep(2000);
+    k->lost = kvd_metric(k->d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}");
+    static uint32_t tok[PAGE];
+    uint8_t *payload = malloc(NBB);
+    cr_assert(payload);
+    for (uint32_t i = 0; i < 12; i++) {
+        kvt_client_put_t r;
+        kvd_tokens(tok, PAGE, 9710000u + i * 100);
+        kvd_fill(payload, NBB, 9710 + i);
+        if (kvt_client_put(k->w, tok, PAGE, 0, 1, payload, NULL, &r) < 0)
+            NVME_WRONG(k);
+    }
+    free(payload);
+}
+
+static int nvme_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    nvme_reader_t *k = arg;
+    if (page != k->seen || tier != KVT_CLIENT_TIER_NVME || len != NBB ||
+        page_sum(data, len) != k->sums[page])
+        NVME_WRONG(k);
+    if (k->seen++ == 0)
+        nvme_push(k); /* the first batch waits for the socket meanwhile */
+    return 0;
+}
+
+/* A one-page prompt of the writer's at seed, stored and then (remove) REMOVEd. */
+static void nvme_filler(kvt_client_t *w, uint32_t seed, int remove)
+{
+    static uint32_t tok[PAGE];
+    static uint8_t payload[NBB];
+    kvt_client_put_t r;
+    kvd_tokens(tok, PAGE, seed);
+    kvd_fill(payload, NBB, seed);
+    if (!remove) {
+        cr_assert_eq(kvt_client_put(w, tok, PAGE, 0, 1, payload, NULL, &r), 0);
+        cr_assert_eq(r.stored, 1);
+    } else {
+        cr_assert_eq(kvt_client_remove(w, tok, PAGE), 0);
+    }
+}
+
+Test(server_loops, a_get_keeps_its_nvme_pages_once_its_lease_ends, .timeout = 60)
+{
+    if (unix_sndbuf_default() >= 6 * (int)NBB)
+        cr_skip_test("the kernel's default send buffer holds the GET's first batch");
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "0", "--nvme-bytes", "32M",
+              "--nvme-segment-bytes", "4M", "--tick-ms", "2", NULL);
+    kvt_client_t *w = kvd_client(&d, "n", PAGE, NBB), *rd = kvd_client(&d, "n", PAGE, NBB);
+    enum { P = 10, SPREAD = 6 }; /* pages SPREAD.. go one to a segment */
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc(NBB);
+    uint64_t sums[P];
+    cr_assert(payload);
+    kvd_tokens(tok, P * PAGE, 9700000u);
+    for (uint32_t p = 0; p < P; p++) {
+        sums[p] = put_page(w, tok, p, NBB, 970 + p, payload);
+        for (uint32_t f = 0; p >= SPREAD && f < 2; f++)
+            nvme_filler(w, 9800000u + p * 100 + f, 0);
+    }
+    for (uint32_t p = SPREAD; p < P; p++)
+        for (uint32_t f = 0; f < 2; f++)
+            nvme_filler(w, 9800000u + p * 100 + f, 1);
+    uint8_t tiers[P];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(rd, tok, P * PAGE, KVT_CLIENT_LEASE, 50, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    for (uint32_t p = 0; p < P; p++)
+        cr_assert_eq(tiers[p], KVT_CLIENT_TIER_NVME, "page %u", p);
+    nvme_reader_t k = {.d = &d, .w = w, .sums = sums};
+    uint32_t got = 0;
+    int rc = kvt_client_get_cb(rd, m.lease, 0, P, nvme_page, &k, &got);
+    if (rc != 0 || k.errors)
+        kvd_log_tail(&d, 4000);
+    cr_expect_eq(rc, 0, "the GET ended %d after %u pages", rc, got);
+    cr_expect_eq(got, P);
+    cr_expect_eq(k.errors, 0, "%d wrong pages or PUTs, the first at line %d", k.errors, k.line);
+    cr_expect_gt(kvd_metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}"), k.lost,
+                 "the writer's PUTs made the log reclaim segments");
+    free(payload);
+    kvt_client_close(w);
+    kvt_client_close(rd);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * GETs planned shared whose lease ends between their batches, with the index at index-bytes. Such
+ * a GET holds the path from then on (kvt__get_lease_ends): the first takes the ending lease's own
+ * pin, which needs no slot in the tree's lease table; another GET of the same lease takes a pin
+ * of its own, which a full table can grow for only within index-bytes. The reader's raw socket
+ * (loop 1) leases 8 pages of 2 MiB in DRAM (3 batches); another client fills the lease table with
+ * leases of the same path until the index has no room to grow it (a MATCH's lease is refused,
+ * ENOSPC); the reader sends two GETs of the whole lease and its RELEASE in one write, reading
+ * slowly so that the RELEASE is framed while the first batch goes out. The first GET comes whole
+ * (before, it ended ENOSPC after its first batch, as its own pin was refused); the second, whose
+ * pin is refused, ends after its first batch with ENOSPC in its end frame, which counts the pages
+ * sent (docs/protocol.md, GET); the daemon serves on, the same path read whole again.
+ */
+Test(server_loops, gets_whose_lease_ends_at_index_bytes, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "24M", "--nvme-bytes", "0", "--index-bytes",
+              "256K", "--max-leases", "100000", NULL);
+    kvt_client_t *st = kvd_client(&d, "big", PAGE, LB); /* loop 0 */
+    int fd = kvd_raw(&d);                               /* loop 1 */
+    static uint32_t tok[LP * PAGE];
+    uint8_t *payload = malloc(LB), *body = malloc(sizeof(kvt_wire_get_data_t) + LB);
+    uint64_t sums[LP];
+    cr_assert(payload && body);
+    lapse_tokens(tok, 0);
+    for (uint32_t p = 0; p < LP; p++)
+        sums[p] = put_page(st, tok, p, LB, 980 + p, payload);
+    raw_hello_model(fd, "big", PAGE, LB, body, 4096);
+    cr_assert_eq(kvd_stat(st, "loop_connections_1"), 1, "the raw connection is loop 1's");
+    uint64_t lease = raw_match_lease(fd, tok, LP * PAGE, body, 4096);
+    cr_assert_eq(kvt_get_u32(body + 4), LP);
+    uint32_t held = 0;
+    uint64_t first = 0;
+    int rc = 0;
+    for (; held < 100000; held++) {
+        kvt_client_match_t m = {0};
+        rc = kvt_client_match(st, tok, LP * PAGE, KVT_CLIENT_LEASE | KVT_CLIENT_PROBE, 600000, NULL,
+                              &m);
+        if (rc < 0)
+            break;
+        first = first ? first : m.lease;
+    }
+    cr_assert_eq(rc, KVT_CLIENT_ENOSPC, "the leases filled the index (%u held): %s", held,
+                 kvt_client_strerror(rc));
+    double shared = kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}");
+    lapse_t w = {.d = &d};
+    uint32_t got[2];
+    int status[2];
+    lapse_get_release(&w, fd, lease, 2, sums, body, got, status);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), shared + 2,
+                 "the GETs were planned shared");
+    cr_expect_eq(w.errors, 0, "%d wrong pages or replies, the first at line %d", w.errors, w.line);
+    cr_expect_eq(w.released, 1, "the RELEASE found its lease");
+    cr_expect(status[0] == 0 && got[0] == LP, "the first GET ended %d after %u of %d pages",
+              status[0], got[0], LP);
+    cr_expect(status[1] == KVT_ENOSPC && got[1] == 3, "the second GET ended %d after %u pages",
+              status[1], got[1]);
+    cr_expect_gt(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
+    /* Served on: a slot given back, the path leased and read whole again. */
+    cr_assert_eq(kvt_client_release(st, first, NULL), 0);
+    lease = raw_match_lease(fd, tok, LP * PAGE, body, 4096);
+    cr_assert_neq(lease, 0);
+    w = (lapse_t){.d = &d};
+    lapse_get_release(&w, fd, lease, 1, sums, body, got, status);
+    cr_expect(status[0] == 0 && got[0] == LP && w.errors == 0, "again: %d after %u pages",
+              status[0], got[0]);
+    close(fd);
+    free(payload);
+    free(body);
     kvt_client_close(st);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);

@@ -854,6 +854,7 @@ Test(server_zc, promotion_waits_for_a_zero_copy_reader, .fini = teardown)
     cr_assert_eq(kvt_client_prefetch(c, t, PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
     cr_expect_eq(pf.moved + pf.resident, 0, "promoted under its reader: moved %u resident %u",
                  pf.moved, pf.resident);
+    cr_expect_eq(pf.failed, 1, "a refused page not answered failed"); /* docs/protocol.md */
     for (uint32_t i = 0; i < 16; i++) {
         uint32_t u[PAGE];
         kvd_tokens(u, PAGE, 20000 + 100 * i);
@@ -972,6 +973,85 @@ Test(server_zc, a_parked_promotion_is_not_started_again_while_its_lease_holds, .
     promoted_once_free(c, t, 84, "RELEASE");
     close(fd);
     kvt_client_close(c);
+}
+
+/* Starts kvtierd as hbm_over_dram does (leases of 30 s, no room to keep old copies) but with LRU
+ * and no watermarks below the tiers' capacity, so that nothing moves out of HBM before it is
+ * full. The connection. */
+static int hbm_kept_full(zmap_t *z)
+{
+    kvd_start(&d, "--hbm-backend", "host", "--hbm-bytes", "1M", "--dram-bytes", "2M",
+              "--nvme-bytes", "0", "--lease-ms", "30000", "--promote-keep-share", "0", "--policy",
+              "lru", "--policy-high", "1", "--policy-low", "1", NULL);
+    int fd = zconn(&d, "zc", NULL);
+    cr_assert_eq(zmap_tier(fd, KVT_TIER_DRAM, z, NULL), 0);
+    return fd;
+}
+
+/* Fills the 16 pages of HBM with pages fd writes into DRAM and c PREFETCHes up. */
+static void fill_hbm(int fd, zmap_t *z, kvt_client_t *c)
+{
+    for (uint32_t i = 0; i < 16; i++) {
+        uint32_t u[PAGE];
+        kvt_client_prefetch_t pf;
+        kvd_tokens(u, PAGE, 40000 + 100 * i);
+        zstore_one(fd, z, u, 400 + i);
+        cr_assert_eq(kvt_client_prefetch(c, u, PAGE, KVT_CLIENT_TIER_HBM, 5000, &pf), 0);
+        cr_assert_eq(pf.moved, 1, "page %u not PREFETCHed into HBM", i);
+    }
+    cr_assert_eq(kvd_stat(c, "hbm_blocks"), 16);
+}
+
+/* fd's lease on page 0 of t (seed) ends with HBM full: the page reaches HBM with no MATCH after,
+ * one page moved out for it and no other. */
+static void promoted_into_full_hbm(int fd, zmap_t *z, kvt_client_t *c, uint64_t lease,
+                                   const uint32_t *t, uint32_t seed)
+{
+    uint64_t up = kvd_stat(c, "blocks_moved_dram_hbm");
+    zrelease(fd, lease);
+    zunmap(z);
+    cr_expect_eq(wait_stat(c, "blocks_moved_dram_hbm", up + 1), up + 1,
+                 "not promoted once its room landed");
+    cr_expect_eq(kvd_stat(c, "blocks_moved_hbm_dram"), 1, "more room made than it needed");
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 16);
+    expect_page_in(c, t, seed, KVT_CLIENT_TIER_HBM, "RELEASE");
+    close(fd);
+    kvt_client_close(c);
+}
+
+/* A parked promotion queued again once its lease went, into an HBM that filled up meanwhile,
+ * makes room by moving one page out, and is made once that move landed; the room on its way
+ * meanwhile moves no other page out. Before, it made the room and was dropped. */
+Test(server_zc, a_parked_promotion_into_a_full_hbm_runs_once_its_room_lands, .fini = teardown)
+{
+    zmap_t z;
+    int fd = hbm_kept_full(&z);
+    kvt_client_t *c = zclient(&d, NULL);
+    uint32_t t[PAGE];
+    kvd_tokens(t, PAGE, 9100);
+    uint64_t lease = leased_in_dram(fd, &z, c, t, 91);
+    cr_assert_eq(kvd_stat(c, "policy_parked"), 1);
+    fill_hbm(fd, &z, c);
+    promoted_into_full_hbm(fd, &z, c, lease, t, 91);
+}
+
+/* The promotion a leased MATCH queues into a full HBM makes room, waits for it, is refused under
+ * the lease then (parked), and is made after the RELEASE. Before, it made the room and was
+ * dropped: never refused, so never parked. */
+Test(server_zc, a_leased_match_into_a_full_hbm_is_promoted_after_its_release, .fini = teardown)
+{
+    zmap_t z;
+    int fd = hbm_kept_full(&z);
+    kvt_client_t *c = zclient(&d, NULL);
+    fill_hbm(fd, &z, c);
+    uint32_t t[PAGE], pages;
+    kvd_tokens(t, PAGE, 9200);
+    zstore_one(fd, &z, t, 92);
+    uint64_t lease = zmatch(fd, t, PAGE, &pages, NULL);
+    cr_assert_eq(pages, 1);
+    cr_expect_eq(wait_stat(c, "policy_parked", 1), 1, "not refused once its room landed");
+    cr_expect_eq(kvd_stat(c, "hbm_blocks"), 15);
+    promoted_into_full_hbm(fd, &z, c, lease, t, 92);
 }
 
 /* ---- Promotions under a lease, their old DRAM copy kept (exec.c, "Kept copies") ---- */
