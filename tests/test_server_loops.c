@@ -12,7 +12,8 @@
  * loop's queue depth (requests and reply bytes waiting on a client that does not read); GETs
  * that outlive their lease, every page their MATCH reported stored delivered (NVMe pages a
  * reclaim would take included); GETs of NVMe pages that take no write lock on their loop, and
- * whose bytes come whole from several loops at once while a writer makes the log reclaim.
+ * whose bytes come whole from several loops at once while a writer makes the log reclaim; a
+ * close while such a GET's reads are in flight.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -2744,4 +2745,58 @@ Test(server_loops, gets_from_nvme_share_the_lock_while_others_write, .timeout = 
 Test(server_loops, gets_from_nvme_on_four_loops_share_the_lock_while_others_write, .timeout = 120)
 {
     nvme_gets_share_the_lock("4");
+}
+
+/*
+ * A connection that closes while its GET's batch, planned shared, is being read: the request
+ * becomes an orphan (no connection) whose reads complete on loop 0, and its batch's DRAM pages'
+ * read counts are let go from the loop's table the request names (r->get.loop_reads), not through
+ * its connection. The path lies in DRAM and NVMe (512 KiB of DRAM for 16 pages of 64 KiB), so a
+ * batch holds both; each of 20 raw connections leases it, sends a GET of it and closes at once.
+ * The daemon serves on: the leases given back, the path read whole, and it stops cleanly.
+ */
+Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "512K", "--nvme-bytes", "64M", "--tick-ms",
+              "10000", NULL);
+    enum { P = 16 };
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, SBB);
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * SBB], back[P * SBB], body[4096];
+    uint8_t tiers[P];
+    kvd_tokens(tok, P * PAGE, 9550000u);
+    kvd_fill(payload, sizeof payload, 955);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c0, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c0, tok, P * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    cr_assert(memchr(tiers, KVT_CLIENT_TIER_DRAM, P) && memchr(tiers, KVT_CLIENT_TIER_NVME, P),
+              "the path lies in DRAM and NVMe");
+    for (int round = 0; round < 20; round++) {
+        int fd = kvd_raw(&d);
+        uint64_t lease = raw_lease(fd, "m", PAGE, SBB, tok, P * PAGE, body, sizeof body);
+        uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_get_t)];
+        kvt_wire_get_t gw = {.lease = lease};
+        kvt_proto_frame(f, KVT_OP_GET, 0, 3, 0, sizeof gw);
+        memcpy(f + KVT_PROTO_HDR, &gw, sizeof gw);
+        cr_assert_eq(write(fd, f, sizeof f), (ssize_t)sizeof f);
+        close(fd);
+    }
+    uint64_t t0 = kvt_now_ns();
+    while (kvd_stat(c0, "leases") && kvt_now_ns() - t0 < 3000000000ull)
+        usleep(20 * 1000);
+    cr_expect_eq(kvd_stat(c0, "leases"), 0);
+    cr_expect_gt(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 0,
+                 "loop 1 planned the GETs shared");
+    m = (kvt_client_match_t){0};
+    cr_assert_eq(kvt_client_match(c0, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c0, m.lease, 0, P, back, sizeof back, &got, NULL), 0);
+    cr_expect_eq(got, P);
+    cr_expect(memcmp(back, payload, sizeof back) == 0);
+    kvt_client_close(c0);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
 }
