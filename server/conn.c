@@ -765,6 +765,37 @@ void kvt__conns_reap(kvt__loop_t *l)
     }
 }
 
+static int queue_plain(const kvt__conn_t *c);
+
+/* The first connection on l's posted list that kvt__posted_shared may kick, unlinked from it:
+ * open, and nothing in its queue that needs the write lock (queue_plain). */
+static kvt__conn_t *posted_plain(kvt__loop_t *l)
+{
+    for (kvt__conn_t **p = &l->posted; *p; p = &(*p)->posted_next) {
+        kvt__conn_t *c = *p;
+        if (c->dead || c->closing || c->gone || !queue_plain(c))
+            continue;
+        *p = c->posted_next;
+        c->posted_next = NULL;
+        c->posted = 0;
+        return c;
+    }
+    return NULL;
+}
+
+/* Other loops write the posted list only under the write lock, which no shared holder shares, so
+ * its owner may take from it shared. The list is looked at again after each kick: the kick's
+ * socket write lets the lock go, and a writer may post more meanwhile. */
+void kvt__posted_shared(kvt__loop_t *l)
+{
+    kvt__conn_t *c;
+    while (l->held == KVT_HELD_SHARED && (c = posted_plain(l))) {
+        l->top = c;
+        kvt__conn_kick(c);
+        l->top = NULL;
+    }
+}
+
 /* A reply starts in the request's own out_inline, and moves to the heap only when it outgrows it
  * (a long MATCH, a pipeline's replies sharing one buffer): a one-page GET's 64 bytes of frames
  * took a 4 KiB buffer of their own before, 512 of them at 64 connections x 8 in flight, each in
@@ -1087,10 +1118,11 @@ static int conn_write(kvt__conn_t *c)
     /* With the lock shared only finished plain replies are written (a source's hooks, a payload
      * given back, a descriptor: the write lock's). */
     if (c->loop->held == KVT_HELD_SHARED && !queue_plain(c)) {
-        /* A head waiting on its I/O, with nothing out yet (a PUT before a run of MATCHes): none
+        /* A head waiting on its I/O, with nothing out yet (a PUT before a run of MATCHes, a GET
+         * whose batch is being read: its source offers nothing until the reads are done): none
          * of the queue can go, and its completion kicks c. */
         const kvt__req_t *r = c->head;
-        if (!r->done && !r->src && !r->has_fd && r->out_off == r->out_len)
+        if (!r->done && (!r->src || r->pending) && !r->has_fd && r->out_off == r->out_len)
             return 0;
         kvt__loop_hold(c->loop, KVT_HELD_WRITE);
     }

@@ -74,6 +74,8 @@ int kvt__loops_open(kvt_srv_t *s)
     pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
     int rc = pthread_rwlock_init(&s->lock, &attr);
     pthread_rwlockattr_destroy(&attr);
+    if (!rc && (rc = pthread_mutex_init(&s->submit, NULL)))
+        pthread_rwlock_destroy(&s->lock);
     if (rc) {
         free(s->loops);
         s->loops = NULL;
@@ -148,6 +150,7 @@ static void *loop_main(void *arg)
             ev->cb(s, ev, evs[i].events);
         }
         kvt__put_apart(l);
+        kvt__posted_shared(l); /* completions of GETs planned shared: no write lock for them */
         if (l->wrote || kvt__loop_busy(l)) {
             kvt__loop_hold(l, KVT_HELD_WRITE);
             s->loop_after(l);
@@ -236,6 +239,7 @@ void kvt__loops_close(kvt_srv_t *s)
             close(l->epfd);
     }
     pthread_rwlock_destroy(&s->lock);
+    pthread_mutex_destroy(&s->submit);
     free(s->loops);
     s->loops = NULL;
 }

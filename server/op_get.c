@@ -13,15 +13,35 @@
 
 /* ---- GET ---- */
 
+/* A read count of the batch's is dropped from the table that holds it: its loop's for a batch
+ * planned shared (r->get.loop_reads, which names the loop: the request may have lost its
+ * connection while a read was in flight), else the main one. */
+static void get_unread(kvt_srv_t *s, const kvt__req_t *r, uint64_t hash)
+{
+    if (r->get.loop_reads)
+        kvt__busy_dec_loop(&s->loops[r->get.loop_reads - 1], hash);
+    else
+        kvt__busy_dec(s, hash);
+}
+
+/* Whether r's path (its node) is still there: its pin holds it, or, for a GET planned shared,
+ * its client's lease (whose end pins it for r: kvt__get_lease_ends). A close lets the leases go
+ * before a request with reads in flight becomes an orphan: the path may be gone when they
+ * complete, and a bad record is left for the next reader to find. */
+static int get_holds_path(const kvt__req_t *r)
+{
+    return r->lease || (r->get.shared && r->conn);
+}
+
 static void get_read_done(kvt_tier_io_t *io)
 {
     kvt__io_t *x = io->data;
     kvt__req_t *r = x->req;
     kvt_srv_t *s = x->req->srv;
-    kvt__busy_dec(s, io->key.hash);
+    get_unread(s, r, io->key.hash);
     if (io->status == KVT_ECORRUPT)
         kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, io->key.ntokens);
-    if (io->status == KVT_ECORRUPT || io->status == KVT_ENOENT)
+    if ((io->status == KVT_ECORRUPT || io->status == KVT_ENOENT) && get_holds_path(r))
         kvt__store_lost(s, x->node, x->depth); /* later MATCHes say so; this GET ends here */
     /* Promotion is the policy's: the MATCH that leased this path queued it. */
     if (kvt__io_finished(s, x, io->status, 0))
@@ -51,10 +71,8 @@ static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     for (uint32_t i = 0; i < r->get.batch; i++) {
         kvt__get_slot_t *g = &r->get.slots[i];
-        if (g->hash && r->get.loop_reads)
-            kvt__busy_dec_loop(r->conn->loop, g->hash); /* such a batch never outlives c */
-        else if (g->hash)
-            kvt__busy_dec(s, g->hash);
+        if (g->hash)
+            get_unread(s, r, g->hash);
         if (g->x) {
             free(g->x->buf);
             free(g->x);
@@ -259,6 +277,16 @@ typedef struct get_span {
     uint32_t ns, block_bytes, first, end;
 } get_span_t;
 
+/* Under the shared lock: whether NVMe page `page` (block b) of g can be read with nothing written:
+ * its I/O record's key (kvt__block_key) needs its hash and its parent's, which the tree computes
+ * and caches when they are missing (a write). Its record is checked by the read's completion, on
+ * loop 0 under the write lock, which makes a bad one lost (get_read_done). */
+static int get_nvme_shares(const get_span_t *g, uint32_t page, const kvt_block_t *b)
+{
+    const kvt_block_t *parent = page ? kvt__path_block(g->node, page - 1) : NULL;
+    return b->hash && (!page || (parent && parent->hash));
+}
+
 /* Under the shared lock: whether page `page` of g can go as get_plan would send it with nothing
  * written: a location in the DRAM arena g->zc maps (kvt__store_locate only reads: the arena
  * table changes under the write lock alone), or its bytes from DRAM (its hash cached: computing
@@ -269,11 +297,30 @@ typedef struct get_span {
 static int get_page_shares(kvt_srv_t *s, const get_span_t *g, uint32_t page)
 {
     const kvt_block_t *b = kvt__path_block(g->node, page);
+    if (b && b->tier == KVT_TIER_NVME && s->tiers[KVT_TIER_NVME] && b->size == g->block_bytes)
+        return get_nvme_shares(g, page, b);
     if (!b || b->tier != KVT_TIER_DRAM || !s->tiers[KVT_TIER_DRAM] || b->size != g->block_bytes)
         return 0;
     if (g->zc && kvt__store_locate(s, g->zc, g->ns, b, NULL))
         return 1;
     return b->hash && kvt__tier_ptr(s, b) && (!s->conf->zc_checksum || kvt__tier_intact(s, b));
+}
+
+/* get_plan_shared's NVMe page: its read count in the loop's table (held until the read
+ * completes, get_read_done), and an I/O record for get_read, whose key reads only cached hashes
+ * (get_nvme_shares). */
+static int get_plan_nvme_shared(kvt_srv_t *s, kvt__req_t *r, kvt_block_t *b, get_page_t *pg)
+{
+    kvt__io_t *x = kvt__io_new(s, r, r->get.cur);
+    if (!x)
+        return KVT_ENOMEM;
+    if (kvt__busy_inc_loop(r->conn->loop, b->hash) < 0) {
+        free(x);
+        return KVT_ENOMEM;
+    }
+    x->tier = KVT_TIER_NVME;
+    *pg = (get_page_t){.b = b, .x = x};
+    return 0;
 }
 
 /* get_plan for a GET planned shared, for a page get_batch_shares found it may take: a location
@@ -285,7 +332,9 @@ static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
     kvt__loop_t *l = r->conn->loop;
     kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
     /* As get_batch_shares found it in this hold (kvt__h_get_shared, kvt__store_get_batch). */
-    kvt_assert(b && b->tier == KVT_TIER_DRAM);
+    kvt_assert(b && (b->tier == KVT_TIER_DRAM || b->tier == KVT_TIER_NVME));
+    if (b->tier == KVT_TIER_NVME)
+        return get_plan_nvme_shared(s, r, b, pg);
     uint64_t off;
     if (r->get.locate && kvt__store_locate(s, r->conn, r->ns, b, &off)) {
         *pg = (get_page_t){.b = b, .located = 1, .off = off};
@@ -298,6 +347,25 @@ static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
     kvt__metric_observe(l->metrics, KVT_M_TIER_IO_SECONDS, kvt__tier_io(KVT_TIER_DRAM, 0),
                         kvt_now_ns() - t0);
     return 0;
+}
+
+/*
+ * The read's submission, counted in flight. A batch planned shared submits with the store's lock
+ * held shared, beside other loops doing the same: s->submit keeps them one at a time in the
+ * tier's queue, its ring and the daemon's in-flight count. Everyone else in those (loop 0's
+ * completions, the writes, the frees, the scrapes) holds the lock for writing, which no shared
+ * holder shares. (docs/architecture.md, "GET of NVMe pages".)
+ */
+static int get_submit(kvt_srv_t *s, kvt__req_t *r, kvt_tier_id_t tier, kvt_tier_io_t *io)
+{
+    if (r->get.loop_reads)
+        pthread_mutex_lock(&s->submit);
+    int rc = kvt__tier_read(s, tier, io);
+    if (rc == 0)
+        kvt__io_started(s, r);
+    if (r->get.loop_reads)
+        pthread_mutex_unlock(&s->submit);
+    return rc;
 }
 
 /* Starts the read of a page get_plan found outside memory into a buffer of its own: 0, or the
@@ -313,16 +381,15 @@ static int get_read(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
         x->io.loc = b->loc;
         x->io.cb = get_read_done;
         x->io.urgent = 1; /* the client waits: ahead of queued moves */
-        rc = kvt__tier_read(s, (kvt_tier_id_t)b->tier, &x->io);
+        rc = get_submit(s, r, (kvt_tier_id_t)b->tier, &x->io);
     }
     if (rc < 0) {
-        kvt__busy_dec(s, x->io.key.hash);
+        get_unread(s, r, x->io.key.hash);
         free(x->buf);
         free(x);
         return rc;
     }
     pg->ptr = x->buf;
-    kvt__io_started(s, r);
     return 0;
 }
 
@@ -403,7 +470,7 @@ static uint32_t get_build(kvt_srv_t *s, kvt__req_t *r)
         r->get.segs = (kvt__seg_t *)(r->get.slots + n);
     }
     r->src = &kvt_get_src;
-    r->get.loop_reads = r->get.shared;
+    r->get.loop_reads = r->get.shared ? (uint8_t)(r->conn->loop->id + 1) : 0;
     for (uint32_t i = 0; i < n; i++, r->get.cur++) {
         get_page_t pg;
         int rc = r->get.shared ? get_plan_shared(s, r, &pg) : get_plan(s, r, &pg);
@@ -651,24 +718,26 @@ static void get_pin_nvme(kvt_srv_t *s, kvt__req_t *r)
 }
 
 /*
- * Each GET of c on node with pages left keeps what the ending lease kept for it (lease.c
- * lease_del, under the write lock, before the lease's path and NVMe pins go). One planned shared
- * holds the path from now on as the write path's GET does: the first takes the lease's own pin
- * on it (pin; the lease leaves it held, and the GET lets it go as its own), which needs no slot
- * in the tree's lease table, so that a table full at index-bytes does not end it partway; any
- * other takes a pin of its own (get_pin, which that table may refuse). Every one pins the path's
- * NVMe blocks: the log's segment reclaim drops blocks without asking the index, so the path's pin
- * alone left a later batch reading ENOENT where the MATCH had said stored. The lease's NVMe pins
- * cover every NVMe block the GET can meet: a leased or pinned path takes no block into NVMe
- * (exec.c, move_finish). A GET's path is its lease's node (get_req): one of c's other leases on
- * the same node ending holds it too, which costs a pin and keeps it correct.
+ * Each GET of c on node with pages left, or with reads in flight, keeps what the ending lease
+ * kept for it (lease.c lease_del, under the write lock, before the lease's path and NVMe pins
+ * go). One planned shared holds the path from now on as the write path's GET does: the first
+ * takes the lease's own pin on it (pin; the lease leaves it held, and the GET lets it go as its
+ * own), which needs no slot in the tree's lease table, so that a table full at index-bytes does
+ * not end it partway; any other takes a pin of its own (get_pin, which that table may refuse).
+ * Every one pins the path's NVMe blocks: the log's segment reclaim drops blocks without asking the
+ * index, so the path's pin alone left a later batch reading ENOENT where the MATCH had said stored.
+ * The lease's NVMe pins cover every NVMe block the GET can meet: a leased or pinned path takes no
+ * block into NVMe (exec.c, move_finish). A GET's path is its lease's node (get_req): one of c's
+ * other leases on the same node ending holds it too, which costs a pin and keeps it correct.
  */
 int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
 {
     kvt_srv_t *s = c->srv;
     int taken = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
-        if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 || r->get.cur >= r->get.end)
+        /* Pages left, or reads in flight (an NVMe batch: its completion may mark a page lost). */
+        if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 ||
+            (r->get.cur >= r->get.end && !r->pending))
             continue;
         if (r->get.shared && !taken) {
             r->get.shared = 0; /* goes on by the write path, as get_pin's */
@@ -684,7 +753,8 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
 }
 
 /*
- * A GET whose first batch's pages all lie in DRAM, with or without LOCATE, under the lock shared
+ * A GET whose first batch's pages all lie in DRAM or NVMe, with or without LOCATE, under the lock
+ * shared
  * (conn.c's framing, several loops), beside other loops' MATCHes and GETs; its later batches go
  * on shared while they can (get_next_shared). What the write path's GET writes, and what this
  * one does instead (docs/architecture.md, "GET under the shared lock"):
@@ -703,11 +773,16 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
  *                                    pages keep it open
  *   counters, clients' memory        the loop's table (located pages: get_count_located);
  *                                    l->clients_bytes (as a shared MATCH)
+ *   an NVMe page's read              submitted through s->submit (get_submit); its completion,
+ *                                    on loop 0 under the write lock, drops its read count and
+ *                                    marks a bad record lost, and its kick reaches this loop
+ *                                    as a posted one, taken shared (kvt__posted_shared)
  *
  * Its hooks (the write, drained, the release) run shared too (get_shares). Returns 1 when the GET
  * is queued, 0 when it did nothing and the write path takes the frame: a bad body or lease (the
- * write path says so), a page not in DRAM (HBM included), its hash not cached or its seal to
- * check with a write (get_page_shares), no memory, no loop table.
+ * write path says so), a page in neither DRAM nor NVMe (HBM, remote), its hash (or for an NVMe
+ * page its parent's) not cached or its seal to check with a write (get_page_shares), no memory,
+ * no loop table.
  */
 int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {

@@ -242,7 +242,8 @@ struct kvt__req {
         uint8_t pin_gone;       /* its pin counts in s->pins_ending (op_get.c get_unpin) */
         uint8_t shared;         /* planned under the shared lock: no pin, no namespace
                                  * reference, its path (node) held by the client's lease */
-        uint8_t loop_reads;     /* the batch's read counts are in its loop's table */
+        uint8_t loop_reads;     /* the batch's read counts are in loop loop_reads - 1's table
+                                 * (planned shared); 0: the main table */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;
@@ -605,6 +606,9 @@ struct kvt_srv {
      * the metrics are behind this one lock, taken for writing except by a MATCH's walk (shared);
      * see struct kvt__loop. */
     pthread_rwlock_t lock;
+    /* Tier reads submitted with the lock shared (op_get.c get_submit: a GET's NVMe pages, planned
+     * on several loops at once) go one at a time through it. */
+    pthread_mutex_t submit;
     kvt__loop_t *loops;
     unsigned nloops;
     int loops_running; /* loops 1.. run: a connection of another loop is not closed directly */
@@ -712,6 +716,10 @@ void kvt__conn_close(kvt__conn_t *c);
 /* Kicks what other loops posted to l, then frees l's connections closed since the last call;
  * only where no pointer to one is held (after its batch). */
 void kvt__conns_reap(kvt__loop_t *l);
+/* With the lock shared, by l's own thread at the top of its loop: kicks the connections other
+ * loops posted to l whose queues may be written shared (a GET planned shared whose reads are
+ * done), leaving the rest (a close, a write-path reply) to kvt__conns_reap. */
+void kvt__posted_shared(kvt__loop_t *l);
 /* The loop the calling thread runs (NULL outside the loops). */
 kvt__loop_t *kvt__loop_self(void);
 void kvt__loop_set_self(kvt__loop_t *l);

@@ -11,7 +11,9 @@
  * take no write lock, and whose located pages keep their bytes while another loop writes; each
  * loop's queue depth (requests and reply bytes waiting on a client that does not read); GETs
  * that outlive their lease, every page their MATCH reported stored delivered (NVMe pages a
- * reclaim would take included).
+ * reclaim would take included); GETs of NVMe pages that take no write lock on their loop, and
+ * whose bytes come whole from several loops at once while a writer makes the log reclaim; a
+ * close while such a GET's reads are in flight.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
@@ -2515,6 +2517,286 @@ Test(server_loops, a_loops_queue_depth_shows_the_replies_its_client_has_not_read
     free(page);
     free(body);
     kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A GET whose pages lie in NVMe is planned and its reads submitted under the store's lock shared
+ * (op_get.c get_plan_nvme_shared, get_submit), its completion handed from loop 0 to the
+ * connection's loop as a posted kick, which that loop takes shared (kvt__posted_shared), and its
+ * batch written and released shared: the loop that serves it takes no write lock (issue 42), on
+ * each loop past 0. No DRAM tier: every page is in NVMe. Each round GETs the leased prefix whole
+ * and one page of it, the bytes checked; with pages of bb bytes, p of them, a GET of several
+ * batches (each next one planned in its drained hook). Before, 3 write locks a GET on its loop
+ * (the frame, the posted kick's reap, the batch's release), 110 for each of 2 MiB pages.
+ */
+static void nvme_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_t p, int rounds)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "256M",
+              "--nvme-segment-bytes", "8M", "--tick-ms", "10000", NULL);
+    int n = atoi(loops);
+    kvt_client_t *c[4];
+    for (int i = 0; i < n; i++)
+        c[i] = kvd_client(&d, "m", PAGE, bb);
+    uint32_t *tok = calloc((size_t)p * PAGE, sizeof *tok);
+    uint8_t *payload = malloc((size_t)p * bb), *back = malloc((size_t)p * bb), tiers[16];
+    cr_assert(tok && payload && back && p <= 16);
+    char key[96];
+    uint64_t gets = 0;
+    for (int i = 1; i < n; i++) {
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(c[0], key), 1, "c[%d] is loop %d's", i, i);
+        kvd_tokens(tok, p * PAGE, 9900000u + (uint32_t)i * 100000u);
+        kvd_fill(payload, (size_t)p * bb, 990 + (uint32_t)i);
+        kvt_client_put_t r;
+        for (uint32_t k = 0; k < p; k++) {
+            cr_assert_eq(
+                kvt_client_put(c[i], tok, (k + 1) * PAGE, k, 1, payload + (size_t)k * bb, NULL, &r),
+                0);
+            cr_assert_eq(r.stored, 1);
+        }
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 16}, one = {0};
+        cr_assert_eq(kvt_client_match(c[i], tok, p * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+        cr_assert_eq(m.pages, p);
+        for (uint32_t k = 0; k < p; k++)
+            cr_assert_eq(tiers[k], KVT_CLIENT_TIER_NVME, "page %u", k);
+        cr_assert_eq(kvt_client_match(c[i], tok, p * PAGE, 0, 0, NULL, &one), 0);
+        snprintf(key, sizeof key, "kvtier_loop_kicks_posted_total{loop=\"%d\"}", i);
+        double w0 = write_locks(&d, i), k0 = kvd_metric(&d, key);
+        for (int round = 0; round < rounds; round++) {
+            uint32_t got = 0;
+            memset(back, 0, (size_t)p * bb);
+            cr_assert_eq(kvt_client_get(c[i], m.lease, 0, p, back, (size_t)p * bb, &got, NULL), 0);
+            cr_expect_eq(got, p, "loop %d, round %d", i, round);
+            cr_expect(memcmp(back, payload, (size_t)p * bb) == 0, "loop %d, round %d: the bytes", i,
+                      round);
+            cr_assert_eq(kvt_client_get(c[i], m.lease, 1, 1, back, bb, &got, NULL), 0);
+            cr_expect_eq(got, 1);
+            cr_expect(memcmp(back, payload + bb, bb) == 0, "loop %d, round %d: page 1", i, round);
+            gets += 2;
+        }
+        cr_assert_eq(kvt_client_match(c[i], tok, p * PAGE, 0, 0, NULL, &one), 0);
+        double w1 = write_locks(&d, i);
+        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of NVMe pages", i, w1 - w0,
+                     2 * rounds);
+        cr_expect_geq(kvd_metric(&d, key) - k0, 2 * rounds, "loop %d: loop 0 completed them", i);
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
+        cr_expect_eq(kvd_metric(&d, key), 2 * rounds, "loop %d: every GET planned shared", i);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_requests_total{op=\"get\"}"), (double)gets);
+    cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
+    free(tok);
+    free(payload);
+    free(back);
+    client_a_loop_stop(&d, c, n);
+}
+
+Test(server_loops, gets_from_nvme_take_no_write_lock)
+{
+    nvme_gets_take_no_write_lock("2", BB, 4, 16);
+}
+
+Test(server_loops, gets_from_nvme_on_four_loops_take_no_write_lock)
+{
+    nvme_gets_take_no_write_lock("4", BB, 4, 16);
+}
+
+Test(server_loops, gets_of_several_nvme_batches_take_no_write_lock, .timeout = 60)
+{
+    nvme_gets_take_no_write_lock("2", 2u << 20, 12, 6);
+}
+
+/* A reader of nvme_gets_share_the_lock: its connection, on loop `loop`, and what it saw. */
+typedef struct nvme_sharer {
+    kvt_client_t *c;
+    int loop, rounds, done; /* rounds to run; those whose pages were all in NVMe when leased */
+    int errors, line, finished;
+} nvme_sharer_t;
+
+#define SBB             (64u << 10)
+#define SHARER_WRONG(k) ((k)->line = (k)->line ? (k)->line : __LINE__, (k)->errors++)
+
+static void sharer_tokens(uint32_t *tok, int loop, int round, uint32_t pages)
+{
+    kvd_tokens(tok, pages * PAGE, 9600000u + (uint32_t)loop * 100000u + (uint32_t)round * 100u);
+}
+
+/* Each round: a fresh 4-page prefix PUT (into NVMe: there is no DRAM tier), leased, GET whole
+ * twice and one page once, every byte checked, then RELEASEd. A round whose pages the log
+ * reclaimed before the lease pinned them is passed over. */
+static void *nvme_sharer_main(void *arg)
+{
+    nvme_sharer_t *k = arg;
+    enum { P = 4 };
+    static __thread uint32_t tok[P * PAGE];
+    static __thread uint8_t payload[P * SBB], back[P * SBB];
+    uint8_t tiers[P];
+    for (int round = 0; round < k->rounds; round++) {
+        sharer_tokens(tok, k->loop, round, P);
+        kvd_fill(payload, sizeof payload, (uint32_t)(k->loop * 1000 + round));
+        kvt_client_put_t r;
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+        if (kvt_client_put(k->c, tok, P * PAGE, 0, P, payload, NULL, &r) < 0 ||
+            kvt_client_match(k->c, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m) < 0) {
+            SHARER_WRONG(k);
+            continue;
+        }
+        int whole = m.pages == P && memchr(tiers, KVT_CLIENT_TIER_NONE, P) == NULL;
+        for (int g = 0; whole && g < 3; g++) {
+            uint32_t first = g == 2 ? 2 : 0, n = g == 2 ? 1 : P, got = 0;
+            memset(back, 0, sizeof back);
+            if (kvt_client_get(k->c, m.lease, first, n, back, sizeof back, &got, NULL) < 0 ||
+                got != n || memcmp(back, payload + (size_t)first * SBB, (size_t)n * SBB) != 0)
+                SHARER_WRONG(k);
+        }
+        k->done += whole;
+        if (m.lease && kvt_client_release(k->c, m.lease, NULL) < 0)
+            SHARER_WRONG(k);
+    }
+    __atomic_store_n(&k->finished, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
+
+/* The writer's prompts start far from every reader's tokens (a page with the same tokens would be
+ * one page, stored with whoever's bytes came first). */
+#define KVT_WRITER_TOK 20000000u
+
+/* The writer's round w: a fresh one-page prompt PUT (the log fills and reclaims segments), every
+ * other one of them REMOVEd 8 rounds later (the rest stay, so the log fills), and each reader's
+ * prefix of a few rounds back REMOVEd (the one it has leased is refused: NOWAIT). */
+static void nvme_writer_round(kvt_client_t *w, int round, const nvme_sharer_t *k, int n)
+{
+    static uint32_t tok[4 * PAGE];
+    static uint8_t payload[SBB];
+    kvt_client_put_t r;
+    kvd_tokens(tok, PAGE, KVT_WRITER_TOK + (uint32_t)round * 100u);
+    kvd_fill(payload, SBB, 9690u + (uint32_t)round);
+    cr_assert_eq(kvt_client_put(w, tok, PAGE, 0, 1, payload, NULL, &r), 0);
+    if (round >= 8 && round % 2) {
+        kvd_tokens(tok, PAGE, KVT_WRITER_TOK + (uint32_t)(round - 8) * 100u);
+        (void)kvt_client_remove(w, tok, PAGE);
+    }
+    for (int i = 0; i < n; i++) {
+        sharer_tokens(tok, k[i].loop, round % k[i].rounds, 4);
+        (void)kvt_client_remove_nowait(w, tok, 4 * PAGE);
+    }
+}
+
+/*
+ * GETs of NVMe pages planned, submitted and sent under the store's lock shared on several loops
+ * at once (each loop's reads go through s->submit into the one io_uring ring), while a writer on
+ * loop 0 PUTs fresh pages into a small log (16 segments of 1 MiB: it reclaims segments, dropping
+ * blocks) and REMOVEs the readers' prefixes and its own older ones. A reader's leased pages stay
+ * readable (the lease pins their segments: the reclaim passes them by) and every GET comes whole
+ * with its own bytes; every reader loop plans its GETs shared and takes no write lock for them.
+ */
+static void nvme_gets_share_the_lock(const char *loops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "16M",
+              "--nvme-segment-bytes", "1M", "--tick-ms", "2", NULL);
+    int n = atoi(loops) - 1;
+    kvt_client_t *w = kvd_client(&d, "m", PAGE, SBB);
+    nvme_sharer_t k[3] = {{0}};
+    pthread_t th[3];
+    cr_assert_leq(n, 3);
+    for (int i = 0; i < n; i++)
+        k[i] = (nvme_sharer_t){.c = kvd_client(&d, "m", PAGE, SBB), .loop = i + 1, .rounds = 40};
+    double lost = kvd_metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}");
+    enum { FILL = 160 }; /* about 11 MiB of the writer's pages live: the log is near full */
+    int round = 0;
+    for (; round < FILL; round++)
+        nvme_writer_round(w, round, k, n);
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, nvme_sharer_main, &k[i]), 0);
+    /* Until the readers are done, and (looked at every 32 rounds after) the log has reclaimed. */
+    for (int left = n, reclaimed = 0; left > 0 || !reclaimed; round++) {
+        nvme_writer_round(w, round, k, n);
+        left = 0;
+        for (int i = 0; i < n; i++)
+            left += !__atomic_load_n(&k[i].finished, __ATOMIC_RELAXED);
+        if (!left && round % 32 == 0)
+            reclaimed = kvd_metric(&d, "kvtier_tier_lost_blocks_total{tier=\"nvme\"}") > lost;
+    }
+    char key[96];
+    for (int i = 0; i < n; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_eq(k[i].errors, 0, "loop %d: %d wrong GETs or failed calls, the first at line %d",
+                     k[i].loop, k[i].errors, k[i].line);
+        cr_expect_geq(k[i].done, k[i].rounds / 2, "loop %d: %d rounds of %d leased whole",
+                      k[i].loop, k[i].done, k[i].rounds);
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", k[i].loop);
+        cr_expect_geq(kvd_metric(&d, key), 2 * k[i].done, "loop %d: its GETs planned shared",
+                      k[i].loop);
+        kvt_client_close(k[i].c);
+    }
+    kvt_client_close(w);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, gets_from_nvme_share_the_lock_while_others_write, .timeout = 120)
+{
+    nvme_gets_share_the_lock("2");
+}
+
+Test(server_loops, gets_from_nvme_on_four_loops_share_the_lock_while_others_write, .timeout = 120)
+{
+    nvme_gets_share_the_lock("4");
+}
+
+/*
+ * A connection that closes while its GET's batch, planned shared, is being read: the request
+ * becomes an orphan (no connection) whose reads complete on loop 0, and its batch's DRAM pages'
+ * read counts are let go from the loop's table the request names (r->get.loop_reads), not through
+ * its connection. The path lies in DRAM and NVMe (512 KiB of DRAM for 16 pages of 64 KiB), so a
+ * batch holds both; each of 20 raw connections leases it, sends a GET of it and closes at once.
+ * The daemon serves on: the leases given back, the path read whole, and it stops cleanly.
+ */
+Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "512K", "--nvme-bytes", "64M", "--tick-ms",
+              "10000", NULL);
+    enum { P = 16 };
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, SBB);
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * SBB], back[P * SBB], body[4096];
+    uint8_t tiers[P];
+    kvd_tokens(tok, P * PAGE, 9550000u);
+    kvd_fill(payload, sizeof payload, 955);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c0, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c0, tok, P * PAGE, 0, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    cr_assert(memchr(tiers, KVT_CLIENT_TIER_DRAM, P) && memchr(tiers, KVT_CLIENT_TIER_NVME, P),
+              "the path lies in DRAM and NVMe");
+    for (int round = 0; round < 20; round++) {
+        int fd = kvd_raw(&d);
+        uint64_t lease = raw_lease(fd, "m", PAGE, SBB, tok, P * PAGE, body, sizeof body);
+        uint8_t f[KVT_PROTO_HDR + sizeof(kvt_wire_get_t)];
+        kvt_wire_get_t gw = {.lease = lease};
+        kvt_proto_frame(f, KVT_OP_GET, 0, 3, 0, sizeof gw);
+        memcpy(f + KVT_PROTO_HDR, &gw, sizeof gw);
+        cr_assert_eq(write(fd, f, sizeof f), (ssize_t)sizeof f);
+        close(fd);
+    }
+    uint64_t t0 = kvt_now_ns();
+    while (kvd_stat(c0, "leases") && kvt_now_ns() - t0 < 3000000000ull)
+        usleep(20 * 1000);
+    cr_expect_eq(kvd_stat(c0, "leases"), 0);
+    cr_expect_gt(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 0,
+                 "loop 1 planned the GETs shared");
+    m = (kvt_client_match_t){0};
+    cr_assert_eq(kvt_client_match(c0, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    uint32_t got = 0;
+    cr_assert_eq(kvt_client_get(c0, m.lease, 0, P, back, sizeof back, &got, NULL), 0);
+    cr_expect_eq(got, P);
+    cr_expect(memcmp(back, payload, sizeof back) == 0);
+    kvt_client_close(c0);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
