@@ -543,17 +543,8 @@ Test(server_policy, a_put_that_finds_dram_full_is_stored_in_nvme)
     cr_expect_eq(tier_of_page(c, tok, 1), KVT_CLIENT_TIER_DRAM);
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
-    uint8_t *buf = malloc((size_t)P * BIG), *want = malloc(BIG);
-    uint32_t got = 0;
-    cr_expect_eq(kvt_client_get(c, m.lease, 0, P, buf, (size_t)P * BIG, &got, NULL), 0);
-    cr_expect_eq(got, P, "%u of %u pages read back", got, P);
-    for (uint32_t p = 0; p < got; p++) {
-        kvd_fill(want, BIG, 7 + p);
-        cr_expect(memcmp(buf + (size_t)p * BIG, want, BIG) == 0, "page %u byte-exact", p);
-    }
+    expect_reads_back(c, m.lease, P, 7, "the prompt");
     cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
-    free(buf);
-    free(want);
     kvt_client_close(c);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
