@@ -41,9 +41,8 @@ static uint16_t tier_mask(const kvt_srv_t *s)
 /*
  * Pages larger than an NVMe record can hold (nvme-segment-bytes) never go there: every write
  * fails with KVT_ETOOBIG however much of the tier is free, so DRAM's victims are dropped instead
- * of demoted, and a PUT that finds DRAM full skips its pages (`skipped`, counted as failed). It
- * looks like a full hierarchy with NVMe all but empty; the HELLO that declares such pages says
- * why in the log.
+ * of demoted (and a PUT into a full DRAM makes room there so, op_put.c). It looks like a small
+ * hierarchy with NVMe all but empty; the HELLO that declares such pages says why in the log.
  */
 static void nvme_too_small(kvt_srv_t *s, const char *shown, uint32_t page_size,
                            uint32_t block_bytes)

@@ -495,19 +495,25 @@ static uint8_t tier_of_page(kvt_client_t *c, const uint32_t *tok, uint32_t page)
     return m.pages > page ? tiers[page] : KVT_CLIENT_TIER_NONE;
 }
 
-/* PUTs page p of tok alone (an engine's step that computed one more page of its prompt); the
- * reply's stored count. */
-static uint32_t put_one_page(kvt_client_t *c, const uint32_t *tok, uint32_t p, uint32_t seed)
+/* PUTs page p of tok alone (an engine's step that computed one more page of its prompt), of bb
+ * bytes; the reply's stored count. */
+static uint32_t put_page_of(kvt_client_t *c, const uint32_t *tok, uint32_t p, uint32_t bb,
+                            uint32_t seed)
 {
-    uint8_t *payload = malloc(BIG);
+    uint8_t *payload = malloc(bb);
     cr_assert(payload);
-    kvd_fill(payload, BIG, seed);
+    kvd_fill(payload, bb, seed);
     kvt_client_put_t r;
     int rc = kvt_client_put(c, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r);
     cr_assert_eq(rc, 0, "put: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
     cr_assert_eq(r.stored + r.skipped, 1);
     free(payload);
     return r.stored;
+}
+
+static uint32_t put_one_page(kvt_client_t *c, const uint32_t *tok, uint32_t p, uint32_t seed)
+{
+    return put_page_of(c, tok, p, BIG, seed);
 }
 
 /*
@@ -553,11 +559,11 @@ Test(server_policy, a_put_that_finds_dram_full_is_stored_in_nvme)
 /*
  * A namespace whose pages are larger than an NVMe record can hold (a segment, less the record's
  * header) never stores a page there: each write fails with KVT_ETOOBIG however much of the tier
- * is free, so DRAM drops its victims instead of demoting them and a PUT that finds DRAM full
- * skips its pages. Its HELLO says so in the log, naming the setting; a namespace whose pages fit
- * gets no such line. Here 1 MiB segments, pages of 2 MiB and of 64 KiB. Before, nothing said it:
- * server_loops::gets_of_several_batches_outlive_their_lease ran so with "256 MiB of NVMe free"
- * and its reader's PUTs skipped.
+ * is free, so DRAM drops its victims instead of demoting them. Its HELLO says so in the log,
+ * naming the setting; a namespace whose pages fit gets no such line. Here 1 MiB segments, pages
+ * of 2 MiB and of 64 KiB. Before, nothing said it: server_loops::
+ * gets_of_several_batches_outlive_their_lease ran so with "256 MiB of NVMe free" and its
+ * reader's PUTs skipped.
  */
 Test(server_policy, pages_larger_than_an_nvme_record_are_named_at_hello)
 {
@@ -571,6 +577,34 @@ Test(server_policy, pages_larger_than_an_nvme_record_are_named_at_hello)
                               "nvme-segment-bytes)"));
     kvt_client_close(small);
     kvt_client_close(big);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * The same pages PUT into a full DRAM (watermarks at 100%: no background moves): NVMe cannot hold
+ * them, so DRAM makes room, as the lowest tier that can does, by dropping its oldest pages (their
+ * moves to NVMe fail too), and every PUT is stored. Before, NVMe's KVT_ETOOBIG ended the PUT's
+ * search for a tier: once DRAM was full every page was skipped (stored 0 skipped 1), counted as
+ * a failed write.
+ */
+Test(server_policy, pages_no_nvme_record_holds_make_room_in_dram)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--policy-high", "1", "--policy-low", "1", "--dram-bytes",
+              "8M", "--nvme-bytes", "16M", "--nvme-segment-bytes", "1M", NULL);
+    enum { N = 8, BB = 2u << 20 }; /* DRAM holds 4 */
+    kvt_client_t *c = kvd_client(&d, "big", PAGE, BB);
+    static uint32_t tok[N][PAGE];
+    for (uint32_t k = 0; k < N; k++) {
+        kvd_tokens(tok[k], PAGE, 8300000u + 1000u * k);
+        cr_expect_eq(put_page_of(c, tok[k], 0, BB, k), 1, "prompt %u skipped", k);
+        cr_expect_eq(tier_of_page(c, tok[k], 0), KVT_CLIENT_TIER_DRAM, "prompt %u", k);
+    }
+    cr_expect_gt(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
+    cr_expect_eq(tier_of_page(c, tok[0], 0), KVT_CLIENT_TIER_NONE, "the oldest made room");
+    kvt_client_close(c);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
