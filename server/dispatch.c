@@ -38,6 +38,26 @@ static uint16_t tier_mask(const kvt_srv_t *s)
     return m;
 }
 
+/*
+ * Pages larger than an NVMe record can hold (nvme-segment-bytes) never go there: every write
+ * fails with KVT_ETOOBIG however much of the tier is free, so DRAM's victims are dropped instead
+ * of demoted (and a PUT into a full DRAM makes room there so, op_put.c). It looks like a small
+ * hierarchy with NVMe all but empty; the HELLO that declares such pages says why in the log.
+ */
+static void nvme_too_small(kvt_srv_t *s, const char *shown, uint32_t page_size,
+                           uint32_t block_bytes)
+{
+    uint32_t max = kvt__tier_nvme_max_block(s, page_size);
+    if (!block_bytes || block_bytes <= max)
+        return;
+    static kvt_log_limit_t lim;
+    kvt_log_limited(&lim, KVT_LOG_WARN,
+                    "kvtierd: namespace \"%s\": its pages of %u bytes do not fit an NVMe record "
+                    "(at most %u bytes with %u tokens a page: raise nvme-segment-bytes); they "
+                    "are never stored in NVMe, and are dropped from DRAM instead of demoted",
+                    shown, block_bytes, max, page_size);
+}
+
 static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
@@ -126,6 +146,7 @@ static int h_hello(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
                 "after a restart its blocks come back unnamed, found by seed",
                 shown, rc == KVT_EINVAL ? "a name holds a tab or a line break" : kvt_strerror(rc));
         }
+        nvme_too_small(s, shown, m.page_size, m.block_bytes);
     }
     kvt__ns_use(s, ns);
     if (c->hello)

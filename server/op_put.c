@@ -144,10 +144,11 @@ static void put_reply(kvt_srv_t *s, kvt__req_t *r)
 }
 
 /* A tier that answers a write so gives it up to the next one down: full, unable to place it for
- * now (an NVMe log whose full segments are all pinned), or down (the remote). */
+ * now (an NVMe log whose full segments are all pinned), unable to hold a page that large (an NVMe
+ * segment smaller than the page's record), or down (the remote). */
 static int put_passes_on(int rc)
 {
-    return rc == KVT_ENOSPC || rc == KVT_EAGAIN || rc == KVT_EUNAVAIL;
+    return rc == KVT_ENOSPC || rc == KVT_EAGAIN || rc == KVT_ETOOBIG || rc == KVT_EUNAVAIL;
 }
 
 /*

@@ -153,6 +153,9 @@ int kvt__tier_hbm_ipc(kvt_srv_t *s, int device, uint8_t *handle, uint64_t *bytes
 /* Records a namespace's name in the NVMe tier, for a warm restart (kvt_tier_nvme_add_ns). */
 int kvt__tier_add_ns(kvt_srv_t *s, const char *model, const char *adapter, const char *salt,
                      uint32_t page_size);
+/* The largest page the NVMe tier can hold for pages of page_size tokens
+ * (kvt_tier_nvme_max_block). */
+uint32_t kvt__tier_nvme_max_block(const kvt_srv_t *s, uint32_t page_size);
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes);
 
 #endif

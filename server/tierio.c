@@ -318,3 +318,8 @@ int kvt__tier_add_ns(kvt_srv_t *s, const char *model, const char *adapter, const
 {
     return kvt_tier_nvme_add_ns(s->tiers[KVT_TIER_NVME], model, adapter, salt, page_size);
 }
+
+uint32_t kvt__tier_nvme_max_block(const kvt_srv_t *s, uint32_t page_size)
+{
+    return kvt_tier_nvme_max_block(s->tiers[KVT_TIER_NVME], page_size);
+}

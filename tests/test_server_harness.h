@@ -222,6 +222,14 @@ static inline void kvd_slurp(const kvd_t *d, const char *name, char *buf, size_t
     fclose(f);
 }
 
+/* Whether the daemon's log (its first 16 KiB) holds what. */
+static inline int kvd_log_has(const kvd_t *d, const char *what)
+{
+    char log[16384];
+    kvd_slurp(d, "kvtierd.log", log, sizeof log);
+    return strstr(log, what) != NULL;
+}
+
 /* Copies the end of the daemon's log to stderr: for a test about to fail, whose directory (and
  * log) a CI machine does not keep. */
 static inline void kvd_log_tail(const kvd_t *d, long bytes)

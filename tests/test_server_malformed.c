@@ -718,13 +718,6 @@ static double metric(const kvd_t *d, const char *series)
     return v;
 }
 
-static int kvd_log_has(const kvd_t *d, const char *what)
-{
-    char log[16384];
-    kvd_slurp(d, "kvtierd.log", log, sizeof log);
-    return strstr(log, what) != NULL;
-}
-
 /*
  * The daemon at its open-file limit (64, which it cannot raise): 100 more clients connect. Those
  * past the limit are refused (closed at once and counted) instead of staying in the backlog and

@@ -486,6 +486,129 @@ Test(server_policy, a_put_into_a_full_dram_tier_displaces_the_oldest_pages)
     put_past_capacity("dram", "8M", "0");
 }
 
+/* The tier MATCH reports for page `page` of tok (KVT_CLIENT_TIER_NONE when it holds no bytes). */
+static uint8_t tier_of_page(kvt_client_t *c, const uint32_t *tok, uint32_t page)
+{
+    uint8_t tiers[64];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 64};
+    cr_assert_eq(kvt_client_match(c, tok, (page + 1) * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    return m.pages > page ? tiers[page] : KVT_CLIENT_TIER_NONE;
+}
+
+/* PUTs page p of tok alone (an engine's step that computed one more page of its prompt), of bb
+ * bytes; the reply's stored count. */
+static uint32_t put_page_of(kvt_client_t *c, const uint32_t *tok, uint32_t p, uint32_t bb,
+                            uint32_t seed)
+{
+    uint8_t *payload = malloc(bb);
+    cr_assert(payload);
+    kvd_fill(payload, bb, seed);
+    kvt_client_put_t r;
+    int rc = kvt_client_put(c, tok, (p + 1) * PAGE, p, 1, payload, NULL, &r);
+    cr_assert_eq(rc, 0, "put: %s %s", kvt_client_strerror(rc), kvt_client_errmsg(c));
+    cr_assert_eq(r.stored + r.skipped, 1);
+    free(payload);
+    return r.stored;
+}
+
+static uint32_t put_one_page(kvt_client_t *c, const uint32_t *tok, uint32_t p, uint32_t seed)
+{
+    return put_page_of(c, tok, p, BIG, seed);
+}
+
+/*
+ * A PUT's page that finds DRAM full goes to NVMe, the next tier with room, and is stored; so is
+ * the prompt's next page once DRAM has room again (a REMOVE made it here; under load, a demotion
+ * that landed), in DRAM, in a node of its own below the NVMe one (the tiers get faster only
+ * across nodes). The watermarks at 100% keep the maintenance step out of it. This is what a PUT
+ * does while DRAM's room is on its way out (docs/policy.md, "Moves in flight"): the pages
+ * skipped under server_loops' writer were a namespace whose pages no NVMe record could hold
+ * (pages_larger_than_an_nvme_record_are_named_at_hello).
+ */
+Test(server_policy, a_put_that_finds_dram_full_is_stored_in_nvme)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--policy-high", "1", "--policy-low", "1", "--dram-bytes",
+              "1M", "--nvme-bytes", "16M", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    enum { FILL = 64, P = 2 };
+    static uint32_t fill[FILL][PAGE], tok[P * PAGE];
+    int full = -1; /* the first filler DRAM had no room for */
+    for (int k = 0; k < FILL && full < 0; k++) {
+        kvd_tokens(fill[k], PAGE, 8100000u + 1000u * (uint32_t)k);
+        cr_assert_eq(put_one_page(c, fill[k], 0, 100u + (uint32_t)k), 1);
+        if (tier_of_page(c, fill[k], 0) == KVT_CLIENT_TIER_NVME)
+            full = k;
+    }
+    cr_assert_geq(full, 1, "DRAM never filled");
+    kvd_tokens(tok, P * PAGE, 8900000u);
+    cr_expect_eq(put_one_page(c, tok, 0, 7), 1, "page 0 skipped with NVMe free");
+    cr_expect_eq(tier_of_page(c, tok, 0), KVT_CLIENT_TIER_NVME);
+    cr_assert_eq(kvt_client_remove(c, fill[0], PAGE), 0); /* room in DRAM again */
+    cr_expect_eq(put_one_page(c, tok, 1, 8), 1, "page 1 skipped");
+    cr_expect_eq(tier_of_page(c, tok, 1), KVT_CLIENT_TIER_DRAM);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    expect_reads_back(c, m.lease, P, 7, "the prompt");
+    cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * A namespace whose pages are larger than an NVMe record can hold (a segment, less the record's
+ * header) never stores a page there: each write fails with KVT_ETOOBIG however much of the tier
+ * is free, so DRAM drops its victims instead of demoting them. Its HELLO says so in the log,
+ * naming the setting; a namespace whose pages fit gets no such line. Here 1 MiB segments, pages
+ * of 2 MiB and of 64 KiB. Before, nothing said it: server_loops::
+ * gets_of_several_batches_outlive_their_lease ran so with "256 MiB of NVMe free" and its
+ * reader's PUTs skipped.
+ */
+Test(server_policy, pages_larger_than_an_nvme_record_are_named_at_hello)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "4M", "--nvme-bytes", "16M", "--nvme-segment-bytes", "1M", NULL);
+    kvt_client_t *small = kvd_client(&d, "small", PAGE, BIG);
+    cr_expect(!kvd_log_has(&d, "do not fit an NVMe record"), "pages of 64 KiB fit");
+    kvt_client_t *big = kvd_client(&d, "big", PAGE, 2u << 20);
+    cr_expect(kvd_log_has(&d, "namespace \"big\": its pages of 2097152 bytes do not fit an NVMe "
+                              "record (at most 1044480 bytes with 16 tokens a page: raise "
+                              "nvme-segment-bytes)"));
+    kvt_client_close(small);
+    kvt_client_close(big);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * The same pages PUT into a full DRAM (watermarks at 100%: no background moves): NVMe cannot hold
+ * them, so DRAM makes room, as the lowest tier that can does, by dropping its oldest pages (their
+ * moves to NVMe fail too), and every PUT is stored. Before, NVMe's KVT_ETOOBIG ended the PUT's
+ * search for a tier: once DRAM was full every page was skipped (stored 0 skipped 1), counted as
+ * a failed write.
+ */
+Test(server_policy, pages_no_nvme_record_holds_make_room_in_dram)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--policy", "lru", "--policy-high", "1", "--policy-low", "1", "--dram-bytes",
+              "8M", "--nvme-bytes", "16M", "--nvme-segment-bytes", "1M", NULL);
+    enum { N = 8, BB = 2u << 20 }; /* DRAM holds 4 */
+    kvt_client_t *c = kvd_client(&d, "big", PAGE, BB);
+    static uint32_t tok[N][PAGE];
+    for (uint32_t k = 0; k < N; k++) {
+        kvd_tokens(tok[k], PAGE, 8300000u + 1000u * k);
+        cr_expect_eq(put_page_of(c, tok[k], 0, BB, k), 1, "prompt %u skipped", k);
+        cr_expect_eq(tier_of_page(c, tok[k], 0), KVT_CLIENT_TIER_DRAM, "prompt %u", k);
+    }
+    cr_expect_gt(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
+    cr_expect_eq(tier_of_page(c, tok[0], 0), KVT_CLIENT_TIER_NONE, "the oldest made room");
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
 /* A block whose NVMe record fails its checksum: the GET stops before it (the pages up to it are
  * served, byte-exact), the miss is counted, and from then on MATCH reports that page and the rest
  * of its node index-only instead of promising bytes again. */

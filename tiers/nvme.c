@@ -833,6 +833,15 @@ int kvt_tier_nvme_direct(const kvt_tier_t *t)
     return t && t->ops == &kvt__nvme_ops ? ((const nvme_t *)t->impl)->direct : 0;
 }
 
+uint32_t kvt_tier_nvme_max_block(const kvt_tier_t *t, uint32_t page_size)
+{
+    if (!t || t->ops != &kvt__nvme_ops)
+        return 0;
+    const nvme_t *n = t->impl;
+    uint32_t hdr = hdr_region(page_size);
+    return n->seg_bytes > hdr ? n->seg_bytes - hdr : 0;
+}
+
 void kvt_tier_nvme_recovery(const kvt_tier_t *t, kvt_tier_nvme_recovery_t *out)
 {
     if (!out)

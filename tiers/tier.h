@@ -402,6 +402,10 @@ typedef struct kvt_tier_nvme_conf {
 int kvt_tier_nvme_create(kvt_tier_t **out, const kvt_tier_nvme_conf_t *conf);
 /* 1 when the data file is open with O_DIRECT. */
 int kvt_tier_nvme_direct(const kvt_tier_t *t);
+/* The largest payload a block of a page of page_size tokens can have here: a record (its header,
+ * which holds the page's tokens, then the payload) never spans segments, so a larger write fails
+ * with KVT_ETOOBIG whatever room is free. 0 when t is not an NVMe tier. */
+uint32_t kvt_tier_nvme_max_block(const kvt_tier_t *t, uint32_t page_size);
 
 typedef struct kvt_tier_nvme_recovery {
     uint64_t scanned;   /* records found on disk with a valid header */
