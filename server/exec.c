@@ -686,6 +686,7 @@ static int exec_move(void *arg, const kvt_policy_cause_t *why, kvt_radix_node_t 
             break; /* already gone (an NVMe reclaim the index has not seen yet) */
         if ((rc = kvt_tier_copy(&pg->copy)) < 0) {
             kvt_tier_pin(s->tiers[from], b->loc, -1);
+            kvt__metric_add(s->metrics, KVT_M_MOVE_FAILURES, to, 1);
             break;
         }
         if (i == 0 && to == KVT_TIER_NVME) /* a window behind a gap going down */

@@ -129,6 +129,10 @@ typedef enum {
       "Blocks copied from one tier to another.", PAIR)                                             \
     X(BLOCKS_DROPPED, COUNTER, "kvtier_blocks_dropped_total",                                      \
       "Blocks dropped from the index, by the tier that held them.", TIER)                          \
+    X(MOVE_FAILURES, COUNTER, "kvtier_policy_move_failures_total",                                 \
+      "Pages of policy moves whose copy the tiers refused as it began, by the tier they were "     \
+      "to go to.",                                                                                 \
+      STORE)                                                                                       \
     X(PREFILL_SAVED, COUNTER, "kvtier_prefill_saved_seconds_total",                                \
       "Estimated prefill compute saved by matched tokens (hit tokens / prefill_tokens_per_s).",    \
       NONE)                                                                                        \
