@@ -739,7 +739,29 @@ static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32
         kvt__block_tier(kvt_radix_block_at(n, depth + i), tier);
 }
 
-/* The run's tenant may take it in `to` (tenant-<tier>-bytes; store.c kvt__store_quotas). */
+/*
+ * Every page of the run fits a record of `to`: NVMe's never spans segments, so a page larger than
+ * a segment less its record's header (nvme-segment-bytes) fails its write with KVT_ETOOBIG however
+ * much room is free. Refused here, before the policy makes room in NVMe, such a page is dropped
+ * from DRAM at once instead of after a move that cannot start (kvtier_policy_move_failures_total).
+ */
+static int record_fits(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
+                       kvt_tier_id_t to)
+{
+    if (to != KVT_TIER_NVME)
+        return 1;
+    uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
+    uint32_t max = kvt__tier_nvme_max_block(s, page);
+    for (uint32_t i = 0; i < npages; i++) {
+        const kvt_block_t *b = kvt_radix_block_at(n, depth + i);
+        if (b && b->size > max)
+            return 0;
+    }
+    return 1;
+}
+
+/* The run may go into `to`: its pages fit the tier's records, and its tenant may take it there
+ * (tenant-<tier>-bytes; store.c kvt__store_quotas). */
 static int exec_fits(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                      kvt_tier_id_t to)
 {
@@ -747,6 +769,8 @@ static int exec_fits(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
     const kvt_block_t *b = kvt_radix_block_at(n, depth);
     if (!s->tiers[to] || !b)
         return 1;
+    if (!record_fits(s, n, depth, npages, to))
+        return 0;
     uint64_t seed = kvt_radix_ns_seed(s->radix, kvt_radix_node_ns(n));
     return kvt_tier_ns_fits(s->tiers[to], seed, b->size, npages);
 }

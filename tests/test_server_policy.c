@@ -583,10 +583,12 @@ Test(server_policy, pages_larger_than_an_nvme_record_are_named_at_hello)
 
 /*
  * The same pages PUT into a full DRAM (watermarks at 100%: no background moves): NVMe cannot hold
- * them, so DRAM makes room, as the lowest tier that can does, by dropping its oldest pages (their
- * moves to NVMe fail too), and every PUT is stored. Before, NVMe's KVT_ETOOBIG ended the PUT's
- * search for a tier: once DRAM was full every page was skipped (stored 0 skipped 1), counted as
- * a failed write.
+ * them, so DRAM makes room, as the lowest tier that can does, by dropping its oldest pages, and
+ * every PUT is stored. Before, NVMe's KVT_ETOOBIG ended the PUT's search for a tier: once DRAM was
+ * full every page was skipped (stored 0 skipped 1), counted as a failed write. The policy does
+ * not try to demote them either (exec.c, record_fits): each such move failed at its first write
+ * (4 here, kvtier_policy_move_failures_total), after making room in NVMe for it, and the page was
+ * dropped all the same.
  */
 Test(server_policy, pages_no_nvme_record_holds_make_room_in_dram)
 {
@@ -601,8 +603,12 @@ Test(server_policy, pages_no_nvme_record_holds_make_room_in_dram)
         cr_expect_eq(put_page_of(c, tok[k], 0, BB, k), 1, "prompt %u skipped", k);
         cr_expect_eq(tier_of_page(c, tok[k], 0), KVT_CLIENT_TIER_DRAM, "prompt %u", k);
     }
-    cr_expect_gt(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), 0);
     cr_expect_eq(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_policy_move_failures_total{tier=\"nvme\"}"), 0,
+                 "no move into NVMe was tried (%g failed)",
+                 kvd_metric(&d, "kvtier_policy_move_failures_total{tier=\"nvme\"}"));
+    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), N - 4,
+                 "each PUT past DRAM's 4 pages dropped one");
     cr_expect_eq(tier_of_page(c, tok[0], 0), KVT_CLIENT_TIER_NONE, "the oldest made room");
     kvt_client_close(c);
     cr_expect_eq(kvd_stop(&d), 0);
