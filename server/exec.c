@@ -934,9 +934,7 @@ void kvt__store_check_path(kvt_srv_t *s, const kvt_match_t *m, kvt__lost_t *lost
     lost->gone = UINT32_MAX;
     if (!t || !m->pages)
         return;
-    kvt_tier_usage_t u;
-    kvt_tier_usage(t, &u);
-    if (u.reclaimed == 0 && u.corrupt == 0)
+    if (kvt_tier_dropped(t) == 0)
         return; /* nothing was ever dropped by the tier: every location is good */
     uint64_t seed = kvt_radix_ns_seed(s->radix, m->ns);
     for (kvt_path_run_t r = kvt_path_run_first(m->node, m->node_pages); r.node;

@@ -391,9 +391,7 @@ void kvt__match_settle(kvt_srv_t *s)
  * hold lost blocks, which kvt__store_check_path queues for the step (a write). Never again 0. */
 static int nvme_dropped(kvt_srv_t *s)
 {
-    kvt_tier_usage_t u = {0};
-    kvt__tier_usage(s, KVT_TIER_NVME, &u);
-    return u.reclaimed || u.corrupt;
+    return kvt__tier_dropped(s, KVT_TIER_NVME) != 0;
 }
 
 /* Page keys kept on the stack; a longer lookup's are allocated. */

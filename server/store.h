@@ -113,6 +113,7 @@ int kvt__store_free_arena(kvt_srv_t *s);
 /* Tiers: the tier's usage and the bytes it holds for a block of block_bytes (0 when absent). NVMe
  * pins against reclaim: kvt__nvme_pin (server.h). */
 void kvt__tier_usage(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_usage_t *u);
+uint64_t kvt__tier_dropped(const kvt_srv_t *s, kvt_tier_id_t tier); /* shared lock: tier.h */
 /* Starts a probe of the remote tier (tier.h's kvt_tier_remote_probe): KVT_EUNAVAIL when there
  * is no remote tier. */
 int kvt__tier_probe(kvt_srv_t *s, kvt_tier_probe_t *p);

@@ -152,6 +152,11 @@ void kvt__tier_usage(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_usage_t *u
     kvt_tier_usage(s->tiers[tier], u);
 }
 
+uint64_t kvt__tier_dropped(const kvt_srv_t *s, kvt_tier_id_t tier)
+{
+    return kvt_tier_dropped(s->tiers[tier]);
+}
+
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes)
 {
     return kvt_tier_footprint(s->tiers[tier], (uint32_t)block_bytes);

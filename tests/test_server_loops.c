@@ -2802,3 +2802,77 @@ Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
 }
+
+typedef struct nvme_matcher {
+    kvt_client_t *c;
+    const uint32_t *tok;
+    int rounds, errors, line;
+} nvme_matcher_t;
+
+/* MATCHes without a lease of a 4-page NVMe path, each answered shared (op_match.c nvme_dropped
+ * reads the NVMe tier's drop counts, kvt_tier_dropped). */
+static void *nvme_matcher_main(void *arg)
+{
+    nvme_matcher_t *k = arg;
+    uint8_t tiers[4];
+    for (int round = 0; round < k->rounds; round++) {
+        kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+        if (kvt_client_match(k->c, k->tok, 4 * PAGE, 0, 0, NULL, &m) < 0 || m.pages != 4 ||
+            tiers[3] != KVT_CLIENT_TIER_NVME)
+            SHARER_WRONG(k);
+    }
+    return NULL;
+}
+
+/*
+ * MATCHes answered shared on loop 2 while loop 1's GETs of NVMe pages submit their reads, shared
+ * too (s->submit). A MATCH once copied the NVMe tier's whole usage to see whether the tier ever
+ * dropped a block, racing with the reads' in-flight count (ThreadSanitizer, the multi-loop tests
+ * of `make test`); it reads the drop counts alone now, which move only under the write lock.
+ */
+Test(server_loops, matches_share_the_lock_with_gets_reading_nvme, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "3", "--dram-bytes", "0", "--nvme-bytes", "64M",
+              "--nvme-segment-bytes", "8M", "--tick-ms", "10000", NULL);
+    kvt_client_t *c[3];
+    char key[96];
+    for (int i = 0; i < 3; i++)
+        c[i] = kvd_client(&d, "m", PAGE, SBB);
+    for (int i = 0; i < 3; i++) {
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(c[0], key), 1, "c[%d] is loop %d's", i, i);
+    }
+    enum { P = 4, R = 200 };
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * SBB], back[P * SBB];
+    uint8_t tiers[P];
+    kvd_tokens(tok, P * PAGE, 9560000u);
+    kvd_fill(payload, sizeof payload, 956);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c[1], tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c[1], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    cr_assert(memchr(tiers, KVT_CLIENT_TIER_NONE, P) == NULL);
+    nvme_matcher_t k = {.c = c[2], .tok = tok, .rounds = R};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, nvme_matcher_main, &k), 0);
+    int wrong = 0;
+    for (int round = 0; round < R; round++) {
+        uint32_t got = 0;
+        memset(back, 0, sizeof back);
+        if (kvt_client_get(c[1], m.lease, 0, P, back, sizeof back, &got, NULL) < 0 || got != P ||
+            memcmp(back, payload, sizeof back) != 0)
+            wrong++;
+    }
+    pthread_join(th, NULL);
+    cr_expect_eq(wrong, 0, "%d wrong GETs", wrong);
+    cr_expect_eq(k.errors, 0, "%d wrong MATCHes, the first at line %d", k.errors, k.line);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), R);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"2\"}"), R);
+    for (int i = 0; i < 3; i++)
+        kvt_client_close(c[i]);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}

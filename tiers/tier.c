@@ -657,6 +657,11 @@ void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u)
         *u = t->usage;
 }
 
+uint64_t kvt_tier_dropped(const kvt_tier_t *t)
+{
+    return t ? t->usage.reclaimed + t->usage.corrupt : 0;
+}
+
 kvt_tier_id_t kvt_tier_kind(const kvt_tier_t *t)
 {
     return t ? t->kind : KVT_TIER_NONE;
