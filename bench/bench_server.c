@@ -1296,6 +1296,8 @@ static int run_load(load_t *l, result_t *res)
     while (rc == 0 && remaining > 0) {
         struct epoll_event evs[64];
         int n = epoll_wait(ep, evs, 64, 10000);
+        if (n < 0 && errno == EINTR)
+            continue; /* never restarted, not even after a stop and SIGCONT */
         if (n <= 0) {
             rc = -1;
             break;
