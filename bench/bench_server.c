@@ -71,7 +71,9 @@
  *          reads of the same pages through an io_uring of the same depth, from the daemon's own
  *          data file (raw_*; nvme_raw_reads says why that is the ceiling). GETs/s, MB/s and the
  *          daemon's CPU per GET for each; the first round, on fresh daemons, apart (first_*), the
- *          median and range of the rounds after it.
+ *          median and range of the rounds after it; and what the 2-loop daemon's loops past 0
+ *          counted over the rounds, per request they served (STATS: write locks, GETs planned
+ *          shared).
  *   loops_put  MATCH beside another loop's PUTs (issue 42): one kvtierd with 2 loops; --conns
  *          MATCH connections (pipeline --pipeline) on loop 1 while loop 0's one connection PUTs
  *          fresh 256 KiB, then 2 MiB, pages as fast as it can, against the same MATCHes beside
@@ -1584,25 +1586,40 @@ static int bench_fill(const opts_t *o, const char *sock, const kvt_trace_t *tr)
 
 /* ---- set-up: the index, the blocks ---- */
 
-static int add_turn_stalls(void *arg, const char *name, uint64_t value)
+/* A per-loop STATS series (PREFIX0, PREFIX1, ...) summed over the loops from from_loop on. */
+typedef struct loop_sum {
+    const char *prefix;
+    int from_loop;
+    uint64_t n;
+} loop_sum_t;
+
+static int add_loop_stat(void *arg, const char *name, uint64_t value)
 {
-    if (!strncmp(name, "loop_socket_turn_stalls_", 24))
-        *(uint64_t *)arg += value;
+    loop_sum_t *sum = arg;
+    size_t k = strlen(sum->prefix);
+    if (!strncmp(name, sum->prefix, k) && atoi(name + k) >= sum->from_loop)
+        sum->n += value;
     return 0;
+}
+
+/* The series' sum so far on the daemon at sock; 0 from one without it. */
+static uint64_t loop_stat(const char *sock, const char *prefix, int from_loop)
+{
+    kvt_client_conf_t conf = {.unix_path = sock, .model = "stats", .page_size = PAGE};
+    kvt_client_t *c;
+    loop_sum_t sum = {.prefix = prefix, .from_loop = from_loop};
+    if (kvt_client_connect(&c, &conf) < 0)
+        return 0;
+    kvt_client_stats(c, add_loop_stat, &sum);
+    kvt_client_close(c);
+    return sum.n;
 }
 
 /* The turns a kvtierd's loops passed on by stall so far (STATS loop_socket_turn_stalls_N,
  * summed); 0 from one without them. */
 static uint64_t turn_stalls(const char *sock)
 {
-    kvt_client_conf_t conf = {.unix_path = sock, .model = "stalls", .page_size = PAGE};
-    kvt_client_t *c;
-    uint64_t n = 0;
-    if (kvt_client_connect(&c, &conf) < 0)
-        return 0;
-    kvt_client_stats(c, add_turn_stalls, &n);
-    kvt_client_close(c);
-    return n;
+    return loop_stat(sock, "loop_socket_turn_stalls_", 0);
 }
 
 /* The medians over the rounds of each latency figure of v (before median_round sorts it). */
@@ -2116,8 +2133,20 @@ static void nvme_side_json(const char *pre, const nvme_side_t *s, uint32_t bs)
            s->max_rps, pre, s->first.rps, pre, s->first.cpu_us);
 }
 
+/* Step 9's path on the 2-loop daemon: what its loops past 0 counted over all the rounds. */
+typedef struct nvme_past0 {
+    uint64_t requests, write_locks, shared_gets;
+} nvme_past0_t;
+
+static nvme_past0_t nvme_past0(const char *sock)
+{
+    return (nvme_past0_t){.requests = loop_stat(sock, "loop_requests_", 1),
+                          .write_locks = loop_stat(sock, "loop_write_locks_", 1),
+                          .shared_gets = loop_stat(sock, "loop_shared_gets_", 1)};
+}
+
 static void nvme_line(const opts_t *go, uint32_t bs, uint32_t pages, int rounds,
-                      const nvme_side_t side[3])
+                      const nvme_side_t side[3], const nvme_past0_t *past0)
 {
     const nvme_side_t *one = &side[0], *two = &side[1], *raw = &side[2];
     printf("{\"op\":\"loops\",\"load\":\"get_nvme\",\"transport\":\"unix\",\"conns\":%d,"
@@ -2134,9 +2163,14 @@ static void nvme_line(const opts_t *go, uint32_t bs, uint32_t pages, int rounds,
            two->warm.rps / one->warm.rps, two->first.rps / one->first.rps,
            KVT_MIN(go->conns * go->pipeline, KVT_NVME_QD));
     nvme_side_json("raw_", raw, bs);
-    printf(",\"ratio_raw\":%.3f,\"baseline_ratio_raw\":%.3f,\"rounds\":%d,\"bar\":\"none on 2 "
-           "cores: printed, not judged\"}\n",
-           two->warm.rps / raw->warm.rps, one->warm.rps / raw->warm.rps, rounds);
+    /* Requests: the GETs and each connection's HELLO and leasing MATCH. */
+    double n = past0->requests ? (double)past0->requests : 1;
+    printf(",\"ratio_raw\":%.3f,\"baseline_ratio_raw\":%.3f,\"loops_past_0_requests\":%llu,"
+           "\"loops_past_0_write_locks_per_request\":%.3f,\"loops_past_0_shared_gets_per_request\":"
+           "%.3f,\"rounds\":%d,\"bar\":\"none on 2 cores: printed, not judged\"}\n",
+           two->warm.rps / raw->warm.rps, one->warm.rps / raw->warm.rps,
+           (unsigned long long)past0->requests, (double)past0->write_locks / n,
+           (double)past0->shared_gets / n, rounds);
     fflush(stdout);
 }
 
@@ -2157,6 +2191,7 @@ static int nvme_size(const opts_t *o, uint32_t bs)
     for (int i = 0; i < 2 && rc == 0; i++)
         rc = nvme_start(o, &go, bs, pages, i, &get[i], data[i]);
     result_t v[3][10]; /* loops = 1, loops = 2, raw; round 0 the first */
+    nvme_past0_t p0 = rc == 0 ? nvme_past0(get[1].sock) : (nvme_past0_t){0};
     for (int r = 0; r <= o->rounds && rc == 0; r++) {
         for (int k = 0; k < 2 && rc == 0; k++) {
             int i = (r + k) % 2;
@@ -2168,10 +2203,14 @@ static int nvme_size(const opts_t *o, uint32_t bs)
             rc = nvme_raw_reads(data[r % 2], bs, pages, &go, &v[2][r]);
     }
     if (rc == 0) {
+        nvme_past0_t p1 = nvme_past0(get[1].sock);
+        p1.requests -= p0.requests;
+        p1.write_locks -= p0.write_locks;
+        p1.shared_gets -= p0.shared_gets;
         nvme_side_t side[3];
         for (int i = 0; i < 3; i++)
             side[i] = nvme_side(v[i], o->rounds);
-        nvme_line(&go, bs, pages, o->rounds, side);
+        nvme_line(&go, bs, pages, o->rounds, side, &p1);
     }
     nvme_stop();
     return rc;
