@@ -3070,8 +3070,14 @@ Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_pat
     for (uint64_t id = 30; id < 34; id++) {
         kvt_proto_hdr_t h;
         read_reply_frame(f.fd, &h, f.body, 4096);
-        cr_expect(h.request_id == id && h.status == 0, "request %llu: reply %llu, status %d",
-                  (unsigned long long)id, (unsigned long long)h.request_id, h.status);
+        /* A REMOVE waits for the GETs at most 1 s (op_remove.c), which a slow daemon (under
+         * ThreadSanitizer) can take to check 56 MiB: EBUSY then, and it is sent again. */
+        int busy = id >= 32 && h.status == KVT_EBUSY;
+        cr_expect(h.request_id == id && (h.status == 0 || busy),
+                  "request %llu: reply %llu, status %d", (unsigned long long)id,
+                  (unsigned long long)h.request_id, h.status);
+        if (busy)
+            cr_expect_eq(kvt_client_remove(f.c0, f.tok[id - 32], PAGE), 0);
     }
     cr_expect_eq(kvd_metric(&f.d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), 1,
                  "the bad record was marked lost once, its path held");
