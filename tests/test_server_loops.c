@@ -13,7 +13,8 @@
  * that outlive their lease, every page their MATCH reported stored delivered (NVMe pages a
  * reclaim would take included); GETs of NVMe pages that take no write lock on their loop, and
  * whose bytes come whole from several loops at once while a writer makes the log reclaim; a
- * close while such a GET's reads are in flight.
+ * close while such a GET's reads are in flight; a lease that ends, or a close, while such GETs
+ * read a corrupt record, their path REMOVEd meanwhile.
  */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
