@@ -748,8 +748,7 @@ static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32
  */
 static int exec_holds(void *arg, kvt_tier_id_t tier, uint32_t ns, uint32_t size)
 {
-    kvt_srv_t *s = arg;
-    return kvt__tier_holds(s, tier, kvt_radix_ns_page_size(s->radix, ns), size);
+    return kvt__tier_holds(arg, tier, ns, size);
 }
 
 /* Every page of the run fits a record of `to`: refused here, before the policy makes room in
@@ -758,10 +757,10 @@ static int exec_holds(void *arg, kvt_tier_id_t tier, uint32_t ns, uint32_t size)
 static int record_fits(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                        kvt_tier_id_t to)
 {
-    uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
+    uint32_t ns = kvt_radix_node_ns(n);
     for (uint32_t i = 0; i < npages; i++) {
         const kvt_block_t *b = kvt_radix_block_at(n, depth + i);
-        if (b && !kvt__tier_holds(s, to, page, b->size))
+        if (b && !kvt__tier_holds(s, to, ns, b->size))
             return 0;
     }
     return 1;

@@ -177,7 +177,7 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
                 continue;
             /* A page NVMe can never hold passes it by before its quota is asked or room is
              * made there for a write that would fail. */
-            if (!kvt__tier_holds(s, id, kvt_radix_ns_page_size(s->radix, r->ns), x->io.len)) {
+            if (!kvt__tier_holds(s, id, r->ns, x->io.len)) {
                 rc = KVT_ETOOBIG;
                 continue;
             }
