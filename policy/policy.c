@@ -787,13 +787,25 @@ static double reload_s(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t bytes)
     return s + rt / KVT_MAX(p->run_pages[t], 1.0);
 }
 
-/* Seconds a hit on this block saves by its being in tier t rather than where it goes next. */
-static double keep_benefit(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t depth, uint32_t ps,
-                           uint32_t bytes)
+/* Where a block of namespace ns and size bytes goes when it leaves tier t: the next configured
+ * tier down that can hold it at all (ops->holds: a page larger than an NVMe record passes NVMe by
+ * for the remote tier), or KVT_TIER_NONE (dropped). */
+static kvt_tier_id_t lower_for(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t ns, uint32_t size)
+{
+    kvt_tier_id_t lo = p->lower[t];
+    while (lo != KVT_TIER_NONE && p->c.ops->holds && !p->c.ops->holds(p->c.ops_arg, lo, ns, size))
+        lo = p->lower[lo];
+    return lo;
+}
+
+/* Seconds a hit on this block (of namespace ns) saves by its being in tier t rather than where it
+ * goes next. */
+static double keep_benefit(const kvt_policy_t *p, kvt_tier_id_t t, uint32_t ns, uint32_t depth,
+                           uint32_t ps, uint32_t bytes)
 {
     double here = reload_s(p, t, bytes);
     double redo = recompute_page_s(p, depth, ps);
-    kvt_tier_id_t lo = p->lower[t];
+    kvt_tier_id_t lo = lower_for(p, t, ns, bytes);
     double next = lo ? reload_s(p, lo, bytes) : redo;
     if (!p->c.no_cost_drop && redo < next)
         next = redo;
@@ -913,7 +925,7 @@ static vkey_t block_key(kvt_policy_t *p, kvt_radix_node_t *n, uint32_t i, int e)
         double v =
             e == EXP_HD
                 ? dens
-                : dens * keep_benefit(p, t, depth,
+                : dens * keep_benefit(p, t, kvt_radix_node_ns(n), depth,
                                       kvt_radix_ns_page_size(p->t, kvt_radix_node_ns(n)), b->size);
         unsigned prio = b->prio & PRIO_MASK;
         if (prio)
@@ -1826,7 +1838,7 @@ static int evict_one(kvt_policy_t *p, kvt_tier_id_t t, int depth, uint64_t want,
         int droppable = kvt_radix_node_children(n) == 0 &&
                         (b == np || kvt_radix_node_blocks(n)[b].tier == KVT_TIER_NONE);
         uint32_t tail = np - b;
-        kvt_tier_id_t lo = p->lower[t];
+        kvt_tier_id_t lo = lower_for(p, t, kvt_radix_node_ns(n), last->size);
         int drop = !lo, cost_drop = 0;
         if (lo && droppable) {
             if (lo == KVT_TIER_NVME && p->c.nvme_min_hits && last->hits < p->c.nvme_min_hits)

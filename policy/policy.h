@@ -206,6 +206,15 @@ typedef struct kvt_policy_ops {
      * cannot happen. NULL: they may.
      */
     int (*fits)(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t npages, kvt_tier_id_t to);
+    /*
+     * Whether tier can ever hold a block of `size` bytes of namespace ns, however much room it
+     * has (kvtierd: an NVMe record holds a page whole and never spans segments). Zero: a block
+     * leaving the tier above passes it by, for the next tier down that can hold it (its
+     * demotion and the cost rule's drop are judged against that tier; dropped where there is
+     * none). Unlike fits, which says whether a run may go in now (a quota), this is a property
+     * of the block's size that never changes. NULL: every tier can hold every block.
+     */
+    int (*holds)(void *arg, kvt_tier_id_t tier, uint32_t ns, uint32_t size);
 } kvt_policy_ops_t;
 
 #define KVT_POLICY_PENDING 1

@@ -254,7 +254,6 @@ void kvt__loop_post(kvt__conn_t *c)
     kvt__loop_t *l = c->loop;
     if (!posted_push(c))
         return;
-    l->kicks_posted++;
     kvt__metric_add(c->srv->metrics, KVT_M_LOOP_KICKS_POSTED, l->id, 1);
     uint64_t one = 1;
     if (write(l->wake.fd, &one, sizeof one) < 0) {
@@ -900,7 +899,6 @@ static void count_reply(kvt__conn_t *c, uint8_t op, uint64_t t0, int status)
     /* The loop's own table (merged on scrape): a MATCH answered under the lock shared counts
      * while other loops count theirs. */
     kvt_metrics_t *mt = c->loop->metrics ? c->loop->metrics : c->srv->metrics;
-    c->loop->requests++;
     kvt__metric_add(mt, KVT_M_LOOP_REQUESTS, c->loop->id, 1);
     kvt__metric_add(mt, KVT_M_REQUESTS, op, 1);
     if (status < 0)

@@ -40,9 +40,10 @@ static uint16_t tier_mask(const kvt_srv_t *s)
 
 /*
  * Pages larger than an NVMe record can hold (nvme-segment-bytes) never go there: every write
- * fails with KVT_ETOOBIG however much of the tier is free, so DRAM's victims are dropped instead
- * of demoted (and a PUT into a full DRAM makes room there so, op_put.c). It looks like a small
- * hierarchy with NVMe all but empty; the HELLO that declares such pages says why in the log.
+ * fails with KVT_ETOOBIG however much of the tier is free, so DRAM's victims pass NVMe by for the
+ * remote tier, or are dropped where there is none (exec.c, exec_holds; and a PUT into a full DRAM
+ * makes room there so, op_put.c). It looks like a hierarchy with NVMe all but empty; the HELLO
+ * that declares such pages says why in the log.
  */
 static void nvme_too_small(kvt_srv_t *s, const char *shown, uint32_t page_size,
                            uint32_t block_bytes)
@@ -54,7 +55,8 @@ static void nvme_too_small(kvt_srv_t *s, const char *shown, uint32_t page_size,
     kvt_log_limited(&lim, KVT_LOG_WARN,
                     "kvtierd: namespace \"%s\": its pages of %u bytes do not fit an NVMe record "
                     "(at most %u bytes with %u tokens a page: raise nvme-segment-bytes); they "
-                    "are never stored in NVMe, and are dropped from DRAM instead of demoted",
+                    "are never stored in NVMe: DRAM demotes them to the remote tier, or drops "
+                    "them where there is none",
                     shown, block_bytes, max, page_size);
 }
 

@@ -740,21 +740,27 @@ static void exec_set_tier(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32
 }
 
 /*
- * Every page of the run fits a record of `to`: NVMe's never spans segments, so a page larger than
- * a segment less its record's header (nvme-segment-bytes) fails its write with KVT_ETOOBIG however
- * much room is free. Refused here, before the policy makes room in NVMe, such a page is dropped
- * from DRAM at once instead of after a move that cannot start (kvtier_policy_move_failures_total).
+ * Whether `tier` can ever hold a page of namespace ns and size bytes: NVMe's records never span
+ * segments, so a page larger than a segment less its record's header (nvme-segment-bytes) fails
+ * its write with KVT_ETOOBIG however much room is free. The policy passes NVMe by for such pages,
+ * demoting them from DRAM to the remote tier (or dropping them where there is none), without
+ * asking NVMe's tenant quota (exec_fits) about a page that never enters it.
  */
+static int exec_holds(void *arg, kvt_tier_id_t tier, uint32_t ns, uint32_t size)
+{
+    return kvt__tier_holds(arg, tier, ns, size);
+}
+
+/* Every page of the run fits a record of `to`: refused here, before the policy makes room in
+ * NVMe, a move that could not start (kvtier_policy_move_failures_total). The policy already
+ * passes such tiers by for its demotions (exec_holds); a promotion's target is checked here. */
 static int record_fits(kvt_srv_t *s, kvt_radix_node_t *n, uint32_t depth, uint32_t npages,
                        kvt_tier_id_t to)
 {
-    if (to != KVT_TIER_NVME)
-        return 1;
-    uint32_t page = kvt_radix_ns_page_size(s->radix, kvt_radix_node_ns(n));
-    uint32_t max = kvt__tier_nvme_max_block(s, page);
+    uint32_t ns = kvt_radix_node_ns(n);
     for (uint32_t i = 0; i < npages; i++) {
         const kvt_block_t *b = kvt_radix_block_at(n, depth + i);
-        if (b && b->size > max)
+        if (b && !kvt__tier_holds(s, to, ns, b->size))
             return 0;
     }
     return 1;
@@ -778,6 +784,7 @@ static int exec_fits(void *arg, kvt_radix_node_t *n, uint32_t depth, uint32_t np
 const kvt_policy_ops_t kvt__exec_ops = {
     .set_tier = exec_set_tier,
     .fits = exec_fits,
+    .holds = exec_holds,
     .move = exec_move,
     .footprint = exec_footprint,
     .index_room = exec_index_room,

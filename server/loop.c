@@ -337,7 +337,9 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     if ((rc = kvt__loops_open(s)) < 0)
         goto fail;
     s->lock_settle = lock_settle;
-    kvt__metrics_loops(s->metrics, s->nloops);
+    /* Without its own table a loop would count into the main one beside the others: no start. */
+    if ((rc = kvt__metrics_loops(s->metrics, s->nloops)) < 0)
+        goto fail;
     kvt_radix_conf_t rconf = {.free_cb = kvt__store_free_cb,
                               .node_free_cb = kvt__store_node_free_cb,
                               .free_arg = s,

@@ -175,6 +175,12 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
                 continue; /* room a client can write is in its DRAM arena only */
             if (!s->tiers[id])
                 continue;
+            /* A page NVMe can never hold passes it by before its quota is asked or room is
+             * made there for a write that would fail. */
+            if (!kvt__tier_holds(s, id, r->ns, x->io.len)) {
+                rc = KVT_ETOOBIG;
+                continue;
+            }
             /* At its quota there (tenant-<tier>-bytes): the next tier down, and no room made
              * for a write the tier would refuse anyway, at other tenants' expense. */
             if (!kvt__tier_fits(s, id, x->io.key.ns_seed, x->io.len)) {

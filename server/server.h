@@ -564,7 +564,6 @@ struct kvt__loop {
      * the kernel; kvtier_loop_queued_requests. Changed with s->lock held, by its own thread
      * (shared or write) or another holding it for writing. */
     uint32_t queued;
-    uint64_t requests, kicks_posted;
     /* socket-turns (conn.c): its connections holding a turn, and those waiting for one, first
      * come first served. Each loop grants its own: changed by its own thread only, with the lock
      * held (shared at least); the tick and a scrape read them under the write lock. */

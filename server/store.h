@@ -157,6 +157,10 @@ int kvt__tier_add_ns(kvt_srv_t *s, const char *model, const char *adapter, const
 /* The largest page the NVMe tier can hold for pages of page_size tokens
  * (kvt_tier_nvme_max_block). */
 uint32_t kvt__tier_nvme_max_block(const kvt_srv_t *s, uint32_t page_size);
+/* Whether tier can ever hold a page of len bytes of namespace ns, however much room it has:
+ * NVMe's records hold a page whole and never span segments (KVT_ETOOBIG). Such a page passes the
+ * tier by, neither refused nor counted by its tenant quota (kvt__tier_fits). */
+int kvt__tier_holds(const kvt_srv_t *s, kvt_tier_id_t tier, uint32_t ns, uint32_t len);
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes);
 
 #endif

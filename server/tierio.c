@@ -328,3 +328,10 @@ uint32_t kvt__tier_nvme_max_block(const kvt_srv_t *s, uint32_t page_size)
 {
     return kvt_tier_nvme_max_block(s->tiers[KVT_TIER_NVME], page_size);
 }
+
+int kvt__tier_holds(const kvt_srv_t *s, kvt_tier_id_t tier, uint32_t ns, uint32_t len)
+{
+    if (tier != KVT_TIER_NVME || !s->tiers[tier])
+        return 1;
+    return len <= kvt__tier_nvme_max_block(s, kvt_radix_ns_page_size(s->radix, ns));
+}

@@ -623,12 +623,11 @@ Test(policy_decisions, oracle_drops_the_furthest_next_use)
     stop();
 }
 
-Test(policy_decisions, cost_drops_when_recompute_beats_the_next_tier)
+/* Four requests of 4 pages each (tokens from 1000, 2000, 3000, 4000) on a fresh engine of conf c,
+ * checked and stopped: the engine's stats at their end. */
+static kvt_policy_stats_t four_requests(const kvt_policy_conf_t *c)
 {
-    /* NVMe so slow that recomputing a page is cheaper than loading it back */
-    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 4, 4, 100);
-    c.hw.bw[KVT_TIER_NVME] = 1e3;
-    start(&c);
+    start(c);
     uint32_t *r[4];
     for (int i = 0; i < 4; i++) {
         r[i] = seq(16, 1000 * (uint32_t)(i + 1));
@@ -636,13 +635,22 @@ Test(policy_decisions, cost_drops_when_recompute_beats_the_next_tier)
     }
     kvt_policy_stats_t st;
     kvt_policy_stats(pol, &st);
+    for (int i = 0; i < 4; i++)
+        free(r[i]);
+    stop();
+    return st;
+}
+
+Test(policy_decisions, cost_drops_when_recompute_beats_the_next_tier)
+{
+    /* NVMe so slow that recomputing a page is cheaper than loading it back */
+    kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 4, 4, 100);
+    c.hw.bw[KVT_TIER_NVME] = 1e3;
+    kvt_policy_stats_t st = four_requests(&c);
     cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 0);
     cr_assert_eq(st.used[KVT_TIER_NVME], 0);
     cr_assert_gt(st.cost_drops, 0);
     cr_assert_eq(st.dropped_bytes[KVT_TIER_DRAM], 8 * PAGE); /* r0 and r1 */
-    for (int i = 0; i < 4; i++)
-        free(r[i]);
-    stop();
 
     /* the same with the rule off, and LRU: both demote to NVMe */
     c.no_cost_drop = 1;
@@ -651,17 +659,9 @@ Test(policy_decisions, cost_drops_when_recompute_beats_the_next_tier)
             c.kind = KVT_POLICY_LRU;
             c.no_cost_drop = 0;
         }
-        start(&c);
-        for (int i = 0; i < 4; i++) {
-            r[i] = seq(16, 1000 * (uint32_t)(i + 1));
-            request(r[i], 16, NULL);
-        }
-        kvt_policy_stats(pol, &st);
+        st = four_requests(&c);
         cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 8 * PAGE);
         cr_assert_eq(st.cost_drops, 0);
-        for (int i = 0; i < 4; i++)
-            free(r[i]);
-        stop();
     }
 }
 
@@ -672,33 +672,60 @@ Test(policy_decisions, cost_drops_when_the_reload_round_trip_beats_the_bytes)
 {
     kvt_policy_conf_t c = base_conf(KVT_POLICY_COST, 4, 4, 100);
     c.hw.latency_s[KVT_TIER_NVME] = 1.0;
-    start(&c);
-    uint32_t *r[4];
-    for (int i = 0; i < 4; i++) {
-        r[i] = seq(16, 1000 * (uint32_t)(i + 1));
-        request(r[i], 16, NULL);
-    }
-    kvt_policy_stats_t st;
-    kvt_policy_stats(pol, &st);
+    kvt_policy_stats_t st = four_requests(&c);
     cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 0);
     cr_assert_gt(st.cost_drops, 0);
-    for (int i = 0; i < 4; i++)
-        free(r[i]);
-    stop();
 
     /* a round trip of 1 us is worth keeping the pages: they are demoted */
     c.hw.latency_s[KVT_TIER_NVME] = 1e-6;
-    start(&c);
-    for (int i = 0; i < 4; i++) {
-        r[i] = seq(16, 1000 * (uint32_t)(i + 1));
-        request(r[i], 16, NULL);
-    }
-    kvt_policy_stats(pol, &st);
+    st = four_requests(&c);
     cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 8 * PAGE);
     cr_assert_eq(st.cost_drops, 0);
-    for (int i = 0; i < 4; i++)
-        free(r[i]);
-    stop();
+}
+
+/* An executor whose NVMe tier holds no block of this test's size (kvtierd's pages larger than an
+ * NVMe record): ops->holds refuses NVMe, everything else is as ops. */
+static int ex_holds_no_nvme(void *arg, kvt_tier_id_t tier, uint32_t nsid, uint32_t size)
+{
+    (void)arg;
+    cr_assert_eq(nsid, ns);
+    cr_assert_eq(size, PAGE);
+    return tier != KVT_TIER_NVME;
+}
+
+static const kvt_policy_ops_t ops_no_nvme = {ex_move, ex_admit, .holds = ex_holds_no_nvme};
+
+/* four_requests through 4 pages of HBM and 4 of DRAM, NVMe and the remote tier below, where NVMe
+ * holds no page (ops_no_nvme); remote_bw is the remote tier's bandwidth. */
+static kvt_policy_stats_t past_nvme(kvt_policy_kind_t kind, double remote_bw)
+{
+    kvt_policy_conf_t c = base_conf(kind, 4, 4, 100);
+    c.tiers[KVT_TIER_REMOTE].capacity = 100 * PAGE;
+    c.tiers[KVT_TIER_REMOTE].high = c.tiers[KVT_TIER_REMOTE].low = 1.0f;
+    c.hw.bw[KVT_TIER_REMOTE] = remote_bw;
+    c.ops = &ops_no_nvme;
+    kvt_policy_stats_t st = four_requests(&c);
+    cr_assert_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_NVME], 0, "NVMe was asked to hold a page");
+    cr_assert_eq(st.used[KVT_TIER_NVME], 0);
+    return st;
+}
+
+/* A tier that cannot hold a block (ops->holds) is passed by: DRAM's victims go on to the remote
+ * tier, where the cost rule judges them against a load from there. A page recomputes in 8 ms; it
+ * loads back from a remote tier of 1 GB/s in 1 us (kept there) or of 1 kB/s in 1 s (dropped,
+ * although NVMe, which cannot take it, would load it back in 0.1 us). */
+Test(policy_decisions, a_tier_that_cannot_hold_a_block_is_passed_by)
+{
+    kvt_policy_stats_t st = past_nvme(KVT_POLICY_COST, 1e9);
+    cr_expect_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_REMOTE], 8 * PAGE);
+    cr_expect_eq(st.dropped_blocks, 0);
+    st = past_nvme(KVT_POLICY_LRU, 1e9);
+    cr_expect_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_REMOTE], 8 * PAGE);
+    cr_expect_eq(st.dropped_blocks, 0);
+    st = past_nvme(KVT_POLICY_COST, 1e3);
+    cr_expect_eq(st.moved_bytes[KVT_TIER_DRAM][KVT_TIER_REMOTE], 0);
+    cr_expect_eq(st.dropped_bytes[KVT_TIER_DRAM], 8 * PAGE);
+    cr_expect_gt(st.cost_drops, 0);
 }
 
 Test(policy_decisions, nvme_admission_needs_reuse)

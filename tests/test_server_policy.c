@@ -588,13 +588,15 @@ Test(server_policy, pages_larger_than_an_nvme_record_are_named_at_hello)
  * full every page was skipped (stored 0 skipped 1), counted as a failed write. The policy does
  * not try to demote them either (exec.c, record_fits): each such move failed at its first write
  * (4 here, kvtier_policy_move_failures_total), after making room in NVMe for it, and the page was
- * dropped all the same.
+ * dropped all the same. NVMe's tenant quota (1 MiB, half a page) is not asked about pages that
+ * never enter NVMe: before, each PUT that found DRAM full counted a refusal there.
  */
 Test(server_policy, pages_no_nvme_record_holds_make_room_in_dram)
 {
     kvd_t d = {0};
     kvd_start(&d, "--policy", "lru", "--policy-high", "1", "--policy-low", "1", "--dram-bytes",
-              "8M", "--nvme-bytes", "16M", "--nvme-segment-bytes", "1M", NULL);
+              "8M", "--nvme-bytes", "16M", "--nvme-segment-bytes", "1M", "--tenant-nvme-bytes",
+              "1M", NULL);
     enum { N = 8, BB = 2u << 20 }; /* DRAM holds 4 */
     kvt_client_t *c = kvd_client(&d, "big", PAGE, BB);
     static uint32_t tok[N][PAGE];
@@ -610,6 +612,95 @@ Test(server_policy, pages_no_nvme_record_holds_make_room_in_dram)
     cr_expect_eq(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), N - 4,
                  "each PUT past DRAM's 4 pages dropped one");
     cr_expect_eq(tier_of_page(c, tok[0], 0), KVT_CLIENT_TIER_NONE, "the oldest made room");
+    cr_expect_eq(kvd_metric(&d, "kvtier_tenant_quota_refusals_total{tier=\"nvme\"}"), 0,
+                 "NVMe's quota refused pages it could never hold (%g)",
+                 kvd_metric(&d, "kvtier_tenant_quota_refusals_total{tier=\"nvme\"}"));
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
+ * Pages no NVMe record holds (2 MiB pages, 1 MiB segments), PUT one a prompt into DRAM whose
+ * watermarks (50%) push most of them out, with a redis-server below NVMe (KVT_TEST_REDIS). The
+ * policy passes NVMe by: each victim goes to the remote tier when the cost model keeps it, or is
+ * dropped where recomputing costs less than loading it from there. Returns d's client once no
+ * move is in flight (the caller closes it and stops d); tenant-nvme-bytes 1M (half a page) shows
+ * that NVMe's quota neither refuses nor counts pages that never enter NVMe.
+ */
+enum { BIG_PAGE = 2u << 20, BIG_N = 6 };
+
+static kvt_client_t *push_big_pages(kvd_t *d, const char *model, uint32_t (*tok)[PAGE])
+{
+    const char *addr = getenv("KVT_TEST_REDIS");
+    if (!addr || !*addr)
+        cr_skip_test("KVT_TEST_REDIS is not set (scripts/test.sh starts a redis-server)");
+    char pfx[64];
+    snprintf(pfx, sizeof pfx, "kvt-toobig-%d-%s", (int)getpid(), model);
+    kvd_start(d, "--policy-model", model, "--policy-high", "0.5", "--policy-low", "0.5",
+              "--dram-bytes", "8M", "--nvme-bytes", "16M", "--nvme-segment-bytes", "1M",
+              "--tenant-nvme-bytes", "1M", "--remote", addr, "--remote-prefix", pfx,
+              "--remote-bytes", "64M", NULL);
+    kvt_client_t *c = kvd_client(d, "big", PAGE, BIG_PAGE);
+    for (uint32_t k = 0; k < BIG_N; k++) {
+        kvd_tokens(tok[k], PAGE, 8500000u + 1000u * k);
+        cr_assert_eq(put_page_of(c, tok[k], 0, BIG_PAGE, 40 + k), 1, "prompt %u skipped", k);
+    }
+    quiet(c, 0);
+    cr_expect_eq(kvd_metric(d, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"), 0);
+    cr_expect_eq(kvd_metric(d, "kvtier_policy_move_failures_total{tier=\"nvme\"}"), 0);
+    cr_expect_eq(kvd_metric(d, "kvtier_tenant_quota_refusals_total{tier=\"nvme\"}"), 0);
+    cr_expect_eq(kvd_stat(c, "nvme_used_bytes"), 0, "nothing entered NVMe");
+    return c;
+}
+
+/* llama-3-70b on an 8 x H200 node: 16 tokens take 0.57 ms to recompute, a 2 MiB page 0.27 ms to
+ * load back from the remote tier (its share of a round trip included). Before, every victim was
+ * dropped: the policy's move into NVMe was refused for the record's size, and no tier below was
+ * tried. */
+Test(server_policy, pages_no_nvme_record_holds_go_on_to_the_remote_tier)
+{
+    kvd_t d = {0};
+    static uint32_t tok[BIG_N][PAGE];
+    kvt_client_t *c = push_big_pages(&d, "llama-3-70b", tok);
+    double moved = kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"remote\"}");
+    cr_expect_gt(moved, 0, "DRAM's victims went to the remote tier");
+    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), 0,
+                 "no victim was dropped");
+    int remote = 0;
+    for (uint32_t k = 0; k < BIG_N; k++) {
+        kvt_client_match_t m = {0};
+        cr_assert_eq(kvt_client_match(c, tok[k], PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+        cr_expect_eq(m.pages, 1, "prompt %u was lost", k);
+        if (m.pages == 1) {
+            uint8_t *buf = malloc(BIG_PAGE), *want = malloc(BIG_PAGE), from = 0;
+            uint32_t got = 0;
+            cr_assert(buf && want);
+            cr_expect_eq(kvt_client_get(c, m.lease, 0, 1, buf, BIG_PAGE, &got, &from), 0);
+            kvd_fill(want, BIG_PAGE, 40 + k);
+            cr_expect(got == 1 && memcmp(buf, want, BIG_PAGE) == 0, "prompt %u differs", k);
+            remote += from == KVT_CLIENT_TIER_REMOTE;
+            free(buf);
+            free(want);
+        }
+        cr_assert_eq(kvt_client_release(c, m.lease, NULL), 0);
+    }
+    cr_expect_gt(remote, 0, "some pages came back from the redis-server");
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/* llama-3-8b: 16 tokens recompute in 65 us, less than the same 0.27 ms load from the remote tier,
+ * so the cost model drops DRAM's victims rather than send them there (as every victim was before,
+ * when no tier below NVMe was considered). */
+Test(server_policy, pages_no_nvme_record_holds_are_dropped_when_recompute_is_cheaper)
+{
+    kvd_t d = {0};
+    static uint32_t tok[BIG_N][PAGE];
+    kvt_client_t *c = push_big_pages(&d, "llama-3-8b", tok);
+    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_moved_total{from=\"dram\",to=\"remote\"}"), 0);
+    cr_expect_geq(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"dram\"}"), BIG_N / 2);
     kvt_client_close(c);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
