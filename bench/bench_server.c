@@ -61,6 +61,19 @@
  *          through the namespace's arena, each GET connection sends MAP (its descriptor closed
  *          unread: the load measures the daemon's side, not a client's copy out of the mapping)
  *          and its GETs ask for LOCATE, answered by location frames (load "get_locate").
+ *          --nvme runs the GET load alone on pages that only an NVMe tier holds (issue 42, step 9:
+ *          such GETs under the shared lock on loops past 0), load "get_nvme": the two daemons with
+ *          dram-bytes 0 and their data files in a directory of their own under --nvme-dir (the
+ *          scratch directory by default; a disk that takes O_DIRECT, not tmpfs: else exit 77), each
+ *          holding 256 MiB of pages (1,024 at the default 256 KiB), then the same with 2 MiB pages.
+ *          Each round runs the leased GETs (--conns connections, pipeline 8: 64 in flight, the
+ *          tier's io_uring depth) on both daemons and then the disk's ceiling: as many O_DIRECT
+ *          reads of the same pages through an io_uring of the same depth, from the daemon's own
+ *          data file (raw_*; nvme_raw_reads says why that is the ceiling). GETs/s, MB/s and the
+ *          daemon's CPU per GET for each; the first round, on fresh daemons, apart (first_*), the
+ *          median and range of the rounds after it; and what the 2-loop daemon's loops past 0
+ *          counted over the rounds, per request they served (STATS: write locks, GETs planned
+ *          shared).
  *   loops_put  MATCH beside another loop's PUTs (issue 42): one kvtierd with 2 loops; --conns
  *          MATCH connections (pipeline --pipeline) on loop 1 while loop 0's one connection PUTs
  *          fresh 256 KiB, then 2 MiB, pages as fast as it can, against the same MATCHes beside
@@ -89,13 +102,14 @@
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
  *        [--ops match|get|lease|conns|fill|all[,...]|loops|loops_put|kept]
  *        [--transport unix|tcp|all] [--prompts N] [--held N] [--kept N] [--sealed] [--locate]
- *        [--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...
+ *        [--nvme] [--nvme-dir DIR] [--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...
  */
 #define _GNU_SOURCE /* accept4 */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <linux/magic.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <arpa/inet.h>
@@ -108,10 +122,14 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
+
+#include <liburing.h>
 
 #include "kvtier.h"
 #include "common.h"
@@ -151,8 +169,10 @@ typedef struct opts {
     uint32_t kept;         /* kept: pages promoted under their lease (kept copies) */
     long prompts;          /* MATCH over the first N prompts only (the index holds all); 0: all */
     const char *index_prefault; /* kvtierd's index-prefault; "default": not passed */
-    int sealed; /* GET: blocks stored by zero-copy PUT (checksummed), not the socket */
-    int locate; /* loops: the GET load maps the arena and asks for LOCATE */
+    int sealed;           /* GET: blocks stored by zero-copy PUT (checksummed), not the socket */
+    int locate;           /* loops: the GET load maps the arena and asks for LOCATE */
+    int nvme;             /* loops: the GET load on daemons whose pages only NVMe holds */
+    const char *nvme_dir; /* loops --nvme: where their data files go (the scratch directory) */
     /* --kvtierd-opt NAME=VALUE: passed to every kvtierd started here as --NAME VALUE (a
      * setting's candidates measured against each other, socket-turn-stall-ms say). */
     const char *kvd_opts[8];
@@ -166,36 +186,41 @@ static pid_t g_kvd = -1, g_redis = -1, g_raw = -1;
 static double g_kvd_start_ms, g_kvd_start_cpu_ms, g_kvd_start_rss_mib;
 static pid_t g_loops_kvd[2] = {-1, -1}; /* the loops load's daemons: loops = 1, loops = 2 */
 static pid_t g_kvd_noturns = -1;        /* the conns load's kvtierd with socket-turns 0 */
+/* loops --nvme's scratch NVMe directories, one per daemon (under --nvme-dir, which may be outside
+ * g_dir): cleanup removes them. */
+static char g_nvme_dirs[2][PATH_MAX];
+
+/* A server started here, stopped and waited for; *pid is left -1. */
+static void stop_server(pid_t *pid)
+{
+    if (*pid > 0) {
+        kill(*pid, SIGTERM);
+        waitpid(*pid, NULL, 0);
+    }
+    *pid = -1;
+}
+
+static void remove_tree(const char *dir)
+{
+    char cmd[PATH_MAX + 16];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "bench_server: could not remove %s\n", dir);
+}
 
 static void cleanup(void)
 {
-    for (int i = 0; i < 2; i++)
-        if (g_loops_kvd[i] > 0) {
-            kill(g_loops_kvd[i], SIGTERM);
-            waitpid(g_loops_kvd[i], NULL, 0);
-        }
-    if (g_kvd_noturns > 0) {
-        kill(g_kvd_noturns, SIGTERM);
-        waitpid(g_kvd_noturns, NULL, 0);
+    for (int i = 0; i < 2; i++) {
+        stop_server(&g_loops_kvd[i]);
+        if (g_nvme_dirs[i][0])
+            remove_tree(g_nvme_dirs[i]);
     }
-    if (g_kvd > 0) {
-        kill(g_kvd, SIGTERM);
-        waitpid(g_kvd, NULL, 0);
-    }
-    if (g_redis > 0) {
-        kill(g_redis, SIGTERM);
-        waitpid(g_redis, NULL, 0);
-    }
-    if (g_raw > 0) {
-        kill(g_raw, SIGTERM);
-        waitpid(g_raw, NULL, 0);
-    }
-    if (g_dir[0]) {
-        char cmd[600];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-        if (system(cmd) != 0)
-            fprintf(stderr, "bench_server: could not remove %s\n", g_dir);
-    }
+    stop_server(&g_kvd_noturns);
+    stop_server(&g_kvd);
+    stop_server(&g_redis);
+    stop_server(&g_raw);
+    if (g_dir[0])
+        remove_tree(g_dir);
 }
 
 static int free_port(void)
@@ -328,9 +353,14 @@ typedef struct load {
     int raw;             /* the raw ceiling: no HELLO, no lease */
     int pad;             /* an idle connection opened after each one (loops_put) */
     int locate;          /* GET load: MAP, then GETs with LOCATE (loops --locate) */
+    /* GET load: connection i starts at page i x get_blocks / conns, so that the connections
+     * read different pages at once (loops --nvme: no two reads of one record in flight). */
+    int spread;
 } load_t;
 
-static uint32_t g_get_tokens[64 * 16];
+/* Pages of the GET loads' stored path at most: loops --nvme's working set (KVT_NVME_SET). */
+#define KVT_GET_PAGES_MAX 1024
+static uint32_t g_get_tokens[KVT_GET_PAGES_MAX * PAGE];
 
 static int read_all(int fd, void *buf, size_t n)
 {
@@ -455,7 +485,7 @@ static uint64_t take_lease(int fd, uint32_t pages)
                             pages * PAGE);
     int rc = write_all(fd, f, KVT_PROTO_HDR + body);
     free(f);
-    uint8_t r[KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + 64];
+    uint8_t r[KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + KVT_GET_PAGES_MAX];
     size_t want = KVT_PROTO_HDR + sizeof(kvt_wire_match_reply_t) + pages;
     if (rc < 0 || read_all(fd, r, want) < 0)
         return 0;
@@ -503,7 +533,8 @@ static void top_up(load_t *l, bconn_t *c, int idx)
     while (c->sent < l->per_conn && c->iov_n < l->o->pipeline) {
         struct iovec *v = &c->iov[c->iov_n++];
         if (l->get_blocks) {
-            v->iov_base = c->gets + (size_t)(c->sent % l->get_blocks) * GET_FRAME;
+            size_t first = l->spread ? (size_t)idx * l->get_blocks / (size_t)l->o->conns : 0;
+            v->iov_base = c->gets + (first + (size_t)c->sent) % l->get_blocks * GET_FRAME;
             v->iov_len = GET_FRAME;
         } else {
             size_t k = ((size_t)idx * 7919 + (size_t)c->sent) % l->nused;
@@ -1269,6 +1300,8 @@ static int run_load(load_t *l, result_t *res)
     while (rc == 0 && remaining > 0) {
         struct epoll_event evs[64];
         int n = epoll_wait(ep, evs, 64, 10000);
+        if (n < 0 && errno == EINTR)
+            continue; /* never restarted, not even after a stop and SIGCONT */
         if (n <= 0) {
             rc = -1;
             break;
@@ -1553,25 +1586,40 @@ static int bench_fill(const opts_t *o, const char *sock, const kvt_trace_t *tr)
 
 /* ---- set-up: the index, the blocks ---- */
 
-static int add_turn_stalls(void *arg, const char *name, uint64_t value)
+/* A per-loop STATS series (PREFIX0, PREFIX1, ...) summed over the loops from from_loop on. */
+typedef struct loop_sum {
+    const char *prefix;
+    int from_loop;
+    uint64_t n;
+} loop_sum_t;
+
+static int add_loop_stat(void *arg, const char *name, uint64_t value)
 {
-    if (!strncmp(name, "loop_socket_turn_stalls_", 24))
-        *(uint64_t *)arg += value;
+    loop_sum_t *sum = arg;
+    size_t k = strlen(sum->prefix);
+    if (!strncmp(name, sum->prefix, k) && atoi(name + k) >= sum->from_loop)
+        sum->n += value;
     return 0;
+}
+
+/* The series' sum so far on the daemon at sock; 0 from one without it. */
+static uint64_t loop_stat(const char *sock, const char *prefix, int from_loop)
+{
+    kvt_client_conf_t conf = {.unix_path = sock, .model = "stats", .page_size = PAGE};
+    kvt_client_t *c;
+    loop_sum_t sum = {.prefix = prefix, .from_loop = from_loop};
+    if (kvt_client_connect(&c, &conf) < 0)
+        return 0;
+    kvt_client_stats(c, add_loop_stat, &sum);
+    kvt_client_close(c);
+    return sum.n;
 }
 
 /* The turns a kvtierd's loops passed on by stall so far (STATS loop_socket_turn_stalls_N,
  * summed); 0 from one without them. */
 static uint64_t turn_stalls(const char *sock)
 {
-    kvt_client_conf_t conf = {.unix_path = sock, .model = "stalls", .page_size = PAGE};
-    kvt_client_t *c;
-    uint64_t n = 0;
-    if (kvt_client_connect(&c, &conf) < 0)
-        return 0;
-    kvt_client_stats(c, add_turn_stalls, &n);
-    kvt_client_close(c);
-    return n;
+    return loop_stat(sock, "loop_socket_turn_stalls_", 0);
 }
 
 /* The medians over the rounds of each latency figure of v (before median_round sorts it). */
@@ -1710,10 +1758,14 @@ static int populate(const opts_t *o, const char *sock, kvt_trace_t *tr, load_t *
     return 0;
 }
 
-/* Stores nblocks blocks of block_bytes in DRAM; each GET connection leases them itself. sealed:
- * through the zero-copy PUT, whose COMMIT seals each page with a checksum that every GET through
- * the socket then checks (zero-copy-checksum, on by default); else through the socket. */
-static int store_blocks(const char *sock, uint32_t block_bytes, uint32_t nblocks, int sealed)
+/* Stores nblocks blocks of block_bytes in DRAM (tier KVT_CLIENT_TIER_DRAM) or, on a daemon with
+ * no DRAM tier, in NVMe (KVT_CLIENT_TIER_NVME), and checks that every page landed there; each GET
+ * connection leases them itself. sealed: through the zero-copy PUT, whose COMMIT seals each page
+ * with a checksum that every GET through the socket then checks (zero-copy-checksum, on by
+ * default); else through the socket. PUTs of at most 32 MiB of pages each: kvtierd's max-frame is
+ * 64 MiB. */
+static int store_blocks(const char *sock, uint32_t block_bytes, uint32_t nblocks, int sealed,
+                        unsigned tier)
 {
     kvt_client_conf_t conf = {.unix_path = sock,
                               .model = "bench",
@@ -1722,24 +1774,34 @@ static int store_blocks(const char *sock, uint32_t block_bytes, uint32_t nblocks
                               .timeout_ms = 60000,
                               .zero_copy = sealed};
     kvt_client_t *c;
-    if (kvt_client_connect(&c, &conf) < 0)
+    if (nblocks > KVT_GET_PAGES_MAX || kvt_client_connect(&c, &conf) < 0)
         return -1;
     for (uint32_t i = 0; i < nblocks * PAGE; i++)
         g_get_tokens[i] = 3000000 + i;
-    uint8_t *payload = malloc((size_t)nblocks * block_bytes);
-    for (size_t i = 0; i < (size_t)nblocks * block_bytes; i++)
-        payload[i] = (uint8_t)(i * 131);
-    kvt_client_put_t r;
-    int rc = kvt_client_put(c, g_get_tokens, nblocks * PAGE, 0, nblocks, payload, NULL, &r);
+    uint32_t chunk = KVT_MAX(1u, (32u << 20) / block_bytes);
+    uint8_t *payload = malloc((size_t)KVT_MIN(chunk, nblocks) * block_bytes);
+    kvt_client_put_t r = {0};
+    uint32_t stored = 0;
+    int rc = payload ? 0 : KVT_CLIENT_ENOMEM;
+    for (uint32_t first = 0; first < nblocks && rc == 0; first += chunk) {
+        uint32_t n = KVT_MIN(chunk, nblocks - first);
+        for (size_t i = 0; i < (size_t)n * block_bytes; i++)
+            payload[i] = (uint8_t)(((size_t)first * block_bytes + i) * 131);
+        rc = kvt_client_put(c, g_get_tokens, (first + n) * PAGE, first, n, payload, NULL, &r);
+        stored += r.stored;
+    }
     free(payload);
-    uint8_t tiers[64];
-    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 64};
+    static uint8_t tiers[KVT_GET_PAGES_MAX];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = KVT_GET_PAGES_MAX};
     if (rc == 0)
         rc = kvt_client_match(c, g_get_tokens, nblocks * PAGE, 0, 0, NULL, &m);
     kvt_client_close(c);
-    if (rc < 0 || r.stored != nblocks || m.pages != nblocks || tiers[nblocks - 1] != 2) {
-        fprintf(stderr, "bench_server: storing %u blocks: %s (stored %u)\n", nblocks,
-                kvt_client_strerror(rc), r.stored);
+    uint32_t in_tier = 0;
+    for (uint32_t i = 0; rc == 0 && i < m.pages; i++)
+        in_tier += tiers[i] == tier;
+    if (rc < 0 || stored != nblocks || m.pages != nblocks || in_tier != nblocks) {
+        fprintf(stderr, "bench_server: storing %u blocks: %s (stored %u, %u of them in tier %u)\n",
+                nblocks, kvt_client_strerror(rc), stored, in_tier, tier);
         return -1;
     }
     return 0;
@@ -1778,7 +1840,7 @@ static int noturns_start(const opts_t *o, load_t *off, uint32_t nblocks)
     snprintf(off->sock, sizeof off->sock, "%s/noturns.sock", g_dir);
     off->server = g_kvd_noturns;
     if (wait_for(off->sock, 0) < 0 || wait_for(NULL, port) < 0 ||
-        store_blocks(off->sock, o->block_bytes, nblocks, o->sealed) < 0) {
+        store_blocks(off->sock, o->block_bytes, nblocks, o->sealed, KVT_CLIENT_TIER_DRAM) < 0) {
         fprintf(stderr, "bench_server: the socket-turns 0 kvtierd did not start or fill (%s)\n",
                 g_dir);
         return -1;
@@ -1813,7 +1875,7 @@ static int bench_loops(const opts_t *o, kvt_trace_t *tr)
         match[i] = (load_t){.o = o, .server = g_loops_kvd[i]};
         /* --locate: stored through the arena (a zero-copy PUT), where LOCATE finds them. */
         if (wait_for(sock, 0) < 0 || populate(o, sock, tr, &match[i], &avg) < 0 ||
-            store_blocks(sock, o->block_bytes, BLOCKS, o->locate) < 0) {
+            store_blocks(sock, o->block_bytes, BLOCKS, o->locate, KVT_CLIENT_TIER_DRAM) < 0) {
             fprintf(stderr, "bench_server: the loops = %d daemon did not start or fill (%s/%s)\n",
                     i + 1, g_dir, log);
             return -1;
@@ -1856,6 +1918,337 @@ static int bench_loops(const opts_t *o, kvt_trace_t *tr)
         free(match[i].frames);
         free(match[i].frame_len);
     }
+    return 0;
+}
+
+/* ---- several event loops on NVMe: leased GETs of pages that only the disk holds ---- */
+
+/* kvtierd's NVMe tier keeps tiers/nvme.c's default io_uring depth (the server sets none): at most
+ * this many of its reads are in flight, however many GETs the clients send. */
+#define KVT_NVME_QD 64
+/* The load's daemons' nvme-segment-bytes (the tier's default, given so that the raw reads know
+ * where the records lie) and the working set: the bytes of pages stored and read round and round,
+ * a quarter of this machine's free memory would hold it, none of it in the daemon's. */
+#define KVT_NVME_SEG (64u << 20)
+#define KVT_NVME_SET (256u << 20)
+
+/* Where page i's payload lies in kvtier.data when the pages were appended in page order: a 4 KiB
+ * header region (16 tokens fit it) before each payload, as many records to a segment as fit whole
+ * (tiers/nvme.c's layout). */
+static off_t nvme_page_off(uint32_t i, uint32_t bs)
+{
+    uint64_t rec = 4096 + (uint64_t)bs, per_seg = KVT_NVME_SEG / rec;
+    return (off_t)(i / per_seg * KVT_NVME_SEG + i % per_seg * rec + 4096);
+}
+
+/* The page of the j-th raw read: the GET load's order, each connection reading its pages in turn
+ * from its own start (load_t.spread), the connections taking turns. */
+static uint32_t nvme_raw_page(long j, uint32_t pages, int conns)
+{
+    long c = j % conns, k = j / conns;
+    return (uint32_t)((k + c * (long)pages / conns) % pages);
+}
+
+/* One raw read in flight: its page and how much of it has come (a short read goes on). */
+typedef struct nvme_slot {
+    uint32_t page, got;
+} nvme_slot_t;
+
+static void nvme_read_submit(struct io_uring *ring, int fd, uint8_t *buf, unsigned k,
+                             const nvme_slot_t *s, uint32_t bs)
+{
+    struct io_uring_sqe *sqe = io_uring_get_sqe(ring); /* one per slot: never NULL */
+    io_uring_prep_read(sqe, fd, buf + s->got, bs - s->got, nvme_page_off(s->page, bs) + s->got);
+    io_uring_sqe_set_data64(sqe, k);
+}
+
+/* The completions waiting on ring: each finished read starts the next, a short one its rest, an
+ * EAGAIN its retry. Returns 0, or the first failed read's -errno. */
+static int nvme_reap(struct io_uring *ring, int fd, uint8_t *mem, nvme_slot_t *slot, uint32_t bs,
+                     uint32_t pages, int conns, long reads, long *next, long *done)
+{
+    struct io_uring_cqe *cqe;
+    unsigned head, seen = 0;
+    int rc = 0;
+    io_uring_for_each_cqe(ring, head, cqe)
+    {
+        seen++;
+        unsigned k = (unsigned)io_uring_cqe_get_data64(cqe);
+        if (cqe->res < 0 && cqe->res != -EAGAIN) {
+            rc = cqe->res;
+            continue;
+        }
+        if (cqe->res == 0) {
+            rc = -EIO; /* past the file's end: the page is not where the layout says */
+            continue;
+        }
+        slot[k].got += cqe->res > 0 ? (uint32_t)cqe->res : 0;
+        if (slot[k].got == bs) {
+            ++*done;
+            if (*next >= reads)
+                continue;
+            slot[k] = (nvme_slot_t){.page = nvme_raw_page((*next)++, pages, conns)};
+        }
+        nvme_read_submit(ring, fd, mem + (size_t)k * bs, k, &slot[k], bs);
+    }
+    io_uring_cq_advance(ring, seen);
+    return rc;
+}
+
+/*
+ * The disk's ceiling for the GET load: as many reads as the load's GETs, of the same pages in the
+ * same order, from the daemon's own kvtier.data where its records hold them, O_DIRECT through an
+ * io_uring of the tier's depth (KVT_NVME_QD, or the load's GETs in flight if fewer), each read
+ * followed by the next as it completes. That is a GET's disk read and nothing around it (no
+ * request, lease, header region, checksum or socket), on the same file system and extents: no
+ * daemon serves these GETs faster than this. res->cpu_us: this thread's CPU per read.
+ */
+static int nvme_raw_reads(const char *path, uint32_t bs, uint32_t pages, const opts_t *go,
+                          result_t *res)
+{
+    long reads = go->requests / go->conns * go->conns; /* run_load's count */
+    unsigned depth = (unsigned)KVT_MIN((long)KVT_MIN(go->conns * go->pipeline, KVT_NVME_QD), reads);
+    int fd = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0) {
+        fprintf(stderr, "bench_server: %s (O_DIRECT): %s\n", path, strerror(errno));
+        return -1;
+    }
+    struct io_uring ring;
+    uint8_t *mem = NULL;
+    int rc = io_uring_queue_init(depth, &ring, 0);
+    if (rc < 0 || posix_memalign((void **)&mem, 4096, (size_t)depth * bs) != 0) {
+        fprintf(stderr, "bench_server: the raw reads' ring or buffers: %s\n", strerror(-rc));
+        if (rc == 0)
+            io_uring_queue_exit(&ring);
+        close(fd);
+        return -1;
+    }
+    nvme_slot_t slot[KVT_NVME_QD];
+    long next = 0, done = 0;
+    struct timespec c0, c1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+    uint64_t t0 = kvt_now_ns();
+    for (unsigned k = 0; k < depth; k++) {
+        slot[k] = (nvme_slot_t){.page = nvme_raw_page(next++, pages, go->conns)};
+        nvme_read_submit(&ring, fd, mem + (size_t)k * bs, k, &slot[k], bs);
+    }
+    while (rc >= 0 && done < reads) {
+        rc = io_uring_submit_and_wait(&ring, 1);
+        if (rc == -EINTR)
+            rc = 0; /* a signal, or a stop and SIGCONT: what was not submitted waits in the ring */
+        if (rc >= 0)
+            rc = nvme_reap(&ring, fd, mem, slot, bs, pages, go->conns, reads, &next, &done);
+    }
+    double secs = (double)(kvt_now_ns() - t0) / 1e9;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+    io_uring_queue_exit(&ring);
+    close(fd);
+    if (rc < 0) { /* mem left as it is: reads still in flight may land in it */
+        fprintf(stderr, "bench_server: a raw read of %s failed: %s\n", path, strerror(-rc));
+        return -1;
+    }
+    free(mem);
+    *res = (result_t){.rps = (double)reads / secs, .gbps = (double)reads * bs / secs / 1e9};
+    res->cpu_us = ((double)(c1.tv_sec - c0.tv_sec) * 1e9 + (double)(c1.tv_nsec - c0.tv_nsec)) /
+                  1e3 / (double)reads;
+    return 0;
+}
+
+/* A kvtierd of loops loops (load i: loops = i + 1) with no DRAM tier and its NVMe tier in a fresh
+ * directory under --nvme-dir, holding pages pages of bs bytes there; its GET load into *get, the
+ * path of its data file into data. */
+static int nvme_start(const opts_t *o, const opts_t *go, uint32_t bs, uint32_t pages, int i,
+                      load_t *get, char data[PATH_MAX])
+{
+    char name[32], log[48], n[8], cap[32], seg[32];
+    snprintf(n, sizeof n, "%d", i + 1);
+    snprintf(name, sizeof name, "nvme%d.sock", i + 1);
+    snprintf(log, sizeof log, "nvme%d-%u.log", i + 1, bs);
+    uint64_t per_seg = KVT_NVME_SEG / (4096 + (uint64_t)bs);
+    /* The pages' segments, the one left open and a spare: nothing is reclaimed under the load. */
+    snprintf(cap, sizeof cap, "%llu",
+             (unsigned long long)((pages + per_seg - 1) / per_seg + 2) * KVT_NVME_SEG);
+    snprintf(seg, sizeof seg, "%u", KVT_NVME_SEG);
+    if (snprintf(g_nvme_dirs[i], PATH_MAX, "%s/kvtbench-nvme.XXXXXX", o->nvme_dir) >= PATH_MAX ||
+        !mkdtemp(g_nvme_dirs[i])) {
+        fprintf(stderr, "bench_server: no NVMe directory under %s: %s\n", o->nvme_dir,
+                strerror(errno));
+        g_nvme_dirs[i][0] = 0;
+        return -1;
+    }
+    /* clang-format off */
+    const char *extra[] = {"--unix", name, "--tcp", "", "--loops", n,
+                           "--dram-bytes", "0", "--nvme-bytes", cap, "--nvme-segment-bytes", seg,
+                           "--data-dir", g_nvme_dirs[i], NULL};
+    /* clang-format on */
+    g_loops_kvd[i] = spawn_kvtierd(o, log, extra);
+    *get = (load_t){
+        .o = go, .hello_block = bs, .get_blocks = pages, .server = g_loops_kvd[i], .spread = 1};
+    snprintf(data, PATH_MAX, "%s/kvtier.data", g_nvme_dirs[i]);
+    if (snprintf(get->sock, sizeof get->sock, "%s/%s", g_dir, name) >= (int)sizeof get->sock ||
+        wait_for(get->sock, 0) < 0 ||
+        store_blocks(get->sock, bs, pages, 0, KVT_CLIENT_TIER_NVME) < 0) {
+        fprintf(stderr, "bench_server: the NVMe loops = %d daemon did not start or fill (%s/%s)\n",
+                i + 1, g_dir, log);
+        return -1;
+    }
+    return 0;
+}
+
+/* The load's daemons and their NVMe directories, gone before the next page size's. */
+static void nvme_stop(void)
+{
+    for (int i = 0; i < 2; i++) {
+        stop_server(&g_loops_kvd[i]);
+        if (g_nvme_dirs[i][0])
+            remove_tree(g_nvme_dirs[i]);
+        g_nvme_dirs[i][0] = 0;
+    }
+}
+
+/* One side of the NVMe load's line: its first round on a fresh daemon, the median of the rounds
+ * after it (median_round) and their range of requests/s. */
+typedef struct nvme_side {
+    result_t first, warm;
+    double min_rps, max_rps;
+} nvme_side_t;
+
+static nvme_side_t nvme_side(result_t *v, int rounds)
+{
+    nvme_side_t s = {.first = v[0], .min_rps = v[1].rps, .max_rps = v[1].rps};
+    for (int r = 2; r <= rounds; r++) {
+        s.min_rps = KVT_MIN(s.min_rps, v[r].rps);
+        s.max_rps = KVT_MAX(s.max_rps, v[r].rps);
+    }
+    s.warm = median_round(v + 1, rounds);
+    return s;
+}
+
+static void nvme_side_json(const char *pre, const nvme_side_t *s, uint32_t bs)
+{
+    printf(",\"%srequests_per_s\":%.0f,\"%smb_per_s\":%.0f,\"%scpu_us_per_request\":%.2f,"
+           "\"%srequests_per_s_min\":%.0f,\"%srequests_per_s_max\":%.0f,\"%sfirst_requests_per_s\":"
+           "%.0f,\"%sfirst_cpu_us_per_request\":%.2f",
+           pre, s->warm.rps, pre, s->warm.rps * bs / 1e6, pre, s->warm.cpu_us, pre, s->min_rps, pre,
+           s->max_rps, pre, s->first.rps, pre, s->first.cpu_us);
+}
+
+/* Step 9's path on the 2-loop daemon: what its loops past 0 counted over all the rounds. */
+typedef struct nvme_past0 {
+    uint64_t requests, write_locks, shared_gets;
+} nvme_past0_t;
+
+static nvme_past0_t nvme_past0(const char *sock)
+{
+    return (nvme_past0_t){.requests = loop_stat(sock, "loop_requests_", 1),
+                          .write_locks = loop_stat(sock, "loop_write_locks_", 1),
+                          .shared_gets = loop_stat(sock, "loop_shared_gets_", 1)};
+}
+
+static void nvme_line(const opts_t *go, uint32_t bs, uint32_t pages, int rounds,
+                      const nvme_side_t side[3], const nvme_past0_t *past0)
+{
+    const nvme_side_t *one = &side[0], *two = &side[1], *raw = &side[2];
+    printf("{\"op\":\"loops\",\"load\":\"get_nvme\",\"transport\":\"unix\",\"conns\":%d,"
+           "\"pipeline\":%d,\"block_bytes\":%u,\"pages\":%u,\"loops\":2,\"p50_us\":%.0f,"
+           "\"p99_us\":%.0f",
+           go->conns, go->pipeline, bs, pages, two->warm.p50_us, two->warm.p99_us);
+    nvme_side_json("", two, bs);
+    printf(",\"baseline\":\"the same daemon with loops = 1\",\"baseline_p50_us\":%.0f,"
+           "\"baseline_p99_us\":%.0f",
+           one->warm.p50_us, one->warm.p99_us);
+    nvme_side_json("baseline_", one, bs);
+    printf(",\"ratio\":%.3f,\"first_ratio\":%.3f,\"raw\":\"O_DIRECT io_uring reads of the same "
+           "pages from the daemon's data file, depth %d\"",
+           two->warm.rps / one->warm.rps, two->first.rps / one->first.rps,
+           KVT_MIN(go->conns * go->pipeline, KVT_NVME_QD));
+    nvme_side_json("raw_", raw, bs);
+    /* Requests: the GETs and each connection's HELLO and leasing MATCH. */
+    double n = past0->requests ? (double)past0->requests : 1;
+    printf(",\"ratio_raw\":%.3f,\"baseline_ratio_raw\":%.3f,\"loops_past_0_requests\":%llu,"
+           "\"loops_past_0_write_locks_per_request\":%.3f,\"loops_past_0_shared_gets_per_request\":"
+           "%.3f,\"rounds\":%d,\"bar\":\"none on 2 cores: printed, not judged\"}\n",
+           two->warm.rps / raw->warm.rps, one->warm.rps / raw->warm.rps,
+           (unsigned long long)past0->requests, (double)past0->write_locks / n,
+           (double)past0->shared_gets / n, rounds);
+    fflush(stdout);
+}
+
+/*
+ * One page size of loops --nvme: the two daemons filled, then rounds of the GET load on each
+ * (which goes first alternating) and the raw reads of one's data file (alternating too), the
+ * first on fresh daemons; then both stopped and their files removed.
+ */
+static int nvme_size(const opts_t *o, uint32_t bs)
+{
+    opts_t go = *o;
+    go.pipeline = KVT_MIN(o->pipeline, 8);
+    go.requests = KVT_MAX((long)o->conns, (long)((1ull << 30) / bs)); /* 1 GiB of pages a pass */
+    uint32_t pages = KVT_MIN(KVT_GET_PAGES_MAX, KVT_MAX(1u, KVT_NVME_SET / bs));
+    load_t get[2];
+    char data[2][PATH_MAX];
+    int rc = 0;
+    for (int i = 0; i < 2 && rc == 0; i++)
+        rc = nvme_start(o, &go, bs, pages, i, &get[i], data[i]);
+    result_t v[3][10]; /* loops = 1, loops = 2, raw; round 0 the first */
+    nvme_past0_t p0 = rc == 0 ? nvme_past0(get[1].sock) : (nvme_past0_t){0};
+    for (int r = 0; r <= o->rounds && rc == 0; r++) {
+        for (int k = 0; k < 2 && rc == 0; k++) {
+            int i = (r + k) % 2;
+            rc = run_kvtier(&get[i], &v[i][r]);
+            if (rc < 0)
+                fprintf(stderr, "bench_server: the NVMe GET load failed (loops = %d)\n", i + 1);
+        }
+        if (rc == 0)
+            rc = nvme_raw_reads(data[r % 2], bs, pages, &go, &v[2][r]);
+    }
+    if (rc == 0) {
+        nvme_past0_t p1 = nvme_past0(get[1].sock);
+        p1.requests -= p0.requests;
+        p1.write_locks -= p0.write_locks;
+        p1.shared_gets -= p0.shared_gets;
+        nvme_side_t side[3];
+        for (int i = 0; i < 3; i++)
+            side[i] = nvme_side(v[i], o->rounds);
+        nvme_line(&go, bs, pages, o->rounds, side, &p1);
+    }
+    nvme_stop();
+    return rc;
+}
+
+/* Whether dir is on a disk that takes O_DIRECT: not tmpfs (which takes O_DIRECT on Linux 6.6 and
+ * later, its reads then copies of memory: 4 GB/s at 7 us of CPU a 256 KiB read here), and a file
+ * made there with O_DIRECT, then removed. */
+static int direct_ok(const char *dir)
+{
+    struct statfs fs;
+    if (statfs(dir, &fs) == 0 && fs.f_type == TMPFS_MAGIC) {
+        fprintf(stderr, "bench_server: %s is tmpfs: the NVMe load wants a disk (--nvme-dir)\n",
+                dir);
+        return 0;
+    }
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/kvtbench-direct.XXXXXX", dir);
+    int fd = mkostemp(path, O_DIRECT);
+    if (fd < 0) {
+        fprintf(stderr, "bench_server: %s: %s with O_DIRECT%s\n", dir, strerror(errno),
+                errno == EINVAL ? ": the NVMe load wants a disk's file system (--nvme-dir)" : "");
+        return 0;
+    }
+    close(fd);
+    unlink(path);
+    return 1;
+}
+
+/* loops --nvme: --block-bytes pages (256 KiB by default), then 2 MiB ones. Returns the exit
+ * status: 77 (skipped) where --nvme-dir is no disk with O_DIRECT (direct_ok). */
+static int bench_loops_nvme(const opts_t *o)
+{
+    if (!direct_ok(o->nvme_dir))
+        return 77;
+    if (nvme_size(o, o->block_bytes) < 0 ||
+        (o->block_bytes != (2u << 20) && nvme_size(o, 2u << 20) < 0))
+        return 1;
     return 0;
 }
 
@@ -2153,6 +2546,10 @@ int main(int argc, char **argv)
             o.sealed = 1;
         else if (!strcmp(argv[i], "--locate"))
             o.locate = 1;
+        else if (!strcmp(argv[i], "--nvme"))
+            o.nvme = 1;
+        else if (!strcmp(argv[i], "--nvme-dir") && i + 1 < argc)
+            o.nvme_dir = argv[++i];
         else if (!strcmp(argv[i], "--kvtierd-opt") && i + 1 < argc && strchr(argv[i + 1], '=') &&
                  o.nkvd_opts < (int)KVT_ARRAY_LEN(o.kvd_opts))
             o.kvd_opts[o.nkvd_opts++] = argv[++i];
@@ -2164,8 +2561,8 @@ int main(int argc, char **argv)
                             "[--block-bytes N] [--rounds N] "
                             "[--ops match|get|lease|conns|fill|all[,...]|loops|loops_put|kept] "
                             "[--transport unix|tcp|all] [--prompts N] [--held N] [--kept N] "
-                            "[--sealed] [--locate] [--index-prefault BYTES] "
-                            "[--kvtierd-opt NAME=VALUE]...\n");
+                            "[--sealed] [--locate] [--nvme] [--nvme-dir DIR] "
+                            "[--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...\n");
             return 2;
         }
     }
@@ -2174,12 +2571,12 @@ int main(int argc, char **argv)
         o.block_bytes < 4096 || o.block_bytes > (16u << 20) || o.held < 0 ||
         o.held > LEASE_HELD_MAX || o.kept < 1 || o.kept > KEPT_MAX ||
         (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all")) ||
-        !ops_valid(o.ops)) {
+        !ops_valid(o.ops) || ((o.nvme || o.nvme_dir) && (strcmp(o.ops, "loops") || o.locate))) {
         fprintf(stderr,
                 "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
                 "held 0..%d; kept 1..%d; ops match, get, lease, conns, fill or all, several "
                 "with commas (get,conns,match), or loops, loops_put or kept alone; transport "
-                "unix, tcp or all\n",
+                "unix, tcp or all; --nvme and --nvme-dir with --ops loops, without --locate\n",
                 LEASE_HELD_MAX, KEPT_MAX);
         return 2;
     }
@@ -2248,7 +2645,14 @@ int main(int argc, char **argv)
 
     int status = 0;
     if (!strcmp(o.ops, "loops")) { /* its own daemons; not part of "all" (benchmark server_loops) */
-        status = bench_loops(&o, tr) < 0;
+        /* Absolute: the daemons run in the scratch directory. */
+        static char nvme_dir[PATH_MAX];
+        o.nvme_dir = o.nvme_dir ? realpath(o.nvme_dir, nvme_dir) : g_dir;
+        if (!o.nvme_dir) {
+            fprintf(stderr, "bench_server: --nvme-dir: %s\n", strerror(errno));
+            return 1;
+        }
+        status = o.nvme ? bench_loops_nvme(&o) : (bench_loops(&o, tr) < 0);
         kvt_trace_free(tr);
         return status;
     }
@@ -2326,7 +2730,7 @@ int main(int argc, char **argv)
         status = 1;
     if (!want_get)
         goto out;
-    if (store_blocks(ksock, o.block_bytes, nblocks, o.sealed) < 0)
+    if (store_blocks(ksock, o.block_bytes, nblocks, o.sealed, KVT_CLIENT_TIER_DRAM) < 0)
         return 1;
     char setcmd[1200];
     snprintf(setcmd, sizeof setcmd, "'%s' -s '%s' -t set -d %u -n 1 -c 1 >/dev/null 2>&1",
