@@ -98,6 +98,7 @@
 #include <xxhash.h>
 
 #define SECTOR        4096u
+_Static_assert(SECTOR == KVT_TIER_DIRECT_ALIGN, "a caller's aligned buffer is read in place");
 #define PREFIX_BYTES  32u
 #define PREFIX_MAGIC  0x5254564bu /* "KVTR" */
 #define HDR_MAX_BYTES (2 * SECTOR)
@@ -425,7 +426,6 @@ static void req_advance(nvme_req_t *r, uint32_t bytes)
 /* Lays out header region, payload and tail as iovecs over r's buffers. */
 static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr, int writing)
 {
-    (void)n;
     uint32_t body = round_sector(io->len);
     r->niov = 0;
     r->iov_at = 0;
@@ -455,6 +455,7 @@ static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr,
         }
         r->iov[r->niov++] = (struct iovec){r->bounce, body};
         r->payload_direct = 0;
+        n->tier->usage.bounced_bytes += io->len;
     }
     return 0;
 }
