@@ -98,7 +98,6 @@
 #include <xxhash.h>
 
 #define SECTOR        4096u
-_Static_assert(SECTOR == KVT_TIER_DIRECT_ALIGN, "a caller's aligned buffer is read in place");
 #define PREFIX_BYTES  32u
 #define PREFIX_MAGIC  0x5254564bu /* "KVTR" */
 #define HDR_MAX_BYTES (2 * SECTOR)
@@ -110,6 +109,8 @@ _Static_assert(SECTOR == KVT_TIER_DIRECT_ALIGN, "a caller's aligned buffer is re
  * searched for the next record, is read a chunk at a time, so that recovery's memory stays
  * about 1 MiB. */
 #define SCAN_CHUNK (1u << 20)
+
+_Static_assert(SECTOR == KVT_TIER_DIRECT_ALIGN, "a caller's aligned buffer is read in place");
 
 /* The smallest segment, and what segment sizes are multiples of. The fuzz build (meson.build)
  * lowers it to 64 KiB so that the NVMe harnesses' data file is small enough to be laid out and

@@ -111,7 +111,7 @@ typedef struct kvt_tier_usage {
     uint64_t blocks;
     uint64_t reads, writes, read_bytes, written_bytes; /* successful operations */
     uint64_t misses, corrupt, errors, timeouts;
-    uint64_t reclaimed; /* live blocks dropped by the tier itself (NVMe segment reclaim) */
+    uint64_t reclaimed;     /* live blocks dropped by the tier itself (NVMe segment reclaim) */
     uint64_t bounced_bytes; /* NVMe: payload bytes copied through a bounce buffer (a buffer not
                                KVT_TIER_DIRECT_ALIGN aligned) */
     uint64_t inflight;
