@@ -12,7 +12,8 @@
  * loop's queue depth (requests and reply bytes waiting on a client that does not read); GETs
  * that outlive their lease, every page their MATCH reported stored delivered (NVMe pages a
  * reclaim would take included); GETs of NVMe pages that take no write lock on their loop, and
- * whose bytes come whole from several loops at once while a writer makes the log reclaim; a
+ * whose bytes come whole from several loops at once while a writer makes the log reclaim, and
+ * none when pipelined on one connection (a finished GET in front of others still reading); a
  * close while such a GET's reads are in flight; a lease that ends, or a close, while such GETs
  * read a corrupt record, their path REMOVEd meanwhile; every path of the shared lock at once on
  * four loops (MATCHes, GETs of DRAM and NVMe pages, GETs with LOCATE), for ThreadSanitizer to
