@@ -11,9 +11,11 @@ run_pkgs=(gcc pkg-config meson ninja-build
           libjemalloc-dev liburing-dev libhiredis-dev libxxhash-dev)
 # What only the tests and benchmarks use: Criterion, the format check, a redis-server for the
 # remote tier's tests, fio (bench_tiers' NVMe ceiling) and promtool (from prometheus, which
-# checks the /metrics text), clang with its sanitizer and libFuzzer runtimes (the fuzz build).
+# checks the /metrics text), clang with its sanitizer and libFuzzer runtimes (the fuzz build),
+# python3-venv for the tests' venvs (scripts/pyenv.sh would install it itself, but test.sh makes
+# two venvs at once, and two apt-get runs at once fail on dpkg's lock).
 test_pkgs=(libcriterion-dev clang-format redis-server redis-tools fio prometheus clang
-           libclang-rt-dev)
+           libclang-rt-dev python3-venv)
 
 pkgs=("${run_pkgs[@]}")
 if [ "${1:-}" = "--run-only" ]; then

@@ -7,25 +7,56 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Every stage's header carries the seconds since the command began (t=), and the end of the
+# output lists each stage's length, so that any CI log shows where the time went.
+stages=()
+stage() {
+    stages+=("$SECONDS $*")
+    echo "== $* [t=$SECONDS s]"
+}
+stage_times() {
+    local i start next name
+    echo "== time per stage (s), $SECONDS s in all:"
+    for i in "${!stages[@]}"; do
+        start=${stages[$i]%% *} name=${stages[$i]#* }
+        next=$SECONDS
+        if [ $((i + 1)) -lt ${#stages[@]} ]; then
+            next=${stages[$((i + 1))]%% *}
+        fi
+        printf '%6d  %s\n' $((next - start)) "$name"
+    done
+}
+
+stage "build (release)"
 bash scripts/setup.sh build -Dbuildtype=release -Dtests=enabled
+stage "build-asan (AddressSanitizer + UndefinedBehaviorSanitizer)"
 bash scripts/setup.sh build-asan -Dtests=enabled -Db_sanitize=address,undefined -Db_lundef=false \
     -Dbuildtype=debugoptimized
-# The Python package's venv (build/pyenv: torch, numpy, pytest, cffi, the package), made once.
-bash scripts/pyenv.sh build
-# SGLang's host-pool venv (build/pyenv-sglang: torch 2.14.1 and torchvision 0.29.1, about 6 GB;
-# 2.5 minutes from nothing on this machine kind, then seconds), made once, for the one meson test
-# that needs it (python_sglang_hostpool). Its pip output goes to build/pyenv-sglang.log; failing to
-# make it only makes that test skip, printing the log's end.
-if bash scripts/pyenv.sh --sglang build >build/pyenv-sglang.log 2>&1; then
+# The Python package's venv (build/pyenv: torch, numpy, pytest, cffi, the package, the engines),
+# made once; and SGLang's host-pool venv (build/pyenv-sglang: torch 2.14.1 and torchvision 0.29.1,
+# about 6 GB), made once, for the one meson test that needs it (python_sglang_hostpool). The two
+# are independent and pip works on one core, so the second is made in the background while the
+# first is (docs/testing.md has the measured gain). Its pip output goes to
+# build/pyenv-sglang.log; failing to make it only makes that test skip, printing the log's end.
+stage "pyenv (build/pyenv, and build/pyenv-sglang beside it)"
+bash scripts/pyenv.sh --sglang build >build/pyenv-sglang.log 2>&1 &
+sglang_pid=$!
+pyenv_rc=0
+bash scripts/pyenv.sh build || pyenv_rc=$?
+if wait "$sglang_pid"; then
     grep '^pyenv:' build/pyenv-sglang.log >&2 || true
 else
     echo "test: build/pyenv-sglang not made (build/pyenv-sglang.log); python_sglang_hostpool" \
         "will skip" >&2
 fi
+if [ "$pyenv_rc" -ne 0 ]; then
+    exit "$pyenv_rc"
+fi
 
 # kvtierd under ThreadSanitizer (issue 42: several event loops), the daemon only (about 25 s from
 # nothing): Criterion's runner does not start under ThreadSanitizer, so the release build's test
 # programs drive it (KVT_TEST_KVTIERD). The packages are there already (setup.sh above).
+stage "build-tsan (ThreadSanitizer kvtierd)"
 if [ ! -f build-tsan/build.ninja ]; then
     meson setup build-tsan -Dtests=disabled -Db_sanitize=thread -Db_lundef=false \
         -Dbuildtype=debugoptimized
@@ -34,6 +65,7 @@ ninja -C build-tsan server/kvtierd
 
 # The fuzz build needs clang and its libFuzzer runtime (setup.sh installs both); without them the
 # short fuzz runs are reported as skipped.
+stage "build-fuzz (libFuzzer)"
 fuzz_build=1 fuzz_why=""
 fuzz_probe='int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return d && n; }'
 if ! command -v clang >/dev/null 2>&1; then
@@ -52,7 +84,7 @@ elif ! CC=clang bash scripts/setup.sh build-fuzz -Dfuzz=enabled -Dtests=disabled
     exit 1
 fi
 
-echo "== format check (clang-format, .clang-format)"
+stage "format check (clang-format, .clang-format)"
 files=$(git ls-files '*.c' '*.h' 2>/dev/null || find . -name '*.[ch]' -not -path './build*')
 if ! clang-format --dry-run --Werror $files; then
     echo "test: unformatted code (run: clang-format -i \$(git ls-files '*.c' '*.h'))" >&2
@@ -107,18 +139,18 @@ PY
 }
 
 rc=0 failed=""
-echo "== tests (build)"
+stage "tests (build)"
 meson test -C build -v --num-processes 2 --print-errorlogs || { rc=1; failed="$failed build"; }
-echo "== tests (build-asan: AddressSanitizer + UndefinedBehaviorSanitizer)"
+stage "tests (build-asan: AddressSanitizer + UndefinedBehaviorSanitizer)"
 meson test -C build-asan -v --num-processes 2 --print-errorlogs --timeout-multiplier 3 ||
     { rc=1; failed="$failed build-asan"; }
-echo "== fuzz (build-fuzz: libFuzzer, ${KVT_FUZZ_SECONDS:-8} s per harness)"
+stage "fuzz (build-fuzz: libFuzzer, ${KVT_FUZZ_SECONDS:-8} s per harness)"
 if [ $fuzz_build -eq 1 ]; then
     meson test -C build-fuzz --suite fuzz -v --print-errorlogs || { rc=1; failed="$failed build-fuzz"; }
 else
     echo "SKIP: $fuzz_why"
 fi
-echo "== multi-loop tests (build-tsan: kvtierd under ThreadSanitizer, --loops 2)"
+stage "multi-loop tests (build-tsan: kvtierd under ThreadSanitizer, --loops 2)"
 # Each report goes to a file of its own (log_path) as well as failing the daemon's exit; none may
 # be written. Short: the two-loop tests and the suites that stress the connections' paths.
 mkdir -p "$tmp/tsan"
@@ -137,6 +169,7 @@ if [ $tsan_rc -ne 0 ]; then
     failed="$failed build-tsan"
     echo "== build-tsan: a test failed or ThreadSanitizer reported (above)"
 fi
+stage_times
 if [ $rc -ne 0 ]; then
     echo "== FAILED in:$failed"
     for d in $failed; do

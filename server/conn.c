@@ -995,12 +995,30 @@ static void io_relock(kvt__conn_t *c, int held)
         kvt__loop_hold(c->loop, held);
 }
 
-/* Whether every request in c's queue is a finished plain reply (MATCH's, PING's, an error's), or a
- * GET planned under the shared lock (its source shares, or it is done with it): nothing in it then
- * is anyone's but c's and its loop's, and it may be written, and freed, with s->lock shared. */
+/* A GET planned under the shared lock whose batch is still being read: its source offers nothing
+ * until the reads are done (get_iov), so a write of c's queue stops there. */
+static int reading_shared(const kvt__req_t *r)
+{
+    return r->pending && r->src && r->src->shares && r->src->shares(r);
+}
+
+/*
+ * Whether every request in c's queue that a write can reach now is a finished plain reply
+ * (MATCH's, PING's, an error's), or a GET planned under the shared lock (its source shares, or it
+ * is done with it): nothing in it then is anyone's but c's and its loop's, and it may be written,
+ * and freed, with s->lock shared. The write stops at a GET planned shared that is still reading
+ * (reading_shared), and touches nothing past it: that part is not looked at, so that a pipeline
+ * of such GETs sends the finished ones at its front shared while the later ones read. The GET
+ * itself is only read there (pending, its batch's state): its completion, on loop 0, writes it,
+ * c's counts and the posted list only under the write lock, which no shared holder shares. When
+ * the lock is let go for a socket write that completion may come meanwhile and open the way past
+ * it, so conn_write looks again before each write.
+ */
 static int queue_plain(const kvt__conn_t *c)
 {
     for (const kvt__req_t *r = c->head; r; r = r->next) {
+        if (reading_shared(r))
+            return 1;
         if (r->has_fd || r->pending || r->held || r->ns_held)
             return 0;
         if (r->src ? !r->src->shares || !r->src->shares(r)
@@ -1107,24 +1125,35 @@ static void queue_pop(kvt__conn_t *c)
     }
 }
 
+/*
+ * Whether c's queue may be written with the lock as c's loop holds it: with the lock shared only
+ * finished plain replies are written (queue_plain; a source's hooks, a payload given back, a
+ * descriptor: the write lock's), and the write lock is taken for the rest. 0 when none of the
+ * queue can go: a head waiting on its I/O, with nothing out yet (a PUT before a run of MATCHes,
+ * a write-path GET whose batch is being read), whose completion kicks c.
+ */
+static int write_hold(kvt__conn_t *c)
+{
+    if (c->loop->held != KVT_HELD_SHARED || queue_plain(c))
+        return 1;
+    const kvt__req_t *r = c->head;
+    if (!r->done && (!r->src || r->pending) && !r->has_fd && r->out_off == r->out_len)
+        return 0;
+    kvt__loop_hold(c->loop, KVT_HELD_WRITE);
+    return 1;
+}
+
 static int conn_write(kvt__conn_t *c)
 {
     if (c->turn == KVT_TURN_WAIT)
         return 0; /* its turn arms EPOLLOUT */
     if (c->head)
         sndbuf_fit(c);
-    /* With the lock shared only finished plain replies are written (a source's hooks, a payload
-     * given back, a descriptor: the write lock's). */
-    if (c->loop->held == KVT_HELD_SHARED && !queue_plain(c)) {
-        /* A head waiting on its I/O, with nothing out yet (a PUT before a run of MATCHes, a GET
-         * whose batch is being read: its source offers nothing until the reads are done): none
-         * of the queue can go, and its completion kicks c. */
-        const kvt__req_t *r = c->head;
-        if (!r->done && (!r->src || r->pending) && !r->has_fd && r->out_off == r->out_len)
-            return 0;
-        kvt__loop_hold(c->loop, KVT_HELD_WRITE);
-    }
     while (c->head) {
+        /* Before each write: the one before may have let the lock go (io_unlock), and what a
+         * completion finished meanwhile may be the write lock's (queue_plain). */
+        if (!write_hold(c))
+            return 0;
         struct iovec iov[KVT_IOV_MAX];
         int n = 0;
         kvt__req_t *fd_req = NULL, *last = NULL;

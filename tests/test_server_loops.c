@@ -12,7 +12,8 @@
  * loop's queue depth (requests and reply bytes waiting on a client that does not read); GETs
  * that outlive their lease, every page their MATCH reported stored delivered (NVMe pages a
  * reclaim would take included); GETs of NVMe pages that take no write lock on their loop, and
- * whose bytes come whole from several loops at once while a writer makes the log reclaim; a
+ * whose bytes come whole from several loops at once while a writer makes the log reclaim, and
+ * none when pipelined on one connection (a finished GET in front of others still reading); a
  * close while such a GET's reads are in flight; a lease that ends, or a close, while such GETs
  * read a corrupt record, their path REMOVEd meanwhile; every path of the shared lock at once on
  * four loops (MATCHes, GETs of DRAM and NVMe pages, GETs with LOCATE), for ThreadSanitizer to
@@ -2613,6 +2614,154 @@ Test(server_loops, gets_from_nvme_on_four_loops_take_no_write_lock)
 Test(server_loops, gets_of_several_nvme_batches_take_no_write_lock, .timeout = 60)
 {
     nvme_gets_take_no_write_lock("2", 2u << 20, 12, 6);
+}
+
+/*
+ * A pipeline of GETs of NVMe pages on one connection (loop 1), each followed by a MATCH without a
+ * lease: the first GET's reads complete on loop 0 while the later ones' are still in flight, and
+ * the posted kick finds a queue whose front is finished (a GET's batch, a MATCH's reply) and whose
+ * later GETs still read. queue_plain refused any queue with a read pending in it: such a kick was
+ * left to the write reap (kvt__loop_busy sees the posted list) and the write took the write lock,
+ * 0.87 a GET in bench_server --ops loops --nvme with 8 in flight (docs/benchmarks.md, Step 9).
+ * The write stops at the first GET still reading and touches nothing past it, so loop 1 takes no
+ * write lock for them now. R rounds of N GETs of 256 KiB pages, every byte and every reply's id
+ * checked. With race, a client on loop 0 GETs the same path whole meanwhile (its reads completed
+ * on loop 0 among loop 1's), for ThreadSanitizer to watch; the write locks are not counted then.
+ */
+#define PQB (256u << 10)
+enum { PQP = 8, PQN = 8, PQR = 12 }; /* pages of the path, GETs a round, rounds */
+
+typedef struct pq_racer {
+    const kvd_t *d;
+    const uint32_t *tok;
+    const uint8_t *payload;
+    volatile int stop;
+    int gets, errors;
+} pq_racer_t;
+
+/* Loop 0's client: the path leased and GOT whole until told to stop, its bytes checked. */
+static void *pq_racer_main(void *arg)
+{
+    pq_racer_t *w = arg;
+    kvt_client_t *c = kvd_client(w->d, "m", PAGE, PQB);
+    uint8_t *back = malloc((size_t)PQP * PQB);
+    kvt_client_match_t m = {0};
+    if (!back || kvt_client_match(c, w->tok, PQP * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m) ||
+        m.pages != PQP)
+        w->errors++;
+    while (!w->stop && !w->errors) {
+        uint32_t got = 0;
+        if (kvt_client_get(c, m.lease, 0, PQP, back, (size_t)PQP * PQB, &got, NULL) || got != PQP ||
+            memcmp(back, w->payload, (size_t)PQP * PQB) != 0)
+            w->errors++;
+        w->gets++;
+    }
+    free(back);
+    kvt_client_close(c);
+    return NULL;
+}
+
+/* N GETs of one page each (page g % PQP, request id 100 + 2g), each followed by a MATCH without a
+ * lease of the path's first page (id 101 + 2g), in one write. */
+static void pq_send(int fd, uint64_t lease, const uint32_t *tok)
+{
+    size_t get = KVT_PROTO_HDR + sizeof(kvt_wire_get_t);
+    size_t match = KVT_PROTO_HDR + sizeof(kvt_wire_match_t) + PAGE * 4, len = 0;
+    uint8_t f[PQN * (KVT_PROTO_HDR + sizeof(kvt_wire_get_t) + KVT_PROTO_HDR +
+                     sizeof(kvt_wire_match_t) + PAGE * 4)];
+    for (uint32_t g = 0; g < PQN; g++) {
+        kvt_wire_get_t gw = {.lease = lease, .first_page = g % PQP, .npages = 1};
+        kvt_proto_frame(f + len, KVT_OP_GET, 0, 100 + 2 * g, 0, sizeof gw);
+        memcpy(f + len + KVT_PROTO_HDR, &gw, sizeof gw);
+        len += get;
+        kvt_wire_match_t mw = {.ntokens = PAGE};
+        kvt_proto_frame(f + len, KVT_OP_MATCH, 0, 101 + 2 * g, 0, (uint32_t)(sizeof mw + PAGE * 4));
+        memcpy(f + len + KVT_PROTO_HDR, &mw, sizeof mw);
+        memcpy(f + len + KVT_PROTO_HDR + sizeof mw, tok, PAGE * 4);
+        len += match;
+    }
+    cr_assert_eq(write(fd, f, len), (ssize_t)len);
+}
+
+/* The replies to pq_send's frames, in order: each GET's page (its bytes checked) and end frame,
+ * then the MATCH's reply. */
+static void pq_read(int fd, const uint8_t *payload, uint8_t *body, int round)
+{
+    for (uint32_t g = 0; g < PQN; g++) {
+        kvt_proto_hdr_t h;
+        read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + PQB);
+        cr_assert_eq(h.request_id, 100 + 2 * g, "round %d, GET %u", round, g);
+        cr_assert_eq(h.status, 0, "round %d, GET %u", round, g);
+        cr_assert_eq(h.body_len, sizeof(kvt_wire_get_data_t) + PQB);
+        cr_assert(
+            memcmp(body + sizeof(kvt_wire_get_data_t), payload + (size_t)(g % PQP) * PQB, PQB) == 0,
+            "round %d, GET %u: the bytes", round, g);
+        read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + PQB); /* the end frame */
+        cr_assert_eq(h.request_id, 100 + 2 * g);
+        cr_assert_eq(h.status, 0);
+        read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + PQB); /* the MATCH's */
+        cr_assert_eq(h.request_id, 101 + 2 * g, "round %d, MATCH %u", round, g);
+        cr_assert_eq(h.status, 0);
+        cr_assert_eq(kvt_get_u32(body + 4), 1, "round %d, MATCH %u: its page stored", round, g);
+    }
+}
+
+static void pipelined_nvme_gets(int race)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "0", "--nvme-bytes", "256M",
+              "--nvme-segment-bytes", "8M", "--tick-ms", "10000", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, PQB); /* loop 0 */
+    int fd = kvd_raw(&d);                             /* loop 1 */
+    static uint32_t tok[PQP * PAGE];
+    kvd_tokens(tok, PQP * PAGE, 9810000u);
+    uint8_t *payload = malloc((size_t)PQP * PQB), *body = malloc(sizeof(kvt_wire_get_data_t) + PQB);
+    cr_assert(payload && body);
+    for (uint32_t p = 0; p < PQP; p++)
+        put_page(c, tok, p, PQB, 981u + p, payload + (size_t)p * PQB);
+    uint64_t lease =
+        raw_lease(fd, "m", PAGE, PQB, tok, PQP * PAGE, body, sizeof(kvt_wire_get_data_t) + PQB);
+    cr_assert_eq(kvt_get_u32(body + 4), PQP, "the path leased whole");
+    cr_assert_eq(kvd_stat(c, "loop_connections_1"), 1, "the raw connection is loop 1's");
+    pq_racer_t w = {.d = &d, .tok = tok, .payload = payload};
+    pthread_t th;
+    if (race)
+        cr_assert_eq(pthread_create(&th, NULL, pq_racer_main, &w), 0);
+    double w0 = write_locks(&d, 1);
+    double s0 = kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}");
+    for (int round = 0; round < PQR; round++) {
+        pq_send(fd, lease, tok);
+        pq_read(fd, payload, body, round);
+    }
+    double w1 = write_locks(&d, 1);
+    if (race) {
+        w.stop = 1;
+        pthread_join(th, NULL);
+        cr_expect_eq(w.errors, 0, "loop 0's GETs: %d wrong of %d", w.errors, w.gets);
+        cr_expect_gt(w.gets, 0);
+    } else {
+        cr_expect_eq(w1 - w0, 0, "%g write locks on loop 1 for %d pipelined GETs of NVMe pages",
+                     w1 - w0, PQN * PQR);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}") - s0, PQN * PQR,
+                 "every GET planned shared");
+    cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}"), 0);
+    close(fd);
+    free(payload);
+    free(body);
+    kvt_client_close(c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, pipelined_nvme_gets_take_no_write_lock, .timeout = 60)
+{
+    pipelined_nvme_gets(0);
+}
+
+Test(server_loops, pipelined_nvme_gets_while_loop_0_completes_others, .timeout = 60)
+{
+    pipelined_nvme_gets(1);
 }
 
 /* A reader of nvme_gets_share_the_lock: its connection, on loop `loop`, and what it saw. */
