@@ -115,6 +115,8 @@ typedef enum {
     X(TIER_BLOCKS, GAUGE, "kvtier_tier_blocks", "Blocks stored in each tier.", STORE)              \
     X(TIER_LOST, COUNTER, "kvtier_tier_lost_blocks_total",                                         \
       "Blocks a tier dropped by itself (NVMe segment reclaim, remote server eviction).", LOSS)     \
+    X(NVME_BOUNCED, COUNTER, "kvtier_nvme_bounced_bytes_total",                                    \
+      "Payload bytes the NVMe tier copied through a bounce buffer (an unaligned buffer).", NONE)   \
     X(HBM_BATCHES, COUNTER, "kvtier_hbm_copy_batches_total",                                       \
       "Batches the HBM tier's copies went out in (one cudaMemcpyBatchAsync each).", NONE)          \
     X(HBM_COPIES, COUNTER, "kvtier_hbm_copies_total",                                              \

@@ -360,6 +360,9 @@ void kvt__tier_metrics(kvt_srv_t *s)
                 .ns_seed = top[k].ns_seed, .bytes = top[k].bytes, .tier = (uint8_t)i};
     }
     kvt__metrics_tenants(s->metrics, rows, nrows);
+    kvt_tier_usage_t nu = {0};
+    kvt_tier_usage(s->tiers[KVT_TIER_NVME], &nu);
+    kvt__metric_set(s->metrics, KVT_M_NVME_BOUNCED, 0, (double)nu.bounced_bytes);
     kvt__metric_set(s->metrics, KVT_M_DRAM_MAPPED, 0,
                     (double)kvt_tier_dram_mapped(s->tiers[KVT_TIER_DRAM]));
     kvt_tier_dram_shared_stats_t ds;

@@ -672,6 +672,35 @@ Test(server_e2e, get_promotes_from_nvme)
     kvd_cleanup(&d);
 }
 
+/* A GET reads an NVMe page straight into its own buffer: one allocated with malloc's alignment
+ * went through the tier's bounce buffer, an allocation and a copy of every page more
+ * (docs/benchmarks.md, "CPU per NVMe GET"). PUTs may bounce: only the GET's reads are counted. */
+Test(server_e2e, a_get_reads_nvme_pages_in_place)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BIG);
+    uint32_t a[4 * PAGE];
+    kvd_tokens(a, 4 * PAGE, 1);
+    kvt_client_put_t r;
+    put_pages(c, a, 4 * PAGE, 0, 4, BIG, 3, &r);
+    cr_assert_eq(r.stored, 4);
+    uint8_t tiers[4], from[4];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
+    cr_assert_eq(kvt_client_match(c, a, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, 4);
+    double before = kvd_metric(&d, "kvtier_nvme_bounced_bytes_total");
+    cr_assert_geq(before, 0, "the metric is exported");
+    kvd_check_get(c, m.lease, 0, 4, BIG, 3, from);
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(from[i], KVT_CLIENT_TIER_NVME, "page %d came from NVMe", i);
+    cr_expect_eq(kvd_metric(&d, "kvtier_nvme_bounced_bytes_total"), before,
+                 "the GET's reads bounced %.0f bytes",
+                 kvd_metric(&d, "kvtier_nvme_bounced_bytes_total") - before);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
 Test(server_e2e, restart_recovers_nvme)
 {
     kvd_t d = {0};

@@ -110,6 +110,8 @@
  * about 1 MiB. */
 #define SCAN_CHUNK (1u << 20)
 
+_Static_assert(SECTOR == KVT_TIER_DIRECT_ALIGN, "a caller's aligned buffer is read in place");
+
 /* The smallest segment, and what segment sizes are multiples of. The fuzz build (meson.build)
  * lowers it to 64 KiB so that the NVMe harnesses' data file is small enough to be laid out and
  * scanned thousands of times a second: nothing in the layout depends on it. */
@@ -425,7 +427,6 @@ static void req_advance(nvme_req_t *r, uint32_t bytes)
 /* Lays out header region, payload and tail as iovecs over r's buffers. */
 static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr, int writing)
 {
-    (void)n;
     uint32_t body = round_sector(io->len);
     r->niov = 0;
     r->iov_at = 0;
@@ -455,6 +456,7 @@ static int req_layout(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr,
         }
         r->iov[r->niov++] = (struct iovec){r->bounce, body};
         r->payload_direct = 0;
+        n->tier->usage.bounced_bytes += io->len;
     }
     return 0;
 }

@@ -54,6 +54,9 @@ typedef void (*kvt_tier_cb)(kvt_tier_io_t *io);
 /* The largest payload any tier takes. */
 #define KVT_TIER_MAX_BLOCK (64u << 20)
 
+/* The alignment of an I/O buffer that the NVMe tier reads and writes in place (O_DIRECT). */
+#define KVT_TIER_DIRECT_ALIGN 4096u
+
 /*
  * One read or write. The caller owns the struct and the buffer until the callback has run.
  * status on completion: 0; KVT_ENOENT (a miss: not there, evicted, invalid location);
@@ -61,8 +64,9 @@ typedef void (*kvt_tier_cb)(kvt_tier_io_t *io);
  * KVT_EIO; KVT_EUNAVAIL (backend down); KVT_ETIMEDOUT.
  * For a read, key.hash must be the block's hash (its stored header is checked against the whole
  * key where the tier stores one) and len the payload length that was written.
- * The NVMe tier moves bytes straight between the disk and buf when buf is 4096-byte aligned;
- * any other buffer goes through a bounce buffer (an extra copy).
+ * The NVMe tier moves bytes straight between the disk and buf when buf is KVT_TIER_DIRECT_ALIGN
+ * aligned; any other buffer goes through a bounce buffer (an allocation and an extra copy of the
+ * payload, counted in usage.bounced_bytes).
  */
 struct kvt_tier_io {
     kvt_block_key_t key;
@@ -107,7 +111,9 @@ typedef struct kvt_tier_usage {
     uint64_t blocks;
     uint64_t reads, writes, read_bytes, written_bytes; /* successful operations */
     uint64_t misses, corrupt, errors, timeouts;
-    uint64_t reclaimed; /* live blocks dropped by the tier itself (NVMe segment reclaim) */
+    uint64_t reclaimed;     /* live blocks dropped by the tier itself (NVMe segment reclaim) */
+    uint64_t bounced_bytes; /* NVMe: payload bytes copied through a bounce buffer (a buffer not
+                               KVT_TIER_DIRECT_ALIGN aligned) */
     uint64_t inflight;
     uint64_t quota_refused; /* writes, copies, adoptions and kvt_tier_ns_fits refused by a
                                namespace's quota */
