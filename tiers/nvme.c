@@ -318,7 +318,6 @@ static int seg_reclaim(nvme_t *n)
                 n->reclaim_cb(n->reclaim_arg, loc, ns_seed, hash);
         }
     }
-    n->reclaims++;
     seg_set_free(n, best);
     return 0;
 }
@@ -694,7 +693,6 @@ static int nvme_poll(kvt_tier_t *t)
         int res = cqe->res;
         io_uring_cqe_seen(&n->ring, cqe);
         if (res == -EAGAIN || res == -EINTR) {
-            n->requeued++;
             if (req_submit(n, r) < 0)
                 req_done(n, r, KVT_EIO);
             continue;
@@ -712,7 +710,6 @@ static int nvme_poll(kvt_tier_t *t)
         }
         req_advance(r, (uint32_t)res);
         if (r->done < r->total) {
-            n->short_ios++;
             if (req_submit(n, r) < 0) {
                 req_done(n, r, KVT_EIO);
                 done++;
