@@ -2628,16 +2628,6 @@ Test(server_loops, gets_of_several_nvme_batches_take_no_write_lock, .timeout = 6
     nvme_gets_take_no_write_lock("2", 2u << 20, 12, 6);
 }
 
-/* The redis-server the test command started (KVT_TEST_REDIS=host:port), as test_server_remote.c
- * uses it; skipped without one. */
-static const char *loops_redis(void)
-{
-    const char *a = getenv("KVT_TEST_REDIS");
-    if (!a || !*a)
-        cr_skip_test("KVT_TEST_REDIS is not set: no redis-server to test against");
-    return a;
-}
-
 /* A key prefix of this daemon's own on the shared server: tests run side by side. */
 static void loops_redis_prefix(char *buf, size_t cap)
 {
@@ -2656,7 +2646,7 @@ static void remote_gets_take_no_write_lock(const char *loops, uint32_t bb, uint3
     char pfx[64];
     loops_redis_prefix(pfx, sizeof pfx);
     const char *const remote[] = {
-        "--nvme-bytes",   "0",    "--remote", loops_redis(), "--remote-prefix", pfx,
+        "--nvme-bytes",   "0",    "--remote", kvd_redis(), "--remote-prefix", pfx,
         "--remote-bytes", "256M", NULL};
     tier_gets_take_no_write_lock(loops, bb, p, rounds, remote, KVT_CLIENT_TIER_REMOTE);
 }
@@ -2709,15 +2699,15 @@ static long long redis_del_prefix(const char *addr, const char *pfx)
 /*
  * A GET whose remote read fails (its keys deleted on the server behind the daemon's back: a miss)
  * ends as the write path's did: no page, KVT_CLIENT_ENOENT, one request error, the pages marked
- * lost (the next MATCH finds them index-only); its connection and the other loop keep serving. Loop 1's
- * client stores and leases path A, its keys go, then loop 0's client stores path B; loop 1's GET
- * of A fails (planned shared: counted on loop 1), while loop 0 reads B whole, 8 times.
+ * lost (the next MATCH finds them index-only); its connection and the other loop keep serving. Loop
+ * 1's client stores and leases path A, its keys go, then loop 0's client stores path B; loop 1's
+ * GET of A fails (planned shared: counted on loop 1), while loop 0 reads B whole, 8 times.
  */
 Test(server_loops, a_failed_remote_read_ends_its_get_alone)
 {
     enum { P = 4 };
     char pfx[64];
-    const char *addr = loops_redis();
+    const char *addr = kvd_redis();
     loops_redis_prefix(pfx, sizeof pfx);
     kvd_t d = {0};
     kvd_start(&d, "--loops", "2", "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr,
@@ -3126,7 +3116,7 @@ Test(server_loops, a_close_while_a_shared_get_reads_from_remote)
     char pfx[64];
     loops_redis_prefix(pfx, sizeof pfx);
     const char *const t[] = {
-        "--dram-bytes",    "0", "--nvme-bytes",   "0",   "--remote", loops_redis(),
+        "--dram-bytes",    "0", "--nvme-bytes",   "0",   "--remote", kvd_redis(),
         "--remote-prefix", pfx, "--remote-bytes", "64M", NULL};
     close_while_a_shared_get_reads(t, KVT_CLIENT_TIER_REMOTE, KVT_CLIENT_TIER_REMOTE);
 }

@@ -27,14 +27,6 @@ static unsigned long long now_ns_test(void)
 #define PAGE 16
 #define BB   16384
 
-static const char *redis_addr(void)
-{
-    const char *a = getenv("KVT_TEST_REDIS");
-    if (!a || !*a)
-        cr_skip_test("KVT_TEST_REDIS is not set: no redis-server to test against");
-    return a;
-}
-
 static void prefix(char *buf, size_t len)
 {
     snprintf(buf, len, "kvtest%d-%llu", (int)getpid(), (unsigned long long)now_ns_test());
@@ -68,7 +60,7 @@ static void get_all(kvt_client_t *c, uint64_t lease, uint32_t pages, uint32_t se
 
 Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_t d = {0};
@@ -137,7 +129,7 @@ Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
  */
 Test(server_remote, pages_nvme_cannot_place_go_on_to_redis)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_t d = {0};
@@ -230,7 +222,7 @@ Test(server_remote, remove_is_answered_while_demotions_to_a_dead_remote_fail)
  * locally (every block it stores goes to the shared server), b has the default tiers. */
 static void two_daemons_one_remote(kvd_t *a, kvd_t *b)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_start(a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
@@ -289,7 +281,7 @@ Test(server_remote, second_daemon_finds_the_first_ones_prefix)
  * index-only, every time. */
 Test(server_remote, a_full_remote_tier_takes_the_blocks_a_probe_finds)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_t a = {0}, b = {0};
