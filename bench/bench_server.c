@@ -74,6 +74,10 @@
  *          median and range of the rounds after it; and what the 2-loop daemon's loops past 0
  *          counted over the rounds, per request they served (STATS: write locks, GETs planned
  *          shared).
+ *          --remote runs the same GET load on pages that only a remote tier holds (issue 42, step
+ *          10), load "get_remote": the two daemons with neither DRAM nor NVMe, their remote tier
+ *          on the run's own redis-server (the one the other loads compare with), each under a key
+ *          prefix of its own; no raw side.
  *   loops_put  MATCH beside another loop's PUTs (issue 42): one kvtierd with 2 loops; --conns
  *          MATCH connections (pipeline --pipeline) on loop 1 while loop 0's one connection PUTs
  *          fresh 256 KiB, then 2 MiB, pages as fast as it can, against the same MATCHes beside
@@ -102,7 +106,8 @@
  *        [--conns N] [--pipeline N] [--requests N] [--block-bytes N] [--rounds N]
  *        [--ops match|get|lease|conns|fill|all[,...]|loops|loops_put|kept]
  *        [--transport unix|tcp|all] [--prompts N] [--held N] [--kept N] [--sealed] [--locate]
- *        [--nvme] [--nvme-dir DIR] [--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...
+ *        [--nvme] [--nvme-dir DIR] [--remote] [--index-prefault BYTES] [--kvtierd-opt
+ * NAME=VALUE]...
  */
 #define _GNU_SOURCE /* accept4 */
 #include <dirent.h>
@@ -173,6 +178,8 @@ typedef struct opts {
     int locate;           /* loops: the GET load maps the arena and asks for LOCATE */
     int nvme;             /* loops: the GET load on daemons whose pages only NVMe holds */
     const char *nvme_dir; /* loops --nvme: where their data files go (the scratch directory) */
+    int remote; /* loops: the GET load on daemons whose pages only the remote tier holds */
+    char remote_addr[32]; /* loops --remote: the run's own redis-server, host:port */
     /* --kvtierd-opt NAME=VALUE: passed to every kvtierd started here as --NAME VALUE (a
      * setting's candidates measured against each other, socket-turn-stall-ms say). */
     const char *kvd_opts[8];
@@ -2054,6 +2061,24 @@ static int nvme_raw_reads(const char *path, uint32_t bs, uint32_t pages, const o
     return 0;
 }
 
+/* Starts load i's kvtierd (loops = i + 1) with extra, its socket name and log, and fills it with
+ * pages pages of bs bytes, checked to lie in tier; its GET load into *get. */
+static int tier_daemon(const opts_t *o, const opts_t *go, uint32_t bs, uint32_t pages, int i,
+                       const char *name, const char *log, const char *const *extra, unsigned tier,
+                       load_t *get)
+{
+    g_loops_kvd[i] = spawn_kvtierd(o, log, extra);
+    *get = (load_t){
+        .o = go, .hello_block = bs, .get_blocks = pages, .server = g_loops_kvd[i], .spread = 1};
+    if (snprintf(get->sock, sizeof get->sock, "%s/%s", g_dir, name) >= (int)sizeof get->sock ||
+        wait_for(get->sock, 0) < 0 || store_blocks(get->sock, bs, pages, 0, tier) < 0) {
+        fprintf(stderr, "bench_server: the %s loops = %d daemon did not start or fill (%s/%s)\n",
+                kvt_tier_name((kvt_tier_id_t)tier), i + 1, g_dir, log);
+        return -1;
+    }
+    return 0;
+}
+
 /* A kvtierd of loops loops (load i: loops = i + 1) with no DRAM tier and its NVMe tier in a fresh
  * directory under --nvme-dir, holding pages pages of bs bytes there; its GET load into *get, the
  * path of its data file into data. */
@@ -2081,18 +2106,29 @@ static int nvme_start(const opts_t *o, const opts_t *go, uint32_t bs, uint32_t p
                            "--dram-bytes", "0", "--nvme-bytes", cap, "--nvme-segment-bytes", seg,
                            "--data-dir", g_nvme_dirs[i], NULL};
     /* clang-format on */
-    g_loops_kvd[i] = spawn_kvtierd(o, log, extra);
-    *get = (load_t){
-        .o = go, .hello_block = bs, .get_blocks = pages, .server = g_loops_kvd[i], .spread = 1};
     snprintf(data, PATH_MAX, "%s/kvtier.data", g_nvme_dirs[i]);
-    if (snprintf(get->sock, sizeof get->sock, "%s/%s", g_dir, name) >= (int)sizeof get->sock ||
-        wait_for(get->sock, 0) < 0 ||
-        store_blocks(get->sock, bs, pages, 0, KVT_CLIENT_TIER_NVME) < 0) {
-        fprintf(stderr, "bench_server: the NVMe loops = %d daemon did not start or fill (%s/%s)\n",
-                i + 1, g_dir, log);
-        return -1;
-    }
-    return 0;
+    return tier_daemon(o, go, bs, pages, i, name, log, extra, KVT_CLIENT_TIER_NVME, get);
+}
+
+/* A kvtierd of loops loops (load i: loops = i + 1) with no DRAM or NVMe tier, its remote tier on
+ * the run's redis-server under a key prefix of its own, holding pages pages of bs bytes there; its
+ * GET load into *get. Its reads' deadline is 30 s, not the default 2: 64 reads of 2 MiB in flight
+ * on a loaded small machine can wait longer, and a read that times out fails the load. */
+static int remote_start(const opts_t *o, const opts_t *go, uint32_t bs, uint32_t pages, int i,
+                        load_t *get)
+{
+    char name[32], log[48], n[8], pfx[48];
+    snprintf(n, sizeof n, "%d", i + 1);
+    snprintf(name, sizeof name, "remote%d.sock", i + 1);
+    snprintf(log, sizeof log, "remote%d-%u.log", i + 1, bs);
+    snprintf(pfx, sizeof pfx, "kvtbench%d-%d-%u", (int)getpid(), i + 1, bs);
+    /* clang-format off */
+    const char *extra[] = {"--unix", name, "--tcp", "", "--loops", n,
+                           "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", o->remote_addr,
+                           "--remote-prefix", pfx, "--remote-bytes", "1G",
+                           "--remote-timeout-ms", "30000", NULL};
+    /* clang-format on */
+    return tier_daemon(o, go, bs, pages, i, name, log, extra, KVT_CLIENT_TIER_REMOTE, get);
 }
 
 /* The load's daemons and their NVMe directories, gone before the next page size's. */
@@ -2145,30 +2181,36 @@ static nvme_past0_t nvme_past0(const char *sock)
                           .shared_gets = loop_stat(sock, "loop_shared_gets_", 1)};
 }
 
+/* The load's line; with --remote (o->remote) there is no raw side (side[2] unused). */
 static void nvme_line(const opts_t *go, uint32_t bs, uint32_t pages, int rounds,
                       const nvme_side_t side[3], const nvme_past0_t *past0)
 {
     const nvme_side_t *one = &side[0], *two = &side[1], *raw = &side[2];
-    printf("{\"op\":\"loops\",\"load\":\"get_nvme\",\"transport\":\"unix\",\"conns\":%d,"
+    printf("{\"op\":\"loops\",\"load\":\"%s\",\"transport\":\"unix\",\"conns\":%d,"
            "\"pipeline\":%d,\"block_bytes\":%u,\"pages\":%u,\"loops\":2,\"p50_us\":%.0f,"
            "\"p99_us\":%.0f",
-           go->conns, go->pipeline, bs, pages, two->warm.p50_us, two->warm.p99_us);
+           go->remote ? "get_remote" : "get_nvme", go->conns, go->pipeline, bs, pages,
+           two->warm.p50_us, two->warm.p99_us);
     nvme_side_json("", two, bs);
     printf(",\"baseline\":\"the same daemon with loops = 1\",\"baseline_p50_us\":%.0f,"
            "\"baseline_p99_us\":%.0f",
            one->warm.p50_us, one->warm.p99_us);
     nvme_side_json("baseline_", one, bs);
-    printf(",\"ratio\":%.3f,\"first_ratio\":%.3f,\"raw\":\"O_DIRECT io_uring reads of the same "
-           "pages from the daemon's data file, depth %d\"",
-           two->warm.rps / one->warm.rps, two->first.rps / one->first.rps,
-           KVT_MIN(go->conns * go->pipeline, KVT_NVME_QD));
-    nvme_side_json("raw_", raw, bs);
+    printf(",\"ratio\":%.3f,\"first_ratio\":%.3f", two->warm.rps / one->warm.rps,
+           two->first.rps / one->first.rps);
+    if (!go->remote) {
+        printf(",\"raw\":\"O_DIRECT io_uring reads of the same pages from the daemon's data "
+               "file, depth %d\"",
+               KVT_MIN(go->conns * go->pipeline, KVT_NVME_QD));
+        nvme_side_json("raw_", raw, bs);
+        printf(",\"ratio_raw\":%.3f,\"baseline_ratio_raw\":%.3f", two->warm.rps / raw->warm.rps,
+               one->warm.rps / raw->warm.rps);
+    }
     /* Requests: the GETs and each connection's HELLO and leasing MATCH. */
     double n = past0->requests ? (double)past0->requests : 1;
-    printf(",\"ratio_raw\":%.3f,\"baseline_ratio_raw\":%.3f,\"loops_past_0_requests\":%llu,"
-           "\"loops_past_0_write_locks_per_request\":%.3f,\"loops_past_0_shared_gets_per_request\":"
-           "%.3f,\"rounds\":%d,\"bar\":\"none on 2 cores: printed, not judged\"}\n",
-           two->warm.rps / raw->warm.rps, one->warm.rps / raw->warm.rps,
+    printf(",\"loops_past_0_requests\":%llu,\"loops_past_0_write_locks_per_request\":%.3f,"
+           "\"loops_past_0_shared_gets_per_request\":%.3f,\"rounds\":%d,\"bar\":\"none on 2 "
+           "cores: printed, not judged\"}\n",
            (unsigned long long)past0->requests, (double)past0->write_locks / n,
            (double)past0->shared_gets / n, rounds);
     fflush(stdout);
@@ -2189,7 +2231,8 @@ static int nvme_size(const opts_t *o, uint32_t bs)
     char data[2][PATH_MAX];
     int rc = 0;
     for (int i = 0; i < 2 && rc == 0; i++)
-        rc = nvme_start(o, &go, bs, pages, i, &get[i], data[i]);
+        rc = o->remote ? remote_start(o, &go, bs, pages, i, &get[i])
+                       : nvme_start(o, &go, bs, pages, i, &get[i], data[i]);
     result_t v[3][10]; /* loops = 1, loops = 2, raw; round 0 the first */
     nvme_past0_t p0 = rc == 0 ? nvme_past0(get[1].sock) : (nvme_past0_t){0};
     for (int r = 0; r <= o->rounds && rc == 0; r++) {
@@ -2197,9 +2240,9 @@ static int nvme_size(const opts_t *o, uint32_t bs)
             int i = (r + k) % 2;
             rc = run_kvtier(&get[i], &v[i][r]);
             if (rc < 0)
-                fprintf(stderr, "bench_server: the NVMe GET load failed (loops = %d)\n", i + 1);
+                fprintf(stderr, "bench_server: the GET load failed (loops = %d)\n", i + 1);
         }
-        if (rc == 0)
+        if (rc == 0 && !o->remote)
             rc = nvme_raw_reads(data[r % 2], bs, pages, &go, &v[2][r]);
     }
     if (rc == 0) {
@@ -2207,8 +2250,8 @@ static int nvme_size(const opts_t *o, uint32_t bs)
         p1.requests -= p0.requests;
         p1.write_locks -= p0.write_locks;
         p1.shared_gets -= p0.shared_gets;
-        nvme_side_t side[3];
-        for (int i = 0; i < 3; i++)
+        nvme_side_t side[3] = {0};
+        for (int i = 0; i < (o->remote ? 2 : 3); i++)
             side[i] = nvme_side(v[i], o->rounds);
         nvme_line(&go, bs, pages, o->rounds, side, &p1);
     }
@@ -2244,7 +2287,7 @@ static int direct_ok(const char *dir)
  * status: 77 (skipped) where --nvme-dir is no disk with O_DIRECT (direct_ok). */
 static int bench_loops_nvme(const opts_t *o)
 {
-    if (!direct_ok(o->nvme_dir))
+    if (!o->remote && !direct_ok(o->nvme_dir))
         return 77;
     if (nvme_size(o, o->block_bytes) < 0 ||
         (o->block_bytes != (2u << 20) && nvme_size(o, 2u << 20) < 0))
@@ -2548,6 +2591,8 @@ int main(int argc, char **argv)
             o.locate = 1;
         else if (!strcmp(argv[i], "--nvme"))
             o.nvme = 1;
+        else if (!strcmp(argv[i], "--remote"))
+            o.remote = 1;
         else if (!strcmp(argv[i], "--nvme-dir") && i + 1 < argc)
             o.nvme_dir = argv[++i];
         else if (!strcmp(argv[i], "--kvtierd-opt") && i + 1 < argc && strchr(argv[i + 1], '=') &&
@@ -2561,7 +2606,7 @@ int main(int argc, char **argv)
                             "[--block-bytes N] [--rounds N] "
                             "[--ops match|get|lease|conns|fill|all[,...]|loops|loops_put|kept] "
                             "[--transport unix|tcp|all] [--prompts N] [--held N] [--kept N] "
-                            "[--sealed] [--locate] [--nvme] [--nvme-dir DIR] "
+                            "[--sealed] [--locate] [--nvme] [--nvme-dir DIR] [--remote] "
                             "[--index-prefault BYTES] [--kvtierd-opt NAME=VALUE]...\n");
             return 2;
         }
@@ -2571,12 +2616,15 @@ int main(int argc, char **argv)
         o.block_bytes < 4096 || o.block_bytes > (16u << 20) || o.held < 0 ||
         o.held > LEASE_HELD_MAX || o.kept < 1 || o.kept > KEPT_MAX ||
         (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all")) ||
-        !ops_valid(o.ops) || ((o.nvme || o.nvme_dir) && (strcmp(o.ops, "loops") || o.locate))) {
+        !ops_valid(o.ops) ||
+        ((o.nvme || o.nvme_dir || o.remote) && (strcmp(o.ops, "loops") || o.locate)) ||
+        (o.remote && (o.nvme || o.nvme_dir))) {
         fprintf(stderr,
                 "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
                 "held 0..%d; kept 1..%d; ops match, get, lease, conns, fill or all, several "
                 "with commas (get,conns,match), or loops, loops_put or kept alone; transport "
-                "unix, tcp or all; --nvme and --nvme-dir with --ops loops, without --locate\n",
+                "unix, tcp or all; --nvme and --nvme-dir, or --remote, with --ops loops, "
+                "without --locate\n",
                 LEASE_HELD_MAX, KEPT_MAX);
         return 2;
     }
@@ -2652,7 +2700,8 @@ int main(int argc, char **argv)
             fprintf(stderr, "bench_server: --nvme-dir: %s\n", strerror(errno));
             return 1;
         }
-        status = o.nvme ? bench_loops_nvme(&o) : (bench_loops(&o, tr) < 0);
+        snprintf(o.remote_addr, sizeof o.remote_addr, "127.0.0.1:%d", rport);
+        status = o.nvme || o.remote ? bench_loops_nvme(&o) : (bench_loops(&o, tr) < 0);
         kvt_trace_free(tr);
         return status;
     }

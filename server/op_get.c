@@ -277,11 +277,21 @@ typedef struct get_span {
     uint32_t ns, block_bytes, first, end;
 } get_span_t;
 
-/* Under the shared lock: whether NVMe page `page` (block b) of g can be read with nothing written:
- * its I/O record's key (kvt__block_key) needs its hash and its parent's, which the tree computes
- * and caches when they are missing (a write). Its record is checked by the read's completion, on
- * loop 0 under the write lock, which makes a bad one lost (get_read_done). */
-static int get_nvme_shares(const get_span_t *g, uint32_t page, const kvt_block_t *b)
+/* Whether block b lies in a tier whose reads a GET planned shared submits itself (get_submit,
+ * under s->submit): NVMe (the ring) and the remote tier (its wait queue; loop 0 sends and reads
+ * its socket). Both complete on loop 0 under the write lock. HBM's CUDA calls stay on the write
+ * path (docs/architecture.md, "Why `loops` defaults to 1"). */
+static int get_read_tier(const kvt_srv_t *s, const kvt_block_t *b)
+{
+    return (b->tier == KVT_TIER_NVME || b->tier == KVT_TIER_REMOTE) && s->tiers[b->tier];
+}
+
+/* Under the shared lock: whether NVMe or remote page `page` (block b) of g can be read with
+ * nothing written: its I/O record's key (kvt__block_key: the remote tier's key name too) needs its
+ * hash and its parent's, which the tree computes and caches when they are missing (a write). Its
+ * record is checked by the read's completion, on loop 0 under the write lock, which makes a bad
+ * or missing one lost (get_read_done). */
+static int get_read_shares(const get_span_t *g, uint32_t page, const kvt_block_t *b)
 {
     const kvt_block_t *parent = page ? kvt__path_block(g->node, page - 1) : NULL;
     return b->hash && (!page || (parent && parent->hash));
@@ -297,8 +307,8 @@ static int get_nvme_shares(const get_span_t *g, uint32_t page, const kvt_block_t
 static int get_page_shares(kvt_srv_t *s, const get_span_t *g, uint32_t page)
 {
     const kvt_block_t *b = kvt__path_block(g->node, page);
-    if (b && b->tier == KVT_TIER_NVME && s->tiers[KVT_TIER_NVME] && b->size == g->block_bytes)
-        return get_nvme_shares(g, page, b);
+    if (b && get_read_tier(s, b) && b->size == g->block_bytes)
+        return get_read_shares(g, page, b);
     if (!b || b->tier != KVT_TIER_DRAM || !s->tiers[KVT_TIER_DRAM] || b->size != g->block_bytes)
         return 0;
     if (g->zc && kvt__store_locate(s, g->zc, g->ns, b, NULL))
@@ -306,10 +316,10 @@ static int get_page_shares(kvt_srv_t *s, const get_span_t *g, uint32_t page)
     return b->hash && kvt__tier_ptr(s, b) && (!s->conf->zc_checksum || kvt__tier_intact(s, b));
 }
 
-/* get_plan_shared's NVMe page: its read count in the loop's table (held until the read
+/* get_plan_shared's NVMe or remote page: its read count in the loop's table (held until the read
  * completes, get_read_done), and an I/O record for get_read, whose key reads only cached hashes
- * (get_nvme_shares). */
-static int get_plan_nvme_shared(kvt_srv_t *s, kvt__req_t *r, kvt_block_t *b, get_page_t *pg)
+ * (get_read_shares). */
+static int get_plan_read_shared(kvt_srv_t *s, kvt__req_t *r, kvt_block_t *b, get_page_t *pg)
 {
     kvt__io_t *x = kvt__io_new(s, r, r->get.cur);
     if (!x)
@@ -318,7 +328,7 @@ static int get_plan_nvme_shared(kvt_srv_t *s, kvt__req_t *r, kvt_block_t *b, get
         free(x);
         return KVT_ENOMEM;
     }
-    x->tier = KVT_TIER_NVME;
+    x->tier = b->tier;
     *pg = (get_page_t){.b = b, .x = x};
     return 0;
 }
@@ -332,9 +342,9 @@ static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
     kvt__loop_t *l = r->conn->loop;
     kvt_block_t *b = kvt__path_block(r->node, r->get.cur);
     /* As get_batch_shares found it in this hold (kvt__h_get_shared, kvt__store_get_batch). */
-    kvt_assert(b && (b->tier == KVT_TIER_DRAM || b->tier == KVT_TIER_NVME));
-    if (b->tier == KVT_TIER_NVME)
-        return get_plan_nvme_shared(s, r, b, pg);
+    kvt_assert(b && (b->tier == KVT_TIER_DRAM || get_read_tier(s, b)));
+    if (b->tier != KVT_TIER_DRAM)
+        return get_plan_read_shared(s, r, b, pg);
     uint64_t off;
     if (r->get.locate && kvt__store_locate(s, r->conn, r->ns, b, &off)) {
         *pg = (get_page_t){.b = b, .located = 1, .off = off};
@@ -352,9 +362,11 @@ static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
 /*
  * The read's submission, counted in flight. A batch planned shared submits with the store's lock
  * held shared, beside other loops doing the same: s->submit keeps them one at a time in the
- * tier's queue, its ring and the daemon's in-flight count. Everyone else in those (loop 0's
- * completions, the writes, the frees, the scrapes) holds the lock for writing, which no shared
- * holder shares. (docs/architecture.md, "GET of NVMe pages".)
+ * tier's queue, its ring (NVMe) or its hiredis context, wait queue, request pool and timer
+ * (remote: the submitter only queues and arms the socket's EPOLLOUT; loop 0 writes and reads the
+ * socket), and the daemon's in-flight count. Everyone else in those (loop 0's completions and
+ * remote socket events, the writes, the frees, the scrapes) holds the lock for writing, which no
+ * shared holder shares. (docs/architecture.md, "GET of NVMe pages" and "GET of remote pages".)
  */
 static int get_submit(kvt_srv_t *s, kvt__req_t *r, kvt_tier_id_t tier, kvt_tier_io_t *io)
 {
@@ -739,7 +751,8 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
     kvt_srv_t *s = c->srv;
     int taken = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
-        /* Pages left, or reads in flight (an NVMe batch: its completion may mark a page lost). */
+        /* Pages left, or reads in flight (an NVMe or remote batch: its completion may mark a page
+         * lost). */
         if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 ||
             (r->get.cur >= r->get.end && !r->pending))
             continue;
@@ -757,11 +770,11 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
 }
 
 /*
- * A GET whose first batch's pages all lie in DRAM or NVMe, with or without LOCATE, under the lock
- * shared
- * (conn.c's framing, several loops), beside other loops' MATCHes and GETs; its later batches go
- * on shared while they can (get_next_shared). What the write path's GET writes, and what this
- * one does instead (docs/architecture.md, "GET under the shared lock"):
+ * A GET whose first batch's pages all lie in DRAM, NVMe or the remote tier, with or without
+ * LOCATE, under the lock shared (conn.c's framing, several loops), beside other loops' MATCHes
+ * and GETs; its later batches go on shared while they can (get_next_shared). What the write
+ * path's GET writes, and what this one does instead (docs/architecture.md, "GET under the shared
+ * lock"):
  *
  *   the pin on the path (a lease)    none: each batch is built in one shared hold, while the
  *                                    client's lease holds the path (only a writer lets it go, and
@@ -777,16 +790,15 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
  *                                    pages keep it open
  *   counters, clients' memory        the loop's table (located pages: get_count_located);
  *                                    l->clients_bytes (as a shared MATCH)
- *   an NVMe page's read              submitted through s->submit (get_submit); its completion,
+ *   an NVMe or remote page's read    submitted through s->submit (get_submit); its completion,
  *                                    on loop 0 under the write lock, drops its read count and
- *                                    marks a bad record lost, and its kick reaches this loop
- *                                    as a posted one, taken shared (kvt__posted_shared)
+ *                                    marks a bad or missing record lost, and its kick reaches
+ *                                    this loop as a posted one, taken shared (kvt__posted_shared)
  *
  * Its hooks (the write, drained, the release) run shared too (get_shares). Returns 1 when the GET
  * is queued, 0 when it did nothing and the write path takes the frame: a bad body or lease (the
- * write path says so), a page in neither DRAM nor NVMe (HBM, remote), its hash (or for an NVMe
- * page its parent's) not cached or its seal to check with a write (get_page_shares), no memory,
- * no loop table.
+ * write path says so), a page in HBM, its hash (or for an NVMe or remote page its parent's)
+ * not cached or its seal to check with a write (get_page_shares), no memory, no loop table.
  */
 int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {

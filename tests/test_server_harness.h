@@ -357,6 +357,16 @@ static inline int kvd_stat_cb(void *arg, const char *name, uint64_t v)
     return 0;
 }
 
+/* The redis-server the test command started (KVT_TEST_REDIS=host:port); the test is skipped
+ * without one. */
+static inline const char *kvd_redis(void)
+{
+    const char *a = getenv("KVT_TEST_REDIS");
+    if (!a || !*a)
+        cr_skip_test("KVT_TEST_REDIS is not set: no redis-server to test against");
+    return a;
+}
+
 static inline uint64_t kvd_stat(kvt_client_t *c, const char *name)
 {
     kvd_stat_find_t f = {.name = name};

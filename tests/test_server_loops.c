@@ -13,8 +13,10 @@
  * that outlive their lease, every page their MATCH reported stored delivered (NVMe pages a
  * reclaim would take included); GETs of NVMe pages that take no write lock on their loop, and
  * whose bytes come whole from several loops at once while a writer makes the log reclaim, and
- * none when pipelined on one connection (a finished GET in front of others still reading); a
- * close while such a GET's reads are in flight; a lease that ends, or a close, while such GETs
+ * none when pipelined on one connection (a finished GET in front of others still reading); GETs
+ * of remote-tier pages (the redis-server of KVT_TEST_REDIS) that take no write lock on their loop,
+ * and one whose remote read fails; a close while such a GET's reads (NVMe or remote) are in
+ * flight; a lease that ends, or a close, while such GETs
  * read a corrupt record, their path REMOVEd meanwhile; every path of the shared lock at once on
  * four loops (MATCHes, GETs of DRAM and NVMe pages, GETs with LOCATE), for ThreadSanitizer to
  * watch.
@@ -2531,19 +2533,23 @@ Test(server_loops, a_loops_queue_depth_shows_the_replies_its_client_has_not_read
 
 /*
  * A GET whose pages lie in NVMe is planned and its reads submitted under the store's lock shared
- * (op_get.c get_plan_nvme_shared, get_submit), its completion handed from loop 0 to the
+ * (op_get.c get_plan_read_shared, get_submit), its completion handed from loop 0 to the
  * connection's loop as a posted kick, which that loop takes shared (kvt__posted_shared), and its
  * batch written and released shared: the loop that serves it takes no write lock (issue 42), on
- * each loop past 0. No DRAM tier: every page is in NVMe. Each round GETs the leased prefix whole
- * and one page of it, the bytes checked; with pages of bb bytes, p of them, a GET of several
+ * each loop past 0. No DRAM tier: every page is in the tier the flags `tier` give the daemon
+ * (`want`, as MATCH names it; here NVMe, below the remote tier). Each round GETs the leased prefix
+ * whole and one page of it, the bytes checked; with pages of bb bytes, p of them, a GET of several
  * batches (each next one planned in its drained hook). Before, 3 write locks a GET on its loop
  * (the frame, the posted kick's reap, the batch's release), 110 for each of 2 MiB pages.
  */
-static void nvme_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_t p, int rounds)
+static void tier_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_t p, int rounds,
+                                         const char *const *tier, uint8_t want)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "256M",
-              "--nvme-segment-bytes", "8M", "--tick-ms", "10000", NULL);
+    const char *argv[16] = {"--loops", loops, "--dram-bytes", "0", "--tick-ms", "10000"};
+    for (int i = 0; tier[i]; i++)
+        argv[6 + i] = tier[i];
+    kvd_startv(&d, argv);
     int n = atoi(loops);
     kvt_client_t *c[4];
     for (int i = 0; i < n; i++)
@@ -2569,7 +2575,7 @@ static void nvme_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_
         cr_assert_eq(kvt_client_match(c[i], tok, p * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
         cr_assert_eq(m.pages, p);
         for (uint32_t k = 0; k < p; k++)
-            cr_assert_eq(tiers[k], KVT_CLIENT_TIER_NVME, "page %u", k);
+            cr_assert_eq(tiers[k], want, "page %u", k);
         cr_assert_eq(kvt_client_match(c[i], tok, p * PAGE, 0, 0, NULL, &one), 0);
         snprintf(key, sizeof key, "kvtier_loop_kicks_posted_total{loop=\"%d\"}", i);
         double w0 = write_locks(&d, i), k0 = kvd_metric(&d, key);
@@ -2587,8 +2593,8 @@ static void nvme_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_
         }
         cr_assert_eq(kvt_client_match(c[i], tok, p * PAGE, 0, 0, NULL, &one), 0);
         double w1 = write_locks(&d, i);
-        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of NVMe pages", i, w1 - w0,
-                     2 * rounds);
+        cr_expect_eq(w1 - w0, 0, "loop %d: %g write locks for %d GETs of %s pages", i, w1 - w0,
+                     2 * rounds, kvt_tier_name((kvt_tier_id_t)want));
         cr_expect_geq(kvd_metric(&d, key) - k0, 2 * rounds, "loop %d: loop 0 completed them", i);
         snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
         cr_expect_eq(kvd_metric(&d, key), 2 * rounds, "loop %d: every GET planned shared", i);
@@ -2599,6 +2605,12 @@ static void nvme_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_
     free(payload);
     free(back);
     client_a_loop_stop(&d, c, n);
+}
+
+static void nvme_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_t p, int rounds)
+{
+    static const char *const nvme[] = {"--nvme-bytes", "256M", "--nvme-segment-bytes", "8M", NULL};
+    tier_gets_take_no_write_lock(loops, bb, p, rounds, nvme, KVT_CLIENT_TIER_NVME);
 }
 
 Test(server_loops, gets_from_nvme_take_no_write_lock)
@@ -2614,6 +2626,137 @@ Test(server_loops, gets_from_nvme_on_four_loops_take_no_write_lock)
 Test(server_loops, gets_of_several_nvme_batches_take_no_write_lock, .timeout = 60)
 {
     nvme_gets_take_no_write_lock("2", 2u << 20, 12, 6);
+}
+
+/* A key prefix of this daemon's own on the shared server: tests run side by side. */
+static void loops_redis_prefix(char *buf, size_t cap)
+{
+    snprintf(buf, cap, "kvloops%d-%llu", (int)getpid(), (unsigned long long)kvt_now_ns());
+}
+
+/*
+ * The same for pages in the remote tier (no DRAM, no NVMe: every page goes to the redis-server):
+ * a GET's remote reads are planned and submitted under the shared lock too (s->submit: the tier's
+ * queue and hiredis context; loop 0 sends, reads the replies and completes them under the write
+ * lock), and the GET's loop takes no write lock. Before, 3 a GET (the frame, the posted kick's
+ * reap, the release).
+ */
+static void remote_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_t p, int rounds)
+{
+    char pfx[64];
+    loops_redis_prefix(pfx, sizeof pfx);
+    const char *const remote[] = {
+        "--nvme-bytes",   "0",    "--remote", kvd_redis(), "--remote-prefix", pfx,
+        "--remote-bytes", "256M", NULL};
+    tier_gets_take_no_write_lock(loops, bb, p, rounds, remote, KVT_CLIENT_TIER_REMOTE);
+}
+
+Test(server_loops, gets_from_remote_take_no_write_lock)
+{
+    remote_gets_take_no_write_lock("2", BB, 4, 16);
+}
+
+Test(server_loops, gets_from_remote_on_four_loops_take_no_write_lock)
+{
+    remote_gets_take_no_write_lock("4", BB, 4, 16);
+}
+
+Test(server_loops, gets_of_several_remote_batches_take_no_write_lock, .timeout = 60)
+{
+    remote_gets_take_no_write_lock("2", 2u << 20, 12, 4);
+}
+
+/* Deletes every key under prefix pfx on the redis-server at addr (host:port, a loopback address),
+ * behind the daemon's back: one EVAL over a plain socket (this file links no hiredis). Returns
+ * how many went. */
+static long long redis_del_prefix(const char *addr, const char *pfx)
+{
+    static const char lua[] = "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do "
+                              "n = n + redis.call('DEL', k) end return n";
+    char host[64], pat[96], req[512], rep[64] = "";
+    int port = 0;
+    cr_assert_eq(sscanf(addr, "%63[^:]:%d", host, &port), 2, "%s", addr);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    cr_assert_eq(inet_pton(AF_INET, host, &a.sin_addr), 1, "%s: not an IPv4 address", host);
+    int n = snprintf(pat, sizeof pat, "%s:*", pfx);
+    n = snprintf(req, sizeof req, "*4\r\n$4\r\nEVAL\r\n$%zu\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n",
+                 strlen(lua), lua, n, pat);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    cr_assert_eq(write(fd, req, (size_t)n), n);
+    ssize_t got = 0;
+    while (got < (ssize_t)sizeof rep - 1 && !strstr(rep, "\r\n")) {
+        ssize_t k = read(fd, rep + got, sizeof rep - 1 - (size_t)got);
+        cr_assert_gt(k, 0, "EVAL: no reply");
+        got += k;
+        rep[got] = 0;
+    }
+    close(fd);
+    cr_assert_eq(rep[0], ':', "EVAL: %s", rep);
+    return atoll(rep + 1);
+}
+
+/*
+ * A GET whose remote read fails (its keys deleted on the server behind the daemon's back: a miss)
+ * ends as the write path's did: no page, KVT_CLIENT_ENOENT, one request error, the pages marked
+ * lost (the next MATCH finds them index-only); its connection and the other loop keep serving. Loop
+ * 1's client stores and leases path A, its keys go, then loop 0's client stores path B; loop 1's
+ * GET of A fails (planned shared: counted on loop 1), while loop 0 reads B whole, 8 times.
+ */
+Test(server_loops, a_failed_remote_read_ends_its_get_alone)
+{
+    enum { P = 4 };
+    char pfx[64];
+    const char *addr = kvd_redis();
+    loops_redis_prefix(pfx, sizeof pfx);
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr,
+              "--remote-prefix", pfx, "--tick-ms", "10000", NULL);
+    kvt_client_t *c[2] = {kvd_client(&d, "m", PAGE, BB), kvd_client(&d, "m", PAGE, BB)};
+    cr_assert_eq(kvd_stat(c[0], "loop_connections_1"), 1, "c[1] is loop 1's");
+    static uint32_t ta[P * PAGE], tb[P * PAGE];
+    static uint8_t pa[P * BB], pb[P * BB], back[P * BB];
+    uint8_t tiers[P];
+    kvd_tokens(ta, P * PAGE, 9600000u);
+    kvd_tokens(tb, P * PAGE, 9700000u);
+    kvd_fill(pa, sizeof pa, 960);
+    kvd_fill(pb, sizeof pb, 970);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c[1], ta, P * PAGE, 0, P, pa, NULL, &r), 0);
+    cr_assert_eq(r.stored, P);
+    kvt_client_match_t ma = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c[1], ta, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &ma), 0);
+    cr_assert_eq(ma.pages, P);
+    cr_assert_eq(tiers[0], KVT_CLIENT_TIER_REMOTE);
+    cr_assert_eq(redis_del_prefix(addr, pfx), P, "A's keys deleted");
+    cr_assert_eq(kvt_client_put(c[0], tb, P * PAGE, 0, P, pb, NULL, &r), 0);
+    cr_assert_eq(r.stored, P);
+    kvt_client_match_t mb = {0};
+    cr_assert_eq(kvt_client_match(c[0], tb, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &mb), 0);
+    double errs = kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}");
+    double gets = kvd_metric(&d, "kvtier_requests_total{op=\"get\"}");
+    uint32_t got = 99;
+    int rc = kvt_client_get(c[1], ma.lease, 0, P, back, sizeof back, &got, NULL);
+    cr_expect_eq(rc, KVT_CLIENT_ENOENT, "the failed read ends the GET: %s",
+                 kvt_client_strerror(rc));
+    cr_expect_eq(got, 0, "no page before the miss");
+    for (int i = 0; i < 8; i++) {
+        memset(back, 0, sizeof back);
+        cr_assert_eq(kvt_client_get(c[0], mb.lease, 0, P, back, sizeof back, &got, NULL), 0);
+        cr_expect_eq(got, P);
+        cr_expect(memcmp(back, pb, sizeof back) == 0, "B's bytes, round %d", i);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_requests_total{op=\"get\"}") - gets, 9);
+    cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"get\"}") - errs, 1,
+                 "the failed GET counts one error");
+    kvt_client_match_t again = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c[1], ta, P * PAGE, 0, 0, NULL, &again), 0);
+    for (uint32_t k = 0; k < again.pages; k++)
+        cr_expect_eq(tiers[k], KVT_CLIENT_TIER_NONE, "A's page %u is lost: index-only", k);
+    cr_expect_eq(kvt_client_ping(c[1], NULL), 0, "loop 1's connection serves on");
+    cr_expect_geq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 1,
+                  "the GET of A was planned shared");
+    client_a_loop_stop(&d, c, 2);
 }
 
 /*
@@ -2907,15 +3050,18 @@ Test(server_loops, gets_from_nvme_on_four_loops_share_the_lock_while_others_writ
  * A connection that closes while its GET's batch, planned shared, is being read: the request
  * becomes an orphan (no connection) whose reads complete on loop 0, and its batch's DRAM pages'
  * read counts are let go from the loop's table the request names (r->get.loop_reads), not through
- * its connection. The path lies in DRAM and NVMe (512 KiB of DRAM for 16 pages of 64 KiB), so a
- * batch holds both; each of 20 raw connections leases it, sends a GET of it and closes at once.
- * The daemon serves on: the leases given back, the path read whole, and it stops cleanly.
+ * its connection. The path lies in the tiers tiers_args give the daemon, t1 and t2 among them
+ * (DRAM and NVMe: 512 KiB of DRAM for 16 pages of 64 KiB, so a batch holds both); each of 20 raw
+ * connections leases it, sends a GET of it and closes at once. The daemon serves on: the leases
+ * given back, the path read whole, and it stops cleanly.
  */
-Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
+static void close_while_a_shared_get_reads(const char *const *tiers_args, uint8_t t1, uint8_t t2)
 {
     kvd_t d = {0};
-    kvd_start(&d, "--loops", "2", "--dram-bytes", "512K", "--nvme-bytes", "64M", "--tick-ms",
-              "10000", NULL);
+    const char *argv[16] = {"--loops", "2", "--tick-ms", "10000"};
+    for (int i = 0; tiers_args[i]; i++)
+        argv[4 + i] = tiers_args[i];
+    kvd_startv(&d, argv);
     enum { P = 16 };
     kvt_client_t *c0 = kvd_client(&d, "m", PAGE, SBB);
     static uint32_t tok[P * PAGE];
@@ -2928,8 +3074,8 @@ Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
     cr_assert_eq(kvt_client_match(c0, tok, P * PAGE, 0, 0, NULL, &m), 0);
     cr_assert_eq(m.pages, P);
-    cr_assert(memchr(tiers, KVT_CLIENT_TIER_DRAM, P) && memchr(tiers, KVT_CLIENT_TIER_NVME, P),
-              "the path lies in DRAM and NVMe");
+    cr_assert(memchr(tiers, t1, P) && memchr(tiers, t2, P), "the path lies in %s and %s",
+              kvt_tier_name((kvt_tier_id_t)t1), kvt_tier_name((kvt_tier_id_t)t2));
     for (int round = 0; round < 20; round++) {
         int fd = kvd_raw(&d);
         uint64_t lease = raw_lease(fd, "m", PAGE, SBB, tok, P * PAGE, body, sizeof body);
@@ -2955,6 +3101,24 @@ Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
     kvt_client_close(c0);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
+}
+
+Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
+{
+    static const char *const t[] = {"--dram-bytes", "512K", "--nvme-bytes", "64M", NULL};
+    close_while_a_shared_get_reads(t, KVT_CLIENT_TIER_DRAM, KVT_CLIENT_TIER_NVME);
+}
+
+/* The same with every page in the remote tier: the orphan's reads complete on loop 0 when the
+ * redis-server answers, their read counts let go from loop 1's table. */
+Test(server_loops, a_close_while_a_shared_get_reads_from_remote)
+{
+    char pfx[64];
+    loops_redis_prefix(pfx, sizeof pfx);
+    const char *const t[] = {
+        "--dram-bytes",    "0", "--nvme-bytes",   "0",   "--remote", kvd_redis(),
+        "--remote-prefix", pfx, "--remote-bytes", "64M", NULL};
+    close_while_a_shared_get_reads(t, KVT_CLIENT_TIER_REMOTE, KVT_CLIENT_TIER_REMOTE);
 }
 
 typedef struct nvme_matcher {

@@ -6,14 +6,16 @@
  * miss reason, not an error; values overwritten with far more than a block are refused unbuffered
  * and counted (kvtier_remote_oversized_values_total) while the connection stays up; a PUT's
  * pages that NVMe cannot place (its segments all pinned) go on to Redis; a daemon whose writes
- * time out and land late deletes no key another daemon stored. One test stands up a fake server
- * of its own whose GET answers have the wrong type.
+ * time out and land late deletes no key another daemon stored; a GET on loop 1 whose server stops
+ * answering holds up nothing else on its loop and ends at its read's deadline. One test stands up
+ * a fake server of its own whose GET answers have the wrong type.
  */
 #include <strings.h>
 #include <time.h>
 
 #include "proto.h"
 #include "test_server_harness.h"
+#include "test_raw_frames.h"
 
 static unsigned long long now_ns_test(void)
 {
@@ -24,14 +26,6 @@ static unsigned long long now_ns_test(void)
 
 #define PAGE 16
 #define BB   16384
-
-static const char *redis_addr(void)
-{
-    const char *a = getenv("KVT_TEST_REDIS");
-    if (!a || !*a)
-        cr_skip_test("KVT_TEST_REDIS is not set: no redis-server to test against");
-    return a;
-}
 
 static void prefix(char *buf, size_t len)
 {
@@ -66,7 +60,7 @@ static void get_all(kvt_client_t *c, uint64_t lease, uint32_t pages, uint32_t se
 
 Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_t d = {0};
@@ -135,7 +129,7 @@ Test(server_remote, blocks_past_dram_and_nvme_land_in_redis_and_read_back)
  */
 Test(server_remote, pages_nvme_cannot_place_go_on_to_redis)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_t d = {0};
@@ -228,7 +222,7 @@ Test(server_remote, remove_is_answered_while_demotions_to_a_dead_remote_fail)
  * locally (every block it stores goes to the shared server), b has the default tiers. */
 static void two_daemons_one_remote(kvd_t *a, kvd_t *b)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_start(a, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix", pfx,
@@ -287,7 +281,7 @@ Test(server_remote, second_daemon_finds_the_first_ones_prefix)
  * index-only, every time. */
 Test(server_remote, a_full_remote_tier_takes_the_blocks_a_probe_finds)
 {
-    const char *addr = redis_addr();
+    const char *addr = kvd_redis();
     char pfx[64];
     prefix(pfx, sizeof pfx);
     kvd_t a = {0}, b = {0};
@@ -948,6 +942,81 @@ Test(server_remote, a_late_write_by_one_daemon_deletes_no_key_another_stored)
     kvt_client_close(cb);
     kvd_cleanup(&a);
     kvd_cleanup(&b);
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
+    kvd_rmrf(dir);
+}
+
+/*
+ * A remote read that hangs (the server stopped: SIGSTOP) holds up no other connection of the
+ * GET's loop (issue 42: the GET's read is submitted under the shared lock and loop 0 sends it;
+ * the loop goes back to its other connections meanwhile): with two loops, a raw connection on
+ * loop 1 GETs a leased remote path while the server is stopped, and another client of loop 1 is
+ * answered a PING and a MATCH before that GET's reply comes. The GET then ends at its read's
+ * deadline (remote-timeout-ms) with ETIMEDOUT and no page, as the write path's did; once the
+ * server goes on, the path reads back whole.
+ */
+Test(server_remote, a_stopped_server_holds_up_no_other_connection_of_the_gets_loop)
+{
+    enum { P = 4 };
+    char dir[512], addr[64];
+    uint16_t port;
+    pid_t redis = own_redis(dir, sizeof dir, &port);
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr,
+              "--remote-timeout-ms", "2000", "--tick-ms", "10000", NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB);
+    int fd = kvd_raw(&d);
+    kvt_client_t *z0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 2, "the raw connection and c1 are loop 1's");
+    uint32_t tok[P * PAGE];
+    kvd_tokens(tok, P * PAGE, 4400000u);
+    kvt_client_put_t r;
+    put_all(c1, tok, P, 440, &r);
+    cr_assert_eq(r.stored, P);
+    static uint8_t body[P * BB + 4096];
+    uint64_t lease = raw_lease(fd, "m", PAGE, BB, tok, P * PAGE, body, sizeof body);
+
+    kill(redis, SIGSTOP);
+    kvt_wire_get_t gw = {.lease = lease};
+    uint8_t f[KVT_PROTO_HDR + sizeof gw];
+    kvt_proto_frame(f, KVT_OP_GET, 0, 7, 0, sizeof gw);
+    memcpy(f + KVT_PROTO_HDR, &gw, sizeof gw);
+    cr_assert_eq(write(fd, f, sizeof f), (ssize_t)sizeof f);
+    cr_expect_eq(kvt_client_ping(c1, NULL), 0, "loop 1 answers c1's PING");
+    kvt_client_match_t m = {0};
+    cr_expect_eq(kvt_client_match(c1, tok, P * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, P, "and its MATCH");
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
+    cr_expect_eq(poll(&pf, 1, 0), 0, "before the GET on the stopped server is answered");
+    kvt_proto_hdr_t h;
+    read_reply_frame(fd, &h, body, sizeof body);
+    cr_expect_eq(h.request_id, 7);
+    cr_expect_eq(h.status, KVT_ETIMEDOUT, "the GET ends at its read's deadline: %d", h.status);
+    cr_expect_eq(h.body_len, sizeof(kvt_wire_get_end_t), "with its end frame only");
+    cr_expect_eq(scraped(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 1,
+                 "the GET was planned under the shared lock");
+    kill(redis, SIGCONT);
+
+    m = (kvt_client_match_t){0};
+    cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    int rc = -1;
+    uint8_t *buf = malloc((size_t)P * BB);
+    for (int i = 0; i < 100 && rc != 0; i++) { /* the connection comes back after its stall */
+        uint32_t got = 0;
+        if ((rc = kvt_client_get(c1, m.lease, 0, P, buf, (size_t)P * BB, &got, NULL)) != 0)
+            usleep(50000);
+    }
+    free(buf);
+    cr_expect_eq(rc, 0, "the server back, the GET reads: %s", kvt_client_strerror(rc));
+    get_all(c1, m.lease, P, 440, NULL);
+    close(fd);
+    kvt_client_close(c0);
+    kvt_client_close(z0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
     kill(redis, SIGKILL);
     waitpid(redis, NULL, 0);
     kvd_rmrf(dir);
