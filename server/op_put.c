@@ -195,9 +195,9 @@ static int put_start(kvt_srv_t *s, kvt__io_t *x, kvt_tier_id_t id, int apart)
  * tier's least valuable pages go), so that a full cache takes new pages instead of refusing every
  * run larger than its watermarks' headroom. With apart, the write's copy and checksum are left to
  * kvt__put_apart (put_start). Returns 0, or the refusal of the last one asked (x->tier then as it
- * was). A write to NVMe left so that its tier refuses when it is submitted goes to the tiers below
- * as one refused after its tier queued it does (put_done), without a second pass making room in
- * NVMe.
+ * was). An NVMe write left for later that its tier refuses when it is submitted (put_submit) goes
+ * to the tiers below as one refused after its tier queued it does (put_done), without a second
+ * pass making room in NVMe.
  */
 static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
 {
