@@ -419,8 +419,8 @@ static void put_submit(kvt_srv_t *s, kvt__req_t *r)
     }
 }
 
-/* KVT_DEBUG_PUT_GATE names a file; while it exists, the copies wait (tests/test_server_loops.c
- * holds a PUT inside its copy with it). Unset: nothing. */
+/* KVT_DEBUG_PUT_GATE names a file; while it exists, the copies and the NVMe pages' preparation
+ * wait (tests/test_server_loops.c holds a PUT inside that phase with it). Unset: nothing. */
 static void put_gate(const kvt_srv_t *s)
 {
     while (s->put_gate && access(s->put_gate, F_OK) == 0)
