@@ -83,7 +83,11 @@
  *          fresh 256 KiB, then 2 MiB, pages as fast as it can, against the same MATCHes beside
  *          an idle connection, alternating round by round: the MATCHes' rate, p50, p99 and max
  *          with and without the PUTs, and the writer's pages per second beside them and alone
- *          (bench_loops_put).
+ *          (bench_loops_put), the daemon's CPU per page the writer stored alone and the payload
+ *          bytes its NVMe tier bounced per page. --nvme gives that daemon no DRAM tier
+ *          (dram-bytes 0, its data file under --nvme-dir as loops --nvme's): every PUT's page
+ *          goes to NVMe, hashed for its record and copied aligned (issue 42, a PUT's NVMe page
+ *          with the lock let go).
  *   lease  An engine's connection with --held leases out (requests in flight): batches of MATCH
  *          with a lease, then RELEASE of each, pipelined through libkvtier on the Unix socket.
  *          Baseline: the same with no other lease held, the two alternating in short loads
@@ -2297,6 +2301,23 @@ static int bench_loops_nvme(const opts_t *o)
 
 /* ---- MATCH beside another loop's PUTs: what the PUT's write lock costs the MATCHes ---- */
 
+/* loops_put --nvme: the daemon's data directory (g_nvme_dirs[0], removed at exit) under
+ * --nvme-dir, on a disk that takes O_DIRECT (else -1: loops --nvme's exit 77 is for a run that
+ * is only NVMe; this one names the flag). */
+static int loops_put_nvme(const opts_t *o)
+{
+    if (!direct_ok(o->nvme_dir))
+        return -1;
+    if (snprintf(g_nvme_dirs[0], PATH_MAX, "%s/kvtbench-nvme.XXXXXX", o->nvme_dir) >= PATH_MAX ||
+        !mkdtemp(g_nvme_dirs[0])) {
+        fprintf(stderr, "bench_server: no NVMe directory under %s: %s\n", o->nvme_dir,
+                strerror(errno));
+        g_nvme_dirs[0][0] = 0;
+        return -1;
+    }
+    return 0;
+}
+
 static volatile sig_atomic_t g_puts_stop;
 
 static void puts_stop(int sig)
@@ -2391,21 +2412,34 @@ static int writer_stop(writer_t *w, double *pages, uint64_t *seen)
     return w->pid > 0 ? rc : -1;
 }
 
+/* What the writer cost the daemon: its CPU per page stored alone, each round's, and the payload
+ * bytes the NVMe tier bounced per page over every writer's pages. */
+typedef struct put_cost {
+    double cpu_us[9];
+    uint64_t bounced, pages;
+} put_cost_t;
+
 static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t *quiet,
                            const result_t *busy, double *max_quiet, double *max_busy,
-                           double put_pages_per_s, double alone_pages_per_s, uint64_t seen)
+                           double put_pages_per_s, double alone_pages_per_s, uint64_t seen,
+                           put_cost_t *cost)
 {
+    double cpu = bench_median(cost->cpu_us, o->rounds); /* sorts them: min and max after */
     printf("{\"op\":\"loops_put\",\"transport\":\"unix\",\"loops\":2,\"conns\":%d,\"pipeline\":%d,"
+           "\"put_tier\":\"%s\",\"put_cpu_us_per_page\":%.1f,\"put_cpu_us_per_page_min\":%.1f,"
+           "\"put_cpu_us_per_page_max\":%.1f,\"put_bounced_bytes_per_page\":%.0f,"
            "\"put_block_bytes\":%u,\"put_pages_per_s\":%.0f,\"put_alone_pages_per_s\":%.0f,"
            "\"put_pages_indexed_before\":%llu,"
            "\"requests_per_s\":%.0f,"
            "\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f,\"baseline\":\"the same MATCHes, "
            "no PUTs\",\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
            "\"baseline_p99_us\":%.1f,\"baseline_max_us\":%.1f,\"ratio\":%.3f,\"rounds\":%d}\n",
-           o->conns, o->pipeline, block_bytes, put_pages_per_s, alone_pages_per_s,
-           (unsigned long long)seen, busy->rps, busy->p50_us, busy->p99_us,
-           bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us, quiet->p99_us,
-           bench_median(max_quiet, o->rounds), busy->rps / quiet->rps, o->rounds);
+           o->conns, o->pipeline, o->nvme ? "nvme" : "dram", cpu, cost->cpu_us[0],
+           cost->cpu_us[o->rounds - 1],
+           cost->pages ? (double)cost->bounced / (double)cost->pages : 0, block_bytes,
+           put_pages_per_s, alone_pages_per_s, (unsigned long long)seen, busy->rps, busy->p50_us,
+           busy->p99_us, bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us,
+           quiet->p99_us, bench_median(max_quiet, o->rounds), busy->rps / quiet->rps, o->rounds);
     fflush(stdout);
 }
 
@@ -2418,15 +2452,26 @@ static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t
  * followed by an idle one (load_t.pad). Prints the MATCHes' rate, p50, p99 (the median round's)
  * and max (the rounds' median) with and without the PUTs, and the PUT pages stored per second
  * beside the MATCHes and alone (the writer again, as long, with no MATCH load: on a small machine
- * the MATCHes' CPU slows the writer too, whatever the lock does).
+ * the MATCHes' CPU slows the writer too, whatever the lock does), the daemon's CPU per page while
+ * the writer ran alone, and the NVMe tier's bounced bytes per page (STATS nvme_bounced_bytes).
+ * With --nvme the daemon has no DRAM tier and 2 GiB of NVMe (loops_put_nvme).
  */
 static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
 {
     static const uint32_t sizes[] = {256u << 10, 2u << 20};
-    char sock[sizeof((load_t *)0)->sock];
+    char sock[sizeof((load_t *)0)->sock], seg[32];
     if (snprintf(sock, sizeof sock, "%s/loops_put.sock", g_dir) >= (int)sizeof sock)
         return -1;
-    const char *extra[] = {"--unix", "loops_put.sock", "--tcp", "", "--loops", "2", NULL};
+    snprintf(seg, sizeof seg, "%u", KVT_NVME_SEG);
+    /* clang-format off */
+    const char *extra[] = {"--unix", "loops_put.sock", "--tcp", "", "--loops", "2",
+                           "--dram-bytes", "0", "--nvme-bytes", "2G", "--nvme-segment-bytes", seg,
+                           "--data-dir", g_nvme_dirs[0], NULL};
+    /* clang-format on */
+    if (!o->nvme)
+        extra[6] = NULL;
+    else if (loops_put_nvme(o) < 0)
+        return -1;
     g_loops_kvd[0] = spawn_kvtierd(o, "loops_put.log", extra);
     load_t match = {.o = o, .server = g_loops_kvd[0], .pad = 1};
     double avg;
@@ -2440,7 +2485,8 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
     for (size_t z = 0; z < KVT_ARRAY_LEN(sizes); z++) {
         result_t quiet[9], busy[9];
         double max_quiet[9], max_busy[9], pages = 0, secs = 0, alone = 0;
-        uint64_t seen = 0;
+        uint64_t seen = 0, bounced0 = loop_stat(sock, "nvme_bounced_bytes", 0);
+        put_cost_t cost = {.pages = 0};
         for (int r = 0; r < o->rounds; r++) {
             /* The baseline: an idle connection where the writer's goes. */
             int idle = connect_unix(sock);
@@ -2464,11 +2510,16 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             pages += stored;
             max_busy[r] = busy[r].max_us;
             /* The writer alone for as long: what the MATCHes cost its rate (on a small machine,
-             * their CPU more than the lock). */
+             * their CPU more than the lock), and the daemon's CPU per page. */
+            uint64_t c0 = proc_cpu_ns(g_loops_kvd[0]);
             if (rc == 0 && writer_start(&w, sock, sizes[z], &runs) == 0)
                 usleep((useconds_t)(busy_s * 1e6));
             if (writer_stop(&w, &alone_pages, &seen) < 0)
                 rc = -1;
+            cost.cpu_us[r] = alone_pages > 0
+                                 ? (double)(proc_cpu_ns(g_loops_kvd[0]) - c0) / 1e3 / alone_pages
+                                 : 0;
+            cost.pages += (uint64_t)(stored + alone_pages);
             alone += alone_pages;
             if (rc < 0) {
                 fprintf(stderr, "bench_server: the loops_put load failed (%u-byte pages)\n",
@@ -2478,7 +2529,9 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             usleep(50000);
         }
         result_t q = median_round(quiet, o->rounds), b = median_round(busy, o->rounds);
-        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs, alone / secs, seen);
+        cost.bounced = loop_stat(sock, "nvme_bounced_bytes", 0) - bounced0;
+        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs, alone / secs, seen,
+                       &cost);
         if (seen > 0) { /* its pages/s would count what other writers stored: not the rate */
             fprintf(stderr, "bench_server: loops_put's writers PUT %llu pages already indexed\n",
                     (unsigned long long)seen);
@@ -2617,14 +2670,15 @@ int main(int argc, char **argv)
         o.held > LEASE_HELD_MAX || o.kept < 1 || o.kept > KEPT_MAX ||
         (strcmp(o.transport, "unix") && strcmp(o.transport, "tcp") && strcmp(o.transport, "all")) ||
         !ops_valid(o.ops) ||
-        ((o.nvme || o.nvme_dir || o.remote) && (strcmp(o.ops, "loops") || o.locate)) ||
-        (o.remote && (o.nvme || o.nvme_dir))) {
+        ((o.nvme || o.nvme_dir || o.remote) &&
+         ((strcmp(o.ops, "loops") && strcmp(o.ops, "loops_put")) || o.locate)) ||
+        (o.remote && (o.nvme || o.nvme_dir || strcmp(o.ops, "loops")))) {
         fprintf(stderr,
                 "bench_server: a trace path is required; 1..64 conns; block 4K..16M; "
                 "held 0..%d; kept 1..%d; ops match, get, lease, conns, fill or all, several "
                 "with commas (get,conns,match), or loops, loops_put or kept alone; transport "
-                "unix, tcp or all; --nvme and --nvme-dir, or --remote, with --ops loops, "
-                "without --locate\n",
+                "unix, tcp or all; --nvme and --nvme-dir with --ops loops or loops_put, or "
+                "--remote with --ops loops, without --locate\n",
                 LEASE_HELD_MAX, KEPT_MAX);
         return 2;
     }
@@ -2692,14 +2746,14 @@ int main(int argc, char **argv)
     }
 
     int status = 0;
+    /* Absolute: the daemons run in the scratch directory. */
+    static char nvme_dir[PATH_MAX];
+    o.nvme_dir = o.nvme_dir ? realpath(o.nvme_dir, nvme_dir) : g_dir;
+    if (!o.nvme_dir) {
+        fprintf(stderr, "bench_server: --nvme-dir: %s\n", strerror(errno));
+        return 1;
+    }
     if (!strcmp(o.ops, "loops")) { /* its own daemons; not part of "all" (benchmark server_loops) */
-        /* Absolute: the daemons run in the scratch directory. */
-        static char nvme_dir[PATH_MAX];
-        o.nvme_dir = o.nvme_dir ? realpath(o.nvme_dir, nvme_dir) : g_dir;
-        if (!o.nvme_dir) {
-            fprintf(stderr, "bench_server: --nvme-dir: %s\n", strerror(errno));
-            return 1;
-        }
         snprintf(o.remote_addr, sizeof o.remote_addr, "127.0.0.1:%d", rport);
         status = o.nvme || o.remote ? bench_loops_nvme(&o) : (bench_loops(&o, tr) < 0);
         kvt_trace_free(tr);

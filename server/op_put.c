@@ -8,7 +8,8 @@
  * A page that goes to DRAM is only allocated by the handler, under the write lock; its loop copies
  * the bytes in with the lock let go after its batch of events (kvt__put_apart), and the request
  * is answered once its copies and its other writes are done (docs/architecture.md, "Event loops":
- * "PUT's copy outside the lock").
+ * "PUT's copy outside the lock"). A page that goes to NVMe is decided there too but submitted
+ * after that phase, which hashes its record and copies it to an aligned buffer (put_prepare).
  *
  * RESERVE and COMMIT are the same PUT written by a local client through its mapping (op_map.c):
  * RESERVE runs the state machine with no payload, its writes only allocating room in the
@@ -40,6 +41,9 @@ typedef struct kvt__landed {
     /* A DRAM page allocated but not written yet: where kvt__put_apart copies its bytes. Written
      * by the handler, read by the loop's copy; put_done writes the other fields meanwhile. */
     uint8_t *dst;
+    /* An NVMe write decided by the handler and not submitted yet: kvt__put_apart readies it with
+     * the lock let go (put_prepare) and submits it after (put_submit). */
+    kvt__io_t *later;
 } kvt__landed_t;
 
 /* A payload page of r not stored, and why. */
@@ -151,20 +155,54 @@ static int put_passes_on(int rc)
     return rc == KVT_ENOSPC || rc == KVT_EAGAIN || rc == KVT_ETOOBIG || rc == KVT_EUNAVAIL;
 }
 
+/* The landing record of x's page. */
+static kvt__landed_t *put_landed(const kvt__io_t *x)
+{
+    return (kvt__landed_t *)x->req->extra + (x->depth - x->req->put.first);
+}
+
+/*
+ * Starts x's write into tier id, or with apart leaves its CPU work to the loop's phase with the
+ * lock let go: a DRAM write only allocates (its copy: put_copy), an NVMe write is not submitted
+ * yet (its checksum and aligned copy: put_prepare). Returns 0 or the tier's refusal.
+ */
+static int put_start(kvt_srv_t *s, kvt__io_t *x, kvt_tier_id_t id, int apart)
+{
+    kvt__landed_t *l = put_landed(x);
+    if (apart && id == KVT_TIER_NVME) {
+        l->later = x;
+        return 0;
+    }
+    void *buf = x->io.buf;
+    int later = apart && id == KVT_TIER_DRAM;
+    if (later)
+        x->io.buf = NULL;
+    int rc = kvt__tier_write(s, id, &x->io);
+    x->io.buf = buf;
+    /* DRAM answers at once (its completion is queued): the location is there. */
+    if (rc == 0 && later) {
+        l->dst = kvt__tier_loc_ptr(s, id, x->io.loc);
+        kvt_assert(l->dst); /* else the page would be published unwritten */
+    }
+    return rc;
+}
+
 /*
  * Writes a PUT's page into the first tier of kvt_order[from ..] that takes it, holding room for
  * it in that tier's policy accounting until the PUT is adopted, so that the tier's watermarks see
  * the writes in flight (x->tier and the page's held say which). A first pass takes only room
  * there is; when no tier has any, a second makes room as the policy's own inserts do (the lowest
  * tier's least valuable pages go), so that a full cache takes new pages instead of refusing every
- * run larger than its watermarks' headroom. With apart, a DRAM write only allocates the page
- * (as a reservation's does) and the page's dst says where kvt__put_apart copies it. Returns 0, or
- * the refusal of the last one asked (x->tier then as it was).
+ * run larger than its watermarks' headroom. With apart, the write's copy and checksum are left to
+ * kvt__put_apart (put_start). Returns 0, or the refusal of the last one asked (x->tier then as it
+ * was). An NVMe write left for later that its tier refuses when it is submitted (put_submit) goes
+ * to the tiers below as one refused after its tier queued it does (put_done), without a second
+ * pass making room in NVMe.
  */
 static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
 {
     kvt__req_t *r = x->req;
-    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
+    kvt__landed_t *l = put_landed(x);
     uint8_t was = x->tier;
     int rc = KVT_ENOSPC;
     for (int room = 0; room < 2 && put_passes_on(rc); room++) {
@@ -190,20 +228,9 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
             if ((rc = kvt_policy_hold(s->policy, id, x->io.len, room)) < 0)
                 continue;
             x->tier = (uint8_t)id;
-            void *buf = x->io.buf;
-            int later = apart && id == KVT_TIER_DRAM;
-            if (later)
-                x->io.buf = NULL;
-            rc = kvt__tier_write(s, id, &x->io);
-            x->io.buf = buf;
-            if (rc < 0) {
+            if ((rc = put_start(s, x, id, apart)) < 0) {
                 kvt_policy_unhold(s->policy, id, x->io.len);
                 continue;
-            }
-            /* DRAM answers at once (its completion is queued): the location is there. */
-            if (later) {
-                l->dst = kvt__tier_loc_ptr(s, id, x->io.loc);
-                kvt_assert(l->dst); /* else the page would be published unwritten */
             }
             l->held = (uint8_t)id;
             if (room)
@@ -215,30 +242,27 @@ static int put_write(kvt_srv_t *s, kvt__io_t *x, size_t from, int apart)
     return rc;
 }
 
-static void put_done(kvt_tier_io_t *io)
+/* x's write refused by its tier in a way the tiers below may take (put_passes_on): its hold on
+ * the refused tier's room goes, and the next tier down that takes it gets it. Returns 0 when one
+ * did (x->tier names it), else its refusal (x->tier as it was). */
+static int put_pass_on(kvt_srv_t *s, kvt__io_t *x)
 {
-    kvt__io_t *x = io->data;
+    uint8_t failed = x->tier;
+    size_t i = 0;
+    kvt_policy_unhold(s->policy, (kvt_tier_id_t)failed, x->io.len);
+    put_landed(x)->held = KVT_TIER_NONE;
+    while (i < KVT_ARRAY_LEN(kvt_order) && kvt_order[i] != failed)
+        i++;
+    return put_write(s, x, i + 1, 0);
+}
+
+/* x's write is over (x->io.status): where it landed goes in its landing record, or the page is
+ * counted as skipped; x goes, and the request is answered if it was its last piece. */
+static void put_end(kvt_srv_t *s, kvt__io_t *x)
+{
     kvt__req_t *r = x->req;
-    kvt_srv_t *s = x->req->srv;
-    kvt__landed_t *l = (kvt__landed_t *)r->extra + (x->depth - r->put.first);
-    if (io->status < 0 && put_passes_on(io->status)) {
-        /* Refused after it was taken (the tier queued it): the tiers below may take it. The
-         * refused write counts as that tier's failed I/O; the request keeps waiting. */
-        uint8_t failed = x->tier;
-        uint64_t now = kvt_now_ns();
-        size_t i = 0;
-        kvt_policy_unhold(s->policy, (kvt_tier_id_t)failed, x->io.len);
-        l->held = KVT_TIER_NONE;
-        while (i < KVT_ARRAY_LEN(kvt_order) && kvt_order[i] != failed)
-            i++;
-        if (put_write(s, x, i + 1, 0) == 0) {
-            unsigned series = kvt__tier_io(failed, 1);
-            kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, now - x->start_ns);
-            kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
-            x->start_ns = now;
-            return;
-        }
-    }
+    kvt_tier_io_t *io = &x->io;
+    kvt__landed_t *l = put_landed(x);
     if (io->status == 0) {
         l->tier = x->tier;
         l->loc = io->loc;
@@ -250,9 +274,30 @@ static void put_done(kvt_tier_io_t *io)
         put_skip(s, r, put_passes_on(io->status) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
     }
     int last = kvt__io_finished(s, x, io->status, 1);
+    free(x->buf);
     free(x);
     if (last)
         put_reply(s, r);
+}
+
+static void put_done(kvt_tier_io_t *io)
+{
+    kvt__io_t *x = io->data;
+    kvt_srv_t *s = x->req->srv;
+    if (io->status < 0 && put_passes_on(io->status)) {
+        /* Refused after it was taken (the tier queued it): the tiers below may take it. The
+         * refused write counts as that tier's failed I/O; the request keeps waiting. */
+        uint8_t failed = x->tier;
+        uint64_t now = kvt_now_ns();
+        if (put_pass_on(s, x) == 0) {
+            unsigned series = kvt__tier_io(failed, 1);
+            kvt__metric_observe(s->metrics, KVT_M_TIER_IO_SECONDS, series, now - x->start_ns);
+            kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, series, 1);
+            x->start_ns = now;
+            return;
+        }
+    }
+    put_end(s, x);
 }
 
 int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
@@ -299,14 +344,14 @@ int kvt__store_put(kvt_srv_t *s, kvt__req_t *r)
     return 0;
 }
 
-/* The payload pages r left for its loop to copy into DRAM (kvt__landed_t.dst), if any: r goes on
- * its loop's apart list, its copies counted as one piece in flight, so that no completion answers
- * it, nor lets its pages be seen, before they are written. */
+/* The payload pages r left for its loop to copy into DRAM (kvt__landed_t.dst) or to ready for
+ * NVMe (later), if any: r goes on its loop's apart list, that work counted as one piece in
+ * flight, so that no completion answers it, nor lets its pages be seen, before it is done. */
 static void put_apart_queue(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt__landed_t *l = r->extra;
     for (uint32_t i = 0; l && i < r->put.end - r->put.first; i++)
-        if (l[i].dst) {
+        if (l[i].dst || l[i].later) {
             kvt__io_started(s, r);
             r->put.apart_next = r->conn->loop->apart;
             r->conn->loop->apart = r;
@@ -324,8 +369,58 @@ static void put_copy(const kvt__req_t *r)
             memcpy(l[i].dst, r->payload + (size_t)i * r->block_bytes, r->block_bytes);
 }
 
-/* KVT_DEBUG_PUT_GATE names a file; while it exists, the copies wait (tests/test_server_loops.c
- * holds a PUT inside its copy with it). Unset: nothing. */
+/* x's payload in a KVT_TIER_DIRECT_ALIGN-aligned buffer of its own (x->buf) when it does not lie
+ * aligned in the frame, so that the NVMe tier writes it in place rather than copy it into a
+ * bounce buffer when the write starts, under the lock. Out of memory, the tier bounces it. */
+static void put_align(kvt__io_t *x)
+{
+    void *buf;
+    if ((uintptr_t)x->io.buf % KVT_TIER_DIRECT_ALIGN == 0 ||
+        posix_memalign(&buf, KVT_TIER_DIRECT_ALIGN, x->io.len) != 0)
+        return;
+    memcpy(buf, x->io.buf, x->io.len);
+    x->buf = buf;
+    x->io.buf = buf;
+}
+
+/* r's NVMe pages readied for their writes with the lock let go: aligned (put_align), and their
+ * records' checksums made (kvt_tier_write_prepare), so that starting the write, under the lock,
+ * only encodes the header. Each x is r's alone until put_submit (nothing has been submitted);
+ * the tier's pointer does not change while the daemon runs. Unprepared (it cannot fail for a
+ * PUT's io), the write is hashed when it starts, as any other. */
+static void put_prepare(kvt_srv_t *s, const kvt__req_t *r)
+{
+    const kvt__landed_t *l = r->extra;
+    for (uint32_t i = 0; i < r->put.end - r->put.first; i++) {
+        kvt__io_t *x = l[i].later;
+        if (!x)
+            continue;
+        put_align(x);
+        (void)kvt_tier_write_prepare(s->tiers[KVT_TIER_NVME], &x->io);
+    }
+}
+
+/* r's NVMe pages readied by put_prepare submitted, under the write lock. One the tier refuses
+ * goes down as put_done sends one refused later, or is counted as failed. */
+static void put_submit(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt__landed_t *l = r->extra;
+    for (uint32_t i = 0; i < r->put.end - r->put.first; i++) {
+        kvt__io_t *x = l[i].later;
+        if (!x)
+            continue;
+        l[i].later = NULL;
+        x->start_ns = kvt_now_ns();
+        int rc = kvt__tier_write(s, KVT_TIER_NVME, &x->io);
+        if (rc == 0 || (put_passes_on(rc) && put_pass_on(s, x) == 0))
+            continue;
+        x->io.status = rc;
+        put_end(s, x);
+    }
+}
+
+/* KVT_DEBUG_PUT_GATE names a file; while it exists, the copies and the NVMe pages' preparation
+ * wait (tests/test_server_loops.c holds a PUT inside that phase with it). Unset: nothing. */
 static void put_gate(const kvt_srv_t *s)
 {
     while (s->put_gate && access(s->put_gate, F_OK) == 0)
@@ -342,13 +437,16 @@ void kvt__put_apart(kvt__loop_t *l)
     if (s->loops_running) /* with one loop, no one else would run meanwhile */
         kvt__loop_hold(l, KVT_HELD_NONE);
     put_gate(s);
-    for (kvt__req_t *r = list; r; r = r->put.apart_next)
+    for (kvt__req_t *r = list; r; r = r->put.apart_next) {
         put_copy(r);
+        put_prepare(s, r);
+    }
     kvt__loop_hold(l, KVT_HELD_WRITE);
     while (list) {
         kvt__req_t *r = list;
         list = r->put.apart_next;
         r->put.apart_next = NULL;
+        put_submit(s, r);
         if (kvt__io_ended(s, r))
             put_reply(s, r);
     }

@@ -108,7 +108,8 @@ typedef struct kvt__io {
     uint8_t is_copy; /* through kvt_tier_copy */
     uint64_t start_ns;
     uint64_t src_loc;
-    uint8_t *buf;      /* GET: the read buffer of a block from a non-memory tier */
+    uint8_t *buf;      /* GET: the read buffer of a block from a non-memory tier; PUT: the payload
+                          copied aligned for an NVMe write (op_put.c, put_align) */
     uint32_t tokens[]; /* the page's tokens: key.tokens points here */
 } kvt__io_t;
 

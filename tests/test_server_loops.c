@@ -2114,14 +2114,15 @@ static void *putter_main(void *arg)
 }
 
 /* A daemon with loops loops and its gate's path ("" with one loop: no gate), and two clients of
- * PBB pages: a first (loop 0's), b (loop 1's with two loops). */
+ * PBB pages: a first (loop 0's), b (loop 1's with two loops). With nvme, no DRAM tier: every
+ * page goes to NVMe. */
 typedef struct put_fix {
     kvd_t d;
     char gate[700];
     kvt_client_t *a, *b;
 } put_fix_t;
 
-static void put_fix_start(put_fix_t *f, const char *loops)
+static void put_fix_start(put_fix_t *f, const char *loops, int nvme)
 {
     kvd_mkdir(&f->d);
     snprintf(f->gate, sizeof f->gate, "%s/put-gate", f->d.dir);
@@ -2129,7 +2130,11 @@ static void put_fix_start(put_fix_t *f, const char *loops)
         setenv("KVT_DEBUG_PUT_GATE", f->gate, 1);
     else
         f->gate[0] = 0;
-    kvd_start(&f->d, "--loops", loops, NULL);
+    if (nvme)
+        kvd_start(&f->d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
+                  "--nvme-segment-bytes", "8M", NULL);
+    else
+        kvd_start(&f->d, "--loops", loops, NULL);
     unsetenv("KVT_DEBUG_PUT_GATE");
     f->a = kvd_client(&f->d, "p", PAGE, PBB);
     f->b = kvd_client(&f->d, "p", PAGE, PBB);
@@ -2161,10 +2166,12 @@ static void put_wait_index(kvt_client_t *c, uint64_t n)
     cr_assert_geq(kvd_stat(c, "index_blocks"), n, "the PUT's pages are in the index");
 }
 
-static void put_copy_outside(const char *loops)
+/* With nvme, the pages go to NVMe: what the gate holds is their checksums and aligned copies
+ * (put_prepare), and none of them goes through the tier's bounce buffer. */
+static void put_copy_outside(const char *loops, int nvme)
 {
     put_fix_t f = {0};
-    put_fix_start(&f, loops);
+    put_fix_start(&f, loops, nvme);
     kvt_client_t *a = f.a, *b = f.b;
     const char *gate = f.gate;
     enum { P = 4 };
@@ -2200,19 +2207,35 @@ static void put_copy_outside(const char *loops)
     cr_assert_eq(m.pages, P);
     kvd_check_get(b, m.lease, 0, P, PBB, 91, tiers);
     for (int p = 0; p < P; p++)
-        cr_expect_eq(tiers[p], KVT_CLIENT_TIER_DRAM, "page %d", p);
+        cr_expect_eq(tiers[p], nvme ? KVT_CLIENT_TIER_NVME : KVT_CLIENT_TIER_DRAM, "page %d", p);
+    if (nvme)
+        cr_expect_eq(kvd_metric(&f.d, "kvtier_nvme_bounced_bytes_total"), 0,
+                     "the PUTs' pages were copied aligned apart, not bounced under the lock");
     cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
     put_fix_end(&f);
 }
 
 Test(server_loops, a_put_copies_its_pages_with_the_lock_let_go)
 {
-    put_copy_outside("2");
+    put_copy_outside("2", 0);
 }
 
 Test(server_loops, a_put_copies_its_pages_with_one_loop)
 {
-    put_copy_outside("1");
+    put_copy_outside("1", 0);
+}
+
+/* A PUT of NVMe pages (no DRAM tier) on loop 0 held in its checksums and aligned copies while loop
+ * 1 takes STATS and a MATCH: before, both were made when the write started, under the write lock
+ * (tiers/nvme.c, nvme_start_write), and loop 1's STATS waited out the client's timeout. */
+Test(server_loops, a_put_hashes_its_nvme_pages_with_the_lock_let_go)
+{
+    put_copy_outside("2", 1);
+}
+
+Test(server_loops, a_put_hashes_its_nvme_pages_with_one_loop)
+{
+    put_copy_outside("1", 1);
 }
 
 /* HELLO (model "p", PBB) and a PUT of pages pages on a raw socket; no reply read. */
@@ -2250,7 +2273,7 @@ static void raw_put(int fd, const uint32_t *tok, uint32_t pages, const uint8_t *
 static void put_copy_races(const char *loops)
 {
     put_fix_t f = {0};
-    put_fix_start(&f, loops);
+    put_fix_start(&f, loops, 0);
     kvt_client_t *a = f.a, *b = f.b;
     const char *gate = f.gate;
     enum { P = 4 };

@@ -101,13 +101,16 @@ static inline void tu_write_burst(kvt_tier_t *t, kvt_tier_io_t *ios, uint32_t (*
     }
 }
 
-/* Synchronous write: returns the submit error or the completion status. */
-static inline int tu_write(kvt_tier_t *t, const kvt_block_key_t *key, const void *buf, uint32_t len,
-                           uint64_t *loc)
+/* Synchronous write, with prepare its checksum made first (kvt_tier_write_prepare): returns the
+ * submit error or the completion status. */
+static inline int tu_write_as(kvt_tier_t *t, const kvt_block_key_t *key, const void *buf,
+                              uint32_t len, uint64_t *loc, int prepare)
 {
     int done = 0;
     kvt_tier_io_t io = {
         .key = *key, .buf = (void *)buf, .len = len, .cb = tu_count_cb, .data = &done};
+    if (prepare)
+        cr_assert_eq(kvt_tier_write_prepare(t, &io), 0);
     int rc = kvt_tier_write(t, &io);
     if (rc < 0)
         return rc;
@@ -116,6 +119,12 @@ static inline int tu_write(kvt_tier_t *t, const kvt_block_key_t *key, const void
     if (loc)
         *loc = io.loc;
     return io.status;
+}
+
+static inline int tu_write(kvt_tier_t *t, const kvt_block_key_t *key, const void *buf, uint32_t len,
+                           uint64_t *loc)
+{
+    return tu_write_as(t, key, buf, len, loc, 0);
 }
 
 /* Writes blocks 0 .. n-1 of len bytes one at a time, block i keyed tu_key(i) over tok and filled

@@ -39,10 +39,9 @@ static uint64_t blockhdr_sum(const uint8_t *hdr, uint32_t ntokens, const void *p
     return XXH3_64bits_digest(&st);
 }
 
-void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *payload, uint32_t len,
-                          uint64_t seq)
+/* The header's fields before its checksum (BLOCKHDR_SUMOFF bytes): the checksum's first piece. */
+static void blockhdr_head(uint8_t *p, const kvt_block_key_t *key, uint32_t len, uint64_t seq)
 {
-    uint8_t *p = dst;
     kvt_put_u32(p, BLOCKHDR_MAGIC);
     kvt_put_u16(p + 4, BLOCKHDR_VERSION);
     kvt_put_u16(p + 6, KVT_BLOCKHDR_BYTES);
@@ -53,9 +52,46 @@ void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *pay
     kvt_put_u64(p + 32, key->parent);
     kvt_put_u64(p + 40, seq);
     kvt_put_u64(p + 48, 0);
+}
+
+void kvt__blockhdr_encode_summed(void *dst, const kvt_block_key_t *key, uint32_t len, uint64_t seq,
+                                 uint64_t sum)
+{
+    uint8_t *p = dst;
+    blockhdr_head(p, key, len, seq);
     for (uint32_t i = 0; i < key->ntokens; i++)
         kvt_put_u32(p + KVT_BLOCKHDR_BYTES + 4 * i, key->tokens[i]);
+    kvt_put_u64(p + BLOCKHDR_SUMOFF, sum);
+}
+
+void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *payload, uint32_t len,
+                          uint64_t seq)
+{
+    uint8_t *p = dst;
+    kvt__blockhdr_encode_summed(p, key, len, seq, 0);
     kvt_put_u64(p + BLOCKHDR_SUMOFF, blockhdr_sum(p, key->ntokens, payload, len));
+}
+
+/* blockhdr_sum's stream with no header to read it from: the head and the tokens are encoded here
+ * a few at a time, as kvt__blockhdr_encode would lay them out. */
+uint64_t kvt__blockhdr_sum(const kvt_block_key_t *key, const void *payload, uint32_t len,
+                           uint64_t seq)
+{
+    uint8_t head[BLOCKHDR_SUMOFF], toks[256];
+    blockhdr_head(head, key, len, seq);
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, head, sizeof head);
+    for (uint32_t i = 0; i < key->ntokens;) {
+        uint32_t n = KVT_MIN(key->ntokens - i, (uint32_t)(sizeof toks / 4));
+        for (uint32_t j = 0; j < n; j++)
+            kvt_put_u32(toks + 4 * j, key->tokens[i + j]);
+        XXH3_64bits_update(&st, toks, (size_t)4 * n);
+        i += n;
+    }
+    if (len)
+        XXH3_64bits_update(&st, payload, len);
+    return XXH3_64bits_digest(&st);
 }
 
 int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info)

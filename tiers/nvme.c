@@ -20,9 +20,10 @@
  * and the stamp of the segment's current use (64 random bits drawn when the segment was opened
  * for writing), with its own checksum. The block header (blockhdr.c) carries the namespace,
  * prefix hash, parent hash, tokens, payload length, a sequence number and the XXH3 checksum of
- * it all. The payload starts on a sector boundary so that a 4 KiB-aligned caller buffer is read
- * and written in place (readv/writev: header region, the buffer, and a bounce sector for a
- * partial last sector).
+ * it all; a PUT has it computed on its own loop with no lock held (kvt_tier_write_prepare), so
+ * that the write's start under the lock only encodes the header. The payload starts on a sector
+ * boundary so that a 4 KiB-aligned caller buffer is read and written in place (readv/writev: header
+ * region, the buffer, and a bounce sector for a partial last sector).
  *
  * Segments and locations
  * ----------------------
@@ -485,6 +486,23 @@ static void first_failed(nvme_t *n, uint32_t seg)
     }
 }
 
+/* The next record's sequence number. Atomic: kvt_tier_write_prepare takes one with no lock held
+ * while a write starts under its caller's lock. */
+static uint64_t nvme_next_seq(nvme_t *n)
+{
+    return __atomic_add_fetch(&n->seq, 1, __ATOMIC_RELAXED);
+}
+
+/* kvt_tier_write_prepare: the number and the checksum taken now, from the caller's thread, so that
+ * nvme_start_write only encodes the header; it reads nothing else of the tier. */
+static int nvme_prepare(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    io->prep_seq = nvme_next_seq(t->impl);
+    io->prep_sum = kvt__blockhdr_sum(&io->key, io->buf, io->len, io->prep_seq);
+    io->prepared = 1;
+    return 0;
+}
+
 static int nvme_start_write(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
 {
     uint32_t hdr = hdr_region(io->key.ntokens);
@@ -506,7 +524,12 @@ static int nvme_start_write(nvme_t *n, nvme_req_t *r, kvt_tier_io_t *io)
     s->opening |= r->first;
     memset(r->hdr, 0, hdr);
     prefix_encode(r->hdr, rec, hdr, s->stamp, 0);
-    kvt__blockhdr_encode(r->hdr + PREFIX_BYTES, &io->key, io->buf, io->len, ++n->seq);
+    uint8_t *h = r->hdr + PREFIX_BYTES;
+    if (io->prepared)
+        kvt__blockhdr_encode_summed(h, &io->key, io->len, io->prep_seq, io->prep_sum);
+    else
+        kvt__blockhdr_encode(h, &io->key, io->buf, io->len, nvme_next_seq(n));
+    io->prepared = 0; /* a write started again is hashed again */
     io->loc = kvt__nvme_loc(seg, s->gen, hdr / SECTOR, off / SECTOR);
     s->inflight++;
     if ((rc = req_submit(n, r)) < 0) {
@@ -819,6 +842,7 @@ const kvt_tier_ops_t kvt__nvme_ops = {
     .footprint = nvme_footprint,
     .write = nvme_submit,
     .read = nvme_submit,
+    .prepare = nvme_prepare,
     .free = nvme_free, /* and kvt_tier_discard: every free is for good (kvtier.live) */
     .valid = nvme_valid,
     .pin = nvme_pin,

@@ -65,7 +65,7 @@ typedef struct nvme {
     nvme_seg_t *segs;
     uint32_t cur;       /* the open segment, or UINT32_MAX */
     uint32_t next_free; /* where the search for a free segment starts */
-    uint64_t seq;       /* the last sequence number written or recovered */
+    uint64_t seq;       /* the last sequence number taken or recovered (atomic: nvme_next_seq) */
     int warned_nospc;
     nvme_recovered_t *recovered;
     size_t nrecovered, recovered_cap;

@@ -480,6 +480,14 @@ int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io)
     return tier_write_charged(t, io, charge);
 }
 
+int kvt_tier_write_prepare(kvt_tier_t *t, kvt_tier_io_t *io)
+{
+    if (!t || !io || !io->buf || io->len == 0 || io->len > KVT_TIER_MAX_BLOCK ||
+        !tier_key_ok(&io->key))
+        return KVT_EINVAL;
+    return t->ops->prepare ? t->ops->prepare(t, io) : 0;
+}
+
 int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io)
 {
     if (!t || !io || !io->buf || io->len == 0 || io->len > KVT_TIER_MAX_BLOCK ||

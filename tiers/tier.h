@@ -98,6 +98,10 @@ struct kvt_tier_io {
     kvt_tier_io_t *next;
     uint64_t submit_ns;
     uint64_t charge; /* footprint reserved by a write */
+    /* kvt_tier_write_prepare's record sequence number and checksum (NVMe), for the next
+     * kvt_tier_write of this io; prepared 0: made when the write starts. */
+    uint64_t prep_seq, prep_sum;
+    uint8_t prepared;
     struct kvt__ioq_link {
         struct kvt__ioq_link *next;
         uint64_t deadline_ns; /* 0: none */
@@ -131,6 +135,19 @@ const char *kvt_tier_backend(const kvt_tier_t *t); /* "cuda", "host", "jemalloc"
  * here: it completes with KVT_ENOENT. */
 int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io);
 int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io);
+/*
+ * Does ahead of io's kvt_tier_write the CPU work its start would do, so that the start (later,
+ * from the tier's queue, under whatever lock its caller holds there) only lays the write out and
+ * submits it. Safe from any thread, with no lock, while the tier serves others: it reads io and
+ * its buffer and takes a number from an atomic counter. The NVMe tier takes the record's sequence
+ * number and computes its checksum over the header and the payload (the same record as
+ * without it); other tiers have nothing to do. io->key, buf and len must be as the write will
+ * have them; it holds for io's next kvt_tier_write only. The sequence number is taken here, not
+ * at the start: a write of the same block started between the two would win over this one at a
+ * restart, so prepare only a write that no other write of its block can overtake (a PUT's, whose
+ * page is BUSY). Returns 0, or KVT_EINVAL (nothing done: the start hashes as without it).
+ */
+int kvt_tier_write_prepare(kvt_tier_t *t, kvt_tier_io_t *io);
 /* Frees a location written earlier; freeing an unknown or already freed location is a no-op.
  * A read of it already in flight still completes (with the data or a miss). */
 void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len);

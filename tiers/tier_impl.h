@@ -37,6 +37,9 @@ typedef struct kvt_tier_ops {
     int (*write)(kvt_tier_t *t, kvt_tier_io_t *io);
     /* Start a read of io->loc into io->buf. Same contract as write. */
     int (*read)(kvt_tier_t *t, kvt_tier_io_t *io);
+    /* kvt_tier_write_prepare: the CPU work of a write's start done ahead, from any thread. May be
+     * NULL: nothing to do ahead. */
+    int (*prepare)(kvt_tier_t *t, kvt_tier_io_t *io);
     /* Forget an indexed location (tier.c has already unindexed and uncharged it). */
     void (*free)(kvt_tier_t *t, uint64_t loc, uint32_t len);
     /* kvt_tier_discard: free, and make sure a restart does not bring the block back (NVMe). May
@@ -232,6 +235,13 @@ size_t kvt__blockhdr_size(uint32_t ntokens); /* header + tokens, bytes */
  * the payload too, so payload must be the bytes that will follow. */
 void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *payload, uint32_t len,
                           uint64_t seq);
+/* The checksum kvt__blockhdr_encode would store for key/payload/len/seq, made apart from the
+ * encoding (kvt_tier_write_prepare: with no lock held), and the encoding with that checksum
+ * given: together the same bytes as kvt__blockhdr_encode. */
+uint64_t kvt__blockhdr_sum(const kvt_block_key_t *key, const void *payload, uint32_t len,
+                           uint64_t seq);
+void kvt__blockhdr_encode_summed(void *dst, const kvt_block_key_t *key, uint32_t len, uint64_t seq,
+                                 uint64_t sum);
 /* Checks a stored block of avail bytes against key (NULL: any key, as in recovery). Returns 0,
  * KVT_ECORRUPT (bad magic, checksum, or a different key) or KVT_EINVAL. *len_out gets the
  * payload length, *payload_out its address inside src. In a key, tokens == NULL skips comparing
