@@ -384,7 +384,7 @@ static void put_align(kvt__io_t *x)
 }
 
 /* r's NVMe pages readied for their writes with the lock let go: aligned (put_align), and their
- * records' checksums made (kvt_tier_write_prepare), so that starting the write, under the lock,
+ * records' checksums made (kvt__tier_write_prepare), so that starting the write, under the lock,
  * only encodes the header. Each x is r's alone until put_submit (nothing has been submitted);
  * the tier's pointer does not change while the daemon runs. Unprepared (it cannot fail for a
  * PUT's io), the write is hashed when it starts, as any other. */
@@ -396,7 +396,7 @@ static void put_prepare(kvt_srv_t *s, const kvt__req_t *r)
         if (!x)
             continue;
         put_align(x);
-        (void)kvt_tier_write_prepare(s->tiers[KVT_TIER_NVME], &x->io);
+        (void)kvt__tier_write_prepare(s, KVT_TIER_NVME, &x->io);
     }
 }
 

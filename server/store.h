@@ -161,6 +161,8 @@ uint32_t kvt__tier_nvme_max_block(const kvt_srv_t *s, uint32_t page_size);
  * NVMe's records hold a page whole and never span segments (KVT_ETOOBIG). Such a page passes the
  * tier by, neither refused nor counted by its tenant quota (kvt__tier_fits). */
 int kvt__tier_holds(const kvt_srv_t *s, kvt_tier_id_t tier, uint32_t ns, uint32_t len);
+/* io's write readied with no lock held (kvt_tier_write_prepare: NVMe's record checksum). */
+int kvt__tier_write_prepare(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io);
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes);
 
 #endif

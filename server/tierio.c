@@ -157,6 +157,11 @@ uint64_t kvt__tier_dropped(const kvt_srv_t *s, kvt_tier_id_t tier)
     return kvt_tier_dropped(s->tiers[tier]);
 }
 
+int kvt__tier_write_prepare(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io)
+{
+    return kvt_tier_write_prepare(s->tiers[tier], io);
+}
+
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes)
 {
     return kvt_tier_footprint(s->tiers[tier], (uint32_t)block_bytes);
