@@ -78,6 +78,23 @@ int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info
     return 0;
 }
 
+/* Whether the header at p (parsed into in) names key (kvt__blockhdr_check says which fields). */
+static int key_matches(const uint8_t *p, const kvt__blockhdr_info_t *in, const kvt_block_key_t *key)
+{
+    if (in->ns_seed != key->ns_seed || in->hash != key->hash)
+        return 0;
+    if (key->parent && in->parent != key->parent)
+        return 0;
+    if (key->tokens) {
+        if (in->ntokens != key->ntokens)
+            return 0;
+        for (uint32_t i = 0; i < in->ntokens; i++)
+            if (kvt_get_u32(p + KVT_BLOCKHDR_BYTES + 4 * i) != key->tokens[i])
+                return 0;
+    }
+    return 1;
+}
+
 int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
                          size_t payload_avail, const kvt_block_key_t *key, uint32_t *len_out)
 {
@@ -90,22 +107,63 @@ int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
     const uint8_t *p = hdr;
     if (kvt_get_u64(p + BLOCKHDR_SUMOFF) != blockhdr_sum(p, in.ntokens, payload, in.len))
         return KVT_ECORRUPT;
-    if (key) {
-        if (in.ns_seed != key->ns_seed || in.hash != key->hash)
-            return KVT_ECORRUPT;
-        if (key->parent && in.parent != key->parent)
-            return KVT_ECORRUPT;
-        if (key->tokens) {
-            if (in.ntokens != key->ntokens)
-                return KVT_ECORRUPT;
-            for (uint32_t i = 0; i < in.ntokens; i++)
-                if (kvt_get_u32(p + KVT_BLOCKHDR_BYTES + 4 * i) != key->tokens[i])
-                    return KVT_ECORRUPT;
-        }
-    }
+    if (key && !key_matches(p, &in, key))
+        return KVT_ECORRUPT;
     if (len_out)
         *len_out = in.len;
     return 0;
+}
+
+int kvt__blockhdr_verify_head(const void *hdr, size_t hdr_avail, const kvt_block_key_t *key,
+                              uint32_t len, kvt__blockhdr_kept_t *kept)
+{
+    if (!hdr || !key || !key->tokens || !kept)
+        return KVT_EINVAL;
+    kvt__blockhdr_info_t in;
+    const uint8_t *p = hdr;
+    if (kvt__blockhdr_peek(hdr, hdr_avail, &in) < 0 || hdr_avail < in.hdr_bytes || in.len != len ||
+        !key_matches(p, &in, key))
+        return KVT_ECORRUPT;
+    /* With the key's tokens compared, the header is the key, len and these. */
+    *kept = (kvt__blockhdr_kept_t){.parent = in.parent,
+                                   .seq = in.seq,
+                                   .reserved = kvt_get_u64(p + 48),
+                                   .sum = kvt_get_u64(p + BLOCKHDR_SUMOFF)};
+    return 0;
+}
+
+int kvt__blockhdr_verify_kept(const kvt__blockhdr_kept_t *kept, const kvt_block_key_t *key,
+                              const void *payload, uint32_t len)
+{
+    if (!kept || !key || !key->tokens || (!payload && len))
+        return KVT_EINVAL;
+    /* blockhdr_sum's stream over the header as kvt__blockhdr_encode laid it out, its tokens
+     * encoded a slice at a time (little-endian whatever the host) */
+    uint8_t h[BLOCKHDR_SUMOFF];
+    kvt_put_u32(h, BLOCKHDR_MAGIC);
+    kvt_put_u16(h + 4, BLOCKHDR_VERSION);
+    kvt_put_u16(h + 6, KVT_BLOCKHDR_BYTES);
+    kvt_put_u32(h + 8, key->ntokens);
+    kvt_put_u32(h + 12, len);
+    kvt_put_u64(h + 16, key->ns_seed);
+    kvt_put_u64(h + 24, key->hash);
+    kvt_put_u64(h + 32, kept->parent);
+    kvt_put_u64(h + 40, kept->seq);
+    kvt_put_u64(h + 48, kept->reserved);
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, h, sizeof h);
+    uint8_t tok[1024];
+    for (uint32_t i = 0; i < key->ntokens;) {
+        uint32_t n = KVT_MIN(key->ntokens - i, (uint32_t)(sizeof tok / 4));
+        for (uint32_t k = 0; k < n; k++)
+            kvt_put_u32(tok + 4 * k, key->tokens[i + k]);
+        XXH3_64bits_update(&st, tok, (size_t)4 * n);
+        i += n;
+    }
+    if (len)
+        XXH3_64bits_update(&st, payload, len);
+    return XXH3_64bits_digest(&st) == kept->sum ? 0 : KVT_ECORRUPT;
 }
 
 int kvt__blockhdr_verify_pieces(const void *hdr, size_t hdr_avail,
