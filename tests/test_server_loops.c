@@ -3431,3 +3431,160 @@ Test(server_loops, a_close_under_a_shared_gets_reads_marks_no_record_lost, .time
                   "each bad GET read the bad record");
     bad_end(&f);
 }
+
+/*
+ * A GET planned shared takes its NVMe payloads' checksums on its own loop with the lock let go
+ * (op_get.c get_check), no longer on loop 0 under the write lock with the rest of its reads'
+ * completion. KVT_DEBUG_GET_CHECK_GATE holds every such check while its file exists: a GET of 4
+ * NVMe pages of 256 KiB on loop 1 then waits in its check, its reads done (loop 0 has posted its
+ * kick), while loop 0's connection takes STATS (the write lock) and has a MATCH answered; once the
+ * gate goes, the GET comes whole. With the check under loop 0's write lock, as the completion took
+ * it before, the first STATS waits out the client's timeout.
+ */
+#define CKB (256u << 10)
+
+typedef struct check_getter {
+    kvt_client_t *c;
+    uint64_t lease;
+    uint32_t pages, got;
+    uint8_t *back;
+    int rc, done; /* done: atomic, read by the test while the GET waits */
+} check_getter_t;
+
+static void *check_getter_main(void *arg)
+{
+    check_getter_t *g = arg;
+    g->rc = kvt_client_get(g->c, g->lease, 0, g->pages, g->back, (size_t)g->pages * CKB, &g->got,
+                           NULL);
+    __atomic_store_n(&g->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* A daemon with loops loops and no DRAM tier (every page in NVMe), with one client per loop. */
+static void check_start(kvd_t *d, const char *loops, kvt_client_t **c)
+{
+    kvd_start(d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
+              "--nvme-segment-bytes", "8M", NULL);
+    for (int i = 0; i < atoi(loops); i++)
+        c[i] = kvd_client(d, "m", PAGE, CKB);
+}
+
+/* Stores pages pages of tok in one PUT, page p filled from seed + p (kvd_check_get's). */
+static void check_put(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed,
+                      uint8_t *payload)
+{
+    for (uint32_t p = 0; p < pages; p++)
+        kvd_fill(payload + (size_t)p * CKB, CKB, seed + p);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, pages * PAGE, 0, pages, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, pages);
+}
+
+Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char gate[700];
+    snprintf(gate, sizeof gate, "%s/check-gate", d.dir);
+    setenv("KVT_DEBUG_GET_CHECK_GATE", gate, 1);
+    kvt_client_t *c[2];
+    check_start(&d, "2", c);
+    unsetenv("KVT_DEBUG_GET_CHECK_GATE");
+    cr_assert_eq(kvd_stat(c[0], "loop_connections_1"), 1, "c[1] is loop 1's");
+    enum { P = 4 };
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * CKB), *back = calloc(P, CKB);
+    cr_assert(payload && back);
+    kvd_tokens(tok, P * PAGE, 9610000u);
+    check_put(c[1], tok, P, 961, payload);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c[1], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    uint64_t posted = kvd_stat(c[0], "loop_kicks_posted_1");
+    put_gate_close(gate);
+    check_getter_t g = {.c = c[1], .lease = m.lease, .pages = P, .back = back};
+    pthread_t th;
+    pthread_create(&th, NULL, check_getter_main, &g);
+    /* Loop 0 completed the reads and posted the kick: the GET is in its check, or on its way. */
+    for (int i = 0; i < 5000 && kvd_stat(c[0], "loop_kicks_posted_1") == posted; i++)
+        usleep(1000);
+    cr_assert_gt(kvd_stat(c[0], "loop_kicks_posted_1"), posted, "the reads completed");
+    kvt_client_match_t one = {0};
+    cr_expect_eq(kvt_client_match(c[0], tok, P * PAGE, 0, 0, NULL, &one), 0);
+    cr_expect_eq(one.pages, P);
+    cr_expect(!__atomic_load_n(&g.done, __ATOMIC_ACQUIRE),
+              "the GET waits in its check while loop 0 answers");
+    cr_assert_eq(unlink(gate), 0);
+    pthread_join(th, NULL);
+    cr_assert_eq(g.rc, 0, "get: %s", kvt_client_strerror(g.rc));
+    cr_expect_eq(g.got, P);
+    cr_expect(memcmp(back, payload, (size_t)P * CKB) == 0, "the bytes");
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 1, "planned shared");
+    cr_assert_eq(kvt_client_release(c[1], m.lease, NULL), 0);
+    free(payload);
+    free(back);
+    client_a_loop_stop(&d, c, 2);
+}
+
+/*
+ * A record that fails its checksum, read by a GET on the last loop (loop 1 of 2, or the one
+ * loop): the GET ends as when loop 0's completion found it, its check now on the GET's loop. The
+ * pages before it come byte-exact, then the end frame's ECORRUPT; the bad block and the rest of
+ * its node are made lost (dropped, and the next MATCH reports them index-only, the pages before
+ * still served); kvtier_miss_tokens_total{reason="checksum"} counts the page's tokens and the
+ * NVMe read errors one read, once each.
+ */
+static void gets_meet_a_corrupt_record(const char *loops)
+{
+    kvd_t d = {0};
+    kvt_client_t *c[2];
+    check_start(&d, loops, c);
+    int n = atoi(loops);
+    kvt_client_t *g = c[n - 1];
+    enum { P = 5, BAD = 2 };
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * CKB), *back = calloc(P, CKB);
+    cr_assert(payload && back);
+    kvd_tokens(tok, P * PAGE, 9620000u);
+    check_put(g, tok, P, 962, payload);
+    nvme_corrupt(&d, payload + (size_t)BAD * CKB);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(g, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    uint32_t got = 0;
+    int rc = kvt_client_get(g, m.lease, 0, P, back, (size_t)P * CKB, &got, NULL);
+    cr_expect_eq(rc, KVT_CLIENT_ECORRUPT, "get: %s", kvt_client_strerror(rc));
+    cr_expect_eq(got, BAD, "the pages before the bad one");
+    cr_expect(memcmp(back, payload, (size_t)BAD * CKB) == 0, "byte-exact");
+    char key[96];
+    snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", n - 1);
+    if (n > 1)
+        cr_expect_eq(kvd_metric(&d, key), 1, "planned shared");
+    cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"checksum\"}"), PAGE);
+    cr_expect_eq(kvd_metric(&d, "kvtier_tier_io_errors_total{tier=\"nvme\",dir=\"read\"}"), 1);
+    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), P - BAD,
+                 "the bad block and the rest of its node made lost");
+    cr_assert_eq(kvt_client_release(g, m.lease, NULL), 0);
+    uint8_t tiers[P];
+    kvt_client_match_t again = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(g, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &again), 0);
+    cr_assert_eq(again.pages, P, "the index still knows the tokens");
+    for (int i = 0; i < P; i++)
+        cr_expect_eq(tiers[i], i < BAD ? KVT_CLIENT_TIER_NVME : KVT_CLIENT_TIER_NONE,
+                     "page %d: tier %d", i, tiers[i]);
+    kvd_check_get(g, again.lease, 0, BAD, CKB, 962, NULL);
+    cr_assert_eq(kvt_client_release(g, again.lease, NULL), 0);
+    free(payload);
+    free(back);
+    client_a_loop_stop(&d, c, n);
+}
+
+Test(server_loops, a_shared_get_meets_a_corrupt_record, .timeout = 60)
+{
+    gets_meet_a_corrupt_record("2");
+}
+
+Test(server_loops, a_get_meets_a_corrupt_record_with_one_loop, .timeout = 60)
+{
+    gets_meet_a_corrupt_record("1");
+}

@@ -464,6 +464,110 @@ Test(tier_nvme, flipped_bytes_read_as_a_counted_miss)
     tu_rmrf(dir);
 }
 
+/* A read through io (check_later as given) of block key at loc into buf; its status. */
+static int read_io(kvt_tier_t *t, kvt_tier_io_t *io, const kvt_block_key_t *key, uint64_t loc,
+                   void *buf, uint32_t len, int check_later)
+{
+    int done = 0;
+    *io = (kvt_tier_io_t){.key = *key,
+                          .loc = loc,
+                          .buf = buf,
+                          .len = len,
+                          .cb = tu_count_cb,
+                          .data = &done,
+                          .check_later = (uint8_t)check_later};
+    cr_assert_eq(kvt_tier_read(t, io), 0);
+    cr_assert(tu_drive(t, &done, 1));
+    return io->status;
+}
+
+/* A read whose caller takes the payload's checksum (check_later: the daemon's GET on its own
+ * loop) completes with every other check made: a flipped payload byte completes 0, unchecked,
+ * and fails kvt_tier_read_check (the buffer zeroed), which kvt_tier_read_corrupt then counts as
+ * the tier counts a corrupt read; a flipped token in the header fails at completion as before;
+ * an intact block passes, byte-exact. Without check_later the same payload fails at completion. */
+Test(tier_nvme, a_read_leaves_its_payload_checksum_to_the_caller)
+{
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 8u << 20, 1u << 20, 8);
+    const uint32_t len = 100000;
+    uint8_t *buf = tu_aligned(len), *zero = calloc(1, len);
+    uint32_t tok[16];
+    uint64_t locs[3];
+    tu_write_n(t, 3, buf, len, tok, locs);
+    uint64_t rec = 4096 + ((len + 4095) / 4096) * 4096;
+    flip(dir, 0 * rec + 4096 + 5000); /* block 0: payload */
+    flip(dir, 1 * rec + 32 + 64 + 8); /* block 1: a token in the header */
+    kvt_tier_io_t io;
+    kvt_block_key_t k0 = tu_key(0, tok, 16);
+    cr_assert_eq(read_io(t, &io, &k0, locs[0], buf, len, 1), 0, "the payload is not checked");
+    cr_assert(io.unchecked);
+    cr_assert_eq(kvt_tier_read_check(&io), KVT_ECORRUPT);
+    cr_assert_eq(io.status, KVT_ECORRUPT);
+    cr_assert_eq(memcmp(buf, zero, len), 0, "a corrupt block hands out no bytes");
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, 1, "counted a read at completion");
+    kvt_tier_read_corrupt(t, &io);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, 0);
+    cr_assert_eq(u.read_bytes, 0);
+    cr_assert_eq(u.corrupt, 1);
+    cr_assert_eq(kvt_tier_dropped(t), 1);
+    kvt_block_key_t k1 = tu_key(1, tok, 16);
+    cr_assert_eq(read_io(t, &io, &k1, locs[1], buf, len, 1), KVT_ECORRUPT, "the header");
+    cr_assert(!io.unchecked);
+    kvt_block_key_t k2 = tu_key(2, tok, 16);
+    cr_assert_eq(read_io(t, &io, &k2, locs[2], buf, len, 1), 0);
+    cr_assert(io.unchecked);
+    cr_assert_eq(kvt_tier_read_check(&io), 0);
+    cr_assert(tu_same(buf, len, 2));
+    cr_assert_eq(read_io(t, &io, &k0, locs[0], buf, len, 0), KVT_ECORRUPT, "checked here");
+    cr_assert(!io.unchecked);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.corrupt, 3);
+    cr_assert_eq(u.reads, 1);
+    free(zero);
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+/* Reads whose checksum their caller takes cost the poll's verify budget nothing: a burst of 16
+ * reads of 256 KiB (4 MiB, eight budgets) is handed over in one process call. */
+Test(tier_nvme, reads_checked_by_their_caller_are_handed_over_at_once)
+{
+    enum { N = 16, LEN = 256u << 10 };
+    char dir[4096];
+    tu_tmpdir(dir, sizeof(dir), "nvme");
+    kvt_tier_t *t = mk(dir, 32u << 20, 8u << 20, N);
+    static kvt_tier_io_t ios[N];
+    static uint32_t toks[N][16];
+    uint8_t *bufs = tu_aligned((size_t)N * LEN);
+    int done = 0;
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 60, &done);
+    cr_assert(tu_drive(t, &done, N));
+    memset(bufs, 0, (size_t)N * LEN);
+    done = 0;
+    for (int i = 0; i < N; i++) {
+        ios[i].check_later = 1;
+        cr_assert_eq(kvt_tier_read(t, &ios[i]), 0);
+    }
+    usleep(200000); /* every read finished on the device before anything is harvested */
+    struct pollfd pf = {.fd = kvt_tier_fd(t), .events = POLLIN};
+    cr_assert_eq(poll(&pf, 1, 5000), 1);
+    cr_assert_geq(kvt_tier_process(t), 0);
+    cr_expect_eq(done, N, "one process call ran %d read callbacks", done);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(kvt_tier_read_check(&ios[i]), 0, "read %d", i);
+        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, (uint64_t)i + 60), "block %d", i);
+    }
+    free(bufs);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
 /* A tmpfs of `size` (mount's size= option) on a new directory dir, in this test's own mount
  * namespace; sub: dir/data, for the tier (not yet made). */
 static void tiny_fs(char *dir, size_t dir_size, const char *name, const char *size, char *sub,
