@@ -3363,21 +3363,26 @@ static void bad_end(bad_fix_t *f)
  * the RELEASEs and REMOVEs succeed. Without the hold the REMOVEs free the nodes at once, and the
  * bad read's completion marks the freed node's block lost.
  */
-Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_path, .timeout = 60)
+/* The RELEASEs of both leases (request ids 30, 31), then REMOVEs of both paths (32, 33), at tail;
+ * their length. */
+static size_t bad_let_go_frames(const bad_fix_t *f, uint8_t *tail)
 {
-    bad_fix_t f = {0};
-    bad_start(&f);
-    uint8_t tail[2048];
     size_t n = 0;
     for (int k = 0; k < 2; k++)
-        n += bad_release_frame(tail + n, 30 + (uint64_t)k, f.lease[k]);
+        n += bad_release_frame(tail + n, 30 + (uint64_t)k, f->lease[k]);
     for (int k = 0; k < 2; k++)
-        n += bad_remove_frame(tail + n, 32 + (uint64_t)k, f.tok[k]);
-    bad_send(&f, tail, n);
+        n += bad_remove_frame(tail + n, 32 + (uint64_t)k, f->tok[k]);
+    return n;
+}
+
+/* The GETs' replies, then bad_let_go_frames' (a REMOVE that waited past its second for the GETs
+ * is sent again), and the bad record marked lost once, while its path was held. */
+static void bad_read_let_go(bad_fix_t *f)
+{
     int wrong = 0;
     for (int i = 0; i < BGOOD + BBAD; i++) {
         uint32_t got;
-        int st = bad_read_get(&f, i, &got, &wrong);
+        int st = bad_read_get(f, i, &got, &wrong);
         if (i < BGOOD)
             cr_expect(st == 0 && got == BP, "good GET %d: %d after %u pages", i, st, got);
         else
@@ -3386,7 +3391,7 @@ Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_pat
     cr_expect_eq(wrong, 0, "%d wrong frames", wrong);
     for (uint64_t id = 30; id < 34; id++) {
         kvt_proto_hdr_t h;
-        read_reply_frame(f.fd, &h, f.body, 4096);
+        read_reply_frame(f->fd, &h, f->body, 4096);
         /* A REMOVE waits for the GETs at most 1 s (op_remove.c), which a slow daemon (under
          * ThreadSanitizer) can take to check 56 MiB: EBUSY then, and it is sent again. */
         int busy = id >= 32 && h.status == KVT_EBUSY;
@@ -3394,10 +3399,45 @@ Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_pat
                   "request %llu: reply %llu, status %d", (unsigned long long)id,
                   (unsigned long long)h.request_id, h.status);
         if (busy)
-            cr_expect_eq(kvt_client_remove(f.c0, f.tok[id - 32], PAGE), 0);
+            cr_expect_eq(kvt_client_remove(f->c0, f->tok[id - 32], PAGE), 0);
     }
-    cr_expect_eq(kvd_metric(&f.d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), 1,
+    cr_expect_eq(kvd_metric(&f->d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), 1,
                  "the bad record was marked lost once, its path held");
+}
+
+Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_path, .timeout = 60)
+{
+    bad_fix_t f = {0};
+    bad_start(&f);
+    uint8_t tail[2048];
+    bad_send(&f, tail, bad_let_go_frames(&f, tail));
+    bad_read_let_go(&f);
+    bad_end(&f);
+}
+
+/*
+ * The same once every read is done: the GETs' payloads are checked on loop 1 as each reaches the
+ * head of the queue (op_get.c get_check), and the client reads nothing until its RELEASEs and
+ * REMOVEs are sent, in a second write, so that the bad GETs wait for their check, no read in
+ * flight, when their lease ends. A GET with a batch to check counts as one with pages left
+ * (kvt__get_lease_ends): it holds the path, the REMOVEs wait for it, and the bad record is marked
+ * lost while the node is there. Without that, the REMOVEs free the nodes at once and the check
+ * marks nothing lost (or reads the freed node).
+ */
+Test(server_loops, a_lease_that_ends_while_gets_wait_for_their_check_leaves_them_the_path,
+     .timeout = 60)
+{
+    bad_fix_t f = {0};
+    bad_start(&f);
+    const char *reads = "kvtier_tier_io_duration_seconds_count{tier=\"nvme\",dir=\"read\"}";
+    double before = kvd_metric(&f.d, reads);
+    bad_send(&f, NULL, 0);
+    double want = before + (BGOOD + BBAD) * BP;
+    cr_assert_eq(bad_wait_metric(&f.d, reads, want, want), want, "every read completed");
+    uint8_t tail[2048];
+    size_t n = bad_let_go_frames(&f, tail);
+    cr_assert_eq(write(f.fd, tail, n), (ssize_t)n);
+    bad_read_let_go(&f);
     bad_end(&f);
 }
 
