@@ -3494,8 +3494,8 @@ typedef struct check_getter {
 static void *check_getter_main(void *arg)
 {
     check_getter_t *g = arg;
-    g->rc = kvt_client_get(g->c, g->lease, 0, g->pages, g->back, (size_t)g->pages * CKB, &g->got,
-                           NULL);
+    g->rc =
+        kvt_client_get(g->c, g->lease, 0, g->pages, g->back, (size_t)g->pages * CKB, &g->got, NULL);
     __atomic_store_n(&g->done, 1, __ATOMIC_RELEASE);
     return NULL;
 }
