@@ -15,7 +15,9 @@
  * whose bytes come whole from several loops at once while a writer makes the log reclaim, and
  * none when pipelined on one connection (a finished GET in front of others still reading); a
  * close while such a GET's reads are in flight; a lease that ends, or a close, while such GETs
- * read a corrupt record, their path REMOVEd meanwhile; every path of the shared lock at once on
+ * read a corrupt record, their path REMOVEd meanwhile, or wait for their payloads' check; the
+ * check itself, on the GET's loop with the lock let go (held there by a gate while loop 0 writes),
+ * and a corrupt record it finds, with 1 and 2 loops; every path of the shared lock at once on
  * four loops (MATCHes, GETs of DRAM and NVMe pages, GETs with LOCATE), for ThreadSanitizer to
  * watch.
  */

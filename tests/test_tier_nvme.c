@@ -3,7 +3,8 @@
  * with aligned and unaligned buffers, O_DIRECT where the file system takes it and the buffered
  * fallback where it does not (a ramfs mounted in a private mount namespace), capacity
  * exhaustion, free and segment reuse, reclaim of a fragmented log, many requests in flight
- * through a small queue, checksum mismatches from bytes flipped in the data file, a file system
+ * through a small queue, checksum mismatches from bytes flipped in the data file (found at
+ * completion, or by the caller a read left its payload's checksum to), a file system
  * that is full (a tiny tmpfs), and bad configuration. Every test works under its own directory
  * in $TMPDIR and removes it.
  */
