@@ -39,10 +39,10 @@ static uint64_t blockhdr_sum(const uint8_t *hdr, uint32_t ntokens, const void *p
     return XXH3_64bits_digest(&st);
 }
 
-void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *payload, uint32_t len,
-                          uint64_t seq)
+/* The header's first BLOCKHDR_SUMOFF bytes at p: key's, len, and k's parent, seq, reserved. */
+static void head_encode(uint8_t *p, const kvt_block_key_t *key, uint32_t len,
+                        const kvt__blockhdr_kept_t *k)
 {
-    uint8_t *p = dst;
     kvt_put_u32(p, BLOCKHDR_MAGIC);
     kvt_put_u16(p + 4, BLOCKHDR_VERSION);
     kvt_put_u16(p + 6, KVT_BLOCKHDR_BYTES);
@@ -50,9 +50,16 @@ void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *pay
     kvt_put_u32(p + 12, len);
     kvt_put_u64(p + 16, key->ns_seed);
     kvt_put_u64(p + 24, key->hash);
-    kvt_put_u64(p + 32, key->parent);
-    kvt_put_u64(p + 40, seq);
-    kvt_put_u64(p + 48, 0);
+    kvt_put_u64(p + 32, k->parent);
+    kvt_put_u64(p + 40, k->seq);
+    kvt_put_u64(p + 48, k->reserved);
+}
+
+void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *payload, uint32_t len,
+                          uint64_t seq)
+{
+    uint8_t *p = dst;
+    head_encode(p, key, len, &(kvt__blockhdr_kept_t){.parent = key->parent, .seq = seq});
     for (uint32_t i = 0; i < key->ntokens; i++)
         kvt_put_u32(p + KVT_BLOCKHDR_BYTES + 4 * i, key->tokens[i]);
     kvt_put_u64(p + BLOCKHDR_SUMOFF, blockhdr_sum(p, key->ntokens, payload, len));
@@ -140,16 +147,7 @@ int kvt__blockhdr_verify_kept(const kvt__blockhdr_kept_t *kept, const kvt_block_
     /* blockhdr_sum's stream over the header as kvt__blockhdr_encode laid it out, its tokens
      * encoded a slice at a time (little-endian whatever the host) */
     uint8_t h[BLOCKHDR_SUMOFF];
-    kvt_put_u32(h, BLOCKHDR_MAGIC);
-    kvt_put_u16(h + 4, BLOCKHDR_VERSION);
-    kvt_put_u16(h + 6, KVT_BLOCKHDR_BYTES);
-    kvt_put_u32(h + 8, key->ntokens);
-    kvt_put_u32(h + 12, len);
-    kvt_put_u64(h + 16, key->ns_seed);
-    kvt_put_u64(h + 24, key->hash);
-    kvt_put_u64(h + 32, kept->parent);
-    kvt_put_u64(h + 40, kept->seq);
-    kvt_put_u64(h + 48, kept->reserved);
+    head_encode(h, key, len, kept);
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
     XXH3_64bits_update(&st, h, sizeof h);
