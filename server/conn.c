@@ -978,8 +978,8 @@ void kvt__req_count(kvt__req_t *r)
 
 /* Lets s->lock go for c's socket I/O where that is safe (the file's opening paragraph): c's own
  * event or posted kick at the top of its loop, with other loops to run meanwhile. Returns how the
- * loop held it (KVT_HELD_NONE: it was not let go); io_relock takes it back so. */
-static int io_unlock(kvt__conn_t *c)
+ * loop held it (KVT_HELD_NONE: it was not let go); kvt__conn_relock takes it back so. */
+int kvt__conn_unlock(kvt__conn_t *c)
 {
     kvt__loop_t *l = c->loop;
     int held = l->held;
@@ -989,7 +989,7 @@ static int io_unlock(kvt__conn_t *c)
     return held;
 }
 
-static void io_relock(kvt__conn_t *c, int held)
+void kvt__conn_relock(kvt__conn_t *c, int held)
 {
     if (held != KVT_HELD_NONE)
         kvt__loop_hold(c->loop, held);
@@ -1150,7 +1150,7 @@ static int conn_write(kvt__conn_t *c)
     if (c->head)
         sndbuf_fit(c);
     while (c->head) {
-        /* Before each write: the one before may have let the lock go (io_unlock), and what a
+        /* Before each write: the one before may have let the lock go (kvt__conn_unlock), and what a
          * completion finished meanwhile may be the write lock's (queue_plain). */
         if (!write_hold(c))
             return 0;
@@ -1233,12 +1233,12 @@ static int conn_write(kvt__conn_t *c)
                 kvt__out_add(c, -(int64_t)total);
                 c->loop->queued -= answered;
                 c->writing = early = 1;
-                unlocked = io_unlock(c);
+                unlocked = kvt__conn_unlock(c);
             }
             w = writev(c->ev.fd, iov, n);
             int err = errno;
             if (early) {
-                io_relock(c, unlocked);
+                kvt__conn_relock(c, unlocked);
                 c->writing = 0;
                 c->loop->queued += answered;
                 kvt__out_add(c, (int64_t)total - (w > 0 ? w : 0)); /* what did not go */
@@ -1542,11 +1542,11 @@ static void conn_read(kvt__conn_t *c)
         size_t room = c->in_cap - c->in_len;
         if (room == 0)
             return; /* parse grows it for a bigger frame, or back-pressure holds it */
-        int unlocked = io_unlock(c) != KVT_HELD_NONE;
+        int unlocked = kvt__conn_unlock(c) != KVT_HELD_NONE;
         ssize_t n = read(c->ev.fd, c->in + c->in_len, room);
         int err = errno;
         if (unlocked)
-            io_relock(c, read_held(c, n));
+            kvt__conn_relock(c, read_held(c, n));
         errno = err;
         if (n == 0) {
             if (c->in_len > 0) {

@@ -305,6 +305,7 @@ int kvt__srv_open(kvt_srv_t **out, kvt_srv_conf_t *conf)
     s->conf = conf;
     s->conn_ops = &kvt__dispatch_ops;
     s->put_gate = getenv("KVT_DEBUG_PUT_GATE");
+    s->get_check_gate = getenv("KVT_DEBUG_GET_CHECK_GATE");
     s->sig_ev.fd = s->unix_ev.fd = s->tcp_ev.fd = s->http_ev.fd = -1;
     fd_limit(conf);
     s->clients.spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #define KVT_GET_BATCH_BYTES (8u << 20) /* GET reads at most this much ahead of the socket */
 
@@ -39,6 +40,8 @@ static void get_read_done(kvt_tier_io_t *io)
     kvt__req_t *r = x->req;
     kvt_srv_t *s = x->req->srv;
     get_unread(s, r, io->key.hash);
+    if (io->unchecked)
+        r->get.check_due = 1; /* the GET takes the payload's checksum: get_check */
     if (io->status == KVT_ECORRUPT)
         kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, io->key.ntokens);
     if ((io->status == KVT_ECORRUPT || io->status == KVT_ENOENT) && get_holds_path(r))
@@ -46,6 +49,83 @@ static void get_read_done(kvt_tier_io_t *io)
     /* Promotion is the policy's: the MATCH that leased this path queued it. */
     if (kvt__io_finished(s, x, io->status, 0))
         kvt__store_get_batch(s, r);
+}
+
+/*
+ * The checksums of a batch's NVMe payloads that its reads left to it (get_read: a GET planned
+ * shared), taken by the connection's loop before any byte of the batch is offered (get_drained),
+ * not on loop 0 under the write lock with the rest of the completion: an XXH3 over each payload,
+ * about 20 us a 256 KiB page, in which no other loop could hold the lock at all. The buffers and
+ * I/O records are the request's own, written by the completion before its kick and touched by no
+ * one else once the reads are done, so the check runs with the lock let go where conn.c allows it
+ * (kvt__conn_unlock). A page that fails is zeroed and never sent; what its completion would have
+ * done then (the counts, the block made lost) needs the write lock, taken for that case only
+ * (docs/architecture.md, "The checksum on the GET's loop").
+ */
+
+/* KVT_DEBUG_GET_CHECK_GATE names a file; while it exists, a GET's check waits
+ * (tests/test_server_loops.c holds one in it). Unset: nothing. */
+static void get_check_gate(const kvt_srv_t *s)
+{
+    while (s->get_check_gate && access(s->get_check_gate, F_OK) == 0)
+        usleep(1000);
+}
+
+/* Takes the checksums left to the batch: 1 when a page failed (kvt__tier_read_check zeroed it and
+ * set its status). The request's own records and buffers only. */
+static int get_check_pages(kvt__req_t *r)
+{
+    int bad = 0;
+    for (uint32_t i = 0; i < r->get.batch; i++) {
+        kvt__io_t *x = r->get.slots[i].x;
+        if (x && x->io.unchecked)
+            bad |= kvt__tier_read_check(&x->io) < 0;
+    }
+    return bad;
+}
+
+/* Under the write lock, for each page that failed its check, what a corrupt read's completion does
+ * (get_read_done, kvt__io_finished): the tier's count and the daemon's, and with `lost` the block
+ * made lost if it still lies where it was read (a move or a loss since has settled it). */
+static void get_check_failed(kvt_srv_t *s, const kvt__req_t *r, int lost)
+{
+    for (uint32_t i = 0; i < r->get.batch; i++) {
+        kvt__io_t *x = r->get.slots[i].x;
+        if (!x || !x->io.unchecked || x->io.status != KVT_ECORRUPT)
+            continue;
+        kvt__tier_read_corrupt(s, (kvt_tier_id_t)x->tier, &x->io);
+        kvt__metric_add(s->metrics, KVT_M_TIER_IO_ERRORS, kvt__tier_io(x->tier, 0), 1);
+        kvt__metric_add(s->metrics, KVT_M_MISS_TOKENS, KVT_MISS_CHECKSUM, x->io.key.ntokens);
+        const kvt_block_t *b = lost ? kvt__path_block(x->node, x->depth) : NULL;
+        if (b && b->tier == x->tier && b->loc == x->io.loc)
+            kvt__store_lost(s, x->node, x->depth);
+    }
+}
+
+/* The check before the batch is sent, on its connection's loop (get_drained), which holds the lock
+ * shared or for writing and holds it so again after; for writing once a page has failed. */
+static void get_check(kvt_srv_t *s, kvt__req_t *r)
+{
+    kvt__conn_t *c = r->conn;
+    int held = kvt__conn_unlock(c);
+    get_check_gate(s);
+    int bad = get_check_pages(r);
+    kvt__conn_relock(c, held);
+    r->get.check_due = 0;
+    if (!bad)
+        return;
+    kvt__loop_hold(c->loop, KVT_HELD_WRITE);
+    get_check_failed(s, r, get_holds_path(r));
+}
+
+/* A batch released before its check (an orphan's, one its connection's close aborts), under the
+ * write lock: nothing of it is sent, but a corrupt page counts as its completion counted it. Its
+ * path may be gone (get_holds_path): no block is made lost, the next reader finds it. */
+static void get_check_unsent(kvt_srv_t *s, kvt__req_t *r)
+{
+    r->get.check_due = 0;
+    if (get_check_pages(r))
+        get_check_failed(s, r, 0);
 }
 
 /*
@@ -69,6 +149,8 @@ static void get_read_done(kvt_tier_io_t *io)
  */
 static void get_release_batch(kvt_srv_t *s, kvt__req_t *r)
 {
+    if (r->get.check_due)
+        get_check_unsent(s, r);
     for (uint32_t i = 0; i < r->get.batch; i++) {
         kvt__get_slot_t *g = &r->get.slots[i];
         if (g->hash)
@@ -132,12 +214,23 @@ static int get_next_shared(kvt_srv_t *s, const kvt__req_t *r);
 
 static int get_drained(kvt__req_t *r)
 {
+    kvt__loop_t *l = r->conn->loop;
+    if (r->get.check_due) {
+        if (r->pending)
+            return 0;
+        get_check(r->srv, r);
+        /* A GET whose lease ended meanwhile went on by the write path (kvt__get_lease_ends):
+         * its send counts its pin (get_send), a write. */
+        if (l->held != KVT_HELD_WRITE && !r->get.shared)
+            kvt__loop_hold(l, KVT_HELD_WRITE);
+        kvt__store_get_batch(r->srv, r); /* the batch goes, up to a page that failed */
+        return 1;
+    }
     if (!r->get.segs_ready || r->get.seg_i < r->get.nsegs)
         return 0;
     /* A GET planned shared goes on shared while its next batch can (get_next_shared); else, as
      * conn_write does for a queue that is not plain, the loop takes the write lock, and the GET
      * pins its path and goes on by the write path (kvt__store_get_batch). */
-    kvt__loop_t *l = r->conn->loop;
     if (l->held != KVT_HELD_WRITE && !get_next_shared(r->srv, r))
         kvt__loop_hold(l, KVT_HELD_WRITE);
     kvt__store_get_batch(r->srv, r); /* the batch is out: the next one, or the end frame */
@@ -397,6 +490,9 @@ static int get_read(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
         x->io.loc = b->loc;
         x->io.cb = get_read_done;
         x->io.urgent = 1; /* the client waits: ahead of queued moves */
+        /* A GET planned shared takes its NVMe payloads' checksums on its own loop, off loop 0's
+         * write lock (get_check); the write path's are taken there, as every other read's. */
+        x->io.check_later = r->get.shared;
         rc = get_submit(s, r, (kvt_tier_id_t)b->tier, &x->io);
     }
     if (rc < 0) {
@@ -603,6 +699,10 @@ static void get_pin(kvt_srv_t *s, kvt__req_t *r)
 int kvt__store_get_batch(kvt_srv_t *s, kvt__req_t *r)
 {
     kvt_assert(r->pending == 0);
+    if (r->get.check_due && r->conn) {
+        kvt__conn_kick(r->conn); /* its loop checks the batch first (get_drained) */
+        return 0;
+    }
     if (r->get.slots && !r->get.segs_ready && get_send(r))
         return 0; /* drained calls back when the socket has taken it */
     if (r->get.slots)
@@ -751,10 +851,10 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
     kvt_srv_t *s = c->srv;
     int taken = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
-        /* Pages left, or reads in flight (an NVMe or remote batch: its completion may mark a page
-         * lost). */
+        /* Pages left, or reads in flight or a batch to check (an NVMe or remote batch: its
+         * completion, or an NVMe batch's check, may mark a page lost). */
         if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 ||
-            (r->get.cur >= r->get.end && !r->pending))
+            (r->get.cur >= r->get.end && !r->pending && !r->get.check_due))
             continue;
         if (r->get.shared && !taken) {
             r->get.shared = 0; /* goes on by the write path, as get_pin's */

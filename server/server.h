@@ -245,6 +245,8 @@ struct kvt__req {
                                  * reference, its path (node) held by the client's lease */
         uint8_t loop_reads;     /* the batch's read counts are in loop loop_reads - 1's table
                                  * (planned shared); 0: the main table */
+        uint8_t check_due;      /* a read of the batch left its payload's checksum to the GET
+                                 * (op_get.c get_check): nothing of the batch goes before it */
         uint32_t located;       /* pages that went as locations */
         uint64_t lease_expires; /* the client's lease's, for the end frame (LOCATE) */
     } get;
@@ -616,6 +618,8 @@ struct kvt_srv {
     void (*loop_after)(kvt__loop_t *l); /* loop.c's work after a batch, on every loop */
     void (*lock_settle)(kvt_srv_t *s);  /* kvt__srv_lock's, first: kvt__match_settle (loop.c) */
     const char *put_gate; /* $KVT_DEBUG_PUT_GATE, a test's (op_put.c put_gate); NULL: none */
+    /* $KVT_DEBUG_GET_CHECK_GATE, a test's (op_get.c get_check_gate); NULL: none */
+    const char *get_check_gate;
     kvt__ev_t sig_ev, unix_ev, tcp_ev, http_ev;
     kvt__ev_t tier_ev[KVT_TIER_COUNT];
     char unix_path[4096]; /* absolute, for unlink at exit */
@@ -784,6 +788,12 @@ static inline void kvt__out_add(kvt__conn_t *c, int64_t delta)
 }
 /* Something changed on the connection (output added, I/O finished): try to write and read. */
 void kvt__conn_kick(kvt__conn_t *c);
+/* Lets s->lock go while c's loop works on bytes that are c's own alone, where conn.c may (c's
+ * own event or posted kick at the top of its loop, several loops running): returns how the loop
+ * held it, KVT_HELD_NONE when it was not let go; kvt__conn_relock(c, that) takes it back so.
+ * Between the two, only c's own buffers may be touched: anything else may change. */
+int kvt__conn_unlock(kvt__conn_t *c);
+void kvt__conn_relock(kvt__conn_t *c, int held);
 /* socket-turns (conn.c): passes on the turns of loop l's holders whose sockets stalled while
  * others wait, and grants the turns free; returns how long l may sleep before the next one
  * stalls, in ms (-1: no limit). Run by l's thread after every wake, with the lock held. */

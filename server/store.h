@@ -163,6 +163,11 @@ uint32_t kvt__tier_nvme_max_block(const kvt_srv_t *s, uint32_t page_size);
 int kvt__tier_holds(const kvt_srv_t *s, kvt_tier_id_t tier, uint32_t ns, uint32_t len);
 /* io's write readied with no lock held (kvt_tier_write_prepare: NVMe's record checksum). */
 int kvt__tier_write_prepare(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_t *io);
+/* A read's payload checksum left to its caller, taken with no lock held (kvt_tier_read_check),
+ * and one that failed counted as the tier's corrupt read, under the write lock
+ * (kvt_tier_read_corrupt). */
+int kvt__tier_read_check(kvt_tier_io_t *io);
+void kvt__tier_read_corrupt(const kvt_srv_t *s, kvt_tier_id_t tier, const kvt_tier_io_t *io);
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes);
 
 #endif

@@ -162,6 +162,16 @@ int kvt__tier_write_prepare(const kvt_srv_t *s, kvt_tier_id_t tier, kvt_tier_io_
     return kvt_tier_write_prepare(s->tiers[tier], io);
 }
 
+int kvt__tier_read_check(kvt_tier_io_t *io)
+{
+    return kvt_tier_read_check(io);
+}
+
+void kvt__tier_read_corrupt(const kvt_srv_t *s, kvt_tier_id_t tier, const kvt_tier_io_t *io)
+{
+    kvt_tier_read_corrupt(s->tiers[tier], io);
+}
+
 uint64_t kvt__tier_footprint(const kvt_srv_t *s, kvt_tier_id_t tier, uint64_t block_bytes)
 {
     return kvt_tier_footprint(s->tiers[tier], (uint32_t)block_bytes);

@@ -16,8 +16,10 @@
  * none when pipelined on one connection (a finished GET in front of others still reading); GETs
  * of remote-tier pages (the redis-server of KVT_TEST_REDIS) that take no write lock on their loop,
  * and one whose remote read fails; a close while such a GET's reads (NVMe or remote) are in
- * flight; a lease that ends, or a close, while such GETs
- * read a corrupt record, their path REMOVEd meanwhile; every path of the shared lock at once on
+ * flight; a lease that ends, or a close, while such GETs read a corrupt record, their path
+ * REMOVEd meanwhile, or wait for their payloads' check; the check itself, on the GET's loop with
+ * the lock let go (held there by a gate while loop 0 writes), and a corrupt record it finds, with
+ * 1 and 2 loops; every path of the shared lock at once on
  * four loops (MATCHes, GETs of DRAM and NVMe pages, GETs with LOCATE), for ThreadSanitizer to
  * watch.
  */
@@ -3550,21 +3552,26 @@ static void bad_end(bad_fix_t *f)
  * the RELEASEs and REMOVEs succeed. Without the hold the REMOVEs free the nodes at once, and the
  * bad read's completion marks the freed node's block lost.
  */
-Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_path, .timeout = 60)
+/* The RELEASEs of both leases (request ids 30, 31), then REMOVEs of both paths (32, 33), at tail;
+ * their length. */
+static size_t bad_let_go_frames(const bad_fix_t *f, uint8_t *tail)
 {
-    bad_fix_t f = {0};
-    bad_start(&f);
-    uint8_t tail[2048];
     size_t n = 0;
     for (int k = 0; k < 2; k++)
-        n += bad_release_frame(tail + n, 30 + (uint64_t)k, f.lease[k]);
+        n += bad_release_frame(tail + n, 30 + (uint64_t)k, f->lease[k]);
     for (int k = 0; k < 2; k++)
-        n += bad_remove_frame(tail + n, 32 + (uint64_t)k, f.tok[k]);
-    bad_send(&f, tail, n);
+        n += bad_remove_frame(tail + n, 32 + (uint64_t)k, f->tok[k]);
+    return n;
+}
+
+/* The GETs' replies, then bad_let_go_frames' (a REMOVE that waited past its second for the GETs
+ * is sent again), and the bad record marked lost once, while its path was held. */
+static void bad_read_let_go(bad_fix_t *f)
+{
     int wrong = 0;
     for (int i = 0; i < BGOOD + BBAD; i++) {
         uint32_t got;
-        int st = bad_read_get(&f, i, &got, &wrong);
+        int st = bad_read_get(f, i, &got, &wrong);
         if (i < BGOOD)
             cr_expect(st == 0 && got == BP, "good GET %d: %d after %u pages", i, st, got);
         else
@@ -3573,7 +3580,7 @@ Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_pat
     cr_expect_eq(wrong, 0, "%d wrong frames", wrong);
     for (uint64_t id = 30; id < 34; id++) {
         kvt_proto_hdr_t h;
-        read_reply_frame(f.fd, &h, f.body, 4096);
+        read_reply_frame(f->fd, &h, f->body, 4096);
         /* A REMOVE waits for the GETs at most 1 s (op_remove.c), which a slow daemon (under
          * ThreadSanitizer) can take to check 56 MiB: EBUSY then, and it is sent again. */
         int busy = id >= 32 && h.status == KVT_EBUSY;
@@ -3581,10 +3588,45 @@ Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_pat
                   "request %llu: reply %llu, status %d", (unsigned long long)id,
                   (unsigned long long)h.request_id, h.status);
         if (busy)
-            cr_expect_eq(kvt_client_remove(f.c0, f.tok[id - 32], PAGE), 0);
+            cr_expect_eq(kvt_client_remove(f->c0, f->tok[id - 32], PAGE), 0);
     }
-    cr_expect_eq(kvd_metric(&f.d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), 1,
+    cr_expect_eq(kvd_metric(&f->d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), 1,
                  "the bad record was marked lost once, its path held");
+}
+
+Test(server_loops, a_lease_that_ends_under_a_shared_gets_reads_leaves_it_the_path, .timeout = 60)
+{
+    bad_fix_t f = {0};
+    bad_start(&f);
+    uint8_t tail[2048];
+    bad_send(&f, tail, bad_let_go_frames(&f, tail));
+    bad_read_let_go(&f);
+    bad_end(&f);
+}
+
+/*
+ * The same once every read is done: the GETs' payloads are checked on loop 1 as each reaches the
+ * head of the queue (op_get.c get_check), and the client reads nothing until its RELEASEs and
+ * REMOVEs are sent, in a second write, so that the bad GETs wait for their check, no read in
+ * flight, when their lease ends. A GET with a batch to check counts as one with pages left
+ * (kvt__get_lease_ends): it holds the path, the REMOVEs wait for it, and the bad record is marked
+ * lost while the node is there. Without that, the REMOVEs free the nodes at once and the check
+ * marks nothing lost (or reads the freed node).
+ */
+Test(server_loops, a_lease_that_ends_while_gets_wait_for_their_check_leaves_them_the_path,
+     .timeout = 60)
+{
+    bad_fix_t f = {0};
+    bad_start(&f);
+    const char *reads = "kvtier_tier_io_duration_seconds_count{tier=\"nvme\",dir=\"read\"}";
+    double before = kvd_metric(&f.d, reads);
+    bad_send(&f, NULL, 0);
+    double want = before + (BGOOD + BBAD) * BP;
+    cr_assert_eq(bad_wait_metric(&f.d, reads, want, want), want, "every read completed");
+    uint8_t tail[2048];
+    size_t n = bad_let_go_frames(&f, tail);
+    cr_assert_eq(write(f.fd, tail, n), (ssize_t)n);
+    bad_read_let_go(&f);
     bad_end(&f);
 }
 
@@ -3617,4 +3659,161 @@ Test(server_loops, a_close_under_a_shared_gets_reads_marks_no_record_lost, .time
     cr_expect_geq(bad_wait_metric(&f.d, miss, misses + BBAD * PAGE, 1e18), misses + BBAD * PAGE,
                   "each bad GET read the bad record");
     bad_end(&f);
+}
+
+/*
+ * A GET planned shared takes its NVMe payloads' checksums on its own loop with the lock let go
+ * (op_get.c get_check), no longer on loop 0 under the write lock with the rest of its reads'
+ * completion. KVT_DEBUG_GET_CHECK_GATE holds every such check while its file exists: a GET of 4
+ * NVMe pages of 256 KiB on loop 1 then waits in its check, its reads done (loop 0 has posted its
+ * kick), while loop 0's connection takes STATS (the write lock) and has a MATCH answered; once the
+ * gate goes, the GET comes whole. With the check under loop 0's write lock, as the completion took
+ * it before, the first STATS waits out the client's timeout.
+ */
+#define CKB (256u << 10)
+
+typedef struct check_getter {
+    kvt_client_t *c;
+    uint64_t lease;
+    uint32_t pages, got;
+    uint8_t *back;
+    int rc, done; /* done: atomic, read by the test while the GET waits */
+} check_getter_t;
+
+static void *check_getter_main(void *arg)
+{
+    check_getter_t *g = arg;
+    g->rc =
+        kvt_client_get(g->c, g->lease, 0, g->pages, g->back, (size_t)g->pages * CKB, &g->got, NULL);
+    __atomic_store_n(&g->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* A daemon with loops loops and no DRAM tier (every page in NVMe), with one client per loop. */
+static void check_start(kvd_t *d, const char *loops, kvt_client_t **c)
+{
+    kvd_start(d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
+              "--nvme-segment-bytes", "8M", NULL);
+    for (int i = 0; i < atoi(loops); i++)
+        c[i] = kvd_client(d, "m", PAGE, CKB);
+}
+
+/* Stores pages pages of tok in one PUT, page p filled from seed + p (kvd_check_get's). */
+static void check_put(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint32_t seed,
+                      uint8_t *payload)
+{
+    for (uint32_t p = 0; p < pages; p++)
+        kvd_fill(payload + (size_t)p * CKB, CKB, seed + p);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c, tok, pages * PAGE, 0, pages, payload, NULL, &r), 0);
+    cr_assert_eq(r.stored, pages);
+}
+
+Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char gate[700];
+    snprintf(gate, sizeof gate, "%s/check-gate", d.dir);
+    setenv("KVT_DEBUG_GET_CHECK_GATE", gate, 1);
+    kvt_client_t *c[2];
+    check_start(&d, "2", c);
+    unsetenv("KVT_DEBUG_GET_CHECK_GATE");
+    cr_assert_eq(kvd_stat(c[0], "loop_connections_1"), 1, "c[1] is loop 1's");
+    enum { P = 4 };
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * CKB), *back = calloc(P, CKB);
+    cr_assert(payload && back);
+    kvd_tokens(tok, P * PAGE, 9610000u);
+    check_put(c[1], tok, P, 961, payload);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c[1], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    uint64_t posted = kvd_stat(c[0], "loop_kicks_posted_1");
+    put_gate_close(gate);
+    check_getter_t g = {.c = c[1], .lease = m.lease, .pages = P, .back = back};
+    pthread_t th;
+    pthread_create(&th, NULL, check_getter_main, &g);
+    /* Loop 0 completed the reads and posted the kick: the GET is in its check, or on its way. */
+    for (int i = 0; i < 5000 && kvd_stat(c[0], "loop_kicks_posted_1") == posted; i++)
+        usleep(1000);
+    cr_assert_gt(kvd_stat(c[0], "loop_kicks_posted_1"), posted, "the reads completed");
+    kvt_client_match_t one = {0};
+    cr_expect_eq(kvt_client_match(c[0], tok, P * PAGE, 0, 0, NULL, &one), 0);
+    cr_expect_eq(one.pages, P);
+    cr_expect(!__atomic_load_n(&g.done, __ATOMIC_ACQUIRE),
+              "the GET waits in its check while loop 0 answers");
+    cr_assert_eq(unlink(gate), 0);
+    pthread_join(th, NULL);
+    cr_assert_eq(g.rc, 0, "get: %s", kvt_client_strerror(g.rc));
+    cr_expect_eq(g.got, P);
+    cr_expect(memcmp(back, payload, (size_t)P * CKB) == 0, "the bytes");
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 1, "planned shared");
+    cr_assert_eq(kvt_client_release(c[1], m.lease, NULL), 0);
+    free(payload);
+    free(back);
+    client_a_loop_stop(&d, c, 2);
+}
+
+/*
+ * A record that fails its checksum, read by a GET on the last loop (loop 1 of 2, or the one
+ * loop): the GET ends as when loop 0's completion found it, its check now on the GET's loop. The
+ * pages before it come byte-exact, then the end frame's ECORRUPT; the bad block and the rest of
+ * its node are made lost (dropped, and the next MATCH reports them index-only, the pages before
+ * still served); kvtier_miss_tokens_total{reason="checksum"} counts the page's tokens and the
+ * NVMe read errors one read, once each.
+ */
+static void gets_meet_a_corrupt_record(const char *loops)
+{
+    kvd_t d = {0};
+    kvt_client_t *c[2];
+    check_start(&d, loops, c);
+    int n = atoi(loops);
+    kvt_client_t *g = c[n - 1];
+    enum { P = 5, BAD = 2 };
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * CKB), *back = calloc(P, CKB);
+    cr_assert(payload && back);
+    kvd_tokens(tok, P * PAGE, 9620000u);
+    check_put(g, tok, P, 962, payload);
+    nvme_corrupt(&d, payload + (size_t)BAD * CKB);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(g, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    uint32_t got = 0;
+    int rc = kvt_client_get(g, m.lease, 0, P, back, (size_t)P * CKB, &got, NULL);
+    cr_expect_eq(rc, KVT_CLIENT_ECORRUPT, "get: %s", kvt_client_strerror(rc));
+    cr_expect_eq(got, BAD, "the pages before the bad one");
+    cr_expect(memcmp(back, payload, (size_t)BAD * CKB) == 0, "byte-exact");
+    char key[96];
+    snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", n - 1);
+    if (n > 1)
+        cr_expect_eq(kvd_metric(&d, key), 1, "planned shared");
+    cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"checksum\"}"), PAGE);
+    cr_expect_eq(kvd_metric(&d, "kvtier_tier_io_errors_total{tier=\"nvme\",dir=\"read\"}"), 1);
+    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), P - BAD,
+                 "the bad block and the rest of its node made lost");
+    cr_assert_eq(kvt_client_release(g, m.lease, NULL), 0);
+    uint8_t tiers[P];
+    kvt_client_match_t again = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(g, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &again), 0);
+    cr_assert_eq(again.pages, P, "the index still knows the tokens");
+    for (int i = 0; i < P; i++)
+        cr_expect_eq(tiers[i], i < BAD ? KVT_CLIENT_TIER_NVME : KVT_CLIENT_TIER_NONE,
+                     "page %d: tier %d", i, tiers[i]);
+    kvd_check_get(g, again.lease, 0, BAD, CKB, 962, NULL);
+    cr_assert_eq(kvt_client_release(g, again.lease, NULL), 0);
+    free(payload);
+    free(back);
+    client_a_loop_stop(&d, c, n);
+}
+
+Test(server_loops, a_shared_get_meets_a_corrupt_record, .timeout = 60)
+{
+    gets_meet_a_corrupt_record("2");
+}
+
+Test(server_loops, a_get_meets_a_corrupt_record_with_one_loop, .timeout = 60)
+{
+    gets_meet_a_corrupt_record("1");
 }

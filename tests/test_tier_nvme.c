@@ -3,7 +3,8 @@
  * with aligned and unaligned buffers, O_DIRECT where the file system takes it and the buffered
  * fallback where it does not (a ramfs mounted in a private mount namespace), capacity
  * exhaustion, free and segment reuse, reclaim of a fragmented log, many requests in flight
- * through a small queue, checksum mismatches from bytes flipped in the data file, a file system
+ * through a small queue, checksum mismatches from bytes flipped in the data file (found at
+ * completion, or by the caller a read left its payload's checksum to), a file system
  * that is full (a tiny tmpfs), and bad configuration. Every test works under its own directory
  * in $TMPDIR and removes it.
  */
@@ -371,10 +372,16 @@ Test(tier_nvme, many_requests_in_flight_through_a_small_queue)
     tu_rmrf(dir);
 }
 
-/* A burst of finished reads is verified 512 KiB at a time: one process call runs the callbacks of
- * the first two 256 KiB reads and leaves the tier's fd readable for the rest, so that a caller
- * can submit again between checksums; every read still completes, byte-exact. */
-Test(tier_nvme, a_burst_of_reads_is_handed_over_a_few_at_a_time)
+/*
+ * A burst of 16 reads of 256 KiB (4 MiB, eight of the poll's verify budgets), check_later as
+ * given, every one finished on the device before one process call harvests them. Checked by the
+ * tier, they are verified 512 KiB at a time: that call runs the callbacks of the first two and
+ * leaves the tier's fd readable for the rest, so that a caller can submit again between
+ * checksums. Left to their caller, they cost the budget nothing: that call hands over all 16.
+ * Either way every read completes byte-exact (kvt_tier_read_check: its status for a read the tier
+ * checked).
+ */
+static void burst_handover(uint64_t seed, int check_later)
 {
     enum { N = 16, LEN = 256u << 10 };
     char dir[4096];
@@ -384,27 +391,43 @@ Test(tier_nvme, a_burst_of_reads_is_handed_over_a_few_at_a_time)
     static uint32_t toks[N][16];
     uint8_t *bufs = tu_aligned((size_t)N * LEN);
     int done = 0;
-    tu_write_burst(t, ios, toks, bufs, N, LEN, 50, &done);
+    tu_write_burst(t, ios, toks, bufs, N, LEN, seed, &done);
     cr_assert(tu_drive(t, &done, N));
     memset(bufs, 0, (size_t)N * LEN);
     done = 0;
-    for (int i = 0; i < N; i++)
+    for (int i = 0; i < N; i++) {
+        ios[i].check_later = (uint8_t)check_later;
         cr_assert_eq(kvt_tier_read(t, &ios[i]), 0);
-    /* Let every read finish on the device before anything is harvested. */
+    }
     usleep(200000);
     struct pollfd pf = {.fd = kvt_tier_fd(t), .events = POLLIN};
     cr_assert_eq(poll(&pf, 1, 5000), 1);
     cr_assert_geq(kvt_tier_process(t), 0);
-    cr_expect_leq(done, 2, "one process call ran %d read callbacks", done);
-    cr_expect_eq(poll(&pf, 1, 0), 1, "the fd stays readable while reads wait to be verified");
+    if (check_later) {
+        cr_expect_eq(done, N, "one process call ran %d read callbacks", done);
+    } else {
+        cr_expect_leq(done, 2, "one process call ran %d read callbacks", done);
+        cr_expect_eq(poll(&pf, 1, 0), 1, "the fd stays readable while reads wait to be verified");
+    }
     cr_assert(tu_drive(t, &done, N));
     for (int i = 0; i < N; i++) {
-        cr_assert_eq(ios[i].status, 0, "read %d: %s", i, kvt_strerror(ios[i].status));
-        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, (uint64_t)i + 50), "block %d", i);
+        int rc = kvt_tier_read_check(&ios[i]);
+        cr_assert_eq(rc, 0, "read %d: %s", i, kvt_strerror(rc));
+        cr_assert(tu_same(bufs + (size_t)i * LEN, LEN, (uint64_t)i + seed), "block %d", i);
     }
     free(bufs);
     kvt_tier_destroy(t);
     tu_rmrf(dir);
+}
+
+Test(tier_nvme, a_burst_of_reads_is_handed_over_a_few_at_a_time)
+{
+    burst_handover(50, 0);
+}
+
+Test(tier_nvme, reads_checked_by_their_caller_are_handed_over_at_once)
+{
+    burst_handover(60, 1);
 }
 
 /* Flips one byte of the data file at off, with a plain descriptor of its own. */
@@ -422,21 +445,33 @@ static void flip(const char *dir, uint64_t off)
     close(fd);
 }
 
+#define FLIPPED_LEN 100000u
+
+/* A tier in a fresh dir holding blocks 0..2 of FLIPPED_LEN bytes, keyed tu_key(i) over tok, their
+ * locations in locs (buf: a buffer of FLIPPED_LEN for the writes), with a payload byte of block 0
+ * and a token in block 1's header flipped in the data file. */
+static kvt_tier_t *flipped_three(char *dir, size_t dir_size, uint8_t *buf, uint32_t *tok,
+                                 uint64_t *locs)
+{
+    tu_tmpdir(dir, dir_size, "nvme");
+    kvt_tier_t *t = mk(dir, 8u << 20, 1u << 20, 8);
+    /* Blocks 0..2 land at the start of segment 0, one after another: header region 4 KiB, then
+     * the payload rounded up to whole sectors. */
+    tu_write_n(t, 3, buf, FLIPPED_LEN, tok, locs);
+    uint64_t rec = 4096 + ((FLIPPED_LEN + 4095) / 4096) * 4096;
+    flip(dir, 0 * rec + 4096 + 5000); /* block 0: payload */
+    flip(dir, 1 * rec + 32 + 64 + 8); /* block 1: a token in the header */
+    return t;
+}
+
 Test(tier_nvme, flipped_bytes_read_as_a_counted_miss)
 {
     char dir[4096];
-    tu_tmpdir(dir, sizeof(dir), "nvme");
-    kvt_tier_t *t = mk(dir, 8u << 20, 1u << 20, 8);
-    const uint32_t len = 100000;
+    const uint32_t len = FLIPPED_LEN;
     uint8_t *buf = tu_aligned(len);
     uint32_t tok[16];
-    /* Blocks 0..2 land at the start of segment 0, one after another: header region 4 KiB, then
-     * the payload rounded up to whole sectors. */
     uint64_t locs[3];
-    tu_write_n(t, 3, buf, len, tok, locs);
-    uint64_t rec = 4096 + ((len + 4095) / 4096) * 4096;
-    flip(dir, 0 * rec + 4096 + 5000); /* block 0: payload */
-    flip(dir, 1 * rec + 32 + 64 + 8); /* block 1: a token in the header */
+    kvt_tier_t *t = flipped_three(dir, sizeof dir, buf, tok, locs);
     for (int i = 0; i < 3; i++) {
         kvt_block_key_t k = tu_key((uint64_t)i, tok, 16);
         memset(buf, 0x55, len);
@@ -459,6 +494,71 @@ Test(tier_nvme, flipped_bytes_read_as_a_counted_miss)
     kvt_block_key_t k2 = tu_key(2, tok, 16);
     tok[3] ^= 1;
     cr_assert_eq(tu_read(t, &k2, locs[2], buf, len), KVT_ECORRUPT);
+    free(buf);
+    kvt_tier_destroy(t);
+    tu_rmrf(dir);
+}
+
+/* A read through io (check_later as given) of block key at loc into buf; its status. */
+static int read_io(kvt_tier_t *t, kvt_tier_io_t *io, const kvt_block_key_t *key, uint64_t loc,
+                   void *buf, uint32_t len, int check_later)
+{
+    int done = 0;
+    *io = (kvt_tier_io_t){.key = *key,
+                          .loc = loc,
+                          .buf = buf,
+                          .len = len,
+                          .cb = tu_count_cb,
+                          .data = &done,
+                          .check_later = (uint8_t)check_later};
+    cr_assert_eq(kvt_tier_read(t, io), 0);
+    cr_assert(tu_drive(t, &done, 1));
+    return io->status;
+}
+
+/* A read whose caller takes the payload's checksum (check_later: the daemon's GET on its own
+ * loop) completes with every other check made: a flipped payload byte completes 0, unchecked,
+ * and fails kvt_tier_read_check (the buffer zeroed), which kvt_tier_read_corrupt then counts as
+ * the tier counts a corrupt read; a flipped token in the header fails at completion as before;
+ * an intact block passes, byte-exact. Without check_later the same payload fails at completion. */
+Test(tier_nvme, a_read_leaves_its_payload_checksum_to_the_caller)
+{
+    char dir[4096];
+    const uint32_t len = FLIPPED_LEN;
+    uint8_t *buf = tu_aligned(len), *zero = calloc(1, len);
+    uint32_t tok[16];
+    uint64_t locs[3];
+    kvt_tier_t *t = flipped_three(dir, sizeof dir, buf, tok, locs);
+    kvt_tier_io_t io;
+    kvt_block_key_t k0 = tu_key(0, tok, 16);
+    cr_assert_eq(read_io(t, &io, &k0, locs[0], buf, len, 1), 0, "the payload is not checked");
+    cr_assert(io.unchecked);
+    cr_assert_eq(kvt_tier_read_check(&io), KVT_ECORRUPT);
+    cr_assert_eq(io.status, KVT_ECORRUPT);
+    cr_assert_eq(memcmp(buf, zero, len), 0, "a corrupt block hands out no bytes");
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, 1, "counted a read at completion");
+    kvt_tier_read_corrupt(t, &io);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, 0);
+    cr_assert_eq(u.read_bytes, 0);
+    cr_assert_eq(u.corrupt, 1);
+    cr_assert_eq(kvt_tier_dropped(t), 1);
+    kvt_block_key_t k1 = tu_key(1, tok, 16);
+    cr_assert_eq(read_io(t, &io, &k1, locs[1], buf, len, 1), KVT_ECORRUPT, "the header");
+    cr_assert(!io.unchecked);
+    kvt_block_key_t k2 = tu_key(2, tok, 16);
+    cr_assert_eq(read_io(t, &io, &k2, locs[2], buf, len, 1), 0);
+    cr_assert(io.unchecked);
+    cr_assert_eq(kvt_tier_read_check(&io), 0);
+    cr_assert(tu_same(buf, len, 2));
+    cr_assert_eq(read_io(t, &io, &k0, locs[0], buf, len, 0), KVT_ECORRUPT, "checked here");
+    cr_assert(!io.unchecked);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.corrupt, 3);
+    cr_assert_eq(u.reads, 1);
+    free(zero);
     free(buf);
     kvt_tier_destroy(t);
     tu_rmrf(dir);

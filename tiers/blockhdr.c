@@ -39,8 +39,9 @@ static uint64_t blockhdr_sum(const uint8_t *hdr, uint32_t ntokens, const void *p
     return XXH3_64bits_digest(&st);
 }
 
-/* The header's fields before its checksum (BLOCKHDR_SUMOFF bytes): the checksum's first piece. */
-static void blockhdr_head(uint8_t *p, const kvt_block_key_t *key, uint32_t len, uint64_t seq)
+/* The header's first BLOCKHDR_SUMOFF bytes at p: key's, len, and k's parent, seq, reserved. */
+static void head_encode(uint8_t *p, const kvt_block_key_t *key, uint32_t len,
+                        const kvt__blockhdr_kept_t *k)
 {
     kvt_put_u32(p, BLOCKHDR_MAGIC);
     kvt_put_u16(p + 4, BLOCKHDR_VERSION);
@@ -49,16 +50,16 @@ static void blockhdr_head(uint8_t *p, const kvt_block_key_t *key, uint32_t len, 
     kvt_put_u32(p + 12, len);
     kvt_put_u64(p + 16, key->ns_seed);
     kvt_put_u64(p + 24, key->hash);
-    kvt_put_u64(p + 32, key->parent);
-    kvt_put_u64(p + 40, seq);
-    kvt_put_u64(p + 48, 0);
+    kvt_put_u64(p + 32, k->parent);
+    kvt_put_u64(p + 40, k->seq);
+    kvt_put_u64(p + 48, k->reserved);
 }
 
 void kvt__blockhdr_encode_summed(void *dst, const kvt_block_key_t *key, uint32_t len, uint64_t seq,
                                  uint64_t sum)
 {
     uint8_t *p = dst;
-    blockhdr_head(p, key, len, seq);
+    head_encode(p, key, len, &(kvt__blockhdr_kept_t){.parent = key->parent, .seq = seq});
     for (uint32_t i = 0; i < key->ntokens; i++)
         kvt_put_u32(p + KVT_BLOCKHDR_BYTES + 4 * i, key->tokens[i]);
     kvt_put_u64(p + BLOCKHDR_SUMOFF, sum);
@@ -72,13 +73,14 @@ void kvt__blockhdr_encode(void *dst, const kvt_block_key_t *key, const void *pay
     kvt_put_u64(p + BLOCKHDR_SUMOFF, blockhdr_sum(p, key->ntokens, payload, len));
 }
 
-/* blockhdr_sum's stream with no header to read it from: the head and the tokens are encoded here
- * a few at a time, as kvt__blockhdr_encode would lay them out. */
-uint64_t kvt__blockhdr_sum(const kvt_block_key_t *key, const void *payload, uint32_t len,
-                           uint64_t seq)
+/* blockhdr_sum's stream with no header to read it from: the head (key, len and k's fields) and
+ * the tokens are encoded here a slice at a time (little-endian whatever the host), as
+ * kvt__blockhdr_encode lays them out. */
+static uint64_t key_sum(const kvt_block_key_t *key, const kvt__blockhdr_kept_t *k,
+                        const void *payload, uint32_t len)
 {
-    uint8_t head[BLOCKHDR_SUMOFF], toks[256];
-    blockhdr_head(head, key, len, seq);
+    uint8_t head[BLOCKHDR_SUMOFF], toks[1024];
+    head_encode(head, key, len, k);
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
     XXH3_64bits_update(&st, head, sizeof head);
@@ -92,6 +94,12 @@ uint64_t kvt__blockhdr_sum(const kvt_block_key_t *key, const void *payload, uint
     if (len)
         XXH3_64bits_update(&st, payload, len);
     return XXH3_64bits_digest(&st);
+}
+
+uint64_t kvt__blockhdr_sum(const kvt_block_key_t *key, const void *payload, uint32_t len,
+                           uint64_t seq)
+{
+    return key_sum(key, &(kvt__blockhdr_kept_t){.parent = key->parent, .seq = seq}, payload, len);
 }
 
 int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info)
@@ -114,6 +122,23 @@ int kvt__blockhdr_peek(const void *src, size_t avail, kvt__blockhdr_info_t *info
     return 0;
 }
 
+/* Whether the header at p (parsed into in) names key (kvt__blockhdr_check says which fields). */
+static int key_matches(const uint8_t *p, const kvt__blockhdr_info_t *in, const kvt_block_key_t *key)
+{
+    if (in->ns_seed != key->ns_seed || in->hash != key->hash)
+        return 0;
+    if (key->parent && in->parent != key->parent)
+        return 0;
+    if (key->tokens) {
+        if (in->ntokens != key->ntokens)
+            return 0;
+        for (uint32_t i = 0; i < in->ntokens; i++)
+            if (kvt_get_u32(p + KVT_BLOCKHDR_BYTES + 4 * i) != key->tokens[i])
+                return 0;
+    }
+    return 1;
+}
+
 int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
                          size_t payload_avail, const kvt_block_key_t *key, uint32_t *len_out)
 {
@@ -126,22 +151,37 @@ int kvt__blockhdr_verify(const void *hdr, size_t hdr_avail, const void *payload,
     const uint8_t *p = hdr;
     if (kvt_get_u64(p + BLOCKHDR_SUMOFF) != blockhdr_sum(p, in.ntokens, payload, in.len))
         return KVT_ECORRUPT;
-    if (key) {
-        if (in.ns_seed != key->ns_seed || in.hash != key->hash)
-            return KVT_ECORRUPT;
-        if (key->parent && in.parent != key->parent)
-            return KVT_ECORRUPT;
-        if (key->tokens) {
-            if (in.ntokens != key->ntokens)
-                return KVT_ECORRUPT;
-            for (uint32_t i = 0; i < in.ntokens; i++)
-                if (kvt_get_u32(p + KVT_BLOCKHDR_BYTES + 4 * i) != key->tokens[i])
-                    return KVT_ECORRUPT;
-        }
-    }
+    if (key && !key_matches(p, &in, key))
+        return KVT_ECORRUPT;
     if (len_out)
         *len_out = in.len;
     return 0;
+}
+
+int kvt__blockhdr_verify_head(const void *hdr, size_t hdr_avail, const kvt_block_key_t *key,
+                              uint32_t len, kvt__blockhdr_kept_t *kept)
+{
+    if (!hdr || !key || !key->tokens || !kept)
+        return KVT_EINVAL;
+    kvt__blockhdr_info_t in;
+    const uint8_t *p = hdr;
+    if (kvt__blockhdr_peek(hdr, hdr_avail, &in) < 0 || hdr_avail < in.hdr_bytes || in.len != len ||
+        !key_matches(p, &in, key))
+        return KVT_ECORRUPT;
+    /* With the key's tokens compared, the header is the key, len and these. */
+    *kept = (kvt__blockhdr_kept_t){.parent = in.parent,
+                                   .seq = in.seq,
+                                   .reserved = kvt_get_u64(p + 48),
+                                   .sum = kvt_get_u64(p + BLOCKHDR_SUMOFF)};
+    return 0;
+}
+
+int kvt__blockhdr_verify_kept(const kvt__blockhdr_kept_t *kept, const kvt_block_key_t *key,
+                              const void *payload, uint32_t len)
+{
+    if (!kept || !key || !key->tokens || (!payload && len))
+        return KVT_EINVAL;
+    return key_sum(key, kept, payload, len) == kept->sum ? 0 : KVT_ECORRUPT;
 }
 
 int kvt__blockhdr_verify_pieces(const void *hdr, size_t hdr_avail,

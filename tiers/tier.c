@@ -422,6 +422,7 @@ static void tier_io_start(kvt_tier_t *t, kvt_tier_io_t *io, kvt_io_op_t op)
     io->tier = t;
     io->next = NULL;
     io->status = 0;
+    io->unchecked = 0;
     io->submit_ns = kvt_now_ns();
 }
 
@@ -514,6 +515,30 @@ int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io)
         io->tier = NULL;
     }
     return rc;
+}
+
+int kvt_tier_read_check(kvt_tier_io_t *io)
+{
+    if (!io)
+        return KVT_EINVAL;
+    if (!io->unchecked || io->status < 0)
+        return io->status;
+    kvt__blockhdr_kept_t kept;
+    memcpy(&kept, io->priv, sizeof kept); /* the tier's completion put it there */
+    if (kvt__blockhdr_verify_kept(&kept, &io->key, io->buf, io->len) < 0) {
+        memset(io->buf, 0, io->len); /* a miss never hands out bytes */
+        io->status = KVT_ECORRUPT;
+    }
+    return io->status;
+}
+
+void kvt_tier_read_corrupt(kvt_tier_t *t, const kvt_tier_io_t *io)
+{
+    if (!t || !io || io->op != KVT_IO_READ || io->status != KVT_ECORRUPT)
+        return;
+    t->usage.reads--;
+    t->usage.read_bytes -= io->len;
+    t->usage.corrupt++;
 }
 
 static void tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len, int discard)

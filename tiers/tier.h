@@ -91,6 +91,14 @@ struct kvt_tier_io {
      * pool on. Where that pool has no room, or for -1 (none wanted), the pool with the most room
      * takes it. Other tiers, reads and one-pool HBM tiers ignore it. */
     int device;
+    /* A read's: 1 lets the tier complete it with its payload's checksum not taken where that is
+     * a cost of its own (NVMe: an XXH3 over the whole payload), so that the caller takes it on a
+     * thread of its choice; every other check of the record (location, header, key) is made.
+     * Needs key.tokens (the stored header is rebuilt from the key). Other tiers ignore it. */
+    uint8_t check_later;
+    /* Set by the tier when such a read completed with status 0 and its payload unchecked: no
+     * byte of buf may be used before kvt_tier_read_check has said 0. */
+    uint8_t unchecked;
 
     /* Private to tiers/. */
     kvt_io_op_t op;
@@ -148,6 +156,15 @@ int kvt_tier_write(kvt_tier_t *t, kvt_tier_io_t *io);
  * page is BUSY). Returns 0, or KVT_EINVAL (nothing done: the start hashes as without it).
  */
 int kvt_tier_write_prepare(kvt_tier_t *t, kvt_tier_io_t *io);
+/* Takes the payload checksum that a read left unchecked (io->unchecked: check_later), after its
+ * callback has run: 0, or KVT_ECORRUPT with io->status set to it and buf zeroed, as if the read
+ * had failed. Reads io, its key's tokens and its buffer only: any thread may call it, with
+ * nothing of the tier's held, while no one else uses io. Any other io: its status. */
+int kvt_tier_read_check(kvt_tier_io_t *io);
+/* Counts io, a read of t that failed kvt_tier_read_check, as t counts a corrupt read
+ * (usage.corrupt) instead of a read (usage.reads, read_bytes): once, under whatever serialises
+ * the calls into t. */
+void kvt_tier_read_corrupt(kvt_tier_t *t, const kvt_tier_io_t *io);
 /* Frees a location written earlier; freeing an unknown or already freed location is a no-op.
  * A read of it already in flight still completes (with the data or a miss). */
 void kvt_tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len);

@@ -262,6 +262,23 @@ int kvt__blockhdr_verify_pieces(const void *hdr, size_t hdr_avail,
                                 int (*next)(void *arg, const uint8_t **piece, size_t *n), void *arg,
                                 uint32_t *len_out);
 
+/* What a stored header holds besides the key and the payload length (its bytes 32..63): with
+ * them, kvt__blockhdr_verify_kept rebuilds the header a read checked and takes its checksum. */
+typedef struct kvt__blockhdr_kept {
+    uint64_t parent, seq, reserved, sum;
+} kvt__blockhdr_kept_t;
+_Static_assert(sizeof(kvt__blockhdr_kept_t) <= sizeof(((kvt_tier_io_t *)0)->priv),
+               "an unchecked read keeps its header's fields in io->priv");
+/* kvt__blockhdr_verify without the checksum, against a key with its tokens and a payload of len
+ * bytes: 0 with *kept filled, or KVT_ECORRUPT (KVT_EINVAL: no tokens in key). */
+int kvt__blockhdr_verify_head(const void *hdr, size_t hdr_avail, const kvt_block_key_t *key,
+                              uint32_t len, kvt__blockhdr_kept_t *kept);
+/* The checksum of the block that key, len and kept (from kvt__blockhdr_verify_head) describe,
+ * with payload's len bytes: 0 when it is the stored one, else KVT_ECORRUPT. Reads only its
+ * arguments. */
+int kvt__blockhdr_verify_kept(const kvt__blockhdr_kept_t *kept, const kvt_block_key_t *key,
+                              const void *payload, uint32_t len);
+
 /* A stored header's fields, parsed without verifying the checksum (recovery reads the header
  * first to learn how much follows). */
 typedef struct kvt__blockhdr_info {
