@@ -70,9 +70,12 @@
  * of the tier it is found in, or the recompute time of the page at its depth. The expert whose copy
  * cost least lately (decayed sums over about 5,000 sampled uses) takes over at the next refresh of
  * the model, by a margin of 1 % over the one in charge, and the heaps are built again with its keys
- * (a rebuild, or a sweep in a large tree). Ghost hits per expert (LeCaR) were tried first and
- * judged the experts poorly: each judged only its own victims, and a switch to LFU for a while left
- * blocks entrenched by their counts for good (docs/policy.md).
+ * (a rebuild, or a sweep in a large tree). A copy misjudges its own order by a few per cent, so
+ * a switch also needs the copies' seconds to agree once each is corrected by what its order
+ * really cost over what its copy said while it was in charge (kvt__policy_pick_expert). Ghost hits
+ * per expert (LeCaR) were tried first and judged the experts poorly: each judged only its own
+ * victims, and a switch to LFU for a while left blocks entrenched by their counts for good
+ * (docs/policy.md).
  */
 #include "policy.h"
 #include "policy_test.h"
@@ -123,7 +126,10 @@
 #define MS_DECAY     0.9998 /* each sampled use ages the simulated costs: about 5,000 uses */
 /* Another expert takes over when its simulated cost is this much lower: 1 % since the recency
  * copies evict exactly (ms_victim); 0.5 % before, when their sampled victims made them err. */
-#define EXP_MARGIN  0.01
+#define EXP_MARGIN 0.01
+/* Sampled uses an expert must have ordered the victims for before what its copy misjudges of its
+ * real cost counts (choose_expert): a tenth of the simulations' window. */
+#define HELD_USES   500.0
 #define PAUSED_HITS 64.0 /* EXP_FREQ: hits a paused session's pages count as until it is back */
 #define FINISHED_AGE                                                                               \
     600000.0 /* EXP_RECENT: a finished session's pages count as this much older                    \
@@ -300,6 +306,10 @@ struct kvt_policy {
     /* and what they cost the real hierarchy, decayed alike: beside the copy of the expert in
      * charge, how far that copy's figure is from what its order really did (issue 40) */
     double ms_real;
+    /* The same, per expert, over the sampled uses while it was in charge only, beside what its
+     * own copy charged those uses and their count (decayed alike, and only then): how far each
+     * copy misjudges what its order really does (choose_expert). 120 bytes. */
+    double held_real[NEXP], held_copy[NEXP], held_n[NEXP];
     double ms_load[KVT_TIER_COUNT]; /* seconds to load a sampled page from each tier */
     int ms_state;                   /* 0 not sized yet, 1 running, -1 off (no memory) */
     uint64_t ms_rng;
@@ -1707,7 +1717,8 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
     double redo = recompute_page_s(p, depth, ps);
     /* charged as the copies charge: the page's load from its tier, or its recompute */
     int found = real != KVT_TIER_NONE && real < KVT_TIER_COUNT;
-    p->ms_real = p->ms_real * MS_DECAY + (found ? KVT_MIN(redo, p->ms_load[real]) : redo);
+    double real_s = found ? KVT_MIN(redo, p->ms_load[real]) : redo;
+    p->ms_real = p->ms_real * MS_DECAY + real_s;
     p->st.expert_uses[p->xcur]++;
     msent_t xs[NEXP];
     for (int e = 0; e < p->nexp; e++) {
@@ -1735,6 +1746,11 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
             break;
         }
         p->ms_cost[e] = p->ms_cost[e] * MS_DECAY + s;
+        if (e == p->xcur) { /* a use its order really served: its copy's error on it */
+            p->held_real[e] = p->held_real[e] * MS_DECAY + real_s;
+            p->held_copy[e] = p->held_copy[e] * MS_DECAY + s;
+            p->held_n[e] = p->held_n[e] * MS_DECAY + 1;
+        }
         xs[e] = x;
     }
     /* each copy's admission only after every copy's lookup: ms_plan needs their tiers' fill */
@@ -1744,18 +1760,44 @@ static void ms_use(kvt_policy_t *p, uint64_t h, uint32_t depth, uint8_t flags, u
         ms_admit(p, e, xs[e], now, slot[e]);
 }
 
+/* Expert e's copy's seconds corrected by what its order really cost over what its copy said
+ * while it was in charge; one in charge for fewer than HELD_USES sampled uses takes the mean
+ * correction of those that were (the copies all err one way: taken as exact, an expert never in
+ * charge looked cheaper than the ones measured). */
+static double held_cost(const kvt__policy_experts_t *x, int e)
+{
+    double sum = 0;
+    int k = 0;
+    for (int i = 0; i < x->nexp; i++)
+        if (x->held_n[i] >= HELD_USES && x->held_copy[i] > 0) {
+            if (i == e)
+                return x->copy_s[e] * x->held_real[e] / x->held_copy[e];
+            sum += x->held_real[i] / x->held_copy[i];
+            k++;
+        }
+    return k ? x->copy_s[e] * sum / k : x->copy_s[e];
+}
+
+int kvt__policy_pick_expert(const kvt__policy_experts_t *x, int cur)
+{
+    for (int e = 0; e < x->nexp; e++)
+        if (x->copy_s[e] < x->copy_s[cur] * (1 - EXP_MARGIN) &&
+            held_cost(x, e) < held_cost(x, cur) * (1 - EXP_MARGIN))
+            cur = e;
+    return cur;
+}
+
 /* Every REFRESH_EVERY inserts: the expert whose miniature hierarchy cost least lately is to
  * order the victims (by a margin over the one ordering them now or about to: switching costs a
- * rebuild of the heaps, and back and forth costs more than either expert). Returns whether the
- * choice changed. */
+ * rebuild of the heaps, and back and forth costs more than either expert), unless the real costs
+ * of the sampled uses say the copies misjudge the two (kvt__policy_pick_expert). Returns whether
+ * the choice changed. */
 static int choose_expert(kvt_policy_t *p)
 {
     if (p->nexp == 1 || p->ms_state <= 0)
         return 0;
-    int cur = p->xwant;
-    for (int e = 0; e < p->nexp; e++)
-        if (p->ms_cost[e] < p->ms_cost[cur] * (1 - EXP_MARGIN))
-            cur = e;
+    kvt__policy_experts_t x = {p->nexp, p->ms_cost, p->held_real, p->held_copy, p->held_n};
+    int cur = kvt__policy_pick_expert(&x, p->xwant);
     if (cur == p->xwant)
         return 0;
     p->xwant = cur;

@@ -1927,6 +1927,43 @@ Test(policy_decisions, the_real_hierarchy_is_judged_on_the_sampled_pages_as_the_
 }
 
 /*
+ * Issue 40, session 29: a copy misjudges its own order (session 25: the density copy's figure 4 %
+ * below the real one on agent seed 0 with the remote tier, the others' 1-3 %), so a copy 1 %
+ * cheaper than the one in charge need not be. Another expert takes over only when its copy is
+ * cheaper and still is once each copy's seconds are corrected by what its order really cost over
+ * what its copy said while it was in charge; one never in charge long enough takes the mean of
+ * the others' corrections.
+ */
+Test(policy_decisions, a_switch_needs_the_real_costs_to_agree_with_the_copies)
+{
+    /* expert 1's copy is 2 % cheaper than expert 0's, which is in charge */
+    double copy[KVT_POLICY_EXPERTS] = {100, 98, 200, 200, 200};
+    double real[KVT_POLICY_EXPERTS] = {100, 105, 0, 0, 0}; /* per 100 s of its copy's */
+    double held[KVT_POLICY_EXPERTS] = {100, 100, 0, 0, 0};
+    double n[KVT_POLICY_EXPERTS] = {1000, 1000, 0, 0, 0};
+    kvt__policy_experts_t x = {KVT_POLICY_EXPERTS, copy, real, held, n};
+    /* its order really cost 5 % more than its copy said, expert 0's what its copy said */
+    cr_assert_eq(kvt__policy_pick_expert(&x, 0), 0, "a copy that underrates its order won");
+    real[1] = 100;
+    cr_assert_eq(kvt__policy_pick_expert(&x, 0), 1, "the cheaper order, rightly judged, lost");
+    /* in charge for too few uses: its correction is unknown, and the known one's is taken */
+    real[1] = 105;
+    n[1] = 100;
+    cr_assert_eq(kvt__policy_pick_expert(&x, 0), 1);
+    /* never in charge: the mean of the corrections known, here expert 0's and expert 2's */
+    n[1] = 0;
+    real[2] = held[2] = n[2] = 1000;
+    real[2] = 1100;
+    cr_assert_eq(kvt__policy_pick_expert(&x, 0), 0, "98 x 1.05 s is not 1 %% below 100 s");
+    real[2] = 1000;
+    cr_assert_eq(kvt__policy_pick_expert(&x, 0), 1);
+    /* the copies alone still have to agree: a correction never makes a switch */
+    copy[1] = 99.5;
+    real[0] = 110;
+    cr_assert_eq(kvt__policy_pick_expert(&x, 0), 0, "a switch by the corrections alone");
+}
+
+/*
  * Issue 40, session 24: the density expert (LHD) learns from the ages at which pages were used
  * again and at which they left without a use, and need not rank a page lower for being older.
  * Every second prompt comes back once, 20 s after it was sent; the tier holds 12 prompts. While
