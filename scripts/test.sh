@@ -29,45 +29,29 @@ stage_times() {
 
 stage "build (release)"
 bash scripts/setup.sh build -Dbuildtype=release -Dtests=enabled
-# The Python package's venv (build/pyenv: torch, numpy, pytest, cffi, the package, the engines),
-# made once; and SGLang's host-pool venv (build/pyenv-sglang: torch 2.14.1 and torchvision 0.29.1,
-# about 6 GB), made once, for the one meson test that needs it (python_sglang_hostpool). Both are
-# made in the background from here, beside each other and beside the builds below: pip spends
-# most of its time waiting on the disk, at a fraction of a core, while the compilers want the
-# cores (docs/testing.md has the measured gain). The release build above installed every Debian
-# package either needs (python3-venv too), so nothing runs apt-get at the same time. Their output
-# goes to build/pyenv.log and build/pyenv-sglang.log, shown at the "pyenv" stage below; failing to
-# make build/pyenv-sglang only makes that test skip, printing the log's end.
-bg_pids=()
-kill_tree() {
-    local c
-    for c in $(pgrep -P "$1" 2>/dev/null); do
-        kill_tree "$c"
-    done
-    kill "$1" 2>/dev/null || true
-}
-kill_bg() { # a stage failed: no pip left running after the command
-    local p
-    for p in "${bg_pids[@]}"; do
-        kill_tree "$p"
-    done
-}
-trap kill_bg EXIT
-pyenv_bg() {
-    local t0=$SECONDS rc=0
-    bash scripts/pyenv.sh "$@" || rc=$?
-    echo "pyenv: $* done in $((SECONDS - t0)) s (rc $rc)" >&2
-    return $rc
-}
-pyenv_bg build >build/pyenv.log 2>&1 &
-pyenv_pid=$!
-pyenv_bg --sglang build >build/pyenv-sglang.log 2>&1 &
-sglang_pid=$!
-bg_pids=("$pyenv_pid" "$sglang_pid")
-
 stage "build-asan (AddressSanitizer + UndefinedBehaviorSanitizer)"
 bash scripts/setup.sh build-asan -Dtests=enabled -Db_sanitize=address,undefined -Db_lundef=false \
     -Dbuildtype=debugoptimized
+# The Python package's venv (build/pyenv: torch, numpy, pytest, cffi, the package, the engines),
+# made once; and SGLang's host-pool venv (build/pyenv-sglang: torch 2.14.1 and torchvision 0.29.1,
+# about 6 GB), made once, for the one meson test that needs it (python_sglang_hostpool). The two
+# are independent and pip works on one core, so the second is made in the background while the
+# first is (docs/testing.md has the measured gain). Its pip output goes to
+# build/pyenv-sglang.log; failing to make it only makes that test skip, printing the log's end.
+stage "pyenv (build/pyenv, and build/pyenv-sglang beside it)"
+bash scripts/pyenv.sh --sglang build >build/pyenv-sglang.log 2>&1 &
+sglang_pid=$!
+pyenv_rc=0
+bash scripts/pyenv.sh build || pyenv_rc=$?
+if wait "$sglang_pid"; then
+    grep '^pyenv:' build/pyenv-sglang.log >&2 || true
+else
+    echo "test: build/pyenv-sglang not made (build/pyenv-sglang.log); python_sglang_hostpool" \
+        "will skip" >&2
+fi
+if [ "$pyenv_rc" -ne 0 ]; then
+    exit "$pyenv_rc"
+fi
 
 # kvtierd under ThreadSanitizer (issue 42: several event loops), the daemon only (about 25 s from
 # nothing): Criterion's runner does not start under ThreadSanitizer, so the release build's test
@@ -107,27 +91,9 @@ if ! clang-format --dry-run --Werror $files; then
     exit 1
 fi
 
-stage "pyenv (build/pyenv and build/pyenv-sglang, begun after the release build)"
-pyenv_rc=0
-wait "$pyenv_pid" || pyenv_rc=$?
-cat build/pyenv.log
-if wait "$sglang_pid"; then
-    grep '^pyenv:' build/pyenv-sglang.log >&2 || true
-else
-    tail -n 20 build/pyenv-sglang.log >&2 || true
-    echo "test: build/pyenv-sglang not made (build/pyenv-sglang.log); python_sglang_hostpool" \
-        "will skip" >&2
-fi
-bg_pids=()
-if [ "$pyenv_rc" -ne 0 ]; then
-    echo "test: build/pyenv not made (build/pyenv.log above)" >&2
-    exit "$pyenv_rc"
-fi
-
 tmp=$(mktemp -d /tmp/kvtier-test.XXXXXX)
 redis_pid=""
 cleanup() {
-    kill_bg
     if [ -n "$redis_pid" ]; then
         kill "$redis_pid" 2>/dev/null || true
         wait "$redis_pid" 2>/dev/null || true
