@@ -2256,6 +2256,17 @@ static int put_client_bytes_back(kvt_client_t *c, uint64_t want)
 
 static void raw_put(int fd, const uint32_t *tok, uint32_t pages, const uint8_t *payload);
 
+/* Two prefixes of pages pages, tok (from seed) and left (from seed + 100000), and their payload:
+ * page p of PBB bytes filled from fill + p. */
+static void put_data(uint32_t *tok, uint32_t *left, uint8_t *payload, uint32_t pages, uint32_t seed,
+                     uint32_t fill)
+{
+    kvd_tokens(tok, pages * PAGE, seed);
+    kvd_tokens(left, pages * PAGE, seed + 100000u);
+    for (uint32_t p = 0; p < pages; p++)
+        kvd_fill(payload + (size_t)p * PBB, PBB, fill + p);
+}
+
 /*
  * A PUT's NVMe pages (no DRAM tier) copied aligned apart (op_put.c, put_copy_count): each copy
  * counts in the clients' memory beside the frame that holds the payload, from the handler until
@@ -2269,26 +2280,22 @@ static void put_copies_counted(const char *loops)
 {
     put_fix_t f = {.max_client = "4M"};
     put_fix_start(&f, loops, 1);
-    kvt_client_t *a = f.a, *b = f.b;
-    const char *gate = f.gate;
+    kvt_client_t *b = f.b;
     enum { P = 11 };
     static uint32_t tok[P * PAGE], left[P * PAGE];
     static uint8_t payload[P * PBB];
-    kvd_tokens(tok, P * PAGE, 9150000u);
-    kvd_tokens(left, P * PAGE, 9160000u);
-    for (int p = 0; p < P; p++)
-        kvd_fill(payload + (size_t)p * PBB, PBB, 60 + p);
+    put_data(tok, left, payload, P, 9150000u, 60);
     const uint64_t frame =
         KVT_PROTO_HDR + sizeof(kvt_wire_put_t) + (uint64_t)P * PAGE * 4 + (uint64_t)P * PBB;
     uint64_t base = kvd_stat(b, "client_buffer_bytes"), mid = 0;
-    put_gate_close(gate);
-    putter_t pt = {.c = a, .tok = tok, .pages = P, .payload = payload};
+    put_gate_close(f.gate);
+    putter_t pt = {.c = f.a, .tok = tok, .pages = P, .payload = payload};
     pthread_t th;
     pthread_create(&th, NULL, putter_main, &pt);
-    if (gate[0]) {
+    if (f.gate[0]) {
         put_wait_index(b, P);
         mid = kvd_stat(b, "client_buffer_bytes");
-        cr_assert_eq(unlink(gate), 0);
+        cr_assert_eq(unlink(f.gate), 0);
     }
     pthread_join(th, NULL);
     cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
@@ -2297,7 +2304,7 @@ static void put_copies_counted(const char *loops)
     uint64_t copies = P - (uint64_t)bounced / PBB;
     cr_expect_eq(copies, 4, "%.0f bytes bounced: only the copies max-client-bytes holds are made",
                  bounced);
-    if (gate[0]) {
+    if (f.gate[0]) {
         cr_expect_eq(mid, base + frame + copies * PBB, "the PUT held its frame and %llu copies",
                      (unsigned long long)copies);
         cr_expect_leq(mid, 4u << 20, "the count stays within max-client-bytes");
@@ -2308,13 +2315,13 @@ static void put_copies_counted(const char *loops)
     cr_assert_eq(m.pages, P);
     kvd_check_get(b, m.lease, 0, P, PBB, 60, NULL);
     cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
-    if (gate[0]) { /* an orphan's copies: its connection closed while they wait */
-        put_gate_close(gate);
+    if (f.gate[0]) { /* an orphan's copies: its connection closed while they wait */
+        put_gate_close(f.gate);
         int fd = kvd_raw(&f.d);
         raw_put(fd, left, P, payload);
         put_wait_index(b, 2 * P);
         close(fd);
-        cr_assert_eq(unlink(gate), 0);
+        cr_assert_eq(unlink(f.gate), 0);
         cr_expect(put_client_bytes_back(b, base), "the orphan's copies given back");
     }
     put_fix_end(&f);
@@ -2371,10 +2378,7 @@ static void put_copy_races(const char *loops)
     enum { P = 4 };
     static uint32_t tok[P * PAGE], left[P * PAGE];
     static uint8_t payload[P * PBB];
-    kvd_tokens(tok, P * PAGE, 9300000u);
-    kvd_tokens(left, P * PAGE, 9400000u);
-    for (int p = 0; p < P; p++)
-        kvd_fill(payload + (size_t)p * PBB, PBB, 93 + p);
+    put_data(tok, left, payload, P, 9300000u, 93);
     /* REMOVE against the copy. */
     put_gate_close(gate);
     putter_t pt = {.c = a, .tok = tok, .pages = P, .payload = payload};
