@@ -44,6 +44,10 @@ typedef struct kvt__landed {
     /* An NVMe write decided by the handler and not submitted yet: kvt__put_apart readies it with
      * the lock let go (put_prepare) and submits it after (put_submit). */
     kvt__io_t *later;
+    /* later's payload lies unaligned and the clients' memory had room for an aligned copy of it
+     * (put_copy_count): counted there from the handler until the write ends (put_end), whether
+     * the copy is made or its allocation fails. */
+    uint8_t copy_counted;
 } kvt__landed_t;
 
 /* A payload page of r not stored, and why. */
@@ -162,6 +166,23 @@ static kvt__landed_t *put_landed(const kvt__io_t *x)
 }
 
 /*
+ * x's NVMe write left for kvt__put_apart, its payload unaligned in the frame: room for its aligned
+ * copy (put_align) counted in the clients' memory now, under the write lock, since the copy is
+ * made with the lock let go, where the count cannot change. At max-client-bytes, no copy: the
+ * tier bounces the page when its write starts, under the lock, as it did before step 11 (its
+ * bounce buffers are the tier's own, bounded by its queue depth), so the clients' memory never
+ * goes past its bound and the PUT is neither refused nor held.
+ */
+static void put_copy_count(kvt_srv_t *s, const kvt__io_t *x)
+{
+    if ((uintptr_t)x->io.buf % KVT_TIER_DIRECT_ALIGN == 0 ||
+        s->clients.bytes + x->io.len > s->conf->max_client_bytes)
+        return;
+    s->clients.bytes += x->io.len;
+    put_landed(x)->copy_counted = 1;
+}
+
+/*
  * Starts x's write into tier id, or with apart leaves its CPU work to the loop's phase with the
  * lock let go: a DRAM write only allocates (its copy: put_copy), an NVMe write is not submitted
  * yet (its checksum and aligned copy: put_prepare). Returns 0 or the tier's refusal.
@@ -171,6 +192,7 @@ static int put_start(kvt_srv_t *s, kvt__io_t *x, kvt_tier_id_t id, int apart)
     kvt__landed_t *l = put_landed(x);
     if (apart && id == KVT_TIER_NVME) {
         l->later = x;
+        put_copy_count(s, x);
         return 0;
     }
     void *buf = x->io.buf;
@@ -273,6 +295,8 @@ static void put_end(kvt_srv_t *s, kvt__io_t *x)
                         kvt_tier_name(x->tier), kvt_strerror(io->status));
         put_skip(s, r, put_passes_on(io->status) ? KVT_PUT_NO_ROOM : KVT_PUT_FAILED, 1);
     }
+    if (l->copy_counted) /* given back whether the copy was made or not (put_copy_count) */
+        s->clients.bytes -= io->len;
     int last = kvt__io_finished(s, x, io->status, 1);
     free(x->buf);
     free(x);
@@ -369,14 +393,14 @@ static void put_copy(const kvt__req_t *r)
             memcpy(l[i].dst, r->payload + (size_t)i * r->block_bytes, r->block_bytes);
 }
 
-/* x's payload in a KVT_TIER_DIRECT_ALIGN-aligned buffer of its own (x->buf) when it does not lie
- * aligned in the frame, so that the NVMe tier writes it in place rather than copy it into a
- * bounce buffer when the write starts, under the lock. Out of memory, the tier bounces it. */
+/* x's payload in a KVT_TIER_DIRECT_ALIGN-aligned buffer of its own (x->buf) when the handler
+ * counted one for it (put_copy_count: it does not lie aligned in the frame, and max-client-bytes
+ * had room), so that the NVMe tier writes it in place rather than copy it into a bounce buffer
+ * when the write starts, under the lock. Out of memory, the tier bounces it. */
 static void put_align(kvt__io_t *x)
 {
     void *buf;
-    if ((uintptr_t)x->io.buf % KVT_TIER_DIRECT_ALIGN == 0 ||
-        posix_memalign(&buf, KVT_TIER_DIRECT_ALIGN, x->io.len) != 0)
+    if (!put_landed(x)->copy_counted || posix_memalign(&buf, KVT_TIER_DIRECT_ALIGN, x->io.len) != 0)
         return;
     memcpy(buf, x->io.buf, x->io.len);
     x->buf = buf;

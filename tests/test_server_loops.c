@@ -2117,11 +2117,12 @@ static void *putter_main(void *arg)
 
 /* A daemon with loops loops and its gate's path ("" with one loop: no gate), and two clients of
  * PBB pages: a first (loop 0's), b (loop 1's with two loops). With nvme, no DRAM tier: every
- * page goes to NVMe. */
+ * page goes to NVMe; with max_client set too, max-frame 3M and that max-client-bytes. */
 typedef struct put_fix {
     kvd_t d;
     char gate[700];
     kvt_client_t *a, *b;
+    const char *max_client;
 } put_fix_t;
 
 static void put_fix_start(put_fix_t *f, const char *loops, int nvme)
@@ -2132,7 +2133,11 @@ static void put_fix_start(put_fix_t *f, const char *loops, int nvme)
         setenv("KVT_DEBUG_PUT_GATE", f->gate, 1);
     else
         f->gate[0] = 0;
-    if (nvme)
+    if (nvme && f->max_client)
+        kvd_start(&f->d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
+                  "--nvme-segment-bytes", "8M", "--max-frame", "3M", "--max-client-bytes",
+                  f->max_client, NULL);
+    else if (nvme)
         kvd_start(&f->d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
                   "--nvme-segment-bytes", "8M", NULL);
     else
@@ -2240,6 +2245,98 @@ Test(server_loops, a_put_hashes_its_nvme_pages_with_one_loop)
     put_copy_outside("1", 1);
 }
 
+/* STATS on c until the clients' memory count is back at want (a request's buffers go once its
+ * reply is queued, as the loop gets to them); true when it is. */
+static int put_client_bytes_back(kvt_client_t *c, uint64_t want)
+{
+    for (int i = 0; i < 5000 && kvd_stat(c, "client_buffer_bytes") != want; i++)
+        usleep(1000);
+    return kvd_stat(c, "client_buffer_bytes") == want;
+}
+
+static void raw_put(int fd, const uint32_t *tok, uint32_t pages, const uint8_t *payload);
+
+/* Two prefixes of pages pages, tok (from seed) and left (from seed + 100000), and their payload:
+ * page p of PBB bytes filled from fill + p. */
+static void put_data(uint32_t *tok, uint32_t *left, uint8_t *payload, uint32_t pages, uint32_t seed,
+                     uint32_t fill)
+{
+    kvd_tokens(tok, pages * PAGE, seed);
+    kvd_tokens(left, pages * PAGE, seed + 100000u);
+    for (uint32_t p = 0; p < pages; p++)
+        kvd_fill(payload + (size_t)p * PBB, PBB, fill + p);
+}
+
+/*
+ * A PUT's NVMe pages (no DRAM tier) copied aligned apart (op_put.c, put_copy_count): each copy
+ * counts in the clients' memory beside the frame that holds the payload, from the handler until
+ * its write ends, and those max-client-bytes has no room for go through the tier's bounce buffer
+ * instead. Eleven 256 KiB pages in a frame of their own (2.75 MiB, counted whole) under a 4 MiB
+ * max-client-bytes: four copies fit, the other seven pages bounce. With two loops the gate holds
+ * the PUT in its copies while loop 1's STATS reads the count, then a connection closed while its
+ * PUT waits there leaves nothing counted once the orphan's writes end.
+ */
+static void put_copies_counted(const char *loops)
+{
+    put_fix_t f = {.max_client = "4M"};
+    put_fix_start(&f, loops, 1);
+    kvt_client_t *b = f.b;
+    enum { P = 11 };
+    static uint32_t tok[P * PAGE], left[P * PAGE];
+    static uint8_t payload[P * PBB];
+    put_data(tok, left, payload, P, 9150000u, 60);
+    const uint64_t frame =
+        KVT_PROTO_HDR + sizeof(kvt_wire_put_t) + (uint64_t)P * PAGE * 4 + (uint64_t)P * PBB;
+    uint64_t base = kvd_stat(b, "client_buffer_bytes"), mid = 0;
+    put_gate_close(f.gate);
+    putter_t pt = {.c = f.a, .tok = tok, .pages = P, .payload = payload};
+    pthread_t th;
+    pthread_create(&th, NULL, putter_main, &pt);
+    if (f.gate[0]) {
+        put_wait_index(b, P);
+        mid = kvd_stat(b, "client_buffer_bytes");
+        cr_assert_eq(unlink(f.gate), 0);
+    }
+    pthread_join(th, NULL);
+    cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
+    cr_expect_eq(pt.r.stored, P);
+    double bounced = kvd_metric(&f.d, "kvtier_nvme_bounced_bytes_total");
+    uint64_t copies = P - (uint64_t)bounced / PBB;
+    cr_expect_eq(copies, 4, "%.0f bytes bounced: only the copies max-client-bytes holds are made",
+                 bounced);
+    if (f.gate[0]) {
+        cr_expect_eq(mid, base + frame + copies * PBB, "the PUT held its frame and %llu copies",
+                     (unsigned long long)copies);
+        cr_expect_leq(mid, 4u << 20, "the count stays within max-client-bytes");
+    }
+    cr_expect(put_client_bytes_back(b, base), "the copies given back with their writes");
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(b, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    kvd_check_get(b, m.lease, 0, P, PBB, 60, NULL);
+    cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
+    if (f.gate[0]) { /* an orphan's copies: its connection closed while they wait */
+        put_gate_close(f.gate);
+        int fd = kvd_raw(&f.d);
+        raw_put(fd, left, P, payload);
+        put_wait_index(b, 2 * P);
+        close(fd);
+        cr_assert_eq(unlink(f.gate), 0);
+        cr_expect(put_client_bytes_back(b, base), "the orphan's copies given back");
+    }
+    put_fix_end(&f);
+}
+
+Test(server_loops, a_puts_aligned_nvme_copies_count_in_the_clients_memory)
+{
+    put_copies_counted("2");
+}
+
+Test(server_loops, a_puts_aligned_nvme_copies_count_with_one_loop)
+{
+    put_copies_counted("1");
+}
+
 /* HELLO (model "p", PBB) and a PUT of pages pages on a raw socket; no reply read. */
 static void raw_put(int fd, const uint32_t *tok, uint32_t pages, const uint8_t *payload)
 {
@@ -2281,10 +2378,7 @@ static void put_copy_races(const char *loops)
     enum { P = 4 };
     static uint32_t tok[P * PAGE], left[P * PAGE];
     static uint8_t payload[P * PBB];
-    kvd_tokens(tok, P * PAGE, 9300000u);
-    kvd_tokens(left, P * PAGE, 9400000u);
-    for (int p = 0; p < P; p++)
-        kvd_fill(payload + (size_t)p * PBB, PBB, 93 + p);
+    put_data(tok, left, payload, P, 9300000u, 93);
     /* REMOVE against the copy. */
     put_gate_close(gate);
     putter_t pt = {.c = a, .tok = tok, .pages = P, .payload = payload};
