@@ -2785,34 +2785,59 @@ Test(server_loops, gets_of_several_remote_batches_take_no_write_lock, .timeout =
     remote_gets_take_no_write_lock("2", 2u << 20, 12, 4);
 }
 
-/* Deletes every key under prefix pfx on the redis-server at addr (host:port, a loopback address),
- * behind the daemon's back: one EVAL over a plain socket (this file links no hiredis). Returns
- * how many went. */
-static long long redis_del_prefix(const char *addr, const char *pfx)
+/* Runs lua (an EVAL with no keys) on the redis-server at addr (host:port, a loopback address),
+ * ARGV[1] the pattern of pfx's keys and ARGV[2] the n bytes at arg, over a plain socket (this file
+ * links no hiredis): its integer reply. */
+static long long redis_eval(const char *addr, const char *lua, const char *pfx, const void *arg,
+                            size_t n)
 {
-    static const char lua[] = "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do "
-                              "n = n + redis.call('DEL', k) end return n";
-    char host[64], pat[96], req[512], rep[64] = "";
+    char host[64], pat[96], req[1024], rep[64] = "";
     int port = 0;
     cr_assert_eq(sscanf(addr, "%63[^:]:%d", host, &port), 2, "%s", addr);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     cr_assert_eq(inet_pton(AF_INET, host, &a.sin_addr), 1, "%s: not an IPv4 address", host);
-    int n = snprintf(pat, sizeof pat, "%s:*", pfx);
-    n = snprintf(req, sizeof req, "*4\r\n$4\r\nEVAL\r\n$%zu\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n",
-                 strlen(lua), lua, n, pat);
+    int k = snprintf(pat, sizeof pat, "%s:*", pfx);
+    int h = snprintf(req, sizeof req,
+                     "*5\r\n$4\r\nEVAL\r\n$%zu\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n$%zu\r\n",
+                     strlen(lua), lua, k, pat, n);
+    cr_assert(h > 0 && (size_t)h + n + 2 <= sizeof req);
+    memcpy(req + h, arg, n);
+    memcpy(req + h + n, "\r\n", 2);
+    size_t len = (size_t)h + n + 2;
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     cr_assert(fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
-    cr_assert_eq(write(fd, req, (size_t)n), n);
+    cr_assert_eq(write(fd, req, len), (ssize_t)len);
     ssize_t got = 0;
     while (got < (ssize_t)sizeof rep - 1 && !strstr(rep, "\r\n")) {
-        ssize_t k = read(fd, rep + got, sizeof rep - 1 - (size_t)got);
-        cr_assert_gt(k, 0, "EVAL: no reply");
-        got += k;
+        ssize_t r = read(fd, rep + got, sizeof rep - 1 - (size_t)got);
+        cr_assert_gt(r, 0, "EVAL: no reply");
+        got += r;
         rep[got] = 0;
     }
     close(fd);
     cr_assert_eq(rep[0], ':', "EVAL: %s", rep);
     return atoll(rep + 1);
+}
+
+/* Deletes every key under prefix pfx on the redis-server at addr, behind the daemon's back:
+ * how many went. */
+static long long redis_del_prefix(const char *addr, const char *pfx)
+{
+    static const char lua[] = "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do "
+                              "n = n + redis.call('DEL', k) end return n";
+    return redis_eval(addr, lua, pfx, "", 0);
+}
+
+/* Flips a payload byte (its 101st) of the value under prefix pfx whose payload begins as page
+ * does (its first 64 bytes), behind the daemon's back, so that its read fails the checksum. */
+static void redis_corrupt(const char *addr, const char *pfx, const uint8_t *page)
+{
+    static const char lua[] =
+        "local n = 0 for _, k in ipairs(redis.call('KEYS', ARGV[1])) do "
+        "local v = redis.call('GET', k) local at = string.find(v, ARGV[2], 1, true) if at then "
+        "redis.call('SETRANGE', k, at + 99, string.char(255 - string.byte(v, at + 100))) "
+        "n = n + 1 end end return n";
+    cr_assert_eq(redis_eval(addr, lua, pfx, page, 64), 1, "the page's value is on the server");
 }
 
 /*
@@ -3783,11 +3808,16 @@ static void *check_getter_main(void *arg)
     return NULL;
 }
 
-/* A daemon with loops loops and no DRAM tier (every page in NVMe), with one client per loop. */
-static void check_start(kvd_t *d, const char *loops, kvt_client_t **c)
+/* A daemon with loops loops and no DRAM tier, with one client per loop: every page in NVMe, or
+ * with pfx in the remote tier (KVT_TEST_REDIS's server, pfx its keys' prefix). */
+static void check_start(kvd_t *d, const char *loops, const char *pfx, kvt_client_t **c)
 {
-    kvd_start(d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
-              "--nvme-segment-bytes", "8M", NULL);
+    if (pfx)
+        kvd_start(d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote",
+                  kvd_redis(), "--remote-prefix", pfx, "--remote-bytes", "64M", NULL);
+    else
+        kvd_start(d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
+                  "--nvme-segment-bytes", "8M", NULL);
     for (int i = 0; i < atoi(loops); i++)
         c[i] = kvd_client(d, "m", PAGE, CKB);
 }
@@ -3803,7 +3833,8 @@ static void check_put(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint
     cr_assert_eq(r.stored, pages);
 }
 
-Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 60)
+/* The GET's pages in NVMe, or with pfx in the remote tier. */
+static void checksums_let_go(const char *pfx)
 {
     kvd_t d = {0};
     kvd_mkdir(&d);
@@ -3811,7 +3842,7 @@ Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 6
     snprintf(gate, sizeof gate, "%s/check-gate", d.dir);
     setenv("KVT_DEBUG_GET_CHECK_GATE", gate, 1);
     kvt_client_t *c[2];
-    check_start(&d, "2", c);
+    check_start(&d, "2", pfx, c);
     unsetenv("KVT_DEBUG_GET_CHECK_GATE");
     cr_assert_eq(kvd_stat(c[0], "loop_connections_1"), 1, "c[1] is loop 1's");
     enum { P = 4 };
@@ -3835,6 +3866,11 @@ Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 6
     kvt_client_match_t one = {0};
     cr_expect_eq(kvt_client_match(c[0], tok, P * PAGE, 0, 0, NULL, &one), 0);
     cr_expect_eq(one.pages, P);
+    /* Held in its check, the GET has no reply while the gate is there. One whose check is not its
+     * own (the remote tier's before it left the checksum to the GET) is answered once loop 1 takes
+     * the kick: up to a second for it to come, so that the test fails there and not by chance. */
+    for (int i = 0; i < 1000 && !__atomic_load_n(&g.done, __ATOMIC_ACQUIRE); i++)
+        usleep(1000);
     cr_expect(!__atomic_load_n(&g.done, __ATOMIC_ACQUIRE),
               "the GET waits in its check while loop 0 answers");
     cr_assert_eq(unlink(gate), 0);
@@ -3849,19 +3885,37 @@ Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 6
     client_a_loop_stop(&d, c, 2);
 }
 
+Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 60)
+{
+    checksums_let_go(NULL);
+}
+
+/* The remote tier leaves a shared GET's payload checksums to it as the NVMe tier does
+ * (kvt__tier_read_verify). Before, it took them on loop 0 under the write lock, and no GET of
+ * remote pages came to the gate: it ended while it should have waited there. */
+Test(server_loops, a_gets_remote_checksums_are_taken_with_the_lock_let_go, .timeout = 60)
+{
+    char pfx[64];
+    loops_redis_prefix(pfx, sizeof pfx);
+    checksums_let_go(pfx);
+}
+
 /*
  * A record that fails its checksum, read by a GET on the last loop (loop 1 of 2, or the one
  * loop): the GET ends as when loop 0's completion found it, its check now on the GET's loop. The
  * pages before it come byte-exact, then the end frame's ECORRUPT; the bad block and the rest of
  * its node are made lost (dropped, and the next MATCH reports them index-only, the pages before
  * still served); kvtier_miss_tokens_total{reason="checksum"} counts the page's tokens and the
- * NVMe read errors one read, once each.
+ * tier's read errors one read, once each. The pages in NVMe, or with remote in the remote tier (a
+ * value overwritten on the server).
  */
-static void gets_meet_a_corrupt_record(const char *loops)
+static void gets_meet_a_corrupt_record(const char *loops, int remote)
 {
     kvd_t d = {0};
     kvt_client_t *c[2];
-    check_start(&d, loops, c);
+    char pfx[64];
+    loops_redis_prefix(pfx, sizeof pfx);
+    check_start(&d, loops, remote ? pfx : NULL, c);
     int n = atoi(loops);
     kvt_client_t *g = c[n - 1];
     enum { P = 5, BAD = 2 };
@@ -3870,7 +3924,12 @@ static void gets_meet_a_corrupt_record(const char *loops)
     cr_assert(payload && back);
     kvd_tokens(tok, P * PAGE, 9620000u);
     check_put(g, tok, P, 962, payload);
-    nvme_corrupt(&d, payload + (size_t)BAD * CKB);
+    if (remote)
+        redis_corrupt(kvd_redis(), pfx, payload + (size_t)BAD * CKB);
+    else
+        nvme_corrupt(&d, payload + (size_t)BAD * CKB);
+    const char *tier = remote ? "remote" : "nvme";
+    uint8_t in_tier = remote ? KVT_CLIENT_TIER_REMOTE : KVT_CLIENT_TIER_NVME;
     kvt_client_match_t m = {0};
     cr_assert_eq(kvt_client_match(g, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
     cr_assert_eq(m.pages, P);
@@ -3884,17 +3943,18 @@ static void gets_meet_a_corrupt_record(const char *loops)
     if (n > 1)
         cr_expect_eq(kvd_metric(&d, key), 1, "planned shared");
     cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"checksum\"}"), PAGE);
-    cr_expect_eq(kvd_metric(&d, "kvtier_tier_io_errors_total{tier=\"nvme\",dir=\"read\"}"), 1);
-    cr_expect_eq(kvd_metric(&d, "kvtier_blocks_dropped_total{tier=\"nvme\"}"), P - BAD,
-                 "the bad block and the rest of its node made lost");
+    snprintf(key, sizeof key, "kvtier_tier_io_errors_total{tier=\"%s\",dir=\"read\"}", tier);
+    cr_expect_eq(kvd_metric(&d, key), 1);
+    snprintf(key, sizeof key, "kvtier_blocks_dropped_total{tier=\"%s\"}", tier);
+    cr_expect_eq(kvd_metric(&d, key), P - BAD, "the bad block and the rest of its node made lost");
     cr_assert_eq(kvt_client_release(g, m.lease, NULL), 0);
     uint8_t tiers[P];
     kvt_client_match_t again = {.tiers = tiers, .tiers_cap = P};
     cr_assert_eq(kvt_client_match(g, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &again), 0);
     cr_assert_eq(again.pages, P, "the index still knows the tokens");
     for (int i = 0; i < P; i++)
-        cr_expect_eq(tiers[i], i < BAD ? KVT_CLIENT_TIER_NVME : KVT_CLIENT_TIER_NONE,
-                     "page %d: tier %d", i, tiers[i]);
+        cr_expect_eq(tiers[i], i < BAD ? in_tier : KVT_CLIENT_TIER_NONE, "page %d: tier %d", i,
+                     tiers[i]);
     kvd_check_get(g, again.lease, 0, BAD, CKB, 962, NULL);
     cr_assert_eq(kvt_client_release(g, again.lease, NULL), 0);
     free(payload);
@@ -3904,10 +3964,22 @@ static void gets_meet_a_corrupt_record(const char *loops)
 
 Test(server_loops, a_shared_get_meets_a_corrupt_record, .timeout = 60)
 {
-    gets_meet_a_corrupt_record("2");
+    gets_meet_a_corrupt_record("2", 0);
 }
 
 Test(server_loops, a_get_meets_a_corrupt_record_with_one_loop, .timeout = 60)
 {
-    gets_meet_a_corrupt_record("1");
+    gets_meet_a_corrupt_record("1", 0);
+}
+
+/* The same for a remote value corrupted on the server (the checksum taken by the GET on loop 1,
+ * by the tier with one loop). */
+Test(server_loops, a_shared_get_meets_a_corrupt_remote_value, .timeout = 60)
+{
+    gets_meet_a_corrupt_record("2", 1);
+}
+
+Test(server_loops, a_get_meets_a_corrupt_remote_value_with_one_loop, .timeout = 60)
+{
+    gets_meet_a_corrupt_record("1", 1);
 }

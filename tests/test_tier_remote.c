@@ -715,6 +715,35 @@ Test(tier_remote, value_deleted_behind_our_back_is_a_miss)
     kvt_tier_destroy(t);
 }
 
+/* Flips the byte at `at` of b's stored value (its header, tokens, then payload) behind the
+ * tier's back. */
+static void flip_stored(kvt_tier_t *t, redisContext *c, const blk_t *b, size_t at)
+{
+    char key[KVT_TIER_REMOTE_KEY_MAX];
+    key_of(t, b, key);
+    redisReply *r = redisCommand(c, "GET %s", key);
+    cr_assert(r && r->type == REDIS_REPLY_STRING && (size_t)r->len > at);
+    r->str[at] ^= 0x01;
+    redisReply *s = redisCommand(c, "SET %s %b", key, r->str, r->len);
+    cr_assert(s && s->type == REDIS_REPLY_STATUS);
+    freeReplyObject(s);
+    freeReplyObject(r);
+}
+
+/* The end of a test on the shared server: b[0..n)'s keys deleted (a corrupt value is dropped by
+ * the tier, not deleted), the blocks, c and t freed. */
+static void tidy_up(kvt_tier_t *t, redisContext *c, blk_t *b, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        char key[KVT_TIER_REMOTE_KEY_MAX];
+        key_of(t, &b[i], key);
+        sync_cmd_ok(c, "DEL %s", key);
+        blk_fini(&b[i]);
+    }
+    redisFree(c);
+    kvt_tier_destroy(t);
+}
+
 Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
 {
     kvt_tier_t *t = open_shared(0);
@@ -726,14 +755,7 @@ Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
     /* 0: a short string; 1: the right length with one payload byte flipped; 2: a list. */
     key_of(t, &b[0], key);
     sync_cmd_ok(c, "SET %s garbage", key);
-    key_of(t, &b[1], key);
-    redisReply *r = redisCommand(c, "GET %s", key);
-    cr_assert(r && r->type == REDIS_REPLY_STRING && r->len == 64 + 4 * PAGE + 8192);
-    r->str[r->len - 100] ^= 0x40;
-    redisReply *s = redisCommand(c, "SET %s %b", key, r->str, r->len);
-    cr_assert(s && s->type == REDIS_REPLY_STATUS);
-    freeReplyObject(s);
-    freeReplyObject(r);
+    flip_stored(t, c, &b[1], 64 + 4 * PAGE + 8192 - 100);
     key_of(t, &b[2], key);
     sync_cmd_ok(c, "DEL %s", key);
     sync_cmd_ok(c, "RPUSH %s x", key);
@@ -747,13 +769,7 @@ Test(tier_remote, garbage_behind_our_back_is_a_corrupt_miss)
     cr_assert_eq(u.reads, 0, "nothing was returned");
     cr_assert_eq(u.blocks, 0);
     cr_assert_eq(u.used_bytes, 0);
-    for (int i = 0; i < 3; i++) { /* corrupt values are dropped, not deleted: tidy up */
-        key_of(t, &b[i], key);
-        sync_cmd_ok(c, "DEL %s", key);
-        blk_fini(&b[i]);
-    }
-    redisFree(c);
-    kvt_tier_destroy(t);
+    tidy_up(t, c, b, 3);
 }
 
 /* Big values are read from the socket straight into the caller's buffer and checked there
@@ -778,15 +794,7 @@ Test(tier_remote, big_values_read_in_place_refuse_every_tampered_one)
     }
     for (uint32_t i = 1; i < N; i += 2) {
         const size_t at[4] = {41, hdr - 3, hdr, hdr + lens[i % 2] - 1};
-        char key[KVT_TIER_REMOTE_KEY_MAX];
-        key_of(t, &b[i], key);
-        redisReply *r = redisCommand(c, "GET %s", key);
-        cr_assert(r && r->type == REDIS_REPLY_STRING && r->len == hdr + lens[i % 2]);
-        r->str[at[i / 2]] ^= 0x01;
-        redisReply *s = redisCommand(c, "SET %s %b", key, r->str, r->len);
-        cr_assert(s && s->type == REDIS_REPLY_STATUS);
-        freeReplyObject(s);
-        freeReplyObject(r);
+        flip_stored(t, c, &b[i], at[i / 2]);
     }
     kvt_tier_remote_stats_t st0, st;
     kvt_tier_remote_stats(t, &st0);
@@ -818,14 +826,61 @@ Test(tier_remote, big_values_read_in_place_refuse_every_tampered_one)
     for (uint32_t i = 0; i < N; i += 2)
         cr_assert_eq(read_check(t, &b[i], 40 + i), 0);
     free(want);
-    for (uint32_t i = 0; i < N; i++) {
-        char key[KVT_TIER_REMOTE_KEY_MAX];
-        key_of(t, &b[i], key);
-        sync_cmd_ok(c, "DEL %s", key);
-        blk_fini(&b[i]);
-    }
-    redisFree(c);
-    kvt_tier_destroy(t);
+    tidy_up(t, c, b, N);
+}
+
+/* check_later on values of len bytes: see the test below. */
+static void checks_left_to_the_caller(uint32_t len, uint32_t first)
+{
+    kvt_tier_t *t = open_shared(0);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    const size_t hdr = 64 + 4 * PAGE;
+    blk_t b[3];
+    write_blks(t, b, 3, first, len);
+    flip_stored(t, c, &b[0], hdr + 100); /* a payload byte */
+    flip_stored(t, c, &b[1], hdr - 3);   /* a token */
+    uint8_t *zero = calloc(1, len);
+    cr_assert(zero);
+    for (int i = 0; i < 3; i++)
+        b[i].io.check_later = 1;
+    memset(b[0].buf, 0xa5, len);
+    cr_assert_eq(do_io(t, &b[0], 0), 0, "len %u: the payload is not checked", len);
+    cr_assert(b[0].io.unchecked);
+    cr_assert_eq(kvt_tier_read_check(&b[0].io), KVT_ECORRUPT);
+    cr_assert_eq(memcmp(b[0].buf, zero, len), 0, "a corrupt block hands out no bytes");
+    kvt_tier_usage_t u;
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, 1, "counted a read at completion");
+    kvt_tier_read_corrupt(t, &b[0].io);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.reads, 0);
+    cr_assert_eq(u.corrupt, 1);
+    cr_assert_eq(do_io(t, &b[1], 0), KVT_ECORRUPT, "len %u: the tokens", len);
+    cr_assert(!b[1].io.unchecked);
+    cr_assert_eq(read_check(t, &b[2], first + 2), 0);
+    cr_assert(b[2].io.unchecked);
+    cr_assert_eq(kvt_tier_read_check(&b[2].io), 0);
+    cr_assert_eq(read_check(t, &b[2], first + 2), 0, "byte-exact after the check");
+    b[0].io.check_later = 0; /* its value is still the spoilt one */
+    cr_assert_eq(do_io(t, &b[0], 0), KVT_ECORRUPT, "len %u: checked here", len);
+    cr_assert(!b[0].io.unchecked);
+    kvt_tier_usage(t, &u);
+    cr_assert_eq(u.corrupt, 3);
+    free(zero);
+    tidy_up(t, c, b, 3);
+}
+
+/* A read whose caller takes the payload's checksum (check_later: the daemon's GET planned shared,
+ * on its own loop) completes with the header and tokens checked: a flipped payload byte completes
+ * 0, unchecked, and fails kvt_tier_read_check (the buffer zeroed), which kvt_tier_read_corrupt
+ * counts as the tier counts a corrupt read; a flipped token fails at completion as before; an
+ * intact value passes, byte-exact. Without check_later a flipped payload byte fails at completion.
+ * For a value copied out of hiredis's buffer (8 KiB) and one read in place (256 KiB). */
+Test(tier_remote, a_read_leaves_its_payload_checksum_to_the_caller)
+{
+    checks_left_to_the_caller(8192, 60);
+    checks_left_to_the_caller(256u << 10, 70);
 }
 
 /* Values of every size back to back in one pipeline: small ones (copied out of hiredis's buffer)

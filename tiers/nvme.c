@@ -614,34 +614,8 @@ static int nvme_err(nvme_t *n, int res)
     return KVT_EIO;
 }
 
-/* Whether a read's payload checksum is its caller's to take (kvt_tier_io_t.check_later). */
-static int read_checks_later(const kvt_tier_io_t *io)
-{
-    return io->check_later && io->key.tokens;
-}
-
-/* A read's block header against its key, and the payload's checksum unless the caller takes it
- * (read_checks_later): then what kvt_tier_read_check needs of the header goes in io->priv. */
-static int read_check(const nvme_req_t *r, kvt_tier_io_t *io, uint32_t hdr)
-{
-    const uint8_t *h = r->hdr + PREFIX_BYTES;
-    if (!read_checks_later(io)) {
-        uint32_t len;
-        return kvt__blockhdr_verify(h, hdr - PREFIX_BYTES, io->buf, io->len, &io->key, &len) < 0 ||
-                       len != io->len
-                   ? KVT_ECORRUPT
-                   : 0;
-    }
-    kvt__blockhdr_kept_t kept;
-    if (kvt__blockhdr_verify_head(h, hdr - PREFIX_BYTES, &io->key, io->len, &kept) < 0)
-        return KVT_ECORRUPT;
-    memcpy(io->priv, &kept, sizeof kept);
-    io->unchecked = 1;
-    return 0;
-}
-
 /* A finished read: verify header and checksum (or leave the checksum to the caller:
- * read_check) before a single byte counts as returned. */
+ * kvt__tier_read_verify) before a single byte counts as returned. */
 static int read_finish(nvme_t *n, nvme_req_t *r)
 {
     kvt_tier_io_t *io = r->io;
@@ -660,7 +634,7 @@ static int read_finish(nvme_t *n, nvme_req_t *r)
     if (loc_gen(io->loc) != s->gen) {
         st = KVT_ENOENT;
     } else if (prefix_decode(r->hdr, &rec, &h, &stamp) != 0 || h != hdr || stamp != s->stamp ||
-               read_check(r, io, hdr) < 0) {
+               kvt__tier_read_verify(io, r->hdr + PREFIX_BYTES, hdr - PREFIX_BYTES, io->buf) < 0) {
         st = KVT_ECORRUPT;
     }
     if (st < 0)
@@ -766,7 +740,7 @@ static int nvme_poll(kvt_tier_t *t)
             }
             continue;
         }
-        if (r->io->op == KVT_IO_READ && !read_checks_later(r->io))
+        if (r->io->op == KVT_IO_READ && !kvt__tier_checks_later(r->io))
             verified += r->io->len;
         req_done(n, r, 0);
         done++;

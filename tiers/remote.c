@@ -12,7 +12,9 @@
  *
  * A block is stored under "<prefix>:<ns seed hex>:<prefix hash hex>" so that every kvtierd
  * pointed at the same server finds blocks another one stored; the value is the shared block
- * header, the page's tokens and the payload (blockhdr.c), checked before a byte is returned.
+ * header, the page's tokens and the payload (blockhdr.c), checked before a byte is returned: here,
+ * or for a read whose caller takes the payload's checksum (check_later) the header and tokens
+ * here and the checksum by the caller (kvt__tier_read_verify).
  *
  * In cluster mode each request goes to the node owning its key's slot and takes the path below
  * on that node's queues; a MOVED or ASK reply puts it back on the queue of the node named (the
@@ -814,18 +816,17 @@ static void *reply_string(const redisReadTask *task, char *str, size_t len)
         return o;
     }
     kvt_tier_io_t *io = r->io;
-    uint32_t plen = 0;
-    const void *payload = NULL;
-    if (len != kvt__blockhdr_size(io->key.ntokens) + io->len) {
+    uint32_t hb = kvt__blockhdr_size(io->key.ntokens);
+    if (len != hb + io->len) {
         o->status = KVT_ECORRUPT;
         return o;
     }
-    int rc = kvt__blockhdr_check(str, len, &io->key, &plen, &payload);
-    if (rc == 0 && plen != io->len)
-        rc = KVT_ECORRUPT;
+    /* A shared GET's payload checksum is its own to take (kvt__tier_read_verify): the copy is
+     * then all that reading the value costs here. */
+    int rc = kvt__tier_read_verify(io, str, hb, str + hb);
     if (rc == 0)
-        memcpy(io->buf, payload, plen);
-    o->status = rc ? KVT_ECORRUPT : 0;
+        memcpy(io->buf, str + hb, io->len);
+    o->status = rc;
     return o;
 }
 
@@ -1868,14 +1869,14 @@ static void direct_done(node_t *n)
 {
     rq_t *r = n->dr;
     kvt_tier_io_t *io = r->io;
-    uint32_t hb = (uint32_t)(r->vlen - io->len), plen = 0;
+    uint32_t hb = (uint32_t)(r->vlen - io->len);
     kvt__blockhdr_info_t in;
     int rc = kvt__blockhdr_peek(n->dhdr, hb, &in);
     if (rc == 0 && in.hdr_bytes != hb)
         rc = KVT_ECORRUPT; /* a header naming another page size: not this block's layout */
     if (rc == 0)
-        rc = kvt__blockhdr_verify(n->dhdr, hb, io->buf, io->len, &io->key, &plen);
-    r->dstatus = rc == 0 && plen == io->len ? 0 : KVT_ECORRUPT;
+        rc = kvt__tier_read_verify(io, n->dhdr, hb, io->buf); /* or left to a shared GET */
+    r->dstatus = rc == 0 ? 0 : KVT_ECORRUPT;
     n->dr = NULL;
 }
 

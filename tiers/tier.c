@@ -314,6 +314,8 @@ void kvt__tier_complete(kvt_tier_t *t, kvt_tier_io_t *io, int status)
 {
     kvt_assert(io->tier == t);
     io->status = status;
+    if (status)
+        io->unchecked = 0; /* a tier may fail a read after its header passed (remote: a drop) */
     if (io->op == KVT_IO_WRITE) {
         kvt_assert(t->pending_writes > 0);
         t->pending_writes--;
@@ -515,6 +517,26 @@ int kvt_tier_read(kvt_tier_t *t, kvt_tier_io_t *io)
         io->tier = NULL;
     }
     return rc;
+}
+
+int kvt__tier_checks_later(const kvt_tier_io_t *io)
+{
+    return io->check_later && io->key.tokens;
+}
+
+int kvt__tier_read_verify(kvt_tier_io_t *io, const void *hdr, size_t hdr_avail, const void *payload)
+{
+    if (!kvt__tier_checks_later(io)) {
+        uint32_t len = 0;
+        int rc = kvt__blockhdr_verify(hdr, hdr_avail, payload, io->len, &io->key, &len);
+        return rc == 0 && len == io->len ? 0 : KVT_ECORRUPT;
+    }
+    kvt__blockhdr_kept_t kept;
+    if (kvt__blockhdr_verify_head(hdr, hdr_avail, &io->key, io->len, &kept) < 0)
+        return KVT_ECORRUPT;
+    memcpy(io->priv, &kept, sizeof kept);
+    io->unchecked = 1;
+    return 0;
 }
 
 int kvt_tier_read_check(kvt_tier_io_t *io)

@@ -92,9 +92,9 @@ struct kvt_tier_io {
      * takes it. Other tiers, reads and one-pool HBM tiers ignore it. */
     int device;
     /* A read's: 1 lets the tier complete it with its payload's checksum not taken where that is
-     * a cost of its own (NVMe: an XXH3 over the whole payload), so that the caller takes it on a
-     * thread of its choice; every other check of the record (location, header, key) is made.
-     * Needs key.tokens (the stored header is rebuilt from the key). Other tiers ignore it. */
+     * a cost of its own (NVMe, remote: an XXH3 over the whole payload), so that the caller takes
+     * it on a thread of its choice; every other check of the record (location, header, key) is
+     * made. Needs key.tokens (the stored header is rebuilt from the key). Other tiers ignore it. */
     uint8_t check_later;
     /* Set by the tier when such a read completed with status 0 and its payload unchecked: no
      * byte of buf may be used before kvt_tier_read_check has said 0. */

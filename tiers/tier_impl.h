@@ -278,6 +278,16 @@ int kvt__blockhdr_verify_head(const void *hdr, size_t hdr_avail, const kvt_block
  * arguments. */
 int kvt__blockhdr_verify_kept(const kvt__blockhdr_kept_t *kept, const kvt_block_key_t *key,
                               const void *payload, uint32_t len);
+/* Whether a read's payload checksum is its caller's to take (kvt_tier_io_t.check_later: it
+ * needs the key's tokens). */
+int kvt__tier_checks_later(const kvt_tier_io_t *io);
+/* A read's stored header and tokens (hdr, hdr_avail bytes) and its payload (io->len bytes at
+ * payload) against io->key: 0 or KVT_ECORRUPT. The payload's checksum is not taken where io's
+ * caller takes it (kvt__tier_checks_later): then what kvt_tier_read_check needs of
+ * the header goes in io->priv and io->unchecked is set, payload is not read, and the tier must
+ * leave io->len payload bytes in io->buf before it completes io. */
+int kvt__tier_read_verify(kvt_tier_io_t *io, const void *hdr, size_t hdr_avail,
+                          const void *payload);
 
 /* A stored header's fields, parsed without verifying the checksum (recovery reads the header
  * first to learn how much follows). */
