@@ -431,35 +431,51 @@ static long long cl_info_num(const char *text, const char *name)
     return p ? atoll(p + strlen(name)) : -1;
 }
 
+/* Milliseconds since t0 (CLOCK_MONOTONIC). */
+static long long cl_ms_since(const struct timespec *t0)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - t0->tv_sec) * 1000ll + (now.tv_nsec - t0->tv_nsec) / 1000000;
+}
+
 /*
  * 1 once every replica of the primary on port has applied each write the primary took before
  * this call (its slave_repl_offset reached the primary's master_repl_offset), 0 when one has not
- * within ms, or the primary has no replica. The replicas are asked themselves: the offset a
- * primary lists for a replica is what the replica last acknowledged, once a second.
+ * within ms, or the primary lists no replica within ms. The replicas are asked themselves: the
+ * offset a primary lists for a replica is what the replica last acknowledged, once a second.
  */
 static int cl_replicated(uint16_t port, int ms)
 {
-    redisReply *r = cl_cmd(port, "INFO replication");
-    if (!r || r->type != REDIS_REPLY_STRING) {
-        if (r)
-            freeReplyObject(r);
-        return 0;
-    }
-    long long want = cl_info_num(r->str, "master_repl_offset:");
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    long long want = -1;
     uint16_t rep[CL_NODES];
     int nrep = 0;
-    for (const char *p = r->str; nrep < CL_NODES && (p = strstr(p, "\nslave")); p++) {
-        if (p[6] < '0' || p[6] > '9')
-            continue; /* "slave0:ip=...,port=...,state=...,offset=...": one line a replica */
-        long long rp = cl_info_num(p, ",port=");
-        if (rp > 0 && rp < 65536)
-            rep[nrep++] = (uint16_t)rp;
+    /* A cluster just formed may not list its replicas yet (they list themselves once their link
+     * to the primary is up): ask again until one is listed, within ms. Reading the offset later
+     * only asks for more than the writes before the call. */
+    for (;;) {
+        redisReply *r = cl_cmd(port, "INFO replication");
+        if (r && r->type == REDIS_REPLY_STRING) {
+            want = cl_info_num(r->str, "master_repl_offset:");
+            nrep = 0;
+            for (const char *p = r->str; nrep < CL_NODES && (p = strstr(p, "\nslave")); p++) {
+                if (p[6] < '0' || p[6] > '9')
+                    continue; /* "slave0:ip=...,port=...,state=...,offset=...": one a replica */
+                long long rp = cl_info_num(p, ",port=");
+                if (rp > 0 && rp < 65536)
+                    rep[nrep++] = (uint16_t)rp;
+            }
+        }
+        if (r)
+            freeReplyObject(r);
+        if ((want >= 0 && nrep > 0) || cl_ms_since(&t0) >= ms)
+            break;
+        cl_sleep_ms(10);
     }
-    freeReplyObject(r);
     if (want < 0 || nrep == 0)
         return 0;
-    struct timespec t0, now;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int i = 0; i < nrep; i++) {
         long long have = -1;
         for (;;) {
@@ -476,10 +492,7 @@ static int cl_replicated(uint16_t port, int ms)
             }
             if (x)
                 redisFree(x);
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            long long gone =
-                (now.tv_sec - t0.tv_sec) * 1000ll + (now.tv_nsec - t0.tv_nsec) / 1000000;
-            if (have >= want || gone >= ms)
+            if (have >= want || cl_ms_since(&t0) >= ms)
                 break;
             cl_sleep_ms(10);
         }
