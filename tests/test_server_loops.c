@@ -1185,7 +1185,8 @@ Test(server_loops, locate_gets_on_four_loops_take_no_write_lock)
  * with their bytes), then PUTs fresh prefixes of the same namespace into its arena (64 KiB pages,
  * 4 MiB of DRAM: the step pushes blocks out to NVMe and drops them, and the arena reuses their
  * room) and REMOVEs the readers' churn prefixes from their second page on. A zero-copy reader on
- * each loop past 0 leases S extended by two pages of its own in the arena, and every round GETs
+ * each loop past 0 leases S extended by two pages of its own in the arena (the writer waits for
+ * all of them: before their leases its PUTs could push those pages out), and every round GETs
  * it with LOCATE (two pages with their bytes, two located) and then stores a churn prefix, leases
  * it, GETs it with LOCATE, and reads its located pages where they lie three times over with the
  * writer at work before it RELEASEs the lease. Every byte read through a location must be the
@@ -1203,6 +1204,7 @@ typedef struct zrace {
     struct zrace *all;   /* the readers, for the writer to aim at */
     int id, nreaders;    /* id 0: the writer */
     int round, finished; /* a reader's, read by the writer (atomic) */
+    int ready;           /* a reader's: its own pages are leased (atomic) */
     int errors, line, rc;
     uint64_t located, sent, removed; /* a reader's pages read where they lie, or with bytes */
 } zrace_t;
@@ -1229,6 +1231,11 @@ static void *zrace_writer_main(void *arg)
     zrace_t *w = arg;
     static uint32_t tok[ZP * PAGE];
     uint8_t *payload = malloc((size_t)ZP * RBB);
+    /* Not before every reader leased its own pages: until then a PUT of the writer's may push
+     * them out to NVMe, and a reader's GET would find them sent with bytes, not located. */
+    for (int r = 1; r <= w->nreaders; r++)
+        while (!__atomic_load_n(&w->all[r].ready, __ATOMIC_ACQUIRE))
+            usleep(1000);
     for (int i = 0; payload; i++) {
         int left = 0;
         for (int r = 1; r <= w->nreaders; r++)
@@ -1317,6 +1324,7 @@ static void *zrace_reader_main(void *arg)
         kvt_client_match(w->c, tok, ZP * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &lm) < 0 ||
         lm.pages != ZP)
         ZRACE_WRONG(w);
+    __atomic_store_n(&w->ready, 1, __ATOMIC_RELEASE);
     for (int round = 0; lm.pages == ZP && round < ZROUNDS; round++) {
         if (zrace_get(w, lm.lease, ZP, mine, NULL, 0) != 2)
             ZRACE_WRONG(w); /* S's pages with their bytes, its own where they lie */
