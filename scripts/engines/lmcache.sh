@@ -12,7 +12,9 @@
 set -euo pipefail
 : "${venv:?}" "${pip:?}"
 cons="$venv/constraints-lmcache.txt"
-echo "torch==2.13.0" >"$cons"
+# transformers at the version vllm.sh pins: lmcache asks only >=5.4, and the newest (5.25.0 on
+# 2026-12-07) was installed here and then replaced by vllm.sh's 5.22.2, byte-compiled twice.
+printf 'torch==2.13.0\ntransformers==5.22.2\n' >"$cons"
 $pip install -q -c "$cons" --no-deps lmcache==0.5.6
 $pip install -q -c "$cons" pyyaml requests cachetools sortedcontainers numba \
     'prometheus_client>=0.18,<=0.24.1' py-cpuinfo psutil aiohttp aiofile msgspec 'pyzmq>=25' \
