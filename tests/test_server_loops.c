@@ -142,7 +142,10 @@ Test(server_loops, two_loops_serve_clients_at_once)
 }
 
 /* A client of loop 1 (the second to connect) reads pages from NVMe: their reads complete on loop
- * 0, which hands them to loop 1; its lease expires in loop 0's tick. */
+ * 0, which hands them to loop 1; its lease expires in loop 0's tick. Its MATCH queues a promotion
+ * of the NVMe pages into DRAM, which used to win the race with the GET now and then on a loaded
+ * machine (the GET then read DRAM, and no completion crossed loops): c0 leases the DRAM pages
+ * first, so that the promotion finds no room it may make (a leased page does not leave DRAM). */
 Test(server_loops, completions_on_loop_0_reach_a_loop_1_connection)
 {
     kvd_t d = {0};
@@ -161,6 +164,8 @@ Test(server_loops, completions_on_loop_0_reach_a_loop_1_connection)
     for (int p = 0; p < 4; p++)
         kvd_fill(payload + (size_t)p * BIG, BIG, 500 + p);
     cr_assert_eq(kvt_client_put(c1, b, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+    kvt_client_match_t held = {0};
+    cr_assert_eq(kvt_client_match(c0, a, 16 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &held), 0);
     uint64_t posted = kvd_stat(c0, "loop_kicks_posted_1");
     uint8_t tiers[4];
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = 4};
@@ -176,6 +181,7 @@ Test(server_loops, completions_on_loop_0_reach_a_loop_1_connection)
     cr_expect_gt(kvd_stat(c0, "loop_kicks_posted_1"), posted,
                  "the reads' completions came to loop 1 from loop 0");
     cr_assert_eq(kvt_client_release(c1, m.lease, NULL), 0);
+    cr_assert_eq(kvt_client_release(c0, held.lease, NULL), 0);
 
     /* A lease of c1's that expires: loop 0's tick ends it, c1's GET then finds it gone. */
     cr_assert_eq(kvt_client_match(c1, b, 4 * PAGE, KVT_CLIENT_LEASE, 100, NULL, &m), 0);
