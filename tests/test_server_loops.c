@@ -2129,14 +2129,24 @@ static void *putter_main(void *arg)
     return NULL;
 }
 
+/* A key prefix of this daemon's own on the shared server: tests run side by side. */
+static void loops_redis_prefix(char *buf, size_t cap)
+{
+    snprintf(buf, cap, "kvloops%d-%llu", (int)getpid(), (unsigned long long)kvt_now_ns());
+}
+
 /* A daemon with loops loops and its gate's path ("" with one loop: no gate), and two clients of
  * PBB pages: a first (loop 0's), b (loop 1's with two loops). With nvme, no DRAM tier: every
- * page goes to NVMe; with max_client set too, max-frame 3M and that max-client-bytes. */
+ * page goes to NVMe; with max_client set too, max-frame 3M and that max-client-bytes; with
+ * nvme_quota, that tenant-nvme-bytes; with remote, the remote tier below NVMe (the redis-server of
+ * KVT_TEST_REDIS, under a prefix of its own: remote_pfx). */
 typedef struct put_fix {
     kvd_t d;
     char gate[700];
     kvt_client_t *a, *b;
-    const char *max_client;
+    const char *max_client, *nvme_quota;
+    int remote;
+    char remote_pfx[64];
 } put_fix_t;
 
 static void put_fix_start(put_fix_t *f, const char *loops, int nvme)
@@ -2147,15 +2157,35 @@ static void put_fix_start(put_fix_t *f, const char *loops, int nvme)
         setenv("KVT_DEBUG_PUT_GATE", f->gate, 1);
     else
         f->gate[0] = 0;
-    if (nvme && f->max_client)
-        kvd_start(&f->d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
-                  "--nvme-segment-bytes", "8M", "--max-frame", "3M", "--max-client-bytes",
-                  f->max_client, NULL);
-    else if (nvme)
-        kvd_start(&f->d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "64M",
-                  "--nvme-segment-bytes", "8M", NULL);
-    else
-        kvd_start(&f->d, "--loops", loops, NULL);
+    const char *argv[24] = {"--loops", loops};
+    int n = 2;
+    if (nvme) {
+        const char *const tiers[] = {"--dram-bytes",         "0", "--nvme-bytes", "64M",
+                                     "--nvme-segment-bytes", "8M"};
+        for (size_t i = 0; i < KVT_ARRAY_LEN(tiers); i++)
+            argv[n++] = tiers[i];
+    }
+    if (nvme && f->max_client) {
+        argv[n++] = "--max-frame";
+        argv[n++] = "3M";
+        argv[n++] = "--max-client-bytes";
+        argv[n++] = f->max_client;
+    }
+    if (f->nvme_quota) {
+        argv[n++] = "--tenant-nvme-bytes";
+        argv[n++] = f->nvme_quota;
+    }
+    if (f->remote) {
+        loops_redis_prefix(f->remote_pfx, sizeof f->remote_pfx);
+        argv[n++] = "--remote";
+        argv[n++] = kvd_redis();
+        argv[n++] = "--remote-prefix";
+        argv[n++] = f->remote_pfx;
+        argv[n++] = "--remote-bytes";
+        argv[n++] = "64M";
+    }
+    argv[n] = NULL;
+    kvd_startv(&f->d, argv);
     unsetenv("KVT_DEBUG_PUT_GATE");
     f->a = kvd_client(&f->d, "p", PAGE, PBB);
     f->b = kvd_client(&f->d, "p", PAGE, PBB);
@@ -2349,6 +2379,83 @@ Test(server_loops, a_puts_aligned_nvme_copies_count_in_the_clients_memory)
 Test(server_loops, a_puts_aligned_nvme_copies_count_with_one_loop)
 {
     put_copies_counted("1");
+}
+
+static long long redis_del_prefix(const char *addr, const char *pfx);
+
+/*
+ * A PUT's NVMe pages that the tier refuses when they are submitted give back their aligned copies'
+ * count in the clients' memory, whether the tier below takes them or not (op_put.c, put_submit;
+ * put_end gives the count back). The tenant's NVMe share (tenant-nvme-bytes) is charged at
+ * submission, so the handler takes every page and the tier refuses those past the share then.
+ * Eleven 256 KiB pages under a 1 MiB share and a 4 MiB max-client-bytes: four copies are counted
+ * (as in put_copies_counted) and the share holds fewer than four pages, so pages with a copy
+ * counted are among the refused ones. With remote, the refused pages go to the remote tier and
+ * all eleven are stored; without, they are skipped (no room anywhere).
+ */
+static void put_refused_counted(const char *loops, int remote)
+{
+    put_fix_t f = {.max_client = "4M", .nvme_quota = "1M", .remote = remote};
+    put_fix_start(&f, loops, 1);
+    kvt_client_t *b = f.b;
+    enum { P = 11 };
+    static uint32_t tok[P * PAGE], left[P * PAGE];
+    static uint8_t payload[P * PBB];
+    put_data(tok, left, payload, P, 9170000u + 1000u * (uint32_t)remote, 70);
+    const uint64_t frame =
+        KVT_PROTO_HDR + sizeof(kvt_wire_put_t) + (uint64_t)P * PAGE * 4 + (uint64_t)P * PBB;
+    uint64_t base = kvd_stat(b, "client_buffer_bytes");
+    put_gate_close(f.gate);
+    putter_t pt = {.c = f.a, .tok = tok, .pages = P, .payload = payload};
+    pthread_t th;
+    pthread_create(&th, NULL, putter_main, &pt);
+    if (f.gate[0]) { /* held in its copies: the count holds the frame and four copies */
+        put_wait_index(b, P);
+        cr_expect_eq(kvd_stat(b, "client_buffer_bytes"), base + frame + 4 * PBB);
+        cr_assert_eq(unlink(f.gate), 0);
+    }
+    pthread_join(th, NULL);
+    cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
+    kvt_client_put_t r = pt.r;
+    cr_expect_eq(kvd_metric(&f.d, "kvtier_nvme_bounced_bytes_total"), 0,
+                 "the pages without a copy were refused before their write started");
+    uint64_t in_nvme = kvd_stat(b, "nvme_blocks");
+    cr_expect(in_nvme >= 1 && in_nvme < 4, "%llu pages within the share",
+              (unsigned long long)in_nvme);
+    cr_expect_geq(kvd_metric(&f.d, "kvtier_tenant_quota_refusals_total{tier=\"nvme\"}"),
+                  P - in_nvme, "the pages past the share refused at submission");
+    cr_expect_eq(r.stored, remote ? P : in_nvme);
+    cr_expect_eq(r.skipped, P - r.stored);
+    cr_expect(put_client_bytes_back(b, base),
+              "the refused pages' copies given back: %llu bytes counted against %llu before",
+              (unsigned long long)kvd_stat(b, "client_buffer_bytes"), (unsigned long long)base);
+    kvt_client_match_t m = {0};
+    uint8_t tiers[P];
+    cr_assert_eq(kvt_client_match(b, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P, "every page in the index, skipped ones without data");
+    kvd_check_get(b, m.lease, 0, r.stored, PBB, 70, tiers);
+    for (uint32_t p = 0; p < r.stored; p++)
+        cr_expect_eq(tiers[p], p < in_nvme ? KVT_CLIENT_TIER_NVME : KVT_CLIENT_TIER_REMOTE,
+                     "page %u", p);
+    cr_assert_eq(kvt_client_release(b, m.lease, NULL), 0);
+    put_fix_end(&f);
+    if (remote)
+        cr_expect_eq(redis_del_prefix(kvd_redis(), f.remote_pfx), P - in_nvme);
+}
+
+Test(server_loops, a_puts_pages_refused_at_submission_give_back_their_copies)
+{
+    put_refused_counted("2", 0);
+}
+
+Test(server_loops, a_puts_pages_refused_at_submission_give_back_their_copies_with_one_loop)
+{
+    put_refused_counted("1", 0);
+}
+
+Test(server_loops, a_puts_pages_refused_at_submission_go_to_remote_with_their_copies_given_back)
+{
+    put_refused_counted("2", 1);
 }
 
 /* HELLO (model "p", PBB) and a PUT of pages pages on a raw socket; no reply read. */
@@ -2759,12 +2866,6 @@ Test(server_loops, gets_from_nvme_on_four_loops_take_no_write_lock)
 Test(server_loops, gets_of_several_nvme_batches_take_no_write_lock, .timeout = 60)
 {
     nvme_gets_take_no_write_lock("2", 2u << 20, 12, 6);
-}
-
-/* A key prefix of this daemon's own on the shared server: tests run side by side. */
-static void loops_redis_prefix(char *buf, size_t cap)
-{
-    snprintf(buf, cap, "kvloops%d-%llu", (int)getpid(), (unsigned long long)kvt_now_ns());
 }
 
 /*
