@@ -4053,7 +4053,7 @@ static void gets_meet_a_corrupt_record(const char *loops, int remote)
     cr_expect_eq(rc, KVT_CLIENT_ECORRUPT, "get: %s", kvt_client_strerror(rc));
     cr_expect_eq(got, BAD, "the pages before the bad one");
     cr_expect(memcmp(back, payload, (size_t)BAD * CKB) == 0, "byte-exact");
-    char key[96];
+    char key[160]; /* Room for a node label holding a host name. */
     snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", n - 1);
     if (n > 1)
         cr_expect_eq(kvd_metric(&d, key), 1, "planned shared");
@@ -4062,6 +4062,17 @@ static void gets_meet_a_corrupt_record(const char *loops, int remote)
     cr_expect_eq(kvd_metric(&d, key), 1);
     snprintf(key, sizeof key, "kvtier_blocks_dropped_total{tier=\"%s\"}", tier);
     cr_expect_eq(kvd_metric(&d, key), P - BAD, "the bad block and the rest of its node made lost");
+    if (remote) {
+        /* The server's counts as an operator reads them, the same whichever took the checksum:
+         * the batch read every page, the bad one an error of the node and not a hit, its block
+         * dropped by the tier (a value held corrupt, as one the server evicted). */
+        snprintf(key, sizeof key, "kvtier_remote_node_hits_total{node=\"%s\"}", kvd_redis());
+        cr_expect_eq(kvd_metric(&d, key), P - 1, "every page but the bad one a hit");
+        snprintf(key, sizeof key, "kvtier_remote_node_errors_total{node=\"%s\"}", kvd_redis());
+        cr_expect_eq(kvd_metric(&d, key), 1, "the bad page an error of its node");
+        cr_expect_eq(kvd_metric(&d, "kvtier_tier_lost_blocks_total{tier=\"remote\"}"), 1,
+                     "the bad page's location dropped by the tier");
+    }
     cr_assert_eq(kvt_client_release(g, m.lease, NULL), 0);
     uint8_t tiers[P];
     kvt_client_match_t again = {.tiers = tiers, .tiers_cap = P};
@@ -4088,7 +4099,8 @@ Test(server_loops, a_get_meets_a_corrupt_record_with_one_loop, .timeout = 60)
 }
 
 /* The same for a remote value corrupted on the server (the checksum taken by the GET on loop 1,
- * by the tier with one loop). */
+ * by the tier with one loop), and the remote node's hits and errors and the tier's lost blocks
+ * the same both ways: before, the GET's own check left the node's hit counted and no block lost. */
 Test(server_loops, a_shared_get_meets_a_corrupt_remote_value, .timeout = 60)
 {
     gets_meet_a_corrupt_record("2", 1);

@@ -852,10 +852,18 @@ static void checks_left_to_the_caller(uint32_t len, uint32_t first)
     kvt_tier_usage_t u;
     kvt_tier_usage(t, &u);
     cr_assert_eq(u.reads, 1, "counted a read at completion");
+    kvt_tier_remote_node_stats_t ns;
+    cr_assert_eq(kvt_tier_remote_node_stats(t, 0, &ns), 1);
+    cr_assert_eq(ns.hits, 1, "the node counted a hit at completion");
     kvt_tier_read_corrupt(t, &b[0].io);
     kvt_tier_usage(t, &u);
     cr_assert_eq(u.reads, 0);
     cr_assert_eq(u.corrupt, 1);
+    kvt_tier_remote_node_stats(t, 0, &ns);
+    cr_assert_eq(ns.hits, 0, "len %u: the hit taken back", len);
+    cr_assert_eq(ns.errors, 1, "len %u: an error of the node instead", len);
+    cr_assert_eq(u.blocks, 2, "len %u: the location dropped", len);
+    cr_assert_eq(u.reclaimed, 1);
     cr_assert_eq(do_io(t, &b[1], 0), KVT_ECORRUPT, "len %u: the tokens", len);
     cr_assert(!b[1].io.unchecked);
     cr_assert_eq(read_check(t, &b[2], first + 2), 0);
@@ -881,6 +889,91 @@ Test(tier_remote, a_read_leaves_its_payload_checksum_to_the_caller)
 {
     checks_left_to_the_caller(8192, 60);
     checks_left_to_the_caller(256u << 10, 70);
+}
+
+/* What a read leaves behind in t: its usage, the remote stats and the one server's. */
+typedef struct tier_state {
+    kvt_tier_usage_t u;
+    kvt_tier_remote_stats_t rs;
+    kvt_tier_remote_node_stats_t ns;
+} tier_state_t;
+
+static void tier_state(kvt_tier_t *t, tier_state_t *st)
+{
+    kvt_tier_usage(t, &st->u);
+    kvt_tier_remote_stats(t, &st->rs);
+    cr_assert_eq(kvt_tier_remote_node_stats(t, 0, &st->ns), 1);
+}
+
+/* Asserts that b - a (a field of tier_state_t) moved by want, naming the path. */
+#define MOVED_BY(a, b, field, want, path)                                                          \
+    cr_assert_eq((int64_t)((b).field - (a).field), (int64_t)(want),                                \
+                 "%s: %s moved by %lld, not %lld", path, #field,                                   \
+                 (long long)((b).field - (a).field), (long long)(want))
+
+/* check_later on two values of len bytes with a payload byte flipped: see the test below. */
+static void late_corrupt_ends_as_at_completion(uint32_t len, uint32_t first)
+{
+    kvt_tier_t *t = open_shared(0);
+    redisContext *c = sync_connect(shared_port(), NULL);
+    cr_assert(c);
+    const size_t hdr = 64 + 4 * PAGE;
+    blk_t b[2];
+    write_blks(t, b, 2, first, len);
+    uint64_t loc[2] = {b[0].io.loc, b[1].io.loc};
+    for (int i = 0; i < 2; i++)
+        flip_stored(t, c, &b[i], hdr + 100);
+    tier_state_t s[3];
+    tier_state(t, &s[0]);
+    cr_assert_eq(do_io(t, &b[0], 0), KVT_ECORRUPT, "len %u: found at completion", len);
+    tier_state(t, &s[1]);
+    b[1].io.check_later = 1;
+    cr_assert_eq(do_io(t, &b[1], 0), 0, "len %u: the payload left to the caller", len);
+    cr_assert_eq(kvt_tier_read_check(&b[1].io), KVT_ECORRUPT);
+    kvt_tier_read_corrupt(t, &b[1].io);
+    tier_state(t, &s[2]);
+    const uint64_t fp = kvt_tier_footprint(t, len);
+    const char *path[2] = {"at completion", "late"};
+    for (int i = 0; i < 2; i++) {
+        const tier_state_t *a = &s[i], *z = &s[i + 1];
+        MOVED_BY(*a, *z, u.reads, 0, path[i]);
+        MOVED_BY(*a, *z, u.read_bytes, 0, path[i]);
+        MOVED_BY(*a, *z, u.corrupt, 1, path[i]);
+        MOVED_BY(*a, *z, u.misses, 0, path[i]);
+        MOVED_BY(*a, *z, u.errors, 0, path[i]);
+        MOVED_BY(*a, *z, u.reclaimed, 1, path[i]);
+        MOVED_BY(*a, *z, u.blocks, -1, path[i]);
+        MOVED_BY(*a, *z, u.used_bytes, -(int64_t)fp, path[i]);
+        MOVED_BY(*a, *z, u.inflight, 0, path[i]);
+        MOVED_BY(*a, *z, rs.evicted, 1, path[i]);
+        MOVED_BY(*a, *z, ns.hits, 0, path[i]);
+        MOVED_BY(*a, *z, ns.misses, 0, path[i]);
+        MOVED_BY(*a, *z, ns.errors, 1, path[i]);
+        cr_assert(!kvt_tier_valid(t, loc[i], &b[i].io.key), "%s: the location dropped", path[i]);
+    }
+    /* Freeing the dropped locations, as the daemon does when it makes the blocks lost, sends no
+     * DEL for either: a read queued behind the frees (Redis answers in order) still finds both
+     * values there, corrupt. */
+    for (int i = 0; i < 2; i++)
+        kvt_tier_free(t, loc[i], len);
+    for (int i = 0; i < 2; i++) {
+        b[i].io.check_later = 0;
+        cr_assert_eq(do_io(t, &b[i], 0), KVT_ECORRUPT, "%s: the value is still there", path[i]);
+    }
+    tidy_up(t, c, b, 2);
+}
+
+/* A value whose payload fails the check its reader took (check_later, kvt_tier_read_check, then
+ * kvt_tier_read_corrupt: the daemon's shared GET) leaves the tier as one that failed at completion
+ * (the GET with one loop): the same usage counts (a corrupt read, not a read; the block reclaimed,
+ * its charge back), the same remote stats (evicted), the same node counts (an error, not a hit),
+ * the location dropped, and no DEL sent when the daemon then frees it. Before, the late one kept
+ * the node's hit, counted no eviction, and left the location charged until the free, which DELed
+ * the key. For a value copied out of hiredis's buffer (8 KiB) and one read in place (256 KiB). */
+Test(tier_remote, a_late_corrupt_read_ends_as_one_found_at_completion)
+{
+    late_corrupt_ends_as_at_completion(8192, 80);
+    late_corrupt_ends_as_at_completion(256u << 10, 90);
 }
 
 /* Values of every size back to back in one pipeline: small ones (copied out of hiredis's buffer)

@@ -14,7 +14,8 @@
  * pointed at the same server finds blocks another one stored; the value is the shared block
  * header, the page's tokens and the payload (blockhdr.c), checked before a byte is returned: here,
  * or for a read whose caller takes the payload's checksum (check_later) the header and tokens
- * here and the checksum by the caller (kvt__tier_read_verify).
+ * here and the checksum by the caller (kvt__tier_read_verify), whose failure then ends the read
+ * as a failure here would have (remote_read_corrupt).
  *
  * In cluster mode each request goes to the node owning its key's slot and takes the path below
  * on that node's queues; a MOVED or ASK reply puts it back on the queue of the node named (the
@@ -544,6 +545,18 @@ static node_t *route_up(remote_t *rm, const rq_t *r, uint64_t now)
 }
 
 /* --- completion --- */
+
+/* A block of ours that the server evicted, or holds corrupt (someone overwrote it), is gone: its
+ * location loc, if it still names the key (seed, hash), is dropped and its charge given back. */
+static void loc_gone(remote_t *rm, uint64_t loc, uint64_t seed, uint64_t hash)
+{
+    uint32_t slot = loc_slot(rm, loc);
+    if (slot == UINT32_MAX || rm->slots[slot].hash != hash || rm->slots[slot].seed != seed)
+        return;
+    kvt__tier_drop(rm->tier, loc);
+    slot_unreserve(rm, slot);
+    rm->stats.evicted++;
+}
 
 static void probe_finish(remote_t *rm, kvt_tier_probe_t *p, int status)
 {
@@ -1472,23 +1485,15 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
             st = o->status;
         else
             st = KVT_EPROTO;
-        /* A block of ours that the server evicted, or that someone overwrote, is gone: give its
-         * charge back. */
-        if ((st == KVT_ENOENT || st == KVT_ECORRUPT) && r->io->loc) {
-            uint32_t slot = loc_slot(rm, r->io->loc);
-            if (slot != UINT32_MAX && rm->slots[slot].hash == r->hash &&
-                rm->slots[slot].seed == r->seed) {
-                kvt__tier_drop(rm->tier, r->io->loc);
-                slot_unreserve(rm, slot);
-                rm->stats.evicted++;
-            }
-        }
+        if (st == KVT_ENOENT || st == KVT_ECORRUPT)
+            loc_gone(rm, r->io->loc, r->seed, r->hash);
         if (st == 0)
             n->st.hits++;
         else if (st == KVT_ENOENT)
             n->st.misses++;
         else
             n->st.errors++;
+        r->io->src = n->idx; /* whose hit a failed check of its payload takes back */
         kvt__tier_complete(rm->tier, r->io, st);
         r->io = NULL;
         break;
@@ -1740,6 +1745,24 @@ static void remote_free(kvt_tier_t *t, uint64_t loc, uint32_t len)
     }
     q_push(waitq(n), r); /* no deadline: a DEL nobody waits for */
     pump(n);
+}
+
+/*
+ * A read that completed 0 with its payload's checksum left to its caller (check_later) and failed
+ * it there (kvt_tier_read_corrupt, under whatever serialises the tier's calls: the daemon's write
+ * lock). It ends as one whose value failed at completion (on_reply's RQ_GET): the node that
+ * answered counts an error instead of its hit, and the location is dropped unless it no longer
+ * names the block (freed since: then there is nothing of ours left to drop).
+ */
+static void remote_read_corrupt(kvt_tier_t *t, const kvt_tier_io_t *io)
+{
+    remote_t *rm = remote_of(t);
+    kvt_assert(io->src < rm->nnodes);
+    node_t *n = rm->nodes[io->src];
+    kvt_assert(n->st.hits > 0);
+    n->st.hits--;
+    n->st.errors++;
+    loc_gone(rm, io->loc, io->key.ns_seed, io->key.hash);
 }
 
 static int remote_valid(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key)
@@ -2268,6 +2291,7 @@ static const kvt_tier_ops_t remote_ops = {
     .write = remote_write,
     .read = remote_read,
     .free = remote_free,
+    .read_corrupt = remote_read_corrupt,
     .valid = remote_valid,
     .ptr = NULL,
     .fd = remote_fd,

@@ -556,11 +556,14 @@ int kvt_tier_read_check(kvt_tier_io_t *io)
 
 void kvt_tier_read_corrupt(kvt_tier_t *t, const kvt_tier_io_t *io)
 {
-    if (!t || !io || io->op != KVT_IO_READ || io->status != KVT_ECORRUPT)
+    if (!t || !io || io->tier != t || io->op != KVT_IO_READ || !io->unchecked ||
+        io->status != KVT_ECORRUPT)
         return;
     t->usage.reads--;
     t->usage.read_bytes -= io->len;
     t->usage.corrupt++;
+    if (t->ops->read_corrupt)
+        t->ops->read_corrupt(t, io);
 }
 
 static void tier_free(kvt_tier_t *t, uint64_t loc, uint32_t len, int discard)

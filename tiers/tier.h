@@ -110,6 +110,9 @@ struct kvt_tier_io {
      * kvt_tier_write of this io; prepared 0: made when the write starts. */
     uint64_t prep_seq, prep_sum;
     uint8_t prepared;
+    /* A read's: which of its backend's servers answered it (the remote tier's node index), for
+     * the backend's part of kvt_tier_read_corrupt. */
+    uint32_t src;
     struct kvt__ioq_link {
         struct kvt__ioq_link *next;
         uint64_t deadline_ns; /* 0: none */
@@ -162,8 +165,12 @@ int kvt_tier_write_prepare(kvt_tier_t *t, kvt_tier_io_t *io);
  * nothing of the tier's held, while no one else uses io. Any other io: its status. */
 int kvt_tier_read_check(kvt_tier_io_t *io);
 /* Counts io, a read of t that failed kvt_tier_read_check, as t counts a corrupt read
- * (usage.corrupt) instead of a read (usage.reads, read_bytes): once, under whatever serialises
- * the calls into t. */
+ * (usage.corrupt) instead of a read (usage.reads, read_bytes), and leaves t as a read that failed
+ * its check at completion would have: the remote tier counts the read as an error of the node
+ * that answered it instead of a hit, and drops io->loc, if it still names the block, as a value
+ * the server holds corrupt (usage.reclaimed, kvt_tier_remote_stats_t.evicted; no DEL). Once,
+ * under whatever serialises the calls into t. Any other io (not a read of t, not unchecked, not
+ * failed): nothing. */
 void kvt_tier_read_corrupt(kvt_tier_t *t, const kvt_tier_io_t *io);
 /* Frees a location written earlier; freeing an unknown or already freed location is a no-op.
  * A read of it already in flight still completes (with the data or a miss). */

@@ -45,6 +45,11 @@ typedef struct kvt_tier_ops {
     /* kvt_tier_discard: free, and make sure a restart does not bring the block back (NVMe). May
      * be NULL: free is enough. */
     void (*discard)(kvt_tier_t *t, uint64_t loc, uint32_t len);
+    /* kvt_tier_read_corrupt: what the backend's own completion does for a read that fails its
+     * payload checksum there, for a read that completed 0 with the checksum left to its caller
+     * (check_later) and failed it since; tier.c has already moved the usage counts. May be
+     * NULL: nothing besides the counts. */
+    void (*read_corrupt)(kvt_tier_t *t, const kvt_tier_io_t *io);
     /* Extra validity check after the index said yes (a stale NVMe generation). May be NULL. */
     int (*valid)(kvt_tier_t *t, uint64_t loc, const kvt_block_key_t *key);
     void *(*ptr)(kvt_tier_t *t, uint64_t loc); /* may be NULL */
