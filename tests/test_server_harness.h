@@ -42,6 +42,9 @@ typedef struct kvd {
      * otherwise the test defaults turn it off, as hundreds of daemons filling 1 GiB each would
      * cost the suite minutes and gigabytes where a test is not about it. */
     int index_prefault_default;
+    /* "NAME=VALUE" entries the daemon's environment gets beside the test's own (LD_PRELOAD for a
+     * shim, say), NULL-terminated; an entry replaces a variable of the same name. */
+    const char *env[8];
 } kvd_t;
 
 /* The build directory: $KVT_BUILD_ROOT, which meson test sets; run by hand, the build the test
@@ -119,6 +122,30 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
     for (int i = 0; extra && extra[i]; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;
+    /* The environment, made before the fork (the child may not allocate): the test's own with
+     * d->env's entries in place of the variables they name. */
+    extern char **environ;
+    size_t ne = 0, nd = 0;
+    while (environ[ne])
+        ne++;
+    while (nd < sizeof d->env / sizeof *d->env && d->env[nd])
+        nd++;
+    char **envp = calloc(ne + nd + 1, sizeof *envp);
+    cr_assert(envp);
+    size_t k = 0;
+    for (size_t i = 0; i < ne; i++) {
+        int replaced = 0;
+        for (size_t j = 0; j < nd && !replaced; j++) {
+            const char *eq = strchr(d->env[j], '=');
+            size_t nl = eq ? (size_t)(eq - d->env[j]) + 1 : 0;
+            replaced = nl && !strncmp(environ[i], d->env[j], nl);
+        }
+        if (!replaced)
+            envp[k++] = environ[i];
+    }
+    for (size_t j = 0; j < nd; j++)
+        envp[k++] = (char *)d->env[j];
+    envp[k] = NULL;
     int pipefd[2];
     cr_assert(pipe(pipefd) == 0);
     char log[600];
@@ -141,9 +168,10 @@ static inline void kvd_startv(kvd_t *d, const char *const *extra)
         int lfd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0600);
         if (lfd >= 0)
             dup2(lfd, 2);
-        execv(argv[0], (char *const *)argv);
+        execve(argv[0], (char *const *)argv, envp);
         _exit(127);
     }
+    free(envp);
     cr_assert(d->pid > 0, "fork: %s", strerror(errno));
     close(pipefd[1]);
     d->out = fdopen(pipefd[0], "r");

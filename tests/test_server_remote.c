@@ -1021,3 +1021,208 @@ Test(server_remote, a_stopped_server_holds_up_no_other_connection_of_the_gets_lo
     waitpid(redis, NULL, 0);
     kvd_rmrf(dir);
 }
+
+/* --- host names: looked up off the request path --- */
+
+/* Sets d's environment for the slow resolver (tests/slow_dns.c): every lookup of "localhost"
+ * takes ms milliseconds and is logged to d->dir/dns.log. The strings live in s (4 of 1 KiB). */
+static void slow_dns(kvd_t *d, char s[4][1024], int ms)
+{
+    if (!d->dir[0])
+        kvd_mkdir(d);
+    snprintf(s[0], 1024, "LD_PRELOAD=%s/tests/libkvt_slow_dns.so", kvd_build_root());
+    snprintf(s[1], 1024, "KVT_SLOW_DNS_LOG=%s/dns.log", d->dir);
+    snprintf(s[2], 1024, "KVT_SLOW_DNS_MS=%d", ms);
+    /* A sanitizer build's daemon refuses to start with a library loaded ahead of its runtime. */
+    const char *asan = getenv("ASAN_OPTIONS");
+    snprintf(s[3], 1024, "ASAN_OPTIONS=%s%sverify_asan_link_order=0", asan ? asan : "",
+             asan && *asan ? ":" : "");
+    for (int i = 0; i < 4; i++)
+        d->env[i] = s[i];
+    char so[1024];
+    snprintf(so, sizeof so, "%s/tests/libkvt_slow_dns.so", kvd_build_root());
+    cr_assert_eq(access(so, R_OK), 0, "%s is not built", so);
+}
+
+/* Lines in d's dns.log: lookups of "localhost" the slow resolver was asked for. */
+static int slow_lookups(const kvd_t *d)
+{
+    char path[700], buf[4096];
+    snprintf(path, sizeof path, "%s/dns.log", d->dir);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    int n = 0;
+    while (fgets(buf, sizeof buf, f))
+        n++;
+    fclose(f);
+    return n;
+}
+
+/*
+ * A name lookup never holds up a request. The remote is named "localhost" and every lookup of
+ * that name takes 2 s (tests/slow_dns.c, preloaded into the daemon). The daemon's connection to
+ * the server is killed (CLIENT KILL): it must reconnect, and it looks the name up again first.
+ * Meanwhile a client on loop 1 GETs a remote path and MATCHes with the remote probe, and one on
+ * loop 0 PUTs, for 3 s: every request is answered within a second (a miss while the remote is
+ * down). Before, hiredis's getaddrinfo ran inside the connect, on whichever thread reconnected:
+ * loop 0's tick under the write lock, or a GET's submission under the shared lock and the submit
+ * mutex; either way one of those requests waited out the 2 s lookup. Once the lookup is done the
+ * daemon reconnects by itself and the path reads back whole.
+ */
+Test(server_remote, a_slow_name_lookup_holds_up_no_request)
+{
+    enum { P = 4 };
+    char dir[512], addr[64], pfx[64], env[4][1024];
+    uint16_t port;
+    pid_t redis = own_redis(dir, sizeof dir, &port);
+    snprintf(addr, sizeof addr, "localhost:%u", port);
+    prefix(pfx, sizeof pfx);
+    kvd_t d = {0};
+    slow_dns(&d, env, 2000);
+    /* A handshake deadline past the lookup: before, the connect's clock started ahead of it. */
+    kvd_start(&d, "--loops", "2", "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr,
+              "--remote-prefix", pfx, "--remote-timeout-ms", "10000", NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    double up = -1;
+    for (int i = 0; i < 500 && (up = scraped(&d, "kvtier_remote_up")) != 1; i++)
+        usleep(20000);
+    cr_assert_eq(up, 1, "connected to localhost:%u", port);
+    cr_assert_geq(slow_lookups(&d), 1, "the shim saw the lookup");
+    uint32_t tok[P * PAGE];
+    kvd_tokens(tok, P * PAGE, 5100000u);
+    kvt_client_put_t r;
+    put_all(c1, tok, P, 510, &r);
+    cr_assert_eq(r.stored, P);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    get_all(c1, m.lease, P, 510, NULL);
+
+    int before = slow_lookups(&d);
+    cr_assert_geq(redis_int(port, "CLIENT KILL TYPE normal"), 1, "the daemon's connection");
+    uint8_t *buf = malloc((size_t)P * BB), *payload = malloc(BB);
+    kvd_fill(payload, BB, 9);
+    double worst = 0;
+    const char *worst_op = "";
+    int n = 0, missed = 0;
+    unsigned long long t0 = now_ns_test();
+    while (now_ns_test() - t0 < 3000000000ull) {
+        uint32_t other[PAGE], got = 0;
+        kvd_tokens(other, PAGE, 6000000u + 1000u * (uint32_t)n);
+        kvt_client_match_t q = {0};
+        unsigned long long a = now_ns_test();
+        int rc = kvt_client_get(c1, m.lease, 0, P, buf, (size_t)P * BB, &got, NULL);
+        unsigned long long b = now_ns_test();
+        cr_assert_eq(
+            kvt_client_match(c1, other, PAGE, KVT_CLIENT_REMOTE | KVT_CLIENT_PROBE, 0, NULL, &q),
+            0);
+        unsigned long long c = now_ns_test();
+        cr_assert_eq(kvt_client_put(c0, other, PAGE, 0, 1, payload, NULL, &r), 0);
+        unsigned long long e = now_ns_test();
+        double s[3] = {(b - a) / 1e9, (c - b) / 1e9, (e - c) / 1e9};
+        const char *name[3] = {"a GET on loop 1", "a probing MATCH on loop 1", "a PUT on loop 0"};
+        for (int k = 0; k < 3; k++)
+            if (s[k] > worst)
+                worst = s[k], worst_op = name[k];
+        missed += rc != 0; /* a miss (EUNAVAIL) while the remote is down, else the pages */
+        n++;
+        usleep(20000);
+    }
+    int during = slow_lookups(&d) - before;
+    cr_expect_geq(during, 1, "the name was looked up again while requests ran");
+    cr_expect_gt(missed, 0, "the remote was down meanwhile (%d GETs)", n);
+    cr_expect_lt(worst, 1.0, "%s waited %.2f s (a 2 s lookup on its path?)", worst_op, worst);
+    for (int i = 0; i < 500 && (up = scraped(&d, "kvtier_remote_up")) != 1; i++)
+        usleep(20000);
+    cr_assert_eq(up, 1, "reconnected");
+    m = (kvt_client_match_t){0};
+    cr_assert_eq(kvt_client_match(c1, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    get_all(c1, m.lease, P, 510, NULL);
+    free(buf);
+    free(payload);
+    kvt_client_close(c0);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
+    kvd_rmrf(dir);
+}
+
+/*
+ * A remote whose name does not resolve (.invalid never does, RFC 6761) is a remote that is down:
+ * the daemon starts, says why in its log, keeps the pages it can in DRAM and answers a remote
+ * probe as a miss for want of the remote.
+ */
+Test(server_remote, a_name_that_does_not_resolve_leaves_the_daemon_serving)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--remote", "nosuchhost.invalid:6379", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    int said = 0;
+    for (int i = 0; i < 300 && !(said = kvd_log_has(&d, "cannot resolve nosuchhost.invalid")); i++)
+        usleep(100000); /* up to 30 s: a resolver that does not answer takes its time to fail */
+    if (!said)
+        kvd_log_tail(&d, 2000);
+    cr_expect(said, "the log says the name does not resolve");
+    uint32_t tok[4 * PAGE], other[4 * PAGE];
+    kvd_tokens(tok, 4 * PAGE, 5200000u);
+    kvd_tokens(other, 4 * PAGE, 5300000u);
+    kvt_client_put_t r;
+    put_all(c, tok, 4, 520, &r);
+    cr_expect_eq(r.stored, 4, "the pages stay in DRAM");
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, 4 * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 4);
+    get_all(c, m.lease, 4, 520, NULL);
+    m = (kvt_client_match_t){0};
+    cr_assert_eq(kvt_client_match(c, other, 4 * PAGE, KVT_CLIENT_REMOTE, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"remote_unreachable\"}"), 64);
+    cr_expect_eq(scraped(&d, "kvtier_remote_up"), 0);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+}
+
+/* A remote named by host name ("localhost") works end to end: the name is looked up (the log
+ * says what to), the blocks a PUT could place nowhere else land on the server and read back
+ * byte-exact from it. */
+Test(server_remote, a_remote_named_localhost_stores_and_reads_back)
+{
+    enum { P = 8 };
+    char dir[512], addr[64], pfx[64];
+    uint16_t port;
+    pid_t redis = own_redis(dir, sizeof dir, &port);
+    snprintf(addr, sizeof addr, "localhost:%u", port);
+    prefix(pfx, sizeof pfx);
+    kvd_t d = {0};
+    kvd_start(&d, "--dram-bytes", "0", "--nvme-bytes", "0", "--remote", addr, "--remote-prefix",
+              pfx, "--log-level", "info", NULL);
+    kvt_client_t *c = kvd_client(&d, "m", PAGE, BB);
+    double up = -1;
+    for (int i = 0; i < 500 && (up = scraped(&d, "kvtier_remote_up")) != 1; i++)
+        usleep(20000);
+    cr_assert_eq(up, 1, "connected to %s", addr);
+    cr_expect(kvd_log_has(&d, "remote: localhost resolved to 127.0.0.1"), "the lookup is logged");
+    uint32_t tok[P * PAGE];
+    kvd_tokens(tok, P * PAGE, 5400000u);
+    kvt_client_put_t r;
+    put_all(c, tok, P, 540, &r);
+    cr_assert_eq(r.stored, P);
+    cr_expect_eq(redis_int(port, "DBSIZE"), P, "on the server");
+    uint8_t tiers[P], from[P];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(c, tok, P * PAGE, KVT_CLIENT_LEASE, 0, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    get_all(c, m.lease, P, 540, from);
+    for (int k = 0; k < P; k++)
+        cr_expect_eq(from[k], KVT_CLIENT_TIER_REMOTE, "page %d read from tier %u", k, from[k]);
+    kvt_client_close(c);
+    kvd_cleanup(&d);
+    kill(redis, SIGKILL);
+    waitpid(redis, NULL, 0);
+    kvd_rmrf(dir);
+}

@@ -1503,6 +1503,81 @@ Test(tier_remote, caller_loop_polls_the_tier_fd)
     kvt_tier_destroy(t);
 }
 
+/*
+ * A host name is looked up on a thread of the tier's own, never by the caller: creation starts
+ * the lookup and connects to nothing yet, a request meanwhile fails at once (KVT_EUNAVAIL, as
+ * while the server is down), and the lookup's end wakes the caller's loop through the tier's fd
+ * (no timer runs for it). Once connected, blocks round-trip; after the server is lost the name is
+ * looked up again before the tier reconnects. An address is never looked up, a name that does not
+ * resolve leaves the tier down (counted), and a tier destroyed with its lookup in flight leaves it
+ * to its thread.
+ */
+Test(tier_remote, a_host_name_is_looked_up_off_the_callers_thread)
+{
+    server_start(&g_srv, NULL, NULL);
+    kvt_tier_remote_conf_t conf = base_conf("localhost", g_srv.port);
+    kvt_tier_t *t = open_tier(&conf);
+    kvt_tier_remote_stats_t st;
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_eq(st.lookups, 1);
+    cr_assert_eq(st.connect_attempts, 0, "no connect before the lookup is taken");
+    blk_t x;
+    blk_init(&x, 1, 1000);
+    cr_assert_eq(kvt_tier_write(t, &x.io), KVT_EUNAVAIL, "down while the name is looked up");
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = {.events = EPOLLIN};
+    cr_assert_eq(epoll_ctl(ep, EPOLL_CTL_ADD, kvt_tier_fd(t), &ev), 0);
+    uint64_t end = kvt_now_ns() + 10000000000ull;
+    while (!kvt_tier_remote_connected(t) && kvt_now_ns() < end)
+        if (epoll_wait(ep, &ev, 1, 1000) > 0) /* only the fd wakes this loop */
+            cr_assert_geq(kvt_tier_process(t), 0);
+    close(ep);
+    cr_assert(kvt_tier_remote_connected(t), "the lookup's end never woke the caller");
+    cr_assert_eq(write_blk(t, &x, 7), 0);
+    cr_assert_eq(read_check(t, &x, 7), 0);
+
+    server_kill(&g_srv);
+    for (int i = 0; i < 500 && kvt_tier_remote_connected(t); i++)
+        kvt_tier_wait(t, 10);
+    cr_assert_not(kvt_tier_remote_connected(t), "the loss is seen");
+    server_start(&g_srv, NULL, NULL); /* the same port */
+    cr_assert(wait_connected(t, 10000), "no reconnect");
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_geq(st.lookups, 2, "looked up again after the loss");
+    cr_assert_eq(st.lookup_failures, 0);
+    kvt_tier_remote_node_stats_t ns;
+    cr_assert_eq(kvt_tier_remote_node_stats(t, 0, &ns), 1);
+    cr_assert_eq(strncmp(ns.addr, "localhost:", 10), 0, "metrics name the host: %s", ns.addr);
+    blk_fini(&x);
+    kvt_tier_destroy(t);
+
+    conf = base_conf("127.0.0.1", g_srv.port);
+    t = open_tier(&conf);
+    cr_assert(wait_connected(t, 3000));
+    kvt_tier_remote_stats(t, &st);
+    cr_assert_eq(st.lookups, 0, "an address is not looked up");
+    kvt_tier_destroy(t);
+
+    conf = base_conf("nosuchhost.invalid", g_srv.port);
+    t = open_tier(&conf);
+    end = kvt_now_ns() + 30000000000ull; /* a resolver that does not answer takes its time */
+    do {
+        kvt_tier_wait(t, 20);
+        kvt_tier_remote_stats(t, &st);
+    } while (st.lookup_failures == 0 && kvt_now_ns() < end);
+    cr_assert_geq(st.lookup_failures, 1);
+    cr_assert_eq(st.connect_attempts, 0);
+    cr_assert_not(kvt_tier_remote_connected(t));
+    kvt_tier_destroy(t);
+
+    for (int i = 0; i < 8; i++) { /* destroyed at once: the lookup is (mostly) still running */
+        conf = base_conf("localhost", g_srv.port);
+        t = open_tier(&conf);
+        kvt_tier_destroy(t);
+    }
+    server_cleanup();
+}
+
 Test(tier_remote, keep_on_free_leaves_the_key)
 {
     char host[64];

@@ -58,7 +58,13 @@
  * output buffer stays empty: it only connects, parses replies and runs callbacks. Sends use
  * MSG_NOSIGNAL, so a server that goes away never raises SIGPIPE.
  */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +96,7 @@ void redisProcessCallbacks(redisAsyncContext *ac);
 #define KVT__NODES_MAX  64u /* cluster nodes known at once (seeds, primaries, redirect targets) */
 #define KVT__REDIRECTS  5u  /* MOVED/ASK a request may follow before it fails */
 #define KVT__MAP_GAP_NS (100ull * 1000000ull) /* slot-map refreshes at most this often */
+#define KVT__ADDR_MAX   64u /* a numeric address as text: IPv6, '%', an interface's name */
 
 /* epoll data: the tag in the low 4 bits, a socket's node index above. */
 enum { TAG_SOCK = 1, TAG_TIMER = 2, TAG_WAKE = 3 };
@@ -99,6 +106,7 @@ typedef enum { RQ_GET, RQ_SET, RQ_DEL, RQ_EXISTS, RQ_HELLO, RQ_ASKING, RQ_SLOTS 
 typedef struct remote remote_t;
 typedef struct node node_t;
 typedef struct rq rq_t;
+typedef struct lookup lookup_t;
 struct rq {
     kvt__ioq_link_t link; /* the queues and the free list (ioq.c); link.deadline_ns */
     rq_kind_t kind;
@@ -152,9 +160,17 @@ typedef struct remote_reply {
 struct node {
     remote_t *rm;
     uint32_t idx; /* in rm->nodes, and in its socket's epoll data */
-    char *host;
+    char *host;   /* as configured or named by the cluster: logs, metrics, node_get */
     int port;
     int seed; /* named by the conf: tried when no node knows the map */
+
+    /* What hiredis connects to: always a numeric address, so that its getaddrinfo never asks a
+     * resolver (see "name lookups" below). */
+    char addr[KVT__ADDR_MAX];
+    int numeric;       /* host is an address literal: addr is host, for good */
+    int resolved;      /* addr may be connected to; for a name, until a connection to it fails */
+    lookup_t *lookup;  /* a lookup of host started and not yet taken, or NULL */
+    int lookup_logged; /* its last lookup failed and said so: log the next success */
 
     conn_state_t state;
     redisAsyncContext *ac;
@@ -510,6 +526,11 @@ static node_t *node_get(remote_t *rm, const char *host, int port)
     n->rm = rm;
     n->idx = rm->nnodes;
     n->port = port;
+    unsigned char in[sizeof(struct in6_addr)];
+    if (inet_pton(AF_INET, host, in) == 1 || inet_pton(AF_INET6, host, in) == 1) {
+        snprintf(n->addr, sizeof(n->addr), "%s", host); /* fits: a literal is at most 45 bytes */
+        n->numeric = n->resolved = 1;
+    }
     n->sock = -1;
     n->state = ST_DOWN;
     n->backoff_ns = rm->backoff_min_ns;
@@ -529,14 +550,14 @@ static node_t *route(remote_t *rm, const rq_t *r)
     return i != 0xff ? rm->nodes[i] : NULL;
 }
 
-/* The node r goes to, NULL when none is known or it is down (connecting to it if its backoff
- * allows). */
-static void connect_start(node_t *n, uint64_t now);
+/* The node r goes to, NULL when none is known or it is down (connecting to it, or starting the
+ * lookup of its name, if its backoff allows: neither waits). */
+static void node_retry(node_t *n, uint64_t now);
 static node_t *route_up(remote_t *rm, const rq_t *r, uint64_t now)
 {
     node_t *n = route(rm, r);
     if (n && n->state == ST_DOWN && !n->ac && now >= n->retry_ns)
-        connect_start(n, now);
+        node_retry(n, now);
     if (!n || n->state == ST_DOWN) {
         map_stale(rm);
         return NULL;
@@ -895,13 +916,210 @@ static void tree_free(node_t *n)
     n->tree = NULL;
 }
 
+/* --- name lookups: off every request path and every lock --- */
+
+/*
+ * getaddrinfo blocks for as long as the resolver takes (seconds when a DNS server does not
+ * answer), and hiredis calls it inside redisAsyncConnect. A connect is started from a request's
+ * submission (route_up: any loop, under the daemon's shared lock with its submit mutex held),
+ * from a redirect and from the tick (loop 0, under the write lock), so a host name is never
+ * handed to hiredis: each node connects to a numeric address (n->addr), for which glibc's
+ * getaddrinfo only parses the literal. An address literal is its own address for good; a name
+ * is looked up on a thread of its own, started when the node is due to connect:
+ *
+ *   DOWN, retry due --lookup_start--> DOWN, n->lookup set --thread: getaddrinfo, state DONE,
+ *          ^                                  |               write the tier's eventfd-->
+ *          |                                  v
+ *          |              tick: lookup_take --+-- found: n->addr, connect_start (CONNECTING)
+ *          +-- backoff ---------------------- +-- failed: logged; the last address if any,
+ *                                                 else schedule_retry
+ *
+ * While the lookup runs the node is down: requests routed to it fail at once with KVT_EUNAVAIL,
+ * as during a backoff, and the tick does not arm the timer for it; the thread's write to the
+ * tier's eventfd (TAG_WAKE) wakes the caller's loop, whose poll takes the answer. A connection
+ * to the address that fails or is lost marks it stale (schedule_retry): the next attempt, after
+ * the backoff, looks the name up again, since the service may have moved.
+ *
+ * One thread per lookup, detached, rather than glibc's getaddrinfo_a: a lookup is rare (start-up
+ * and reconnects, paced by the backoff), its completion wakes the loop through the eventfd
+ * instead of the tick polling gai_error on a timer, and a lookup still running when the tier is
+ * destroyed is simply handed to its thread, which frees it (getaddrinfo_a's request cannot be
+ * cancelled once started, and its gaicb could then be neither freed nor waited for without
+ * blocking the close). The thread and the tier share only lk->state: whichever of them moves it
+ * second (DONE after ORPHAN, or ORPHAN after DONE) frees lk. The thread wakes the loop through a
+ * descriptor of its own (a dup of the eventfd), so the tier may close its own at any time.
+ */
+enum { LK_RUNNING, LK_DONE, LK_ORPHAN };
+
+struct lookup {
+    atomic_int state;
+    int wake;      /* the thread's dup of the tier's eventfd; it closes it */
+    int rc;        /* getaddrinfo's, or EAI_NONAME when it gave no TCP address */
+    int sys_errno; /* with EAI_SYSTEM */
+    char port[8];
+    char addr[KVT__ADDR_MAX];
+    char host[]; /* the name looked up */
+};
+
+/* The first IPv4 address of a lookup's answer, else the first IPv6 one, as text (an IPv6 one
+ * with its scope, "fe80::1%eth0"): the order hiredis itself tries (an IPv4 lookup, then an IPv6
+ * one). Returns 0 or EAI_NONAME. */
+static int pick_addr(const struct addrinfo *res, char *out, size_t cap)
+{
+    for (int fam = 0; fam < 2; fam++)
+        for (const struct addrinfo *a = res; a; a = a->ai_next)
+            if (a->ai_family == (fam == 0 ? AF_INET : AF_INET6) &&
+                getnameinfo(a->ai_addr, a->ai_addrlen, out, (socklen_t)cap, NULL, 0,
+                            NI_NUMERICHOST) == 0)
+                return 0;
+    return EAI_NONAME;
+}
+
+static void *lookup_run(void *arg)
+{
+    lookup_t *lk = arg;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+    struct addrinfo *res = NULL;
+    int rc = getaddrinfo(lk->host, lk->port, &hints, &res);
+    lk->sys_errno = errno;
+    if (rc == 0) {
+        rc = pick_addr(res, lk->addr, sizeof(lk->addr));
+        freeaddrinfo(res);
+    }
+    lk->rc = rc;
+    int wake = lk->wake; /* lk may be freed by the tier once DONE is seen */
+    if (atomic_exchange_explicit(&lk->state, LK_DONE, memory_order_acq_rel) == LK_ORPHAN) {
+        free(lk);
+    } else {
+        uint64_t one = 1;
+        ssize_t w = write(wake, &one, sizeof(one)); /* fails only when a wake-up is pending */
+        (void)w;
+    }
+    close(wake);
+    return NULL;
+}
+
+/* Starts the lookup of n's host on a thread of its own; the node stays down meanwhile. Returns 0,
+ * or an error when no thread could start (then retried after the backoff). */
+static int lookup_start(node_t *n)
+{
+    remote_t *rm = n->rm;
+    size_t hl = strlen(n->host);
+    lookup_t *lk = malloc(sizeof(*lk) + hl + 1);
+    if (!lk)
+        return KVT_ENOMEM;
+    memset(lk, 0, sizeof(*lk));
+    atomic_init(&lk->state, LK_RUNNING);
+    memcpy(lk->host, n->host, hl + 1);
+    snprintf(lk->port, sizeof(lk->port), "%d", n->port);
+    if ((lk->wake = fcntl(rm->wfd, F_DUPFD_CLOEXEC, 0)) < 0) {
+        int rc = -errno;
+        free(lk);
+        return rc;
+    }
+    /* The thread takes no signal: the daemon's loops read theirs from a signalfd, and a library
+     * user's handlers expect their own threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_attr_t attr;
+    pthread_t tid;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        rc = pthread_create(&tid, &attr, lookup_run, lk);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc) {
+        close(lk->wake);
+        free(lk);
+        return -rc;
+    }
+    n->lookup = lk;
+    rm->stats.lookups++;
+    return 0;
+}
+
+/* Gives up a lookup the tier no longer waits for (the tier is going): its thread frees it when it
+ * ends, unless it has ended already. */
+static void lookup_abandon(lookup_t *lk)
+{
+    if (atomic_exchange_explicit(&lk->state, LK_ORPHAN, memory_order_acq_rel) == LK_DONE)
+        free(lk);
+}
+
+static void schedule_retry(node_t *n, uint64_t now);
+static void connect_start(node_t *n, uint64_t now);
+
+/* Takes n's lookup when its thread has finished: connects to the address found, or after a
+ * failure to the last address the name had (the resolver may be what is down), or waits out
+ * the backoff. */
+static void lookup_take(node_t *n, uint64_t now)
+{
+    static kvt_log_limit_t lim;
+    remote_t *rm = n->rm;
+    lookup_t *lk = n->lookup;
+    if (atomic_load_explicit(&lk->state, memory_order_acquire) != LK_DONE)
+        return;
+    n->lookup = NULL;
+    if (lk->rc == 0) {
+        if (strcmp(n->addr, lk->addr) || n->lookup_logged)
+            kvt_log(KVT_LOG_INFO, "remote: %s resolved to %s", n->host, lk->addr);
+        snprintf(n->addr, sizeof(n->addr), "%s", lk->addr);
+        n->lookup_logged = 0;
+        n->resolved = 1;
+        free(lk);
+        connect_start(n, now);
+        return;
+    }
+    rm->stats.lookup_failures++;
+    const char *why = lk->rc == EAI_SYSTEM ? strerror(lk->sys_errno) : gai_strerror(lk->rc);
+    n->lookup_logged = 1;
+    if (n->addr[0]) {
+        kvt_log_limited(&lim, KVT_LOG_WARN,
+                        "remote: cannot resolve %s: %s; trying its last address, %s", n->host, why,
+                        n->addr);
+        n->resolved = 1;
+        free(lk);
+        connect_start(n, now);
+        return;
+    }
+    kvt_log_limited(&lim, KVT_LOG_WARN, "remote: cannot resolve %s: %s; retrying with backoff",
+                    n->host, why);
+    n->logged_down = 1;
+    free(lk);
+    schedule_retry(n, now);
+}
+
+/* A node down past its backoff: connects to its address, or looks its name up first (the node
+ * stays down until the lookup is taken). Nothing here waits for a resolver. */
+static void node_retry(node_t *n, uint64_t now)
+{
+    static kvt_log_limit_t lim;
+    if (n->lookup)
+        return;
+    if (n->resolved) {
+        connect_start(n, now);
+        return;
+    }
+    int rc = lookup_start(n);
+    if (rc) {
+        kvt_log_limited(&lim, KVT_LOG_WARN, "remote: cannot start a lookup of %s: %s", n->host,
+                        kvt_strerror(rc));
+        schedule_retry(n, now);
+    }
+}
+
 /* --- connection --- */
 
 /* The next attempt in backoff x [0.75, 1.25): a fleet that lost one server does not come back
- * to it in lockstep. */
+ * to it in lockstep. A name's address is looked up again for that attempt: the connection to
+ * it failed or was lost, and the service may have moved. */
 static void schedule_retry(node_t *n, uint64_t now)
 {
     remote_t *rm = n->rm;
+    n->resolved = n->numeric;
     rm->rng ^= rm->rng << 13, rm->rng ^= rm->rng >> 7, rm->rng ^= rm->rng << 17;
     uint64_t quarter = n->backoff_ns / 4;
     uint64_t jitter = quarter ? rm->rng % (2 * quarter) : 0;
@@ -911,13 +1129,16 @@ static void schedule_retry(node_t *n, uint64_t now)
 
 static int wire_queue(node_t *n, rq_t *r);
 
+/* Connects to n->addr, a numeric address (see "name lookups"): hiredis's getaddrinfo parses it
+ * and asks no resolver. */
 static void connect_start(node_t *n, uint64_t now)
 {
     remote_t *rm = n->rm;
+    kvt_assert(n->resolved && !n->lookup);
     n->ac_gone = 0;
     n->drop = 0;
     rm->stats.connect_attempts++;
-    redisAsyncContext *ac = redisAsyncConnect(n->host, n->port);
+    redisAsyncContext *ac = redisAsyncConnect(n->addr, n->port);
     if (!ac || ac->err) {
         if (!n->logged_down)
             kvt_log(KVT_LOG_WARN, "remote: connect %s:%d: %s", n->host, n->port,
@@ -1369,7 +1590,7 @@ static int redirect(node_t *from, rq_t *r, const char *msg)
     if (!ask)
         map_set(rm, (uint32_t)slot, to);
     if (to->state == ST_DOWN && !to->ac && kvt_now_ns() >= to->retry_ns)
-        connect_start(to, kvt_now_ns());
+        node_retry(to, kvt_now_ns());
     if (to->state == ST_DOWN)
         return KVT_EUNAVAIL;
     r->ask = (uint8_t)ask;
@@ -1616,8 +1837,10 @@ static void tick(remote_t *rm)
     for (uint32_t i = 0; i < rm->nnodes; i++) {
         node_t *n = rm->nodes[i];
         int wanted = node_wanted(n, any_up);
+        if (n->lookup)
+            lookup_take(n, now);
         if (n->state == ST_DOWN && !n->ac && now >= n->retry_ns && wanted)
-            connect_start(n, now);
+            node_retry(n, now);
         after_hiredis(n, now);
         pump(n);
         uint64_t nx = expire(n, now);
@@ -1625,7 +1848,8 @@ static void tick(remote_t *rm)
             after_hiredis(n, now);
             nx = expire(n, now);
         }
-        if (n->state == ST_DOWN && !n->ac && wanted)
+        /* A lookup in flight needs no timer: its thread's eventfd write wakes the poll. */
+        if (n->state == ST_DOWN && !n->ac && !n->lookup && wanted)
             nx = KVT_MIN(nx, n->retry_ns);
         next = KVT_MIN(next, nx);
     }
@@ -2248,6 +2472,9 @@ static void remote_destroy(kvt_tier_t *t)
     }
     for (uint32_t i = 0; i < rm->nnodes; i++) {
         node_t *n = rm->nodes[i];
+        if (n->lookup) /* never waited for: a resolver that hangs must not hold the close */
+            lookup_abandon(n->lookup);
+        n->lookup = NULL;
         if (n->ac && !n->ac_gone) {
             n->drop_status = KVT_ECLOSED;
             n->drop = 1;

@@ -695,9 +695,12 @@ int kvt_tier_hbm_ipc_close(void *base);
  * separate: a server that answers a SET with an OOM error completes it with KVT_ENOSPC.
  *
  * Non-blocking: one connection, pipelined (up to max_inflight requests unanswered), driven from
- * the tier's fd; connecting, the handshake and reconnecting never block the caller (a host name
- * is resolved with getaddrinfo at each connect: give an address literal to keep that off the
- * loop). A request not answered within timeout_ms completes with KVT_ETIMEDOUT (a write that
+ * the tier's fd; connecting, the handshake and reconnecting never block the caller. A host
+ * name is looked up on a thread of the tier's own, at creation (which does not wait for it) and
+ * again before reconnecting after a connection to its address failed or was lost; while a lookup
+ * runs the server counts as down. A lookup that fails is logged and retried with the backoff
+ * (connecting meanwhile to the last address found, if any). An address literal is never looked
+ * up. A request not answered within timeout_ms completes with KVT_ETIMEDOUT (a write that
  * lands after its timeout is deleted again, unless keep_on_free). When the server goes away, every
  * request in flight and every request submitted before the next connection is up fails with
  * KVT_EUNAVAIL (submit returns it while the tier waits out its backoff); the tier reconnects by
@@ -771,6 +774,9 @@ typedef struct kvt_tier_remote_stats {
     uint64_t skipped_bytes; /* their bytes, read off the socket and dropped */
     uint64_t direct_reads;  /* GET values read from the socket straight into the caller's buffer */
     uint64_t direct_copied; /* their payload bytes that came in another read, copied from there */
+    /* Host names (a host given as an address is never looked up). */
+    uint64_t lookups;         /* each on a thread of its own, off the caller's */
+    uint64_t lookup_failures; /* lookups that found no address */
     /* Cluster mode. */
     uint64_t moved, asks;     /* MOVED and ASK replies */
     uint64_t redirect_errors; /* redirects not followed (bad address, too many): KVT_EIO */
