@@ -606,6 +606,11 @@ struct kvt_srv {
     /* Tier reads submitted with the lock shared (op_get.c get_submit: a GET's NVMe pages, planned
      * on several loops at once) go one at a time through it. */
     pthread_mutex_t submit;
+    /* A MATCH with LEASE answered with the lock shared (op_match.c, shared_lease) takes its lease
+     * through it: the tree's lease table and the pins on the path's nodes, the index's bytes the
+     * table adds, the NVMe segments' pins, and the namespaces' lease counts (server.h kvt__ns_t).
+     * Every other writer of those holds the write lock. */
+    pthread_mutex_t lease_mu;
     kvt__loop_t *loops;
     unsigned nloops;
     int loops_running; /* loops 1.. run: a connection of another loop is not closed directly */
