@@ -622,8 +622,8 @@ Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
 /*
  * A namespace nobody declared a block size for (index-only prompts, lookup-only clients): its
  * lookups are no pages of the miss-ratio curve, so MATCH gathers no page keys for it, on the
- * shared walk (loop 1) and under the write lock (LEASE) alike, and still counts its hits and
- * its misses' reason.
+ * shared walk (loop 1, with LEASE or without) and under the write lock (LEASE with KEEP) alike,
+ * and still counts its hits and its misses' reason.
  */
 Test(server_loops, a_match_without_a_block_size_counts_no_curve_but_its_misses)
 {
@@ -635,19 +635,21 @@ Test(server_loops, a_match_without_a_block_size_counts_no_curve_but_its_misses)
     kvd_tokens(x, 12 * PAGE, 1);
     kvt_client_put_t r;
     cr_assert_eq(kvt_client_put(c0, x, 8 * PAGE, 0, 0, NULL, NULL, &r), 0);
-    for (int lease = 0; lease < 2; lease++) {
+    for (int lease = 0; lease < 3; lease++) {
+        unsigned flags = lease ? KVT_CLIENT_LEASE : 0;
+        flags |= lease == 2 ? KVT_CLIENT_KEEP : 0;
+        kvt_client_step_t step = {0};
         double shared = kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}");
         double hit = kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"none\"}");
         double never = kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"never_seen\"}");
         double short_page = kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"short_page\"}");
         kvt_client_match_t m = {0};
         /* 8 pages stored, 3 never seen, and 3 tokens of a page short */
-        cr_assert_eq(kvt_client_match(c1, x, 12 * PAGE + 3 - PAGE, lease ? KVT_CLIENT_LEASE : 0, 0,
-                                      NULL, &m),
+        cr_assert_eq(kvt_client_match_step(c1, x, 12 * PAGE + 3 - PAGE, flags, 0, NULL, &m, &step),
                      0);
         cr_assert_eq(m.pages, 8);
         cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}"),
-                     shared + !lease, "lease %d: shared walk %d", lease, !lease);
+                     shared + (lease < 2), "lease %d: shared walk %d", lease, lease < 2);
         cr_expect_eq(kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"none\"}"), hit + 8 * PAGE,
                      "lease %d", lease);
         cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"never_seen\"}"),
