@@ -1497,6 +1497,71 @@ Test(server_loops, leases_taken_shared_are_refused_and_expire_as_before, .timeou
 }
 
 /*
+ * A connection's table of its leases by id (lease.c: open addressing, deletion by backward shift,
+ * grown with the list) against a reference model: loop 1's client takes and releases leases in a
+ * random order, up to 600 held (the table grows past 1024 entries), the leases taken shared and
+ * released under the write lock. Every RELEASE of a held lease finds it, every RELEASE of one
+ * already released (its id stale, its slot maybe reused) finds none, and a GET under a random
+ * held lease reads the path's first page. At the end STATS counts the model's leases.
+ */
+Test(server_loops, a_connections_leases_against_a_model, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "2", "--max-leases", "100000", NULL);
+    kvt_client_t *c0 = kvd_client(&d, "m", PAGE, BB), *c1 = kvd_client(&d, "m", PAGE, BB);
+    cr_assert_eq(kvd_stat(c0, "loop_connections_1"), 1, "c1 is loop 1's");
+    enum { P = 2, N = 600, OPS = 4000 };
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * BB], back[BB];
+    static uint64_t held[N], gone[OPS];
+    kvd_tokens(tok, P * PAGE, 9930000u);
+    kvd_fill(payload, sizeof payload, 993);
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(c1, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    uint32_t nheld = 0, ngone = 0, peak = 0, rng = 993;
+    int wrong = 0, line = 0;
+    for (int op = 0; op < OPS; op++) {
+        rng = rng * 1103515245u + 12345u;
+        uint32_t x = rng >> 8;
+        /* Mostly growing to N, then mostly shrinking: the table grows, and empties in runs. */
+        int take = nheld < N && (op < OPS / 2 ? x % 4 != 0 : x % 4 == 0);
+        if (take || nheld == 0) {
+            kvt_client_match_t m = {0};
+            if (kvt_client_match(c1, tok, P * PAGE, KVT_CLIENT_LEASE, 600000, NULL, &m) < 0 ||
+                !m.lease)
+                wrong++, line = line ? line : __LINE__;
+            else
+                held[nheld++] = m.lease;
+            peak = nheld > peak ? nheld : peak;
+        } else if (x % 5 == 0 && ngone) {
+            int released = 1;
+            if (kvt_client_release(c1, gone[x % ngone], &released) < 0 || released)
+                wrong++, line = line ? line : __LINE__;
+        } else {
+            uint32_t i = x % nheld;
+            uint32_t got = 0;
+            if (x % 7 == 0 &&
+                (kvt_client_get(c1, held[i], 0, 1, back, sizeof back, &got, NULL) < 0 || got != 1 ||
+                 memcmp(back, payload, BB) != 0))
+                wrong++, line = line ? line : __LINE__;
+            int released = 0;
+            if (kvt_client_release(c1, held[i], &released) < 0 || !released)
+                wrong++, line = line ? line : __LINE__;
+            gone[ngone++] = held[i];
+            held[i] = held[--nheld];
+        }
+    }
+    cr_expect_eq(wrong, 0, "%d wrong replies, the first at line %d", wrong, line);
+    cr_expect_eq(peak, N, "the leases held at most (the table grew to hold them)");
+    cr_expect_eq(kvd_stat(c0, "leases"), nheld);
+    kvt_client_close(c1);
+    cr_expect_eq(kvd_stat(c0, "leases"), 0, "the close released them");
+    kvt_client_close(c0);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
  * LOCATE GETs under the shared lock while another loop writes. A writer on loop 0 stores a
  * 2-page prefix S before anyone maps the namespace (its pages stay in the main DRAM region and go
  * with their bytes), then PUTs fresh prefixes of the same namespace into its arena (64 KiB pages,
