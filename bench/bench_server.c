@@ -93,6 +93,8 @@
  *          Baseline: the same with no other lease held, the two alternating in short loads
  *          paired within each round (bench_leases). The ratio is what holding them costs each
  *          request (1.0: nothing): the median of the rounds' paired ratios, with their range.
+ *          With --kvtierd-opt loops=2 its connections go to loop 1, and loops_past_0_* say what
+ *          that loop served of it: requests, write-lock takes, MATCHes answered shared.
  *   kept   Kept copies (docs/architecture.md): the lease load with --held leases beside --kept
  *          pages promoted into HBM under their lease, on a kvtierd of its own with a host HBM
  *          tier, against the same leases on pages promoted before their lease (bench_kept).
