@@ -473,8 +473,8 @@ static int keys_room(kvt__loop_t *l, size_t n)
  *   the NVMe segments' pins                   kvt__nvme_pin, under lease_mu (a shared GET's read,
  *                                             under s->submit, writes the segments' in-flight
  *                                             counts, not their pins)
- *   the namespace's lease count               kvt__lease_add, under lease_mu; read only under the
- *                                             write lock (kvt__ns_evict, a namespace's close)
+ *   the namespace's lease count               kvt__lease_add, under lease_mu; read only by a
+ *                                             HELLO's kvt__ns_evict, under the write lock
  *   c's lease list and its table by id        c's own: a GET on c's loop finds its lease there
  *                                             (kvt__lease_find), no other loop reads it
  *
