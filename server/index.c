@@ -246,11 +246,6 @@ uint64_t kvt__pin_need(const kvt_srv_t *s)
     return kvt_radix_lease_need(s->radix);
 }
 
-uint32_t kvt__lease_slot(uint64_t lease)
-{
-    return kvt_radix_lease_slot(lease);
-}
-
 uint32_t kvt__lease_count(const kvt_srv_t *s)
 {
     /* A GET's pin goes once its reply is out, which another loop's STATS may follow before

@@ -2,16 +2,102 @@
  * lease.c: the leases a connection holds on matched paths (MATCH with LEASE), found by id at
  * once however many it holds, expired by the tick, pinned against NVMe segment reclaim
  * (tierio.c kvt__nvme_pin), and all released when the connection closes; RELEASE.
+ *
+ * A lease is added by c's loop, with the lock for writing or shared (op_match.c, a MATCH with
+ * LEASE answered shared, holding s->lease_mu); it goes only under the write lock (RELEASE,
+ * expiry, a close). The leases gauge is not set here: STATS, the scrape and the tick set it
+ * under the write lock (store.c kvt__tier_metrics) before anything reads it.
  */
 #include "server.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /*
- * Leases. A connection keeps its leases in a list (the tick walks it for expiry); the server's
- * lease_pos says where in its owner's list each one is, by the tree's lease slot, so a GET or
- * RELEASE finds its lease at once among the thousands an engine's connection may hold.
+ * Leases. A connection keeps its leases in a list (the tick walks it for expiry), and finds one
+ * by id through a table of their positions, plus one (0 is empty), that follows the list in its
+ * allocation: 2 * cap_leases entries (a power of two), linear probing, at most half full.
+ *
+ *   c->leases: [ lease 0 | lease 1 | ... | lease cap-1 ][ pos+1 | 0 | 0 | pos+1 | ... 2 cap ]
+ *
+ * Both are c's alone, so a GET on c's loop reads them with the lock shared while other loops add
+ * leases of their own connections (a server-wide table by the tree's lease slot did this before:
+ * a leased MATCH's growth of it moved it under every other loop's GET).
  */
+
+static uint32_t *map_of(const kvt__conn_t *c)
+{
+    return (uint32_t *)(c->leases + c->cap_leases);
+}
+
+static uint32_t map_home(const kvt__conn_t *c, uint64_t id)
+{
+    return (uint32_t)((id * 0x9e3779b97f4a7c15ull) >> 32) & (uint32_t)(c->cap_leases * 2 - 1);
+}
+
+/* The table's entry for id, or NULL. */
+static uint32_t *map_find(const kvt__conn_t *c, uint64_t id)
+{
+    if (!c->cap_leases)
+        return NULL;
+    uint32_t *map = map_of(c), mask = (uint32_t)(c->cap_leases * 2 - 1);
+    for (uint32_t i = map_home(c, id);; i = (i + 1) & mask) {
+        if (!map[i])
+            return NULL;
+        if (c->leases[map[i] - 1].id == id)
+            return &map[i];
+    }
+}
+
+static void map_put(kvt__conn_t *c, uint64_t id, uint32_t pos)
+{
+    uint32_t *map = map_of(c), mask = (uint32_t)(c->cap_leases * 2 - 1), i = map_home(c, id);
+    while (map[i])
+        i = (i + 1) & mask;
+    map[i] = pos + 1;
+}
+
+/* Room for one lease more: the list and its table move to an allocation twice the size, the
+ * table rebuilt. */
+static int lease_reserve(kvt__conn_t *c)
+{
+    if (c->nleases < c->cap_leases)
+        return 0;
+    size_t cap = c->cap_leases ? c->cap_leases * 2 : 8;
+    if (cap > UINT32_MAX / 4)
+        return KVT_ENOMEM;
+    kvt__lease_t *v = calloc(1, cap * sizeof *v + cap * 2 * sizeof(uint32_t));
+    if (!v)
+        return KVT_ENOMEM;
+    if (c->nleases)
+        memcpy(v, c->leases, c->nleases * sizeof *v);
+    free(c->leases);
+    c->leases = v;
+    c->cap_leases = cap;
+    for (size_t i = 0; i < c->nleases; i++)
+        map_put(c, c->leases[i].id, (uint32_t)i);
+    return 0;
+}
+
+/* Takes id's entry out of the table, moving each entry after it in its run back into the hole
+ * when the hole lies between its home and where it is (no tombstones: lookups stop at a hole).
+ * The leases the entries name must still be in the list. */
+static void map_del(kvt__conn_t *c, uint64_t id)
+{
+    uint32_t *map = map_of(c), *e = map_find(c, id), mask = (uint32_t)(c->cap_leases * 2 - 1);
+    kvt_assert(e);
+    uint32_t hole = (uint32_t)(e - map);
+    for (uint32_t j = (hole + 1) & mask; map[j]; j = (j + 1) & mask) {
+        uint32_t home = map_home(c, c->leases[map[j] - 1].id);
+        /* It stays unless its home is cyclically outside (hole, j]. */
+        int stays = hole < j ? home > hole && home <= j : home > hole || home <= j;
+        if (!stays) {
+            map[hole] = map[j];
+            hole = j;
+        }
+    }
+    map[hole] = 0;
+}
 
 /* Leases by namespace: one a lease holds keeps its pages (kvt__ns_evict passes it by). Every
  * leased namespace was declared by a HELLO, which made its entry. */
@@ -24,30 +110,21 @@ static void lease_ns(kvt_srv_t *s, uint32_t ns, int delta)
 int kvt__lease_add(kvt__conn_t *c, const kvt__lease_t *l)
 {
     kvt_srv_t *s = c->srv;
-    uint32_t slot = kvt__lease_slot(l->id);
-    if (kvt_reserve(&s->leases.pos, &s->leases.pos_cap, (size_t)slot + 1, sizeof *s->leases.pos,
-                    64) < 0 ||
-        kvt_reserve(&c->leases, &c->cap_leases, c->nleases + 1, sizeof *c->leases, 8) < 0)
+    if (lease_reserve(c) < 0)
         return KVT_ENOMEM;
-    s->leases.pos[slot] = (uint32_t)c->nleases;
+    map_put(c, l->id, (uint32_t)c->nleases);
     c->leases[c->nleases++] = *l;
     lease_ns(s, l->ns, 1);
     if (c->nleases == 1 || l->expires_ns < c->lease_next_ns)
         c->lease_next_ns = l->expires_ns;
-    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt__lease_count(c->srv));
     return 0;
 }
 
-/* c's lease id, or NULL: a stale id, or another connection's lease, is not found (the entry at
- * its slot's position, if any, has another id). */
+/* c's lease id, or NULL: a stale id, or another connection's lease, is not in c's table. */
 kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
 {
-    const kvt_srv_t *s = c->srv;
-    uint32_t slot = kvt__lease_slot(id);
-    if (slot >= s->leases.pos_cap)
-        return NULL;
-    uint32_t i = s->leases.pos[slot];
-    return i < c->nleases && c->leases[i].id == id ? &c->leases[i] : NULL;
+    uint32_t *e = map_find(c, id);
+    return e ? &c->leases[*e - 1] : NULL;
 }
 
 static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
@@ -57,10 +134,13 @@ static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
         kvt__path_unpin(c->srv, l->id);
     kvt__nvme_unpin(c->srv, &l->pins);
     lease_ns(c->srv, l->ns, -1);
+    map_del(c, l->id);
     *l = c->leases[--c->nleases];
-    if (l != c->leases + c->nleases) /* the last one moved into l's place */
-        c->srv->leases.pos[kvt__lease_slot(l->id)] = (uint32_t)(l - c->leases);
-    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt__lease_count(c->srv));
+    if (l != c->leases + c->nleases) { /* the last one moved into l's place */
+        uint32_t *e = map_find(c, l->id);
+        kvt_assert(e);
+        *e = (uint32_t)(l - c->leases) + 1;
+    }
 }
 
 void kvt__lease_drop_all(kvt__conn_t *c)
@@ -76,7 +156,8 @@ void kvt__lease_drop_all(kvt__conn_t *c)
         kvt_log(KVT_LOG_DEBUG, "kvtierd: connection %llu: released %zu leases on close",
                 (unsigned long long)c->id, n);
     c->nleases = 0;
-    kvt__metric_set(c->srv->metrics, KVT_M_LEASES, 0, (double)kvt__lease_count(c->srv));
+    if (c->cap_leases)
+        memset(map_of(c), 0, c->cap_leases * 2 * sizeof(uint32_t));
 }
 
 void kvt__lease_expire(kvt__conn_t *c, uint64_t now)

@@ -625,7 +625,6 @@ void kvt__srv_close(kvt_srv_t *s)
     kvt__metrics_destroy(s->metrics);
     kvt__mrc_destroy(s->mrc);
     kvt_ghosts_destroy(s->exec.ghosts);
-    free(s->leases.pos);
     free(s->ns);
     free(s);
 }

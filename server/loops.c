@@ -76,6 +76,10 @@ int kvt__loops_open(kvt_srv_t *s)
     pthread_rwlockattr_destroy(&attr);
     if (!rc && (rc = pthread_mutex_init(&s->submit, NULL)))
         pthread_rwlock_destroy(&s->lock);
+    if (!rc && (rc = pthread_mutex_init(&s->lease_mu, NULL))) {
+        pthread_mutex_destroy(&s->submit);
+        pthread_rwlock_destroy(&s->lock);
+    }
     if (rc) {
         free(s->loops);
         s->loops = NULL;
@@ -240,6 +244,7 @@ void kvt__loops_close(kvt_srv_t *s)
     }
     pthread_rwlock_destroy(&s->lock);
     pthread_mutex_destroy(&s->submit);
+    pthread_mutex_destroy(&s->lease_mu);
     free(s->loops);
     s->loops = NULL;
 }

@@ -460,9 +460,62 @@ static int keys_room(kvt__loop_t *l, size_t n)
 }
 
 /*
- * A MATCH without LEASE, KEEP, REMOTE or LOCATE, under the lock shared: conn.c's framing hands
- * it a run of them on c's own event (several loops), all in one hold, and other loops' MATCHes
- * run at the same time. Its walk only reads the tree; what it writes is its loop's alone:
+ * Under the shared lock: c's lease on m's path, taken as kvt__match_answer takes it, its id in
+ * *lease. Everything it writes that is not c's own goes through s->lease_mu, which every other
+ * writer of it excludes by holding the write lock:
+ *
+ *   the tree's lease table, the pins on the   kvt__path_pin (kvt_radix_lease: the table may grow,
+ *   path's nodes and the evictable list       and the index's bytes with it), under lease_mu; the
+ *                                             shared paths read none of it (the walks read the
+ *                                             nodes' shape and blocks, which a pin leaves alone)
+ *   the room it needs in the index            kvt__index_fits, read under lease_mu: no other
+ *                                             shared holder grows the index
+ *   the NVMe segments' pins                   kvt__nvme_pin, under lease_mu (a shared GET's read,
+ *                                             under s->submit, writes the segments' in-flight
+ *                                             counts, not their pins)
+ *   the namespace's lease count               kvt__lease_add, under lease_mu; read only by a
+ *                                             HELLO's kvt__ns_evict, under the write lock
+ *   c's lease list and its table by id        c's own: a GET on c's loop finds its lease there
+ *                                             (kvt__lease_find), no other loop reads it
+ *
+ * The leases gauge is set under the write lock, by the scrape and STATS. Returns 0, or a negative
+ * code when it took no lease and the write path is to answer (its reply says why): c holds
+ * max-leases, the lease table would grow past index-bytes, no memory.
+ */
+static int shared_lease(kvt__conn_t *c, const kvt_match_t *m, const kvt_proto_match_t *q,
+                        uint64_t *lease)
+{
+    kvt_srv_t *s = c->srv;
+    if (c->nleases >= s->conf->max_leases)
+        return KVT_ENOSPC;
+    uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+    kvt__lease_t l = {
+        .node = m->node,
+        .pages = m->pages,
+        .ns = m->ns,
+        .expires_ns = kvt_now_ns() + (uint64_t)ms * 1000000,
+        .engine_id = q->hints.engine_request_id,
+    };
+    pthread_mutex_lock(&s->lease_mu);
+    int rc = kvt__index_fits(s, kvt__pin_need(s)) ? kvt__path_pin(s, m, c->id, &l.id) : KVT_ENOSPC;
+    if (rc == 0) {
+        kvt__nvme_pin(s, &l.pins, m->node, m->pages);
+        if ((rc = kvt__lease_add(c, &l)) < 0) {
+            kvt__nvme_unpin(s, &l.pins);
+            kvt__path_unpin(s, l.id);
+        }
+    }
+    pthread_mutex_unlock(&s->lease_mu);
+    if (rc == 0)
+        *lease = l.id;
+    return rc;
+}
+
+/*
+ * A MATCH without KEEP, REMOTE or LOCATE, with LEASE or without, under the lock shared: conn.c's
+ * framing hands it a run of them on c's own event (several loops), all in one hold, and other
+ * loops' MATCHes and GETs run at the same time. Its walk only reads the tree; what it writes is
+ * its loop's alone, or the lease's, under s->lease_mu (shared_lease):
  *
  *   its counters and the reply's request metrics   the loop's table (l->metrics), merged on scrape
  *   the blocks' hits, the policy's use, a path's   l->hits, applied by the next write lock before
@@ -477,13 +530,14 @@ static int keys_room(kvt__loop_t *l, size_t n)
  * needs it, no HELLO (the error reply's log limiter is shared), the NVMe tier has dropped blocks
  * (checking a path for them may queue work, kvt__store_check_path), the loop's hits are full (the
  * write lock applies them), the seek failed (the write path reports it), no memory for the reply,
- * or the loop has no table of its own.
+ * the loop has no table of its own, or a lease refused (shared_lease: the write path's reply says
+ * why). Nothing is counted or deferred before the lease is taken, so the write path then answers
+ * the MATCH whole.
  */
 int kvt__match_shares(const kvt_proto_hdr_t *h)
 {
     return !(h->flags & ~(unsigned)KVT_MATCH_F_ALL) &&
-           !(h->flags &
-             (KVT_MATCH_F_LEASE | KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE | KVT_MATCH_F_LOCATE));
+           !(h->flags & (KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE | KVT_MATCH_F_LOCATE));
 }
 
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
@@ -512,6 +566,13 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
     if (!out)
         return 0;
+    /* The lease last of what may send the MATCH to the write path, and first of what it does. */
+    uint64_t lease = 0;
+    if ((h->flags & KVT_MATCH_F_LEASE) && m.pages > 0 && shared_lease(c, &m, &q, &lease) < 0) {
+        if (out != stackbuf)
+            free(out);
+        return 0;
+    }
     kvt__hit_t *hit = &l->hits[l->nhits];
     kvt__count_hints(l->metrics, &q.hints);
     /* Keys: the curve's for every whole page (above); else only the reason's (shared_why). */
@@ -551,7 +612,7 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     if (hit->sample || hit->pending)
         l->nhits++;
     kvt__metric_add(l->metrics, KVT_M_LOOP_SHARED_MATCHES, l->id, 1);
-    kvt_proto_match_reply_t w = {.tokens = m.pages * page, .pages = m.pages};
+    kvt_proto_match_reply_t w = {.tokens = m.pages * page, .pages = m.pages, .lease = lease};
     kvt_proto_match_reply_encode(out, &w);
     /* Out of memory for the reply closes the connection, as a handler's error does under the
      * write lock: the replies after it would answer the wrong requests. */

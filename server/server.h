@@ -321,6 +321,8 @@ struct kvt__conn {
     size_t in_len, in_cap;
     kvt__req_t *head, *tail;
     size_t out_bytes; /* bytes queued in out buffers */
+    /* Its leases, cap_leases of room, and after them in the same allocation their table by id
+     * (lease.c); written by its loop or under the write lock. */
     kvt__lease_t *leases;
     size_t nleases;
     /* Slow and idle clients (conn.c): when its last bytes came, how many bytes and whole frames
@@ -489,13 +491,6 @@ typedef struct kvt__http {
     kvt_http_conn_t *gone; /* closed to make room, freed at the next tick */
 } kvt__http_t;
 
-/* By lease slot (kvt_radix_lease_slot): where a connection's lease is in its list, so that GET
- * and RELEASE find it at once however many the connection holds (lease.c). */
-typedef struct kvt__lease_index {
-    uint32_t *pos;
-    size_t pos_cap;
-} kvt__lease_index_t;
-
 /*
  * One event loop (loops.c, docs/architecture.md "Event loops"). Loop 0 is the daemon's main
  * thread: it alone has the listeners, the signals, the tiers' completion descriptors, the
@@ -611,6 +606,11 @@ struct kvt_srv {
     /* Tier reads submitted with the lock shared (op_get.c get_submit: a GET's NVMe pages, planned
      * on several loops at once) go one at a time through it. */
     pthread_mutex_t submit;
+    /* A MATCH with LEASE answered with the lock shared (op_match.c, shared_lease) takes its lease
+     * through it: the tree's lease table and the pins on the path's nodes, the index's bytes the
+     * table adds, the NVMe segments' pins, and the namespaces' lease counts (server.h kvt__ns_t).
+     * Every other writer of those holds the write lock. */
+    pthread_mutex_t lease_mu;
     kvt__loop_t *loops;
     unsigned nloops;
     int loops_running; /* loops 1.. run: a connection of another loop is not closed directly */
@@ -648,7 +648,6 @@ struct kvt_srv {
     int reqs_waiting;        /* a PREFETCH or REMOVE may be waiting for others' moves */
     uint64_t started_ns;
     kvt__clients_t clients;
-    kvt__lease_index_t leases;
     kvt__exec_t exec;
     kvt__auth_t auth;
     kvt__http_t http;

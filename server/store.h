@@ -75,8 +75,7 @@ int kvt__path_pin(kvt_srv_t *s, const kvt_match_t *m, uint64_t owner, uint64_t *
 void kvt__path_unpin(kvt_srv_t *s, uint64_t lease);
 /* Index bytes a pin may allocate (the lease table growing), for kvt__index_fit before a seek. */
 uint64_t kvt__pin_need(const kvt_srv_t *s);
-/* The slot of a lease id (dense, for per-lease tables) and the leases held in all. */
-uint32_t kvt__lease_slot(uint64_t lease);
+/* The leases held in all. */
 uint32_t kvt__lease_count(const kvt_srv_t *s);
 
 /* Namespaces: page size (0: not open), seed, close (KVT_EBUSY while it holds pages). */
