@@ -149,9 +149,24 @@ static void path_tiers(const kvt_match_t *m, uint8_t *out)
 
 /* ---- Handles (KEEP) ---- */
 
+/* The clients' memory as c's loop sees it: the count settled at the last write lock, and what c's
+ * loop has added since with the lock shared (kvt__clients_add; 0 under the write lock, which
+ * settled it). Other loops' additions since are not in it. */
+static int64_t clients_now(const kvt__conn_t *c)
+{
+    return (int64_t)c->srv->clients.bytes + c->loop->clients_bytes;
+}
+
+/* Whether a KEEP of ntokens tokens fits in max-client-bytes as c's loop sees it, before any of
+ * c's handles makes room (handle_keep drops some first: it can only fit better then). */
+static int handle_fits(const kvt__conn_t *c, uint32_t ntokens)
+{
+    return clients_now(c) + (int64_t)ntokens * 4 <= (int64_t)c->srv->conf->max_client_bytes;
+}
+
 static void handle_drop(kvt__conn_t *c, kvt__handle_t *k)
 {
-    c->srv->clients.bytes -= (uint64_t)k->ntokens * 4;
+    kvt__clients_add(c, -(int64_t)k->ntokens * 4);
     c->handle_bytes -= (uint64_t)k->ntokens * 4;
     free(k->tokens);
     memset(k, 0, sizeof *k);
@@ -181,11 +196,12 @@ const kvt__handle_t *kvt__handle_find(kvt__conn_t *c, uint32_t id)
  * Keeps tokens under a new handle of c and returns its id, or 0 when none is kept: more tokens
  * than a connection may keep, or max-client-bytes reached (the client then sends the tokens
  * with its PUT, as before). Room is made by dropping expired handles, then the oldest: a MATCH
- * that needs no PUT after it (a whole hit) leaves its handle to be replaced.
+ * that needs no PUT after it (a whole hit) leaves its handle to be replaced. Everything it
+ * writes is c's own but the clients' memory, which kvt__clients_add defers to c's loop while the
+ * lock is shared: so it runs under the write lock or, for kvt__h_match_shared, shared.
  */
 static uint32_t handle_keep(kvt__conn_t *c, const uint32_t *tokens, uint32_t ntokens, uint32_t ms)
 {
-    kvt_srv_t *s = c->srv;
     uint64_t bytes = (uint64_t)ntokens * 4, now = kvt_now_ns();
     if (bytes > KVT_MATCH_HANDLE_BYTES || !kvt__conn_handles(c))
         return 0; /* the table is made on the first KEEP (conn.c) */
@@ -206,7 +222,7 @@ static uint32_t handle_keep(kvt__conn_t *c, const uint32_t *tokens, uint32_t nto
         handle_drop(c, oldest); /* one is there: a full table, or the bytes over the bound */
         slot = NULL;
     }
-    if (s->clients.bytes + bytes > s->conf->max_client_bytes)
+    if (!handle_fits(c, ntokens))
         return 0;
     uint32_t *copy = malloc(bytes ? bytes : 1);
     if (!copy)
@@ -222,14 +238,16 @@ static uint32_t handle_keep(kvt__conn_t *c, const uint32_t *tokens, uint32_t nto
                             .expires_ns = now + (uint64_t)ms * 1000000,
                             .tokens = copy};
     c->handle_bytes += bytes;
-    s->clients.bytes += bytes;
+    kvt__clients_add(c, (int64_t)bytes);
     return slot->id;
 }
 
 /* LOCATE's part of the reply at out: the head, then an offset per page (under the lease just
- * taken, so that they stay valid as GET's locations do). Returns the pages located. */
-static uint32_t match_locate(kvt__conn_t *c, const kvt_match_t *m, const uint8_t *tiers,
-                             uint32_t lease_ms, uint8_t *out)
+ * taken, so that they stay valid as GET's locations do), the located pages counted in mt
+ * (s->metrics, or under the shared lock the loop's own). It only reads the tree, c's mapping
+ * and the DRAM tier's arena table (kvt__store_locate). Returns the pages located. */
+static uint32_t match_locate(kvt__conn_t *c, kvt_metrics_t *mt, const kvt_match_t *m,
+                             const uint8_t *tiers, uint32_t lease_ms, uint8_t *out)
 {
     kvt_srv_t *s = c->srv;
     uint8_t *offs = out + sizeof(kvt_wire_match_locs_t);
@@ -248,7 +266,7 @@ static uint32_t match_locate(kvt__conn_t *c, const kvt_match_t *m, const uint8_t
         }
     kvt_proto_match_locs_encode(out, m->pages ? lease_ms : 0, located);
     if (located)
-        kvt__metric_add(s->metrics, KVT_M_ZC_PAGES, KVT_OP_GET, located);
+        kvt__metric_add(mt, KVT_M_ZC_PAGES, KVT_OP_GET, located);
     return located;
 }
 
@@ -326,7 +344,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
     };
     kvt_proto_match_reply_encode(out, &w);
     if (rc == 0 && locate)
-        match_locate(c, m, tiers, ms, tiers + m->pages);
+        match_locate(c, s->metrics, m, tiers, ms, tiers + m->pages);
     if (rc < 0) {
         kvt__handle_t *k = handle_at(c, q->handle);
         if (k) /* the client never hears of it */
@@ -512,32 +530,42 @@ static int shared_lease(kvt__conn_t *c, const kvt_match_t *m, const kvt_proto_ma
 }
 
 /*
- * A MATCH without KEEP, REMOTE or LOCATE, with LEASE or without, under the lock shared: conn.c's
- * framing hands it a run of them on c's own event (several loops), all in one hold, and other
- * loops' MATCHes and GETs run at the same time. Its walk only reads the tree; what it writes is
- * its loop's alone, or the lease's, under s->lease_mu (shared_lease):
+ * A MATCH without REMOTE, with LEASE or without, with KEEP, and with LOCATE under a lease, under
+ * the lock shared: conn.c's framing hands it a run of them on c's own event (several loops), all
+ * in one hold, and other loops' MATCHes and GETs run at the same time. Its walk only reads the
+ * tree; what it writes is its loop's alone, c's own, or the lease's, under s->lease_mu
+ * (shared_lease):
  *
- *   its counters and the reply's request metrics   the loop's table (l->metrics), merged on scrape
+ *   its counters and the reply's request metrics   the loop's table (l->metrics), merged on scrape;
+ *   LOCATE's located pages                         so are they (match_locate's mt)
  *   the blocks' hits, the policy's use, a path's   l->hits, applied by the next write lock before
  *   last hash; the miss-ratio curve's sample       the tree can change (kvt__match_settle)
  *   the reply (c's queue: c is this loop's)        c's requests; the clients' memory it adds waits
  *                                                  in l->clients_bytes (kvt__out_add while shared)
+ *   KEEP's handle: c's table, the tokens' copy,    c's own (only its loop's MATCHes and PUTs, and
+ *   c->handle_bytes, c->handle_next                its close under the write lock, touch them)
+ *   KEEP's share of the clients' memory            in l->clients_bytes too (kvt__clients_add)
  *
- * The keys of the pages (the miss reason, the curve) are hashed from the tokens when the tree has
- * not cached them: caching is a write.
+ * LOCATE's locations are read as a shared GET with LOCATE reads them (kvt__store_locate: c's
+ * mapping and the DRAM tier's arena table, which change only under the write lock), in the hold
+ * that took the lease that keeps them. The keys of the pages (the miss reason, the curve) are
+ * hashed from the tokens when the tree has not cached them: caching is a write.
  *
  * Returns 1 when answered, 0 when it did nothing and the write path answers instead: a flag that
- * needs it, no HELLO (the error reply's log limiter is shared), the NVMe tier has dropped blocks
- * (checking a path for them may queue work, kvt__store_check_path), the loop's hits are full (the
- * write lock applies them), the seek failed (the write path reports it), no memory for the reply,
- * the loop has no table of its own, or a lease refused (shared_lease: the write path's reply says
- * why). Nothing is counted or deferred before the lease is taken, so the write path then answers
- * the MATCH whole.
+ * needs it (REMOTE; LOCATE without LEASE, which the write path refuses), no HELLO (the error
+ * reply's log limiter is shared), the NVMe tier has dropped blocks (checking a path for them may
+ * queue work, kvt__store_check_path), the loop's hits are full (the write lock applies them), the
+ * seek failed (the write path reports it), no memory for the reply, the loop has no table of its
+ * own, a LOCATE with a page in the HBM pool c mapped, a KEEP the clients' memory may refuse as
+ * this loop sees it (the write path sees every loop's share of it), or a lease refused
+ * (shared_lease: the write path's reply says why). Nothing is counted, kept or deferred before the
+ * lease is taken, so the write path then answers the MATCH whole.
  */
 int kvt__match_shares(const kvt_proto_hdr_t *h)
 {
-    return !(h->flags & ~(unsigned)KVT_MATCH_F_ALL) &&
-           !(h->flags & (KVT_MATCH_F_KEEP | KVT_MATCH_F_REMOTE | KVT_MATCH_F_LOCATE));
+    unsigned f = h->flags;
+    return !(f & ~(unsigned)KVT_MATCH_F_ALL) && !(f & KVT_MATCH_F_REMOTE) &&
+           (!(f & KVT_MATCH_F_LOCATE) || (f & KVT_MATCH_F_LEASE));
 }
 
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
@@ -561,11 +589,25 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     if (kvt__path_seek(s, &p, c->ns, c->tok, q.ntokens, KVT_MATCH_NOTOUCH) < 0)
         return 0;
     kvt_match_t m = p.m;
+    int locate = (h->flags & KVT_MATCH_F_LOCATE) != 0, keep = (h->flags & KVT_MATCH_F_KEEP) != 0;
     uint8_t stackbuf[sizeof(kvt_wire_match_reply_t) + 512];
     size_t len = sizeof(kvt_wire_match_reply_t) + m.pages;
+    if (locate)
+        len += sizeof(kvt_wire_match_locs_t) + (size_t)m.pages * 8;
     uint8_t *out = len <= sizeof stackbuf ? stackbuf : malloc(len);
     if (!out)
         return 0;
+    uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
+    path_tiers(&m, tiers);
+    /* A page in the HBM pool c mapped would be located by the HBM tier, which the shared paths
+     * leave alone (a GET with an HBM page goes to the write path too). A KEEP the clients' memory
+     * may refuse is left to the write path, which sees every loop's share of it. */
+    if ((locate && c->zc_hbm && memchr(tiers, KVT_TIER_HBM, m.pages)) ||
+        (keep && q.ntokens <= KVT_MATCH_HANDLE_BYTES / 4 && !handle_fits(c, q.ntokens))) {
+        if (out != stackbuf)
+            free(out);
+        return 0;
+    }
     /* The lease last of what may send the MATCH to the write path, and first of what it does. */
     uint64_t lease = 0;
     if ((h->flags & KVT_MATCH_F_LEASE) && m.pages > 0 && shared_lease(c, &m, &q, &lease) < 0) {
@@ -573,6 +615,8 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
             free(out);
         return 0;
     }
+    uint32_t ms = q.lease_ms ? KVT_MIN(q.lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+    uint32_t handle = keep ? handle_keep(c, c->tok, q.ntokens, ms) : 0;
     kvt__hit_t *hit = &l->hits[l->nhits];
     kvt__count_hints(l->metrics, &q.hints);
     /* Keys: the curve's for every whole page (above); else only the reason's (shared_why). */
@@ -587,8 +631,6 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     } else if (!probe && !curve && whole > m.pages) {
         why = shared_why(s, &m, c->tok, page, &cache_tail);
     }
-    uint8_t *tiers = out + sizeof(kvt_wire_match_reply_t);
-    path_tiers(&m, tiers);
     *hit = (kvt__hit_t){0};
     if (!probe) {
         count_match(s, l->metrics, c->metric_ns, m.pages, q.ntokens, page, tiers, why);
@@ -612,8 +654,11 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
     if (hit->sample || hit->pending)
         l->nhits++;
     kvt__metric_add(l->metrics, KVT_M_LOOP_SHARED_MATCHES, l->id, 1);
-    kvt_proto_match_reply_t w = {.tokens = m.pages * page, .pages = m.pages, .lease = lease};
+    kvt_proto_match_reply_t w = {
+        .tokens = m.pages * page, .pages = m.pages, .lease = lease, .handle = handle};
     kvt_proto_match_reply_encode(out, &w);
+    if (locate)
+        match_locate(c, l->metrics, &m, tiers, ms, tiers + m.pages);
     /* Out of memory for the reply closes the connection, as a handler's error does under the
      * write lock: the replies after it would answer the wrong requests. */
     if (kvt__reply(c, h->opcode, h->request_id, t0, 0, out, (uint32_t)len) < 0)

@@ -889,8 +889,9 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
                       int remote_down);
 /* Applies every loop's pending hits (struct kvt__loop): kvt__srv_lock's, under the write lock. */
 void kvt__match_settle(kvt_srv_t *s);
-/* A MATCH without LEASE, KEEP, REMOTE or LOCATE, under the shared lock (conn.c's framing, through
- * kvt__conn_ops_t.shared): 1 when answered, 0 when it did nothing (the write path answers it). */
+/* A MATCH without REMOTE (LEASE, KEEP and LOCATE allowed), under the shared lock (conn.c's
+ * framing, through kvt__conn_ops_t.shared): 1 when answered, 0 when it did nothing (the write
+ * path answers it). */
 int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 /* Whether a MATCH with header h is one kvt__h_match_shared may answer (its flags allow it). */
 int kvt__match_shares(const kvt_proto_hdr_t *h);
