@@ -1328,6 +1328,168 @@ Test(server_loops, leased_matches_of_nvme_pages_take_no_write_lock, .timeout = 6
 }
 
 /*
+ * The vLLM connector's loads MATCH with LEASE and KEEP, and with LEASE, LOCATE and KEEP
+ * (python/kvtier/vllm/store.py): such a MATCH is answered under the store's lock shared as well
+ * (op_match.c, kvt__h_match_shared), its handle kept in the connection's own table, its
+ * locations read as a shared GET with LOCATE reads them and counted in the loop's metric table.
+ * Each loop past 0 has a zero-copy client that stores a path of P pages through its mapping and
+ * pipelines B such MATCHes (a page longer, PROBEs among them): no write lock, each counted in
+ * kvtier_loop_shared_matches_total. A one-loop daemon (the write path's answers) gets the same
+ * requests on a client of its own: the same pages, tiers, handles, located pages and offsets.
+ * Every located page reads its own bytes where it lies, the last handle names the path for a
+ * PUT of one page more, and the counters (lookups, located pages) and the clients' memory come
+ * out the same on both; the RELEASEs after may take the write lock.
+ */
+static void kept_take_no_write_lock(const char *loops, unsigned flags)
+{
+    kvd_t d = {0}, one = {0};
+    kvt_client_t *c[4];
+    int n = client_a_loop(&d, loops, 1, c);
+    kvd_start(&one, "--loops", "1", NULL);
+    kvt_client_t *refs[4] = {0};
+    enum { P = 4, B = 32 };
+    static uint32_t tok[(P + 1) * PAGE];
+    static uint8_t payload[(P + 1) * BB];
+    char key[96];
+    uint64_t located = 0, lookups = 0;
+    int locate = (flags & KVT_CLIENT_LOCATE) != 0;
+    for (int i = 1; i < n; i++) {
+        kvt_client_t *ref = refs[i] = kvd_client_map(&one, "m", PAGE, BB, 1);
+        kvd_tokens(tok, (P + 1) * PAGE, 9900000u + (uint32_t)i * 100000u);
+        kvd_fill(payload, sizeof payload, 990 + (uint32_t)i);
+        kvt_client_put_t r;
+        cr_assert_eq(kvt_client_put(c[i], tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+        cr_assert_eq(r.stored, P);
+        cr_assert_eq(kvt_client_put(ref, tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+        cr_assert_eq(r.stored, P);
+        kvt_client_match_t first = {0};
+        cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, 0, 0, NULL, &first), 0);
+        lookups++;
+        snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
+        double shared = kvd_metric(&d, key);
+        static kvt_client_match_t m[2][B];
+        static kvt_client_step_t st[2][B];
+        static kvt_client_loc_t locs[2][B][P + 1];
+        static uint8_t tiers[2][B][P + 1];
+        int status[2][B];
+        double locks = 0;
+        for (int side = 0; side < 2; side++) {
+            kvt_batch_t *b;
+            cr_assert_eq(kvt_batch_create(&b, side ? ref : c[i]), 0);
+            for (int k = 0; k < B; k++) {
+                m[side][k] = (kvt_client_match_t){.tiers = tiers[side][k], .tiers_cap = P + 1};
+                st[side][k] = (kvt_client_step_t){.locs = locs[side][k], .locs_cap = P + 1};
+                unsigned f = flags | (k % 8 == 3 ? KVT_CLIENT_PROBE : 0);
+                lookups += !side && k % 8 != 3;
+                cr_assert_eq(kvt_batch_match_step(b, tok, (k % 2 ? P + 1 : P) * PAGE, f, 60000,
+                                                  NULL, &m[side][k], &st[side][k],
+                                                  &status[side][k]),
+                             0);
+            }
+            double before = side ? 0 : write_locks(&d, i);
+            cr_assert_eq(kvt_batch_run(b), 0);
+            if (!side)
+                locks = write_locks(&d, i) - before;
+            kvt_batch_destroy(b);
+        }
+        cr_expect_eq(locks, 0, "loop %d: %g write locks for %d pipelined MATCHes (flags %#x)", i,
+                     locks, B, flags);
+        cr_expect_eq(kvd_metric(&d, key) - shared, B, "loop %d: every MATCH answered shared", i);
+        const uint8_t *map = kvt_client_mapping(c[i], NULL);
+        for (int k = 0; k < B; k++) {
+            const kvt_client_match_t *a = &m[0][k], *w = &m[1][k];
+            const kvt_client_step_t *sa = &st[0][k], *sw = &st[1][k];
+            cr_expect_eq(status[0][k], 0, "loop %d, MATCH %d", i, k);
+            cr_expect_eq(status[1][k], 0, "the write path's MATCH %d", k);
+            cr_expect_eq(a->pages, P, "loop %d, MATCH %d", i, k);
+            cr_expect_eq(a->pages, w->pages, "loop %d, MATCH %d: pages", i, k);
+            cr_expect_eq(a->tokens, w->tokens, "loop %d, MATCH %d: tokens", i, k);
+            cr_expect(memcmp(tiers[0][k], tiers[1][k], P) == 0, "loop %d, MATCH %d: tiers", i, k);
+            cr_expect_neq(a->lease, 0, "loop %d, MATCH %d: a lease", i, k);
+            cr_expect_neq(w->lease, 0, "the write path's MATCH %d: a lease", k);
+            cr_expect_neq(sa->handle, 0, "loop %d, MATCH %d: a handle", i, k);
+            cr_expect_eq(sa->handle, sw->handle, "loop %d, MATCH %d: handle", i, k);
+            cr_expect_eq(sa->kept, sw->kept, "loop %d, MATCH %d: kept", i, k);
+            cr_expect_eq(sa->located, sw->located, "loop %d, MATCH %d: located", i, k);
+            cr_expect_eq(sa->located, locate ? P : 0, "loop %d, MATCH %d: located", i, k);
+            located += sa->located;
+            for (uint32_t p = 0; locate && p < P; p++) {
+                cr_expect_eq(sa->locs[p].tier, sw->locs[p].tier, "loop %d, MATCH %d, page %u", i, k,
+                             p);
+                cr_expect_eq(sa->locs[p].offset, sw->locs[p].offset,
+                             "loop %d, MATCH %d, page %u: its offset", i, k, p);
+                cr_expect(sa->locs[p].host_ptr == map + sa->locs[p].offset,
+                          "loop %d, MATCH %d, page %u: in the mapping", i, k, p);
+                cr_expect(sa->locs[p].host_ptr &&
+                              memcmp(sa->locs[p].host_ptr, payload + (size_t)p * BB, BB) == 0,
+                          "loop %d, MATCH %d, page %u: its bytes", i, k, p);
+            }
+        }
+        /* The last handle names the path's tokens: a PUT of one page more sends only that page's
+         * (both daemons store it). */
+        for (int side = 0; side < 2; side++) {
+            const kvt_client_step_t *s = &st[side][B - 1];
+            cr_assert_eq(kvt_client_put_kept(side ? ref : c[i], s->handle, tok, (P + 1) * PAGE,
+                                             s->kept, P, 1, payload + (size_t)P * BB, NULL, &r),
+                         0);
+            cr_expect_eq(r.pages, P + 1, "side %d: the kept PUT's pages", side);
+            cr_expect_eq(r.stored, 1, "side %d: the kept PUT stored its page", side);
+        }
+        for (int side = 0; side < 2; side++) {
+            kvt_batch_t *b;
+            cr_assert_eq(kvt_batch_create(&b, side ? ref : c[i]), 0);
+            for (int k = 0; k < B; k++)
+                cr_assert_eq(kvt_batch_release(b, m[side][k].lease, &status[side][k]), 0);
+            cr_assert_eq(kvt_batch_run(b), 0);
+            for (int k = 0; k < B; k++)
+                cr_expect_eq(status[side][k], 0, "side %d: RELEASE %d", side, k);
+            kvt_batch_destroy(b);
+        }
+        cr_expect_eq(leases_now(c[0], 0), 0, "loop %d: no lease left", i);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"), (double)located);
+    cr_expect_eq(kvd_metric(&one, "kvtier_zero_copy_pages_total{op=\"get\"}"), (double)located);
+    cr_expect_eq(kvd_metric(&d, "kvtier_lookups_total"), (double)lookups);
+    cr_expect_eq(kvd_metric(&one, "kvtier_lookups_total"), (double)lookups - (n - 1));
+    cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"match\"}"), 0);
+    /* Each loop's client keeps what its one-loop counterpart keeps (its last 16 handles, counted
+     * shared in its loop's share of the clients' memory); all of it goes with them. */
+    double kept = kvd_metric(&one, "kvtier_client_buffer_bytes");
+    cr_expect_gt(kept, 0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_client_buffer_bytes"), kept,
+                 "the clients' memory: %g, the write path's %g",
+                 kvd_metric(&d, "kvtier_client_buffer_bytes"), kept);
+    for (int i = 1; i < n; i++) {
+        kvt_client_close(refs[i]);
+        kvt_client_close(c[i]);
+    }
+    uint64_t t0 = kvt_now_ns();
+    while (kvd_metric(&d, "kvtier_client_buffer_bytes") != 0 && kvt_now_ns() - t0 < 5000000000ull)
+        usleep(10 * 1000);
+    cr_expect_eq(kvd_metric(&d, "kvtier_client_buffer_bytes"), 0, "the handles' bytes given back");
+    cr_expect_eq(kvd_stop(&one), 0);
+    kvd_cleanup(&one);
+    kvt_client_close(c[0]);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, leased_kept_matches_take_no_write_lock, .timeout = 60)
+{
+    kept_take_no_write_lock("2", KVT_CLIENT_LEASE | KVT_CLIENT_KEEP);
+}
+
+Test(server_loops, leased_located_matches_take_no_write_lock, .timeout = 60)
+{
+    kept_take_no_write_lock("2", KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE | KVT_CLIENT_KEEP);
+}
+
+Test(server_loops, leased_located_matches_on_four_loops_take_no_write_lock, .timeout = 60)
+{
+    kept_take_no_write_lock("4", KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE | KVT_CLIENT_KEEP);
+}
+
+/*
  * Leases taken under the shared lock keep their paths while another loop writes. 1 MiB of DRAM,
  * no NVMe, 64 KiB pages: loop 1's client leases its path A (4 pages) and holds it, while loop 0's
  * client PUTs 64 fresh prefixes from another thread (16 MiB through 1 MiB: the PUTs evict the
