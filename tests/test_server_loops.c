@@ -4003,11 +4003,12 @@ Test(server_loops, matches_share_the_lock_with_gets_reading_nvme, .timeout = 60)
  * 0's zero-copy client MATCHes P and GETs with LOCATE its own leased path Z, stored through its
  * mapping (located where they lie). A third of loops 0 and 1's MATCHes take a lease (held to the
  * end: the tree's lease table grows meanwhile), its NVMe blocks pinned while loops 2 and 3 read
- * them. Two holders of the shared lock on different loops have no
- * order between them: whatever one writes that another reads or writes, without s->submit or a
- * table of its own, is a data race that ThreadSanitizer reports (scripts/test.sh runs this suite
- * against its kvtierd). Against the daemon before 13c51f2 (a MATCH copied the NVMe tier's usage
- * while GETs counted their reads in flight) it reports on every run.
+ * them; loop 1's keep P's tokens (KEEP), and loop 0 then MATCHes Z with LEASE, LOCATE and KEEP
+ * too, as the vLLM connector's loads do, its located pages read where they lie. Two holders of the
+ * shared lock on different loops have no order between them: whatever one writes that another reads
+ * or writes, without s->submit or a table of its own, is a data race that ThreadSanitizer reports
+ * (scripts/test.sh runs this suite against its kvtierd). Against the daemon before 13c51f2 (a MATCH
+ * copied the NVMe tier's usage while GETs counted their reads in flight) it reports on every run.
  */
 typedef struct mixer {
     kvt_client_t *c;
@@ -4016,14 +4017,36 @@ typedef struct mixer {
     uint64_t lease;         /* on that path */
     int loop, errors, line;
     uint32_t located;
-    uint64_t held[64]; /* the leases its leased MATCHes took, released at the end */
+    const uint32_t *ztok; /* loop 0: Z's tokens, for its located MATCHes */
+    uint32_t mlocated;    /* the pages those located */
+    uint64_t held[128];   /* the leases its leased MATCHes took, released at the end */
     uint32_t nheld;
 } mixer_t;
 
 enum { MIXP = 16, MIXZ = 4, MIXR = 150 };
 
-/* A MATCH of P with LEASE (held), or of P and a page more (a miss), or a PROBE of it: P's pages
- * each time. */
+/* Loop 0's MATCH of Z with LEASE (held), LOCATE and KEEP: every page located, its bytes Z's. */
+static void mixer_locate(mixer_t *k)
+{
+    kvt_client_loc_t locs[MIXZ];
+    kvt_client_match_t m = {0};
+    kvt_client_step_t st = {.locs = locs, .locs_cap = MIXZ};
+    unsigned flags = KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE | KVT_CLIENT_KEEP;
+    if (kvt_client_match_step(k->c, k->ztok, MIXZ * PAGE, flags, 600000, NULL, &m, &st) < 0 ||
+        m.pages != MIXZ || !m.lease || !st.handle || st.located != MIXZ) {
+        SHARER_WRONG(k);
+        return;
+    }
+    for (uint32_t p = 0; p < MIXZ; p++)
+        if (!locs[p].host_ptr || memcmp(locs[p].host_ptr, k->payload + (size_t)p * SBB, SBB) != 0)
+            SHARER_WRONG(k);
+    k->mlocated += st.located;
+    if (k->nheld < sizeof k->held / sizeof *k->held)
+        k->held[k->nheld++] = m.lease;
+}
+
+/* A MATCH of P with LEASE (held; loop 1's with KEEP), or of P and a page more (a miss), or a
+ * PROBE of it: P's pages each time. */
 static void mixer_match(mixer_t *k, int round)
 {
     static __thread uint32_t longer[(MIXP + 1) * PAGE];
@@ -4033,12 +4056,18 @@ static void mixer_match(mixer_t *k, int round)
     kvt_client_match_t m = {.tiers = tiers, .tiers_cap = MIXP + 1};
     int more = round % 3 == 1;
     unsigned flags = round % 3 == 2 ? KVT_CLIENT_PROBE : round % 3 == 0 ? KVT_CLIENT_LEASE : 0;
-    if (kvt_client_match(k->c, more ? longer : k->tok, (MIXP + (uint32_t)more) * PAGE, flags,
-                         600000, NULL, &m) < 0 ||
-        m.pages != MIXP || (flags == KVT_CLIENT_LEASE) != (m.lease != 0))
+    kvt_client_step_t st = {0};
+    if (flags == KVT_CLIENT_LEASE && k->loop == 1)
+        flags |= KVT_CLIENT_KEEP;
+    if (kvt_client_match_step(k->c, more ? longer : k->tok, (MIXP + (uint32_t)more) * PAGE, flags,
+                              600000, NULL, &m, &st) < 0 ||
+        m.pages != MIXP || !(flags & KVT_CLIENT_LEASE) != !m.lease ||
+        !(flags & KVT_CLIENT_KEEP) != !st.handle)
         SHARER_WRONG(k);
     if (m.lease && k->nheld < sizeof k->held / sizeof *k->held)
         k->held[k->nheld++] = m.lease;
+    if (k->loop == 0 && round % 3 == 0)
+        mixer_locate(k);
 }
 
 /* A GET of n pages from first under the loop's lease, every byte checked; loop 0's with LOCATE,
@@ -4116,6 +4145,7 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
         k[i] = (mixer_t){.c = kvd_client_map(&d, "m", PAGE, SBB, i == 0),
                          .tok = tok,
                          .payload = i ? payload : zbytes,
+                         .ztok = ztok,
                          .loop = i};
         snprintf(key, sizeof key, "loop_connections_%d", i);
         cr_assert_eq(kvd_stat(k[0].c, key), 1, "client %d is loop %d's", i, i);
@@ -4151,9 +4181,10 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
                      k[i].errors, k[i].line);
     }
     cr_expect_eq(k[0].located, MIXR * MIXZ, "loop 0's GETs located Z's pages");
+    cr_expect_eq(k[0].mlocated, (MIXR + 2) / 3 * MIXZ, "loop 0's MATCHes located Z's pages");
     /* The leased MATCHes' leases, and the four the GETs read under, held; then let go. */
     double want = 4 + k[0].nheld + k[1].nheld, now = leases_now(k[2].c, want);
-    cr_expect_eq(k[0].nheld + k[1].nheld, 2 * ((MIXR + 2) / 3), "every leased MATCH leased");
+    cr_expect_eq(k[0].nheld + k[1].nheld, 3 * ((MIXR + 2) / 3), "every leased MATCH leased");
     cr_expect_eq(now, want, "STATS' leases: %g", now);
     for (int i = 0; i < 2; i++)
         for (uint32_t j = 0; j < k[i].nheld; j++) {
@@ -4165,7 +4196,11 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
     /* Every MATCH and GET answered shared: none went by the write path. */
     for (int i = 0; i < 4; i++) {
         snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
-        cr_expect_eq(kvd_metric(&d, key) - matches[i], i <= 1 ? MIXR : 0, "loop %d's MATCHes", i);
+        cr_expect_eq(kvd_metric(&d, key) - matches[i],
+                     i == 0   ? MIXR + (MIXR + 2) / 3
+                     : i == 1 ? MIXR
+                              : 0,
+                     "loop %d's MATCHes", i);
         snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
         cr_expect_eq(kvd_metric(&d, key) - gets[i], i == 1 ? 0 : MIXR, "loop %d's GETs", i);
     }
