@@ -4211,6 +4211,104 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
 }
 
 /*
+ * Located MATCHes on two loops at once: loops 1 and 2 each have a zero-copy client that stores a
+ * path of its own through its mapping, then MATCHes it with LEASE, LOCATE and KEEP, 8 pipelined
+ * a round, and RELEASEs them. Both loops' MATCHes are answered shared at the same time, each
+ * counting its located pages (kvtier_zero_copy_pages_total{op="get"}) in its loop's metric table:
+ * in the main one, two loops would write it together (a data race that ThreadSanitizer reports).
+ * Every located page reads its own bytes where it lies.
+ */
+typedef struct locmatcher {
+    kvt_client_t *c;
+    const uint32_t *tok;
+    const uint8_t *payload;
+    int errors, line;
+    uint32_t located;
+} locmatcher_t;
+
+enum { LMP = 4, LMB = 8, LMR = 60 };
+
+static void *locmatcher_main(void *arg)
+{
+    locmatcher_t *k = arg;
+    unsigned flags = KVT_CLIENT_LEASE | KVT_CLIENT_LOCATE | KVT_CLIENT_KEEP;
+    for (int round = 0; round < LMR; round++) {
+        kvt_client_match_t m[LMB];
+        kvt_client_step_t st[LMB];
+        kvt_client_loc_t locs[LMB][LMP];
+        int status[LMB];
+        kvt_batch_t *b;
+        if (kvt_batch_create(&b, k->c) < 0) {
+            SHARER_WRONG(k);
+            return NULL;
+        }
+        for (int j = 0; j < LMB; j++) {
+            m[j] = (kvt_client_match_t){0};
+            st[j] = (kvt_client_step_t){.locs = locs[j], .locs_cap = LMP};
+            if (kvt_batch_match_step(b, k->tok, LMP * PAGE, flags, 60000, NULL, &m[j], &st[j],
+                                     &status[j]) < 0)
+                SHARER_WRONG(k);
+        }
+        if (kvt_batch_run(b) < 0)
+            SHARER_WRONG(k);
+        kvt_batch_reset(b);
+        for (int j = 0; j < LMB; j++) {
+            if (status[j] || m[j].pages != LMP || !m[j].lease || !st[j].handle ||
+                st[j].located != LMP)
+                SHARER_WRONG(k);
+            for (uint32_t p = 0; p < LMP && p < st[j].located; p++)
+                if (!locs[j][p].host_ptr ||
+                    memcmp(locs[j][p].host_ptr, k->payload + (size_t)p * BB, BB) != 0)
+                    SHARER_WRONG(k);
+            k->located += st[j].located;
+            if (m[j].lease && kvt_batch_release(b, m[j].lease, &status[j]) < 0)
+                SHARER_WRONG(k);
+        }
+        if (kvt_batch_run(b) < 0)
+            SHARER_WRONG(k);
+        kvt_batch_destroy(b);
+    }
+    return NULL;
+}
+
+Test(server_loops, located_matches_on_two_loops_at_once, .timeout = 120)
+{
+    kvd_t d = {0};
+    kvt_client_t *c[4];
+    int n = client_a_loop(&d, "3", 1, c);
+    static uint32_t tok[3][LMP * PAGE];
+    static uint8_t payload[3][LMP * BB];
+    locmatcher_t k[3];
+    pthread_t th[3];
+    double shared[3];
+    char key[96];
+    for (int i = 1; i < n; i++) {
+        kvd_tokens(tok[i], LMP * PAGE, 9590000u + (uint32_t)i * 10000u);
+        kvd_fill(payload[i], sizeof payload[i], 959 + (uint32_t)i);
+        kvt_client_put_t r;
+        cr_assert_eq(kvt_client_put(c[i], tok[i], LMP * PAGE, 0, LMP, payload[i], NULL, &r), 0);
+        cr_assert_eq(r.stored, LMP);
+        k[i] = (locmatcher_t){.c = c[i], .tok = tok[i], .payload = payload[i]};
+        snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
+        shared[i] = kvd_metric(&d, key);
+    }
+    for (int i = 1; i < n; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, locmatcher_main, &k[i]), 0);
+    for (int i = 1; i < n; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_eq(k[i].errors, 0, "loop %d: %d wrong replies, the first at line %d", i,
+                     k[i].errors, k[i].line);
+        cr_expect_eq(k[i].located, LMR * LMB * LMP, "loop %d: located pages", i);
+        snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
+        cr_expect_eq(kvd_metric(&d, key) - shared[i], LMR * LMB, "loop %d: MATCHes shared", i);
+    }
+    cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"),
+                 (double)(n - 1) * LMR * LMB * LMP);
+    cr_expect_eq(leases_now(c[0], 0), 0);
+    client_a_loop_stop(&d, c, n);
+}
+
+/*
  * A GET planned shared whose reads are in flight when its path is let go (its client's lease
  * ends, or its connection closes) and the path is then REMOVEd, while the read of a record that
  * fails its checksum has yet to complete on loop 0. That completion marks the record lost
