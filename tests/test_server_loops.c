@@ -622,8 +622,9 @@ Test(server_loops, a_shared_match_tells_the_policy_of_its_hit)
 /*
  * A namespace nobody declared a block size for (index-only prompts, lookup-only clients): its
  * lookups are no pages of the miss-ratio curve, so MATCH gathers no page keys for it, on the
- * shared walk (loop 1, with LEASE or without) and under the write lock (LEASE with KEEP) alike,
- * and still counts its hits and its misses' reason.
+ * shared walk (loop 1, with LEASE or without, with KEEP too) and under the write lock (LEASE with
+ * KEEP and REMOTE: no remote tier here, so no probe) alike, and still counts its hits and its
+ * misses' reason.
  */
 Test(server_loops, a_match_without_a_block_size_counts_no_curve_but_its_misses)
 {
@@ -635,9 +636,10 @@ Test(server_loops, a_match_without_a_block_size_counts_no_curve_but_its_misses)
     kvd_tokens(x, 12 * PAGE, 1);
     kvt_client_put_t r;
     cr_assert_eq(kvt_client_put(c0, x, 8 * PAGE, 0, 0, NULL, NULL, &r), 0);
-    for (int lease = 0; lease < 3; lease++) {
+    for (int lease = 0; lease < 4; lease++) {
         unsigned flags = lease ? KVT_CLIENT_LEASE : 0;
-        flags |= lease == 2 ? KVT_CLIENT_KEEP : 0;
+        flags |= lease >= 2 ? KVT_CLIENT_KEEP : 0;
+        flags |= lease == 3 ? KVT_CLIENT_REMOTE : 0;
         kvt_client_step_t step = {0};
         double shared = kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}");
         double hit = kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"none\"}");
@@ -649,7 +651,7 @@ Test(server_loops, a_match_without_a_block_size_counts_no_curve_but_its_misses)
                      0);
         cr_assert_eq(m.pages, 8);
         cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_matches_total{loop=\"1\"}"),
-                     shared + (lease < 2), "lease %d: shared walk %d", lease, lease < 2);
+                     shared + (lease < 3), "lease %d: shared walk %d", lease, lease < 3);
         cr_expect_eq(kvd_metric(&d, "kvtier_hit_tokens_total{tier=\"none\"}"), hit + 8 * PAGE,
                      "lease %d", lease);
         cr_expect_eq(kvd_metric(&d, "kvtier_miss_tokens_total{reason=\"never_seen\"}"),
