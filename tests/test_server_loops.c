@@ -4076,7 +4076,8 @@ Test(server_loops, matches_share_the_lock_with_gets_reading_nvme, .timeout = 60)
  * 0's zero-copy client MATCHes P and GETs with LOCATE its own leased path Z, stored through its
  * mapping (located where they lie). A third of loops 0 and 1's MATCHes take a lease (held to the
  * end: the tree's lease table grows meanwhile), its NVMe blocks pinned while loops 2 and 3 read
- * them. Two holders of the shared lock on different loops have no
+ * them; every other one of those leases is RELEASEd at once (or in front of the client's next
+ * request), under the shared lock too. Two holders of the shared lock on different loops have no
  * order between them: whatever one writes that another reads or writes, without s->submit or a
  * table of its own, is a data race that ThreadSanitizer reports (scripts/test.sh runs this suite
  * against its kvtierd). Against the daemon before 13c51f2 (a MATCH copied the NVMe tier's usage
@@ -4089,8 +4090,8 @@ typedef struct mixer {
     uint64_t lease;         /* on that path */
     int loop, errors, line;
     uint32_t located;
-    uint64_t held[64]; /* the leases its leased MATCHes took, released at the end */
-    uint32_t nheld;
+    uint64_t held[64];         /* the leases its leased MATCHes took, released at the end */
+    uint32_t nheld, nreleased; /* nreleased: those RELEASEd at once instead (mixer_match) */
 } mixer_t;
 
 enum { MIXP = 16, MIXZ = 4, MIXR = 150 };
@@ -4110,8 +4111,20 @@ static void mixer_match(mixer_t *k, int round)
                          600000, NULL, &m) < 0 ||
         m.pages != MIXP || (flags == KVT_CLIENT_LEASE) != (m.lease != 0))
         SHARER_WRONG(k);
-    if (m.lease && k->nheld < sizeof k->held / sizeof *k->held)
+    /* Every other lease goes at once: RELEASEd, or in front of the next request (release_later,
+     * as an engine's connector does), under the shared lock while the other loops read. */
+    int released = 0;
+    if (m.lease && round % 12 == 3) {
+        if (kvt_client_release(k->c, m.lease, &released) < 0 || !released)
+            SHARER_WRONG(k);
+        k->nreleased++;
+    } else if (m.lease && round % 12 == 9) {
+        if (kvt_client_release_later(k->c, m.lease) < 0)
+            SHARER_WRONG(k);
+        k->nreleased++;
+    } else if (m.lease && k->nheld < sizeof k->held / sizeof *k->held) {
         k->held[k->nheld++] = m.lease;
+    }
 }
 
 /* A GET of n pages from first under the loop's lease, every byte checked; loop 0's with LOCATE,
@@ -4226,7 +4239,10 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
     cr_expect_eq(k[0].located, MIXR * MIXZ, "loop 0's GETs located Z's pages");
     /* The leased MATCHes' leases, and the four the GETs read under, held; then let go. */
     double want = 4 + k[0].nheld + k[1].nheld, now = leases_now(k[2].c, want);
-    cr_expect_eq(k[0].nheld + k[1].nheld, 2 * ((MIXR + 2) / 3), "every leased MATCH leased");
+    cr_expect_eq(k[0].nheld + k[1].nheld + k[0].nreleased + k[1].nreleased, 2 * ((MIXR + 2) / 3),
+                 "every leased MATCH leased");
+    cr_expect_eq(k[0].nreleased + k[1].nreleased, 2 * ((MIXR + 8) / 12 + (MIXR + 2) / 12),
+                 "every other leased MATCH's lease released at once");
     cr_expect_eq(now, want, "STATS' leases: %g", now);
     for (int i = 0; i < 2; i++)
         for (uint32_t j = 0; j < k[i].nheld; j++) {
