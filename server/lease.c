@@ -226,16 +226,16 @@ int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
  * a batch to check) goes by the write path, which hands that GET the lease's pin
  * (kvt__get_lease_ends). A REMOVE of a prefix a client leases is refused at once, never waits for
  * its lease (op_remove.c), so no REMOVE is to be woken. A lease c does not hold (released
- * already, expired, another connection's) is answered 0 here as there: nothing to write. Returns
- * 1 when answered, 0 when it did nothing and the write path takes the frame: a bad body, or such
- * a GET.
+ * already, expired, another connection's) is answered 0 here as there: nothing to write. Counted
+ * in the loop's table (kvtier_loop_shared_releases_total). Returns 1 when answered, 0 when it did
+ * nothing and the write path takes the frame: a bad body, such a GET, or no loop table.
  */
 int kvt__h_release_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
                           uint64_t t0)
 {
     kvt_srv_t *s = c->srv;
     uint64_t id;
-    if (h->flags || kvt_proto_release_decode(body, h->body_len, &id) < 0)
+    if (h->flags || !c->loop->metrics || kvt_proto_release_decode(body, h->body_len, &id) < 0)
         return 0;
     kvt__lease_t *l = kvt__lease_find(c, id);
     if (l && s->conn_ops->lease_reads(c, l->node))
@@ -248,6 +248,7 @@ int kvt__h_release_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_
         pthread_mutex_unlock(&s->lease_mu);
         lease_forget(c, l);
     }
+    kvt__metric_add(c->loop->metrics, KVT_M_LOOP_SHARED_RELEASES, c->loop->id, 1);
     uint8_t w[sizeof(kvt_wire_release_reply_t)];
     kvt_proto_release_reply_encode(w, l ? 1 : 0);
     /* Out of memory for the reply closes the connection, as a handler's error does under the

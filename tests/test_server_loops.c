@@ -1365,6 +1365,9 @@ static void releases_take_no_write_lock(const char *loops)
             cr_assert(st[k] == 0 && m[k].pages == P && m[k].lease, "loop %d, MATCH %d", i, k);
         cr_expect_eq(leases_now(c[0], B), B, "loop %d: the leases held", i);
         /* Pipelined, then each again: the second finds none. */
+        char key[96];
+        snprintf(key, sizeof key, "kvtier_loop_shared_releases_total{loop=\"%d\"}", i);
+        double shared = kvd_metric(&d, key);
         double before = write_locks(&d, i);
         for (int round = 0; round < 2; round++) {
             for (int k = 0; k < B; k++)
@@ -1401,6 +1404,8 @@ static void releases_take_no_write_lock(const char *loops)
                      after - before, STEPS);
         cr_expect_eq(leases_now(c[0], 0), 0, "loop %d: every step's lease released", i);
         cr_expect_eq(kvd_metric(&d, "kvtier_leases"), 0);
+        cr_expect_eq(kvd_metric(&d, key) - shared, 2 * B + 1 + STEPS,
+                     "loop %d: every RELEASE answered shared", i);
     }
     cr_expect_eq(kvd_metric(&d, "kvtier_request_errors_total{op=\"release\"}"), 0);
     client_a_loop_stop(&d, c, n);
@@ -2218,7 +2223,8 @@ Test(server_loops, releases_taken_shared_end_leases_as_before, .timeout = 60)
     cr_assert_eq(kvt_client_match(c0, z, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &mo), 0);
     cr_assert(ma.lease && ma2.lease && mz.lease && mo.lease);
     cr_expect_eq(leases_now(c0, 4), 4);
-    double w0 = write_locks(&d, 1);
+    double w0 = write_locks(&d, 1),
+           r0 = kvd_metric(&d, "kvtier_loop_shared_releases_total{loop=\"1\"}");
     int released = -1;
     cr_assert_eq(kvt_client_release(c1, mo.lease, &released), 0);
     cr_expect_eq(released, 0, "another connection's lease is not c1's to release");
@@ -2260,6 +2266,8 @@ Test(server_loops, releases_taken_shared_end_leases_as_before, .timeout = 60)
     }
     double w1 = write_locks(&d, 1);
     cr_expect_eq(w1 - w0, 0, "loop 1: %g write locks for its RELEASEs", w1 - w0);
+    cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_releases_total{loop=\"1\"}") - r0, 5,
+                 "loop 1: its 5 RELEASEs answered shared");
     cr_expect_eq(leases_now(c0, 0), 0);
     cr_expect_eq(kvd_metric(&d, "kvtier_leases"), 0);
     kvt_client_close(c0);
@@ -2284,7 +2292,8 @@ Test(server_loops, releases_taken_shared_end_leases_as_before, .timeout = 60)
     uint64_t lease = raw_match_lease(fd, t, LP * PAGE, body, 4096);
     cr_assert(lease && kvt_get_u32(body + 4) == LP);
     w0 = write_locks(&e, 1);
-    double gets = kvd_metric(&e, "kvtier_loop_shared_gets_total{loop=\"1\"}");
+    double gets = kvd_metric(&e, "kvtier_loop_shared_gets_total{loop=\"1\"}"),
+           rels = kvd_metric(&e, "kvtier_loop_shared_releases_total{loop=\"1\"}");
     enum { GETF = KVT_PROTO_HDR + sizeof(kvt_wire_get_t) };
     uint8_t f[GETF + KVT_PROTO_HDR + sizeof(kvt_wire_release_t)];
     kvt_wire_get_t gw = {.lease = lease};
@@ -2314,6 +2323,8 @@ Test(server_loops, releases_taken_shared_end_leases_as_before, .timeout = 60)
     cr_expect_eq(kvd_metric(&e, "kvtier_loop_shared_gets_total{loop=\"1\"}") - gets, 1,
                  "the GET was planned shared");
     cr_expect_geq(write_locks(&e, 1) - w0, 1, "loop 1: the RELEASE went by the write path");
+    cr_expect_eq(kvd_metric(&e, "kvtier_loop_shared_releases_total{loop=\"1\"}"), rels,
+                 "loop 1: the RELEASE behind the GET not answered shared");
     cr_expect_eq(leases_now(c0, 0), 0, "neither the lease nor the GET's pin is left");
     close(fd);
     free(big);
@@ -4220,10 +4231,12 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
         cr_assert_eq(kvt_client_match(k[1].c, tok, MIXP * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
     } while (!mixed_path(&m) && kvt_now_ns() - t0 < 10000000000ull);
     cr_assert(mixed_path(&m), "P lies in DRAM and NVMe");
-    double matches[4], gets[4];
+    double matches[4], gets[4], releases[4];
     for (int i = 0; i < 4; i++) {
         if (i)
             mixer_lease(&k[i], tok, MIXP, &m);
+        snprintf(key, sizeof key, "kvtier_loop_shared_releases_total{loop=\"%d\"}", i);
+        releases[i] = kvd_metric(&d, key);
         snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
         matches[i] = kvd_metric(&d, key);
         snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
@@ -4257,6 +4270,9 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
         cr_expect_eq(kvd_metric(&d, key) - matches[i], i <= 1 ? MIXR : 0, "loop %d's MATCHes", i);
         snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
         cr_expect_eq(kvd_metric(&d, key) - gets[i], i == 1 ? 0 : MIXR, "loop %d's GETs", i);
+        snprintf(key, sizeof key, "kvtier_loop_shared_releases_total{loop=\"%d\"}", i);
+        cr_expect_eq(kvd_metric(&d, key) - releases[i], k[i].nheld + k[i].nreleased,
+                     "loop %d's RELEASEs", i);
     }
     for (int i = 0; i < 4; i++)
         kvt_client_close(k[i].c);
