@@ -1331,9 +1331,9 @@ Test(server_loops, leased_matches_of_nvme_pages_take_no_write_lock, .timeout = 6
  * A RELEASE is answered under the store's lock shared too (lease.c, kvt__h_release_shared): a
  * loop that serves an engine's leased lookups, each MATCH with LEASE and each RELEASE after it,
  * takes no write lock (issue 42), on each loop past 0, one client each. Its leases are let go
- * whether RELEASEd in a pipelined run, again (a double RELEASE finds nothing), or one step later
- * in front of the next MATCH (kvt_client_release_later, as the engines' connectors do), and STATS
- * and the gauge count none left.
+ * whether RELEASEd in a pipelined run, again (a double RELEASE finds nothing), or after a GET
+ * under it, in front of the next MATCH (kvt_client_release_later, as the engines' connectors do),
+ * and STATS and the gauge count none left.
  */
 static void releases_take_no_write_lock(const char *loops)
 {
@@ -1385,18 +1385,26 @@ static void releases_take_no_write_lock(const char *loops)
         cr_expect_eq(leases_now(c[0], 0), 0, "loop %d: released", i);
         cr_expect_eq(kvd_metric(&d, "kvtier_leases"), 0, "loop %d: the gauge", i);
         kvt_batch_destroy(b);
-        /* An engine's steps: each MATCH with LEASE carries the last step's RELEASE before it. */
+        /* An engine's steps: a MATCH with LEASE, a GET under it (every other step), then its
+         * RELEASE, which goes in front of the next step's MATCH: the GET is over by then. */
         before = write_locks(&d, i);
         uint64_t last = 0;
+        int wrong = 0;
         for (int k = 0; k < STEPS; k++) {
             kvt_client_match_t s = {0};
+            static uint8_t back[P * BB];
+            uint32_t got = 0;
             cr_assert_eq(kvt_client_match(c[i], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &s),
                          0);
             cr_assert(s.pages == P && s.lease, "loop %d, step %d", i, k);
-            if (last)
-                cr_assert_eq(kvt_client_release_later(c[i], last), 0);
+            if (k % 2 == 0)
+                wrong += kvt_client_get(c[i], s.lease, 0, P, back, sizeof back, &got, NULL) < 0 ||
+                         got != P || memcmp(back, payload, sizeof back) != 0;
+            if (k < STEPS - 1)
+                cr_assert_eq(kvt_client_release_later(c[i], s.lease), 0);
             last = s.lease;
         }
+        cr_expect_eq(wrong, 0, "loop %d: %d wrong GETs", i, wrong);
         cr_assert_eq(kvt_client_release(c[i], last, &released), 0);
         cr_expect_eq(released, 1, "loop %d: the last step's lease", i);
         after = write_locks(&d, i);
