@@ -94,7 +94,8 @@
  *          paired within each round (bench_leases). The ratio is what holding them costs each
  *          request (1.0: nothing): the median of the rounds' paired ratios, with their range.
  *          With --kvtierd-opt loops=2 its connections go to loop 1, and loops_past_0_* say what
- *          that loop served of it: requests, write-lock takes, MATCHes answered shared.
+ *          that loop served of it: requests, write-lock takes, MATCHes and RELEASEs answered
+ *          shared.
  *   kept   Kept copies (docs/architecture.md): the lease load with --held leases beside --kept
  *          pages promoted into HBM under their lease, on a kvtierd of its own with a host HBM
  *          tier, against the same leases on pages promoted before their lease (bench_kept).
@@ -1213,10 +1214,10 @@ static kvt_client_t *loop_zero_pad(const char *sock)
 }
 
 /* The lease load's figures. With --kvtierd-opt loops=N (N > 1), what loop 1 served of it:
- * requests, write-lock takes and MATCHes answered under the shared lock, from STATS before and
- * after (issue 42: a leased MATCH shared). The daemon gives a new connection to the loop with
- * fewer: an idle one held open on loop 0 sends each of the load's, opened one at a time, to
- * loop 1. */
+ * requests, write-lock takes, and MATCHes and RELEASEs answered under the shared lock, from STATS
+ * before and after (issue 42: a leased MATCH and a RELEASE shared). The daemon gives a new
+ * connection to the loop with fewer: an idle one held open on loop 0 sends each of the load's,
+ * opened one at a time, to loop 1. */
 static int bench_leases(const opts_t *o, const char *sock)
 {
     lease_side_t side[2] = {{.sock = sock, .kvd = g_kvd, .held = o->held},
@@ -1226,10 +1227,12 @@ static int bench_leases(const opts_t *o, const char *sock)
     if (!pad)
         return -1;
     uint64_t q0 = pad_stat(pad, "loop_requests_"), w0 = pad_stat(pad, "loop_write_locks_"),
-             s0 = pad_stat(pad, "loop_shared_matches_");
+             s0 = pad_stat(pad, "loop_shared_matches_"),
+             r0 = pad_stat(pad, "loop_shared_releases_");
     int rc = lease_pairs(o, side, &lr);
     uint64_t q = pad_stat(pad, "loop_requests_") - q0, w = pad_stat(pad, "loop_write_locks_") - w0,
-             sh = pad_stat(pad, "loop_shared_matches_") - s0;
+             sh = pad_stat(pad, "loop_shared_matches_") - s0,
+             rl = pad_stat(pad, "loop_shared_releases_") - r0;
     kvt_client_close(pad);
     if (rc < 0)
         return -1;
@@ -1242,12 +1245,14 @@ static int bench_leases(const opts_t *o, const char *sock)
            "\"cold_ratio\":%.3f,\"cpu_ratio\":%.3f,\"cpu_ratio_min\":%.3f,"
            "\"cpu_ratio_max\":%.3f,\"held_slower_rounds\":%d,\"bar\":\"ratio >= %.2f\","
            "\"pass\":%s,\"cpu_pass\":%s,\"loops_past_0_requests\":%llu,"
-           "\"loops_past_0_write_locks\":%llu,\"loops_past_0_shared_matches\":%llu}\n",
+           "\"loops_past_0_write_locks\":%llu,\"loops_past_0_shared_matches\":%llu,"
+           "\"loops_past_0_shared_releases\":%llu}\n",
            o->held, LEASE_BATCH, LEASE_PAIRS, reqs, bench_median(lr.rps[0], o->rounds),
            bench_median(lr.rps[1], o->rounds), o->rounds, r, lr.ratio[0], lr.ratio[o->rounds - 1],
            lr.first, c, lr.cpu_ratio[0], lr.cpu_ratio[o->rounds - 1], lr.slower, KVT_BAR_LEASE,
            r >= KVT_BAR_LEASE ? "true" : "false", c >= KVT_BAR_LEASE ? "true" : "false",
-           (unsigned long long)q, (unsigned long long)w, (unsigned long long)sh);
+           (unsigned long long)q, (unsigned long long)w, (unsigned long long)sh,
+           (unsigned long long)rl);
     fflush(stdout);
     return 0;
 }

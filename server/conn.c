@@ -14,9 +14,9 @@
  * input buffer is touched by no one else, and the bytes written belong to requests that no other
  * loop changes any more (done, or a reply source that says its bytes may go apart: a GET's batch
  * of DRAM pages and read buffers; no I/O in flight, no descriptor to pass). There too it frames
- * the input with the lock held shared, answers the run of MATCHes without a lease at its front in
- * that one hold (kvt__conn_ops_t.shared), and writes and frees their replies, taking the lock for
- * writing only for the frames that need it and going back to shared after them (conn_frames):
+ * the input with the lock held shared, answers the run of MATCHes, GETs and RELEASEs at its front
+ * in that one hold (kvt__conn_ops_t.shared), and writes and frees their replies, taking the lock
+ * for writing only for the frames that need it and going back to shared after them (conn_frames):
  * every other thread that reads the connection's fields (loop 0's tick and completions) holds it
  * for writing.
  */
@@ -1433,7 +1433,7 @@ static int conn_parse(kvt__conn_t *c, int share)
 }
 
 /* Under s->lock shared: the run of whole frames at the front of c's input that the operations
- * answer there (kvt__conn_ops_t.shared: a MATCH without a lease), all in this one hold. It stops
+ * answer there (kvt__conn_ops_t.shared: a MATCH, a GET, a RELEASE), all in this one hold. It stops
  * at the first frame that needs the write lock, one not whole or with a bad header (conn_parse's
  * business), and at back-pressure. What it writes is c's (its input, its frame count, its queue),
  * its loop's (the metric table, the deferred hits and clients' memory) or nobody's: the only
@@ -1512,8 +1512,8 @@ static void conn_frames(kvt__conn_t *c)
 }
 
 /* How a loop takes the lock back after a read of n bytes into c's input (c's own, read here with
- * no lock held): shared when the frame at the front may be answered so (a MATCH without a lease,
- * a GET; conn_frames takes it for writing if not) or is not whole yet; for writing
+ * no lock held): shared when the frame at the front may be answered so (a MATCH, a GET, a
+ * RELEASE; conn_frames takes it for writing if not) or is not whole yet; for writing
  * when that frame needs it anyway (a PUT, a REMOVE: taken shared first, it would cost a let-go
  * more each) or the peer closed (its close). */
 static int read_held(const kvt__conn_t *c, ssize_t n)

@@ -345,15 +345,17 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 #endif
 }
 
-/* A frame under the lock shared (conn.c's framing, several loops): a MATCH without a lease, or a
- * GET of DRAM pages, and only once AUTH has passed; it arrived with its read and a MATCH's pages
- * are asked for ahead, as in kvt__handle. */
+/* A frame under the lock shared (conn.c's framing, several loops): a MATCH without KEEP, REMOTE
+ * or LOCATE, a GET of DRAM pages, or a RELEASE, and only once AUTH has passed; it arrived with its
+ * read and a MATCH's pages are asked for ahead, as in kvt__handle. */
 static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 {
     if (!c->authed)
         return 0;
     if (h->opcode == KVT_OP_GET)
         return kvt__h_get_shared(c, h, body, c->rx_ns);
+    if (h->opcode == KVT_OP_RELEASE)
+        return kvt__h_release_shared(c, h, body, c->rx_ns);
     if (h->opcode != KVT_OP_MATCH)
         return 0;
     warm_next(c, body);
@@ -363,7 +365,8 @@ static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8
 static int dispatch_shares(const kvt_proto_hdr_t *h)
 {
     return (h->opcode == KVT_OP_MATCH && kvt__match_shares(h)) ||
-           (h->opcode == KVT_OP_GET && kvt__get_shares(h));
+           (h->opcode == KVT_OP_GET && kvt__get_shares(h)) ||
+           (h->opcode == KVT_OP_RELEASE && h->flags == 0);
 }
 
 /* A closing connection's leases, reservations and mappings go; reservations before the mapping,
@@ -391,4 +394,5 @@ const kvt__conn_ops_t kvt__dispatch_ops = {
     .tick = dispatch_tick,
     .deadlines = kvt__ops_deadlines,
     .lease_ends = kvt__get_lease_ends,
+    .lease_reads = kvt__get_lease_reads,
 };

@@ -4,9 +4,10 @@
  * (tierio.c kvt__nvme_pin), and all released when the connection closes; RELEASE.
  *
  * A lease is added by c's loop, with the lock for writing or shared (op_match.c, a MATCH with
- * LEASE answered shared, holding s->lease_mu); it goes only under the write lock (RELEASE,
- * expiry, a close). The leases gauge is not set here: STATS, the scrape and the tick set it
- * under the write lock (store.c kvt__tier_metrics) before anything reads it.
+ * LEASE answered shared, holding s->lease_mu); it goes by c's loop too, under the write lock
+ * (expiry, a close, a RELEASE that a GET of c still reads under) or shared (a RELEASE, holding
+ * s->lease_mu: kvt__h_release_shared). The leases gauge is not set here: STATS, the scrape and the
+ * tick set it under the write lock (store.c kvt__tier_metrics) before anything reads it.
  */
 #include "server.h"
 
@@ -127,13 +128,9 @@ kvt__lease_t *kvt__lease_find(kvt__conn_t *c, uint64_t id)
     return e ? &c->leases[*e - 1] : NULL;
 }
 
-static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
+/* l leaves c's list and table (c's own), the last lease moving into its place. */
+static void lease_forget(kvt__conn_t *c, kvt__lease_t *l)
 {
-    /* Before the path goes: its GETs' later batches. One of them may keep the lease's pin. */
-    if (!c->srv->conn_ops->lease_ends(c, l->node, l->id))
-        kvt__path_unpin(c->srv, l->id);
-    kvt__nvme_unpin(c->srv, &l->pins);
-    lease_ns(c->srv, l->ns, -1);
     map_del(c, l->id);
     *l = c->leases[--c->nleases];
     if (l != c->leases + c->nleases) { /* the last one moved into l's place */
@@ -141,6 +138,16 @@ static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
         kvt_assert(e);
         *e = (uint32_t)(l - c->leases) + 1;
     }
+}
+
+static void lease_del(kvt__conn_t *c, kvt__lease_t *l)
+{
+    /* Before the path goes: its GETs' later batches. One of them may keep the lease's pin. */
+    if (!c->srv->conn_ops->lease_ends(c, l->node, l->id))
+        kvt__path_unpin(c->srv, l->id);
+    kvt__nvme_unpin(c->srv, &l->pins);
+    lease_ns(c->srv, l->ns, -1);
+    lease_forget(c, l);
 }
 
 void kvt__lease_drop_all(kvt__conn_t *c)
@@ -195,4 +202,58 @@ int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body
     uint8_t w[sizeof(kvt_wire_release_reply_t)];
     kvt_proto_release_reply_encode(w, l ? 1 : 0);
     return kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w);
+}
+
+/*
+ * A RELEASE under the lock shared (conn.c's framing, several loops), beside other loops' MATCHes,
+ * GETs and RELEASEs. It ends the lease as lease_del does, and writes, under s->lease_mu what is
+ * not c's (the mutex a MATCH with LEASE answered shared takes its lease under, op_match.c
+ * shared_lease; every other writer of it holds the write lock, which excludes this):
+ *
+ *   the tree's lease table, the pins on the   kvt__path_unpin (kvt_radix_release: the slot, the
+ *   path's nodes, the evictable list and      nodes' counts, their place in the list); the shared
+ *   the count of leases ended                 paths read none of it, and those who act on an end
+ *                                             (the step's kept copies and parked promotions, the
+ *                                             policy's walk for victims) look at that count under
+ *                                             the write lock, at the next step (a write's, or the
+ *                                             tick's): the end waits for them there, unlost
+ *   the NVMe segments' pins                   kvt__nvme_unpin (a count: reclaim reads it under the
+ *                                             write lock)
+ *   the namespace's lease count               lease_ns: read only under the write lock
+ *   c's lease list and its table by id        c's own (lease_forget)
+ *
+ * A lease that a GET of c still reads under (kvt__get_lease_reads: pages left, reads in flight,
+ * a batch to check) goes by the write path, which hands that GET the lease's pin
+ * (kvt__get_lease_ends). A REMOVE of a prefix a client leases is refused at once, never waits for
+ * its lease (op_remove.c), so no REMOVE is to be woken. A lease c does not hold (released
+ * already, expired, another connection's) is answered 0 here as there: nothing to write. Counted
+ * in the loop's table (kvtier_loop_shared_releases_total). Returns 1 when answered, 0 when it did
+ * nothing and the write path takes the frame: a bad body, such a GET, or no loop table.
+ */
+int kvt__h_release_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
+                          uint64_t t0)
+{
+    kvt_srv_t *s = c->srv;
+    uint64_t id;
+    if (h->flags || !c->loop->metrics || kvt_proto_release_decode(body, h->body_len, &id) < 0)
+        return 0;
+    kvt__lease_t *l = kvt__lease_find(c, id);
+    if (l && s->conn_ops->lease_reads(c, l->node))
+        return 0;
+    if (l) {
+        pthread_mutex_lock(&s->lease_mu);
+        kvt__path_unpin(s, l->id);
+        kvt__nvme_unpin(s, &l->pins);
+        lease_ns(s, l->ns, -1);
+        pthread_mutex_unlock(&s->lease_mu);
+        lease_forget(c, l);
+    }
+    kvt__metric_add(c->loop->metrics, KVT_M_LOOP_SHARED_RELEASES, c->loop->id, 1);
+    uint8_t w[sizeof(kvt_wire_release_reply_t)];
+    kvt_proto_release_reply_encode(w, l ? 1 : 0);
+    /* Out of memory for the reply closes the connection, as a handler's error does under the
+     * write lock: the replies after it would answer the wrong requests. */
+    if (kvt__reply(c, h->opcode, h->request_id, t0, 0, w, sizeof w) < 0)
+        c->closing = 1;
+    return 1;
 }

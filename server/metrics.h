@@ -169,6 +169,10 @@ typedef enum {
       "GETs of DRAM pages (or LOCATE's locations in the mapped arena) planned, written and "       \
       "released under the store's lock shared with other loops (several loops), by loop.",         \
       LOOP)                                                                                        \
+    X(LOOP_SHARED_RELEASES, COUNTER, "kvtier_loop_shared_releases_total",                          \
+      "RELEASEs answered under the store's lock shared with other loops (several loops; not one "  \
+      "behind a GET still reading under its lease), by loop.",                                     \
+      LOOP)                                                                                        \
     X(LOOP_WRITE_LOCKS, COUNTER, "kvtier_loop_write_locks_total",                                  \
       "Times each event loop's thread took the store's lock for writing (a write op, a close, a "  \
       "posted kick, the step after a batch that wrote): a run of MATCHes without a lease takes "   \

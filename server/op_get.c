@@ -846,15 +846,29 @@ static void get_pin_nvme(kvt_srv_t *s, kvt__req_t *r)
  * block into NVMe (exec.c, move_finish). A GET's path is its lease's node (get_req): one of c's
  * other leases on the same node ending holds it too, which costs a pin and keeps it correct.
  */
+/* Whether r is a GET that the end of a lease on node concerns: one on node with pages left, or
+ * reads in flight or a batch to check (an NVMe or remote batch: its completion, or an NVMe
+ * batch's check, may mark a page lost). */
+static int get_reads_node(const kvt__req_t *r, const kvt_radix_node_t *node)
+{
+    return r->kind == KVT_REQ_GET && r->node == node && r->status >= 0 &&
+           (r->get.cur < r->get.end || r->pending || r->get.check_due);
+}
+
+int kvt__get_lease_reads(const kvt__conn_t *c, const kvt_radix_node_t *node)
+{
+    for (const kvt__req_t *r = c->head; r; r = r->next)
+        if (get_reads_node(r, node))
+            return 1;
+    return 0;
+}
+
 int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
 {
     kvt_srv_t *s = c->srv;
     int taken = 0;
     for (kvt__req_t *r = c->head; r; r = r->next) {
-        /* Pages left, or reads in flight or a batch to check (an NVMe or remote batch: its
-         * completion, or an NVMe batch's check, may mark a page lost). */
-        if (r->kind != KVT_REQ_GET || r->node != node || r->status < 0 ||
-            (r->get.cur >= r->get.end && !r->pending && !r->get.check_due))
+        if (!get_reads_node(r, node))
             continue;
         if (r->get.shared && !taken) {
             r->get.shared = 0; /* goes on by the write path, as get_pin's */

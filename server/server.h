@@ -293,6 +293,8 @@ _Static_assert(sizeof(kvt__req_t) <= 640, "kvt__req_t stays in jemalloc's 640-by
  *              when one of them took the lease's own pin on the path (pin) as its own, which
  *              the lease then leaves held (kvt__get_lease_ends; through here, lease.c calls no
  *              GET by name: op_get.c finds leases in lease.c)
+ *   lease_reads whether lease_ends would find a GET of c on node to change; only reads c's queue
+ *              (kvt__get_lease_reads): a RELEASE under the shared lock goes to the write path then
  */
 typedef struct kvt__conn_ops {
     void (*batch)(kvt__conn_t *c, const uint8_t *in, size_t len);
@@ -303,6 +305,7 @@ typedef struct kvt__conn_ops {
     void (*tick)(kvt__conn_t *c, uint64_t now);
     void (*deadlines)(kvt__conn_t *c, uint64_t now);
     int (*lease_ends)(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin);
+    int (*lease_reads)(const kvt__conn_t *c, const kvt_radix_node_t *node);
 } kvt__conn_ops_t;
 
 /*
@@ -835,6 +838,11 @@ int kvt__h_put(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, ui
 int kvt__h_get(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 int kvt__h_prefetch(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 int kvt__h_release(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
+/* A RELEASE under the shared lock (lease.c, through kvt__conn_ops_t.shared): 1 when answered, 0
+ * when it did nothing (the write path answers it: a bad body, or a GET of c still reading under
+ * the lease's path). */
+int kvt__h_release_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body,
+                          uint64_t t0);
 int kvt__h_remove(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 int kvt__h_map(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
 int kvt__h_reserve(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0);
@@ -907,6 +915,10 @@ int kvt__get_shares(const kvt_proto_hdr_t *h);
  * the first such GET takes the lease's own pin on the path (pin) and returns 1 (the lease must
  * not let it go then), the others pin the path anew. */
 int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin);
+/* Whether kvt__get_lease_ends would find a GET of c to change for a lease on node (one with pages
+ * left, reads in flight or a batch to check): it only reads c's queue, so that a RELEASE under the
+ * shared lock (lease.c) leaves such a lease's end to the write path. */
+int kvt__get_lease_reads(const kvt__conn_t *c, const kvt_radix_node_t *node);
 /* How a probe answers its MATCH: kvt__match_answer, handed down by op_match.c so that the probe
  * does not call back up into it. */
 typedef int (*kvt__match_answer_fn)(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h,
