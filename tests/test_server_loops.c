@@ -4578,7 +4578,12 @@ Test(server_loops, located_matches_on_two_loops_at_once, .timeout = 120)
                      k[i].errors, k[i].line);
         cr_expect_eq(k[i].located, LMR * LMB * LMP, "loop %d: located pages", i);
         snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
-        cr_expect_eq(kvd_metric(&d, key) - shared[i], LMR * LMB, "loop %d: MATCHes shared", i);
+        /* Since RELEASE went shared nothing here takes the write lock, which applies the loops'
+         * deferred hits: the MATCH that finds its loop's KVT_LOOP_HITS (256) full goes to the
+         * write path, which applies them (every loop's). At most one of a loop's 480 does. */
+        double got = kvd_metric(&d, key) - shared[i];
+        cr_expect(got >= LMR * LMB - 1 && got <= LMR * LMB, "loop %d: %g of %d MATCHes shared", i,
+                  got, LMR * LMB);
     }
     cr_expect_eq(kvd_metric(&d, "kvtier_zero_copy_pages_total{op=\"get\"}"),
                  (double)(n - 1) * LMR * LMB * LMP);
