@@ -280,6 +280,44 @@ Test(tier_hbm, batch_of_one_sends_each_copy_at_once)
     cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "at most 256 copies a batch");
 }
 
+/* A read marked queue_only (a GET's, submitted from a loop that does not process the tier) is
+ * never sent from its submission, even past a full batch: the tier's fd turns readable and the
+ * owner's kvt_tier_process sends them all, in batches of batch_max, byte-exact. Without the mark
+ * the batch_max-th read went out inline, on the submitter's thread. */
+Test(tier_hbm, queue_only_reads_wait_for_the_owners_process)
+{
+    enum { N = 6, LEN = 4096 };
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "host", .capacity_bytes = 1u << 20, .batch = 2};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    static kvt_tier_io_t ios[N], rd[N];
+    static uint32_t toks[N][16];
+    static uint8_t bufs[N * LEN], back[N * LEN];
+    int done = 0;
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 31, &done);
+    cr_assert(tu_drive(t, &done, N));
+    uint64_t batches = stats(t).batches;
+    done = 0;
+    for (int i = 0; i < N; i++) {
+        rd[i] = (kvt_tier_io_t){.key = ios[i].key,
+                                .loc = ios[i].loc,
+                                .buf = back + (size_t)i * LEN,
+                                .len = LEN,
+                                .cb = tu_count_cb,
+                                .data = &done,
+                                .queue_only = 1};
+        cr_assert_eq(kvt_tier_read(t, &rd[i]), 0, "read %d", i);
+    }
+    cr_assert_eq(stats(t).batches, batches, "no read went out from its submission");
+    cr_assert(fd_readable(t), "the tier's fd wakes its owner");
+    cr_assert_eq(kvt_tier_process(t), N);
+    cr_assert_eq(done, N);
+    cr_assert_eq(stats(t).batches, batches + N / 2, "in batches of 2");
+    for (int i = 0; i < N; i++)
+        cr_assert(tu_same(back + (size_t)i * LEN, LEN, 31 + (uint64_t)i), "block %d", i);
+    kvt_tier_destroy(t);
+}
+
 Test(tier_hbm, queued_reads_go_out_before_the_writes_after_them)
 {
     /* A read queued, its block freed and its slots written again in the same turn: the read

@@ -365,7 +365,13 @@ static void hbm_flush(kvt_tier_t *t, int to_device)
         pool_flush(t, &h->pools[i], to_device);
 }
 
-/* Queues a request; a full queue goes out now, anything else on the next kvt_tier_process. */
+/* Queues a request; a full queue goes out now, anything else on the next kvt_tier_process. A read
+ * marked queue_only (tier.h) never goes out here: its submitter is another thread than the one
+ * that processes the tier, which must make every CUDA call (and its cudaSetDevice) and complete
+ * every copy; the queue may then pass batch_max until that thread's next process, whose flush
+ * cuts it into batches as usual. The kick is an eventfd write, which wakes the owner's loop from
+ * any thread; h->kicked and the queues are the caller's to serialise (the daemon: its write lock,
+ * or its shared lock with s->submit held for a queue_only read). */
 static void hbm_enqueue(kvt_tier_t *t, kvt_tier_io_t *io, int to_device)
 {
     hbm_t *h = t->impl;
@@ -379,7 +385,7 @@ static void hbm_enqueue(kvt_tier_t *t, kvt_tier_io_t *io, int to_device)
     q->tail = io;
     q->n++;
     q->bytes += io->len;
-    if (q->n >= h->batch_max || q->bytes >= HBM_BATCH_BYTES) {
+    if (!io->queue_only && (q->n >= h->batch_max || q->bytes >= HBM_BATCH_BYTES)) {
         if (to_device)
             pool_flush(t, p, 0); /* the reads queued before these writes (see the top) */
         pool_flush(t, p, to_device);

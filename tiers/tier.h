@@ -96,6 +96,13 @@ struct kvt_tier_io {
      * it on a thread of its choice; every other check of the record (location, header, key) is
      * made. Needs key.tokens (the stored header is rebuilt from the key). Other tiers ignore it. */
     uint8_t check_later;
+    /* A read's: 1 when its submitter is not the thread that processes the tier (a GET planned
+     * under the daemon's shared lock on a loop other than the tier's): the tier only queues it
+     * and makes its fd readable (kvt__tier_kick), and does none of its work inline, which stays
+     * with kvt_tier_process on the owning thread (HBM: a full queue's batch, with its CUDA calls
+     * and the device they select). Tiers whose submission is their whole work ignore it (NVMe:
+     * the ring's submission, whose eventfd wakes the owner; remote: its wait queue). */
+    uint8_t queue_only;
     /* Set by the tier when such a read completed with status 0 and its payload unchecked: no
      * byte of buf may be used before kvt_tier_read_check has said 0. */
     uint8_t unchecked;
