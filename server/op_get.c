@@ -136,7 +136,8 @@ static void get_check_unsent(kvt_srv_t *s, kvt__req_t *r)
  *                        |                 |
  *                 DRAM/HBM-host memory   a read buffer (NVMe, remote: read first)
  *
- * Memory tiers are sent from their own memory (kvt_tier_ptr): no copy, no I/O. The block cannot
+ * Memory tiers are sent from their own memory (kvt_tier_ptr): no copy, no I/O (but for a GET
+ * planned shared, which reads an HBM page as it reads an NVMe one: get_read_tier). The block cannot
  * go meanwhile: its read count (kvt__busy_inc, or its loop's table for a GET planned under the
  * shared lock) defers any free of its location until the batch is written, and the request's
  * pin (a write-path GET's) keeps the path for the batches after. Other tiers are read into
@@ -271,8 +272,9 @@ static void get_abort(kvt__req_t *r)
  * (kvt__free_loc) past the write, whoever frees it (REMOVE, eviction, a loss, the switch of a
  * move, which only reads it); the shared arena's scans punch only pages no live block holds, and
  * a block not yet freed is live; PUT skips pages that have bytes and writes only fresh locations.
- * The HBM tier's memory (its host backend) is kept under the lock: nothing has checked it with
- * several loops.
+ * The HBM tier's memory (its host backend), which only the write path sends from, is kept under
+ * the lock: nothing has checked it with several loops (a GET planned shared reads HBM pages into
+ * buffers of its own: get_read_tier).
  */
 static int get_apart(const kvt__req_t *r)
 {
@@ -371,15 +373,19 @@ typedef struct get_span {
 } get_span_t;
 
 /* Whether block b lies in a tier whose reads a GET planned shared submits itself (get_submit,
- * under s->submit): NVMe (the ring) and the remote tier (its wait queue; loop 0 sends and reads
- * its socket). Both complete on loop 0 under the write lock. HBM's CUDA calls stay on the write
- * path (docs/architecture.md, "Why `loops` defaults to 1"). */
+ * under s->submit): NVMe (the ring), the remote tier (its wait queue; loop 0 sends and reads its
+ * socket) and HBM (its read queue only: the read is queue_only, get_read, so that its batch, its
+ * CUDA calls and its copy stay in the tier's poll on loop 0). All complete on loop 0 under the
+ * write lock. An HBM page goes by a read even where the write path sends it from the host
+ * backend's memory (get_plan, get_apart): one copy more, on loop 0, for the backend that stands
+ * in for a GPU, and the path the cuda backend takes. */
 static int get_read_tier(const kvt_srv_t *s, const kvt_block_t *b)
 {
-    return (b->tier == KVT_TIER_NVME || b->tier == KVT_TIER_REMOTE) && s->tiers[b->tier];
+    return (b->tier == KVT_TIER_NVME || b->tier == KVT_TIER_REMOTE || b->tier == KVT_TIER_HBM) &&
+           s->tiers[b->tier];
 }
 
-/* Under the shared lock: whether NVMe or remote page `page` (block b) of g can be read with
+/* Under the shared lock: whether NVMe, remote or HBM page `page` (block b) of g can be read with
  * nothing written: its I/O record's key (kvt__block_key: the remote tier's key name too) needs its
  * hash and its parent's, which the tree computes and caches when they are missing (a write). Its
  * record is checked by the read's completion, on loop 0 under the write lock, which makes a bad
@@ -395,11 +401,14 @@ static int get_read_shares(const get_span_t *g, uint32_t page, const kvt_block_t
  * table changes under the write lock alone), or its bytes from DRAM (its hash cached: computing
  * it is a write; with zero-copy-checksum, its seal checked out without a write: a block written
  * over since is the write path's, which makes it lost). A located page is not checked, as on
- * the write path: the client reads the mapping itself. A page in HBM, even one g->zc would
- * locate, is the write path's (docs/architecture.md, "Why `loops` defaults to 1"). */
+ * the write path: the client reads the mapping itself. An HBM page that g->zc would locate (a
+ * connection that mapped the pool) is the write path's, which sends its location: the shared
+ * path only reads HBM pages (get_read_tier). */
 static int get_page_shares(kvt_srv_t *s, const get_span_t *g, uint32_t page)
 {
     const kvt_block_t *b = kvt__path_block(g->node, page);
+    if (b && b->tier == KVT_TIER_HBM && g->zc && kvt__store_locate(s, g->zc, g->ns, b, NULL))
+        return 0;
     if (b && get_read_tier(s, b) && b->size == g->block_bytes)
         return get_read_shares(g, page, b);
     if (!b || b->tier != KVT_TIER_DRAM || !s->tiers[KVT_TIER_DRAM] || b->size != g->block_bytes)
@@ -409,9 +418,9 @@ static int get_page_shares(kvt_srv_t *s, const get_span_t *g, uint32_t page)
     return b->hash && kvt__tier_ptr(s, b) && (!s->conf->zc_checksum || kvt__tier_intact(s, b));
 }
 
-/* get_plan_shared's NVMe or remote page: its read count in the loop's table (held until the read
- * completes, get_read_done), and an I/O record for get_read, whose key reads only cached hashes
- * (get_read_shares). */
+/* get_plan_shared's NVMe, remote or HBM page: its read count in the loop's table (held until the
+ * read completes, get_read_done), and an I/O record for get_read, whose key reads only cached
+ * hashes (get_read_shares). */
 static int get_plan_read_shared(kvt_srv_t *s, kvt__req_t *r, kvt_block_t *b, get_page_t *pg)
 {
     kvt__io_t *x = kvt__io_new(s, r, r->get.cur);
@@ -457,7 +466,9 @@ static int get_plan_shared(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
  * held shared, beside other loops doing the same: s->submit keeps them one at a time in the
  * tier's queue, its ring (NVMe) or its hiredis context, wait queue, request pool and timer
  * (remote: the submitter only queues and arms the socket's EPOLLOUT; loop 0 writes and reads the
- * socket), and the daemon's in-flight count. Everyone else in those (loop 0's completions and
+ * socket), its read queues and kick flag (HBM: the submitter only queues, queue_only, and writes
+ * the tier's eventfd; loop 0's poll sends the batch and completes it), and the daemon's in-flight
+ * count. Everyone else in those (loop 0's completions and
  * remote socket events, the writes, the frees, the scrapes) holds the lock for writing, which no
  * shared holder shares. (docs/architecture.md, "GET of NVMe pages" and "GET of remote pages".)
  */
@@ -493,6 +504,9 @@ static int get_read(kvt_srv_t *s, kvt__req_t *r, get_page_t *pg)
         /* A GET planned shared takes its NVMe payloads' checksums on its own loop, off loop 0's
          * write lock (get_check); the write path's are taken there, as every other read's. */
         x->io.check_later = r->get.shared;
+        /* Submitted from the GET's own loop: the HBM tier only queues it (its batches and CUDA
+         * calls are loop 0's, in the tier's poll). */
+        x->io.queue_only = r->get.shared;
         rc = get_submit(s, r, (kvt_tier_id_t)b->tier, &x->io);
     }
     if (rc < 0) {
@@ -884,7 +898,7 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
 }
 
 /*
- * A GET whose first batch's pages all lie in DRAM, NVMe or the remote tier, with or without
+ * A GET whose first batch's pages all lie in DRAM, NVMe, the remote tier or HBM, with or without
  * LOCATE, under the lock shared (conn.c's framing, several loops), beside other loops' MATCHes
  * and GETs; its later batches go on shared while they can (get_next_shared). What the write
  * path's GET writes, and what this one does instead (docs/architecture.md, "GET under the shared
@@ -904,15 +918,17 @@ int kvt__get_lease_ends(kvt__conn_t *c, kvt_radix_node_t *node, uint64_t pin)
  *                                    pages keep it open
  *   counters, clients' memory        the loop's table (located pages: get_count_located);
  *                                    l->clients_bytes (as a shared MATCH)
- *   an NVMe or remote page's read    submitted through s->submit (get_submit); its completion,
+ *   an NVMe, remote or HBM read      submitted through s->submit (get_submit; HBM's only queued:
+ *                                    queue_only); its completion,
  *                                    on loop 0 under the write lock, drops its read count and
  *                                    marks a bad or missing record lost, and its kick reaches
  *                                    this loop as a posted one, taken shared (kvt__posted_shared)
  *
  * Its hooks (the write, drained, the release) run shared too (get_shares). Returns 1 when the GET
  * is queued, 0 when it did nothing and the write path takes the frame: a bad body or lease (the
- * write path says so), a page in HBM, its hash (or for an NVMe or remote page its parent's)
- * not cached or its seal to check with a write (get_page_shares), no memory, no loop table.
+ * write path says so), an HBM page a mapped pool would locate, its hash (or for a page read
+ * first, NVMe, remote or HBM, its parent's) not cached or its seal to check with a write
+ * (get_page_shares), no memory, no loop table.
  */
 int kvt__h_get_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, uint64_t t0)
 {

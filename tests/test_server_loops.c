@@ -2638,6 +2638,84 @@ Test(server_loops, a_get_keeps_its_nvme_pages_once_its_lease_ends, .timeout = 60
 }
 
 /*
+ * A GET planned shared of a path in HBM (10 pages of 1 MiB: its host backend's 10 MiB) and DRAM
+ * (the last 2), whose 50 ms lease expires while the reader holds its first page: the first batch
+ * (pages 0-6, all HBM) waits for the socket, and the lease's end pins the path for the GET
+ * (kvt__get_lease_ends), which goes on by the write path: its second batch (pages 7-11, HBM then
+ * DRAM) is read, and every byte comes back. With one loop too (the write path throughout).
+ */
+typedef struct hbm_lapse {
+    kvd_t *d;
+    const uint64_t *sums;
+    uint32_t seen;
+    int errors, line;
+} hbm_lapse_t;
+
+static int hbm_lapse_page(void *arg, uint32_t page, unsigned tier, const void *data, uint32_t len)
+{
+    hbm_lapse_t *k = arg;
+    unsigned want = page < 10 ? KVT_CLIENT_TIER_HBM : KVT_CLIENT_TIER_DRAM;
+    if (page != k->seen || tier != want || len != NBB || page_sum(data, len) != k->sums[page])
+        k->line = k->line ? k->line : __LINE__, k->errors++;
+    uint64_t t0 = kvt_now_ns();
+    while (k->seen == 0 && kvd_metric(k->d, "kvtier_leases_expired_total") < 1 &&
+           kvt_now_ns() - t0 < 5000000000ull)
+        usleep(2000); /* the first batch waits for the socket meanwhile */
+    k->seen++;
+    return 0;
+}
+
+static void hbm_get_outlives_its_lease(const char *loops)
+{
+    if (unix_sndbuf_default() >= 6 * (int)NBB)
+        cr_skip_test("the kernel's default send buffer holds the GET's first batch");
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, "--dram-bytes", "64M", "--nvme-bytes", "0", "--hbm-backend",
+              "host", "--hbm-bytes", "10M", "--policy-high", "1", "--policy-low", "1", "--tick-ms",
+              "2", NULL);
+    kvt_client_t *w = kvd_client(&d, "h", PAGE, NBB), *rd = kvd_client(&d, "h", PAGE, NBB);
+    enum { P = 12 };
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc(NBB), tiers[P];
+    uint64_t sums[P];
+    cr_assert(payload);
+    kvd_tokens(tok, P * PAGE, 9760000u);
+    for (uint32_t p = 0; p < P; p++)
+        sums[p] = put_page(w, tok, p, NBB, 976 + p, payload);
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = P};
+    cr_assert_eq(kvt_client_match(rd, tok, P * PAGE, KVT_CLIENT_LEASE, 50, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    for (uint32_t p = 0; p < P; p++)
+        cr_assert_eq(tiers[p], p < 10 ? KVT_CLIENT_TIER_HBM : KVT_CLIENT_TIER_DRAM, "page %u", p);
+    hbm_lapse_t k = {.d = &d, .sums = sums};
+    uint32_t got = 0;
+    int rc = kvt_client_get_cb(rd, m.lease, 0, P, hbm_lapse_page, &k, &got);
+    cr_expect_eq(rc, 0, "the GET ended %d after %u pages", rc, got);
+    cr_expect_eq(got, P);
+    cr_expect_eq(k.errors, 0, "%d wrong pages, the first at line %d", k.errors, k.line);
+    cr_expect_geq(kvd_metric(&d, "kvtier_leases_expired_total"), 1, "the lease ended meanwhile");
+    if (atoi(loops) > 1)
+        cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 1,
+                     "loop 1 planned the GET shared");
+    cr_expect_eq(kvd_stat(w, "leases"), 0);
+    free(payload);
+    kvt_client_close(w);
+    kvt_client_close(rd);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, a_get_of_hbm_pages_outlives_its_lease, .timeout = 60)
+{
+    hbm_get_outlives_its_lease("2");
+}
+
+Test(server_loops, a_get_of_hbm_pages_outlives_its_lease_with_one_loop, .timeout = 60)
+{
+    hbm_get_outlives_its_lease("1");
+}
+
+/*
  * GETs planned shared whose lease ends between their batches, with the index at index-bytes. Such
  * a GET holds the path from then on (kvt__get_lease_ends): the first takes the ending lease's own
  * pin, which needs no slot in the tree's lease table; another GET of the same lease takes a pin
@@ -4101,6 +4179,38 @@ Test(server_loops, gets_from_nvme_on_four_loops_share_the_lock_while_others_writ
 }
 
 /*
+ * The same for pages in the HBM tier (its host backend, no DRAM or NVMe: every page lands in HBM
+ * first): a GET's HBM reads are planned and queued under the shared lock too (s->submit: the
+ * tier's read queue, marked queue_only so that the GET's loop never sends a batch; loop 0's poll
+ * of the tier, under the write lock, copies and completes them), and the GET's loop takes no write
+ * lock. Before, one a GET on a loop past 0 (the frame: its batch went from the host backend's
+ * memory, written under the lock): 32 for 32 GETs of 4 pages of 4 KiB, 88 for 12 GETs of 12
+ * pages of 2 MiB.
+ */
+static const char *const hbm_tier_args[] = {
+    "--nvme-bytes", "0", "--hbm-backend", "host", "--hbm-bytes", "64M", NULL};
+
+static void hbm_gets_take_no_write_lock(const char *loops, uint32_t bb, uint32_t p, int rounds)
+{
+    tier_gets_take_no_write_lock(loops, bb, p, rounds, hbm_tier_args, KVT_CLIENT_TIER_HBM);
+}
+
+Test(server_loops, gets_from_hbm_take_no_write_lock)
+{
+    hbm_gets_take_no_write_lock("2", BB, 4, 16);
+}
+
+Test(server_loops, gets_from_hbm_on_four_loops_take_no_write_lock)
+{
+    hbm_gets_take_no_write_lock("4", BB, 4, 16);
+}
+
+Test(server_loops, gets_of_several_hbm_batches_take_no_write_lock, .timeout = 60)
+{
+    hbm_gets_take_no_write_lock("2", 2u << 20, 12, 6);
+}
+
+/*
  * A connection that closes while its GET's batch, planned shared, is being read: the request
  * becomes an orphan (no connection) whose reads complete on loop 0, and its batch's DRAM pages'
  * read counts are let go from the loop's table the request names (r->get.loop_reads), not through
@@ -4109,10 +4219,11 @@ Test(server_loops, gets_from_nvme_on_four_loops_share_the_lock_while_others_writ
  * connections leases it, sends a GET of it and closes at once. The daemon serves on: the leases
  * given back, the path read whole, and it stops cleanly.
  */
-static void close_while_a_shared_get_reads(const char *const *tiers_args, uint8_t t1, uint8_t t2)
+static void close_while_a_shared_get_reads(const char *loops, const char *const *tiers_args,
+                                           uint8_t t1, uint8_t t2)
 {
     kvd_t d = {0};
-    const char *argv[16] = {"--loops", "2", "--tick-ms", "10000"};
+    const char *argv[16] = {"--loops", loops, "--tick-ms", "10000"};
     for (int i = 0; tiers_args[i]; i++)
         argv[4 + i] = tiers_args[i];
     kvd_startv(&d, argv);
@@ -4144,8 +4255,10 @@ static void close_while_a_shared_get_reads(const char *const *tiers_args, uint8_
     while (kvd_stat(c0, "leases") && kvt_now_ns() - t0 < 3000000000ull)
         usleep(20 * 1000);
     cr_expect_eq(kvd_stat(c0, "leases"), 0);
-    cr_expect_gt(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 0,
-                 "loop 1 planned the GETs shared");
+    /* One loop runs no shared framing (loops_running): its GETs take the write path. */
+    if (atoi(loops) > 1)
+        cr_expect_gt(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 0,
+                     "loop 1 planned the GETs shared");
     m = (kvt_client_match_t){0};
     cr_assert_eq(kvt_client_match(c0, tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
     uint32_t got = 0;
@@ -4160,7 +4273,7 @@ static void close_while_a_shared_get_reads(const char *const *tiers_args, uint8_
 Test(server_loops, a_close_while_a_shared_get_reads_from_nvme)
 {
     static const char *const t[] = {"--dram-bytes", "512K", "--nvme-bytes", "64M", NULL};
-    close_while_a_shared_get_reads(t, KVT_CLIENT_TIER_DRAM, KVT_CLIENT_TIER_NVME);
+    close_while_a_shared_get_reads("2", t, KVT_CLIENT_TIER_DRAM, KVT_CLIENT_TIER_NVME);
 }
 
 /* The same with every page in the remote tier: the orphan's reads complete on loop 0 when the
@@ -4172,7 +4285,43 @@ Test(server_loops, a_close_while_a_shared_get_reads_from_remote)
     const char *const t[] = {
         "--dram-bytes",    "0", "--nvme-bytes",   "0",   "--remote", kvd_redis(),
         "--remote-prefix", pfx, "--remote-bytes", "64M", NULL};
-    close_while_a_shared_get_reads(t, KVT_CLIENT_TIER_REMOTE, KVT_CLIENT_TIER_REMOTE);
+    close_while_a_shared_get_reads("2", t, KVT_CLIENT_TIER_REMOTE, KVT_CLIENT_TIER_REMOTE);
+}
+
+/* The same with the path's first half in HBM (its host backend: 512 KiB, 8 of the 16 pages) and
+ * the rest in DRAM: the orphan's HBM reads, queued from loop 1, are copied and completed by loop
+ * 0's poll of the tier, their read counts let go from loop 1's table. With one loop too, which
+ * frames nothing shared: the same closes on the write path, which sends HBM pages from the host
+ * backend's memory. */
+static const char *const hbm_dram_args[] = {
+    "--dram-bytes", "2M",          "--nvme-bytes", "0", "--hbm-backend",
+    "host",         "--hbm-bytes", "512K",         NULL};
+
+Test(server_loops, a_close_while_a_shared_get_reads_from_hbm)
+{
+    close_while_a_shared_get_reads("2", hbm_dram_args, KVT_CLIENT_TIER_HBM, KVT_CLIENT_TIER_DRAM);
+}
+
+Test(server_loops, a_close_while_a_shared_get_reads_from_hbm_with_one_loop)
+{
+    close_while_a_shared_get_reads("1", hbm_dram_args, KVT_CLIENT_TIER_HBM, KVT_CLIENT_TIER_DRAM);
+}
+
+/* A path across HBM, DRAM and NVMe (256 KiB each of HBM and DRAM: 4 pages each, the other 8 in
+ * NVMe), its batch holding reads of two tiers and pages sent from DRAM: the orphans' reads
+ * complete on loop 0 from two tiers, and the last GET, read whole, has every page's bytes. */
+static const char *const hbm_mix_args[] = {"--dram-bytes", "256K",          "--nvme-bytes",
+                                           "64M",          "--hbm-backend", "host",
+                                           "--hbm-bytes",  "256K",          NULL};
+
+Test(server_loops, a_close_while_a_shared_get_reads_from_hbm_and_nvme)
+{
+    close_while_a_shared_get_reads("2", hbm_mix_args, KVT_CLIENT_TIER_HBM, KVT_CLIENT_TIER_NVME);
+}
+
+Test(server_loops, a_close_while_a_shared_get_reads_from_hbm_and_nvme_with_one_loop)
+{
+    close_while_a_shared_get_reads("1", hbm_mix_args, KVT_CLIENT_TIER_HBM, KVT_CLIENT_TIER_NVME);
 }
 
 typedef struct nvme_matcher {
