@@ -5233,3 +5233,89 @@ Test(server_loops, a_get_meets_a_corrupt_remote_value_with_one_loop, .timeout = 
 {
     gets_meet_a_corrupt_record("1", 1);
 }
+
+/*
+ * A lease that ends (RELEASE, framed right behind two GETs of its path in one write) while the
+ * GETs' HBM reads are queued or in flight: each GET, planned shared on loop 1, then holds the
+ * path itself (kvt__get_lease_ends), so the REMOVE framed after the RELEASE waits for them (or,
+ * past its second, answers EBUSY and is sent again) and frees nothing under them. Both GETs come
+ * whole and byte-exact, the path goes, and the HBM tier holds nothing after. With one loop too
+ * (the write path, which pins the path from the GET's start).
+ */
+static void hbm_lease_ends_under_reads(const char *loops)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", loops, "--dram-bytes", "0", "--nvme-bytes", "0", "--hbm-backend",
+              "host", "--hbm-bytes", "16M", "--tick-ms", "10", NULL);
+    kvt_client_t *c0 = kvd_client(&d, "h", PAGE, NBB);
+    enum { P = 8, GETF = KVT_PROTO_HDR + sizeof(kvt_wire_get_t) };
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc(NBB), *body = malloc(sizeof(kvt_wire_get_data_t) + NBB);
+    uint64_t sums[P];
+    cr_assert(payload && body);
+    kvd_tokens(tok, P * PAGE, 9780000u);
+    for (uint32_t p = 0; p < P; p++)
+        sums[p] = put_page(c0, tok, p, NBB, 978 + p, payload);
+    cr_assert_eq(kvd_stat(c0, "hbm_blocks"), P);
+    int fd = kvd_raw(&d);
+    uint64_t lease = raw_lease(fd, "h", PAGE, NBB, tok, P * PAGE, body, 4096);
+    uint8_t buf[2 * GETF + 1024], *g = buf;
+    for (int i = 0; i < 2; i++, g += GETF) {
+        kvt_wire_get_t gw = {.lease = lease};
+        kvt_proto_frame(g, KVT_OP_GET, 0, 10 + (uint64_t)i, 0, sizeof gw);
+        memcpy(g + KVT_PROTO_HDR, &gw, sizeof gw);
+    }
+    g += bad_release_frame(g, 30, lease);
+    g += bad_remove_frame(g, 31, tok);
+    cr_assert_eq(write(fd, buf, (size_t)(g - buf)), g - buf);
+    int wrong = 0;
+    for (int i = 0; i < 2; i++) {
+        kvt_proto_hdr_t h;
+        uint32_t got = 0;
+        for (;; got++) {
+            read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + NBB);
+            wrong += h.request_id != 10 + (uint64_t)i;
+            if (!(h.flags & KVT_RF_MORE))
+                break;
+            uint32_t page = kvt_get_u32(body);
+            wrong += h.body_len != sizeof(kvt_wire_get_data_t) + NBB || page != got || page >= P ||
+                     page_sum(body + sizeof(kvt_wire_get_data_t), NBB) != sums[page];
+        }
+        cr_expect(h.status == 0 && got == P, "GET %d: %d after %u pages", i, h.status, got);
+    }
+    cr_expect_eq(wrong, 0, "%d wrong frames", wrong);
+    for (uint64_t id = 30; id < 32; id++) {
+        kvt_proto_hdr_t h;
+        read_reply_frame(fd, &h, body, 4096);
+        int busy = id == 31 && h.status == KVT_EBUSY;
+        cr_expect(h.request_id == id && (h.status == 0 || busy), "request %llu: %llu, status %d",
+                  (unsigned long long)id, (unsigned long long)h.request_id, h.status);
+        if (busy)
+            cr_expect_eq(kvt_client_remove(c0, tok, PAGE), 0);
+    }
+    if (atoi(loops) > 1)
+        cr_expect_eq(kvd_metric(&d, "kvtier_loop_shared_gets_total{loop=\"1\"}"), 2,
+                     "loop 1 planned both GETs shared");
+    kvt_client_match_t m = {0};
+    cr_expect_eq(kvt_client_match(c0, tok, P * PAGE, 0, 0, NULL, &m), 0);
+    cr_expect_eq(m.pages, 0, "the path was removed");
+    cr_expect_eq(bad_wait_metric(&d, "kvtier_tier_used_bytes{tier=\"hbm\"}", 0, 0), 0,
+                 "the HBM tier holds nothing");
+    close(fd);
+    free(payload);
+    free(body);
+    kvt_client_close(c0);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+Test(server_loops, a_lease_that_ends_under_a_shared_gets_hbm_reads_leaves_it_the_path,
+     .timeout = 60)
+{
+    hbm_lease_ends_under_reads("2");
+}
+
+Test(server_loops, a_lease_that_ends_under_a_gets_hbm_reads_with_one_loop, .timeout = 60)
+{
+    hbm_lease_ends_under_reads("1");
+}
