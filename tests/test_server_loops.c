@@ -4638,6 +4638,120 @@ Test(server_loops, every_shared_path_at_once, .timeout = 120)
 }
 
 /*
+ * A sibling of every_shared_path_at_once with the HBM tier (its host backend, 512 KiB: 8 slots of
+ * 64 KiB): P's first 4 pages lie in HBM, the next in DRAM, the rest in NVMe, and 4 HBM slots are
+ * free. Loop 1 MATCHes P (with LEASE and KEEP, a miss, a PROBE) and GETs it whole, loop 2 GETs it
+ * whole, loop 3 a page at a time: their HBM reads queued from three loops at once (s->submit),
+ * beside NVMe reads and DRAM pages, every byte checked. Meanwhile loop 0 PUTs and REMOVEs one-page
+ * prompts that land in the free HBM slots, under the write lock: the tier's write queue, its flush
+ * of the queued reads before those writes, its frees and its bitmap, against the shared readers.
+ * Every MATCH and GET of loops 1-3 is answered shared.
+ */
+static void *hbm_mixer_main(void *arg)
+{
+    mixer_t *k = arg;
+    static __thread uint32_t wtok[PAGE];
+    static __thread uint8_t wbytes[SBB];
+    for (int round = 0; round < MIXR; round++) {
+        if (k->loop == 0) {
+            kvt_client_put_t r;
+            kvd_tokens(wtok, PAGE, 9590000u + (uint32_t)round * 100);
+            kvd_fill(wbytes, SBB, 959 + (uint32_t)round);
+            if (kvt_client_put(k->c, wtok, PAGE, 0, 1, wbytes, NULL, &r) < 0 || r.stored != 1 ||
+                kvt_client_remove(k->c, wtok, PAGE) < 0)
+                SHARER_WRONG(k);
+        }
+        if (k->loop == 1)
+            mixer_match(k, round);
+        if (k->loop == 1 || k->loop == 2)
+            mixer_get(k, 0, MIXP);
+        if (k->loop == 3)
+            mixer_get(k, (uint32_t)round % MIXP, 1);
+    }
+    return NULL;
+}
+
+/* Whether m, a MATCH of P, found it in HBM, DRAM and NVMe, some in each. */
+static int hbm_mixed_path(const kvt_client_match_t *m)
+{
+    int n[8] = {0};
+    for (uint32_t p = 0; p < m->pages && p < MIXP; p++)
+        n[m->tiers[p] & 7]++;
+    return m->pages == MIXP && n[KVT_CLIENT_TIER_HBM] && n[KVT_CLIENT_TIER_DRAM] &&
+           n[KVT_CLIENT_TIER_NVME] &&
+           n[KVT_CLIENT_TIER_HBM] + n[KVT_CLIENT_TIER_DRAM] + n[KVT_CLIENT_TIER_NVME] == MIXP;
+}
+
+Test(server_loops, every_shared_path_at_once_with_hbm, .timeout = 120)
+{
+    kvd_t d = {0};
+    kvd_start(&d, "--loops", "4", "--dram-bytes", "512K", "--nvme-bytes", "64M", "--hbm-backend",
+              "host", "--hbm-bytes", "512K", "--tick-ms", "10000", NULL);
+    static uint32_t tok[MIXP * PAGE], ftok[4 * PAGE];
+    static uint8_t payload[MIXP * SBB];
+    kvd_tokens(tok, MIXP * PAGE, 9580000u);
+    kvd_fill(payload, sizeof payload, 958);
+    kvd_tokens(ftok, 4 * PAGE, 9585000u);
+    mixer_t k[4];
+    pthread_t th[4];
+    char key[96];
+    for (int i = 0; i < 4; i++) {
+        k[i] = (mixer_t){
+            .c = kvd_client(&d, "m", PAGE, SBB), .tok = tok, .payload = payload, .loop = i};
+        snprintf(key, sizeof key, "loop_connections_%d", i);
+        cr_assert_eq(kvd_stat(k[0].c, key), 1, "client %d is loop %d's", i, i);
+    }
+    /* A filler takes 4 HBM slots, P the other 4 and then DRAM and NVMe; the filler goes. */
+    kvt_client_put_t r;
+    cr_assert_eq(kvt_client_put(k[0].c, ftok, 4 * PAGE, 0, 4, payload, NULL, &r), 0);
+    cr_assert_eq(kvt_client_put(k[1].c, tok, MIXP * PAGE, 0, MIXP, payload, NULL, &r), 0);
+    uint8_t tiers[MIXP];
+    kvt_client_match_t m = {.tiers = tiers, .tiers_cap = MIXP};
+    uint64_t t0 = kvt_now_ns();
+    do {
+        usleep(10 * 1000);
+        cr_assert_eq(kvt_client_match(k[1].c, tok, MIXP * PAGE, KVT_CLIENT_PROBE, 0, NULL, &m), 0);
+    } while (!hbm_mixed_path(&m) && kvt_now_ns() - t0 < 10000000000ull);
+    cr_assert(hbm_mixed_path(&m), "P lies in HBM, DRAM and NVMe");
+    double matches[4], gets[4];
+    for (int i = 1; i < 4; i++)
+        mixer_lease(&k[i], tok, MIXP, &m);
+    cr_assert_eq(kvt_client_remove(k[0].c, ftok, PAGE), 0);
+    cr_assert_eq(kvd_stat(k[0].c, "hbm_blocks"), 4, "4 HBM slots free");
+    for (int i = 0; i < 4; i++) {
+        snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
+        matches[i] = kvd_metric(&d, key);
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
+        gets[i] = kvd_metric(&d, key);
+    }
+    double hbm_writes =
+        kvd_metric(&d, "kvtier_tier_io_duration_seconds_count{tier=\"hbm\",dir=\"write\"}");
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, hbm_mixer_main, &k[i]), 0);
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_eq(k[i].errors, 0, "loop %d: %d wrong replies, the first at line %d", i,
+                     k[i].errors, k[i].line);
+    }
+    cr_expect_geq(
+        kvd_metric(&d, "kvtier_tier_io_duration_seconds_count{tier=\"hbm\",dir=\"write\"}") -
+            hbm_writes,
+        MIXR, "loop 0's PUTs went to HBM");
+    for (uint32_t j = 0; j < k[1].nheld; j++)
+        cr_expect_eq(kvt_client_release(k[1].c, k[1].held[j], NULL), 0);
+    for (int i = 1; i < 4; i++) {
+        snprintf(key, sizeof key, "kvtier_loop_shared_matches_total{loop=\"%d\"}", i);
+        cr_expect_eq(kvd_metric(&d, key) - matches[i], i == 1 ? MIXR : 0, "loop %d's MATCHes", i);
+        snprintf(key, sizeof key, "kvtier_loop_shared_gets_total{loop=\"%d\"}", i);
+        cr_expect_eq(kvd_metric(&d, key) - gets[i], MIXR, "loop %d's GETs", i);
+    }
+    for (int i = 0; i < 4; i++)
+        kvt_client_close(k[i].c);
+    cr_expect_eq(kvd_stop(&d), 0);
+    kvd_cleanup(&d);
+}
+
+/*
  * Located MATCHes on two loops at once: loops 1 and 2 each have a zero-copy client that stores a
  * path of its own through its mapping, then MATCHes it with LEASE, LOCATE and KEEP, 8 pipelined
  * a round, and RELEASEs them. Both loops' MATCHes are answered shared at the same time, each
