@@ -673,6 +673,14 @@ static pid_t own_redis(char *dir, size_t dlen, uint16_t *port)
     return -1;
 }
 
+/* Kills an own_redis server and removes its directory. */
+static void own_redis_stop(pid_t pid, const char *dir)
+{
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    kvd_rmrf(dir);
+}
+
 /* Two daemons on a redis-server of the test's own (which a test may pause): a keeps its blocks
  * there only, b (a DRAM tier, remote-timeout-ms timeout_ms) learns of them by its remote probe. */
 typedef struct remote_pair {
@@ -704,9 +712,7 @@ static void pair_stop(remote_pair_t *p)
     kvt_client_close(p->cb);
     kvd_cleanup(&p->a);
     kvd_cleanup(&p->b);
-    kill(p->redis, SIGKILL);
-    waitpid(p->redis, NULL, 0);
-    kvd_rmrf(p->dir);
+    own_redis_stop(p->redis, p->dir);
 }
 
 /*
@@ -942,9 +948,7 @@ Test(server_remote, a_late_write_by_one_daemon_deletes_no_key_another_stored)
     kvt_client_close(cb);
     kvd_cleanup(&a);
     kvd_cleanup(&b);
-    kill(redis, SIGKILL);
-    waitpid(redis, NULL, 0);
-    kvd_rmrf(dir);
+    own_redis_stop(redis, dir);
 }
 
 /*
@@ -1017,9 +1021,7 @@ Test(server_remote, a_stopped_server_holds_up_no_other_connection_of_the_gets_lo
     kvt_client_close(c1);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
-    kill(redis, SIGKILL);
-    waitpid(redis, NULL, 0);
-    kvd_rmrf(dir);
+    own_redis_stop(redis, dir);
 }
 
 /* --- host names: looked up off the request path --- */
@@ -1147,9 +1149,7 @@ Test(server_remote, a_slow_name_lookup_holds_up_no_request)
     kvt_client_close(c1);
     cr_expect_eq(kvd_stop(&d), 0);
     kvd_cleanup(&d);
-    kill(redis, SIGKILL);
-    waitpid(redis, NULL, 0);
-    kvd_rmrf(dir);
+    own_redis_stop(redis, dir);
 }
 
 /*
@@ -1222,7 +1222,5 @@ Test(server_remote, a_remote_named_localhost_stores_and_reads_back)
         cr_expect_eq(from[k], KVT_CLIENT_TIER_REMOTE, "page %d read from tier %u", k, from[k]);
     kvt_client_close(c);
     kvd_cleanup(&d);
-    kill(redis, SIGKILL);
-    waitpid(redis, NULL, 0);
-    kvd_rmrf(dir);
+    own_redis_stop(redis, dir);
 }
