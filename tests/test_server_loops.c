@@ -3184,6 +3184,34 @@ static void put_data(uint32_t *tok, uint32_t *left, uint8_t *payload, uint32_t p
         kvd_fill(payload + (size_t)p * PBB, PBB, fill + p);
 }
 
+/* A PUT frame's bytes, counted whole in the clients' memory while its request lives: pages pages
+ * of PAGE tokens and PBB bytes. */
+static uint64_t put_frame_bytes(uint32_t pages)
+{
+    return KVT_PROTO_HDR + sizeof(kvt_wire_put_t) + (uint64_t)pages * PAGE * 4 +
+           (uint64_t)pages * PBB;
+}
+
+/* f->a PUTs pages pages of tok and payload, held by f's gate (two loops) in its copies while
+ * f->b reads the clients' memory count into *mid (left as it was with one loop: no gate). The
+ * PUT's result; it must succeed. */
+static kvt_client_put_t put_held(put_fix_t *f, const uint32_t *tok, uint32_t pages,
+                                 const uint8_t *payload, uint64_t *mid)
+{
+    put_gate_close(f->gate);
+    putter_t pt = {.c = f->a, .tok = tok, .pages = pages, .payload = payload};
+    pthread_t th;
+    pthread_create(&th, NULL, putter_main, &pt);
+    if (f->gate[0]) {
+        put_wait_index(f->b, pages);
+        *mid = kvd_stat(f->b, "client_buffer_bytes");
+        cr_assert_eq(unlink(f->gate), 0);
+    }
+    pthread_join(th, NULL);
+    cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
+    return pt.r;
+}
+
 /*
  * A PUT's NVMe pages (no DRAM tier) copied aligned apart (op_put.c, put_copy_count): each copy
  * counts in the clients' memory beside the frame that holds the payload, from the handler until
@@ -3202,21 +3230,10 @@ static void put_copies_counted(const char *loops)
     static uint32_t tok[P * PAGE], left[P * PAGE];
     static uint8_t payload[P * PBB];
     put_data(tok, left, payload, P, 9150000u, 60);
-    const uint64_t frame =
-        KVT_PROTO_HDR + sizeof(kvt_wire_put_t) + (uint64_t)P * PAGE * 4 + (uint64_t)P * PBB;
+    const uint64_t frame = put_frame_bytes(P);
     uint64_t base = kvd_stat(b, "client_buffer_bytes"), mid = 0;
-    put_gate_close(f.gate);
-    putter_t pt = {.c = f.a, .tok = tok, .pages = P, .payload = payload};
-    pthread_t th;
-    pthread_create(&th, NULL, putter_main, &pt);
-    if (f.gate[0]) {
-        put_wait_index(b, P);
-        mid = kvd_stat(b, "client_buffer_bytes");
-        cr_assert_eq(unlink(f.gate), 0);
-    }
-    pthread_join(th, NULL);
-    cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
-    cr_expect_eq(pt.r.stored, P);
+    kvt_client_put_t r = put_held(&f, tok, P, payload, &mid);
+    cr_expect_eq(r.stored, P);
     double bounced = kvd_metric(&f.d, "kvtier_nvme_bounced_bytes_total");
     uint64_t copies = P - (uint64_t)bounced / PBB;
     cr_expect_eq(copies, 4, "%.0f bytes bounced: only the copies max-client-bytes holds are made",
@@ -3275,21 +3292,10 @@ static void put_refused_counted(const char *loops, int remote)
     static uint32_t tok[P * PAGE], left[P * PAGE];
     static uint8_t payload[P * PBB];
     put_data(tok, left, payload, P, 9170000u + 1000u * (uint32_t)remote, 70);
-    const uint64_t frame =
-        KVT_PROTO_HDR + sizeof(kvt_wire_put_t) + (uint64_t)P * PAGE * 4 + (uint64_t)P * PBB;
-    uint64_t base = kvd_stat(b, "client_buffer_bytes");
-    put_gate_close(f.gate);
-    putter_t pt = {.c = f.a, .tok = tok, .pages = P, .payload = payload};
-    pthread_t th;
-    pthread_create(&th, NULL, putter_main, &pt);
-    if (f.gate[0]) { /* held in its copies: the count holds the frame and four copies */
-        put_wait_index(b, P);
-        cr_expect_eq(kvd_stat(b, "client_buffer_bytes"), base + frame + 4 * PBB);
-        cr_assert_eq(unlink(f.gate), 0);
-    }
-    pthread_join(th, NULL);
-    cr_assert_eq(pt.rc, 0, "put: %s", kvt_client_strerror(pt.rc));
-    kvt_client_put_t r = pt.r;
+    uint64_t base = kvd_stat(b, "client_buffer_bytes"), mid = 0;
+    kvt_client_put_t r = put_held(&f, tok, P, payload, &mid);
+    if (f.gate[0]) /* held in its copies: the count held the frame and four copies */
+        cr_expect_eq(mid, base + put_frame_bytes(P) + 4 * PBB);
     cr_expect_eq(kvd_metric(&f.d, "kvtier_nvme_bounced_bytes_total"), 0,
                  "the pages without a copy were refused before their write started");
     uint64_t in_nvme = kvd_stat(b, "nvme_blocks");
@@ -4967,21 +4973,30 @@ static void bad_send(const bad_fix_t *f, const uint8_t *tail, size_t tail_len)
     cr_assert_eq(write(f->fd, buf, (size_t)(g - buf)), g - buf);
 }
 
+/* The reply of GET id on raw socket fd, its frames read into body (room for one of a page of bb
+ * bytes): its status; the pages it sent in *got, each checked to come in order, one of the path's
+ * n pages, with the checksum in sums (a wrong frame counted in *wrong). */
+static int raw_get_pages(int fd, uint64_t id, uint8_t *body, uint32_t bb, const uint64_t *sums,
+                         uint32_t n, uint32_t *got, int *wrong)
+{
+    kvt_proto_hdr_t h;
+    for (*got = 0;; (*got)++) {
+        read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + bb);
+        *wrong += h.request_id != id;
+        if (!(h.flags & KVT_RF_MORE))
+            return h.status;
+        uint32_t page = kvt_get_u32(body);
+        *wrong += h.body_len != sizeof(kvt_wire_get_data_t) + bb || page != *got || page >= n ||
+                  page_sum(body + sizeof(kvt_wire_get_data_t), bb) != sums[page];
+    }
+}
+
 /* GET i's reply: its status; the pages it sent in *got, each checked against its path's sums (a
  * wrong one counted in *wrong). */
 static int bad_read_get(bad_fix_t *f, int i, uint32_t *got, int *wrong)
 {
-    const uint64_t *sums = f->sums[i >= BGOOD];
-    kvt_proto_hdr_t h;
-    for (*got = 0;; (*got)++) {
-        read_reply_frame(f->fd, &h, f->body, sizeof(kvt_wire_get_data_t) + NBB);
-        *wrong += h.request_id != 10 + (uint64_t)i;
-        if (!(h.flags & KVT_RF_MORE))
-            return h.status;
-        uint32_t page = kvt_get_u32(f->body);
-        *wrong += h.body_len != sizeof(kvt_wire_get_data_t) + NBB || page != *got || page >= BP ||
-                  page_sum(f->body + sizeof(kvt_wire_get_data_t), NBB) != sums[page];
-    }
+    return raw_get_pages(f->fd, 10 + (uint64_t)i, f->body, NBB, f->sums[i >= BGOOD], BP, got,
+                         wrong);
 }
 
 /* The value of series once it lies in [at_least, at_most], or after 5 s. */
@@ -5384,18 +5399,9 @@ static void hbm_lease_ends_under_reads(const char *loops)
     cr_assert_eq(write(fd, buf, (size_t)(g - buf)), g - buf);
     int wrong = 0;
     for (int i = 0; i < 2; i++) {
-        kvt_proto_hdr_t h;
         uint32_t got = 0;
-        for (;; got++) {
-            read_reply_frame(fd, &h, body, sizeof(kvt_wire_get_data_t) + NBB);
-            wrong += h.request_id != 10 + (uint64_t)i;
-            if (!(h.flags & KVT_RF_MORE))
-                break;
-            uint32_t page = kvt_get_u32(body);
-            wrong += h.body_len != sizeof(kvt_wire_get_data_t) + NBB || page != got || page >= P ||
-                     page_sum(body + sizeof(kvt_wire_get_data_t), NBB) != sums[page];
-        }
-        cr_expect(h.status == 0 && got == P, "GET %d: %d after %u pages", i, h.status, got);
+        int status = raw_get_pages(fd, 10 + (uint64_t)i, body, NBB, sums, P, &got, &wrong);
+        cr_expect(status == 0 && got == P, "GET %d: %d after %u pages", i, status, got);
     }
     cr_expect_eq(wrong, 0, "%d wrong frames", wrong);
     for (uint64_t id = 30; id < 32; id++) {
