@@ -345,9 +345,10 @@ static void dispatch_batch(kvt__conn_t *c, const uint8_t *in, size_t len)
 #endif
 }
 
-/* A frame under the lock shared (conn.c's framing, several loops): a MATCH without KEEP, REMOTE
- * or LOCATE, a GET of DRAM pages, or a RELEASE, and only once AUTH has passed; it arrived with its
- * read and a MATCH's pages are asked for ahead, as in kvt__handle. */
+/* A frame under the lock shared (conn.c's framing, several loops): a MATCH without REMOTE
+ * (kvt__match_shares), a GET (kvt__get_shares; its pages' tiers decide, kvt__h_get_shared), or a
+ * RELEASE, and only once AUTH has passed; it arrived with its read and a MATCH's pages are asked
+ * for ahead, as in kvt__handle. */
 static int dispatch_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body)
 {
     if (!c->authed)

@@ -112,6 +112,13 @@ static void mrc_match(kvt_srv_t *s, const kvt_match_t *m, const kvt__match_q_t *
     kvt__mrc_lookup(s->mrc, keys, whole, q->page, q->block_bytes, q->ntokens);
 }
 
+/* How long a lease (and a KEEP's handle) lasts when the client asks for asked ms: lease-ms when
+ * it asks for nothing, at most lease-ms-max. */
+static uint32_t lease_ms(const kvt_srv_t *s, uint32_t asked)
+{
+    return asked ? KVT_MIN(asked, s->conf->lease_ms_max) : s->conf->lease_ms;
+}
+
 /* The block size for the miss-ratio curve: c's, or the namespace's when c declared none (a
  * lookup-only client of a namespace that others fill); 0 when neither is known (the curve then
  * counts nothing for the lookup). */
@@ -309,7 +316,7 @@ int kvt__match_answer(kvt__conn_t *c, kvt__req_t *r, const kvt_proto_hdr_t *h, u
             mrc_match(s, m, q);
     }
     uint64_t lease = 0;
-    uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+    uint32_t ms = lease_ms(s, q->lease_ms);
     int leasing = (q->flags & KVT_MATCH_F_LEASE) && m->pages > 0, full = 0;
     if (leasing && c->nleases >= s->conf->max_leases) {
         rc = KVT_ENOSPC; /* refused below, saying why */
@@ -506,7 +513,7 @@ static int shared_lease(kvt__conn_t *c, const kvt_match_t *m, const kvt_proto_ma
     kvt_srv_t *s = c->srv;
     if (c->nleases >= s->conf->max_leases)
         return KVT_ENOSPC;
-    uint32_t ms = q->lease_ms ? KVT_MIN(q->lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+    uint32_t ms = lease_ms(s, q->lease_ms);
     kvt__lease_t l = {
         .node = m->node,
         .pages = m->pages,
@@ -615,7 +622,7 @@ int kvt__h_match_shared(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t 
             free(out);
         return 0;
     }
-    uint32_t ms = q.lease_ms ? KVT_MIN(q.lease_ms, s->conf->lease_ms_max) : s->conf->lease_ms;
+    uint32_t ms = lease_ms(s, q.lease_ms);
     uint32_t handle = keep ? handle_keep(c, c->tok, q.ntokens, ms) : 0;
     kvt__hit_t *hit = &l->hits[l->nhits];
     kvt__count_hints(l->metrics, &q.hints);
@@ -702,9 +709,7 @@ int kvt__h_match(kvt__conn_t *c, const kvt_proto_hdr_t *h, const uint8_t *body, 
                          .block_bytes = block,
                          .tokens = c->tok};
     if (h->flags & KVT_MATCH_F_KEEP)
-        mq.handle = handle_keep(c, c->tok, q.ntokens,
-                                q.lease_ms ? KVT_MIN(q.lease_ms, s->conf->lease_ms_max)
-                                           : s->conf->lease_ms);
+        mq.handle = handle_keep(c, c->tok, q.ntokens, lease_ms(s, q.lease_ms));
     kvt__store_check_path(s, &m, &mq.lost); /* blocks NVMe dropped are not reported stored */
     int down = 0;
     if ((h->flags & KVT_MATCH_F_REMOTE) &&
