@@ -15,6 +15,7 @@
 #include "test_tier_util.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/wait.h>
 
 #include "config.h" /* KVT_HAVE_CUDA */
@@ -315,6 +316,92 @@ Test(tier_hbm, queue_only_reads_wait_for_the_owners_process)
     cr_assert_eq(stats(t).batches, batches + N / 2, "in batches of 2");
     for (int i = 0; i < N; i++)
         cr_assert(tu_same(back + (size_t)i * LEN, LEN, 31 + (uint64_t)i), "block %d", i);
+    kvt_tier_destroy(t);
+}
+
+/* Submissions from a thread other than the one that created the tier (the daemon: a PUT or a
+ * write-path GET on a loop past 0, under its write lock). */
+typedef struct foreign {
+    kvt_tier_t *t;
+    kvt_tier_io_t *ios;
+    int n, rc, write;
+} foreign_t;
+
+static void *foreign_submit(void *arg)
+{
+    foreign_t *f = arg;
+    for (int i = 0; i < f->n && f->rc == 0; i++)
+        f->rc = f->write ? kvt_tier_write(f->t, &f->ios[i]) : kvt_tier_read(f->t, &f->ios[i]);
+    return NULL;
+}
+
+static void submit_from_another_thread(kvt_tier_t *t, kvt_tier_io_t *ios, int n, int write)
+{
+    foreign_t f = {.t = t, .ios = ios, .n = n, .write = write};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, foreign_submit, &f), 0);
+    cr_assert_eq(pthread_join(th, NULL), 0);
+    cr_assert_eq(f.rc, 0, "%s from another thread: %d", write ? "write" : "read", f.rc);
+}
+
+/* A full queue goes out from a submission only on the thread that created the tier, which is the
+ * one that processes it: writes and reads submitted from another thread past batch_max (not
+ * marked queue_only) are queued and kicked, and the creator's kvt_tier_process sends them all in
+ * batches of batch_max, byte-exact. Before, the batch_max-th went out on the submitter's thread,
+ * with its CUDA calls on the cuda backend and its memcpy and completion on the host one. */
+Test(tier_hbm, full_queues_from_another_thread_wait_for_the_owners_process)
+{
+    enum { N = 6, LEN = 4096 };
+    kvt_tier_t *t = NULL;
+    kvt_tier_hbm_conf_t c = {.backend = "host", .capacity_bytes = 1u << 20, .batch = 2};
+    cr_assert_eq(kvt_tier_hbm_create(&t, &c), 0);
+    static kvt_tier_io_t ios[N], rd[N];
+    static uint32_t toks[N][16];
+    static uint8_t bufs[N * LEN], back[N * LEN];
+    int done = 0;
+    for (int i = 0; i < N; i++) {
+        tu_fill(bufs + (size_t)i * LEN, LEN, 51 + (uint64_t)i);
+        ios[i] = (kvt_tier_io_t){.key = tu_key((uint64_t)i, toks[i], 16),
+                                 .buf = bufs + (size_t)i * LEN,
+                                 .len = LEN,
+                                 .cb = tu_count_cb,
+                                 .data = &done};
+    }
+    submit_from_another_thread(t, ios, N, 1);
+    cr_assert_eq(stats(t).batches, 0, "no write went out on the submitter's thread");
+    cr_assert_eq(done, 0);
+    cr_assert(fd_readable(t), "the tier's fd wakes its owner");
+    cr_assert_eq(kvt_tier_process(t), N);
+    cr_assert_eq(done, N);
+    cr_assert_eq(stats(t).batches, N / 2, "in batches of 2");
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(ios[i].status, 0);
+        cr_assert(tu_same(kvt_tier_ptr(t, ios[i].loc), LEN, 51 + (uint64_t)i), "block %d", i);
+    }
+    done = 0;
+    for (int i = 0; i < N; i++)
+        rd[i] = (kvt_tier_io_t){.key = ios[i].key,
+                                .loc = ios[i].loc,
+                                .buf = back + (size_t)i * LEN,
+                                .len = LEN,
+                                .cb = tu_count_cb,
+                                .data = &done};
+    submit_from_another_thread(t, rd, N, 0);
+    cr_assert_eq(stats(t).batches, N / 2, "no read went out on the submitter's thread");
+    cr_assert_eq(done, 0);
+    cr_assert(fd_readable(t));
+    cr_assert_eq(kvt_tier_process(t), N);
+    cr_assert_eq(done, N);
+    cr_assert_eq(stats(t).batches, N, "in batches of 2");
+    for (int i = 0; i < N; i++)
+        cr_assert(tu_same(back + (size_t)i * LEN, LEN, 51 + (uint64_t)i), "read %d", i);
+    /* On the creating thread a full queue still goes out from its submission. */
+    for (int i = 0; i < N; i++)
+        kvt_tier_free(t, ios[i].loc, LEN);
+    done = 0;
+    tu_write_burst(t, ios, toks, bufs, N, LEN, 51, &done);
+    cr_assert_eq(stats(t).batches, N + N / 2, "the owner's full queues went out at once");
+    cr_assert(tu_drive(t, &done, N));
     kvt_tier_destroy(t);
 }
 

@@ -114,6 +114,7 @@ struct hbm_pool {
 
 typedef struct hbm {
     int cuda;
+    pthread_t owner; /* the creating thread: the one that processes the tier (hbm_enqueue) */
     uint32_t batch_max;
     int kicked;            /* the tier's fd was made readable for the queues */
     kvt_tier_io_t **batch; /* batch_max entries: the batch going out */
@@ -365,13 +366,16 @@ static void hbm_flush(kvt_tier_t *t, int to_device)
         pool_flush(t, &h->pools[i], to_device);
 }
 
-/* Queues a request; a full queue goes out now, anything else on the next kvt_tier_process. A read
- * marked queue_only (tier.h) never goes out here: its submitter is another thread than the one
- * that processes the tier, which must make every CUDA call (and its cudaSetDevice) and complete
- * every copy; the queue may then pass batch_max until that thread's next process, whose flush
- * cuts it into batches as usual. The kick is an eventfd write, which wakes the owner's loop from
- * any thread; h->kicked and the queues are the caller's to serialise (the daemon: its write lock,
- * or its shared lock with s->submit held for a queue_only read). */
+/* Queues a request; a full queue goes out now, anything else on the next kvt_tier_process. Only
+ * the owner (the thread that created the tier and processes it: the daemon's loop 0) sends a
+ * full queue from a submission. Any other thread only queues and kicks, as a read marked
+ * queue_only (tier.h) always does: every batch, with its CUDA calls (and their cudaSetDevice) and
+ * its completions, stays on the owner's thread, and the queue may pass batch_max until the
+ * owner's next process cuts it into batches as usual. A queue_only read is for the owner's own
+ * thread too (it holds the daemon's shared lock, under which nothing may complete). The kick is an
+ * eventfd write, which wakes the owner's loop from any thread; h->kicked and the queues are the
+ * caller's to serialise (the daemon: its write lock, or its shared lock with s->submit held for a
+ * queue_only read). */
 static void hbm_enqueue(kvt_tier_t *t, kvt_tier_io_t *io, int to_device)
 {
     hbm_t *h = t->impl;
@@ -385,7 +389,8 @@ static void hbm_enqueue(kvt_tier_t *t, kvt_tier_io_t *io, int to_device)
     q->tail = io;
     q->n++;
     q->bytes += io->len;
-    if (!io->queue_only && (q->n >= h->batch_max || q->bytes >= HBM_BATCH_BYTES)) {
+    if (!io->queue_only && (q->n >= h->batch_max || q->bytes >= HBM_BATCH_BYTES) &&
+        pthread_equal(pthread_self(), h->owner)) {
         if (to_device)
             pool_flush(t, p, 0); /* the reads queued before these writes (see the top) */
         pool_flush(t, p, to_device);
@@ -420,6 +425,7 @@ static int cuda_harvest(kvt_tier_t *t);
 static int hbm_poll(kvt_tier_t *t)
 {
     hbm_t *h = t->impl;
+    kvt_assert(pthread_equal(pthread_self(), h->owner)); /* tier.h: the creator processes it */
     h->kicked = 0;
     hbm_flush(t, 0);
     hbm_flush(t, 1);
@@ -994,6 +1000,7 @@ int kvt_tier_hbm_create(kvt_tier_t **out, const kvt_tier_hbm_conf_t *conf)
     hbm_t *h = calloc(1, sizeof(*h));
     if (!h)
         return KVT_ENOMEM;
+    h->owner = pthread_self();
     h->slot_bytes = slot;
     h->slot_shift = (uint32_t)__builtin_ctz(slot);
     h->npools = ndev;

@@ -591,8 +591,12 @@ long kvt_tier_nvme_drop_recovered(kvt_tier_t *t);
  *
  * Batches, both backends: a read or write submitted is queued, and what was queued goes out in
  * batches on the tier's next kvt_tier_process (the submit makes kvt_tier_fd readable), or at
- * once when its direction has `batch` copies queued. Requests submitted together in one turn of
- * the caller's loop thus complete together, one batch per direction (tiers/hbm.c). */
+ * once when its direction has `batch` copies queued and the submitter is the thread that created
+ * the tier. Requests submitted together in one turn of the caller's loop thus complete together,
+ * one batch per direction (tiers/hbm.c). Every copy (and every CUDA call but the IPC export's)
+ * is made by kvt_tier_process or a submission on the creating thread, which must be the one that
+ * processes the tier: a submission from another thread (under the caller's serialisation) only
+ * queues and kicks. */
 typedef struct kvt_tier_hbm_conf {
     const char *backend;     /* "cuda", "host" or "auto"; NULL: "auto" */
     uint64_t capacity_bytes; /* each pool's size, rounded down to whole slots */
