@@ -213,6 +213,7 @@ void kvt__loops_stop(kvt_srv_t *s)
             s->loops[i].started = 0;
         }
     kvt__srv_lock(s);
+    s->loops[0].write_at = s->lock_at; /* its hold starts again here, not at its first take */
     s->loops_running = 0;
 }
 

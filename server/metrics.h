@@ -178,6 +178,20 @@ typedef enum {
       "posted kick, the step after a batch that wrote): a run of MATCHes without a lease takes "   \
       "none.",                                                                                     \
       LOOP)                                                                                        \
+    X(LOOP_WRITE_LOCK_WAIT, HISTOGRAM, "kvtier_loop_write_lock_wait_seconds",                      \
+      "Time each event loop's thread waited for the store's lock for writing, by loop: other "     \
+      "loops held it (for writing, or shared by their MATCHes and GETs).",                         \
+      LOOP)                                                                                        \
+    X(LOOP_WRITE_LOCK_HOLD, HISTOGRAM, "kvtier_loop_write_lock_hold_seconds",                      \
+      "Time each event loop's thread held the store's lock for writing, by loop (every other "     \
+      "loop's MATCHes and GETs wait that long); the first thing a writer does is apply the "       \
+      "loops' "                                                                                    \
+      "deferred MATCH hits, counted here.",                                                        \
+      LOOP)                                                                                        \
+    X(LOOP_SHARED_LOCK_WAIT, HISTOGRAM, "kvtier_loop_shared_lock_wait_seconds",                    \
+      "Time each event loop's thread waited for the store's lock shared (its MATCHes, GETs and "   \
+      "framing), by loop: another loop held it for writing.",                                      \
+      LOOP)                                                                                        \
     X(LOOP_KICKS_POSTED, COUNTER, "kvtier_loop_kicks_posted_total",                                \
       "Times another loop handed a loop one of its connections to serve (a tier completion, a "    \
       "deadline, a close), through its eventfd.",                                                  \

@@ -572,6 +572,9 @@ struct kvt__loop {
     /* How this loop's thread holds s->lock: set by it only, with the lock held (the other
      * threads read a loop's under the write lock: kvt__out_add of its connection). */
     int held;
+    /* When it last took the write lock (kvt_now_ns, its settle included in the hold): its
+     * kvtier_loop_write_lock_hold_seconds. Its own thread's only. */
+    uint64_t write_at;
     /* It took the write lock since its last wake: the work after the batch (the policy's step)
      * runs, whichever way the batch ended holding the lock. Its own thread's only. */
     int wrote;
@@ -606,6 +609,8 @@ struct kvt_srv {
      * the metrics are behind this one lock, taken for writing except by a MATCH's walk (shared);
      * see struct kvt__loop. */
     pthread_rwlock_t lock;
+    /* When the write lock was last granted (kvt_now_ns; kvt__srv_lock sets it, holding it). */
+    uint64_t lock_at;
     /* Tier reads submitted with the lock shared (op_get.c get_submit: a GET's NVMe pages, planned
      * on several loops at once) go one at a time through it. */
     pthread_mutex_t submit;

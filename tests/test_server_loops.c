@@ -996,6 +996,85 @@ static void client_a_loop_stop(kvd_t *d, kvt_client_t **c, int n)
     kvd_cleanup(d);
 }
 
+/* Loop i's series of a lock histogram (kvtier_loop_*_lock_*_seconds): its count or its sum. */
+static double lock_series(const kvd_t *d, const char *hist, const char *part, int i)
+{
+    char key[128];
+    snprintf(key, sizeof key, "kvtier_loop_%s_seconds_%s{loop=\"%d\"}", hist, part, i);
+    double v = kvd_metric(d, key);
+    cr_assert_geq(v, 0, "no series %s", key);
+    return v;
+}
+
+/* The store's lock, timed per loop: every write-lock take of a loop is one wait and one hold in
+ * its histograms (kvtier_loop_write_lock_wait_seconds, _hold_seconds; a scrape, on loop 0,
+ * runs while no other loop holds the lock, so each of their holds has ended and been observed),
+ * a run of MATCHes adds shared waits and no write lock, and a loop's holds, one after another on
+ * its own thread, add up to no more than the wall time they fell in (a unit wrong by 1,000 would
+ * fail that or the > 0). */
+Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvt_client_t *c[2];
+    int n = client_a_loop(&d, "2", 0, c);
+    enum { P = 4, R = 40 };
+    static uint32_t tok[P * PAGE];
+    static uint8_t payload[P * BB];
+    double hold0[2], wait0[2], shared0[2], hold_sum0[2], wait_sum0[2], locks0[2];
+    for (int i = 0; i < n; i++) {
+        locks0[i] = write_locks(&d, i);
+        hold0[i] = lock_series(&d, "write_lock_hold", "count", i);
+        wait0[i] = lock_series(&d, "write_lock_wait", "count", i);
+        shared0[i] = lock_series(&d, "shared_lock_wait", "count", i);
+        hold_sum0[i] = lock_series(&d, "write_lock_hold", "sum", i);
+        wait_sum0[i] = lock_series(&d, "write_lock_wait", "sum", i);
+    }
+    cr_assert_eq(hold0[1], locks0[1], "loop 1: a hold per write lock (%.0f, %.0f)", hold0[1],
+                 locks0[1]);
+    uint64_t t0 = kvt_now_ns();
+    for (int k = 0; k < R; k++) { /* loop 1: PUTs (write locks), then a run of MATCHes */
+        kvt_client_put_t r;
+        kvd_tokens(tok, P * PAGE, (uint32_t)(3000000 + k * 1000));
+        cr_assert_eq(kvt_client_put(c[1], tok, P * PAGE, 0, P, payload, NULL, &r), 0);
+    }
+    double locks_put = write_locks(&d, 1);
+    double shared_put = lock_series(&d, "shared_lock_wait", "count", 1);
+    for (int k = 0; k < R; k++) {
+        kvt_client_match_t m = {0};
+        kvd_tokens(tok, P * PAGE, (uint32_t)(3000000 + k * 1000));
+        cr_assert_eq(kvt_client_match(c[1], tok, P * PAGE, 0, 0, NULL, &m), 0);
+        cr_assert_eq(m.pages, P);
+    }
+    double locks1 = write_locks(&d, 1);
+    uint64_t wall = kvt_now_ns() - t0;
+    cr_assert_geq(locks_put - locks0[1], R, "each PUT took the write lock on loop 1");
+    cr_assert_eq(locks1, locks_put, "the MATCHes took none");
+    for (int i = 0; i < n; i++) {
+        double locks = write_locks(&d, i);
+        double hold = lock_series(&d, "write_lock_hold", "count", i);
+        double wait = lock_series(&d, "write_lock_wait", "count", i);
+        double hold_sum = lock_series(&d, "write_lock_hold", "sum", i) - hold_sum0[i];
+        double wait_sum = lock_series(&d, "write_lock_wait", "sum", i) - wait_sum0[i];
+        if (i == 1) {
+            cr_assert_eq(hold - hold0[i], locks - locks0[i], "loop 1: one hold per write lock");
+            cr_assert_gt(hold_sum, 0, "loop 1 held the write lock for some time");
+            cr_assert_lt(hold_sum, wall / 1e9,
+                         "loop 1's holds (%.6f s) fit in the %.6f s they "
+                         "fell in",
+                         hold_sum, wall / 1e9);
+        } else { /* loop 0's own hold, the scrape's, is still going on: counted once it ends */
+            cr_assert_geq(hold - hold0[i], locks - locks0[i] - 1);
+        }
+        cr_assert_eq(wait - wait0[i], locks - locks0[i], "loop %d: one wait per write lock", i);
+        cr_assert_geq(wait_sum, 0);
+        cr_assert_lt(wait_sum, wall / 1e9 + 1, "loop %d waited %.6f s", i, wait_sum);
+    }
+    cr_assert_gt(lock_series(&d, "shared_lock_wait", "count", 1), shared_put,
+                 "the MATCHes took the lock shared on loop 1");
+    cr_assert_gt(shared0[0] + lock_series(&d, "shared_lock_wait", "count", 0), 0);
+    client_a_loop_stop(&d, c, n);
+}
+
 /*
  * A run of pipelined MATCHes without a lease (hits, misses a page longer, PROBEs) is framed and
  * answered under the store's lock shared, in one hold: the loop that serves it takes no write
