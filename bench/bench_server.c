@@ -1214,8 +1214,10 @@ static kvt_client_t *loop_zero_pad(const char *sock)
 }
 
 /* The lease load's figures. With --kvtierd-opt loops=N (N > 1), what loop 1 served of it:
- * requests, write-lock takes, and MATCHes and RELEASEs answered under the shared lock, from STATS
- * before and after (issue 42: a leased MATCH and a RELEASE shared). The daemon gives a new
+ * requests, write-lock takes and the time it held the write lock (loop_write_lock_hold_us_N, the
+ * deferred hits' settle included) or waited for the lock shared, and MATCHes and RELEASEs
+ * answered under the shared lock, from STATS before and after (issue 42: a leased MATCH and a
+ * RELEASE shared). The daemon gives a new
  * connection to the loop with fewer: an idle one held open on loop 0 sends each of the load's,
  * opened one at a time, to loop 1. */
 static int bench_leases(const opts_t *o, const char *sock)
@@ -1228,11 +1230,15 @@ static int bench_leases(const opts_t *o, const char *sock)
         return -1;
     uint64_t q0 = pad_stat(pad, "loop_requests_"), w0 = pad_stat(pad, "loop_write_locks_"),
              s0 = pad_stat(pad, "loop_shared_matches_"),
-             r0 = pad_stat(pad, "loop_shared_releases_");
+             r0 = pad_stat(pad, "loop_shared_releases_"),
+             h0 = pad_stat(pad, "loop_write_lock_hold_us_"),
+             sw0 = pad_stat(pad, "loop_shared_lock_wait_us_");
     int rc = lease_pairs(o, side, &lr);
     uint64_t q = pad_stat(pad, "loop_requests_") - q0, w = pad_stat(pad, "loop_write_locks_") - w0,
              sh = pad_stat(pad, "loop_shared_matches_") - s0,
-             rl = pad_stat(pad, "loop_shared_releases_") - r0;
+             rl = pad_stat(pad, "loop_shared_releases_") - r0,
+             hold = pad_stat(pad, "loop_write_lock_hold_us_") - h0,
+             swait = pad_stat(pad, "loop_shared_lock_wait_us_") - sw0;
     kvt_client_close(pad);
     if (rc < 0)
         return -1;
@@ -1246,13 +1252,14 @@ static int bench_leases(const opts_t *o, const char *sock)
            "\"cpu_ratio_max\":%.3f,\"held_slower_rounds\":%d,\"bar\":\"ratio >= %.2f\","
            "\"pass\":%s,\"cpu_pass\":%s,\"loops_past_0_requests\":%llu,"
            "\"loops_past_0_write_locks\":%llu,\"loops_past_0_shared_matches\":%llu,"
-           "\"loops_past_0_shared_releases\":%llu}\n",
+           "\"loops_past_0_shared_releases\":%llu,\"loops_past_0_write_hold_us\":%llu,"
+           "\"loops_past_0_shared_wait_us\":%llu}\n",
            o->held, LEASE_BATCH, LEASE_PAIRS, reqs, bench_median(lr.rps[0], o->rounds),
            bench_median(lr.rps[1], o->rounds), o->rounds, r, lr.ratio[0], lr.ratio[o->rounds - 1],
            lr.first, c, lr.cpu_ratio[0], lr.cpu_ratio[o->rounds - 1], lr.slower, KVT_BAR_LEASE,
            r >= KVT_BAR_LEASE ? "true" : "false", c >= KVT_BAR_LEASE ? "true" : "false",
            (unsigned long long)q, (unsigned long long)w, (unsigned long long)sh,
-           (unsigned long long)rl);
+           (unsigned long long)rl, (unsigned long long)hold, (unsigned long long)swait);
     fflush(stdout);
     return 0;
 }
@@ -2226,16 +2233,25 @@ static void nvme_side_json(const char *pre, const nvme_side_t *s, uint32_t bs)
            s->max_rps, pre, s->first.rps, pre, s->first.cpu_us);
 }
 
-/* Step 9's path on the 2-loop daemon: what its loops past 0 counted over all the rounds. */
+/* Step 9's path on the 2-loop daemon: what its loops past 0 counted over all the rounds, the time
+ * they held the write lock or waited for the lock shared, and loop 0's requests, write locks and
+ * holds (its own connections' GETs, and every loop's tier completions, which it alone runs). */
 typedef struct nvme_past0 {
-    uint64_t requests, write_locks, shared_gets;
+    uint64_t requests, write_locks, shared_gets, hold_us, shared_wait_us;
+    uint64_t requests_0, write_locks_0, hold_us_0;
 } nvme_past0_t;
 
 static nvme_past0_t nvme_past0(const char *sock)
 {
-    return (nvme_past0_t){.requests = loop_stat(sock, "loop_requests_", 1),
-                          .write_locks = loop_stat(sock, "loop_write_locks_", 1),
-                          .shared_gets = loop_stat(sock, "loop_shared_gets_", 1)};
+    nvme_past0_t p = {.requests = loop_stat(sock, "loop_requests_", 1),
+                      .write_locks = loop_stat(sock, "loop_write_locks_", 1),
+                      .shared_gets = loop_stat(sock, "loop_shared_gets_", 1),
+                      .hold_us = loop_stat(sock, "loop_write_lock_hold_us_", 1),
+                      .shared_wait_us = loop_stat(sock, "loop_shared_lock_wait_us_", 1)};
+    p.requests_0 = loop_stat(sock, "loop_requests_", 0) - p.requests;
+    p.write_locks_0 = loop_stat(sock, "loop_write_locks_", 0) - p.write_locks;
+    p.hold_us_0 = loop_stat(sock, "loop_write_lock_hold_us_", 0) - p.hold_us;
+    return p;
 }
 
 /* The load's line; with --remote (o->remote) there is no raw side (side[2] unused). */
@@ -2265,11 +2281,18 @@ static void nvme_line(const opts_t *go, uint32_t bs, uint32_t pages, int rounds,
     }
     /* Requests: the GETs and each connection's HELLO and leasing MATCH. */
     double n = past0->requests ? (double)past0->requests : 1;
+    double all = n + (double)past0->requests_0; /* loop 0's per request of the whole load */
     printf(",\"loops_past_0_requests\":%llu,\"loops_past_0_write_locks_per_request\":%.3f,"
-           "\"loops_past_0_shared_gets_per_request\":%.3f,\"rounds\":%d,\"bar\":\"none on 2 "
-           "cores: printed, not judged\"}\n",
+           "\"loops_past_0_shared_gets_per_request\":%.3f,"
+           "\"loops_past_0_write_hold_us_per_request\":%.2f,"
+           "\"loops_past_0_shared_wait_us_per_request\":%.2f,"
+           "\"loop_0_requests\":%llu,\"loop_0_write_locks_per_load_request\":%.3f,"
+           "\"loop_0_write_hold_us_per_load_request\":%.2f,"
+           "\"rounds\":%d,\"bar\":\"none on 2 cores: printed, not judged\"}\n",
            (unsigned long long)past0->requests, (double)past0->write_locks / n,
-           (double)past0->shared_gets / n, rounds);
+           (double)past0->shared_gets / n, (double)past0->hold_us / n,
+           (double)past0->shared_wait_us / n, (unsigned long long)past0->requests_0,
+           (double)past0->write_locks_0 / all, (double)past0->hold_us_0 / all, rounds);
     fflush(stdout);
 }
 
@@ -2307,6 +2330,11 @@ static int nvme_size(const opts_t *o, uint32_t bs)
         p1.requests -= p0.requests;
         p1.write_locks -= p0.write_locks;
         p1.shared_gets -= p0.shared_gets;
+        p1.hold_us -= p0.hold_us;
+        p1.shared_wait_us -= p0.shared_wait_us;
+        p1.requests_0 -= p0.requests_0;
+        p1.write_locks_0 -= p0.write_locks_0;
+        p1.hold_us_0 -= p0.hold_us_0;
         nvme_side_t side[3] = {0};
         for (int i = 0; i < (o->remote ? 2 : 3); i++)
             side[i] = nvme_side(v[i], o->rounds);

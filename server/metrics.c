@@ -582,7 +582,11 @@ static const char *series_stat_name(const struct kvt_metric_def *d, unsigned s, 
     }
     if (sl > 6 && !strcmp(stem + sl - 6, "_total"))
         sl -= 6;
-    if (d->lbl == KVT_LBL_BUILD)
+    if (d->type == KVT_MT_HISTOGRAM) { /* a loop's: its sum in us (kvt__metrics_each) */
+        if (n != 1 || sl < 8 || strncmp(stem + sl - 8, "_seconds", 8))
+            return NULL;
+        snprintf(buf, len, "%.*s_us_%s", (int)(sl - 8), stem, kv[1]);
+    } else if (d->lbl == KVT_LBL_BUILD)
         snprintf(buf, len, "%.*s", (int)sl, stem);
     else if (lbl_is_tier(d->lbl) && !strncmp(stem, "tier_", 5))
         snprintf(buf, len, "%s_%.*s", kv[1], (int)(sl - 5), stem + 5);
@@ -604,13 +608,15 @@ int kvt__metrics_each(const kvt_metrics_t *m, int (*cb)(void *arg, const char *n
 {
     for (unsigned id = 0; id < KVT_M_COUNT; id++) {
         const struct kvt_metric_def *d = &kvt_defs[id];
-        if (d->type == KVT_MT_HISTOGRAM)
+        if (d->type == KVT_MT_HISTOGRAM && d->lbl != KVT_LBL_LOOP)
             continue;
         for (unsigned s = 0; s < KVT_MAX_SERIES; s++) {
             char name[128];
             if (!shown(m, d, s) || !series_stat_name(d, s, name, sizeof name))
                 continue;
             double v = m->values[id][s] * (is_ratio(d) ? 1e6 : 1);
+            if (d->type == KVT_MT_HISTOGRAM) /* a loop's lock times: their sum, in us */
+                v = m->hists[id][s].sum * 1e6;
             int rc = cb(arg, name, v > 0 ? (uint64_t)v : 0);
             if (rc)
                 return rc;

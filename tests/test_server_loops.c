@@ -1011,7 +1011,7 @@ static double lock_series(const kvd_t *d, const char *hist, const char *part, in
  * runs while no other loop holds the lock, so each of their holds has ended and been observed),
  * a run of MATCHes adds shared waits and no write lock, and a loop's holds, one after another on
  * its own thread, add up to no more than the wall time they fell in (a unit wrong by 1,000 would
- * fail that or the > 0). */
+ * fail that or the > 0). STATS has each sum in us (loop_write_lock_hold_us_1, ...). */
 Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
 {
     kvd_t d = {0};
@@ -1071,6 +1071,16 @@ Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
     }
     cr_assert_gt(lock_series(&d, "shared_lock_wait", "count", 1), shared_put,
                  "the MATCHes took the lock shared on loop 1");
+    /* STATS has loop 1's sums too, in us (loop 1 idle: the same as the scrape's). */
+    const char *hists[] = {"write_lock_hold", "write_lock_wait", "shared_lock_wait"};
+    for (int h = 0; h < 3; h++) {
+        char key[64];
+        snprintf(key, sizeof key, "loop_%s_us_1", hists[h]);
+        double us = lock_series(&d, hists[h], "sum", 1) * 1e6;
+        uint64_t st = kvd_stat(c[0], key);
+        cr_assert(st + 1 >= (uint64_t)us && st <= (uint64_t)us + 1, "STATS %s %llu, scrape %.1f us",
+                  key, (unsigned long long)st, us);
+    }
     cr_assert_gt(shared0[0] + lock_series(&d, "shared_lock_wait", "count", 0), 0);
     client_a_loop_stop(&d, c, n);
 }
