@@ -266,6 +266,11 @@ void kvt__kicks_defer(kvt__loop_t *l)
     l->deferring = 1;
 }
 
+void kvt__kicks_keep(kvt__loop_t *l)
+{
+    l->deferring = 0;
+}
+
 void kvt__kicks_flush(kvt__loop_t *l)
 {
     /* Kicked as the completions' kicks were, with the lock held throughout (l->top is not

@@ -244,10 +244,15 @@ static void on_tier(kvt_srv_t *s, kvt__ev_t *ev, uint32_t events)
     kvt_tier_t *t = s->tiers[ev - s->tier_ev];
     /* The completions' kicks of loop 0's connections wait for the batch's end, so that the
      * replies it finishes on a connection leave in one writev (the others' go posted to their
-     * loops, once each already). */
+     * loops, once each already). With several loops they stay posted: run0 kicks them after its
+     * batch, shared, their socket writes and GETs' checksums with the lock let go (with the
+     * write lock held here, those held every other loop back for as long). */
     kvt__kicks_defer(&s->loops[0]);
     int rc = kvt_tier_process(t);
-    kvt__kicks_flush(&s->loops[0]);
+    if (s->loops_running)
+        kvt__kicks_keep(&s->loops[0]);
+    else
+        kvt__kicks_flush(&s->loops[0]);
     if (rc < 0)
         kvt_log(KVT_LOG_WARN, "kvtierd: %s tier: processing completions: %s",
                 kvt_tier_name(kvt_tier_kind(t)), kvt_strerror(rc));
@@ -562,6 +567,10 @@ static int run0(kvt_srv_t *s)
             ev->cb(s, ev, evs[i].events);
         }
         kvt__put_apart(l);
+        if (s->nloops > 1 && l->posted) { /* as loop i's (loops.c): the completions' kicks */
+            kvt__loop_hold(l, KVT_HELD_SHARED);
+            kvt__posted_shared(l);
+        }
         now = kvt_now_ns();
         if (now >= next_tick) {
             kvt__loop_hold(l, KVT_HELD_WRITE);

@@ -5,6 +5,9 @@
  */
 #include "server.h"
 
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -64,10 +67,18 @@ static void get_read_done(kvt_tier_io_t *io)
  */
 
 /* KVT_DEBUG_GET_CHECK_GATE names a file; while it exists, a GET's check waits
- * (tests/test_server_loops.c holds one in it). Unset: nothing. */
+ * (tests/test_server_loops.c holds one in it), and says so by creating the file's name with
+ * ".held" after it. Unset: nothing. */
 static void get_check_gate(const kvt_srv_t *s)
 {
-    while (s->get_check_gate && access(s->get_check_gate, F_OK) == 0)
+    if (!s->get_check_gate || access(s->get_check_gate, F_OK) != 0)
+        return;
+    char held[PATH_MAX];
+    snprintf(held, sizeof held, "%s.held", s->get_check_gate);
+    int fd = open(held, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd >= 0)
+        close(fd);
+    while (access(s->get_check_gate, F_OK) == 0)
         usleep(1000);
 }
 

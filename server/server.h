@@ -745,6 +745,8 @@ void kvt__loop_post(kvt__conn_t *c);
  * in one write, not one each. */
 void kvt__kicks_defer(kvt__loop_t *l);
 void kvt__kicks_flush(kvt__loop_t *l);
+/* Ends kvt__kicks_defer leaving them on l's posted list, for kvt__posted_shared (or the reap). */
+void kvt__kicks_keep(kvt__loop_t *l);
 /* Appends a complete reply frame (header + body) for request (op, id) to the queue. */
 int kvt__reply(kvt__conn_t *c, uint8_t op, uint64_t id, uint64_t t0, int status, const void *body,
                uint32_t len);

@@ -5346,6 +5346,81 @@ Test(server_loops, a_gets_checksums_are_taken_with_the_lock_let_go, .timeout = 6
     checksums_let_go(NULL);
 }
 
+/* A STATS on c (a write lock on c's loop) in a thread of its own: done says it was answered. */
+typedef struct stats_asker {
+    kvt_client_t *c;
+    int rc, done; /* done: atomic */
+} stats_asker_t;
+
+static int stats_nothing(void *arg, const char *name, uint64_t v)
+{
+    (void)arg, (void)name, (void)v;
+    return 0;
+}
+
+static void *stats_asker_main(void *arg)
+{
+    stats_asker_t *a = arg;
+    a->rc = kvt_client_stats(a->c, stats_nothing, NULL);
+    __atomic_store_n(&a->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* A GET on loop 0 itself, its pages in NVMe: loop 0 completes its reads and kicks its connection.
+ * That kick ran in the completions' event, under loop 0's write lock, with the lock kept through
+ * the GET's checksums and its socket write (l->top not set): every other loop waited for them (in
+ * bench_server --ops loops --nvme, 15-21 us of loop 0's write hold per 256 KiB GET). Now loop 0
+ * kicks it after its batch with the lock shared, and lets it go for them as loop 1 does. While
+ * the GET waits in its check (the gate, "<gate>.held" saying it is there), loop 1 takes the write
+ * lock for a STATS and is answered; before, the STATS waited for the gate. */
+Test(server_loops, loop_zeros_own_gets_check_with_the_lock_let_go, .timeout = 60)
+{
+    kvd_t d = {0};
+    kvd_mkdir(&d);
+    char gate[700], held[720];
+    snprintf(gate, sizeof gate, "%s/check-gate", d.dir);
+    snprintf(held, sizeof held, "%s.held", gate);
+    setenv("KVT_DEBUG_GET_CHECK_GATE", gate, 1);
+    kvt_client_t *c[2];
+    check_start(&d, "2", NULL, c);
+    unsetenv("KVT_DEBUG_GET_CHECK_GATE");
+    cr_assert_eq(kvd_stat(c[0], "loop_connections_0"), 1, "c[0] is loop 0's");
+    enum { P = 4 };
+    static uint32_t tok[P * PAGE];
+    uint8_t *payload = malloc((size_t)P * CKB), *back = calloc(P, CKB);
+    cr_assert(payload && back);
+    kvd_tokens(tok, P * PAGE, 9630000u);
+    check_put(c[0], tok, P, 963, payload);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c[0], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, P);
+    put_gate_close(gate);
+    check_getter_t g = {.c = c[0], .lease = m.lease, .pages = P, .back = back};
+    pthread_t th, ts;
+    pthread_create(&th, NULL, check_getter_main, &g);
+    for (int i = 0; i < 10000 && access(held, F_OK) != 0; i++)
+        usleep(1000);
+    cr_assert_eq(access(held, F_OK), 0, "the GET came to its check");
+    stats_asker_t a = {.c = c[1]};
+    pthread_create(&ts, NULL, stats_asker_main, &a);
+    for (int i = 0; i < 3000 && !__atomic_load_n(&a.done, __ATOMIC_ACQUIRE); i++)
+        usleep(1000);
+    int answered = __atomic_load_n(&a.done, __ATOMIC_ACQUIRE);
+    cr_expect(answered, "loop 1's STATS is answered while loop 0's GET waits in its check");
+    cr_expect(!__atomic_load_n(&g.done, __ATOMIC_ACQUIRE), "the GET still waits");
+    cr_assert_eq(unlink(gate), 0);
+    pthread_join(th, NULL);
+    pthread_join(ts, NULL);
+    cr_expect_eq(a.rc, 0);
+    cr_assert_eq(g.rc, 0, "get: %s", kvt_client_strerror(g.rc));
+    cr_expect_eq(g.got, P);
+    cr_expect(memcmp(back, payload, (size_t)P * CKB) == 0, "the bytes");
+    cr_assert_eq(kvt_client_release(c[0], m.lease, NULL), 0);
+    free(payload);
+    free(back);
+    client_a_loop_stop(&d, c, 2);
+}
+
 /* The remote tier leaves a shared GET's payload checksums to it as the NVMe tier does
  * (kvt__tier_read_verify). Before, it took them on loop 0 under the write lock, and no GET of
  * remote pages came to the gate: it ended while it should have waited there. */
