@@ -891,9 +891,11 @@ Test(tier_remote, a_read_leaves_its_payload_checksum_to_the_caller)
     checks_left_to_the_caller(256u << 10, 70);
 }
 
-/* What a read leaves behind in t: its usage, the remote stats and the one server's. */
+/* What a read leaves behind in t: its usage, the blocks it says it dropped by itself, the remote
+ * stats and the one server's. */
 typedef struct tier_state {
     kvt_tier_usage_t u;
+    uint64_t dropped;
     kvt_tier_remote_stats_t rs;
     kvt_tier_remote_node_stats_t ns;
 } tier_state_t;
@@ -901,6 +903,7 @@ typedef struct tier_state {
 static void tier_state(kvt_tier_t *t, tier_state_t *st)
 {
     kvt_tier_usage(t, &st->u);
+    st->dropped = kvt_tier_dropped(t);
     kvt_tier_remote_stats(t, &st->rs);
     cr_assert_eq(kvt_tier_remote_node_stats(t, 0, &st->ns), 1);
 }
@@ -942,6 +945,7 @@ static void late_corrupt_ends_as_at_completion(uint32_t len, uint32_t first)
         MOVED_BY(*a, *z, u.misses, 0, path[i]);
         MOVED_BY(*a, *z, u.errors, 0, path[i]);
         MOVED_BY(*a, *z, u.reclaimed, 1, path[i]);
+        MOVED_BY(*a, *z, dropped, 1, path[i]); /* one block, whichever counts name it */
         MOVED_BY(*a, *z, u.blocks, -1, path[i]);
         MOVED_BY(*a, *z, u.used_bytes, -(int64_t)fp, path[i]);
         MOVED_BY(*a, *z, u.inflight, 0, path[i]);
@@ -960,6 +964,9 @@ static void late_corrupt_ends_as_at_completion(uint32_t len, uint32_t first)
         b[i].io.check_later = 0;
         cr_assert_eq(do_io(t, &b[i], 0), KVT_ECORRUPT, "%s: the value is still there", path[i]);
     }
+    /* Those reads dropped nothing of the tier's: corrupt reads, no block of its own. */
+    cr_assert_eq(kvt_tier_dropped(t), s[2].dropped, "len %u: re-reads moved dropped by %lld", len,
+                 (long long)(kvt_tier_dropped(t) - s[2].dropped));
     tidy_up(t, c, b, 2);
 }
 
@@ -969,7 +976,9 @@ static void late_corrupt_ends_as_at_completion(uint32_t len, uint32_t first)
  * its charge back), the same remote stats (evicted), the same node counts (an error, not a hit),
  * the location dropped, and no DEL sent when the daemon then frees it. Before, the late one kept
  * the node's hit, counted no eviction, and left the location charged until the free, which DELed
- * the key. For a value copied out of hiredis's buffer (8 KiB) and one read in place (256 KiB). */
+ * the key. Either way kvt_tier_dropped moves by one, and reads of the value after the drop move it
+ * no more: it counted the block twice, as corrupt and as reclaimed, and once more a read (session
+ * 32). For a value copied out of hiredis's buffer (8 KiB) and one read in place (256 KiB). */
 Test(tier_remote, a_late_corrupt_read_ends_as_one_found_at_completion)
 {
     late_corrupt_ends_as_at_completion(8192, 80);

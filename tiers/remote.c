@@ -2514,6 +2514,7 @@ static void remote_destroy(kvt_tier_t *t)
 static const kvt_tier_ops_t remote_ops = {
     .backend = "redis",
     .unindexed_reads = 1,
+    .drops_corrupt = 1, /* loc_gone */
     .footprint = remote_footprint,
     .write = remote_write,
     .read = remote_read,

@@ -717,7 +717,9 @@ void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u)
 
 uint64_t kvt_tier_dropped(const kvt_tier_t *t)
 {
-    return t ? t->usage.reclaimed + t->usage.corrupt : 0;
+    if (!t)
+        return 0;
+    return t->usage.reclaimed + (t->ops->drops_corrupt ? 0 : t->usage.corrupt);
 }
 
 kvt_tier_id_t kvt_tier_kind(const kvt_tier_t *t)

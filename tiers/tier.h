@@ -201,9 +201,11 @@ void *kvt_tier_ptr(kvt_tier_t *t, uint64_t loc);
  * same for every page size (a tier that stores the tokens charges room for the largest page). */
 uint64_t kvt_tier_footprint(const kvt_tier_t *t, uint32_t len);
 void kvt_tier_usage(const kvt_tier_t *t, kvt_tier_usage_t *u);
-/* Blocks the tier has dropped by itself (reclaimed segments' and corrupt records' blocks). Unlike
- * a copy of kvt_tier_usage, readable under the daemon's lock shared: these two counts move only
- * under its write lock, while inflight and misses move with reads that other loops submit. */
+/* Blocks the tier has dropped by itself (reclaimed segments' and corrupt records' blocks), each
+ * once: usage.reclaimed + usage.corrupt, but for the remote tier, which drops a value it finds
+ * corrupt itself (usage.reclaimed, as one it no longer has), usage.reclaimed alone. Unlike a copy
+ * of kvt_tier_usage, readable under the daemon's lock shared: these two counts move only under its
+ * write lock, while inflight and misses move with reads that other loops submit. */
 uint64_t kvt_tier_dropped(const kvt_tier_t *t);
 
 /*

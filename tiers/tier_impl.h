@@ -24,6 +24,11 @@ typedef struct kvt_tier_ops {
     const char *backend;
     /* Reads of locations the index does not hold go to the backend instead of missing. */
     int unindexed_reads;
+    /* The backend drops a block that a read finds corrupt itself (kvt__tier_drop, counted in
+     * usage.reclaimed), so kvt_tier_dropped leaves usage.corrupt out: the remote tier, where the
+     * block would count twice, and a re-read of a value already dropped (unindexed_reads) once
+     * more with nothing dropped. */
+    int drops_corrupt;
     /* A copy that stages through host memory on its way to or from this tier stages through
      * pinned memory (tier.c's cache): a CUDA copy from pageable memory is synchronous and
      * bounces through the driver's own buffer. */
