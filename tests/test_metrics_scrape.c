@@ -342,7 +342,9 @@ static uint64_t stats_value(const stats_list_t *l, const char *name)
 }
 
 /* STATS and /metrics render one table: every counter and gauge series a scrape shows is a STATS
- * entry, named after it, newer counters (AUTH, connection limits, moves) included. */
+ * entry, named after it, newer counters (AUTH, connection limits, moves) included, and so is the
+ * sum of each loop's lock-time histogram (loop_write_lock_hold_us_0, ...), the only histograms
+ * STATS has. */
 Test(metrics_scrape, stats_has_every_series_of_the_metrics)
 {
     kvd_t d = {0};
@@ -361,6 +363,9 @@ Test(metrics_scrape, stats_has_every_series_of_the_metrics)
         else if (*p != '#' && *p != '\n' && !histogram &&
                  strncmp(p, "kvtier_namespace_", 17)) /* client-chosen labels: /metrics only */
             samples++;
+        else if (histogram && strstr(p, "_sum{loop=\"") &&
+                 strstr(p, "_sum{loop=\"") < strchr(p, '\n'))
+            samples++;
     }
     cr_expect_eq(l.n, samples, "STATS %u entries, /metrics %u counter and gauge series", l.n,
                  samples);
@@ -378,6 +383,8 @@ Test(metrics_scrape, stats_has_every_series_of_the_metrics)
                  metric(body, "kvtier_blocks_moved_total{from=\"dram\",to=\"nvme\"}"));
     cr_expect_eq(stats_value(&l, "tier_io_errors_dram_read"), 0);
     cr_expect_eq(stats_value(&l, "put_pages_stored"), 4);
+    /* One loop holds the lock for writing throughout: no hold has ended. */
+    cr_expect_eq(stats_value(&l, "loop_write_lock_hold_us_0"), 0);
     cr_expect_eq(stats_value(&l, "build_info"), 1);
     cr_expect_eq(stats_value(&l, "prefill_seconds_saved_dram"),
                  (uint64_t)metric(body, "kvtier_prefill_seconds_saved_total{tier=\"dram\"}"));
