@@ -1009,7 +1009,7 @@ static double lock_series(const kvd_t *d, const char *hist, const char *part, in
 /* The store's lock, timed per loop: every write-lock take of a loop is one wait and one hold in
  * its histograms (kvtier_loop_write_lock_wait_seconds, _hold_seconds; a scrape, on loop 0,
  * runs while no other loop holds the lock, so each of their holds has ended and been observed),
- * a run of MATCHes adds shared waits and no write lock, and a loop's holds, one after another on
+ * a run of MATCHes adds shared waits, and a loop's holds, one after another on
  * its own thread, add up to no more than the wall time they fell in (a unit wrong by 1,000 would
  * fail that or the > 0). STATS has each sum in us (loop_write_lock_hold_us_1, ...). */
 Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
@@ -1045,10 +1045,10 @@ Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
         cr_assert_eq(kvt_client_match(c[1], tok, P * PAGE, 0, 0, NULL, &m), 0);
         cr_assert_eq(m.pages, P);
     }
-    double locks1 = write_locks(&d, 1);
     uint64_t wall = kvt_now_ns() - t0;
+    /* (The step after the last PUT's batch may take one more after its reply: the MATCHes' own
+     * write locks are other tests', runs_take_no_write_lock's.) */
     cr_assert_geq(locks_put - locks0[1], R, "each PUT took the write lock on loop 1");
-    cr_assert_eq(locks1, locks_put, "the MATCHes took none");
     for (int i = 0; i < n; i++) {
         double locks = write_locks(&d, i);
         double hold = lock_series(&d, "write_lock_hold", "count", i);
