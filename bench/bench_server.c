@@ -2494,16 +2494,29 @@ static int writer_stop(writer_t *w, double *pages, uint64_t *seen)
 }
 
 /* What the writer cost the daemon: its CPU per page stored alone, each round's, and the payload
- * bytes the NVMe tier bounced per page over every writer's pages. */
+ * bytes the NVMe tier bounced per page over every writer's pages; over the rounds' PUTs beside the
+ * MATCHes, loop 0's write locks and write hold (the writer's loop) and loop 1's requests and wait
+ * for the lock shared (the MATCHes' loop), from STATS (loop_write_lock_hold_us_0, ...). */
 typedef struct put_cost {
     double cpu_us[9];
     uint64_t bounced, pages;
+    uint64_t locks0, hold0_us, requests1, wait1_us;
 } put_cost_t;
+
+/* Loop 0's write locks and hold, loop 1's requests and shared wait, so far (put_cost_t). */
+static void put_lock_stats(const char *sock, uint64_t v[4])
+{
+    v[0] = loop_stat(sock, "loop_write_locks_", 0) - loop_stat(sock, "loop_write_locks_", 1);
+    v[1] = loop_stat(sock, "loop_write_lock_hold_us_", 0) -
+           loop_stat(sock, "loop_write_lock_hold_us_", 1);
+    v[2] = loop_stat(sock, "loop_requests_", 1);
+    v[3] = loop_stat(sock, "loop_shared_lock_wait_us_", 1);
+}
 
 static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t *quiet,
                            const result_t *busy, double *max_quiet, double *max_busy,
-                           double put_pages_per_s, double alone_pages_per_s, uint64_t seen,
-                           put_cost_t *cost)
+                           double put_pages_per_s, double alone_pages_per_s, double busy_pages,
+                           uint64_t seen, put_cost_t *cost)
 {
     double cpu = bench_median(cost->cpu_us, o->rounds); /* sorts them: min and max after */
     printf("{\"op\":\"loops_put\",\"transport\":\"unix\",\"loops\":2,\"conns\":%d,\"pipeline\":%d,"
@@ -2514,13 +2527,18 @@ static void loops_put_line(const opts_t *o, uint32_t block_bytes, const result_t
            "\"requests_per_s\":%.0f,"
            "\"p50_us\":%.1f,\"p99_us\":%.1f,\"max_us\":%.1f,\"baseline\":\"the same MATCHes, "
            "no PUTs\",\"baseline_requests_per_s\":%.0f,\"baseline_p50_us\":%.1f,"
-           "\"baseline_p99_us\":%.1f,\"baseline_max_us\":%.1f,\"ratio\":%.3f,\"rounds\":%d}\n",
+           "\"baseline_p99_us\":%.1f,\"baseline_max_us\":%.1f,\"ratio\":%.3f,"
+           "\"put_loop_write_locks_per_page\":%.2f,\"put_loop_write_hold_us_per_page\":%.1f,"
+           "\"match_loop_shared_wait_us_per_request\":%.3f,\"rounds\":%d}\n",
            o->conns, o->pipeline, o->nvme ? "nvme" : "dram", cpu, cost->cpu_us[0],
            cost->cpu_us[o->rounds - 1],
            cost->pages ? (double)cost->bounced / (double)cost->pages : 0, block_bytes,
            put_pages_per_s, alone_pages_per_s, (unsigned long long)seen, busy->rps, busy->p50_us,
            busy->p99_us, bench_median(max_busy, o->rounds), quiet->rps, quiet->p50_us,
-           quiet->p99_us, bench_median(max_quiet, o->rounds), busy->rps / quiet->rps, o->rounds);
+           quiet->p99_us, bench_median(max_quiet, o->rounds), busy->rps / quiet->rps,
+           busy_pages > 0 ? (double)cost->locks0 / busy_pages : 0,
+           busy_pages > 0 ? (double)cost->hold0_us / busy_pages : 0,
+           cost->requests1 ? (double)cost->wait1_us / (double)cost->requests1 : 0, o->rounds);
     fflush(stdout);
 }
 
@@ -2580,6 +2598,8 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             usleep(50000); /* the idle connection's close reaches its loop */
             writer_t w;
             double stored = 0, alone_pages = 0;
+            uint64_t l0[4], l1[4];
+            put_lock_stats(sock, l0);
             rc = writer_start(&w, sock, sizes[z], &runs);
             uint64_t t0 = kvt_now_ns();
             if (rc == 0)
@@ -2587,6 +2607,11 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
             double busy_s = (double)(kvt_now_ns() - t0) / 1e9;
             if (writer_stop(&w, &stored, &seen) < 0)
                 rc = -1;
+            put_lock_stats(sock, l1);
+            cost.locks0 += l1[0] - l0[0];
+            cost.hold0_us += l1[1] - l0[1];
+            cost.requests1 += l1[2] - l0[2];
+            cost.wait1_us += l1[3] - l0[3];
             secs += busy_s;
             pages += stored;
             max_busy[r] = busy[r].max_us;
@@ -2611,8 +2636,8 @@ static int bench_loops_put(const opts_t *o, kvt_trace_t *tr)
         }
         result_t q = median_round(quiet, o->rounds), b = median_round(busy, o->rounds);
         cost.bounced = loop_stat(sock, "nvme_bounced_bytes", 0) - bounced0;
-        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs, alone / secs, seen,
-                       &cost);
+        loops_put_line(o, sizes[z], &q, &b, max_quiet, max_busy, pages / secs, alone / secs, pages,
+                       seen, &cost);
         if (seen > 0) { /* its pages/s would count what other writers stored: not the rate */
             fprintf(stderr, "bench_server: loops_put's writers PUT %llu pages already indexed\n",
                     (unsigned long long)seen);
