@@ -5289,27 +5289,42 @@ static void check_put(kvt_client_t *c, const uint32_t *tok, uint32_t pages, uint
     cr_assert_eq(r.stored, pages);
 }
 
+/* check_start's two loops, their GETs' checks held while the file gate (in d's directory) is
+ * there (KVT_DEBUG_GET_CHECK_GATE). */
+static void check_gated(kvd_t *d, const char *pfx, char *gate, size_t len, kvt_client_t **c)
+{
+    kvd_mkdir(d);
+    snprintf(gate, len, "%s/check-gate", d->dir);
+    setenv("KVT_DEBUG_GET_CHECK_GATE", gate, 1);
+    check_start(d, "2", pfx, c);
+    unsetenv("KVT_DEBUG_GET_CHECK_GATE");
+}
+
+/* pages pages of tok (from tseed) stored by c (filled from seed: check_put) and leased. */
+static kvt_client_match_t check_leased(kvt_client_t *c, uint32_t *tok, uint32_t pages,
+                                       uint32_t tseed, uint32_t seed, uint8_t *payload)
+{
+    kvd_tokens(tok, pages * PAGE, tseed);
+    check_put(c, tok, pages, seed, payload);
+    kvt_client_match_t m = {0};
+    cr_assert_eq(kvt_client_match(c, tok, pages * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
+    cr_assert_eq(m.pages, pages);
+    return m;
+}
+
 /* The GET's pages in NVMe, or with pfx in the remote tier. */
 static void checksums_let_go(const char *pfx)
 {
     kvd_t d = {0};
-    kvd_mkdir(&d);
     char gate[700];
-    snprintf(gate, sizeof gate, "%s/check-gate", d.dir);
-    setenv("KVT_DEBUG_GET_CHECK_GATE", gate, 1);
     kvt_client_t *c[2];
-    check_start(&d, "2", pfx, c);
-    unsetenv("KVT_DEBUG_GET_CHECK_GATE");
+    check_gated(&d, pfx, gate, sizeof gate, c);
     cr_assert_eq(kvd_stat(c[0], "loop_connections_1"), 1, "c[1] is loop 1's");
     enum { P = 4 };
     static uint32_t tok[P * PAGE];
     uint8_t *payload = malloc((size_t)P * CKB), *back = calloc(P, CKB);
     cr_assert(payload && back);
-    kvd_tokens(tok, P * PAGE, 9610000u);
-    check_put(c[1], tok, P, 961, payload);
-    kvt_client_match_t m = {0};
-    cr_assert_eq(kvt_client_match(c[1], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
-    cr_assert_eq(m.pages, P);
+    kvt_client_match_t m = check_leased(c[1], tok, P, 9610000u, 961, payload);
     uint64_t posted = kvd_stat(c[0], "loop_kicks_posted_1");
     put_gate_close(gate);
     check_getter_t g = {.c = c[1], .lease = m.lease, .pages = P, .back = back};
@@ -5376,24 +5391,16 @@ static void *stats_asker_main(void *arg)
 Test(server_loops, loop_zeros_own_gets_check_with_the_lock_let_go, .timeout = 60)
 {
     kvd_t d = {0};
-    kvd_mkdir(&d);
     char gate[700], held[720];
-    snprintf(gate, sizeof gate, "%s/check-gate", d.dir);
-    snprintf(held, sizeof held, "%s.held", gate);
-    setenv("KVT_DEBUG_GET_CHECK_GATE", gate, 1);
     kvt_client_t *c[2];
-    check_start(&d, "2", NULL, c);
-    unsetenv("KVT_DEBUG_GET_CHECK_GATE");
+    check_gated(&d, NULL, gate, sizeof gate, c);
+    snprintf(held, sizeof held, "%s.held", gate);
     cr_assert_eq(kvd_stat(c[0], "loop_connections_0"), 1, "c[0] is loop 0's");
     enum { P = 4 };
     static uint32_t tok[P * PAGE];
     uint8_t *payload = malloc((size_t)P * CKB), *back = calloc(P, CKB);
     cr_assert(payload && back);
-    kvd_tokens(tok, P * PAGE, 9630000u);
-    check_put(c[0], tok, P, 963, payload);
-    kvt_client_match_t m = {0};
-    cr_assert_eq(kvt_client_match(c[0], tok, P * PAGE, KVT_CLIENT_LEASE, 60000, NULL, &m), 0);
-    cr_assert_eq(m.pages, P);
+    kvt_client_match_t m = check_leased(c[0], tok, P, 9630000u, 963, payload);
     put_gate_close(gate);
     check_getter_t g = {.c = c[0], .lease = m.lease, .pages = P, .back = back};
     pthread_t th, ts;

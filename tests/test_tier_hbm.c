@@ -281,6 +281,20 @@ Test(tier_hbm, batch_of_one_sends_each_copy_at_once)
     cr_assert_eq(kvt_tier_hbm_create(&t, &c), KVT_EINVAL, "at most 256 copies a batch");
 }
 
+/* Reads back n blocks of len bytes written as ios into back, each counted in *done. */
+static void reads_of(kvt_tier_io_t *rd, const kvt_tier_io_t *ios, uint8_t *back, int n,
+                     uint32_t len, int *done, int queue_only)
+{
+    for (int i = 0; i < n; i++)
+        rd[i] = (kvt_tier_io_t){.key = ios[i].key,
+                                .loc = ios[i].loc,
+                                .buf = back + (size_t)i * len,
+                                .len = len,
+                                .cb = tu_count_cb,
+                                .data = done,
+                                .queue_only = (uint8_t)queue_only};
+}
+
 /* A read marked queue_only (a GET's, submitted from a loop that does not process the tier) is
  * never sent from its submission, even past a full batch: the tier's fd turns readable and the
  * owner's kvt_tier_process sends them all, in batches of batch_max, byte-exact. Without the mark
@@ -299,16 +313,9 @@ Test(tier_hbm, queue_only_reads_wait_for_the_owners_process)
     cr_assert(tu_drive(t, &done, N));
     uint64_t batches = stats(t).batches;
     done = 0;
-    for (int i = 0; i < N; i++) {
-        rd[i] = (kvt_tier_io_t){.key = ios[i].key,
-                                .loc = ios[i].loc,
-                                .buf = back + (size_t)i * LEN,
-                                .len = LEN,
-                                .cb = tu_count_cb,
-                                .data = &done,
-                                .queue_only = 1};
+    reads_of(rd, ios, back, N, LEN, &done, 1);
+    for (int i = 0; i < N; i++)
         cr_assert_eq(kvt_tier_read(t, &rd[i]), 0, "read %d", i);
-    }
     cr_assert_eq(stats(t).batches, batches, "no read went out from its submission");
     cr_assert(fd_readable(t), "the tier's fd wakes its owner");
     cr_assert_eq(kvt_tier_process(t), N);
@@ -379,13 +386,7 @@ Test(tier_hbm, full_queues_from_another_thread_wait_for_the_owners_process)
         cr_assert(tu_same(kvt_tier_ptr(t, ios[i].loc), LEN, 51 + (uint64_t)i), "block %d", i);
     }
     done = 0;
-    for (int i = 0; i < N; i++)
-        rd[i] = (kvt_tier_io_t){.key = ios[i].key,
-                                .loc = ios[i].loc,
-                                .buf = back + (size_t)i * LEN,
-                                .len = LEN,
-                                .cb = tu_count_cb,
-                                .data = &done};
+    reads_of(rd, ios, back, N, LEN, &done, 0);
     submit_from_another_thread(t, rd, N, 0);
     cr_assert_eq(stats(t).batches, N / 2, "no read went out on the submitter's thread");
     cr_assert_eq(done, 0);
