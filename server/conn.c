@@ -771,33 +771,30 @@ void kvt__conns_reap(kvt__loop_t *l)
 
 static int queue_plain(const kvt__conn_t *c);
 
-/* The first connection on l's posted list that kvt__posted_shared may kick, unlinked from it:
- * open, and nothing in its queue that needs the write lock (queue_plain). */
-static kvt__conn_t *posted_plain(kvt__loop_t *l)
-{
-    for (kvt__conn_t **p = &l->posted; *p; p = &(*p)->posted_next) {
-        kvt__conn_t *c = *p;
-        if (c->dead || c->closing || c->gone || !queue_plain(c))
-            continue;
-        *p = c->posted_next;
-        c->posted_next = NULL;
-        c->posted = 0;
-        return c;
-    }
-    return NULL;
-}
-
 /* Other loops write the posted list only under the write lock, which no shared holder shares, so
- * its owner may take from it shared. The list is looked at again after each kick: the kick's
- * socket write lets the lock go, and a writer may post more meanwhile. */
+ * its owner may take from it shared. Each connection is taken from the head, so that what a writer
+ * posts meanwhile (the kick's socket write lets the lock go) is kicked too; one that may not be
+ * kicked shared (closed, or something in its queue that needs the write lock: queue_plain) is set
+ * aside, looked at once, and put back for the reap: one pass over the list. */
 void kvt__posted_shared(kvt__loop_t *l)
 {
-    kvt__conn_t *c;
-    while (l->held == KVT_HELD_SHARED && (c = posted_plain(l))) {
+    kvt__conn_t *aside = NULL, **tail = &aside;
+    while (l->held == KVT_HELD_SHARED && l->posted) {
+        kvt__conn_t *c = l->posted;
+        l->posted = c->posted_next;
+        c->posted_next = NULL;
+        if (c->dead || c->closing || c->gone || !queue_plain(c)) {
+            *tail = c; /* still marked posted: no one links it elsewhere meanwhile */
+            tail = &c->posted_next;
+            continue;
+        }
+        c->posted = 0;
         l->top = c;
         kvt__conn_kick(c);
         l->top = NULL;
     }
+    *tail = l->posted; /* held shared or for writing: no writer runs */
+    l->posted = aside;
 }
 
 /* A reply starts in the request's own out_inline, and moves to the heap only when it outgrows it
