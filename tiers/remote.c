@@ -1708,6 +1708,9 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
             st = KVT_EPROTO;
         if (st == KVT_ENOENT || st == KVT_ECORRUPT)
             loc_gone(rm, r->io->loc, r->seed, r->hash);
+        if (st <
+            0) /* as every tier: a miss never hands out bytes (a refused value read in place) */
+            memset(r->io->buf, 0, r->io->len);
         if (st == 0)
             n->st.hits++;
         else if (st == KVT_ENOENT)
