@@ -1102,6 +1102,7 @@ Test(tier_remote, read_timing_out_mid_value_writes_no_byte_after)
     }
     cr_assert_eq(b.io.status, KVT_ETIMEDOUT, "%s (%d reads whole before the stop)",
                  kvt_strerror(b.io.status), whole);
+    cr_assert(all_zero(b.buf, len), "the part of the value that came, zeroed at the timeout");
     memset(b.buf, 0x3c, len);
     kill(g_srv.pid, SIGCONT);
     for (int i = 0; i < 30; i++)

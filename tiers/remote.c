@@ -627,6 +627,8 @@ static void rq_fail(remote_t *rm, rq_t *r, int status)
         }
         if (status == KVT_EUNAVAIL)
             rm->stats.unavailable++;
+        if (r->kind == RQ_GET) /* a miss never hands out bytes: part of a value read in place */
+            memset(r->io->buf, 0, r->io->len);
         kvt__tier_complete(rm->tier, r->io, status);
         r->io = NULL;
     }
@@ -1708,8 +1710,8 @@ static void on_reply(redisAsyncContext *ac, void *reply, void *privdata)
             st = KVT_EPROTO;
         if (st == KVT_ENOENT || st == KVT_ECORRUPT)
             loc_gone(rm, r->io->loc, r->seed, r->hash);
-        if (st <
-            0) /* as every tier: a miss never hands out bytes (a refused value read in place) */
+        /* As every tier: a miss never hands out bytes (a refused value read in place). */
+        if (st < 0)
             memset(r->io->buf, 0, r->io->len);
         if (st == 0)
             n->st.hits++;
