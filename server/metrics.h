@@ -184,9 +184,8 @@ typedef enum {
       LOOP)                                                                                        \
     X(LOOP_WRITE_LOCK_HOLD, HISTOGRAM, "kvtier_loop_write_lock_hold_seconds",                      \
       "Time each event loop's thread held the store's lock for writing, by loop (every other "     \
-      "loop's MATCHes and GETs wait that long); the first thing a writer does is apply the "       \
-      "loops' "                                                                                    \
-      "deferred MATCH hits, counted here.",                                                        \
+      "loop's MATCHes and GETs wait that long); the loops' deferred MATCH hits, which a writer "   \
+      "applies first, count in it.",                                                               \
       LOOP)                                                                                        \
     X(LOOP_SHARED_LOCK_WAIT, HISTOGRAM, "kvtier_loop_shared_lock_wait_seconds",                    \
       "Time each event loop's thread waited for the store's lock shared (its MATCHes, GETs and "   \
