@@ -191,6 +191,11 @@ typedef enum {
       "Time each event loop's thread waited for the store's lock shared (its MATCHes, GETs and "   \
       "framing), by loop: another loop held it for writing.",                                      \
       LOOP)                                                                                        \
+    X(LOOP_DEFERRED_HITS, COUNTER, "kvtier_loop_deferred_hits_total",                              \
+      "MATCHes a loop answered under the shared lock whose use of the store (the blocks' hits, "   \
+      "the policy's, the miss-ratio curve's sample) it deferred, applied by the next thread to "   \
+      "take the lock for writing, by the loop that deferred them.",                                \
+      LOOP)                                                                                        \
     X(LOOP_KICKS_POSTED, COUNTER, "kvtier_loop_kicks_posted_total",                                \
       "Times another loop handed a loop one of its connections to serve (a tier completion, a "    \
       "deadline, a close), through its eventfd.",                                                  \

@@ -394,6 +394,8 @@ void kvt__match_settle(kvt_srv_t *s)
         }
         /* In the order they were answered: nothing changed the tree since (this is the first
          * thing a writer does), so each hit's match is still current. */
+        if (l->nhits)
+            kvt__metric_add(s->metrics, KVT_M_LOOP_DEFERRED_HITS, l->id, l->nhits);
         for (uint32_t k = 0; k < l->nhits; k++) {
             kvt__hit_t *hit = &l->hits[k];
             if (hit->sample)

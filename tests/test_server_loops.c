@@ -1011,7 +1011,8 @@ static double lock_series(const kvd_t *d, const char *hist, const char *part, in
  * runs while no other loop holds the lock, so each of their holds has ended and been observed),
  * a run of MATCHes adds shared waits, and a loop's holds, one after another on
  * its own thread, add up to no more than the wall time they fell in (a unit wrong by 1,000 would
- * fail that or the > 0). STATS has each sum in us (loop_write_lock_hold_us_1, ...). */
+ * fail that or the > 0). STATS has each sum in us (loop_write_lock_hold_us_1, ...). The MATCHes'
+ * deferred hits, applied by the next write lock, count in kvtier_loop_deferred_hits_total. */
 Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
 {
     kvd_t d = {0};
@@ -1039,6 +1040,7 @@ Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
     }
     double locks_put = write_locks(&d, 1);
     double shared_put = lock_series(&d, "shared_lock_wait", "count", 1);
+    double deferred0 = kvd_metric(&d, "kvtier_loop_deferred_hits_total{loop=\"1\"}");
     for (int k = 0; k < R; k++) {
         kvt_client_match_t m = {0};
         kvd_tokens(tok, P * PAGE, (uint32_t)(3000000 + k * 1000));
@@ -1046,6 +1048,9 @@ Test(server_loops, the_lock_is_timed_per_loop, .timeout = 60)
         cr_assert_eq(m.pages, P);
     }
     uint64_t wall = kvt_now_ns() - t0;
+    /* Each MATCH's use of its path was deferred, and the scrape's write lock applied it. */
+    cr_assert_eq(kvd_metric(&d, "kvtier_loop_deferred_hits_total{loop=\"1\"}") - deferred0, R,
+                 "loop 1's MATCHes deferred one hit each");
     /* (The step after the last PUT's batch may take one more after its reply: the MATCHes' own
      * write locks are other tests', runs_take_no_write_lock's.) */
     cr_assert_geq(locks_put - locks0[1], R, "each PUT took the write lock on loop 1");
