@@ -1650,10 +1650,11 @@ static int bench_fill(const opts_t *o, const char *sock, const kvt_trace_t *tr)
 
 /* ---- set-up: the index, the blocks ---- */
 
-/* A per-loop STATS series (PREFIX0, PREFIX1, ...) summed over the loops from from_loop on. */
+/* A per-loop STATS series (PREFIX0, PREFIX1, ...) summed over the loops from from_loop on, up to
+ * (not including) to_loop, or all of them for to_loop 0. */
 struct loop_sum {
     const char *prefix;
-    int from_loop;
+    int from_loop, to_loop;
     uint64_t n;
 };
 
@@ -1661,7 +1662,10 @@ static int add_loop_stat(void *arg, const char *name, uint64_t value)
 {
     loop_sum_t *sum = arg;
     size_t k = strlen(sum->prefix);
-    if (!strncmp(name, sum->prefix, k) && atoi(name + k) >= sum->from_loop)
+    if (strncmp(name, sum->prefix, k))
+        return 0;
+    int i = atoi(name + k);
+    if (i >= sum->from_loop && (!sum->to_loop || i < sum->to_loop))
         sum->n += value;
     return 0;
 }
@@ -1673,17 +1677,23 @@ static uint64_t pad_stat(kvt_client_t *c, const char *prefix)
     return sum.n;
 }
 
-/* The series' sum so far on the daemon at sock; 0 from one without it. */
-static uint64_t loop_stat(const char *sock, const char *prefix, int from_loop)
+/* The series' sum so far over loops [from_loop, to_loop) (to_loop 0: every loop from from_loop on)
+ * on the daemon at sock; 0 from one without it. */
+static uint64_t loops_stat(const char *sock, const char *prefix, int from_loop, int to_loop)
 {
     kvt_client_conf_t conf = {.unix_path = sock, .model = "stats", .page_size = PAGE};
     kvt_client_t *c;
-    loop_sum_t sum = {.prefix = prefix, .from_loop = from_loop};
+    loop_sum_t sum = {.prefix = prefix, .from_loop = from_loop, .to_loop = to_loop};
     if (kvt_client_connect(&c, &conf) < 0)
         return 0;
     kvt_client_stats(c, add_loop_stat, &sum);
     kvt_client_close(c);
     return sum.n;
+}
+
+static uint64_t loop_stat(const char *sock, const char *prefix, int from_loop)
+{
+    return loops_stat(sock, prefix, from_loop, 0);
 }
 
 /* The turns a kvtierd's loops passed on by stall so far (STATS loop_socket_turn_stalls_N,
@@ -2248,9 +2258,9 @@ static nvme_past0_t nvme_past0(const char *sock)
                       .shared_gets = loop_stat(sock, "loop_shared_gets_", 1),
                       .hold_us = loop_stat(sock, "loop_write_lock_hold_us_", 1),
                       .shared_wait_us = loop_stat(sock, "loop_shared_lock_wait_us_", 1)};
-    p.requests_0 = loop_stat(sock, "loop_requests_", 0) - p.requests;
-    p.write_locks_0 = loop_stat(sock, "loop_write_locks_", 0) - p.write_locks;
-    p.hold_us_0 = loop_stat(sock, "loop_write_lock_hold_us_", 0) - p.hold_us;
+    p.requests_0 = loops_stat(sock, "loop_requests_", 0, 1);
+    p.write_locks_0 = loops_stat(sock, "loop_write_locks_", 0, 1);
+    p.hold_us_0 = loops_stat(sock, "loop_write_lock_hold_us_", 0, 1);
     return p;
 }
 
@@ -2506,9 +2516,8 @@ typedef struct put_cost {
 /* Loop 0's write locks and hold, loop 1's requests and shared wait, so far (put_cost_t). */
 static void put_lock_stats(const char *sock, uint64_t v[4])
 {
-    v[0] = loop_stat(sock, "loop_write_locks_", 0) - loop_stat(sock, "loop_write_locks_", 1);
-    v[1] = loop_stat(sock, "loop_write_lock_hold_us_", 0) -
-           loop_stat(sock, "loop_write_lock_hold_us_", 1);
+    v[0] = loops_stat(sock, "loop_write_locks_", 0, 1);
+    v[1] = loops_stat(sock, "loop_write_lock_hold_us_", 0, 1);
     v[2] = loop_stat(sock, "loop_requests_", 1);
     v[3] = loop_stat(sock, "loop_shared_lock_wait_us_", 1);
 }
